@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs every Debian package that the build, the tests and the default
+# example need. Idempotent: when everything is present it only checks
+# (no apt-get update) and finishes in well under a second.
+#
+# Peers used for comparisons (python3-torch, openmpi-bin) are not installed
+# here: the product never depends on them. See ../shared/peers/README.md.
+set -euo pipefail
+
+PACKAGES=(
+  # build
+  bazel-bootstrap g++ make
+  # transport
+  libucx-dev ucx-utils libhwloc-dev
+  # common libraries
+  libgflags-dev libgoogle-glog-dev nlohmann-json3-dev zlib1g-dev
+  # nn: BLAS and oneDNN
+  libopenblas-dev libdnnl-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev
+  # multi-host tests (network namespaces), process tools used by tests
+  iproute2 procps
+  # the default example's dataset
+  dataset-fashion-mnist
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii'; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null; then SUDO=sudo; else
+    echo "setup.sh: missing packages (${missing[*]}) and not root; run as root" >&2
+    exit 1
+  fi
+fi
+
+echo "setup.sh: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "setup.sh: done" >&2

@@ -1,0 +1,75 @@
+#ifndef DDP_TRANSPORT_P2P_POINT_TO_POINT_H_
+#define DDP_TRANSPORT_P2P_POINT_TO_POINT_H_
+
+// The point-to-point interface that every collective algorithm is written
+// against. Two implementations: UCX between processes (transport/ucx) and an
+// in-process loopback between threads (transport/p2p/loopback.h) that makes
+// algorithm tests fast and deterministic.
+//
+// Threading: one PointToPoint object is driven by one thread at a time.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::p2p {
+
+/// Message tag. Algorithms own the low kTagBits bits; implementations may
+/// use the bits above for the source rank or a communicator id, so a tag
+/// must fit in kTagBits. A message matches a receive when peer and tag match.
+using Tag = uint64_t;
+inline constexpr int kTagBits = 40;
+inline constexpr Tag kMaxTag = (Tag{1} << kTagBits) - 1;
+
+/// Handle of an outstanding send or receive, issued by the implementation.
+/// 0 is never a valid handle (it marks "no request").
+using RequestId = uint64_t;
+
+class PointToPoint {
+ public:
+  virtual ~PointToPoint() = default;
+
+  /// This process's rank in [0, size()).
+  virtual int rank() const = 0;
+  /// Number of ranks.
+  virtual int size() const = 0;
+
+  /// Starts sending `bytes` bytes at `data` to `peer`. The buffer must stay
+  /// valid and unchanged until the request completes. Sends to self are
+  /// allowed and match a receive from self.
+  virtual StatusOr<RequestId> PostSend(int peer, Tag tag, const void* data,
+                                       size_t bytes) = 0;
+
+  /// Starts receiving exactly `bytes` bytes from `peer` into `data`. A message
+  /// of another size completes the request with INVALID_ARGUMENT.
+  virtual StatusOr<RequestId> PostRecv(int peer, Tag tag, void* data,
+                                       size_t bytes) = 0;
+
+  /// Drives progress once; true when `request` has completed (successfully:
+  /// a failed request returns its error). A completed request's handle is
+  /// released and must not be used again.
+  virtual StatusOr<bool> Test(RequestId request) = 0;
+
+  /// Waits until every request in `requests` completes, or the deadline
+  /// passes (TIMED_OUT naming the peer still pending), or a request fails
+  /// (its error; PEER_LOST names the peer). On return all handles are
+  /// released, also on error (outstanding ones are cancelled).
+  virtual Status WaitAll(std::span<const RequestId> requests,
+                         Deadline deadline) = 0;
+
+  /// Waits until at least one of `requests` completes and returns its index;
+  /// that handle is released, the others stay valid. Errors as WaitAll,
+  /// except that on error the other handles stay valid (the caller cancels).
+  virtual StatusOr<size_t> WaitAny(std::span<const RequestId> requests,
+                                   Deadline deadline) = 0;
+
+  /// Cancels and releases an outstanding request (no-op if already done).
+  virtual void Cancel(RequestId request) = 0;
+};
+
+}  // namespace ddp::transport::p2p
+
+#endif  // DDP_TRANSPORT_P2P_POINT_TO_POINT_H_

@@ -1,0 +1,70 @@
+#ifndef DDP_TRANSPORT_TYPES_H_
+#define DDP_TRANSPORT_TYPES_H_
+
+// Value types of the transport's public API. Enum values are stable: append
+// only, never renumber (other teams persist and exchange them).
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace ddp::transport {
+
+/// Element types. f16 and bf16 are reduced in f32 and rounded back.
+enum class DataType : int {
+  kF32 = 0,
+  kF64 = 1,
+  kF16 = 2,
+  kBF16 = 3,
+  kI32 = 4,
+  kI64 = 5,
+  kU8 = 6,
+};
+
+/// Bytes per element of `dtype`.
+size_t DataTypeSize(DataType dtype);
+/// "f32", "f64", "f16", "bf16", "i32", "i64", "u8".
+const char* DataTypeName(DataType dtype);
+
+/// Reductions. kAvg is a sum divided by the number of contributing ranks
+/// (integers: truncated toward zero).
+enum class ReduceOp : int {
+  kSum = 0,
+  kAvg = 1,
+  kMax = 2,
+  kMin = 3,
+  kProd = 4,
+};
+
+/// "sum", "avg", "max", "min", "prod".
+const char* ReduceOpName(ReduceOp op);
+
+/// All-reduce algorithms. kAuto picks per message size and topology.
+enum class Algorithm : int {
+  kAuto = 0,
+  kRing = 1,          ///< Reduce-scatter then all-gather around a ring, pipelined.
+  kTree = 2,          ///< Double binary tree, pipelined.
+  kRhd = 3,           ///< Recursive halving-doubling (Rabenseifner).
+  kHierarchical = 4,  ///< Inside each host, across hosts, inside each host.
+};
+
+/// "auto", "ring", "tree", "rhd", "hierarchical".
+const char* AlgorithmName(Algorithm algo);
+
+using Clock = std::chrono::steady_clock;
+/// An absolute point in time after which a blocking call gives up.
+using Deadline = Clock::time_point;
+
+/// The deadline `timeout` from now; Clock::time_point::max() for a
+/// non-positive timeout is NOT implied: every wait in the project has a
+/// finite deadline.
+inline Deadline DeadlineIn(std::chrono::milliseconds timeout) {
+  return Clock::now() + timeout;
+}
+
+/// The stable API version of //transport (bumped on incompatible change).
+inline constexpr int kTransportApiVersion = 1;
+
+}  // namespace ddp::transport
+
+#endif  // DDP_TRANSPORT_TYPES_H_
