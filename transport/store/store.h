@@ -1,0 +1,55 @@
+#ifndef DDP_TRANSPORT_STORE_STORE_H_
+#define DDP_TRANSPORT_STORE_STORE_H_
+
+// Rendezvous key-value store: ranks exchange UCX worker addresses through it
+// and post an abort reason that every rank can read. Served over TCP by rank 0
+// or by the launcher (transport/store/tcp_store.h); this is the client view.
+//
+// Every call has a deadline. Keys are at most kMaxKeyBytes, values at most
+// kMaxValueBytes; larger ones are refused with RESOURCE_EXHAUSTED.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::store {
+
+inline constexpr size_t kMaxKeyBytes = 1024;
+inline constexpr size_t kMaxValueBytes = 4 << 20;
+
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  /// Sets `key` to `value` (overwrites).
+  virtual Status Set(std::string_view key, std::string_view value,
+                     Deadline deadline) = 0;
+
+  /// Waits until `key` exists, then returns its value. TIMED_OUT names the key.
+  virtual StatusOr<std::string> Get(std::string_view key, Deadline deadline) = 0;
+
+  /// Returns the value of `key` now, or nullopt if it does not exist.
+  virtual StatusOr<std::optional<std::string>> TryGet(std::string_view key,
+                                                      Deadline deadline) = 0;
+
+  /// Atomically adds `delta` to the integer stored at `key` (absent: 0) and
+  /// returns the new value.
+  virtual StatusOr<int64_t> Add(std::string_view key, int64_t delta,
+                                Deadline deadline) = 0;
+
+  /// Waits until every key in `keys` exists.
+  virtual Status Wait(std::span<const std::string> keys, Deadline deadline) = 0;
+
+  /// Deletes `key`; returns whether it existed.
+  virtual StatusOr<bool> Delete(std::string_view key, Deadline deadline) = 0;
+};
+
+}  // namespace ddp::transport::store
+
+#endif  // DDP_TRANSPORT_STORE_STORE_H_
