@@ -1,0 +1,369 @@
+#include "transport/launch/env.h"
+
+#include <charconv>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <system_error>
+
+extern char** environ;
+
+namespace ddp::transport::launch {
+namespace {
+
+constexpr char kSlurmProcId[] = "SLURM_PROCID";
+constexpr char kSlurmNtasks[] = "SLURM_NTASKS";
+constexpr char kSlurmStepId[] = "SLURM_STEP_ID";
+constexpr char kSlurmLocalId[] = "SLURM_LOCALID";
+constexpr char kSlurmNodeId[] = "SLURM_NODEID";
+constexpr char kSlurmJobId[] = "SLURM_JOB_ID";
+constexpr char kSlurmNtasksPerNode[] = "SLURM_NTASKS_PER_NODE";
+constexpr char kOmpiRank[] = "OMPI_COMM_WORLD_RANK";
+constexpr char kOmpiSize[] = "OMPI_COMM_WORLD_SIZE";
+constexpr char kOmpiLocalRank[] = "OMPI_COMM_WORLD_LOCAL_RANK";
+constexpr char kOmpiLocalSize[] = "OMPI_COMM_WORLD_LOCAL_SIZE";
+
+// Slurm caps jobs far below this; the bound only keeps a hostile
+// "1(x999999999)" from allocating gigabytes.
+constexpr int64_t kMaxSlurmNodes = 1 << 20;
+
+const std::string* Find(const EnvMap& env, std::string_view name) {
+  auto it = env.find(name);
+  return it == env.end() ? nullptr : &it->second;
+}
+
+bool Has(const EnvMap& env, std::string_view name) { return Find(env, name) != nullptr; }
+
+// Strict decimal: optional '-', digits, nothing else.
+std::optional<int64_t> ParseInt64(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end) return std::nullopt;
+  return value;
+}
+
+Status BadValue(std::string_view name, std::string_view value, std::string_view why) {
+  return InvalidArgumentError(std::string(name) + "=" + std::string(value) + " " + std::string(why));
+}
+
+// Reads `name` as an integer in [lo, hi].
+StatusOr<int> ReadInt(const EnvMap& env, std::string_view name, int64_t lo, int64_t hi) {
+  const std::string* text = Find(env, name);
+  if (text == nullptr) return InvalidArgumentError(std::string(name) + " is not set");
+  std::optional<int64_t> value = ParseInt64(*text);
+  if (!value) return BadValue(name, *text, "is not an integer");
+  if (*value < lo || *value > hi) {
+    return BadValue(name, *text,
+                    "is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  return static_cast<int>(*value);
+}
+
+// Reads `name` if set, else returns `fallback`.
+StatusOr<int> ReadIntOr(const EnvMap& env, std::string_view name, int64_t lo, int64_t hi,
+                        int fallback) {
+  if (!Has(env, name)) return fallback;
+  return ReadInt(env, name, lo, hi);
+}
+
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+
+// Fills rank, world size, local rank/size and group rank from Slurm's
+// variables; the torchrun-named overrides are applied by the caller.
+Status FromSlurm(const EnvMap& env, LaunchEnv& out) {
+  DDP_ASSIGN_OR_RETURN(out.world_size, ReadInt(env, kSlurmNtasks, 1, kIntMax));
+  DDP_ASSIGN_OR_RETURN(out.rank, ReadInt(env, kSlurmProcId, 0, kIntMax));
+  DDP_ASSIGN_OR_RETURN(out.local_rank, ReadIntOr(env, kSlurmLocalId, 0, kIntMax, 0));
+  DDP_ASSIGN_OR_RETURN(out.group_rank, ReadIntOr(env, kSlurmNodeId, 0, kIntMax, 0));
+  if (Has(env, kSlurmNtasksPerNode)) {
+    DDP_ASSIGN_OR_RETURN(out.local_world_size, ReadInt(env, kSlurmNtasksPerNode, 1, kIntMax));
+  } else {
+    const char* name = Has(env, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
+                                                             : "SLURM_TASKS_PER_NODE";
+    const std::string* spec = Find(env, name);
+    if (spec == nullptr) {
+      return InvalidArgumentError(
+          "SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE are not set: cannot tell how many "
+          "tasks share this node (set LOCAL_WORLD_SIZE)");
+    }
+    StatusOr<std::vector<int>> per_node = ExpandSlurmTasksPerNode(*spec);
+    if (!per_node.ok()) {
+      return InvalidArgumentError(std::string(name) + "=" + *spec + " " +
+                                  per_node.status().message());
+    }
+    if (out.group_rank >= static_cast<int>(per_node->size())) {
+      return InvalidArgumentError(std::string(name) + "=" + *spec + " has no entry for " +
+                                  kSlurmNodeId + "=" + std::to_string(out.group_rank));
+    }
+    out.local_world_size = (*per_node)[out.group_rank];
+  }
+  if (!Has(env, kEnvMasterAddr)) {
+    for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+      const std::string* list = Find(env, name);
+      if (list == nullptr) continue;
+      StatusOr<std::string> host = FirstHostOfSlurmNodelist(*list);
+      if (!host.ok()) {
+        return InvalidArgumentError(std::string(name) + "=" + *list + " " +
+                                    host.status().message());
+      }
+      out.master_addr = *host;
+      break;
+    }
+  }
+  if (Has(env, kSlurmJobId)) {
+    DDP_ASSIGN_OR_RETURN(int job_id, ReadInt(env, kSlurmJobId, 0, kIntMax));
+    out.master_port = 20000 + job_id % 20000;
+  }
+  return Status::Ok();
+}
+
+Status FromOpenMpi(const EnvMap& env, LaunchEnv& out) {
+  DDP_ASSIGN_OR_RETURN(out.world_size, ReadInt(env, kOmpiSize, 1, kIntMax));
+  DDP_ASSIGN_OR_RETURN(out.rank, ReadInt(env, kOmpiRank, 0, kIntMax));
+  DDP_ASSIGN_OR_RETURN(out.local_rank, ReadIntOr(env, kOmpiLocalRank, 0, kIntMax, 0));
+  DDP_ASSIGN_OR_RETURN(out.local_world_size,
+                       ReadIntOr(env, kOmpiLocalSize, 1, kIntMax, out.world_size));
+  out.group_rank = out.rank / out.local_world_size;
+  return Status::Ok();
+}
+
+}  // namespace
+
+const char* LaunchSourceName(LaunchSource source) {
+  switch (source) {
+    case LaunchSource::kTorchrun: return "torchrun";
+    case LaunchSource::kSlurm: return "slurm";
+    case LaunchSource::kOpenMpi: return "openmpi";
+  }
+  return "unknown";
+}
+
+std::string LaunchEnv::StoreKeyPrefix() const { return "r" + std::to_string(restart_count) + "/"; }
+
+std::string LaunchEnv::ToString() const {
+  return "rank " + std::to_string(rank) + "/" + std::to_string(world_size) + " (local " +
+         std::to_string(local_rank) + "/" + std::to_string(local_world_size) + ", node " +
+         std::to_string(group_rank) + ") store " + master_addr + ":" +
+         std::to_string(master_port) + (store_hosted_by_launcher ? " (launcher)" : " (rank 0)") +
+         " from " + LaunchSourceName(source);
+}
+
+EnvMap CurrentEnvironment() {
+  EnvMap env;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    std::string_view text(*entry);
+    size_t eq = text.find('=');
+    if (eq == std::string_view::npos) continue;
+    env.emplace(std::string(text.substr(0, eq)), std::string(text.substr(eq + 1)));
+  }
+  return env;
+}
+
+namespace {
+bool InSlurmStep(const EnvMap& env) {
+  return Has(env, kSlurmProcId) && Has(env, kSlurmNtasks) && Has(env, kSlurmStepId);
+}
+bool UnderOpenMpi(const EnvMap& env) { return Has(env, kOmpiRank) && Has(env, kOmpiSize); }
+}  // namespace
+
+bool HasLaunchVariables(const EnvMap& env) {
+  return Has(env, kEnvRank) || Has(env, kEnvWorldSize) || InSlurmStep(env) || UnderOpenMpi(env);
+}
+
+StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
+  LaunchEnv out;
+  out.master_port = kDefaultMasterPort;
+  const bool torchrun = Has(env, kEnvRank) || Has(env, kEnvWorldSize);
+  if (torchrun) {
+    if (!Has(env, kEnvRank) || !Has(env, kEnvWorldSize)) {
+      const char* set = Has(env, kEnvRank) ? kEnvRank : kEnvWorldSize;
+      const char* missing = Has(env, kEnvRank) ? kEnvWorldSize : kEnvRank;
+      return InvalidArgumentError(std::string(set) + "=" + *Find(env, set) + " is set but " +
+                                  missing + " is not");
+    }
+    out.source = LaunchSource::kTorchrun;
+    DDP_ASSIGN_OR_RETURN(out.world_size, ReadInt(env, kEnvWorldSize, 1, kIntMax));
+    DDP_ASSIGN_OR_RETURN(out.rank, ReadInt(env, kEnvRank, 0, kIntMax));
+    out.local_rank = out.rank;
+    out.local_world_size = out.world_size;
+  } else if (InSlurmStep(env)) {
+    out.source = LaunchSource::kSlurm;
+    DDP_RETURN_IF_ERROR(FromSlurm(env, out));
+  } else if (UnderOpenMpi(env)) {
+    out.source = LaunchSource::kOpenMpi;
+    DDP_RETURN_IF_ERROR(FromOpenMpi(env, out));
+  } else {
+    return NotFoundError(
+        "no launch variables: RANK and WORLD_SIZE are not set and this is not an srun step "
+        "or an mpirun process");
+  }
+
+  // Explicit variables override whatever the scheduler said.
+  DDP_ASSIGN_OR_RETURN(out.local_rank, ReadIntOr(env, kEnvLocalRank, 0, kIntMax, out.local_rank));
+  DDP_ASSIGN_OR_RETURN(out.local_world_size, ReadIntOr(env, kEnvLocalWorldSize, 1, kIntMax,
+                                                       out.local_world_size));
+  DDP_ASSIGN_OR_RETURN(out.group_rank, ReadIntOr(env, kEnvGroupRank, 0, kIntMax, out.group_rank));
+  DDP_ASSIGN_OR_RETURN(out.master_port,
+                       ReadIntOr(env, kEnvMasterPort, 1, 65535, out.master_port));
+  DDP_ASSIGN_OR_RETURN(out.restart_count, ReadIntOr(env, kEnvRestartCount, 0, kIntMax, 0));
+  if (const std::string* addr = Find(env, kEnvMasterAddr)) {
+    if (addr->empty()) return InvalidArgumentError("MASTER_ADDR is set but empty");
+    out.master_addr = *addr;
+  }
+
+  // Names of the variables that supplied each field, for the messages below.
+  const char* rank_name = kEnvRank;
+  const char* size_name = kEnvWorldSize;
+  if (out.source == LaunchSource::kSlurm) {
+    rank_name = kSlurmProcId;
+    size_name = kSlurmNtasks;
+  } else if (out.source == LaunchSource::kOpenMpi) {
+    rank_name = kOmpiRank;
+    size_name = kOmpiSize;
+  }
+  const char* local_rank_name = kEnvLocalRank;
+  const char* local_size_name = kEnvLocalWorldSize;
+  if (!Has(env, kEnvLocalRank) && out.source == LaunchSource::kSlurm) local_rank_name = kSlurmLocalId;
+  if (!Has(env, kEnvLocalRank) && out.source == LaunchSource::kOpenMpi) local_rank_name = kOmpiLocalRank;
+  if (!Has(env, kEnvLocalWorldSize) && out.source == LaunchSource::kOpenMpi) local_size_name = kOmpiLocalSize;
+
+  auto named = [](const char* name, int value) { return std::string(name) + "=" + std::to_string(value); };
+  if (out.rank >= out.world_size) {
+    return InvalidArgumentError(named(rank_name, out.rank) + " is not below " +
+                                named(size_name, out.world_size));
+  }
+  if (out.local_world_size > out.world_size) {
+    return InvalidArgumentError(named(local_size_name, out.local_world_size) +
+                                " is larger than " + named(size_name, out.world_size));
+  }
+  if (out.local_rank >= out.local_world_size) {
+    return InvalidArgumentError(named(local_rank_name, out.local_rank) + " is not below " +
+                                named(local_size_name, out.local_world_size));
+  }
+  if (out.master_addr.empty()) {
+    if (out.multi_node()) {
+      return InvalidArgumentError("MASTER_ADDR is not set but " + named(size_name, out.world_size) +
+                                  " spans more than one node (" +
+                                  named(local_size_name, out.local_world_size) +
+                                  "): set MASTER_ADDR to the host of the store");
+    }
+    out.master_addr = "127.0.0.1";
+  }
+
+  if (const std::string* token = Find(env, kEnvJobToken)) {
+    if (token->size() > kMaxJobTokenBytes) {
+      return InvalidArgumentError("DDP_JOB_TOKEN is " + std::to_string(token->size()) +
+                                  " bytes long, more than the limit of " +
+                                  std::to_string(kMaxJobTokenBytes));
+    }
+    out.job_token = *token;
+  }
+  if (const std::string* host = Find(env, kEnvStoreHost)) {
+    if (*host == "launcher") {
+      out.store_hosted_by_launcher = true;
+    } else if (*host != "rank0" && !host->empty()) {
+      return BadValue(kEnvStoreHost, *host, "is neither `launcher` nor `rank0`");
+    }
+  }
+  return out;
+}
+
+StatusOr<LaunchEnv> LaunchEnvFromProcess() { return ParseLaunchEnv(CurrentEnvironment()); }
+
+std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& env) {
+  std::vector<std::pair<std::string, std::string>> vars = {
+      {kEnvRank, std::to_string(env.rank)},
+      {kEnvWorldSize, std::to_string(env.world_size)},
+      {kEnvLocalRank, std::to_string(env.local_rank)},
+      {kEnvLocalWorldSize, std::to_string(env.local_world_size)},
+      {kEnvGroupRank, std::to_string(env.group_rank)},
+      {kEnvMasterAddr, env.master_addr},
+      {kEnvMasterPort, std::to_string(env.master_port)},
+      {kEnvRestartCount, std::to_string(env.restart_count)},
+      {kEnvStoreHost, env.store_hosted_by_launcher ? "launcher" : "rank0"},
+  };
+  if (!env.job_token.empty()) vars.emplace_back(kEnvJobToken, env.job_token);
+  return vars;
+}
+
+StatusOr<std::string> FirstHostOfSlurmNodelist(std::string_view nodelist) {
+  // Only the first top-level item matters; inside it, each bracket group
+  // contributes its first element ("01-04,7" -> "01").
+  std::string host;
+  bool in_bracket = false;
+  bool took_bracket_value = false;
+  bool range_ended = false;
+  for (char c : nodelist) {
+    if (!in_bracket) {
+      if (c == ',') break;
+      if (c == '[') {
+        in_bracket = true;
+        took_bracket_value = false;
+        range_ended = false;
+        continue;
+      }
+      if (c == ']') return InvalidArgumentError("has a `]` without a matching `[`");
+      host.push_back(c);
+      continue;
+    }
+    if (c == ']') {
+      if (!took_bracket_value) return InvalidArgumentError("has an empty `[]` range");
+      in_bracket = false;
+      continue;
+    }
+    if (c == '[') return InvalidArgumentError("has nested `[`");
+    if (c == ',' || c == '-') {
+      range_ended = true;
+      continue;
+    }
+    if (c < '0' || c > '9') return InvalidArgumentError("has a non-digit inside `[...]`");
+    if (!range_ended) {
+      host.push_back(c);
+      took_bracket_value = true;
+    }
+  }
+  if (in_bracket) return InvalidArgumentError("has a `[` without a matching `]`");
+  if (host.empty()) return InvalidArgumentError("names no host");
+  return host;
+}
+
+StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(std::string_view spec) {
+  std::vector<int> out;
+  if (spec.empty()) return InvalidArgumentError("is empty");
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    size_t comma = spec.find(',', pos);
+    std::string_view item = spec.substr(pos, comma == std::string_view::npos ? spec.npos : comma - pos);
+    std::string_view count_text = item;
+    int64_t repeat = 1;
+    size_t paren = item.find('(');
+    if (paren != std::string_view::npos) {
+      count_text = item.substr(0, paren);
+      std::string_view rest = item.substr(paren);
+      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') {
+        return InvalidArgumentError("has a malformed repeat `" + std::string(item) + "`");
+      }
+      std::optional<int64_t> r = ParseInt64(rest.substr(2, rest.size() - 3));
+      if (!r || *r < 1) {
+        return InvalidArgumentError("has a malformed repeat `" + std::string(item) + "`");
+      }
+      repeat = *r;
+    }
+    std::optional<int64_t> count = ParseInt64(count_text);
+    if (!count || *count < 1 || *count > kIntMax) {
+      return InvalidArgumentError("has a malformed task count `" + std::string(item) + "`");
+    }
+    if (static_cast<int64_t>(out.size()) + repeat > kMaxSlurmNodes) {
+      return InvalidArgumentError("describes more than " + std::to_string(kMaxSlurmNodes) +
+                                  " nodes");
+    }
+    out.insert(out.end(), static_cast<size_t>(repeat), static_cast<int>(*count));
+    if (comma == std::string_view::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace ddp::transport::launch

@@ -1,0 +1,132 @@
+#ifndef DDP_TRANSPORT_LAUNCH_ENV_H_
+#define DDP_TRANSPORT_LAUNCH_ENV_H_
+
+// The launch environment of one worker: who it is (rank, local rank, node),
+// how big the job is, where the rendezvous store lives and the job token that
+// lets it in. Parsed from environment variables set by `ddprun`, by
+// `SelfLaunch`, by torchrun-style scripts, or by a scheduler (Slurm's `srun`,
+// Open MPI's `mpirun`).
+//
+// Precedence (documented for users in transport/launch/README.md):
+//
+//  1. torchrun variables. When RANK or WORLD_SIZE is set, both must be, and
+//     the scheduler variables are ignored altogether. LOCAL_RANK defaults to
+//     RANK and LOCAL_WORLD_SIZE to WORLD_SIZE (one node), GROUP_RANK to 0.
+//  2. Slurm, inside an `srun` step (SLURM_PROCID, SLURM_NTASKS and
+//     SLURM_STEP_ID set; the batch script itself has no step id and is not a
+//     rank): RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
+//     LOCAL_RANK=SLURM_LOCALID, GROUP_RANK=SLURM_NODEID, LOCAL_WORLD_SIZE from
+//     SLURM_NTASKS_PER_NODE, else this node's entry of SLURM_STEP_TASKS_PER_NODE
+//     or SLURM_TASKS_PER_NODE ("2(x3),1" form). MASTER_ADDR defaults to the
+//     first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST
+//     ("node[01-04,7],gpu3" forms), MASTER_PORT to 20000 + SLURM_JOB_ID % 20000
+//     so that every task of the job agrees on it without talking.
+//  3. Open MPI (OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE set):
+//     RANK, WORLD_SIZE, LOCAL_RANK=OMPI_COMM_WORLD_LOCAL_RANK,
+//     LOCAL_WORLD_SIZE=OMPI_COMM_WORLD_LOCAL_SIZE; GROUP_RANK defaults to
+//     RANK / LOCAL_WORLD_SIZE (mpirun's default by-slot placement).
+//
+// Under a scheduler, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
+// MASTER_PORT each override the scheduler's value when set. Everywhere:
+// MASTER_ADDR defaults to 127.0.0.1 on a single node and is required across
+// nodes; MASTER_PORT defaults to 29500 (torchrun's) outside Slurm;
+// DDP_RESTART_COUNT defaults to 0; DDP_JOB_TOKEN defaults to empty (no token:
+// anyone who can reach the store can join it); DDP_STORE_HOST=launcher means a
+// launcher process serves the store, otherwise (unset or `rank0`) rank 0 does.
+//
+// Every inconsistency is INVALID_ARGUMENT with a one-line message that names
+// the variable and its value.
+
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "transport/status.h"
+
+namespace ddp::transport::launch {
+
+/// Where the rank and world size came from. Values are stable: append only.
+enum class LaunchSource : int {
+  kTorchrun = 0,  ///< RANK / WORLD_SIZE (ddprun, SelfLaunch, torchrun).
+  kSlurm = 1,     ///< An srun step.
+  kOpenMpi = 2,   ///< mpirun from Open MPI.
+};
+
+/// "torchrun", "slurm", "openmpi".
+const char* LaunchSourceName(LaunchSource source);
+
+/// Everything a worker learns from its environment.
+struct LaunchEnv {
+  int rank = 0;                  ///< Global rank in [0, world_size).
+  int world_size = 1;            ///< Number of ranks in the job.
+  int local_rank = 0;            ///< Rank among the workers of this node.
+  int local_world_size = 1;      ///< Number of workers on this node.
+  int group_rank = 0;            ///< Index of this node (torchrun's GROUP_RANK).
+  std::string master_addr;       ///< Host name or address of the store.
+  int master_port = 0;           ///< TCP port of the store, in [1, 65535].
+  int restart_count = 0;         ///< How many times the group was restarted.
+  std::string job_token;         ///< Shared secret of the job; empty: none.
+  bool store_hosted_by_launcher = false;  ///< Else rank 0 serves the store.
+  LaunchSource source = LaunchSource::kTorchrun;
+
+  /// True when the job spans more than this node.
+  bool multi_node() const { return world_size > local_world_size; }
+  /// True when this process must serve the store itself (rank 0, no launcher).
+  bool hosts_store() const { return rank == 0 && !store_hosted_by_launcher; }
+  /// "r<restart_count>/": prefix for store keys, so that a restarted group
+  /// never reads what the previous attempt wrote.
+  std::string StoreKeyPrefix() const;
+  /// "rank 1/4 (local 1/2, node 0) store 127.0.0.1:29500 from torchrun".
+  std::string ToString() const;
+};
+
+/// Variable names, shared by the parser and the launchers that set them.
+inline constexpr char kEnvRank[] = "RANK";
+inline constexpr char kEnvWorldSize[] = "WORLD_SIZE";
+inline constexpr char kEnvLocalRank[] = "LOCAL_RANK";
+inline constexpr char kEnvLocalWorldSize[] = "LOCAL_WORLD_SIZE";
+inline constexpr char kEnvGroupRank[] = "GROUP_RANK";
+inline constexpr char kEnvMasterAddr[] = "MASTER_ADDR";
+inline constexpr char kEnvMasterPort[] = "MASTER_PORT";
+inline constexpr char kEnvRestartCount[] = "DDP_RESTART_COUNT";
+inline constexpr char kEnvJobToken[] = "DDP_JOB_TOKEN";
+inline constexpr char kEnvStoreHost[] = "DDP_STORE_HOST";
+
+/// MASTER_PORT when nothing sets it (torchrun's default).
+inline constexpr int kDefaultMasterPort = 29500;
+/// Longest accepted DDP_JOB_TOKEN, in bytes.
+inline constexpr size_t kMaxJobTokenBytes = 256;
+
+/// A snapshot of environment variables, name -> value.
+using EnvMap = std::map<std::string, std::string, std::less<>>;
+
+/// The current process's environment.
+EnvMap CurrentEnvironment();
+
+/// True when `env` names this process as one worker of a launched job: RANK or
+/// WORLD_SIZE is set, or it runs inside an srun step, or under mpirun.
+bool HasLaunchVariables(const EnvMap& env);
+
+/// Parses `env` by the precedence rules above. NOT_FOUND when there are no
+/// launch variables at all; INVALID_ARGUMENT naming the variable otherwise.
+StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env);
+
+/// ParseLaunchEnv(CurrentEnvironment()).
+StatusOr<LaunchEnv> LaunchEnvFromProcess();
+
+/// The variables a launcher sets for a worker so that ParseLaunchEnv gives
+/// back `env` (source is always kTorchrun; an empty token is left out).
+std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& env);
+
+/// First host of a Slurm node list: "node[01-04,7],gpu3" -> "node01".
+/// Supports comma-separated names, each with bracketed ranges and lists.
+StatusOr<std::string> FirstHostOfSlurmNodelist(std::string_view nodelist);
+
+/// Expands Slurm's tasks-per-node notation: "2(x3),1" -> {2, 2, 2, 1}.
+StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(std::string_view spec);
+
+}  // namespace ddp::transport::launch
+
+#endif  // DDP_TRANSPORT_LAUNCH_ENV_H_

@@ -1,0 +1,298 @@
+#include "transport/launch/env.h"
+
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+namespace ddp::transport::launch {
+namespace {
+
+
+// Asserts that `env` is refused with INVALID_ARGUMENT and exactly `message`.
+void ExpectInvalid(const EnvMap& env, const std::string& message) {
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_FALSE(parsed.ok()) << "accepted: " << parsed->ToString();
+  EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(parsed.status().message(), message);
+}
+
+TEST(ParseLaunchEnvTest, TorchrunVariables) {
+  EnvMap env = {{"RANK", "5"},           {"WORLD_SIZE", "8"},         {"LOCAL_RANK", "1"},
+                {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"},         {"MASTER_ADDR", "10.1.2.3"},
+                {"MASTER_PORT", "1234"},   {"DDP_RESTART_COUNT", "2"}, {"DDP_JOB_TOKEN", "s3cret"},
+                {"DDP_STORE_HOST", "launcher"}};
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->rank, 5);
+  EXPECT_EQ(parsed->world_size, 8);
+  EXPECT_EQ(parsed->local_rank, 1);
+  EXPECT_EQ(parsed->local_world_size, 4);
+  EXPECT_EQ(parsed->group_rank, 1);
+  EXPECT_EQ(parsed->master_addr, "10.1.2.3");
+  EXPECT_EQ(parsed->master_port, 1234);
+  EXPECT_EQ(parsed->restart_count, 2);
+  EXPECT_EQ(parsed->job_token, "s3cret");
+  EXPECT_TRUE(parsed->store_hosted_by_launcher);
+  EXPECT_FALSE(parsed->hosts_store());
+  EXPECT_TRUE(parsed->multi_node());
+  EXPECT_EQ(parsed->source, LaunchSource::kTorchrun);
+  EXPECT_EQ(parsed->StoreKeyPrefix(), "r2/");
+}
+
+TEST(ParseLaunchEnvTest, DefaultsForOneNode) {
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv({{"RANK", "0"}, {"WORLD_SIZE", "3"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->local_rank, 0);
+  EXPECT_EQ(parsed->local_world_size, 3);
+  EXPECT_EQ(parsed->group_rank, 0);
+  EXPECT_EQ(parsed->master_addr, "127.0.0.1");
+  EXPECT_EQ(parsed->master_port, kDefaultMasterPort);
+  EXPECT_EQ(parsed->restart_count, 0);
+  EXPECT_EQ(parsed->job_token, "");
+  EXPECT_FALSE(parsed->store_hosted_by_launcher);
+  EXPECT_TRUE(parsed->hosts_store());
+}
+
+TEST(ParseLaunchEnvTest, RoundTripsThroughToEnvironment) {
+  LaunchEnv env;
+  env.rank = 3;
+  env.world_size = 4;
+  env.local_rank = 1;
+  env.local_world_size = 2;
+  env.group_rank = 1;
+  env.master_addr = "node7";
+  env.master_port = 40000;
+  env.restart_count = 1;
+  env.job_token = "abc";
+  env.store_hosted_by_launcher = true;
+  EnvMap map;
+  for (auto& [name, value] : ToEnvironment(env)) map[name] = value;
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(map);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->ToString(), env.ToString());
+  EXPECT_EQ(parsed->job_token, "abc");
+}
+
+TEST(ParseLaunchEnvTest, NoVariablesIsNotFound) {
+  EXPECT_FALSE(HasLaunchVariables({{"PATH", "/bin"}}));
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv({{"PATH", "/bin"}});
+  EXPECT_EQ(parsed.status().code(), StatusCode::kNotFound);
+}
+
+TEST(ParseLaunchEnvTest, RankNotBelowWorldSize) {
+  ExpectInvalid({{"RANK", "4"}, {"WORLD_SIZE", "4"}}, "RANK=4 is not below WORLD_SIZE=4");
+}
+
+TEST(ParseLaunchEnvTest, NonNumericRank) {
+  ExpectInvalid({{"RANK", "one"}, {"WORLD_SIZE", "4"}}, "RANK=one is not an integer");
+  ExpectInvalid({{"RANK", "1x"}, {"WORLD_SIZE", "4"}}, "RANK=1x is not an integer");
+  ExpectInvalid({{"RANK", ""}, {"WORLD_SIZE", "4"}}, "RANK= is not an integer");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "99999999999999999999"}},
+                "WORLD_SIZE=99999999999999999999 is not an integer");
+}
+
+TEST(ParseLaunchEnvTest, NegativeAndZeroSizes) {
+  ExpectInvalid({{"RANK", "-1"}, {"WORLD_SIZE", "4"}}, "RANK=-1 is out of range [0, 2147483647]");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "0"}}, "WORLD_SIZE=0 is out of range [1, 2147483647]");
+}
+
+TEST(ParseLaunchEnvTest, OnlyOneOfRankAndWorldSize) {
+  ExpectInvalid({{"RANK", "0"}}, "RANK=0 is set but WORLD_SIZE is not");
+  ExpectInvalid({{"WORLD_SIZE", "2"}}, "WORLD_SIZE=2 is set but RANK is not");
+}
+
+TEST(ParseLaunchEnvTest, LocalRankNotBelowLocalWorldSize) {
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"},
+                 {"MASTER_ADDR", "h"}},
+                "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}},
+                "LOCAL_WORLD_SIZE=3 is larger than WORLD_SIZE=2");
+}
+
+TEST(ParseLaunchEnvTest, MissingMasterAddrAcrossNodes) {
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}},
+                "MASTER_ADDR is not set but WORLD_SIZE=4 spans more than one node "
+                "(LOCAL_WORLD_SIZE=2): set MASTER_ADDR to the host of the store");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", ""}},
+                "MASTER_ADDR is set but empty");
+}
+
+TEST(ParseLaunchEnvTest, PortOutOfRange) {
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "65536"}},
+                "MASTER_PORT=65536 is out of range [1, 65535]");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}},
+                "MASTER_PORT=0 is out of range [1, 65535]");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "http"}},
+                "MASTER_PORT=http is not an integer");
+}
+
+TEST(ParseLaunchEnvTest, BadStoreHostAndRestartCountAndToken) {
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"DDP_STORE_HOST", "rank1"}},
+                "DDP_STORE_HOST=rank1 is neither `launcher` nor `rank0`");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"DDP_RESTART_COUNT", "-2"}},
+                "DDP_RESTART_COUNT=-2 is out of range [0, 2147483647]");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"DDP_JOB_TOKEN", std::string(300, 'x')}},
+                "DDP_JOB_TOKEN is 300 bytes long, more than the limit of 256");
+}
+
+EnvMap SlurmStep() {
+  return {{"SLURM_PROCID", "5"},          {"SLURM_NTASKS", "6"},
+          {"SLURM_STEP_ID", "0"},         {"SLURM_LOCALID", "1"},
+          {"SLURM_NODEID", "2"},          {"SLURM_TASKS_PER_NODE", "2(x2),2"},
+          {"SLURM_JOB_ID", "123456"},     {"SLURM_JOB_NODELIST", "gpu[07-09],cpu1"}};
+}
+
+TEST(ParseLaunchEnvTest, SlurmStep) {
+  EnvMap env = SlurmStep();
+  ASSERT_TRUE(HasLaunchVariables(env));
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->source, LaunchSource::kSlurm);
+  EXPECT_EQ(parsed->rank, 5);
+  EXPECT_EQ(parsed->world_size, 6);
+  EXPECT_EQ(parsed->local_rank, 1);
+  EXPECT_EQ(parsed->local_world_size, 2);
+  EXPECT_EQ(parsed->group_rank, 2);
+  EXPECT_EQ(parsed->master_addr, "gpu07");
+  EXPECT_EQ(parsed->master_port, 20000 + 123456 % 20000);
+}
+
+TEST(ParseLaunchEnvTest, SlurmPrefersStepNodelistAndExplicitOverrides) {
+  EnvMap env = SlurmStep();
+  env["SLURM_STEP_NODELIST"] = "gpu[08-09]";
+  env["SLURM_NTASKS_PER_NODE"] = "3";
+  env["SLURM_NTASKS"] = "9";
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_addr, "gpu08");
+  EXPECT_EQ(parsed->local_world_size, 3);
+
+  env["MASTER_ADDR"] = "login1";
+  env["MASTER_PORT"] = "4000";
+  env["LOCAL_RANK"] = "0";
+  parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_addr, "login1");
+  EXPECT_EQ(parsed->master_port, 4000);
+  EXPECT_EQ(parsed->local_rank, 0);
+}
+
+TEST(ParseLaunchEnvTest, SlurmBatchScriptIsNotARank) {
+  EnvMap env = SlurmStep();
+  env.erase("SLURM_STEP_ID");
+  EXPECT_FALSE(HasLaunchVariables(env));
+  EXPECT_EQ(ParseLaunchEnv(env).status().code(), StatusCode::kNotFound);
+}
+
+TEST(ParseLaunchEnvTest, TorchrunVariablesWinOverSlurm) {
+  EnvMap env = SlurmStep();
+  env["RANK"] = "1";
+  env["WORLD_SIZE"] = "2";
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->source, LaunchSource::kTorchrun);
+  EXPECT_EQ(parsed->rank, 1);
+  EXPECT_EQ(parsed->world_size, 2);
+  EXPECT_EQ(parsed->master_addr, "127.0.0.1");
+  EXPECT_EQ(parsed->master_port, kDefaultMasterPort);
+}
+
+TEST(ParseLaunchEnvTest, SlurmErrorsNameTheVariable) {
+  EnvMap env = SlurmStep();
+  env["SLURM_PROCID"] = "6";
+  ExpectInvalid(env, "SLURM_PROCID=6 is not below SLURM_NTASKS=6");
+  env = SlurmStep();
+  env["SLURM_TASKS_PER_NODE"] = "2(x2";
+  ExpectInvalid(env, "SLURM_TASKS_PER_NODE=2(x2 has a malformed repeat `2(x2`");
+  env = SlurmStep();
+  env["SLURM_TASKS_PER_NODE"] = "2(x2)";
+  ExpectInvalid(env, "SLURM_TASKS_PER_NODE=2(x2) has no entry for SLURM_NODEID=2");
+  env = SlurmStep();
+  env["SLURM_JOB_NODELIST"] = "gpu[07-09";
+  ExpectInvalid(env, "SLURM_JOB_NODELIST=gpu[07-09 has a `[` without a matching `]`");
+  env = SlurmStep();
+  env.erase("SLURM_JOB_NODELIST");
+  ExpectInvalid(env,
+                "MASTER_ADDR is not set but SLURM_NTASKS=6 spans more than one node "
+                "(LOCAL_WORLD_SIZE=2): set MASTER_ADDR to the host of the store");
+  env = SlurmStep();
+  env.erase("SLURM_TASKS_PER_NODE");
+  ExpectInvalid(env,
+                "SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE are not set: cannot tell how many "
+                "tasks share this node (set LOCAL_WORLD_SIZE)");
+}
+
+TEST(ParseLaunchEnvTest, OpenMpi) {
+  EnvMap env = {{"OMPI_COMM_WORLD_RANK", "3"},
+                {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                {"MASTER_ADDR", "head"}};
+  ASSERT_TRUE(HasLaunchVariables(env));
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->source, LaunchSource::kOpenMpi);
+  EXPECT_EQ(parsed->rank, 3);
+  EXPECT_EQ(parsed->world_size, 4);
+  EXPECT_EQ(parsed->local_rank, 1);
+  EXPECT_EQ(parsed->local_world_size, 2);
+  EXPECT_EQ(parsed->group_rank, 1);
+  EXPECT_EQ(parsed->master_addr, "head");
+  EXPECT_EQ(parsed->master_port, kDefaultMasterPort);
+
+  env.erase("MASTER_ADDR");
+  ExpectInvalid(env,
+                "MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=4 spans more than one node "
+                "(OMPI_COMM_WORLD_LOCAL_SIZE=2): set MASTER_ADDR to the host of the store");
+  env["OMPI_COMM_WORLD_LOCAL_SIZE"] = "4";
+  env["OMPI_COMM_WORLD_LOCAL_RANK"] = "4";
+  ExpectInvalid(env, "OMPI_COMM_WORLD_LOCAL_RANK=4 is not below OMPI_COMM_WORLD_LOCAL_SIZE=4");
+  env["OMPI_COMM_WORLD_RANK"] = "x";
+  ExpectInvalid(env, "OMPI_COMM_WORLD_RANK=x is not an integer");
+}
+
+TEST(SlurmNodelistTest, FirstHost) {
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("node1"), "node1");
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("a,b,c"), "a");
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("node[01-04,07]"), "node01");
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("node[7,1-3],x"), "node7");
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("rack[2-3]-n[010-012]"), "rack2-n010");
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("gpu-a100[3]"), "gpu-a1003");
+  EXPECT_EQ(*FirstHostOfSlurmNodelist("host.example.org"), "host.example.org");
+}
+
+TEST(SlurmNodelistTest, Malformed) {
+  EXPECT_EQ(FirstHostOfSlurmNodelist("").status().message(), "names no host");
+  EXPECT_EQ(FirstHostOfSlurmNodelist("n[]").status().message(), "has an empty `[]` range");
+  EXPECT_EQ(FirstHostOfSlurmNodelist("n[1-2").status().message(),
+            "has a `[` without a matching `]`");
+  EXPECT_EQ(FirstHostOfSlurmNodelist("n1-2]").status().message(),
+            "has a `]` without a matching `[`");
+  EXPECT_EQ(FirstHostOfSlurmNodelist("n[a-b]").status().message(),
+            "has a non-digit inside `[...]`");
+  EXPECT_EQ(FirstHostOfSlurmNodelist("n[[1]]").status().message(), "has nested `[`");
+}
+
+TEST(SlurmTasksPerNodeTest, Expand) {
+  EXPECT_EQ(*ExpandSlurmTasksPerNode("4"), std::vector<int>({4}));
+  EXPECT_EQ(*ExpandSlurmTasksPerNode("2(x3),1"), std::vector<int>({2, 2, 2, 1}));
+  EXPECT_EQ(*ExpandSlurmTasksPerNode("1,3(x2)"), std::vector<int>({1, 3, 3}));
+  EXPECT_FALSE(ExpandSlurmTasksPerNode("").ok());
+  EXPECT_FALSE(ExpandSlurmTasksPerNode("2,").ok());
+  EXPECT_FALSE(ExpandSlurmTasksPerNode("0").ok());
+  EXPECT_FALSE(ExpandSlurmTasksPerNode("2(x0)").ok());
+  EXPECT_FALSE(ExpandSlurmTasksPerNode("2(y3)").ok());
+  EXPECT_EQ(ExpandSlurmTasksPerNode("1(x99999999999)").status().message(),
+            "describes more than 1048576 nodes");
+}
+
+TEST(CurrentEnvironmentTest, SeesVariablesOfThisProcess) {
+  ASSERT_EQ(setenv("DDP_ENV_TEST_PROBE", "a=b", 1), 0);
+  EnvMap env = CurrentEnvironment();
+  ASSERT_TRUE(env.count("DDP_ENV_TEST_PROBE"));
+  EXPECT_EQ(env["DDP_ENV_TEST_PROBE"], "a=b");
+  unsetenv("DDP_ENV_TEST_PROBE");
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch
