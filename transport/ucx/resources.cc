@@ -1,0 +1,116 @@
+#include "transport/ucx/resources.h"
+
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "transport/ucx/ucx_status.h"
+
+namespace ddp::transport::ucx {
+namespace {
+
+bool EnvSet(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0';
+}
+
+}  // namespace
+
+StatusOr<std::shared_ptr<Context>> Context::Create(const ContextOptions& options) {
+  ucp_config_t* config = nullptr;
+  DDP_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "reading UCX configuration"));
+  std::string tls = EnvSet("UCX_TLS") ? std::getenv("UCX_TLS") : "all";
+  // The user's UCX_TLS / UCX_NET_DEVICES always win; our defaults only fill
+  // in what they left unset.
+  if (!EnvSet("UCX_TLS") && !options.default_tls.empty()) {
+    Status s = FromUcs(ucp_config_modify(config, "TLS", options.default_tls.c_str()),
+                       "setting UCX TLS=" + options.default_tls);
+    if (!s.ok()) {
+      ucp_config_release(config);
+      return s;
+    }
+    tls = options.default_tls;
+  }
+  if (!EnvSet("UCX_NET_DEVICES") && !options.default_net_devices.empty()) {
+    Status s = FromUcs(ucp_config_modify(config, "NET_DEVICES", options.default_net_devices.c_str()),
+                       "setting UCX NET_DEVICES=" + options.default_net_devices);
+    if (!s.ok()) {
+      ucp_config_release(config);
+      return s;
+    }
+  }
+
+  ucp_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                      UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_TAG | (options.wakeup ? UCP_FEATURE_WAKEUP : 0);
+  params.mt_workers_shared = 0;
+  params.name = options.name.c_str();
+  ucp_context_h context = nullptr;
+  ucs_status_t status = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  DDP_RETURN_IF_ERROR(FromUcs(status, "creating the UCX context (UCX_TLS=" + tls + ")"));
+  return std::shared_ptr<Context>(new Context(context, options.wakeup, tls));
+}
+
+Context::~Context() { ucp_cleanup(context_); }
+
+StatusOr<std::unique_ptr<Worker>> Worker::Create(std::shared_ptr<Context> context) {
+  ucp_worker_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  // SERIALIZED: the communicator guarantees one thread at a time in the
+  // worker (its mutex), but blocking and async calls use different threads.
+  params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  ucp_worker_h handle = nullptr;
+  DDP_RETURN_IF_ERROR(FromUcs(ucp_worker_create(context->get(), &params, &handle),
+                              "creating the UCX worker"));
+  const bool wakeup = context->wakeup();
+  std::unique_ptr<Worker> worker(new Worker(std::move(context), handle));
+
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  DDP_RETURN_IF_ERROR(FromUcs(ucp_worker_get_address(handle, &address, &length),
+                              "reading the UCX worker address"));
+  worker->address_.assign(reinterpret_cast<const char*>(address), length);
+  ucp_worker_release_address(handle, address);
+
+  if (wakeup) {
+    DDP_RETURN_IF_ERROR(FromUcs(ucp_worker_get_efd(handle, &worker->event_fd_),
+                                "reading the UCX worker event fd"));
+    worker->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    if (worker->epoll_fd_ < 0) {
+      return InternalError(std::string("epoll_create1: ") + std::strerror(errno));
+    }
+    epoll_event event{};
+    event.events = EPOLLIN;
+    if (epoll_ctl(worker->epoll_fd_, EPOLL_CTL_ADD, worker->event_fd_, &event) != 0) {
+      return InternalError(std::string("epoll_ctl on the UCX event fd: ") + std::strerror(errno));
+    }
+  }
+  return worker;
+}
+
+Worker::~Worker() {
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  ucp_worker_destroy(worker_);
+}
+
+Status Worker::WaitForEvents(int timeout_ms) {
+  if (epoll_fd_ < 0) return FailedPreconditionError("UCX worker created without wakeup");
+  ucs_status_t status = ucp_worker_arm(worker_);
+  if (status == UCS_ERR_BUSY) return Status::Ok();  // events already pending
+  DDP_RETURN_IF_ERROR(FromUcs(status, "arming the UCX worker"));
+  epoll_event event{};
+  int n = epoll_wait(epoll_fd_, &event, 1, timeout_ms);
+  if (n < 0 && errno != EINTR) {
+    return InternalError(std::string("epoll_wait on the UCX event fd: ") + std::strerror(errno));
+  }
+  return Status::Ok();
+}
+
+}  // namespace ddp::transport::ucx

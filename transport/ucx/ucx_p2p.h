@@ -1,0 +1,157 @@
+#ifndef DDP_TRANSPORT_UCX_UCX_P2P_H_
+#define DDP_TRANSPORT_UCX_UCX_P2P_H_
+
+// Tagged point-to-point messaging over UCX: the implementation of
+// p2p::PointToPoint between processes.
+//
+// Tags: the algorithm's tag fills the low p2p::kTagBits bits; the sender's
+// rank fills the bits above, and receives match all 64 bits, so a receive
+// from rank 3 never takes a message from rank 5 that carries the same tag.
+//
+// Progress: all progress happens inside Test / WaitAll / WaitAny on the
+// calling thread. While idle a wait spins, yields the CPU or sleeps on the
+// worker's event fd (IdleMode), and every `watchdog_period` it runs the
+// watchdog (the communicator checks the store for an abort reason and the
+// liveness of peers on this host there).
+//
+// Threading: one thread at a time (the communicator serializes callers).
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <ucp/api/ucp.h>
+
+#include "transport/p2p/point_to_point.h"
+#include "transport/status.h"
+#include "transport/ucx/registration_cache.h"
+#include "transport/ucx/resources.h"
+
+namespace ddp::transport::ucx {
+
+/// What a wait does when the worker has nothing to progress.
+enum class IdleMode {
+  kSpin,   ///< Keep polling: lowest latency when every rank has its own core.
+  kYield,  ///< sched_yield() between polls: ranks sharing cores let each other run.
+  kSleep,  ///< Sleep on the worker's event fd (needs a context with wakeup).
+};
+
+struct P2pOptions {
+  int rank = 0;
+  int size = 1;
+  IdleMode idle_mode = IdleMode::kSpin;
+  /// Idle polls before yielding or sleeping.
+  int idle_polls_before_backoff = 256;
+  /// How often a wait runs the watchdog.
+  std::chrono::milliseconds watchdog_period{100};
+  /// Messages at least this large are sent with the memory handle of a
+  /// registered staging buffer when they lie inside one.
+  size_t registered_threshold_bytes = 64 << 10;
+};
+
+class UcxPointToPoint final : public p2p::PointToPoint {
+ public:
+  /// Creates the worker; Connect() must follow before any message.
+  static StatusOr<std::unique_ptr<UcxPointToPoint>> Create(std::shared_ptr<Context> context,
+                                                           const P2pOptions& options);
+  ~UcxPointToPoint() override;
+
+  /// This worker's address, to publish through the store.
+  const std::string& address() const { return worker_->address(); }
+
+  /// Creates an endpoint to every rank (self included) from their worker
+  /// addresses, indexed by rank. `same_host[r]` says rank r shares this host
+  /// (empty: all do). UCX 1.13's shared-memory and self transports have no
+  /// peer failure handler, so endpoints to ranks on this host use error mode
+  /// NONE and their death is detected by the communicator's liveness check
+  /// (MarkPeerLost); endpoints to other hosts use peer error mode, so a dead
+  /// peer completes requests with an error instead of hanging.
+  Status Connect(std::span<const std::string> addresses,
+                 const std::vector<bool>& same_host = {});
+
+  /// Runs `check` about every `period` inside waits; a non-OK result ends the
+  /// wait with that status. Used to learn about aborts posted by other ranks.
+  void SetWatchdog(std::function<Status()> check);
+
+  /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);
+  /// pending and later operations with it fail with `reason`.
+  void MarkPeerLost(int peer, Status reason);
+
+  /// Flushes and closes every endpoint, waiting at most until `deadline`.
+  /// Later messages fail. Called by the destructor if not called before.
+  Status Close(Deadline deadline);
+
+  /// Registers a long-lived staging buffer (see registration_cache.h).
+  Status RegisterStagingBuffer(void* data, size_t bytes);
+
+  const P2pOptions& options() const { return options_; }
+  void set_idle_mode(IdleMode mode) { options_.idle_mode = mode; }
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
+                                    size_t bytes) override;
+  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data,
+                                    size_t bytes) override;
+  StatusOr<bool> Test(p2p::RequestId request) override;
+  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override;
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests,
+                           Deadline deadline) override;
+  void Cancel(p2p::RequestId request) override;
+
+ private:
+  struct Slot;
+  struct PeerState {
+    UcxPointToPoint* owner = nullptr;
+    int rank = 0;
+    Status failure;  // set once the endpoint reported an error
+    bool peer_error_mode = false;
+  };
+
+  UcxPointToPoint(std::shared_ptr<Context> context, std::unique_ptr<Worker> worker,
+                  const P2pOptions& options);
+
+  static void SendCallback(void* request, ucs_status_t status, void* user_data);
+  static void RecvCallback(void* request, ucs_status_t status,
+                           const ucp_tag_recv_info_t* info, void* user_data);
+  static void EndpointErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  Status CheckPeer(int peer, const char* what) const;
+  StatusOr<Slot*> AllocateSlot(bool is_send, int peer, p2p::Tag tag, size_t bytes);
+  Slot* Lookup(p2p::RequestId id) const;
+  p2p::RequestId IdOf(const Slot* slot) const;
+  // Releases a slot whose UCX request has completed (or never existed).
+  void Release(Slot* slot);
+  // Cancels a pending slot; UCX may still own its request, in which case the
+  // callback frees both later.
+  void Abandon(Slot* slot);
+  // The status of a finished slot: OK, its UCX error or a size mismatch.
+  Status SlotStatus(const Slot* slot) const;
+  // A pending slot's error learned from outside the request (peer lost).
+  Status PendingSlotStatus(const Slot* slot) const;
+  // One poll of the worker plus back-off, deadline and watchdog handling.
+  Status Idle(int& idle_polls, Deadline deadline, Clock::time_point started,
+              const Slot* waiting_for);
+  std::string Describe(const Slot* slot) const;
+
+  // Members are destroyed bottom-up: requests, then endpoints, then the
+  // worker, then the context, which is the order UCX requires.
+  std::shared_ptr<Context> context_;
+  std::unique_ptr<Worker> worker_;
+  std::vector<std::unique_ptr<PeerState>> peers_;
+  std::vector<ucp_ep_h> endpoints_;
+  RegistrationCache registrations_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<uint32_t> free_slots_;
+  P2pOptions options_;
+  std::function<Status()> watchdog_;
+  Clock::time_point next_watchdog_{};
+  bool closed_ = false;
+};
+
+}  // namespace ddp::transport::ucx
+
+#endif  // DDP_TRANSPORT_UCX_UCX_P2P_H_
