@@ -1,0 +1,74 @@
+#include "nn/data/cifar.h"
+
+#include <utility>
+
+#include "nn/data/file_bytes.h"
+
+namespace ddp::nn::data {
+
+void ParseCifar10Batch(std::string_view bytes, const std::string& source,
+                       std::vector<uint8_t>* pixels, std::vector<uint8_t>* labels) {
+  if (bytes.empty()) {
+    throw DatasetError(source + ": empty file, expected CIFAR-10 records of " +
+                       std::to_string(kCifarRecordBytes) + " bytes");
+  }
+  const uint64_t rem = bytes.size() % kCifarRecordBytes;
+  if (rem != 0) {
+    throw DatasetError(source + ": truncated CIFAR-10 batch: " + std::to_string(bytes.size()) +
+                       " bytes is not a whole number of " + std::to_string(kCifarRecordBytes) +
+                       "-byte records (the last record has " + std::to_string(rem) + " bytes)");
+  }
+  const int64_t n = bytes.size() / kCifarRecordBytes;
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i * kCifarRecordBytes] >= 10) {
+      throw DatasetError(source + ": label " + std::to_string(p[i * kCifarRecordBytes]) +
+                         " of record " + std::to_string(i) + " is out of range [0, 10)");
+    }
+  }
+  pixels->reserve(pixels->size() + n * (kCifarRecordBytes - 1));
+  labels->reserve(labels->size() + n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* rec = p + i * kCifarRecordBytes;
+    labels->push_back(rec[0]);
+    pixels->insert(pixels->end(), rec + 1, rec + kCifarRecordBytes);
+  }
+}
+
+std::shared_ptr<InMemoryImageDataset> LoadCifar10(const std::string& dir, Split split) {
+  const std::string base = dir.empty() || dir.back() == '/' ? dir : dir + "/";
+  const std::string first = split == Split::kTrain ? "data_batch_1.bin" : "test_batch.bin";
+  std::string folder;
+  for (const std::string& candidate : {base, base + "cifar-10-batches-bin/"}) {
+    if (internal::FileExists(candidate + first)) {
+      folder = candidate;
+      break;
+    }
+  }
+  if (folder.empty()) {
+    throw DatasetError("CIFAR-10 file not found: looked for " + base + first + " and " + base +
+                       "cifar-10-batches-bin/" + first +
+                       ". Unpack CIFAR-10's binary version there and point --data_dir at it "
+                       "(--dataset=synthetic gives CIFAR's shapes for timing without files).");
+  }
+  std::vector<std::string> files;
+  if (split == Split::kTrain) {
+    for (int i = 1; i <= 5; ++i) files.push_back(folder + "data_batch_" + std::to_string(i) + ".bin");
+  } else {
+    files.push_back(folder + "test_batch.bin");
+  }
+  std::vector<uint8_t> pixels;
+  std::vector<uint8_t> labels;
+  for (const std::string& f : files) {
+    if (!internal::FileExists(f)) {
+      throw DatasetError("CIFAR-10 file not found: " + f + " (the training set is data_batch_1.bin "
+                         "to data_batch_5.bin in one folder)");
+    }
+    ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
+  }
+  return std::make_shared<InMemoryImageDataset>(
+      split == Split::kTrain ? "cifar10/train" : "cifar10/test", ImageShape{3, 32, 32}, 10,
+      std::move(pixels), std::move(labels));
+}
+
+}  // namespace ddp::nn::data

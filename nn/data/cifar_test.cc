@@ -1,0 +1,117 @@
+#include "nn/data/cifar.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <string>
+
+#include "nn/data/test_files.h"
+
+namespace ddp::nn::data {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::FreshDir;
+using testing::WriteFile;
+
+template <typename F>
+std::string ErrorOf(F&& f) {
+  try {
+    f();
+  } catch (const DatasetError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no DatasetError thrown";
+  return "";
+}
+
+// `n` records; record i has label (first_label + i) % 10 and every pixel of
+// channel c equal to (i + 10 * c + first_label) % 256.
+std::string Records(int n, int first_label) {
+  std::string s;
+  for (int i = 0; i < n; ++i) {
+    s.push_back(static_cast<char>((first_label + i) % 10));
+    for (int c = 0; c < 3; ++c) s.append(1024, static_cast<char>((i + 10 * c + first_label) % 256));
+  }
+  return s;
+}
+
+void WriteCifarDir(const std::string& dir) {
+  for (int b = 1; b <= 5; ++b) WriteFile(dir + "/data_batch_" + std::to_string(b) + ".bin", Records(4, b));
+  WriteFile(dir + "/test_batch.bin", Records(3, 7));
+}
+
+TEST(Cifar10, ReadsTrainingBatchesInOrder) {
+  const std::string dir = FreshDir("cifar_ok");
+  WriteCifarDir(dir);
+  auto train = LoadCifar10(dir, Split::kTrain);
+  ASSERT_EQ(train->Size(), 20);
+  EXPECT_EQ(train->Shape(), (ImageShape{3, 32, 32}));
+  EXPECT_EQ(train->NumClasses(), 10);
+  // Sample 5 is record 1 of data_batch_2.bin.
+  EXPECT_EQ(train->Label(5), 3);
+  const uint8_t* px = train->Pixels(5);
+  EXPECT_EQ(px[0], 3);
+  EXPECT_EQ(px[1023], 3);
+  EXPECT_EQ(px[1024], 13);  // green plane
+  EXPECT_EQ(px[3071], 23);  // blue plane
+  auto test = LoadCifar10(dir, Split::kTest);
+  ASSERT_EQ(test->Size(), 3);
+  EXPECT_EQ(test->Label(2), 9);
+}
+
+TEST(Cifar10, FindsTheUnpackedArchiveFolder) {
+  const std::string dir = FreshDir("cifar_sub");
+  ASSERT_EQ(::mkdir((dir + "/cifar-10-batches-bin").c_str(), 0755), 0);
+  WriteCifarDir(dir + "/cifar-10-batches-bin");
+  EXPECT_EQ(LoadCifar10(dir, Split::kTrain)->Size(), 20);
+}
+
+TEST(Cifar10Errors, MissingFolderNamesBothPlacesAndDataDir) {
+  const std::string dir = FreshDir("cifar_missing");
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              AllOf(HasSubstr(dir + "/data_batch_1.bin"),
+                    HasSubstr(dir + "/cifar-10-batches-bin/data_batch_1.bin"),
+                    HasSubstr("--data_dir"), HasSubstr("synthetic")));
+}
+
+TEST(Cifar10Errors, MissingLaterBatch) {
+  const std::string dir = FreshDir("cifar_partial");
+  WriteCifarDir(dir);
+  ASSERT_EQ(std::remove((dir + "/data_batch_4.bin").c_str()), 0);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              HasSubstr(dir + "/data_batch_4.bin"));
+}
+
+TEST(Cifar10Errors, TruncatedRecord) {
+  const std::string dir = FreshDir("cifar_trunc");
+  WriteCifarDir(dir);
+  WriteFile(dir + "/test_batch.bin", Records(3, 0).substr(0, 3 * 3073 - 100));
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTest); }),
+              AllOf(HasSubstr(dir + "/test_batch.bin"), HasSubstr("truncated"),
+                    HasSubstr("last record has 2973 bytes")));
+}
+
+TEST(Cifar10Errors, EmptyFile) {
+  const std::string dir = FreshDir("cifar_empty");
+  WriteCifarDir(dir);
+  WriteFile(dir + "/data_batch_3.bin", "");
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              AllOf(HasSubstr(dir + "/data_batch_3.bin"), HasSubstr("empty file")));
+}
+
+TEST(Cifar10Errors, LabelOutOfRange) {
+  std::string bytes = Records(3, 0);
+  bytes[2 * 3073] = 10;
+  std::vector<uint8_t> px, lb;
+  EXPECT_THAT(ErrorOf([&] { ParseCifar10Batch(bytes, "b.bin", &px, &lb); }),
+              AllOf(HasSubstr("b.bin"), HasSubstr("label 10 of record 2")));
+  EXPECT_TRUE(px.empty());
+  EXPECT_TRUE(lb.empty());
+}
+
+}  // namespace
+}  // namespace ddp::nn::data

@@ -1,0 +1,128 @@
+#include "nn/data/dataset.h"
+
+#include <cstring>
+#include <sstream>
+#include <utility>
+
+#include "nn/data/hash.h"
+
+namespace ddp::nn::data {
+
+std::string ImageShape::ToString() const {
+  std::ostringstream os;
+  os << "[" << channels << ", " << height << ", " << width << "]";
+  return os.str();
+}
+
+InMemoryImageDataset::InMemoryImageDataset(std::string name, ImageShape shape,
+                                           int64_t num_classes,
+                                           std::vector<uint8_t> pixels,
+                                           std::vector<uint8_t> labels)
+    : name_(std::move(name)),
+      shape_(shape),
+      num_classes_(num_classes),
+      pixels_(std::move(pixels)),
+      labels_(std::move(labels)) {
+  if (shape_.channels <= 0 || shape_.height <= 0 || shape_.width <= 0) {
+    throw DatasetError(name_ + ": image shape " + shape_.ToString() +
+                       " must be positive in every dimension");
+  }
+  if (num_classes_ <= 0 || num_classes_ > 256) {
+    throw DatasetError(name_ + ": number of classes " + std::to_string(num_classes_) +
+                       " must be in [1, 256] for u8 labels");
+  }
+  const uint64_t expected = static_cast<uint64_t>(labels_.size()) * shape_.NumPixels();
+  if (pixels_.size() != expected) {
+    throw DatasetError(name_ + ": " + std::to_string(labels_.size()) + " labels need " +
+                       std::to_string(expected) + " pixel bytes of shape " +
+                       shape_.ToString() + ", got " + std::to_string(pixels_.size()));
+  }
+  for (size_t i = 0; i < labels_.size(); ++i) {
+    if (labels_[i] >= num_classes_) {
+      throw DatasetError(name_ + ": label " + std::to_string(labels_[i]) + " of sample " +
+                         std::to_string(i) + " is out of range [0, " +
+                         std::to_string(num_classes_) + ")");
+    }
+  }
+}
+
+void InMemoryImageDataset::CheckIndex(int64_t index) const {
+  if (index < 0 || index >= Size()) {
+    throw std::out_of_range(name_ + ": sample index " + std::to_string(index) +
+                            " is out of range [0, " + std::to_string(Size()) + ")");
+  }
+}
+
+const uint8_t* InMemoryImageDataset::Pixels(int64_t index) const {
+  CheckIndex(index);
+  return pixels_.data() + index * shape_.NumPixels();
+}
+
+void InMemoryImageDataset::Get(int64_t index, uint8_t* pixels) const {
+  std::memcpy(pixels, Pixels(index), shape_.NumPixels());
+}
+
+int64_t InMemoryImageDataset::Label(int64_t index) const {
+  CheckIndex(index);
+  return labels_[index];
+}
+
+std::string InMemoryImageDataset::Name() const {
+  return name_ + " (" + std::to_string(Size()) + " x " + shape_.ToString() + ")";
+}
+
+SyntheticDataset::SyntheticDataset(SyntheticOptions options) : options_(options) {
+  const ImageShape& s = options_.shape;
+  if (s.channels <= 0 || s.height <= 0 || s.width <= 0) {
+    throw std::invalid_argument("synthetic dataset: image shape " + s.ToString() +
+                                " must be positive in every dimension");
+  }
+  if (options_.size < 0) {
+    throw std::invalid_argument("synthetic dataset: size " + std::to_string(options_.size) +
+                                " must be >= 0");
+  }
+  if (options_.num_classes <= 0) {
+    throw std::invalid_argument("synthetic dataset: num_classes " +
+                                std::to_string(options_.num_classes) + " must be > 0");
+  }
+}
+
+void SyntheticDataset::CheckIndex(int64_t index) const {
+  if (index < 0 || index >= Size()) {
+    throw std::out_of_range("synthetic dataset: sample index " + std::to_string(index) +
+                            " is out of range [0, " + std::to_string(Size()) + ")");
+  }
+}
+
+int64_t SyntheticDataset::Label(int64_t index) const {
+  CheckIndex(index);
+  return static_cast<int64_t>(internal::HashOf(options_.seed, 0x1abe1, index) %
+                              static_cast<uint64_t>(options_.num_classes));
+}
+
+void SyntheticDataset::Get(int64_t index, uint8_t* pixels) const {
+  const int64_t label = Label(index);
+  const int64_t n = options_.shape.NumPixels();
+  // Eight pixels per hash call for the class template and for the noise;
+  // pixel = (3 * template + noise) / 4 keeps the class signal dominant.
+  for (int64_t base = 0; base < n; base += 8) {
+    uint64_t t = internal::HashOf(options_.seed, 0x7e3, label, base);
+    uint64_t r = internal::HashOf(options_.seed, 0x401e, index, base);
+    const int64_t end = base + 8 < n ? base + 8 : n;
+    for (int64_t p = base; p < end; ++p) {
+      const unsigned tv = t & 0xff;
+      const unsigned rv = r & 0xff;
+      pixels[p] = static_cast<uint8_t>((3 * tv + rv) / 4);
+      t >>= 8;
+      r >>= 8;
+    }
+  }
+}
+
+std::string SyntheticDataset::Name() const {
+  return "synthetic (" + std::to_string(Size()) + " x " + options_.shape.ToString() + ", " +
+         std::to_string(options_.num_classes) + " classes, seed " +
+         std::to_string(options_.seed) + ")";
+}
+
+}  // namespace ddp::nn::data

@@ -1,0 +1,181 @@
+#include "nn/data/idx.h"
+
+#include <cstdio>
+#include <utility>
+
+#include "nn/data/file_bytes.h"
+
+namespace ddp::nn::data {
+namespace {
+
+constexpr uint8_t kUnsignedByte = 0x08;
+// IDX files in the wild have 1 to 4 dimensions; more is a corrupt header.
+constexpr int kMaxDims = 8;
+
+std::string Hex(uint8_t b) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "0x%02X", b);
+  return buf;
+}
+
+const char* TypeName(uint8_t type) {
+  switch (type) {
+    case 0x08: return "unsigned byte";
+    case 0x09: return "signed byte";
+    case 0x0B: return "int16";
+    case 0x0C: return "int32";
+    case 0x0D: return "float32";
+    case 0x0E: return "float64";
+    default: return "unknown type";
+  }
+}
+
+std::string DimsString(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+// Returns the first existing file among `dir/base.gz` and `dir/base`, or
+// throws the message for a missing dataset.
+std::string FindFile(const std::string& dir, const std::string& base,
+                     const std::string& missing_hint) {
+  const std::string prefix = dir.empty() || dir.back() == '/' ? dir : dir + "/";
+  const std::string gz = prefix + base + ".gz";
+  const std::string plain = prefix + base;
+  if (internal::FileExists(gz)) return gz;
+  if (internal::FileExists(plain)) return plain;
+  throw DatasetError("dataset file not found: looked for " + gz + " and " + plain + ". " +
+                     missing_hint);
+}
+
+std::shared_ptr<InMemoryImageDataset> LoadMnistFormat(const std::string& dataset,
+                                                      const std::string& dir, Split split,
+                                                      const std::string& missing_hint) {
+  const std::string prefix = split == Split::kTrain ? "train" : "t10k";
+  const std::string images = FindFile(dir, prefix + "-images-idx3-ubyte", missing_hint);
+  const std::string labels = FindFile(dir, prefix + "-labels-idx1-ubyte", missing_hint);
+  const std::string name = dataset + (split == Split::kTrain ? "/train" : "/test");
+  return LoadIdxDataset(name, images, labels, 10);
+}
+
+}  // namespace
+
+IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expected_dims) {
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (bytes.size() < 4) {
+    throw DatasetError(source + ": not an IDX file: " + std::to_string(bytes.size()) +
+                       " bytes, shorter than the 4-byte magic number");
+  }
+  if (p[0] != 0 || p[1] != 0) {
+    throw DatasetError(source + ": not an IDX file: magic number starts with " + Hex(p[0]) +
+                       " " + Hex(p[1]) + ", expected 0x00 0x00");
+  }
+  if (p[2] != kUnsignedByte) {
+    throw DatasetError(source + ": IDX data type " + Hex(p[2]) + " (" + TypeName(p[2]) +
+                       ") is not supported, expected 0x08 (unsigned byte)");
+  }
+  const int ndims = p[3];
+  if (ndims < 1 || ndims > kMaxDims) {
+    throw DatasetError(source + ": IDX header has " + std::to_string(ndims) +
+                       " dimensions, expected 1 to " + std::to_string(kMaxDims));
+  }
+  if (expected_dims > 0 && ndims != expected_dims) {
+    throw DatasetError(source + ": IDX file has " + std::to_string(ndims) +
+                       " dimensions, expected " + std::to_string(expected_dims));
+  }
+  const size_t header = 4 + 4 * static_cast<size_t>(ndims);
+  if (bytes.size() < header) {
+    throw DatasetError(source + ": IDX header truncated: " + std::to_string(ndims) +
+                       " dimensions need " + std::to_string(header) + " bytes, file has " +
+                       std::to_string(bytes.size()));
+  }
+  IdxArray out;
+  uint64_t count = 1;
+  bool overflow = false;
+  for (int d = 0; d < ndims; ++d) {
+    const uint8_t* q = p + 4 + 4 * d;
+    const uint64_t dim = (uint64_t{q[0]} << 24) | (uint64_t{q[1]} << 16) |
+                         (uint64_t{q[2]} << 8) | uint64_t{q[3]};
+    out.dims.push_back(static_cast<int64_t>(dim));
+    if (dim != 0 && count > (uint64_t{1} << 62) / dim) overflow = true;
+    count *= dim;
+  }
+  const uint64_t have = bytes.size() - header;
+  if (overflow || count > have) {
+    throw DatasetError(source + ": IDX data truncated: dimensions " + DimsString(out.dims) +
+                       " need " + (overflow ? std::string("more than 2^62") : std::to_string(count)) +
+                       " bytes after the " + std::to_string(header) + "-byte header, found " +
+                       std::to_string(have));
+  }
+  if (count < have) {
+    throw DatasetError(source + ": " + std::to_string(have - count) +
+                       " unexpected bytes after the IDX data (dimensions " +
+                       DimsString(out.dims) + " need " + std::to_string(count) + ")");
+  }
+  out.data.assign(p + header, p + header + count);
+  return out;
+}
+
+IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
+  return ParseIdx(internal::ReadMaybeGzipFile(path), path, expected_dims);
+}
+
+std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
+                                                     const std::string& images_path,
+                                                     const std::string& labels_path,
+                                                     int64_t num_classes) {
+  IdxArray images = ReadIdxFile(images_path);
+  if (images.dims.size() != 3 && images.dims.size() != 4) {
+    throw DatasetError(images_path + ": image file has " + std::to_string(images.dims.size()) +
+                       " dimensions " + DimsString(images.dims) +
+                       ", expected 3 ([N, H, W]) or 4 ([N, C, H, W])");
+  }
+  IdxArray labels = ReadIdxFile(labels_path);
+  if (labels.dims.size() != 1) {
+    throw DatasetError(labels_path + ": label file has " + std::to_string(labels.dims.size()) +
+                       " dimensions " + DimsString(labels.dims) + ", expected 1 ([N])");
+  }
+  if (labels.dims[0] != images.dims[0]) {
+    throw DatasetError(labels_path + " has " + std::to_string(labels.dims[0]) + " labels but " +
+                       images_path + " has " + std::to_string(images.dims[0]) +
+                       " images; the counts must match");
+  }
+  ImageShape shape;
+  if (images.dims.size() == 3) {
+    shape = {1, images.dims[1], images.dims[2]};
+  } else {
+    shape = {images.dims[1], images.dims[2], images.dims[3]};
+  }
+  if (shape.NumPixels() == 0) {
+    throw DatasetError(images_path + ": image shape " + shape.ToString() + " is empty");
+  }
+  for (size_t i = 0; i < labels.data.size(); ++i) {
+    if (labels.data[i] >= num_classes) {
+      throw DatasetError(labels_path + ": label " + std::to_string(labels.data[i]) +
+                         " of sample " + std::to_string(i) + " is out of range [0, " +
+                         std::to_string(num_classes) + ")");
+    }
+  }
+  return std::make_shared<InMemoryImageDataset>(name, shape, num_classes, std::move(images.data),
+                                                std::move(labels.data));
+}
+
+std::shared_ptr<InMemoryImageDataset> LoadFashionMnist(const std::string& dir, Split split) {
+  return LoadMnistFormat(
+      "fashion_mnist", dir, split,
+      std::string("Fashion-MNIST comes in Debian's package dataset-fashion-mnist "
+                  "(apt-get install dataset-fashion-mnist puts it in ") +
+          kFashionMnistDebianDir + "); --data_dir can point at another folder holding the files.");
+}
+
+std::shared_ptr<InMemoryImageDataset> LoadMnist(const std::string& dir, Split split) {
+  return LoadMnistFormat("mnist", dir, split,
+                         "Put MNIST's four IDX files (train-images-idx3-ubyte.gz, ...) in a "
+                         "folder and point --data_dir at it.");
+}
+
+}  // namespace ddp::nn::data

@@ -1,0 +1,238 @@
+#include "nn/data/idx.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <string>
+
+#include "nn/data/test_files.h"
+
+namespace ddp::nn::data {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::FreshDir;
+using testing::Gzip;
+using testing::IdxBytes;
+using testing::WriteFile;
+
+// Runs `f`, expects a DatasetError and returns its message.
+template <typename F>
+std::string ErrorOf(F&& f) {
+  try {
+    f();
+  } catch (const DatasetError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no DatasetError thrown";
+  return "";
+}
+
+TEST(FashionMnist, ReadsDebianTrainingSet) {
+  auto train = LoadFashionMnist(kFashionMnistDebianDir, Split::kTrain);
+  ASSERT_EQ(train->Size(), 60000);
+  EXPECT_EQ(train->Shape(), (ImageShape{1, 28, 28}));
+  EXPECT_EQ(train->NumClasses(), 10);
+  // Values checked with Python's gzip module on the same files.
+  const int64_t first_labels[] = {9, 0, 0, 3, 0, 2, 7, 2, 5, 5};
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(train->Label(i), first_labels[i]) << i;
+  const uint8_t* first = train->Pixels(0);
+  EXPECT_EQ(std::accumulate(first, first + 784, int64_t{0}), 76247);
+  const uint8_t* last = train->Pixels(59999);
+  EXPECT_EQ(std::accumulate(last, last + 784, int64_t{0}), 16684);
+  std::vector<int> per_class(10);
+  for (int64_t i = 0; i < train->Size(); ++i) ++per_class[train->Label(i)];
+  for (int c = 0; c < 10; ++c) EXPECT_EQ(per_class[c], 6000) << c;
+  // Kept as u8: one byte per pixel and per label.
+  EXPECT_EQ(train->MemoryBytes(), 60000 * 785);
+}
+
+TEST(FashionMnist, ReadsDebianTestSet) {
+  auto test = LoadFashionMnist(kFashionMnistDebianDir, Split::kTest);
+  ASSERT_EQ(test->Size(), 10000);
+  const int64_t first_labels[] = {9, 2, 1, 1, 6, 1, 4, 6, 5, 7};
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(test->Label(i), first_labels[i]) << i;
+  std::vector<uint8_t> buf(784);
+  test->Get(3, buf.data());
+  EXPECT_EQ(std::vector<uint8_t>(test->Pixels(3), test->Pixels(3) + 784), buf);
+  EXPECT_THAT(test->Name(), HasSubstr("fashion_mnist/test"));
+}
+
+TEST(FashionMnist, MissingFilesNameThePackageAndDataDir) {
+  const std::string dir = FreshDir("fm_missing");
+  const std::string msg = ErrorOf([&] { LoadFashionMnist(dir, Split::kTrain); });
+  EXPECT_THAT(msg, AllOf(HasSubstr(dir + "/train-images-idx3-ubyte.gz"),
+                         HasSubstr("dataset-fashion-mnist"), HasSubstr("--data_dir")));
+}
+
+TEST(Mnist, MissingFilesNameDataDir) {
+  const std::string dir = FreshDir("mnist_missing");
+  const std::string msg = ErrorOf([&] { LoadMnist(dir, Split::kTest); });
+  EXPECT_THAT(msg, AllOf(HasSubstr(dir + "/t10k-images-idx3-ubyte"), HasSubstr("--data_dir")));
+}
+
+// A tiny MNIST-format dataset: 3 images of 2x2, labels 0..2.
+struct TinySet {
+  std::string images = IdxBytes({3, 2, 2}, std::string("\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c", 12));
+  std::string labels = IdxBytes({3}, std::string("\x00\x01\x02", 3));
+};
+
+TEST(Mnist, ReadsPlainAndGzipFilesAlike) {
+  TinySet t;
+  const std::string plain = FreshDir("mnist_plain");
+  WriteFile(plain + "/train-images-idx3-ubyte", t.images);
+  WriteFile(plain + "/train-labels-idx1-ubyte", t.labels);
+  const std::string gz = FreshDir("mnist_gz");
+  WriteFile(gz + "/train-images-idx3-ubyte.gz", Gzip(t.images));
+  WriteFile(gz + "/train-labels-idx1-ubyte.gz", Gzip(t.labels));
+  for (const std::string& dir : {plain, gz}) {
+    auto ds = LoadMnist(dir, Split::kTrain);
+    ASSERT_EQ(ds->Size(), 3);
+    EXPECT_EQ(ds->Shape(), (ImageShape{1, 2, 2}));
+    EXPECT_EQ(ds->Label(2), 2);
+    EXPECT_EQ(ds->Pixels(1)[0], 5);
+    EXPECT_EQ(ds->Pixels(2)[3], 12);
+  }
+}
+
+TEST(Idx, ConcatenatedGzipMembersAreOneStream) {
+  TinySet t;
+  const std::string dir = FreshDir("idx_members");
+  WriteFile(dir + "/a.gz", Gzip(t.images.substr(0, 7)) + Gzip(t.images.substr(7)));
+  IdxArray a = ReadIdxFile(dir + "/a.gz", 3);
+  EXPECT_EQ(a.dims, (std::vector<int64_t>{3, 2, 2}));
+  EXPECT_EQ(a.data.size(), 12u);
+}
+
+TEST(Idx, FourDimensionalImagesKeepChannels) {
+  const std::string dir = FreshDir("idx_4d");
+  WriteFile(dir + "/im", IdxBytes({2, 3, 1, 1}, "abcdef"));
+  WriteFile(dir + "/lb", IdxBytes({2}, std::string("\x01\x00", 2)));
+  auto ds = LoadIdxDataset("four", dir + "/im", dir + "/lb", 2);
+  EXPECT_EQ(ds->Shape(), (ImageShape{3, 1, 1}));
+  EXPECT_EQ(ds->Pixels(1)[2], 'f');
+}
+
+TEST(IdxErrors, ShorterThanMagic) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx("\0\0", "f.idx"); }),
+              AllOf(HasSubstr("f.idx"), HasSubstr("shorter than the 4-byte magic")));
+}
+
+TEST(IdxErrors, BadMagic) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx(std::string("\x12\x34\x08\x01\0\0\0\0", 8), "f.idx"); }),
+              AllOf(HasSubstr("f.idx"), HasSubstr("0x12 0x34"), HasSubstr("expected 0x00 0x00")));
+}
+
+TEST(IdxErrors, UnsupportedDataType) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({1}, "abcd", 0x0D), "f.idx"); }),
+              AllOf(HasSubstr("0x0D"), HasSubstr("float32"), HasSubstr("expected 0x08")));
+}
+
+TEST(IdxErrors, ZeroDimensions) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({}, ""), "f.idx"); }),
+              HasSubstr("0 dimensions, expected 1 to 8"));
+}
+
+TEST(IdxErrors, WrongDimensionCount) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({2, 2}, "abcd"), "f.idx", 3); }),
+              AllOf(HasSubstr("f.idx"), HasSubstr("2 dimensions, expected 3")));
+}
+
+TEST(IdxErrors, TruncatedHeader) {
+  std::string b = IdxBytes({3, 2, 2}, "");
+  EXPECT_THAT(ErrorOf([&] { ParseIdx(b.substr(0, 9), "f.idx"); }),
+              AllOf(HasSubstr("header truncated"), HasSubstr("need 16 bytes")));
+}
+
+TEST(IdxErrors, TruncatedData) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({3, 2, 2}, "abcdefghijk"), "f.idx"); }),
+              AllOf(HasSubstr("f.idx"), HasSubstr("data truncated"), HasSubstr("[3, 2, 2]"),
+                    HasSubstr("need 12 bytes"), HasSubstr("found 11")));
+}
+
+TEST(IdxErrors, HugeDimensionsAreTruncationNotAllocation) {
+  EXPECT_THAT(ErrorOf([] {
+                ParseIdx(IdxBytes({0xffffffffu, 0xffffffffu, 0xffffffffu}, "ab"), "f.idx");
+              }),
+              AllOf(HasSubstr("data truncated"), HasSubstr("more than 2^62")));
+}
+
+TEST(IdxErrors, TrailingBytes) {
+  EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({2}, "abc"), "f.idx"); }),
+              AllOf(HasSubstr("1 unexpected bytes after the IDX data")));
+}
+
+TEST(IdxErrors, CorruptGzip) {
+  TinySet t;
+  std::string gz = Gzip(t.images);
+  gz[gz.size() / 2] ^= 0x5a;
+  gz[gz.size() / 2 + 1] ^= 0x33;
+  const std::string dir = FreshDir("idx_corrupt_gz");
+  WriteFile(dir + "/x.gz", gz);
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/x.gz"); }),
+              AllOf(HasSubstr(dir + "/x.gz"), HasSubstr("gzip")));
+}
+
+TEST(IdxErrors, TruncatedGzip) {
+  TinySet t;
+  std::string gz = Gzip(t.images);
+  const std::string dir = FreshDir("idx_trunc_gz");
+  WriteFile(dir + "/x.gz", gz.substr(0, gz.size() - 6));
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/x.gz"); }),
+              AllOf(HasSubstr(dir + "/x.gz"), HasSubstr("truncated")));
+}
+
+TEST(IdxErrors, UnreadableFileNamesTheOsError) {
+  const std::string dir = FreshDir("idx_dir");
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/nope"); }),
+              AllOf(HasSubstr(dir + "/nope"), HasSubstr("No such file")));
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir); }), HasSubstr("not a regular file"));
+}
+
+TEST(IdxDatasetErrors, LabelCountDiffersFromImageCount) {
+  const std::string dir = FreshDir("idx_count");
+  WriteFile(dir + "/im", IdxBytes({3, 1, 1}, "abc"));
+  WriteFile(dir + "/lb", IdxBytes({2}, std::string("\x00\x01", 2)));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
+              AllOf(HasSubstr("has 2 labels"), HasSubstr("has 3 images")));
+}
+
+TEST(IdxDatasetErrors, LabelOutOfRange) {
+  const std::string dir = FreshDir("idx_label");
+  WriteFile(dir + "/im", IdxBytes({3, 1, 1}, "abc"));
+  WriteFile(dir + "/lb", IdxBytes({3}, std::string("\x00\x0a\x01", 3)));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
+              AllOf(HasSubstr(dir + "/lb"), HasSubstr("label 10 of sample 1"),
+                    HasSubstr("[0, 10)")));
+}
+
+TEST(IdxDatasetErrors, ImageFileWithWrongRank) {
+  const std::string dir = FreshDir("idx_rank");
+  WriteFile(dir + "/im", IdxBytes({3}, "abc"));
+  WriteFile(dir + "/lb", IdxBytes({3}, std::string("\x00\x01\x01", 3)));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
+              AllOf(HasSubstr(dir + "/im"), HasSubstr("expected 3 ([N, H, W])")));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/lb", dir + "/im", 10); }),
+              HasSubstr("image file has 1 dimensions"));
+}
+
+TEST(IdxDatasetErrors, LabelFileWithWrongRank) {
+  const std::string dir = FreshDir("idx_lrank");
+  WriteFile(dir + "/im", IdxBytes({2, 1, 1}, "ab"));
+  WriteFile(dir + "/lb", IdxBytes({2, 1}, std::string("\x00\x01", 2)));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
+              AllOf(HasSubstr(dir + "/lb"), HasSubstr("expected 1 ([N])")));
+}
+
+TEST(IdxDatasetErrors, EmptyImageShape) {
+  const std::string dir = FreshDir("idx_empty");
+  WriteFile(dir + "/im", IdxBytes({2, 0, 5}, ""));
+  WriteFile(dir + "/lb", IdxBytes({2}, std::string("\x00\x01", 2)));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
+              HasSubstr("is empty"));
+}
+
+}  // namespace
+}  // namespace ddp::nn::data

@@ -1,0 +1,95 @@
+#include "nn/data/sampler.h"
+
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace ddp::nn::data {
+
+std::vector<int64_t> TorchRandperm(int64_t n, uint64_t seed) {
+  if (n < 0) throw std::invalid_argument("TorchRandperm: n = " + std::to_string(n) + " < 0");
+  std::vector<int64_t> r(n);
+  std::iota(r.begin(), r.end(), int64_t{0});
+  // PyTorch's CPU generator is MT19937 seeded with the low 32 bits of the
+  // seed; randperm swaps position i with i + (draw % (n - i)).
+  std::mt19937 gen(static_cast<uint32_t>(seed));
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    const int64_t z = static_cast<int64_t>(gen() % static_cast<uint64_t>(n - i));
+    std::swap(r[i], r[i + z]);
+  }
+  return r;
+}
+
+SequentialSampler::SequentialSampler(int64_t dataset_size) : n_(dataset_size) {
+  if (n_ < 0) throw std::invalid_argument("SequentialSampler: dataset size " + std::to_string(n_) + " < 0");
+}
+
+std::vector<int64_t> SequentialSampler::Indices() const {
+  std::vector<int64_t> r(n_);
+  std::iota(r.begin(), r.end(), int64_t{0});
+  return r;
+}
+
+RandomSampler::RandomSampler(int64_t dataset_size, uint64_t seed) : n_(dataset_size), seed_(seed) {
+  if (n_ < 0) throw std::invalid_argument("RandomSampler: dataset size " + std::to_string(n_) + " < 0");
+}
+
+std::vector<int64_t> RandomSampler::Indices() const {
+  return TorchRandperm(n_, seed_ + static_cast<uint64_t>(epoch_));
+}
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options)
+    : n_(dataset_size), options_(options) {
+  if (n_ < 0) {
+    throw std::invalid_argument("DistributedSampler: dataset size " + std::to_string(n_) + " < 0");
+  }
+  if (options_.num_replicas < 1) {
+    throw std::invalid_argument("DistributedSampler: num_replicas " +
+                                std::to_string(options_.num_replicas) + " must be >= 1");
+  }
+  if (options_.rank < 0 || options_.rank >= options_.num_replicas) {
+    throw std::invalid_argument("DistributedSampler: rank " + std::to_string(options_.rank) +
+                                " is outside [0, " + std::to_string(options_.num_replicas - 1) +
+                                "]");
+  }
+  const int64_t r = options_.num_replicas;
+  if (options_.drop_last && n_ % r != 0) {
+    // ceil((n - r) / r): the largest per-rank count that needs no padding.
+    num_samples_ = (n_ - r + r - 1) / r;
+    if (num_samples_ < 0) num_samples_ = 0;
+  } else {
+    num_samples_ = (n_ + r - 1) / r;
+  }
+}
+
+std::vector<int64_t> DistributedSampler::Indices() const {
+  std::vector<int64_t> all;
+  if (options_.shuffle) {
+    all = TorchRandperm(n_, options_.seed + static_cast<uint64_t>(epoch_));
+  } else {
+    all.resize(n_);
+    std::iota(all.begin(), all.end(), int64_t{0});
+  }
+  const int64_t total = TotalSize();
+  if (!options_.drop_last) {
+    // Pad by repeating the list from its start (more than once if the
+    // dataset is smaller than the padding).
+    const int64_t base = static_cast<int64_t>(all.size());
+    for (int64_t i = 0; base > 0 && static_cast<int64_t>(all.size()) < total; ++i) {
+      all.push_back(all[i % base]);
+    }
+  } else {
+    all.resize(total);
+  }
+  std::vector<int64_t> mine;
+  mine.reserve(num_samples_);
+  for (int64_t i = options_.rank; i < total && i < static_cast<int64_t>(all.size());
+       i += options_.num_replicas) {
+    mine.push_back(all[i]);
+  }
+  return mine;
+}
+
+}  // namespace ddp::nn::data

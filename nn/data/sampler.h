@@ -1,0 +1,93 @@
+#ifndef DDP_NN_DATA_SAMPLER_H_
+#define DDP_NN_DATA_SAMPLER_H_
+
+// Samplers decide which dataset indices an epoch visits and in what order.
+// Shuffling reproduces PyTorch's torch.randperm on a CPU generator seeded
+// with seed + epoch, so the same seed visits samples in the same order as a
+// PyTorch run (checked against index lists exported from PyTorch 1.13).
+
+#include <cstdint>
+#include <vector>
+
+namespace ddp::nn::data {
+
+/// torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+/// as PyTorch 1.13 computes it on the CPU (MT19937, forward swaps).
+std::vector<int64_t> TorchRandperm(int64_t n, uint64_t seed);
+
+/// A source of dataset indices, one list per epoch.
+class Sampler {
+ public:
+  virtual ~Sampler() = default;
+  /// Number of indices in one epoch.
+  virtual int64_t Size() const = 0;
+  /// Selects the epoch whose indices Indices() returns (reshuffles).
+  virtual void SetEpoch(int64_t epoch) = 0;
+  /// The current epoch's indices, in visiting order.
+  virtual std::vector<int64_t> Indices() const = 0;
+};
+
+/// 0, 1, ..., n-1 every epoch.
+class SequentialSampler : public Sampler {
+ public:
+  explicit SequentialSampler(int64_t dataset_size);
+  int64_t Size() const override { return n_; }
+  void SetEpoch(int64_t) override {}
+  std::vector<int64_t> Indices() const override;
+
+ private:
+  int64_t n_;
+};
+
+/// A fresh permutation each epoch: TorchRandperm(n, seed + epoch).
+class RandomSampler : public Sampler {
+ public:
+  RandomSampler(int64_t dataset_size, uint64_t seed);
+  int64_t Size() const override { return n_; }
+  void SetEpoch(int64_t epoch) override { epoch_ = epoch; }
+  std::vector<int64_t> Indices() const override;
+
+ private:
+  int64_t n_;
+  uint64_t seed_;
+  int64_t epoch_ = 0;
+};
+
+/// Options of DistributedSampler, named and defaulted as in PyTorch.
+struct DistributedSamplerOptions {
+  int64_t num_replicas = 1;  ///< Number of ranks sharing the dataset.
+  int64_t rank = 0;          ///< This rank, in [0, num_replicas).
+  bool shuffle = true;       ///< Permute with TorchRandperm(n, seed + epoch).
+  uint64_t seed = 0;         ///< Must be the same on every rank.
+  bool drop_last = false;    ///< Drop the tail instead of padding by wrap-around.
+};
+
+/// torch.utils.data.DistributedSampler: every rank sees Size() indices per
+/// epoch and together they cover the dataset. Without drop_last the list is
+/// padded by repeating its start until it divides evenly; with drop_last the
+/// tail that does not divide evenly is dropped. Rank r takes positions
+/// r, r + num_replicas, ... of the (shuffled) list.
+class DistributedSampler : public Sampler {
+ public:
+  /// Throws std::invalid_argument for num_replicas < 1 or rank outside
+  /// [0, num_replicas).
+  DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options);
+  int64_t Size() const override { return num_samples_; }
+  /// Must be called with the same epoch on every rank before each epoch,
+  /// or every epoch uses the same order (as in PyTorch).
+  void SetEpoch(int64_t epoch) override { epoch_ = epoch; }
+  std::vector<int64_t> Indices() const override;
+  /// Indices per epoch summed over all ranks (num_replicas * Size()).
+  int64_t TotalSize() const { return num_samples_ * options_.num_replicas; }
+  const DistributedSamplerOptions& options() const { return options_; }
+
+ private:
+  int64_t n_;
+  DistributedSamplerOptions options_;
+  int64_t num_samples_;
+  int64_t epoch_ = 0;
+};
+
+}  // namespace ddp::nn::data
+
+#endif  // DDP_NN_DATA_SAMPLER_H_

@@ -1,0 +1,116 @@
+#include "nn/data/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+namespace ddp::nn::data {
+namespace {
+
+nlohmann::json Golden() {
+  std::ifstream in("nn/data/testdata/sampler_golden.json");
+  EXPECT_TRUE(in.good()) << "cannot open the golden file";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return nlohmann::json::parse(ss.str());
+}
+
+int64_t WeightedSum(const std::vector<int64_t>& v) {
+  int64_t s = 0;
+  for (size_t i = 0; i < v.size(); ++i) s += static_cast<int64_t>(i + 1) * v[i];
+  return s;
+}
+
+// Every case PyTorch 1.13's DistributedSampler produced, index for index.
+TEST(DistributedSampler, MatchesPyTorch) {
+  const nlohmann::json golden = Golden();
+  int checked = 0;
+  for (const auto& c : golden["distributed"]) {
+    DistributedSamplerOptions o;
+    o.num_replicas = c["num_replicas"];
+    o.rank = c["rank"];
+    o.shuffle = c["shuffle"];
+    o.drop_last = c["drop_last"];
+    o.seed = c["seed"];
+    DistributedSampler s(c["n"].get<int64_t>(), o);
+    s.SetEpoch(c["epoch"]);
+    const std::vector<int64_t> got = s.Indices();
+    const std::string where = c.dump().substr(0, 140);
+    EXPECT_EQ(s.Size(), c["size"].get<int64_t>()) << where;
+    ASSERT_EQ(static_cast<int64_t>(got.size()), s.Size()) << where;
+    if (c.contains("indices")) {
+      EXPECT_EQ(got, c["indices"].get<std::vector<int64_t>>()) << where;
+    } else {
+      const auto head = c["head"].get<std::vector<int64_t>>();
+      const auto tail = c["tail"].get<std::vector<int64_t>>();
+      EXPECT_EQ(std::vector<int64_t>(got.begin(), got.begin() + head.size()), head) << where;
+      EXPECT_EQ(std::vector<int64_t>(got.end() - tail.size(), got.end()), tail) << where;
+      EXPECT_EQ(WeightedSum(got), c["weighted_sum"].get<int64_t>()) << where;
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 436);  // every case in the file
+}
+
+TEST(TorchRandperm, MatchesPyTorch) {
+  for (const auto& c : Golden()["randperm"]) {
+    const auto p = TorchRandperm(c["n"], c["seed"]);
+    const auto head = c["head"].get<std::vector<int64_t>>();
+    ASSERT_GE(p.size(), head.size());
+    EXPECT_EQ(std::vector<int64_t>(p.begin(), p.begin() + head.size()), head) << c["n"];
+    EXPECT_EQ(WeightedSum(p), c["weighted_sum"].get<int64_t>()) << c["n"];
+  }
+}
+
+TEST(DistributedSampler, RanksPartitionThePaddedEpoch) {
+  const int64_t n = 103;
+  for (int64_t replicas : {1, 2, 4, 5}) {
+    std::multiset<int64_t> all;
+    for (int64_t r = 0; r < replicas; ++r) {
+      DistributedSampler s(n, {replicas, r, true, 11, false});
+      s.SetEpoch(3);
+      for (int64_t i : s.Indices()) all.insert(i);
+    }
+    EXPECT_EQ(static_cast<int64_t>(all.size()), (n + replicas - 1) / replicas * replicas);
+    for (int64_t i = 0; i < n; ++i) EXPECT_GE(all.count(i), 1u) << i;
+  }
+}
+
+TEST(DistributedSampler, EpochChangesOrderAndSameEpochRepeats) {
+  DistributedSampler s(50, {2, 1, true, 5, false});
+  s.SetEpoch(0);
+  auto e0 = s.Indices();
+  s.SetEpoch(1);
+  auto e1 = s.Indices();
+  s.SetEpoch(0);
+  EXPECT_EQ(s.Indices(), e0);
+  EXPECT_NE(e0, e1);
+}
+
+TEST(DistributedSampler, RejectsBadRank) {
+  EXPECT_THROW(DistributedSampler(10, {2, 2, true, 0, false}), std::invalid_argument);
+  EXPECT_THROW(DistributedSampler(10, {2, -1, true, 0, false}), std::invalid_argument);
+  EXPECT_THROW(DistributedSampler(10, {0, 0, true, 0, false}), std::invalid_argument);
+}
+
+TEST(RandomSampler, PermutationPerEpoch) {
+  RandomSampler s(1000, 42);
+  s.SetEpoch(2);
+  auto p = s.Indices();
+  EXPECT_EQ(p, TorchRandperm(1000, 44));
+  std::sort(p.begin(), p.end());
+  for (int64_t i = 0; i < 1000; ++i) EXPECT_EQ(p[i], i);
+}
+
+TEST(SequentialSampler, InOrder) {
+  SequentialSampler s(4);
+  s.SetEpoch(9);
+  EXPECT_EQ(s.Indices(), (std::vector<int64_t>{0, 1, 2, 3}));
+}
+
+}  // namespace
+}  // namespace ddp::nn::data

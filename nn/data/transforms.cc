@@ -1,0 +1,124 @@
+#include "nn/data/transforms.h"
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "nn/data/hash.h"
+
+namespace ddp::nn::data {
+
+TransformOptions FashionMnistNormalize() {
+  TransformOptions o;
+  o.mean = {0.2860f};
+  o.std = {0.3530f};
+  return o;
+}
+
+TransformOptions Cifar10TrainAugment(uint64_t seed) {
+  TransformOptions o;
+  o.mean = {0.4914f, 0.4822f, 0.4465f};
+  o.std = {0.2470f, 0.2435f, 0.2616f};
+  o.random_crop = true;
+  o.crop_padding = 4;
+  o.horizontal_flip = true;
+  o.seed = seed;
+  return o;
+}
+
+SampleTransform::SampleTransform(ImageShape input, TransformOptions options)
+    : input_(input), output_(input), options_(std::move(options)) {
+  if (input_.channels <= 0 || input_.height <= 0 || input_.width <= 0) {
+    throw std::invalid_argument("SampleTransform: input shape " + input_.ToString() +
+                                " must be positive in every dimension");
+  }
+  const auto& mean = options_.mean;
+  const auto& stdv = options_.std;
+  if (mean.size() != stdv.size()) {
+    throw std::invalid_argument("SampleTransform: normalize has " + std::to_string(mean.size()) +
+                                " means but " + std::to_string(stdv.size()) + " stds");
+  }
+  if (!mean.empty() && mean.size() != 1 && static_cast<int64_t>(mean.size()) != input_.channels) {
+    throw std::invalid_argument("SampleTransform: normalize has " + std::to_string(mean.size()) +
+                                " values per statistic, the images have " +
+                                std::to_string(input_.channels) + " channels");
+  }
+  for (float s : stdv) {
+    if (!(s > 0.0f)) {
+      throw std::invalid_argument("SampleTransform: normalize std " + std::to_string(s) +
+                                  " must be > 0");
+    }
+  }
+  if (options_.random_crop) {
+    if (options_.crop_padding < 0) {
+      throw std::invalid_argument("SampleTransform: crop padding " +
+                                  std::to_string(options_.crop_padding) + " must be >= 0");
+    }
+    if (options_.crop_height > 0) output_.height = options_.crop_height;
+    if (options_.crop_width > 0) output_.width = options_.crop_width;
+    if (output_.height > input_.height + 2 * options_.crop_padding ||
+        output_.width > input_.width + 2 * options_.crop_padding) {
+      throw std::invalid_argument(
+          "SampleTransform: crop " + std::to_string(output_.height) + "x" +
+          std::to_string(output_.width) + " is larger than the padded image " +
+          std::to_string(input_.height + 2 * options_.crop_padding) + "x" +
+          std::to_string(input_.width + 2 * options_.crop_padding));
+    }
+  }
+  lut_.resize(input_.channels);
+  for (int64_t c = 0; c < input_.channels; ++c) {
+    for (int v = 0; v < 256; ++v) {
+      float x = static_cast<float>(v) / 255.0f;
+      if (!mean.empty()) {
+        const size_t k = mean.size() == 1 ? 0 : c;
+        x = (x - mean[k]) / stdv[k];
+      }
+      lut_[c][v] = x;
+    }
+  }
+}
+
+void SampleTransform::Apply(const uint8_t* pixels, float* out, int64_t epoch,
+                            int64_t index) const {
+  const int64_t ih = input_.height, iw = input_.width;
+  const int64_t oh = output_.height, ow = output_.width;
+  int64_t top = 0, left = 0;  // window position in padded coordinates
+  int64_t pad = 0;
+  bool flip = false;
+  if (options_.random_crop || options_.horizontal_flip) {
+    const uint64_t h = internal::HashOf(options_.seed, 0xa06, static_cast<uint64_t>(epoch),
+                                        static_cast<uint64_t>(index));
+    if (options_.random_crop) {
+      pad = options_.crop_padding;
+      top = static_cast<int64_t>((h & 0xffffff) % static_cast<uint64_t>(ih + 2 * pad - oh + 1));
+      left = static_cast<int64_t>(((h >> 24) & 0xffffff) %
+                                  static_cast<uint64_t>(iw + 2 * pad - ow + 1));
+    }
+    flip = options_.horizontal_flip && (h >> 63) != 0;
+  }
+  for (int64_t c = 0; c < input_.channels; ++c) {
+    const float* lut = lut_[c].data();
+    const uint8_t* src = pixels + c * ih * iw;
+    float* dst = out + c * oh * ow;
+    for (int64_t y = 0; y < oh; ++y) {
+      const int64_t sy = y + top - pad;
+      float* row = dst + y * ow;
+      if (sy < 0 || sy >= ih) {
+        for (int64_t x = 0; x < ow; ++x) row[x] = lut[0];
+        continue;
+      }
+      const uint8_t* srow = src + sy * iw;
+      const int64_t shift = left - pad;
+      if (!flip && shift == 0 && ow == iw) {
+        for (int64_t x = 0; x < ow; ++x) row[x] = lut[srow[x]];
+        continue;
+      }
+      for (int64_t x = 0; x < ow; ++x) {
+        const int64_t sx = (flip ? ow - 1 - x : x) + shift;
+        row[x] = (sx < 0 || sx >= iw) ? lut[0] : lut[srow[sx]];
+      }
+    }
+  }
+}
+
+}  // namespace ddp::nn::data

@@ -1,0 +1,138 @@
+#include "nn/data/transforms.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <tuple>
+#include <vector>
+
+namespace ddp::nn::data {
+namespace {
+
+TEST(SampleTransform, ScalesToUnitRangeByDefault) {
+  SampleTransform t({1, 1, 4}, {});
+  const uint8_t px[4] = {0, 1, 128, 255};
+  float out[4];
+  t.Apply(px, out, 0, 0);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(out[i], static_cast<float>(px[i]) / 255.0f);
+}
+
+TEST(SampleTransform, NormalizesPerChannelLikeTorchvision) {
+  TransformOptions o;
+  o.mean = {0.5f, 0.25f};
+  o.std = {0.2f, 0.4f};
+  SampleTransform t({2, 1, 2}, o);
+  const uint8_t px[4] = {0, 200, 17, 255};
+  float out[4];
+  t.Apply(px, out, 3, 9);
+  for (int i = 0; i < 4; ++i) {
+    const int c = i / 2;
+    EXPECT_EQ(out[i], (static_cast<float>(px[i]) / 255.0f - o.mean[c]) / o.std[c]) << i;
+  }
+}
+
+// Reference: pad with zeros, cut at (top, left), mirror if flip.
+std::vector<float> Reference(const std::vector<uint8_t>& px, int c, int h, int w, int pad,
+                             int oh, int ow, int top, int left, bool flip) {
+  std::vector<float> out(c * oh * ow);
+  for (int k = 0; k < c; ++k)
+    for (int y = 0; y < oh; ++y)
+      for (int x = 0; x < ow; ++x) {
+        const int xx = flip ? ow - 1 - x : x;
+        const int sy = y + top - pad, sx = xx + left - pad;
+        const uint8_t v = (sy < 0 || sy >= h || sx < 0 || sx >= w) ? 0 : px[(k * h + sy) * w + sx];
+        out[(k * oh + y) * ow + x] = static_cast<float>(v) / 255.0f;
+      }
+  return out;
+}
+
+TEST(SampleTransform, RandomCropAndFlipCoverEveryChoiceAndAreReproducible) {
+  const int c = 2, h = 5, w = 6, pad = 2;
+  std::vector<uint8_t> px(c * h * w);
+  for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i + 1);  // no zeros
+  TransformOptions o;
+  o.random_crop = true;
+  o.crop_padding = pad;
+  o.horizontal_flip = true;
+  o.seed = 77;
+  SampleTransform t({c, h, w}, o);
+  ASSERT_EQ(t.OutputShape(), (ImageShape{c, h, w}));
+  std::set<std::tuple<int, int, bool>> seen;
+  std::vector<float> out(px.size()), again(px.size());
+  for (int64_t index = 0; index < 2000; ++index) {
+    t.Apply(px.data(), out.data(), 1, index);
+    t.Apply(px.data(), again.data(), 1, index);
+    ASSERT_EQ(out, again);
+    int matches = 0;
+    for (int top = 0; top <= 2 * pad; ++top)
+      for (int left = 0; left <= 2 * pad; ++left)
+        for (bool flip : {false, true})
+          if (Reference(px, c, h, w, pad, h, w, top, left, flip) == out) {
+            ++matches;
+            seen.insert({top, left, flip});
+          }
+    ASSERT_EQ(matches, 1) << index;
+  }
+  EXPECT_EQ(seen.size(), 5u * 5u * 2u);
+}
+
+TEST(SampleTransform, EpochChangesTheDraw) {
+  TransformOptions o;
+  o.random_crop = true;
+  o.crop_padding = 4;
+  o.horizontal_flip = true;
+  SampleTransform t({1, 8, 8}, o);
+  std::vector<uint8_t> px(64);
+  for (int i = 0; i < 64; ++i) px[i] = static_cast<uint8_t>(3 * i + 1);
+  int differ = 0;
+  std::vector<float> a(64), b(64);
+  for (int64_t index = 0; index < 50; ++index) {
+    t.Apply(px.data(), a.data(), 0, index);
+    t.Apply(px.data(), b.data(), 1, index);
+    differ += a != b;
+  }
+  EXPECT_GT(differ, 40);
+}
+
+TEST(SampleTransform, SmallerCropWindow) {
+  TransformOptions o;
+  o.random_crop = true;
+  o.crop_height = 2;
+  o.crop_width = 3;
+  SampleTransform t({1, 4, 4}, o);
+  EXPECT_EQ(t.OutputShape(), (ImageShape{1, 2, 3}));
+  std::vector<uint8_t> px(16);
+  for (int i = 0; i < 16; ++i) px[i] = static_cast<uint8_t>(i + 1);
+  std::vector<float> out(6);
+  for (int64_t index = 0; index < 100; ++index) {
+    t.Apply(px.data(), out.data(), 0, index);
+    for (float v : out) EXPECT_GT(v, 0.0f);  // never reaches padding
+  }
+}
+
+TEST(SampleTransform, RejectsBadOptions) {
+  TransformOptions o;
+  o.mean = {0.5f, 0.5f};
+  o.std = {0.5f};
+  EXPECT_THROW(SampleTransform({2, 2, 2}, o), std::invalid_argument);
+  o.std = {0.5f, 0.0f};
+  EXPECT_THROW(SampleTransform({2, 2, 2}, o), std::invalid_argument);
+  o.mean = {0.1f, 0.2f, 0.3f};
+  o.std = {1.f, 1.f, 1.f};
+  EXPECT_THROW(SampleTransform({2, 2, 2}, o), std::invalid_argument);
+  TransformOptions crop;
+  crop.random_crop = true;
+  crop.crop_height = 9;
+  crop.crop_padding = 1;
+  EXPECT_THROW(SampleTransform({1, 6, 6}, crop), std::invalid_argument);
+}
+
+TEST(SampleTransform, PresetsMatchTheImages) {
+  SampleTransform fm({1, 28, 28}, FashionMnistNormalize());
+  SampleTransform cifar({3, 32, 32}, Cifar10TrainAugment(1));
+  EXPECT_EQ(cifar.OutputShape(), (ImageShape{3, 32, 32}));
+  EXPECT_THROW(SampleTransform({1, 32, 32}, Cifar10TrainAugment(1)), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ddp::nn::data
