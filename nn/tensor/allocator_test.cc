@@ -1,0 +1,69 @@
+#include "nn/tensor/allocator.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+#include <vector>
+
+namespace ddp::nn {
+namespace {
+
+TEST(CachingCpuAllocatorTest, ReusesFreedBlocksOfTheSameClass) {
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  void* p = a.Allocate(1000, kCPU);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kCpuAlignment, 0u);
+  a.Deallocate(p, 1000, kCPU);
+  void* q = a.Allocate(990, kCPU);  // same 1024-byte class
+  EXPECT_EQ(p, q);
+  AllocatorStats s = a.Stats();
+  EXPECT_EQ(s.requests, 2u);
+  EXPECT_EQ(s.system_allocations, 1u);
+  EXPECT_EQ(s.in_use_bytes, 1024u);
+  a.Deallocate(q, 990, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 1024u);
+  a.EmptyCache();
+  EXPECT_EQ(a.Stats().cached_bytes, 0u);
+}
+
+TEST(CachingCpuAllocatorTest, SizeClasses) {
+  EXPECT_EQ(CachingCpuAllocator::RoundSize(0), 64u);
+  EXPECT_EQ(CachingCpuAllocator::RoundSize(65), 128u);
+  EXPECT_EQ(CachingCpuAllocator::RoundSize(65536), 65536u);
+  EXPECT_EQ(CachingCpuAllocator::RoundSize(65537), 65536u + 8192u);
+  EXPECT_EQ(CachingCpuAllocator::RoundSize(1u << 20), 1u << 20);
+  EXPECT_EQ(CachingCpuAllocator::RoundSize((1u << 20) + 1), (1u << 20) + (1u << 17));
+}
+
+TEST(CachingCpuAllocatorTest, BoundedCacheAndDisabledCaching) {
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  a.set_max_cached_bytes(4096);
+  void* p = a.Allocate(8192, kCPU);
+  a.Deallocate(p, 8192, kCPU);  // larger than the bound: released
+  EXPECT_EQ(a.Stats().cached_bytes, 0u);
+  a.set_caching_enabled(false);
+  void* q = a.Allocate(64, kCPU);
+  a.Deallocate(q, 64, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 0u);
+}
+
+TEST(CachingCpuAllocatorTest, ThreadsAllocateConcurrently) {
+  CachingCpuAllocator a;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&a, t] {
+      for (int i = 0; i < 2000; ++i) {
+        const size_t n = 64 * (1 + (i + t) % 17);
+        void* p = a.Allocate(n, kCPU);
+        static_cast<char*>(p)[0] = 1;
+        a.Deallocate(p, n, kCPU);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(a.Stats().in_use_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace ddp::nn

@@ -1,0 +1,134 @@
+#include "nn/tensor/generator.h"
+
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+namespace ddp::nn {
+
+namespace {
+inline uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+}  // namespace
+
+void Generator::Seed(uint64_t seed) {
+  seed_ = seed;
+  uint64_t x = seed;
+  for (uint64_t& s : state_) {
+    // splitmix64 spreads one seed over the 256-bit state.
+    x += 0x9e3779b97f4a7c15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    s = z ^ (z >> 31);
+  }
+  has_spare_ = false;
+}
+
+uint64_t Generator::NextU64() {
+  const uint64_t result = Rotl(state_[1] * 5, 7) * 9;
+  const uint64_t t = state_[1] << 17;
+  state_[2] ^= state_[0];
+  state_[3] ^= state_[1];
+  state_[1] ^= state_[2];
+  state_[0] ^= state_[3];
+  state_[2] ^= t;
+  state_[3] = Rotl(state_[3], 45);
+  return result;
+}
+
+double Generator::NextNormal() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
+  double u1 = NextDouble();
+  while (u1 <= 0.0) u1 = NextDouble();
+  const double u2 = NextDouble();
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  spare_ = r * std::sin(2.0 * M_PI * u2);
+  has_spare_ = true;
+  return r * std::cos(2.0 * M_PI * u2);
+}
+
+uint64_t Generator::NextBelow(uint64_t n) {
+  if (n == 0) throw std::invalid_argument("NextBelow(0)");
+  // Rejection keeps the distribution exactly uniform.
+  const uint64_t limit = UINT64_MAX - UINT64_MAX % n;
+  uint64_t x;
+  do {
+    x = NextU64();
+  } while (x >= limit);
+  return x % n;
+}
+
+Generator& DefaultGenerator() {
+  static Generator* gen = new Generator(0);
+  return *gen;
+}
+
+void ManualSeed(uint64_t seed) { DefaultGenerator().Seed(seed); }
+
+namespace {
+
+template <typename Draw>
+void FillWith(const Tensor& t, const char* what, Draw draw) {
+  if (!t.device().is_cpu()) {
+    Tensor host = Empty(t.shape(), {.dtype = t.dtype()});
+    FillWith(host, what, draw);
+    NoGradGuard guard;
+    t.CopyFrom(host);
+    return;
+  }
+  Tensor c = t.is_contiguous() ? t : Empty(t.shape(), {.dtype = t.dtype()});
+  DDP_DISPATCH_FLOATING(t.dtype(), what, {
+    scalar_t* p = static_cast<scalar_t*>(c.data_ptr());
+    for (int64_t i = 0; i < c.numel(); ++i) p[i] = static_cast<scalar_t>(static_cast<acc_t<scalar_t>>(draw()));
+  });
+  t.storage()->BumpVersion();
+  if (!c.is_same(t)) {
+    NoGradGuard guard;
+    t.CopyFrom(c);
+  }
+}
+
+}  // namespace
+
+void UniformFill(const Tensor& t, double low, double high, Generator& gen) {
+  FillWith(t, "UniformFill", [&] { return low + (high - low) * gen.NextDouble(); });
+}
+
+void NormalFill(const Tensor& t, double mean, double std, Generator& gen) {
+  FillWith(t, "NormalFill", [&] { return mean + std * gen.NextNormal(); });
+}
+
+Tensor Rand(const Shape& shape, TensorOptions options, Generator& gen) {
+  TensorOptions plain = options;
+  plain.requires_grad = false;
+  Tensor t = Empty(shape, plain);
+  UniformFill(t, 0.0, 1.0, gen);
+  if (options.requires_grad) t.set_requires_grad(true);
+  return t;
+}
+
+Tensor Randn(const Shape& shape, TensorOptions options, Generator& gen) {
+  TensorOptions plain = options;
+  plain.requires_grad = false;
+  Tensor t = Empty(shape, plain);
+  NormalFill(t, 0.0, 1.0, gen);
+  if (options.requires_grad) t.set_requires_grad(true);
+  return t;
+}
+
+Tensor RandPerm(int64_t n, Generator& gen) {
+  Tensor t = Empty({n}, {.dtype = DType::kInt64});
+  int64_t* p = t.data<int64_t>();
+  std::iota(p, p + n, int64_t{0});
+  for (int64_t i = n - 1; i > 0; --i) {  // Fisher-Yates
+    const int64_t j = static_cast<int64_t>(gen.NextBelow(static_cast<uint64_t>(i + 1)));
+    std::swap(p[i], p[j]);
+  }
+  return t;
+}
+
+}  // namespace ddp::nn

@@ -1,0 +1,800 @@
+#include "nn/tensor/tensor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
+
+#include "nn/tensor/strided_loop.h"
+
+namespace ddp::nn {
+
+// ---------------------------------------------------------------- shapes
+
+std::string ShapeToString(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+int64_t NumElements(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Shape ContiguousStrides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= std::max<int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+Shape BroadcastShapes(const Shape& a, const Shape& b) {
+  const size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (da != db && da != 1 && db != 1) {
+      throw std::invalid_argument("shapes " + ShapeToString(a) + " and " + ShapeToString(b) +
+                                  " cannot be broadcast together (dimension " +
+                                  std::to_string(i) + ": " + std::to_string(da) + " vs " +
+                                  std::to_string(db) + ")");
+    }
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+namespace detail {
+void CheckVectorSize(size_t count, const Shape& shape) {
+  if (static_cast<int64_t>(count) != NumElements(shape)) {
+    throw std::invalid_argument("FromVector: " + std::to_string(count) +
+                                " values cannot fill shape " + ShapeToString(shape) + " (" +
+                                std::to_string(NumElements(shape)) + " elements)");
+  }
+}
+}  // namespace detail
+
+namespace {
+
+void CheckShape(const Shape& shape, const char* what) {
+  for (int64_t s : shape) {
+    if (s < 0) {
+      throw std::invalid_argument(std::string(what) + ": negative size in shape " +
+                                  ShapeToString(shape));
+    }
+  }
+}
+
+// Replaces a single -1 in `shape` by the size that makes numel elements.
+Shape InferSize(const Shape& shape, int64_t numel) {
+  Shape out = shape;
+  int64_t known = 1;
+  int infer = -1;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == -1) {
+      if (infer >= 0) throw std::invalid_argument("shape " + ShapeToString(shape) + " has more than one -1");
+      infer = static_cast<int>(i);
+    } else if (out[i] < 0) {
+      throw std::invalid_argument("invalid size in shape " + ShapeToString(shape));
+    } else {
+      known *= out[i];
+    }
+  }
+  if (infer >= 0) {
+    if (known == 0 || numel % known != 0) {
+      throw std::invalid_argument("shape " + ShapeToString(shape) + " is invalid for " +
+                                  std::to_string(numel) + " elements");
+    }
+    out[infer] = numel / known;
+  } else if (known != numel) {
+    throw std::invalid_argument("shape " + ShapeToString(shape) + " is invalid for " +
+                                std::to_string(numel) + " elements");
+  }
+  return out;
+}
+
+// Strides that express `new_shape` over the memory of (old_shape,
+// old_strides) without copying, or nothing when impossible. Old dimensions
+// are taken in chunks whose elements are evenly spaced; each chunk must map
+// onto a run of new dimensions with the same element count.
+std::optional<Shape> ViewStrides(const Shape& old_shape, const Shape& old_strides,
+                                 const Shape& new_shape) {
+  if (old_shape.empty() || NumElements(old_shape) == 0) return ContiguousStrides(new_shape);
+  Shape new_strides(new_shape.size(), 1);
+  int64_t view_d = static_cast<int64_t>(new_shape.size()) - 1;
+  int64_t chunk_stride = old_strides.back();
+  int64_t chunk_numel = 1, view_numel = 1;
+  for (int64_t d = static_cast<int64_t>(old_shape.size()) - 1; d >= 0; --d) {
+    chunk_numel *= old_shape[d];
+    const bool chunk_ends =
+        d == 0 || (old_shape[d - 1] != 1 && old_strides[d - 1] != chunk_numel * chunk_stride);
+    if (!chunk_ends) continue;
+    while (view_d >= 0 && (view_numel < chunk_numel || new_shape[view_d] == 1)) {
+      new_strides[view_d] = view_numel * chunk_stride;
+      view_numel *= new_shape[view_d];
+      --view_d;
+    }
+    if (view_numel != chunk_numel) return std::nullopt;
+    if (d > 0) {
+      chunk_stride = old_strides[d - 1];
+      chunk_numel = 1;
+      view_numel = 1;
+    }
+  }
+  if (view_d != -1) return std::nullopt;
+  return new_strides;
+}
+
+template <typename D, typename S>
+inline D ConvertScalar(S s) {
+  if constexpr (std::is_same_v<D, S>) {
+    return s;
+  } else {
+    return static_cast<D>(static_cast<acc_t<S>>(s));
+  }
+}
+
+// dst[i] = src[i] on the CPU: one shape (src already expanded), any strides and dtypes.
+void CpuCopyStrided(const Tensor& dst, const Tensor& src) {
+  if (dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous()) {
+    if (dst.data_ptr() != src.data_ptr()) std::memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes());
+    return;
+  }
+  StridedLoop<2> loop(dst.shape(), {dst.strides(), src.strides()});
+  DDP_DISPATCH_ALL(dst.dtype(), "copy", {
+    using dst_t = scalar_t;
+    dst_t* d = static_cast<dst_t*>(dst.data_ptr());
+    DDP_DISPATCH_ALL(src.dtype(), "copy", {
+      const scalar_t* s = static_cast<const scalar_t*>(src.data_ptr());
+      loop.ForEachRow([&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& st) {
+        dst_t* dp = d + off[0];
+        const scalar_t* sp = s + off[1];
+        if (st[0] == 1 && st[1] == 1) {
+          for (int64_t i = 0; i < n; ++i) dp[i] = ConvertScalar<dst_t>(sp[i]);
+        } else {
+          for (int64_t i = 0; i < n; ++i) dp[i * st[0]] = ConvertScalar<dst_t>(sp[i * st[1]]);
+        }
+      });
+    });
+  });
+}
+
+void CpuCopyBytes(void* dst, Device, const void* src, Device, size_t nbytes) {
+  std::memcpy(dst, src, nbytes);
+}
+
+void CpuSynchronize(Device) {}
+
+struct BackendRegistry {
+  DeviceBackend backends[kNumDeviceTypes];
+  bool registered[kNumDeviceTypes] = {};
+  BackendRegistry() {
+    DeviceBackend cpu;
+    cpu.allocator = &CpuAllocator();
+    cpu.copy_bytes = &CpuCopyBytes;
+    cpu.copy_strided = &CpuCopyStrided;
+    cpu.synchronize = &CpuSynchronize;
+    backends[0] = cpu;
+    registered[0] = true;
+  }
+};
+
+BackendRegistry& Backends() {
+  static BackendRegistry* registry = new BackendRegistry();
+  return *registry;
+}
+
+thread_local bool grad_mode_enabled = true;
+
+std::string DeviceTypeName(DeviceType t) { return t == DeviceType::kCPU ? "cpu" : "cuda"; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- backends
+
+void RegisterDeviceBackend(DeviceType type, const DeviceBackend& backend) {
+  if (backend.allocator == nullptr) {
+    throw std::invalid_argument("RegisterDeviceBackend(" + DeviceTypeName(type) + "): allocator is null");
+  }
+  Backends().backends[static_cast<int>(type)] = backend;
+  Backends().registered[static_cast<int>(type)] = true;
+}
+
+bool HasDeviceBackend(DeviceType type) { return Backends().registered[static_cast<int>(type)]; }
+
+const DeviceBackend& GetDeviceBackend(Device device) {
+  const int i = static_cast<int>(device.type);
+  if (i < 0 || i >= kNumDeviceTypes || !Backends().registered[i]) {
+    throw std::runtime_error("device " + device.ToString() +
+                             " is not available: this binary has no backend for it"
+                             " (CUDA needs a build with --config=cuda and the CUDA library linked)");
+  }
+  return Backends().backends[i];
+}
+
+bool GradMode::IsEnabled() { return grad_mode_enabled; }
+void GradMode::SetEnabled(bool enabled) { grad_mode_enabled = enabled; }
+
+// ---------------------------------------------------------------- storage
+
+Storage::Storage(size_t nbytes, Device device)
+    : data_(nullptr), nbytes_(nbytes), device_(device), from_allocator_(true) {
+  data_ = GetDeviceBackend(device).allocator->Allocate(nbytes, device);
+}
+
+Storage::Storage(void* data, size_t nbytes, Device device, std::function<void(void*)> deleter)
+    : data_(data), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)), from_allocator_(false) {}
+
+Storage::~Storage() {
+  if (from_allocator_) {
+    GetDeviceBackend(device_).allocator->Deallocate(data_, nbytes_, device_);
+  } else if (deleter_) {
+    deleter_(data_);
+  }
+}
+
+// ---------------------------------------------------------------- impl
+
+TensorImpl::TensorImpl(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, Shape strides,
+                       DType dtype)
+    : storage_(std::move(storage)),
+      offset_(offset),
+      shape_(std::move(shape)),
+      strides_(std::move(strides)),
+      dtype_(dtype),
+      numel_(NumElements(shape_)) {}
+
+AutogradMeta& TensorImpl::mutable_autograd() {
+  if (!autograd_) autograd_ = std::make_unique<AutogradMeta>();
+  return *autograd_;
+}
+
+void TensorImpl::Reset(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, Shape strides,
+                       DType dtype) {
+  storage_ = std::move(storage);
+  offset_ = offset;
+  shape_ = std::move(shape);
+  strides_ = std::move(strides);
+  dtype_ = dtype;
+  numel_ = NumElements(shape_);
+}
+
+void HookHandle::Remove() {
+  std::shared_ptr<TensorImpl> impl = owner_.lock();
+  if (!impl || impl->autograd() == nullptr) return;
+  auto& hooks = impl->autograd()->post_accumulate_hooks;
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == id_; }),
+              hooks.end());
+  owner_.reset();
+}
+
+// ---------------------------------------------------------------- tensor
+
+Tensor Tensor::FromBlob(void* data, const Shape& shape, DType dtype, Device device,
+                        std::function<void(void*)> deleter) {
+  CheckShape(shape, "FromBlob");
+  auto storage = std::make_shared<Storage>(data, NumElements(shape) * ElementSize(dtype), device,
+                                           std::move(deleter));
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), 0, shape, ContiguousStrides(shape), dtype));
+}
+
+Tensor Tensor::FromStorage(std::shared_ptr<Storage> storage, int64_t offset, const Shape& shape,
+                           const Shape& strides, DType dtype) {
+  CheckShape(shape, "FromStorage");
+  if (strides.size() != shape.size()) {
+    throw std::invalid_argument("FromStorage: shape " + ShapeToString(shape) + " and strides " +
+                                ShapeToString(strides) + " differ in length");
+  }
+  if (NumElements(shape) > 0) {
+    int64_t last = offset;
+    for (size_t i = 0; i < shape.size(); ++i) {
+      if (strides[i] < 0) throw std::invalid_argument("FromStorage: negative stride");
+      last += (shape[i] - 1) * strides[i];
+    }
+    if (offset < 0 || static_cast<size_t>(last + 1) * ElementSize(dtype) > storage->nbytes()) {
+      throw std::out_of_range("FromStorage: shape " + ShapeToString(shape) + " strides " +
+                              ShapeToString(strides) + " offset " + std::to_string(offset) +
+                              " reach past the storage's " + std::to_string(storage->nbytes()) + " bytes");
+    }
+  }
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), offset, shape, strides, dtype));
+}
+
+void Tensor::CheckDefined(const char* what) const {
+  if (!impl_) throw std::logic_error(std::string(what) + " on an undefined tensor");
+}
+
+void Tensor::CheckNoHistoryLoss(const char* what) const {
+  CheckDefined(what);
+  if (GradMode::IsEnabled() && requires_grad()) {
+    throw std::logic_error(std::string("Tensor::") + what +
+                           " on a tensor that requires grad would drop its autograd history; use "
+                           "the differentiable nn::" + what + " from nn/ops, or Detach() first");
+  }
+}
+
+void Tensor::CheckDType(DType expected) const {
+  CheckDefined("data");
+  if (dtype() != expected) {
+    throw std::invalid_argument("tensor has dtype " + std::string(DTypeName(dtype())) +
+                                ", accessed as " + std::string(DTypeName(expected)));
+  }
+}
+
+const Shape& Tensor::shape() const { CheckDefined("shape"); return impl_->shape(); }
+const Shape& Tensor::strides() const { CheckDefined("strides"); return impl_->strides(); }
+int64_t Tensor::dim() const { return static_cast<int64_t>(shape().size()); }
+int64_t Tensor::numel() const { CheckDefined("numel"); return impl_->numel(); }
+DType Tensor::dtype() const { CheckDefined("dtype"); return impl_->dtype(); }
+Device Tensor::device() const { CheckDefined("device"); return impl_->storage()->device(); }
+int64_t Tensor::storage_offset() const { CheckDefined("storage_offset"); return impl_->offset(); }
+const std::shared_ptr<Storage>& Tensor::storage() const { CheckDefined("storage"); return impl_->storage(); }
+void* Tensor::data_ptr() const { CheckDefined("data_ptr"); return impl_->data(); }
+
+int64_t Tensor::WrapDim(int64_t d) const {
+  const int64_t n = dim();
+  const int64_t w = d < 0 ? d + n : d;
+  if (w < 0 || w >= n) {
+    throw std::out_of_range("dimension " + std::to_string(d) + " out of range for a " +
+                            std::to_string(n) + "-d tensor of shape " + ShapeToString(shape()));
+  }
+  return w;
+}
+
+int64_t Tensor::size(int64_t d) const { return shape()[WrapDim(d)]; }
+int64_t Tensor::stride(int64_t d) const { return strides()[WrapDim(d)]; }
+
+bool Tensor::is_contiguous() const {
+  const Shape& sh = shape();
+  const Shape& st = strides();
+  int64_t expected = 1;
+  for (size_t i = sh.size(); i-- > 0;) {
+    if (sh[i] == 1) continue;
+    if (st[i] != expected) return numel() == 0;
+    expected *= sh[i];
+  }
+  return true;
+}
+
+double Tensor::Item() const {
+  CheckDefined("Item");
+  if (numel() != 1) {
+    throw std::invalid_argument("Item() needs a tensor with one element, got shape " + ShapeToString(shape()));
+  }
+  Tensor cpu = device().is_cpu() ? *this : Detach().To(kCPU);
+  double v = 0;
+  DDP_DISPATCH_ALL(dtype(), "Item", { v = static_cast<double>(static_cast<acc_t<scalar_t>>(*static_cast<const scalar_t*>(cpu.data_ptr()))); });
+  return v;
+}
+
+template <typename T>
+std::vector<T> Tensor::ToVector() const {
+  CheckDefined("ToVector");
+  Tensor c = Detach();
+  if (!c.device().is_cpu()) c = c.To(kCPU);
+  Tensor typed = Empty(shape(), {.dtype = DTypeOf<T>()});
+  typed.CopyFrom(c);
+  return std::vector<T>(typed.data<T>(), typed.data<T>() + typed.numel());
+}
+template std::vector<float> Tensor::ToVector<float>() const;
+template std::vector<double> Tensor::ToVector<double>() const;
+template std::vector<int64_t> Tensor::ToVector<int64_t>() const;
+template std::vector<int32_t> Tensor::ToVector<int32_t>() const;
+template std::vector<uint8_t> Tensor::ToVector<uint8_t>() const;
+
+// ---------------------------------------------------------------- views
+
+Tensor Tensor::AsStrided(const Shape& shape, const Shape& strides, int64_t storage_offset) const {
+  CheckNoHistoryLoss("AsStrided");
+  return FromStorage(storage(), storage_offset, shape, strides, dtype());
+}
+
+Tensor Tensor::View(const Shape& shape) const {
+  CheckNoHistoryLoss("View");
+  Shape target = InferSize(shape, numel());
+  std::optional<Shape> strides = ViewStrides(this->shape(), this->strides(), target);
+  if (!strides) {
+    throw std::invalid_argument("View: shape " + ShapeToString(shape) +
+                                " cannot be expressed over a tensor of shape " +
+                                ShapeToString(this->shape()) + " with strides " +
+                                ShapeToString(this->strides()) + " (use Reshape, which copies)");
+  }
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(target),
+                                             std::move(*strides), dtype()));
+}
+
+Tensor Tensor::Reshape(const Shape& shape) const {
+  CheckNoHistoryLoss("Reshape");
+  Shape target = InferSize(shape, numel());
+  std::optional<Shape> strides = ViewStrides(this->shape(), this->strides(), target);
+  if (strides) {
+    return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(target),
+                                               std::move(*strides), dtype()));
+  }
+  return Clone().View(target);
+}
+
+Tensor Tensor::Transpose(int64_t d0, int64_t d1) const {
+  CheckNoHistoryLoss("Transpose");
+  d0 = WrapDim(d0);
+  d1 = WrapDim(d1);
+  Shape sh = shape(), st = strides();
+  std::swap(sh[d0], sh[d1]);
+  std::swap(st[d0], st[d1]);
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(sh), std::move(st), dtype()));
+}
+
+Tensor Tensor::Permute(const Shape& dims) const {
+  CheckNoHistoryLoss("Permute");
+  if (static_cast<int64_t>(dims.size()) != dim()) {
+    throw std::invalid_argument("Permute: " + ShapeToString(dims) + " does not list the " +
+                                std::to_string(dim()) + " dimensions of shape " + ShapeToString(shape()));
+  }
+  Shape sh(dims.size()), st(dims.size());
+  std::vector<bool> seen(dims.size(), false);
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t d = WrapDim(dims[i]);
+    if (seen[d]) throw std::invalid_argument("Permute: dimension repeated in " + ShapeToString(dims));
+    seen[d] = true;
+    sh[i] = shape()[d];
+    st[i] = strides()[d];
+  }
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(sh), std::move(st), dtype()));
+}
+
+Tensor Tensor::Slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  CheckNoHistoryLoss("Slice");
+  d = WrapDim(d);
+  const int64_t n = shape()[d];
+  if (step <= 0) throw std::invalid_argument("Slice: step must be positive, got " + std::to_string(step));
+  if (start < 0) start += n;
+  if (end < 0) end += n;
+  start = std::clamp<int64_t>(start, 0, n);
+  end = std::clamp<int64_t>(end, start, n);
+  Shape sh = shape(), st = strides();
+  sh[d] = (end - start + step - 1) / step;
+  const int64_t offset = storage_offset() + start * st[d];
+  st[d] *= step;
+  return Tensor(std::make_shared<TensorImpl>(storage(), offset, std::move(sh), std::move(st), dtype()));
+}
+
+Tensor Tensor::Narrow(int64_t d, int64_t start, int64_t length) const {
+  CheckNoHistoryLoss("Narrow");
+  d = WrapDim(d);
+  const int64_t n = shape()[d];
+  if (start < 0 || length < 0 || start + length > n) {
+    throw std::out_of_range("Narrow: elements [" + std::to_string(start) + ", " +
+                            std::to_string(start + length) + ") of dimension " + std::to_string(d) +
+                            " are outside shape " + ShapeToString(shape()));
+  }
+  Shape sh = shape();
+  sh[d] = length;
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset() + start * strides()[d],
+                                             std::move(sh), strides(), dtype()));
+}
+
+Tensor Tensor::Select(int64_t d, int64_t index) const {
+  CheckNoHistoryLoss("Select");
+  d = WrapDim(d);
+  const int64_t n = shape()[d];
+  if (index < 0) index += n;
+  if (index < 0 || index >= n) {
+    throw std::out_of_range("Select: index " + std::to_string(index) + " out of range for dimension " +
+                            std::to_string(d) + " of shape " + ShapeToString(shape()));
+  }
+  Shape sh = shape(), st = strides();
+  const int64_t offset = storage_offset() + index * st[d];
+  sh.erase(sh.begin() + d);
+  st.erase(st.begin() + d);
+  return Tensor(std::make_shared<TensorImpl>(storage(), offset, std::move(sh), std::move(st), dtype()));
+}
+
+Tensor Tensor::Unsqueeze(int64_t d) const {
+  CheckNoHistoryLoss("Unsqueeze");
+  const int64_t n = dim();
+  if (d < 0) d += n + 1;
+  if (d < 0 || d > n) throw std::out_of_range("Unsqueeze: dimension out of range for shape " + ShapeToString(shape()));
+  Shape sh = shape(), st = strides();
+  const int64_t s = d < n ? st[d] * sh[d] : 1;
+  sh.insert(sh.begin() + d, 1);
+  st.insert(st.begin() + d, s);
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(sh), std::move(st), dtype()));
+}
+
+Tensor Tensor::Squeeze(int64_t d) const {
+  CheckNoHistoryLoss("Squeeze");
+  d = WrapDim(d);
+  Shape sh = shape(), st = strides();
+  if (sh[d] == 1) {
+    sh.erase(sh.begin() + d);
+    st.erase(st.begin() + d);
+  }
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(sh), std::move(st), dtype()));
+}
+
+Tensor Tensor::Expand(const Shape& target) const {
+  CheckNoHistoryLoss("Expand");
+  const Shape& sh = shape();
+  if (target.size() < sh.size()) {
+    throw std::invalid_argument("Expand: cannot expand shape " + ShapeToString(sh) + " to " + ShapeToString(target));
+  }
+  const size_t lead = target.size() - sh.size();
+  Shape st(target.size(), 0);
+  Shape out = target;
+  for (size_t i = 0; i < target.size(); ++i) {
+    if (i < lead) {
+      if (target[i] < 0) throw std::invalid_argument("Expand: -1 in a new leading dimension");
+      continue;
+    }
+    const int64_t s = sh[i - lead];
+    if (target[i] == -1 || target[i] == s) {
+      out[i] = s;
+      st[i] = strides()[i - lead];
+    } else if (s == 1) {
+      st[i] = 0;
+    } else {
+      throw std::invalid_argument("Expand: cannot expand shape " + ShapeToString(sh) + " to " +
+                                  ShapeToString(target));
+    }
+  }
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), std::move(out), std::move(st), dtype()));
+}
+
+Tensor Tensor::Flatten(int64_t start, int64_t end) const {
+  CheckNoHistoryLoss("Flatten");
+  if (dim() == 0) return Reshape({1});
+  start = WrapDim(start);
+  end = WrapDim(end);
+  if (start > end) throw std::invalid_argument("Flatten: start dimension after end dimension");
+  Shape target;
+  for (int64_t i = 0; i < start; ++i) target.push_back(shape()[i]);
+  int64_t m = 1;
+  for (int64_t i = start; i <= end; ++i) m *= shape()[i];
+  target.push_back(m);
+  for (int64_t i = end + 1; i < dim(); ++i) target.push_back(shape()[i]);
+  return Reshape(target);
+}
+
+// ---------------------------------------------------------------- copies
+
+Tensor Tensor::Contiguous() const {
+  CheckNoHistoryLoss("Contiguous");
+  if (is_contiguous()) return *this;
+  return Clone();
+}
+
+Tensor Tensor::Clone() const {
+  CheckNoHistoryLoss("Clone");
+  Tensor out = Empty(shape(), {.dtype = dtype(), .device = device()});
+  out.CopyFrom(*this);
+  return out;
+}
+
+Tensor Tensor::To(DType dtype) const {
+  CheckNoHistoryLoss("To");
+  if (dtype == this->dtype()) return *this;
+  Tensor out = Empty(shape(), {.dtype = dtype, .device = device()});
+  out.CopyFrom(*this);
+  return out;
+}
+
+Tensor Tensor::To(Device device) const {
+  CheckNoHistoryLoss("To");
+  if (device == this->device()) return *this;
+  Tensor out = Empty(shape(), {.dtype = dtype(), .device = device});
+  out.CopyFrom(*this);
+  return out;
+}
+
+void Tensor::CopyFrom(const Tensor& src) const {
+  CheckDefined("CopyFrom");
+  if (!src.defined()) throw std::invalid_argument("CopyFrom: source tensor is undefined");
+  if (GradMode::IsEnabled() && (requires_grad() || src.requires_grad())) {
+    throw std::logic_error("Tensor::CopyFrom with a tensor that requires grad while grad mode is "
+                           "on (wrap in NoGradGuard, or Detach() the source)");
+  }
+  Tensor s = src.Detach();
+  if (s.shape() != shape()) {
+    try {
+      s = s.Expand(shape());
+    } catch (const std::invalid_argument&) {
+      throw std::invalid_argument("CopyFrom: source of shape " + ShapeToString(src.shape()) +
+                                  " cannot be broadcast to destination shape " + ShapeToString(shape()));
+    }
+  }
+  storage()->BumpVersion();
+  if (numel() == 0) return;
+  const Device dd = device(), sd = s.device();
+  if (dd == sd) {
+    GetDeviceBackend(dd).copy_strided(*this, s);
+    return;
+  }
+  // Across devices: make both sides contiguous with one dtype, then move bytes.
+  const DeviceBackend& backend = GetDeviceBackend(dd.is_cpu() ? sd : dd);
+  Tensor src_c = s;
+  if (!src_c.is_contiguous() || src_c.dtype() != dtype()) {
+    src_c = Empty(shape(), {.dtype = dtype(), .device = sd});
+    GetDeviceBackend(sd).copy_strided(src_c, s);
+  }
+  if (is_contiguous()) {
+    backend.copy_bytes(data_ptr(), dd, src_c.data_ptr(), sd, nbytes());
+  } else {
+    Tensor staging = Empty(shape(), {.dtype = dtype(), .device = dd});
+    backend.copy_bytes(staging.data_ptr(), dd, src_c.data_ptr(), sd, nbytes());
+    GetDeviceBackend(dd).copy_strided(*this, staging);
+  }
+}
+
+const Tensor& Tensor::Fill(double value) const {
+  CheckDefined("Fill");
+  if (GradMode::IsEnabled() && requires_grad()) {
+    throw std::logic_error("Tensor::Fill on a tensor that requires grad while grad mode is on "
+                           "(wrap parameter initialization in NoGradGuard)");
+  }
+  storage()->BumpVersion();
+  if (numel() == 0) return *this;
+  if (!device().is_cpu()) {
+    Tensor one = Full({}, value, {.dtype = dtype()});
+    CopyFrom(one);
+    return *this;
+  }
+  DDP_DISPATCH_ALL(dtype(), "Fill", {
+    const scalar_t v = ConvertScalar<scalar_t>(value);
+    scalar_t* p = static_cast<scalar_t*>(data_ptr());
+    if (is_contiguous()) {
+      std::fill(p, p + numel(), v);
+    } else {
+      StridedLoop<1> loop(shape(), {strides()});
+      loop.ForEachRow([&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& st) {
+        for (int64_t i = 0; i < n; ++i) p[off[0] + i * st[0]] = v;
+      });
+    }
+  });
+  return *this;
+}
+
+Tensor Tensor::Detach() const {
+  CheckDefined("Detach");
+  return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), shape(), strides(), dtype()));
+}
+
+void Tensor::SetData(const Tensor& src) const {
+  CheckDefined("SetData");
+  if (!src.defined()) throw std::invalid_argument("SetData: source tensor is undefined");
+  impl_->Reset(src.storage(), src.storage_offset(), src.shape(), src.strides(), src.dtype());
+}
+
+// ---------------------------------------------------------------- autograd
+
+bool Tensor::requires_grad() const {
+  CheckDefined("requires_grad");
+  return impl_->autograd() != nullptr && impl_->autograd()->requires_grad;
+}
+
+const Tensor& Tensor::set_requires_grad(bool requires_grad) const {
+  CheckDefined("set_requires_grad");
+  if (!is_leaf()) {
+    throw std::logic_error("set_requires_grad on a non-leaf tensor (it gets requires_grad from its inputs)");
+  }
+  if (requires_grad && !IsFloating(dtype())) {
+    throw std::invalid_argument("only floating-point tensors can require grad, this one is " +
+                                std::string(DTypeName(dtype())));
+  }
+  if (requires_grad || impl_->autograd() != nullptr) impl_->mutable_autograd().requires_grad = requires_grad;
+  return *this;
+}
+
+const Tensor& Tensor::grad() const {
+  static const Tensor* kUndefined = new Tensor();
+  CheckDefined("grad");
+  return impl_->autograd() ? impl_->autograd()->grad : *kUndefined;
+}
+
+void Tensor::set_grad(const Tensor& grad) const {
+  CheckDefined("set_grad");
+  if (grad.defined()) {
+    if (grad.shape() != shape() || grad.dtype() != dtype() || grad.device() != device()) {
+      throw std::invalid_argument("set_grad: gradient " + ShapeToString(grad.shape()) + " " +
+                                  std::string(DTypeName(grad.dtype())) + " on " + grad.device().ToString() +
+                                  " does not match tensor " + ShapeToString(shape()) + " " +
+                                  std::string(DTypeName(dtype())) + " on " + device().ToString());
+    }
+  }
+  if (!grad.defined() && impl_->autograd() == nullptr) return;
+  impl_->mutable_autograd().grad = grad;
+}
+
+const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
+  static const std::shared_ptr<autograd::Node>* kNull = new std::shared_ptr<autograd::Node>();
+  CheckDefined("grad_fn");
+  return impl_->autograd() ? impl_->autograd()->grad_fn : *kNull;
+}
+
+uint32_t Tensor::output_nr() const {
+  CheckDefined("output_nr");
+  return impl_->autograd() ? impl_->autograd()->output_nr : 0;
+}
+
+bool Tensor::is_leaf() const { return grad_fn() == nullptr; }
+
+void Tensor::RetainGrad() const {
+  CheckDefined("RetainGrad");
+  if (!requires_grad()) throw std::logic_error("RetainGrad on a tensor that does not require grad");
+  impl_->mutable_autograd().retains_grad = true;
+}
+
+bool Tensor::retains_grad() const {
+  CheckDefined("retains_grad");
+  return impl_->autograd() != nullptr && impl_->autograd()->retains_grad;
+}
+
+HookHandle Tensor::RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) const {
+  CheckDefined("RegisterPostAccumulateGradHook");
+  if (!is_leaf() || !requires_grad()) {
+    throw std::logic_error("post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
+  }
+  AutogradMeta& meta = impl_->mutable_autograd();
+  const uint64_t id = meta.next_hook_id++;
+  meta.post_accumulate_hooks.emplace_back(id, std::move(fn));
+  return HookHandle(impl_, id);
+}
+
+// ---------------------------------------------------------------- factories
+
+Tensor Empty(const Shape& shape, TensorOptions options) {
+  CheckShape(shape, "Empty");
+  const size_t nbytes = static_cast<size_t>(NumElements(shape)) * ElementSize(options.dtype);
+  auto storage = std::make_shared<Storage>(nbytes, options.device);
+  Tensor t(std::make_shared<TensorImpl>(std::move(storage), 0, shape, ContiguousStrides(shape), options.dtype));
+  if (options.requires_grad) t.set_requires_grad(true);
+  return t;
+}
+
+Tensor Full(const Shape& shape, double value, TensorOptions options) {
+  TensorOptions plain = options;
+  plain.requires_grad = false;
+  Tensor t = Empty(shape, plain);
+  if (options.device.is_cpu()) {
+    t.Fill(value);
+  } else {
+    Tensor host = Empty(shape, {.dtype = options.dtype});
+    host.Fill(value);
+    t.CopyFrom(host);
+  }
+  if (options.requires_grad) t.set_requires_grad(true);
+  return t;
+}
+
+Tensor Zeros(const Shape& shape, TensorOptions options) { return Full(shape, 0.0, options); }
+Tensor Ones(const Shape& shape, TensorOptions options) { return Full(shape, 1.0, options); }
+
+Tensor Arange(int64_t n, TensorOptions options) {
+  std::vector<double> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<double>(i);
+  return FromVector(v, {n}, options);
+}
+
+Tensor EmptyLike(const Tensor& t) { return Empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}); }
+Tensor ZerosLike(const Tensor& t) { return Zeros(t.shape(), {.dtype = t.dtype(), .device = t.device()}); }
+
+Tensor FromVector(const std::vector<double>& values, const Shape& shape, TensorOptions options) {
+  detail::CheckVectorSize(values.size(), shape);
+  Tensor host = Tensor::FromBlob(const_cast<double*>(values.data()), shape, DType::kFloat64);
+  Tensor out = Empty(shape, {.dtype = options.dtype, .device = options.device});
+  out.CopyFrom(host);
+  if (options.requires_grad) out.set_requires_grad(true);
+  return out;
+}
+
+}  // namespace ddp::nn

@@ -1,0 +1,275 @@
+#include "nn/tensor/tensor.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "nn/tensor/generator.h"
+
+namespace ddp::nn {
+namespace {
+
+Tensor Iota(const Shape& shape, DType dtype = DType::kFloat32) {
+  std::vector<double> v(NumElements(shape));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<double>(i);
+  return FromVector(v, shape, {.dtype = dtype});
+}
+
+template <typename Fn>
+std::string ErrorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TensorTest, FactoriesSetShapeStridesDtypeAndAlignment) {
+  Tensor t = Zeros({2, 3, 4}, {.dtype = DType::kFloat64});
+  EXPECT_EQ(t.shape(), (Shape{2, 3, 4}));
+  EXPECT_EQ(t.strides(), (Shape{12, 4, 1}));
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.dtype(), DType::kFloat64);
+  EXPECT_TRUE(t.device().is_cpu());
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % kCpuAlignment, 0u);
+  for (double v : t.ToVector<double>()) EXPECT_EQ(v, 0.0);
+  EXPECT_EQ(Full({2}, 2.5).ToVector<float>(), (std::vector<float>{2.5f, 2.5f}));
+  EXPECT_EQ(Arange(4, {.dtype = DType::kInt64}).ToVector<int64_t>(), (std::vector<int64_t>{0, 1, 2, 3}));
+  Tensor scalar = Full({}, 7.0);
+  EXPECT_EQ(scalar.dim(), 0);
+  EXPECT_EQ(scalar.numel(), 1);
+  EXPECT_EQ(scalar.Item(), 7.0);
+}
+
+TEST(TensorTest, TypedAccessChecksDtype) {
+  Tensor t = Zeros({2});
+  EXPECT_NO_THROW(t.data<float>());
+  EXPECT_NE(ErrorOf([&] { t.data<double>(); }).find("dtype f32, accessed as f64"), std::string::npos);
+}
+
+TEST(TensorTest, ViewOfContiguousAndOfTransposedTensors) {
+  Tensor t = Iota({2, 3, 4});
+  Tensor v = t.View({6, -1});
+  EXPECT_EQ(v.shape(), (Shape{6, 4}));
+  EXPECT_EQ(v.storage().get(), t.storage().get());
+  // A transposed tensor can still be viewed when only the untouched dims merge.
+  Tensor tt = t.Transpose(1, 2);  // [2, 4, 3] strides [12, 1, 4]
+  Tensor merged = tt.View({2, 4, 3});
+  EXPECT_EQ(merged.strides(), (Shape{12, 1, 4}));
+  Tensor split = t.Transpose(0, 1).View({3, 2, 2, 2});  // splitting the last dim is fine
+  EXPECT_EQ(split.strides(), (Shape{4, 12, 2, 1}));
+  std::string err = ErrorOf([&] { tt.View({8, 3}); });
+  EXPECT_NE(err.find("cannot be expressed"), std::string::npos) << err;
+  Tensor r = tt.Reshape({8, 3});  // copies
+  EXPECT_TRUE(r.is_contiguous());
+  EXPECT_EQ(r.ToVector<float>()[1], 4.0f);  // tt[0][0][1] = t[0][1][0]
+  EXPECT_NE(ErrorOf([&] { t.View({5, -1}); }).find("invalid for 24 elements"), std::string::npos);
+}
+
+TEST(TensorTest, TransposePermuteNarrowSliceSelect) {
+  Tensor t = Iota({3, 4});
+  Tensor tr = t.Transpose(0, 1);
+  EXPECT_EQ(tr.shape(), (Shape{4, 3}));
+  EXPECT_FALSE(tr.is_contiguous());
+  EXPECT_EQ(tr.Contiguous().ToVector<float>(),
+            (std::vector<float>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
+  Tensor p = Iota({2, 3, 4}).Permute({2, 0, 1});
+  EXPECT_EQ(p.shape(), (Shape{4, 2, 3}));
+  EXPECT_EQ(p.strides(), (Shape{1, 12, 4}));
+  Tensor n = t.Narrow(1, 1, 2);
+  EXPECT_EQ(n.ToVector<float>(), (std::vector<float>{1, 2, 5, 6, 9, 10}));
+  Tensor s = t.Slice(1, 0, 4, 2);
+  EXPECT_EQ(s.ToVector<float>(), (std::vector<float>{0, 2, 4, 6, 8, 10}));
+  Tensor row = t.Select(0, -1);
+  EXPECT_EQ(row.ToVector<float>(), (std::vector<float>{8, 9, 10, 11}));
+  EXPECT_NE(ErrorOf([&] { t.Narrow(1, 3, 2); }).find("outside shape [3, 4]"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { t.Select(0, 3); }).find("index 3 out of range"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { t.Transpose(0, 2); }).find("dimension 2 out of range"), std::string::npos);
+}
+
+TEST(TensorTest, UnsqueezeSqueezeExpandFlatten) {
+  Tensor t = Iota({3});
+  Tensor u = t.Unsqueeze(0);
+  EXPECT_EQ(u.shape(), (Shape{1, 3}));
+  EXPECT_EQ(u.Squeeze(0).shape(), (Shape{3}));
+  Tensor e = t.Unsqueeze(1).Expand({3, 2});
+  EXPECT_EQ(e.strides(), (Shape{1, 0}));
+  EXPECT_EQ(e.Contiguous().ToVector<float>(), (std::vector<float>{0, 0, 1, 1, 2, 2}));
+  EXPECT_NE(ErrorOf([&] { t.Expand({4}); }).find("cannot expand shape [3] to [4]"), std::string::npos);
+  EXPECT_EQ(Iota({2, 3, 4}).Flatten(1).shape(), (Shape{2, 12}));
+}
+
+TEST(TensorTest, CopyFromBroadcastsConvertsAndHandlesStrides) {
+  Tensor dst = Zeros({2, 3}, {.dtype = DType::kFloat64});
+  dst.CopyFrom(FromVector({1, 2, 3}, {3}));
+  EXPECT_EQ(dst.ToVector<double>(), (std::vector<double>{1, 2, 3, 1, 2, 3}));
+  Tensor col = Zeros({3, 2});
+  col.Transpose(0, 1).CopyFrom(Iota({2, 3}, DType::kInt64));  // write through a transposed view
+  EXPECT_EQ(col.ToVector<float>(), (std::vector<float>{0, 3, 1, 4, 2, 5}));
+  const uint64_t before = col.storage()->version();
+  col.Fill(1);
+  EXPECT_GT(col.storage()->version(), before);
+  EXPECT_NE(ErrorOf([&] { dst.CopyFrom(Zeros({4})); }).find("cannot be broadcast"), std::string::npos);
+}
+
+TEST(TensorTest, FillOnStridedViewTouchesOnlyTheView) {
+  Tensor t = Zeros({4, 4});
+  t.Slice(1, 0, 4, 2).Fill(5);
+  std::vector<float> v = t.ToVector<float>();
+  EXPECT_EQ(v[0], 5);
+  EXPECT_EQ(v[1], 0);
+  EXPECT_EQ(v[2], 5);
+}
+
+TEST(TensorTest, DtypeConversionsRoundTrip) {
+  Tensor t = FromVector({1.5, -2.25, 1000}, {3});
+  EXPECT_EQ(t.To(DType::kBFloat16).To(DType::kFloat32).ToVector<float>(), (std::vector<float>{1.5f, -2.25f, 1000}));
+  EXPECT_EQ(t.To(DType::kFloat16).ToVector<double>(), (std::vector<double>{1.5, -2.25, 1000}));
+  EXPECT_EQ(t.To(DType::kInt64).ToVector<int64_t>(), (std::vector<int64_t>{1, -2, 1000}));
+}
+
+TEST(TensorTest, FromStorageSharesMemoryAndChecksBounds) {
+  Tensor flat = Zeros({10});
+  Tensor view = Tensor::FromStorage(flat.storage(), 4, {2, 3}, {3, 1}, DType::kFloat32);
+  view.Fill(2);
+  EXPECT_EQ(flat.ToVector<float>()[4], 2);
+  EXPECT_EQ(flat.ToVector<float>()[9], 2);
+  EXPECT_EQ(flat.ToVector<float>()[3], 0);
+  EXPECT_NE(ErrorOf([&] { Tensor::FromStorage(flat.storage(), 5, {2, 3}, {3, 1}, DType::kFloat32); })
+                .find("reach past the storage"),
+            std::string::npos);
+}
+
+TEST(TensorTest, FromBlobWrapsWithoutCopyAndRunsDeleter) {
+  bool deleted = false;
+  float buf[4] = {1, 2, 3, 4};
+  {
+    Tensor t = Tensor::FromBlob(buf, {2, 2}, DType::kFloat32, kCPU, [&](void*) { deleted = true; });
+    t.Fill(9);
+  }
+  EXPECT_TRUE(deleted);
+  EXPECT_EQ(buf[3], 9);
+}
+
+TEST(TensorTest, CudaWithoutBackendIsAClearError) {
+  if (HasDeviceBackend(DeviceType::kCUDA)) GTEST_FAIL() << "test assumes a CPU-only build";
+  std::string err = ErrorOf([] { Empty({2}, {.device = Device(DeviceType::kCUDA, 0)}); });
+  EXPECT_NE(err.find("device cuda:0 is not available"), std::string::npos) << err;
+  EXPECT_EQ(Device::Parse("cuda:3"), Device(DeviceType::kCUDA, 3));
+  EXPECT_NE(ErrorOf([] { Device::Parse("gpu"); }).find("unknown device `gpu`"), std::string::npos);
+}
+
+TEST(TensorTest, AutogradMetadataRules) {
+  Tensor w = Zeros({2, 3});
+  EXPECT_FALSE(w.requires_grad());
+  w.set_requires_grad(true);
+  EXPECT_TRUE(w.requires_grad());
+  EXPECT_TRUE(w.is_leaf());
+  EXPECT_FALSE(w.grad().defined());
+  // Member views would drop history: refused while grad mode is on.
+  std::string err = ErrorOf([&] { w.View({6}); });
+  EXPECT_NE(err.find("would drop its autograd history"), std::string::npos) << err;
+  EXPECT_NE(ErrorOf([&] { w.Fill(1); }).find("NoGradGuard"), std::string::npos);
+  {
+    NoGradGuard guard;
+    EXPECT_FALSE(GradMode::IsEnabled());
+    EXPECT_NO_THROW(w.View({6}));
+    EXPECT_NO_THROW(w.Fill(1));
+  }
+  EXPECT_TRUE(GradMode::IsEnabled());
+  EXPECT_NO_THROW(w.Detach().View({6}));
+  EXPECT_FALSE(w.Detach().requires_grad());
+  // .grad may be a view into a flat bucket; the shape must match.
+  Tensor bucket = Zeros({10});
+  w.set_grad(bucket.Narrow(0, 2, 6).View({2, 3}));
+  EXPECT_EQ(w.grad().storage().get(), bucket.storage().get());
+  err = ErrorOf([&] { w.set_grad(Zeros({3, 2})); });
+  EXPECT_NE(err.find("does not match tensor [2, 3]"), std::string::npos) << err;
+  EXPECT_NE(ErrorOf([] { Zeros({2}, {.dtype = DType::kInt64}).set_requires_grad(true); })
+                .find("only floating-point"),
+            std::string::npos);
+}
+
+TEST(TensorTest, HooksRegisterAndRemove) {
+  Tensor w = Zeros({2}, {.requires_grad = true});
+  int calls = 0;
+  HookHandle h = w.RegisterPostAccumulateGradHook([&](const Tensor&) { ++calls; });
+  ASSERT_EQ(w.impl()->autograd()->post_accumulate_hooks.size(), 1u);
+  h.Remove();
+  h.Remove();  // idempotent
+  EXPECT_TRUE(w.impl()->autograd()->post_accumulate_hooks.empty());
+  EXPECT_NE(ErrorOf([] { Zeros({2}).RegisterPostAccumulateGradHook([](const Tensor&) {}); })
+                .find("leaf tensors that require grad"),
+            std::string::npos);
+}
+
+TEST(TensorTest, SetDataKeepsTheObject) {
+  Tensor w = Zeros({2}, {.requires_grad = true});
+  Tensor alias = w;
+  w.SetData(Ones({3}, {.dtype = DType::kFloat64}));
+  EXPECT_EQ(alias.shape(), (Shape{3}));
+  EXPECT_EQ(alias.dtype(), DType::kFloat64);
+  EXPECT_TRUE(alias.requires_grad());
+}
+
+// Expected strings were produced by PyTorch 1.13's str(tensor).
+TEST(TensorPrintTest, MatchesPyTorch) {
+  EXPECT_EQ(FromVector({1, 2, 3, 4}, {2, 2}).ToString(), "tensor([[1., 2.],\n        [3., 4.]])");
+  EXPECT_EQ(FromVector({0.5, -1.25, 3.0}, {3}).ToString(), "tensor([ 0.5000, -1.2500,  3.0000])");
+  EXPECT_EQ(Full({}, 3.5).ToString(), "tensor(3.5000)");
+  EXPECT_EQ(FromVector({1e-5, 1.0}, {2}).ToString(), "tensor([1.0000e-05, 1.0000e+00])");
+  EXPECT_EQ(Iota({2, 2, 2}).ToString(),
+            "tensor([[[0., 1.],\n         [2., 3.]],\n\n        [[4., 5.],\n         [6., 7.]]])");
+  EXPECT_EQ(Iota({2000}).ToString(),
+            "tensor([0.0000e+00, 1.0000e+00, 2.0000e+00,  ..., 1.9970e+03, 1.9980e+03,\n"
+            "        1.9990e+03])");
+  EXPECT_EQ(Arange(3, {.dtype = DType::kInt64}).ToString(), "tensor([0, 1, 2])");
+  EXPECT_EQ(Ones({2}, {.requires_grad = true}).ToString(), "tensor([1., 1.], requires_grad=True)");
+  EXPECT_EQ(Zeros({0, 3}).ToString(), "tensor([], size=(0, 3))");
+  std::vector<double> v(30);
+  for (int i = 0; i < 30; ++i) v[i] = 1.5 * i;
+  EXPECT_EQ(FromVector(v, {30}).ToString(),
+            "tensor([ 0.0000,  1.5000,  3.0000,  4.5000,  6.0000,  7.5000,  9.0000, 10.5000,\n"
+            "        12.0000, 13.5000, 15.0000, 16.5000, 18.0000, 19.5000, 21.0000, 22.5000,\n"
+            "        24.0000, 25.5000, 27.0000, 28.5000, 30.0000, 31.5000, 33.0000, 34.5000,\n"
+            "        36.0000, 37.5000, 39.0000, 40.5000, 42.0000, 43.5000])");
+  std::string big = Iota({100, 30}).ToString();
+  EXPECT_EQ(big.substr(0, 96),
+            "tensor([[0.0000e+00, 1.0000e+00, 2.0000e+00,  ..., 2.7000e+01, 2.8000e+01,\n"
+            "         2.9000e+01],");
+  EXPECT_NE(big.find("        ...,\n        [2.9100e+03"), std::string::npos) << big;
+  EXPECT_EQ(FromVector({1, 2}, {2}, {.dtype = DType::kBFloat16}).ToString(), "tensor([1., 2.], dtype=bf16)");
+}
+
+TEST(GeneratorTest, SeededSequencesRepeatAndDiffer) {
+  Generator a(42), b(42), c(43);
+  for (int i = 0; i < 10; ++i) {
+    const uint64_t x = a.NextU64();
+    EXPECT_EQ(x, b.NextU64());
+    EXPECT_NE(x, c.NextU64());
+  }
+  Tensor r = Rand({1000}, {}, a);
+  for (float v : r.ToVector<float>()) {
+    EXPECT_GE(v, 0.0f);
+    EXPECT_LT(v, 1.0f);
+  }
+  Tensor n = Randn({20000}, {.dtype = DType::kFloat64}, a);
+  double mean = 0, sq = 0;
+  for (double v : n.ToVector<double>()) {
+    mean += v;
+    sq += v * v;
+  }
+  mean /= 20000;
+  EXPECT_NEAR(mean, 0.0, 0.05);
+  EXPECT_NEAR(sq / 20000 - mean * mean, 1.0, 0.05);
+  Tensor p = RandPerm(100, a);
+  std::vector<int64_t> pv = p.ToVector<int64_t>();
+  std::sort(pv.begin(), pv.end());
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(pv[i], i);
+}
+
+}  // namespace
+}  // namespace ddp::nn
