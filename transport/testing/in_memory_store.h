@@ -1,0 +1,67 @@
+#ifndef DDP_TRANSPORT_TESTING_IN_MEMORY_STORE_H_
+#define DDP_TRANSPORT_TESTING_IN_MEMORY_STORE_H_
+
+// A store::Store shared by threads of one process, for tests of layers that
+// rendezvous through a store (topology exchange, communicator bootstrap).
+// Honors deadlines like the TCP store does.
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "transport/store/store.h"
+
+namespace ddp::transport::testing {
+
+class InMemoryStore final : public store::Store {
+ public:
+  Status Set(std::string_view key, std::string_view value, Deadline) override {
+    std::lock_guard lock(mu_);
+    data_[std::string(key)] = std::string(value);
+    cv_.notify_all();
+    return Status::Ok();
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
+    std::unique_lock lock(mu_);
+    const std::string k(key);
+    if (!cv_.wait_until(lock, deadline, [&] { return data_.count(k) > 0; })) {
+      return TimedOutError("store key '" + k + "' did not appear before the deadline");
+    }
+    return data_[k];
+  }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline) override {
+    std::lock_guard lock(mu_);
+    auto it = data_.find(std::string(key));
+    if (it == data_.end()) return std::optional<std::string>();
+    return std::optional<std::string>(it->second);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline) override {
+    std::lock_guard lock(mu_);
+    std::string& value = data_[std::string(key)];
+    const int64_t next = (value.empty() ? 0 : std::stoll(value)) + delta;
+    value = std::to_string(next);
+    cv_.notify_all();
+    return next;
+  }
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override {
+    for (const std::string& key : keys) {
+      StatusOr<std::string> value = Get(key, deadline);
+      if (!value.ok()) return value.status();
+    }
+    return Status::Ok();
+  }
+  StatusOr<bool> Delete(std::string_view key, Deadline) override {
+    std::lock_guard lock(mu_);
+    return data_.erase(std::string(key)) > 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> data_;
+};
+
+}  // namespace ddp::transport::testing
+
+#endif  // DDP_TRANSPORT_TESTING_IN_MEMORY_STORE_H_

@@ -1,0 +1,179 @@
+#include "transport/topology/discover.h"
+
+#include <hwloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace ddp::transport::topology {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ReadFirstLine(const fs::path& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+int ReadInt(const fs::path& path, int fallback) {
+  const std::string text = ReadFirstLine(path);
+  if (text.empty()) return fallback;
+  try {
+    return std::stoi(text);
+  } catch (...) {
+    return fallback;
+  }
+}
+
+// hwloc's view of NUMA nodes and where this process is bound.
+void DiscoverNuma(const DiscoverOptions& options, int& numa_nodes, int& my_node) {
+  numa_nodes = 1;
+  my_node = -1;
+  hwloc_topology_t topo;
+  if (hwloc_topology_init(&topo) != 0) return;
+  if (hwloc_topology_load(topo) != 0) {
+    hwloc_topology_destroy(topo);
+    return;
+  }
+  const int nodes = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
+  numa_nodes = std::max(nodes, 1);
+  hwloc_bitmap_t bound = hwloc_bitmap_alloc();
+  if (nodes > 1 && hwloc_get_cpubind(topo, bound, HWLOC_CPUBIND_PROCESS) == 0) {
+    for (int n = 0; n < nodes; ++n) {
+      hwloc_obj_t node = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, n);
+      if (node != nullptr && node->cpuset != nullptr &&
+          hwloc_bitmap_isincluded(bound, node->cpuset)) {
+        my_node = n;
+      }
+    }
+  }
+  hwloc_bitmap_free(bound);
+  hwloc_topology_destroy(topo);
+  if (my_node < 0) {
+    // Not bound to one node: spread the local ranks evenly over the nodes,
+    // which is what a binding launcher would have done.
+    my_node = options.local_world_size > 0
+                  ? options.local_rank * numa_nodes / options.local_world_size
+                  : 0;
+  }
+}
+
+}  // namespace
+
+std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
+  std::vector<NetDevice> devices;
+  const fs::path root = fs::path(sysfs_root) / "class" / "infiniband";
+  std::error_code error;
+  if (!fs::is_directory(root, error)) return devices;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    const std::string name = entry.path().filename().string();
+    const int numa = ReadInt(entry.path() / "device" / "numa_node", -1);
+    const fs::path ports = entry.path() / "ports";
+    if (!fs::is_directory(ports, error)) continue;
+    for (const auto& port_entry : fs::directory_iterator(ports, error)) {
+      NetDevice device;
+      device.name = name;
+      try {
+        device.port = std::stoi(port_entry.path().filename().string());
+      } catch (...) {
+        continue;
+      }
+      device.numa_node = numa;
+      device.link_layer = ReadFirstLine(port_entry.path() / "link_layer");
+      // "200 Gb/sec (4X HDR)"
+      std::istringstream rate(ReadFirstLine(port_entry.path() / "rate"));
+      rate >> device.rate_gbps;
+      if (!rate) device.rate_gbps = 0;
+      // "4: ACTIVE"
+      device.active = ReadFirstLine(port_entry.path() / "state").find("ACTIVE") != std::string::npos;
+      devices.push_back(std::move(device));
+    }
+  }
+  std::sort(devices.begin(), devices.end(), [](const NetDevice& a, const NetDevice& b) {
+    return std::tie(a.name, a.port) < std::tie(b.name, b.port);
+  });
+  return devices;
+}
+
+StatusOr<LocalView> DiscoverLocal(const DiscoverOptions& options) {
+  LocalView view;
+  char hostname[256] = {};
+  if (gethostname(hostname, sizeof(hostname) - 1) != 0) {
+    return InternalError("gethostname failed");
+  }
+  view.host.name = hostname;
+  view.host.boot_id = ReadFirstLine(fs::path(options.sysfs_root).parent_path() / "proc" / "sys" /
+                                    "kernel" / "random" / "boot_id");
+  if (view.host.boot_id.empty()) view.host.boot_id = ReadFirstLine("/proc/sys/kernel/random/boot_id");
+  int my_node = -1;
+  DiscoverNuma(options, view.host.numa_nodes, my_node);
+  view.host.net_devices = ReadNetDevices(options.sysfs_root);
+  for (NetDevice& d : view.host.net_devices) {
+    if (d.numa_node >= view.host.numa_nodes) d.numa_node = -1;
+  }
+  view.host.gpus = DiscoverGpus(options.sysfs_root);
+  for (Gpu& g : view.host.gpus) {
+    if (g.numa_node >= view.host.numa_nodes) g.numa_node = -1;
+  }
+  view.place.host = 0;
+  view.place.numa_node = my_node;
+  if (!view.host.gpus.empty()) {
+    view.place.gpu = options.local_rank % static_cast<int>(view.host.gpus.size());
+    const int gpu_numa = view.host.gpus[view.place.gpu].numa_node;
+    if (gpu_numa >= 0) view.place.numa_node = gpu_numa;
+  }
+  view.pid = static_cast<int>(getpid());
+  return view;
+}
+
+StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix, int rank,
+                                     int size, const LocalView& local, Deadline deadline) {
+  using nlohmann::json;
+  Topology mine;
+  mine.hosts.push_back(local.host);
+  mine.ranks.push_back(local.place);
+  json posted = json::parse(TopologyToJson(mine));
+  posted["pid"] = local.pid;
+  DDP_RETURN_IF_ERROR(store.Set(key_prefix + "topology/" + std::to_string(rank), posted.dump(),
+                                deadline));
+
+  Exchanged out;
+  out.pids.resize(size);
+  std::map<std::pair<std::string, std::string>, int> host_index;
+  for (int r = 0; r < size; ++r) {
+    const std::string key = key_prefix + "topology/" + std::to_string(r);
+    StatusOr<std::string> text = store.Get(key, deadline);
+    if (!text.ok()) {
+      return Status(text.status().code(),
+                    "topology exchange: rank " + std::to_string(r) + ": " + text.status().message());
+    }
+    json parsed = json::parse(*text, nullptr, false);
+    if (parsed.is_discarded() || !parsed.contains("pid") || !parsed["pid"].is_number_integer()) {
+      return InternalError("topology exchange: rank " + std::to_string(r) +
+                           " posted a malformed record under " + key);
+    }
+    out.pids[r] = parsed["pid"].get<int>();
+    parsed.erase("pid");
+    DDP_ASSIGN_OR_RETURN(Topology theirs,
+                         ParseTopologyJson(parsed.dump(), "topology of rank " + std::to_string(r)));
+    const Host& host = theirs.hosts[0];
+    auto [it, inserted] = host_index.emplace(std::make_pair(host.name, host.boot_id),
+                                             out.topology.num_hosts());
+    if (inserted) out.topology.hosts.push_back(host);
+    RankPlace place = theirs.ranks[0];
+    place.host = it->second;
+    out.topology.ranks.push_back(place);
+  }
+  DDP_RETURN_IF_ERROR(out.topology.Validate());
+  return out;
+}
+
+}  // namespace ddp::transport::topology

@@ -1,0 +1,58 @@
+#ifndef DDP_TRANSPORT_TOPOLOGY_DISCOVER_H_
+#define DDP_TRANSPORT_TOPOLOGY_DISCOVER_H_
+
+// Discovery of this host (hwloc for NUMA, sysfs for RDMA devices, the CUDA
+// runtime for GPUs when built with CUDA) and the exchange of every rank's
+// view through the store, which yields the job's Topology.
+
+#include <string>
+#include <vector>
+
+#include "transport/status.h"
+#include "transport/store/store.h"
+#include "transport/topology/topology.h"
+#include "transport/types.h"
+
+namespace ddp::transport::topology {
+
+struct DiscoverOptions {
+  std::string sysfs_root = "/sys";  ///< Tests point this at a fake tree.
+  int local_rank = 0;
+  int local_world_size = 1;
+};
+
+/// This process's view: its host (hosts[0] of a one-host topology) and place.
+struct LocalView {
+  Host host;
+  RankPlace place;
+  int pid = 0;
+};
+
+/// RDMA ports under `<sysfs_root>/class/infiniband`, sorted by name and port;
+/// none when the folder does not exist.
+std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root);
+
+/// GPUs visible to the CUDA runtime; none in builds without CUDA.
+std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root);
+
+/// Host name, boot id, NUMA nodes, RDMA ports and GPUs of this host, and this
+/// rank's NUMA node (where it is bound, else spread by local rank) and GPU
+/// (local_rank modulo the GPU count).
+StatusOr<LocalView> DiscoverLocal(const DiscoverOptions& options);
+
+/// The result of an exchange: the topology and every rank's process id.
+struct Exchanged {
+  Topology topology;
+  std::vector<int> pids;
+};
+
+/// Posts `local` under `<key_prefix>topology/<rank>` and reads every rank's;
+/// ranks whose host name and boot id agree share a host. Must be called on
+/// every rank.
+StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
+                                     int rank, int size, const LocalView& local,
+                                     Deadline deadline);
+
+}  // namespace ddp::transport::topology
+
+#endif  // DDP_TRANSPORT_TOPOLOGY_DISCOVER_H_

@@ -1,0 +1,39 @@
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+
+#include "transport/topology/discover.h"
+
+namespace ddp::transport::topology {
+
+std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root) {
+  std::vector<Gpu> gpus;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: a host without GPUs
+    return gpus;
+  }
+  gpus.resize(count);
+  for (int d = 0; d < count; ++d) {
+    char bus_id[32] = {};
+    if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), d) == cudaSuccess) {
+      std::string id = bus_id;
+      std::transform(id.begin(), id.end(), id.begin(), [](unsigned char c) { return std::tolower(c); });
+      std::ifstream in(std::filesystem::path(sysfs_root) / "bus" / "pci" / "devices" / id / "numa_node");
+      int numa = -1;
+      if (in >> numa) gpus[d].numa_node = numa;
+    }
+    for (int peer = 0; peer < count; ++peer) {
+      int can = 0;
+      if (peer != d && cudaDeviceCanAccessPeer(&can, d, peer) == cudaSuccess && can) {
+        gpus[d].nvlink_peers.push_back(peer);
+      }
+    }
+  }
+  return gpus;
+}
+
+}  // namespace ddp::transport::topology

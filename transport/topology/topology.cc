@@ -1,0 +1,375 @@
+#include "transport/topology/topology.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+namespace ddp::transport::topology {
+namespace {
+
+using nlohmann::json;
+
+const char* TypeName(const json& value) { return value.type_name(); }
+
+// Reads typed fields out of a JSON object, naming the field on error.
+class FieldReader {
+ public:
+  FieldReader(const json& object, std::string path, std::string_view origin)
+      : object_(object), path_(std::move(path)), origin_(origin) {}
+
+  Status Error(const std::string& field, const std::string& what) const {
+    return InvalidArgumentError(std::string(origin_) + ": " + Join(field) + ": " + what);
+  }
+  std::string Join(const std::string& field) const {
+    return path_.empty() ? field : path_ + "." + field;
+  }
+
+  Status Int(const char* field, bool required, int& out, int min_value) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) {
+      return required ? Error(field, "missing (an integer is required)") : Status::Ok();
+    }
+    if (!it->is_number_integer()) {
+      return Error(field, std::string("expected an integer, got ") + TypeName(*it));
+    }
+    const int64_t value = it->get<int64_t>();
+    if (value < min_value || value > (1 << 24)) {
+      return Error(field, std::to_string(value) + " is out of range [" +
+                              std::to_string(min_value) + ", " + std::to_string(1 << 24) + "]");
+    }
+    out = static_cast<int>(value);
+    return Status::Ok();
+  }
+  Status Number(const char* field, double& out) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) return Status::Ok();
+    if (!it->is_number()) return Error(field, std::string("expected a number, got ") + TypeName(*it));
+    out = it->get<double>();
+    if (out < 0) return Error(field, "must not be negative");
+    return Status::Ok();
+  }
+  Status String(const char* field, bool required, std::string& out) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) {
+      return required ? Error(field, "missing (a string is required)") : Status::Ok();
+    }
+    if (!it->is_string()) return Error(field, std::string("expected a string, got ") + TypeName(*it));
+    out = it->get<std::string>();
+    return Status::Ok();
+  }
+  Status Bool(const char* field, bool& out) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) return Status::Ok();
+    if (!it->is_boolean()) return Error(field, std::string("expected true or false, got ") + TypeName(*it));
+    out = it->get<bool>();
+    return Status::Ok();
+  }
+  // The array at `field` (nullptr when absent and optional).
+  StatusOr<const json*> Array(const char* field, bool required) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) {
+      if (required) return Error(field, "missing (an array is required)");
+      return static_cast<const json*>(nullptr);
+    }
+    if (!it->is_array()) return Error(field, std::string("expected an array, got ") + TypeName(*it));
+    return &*it;
+  }
+  Status CheckKnown(std::initializer_list<const char*> known) const {
+    for (auto it = object_.begin(); it != object_.end(); ++it) {
+      if (std::find_if(known.begin(), known.end(),
+                       [&](const char* k) { return it.key() == k; }) == known.end()) {
+        return Error(it.key(), "unknown field");
+      }
+    }
+    return Status::Ok();
+  }
+
+ private:
+  const json& object_;
+  std::string path_;
+  std::string_view origin_;
+};
+
+Status ExpectObject(const json& value, const std::string& path, std::string_view origin) {
+  if (!value.is_object()) {
+    return InvalidArgumentError(std::string(origin) + ": " + path + ": expected an object, got " +
+                                TypeName(value));
+  }
+  return Status::Ok();
+}
+
+std::string Indexed(const std::string& base, size_t i) {
+  return base + "[" + std::to_string(i) + "]";
+}
+
+}  // namespace
+
+std::vector<int> Topology::RanksOnHost(int host) const {
+  std::vector<int> out;
+  for (int r = 0; r < size(); ++r) {
+    if (ranks[r].host == host) out.push_back(r);
+  }
+  return out;
+}
+
+bool Topology::Uniform() const {
+  std::vector<int> counts(hosts.size(), 0);
+  for (const RankPlace& place : ranks) ++counts[place.host];
+  return std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<>()) == counts.end();
+}
+
+Status Topology::Validate() const {
+  if (hosts.empty()) return InvalidArgumentError("hosts: at least one host is required");
+  if (ranks.empty()) return InvalidArgumentError("ranks: at least one rank is required");
+  std::vector<bool> used(hosts.size(), false);
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    const Host& host = hosts[h];
+    const int gpus = static_cast<int>(host.gpus.size());
+    for (size_t g = 0; g < host.gpus.size(); ++g) {
+      for (int peer : host.gpus[g].nvlink_peers) {
+        if (peer < 0 || peer >= gpus || peer == static_cast<int>(g)) {
+          return InvalidArgumentError(Indexed(Indexed("hosts", h) + ".gpus", g) +
+                                      ".nvlink_peers: " + std::to_string(peer) +
+                                      " is not another GPU of this host (" +
+                                      std::to_string(gpus) + " GPUs)");
+        }
+      }
+      if (host.gpus[g].numa_node >= host.numa_nodes) {
+        return InvalidArgumentError(Indexed(Indexed("hosts", h) + ".gpus", g) + ".numa_node: " +
+                                    std::to_string(host.gpus[g].numa_node) + " but the host has " +
+                                    std::to_string(host.numa_nodes) + " NUMA nodes");
+      }
+    }
+    for (size_t d = 0; d < host.net_devices.size(); ++d) {
+      if (host.net_devices[d].numa_node >= host.numa_nodes) {
+        return InvalidArgumentError(Indexed(Indexed("hosts", h) + ".net_devices", d) +
+                                    ".numa_node: " + std::to_string(host.net_devices[d].numa_node) +
+                                    " but the host has " + std::to_string(host.numa_nodes) +
+                                    " NUMA nodes");
+      }
+    }
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const RankPlace& place = ranks[r];
+    if (place.host < 0 || place.host >= num_hosts()) {
+      return InvalidArgumentError(Indexed("ranks", r) + ".host: " + std::to_string(place.host) +
+                                  " is not a host index (" + std::to_string(num_hosts()) +
+                                  " hosts)");
+    }
+    used[place.host] = true;
+    const Host& host = hosts[place.host];
+    if (place.numa_node >= host.numa_nodes) {
+      return InvalidArgumentError(Indexed("ranks", r) + ".numa_node: " +
+                                  std::to_string(place.numa_node) + " but host " +
+                                  std::to_string(place.host) + " has " +
+                                  std::to_string(host.numa_nodes) + " NUMA nodes");
+    }
+    if (place.gpu >= static_cast<int>(host.gpus.size())) {
+      return InvalidArgumentError(Indexed("ranks", r) + ".gpu: " + std::to_string(place.gpu) +
+                                  " but host " + std::to_string(place.host) + " has " +
+                                  std::to_string(host.gpus.size()) + " GPUs");
+    }
+  }
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    if (!used[h]) return InvalidArgumentError(Indexed("hosts", h) + ": no rank runs on this host");
+  }
+  return Status::Ok();
+}
+
+StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view origin) {
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::parse_error& e) {
+    return InvalidArgumentError(std::string(origin) + ": not valid JSON: " + e.what());
+  }
+  DDP_RETURN_IF_ERROR(ExpectObject(root, "top level", origin));
+  FieldReader top(root, "", origin);
+  DDP_RETURN_IF_ERROR(top.CheckKnown({"hosts", "ranks"}));
+  Topology topology;
+
+  DDP_ASSIGN_OR_RETURN(const json* hosts, top.Array("hosts", true));
+  for (size_t h = 0; h < hosts->size(); ++h) {
+    const std::string path = Indexed("hosts", h);
+    DDP_RETURN_IF_ERROR(ExpectObject((*hosts)[h], path, origin));
+    FieldReader in(( *hosts)[h], path, origin);
+    DDP_RETURN_IF_ERROR(in.CheckKnown({"name", "boot_id", "numa_nodes", "net_devices", "gpus"}));
+    Host host;
+    DDP_RETURN_IF_ERROR(in.String("name", false, host.name));
+    if (host.name.empty()) host.name = "host" + std::to_string(h);
+    DDP_RETURN_IF_ERROR(in.String("boot_id", false, host.boot_id));
+    DDP_RETURN_IF_ERROR(in.Int("numa_nodes", false, host.numa_nodes, 1));
+    DDP_ASSIGN_OR_RETURN(const json* devices, in.Array("net_devices", false));
+    for (size_t d = 0; devices != nullptr && d < devices->size(); ++d) {
+      const std::string dpath = Indexed(path + ".net_devices", d);
+      DDP_RETURN_IF_ERROR(ExpectObject((*devices)[d], dpath, origin));
+      FieldReader dev((*devices)[d], dpath, origin);
+      DDP_RETURN_IF_ERROR(
+          dev.CheckKnown({"name", "port", "numa_node", "link_layer", "rate_gbps", "active"}));
+      NetDevice device;
+      DDP_RETURN_IF_ERROR(dev.String("name", true, device.name));
+      DDP_RETURN_IF_ERROR(dev.Int("port", false, device.port, 1));
+      DDP_RETURN_IF_ERROR(dev.Int("numa_node", false, device.numa_node, -1));
+      DDP_RETURN_IF_ERROR(dev.String("link_layer", false, device.link_layer));
+      DDP_RETURN_IF_ERROR(dev.Number("rate_gbps", device.rate_gbps));
+      DDP_RETURN_IF_ERROR(dev.Bool("active", device.active));
+      host.net_devices.push_back(std::move(device));
+    }
+    DDP_ASSIGN_OR_RETURN(const json* gpus, in.Array("gpus", false));
+    for (size_t g = 0; gpus != nullptr && g < gpus->size(); ++g) {
+      const std::string gpath = Indexed(path + ".gpus", g);
+      DDP_RETURN_IF_ERROR(ExpectObject((*gpus)[g], gpath, origin));
+      FieldReader gpu_in((*gpus)[g], gpath, origin);
+      DDP_RETURN_IF_ERROR(gpu_in.CheckKnown({"numa_node", "nvlink_peers"}));
+      Gpu gpu;
+      DDP_RETURN_IF_ERROR(gpu_in.Int("numa_node", false, gpu.numa_node, -1));
+      DDP_ASSIGN_OR_RETURN(const json* peers, gpu_in.Array("nvlink_peers", false));
+      for (size_t p = 0; peers != nullptr && p < peers->size(); ++p) {
+        if (!(*peers)[p].is_number_integer()) {
+          return InvalidArgumentError(std::string(origin) + ": " + Indexed(gpath + ".nvlink_peers", p) +
+                                      ": expected an integer, got " + TypeName((*peers)[p]));
+        }
+        gpu.nvlink_peers.push_back((*peers)[p].get<int>());
+      }
+      host.gpus.push_back(std::move(gpu));
+    }
+    topology.hosts.push_back(std::move(host));
+  }
+
+  DDP_ASSIGN_OR_RETURN(const json* ranks, top.Array("ranks", true));
+  for (size_t r = 0; r < ranks->size(); ++r) {
+    const std::string path = Indexed("ranks", r);
+    DDP_RETURN_IF_ERROR(ExpectObject((*ranks)[r], path, origin));
+    FieldReader in((*ranks)[r], path, origin);
+    DDP_RETURN_IF_ERROR(in.CheckKnown({"host", "numa_node", "gpu"}));
+    RankPlace place;
+    DDP_RETURN_IF_ERROR(in.Int("host", true, place.host, 0));
+    DDP_RETURN_IF_ERROR(in.Int("numa_node", false, place.numa_node, -1));
+    DDP_RETURN_IF_ERROR(in.Int("gpu", false, place.gpu, -1));
+    topology.ranks.push_back(place);
+  }
+  Status valid = topology.Validate();
+  if (!valid.ok()) return InvalidArgumentError(std::string(origin) + ": " + valid.message());
+  return topology;
+}
+
+StatusOr<Topology> LoadTopologyFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFoundError("topology file " + path + " cannot be opened");
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseTopologyJson(text.str(), path);
+}
+
+std::string TopologyToJson(const Topology& topology) {
+  json root;
+  root["hosts"] = json::array();
+  for (const Host& host : topology.hosts) {
+    json h;
+    h["name"] = host.name;
+    h["boot_id"] = host.boot_id;
+    h["numa_nodes"] = host.numa_nodes;
+    h["net_devices"] = json::array();
+    for (const NetDevice& d : host.net_devices) {
+      h["net_devices"].push_back({{"name", d.name}, {"port", d.port}, {"numa_node", d.numa_node},
+                                  {"link_layer", d.link_layer}, {"rate_gbps", d.rate_gbps},
+                                  {"active", d.active}});
+    }
+    h["gpus"] = json::array();
+    for (const Gpu& g : host.gpus) {
+      h["gpus"].push_back({{"numa_node", g.numa_node}, {"nvlink_peers", g.nvlink_peers}});
+    }
+    root["hosts"].push_back(std::move(h));
+  }
+  root["ranks"] = json::array();
+  for (const RankPlace& p : topology.ranks) {
+    root["ranks"].push_back({{"host", p.host}, {"numa_node", p.numa_node}, {"gpu", p.gpu}});
+  }
+  return root.dump();
+}
+
+std::vector<int> RingOrder(const Topology& topology) {
+  std::vector<int> order;
+  order.reserve(topology.size());
+  for (int h = 0; h < topology.num_hosts(); ++h) {
+    std::vector<int> on_host = topology.RanksOnHost(h);
+    const Host& host = topology.hosts[h];
+    // Within a NUMA node, walk GPUs along peer links: start at the lowest
+    // GPU, step to the lowest unvisited peer, else the lowest unvisited GPU.
+    std::vector<int> gpu_rank_order;  // position of each GPU in the walk
+    const int gpus = static_cast<int>(host.gpus.size());
+    std::vector<int> walk_position(gpus, 0);
+    {
+      std::vector<bool> seen(gpus, false);
+      int position = 0;
+      for (int start = 0; start < gpus; ++start) {
+        int current = start;
+        while (current >= 0 && !seen[current]) {
+          seen[current] = true;
+          walk_position[current] = position++;
+          int next = -1;
+          for (int peer : host.gpus[current].nvlink_peers) {
+            if (!seen[peer] && (next < 0 || peer < next)) next = peer;
+          }
+          current = next;
+        }
+      }
+    }
+    auto key = [&](int r) {
+      const RankPlace& p = topology.ranks[r];
+      const int numa = p.gpu >= 0 && host.gpus[p.gpu].numa_node >= 0 ? host.gpus[p.gpu].numa_node
+                                                                       : p.numa_node;
+      return std::make_tuple(numa, p.gpu >= 0 ? walk_position[p.gpu] : -1, r);
+    };
+    std::stable_sort(on_host.begin(), on_host.end(),
+                     [&](int a, int b) { return key(a) < key(b); });
+    order.insert(order.end(), on_host.begin(), on_host.end());
+  }
+  return order;
+}
+
+std::string PickNetDevice(const Topology& topology, int rank) {
+  const RankPlace& place = topology.ranks[rank];
+  const Host& host = topology.hosts[place.host];
+  int numa = place.numa_node;
+  if (place.gpu >= 0 && host.gpus[place.gpu].numa_node >= 0) numa = host.gpus[place.gpu].numa_node;
+
+  std::vector<const NetDevice*> active;
+  for (const NetDevice& d : host.net_devices) {
+    if (d.active) active.push_back(&d);
+  }
+  if (active.empty()) return "";
+  std::vector<const NetDevice*> near;
+  for (const NetDevice* d : active) {
+    if (numa >= 0 && d->numa_node == numa) near.push_back(d);
+  }
+  std::vector<const NetDevice*>& pool = near.empty() ? active : near;
+  const double best_rate =
+      (*std::max_element(pool.begin(), pool.end(), [](auto* a, auto* b) {
+        return a->rate_gbps < b->rate_gbps;
+      }))->rate_gbps;
+  std::vector<const NetDevice*> fastest;
+  for (const NetDevice* d : pool) {
+    if (d->rate_gbps == best_rate) fastest.push_back(d);
+  }
+  // Spread the ranks that compete for the same devices: the i-th such rank
+  // on this host (same NUMA node) takes the i-th device, round robin.
+  int index = 0;
+  for (int r : topology.RanksOnHost(place.host)) {
+    if (r == rank) break;
+    const RankPlace& other = topology.ranks[r];
+    int other_numa = other.numa_node;
+    if (other.gpu >= 0 && host.gpus[other.gpu].numa_node >= 0) {
+      other_numa = host.gpus[other.gpu].numa_node;
+    }
+    if (other_numa == numa) ++index;
+  }
+  return fastest[index % fastest.size()]->UcxName();
+}
+
+}  // namespace ddp::transport::topology

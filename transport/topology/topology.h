@@ -1,0 +1,103 @@
+#ifndef DDP_TRANSPORT_TOPOLOGY_TOPOLOGY_H_
+#define DDP_TRANSPORT_TOPOLOGY_TOPOLOGY_H_
+
+// Where every rank runs: which host, NUMA node and GPU, and what network
+// devices and GPU peer links each host has. Discovered on the machine
+// (discover.h) and exchanged through the store, or loaded from a JSON file
+// (DDP_TOPOLOGY_FILE) so that tests can describe machines this host is not.
+//
+// File format (every field but "hosts" and "ranks" may be left out):
+//
+//   {
+//     "hosts": [
+//       {"name": "node-a", "numa_nodes": 2,
+//        "net_devices": [{"name": "mlx5_0", "port": 1, "numa_node": 0,
+//                         "link_layer": "InfiniBand", "rate_gbps": 200,
+//                         "active": true}],
+//        "gpus": [{"numa_node": 0, "nvlink_peers": [1]},
+//                 {"numa_node": 0, "nvlink_peers": [0]}]}
+//     ],
+//     "ranks": [{"host": 0, "numa_node": 0, "gpu": 0},
+//               {"host": 0, "numa_node": 0, "gpu": 1}]
+//   }
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "transport/status.h"
+
+namespace ddp::transport::topology {
+
+/// One port of an RDMA device (from /sys/class/infiniband).
+struct NetDevice {
+  std::string name;             ///< "mlx5_0".
+  int port = 1;                 ///< 1-based port number.
+  int numa_node = -1;           ///< -1: unknown.
+  std::string link_layer;       ///< "InfiniBand" or "Ethernet".
+  double rate_gbps = 0;         ///< Link rate in Gb/s.
+  bool active = true;           ///< Port state ACTIVE.
+  /// "mlx5_0:1", the UCX_NET_DEVICES spelling.
+  std::string UcxName() const { return name + ":" + std::to_string(port); }
+};
+
+/// One GPU of a host, numbered as the CUDA runtime numbers them.
+struct Gpu {
+  int numa_node = -1;
+  std::vector<int> nvlink_peers;  ///< GPUs of the same host it reaches by peer access.
+};
+
+struct Host {
+  std::string name;     ///< Host name.
+  std::string boot_id;  ///< Distinguishes containers/VMs that share a name.
+  int numa_nodes = 1;
+  std::vector<NetDevice> net_devices;
+  std::vector<Gpu> gpus;
+};
+
+/// Where one rank runs.
+struct RankPlace {
+  int host = 0;        ///< Index into Topology::hosts.
+  int numa_node = -1;  ///< -1: not bound to one node.
+  int gpu = -1;        ///< Index into that host's gpus; -1: none.
+};
+
+struct Topology {
+  std::vector<Host> hosts;
+  std::vector<RankPlace> ranks;
+
+  int size() const { return static_cast<int>(ranks.size()); }
+  int num_hosts() const { return static_cast<int>(hosts.size()); }
+  bool SameHost(int a, int b) const { return ranks[a].host == ranks[b].host; }
+  /// Ranks on `host`, ascending.
+  std::vector<int> RanksOnHost(int host) const;
+  /// True when every host runs the same number of ranks.
+  bool Uniform() const;
+  /// Checks indices (hosts, GPUs, peers) for consistency; INVALID_ARGUMENT
+  /// naming the field otherwise.
+  Status Validate() const;
+};
+
+/// Parses the file format above. `origin` (a path) leads error messages,
+/// which name the offending field: "t.json: ranks[2].host: 5 is not a host
+/// index (2 hosts)".
+StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view origin);
+/// Reads and parses a topology file.
+StatusOr<Topology> LoadTopologyFile(const std::string& path);
+/// The file format for `topology` (round-trips through ParseTopologyJson).
+std::string TopologyToJson(const Topology& topology);
+
+/// Rank order for rings: grouped by host, then NUMA node, then along GPU peer
+/// links, so that consecutive ranks share the fastest link available and the
+/// ring leaves each host exactly once. Returns a permutation of [0, size).
+std::vector<int> RingOrder(const Topology& topology);
+
+/// The RDMA port `rank` should use: an active port on the NUMA node of its
+/// GPU (or, without a GPU, of its own NUMA node), the fastest such, spread
+/// over the ranks that share that node. Falls back to any active port. Empty
+/// when the host has none.
+std::string PickNetDevice(const Topology& topology, int rank);
+
+}  // namespace ddp::transport::topology
+
+#endif  // DDP_TRANSPORT_TOPOLOGY_TOPOLOGY_H_

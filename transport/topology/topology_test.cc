@@ -1,0 +1,138 @@
+#include "transport/topology/topology.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace ddp::transport::topology {
+namespace {
+
+Topology MustParse(const std::string& text) {
+  auto t = ParseTopologyJson(text, "test.json");
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *t : Topology{};
+}
+
+void ExpectError(const std::string& text, const std::string& fragment) {
+  auto t = ParseTopologyJson(text, "bad.json");
+  ASSERT_FALSE(t.ok()) << "accepted: " << text;
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find(fragment), std::string::npos)
+      << "message '" << t.status().message() << "' lacks '" << fragment << "'";
+  EXPECT_EQ(t.status().message().rfind("bad.json", 0), 0u) << t.status().message();
+}
+
+TEST(ParseTopologyJson, MinimalFile) {
+  Topology t = MustParse(R"({"hosts": [{}], "ranks": [{"host": 0}, {"host": 0}]})");
+  EXPECT_EQ(t.size(), 2);
+  EXPECT_EQ(t.num_hosts(), 1);
+  EXPECT_EQ(t.hosts[0].name, "host0");
+  EXPECT_TRUE(t.SameHost(0, 1));
+}
+
+TEST(ParseTopologyJson, ErrorsNameTheField) {
+  ExpectError("{", "not valid JSON");
+  ExpectError("[]", "top level: expected an object");
+  ExpectError(R"({"ranks": []})", "hosts: missing");
+  ExpectError(R"({"hosts": [{}]})", "ranks: missing");
+  ExpectError(R"({"hosts": {}, "ranks": []})", "hosts: expected an array, got object");
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": "a"}]})",
+              "ranks[0].host: expected an integer, got string");
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": 0}, {}]})", "ranks[1].host: missing");
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": 2}]})", "ranks[0].host: 2 is not a host index");
+  ExpectError(R"({"hosts": [{"numa_nodes": 0}], "ranks": [{"host": 0}]})",
+              "hosts[0].numa_nodes: 0 is out of range");
+  ExpectError(R"({"hosts": [{"net_devices": [{"port": 1}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].net_devices[0].name: missing");
+  ExpectError(R"({"hosts": [{"net_devices": [{"name": "m", "rate_gbps": "fast"}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].net_devices[0].rate_gbps: expected a number");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [0]}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].nvlink_peers: 0 is not another GPU");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": ["x"]}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].nvlink_peers[0]: expected an integer");
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": 0, "gpu": 0}]})",
+              "ranks[0].gpu: 0 but host 0 has 0 GPUs");
+  ExpectError(R"({"hosts": [{}, {}], "ranks": [{"host": 0}]})", "hosts[1]: no rank runs");
+  ExpectError(R"({"hosts": [{"nmua_nodes": 2}], "ranks": [{"host": 0}]})",
+              "hosts[0].nmua_nodes: unknown field");
+  ExpectError(R"({"hosts": [{"numa_nodes": 1}], "ranks": [{"host": 0, "numa_node": 1}]})",
+              "ranks[0].numa_node: 1 but host 0 has 1 NUMA nodes");
+}
+
+TEST(LoadTopologyFile, MissingFileIsNotFound) {
+  auto t = LoadTopologyFile("/nonexistent/topology.json");
+  EXPECT_EQ(t.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(t.status().message().find("/nonexistent/topology.json"), std::string::npos);
+}
+
+TEST(LoadTopologyFile, RoundTripsThroughJson) {
+  Topology t = MustParse(R"({"hosts": [
+      {"name": "a", "numa_nodes": 2,
+       "net_devices": [{"name": "mlx5_0", "port": 1, "numa_node": 1, "rate_gbps": 200}],
+       "gpus": [{"numa_node": 0, "nvlink_peers": [1]}, {"numa_node": 1, "nvlink_peers": [0]}]}],
+      "ranks": [{"host": 0, "gpu": 1, "numa_node": 1}, {"host": 0, "gpu": 0, "numa_node": 0}]})");
+  const std::string path = ::testing::TempDir() + "/topo.json";
+  std::ofstream(path) << TopologyToJson(t);
+  auto back = LoadTopologyFile(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(TopologyToJson(*back), TopologyToJson(t));
+  EXPECT_EQ(back->hosts[0].net_devices[0].rate_gbps, 200);
+  EXPECT_EQ(back->hosts[0].gpus[1].nvlink_peers, std::vector<int>{0});
+}
+
+TEST(RingOrder, InterleavedHostsLeaveEachHostOnce) {
+  // Ranks alternate between two hosts (a round-robin scheduler): the natural
+  // ring would cross the network on every hop; the ordered ring twice.
+  Topology t = MustParse(R"({"hosts": [{"name": "a"}, {"name": "b"}], "ranks": [
+      {"host": 0}, {"host": 1}, {"host": 0}, {"host": 1},
+      {"host": 0}, {"host": 1}, {"host": 0}, {"host": 1}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{0, 2, 4, 6, 1, 3, 5, 7}));
+  EXPECT_TRUE(t.Uniform());
+}
+
+TEST(RingOrder, FollowsNumaThenNvlinkPeers) {
+  // Four GPUs where NVLink joins 0-2 and 1-3; GPUs 0 and 2 on NUMA 0.
+  Topology t = MustParse(R"({"hosts": [{"numa_nodes": 2, "gpus": [
+      {"numa_node": 0, "nvlink_peers": [2]}, {"numa_node": 1, "nvlink_peers": [3]},
+      {"numa_node": 0, "nvlink_peers": [0]}, {"numa_node": 1, "nvlink_peers": [1]}]}],
+      "ranks": [{"host": 0, "gpu": 0}, {"host": 0, "gpu": 1}, {"host": 0, "gpu": 2},
+                {"host": 0, "gpu": 3}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{0, 2, 1, 3}));
+}
+
+TEST(RingOrder, NvlinkChainWithinOneNode) {
+  // A chain 0-3-1-2 (all one NUMA node): the ring walks the chain.
+  Topology t = MustParse(R"({"hosts": [{"gpus": [
+      {"nvlink_peers": [3]}, {"nvlink_peers": [3, 2]}, {"nvlink_peers": [1]},
+      {"nvlink_peers": [0, 1]}]}],
+      "ranks": [{"host": 0, "gpu": 0}, {"host": 0, "gpu": 1}, {"host": 0, "gpu": 2},
+                {"host": 0, "gpu": 3}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{0, 3, 1, 2}));
+}
+
+TEST(PickNetDevice, NearestToTheGpuThenSpread) {
+  Topology t = MustParse(R"({"hosts": [{"numa_nodes": 2,
+      "net_devices": [{"name": "mlx5_0", "numa_node": 0, "rate_gbps": 200},
+                      {"name": "mlx5_1", "numa_node": 1, "rate_gbps": 200},
+                      {"name": "mlx5_2", "numa_node": 1, "rate_gbps": 200},
+                      {"name": "mlx5_3", "numa_node": 1, "rate_gbps": 100},
+                      {"name": "mlx5_4", "numa_node": 0, "active": false}],
+      "gpus": [{"numa_node": 0}, {"numa_node": 1}, {"numa_node": 1}]}],
+      "ranks": [{"host": 0, "gpu": 0}, {"host": 0, "gpu": 1}, {"host": 0, "gpu": 2}]})");
+  EXPECT_EQ(PickNetDevice(t, 0), "mlx5_0:1");
+  EXPECT_EQ(PickNetDevice(t, 1), "mlx5_1:1");  // fastest on NUMA 1 ...
+  EXPECT_EQ(PickNetDevice(t, 2), "mlx5_2:1");  // ... spread over the two
+}
+
+TEST(PickNetDevice, ByNumaNodeWithoutGpusAndFallbacks) {
+  Topology t = MustParse(R"({"hosts": [{"numa_nodes": 2,
+      "net_devices": [{"name": "ib0", "numa_node": 1, "rate_gbps": 100}]}, {}],
+      "ranks": [{"host": 0, "numa_node": 0}, {"host": 0, "numa_node": 1}, {"host": 1}]})");
+  EXPECT_EQ(PickNetDevice(t, 0), "ib0:1");  // nothing near: any active port
+  EXPECT_EQ(PickNetDevice(t, 1), "ib0:1");
+  EXPECT_EQ(PickNetDevice(t, 2), "");       // a host with no RDMA port
+}
+
+}  // namespace
+}  // namespace ddp::transport::topology
