@@ -1,0 +1,395 @@
+#include "nn/io/safetensors.h"
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include <sys/stat.h>
+
+#include <zlib.h>
+
+#include "nn/io/atomic_file.h"
+
+namespace ddp::nn::io {
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; this code copies bytes as they are");
+
+namespace {
+
+constexpr char kMetadataKey[] = "__metadata__";
+
+// The format itself has no checksum, and a flipped bit in a weight would
+// otherwise load silently.
+std::string Crc32Hex(const std::vector<TensorView>& tensors) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (const TensorView& t : tensors) {
+    const auto* p = static_cast<const Bytef*>(t.data);
+    size_t left = t.nbytes;
+    while (left > 0) {
+      const uInt n = static_cast<uInt>(std::min<size_t>(left, 1u << 30));
+      crc = crc32(crc, p, n);
+      p += n;
+      left -= n;
+    }
+  }
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
+  return buf;
+}
+
+struct DtypeInfo {
+  StDtype dtype;
+  const char* name;
+  int64_t size;
+};
+constexpr DtypeInfo kDtypes[] = {
+    {StDtype::kF32, "F32", 4}, {StDtype::kF64, "F64", 8}, {StDtype::kF16, "F16", 2},
+    {StDtype::kBF16, "BF16", 2}, {StDtype::kI64, "I64", 8}, {StDtype::kI32, "I32", 4},
+    {StDtype::kU8, "U8", 1},
+};
+
+// Bytes of a tensor, or nullopt when the count overflows 2^62.
+std::optional<uint64_t> ByteCount(const std::vector<int64_t>& shape, StDtype dtype) {
+  uint64_t n = static_cast<uint64_t>(StDtypeSize(dtype));
+  for (int64_t d : shape) {
+    if (d < 0) return std::nullopt;
+    const uint64_t u = static_cast<uint64_t>(d);
+    if (u != 0 && n > (uint64_t{1} << 62) / u) return std::nullopt;
+    n *= u;
+  }
+  return n;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The header JSON of `tensors`, with offsets assigned in order, padded with
+// spaces to a multiple of 8 bytes.
+std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (metadata.count(kChecksumKey)) {
+    throw std::invalid_argument(std::string("safetensors: metadata key ") + kChecksumKey +
+                                " is reserved");
+  }
+  std::set<std::string_view> names;
+  uint64_t offset = 0;
+  for (const TensorView& t : tensors) {
+    if (t.name == kMetadataKey) {
+      throw std::invalid_argument("safetensors: tensor name __metadata__ is reserved");
+    }
+    if (!names.insert(t.name).second) {
+      throw std::invalid_argument("safetensors: tensor name `" + t.name + "` appears twice");
+    }
+    const std::optional<uint64_t> expected = ByteCount(t.shape, t.dtype);
+    if (!expected) {
+      throw std::invalid_argument("safetensors: tensor `" + t.name + "` has invalid shape " +
+                                  ShapeString(t.shape));
+    }
+    if (*expected != t.nbytes) {
+      throw std::invalid_argument("safetensors: tensor `" + t.name + "` of dtype " +
+                                  StDtypeName(t.dtype) + " and shape " + ShapeString(t.shape) +
+                                  " needs " + std::to_string(*expected) + " bytes, got " +
+                                  std::to_string(t.nbytes));
+    }
+    if (t.nbytes > 0 && t.data == nullptr) {
+      throw std::invalid_argument("safetensors: tensor `" + t.name + "` has no data pointer");
+    }
+    nlohmann::ordered_json e = nlohmann::ordered_json::object();
+    e["dtype"] = StDtypeName(t.dtype);
+    e["shape"] = t.shape;
+    e["data_offsets"] = {offset, offset + t.nbytes};
+    header[t.name] = std::move(e);
+    offset += t.nbytes;
+  }
+  // Metadata last in the object but first in the file: ordered_json keeps
+  // insertion order, so build it in front.
+  nlohmann::ordered_json m = nlohmann::ordered_json::object();
+  for (const auto& [k, v] : metadata) m[k] = v;
+  m[kChecksumKey] = Crc32Hex(tensors);
+  nlohmann::ordered_json full = nlohmann::ordered_json::object();
+  full[kMetadataKey] = std::move(m);
+  for (auto it = header.begin(); it != header.end(); ++it) full[it.key()] = std::move(it.value());
+  header = std::move(full);
+  std::string json;
+  try {
+    json = header.dump();
+  } catch (const nlohmann::json::exception& e) {
+    // Invalid UTF-8 in a name or a metadata value.
+    throw std::invalid_argument(std::string("safetensors: cannot encode header: ") + e.what());
+  }
+  json.append((8 - json.size() % 8) % 8, ' ');
+  return json;
+}
+
+std::string LengthPrefix(uint64_t n) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return s;
+}
+
+// Deepest nesting of arrays and objects in `json`, outside strings. A valid
+// header nests 3 deep; checking first keeps hostile input from driving the
+// JSON parser into deep recursion.
+int NestingDepth(std::string_view json) {
+  int depth = 0, max_depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : json) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '{' || c == '[') max_depth = std::max(max_depth, ++depth);
+    else if (c == '}' || c == ']') --depth;
+  }
+  return max_depth;
+}
+
+class Parser {
+ public:
+  explicit Parser(const std::string& source) : source_(source) {}
+
+  [[noreturn]] void Fail(const std::string& what) const {
+    throw CheckpointError(source_ + ": invalid safetensors file: " + what);
+  }
+
+  uint64_t Offset(const nlohmann::json& v, const std::string& name, int which) const {
+    if (!v.is_number_unsigned()) {
+      Fail("tensor `" + name + "`: data_offsets[" + std::to_string(which) + "] is " + v.dump() +
+           ", expected a non-negative integer");
+    }
+    return v.get<uint64_t>();
+  }
+
+  TensorEntry Entry(const std::string& name, const nlohmann::json& info) const {
+    if (!info.is_object()) Fail("tensor `" + name + "`: entry is " + std::string(info.type_name()) + ", expected an object");
+    TensorEntry e;
+    e.name = name;
+    auto dt = info.find("dtype");
+    if (dt == info.end() || !dt->is_string()) Fail("tensor `" + name + "`: missing dtype string");
+    const std::optional<StDtype> dtype = StDtypeFromName(dt->get_ref<const std::string&>());
+    if (!dtype) {
+      Fail("tensor `" + name + "`: dtype " + dt->dump() +
+           " is not supported (F32, F64, F16, BF16, I64, I32, U8 are)");
+    }
+    e.dtype = *dtype;
+    auto shape = info.find("shape");
+    if (shape == info.end() || !shape->is_array()) Fail("tensor `" + name + "`: missing shape array");
+    for (const auto& d : *shape) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62)) {
+        Fail("tensor `" + name + "`: shape " + shape->dump() +
+             " must hold non-negative integers");
+      }
+      e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+    }
+    auto offsets = info.find("data_offsets");
+    if (offsets == info.end() || !offsets->is_array() || offsets->size() != 2) {
+      Fail("tensor `" + name + "`: missing data_offsets [begin, end]");
+    }
+    const uint64_t begin = Offset((*offsets)[0], name, 0);
+    const uint64_t end = Offset((*offsets)[1], name, 1);
+    if (end < begin) {
+      Fail("tensor `" + name + "`: data_offsets [" + std::to_string(begin) + ", " +
+           std::to_string(end) + "] end before they begin");
+    }
+    const std::optional<uint64_t> expected = ByteCount(e.shape, e.dtype);
+    if (!expected || *expected != end - begin) {
+      Fail("tensor `" + name + "`: dtype " + StDtypeName(e.dtype) + " and shape " +
+           ShapeString(e.shape) + " need " +
+           (expected ? std::to_string(*expected) : std::string("more than 2^62")) +
+           " bytes, data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+           "] hold " + std::to_string(end - begin));
+    }
+    e.offset = begin;
+    e.nbytes = end - begin;
+    return e;
+  }
+
+ private:
+  const std::string& source_;
+};
+
+}  // namespace
+
+const char* StDtypeName(StDtype dtype) {
+  for (const DtypeInfo& d : kDtypes) {
+    if (d.dtype == dtype) return d.name;
+  }
+  return "?";
+}
+
+int64_t StDtypeSize(StDtype dtype) {
+  for (const DtypeInfo& d : kDtypes) {
+    if (d.dtype == dtype) return d.size;
+  }
+  return 0;
+}
+
+std::optional<StDtype> StDtypeFromName(std::string_view name) {
+  for (const DtypeInfo& d : kDtypes) {
+    if (name == d.name) return d.dtype;
+  }
+  return std::nullopt;
+}
+
+std::string SerializeSafetensors(const std::vector<TensorView>& tensors, const Metadata& metadata) {
+  const std::string header = BuildHeader(tensors, metadata);
+  std::string out = LengthPrefix(header.size()) + header;
+  for (const TensorView& t : tensors) {
+    out.append(static_cast<const char*>(t.data), t.nbytes);
+  }
+  return out;
+}
+
+void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
+                          const Metadata& metadata) {
+  std::string header;
+  try {
+    header = BuildHeader(tensors, metadata);
+  } catch (const std::invalid_argument& e) {
+    throw CheckpointError(path + ": " + e.what());
+  }
+  AtomicFileWriter out(path);
+  const std::string prefix = LengthPrefix(header.size());
+  out.Write(prefix.data(), prefix.size());
+  out.Write(header.data(), header.size());
+  for (const TensorView& t : tensors) out.Write(t.data, t.nbytes);
+  out.Commit();
+}
+
+SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& source) {
+  Parser p(source);
+  if (bytes.size() < 8) {
+    p.Fail("file is " + std::to_string(bytes.size()) +
+           " bytes, shorter than the 8-byte header length");
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(bytes[i]);
+  if (n > bytes.size() - 8) {
+    p.Fail("header length " + std::to_string(n) + " exceeds the " +
+           std::to_string(bytes.size() - 8) + " bytes after the length field (truncated file?)");
+  }
+  if (n > kMaxHeaderBytes) {
+    p.Fail("header length " + std::to_string(n) + " exceeds the limit of " +
+           std::to_string(kMaxHeaderBytes) + " bytes");
+  }
+  const std::string_view text(bytes.data() + 8, n);
+  if (n < 2 || text[0] != '{') p.Fail("header does not start with '{'");
+  // nlohmann's parser stops at a NUL as if the input ended there, which
+  // would let anything after it pass unread.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    p.Fail("header has a NUL byte at offset " + std::to_string(nul));
+  }
+  if (NestingDepth(text) > 3) p.Fail("header JSON nests deeper than 3 levels");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    p.Fail(std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) p.Fail("header is not a JSON object");
+
+  SafetensorsFile f;
+  f.source_ = source;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == kMetadataKey) {
+      if (!it->is_object()) p.Fail("__metadata__ is not an object of strings");
+      for (auto m = it->begin(); m != it->end(); ++m) {
+        if (!m->is_string()) {
+          p.Fail("__metadata__ value for `" + m.key() + "` is " + m->dump() +
+                 ", expected a string");
+        }
+        f.metadata_[m.key()] = m->get<std::string>();
+      }
+      continue;
+    }
+    f.tensors_.push_back(p.Entry(it.key(), *it));
+  }
+
+  // The entries must tile the data region: sorted by offset, each begins
+  // where the previous one ended and the last ends at the file's end.
+  const uint64_t data_size = bytes.size() - 8 - n;
+  std::stable_sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    return a.offset != b.offset ? a.offset < b.offset : a.nbytes < b.nbytes;
+  });
+  uint64_t pos = 0;
+  const TensorEntry* prev = nullptr;
+  auto range = [](const TensorEntry& e) {
+    return "[" + std::to_string(e.offset) + ", " + std::to_string(e.offset + e.nbytes) + "]";
+  };
+  for (const TensorEntry& e : f.tensors_) {
+    if (e.offset + e.nbytes > data_size) {
+      p.Fail("tensor `" + e.name + "`: data_offsets " + range(e) + " extend past the " +
+             std::to_string(data_size) + "-byte data region (truncated file?)");
+    }
+    if (e.offset < pos) {
+      p.Fail("tensor `" + e.name + "`: data_offsets " + range(e) + " overlap tensor `" +
+             prev->name + "` " + range(*prev));
+    }
+    if (e.offset > pos) {
+      p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(e.offset) +
+             ") of the data region belong to no tensor");
+    }
+    pos = e.offset + e.nbytes;
+    prev = &e;
+  }
+  if (pos != data_size) {
+    p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(data_size) +
+           ") of the data region belong to no tensor");
+  }
+  f.data_start_ = 8 + n;
+  auto crc = f.metadata_.find(kChecksumKey);
+  if (crc != f.metadata_.end()) {
+    TensorView all{"", StDtype::kU8, {static_cast<int64_t>(data_size)},
+                   bytes.data() + f.data_start_, data_size};
+    const std::string got = Crc32Hex({all});
+    if (got != crc->second) {
+      p.Fail("data region checksum is " + got + ", the header says " + crc->second +
+             " (the tensor data is corrupt)");
+    }
+    f.metadata_.erase(crc);
+  }
+  f.bytes_ = std::move(bytes);
+  return f;
+}
+
+SafetensorsFile SafetensorsFile::Read(const std::string& path) {
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) throw CheckpointError(path + ": cannot open: " + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fileno(f.get()), &st) != 0 || !S_ISREG(st.st_mode)) {
+    throw CheckpointError(path + ": not a regular file");
+  }
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  const size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
+  if (got != bytes.size()) {
+    throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
+                          std::to_string(bytes.size()) + " bytes");
+  }
+  return Parse(std::move(bytes), path);
+}
+
+const TensorEntry* SafetensorsFile::Find(std::string_view name) const {
+  for (const TensorEntry& e : tensors_) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+const std::byte* SafetensorsFile::Data(const TensorEntry& entry) const {
+  return reinterpret_cast<const std::byte*>(bytes_.data()) + data_start_ + entry.offset;
+}
+
+}  // namespace ddp::nn::io

@@ -1,0 +1,126 @@
+#ifndef DDP_NN_IO_SAFETENSORS_H_
+#define DDP_NN_IO_SAFETENSORS_H_
+
+// The safetensors format, on a neutral in-memory representation (name,
+// dtype, shape, little-endian bytes) that knows nothing of nn::Tensor, so the
+// parser can be fuzzed alone. Layout of a file:
+//
+//   u64 little-endian N | N bytes of JSON header | data region
+//
+// The header maps each tensor name to {"dtype", "shape", "data_offsets":
+// [begin, end]} (byte offsets into the data region) and may hold
+// "__metadata__", a map of strings. Files written here pad the header with
+// spaces to a multiple of 8 bytes, so the data region starts 8-aligned, as
+// the Python `safetensors` package writes them.
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ddp::nn::io {
+
+/// A checkpoint or safetensors file is missing, unreadable, malformed or does
+/// not match what was asked; the message names the file and the problem.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Element types handled here. Values are stable: append only.
+enum class StDtype : int {
+  kF32 = 0,
+  kF64 = 1,
+  kF16 = 2,
+  kBF16 = 3,
+  kI64 = 4,
+  kI32 = 5,
+  kU8 = 6,
+};
+
+/// The format's name: "F32", "BF16", "I64", ...
+const char* StDtypeName(StDtype dtype);
+/// Bytes per element.
+int64_t StDtypeSize(StDtype dtype);
+/// The dtype of a format name, or nullopt for names not handled here.
+std::optional<StDtype> StDtypeFromName(std::string_view name);
+
+/// String metadata stored under "__metadata__".
+using Metadata = std::map<std::string, std::string>;
+
+/// A tensor to write: the caller keeps `data` alive during the write.
+struct TensorView {
+  std::string name;
+  StDtype dtype = StDtype::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;  ///< nbytes little-endian bytes, row-major.
+  size_t nbytes = 0;           ///< Must equal product(shape) * StDtypeSize(dtype).
+};
+
+/// A tensor of a parsed file: where its bytes are in the data region.
+struct TensorEntry {
+  std::string name;
+  StDtype dtype = StDtype::kF32;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  ///< Start in the data region.
+  uint64_t nbytes = 0;
+};
+
+/// Metadata key of the CRC-32 of the data region (8 lowercase hex digits):
+/// added by the writers, checked and removed from metadata() by the reader
+/// when present (files from elsewhere may lack it).
+inline constexpr char kChecksumKey[] = "ddp.data_crc32";
+
+/// Largest header accepted (100 MB, as the Python implementation).
+inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+/// The bytes of a safetensors file holding `tensors` (in this order) and
+/// `metadata` (plus the checksum). Throws std::invalid_argument for a
+/// duplicate or reserved name or metadata key,
+/// a negative size or a byte count that does not match dtype and shape.
+std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
+                                 const Metadata& metadata = {});
+
+/// Writes `tensors` and `metadata` to `path` so that a crash never leaves a
+/// broken file there: write to a temporary file in the same folder, fsync,
+/// rename over `path`, fsync the folder. Throws CheckpointError naming the
+/// path and the OS error; the temporary file is removed on failure.
+void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
+                          const Metadata& metadata = {});
+
+/// A fully validated safetensors file held in memory.
+class SafetensorsFile {
+ public:
+  /// Parses and validates `bytes`: header length, JSON, every entry's dtype,
+  /// shape and offsets (in bounds, non-overlapping, covering the data region
+  /// exactly, size = elements * dtype size). Throws CheckpointError naming
+  /// `source` and the first problem found.
+  static SafetensorsFile Parse(std::string bytes, const std::string& source);
+  /// Reads and parses a file.
+  static SafetensorsFile Read(const std::string& path);
+
+  /// Entries in data-region order.
+  const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  const Metadata& metadata() const { return metadata_; }
+  /// The entry called `name`, or null.
+  const TensorEntry* Find(std::string_view name) const;
+  /// Start of an entry's bytes (may be unaligned: copy with memcpy).
+  const std::byte* Data(const TensorEntry& entry) const;
+  /// Name of the file or buffer, for messages.
+  const std::string& source() const { return source_; }
+
+ private:
+  std::string source_;
+  std::string bytes_;
+  uint64_t data_start_ = 0;
+  std::vector<TensorEntry> tensors_;
+  Metadata metadata_;
+};
+
+}  // namespace ddp::nn::io
+
+#endif  // DDP_NN_IO_SAFETENSORS_H_

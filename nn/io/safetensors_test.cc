@@ -1,0 +1,444 @@
+#include "nn/io/safetensors.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace ddp::nn::io {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::string TmpDir(const std::string& tag) {
+  static int counter = 0;
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(base ? base : "/tmp") + "/" + tag + "_" + std::to_string(getpid()) +
+                    "_" + std::to_string(counter++);
+  EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  return dir;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteAll(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+std::vector<std::string> FilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = opendir(dir.c_str());
+  while (dirent* e = d ? readdir(d) : nullptr) {
+    if (std::strcmp(e->d_name, ".") && std::strcmp(e->d_name, "..")) names.push_back(e->d_name);
+  }
+  if (d) closedir(d);
+  return names;
+}
+
+template <typename F>
+std::string ErrorOf(F&& f) {
+  try {
+    f();
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no CheckpointError thrown";
+  return "";
+}
+
+// Owned test tensors with random bytes (every bit pattern, NaNs included).
+struct Sample {
+  std::vector<std::string> names;
+  std::vector<StDtype> dtypes;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::string> bytes;
+
+  void Add(std::string name, StDtype dtype, std::vector<int64_t> shape, std::mt19937_64& rng) {
+    int64_t n = StDtypeSize(dtype);
+    for (int64_t d : shape) n *= d;
+    std::string b(n, '\0');
+    for (char& c : b) c = static_cast<char>(rng());
+    names.push_back(std::move(name));
+    dtypes.push_back(dtype);
+    shapes.push_back(std::move(shape));
+    bytes.push_back(std::move(b));
+  }
+  std::vector<TensorView> Views() const {
+    std::vector<TensorView> v;
+    for (size_t i = 0; i < names.size(); ++i) {
+      v.push_back({names[i], dtypes[i], shapes[i], bytes[i].data(), bytes[i].size()});
+    }
+    return v;
+  }
+};
+
+Sample EveryDtype() {
+  std::mt19937_64 rng(1);
+  Sample s;
+  const StDtype all[] = {StDtype::kF32, StDtype::kF64, StDtype::kF16, StDtype::kBF16,
+                         StDtype::kI64, StDtype::kI32, StDtype::kU8};
+  int i = 0;
+  for (StDtype d : all) {
+    s.Add(std::string("t.") + StDtypeName(d), d, {3, 5}, rng);
+    s.Add(std::string("scalar.") + StDtypeName(d), d, {}, rng);
+    s.Add(std::string("odd.") + StDtypeName(d), d, {1, 7, 1, 3 + i++}, rng);
+  }
+  s.Add("empty", StDtype::kF32, {0, 4}, rng);
+  return s;
+}
+
+void ExpectSame(const SafetensorsFile& f, const Sample& s) {
+  ASSERT_EQ(f.tensors().size(), s.names.size());
+  for (size_t i = 0; i < s.names.size(); ++i) {
+    const TensorEntry* e = f.Find(s.names[i]);
+    ASSERT_NE(e, nullptr) << s.names[i];
+    EXPECT_EQ(e->dtype, s.dtypes[i]);
+    EXPECT_EQ(e->shape, s.shapes[i]);
+    ASSERT_EQ(e->nbytes, s.bytes[i].size());
+    EXPECT_EQ(std::memcmp(f.Data(*e), s.bytes[i].data(), e->nbytes), 0) << s.names[i];
+  }
+}
+
+TEST(Safetensors, RoundTripIsBitExactForEveryDtype) {
+  const Sample s = EveryDtype();
+  const std::string dir = TmpDir("st_rt");
+  WriteSafetensorsFile(dir + "/m.safetensors", s.Views(), {{"epoch", "4"}, {"note", "é ✓"}});
+  SafetensorsFile f = SafetensorsFile::Read(dir + "/m.safetensors");
+  ExpectSame(f, s);
+  EXPECT_EQ(f.metadata(), (Metadata{{"epoch", "4"}, {"note", "é ✓"}}));
+  // Entries come back in the order they were written.
+  for (size_t i = 0; i < s.names.size(); ++i) EXPECT_EQ(f.tensors()[i].name, s.names[i]);
+  // Same bytes through the in-memory path; the data region starts 8-aligned.
+  const std::string bytes = SerializeSafetensors(s.Views(), {{"epoch", "4"}, {"note", "é ✓"}});
+  EXPECT_EQ(bytes, ReadAll(dir + "/m.safetensors"));
+  uint64_t n;
+  std::memcpy(&n, bytes.data(), 8);
+  EXPECT_EQ((8 + n) % 8, 0u);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"m.safetensors"});
+}
+
+TEST(Safetensors, EmptyFileHoldsOnlyMetadata) {
+  SafetensorsFile f = SafetensorsFile::Parse(SerializeSafetensors({}, {}), "mem");
+  EXPECT_TRUE(f.tensors().empty());
+  EXPECT_TRUE(f.metadata().empty());
+}
+
+// A file made with Python's json and struct modules the way other writers
+// make them: header keys out of data order, unaligned data, no checksum.
+TEST(Safetensors, ReadsAFileWrittenByPython) {
+  SafetensorsFile f = SafetensorsFile::Read("nn/io/testdata/python_written.safetensors");
+  EXPECT_EQ(f.metadata(), (Metadata{{"format", "pt"}, {"epoch", "3"}}));
+  ASSERT_EQ(f.tensors().size(), 8u);
+  EXPECT_EQ(f.tensors()[0].name, "layer.weight");
+  const TensorEntry* w = f.Find("layer.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->shape, (std::vector<int64_t>{2, 3}));
+  float wv[6];
+  std::memcpy(wv, f.Data(*w), 24);
+  EXPECT_EQ(wv[0], 1.5f);
+  EXPECT_EQ(wv[5], 1e-3f);
+  EXPECT_TRUE(std::signbit(wv[4]));
+  const TensorEntry* step = f.Find("step");
+  ASSERT_NE(step, nullptr);
+  EXPECT_TRUE(step->shape.empty());
+  int64_t sv;
+  std::memcpy(&sv, f.Data(*step), 8);
+  EXPECT_EQ(sv, -7);
+  const TensorEntry* ints = f.Find("ints");
+  int32_t iv[4];
+  std::memcpy(iv, f.Data(*ints), 16);
+  EXPECT_EQ(iv[3], INT32_MIN);
+  const TensorEntry* brain = f.Find("brain");
+  EXPECT_EQ(brain->dtype, StDtype::kBF16);
+  uint16_t bv[2];
+  std::memcpy(bv, f.Data(*brain), 4);
+  EXPECT_EQ(bv[1], 0xC040);
+  EXPECT_EQ(f.Find("empty")->nbytes, 0u);
+}
+
+// The file below was checked by hand with
+// tools/golden/safetensors_interop.py check (Python json + struct, and
+// torch.frombuffer); writing the same tensors must still give these bytes.
+TEST(Safetensors, WritesTheBytesPythonWasCheckedOn) {
+  const float w[6] = {1.5f, -2.0f, 0.25f, 3.0f, -0.0f, 1e-3f};
+  const int64_t step = 12345;
+  const uint16_t bf[2] = {0x3F80, 0xC040};
+  const std::vector<TensorView> views = {
+      {"model.fc.weight", StDtype::kF32, {2, 3}, w, sizeof(w)},
+      {"optim.step", StDtype::kI64, {}, &step, sizeof(step)},
+      {"model.bf", StDtype::kBF16, {2}, bf, sizeof(bf)},
+  };
+  const std::string bytes = SerializeSafetensors(views, {{"epoch", "2"}});
+  if (const char* out = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR")) {
+    WriteAll(std::string(out) + "/cpp_written.safetensors", bytes);
+  }
+  EXPECT_EQ(bytes, ReadAll("nn/io/testdata/cpp_written.safetensors"));
+}
+
+TEST(Safetensors, ReplacesAnExistingFileAtomically) {
+  const std::string dir = TmpDir("st_replace");
+  const std::string path = dir + "/c.safetensors";
+  const float a = 1, b = 2;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}});
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &b, 4}});
+  SafetensorsFile f = SafetensorsFile::Read(path);
+  float v;
+  std::memcpy(&v, f.Data(f.tensors()[0]), 4);
+  EXPECT_EQ(v, 2.0f);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+TEST(Safetensors, FailedWriteLeavesTheOldFileAndNoTemporary) {
+  const std::string dir = TmpDir("st_fail");
+  const std::string path = dir + "/c.safetensors";
+  const float a = 1;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}});
+  const std::string before = ReadAll(path);
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(path, {{"x", StDtype::kF32, {2}, &a, 4}}); }),
+              AllOf(HasSubstr(path), HasSubstr("needs 8 bytes, got 4")));
+  EXPECT_THAT(ErrorOf([&] {
+                WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}, {"x", StDtype::kF32, {}, &a, 4}});
+              }),
+              HasSubstr("`x` appears twice"));
+  EXPECT_EQ(ReadAll(path), before);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+TEST(Safetensors, UnwritableFolderNamesThePath) {
+  const float a = 1;
+  EXPECT_THAT(ErrorOf([&] {
+                WriteSafetensorsFile("/nonexistent_dir_ddp/x.safetensors", {{"x", StDtype::kF32, {}, &a, 4}});
+              }),
+              AllOf(HasSubstr("/nonexistent_dir_ddp/x.safetensors"), HasSubstr("No such file")));
+}
+
+// A writer killed at random points never leaves a file that loads as
+// something wrong: the old content or the new one.
+TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
+  const std::string dir = TmpDir("st_kill");
+  const std::string path = dir + "/c.safetensors";
+  std::vector<float> big(1 << 20);
+  auto write_gen = [&](float gen) {
+    std::fill(big.begin(), big.end(), gen);
+    WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1 << 20}, big.data(), big.size() * 4}},
+                         {{"gen", std::to_string(static_cast<int>(gen))}});
+  };
+  write_gen(0);
+  std::mt19937 rng(3);
+  for (int round = 1; round <= 12; ++round) {
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      for (int g = 1;; ++g) write_gen(static_cast<float>(round * 1000 + g));
+    }
+    usleep(2000 + rng() % 20000);
+    kill(child, SIGKILL);
+    int status;
+    waitpid(child, &status, 0);
+    SafetensorsFile f = SafetensorsFile::Read(path);
+    const int gen = std::stoi(f.metadata().at("gen"));
+    std::vector<float> got(1 << 20);
+    std::memcpy(got.data(), f.Data(f.tensors()[0]), got.size() * 4);
+    for (float v : got) ASSERT_EQ(v, static_cast<float>(gen));
+  }
+  // Temporaries of killed writers stay behind (the writer cannot clean up
+  // after SIGKILL) but never under the checkpoint's name.
+  for (const std::string& name : FilesIn(dir)) {
+    EXPECT_TRUE(name == "c.safetensors" || name.rfind("c.safetensors.tmp.", 0) == 0) << name;
+  }
+}
+
+// --- rejected input ---
+
+std::string Build(const std::string& header_json, const std::string& data) {
+  std::string s(8, '\0');
+  const uint64_t n = header_json.size();
+  std::memcpy(s.data(), &n, 8);
+  return s + header_json + data;
+}
+
+std::string ParseError(const std::string& bytes) {
+  return ErrorOf([&] { SafetensorsFile::Parse(bytes, "bad.safetensors"); });
+}
+
+TEST(SafetensorsErrors, TruncatedAtEveryOffset) {
+  const Sample s = EveryDtype();
+  const std::string bytes = SerializeSafetensors(s.Views(), {{"k", "v"}});
+  for (size_t len = 0; len < bytes.size(); ++len) {
+    const std::string msg = ParseError(bytes.substr(0, len));
+    ASSERT_THAT(msg, HasSubstr("bad.safetensors: invalid safetensors file")) << len;
+  }
+  EXPECT_THAT(ParseError(bytes.substr(0, 5)), HasSubstr("shorter than the 8-byte header length"));
+  EXPECT_THAT(ParseError(bytes.substr(0, 100)), HasSubstr("truncated file?"));
+  EXPECT_THAT(ParseError(bytes.substr(0, bytes.size() - 1)), HasSubstr("extend past the"));
+}
+
+TEST(SafetensorsErrors, ExtraBytesAfterTheData) {
+  const float a = 1;
+  EXPECT_THAT(ParseError(SerializeSafetensors({{"x", StDtype::kF32, {}, &a, 4}}) + "zz"),
+              HasSubstr("bytes [4, 6) of the data region belong to no tensor"));
+}
+
+// Every single-byte change of the header is either rejected or changes only
+// a name, a metadata string or the shape of an empty tensor (which the
+// checkpoint layer's key and shape checks catch); never a dtype, a non-empty
+// shape or an offset.
+TEST(SafetensorsErrors, FlippedHeaderBytes) {
+  const Sample s = EveryDtype();
+  const std::string bytes = SerializeSafetensors(s.Views(), {{"epoch", "1"}});
+  uint64_t n;
+  std::memcpy(&n, bytes.data(), 8);
+  int rejected = 0, renamed = 0;
+  for (uint64_t pos = 0; pos < 8 + n; ++pos) {
+    for (uint8_t mask : {0x01, 0x20, 0x80}) {
+      std::string bad = bytes;
+      bad[pos] = static_cast<char>(bad[pos] ^ mask);
+      try {
+        SafetensorsFile f = SafetensorsFile::Parse(bad, "bad.safetensors");
+        ++renamed;
+        ASSERT_EQ(f.tensors().size(), s.names.size());
+        bool name_or_meta_changed = f.metadata() != Metadata{{"epoch", "1"}};
+        for (size_t i = 0; i < s.names.size(); ++i) {
+          const TensorEntry& e = f.tensors()[i];  // data order = written order
+          name_or_meta_changed |= e.name != s.names[i];
+          ASSERT_EQ(e.dtype, s.dtypes[i]) << pos;
+          // A tensor with no elements keeps 0 bytes under another shape
+          // with a 0 in it; the checkpoint layer's shape check catches that.
+          if (e.nbytes != 0) {
+            ASSERT_EQ(e.shape, s.shapes[i]) << pos;
+          }
+          name_or_meta_changed |= e.shape != s.shapes[i];
+          ASSERT_EQ(std::memcmp(f.Data(e), s.bytes[i].data(), e.nbytes), 0) << pos;
+        }
+        ASSERT_TRUE(name_or_meta_changed) << "flip at " << pos << " changed nothing";
+      } catch (const CheckpointError& e) {
+        ++rejected;
+        ASSERT_THAT(e.what(), HasSubstr("bad.safetensors")) << pos;
+      }
+    }
+  }
+  EXPECT_GT(rejected, renamed);
+}
+
+TEST(SafetensorsErrors, FlippedDataBytesFailTheChecksum) {
+  const Sample s = EveryDtype();
+  const std::string bytes = SerializeSafetensors(s.Views(), {});
+  uint64_t n;
+  std::memcpy(&n, bytes.data(), 8);
+  for (uint64_t pos = 8 + n; pos < bytes.size(); pos += 7) {
+    std::string bad = bytes;
+    bad[pos] ^= 0x10;
+    ASSERT_THAT(ParseError(bad), HasSubstr("checksum")) << pos;
+  }
+}
+
+TEST(SafetensorsErrors, HeaderLengthLargerThanTheFile) {
+  std::string bytes = Build("{}", "");
+  bytes[5] = 1;
+  EXPECT_THAT(ParseError(bytes), AllOf(HasSubstr("header length"), HasSubstr("exceeds the 2 bytes")));
+}
+
+TEST(SafetensorsErrors, HeaderIsNotJson) {
+  EXPECT_THAT(ParseError(Build("{\"a\":", "")), HasSubstr("not valid JSON"));
+  EXPECT_THAT(ParseError(Build("[1,2]", "")), HasSubstr("does not start with '{'"));
+  EXPECT_THAT(ParseError(Build("{\"a\":[[[[1]]]]}", "")), HasSubstr("nests deeper"));
+  EXPECT_THAT(ParseError(Build("{\"a\":\"\xff\"}", "")), HasSubstr("not valid JSON"));
+  EXPECT_THAT(ParseError(Build(std::string("{}\0{\"x\":1}", 10), "")),
+              HasSubstr("NUL byte at offset 2"));
+}
+
+TEST(SafetensorsErrors, EntryFields) {
+  EXPECT_THAT(ParseError(Build(R"({"w":3})", "")), HasSubstr("`w`: entry is number"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", "abcd")),
+              HasSubstr("`w`: missing dtype"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", "a")),
+              AllOf(HasSubstr("`w`: dtype \"F8_E4M3\" is not supported")));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","data_offsets":[0,4]}})", "abcd")),
+              HasSubstr("missing shape"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", "abcd")),
+              HasSubstr("non-negative integers"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", "abcd")),
+              HasSubstr("non-negative integers"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","shape":[1]}})", "abcd")),
+              HasSubstr("missing data_offsets"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", "abcd")),
+              HasSubstr("missing data_offsets"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,-4]}})", "abcd")),
+              HasSubstr("data_offsets[1] is -4"));
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", "abcd")),
+              HasSubstr("end before they begin"));
+}
+
+TEST(SafetensorsErrors, SizeDoesNotMatchDtypeAndShape) {
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"F64","shape":[1],"data_offsets":[0,4]}})", "abcd")),
+              AllOf(HasSubstr("`w`: dtype F64 and shape [1] need 8 bytes"), HasSubstr("hold 4")));
+  EXPECT_THAT(ParseError(Build(
+                  R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,4]}})", "abcd")),
+              HasSubstr("more than 2^62"));
+}
+
+TEST(SafetensorsErrors, OverlappingOffsets) {
+  EXPECT_THAT(ParseError(Build(R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},)"
+                               R"("b":{"dtype":"U8","shape":[3],"data_offsets":[2,5]}})",
+                               "abcde")),
+              AllOf(HasSubstr("`b`: data_offsets [2, 5] overlap tensor `a` [0, 3]")));
+}
+
+TEST(SafetensorsErrors, OffsetsOutOfRange) {
+  EXPECT_THAT(ParseError(Build(R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},)"
+                               R"("b":{"dtype":"U8","shape":[3],"data_offsets":[3,6]}})",
+                               "abcde")),
+              HasSubstr("`b`: data_offsets [3, 6] extend past the 5-byte data region"));
+  EXPECT_THAT(ParseError(Build(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551615,0]}})", "")),
+              HasSubstr("end before they begin"));
+}
+
+TEST(SafetensorsErrors, GapInTheDataRegion) {
+  EXPECT_THAT(ParseError(Build(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", "abc")),
+              HasSubstr("bytes [0, 1) of the data region belong to no tensor"));
+}
+
+TEST(SafetensorsErrors, MetadataMustBeStrings) {
+  EXPECT_THAT(ParseError(Build(R"({"__metadata__":{"epoch":3}})", "")),
+              HasSubstr("value for `epoch` is 3, expected a string"));
+  EXPECT_THAT(ParseError(Build(R"({"__metadata__":[1]})", "")), HasSubstr("not an object"));
+}
+
+TEST(SafetensorsErrors, ChecksumMismatchIsReported) {
+  EXPECT_THAT(ParseError(Build(R"({"__metadata__":{"ddp.data_crc32":"00000000"},)"
+                               R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "a")),
+              AllOf(HasSubstr("checksum is e8b7be43"), HasSubstr("the header says 00000000")));
+}
+
+TEST(SafetensorsErrors, WriterRejectsReservedNames) {
+  const float a = 1;
+  EXPECT_THROW(SerializeSafetensors({{"__metadata__", StDtype::kF32, {}, &a, 4}}), std::invalid_argument);
+  EXPECT_THROW(SerializeSafetensors({}, {{kChecksumKey, "x"}}), std::invalid_argument);
+  EXPECT_THROW(SerializeSafetensors({{"x", StDtype::kF32, {-1}, &a, 4}}), std::invalid_argument);
+  EXPECT_THROW(SerializeSafetensors({{"\xff", StDtype::kF32, {}, &a, 4}}), std::invalid_argument);
+}
+
+TEST(SafetensorsErrors, MissingFile) {
+  EXPECT_THAT(ErrorOf([] { SafetensorsFile::Read("/nonexistent_ddp.safetensors"); }),
+              AllOf(HasSubstr("/nonexistent_ddp.safetensors"), HasSubstr("No such file")));
+}
+
+}  // namespace
+}  // namespace ddp::nn::io
