@@ -1,0 +1,259 @@
+#include "nn/data/data_loader.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "nn/data/idx.h"
+
+namespace ddp::nn::data {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::shared_ptr<const InMemoryImageDataset> FashionTest() {
+  static auto ds = LoadFashionMnist(kFashionMnistDebianDir, Split::kTest);
+  return ds;
+}
+
+std::vector<float> Floats(const Tensor& t) { return t.ToVector<float>(); }
+std::vector<int64_t> Ints(const Tensor& t) { return t.ToVector<int64_t>(); }
+
+struct Collected {
+  std::vector<std::vector<float>> images;
+  std::vector<std::vector<int64_t>> labels;
+  std::vector<int64_t> indices;
+};
+
+Collected RunEpoch(DataLoader& loader, int64_t epoch, int64_t skip = 0) {
+  Collected c;
+  loader.StartEpoch(epoch, skip);
+  while (auto b = loader.Next()) {
+    c.images.push_back(Floats(b->images));
+    c.labels.push_back(Ints(b->labels));
+    c.indices.push_back(b->index);
+    EXPECT_EQ(b->epoch, epoch);
+  }
+  return c;
+}
+
+TEST(DataLoader, SequentialBatchesOfFashionMnist) {
+  auto ds = FashionTest();
+  DataLoader loader(ds, nullptr, {}, {.batch_size = 64});
+  EXPECT_EQ(loader.NumBatches(), (10000 + 63) / 64);
+  loader.StartEpoch(0);
+  auto b = loader.Next();
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->images.shape(), (Shape{64, 1, 28, 28}));
+  EXPECT_EQ(b->images.dtype(), DType::kFloat32);
+  EXPECT_EQ(b->labels.shape(), (Shape{64}));
+  EXPECT_EQ(b->labels.dtype(), DType::kInt64);
+  const auto px = Floats(b->images);
+  const auto lb = Ints(b->labels);
+  for (int i = 0; i < 64; ++i) {
+    EXPECT_EQ(lb[i], ds->Label(i));
+    for (int p = 0; p < 784; p += 97) {
+      ASSERT_EQ(px[i * 784 + p], ds->Pixels(i)[p] / 255.0f);
+    }
+  }
+  int64_t batches = 1, samples = 64;
+  while (auto next = loader.Next()) {
+    ++batches;
+    samples += next->labels.size(0);
+  }
+  EXPECT_EQ(batches, loader.NumBatches());
+  EXPECT_EQ(samples, 10000);
+  EXPECT_EQ(loader.Next(), std::nullopt);
+}
+
+TEST(DataLoader, DropLastDropsTheSmallBatch) {
+  DataLoader loader(FashionTest(), nullptr, {}, {.batch_size = 64, .drop_last = true, .num_workers = 2});
+  EXPECT_EQ(loader.NumBatches(), 10000 / 64);
+  const Collected c = RunEpoch(loader, 0);
+  ASSERT_EQ(static_cast<int64_t>(c.labels.size()), 10000 / 64);
+  for (const auto& l : c.labels) EXPECT_EQ(l.size(), 64u);
+}
+
+TEST(DataLoader, KeepsTheLastSmallBatch) {
+  DataLoader loader(FashionTest(), nullptr, {}, {.batch_size = 3000, .num_workers = 2});
+  const Collected c = RunEpoch(loader, 0);
+  ASSERT_EQ(c.labels.size(), 4u);
+  EXPECT_EQ(c.labels[3].size(), 1000u);
+}
+
+// Workers never change what comes out: same batches, in the same order, with
+// shuffling and random augmentation on.
+TEST(DataLoader, WorkerCountDoesNotChangeBatches) {
+  auto ds = FashionTest();
+  TransformOptions aug = FashionMnistNormalize();
+  aug.random_crop = true;
+  aug.crop_padding = 2;
+  aug.horizontal_flip = true;
+  aug.seed = 5;
+  std::vector<Collected> runs;
+  for (int workers : {0, 1, 3}) {
+    DataLoader loader(ds, std::make_shared<RandomSampler>(ds->Size(), 17), aug,
+                      {.batch_size = 500, .num_workers = workers, .prefetch_factor = 2});
+    Collected both = RunEpoch(loader, 0);
+    Collected e1 = RunEpoch(loader, 1);
+    both.images.insert(both.images.end(), e1.images.begin(), e1.images.end());
+    both.labels.insert(both.labels.end(), e1.labels.begin(), e1.labels.end());
+    runs.push_back(std::move(both));
+  }
+  EXPECT_EQ(runs[0].labels, runs[1].labels);
+  EXPECT_EQ(runs[0].labels, runs[2].labels);
+  EXPECT_TRUE(runs[0].images == runs[1].images);
+  EXPECT_TRUE(runs[0].images == runs[2].images);
+  // Epochs are shuffled differently.
+  EXPECT_NE(runs[0].labels[0], runs[0].labels[20]);
+}
+
+TEST(DataLoader, ResumeMidEpochGivesTheRemainingBatches) {
+  auto ds = FashionTest();
+  TransformOptions aug;
+  aug.horizontal_flip = true;
+  aug.seed = 3;
+  auto make = [&](int workers) {
+    return std::make_unique<DataLoader>(ds, std::make_shared<RandomSampler>(ds->Size(), 9), aug,
+                                        DataLoaderOptions{.batch_size = 256, .num_workers = workers});
+  };
+  auto full_loader = make(2);
+  const Collected full = RunEpoch(*full_loader, 4);
+  auto resumed_loader = make(3);
+  const Collected resumed = RunEpoch(*resumed_loader, 4, 11);
+  ASSERT_EQ(resumed.labels.size(), full.labels.size() - 11);
+  EXPECT_EQ(resumed.indices.front(), 11);
+  for (size_t i = 0; i < resumed.labels.size(); ++i) {
+    ASSERT_EQ(resumed.labels[i], full.labels[i + 11]);
+    ASSERT_TRUE(resumed.images[i] == full.images[i + 11]);
+  }
+  EXPECT_THROW(resumed_loader->StartEpoch(0, full.labels.size() + 1), std::invalid_argument);
+}
+
+TEST(DataLoader, AbandonedEpochThenANewOne) {
+  auto ds = FashionTest();
+  DataLoader loader(ds, std::make_shared<RandomSampler>(ds->Size(), 1), {},
+                    {.batch_size = 100, .num_workers = 3, .prefetch_factor = 4});
+  loader.StartEpoch(0);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(loader.Next().has_value());
+  const Collected e1 = RunEpoch(loader, 1);
+  DataLoader fresh(ds, std::make_shared<RandomSampler>(ds->Size(), 1), {}, {.batch_size = 100});
+  const Collected expect = RunEpoch(fresh, 1);
+  EXPECT_EQ(e1.labels, expect.labels);
+  EXPECT_EQ(e1.indices.front(), 0);
+}
+
+TEST(DataLoader, DistributedRanksCoverTheDataset) {
+  auto ds = FashionTest();
+  std::multiset<int64_t> seen_labels_per_class;
+  int64_t total = 0;
+  std::vector<int64_t> class_count(10);
+  for (int64_t rank = 0; rank < 3; ++rank) {
+    auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{3, rank, true, 7, false});
+    DataLoader loader(ds, sampler, {}, {.batch_size = 64, .num_workers = 1});
+    EXPECT_EQ(loader.NumBatches(), (3334 + 63) / 64);
+    for (const auto& l : RunEpoch(loader, 2).labels) {
+      for (int64_t v : l) ++class_count[v];
+      total += l.size();
+    }
+  }
+  EXPECT_EQ(total, 3 * 3334);  // 10000 padded to 10002
+  int64_t sum = 0;
+  for (int c = 0; c < 10; ++c) {
+    EXPECT_GE(class_count[c], 1000);
+    sum += class_count[c];
+  }
+  EXPECT_EQ(sum, total);
+}
+
+// A dataset whose Get fails or stalls on one index.
+class FaultyDataset : public Dataset {
+ public:
+  FaultyDataset(int64_t bad, std::chrono::milliseconds stall) : bad_(bad), stall_(stall) {}
+  int64_t Size() const override { return 100; }
+  ImageShape Shape() const override { return {1, 2, 2}; }
+  int64_t NumClasses() const override { return 2; }
+  void Get(int64_t index, uint8_t* pixels) const override {
+    if (index == bad_) {
+      if (stall_.count() > 0) {
+        std::this_thread::sleep_for(stall_);
+      } else {
+        throw DatasetError("faulty: cannot decode sample " + std::to_string(index));
+      }
+    }
+    for (int i = 0; i < 4; ++i) pixels[i] = static_cast<uint8_t>(index);
+  }
+  int64_t Label(int64_t index) const override { return index % 2; }
+  std::string Name() const override { return "faulty"; }
+
+ private:
+  int64_t bad_;
+  std::chrono::milliseconds stall_;
+};
+
+TEST(DataLoader, ErrorInAWorkerReachesTheCaller) {
+  for (int workers : {0, 2}) {
+    DataLoader loader(std::make_shared<FaultyDataset>(37, std::chrono::milliseconds(0)), nullptr, {},
+                      {.batch_size = 10, .num_workers = workers});
+    loader.StartEpoch(0);
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(loader.Next().has_value());
+    try {
+      loader.Next();
+      FAIL() << "no error";
+    } catch (const DatasetError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("cannot decode sample 37"));
+    }
+    EXPECT_TRUE(loader.Next().has_value());  // batch 4 is fine
+  }
+}
+
+TEST(DataLoader, StalledWorkerTimesOut) {
+  DataLoader loader(std::make_shared<FaultyDataset>(5, std::chrono::milliseconds(1500)), nullptr, {},
+                    {.batch_size = 10, .num_workers = 1, .timeout = std::chrono::milliseconds(200)});
+  loader.StartEpoch(0);
+  try {
+    loader.Next();
+    FAIL() << "no timeout";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("batch 0 of epoch 0 not ready after 200 ms"));
+  }
+  // Destruction waits for the stalled batch to finish, then joins.
+}
+
+TEST(DataLoader, DestroyedMidEpochWithoutHanging) {
+  auto ds = FashionTest();
+  for (int round = 0; round < 5; ++round) {
+    DataLoader loader(ds, nullptr, {}, {.batch_size = 32, .num_workers = 4, .prefetch_factor = 3});
+    loader.StartEpoch(0);
+    ASSERT_TRUE(loader.Next().has_value());
+  }
+}
+
+TEST(DataLoader, SyntheticDataWithCifarShapes) {
+  auto ds = std::make_shared<SyntheticDataset>(SyntheticOptions{1000, {3, 32, 32}, 10, 4});
+  DataLoader loader(ds, std::make_shared<RandomSampler>(1000, 0), Cifar10TrainAugment(0),
+                    {.batch_size = 256, .num_workers = 2});
+  loader.StartEpoch(0);
+  auto b = loader.Next();
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->images.shape(), (Shape{256, 3, 32, 32}));
+  for (int64_t l : Ints(b->labels)) {
+    EXPECT_GE(l, 0);
+    EXPECT_LT(l, 10);
+  }
+}
+
+TEST(DataLoader, RejectsBadOptionsAndIndices) {
+  auto ds = FashionTest();
+  EXPECT_THROW(DataLoader(ds, nullptr, {}, {.batch_size = 0}), std::invalid_argument);
+  EXPECT_THROW(DataLoader(ds, nullptr, {}, {.num_workers = -1}), std::invalid_argument);
+  DataLoader loader(ds, std::make_shared<SequentialSampler>(10001), {}, {});
+  EXPECT_THROW(loader.StartEpoch(0), std::out_of_range);
+  EXPECT_THROW(loader.Next(), std::logic_error);
+}
+
+}  // namespace
+}  // namespace ddp::nn::data
