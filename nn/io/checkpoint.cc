@@ -1,0 +1,133 @@
+#include "nn/io/checkpoint.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace ddp::nn::io {
+namespace {
+
+constexpr char kModelPrefix[] = "model.";
+constexpr char kOptimPrefix[] = "optim.";
+
+bool StartsWith(const std::string& s, const char* prefix) {
+  return s.rfind(prefix, 0) == 0;
+}
+
+}  // namespace
+
+StDtype ToStDtype(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return StDtype::kF32;
+    case DType::kFloat64: return StDtype::kF64;
+    case DType::kFloat16: return StDtype::kF16;
+    case DType::kBFloat16: return StDtype::kBF16;
+    case DType::kInt64: return StDtype::kI64;
+    case DType::kInt32: return StDtype::kI32;
+    case DType::kUInt8: return StDtype::kU8;
+  }
+  throw std::invalid_argument("no safetensors dtype for " + std::string(DTypeName(dtype)));
+}
+
+DType FromStDtype(StDtype dtype) {
+  switch (dtype) {
+    case StDtype::kF32: return DType::kFloat32;
+    case StDtype::kF64: return DType::kFloat64;
+    case StDtype::kF16: return DType::kFloat16;
+    case StDtype::kBF16: return DType::kBFloat16;
+    case StDtype::kI64: return DType::kInt64;
+    case StDtype::kI32: return DType::kInt32;
+    case StDtype::kU8: return DType::kUInt8;
+  }
+  throw std::invalid_argument("unknown safetensors dtype");
+}
+
+void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
+  std::vector<Tensor> host;  // keeps CPU copies alive during the write
+  std::vector<TensorView> views;
+  host.reserve(tensors.size());
+  views.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined()) throw CheckpointError(path + ": tensor `" + name + "` is undefined");
+    // Detach: saving reads values and must not trip the autograd checks.
+    Tensor c = t.Detach();
+    if (!c.device().is_cpu()) c = c.To(kCPU);
+    c = c.Contiguous();
+    host.push_back(c);
+    views.push_back({name, ToStDtype(c.dtype()), c.shape(), c.data_ptr(), c.nbytes()});
+  }
+  WriteSafetensorsFile(path, views, metadata);
+}
+
+LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
+  // Parse validates the whole file before a single tensor is made.
+  const SafetensorsFile file = SafetensorsFile::Read(path);
+  if (!options.device.is_cpu()) {
+    // Fails here, before any work, when the device has no backend.
+    (void)GetDeviceBackend(options.device);
+  }
+  LoadedTensors out;
+  out.metadata = file.metadata();
+  out.tensors.reserve(file.tensors().size());
+  for (const TensorEntry& e : file.tensors()) {
+    Tensor t = Empty(e.shape, {.dtype = FromStDtype(e.dtype)});
+    if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.Data(e), e.nbytes);
+    if (!options.device.is_cpu()) t = t.To(options.device);
+    out.tensors.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint) {
+  NamedTensors all;
+  all.reserve(checkpoint.model.size() + checkpoint.optimizer.size());
+  for (const auto& [name, t] : checkpoint.model) all.emplace_back(kModelPrefix + name, t);
+  for (const auto& [name, t] : checkpoint.optimizer) all.emplace_back(kOptimPrefix + name, t);
+  Metadata metadata = checkpoint.metadata;
+  metadata[kCheckpointMarkerKey] = "1";
+  SaveTensors(path, all, metadata);
+}
+
+Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options) {
+  LoadedTensors loaded = LoadTensors(path, options);
+  auto marker = loaded.metadata.find(kCheckpointMarkerKey);
+  if (marker == loaded.metadata.end()) {
+    throw CheckpointError(path + ": not a checkpoint written by SaveCheckpoint (no " +
+                          kCheckpointMarkerKey +
+                          " metadata); plain safetensors files load with LoadTensors");
+  }
+  if (marker->second != "1") {
+    throw CheckpointError(path + ": checkpoint format version " + marker->second +
+                          " is not supported (this build reads version 1)");
+  }
+  loaded.metadata.erase(marker);
+  Checkpoint c;
+  c.metadata = std::move(loaded.metadata);
+  for (auto& [name, t] : loaded.tensors) {
+    if (StartsWith(name, kModelPrefix)) {
+      c.model.emplace_back(name.substr(std::strlen(kModelPrefix)), std::move(t));
+    } else if (StartsWith(name, kOptimPrefix)) {
+      c.optimizer.emplace_back(name.substr(std::strlen(kOptimPrefix)), std::move(t));
+    } else {
+      throw CheckpointError(path + ": tensor `" + name +
+                            "` belongs to neither the model (model.) nor the optimizer (optim.)");
+    }
+  }
+  return c;
+}
+
+int64_t MetadataInt(const Metadata& metadata, const std::string& key, const std::string& source) {
+  auto it = metadata.find(key);
+  if (it == metadata.end()) {
+    throw CheckpointError(source + ": metadata has no `" + key + "`");
+  }
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(it->second, &used);
+    if (used == it->second.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw CheckpointError(source + ": metadata `" + key + "` is \"" + it->second +
+                        "\", expected an integer");
+}
+
+}  // namespace ddp::nn::io

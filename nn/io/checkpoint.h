@@ -1,0 +1,78 @@
+#ifndef DDP_NN_IO_CHECKPOINT_H_
+#define DDP_NN_IO_CHECKPOINT_H_
+
+// nn::Tensor on top of the safetensors format, and training checkpoints.
+//
+// A checkpoint is one safetensors file (one atomic rename, so model and
+// optimizer can never come from different saves):
+//   model.<name>   the model's state dict (parameters and buffers)
+//   optim.<name>   the optimizer's state (and any other trainer state:
+//                  scheduler, loss scaler), as named tensors
+//   __metadata__   free-form strings (epoch, step, ...) plus
+//                  "ddp.checkpoint" = "1"
+// Python reads it with safetensors.torch.load_file; stripping "model."
+// gives a plain state dict.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/io/safetensors.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::io {
+
+/// Tensors with their names, in a meaningful order (a state dict).
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+/// Metadata key that marks a file as a checkpoint.
+inline constexpr char kCheckpointMarkerKey[] = "ddp.checkpoint";
+
+/// Options of the loaders.
+struct LoadOptions {
+  /// Device the loaded tensors are placed on (PyTorch's map_location).
+  /// CUDA needs a build with --config=cuda; otherwise loading throws.
+  Device device = kCPU;
+};
+
+/// The format's dtype of a tensor dtype (every nn::DType has one).
+StDtype ToStDtype(DType dtype);
+/// The tensor dtype of a format dtype.
+DType FromStDtype(StDtype dtype);
+
+/// Writes tensors (any device, any strides: copied to contiguous CPU memory
+/// as needed) and metadata to `path` atomically. Throws CheckpointError.
+void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata = {});
+
+/// A loaded safetensors file.
+struct LoadedTensors {
+  NamedTensors tensors;  ///< In file order, new tensors on options.device.
+  Metadata metadata;
+};
+
+/// Reads and fully validates `path` before making any tensor; a bad file
+/// throws CheckpointError naming it and the problem.
+LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options = {});
+
+/// What a training checkpoint holds.
+struct Checkpoint {
+  NamedTensors model;      ///< State dict, saved under "model.".
+  NamedTensors optimizer;  ///< Optimizer (and scheduler, scaler) state, under "optim.".
+  Metadata metadata;       ///< Epoch, step and anything else.
+};
+
+/// Saves a checkpoint atomically (call on one rank only).
+void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint);
+
+/// Loads a checkpoint written by SaveCheckpoint. Never touches a model: the
+/// caller hands `model` to Module::LoadStateDict, which checks the keys.
+Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options = {});
+
+/// Metadata value of `key` as an integer; throws CheckpointError naming the
+/// key (and `source`) when it is missing or not an integer.
+int64_t MetadataInt(const Metadata& metadata, const std::string& key, const std::string& source);
+
+}  // namespace ddp::nn::io
+
+#endif  // DDP_NN_IO_CHECKPOINT_H_

@@ -1,0 +1,154 @@
+#include "nn/io/checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace ddp::nn::io {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::string TmpPath(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + std::to_string(getpid()) + "_" + name;
+}
+
+template <typename F>
+std::string ErrorOf(F&& f) {
+  try {
+    f();
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no CheckpointError thrown";
+  return "";
+}
+
+Tensor RandomBytes(const Shape& shape, DType dtype, std::mt19937_64& rng) {
+  Tensor t = Empty(shape, {.dtype = dtype});
+  auto* p = static_cast<uint8_t*>(t.data_ptr());
+  for (size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<uint8_t>(rng());
+  return t;
+}
+
+bool SameBytes(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && a.nbytes() == b.nbytes() &&
+         std::memcmp(a.Contiguous().data_ptr(), b.Contiguous().data_ptr(), a.nbytes()) == 0;
+}
+
+TEST(Checkpoint, TensorsRoundTripBitExactForEveryDtype) {
+  std::mt19937_64 rng(7);
+  NamedTensors in;
+  for (DType d : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
+                  DType::kInt64, DType::kInt32, DType::kUInt8}) {
+    in.emplace_back(std::string("w.") + std::string(DTypeName(d)), RandomBytes({4, 3, 2}, d, rng));
+    in.emplace_back(std::string("s.") + std::string(DTypeName(d)), RandomBytes({}, d, rng));
+  }
+  in.emplace_back("empty", Empty({0, 3}));
+  const std::string path = TmpPath("all.safetensors");
+  SaveTensors(path, in, {{"k", "v"}});
+  LoadedTensors out = LoadTensors(path);
+  ASSERT_EQ(out.tensors.size(), in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    EXPECT_EQ(out.tensors[i].first, in[i].first);
+    EXPECT_TRUE(SameBytes(out.tensors[i].second, in[i].second)) << in[i].first;
+    EXPECT_TRUE(out.tensors[i].second.device().is_cpu());
+  }
+  EXPECT_EQ(out.metadata, (Metadata{{"k", "v"}}));
+}
+
+TEST(Checkpoint, StridedTensorsAndParametersAreSavedByValue) {
+  Tensor m = FromVector({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor t = m.Transpose(0, 1);  // [3, 2], not contiguous
+  Tensor p = FromVector({0.5, -0.25}, {2});
+  p.set_requires_grad(true);
+  const std::string path = TmpPath("strided.safetensors");
+  SaveTensors(path, {{"t", t}, {"p", p}});
+  LoadedTensors out = LoadTensors(path);
+  EXPECT_EQ(out.tensors[0].second.shape(), (Shape{3, 2}));
+  EXPECT_EQ(out.tensors[0].second.ToVector<float>(), (std::vector<float>{1, 4, 2, 5, 3, 6}));
+  EXPECT_EQ(out.tensors[1].second.ToVector<float>(), (std::vector<float>{0.5f, -0.25f}));
+  EXPECT_FALSE(out.tensors[1].second.requires_grad());
+}
+
+TEST(Checkpoint, ModelOptimizerAndMetadataInOneFile) {
+  Checkpoint c;
+  c.model = {{"fc.weight", FromVector({1, 2, 3, 4}, {2, 2})}, {"fc.bias", FromVector({5, 6}, {2})}};
+  c.optimizer = {{"state.fc.weight.momentum_buffer", FromVector({9, 8, 7, 6}, {2, 2})},
+                 {"lr", FromVector({0.05}, {}, {.dtype = DType::kFloat64})}};
+  c.metadata = {{"epoch", "3"}, {"step", "1200"}};
+  const std::string path = TmpPath("ckpt.safetensors");
+  SaveCheckpoint(path, c);
+  // As a plain file: prefixed names and the marker.
+  LoadedTensors raw = LoadTensors(path);
+  EXPECT_EQ(raw.tensors[0].first, "model.fc.weight");
+  EXPECT_EQ(raw.tensors[2].first, "optim.state.fc.weight.momentum_buffer");
+  EXPECT_EQ(raw.metadata.at(kCheckpointMarkerKey), "1");
+  Checkpoint back = LoadCheckpoint(path);
+  ASSERT_EQ(back.model.size(), 2u);
+  ASSERT_EQ(back.optimizer.size(), 2u);
+  EXPECT_EQ(back.model[1].first, "fc.bias");
+  EXPECT_TRUE(SameBytes(back.model[0].second, c.model[0].second));
+  EXPECT_EQ(back.optimizer[0].first, "state.fc.weight.momentum_buffer");
+  EXPECT_EQ(back.optimizer[1].second.Item(), 0.05);
+  EXPECT_EQ(back.metadata, c.metadata);
+  EXPECT_EQ(MetadataInt(back.metadata, "step", path), 1200);
+}
+
+TEST(CheckpointErrors, PlainFileIsNotACheckpoint) {
+  const std::string path = TmpPath("plain.safetensors");
+  SaveTensors(path, {{"w", Zeros({2})}});
+  EXPECT_THAT(ErrorOf([&] { LoadCheckpoint(path); }),
+              AllOf(HasSubstr(path), HasSubstr("not a checkpoint"), HasSubstr("LoadTensors")));
+}
+
+TEST(CheckpointErrors, TensorOutsideBothPrefixes) {
+  const std::string path = TmpPath("foreign.safetensors");
+  SaveTensors(path, {{"model.w", Zeros({2})}, {"extra", Zeros({1})}}, {{kCheckpointMarkerKey, "1"}});
+  EXPECT_THAT(ErrorOf([&] { LoadCheckpoint(path); }),
+              AllOf(HasSubstr("`extra` belongs to neither")));
+}
+
+TEST(CheckpointErrors, NewerFormatVersion) {
+  const std::string path = TmpPath("v2.safetensors");
+  SaveTensors(path, {}, {{kCheckpointMarkerKey, "2"}});
+  EXPECT_THAT(ErrorOf([&] { LoadCheckpoint(path); }), HasSubstr("version 2 is not supported"));
+}
+
+TEST(CheckpointErrors, TruncatedCheckpointNamesTheFile) {
+  Checkpoint c;
+  c.model = {{"w", Ones({64, 64})}};
+  const std::string path = TmpPath("trunc.safetensors");
+  SaveCheckpoint(path, c);
+  ASSERT_EQ(::truncate(path.c_str(), 1000), 0);
+  EXPECT_THAT(ErrorOf([&] { LoadCheckpoint(path); }),
+              AllOf(HasSubstr(path), HasSubstr("extend past")));
+}
+
+TEST(CheckpointErrors, DeviceWithoutBackend) {
+  const std::string path = TmpPath("dev.safetensors");
+  SaveTensors(path, {{"w", Zeros({2})}});
+  if (HasDeviceBackend(DeviceType::kCUDA)) {
+    EXPECT_TRUE(LoadTensors(path, {.device = Device(DeviceType::kCUDA, 0)}).tensors[0].second.device().is_cuda());
+  } else {
+    EXPECT_ANY_THROW(LoadTensors(path, {.device = Device(DeviceType::kCUDA, 0)}));
+  }
+}
+
+TEST(CheckpointErrors, MetadataIntNamesTheKey) {
+  EXPECT_THAT(ErrorOf([] { MetadataInt({}, "epoch", "c.st"); }), HasSubstr("c.st: metadata has no `epoch`"));
+  EXPECT_THAT(ErrorOf([] { MetadataInt({{"epoch", "3x"}}, "epoch", "c.st"); }),
+              HasSubstr("`epoch` is \"3x\", expected an integer"));
+}
+
+}  // namespace
+}  // namespace ddp::nn::io
