@@ -1,0 +1,225 @@
+#include "transport/store/socket.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+namespace ddp::transport::store {
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) Reset(other.Release());
+  return *this;
+}
+
+void UniqueFd::Reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+std::string ErrnoString(int err) {
+  char buf[256];
+  // GNU strerror_r returns the message pointer (maybe not buf).
+  return strerror_r(err, buf, sizeof(buf));
+}
+
+int MillisecondsUntil(Deadline deadline) {
+  const auto now = Clock::now();
+  if (deadline <= now) return 0;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count();
+  return static_cast<int>(std::min<int64_t>(left, INT_MAX));
+}
+
+std::string FormatAddress(const sockaddr* addr, socklen_t len) {
+  char host[NI_MAXHOST];
+  char port[NI_MAXSERV];
+  if (getnameinfo(addr, len, host, sizeof(host), port, sizeof(port),
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return "(unknown address)";
+  }
+  if (addr->sa_family == AF_INET6) return std::string("[") + host + "]:" + port;
+  return std::string(host) + ":" + port;
+}
+
+std::string PeerAddress(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "(unknown peer)";
+  return FormatAddress(reinterpret_cast<sockaddr*>(&addr), len);
+}
+
+namespace {
+
+std::string HostPort(const std::string& host, int port) {
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
+  return host + ":" + std::to_string(port);
+}
+
+struct AddrInfoDeleter {
+  void operator()(addrinfo* ai) const { freeaddrinfo(ai); }
+};
+using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
+
+StatusOr<AddrInfoPtr> Resolve(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* result = nullptr;
+  const std::string port_text = std::to_string(port);
+  const int rc = getaddrinfo(host.c_str(), port_text.c_str(), &hints, &result);
+  if (rc != 0) {
+    return UnavailableError("cannot resolve " + HostPort(host, port) + ": " + gai_strerror(rc));
+  }
+  return AddrInfoPtr(result);
+}
+
+}  // namespace
+
+StatusOr<UniqueFd> ListenTcp(const std::string& host, int port, int backlog) {
+  if (port < 0 || port > 65535) {
+    return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
+  }
+  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/true));
+  std::string last_error = "no usable address";
+  for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                       ai->ai_protocol));
+    if (!fd.valid()) {
+      last_error = "socket: " + ErrnoString(errno);
+      continue;
+    }
+    // Lets a restarted launcher reuse its port while old connections sit in
+    // TIME_WAIT; it does not let two live listeners share a port.
+    const int one = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      last_error = ErrnoString(errno);
+      continue;
+    }
+    if (listen(fd.get(), backlog) != 0) {
+      last_error = "listen: " + ErrnoString(errno);
+      continue;
+    }
+    return fd;
+  }
+  return UnavailableError("cannot listen on " + HostPort(host, port) + ": " + last_error);
+}
+
+StatusOr<int> LocalPort(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return InternalError("getsockname: " + ErrnoString(errno));
+  }
+  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  return InternalError("socket is neither IPv4 nor IPv6");
+}
+
+StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline) {
+  if (port < 1 || port > 65535) {
+    return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");
+  }
+  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/false));
+  auto backoff = std::chrono::milliseconds(5);
+  std::string last_error;
+  while (true) {
+    for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
+      UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                         ai->ai_protocol));
+      if (!fd.valid()) {
+        last_error = "socket: " + ErrnoString(errno);
+        continue;
+      }
+      int err = 0;
+      if (connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+        err = errno;
+        if (err == EINPROGRESS) {
+          pollfd pfd{fd.get(), POLLOUT, 0};
+          const int n = poll(&pfd, 1, MillisecondsUntil(deadline));
+          if (n == 0) {
+            last_error = "connection attempt timed out";
+            continue;
+          }
+          socklen_t len = sizeof(err);
+          err = 0;
+          if (n < 0 || getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+        }
+      }
+      if (err == 0) {
+        const int one = 1;
+        setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        return fd;
+      }
+      last_error = ErrnoString(err);
+    }
+    if (Clock::now() >= deadline) break;
+    // Nobody listens yet (the store host may start after us): try again.
+    std::this_thread::sleep_for(
+        std::min<Clock::duration>(backoff, deadline - Clock::now()));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    if (Clock::now() >= deadline) break;
+  }
+  return UnavailableError("cannot connect to the store at " + HostPort(host, port) + ": " +
+                          last_error);
+}
+
+Status SendAll(int fd, std::string_view data, Deadline deadline, size_t* sent) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int ready = poll(&pfd, 1, MillisecondsUntil(deadline));
+      if (ready < 0 && errno != EINTR) {
+        if (sent) *sent = done;
+        return UnavailableError("poll: " + ErrnoString(errno));
+      }
+      if (ready == 0) {
+        if (sent) *sent = done;
+        return TimedOutError("send timed out");
+      }
+      continue;
+    }
+    if (sent) *sent = done;
+    return UnavailableError(ErrnoString(errno));
+  }
+  if (sent) *sent = done;
+  return Status::Ok();
+}
+
+Status RecvSome(int fd, std::string& out, size_t max, Deadline deadline) {
+  char buf[64 * 1024];
+  while (true) {
+    const ssize_t n = recv(fd, buf, std::min(max, sizeof(buf)), 0);
+    if (n > 0) {
+      out.append(buf, static_cast<size_t>(n));
+      return Status::Ok();
+    }
+    if (n == 0) return UnavailableError("connection closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return UnavailableError(ErrnoString(errno));
+    pollfd pfd{fd, POLLIN, 0};
+    const int ready = poll(&pfd, 1, MillisecondsUntil(deadline));
+    if (ready < 0 && errno != EINTR) return UnavailableError("poll: " + ErrnoString(errno));
+    if (ready == 0) return TimedOutError("receive timed out");
+  }
+}
+
+}  // namespace ddp::transport::store

@@ -1,0 +1,74 @@
+#ifndef DDP_TRANSPORT_STORE_SOCKET_H_
+#define DDP_TRANSPORT_STORE_SOCKET_H_
+
+// Small POSIX socket helpers for the store: an owning file descriptor,
+// listening, connecting and whole-buffer I/O, each bounded by a deadline.
+// Private to //transport.
+
+#include <sys/socket.h>
+
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::store {
+
+/// Owns a file descriptor; closes it on destruction.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { Reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  /// Gives up ownership.
+  int Release() { return std::exchange(fd_, -1); }
+  void Reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+/// "10.0.0.1:29500" or "[::1]:29500".
+std::string FormatAddress(const sockaddr* addr, socklen_t len);
+/// The remote end of a connected socket, formatted as above.
+std::string PeerAddress(int fd);
+
+/// A non-blocking listening TCP socket bound to `host`:`port` (port 0 picks a
+/// free one). `host` may be a name or a numeric address; the socket binds to
+/// that address only. UNAVAILABLE names the address and the reason.
+StatusOr<UniqueFd> ListenTcp(const std::string& host, int port, int backlog);
+
+/// The local port of a bound socket.
+StatusOr<int> LocalPort(int fd);
+
+/// Connects to `host`:`port`, retrying refused or unreachable attempts until
+/// `deadline` (the server may not be up yet). The socket is non-blocking.
+StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline);
+
+/// Sends all of `data` on a non-blocking socket before `deadline`.
+/// TIMED_OUT when the deadline passed with `*sent` bytes out; UNAVAILABLE
+/// when the peer is gone.
+Status SendAll(int fd, std::string_view data, Deadline deadline, size_t* sent);
+
+/// Reads whatever is available (at most `max` bytes) into `out`, waiting
+/// until `deadline` for the first byte. UNAVAILABLE on end of stream.
+Status RecvSome(int fd, std::string& out, size_t max, Deadline deadline);
+
+/// Milliseconds until `deadline`, rounded up, clamped to [0, INT_MAX].
+int MillisecondsUntil(Deadline deadline);
+
+/// strerror as a std::string, thread-safe.
+std::string ErrnoString(int err);
+
+}  // namespace ddp::transport::store
+
+#endif  // DDP_TRANSPORT_STORE_SOCKET_H_

@@ -1,0 +1,161 @@
+#ifndef DDP_TRANSPORT_STORE_TCP_STORE_H_
+#define DDP_TRANSPORT_STORE_TCP_STORE_H_
+
+// The rendezvous store over TCP: a server (one thread, epoll, many clients)
+// run by rank 0 or by a launcher, and a client implementing Store.
+//
+// Security model: the store is reachable by anyone who can reach the master
+// address, so the server binds to that address only and every connection must
+// first present the job token (DDP_JOB_TOKEN), compared in constant time. A
+// wrong token is refused, logged, and reported to the client as
+// PERMISSION_DENIED. The token travels in clear text: it keeps out strangers
+// and stray jobs, not an attacker who can read the network.
+//
+// Bounds: keys up to kMaxKeyBytes, values up to kMaxValueBytes (store.h),
+// frames up to wire::kMaxFrameBytes; per connection, the input buffer holds at
+// most one frame, the output buffer and the number of parked waits are
+// capped; in total, stored bytes and buffered bytes are capped. Connections
+// that have not yet presented a token are few (the oldest is evicted when a
+// new one arrives) and short-lived (dropped after a deadline), so a flood of
+// idle connections cannot keep the job's ranks out. A malformed or oversized
+// request is refused and logged and closes that connection; the server keeps
+// serving everyone else.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "transport/status.h"
+#include "transport/store/store.h"
+#include "transport/types.h"
+
+namespace ddp::transport::store {
+
+/// Settings of a TcpStoreServer. The defaults suit jobs of thousands of ranks.
+struct TcpStoreServerOptions {
+  /// Address (or host name) to bind; the server listens there only. Use
+  /// "0.0.0.0" or "::" to listen everywhere, only when that is intended.
+  std::string bind_address = "127.0.0.1";
+  /// TCP port; 0 picks a free one (read it back with port()).
+  int port = 0;
+  /// Every client must present exactly this token (may be empty).
+  std::string job_token;
+  /// A connection that has not completed its handshake by then is dropped.
+  std::chrono::milliseconds handshake_timeout{10000};
+  /// Most connections that have not yet presented a token; when a new one
+  /// arrives beyond this, the oldest is dropped.
+  size_t max_unauthenticated = 64;
+  /// Most connections in total (a job needs one or two per rank).
+  size_t max_connections = 16384;
+  /// Most bytes of keys and values held.
+  size_t max_stored_bytes = size_t{1} << 30;
+  /// Most bytes waiting in one connection's output buffer; a client that
+  /// stops reading its replies is dropped beyond this.
+  size_t max_connection_output_bytes = size_t{32} << 20;
+  /// Most bytes buffered in all connections together (frames being received
+  /// plus replies not yet sent); a connection whose next frame does not fit
+  /// stops being read until it does.
+  size_t max_buffered_bytes = size_t{256} << 20;
+  /// Most Get/Wait calls parked at once on one connection.
+  size_t max_waits_per_connection = 256;
+  /// Receives one line per refused connection or request (why, and from
+  /// whom). Default: stderr, prefixed "ddp store: ", at most 20 lines a second.
+  std::function<void(const std::string&)> log;
+};
+
+/// Counters for tests and monitoring; read with TcpStoreServer::stats().
+struct TcpStoreServerStats {
+  uint64_t accepted = 0;              ///< Connections accepted.
+  uint64_t authenticated = 0;         ///< Handshakes that presented the token.
+  uint64_t refused_token = 0;         ///< Handshakes with a wrong token.
+  uint64_t dropped_silent = 0;        ///< Dropped for not completing a handshake in time.
+  uint64_t evicted = 0;               ///< Unauthenticated connections evicted by newer ones.
+  uint64_t refused_malformed = 0;     ///< Malformed frames (bad magic, version, fields, op).
+  uint64_t refused_oversized = 0;     ///< Frames over the size bound.
+  uint64_t open_connections = 0;      ///< Connections open now.
+  uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
+};
+
+/// Serves the store on one background thread until Stop() or destruction.
+/// Stopping answers parked waits with UNAVAILABLE and closes every
+/// connection, so clients fail promptly instead of hanging.
+class TcpStoreServer {
+ public:
+  /// Binds and starts serving. UNAVAILABLE names the address when it cannot
+  /// bind (for instance "Address already in use").
+  static StatusOr<std::unique_ptr<TcpStoreServer>> Start(TcpStoreServerOptions options);
+
+  ~TcpStoreServer();
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+
+  /// The bound port (the chosen one when options.port was 0).
+  int port() const;
+  /// The bind address as given.
+  const std::string& address() const;
+  /// Stops serving and closes every connection. Idempotent, thread-safe.
+  void Stop();
+  /// A snapshot of the counters.
+  TcpStoreServerStats stats() const;
+
+  class Impl;
+
+ private:
+  explicit TcpStoreServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A connection to a TcpStoreServer.
+///
+/// Thread-safe; calls from several threads take turns, and a blocking Get or
+/// Wait holds the connection until it returns, so a thread that parks on a
+/// key for long (an abort watcher) should have a client of its own.
+/// After a call runs out of time the connection stays usable: the late reply
+/// is recognised by its request id and dropped. Once the connection breaks
+/// (server gone, stream corrupt) every later call fails with UNAVAILABLE;
+/// there is no reconnection.
+class TcpStoreClient final : public Store {
+ public:
+  /// Connects to `host`:`port` and presents `job_token`, retrying refused
+  /// connections until `deadline` (the server may not be up yet).
+  /// PERMISSION_DENIED when the server refuses the token; UNAVAILABLE or
+  /// TIMED_OUT when the server cannot be reached in time.
+  static StatusOr<std::unique_ptr<TcpStoreClient>> Connect(const std::string& host, int port,
+                                                           std::string_view job_token,
+                                                           Deadline deadline);
+  ~TcpStoreClient() override;
+
+  Status Set(std::string_view key, std::string_view value, Deadline deadline) override;
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override;
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override;
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override;
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override;
+  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override;
+
+  /// "host:port" of the server.
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  TcpStoreClient(int fd, std::string endpoint);
+  struct Reply;
+  // Sends one request (op, fields) and waits for its reply until `deadline`.
+  StatusOr<Reply> Call(uint8_t op, std::string_view fields, Deadline deadline,
+                       const std::string& what);
+
+  std::mutex mu_;
+  int fd_;
+  const std::string endpoint_;
+  uint32_t next_request_id_ = 1;
+  std::string read_buffer_;  // bytes received but not yet parsed
+  Status broken_;            // set once the connection is unusable
+};
+
+}  // namespace ddp::transport::store
+
+#endif  // DDP_TRANSPORT_STORE_TCP_STORE_H_

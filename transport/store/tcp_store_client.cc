@@ -1,0 +1,315 @@
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <thread>
+
+#include "transport/store/socket.h"
+#include "transport/store/tcp_store.h"
+#include "transport/store/wire.h"
+
+namespace ddp::transport::store {
+
+struct TcpStoreClient::Reply {
+  std::string body;  // the reply's fields after request id and status
+};
+
+namespace {
+
+// Keys in error messages: printable, bounded.
+std::string Quote(std::string_view key) {
+  std::string out = "'";
+  for (size_t i = 0; i < key.size() && i < 80; ++i) {
+    const unsigned char c = static_cast<unsigned char>(key[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\'') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    }
+  }
+  if (key.size() > 80) out += "...";
+  return out + "'";
+}
+
+Status CheckKey(std::string_view key) {
+  if (key.empty()) return InvalidArgumentError("store key is empty");
+  if (key.size() > kMaxKeyBytes) {
+    return ResourceExhaustedError("store key of " + std::to_string(key.size()) +
+                                  " bytes exceeds the limit of " + std::to_string(kMaxKeyBytes));
+  }
+  return Status::Ok();
+}
+
+uint32_t TimeoutMs(Deadline deadline) {
+  return static_cast<uint32_t>(std::max(MillisecondsUntil(deadline), 0));
+}
+
+// Pops one complete frame body off the front of `buffer`. INTERNAL when the
+// server announces a frame larger than the protocol allows.
+StatusOr<std::optional<std::string>> PopFrame(std::string& buffer) {
+  std::optional<uint32_t> length = wire::PeekFrameLength(buffer);
+  if (!length) return std::optional<std::string>();
+  if (*length > wire::kMaxFrameBytes) {
+    return InternalError("the store sent a frame of " + std::to_string(*length) +
+                         " bytes, more than the protocol allows");
+  }
+  if (buffer.size() < wire::kFrameHeaderBytes + *length) return std::optional<std::string>();
+  std::string body = buffer.substr(wire::kFrameHeaderBytes, *length);
+  buffer.erase(0, wire::kFrameHeaderBytes + *length);
+  return std::optional<std::string>(std::move(body));
+}
+
+// Reads one frame before `deadline`.
+StatusOr<std::string> ReadFrame(int fd, std::string& buffer, Deadline deadline) {
+  while (true) {
+    DDP_ASSIGN_OR_RETURN(std::optional<std::string> frame, PopFrame(buffer));
+    if (frame) return std::move(*frame);
+    DDP_RETURN_IF_ERROR(RecvSome(fd, buffer, 64 * 1024, deadline));
+  }
+}
+
+std::string ElapsedMs(Deadline start) {
+  return std::to_string(
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count());
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::string& host,
+                                                                  int port,
+                                                                  std::string_view job_token,
+                                                                  Deadline deadline) {
+  if (job_token.size() > wire::kMaxHandshakeBytes - 12) {
+    return InvalidArgumentError("job token of " + std::to_string(job_token.size()) +
+                                " bytes is too long");
+  }
+  const std::string endpoint =
+      (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+  wire::Writer hello;
+  hello.Bytes(std::string_view(wire::kMagic, 4));
+  hello.U16(wire::kVersion);
+  hello.U16(0);
+  hello.String(job_token);
+  const std::string hello_frame = hello.Frame();
+
+  std::string last_error;
+  while (true) {
+    DDP_ASSIGN_OR_RETURN(UniqueFd fd, ConnectTcp(host, port, deadline));
+    std::string buffer;
+    Status sent = SendAll(fd.get(), hello_frame, deadline, nullptr);
+    StatusOr<std::string> reply = sent.ok() ? ReadFrame(fd.get(), buffer, deadline)
+                                            : StatusOr<std::string>(sent);
+    if (!reply.ok()) {
+      if (reply.status().code() == StatusCode::kTimedOut) {
+        return TimedOutError("the store at " + endpoint + " did not answer the handshake in time");
+      }
+      // Closed before answering: the server evicted us while flooded, or is
+      // restarting. Try again while there is time.
+      last_error = reply.status().message();
+      if (Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(10),
+                                                            deadline - Clock::now()));
+      continue;
+    }
+    wire::Reader r(*reply);
+    std::string_view magic, message;
+    uint16_t version = 0;
+    uint8_t code = 0;
+    if (!r.Bytes(4, magic) || magic != std::string_view(wire::kMagic, 4) || !r.U16(version) ||
+        !r.U8(code) || !r.String(message, wire::kMaxFrameBytes)) {
+      return UnavailableError("the store at " + endpoint +
+                              " answered the handshake with something else than the store "
+                              "protocol");
+    }
+    const auto status_code = static_cast<StatusCode>(code);
+    if (status_code == StatusCode::kPermissionDenied) {
+      return PermissionDeniedError("the store at " + endpoint +
+                                   " refused this process's job token: DDP_JOB_TOKEN must be "
+                                   "the same in every process of the job");
+    }
+    if (status_code != StatusCode::kOk) {
+      return Status(status_code, "the store at " + endpoint +
+                                     " refused the connection: " + std::string(message));
+    }
+    auto client = std::unique_ptr<TcpStoreClient>(new TcpStoreClient(fd.Release(), endpoint));
+    client->read_buffer_ = std::move(buffer);
+    return client;
+  }
+  return UnavailableError("cannot connect to the store at " + endpoint + ": " + last_error);
+}
+
+TcpStoreClient::TcpStoreClient(int fd, std::string endpoint)
+    : fd_(fd), endpoint_(std::move(endpoint)) {}
+
+TcpStoreClient::~TcpStoreClient() { UniqueFd closer(fd_); }
+
+StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, std::string_view fields,
+                                                     Deadline deadline,
+                                                     const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Deadline start = Clock::now();
+  if (!broken_.ok()) return broken_;
+  const uint32_t request_id = next_request_id_++;
+  if (next_request_id_ == 0) next_request_id_ = 1;
+  wire::Writer w;
+  w.U8(op);
+  w.U32(request_id);
+  w.Bytes(fields);
+  const std::string frame = w.Frame();
+  auto timed_out = [&] {
+    return TimedOutError("store " + what + " timed out after " + ElapsedMs(start) +
+                         " ms (store at " + endpoint_ + ")");
+  };
+  auto lost = [&](const Status& why) {
+    broken_ = UnavailableError("lost the connection to the store at " + endpoint_ + ": " +
+                               why.message());
+    return broken_;
+  };
+
+  size_t sent = 0;
+  Status send_status = SendAll(fd_, frame, deadline, &sent);
+  if (!send_status.ok()) {
+    if (send_status.code() != StatusCode::kTimedOut) return lost(send_status);
+    if (sent > 0) {
+      // Half a frame is on the wire; the stream cannot be resynchronised.
+      broken_ = UnavailableError("the connection to the store at " + endpoint_ +
+                                 " is unusable: a request timed out half-sent");
+    }
+    return timed_out();
+  }
+  while (true) {
+    StatusOr<std::string> body = ReadFrame(fd_, read_buffer_, deadline);
+    if (!body.ok()) {
+      if (body.status().code() == StatusCode::kTimedOut) return timed_out();
+      return lost(body.status());
+    }
+    wire::Reader r(*body);
+    uint32_t reply_id = 0;
+    uint8_t code = 0;
+    if (!r.U32(reply_id) || !r.U8(code)) return lost(InternalError("malformed reply"));
+    if (reply_id != request_id) {
+      if (reply_id == 0) {
+        // The server refused something on this connection and is closing it.
+        std::string_view message;
+        r.String(message, wire::kMaxFrameBytes);
+        return lost(Status(static_cast<StatusCode>(code), std::string(message)));
+      }
+      continue;  // the late answer to a call that already gave up
+    }
+    const auto status_code = static_cast<StatusCode>(code);
+    if (status_code == StatusCode::kOk) {
+      Reply reply;
+      std::string_view rest;
+      r.Bytes(r.remaining(), rest);
+      reply.body.assign(rest);
+      return reply;
+    }
+    std::string_view message;
+    r.String(message, wire::kMaxFrameBytes);
+    if (status_code == StatusCode::kTimedOut) return timed_out();
+    if (status_code == StatusCode::kUnavailable) return lost(Status(status_code, std::string(message)));
+    return Status(status_code, "store " + what + ": " + std::string(message));
+  }
+}
+
+Status TcpStoreClient::Set(std::string_view key, std::string_view value, Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKey(key));
+  if (value.size() > kMaxValueBytes) {
+    return ResourceExhaustedError("store value of " + std::to_string(value.size()) +
+                                  " bytes for key " + Quote(key) + " exceeds the limit of " +
+                                  std::to_string(kMaxValueBytes));
+  }
+  wire::Writer w;
+  w.String(key);
+  w.String(value);
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kSet), w.body(),
+                                         deadline, "set of key " + Quote(key)));
+  (void)reply;
+  return Status::Ok();
+}
+
+StatusOr<std::string> TcpStoreClient::Get(std::string_view key, Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKey(key));
+  wire::Writer w;
+  w.U32(TimeoutMs(deadline));
+  w.String(key);
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kGet), w.body(),
+                                         deadline, "get of key " + Quote(key)));
+  wire::Reader r(reply.body);
+  std::string_view value;
+  if (!r.String(value, kMaxValueBytes) || !r.at_end()) {
+    return InternalError("malformed get reply from the store at " + endpoint_);
+  }
+  return std::string(value);
+}
+
+StatusOr<std::optional<std::string>> TcpStoreClient::TryGet(std::string_view key,
+                                                            Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKey(key));
+  wire::Writer w;
+  w.String(key);
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kTryGet), w.body(),
+                                         deadline, "try_get of key " + Quote(key)));
+  wire::Reader r(reply.body);
+  uint8_t found = 0;
+  std::string_view value;
+  if (!r.U8(found) || (found && !r.String(value, kMaxValueBytes)) || !r.at_end()) {
+    return InternalError("malformed try_get reply from the store at " + endpoint_);
+  }
+  if (!found) return std::optional<std::string>();
+  return std::optional<std::string>(std::string(value));
+}
+
+StatusOr<int64_t> TcpStoreClient::Add(std::string_view key, int64_t delta, Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKey(key));
+  wire::Writer w;
+  w.I64(delta);
+  w.String(key);
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kAdd), w.body(),
+                                         deadline, "add to key " + Quote(key)));
+  wire::Reader r(reply.body);
+  int64_t value = 0;
+  if (!r.I64(value) || !r.at_end()) {
+    return InternalError("malformed add reply from the store at " + endpoint_);
+  }
+  return value;
+}
+
+Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline) {
+  if (keys.empty()) return Status::Ok();
+  if (keys.size() > wire::kMaxWaitKeys) {
+    return ResourceExhaustedError("store wait on " + std::to_string(keys.size()) +
+                                  " keys exceeds the limit of " +
+                                  std::to_string(wire::kMaxWaitKeys));
+  }
+  wire::Writer w;
+  w.U32(TimeoutMs(deadline));
+  w.U32(static_cast<uint32_t>(keys.size()));
+  for (const std::string& key : keys) {
+    DDP_RETURN_IF_ERROR(CheckKey(key));
+    w.String(key);
+  }
+  std::string what = "wait for key " + Quote(keys.front());
+  if (keys.size() > 1) what += " and " + std::to_string(keys.size() - 1) + " more";
+  DDP_ASSIGN_OR_RETURN(Reply reply,
+                       Call(static_cast<uint8_t>(wire::Op::kWait), w.body(), deadline, what));
+  (void)reply;
+  return Status::Ok();
+}
+
+StatusOr<bool> TcpStoreClient::Delete(std::string_view key, Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKey(key));
+  wire::Writer w;
+  w.String(key);
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kDelete), w.body(),
+                                         deadline, "delete of key " + Quote(key)));
+  wire::Reader r(reply.body);
+  uint8_t existed = 0;
+  if (!r.U8(existed) || !r.at_end()) {
+    return InternalError("malformed delete reply from the store at " + endpoint_);
+  }
+  return existed != 0;
+}
+
+}  // namespace ddp::transport::store

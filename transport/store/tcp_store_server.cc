@@ -1,0 +1,968 @@
+// TcpStoreServer: one thread, one epoll set, every connection non-blocking.
+//
+// Connections are named by ids that are never reused, so an epoll event or a
+// parked waiter that outlives its connection is recognised and ignored.
+// Handlers never destroy a connection they are handling: they mark it dead
+// (close now) or closing (close once the reply is out), and the loop
+// destroys it at the end of the round.
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "transport/store/socket.h"
+#include "transport/store/tcp_store.h"
+#include "transport/store/wire.h"
+
+namespace ddp::transport::store {
+namespace {
+
+constexpr uint64_t kListenId = 0;
+constexpr uint64_t kWakeId = 1;
+constexpr uint64_t kFirstConnectionId = 2;
+constexpr size_t kReadChunk = 64 * 1024;
+// Reads per readable event before the loop moves on to other connections.
+constexpr int kReadsPerEvent = 16;
+// Connections accepted per round: small enough that a flood cannot evict a
+// rank's connection between its accept and the read of its handshake (the
+// handshake is read right at accept).
+constexpr int kAcceptBatch = 16;
+constexpr int kListenBacklog = 1024;
+// How long a refused connection may take to receive its error reply.
+constexpr auto kClosingGrace = std::chrono::milliseconds(1000);
+// Pause before accepting again when the process is out of file descriptors.
+constexpr auto kAcceptPause = std::chrono::milliseconds(100);
+// Upper bound of one epoll wait; the loop also wakes for every event, timer
+// and Stop(), so this only bounds how stale a missed wake-up could leave it.
+constexpr int kMaxPollMs = 1000;
+constexpr size_t kLogLinesPerSecond = 20;
+
+struct Connection {
+  uint64_t id = 0;
+  UniqueFd fd;
+  std::string peer;
+  bool authenticated = false;
+  bool closing = false;  // no more input; close once `out` drains
+  bool dead = false;     // close at the end of this round
+  Deadline timer{};      // handshake deadline, or close deadline when closing
+  std::string in;        // the frame being received, header included
+  size_t reserved = 0;   // bytes of the buffer bound held for that frame
+  std::string out;
+  size_t out_pos = 0;    // bytes of `out` already sent
+  uint32_t events = 0;   // current epoll interest
+  std::unordered_set<uint64_t> waiters;
+
+  size_t pending_out() const { return out.size() - out_pos; }
+};
+
+struct Waiter {
+  uint64_t connection = 0;
+  uint32_t request_id = 0;
+  wire::Op op = wire::Op::kGet;
+  std::vector<std::string> keys;
+  Deadline deadline{};
+};
+
+// Keys in log lines: printable, bounded.
+std::string Printable(std::string_view text, size_t max = 64) {
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < max; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    }
+  }
+  if (text.size() > max) out += "...";
+  return out;
+}
+
+std::optional<int64_t> ParseInt64(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end) return std::nullopt;
+  return value;
+}
+
+}  // namespace
+
+class TcpStoreServer::Impl {
+ public:
+  Impl(TcpStoreServerOptions options, UniqueFd listen_fd, int port)
+      : options_(std::move(options)), listen_fd_(std::move(listen_fd)), port_(port) {
+    if (!options_.log) {
+      options_.log = [](const std::string& line) {
+        std::fprintf(stderr, "ddp store: %s\n", line.c_str());
+      };
+    }
+  }
+
+  ~Impl() { Stop(); }
+
+  Status Init() {
+    epoll_fd_.Reset(epoll_create1(EPOLL_CLOEXEC));
+    if (!epoll_fd_.valid()) return InternalError("epoll_create1: " + ErrnoString(errno));
+    wake_fd_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!wake_fd_.valid()) return InternalError("eventfd: " + ErrnoString(errno));
+    DDP_RETURN_IF_ERROR(AddToEpoll(listen_fd_.get(), kListenId, EPOLLIN));
+    DDP_RETURN_IF_ERROR(AddToEpoll(wake_fd_.get(), kWakeId, EPOLLIN));
+    listening_ = true;
+    thread_ = std::thread([this] { Run(); });
+    return Status::Ok();
+  }
+
+  void Stop() {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    if (!thread_.joinable()) return;
+    stop_.store(true);
+    const uint64_t one = 1;
+    ssize_t n = write(wake_fd_.get(), &one, sizeof(one));
+    (void)n;
+    thread_.join();
+  }
+
+  int port() const { return port_; }
+  const std::string& address() const { return options_.bind_address; }
+
+  TcpStoreServerStats stats() const {
+    TcpStoreServerStats s;
+    s.accepted = accepted_.load();
+    s.authenticated = authenticated_.load();
+    s.refused_token = refused_token_.load();
+    s.dropped_silent = dropped_silent_.load();
+    s.evicted = evicted_.load();
+    s.refused_malformed = refused_malformed_.load();
+    s.refused_oversized = refused_oversized_.load();
+    s.open_connections = open_connections_.load();
+    s.stored_bytes = stored_bytes_.load();
+    return s;
+  }
+
+ private:
+  // ---- the loop ----
+
+  void Run() {
+    std::vector<epoll_event> events(256);
+    while (!stop_.load()) {
+      const int n = epoll_wait(epoll_fd_.get(), events.data(), static_cast<int>(events.size()),
+                               NextTimeoutMs());
+      if (n < 0 && errno != EINTR) {
+        Log("epoll_wait failed: " + ErrnoString(errno) + "; stopping the store");
+        break;
+      }
+      for (int i = 0; i < n; ++i) {
+        const uint64_t id = events[i].data.u64;
+        if (id == kWakeId) {
+          uint64_t value;
+          ssize_t r = read(wake_fd_.get(), &value, sizeof(value));
+          (void)r;
+        } else if (id == kListenId) {
+          AcceptSome();
+        } else {
+          OnConnectionEvent(id, events[i].events);
+        }
+      }
+      FireTimers();
+      FinishRound();
+    }
+    Shutdown();
+  }
+
+  int NextTimeoutMs() const {
+    Deadline next = Clock::now() + std::chrono::milliseconds(kMaxPollMs);
+    if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
+    if (!waiter_deadlines_.empty()) next = std::min(next, waiter_deadlines_.begin()->first);
+    if (!listening_) next = std::min(next, accept_resume_);
+    return MillisecondsUntil(next);
+  }
+
+  void FireTimers() {
+    const Deadline now = Clock::now();
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      const uint64_t id = timers_.begin()->second;
+      timers_.erase(timers_.begin());
+      Connection* c = Find(id);
+      if (c == nullptr) continue;
+      c->timer = Deadline{};
+      if (!c->authenticated && !c->closing) {
+        ++dropped_silent_;
+        Log("dropped connection from " + c->peer + ": no handshake within " +
+            std::to_string(options_.handshake_timeout.count()) + " ms");
+      }
+      MarkDead(*c);
+    }
+    while (!waiter_deadlines_.empty() && waiter_deadlines_.begin()->first <= now) {
+      const uint64_t waiter_id = waiter_deadlines_.begin()->second;
+      auto it = waiters_.find(waiter_id);
+      if (it == waiters_.end()) {
+        waiter_deadlines_.erase(waiter_deadlines_.begin());
+        continue;
+      }
+      Waiter waiter = it->second;
+      RemoveWaiter(waiter_id);
+      if (Connection* c = Find(waiter.connection)) {
+        QueueReply(*c, ErrorReply(waiter.request_id,
+                                  TimedOutError("not set before the deadline")));
+      }
+    }
+    if (!listening_ && now >= accept_resume_) {
+      if (AddToEpoll(listen_fd_.get(), kListenId, EPOLLIN).ok()) listening_ = true;
+    }
+  }
+
+  // Destroys dead and drained-closing connections; updates epoll interest;
+  // lets connections that waited for buffer space read again.
+  void FinishRound() {
+    std::vector<uint64_t> touched;
+    touched.swap(touched_);
+    for (auto it = waiting_for_memory_.begin(); it != waiting_for_memory_.end();) {
+      Connection* c = Find(*it);
+      if (c == nullptr || c->dead || c->closing) {
+        it = waiting_for_memory_.erase(it);
+        continue;
+      }
+      const size_t frame_bytes = wire::kFrameHeaderBytes + *wire::PeekFrameLength(c->in);
+      if (!Fits(frame_bytes)) break;  // first come, first served
+      c->reserved = frame_bytes;
+      buffered_ += frame_bytes;
+      touched.push_back(*it);
+      it = waiting_for_memory_.erase(it);
+    }
+    for (uint64_t id : touched) {
+      Connection* c = Find(id);
+      if (c == nullptr) continue;
+      if (c->dead || (c->closing && c->pending_out() == 0)) {
+        Destroy(id);
+        continue;
+      }
+      UpdateInterest(*c);
+    }
+  }
+
+  void Shutdown() {
+    // Answer every parked call so that no client waits for its deadline.
+    std::vector<uint64_t> ids;
+    for (auto& [id, w] : waiters_) ids.push_back(id);
+    for (uint64_t waiter_id : ids) {
+      Waiter waiter = waiters_[waiter_id];
+      RemoveWaiter(waiter_id);
+      if (Connection* c = Find(waiter.connection)) {
+        QueueReply(*c, ErrorReply(waiter.request_id,
+                                  UnavailableError("the store server is shutting down")));
+      }
+    }
+    std::vector<uint64_t> conns;
+    for (auto& [id, c] : connections_) conns.push_back(id);
+    for (uint64_t id : conns) Destroy(id);
+    listen_fd_.Reset();
+  }
+
+  // ---- accepting ----
+
+  void AcceptSome() {
+    for (int i = 0; i < kAcceptBatch; ++i) {
+      sockaddr_storage addr{};
+      socklen_t len = sizeof(addr);
+      int fd = accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), &len,
+                       SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        const int err = errno;
+        if (err == EAGAIN || err == EWOULDBLOCK) return;
+        if (err == EINTR || err == ECONNABORTED) continue;
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+          if (!unauthenticated_.empty()) {
+            Evict("out of file descriptors");
+            continue;
+          }
+          Log("cannot accept connections: " + ErrnoString(err) + "; pausing for " +
+              std::to_string(kAcceptPause.count()) + " ms");
+          PauseAccepting();
+          return;
+        }
+        Log("accept failed: " + ErrnoString(err));
+        return;
+      }
+      UniqueFd owned(fd);
+      const std::string peer = FormatAddress(reinterpret_cast<sockaddr*>(&addr), len);
+      if (connections_.size() >= options_.max_connections) {
+        if (unauthenticated_.empty()) {
+          Log("refused connection from " + peer + ": already " +
+              std::to_string(connections_.size()) + " connections (the limit)");
+          continue;
+        }
+        Evict("the connection limit was reached");
+      }
+      if (unauthenticated_.size() >= options_.max_unauthenticated) {
+        Evict("newer connections arrived");
+      }
+      ++accepted_;
+      const int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      const uint64_t id = next_id_++;
+      Connection& c = connections_[id];
+      c.id = id;
+      c.fd = std::move(owned);
+      c.peer = peer;
+      c.timer = Clock::now() + options_.handshake_timeout;
+      timers_.emplace(c.timer, id);
+      unauthenticated_.insert(id);
+      open_connections_.store(connections_.size());
+      if (!AddToEpoll(c.fd.get(), id, EPOLLIN).ok()) {
+        MarkDead(c);
+        continue;
+      }
+      c.events = EPOLLIN;
+      // A rank sends its handshake right after connecting; reading it now
+      // authenticates the rank before a flood can push it out.
+      OnReadable(c);
+      Touch(c);
+    }
+  }
+
+  void PauseAccepting() {
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+    listening_ = false;
+    accept_resume_ = Clock::now() + kAcceptPause;
+  }
+
+  // Drops the oldest connection that has not presented a token.
+  void Evict(const std::string& why) {
+    if (unauthenticated_.empty()) return;
+    const uint64_t id = *unauthenticated_.begin();
+    Connection* c = Find(id);
+    if (c != nullptr) {
+      ++evicted_;
+      Log("dropped connection from " + c->peer + " before its handshake: " + why);
+    }
+    Destroy(id);
+  }
+
+  // ---- reading ----
+
+  void OnConnectionEvent(uint64_t id, uint32_t events) {
+    Connection* c = Find(id);
+    if (c == nullptr || c->dead) return;
+    if (events & (EPOLLHUP | EPOLLERR)) {
+      // Reset or fully shut down: nothing more can be read or delivered.
+      MarkDead(*c);
+      return;
+    }
+    if (events & EPOLLOUT) Flush(*c);
+    if (!c->dead && (events & EPOLLIN)) OnReadable(*c);
+    Touch(*c);
+  }
+
+  size_t FrameLimit(const Connection& c) const {
+    return c.authenticated ? wire::kMaxFrameBytes : wire::kMaxHandshakeBytes;
+  }
+
+  // True when `bytes` more can be buffered. With nothing buffered anything
+  // fits, so one frame can always make progress and nobody waits forever.
+  bool Fits(size_t bytes) const {
+    return buffered_ == 0 || buffered_ + bytes <= options_.max_buffered_bytes;
+  }
+
+  // Reads exactly up to the end of the current frame, never into the next:
+  // a frame's whole size is reserved against the total bound when its header
+  // arrives, and the connection waits (stops reading) while it does not fit.
+  void OnReadable(Connection& c) {
+    for (int reads = 0;;) {
+      if (c.dead || c.closing) return;
+      size_t want = 0;
+      if (c.in.size() < wire::kFrameHeaderBytes) {
+        want = wire::kFrameHeaderBytes - c.in.size();
+      } else {
+        const uint32_t length = *wire::PeekFrameLength(c.in);
+        const size_t frame_bytes = wire::kFrameHeaderBytes + length;
+        if (length > FrameLimit(c)) {
+          RefuseOversized(c, length);
+          return;
+        }
+        if (c.in.size() == frame_bytes) {
+          HandleFrame(c);
+          continue;
+        }
+        if (c.reserved == 0) {
+          if (!Fits(frame_bytes)) {
+            waiting_for_memory_.insert(c.id);
+            Touch(c);
+            return;
+          }
+          c.reserved = frame_bytes;
+          buffered_ += frame_bytes;
+        }
+        want = frame_bytes - c.in.size();
+      }
+      // Level-triggered epoll reports the rest on the next round.
+      if (reads == kReadsPerEvent) return;
+      ++reads;
+      const size_t old_size = c.in.size();
+      c.in.resize(old_size + want);
+      const ssize_t n = recv(c.fd.get(), c.in.data() + old_size, want, 0);
+      c.in.resize(old_size + std::max<ssize_t>(n, 0));
+      if (n > 0 || (n < 0 && errno == EINTR)) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      MarkDead(c);  // peer closed or reset: nothing to answer
+      return;
+    }
+  }
+
+  void RefuseOversized(Connection& c, uint32_t length) {
+    ++refused_oversized_;
+    const std::string why = "frame of " + std::to_string(length) + " bytes exceeds the limit of " +
+                            std::to_string(FrameLimit(c));
+    Log("refused " + std::string(c.authenticated ? "request" : "handshake") + " from " + c.peer +
+        ": " + why);
+    const Status error = ResourceExhaustedError(why);
+    Refuse(c, c.authenticated ? ErrorReply(0, error) : HandshakeReply(error));
+  }
+
+  void HandleFrame(Connection& c) {
+    const std::string body = c.in.substr(wire::kFrameHeaderBytes);
+    c.in.clear();
+    buffered_ -= c.reserved;
+    c.reserved = 0;
+    if (c.authenticated) {
+      HandleRequest(c, body);
+    } else {
+      HandleHandshake(c, body);
+    }
+  }
+
+  // ---- handshake ----
+
+  void HandleHandshake(Connection& c, std::string_view body) {
+    wire::Reader r(body);
+    std::string_view magic;
+    uint16_t version = 0;
+    uint16_t reserved = 0;
+    std::string_view token;
+    if (!r.Bytes(4, magic) || magic != std::string_view(wire::kMagic, 4)) {
+      ++refused_malformed_;
+      Log("refused connection from " + c.peer + ": not a store handshake");
+      MarkDead(c);
+      return;
+    }
+    if (!r.U16(version)) {
+      MalformedHandshake(c, "truncated handshake");
+      return;
+    }
+    if (version != wire::kVersion) {
+      ++refused_malformed_;
+      const std::string why = "client speaks store protocol version " + std::to_string(version) +
+                              ", this server speaks " + std::to_string(wire::kVersion);
+      Log("refused connection from " + c.peer + ": " + why);
+      Refuse(c, HandshakeReply(FailedPreconditionError(why)));
+      return;
+    }
+    if (!r.U16(reserved) || !r.String(token, wire::kMaxHandshakeBytes) || !r.at_end()) {
+      MalformedHandshake(c, "malformed handshake");
+      return;
+    }
+    if (!wire::TokensEqual(options_.job_token, token)) {
+      ++refused_token_;
+      Log("refused connection from " + c.peer + ": wrong job token");
+      Refuse(c, HandshakeReply(PermissionDeniedError("wrong job token")));
+      return;
+    }
+    c.authenticated = true;
+    ++authenticated_;
+    unauthenticated_.erase(c.id);
+    ClearTimer(c);
+    QueueReply(c, HandshakeReply(Status::Ok()));
+  }
+
+  void MalformedHandshake(Connection& c, const std::string& why) {
+    ++refused_malformed_;
+    Log("refused connection from " + c.peer + ": " + why);
+    Refuse(c, HandshakeReply(InvalidArgumentError(why)));
+  }
+
+  static std::string HandshakeReply(const Status& status) {
+    wire::Writer w;
+    w.Bytes(std::string_view(wire::kMagic, 4));
+    w.U16(wire::kVersion);
+    w.U8(static_cast<uint8_t>(status.code()));
+    w.String(status.message());
+    return w.Frame();
+  }
+
+  // ---- requests ----
+
+  static std::string ErrorReply(uint32_t request_id, const Status& status) {
+    wire::Writer w;
+    w.U32(request_id);
+    w.U8(static_cast<uint8_t>(status.code()));
+    w.String(status.message());
+    return w.Frame();
+  }
+
+  static wire::Writer OkReply(uint32_t request_id) {
+    wire::Writer w;
+    w.U32(request_id);
+    w.U8(static_cast<uint8_t>(StatusCode::kOk));
+    return w;
+  }
+
+  // Reads a key: INVALID_ARGUMENT when missing or empty, RESOURCE_EXHAUSTED
+  // when longer than kMaxKeyBytes.
+  static Status ReadKey(wire::Reader& r, std::string_view& key) {
+    return ReadBounded(r, key, kMaxKeyBytes, "key", /*allow_empty=*/false);
+  }
+
+  static Status ReadBounded(wire::Reader& r, std::string_view& out, size_t max,
+                            const char* what, bool allow_empty) {
+    uint32_t n = 0;
+    if (!r.U32(n)) return InvalidArgumentError(std::string("truncated ") + what);
+    if (n > max) {
+      return ResourceExhaustedError(std::string(what) + " of " + std::to_string(n) +
+                                    " bytes exceeds the limit of " + std::to_string(max));
+    }
+    if (!r.Bytes(n, out)) return InvalidArgumentError(std::string("truncated ") + what);
+    if (n == 0 && !allow_empty) return InvalidArgumentError(std::string("empty ") + what);
+    return Status::Ok();
+  }
+
+  void HandleRequest(Connection& c, std::string_view body) {
+    wire::Reader r(body);
+    uint8_t op = 0;
+    uint32_t request_id = 0;
+    if (!r.U8(op) || !r.U32(request_id)) {
+      RefuseRequest(c, 0, op, InvalidArgumentError("truncated request header"));
+      return;
+    }
+    Status status;
+    switch (static_cast<wire::Op>(op)) {
+      case wire::Op::kSet: status = DoSet(c, request_id, r); break;
+      case wire::Op::kGet: status = DoGet(c, request_id, r); break;
+      case wire::Op::kTryGet: status = DoTryGet(c, request_id, r); break;
+      case wire::Op::kAdd: status = DoAdd(c, request_id, r); break;
+      case wire::Op::kWait: status = DoWait(c, request_id, r); break;
+      case wire::Op::kDelete: status = DoDelete(c, request_id, r); break;
+      default:
+        status = InvalidArgumentError("unknown operation " + std::to_string(op));
+        break;
+    }
+    if (status.ok()) return;
+    if (status.code() == StatusCode::kInvalidArgument) {
+      // The request does not follow the protocol: refuse it and drop the
+      // connection, since nothing it sends next can be trusted.
+      RefuseRequest(c, request_id, op, status);
+      return;
+    }
+    // A well-formed request that breaks a bound or fails: answer it.
+    QueueReply(c, ErrorReply(request_id, status));
+  }
+
+  void RefuseRequest(Connection& c, uint32_t request_id, uint8_t op, const Status& status) {
+    ++refused_malformed_;
+    Log("refused " + std::string(wire::OpName(op)) + " request from " + c.peer + ": " +
+        status.message());
+    Refuse(c, ErrorReply(request_id, status));
+  }
+
+  // Handlers return OK once they have answered or parked the request, an
+  // INVALID_ARGUMENT for a malformed one, or another error to send back.
+  Status DoSet(Connection& c, uint32_t request_id, wire::Reader& r) {
+    std::string_view key, value;
+    DDP_RETURN_IF_ERROR(ReadKey(r, key));
+    DDP_RETURN_IF_ERROR(ReadBounded(r, value, kMaxValueBytes, "value", /*allow_empty=*/true));
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after set");
+    DDP_RETURN_IF_ERROR(Put(key, value));
+    QueueReply(c, OkReply(request_id).Frame());
+    return Status::Ok();
+  }
+
+  Status DoGet(Connection& c, uint32_t request_id, wire::Reader& r) {
+    uint32_t timeout_ms = 0;
+    std::string_view key;
+    if (!r.U32(timeout_ms)) return InvalidArgumentError("truncated get");
+    DDP_RETURN_IF_ERROR(ReadKey(r, key));
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after get");
+    auto it = data_.find(std::string(key));
+    if (it != data_.end()) {
+      wire::Writer w = OkReply(request_id);
+      w.String(it->second);
+      QueueReply(c, w.Frame());
+      return Status::Ok();
+    }
+    return Park(c, request_id, wire::Op::kGet, {std::string(key)}, timeout_ms);
+  }
+
+  Status DoTryGet(Connection& c, uint32_t request_id, wire::Reader& r) {
+    std::string_view key;
+    DDP_RETURN_IF_ERROR(ReadKey(r, key));
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after try_get");
+    wire::Writer w = OkReply(request_id);
+    auto it = data_.find(std::string(key));
+    w.U8(it != data_.end() ? 1 : 0);
+    if (it != data_.end()) w.String(it->second);
+    QueueReply(c, w.Frame());
+    return Status::Ok();
+  }
+
+  Status DoAdd(Connection& c, uint32_t request_id, wire::Reader& r) {
+    int64_t delta = 0;
+    std::string_view key;
+    if (!r.I64(delta)) return InvalidArgumentError("truncated add");
+    DDP_RETURN_IF_ERROR(ReadKey(r, key));
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after add");
+    int64_t current = 0;
+    auto it = data_.find(std::string(key));
+    if (it != data_.end()) {
+      std::optional<int64_t> parsed = ParseInt64(it->second);
+      if (!parsed) {
+        return FailedPreconditionError("key '" + Printable(key) +
+                                       "' holds a value that is not an integer");
+      }
+      current = *parsed;
+    }
+    int64_t result = 0;
+    if (__builtin_add_overflow(current, delta, &result)) {
+      return FailedPreconditionError("adding " + std::to_string(delta) + " to key '" +
+                                     Printable(key) + "' overflows");
+    }
+    DDP_RETURN_IF_ERROR(Put(key, std::to_string(result)));
+    wire::Writer w = OkReply(request_id);
+    w.I64(result);
+    QueueReply(c, w.Frame());
+    return Status::Ok();
+  }
+
+  Status DoWait(Connection& c, uint32_t request_id, wire::Reader& r) {
+    uint32_t timeout_ms = 0;
+    uint32_t count = 0;
+    if (!r.U32(timeout_ms) || !r.U32(count)) return InvalidArgumentError("truncated wait");
+    if (count > wire::kMaxWaitKeys) {
+      return ResourceExhaustedError("wait on " + std::to_string(count) +
+                                    " keys exceeds the limit of " +
+                                    std::to_string(wire::kMaxWaitKeys));
+    }
+    std::vector<std::string> keys;
+    keys.reserve(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      std::string_view key;
+      DDP_RETURN_IF_ERROR(ReadKey(r, key));
+      keys.emplace_back(key);
+    }
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after wait");
+    if (AllExist(keys)) {
+      QueueReply(c, OkReply(request_id).Frame());
+      return Status::Ok();
+    }
+    return Park(c, request_id, wire::Op::kWait, std::move(keys), timeout_ms);
+  }
+
+  Status DoDelete(Connection& c, uint32_t request_id, wire::Reader& r) {
+    std::string_view key;
+    DDP_RETURN_IF_ERROR(ReadKey(r, key));
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after delete");
+    auto it = data_.find(std::string(key));
+    const bool existed = it != data_.end();
+    if (existed) {
+      stored_bytes_ -= it->first.size() + it->second.size();
+      data_.erase(it);
+    }
+    wire::Writer w = OkReply(request_id);
+    w.U8(existed ? 1 : 0);
+    QueueReply(c, w.Frame());
+    return Status::Ok();
+  }
+
+  // ---- data and waiters ----
+
+  Status Put(std::string_view key, std::string_view value) {
+    std::string k(key);
+    auto it = data_.find(k);
+    const size_t old_bytes = it == data_.end() ? 0 : it->first.size() + it->second.size();
+    const size_t new_bytes = key.size() + value.size();
+    if (stored_bytes_ - old_bytes + new_bytes > options_.max_stored_bytes) {
+      return ResourceExhaustedError("the store holds " + std::to_string(stored_bytes_.load()) +
+                                    " bytes; setting key '" + Printable(key) +
+                                    "' would exceed its limit of " +
+                                    std::to_string(options_.max_stored_bytes));
+    }
+    stored_bytes_ = stored_bytes_ - old_bytes + new_bytes;
+    if (it == data_.end()) {
+      data_.emplace(std::move(k), std::string(value));
+    } else {
+      it->second.assign(value);
+    }
+    WakeWaiters(std::string(key));
+    return Status::Ok();
+  }
+
+  bool AllExist(const std::vector<std::string>& keys) const {
+    for (const std::string& key : keys) {
+      if (data_.find(key) == data_.end()) return false;
+    }
+    return true;
+  }
+
+  Status Park(Connection& c, uint32_t request_id, wire::Op op, std::vector<std::string> keys,
+              uint32_t timeout_ms) {
+    if (timeout_ms == 0) {
+      QueueReply(c, ErrorReply(request_id, TimedOutError("not set before the deadline")));
+      return Status::Ok();
+    }
+    if (c.waiters.size() >= options_.max_waits_per_connection) {
+      return ResourceExhaustedError("already " + std::to_string(c.waiters.size()) +
+                                    " waits parked on this connection (the limit)");
+    }
+    const uint64_t waiter_id = next_waiter_id_++;
+    Waiter& w = waiters_[waiter_id];
+    w.connection = c.id;
+    w.request_id = request_id;
+    w.op = op;
+    w.keys = std::move(keys);
+    w.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (const std::string& key : w.keys) key_waiters_[key].insert(waiter_id);
+    waiter_deadlines_.emplace(w.deadline, waiter_id);
+    c.waiters.insert(waiter_id);
+    return Status::Ok();
+  }
+
+  void RemoveWaiter(uint64_t waiter_id) {
+    auto it = waiters_.find(waiter_id);
+    if (it == waiters_.end()) return;
+    Waiter& w = it->second;
+    for (const std::string& key : w.keys) {
+      auto kw = key_waiters_.find(key);
+      if (kw == key_waiters_.end()) continue;
+      kw->second.erase(waiter_id);
+      if (kw->second.empty()) key_waiters_.erase(kw);
+    }
+    waiter_deadlines_.erase({w.deadline, waiter_id});
+    if (Connection* c = Find(w.connection)) c->waiters.erase(waiter_id);
+    waiters_.erase(it);
+  }
+
+  void WakeWaiters(const std::string& key) {
+    auto kw = key_waiters_.find(key);
+    if (kw == key_waiters_.end()) return;
+    std::vector<uint64_t> candidates(kw->second.begin(), kw->second.end());
+    for (uint64_t waiter_id : candidates) {
+      auto it = waiters_.find(waiter_id);
+      if (it == waiters_.end()) continue;
+      if (!AllExist(it->second.keys)) continue;
+      Waiter w = it->second;
+      RemoveWaiter(waiter_id);
+      Connection* c = Find(w.connection);
+      if (c == nullptr) continue;
+      wire::Writer reply = OkReply(w.request_id);
+      if (w.op == wire::Op::kGet) reply.String(data_.at(w.keys.front()));
+      QueueReply(*c, reply.Frame());
+      Touch(*c);
+    }
+  }
+
+  // ---- writing and closing ----
+
+  void QueueReply(Connection& c, const std::string& frame) {
+    if (c.dead) return;
+    if (c.pending_out() + frame.size() > options_.max_connection_output_bytes) {
+      Log("dropped connection from " + c.peer + ": " + std::to_string(c.pending_out()) +
+          " bytes of replies unread (the limit is " +
+          std::to_string(options_.max_connection_output_bytes) + ")");
+      MarkDead(c);
+      return;
+    }
+    if (c.out_pos > 0 && c.out_pos == c.out.size()) {
+      c.out.clear();
+      c.out_pos = 0;
+    }
+    c.out += frame;
+    buffered_ += frame.size();
+    Flush(c);
+  }
+
+  void Flush(Connection& c) {
+    while (!c.dead && c.pending_out() > 0) {
+      const ssize_t n = send(c.fd.get(), c.out.data() + c.out_pos, c.pending_out(),
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        c.out_pos += static_cast<size_t>(n);
+        buffered_ -= static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      MarkDead(c);
+      return;
+    }
+    if (c.pending_out() == 0) {
+      c.out.clear();
+      c.out_pos = 0;
+    }
+  }
+
+  // Sends `frame` and closes the connection once it is out (or after a grace).
+  void Refuse(Connection& c, const std::string& frame) {
+    QueueReply(c, frame);
+    if (c.dead) return;
+    c.closing = true;
+    unauthenticated_.erase(c.id);
+    ClearTimer(c);
+    c.timer = Clock::now() + kClosingGrace;
+    timers_.emplace(c.timer, c.id);
+    Touch(c);
+  }
+
+  void MarkDead(Connection& c) {
+    c.dead = true;
+    Touch(c);
+  }
+
+  void Touch(const Connection& c) { touched_.push_back(c.id); }
+
+  void ClearTimer(Connection& c) {
+    if (c.timer != Deadline{}) timers_.erase({c.timer, c.id});
+    c.timer = Deadline{};
+  }
+
+  void Destroy(uint64_t id) {
+    auto it = connections_.find(id);
+    if (it == connections_.end()) return;
+    Connection& c = it->second;
+    std::vector<uint64_t> waiter_ids(c.waiters.begin(), c.waiters.end());
+    for (uint64_t waiter_id : waiter_ids) RemoveWaiter(waiter_id);
+    ClearTimer(c);
+    unauthenticated_.erase(id);
+    buffered_ -= c.reserved + c.pending_out();
+    waiting_for_memory_.erase(id);
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+    connections_.erase(it);
+    open_connections_.store(connections_.size());
+  }
+
+  void UpdateInterest(Connection& c) {
+    uint32_t want = 0;
+    if (!c.closing && !waiting_for_memory_.count(c.id)) want |= EPOLLIN;
+    if (c.pending_out() > 0) want |= EPOLLOUT;
+    if (want == c.events) return;
+    epoll_event ev{};
+    ev.events = want;
+    ev.data.u64 = c.id;
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev) == 0) c.events = want;
+  }
+
+  Status AddToEpoll(int fd, uint64_t id, uint32_t events) {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.u64 = id;
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return InternalError("epoll_ctl(ADD): " + ErrnoString(errno));
+    }
+    return Status::Ok();
+  }
+
+  Connection* Find(uint64_t id) {
+    auto it = connections_.find(id);
+    return it == connections_.end() ? nullptr : &it->second;
+  }
+
+  // At most kLogLinesPerSecond lines a second reach the sink; a flood of
+  // refused connections must not flood the log as well.
+  void Log(const std::string& line) {
+    const Deadline now = Clock::now();
+    if (now - log_window_start_ >= std::chrono::seconds(1)) {
+      log_window_start_ = now;
+      log_lines_in_window_ = 0;
+    }
+    if (log_lines_in_window_ >= kLogLinesPerSecond) {
+      ++log_suppressed_;
+      return;
+    }
+    ++log_lines_in_window_;
+    if (log_suppressed_ > 0) {
+      options_.log(line + " (" + std::to_string(log_suppressed_) +
+                   " earlier messages suppressed)");
+      log_suppressed_ = 0;
+    } else {
+      options_.log(line);
+    }
+  }
+
+  TcpStoreServerOptions options_;
+  UniqueFd listen_fd_;
+  const int port_;
+  UniqueFd epoll_fd_;
+  UniqueFd wake_fd_;
+  std::thread thread_;
+  std::mutex stop_mu_;
+  std::atomic<bool> stop_{false};
+
+  // Server-thread state.
+  bool listening_ = false;
+  Deadline accept_resume_{};
+  uint64_t next_id_ = kFirstConnectionId;
+  std::unordered_map<uint64_t, Connection> connections_;
+  std::set<uint64_t> unauthenticated_;  // ids grow with age: begin() is the oldest
+  std::set<std::pair<Deadline, uint64_t>> timers_;
+  std::vector<uint64_t> touched_;
+  // Bytes reserved for frames being received plus replies not yet sent.
+  size_t buffered_ = 0;
+  // Connections whose next frame does not fit under the bound yet, oldest first.
+  std::set<uint64_t> waiting_for_memory_;
+  std::unordered_map<std::string, std::string> data_;
+  uint64_t next_waiter_id_ = 1;
+  std::unordered_map<uint64_t, Waiter> waiters_;
+  std::unordered_map<std::string, std::unordered_set<uint64_t>> key_waiters_;
+  std::set<std::pair<Deadline, uint64_t>> waiter_deadlines_;
+  Deadline log_window_start_{};
+  size_t log_lines_in_window_ = 0;
+  size_t log_suppressed_ = 0;
+
+  // Counters, read from other threads.
+  std::atomic<uint64_t> accepted_{0};
+  std::atomic<uint64_t> authenticated_{0};
+  std::atomic<uint64_t> refused_token_{0};
+  std::atomic<uint64_t> dropped_silent_{0};
+  std::atomic<uint64_t> evicted_{0};
+  std::atomic<uint64_t> refused_malformed_{0};
+  std::atomic<uint64_t> refused_oversized_{0};
+  std::atomic<uint64_t> open_connections_{0};
+  std::atomic<uint64_t> stored_bytes_{0};
+};
+
+StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOptions options) {
+  if (options.job_token.size() > wire::kMaxHandshakeBytes - 12) {
+    return InvalidArgumentError("job token of " + std::to_string(options.job_token.size()) +
+                                " bytes is too long");
+  }
+  DDP_ASSIGN_OR_RETURN(UniqueFd listen_fd,
+                       ListenTcp(options.bind_address, options.port, kListenBacklog));
+  DDP_ASSIGN_OR_RETURN(int port, LocalPort(listen_fd.get()));
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(listen_fd), port);
+  DDP_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<TcpStoreServer>(new TcpStoreServer(std::move(impl)));
+}
+
+TcpStoreServer::TcpStoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TcpStoreServer::~TcpStoreServer() { Stop(); }
+int TcpStoreServer::port() const { return impl_->port(); }
+const std::string& TcpStoreServer::address() const { return impl_->address(); }
+void TcpStoreServer::Stop() { impl_->Stop(); }
+TcpStoreServerStats TcpStoreServer::stats() const { return impl_->stats(); }
+
+}  // namespace ddp::transport::store

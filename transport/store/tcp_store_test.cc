@@ -1,0 +1,619 @@
+#include "transport/store/tcp_store.h"
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/store/socket.h"
+#include "transport/store/wire.h"
+
+namespace ddp::transport::store {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+constexpr char kToken[] = "test-token-7f3a";
+
+// Collects the server's log lines.
+struct LogSink {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  std::function<void(const std::string&)> Fn() {
+    return [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mu);
+      lines.push_back(line);
+    };
+  }
+  bool Contains(const std::string& text) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const std::string& line : lines) {
+      if (line.find(text) != std::string::npos) return true;
+    }
+    return false;
+  }
+};
+
+std::unique_ptr<TcpStoreServer> StartServer(TcpStoreServerOptions options = {}) {
+  if (options.job_token.empty()) options.job_token = kToken;
+  StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(std::move(options));
+  EXPECT_TRUE(server.ok()) << server.status();
+  return std::move(server).value();
+}
+
+std::unique_ptr<TcpStoreClient> ConnectClient(const TcpStoreServer& server,
+                                              std::string_view token = kToken) {
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", server.port(), token, DeadlineIn(5s));
+  EXPECT_TRUE(client.ok()) << client.status();
+  return std::move(client).value();
+}
+
+// A raw connection for speaking (or breaking) the protocol by hand.
+class RawConnection {
+ public:
+  explicit RawConnection(int port) {
+    StatusOr<UniqueFd> fd = ConnectTcp("127.0.0.1", port, DeadlineIn(5s));
+    EXPECT_TRUE(fd.ok()) << fd.status();
+    fd_ = std::move(fd).value();
+  }
+  void Send(std::string_view bytes) {
+    ASSERT_TRUE(SendAll(fd_.get(), bytes, DeadlineIn(5s), nullptr).ok());
+  }
+  void Handshake(std::string_view token = kToken) {
+    wire::Writer w;
+    w.Bytes(std::string_view(wire::kMagic, 4));
+    w.U16(wire::kVersion);
+    w.U16(0);
+    w.String(token);
+    Send(w.Frame());
+    std::optional<std::string> reply = ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value());
+    wire::Reader r(*reply);
+    std::string_view magic;
+    uint16_t version;
+    uint8_t code;
+    ASSERT_TRUE(r.Bytes(4, magic) && r.U16(version) && r.U8(code));
+    ASSERT_EQ(code, 0);
+  }
+  // The next frame's body, or nullopt when the connection closed or nothing
+  // came within `timeout`.
+  std::optional<std::string> ReadFrame(std::chrono::milliseconds timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    while (true) {
+      std::optional<uint32_t> length = wire::PeekFrameLength(buffer_);
+      if (length && buffer_.size() >= 4 + *length) {
+        std::string body = buffer_.substr(4, *length);
+        buffer_.erase(0, 4 + *length);
+        return body;
+      }
+      if (!RecvSome(fd_.get(), buffer_, 1 << 20, deadline).ok()) return std::nullopt;
+    }
+  }
+  // True when the server closed the connection within `timeout`.
+  bool ClosedWithin(std::chrono::milliseconds timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    while (true) {
+      Status s = RecvSome(fd_.get(), buffer_, 1 << 20, deadline);
+      if (s.code() == StatusCode::kUnavailable) return true;
+      if (s.code() == StatusCode::kTimedOut) return false;
+    }
+  }
+  // Status code and message of a request reply.
+  static std::pair<StatusCode, std::string> ParseReply(const std::string& body, uint32_t* id) {
+    wire::Reader r(body);
+    uint32_t request_id = 0;
+    uint8_t code = 0;
+    std::string_view message;
+    r.U32(request_id);
+    r.U8(code);
+    if (code != 0) r.String(message, 1 << 20);
+    if (id) *id = request_id;
+    return {static_cast<StatusCode>(code), std::string(message)};
+  }
+
+ private:
+  UniqueFd fd_;
+  std::string buffer_;
+};
+
+TEST(TcpStoreTest, SetGetAddWaitDeleteAcrossThreads) {
+  auto server = StartServer();
+  constexpr int kThreads = 8;
+  constexpr int kAddsPerThread = 50;
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      results[t] = [&]() -> Status {
+        auto client = ConnectClient(*server);
+        const Deadline deadline = DeadlineIn(10s);
+        DDP_RETURN_IF_ERROR(client->Set("addr/" + std::to_string(t), "value-" + std::to_string(t),
+                                        deadline));
+        for (int i = 0; i < kAddsPerThread; ++i) {
+          DDP_ASSIGN_OR_RETURN(int64_t v, client->Add("counter", 1, deadline));
+          if (v < 1) return InternalError("counter went backwards");
+        }
+        std::vector<std::string> keys;
+        for (int peer = 0; peer < kThreads; ++peer) keys.push_back("addr/" + std::to_string(peer));
+        DDP_RETURN_IF_ERROR(client->Wait(keys, deadline));
+        for (int peer = 0; peer < kThreads; ++peer) {
+          DDP_ASSIGN_OR_RETURN(std::string v, client->Get(keys[peer], deadline));
+          if (v != "value-" + std::to_string(peer)) return InternalError("wrong value " + v);
+        }
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(results[t].ok()) << "thread " << t << ": " << results[t];
+
+  auto client = ConnectClient(*server);
+  const Deadline deadline = DeadlineIn(5s);
+  StatusOr<std::optional<std::string>> counter = client->TryGet("counter", deadline);
+  ASSERT_TRUE(counter.ok()) << counter.status();
+  EXPECT_EQ(counter->value(), std::to_string(kThreads * kAddsPerThread));
+  EXPECT_EQ(*client->Add("counter", -10, deadline), kThreads * kAddsPerThread - 10);
+  EXPECT_EQ(*client->Delete("addr/0", deadline), true);
+  EXPECT_EQ(*client->Delete("addr/0", deadline), false);
+  EXPECT_FALSE(client->TryGet("addr/0", deadline)->has_value());
+  ASSERT_TRUE(client->Set("empty", "", deadline).ok());
+  EXPECT_EQ(*client->Get("empty", deadline), "");
+}
+
+TEST(TcpStoreTest, GetParksUntilTheKeyIsSet) {
+  auto server = StartServer();
+  auto waiter = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  std::atomic<bool> done{false};
+  StatusOr<std::string> got = InternalError("not run");
+  Deadline returned_at{};
+  std::thread thread([&] {
+    got = waiter->Get("late", DeadlineIn(10s));
+    returned_at = Clock::now();
+    done = true;
+  });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(done.load());
+  const Deadline set_at = Clock::now();
+  ASSERT_TRUE(setter->Set("late", "here", DeadlineIn(5s)).ok());
+  thread.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "here");
+  EXPECT_LT(returned_at - set_at, 2s);
+}
+
+TEST(TcpStoreTest, WaitParksUntilEveryKeyExists) {
+  auto server = StartServer();
+  auto waiter = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  std::atomic<bool> done{false};
+  Status result = InternalError("not run");
+  std::thread thread([&] {
+    std::vector<std::string> keys = {"a", "b", "c"};
+    result = waiter->Wait(keys, DeadlineIn(10s));
+    done = true;
+  });
+  ASSERT_TRUE(setter->Set("a", "1", DeadlineIn(5s)).ok());
+  ASSERT_TRUE(setter->Add("b", 1, DeadlineIn(5s)).ok());
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(done.load());
+  ASSERT_TRUE(setter->Set("c", "1", DeadlineIn(5s)).ok());
+  thread.join();
+  EXPECT_TRUE(result.ok()) << result;
+}
+
+TEST(TcpStoreTest, DeadlinesAreHonouredAndTheConnectionSurvives) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  Deadline start = Clock::now();
+  StatusOr<std::string> got = client->Get("never", DeadlineIn(300ms));
+  auto took = Clock::now() - start;
+  EXPECT_EQ(got.status().code(), StatusCode::kTimedOut);
+  EXPECT_THAT(got.status().message(), HasSubstr("get of key 'never' timed out"));
+  EXPECT_GE(took, 290ms);
+  EXPECT_LT(took, 2s);
+
+  std::vector<std::string> keys = {"never1", "never2"};
+  start = Clock::now();
+  Status waited = client->Wait(keys, DeadlineIn(200ms));
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut);
+  EXPECT_THAT(waited.message(), HasSubstr("wait for key 'never1' and 1 more timed out"));
+  EXPECT_LT(Clock::now() - start, 2s);
+
+  // The late server-side answers to the calls above are told apart by
+  // request id; the connection keeps working.
+  ASSERT_TRUE(client->Set("x", "y", DeadlineIn(5s)).ok());
+  EXPECT_EQ(*client->Get("x", DeadlineIn(5s)), "y");
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(client->TryGet("x", DeadlineIn(5s))->value(), "y");
+
+  // A deadline already in the past fails at once.
+  start = Clock::now();
+  EXPECT_EQ(client->Get("never", Clock::now() - 1s).status().code(), StatusCode::kTimedOut);
+  EXPECT_LT(Clock::now() - start, 1s);
+}
+
+TEST(TcpStoreTest, WrongTokenIsRefusedAndLogged) {
+  LogSink log;
+  TcpStoreServerOptions options;
+  options.log = log.Fn();
+  auto server = StartServer(options);
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", server->port(), "guess", DeadlineIn(5s));
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(client.status().message(), HasSubstr("refused this process's job token"));
+  EXPECT_THAT(client.status().message(), HasSubstr("DDP_JOB_TOKEN"));
+  EXPECT_EQ(server->stats().refused_token, 1u);
+  EXPECT_TRUE(log.Contains("wrong job token"));
+  // An empty token is a wrong token too.
+  client = TcpStoreClient::Connect("127.0.0.1", server->port(), "", DeadlineIn(5s));
+  EXPECT_EQ(client.status().code(), StatusCode::kPermissionDenied);
+  // The right token still gets in.
+  auto good = ConnectClient(*server);
+  EXPECT_TRUE(good->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
+TEST(TcpStoreTest, BindsToTheGivenAddressOnly) {
+  auto server = StartServer();  // 127.0.0.1
+  // 127.0.0.2 is this host too, but the server did not bind it.
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.2", server->port(), kToken, DeadlineIn(300ms));
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(client.status().message(), HasSubstr("127.0.0.2"));
+}
+
+TEST(TcpStoreTest, PortInUseIsReported) {
+  auto server = StartServer();
+  TcpStoreServerOptions options;
+  options.port = server->port();
+  StatusOr<std::unique_ptr<TcpStoreServer>> second = TcpStoreServer::Start(options);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(),
+              HasSubstr("127.0.0.1:" + std::to_string(server->port()) + ": Address already in use"));
+}
+
+TEST(TcpStoreTest, SizeBounds) {
+  TcpStoreServerOptions options;
+  options.max_stored_bytes = 10 << 20;
+  auto server = StartServer(options);
+  auto client = ConnectClient(*server);
+  const std::string big(kMaxValueBytes, 'v');
+  ASSERT_TRUE(client->Set("big", big, DeadlineIn(10s)).ok());
+  EXPECT_EQ(*client->Get("big", DeadlineIn(10s)), big);
+
+  Status too_big = client->Set("big2", big + "x", DeadlineIn(5s));
+  EXPECT_EQ(too_big.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(too_big.message(), HasSubstr("exceeds the limit of 4194304"));
+  Status long_key = client->Set(std::string(kMaxKeyBytes + 1, 'k'), "v", DeadlineIn(5s));
+  EXPECT_EQ(long_key.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(client->Set("", "v", DeadlineIn(5s)).code(), StatusCode::kInvalidArgument);
+
+  // The server's total bound: 10 MiB holds two big values, not three.
+  ASSERT_TRUE(client->Set("big2", big, DeadlineIn(10s)).ok());
+  Status full = client->Set("big3", big, DeadlineIn(10s));
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("would exceed its limit"));
+  // Overwriting in place and deleting free room again.
+  ASSERT_TRUE(client->Set("big2", "small", DeadlineIn(5s)).ok());
+  EXPECT_TRUE(client->Set("big3", big, DeadlineIn(10s)).ok());
+}
+
+TEST(TcpStoreTest, AddToNonIntegerIsRefused) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  ASSERT_TRUE(client->Set("name", "alice", DeadlineIn(5s)).ok());
+  StatusOr<int64_t> added = client->Add("name", 1, DeadlineIn(5s));
+  EXPECT_EQ(added.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(added.status().message(), HasSubstr("key 'name' holds a value that is not an integer"));
+  ASSERT_TRUE(client->Set("n", "9223372036854775807", DeadlineIn(5s)).ok());
+  EXPECT_THAT(client->Add("n", 1, DeadlineIn(5s)).status().message(), HasSubstr("overflows"));
+  // The connection is still fine.
+  EXPECT_EQ(*client->Add("m", 5, DeadlineIn(5s)), 5);
+}
+
+TEST(TcpStoreTest, MalformedRequestsAreRefusedAndTheServerKeepsServing) {
+  LogSink log;
+  TcpStoreServerOptions options;
+  options.log = log.Fn();
+  auto server = StartServer(options);
+  auto bystander = ConnectClient(*server);
+
+  {  // Unknown operation.
+    RawConnection raw(server->port());
+    raw.Handshake();
+    wire::Writer w;
+    w.U8(99);
+    w.U32(5);
+    raw.Send(w.Frame());
+    std::optional<std::string> reply = raw.ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value());
+    uint32_t id = 0;
+    auto [code, message] = RawConnection::ParseReply(*reply, &id);
+    EXPECT_EQ(id, 5u);
+    EXPECT_EQ(code, StatusCode::kInvalidArgument);
+    EXPECT_EQ(message, "unknown operation 99");
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  {  // A key length that runs past the end of the frame.
+    RawConnection raw(server->port());
+    raw.Handshake();
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kSet));
+    w.U32(6);
+    w.U32(1000);
+    w.Bytes("abc");
+    raw.Send(w.Frame());
+    std::optional<std::string> reply = raw.ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value());
+    auto [code, message] = RawConnection::ParseReply(*reply, nullptr);
+    EXPECT_EQ(code, StatusCode::kInvalidArgument);
+    EXPECT_EQ(message, "truncated key");
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  {  // Trailing garbage after a well-formed request.
+    RawConnection raw(server->port());
+    raw.Handshake();
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+    w.U32(7);
+    w.String("k");
+    w.U8(0);
+    raw.Send(w.Frame());
+    std::optional<std::string> reply = raw.ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).second, "trailing bytes after try_get");
+  }
+  {  // An oversized frame is refused from its header, before any body.
+    RawConnection raw(server->port());
+    raw.Handshake();
+    wire::Writer w;
+    w.U32(0x7fffffff);
+    raw.Send(w.body());
+    std::optional<std::string> reply = raw.ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value());
+    auto [code, message] = RawConnection::ParseReply(*reply, nullptr);
+    EXPECT_EQ(code, StatusCode::kResourceExhausted);
+    EXPECT_THAT(message, HasSubstr("frame of 2147483647 bytes exceeds the limit"));
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  {  // A key over the bound inside a well-formed frame: answered, not closed.
+    RawConnection raw(server->port());
+    raw.Handshake();
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+    w.U32(8);
+    w.String(std::string(kMaxKeyBytes + 1, 'k'));
+    raw.Send(w.Frame());
+    std::optional<std::string> reply = raw.ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value());
+    auto [code, message] = RawConnection::ParseReply(*reply, nullptr);
+    EXPECT_EQ(code, StatusCode::kResourceExhausted);
+    EXPECT_EQ(message, "key of 1025 bytes exceeds the limit of 1024");
+    EXPECT_FALSE(raw.ClosedWithin(200ms));
+  }
+  {  // Not our protocol at all: its first bytes read as a huge length.
+    RawConnection raw(server->port());
+    raw.Send("GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  {  // A well-framed handshake without the magic.
+    RawConnection raw(server->port());
+    wire::Writer w;
+    w.Bytes("HELO and some more");
+    raw.Send(w.Frame());
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  {  // An oversized handshake.
+    RawConnection raw(server->port());
+    wire::Writer w;
+    w.U32(1 << 20);
+    raw.Send(w.body());
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  {  // Another protocol version.
+    RawConnection raw(server->port());
+    wire::Writer w;
+    w.Bytes(std::string_view(wire::kMagic, 4));
+    w.U16(wire::kVersion + 1);
+    w.U16(0);
+    w.String(kToken);
+    raw.Send(w.Frame());
+    EXPECT_TRUE(raw.ClosedWithin(5s));
+  }
+  EXPECT_GE(server->stats().refused_malformed, 5u);
+  EXPECT_GE(server->stats().refused_oversized, 3u);
+  EXPECT_TRUE(log.Contains("refused unknown request from 127.0.0.1:"));
+  EXPECT_TRUE(log.Contains("not a store handshake"));
+  EXPECT_TRUE(log.Contains("client speaks store protocol version 2, this server speaks 1"));
+  // Everyone else was served throughout.
+  ASSERT_TRUE(bystander->Set("still", "here", DeadlineIn(5s)).ok());
+  EXPECT_EQ(*bystander->Get("still", DeadlineIn(5s)), "here");
+}
+
+TEST(TcpStoreTest, SilentClientIsDropped) {
+  LogSink log;
+  TcpStoreServerOptions options;
+  options.handshake_timeout = 200ms;
+  options.log = log.Fn();
+  auto server = StartServer(options);
+  RawConnection silent(server->port());
+  const Deadline start = Clock::now();
+  EXPECT_TRUE(silent.ClosedWithin(5s));
+  EXPECT_GE(Clock::now() - start, 150ms);
+  EXPECT_EQ(server->stats().dropped_silent, 1u);
+  EXPECT_TRUE(log.Contains("no handshake within 200 ms"));
+  // A client that authenticated and then idles is not dropped.
+  auto idle = ConnectClient(*server);
+  std::this_thread::sleep_for(400ms);
+  EXPECT_TRUE(idle->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
+TEST(TcpStoreTest, ClientThatStopsReadingIsDropped) {
+  TcpStoreServerOptions options;
+  options.max_connection_output_bytes = 3 << 20;
+  auto server = StartServer(options);
+  auto setter = ConnectClient(*server);
+  ASSERT_TRUE(setter->Set("blob", std::string(1 << 20, 'b'), DeadlineIn(5s)).ok());
+  RawConnection greedy(server->port());
+  greedy.Handshake();
+  // Ask for the 1 MiB value many times and never read: the replies pile up
+  // past the socket buffers and then past the per-connection bound.
+  for (uint32_t i = 0; i < 64; ++i) {
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+    w.U32(i + 1);
+    w.String("blob");
+    greedy.Send(w.Frame());
+  }
+  const Deadline deadline = DeadlineIn(5s);
+  while (server->stats().open_connections > 1 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(server->stats().open_connections, 1u);
+  EXPECT_TRUE(setter->Set("ok", "1", DeadlineIn(5s)).ok());
+}
+
+TEST(TcpStoreTest, TotalBufferBoundQueuesFramesWithoutDeadlock) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 5 << 20;  // about one large frame at a time
+  auto server = StartServer(options);
+  constexpr int kClients = 4;
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kClients);
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      auto client = ConnectClient(*server);
+      const std::string value(3 << 20, static_cast<char>('a' + t));
+      results[t] = client->Set("big/" + std::to_string(t), value, DeadlineIn(20s));
+      if (results[t].ok()) {
+        StatusOr<std::string> got = client->Get("big/" + std::to_string(t), DeadlineIn(20s));
+        if (!got.ok()) results[t] = got.status();
+        else if (*got != value) results[t] = InternalError("value differs");
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kClients; ++t) EXPECT_TRUE(results[t].ok()) << results[t];
+}
+
+TEST(TcpStoreTest, ConnectionFloodDoesNotStopTheJobFromForming) {
+  TcpStoreServerOptions options;
+  options.max_unauthenticated = 16;
+  options.handshake_timeout = 5s;
+  auto server = StartServer(options);
+  std::atomic<bool> stop{false};
+  std::atomic<int> opened{0};
+  // Strangers keep opening connections that never say anything.
+  std::thread flood([&] {
+    std::vector<UniqueFd> held;
+    while (!stop.load()) {
+      UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(server->port()));
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      held.push_back(std::move(fd));
+      ++opened;
+      if (held.size() > 300) held.erase(held.begin(), held.begin() + 100);
+    }
+  });
+  while (opened.load() < 200) std::this_thread::sleep_for(1ms);
+
+  constexpr int kRanks = 4;
+  std::vector<std::thread> ranks;
+  std::vector<Status> results(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      results[r] = [&]() -> Status {
+        const Deadline deadline = DeadlineIn(20s);
+        DDP_ASSIGN_OR_RETURN(auto client,
+                             TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, deadline));
+        DDP_RETURN_IF_ERROR(client->Set("rank/" + std::to_string(r), "up", deadline));
+        std::vector<std::string> keys;
+        for (int peer = 0; peer < kRanks; ++peer) keys.push_back("rank/" + std::to_string(peer));
+        return client->Wait(keys, deadline);
+      }();
+    });
+  }
+  for (auto& th : ranks) th.join();
+  stop = true;
+  flood.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r];
+  EXPECT_GT(server->stats().evicted, 0u);
+  EXPECT_EQ(server->stats().authenticated, static_cast<uint64_t>(kRanks));
+}
+
+TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
+  auto server = StartServer();
+  auto parked = ConnectClient(*server);
+  auto idle = ConnectClient(*server);
+  StatusOr<std::string> got = InternalError("not run");
+  Deadline returned_at{};
+  std::thread thread([&] {
+    got = parked->Get("never", DeadlineIn(30s));
+    returned_at = Clock::now();
+  });
+  std::this_thread::sleep_for(200ms);
+  const Deadline stopped_at = Clock::now();
+  server->Stop();
+  thread.join();
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(got.status().message(), HasSubstr("shutting down"));
+  EXPECT_LT(returned_at - stopped_at, 2s);
+
+  const Deadline start = Clock::now();
+  Status s = idle->Set("k", "v", DeadlineIn(30s));
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("lost the connection to the store at 127.0.0.1:"));
+  // Later calls fail at once with the same reason.
+  EXPECT_EQ(idle->TryGet("k", DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(parked->Add("k", 1, DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
+  EXPECT_LT(Clock::now() - start, 2s);
+
+  // Nobody listens any more: connecting gives up at its deadline.
+  const int port = server->port();
+  server.reset();
+  StatusOr<std::unique_ptr<TcpStoreClient>> late =
+      TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(300ms));
+  EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(TcpStoreTest, ClientConnectsBeforeTheServerStarts) {
+  // Reserve a port, free it, and start the server there a little later.
+  int port = 0;
+  {
+    auto probe = StartServer();
+    port = probe->port();
+  }
+  std::unique_ptr<TcpStoreServer> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(200ms);
+    TcpStoreServerOptions options;
+    options.port = port;
+    server = StartServer(options);
+  });
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(10s));
+  starter.join();
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
+}  // namespace
+}  // namespace ddp::transport::store
