@@ -1,0 +1,113 @@
+#include "transport/fault/peer_monitor.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+
+namespace ddp::transport::fault {
+namespace {
+
+int PidfdOpen(int pid) {
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+}
+
+Deadline In(int ms) { return DeadlineIn(std::chrono::milliseconds(ms)); }
+
+}  // namespace
+
+PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
+    : options_(std::move(options)), store_(store) {
+  pidfds_.assign(options_.local_pids.size(), -1);
+  for (size_t r = 0; r < options_.local_pids.size(); ++r) {
+    if (static_cast<int>(r) == options_.rank || options_.local_pids[r] <= 0) continue;
+    pidfds_[r] = PidfdOpen(options_.local_pids[r]);
+    // Without pidfd support (old kernel, seccomp) fall back to kill(pid, 0)
+    // in Check(); it only errs after the pid is reused.
+  }
+}
+
+PeerMonitor::~PeerMonitor() {
+  for (int fd : pidfds_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+bool PeerMonitor::PeerClosed(int peer) {
+  if (store_ == nullptr) return false;
+  auto value = store_->TryGet(options_.key_prefix + "closed/" + std::to_string(peer), In(1000));
+  return value.ok() && value->has_value();
+}
+
+Status PeerMonitor::Check() {
+  for (size_t r = 0; r < options_.local_pids.size(); ++r) {
+    const int pid = options_.local_pids[r];
+    if (static_cast<int>(r) == options_.rank || pid <= 0) continue;
+    bool exited;
+    if (pidfds_[r] >= 0) {
+      pollfd p{pidfds_[r], POLLIN, 0};
+      exited = poll(&p, 1, 0) > 0;
+    } else {
+      exited = kill(pid, 0) != 0 && errno == ESRCH;
+    }
+    if (exited && !PeerClosed(static_cast<int>(r))) {
+      lost_peer_ = static_cast<int>(r);
+      return PeerLostError("rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                           " on this host) exited");
+    }
+  }
+  if (store_ == nullptr) return Status::Ok();
+  auto posted = store_->TryGet(options_.key_prefix + "abort", In(2000));
+  if (!posted.ok()) {
+    const std::string server = options_.store_rank >= 0
+                                   ? "rank " + std::to_string(options_.store_rank)
+                                   : std::string("the launcher");
+    return PeerLostError("the rendezvous store cannot be reached (" + server +
+                         " serves it and may have died): " + posted.status().ToString());
+  }
+  if (posted->has_value()) return DecodeAbort(**posted);
+  return Status::Ok();
+}
+
+void PeerMonitor::PostAbort(const Status& reason, int timeout_ms) {
+  if (store_ == nullptr || reason.ok()) return;
+  const std::string key = options_.key_prefix + "abort";
+  auto existing = store_->TryGet(key, In(timeout_ms));
+  if (existing.ok() && existing->has_value()) return;
+  store_->Set(key, EncodeAbort(options_.rank, reason), In(timeout_ms)).IgnoreError();
+}
+
+void PeerMonitor::PostClosed(int timeout_ms) {
+  if (store_ == nullptr) return;
+  store_->Set(options_.key_prefix + "closed/" + std::to_string(options_.rank), "1", In(timeout_ms))
+      .IgnoreError();
+}
+
+std::string PeerMonitor::EncodeAbort(int rank, const Status& reason) {
+  return std::to_string(static_cast<int>(reason.code())) + "\n" + std::to_string(rank) + "\n" +
+         reason.message();
+}
+
+Status PeerMonitor::DecodeAbort(const std::string& value) {
+  const size_t first = value.find('\n');
+  const size_t second = first == std::string::npos ? first : value.find('\n', first + 1);
+  if (second == std::string::npos) {
+    return InternalError("the job was aborted with an unreadable reason: " + value);
+  }
+  int code = static_cast<int>(StatusCode::kInternal);
+  try {
+    code = std::stoi(value.substr(0, first));
+  } catch (...) {
+  }
+  if (code <= 0 || code > static_cast<int>(StatusCode::kResourceExhausted)) {
+    code = static_cast<int>(StatusCode::kInternal);
+  }
+  return Status(static_cast<StatusCode>(code),
+                "rank " + value.substr(first + 1, second - first - 1) +
+                    " aborted the job: " + value.substr(second + 1));
+}
+
+}  // namespace ddp::transport::fault

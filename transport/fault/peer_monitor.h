@@ -1,0 +1,75 @@
+#ifndef DDP_TRANSPORT_FAULT_PEER_MONITOR_H_
+#define DDP_TRANSPORT_FAULT_PEER_MONITOR_H_
+
+// Learning that the job is broken while waiting for something else.
+//
+// A rank blocked on a message from a live peer cannot see that a third rank
+// died, and UCX cannot report the death of a peer on this host at all (its
+// shared-memory transports have no failure detection). So every long wait
+// calls Check() at a low rate (every ~100 ms), which
+//   1. polls a pidfd per peer on this host: an exited process is noticed
+//      within one period, and a pidfd cannot be fooled by pid reuse;
+//   2. reads the job's abort key in the store: the first rank that fails
+//      posts its reason there (PostAbort), so every rank learns it;
+//   3. treats an unreachable store as the loss of the rank serving it.
+// A peer that closed its communicator cleanly (posted under `closed/`) may
+// exit without being reported.
+
+#include <string>
+#include <vector>
+
+#include "transport/status.h"
+#include "transport/store/store.h"
+
+namespace ddp::transport::fault {
+
+struct PeerMonitorOptions {
+  int rank = 0;
+  /// Per rank: its pid when it runs on this host, else 0. This rank's own
+  /// entry is ignored.
+  std::vector<int> local_pids;
+  /// Store keys: "<prefix>abort" and "<prefix>closed/<rank>".
+  std::string key_prefix;
+  /// Which rank serves the store (-1: a launcher does), for messages.
+  int store_rank = 0;
+};
+
+class PeerMonitor {
+ public:
+  /// `store` must outlive the monitor; nullptr: no store checks.
+  PeerMonitor(PeerMonitorOptions options, store::Store* store);
+  ~PeerMonitor();
+  PeerMonitor(const PeerMonitor&) = delete;
+  PeerMonitor& operator=(const PeerMonitor&) = delete;
+
+  /// OK while the job looks healthy; otherwise the reason, naming the rank.
+  /// Cheap (a poll per local peer and one store round trip).
+  Status Check();
+
+  /// The rank on this host found dead by the last Check(), or -1.
+  int lost_peer() const { return lost_peer_; }
+
+  /// Posts `reason` (from this rank) as the job's abort reason unless one is
+  /// already posted. Best effort: gives up after `timeout_ms`.
+  void PostAbort(const Status& reason, int timeout_ms = 1000);
+
+  /// Marks this rank as closed cleanly, so its exit is not a failure.
+  void PostClosed(int timeout_ms = 1000);
+
+  /// Encoding of an abort reason in the store, and back. Decoding a posted
+  /// reason keeps its code and says which rank posted it.
+  static std::string EncodeAbort(int rank, const Status& reason);
+  static Status DecodeAbort(const std::string& value);
+
+ private:
+  bool PeerClosed(int peer);
+
+  PeerMonitorOptions options_;
+  store::Store* store_;
+  std::vector<int> pidfds_;  // per rank; -1: not watched
+  int lost_peer_ = -1;
+};
+
+}  // namespace ddp::transport::fault
+
+#endif  // DDP_TRANSPORT_FAULT_PEER_MONITOR_H_
