@@ -1,0 +1,50 @@
+#include "nn/optim/adadelta.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace ddp::nn::optim {
+
+Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
+    : Optimizer(std::move(params), options.lr, {"square_avg", "acc_delta"}), options_(options) {
+  if (!(options_.rho >= 0 && options_.rho <= 1 && options_.eps >= 0 && options_.weight_decay >= 0)) {
+    throw std::invalid_argument("Adadelta: rho " + std::to_string(options_.rho) +
+                                " must be in [0, 1], eps " + std::to_string(options_.eps) +
+                                " and weight_decay " + std::to_string(options_.weight_decay) +
+                                " >= 0");
+  }
+}
+
+template <typename T>
+void Adadelta::Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const {
+  T* sq = slots[0];
+  T* acc = slots[1];
+  const T rho = static_cast<T>(options_.rho), one_rho = static_cast<T>(1.0 - options_.rho);
+  const T eps = static_cast<T>(options_.eps);
+  const T wd = static_cast<T>(options_.weight_decay);
+  const T neg_lr = static_cast<T>(-lr());
+  const bool use_wd = options_.weight_decay != 0;
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = g[i] * grad_scale;
+    if (use_wd) gi = gi + wd * p[i];
+    const T s = sq[i] * rho + one_rho * gi * gi;
+    sq[i] = s;
+    const T std_dev = std::sqrt(s + eps);
+    const T delta = std::sqrt(acc[i] + eps) / std_dev * gi;
+    acc[i] = acc[i] * rho + one_rho * delta * delta;
+    p[i] = p[i] + neg_lr * delta;
+  }
+}
+
+void Adadelta::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t,
+                      float grad_scale) {
+  Kernel(p, g, slots, n, grad_scale);
+}
+
+void Adadelta::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t,
+                      double grad_scale) {
+  Kernel(p, g, slots, n, grad_scale);
+}
+
+}  // namespace ddp::nn::optim

@@ -1,0 +1,42 @@
+#ifndef DDP_NN_OPTIM_ADADELTA_H_
+#define DDP_NN_OPTIM_ADADELTA_H_
+
+#include "nn/optim/optimizer.h"
+
+namespace ddp::nn::optim {
+
+/// torch.optim.Adadelta's options and defaults.
+struct AdadeltaOptions {
+  double lr = 1.0;
+  double rho = 0.9;
+  double eps = 1e-6;
+  double weight_decay = 0.0;  ///< L2 penalty added to the gradient.
+};
+
+/// Adadelta (Zeiler 2012) with PyTorch's rule:
+///   sq = rho * sq + (1 - rho) * g * g
+///   delta = sqrt(acc + eps) / sqrt(sq + eps) * g
+///   acc = rho * acc + (1 - rho) * delta * delta;  p = p - lr * delta
+/// State slots: "square_avg", "acc_delta".
+class Adadelta : public Optimizer {
+ public:
+  /// Throws std::invalid_argument for rho outside [0, 1] or negative values.
+  Adadelta(NamedParameters params, AdadeltaOptions options);
+
+ protected:
+  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+              float grad_scale) override;
+  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+              double grad_scale) override;
+  const char* Name() const override { return "Adadelta"; }
+
+ private:
+  template <typename T>
+  void Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const;
+
+  AdadeltaOptions options_;
+};
+
+}  // namespace ddp::nn::optim
+
+#endif  // DDP_NN_OPTIM_ADADELTA_H_

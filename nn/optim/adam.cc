@@ -1,0 +1,85 @@
+#include "nn/optim/adam.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace ddp::nn::optim {
+namespace {
+
+std::vector<std::string> Slots(bool amsgrad) {
+  if (amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+}  // namespace
+
+Adam::Adam(NamedParameters params, AdamOptions options) : Adam(std::move(params), options, false) {}
+
+Adam::Adam(NamedParameters params, AdamOptions options, bool decoupled)
+    : Optimizer(std::move(params), options.lr, Slots(options.amsgrad)),
+      options_(options),
+      decoupled_(decoupled) {
+  const char* name = decoupled ? "AdamW" : "Adam";
+  if (!(options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 && options_.beta2 < 1)) {
+    throw std::invalid_argument(std::string(name) + ": betas (" + std::to_string(options_.beta1) +
+                                ", " + std::to_string(options_.beta2) + ") must be in [0, 1)");
+  }
+  if (!(options_.eps >= 0 && options_.weight_decay >= 0)) {
+    throw std::invalid_argument(std::string(name) + ": eps " + std::to_string(options_.eps) +
+                                " and weight_decay " + std::to_string(options_.weight_decay) +
+                                " must be >= 0");
+  }
+}
+
+AdamW::AdamW(NamedParameters params, AdamWOptions o)
+    : Adam(std::move(params),
+           AdamOptions{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad}, true) {}
+
+template <typename T>
+void Adam::Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const {
+  T* m = slots[0];
+  T* v = slots[1];
+  T* vmax = options_.amsgrad ? slots[2] : nullptr;
+  // Scalars in f64 as Python computes them, then rounded to T.
+  const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step));
+  const T neg_step_size = static_cast<T>(-(lr() / bc1));
+  const T bc2_sqrt = static_cast<T>(std::sqrt(bc2));
+  const T b1 = static_cast<T>(options_.beta1), one_b1 = static_cast<T>(1.0 - options_.beta1);
+  const T b2 = static_cast<T>(options_.beta2), one_b2 = static_cast<T>(1.0 - options_.beta2);
+  const T eps = static_cast<T>(options_.eps);
+  const T wd = static_cast<T>(options_.weight_decay);
+  const T decay = static_cast<T>(1.0 - lr() * options_.weight_decay);
+  const bool coupled_wd = !decoupled_ && options_.weight_decay != 0;
+  const bool decoupled_wd = decoupled_;
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = g[i] * grad_scale;
+    T pi = p[i];
+    if (coupled_wd) gi = gi + wd * pi;
+    if (decoupled_wd) pi = pi * decay;
+    const T mi = m[i] * b1 + one_b1 * gi;
+    const T vi = v[i] * b2 + one_b2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    T s = vi;
+    if (vmax) {
+      s = vmax[i] > vi ? vmax[i] : vi;
+      vmax[i] = s;
+    }
+    const T denom = std::sqrt(s) / bc2_sqrt + eps;
+    p[i] = pi + neg_step_size * (mi / denom);
+  }
+}
+
+void Adam::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+                  float grad_scale) {
+  Kernel(p, g, slots, n, step, grad_scale);
+}
+
+void Adam::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+                  double grad_scale) {
+  Kernel(p, g, slots, n, step, grad_scale);
+}
+
+}  // namespace ddp::nn::optim

@@ -1,0 +1,26 @@
+#ifndef DDP_NN_OPTIM_CLIP_GRAD_H_
+#define DDP_NN_OPTIM_CLIP_GRAD_H_
+
+#include <limits>
+#include <vector>
+
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::optim {
+
+/// Norm type of ClipGradNorm for the maximum norm.
+inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
+
+/// torch.nn.utils.clip_grad_norm_: the norm of all gradients together (as
+/// if concatenated; parameters without .grad are ignored), and when it
+/// exceeds max_norm every gradient is multiplied by
+/// max_norm / (norm + 1e-6). Returns the norm before clipping. A non-finite
+/// norm throws std::runtime_error when error_if_nonfinite, otherwise the
+/// gradients are scaled by it as PyTorch does (the loss scaler then skips
+/// the step).
+double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
+                    bool error_if_nonfinite = false);
+
+}  // namespace ddp::nn::optim
+
+#endif  // DDP_NN_OPTIM_CLIP_GRAD_H_

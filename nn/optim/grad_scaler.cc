@@ -1,0 +1,125 @@
+#include "nn/optim/grad_scaler.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace ddp::nn::optim {
+namespace {
+
+// True if any element is inf or NaN; with `unscale`, also multiplies in place.
+template <typename T>
+bool CheckAndMaybeUnscale(T* g, int64_t n, float inv_scale, bool unscale) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(static_cast<acc_t<T>>(g[i]));
+    bad |= !std::isfinite(v);
+    if (unscale) g[i] = static_cast<T>(static_cast<acc_t<T>>(g[i]) * inv_scale);
+  }
+  return bad;
+}
+
+bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
+  bool bad = false;
+  for (const auto& [name, p] : opt.params()) {
+    const Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (!g.device().is_cpu() || !g.is_contiguous()) {
+      throw std::invalid_argument("GradScaler: gradient of `" + name + "` must be a contiguous CPU tensor");
+    }
+    DDP_DISPATCH_FLOATING(g.dtype(), "GradScaler",
+                          bad |= CheckAndMaybeUnscale(g.data<scalar_t>(), g.numel(), inv_scale, unscale));
+    if (unscale) g.storage()->BumpVersion();
+  }
+  return bad;
+}
+
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+  if (!(options_.init_scale > 0) || !(options_.growth_factor > 1) ||
+      !(options_.backoff_factor > 0 && options_.backoff_factor < 1) || options_.growth_interval < 1) {
+    throw std::invalid_argument(
+        "GradScaler: need init_scale > 0, growth_factor > 1, backoff_factor in (0, 1) and "
+        "growth_interval >= 1");
+  }
+  scale_ = static_cast<float>(options_.init_scale);
+}
+
+void GradScaler::Unscale(Optimizer& optimizer) {
+  if (!options_.enabled) return;
+  if (stage_ != Stage::kReady) {
+    throw std::logic_error("GradScaler: Unscale called twice, or after Step, before Update");
+  }
+  // PyTorch computes the reciprocal in f64 and rounds it to f32.
+  const float inv = static_cast<float>(1.0 / static_cast<double>(scale_));
+  found_inf_ = ScanGrads(optimizer, inv, true);
+  stage_ = Stage::kUnscaled;
+}
+
+bool GradScaler::Step(Optimizer& optimizer) {
+  if (!options_.enabled) {
+    optimizer.Step();
+    return true;
+  }
+  if (stage_ == Stage::kStepped) throw std::logic_error("GradScaler: Step called twice before Update");
+  const bool fused = stage_ == Stage::kReady;
+  if (fused) found_inf_ = ScanGrads(optimizer, 1.0f, false);
+  stage_ = Stage::kStepped;
+  if (found_inf_) return false;
+  if (fused) optimizer.set_grad_scale(static_cast<float>(1.0 / static_cast<double>(scale_)));
+  try {
+    optimizer.Step();
+  } catch (...) {
+    optimizer.set_grad_scale(1.0);
+    throw;
+  }
+  optimizer.set_grad_scale(1.0);
+  return true;
+}
+
+void GradScaler::Update() {
+  if (!options_.enabled) return;
+  if (stage_ != Stage::kStepped) throw std::logic_error("GradScaler: Update called without Step");
+  if (found_inf_) {
+    scale_ = static_cast<float>(scale_ * options_.backoff_factor);
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ == options_.growth_interval) {
+    const float grown = static_cast<float>(scale_ * options_.growth_factor);
+    if (std::isfinite(grown)) scale_ = grown;
+    growth_tracker_ = 0;
+  }
+  found_inf_ = false;
+  stage_ = Stage::kReady;
+}
+
+NamedTensors GradScaler::StateDict() const {
+  return {{"scaler.scale", FromVector({scale_}, {}, {.dtype = DType::kFloat32})},
+          {"scaler.growth_tracker", FromVectorOf<int64_t>({growth_tracker_}, {})}};
+}
+
+void GradScaler::LoadStateDict(const NamedTensors& state) {
+  const Tensor* scale = nullptr;
+  const Tensor* tracker = nullptr;
+  for (const auto& [k, t] : state) {
+    if (k == "scaler.scale") scale = &t;
+    else if (k == "scaler.growth_tracker") tracker = &t;
+    else if (k.rfind("scaler.", 0) == 0) throw std::invalid_argument("GradScaler.LoadStateDict: unexpected `" + k + "`");
+  }
+  if (!scale || !scale->defined() || scale->dtype() != DType::kFloat32 || scale->numel() != 1) {
+    throw std::invalid_argument("GradScaler.LoadStateDict: missing f32 scalar `scaler.scale`");
+  }
+  if (!tracker || !tracker->defined() || tracker->dtype() != DType::kInt64 || tracker->numel() != 1) {
+    throw std::invalid_argument("GradScaler.LoadStateDict: missing i64 scalar `scaler.growth_tracker`");
+  }
+  const float s = scale->To(kCPU).data<float>()[0];
+  if (!(s > 0) || !std::isfinite(s)) {
+    throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");
+  }
+  scale_ = s;
+  growth_tracker_ = tracker->To(kCPU).data<int64_t>()[0];
+  found_inf_ = false;
+  stage_ = Stage::kReady;
+}
+
+}  // namespace ddp::nn::optim

@@ -1,0 +1,72 @@
+#ifndef DDP_NN_OPTIM_GRAD_SCALER_H_
+#define DDP_NN_OPTIM_GRAD_SCALER_H_
+
+// Dynamic loss scaling for f16 training, with the behaviour and defaults of
+// PyTorch's GradScaler. Per iteration:
+//
+//   Backward(loss * scaler.scale());
+//   scaler.Unscale(opt);            // optional: only to clip unscaled grads
+//   ClipGradNorm(...);
+//   scaler.Step(opt);               // skipped when a gradient is inf/NaN
+//   scaler.Update();                // lowers or raises the scale
+//
+// Without Unscale, unscaling is fused into the optimizer's update (no extra
+// pass over the gradients) and .grad keeps the scaled values.
+// Under DDP the gradients are identical on every rank after the all-reduce,
+// so every rank takes the same decision.
+
+#include <cstdint>
+
+#include "nn/optim/optimizer.h"
+
+namespace ddp::nn::optim {
+
+/// torch.cuda.amp.GradScaler's options and defaults.
+struct GradScalerOptions {
+  double init_scale = 65536.0;     ///< 2^16.
+  double growth_factor = 2.0;      ///< Scale multiplier after growth_interval good steps.
+  double backoff_factor = 0.5;     ///< Scale multiplier after a step with inf/NaN.
+  int64_t growth_interval = 2000;  ///< Good steps in a row before growing.
+  bool enabled = true;             ///< Off: scale 1, Step always steps.
+};
+
+class GradScaler {
+ public:
+  /// Throws std::invalid_argument for init_scale <= 0, growth_factor <= 1,
+  /// backoff_factor outside (0, 1) or growth_interval < 1.
+  explicit GradScaler(GradScalerOptions options = {});
+
+  /// Factor to multiply the loss by before backward (1 when disabled).
+  double scale() const { return options_.enabled ? scale_ : 1.0; }
+  /// Divides the optimizer's gradients by the scale in place and records
+  /// whether any is inf or NaN. At most once between Update calls.
+  void Unscale(Optimizer& optimizer);
+  /// Steps the optimizer unless a gradient is inf or NaN (checked here if
+  /// Unscale was not called; unscaling is then fused into the step).
+  /// Returns whether it stepped.
+  bool Step(Optimizer& optimizer);
+  /// Updates the scale from this iteration's outcome; call after Step.
+  void Update();
+  /// Whether this iteration found inf/NaN gradients (valid after Step).
+  bool found_inf() const { return found_inf_; }
+  /// Good steps since the last change of scale.
+  int64_t growth_tracker() const { return growth_tracker_; }
+
+  /// "scaler.scale" (f32 scalar) and "scaler.growth_tracker" (i64 scalar).
+  NamedTensors StateDict() const;
+  /// Restores StateDict's keys from a list that may hold other keys.
+  void LoadStateDict(const NamedTensors& state);
+
+ private:
+  enum class Stage { kReady, kUnscaled, kStepped };
+
+  GradScalerOptions options_;
+  float scale_;  // f32 like PyTorch's scale tensor
+  int64_t growth_tracker_ = 0;
+  bool found_inf_ = false;
+  Stage stage_ = Stage::kReady;
+};
+
+}  // namespace ddp::nn::optim
+
+#endif  // DDP_NN_OPTIM_GRAD_SCALER_H_

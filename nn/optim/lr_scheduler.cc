@@ -1,0 +1,155 @@
+#include "nn/optim/lr_scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <stdexcept>
+#include <string>
+
+namespace ddp::nn::optim {
+namespace {
+
+class StepImpl : public Schedule {
+ public:
+  StepImpl(int64_t step_size, double gamma) : step_size_(step_size), gamma_(gamma) {}
+  double Lr(double base, int64_t t) const override {
+    return base * std::pow(gamma_, static_cast<double>(t / step_size_));
+  }
+
+ private:
+  int64_t step_size_;
+  double gamma_;
+};
+
+class CosineImpl : public Schedule {
+ public:
+  CosineImpl(int64_t t_max, double eta_min) : t_max_(t_max), eta_min_(eta_min) {}
+  double Lr(double base, int64_t t) const override {
+    return eta_min_ + (base - eta_min_) *
+                          (1.0 + std::cos(std::numbers::pi * static_cast<double>(t) /
+                                          static_cast<double>(t_max_))) / 2.0;
+  }
+
+ private:
+  int64_t t_max_;
+  double eta_min_;
+};
+
+class LinearImpl : public Schedule {
+ public:
+  LinearImpl(double start, double end, int64_t total) : start_(start), end_(end), total_(total) {}
+  double Lr(double base, int64_t t) const override {
+    const double frac = static_cast<double>(std::min(t, total_)) / static_cast<double>(total_);
+    return base * (start_ + (end_ - start_) * frac);
+  }
+
+ private:
+  double start_, end_;
+  int64_t total_;
+};
+
+class SequentialImpl : public Schedule {
+ public:
+  SequentialImpl(std::vector<std::shared_ptr<Schedule>> s, std::vector<int64_t> m)
+      : schedules_(std::move(s)), milestones_(std::move(m)) {}
+  double Lr(double base, int64_t t) const override {
+    size_t k = 0;
+    int64_t start = 0;
+    while (k < milestones_.size() && t >= milestones_[k]) start = milestones_[k++];
+    return schedules_[k]->Lr(base, t - start);
+  }
+
+ private:
+  std::vector<std::shared_ptr<Schedule>> schedules_;
+  std::vector<int64_t> milestones_;
+};
+
+}  // namespace
+
+std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma) {
+  if (step_size < 1) throw std::invalid_argument("StepLR: step_size " + std::to_string(step_size) + " must be >= 1");
+  return std::make_shared<StepImpl>(step_size, gamma);
+}
+
+std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min) {
+  if (t_max < 1) throw std::invalid_argument("CosineAnnealingLR: t_max " + std::to_string(t_max) + " must be >= 1");
+  return std::make_shared<CosineImpl>(t_max, eta_min);
+}
+
+std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters) {
+  if (!(start_factor > 0 && start_factor <= 1 && end_factor >= 0 && end_factor <= 1)) {
+    throw std::invalid_argument("LinearLR: start_factor " + std::to_string(start_factor) +
+                                " must be in (0, 1] and end_factor " + std::to_string(end_factor) +
+                                " in [0, 1]");
+  }
+  if (total_iters < 1) throw std::invalid_argument("LinearLR: total_iters must be >= 1");
+  return std::make_shared<LinearImpl>(start_factor, end_factor, total_iters);
+}
+
+std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedule>> schedules,
+                                             std::vector<int64_t> milestones) {
+  if (schedules.empty() || milestones.size() + 1 != schedules.size()) {
+    throw std::invalid_argument("SequentialLR: " + std::to_string(schedules.size()) +
+                                " schedules need " + std::to_string(schedules.size() - 1) +
+                                " milestones, got " + std::to_string(milestones.size()));
+  }
+  for (size_t i = 0; i < milestones.size(); ++i) {
+    if (milestones[i] < 0 || (i > 0 && milestones[i] < milestones[i - 1])) {
+      throw std::invalid_argument("SequentialLR: milestones must be ascending and >= 0");
+    }
+  }
+  for (const auto& s : schedules) {
+    if (!s) throw std::invalid_argument("SequentialLR: a schedule is null");
+  }
+  return std::make_shared<SequentialImpl>(std::move(schedules), std::move(milestones));
+}
+
+std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
+                                               double start_factor, double eta_min) {
+  if (warmup_steps < 1 || total_steps <= warmup_steps) {
+    throw std::invalid_argument("warm-up cosine: need 1 <= warmup_steps (" + std::to_string(warmup_steps) +
+                                ") < total_steps (" + std::to_string(total_steps) + ")");
+  }
+  return SequentialSchedule({LinearSchedule(start_factor, 1.0, warmup_steps),
+                             CosineSchedule(total_steps - warmup_steps, eta_min)},
+                            {warmup_steps});
+}
+
+LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule)
+    : optimizer_(optimizer), schedule_(std::move(schedule)), base_lr_(optimizer.lr()) {
+  if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
+  optimizer_.set_lr(schedule_->Lr(base_lr_, 0));
+}
+
+void LrScheduler::Step() {
+  ++t_;
+  optimizer_.set_lr(schedule_->Lr(base_lr_, t_));
+}
+
+NamedTensors LrScheduler::StateDict() const {
+  return {{"scheduler.step", FromVectorOf<int64_t>({t_}, {})},
+          {"scheduler.base_lr", FromVector({base_lr_}, {}, {.dtype = DType::kFloat64})}};
+}
+
+void LrScheduler::LoadStateDict(const NamedTensors& state) {
+  const Tensor* step = nullptr;
+  const Tensor* base = nullptr;
+  for (const auto& [k, t] : state) {
+    if (k == "scheduler.step") step = &t;
+    else if (k == "scheduler.base_lr") base = &t;
+    else if (k.rfind("scheduler.", 0) == 0) throw std::invalid_argument("LrScheduler.LoadStateDict: unexpected `" + k + "`");
+  }
+  if (!step || !step->defined() || step->dtype() != DType::kInt64 || step->numel() != 1) {
+    throw std::invalid_argument("LrScheduler.LoadStateDict: missing i64 scalar `scheduler.step`");
+  }
+  if (!base || !base->defined() || base->dtype() != DType::kFloat64 || base->numel() != 1) {
+    throw std::invalid_argument("LrScheduler.LoadStateDict: missing f64 scalar `scheduler.base_lr`");
+  }
+  const int64_t t = step->To(kCPU).data<int64_t>()[0];
+  if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
+  t_ = t;
+  base_lr_ = base->Item();
+  optimizer_.set_lr(schedule_->Lr(base_lr_, t_));
+}
+
+}  // namespace ddp::nn::optim

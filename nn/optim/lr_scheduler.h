@@ -1,0 +1,72 @@
+#ifndef DDP_NN_OPTIM_LR_SCHEDULER_H_
+#define DDP_NN_OPTIM_LR_SCHEDULER_H_
+
+// Learning-rate schedules as closed forms of the step count, so a resumed
+// run only needs the count, and schedules compose (warm-up, then cosine).
+// Values follow PyTorch's StepLR, CosineAnnealingLR, LinearLR and
+// SequentialLR.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "nn/optim/optimizer.h"
+
+namespace ddp::nn::optim {
+
+/// Learning rate as a function of the step count t (0 before the first
+/// scheduler step) and the optimizer's initial learning rate.
+class Schedule {
+ public:
+  virtual ~Schedule() = default;
+  virtual double Lr(double base_lr, int64_t t) const = 0;
+};
+
+/// base_lr * gamma^(t / step_size)  (StepLR).
+std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma = 0.1);
+/// eta_min + (base_lr - eta_min) * (1 + cos(pi * t / t_max)) / 2
+/// (CosineAnnealingLR).
+std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min = 0.0);
+/// base_lr * (start + (end - start) * min(t, total_iters) / total_iters)
+/// (LinearLR; a linear warm-up with end_factor 1).
+std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters);
+/// schedules[k] from milestone k-1 on, counting its steps from there
+/// (SequentialLR); milestones ascending, one fewer than schedules.
+std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedule>> schedules,
+                                             std::vector<int64_t> milestones);
+/// Linear warm-up from start_factor * base_lr over warmup_steps, then cosine
+/// annealing to eta_min at total_steps.
+std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
+                                               double start_factor = 0.01, double eta_min = 0.0);
+
+/// Drives an optimizer's learning rate along a schedule. Construction sets
+/// lr to Lr(base_lr, 0) where base_lr is the optimizer's lr at that time.
+class LrScheduler {
+ public:
+  LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule);
+
+  /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the lr.
+  void Step();
+  /// Steps taken.
+  int64_t step_count() const { return t_; }
+  /// The current learning rate.
+  double lr() const { return optimizer_.lr(); }
+  double base_lr() const { return base_lr_; }
+
+  /// "scheduler.step" (i64) and "scheduler.base_lr" (f64) scalars.
+  NamedTensors StateDict() const;
+  /// Restores from a list that may hold other components' keys; sets the lr
+  /// for the restored step. Throws std::invalid_argument naming a missing
+  /// or malformed key.
+  void LoadStateDict(const NamedTensors& state);
+
+ private:
+  Optimizer& optimizer_;
+  std::shared_ptr<Schedule> schedule_;
+  double base_lr_;
+  int64_t t_ = 0;
+};
+
+}  // namespace ddp::nn::optim
+
+#endif  // DDP_NN_OPTIM_LR_SCHEDULER_H_

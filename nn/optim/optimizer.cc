@@ -1,0 +1,251 @@
+#include "nn/optim/optimizer.h"
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace ddp::nn::optim {
+namespace {
+
+template <typename From, typename To>
+void Convert(const void* src, To* dst, int64_t n) {
+  const From* s = static_cast<const From*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(static_cast<float>(s[i]));
+}
+
+template <typename To>
+void ConvertTo(const Tensor& src, To* dst) {
+  const int64_t n = src.numel();
+  switch (src.dtype()) {
+    case DType::kFloat32: Convert<float>(src.data_ptr(), dst, n); break;
+    case DType::kFloat64: {
+      const double* s = static_cast<const double*>(src.data_ptr());
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(s[i]);
+      break;
+    }
+    case DType::kFloat16: Convert<Half>(src.data_ptr(), dst, n); break;
+    case DType::kBFloat16: Convert<BFloat16>(src.data_ptr(), dst, n); break;
+    default: throw std::invalid_argument("optimizer: gradient dtype " + std::string(DTypeName(src.dtype())));
+  }
+}
+
+}  // namespace
+
+NamedParameters NameByPosition(const std::vector<Tensor>& params) {
+  NamedParameters out;
+  for (size_t i = 0; i < params.size(); ++i) out.emplace_back(std::to_string(i), params[i]);
+  return out;
+}
+
+Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names)
+    : params_(std::move(params)), slot_names_(std::move(slot_names)) {
+  set_lr(lr);
+  std::set<std::string> names;
+  for (const auto& [name, p] : params_) {
+    if (name.empty()) throw std::invalid_argument("optimizer: a parameter has an empty name");
+    if (!names.insert(name).second) {
+      throw std::invalid_argument("optimizer: parameter `" + name + "` is listed twice");
+    }
+    if (!p.defined()) throw std::invalid_argument("optimizer: parameter `" + name + "` is undefined");
+    if (!IsFloating(p.dtype())) {
+      throw std::invalid_argument("optimizer: parameter `" + name + "` has dtype " +
+                                  std::string(DTypeName(p.dtype())) + ", expected a floating type");
+    }
+    if (!p.device().is_cpu()) {
+      throw std::invalid_argument("optimizer: parameter `" + name + "` is on " +
+                                  p.device().ToString() + "; optimizer kernels run on the CPU only");
+    }
+    if (!p.is_contiguous()) {
+      throw std::invalid_argument("optimizer: parameter `" + name + "` is not contiguous");
+    }
+  }
+  steps_.assign(params_.size(), 0);
+  state_.resize(params_.size());
+}
+
+void Optimizer::set_lr(double lr) {
+  if (!(lr >= 0.0)) throw std::invalid_argument("optimizer: learning rate " + std::to_string(lr) + " must be >= 0");
+  lr_ = lr;
+}
+
+DType Optimizer::ComputeDType(size_t i) const {
+  return params_[i].second.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+}
+
+void Optimizer::InitState(size_t i) {
+  State& s = state_[i];
+  if (!s.slots.empty()) return;
+  const Tensor& p = params_[i].second;
+  for (size_t k = 0; k < slot_names_.size(); ++k) {
+    s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i)}));
+  }
+  if (p.dtype() == DType::kFloat16 || p.dtype() == DType::kBFloat16) {
+    s.master = Empty(p.shape(), {.dtype = DType::kFloat32});
+    ConvertTo(p, s.master.data<float>());
+  }
+}
+
+void Optimizer::Step() {
+  std::vector<float> scratch_f;
+  std::vector<double> scratch_d;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    const Tensor& grad = p.grad();
+    if (!grad.defined()) continue;
+    if (grad.shape() != p.shape()) {
+      throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` has shape " +
+                                  ShapeToString(grad.shape()) + ", the parameter " +
+                                  ShapeToString(p.shape()));
+    }
+    if (!grad.device().is_cpu()) {
+      throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` is on " +
+                                  grad.device().ToString());
+    }
+    const Tensor g = grad.is_contiguous() ? grad : grad.Detach().Contiguous();
+    InitState(i);
+    State& s = state_[i];
+    const int64_t n = p.numel();
+    const int64_t step = ++steps_[i];
+    if (ComputeDType(i) == DType::kFloat64) {
+      std::vector<double*> slots;
+      for (Tensor& t : s.slots) slots.push_back(t.data<double>());
+      const double* gp;
+      if (g.dtype() == DType::kFloat64) {
+        gp = g.data<double>();
+      } else {
+        scratch_d.resize(n);
+        ConvertTo(g, scratch_d.data());
+        gp = scratch_d.data();
+      }
+      Update(p.data<double>(), gp, slots.data(), n, step, grad_scale_);
+    } else {
+      std::vector<float*> slots;
+      for (Tensor& t : s.slots) slots.push_back(t.data<float>());
+      const float* gp;
+      if (g.dtype() == DType::kFloat32) {
+        gp = g.data<float>();
+      } else {
+        scratch_f.resize(n);
+        ConvertTo(g, scratch_f.data());
+        gp = scratch_f.data();
+      }
+      float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
+      Update(target, gp, slots.data(), n, step, static_cast<float>(grad_scale_));
+      if (p.dtype() == DType::kFloat16) {
+        Half* out = p.data<Half>();
+        for (int64_t k = 0; k < n; ++k) out[k] = Half(target[k]);
+      } else if (p.dtype() == DType::kBFloat16) {
+        BFloat16* out = p.data<BFloat16>();
+        for (int64_t k = 0; k < n; ++k) out[k] = BFloat16(target[k]);
+      }
+    }
+    p.storage()->BumpVersion();
+  }
+}
+
+void Optimizer::ZeroGrad(bool set_to_none) {
+  for (const auto& [name, p] : params_) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.set_grad(Tensor());
+    } else {
+      p.grad().Zero();
+    }
+  }
+}
+
+NamedTensors Optimizer::StateDict() const {
+  NamedTensors out;
+  out.emplace_back("lr", FromVector({lr_}, {}, {.dtype = DType::kFloat64}));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (steps_[i] == 0) continue;
+    const std::string prefix = "state." + params_[i].first + ".";
+    out.emplace_back(prefix + "step", FromVectorOf<int64_t>({steps_[i]}, {}));
+    for (size_t k = 0; k < slot_names_.size(); ++k) {
+      out.emplace_back(prefix + slot_names_[k], state_[i].slots[k].Clone());
+    }
+    if (state_[i].master.defined()) out.emplace_back(prefix + "master", state_[i].master.Clone());
+  }
+  return out;
+}
+
+void Optimizer::LoadStateDict(const NamedTensors& state) {
+  std::map<std::string, Tensor> given;
+  for (const auto& [k, t] : state) {
+    if (k == "lr" || k.rfind("state.", 0) == 0) given[k] = t;
+  }
+  std::vector<std::string> problems;
+  auto check = [&](const std::string& key, const Tensor& t, const Shape& shape, DType dtype) {
+    if (!t.defined()) {
+      problems.push_back("`" + key + "` is undefined");
+    } else if (t.shape() != shape || t.dtype() != dtype) {
+      problems.push_back("`" + key + "` is " + std::string(DTypeName(t.dtype())) + " " +
+                         ShapeToString(t.shape()) + ", expected " + std::string(DTypeName(dtype)) +
+                         " " + ShapeToString(shape));
+    }
+  };
+  auto lr_it = given.find("lr");
+  if (lr_it == given.end()) {
+    problems.push_back("missing `lr`");
+  } else {
+    check("lr", lr_it->second, {}, DType::kFloat64);
+  }
+  std::set<std::string> expected = {"lr"};
+  std::vector<int64_t> new_steps(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i].second;
+    const std::string prefix = "state." + params_[i].first + ".";
+    std::vector<std::string> keys = {prefix + "step"};
+    for (const std::string& s : slot_names_) keys.push_back(prefix + s);
+    const bool is16 = p.dtype() == DType::kFloat16 || p.dtype() == DType::kBFloat16;
+    if (is16) keys.push_back(prefix + "master");
+    int present = 0;
+    for (const std::string& k : keys) {
+      expected.insert(k);
+      present += given.count(k);
+    }
+    if (present == 0) continue;  // never updated when saved
+    for (const std::string& k : keys) {
+      auto it = given.find(k);
+      if (it == given.end()) {
+        problems.push_back("missing `" + k + "`");
+      } else if (k == prefix + "step") {
+        check(k, it->second, {}, DType::kInt64);
+        if (it->second.defined() && it->second.dtype() == DType::kInt64 && it->second.numel() == 1) {
+          new_steps[i] = it->second.To(kCPU).data<int64_t>()[0];
+          if (new_steps[i] < 1) problems.push_back("`" + k + "` is " + std::to_string(new_steps[i]) + ", expected >= 1");
+        }
+      } else if (k == prefix + "master") {
+        check(k, it->second, p.shape(), DType::kFloat32);
+      } else {
+        check(k, it->second, p.shape(), ComputeDType(i));
+      }
+    }
+  }
+  for (const auto& [k, t] : given) {
+    if (!expected.count(k)) problems.push_back("unexpected `" + k + "`");
+  }
+  if (!problems.empty()) {
+    std::ostringstream os;
+    os << Name() << ".LoadStateDict: " << problems.size() << " problem(s): ";
+    for (size_t i = 0; i < problems.size(); ++i) os << (i ? "; " : "") << problems[i];
+    throw std::invalid_argument(os.str());
+  }
+  // Everything checked: now replace the state.
+  lr_ = lr_it->second.Item();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    steps_[i] = new_steps[i];
+    state_[i] = State();
+    if (new_steps[i] == 0) continue;
+    const std::string prefix = "state." + params_[i].first + ".";
+    for (const std::string& s : slot_names_) {
+      state_[i].slots.push_back(given.at(prefix + s).Detach().To(kCPU).Clone());
+    }
+    auto m = given.find(prefix + "master");
+    if (m != given.end()) state_[i].master = m->second.Detach().To(kCPU).Clone();
+  }
+}
+
+}  // namespace ddp::nn::optim

@@ -1,0 +1,103 @@
+#ifndef DDP_NN_OPTIM_OPTIMIZER_H_
+#define DDP_NN_OPTIM_OPTIMIZER_H_
+
+// Optimizers update parameters in place from their .grad, one fused loop
+// per parameter (each element is read and written once per step), with
+// PyTorch's update rules and defaults.
+//
+// Mixed precision: for f16 and bf16 parameters the optimizer keeps an f32
+// master copy (saved with its state), updates it in f32 and rounds it into
+// the parameter; small updates then accumulate instead of vanishing in a
+// 16-bit rounding. PyTorch's AMP gets the same effect by keeping the
+// parameters themselves in f32. f32 and f64 parameters are updated in their
+// own precision.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::optim {
+
+/// Parameters with the names their state is saved under (Module's
+/// NamedParameters order).
+using NamedParameters = std::vector<std::pair<std::string, Tensor>>;
+/// Named state tensors, as a checkpoint holds them.
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+/// Gives unnamed parameters the names "0", "1", ...
+NamedParameters NameByPosition(const std::vector<Tensor>& params);
+
+/// Base of SGD, Adam, AdamW and Adadelta: one parameter group.
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// Updates every parameter that has a gradient; parameters whose .grad is
+  /// undefined are skipped and their state is left as it is (as PyTorch).
+  void Step();
+  /// Clears gradients: undefined (set_to_none, PyTorch's default) or zeros.
+  void ZeroGrad(bool set_to_none = true);
+
+  /// Learning rate of the next Step (schedulers set it).
+  double lr() const { return lr_; }
+  void set_lr(double lr);
+  /// Factor every gradient is multiplied by as Step reads it (GradScaler
+  /// sets 1/scale for one step, so unscaling costs no extra pass). 1 by default.
+  void set_grad_scale(double scale) { grad_scale_ = scale; }
+  const NamedParameters& params() const { return params_; }
+  /// Steps taken by parameter i (0 before its first update).
+  int64_t step_count(size_t i) const { return steps_[i]; }
+
+  /// The state: "lr" (f64 scalar), and per updated parameter
+  /// "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
+  /// parameter's shape, f32 or f64; "master" for 16-bit parameters).
+  /// Tensors are copies.
+  NamedTensors StateDict() const;
+  /// Restores StateDict's output. Looks only at "lr" and "state." keys, so
+  /// other components' state may share the list. Everything is checked
+  /// before anything changes; one error lists every missing, unexpected or
+  /// mismatched key.
+  void LoadStateDict(const NamedTensors& state);
+
+ protected:
+  /// Throws std::invalid_argument for an empty or repeated name, an
+  /// undefined, non-contiguous, non-floating or non-CPU parameter.
+  Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names);
+
+  /// One fused update of n elements. `p` is the parameter (or its master
+  /// copy), `g` the gradient to be multiplied by `grad_scale`, `slots` the
+  /// state in slot_names order, zero before the first step; `step` counts
+  /// this update (1 on the first).
+  virtual void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+                      float grad_scale) = 0;
+  virtual void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+                      double grad_scale) = 0;
+
+  /// Name of the optimizer for messages ("SGD").
+  virtual const char* Name() const = 0;
+
+ private:
+  struct State {
+    std::vector<Tensor> slots;  // empty until the first step
+    Tensor master;              // f32 copy of a 16-bit parameter
+  };
+
+  DType ComputeDType(size_t i) const;
+  void InitState(size_t i);
+
+  NamedParameters params_;
+  double lr_;
+  double grad_scale_ = 1.0;
+  std::vector<std::string> slot_names_;
+  std::vector<int64_t> steps_;
+  std::vector<State> state_;
+};
+
+}  // namespace ddp::nn::optim
+
+#endif  // DDP_NN_OPTIM_OPTIMIZER_H_

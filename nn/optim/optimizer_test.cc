@@ -1,0 +1,310 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+
+#include "nn/io/checkpoint.h"
+#include "nn/optim/adadelta.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/clip_grad.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/lr_scheduler.h"
+#include "nn/optim/sgd.h"
+#include "nn/tensor/generator.h"
+
+namespace ddp::nn::optim {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::string TmpPath(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + std::to_string(getpid()) + "_" + name;
+}
+
+using Factory = std::function<std::unique_ptr<Optimizer>(NamedParameters)>;
+
+std::vector<std::pair<std::string, Factory>> AllOptimizers() {
+  return {
+      {"sgd", [](NamedParameters p) { return std::make_unique<Sgd>(p, SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true}); }},
+      {"adam", [](NamedParameters p) { return std::make_unique<Adam>(p, AdamOptions{.lr = 1e-2, .amsgrad = true}); }},
+      {"adamw", [](NamedParameters p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 1e-2}); }},
+      {"adadelta", [](NamedParameters p) { return std::make_unique<Adadelta>(p, AdadeltaOptions{}); }},
+  };
+}
+
+NamedParameters MakeParams(DType dtype, uint64_t seed) {
+  Generator gen(seed);
+  NamedParameters params = {{"fc.weight", Randn({8, 5}, {.dtype = DType::kFloat32}, gen).To(dtype)},
+                            {"fc.bias", Randn({8}, {.dtype = DType::kFloat32}, gen).To(dtype)}};
+  return params;
+}
+
+// Gradients that depend on the parameters (grad of 0.5 * |p - 0.3|^2 plus a
+// step-dependent term), so the trajectory feeds back on itself.
+void SetGrads(const NamedParameters& params, int step) {
+  for (const auto& [name, p] : params) {
+    std::vector<double> v = p.ToVector<double>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = (v[i] - 0.3) + 0.1 * std::sin(step + 0.7 * i);
+    p.set_grad(FromVector(v, p.shape(), {.dtype = p.dtype()}));
+  }
+}
+
+std::vector<std::vector<uint8_t>> Bytes(const NamedParameters& params) {
+  std::vector<std::vector<uint8_t>> out;
+  for (const auto& [name, p] : params) {
+    const auto* b = static_cast<const uint8_t*>(p.data_ptr());
+    out.emplace_back(b, b + p.nbytes());
+  }
+  return out;
+}
+
+// Save after 5 steps (through a real checkpoint file), restore into a new
+// optimizer and new parameters, continue: bit-identical to never stopping.
+TEST(OptimizerState, RoundTripGivesIdenticalContinuedTrajectories) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    for (const auto& [name, make] : AllOptimizers()) {
+      SCOPED_TRACE(name + " " + std::string(DTypeName(dtype)));
+      NamedParameters a = MakeParams(dtype, 1);
+      auto opt_a = make(a);
+      LrScheduler sched_a(*opt_a, WarmupCosineSchedule(3, 12, 0.1));
+      for (int s = 0; s < 5; ++s) {
+        SetGrads(a, s);
+        opt_a->Step();
+        sched_a.Step();
+      }
+      io::Checkpoint ckpt;
+      ckpt.model = {a.begin(), a.end()};
+      ckpt.optimizer = opt_a->StateDict();
+      for (auto& kv : sched_a.StateDict()) ckpt.optimizer.push_back(kv);
+      const std::string path = TmpPath(name + "_opt.safetensors");
+      io::SaveCheckpoint(path, ckpt);
+      for (int s = 5; s < 10; ++s) {
+        SetGrads(a, s);
+        opt_a->Step();
+        sched_a.Step();
+      }
+
+      io::Checkpoint loaded = io::LoadCheckpoint(path);
+      NamedParameters b = MakeParams(dtype, 2);  // different values, overwritten below
+      for (size_t i = 0; i < b.size(); ++i) {
+        ASSERT_EQ(loaded.model[i].first, b[i].first);
+        b[i].second.CopyFrom(loaded.model[i].second);
+      }
+      auto opt_b = make(b);
+      LrScheduler sched_b(*opt_b, WarmupCosineSchedule(3, 12, 0.1));
+      opt_b->LoadStateDict(loaded.optimizer);
+      sched_b.LoadStateDict(loaded.optimizer);
+      EXPECT_EQ(opt_b->lr(), sched_b.lr());
+      EXPECT_EQ(sched_b.step_count(), 5);
+      for (int s = 5; s < 10; ++s) {
+        SetGrads(b, s);
+        opt_b->Step();
+        sched_b.Step();
+      }
+      EXPECT_EQ(Bytes(a), Bytes(b));
+      EXPECT_EQ(opt_a->lr(), opt_b->lr());
+    }
+  }
+}
+
+TEST(OptimizerState, KeysAndShapes) {
+  NamedParameters p = MakeParams(DType::kBFloat16, 1);
+  Adam opt(p, {});
+  EXPECT_EQ(opt.StateDict().size(), 1u);  // only lr before the first step
+  SetGrads(p, 0);
+  opt.Step();
+  std::vector<std::string> keys;
+  for (const auto& [k, t] : opt.StateDict()) keys.push_back(k);
+  EXPECT_EQ(keys, (std::vector<std::string>{"lr", "state.fc.weight.step", "state.fc.weight.exp_avg",
+                                            "state.fc.weight.exp_avg_sq", "state.fc.weight.master",
+                                            "state.fc.bias.step", "state.fc.bias.exp_avg",
+                                            "state.fc.bias.exp_avg_sq", "state.fc.bias.master"}));
+}
+
+TEST(OptimizerState, BadStateListsEveryProblemAndChangesNothing) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(p, {.lr = 0.1, .momentum = 0.9});
+  SetGrads(p, 0);
+  opt.Step();
+  NamedTensors state = opt.StateDict();
+  NamedTensors bad;
+  for (auto& [k, t] : state) {
+    if (k == "state.fc.bias.momentum_buffer") continue;  // missing
+    if (k == "state.fc.weight.momentum_buffer") {
+      bad.emplace_back(k, Zeros({5, 8}));  // wrong shape
+      continue;
+    }
+    bad.emplace_back(k, t);
+  }
+  bad.emplace_back("state.fc.other.momentum_buffer", Zeros({1}));
+  bad.emplace_back("scheduler.step", Zeros({1}));  // not the optimizer's: ignored
+  const NamedTensors before = opt.StateDict();
+  try {
+    opt.LoadStateDict(bad);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("3 problem(s)"), HasSubstr("missing `state.fc.bias.momentum_buffer`"),
+                                HasSubstr("`state.fc.weight.momentum_buffer` is f32 [5, 8], expected f32 [8, 5]"),
+                                HasSubstr("unexpected `state.fc.other.momentum_buffer`")));
+  }
+  const NamedTensors after = opt.StateDict();
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(before[i].second.ToVector<double>(), after[i].second.ToVector<double>());
+  }
+}
+
+TEST(Optimizer, SkipsParametersWithoutGradient) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(p, {.lr = 0.1, .momentum = 0.9});
+  const auto bias_before = p[1].second.ToVector<float>();
+  p[0].second.set_grad(Ones({8, 5}));
+  opt.Step();
+  EXPECT_EQ(p[1].second.ToVector<float>(), bias_before);
+  EXPECT_EQ(opt.step_count(0), 1);
+  EXPECT_EQ(opt.step_count(1), 0);
+  opt.ZeroGrad(false);
+  EXPECT_EQ(p[0].second.grad().ToVector<float>(), std::vector<float>(40, 0.0f));
+  opt.ZeroGrad();
+  EXPECT_FALSE(p[0].second.grad().defined());
+}
+
+// bf16 parameters: updates of 1e-4 on values near 1 are below bf16's
+// resolution (2^-7) but accumulate in the f32 master copy.
+TEST(Optimizer, MasterCopyKeepsSmallUpdatesOfBf16Parameters) {
+  Tensor w = Ones({4}, {.dtype = DType::kBFloat16});
+  Sgd opt({{"w", w}}, {.lr = 1e-4});
+  for (int s = 0; s < 200; ++s) {
+    w.set_grad(Full({4}, -1.0, {.dtype = DType::kBFloat16}));
+    opt.Step();
+  }
+  // 1 + 200 * 1e-4 = 1.02, to bf16: 1.0234375 (nearest of 1.015625, 1.0234375).
+  for (float v : w.ToVector<float>()) EXPECT_EQ(v, 1.0234375f);
+}
+
+TEST(Optimizer, RejectsBadParametersAndOptions) {
+  EXPECT_THROW(Sgd({{"a", Zeros({2})}, {"a", Zeros({2})}}, {}), std::invalid_argument);
+  EXPECT_THROW(Sgd({{"i", Zeros({2}, {.dtype = DType::kInt64})}}, {}), std::invalid_argument);
+  EXPECT_THROW(Sgd({{"t", Zeros({2, 3}).Transpose(0, 1)}}, {}), std::invalid_argument);
+  EXPECT_THROW(Sgd({{"", Zeros({2})}}, {}), std::invalid_argument);
+  EXPECT_THROW(Sgd({{"a", Zeros({2})}}, {.lr = -1}), std::invalid_argument);
+  EXPECT_THROW(Sgd({{"a", Zeros({2})}}, {.nesterov = true}), std::invalid_argument);
+  EXPECT_THROW(Adam({{"a", Zeros({2})}}, {.beta1 = 1.0}), std::invalid_argument);
+  EXPECT_THROW(Adadelta({{"a", Zeros({2})}}, {.rho = 1.5}), std::invalid_argument);
+}
+
+TEST(ClipGradNorm, ClipsOnlyAboveTheLimit) {
+  Tensor a = Zeros({2}), b = Zeros({1});
+  a.set_grad(FromVector({3, 0}, {2}));
+  b.set_grad(FromVector({4}, {1}));
+  EXPECT_DOUBLE_EQ(ClipGradNorm({a, b}, 10.0), 5.0);
+  EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{3, 0}));
+  EXPECT_DOUBLE_EQ(ClipGradNorm({a, b}, 1.0), 5.0);
+  EXPECT_NEAR(a.grad().ToVector<float>()[0], 0.6, 1e-6);
+  EXPECT_NEAR(b.grad().ToVector<float>()[0], 0.8, 1e-6);
+  b.set_grad(FromVector({std::numeric_limits<double>::infinity()}, {1}));
+  EXPECT_THROW(ClipGradNorm({a, b}, 1.0, 2.0, true), std::runtime_error);
+}
+
+TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
+  Tensor w = FromVector({1.0, 2.0}, {2});
+  Sgd opt({{"w", w}}, {.lr = 0.5});
+  GradScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  EXPECT_EQ(scaler.scale(), 1024.0);
+  // Gradient 1 scaled by 1024; the step must apply the unscaled 1.
+  w.set_grad(FromVector({1024.0, 2048.0}, {2}));
+  EXPECT_TRUE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{0.5f, 1.0f}));
+  // An inf: no step, scale halves, tracker resets.
+  w.set_grad(FromVector({std::numeric_limits<double>::infinity(), 1.0}, {2}));
+  EXPECT_FALSE(scaler.Step(opt));
+  EXPECT_TRUE(scaler.found_inf());
+  scaler.Update();
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{0.5f, 1.0f}));
+  EXPECT_EQ(scaler.scale(), 512.0);
+  // A NaN found by an explicit Unscale.
+  w.set_grad(FromVector({std::nan(""), 1.0}, {2}));
+  scaler.Unscale(opt);
+  EXPECT_FALSE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(scaler.scale(), 256.0);
+  // Three good steps in a row double it.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(scaler.growth_tracker(), i);
+    w.set_grad(Zeros({2}));
+    EXPECT_TRUE(scaler.Step(opt));
+    scaler.Update();
+  }
+  EXPECT_EQ(scaler.scale(), 512.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+}
+
+TEST(GradScaler, FusedAndExplicitUnscaleGiveTheSameParameters) {
+  NamedParameters a = MakeParams(DType::kFloat32, 3), b = MakeParams(DType::kFloat32, 3);
+  Adam oa(a, {.lr = 1e-2}), ob(b, {.lr = 1e-2});
+  GradScaler sa, sb;
+  for (int s = 0; s < 4; ++s) {
+    SetGrads(a, s);
+    SetGrads(b, s);
+    for (auto* params : {&a, &b}) {
+      for (auto& [n, p] : *params) {
+        Tensor g = p.grad();
+        float* d = g.data<float>();
+        for (int64_t i = 0; i < g.numel(); ++i) d[i] *= 65536.0f;
+      }
+    }
+    sa.Step(oa);
+    sa.Update();
+    sb.Unscale(ob);
+    sb.Step(ob);
+    sb.Update();
+  }
+  EXPECT_EQ(Bytes(a), Bytes(b));
+}
+
+TEST(GradScaler, StateRoundTripAndMisuse) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {});
+  GradScaler s({.init_scale = 8, .growth_interval = 10});
+  w.set_grad(Zeros({1}));
+  s.Step(opt);
+  s.Update();
+  GradScaler t;
+  t.LoadStateDict(s.StateDict());
+  EXPECT_EQ(t.scale(), 8.0);
+  EXPECT_EQ(t.growth_tracker(), 1);
+  EXPECT_THROW(t.Update(), std::logic_error);
+  t.Unscale(opt);
+  EXPECT_THROW(t.Unscale(opt), std::logic_error);
+  EXPECT_THROW(GradScaler({.backoff_factor = 1.5}), std::invalid_argument);
+  GradScaler off({.enabled = false});
+  EXPECT_EQ(off.scale(), 1.0);
+  EXPECT_TRUE(off.Step(opt));
+}
+
+TEST(LrScheduler, StepDecayAndStateErrors) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  LrScheduler s(opt, StepSchedule(2, 0.5));
+  std::vector<double> lrs = {opt.lr()};
+  for (int i = 0; i < 5; ++i) {
+    s.Step();
+    lrs.push_back(opt.lr());
+  }
+  EXPECT_EQ(lrs, (std::vector<double>{1, 1, 0.5, 0.5, 0.25, 0.25}));
+  EXPECT_THROW(s.LoadStateDict({}), std::invalid_argument);
+  EXPECT_THROW(StepSchedule(0), std::invalid_argument);
+  EXPECT_THROW(WarmupCosineSchedule(10, 5), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ddp::nn::optim

@@ -1,0 +1,55 @@
+#include "nn/optim/sgd.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace ddp::nn::optim {
+
+Sgd::Sgd(NamedParameters params, SgdOptions options)
+    : Optimizer(std::move(params), options.lr, {"momentum_buffer"}), options_(options) {
+  if (options_.momentum < 0 || options_.weight_decay < 0 || options_.dampening < 0) {
+    throw std::invalid_argument("SGD: momentum " + std::to_string(options_.momentum) +
+                                ", dampening " + std::to_string(options_.dampening) +
+                                " and weight_decay " + std::to_string(options_.weight_decay) +
+                                " must be >= 0");
+  }
+  if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
+    throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0");
+  }
+}
+
+// Coefficients are rounded to T first, as PyTorch passes Python floats to
+// kernels of the tensor's type; each line is one PyTorch tensor op.
+template <typename T>
+void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale) const {
+  const T wd = static_cast<T>(options_.weight_decay);
+  const T mom = static_cast<T>(options_.momentum);
+  const T keep = static_cast<T>(1.0 - options_.dampening);
+  const T neg_lr = static_cast<T>(-lr());
+  const bool use_wd = options_.weight_decay != 0;
+  const bool use_mom = options_.momentum != 0;
+  const bool first = step == 1;
+  const bool nesterov = options_.nesterov;
+  for (int64_t i = 0; i < n; ++i) {
+    T d = g[i] * grad_scale;
+    if (use_wd) d = d + wd * p[i];
+    if (use_mom) {
+      T b = first ? d : buf[i] * mom + keep * d;
+      buf[i] = b;
+      d = nesterov ? d + mom * b : b;
+    }
+    p[i] = p[i] + neg_lr * d;
+  }
+}
+
+void Sgd::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+                 float grad_scale) {
+  Kernel(p, g, slots[0], n, step, grad_scale);
+}
+
+void Sgd::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+                 double grad_scale) {
+  Kernel(p, g, slots[0], n, step, grad_scale);
+}
+
+}  // namespace ddp::nn::optim

@@ -1,0 +1,46 @@
+#ifndef DDP_NN_OPTIM_SGD_H_
+#define DDP_NN_OPTIM_SGD_H_
+
+#include "nn/optim/optimizer.h"
+
+namespace ddp::nn::optim {
+
+/// torch.optim.SGD's options and defaults (lr has no default there).
+struct SgdOptions {
+  double lr = 0.01;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;  ///< L2 penalty added to the gradient.
+  bool nesterov = false;      ///< Needs momentum > 0 and dampening 0.
+};
+
+/// Stochastic gradient descent with PyTorch's rule:
+///   d = g + wd * p
+///   buf = d on the first step, else momentum * buf + (1 - dampening) * d
+///   d = nesterov ? d + momentum * buf : buf        (when momentum != 0)
+///   p = p - lr * d
+/// State slot: "momentum_buffer".
+class Sgd : public Optimizer {
+ public:
+  /// Throws std::invalid_argument for negative values or nesterov without
+  /// momentum or with dampening.
+  Sgd(NamedParameters params, SgdOptions options);
+  const SgdOptions& options() const { return options_; }
+
+ protected:
+  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+              float grad_scale) override;
+  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+              double grad_scale) override;
+  const char* Name() const override { return "SGD"; }
+
+ private:
+  template <typename T>
+  void Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale) const;
+
+  SgdOptions options_;
+};
+
+}  // namespace ddp::nn::optim
+
+#endif  // DDP_NN_OPTIM_SGD_H_
