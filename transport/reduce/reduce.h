@@ -1,0 +1,71 @@
+#ifndef DDP_TRANSPORT_REDUCE_REDUCE_H_
+#define DDP_TRANSPORT_REDUCE_REDUCE_H_
+
+// CPU reduction kernels: the arithmetic on the hot path of every all-reduce.
+//
+// Shapes: every buffer is a flat vector of `count` elements of one DataType;
+// element i of the result depends only on element i of the inputs.
+//
+// Semantics:
+//   - f16 and bf16 are widened to f32, combined, and rounded back to
+//     nearest-even on every call (so a chain of reductions rounds per step).
+//   - kAvg reduces like kSum; the caller divides the final sum by the number
+//     of ranks with DivideInPlace.
+//   - Integer sum and prod wrap around (two's complement) instead of
+//     overflowing into undefined behaviour.
+//   - Floating max/min propagate NaN: if either input is NaN the result is
+//     NaN (like torch.maximum, unlike std::fmax).
+//
+// Buffers either do not overlap at all or are the same pointer (in-place);
+// partial overlap is not supported.
+//
+// Kernels are chosen once per process from the CPU's features (AVX2, F16C);
+// the generic versions are plain loops that the compiler vectorizes for the
+// baseline ISA.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transport/types.h"
+
+namespace ddp::transport::reduce {
+
+/// Instruction sets the kernels are built for.
+enum class Isa : int {
+  kGeneric = 0,  ///< Baseline x86-64 (or any other architecture).
+  kAvx2 = 1,     ///< AVX2 + FMA + F16C.
+};
+
+/// The best Isa this CPU supports.
+Isa DetectIsa();
+/// "generic", "avx2".
+const char* IsaName(Isa isa);
+
+/// dst[i] = a[i] op b[i] for i in [0, count). dst may equal a or b.
+using ReduceFn = void (*)(void* dst, const void* a, const void* b, size_t count);
+
+/// The kernel for (dtype, op) on `isa` (DetectIsa() by default); never null
+/// for valid enum values. Look it up once per collective, call it per chunk.
+ReduceFn GetReduceFn(DataType dtype, ReduceOp op);
+ReduceFn GetReduceFn(DataType dtype, ReduceOp op, Isa isa);
+
+/// inout[i] = inout[i] op in[i].
+void Reduce(DataType dtype, ReduceOp op, void* inout, const void* in, size_t count);
+
+/// dst[i] = a[i] op b[i] (dst may equal a or b).
+void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b,
+            size_t count);
+
+/// data[i] /= divisor: finishes kAvg. Floats divide (f16/bf16 in f32, then
+/// rounded); integers truncate toward zero. divisor must be positive.
+void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor);
+void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Isa isa);
+
+/// data[i] *= factor (f16/bf16 in f32; integers: product truncated toward
+/// zero, computed in double).
+void ScaleInPlace(DataType dtype, void* data, size_t count, double factor);
+void ScaleInPlace(DataType dtype, void* data, size_t count, double factor, Isa isa);
+
+}  // namespace ddp::transport::reduce
+
+#endif  // DDP_TRANSPORT_REDUCE_REDUCE_H_
