@@ -1,0 +1,112 @@
+#include "transport/algorithms/all_gather.h"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "transport/testing/collective_values.h"
+#include "transport/testing/thread_harness.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using namespace std::chrono_literals;
+using ::ddp::transport::testing::Compare;
+using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::RunRanks;
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
+                                  DataType::kBF16, DataType::kI32, DataType::kI64,
+                                  DataType::kU8};
+
+enum class Placement { kSeparate, kInPlace, kSendAtRecvStart };
+
+// Rank q's block is Contribution(kMax, dtype, q, j): it differs per rank, so
+// a block in the wrong place shows.
+void Check(int world, size_t count, DataType dtype, Placement placement, size_t chunk_bytes) {
+  const std::string what = "world=" + std::to_string(world) + " count=" + std::to_string(count) +
+                           " " + DataTypeName(dtype) + " placement=" +
+                           std::to_string(static_cast<int>(placement)) +
+                           " chunk=" + std::to_string(chunk_bytes);
+  const size_t es = DataTypeSize(dtype);
+  std::vector<unsigned char> want;
+  for (int q = 0; q < world; ++q) {
+    auto block = Contributions(ReduceOp::kMax, dtype, q, count);
+    want.insert(want.end(), block.begin(), block.end());
+  }
+  std::vector<std::string> wrong(world);
+  auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
+    const int r = p2p.rank();
+    const std::vector<unsigned char> mine = Contributions(ReduceOp::kMax, dtype, r, count);
+    std::vector<unsigned char> send = mine;
+    std::vector<unsigned char> recv(count * world * es + 1, 0x5A);
+    CollectiveArgs args;
+    args.recv = recv.data();
+    switch (placement) {
+      case Placement::kSeparate:
+        args.send = send.data();
+        break;
+      case Placement::kInPlace:
+        if (count > 0) std::memcpy(recv.data() + r * count * es, mine.data(), count * es);
+        args.send = recv.data() + r * count * es;
+        break;
+      case Placement::kSendAtRecvStart:
+        if (count > 0) std::memcpy(recv.data(), mine.data(), count * es);
+        args.send = recv.data();
+        break;
+    }
+    args.count = count;
+    args.dtype = dtype;
+    args.deadline = DeadlineIn(30s);
+    args.tuning.chunk_bytes = chunk_bytes;
+    DDP_RETURN_IF_ERROR(RingAllGather(p2p, args));
+    wrong[r] = Compare(dtype, recv.data(), want.data(), count * world);
+    if (recv[count * world * es] != 0x5A) wrong[r] = "wrote past the end of recv";
+    return Status();
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << what << " rank " << r << ": " << statuses[r];
+    EXPECT_EQ(wrong[r], "") << what << " rank " << r;
+  }
+}
+
+class RingAllGatherWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RingAllGatherWorldTest, CountsPlacementsAndChunking) {
+  for (Placement placement : {Placement::kSeparate, Placement::kInPlace,
+                              Placement::kSendAtRecvStart}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{2}, size_t{37}}) {
+      for (size_t chunk : {size_t{0}, size_t{8}}) Check(GetParam(), count, DataType::kF32, placement, chunk);
+    }
+  }
+}
+
+TEST_P(RingAllGatherWorldTest, EveryType) {
+  for (DataType dtype : kAllTypes) Check(GetParam(), 13, dtype, Placement::kSeparate, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, RingAllGatherWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 7, 8, 9, 16));
+
+TEST(RingAllGatherTest, LargeVector) { Check(4, 1 << 18, DataType::kF32, Placement::kInPlace, 0); }
+
+TEST(RingAllGatherTest, MismatchedCountsFailOnEveryRank) {
+  const auto deadline = DeadlineIn(10s);
+  auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
+    const size_t count = p2p.rank() == 0 ? 9 : 8;
+    std::vector<float> send(count, 1.0f), recv(count * 3);
+    CollectiveArgs args;
+    args.send = send.data();
+    args.recv = recv.data();
+    args.count = count;
+    args.deadline = deadline;
+    return RingAllGather(p2p, args);
+  });
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  for (const Status& s : statuses) EXPECT_FALSE(s.ok());
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms

@@ -1,0 +1,65 @@
+#ifndef DDP_TRANSPORT_ALGORITHMS_ALL_REDUCE_TEST_UTIL_H_
+#define DDP_TRANSPORT_ALGORITHMS_ALL_REDUCE_TEST_UTIL_H_
+
+// The checks every all-reduce algorithm's test runs, over N threads on the
+// loopback: results against closed forms for many world sizes, counts,
+// dtypes and ops, in-place and out-of-place; and the failure behaviour
+// (mismatched counts, a dead rank, a deadline, bad arguments).
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "transport/algorithms/collective.h"
+#include "transport/p2p/point_to_point.h"
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::algorithms::testing {
+
+using AllReduceFn = std::function<Status(p2p::PointToPoint&, const CollectiveArgs&)>;
+
+struct AllReduceCase {
+  int world = 1;
+  size_t count = 0;
+  DataType dtype = DataType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  bool in_place = false;
+  size_t chunk_bytes = 0;  ///< 0: the algorithm's default
+  int depth = 0;
+};
+
+std::string ToString(const AllReduceCase& c);
+
+/// Runs one case and records a gtest failure (naming the case and rank) for
+/// any rank that fails or ends with a wrong result or a write past its
+/// buffer.
+void CheckAllReduce(const AllReduceFn& fn, const AllReduceCase& c);
+
+/// f32 sum and avg, in-place and out-of-place, for counts 0, 1, world - 1,
+/// an odd count, and several chunks (tiny chunks, several depths).
+void SweepCounts(const AllReduceFn& fn, int world);
+
+/// Every dtype and op, in-place and out-of-place, at `count` elements with
+/// chunks of `chunk_bytes`.
+void SweepTypesAndOps(const AllReduceFn& fn, int world, size_t count, size_t chunk_bytes);
+
+/// One rank passes a different count: every rank must fail (none returns
+/// OK with a wrong result), before the deadline.
+void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world);
+
+/// One rank is killed while stuck inside the collective: every survivor fails
+/// with PEER_LOST or TIMED_OUT, well before its deadline.
+void CheckKilledRankFailsSurvivors(const AllReduceFn& fn, int world);
+
+/// One rank never arrives and nobody is killed: every other rank returns
+/// TIMED_OUT at its deadline, not later.
+void CheckAbsentRankTimesOut(const AllReduceFn& fn, int world);
+
+/// Null buffers, unset deadline, bad enums, partial overlap: INVALID_ARGUMENT
+/// naming the argument, on every rank.
+void CheckBadArguments(const AllReduceFn& fn, const std::string& name);
+
+}  // namespace ddp::transport::algorithms::testing
+
+#endif  // DDP_TRANSPORT_ALGORITHMS_ALL_REDUCE_TEST_UTIL_H_

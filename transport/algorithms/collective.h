@@ -1,0 +1,76 @@
+#ifndef DDP_TRANSPORT_ALGORITHMS_COLLECTIVE_H_
+#define DDP_TRANSPORT_ALGORITHMS_COLLECTIVE_H_
+
+// The one argument struct every collective algorithm takes, and the tag
+// layout they share. Each algorithm is a free function
+//
+//   Status RingAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);
+//
+// that must be called on every rank of `p2p` with the same count, dtype, op,
+// root, tag and tuning (buffers and deadlines are per rank). It returns when
+// this rank's part is done: the receive buffer holds the result and every
+// send has completed, so both buffers may be reused. On error, nothing is
+// left outstanding (no later write into the caller's buffers); the receive
+// buffer's contents are then unspecified.
+//
+// Tags: one collective may use the tags [tag, tag + kTagsPerCollective). The
+// communicator passes CollectiveTag(sequence_number) so that consecutive
+// collectives never match each other's messages. Inside, the range is split
+// into kMaxPhases phases of 2^kStepTagBits tags; composite algorithms give
+// each part a phase.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transport/p2p/point_to_point.h"
+#include "transport/types.h"
+
+namespace ddp::transport::algorithms {
+
+inline constexpr int kStepTagBits = 20;
+inline constexpr int kPhaseTagBits = 4;
+inline constexpr int kCollectiveTagBits = kStepTagBits + kPhaseTagBits;
+/// Tags one collective may use, starting at CollectiveArgs::tag.
+inline constexpr p2p::Tag kTagsPerCollective = p2p::Tag{1} << kCollectiveTagBits;
+/// Phases a collective can split its tag range into.
+inline constexpr int kMaxPhases = 1 << kPhaseTagBits;
+
+/// The base tag of the collective with sequence number `sequence` (any
+/// value; it wraps after 2^16 collectives, far more than can be in flight).
+inline p2p::Tag CollectiveTag(uint64_t sequence) {
+  constexpr int kSequenceBits = p2p::kTagBits - kCollectiveTagBits;
+  return (sequence & ((uint64_t{1} << kSequenceBits) - 1)) << kCollectiveTagBits;
+}
+
+/// The base tag of phase `phase` (< kMaxPhases) of the collective at `tag`.
+inline p2p::Tag PhaseTag(p2p::Tag tag, int phase) {
+  return tag + (static_cast<p2p::Tag>(phase) << kStepTagBits);
+}
+
+/// How an algorithm runs, not what it computes. Zero means the algorithm's
+/// default. Must be equal on every rank.
+struct Tuning {
+  /// Bytes per pipelined message. Tests set it to a few bytes so that small
+  /// inputs go through the multi-chunk paths.
+  size_t chunk_bytes = 0;
+  /// Receives posted ahead of the one being processed (>= 1).
+  int pipeline_depth = 0;
+};
+
+/// Arguments of one collective. `count` is in elements of `dtype`; its
+/// meaning per collective (per rank or in total) is in each header.
+struct CollectiveArgs {
+  const void* send = nullptr;  ///< Input; may equal `recv` (in-place).
+  void* recv = nullptr;        ///< Output.
+  size_t count = 0;            ///< Elements, see the collective's header.
+  DataType dtype = DataType::kF32;
+  ReduceOp op = ReduceOp::kSum;  ///< Reductions only; kAvg divides by size().
+  int root = 0;                  ///< Rooted collectives only (broadcast).
+  p2p::Tag tag = 0;              ///< First tag; see CollectiveTag().
+  Deadline deadline{};           ///< Every wait gives up here with TIMED_OUT.
+  Tuning tuning;
+};
+
+}  // namespace ddp::transport::algorithms
+
+#endif  // DDP_TRANSPORT_ALGORITHMS_COLLECTIVE_H_

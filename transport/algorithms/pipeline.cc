@@ -1,0 +1,224 @@
+#include "transport/algorithms/pipeline.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "transport/p2p/group_view.h"
+
+namespace ddp::transport::algorithms::internal {
+namespace {
+
+bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
+}  // namespace
+
+Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
+                 const CollectiveArgs& args, const BufferShape& shape) {
+  const std::string name(collective);
+  auto invalid = [&](const std::string& why) { return InvalidArgumentError(name + ": " + why); };
+  if (args.deadline == Deadline{}) return invalid("deadline is not set");
+  const size_t es = DataTypeSize(args.dtype);
+  if (es == 0) {
+    return invalid("dtype " + std::to_string(static_cast<int>(args.dtype)) +
+                   " is not a valid DataType");
+  }
+  if (shape.uses_op && std::string_view(ReduceOpName(args.op)) == "unknown") {
+    return invalid("op " + std::to_string(static_cast<int>(args.op)) +
+                   " is not a valid ReduceOp");
+  }
+  if (shape.uses_root && (args.root < 0 || args.root >= p2p.size())) {
+    return invalid("root " + std::to_string(args.root) + " is outside [0, " +
+                   std::to_string(p2p.size()) + ")");
+  }
+  if (args.tag > p2p::kMaxTag - (kTagsPerCollective - 1)) {
+    return invalid("tag " + std::to_string(args.tag) +
+                   " leaves no room for the collective's tag range");
+  }
+  if (args.tuning.pipeline_depth < 0) {
+    return invalid("tuning.pipeline_depth " + std::to_string(args.tuning.pipeline_depth) +
+                   " is negative");
+  }
+  const size_t limit = std::numeric_limits<size_t>::max() / es;
+  if (shape.send_elems > limit || shape.recv_elems > limit) {
+    return invalid("count " + std::to_string(args.count) + " of " + DataTypeName(args.dtype) +
+                   " overflows the address space");
+  }
+  if (shape.needs_send && shape.send_elems > 0 && args.send == nullptr) {
+    return invalid("send buffer is null with count " + std::to_string(args.count));
+  }
+  if (shape.recv_elems > 0 && args.recv == nullptr) {
+    return invalid("recv buffer is null with count " + std::to_string(args.count));
+  }
+  if (shape.needs_send && shape.recv_alias_offset != -2 &&
+      Overlaps(args.send, shape.send_elems * es, args.recv, shape.recv_elems * es)) {
+    const auto* send = static_cast<const unsigned char*>(args.send);
+    const bool allowed =
+        shape.recv_alias_offset == -1
+            ? args.recv == args.send
+            : args.recv == send + shape.recv_alias_offset;
+    if (!allowed) {
+      return invalid(shape.recv_alias_offset == -1
+                         ? "send and recv buffers partially overlap (in-place needs send == recv)"
+                         : "recv overlaps send other than at this rank's block (in-place needs "
+                           "recv == send + rank * count)");
+    }
+  }
+  return Status();
+}
+
+size_t ChunkElems(const CollectiveArgs& args, size_t default_bytes) {
+  const size_t bytes = args.tuning.chunk_bytes != 0 ? args.tuning.chunk_bytes : default_bytes;
+  return std::max<size_t>(1, bytes / DataTypeSize(args.dtype));
+}
+
+int PipelineDepth(const CollectiveArgs& args, int fallback) {
+  return args.tuning.pipeline_depth > 0 ? args.tuning.pipeline_depth : fallback;
+}
+
+std::string DescribePeer(const p2p::PointToPoint& p2p, int peer) {
+  if (const auto* view = dynamic_cast<const p2p::GroupView*>(&p2p)) {
+    if (peer >= 0 && peer < view->size()) {
+      return "group rank " + std::to_string(peer) + " (rank " +
+             std::to_string(view->ParentRank(peer)) + ")";
+    }
+  }
+  return "rank " + std::to_string(peer);
+}
+
+Status Annotate(const Status& status, std::string_view context) {
+  if (status.ok()) return status;
+  return Status(status.code(), std::string(context) + ": " + status.message());
+}
+
+std::string Describe(const p2p::PointToPoint& p2p, const Where& where) {
+  std::string s = where.what;
+  if (where.steps > 0) {
+    s += " step " + std::to_string(where.step + 1) + "/" + std::to_string(where.steps);
+  }
+  s += " chunk " + std::to_string(where.chunk) + ": ";
+  s += where.is_send ? "send to " : "receive from ";
+  s += DescribePeer(p2p, where.peer);
+  return s;
+}
+
+namespace {
+const char* KindName(int32_t kind) {
+  switch (kind) {
+    case kRingAllReduceKind: return "ring all-reduce";
+    case kTreeAllReduceKind: return "tree all-reduce";
+    case kRhdAllReduceKind: return "rhd all-reduce";
+    case kHierarchicalAllReduceKind: return "hierarchical all-reduce";
+    case kReduceScatterKind: return "reduce-scatter";
+    case kAllGatherKind: return "all-gather";
+    case kBroadcastKind: return "broadcast";
+    case kBarrierKind: return "barrier";
+  }
+  return "unknown collective";
+}
+}  // namespace
+
+Fingerprint MakeFingerprint(const CollectiveArgs& args, FingerprintKind kind, bool uses_op,
+                            bool uses_root) {
+  Fingerprint f;
+  f.count = args.count;
+  f.dtype = static_cast<int32_t>(args.dtype);
+  f.op = uses_op ? static_cast<int32_t>(args.op) : -1;
+  f.root = uses_root ? args.root : -1;
+  f.kind = kind;
+  return f;
+}
+
+std::string Fingerprint::ToString() const {
+  std::string s = std::string(KindName(kind)) + ", count " + std::to_string(count) + " of " +
+                  DataTypeName(static_cast<DataType>(dtype));
+  if (op >= 0) s += std::string(", op ") + ReduceOpName(static_cast<ReduceOp>(op));
+  if (root >= 0) s += ", root " + std::to_string(root);
+  return s;
+}
+
+Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, std::initializer_list<int> to,
+                       std::initializer_list<int> from) {
+  const p2p::Tag tag = FingerprintTag(phase_tag);
+  from_.assign(from.begin(), from.end());
+  theirs_.assign(from_.size(), Fingerprint{});
+  ids_.assign(from_.size(), 0);
+  for (size_t i = 0; i < from_.size(); ++i) {
+    Where where{what_, 0, 0, 0, false, from_[i]};
+    DDP_ASSIGN_OR_RETURN(ids_[i], requests.Recv(where, tag, &theirs_[i], sizeof(Fingerprint)));
+  }
+  for (int peer : to) {
+    Where where{what_, 0, 0, 0, true, peer};
+    DDP_RETURN_IF_ERROR(requests.Send(where, tag, &mine_, sizeof(Fingerprint)).status());
+  }
+  return Status();
+}
+
+Status PeerCheck::Verify(Requests& requests) {
+  if (verified_) return Status();
+  verified_ = true;
+  for (size_t i = 0; i < from_.size(); ++i) {
+    Where where{what_, 0, 0, 0, false, from_[i]};
+    DDP_RETURN_IF_ERROR(requests.Wait(ids_[i], where));
+    if (!(theirs_[i] == mine_)) {
+      return InvalidArgumentError(
+          std::string(what_) + ": ranks disagree on the arguments: " +
+          DescribePeer(requests.p2p(), from_[i]) + " passed " + theirs_[i].ToString() +
+          " but rank " + std::to_string(requests.p2p().rank()) + " passed " + mine_.ToString());
+    }
+  }
+  return Status();
+}
+
+Requests::~Requests() {
+  for (p2p::RequestId id : outstanding_) p2p_.Cancel(id);
+}
+
+void Requests::Forget(p2p::RequestId id) {
+  auto it = std::find(outstanding_.begin(), outstanding_.end(), id);
+  if (it != outstanding_.end()) outstanding_.erase(it);
+}
+
+StatusOr<p2p::RequestId> Requests::Send(const Where& where, p2p::Tag tag, const void* data,
+                                        size_t bytes) {
+  auto id = p2p_.PostSend(where.peer, tag, data, bytes);
+  if (!id.ok()) return Annotate(id.status(), Describe(p2p_, where));
+  outstanding_.push_back(*id);
+  return *id;
+}
+
+StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* data,
+                                        size_t bytes) {
+  auto id = p2p_.PostRecv(where.peer, tag, data, bytes);
+  if (!id.ok()) return Annotate(id.status(), Describe(p2p_, where));
+  outstanding_.push_back(*id);
+  return *id;
+}
+
+Status Requests::Wait(p2p::RequestId id, const Where& where) {
+  const p2p::RequestId one[1] = {id};
+  Status status = p2p_.WaitAll(one, deadline_);
+  Forget(id);  // released by WaitAll either way
+  return Annotate(status, Describe(p2p_, where));
+}
+
+StatusOr<bool> Requests::Test(p2p::RequestId id, const Where& where) {
+  auto done = p2p_.Test(id);
+  if (!done.ok()) {
+    Forget(id);
+    return Annotate(done.status(), Describe(p2p_, where));
+  }
+  if (*done) Forget(id);
+  return *done;
+}
+
+Status Requests::WaitAll(const char* what) {
+  if (outstanding_.empty()) return Status();
+  std::vector<p2p::RequestId> all;
+  all.swap(outstanding_);
+  return Annotate(p2p_.WaitAll(all, deadline_), std::string(what) + ": completing sends");
+}
+
+}  // namespace ddp::transport::algorithms::internal

@@ -1,0 +1,193 @@
+#ifndef DDP_TRANSPORT_ALGORITHMS_PIPELINE_H_
+#define DDP_TRANSPORT_ALGORITHMS_PIPELINE_H_
+
+// Helpers shared by the algorithm implementations (private to this package):
+// argument checks, the block/chunk arithmetic, and a tracker of outstanding
+// requests that cancels them on every error path.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "transport/algorithms/collective.h"
+#include "transport/p2p/point_to_point.h"
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::algorithms::internal {
+
+/// What a collective's buffers must look like, for CheckArgs.
+struct BufferShape {
+  size_t send_elems = 0;      ///< Elements read from args.send.
+  size_t recv_elems = 0;      ///< Elements written to args.recv.
+  bool uses_root = false;     ///< Whether args.root must be a valid rank.
+  bool uses_op = false;       ///< Whether args.op matters.
+  bool needs_send = true;     ///< Whether args.send is read on this rank.
+  /// recv may alias send only at this byte offset into send (-1: recv must
+  /// equal send or not overlap it; -2: any overlap is fine).
+  int64_t recv_alias_offset = -1;
+};
+
+/// INVALID_ARGUMENT naming the collective and the argument at fault, or OK.
+Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
+                 const CollectiveArgs& args, const BufferShape& shape);
+
+/// `count` split into `blocks` nearly equal parts (the first count % blocks
+/// parts one element longer), as every ring and tree algorithm splits data.
+struct BlockLayout {
+  size_t count = 0;
+  int blocks = 1;
+  size_t offset(int b) const {
+    const size_t base = count / blocks, rem = count % blocks;
+    return b * base + std::min<size_t>(b, rem);
+  }
+  size_t size(int b) const {
+    const size_t base = count / blocks, rem = count % blocks;
+    return base + (static_cast<size_t>(b) < rem ? 1 : 0);
+  }
+};
+
+/// Elements per chunk: args.tuning.chunk_bytes (or `default_bytes`) rounded
+/// down to whole elements, at least one.
+size_t ChunkElems(const CollectiveArgs& args, size_t default_bytes);
+/// Receives to keep posted ahead: args.tuning.pipeline_depth or `fallback`.
+int PipelineDepth(const CollectiveArgs& args, int fallback);
+
+/// Data messages of a phase use step tags [0, kDataSteps); the rest of the
+/// phase's 2^kStepTagBits tags carry fingerprints (PeerCheck).
+inline constexpr uint64_t kDataSteps = (uint64_t{1} << kStepTagBits) - 16;
+
+/// Tag of data message `index` within the phase starting at `phase_tag`.
+/// Indices wrap at kDataSteps, far beyond the messages ever in flight at once.
+inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
+  return phase_tag + index % kDataSteps;
+}
+
+/// Tag of the fingerprint exchanged in the phase starting at `phase_tag`.
+inline p2p::Tag FingerprintTag(p2p::Tag phase_tag) { return phase_tag + kDataSteps; }
+
+/// "rank 3", or "group rank 1 (rank 5)" when `p2p` is a GroupView.
+std::string DescribePeer(const p2p::PointToPoint& p2p, int peer);
+
+/// The same status with `context` and ": " prepended to its message.
+Status Annotate(const Status& status, std::string_view context);
+
+/// Where a collective is, for error messages; formatted only on error.
+struct Where {
+  const char* what = "";  ///< "ring reduce-scatter"
+  int step = 0;           ///< 0-based
+  int steps = 0;          ///< total, 0 when not meaningful
+  size_t chunk = 0;
+  bool is_send = false;
+  int peer = 0;
+};
+
+/// "ring reduce-scatter step 2/3 chunk 4: receive from rank 5".
+std::string Describe(const p2p::PointToPoint& p2p, const Where& where);
+
+/// What every rank of a collective must have passed alike. Ranks send it to
+/// a neighbour before their data, so that a count mismatch fails at once
+/// with both values, instead of as a timeout or, worse, as messages that
+/// happen to match in size and give a silently wrong result.
+struct Fingerprint {
+  uint64_t count = 0;
+  int32_t dtype = 0;
+  int32_t op = 0;     ///< -1 when the collective does not reduce
+  int32_t root = 0;   ///< -1 when the collective has no root
+  int32_t kind = 0;   ///< FingerprintKind: which collective and algorithm
+
+  bool operator==(const Fingerprint&) const = default;
+  /// "ring all-reduce, count 120 of f32, op sum"
+  std::string ToString() const;
+};
+
+/// Fingerprint::kind values: a rank running another collective or another
+/// algorithm is a mismatch too (say, DDP_ALLREDUCE_ALGO set on one rank).
+enum FingerprintKind : int32_t {
+  kRingAllReduceKind = 1,
+  kTreeAllReduceKind = 2,
+  kRhdAllReduceKind = 3,
+  kHierarchicalAllReduceKind = 4,
+  kReduceScatterKind = 5,
+  kAllGatherKind = 6,
+  kBroadcastKind = 7,
+  kBarrierKind = 8,
+};
+
+/// The fingerprint of `args` for a collective of `kind`.
+Fingerprint MakeFingerprint(const CollectiveArgs& args, FingerprintKind kind, bool uses_op,
+                            bool uses_root);
+
+class Requests;
+
+/// Exchanges Fingerprints with neighbours (posted at the start of a
+/// collective) and compares them on Verify, which algorithms call before
+/// their first wait on data from those neighbours; as the neighbours' own
+/// data sends come after their fingerprint, this costs no extra latency.
+/// Every rank must be checked by a neighbour that forwards data the others
+/// depend on, so one mismatch makes every rank fail.
+class PeerCheck {
+ public:
+  PeerCheck(const char* what, const Fingerprint& mine) : what_(what), mine_(mine) {}
+
+  /// Sends this rank's fingerprint to each of `to` and receives one from
+  /// each of `from`, with FingerprintTag(phase_tag).
+  Status Post(Requests& requests, p2p::Tag phase_tag, std::initializer_list<int> to,
+              std::initializer_list<int> from);
+  /// Waits for the fingerprints from `from` (once) and compares; a
+  /// difference is INVALID_ARGUMENT naming the peer and both values.
+  Status Verify(Requests& requests);
+
+ private:
+  const char* what_;
+  Fingerprint mine_;
+  std::vector<int> from_;
+  std::vector<Fingerprint> theirs_;
+  std::vector<p2p::RequestId> ids_;
+  bool verified_ = false;
+};
+
+/// The requests one collective has outstanding. Every error path leaves
+/// through the destructor, which cancels what is still outstanding, so no
+/// transfer touches the caller's buffers after the collective returns.
+class Requests {
+ public:
+  Requests(p2p::PointToPoint& p2p, Deadline deadline) : p2p_(p2p), deadline_(deadline) {}
+  ~Requests();
+  Requests(const Requests&) = delete;
+  Requests& operator=(const Requests&) = delete;
+
+  /// Posts a send / receive; errors are annotated with `where`.
+  StatusOr<p2p::RequestId> Send(const Where& where, p2p::Tag tag, const void* data,
+                                size_t bytes);
+  StatusOr<p2p::RequestId> Recv(const Where& where, p2p::Tag tag, void* data, size_t bytes);
+
+  /// Waits for one request (any progress also advances the others) until the
+  /// deadline; errors are annotated with `where`.
+  Status Wait(p2p::RequestId id, const Where& where);
+
+  /// Waits for everything outstanding (the sends, at the end); `what` names
+  /// the collective in errors.
+  Status WaitAll(const char* what);
+
+  /// Completed without blocking? Releases it when so.
+  StatusOr<bool> Test(p2p::RequestId id, const Where& where);
+
+  p2p::PointToPoint& p2p() { return p2p_; }
+  Deadline deadline() const { return deadline_; }
+
+ private:
+  void Forget(p2p::RequestId id);
+
+  p2p::PointToPoint& p2p_;
+  const Deadline deadline_;
+  std::vector<p2p::RequestId> outstanding_;
+};
+
+}  // namespace ddp::transport::algorithms::internal
+
+#endif  // DDP_TRANSPORT_ALGORITHMS_PIPELINE_H_

@@ -1,0 +1,130 @@
+#include "transport/algorithms/reduce_scatter.h"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "transport/testing/collective_values.h"
+#include "transport/testing/thread_harness.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using namespace std::chrono_literals;
+using ::ddp::transport::testing::Compare;
+using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::Expectations;
+using ::ddp::transport::testing::RunRanks;
+using ::testing::HasSubstr;
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
+                                  DataType::kBF16, DataType::kI32, DataType::kI64,
+                                  DataType::kU8};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax,
+                                ReduceOp::kMin, ReduceOp::kProd};
+
+// Rank q contributes Contribution(op, dtype, q, i) at global element i of
+// the world * count input; rank r must end with the reduced block r.
+void Check(int world, size_t count, DataType dtype, ReduceOp op, bool in_place,
+           size_t chunk_bytes) {
+  const std::string what = "world=" + std::to_string(world) + " count=" + std::to_string(count) +
+                           " " + DataTypeName(dtype) + " " + ReduceOpName(op) +
+                           (in_place ? " in-place" : "") + " chunk=" + std::to_string(chunk_bytes);
+  const size_t es = DataTypeSize(dtype);
+  const std::vector<unsigned char> want = Expectations(op, dtype, world, count * world);
+  std::vector<std::string> wrong(world);
+  auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
+    const int r = p2p.rank();
+    std::vector<unsigned char> send = Contributions(op, dtype, r, count * world);
+    const std::vector<unsigned char> original = send;
+    std::vector<unsigned char> recv(count * es + 1, 0x5A);
+    CollectiveArgs args;
+    args.send = send.data();
+    args.recv = in_place ? send.data() + r * count * es : recv.data();
+    args.count = count;
+    args.dtype = dtype;
+    args.op = op;
+    args.deadline = DeadlineIn(30s);
+    args.tuning.chunk_bytes = chunk_bytes;
+    DDP_RETURN_IF_ERROR(RingReduceScatter(p2p, args));
+    wrong[r] = Compare(dtype, args.recv, want.data() + r * count * es, count);
+    if (!in_place && recv[count * es] != 0x5A) wrong[r] = "wrote past the end of recv";
+    if (!in_place && send != original) wrong[r] = "modified the send buffer";
+    return Status();
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << what << " rank " << r << ": " << statuses[r];
+    EXPECT_EQ(wrong[r], "") << what << " rank " << r;
+  }
+}
+
+class RingReduceScatterWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RingReduceScatterWorldTest, CountsAndChunking) {
+  const int world = GetParam();
+  for (bool in_place : {false, true}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{2}, size_t{37}}) {
+      for (size_t chunk : {size_t{0}, size_t{8}}) {
+        Check(world, count, DataType::kF32, ReduceOp::kSum, in_place, chunk);
+      }
+    }
+    Check(world, 301, DataType::kF32, ReduceOp::kAvg, in_place, 12);
+  }
+}
+
+TEST_P(RingReduceScatterWorldTest, EveryTypeAndOp) {
+  for (DataType dtype : kAllTypes) {
+    for (ReduceOp op : kAllOps) Check(GetParam(), 11, dtype, op, GetParam() % 2 == 0, 4);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, RingReduceScatterWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 7, 8, 9, 16));
+
+TEST(RingReduceScatterTest, LargeVector) {
+  Check(4, 1 << 18, DataType::kF32, ReduceOp::kSum, false, 0);
+}
+
+TEST(RingReduceScatterTest, MismatchedCountsFailOnEveryRank) {
+  const auto deadline = DeadlineIn(10s);
+  auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+    const size_t count = p2p.rank() == 2 ? 21 : 20;
+    std::vector<float> send(count * 4, 1.0f), recv(count);
+    CollectiveArgs args;
+    args.send = send.data();
+    args.recv = recv.data();
+    args.count = count;
+    args.deadline = deadline;
+    return RingReduceScatter(p2p, args);
+  });
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  int named = 0;
+  for (const Status& s : statuses) {
+    EXPECT_FALSE(s.ok());
+    named += s.message().find("count 21") != std::string::npos;
+  }
+  EXPECT_GT(named, 0);
+}
+
+TEST(RingReduceScatterTest, RecvOverlappingAnotherBlockIsRejected) {
+  auto statuses = RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> send(8, 1.0f);
+    CollectiveArgs args;
+    args.send = send.data();
+    // Rank 1's in-place slot is send + 4; send + 2 straddles two blocks.
+    args.recv = send.data() + 2;
+    args.count = 4;
+    args.deadline = DeadlineIn(5s);
+    return RingReduceScatter(p2p, args);
+  });
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("ring reduce-scatter: recv overlaps send"));
+  }
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms

@@ -1,0 +1,47 @@
+#include "transport/algorithms/ring_all_reduce.h"
+
+#include "gtest/gtest.h"
+#include "transport/algorithms/all_reduce_test_util.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using testing::AllReduceCase;
+using testing::CheckAllReduce;
+
+class RingAllReduceWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RingAllReduceWorldTest, CountsAndChunkingMatchClosedForm) {
+  testing::SweepCounts(RingAllReduce, GetParam());
+}
+
+TEST_P(RingAllReduceWorldTest, EveryTypeAndOp) {
+  testing::SweepTypesAndOps(RingAllReduce, GetParam(), 29, 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, RingAllReduceWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16));
+
+TEST(RingAllReduceTest, LargeVectorWithDefaultChunks) {
+  CheckAllReduce(RingAllReduce, {4, (1 << 20) + 3, DataType::kF32, ReduceOp::kSum, false});
+  CheckAllReduce(RingAllReduce, {3, 1 << 20, DataType::kBF16, ReduceOp::kAvg, true});
+}
+
+TEST(RingAllReduceTest, MismatchedCountsFailOnEveryRank) {
+  for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(RingAllReduce, world);
+}
+
+TEST(RingAllReduceTest, KilledRankFailsEverySurvivor) {
+  for (int world : {2, 4, 7}) testing::CheckKilledRankFailsSurvivors(RingAllReduce, world);
+}
+
+TEST(RingAllReduceTest, AbsentRankTimesOutAtTheDeadline) {
+  testing::CheckAbsentRankTimesOut(RingAllReduce, 4);
+}
+
+TEST(RingAllReduceTest, BadArgumentsNameTheArgument) {
+  testing::CheckBadArguments(RingAllReduce, "ring all-reduce");
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms

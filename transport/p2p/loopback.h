@@ -1,0 +1,132 @@
+#ifndef DDP_TRANSPORT_P2P_LOOPBACK_H_
+#define DDP_TRANSPORT_P2P_LOOPBACK_H_
+
+// An in-process implementation of PointToPoint: N ranks are N endpoints of
+// one LoopbackHub, usually driven by N threads. It makes algorithm tests fast
+// and deterministic, and serves a world of size 1 in production.
+//
+// Semantics, chosen to be at least as strict as UCX so that an algorithm that
+// passes here is not relying on luck:
+//   - Messages match a receive by (source, tag); among several candidates
+//     the oldest wins (FIFO per source and tag). A send with no receive yet is
+//     queued as unexpected.
+//   - Rendezvous: a send completes only when its bytes have been copied into
+//     the matching receive buffer (one memcpy, no intermediate copy). An
+//     algorithm that reuses a send buffer before the send completes, or waits
+//     on a send before posting the receive it depends on, fails here.
+//   - A message whose size differs from the receive's completes the receive
+//     with INVALID_ARGUMENT (nothing copied); the send completes normally, as
+//     with UCX, where the sender does not learn of the mismatch.
+//   - Kill(rank) simulates a process death: peers' operations with that rank
+//     fail with PEER_LOST, the rank's own with ABORTED.
+//
+// Threading: the hub is thread-safe; each endpoint is used by one thread at a
+// time (as the PointToPoint contract says). The hub must outlive its
+// endpoints.
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/p2p/point_to_point.h"
+#include "transport/status.h"
+
+namespace ddp::transport::p2p {
+
+/// Traffic counters of one rank, for tests that check how much data an
+/// algorithm moves through each rank.
+struct LoopbackStats {
+  uint64_t messages_sent = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t messages_received = 0;
+  uint64_t bytes_received = 0;
+};
+
+class LoopbackHub {
+ public:
+  /// A group of `size` ranks (size >= 1).
+  explicit LoopbackHub(int size);
+  ~LoopbackHub();
+
+  LoopbackHub(const LoopbackHub&) = delete;
+  LoopbackHub& operator=(const LoopbackHub&) = delete;
+
+  int size() const { return size_; }
+
+  /// The endpoint of `rank`; at most one per rank. INVALID_ARGUMENT for a
+  /// rank outside [0, size), FAILED_PRECONDITION if already connected.
+  StatusOr<std::unique_ptr<PointToPoint>> Connect(int rank);
+
+  /// Simulates the death of `rank`: its queued messages are dropped, peers'
+  /// pending and later operations with it fail with PEER_LOST, and its own
+  /// pending and later operations fail with ABORTED. Wakes every waiter.
+  /// Idempotent.
+  void Kill(int rank);
+
+  /// Whether Kill(rank) was called.
+  bool IsKilled(int rank) const;
+
+  /// Counters of `rank` so far (messages completed successfully).
+  LoopbackStats Stats(int rank) const;
+
+ private:
+  friend class LoopbackEndpoint;
+
+  enum class OpState { kQueued, kCopying, kDone };
+
+  // One posted send or receive, owned by the rank that posted it until its
+  // handle is released (Test/Wait returning it, or Cancel).
+  struct Op {
+    RequestId id = 0;
+    int owner = 0;
+    int peer = 0;
+    Tag tag = 0;
+    bool is_send = false;
+    const void* send_data = nullptr;
+    void* recv_data = nullptr;
+    size_t bytes = 0;
+    OpState state = OpState::kQueued;
+    Status status;
+  };
+
+  struct RankState {
+    std::condition_variable cv;           // signalled when an op of this rank changes state
+    std::deque<Op*> posted_recvs;         // receives of this rank not yet matched
+    std::deque<Op*> unexpected_sends;     // sends to this rank not yet matched
+    std::unordered_map<RequestId, std::unique_ptr<Op>> ops;  // owned, not yet released
+    bool connected = false;
+    bool killed = false;
+    LoopbackStats stats;
+  };
+
+  // Endpoint operations; `rank` is the caller.
+  StatusOr<RequestId> Post(int rank, bool is_send, int peer, Tag tag, const void* send_data,
+                           void* recv_data, size_t bytes);
+  StatusOr<bool> Test(int rank, RequestId request);
+  Status WaitAll(int rank, const RequestId* requests, size_t n, Deadline deadline);
+  StatusOr<size_t> WaitAny(int rank, const RequestId* requests, size_t n, Deadline deadline);
+  void Cancel(int rank, RequestId request);
+  void Disconnect(int rank);
+
+  // Copies `send` into `recv` (outside the lock) and completes both.
+  void Complete(std::unique_lock<std::mutex>& lock, Op* send, Op* recv);
+  // Marks `op` done with `status` and wakes its owner. Lock held.
+  void FinishLocked(Op* op, Status status);
+  // Removes `op` from the match queues, waiting out a copy in progress, and
+  // releases it. Lock held.
+  void ReleaseLocked(std::unique_lock<std::mutex>& lock, int rank, RequestId request);
+  Op* FindLocked(int rank, RequestId request);
+
+  const int size_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<RankState>> ranks_;
+  RequestId next_id_ = 1;
+};
+
+}  // namespace ddp::transport::p2p
+
+#endif  // DDP_TRANSPORT_P2P_LOOPBACK_H_

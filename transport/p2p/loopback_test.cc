@@ -1,0 +1,279 @@
+#include "transport/p2p/loopback.h"
+
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ddp::transport::p2p {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+Deadline Soon() { return DeadlineIn(5000ms); }
+
+std::vector<std::unique_ptr<PointToPoint>> ConnectAll(LoopbackHub& hub) {
+  std::vector<std::unique_ptr<PointToPoint>> eps;
+  for (int r = 0; r < hub.size(); ++r) {
+    auto ep = hub.Connect(r);
+    EXPECT_TRUE(ep.ok()) << ep.status();
+    eps.push_back(std::move(ep).value());
+  }
+  return eps;
+}
+
+TEST(LoopbackTest, ReceiveBeforeSendAndSendBeforeReceiveBothDeliver) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  int a = 0, b = 0;
+  const int x = 41, y = 42;
+  // Receive posted first.
+  auto r1 = eps[1]->PostRecv(0, 7, &a, sizeof(a));
+  ASSERT_TRUE(r1.ok());
+  auto s1 = eps[0]->PostSend(1, 7, &x, sizeof(x));
+  ASSERT_TRUE(s1.ok());
+  // Send posted first (unexpected message).
+  auto s2 = eps[0]->PostSend(1, 8, &y, sizeof(y));
+  ASSERT_TRUE(s2.ok());
+  auto r2 = eps[1]->PostRecv(0, 8, &b, sizeof(b));
+  ASSERT_TRUE(r2.ok());
+  EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{*r1, *r2}, Soon()).ok());
+  EXPECT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{*s1, *s2}, Soon()).ok());
+  EXPECT_EQ(a, 41);
+  EXPECT_EQ(b, 42);
+  EXPECT_EQ(hub.Stats(0).bytes_sent, 2 * sizeof(int));
+  EXPECT_EQ(hub.Stats(1).messages_received, 2u);
+}
+
+TEST(LoopbackTest, SameSourceAndTagMatchInPostingOrder) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  const int v[3] = {1, 2, 3};
+  std::vector<RequestId> sends;
+  for (const int& x : v) sends.push_back(*eps[0]->PostSend(1, 5, &x, sizeof(x)));
+  int got[3] = {};
+  std::vector<RequestId> recvs;
+  for (int& g : got) recvs.push_back(*eps[1]->PostRecv(0, 5, &g, sizeof(g)));
+  ASSERT_TRUE(eps[1]->WaitAll(recvs, Soon()).ok());
+  ASSERT_TRUE(eps[0]->WaitAll(sends, Soon()).ok());
+  EXPECT_EQ(got[0], 1);
+  EXPECT_EQ(got[1], 2);
+  EXPECT_EQ(got[2], 3);
+}
+
+TEST(LoopbackTest, TagsAndSourcesKeepMessagesApart) {
+  LoopbackHub hub(3);
+  auto eps = ConnectAll(hub);
+  const int from0 = 10, from1 = 11, tag9 = 99;
+  auto s0 = *eps[0]->PostSend(2, 1, &from0, sizeof(int));
+  auto s9 = *eps[0]->PostSend(2, 9, &tag9, sizeof(int));
+  auto s1 = *eps[1]->PostSend(2, 1, &from1, sizeof(int));
+  int g9 = 0, g1 = 0, g0 = 0;
+  auto r9 = *eps[2]->PostRecv(0, 9, &g9, sizeof(int));
+  auto r1 = *eps[2]->PostRecv(1, 1, &g1, sizeof(int));
+  auto r0 = *eps[2]->PostRecv(0, 1, &g0, sizeof(int));
+  ASSERT_TRUE(eps[2]->WaitAll(std::vector<RequestId>{r9, r1, r0}, Soon()).ok());
+  EXPECT_EQ(g9, 99);
+  EXPECT_EQ(g1, 11);
+  EXPECT_EQ(g0, 10);
+  EXPECT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s0, s9}, Soon()).ok());
+  EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{s1}, Soon()).ok());
+}
+
+TEST(LoopbackTest, SendCompletesOnlyWhenReceived) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  const int x = 5;
+  auto s = *eps[0]->PostSend(1, 1, &x, sizeof(x));
+  auto t = eps[0]->Test(s);
+  ASSERT_TRUE(t.ok());
+  EXPECT_FALSE(*t);
+  int y = 0;
+  auto r = *eps[1]->PostRecv(0, 1, &y, sizeof(y));
+  auto tr = eps[1]->Test(r);
+  ASSERT_TRUE(tr.ok());
+  EXPECT_TRUE(*tr);
+  t = eps[0]->Test(s);
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE(*t);
+  // A released handle is unknown afterwards.
+  EXPECT_EQ(eps[0]->Test(s).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LoopbackTest, SizeMismatchFailsTheReceiveWithBothSizes) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  const int64_t big = 7;
+  int32_t small = -1;
+  auto s = *eps[0]->PostSend(1, 3, &big, sizeof(big));
+  auto r = *eps[1]->PostRecv(0, 3, &small, sizeof(small));
+  Status st = eps[1]->WaitAll(std::vector<RequestId>{r}, Soon());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("sent 8 bytes"));
+  EXPECT_THAT(st.message(), HasSubstr("expected 4"));
+  EXPECT_EQ(small, -1);  // nothing written
+  EXPECT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
+}
+
+TEST(LoopbackTest, WaitTimesOutAtTheDeadlineNamingThePeer) {
+  LoopbackHub hub(3);
+  auto eps = ConnectAll(hub);
+  int y = 0;
+  auto r = *eps[1]->PostRecv(2, 4, &y, sizeof(y));
+  const auto start = Clock::now();
+  Status st = eps[1]->WaitAll(std::vector<RequestId>{r}, DeadlineIn(100ms));
+  const auto waited = Clock::now() - start;
+  EXPECT_EQ(st.code(), StatusCode::kTimedOut);
+  EXPECT_THAT(st.message(), HasSubstr("from rank 2"));
+  EXPECT_GE(waited, 100ms);
+  EXPECT_LT(waited, 2000ms);
+  // The handle was released (cancelled): a late send does not land in y.
+  const int x = 9;
+  auto s = *eps[2]->PostSend(1, 4, &x, sizeof(x));
+  EXPECT_FALSE(*eps[2]->Test(s));
+  eps[2]->Cancel(s);
+  EXPECT_EQ(y, 0);
+}
+
+TEST(LoopbackTest, WaitAnyReturnsTheCompletedIndexAndKeepsTheOthers) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  int a = 0, b = 0;
+  auto ra = *eps[1]->PostRecv(0, 1, &a, sizeof(a));
+  auto rb = *eps[1]->PostRecv(0, 2, &b, sizeof(b));
+  const int x = 3;
+  auto s = *eps[0]->PostSend(1, 2, &x, sizeof(x));
+  auto idx = eps[1]->WaitAny(std::vector<RequestId>{ra, rb}, Soon());
+  ASSERT_TRUE(idx.ok());
+  EXPECT_EQ(*idx, 1u);
+  EXPECT_EQ(b, 3);
+  auto again = eps[1]->WaitAny(std::vector<RequestId>{ra}, DeadlineIn(20ms));
+  EXPECT_EQ(again.status().code(), StatusCode::kTimedOut);
+  eps[1]->Cancel(ra);
+  EXPECT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
+}
+
+TEST(LoopbackTest, CancelledReceiveLetsTheMessageGoToTheNextOne) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  int a = 0, b = 0;
+  auto ra = *eps[1]->PostRecv(0, 1, &a, sizeof(a));
+  eps[1]->Cancel(ra);
+  auto rb = *eps[1]->PostRecv(0, 1, &b, sizeof(b));
+  const int x = 8;
+  auto s = *eps[0]->PostSend(1, 1, &x, sizeof(x));
+  ASSERT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{rb}, Soon()).ok());
+  ASSERT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
+  EXPECT_EQ(a, 0);
+  EXPECT_EQ(b, 8);
+}
+
+TEST(LoopbackTest, SendToSelfAndEmptyMessagesWork) {
+  LoopbackHub hub(1);
+  auto eps = ConnectAll(hub);
+  const int x = 12;
+  int y = 0;
+  auto s = *eps[0]->PostSend(0, 1, &x, sizeof(x));
+  auto r = *eps[0]->PostRecv(0, 1, &y, sizeof(y));
+  auto s0 = *eps[0]->PostSend(0, 2, nullptr, 0);
+  auto r0 = *eps[0]->PostRecv(0, 2, nullptr, 0);
+  ASSERT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s, r, s0, r0}, Soon()).ok());
+  EXPECT_EQ(y, 12);
+}
+
+TEST(LoopbackTest, BadArgumentsAreNamed) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  int x = 0;
+  auto bad_peer = eps[0]->PostSend(2, 1, &x, sizeof(x));
+  EXPECT_EQ(bad_peer.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_peer.status().message(), HasSubstr("peer 2 is outside [0, 2)"));
+  auto bad_tag = eps[0]->PostRecv(1, kMaxTag + 1, &x, sizeof(x));
+  EXPECT_EQ(bad_tag.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_tag.status().message(), HasSubstr("tag"));
+  auto null_buf = eps[0]->PostRecv(1, 1, nullptr, 4);
+  EXPECT_EQ(null_buf.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(null_buf.status().message(), HasSubstr("null buffer"));
+  auto twice = hub.Connect(1);
+  EXPECT_EQ(twice.status().code(), StatusCode::kFailedPrecondition);
+  auto outside = hub.Connect(-1);
+  EXPECT_EQ(outside.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LoopbackTest, KillFailsPeersWithPeerLostAndTheVictimWithAborted) {
+  LoopbackHub hub(3);
+  auto eps = ConnectAll(hub);
+  int y = 0;
+  auto r = *eps[0]->PostRecv(1, 1, &y, sizeof(y));
+  const int x = 1;
+  auto queued_from_victim = *eps[1]->PostSend(2, 1, &x, sizeof(x));
+  auto victim_recv = *eps[1]->PostRecv(0, 1, &y, sizeof(y));
+
+  // A waiter blocked in another thread is woken by the kill.
+  Status blocked;
+  std::thread waiter([&] { blocked = eps[0]->WaitAll(std::vector<RequestId>{r}, Soon()); });
+  std::this_thread::sleep_for(20ms);
+  const auto start = Clock::now();
+  hub.Kill(1);
+  waiter.join();
+  EXPECT_LT(Clock::now() - start, 1000ms);
+  EXPECT_EQ(blocked.code(), StatusCode::kPeerLost);
+  EXPECT_THAT(blocked.message(), HasSubstr("rank 1 was lost"));
+  EXPECT_TRUE(hub.IsKilled(1));
+
+  // The dead rank's queued message is dropped, not delivered.
+  int z = 0;
+  auto late = eps[2]->PostRecv(1, 1, &z, sizeof(z));
+  EXPECT_EQ(late.status().code(), StatusCode::kPeerLost);
+  EXPECT_EQ(z, 0);
+  // The victim's own operations report that it was killed.
+  EXPECT_EQ(eps[1]->WaitAll(std::vector<RequestId>{queued_from_victim}, Soon()).code(),
+            StatusCode::kAborted);
+  EXPECT_EQ(eps[1]->WaitAll(std::vector<RequestId>{victim_recv}, Soon()).code(),
+            StatusCode::kAborted);
+  EXPECT_EQ(eps[1]->PostSend(0, 1, &x, sizeof(x)).status().code(), StatusCode::kAborted);
+  EXPECT_EQ(eps[0]->PostSend(1, 1, &x, sizeof(x)).status().code(), StatusCode::kPeerLost);
+  // Ranks that do not involve the dead one keep working.
+  auto s = *eps[0]->PostSend(2, 5, &x, sizeof(x));
+  auto r2 = *eps[2]->PostRecv(0, 5, &z, sizeof(z));
+  EXPECT_TRUE(eps[2]->WaitAll(std::vector<RequestId>{r2}, Soon()).ok());
+  EXPECT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
+}
+
+// Many threads pass large and small messages around a ring concurrently.
+TEST(LoopbackTest, ThreadsExchangeConcurrentlyAroundARing) {
+  constexpr int kRanks = 8;
+  constexpr int kRounds = 200;
+  LoopbackHub hub(kRanks);
+  auto eps = ConnectAll(hub);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      PointToPoint& ep = *eps[r];
+      const int next = (r + 1) % kRanks, prev = (r + kRanks - 1) % kRanks;
+      std::vector<int> out(1000), in(1000);
+      for (int round = 0; round < kRounds; ++round) {
+        std::iota(out.begin(), out.end(), r * 1000000 + round);
+        auto rr = ep.PostRecv(prev, round, in.data(), in.size() * sizeof(int));
+        auto ss = ep.PostSend(next, round, out.data(), out.size() * sizeof(int));
+        if (!rr.ok() || !ss.ok() ||
+            !ep.WaitAll(std::vector<RequestId>{*rr, *ss}, Soon()).ok() ||
+            in[999] != prev * 1000000 + round + 999) {
+          ++failures;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+}  // namespace
+}  // namespace ddp::transport::p2p
