@@ -120,6 +120,15 @@ IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expecte
   return out;
 }
 
+IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& source,
+                           int expected_dims, uint64_t max_decompressed_bytes) {
+  if (internal::IsGzip(file_bytes)) {
+    return ParseIdx(internal::Gunzip(file_bytes, source, max_decompressed_bytes), source,
+                    expected_dims);
+  }
+  return ParseIdx(file_bytes, source, expected_dims);
+}
+
 IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
   return ParseIdx(internal::ReadMaybeGzipFile(path), path, expected_dims);
 }

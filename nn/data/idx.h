@@ -33,6 +33,13 @@ struct IdxArray {
 /// > 0, is the required number of dimensions.
 IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expected_dims = 0);
 
+/// Parses the bytes of an IDX file as stored: gzip-compressed (detected by
+/// its magic) or plain. Decompressed output above `max_decompressed_bytes`
+/// is an error. The whole reader without the file system, for fuzzing.
+IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& source,
+                           int expected_dims = 0,
+                           uint64_t max_decompressed_bytes = uint64_t{4} << 30);
+
 /// Reads and parses an IDX file, gzip-compressed or not.
 IdxArray ReadIdxFile(const std::string& path, int expected_dims = 0);
 

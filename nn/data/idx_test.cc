@@ -184,6 +184,13 @@ TEST(IdxErrors, TruncatedGzip) {
               AllOf(HasSubstr(dir + "/x.gz"), HasSubstr("truncated")));
 }
 
+TEST(IdxErrors, DecompressedSizeIsBounded) {
+  const std::string big = IdxBytes({1 << 20}, std::string(1 << 20, 'x'));
+  EXPECT_EQ(ParseIdxFileBytes(Gzip(big), "big.gz").data.size(), 1u << 20);
+  EXPECT_THAT(ErrorOf([&] { ParseIdxFileBytes(Gzip(big), "big.gz", 0, 4096); }),
+              AllOf(HasSubstr("big.gz"), HasSubstr("more than 4096 bytes")));
+}
+
 TEST(IdxErrors, UnreadableFileNamesTheOsError) {
   const std::string dir = FreshDir("idx_dir");
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/nope"); }),

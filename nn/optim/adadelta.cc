@@ -1,5 +1,7 @@
 #include "nn/optim/adadelta.h"
 
+#include "nn/optim/kernel_util.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -24,17 +26,23 @@ void Adadelta::Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale
   const T eps = static_cast<T>(options_.eps);
   const T wd = static_cast<T>(options_.weight_decay);
   const T neg_lr = static_cast<T>(-lr());
-  const bool use_wd = options_.weight_decay != 0;
-  for (int64_t i = 0; i < n; ++i) {
-    T gi = g[i] * grad_scale;
-    if (use_wd) gi = gi + wd * p[i];
-    const T s = sq[i] * rho + one_rho * gi * gi;
-    sq[i] = s;
-    const T std_dev = std::sqrt(s + eps);
-    const T delta = std::sqrt(acc[i] + eps) / std_dev * gi;
-    acc[i] = acc[i] * rho + one_rho * delta * delta;
-    p[i] = p[i] + neg_lr * delta;
-  }
+  T* __restrict__ pr = p;
+  const T* __restrict__ gr = g;
+  T* __restrict__ sqr = sq;
+  T* __restrict__ accr = acc;
+  auto loop = [&](auto use_wd) {
+    for (int64_t i = 0; i < n; ++i) {
+      T gi = gr[i] * grad_scale;
+      if constexpr (use_wd) gi = gi + wd * pr[i];
+      const T s = sqr[i] * rho + one_rho * gi * gi;
+      sqr[i] = s;
+      const T std_dev = std::sqrt(s + eps);
+      const T delta = std::sqrt(accr[i] + eps) / std_dev * gi;
+      accr[i] = accr[i] * rho + one_rho * delta * delta;
+      pr[i] = pr[i] + neg_lr * delta;
+    }
+  };
+  internal::WithFlag(options_.weight_decay != 0, loop);
 }
 
 void Adadelta::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t,

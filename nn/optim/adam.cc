@@ -1,5 +1,7 @@
 #include "nn/optim/adam.h"
 
+#include "nn/optim/kernel_util.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -51,25 +53,35 @@ void Adam::Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T 
   const T eps = static_cast<T>(options_.eps);
   const T wd = static_cast<T>(options_.weight_decay);
   const T decay = static_cast<T>(1.0 - lr() * options_.weight_decay);
-  const bool coupled_wd = !decoupled_ && options_.weight_decay != 0;
-  const bool decoupled_wd = decoupled_;
-  for (int64_t i = 0; i < n; ++i) {
-    T gi = g[i] * grad_scale;
-    T pi = p[i];
-    if (coupled_wd) gi = gi + wd * pi;
-    if (decoupled_wd) pi = pi * decay;
-    const T mi = m[i] * b1 + one_b1 * gi;
-    const T vi = v[i] * b2 + one_b2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    T s = vi;
-    if (vmax) {
-      s = vmax[i] > vi ? vmax[i] : vi;
-      vmax[i] = s;
+  T* __restrict__ pr = p;
+  const T* __restrict__ gr = g;
+  T* __restrict__ mr = m;
+  T* __restrict__ vr = v;
+  T* __restrict__ vmr = vmax;
+  auto loop = [&](auto coupled_wd, auto decoupled_wd, auto amsgrad) {
+    for (int64_t i = 0; i < n; ++i) {
+      T gi = gr[i] * grad_scale;
+      T pi = pr[i];
+      if constexpr (coupled_wd) gi = gi + wd * pi;
+      if constexpr (decoupled_wd) pi = pi * decay;
+      const T mi = mr[i] * b1 + one_b1 * gi;
+      const T vi = vr[i] * b2 + one_b2 * gi * gi;
+      mr[i] = mi;
+      vr[i] = vi;
+      T s = vi;
+      if constexpr (amsgrad) {
+        s = vmr[i] > vi ? vmr[i] : vi;
+        vmr[i] = s;
+      }
+      const T denom = std::sqrt(s) / bc2_sqrt + eps;
+      pr[i] = pi + neg_step_size * (mi / denom);
     }
-    const T denom = std::sqrt(s) / bc2_sqrt + eps;
-    p[i] = pi + neg_step_size * (mi / denom);
-  }
+  };
+  internal::WithFlag(!decoupled_ && options_.weight_decay != 0, [&](auto c) {
+    internal::WithFlag(decoupled_, [&](auto d) {
+      internal::WithFlag(options_.amsgrad, [&](auto a) { loop(c, d, a); });
+    });
+  });
 }
 
 void Adam::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,

@@ -1,5 +1,7 @@
 #include "nn/optim/sgd.h"
 
+#include "nn/optim/kernel_util.h"
+
 #include <stdexcept>
 #include <string>
 
@@ -26,20 +28,37 @@ void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale
   const T mom = static_cast<T>(options_.momentum);
   const T keep = static_cast<T>(1.0 - options_.dampening);
   const T neg_lr = static_cast<T>(-lr());
-  const bool use_wd = options_.weight_decay != 0;
-  const bool use_mom = options_.momentum != 0;
-  const bool first = step == 1;
-  const bool nesterov = options_.nesterov;
-  for (int64_t i = 0; i < n; ++i) {
-    T d = g[i] * grad_scale;
-    if (use_wd) d = d + wd * p[i];
-    if (use_mom) {
-      T b = first ? d : buf[i] * mom + keep * d;
-      buf[i] = b;
-      d = nesterov ? d + mom * b : b;
+  T* __restrict__ pr = p;
+  const T* __restrict__ gr = g;
+  T* __restrict__ br = buf;
+  auto loop = [&](auto use_wd, auto use_mom, auto first, auto nesterov) {
+    for (int64_t i = 0; i < n; ++i) {
+      T d = gr[i] * grad_scale;
+      if constexpr (use_wd) d = d + wd * pr[i];
+      if constexpr (use_mom) {
+        T b;
+        if constexpr (first) {
+          b = d;
+        } else {
+          b = br[i] * mom + keep * d;
+        }
+        br[i] = b;
+        if constexpr (nesterov) {
+          d = d + mom * b;
+        } else {
+          d = b;
+        }
+      }
+      pr[i] = pr[i] + neg_lr * d;
     }
-    p[i] = p[i] + neg_lr * d;
-  }
+  };
+  internal::WithFlag(options_.weight_decay != 0, [&](auto w) {
+    internal::WithFlag(options_.momentum != 0, [&](auto m) {
+      internal::WithFlag(step == 1, [&](auto f) {
+        internal::WithFlag(options_.nesterov, [&](auto nv) { loop(w, m, f, nv); });
+      });
+    });
+  });
 }
 
 void Sgd::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
