@@ -46,6 +46,7 @@ const char* AlgorithmName(Algorithm algo) {
     case Algorithm::kTree: return "tree";
     case Algorithm::kRhd: return "rhd";
     case Algorithm::kHierarchical: return "hierarchical";
+    case Algorithm::kSharedMemory: return "shm";
   }
   return "unknown";
 }

@@ -46,9 +46,10 @@ enum class Algorithm : int {
   kTree = 2,          ///< Double binary tree, pipelined.
   kRhd = 3,           ///< Recursive halving-doubling (Rabenseifner).
   kHierarchical = 4,  ///< Inside each host, across hosts, inside each host.
+  kSharedMemory = 5,  ///< One host: shared memory and CMA, no UCX (transport/shm).
 };
 
-/// "auto", "ring", "tree", "rhd", "hierarchical".
+/// "auto", "ring", "tree", "rhd", "hierarchical", "shm".
 const char* AlgorithmName(Algorithm algo);
 
 using Clock = std::chrono::steady_clock;

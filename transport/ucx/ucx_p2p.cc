@@ -31,8 +31,10 @@ namespace {
 
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 
-ucp_tag_t WireTag(int source, p2p::Tag tag) {
-  return (static_cast<ucp_tag_t>(source) << p2p::kTagBits) | tag;
+constexpr ucp_tag_t kUserChannel = ucp_tag_t{1} << 63;
+
+ucp_tag_t WireTag(bool user, int source, p2p::Tag tag) {
+  return (user ? kUserChannel : 0) | (static_cast<ucp_tag_t>(source) << p2p::kTagBits) | tag;
 }
 
 }  // namespace
@@ -43,7 +45,7 @@ StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
     return InvalidArgumentError("rank " + std::to_string(options.rank) +
                                 " is outside a world of size " + std::to_string(options.size));
   }
-  if (options.size > (1 << (64 - p2p::kTagBits - 1))) {
+  if (options.size > (1 << (64 - p2p::kTagBits - 2))) {
     return InvalidArgumentError("world size " + std::to_string(options.size) +
                                 " does not fit in the tag's rank bits");
   }
@@ -275,6 +277,26 @@ void UcxPointToPoint::RecvCallback(void* request, ucs_status_t status,
 
 StatusOr<p2p::RequestId> UcxPointToPoint::PostSend(int peer, p2p::Tag tag, const void* data,
                                                    size_t bytes) {
+  return Send(false, peer, tag, data, bytes);
+}
+
+StatusOr<p2p::RequestId> UcxPointToPoint::PostUserSend(int peer, p2p::Tag tag, const void* data,
+                                                       size_t bytes) {
+  return Send(true, peer, tag, data, bytes);
+}
+
+StatusOr<p2p::RequestId> UcxPointToPoint::PostRecv(int peer, p2p::Tag tag, void* data,
+                                                   size_t bytes) {
+  return Recv(false, peer, tag, data, bytes);
+}
+
+StatusOr<p2p::RequestId> UcxPointToPoint::PostUserRecv(int peer, p2p::Tag tag, void* data,
+                                                       size_t bytes) {
+  return Recv(true, peer, tag, data, bytes);
+}
+
+StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag,
+                                               const void* data, size_t bytes) {
   DDP_RETURN_IF_ERROR(CheckPeer(peer, "send to"));
   DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(true, peer, tag, bytes));
   ucp_request_param_t param;
@@ -288,7 +310,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::PostSend(int peer, p2p::Tag tag, const
     }
   }
   void* request = ucp_tag_send_nbx(endpoints_[peer], data, bytes,
-                                   WireTag(options_.rank, tag), &param);
+                                   WireTag(user, options_.rank, tag), &param);
   if (UCS_PTR_IS_ERR(request)) {
     Release(slot);
     return FromUcs(UCS_PTR_STATUS(request), "tag send to rank " + std::to_string(peer));
@@ -301,8 +323,8 @@ StatusOr<p2p::RequestId> UcxPointToPoint::PostSend(int peer, p2p::Tag tag, const
   return IdOf(slot);
 }
 
-StatusOr<p2p::RequestId> UcxPointToPoint::PostRecv(int peer, p2p::Tag tag, void* data,
-                                                   size_t bytes) {
+StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag, void* data,
+                                               size_t bytes) {
   DDP_RETURN_IF_ERROR(CheckPeer(peer, "receive from"));
   DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(false, peer, tag, bytes));
   ucp_request_param_t param;
@@ -320,7 +342,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::PostRecv(int peer, p2p::Tag tag, void*
       param.memh = memh;
     }
   }
-  void* request = ucp_tag_recv_nbx(worker_->get(), data, bytes, WireTag(peer, tag), kFullMask,
+  void* request = ucp_tag_recv_nbx(worker_->get(), data, bytes, WireTag(user, peer, tag), kFullMask,
                                    &param);
   if (UCS_PTR_IS_ERR(request)) {
     Release(slot);
@@ -389,6 +411,9 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
   if (idle_polls >= options_.idle_polls_before_backoff) {
     switch (options_.idle_mode) {
       case IdleMode::kSpin:
+        // Even with a core per rank, a long idle stretch means the peer is
+        // not running (a busy machine): let it have the core.
+        if (idle_polls >= 16 * options_.idle_polls_before_backoff) sched_yield();
         break;
       case IdleMode::kYield:
         sched_yield();

@@ -5,8 +5,10 @@
 // p2p::PointToPoint between processes.
 //
 // Tags: the algorithm's tag fills the low p2p::kTagBits bits; the sender's
-// rank fills the bits above, and receives match all 64 bits, so a receive
-// from rank 3 never takes a message from rank 5 that carries the same tag.
+// rank fills the bits above (up to bit 62), and receives match all 64 bits,
+// so a receive from rank 3 never takes a message from rank 5 that carries
+// the same tag. Bit 63 separates the user's Send/Recv messages (PostUser*)
+// from the collectives' messages, so neither can match the other.
 //
 // Progress: all progress happens inside Test / WaitAll / WaitAny on the
 // calling thread. While idle a wait spins, yields the CPU or sleeps on the
@@ -34,7 +36,7 @@ namespace ddp::transport::ucx {
 
 /// What a wait does when the worker has nothing to progress.
 enum class IdleMode {
-  kSpin,   ///< Keep polling: lowest latency when every rank has its own core.
+  kSpin,   ///< Keep polling (yield only after long idle): a core per rank.
   kYield,  ///< sched_yield() between polls: ranks sharing cores let each other run.
   kSleep,  ///< Sleep on the worker's event fd (needs a context with wakeup).
 };
@@ -90,6 +92,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   const P2pOptions& options() const { return options_; }
   void set_idle_mode(IdleMode mode) { options_.idle_mode = mode; }
 
+  /// Like PostSend/PostRecv, on the user channel (Communicator::Send/Recv).
+  StatusOr<p2p::RequestId> PostUserSend(int peer, p2p::Tag tag, const void* data, size_t bytes);
+  StatusOr<p2p::RequestId> PostUserRecv(int peer, p2p::Tag tag, void* data, size_t bytes);
+
   int rank() const override { return options_.rank; }
   int size() const override { return options_.size; }
   StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
@@ -120,6 +126,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   static void EndpointErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   Status CheckPeer(int peer, const char* what) const;
+  StatusOr<p2p::RequestId> Send(bool user, int peer, p2p::Tag tag, const void* data, size_t bytes);
+  StatusOr<p2p::RequestId> Recv(bool user, int peer, p2p::Tag tag, void* data, size_t bytes);
   StatusOr<Slot*> AllocateSlot(bool is_send, int peer, p2p::Tag tag, size_t bytes);
   Slot* Lookup(p2p::RequestId id) const;
   p2p::RequestId IdOf(const Slot* slot) const;

@@ -301,3 +301,33 @@ TEST(UcxPointToPoint, OperationsAfterCloseFail) {
 
 }  // namespace
 }  // namespace ddp::transport::ucx
+
+namespace ddp::transport::ucx {
+namespace {
+
+TEST(UcxPointToPoint, UserChannelNeverMatchesCollectiveMessages) {
+  auto ranks = MakeRanks(2);
+  RunRanks(ranks, [](UcxPointToPoint& p2p) {
+    const Deadline deadline = DeadlineIn(milliseconds(10000));
+    if (p2p.rank() == 0) {
+      int user = 0, collective = 0;
+      auto u = p2p.PostUserRecv(1, 7, &user, 4);
+      auto c = p2p.PostRecv(1, 7, &collective, 4);
+      ASSERT_TRUE(u.ok() && c.ok());
+      p2p::RequestId ids[] = {*u, *c};
+      ASSERT_TRUE(p2p.WaitAll(ids, deadline).ok());
+      EXPECT_EQ(user, 111);
+      EXPECT_EQ(collective, 222);
+    } else {
+      int collective = 222, user = 111;
+      auto c = p2p.PostSend(0, 7, &collective, 4);  // sent first, same tag
+      auto u = p2p.PostUserSend(0, 7, &user, 4);
+      ASSERT_TRUE(u.ok() && c.ok());
+      p2p::RequestId ids[] = {*c, *u};
+      ASSERT_TRUE(p2p.WaitAll(ids, deadline).ok());
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ddp::transport::ucx

@@ -1,0 +1,42 @@
+#ifndef DDP_TRANSPORT_SHM_SEGMENT_H_
+#define DDP_TRANSPORT_SHM_SEGMENT_H_
+
+// A POSIX shared-memory segment mapped by every rank of one host. Rank 0 of
+// the group creates it under a fresh name and posts the name in the store;
+// the others map it; once all have mapped it the name is unlinked, so a
+// crash later leaves nothing behind in /dev/shm.
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "transport/status.h"
+#include "transport/store/store.h"
+#include "transport/types.h"
+
+namespace ddp::transport::shm {
+
+class Segment {
+ public:
+  /// Collective over the `group_size` ranks of the group (keys under
+  /// `key_prefix`): creates (group_rank 0) or maps a segment of `bytes`.
+  static StatusOr<std::unique_ptr<Segment>> CreateShared(store::Store& store,
+                                                         const std::string& key_prefix,
+                                                         int group_rank, int group_size,
+                                                         size_t bytes, Deadline deadline);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Segment(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
+  void* data_;
+  size_t bytes_;
+};
+
+}  // namespace ddp::transport::shm
+
+#endif  // DDP_TRANSPORT_SHM_SEGMENT_H_

@@ -1,0 +1,106 @@
+#ifndef DDP_TRANSPORT_SHM_SHM_ALLREDUCE_H_
+#define DDP_TRANSPORT_SHM_SHM_ALLREDUCE_H_
+
+// All-reduce among ranks of one host through shared memory and cross-memory
+// attach (CMA, process_vm_readv), without UCX on the data path.
+//
+// Why: on a host, UCX's tag protocol adds a rendezvous handshake and a
+// receive into a separate buffer before the reduction can read it. Here each
+// rank owns a slice of the vector (reduce-scatter) and reads the peers'
+// pieces of it straight out of their buffers, one cache-sized chunk at a
+// time, reducing each chunk while it is still in cache; then it reads the
+// other reduced slices straight into its output (all-gather). That is one
+// copy per byte and no handshake. Small vectors go through per-rank staging
+// areas in the segment instead, where a copy costs less than a system call.
+// docs/benchmarks.md has the measurements behind the thresholds.
+//
+// Protocol (per call, sequence number s, same on every rank):
+//   1. publish buffer addresses, count, dtype and op; arrived = s
+//   2. wait until every rank arrived; counts, dtypes and ops must agree
+//   3. reduce own slice from every rank's input; reduced = s
+//   4. for each rank q, once reduced_q = s, copy its slice
+//   5. finished = s; (CMA path) wait until every rank finished, since peers
+//      read this rank's buffers until then. The staging path instead waits,
+//      at the start of the next call, until the peers finished reading.
+// Every wait has a deadline and runs the watchdog about every 100 ms.
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/shm/segment.h"
+#include "transport/status.h"
+#include "transport/store/store.h"
+#include "transport/types.h"
+
+namespace ddp::transport::shm {
+
+struct ShmOptions {
+  int rank = 0;             ///< Rank in the group (all ranks on this host).
+  int size = 1;
+  std::vector<int> pids;    ///< Per rank: its process id (for CMA).
+  /// Vectors up to this many bytes use the staging path.
+  size_t staging_bytes = 64 << 10;
+  /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
+  size_t chunk_bytes = 256 << 10;
+  /// Yield the CPU while waiting (when ranks outnumber cores).
+  bool yield_when_idle = false;
+  std::chrono::milliseconds watchdog_period{100};
+};
+
+class ShmAllReduce {
+ public:
+  /// Collective over the group: maps the shared segment. Fails with
+  /// UNAVAILABLE when CMA is not permitted between the ranks (the caller
+  /// then uses UCX alone).
+  static StatusOr<std::unique_ptr<ShmAllReduce>> Create(store::Store& store,
+                                                        const std::string& key_prefix,
+                                                        const ShmOptions& options,
+                                                        Deadline deadline);
+  ~ShmAllReduce();
+
+  /// recv[i] = op over ranks of send[i], i in [0, count). send may equal recv.
+  /// Must be called by every rank of the group in the same order.
+  Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                   Deadline deadline, const std::function<Status()>& watchdog);
+
+  /// Returns once every rank has called Barrier.
+  Status Barrier(Deadline deadline, const std::function<Status()>& watchdog);
+
+  const ShmOptions& options() const { return options_; }
+  void set_staging_bytes(size_t bytes);
+  void set_chunk_bytes(size_t bytes) { options_.chunk_bytes = bytes; }
+  size_t max_staging_bytes() const { return staging_capacity_; }
+
+  struct Control;
+
+ private:
+  ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& options,
+               size_t staging_capacity);
+
+  Control& control(int rank) const;
+  char* staging(int rank) const;
+  // Waits until `field` of every rank (or of `only`, if >= 0) reaches `value`.
+  Status WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
+                 Deadline deadline, const std::function<Status()>& watchdog,
+                 const char* phase);
+  Status CheckAgreement(size_t count, DataType dtype, ReduceOp op) const;
+  Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const;
+  Status StagedAllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                         ReduceOp op, Deadline deadline, const std::function<Status()>& watchdog);
+  Status DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                         ReduceOp op, Deadline deadline, const std::function<Status()>& watchdog);
+
+  std::unique_ptr<Segment> segment_;
+  ShmOptions options_;
+  size_t staging_capacity_;
+  uint64_t sequence_ = 0;
+  std::vector<char> chunk_;  // CMA landing buffer, reused across calls
+};
+
+}  // namespace ddp::transport::shm
+
+#endif  // DDP_TRANSPORT_SHM_SHM_ALLREDUCE_H_

@@ -1,0 +1,145 @@
+#include "transport/shm/shm_allreduce.h"
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <thread>
+#include <vector>
+
+#include "transport/testing/expected_values.h"
+#include "transport/testing/in_memory_store.h"
+
+namespace ddp::transport::shm {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::CountWrong;
+using testing::FillInput;
+
+// Ranks are threads of this process: CMA works within one process too, so
+// the protocol runs exactly as between processes (the communicator tests
+// run it between real processes).
+std::vector<std::unique_ptr<ShmAllReduce>> MakeGroup(int n, size_t staging_bytes,
+                                                     size_t chunk_bytes) {
+  testing::InMemoryStore store;
+  std::vector<std::unique_ptr<ShmAllReduce>> group(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      ShmOptions options{.rank = r, .size = n, .pids = std::vector<int>(n, getpid()),
+                         .staging_bytes = staging_bytes, .chunk_bytes = chunk_bytes,
+                         .yield_when_idle = true};
+      auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(10000)));
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      group[r] = std::move(*engine);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return group;
+}
+
+void RunRanks(int n, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+  for (auto& t : threads) t.join();
+}
+
+TEST(ShmAllReduce, SweepOfSizesDtypesOpsAndPlacement) {
+  for (int n : {1, 2, 3, 4}) {
+    // A 4 KiB staging limit and 1 KiB chunks so that modest sizes take both
+    // paths and the direct path runs several chunks per slice.
+    auto group = MakeGroup(n, 4096, 1024);
+    for (DataType dtype : {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
+                           DataType::kI32, DataType::kI64, DataType::kU8}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin,
+                          ReduceOp::kProd}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{3}, size_t{1001}, size_t{20000}}) {
+          for (bool in_place : {true, false}) {
+            RunRanks(n, [&](int r) {
+              const size_t bytes = count * DataTypeSize(dtype);
+              std::vector<char> send(bytes + 1), recv(bytes + 1, 0x5A);
+              FillInput(dtype, send.data(), count, r, op);
+              void* out = in_place ? send.data() : recv.data();
+              Status s = group[r]->AllReduce(send.data(), out, count, dtype, op,
+                                             DeadlineIn(milliseconds(10000)), nullptr);
+              ASSERT_TRUE(s.ok()) << s;
+              std::string first;
+              EXPECT_EQ(CountWrong(dtype, out, count, n, op, 0, &first), 0u)
+                  << n << " ranks " << DataTypeName(dtype) << " " << ReduceOpName(op) << " count "
+                  << count << (in_place ? " in place: " : ": ") << first;
+              // Nothing written past the end.
+              EXPECT_EQ(static_cast<char*>(out)[bytes], in_place ? 0 : 0x5A);
+            });
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ShmAllReduce, MismatchedCountsFailOnEveryRank) {
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(100, 1.0f);
+    const size_t count = r == 0 ? 100 : 50;
+    Status s = group[r]->AllReduce(data.data(), data.data(), count, DataType::kF32, ReduceOp::kSum,
+                                   DeadlineIn(milliseconds(5000)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("count 100"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("count 50"), std::string::npos) << s;
+  });
+}
+
+TEST(ShmAllReduce, AbsentPeerTimesOutNamingIt) {
+  auto group = MakeGroup(3, 4096, 1024);
+  // Rank 2 never calls.
+  RunRanks(2, [&](int r) {
+    float x = 1;
+    const auto start = Clock::now();
+    Status s = group[r]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
+                                   DeadlineIn(milliseconds(200)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+    EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
+    EXPECT_LT(Clock::now() - start, milliseconds(2000));
+  });
+}
+
+TEST(ShmAllReduce, WatchdogEndsTheWait) {
+  auto group = MakeGroup(2, 4096, 1024);
+  float x = 1;
+  Status s = group[0]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
+                                 DeadlineIn(milliseconds(10000)),
+                                 [] { return PeerLostError("rank 1 (pid 7) exited"); });
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+}
+
+TEST(ShmAllReduce, BarrierThenAllReduce) {
+  auto group = MakeGroup(3, 4096, 1024);
+  RunRanks(3, [&](int r) {
+    for (int round = 0; round < 20; ++round) {
+      ASSERT_TRUE(group[r]->Barrier(DeadlineIn(milliseconds(5000)), nullptr).ok());
+      std::vector<int32_t> v(round * 300);
+      FillInput(DataType::kI32, v.data(), v.size(), r, ReduceOp::kSum);
+      ASSERT_TRUE(group[r]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32, ReduceOp::kSum,
+                                      DeadlineIn(milliseconds(5000)), nullptr).ok());
+      EXPECT_EQ(CountWrong(DataType::kI32, v.data(), v.size(), 3, ReduceOp::kSum), 0u);
+    }
+  });
+}
+
+TEST(ShmAllReduce, BarrierAgainstAllReduceIsAMismatch) {
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    float x = 1;
+    Status s = r == 0 ? group[r]->Barrier(DeadlineIn(milliseconds(300)), nullptr)
+                      : group[r]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
+                                            DeadlineIn(milliseconds(300)), nullptr);
+    if (r == 1) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ddp::transport::shm

@@ -1,0 +1,139 @@
+#include "transport/testing/process_group.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace ddp::transport::testing {
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return 0;
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
+                                                           const std::vector<std::string>& args,
+                                                           const Env& env, int port,
+                                                           const std::map<int, Env>& rank_env) {
+  std::unique_ptr<ProcessGroup> group(new ProcessGroup());
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = tmp != nullptr ? tmp : "/tmp";
+  for (int rank = 0; rank < size; ++rank) {
+    std::map<std::string, std::string> vars;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const size_t eq = entry.find('=');
+      if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+    }
+    vars["RANK"] = std::to_string(rank);
+    vars["WORLD_SIZE"] = std::to_string(size);
+    vars["LOCAL_RANK"] = std::to_string(rank);
+    vars["LOCAL_WORLD_SIZE"] = std::to_string(size);
+    vars["MASTER_ADDR"] = "127.0.0.1";
+    vars["MASTER_PORT"] = std::to_string(port);
+    for (const auto& [k, v] : env) vars[k] = v;
+    if (auto it = rank_env.find(rank); it != rank_env.end()) {
+      for (const auto& [k, v] : it->second) vars[k] = v;
+    }
+    std::vector<std::string> env_strings;
+    for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (std::string& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+
+    std::vector<std::string> argv_strings = {"/proc/self/exe"};
+    argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& s : argv_strings) argv.push_back(s.data());
+    argv.push_back(nullptr);
+
+    const std::string log = dir + "/rank" + std::to_string(rank) + "." +
+                            std::to_string(getpid()) + "." + std::to_string(port) + ".log";
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      return InternalError("posix_spawn of rank " + std::to_string(rank) + ": " + std::strerror(rc));
+    }
+    group->pids_.push_back(pid);
+    group->logs_.push_back(log);
+    group->reaped_.push_back(false);
+  }
+  return group;
+}
+
+void ProcessGroup::Kill(int rank, int signal) {
+  if (!reaped_[rank]) kill(pids_[rank], signal);
+}
+
+std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
+  std::vector<WorkerResult> results(pids_.size());
+  size_t left = 0;
+  for (bool r : reaped_) left += r ? 0 : 1;
+  while (left > 0) {
+    for (size_t i = 0; i < pids_.size(); ++i) {
+      if (reaped_[i]) continue;
+      int status = 0;
+      const pid_t done = waitpid(pids_[i], &status, WNOHANG);
+      const bool late = Clock::now() >= deadline;
+      if (done == 0 && late) {
+        kill(pids_[i], SIGKILL);
+        waitpid(pids_[i], &status, 0);
+        results[i].timed_out = true;
+      } else if (done == 0) {
+        continue;
+      }
+      reaped_[i] = true;
+      --left;
+      if (WIFEXITED(status)) results[i].exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) results[i].signal = WTERMSIG(status);
+    }
+    if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (size_t i = 0; i < pids_.size(); ++i) {
+    std::ifstream in(logs_[i]);
+    std::stringstream text;
+    text << in.rdbuf();
+    results[i].output = text.str();
+    std::remove(logs_[i].c_str());
+  }
+  return results;
+}
+
+ProcessGroup::~ProcessGroup() {
+  for (size_t i = 0; i < pids_.size(); ++i) {
+    if (reaped_[i]) continue;
+    kill(pids_[i], SIGKILL);
+    waitpid(pids_[i], nullptr, 0);
+    std::remove(logs_[i].c_str());
+  }
+}
+
+}  // namespace ddp::transport::testing

@@ -1,0 +1,58 @@
+#ifndef DDP_TRANSPORT_TESTING_PROCESS_GROUP_H_
+#define DDP_TRANSPORT_TESTING_PROCESS_GROUP_H_
+
+// Runs N copies of the current test binary as the ranks of a job (posix_spawn
+// of /proc/self/exe with RANK, WORLD_SIZE, ... set), captures each one's
+// output, and never leaves a process behind: the destructor kills and reaps
+// whatever still runs.
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::testing {
+
+/// A TCP port that was free a moment ago (bound to port 0, then released).
+int FreePort();
+
+struct WorkerResult {
+  int exit_code = -1;   ///< Exit status, or -1 when killed by a signal.
+  int signal = 0;       ///< Terminating signal, or 0.
+  bool timed_out = false;
+  std::string output;   ///< stdout and stderr together.
+};
+
+class ProcessGroup {
+ public:
+  using Env = std::map<std::string, std::string>;
+  /// Starts `size` workers running `args` (argv[1...]) with the launch
+  /// variables of a one-host job on `port`, plus `env` for every rank and
+  /// `rank_env[r]` for rank r (overriding).
+  static StatusOr<std::unique_ptr<ProcessGroup>> Spawn(int size,
+                                                       const std::vector<std::string>& args,
+                                                       const Env& env, int port,
+                                                       const std::map<int, Env>& rank_env = {});
+  ~ProcessGroup();
+
+  /// Waits for every worker; kills those still running at `deadline`.
+  std::vector<WorkerResult> Wait(Deadline deadline);
+  /// Sends `signal` to rank `rank`.
+  void Kill(int rank, int signal);
+  pid_t pid(int rank) const { return pids_[rank]; }
+
+ private:
+  ProcessGroup() = default;
+  std::vector<pid_t> pids_;
+  std::vector<std::string> logs_;
+  std::vector<bool> reaped_;
+};
+
+}  // namespace ddp::transport::testing
+
+#endif  // DDP_TRANSPORT_TESTING_PROCESS_GROUP_H_
