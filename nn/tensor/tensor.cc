@@ -320,7 +320,7 @@ void Tensor::CheckNoHistoryLoss(const char* what) const {
   if (GradMode::IsEnabled() && requires_grad()) {
     throw std::logic_error(std::string("Tensor::") + what +
                            " on a tensor that requires grad would drop its autograd history; use "
-                           "the differentiable nn::" + what + " from nn/ops, or Detach() first");
+                           "the differentiable ops::" + what + " (nn/ops/functional.h), or Detach() first");
   }
 }
 

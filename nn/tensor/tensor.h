@@ -6,7 +6,7 @@
 // tensor (views such as View/Transpose/Narrow, and Contiguous, Clone, To)
 // throw when called on a tensor that requires grad while grad mode is on,
 // because the result would silently lose its history: use the
-// differentiable free functions of nn/ops (nn::Reshape, nn::Transpose, ...),
+// differentiable free functions of nn/ops/functional.h (ops::Reshape, ops::Transpose, ...),
 // or Detach() first when no gradient is wanted.
 #pragma once
 

@@ -1,0 +1,216 @@
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "nn/autograd/engine.h"
+#include "nn/autograd/function.h"
+#include "nn/ops/functional.h"
+#include "nn/ops/gradcheck.h"
+
+namespace ddp::nn::autograd {
+namespace {
+
+template <typename Fn>
+std::string ErrorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+Tensor Param(const Shape& shape, double value) {
+  return Full(shape, value, {.requires_grad = true});
+}
+
+TEST(AutogradTest, GradientsAccumulateAcrossBackwardCalls) {
+  Tensor w = Param({3}, 2.0);
+  Tensor x = FromVector({1, 2, 3}, {3});
+  for (int i = 0; i < 2; ++i) Backward(ops::Sum(ops::Mul(w, x)));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 4, 6}));
+}
+
+TEST(AutogradTest, DiamondGraphSumsBothPaths) {
+  Tensor x = Param({2}, 3.0);
+  Tensor a = ops::MulScalar(x, 2.0);
+  Tensor b = ops::Square(x);
+  Backward(ops::Sum(ops::Add(a, b)));  // d/dx (2x + x^2) = 2 + 2x = 8
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{8, 8}));
+}
+
+TEST(AutogradTest, SharedGradientIsNotAliasedBetweenLeaves) {
+  Tensor a = Param({2}, 1.0), b = Param({2}, 1.0);
+  Backward(ops::Sum(ops::Add(a, b)));  // both receive the same incoming gradient tensor
+  EXPECT_NE(a.grad().storage().get(), b.grad().storage().get());
+  Backward(ops::Sum(ops::MulScalar(a, 3.0)));
+  EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{4, 4}));
+  EXPECT_EQ(b.grad().ToVector<float>(), (std::vector<float>{1, 1}));
+}
+
+TEST(AutogradTest, HooksFireInReadinessOrderAfterAccumulation) {
+  // y = w3 * (w2 * (w1 * x)): w3's gradient is ready first.
+  Tensor w1 = Param({2}, 1.0), w2 = Param({2}, 2.0), w3 = Param({2}, 3.0);
+  Tensor x = FromVector({1, 1}, {2});
+  std::vector<std::string> order;
+  std::vector<float> seen;
+  auto hook = [&](const char* name) {
+    return [&, name](const Tensor& p) {
+      order.push_back(name);
+      seen.push_back(p.grad().ToVector<float>()[0]);
+    };
+  };
+  w1.RegisterPostAccumulateGradHook(hook("w1"));
+  w2.RegisterPostAccumulateGradHook(hook("w2"));
+  HookHandle h3 = w3.RegisterPostAccumulateGradHook(hook("w3"));
+  Backward(ops::Sum(ops::Mul(w3, ops::Mul(w2, ops::Mul(w1, x)))));
+  EXPECT_EQ(order, (std::vector<std::string>{"w3", "w2", "w1"}));
+  EXPECT_EQ(seen, (std::vector<float>{2, 3, 6}));  // .grad is already accumulated when the hook runs
+  h3.Remove();
+  order.clear();
+  Backward(ops::Sum(ops::Mul(w3, ops::Mul(w2, ops::Mul(w1, x)))));
+  EXPECT_EQ(order, (std::vector<std::string>{"w2", "w1"}));
+}
+
+TEST(AutogradTest, CallbacksRunOnceAtTheEndOfBackward) {
+  Tensor w1 = Param({2}, 1.0), w2 = Param({2}, 2.0);
+  std::vector<std::string> events;
+  w1.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    events.push_back("hook w1");
+    QueueCallback([&] {
+      events.push_back("callback");
+      QueueCallback([&] { events.push_back("nested callback"); });
+    });
+  });
+  w2.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    EXPECT_TRUE(InBackward());
+    events.push_back("hook w2");
+  });
+  Backward(ops::Sum(ops::Mul(w1, w2)));
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[2], "callback");
+  EXPECT_EQ(events[3], "nested callback");
+  EXPECT_FALSE(InBackward());
+  EXPECT_NE(ErrorOf([] { QueueCallback([] {}); }).find("outside a backward pass"), std::string::npos);
+}
+
+TEST(AutogradTest, GradAsBucketViewAccumulatesInPlace) {
+  Tensor w = Param({2, 3}, 1.0);
+  Tensor bucket = Zeros({10});
+  Tensor view = bucket.Narrow(0, 4, 6).View({2, 3});
+  view.Fill(1.0);
+  w.set_grad(view);
+  const void* before = w.grad().data_ptr();
+  Backward(ops::Sum(ops::MulScalar(w, 2.0)));
+  EXPECT_EQ(w.grad().data_ptr(), before);
+  const std::vector<float> b = bucket.ToVector<float>();
+  EXPECT_EQ(b[3], 0.0f);
+  for (int i = 4; i < 10; ++i) EXPECT_EQ(b[i], 3.0f);  // 1 (old) + 2 (new), written into the bucket
+}
+
+TEST(AutogradTest, NoGradGuardRecordsNothing) {
+  Tensor w = Param({2}, 1.0);
+  NoGradGuard guard;
+  Tensor y = ops::MulScalar(w, 2.0);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(y.is_leaf());
+}
+
+TEST(AutogradTest, SecondBackwardNeedsRetainGraph) {
+  Tensor w = Param({2}, 1.0);
+  Tensor loss = ops::Sum(ops::Mul(w, w));
+  Backward(loss);
+  const std::string err = ErrorOf([&] { Backward(loss); });
+  EXPECT_NE(err.find("second time"), std::string::npos) << err;
+  EXPECT_NE(err.find("MulBackward"), std::string::npos) << err;
+  Tensor loss2 = ops::Sum(ops::Mul(w, w));
+  Backward(loss2, Tensor(), /*retain_graph=*/true);
+  Backward(loss2);
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{6, 6}));
+}
+
+TEST(AutogradTest, InPlaceChangeOfASavedTensorIsReported) {
+  Tensor w = Param({2}, 1.0);
+  Tensor x = FromVector({1, 2}, {2});
+  Tensor loss = ops::Sum(ops::Mul(w, x));
+  x.Fill(5.0);
+  const std::string err = ErrorOf([&] { Backward(loss); });
+  EXPECT_NE(err.find("modified in place"), std::string::npos) << err;
+}
+
+TEST(AutogradTest, RootErrors) {
+  Tensor w = Param({2}, 1.0);
+  EXPECT_NE(ErrorOf([&] { Backward(ops::MulScalar(w, 2.0)); }).find("one-element root"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { Backward(Zeros({1})); }).find("does not require grad"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { Backward(ops::MulScalar(w, 2.0), Ones({3})); }).find("gradient of shape [3]"),
+            std::string::npos);
+}
+
+TEST(AutogradTest, RetainGradKeepsNonLeafGradient) {
+  Tensor w = Param({2}, 3.0);
+  Tensor h = ops::MulScalar(w, 2.0);
+  h.RetainGrad();
+  Backward(ops::Sum(ops::Square(h)));
+  EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{12, 12}));
+}
+
+// y = x * k with a hand-written backward; a second output carries x + 1.
+struct ScaleAndShift : Function<ScaleAndShift> {
+  static constexpr const char* kName = "ScaleAndShiftBackward";
+  static std::vector<Tensor> Forward(AutogradContext* ctx, const std::vector<Tensor>& in, double k) {
+    ctx->saved_data["k"] = k;
+    ctx->SaveForBackward({in[0]});
+    return {ops::MulScalar(in[0], k), ops::AddScalar(in[0], 1.0)};
+  }
+  static std::vector<Tensor> Backward(AutogradContext* ctx, const std::vector<Tensor>& g) {
+    EXPECT_TRUE(ctx->NeedsInputGrad(0));
+    EXPECT_EQ(ctx->GetSavedTensors().size(), 1u);
+    const double k = std::any_cast<double>(ctx->saved_data["k"]);
+    return {ops::Add(ops::MulScalar(g[0], k), g[1])};
+  }
+};
+
+TEST(CustomFunctionTest, ForwardAndBackward) {
+  Tensor x = Param({3}, 1.0);
+  std::vector<Tensor> out = ScaleAndShift::Apply({x}, 4.0);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].grad_fn()->name(), "ScaleAndShiftBackward");
+  // Only the first output is used: the second gradient arrives as zeros.
+  Backward(ops::Sum(out[0]));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{4, 4, 4}));
+  EXPECT_TRUE(testing::GradCheck(
+      [](const std::vector<Tensor>& in) {
+        auto o = ScaleAndShift::Apply({in[0]}, -2.0);
+        return ops::Add(ops::Square(o[0]), o[1]);
+      },
+      {testing::RandomLeaf({4}, 3)}));
+  // No input requires grad: nothing recorded.
+  EXPECT_FALSE(ScaleAndShift::Apply({Ones({2})}, 1.0)[0].requires_grad());
+}
+
+struct WrongCount : Function<WrongCount> {
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) { return {ops::Clone(in[0])}; }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) { return {g[0], g[0]}; }
+};
+
+// A deliberately wrong backward (factor 3 instead of 2): GradCheck must notice.
+struct WrongDerivative : Function<WrongDerivative> {
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {
+    return {ops::MulScalar(in[0], 2.0)};
+  }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) {
+    return {ops::MulScalar(g[0], 3.0)};
+  }
+};
+
+TEST(CustomFunctionTest, BadBackwardsAreReported) {
+  Tensor x = Param({2}, 1.0);
+  const std::string err = ErrorOf([&] { Backward(ops::Sum(WrongCount::Apply({x})[0])); });
+  EXPECT_NE(err.find("returned 2 gradients, expected 1"), std::string::npos) << err;
+  EXPECT_FALSE(testing::GradCheck([](const std::vector<Tensor>& in) { return WrongDerivative::Apply({in[0]})[0]; },
+                                  {testing::RandomLeaf({3}, 1)}));
+}
+
+}  // namespace
+}  // namespace ddp::nn::autograd

@@ -1,0 +1,195 @@
+#include "nn/autograd/engine.h"
+
+#include <mutex>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "nn/autograd/node.h"
+#include "nn/ops/dispatch.h"
+
+namespace ddp::nn::autograd {
+
+namespace {
+
+// State of one backward pass.
+struct GraphTask {
+  std::mutex mu;
+  std::vector<std::function<void()>> callbacks;
+};
+
+thread_local GraphTask* current_task = nullptr;
+
+class TaskScope {
+ public:
+  explicit TaskScope(GraphTask* task) { current_task = task; }
+  ~TaskScope() { current_task = nullptr; }
+};
+
+struct LaterFirst {
+  bool operator()(const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) const {
+    return a->sequence_nr() < b->sequence_nr();
+  }
+};
+
+// Sums gradient contributions arriving at one input of a node. A new tensor
+// is made rather than adding in place: the first contribution may be shared
+// with another consumer.
+void Accumulate(std::vector<Tensor>& buffer, uint32_t index, Tensor grad) {
+  if (buffer.size() <= index) buffer.resize(index + 1);
+  Tensor& slot = buffer[index];
+  if (!slot.defined()) {
+    slot = std::move(grad);
+    return;
+  }
+  if (grad.dtype() != slot.dtype()) grad = grad.To(slot.dtype());
+  Tensor sum = Empty(slot.shape(), {.dtype = slot.dtype(), .device = slot.device()});
+  DDP_KERNEL(sum.device(), binary)(ops::BinaryOp::kAdd, slot, grad, sum);
+  slot = std::move(sum);
+}
+
+void RunCallbacks(GraphTask& task) {
+  for (;;) {
+    std::vector<std::function<void()>> batch;
+    {
+      std::lock_guard<std::mutex> lock(task.mu);
+      batch.swap(task.callbacks);
+    }
+    if (batch.empty()) return;
+    for (auto& fn : batch) fn();
+  }
+}
+
+}  // namespace
+
+bool InBackward() { return current_task != nullptr; }
+
+void QueueCallback(std::function<void()> fn) {
+  if (current_task == nullptr) {
+    throw std::logic_error("QueueCallback called outside a backward pass (call it from a hook during Backward)");
+  }
+  std::lock_guard<std::mutex> lock(current_task->mu);
+  current_task->callbacks.push_back(std::move(fn));
+}
+
+void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {
+  if (current_task != nullptr) {
+    throw std::logic_error("Backward called from inside a backward pass on the same thread");
+  }
+  if (!grads.empty() && grads.size() != roots.size()) {
+    throw std::invalid_argument("Backward: " + std::to_string(roots.size()) + " roots but " +
+                                std::to_string(grads.size()) + " gradients");
+  }
+  GraphTask task;
+  TaskScope scope(&task);
+  GradModeGuard no_grad(false);
+
+  // Seeds.
+  std::vector<std::pair<Edge, Tensor>> seeds;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& root = roots[i];
+    if (!root.defined() || !root.requires_grad()) {
+      throw std::invalid_argument("Backward: root " + std::to_string(i) +
+                                  " does not require grad and has no grad_fn");
+    }
+    Tensor g = grads.empty() ? Tensor() : grads[i];
+    if (!g.defined()) {
+      if (root.numel() != 1) {
+        throw std::invalid_argument("Backward: a gradient can be implied only for a one-element root, root " +
+                                    std::to_string(i) + " has shape " + ShapeToString(root.shape()));
+      }
+      g = Ones(root.shape(), {.dtype = root.dtype(), .device = root.device()});
+    } else if (g.shape() != root.shape()) {
+      throw std::invalid_argument("Backward: gradient of shape " + ShapeToString(g.shape()) + " for root " +
+                                  std::to_string(i) + " of shape " + ShapeToString(root.shape()));
+    }
+    seeds.emplace_back(GradientEdge(root), g);
+  }
+
+  // Dependencies: how many edges point at each reachable node.
+  std::unordered_map<Node*, int> deps;
+  {
+    std::unordered_set<Node*> seen;
+    std::vector<Node*> stack;
+    for (auto& [edge, g] : seeds) {
+      if (seen.insert(edge.fn.get()).second) stack.push_back(edge.fn.get());
+    }
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      for (const Edge& e : n->next_edges()) {
+        if (!e.valid()) continue;
+        ++deps[e.fn.get()];
+        if (seen.insert(e.fn.get()).second) stack.push_back(e.fn.get());
+      }
+    }
+  }
+
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, LaterFirst> ready;
+  {
+    std::unordered_set<Node*> queued;
+    for (auto& [edge, g] : seeds) Accumulate(buffers[edge.fn.get()], edge.input_nr, g);
+    for (auto& [edge, g] : seeds) {
+      if (deps[edge.fn.get()] == 0 && queued.insert(edge.fn.get()).second) ready.push(edge.fn);
+    }
+  }
+
+  while (!ready.empty()) {
+    std::shared_ptr<Node> node = ready.top();
+    ready.pop();
+    std::vector<Tensor> in;
+    if (auto it = buffers.find(node.get()); it != buffers.end()) {
+      in = std::move(it->second);
+      buffers.erase(it);
+    }
+    in.resize(std::max<size_t>(in.size(), node->num_outputs()));
+    // Non-leaf tensors that asked to keep their gradient.
+    for (uint32_t i = 0; i < node->num_outputs(); ++i) {
+      if (!in[i].defined()) continue;
+      Tensor out = node->LiveOutput(i);
+      if (out.defined() && out.retains_grad()) {
+        AutogradMeta& meta = out.impl()->mutable_autograd();
+        if (meta.grad.defined()) {
+          DDP_KERNEL(meta.grad.device(), add_scaled_)(meta.grad, in[i], 1.0);
+        } else {
+          meta.grad = in[i].Clone();
+        }
+      }
+    }
+    bool any = false;
+    for (const Tensor& t : in) any = any || t.defined();
+    std::vector<Tensor> out_grads;
+    if (any) {
+      try {
+        out_grads = node->Apply(std::move(in));
+      } catch (const std::exception& e) {
+        throw std::runtime_error("in backward of " + node->name() + ": " + e.what());
+      }
+    }
+    if (!retain_graph) node->ReleaseSaved();
+    const auto& edges = node->next_edges();
+    if (any && out_grads.size() != edges.size()) {
+      throw std::logic_error(node->name() + " returned " + std::to_string(out_grads.size()) +
+                             " gradients for " + std::to_string(edges.size()) + " inputs");
+    }
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid()) continue;
+      if (any && out_grads[i].defined()) Accumulate(buffers[e.fn.get()], e.input_nr, std::move(out_grads[i]));
+      if (--deps[e.fn.get()] == 0) ready.push(e.fn);
+    }
+  }
+  RunCallbacks(task);
+}
+
+}  // namespace ddp::nn::autograd
+
+namespace ddp::nn {
+void Backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
+  autograd::Backward(std::vector<Tensor>{root},
+                     grad.defined() ? std::vector<Tensor>{grad} : std::vector<Tensor>{}, retain_graph);
+}
+}  // namespace ddp::nn

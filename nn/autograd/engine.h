@@ -1,0 +1,45 @@
+// The backward engine: runs the recorded graph from the roots in dependency
+// order, on the calling thread. Among nodes whose inputs are complete, the
+// most recently created runs first, and leaf accumulation runs as soon as it
+// is ready, so parameters' hooks fire in the order their gradients become
+// final (roughly reverse registration order for a sequential model).
+//
+// Threading: backward, the accumulation into .grad and every hook run on the
+// thread that called Backward. Code that shares gradient memory with other
+// threads (DDP's communication thread reading buckets) must synchronize on
+// its own; the engine takes no locks around .grad.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::autograd {
+
+/// Computes the gradients of `roots` with respect to every leaf that requires
+/// grad and is reachable, accumulating into .grad. grads[i] seeds root i; an
+/// empty or undefined entry means 1 and needs a one-element root. The graph's
+/// saved tensors are released unless retain_graph. Callbacks queued during
+/// the pass run before this returns. Throws on misuse (a root that does not
+/// require grad, a seed of the wrong shape, a second backward through a
+/// released graph, a saved tensor modified in place); an exception inside a
+/// node names the node.
+void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads = {},
+              bool retain_graph = false);
+
+/// Queues `fn` to run once when the backward pass running on this thread
+/// has processed every node, before Backward returns (callbacks may queue
+/// more). Throws when no backward pass is running on this thread.
+void QueueCallback(std::function<void()> fn);
+
+/// True while a backward pass runs on this thread (e.g. inside a hook).
+bool InBackward();
+
+}  // namespace ddp::nn::autograd
+
+namespace ddp::nn {
+/// Backward from one root (PyTorch's loss.backward()): nn::Backward(loss).
+/// Lives in ddp::nn so that it is found next to Tensor by argument lookup.
+void Backward(const Tensor& root, const Tensor& grad = Tensor(), bool retain_graph = false);
+}  // namespace ddp::nn

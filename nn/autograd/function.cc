@@ -1,0 +1,80 @@
+#include "nn/autograd/function.h"
+
+#include <stdexcept>
+
+namespace ddp::nn::autograd {
+
+void AutogradContext::SaveForBackward(const std::vector<Tensor>& tensors) {
+  saved_.clear();
+  for (const Tensor& t : tensors) saved_.emplace_back(t);
+}
+
+std::vector<Tensor> AutogradContext::GetSavedTensors() const {
+  std::vector<Tensor> out;
+  out.reserve(saved_.size());
+  for (const SavedTensor& s : saved_) out.push_back(s.Get());
+  return out;
+}
+
+std::vector<Tensor> CustomFunctionNode::Wire(const std::shared_ptr<CustomFunctionNode>& self,
+                                             const std::vector<Tensor>& inputs, std::vector<Tensor> outputs) {
+  std::vector<Edge> edges;
+  for (const Tensor& t : inputs) {
+    edges.push_back(GradientEdge(t));
+    self->input_meta_.push_back(t.defined() ? Meta{t.shape(), t.dtype(), t.device()}
+                                            : Meta{{}, DType::kFloat32, kCPU});
+  }
+  self->set_next_edges(std::move(edges));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    Tensor& t = outputs[i];
+    if (!t.defined()) throw std::invalid_argument(self->name_ + ": Forward returned an undefined tensor");
+    // An output that is one of the inputs (or already has history) gets its
+    // own handle, so that the input's history stays intact.
+    bool alias = t.grad_fn() != nullptr || t.requires_grad();
+    for (const Tensor& in : inputs) alias = alias || t.is_same(in);
+    if (alias) t = t.Detach();
+    self->output_meta_.push_back({t.shape(), t.dtype(), t.device()});
+    self->AddOutput(t);
+    if (!IsFloating(t.dtype())) continue;  // indices and counts carry no gradient
+    AutogradMeta& meta = t.impl()->mutable_autograd();
+    meta.requires_grad = true;
+    meta.grad_fn = self;
+    meta.output_nr = static_cast<uint32_t>(i);
+  }
+  return outputs;
+}
+
+std::vector<Tensor> CustomFunctionNode::Apply(std::vector<Tensor>&& grad_outputs) {
+  std::vector<Tensor> grads = std::move(grad_outputs);
+  grads.resize(output_meta_.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) {
+      const Meta& m = output_meta_[i];
+      grads[i] = Zeros(m.shape, {.dtype = m.dtype, .device = m.device});
+    }
+  }
+  std::vector<Tensor> result = backward_(&ctx_, grads);
+  if (result.size() != input_meta_.size()) {
+    throw std::invalid_argument(name_ + ": Backward returned " + std::to_string(result.size()) +
+                                " gradients, expected " + std::to_string(input_meta_.size()) +
+                                " (one per input, undefined for none)");
+  }
+  for (size_t i = 0; i < result.size(); ++i) {
+    if (!needs_input_grad(i)) {
+      result[i] = Tensor();
+      continue;
+    }
+    if (result[i].defined() && result[i].shape() != input_meta_[i].shape) {
+      throw std::invalid_argument(name_ + ": Backward returned a gradient of shape " +
+                                  ShapeToString(result[i].shape()) + " for input " + std::to_string(i) +
+                                  " of shape " + ShapeToString(input_meta_[i].shape));
+    }
+  }
+  return result;
+}
+
+void CustomFunctionNode::ReleaseSaved() {
+  for (SavedTensor& s : ctx_.saved_) s.Release();
+}
+
+}  // namespace ddp::nn::autograd

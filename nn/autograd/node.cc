@@ -1,0 +1,125 @@
+#include "nn/autograd/node.h"
+
+#include <atomic>
+#include <limits>
+#include <stdexcept>
+
+#include "nn/ops/dispatch.h"
+
+namespace ddp::nn::autograd {
+
+namespace {
+std::atomic<uint64_t> g_next_sequence_nr{0};
+}  // namespace
+
+Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
+
+void Node::AddOutput(const Tensor& output) { outputs_.push_back(output.impl_ptr()); }
+
+Tensor Node::LiveOutput(uint32_t nr) const {
+  if (nr >= outputs_.size()) return Tensor();
+  return Tensor(outputs_[nr].lock());
+}
+
+AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable) : variable_(std::move(variable)) {
+  // Leaf accumulation runs the moment it is ready, before any other ready node.
+  sequence_nr_ = std::numeric_limits<uint64_t>::max();
+}
+
+std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
+  Tensor g = std::move(grad_outputs[0]);
+  if (!g.defined()) return {};
+  const Tensor var(variable_);
+  if (g.shape() != var.shape()) {
+    throw std::logic_error("gradient of shape " + ShapeToString(g.shape()) + " for a leaf of shape " +
+                           ShapeToString(var.shape()));
+  }
+  if (g.dtype() != var.dtype()) g = g.To(var.dtype());
+  AutogradMeta& meta = variable_->mutable_autograd();
+  if (!meta.grad.defined()) {
+    // Take the incoming buffer when nobody else can see it; otherwise copy,
+    // so that a later in-place accumulation cannot write into someone else's tensor.
+    const bool exclusive = g.is_contiguous() && g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 &&
+                           g.storage_offset() == 0;
+    meta.grad = exclusive ? g : g.Clone();
+  } else {
+    DDP_KERNEL(meta.grad.device(), add_scaled_)(meta.grad, g, 1.0);
+    meta.grad.storage()->BumpVersion();
+  }
+  // Copy: a hook may remove itself (or others) while running.
+  const auto hooks = meta.post_accumulate_hooks;
+  for (const auto& [id, hook] : hooks) hook(var);
+  return {};
+}
+
+SavedTensor::SavedTensor(const Tensor& t) {
+  if (!t.defined()) return;
+  data_ = t.Detach();
+  version_ = t.storage()->version();
+  was_defined_ = true;
+}
+
+Tensor SavedTensor::Get() const {
+  if (!was_defined_) return Tensor();
+  if (released_) {
+    throw std::logic_error("tried to run backward through the graph a second time (its saved tensors were "
+                           "released; pass retain_graph = true to the first Backward)");
+  }
+  if (data_.storage()->version() != version_) {
+    throw std::logic_error("a tensor saved for backward (shape " + ShapeToString(data_.shape()) +
+                           ") was modified in place after it was saved");
+  }
+  return data_;
+}
+
+void SavedTensor::Release() {
+  if (!was_defined_) return;
+  data_ = Tensor();
+  released_ = true;
+}
+
+Edge GradientEdge(const Tensor& t) {
+  if (!t.defined()) return {};
+  if (t.grad_fn()) return {t.grad_fn(), t.output_nr()};
+  if (!t.requires_grad()) return {};
+  AutogradMeta& meta = t.impl()->mutable_autograd();
+  std::shared_ptr<Node> acc = meta.grad_accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(t.impl_ptr());
+    meta.grad_accumulator = acc;
+  }
+  return {acc, 0};
+}
+
+bool AnyRequiresGrad(std::initializer_list<const Tensor*> tensors) {
+  if (!GradMode::IsEnabled()) return false;
+  for (const Tensor* t : tensors) {
+    if (t != nullptr && t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+bool AnyRequiresGrad(const std::vector<Tensor>& tensors) {
+  if (!GradMode::IsEnabled()) return false;
+  for (const Tensor& t : tensors) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
+}
+
+void ConnectNode(const std::shared_ptr<Node>& node, const std::vector<const Tensor*>& inputs,
+                 const std::vector<Tensor*>& outputs) {
+  std::vector<Edge> edges;
+  edges.reserve(inputs.size());
+  for (const Tensor* in : inputs) edges.push_back(in != nullptr ? GradientEdge(*in) : Edge{});
+  node->set_next_edges(std::move(edges));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    AutogradMeta& meta = outputs[i]->impl()->mutable_autograd();
+    meta.requires_grad = true;
+    meta.grad_fn = node;
+    meta.output_nr = static_cast<uint32_t>(i);
+    node->AddOutput(*outputs[i]);
+  }
+}
+
+}  // namespace ddp::nn::autograd

@@ -1,0 +1,113 @@
+// The recorded graph: each differentiable operation creates a Node that
+// knows how to turn the gradients of its outputs into gradients of its
+// inputs, and Edges to the nodes that produced those inputs. Leaves that
+// require grad end in an AccumulateGrad node, which adds into .grad and
+// then runs the tensor's post-accumulate-grad hooks (what DDP listens to).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::autograd {
+
+class Node;
+
+/// Where a gradient flows: input `input_nr` of node `fn` (fn null: nowhere).
+struct Edge {
+  std::shared_ptr<Node> fn;
+  uint32_t input_nr = 0;
+  bool valid() const { return fn != nullptr; }
+};
+
+/// One recorded operation. Subclasses save what their backward needs (and
+/// nothing more) and implement Apply.
+class Node {
+ public:
+  Node();
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  /// Gradients of the inputs (one per next edge; undefined = none) from the
+  /// gradients of the outputs (one per output; undefined = zero). Runs with
+  /// grad mode off.
+  virtual std::vector<Tensor> Apply(std::vector<Tensor>&& grad_outputs) = 0;
+  /// Name in messages, e.g. "LinearBackward".
+  virtual std::string name() const = 0;
+  /// Drops saved tensors after backward has run through the node (unless
+  /// the graph is retained); a second backward then reports the release.
+  virtual void ReleaseSaved() {}
+
+  const std::vector<Edge>& next_edges() const { return next_edges_; }
+  void set_next_edges(std::vector<Edge> edges) { next_edges_ = std::move(edges); }
+  /// True when input i of the forward op needs a gradient.
+  bool needs_input_grad(size_t i) const { return i < next_edges_.size() && next_edges_[i].valid(); }
+  /// Creation order; the engine runs ready nodes latest-first.
+  uint64_t sequence_nr() const { return sequence_nr_; }
+  uint32_t num_outputs() const { return static_cast<uint32_t>(outputs_.size()); }
+
+  /// Registers output `nr` (called when the op wires its outputs).
+  void AddOutput(const Tensor& output);
+  /// Output nr if it is still alive (for RetainGrad), else undefined.
+  Tensor LiveOutput(uint32_t nr) const;
+
+ protected:
+  uint64_t sequence_nr_;
+
+ private:
+  std::vector<Edge> next_edges_;
+  std::vector<std::weak_ptr<TensorImpl>> outputs_;
+};
+
+/// Adds incoming gradients into a leaf's .grad (in place when .grad exists,
+/// so a .grad that views a bucket is written directly), then runs the
+/// leaf's post-accumulate-grad hooks in registration order.
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl> variable);
+  std::vector<Tensor> Apply(std::vector<Tensor>&& grad_outputs) override;
+  std::string name() const override { return "AccumulateGrad"; }
+  Tensor variable() const { return Tensor(variable_); }
+
+ private:
+  std::shared_ptr<TensorImpl> variable_;
+};
+
+/// A tensor kept for backward: an alias with no autograd history (so a node
+/// never owns its own outputs' graph) plus the storage version at save time,
+/// so an in-place write before backward is reported instead of silently
+/// producing a wrong gradient.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  explicit SavedTensor(const Tensor& t);
+  /// The saved tensor; throws if it was released or modified in place since.
+  Tensor Get() const;
+  void Release();
+  bool defined() const { return was_defined_; }
+
+ private:
+  Tensor data_;
+  uint64_t version_ = 0;
+  bool was_defined_ = false;
+  bool released_ = false;
+};
+
+/// The edge a gradient of t should flow into: its grad_fn, its leaf
+/// accumulator (created on first use), or nothing.
+Edge GradientEdge(const Tensor& t);
+
+/// True when grad mode is on and any defined tensor in the list requires grad.
+bool AnyRequiresGrad(std::initializer_list<const Tensor*> tensors);
+bool AnyRequiresGrad(const std::vector<Tensor>& tensors);
+
+/// Wires a new node: its next edges come from `inputs` (undefined inputs get
+/// no edge) and each output becomes output i of the node, requiring grad.
+void ConnectNode(const std::shared_ptr<Node>& node, const std::vector<const Tensor*>& inputs,
+                 const std::vector<Tensor*>& outputs);
+
+}  // namespace ddp::nn::autograd

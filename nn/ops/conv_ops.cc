@@ -1,0 +1,168 @@
+// Convolution and pooling (NCHW). Shapes:
+//   conv2d: x [N, C, H, W], w [O, C/G, KH, KW], bias [O] -> y [N, O, OH, OW]
+//   pooling: x [N, C, H, W] -> y [N, C, OH, OW]
+//   OH = floor_or_ceil((H + 2*pad - dilation*(K-1) - 1) / stride) + 1
+#include <stdexcept>
+#include <string>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+using detail::LambdaNode;
+
+int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode) {
+  const int64_t span = dilation * (kernel - 1) + 1;
+  const int64_t num = in + 2 * pad - span;
+  if (num < 0) return 0;
+  int64_t out = (ceil_mode ? (num + stride - 1) / stride : num / stride) + 1;
+  // With ceil_mode the last window must start inside the input or its left padding.
+  if (ceil_mode && (out - 1) * stride >= in + pad) --out;
+  return out;
+}
+
+namespace {
+
+std::string Geometry(const Conv2dParams& p) {
+  return "stride (" + std::to_string(p.stride_h) + ", " + std::to_string(p.stride_w) + "), padding (" +
+         std::to_string(p.pad_h) + ", " + std::to_string(p.pad_w) + "), dilation (" + std::to_string(p.dilation_h) +
+         ", " + std::to_string(p.dilation_w) + ")";
+}
+
+void CheckPositive(const char* op, const char* what, int64_t a, int64_t b) {
+  if (a < 1 || b < 1) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " must be positive, got (" + std::to_string(a) +
+                                ", " + std::to_string(b) + ")");
+  }
+}
+
+}  // namespace
+
+Tensor Conv2d(const Tensor& x_in, const Tensor& w, const Tensor& bias, const Conv2dParams& p) {
+  if (w.dim() != 4) throw std::invalid_argument("conv2d: weight must be [O, C/groups, KH, KW], got " + ShapeToString(w.shape()));
+  if (p.groups < 1) throw std::invalid_argument("conv2d: groups must be positive, got " + std::to_string(p.groups));
+  CheckPositive("conv2d", "stride", p.stride_h, p.stride_w);
+  CheckPositive("conv2d", "dilation", p.dilation_h, p.dilation_w);
+  if (p.pad_h < 0 || p.pad_w < 0) throw std::invalid_argument("conv2d: negative padding");
+  const int64_t cin = w.size(1) * p.groups;
+  if (x_in.dim() != 4 || x_in.size(1) != cin) {
+    throw std::invalid_argument("conv2d: expected input [N, " + std::to_string(cin) + ", H, W], got " +
+                                ShapeToString(x_in.shape()));
+  }
+  if (w.size(0) % p.groups != 0) {
+    throw std::invalid_argument("conv2d: " + std::to_string(w.size(0)) + " output channels are not divisible by " +
+                                std::to_string(p.groups) + " groups");
+  }
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != w.size(0))) {
+    throw std::invalid_argument("conv2d: bias of shape " + ShapeToString(bias.shape()) + " for " +
+                                std::to_string(w.size(0)) + " output channels");
+  }
+  const Tensor x = x_in.dtype() == w.dtype() ? x_in : Cast(x_in, w.dtype());
+  detail::CheckSameDevice("conv2d", x, w);
+  const int64_t oh = ConvOutputSize(x.size(2), w.size(2), p.stride_h, p.pad_h, p.dilation_h);
+  const int64_t ow = ConvOutputSize(x.size(3), w.size(3), p.stride_w, p.pad_w, p.dilation_w);
+  if (oh < 1 || ow < 1) {
+    throw std::invalid_argument("conv2d: input " + ShapeToString(x.shape()) + " is smaller than the kernel " +
+                                ShapeToString(w.shape()) + " with " + Geometry(p));
+  }
+  Tensor y = Empty({x.size(0), w.size(0), oh, ow}, {.dtype = w.dtype(), .device = w.device()});
+  const Tensor b = bias.defined() && bias.dtype() != w.dtype() ? bias.Detach().To(w.dtype()) : bias;
+  DDP_KERNEL(x.device(), conv2d_forward)(x, w, b, y, p);
+  if (!detail::AnyRequiresGrad({&x, &w, &bias})) return y;
+  auto node = std::make_shared<LambdaNode>("Conv2dBackward", [p](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
+    Tensor gx, gw, gb;
+    if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
+    if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
+    if (n.needs_input_grad(2)) gb = Empty({wv.size(0)}, {.dtype = wv.dtype(), .device = wv.device()});
+    DDP_KERNEL(xv.device(), conv2d_backward)(xv, wv, g[0], gx, gw, gb, p);
+    return std::vector<Tensor>{gx, gw, gb};
+  });
+  node->saved.emplace_back(x);
+  node->saved.emplace_back(w);
+  detail::ConnectNode(node, {&x, &w, &bias}, {&y});
+  return y;
+}
+
+namespace {
+
+Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool dilated) {
+  if (x.dim() != 4) throw std::invalid_argument(std::string(op) + ": expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  CheckPositive(op, "kernel size", p.kernel_h, p.kernel_w);
+  CheckPositive(op, "stride", p.stride_h, p.stride_w);
+  CheckPositive(op, "dilation", p.dilation_h, p.dilation_w);
+  if (p.pad_h < 0 || p.pad_w < 0 || p.pad_h * 2 > p.kernel_h || p.pad_w * 2 > p.kernel_w) {
+    throw std::invalid_argument(std::string(op) + ": padding (" + std::to_string(p.pad_h) + ", " +
+                                std::to_string(p.pad_w) + ") must be between 0 and half the kernel size (" +
+                                std::to_string(p.kernel_h) + ", " + std::to_string(p.kernel_w) + ")");
+  }
+  const int64_t dh = dilated ? p.dilation_h : 1, dw = dilated ? p.dilation_w : 1;
+  const int64_t oh = ConvOutputSize(x.size(2), p.kernel_h, p.stride_h, p.pad_h, dh, p.ceil_mode);
+  const int64_t ow = ConvOutputSize(x.size(3), p.kernel_w, p.stride_w, p.pad_w, dw, p.ceil_mode);
+  if (oh < 1 || ow < 1) {
+    throw std::invalid_argument(std::string(op) + ": input " + ShapeToString(x.shape()) + " is smaller than the " +
+                                std::to_string(p.kernel_h) + "x" + std::to_string(p.kernel_w) + " window");
+  }
+  return {x.size(0), x.size(1), oh, ow};
+}
+
+}  // namespace
+
+Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p) {
+  const Shape out_shape = PoolOutput("max_pool2d", x, p, true);
+  Tensor y = detail::NewLike(x, out_shape);
+  Tensor indices = Empty(out_shape, {.dtype = DType::kInt32, .device = x.device()});
+  DDP_KERNEL(x.device(), max_pool2d_forward)(x, y, indices, p);
+  if (!detail::AnyRequiresGrad({&x})) return y;
+  const Shape in = x.shape();
+  const DType dt = x.dtype();
+  auto node = std::make_shared<LambdaNode>("MaxPool2dBackward", [in, dt](LambdaNode& n, std::vector<Tensor>& g) {
+    Tensor gx = Empty(in, {.dtype = dt, .device = g[0].device()});
+    DDP_KERNEL(gx.device(), max_pool2d_backward)(g[0], n.saved[0].Get(), gx);
+    return std::vector<Tensor>{gx};
+  });
+  node->saved.emplace_back(indices);
+  detail::ConnectNode(node, {&x}, {&y});
+  return y;
+}
+
+Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p) {
+  const Shape out_shape = PoolOutput("avg_pool2d", x, p, false);
+  Tensor y = detail::NewLike(x, out_shape);
+  DDP_KERNEL(x.device(), avg_pool2d_forward)(x, y, p);
+  if (!detail::AnyRequiresGrad({&x})) return y;
+  const Shape in = x.shape();
+  const DType dt = x.dtype();
+  auto node = std::make_shared<LambdaNode>("AvgPool2dBackward", [in, dt, p](LambdaNode&, std::vector<Tensor>& g) {
+    Tensor gx = Empty(in, {.dtype = dt, .device = g[0].device()});
+    DDP_KERNEL(gx.device(), avg_pool2d_backward)(g[0], gx, p);
+    return std::vector<Tensor>{gx};
+  });
+  detail::ConnectNode(node, {&x}, {&y});
+  return y;
+}
+
+Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
+  if (x.dim() != 4) {
+    throw std::invalid_argument("adaptive_avg_pool2d: expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  }
+  CheckPositive("adaptive_avg_pool2d", "output size", out_h, out_w);
+  if (x.size(2) < 1 || x.size(3) < 1) {
+    throw std::invalid_argument("adaptive_avg_pool2d: empty input plane " + ShapeToString(x.shape()));
+  }
+  Tensor y = detail::NewLike(x, {x.size(0), x.size(1), out_h, out_w});
+  DDP_KERNEL(x.device(), adaptive_avg_pool2d_forward)(x, y);
+  if (!detail::AnyRequiresGrad({&x})) return y;
+  const Shape in = x.shape();
+  const DType dt = x.dtype();
+  auto node = std::make_shared<LambdaNode>("AdaptiveAvgPool2dBackward", [in, dt](LambdaNode&, std::vector<Tensor>& g) {
+    Tensor gx = Empty(in, {.dtype = dt, .device = g[0].device()});
+    DDP_KERNEL(gx.device(), adaptive_avg_pool2d_backward)(g[0], gx);
+    return std::vector<Tensor>{gx};
+  });
+  detail::ConnectNode(node, {&x}, {&y});
+  return y;
+}
+
+}  // namespace ddp::nn::ops

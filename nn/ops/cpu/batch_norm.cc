@@ -1,0 +1,161 @@
+// Batch normalization. Shapes: x [N, C, S...] seen as [N, C, S] with S the
+// product of the trailing dimensions (1 for BatchNorm1d on [N, C]); weight,
+// bias, running statistics and saved statistics are [C]. Statistics
+// accumulate in double, in two passes (mean, then squared deviations) so
+// that large activations do not cancel.
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "nn/ops/cpu/cpu_kernels.h"
+
+namespace ddp::nn::ops::cpu {
+
+namespace {
+
+std::vector<double> ToDoubles(const Tensor& t, int64_t c, double fallback) {
+  if (!t.defined()) return std::vector<double>(c, fallback);
+  return t.ToVector<double>();
+}
+
+void FromDoubles(const Tensor& t, const std::vector<double>& v) {
+  if (!t.defined()) return;
+  Tensor src = Tensor::FromBlob(const_cast<double*>(v.data()), {static_cast<int64_t>(v.size())}, DType::kFloat64);
+  NoGradGuard guard;
+  t.CopyFrom(src);
+}
+
+struct Dims {
+  int64_t n, c, s;
+};
+
+Dims GetDims(const Tensor& x) {
+  int64_t s = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) s *= x.size(d);
+  return {x.size(0), x.size(1), s};
+}
+
+}  // namespace
+
+void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                      const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
+                      const Tensor& save_mean, const Tensor& save_invstd) {
+  const Dims d = GetDims(x);
+  const Tensor xc = ContiguousData(x);
+  const int64_t m = d.n * d.s;
+  std::vector<double> mean(d.c), invstd(d.c);
+  const std::vector<double> w = ToDoubles(weight, d.c, 1.0), b = ToDoubles(bias, d.c, 0.0);
+  if (!y.is_contiguous()) throw std::invalid_argument("batch_norm: y must be contiguous");
+  DDP_DISPATCH_FLOATING(x.dtype(), "batch_norm", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* xp = static_cast<const scalar_t*>(xc.data_ptr());
+    scalar_t* yp = static_cast<scalar_t*>(y.data_ptr());
+    if (training) {
+      std::vector<double> var(d.c);
+      for (int64_t c = 0; c < d.c; ++c) {
+        double s = 0;
+        for (int64_t n = 0; n < d.n; ++n) {
+          const scalar_t* row = xp + (n * d.c + c) * d.s;
+          for (int64_t i = 0; i < d.s; ++i) s += static_cast<A>(row[i]);
+        }
+        mean[c] = m > 0 ? s / m : 0.0;
+        double q = 0;
+        for (int64_t n = 0; n < d.n; ++n) {
+          const scalar_t* row = xp + (n * d.c + c) * d.s;
+          for (int64_t i = 0; i < d.s; ++i) {
+            const double dv = static_cast<A>(row[i]) - mean[c];
+            q += dv * dv;
+          }
+        }
+        var[c] = m > 0 ? q / m : 0.0;
+        invstd[c] = 1.0 / std::sqrt(var[c] + eps);
+      }
+      if (running_mean.defined() && running_var.defined()) {
+        std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
+        const double unbias = m > 1 ? static_cast<double>(m) / (m - 1) : 1.0;
+        for (int64_t c = 0; c < d.c; ++c) {
+          rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
+          rv[c] = (1 - momentum) * rv[c] + momentum * var[c] * unbias;
+        }
+        FromDoubles(running_mean, rm);
+        FromDoubles(running_var, rv);
+      }
+    } else {
+      mean = running_mean.ToVector<double>();
+      const std::vector<double> rv = running_var.ToVector<double>();
+      for (int64_t c = 0; c < d.c; ++c) invstd[c] = 1.0 / std::sqrt(rv[c] + eps);
+    }
+    for (int64_t n = 0; n < d.n; ++n) {
+      for (int64_t c = 0; c < d.c; ++c) {
+        // y = x * scale + shift with scale = w * invstd, shift = b - mean * scale.
+        const A scale = static_cast<A>(w[c] * invstd[c]);
+        const A shift = static_cast<A>(b[c] - mean[c] * w[c] * invstd[c]);
+        const scalar_t* row = xp + (n * d.c + c) * d.s;
+        scalar_t* out = yp + (n * d.c + c) * d.s;
+        for (int64_t i = 0; i < d.s; ++i) out[i] = static_cast<scalar_t>(static_cast<A>(row[i]) * scale + shift);
+      }
+    }
+  });
+  FromDoubles(save_mean, mean);
+  FromDoubles(save_invstd, invstd);
+}
+
+void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, const Tensor& save_mean,
+                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias) {
+  const Dims d = GetDims(x);
+  const Tensor xc = ContiguousData(x), dyc = ContiguousData(dy);
+  const int64_t m = d.n * d.s;
+  const std::vector<double> mean = save_mean.ToVector<double>(), invstd = save_invstd.ToVector<double>();
+  const std::vector<double> w = ToDoubles(weight, d.c, 1.0);
+  std::vector<double> sum_dy(d.c, 0.0), sum_dy_xhat(d.c, 0.0);
+  DDP_DISPATCH_FLOATING(x.dtype(), "batch_norm_backward", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* xp = static_cast<const scalar_t*>(xc.data_ptr());
+    const scalar_t* gp = static_cast<const scalar_t*>(dyc.data_ptr());
+    for (int64_t n = 0; n < d.n; ++n) {
+      for (int64_t c = 0; c < d.c; ++c) {
+        const scalar_t* xr = xp + (n * d.c + c) * d.s;
+        const scalar_t* gr = gp + (n * d.c + c) * d.s;
+        double s = 0, sx = 0;
+        const double mu = mean[c];
+        for (int64_t i = 0; i < d.s; ++i) {
+          const double g = static_cast<A>(gr[i]);
+          s += g;
+          sx += g * (static_cast<A>(xr[i]) - mu);
+        }
+        sum_dy[c] += s;
+        sum_dy_xhat[c] += sx * invstd[c];
+      }
+    }
+    if (dx.defined()) {
+      if (!dx.is_contiguous()) throw std::invalid_argument("batch_norm_backward: dx must be contiguous");
+      scalar_t* dp = static_cast<scalar_t*>(dx.data_ptr());
+      for (int64_t n = 0; n < d.n; ++n) {
+        for (int64_t c = 0; c < d.c; ++c) {
+          const scalar_t* xr = xp + (n * d.c + c) * d.s;
+          const scalar_t* gr = gp + (n * d.c + c) * d.s;
+          scalar_t* out = dp + (n * d.c + c) * d.s;
+          const double k = w[c] * invstd[c];
+          if (training && m > 0) {
+            // dx = k * (dy - mean(dy) - xhat * mean(dy * xhat))
+            const A mdy = static_cast<A>(sum_dy[c] / m);
+            const A coef = static_cast<A>(sum_dy_xhat[c] / m * invstd[c]);
+            const A mu = static_cast<A>(mean[c]);
+            const A kk = static_cast<A>(k);
+            for (int64_t i = 0; i < d.s; ++i) {
+              out[i] = static_cast<scalar_t>(kk * (static_cast<A>(gr[i]) - mdy - (static_cast<A>(xr[i]) - mu) * coef));
+            }
+          } else {
+            const A kk = static_cast<A>(k);
+            for (int64_t i = 0; i < d.s; ++i) out[i] = static_cast<scalar_t>(kk * static_cast<A>(gr[i]));
+          }
+        }
+      }
+    }
+  });
+  FromDoubles(dweight, sum_dy_xhat);
+  FromDoubles(dbias, sum_dy);
+}
+
+}  // namespace ddp::nn::ops::cpu

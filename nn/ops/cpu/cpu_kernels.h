@@ -1,0 +1,71 @@
+// CPU kernels behind the kernel table (private to nn/ops).
+#pragma once
+
+#include "nn/ops/dispatch.h"
+
+namespace ddp::nn::ops::cpu {
+
+/// The CPU kernel table.
+KernelTable CpuKernelTable();
+
+// elementwise.cc
+void Unary(UnaryOp op, const Tensor& x, const Tensor& out);
+void UnaryBackward(UnaryOp op, const Tensor& grad_out, const Tensor& saved, const Tensor& grad_in);
+void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);
+void Affine(const Tensor& x, double alpha, double beta, const Tensor& out);
+void AddScaled(const Tensor& out, const Tensor& x, double alpha);
+void MaskedScale(const Tensor& x, const Tensor& mask, double scale, const Tensor& out);
+void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen);
+
+// reduce.cc
+void SumTo(const Tensor& x, const Tensor& out);
+void Argmax(const Tensor& x, int64_t dim, const Tensor& out);
+
+// gemm.cc
+void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, double beta);
+/// Row-major f32 GEMM on raw pointers through the selected backend:
+/// C[M,N] = alpha * op(A) op(B) + beta * C.
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// Makes the calling thread use the configured thread count in BLAS/oneDNN.
+void EnsureThreadSettings();
+
+// conv.cc
+void Conv2dForward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
+                   const Conv2dParams& p);
+void Conv2dBackward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                    const Tensor& dw, const Tensor& db, const Conv2dParams& p);
+
+// pool.cc
+void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, const Pool2dParams& p);
+void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx);
+void AvgPool2dForward(const Tensor& x, const Tensor& y, const Pool2dParams& p);
+void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const Pool2dParams& p);
+void AdaptiveAvgPool2dForward(const Tensor& x, const Tensor& y);
+void AdaptiveAvgPool2dBackward(const Tensor& dy, const Tensor& dx);
+
+// batch_norm.cc
+void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                      const Tensor& running_mean, const Tensor& running_var, bool training,
+                      double momentum, double eps, const Tensor& y, const Tensor& save_mean,
+                      const Tensor& save_invstd);
+void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, const Tensor& save_mean,
+                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias);
+
+// softmax.cc
+void LogSoftmaxForward(const Tensor& x, int64_t dim, const Tensor& y);
+void LogSoftmaxBackward(const Tensor& dy, const Tensor& y, int64_t dim, const Tensor& dx);
+void CrossEntropyForward(const Tensor& logits, const Tensor& target, double label_smoothing,
+                         int64_t ignore_index, const Tensor& log_probs, const Tensor& loss);
+void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const Tensor& grad_loss,
+                          double label_smoothing, int64_t ignore_index, const Tensor& dlogits);
+
+/// Strides of t when broadcast to `shape` (0 along broadcast dimensions).
+Shape BroadcastStrides(const Tensor& t, const Shape& shape);
+/// A contiguous tensor with t's data (t itself when already contiguous); never records autograd.
+Tensor ContiguousData(const Tensor& t);
+/// A contiguous f32 copy of t's data (t itself when already contiguous f32).
+Tensor AsFloat32(const Tensor& t);
+
+}  // namespace ddp::nn::ops::cpu

@@ -1,0 +1,150 @@
+// Matrix products: c[M,N] = alpha * a[M,K] @ b[K,N] + beta * c. Operands may
+// be transposed views (a unit stride in either dimension is passed to the
+// BLAS as a transpose flag); anything else is copied to a contiguous buffer.
+#include <cblas.h>
+#include <dnnl.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "nn/ops/config.h"
+#include "nn/ops/cpu/cpu_kernels.h"
+
+extern "C" void omp_set_num_threads(int);  // libgomp, which oneDNN is built on
+
+namespace ddp::nn::ops {
+
+namespace {
+
+int ThreadsFromEnv() {
+  const char* env = std::getenv("DDP_NN_THREADS");
+  if (env == nullptr) return 1;
+  const int n = std::atoi(env);
+  return n > 0 ? n : 1;
+}
+
+GemmBackend GemmFromEnv() {
+  const char* env = std::getenv("DDP_NN_GEMM");
+  if (env != nullptr && std::string_view(env) == "openblas") return GemmBackend::kOpenBlas;
+  return GemmBackend::kOneDnn;
+}
+
+std::atomic<int> g_threads{ThreadsFromEnv()};
+std::atomic<int> g_thread_generation{0};
+std::atomic<GemmBackend> g_gemm{GemmFromEnv()};
+thread_local int tls_generation = -1;
+
+}  // namespace
+
+void SetNumThreads(int threads) {
+  if (threads < 1) throw std::invalid_argument("SetNumThreads: need at least 1 thread, got " + std::to_string(threads));
+  g_threads = threads;
+  ++g_thread_generation;
+}
+int GetNumThreads() { return g_threads; }
+void SetGemmBackend(GemmBackend backend) { g_gemm = backend; }
+GemmBackend GetGemmBackend() { return g_gemm; }
+
+namespace cpu {
+
+void EnsureThreadSettings() {
+  const int gen = g_thread_generation.load(std::memory_order_relaxed);
+  if (tls_generation == gen) return;
+  // OpenMP's thread count is per calling thread, so each thread applies it once.
+  openblas_set_num_threads(g_threads);
+  omp_set_num_threads(g_threads);
+  tls_generation = gen;
+}
+
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  EnsureThreadSettings();
+  if (g_gemm.load(std::memory_order_relaxed) == GemmBackend::kOneDnn) {
+    const dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb,
+                                        beta, c, ldc);
+    if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(st));
+  } else {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+                static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+  }
+}
+
+namespace {
+
+// A 2-D operand as the BLAS sees it.
+struct Operand {
+  const void* data;
+  bool trans;
+  int64_t ld;
+  Tensor holder;  // keeps a copied buffer alive
+};
+
+Operand Describe(const Tensor& t, DType want) {
+  Tensor src = t;
+  if (src.dtype() != want) src = t.Detach().To(want);
+  const int64_t r = src.size(0), c = src.size(1), s0 = src.stride(0), s1 = src.stride(1);
+  if ((c == 1 || s1 == 1) && (r == 1 || s0 >= std::max<int64_t>(c, 1))) {
+    return {src.data_ptr(), false, r == 1 ? std::max<int64_t>(c, 1) : std::max<int64_t>(s0, 1), src};
+  }
+  if ((r == 1 || s0 == 1) && (c == 1 || s1 >= std::max<int64_t>(r, 1))) {
+    return {src.data_ptr(), true, c == 1 ? std::max<int64_t>(r, 1) : std::max<int64_t>(s1, 1), src};
+  }
+  Tensor copy = src.Detach().Contiguous();
+  return {copy.data_ptr(), false, std::max<int64_t>(c, 1), copy};
+}
+
+}  // namespace
+
+void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, double beta) {
+  if (a.dim() != 2 || b.dim() != 2 || c.dim() != 2 || a.size(1) != b.size(0) || c.size(0) != a.size(0) ||
+      c.size(1) != b.size(1)) {
+    throw std::invalid_argument("gemm: shapes " + ShapeToString(a.shape()) + " @ " + ShapeToString(b.shape()) +
+                                " -> " + ShapeToString(c.shape()) + " do not chain");
+  }
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  if (m == 0 || n == 0) return;
+  const DType out = c.dtype();
+  const DType compute = out == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  // The result goes straight into c when the BLAS can address it.
+  const bool direct = out == compute && (n == 1 || c.stride(1) == 1) && (m == 1 || c.stride(0) >= n);
+  Tensor cc = c;
+  if (!direct) {
+    cc = Empty({m, n}, {.dtype = compute});
+    if (beta != 0) {
+      NoGradGuard guard;
+      cc.CopyFrom(c);
+    }
+  }
+  const int64_t ldc = direct ? (m == 1 ? std::max<int64_t>(n, 1) : c.stride(0)) : n;
+  if (k == 0) {
+    NoGradGuard guard;
+    if (beta == 0) cc.Zero(); else Affine(cc, beta, 0.0, cc);
+  } else {
+    const Operand oa = Describe(a, compute), ob = Describe(b, compute);
+    if (compute == DType::kFloat32) {
+      Sgemm(oa.trans, ob.trans, m, n, k, static_cast<float>(alpha), static_cast<const float*>(oa.data), oa.ld,
+            static_cast<const float*>(ob.data), ob.ld, static_cast<float>(beta), static_cast<float*>(cc.data_ptr()),
+            ldc);
+    } else {
+      EnsureThreadSettings();
+      cblas_dgemm(CblasRowMajor, oa.trans ? CblasTrans : CblasNoTrans, ob.trans ? CblasTrans : CblasNoTrans,
+                  static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha,
+                  static_cast<const double*>(oa.data), static_cast<blasint>(oa.ld),
+                  static_cast<const double*>(ob.data), static_cast<blasint>(ob.ld), beta,
+                  static_cast<double*>(cc.data_ptr()), static_cast<blasint>(ldc));
+    }
+  }
+  c.storage()->BumpVersion();
+  if (!direct) {
+    NoGradGuard guard;
+    c.CopyFrom(cc);
+  }
+}
+
+}  // namespace cpu
+}  // namespace ddp::nn::ops

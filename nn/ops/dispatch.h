@@ -1,0 +1,162 @@
+// The kernel table: every raw (non-differentiable) kernel the differentiable
+// ops in nn/ops and the autograd engine call, one table per device type.
+// The CPU table is filled in by nn/ops/cpu; the CUDA library fills in its
+// own with RegisterKernels(DeviceType::kCUDA, ...). An entry left empty is
+// reported by name: "op `conv2d_forward` has no kernel for device cuda:0".
+//
+// Conventions for every kernel: output tensors are allocated by the caller
+// (contiguous unless stated), inputs may have any strides, and all tensors
+// of one call live on one device.
+#pragma once
+
+#include <cstdint>
+
+#include "nn/tensor/generator.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::ops {
+
+/// Elementwise functions of one tensor. Values are stable.
+enum class UnaryOp : int8_t {
+  kNeg = 0,
+  kRelu = 1,
+  kGelu = 2,      ///< x * Phi(x), exact (erf)
+  kGeluTanh = 3,  ///< tanh approximation
+  kSigmoid = 4,
+  kTanh = 5,
+  kExp = 6,
+  kLog = 7,
+  kSqrt = 8,
+  kSquare = 9,
+  kAbs = 10,
+};
+
+/// Elementwise functions of two tensors. Values are stable.
+enum class BinaryOp : int8_t {
+  kAdd = 0,
+  kSub = 1,
+  kMul = 2,
+  kDiv = 3,
+};
+
+/// Convolution geometry (NCHW input, OIHW weight).
+struct Conv2dParams {
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+  int64_t dilation_h = 1, dilation_w = 1;
+  int64_t groups = 1;
+};
+
+/// Pooling geometry.
+struct Pool2dParams {
+  int64_t kernel_h = 1, kernel_w = 1;
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+  int64_t dilation_h = 1, dilation_w = 1;  ///< max pooling only
+  bool ceil_mode = false;
+  bool count_include_pad = true;  ///< average pooling only
+};
+
+/// Raw kernels of one device type. Shapes use N batch, C channels, H/W
+/// height/width, O output channels, M/K/N matrix dimensions.
+struct KernelTable {
+  // --- elementwise ---
+  /// out = op(x); x has out's shape.
+  void (*unary)(UnaryOp op, const Tensor& x, const Tensor& out) = nullptr;
+  /// grad_in = grad_out * op'(.), where `saved` is x for relu/gelu and y = op(x)
+  /// for sigmoid/tanh/exp/sqrt; x for log/square/abs/neg.
+  void (*unary_backward)(UnaryOp op, const Tensor& grad_out, const Tensor& saved,
+                         const Tensor& grad_in) = nullptr;
+  /// out = op(a, b); a and b broadcast to out's shape; computed in out's dtype.
+  void (*binary)(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = nullptr;
+  /// out = alpha * x + beta (x broadcast to out; out may alias x).
+  void (*affine)(const Tensor& x, double alpha, double beta, const Tensor& out) = nullptr;
+  /// out += alpha * x, in place (x broadcast to out; any strides on out).
+  void (*add_scaled_)(const Tensor& out, const Tensor& x, double alpha) = nullptr;
+  /// out = x where mask, else 0 ... scaled: out = x * mask * scale (mask u8, x's shape).
+  void (*masked_scale)(const Tensor& x, const Tensor& mask, double scale, const Tensor& out) = nullptr;
+  /// mask[i] = 1 with probability keep_prob else 0 (u8), from gen.
+  void (*bernoulli_mask)(const Tensor& mask, double keep_prob, Generator& gen) = nullptr;
+
+  // --- reductions ---
+  /// out = sum of x over the dimensions where out has size 1 (out has x's rank).
+  void (*sum_to)(const Tensor& x, const Tensor& out) = nullptr;
+  /// out[..] = index of the maximum of x along dim (out i64, x's shape without dim).
+  void (*argmax)(const Tensor& x, int64_t dim, const Tensor& out) = nullptr;
+
+  // --- matrix products (f32 accumulation for 16-bit types) ---
+  /// c[M,N] = alpha * a[M,K] @ b[K,N] + beta * c; a and b may be transposed views.
+  void (*gemm)(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, double beta) = nullptr;
+
+  // --- convolution ---
+  /// y[N,O,OH,OW] = conv(x[N,C,H,W], w[O,C/g,KH,KW]) + bias[O] (bias may be undefined).
+  void (*conv2d_forward)(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
+                         const Conv2dParams& p) = nullptr;
+  /// Gradients of conv2d: any of dx, dw, db may be undefined (not wanted).
+  /// dw and db are written (not accumulated).
+  void (*conv2d_backward)(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                          const Tensor& dw, const Tensor& db, const Conv2dParams& p) = nullptr;
+
+  // --- pooling ---
+  /// y[N,C,OH,OW] = max over windows; indices (i32, y's shape) = argmax within the input plane.
+  void (*max_pool2d_forward)(const Tensor& x, const Tensor& y, const Tensor& indices,
+                             const Pool2dParams& p) = nullptr;
+  /// dx (zeroed here) receives dy at the recorded indices.
+  void (*max_pool2d_backward)(const Tensor& dy, const Tensor& indices, const Tensor& dx) = nullptr;
+  void (*avg_pool2d_forward)(const Tensor& x, const Tensor& y, const Pool2dParams& p) = nullptr;
+  void (*avg_pool2d_backward)(const Tensor& dy, const Tensor& dx, const Pool2dParams& p) = nullptr;
+  /// y[N,C,OH,OW] averages the adaptive windows of x[N,C,H,W].
+  void (*adaptive_avg_pool2d_forward)(const Tensor& x, const Tensor& y) = nullptr;
+  void (*adaptive_avg_pool2d_backward)(const Tensor& dy, const Tensor& dx) = nullptr;
+
+  // --- normalization ---
+  /// Batch norm over x[N,C,*] per channel. Training: batch statistics go to
+  /// save_mean/save_invstd [C] (f32) and update running_mean/var (if defined)
+  /// with `momentum` (unbiased variance). Eval: uses the running statistics
+  /// (save_mean/save_invstd still receive what was used).
+  void (*batch_norm_forward)(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                             const Tensor& running_mean, const Tensor& running_var, bool training,
+                             double momentum, double eps, const Tensor& y, const Tensor& save_mean,
+                             const Tensor& save_invstd) = nullptr;
+  /// Gradients of batch norm; training selects whether mean/invstd depended on x.
+  /// Any of dx, dweight, dbias may be undefined.
+  void (*batch_norm_backward)(const Tensor& x, const Tensor& dy, const Tensor& weight,
+                              const Tensor& save_mean, const Tensor& save_invstd, bool training,
+                              const Tensor& dx, const Tensor& dweight, const Tensor& dbias) = nullptr;
+
+  // --- softmax and losses ---
+  /// y = log_softmax(x) along dim.
+  void (*log_softmax_forward)(const Tensor& x, int64_t dim, const Tensor& y) = nullptr;
+  /// dx = dy - exp(y) * sum(dy) along dim.
+  void (*log_softmax_backward)(const Tensor& dy, const Tensor& y, int64_t dim, const Tensor& dx) = nullptr;
+  /// Per-sample cross-entropy of logits[N,C] against class indices target[N]
+  /// (i64) with label smoothing; log_probs[N,C] (f32 or logits' dtype) is kept
+  /// for backward; loss[N] (f32) is 0 where target == ignore_index. Throws
+  /// naming the label and the class count when a target is out of range.
+  void (*cross_entropy_forward)(const Tensor& logits, const Tensor& target, double label_smoothing,
+                                int64_t ignore_index, const Tensor& log_probs, const Tensor& loss) = nullptr;
+  /// dlogits[N,C] = grad_loss[n] * (softmax - smoothed one-hot).
+  void (*cross_entropy_backward)(const Tensor& log_probs, const Tensor& target, const Tensor& grad_loss,
+                                 double label_smoothing, int64_t ignore_index,
+                                 const Tensor& dlogits) = nullptr;
+};
+
+/// Installs the table of a device type (the CPU's is installed at startup).
+void RegisterKernels(DeviceType type, const KernelTable& table);
+/// The table of a device type (all entries empty when nothing was registered).
+const KernelTable& KernelsFor(DeviceType type);
+
+namespace detail {
+[[noreturn]] void ThrowNoKernel(const char* op, Device device);
+}  // namespace detail
+
+}  // namespace ddp::nn::ops
+
+// The kernel `field` for `device`, or an error naming the op and the device.
+#define DDP_KERNEL(device, field)                                                       \
+  ([&]() {                                                                              \
+    const ::ddp::nn::Device ddp_kernel_device_ = (device);                              \
+    auto fn = ::ddp::nn::ops::KernelsFor(ddp_kernel_device_.type).field;                \
+    if (fn == nullptr) ::ddp::nn::ops::detail::ThrowNoKernel(#field, ddp_kernel_device_); \
+    return fn;                                                                          \
+  }())

@@ -1,0 +1,240 @@
+// Elementwise differentiable ops: out[i] = f(a[i], b[i]) with broadcasting.
+#include <stdexcept>
+#include <string>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+namespace detail {
+
+Tensor SumToShape(const Tensor& g, const Shape& shape) {
+  if (g.shape() == shape) return g;
+  // Pad the target with leading ones to g's rank, sum, then drop them.
+  Shape padded(g.dim() - shape.size(), 1);
+  padded.insert(padded.end(), shape.begin(), shape.end());
+  Tensor out = Empty(padded, {.dtype = g.dtype(), .device = g.device()});
+  DDP_KERNEL(g.device(), sum_to)(g, out);
+  return out.View(shape);
+}
+
+void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.device() != b.device()) {
+    throw std::invalid_argument(std::string(op) + ": tensors on different devices (" + a.device().ToString() +
+                                " and " + b.device().ToString() + ")");
+  }
+}
+
+}  // namespace detail
+
+using detail::LambdaNode;
+using detail::NewLike;
+using detail::SavedTensor;
+
+namespace {
+
+const char* BinaryName(BinaryOp op) {
+  switch (op) {
+    case BinaryOp::kAdd: return "AddBackward";
+    case BinaryOp::kSub: return "SubBackward";
+    case BinaryOp::kMul: return "MulBackward";
+    case BinaryOp::kDiv: return "DivBackward";
+  }
+  return "BinaryBackward";
+}
+
+Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
+  if (!a_in.defined() || !b_in.defined()) throw std::invalid_argument("binary op on an undefined tensor");
+  detail::CheckSameDevice(BinaryName(op), a_in, b_in);
+  const DType dtype = PromoteTypes(a_in.dtype(), b_in.dtype());
+  const Tensor a = a_in.dtype() == dtype ? a_in : Cast(a_in, dtype);
+  const Tensor b = b_in.dtype() == dtype ? b_in : Cast(b_in, dtype);
+  Shape shape;
+  try {
+    shape = BroadcastShapes(a.shape(), b.shape());
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(BinaryName(op)).substr(0, 3) + ": " + e.what());
+  }
+  Tensor out = Empty(shape, {.dtype = dtype, .device = a.device()});
+  DDP_KERNEL(out.device(), binary)(op, a, b, out);
+  if (!detail::AnyRequiresGrad({&a, &b})) return out;
+
+  const Shape as = a.shape(), bs = b.shape();
+  auto node = std::make_shared<LambdaNode>(BinaryName(op), [op, as, bs](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor& go = g[0];
+    const Device dev = go.device();
+    Tensor ga, gb;
+    switch (op) {
+      case BinaryOp::kAdd:
+        if (n.needs_input_grad(0)) ga = detail::SumToShape(go, as);
+        if (n.needs_input_grad(1)) gb = detail::SumToShape(go, bs);
+        break;
+      case BinaryOp::kSub:
+        if (n.needs_input_grad(0)) ga = detail::SumToShape(go, as);
+        if (n.needs_input_grad(1)) {
+          Tensor t = NewLike(go);
+          DDP_KERNEL(dev, affine)(go, -1.0, 0.0, t);
+          gb = detail::SumToShape(t, bs);
+        }
+        break;
+      case BinaryOp::kMul: {
+        const Tensor av = n.saved[0].Get(), bv = n.saved[1].Get();
+        if (n.needs_input_grad(0)) {
+          Tensor t = NewLike(go);
+          DDP_KERNEL(dev, binary)(BinaryOp::kMul, go, bv, t);
+          ga = detail::SumToShape(t, as);
+        }
+        if (n.needs_input_grad(1)) {
+          Tensor t = NewLike(go);
+          DDP_KERNEL(dev, binary)(BinaryOp::kMul, go, av, t);
+          gb = detail::SumToShape(t, bs);
+        }
+        break;
+      }
+      case BinaryOp::kDiv: {
+        const Tensor av = n.saved[0].Get(), bv = n.saved[1].Get();
+        Tensor t = NewLike(go);
+        DDP_KERNEL(dev, binary)(BinaryOp::kDiv, go, bv, t);  // g / b
+        if (n.needs_input_grad(0)) ga = detail::SumToShape(t, as);
+        if (n.needs_input_grad(1)) {
+          // -g * a / b^2 = -(g / b) * (a / b)
+          Tensor q = NewLike(go), r = NewLike(go);
+          DDP_KERNEL(dev, binary)(BinaryOp::kDiv, av, bv, q);
+          DDP_KERNEL(dev, binary)(BinaryOp::kMul, t, q, r);
+          DDP_KERNEL(dev, affine)(r, -1.0, 0.0, r);
+          gb = detail::SumToShape(r, bs);
+        }
+        break;
+      }
+    }
+    return std::vector<Tensor>{ga, gb};
+  });
+  if (op == BinaryOp::kMul || op == BinaryOp::kDiv) {
+    node->saved.emplace_back(a);
+    node->saved.emplace_back(b);
+  }
+  detail::ConnectNode(node, {&a, &b}, {&out});
+  return out;
+}
+
+const char* UnaryName(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::kNeg: return "NegBackward";
+    case UnaryOp::kRelu: return "ReluBackward";
+    case UnaryOp::kGelu: return "GeluBackward";
+    case UnaryOp::kGeluTanh: return "GeluBackward";
+    case UnaryOp::kSigmoid: return "SigmoidBackward";
+    case UnaryOp::kTanh: return "TanhBackward";
+    case UnaryOp::kExp: return "ExpBackward";
+    case UnaryOp::kLog: return "LogBackward";
+    case UnaryOp::kSqrt: return "SqrtBackward";
+    case UnaryOp::kSquare: return "SquareBackward";
+    case UnaryOp::kAbs: return "AbsBackward";
+  }
+  return "UnaryBackward";
+}
+
+// Whether the backward of op needs the output (else the input).
+bool SavesOutput(UnaryOp op) {
+  return op == UnaryOp::kSigmoid || op == UnaryOp::kTanh || op == UnaryOp::kExp || op == UnaryOp::kSqrt ||
+         op == UnaryOp::kRelu;
+}
+
+Tensor UnaryOpImpl(UnaryOp op, const Tensor& x) {
+  if (!x.defined()) throw std::invalid_argument(std::string(UnaryName(op)) + ": undefined input");
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument(std::string(UnaryName(op)) + ": needs a floating tensor, got " +
+                                std::string(DTypeName(x.dtype())));
+  }
+  Tensor out = NewLike(x);
+  DDP_KERNEL(x.device(), unary)(op, x, out);
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>(UnaryName(op), [op](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor s = n.saved[0].Get();
+    Tensor gi = NewLike(s);
+    // ReLU's derivative from its output: y > 0 exactly where x > 0.
+    DDP_KERNEL(s.device(), unary_backward)(op, g[0], s, gi);
+    return std::vector<Tensor>{gi};
+  });
+  node->saved.emplace_back(SavesOutput(op) ? out : x);
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
+
+Tensor AffineImpl(const Tensor& x, double alpha, double beta, const char* name) {
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument(std::string(name) + ": needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
+  }
+  Tensor out = NewLike(x);
+  DDP_KERNEL(x.device(), affine)(x, alpha, beta, out);
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>(name, [alpha](LambdaNode&, std::vector<Tensor>& g) {
+    if (alpha == 1.0) return std::vector<Tensor>{g[0]};
+    Tensor gi = NewLike(g[0]);
+    DDP_KERNEL(gi.device(), affine)(g[0], alpha, 0.0, gi);
+    return std::vector<Tensor>{gi};
+  });
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
+
+}  // namespace
+
+Tensor Add(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kAdd, a, b); }
+Tensor Sub(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kSub, a, b); }
+Tensor Mul(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kMul, a, b); }
+Tensor Div(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kDiv, a, b); }
+Tensor AddScalar(const Tensor& x, double s) { return AffineImpl(x, 1.0, s, "AddScalarBackward"); }
+Tensor MulScalar(const Tensor& x, double s) { return AffineImpl(x, s, 0.0, "MulScalarBackward"); }
+Tensor Neg(const Tensor& x) { return UnaryOpImpl(UnaryOp::kNeg, x); }
+Tensor Relu(const Tensor& x) { return UnaryOpImpl(UnaryOp::kRelu, x); }
+Tensor Gelu(const Tensor& x, bool tanh_approximation) {
+  return UnaryOpImpl(tanh_approximation ? UnaryOp::kGeluTanh : UnaryOp::kGelu, x);
+}
+Tensor Sigmoid(const Tensor& x) { return UnaryOpImpl(UnaryOp::kSigmoid, x); }
+Tensor Tanh(const Tensor& x) { return UnaryOpImpl(UnaryOp::kTanh, x); }
+Tensor Exp(const Tensor& x) { return UnaryOpImpl(UnaryOp::kExp, x); }
+Tensor Log(const Tensor& x) { return UnaryOpImpl(UnaryOp::kLog, x); }
+Tensor Sqrt(const Tensor& x) { return UnaryOpImpl(UnaryOp::kSqrt, x); }
+Tensor Square(const Tensor& x) { return UnaryOpImpl(UnaryOp::kSquare, x); }
+Tensor Abs(const Tensor& x) { return UnaryOpImpl(UnaryOp::kAbs, x); }
+
+Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
+  if (p < 0.0 || p > 1.0) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + std::to_string(p));
+  if (!training || p == 0.0) return x;
+  if (p == 1.0) return MulScalar(x, 0.0);
+  Tensor mask = Empty(x.shape(), {.dtype = DType::kUInt8, .device = x.device()});
+  DDP_KERNEL(x.device(), bernoulli_mask)(mask, 1.0 - p, gen);
+  const double scale = 1.0 / (1.0 - p);
+  Tensor out = NewLike(x);
+  DDP_KERNEL(x.device(), masked_scale)(x, mask, scale, out);
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>("DropoutBackward", [scale](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor m = n.saved[0].Get();
+    Tensor gi = NewLike(g[0]);
+    DDP_KERNEL(gi.device(), masked_scale)(g[0], m, scale, gi);
+    return std::vector<Tensor>{gi};
+  });
+  node->saved.emplace_back(mask);
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
+
+Tensor Cast(const Tensor& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  Tensor out = Empty(x.shape(), {.dtype = dtype, .device = x.device()});
+  {
+    NoGradGuard guard;
+    out.CopyFrom(x);
+  }
+  if (!IsFloating(dtype) || !detail::AnyRequiresGrad({&x})) return out;
+  const DType from = x.dtype();
+  auto node = std::make_shared<LambdaNode>("CastBackward", [from](LambdaNode&, std::vector<Tensor>& g) {
+    return std::vector<Tensor>{g[0].To(from)};
+  });
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
+
+}  // namespace ddp::nn::ops

@@ -1,0 +1,114 @@
+// Differentiable operations on tensors. Each records a node when grad mode
+// is on and an input requires grad; each checks its inputs' shapes first and
+// reports a mismatch with both shapes. Binary ops broadcast (numpy rules)
+// and promote dtypes (a bf16 tensor plus an f32 tensor gives f32). Layers
+// that own weights (Linear, Conv2d) cast their input to the weight's dtype,
+// so f16/bf16 layers can sit next to f32 ones.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "nn/ops/dispatch.h"
+#include "nn/tensor/generator.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::ops {
+
+// --- elementwise ---
+Tensor Add(const Tensor& a, const Tensor& b);
+Tensor Sub(const Tensor& a, const Tensor& b);
+Tensor Mul(const Tensor& a, const Tensor& b);
+Tensor Div(const Tensor& a, const Tensor& b);
+/// x + s.
+Tensor AddScalar(const Tensor& x, double s);
+/// x * s.
+Tensor MulScalar(const Tensor& x, double s);
+Tensor Neg(const Tensor& x);
+Tensor Relu(const Tensor& x);
+/// GELU, exact (erf) or with the tanh approximation.
+Tensor Gelu(const Tensor& x, bool tanh_approximation = false);
+Tensor Sigmoid(const Tensor& x);
+Tensor Tanh(const Tensor& x);
+Tensor Exp(const Tensor& x);
+Tensor Log(const Tensor& x);
+Tensor Sqrt(const Tensor& x);
+Tensor Square(const Tensor& x);
+Tensor Abs(const Tensor& x);
+/// Zeroes each element with probability p and scales the rest by 1/(1-p)
+/// when training; the identity otherwise.
+Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen = DefaultGenerator());
+/// Converts to dtype; the gradient is converted back.
+Tensor Cast(const Tensor& x, DType dtype);
+
+// --- shape (views share storage with the input) ---
+Tensor View(const Tensor& x, const Shape& shape);
+/// A view when the strides allow it, else a copy.
+Tensor Reshape(const Tensor& x, const Shape& shape);
+/// Merges dimensions start..end (inclusive) into one.
+Tensor Flatten(const Tensor& x, int64_t start = 0, int64_t end = -1);
+Tensor Transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor Permute(const Tensor& x, const Shape& dims);
+Tensor Narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor Select(const Tensor& x, int64_t dim, int64_t index);
+Tensor Unsqueeze(const Tensor& x, int64_t dim);
+Tensor Squeeze(const Tensor& x, int64_t dim);
+Tensor Expand(const Tensor& x, const Shape& shape);
+/// x when contiguous, else a contiguous copy.
+Tensor Contiguous(const Tensor& x);
+/// A contiguous copy.
+Tensor Clone(const Tensor& x);
+
+// --- reductions ---
+/// Sum of all elements (0-d).
+Tensor Sum(const Tensor& x);
+/// Sum over dims (negative allowed); keepdim keeps them as size 1.
+Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+Tensor Mean(const Tensor& x);
+Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+/// Index of the maximum along dim (i64, no gradient).
+Tensor Argmax(const Tensor& x, int64_t dim);
+
+// --- matrix products ---
+/// a [M,K] @ b [K,N]; also [..., M, K] @ [K, N], batched [B,M,K] @ [B,K,N], and 1-D operands.
+Tensor Matmul(const Tensor& a, const Tensor& b);
+/// y [..., out] = x [..., in] @ w[out, in]^T + bias[out] (bias may be undefined).
+Tensor Linear(const Tensor& x, const Tensor& w, const Tensor& bias);
+
+// --- convolution and pooling (NCHW) ---
+/// y [N, O, OH, OW] from x [N, C, H, W], w [O, C/groups, KH, KW], bias [O] (may be undefined).
+Tensor Conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv2dParams& p = {});
+Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p);
+Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p);
+/// Averages x [N, C, H, W] into [N, C, out_h, out_w] windows.
+Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w);
+/// Output length of a convolution or pooling along one axis (throws when < 1).
+int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation,
+                       bool ceil_mode = false);
+
+// --- normalization ---
+/// Batch norm over x [N, C, *]. Training: batch statistics, and running_mean
+/// / running_var (if defined) are updated in place with momentum. Eval: the
+/// running statistics. weight and bias may be undefined (no affine).
+Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                 const Tensor& bias, bool training, double momentum, double eps);
+
+// --- softmax ---
+Tensor LogSoftmax(const Tensor& x, int64_t dim);
+Tensor Softmax(const Tensor& x, int64_t dim);
+
+}  // namespace ddp::nn::ops
+
+namespace ddp::nn {
+// Arithmetic operators (differentiable, broadcasting).
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return ops::Add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return ops::Sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return ops::Mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return ops::Div(a, b); }
+inline Tensor operator+(const Tensor& a, double s) { return ops::AddScalar(a, s); }
+inline Tensor operator-(const Tensor& a, double s) { return ops::AddScalar(a, -s); }
+inline Tensor operator*(const Tensor& a, double s) { return ops::MulScalar(a, s); }
+inline Tensor operator/(const Tensor& a, double s) { return ops::MulScalar(a, 1.0 / s); }
+inline Tensor operator*(double s, const Tensor& a) { return ops::MulScalar(a, s); }
+inline Tensor operator-(const Tensor& a) { return ops::Neg(a); }
+}  // namespace ddp::nn

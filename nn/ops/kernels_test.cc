@@ -1,0 +1,101 @@
+// Kernel-level checks: the two GEMM backends and the two convolution
+// algorithms agree; 16-bit inputs compute in f32; bad targets are reported.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "nn/autograd/engine.h"
+
+#include <cmath>
+
+#include "nn/ops/config.h"
+#include "nn/ops/dispatch.h"
+#include "nn/ops/functional.h"
+
+namespace ddp::nn::ops {
+namespace {
+
+double MaxAbsDiff(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.ToVector<double>(), y = b.ToVector<double>();
+  double m = 0;
+  for (size_t i = 0; i < x.size(); ++i) m = std::max(m, std::fabs(x[i] - y[i]));
+  return m;
+}
+
+TEST(KernelsTest, GemmBackendsAgreeIncludingTransposedOperands) {
+  Generator gen(1);
+  Tensor a = Rand({37, 19}, {}, gen), b = Rand({23, 19}, {}, gen);
+  Tensor ref = Matmul(a.To(DType::kFloat64), b.To(DType::kFloat64).Transpose(0, 1));
+  for (GemmBackend backend : {GemmBackend::kOneDnn, GemmBackend::kOpenBlas}) {
+    SetGemmBackend(backend);
+    Tensor c = Matmul(a, b.Transpose(0, 1));
+    EXPECT_LT(MaxAbsDiff(c, ref), 1e-4) << static_cast<int>(backend);
+    Tensor c2 = Matmul(a.Transpose(0, 1).Contiguous().Transpose(0, 1), b.Transpose(0, 1));
+    EXPECT_LT(MaxAbsDiff(c2, ref), 1e-4);
+  }
+  SetGemmBackend(GemmBackend::kOneDnn);
+}
+
+TEST(KernelsTest, SixteenBitLinearComputesInF32) {
+  Generator gen(2);
+  Tensor x = Rand({8, 16}, {}, gen), w = Rand({4, 16}, {}, gen), b = Rand({4}, {}, gen);
+  Tensor ref = Linear(x, w, b);
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    Tensor y = Linear(x.To(t), w.To(t), b.To(t));
+    EXPECT_EQ(y.dtype(), t);
+    EXPECT_LT(MaxAbsDiff(y, ref), t == DType::kFloat16 ? 2e-2 : 1e-1) << DTypeName(t);
+    // An f32 input into a 16-bit layer is cast to the layer's dtype.
+    EXPECT_EQ(Linear(x, w.To(t), b.To(t)).dtype(), t);
+  }
+}
+
+TEST(KernelsTest, ConvAlgorithmsAgree) {
+  struct Case {
+    Shape x, w;
+    Conv2dParams p;
+  } cases[] = {
+      {{4, 1, 28, 28}, {32, 1, 3, 3}, {}},
+      {{4, 32, 13, 13}, {64, 32, 3, 3}, {}},
+      {{2, 16, 9, 9}, {32, 16, 3, 3}, {.stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1}},
+      {{2, 32, 8, 8}, {32, 16, 3, 3}, {.pad_h = 2, .pad_w = 2, .dilation_h = 2, .dilation_w = 2, .groups = 2}},
+      {{2, 64, 7, 7}, {16, 64, 1, 1}, {}},
+  };
+  Generator gen(3);
+  for (const Case& c : cases) {
+    Tensor x = Rand(c.x, {}, gen), w = Rand(c.w, {}, gen), b = Rand({c.w[0]}, {}, gen);
+    std::vector<Tensor> results;
+    for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn}) {
+      SetConvAlgorithm(algo);
+      Tensor xl = x.Detach(), wl = w.Detach(), bl = b.Detach();
+      xl.set_requires_grad(true);
+      wl.set_requires_grad(true);
+      bl.set_requires_grad(true);
+      Tensor y = Conv2d(xl, wl, bl, c.p);
+      Backward(Sum(Square(y)));
+      results.insert(results.end(), {y, xl.grad(), wl.grad(), bl.grad()});
+    }
+    SetConvAlgorithm(ConvAlgorithm::kAuto);
+    for (int k = 0; k < 4; ++k) {
+      const double scale = 1 + std::fabs(results[k].ToVector<double>()[0]);
+      EXPECT_LT(MaxAbsDiff(results[k], results[k + 4]) / scale, 1e-3) << ShapeToString(c.x) << " output " << k;
+    }
+  }
+}
+
+TEST(KernelsTest, MissingCudaKernelIsNamed) {
+  try {
+    DDP_KERNEL(Device(DeviceType::kCUDA, 1), conv2d_forward);
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("op `conv2d_forward` has no kernel for device cuda:1"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(KernelsTest, ThreadsSetting) {
+  EXPECT_EQ(GetNumThreads(), 1);
+  EXPECT_THROW(SetNumThreads(0), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ddp::nn::ops

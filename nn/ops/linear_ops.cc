@@ -1,0 +1,154 @@
+// Matrix products. Shapes: Mm a [M,K] @ b [K,N] -> [M,N]; Bmm [B,M,K] @
+// [B,K,N] -> [B,M,N]; Linear x [..., IN] @ w [OUT, IN]^T + bias [OUT] ->
+// [..., OUT]. Backward: da = g @ b^T, db = a^T @ g (transposes are views,
+// which the GEMM kernel turns into BLAS transpose flags).
+#include <stdexcept>
+#include <string>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+using detail::LambdaNode;
+
+namespace {
+
+void CheckFloatingSameType(const char* op, const Tensor& a, const Tensor& b) {
+  if (!IsFloating(a.dtype()) || a.dtype() != b.dtype()) {
+    throw std::invalid_argument(std::string(op) + ": operands must share a floating dtype, got " +
+                                std::string(DTypeName(a.dtype())) + " and " + std::string(DTypeName(b.dtype())));
+  }
+  detail::CheckSameDevice(op, a, b);
+}
+
+// c = a @ b for 2-D tensors (no autograd).
+Tensor MmRaw(const Tensor& a, const Tensor& b) {
+  Tensor c = Empty({a.size(0), b.size(1)}, {.dtype = a.dtype(), .device = a.device()});
+  DDP_KERNEL(a.device(), gemm)(a, b, c, 1.0, 0.0);
+  return c;
+}
+
+Tensor Mm(const Tensor& a, const Tensor& b) {
+  if (a.size(1) != b.size(0)) {
+    throw std::invalid_argument("matmul: shapes " + ShapeToString(a.shape()) + " and " + ShapeToString(b.shape()) +
+                                " cannot be multiplied (" + std::to_string(a.size(1)) + " != " +
+                                std::to_string(b.size(0)) + ")");
+  }
+  Tensor out = MmRaw(a, b);
+  if (!detail::AnyRequiresGrad({&a, &b})) return out;
+  auto node = std::make_shared<LambdaNode>("MmBackward", [](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor av = n.saved[0].Get(), bv = n.saved[1].Get();
+    Tensor ga, gb;
+    if (n.needs_input_grad(0)) ga = MmRaw(g[0], bv.Transpose(0, 1));
+    if (n.needs_input_grad(1)) gb = MmRaw(av.Transpose(0, 1), g[0]);
+    return std::vector<Tensor>{ga, gb};
+  });
+  node->saved.emplace_back(a);
+  node->saved.emplace_back(b);
+  detail::ConnectNode(node, {&a, &b}, {&out});
+  return out;
+}
+
+// Batched product by one GEMM per batch entry (no autograd).
+Tensor BmmRaw(const Tensor& a, const Tensor& b) {
+  const int64_t batch = a.size(0);
+  Tensor c = Empty({batch, a.size(1), b.size(2)}, {.dtype = a.dtype(), .device = a.device()});
+  for (int64_t i = 0; i < batch; ++i) {
+    DDP_KERNEL(a.device(), gemm)(a.Select(0, i), b.Select(0, i), c.Select(0, i), 1.0, 0.0);
+  }
+  return c;
+}
+
+Tensor Bmm(const Tensor& a, const Tensor& b) {
+  if (a.size(0) != b.size(0) || a.size(2) != b.size(1)) {
+    throw std::invalid_argument("matmul: batched shapes " + ShapeToString(a.shape()) + " and " +
+                                ShapeToString(b.shape()) + " do not match");
+  }
+  Tensor out = BmmRaw(a.Detach(), b.Detach());
+  if (!detail::AnyRequiresGrad({&a, &b})) return out;
+  auto node = std::make_shared<LambdaNode>("BmmBackward", [](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor av = n.saved[0].Get(), bv = n.saved[1].Get();
+    Tensor ga, gb;
+    if (n.needs_input_grad(0)) ga = BmmRaw(g[0], bv.Transpose(1, 2));
+    if (n.needs_input_grad(1)) gb = BmmRaw(av.Transpose(1, 2), g[0]);
+    return std::vector<Tensor>{ga, gb};
+  });
+  node->saved.emplace_back(a);
+  node->saved.emplace_back(b);
+  detail::ConnectNode(node, {&a, &b}, {&out});
+  return out;
+}
+
+}  // namespace
+
+Tensor Matmul(const Tensor& a_in, const Tensor& b_in) {
+  CheckFloatingSameType("matmul", a_in, b_in);
+  const int64_t da = a_in.dim(), db = b_in.dim();
+  if (da == 0 || db == 0) throw std::invalid_argument("matmul: 0-d operands are not supported");
+  if (da == 1 && db == 1) {
+    if (a_in.size(0) != b_in.size(0)) {
+      throw std::invalid_argument("matmul: vectors of length " + std::to_string(a_in.size(0)) + " and " +
+                                  std::to_string(b_in.size(0)));
+    }
+    return Sum(Mul(a_in, b_in));
+  }
+  if (da == 1) return Squeeze(Matmul(Unsqueeze(a_in, 0), b_in), -2);
+  if (db == 1) return Squeeze(Matmul(a_in, Unsqueeze(b_in, 1)), -1);
+  if (da == 2 && db == 2) return Mm(a_in, b_in);
+  if (db == 2) {
+    // [..., M, K] @ [K, N]: fold the leading dimensions into M.
+    Shape out_shape(a_in.shape().begin(), a_in.shape().end() - 1);
+    out_shape.push_back(b_in.size(1));
+    return Reshape(Mm(Reshape(a_in, {-1, a_in.size(-1)}), b_in), out_shape);
+  }
+  if (da == 3 && db == 3) return Bmm(a_in, b_in);
+  throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
+                              ShapeToString(b_in.shape()) + " are not supported (2-D, N-D @ 2-D, or 3-D @ 3-D)");
+}
+
+Tensor Linear(const Tensor& x_in, const Tensor& w, const Tensor& bias) {
+  if (w.dim() != 2) throw std::invalid_argument("linear: weight must be 2-D, got " + ShapeToString(w.shape()));
+  if (x_in.dim() < 1 || x_in.size(-1) != w.size(1)) {
+    throw std::invalid_argument("linear: expected input [..., " + std::to_string(w.size(1)) + "], got " +
+                                ShapeToString(x_in.shape()));
+  }
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != w.size(0))) {
+    throw std::invalid_argument("linear: bias of shape " + ShapeToString(bias.shape()) + " for " +
+                                std::to_string(w.size(0)) + " outputs");
+  }
+  // Inputs follow the layer's dtype (mixed precision: a bf16 layer after an f32 one).
+  const Tensor x = x_in.dtype() == w.dtype() ? x_in : Cast(x_in, w.dtype());
+  CheckFloatingSameType("linear", x, w);
+  const int64_t in = w.size(1), out_features = w.size(0);
+  const int64_t m = x.numel() / std::max<int64_t>(in, 1);
+  const Tensor x2 = x.Detach().Reshape({m, in});
+  Tensor y2 = Empty({m, out_features}, {.dtype = w.dtype(), .device = w.device()});
+  double beta = 0.0;
+  if (bias.defined()) {
+    NoGradGuard guard;
+    y2.CopyFrom(bias.dtype() == w.dtype() ? bias : bias.Detach().To(w.dtype()));  // broadcast rows
+    beta = 1.0;
+  }
+  DDP_KERNEL(w.device(), gemm)(x2, w.Detach().Transpose(0, 1), y2, 1.0, beta);
+  Shape out_shape(x.shape().begin(), x.shape().end() - 1);
+  out_shape.push_back(out_features);
+  Tensor y = y2.View(out_shape);
+  if (!detail::AnyRequiresGrad({&x, &w, &bias})) return y;
+  const Shape x_shape = x.shape();
+  auto node = std::make_shared<LambdaNode>("LinearBackward", [x_shape, m, in, out_features](
+                                                                 LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor g2 = g[0].Reshape({m, out_features});
+    Tensor gx, gw, gb;
+    if (n.needs_input_grad(0)) gx = MmRaw(g2, n.saved[1].Get()).View(x_shape);
+    if (n.needs_input_grad(1)) gw = MmRaw(g2.Transpose(0, 1), n.saved[0].Get().Reshape({m, in}));
+    if (n.needs_input_grad(2)) gb = detail::SumToShape(g2, {out_features});
+    return std::vector<Tensor>{gx, gw, gb};
+  });
+  node->saved.emplace_back(x);
+  node->saved.emplace_back(w);
+  detail::ConnectNode(node, {&x, &w, &bias}, {&y});
+  return y;
+}
+
+}  // namespace ddp::nn::ops

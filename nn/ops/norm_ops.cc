@@ -1,0 +1,59 @@
+// Batch normalization. Shapes: x [N, C, *]; weight, bias, running_mean,
+// running_var [C]. Saved statistics are f32 (f64 for f64 input).
+#include <stdexcept>
+#include <string>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+using detail::LambdaNode;
+
+Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                 const Tensor& bias, bool training, double momentum, double eps) {
+  if (x.dim() < 2) throw std::invalid_argument("batch_norm: expected input [N, C, ...], got " + ShapeToString(x.shape()));
+  const int64_t c = x.size(1);
+  auto check = [&](const Tensor& t, const char* name) {
+    if (t.defined() && (t.dim() != 1 || t.size(0) != c)) {
+      throw std::invalid_argument(std::string("batch_norm: ") + name + " of shape " + ShapeToString(t.shape()) +
+                                  " for an input with " + std::to_string(c) + " channels " + ShapeToString(x.shape()));
+    }
+  };
+  check(weight, "weight");
+  check(bias, "bias");
+  check(running_mean, "running_mean");
+  check(running_var, "running_var");
+  if (!training && (!running_mean.defined() || !running_var.defined())) {
+    throw std::invalid_argument("batch_norm: eval mode needs running statistics");
+  }
+  if (training && x.numel() / std::max<int64_t>(c, 1) <= 1) {
+    throw std::invalid_argument("batch_norm: expected more than 1 value per channel when training, got input " +
+                                ShapeToString(x.shape()));
+  }
+  const DType stat = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  Tensor y = detail::NewLike(x);
+  Tensor mean = Empty({c}, {.dtype = stat, .device = x.device()});
+  Tensor invstd = Empty({c}, {.dtype = stat, .device = x.device()});
+  DDP_KERNEL(x.device(), batch_norm_forward)(x, weight, bias, running_mean, running_var, training, momentum, eps, y,
+                                            mean, invstd);
+  if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
+  auto node = std::make_shared<LambdaNode>("BatchNormBackward", [training](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
+    Tensor gx, gw, gb;
+    if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
+    if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
+    if (n.needs_input_grad(2)) gb = Empty({xv.size(1)}, {.dtype = xv.dtype(), .device = xv.device()});
+    DDP_KERNEL(xv.device(), batch_norm_backward)(xv, g[0], wv, n.saved[2].Get(), n.saved[3].Get(), training, gx,
+                                                 gw, gb);
+    return std::vector<Tensor>{gx, gw, gb};
+  });
+  node->saved.emplace_back(x);
+  node->saved.emplace_back(weight);
+  node->saved.emplace_back(mean);
+  node->saved.emplace_back(invstd);
+  detail::ConnectNode(node, {&x, &weight, &bias}, {&y});
+  return y;
+}
+
+}  // namespace ddp::nn::ops

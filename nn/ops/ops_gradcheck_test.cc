@@ -1,0 +1,239 @@
+// Every differentiable op's backward against central finite differences in
+// f64, including broadcast, strided and non-contiguous inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "nn/autograd/engine.h"
+
+#include "nn/ops/functional.h"
+#include "nn/ops/gradcheck.h"
+
+namespace ddp::nn::ops {
+namespace {
+
+using testing::GradCheck;
+using testing::RandomLeaf;
+using V = std::vector<Tensor>;
+
+// A non-contiguous leaf: the transpose of a random [cols, rows] tensor.
+Tensor TransposedLeaf(int64_t rows, int64_t cols, uint64_t seed) {
+  Tensor t = RandomLeaf({cols, rows}, seed, false).Transpose(0, 1);
+  t.set_requires_grad(true);
+  return t;
+}
+
+// A leaf whose last dimension has stride 2 (every other element of a wider tensor).
+Tensor StridedLeaf(const Shape& shape, uint64_t seed) {
+  Shape wide = shape;
+  wide.back() *= 2;
+  Tensor t = RandomLeaf(wide, seed, false).Slice(-1, 0, wide.back(), 2);
+  t.set_requires_grad(true);
+  return t;
+}
+
+// Entries pushed away from zero, for functions with a kink there.
+Tensor AwayFromZero(const Shape& shape, uint64_t seed) {
+  Tensor t = RandomLeaf(shape, seed, false);
+  double* p = t.data<double>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] += p[i] >= 0 ? 0.1 : -0.1;
+  t.set_requires_grad(true);
+  return t;
+}
+
+Tensor Positive(const Shape& shape, uint64_t seed) {
+  Tensor t = RandomLeaf(shape, seed, false);
+  double* p = t.data<double>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = 0.5 + std::fabs(p[i]);
+  t.set_requires_grad(true);
+  return t;
+}
+
+TEST(GradCheckTest, BinaryOpsWithBroadcasting) {
+  for (auto op : {&Add, &Sub, &Mul, &Div}) {
+    auto f = [op](const V& in) { return op(in[0], in[1]); };
+    EXPECT_TRUE(GradCheck(f, {RandomLeaf({3, 4}, 1), RandomLeaf({3, 4}, 2)}));
+    EXPECT_TRUE(GradCheck(f, {RandomLeaf({3, 4}, 3), Positive({4}, 4)}));
+    EXPECT_TRUE(GradCheck(f, {RandomLeaf({2, 1, 4}, 5), Positive({3, 1}, 6)}));
+    EXPECT_TRUE(GradCheck(f, {TransposedLeaf(3, 4, 7), Positive({3, 4}, 8)}));
+    EXPECT_TRUE(GradCheck(f, {StridedLeaf({2, 3}, 9), Positive({2, 3}, 10)}));
+  }
+}
+
+TEST(GradCheckTest, ScalarAndUnaryOps) {
+  EXPECT_TRUE(GradCheck([](const V& in) { return AddScalar(in[0], 2.5); }, {RandomLeaf({5}, 1)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return MulScalar(in[0], -1.5); }, {TransposedLeaf(2, 3, 2)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Neg(in[0]); }, {RandomLeaf({4}, 3)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Relu(in[0]); }, {AwayFromZero({3, 4}, 4)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Relu(in[0]); }, {StridedLeaf({3, 4}, 5)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Gelu(in[0]); }, {TransposedLeaf(3, 4, 6)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Gelu(in[0], true); }, {RandomLeaf({3, 4}, 7)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Sigmoid(in[0]); }, {StridedLeaf({2, 5}, 8)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Tanh(in[0]); }, {TransposedLeaf(4, 2, 9)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Exp(in[0]); }, {RandomLeaf({6}, 10)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Log(in[0]); }, {Positive({6}, 11)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Sqrt(in[0]); }, {Positive({6}, 12)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Square(in[0]); }, {TransposedLeaf(3, 3, 13)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Abs(in[0]); }, {AwayFromZero({7}, 14)}));
+}
+
+TEST(GradCheckTest, ShapeOps) {
+  EXPECT_TRUE(GradCheck([](const V& in) { return View(in[0], {4, 3}); }, {RandomLeaf({2, 6}, 1)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Reshape(in[0], {12}); }, {TransposedLeaf(3, 4, 2)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Flatten(in[0], 1); }, {RandomLeaf({2, 3, 4}, 3)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Mul(Transpose(in[0], 0, 1), in[1]); },
+                        {RandomLeaf({3, 4}, 4), RandomLeaf({4, 3}, 5)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Square(Permute(in[0], {2, 0, 1})); }, {RandomLeaf({2, 3, 4}, 6)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Square(Narrow(in[0], 1, 1, 2)); }, {TransposedLeaf(3, 4, 7)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Square(Select(in[0], 0, 1)); }, {RandomLeaf({3, 4}, 8)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Unsqueeze(in[0], 1); }, {RandomLeaf({3, 4}, 9)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Squeeze(in[0], 1); }, {RandomLeaf({3, 1, 4}, 10)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Mul(Expand(in[0], {2, 3, 4}), in[1]); },
+                        {RandomLeaf({3, 1}, 11), RandomLeaf({2, 3, 4}, 12)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Square(Contiguous(in[0])); }, {TransposedLeaf(3, 4, 13)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clone(in[0]); }, {StridedLeaf({3, 2}, 14)}));
+}
+
+TEST(GradCheckTest, Reductions) {
+  EXPECT_TRUE(GradCheck([](const V& in) { return Sum(in[0]); }, {TransposedLeaf(3, 4, 1)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Sum(in[0], {0, 2}); }, {RandomLeaf({2, 3, 4}, 2)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Sum(in[0], {-1}, true); }, {StridedLeaf({3, 4}, 3)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Mean(in[0]); }, {RandomLeaf({5, 2}, 4)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Mean(in[0], {1}); }, {TransposedLeaf(3, 4, 5)}));
+}
+
+TEST(GradCheckTest, MatmulAndLinear) {
+  auto mm = [](const V& in) { return Matmul(in[0], in[1]); };
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({3, 4}, 1), RandomLeaf({4, 5}, 2)}));
+  EXPECT_TRUE(GradCheck(mm, {TransposedLeaf(3, 4, 3), TransposedLeaf(4, 2, 4)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({2, 3, 4}, 5), RandomLeaf({4, 2}, 6)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({2, 3, 4}, 7), RandomLeaf({2, 4, 5}, 8)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({4}, 9), RandomLeaf({4, 3}, 10)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({3, 4}, 11), RandomLeaf({4}, 12)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({4}, 13), RandomLeaf({4}, 14)}));
+  EXPECT_TRUE(GradCheck(mm, {StridedLeaf({3, 4}, 15), RandomLeaf({4, 2}, 16)}));
+  auto lin = [](const V& in) { return Linear(in[0], in[1], in[2]); };
+  EXPECT_TRUE(GradCheck(lin, {RandomLeaf({5, 4}, 17), RandomLeaf({3, 4}, 18), RandomLeaf({3}, 19)}));
+  EXPECT_TRUE(GradCheck(lin, {RandomLeaf({2, 5, 4}, 20), RandomLeaf({3, 4}, 21), RandomLeaf({3}, 22)}));
+  EXPECT_TRUE(GradCheck(lin, {TransposedLeaf(5, 4, 23), TransposedLeaf(3, 4, 24), Tensor()}));
+  EXPECT_TRUE(GradCheck(lin, {StridedLeaf({5, 4}, 25), RandomLeaf({3, 4}, 26), RandomLeaf({3}, 27, false)}));
+}
+
+struct ConvCase {
+  Shape x, w;
+  Conv2dParams p;
+  bool bias;
+};
+
+TEST(GradCheckTest, Conv2dGeometries) {
+  const ConvCase cases[] = {
+      {{2, 3, 6, 6}, {4, 3, 3, 3}, {}, true},
+      {{1, 2, 7, 6}, {3, 2, 3, 2}, {.stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1}, true},
+      {{2, 2, 7, 7}, {2, 2, 3, 3}, {.pad_h = 2, .pad_w = 2, .dilation_h = 2, .dilation_w = 2}, false},
+      {{2, 4, 5, 5}, {6, 2, 3, 3}, {.pad_h = 1, .pad_w = 1, .groups = 2}, true},
+      {{2, 4, 4, 4}, {4, 1, 3, 3}, {.stride_h = 1, .stride_w = 2, .pad_h = 1, .pad_w = 0, .groups = 4}, true},
+      {{3, 4, 3, 3}, {5, 4, 1, 1}, {}, true},                             // pointwise
+      {{2, 4, 5, 5}, {3, 4, 1, 1}, {.stride_h = 2, .stride_w = 2}, false},  // strided pointwise
+  };
+  for (const ConvCase& c : cases) {
+    auto f = [&c](const V& in) { return Conv2d(in[0], in[1], in[2], c.p); };
+    EXPECT_TRUE(GradCheck(f, {RandomLeaf(c.x, 1), RandomLeaf(c.w, 2), c.bias ? RandomLeaf({c.w[0]}, 3) : Tensor()}))
+        << ShapeToString(c.x) << " * " << ShapeToString(c.w);
+  }
+  // A non-contiguous input (channels-last memory seen as NCHW).
+  Tensor x = RandomLeaf({2, 5, 5, 3}, 4, false).Permute({0, 3, 1, 2});
+  x.set_requires_grad(true);
+  EXPECT_TRUE(GradCheck([](const V& in) { return Conv2d(in[0], in[1], in[2], {.pad_h = 1, .pad_w = 1}); },
+                        {x, RandomLeaf({2, 3, 3, 3}, 5), RandomLeaf({2}, 6)}));
+}
+
+TEST(GradCheckTest, Pooling) {
+  const Pool2dParams cases[] = {
+      {.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2},
+      {.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1},
+      {.kernel_h = 2, .kernel_w = 3, .stride_h = 2, .stride_w = 1, .ceil_mode = true},
+      {.kernel_h = 2, .kernel_w = 2, .stride_h = 1, .stride_w = 1, .dilation_h = 2, .dilation_w = 2},
+  };
+  for (const Pool2dParams& p : cases) {
+    // Distinct values so that the max is unique and the gradient well defined.
+    Tensor x = RandomLeaf({2, 3, 7, 6}, 1, false);
+    double* d = x.data<double>();
+    for (int64_t i = 0; i < x.numel(); ++i) d[i] = d[i] + 0.01 * static_cast<double>(i % 37);
+    x.set_requires_grad(true);
+    EXPECT_TRUE(GradCheck([&p](const V& in) { return MaxPool2d(in[0], p); }, {x}));
+    if (p.dilation_h == 1) {
+      Pool2dParams q = p;
+      EXPECT_TRUE(GradCheck([&q](const V& in) { return AvgPool2d(in[0], q); }, {RandomLeaf({2, 3, 7, 6}, 2)}));
+      q.count_include_pad = false;
+      EXPECT_TRUE(GradCheck([&q](const V& in) { return AvgPool2d(in[0], q); }, {RandomLeaf({2, 3, 7, 6}, 3)}));
+    }
+  }
+  Tensor strided = RandomLeaf({2, 3, 7, 12}, 4, false).Slice(3, 0, 12, 2);
+  strided.set_requires_grad(true);
+  EXPECT_TRUE(GradCheck([](const V& in) {
+    return AvgPool2d(in[0], {.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1});
+  }, {strided}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return AdaptiveAvgPool2d(in[0], 3, 2); }, {RandomLeaf({2, 3, 7, 5}, 5)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return AdaptiveAvgPool2d(in[0], 1, 1); }, {RandomLeaf({2, 3, 4, 4}, 6)}));
+}
+
+TEST(GradCheckTest, BatchNormTrainingAndEval) {
+  for (bool training : {true, false}) {
+    for (const Shape& shape : {Shape{6, 3}, Shape{4, 3, 5}, Shape{2, 3, 4, 3}}) {
+      auto f = [training](const V& in) {
+        Tensor rm = Zeros({3}, {.dtype = DType::kFloat64}), rv = Ones({3}, {.dtype = DType::kFloat64});
+        rm.Fill(0.1);
+        rv.Fill(1.5);
+        return BatchNorm(in[0], rm, rv, in[1], in[2], training, 0.1, 1e-5);
+      };
+      EXPECT_TRUE(GradCheck(f, {RandomLeaf(shape, 1), RandomLeaf({3}, 2), RandomLeaf({3}, 3)}))
+          << ShapeToString(shape) << " training " << training;
+    }
+  }
+  // No affine parameters, no running statistics, non-contiguous input.
+  Tensor x = RandomLeaf({3, 4, 5}, 4, false).Permute({1, 0, 2});
+  x.set_requires_grad(true);
+  EXPECT_TRUE(GradCheck([](const V& in) { return BatchNorm(in[0], Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5); },
+                        {x}));
+}
+
+TEST(GradCheckTest, Softmax) {
+  for (int64_t dim : {0, 1, -1}) {
+    EXPECT_TRUE(GradCheck([dim](const V& in) { return LogSoftmax(in[0], dim); }, {RandomLeaf({3, 4, 2}, 1)}));
+    EXPECT_TRUE(GradCheck([dim](const V& in) { return Softmax(in[0], dim); }, {TransposedLeaf(3, 4, 2)}));
+  }
+}
+
+TEST(GradCheckTest, DropoutUsesItsMask) {
+  Tensor x = RandomLeaf({200}, 1);
+  Generator gen(5);
+  Tensor y = Dropout(x, 0.3, true, gen);
+  Backward(Sum(y));
+  const std::vector<double> xv = x.ToVector<double>(), yv = y.ToVector<double>(), g = x.grad().ToVector<double>();
+  int kept = 0;
+  for (size_t i = 0; i < xv.size(); ++i) {
+    if (yv[i] != 0) {
+      ++kept;
+      EXPECT_NEAR(yv[i], xv[i] / 0.7, 1e-12);
+      EXPECT_NEAR(g[i], 1 / 0.7, 1e-12);
+    } else {
+      EXPECT_EQ(g[i], 0.0);
+    }
+  }
+  EXPECT_GT(kept, 110);
+  EXPECT_LT(kept, 170);
+  EXPECT_TRUE(Dropout(x, 0.3, false).is_same(x));  // eval: identity
+}
+
+TEST(GradCheckTest, MixedPrecisionCastFlowsGradientBack) {
+  Tensor w = Ones({4}, {.dtype = DType::kBFloat16, .requires_grad = true});
+  Tensor x = FromVector({1, 2, 3, 4}, {4});
+  Tensor y = Mul(w, x);  // bf16 * f32 -> f32
+  EXPECT_EQ(y.dtype(), DType::kFloat32);
+  Backward(Sum(y));
+  EXPECT_EQ(w.grad().dtype(), DType::kBFloat16);
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{1, 2, 3, 4}));
+}
+
+}  // namespace
+}  // namespace ddp::nn::ops

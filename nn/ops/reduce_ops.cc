@@ -1,0 +1,88 @@
+// Sums and means (differentiable) and argmax.
+#include <algorithm>
+#include <stdexcept>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+using detail::LambdaNode;
+
+namespace {
+
+// Reduces x over `dims` into keepdim shape, scaling by `scale`.
+Tensor Reduce(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, double scale, const char* name) {
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument(std::string(name) + ": needs a floating tensor, got " +
+                                std::string(DTypeName(x.dtype())));
+  }
+  Shape kept = x.shape();
+  std::vector<bool> reduced(x.dim(), false);
+  for (int64_t d : dims) {
+    const int64_t w = x.WrapDim(d);
+    if (reduced[w]) throw std::invalid_argument(std::string(name) + ": dimension " + std::to_string(d) + " repeated");
+    reduced[w] = true;
+    kept[w] = 1;
+  }
+  Shape final_shape;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (!reduced[d] || keepdim) final_shape.push_back(kept[d]);
+  }
+  Tensor out = Empty(kept, {.dtype = x.dtype(), .device = x.device()});
+  DDP_KERNEL(x.device(), sum_to)(x, out);
+  if (scale != 1.0) DDP_KERNEL(x.device(), affine)(out, scale, 0.0, out);
+  out = out.View(final_shape);
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  const Shape in = x.shape();
+  auto node = std::make_shared<LambdaNode>(name, [in, kept, scale](LambdaNode&, std::vector<Tensor>& g) {
+    Tensor gk = g[0].Reshape(kept);
+    if (scale != 1.0) {
+      Tensor s = Empty(kept, {.dtype = gk.dtype(), .device = gk.device()});
+      DDP_KERNEL(gk.device(), affine)(gk, scale, 0.0, s);
+      gk = s;
+    }
+    return std::vector<Tensor>{gk.Expand(in)};
+  });
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
+
+std::vector<int64_t> AllDims(const Tensor& x) {
+  std::vector<int64_t> d(x.dim());
+  for (int64_t i = 0; i < x.dim(); ++i) d[i] = i;
+  return d;
+}
+
+double Count(const Tensor& x, const std::vector<int64_t>& dims) {
+  double n = 1;
+  for (int64_t d : dims) n *= static_cast<double>(x.size(d));
+  return n;
+}
+
+}  // namespace
+
+Tensor Sum(const Tensor& x) { return Reduce(x, AllDims(x), false, 1.0, "SumBackward"); }
+
+Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return Reduce(x, dims, keepdim, 1.0, "SumBackward");
+}
+
+Tensor Mean(const Tensor& x) {
+  return Reduce(x, AllDims(x), false, 1.0 / std::max(1.0, static_cast<double>(x.numel())), "MeanBackward");
+}
+
+Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return Reduce(x, dims, keepdim, 1.0 / std::max(1.0, Count(x, dims)), "MeanBackward");
+}
+
+Tensor Argmax(const Tensor& x, int64_t dim) {
+  dim = x.WrapDim(dim);
+  Shape shape = x.shape();
+  shape.erase(shape.begin() + dim);
+  Tensor out = Empty(shape, {.dtype = DType::kInt64, .device = x.device()});
+  DDP_KERNEL(x.device(), argmax)(x, dim, out);
+  return out;
+}
+
+}  // namespace ddp::nn::ops

@@ -1,0 +1,105 @@
+// Differentiable views and copies. The forward reuses Tensor's raw member
+// functions on a detached alias; the node maps the gradient back to the
+// input's shape.
+#include <functional>
+#include <numeric>
+#include <stdexcept>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+using detail::LambdaNode;
+
+namespace {
+
+using Back = std::function<Tensor(const Tensor& g)>;
+
+Tensor Record(const Tensor& x, Tensor out, const char* name, Back back) {
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>(name, [back = std::move(back)](LambdaNode&, std::vector<Tensor>& g) {
+    return std::vector<Tensor>{back(g[0])};
+  });
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
+
+Back ReshapeBack(const Shape& in) {
+  return [in](const Tensor& g) { return g.Reshape(in); };
+}
+
+}  // namespace
+
+Tensor View(const Tensor& x, const Shape& shape) {
+  return Record(x, x.Detach().View(shape), "ViewBackward", ReshapeBack(x.shape()));
+}
+
+Tensor Reshape(const Tensor& x, const Shape& shape) {
+  return Record(x, x.Detach().Reshape(shape), "ReshapeBackward", ReshapeBack(x.shape()));
+}
+
+Tensor Flatten(const Tensor& x, int64_t start, int64_t end) {
+  return Record(x, x.Detach().Flatten(start, end), "FlattenBackward", ReshapeBack(x.shape()));
+}
+
+Tensor Unsqueeze(const Tensor& x, int64_t dim) {
+  return Record(x, x.Detach().Unsqueeze(dim), "UnsqueezeBackward", ReshapeBack(x.shape()));
+}
+
+Tensor Squeeze(const Tensor& x, int64_t dim) {
+  return Record(x, x.Detach().Squeeze(dim), "SqueezeBackward", ReshapeBack(x.shape()));
+}
+
+Tensor Transpose(const Tensor& x, int64_t d0, int64_t d1) {
+  return Record(x, x.Detach().Transpose(d0, d1), "TransposeBackward",
+                [d0, d1](const Tensor& g) { return g.Transpose(d0, d1); });
+}
+
+Tensor Permute(const Tensor& x, const Shape& dims) {
+  Tensor out = x.Detach().Permute(dims);
+  Shape inverse(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) inverse[x.WrapDim(dims[i])] = static_cast<int64_t>(i);
+  return Record(x, out, "PermuteBackward", [inverse](const Tensor& g) { return g.Permute(inverse); });
+}
+
+Tensor Narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  Tensor out = x.Detach().Narrow(dim, start, length);
+  const Shape in = x.shape();
+  const DType dt = x.dtype();
+  const Device dev = x.device();
+  return Record(x, out, "NarrowBackward", [=](const Tensor& g) {
+    Tensor z = Zeros(in, {.dtype = dt, .device = dev});
+    z.Narrow(dim, start, length).CopyFrom(g);
+    return z;
+  });
+}
+
+Tensor Select(const Tensor& x, int64_t dim, int64_t index) {
+  Tensor out = x.Detach().Select(dim, index);
+  const Shape in = x.shape();
+  const DType dt = x.dtype();
+  const Device dev = x.device();
+  return Record(x, out, "SelectBackward", [=](const Tensor& g) {
+    Tensor z = Zeros(in, {.dtype = dt, .device = dev});
+    z.Select(dim, index).CopyFrom(g);
+    return z;
+  });
+}
+
+Tensor Expand(const Tensor& x, const Shape& shape) {
+  const Shape in = x.shape();
+  return Record(x, x.Detach().Expand(shape), "ExpandBackward",
+                [in](const Tensor& g) { return detail::SumToShape(g, in); });
+}
+
+Tensor Contiguous(const Tensor& x) {
+  if (x.is_contiguous()) return x;
+  return Clone(x);
+}
+
+Tensor Clone(const Tensor& x) {
+  return Record(x, x.Detach().Clone(), "CloneBackward", [](const Tensor& g) { return g; });
+}
+
+}  // namespace ddp::nn::ops

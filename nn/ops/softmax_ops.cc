@@ -1,0 +1,30 @@
+// log-softmax and softmax along one dimension.
+#include <stdexcept>
+
+#include "nn/ops/functional.h"
+#include "nn/ops/op_util.h"
+
+namespace ddp::nn::ops {
+
+using detail::LambdaNode;
+
+Tensor LogSoftmax(const Tensor& x, int64_t dim) {
+  if (!IsFloating(x.dtype())) throw std::invalid_argument("log_softmax: needs a floating tensor");
+  dim = x.WrapDim(dim);
+  Tensor y = detail::NewLike(x);
+  DDP_KERNEL(x.device(), log_softmax_forward)(x, dim, y);
+  if (!detail::AnyRequiresGrad({&x})) return y;
+  auto node = std::make_shared<LambdaNode>("LogSoftmaxBackward", [dim](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor yv = n.saved[0].Get();
+    Tensor gx = detail::NewLike(yv);
+    DDP_KERNEL(yv.device(), log_softmax_backward)(g[0], yv, dim, gx);
+    return std::vector<Tensor>{gx};
+  });
+  node->saved.emplace_back(y);
+  detail::ConnectNode(node, {&x}, {&y});
+  return y;
+}
+
+Tensor Softmax(const Tensor& x, int64_t dim) { return Exp(LogSoftmax(x, dim)); }
+
+}  // namespace ddp::nn::ops
