@@ -54,6 +54,12 @@ Status PeerMonitor::Check() {
       exited = kill(pid, 0) != 0 && errno == ESRCH;
     }
     if (exited && !PeerClosed(static_cast<int>(r))) {
+      // A rank that exits after reporting a failure is not the cause: the
+      // reason it posted names the rank that really failed.
+      if (store_ != nullptr) {
+        auto posted = store_->TryGet(options_.key_prefix + "abort", In(1000));
+        if (posted.ok() && posted->has_value()) return DecodeAbort(**posted);
+      }
       lost_peer_ = static_cast<int>(r);
       return PeerLostError("rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
                            " on this host) exited");

@@ -8,7 +8,9 @@
 // shared-memory transports have no failure detection). So every long wait
 // calls Check() at a low rate (every ~100 ms), which
 //   1. polls a pidfd per peer on this host: an exited process is noticed
-//      within one period, and a pidfd cannot be fooled by pid reuse;
+//      within one period, and a pidfd cannot be fooled by pid reuse (if an
+//      abort reason was posted already, that reason wins: the exited rank
+//      may just be one that reported the failure and left);
 //   2. reads the job's abort key in the store: the first rank that fails
 //      posts its reason there (PostAbort), so every rank learns it;
 //   3. treats an unreachable store as the loss of the rank serving it.

@@ -115,3 +115,22 @@ TEST(PeerMonitor, UnreachableStoreIsPeerLostOfItsServer) {
 
 }  // namespace
 }  // namespace ddp::transport::fault
+
+namespace ddp::transport::fault {
+namespace {
+
+TEST(PeerMonitor, PostedReasonWinsOverAReporterThatExited) {
+  testing::InMemoryStore store;
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  PeerMonitor reporter({.rank = 1, .key_prefix = "j/"}, &store);
+  reporter.PostAbort(PeerLostError("rank 3 died"));
+  kill(child, SIGKILL);  // rank 1 leaves after reporting
+  waitpid(child, nullptr, 0);
+  Status s = monitor.Check();
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost);
+  EXPECT_NE(s.message().find("rank 3 died"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace ddp::transport::fault
