@@ -1,0 +1,59 @@
+#ifndef DDP_TRANSPORT_LAUNCH_LAUNCH_TEST_UTIL_H_
+#define DDP_TRANSPORT_LAUNCH_LAUNCH_TEST_UTIL_H_
+
+// Helpers for tests that run launchers (ddprun, self-launching binaries) as
+// child processes and check what they leave behind. Test-only.
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "transport/launch/spawn.h"
+#include "transport/status.h"
+
+namespace ddp::transport::launch::testing {
+
+/// Path of a runfile of this workspace, e.g. "transport/launch/test_worker".
+std::string Runfile(const std::string& path);
+
+/// A fresh directory under TEST_TMPDIR.
+std::string MakeTempDir(const std::string& name);
+
+/// Starts `argv` (argv[0] is the program) as one process with output
+/// captured (not echoed) and extra `env`; signals are not forwarded.
+StatusOr<std::unique_ptr<WorkerGroup>> StartProgram(
+    std::vector<std::string> argv, std::vector<std::pair<std::string, std::string>> env = {});
+
+struct ProgramRun {
+  int exit_code = -1;  ///< 128 + signal when killed.
+  std::string output;  ///< stdout and stderr, in arrival order.
+  GroupResult group;
+};
+
+/// Waits for a program started by StartProgram (deadline `timeout`).
+ProgramRun WaitProgram(WorkerGroup& group, std::chrono::milliseconds timeout);
+
+/// StartProgram then WaitProgram.
+ProgramRun RunProgram(std::vector<std::string> argv,
+                      std::vector<std::pair<std::string, std::string>> env = {},
+                      std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+/// True when `pid` no longer runs (no such process, or a zombie).
+bool ProcessGone(pid_t pid);
+/// Waits up to `timeout` for ProcessGone(pid).
+bool GoneWithin(pid_t pid, std::chrono::milliseconds timeout);
+
+/// Reads a pid written to `path`, waiting up to `timeout` for the file; -1
+/// when it does not appear.
+pid_t ReadPidFile(const std::string& path, std::chrono::milliseconds timeout);
+
+/// Number of lines of `text` that contain `needle`.
+int CountLines(const std::string& text, const std::string& needle);
+
+}  // namespace ddp::transport::launch::testing
+
+#endif  // DDP_TRANSPORT_LAUNCH_LAUNCH_TEST_UTIL_H_

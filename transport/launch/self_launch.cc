@@ -1,0 +1,164 @@
+#include "transport/launch/self_launch.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "transport/launch/env.h"
+#include "transport/launch/spawn.h"
+#include "transport/store/tcp_store.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+constexpr int kMaxProcPerNode = 4096;
+
+// Finds and removes the --nproc_per_node flag; nullopt when absent.
+StatusOr<std::optional<int>> TakeNprocFlag(int& argc, char** argv) {
+  std::optional<int> value;
+  int out = 1;
+  bool past_separator = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg(argv[i]);
+    if (past_separator || arg == "--") {
+      past_separator = true;
+      argv[out++] = argv[i];
+      continue;
+    }
+    std::string_view text;
+    bool matched = false;
+    for (std::string_view name : {"--nproc_per_node", "--nproc-per-node"}) {
+      if (arg == name) {
+        if (i + 1 >= argc) {
+          return InvalidArgumentError(std::string(name) + " needs a value");
+        }
+        text = argv[++i];
+        matched = true;
+      } else if (arg.size() > name.size() && arg.substr(0, name.size()) == name &&
+                 arg[name.size()] == '=') {
+        text = arg.substr(name.size() + 1);
+        matched = true;
+      }
+      if (matched) break;
+    }
+    if (!matched) {
+      argv[out++] = argv[i];
+      continue;
+    }
+    int n = 0;
+    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+    if (ec != std::errc() || ptr != text.data() + text.size()) {
+      return InvalidArgumentError("--nproc_per_node=" + std::string(text) + " is not an integer");
+    }
+    if (n < 1 || n > kMaxProcPerNode) {
+      return InvalidArgumentError("--nproc_per_node=" + std::string(text) + " must be in [1, " +
+                                  std::to_string(kMaxProcPerNode) + "]");
+    }
+    value = n;
+  }
+  argc = out;
+  argv[argc] = nullptr;
+  return value;
+}
+
+}  // namespace
+
+StatusOr<std::string> GenerateJobToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return InternalError(std::string("getrandom: ") + std::strerror(errno));
+    got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token.push_back(kHex[b >> 4]);
+    token.push_back(kHex[b & 15]);
+  }
+  return token;
+}
+
+StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOptions& options) {
+  DDP_ASSIGN_OR_RETURN(std::optional<int> nproc, TakeNprocFlag(argc, argv));
+  const EnvMap env = CurrentEnvironment();
+  if (HasLaunchVariables(env)) {
+    // Already one worker of a launched job; refuse a broken environment now
+    // rather than deep inside the communicator.
+    DDP_ASSIGN_OR_RETURN(LaunchEnv parsed, ParseLaunchEnv(env));
+    (void)parsed;
+    return SelfLaunchResult{.run_as_worker = true, .exit_code = 0};
+  }
+  const int n = nproc.value_or(options.default_nproc_per_node);
+  if (n < 1) {
+    return InvalidArgumentError("--nproc_per_node=" + std::to_string(n) + " must be at least 1");
+  }
+
+  DDP_ASSIGN_OR_RETURN(std::string token, GenerateJobToken());
+  store::TcpStoreServerOptions server_options;
+  server_options.bind_address = "127.0.0.1";
+  server_options.port = 0;
+  server_options.job_token = token;
+  DDP_ASSIGN_OR_RETURN(std::unique_ptr<store::TcpStoreServer> server,
+                       store::TcpStoreServer::Start(server_options));
+
+  std::vector<WorkerSpec> specs;
+  for (int rank = 0; rank < n; ++rank) {
+    LaunchEnv worker;
+    worker.rank = rank;
+    worker.world_size = n;
+    worker.local_rank = rank;
+    worker.local_world_size = n;
+    worker.group_rank = 0;
+    worker.master_addr = "127.0.0.1";
+    worker.master_port = server->port();
+    worker.restart_count = 0;
+    worker.job_token = token;
+    worker.store_hosted_by_launcher = true;
+    WorkerSpec spec;
+    spec.rank = rank;
+    spec.program = "/proc/self/exe";
+    spec.argv.assign(argv, argv + argc);
+    spec.env = ToEnvironment(worker);
+    specs.push_back(std::move(spec));
+  }
+  SpawnOptions spawn;
+  spawn.grace = options.grace;
+  spawn.output.prefix = n > 1;
+  DDP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerGroup> group,
+                       WorkerGroup::Start(std::move(specs), spawn));
+  const Deadline deadline = options.max_run_time.count() > 0
+                                ? Clock::now() + options.max_run_time
+                                : Deadline::max();
+  GroupResult result = group->Wait(deadline);
+  group.reset();
+  server->Stop();
+  if (result.outcome != GroupOutcome::kSucceeded) {
+    std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "self-launch", result.reason.c_str());
+  }
+  return SelfLaunchResult{.run_as_worker = false, .exit_code = result.ExitCode()};
+}
+
+void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options) {
+  StatusOr<SelfLaunchResult> result = SelfLaunch(argc, argv, options);
+  if (!result.ok()) {
+    std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "self-launch",
+                 result.status().message().c_str());
+    std::fflush(stderr);
+    std::exit(2);
+  }
+  if (result->run_as_worker) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::exit(result->exit_code);
+}
+
+}  // namespace ddp::transport::launch

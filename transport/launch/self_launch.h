@@ -1,0 +1,69 @@
+#ifndef DDP_TRANSPORT_LAUNCH_SELF_LAUNCH_H_
+#define DDP_TRANSPORT_LAUNCH_SELF_LAUNCH_H_
+
+// Self-launch: lets any binary take `--nproc_per_node=N` and run as N worker
+// processes of one job, so that
+//
+//     bazel run //examples:train -- --nproc_per_node=2
+//
+// just works. Call it first thing in main(), before anything initializes
+// UCX, CUDA or threads that the workers should not inherit:
+//
+//     int main(int argc, char** argv) {
+//       ddp::transport::launch::SelfLaunchOrExit(argc, argv);
+//       // From here on this process is one worker: RANK, WORLD_SIZE, ... are set.
+//       ...
+//     }
+//
+// When the launch variables are already set (under ddprun, torchrun-style
+// scripts, srun or mpirun; see env.h), the call returns at once: this process
+// is that one worker. Otherwise this process becomes the launcher: it serves
+// the rendezvous store on 127.0.0.1 (a free port), starts N copies of
+// /proc/self/exe with the same arguments (minus --nproc_per_node) and RANK,
+// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK=0,
+// MASTER_ADDR=127.0.0.1, MASTER_PORT, DDP_RESTART_COUNT=0, a fresh random
+// DDP_JOB_TOKEN and DDP_STORE_HOST=launcher, waits for them and exits with
+// their combined status (see GroupResult::ExitCode). The launcher itself never
+// touches UCX or CUDA.
+
+#include <chrono>
+
+#include "transport/status.h"
+
+namespace ddp::transport::launch {
+
+/// How SelfLaunch behaves.
+struct SelfLaunchOptions {
+  /// Workers to start when --nproc_per_node is not given.
+  int default_nproc_per_node = 1;
+  /// Between SIGTERM and SIGKILL when stopping workers.
+  std::chrono::milliseconds grace{5000};
+  /// Stop the workers when they run longer than this; zero: no limit (the
+  /// launcher still wakes for every worker exit and every signal).
+  std::chrono::milliseconds max_run_time{0};
+};
+
+/// What the caller does next.
+struct SelfLaunchResult {
+  bool run_as_worker = false;  ///< True: carry on as one worker.
+  int exit_code = 0;           ///< Otherwise: exit with this.
+};
+
+/// Parses and removes `--nproc_per_node=N` (also `--nproc_per_node N` and
+/// `--nproc-per-node`) from argc/argv, before any `--`, then either returns
+/// run_as_worker or runs the workers as described above. INVALID_ARGUMENT for
+/// a bad N or a malformed launch environment, before anything starts.
+StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
+                                      const SelfLaunchOptions& options = {});
+
+/// SelfLaunch, then: returns when this process is a worker; otherwise exits
+/// the process with the workers' status, or with 2 after printing a one-line
+/// error for bad input.
+void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options = {});
+
+/// 32 hex characters from the kernel's random source; a fresh job token.
+StatusOr<std::string> GenerateJobToken();
+
+}  // namespace ddp::transport::launch
+
+#endif  // DDP_TRANSPORT_LAUNCH_SELF_LAUNCH_H_

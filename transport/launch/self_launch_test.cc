@@ -1,0 +1,117 @@
+#include "transport/launch/self_launch.h"
+
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/launch_test_util.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+using testing::CountLines;
+using testing::RunProgram;
+
+std::string Worker() { return testing::Runfile("transport/launch/test_worker"); }
+
+TEST(SelfLaunchTest, FourWorkersRendezvousAndComplete) {
+  const auto run = RunProgram({Worker(), "--nproc_per_node=4", "--store", "--print_env"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  for (int r = 0; r < 4; ++r) {
+    const std::string p = "[" + std::to_string(r) + "] ";
+    EXPECT_THAT(run.output, HasSubstr(p + "rank " + std::to_string(r) + "/4 local " +
+                                      std::to_string(r) + "/4 group 0 restart 0 master 127.0.0.1:"));
+    EXPECT_THAT(run.output, HasSubstr(p + "rank " + std::to_string(r) + " met 4 ranks"));
+    EXPECT_THAT(run.output, HasSubstr(p + "rank " + std::to_string(r) + " done"));
+  }
+  // A store hosted by the launcher, and a fresh 32-character token.
+  EXPECT_EQ(CountLines(run.output, "store launcher token_len 32"), 4) << run.output;
+}
+
+TEST(SelfLaunchTest, SpaceSeparatedFlagAndDefault) {
+  auto run = RunProgram({Worker(), "--nproc_per_node", "2", "--print_env"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(CountLines(run.output, "/2 local"), 2) << run.output;
+  // Without the flag: the caller's default (1), output not prefixed.
+  run = RunProgram({Worker(), "--print_env"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("rank 0/1 local 0/1"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("[0]")));
+}
+
+TEST(SelfLaunchTest, BadProcessCountIsRefusedBeforeAnythingStarts) {
+  auto run = RunProgram({Worker(), "--nproc_per_node=0"});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("--nproc_per_node=0 must be in [1, 4096]"));
+  EXPECT_EQ(CountLines(run.output, ""), 1) << "expected one line: " << run.output;
+  run = RunProgram({Worker(), "--nproc_per_node=two"});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("--nproc_per_node=two is not an integer"));
+  run = RunProgram({Worker(), "--nproc_per_node"});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("--nproc_per_node needs a value"));
+}
+
+TEST(SelfLaunchTest, WorkerFailureGivesItsExitCodeAndNamesTheRank) {
+  const auto run = RunProgram({Worker(), "--nproc_per_node=3", "--exit_code=2:5", "--sleep_ms=20000"});
+  EXPECT_EQ(run.exit_code, 5) << run.output;
+  EXPECT_THAT(run.output, ::testing::ContainsRegex(
+                              "rank 2 \\(pid [0-9]+\\) exited with code 5; stopping the other workers"));
+}
+
+TEST(SelfLaunchTest, UnderALauncherItRunsAsThatWorker) {
+  const auto run = RunProgram({Worker(), "--nproc_per_node=4", "--print_env"},
+                              {{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"MASTER_PORT", "4567"}});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("rank 1/3 local 1/3 group 0 restart 0 master 127.0.0.1:4567 store rank0"));
+  EXPECT_EQ(CountLines(run.output, "rank 1/3"), 1) << run.output;
+}
+
+TEST(SelfLaunchTest, BrokenLaunchEnvironmentIsRefused) {
+  const auto run = RunProgram({Worker()}, {{"RANK", "3"}, {"WORLD_SIZE", "2"}});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("RANK=3 is not below WORLD_SIZE=2"));
+}
+
+TEST(SelfLaunchTest, SigtermToTheLauncherReachesEveryWorker) {
+  const std::string dir = testing::MakeTempDir("self_launch_sigterm");
+  auto group = testing::StartProgram(
+      {Worker(), "--nproc_per_node=3", "--sleep_ms=30000", "--pid_dir=" + dir});
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<pid_t> workers;
+  for (int r = 0; r < 3; ++r) {
+    workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
+    ASSERT_GT(workers.back(), 0);
+  }
+  kill((*group)->pids()[0], SIGTERM);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(run.exit_code, 128 + SIGTERM) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("interrupted by SIGTERM; forwarded it to every worker"));
+  for (pid_t pid : workers) EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << pid;
+}
+
+TEST(SelfLaunchTest, LauncherKilledBySigkillTakesItsWorkers) {
+  const std::string dir = testing::MakeTempDir("self_launch_sigkill");
+  auto group = testing::StartProgram(
+      {Worker(), "--nproc_per_node=2", "--sleep_ms=30000", "--pid_dir=" + dir});
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<pid_t> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
+    ASSERT_GT(workers.back(), 0);
+  }
+  kill((*group)->pids()[0], SIGKILL);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(run.exit_code, 128 + SIGKILL);
+  for (pid_t pid : workers) EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << pid;
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch

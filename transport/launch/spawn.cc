@@ -1,0 +1,783 @@
+#include "transport/launch/spawn.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <mutex>
+
+extern char** environ;
+
+namespace ddp::transport::launch {
+namespace {
+
+constexpr size_t kReadChunk = 64 * 1024;
+// A line longer than this is written out in pieces.
+constexpr size_t kMaxLineBytes = 64 * 1024;
+// How long output may keep flowing after the last worker exited (a worker's
+// child could hold the pipe open forever).
+constexpr auto kDrainTime = std::chrono::milliseconds(1000);
+// How long Wait and the destructor wait for SIGKILLed workers to be reaped.
+constexpr auto kReapTime = std::chrono::milliseconds(5000);
+// Poll period when the kernel has no pidfd_open (before Linux 5.3).
+constexpr int kFallbackPollMs = 20;
+// Longest single wait of the monitor loop. Every event wakes it at once; the
+// bound only matters when a signal handler's run is deferred (ThreadSanitizer
+// delays handlers on threads that are not in a system call).
+constexpr int kMaxPollMs = 1000;
+
+std::string ErrnoText(int err) {
+  char buf[256];
+  return strerror_r(err, buf, sizeof(buf));
+}
+
+int MillisecondsUntil(Deadline deadline) {
+  const auto now = Clock::now();
+  if (deadline <= now) return 0;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count();
+  return static_cast<int>(std::min<int64_t>(left, INT_MAX));
+}
+
+// ---- signal forwarding ----
+
+std::atomic<int> g_signal_write_fd{-1};
+std::atomic<bool> g_forwarding{false};
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+void RecordSignal(int signo) {
+  const int saved_errno = errno;
+  const int fd = g_signal_write_fd.load(std::memory_order_relaxed);
+  if (fd >= 0) {
+    const unsigned char byte = static_cast<unsigned char>(signo);
+    ssize_t n = write(fd, &byte, 1);
+    (void)n;
+  }
+  errno = saved_errno;
+}
+
+// ---- the child side of vfork ----
+
+// Everything the child needs, prepared by the parent: between vfork and exec
+// the child runs on the parent's memory and stack and may only make raw
+// system calls (no allocation, no locks, no libc state, no sanitizer
+// interceptors). Under ThreadSanitizer vfork is a fork and the child a copy;
+// the same code is correct there too.
+struct ChildArgs {
+  const char* path = nullptr;
+  char* const* argv = nullptr;
+  char* const* envp = nullptr;
+  pid_t pgid = 0;          // 0: lead a new process group
+  pid_t parent = 0;
+  int stdin_fd = -1;       // -1: inherit
+  int stdout_fd = -1;
+  int stderr_fd = -1;
+  int report_fd = -1;      // close-on-exec pipe: a failed step is written here
+  sigset_t mask{};         // restored just before exec
+  bool ignored[_NSIG] = {};  // signals the parent ignores; they stay ignored
+};
+
+// What the child writes to report_fd when a step fails.
+struct ChildFailure {
+  int step = 0;  // a ChildStep
+  int error = 0;
+};
+enum ChildStep : int { kStepSetpgid = 1, kStepDup = 2, kStepExec = 3 };
+
+const char* ChildStepName(int step) {
+  switch (step) {
+    case kStepSetpgid: return "setpgid";
+    case kStepDup: return "dup3";
+    case kStepExec: return "exec";
+  }
+  return "start";
+}
+
+[[noreturn]] __attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void
+ChildFail(const ChildArgs* a, int step) {
+  ChildFailure failure;
+  failure.step = step;
+  failure.error = errno;
+  syscall(SYS_write, a->report_fd, &failure, sizeof(failure));
+  syscall(SYS_exit_group, 127);
+  __builtin_unreachable();
+}
+
+[[noreturn]] __attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void
+RunChild(const ChildArgs* a) {
+  // The parent's handlers live in memory the child shares until exec; reset
+  // every signal the parent does not ignore so none of them runs here.
+  // (SIGKILL and SIGSTOP fail, harmlessly.) A zeroed kernel sigaction is
+  // SIG_DFL with no flags on every layout.
+  unsigned long default_action[8] = {};
+  for (int s = 1; s < _NSIG; ++s) {
+    if (!a->ignored[s] || s == SIGPIPE) {
+      syscall(SYS_rt_sigaction, s, default_action, nullptr, _NSIG / 8);
+    }
+  }
+  if (syscall(SYS_setpgid, 0, a->pgid) != 0) ChildFail(a, kStepSetpgid);
+  // Die with the launcher; if it already died, do not run at all.
+  syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+  if (syscall(SYS_getppid) != a->parent) syscall(SYS_exit_group, 127);
+  const int sources[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
+  for (int target = 0; target < 3; ++target) {
+    if (sources[target] >= 0 && syscall(SYS_dup3, sources[target], target, 0) < 0) {
+      ChildFail(a, kStepDup);
+    }
+  }
+  // Descriptors the host program opened without O_CLOEXEC stay out of the
+  // workers. Needs Linux 5.11; older kernels just keep them.
+  syscall(SYS_close_range, 3, ~0u, 4 /* CLOSE_RANGE_CLOEXEC */);
+  syscall(SYS_rt_sigprocmask, SIG_SETMASK, &a->mask, nullptr, _NSIG / 8);
+  syscall(SYS_execve, a->path, a->argv, a->envp);
+  ChildFail(a, kStepExec);
+}
+
+// ---- helpers ----
+
+Status MakeDirectories(const std::string& path) {
+  std::string partial;
+  size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    partial = path.substr(0, pos);
+    if (partial.empty()) continue;
+    if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      return InvalidArgumentError("cannot create log directory '" + partial +
+                                  "': " + ErrnoText(errno));
+    }
+  }
+  return Status::Ok();
+}
+
+bool WriteAll(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd p{fd, POLLOUT, 0};
+      poll(&p, 1, 1000);
+      continue;
+    }
+    if (n <= 0) return false;
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string SignalName(int signal) {
+  switch (signal) {
+    case SIGHUP: return "SIGHUP";
+    case SIGINT: return "SIGINT";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGILL: return "SIGILL";
+    case SIGTRAP: return "SIGTRAP";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGKILL: return "SIGKILL";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGALRM: return "SIGALRM";
+    case SIGTERM: return "SIGTERM";
+    case SIGXCPU: return "SIGXCPU";
+    case SIGSYS: return "SIGSYS";
+  }
+  return "signal " + std::to_string(signal);
+}
+
+std::string WorkerExit::Describe() const {
+  std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
+  if (!exited) return who + " could not be reaped";
+  if (signaled) {
+    return who + " was killed by signal " + std::to_string(code) + " (" + SignalName(code) + ")";
+  }
+  return who + " exited with code " + std::to_string(code);
+}
+
+int GroupResult::ExitCode() const {
+  switch (outcome) {
+    case GroupOutcome::kSucceeded: return 0;
+    case GroupOutcome::kWorkerFailed:
+      if (!first_failure || !first_failure->exited) return 1;
+      return first_failure->signaled ? 128 + first_failure->code : first_failure->code;
+    case GroupOutcome::kInterrupted: return 128 + signal;
+    case GroupOutcome::kStopped:
+    case GroupOutcome::kTimedOut: return 1;
+  }
+  return 1;
+}
+
+StatusOr<std::string> ResolveProgram(const std::string& program) {
+  if (program.empty()) return InvalidArgumentError("no program given");
+  auto check = [](const std::string& path) -> Status {
+    struct stat st{};
+    if (stat(path.c_str(), &st) != 0) {
+      return InvalidArgumentError("program '" + path + "': " + ErrnoText(errno));
+    }
+    if (!S_ISREG(st.st_mode)) return InvalidArgumentError("program '" + path + "' is not a file");
+    if (access(path.c_str(), X_OK) != 0) {
+      return InvalidArgumentError("program '" + path + "' is not executable");
+    }
+    return Status::Ok();
+  };
+  if (program.find('/') != std::string::npos) {
+    DDP_RETURN_IF_ERROR(check(program));
+    return program;
+  }
+  const char* path_env = getenv("PATH");
+  std::string path = path_env != nullptr ? path_env : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t end = path.find(':', start);
+    if (end == std::string::npos) end = path.size();
+    std::string dir = path.substr(start, end - start);
+    if (dir.empty()) dir = ".";
+    const std::string candidate = dir + "/" + program;
+    if (check(candidate).ok()) return candidate;
+    start = end + 1;
+  }
+  return InvalidArgumentError("program '" + program + "' not found in PATH");
+}
+
+// ---- the group ----
+
+namespace {
+
+// Owns a file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) Reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  ~Fd() { Reset(); }
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void Reset(int fd = -1) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// One output stream (stdout or stderr) of one worker, read through a pipe.
+struct Stream {
+  Fd pipe;
+  int terminal_fd = 1;  // where prefixed lines go
+  std::string partial;  // an incomplete line waiting for its newline
+};
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  Fd pidfd;
+  bool running = false;
+  bool leader_zombie = false;  // exited, observed, not yet reaped
+  WorkerExit exit;
+  Stream streams[2];
+  Fd log;
+  std::string captured;
+  bool capture_truncated = false;
+};
+
+}  // namespace
+
+class WorkerGroup::Impl {
+ public:
+  explicit Impl(SpawnOptions options) : options_(std::move(options)) {}
+
+  ~Impl() {
+    KillAndReap();
+    if (forwarding_) {
+      for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
+        sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
+      }
+      g_signal_write_fd.store(-1);
+      g_forwarding.store(false);
+    }
+  }
+
+  Status Start(std::vector<WorkerSpec> specs) {
+    if (specs.empty()) return InvalidArgumentError("no workers to start");
+    const OutputOptions& out = options_.output;
+    use_pipes_ = out.prefix || out.capture || !out.log_dir.empty() || !out.to_terminal;
+    stop_event_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!stop_event_.valid()) return InternalError("eventfd: " + ErrnoText(errno));
+    dev_null_.Reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!dev_null_.valid()) return InternalError("open /dev/null: " + ErrnoText(errno));
+    if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
+
+    workers_.resize(specs.size());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      Status started = StartOne(specs[i], workers_[i]);
+      if (!started.ok()) {
+        KillAndReap();
+        return started;
+      }
+    }
+    return Status::Ok();
+  }
+
+  std::vector<pid_t> pids() const {
+    std::vector<pid_t> out;
+    for (const Worker& w : workers_) out.push_back(w.pid);
+    return out;
+  }
+
+  pid_t process_group() const { return pgid_; }
+
+  void RequestStop(std::string reason) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_reason_.empty()) stop_reason_ = std::move(reason);
+    }
+    const uint64_t one = 1;
+    ssize_t n = write(stop_event_.get(), &one, sizeof(one));
+    (void)n;
+  }
+
+  GroupResult Wait(Deadline deadline) {
+    GroupResult result;
+    enum class Phase { kRunning, kStopping, kKilling, kDraining };
+    Phase phase = Phase::kRunning;
+    Deadline phase_deadline = Deadline::max();
+    const Deadline start = Clock::now();
+
+    auto stop_workers = [&](int signal) {
+      SignalRunning(signal);
+      phase = Phase::kStopping;
+      phase_deadline = Clock::now() + options_.grace;
+    };
+
+    while (true) {
+      // Move on when every worker is gone: reap leftovers of the group,
+      // then drain what is left in the pipes for a bounded time.
+      if (phase != Phase::kDraining && RunningCount() == 0) {
+        if (pgid_ > 0) kill(-pgid_, SIGKILL);
+        phase = Phase::kDraining;
+        phase_deadline = Clock::now() + kDrainTime;
+      }
+      if (phase == Phase::kDraining && OpenPipes() == 0) break;
+
+      std::vector<pollfd> fds;
+      std::vector<std::pair<int, int>> owners;  // (worker index, stream index or -1 for pidfd)
+      if (signal_read_.valid()) {
+        fds.push_back({signal_read_.get(), POLLIN, 0});
+        owners.emplace_back(-1, 0);
+      }
+      fds.push_back({stop_event_.get(), POLLIN, 0});
+      owners.emplace_back(-2, 0);
+      bool need_fallback_poll = false;
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        Worker& w = workers_[i];
+        if (w.running) {
+          if (w.pidfd.valid()) {
+            fds.push_back({w.pidfd.get(), POLLIN, 0});
+            owners.emplace_back(static_cast<int>(i), -1);
+          } else {
+            need_fallback_poll = true;
+          }
+        }
+        for (int s = 0; s < 2; ++s) {
+          if (w.streams[s].pipe.valid()) {
+            fds.push_back({w.streams[s].pipe.get(), POLLIN, 0});
+            owners.emplace_back(static_cast<int>(i), s);
+          }
+        }
+      }
+      Deadline wake = phase == Phase::kRunning ? deadline : phase_deadline;
+      int timeout = std::min(MillisecondsUntil(wake), kMaxPollMs);
+      if (need_fallback_poll) timeout = std::min(timeout, kFallbackPollMs);
+      const int n = poll(fds.data(), fds.size(), timeout);
+      if (n < 0 && errno != EINTR) {
+        // Cannot watch anything any more: stop the workers rather than hang.
+        result.reason = "poll failed: " + ErrnoText(errno);
+        KillAndReap();
+        break;
+      }
+
+      for (size_t k = 0; n > 0 && k < fds.size(); ++k) {
+        if (fds[k].revents == 0) continue;
+        const auto [owner, stream] = owners[k];
+        if (owner == -1) {
+          unsigned char signals[16];
+          const ssize_t got = read(signal_read_.get(), signals, sizeof(signals));
+          for (ssize_t j = 0; j < got; ++j) {
+            const int signo = signals[j];
+            if (phase == Phase::kRunning) {
+              result.outcome = GroupOutcome::kInterrupted;
+              result.signal = signo;
+              result.reason = "interrupted by " + SignalName(signo) +
+                              "; forwarded it to every worker";
+              stop_workers(signo);
+            } else if (phase == Phase::kStopping) {
+              // Asked twice: no more grace.
+              SignalRunning(SIGKILL);
+              phase = Phase::kKilling;
+              phase_deadline = Clock::now() + kReapTime;
+            }
+          }
+        } else if (owner == -2) {
+          uint64_t value;
+          ssize_t got = read(stop_event_.get(), &value, sizeof(value));
+          (void)got;
+          if (phase == Phase::kRunning) {
+            result.outcome = GroupOutcome::kStopped;
+            std::lock_guard<std::mutex> lock(mu_);
+            result.reason = stop_reason_;
+            stop_workers(SIGTERM);
+          }
+        } else if (stream >= 0) {
+          ReadStream(workers_[owner], stream);
+        }
+      }
+
+      // Reap whoever exited (pidfd readable, or anyone in fallback mode).
+      for (Worker& w : workers_) {
+        if (!w.running || !Observe(w)) continue;
+        if (!w.exit.ok() && phase == Phase::kRunning && !result.first_failure) {
+          result.first_failure = w.exit;
+          result.outcome = GroupOutcome::kWorkerFailed;
+          result.reason = w.exit.Describe();
+          if (options_.stop_all_on_failure && RunningCount() > 0) {
+            result.reason += "; stopping the other workers";
+            stop_workers(SIGTERM);
+          }
+        }
+      }
+
+      const Deadline now = Clock::now();
+      if (phase == Phase::kRunning && now >= deadline) {
+        result.outcome = GroupOutcome::kTimedOut;
+        result.reason = "the workers were still running after " +
+                        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                           now - start).count()) +
+                        " ms (the deadline); stopped them";
+        stop_workers(SIGTERM);
+      } else if (phase == Phase::kStopping && now >= phase_deadline) {
+        SignalRunning(SIGKILL);
+        phase = Phase::kKilling;
+        phase_deadline = now + kReapTime;
+      } else if (phase == Phase::kKilling && now >= phase_deadline) {
+        break;  // unreapable (uninterruptible sleep): give up, say so below
+      } else if (phase == Phase::kDraining && now >= phase_deadline) {
+        break;
+      }
+    }
+
+    ReapLeader();
+    for (Worker& w : workers_) {
+      for (int s = 0; s < 2; ++s) FlushPartial(w, s);
+      result.workers.push_back(w.exit);
+      if (options_.output.capture) {
+        if (w.capture_truncated) w.captured += "\n[output truncated]\n";
+        result.output.push_back(w.captured);
+      }
+    }
+    return result;
+  }
+
+ private:
+  Status InstallSignalForwarding() {
+    bool expected = false;
+    if (!g_forwarding.compare_exchange_strong(expected, true)) {
+      return FailedPreconditionError("another WorkerGroup already forwards signals");
+    }
+    int p[2];
+    if (pipe2(p, O_CLOEXEC | O_NONBLOCK) != 0) {
+      g_forwarding.store(false);
+      return InternalError("pipe2: " + ErrnoText(errno));
+    }
+    signal_read_.Reset(p[0]);
+    signal_write_.Reset(p[1]);
+    g_signal_write_fd.store(p[1]);
+    struct sigaction action{};
+    action.sa_handler = RecordSignal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
+      sigaction(kForwardedSignals[i], &action, &old_actions_[i]);
+    }
+    forwarding_ = true;
+    return Status::Ok();
+  }
+
+  Status StartOne(const WorkerSpec& spec, Worker& w) {
+    w.rank = spec.rank;
+    const OutputOptions& out = options_.output;
+    if (spec.program.empty() || spec.argv.empty()) {
+      return InvalidArgumentError("rank " + std::to_string(spec.rank) + ": no program given");
+    }
+    if (!out.log_dir.empty()) {
+      const std::string path = out.log_dir + "/" + out.log_name_prefix + "rank_" +
+                               std::to_string(spec.rank) + ".log";
+      DDP_RETURN_IF_ERROR(MakeDirectories(path.substr(0, path.rfind('/'))));
+      w.log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+      if (!w.log.valid()) {
+        return InvalidArgumentError("cannot write log file '" + path + "': " + ErrnoText(errno));
+      }
+    }
+    Fd child_out, child_err;
+    if (use_pipes_) {
+      for (int s = 0; s < 2; ++s) {
+        int p[2];
+        if (pipe2(p, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
+        fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+        w.streams[s].pipe.Reset(p[0]);
+        w.streams[s].terminal_fd = s == 0 ? STDOUT_FILENO : STDERR_FILENO;
+        (s == 0 ? child_out : child_err).Reset(p[1]);
+      }
+    }
+
+    // Argument and environment vectors, built before vfork: the child may
+    // not allocate.
+    std::vector<char*> argv;
+    for (const std::string& arg : spec.argv) argv.push_back(const_cast<char*>(arg.c_str()));
+    argv.push_back(nullptr);
+    std::vector<std::string> env_strings;
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      std::string_view entry(*e);
+      const std::string_view name = entry.substr(0, entry.find('='));
+      bool overridden = false;
+      for (const auto& [key, value] : spec.env) overridden = overridden || key == name;
+      if (!overridden) env_strings.emplace_back(entry);
+    }
+    for (size_t i = 0; i < spec.env.size(); ++i) {
+      bool later = false;  // a later entry with the same name wins
+      for (size_t j = i + 1; j < spec.env.size(); ++j) later = later || spec.env[j].first == spec.env[i].first;
+      if (!later) env_strings.push_back(spec.env[i].first + "=" + spec.env[i].second);
+    }
+    std::vector<char*> envp;
+    for (std::string& entry : env_strings) envp.push_back(entry.data());
+    envp.push_back(nullptr);
+
+    ChildArgs args;
+    args.path = spec.program.c_str();
+    args.argv = argv.data();
+    args.envp = envp.data();
+    args.pgid = pgid_;
+    args.parent = getpid();
+    args.stdin_fd = dev_null_.get();
+    args.stdout_fd = child_out.get();
+    args.stderr_fd = child_err.get();
+    for (int s = 1; s < _NSIG; ++s) {
+      struct sigaction current{};
+      if (sigaction(s, nullptr, &current) == 0) args.ignored[s] = current.sa_handler == SIG_IGN;
+    }
+
+    int report[2];
+    if (pipe2(report, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
+    Fd report_read(report[0]);
+    Fd report_write(report[1]);
+    args.report_fd = report_write.get();
+    // Block every signal so that no handler runs in the child while it
+    // shares our memory; the child restores the mask right before exec.
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &args.mask);
+    // vfork, not fork: the parent waits until the child has exec'd, nothing
+    // is copied, and no pthread_atfork handler runs (a transport fork guard
+    // would otherwise fire in every worker).
+    const pid_t pid = vfork();
+    if (pid == 0) RunChild(&args);
+    const int vfork_errno = errno;
+    pthread_sigmask(SIG_SETMASK, &args.mask, nullptr);
+    if (pid < 0) {
+      return InternalError("cannot start rank " + std::to_string(spec.rank) +
+                           ": vfork: " + ErrnoText(vfork_errno));
+    }
+    w.pid = pid;
+    w.running = true;
+    w.exit.rank = w.rank;
+    w.exit.pid = pid;
+    report_write.Reset();
+    ChildFailure failure;
+    ssize_t got;
+    do {
+      got = read(report_read.get(), &failure, sizeof(failure));
+    } while (got < 0 && errno == EINTR);
+    if (got == static_cast<ssize_t>(sizeof(failure))) {
+      // The child is already dead (exit 127); reap it here.
+      int status = 0;
+      waitpid(pid, &status, 0);
+      w.running = false;
+      w.exit.exited = true;
+      w.exit.code = 127;
+      return InvalidArgumentError("cannot start rank " + std::to_string(spec.rank) + ": " +
+                                  ChildStepName(failure.step) + " '" + spec.program +
+                                  "': " + ErrnoText(failure.error));
+    }
+    if (pgid_ == 0) pgid_ = pid;
+    w.pidfd.Reset(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+    if (w.pidfd.valid()) fcntl(w.pidfd.get(), F_SETFD, FD_CLOEXEC);
+    return Status::Ok();
+  }
+
+  size_t RunningCount() const {
+    size_t n = 0;
+    for (const Worker& w : workers_) n += w.running ? 1 : 0;
+    return n;
+  }
+
+  size_t OpenPipes() const {
+    size_t n = 0;
+    for (const Worker& w : workers_) {
+      for (const Stream& s : w.streams) n += s.pipe.valid() ? 1 : 0;
+    }
+    return n;
+  }
+
+  void SignalRunning(int signal) {
+    for (Worker& w : workers_) {
+      if (w.running) kill(w.pid, signal);
+    }
+    if (signal == SIGKILL && pgid_ > 0) kill(-pgid_, SIGKILL);
+  }
+
+  void ReadStream(Worker& w, int s) {
+    Stream& stream = w.streams[s];
+    char buf[kReadChunk];
+    const ssize_t n = read(stream.pipe.get(), buf, sizeof(buf));
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (n <= 0) {
+      FlushPartial(w, s);
+      stream.pipe.Reset();
+      return;
+    }
+    const std::string_view data(buf, static_cast<size_t>(n));
+    if (w.log.valid()) WriteAll(w.log.get(), data);
+    if (options_.output.capture) {
+      const size_t room = options_.output.capture_limit - std::min(options_.output.capture_limit,
+                                                                  w.captured.size());
+      w.captured.append(data.substr(0, room));
+      if (data.size() > room) w.capture_truncated = true;
+    }
+    if (!options_.output.to_terminal) return;
+    if (!options_.output.prefix) {
+      WriteAll(stream.terminal_fd, data);
+      return;
+    }
+    stream.partial.append(data);
+    size_t begin = 0;
+    while (true) {
+      const size_t newline = stream.partial.find('\n', begin);
+      if (newline == std::string::npos) break;
+      WriteLine(w, s, std::string_view(stream.partial).substr(begin, newline + 1 - begin));
+      begin = newline + 1;
+    }
+    stream.partial.erase(0, begin);
+    if (stream.partial.size() >= kMaxLineBytes) {
+      WriteLine(w, s, stream.partial + "\n");
+      stream.partial.clear();
+    }
+  }
+
+  void FlushPartial(Worker& w, int s) {
+    Stream& stream = w.streams[s];
+    if (stream.partial.empty()) return;
+    if (options_.output.to_terminal && options_.output.prefix) WriteLine(w, s, stream.partial + "\n");
+    stream.partial.clear();
+  }
+
+  // One whole line with its prefix in a single write, so that lines of
+  // different workers never interleave mid-line.
+  void WriteLine(const Worker& w, int s, std::string_view line) {
+    std::string text = "[" + std::to_string(w.rank) + "] ";
+    text.append(line);
+    WriteAll(w.streams[s].terminal_fd, text);
+  }
+
+  // SIGKILLs everything still running and reaps it, within kReapTime.
+  void KillAndReap() {
+    if (RunningCount() == 0) {
+      ReapLeader();
+      return;
+    }
+    SignalRunning(SIGKILL);
+    const Deadline give_up = Clock::now() + kReapTime;
+    while (RunningCount() > 0 && Clock::now() < give_up) {
+      for (Worker& w : workers_) {
+        if (w.running) Observe(w);
+      }
+      if (RunningCount() > 0) usleep(5000);
+    }
+    if (pgid_ > 0) kill(-pgid_, SIGKILL);
+    ReapLeader();
+  }
+
+  // Records the exit of `w` if it has exited. The group leader is left a
+  // zombie (WNOWAIT): while it is unreaped its pid, which is the process
+  // group id, cannot be reused, so signalling the group never hits a
+  // stranger. ReapLeader reaps it at the very end.
+  bool Observe(Worker& w) {
+    siginfo_t info{};
+    const int flags = WEXITED | WNOHANG | (w.pid == pgid_ ? WNOWAIT : 0);
+    if (waitid(P_PID, static_cast<id_t>(w.pid), &info, flags) != 0 || info.si_pid != w.pid) {
+      return false;
+    }
+    w.running = false;
+    w.pidfd.Reset();
+    w.exit.exited = true;
+    w.exit.signaled = info.si_code == CLD_KILLED || info.si_code == CLD_DUMPED;
+    w.exit.code = info.si_status;
+    w.leader_zombie = w.pid == pgid_;
+    return true;
+  }
+
+  void ReapLeader() {
+    for (Worker& w : workers_) {
+      if (!w.leader_zombie) continue;
+      waitpid(w.pid, nullptr, WNOHANG);
+      w.leader_zombie = false;
+    }
+  }
+
+  SpawnOptions options_;
+  bool use_pipes_ = false;
+  std::vector<Worker> workers_;
+  pid_t pgid_ = 0;
+  Fd stop_event_;
+  Fd dev_null_;
+  Fd signal_read_;
+  Fd signal_write_;
+  bool forwarding_ = false;
+  struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
+  std::mutex mu_;
+  std::string stop_reason_;
+};
+
+StatusOr<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(std::vector<WorkerSpec> specs,
+                                                          SpawnOptions options) {
+  auto impl = std::make_unique<Impl>(std::move(options));
+  DDP_RETURN_IF_ERROR(impl->Start(std::move(specs)));
+  return std::unique_ptr<WorkerGroup>(new WorkerGroup(std::move(impl)));
+}
+
+WorkerGroup::WorkerGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+WorkerGroup::~WorkerGroup() = default;
+std::vector<pid_t> WorkerGroup::pids() const { return impl_->pids(); }
+pid_t WorkerGroup::process_group() const { return impl_->process_group(); }
+GroupResult WorkerGroup::Wait(Deadline deadline) { return impl_->Wait(deadline); }
+void WorkerGroup::RequestStop(std::string reason) { impl_->RequestStop(std::move(reason)); }
+
+}  // namespace ddp::transport::launch

@@ -1,0 +1,152 @@
+#ifndef DDP_TRANSPORT_LAUNCH_SPAWN_H_
+#define DDP_TRANSPORT_LAUNCH_SPAWN_H_
+
+// Starting, watching and stopping a group of worker processes.
+//
+// Fork safety: workers are started with vfork and exec, the way posix_spawn
+// does it, so no pthread_atfork handler runs and nothing of the launcher's
+// state (UCX, CUDA, threads) is duplicated. Before exec the child joins the
+// group's process group and asks the kernel to SIGKILL it when the
+// launcher's spawning thread dies (PR_SET_PDEATHSIG), so that a launcher
+// killed by SIGKILL takes its workers with it. Call Start and Wait from a
+// thread that lives as long as the workers (the main thread): the kernel ties
+// the death signal to the spawning thread, not the process.
+//
+// Failure handling: when a worker exits non-zero or dies by a signal, the
+// others get SIGTERM, then SIGKILL after a grace period; Wait names the rank
+// that failed first and how. SIGINT, SIGTERM and SIGHUP sent to the launcher
+// are forwarded to every worker (a second one escalates to SIGKILL). When the
+// workers are gone the whole process group gets SIGKILL, so a worker's own
+// children do not outlive it.
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::launch {
+
+/// One worker process to start.
+struct WorkerSpec {
+  int rank = 0;                   ///< Names the worker in messages, prefixes, log files.
+  std::string program;            ///< Path of the executable; no PATH search.
+  std::vector<std::string> argv;  ///< Full argument vector, argv[0] included.
+  /// Set on top of the launcher's own environment (later entries win).
+  std::vector<std::pair<std::string, std::string>> env;
+};
+
+/// Where worker output goes. With every option off but `to_terminal`, the
+/// workers write straight to the launcher's stdout and stderr; otherwise
+/// their output passes through pipes that the launcher reads.
+struct OutputOptions {
+  bool to_terminal = true;    ///< Copy worker stdout/stderr to the launcher's.
+  bool prefix = true;         ///< Start every terminal line with "[rank] ".
+  std::string log_dir;        ///< When set: <log_dir>/<log_name_prefix>rank_<r>.log per worker.
+  std::string log_name_prefix;  ///< For instance "attempt_1/"; directories are created.
+  bool capture = false;       ///< Keep each worker's output in GroupResult::output.
+  size_t capture_limit = size_t{1} << 20;  ///< Bytes kept per worker; the rest is dropped.
+};
+
+/// How a group is run.
+struct SpawnOptions {
+  OutputOptions output;
+  /// Between SIGTERM and SIGKILL when stopping workers.
+  std::chrono::milliseconds grace{5000};
+  /// Stop the others as soon as one worker fails (a launcher's behaviour).
+  /// False lets every worker run to its own end, for tests that check how
+  /// survivors report a dead peer.
+  bool stop_all_on_failure = true;
+  /// Forward SIGINT / SIGTERM / SIGHUP received by this process to the
+  /// workers during Wait. One group at a time may do so.
+  bool forward_signals = true;
+};
+
+/// How one worker ended.
+struct WorkerExit {
+  int rank = 0;
+  pid_t pid = -1;
+  bool exited = false;    ///< Reaped (false if it could not be reaped in time).
+  bool signaled = false;  ///< Killed by a signal (else exited normally).
+  int code = 0;           ///< Exit status, or the signal number when signaled.
+
+  bool ok() const { return exited && !signaled && code == 0; }
+  /// "rank 1 (pid 4242) exited with code 3" / "... was killed by signal 9 (SIGKILL)".
+  std::string Describe() const;
+};
+
+/// Why Wait returned. Values are stable: append only.
+enum class GroupOutcome : int {
+  kSucceeded = 0,     ///< Every worker exited with status 0.
+  kWorkerFailed = 1,  ///< A worker exited non-zero or died by a signal.
+  kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP.
+  kStopped = 3,       ///< RequestStop was called.
+  kTimedOut = 4,      ///< The deadline given to Wait passed.
+};
+
+/// What Wait found.
+struct GroupResult {
+  GroupOutcome outcome = GroupOutcome::kSucceeded;
+  std::vector<WorkerExit> workers;           ///< In the order of the specs.
+  std::optional<WorkerExit> first_failure;   ///< The first worker seen failing.
+  int signal = 0;                            ///< The signal, for kInterrupted.
+  std::string reason;                        ///< One line; empty on success.
+  std::vector<std::string> output;           ///< Captured output per worker.
+
+  /// 0 on success; the failed worker's exit code, or 128 + its signal; 128 +
+  /// the signal when interrupted; 1 when stopped or timed out.
+  int ExitCode() const;
+};
+
+/// A started group of workers. Not copyable; destroying it kills (SIGKILL)
+/// and reaps any worker still running.
+class WorkerGroup {
+ public:
+  /// Starts every worker. If one cannot start (exec fails), those already
+  /// started are killed and INVALID_ARGUMENT names the rank, the program and
+  /// the reason; nothing is left running.
+  static StatusOr<std::unique_ptr<WorkerGroup>> Start(std::vector<WorkerSpec> specs,
+                                                      SpawnOptions options);
+  ~WorkerGroup();
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  /// Worker pids, in the order of the specs.
+  std::vector<pid_t> pids() const;
+  /// The process group every worker belongs to.
+  pid_t process_group() const;
+
+  /// Watches the workers until every one has exited, one failed, a signal
+  /// arrived, RequestStop was called or `deadline` passed; in the last four
+  /// cases it stops the remaining workers (SIGTERM, grace, SIGKILL) before
+  /// returning. Call once.
+  GroupResult Wait(Deadline deadline);
+
+  /// Makes Wait stop the workers and return kStopped with `reason`.
+  /// Thread-safe and callable before or during Wait.
+  void RequestStop(std::string reason);
+
+  class Impl;
+
+ private:
+  explicit WorkerGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// "SIGKILL", "SIGTERM", ... or "signal 42".
+std::string SignalName(int signal);
+
+/// Resolves `program` the way execvp would (PATH search when it has no
+/// slash) and checks that it is an executable regular file. INVALID_ARGUMENT
+/// says which: "program 'x' not found in PATH", "'/a/b' is not executable".
+StatusOr<std::string> ResolveProgram(const std::string& program);
+
+}  // namespace ddp::transport::launch
+
+#endif  // DDP_TRANSPORT_LAUNCH_SPAWN_H_

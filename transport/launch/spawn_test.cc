@@ -1,0 +1,415 @@
+#include "transport/launch/spawn.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/test_spawn.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : fallback;
+}
+
+void SleepForever() {
+  // Bounded: a test that forgets a worker still ends.
+  for (int i = 0; i < 3000; ++i) std::this_thread::sleep_for(10ms);
+}
+
+// Writes this process's pid (or `pid`) to $PID_DIR/<name>.
+void WritePid(const std::string& name, pid_t pid = getpid()) {
+  const char* dir = std::getenv("PID_DIR");
+  if (dir == nullptr) return;
+  const std::string path = std::string(dir) + "/" + name;
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  std::fprintf(f, "%d\n", pid);
+  std::fclose(f);
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+DDP_TEST_WORKER(hello) {
+  const int rank = EnvInt("RANK", -1);
+  std::printf("hello from rank %d\n", rank);
+  std::fflush(stdout);
+  std::fprintf(stderr, "warning from rank %d\n", rank);
+  std::printf("no newline at the end %d", rank);
+  return 0;
+}
+
+DDP_TEST_WORKER(fail_rank1) {
+  const int rank = EnvInt("RANK", -1);
+  WritePid("rank" + std::to_string(rank));
+  if (rank == 1) {
+    std::this_thread::sleep_for(100ms);
+    const int how = EnvInt("HOW", 0);
+    if (how == 0) return 3;
+    raise(how);
+  }
+  if (EnvInt("OTHERS_FINISH", 0)) {
+    std::this_thread::sleep_for(300ms);
+    return 0;
+  }
+  SleepForever();
+  return 0;
+}
+
+DDP_TEST_WORKER(sleeper) {
+  WritePid("rank" + std::to_string(EnvInt("RANK", -1)));
+  if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
+  SleepForever();
+  return 0;
+}
+
+DDP_TEST_WORKER(grandparent) {
+  const pid_t child = fork();
+  if (child == 0) {
+    // The grandchild: only async-signal-safe calls after fork.
+    for (int i = 0; i < 300; ++i) usleep(100000);
+    _exit(0);
+  }
+  WritePid("grandchild", child);
+  return 0;
+}
+
+WorkerSpec Spec(int rank, const std::string& worker,
+                std::vector<std::pair<std::string, std::string>> env = {}) {
+  WorkerSpec spec;
+  spec.rank = rank;
+  spec.program = "/proc/self/exe";
+  spec.argv = {"worker"};
+  spec.env = std::move(env);
+  spec.env.emplace_back(testing::kTestWorkerEnv, worker);
+  spec.env.emplace_back("RANK", std::to_string(rank));
+  return spec;
+}
+
+std::vector<WorkerSpec> Specs(int n, const std::string& worker,
+                              std::vector<std::pair<std::string, std::string>> env = {}) {
+  std::vector<WorkerSpec> specs;
+  for (int r = 0; r < n; ++r) specs.push_back(Spec(r, worker, env));
+  return specs;
+}
+
+SpawnOptions Quiet() {
+  SpawnOptions options;
+  options.output.capture = true;
+  options.output.to_terminal = false;
+  options.forward_signals = false;
+  options.grace = 2000ms;
+  return options;
+}
+
+// True when `pid` no longer runs (gone, or a zombie waiting for its parent).
+bool ProcessGone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string line;
+  std::getline(stat, line);
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
+}
+
+bool GoneWithin(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!ProcessGone(pid)) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+void ExpectNoChildrenLeft() {
+  errno = 0;
+  EXPECT_EQ(waitpid(-1, nullptr, WNOHANG), -1);
+  EXPECT_EQ(errno, ECHILD) << "a child process of the test is still around";
+}
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(base ? base : "/tmp") + "/" + name;
+  mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+pid_t ReadPid(const std::string& path, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    std::ifstream in(path);
+    pid_t pid = 0;
+    if (in >> pid && pid > 0) return pid;
+    std::this_thread::sleep_for(5ms);
+  }
+  return -1;
+}
+
+TEST(SpawnTest, AllSucceedAndOutputIsCapturedAndPrefixed) {
+  // Send the launcher's own stdout and stderr to files to see the prefixes.
+  const std::string dir = TempDir("prefix");
+  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const int saved_out = dup(1), saved_err = dup(2);
+  const int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dup2(out_fd, 1);
+  dup2(err_fd, 2);
+  SpawnOptions options = Quiet();
+  options.output.to_terminal = true;
+  options.output.prefix = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(3, "hello"), options);
+  GroupResult result;
+  if (group.ok()) result = (*group)->Wait(DeadlineIn(20s));
+  dup2(saved_out, 1);
+  dup2(saved_err, 2);
+  close(saved_out);
+  close(saved_err);
+  close(out_fd);
+  close(err_fd);
+  ASSERT_TRUE(group.ok()) << group.status();
+
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  EXPECT_EQ(result.ExitCode(), 0);
+  ASSERT_EQ(result.workers.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(result.workers[r].ok()) << result.workers[r].Describe();
+    EXPECT_THAT(result.output[r], HasSubstr("hello from rank " + std::to_string(r) + "\n"));
+    EXPECT_THAT(result.output[r], HasSubstr("warning from rank " + std::to_string(r) + "\n"));
+  }
+  std::stringstream out, err;
+  out << std::ifstream(out_path).rdbuf();
+  err << std::ifstream(err_path).rdbuf();
+  for (int r = 0; r < 3; ++r) {
+    const std::string p = "[" + std::to_string(r) + "] ";
+    EXPECT_THAT(out.str(), HasSubstr(p + "hello from rank " + std::to_string(r) + "\n"));
+    // A last line without newline is still written, whole, with its prefix.
+    EXPECT_THAT(out.str(), HasSubstr(p + "no newline at the end " + std::to_string(r) + "\n"));
+    EXPECT_THAT(err.str(), HasSubstr(p + "warning from rank " + std::to_string(r) + "\n"));
+  }
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, PerRankLogFiles) {
+  const std::string dir = TempDir("logs");
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir;
+  options.output.log_name_prefix = "attempt_0/";
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (int r = 0; r < 2; ++r) {
+    std::stringstream log;
+    log << std::ifstream(dir + "/attempt_0/rank_" + std::to_string(r) + ".log").rdbuf();
+    EXPECT_THAT(log.str(), HasSubstr("hello from rank " + std::to_string(r) + "\n"));
+    EXPECT_THAT(log.str(), HasSubstr("warning from rank " + std::to_string(r) + "\n"));
+    EXPECT_THAT(log.str(), ::testing::Not(HasSubstr("[" + std::to_string(r) + "]")));
+  }
+}
+
+TEST(SpawnTest, WorkerExitCodeStopsTheOthers) {
+  const std::string dir = TempDir("exitcode");
+  const auto start = Clock::now();
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(4, "fail_rank1", {{"PID_DIR", dir}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed);
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") exited with code 3; stopping the other workers");
+  EXPECT_EQ(result.ExitCode(), 3);
+  for (int r : {0, 2, 3}) {
+    EXPECT_TRUE(result.workers[r].signaled) << result.workers[r].Describe();
+    EXPECT_EQ(result.workers[r].code, SIGTERM);
+  }
+  for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, WorkerKilledBySignalStopsTheOthers) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(3, "fail_rank1", {{"HOW", std::to_string(SIGKILL)}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") was killed by signal 9 (SIGKILL); stopping the other workers");
+  EXPECT_EQ(result.ExitCode(), 128 + SIGKILL);
+  for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, WithoutStopAllSurvivorsRunToTheirEnd) {
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(3, "fail_rank1", {{"OTHERS_FINISH", "1"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed);
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_TRUE(result.workers[0].ok());
+  EXPECT_TRUE(result.workers[2].ok());
+}
+
+TEST(SpawnTest, WorkerIgnoringSigtermIsKilledAfterTheGrace) {
+  SpawnOptions options = Quiet();
+  options.grace = 300ms;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "sleeper", {{"IGNORE_TERM", "1"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::this_thread::sleep_for(200ms);  // let them install SIG_IGN
+  const auto start = Clock::now();
+  (*group)->RequestStop("test asked to stop");
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped);
+  EXPECT_EQ(result.reason, "test asked to stop");
+  EXPECT_EQ(result.ExitCode(), 1);
+  EXPECT_GE(took, 290ms);
+  EXPECT_LT(took, 5s);
+  for (const WorkerExit& w : result.workers) {
+    EXPECT_TRUE(w.signaled);
+    EXPECT_EQ(w.code, SIGKILL) << w.Describe();
+  }
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, DeadlineStopsTheWorkers) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(300ms));
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_EQ(result.outcome, GroupOutcome::kTimedOut);
+  EXPECT_THAT(result.reason, HasSubstr("(the deadline); stopped them"));
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, RequestStopFromAnotherThread) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(100ms);
+    (*group)->RequestStop("node 1 failed");
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  stopper.join();
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped);
+  EXPECT_EQ(result.reason, "node 1 failed");
+  for (const WorkerExit& w : result.workers) EXPECT_EQ(w.code, SIGTERM) << w.Describe();
+}
+
+TEST(SpawnTest, SignalsToTheLauncherReachEveryWorker) {
+  for (int signo : {SIGTERM, SIGINT}) {
+    SpawnOptions options = Quiet();
+    options.forward_signals = true;
+    StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(3, "sleeper"), options);
+    ASSERT_TRUE(group.ok()) << group.status();
+    const pthread_t waiter = pthread_self();
+    std::thread sender([signo, waiter] {
+      std::this_thread::sleep_for(100ms);
+      pthread_kill(waiter, signo);
+    });
+    GroupResult result = (*group)->Wait(DeadlineIn(20s));
+    sender.join();
+    EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted);
+    EXPECT_EQ(result.signal, signo);
+    EXPECT_EQ(result.reason, "interrupted by " + SignalName(signo) + "; forwarded it to every worker");
+    EXPECT_EQ(result.ExitCode(), 128 + signo);
+    for (const WorkerExit& w : result.workers) {
+      EXPECT_TRUE(w.signaled);
+      EXPECT_EQ(w.code, signo) << w.Describe();
+    }
+  }
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, OnlyOneGroupForwardsSignals) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> first = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  StatusOr<std::unique_ptr<WorkerGroup>> second = WorkerGroup::Start(Specs(1, "hello"), options);
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  (*first)->Wait(DeadlineIn(20s));
+}
+
+TEST(SpawnTest, ChildrenOfWorkersDoNotOutliveTheGroup) {
+  const std::string dir = TempDir("grandchild");
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "grandparent", {{"PID_DIR", dir}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  const pid_t grandchild = ReadPid(dir + "/grandchild", 5s);
+  ASSERT_GT(grandchild, 0);
+  EXPECT_TRUE(GoneWithin(grandchild, 5s));
+}
+
+TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
+  std::vector<WorkerSpec> specs = Specs(3, "sleeper");
+  specs[2].program = "/nonexistent/program";
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, Quiet());
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.status().message(),
+            "cannot start rank 2: exec '/nonexistent/program': No such file or directory");
+  ExpectNoChildrenLeft();
+}
+
+TEST(SpawnTest, ResolveProgram) {
+  StatusOr<std::string> sh = ResolveProgram("sh");
+  ASSERT_TRUE(sh.ok()) << sh.status();
+  EXPECT_THAT(*sh, HasSubstr("/sh"));
+  EXPECT_EQ(ResolveProgram("no-such-program-xyz").status().message(),
+            "program 'no-such-program-xyz' not found in PATH");
+  EXPECT_EQ(ResolveProgram("/nonexistent/x").status().message(),
+            "program '/nonexistent/x': No such file or directory");
+  EXPECT_EQ(ResolveProgram("/").status().message(), "program '/' is not a file");
+  const std::string plain = TempDir("resolve") + "/plain";
+  std::ofstream(plain) << "data";
+  chmod(plain.c_str(), 0644);
+  EXPECT_EQ(ResolveProgram(plain).status().message(), "program '" + plain + "' is not executable");
+}
+
+TEST(SpawnTest, RunTestWorkersHelper) {
+  StatusOr<testing::TestRunResult> run =
+      testing::RunTestWorkers("fail_rank1", {.world_size = 3, .timeout = 20s});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_FALSE(run->AllSucceeded());
+  EXPECT_EQ(run->ExitCode(1), 3);
+  EXPECT_EQ(run->ExitCode(0), 128 + SIGTERM);
+  EXPECT_THAT(run->Summary(), HasSubstr("rank 1 (pid"));
+
+  run = testing::RunTestWorkers("hello", {.world_size = 2, .timeout = 20s});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << run->Summary();
+  EXPECT_THAT(run->Output(1), HasSubstr("hello from rank 1"));
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch

@@ -1,0 +1,164 @@
+// A worker program for the launcher tests, driven by flags. It calls
+// SelfLaunchOrExit first, so `test_worker --nproc_per_node=N ...` self-launches.
+//
+//   --store               rendezvous through the store of the launch env
+//   --print_env           print what the launch env says
+//   --exit_code=R:C       rank R exits with code C (after the rendezvous)
+//   --signal=R:S          rank R raises signal S
+//   --fail_before_restart=K  rank 1 exits 1 while DDP_RESTART_COUNT < K
+//   --sleep_ms=N          sleep N ms before finishing
+//   --pid_dir=DIR         write DIR/rank<R>.restart<C>.pid
+//   --ignore_sigterm      ignore SIGTERM
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "transport/launch/env.h"
+#include "transport/launch/self_launch.h"
+#include "transport/store/tcp_store.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using ddp::transport::Clock;
+using ddp::transport::Deadline;
+using ddp::transport::DeadlineIn;
+using ddp::transport::Status;
+using ddp::transport::StatusOr;
+namespace store = ddp::transport::store;
+namespace launch = ddp::transport::launch;
+
+struct Flags {
+  bool store = false;
+  bool print_env = false;
+  int exit_rank = -1, exit_code = 0;
+  int signal_rank = -1, signal = 0;
+  int fail_before_restart = 0;
+  int sleep_ms = 0;
+  std::string pid_dir;
+  bool ignore_sigterm = false;
+};
+
+bool ParsePair(std::string_view text, int& a, int& b) {
+  const size_t colon = text.find(':');
+  if (colon == std::string_view::npos) return false;
+  a = std::atoi(std::string(text.substr(0, colon)).c_str());
+  b = std::atoi(std::string(text.substr(colon + 1)).c_str());
+  return true;
+}
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg(argv[i]);
+    auto value = [&](std::string_view name) -> std::optional<std::string_view> {
+      if (arg.size() > name.size() && arg.substr(0, name.size()) == name &&
+          arg[name.size()] == '=') {
+        return arg.substr(name.size() + 1);
+      }
+      return std::nullopt;
+    };
+    if (arg == "--store") f.store = true;
+    else if (arg == "--print_env") f.print_env = true;
+    else if (arg == "--ignore_sigterm") f.ignore_sigterm = true;
+    else if (auto v = value("--exit_code")) ParsePair(*v, f.exit_rank, f.exit_code);
+    else if (auto v = value("--signal")) ParsePair(*v, f.signal_rank, f.signal);
+    else if (auto v = value("--fail_before_restart")) f.fail_before_restart = std::atoi(std::string(*v).c_str());
+    else if (auto v = value("--sleep_ms")) f.sleep_ms = std::atoi(std::string(*v).c_str());
+    else if (auto v = value("--pid_dir")) f.pid_dir = std::string(*v);
+    else {
+      std::fprintf(stderr, "test_worker: unknown argument %s\n", argv[i]);
+      std::exit(64);
+    }
+  }
+  return f;
+}
+
+int Fail(const char* what, const Status& status) {
+  std::fprintf(stderr, "test_worker: %s: %s\n", what, status.ToString().c_str());
+  return 20;
+}
+
+int Rendezvous(const launch::LaunchEnv& env) {
+  std::unique_ptr<store::TcpStoreServer> server;
+  if (env.hosts_store()) {
+    store::TcpStoreServerOptions options;
+    options.bind_address = env.master_addr;
+    options.port = env.master_port;
+    options.job_token = env.job_token;
+    auto started = store::TcpStoreServer::Start(options);
+    if (!started.ok()) return Fail("store server", started.status());
+    server = std::move(started).value();
+  }
+  const Deadline deadline = DeadlineIn(30s);
+  auto client = store::TcpStoreClient::Connect(env.master_addr, env.master_port, env.job_token,
+                                               deadline);
+  if (!client.ok()) return Fail("connect", client.status());
+  const std::string prefix = "test/" + env.StoreKeyPrefix();
+  Status s = (*client)->Set(prefix + "rank/" + std::to_string(env.rank), "up", deadline);
+  if (!s.ok()) return Fail("set", s);
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(prefix + "rank/" + std::to_string(r));
+  s = (*client)->Wait(keys, deadline);
+  if (!s.ok()) return Fail("wait", s);
+  std::printf("rank %d met %d ranks\n", env.rank, env.world_size);
+  std::fflush(stdout);
+  s = (*client)->Set(prefix + "finished/" + std::to_string(env.rank), "1", deadline);
+  if (!s.ok()) return Fail("set finished", s);
+  if (server) {
+    // Keep serving until every rank has finished with the store.
+    std::vector<std::string> finished;
+    for (int r = 0; r < env.world_size; ++r) finished.push_back(prefix + "finished/" + std::to_string(r));
+    s = (*client)->Wait(finished, deadline);
+    if (!s.ok()) return Fail("wait finished", s);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  launch::SelfLaunchOrExit(argc, argv);
+  const Flags flags = ParseFlags(argc, argv);
+  if (flags.ignore_sigterm) signal(SIGTERM, SIG_IGN);
+  StatusOr<launch::LaunchEnv> env = launch::LaunchEnvFromProcess();
+  if (!env.ok()) return Fail("launch env", env.status());
+  if (!flags.pid_dir.empty()) {
+    const std::string path = flags.pid_dir + "/rank" + std::to_string(env->rank) + ".restart" +
+                             std::to_string(env->restart_count) + ".pid";
+    const std::string tmp = path + ".tmp";
+    if (std::FILE* f = std::fopen(tmp.c_str(), "w")) {
+      std::fprintf(f, "%d\n", getpid());
+      std::fclose(f);
+      std::rename(tmp.c_str(), path.c_str());
+    }
+  }
+  if (flags.print_env) {
+    std::printf("rank %d/%d local %d/%d group %d restart %d master %s:%d store %s token_len %zu\n",
+                env->rank, env->world_size, env->local_rank, env->local_world_size,
+                env->group_rank, env->restart_count, env->master_addr.c_str(), env->master_port,
+                env->store_hosted_by_launcher ? "launcher" : "rank0", env->job_token.size());
+    std::fflush(stdout);
+  }
+  if (env->rank == 1 && env->restart_count < flags.fail_before_restart) {
+    std::fprintf(stderr, "rank 1 fails on attempt %d\n", env->restart_count);
+    return 1;
+  }
+  if (flags.store) {
+    const int rc = Rendezvous(*env);
+    if (rc != 0) return rc;
+  }
+  if (env->rank == flags.signal_rank) raise(flags.signal);
+  if (env->rank == flags.exit_rank) return flags.exit_code;
+  for (int slept = 0; slept < flags.sleep_ms; slept += 10) std::this_thread::sleep_for(10ms);
+  std::printf("rank %d done\n", env->rank);
+  return 0;
+}
