@@ -55,6 +55,11 @@ struct Tuning {
   size_t chunk_bytes = 0;
   /// Receives posted ahead of the one being processed (>= 1).
   int pipeline_depth = 0;
+  /// Halving-doubling all-reduce: messages of at most this many bytes use
+  /// recursive doubling (log2 p exchanges of the whole vector) instead of
+  /// halving then doubling (2 log2 p exchanges of shrinking halves). 0: the
+  /// default (8 KiB); 1 forces halving-doubling for tests.
+  size_t rhd_doubling_bytes = 0;
 };
 
 /// Arguments of one collective. `count` is in elements of `dtype`; its

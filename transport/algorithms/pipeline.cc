@@ -139,10 +139,10 @@ std::string Fingerprint::ToString() const {
   return s;
 }
 
-Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, std::initializer_list<int> to,
-                       std::initializer_list<int> from) {
+Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, const std::vector<int>& to,
+                       const std::vector<int>& from) {
   const p2p::Tag tag = FingerprintTag(phase_tag);
-  from_.assign(from.begin(), from.end());
+  from_ = from;
   theirs_.assign(from_.size(), Fingerprint{});
   ids_.assign(from_.size(), 0);
   for (size_t i = 0; i < from_.size(); ++i) {
@@ -153,6 +153,7 @@ Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, std::initializer_
     Where where{what_, 0, 0, 0, true, peer};
     DDP_RETURN_IF_ERROR(requests.Send(where, tag, &mine_, sizeof(Fingerprint)).status());
   }
+  requests.check_ = this;
   return Status();
 }
 
@@ -197,7 +198,13 @@ StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* 
   return *id;
 }
 
+Status Requests::VerifyFirst() {
+  if (check_ == nullptr || check_->verified()) return Status();
+  return check_->Verify(*this);
+}
+
 Status Requests::Wait(p2p::RequestId id, const Where& where) {
+  DDP_RETURN_IF_ERROR(VerifyFirst());
   const p2p::RequestId one[1] = {id};
   Status status = p2p_.WaitAll(one, deadline_);
   Forget(id);  // released by WaitAll either way
@@ -215,6 +222,7 @@ StatusOr<bool> Requests::Test(p2p::RequestId id, const Where& where) {
 }
 
 Status Requests::WaitAll(const char* what) {
+  DDP_RETURN_IF_ERROR(VerifyFirst());
   if (outstanding_.empty()) return Status();
   std::vector<p2p::RequestId> all;
   all.swap(outstanding_);

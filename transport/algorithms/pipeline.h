@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -125,22 +124,24 @@ Fingerprint MakeFingerprint(const CollectiveArgs& args, FingerprintKind kind, bo
 class Requests;
 
 /// Exchanges Fingerprints with neighbours (posted at the start of a
-/// collective) and compares them on Verify, which algorithms call before
-/// their first wait on data from those neighbours; as the neighbours' own
-/// data sends come after their fingerprint, this costs no extra latency.
-/// Every rank must be checked by a neighbour that forwards data the others
-/// depend on, so one mismatch makes every rank fail.
+/// collective) and compares them before the collective's first blocking
+/// wait of any kind (Requests calls Verify); as the neighbours' data sends
+/// come after their fingerprint, this costs no extra latency. Every rank
+/// must be checked by a neighbour that forwards data the others depend on,
+/// so one mismatch makes every rank fail.
 class PeerCheck {
  public:
   PeerCheck(const char* what, const Fingerprint& mine) : what_(what), mine_(mine) {}
 
   /// Sends this rank's fingerprint to each of `to` and receives one from
-  /// each of `from`, with FingerprintTag(phase_tag).
-  Status Post(Requests& requests, p2p::Tag phase_tag, std::initializer_list<int> to,
-              std::initializer_list<int> from);
+  /// each of `from`, with FingerprintTag(phase_tag), and registers with
+  /// `requests` so that its first blocking wait verifies.
+  Status Post(Requests& requests, p2p::Tag phase_tag, const std::vector<int>& to,
+              const std::vector<int>& from);
   /// Waits for the fingerprints from `from` (once) and compares; a
   /// difference is INVALID_ARGUMENT naming the peer and both values.
   Status Verify(Requests& requests);
+  bool verified() const { return verified_; }
 
  private:
   const char* what_;
@@ -181,8 +182,12 @@ class Requests {
   Deadline deadline() const { return deadline_; }
 
  private:
+  friend class PeerCheck;
   void Forget(p2p::RequestId id);
+  // Runs the registered PeerCheck before the first blocking wait.
+  Status VerifyFirst();
 
+  PeerCheck* check_ = nullptr;
   p2p::PointToPoint& p2p_;
   const Deadline deadline_;
   std::vector<p2p::RequestId> outstanding_;

@@ -1,0 +1,193 @@
+#include "transport/algorithms/rhd_all_reduce.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/algorithms/pipeline.h"
+#include "transport/reduce/reduce.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+constexpr size_t kRhdChunkBytes = 256 << 10;
+constexpr int kRhdDepth = 4;
+constexpr size_t kDefaultDoublingBytes = 8 << 10;
+
+// Step s's chunk c is message (s << kChunkBits) | c; chunk indices wrap
+// within a step, far beyond the window of messages in flight.
+constexpr int kChunkBits = 14;
+
+int LargestPowerOfTwoAtMost(int p) {
+  int b = 1;
+  while (b * 2 <= p) b *= 2;
+  return b;
+}
+
+}  // namespace
+
+Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  internal::BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = args.count;
+  shape.uses_op = true;
+  DDP_RETURN_IF_ERROR(internal::CheckArgs("rhd all-reduce", p2p, args, shape));
+  if (args.count == 0) return Status();
+  const int p = p2p.size(), r = p2p.rank();
+  const size_t es = DataTypeSize(args.dtype);
+  const auto* send = static_cast<const unsigned char*>(args.send);
+  auto* recv = static_cast<unsigned char*>(args.recv);
+  if (p == 1) {
+    if (recv != send) std::memmove(recv, send, args.count * es);
+    return Status();
+  }
+
+  // Ranks below 2 * extra pair up (even hands to odd); the p2 remaining
+  // ranks get new ranks 0..p2-1 in which the exchanges are a hypercube.
+  const int p2 = LargestPowerOfTwoAtMost(p);
+  const int extra = p - p2;
+  const bool folded = r < 2 * extra && r % 2 == 0;
+  const int nr = r < 2 * extra ? r / 2 : r - extra;
+  auto real = [extra](int v) { return v < extra ? 2 * v + 1 : v + extra; };
+  const size_t doubling_bytes = args.tuning.rhd_doubling_bytes != 0
+                                    ? args.tuning.rhd_doubling_bytes
+                                    : kDefaultDoublingBytes;
+  const bool doubling = args.count * es <= doubling_bytes;
+  // Doubling sends the working vector and reduces into it, so its send must
+  // finish first: one message per step, no chunks (the vector is small).
+  const size_t ce = doubling ? args.count : internal::ChunkElems(args, kRhdChunkBytes);
+  const size_t depth = doubling ? 1 : static_cast<size_t>(internal::PipelineDepth(args, kRhdDepth));
+  const size_t slot_elems = std::min(ce, args.count);
+  std::unique_ptr<unsigned char[]> scratch(new unsigned char[depth * slot_elems * es]);
+  const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+
+  internal::Requests requests(p2p, args.deadline);
+  // Fingerprints go around the ring of the p2 exchanging ranks, plus from
+  // each handing-off rank to its partner: every rank is checked by an
+  // exchanging rank before that one sends anything the others need.
+  internal::PeerCheck check("rhd all-reduce",
+                            internal::MakeFingerprint(args, internal::kRhdAllReduceKind,
+                                                      /*uses_op=*/true, /*uses_root=*/false));
+  if (folded) {
+    DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
+  } else {
+    std::vector<int> from = {real((nr + p2 - 1) % p2)};
+    if (r < 2 * extra) from.push_back(r - 1);
+    DDP_RETURN_IF_ERROR(check.Post(requests, tag, {real((nr + 1) % p2)}, from));
+  }
+
+  // One exchange with `peer` at `step`: send `send_n` elements from `out`,
+  // receive `recv_n` elements into `in` (combined with what is there when
+  // `combine`, through scratch slots), chunked with `depth` receives ahead.
+  // Returns when both directions are done: partners move in lockstep.
+  auto exchange = [&](const char* what, int step, int peer, const unsigned char* out,
+                      size_t send_n, unsigned char* in, size_t recv_n, bool combine) -> Status {
+    const size_t ks = (send_n + ce - 1) / ce, kr = (recv_n + ce - 1) / ce;
+    const p2p::Tag step_tag = tag + (static_cast<p2p::Tag>(step) << kChunkBits);
+    std::vector<p2p::RequestId> recv_ids(depth, 0);
+    auto chunk_tag = [&](size_t c) { return step_tag + (c & ((size_t{1} << kChunkBits) - 1)); };
+    size_t next_send = 0, next_recv = 0;
+    for (size_t m = 0; m < std::max(ks, kr); ++m) {
+      while (next_recv < kr && next_recv < m + depth) {
+        const size_t c = next_recv++;
+        const size_t n = std::min(ce, recv_n - c * ce);
+        unsigned char* dst = combine ? scratch.get() + (c % depth) * slot_elems * es
+                                     : in + c * ce * es;
+        internal::Where where{what, step, 0, c, false, peer};
+        DDP_ASSIGN_OR_RETURN(recv_ids[c % depth], requests.Recv(where, chunk_tag(c), dst, n * es));
+      }
+      while (next_send < ks && next_send < m + depth) {
+        const size_t c = next_send++;
+        const size_t n = std::min(ce, send_n - c * ce);
+        internal::Where where{what, step, 0, c, true, peer};
+        DDP_RETURN_IF_ERROR(
+            requests.Send(where, chunk_tag(c), out + c * ce * es, n * es).status());
+      }
+      if (m >= kr) continue;
+      internal::Where where{what, step, 0, m, false, peer};
+      DDP_RETURN_IF_ERROR(requests.Wait(recv_ids[m % depth], where));
+      if (combine) {
+        // Doubling reduces into the vector it is sending: wait for the send.
+        if (doubling) DDP_RETURN_IF_ERROR(requests.WaitAll(what));
+        const size_t n = std::min(ce, recv_n - m * ce);
+        reduce_fn(in + m * ce * es, in + m * ce * es,
+                  scratch.get() + (m % depth) * slot_elems * es, n);
+      }
+    }
+    return requests.WaitAll(what);
+  };
+
+  int step = 0;
+  if (folded) {
+    // Hand the vector to the partner, get the result back at the end.
+    DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, fold", step, r + 1, send, args.count,
+                                 nullptr, 0, false));
+  } else {
+    if (recv != send) std::memcpy(recv, send, args.count * es);
+    if (r < 2 * extra) {
+      DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, fold", step, r - 1, nullptr, 0, recv,
+                                   args.count, true));
+    }
+  }
+  ++step;
+
+  if (!folded) {
+    if (doubling) {
+      for (int mask = 1; mask < p2; mask *= 2, ++step) {
+        DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, recursive doubling", step,
+                                     real(nr ^ mask), recv, args.count, recv, args.count, true));
+      }
+      if (args.op == ReduceOp::kAvg) reduce::DivideInPlace(args.dtype, recv, args.count, p);
+    } else {
+      // Recursive halving: keep the half of the current block range on this
+      // rank's side of the split, send the other half, reduce the partner's
+      // copy of the kept half. Ends owning block nr.
+      const internal::BlockLayout layout{args.count, p2};
+      int lo = 0, hi = p2;
+      auto at = [&](int block) { return recv + layout.offset(block) * es; };
+      auto span = [&](int a, int b) { return layout.offset(b) - layout.offset(a); };
+      for (int mask = p2 / 2; mask >= 1; mask /= 2, ++step) {
+        const int mid = (lo + hi) / 2;
+        const bool upper = (nr & mask) != 0;
+        const int keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
+        const int give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
+        DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, halving", step, real(nr ^ mask),
+                                     at(give_lo), span(give_lo, give_hi), at(keep_lo),
+                                     span(keep_lo, keep_hi), true));
+        lo = keep_lo;
+        hi = keep_hi;
+      }
+      if (args.op == ReduceOp::kAvg) {
+        reduce::DivideInPlace(args.dtype, at(nr), layout.size(nr), p);
+      }
+      // Recursive doubling of the owned range back to the whole vector.
+      for (int mask = 1; mask < p2; mask *= 2, ++step) {
+        const bool upper = (nr & mask) != 0;
+        const int other_lo = upper ? lo - mask : hi, other_hi = upper ? lo : hi + mask;
+        DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, doubling", step, real(nr ^ mask), at(lo),
+                                     span(lo, hi), at(other_lo), span(other_lo, other_hi),
+                                     false));
+        lo = std::min(lo, other_lo);
+        hi = std::max(hi, other_hi);
+      }
+    }
+  }
+
+  // The step index of the hand-back must agree on both sides of a pair,
+  // so it is fixed rather than counted.
+  const int unfold_step = (1 << 6) - 1;
+  if (r < 2 * extra) {
+    if (folded) {
+      DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, hand-back", unfold_step, r + 1, nullptr, 0,
+                                   recv, args.count, false));
+    } else {
+      DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, hand-back", unfold_step, r - 1, recv,
+                                   args.count, nullptr, 0, false));
+    }
+  }
+  return requests.WaitAll("rhd all-reduce");
+}
+
+}  // namespace ddp::transport::algorithms

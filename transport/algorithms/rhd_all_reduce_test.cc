@@ -1,0 +1,73 @@
+#include "transport/algorithms/rhd_all_reduce.h"
+
+#include "gtest/gtest.h"
+#include "transport/algorithms/all_reduce_test_util.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using testing::AllReduceCase;
+using testing::AllReduceFn;
+using testing::CheckAllReduce;
+
+// Halving-doubling for everything but 1-byte messages.
+const AllReduceFn kHalving = [](p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  CollectiveArgs a = args;
+  a.tuning.rhd_doubling_bytes = 1;
+  return RhdAllReduce(p2p, a);
+};
+
+// Recursive doubling for every size.
+const AllReduceFn kDoubling = [](p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  CollectiveArgs a = args;
+  a.tuning.rhd_doubling_bytes = size_t{1} << 40;
+  return RhdAllReduce(p2p, a);
+};
+
+class RhdAllReduceWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RhdAllReduceWorldTest, CountsAndChunkingMatchClosedForm) {
+  testing::SweepCounts(kHalving, GetParam());
+  testing::SweepCounts(kDoubling, GetParam());
+}
+
+TEST_P(RhdAllReduceWorldTest, EveryTypeAndOp) {
+  testing::SweepTypesAndOps(kHalving, GetParam(), 29, 8);
+  testing::SweepTypesAndOps(kDoubling, GetParam(), 29, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, RhdAllReduceWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16));
+
+TEST(RhdAllReduceTest, DefaultSwitchesBetweenModesBySize) {
+  // 1000 floats (4000 bytes) take recursive doubling, 10000 take halving.
+  for (size_t count : {size_t{1000}, size_t{10000}}) {
+    CheckAllReduce(RhdAllReduce, {5, count, DataType::kF32, ReduceOp::kAvg, false});
+  }
+}
+
+TEST(RhdAllReduceTest, LargeVectorWithDefaultChunks) {
+  CheckAllReduce(RhdAllReduce, {6, (1 << 20) + 3, DataType::kF32, ReduceOp::kSum, false});
+}
+
+TEST(RhdAllReduceTest, MismatchedCountsFailOnEveryRank) {
+  for (int world : {2, 3, 5, 6}) {
+    testing::CheckMismatchedCountsFailEverywhere(kHalving, world);
+    testing::CheckMismatchedCountsFailEverywhere(kDoubling, world);
+  }
+}
+
+TEST(RhdAllReduceTest, KilledRankFailsEverySurvivor) {
+  for (int world : {2, 3, 6}) testing::CheckKilledRankFailsSurvivors(RhdAllReduce, world);
+}
+
+TEST(RhdAllReduceTest, AbsentRankTimesOutAtTheDeadline) {
+  testing::CheckAbsentRankTimesOut(RhdAllReduce, 5);
+}
+
+TEST(RhdAllReduceTest, BadArgumentsNameTheArgument) {
+  testing::CheckBadArguments(RhdAllReduce, "rhd all-reduce");
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms

@@ -1,0 +1,214 @@
+#include "transport/algorithms/tree_all_reduce.h"
+
+#include <array>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "transport/algorithms/binary_tree.h"
+#include "transport/algorithms/pipeline.h"
+#include "transport/reduce/reduce.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+// Smaller than the ring's chunk: a tree pipeline fills after depth * chunk
+// bytes, and the tree is chosen for medium messages.
+constexpr size_t kTreeChunkBytes = 64 << 10;
+constexpr int kTreeDepth = 4;
+
+constexpr const char* kWhat[2][2] = {
+    {"tree all-reduce, tree 0 reduce", "tree all-reduce, tree 0 broadcast"},
+    {"tree all-reduce, tree 1 reduce", "tree all-reduce, tree 1 broadcast"}};
+
+// One of the two trees as this rank runs it. Chunk c covers elements
+// [offset + c * ce, ...) of the vector.
+struct Tree {
+  int index = 0;
+  internal::TreeNode node;
+  size_t offset = 0;
+  size_t count = 0;
+  size_t chunks = 0;
+  p2p::Tag up_tag = 0;    // children -> parent, partial results
+  p2p::Tag down_tag = 0;  // parent -> children, final results
+  // Per child, a ring of `depth` chunk slots receiving its partial results.
+  std::vector<std::unique_ptr<unsigned char[]>> slots;
+  std::vector<std::vector<p2p::RequestId>> child_recv;  // [child][c % depth]
+  // The up-send of chunk c when it reads the recv chunk, which the final
+  // result will overwrite: its receive may be posted only after it completes.
+  std::vector<p2p::RequestId> up_send_from_recv;
+  std::vector<p2p::RequestId> down_recv;
+  size_t up_done = 0;         // chunks whose up step is done
+  size_t next_down_post = 0;  // next chunk whose down receive to post
+};
+
+}  // namespace
+
+Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  internal::BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = args.count;
+  shape.uses_op = true;
+  DDP_RETURN_IF_ERROR(internal::CheckArgs("tree all-reduce", p2p, args, shape));
+  if (args.count == 0) return Status();
+  const int p = p2p.size(), r = p2p.rank();
+  const size_t es = DataTypeSize(args.dtype);
+  const auto* send = static_cast<const unsigned char*>(args.send);
+  auto* recv = static_cast<unsigned char*>(args.recv);
+  if (p == 1) {
+    if (recv != send) std::memmove(recv, send, args.count * es);
+    return Status();
+  }
+
+  const size_t ce = internal::ChunkElems(args, kTreeChunkBytes);
+  const size_t depth = static_cast<size_t>(internal::PipelineDepth(args, kTreeDepth));
+  const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);
+  const internal::BlockLayout halves{args.count, 2};
+  const auto nodes = internal::DoubleBinaryTree(p, r);
+
+  std::array<Tree, 2> trees;
+  for (int t = 0; t < 2; ++t) {
+    Tree& tree = trees[t];
+    tree.index = t;
+    tree.node = nodes[t];
+    tree.offset = halves.offset(t);
+    tree.count = halves.size(t);
+    tree.chunks = (tree.count + ce - 1) / ce;
+    tree.up_tag = PhaseTag(args.tag, 2 * t);
+    tree.down_tag = PhaseTag(args.tag, 2 * t + 1);
+    const size_t slot_elems = std::min(ce, std::max<size_t>(tree.count, 1));
+    for (size_t i = 0; i < tree.node.children.size(); ++i) {
+      tree.slots.emplace_back(new unsigned char[depth * slot_elems * es]);
+      tree.child_recv.emplace_back(depth, 0);
+    }
+    tree.up_send_from_recv.assign(tree.chunks, 0);
+    tree.down_recv.assign(tree.chunks, 0);
+  }
+  auto chunk_elems = [&](const Tree& tree, size_t c) {
+    return std::min(ce, tree.count - c * ce);
+  };
+  auto input_at = [&](const Tree& tree, size_t c) { return send + (tree.offset + c * ce) * es; };
+  auto output_at = [&](const Tree& tree, size_t c) { return recv + (tree.offset + c * ce) * es; };
+  auto slot_ptr = [&](Tree& tree, size_t i, size_t c) {
+    const size_t slot_elems = std::min(ce, std::max<size_t>(tree.count, 1));
+    return tree.slots[i].get() + (c % depth) * slot_elems * es;
+  };
+
+  internal::Requests requests(p2p, args.deadline);
+  // Children prove their arguments to their tree-0 parent before any data:
+  // a mismatch stops tree 0 at that parent, so no rank completes.
+  internal::PeerCheck check("tree all-reduce",
+                            internal::MakeFingerprint(args, internal::kTreeAllReduceKind,
+                                                      /*uses_op=*/true, /*uses_root=*/false));
+  {
+    std::vector<int> to, from = trees[0].node.children;
+    if (trees[0].node.parent >= 0) to.push_back(trees[0].node.parent);
+    DDP_RETURN_IF_ERROR(check.Post(requests, PhaseTag(args.tag, 0), to, from));
+  }
+
+  auto post_child_recvs = [&](Tree& tree, size_t c) -> Status {
+    if (c >= tree.chunks) return Status();
+    for (size_t i = 0; i < tree.node.children.size(); ++i) {
+      internal::Where where{kWhat[tree.index][0], 0, 0, c, false, tree.node.children[i]};
+      DDP_ASSIGN_OR_RETURN(tree.child_recv[i][c % depth],
+                           requests.Recv(where, internal::StepTag(tree.up_tag, c),
+                                         slot_ptr(tree, i, c), chunk_elems(tree, c) * es));
+    }
+    return Status();
+  };
+
+  auto send_down = [&](Tree& tree, size_t c) -> Status {
+    for (int child : tree.node.children) {
+      internal::Where where{kWhat[tree.index][1], 0, 0, c, true, child};
+      DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tree.down_tag, c),
+                                        output_at(tree, c), chunk_elems(tree, c) * es)
+                              .status());
+    }
+    return Status();
+  };
+
+  // Reduce chunk c with the children's partial results and pass it up (or,
+  // at the root, finish it and start it down).
+  auto up_step = [&](Tree& tree, size_t c) -> Status {
+    const size_t n = chunk_elems(tree, c);
+    const unsigned char* mine = input_at(tree, c);
+    unsigned char* out = output_at(tree, c);
+    const unsigned char* result = mine;
+    if (!tree.node.children.empty()) {
+      for (size_t i = 0; i < tree.node.children.size(); ++i) {
+        internal::Where where{kWhat[tree.index][0], 0, 0, c, false, tree.node.children[i]};
+        DDP_RETURN_IF_ERROR(requests.Wait(tree.child_recv[i][c % depth], where));
+        reduce_fn(out, i == 0 ? mine : out, slot_ptr(tree, i, c), n);
+      }
+      result = out;
+      DDP_RETURN_IF_ERROR(post_child_recvs(tree, c + depth));
+    }
+    tree.up_done = c + 1;
+    if (tree.node.parent >= 0) {
+      internal::Where where{kWhat[tree.index][0], 0, 0, c, true, tree.node.parent};
+      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                           requests.Send(where, internal::StepTag(tree.up_tag, c), result, n * es));
+      if (result == out) tree.up_send_from_recv[c] = id;
+      return Status();
+    }
+    // Root: the chunk is final.
+    if (result != out) std::memcpy(out, result, n * es);
+    if (args.op == ReduceOp::kAvg) reduce::DivideInPlace(args.dtype, out, n, p);
+    return send_down(tree, c);
+  };
+
+  // Posts the down receive of chunk next_down_post onward, up to `limit`;
+  // `wait` forces it (waiting for the up-send that still reads the chunk),
+  // otherwise it stops at the first up-send still in flight.
+  auto post_down = [&](Tree& tree, size_t limit, bool wait) -> Status {
+    while (tree.next_down_post < std::min(limit, tree.up_done)) {
+      const size_t c = tree.next_down_post;
+      internal::Where where{kWhat[tree.index][0], 0, 0, c, true, tree.node.parent};
+      if (tree.up_send_from_recv[c] != 0) {
+        if (wait) {
+          DDP_RETURN_IF_ERROR(requests.Wait(tree.up_send_from_recv[c], where));
+        } else {
+          DDP_ASSIGN_OR_RETURN(const bool done, requests.Test(tree.up_send_from_recv[c], where));
+          if (!done) break;
+        }
+        tree.up_send_from_recv[c] = 0;
+      }
+      where.what = kWhat[tree.index][1];
+      where.is_send = false;
+      DDP_ASSIGN_OR_RETURN(tree.down_recv[c],
+                           requests.Recv(where, internal::StepTag(tree.down_tag, c),
+                                         output_at(tree, c), chunk_elems(tree, c) * es));
+      ++tree.next_down_post;
+    }
+    return Status();
+  };
+
+  auto down_step = [&](Tree& tree, size_t c) -> Status {
+    DDP_RETURN_IF_ERROR(post_down(tree, c + 1, /*wait=*/true));
+    internal::Where where{kWhat[tree.index][1], 0, 0, c, false, tree.node.parent};
+    DDP_RETURN_IF_ERROR(requests.Wait(tree.down_recv[c], where));
+    return send_down(tree, c);
+  };
+
+  for (Tree& tree : trees) {
+    for (size_t c = 0; c < depth; ++c) DDP_RETURN_IF_ERROR(post_child_recvs(tree, c));
+  }
+  // Chunk j goes up both trees, then chunk j - depth comes down both: the
+  // lag lets the root's results arrive while later chunks are reduced. All
+  // waits are on chunks no later than the current one, so no cycle forms.
+  const size_t lag = depth;
+  const size_t steps = std::max(trees[0].chunks, trees[1].chunks) + lag;
+  for (size_t j = 0; j < steps; ++j) {
+    for (Tree& tree : trees) {
+      if (j < tree.chunks) DDP_RETURN_IF_ERROR(up_step(tree, j));
+    }
+    for (Tree& tree : trees) {
+      if (tree.node.parent < 0) continue;
+      if (j >= lag && j - lag < tree.chunks) DDP_RETURN_IF_ERROR(down_step(tree, j - lag));
+      DDP_RETURN_IF_ERROR(post_down(tree, j + depth, /*wait=*/false));
+    }
+  }
+  return requests.WaitAll("tree all-reduce");
+}
+
+}  // namespace ddp::transport::algorithms

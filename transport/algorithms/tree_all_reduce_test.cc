@@ -1,0 +1,47 @@
+#include "transport/algorithms/tree_all_reduce.h"
+
+#include "gtest/gtest.h"
+#include "transport/algorithms/all_reduce_test_util.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using testing::AllReduceCase;
+using testing::CheckAllReduce;
+
+class TreeAllReduceWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(TreeAllReduceWorldTest, CountsAndChunkingMatchClosedForm) {
+  testing::SweepCounts(TreeAllReduce, GetParam());
+}
+
+TEST_P(TreeAllReduceWorldTest, EveryTypeAndOp) {
+  testing::SweepTypesAndOps(TreeAllReduce, GetParam(), 29, 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, TreeAllReduceWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16));
+
+TEST(TreeAllReduceTest, LargeVectorWithDefaultChunks) {
+  CheckAllReduce(TreeAllReduce, {4, (1 << 20) + 3, DataType::kF32, ReduceOp::kSum, false});
+  CheckAllReduce(TreeAllReduce, {3, 1 << 20, DataType::kBF16, ReduceOp::kAvg, true});
+}
+
+TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
+  for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(TreeAllReduce, world);
+}
+
+TEST(TreeAllReduceTest, KilledRankFailsEverySurvivor) {
+  for (int world : {2, 4, 7}) testing::CheckKilledRankFailsSurvivors(TreeAllReduce, world);
+}
+
+TEST(TreeAllReduceTest, AbsentRankTimesOutAtTheDeadline) {
+  testing::CheckAbsentRankTimesOut(TreeAllReduce, 4);
+}
+
+TEST(TreeAllReduceTest, BadArgumentsNameTheArgument) {
+  testing::CheckBadArguments(TreeAllReduce, "tree all-reduce");
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms
