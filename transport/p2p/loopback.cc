@@ -59,6 +59,7 @@ LoopbackHub::LoopbackHub(int size) : size_(size) {
     std::abort();
   }
   for (int i = 0; i < size; ++i) ranks_.push_back(std::make_unique<RankState>());
+  pair_bytes_.assign(static_cast<size_t>(size) * size, 0);
 }
 
 LoopbackHub::~LoopbackHub() = default;
@@ -128,6 +129,12 @@ void LoopbackHub::Kill(int rank) {
 bool LoopbackHub::IsKilled(int rank) const {
   std::lock_guard<std::mutex> lock(mu_);
   return rank >= 0 && rank < size_ && ranks_[rank]->killed;
+}
+
+uint64_t LoopbackHub::BytesBetween(int from, int to) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (from < 0 || from >= size_ || to < 0 || to >= size_) return 0;
+  return pair_bytes_[static_cast<size_t>(from) * size_ + to];
 }
 
 LoopbackStats LoopbackHub::Stats(int rank) const {
@@ -216,6 +223,7 @@ void LoopbackHub::Complete(std::unique_lock<std::mutex>& lock, Op* send, Op* rec
     s.stats.bytes_sent += send->bytes;
     ++r.stats.messages_received;
     r.stats.bytes_received += recv->bytes;
+    pair_bytes_[static_cast<size_t>(send->owner) * size_ + recv->owner] += send->bytes;
     FinishLocked(recv, Status());
   } else {
     FinishLocked(recv, InvalidArgumentError(

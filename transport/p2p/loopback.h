@@ -73,6 +73,9 @@ class LoopbackHub {
   /// Counters of `rank` so far (messages completed successfully).
   LoopbackStats Stats(int rank) const;
 
+  /// Bytes delivered from rank `from` to rank `to` so far.
+  uint64_t BytesBetween(int from, int to) const;
+
  private:
   friend class LoopbackEndpoint;
 
@@ -124,6 +127,7 @@ class LoopbackHub {
   const int size_;
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<RankState>> ranks_;
+  std::vector<uint64_t> pair_bytes_;  // [from * size_ + to]
   RequestId next_id_ = 1;
 };
 

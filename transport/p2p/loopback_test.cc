@@ -48,6 +48,8 @@ TEST(LoopbackTest, ReceiveBeforeSendAndSendBeforeReceiveBothDeliver) {
   EXPECT_EQ(b, 42);
   EXPECT_EQ(hub.Stats(0).bytes_sent, 2 * sizeof(int));
   EXPECT_EQ(hub.Stats(1).messages_received, 2u);
+  EXPECT_EQ(hub.BytesBetween(0, 1), 2 * sizeof(int));
+  EXPECT_EQ(hub.BytesBetween(1, 0), 0u);
 }
 
 TEST(LoopbackTest, SameSourceAndTagMatchInPostingOrder) {

@@ -1,0 +1,118 @@
+#include "transport/algorithms/all_reduce.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "transport/algorithms/all_reduce_test_util.h"
+#include "transport/algorithms/selection.h"
+#include "transport/p2p/loopback.h"
+#include "transport/testing/thread_harness.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::AllReduceFn;
+using ::testing::HasSubstr;
+
+constexpr Algorithm kAll[] = {Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
+                              Algorithm::kHierarchical};
+
+std::vector<int> TwoPerHost(int world) {
+  std::vector<int> hosts(world);
+  for (int r = 0; r < world; ++r) hosts[r] = world % 2 == 0 ? r / 2 : 0;
+  return hosts;
+}
+
+// Every algorithm forced in turn through the dispatcher, on the same sweep.
+class ForcedAlgorithmTest : public ::testing::TestWithParam<Algorithm> {};
+
+TEST_P(ForcedAlgorithmTest, SweepsThroughTheDispatcher) {
+  const Algorithm algo = GetParam();
+  for (int world : {1, 2, 3, 4, 6, 7}) {
+    const std::vector<int> hosts = TwoPerHost(world);
+    const AllReduceFn fn = [&](p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+      auto resolved = ResolveAllReduceAlgorithm(p2p, args, algo, hosts);
+      if (!resolved.ok()) return resolved.status();
+      if (*resolved != algo) return InternalError("resolved to another algorithm");
+      return AllReduce(p2p, args, algo, hosts);
+    };
+    testing::SweepCounts(fn, world);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, ForcedAlgorithmTest, ::testing::ValuesIn(kAll),
+                         [](const auto& info) { return std::string(AlgorithmName(info.param)); });
+
+TEST(AllReduceTest, EnvironmentForcesTheAlgorithm) {
+  const char* old = std::getenv(kAllReduceAlgoEnv);
+  const std::string saved = old ? old : "";
+  for (Algorithm algo : kAll) {
+    setenv(kAllReduceAlgoEnv, AlgorithmName(algo), 1);
+    p2p::LoopbackHub hub(3);
+    auto ep = std::move(hub.Connect(0)).value();
+    CollectiveArgs args;
+    args.count = 10;
+    auto resolved = ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, {});
+    ASSERT_TRUE(resolved.ok());
+    EXPECT_EQ(*resolved, algo);
+    testing::CheckAllReduce(
+        [](p2p::PointToPoint& p2p, const CollectiveArgs& a) { return AllReduce(p2p, a); },
+        {5, 100, DataType::kF32, ReduceOp::kAvg, false, 8});
+  }
+  if (old) {
+    setenv(kAllReduceAlgoEnv, saved.c_str(), 1);
+  } else {
+    unsetenv(kAllReduceAlgoEnv);
+  }
+}
+
+TEST(AllReduceTest, AutoUsesTheTable) {
+  p2p::LoopbackHub hub(8);
+  auto ep = std::move(hub.Connect(0)).value();
+  // The table only speaks when the variable is unset.
+  const char* old = std::getenv(kAllReduceAlgoEnv);
+  const std::string saved = old ? old : "";
+  unsetenv(kAllReduceAlgoEnv);
+  CollectiveArgs args;
+  args.count = 1000;
+  EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, {}), Algorithm::kRhd);
+  args.count = 1 << 18;  // 1 MiB of f32 on 8 ranks
+  EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, {}), Algorithm::kTree);
+  args.count = 1 << 24;
+  EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, {}), Algorithm::kRing);
+  EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, TwoPerHost(8)),
+            Algorithm::kHierarchical);
+  auto bad = ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, std::vector<int>{0, 1});
+  EXPECT_THAT(bad.status().message(), HasSubstr("host_of_rank has 2 entries for 8 ranks"));
+  if (old) setenv(kAllReduceAlgoEnv, saved.c_str(), 1);
+}
+
+// A rank that runs another algorithm (the variable set on one host only,
+// say) makes every rank fail, quickly, naming the disagreement.
+TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
+  const auto deadline = DeadlineIn(10s);
+  auto statuses = ::ddp::transport::testing::RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> data(64, 1.0f);
+    CollectiveArgs args;
+    args.send = data.data();
+    args.recv = data.data();
+    args.count = data.size();
+    args.deadline = deadline;
+    return AllReduce(p2p, args, p2p.rank() == 0 ? Algorithm::kTree : Algorithm::kRing);
+  });
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  int named = 0;
+  for (const Status& s : statuses) {
+    EXPECT_FALSE(s.ok());
+    named += s.message().find("tree all-reduce, count 64") != std::string::npos;
+  }
+  EXPECT_GT(named, 0);
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms

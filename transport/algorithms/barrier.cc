@@ -1,0 +1,41 @@
+#include "transport/algorithms/barrier.h"
+
+#include <array>
+
+#include "transport/algorithms/pipeline.h"
+
+namespace ddp::transport::algorithms {
+
+Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  if (args.deadline == Deadline{}) return InvalidArgumentError("barrier: deadline is not set");
+  if (args.tag > p2p::kMaxTag - (kTagsPerCollective - 1)) {
+    return InvalidArgumentError("barrier: tag " + std::to_string(args.tag) +
+                                " leaves no room for the collective's tag range");
+  }
+  const int p = p2p.size(), r = p2p.rank();
+  if (p == 1) return Status();
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  int rounds = 0;
+  while ((1 << rounds) < p) ++rounds;
+  // One byte per round and direction; the value is the round, a cheap
+  // sanity check that the rounds line up.
+  std::array<unsigned char, 32> out{}, in{};
+  internal::Requests requests(p2p, args.deadline);
+  for (int k = 0; k < rounds; ++k) {
+    const int to = (r + (1 << k)) % p, from = (r - (1 << k) % p + p) % p;
+    out[k] = static_cast<unsigned char>(k);
+    internal::Where recv_where{"barrier", k, rounds, 0, false, from};
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                         requests.Recv(recv_where, internal::StepTag(tag, k), &in[k], 1));
+    internal::Where send_where{"barrier", k, rounds, 0, true, to};
+    DDP_RETURN_IF_ERROR(requests.Send(send_where, internal::StepTag(tag, k), &out[k], 1).status());
+    DDP_RETURN_IF_ERROR(requests.Wait(id, recv_where));
+    if (in[k] != k) {
+      return InternalError("barrier round " + std::to_string(k) + ": rank " +
+                           std::to_string(from) + " sent round " + std::to_string(in[k]));
+    }
+  }
+  return requests.WaitAll("barrier");
+}
+
+}  // namespace ddp::transport::algorithms

@@ -1,0 +1,90 @@
+#include "transport/algorithms/broadcast.h"
+
+#include <cstring>
+#include <vector>
+
+#include "transport/algorithms/binary_tree.h"
+#include "transport/algorithms/pipeline.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+constexpr size_t kBroadcastChunkBytes = 128 << 10;
+constexpr int kBroadcastDepth = 4;
+
+}  // namespace
+
+Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  const int p = p2p.size(), r = p2p.rank();
+  const bool is_root = r == args.root;
+  internal::BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = args.count;
+  shape.uses_root = true;
+  shape.needs_send = is_root;
+  DDP_RETURN_IF_ERROR(internal::CheckArgs("broadcast", p2p, args, shape));
+  if (args.count == 0) return Status();
+  const size_t es = DataTypeSize(args.dtype);
+  const auto* send = static_cast<const unsigned char*>(args.send);
+  auto* recv = static_cast<unsigned char*>(args.recv);
+  if (p == 1) {
+    if (recv != send) std::memmove(recv, send, args.count * es);
+    return Status();
+  }
+
+  const size_t ce = internal::ChunkElems(args, kBroadcastChunkBytes);
+  const size_t depth = static_cast<size_t>(internal::PipelineDepth(args, kBroadcastDepth));
+  const size_t k = (args.count + ce - 1) / ce;
+  const bool chain = k >= static_cast<size_t>(p);
+  const internal::TreeNode node =
+      chain ? internal::ChainTree(p, args.root, r) : internal::HeapTree(p, args.root, r);
+  const char* what = chain ? "broadcast (chain)" : "broadcast (tree)";
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  auto chunk_n = [&](size_t c) { return std::min(ce, args.count - c * ce); };
+
+  internal::Requests requests(p2p, args.deadline);
+  // Each rank checks its ring predecessor's arguments (before its first
+  // wait, so before forwarding anything). The ring, unlike the tree, does
+  // not depend on the root, so ranks that disagree on the root are caught
+  // too.
+  internal::PeerCheck check(
+      what, internal::MakeFingerprint(args, internal::kBroadcastKind, /*uses_op=*/false,
+                                      /*uses_root=*/true));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+
+  auto forward = [&](const unsigned char* data, size_t c) -> Status {
+    for (int child : node.children) {
+      internal::Where where{what, 0, 0, c, true, child};
+      DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, c), data + c * ce * es,
+                                        chunk_n(c) * es)
+                              .status());
+    }
+    return Status();
+  };
+
+  if (is_root) {
+    for (size_t c = 0; c < k; ++c) DDP_RETURN_IF_ERROR(forward(send, c));
+    // Copy while the first chunks travel.
+    if (recv != send) std::memcpy(recv, send, args.count * es);
+    return requests.WaitAll(what);
+  }
+
+  std::vector<p2p::RequestId> ids(depth, 0);
+  auto post = [&](size_t c) -> Status {
+    if (c >= k) return Status();
+    internal::Where where{what, 0, 0, c, false, node.parent};
+    DDP_ASSIGN_OR_RETURN(ids[c % depth], requests.Recv(where, internal::StepTag(tag, c),
+                                                       recv + c * ce * es, chunk_n(c) * es));
+    return Status();
+  };
+  for (size_t c = 0; c < depth; ++c) DDP_RETURN_IF_ERROR(post(c));
+  for (size_t c = 0; c < k; ++c) {
+    internal::Where where{what, 0, 0, c, false, node.parent};
+    DDP_RETURN_IF_ERROR(requests.Wait(ids[c % depth], where));
+    DDP_RETURN_IF_ERROR(post(c + depth));
+    DDP_RETURN_IF_ERROR(forward(recv, c));
+  }
+  return requests.WaitAll(what);
+}
+
+}  // namespace ddp::transport::algorithms

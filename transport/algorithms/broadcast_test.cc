@@ -1,0 +1,165 @@
+#include "transport/algorithms/broadcast.h"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "transport/p2p/loopback.h"
+#include "transport/testing/collective_values.h"
+#include "transport/testing/thread_harness.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using namespace std::chrono_literals;
+using ::ddp::transport::testing::Compare;
+using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::RunRanks;
+using ::testing::HasSubstr;
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
+                                  DataType::kBF16, DataType::kI32, DataType::kI64,
+                                  DataType::kU8};
+
+void Check(int world, int root, size_t count, DataType dtype, bool in_place, size_t chunk_bytes) {
+  const std::string what = "world=" + std::to_string(world) + " root=" + std::to_string(root) +
+                           " count=" + std::to_string(count) + " " + DataTypeName(dtype) +
+                           (in_place ? " in-place" : "") + " chunk=" + std::to_string(chunk_bytes);
+  const size_t es = DataTypeSize(dtype);
+  const std::vector<unsigned char> want = Contributions(ReduceOp::kMax, dtype, root, count);
+  std::vector<std::string> wrong(world);
+  auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
+    const int r = p2p.rank();
+    std::vector<unsigned char> send = Contributions(ReduceOp::kMax, dtype, r, count);
+    std::vector<unsigned char> recv(count * es + 1, 0x5A);
+    if (in_place) std::memcpy(recv.data(), send.data(), count * es);
+    CollectiveArgs args;
+    args.send = in_place ? recv.data() : (r == root ? send.data() : nullptr);
+    args.recv = recv.data();
+    args.count = count;
+    args.dtype = dtype;
+    args.root = root;
+    args.deadline = DeadlineIn(30s);
+    args.tuning.chunk_bytes = chunk_bytes;
+    DDP_RETURN_IF_ERROR(Broadcast(p2p, args));
+    wrong[r] = Compare(dtype, recv.data(), want.data(), count);
+    if (recv[count * es] != 0x5A) wrong[r] = "wrote past the end of recv";
+    return Status();
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << what << " rank " << r << ": " << statuses[r];
+    EXPECT_EQ(wrong[r], "") << what << " rank " << r;
+  }
+}
+
+class BroadcastWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(BroadcastWorldTest, EveryRootCountAndShape) {
+  const int world = GetParam();
+  for (int root = 0; root < world; ++root) {
+    for (size_t count : {size_t{0}, size_t{1}, static_cast<size_t>(world + 2), size_t{37}}) {
+      // Default chunks: one chunk, tree. Tiny chunks: many chunks, chain
+      // (count 37 with 8-byte chunks) or tree (few chunks).
+      for (size_t chunk : {size_t{0}, size_t{8}}) {
+        Check(world, root, count, DataType::kF32, root % 2 == 1, chunk);
+      }
+    }
+  }
+}
+
+TEST_P(BroadcastWorldTest, EveryType) {
+  for (DataType dtype : kAllTypes) {
+    Check(GetParam(), GetParam() / 2, 19, dtype, false, 4);
+    Check(GetParam(), GetParam() - 1, 19, dtype, true, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, BroadcastWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8, 9, 16));
+
+TEST(BroadcastTest, LargeVector) {
+  Check(5, 3, (1 << 20) + 1, DataType::kF32, false, 0);
+  Check(5, 0, 1 << 20, DataType::kBF16, true, 0);
+}
+
+TEST(BroadcastTest, RootOutOfRangeIsNamedOnEveryRank) {
+  auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> buf(4);
+    CollectiveArgs args;
+    args.send = buf.data();
+    args.recv = buf.data();
+    args.count = buf.size();
+    args.root = 3;
+    args.deadline = DeadlineIn(5s);
+    return Broadcast(p2p, args);
+  });
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("broadcast: root 3 is outside [0, 3)"));
+  }
+}
+
+TEST(BroadcastTest, NullBuffersAreNamed) {
+  auto statuses = RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> buf(4);
+    CollectiveArgs args;
+    args.send = nullptr;  // fine off the root, wrong on it
+    args.recv = p2p.rank() == 1 ? nullptr : buf.data();
+    args.count = buf.size();
+    args.deadline = DeadlineIn(5s);
+    return Broadcast(p2p, args);
+  });
+  EXPECT_THAT(statuses[0].message(), HasSubstr("send buffer is null"));
+  EXPECT_THAT(statuses[1].message(), HasSubstr("recv buffer is null"));
+}
+
+TEST(BroadcastTest, RanksDisagreeingOnTheRootFailFast) {
+  const auto deadline = DeadlineIn(10s);
+  auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> buf(16, 1.0f);
+    CollectiveArgs args;
+    args.send = buf.data();
+    args.recv = buf.data();
+    args.count = buf.size();
+    args.root = p2p.rank() == 2 ? 1 : 0;
+    args.deadline = deadline;
+    return Broadcast(p2p, args);
+  });
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  int named = 0;
+  for (const Status& s : statuses) named += s.message().find("disagree") != std::string::npos;
+  EXPECT_GT(named, 0);
+  EXPECT_FALSE(statuses[2].ok());
+}
+
+TEST(BroadcastTest, KilledRootFailsEveryOtherRank) {
+  p2p::LoopbackHub hub(5);
+  const auto deadline = DeadlineIn(20s);
+  auto statuses = ::ddp::transport::testing::RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+    if (p2p.rank() == 0) {
+      std::this_thread::sleep_for(50ms);
+      hub.Kill(0);
+      return AbortedError("killed");
+    }
+    std::vector<float> buf(1000);
+    CollectiveArgs args;
+    args.recv = buf.data();
+    args.count = buf.size();
+    args.deadline = deadline;
+    args.tuning.chunk_bytes = 64;
+    return Broadcast(p2p, args);
+  });
+  EXPECT_LT(Clock::now() + 15s, deadline);
+  for (int r = 1; r < 5; ++r) {
+    EXPECT_TRUE(statuses[r].code() == StatusCode::kPeerLost ||
+                statuses[r].code() == StatusCode::kTimedOut)
+        << "rank " << r << ": " << statuses[r];
+  }
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms

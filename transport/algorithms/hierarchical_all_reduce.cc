@@ -1,0 +1,119 @@
+#include "transport/algorithms/hierarchical_all_reduce.h"
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include "transport/algorithms/pipeline.h"
+#include "transport/algorithms/rhd_all_reduce.h"
+#include "transport/algorithms/ring.h"
+#include "transport/algorithms/ring_all_reduce.h"
+#include "transport/p2p/group_view.h"
+#include "transport/reduce/reduce.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+// Shards up to this size cross hosts by halving-doubling (latency-bound),
+// larger ones by ring (bandwidth-bound).
+constexpr size_t kInterHostRhdBytes = 256 << 10;
+
+}  // namespace
+
+StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p,
+                                 std::span<const int> host_of_rank) {
+  const int p = p2p.size(), r = p2p.rank();
+  if (!host_of_rank.empty() && host_of_rank.size() != static_cast<size_t>(p)) {
+    return InvalidArgumentError("hierarchical all-reduce: host_of_rank has " +
+                                std::to_string(host_of_rank.size()) + " entries for " +
+                                std::to_string(p) + " ranks");
+  }
+  HostGroups groups;
+  std::vector<std::vector<int>> hosts;
+  if (host_of_rank.empty()) {
+    hosts.emplace_back();
+    for (int i = 0; i < p; ++i) hosts[0].push_back(i);
+  } else {
+    std::map<int, size_t> index;  // host id -> position, in order of lowest rank
+    for (int i = 0; i < p; ++i) {
+      auto [it, added] = index.emplace(host_of_rank[i], hosts.size());
+      if (added) hosts.emplace_back();
+      hosts[it->second].push_back(i);
+    }
+  }
+  const size_t per_host = hosts[0].size();
+  const bool uniform = std::all_of(hosts.begin(), hosts.end(),
+                                   [&](const auto& h) { return h.size() == per_host; });
+  groups.num_hosts = static_cast<int>(hosts.size());
+  groups.ranks_per_host = uniform ? static_cast<int>(per_host) : 0;
+  if (!uniform) {
+    for (int i = 0; i < p; ++i) groups.intra.push_back(i);
+    groups.inter = {r};
+    return groups;
+  }
+  for (const auto& host : hosts) {
+    auto it = std::find(host.begin(), host.end(), r);
+    if (it == host.end()) continue;
+    groups.intra = host;
+    const size_t local = static_cast<size_t>(it - host.begin());
+    for (const auto& other : hosts) groups.inter.push_back(other[local]);
+  }
+  return groups;
+}
+
+Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                             std::span<const int> host_of_rank) {
+  internal::BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = args.count;
+  shape.uses_op = true;
+  DDP_RETURN_IF_ERROR(internal::CheckArgs("hierarchical all-reduce", p2p, args, shape));
+  DDP_ASSIGN_OR_RETURN(const HostGroups groups, GroupByHost(p2p, host_of_rank));
+  if (args.count == 0) return Status();
+
+  DDP_ASSIGN_OR_RETURN(p2p::GroupView intra, p2p::GroupView::Create(p2p, groups.intra));
+  DDP_ASSIGN_OR_RETURN(p2p::GroupView inter, p2p::GroupView::Create(p2p, groups.inter));
+  const int local = intra.rank();
+  const size_t es = DataTypeSize(args.dtype);
+  const internal::BlockLayout layout{args.count, intra.size()};
+  auto* shard = static_cast<unsigned char*>(args.recv) + layout.offset(local) * es;
+  const size_t shard_count = layout.size(local);
+
+  // 1. Reduce-scatter inside the host.
+  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
+      args, internal::kHierarchicalAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
+  internal::RingParams params;
+  params.dtype = args.dtype;
+  params.op = args.op;
+  params.tag = PhaseTag(args.tag, 0);
+  params.deadline = args.deadline;
+  params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
+  params.depth = internal::PipelineDepth(args, internal::kRingDepth);
+  params.what = "hierarchical all-reduce (intra-host reduce-scatter)";
+  params.fingerprint = &fingerprint;
+  DDP_RETURN_IF_ERROR(internal::RingReduceScatterBlocks(intra, args.send, shard, layout, params));
+
+  // 2. All-reduce of this shard across hosts (phases 1-2). Avg is finished
+  // below, by the world size rather than the number of hosts.
+  CollectiveArgs across = args;
+  across.send = shard;
+  across.recv = shard;
+  across.count = shard_count;
+  across.op = args.op == ReduceOp::kAvg ? ReduceOp::kSum : args.op;
+  across.tag = PhaseTag(args.tag, 1);
+  Status status = shard_count * es <= kInterHostRhdBytes ? RhdAllReduce(inter, across)
+                                                         : RingAllReduce(inter, across);
+  DDP_RETURN_IF_ERROR(
+      internal::Annotate(status, "hierarchical all-reduce (inter-host all-reduce)"));
+  if (args.op == ReduceOp::kAvg) {
+    reduce::DivideInPlace(args.dtype, shard, shard_count, p2p.size());
+  }
+
+  // 3. All-gather inside the host (phase 3).
+  params.tag = PhaseTag(args.tag, 3);
+  params.what = "hierarchical all-reduce (intra-host all-gather)";
+  params.fingerprint = nullptr;  // checked in step 1
+  return internal::RingAllGatherBlocks(intra, args.recv, layout, params);
+}
+
+}  // namespace ddp::transport::algorithms

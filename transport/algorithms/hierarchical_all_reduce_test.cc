@@ -1,0 +1,151 @@
+#include "transport/algorithms/hierarchical_all_reduce.h"
+
+#include <chrono>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "transport/algorithms/all_reduce_test_util.h"
+#include "transport/p2p/loopback.h"
+#include "transport/testing/thread_harness.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::AllReduceFn;
+using testing::CheckAllReduce;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Contiguous hosts of `per_host` ranks: host of rank r is r / per_host.
+std::vector<int> Contiguous(int world, int per_host) {
+  std::vector<int> hosts(world);
+  for (int r = 0; r < world; ++r) hosts[r] = r / per_host;
+  return hosts;
+}
+
+// Round-robin placement: host of rank r is r % num_hosts (ids shuffled).
+std::vector<int> Interleaved(int world, int num_hosts) {
+  std::vector<int> hosts(world);
+  for (int r = 0; r < world; ++r) hosts[r] = 100 - r % num_hosts;
+  return hosts;
+}
+
+AllReduceFn With(std::vector<int> hosts) {
+  return [hosts](p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+    return HierarchicalAllReduce(p2p, args, hosts);
+  };
+}
+
+TEST(GroupByHostTest, UniformHostsGiveIntraAndInterGroups) {
+  p2p::LoopbackHub hub(6);
+  auto ep = std::move(hub.Connect(4)).value();
+  // Hosts: {0, 2, 4} and {1, 3, 5}; rank 4 is local index 2 on the first.
+  const std::vector<int> hosts = {7, 9, 7, 9, 7, 9};
+  auto groups = GroupByHost(*ep, hosts);
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  EXPECT_EQ(groups->num_hosts, 2);
+  EXPECT_EQ(groups->ranks_per_host, 3);
+  EXPECT_THAT(groups->intra, ElementsAre(0, 2, 4));
+  EXPECT_THAT(groups->inter, ElementsAre(4, 5));
+}
+
+TEST(GroupByHostTest, UnevenHostsFallBackToOneGroup) {
+  p2p::LoopbackHub hub(5);
+  auto ep = std::move(hub.Connect(1)).value();
+  auto groups = GroupByHost(*ep, std::vector<int>{0, 0, 0, 1, 1});
+  ASSERT_TRUE(groups.ok());
+  EXPECT_EQ(groups->ranks_per_host, 0);
+  EXPECT_THAT(groups->intra, ElementsAre(0, 1, 2, 3, 4));
+  EXPECT_THAT(groups->inter, ElementsAre(1));
+  auto wrong = GroupByHost(*ep, std::vector<int>{0, 1});
+  EXPECT_EQ(wrong.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("host_of_rank has 2 entries for 5 ranks"));
+}
+
+class HierarchicalWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(HierarchicalWorldTest, EveryHostLayoutMatchesClosedForm) {
+  const int world = GetParam();
+  std::vector<std::vector<int>> layouts = {{}, Contiguous(world, 1), Contiguous(world, world)};
+  for (int per_host = 2; per_host < world; ++per_host) {
+    if (world % per_host == 0) {
+      layouts.push_back(Contiguous(world, per_host));
+      layouts.push_back(Interleaved(world, world / per_host));
+    }
+  }
+  // Uneven: the first rank alone on a host.
+  if (world > 2) {
+    std::vector<int> uneven(world, 1);
+    uneven[0] = 0;
+    layouts.push_back(uneven);
+  }
+  for (const auto& hosts : layouts) {
+    SCOPED_TRACE("hosts of " + std::to_string(hosts.size()) + " ranks, first " +
+                 (hosts.empty() ? std::string("none") : std::to_string(hosts[0])));
+    testing::SweepCounts(With(hosts), world);
+  }
+}
+
+TEST_P(HierarchicalWorldTest, EveryTypeAndOp) {
+  const int world = GetParam();
+  const int per_host = world % 2 == 0 ? 2 : 1;
+  testing::SweepTypesAndOps(With(Contiguous(world, per_host)), world, 29, 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, HierarchicalWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 6, 8, 9, 12, 16));
+
+TEST(HierarchicalAllReduceTest, LargeVectorOnTwoHostsOfFour) {
+  CheckAllReduce(With(Contiguous(8, 4)), {8, (1 << 20) + 5, DataType::kF32, ReduceOp::kSum, false});
+}
+
+// Only the inter-host step crosses hosts, and it carries one shard per
+// rank: each rank sends about 2 (H-1)/H * N/L bytes to other hosts, not N.
+TEST(HierarchicalAllReduceTest, OnlyOneShardPerRankCrossesHosts) {
+  constexpr int kHosts = 2, kPerHost = 4, kWorld = kHosts * kPerHost;
+  constexpr size_t kCount = 1 << 16;
+  const std::vector<int> hosts = Contiguous(kWorld, kPerHost);
+  p2p::LoopbackHub hub(kWorld);
+  auto statuses = ::ddp::transport::testing::RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> data(kCount, 1.0f);
+    CollectiveArgs args;
+    args.send = data.data();
+    args.recv = data.data();
+    args.count = kCount;
+    args.deadline = DeadlineIn(30s);
+    return HierarchicalAllReduce(p2p, args, hosts);
+  });
+  for (const Status& s : statuses) ASSERT_TRUE(s.ok()) << s;
+  const double shard_bytes = kCount * sizeof(float) / kPerHost;
+  for (int from = 0; from < kWorld; ++from) {
+    uint64_t cross = 0;
+    for (int to = 0; to < kWorld; ++to) {
+      if (hosts[to] != hosts[from]) cross += hub.BytesBetween(from, to);
+    }
+    // 2 (H-1)/H of a shard, plus fingerprints.
+    EXPECT_LE(cross, 2.0 * (kHosts - 1) / kHosts * shard_bytes + 256) << "rank " << from;
+    EXPECT_GE(cross, 2.0 * (kHosts - 1) / kHosts * shard_bytes) << "rank " << from;
+  }
+}
+
+TEST(HierarchicalAllReduceTest, MismatchedCountsFailOnEveryRank) {
+  testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(4, 2)), 4);
+  testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(6, 3)), 6);
+}
+
+TEST(HierarchicalAllReduceTest, KilledRankFailsEverySurvivor) {
+  testing::CheckKilledRankFailsSurvivors(With(Contiguous(6, 2)), 6);
+}
+
+TEST(HierarchicalAllReduceTest, AbsentRankTimesOutAtTheDeadline) {
+  testing::CheckAbsentRankTimesOut(With(Contiguous(4, 2)), 4);
+}
+
+TEST(HierarchicalAllReduceTest, BadArgumentsNameTheArgument) {
+  testing::CheckBadArguments(With({}), "hierarchical all-reduce");
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms
