@@ -42,13 +42,18 @@ double Generator::NextNormal() {
     has_spare_ = false;
     return spare_;
   }
-  double u1 = NextDouble();
-  while (u1 <= 0.0) u1 = NextDouble();
-  const double u2 = NextDouble();
-  const double r = std::sqrt(-2.0 * std::log(u1));
-  spare_ = r * std::sin(2.0 * M_PI * u2);
+  // Marsaglia's polar method: a point uniform in the unit disc gives two
+  // independent normals with one log and one square root, no trigonometry.
+  double u, v, s;
+  do {
+    u = 2.0 * NextDouble() - 1.0;
+    v = 2.0 * NextDouble() - 1.0;
+    s = u * u + v * v;
+  } while (s >= 1.0 || s == 0.0);
+  const double f = std::sqrt(-2.0 * std::log(s) / s);
+  spare_ = v * f;
   has_spare_ = true;
-  return r * std::cos(2.0 * M_PI * u2);
+  return u * f;
 }
 
 uint64_t Generator::NextBelow(uint64_t n) {

@@ -22,7 +22,7 @@ class Generator {
   double NextDouble() { return static_cast<double>(NextU64() >> 11) * 0x1.0p-53; }
   /// Uniform in [0, 1) with 24 random bits.
   float NextFloat() { return static_cast<float>(NextU64() >> 40) * 0x1.0p-24f; }
-  /// Standard normal (Box-Muller; caches the second value).
+  /// Standard normal (polar method; caches the second value).
   double NextNormal();
   /// Uniform integer in [0, n).
   uint64_t NextBelow(uint64_t n);

@@ -1,0 +1,56 @@
+#include "nn/modules/init.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace ddp::nn::modules {
+
+std::pair<int64_t, int64_t> FanInOut(const Tensor& w) {
+  if (w.dim() < 2) {
+    throw std::invalid_argument("fan in/out needs a weight with at least 2 dimensions, got " + ShapeToString(w.shape()));
+  }
+  int64_t receptive = 1;
+  for (int64_t d = 2; d < w.dim(); ++d) receptive *= w.size(d);
+  return {w.size(1) * receptive, w.size(0) * receptive};
+}
+
+double Gain(std::string_view nonlinearity, double a) {
+  if (nonlinearity == "linear" || nonlinearity == "sigmoid" || nonlinearity == "conv2d") return 1.0;
+  if (nonlinearity == "tanh") return 5.0 / 3.0;
+  if (nonlinearity == "relu") return std::sqrt(2.0);
+  if (nonlinearity == "leaky_relu") return std::sqrt(2.0 / (1.0 + a * a));
+  throw std::invalid_argument("unknown nonlinearity `" + std::string(nonlinearity) + "`");
+}
+
+namespace {
+int64_t Fan(const Tensor& w, std::string_view mode) {
+  const auto [in, out] = FanInOut(w);
+  if (mode == "fan_in") return in;
+  if (mode == "fan_out") return out;
+  throw std::invalid_argument("unknown fan mode `" + std::string(mode) + "` (fan_in or fan_out)");
+}
+}  // namespace
+
+void KaimingUniform(const Tensor& w, double a, std::string_view mode, std::string_view nonlinearity, Generator& gen) {
+  const double bound = Gain(nonlinearity, a) * std::sqrt(3.0 / static_cast<double>(Fan(w, mode)));
+  Uniform(w, -bound, bound, gen);
+}
+
+void KaimingNormal(const Tensor& w, double a, std::string_view mode, std::string_view nonlinearity, Generator& gen) {
+  const double std = Gain(nonlinearity, a) / std::sqrt(static_cast<double>(Fan(w, mode)));
+  NoGradGuard guard;
+  NormalFill(w, 0.0, std, gen);
+}
+
+void Uniform(const Tensor& t, double low, double high, Generator& gen) {
+  NoGradGuard guard;
+  UniformFill(t, low, high, gen);
+}
+
+void Constant(const Tensor& t, double value) {
+  NoGradGuard guard;
+  t.Fill(value);
+}
+
+}  // namespace ddp::nn::modules

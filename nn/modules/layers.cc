@@ -1,0 +1,253 @@
+#include "nn/modules/layers.h"
+
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+
+#include "nn/modules/init.h"
+#include "nn/ops/functional.h"
+
+namespace ddp::nn::modules {
+
+namespace {
+
+std::string Pair(int64_t a, int64_t b) { return "(" + std::to_string(a) + ", " + std::to_string(b) + ")"; }
+const char* PyBool(bool b) { return b ? "True" : "False"; }
+std::string PyFloat(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+// Kaiming-uniform (a = sqrt(5)) weights and U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases.
+void ResetLikePyTorch(const Tensor& weight, const Tensor& bias, Generator& gen) {
+  KaimingUniform(weight, std::sqrt(5.0), "fan_in", "leaky_relu", gen);
+  if (bias.defined()) {
+    const double fan_in = static_cast<double>(FanInOut(weight).first);
+    const double bound = fan_in > 0 ? 1.0 / std::sqrt(fan_in) : 0.0;
+    Uniform(bias, -bound, bound, gen);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Linear
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator& gen)
+    : in_(in_features), out_(out_features) {
+  if (in_features < 0 || out_features < 0) {
+    throw std::invalid_argument("Linear: negative size (" + std::to_string(in_features) + ", " +
+                                std::to_string(out_features) + ")");
+  }
+  weight_ = RegisterParameter("weight", Empty({out_features, in_features}));
+  if (bias) bias_ = RegisterParameter("bias", Empty({out_features}));
+  ResetLikePyTorch(weight_, bias_, gen);
+}
+
+std::string Linear::ExtraRepr() const {
+  return "in_features=" + std::to_string(in_) + ", out_features=" + std::to_string(out_) +
+         ", bias=" + PyBool(bias_.defined());
+}
+
+std::string Linear::ShortRepr() const { return "Linear(" + std::to_string(in_) + "->" + std::to_string(out_) + ")"; }
+
+Tensor Linear::Forward(const Tensor& x) {
+  if (x.dim() < 1 || x.size(-1) != in_) {
+    Fail("expected input [..., " + std::to_string(in_) + "], got " + ShapeToString(x.shape()));
+  }
+  return ops::Linear(x, weight_, bias_);
+}
+
+// ---------------------------------------------------------------- Conv2d
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options, Generator& gen)
+    : in_(in_channels), out_(out_channels), kernel_(kernel_size), options_(options) {
+  if (options.groups < 1 || in_channels % options.groups != 0 || out_channels % options.groups != 0) {
+    throw std::invalid_argument("Conv2d(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) +
+                                "): channels must be divisible by groups (" + std::to_string(options.groups) + ")");
+  }
+  if (kernel_size < 1 || options.stride < 1 || options.dilation < 1 || options.padding < 0) {
+    throw std::invalid_argument("Conv2d: kernel size, stride and dilation must be positive, padding non-negative");
+  }
+  weight_ = RegisterParameter("weight", Empty({out_channels, in_channels / options.groups, kernel_size, kernel_size}));
+  if (options.bias) bias_ = RegisterParameter("bias", Empty({out_channels}));
+  ResetLikePyTorch(weight_, bias_, gen);
+}
+
+std::string Conv2d::ExtraRepr() const {
+  std::string s = std::to_string(in_) + ", " + std::to_string(out_) + ", kernel_size=" + Pair(kernel_, kernel_) +
+                  ", stride=" + Pair(options_.stride, options_.stride);
+  if (options_.padding != 0) s += ", padding=" + Pair(options_.padding, options_.padding);
+  if (options_.dilation != 1) s += ", dilation=" + Pair(options_.dilation, options_.dilation);
+  if (options_.groups != 1) s += ", groups=" + std::to_string(options_.groups);
+  if (!options_.bias) s += ", bias=False";
+  return s;
+}
+
+std::string Conv2d::ShortRepr() const {
+  return "Conv2d(" + std::to_string(in_) + "->" + std::to_string(out_) + ", " + std::to_string(kernel_) + "x" +
+         std::to_string(kernel_) + ")";
+}
+
+Tensor Conv2d::Forward(const Tensor& x) {
+  if (x.dim() != 4 || x.size(1) != in_) {
+    Fail("expected input [N, " + std::to_string(in_) + ", H, W], got " + ShapeToString(x.shape()));
+  }
+  const ops::Conv2dParams p{options_.stride, options_.stride, options_.padding, options_.padding,
+                            options_.dilation, options_.dilation, options_.groups};
+  try {
+    return ops::Conv2d(x, weight_, bias_, p);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
+
+// ---------------------------------------------------------------- BatchNorm
+
+BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_features_(num_features), options_(options) {
+  if (num_features < 1) throw std::invalid_argument("BatchNorm: num_features must be positive");
+  if (options.affine) {
+    weight_ = RegisterParameter("weight", Ones({num_features}));
+    bias_ = RegisterParameter("bias", Zeros({num_features}));
+  }
+  if (options.track_running_stats) {
+    running_mean_ = RegisterBuffer("running_mean", Zeros({num_features}));
+    running_var_ = RegisterBuffer("running_var", Ones({num_features}));
+    num_batches_tracked_ = RegisterBuffer("num_batches_tracked", Zeros({}, {.dtype = DType::kInt64}));
+  }
+}
+
+std::string BatchNorm::ExtraRepr() const {
+  return std::to_string(num_features_) + ", eps=" + PyFloat(options_.eps) + ", momentum=" +
+         PyFloat(options_.momentum) + ", affine=" + PyBool(options_.affine) +
+         ", track_running_stats=" + PyBool(options_.track_running_stats);
+}
+
+std::string BatchNorm::ShortRepr() const { return TypeName() + "(" + std::to_string(num_features_) + ")"; }
+
+Tensor BatchNorm::Forward(const Tensor& x) {
+  CheckInput(x);
+  const bool use_batch_stats = is_training() || !options_.track_running_stats;
+  if (is_training() && options_.track_running_stats) {
+    NoGradGuard guard;
+    num_batches_tracked_.Fill(num_batches_tracked_.Item() + 1);
+  }
+  try {
+    return ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats, options_.momentum,
+                          options_.eps);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
+
+void BatchNorm1d::CheckInput(const Tensor& x) const {
+  if ((x.dim() != 2 && x.dim() != 3) || x.size(1) != num_features()) {
+    Fail("expected input [N, " + std::to_string(num_features()) + "] or [N, " + std::to_string(num_features()) +
+         ", L], got " + ShapeToString(x.shape()));
+  }
+}
+
+void BatchNorm2d::CheckInput(const Tensor& x) const {
+  if (x.dim() != 4 || x.size(1) != num_features()) {
+    Fail("expected input [N, " + std::to_string(num_features()) + ", H, W], got " + ShapeToString(x.shape()));
+  }
+}
+
+// ---------------------------------------------------------------- activations
+
+Tensor ReLU::Forward(const Tensor& x) { return ops::Relu(x); }
+Tensor GELU::Forward(const Tensor& x) { return ops::Gelu(x, tanh_); }
+Tensor Sigmoid::Forward(const Tensor& x) { return ops::Sigmoid(x); }
+Tensor Tanh::Forward(const Tensor& x) { return ops::Tanh(x); }
+
+// ---------------------------------------------------------------- pooling
+
+MaxPool2d::MaxPool2d(int64_t kernel_size, int64_t stride, int64_t padding, int64_t dilation, bool ceil_mode) {
+  const int64_t s = stride == 0 ? kernel_size : stride;
+  p_ = {kernel_size, kernel_size, s, s, padding, padding, dilation, dilation, ceil_mode, true};
+}
+
+std::string MaxPool2d::ExtraRepr() const {
+  return "kernel_size=" + std::to_string(p_.kernel_h) + ", stride=" + std::to_string(p_.stride_h) +
+         ", padding=" + std::to_string(p_.pad_h) + ", dilation=" + std::to_string(p_.dilation_h) +
+         ", ceil_mode=" + PyBool(p_.ceil_mode);
+}
+
+Tensor MaxPool2d::Forward(const Tensor& x) {
+  if (x.dim() != 4) Fail("expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  try {
+    return ops::MaxPool2d(x, p_);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
+
+AvgPool2d::AvgPool2d(int64_t kernel_size, int64_t stride, int64_t padding, bool ceil_mode, bool count_include_pad) {
+  const int64_t s = stride == 0 ? kernel_size : stride;
+  p_ = {kernel_size, kernel_size, s, s, padding, padding, 1, 1, ceil_mode, count_include_pad};
+}
+
+std::string AvgPool2d::ExtraRepr() const {
+  return "kernel_size=" + std::to_string(p_.kernel_h) + ", stride=" + std::to_string(p_.stride_h) +
+         ", padding=" + std::to_string(p_.pad_h);
+}
+
+Tensor AvgPool2d::Forward(const Tensor& x) {
+  if (x.dim() != 4) Fail("expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  try {
+    return ops::AvgPool2d(x, p_);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
+
+std::string AdaptiveAvgPool2d::ExtraRepr() const { return "output_size=" + Pair(out_h_, out_w_); }
+
+Tensor AdaptiveAvgPool2d::Forward(const Tensor& x) {
+  if (x.dim() != 4) Fail("expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  try {
+    return ops::AdaptiveAvgPool2d(x, out_h_, out_w_);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
+
+// ---------------------------------------------------------------- misc
+
+Dropout::Dropout(double p, Generator& gen) : p_(p), gen_(&gen) {
+  if (p < 0.0 || p > 1.0) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + PyFloat(p));
+}
+
+std::string Dropout::ExtraRepr() const { return "p=" + PyFloat(p_) + ", inplace=False"; }
+
+Tensor Dropout::Forward(const Tensor& x) { return ops::Dropout(x, p_, is_training(), *gen_); }
+
+std::string Flatten::ExtraRepr() const {
+  return "start_dim=" + std::to_string(start_) + ", end_dim=" + std::to_string(end_);
+}
+
+Tensor Flatten::Forward(const Tensor& x) {
+  try {
+    return ops::Flatten(x, start_, end_);
+  } catch (const std::exception& e) {
+    Fail(e.what());
+  }
+}
+
+Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) {
+  for (const auto& m : modules) Push(m);
+}
+
+void Sequential::Push(std::shared_ptr<Module> module) {
+  RegisterModule(std::to_string(NamedChildren().size()), std::move(module));
+}
+
+std::shared_ptr<Module> Sequential::at(size_t i) const { return Child(std::to_string(i)); }
+
+Tensor Sequential::Forward(const Tensor& x) {
+  Tensor y = x;
+  for (const auto& [name, child] : NamedChildren()) y = child->Forward(y);
+  return y;
+}
+
+}  // namespace ddp::nn::modules

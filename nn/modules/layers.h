@@ -1,0 +1,252 @@
+// Layers. Parameter names, printed forms and default initialization follow
+// PyTorch's (kaiming-uniform with a = sqrt(5) for Linear and Conv2d weights,
+// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for their biases), so state dicts are
+// interchangeable with PyTorch models of the same structure. Each layer
+// checks its input's shape and names itself in the error:
+//   Linear(784->512) `0`: expected input [..., 784], got [64, 785]
+#pragma once
+
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "nn/modules/module.h"
+#include "nn/ops/dispatch.h"
+#include "nn/tensor/generator.h"
+
+namespace ddp::nn::modules {
+
+/// y = x W^T + b; x [..., in_features] -> [..., out_features].
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true, Generator& gen = DefaultGenerator());
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Linear"; }
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+  const Tensor& weight() const { return weight_; }
+  /// Undefined when the layer has no bias.
+  const Tensor& bias() const { return bias_; }
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+
+ private:
+  int64_t in_, out_;
+  Tensor weight_, bias_;
+};
+
+/// Square-kernel 2-D convolution options (same value for height and width).
+struct Conv2dOptions {
+  int64_t stride = 1;
+  int64_t padding = 0;
+  int64_t dilation = 1;
+  int64_t groups = 1;
+  bool bias = true;
+};
+
+/// x [N, in, H, W] -> [N, out, OH, OW]; weight [out, in/groups, k, k].
+class Conv2d : public Module {
+ public:
+  Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options = {},
+         Generator& gen = DefaultGenerator());
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Conv2d"; }
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  int64_t in_channels() const { return in_; }
+  int64_t out_channels() const { return out_; }
+  int64_t kernel_size() const { return kernel_; }
+  const Conv2dOptions& options() const { return options_; }
+
+ private:
+  int64_t in_, out_, kernel_;
+  Conv2dOptions options_;
+  Tensor weight_, bias_;
+};
+
+struct BatchNormOptions {
+  double eps = 1e-5;
+  double momentum = 0.1;
+  bool affine = true;               ///< learnable weight (gamma) and bias (beta)
+  bool track_running_stats = true;  ///< running_mean / running_var / num_batches_tracked buffers
+};
+
+/// Batch normalization over the channel dimension (1) of its input. In
+/// training the batch statistics normalize and update the running ones; in
+/// eval the running statistics normalize. Fields are public through
+/// accessors so that ddp's SyncBatchNorm can take them over.
+class BatchNorm : public Module {
+ public:
+  BatchNorm(int64_t num_features, BatchNormOptions options);
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+  int64_t num_features() const { return num_features_; }
+  const BatchNormOptions& options() const { return options_; }
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  const Tensor& running_mean() const { return running_mean_; }
+  const Tensor& running_var() const { return running_var_; }
+  /// i64 scalar counting training batches.
+  const Tensor& num_batches_tracked() const { return num_batches_tracked_; }
+
+ protected:
+  /// Throws naming the layer when x has the wrong rank or channel count.
+  virtual void CheckInput(const Tensor& x) const = 0;
+
+ private:
+  int64_t num_features_;
+  BatchNormOptions options_;
+  Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
+};
+
+/// Input [N, C] or [N, C, L].
+class BatchNorm1d : public BatchNorm {
+ public:
+  explicit BatchNorm1d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options) {}
+  std::string TypeName() const override { return "BatchNorm1d"; }
+
+ protected:
+  void CheckInput(const Tensor& x) const override;
+};
+
+/// Input [N, C, H, W].
+class BatchNorm2d : public BatchNorm {
+ public:
+  explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options) {}
+  std::string TypeName() const override { return "BatchNorm2d"; }
+
+ protected:
+  void CheckInput(const Tensor& x) const override;
+};
+
+class ReLU : public Module {
+ public:
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "ReLU"; }
+};
+
+class GELU : public Module {
+ public:
+  explicit GELU(bool tanh_approximation = false) : tanh_(tanh_approximation) {}
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "GELU"; }
+  std::string ExtraRepr() const override { return tanh_ ? "approximate='tanh'" : "approximate='none'"; }
+
+ private:
+  bool tanh_;
+};
+
+class Sigmoid : public Module {
+ public:
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Sigmoid"; }
+};
+
+class Tanh : public Module {
+ public:
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Tanh"; }
+};
+
+/// Max over kernel x kernel windows; stride 0 means stride = kernel.
+class MaxPool2d : public Module {
+ public:
+  explicit MaxPool2d(int64_t kernel_size, int64_t stride = 0, int64_t padding = 0, int64_t dilation = 1,
+                     bool ceil_mode = false);
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "MaxPool2d"; }
+  std::string ExtraRepr() const override;
+
+ private:
+  ops::Pool2dParams p_;
+};
+
+/// Mean over kernel x kernel windows; stride 0 means stride = kernel.
+class AvgPool2d : public Module {
+ public:
+  explicit AvgPool2d(int64_t kernel_size, int64_t stride = 0, int64_t padding = 0, bool ceil_mode = false,
+                     bool count_include_pad = true);
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "AvgPool2d"; }
+  std::string ExtraRepr() const override;
+
+ private:
+  ops::Pool2dParams p_;
+};
+
+/// [N, C, H, W] -> [N, C, out_h, out_w] by averaging adaptive windows.
+class AdaptiveAvgPool2d : public Module {
+ public:
+  AdaptiveAvgPool2d(int64_t out_h, int64_t out_w) : out_h_(out_h), out_w_(out_w) {}
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "AdaptiveAvgPool2d"; }
+  std::string ExtraRepr() const override;
+
+ private:
+  int64_t out_h_, out_w_;
+};
+
+/// Zeroes elements with probability p in training (scaling the rest by 1/(1-p)).
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p = 0.5, Generator& gen = DefaultGenerator());
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Dropout"; }
+  std::string ExtraRepr() const override;
+
+ private:
+  double p_;
+  Generator* gen_;
+};
+
+/// Merges dimensions start..end (default: all but the batch dimension).
+class Flatten : public Module {
+ public:
+  explicit Flatten(int64_t start_dim = 1, int64_t end_dim = -1) : start_(start_dim), end_(end_dim) {}
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Flatten"; }
+  std::string ExtraRepr() const override;
+
+ private:
+  int64_t start_, end_;
+};
+
+class Identity : public Module {
+ public:
+  Tensor Forward(const Tensor& x) override { return x; }
+  using Module::Forward;
+  std::string TypeName() const override { return "Identity"; }
+};
+
+/// Runs its children in order; they are named "0", "1", ... as in PyTorch.
+/// Forward looks children up in the registry, so ReplaceChild takes effect.
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  Sequential(std::initializer_list<std::shared_ptr<Module>> modules);
+  /// Appends a module under the next index.
+  void Push(std::shared_ptr<Module> module);
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Sequential"; }
+  size_t size() const { return NamedChildren().size(); }
+  /// Child i.
+  std::shared_ptr<Module> at(size_t i) const;
+};
+
+}  // namespace ddp::nn::modules

@@ -1,0 +1,330 @@
+#include "nn/modules/module.h"
+
+#include <algorithm>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace ddp::nn::modules {
+
+Module::~Module() {
+  for (auto& [name, child] : children_) {
+    if (child && child->parent_ == this) child->parent_ = nullptr;
+  }
+}
+
+Tensor Module::Forward(const Tensor&) {
+  throw std::logic_error(Describe() + " has no single-tensor Forward (call the vector form)");
+}
+
+std::vector<Tensor> Module::Forward(const std::vector<Tensor>& inputs) {
+  if (inputs.size() != 1) {
+    throw std::invalid_argument(Describe() + ": expected 1 input, got " + std::to_string(inputs.size()));
+  }
+  return {Forward(inputs[0])};
+}
+
+std::string Module::FullName() const {
+  std::vector<const Module*> chain;
+  for (const Module* m = this; m != nullptr && m->parent_ != nullptr; m = m->parent_) chain.push_back(m);
+  std::string out;
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    if (!out.empty()) out += ".";
+    out += (*it)->name_;
+  }
+  return out;
+}
+
+std::string Module::Describe() const {
+  const std::string path = FullName();
+  return path.empty() ? ShortRepr() : ShortRepr() + " `" + path + "`";
+}
+
+void Module::Fail(const std::string& message) const { throw std::invalid_argument(Describe() + ": " + message); }
+
+void Module::CheckNewName(const std::string& name, const char* kind) const {
+  if (name.empty() || name.find('.') != std::string::npos) {
+    throw std::invalid_argument(Describe() + ": invalid " + kind + " name `" + name + "` (empty or contains '.')");
+  }
+  auto taken = [&](const auto& list) {
+    return std::any_of(list.begin(), list.end(), [&](const auto& e) { return e.first == name; });
+  };
+  if (taken(params_) || taken(buffers_) || taken(children_)) {
+    throw std::invalid_argument(Describe() + ": name `" + name + "` is already registered");
+  }
+}
+
+Tensor Module::RegisterParameter(std::string name, Tensor value, bool requires_grad) {
+  CheckNewName(name, "parameter");
+  if (!value.defined()) throw std::invalid_argument(Describe() + ": parameter `" + name + "` is undefined");
+  value.set_requires_grad(requires_grad);
+  params_.emplace_back(std::move(name), value);
+  return value;
+}
+
+Tensor Module::RegisterBuffer(std::string name, Tensor value) {
+  CheckNewName(name, "buffer");
+  buffers_.emplace_back(std::move(name), value);
+  return value;
+}
+
+void Module::RegisterModuleImpl(std::string name, std::shared_ptr<Module> module) {
+  CheckNewName(name, "module");
+  if (!module) throw std::invalid_argument(Describe() + ": module `" + name + "` is null");
+  module->name_ = name;
+  module->parent_ = this;
+  children_.emplace_back(std::move(name), std::move(module));
+}
+
+namespace {
+void Collect(const NamedTensors& own, const std::string& prefix, NamedTensors* out,
+             std::unordered_set<const TensorImpl*>* seen) {
+  for (const auto& [name, t] : own) {
+    if (!t.defined() || !seen->insert(t.impl()).second) continue;
+    out->emplace_back(prefix + name, t);
+  }
+}
+}  // namespace
+
+void Module::CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out) {
+  out->emplace_back(prefix, this);
+  for (auto& [name, child] : children_) {
+    child->CollectModules(prefix.empty() ? name : prefix + "." + name, out);
+  }
+}
+
+std::vector<std::pair<std::string, Module*>> Module::NamedModules() {
+  std::vector<std::pair<std::string, Module*>> out;
+  CollectModules("", &out);
+  return out;
+}
+
+NamedTensors Module::NamedParameters(bool recurse) const {
+  NamedTensors out;
+  std::unordered_set<const TensorImpl*> seen;
+  if (!recurse) {
+    Collect(params_, "", &out, &seen);
+    return out;
+  }
+  for (auto& [path, m] : const_cast<Module*>(this)->NamedModules()) {
+    Collect(m->params_, path.empty() ? "" : path + ".", &out, &seen);
+  }
+  return out;
+}
+
+std::vector<Tensor> Module::Parameters(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [name, t] : NamedParameters(recurse)) out.push_back(t);
+  return out;
+}
+
+NamedTensors Module::NamedBuffers(bool recurse) const {
+  NamedTensors out;
+  std::unordered_set<const TensorImpl*> seen;
+  if (!recurse) {
+    Collect(buffers_, "", &out, &seen);
+    return out;
+  }
+  for (auto& [path, m] : const_cast<Module*>(this)->NamedModules()) {
+    Collect(m->buffers_, path.empty() ? "" : path + ".", &out, &seen);
+  }
+  return out;
+}
+
+bool Module::HasChild(std::string_view name) const {
+  for (const auto& [n, c] : children_) {
+    if (n == name) return true;
+  }
+  return false;
+}
+
+std::shared_ptr<Module> Module::Child(std::string_view name) const {
+  for (const auto& [n, c] : children_) {
+    if (n == name) return c;
+  }
+  std::string names;
+  for (const auto& [n, c] : children_) names += (names.empty() ? "" : ", ") + n;
+  throw std::out_of_range(Describe() + " has no child `" + std::string(name) + "` (children: " +
+                          (names.empty() ? "none" : names) + ")");
+}
+
+void Module::ThrowWrongChildType(std::string_view name) const {
+  throw std::invalid_argument(Describe() + ": child `" + std::string(name) + "` is a " +
+                              Child(name)->TypeName() + ", not the requested type");
+}
+
+void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement) {
+  if (!replacement) throw std::invalid_argument(Describe() + ": replacement for `" + std::string(path) + "` is null");
+  const size_t dot = path.rfind('.');
+  Module* parent = this;
+  std::string_view leaf = path;
+  if (dot != std::string_view::npos) {
+    std::string_view rest = path.substr(0, dot);
+    leaf = path.substr(dot + 1);
+    while (!rest.empty()) {
+      const size_t d = rest.find('.');
+      parent = parent->Child(rest.substr(0, d)).get();
+      rest = d == std::string_view::npos ? std::string_view() : rest.substr(d + 1);
+    }
+  }
+  for (auto& [n, c] : parent->children_) {
+    if (n == leaf) {
+      if (c && c->parent_ == parent) c->parent_ = nullptr;
+      replacement->name_ = n;
+      replacement->parent_ = parent;
+      c = std::move(replacement);
+      return;
+    }
+  }
+  parent->Child(leaf);  // throws, listing the children
+}
+
+StateDict Module::GetStateDict() const {
+  StateDict out;
+  std::unordered_set<const TensorImpl*> seen;
+  for (auto& [path, m] : const_cast<Module*>(this)->NamedModules()) {
+    const std::string prefix = path.empty() ? "" : path + ".";
+    Collect(m->params_, prefix, &out, &seen);
+    Collect(m->buffers_, prefix, &out, &seen);
+  }
+  return out;
+}
+
+void Module::LoadStateDict(const StateDict& state, bool strict) {
+  const StateDict mine = GetStateDict();
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, source)
+  std::set<std::string> given_names;
+  for (const auto& [name, t] : state) given_names.insert(name);
+  for (const auto& [name, dst] : mine) {
+    auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
+    if (it == state.end()) {
+      if (strict) missing.push_back(name);
+      continue;
+    }
+    const Tensor& src = it->second;
+    if (!src.defined() || src.shape() != dst.shape() || src.dtype() != dst.dtype()) {
+      mismatched.push_back("`" + name + "`: expected " + ShapeToString(dst.shape()) + " " +
+                           std::string(DTypeName(dst.dtype())) + ", got " +
+                           (src.defined() ? ShapeToString(src.shape()) + " " + std::string(DTypeName(src.dtype()))
+                                          : std::string("undefined")));
+      continue;
+    }
+    copies.emplace_back(dst, src);
+  }
+  if (strict) {
+    std::set<std::string> mine_names;
+    for (const auto& [name, t] : mine) mine_names.insert(name);
+    for (const auto& [name, t] : state) {
+      if (!mine_names.count(name)) unexpected.push_back(name);
+    }
+  }
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+    std::string msg = "LoadStateDict into " + (FullName().empty() ? ShortRepr() : Describe()) + " failed:";
+    auto list = [&msg](const char* what, const std::vector<std::string>& v) {
+      if (v.empty()) return;
+      msg += std::string("\n  ") + what + " (" + std::to_string(v.size()) + "):";
+      for (const auto& s : v) msg += " " + (s.front() == '`' ? s : "`" + s + "`") + ";";
+    };
+    list("missing keys", missing);
+    list("unexpected keys", unexpected);
+    list("shape or dtype mismatches", mismatched);
+    throw std::invalid_argument(msg);
+  }
+  NoGradGuard guard;
+  for (auto& [dst, src] : copies) dst.CopyFrom(src);
+}
+
+void Module::Train(bool on) {
+  training_ = on;
+  for (auto& [name, child] : children_) child->Train(on);
+}
+
+void Module::ZeroGrad(bool set_to_none) {
+  for (const Tensor& p : Parameters()) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.set_grad(Tensor());
+    } else {
+      NoGradGuard guard;
+      p.grad().Zero();
+    }
+  }
+}
+
+void Module::Apply(const std::function<void(Module&)>& fn) {
+  for (auto& [name, child] : children_) child->Apply(fn);
+  fn(*this);
+}
+
+namespace {
+void Convert(const Tensor& t, const std::function<Tensor(const Tensor&)>& f) {
+  if (!t.defined()) return;
+  NoGradGuard guard;
+  const Tensor converted = f(t.Detach());
+  if (!converted.is_same(t)) t.SetData(converted);
+  if (t.grad().defined()) {
+    const Tensor g = f(t.grad().Detach());
+    t.grad().SetData(g);
+  }
+}
+}  // namespace
+
+void Module::To(Device device) {
+  for (auto& [path, m] : NamedModules()) {
+    for (auto& [n, t] : m->params_) Convert(t, [&](const Tensor& x) { return x.To(device); });
+    for (auto& [n, t] : m->buffers_) Convert(t, [&](const Tensor& x) { return x.To(device); });
+  }
+}
+
+void Module::To(DType dtype) {
+  if (!IsFloating(dtype)) throw std::invalid_argument(Describe() + ": To() needs a floating dtype");
+  auto f = [dtype](const Tensor& x) { return IsFloating(x.dtype()) ? x.To(dtype) : x; };
+  for (auto& [path, m] : NamedModules()) {
+    for (auto& [n, t] : m->params_) Convert(t, f);
+    for (auto& [n, t] : m->buffers_) Convert(t, f);
+  }
+}
+
+namespace {
+// Indents every line but the first by `spaces` (PyTorch's _addindent).
+std::string AddIndent(const std::string& s, int spaces) {
+  std::string out;
+  for (char c : s) {
+    out += c;
+    if (c == '\n') out += std::string(spaces, ' ');
+  }
+  return out;
+}
+}  // namespace
+
+std::string Module::ToString() const {
+  std::vector<std::string> lines;
+  const std::string extra = ExtraRepr();
+  size_t extra_lines = 0;
+  if (!extra.empty()) {
+    std::stringstream ss(extra);
+    std::string line;
+    while (std::getline(ss, line)) {
+      lines.push_back(line);
+      ++extra_lines;
+    }
+  }
+  for (const auto& [name, child] : children_) lines.push_back("(" + name + "): " + AddIndent(child->ToString(), 2));
+  std::string out = TypeName() + "(";
+  if (!lines.empty()) {
+    if (extra_lines == 1 && children_.empty()) {
+      out += lines[0];
+    } else {
+      out += "\n";
+      for (const auto& l : lines) out += "  " + l + "\n";
+    }
+  }
+  return out + ")";
+}
+
+std::ostream& operator<<(std::ostream& os, const Module& m) { return os << m.ToString(); }
+
+}  // namespace ddp::nn::modules

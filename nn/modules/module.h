@@ -1,0 +1,133 @@
+// Module: the unit models are built from. A module creates its parameters,
+// buffers and children in one place and registers each under a name
+// (RegisterParameter / RegisterBuffer / RegisterModule); everything else
+// derives from that registry in a deterministic order: pre-order over the
+// module tree, each module's entries in registration order, dotted names
+// ("layer1.0.conv1.weight"), as PyTorch names them. DDP's buckets and
+// checkpoints depend on that order.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::modules {
+
+/// An ordered list of named tensors (parameters, buffers, a state dict).
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+/// Parameters then buffers of each module, pre-order, dotted names.
+using StateDict = NamedTensors;
+
+class Module {
+ public:
+  Module() = default;
+  virtual ~Module();
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// The computation on one tensor (what Sequential chains). The default
+  /// throws: modules with several inputs override the vector form instead.
+  virtual Tensor Forward(const Tensor& input);
+  /// Several tensors in and out; the default runs Forward on a single input.
+  virtual std::vector<Tensor> Forward(const std::vector<Tensor>& inputs);
+  Tensor operator()(const Tensor& input) { return Forward(input); }
+
+  /// Class name as printed: "Linear", "BatchNorm2d".
+  virtual std::string TypeName() const = 0;
+  /// The part inside the parentheses of the printed form ("in_features=784, ...").
+  virtual std::string ExtraRepr() const { return ""; }
+  /// Short description for error messages: "Linear(784->512)".
+  virtual std::string ShortRepr() const { return TypeName(); }
+  /// ShortRepr plus the dotted path in the tree: "Linear(784->512) `0`" (no path for a root).
+  std::string Describe() const;
+
+  /// Name under the parent ("" for a root).
+  const std::string& name() const { return name_; }
+  /// Dotted path from the root ("layer1.0.conv1"; "" for a root).
+  std::string FullName() const;
+
+  // --- registry views (pre-order, registration order, shared tensors listed once) ---
+  NamedTensors NamedParameters(bool recurse = true) const;
+  std::vector<Tensor> Parameters(bool recurse = true) const;
+  NamedTensors NamedBuffers(bool recurse = true) const;
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& NamedChildren() const { return children_; }
+  /// Every module of the tree with its dotted path, this one first (path "").
+  std::vector<std::pair<std::string, Module*>> NamedModules();
+  /// True when a direct child is registered under `name`.
+  bool HasChild(std::string_view name) const;
+  /// The direct child `name`; throws listing the children when absent.
+  std::shared_ptr<Module> Child(std::string_view name) const;
+  /// Child(name) cast to M; throws when it is of another type.
+  template <class M>
+  std::shared_ptr<M> ChildAs(std::string_view name) const {
+    auto m = std::dynamic_pointer_cast<M>(Child(name));
+    if (!m) ThrowWrongChildType(name);
+    return m;
+  }
+  /// Replaces the module at dotted `path` (e.g. "layer1.0.bn1") by
+  /// `replacement`; the parent's Forward uses the new one from then on.
+  void ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement);
+
+  // --- state ---
+  /// Parameters and buffers in state-dict order (tensors shared with the module).
+  StateDict GetStateDict() const;
+  /// Copies values into the module's parameters and buffers. Strict: every
+  /// key of the module must be present and no other; shapes and dtypes must
+  /// match. All offenders are listed in one error, and nothing is changed
+  /// unless everything matches. Not strict: only matching names are copied,
+  /// and shape or dtype mismatches are still errors.
+  void LoadStateDict(const StateDict& state, bool strict = true);
+
+  /// Sets training mode on this module and every descendant.
+  void Train(bool on = true);
+  void Eval() { Train(false); }
+  bool is_training() const { return training_; }
+  /// Drops every parameter's .grad (set_to_none) or zeroes it in place (keeping
+  /// the memory, e.g. a DDP bucket view).
+  void ZeroGrad(bool set_to_none = true);
+  /// Calls fn on every descendant (children first, depth first), then on this module.
+  void Apply(const std::function<void(Module&)>& fn);
+  /// Moves parameters, their gradients and buffers to `device` in place (handles stay valid).
+  void To(Device device);
+  /// Converts floating parameters, gradients and buffers to `dtype` in place.
+  void To(DType dtype);
+
+  /// The tree as PyTorch prints it.
+  std::string ToString() const;
+
+ protected:
+  /// Registers a parameter (requires_grad set as asked) and returns its handle.
+  Tensor RegisterParameter(std::string name, Tensor value, bool requires_grad = true);
+  /// Registers a buffer (state that is saved but not trained, e.g. running statistics).
+  Tensor RegisterBuffer(std::string name, Tensor value);
+  /// Registers a child module and returns it.
+  template <class M>
+  std::shared_ptr<M> RegisterModule(std::string name, std::shared_ptr<M> module) {
+    RegisterModuleImpl(std::move(name), module);
+    return module;
+  }
+  /// Throws "<Describe()>: <message>" (for shape errors in Forward).
+  [[noreturn]] void Fail(const std::string& message) const;
+
+ private:
+  void RegisterModuleImpl(std::string name, std::shared_ptr<Module> module);
+  void CheckNewName(const std::string& name, const char* kind) const;
+  void CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out);
+  [[noreturn]] void ThrowWrongChildType(std::string_view name) const;
+
+  std::string name_;
+  Module* parent_ = nullptr;  // set by the parent's registry, cleared when the parent dies
+  bool training_ = true;
+  NamedTensors params_;
+  NamedTensors buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+};
+
+std::ostream& operator<<(std::ostream& os, const Module& m);
+
+}  // namespace ddp::nn::modules

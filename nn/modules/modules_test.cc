@@ -1,0 +1,245 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/init.h"
+#include "nn/modules/layers.h"
+#include "nn/modules/models.h"
+#include "nn/ops/functional.h"
+
+namespace ddp::nn::modules {
+namespace {
+
+template <typename Fn>
+std::string ErrorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<std::string> Names(const NamedTensors& list) {
+  std::vector<std::string> out;
+  for (const auto& [n, t] : list) out.push_back(n);
+  return out;
+}
+
+int64_t Count(const Module& m) {
+  int64_t n = 0;
+  for (const Tensor& p : m.Parameters()) n += p.numel();
+  return n;
+}
+
+TEST(ModuleTest, CnnNamesMatchPyTorchSequential) {
+  auto cnn = MakeCnn();
+  EXPECT_EQ(Names(cnn->NamedParameters()),
+            (std::vector<std::string>{"0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias", "9.weight",
+                                      "9.bias"}));
+  EXPECT_EQ(cnn->NamedParameters()[4].second.shape(), (Shape{128, 1600}));
+  auto mlp = MakeMlp();
+  EXPECT_EQ(Names(mlp->NamedParameters()),
+            (std::vector<std::string>{"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}));
+  EXPECT_EQ(Count(*mlp), 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10);
+}
+
+// Expected text from PyTorch 1.13's print(model).
+TEST(ModuleTest, PrintsLikePyTorch) {
+  EXPECT_EQ(MakeCnn()->ToString(),
+            "Sequential(\n"
+            "  (0): Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1))\n"
+            "  (1): ReLU()\n"
+            "  (2): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)\n"
+            "  (3): Conv2d(32, 64, kernel_size=(3, 3), stride=(1, 1))\n"
+            "  (4): ReLU()\n"
+            "  (5): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)\n"
+            "  (6): Flatten(start_dim=1, end_dim=-1)\n"
+            "  (7): Linear(in_features=1600, out_features=128, bias=True)\n"
+            "  (8): ReLU()\n"
+            "  (9): Linear(in_features=128, out_features=10, bias=True)\n"
+            ")");
+  EXPECT_EQ(BatchNorm2d(64).ToString(), "BatchNorm2d(64, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True)");
+  EXPECT_EQ(GELU().ToString(), "GELU(approximate='none')");
+  EXPECT_EQ(Dropout(0.25).ToString(), "Dropout(p=0.25, inplace=False)");
+  EXPECT_EQ(AvgPool2d(2).ToString(), "AvgPool2d(kernel_size=2, stride=2, padding=0)");
+  EXPECT_EQ(AdaptiveAvgPool2d(1, 1).ToString(), "AdaptiveAvgPool2d(output_size=(1, 1))");
+  EXPECT_EQ(Conv2d(4, 8, 3, {.stride = 2, .padding = 1, .groups = 2, .bias = false}).ToString(),
+            "Conv2d(4, 8, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), groups=2, bias=False)");
+}
+
+TEST(ModuleTest, ResNetNamesCountsAndShapes) {
+  auto r18 = MakeResNet18();
+  EXPECT_EQ(Count(*r18), 11689512);
+  const auto names = Names(r18->NamedParameters());
+  EXPECT_EQ(names.front(), "conv1.weight");
+  EXPECT_EQ(names[1], "bn1.weight");
+  EXPECT_EQ(names[3], "layer1.0.conv1.weight");
+  EXPECT_NE(std::find(names.begin(), names.end(), "layer2.0.downsample.0.weight"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "layer2.0.downsample.1.bias"), names.end());
+  EXPECT_EQ(names.back(), "fc.bias");
+  const auto buffers = Names(r18->NamedBuffers());
+  EXPECT_EQ(buffers[0], "bn1.running_mean");
+  EXPECT_EQ(buffers[2], "bn1.num_batches_tracked");
+  // State dict: each module's parameters, then its buffers, pre-order.
+  const auto sd = Names(r18->GetStateDict());
+  EXPECT_EQ(std::vector<std::string>(sd.begin(), sd.begin() + 6),
+            (std::vector<std::string>{"conv1.weight", "bn1.weight", "bn1.bias", "bn1.running_mean", "bn1.running_var",
+                                      "bn1.num_batches_tracked"}));
+  EXPECT_EQ(Count(*MakeResNet34()), 21797672);
+  EXPECT_EQ(Count(*MakeResNet50()), 25557032);
+  auto cifar = MakeResNet18({.num_classes = 10, .stem = ResNetStem::kCifar});
+  EXPECT_EQ(Count(*cifar), 11173962);
+  EXPECT_FALSE(cifar->HasChild("maxpool"));
+  Tensor y = cifar->Forward(Rand({2, 3, 32, 32}));
+  EXPECT_EQ(y.shape(), (Shape{2, 10}));
+  Backward(loss::CrossEntropy(y, FromVectorOf<int64_t>({1, 7}, {2})));
+  for (const auto& [n, p] : cifar->NamedParameters()) EXPECT_TRUE(p.grad().defined()) << n;
+  auto r50 = MakeResNet50({.num_classes = 5, .stem = ResNetStem::kImageNet});
+  EXPECT_EQ(r50->Forward(Rand({1, 3, 64, 64})).shape(), (Shape{1, 5}));
+}
+
+TEST(ModuleTest, BadInputShapesNameTheLayer) {
+  auto mlp = MakeMlp();
+  std::string err = ErrorOf([&] { mlp->Forward(Zeros({64, 785})); });
+  EXPECT_EQ(err, "Linear(784->512) `1`: expected input [..., 784], got [64, 785]");
+  Sequential seq{std::make_shared<Linear>(784, 512)};
+  EXPECT_EQ(ErrorOf([&] { seq.Forward(Zeros({64, 785})); }), "Linear(784->512) `0`: expected input [..., 784], got [64, 785]");
+  auto cnn = MakeCnn();
+  err = ErrorOf([&] { cnn->Forward(Zeros({8, 3, 28, 28})); });
+  EXPECT_EQ(err, "Conv2d(1->32, 3x3) `0`: expected input [N, 1, H, W], got [8, 3, 28, 28]");
+  err = ErrorOf([&] { cnn->Forward(Zeros({8, 1, 2, 2})); });
+  EXPECT_NE(err.find("Conv2d(1->32, 3x3) `0`: conv2d: input [8, 1, 2, 2] is smaller than the kernel"), std::string::npos)
+      << err;
+  auto r18 = MakeResNet18({.num_classes = 10, .stem = ResNetStem::kCifar});
+  r18->ReplaceChild("layer1.0.bn1", std::make_shared<BatchNorm2d>(32));
+  err = ErrorOf([&] { r18->Forward(Zeros({2, 3, 32, 32})); });
+  EXPECT_EQ(err, "BatchNorm2d(32) `layer1.0.bn1`: expected input [N, 32, H, W], got [2, 64, 32, 32]");
+  EXPECT_EQ(ErrorOf([] { BatchNorm1d(4).Forward(Zeros({2, 5})); }),
+            "BatchNorm1d(4): expected input [N, 4] or [N, 4, L], got [2, 5]");
+}
+
+TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
+  ManualSeed(1);
+  auto a = MakeCnn();
+  ManualSeed(2);
+  auto b = MakeCnn();
+  EXPECT_NE(a->GetStateDict()[0].second.ToVector<float>(), b->GetStateDict()[0].second.ToVector<float>());
+  b->LoadStateDict(a->GetStateDict());
+  for (size_t i = 0; i < a->GetStateDict().size(); ++i) {
+    EXPECT_EQ(a->GetStateDict()[i].second.ToVector<float>(), b->GetStateDict()[i].second.ToVector<float>());
+  }
+  StateDict bad = a->GetStateDict();
+  bad.erase(bad.begin() + 1);                              // missing 0.bias
+  bad.emplace_back("extra.weight", Zeros({2}));            // unexpected
+  bad[1].second = Zeros({64, 32, 3, 2});                   // shape mismatch on 3.weight
+  bad[2].second = Zeros({64}, {.dtype = DType::kFloat64}); // dtype mismatch on 3.bias
+  const std::vector<float> before = b->GetStateDict()[0].second.ToVector<float>();
+  const std::string err = ErrorOf([&] { b->LoadStateDict(bad); });
+  EXPECT_NE(err.find("missing keys (1): `0.bias`"), std::string::npos) << err;
+  EXPECT_NE(err.find("unexpected keys (1): `extra.weight`"), std::string::npos) << err;
+  EXPECT_NE(err.find("`3.weight`: expected [64, 32, 3, 3] f32, got [64, 32, 3, 2] f32"), std::string::npos) << err;
+  EXPECT_NE(err.find("`3.bias`: expected [64] f32, got [64] f64"), std::string::npos) << err;
+  EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>(), before);  // nothing half-loaded
+  // Not strict: missing and unexpected keys are skipped, the rest is loaded.
+  StateDict partial = {{"0.weight", Zeros({32, 1, 3, 3})}, {"other", Zeros({1})}};
+  b->LoadStateDict(partial, /*strict=*/false);
+  EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>()[0], 0.0f);
+}
+
+TEST(ModuleTest, TrainEvalZeroGradApplyTo) {
+  auto r = MakeResNet18({.num_classes = 10, .stem = ResNetStem::kCifar});
+  r->Eval();
+  int modules = 0, training = 0;
+  r->Apply([&](Module& m) {
+    ++modules;
+    training += m.is_training();
+  });
+  EXPECT_GT(modules, 40);
+  EXPECT_EQ(training, 0);
+  r->Train();
+  EXPECT_TRUE(r->Child("layer4")->is_training());
+
+  auto mlp = MakeMlp();
+  Backward(ops::Sum(mlp->Forward(Rand({2, 784}))));
+  const Tensor w = mlp->NamedParameters()[0].second;
+  ASSERT_TRUE(w.grad().defined());
+  const void* grad_mem = w.grad().data_ptr();
+  mlp->ZeroGrad(/*set_to_none=*/false);
+  EXPECT_EQ(w.grad().data_ptr(), grad_mem);
+  EXPECT_EQ(w.grad().ToVector<float>()[0], 0.0f);
+  mlp->ZeroGrad();
+  EXPECT_FALSE(w.grad().defined());
+
+  Tensor handle = mlp->NamedParameters()[0].second;
+  mlp->To(DType::kBFloat16);
+  EXPECT_EQ(handle.dtype(), DType::kBFloat16);  // same object, converted in place
+  EXPECT_TRUE(handle.requires_grad());
+  EXPECT_EQ(mlp->Forward(Rand({2, 784})).dtype(), DType::kBFloat16);
+  EXPECT_THROW(mlp->To(Device(DeviceType::kCUDA, 0)), std::runtime_error);
+}
+
+TEST(ModuleTest, MixedPrecisionModel) {
+  // An f32 layer, then a bf16 layer, then f32 again: inputs follow each layer's dtype.
+  Sequential seq{std::make_shared<Linear>(8, 16), std::make_shared<ReLU>(), std::make_shared<Linear>(16, 16),
+                 std::make_shared<ReLU>(), std::make_shared<Linear>(16, 4)};
+  seq.at(2)->To(DType::kBFloat16);
+  Tensor y = seq.Forward(Rand({3, 8}));
+  EXPECT_EQ(y.dtype(), DType::kFloat32);
+  Backward(loss::CrossEntropy(y, FromVectorOf<int64_t>({0, 1, 3}, {3})));
+  const auto params = seq.NamedParameters();
+  EXPECT_EQ(params[2].second.grad().dtype(), DType::kBFloat16);
+  EXPECT_EQ(params[0].second.grad().dtype(), DType::kFloat32);
+  EXPECT_TRUE(params[0].second.grad().defined());
+}
+
+TEST(ModuleTest, ReplaceChildTakesEffectInForward) {
+  Sequential seq{std::make_shared<Linear>(4, 4), std::make_shared<ReLU>()};
+  class Doubler : public Module {
+   public:
+    Tensor Forward(const Tensor& x) override { return ops::MulScalar(x, 2.0); }
+    using Module::Forward;
+    std::string TypeName() const override { return "Doubler"; }
+  };
+  seq.ReplaceChild("1", std::make_shared<Doubler>());
+  Tensor x = Rand({2, 4});
+  Tensor lin = seq.at(0)->Forward(x);
+  EXPECT_EQ(seq.Forward(x).ToVector<float>(), ops::MulScalar(lin, 2.0).ToVector<float>());
+  EXPECT_EQ(seq.at(1)->FullName(), "1");
+  EXPECT_NE(ErrorOf([&] { seq.ReplaceChild("5", std::make_shared<ReLU>()); }).find("has no child `5`"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { seq.ChildAs<Linear>("1"); }).find("is a Doubler"), std::string::npos);
+}
+
+TEST(ModuleTest, BatchNormTracksRunningStatistics) {
+  BatchNorm2d bn(3);
+  Tensor x = Rand({4, 3, 5, 5});
+  bn.Forward(x);
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 1.0);
+  const std::vector<float> rm = bn.running_mean().ToVector<float>();
+  for (float v : rm) EXPECT_NEAR(v, 0.05, 0.01);  // 0.9 * 0 + 0.1 * ~0.5
+  bn.Eval();
+  Tensor y = bn.Forward(x);
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 1.0);
+  EXPECT_EQ(y.shape(), x.shape());
+}
+
+TEST(InitTest, PyTorchBoundsAndSeededReproducibility) {
+  Generator g1(7), g2(7);
+  Linear a(100, 50, true, g1), b(100, 50, true, g2);
+  EXPECT_EQ(a.weight().ToVector<float>(), b.weight().ToVector<float>());
+  const double bound = 1.0 / std::sqrt(100.0);
+  double mx = 0;
+  for (float v : a.weight().ToVector<float>()) mx = std::max(mx, std::fabs(static_cast<double>(v)));
+  EXPECT_LE(mx, bound);
+  EXPECT_GT(mx, 0.95 * bound);
+  for (float v : a.bias().ToVector<float>()) EXPECT_LE(std::fabs(v), bound);
+  Conv2d c(16, 32, 3);
+  const double cbound = 1.0 / std::sqrt(16.0 * 9);
+  for (float v : c.weight().ToVector<float>()) EXPECT_LE(std::fabs(v), cbound);
+}
+
+}  // namespace
+}  // namespace ddp::nn::modules
