@@ -31,6 +31,10 @@ Status AllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm a
     case Algorithm::kTree: return TreeAllReduce(p2p, args);
     case Algorithm::kRhd: return RhdAllReduce(p2p, args);
     case Algorithm::kHierarchical: return HierarchicalAllReduce(p2p, args, host_of_rank);
+    case Algorithm::kSharedMemory:
+      return FailedPreconditionError(
+          "all-reduce: the shm algorithm runs over shared memory, not over a point-to-point "
+          "transport; the communicator runs it (transport/shm)");
     case Algorithm::kAuto: break;
   }
   return InternalError("all-reduce: selection returned no algorithm");

@@ -87,6 +87,11 @@ TEST(AllReduceTest, AutoUsesTheTable) {
   EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, {}), Algorithm::kRing);
   EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, TwoPerHost(8)),
             Algorithm::kHierarchical);
+  // shm is resolved but is not a PointToPoint algorithm.
+  EXPECT_EQ(*ResolveAllReduceAlgorithm(*ep, args, Algorithm::kSharedMemory, {}),
+            Algorithm::kSharedMemory);
+  EXPECT_EQ(AllReduce(*ep, args, Algorithm::kSharedMemory).code(),
+            StatusCode::kFailedPrecondition);
   auto bad = ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, std::vector<int>{0, 1});
   EXPECT_THAT(bad.status().message(), HasSubstr("host_of_rank has 2 entries for 8 ranks"));
   if (old) setenv(kAllReduceAlgoEnv, saved.c_str(), 1);

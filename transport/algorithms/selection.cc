@@ -53,11 +53,11 @@ Algorithm SelectFromRules(std::span<const SelectionRule> rules, const SelectionI
 
 StatusOr<Algorithm> ParseAlgorithm(std::string_view name) {
   for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
-                      Algorithm::kHierarchical}) {
+                      Algorithm::kHierarchical, Algorithm::kSharedMemory}) {
     if (name == AlgorithmName(a)) return a;
   }
   return InvalidArgumentError("unknown all-reduce algorithm \"" + std::string(name) +
-                              "\": expected auto, ring, tree, rhd or hierarchical");
+                              "\": expected auto, ring, tree, rhd, hierarchical or shm");
 }
 
 StatusOr<Algorithm> AlgorithmFromEnv() {

@@ -6,7 +6,8 @@
 // and so does DDP_ALLREDUCE_ALGO=ring|tree|rhd|hierarchical (for tests and
 // tuning). The inputs are identical on every rank, so every rank picks the
 // same algorithm; a rank that picks another (say, the variable is set on one
-// rank only) fails fast on the argument fingerprint.
+// rank only) fails fast on the argument fingerprint. kSharedMemory ("shm")
+// is parsed and may be chosen, but runs outside PointToPoint (transport/shm).
 
 #include <cstddef>
 #include <limits>
@@ -54,7 +55,7 @@ std::span<const SelectionRule> DefaultAllReduceRules();
 /// The algorithm of the first rule matching `input`; kRing if none does.
 Algorithm SelectFromRules(std::span<const SelectionRule> rules, const SelectionInput& input);
 
-/// "ring", "tree", "rhd", "hierarchical" or "auto" -> the Algorithm;
+/// "ring", "tree", "rhd", "hierarchical", "shm" or "auto" -> the Algorithm;
 /// INVALID_ARGUMENT listing the accepted names otherwise.
 StatusOr<Algorithm> ParseAlgorithm(std::string_view name);
 

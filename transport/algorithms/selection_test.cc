@@ -69,7 +69,7 @@ TEST(SelectionTest, CustomRulesFirstMatchWinsAndEmptyMeansRing) {
 
 TEST(SelectionTest, ParsesEveryName) {
   for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
-                      Algorithm::kHierarchical}) {
+                      Algorithm::kHierarchical, Algorithm::kSharedMemory}) {
     auto parsed = ParseAlgorithm(AlgorithmName(a));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, a);
@@ -77,7 +77,7 @@ TEST(SelectionTest, ParsesEveryName) {
   auto bad = ParseAlgorithm("butterfly");
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("\"butterfly\""));
-  EXPECT_THAT(bad.status().message(), HasSubstr("ring, tree, rhd or hierarchical"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("ring, tree, rhd, hierarchical or shm"));
 }
 
 TEST(SelectionTest, ExplicitChoiceBeatsEnvironmentWhichBeatsTable) {
