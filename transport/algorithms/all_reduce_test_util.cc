@@ -207,6 +207,27 @@ void CheckAbsentRankTimesOut(const AllReduceFn& fn, int world) {
   }
 }
 
+void CheckTraffic(const AllReduceFn& fn, int world, size_t count, double factor) {
+  p2p::LoopbackHub hub(world);
+  auto statuses = ::ddp::transport::testing::RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> data(count, 1.0f);
+    CollectiveArgs args;
+    args.send = data.data();
+    args.recv = data.data();
+    args.count = count;
+    args.deadline = DeadlineIn(30s);
+    return fn(p2p, args);
+  });
+  const double limit = factor * static_cast<double>(count * sizeof(float)) + 1024;
+  for (int r = 0; r < world; ++r) {
+    ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+    const p2p::LoopbackStats stats = hub.Stats(r);
+    EXPECT_LE(static_cast<double>(stats.bytes_sent), limit) << "world=" << world << " rank " << r;
+    EXPECT_LE(static_cast<double>(stats.bytes_received), limit)
+        << "world=" << world << " rank " << r;
+  }
+}
+
 void CheckBadArguments(const AllReduceFn& fn, const std::string& name) {
   struct Bad {
     const char* why;

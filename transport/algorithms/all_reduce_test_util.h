@@ -56,6 +56,10 @@ void CheckKilledRankFailsSurvivors(const AllReduceFn& fn, int world);
 /// TIMED_OUT at its deadline, not later.
 void CheckAbsentRankTimesOut(const AllReduceFn& fn, int world);
 
+/// No rank sends or receives more than `factor` times the vector's bytes
+/// (plus a little for fingerprints): nothing funnels through one rank.
+void CheckTraffic(const AllReduceFn& fn, int world, size_t count, double factor);
+
 /// Null buffers, unset deadline, bad enums, partial overlap: INVALID_ARGUMENT
 /// naming the argument, on every rank.
 void CheckBadArguments(const AllReduceFn& fn, const std::string& name);

@@ -173,6 +173,36 @@ Status PeerCheck::Verify(Requests& requests) {
   return Status();
 }
 
+namespace {
+struct ScratchArena {
+  std::unique_ptr<unsigned char[]> buffer;
+  size_t size = 0;
+  bool in_use = false;
+};
+thread_local ScratchArena scratch_arena;
+}  // namespace
+
+Scratch::Scratch(size_t bytes) {
+  ScratchArena& arena = scratch_arena;
+  if (arena.in_use) {
+    own_.reset(new unsigned char[std::max<size_t>(bytes, 1)]);
+    data_ = own_.get();
+    return;
+  }
+  if (arena.size < bytes) {
+    arena.buffer.reset();  // free first: the peak is the new size, not both
+    arena.buffer.reset(new unsigned char[bytes]);
+    arena.size = bytes;
+  }
+  arena.in_use = true;
+  from_arena_ = true;
+  data_ = arena.buffer.get();
+}
+
+Scratch::~Scratch() {
+  if (from_arena_) scratch_arena.in_use = false;
+}
+
 Requests::~Requests() {
   for (p2p::RequestId id : outstanding_) p2p_.Cancel(id);
 }

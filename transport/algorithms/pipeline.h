@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -150,6 +151,25 @@ class PeerCheck {
   std::vector<Fingerprint> theirs_;
   std::vector<p2p::RequestId> ids_;
   bool verified_ = false;
+};
+
+/// Scratch memory for one collective, from a per-thread arena that keeps
+/// its largest size. A collective runs on one thread and needs a few MiB at
+/// most; reusing the arena avoids a fresh mapping, and its page faults, on
+/// every call. A nested collective on the same thread gets its own block.
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes);
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  unsigned char* data() const { return data_; }
+
+ private:
+  unsigned char* data_ = nullptr;
+  std::unique_ptr<unsigned char[]> own_;  // only when the arena is busy
+  bool from_arena_ = false;
 };
 
 /// The requests one collective has outstanding. Every error path leaves

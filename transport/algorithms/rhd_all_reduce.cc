@@ -59,7 +59,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const size_t ce = doubling ? args.count : internal::ChunkElems(args, kRhdChunkBytes);
   const size_t depth = doubling ? 1 : static_cast<size_t>(internal::PipelineDepth(args, kRhdDepth));
   const size_t slot_elems = std::min(ce, args.count);
-  std::unique_ptr<unsigned char[]> scratch(new unsigned char[depth * slot_elems * es]);
+  internal::Scratch scratch(depth * slot_elems * es);
   const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);
   const p2p::Tag tag = PhaseTag(args.tag, 0);
 
@@ -93,7 +93,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       while (next_recv < kr && next_recv < m + depth) {
         const size_t c = next_recv++;
         const size_t n = std::min(ce, recv_n - c * ce);
-        unsigned char* dst = combine ? scratch.get() + (c % depth) * slot_elems * es
+        unsigned char* dst = combine ? scratch.data() + (c % depth) * slot_elems * es
                                      : in + c * ce * es;
         internal::Where where{what, step, 0, c, false, peer};
         DDP_ASSIGN_OR_RETURN(recv_ids[c % depth], requests.Recv(where, chunk_tag(c), dst, n * es));
@@ -113,7 +113,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         if (doubling) DDP_RETURN_IF_ERROR(requests.WaitAll(what));
         const size_t n = std::min(ce, recv_n - m * ce);
         reduce_fn(in + m * ce * es, in + m * ce * es,
-                  scratch.get() + (m % depth) * slot_elems * es, n);
+                  scratch.data() + (m % depth) * slot_elems * es, n);
       }
     }
     return requests.WaitAll(what);

@@ -69,5 +69,13 @@ TEST(RhdAllReduceTest, BadArgumentsNameTheArgument) {
   testing::CheckBadArguments(RhdAllReduce, "rhd all-reduce");
 }
 
+
+TEST(RhdTrafficTest, NoRankMovesMoreThanItsShare) {
+  // 2 (p2-1)/p2 of the vector, plus the whole vector for a handing-off pair.
+  for (int world : {2, 3, 5, 8}) {
+    testing::CheckTraffic(RhdAllReduce, world, 1 << 14, 3.0);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms

@@ -59,7 +59,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
   const size_t depth = static_cast<size_t>(params.depth);
   const size_t slots = group + depth + 1;
   const size_t slot_elems = std::min(ce, layout.size(0));
-  std::unique_ptr<unsigned char[]> scratch(new unsigned char[slots * slot_elems * es]);
+  Scratch scratch(slots * slot_elems * es);
   std::vector<p2p::RequestId> slot_send(slots, 0);  // forward still reading the slot
   std::vector<p2p::RequestId> slot_recv(slots, 0);  // receive posted into the slot
   const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(params.dtype, params.op);
@@ -77,7 +77,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
     const size_t gsize = std::min(group, k - g * group);
     return Msg{static_cast<int>(within / gsize), g * group + within % gsize, gsize};
   };
-  auto slot_ptr = [&](size_t m) { return scratch.get() + (m % slots) * slot_elems * es; };
+  auto slot_ptr = [&](size_t m) { return scratch.data() + (m % slots) * slot_elems * es; };
 
   Requests requests(p2p, params.deadline);
   Where where{params.what, 0, steps, 0, false, 0};

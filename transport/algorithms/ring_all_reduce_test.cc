@@ -43,5 +43,13 @@ TEST(RingAllReduceTest, BadArgumentsNameTheArgument) {
   testing::CheckBadArguments(RingAllReduce, "ring all-reduce");
 }
 
+
+TEST(RingTrafficTest, NoRankMovesMoreThanItsShare) {
+  // Each rank sends and receives 2 (p-1)/p of the vector, the optimum.
+  for (int world : {2, 3, 5, 8}) {
+    testing::CheckTraffic(RingAllReduce, world, 1 << 14, 2.0 * (world - 1) / world);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms

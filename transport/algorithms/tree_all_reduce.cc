@@ -32,7 +32,7 @@ struct Tree {
   p2p::Tag up_tag = 0;    // children -> parent, partial results
   p2p::Tag down_tag = 0;  // parent -> children, final results
   // Per child, a ring of `depth` chunk slots receiving its partial results.
-  std::vector<std::unique_ptr<unsigned char[]>> slots;
+  std::vector<unsigned char*> slots;
   std::vector<std::vector<p2p::RequestId>> child_recv;  // [child][c % depth]
   // The up-send of chunk c when it reads the recv chunk, which the final
   // result will overwrite: its receive may be posted only after it completes.
@@ -66,6 +66,15 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const internal::BlockLayout halves{args.count, 2};
   const auto nodes = internal::DoubleBinaryTree(p, r);
 
+  // One scratch block carved into per-tree, per-child slot rings.
+  size_t scratch_bytes = 0;
+  for (int t = 0; t < 2; ++t) {
+    const size_t slot_elems = std::min(ce, std::max<size_t>(halves.size(t), 1));
+    scratch_bytes += nodes[t].children.size() * depth * slot_elems * es;
+  }
+  internal::Scratch scratch(scratch_bytes);
+  unsigned char* next_slots = scratch.data();
+
   std::array<Tree, 2> trees;
   for (int t = 0; t < 2; ++t) {
     Tree& tree = trees[t];
@@ -78,7 +87,8 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     tree.down_tag = PhaseTag(args.tag, 2 * t + 1);
     const size_t slot_elems = std::min(ce, std::max<size_t>(tree.count, 1));
     for (size_t i = 0; i < tree.node.children.size(); ++i) {
-      tree.slots.emplace_back(new unsigned char[depth * slot_elems * es]);
+      tree.slots.push_back(next_slots);
+      next_slots += depth * slot_elems * es;
       tree.child_recv.emplace_back(depth, 0);
     }
     tree.up_send_from_recv.assign(tree.chunks, 0);
@@ -91,7 +101,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto output_at = [&](const Tree& tree, size_t c) { return recv + (tree.offset + c * ce) * es; };
   auto slot_ptr = [&](Tree& tree, size_t i, size_t c) {
     const size_t slot_elems = std::min(ce, std::max<size_t>(tree.count, 1));
-    return tree.slots[i].get() + (c % depth) * slot_elems * es;
+    return tree.slots[i] + (c % depth) * slot_elems * es;
   };
 
   internal::Requests requests(p2p, args.deadline);

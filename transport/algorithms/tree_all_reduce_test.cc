@@ -43,5 +43,14 @@ TEST(TreeAllReduceTest, BadArgumentsNameTheArgument) {
   testing::CheckBadArguments(TreeAllReduce, "tree all-reduce");
 }
 
+
+TEST(TreeTrafficTest, NoRankMovesMoreThanItsShare) {
+  // An inner node of one tree sends its half up and twice down (1.5x),
+  // and is a leaf of the other (0.5x).
+  for (int world : {2, 3, 5, 8}) {
+    testing::CheckTraffic(TreeAllReduce, world, 1 << 14, 2.0);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms
