@@ -132,7 +132,7 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
   }
   SpawnOptions spawn;
   spawn.grace = options.grace;
-  spawn.output.prefix = n > 1;
+  spawn.output.prefix = n > 1 && options.prefix_output;
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerGroup> group,
                        WorkerGroup::Start(std::move(specs), spawn));
   const Deadline deadline = options.max_run_time.count() > 0

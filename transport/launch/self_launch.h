@@ -41,6 +41,10 @@ struct SelfLaunchOptions {
   /// Stop the workers when they run longer than this; zero: no limit (the
   /// launcher still wakes for every worker exit and every signal).
   std::chrono::milliseconds max_run_time{0};
+  /// With several workers, start each of their output lines with "[rank] ".
+  /// Programs whose output comes from rank 0 alone (benchmarks with a fixed
+  /// output format) turn it off.
+  bool prefix_output = true;
 };
 
 /// What the caller does next.

@@ -172,7 +172,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       // Yield soon when ranks outnumber cores; otherwise after ~50 us of
       // spinning, so that a rank whose peer was descheduled (a busy machine)
       // gives its core back instead of burning the peer's turn.
-      if (options_.yield_when_idle || spins > (1u << 12)) sched_yield();
+      if (options_.yield_when_idle || spins > options_.spins_before_yield) sched_yield();
     }
   }
   return Status::Ok();

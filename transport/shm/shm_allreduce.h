@@ -48,6 +48,8 @@ struct ShmOptions {
   size_t chunk_bytes = 256 << 10;
   /// Yield the CPU while waiting (when ranks outnumber cores).
   bool yield_when_idle = false;
+  /// Otherwise, spin this many polls before yielding.
+  uint32_t spins_before_yield = 1u << 12;
   std::chrono::milliseconds watchdog_period{100};
 };
 

@@ -1,0 +1,165 @@
+// All-reduce benchmark in the manner of nccl-tests' all_reduce_perf.
+//
+//   bazel run //examples:allreduce_bench -- --nproc_per_node=2
+//       --min_bytes=4096 --max_bytes=64M --step_factor=4 --check   (one line)
+//
+// Spawns its own ranks (SelfLaunch, before anything touches UCX), or runs as
+// one rank of a job started by ddprun/srun/mpirun. Rank 0 prints a header
+// line starting with '#', then one line per size:
+//
+//   bytes count algo time_us algbw_GBps busbw_GBps wrong
+//
+// time_us is the slowest rank's mean time per call; algbw = bytes / time;
+// busbw = algbw * 2(n-1)/n, the bytes each rank's links must carry, which
+// makes figures comparable across rank counts; wrong counts mismatched
+// elements over all ranks with --check (else 0).
+
+#include <gflags/gflags.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "transport/communicator.h"
+#include "transport/launch/self_launch.h"
+#include "transport/testing/expected_values.h"
+
+DEFINE_string(algo, "auto", "all-reduce algorithm: auto, ring, tree, rhd, hierarchical, shm");
+DEFINE_string(min_bytes, "4", "smallest message (suffixes K, M, G: powers of 1024)");
+DEFINE_string(max_bytes, "64M", "largest message");
+DEFINE_double(step_factor, 2, "multiply the size by this between lines");
+DEFINE_int32(iters, 0, "timed calls per size; 0: 2e8/bytes, between 3 and 200 (as the MPI peer)");
+DEFINE_int32(warmup_iters, 2, "untimed calls per size before timing");
+DEFINE_string(dtype, "f32", "f32, f64, f16, bf16, i32, i64, u8");
+DEFINE_string(op, "sum", "sum, avg, max, min, prod");
+DEFINE_bool(check, false, "verify results against closed-form values (reported as 'wrong')");
+DEFINE_bool(in_place, true, "reduce in place (else into a separate output buffer)");
+DEFINE_int32(timeout_ms, 120000, "deadline of every call");
+DEFINE_bool(bind, true,
+            "pin each rank to one core (local rank modulo the cores it may use), as mpirun "
+            "does by default; keeps two ranks from sharing one core's run queue");
+
+namespace {
+
+using ddp::transport::Algorithm;
+using ddp::transport::Communicator;
+using ddp::transport::DataType;
+using ddp::transport::ReduceOp;
+using ddp::transport::Status;
+
+[[noreturn]] void Fail(const std::string& message) {
+  std::fprintf(stderr, "allreduce_bench: %s\n", message.c_str());
+  std::exit(2);
+}
+
+size_t ParseBytes(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  double scale = 1;
+  const std::string suffix = end == nullptr ? "" : end;
+  if (suffix == "K" || suffix == "k") scale = 1024;
+  else if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
+  else if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
+  else if (!suffix.empty()) Fail("--" + flag + "=" + text + ": expected a number with an optional K, M or G");
+  if (end == text.c_str() || value < 0) Fail("--" + flag + "=" + text + ": expected a non-negative size");
+  return static_cast<size_t>(value * scale);
+}
+
+template <typename E>
+E ParseEnum(const std::string& flag, const std::string& text, std::initializer_list<E> values,
+            const char* (*name)(E)) {
+  for (E v : values) {
+    if (text == name(v)) return v;
+  }
+  Fail("--" + flag + "=" + text + " is not recognised");
+}
+
+void Check(const Status& status, const char* what) {
+  if (!status.ok()) Fail(std::string(what) + ": " + status.ToString());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Only rank 0 prints, in a fixed format: no "[rank] " prefixes.
+  ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.prefix_output = false});
+  gflags::SetUsageMessage("all-reduce benchmark; --nproc_per_node=N spawns N ranks");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+
+  const Algorithm algo = ParseEnum<Algorithm>(
+      "algo", FLAGS_algo,
+      {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
+       Algorithm::kHierarchical, Algorithm::kSharedMemory},
+      ddp::transport::AlgorithmName);
+  const DataType dtype = ParseEnum<DataType>(
+      "dtype", FLAGS_dtype,
+      {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16, DataType::kI32,
+       DataType::kI64, DataType::kU8},
+      ddp::transport::DataTypeName);
+  const ReduceOp op = ParseEnum<ReduceOp>(
+      "op", FLAGS_op, {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProd},
+      ddp::transport::ReduceOpName);
+  const size_t min_bytes = ParseBytes("min_bytes", FLAGS_min_bytes);
+  const size_t max_bytes = ParseBytes("max_bytes", FLAGS_max_bytes);
+  if (max_bytes < min_bytes) Fail("--max_bytes is smaller than --min_bytes");
+  if (FLAGS_step_factor <= 1) Fail("--step_factor must be greater than 1");
+  if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
+
+  ddp::transport::CommunicatorOptions options;
+  options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
+  options.algorithm = algo;
+  options.bind_to_core = FLAGS_bind;
+  auto created = Communicator::CreateFromEnvironment(options);
+  if (!created.ok()) Fail(created.status().ToString());
+  Communicator& comm = **created;
+  const int n = comm.size();
+  const size_t elem = ddp::transport::DataTypeSize(dtype);
+
+  if (comm.rank() == 0) {
+    std::printf("# allreduce_bench: %d ranks, %d host(s), dtype %s, op %s, %s, shm path %s, UCX_TLS=%s\n",
+                n, comm.info().num_hosts, FLAGS_dtype.c_str(), FLAGS_op.c_str(),
+                FLAGS_in_place ? "in place" : "out of place",
+                comm.info().shared_memory ? "on" : "off", comm.info().ucx_tls.c_str());
+    std::printf("# %10s %12s %6s %10s %10s %10s %6s\n", "bytes", "count", "algo", "time_us",
+                "algbw_GBps", "busbw_GBps", "wrong");
+    std::fflush(stdout);
+  }
+
+  for (double size = std::max<size_t>(min_bytes, elem); size <= max_bytes; size *= FLAGS_step_factor) {
+    const size_t count = static_cast<size_t>(size) / elem;
+    const size_t bytes = count * elem;
+    std::vector<char> send(std::max<size_t>(bytes, 1)), recv(FLAGS_in_place ? 1 : std::max<size_t>(bytes, 1));
+    void* out = FLAGS_in_place ? send.data() : recv.data();
+    ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
+    const int iters = FLAGS_iters > 0 ? FLAGS_iters
+                                      : static_cast<int>(std::clamp<double>(2e8 / std::max<size_t>(bytes, 1), 3, 200));
+    for (int i = 0; i < FLAGS_warmup_iters; ++i) {
+      Check(comm.AllReduce(send.data(), out, count, dtype, op), "warm-up all-reduce");
+    }
+    Check(comm.Barrier(), "barrier");
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) Check(comm.AllReduce(send.data(), out, count, dtype, op), "all-reduce");
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
+    Check(comm.AllReduce(&seconds, 1, DataType::kF64, ReduceOp::kMax), "collecting times");
+
+    int64_t wrong = 0;
+    if (FLAGS_check) {
+      ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
+      Check(comm.AllReduce(send.data(), out, count, dtype, op), "checked all-reduce");
+      wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));
+      Check(comm.AllReduce(&wrong, 1, DataType::kI64, ReduceOp::kSum), "collecting errors");
+    }
+    if (comm.rank() == 0) {
+      const double algbw = bytes / seconds / 1e9;
+      const double busbw = algbw * 2.0 * (n - 1) / n;
+      std::printf("%12zu %12zu %6s %10.2f %10.3f %10.3f %6lld\n", bytes, count,
+                  ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes)), seconds * 1e6,
+                  algbw, busbw, static_cast<long long>(wrong));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}

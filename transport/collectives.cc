@@ -1,0 +1,64 @@
+#include "transport/collectives.h"
+
+#include <vector>
+
+#include "transport/algorithms/all_gather.h"
+#include "transport/algorithms/all_reduce.h"
+#include "transport/algorithms/barrier.h"
+#include "transport/algorithms/broadcast.h"
+#include "transport/algorithms/hierarchical_all_reduce.h"
+#include "transport/algorithms/reduce_scatter.h"
+#include "transport/algorithms/selection.h"
+
+namespace ddp::transport::internal {
+
+Algorithm SelectAllReduce(size_t bytes, const topology::Topology& topology) {
+  return algorithms::SelectFromRules(algorithms::DefaultAllReduceRules(),
+                                     {.bytes = bytes,
+                                      .world_size = topology.size(),
+                                      .num_hosts = topology.num_hosts(),
+                                      .uniform_hosts = topology.Uniform()});
+}
+
+Algorithm ChooseAllReduce(const AllReduceChoice& c, const topology::Topology& topology) {
+  Algorithm a = c.requested != Algorithm::kAuto ? c.requested : c.configured;
+  if (a == Algorithm::kSharedMemory && !c.shared_memory) a = Algorithm::kAuto;
+  if (a == Algorithm::kHierarchical && topology.num_hosts() < 2) a = Algorithm::kAuto;
+  if (a != Algorithm::kAuto) return a;
+  if (c.shared_memory) return Algorithm::kSharedMemory;
+  return SelectAllReduce(c.bytes, topology);
+}
+
+Status RunAllReduce(Algorithm algorithm, p2p::PointToPoint& p2p,
+                    const algorithms::CollectiveArgs& args) {
+  if (algorithm != Algorithm::kRing && algorithm != Algorithm::kTree &&
+      algorithm != Algorithm::kRhd) {
+    return InternalError(std::string("not a flat all-reduce algorithm: ") + AlgorithmName(algorithm));
+  }
+  return algorithms::AllReduce(p2p, args, algorithm);
+}
+
+Status RunHierarchicalAllReduce(p2p::PointToPoint& p2p, const topology::Topology& topology,
+                                const algorithms::CollectiveArgs& args) {
+  std::vector<int> host_of_rank(topology.size());
+  for (int r = 0; r < topology.size(); ++r) host_of_rank[r] = topology.ranks[r].host;
+  return algorithms::HierarchicalAllReduce(p2p, args, host_of_rank);
+}
+
+Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {
+  return algorithms::Broadcast(p2p, args);
+}
+
+Status RunAllGather(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {
+  return algorithms::RingAllGather(p2p, args);
+}
+
+Status RunReduceScatter(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {
+  return algorithms::RingReduceScatter(p2p, args);
+}
+
+Status RunBarrier(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {
+  return algorithms::Barrier(p2p, args);
+}
+
+}  // namespace ddp::transport::internal

@@ -1,0 +1,47 @@
+#ifndef DDP_TRANSPORT_COLLECTIVES_H_
+#define DDP_TRANSPORT_COLLECTIVES_H_
+
+// The communicator's bridge to transport/algorithms: which algorithm runs a
+// collective, given the topology. Private to //transport.
+
+#include <cstddef>
+
+#include "transport/algorithms/collective.h"
+#include "transport/p2p/point_to_point.h"
+#include "transport/status.h"
+#include "transport/topology/topology.h"
+#include "transport/types.h"
+
+namespace ddp::transport::internal {
+
+/// The all-reduce algorithm for `bytes` bytes on `topology` from the
+/// selection table (never kAuto, never kSharedMemory).
+Algorithm SelectAllReduce(size_t bytes, const topology::Topology& topology);
+
+/// What decides an all-reduce's algorithm.
+struct AllReduceChoice {
+  size_t bytes = 0;
+  Algorithm requested = Algorithm::kAuto;  ///< CallOptions::algorithm.
+  Algorithm configured = Algorithm::kAuto; ///< Options or DDP_ALLREDUCE_ALGO.
+  bool shared_memory = false;              ///< The shm engine is up.
+};
+
+/// The per-call choice: the request, else the configuration, else the shm
+/// engine when it is up, else the table. Requests that cannot run here fall
+/// back: shm without the engine, hierarchical on one host.
+Algorithm ChooseAllReduce(const AllReduceChoice& choice, const topology::Topology& topology);
+
+/// Runs a flat all-reduce algorithm (ring, tree, rhd) over `p2p`.
+Status RunAllReduce(Algorithm algorithm, p2p::PointToPoint& p2p,
+                    const algorithms::CollectiveArgs& args);
+/// Hierarchical all-reduce over the hosts of `topology`.
+Status RunHierarchicalAllReduce(p2p::PointToPoint& p2p, const topology::Topology& topology,
+                                const algorithms::CollectiveArgs& args);
+Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
+Status RunAllGather(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
+Status RunReduceScatter(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
+Status RunBarrier(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
+
+}  // namespace ddp::transport::internal
+
+#endif  // DDP_TRANSPORT_COLLECTIVES_H_

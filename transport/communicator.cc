@@ -1,0 +1,827 @@
+#include "transport/communicator.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "transport/algorithms/collective.h"
+#include "transport/collectives.h"
+#include "transport/fault/peer_monitor.h"
+#include "transport/fork/fork_guard.h"
+#include "transport/launch/env.h"
+#include "transport/p2p/group_view.h"
+#include "transport/shm/shm_allreduce.h"
+#include "transport/store/tcp_store.h"
+#include "transport/topology/discover.h"
+#include "transport/topology/topology.h"
+#include "transport/ucx/resources.h"
+#include "transport/ucx/ucx_p2p.h"
+
+namespace ddp::transport {
+namespace {
+
+using std::chrono::milliseconds;
+
+std::string GetEnv(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? "" : value;
+}
+
+StatusOr<Algorithm> ParseAlgorithm(const std::string& text, const char* origin) {
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
+                      Algorithm::kHierarchical, Algorithm::kSharedMemory}) {
+    if (text == AlgorithmName(a)) return a;
+  }
+  return InvalidArgumentError(std::string(origin) + "=" + text +
+                              ": expected auto, ring, tree, rhd, hierarchical or shm");
+}
+
+bool ValidDataType(DataType d) {
+  return static_cast<int>(d) >= 0 && static_cast<int>(d) <= static_cast<int>(DataType::kU8);
+}
+bool ValidOp(ReduceOp op) {
+  return static_cast<int>(op) >= 0 && static_cast<int>(op) <= static_cast<int>(ReduceOp::kProd);
+}
+
+// Pins the calling thread to the `index`-th CPU (modulo) it may run on.
+void BindToCore(int index) {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  if (cpus.empty()) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[index % cpus.size()], &one);
+  sched_setaffinity(0, sizeof(one), &one);
+}
+
+// CPUs this process may run on: what "oversubscribed" is measured against.
+int AvailableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Work ----
+
+struct Work::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status status;
+  // Point-to-point calls are not queued: their request is posted at once
+  // and whoever waits drives it by calling poll (which calls Finish when the
+  // request completes). Collectives leave it empty; the communicator's
+  // thread finishes them.
+  std::function<void()> poll;
+
+  void Finish(Status s) {
+    {
+      std::lock_guard lock(mu);
+      if (done) return;
+      status = std::move(s);
+      done = true;
+      poll = nullptr;
+    }
+    cv.notify_all();
+  }
+};
+
+Status Work::Wait() {
+  if (state_ == nullptr) return FailedPreconditionError("Wait on an empty Work handle");
+  // Bounded: every call gives up at its own deadline.
+  return Wait(Clock::time_point::max());
+}
+
+Status Work::Wait(Deadline deadline) {
+  if (state_ == nullptr) return FailedPreconditionError("Wait on an empty Work handle");
+  while (true) {
+    std::function<void()> poll;
+    {
+      std::unique_lock lock(state_->mu);
+      if (state_->done) return state_->status;
+      if (!state_->poll) {
+        if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
+          return TimedOutError("asynchronous call not finished by the caller's deadline");
+        }
+        return state_->status;
+      }
+      poll = state_->poll;
+    }
+    if (Clock::now() >= deadline) {
+      return TimedOutError("asynchronous call not finished by the caller's deadline");
+    }
+    poll();
+  }
+}
+
+StatusOr<bool> Work::Test() {
+  if (state_ == nullptr) return FailedPreconditionError("Test on an empty Work handle");
+  std::function<void()> poll;
+  {
+    std::lock_guard lock(state_->mu);
+    poll = state_->poll;
+  }
+  if (poll) poll();
+  std::lock_guard lock(state_->mu);
+  if (!state_->done) return false;
+  if (!state_->status.ok()) return state_->status;
+  return true;
+}
+
+// ---------------------------------------------------------------- Impl ----
+
+class Communicator::Impl {
+ public:
+  using Body = std::function<Status(Deadline)>;
+
+  explicit Impl(const CommunicatorOptions& options) : options_(options) {}
+  ~Impl();
+
+  Status Init();
+
+  // Runs `body` on the caller's thread after earlier async calls finished.
+  Status RunBlocking(const CallOptions& call, const Body& body);
+  // Queues `body` for the communicator's thread.
+  Work Enqueue(const CallOptions& call, Body body);
+
+  Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                   Algorithm requested, Deadline deadline);
+  Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline);
+  Status AllGather(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
+  Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                       Deadline deadline);
+  Status Barrier(Deadline deadline);
+  // Posts a user Send/Recv at once (not queued) and returns its Work.
+  Work PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
+               const CallOptions& call);
+
+  Algorithm Choose(size_t bytes, Algorithm requested) const;
+  void Abort(const Status& reason);
+  Status aborted_reason() const {
+    std::lock_guard lock(abort_mu_);
+    return aborted_;
+  }
+  bool aborted() const { return is_aborted_.load(std::memory_order_acquire); }
+
+  Status CheckBuffer(const void* p, size_t count, const char* name) const {
+    if (p == nullptr && count > 0) {
+      return InvalidArgumentError(std::string(name) + " is null with count " + std::to_string(count));
+    }
+    return Status::Ok();
+  }
+  Status CheckTypes(DataType dtype, ReduceOp op, bool uses_op) const {
+    if (!ValidDataType(dtype)) {
+      return InvalidArgumentError("unknown dtype " + std::to_string(static_cast<int>(dtype)));
+    }
+    if (uses_op && !ValidOp(op)) {
+      return InvalidArgumentError("unknown reduce op " + std::to_string(static_cast<int>(op)));
+    }
+    return Status::Ok();
+  }
+  Status CheckRank(int r, const char* what) const {
+    if (r < 0 || r >= options_.world_size) {
+      return InvalidArgumentError(std::string(what) + " " + std::to_string(r) +
+                                  " is outside a world of size " +
+                                  std::to_string(options_.world_size));
+    }
+    return Status::Ok();
+  }
+
+  CommunicatorOptions options_;
+  CommunicatorInfo info_;
+
+ private:
+  Deadline DeadlineFor(const CallOptions& call) const {
+    return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
+  }
+  algorithms::CollectiveArgs Args(const void* send, void* recv, size_t count, DataType dtype,
+                                  ReduceOp op, int root, Deadline deadline) {
+    algorithms::CollectiveArgs args;
+    args.send = send;
+    args.recv = recv;
+    args.count = count;
+    args.dtype = dtype;
+    args.op = op;
+    args.root = root;
+    args.tag = algorithms::CollectiveTag(sequence_++);
+    args.deadline = deadline;
+    args.tuning.chunk_bytes = options_.chunk_bytes;
+    return args;
+  }
+  Status Watchdog() { return monitor_ ? monitor_->Check() : Status::Ok(); }
+  void AsyncLoop();
+  Status WaitForQueue(Deadline deadline);
+  void Shutdown();
+
+  // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
+  // engines, then UCX (requests, endpoints, worker, context), then the store
+  // client, then the server.
+  std::unique_ptr<store::TcpStoreServer> server_;
+  std::unique_ptr<store::TcpStoreClient> store_;
+  std::string prefix_;
+  topology::Topology topology_;  // for algorithm choice (file or discovered)
+  bool single_host_ = true;      // as discovered, whatever the file says
+  std::vector<int> ring_order_;
+  std::unique_ptr<ucx::UcxPointToPoint> p2p_;
+  std::unique_ptr<p2p::GroupView> ring_view_;
+  std::unique_ptr<fault::PeerMonitor> monitor_;
+  std::unique_ptr<shm::ShmAllReduce> shm_;
+  std::function<Status()> watchdog_;
+
+  std::mutex run_mu_;     // held by whichever thread drives UCX / shm
+  uint64_t sequence_ = 0; // collective number, under run_mu_
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void()>> queue_;
+  size_t unfinished_ = 0;  // queued or running async calls
+  bool stopping_ = false;
+  std::thread thread_;
+
+  mutable std::mutex abort_mu_;
+  Status aborted_;
+  std::atomic<bool> is_aborted_{false};
+  bool shut_down_ = false;
+
+  std::mutex p2p_works_mu_;
+  std::vector<std::weak_ptr<Work::State>> p2p_works_;  // posted, maybe pending
+};
+
+Status Communicator::Impl::Init() {
+  const CommunicatorOptions& o = options_;
+  if (o.world_size < 1) return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " must be positive");
+  DDP_RETURN_IF_ERROR(CheckRank(o.rank, "rank"));
+  if (o.local_world_size < 1 || o.local_rank < 0 || o.local_rank >= o.local_world_size) {
+    return InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +
+                                " is outside a local world of size " +
+                                std::to_string(o.local_world_size));
+  }
+  if (o.store_port < 1 || o.store_port > 65535) {
+    return InvalidArgumentError("store_port " + std::to_string(o.store_port) + " is not a TCP port");
+  }
+  if (o.timeout.count() <= 0) return InvalidArgumentError("timeout must be positive");
+  const std::string env_algo = GetEnv("DDP_ALLREDUCE_ALGO");
+  if (options_.algorithm == Algorithm::kAuto && !env_algo.empty()) {
+    DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
+  }
+  if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
+
+  fork::InstallForkGuard();
+  const Deadline deadline = DeadlineIn(o.timeout);
+  // Count the cores before pinning narrows the view to one.
+  const int available_cpus = AvailableCpus();
+  if (o.bind_to_core) BindToCore(o.local_rank);
+  prefix_ = o.name + "/";
+
+  // 1. Rendezvous store.
+  if (o.host_store && o.rank == 0) {
+    store::TcpStoreServerOptions server_options;
+    server_options.bind_address = o.store_host;
+    server_options.port = o.store_port;
+    server_options.job_token = o.job_token;
+    DDP_ASSIGN_OR_RETURN(server_, store::TcpStoreServer::Start(server_options));
+  }
+  DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
+                                                              o.job_token, deadline));
+
+  // 2. Topology: discovered and exchanged (hosts, pids), or from a file for
+  // the algorithm choice.
+  DDP_ASSIGN_OR_RETURN(topology::LocalView local,
+                       topology::DiscoverLocal({.local_rank = o.local_rank,
+                                                .local_world_size = o.local_world_size}));
+  DDP_ASSIGN_OR_RETURN(topology::Exchanged exchanged,
+                       topology::ExchangeTopology(*store_, prefix_, o.rank, o.world_size, local,
+                                                  deadline));
+  const topology::Topology& real = exchanged.topology;
+  single_host_ = real.num_hosts() == 1;
+  topology_ = real;
+  if (!options_.topology_file.empty()) {
+    DDP_ASSIGN_OR_RETURN(topology_, topology::LoadTopologyFile(options_.topology_file));
+    if (topology_.size() != o.world_size) {
+      return InvalidArgumentError("topology file " + options_.topology_file + " describes " +
+                                  std::to_string(topology_.size()) + " ranks, the job has " +
+                                  std::to_string(o.world_size));
+    }
+  }
+  info_.num_hosts = topology_.num_hosts();
+  ring_order_ = topology::RingOrder(topology_);
+  {
+    std::ostringstream order;
+    for (size_t i = 0; i < ring_order_.size(); ++i) order << (i ? " " : "") << ring_order_[i];
+    info_.ring_order = order.str();
+  }
+
+  // 3. UCX. On one host only shared memory is useful; otherwise UCX picks
+  // among all transports, on the RDMA port nearest this rank.
+  ucx::ContextOptions context_options;
+  if (single_host_) context_options.default_tls = "sm,self";
+  info_.net_device = topology::PickNetDevice(real, o.rank);
+  context_options.default_net_devices = info_.net_device;
+  if (!GetEnv("UCX_NET_DEVICES").empty()) info_.net_device = GetEnv("UCX_NET_DEVICES");
+  context_options.name = "ddp-rank" + std::to_string(o.rank);
+  DDP_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Context> context, ucx::Context::Create(context_options));
+  info_.ucx_tls = context->tls();
+  // Ranks that outnumber this host's cores must not spin against each
+  // other: yield while idle.
+  const bool oversubscribed = o.local_world_size > available_cpus;
+  ucx::P2pOptions p2p_options;
+  p2p_options.rank = o.rank;
+  p2p_options.size = o.world_size;
+  p2p_options.idle_mode = oversubscribed ? ucx::IdleMode::kYield : ucx::IdleMode::kSpin;
+  DDP_ASSIGN_OR_RETURN(p2p_, ucx::UcxPointToPoint::Create(context, p2p_options));
+  DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "ucx/" + std::to_string(o.rank), p2p_->address(), deadline));
+  std::vector<std::string> addresses(o.world_size);
+  std::vector<bool> same_host(o.world_size);
+  std::vector<int> local_pids(o.world_size, 0);
+  for (int r = 0; r < o.world_size; ++r) {
+    DDP_ASSIGN_OR_RETURN(addresses[r], store_->Get(prefix_ + "ucx/" + std::to_string(r), deadline));
+    same_host[r] = real.SameHost(r, o.rank);
+    if (same_host[r]) local_pids[r] = exchanged.pids[r];
+  }
+  DDP_RETURN_IF_ERROR(p2p_->Connect(addresses, same_host));
+  DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(*p2p_, ring_order_));
+  ring_view_ = std::make_unique<p2p::GroupView>(std::move(view));
+
+  // 4. Fault detection inside waits.
+  monitor_ = std::make_unique<fault::PeerMonitor>(
+      fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,
+                                .store_rank = o.host_store ? 0 : -1},
+      store_.get());
+  watchdog_ = [this] { return Watchdog(); };
+  p2p_->SetWatchdog(watchdog_);
+
+  // 5. The shared-memory path, when every rank is on this host.
+  if (single_host_ && o.world_size > 1 && o.shared_memory) {
+    shm::ShmOptions shm_options;
+    shm_options.rank = o.rank;
+    shm_options.size = o.world_size;
+    shm_options.pids = exchanged.pids;
+    shm_options.yield_when_idle = oversubscribed;
+    if (o.chunk_bytes > 0) {
+      shm_options.chunk_bytes = o.chunk_bytes;
+      shm_options.staging_bytes = std::min(shm_options.staging_bytes, 16 * o.chunk_bytes);
+    }
+    // Tuning knobs for benchmarks (docs/benchmarks.md); equal on every rank.
+    if (const std::string v = GetEnv("DDP_SHM_STAGING_BYTES"); !v.empty()) {
+      shm_options.staging_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    }
+    if (const std::string v = GetEnv("DDP_SHM_SPINS"); !v.empty()) {
+      shm_options.spins_before_yield = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    }
+    if (const std::string v = GetEnv("DDP_SHM_CHUNK_BYTES"); !v.empty()) {
+      shm_options.chunk_bytes = std::max<size_t>(4096, std::strtoull(v.c_str(), nullptr, 10));
+    }
+    auto engine = shm::ShmAllReduce::Create(*store_, prefix_ + "shm/", shm_options, deadline);
+    if (engine.ok()) {
+      shm_ = std::move(*engine);
+    } else if (engine.status().code() != StatusCode::kUnavailable) {
+      return engine.status();
+    }
+    // UNAVAILABLE (no CMA permission): every rank decided the same; UCX only.
+  }
+  info_.shared_memory = shm_ != nullptr;
+  return Status::Ok();
+}
+
+Communicator::Impl::~Impl() { Shutdown(); }
+
+void Communicator::Impl::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  const Deadline deadline = DeadlineIn(std::min<milliseconds>(options_.timeout, milliseconds(30000)));
+  if (thread_.joinable()) {
+    WaitForQueue(deadline).IgnoreError();
+    {
+      std::lock_guard lock(queue_mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    thread_.join();
+  }
+  {
+    // Point-to-point calls nobody waited for: their handles must not poll a
+    // communicator that is going away.
+    std::lock_guard lock(p2p_works_mu_);
+    for (auto& weak : p2p_works_) {
+      if (auto state = weak.lock()) {
+        state->Finish(FailedPreconditionError("communicator destroyed before the call finished"));
+      }
+    }
+    p2p_works_.clear();
+  }
+  if (store_ != nullptr) {
+    if (!aborted() && monitor_ != nullptr) monitor_->PostClosed();
+    // The rank serving the store keeps it up until the others have left
+    // (they may still post or read the abort key); bounded.
+    auto left = store_->Add(prefix_ + "left", 1, DeadlineIn(milliseconds(2000)));
+    if (server_ != nullptr && left.ok()) {
+      const Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
+      while (Clock::now() < wait_until) {
+        auto count = store_->Add(prefix_ + "left", 0, DeadlineIn(milliseconds(1000)));
+        if (!count.ok() || *count >= options_.world_size) break;
+        std::this_thread::sleep_for(milliseconds(5));
+      }
+    }
+  }
+  shm_.reset();
+  ring_view_.reset();
+  if (p2p_ != nullptr) p2p_->Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  p2p_.reset();
+  monitor_.reset();
+  store_.reset();
+  server_.reset();
+}
+
+void Communicator::Impl::Abort(const Status& reason) {
+  {
+    std::lock_guard lock(abort_mu_);
+    if (!aborted_.ok()) return;
+    aborted_ = reason;
+    is_aborted_.store(true, std::memory_order_release);
+  }
+  if (monitor_ != nullptr) monitor_->PostAbort(reason);
+}
+
+Status Communicator::Impl::WaitForQueue(Deadline deadline) {
+  std::unique_lock lock(queue_mu_);
+  if (!queue_cv_.wait_until(lock, deadline, [&] { return unfinished_ == 0; })) {
+    return TimedOutError("earlier asynchronous calls did not finish before the deadline");
+  }
+  return Status::Ok();
+}
+
+Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body) {
+  if (aborted()) return aborted_reason();
+  const Deadline deadline = DeadlineFor(call);
+  {
+    // Keep issue order: calls issued before this one run first.
+    std::unique_lock lock(queue_mu_);
+    if (unfinished_ > 0) {
+      lock.unlock();
+      DDP_RETURN_IF_ERROR(WaitForQueue(deadline));
+    }
+  }
+  std::lock_guard run(run_mu_);
+  if (aborted()) return aborted_reason();
+  Status status = body(deadline);
+  if (!status.ok()) Abort(status);
+  return status;
+}
+
+Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
+  auto state = std::make_shared<Work::State>();
+  Work work = Communicator::NewWork(state);
+  if (aborted()) {
+    state->Finish(aborted_reason());
+    return work;
+  }
+  const milliseconds timeout = call.timeout.count() > 0 ? call.timeout : options_.timeout;
+  {
+    std::lock_guard lock(queue_mu_);
+    ++unfinished_;
+    // The deadline counts from when the call starts running, so a queue of
+    // bucketed all-reduces does not time out merely for waiting its turn.
+    queue_.push_back([this, state, timeout, body = std::move(body)] {
+      Status status;
+      if (aborted()) {
+        status = aborted_reason();
+      } else {
+        std::lock_guard run(run_mu_);
+        status = aborted() ? aborted_reason() : body(DeadlineIn(timeout));
+        if (!status.ok() && !aborted()) Abort(status);
+      }
+      state->Finish(status);
+    });
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] {
+        if (options_.bind_to_core) BindToCore(options_.local_rank);
+        AsyncLoop();
+      });
+    }
+  }
+  queue_cv_.notify_all();
+  return work;
+}
+
+void Communicator::Impl::AsyncLoop() {
+  std::unique_lock lock(queue_mu_);
+  while (true) {
+    queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping with nothing left
+    std::function<void()> task = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    task();
+    lock.lock();
+    --unfinished_;
+    queue_cv_.notify_all();
+  }
+}
+
+Algorithm Communicator::Impl::Choose(size_t bytes, Algorithm requested) const {
+  return internal::ChooseAllReduce({.bytes = bytes,
+                                    .requested = requested,
+                                    .configured = options_.algorithm,
+                                    .shared_memory = shm_ != nullptr},
+                                   topology_);
+}
+
+Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                                     ReduceOp op, Algorithm requested, Deadline deadline) {
+  const Algorithm algorithm = Choose(count * DataTypeSize(dtype), requested);
+  if (algorithm == Algorithm::kSharedMemory) {
+    ++sequence_;  // keeps collective numbering equal on every path
+    return shm_->AllReduce(send, recv, count, dtype, op, deadline, watchdog_);
+  }
+  algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, 0, deadline);
+  if (algorithm == Algorithm::kHierarchical) {
+    return internal::RunHierarchicalAllReduce(*p2p_, topology_, args);
+  }
+  // Rings run in topology order: each hop stays on the fastest link.
+  return internal::RunAllReduce(algorithm, *ring_view_, args);
+}
+
+Status Communicator::Impl::Broadcast(void* buffer, size_t count, DataType dtype, int root,
+                                     Deadline deadline) {
+  return internal::RunBroadcast(*p2p_, Args(buffer, buffer, count, dtype, ReduceOp::kSum, root,
+                                              deadline));
+}
+
+Status Communicator::Impl::AllGather(const void* send, void* recv, size_t count, DataType dtype,
+                                     Deadline deadline) {
+  return internal::RunAllGather(*p2p_, Args(send, recv, count, dtype, ReduceOp::kSum, 0, deadline));
+}
+
+Status Communicator::Impl::ReduceScatter(const void* send, void* recv, size_t count,
+                                         DataType dtype, ReduceOp op, Deadline deadline) {
+  return internal::RunReduceScatter(*p2p_, Args(send, recv, count, dtype, op, 0, deadline));
+}
+
+Status Communicator::Impl::Barrier(Deadline deadline) {
+  if (shm_ != nullptr) {
+    ++sequence_;
+    return shm_->Barrier(deadline, watchdog_);
+  }
+  return internal::RunBarrier(*p2p_, Args(nullptr, nullptr, 0, DataType::kU8, ReduceOp::kSum, 0,
+                                            deadline));
+}
+
+Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
+                                 const CallOptions& call) {
+  if (aborted()) return Communicator::FinishedWork(aborted_reason());
+  const Deadline deadline = DeadlineFor(call);
+  StatusOr<p2p::RequestId> id = InternalError("not posted");
+  {
+    std::lock_guard run(run_mu_);
+    if (aborted()) return Communicator::FinishedWork(aborted_reason());
+    id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
+  }
+  if (!id.ok()) {
+    Abort(id.status());
+    return Communicator::FinishedWork(id.status());
+  }
+  auto state = std::make_shared<Work::State>();
+  std::weak_ptr<Work::State> weak = state;
+  const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
+                           std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
+  auto next_watchdog = std::make_shared<Clock::time_point>(Clock::now());
+  // One poll: a short hold of the worker, so that the communicator's thread
+  // can run queued collectives between polls (the peer may need them done
+  // before it sends what this request waits for).
+  state->poll = [this, weak, id = *id, deadline, what, next_watchdog] {
+    std::shared_ptr<Work::State> state = weak.lock();
+    if (state == nullptr) return;
+    Status failure;
+    {
+      std::lock_guard run(run_mu_);
+      if (state->done) return;
+      if (aborted()) {
+        p2p_->Cancel(id);
+        state->Finish(aborted_reason());
+        return;
+      }
+      StatusOr<bool> done = p2p_->Test(id);
+      if (done.ok() && *done) {
+        state->Finish(Status::Ok());
+        return;
+      }
+      const Clock::time_point now = Clock::now();
+      if (!done.ok()) {
+        failure = done.status();
+      } else if (now >= deadline) {
+        p2p_->Cancel(id);
+        failure = TimedOutError(what + " still pending at its deadline");
+      } else if (now >= *next_watchdog) {
+        *next_watchdog = now + milliseconds(100);
+        failure = Watchdog();
+        if (!failure.ok()) p2p_->Cancel(id);
+      }
+    }
+    if (!failure.ok()) {
+      Abort(failure);
+      state->Finish(failure);
+      return;
+    }
+    sched_yield();
+  };
+  {
+    std::lock_guard lock(p2p_works_mu_);
+    std::erase_if(p2p_works_, [](const std::weak_ptr<Work::State>& w) { return w.expired(); });
+    p2p_works_.push_back(weak);
+  }
+  return Communicator::NewWork(std::move(state));
+}
+
+// --------------------------------------------------------- Communicator ----
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Communicator::~Communicator() = default;
+
+StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  Status status = impl->Init();
+  if (!status.ok()) {
+    // Tell the ranks still forming the job instead of letting them time out.
+    impl->Abort(status);
+    return Status(status.code(), "rank " + std::to_string(options.rank) +
+                                     ": creating the communicator: " + status.message());
+  }
+  return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+StatusOr<std::unique_ptr<Communicator>> Communicator::CreateFromEnvironment(
+    CommunicatorOptions defaults) {
+  DDP_ASSIGN_OR_RETURN(launch::LaunchEnv env, launch::LaunchEnvFromProcess());
+  defaults.rank = env.rank;
+  defaults.world_size = env.world_size;
+  defaults.local_rank = env.local_rank;
+  defaults.local_world_size = env.local_world_size;
+  defaults.store_host = env.master_addr;
+  defaults.store_port = env.master_port;
+  defaults.host_store = !env.store_hosted_by_launcher;
+  defaults.job_token = env.job_token;
+  // A restarted group must not read what the previous attempt wrote.
+  defaults.name = env.StoreKeyPrefix() + defaults.name;
+  return Create(defaults);
+}
+
+int Communicator::rank() const { return impl_->options_.rank; }
+int Communicator::size() const { return impl_->options_.world_size; }
+int Communicator::local_rank() const { return impl_->options_.local_rank; }
+int Communicator::local_size() const { return impl_->options_.local_world_size; }
+const CommunicatorInfo& Communicator::info() const { return impl_->info_; }
+void Communicator::Abort(const Status& reason) { impl_->Abort(reason); }
+Status Communicator::aborted_reason() const { return impl_->aborted_reason(); }
+Algorithm Communicator::SelectedAlgorithm(size_t bytes) const {
+  return impl_->Choose(bytes, Algorithm::kAuto);
+}
+
+Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                               ReduceOp op, const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
+  });
+}
+
+Status Communicator::AllReduce(void* buffer, size_t count, DataType dtype, ReduceOp op,
+                               const CallOptions& call) {
+  return AllReduce(buffer, buffer, count, dtype, op, call);
+}
+
+Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int root,
+                               const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckRank(root, "broadcast root"));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->Broadcast(buffer, count, dtype, root, d);
+  });
+}
+
+Status Communicator::AllGather(const void* send, void* recv, size_t count, DataType dtype,
+                               const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-gather send buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->AllGather(send, recv, count, dtype, d);
+  });
+}
+
+Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, DataType dtype,
+                                   ReduceOp op, const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->ReduceScatter(send, recv, count, dtype, op, d);
+  });
+}
+
+Status Communicator::Barrier(const CallOptions& call) {
+  return impl_->RunBlocking(call, [this](Deadline d) { return impl_->Barrier(d); });
+}
+
+Status Communicator::Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
+                          const CallOptions& call) {
+  return SendAsync(data, count, dtype, peer, tag, call).Wait();
+}
+
+Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
+                          const CallOptions& call) {
+  return RecvAsync(data, count, dtype, peer, tag, call).Wait();
+}
+
+Work Communicator::FinishedWork(Status status) {
+  auto state = std::make_shared<Work::State>();
+  state->Finish(std::move(status));
+  return Work(std::move(state));
+}
+
+Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std::move(state)); }
+
+// Argument errors of an async call come back in its Work, without aborting.
+#define DDP_ASYNC_CHECK(expr)                      \
+  do {                                             \
+    Status ddp_check_ = (expr);                    \
+    if (!ddp_check_.ok()) return FinishedWork(ddp_check_); \
+  } while (0)
+
+Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
+                                  ReduceOp op, const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
+  });
+}
+
+Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, int root,
+                                  const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->Broadcast(buffer, count, dtype, root, d);
+  });
+}
+
+Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, DataType dtype,
+                                  const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-gather send buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->AllGather(send, recv, count, dtype, d);
+  });
+}
+
+Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
+                                      ReduceOp op, const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->ReduceScatter(send, recv, count, dtype, op, d);
+  });
+}
+
+Work Communicator::BarrierAsync(const CallOptions& call) {
+  return impl_->Enqueue(call, [this](Deadline d) { return impl_->Barrier(d); });
+}
+
+Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int peer,
+                             uint32_t tag, const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "send buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckRank(peer, "send to rank"));
+  return impl_->PostP2p(true, const_cast<void*>(data), count * DataTypeSize(dtype), peer, tag, call);
+}
+
+Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
+                             const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "receive buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckRank(peer, "receive from rank"));
+  return impl_->PostP2p(false, data, count * DataTypeSize(dtype), peer, tag, call);
+}
+
+}  // namespace ddp::transport

@@ -1,0 +1,461 @@
+// Real processes over UCX: the test binary spawns copies of itself as the
+// ranks of a one-host job (DDP_TEST_SCENARIO names what they run) and checks
+// their exit codes and output.
+
+#include "transport/communicator.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/testing/expected_values.h"
+#include "transport/testing/process_group.h"
+
+namespace ddp::transport {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::CountWrong;
+using testing::FillInput;
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
+                                  DataType::kI32, DataType::kI64, DataType::kU8};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin,
+                                ReduceOp::kProd};
+
+// ------------------------------------------------------------ workers ----
+
+int failures = 0;
+
+#define WORKER_CHECK(cond, what)                                                   \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      ++failures;                                                                  \
+      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, std::string(what).c_str()); \
+    }                                                                              \
+  } while (0)
+
+std::string Env(const char* name, const char* fallback = "") {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : v;
+}
+
+CommunicatorOptions WorkerOptions() {
+  CommunicatorOptions options;
+  options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
+  options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  return options;
+}
+
+std::unique_ptr<Communicator> MustCreate() {
+  auto comm = Communicator::CreateFromEnvironment(WorkerOptions());
+  if (!comm.ok()) {
+    std::fprintf(stderr, "CREATE %s\n", comm.status().ToString().c_str());
+    std::exit(3);
+  }
+  return std::move(*comm);
+}
+
+void SweepAllReduce(Communicator& comm, Algorithm algorithm) {
+  const int n = comm.size();
+  const std::vector<size_t> counts = {0, 1, static_cast<size_t>(n - 1), 1001, 6000};
+  for (DataType dtype : kAllTypes) {
+    for (ReduceOp op : kAllOps) {
+      for (size_t count : counts) {
+        for (bool in_place : {true, false}) {
+          const size_t bytes = count * DataTypeSize(dtype);
+          std::vector<char> send(bytes + 1), recv(bytes + 1, 0x5A);
+          FillInput(dtype, send.data(), count, comm.rank(), op);
+          void* out = in_place ? send.data() : recv.data();
+          Status s = comm.AllReduce(send.data(), out, count, dtype, op, {.algorithm = algorithm});
+          std::string first;
+          const std::string what = std::string("all-reduce ") + AlgorithmName(algorithm) + " " +
+                                   DataTypeName(dtype) + " " + ReduceOpName(op) + " count " +
+                                   std::to_string(count) + (in_place ? " in place" : "");
+          WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+          if (!s.ok()) return;
+          WORKER_CHECK(CountWrong(dtype, out, count, n, op, 0, &first) == 0, what + ": " + first);
+          WORKER_CHECK(static_cast<char*>(out)[bytes] == (in_place ? 0 : 0x5A),
+                       what + ": wrote past the end");
+        }
+      }
+    }
+  }
+}
+
+void SweepOthers(Communicator& comm) {
+  const int n = comm.size(), me = comm.rank();
+  for (DataType dtype : {DataType::kF32, DataType::kBF16, DataType::kI64, DataType::kU8}) {
+    const size_t elem = DataTypeSize(dtype);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{1001}, size_t{6000}}) {
+      // Broadcast from every root.
+      for (int root = 0; root < n; ++root) {
+        std::vector<char> buf(count * elem);
+        FillInput(dtype, buf.data(), count, me == root ? 0 : 5, ReduceOp::kMax);
+        Status s = comm.Broadcast(buf.data(), count, dtype, root);
+        WORKER_CHECK(s.ok(), "broadcast: " + s.ToString());
+        size_t wrong = 0;
+        for (size_t i = 0; i < count; ++i) {
+          wrong += testing::Load(dtype, buf.data(), i) != testing::InputValue(0, i, ReduceOp::kMax);
+        }
+        WORKER_CHECK(wrong == 0, "broadcast from " + std::to_string(root) + " count " +
+                                     std::to_string(count) + ": " + std::to_string(wrong) + " wrong");
+      }
+      // All-gather, out of place and in place.
+      for (bool in_place : {false, true}) {
+        std::vector<char> all(n * count * elem), mine(count * elem);
+        FillInput(dtype, mine.data(), count, me, ReduceOp::kSum);
+        const void* send = mine.data();
+        if (in_place) {
+          std::memcpy(all.data() + me * count * elem, mine.data(), count * elem);
+          send = all.data() + me * count * elem;
+        }
+        Status s = comm.AllGather(send, all.data(), count, dtype);
+        WORKER_CHECK(s.ok(), "all-gather: " + s.ToString());
+        size_t wrong = 0;
+        for (int r = 0; r < n; ++r) {
+          for (size_t i = 0; i < count; ++i) {
+            wrong += testing::Load(dtype, all.data(), r * count + i) !=
+                     testing::InputValue(r, i, ReduceOp::kSum);
+          }
+        }
+        WORKER_CHECK(wrong == 0, "all-gather count " + std::to_string(count) + ": " +
+                                     std::to_string(wrong) + " wrong");
+      }
+      // Reduce-scatter: rank r gets block r of the sum.
+      std::vector<char> send(n * count * elem), recv(count * elem);
+      FillInput(dtype, send.data(), n * count, me, ReduceOp::kSum);
+      Status s = comm.ReduceScatter(send.data(), recv.data(), count, dtype, ReduceOp::kSum);
+      WORKER_CHECK(s.ok(), "reduce-scatter: " + s.ToString());
+      std::string first;
+      WORKER_CHECK(CountWrong(dtype, recv.data(), count, n, ReduceOp::kSum, me * count, &first) == 0,
+                   "reduce-scatter count " + std::to_string(count) + ": " + first);
+    }
+  }
+  // Barrier, and Send/Recv around a ring (user tags that collide with
+  // nothing the collectives use).
+  WORKER_CHECK(comm.Barrier().ok(), "barrier");
+  std::vector<int64_t> out(777, me), in(777, -1);
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  Work recv = comm.RecvAsync(in.data(), in.size(), DataType::kI64, prev, 42);
+  Status sent = comm.Send(out.data(), out.size(), DataType::kI64, next, 42);
+  WORKER_CHECK(sent.ok(), "send: " + sent.ToString());
+  Status got = recv.Wait();
+  WORKER_CHECK(got.ok() && in[0] == prev && in[776] == prev, "recv: " + got.ToString());
+  // Async all-reduces complete in issue order, then a blocking one.
+  std::vector<std::vector<float>> buffers(5, std::vector<float>(3000));
+  std::vector<Work> works;
+  for (auto& b : buffers) {
+    FillInput(DataType::kF32, b.data(), b.size(), me, ReduceOp::kSum);
+    works.push_back(comm.AllReduceAsync(b.data(), b.data(), b.size(), DataType::kF32, ReduceOp::kSum));
+  }
+  std::vector<float> last(100);
+  FillInput(DataType::kF32, last.data(), last.size(), me, ReduceOp::kSum);
+  WORKER_CHECK(comm.AllReduce(last.data(), last.size(), DataType::kF32, ReduceOp::kSum).ok(), "blocking after async");
+  for (size_t i = 0; i < works.size(); ++i) {
+    auto done = works[i].Test();
+    WORKER_CHECK(done.ok() && *done, "async " + std::to_string(i) + " not done before a later blocking call");
+    WORKER_CHECK(CountWrong(DataType::kF32, buffers[i].data(), 3000, n, ReduceOp::kSum) == 0, "async result");
+  }
+  WORKER_CHECK(CountWrong(DataType::kF32, last.data(), last.size(), n, ReduceOp::kSum) == 0, "blocking result");
+}
+
+int ScenarioSweep() {
+  auto comm = MustCreate();
+  std::vector<Algorithm> algorithms = {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
+                                       Algorithm::kRhd};
+  if (comm->info().num_hosts > 1) algorithms.push_back(Algorithm::kHierarchical);
+  for (Algorithm a : algorithms) SweepAllReduce(*comm, a);
+  SweepOthers(*comm);
+  if (comm->rank() == 0) {
+    std::printf("INFO hosts=%d shm=%d tls=%s ring=%s auto64k=%s\n", comm->info().num_hosts,
+                comm->info().shared_memory, comm->info().ucx_tls.c_str(),
+                comm->info().ring_order.c_str(), AlgorithmName(comm->SelectedAlgorithm(65536)));
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// All-reduces in a loop until something fails; reports how it failed.
+int ScenarioLoop() {
+  auto comm = MustCreate();
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+  std::vector<float> data(1 << 18, 1.0f);
+  const auto until = Clock::now() + std::chrono::seconds(30);
+  auto last_ok = Clock::now();
+  std::printf("READY\n");
+  std::fflush(stdout);
+  while (Clock::now() < until) {
+    Status s = comm->AllReduce(data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+                               {.algorithm = algorithm});
+    if (!s.ok()) {
+      const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - last_ok).count();
+      std::printf("ERROR %s after_ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+      // Every later call fails at once with the first reason.
+      const auto start = Clock::now();
+      Status again = comm->Barrier();
+      const auto again_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+      std::printf("AGAIN %s same=%d ms=%lld\n", again.ToString().c_str(),
+                  again == comm->aborted_reason(), static_cast<long long>(again_ms));
+      return 0;
+    }
+    last_ok = Clock::now();
+  }
+  return 1;
+}
+
+int ScenarioMismatch() {
+  auto comm = MustCreate();
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+  std::vector<float> data(1000, 1.0f);
+  const size_t count = comm->rank() == 0 ? 1000 : 500;
+  const auto start = Clock::now();
+  Status s = comm->AllReduce(data.data(), count, DataType::kF32, ReduceOp::kSum,
+                             {.algorithm = algorithm});
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+  return s.ok() ? 1 : 0;
+}
+
+int ScenarioCreateOnly() {
+  auto comm = Communicator::CreateFromEnvironment(WorkerOptions());
+  std::printf("RESULT %s\n", comm.ok() ? "OK" : comm.status().ToString().c_str());
+  if (!comm.ok()) return 2;
+  float x = 1;
+  Status s = (*comm)->AllReduce(&x, 1, DataType::kF32, ReduceOp::kSum);
+  return s.ok() && x == (*comm)->size() ? 0 : 1;
+}
+
+int ScenarioFork() {
+  auto comm = MustCreate();
+  const pid_t child = fork();
+  if (child == 0) _exit(0);  // not reached: the guard exits first
+  int status = 0;
+  waitpid(child, &status, 0);
+  std::printf("CHILD exit=%d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  return comm->Barrier().ok() ? 0 : 1;
+}
+
+int RunScenario(const std::string& name) {
+  if (name == "sweep") return ScenarioSweep();
+  if (name == "loop") return ScenarioLoop();
+  if (name == "mismatch") return ScenarioMismatch();
+  if (name == "create") return ScenarioCreateOnly();
+  if (name == "fork") return ScenarioFork();
+  std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
+  return 2;
+}
+
+// ------------------------------------------------------------- parent ----
+
+struct Job {
+  std::vector<testing::WorkerResult> results;
+  std::string Describe() const {
+    std::string text;
+    for (size_t r = 0; r < results.size(); ++r) {
+      text += "--- rank " + std::to_string(r) + " exit " + std::to_string(results[r].exit_code) +
+              " signal " + std::to_string(results[r].signal) +
+              (results[r].timed_out ? " TIMED OUT" : "") + "\n" + results[r].output;
+    }
+    return text;
+  }
+};
+
+Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
+           milliseconds limit = milliseconds(60000),
+           const std::function<void(testing::ProcessGroup&, int port)>& during = nullptr) {
+  env["DDP_TEST_SCENARIO"] = scenario;
+  env["DDP_JOB_TOKEN"] = env.count("DDP_JOB_TOKEN") ? env["DDP_JOB_TOKEN"] : "secret-token";
+  const int port = testing::FreePort();
+  auto group = testing::ProcessGroup::Spawn(n, {}, env, port);
+  EXPECT_TRUE(group.ok()) << group.status();
+  if (!group.ok()) return {};
+  if (during) during(**group, port);
+  return Job{(*group)->Wait(DeadlineIn(limit))};
+}
+
+class Sweep : public ::testing::TestWithParam<int> {};
+
+TEST_P(Sweep, EveryCollectiveDtypeOpAndAlgorithm) {
+  Job job = RunJob(GetParam(), "sweep", {{"DDP_TEST_CHUNK_BYTES", "256"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  // One rank needs no shared memory; more ranks on one host use it.
+  EXPECT_NE(job.results[0].output.find(GetParam() > 1 ? "shm=1" : "shm=0"), std::string::npos)
+      << job.Describe();
+  EXPECT_NE(job.results[0].output.find("tls=sm,self"), std::string::npos) << job.Describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Sweep, ::testing::Values(1, 2, 3, 4));
+
+TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
+  // DDP_ALLREDUCE_ALGO forces the UCX ring for kAuto calls.
+  Job job = RunJob(3, "sweep", {{"DDP_TEST_CHUNK_BYTES", "512"}, {"DDP_ALLREDUCE_ALGO", "ring"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("auto64k=ring"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, DescribedTwoHostTopologyRunsHierarchical) {
+  // Four ranks that a topology file places on two hosts, interleaved.
+  const std::string path = ::testing::TempDir() + "/two_hosts.json";
+  std::ofstream(path) << R"({"hosts": [{"name": "a"}, {"name": "b"}],
+      "ranks": [{"host": 0}, {"host": 1}, {"host": 0}, {"host": 1}]})";
+  Job job = RunJob(4, "sweep", {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", path}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("hosts=2"), std::string::npos) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("ring=0 2 1 3"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, BadTopologyFileIsNamed) {
+  const std::string path = ::testing::TempDir() + "/bad.json";
+  std::ofstream(path) << R"({"hosts": [{}], "ranks": [{"host": 0}, {"host": "x"}]})";
+  Job job = RunJob(2, "create", {{"DDP_TOPOLOGY_FILE", path}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+  for (const auto& r : job.results) {
+    EXPECT_EQ(r.exit_code, 2) << job.Describe();
+    EXPECT_NE(r.output.find("ranks[1].host: expected an integer"), std::string::npos) << job.Describe();
+  }
+}
+
+// Kills rank `victim` while the others run all-reduces; every survivor must
+// report within the deadline, and later calls fail at once.
+void ExpectSurvivorsReport(int n, Algorithm algorithm, int signal) {
+  const int victim = n - 1;
+  const milliseconds timeout(3000);
+  Job job = RunJob(n, "loop",
+                   {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
+                    {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())}},
+                   milliseconds(30000), [&](testing::ProcessGroup& group, int) {
+                     std::this_thread::sleep_for(milliseconds(1500));
+                     group.Kill(victim, signal);
+                     if (signal == SIGSTOP) {
+                       std::this_thread::sleep_for(timeout + milliseconds(2000));
+                       group.Kill(victim, SIGKILL);
+                     }
+                   });
+  for (int r = 0; r < n; ++r) {
+    if (r == victim) continue;
+    const auto& result = job.results[r];
+    ASSERT_EQ(result.exit_code, 0) << job.Describe();
+    const bool lost = result.output.find("ERROR PEER_LOST") != std::string::npos;
+    const bool timed = result.output.find("ERROR TIMED_OUT") != std::string::npos;
+    EXPECT_TRUE(lost || timed) << job.Describe();
+    if (signal == SIGKILL) {
+      EXPECT_NE(result.output.find("rank " + std::to_string(victim)), std::string::npos)
+          << job.Describe();
+    }
+    const size_t at = result.output.find("after_ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(result.output.c_str() + at + 9), timeout.count() + 1000) << job.Describe();
+    EXPECT_NE(result.output.find("same=1"), std::string::npos) << job.Describe();
+  }
+}
+
+TEST(Faults, PeerKilledDuringSharedMemoryAllReduce) {
+  ExpectSurvivorsReport(3, Algorithm::kSharedMemory, SIGKILL);
+}
+TEST(Faults, PeerKilledDuringUcxRingAllReduce) { ExpectSurvivorsReport(3, Algorithm::kRing, SIGKILL); }
+TEST(Faults, PeerKilledDuringUcxTreeAllReduce) { ExpectSurvivorsReport(4, Algorithm::kTree, SIGKILL); }
+TEST(Faults, StoppedPeerTimesOut) { ExpectSurvivorsReport(2, Algorithm::kRing, SIGSTOP); }
+
+void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm) {
+  Job job = RunJob(n, "mismatch",
+                   {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
+                    {"DDP_TEST_TIMEOUT_MS", "3000"}});
+  for (const auto& r : job.results) {
+    ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    const size_t at = r.output.find("ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(r.output.c_str() + at + 3), 4000) << job.Describe();
+  }
+  // Whoever sees the mismatch says what differs.
+  bool named = false;
+  for (const auto& r : job.results) named |= r.output.find("INVALID_ARGUMENT") != std::string::npos;
+  EXPECT_TRUE(named) << job.Describe();
+}
+
+TEST(Faults, MismatchedCountsSharedMemory) { ExpectMismatchFailsEverywhere(2, Algorithm::kSharedMemory); }
+TEST(Faults, MismatchedCountsUcxRing) { ExpectMismatchFailsEverywhere(3, Algorithm::kRing); }
+
+TEST(Faults, WrongJobTokenIsRefused) {
+  // Rank 1 presents another token: the store refuses it, it says why; rank 0
+  // gives up at its deadline instead of waiting for rank 1 forever.
+  const int port = testing::FreePort();
+  auto group = testing::ProcessGroup::Spawn(
+      2, {}, {{"DDP_TEST_SCENARIO", "create"}, {"DDP_TEST_TIMEOUT_MS", "2000"},
+              {"DDP_JOB_TOKEN", "right"}},
+      port, {{1, {{"DDP_JOB_TOKEN", "wrong"}}}});
+  ASSERT_TRUE(group.ok()) << group.status();
+  Job job{(*group)->Wait(DeadlineIn(milliseconds(20000)))};
+  EXPECT_EQ(job.results[1].exit_code, 2) << job.Describe();
+  EXPECT_NE(job.results[1].output.find("PERMISSION_DENIED"), std::string::npos) << job.Describe();
+  EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("TIMED_OUT"), std::string::npos) << job.Describe();
+}
+
+// Connects to the job's store and sends bytes that are no request at all.
+bool SendGarbageToStore(int port, milliseconds within) {
+  const auto until = Clock::now() + within;
+  while (Clock::now() < until) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(port);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      const char garbage[] = "GET / HTTP/1.0\r\n\r\n\xff\xff\xff\xff this is not a store frame";
+      const bool sent = write(fd, garbage, sizeof(garbage)) > 0;
+      // The server refuses and closes; reading returns 0 (or an error).
+      char buffer[256];
+      timeval tv{5, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      while (read(fd, buffer, sizeof(buffer)) > 0) {
+      }
+      close(fd);
+      return sent;
+    }
+    close(fd);
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return false;
+}
+
+TEST(Faults, MalformedStoreRequestDoesNotDisturbTheJob) {
+  bool sent = false;
+  Job job = RunJob(2, "create", {{"DDP_TEST_TIMEOUT_MS", "10000"}}, milliseconds(30000),
+                   [&](testing::ProcessGroup&, int port) {
+                     sent = SendGarbageToStore(port, milliseconds(10000));
+                   });
+  EXPECT_TRUE(sent);
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(ForkGuard, ForkAfterCreateFailsTheChildAtOnce) {
+  Job job = RunJob(2, "fork");
+  for (const auto& r : job.results) {
+    EXPECT_EQ(r.exit_code, 0) << job.Describe();
+    EXPECT_NE(r.output.find("CHILD exit=86"), std::string::npos) << job.Describe();
+    EXPECT_NE(r.output.find("Spawn workers"), std::string::npos) << job.Describe();
+  }
+}
+
+}  // namespace
+}  // namespace ddp::transport
+
+int main(int argc, char** argv) {
+  const char* scenario = std::getenv("DDP_TEST_SCENARIO");
+  if (scenario != nullptr) return ddp::transport::RunScenario(scenario);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
