@@ -170,7 +170,9 @@ class Communicator::Impl {
                const CallOptions& call);
 
   Algorithm Choose(size_t bytes, Algorithm requested) const;
-  void Abort(const Status& reason);
+  // Aborts with `reason`, unless the job or this communicator was aborted
+  // already; returns the reason in force (the one callers should see).
+  Status Abort(const Status& reason);
   Status aborted_reason() const {
     std::lock_guard lock(abort_mu_);
     return aborted_;
@@ -446,14 +448,22 @@ void Communicator::Impl::Shutdown() {
   server_.reset();
 }
 
-void Communicator::Impl::Abort(const Status& reason) {
+Status Communicator::Impl::Abort(const Status& reason) {
+  // The job's first reason wins: a failure seen here may only be the echo
+  // of another rank's (it reported, left, and its endpoints reset ours).
+  Status first = reason;
+  if (monitor_ != nullptr) {
+    Status posted = monitor_->PostedAbort();
+    if (!posted.ok()) first = posted;
+  }
   {
     std::lock_guard lock(abort_mu_);
-    if (!aborted_.ok()) return;
-    aborted_ = reason;
+    if (!aborted_.ok()) return aborted_;
+    aborted_ = first;
     is_aborted_.store(true, std::memory_order_release);
   }
-  if (monitor_ != nullptr) monitor_->PostAbort(reason);
+  if (monitor_ != nullptr && first == reason) monitor_->PostAbort(reason);
+  return first;
 }
 
 Status Communicator::Impl::WaitForQueue(Deadline deadline) {
@@ -478,7 +488,7 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
   std::lock_guard run(run_mu_);
   if (aborted()) return aborted_reason();
   Status status = body(deadline);
-  if (!status.ok()) Abort(status);
+  if (!status.ok()) return Abort(status);
   return status;
 }
 
@@ -502,7 +512,7 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
       } else {
         std::lock_guard run(run_mu_);
         status = aborted() ? aborted_reason() : body(DeadlineIn(timeout));
-        if (!status.ok() && !aborted()) Abort(status);
+        if (!status.ok()) status = Abort(status);
       }
       state->Finish(status);
     });
@@ -590,10 +600,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
     if (aborted()) return Communicator::FinishedWork(aborted_reason());
     id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
   }
-  if (!id.ok()) {
-    Abort(id.status());
-    return Communicator::FinishedWork(id.status());
-  }
+  if (!id.ok()) return Communicator::FinishedWork(Abort(id.status()));
   auto state = std::make_shared<Work::State>();
   std::weak_ptr<Work::State> weak = state;
   const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
@@ -632,8 +639,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
       }
     }
     if (!failure.ok()) {
-      Abort(failure);
-      state->Finish(failure);
+      state->Finish(Abort(failure));
       return;
     }
     sched_yield();
@@ -656,7 +662,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorO
   Status status = impl->Init();
   if (!status.ok()) {
     // Tell the ranks still forming the job instead of letting them time out.
-    impl->Abort(status);
+    impl->Abort(status).IgnoreError();
     return Status(status.code(), "rank " + std::to_string(options.rank) +
                                      ": creating the communicator: " + status.message());
   }
@@ -684,7 +690,7 @@ int Communicator::size() const { return impl_->options_.world_size; }
 int Communicator::local_rank() const { return impl_->options_.local_rank; }
 int Communicator::local_size() const { return impl_->options_.local_world_size; }
 const CommunicatorInfo& Communicator::info() const { return impl_->info_; }
-void Communicator::Abort(const Status& reason) { impl_->Abort(reason); }
+void Communicator::Abort(const Status& reason) { impl_->Abort(reason).IgnoreError(); }
 Status Communicator::aborted_reason() const { return impl_->aborted_reason(); }
 Algorithm Communicator::SelectedAlgorithm(size_t bytes) const {
   return impl_->Choose(bytes, Algorithm::kAuto);

@@ -78,6 +78,13 @@ Status PeerMonitor::Check() {
   return Status::Ok();
 }
 
+Status PeerMonitor::PostedAbort(int timeout_ms) {
+  if (store_ == nullptr) return Status::Ok();
+  auto posted = store_->TryGet(options_.key_prefix + "abort", In(timeout_ms));
+  if (posted.ok() && posted->has_value()) return DecodeAbort(**posted);
+  return Status::Ok();
+}
+
 void PeerMonitor::PostAbort(const Status& reason, int timeout_ms) {
   if (store_ == nullptr || reason.ok()) return;
   const std::string key = options_.key_prefix + "abort";

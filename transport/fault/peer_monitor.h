@@ -51,6 +51,10 @@ class PeerMonitor {
   /// The rank on this host found dead by the last Check(), or -1.
   int lost_peer() const { return lost_peer_; }
 
+  /// The abort reason another rank posted, if any (OK when none or when the
+  /// store cannot be read).
+  Status PostedAbort(int timeout_ms = 1000);
+
   /// Posts `reason` (from this rank) as the job's abort reason unless one is
   /// already posted. Best effort: gives up after `timeout_ms`.
   void PostAbort(const Status& reason, int timeout_ms = 1000);
