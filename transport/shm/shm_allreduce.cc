@@ -19,12 +19,17 @@ struct alignas(128) ShmAllReduce::Control {
   std::atomic<uint64_t> arrived;
   std::atomic<uint64_t> reduced;
   std::atomic<uint64_t> finished;
-  uint64_t src;    // address of the input in the owner's address space
-  uint64_t dst;    // address of the output
-  uint64_t count;
-  int32_t dtype;
-  int32_t op;
   uint64_t probe;  // address of a word holding kProbeValue (CMA check)
+  // The arguments of call s live in args[s % 2]: a rank may start call s+1
+  // while a slower peer still reads its arguments of call s, but it cannot
+  // start call s+2 before every peer arrived at s+1, i.e. finished call s.
+  struct Args {
+    uint64_t src;  // address of the input in the owner's address space
+    uint64_t dst;  // address of the output
+    uint64_t count;
+    int32_t dtype;
+    int32_t op;
+  } args[2];
 };
 
 namespace {
@@ -50,9 +55,12 @@ ShmAllReduce::Control& ShmAllReduce::control(int rank) const {
   return static_cast<Control*>(segment_->data())[rank];
 }
 
-char* ShmAllReduce::staging(int rank) const {
+// Each rank's staging area holds two buffers, for even and odd calls, by the
+// same argument as Control::args.
+char* ShmAllReduce::staging(int rank, uint64_t call) const {
   const size_t controls = RoundUp(sizeof(Control) * options_.size, kPage);
-  return static_cast<char*>(segment_->data()) + controls + staging_capacity_ * rank;
+  return static_cast<char*>(segment_->data()) + controls + staging_capacity_ * rank +
+         (call % 2) * (staging_capacity_ / 2);
 }
 
 ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& options,
@@ -64,7 +72,7 @@ ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& o
 ShmAllReduce::~ShmAllReduce() = default;
 
 void ShmAllReduce::set_staging_bytes(size_t bytes) {
-  options_.staging_bytes = std::min(bytes, staging_capacity_);
+  options_.staging_bytes = std::min(bytes, staging_capacity_ / 2);
 }
 
 StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store,
@@ -77,7 +85,8 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
                                 " of " + std::to_string(options.size) + " with " +
                                 std::to_string(options.pids.size()) + " pids");
   }
-  const size_t staging_capacity = std::max(kStagingCapacity, RoundUp(options.staging_bytes, kPage));
+  const size_t staging_capacity =
+      std::max(kStagingCapacity, 2 * RoundUp(options.staging_bytes, kPage));
   const size_t bytes = RoundUp(sizeof(Control) * options.size, kPage) +
                        staging_capacity * options.size;
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment,
@@ -85,7 +94,7 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
                                              options.size, bytes, deadline));
   std::unique_ptr<ShmAllReduce> engine(new ShmAllReduce(std::move(segment), options,
                                                         staging_capacity));
-  engine->options_.staging_bytes = std::min(options.staging_bytes, staging_capacity);
+  engine->options_.staging_bytes = std::min(options.staging_bytes, staging_capacity / 2);
 
   // CMA needs ptrace permission between the ranks (Yama, containers and
   // seccomp may deny it). Every rank probes every peer and posts the
@@ -178,9 +187,10 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
   return Status::Ok();
 }
 
-Status ShmAllReduce::CheckAgreement(size_t count, DataType dtype, ReduceOp op) const {
+Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
+                                    ReduceOp op) const {
   for (int peer = 0; peer < options_.size; ++peer) {
-    const Control& theirs = control(peer);
+    const Control::Args& theirs = control(peer).args[call % 2];
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) ||
         theirs.op != static_cast<int32_t>(op)) {
       return InvalidArgumentError(
@@ -199,52 +209,47 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
                                const std::function<Status()>& watchdog) {
   const size_t bytes = count * DataTypeSize(dtype);
   const uint64_t s = ++sequence_;
-  // The peers may still copy out of this rank's staging area from the last
-  // call; wait until they are done before overwriting it.
-  DDP_RETURN_IF_ERROR(WaitFor(&Control::finished, s - 1, -1, deadline, watchdog,
-                              "finish the previous call"));
   const bool staged = bytes <= options_.staging_bytes;
-  if (staged && bytes > 0) std::memcpy(staging(options_.rank), send, bytes);
+  if (staged && bytes > 0) std::memcpy(staging(options_.rank, s), send, bytes);
   Control& mine = control(options_.rank);
-  mine.src = reinterpret_cast<uint64_t>(send);
-  mine.dst = reinterpret_cast<uint64_t>(recv);
-  mine.count = count;
-  mine.dtype = static_cast<int32_t>(dtype);
-  mine.op = static_cast<int32_t>(op);
+  Control::Args& args = mine.args[s % 2];
+  args.src = reinterpret_cast<uint64_t>(send);
+  args.dst = reinterpret_cast<uint64_t>(recv);
+  args.count = count;
+  args.dtype = static_cast<int32_t>(dtype);
+  args.op = static_cast<int32_t>(op);
   mine.arrived.store(s, std::memory_order_release);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
-  DDP_RETURN_IF_ERROR(CheckAgreement(count, dtype, op));
-  if (staged) return StagedAllReduce(send, recv, count, dtype, op, deadline, watchdog);
+  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op));
+  if (staged) return StagedAllReduce(recv, count, dtype, op);
   return DirectAllReduce(send, recv, count, dtype, op, deadline, watchdog);
 }
 
-// Shapes: every rank holds [count] elements of `dtype`; rank r reduces
-// elements [begin_r, end_r) (its slice) and every rank ends with all slices.
-Status ShmAllReduce::StagedAllReduce(const void*, void* recv, size_t count, DataType dtype,
-                                     ReduceOp op, Deadline deadline,
-                                     const std::function<Status()>& watchdog) {
-  const int me = options_.rank;
+// Shapes: rank r's input is staging(r, s)[0, count) of `dtype`; every rank
+// folds all of them, in rank order, into its own output.
+//
+// Why every rank reduces the whole vector instead of a slice: then one
+// rendezvous (all arrived) completes the call, where reduce-scatter plus
+// all-gather needs three. On a machine whose cores also run other work,
+// each rendezvous waits for the peer to be scheduled, and that wait, not
+// the arithmetic, dominates small and medium vectors. Folding in rank order
+// gives every rank bit-identical results.
+Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op) {
   const uint64_t s = sequence_;
-  const size_t elem = DataTypeSize(dtype);
-  const reduce::ReduceFn fn = reduce::GetReduceFn(dtype, op);
-  size_t begin, end;
-  Slice(count, elem, options_.size, me, begin, end);
-  if (end > begin) {
-    char* mine = staging(me) + begin * elem;
-    for (int peer = 0; peer < options_.size; ++peer) {
-      if (peer != me) fn(mine, mine, staging(peer) + begin * elem, end - begin);
+  const size_t bytes = count * DataTypeSize(dtype);
+  if (bytes > 0) {
+    const reduce::ReduceFn fn = reduce::GetReduceFn(dtype, op);
+    if (options_.size == 1) {
+      std::memcpy(recv, staging(0, s), bytes);
+    } else {
+      fn(recv, staging(0, s), staging(1, s), count);
+      for (int peer = 2; peer < options_.size; ++peer) fn(recv, recv, staging(peer, s), count);
     }
-    if (op == ReduceOp::kAvg) reduce::DivideInPlace(dtype, mine, end - begin, options_.size);
+    if (op == ReduceOp::kAvg) reduce::DivideInPlace(dtype, recv, count, options_.size);
   }
-  control(me).reduced.store(s, std::memory_order_release);
-  for (int k = 0; k < options_.size; ++k) {
-    const int q = (me + k) % options_.size;
-    if (q != me) DDP_RETURN_IF_ERROR(WaitFor(&Control::reduced, s, q, deadline, watchdog, "reduce"));
-    size_t qb, qe;
-    Slice(count, elem, options_.size, q, qb, qe);
-    if (qe > qb) std::memcpy(static_cast<char*>(recv) + qb * elem, staging(q) + qb * elem, (qe - qb) * elem);
-  }
-  control(me).finished.store(s, std::memory_order_release);
+  Control& mine = control(options_.rank);
+  mine.reduced.store(s, std::memory_order_release);
+  mine.finished.store(s, std::memory_order_release);
   return Status::Ok();
 }
 
@@ -267,7 +272,8 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
     const char* first = in + a * elem;
     for (int peer = 0; peer < options_.size; ++peer) {
       if (peer == me) continue;
-      DDP_RETURN_IF_ERROR(ReadFromPeer(peer, chunk_.data(), control(peer).src + a * elem, n * elem));
+      DDP_RETURN_IF_ERROR(ReadFromPeer(peer, chunk_.data(), control(peer).args[s % 2].src + a * elem,
+                                       n * elem));
       fn(out + a * elem, first, chunk_.data(), n);
       first = out + a * elem;
     }
@@ -282,7 +288,7 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
     size_t qb, qe;
     Slice(count, elem, options_.size, q, qb, qe);
     if (qe > qb) {
-      DDP_RETURN_IF_ERROR(ReadFromPeer(q, out + qb * elem, control(q).dst + qb * elem,
+      DDP_RETURN_IF_ERROR(ReadFromPeer(q, out + qb * elem, control(q).args[s % 2].dst + qb * elem,
                                        (qe - qb) * elem));
     }
   }
@@ -294,19 +300,16 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status()>& watchdog) {
   const uint64_t s = ++sequence_;
   Control& mine = control(options_.rank);
-  // Keeps the staging reuse rule of AllReduce: a barrier counts as a call.
-  DDP_RETURN_IF_ERROR(WaitFor(&Control::finished, s - 1, -1, deadline, watchdog,
-                              "finish the previous call"));
   // Arguments no all-reduce can have, so that a rank in an all-reduce while
   // another is in a barrier reports the mismatch.
-  mine.count = ~uint64_t{0};
-  mine.dtype = -1;
-  mine.op = -1;
+  Control::Args& args = mine.args[s % 2];
+  args.count = ~uint64_t{0};
+  args.dtype = -1;
+  args.op = -1;
   mine.arrived.store(s, std::memory_order_release);
   mine.reduced.store(s, std::memory_order_release);
-  DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier"));
   mine.finished.store(s, std::memory_order_release);
-  return Status::Ok();
+  return WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier");
 }
 
 }  // namespace ddp::transport::shm

@@ -5,23 +5,32 @@
 // attach (CMA, process_vm_readv), without UCX on the data path.
 //
 // Why: on a host, UCX's tag protocol adds a rendezvous handshake and a
-// receive into a separate buffer before the reduction can read it. Here each
-// rank owns a slice of the vector (reduce-scatter) and reads the peers'
-// pieces of it straight out of their buffers, one cache-sized chunk at a
-// time, reducing each chunk while it is still in cache; then it reads the
-// other reduced slices straight into its output (all-gather). That is one
-// copy per byte and no handshake. Small vectors go through per-rank staging
-// areas in the segment instead, where a copy costs less than a system call.
+// receive into a separate buffer before the reduction can read it.
+//
+// Small vectors (staging path): each rank copies its input into its staging
+// buffer in the segment and announces it; once every rank has, each rank
+// folds all staged inputs into its own output. One rendezvous per call:
+// on a machine whose cores also run other work, every rendezvous waits for
+// the peer to be scheduled, and that wait, not the arithmetic, is what small
+// vectors cost. Staging buffers alternate between even and odd calls, so no
+// rank ever waits for a slower one to finish reading.
+//
+// Large vectors (direct path): each rank owns a slice (reduce-scatter) and
+// reads the peers' pieces of it straight out of their buffers with
+// cross-memory attach (process_vm_readv), one cache-sized chunk at a time,
+// reducing each chunk while it is in cache; then it reads the other reduced
+// slices straight into its output (all-gather). One copy per byte, no
+// handshake, and each rank reduces only its share.
 // docs/benchmarks.md has the measurements behind the thresholds.
 //
-// Protocol (per call, sequence number s, same on every rank):
-//   1. publish buffer addresses, count, dtype and op; arrived = s
+// Protocol (per call, sequence number s, the same on every rank):
+//   1. (staging) copy the input to staging buffer s % 2;
+//      publish args[s % 2] (addresses, count, dtype, op); arrived = s
 //   2. wait until every rank arrived; counts, dtypes and ops must agree
-//   3. reduce own slice from every rank's input; reduced = s
-//   4. for each rank q, once reduced_q = s, copy its slice
-//   5. finished = s; (CMA path) wait until every rank finished, since peers
-//      read this rank's buffers until then. The staging path instead waits,
-//      at the start of the next call, until the peers finished reading.
+//   3. staging: fold every staged input, in rank order; done.
+//      direct: reduce own slice from every rank's input; reduced = s; for
+//      each rank q, once reduced_q = s, read its slice; finished = s; wait
+//      until every rank finished (they read this rank's buffers until then).
 // Every wait has a deadline and runs the watchdog about every 100 ms.
 
 #include <atomic>
@@ -84,15 +93,14 @@ class ShmAllReduce {
                size_t staging_capacity);
 
   Control& control(int rank) const;
-  char* staging(int rank) const;
+  char* staging(int rank, uint64_t call) const;
   // Waits until `field` of every rank (or of `only`, if >= 0) reaches `value`.
   Status WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
                  Deadline deadline, const std::function<Status()>& watchdog,
                  const char* phase);
-  Status CheckAgreement(size_t count, DataType dtype, ReduceOp op) const;
+  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const;
-  Status StagedAllReduce(const void* send, void* recv, size_t count, DataType dtype,
-                         ReduceOp op, Deadline deadline, const std::function<Status()>& watchdog);
+  Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op);
   Status DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
                          ReduceOp op, Deadline deadline, const std::function<Status()>& watchdog);
 
