@@ -57,7 +57,8 @@ TEST(DistributedSampler, MatchesPyTorch) {
 }
 
 TEST(TorchRandperm, MatchesPyTorch) {
-  for (const auto& c : Golden()["randperm"]) {
+  const nlohmann::json golden = Golden();
+  for (const auto& c : golden["randperm"]) {
     const auto p = TorchRandperm(c["n"], c["seed"]);
     const auto head = c["head"].get<std::vector<int64_t>>();
     ASSERT_GE(p.size(), head.size());

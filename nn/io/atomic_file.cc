@@ -1,11 +1,14 @@
 #include "nn/io/atomic_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -25,6 +28,35 @@ std::string Folder(const std::string& path) {
   throw CheckpointError(path + ": " + what + ": " + std::strerror(err));
 }
 
+std::string BaseName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// Removes `<name>.tmp.<pid>.<n>` files left by writers of the same target
+// that were killed (SIGKILL leaves no chance to clean up): each could be as
+// large as a whole checkpoint. Files of live processes are kept.
+void RemoveStaleTemporaries(const std::string& path) {
+  const std::string folder = Folder(path);
+  const std::string prefix = BaseName(path) + ".tmp.";
+  DIR* dir = ::opendir(folder.c_str());
+  if (dir == nullptr) return;  // the create below reports the real problem
+  while (dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string rest = name.substr(prefix.size());
+    const size_t dot = rest.find('.');
+    if (dot == 0 || dot == std::string::npos) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(rest.c_str(), &end, 10);
+    if (end != rest.c_str() + dot || pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) {
+      ::unlink((folder + "/" + name).c_str());
+    }
+  }
+  ::closedir(dir);
+}
+
 }  // namespace
 
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
@@ -32,6 +64,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
   if (path_.empty() || path_.back() == '/') {
     throw CheckpointError("cannot write a file at '" + path_ + "': not a file name");
   }
+  RemoveStaleTemporaries(path_);
   temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
   fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd_ < 0) Fail(temp_path_, "cannot create temporary file", errno);

@@ -14,7 +14,8 @@ namespace ddp::nn::io {
 /// leaves `path` as it was. Errors throw CheckpointError naming the path.
 class AtomicFileWriter {
  public:
-  /// Creates `<path>.tmp.<pid>.<n>` in the folder of `path`.
+  /// Creates `<path>.tmp.<pid>.<n>` in the folder of `path`, first removing
+  /// such files of processes that no longer exist (killed writers).
   explicit AtomicFileWriter(std::string path);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -258,11 +259,25 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
     std::memcpy(got.data(), f.Data(f.tensors()[0]), got.size() * 4);
     for (float v : got) ASSERT_EQ(v, static_cast<float>(gen));
   }
-  // Temporaries of killed writers stay behind (the writer cannot clean up
-  // after SIGKILL) but never under the checkpoint's name.
+  // Temporaries of killed writers stay behind (SIGKILL leaves no chance to
+  // clean up), never under the checkpoint's name; the next write removes them.
   for (const std::string& name : FilesIn(dir)) {
     EXPECT_TRUE(name == "c.safetensors" || name.rfind("c.safetensors.tmp.", 0) == 0) << name;
   }
+  // One of a process that has exited, one of a live process (the parent).
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  waitpid(gone, nullptr, 0);
+  const std::string stale = path + ".tmp." + std::to_string(gone) + ".3";
+  const std::string live = path + ".tmp." + std::to_string(getppid()) + ".0";
+  WriteAll(stale, "x");
+  WriteAll(live, "x");
+  write_gen(1);
+  std::vector<std::string> left = FilesIn(dir);
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"c.safetensors", "c.safetensors.tmp." + std::to_string(getppid()) + ".0"}));
+  ::unlink(live.c_str());
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
 // --- rejected input ---
