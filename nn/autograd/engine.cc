@@ -1,5 +1,6 @@
 #include "nn/autograd/engine.h"
 
+#include <chrono>
 #include <mutex>
 #include <queue>
 #include <stdexcept>
@@ -21,6 +22,7 @@ struct GraphTask {
 };
 
 thread_local GraphTask* current_task = nullptr;
+NodeObserver g_observer;
 
 class TaskScope {
  public:
@@ -65,6 +67,8 @@ void RunCallbacks(GraphTask& task) {
 }  // namespace
 
 bool InBackward() { return current_task != nullptr; }
+
+void SetNodeObserver(NodeObserver observer) { g_observer = std::move(observer); }
 
 void QueueCallback(std::function<void()> fn) {
   if (current_task == nullptr) {
@@ -164,7 +168,13 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     std::vector<Tensor> out_grads;
     if (any) {
       try {
-        out_grads = node->Apply(std::move(in));
+        if (g_observer) {
+          const auto t0 = std::chrono::steady_clock::now();
+          out_grads = node->Apply(std::move(in));
+          g_observer(*node, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        } else {
+          out_grads = node->Apply(std::move(in));
+        }
       } catch (const std::exception& e) {
         throw std::runtime_error("in backward of " + node->name() + ": " + e.what());
       }

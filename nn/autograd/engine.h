@@ -36,6 +36,13 @@ void QueueCallback(std::function<void()> fn);
 /// True while a backward pass runs on this thread (e.g. inside a hook).
 bool InBackward();
 
+class Node;
+/// Observes each node the engine runs (profiling): the node and the wall
+/// time its Apply took, on the backward thread. Empty by default; costs one
+/// branch per node when unset. Not thread-safe to change during a backward.
+using NodeObserver = std::function<void(const Node& node, double seconds)>;
+void SetNodeObserver(NodeObserver observer);
+
 }  // namespace ddp::nn::autograd
 
 namespace ddp::nn {

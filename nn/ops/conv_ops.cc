@@ -117,9 +117,9 @@ Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p) {
   if (!detail::AnyRequiresGrad({&x})) return y;
   const Shape in = x.shape();
   const DType dt = x.dtype();
-  auto node = std::make_shared<LambdaNode>("MaxPool2dBackward", [in, dt](LambdaNode& n, std::vector<Tensor>& g) {
+  auto node = std::make_shared<LambdaNode>("MaxPool2dBackward", [in, dt, p](LambdaNode& n, std::vector<Tensor>& g) {
     Tensor gx = Empty(in, {.dtype = dt, .device = g[0].device()});
-    DDP_KERNEL(gx.device(), max_pool2d_backward)(g[0], n.saved[0].Get(), gx);
+    DDP_KERNEL(gx.device(), max_pool2d_backward)(g[0], n.saved[0].Get(), gx, p);
     return std::vector<Tensor>{gx};
   });
   node->saved.emplace_back(indices);

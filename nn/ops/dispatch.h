@@ -102,7 +102,8 @@ struct KernelTable {
   void (*max_pool2d_forward)(const Tensor& x, const Tensor& y, const Tensor& indices,
                              const Pool2dParams& p) = nullptr;
   /// dx (zeroed here) receives dy at the recorded indices.
-  void (*max_pool2d_backward)(const Tensor& dy, const Tensor& indices, const Tensor& dx) = nullptr;
+  void (*max_pool2d_backward)(const Tensor& dy, const Tensor& indices, const Tensor& dx,
+                              const Pool2dParams& p) = nullptr;
   void (*avg_pool2d_forward)(const Tensor& x, const Tensor& y, const Pool2dParams& p) = nullptr;
   void (*avg_pool2d_backward)(const Tensor& dy, const Tensor& dx, const Pool2dParams& p) = nullptr;
   /// y[N,C,OH,OW] averages the adaptive windows of x[N,C,H,W].

@@ -82,6 +82,34 @@ TEST(KernelsTest, ConvAlgorithmsAgree) {
   }
 }
 
+// The vectorized f32 path for 2x2/2 max pooling against the generic path
+// (f64), with odd sizes (an uncovered last row and column) and a NaN.
+TEST(KernelsTest, MaxPool2x2FastPathMatchesGenericPath) {
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2};
+  for (const Shape& shape : {Shape{2, 3, 26, 26}, Shape{2, 3, 11, 11}, Shape{1, 2, 5, 18}}) {
+    Generator gen(4);
+    Tensor base = Randn(shape, {.dtype = DType::kFloat64}, gen);
+    base.data<double>()[7] = std::nan("");
+    Tensor x32 = base.To(DType::kFloat32), x64 = base.Detach();
+    x32.set_requires_grad(true);
+    x64.set_requires_grad(true);
+    Tensor y32 = MaxPool2d(x32, p), y64 = MaxPool2d(x64, p);
+    const std::vector<double> a = y32.ToVector<double>(), b = y64.ToVector<double>();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (std::isnan(b[i])) {
+        EXPECT_TRUE(std::isnan(a[i])) << i;
+      } else {
+        EXPECT_FLOAT_EQ(a[i], b[i]) << i;
+      }
+    }
+    Tensor g = Randn(y64.shape(), {.dtype = DType::kFloat64}, gen);
+    Backward(y32, g.To(DType::kFloat32));
+    Backward(y64, g);
+    EXPECT_LT(MaxAbsDiff(x32.grad(), x64.grad()), 1e-6) << ShapeToString(shape);
+  }
+}
+
 TEST(KernelsTest, MissingCudaKernelIsNamed) {
   try {
     DDP_KERNEL(Device(DeviceType::kCUDA, 1), conv2d_forward);

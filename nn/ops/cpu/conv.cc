@@ -34,7 +34,7 @@ std::atomic<ConvAlgorithm> g_conv{ConvFromEnv()};
 
 int64_t Im2colBudgetFromEnv() {
   const char* env = std::getenv("DDP_NN_IM2COL_BYTES");
-  return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : (int64_t{4} << 20);
+  return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : (int64_t{1} << 20);
 }
 const int64_t g_im2col_budget = Im2colBudgetFromEnv();
 }  // namespace
@@ -323,8 +323,8 @@ void WriteBack(const Tensor& dst, const Tensor& buf) {
 
 void Conv2dForward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dParams& p) {
   const DType compute = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-  if (compute == DType::kFloat32 && onednn::ShouldUse(x, w, p, GetConvAlgorithm())) {
-    onednn::Conv2dForward(x, w, bias, y, p);
+  if (compute == DType::kFloat32 && onednn::ShouldUse(x, w, p, GetConvAlgorithm()) &&
+      onednn::Conv2dForward(x, w, bias, y, p)) {
     return;
   }
   const Geometry g = MakeGeometry(x, w, p, y.shape());
@@ -343,8 +343,8 @@ void Conv2dForward(const Tensor& x, const Tensor& w, const Tensor& bias, const T
 void Conv2dBackward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                     const Tensor& db, const Conv2dParams& p) {
   const DType compute = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-  if (compute == DType::kFloat32 && onednn::ShouldUse(x, w, p, GetConvAlgorithm())) {
-    onednn::Conv2dBackward(x, w, dy, dx, dw, db, p);
+  if (compute == DType::kFloat32 && onednn::ShouldUse(x, w, p, GetConvAlgorithm()) &&
+      onednn::Conv2dBackward(x, w, dy, dx, dw, db, p)) {
     return;
   }
   const Geometry g = MakeGeometry(x, w, p, dy.shape());

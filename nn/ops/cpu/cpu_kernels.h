@@ -38,7 +38,7 @@ void Conv2dBackward(const Tensor& x, const Tensor& w, const Tensor& dy, const Te
 
 // pool.cc
 void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, const Pool2dParams& p);
-void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx);
+void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx, const Pool2dParams& p);
 void AvgPool2dForward(const Tensor& x, const Tensor& y, const Pool2dParams& p);
 void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const Pool2dParams& p);
 void AdaptiveAvgPool2dForward(const Tensor& x, const Tensor& y);

@@ -1,0 +1,123 @@
+// Training throughput of nn on one rank, one thread, measured like
+// ../shared/peers/torch_ddp_train.py: a fixed random permutation of the
+// training set, batch b = perm[(i*bs) % (n - bs):][:bs], SGD (lr 0.05,
+// momentum 0.9), cross-entropy, 5 warm-up steps, then `steps` timed steps,
+// then test accuracy in batches of 1000. Pixels stay u8 in memory and are
+// scaled to [0, 1] per batch.
+//
+// Prints: model nproc samples_per_s final_loss test_acc peak_rss_mb
+#include <gflags/gflags.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "nn/autograd/engine.h"
+#include "nn/data/idx.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/ops/config.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/sgd.h"
+#include "nn/tensor/allocator.h"
+#include "nn/tensor/generator.h"
+
+DEFINE_string(model, "cnn", "mlp or cnn (the peers' models)");
+DEFINE_int32(steps, 300, "timed training steps");
+DEFINE_int32(batch, 64, "batch size");
+DEFINE_int32(threads, 1, "threads per GEMM/convolution");
+DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
+DEFINE_bool(eval, true, "measure test accuracy after training");
+DEFINE_bool(verbose, false, "print allocator statistics");
+
+namespace {
+
+using ddp::nn::Tensor;
+namespace nn = ddp::nn;
+
+// Copies samples idx[0..n) of `data` into images [n, 1, 28, 28] (scaled to [0, 1]) and labels [n].
+void Gather(const nn::data::InMemoryImageDataset& data, const int64_t* idx, int64_t n, const Tensor& images,
+            const Tensor& labels) {
+  const int64_t pixels = data.Shape().NumPixels();
+  float* x = images.data<float>();
+  int64_t* y = labels.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* src = data.Pixels(idx[i]);
+    for (int64_t k = 0; k < pixels; ++k) x[i * pixels + k] = static_cast<float>(src[k]) * (1.0f / 255.0f);
+    y[i] = data.Label(idx[i]);
+  }
+}
+
+double PeakRssMb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  nn::ops::SetNumThreads(FLAGS_threads);
+  nn::ManualSeed(0);
+  std::shared_ptr<nn::modules::Sequential> model;
+  if (FLAGS_model == "mlp") {
+    model = nn::modules::MakeMlp();
+  } else if (FLAGS_model == "cnn") {
+    model = nn::modules::MakeCnn();
+  } else {
+    std::fprintf(stderr, "nn_bench: unknown --model=%s (mlp or cnn)\n", FLAGS_model.c_str());
+    return 2;
+  }
+  const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::Generator gen(1);
+  const Tensor perm = nn::RandPerm(train->Size(), gen);
+  const int64_t bs = FLAGS_batch;
+  const int64_t span = train->Size() - bs;
+  Tensor images = nn::Empty({bs, 1, 28, 28});
+  Tensor labels = nn::Empty({bs}, {.dtype = nn::DType::kInt64});
+  double loss_value = 0;
+  auto step = [&](int64_t i) {
+    Gather(*train, perm.data<int64_t>() + (i * bs) % span, bs, images, labels);
+    opt.ZeroGrad();
+    Tensor loss = nn::loss::CrossEntropy(model->Forward(images), labels);
+    nn::Backward(loss);
+    opt.Step();
+    loss_value = loss.Item();
+  };
+  for (int i = 0; i < 5; ++i) step(i);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < FLAGS_steps; ++i) step(i + 5);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double acc = -1;
+  if (FLAGS_eval) {
+    const auto test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
+    model->Eval();
+    nn::NoGradGuard no_grad;
+    int64_t correct = 0;
+    const int64_t eb = 1000;
+    Tensor timages = nn::Empty({eb, 1, 28, 28});
+    Tensor tlabels = nn::Empty({eb}, {.dtype = nn::DType::kInt64});
+    std::vector<int64_t> idx(eb);
+    for (int64_t k = 0; k < test->Size(); k += eb) {
+      const int64_t n = std::min(eb, test->Size() - k);
+      for (int64_t i = 0; i < n; ++i) idx[i] = k + i;
+      Gather(*test, idx.data(), n, timages, tlabels);
+      const Tensor pred = nn::ops::Argmax(model->Forward(timages.Narrow(0, 0, n)), 1);
+      const int64_t* p = pred.data<int64_t>();
+      for (int64_t i = 0; i < n; ++i) correct += p[i] == tlabels.data<int64_t>()[i];
+    }
+    acc = static_cast<double>(correct) / static_cast<double>(test->Size());
+  }
+  std::printf("%s 1 %.1f %.4f %.4f %.1f\n", FLAGS_model.c_str(), FLAGS_steps * bs / dt, loss_value, acc, PeakRssMb());
+  if (FLAGS_verbose) {
+    const nn::AllocatorStats s = nn::CpuAllocator().Stats();
+    std::printf("allocator: requests %llu system %llu peak_in_use %.1f MB cached %.1f MB\n",
+                static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.system_allocations),
+                s.peak_in_use_bytes / 1048576.0, s.cached_bytes / 1048576.0);
+  }
+  return 0;
+}
