@@ -128,12 +128,16 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
   return engine;
 }
 
-Status ShmAllReduce::ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
-  char* out = static_cast<char*>(local);
+// Copies between this process and a peer's memory (process_vm_readv /
+// process_vm_writev), resuming after partial transfers.
+Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t remote,
+                                  size_t bytes) const {
+  char* here = static_cast<char*>(local);
   while (bytes > 0) {
-    iovec local_iov{out, bytes};
+    iovec local_iov{here, bytes};
     iovec remote_iov{reinterpret_cast<void*>(remote), bytes};
-    const ssize_t n = process_vm_readv(options_.pids[peer], &local_iov, 1, &remote_iov, 1, 0);
+    const ssize_t n = write ? process_vm_writev(options_.pids[peer], &local_iov, 1, &remote_iov, 1, 0)
+                            : process_vm_readv(options_.pids[peer], &local_iov, 1, &remote_iov, 1, 0);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       const int error = n < 0 ? errno : EIO;
@@ -142,13 +146,13 @@ Status ShmAllReduce::ReadFromPeer(int peer, void* local, uint64_t remote, size_t
                              std::to_string(options_.pids[peer]) + ") exited");
       }
       if (error == EFAULT) {
-        return InvalidArgumentError("rank " + std::to_string(peer) +
-                                    "'s buffer is not readable (freed during the call?)");
+        return InvalidArgumentError("rank " + std::to_string(peer) + "'s buffer is not " +
+                                    (write ? "writable" : "readable") + " (freed during the call?)");
       }
-      return UnavailableError("reading rank " + std::to_string(peer) +
-                              "'s memory (process_vm_readv): " + std::strerror(error));
+      return UnavailableError(std::string(write ? "writing" : "reading") + " rank " +
+                              std::to_string(peer) + "'s memory: " + std::strerror(error));
     }
-    out += n;
+    here += n;
     remote += static_cast<uint64_t>(n);
     bytes -= static_cast<size_t>(n);
   }
@@ -253,6 +257,12 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
   return Status::Ok();
 }
 
+// Shapes: every rank holds [count] elements of `dtype`; rank r owns the
+// slice [begin_r, end_r). Per chunk of its slice, rank r reads the chunk
+// from every peer's input into a cache-resident buffer, folds it into its
+// output, and writes the reduced chunk into every peer's output while it is
+// still in cache. Two rendezvous per call: all arrived (inputs readable),
+// all finished (every slice written everywhere, every input read).
 Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                      ReduceOp op, Deadline deadline,
                                      const std::function<Status()>& watchdog) {
@@ -264,37 +274,33 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
   const char* in = static_cast<const char*>(send);
   size_t begin, end;
   Slice(count, elem, options_.size, me, begin, end);
-  // Reduce-scatter: pull this slice's chunks from every peer's input and
-  // fold each into the output while it is in cache.
   const size_t chunk_elems = std::max<size_t>(1, chunk_.size() / elem);
   for (size_t a = begin; a < end; a += chunk_elems) {
     const size_t n = std::min(chunk_elems, end - a);
+    char* here = out + a * elem;
     const char* first = in + a * elem;
+    // Peers in rank order, so that every chunk is folded in one fixed order.
     for (int peer = 0; peer < options_.size; ++peer) {
       if (peer == me) continue;
-      DDP_RETURN_IF_ERROR(ReadFromPeer(peer, chunk_.data(), control(peer).args[s % 2].src + a * elem,
-                                       n * elem));
-      fn(out + a * elem, first, chunk_.data(), n);
-      first = out + a * elem;
+      DDP_RETURN_IF_ERROR(ReadFromPeer(peer, chunk_.data(),
+                                       control(peer).args[s % 2].src + a * elem, n * elem));
+      fn(here, first, chunk_.data(), n);
+      first = here;
     }
-    if (options_.size == 1 && first != out + a * elem) std::memcpy(out + a * elem, first, n * elem);
-    if (op == ReduceOp::kAvg) reduce::DivideInPlace(dtype, out + a * elem, n, options_.size);
-  }
-  control(me).reduced.store(s, std::memory_order_release);
-  // All-gather: read every other slice straight into the output.
-  for (int k = 1; k < options_.size; ++k) {
-    const int q = (me + k) % options_.size;
-    DDP_RETURN_IF_ERROR(WaitFor(&Control::reduced, s, q, deadline, watchdog, "reduce"));
-    size_t qb, qe;
-    Slice(count, elem, options_.size, q, qb, qe);
-    if (qe > qb) {
-      DDP_RETURN_IF_ERROR(ReadFromPeer(q, out + qb * elem, control(q).args[s % 2].dst + qb * elem,
-                                       (qe - qb) * elem));
+    if (options_.size == 1 && first != here) std::memcpy(here, first, n * elem);
+    if (op == ReduceOp::kAvg) reduce::DivideInPlace(dtype, here, n, options_.size);
+    // No peer touches this range of its own output: it is this rank's slice.
+    for (int k = 1; k < options_.size; ++k) {
+      const int peer = (me + k) % options_.size;
+      DDP_RETURN_IF_ERROR(WriteToPeer(peer, here, control(peer).args[s % 2].dst + a * elem, n * elem));
     }
   }
-  control(me).finished.store(s, std::memory_order_release);
-  // Peers read this rank's output slice until they finish.
-  return WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish reading");
+  Control& mine = control(me);
+  mine.reduced.store(s, std::memory_order_release);
+  mine.finished.store(s, std::memory_order_release);
+  // Until every peer finished, its slice of this rank's output may be
+  // unwritten and it may still read this rank's input.
+  return WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish");
 }
 
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status()>& watchdog) {

@@ -15,12 +15,13 @@
 // vectors cost. Staging buffers alternate between even and odd calls, so no
 // rank ever waits for a slower one to finish reading.
 //
-// Large vectors (direct path): each rank owns a slice (reduce-scatter) and
-// reads the peers' pieces of it straight out of their buffers with
-// cross-memory attach (process_vm_readv), one cache-sized chunk at a time,
-// reducing each chunk while it is in cache; then it reads the other reduced
-// slices straight into its output (all-gather). One copy per byte, no
-// handshake, and each rank reduces only its share.
+// Large vectors (direct path): each rank owns a slice and reads the peers'
+// pieces of it straight out of their buffers with cross-memory attach
+// (process_vm_readv), one cache-sized chunk at a time, reducing each chunk
+// while it is in cache and writing the result straight into every peer's
+// output (process_vm_writev) while it is still in cache. One copy per byte
+// each way, no handshake, each rank reduces only its share, and two
+// rendezvous per call.
 // docs/benchmarks.md has the measurements behind the thresholds.
 //
 // Protocol (per call, sequence number s, the same on every rank):
@@ -28,9 +29,10 @@
 //      publish args[s % 2] (addresses, count, dtype, op); arrived = s
 //   2. wait until every rank arrived; counts, dtypes and ops must agree
 //   3. staging: fold every staged input, in rank order; done.
-//      direct: reduce own slice from every rank's input; reduced = s; for
-//      each rank q, once reduced_q = s, read its slice; finished = s; wait
-//      until every rank finished (they read this rank's buffers until then).
+//      direct: per chunk of own slice, fold every rank's input, write the
+//      result into every rank's output; finished = s; wait until every rank
+//      finished (until then they read this rank's input and write its
+//      output).
 // Every wait has a deadline and runs the watchdog about every 100 ms.
 
 #include <atomic>
@@ -52,7 +54,7 @@ struct ShmOptions {
   int size = 1;
   std::vector<int> pids;    ///< Per rank: its process id (for CMA).
   /// Vectors up to this many bytes use the staging path.
-  size_t staging_bytes = 64 << 10;
+  size_t staging_bytes = 256 << 10;
   /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
   size_t chunk_bytes = 256 << 10;
   /// Yield the CPU while waiting (when ranks outnumber cores).
@@ -99,7 +101,13 @@ class ShmAllReduce {
                  Deadline deadline, const std::function<Status()>& watchdog,
                  const char* phase);
   Status CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op) const;
-  Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const;
+  Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
+  Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
+    return CopyWithPeer(false, peer, local, remote, bytes);
+  }
+  Status WriteToPeer(int peer, const void* local, uint64_t remote, size_t bytes) const {
+    return CopyWithPeer(true, peer, const_cast<void*>(local), remote, bytes);
+  }
   Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op);
   Status DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
                          ReduceOp op, Deadline deadline, const std::function<Status()>& watchdog);
