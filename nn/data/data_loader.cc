@@ -23,6 +23,13 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
                                 " must be >= 0 and prefetch_factor " +
                                 std::to_string(options_.prefetch_factor) + " >= 1");
   }
+  if (options_.drop_last && options_.batch_size > sampler_->Size()) {
+    // Every batch would be dropped: an epoch with no step at all.
+    throw std::invalid_argument(
+        "DataLoader: batch size " + std::to_string(options_.batch_size) + " is larger than the " +
+        std::to_string(sampler_->Size()) + " samples this sampler yields per epoch from " +
+        dataset_->Name() + "; with drop_last no batch is left (lower the batch size)");
+  }
   in_memory_ = dynamic_cast<const InMemoryImageDataset*>(dataset_.get());
   for (int i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }

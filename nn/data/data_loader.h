@@ -58,7 +58,8 @@ class DataLoader {
  public:
   /// `sampler` (SequentialSampler when null) must index `dataset`; the
   /// transform is built for the dataset's image shape. Throws
-  /// std::invalid_argument for a batch size < 1 or negative workers.
+  /// std::invalid_argument for a batch size < 1, negative workers, or, with
+  /// drop_last, a batch larger than the sampler's epoch (no batch at all).
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
   /// Stops and joins the workers (a batch being built is finished first).

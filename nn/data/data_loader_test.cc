@@ -250,6 +250,13 @@ TEST(DataLoader, RejectsBadOptionsAndIndices) {
   auto ds = FashionTest();
   EXPECT_THROW(DataLoader(ds, nullptr, {}, {.batch_size = 0}), std::invalid_argument);
   EXPECT_THROW(DataLoader(ds, nullptr, {}, {.num_workers = -1}), std::invalid_argument);
+  try {
+    DataLoader shard(ds, std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{64, 0, true, 0, false}),
+                     {}, {.batch_size = 512, .drop_last = true});
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("batch size 512 is larger than the 157 samples"));
+  }
   DataLoader loader(ds, std::make_shared<SequentialSampler>(10001), {}, {});
   EXPECT_THROW(loader.StartEpoch(0), std::out_of_range);
   EXPECT_THROW(loader.Next(), std::logic_error);
