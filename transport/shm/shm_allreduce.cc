@@ -1,6 +1,8 @@
 #include "transport/shm/shm_allreduce.h"
 
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -32,9 +34,18 @@ struct alignas(128) ShmAllReduce::Control {
   } args[2];
 };
 
+// Segment header: a futex word that ranks sleep on once spinning stops
+// paying, and the number of sleepers, so that publishers skip the wake
+// system call when nobody sleeps.
+struct alignas(128) ShmAllReduce::Shared {
+  std::atomic<uint32_t> word;
+  std::atomic<uint32_t> sleepers;
+};
+
 namespace {
 
 constexpr size_t kPage = 4096;
+constexpr size_t kHeader = 128;  // sizeof(Shared), rounded to its alignment
 constexpr size_t kStagingCapacity = 1 << 20;
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
 
@@ -51,14 +62,18 @@ void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t&
 
 }  // namespace
 
+ShmAllReduce::Shared& ShmAllReduce::shared() const {
+  return *static_cast<Shared*>(segment_->data());
+}
+
 ShmAllReduce::Control& ShmAllReduce::control(int rank) const {
-  return static_cast<Control*>(segment_->data())[rank];
+  return reinterpret_cast<Control*>(static_cast<char*>(segment_->data()) + kHeader)[rank];
 }
 
 // Each rank's staging area holds two buffers, for even and odd calls, by the
 // same argument as Control::args.
 char* ShmAllReduce::staging(int rank, uint64_t call) const {
-  const size_t controls = RoundUp(sizeof(Control) * options_.size, kPage);
+  const size_t controls = RoundUp(kHeader + sizeof(Control) * options_.size, kPage);
   return static_cast<char*>(segment_->data()) + controls + staging_capacity_ * rank +
          (call % 2) * (staging_capacity_ / 2);
 }
@@ -87,7 +102,8 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
   }
   const size_t staging_capacity =
       std::max(kStagingCapacity, 2 * RoundUp(options.staging_bytes, kPage));
-  const size_t bytes = RoundUp(sizeof(Control) * options.size, kPage) +
+  static_assert(sizeof(Shared) <= kHeader);
+  const size_t bytes = RoundUp(kHeader + sizeof(Control) * options.size, kPage) +
                        staging_capacity * options.size;
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment,
                        Segment::CreateShared(store, key_prefix + "segment/", options.rank,
@@ -159,16 +175,38 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
   return Status::Ok();
 }
 
+void ShmAllReduce::Publish(std::atomic<uint64_t> Control::*field, uint64_t value) {
+  (control(options_.rank).*field).store(value, std::memory_order_release);
+  // Pairs with the fence in WaitFor: either a sleeper sees the new value
+  // before it sleeps, or this rank sees the sleeper and wakes it.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  Shared& shared_area = shared();
+  if (shared_area.sleepers.load(std::memory_order_relaxed) > 0) {
+    shared_area.word.fetch_add(1, std::memory_order_release);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&shared_area.word), FUTEX_WAKE, INT32_MAX,
+            nullptr, nullptr, 0);
+  }
+}
+
 Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
                              Deadline deadline, const std::function<Status()>& watchdog,
                              const char* phase) {
   Clock::time_point next_watchdog = Clock::time_point::min();
+  // Spin while the peer is likely running (a core each: it publishes within
+  // microseconds); then yield between polls, which on a busy machine lets
+  // whoever must run have the core yet keeps this rank runnable (measured
+  // better than sleeping: a woken rank waits out other tasks' slices); after
+  // a millisecond, sleep on the futex so that a long wait (a slow rank)
+  // costs no CPU that compute threads could use.
+  const uint32_t spin_limit = options_.yield_when_idle ? 64 : options_.spins_before_yield;
+  const Clock::time_point started = Clock::now();
+  Shared& shared_area = shared();
   for (int peer = 0; peer < options_.size; ++peer) {
     if (peer == options_.rank || (only >= 0 && peer != only)) continue;
     const std::atomic<uint64_t>& counter = control(peer).*field;
     uint32_t spins = 0;
     while (counter.load(std::memory_order_acquire) < value) {
-      if ((++spins & 63) != 0) {
+      if (++spins < spin_limit && (spins & 63) != 0) {
         _mm_pause();
         continue;
       }
@@ -182,10 +220,25 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
         next_watchdog = now + options_.watchdog_period;
         DDP_RETURN_IF_ERROR(watchdog());
       }
-      // Yield soon when ranks outnumber cores; otherwise after ~50 us of
-      // spinning, so that a rank whose peer was descheduled (a busy machine)
-      // gives its core back instead of burning the peer's turn.
-      if (options_.yield_when_idle || spins > options_.spins_before_yield) sched_yield();
+      if (spins < spin_limit) continue;
+      if (now - started < std::chrono::milliseconds(1)) {
+        sched_yield();
+        continue;
+      }
+      const uint32_t seen = shared_area.word.load(std::memory_order_acquire);
+      shared_area.sleepers.fetch_add(1, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (counter.load(std::memory_order_acquire) < value) {
+        // Bounded sleep: the deadline and the watchdog still run.
+        const auto left = std::min<Clock::duration>(deadline - now, options_.watchdog_period);
+        timespec timeout{};
+        timeout.tv_sec = std::chrono::duration_cast<std::chrono::seconds>(left).count();
+        timeout.tv_nsec = (std::chrono::duration_cast<std::chrono::nanoseconds>(left) -
+                           std::chrono::seconds(timeout.tv_sec)).count();
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&shared_area.word), FUTEX_WAIT, seen,
+                &timeout, nullptr, 0);
+      }
+      shared_area.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
   }
   return Status::Ok();
@@ -222,7 +275,7 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
   args.count = count;
   args.dtype = static_cast<int32_t>(dtype);
   args.op = static_cast<int32_t>(op);
-  mine.arrived.store(s, std::memory_order_release);
+  Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op));
   if (staged) return StagedAllReduce(recv, count, dtype, op);
@@ -251,9 +304,8 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
     }
     if (op == ReduceOp::kAvg) reduce::DivideInPlace(dtype, recv, count, options_.size);
   }
-  Control& mine = control(options_.rank);
-  mine.reduced.store(s, std::memory_order_release);
-  mine.finished.store(s, std::memory_order_release);
+  Publish(&Control::reduced, s);
+  Publish(&Control::finished, s);
   return Status::Ok();
 }
 
@@ -295,9 +347,8 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
       DDP_RETURN_IF_ERROR(WriteToPeer(peer, here, control(peer).args[s % 2].dst + a * elem, n * elem));
     }
   }
-  Control& mine = control(me);
-  mine.reduced.store(s, std::memory_order_release);
-  mine.finished.store(s, std::memory_order_release);
+  Publish(&Control::reduced, s);
+  Publish(&Control::finished, s);
   // Until every peer finished, its slice of this rank's output may be
   // unwritten and it may still read this rank's input.
   return WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish");
@@ -312,9 +363,9 @@ Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status()>& w
   args.count = ~uint64_t{0};
   args.dtype = -1;
   args.op = -1;
-  mine.arrived.store(s, std::memory_order_release);
-  mine.reduced.store(s, std::memory_order_release);
-  mine.finished.store(s, std::memory_order_release);
+  Publish(&Control::reduced, s);
+  Publish(&Control::finished, s);
+  Publish(&Control::arrived, s);
   return WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier");
 }
 

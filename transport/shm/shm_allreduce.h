@@ -57,9 +57,9 @@ struct ShmOptions {
   size_t staging_bytes = 256 << 10;
   /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
   size_t chunk_bytes = 256 << 10;
-  /// Yield the CPU while waiting (when ranks outnumber cores).
+  /// Ranks outnumber cores: sleep after a few spins (else after
+  /// spins_before_yield polls, ~100 us).
   bool yield_when_idle = false;
-  /// Otherwise, spin this many polls before yielding.
   uint32_t spins_before_yield = 1u << 12;
   std::chrono::milliseconds watchdog_period{100};
 };
@@ -89,12 +89,16 @@ class ShmAllReduce {
   size_t max_staging_bytes() const { return staging_capacity_; }
 
   struct Control;
+  struct Shared;
 
  private:
   ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& options,
                size_t staging_capacity);
 
+  Shared& shared() const;
   Control& control(int rank) const;
+  // Stores this rank's counter and wakes sleeping waiters.
+  void Publish(std::atomic<uint64_t> Control::*field, uint64_t value);
   char* staging(int rank, uint64_t call) const;
   // Waits until `field` of every rank (or of `only`, if >= 0) reaches `value`.
   Status WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
