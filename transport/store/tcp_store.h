@@ -21,6 +21,7 @@
 // request is refused and logged and closes that connection; the server keeps
 // serving everyone else.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -141,6 +142,11 @@ class TcpStoreClient final : public Store {
   /// "host:port" of the server.
   const std::string& endpoint() const { return endpoint_; }
 
+  /// Breaks the connection: a call blocked in another thread (a Get parked
+  /// on a key) returns UNAVAILABLE at once, and so does every later call.
+  /// Thread-safe; the way to stop a watcher thread before its deadline.
+  void Close();
+
  private:
   TcpStoreClient(int fd, std::string endpoint);
   struct Reply;
@@ -149,7 +155,8 @@ class TcpStoreClient final : public Store {
                        const std::string& what);
 
   std::mutex mu_;
-  int fd_;
+  const int fd_;                        // valid until destruction
+  std::atomic<bool> closed_{false};     // set by Close()
   const std::string endpoint_;
   uint32_t next_request_id_ = 1;
   std::string read_buffer_;  // bytes received but not yet parsed

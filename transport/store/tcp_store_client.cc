@@ -1,3 +1,5 @@
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -144,12 +146,25 @@ TcpStoreClient::TcpStoreClient(int fd, std::string endpoint)
 
 TcpStoreClient::~TcpStoreClient() { UniqueFd closer(fd_); }
 
+void TcpStoreClient::Close() {
+  closed_.store(true);
+  // Wakes a poll() blocked on this socket in another thread; the descriptor
+  // itself stays open (and unused) until destruction, so it cannot be reused
+  // under that thread's feet.
+  shutdown(fd_, SHUT_RDWR);
+}
+
 StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, std::string_view fields,
                                                      Deadline deadline,
                                                      const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   const Deadline start = Clock::now();
   if (!broken_.ok()) return broken_;
+  if (closed_.load()) {
+    broken_ = UnavailableError("the connection to the store at " + endpoint_ +
+                               " was closed by this process");
+    return broken_;
+  }
   const uint32_t request_id = next_request_id_++;
   if (next_request_id_ == 0) next_request_id_ = 1;
   wire::Writer w;
@@ -162,8 +177,10 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, std::string_vie
                          " ms (store at " + endpoint_ + ")");
   };
   auto lost = [&](const Status& why) {
-    broken_ = UnavailableError("lost the connection to the store at " + endpoint_ + ": " +
-                               why.message());
+    broken_ = closed_.load() ? UnavailableError("the connection to the store at " + endpoint_ +
+                                                " was closed by this process")
+                             : UnavailableError("lost the connection to the store at " +
+                                                endpoint_ + ": " + why.message());
     return broken_;
   };
 

@@ -594,6 +594,27 @@ TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
 }
 
+TEST(TcpStoreTest, CloseWakesAParkedCall) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  StatusOr<std::string> got = InternalError("not run");
+  std::thread thread([&] { got = client->Get("never", DeadlineIn(30s)); });
+  std::this_thread::sleep_for(100ms);
+  const Deadline closed_at = Clock::now();
+  client->Close();
+  thread.join();
+  EXPECT_LT(Clock::now() - closed_at, 2s);
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(got.status().message(), HasSubstr("was closed by this process"));
+  EXPECT_EQ(client->Set("k", "v", DeadlineIn(5s)).code(), StatusCode::kUnavailable);
+  // The server drops the connection and its parked call.
+  const Deadline deadline = DeadlineIn(5s);
+  while (server->stats().open_connections > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(server->stats().open_connections, 0u);
+}
+
 TEST(TcpStoreTest, ClientConnectsBeforeTheServerStarts) {
   // Reserve a port, free it, and start the server there a little later.
   int port = 0;

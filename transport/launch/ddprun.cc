@@ -1,0 +1,627 @@
+#include "transport/launch/ddprun.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <thread>
+
+#include "transport/launch/self_launch.h"
+#include "transport/launch/spawn.h"
+#include "transport/store/tcp_store.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using namespace std::chrono_literals;
+using std::chrono::milliseconds;
+
+constexpr int kMaxProcPerNode = 4096;
+constexpr int kMaxNodes = 1 << 16;
+// How long one wait on the store lasts before the launcher beats its
+// heartbeat and looks around again.
+constexpr auto kMonitorSlice = 1000ms;
+// How long node 0 keeps the store up for the other launchers to read the
+// outcome before it exits.
+constexpr auto kFarewellTime = 10000ms;
+// Deadline of one bookkeeping call on the store.
+constexpr auto kStoreCallTime = 10000ms;
+
+// ---- parsing ----
+
+std::optional<int64_t> ParseInt(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  int64_t v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size()) return std::nullopt;
+  return v;
+}
+
+// Seconds, possibly fractional ("0.5"), as milliseconds.
+std::optional<milliseconds> ParseSeconds(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  std::string copy(text);
+  char* end = nullptr;
+  const double seconds = std::strtod(copy.c_str(), &end);
+  if (end != copy.c_str() + copy.size() || !std::isfinite(seconds) || seconds < 0 ||
+      seconds > 1e9) {
+    return std::nullopt;
+  }
+  return milliseconds(static_cast<int64_t>(std::llround(seconds * 1000)));
+}
+
+std::string Flag(std::string_view name, std::string_view value) {
+  return "--" + std::string(name) + "=" + std::string(value);
+}
+
+}  // namespace
+
+std::string DdprunUsage() {
+  return R"(usage: ddprun [flags] [--] PROGRAM [ARGS...]
+
+Starts PROGRAM as the workers of one node of a data-parallel job, with
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+MASTER_PORT, DDP_RESTART_COUNT, DDP_JOB_TOKEN and DDP_STORE_HOST=launcher set
+for each. Node 0's launcher serves the rendezvous store.
+
+  --nproc_per_node=N   workers on this node (default 1)
+  --nnodes=N           nodes in the job (default 1)
+  --node_rank=R        this node, in [0, nnodes) (default 0)
+  --master_addr=ADDR   address of node 0, where the store listens
+                       (required with several nodes; default 127.0.0.1)
+  --master_port=PORT   port of the store (default 29500; 0: any free port)
+  --standalone         one node on 127.0.0.1 with a free port
+  --max_restarts=K     restart the whole job up to K times after a failure
+  --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
+  --tee                with --log_dir, also write it to the terminal
+  --no_prefix          do not start terminal lines with "[rank] "
+  --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
+                       required with several nodes, generated otherwise
+  --rdzv_timeout=SEC   how long to wait for every node to join (default 300)
+  --node_timeout=SEC   heartbeat silence after which a node is dead (default 30)
+  --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5)
+  --max_run_time=SEC   stop the workers after this long (default: no limit)
+
+Dashes and underscores in flag names are interchangeable.
+)";
+}
+
+StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const EnvMap& env) {
+  DdprunOptions o;
+  bool port_given = false;
+  bool token_given = false;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string_view arg(argv[i]);
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg == "-h" || arg == "--help") {
+      o.help = true;
+      return o;
+    }
+    if (arg.size() < 2 || arg.substr(0, 2) != "--") break;  // the program
+    std::string name(arg.substr(2));
+    std::optional<std::string> value;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    }
+    for (char& c : name) c = c == '-' ? '_' : c;
+
+    auto take_value = [&]() -> StatusOr<std::string> {
+      if (value) return *value;
+      if (i + 1 >= argc) return InvalidArgumentError("--" + name + " needs a value");
+      return std::string(argv[++i]);
+    };
+    auto take_int = [&](int64_t lo, int64_t hi, int& out) -> Status {
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      std::optional<int64_t> v = ParseInt(text);
+      if (!v) return InvalidArgumentError(Flag(name, text) + " is not an integer");
+      if (*v < lo || *v > hi) {
+        return InvalidArgumentError(Flag(name, text) + " must be in [" + std::to_string(lo) +
+                                    ", " + std::to_string(hi) + "]");
+      }
+      out = static_cast<int>(*v);
+      return Status::Ok();
+    };
+    auto take_seconds = [&](milliseconds& out, bool positive) -> Status {
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      std::optional<milliseconds> v = ParseSeconds(text);
+      if (!v || (positive && v->count() == 0)) {
+        return InvalidArgumentError(Flag(name, text) + " is not a" +
+                                    (positive ? " positive" : "") + " number of seconds");
+      }
+      out = *v;
+      return Status::Ok();
+    };
+    auto no_value = [&]() -> Status {
+      if (value) return InvalidArgumentError("--" + name + " takes no value");
+      return Status::Ok();
+    };
+
+    if (name == "nproc_per_node") {
+      DDP_RETURN_IF_ERROR(take_int(1, kMaxProcPerNode, o.nproc_per_node));
+    } else if (name == "nnodes") {
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      if (text.find(':') != std::string::npos) {
+        return InvalidArgumentError(Flag(name, text) +
+                                    ": elastic node ranges are not supported; give one number");
+      }
+      value = text;
+      DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
+    } else if (name == "node_rank") {
+      DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
+    } else if (name == "master_addr") {
+      DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
+      if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
+    } else if (name == "master_port") {
+      DDP_RETURN_IF_ERROR(take_int(0, 65535, o.master_port));
+      port_given = true;
+    } else if (name == "standalone") {
+      DDP_RETURN_IF_ERROR(no_value());
+      o.standalone = true;
+    } else if (name == "max_restarts") {
+      DDP_RETURN_IF_ERROR(take_int(0, 1000000, o.max_restarts));
+    } else if (name == "log_dir") {
+      DDP_ASSIGN_OR_RETURN(o.log_dir, take_value());
+      if (o.log_dir.empty()) return InvalidArgumentError("--log_dir is empty");
+    } else if (name == "tee") {
+      DDP_RETURN_IF_ERROR(no_value());
+      o.tee = true;
+    } else if (name == "no_prefix") {
+      DDP_RETURN_IF_ERROR(no_value());
+      o.prefix = false;
+    } else if (name == "job_token") {
+      DDP_ASSIGN_OR_RETURN(o.job_token, take_value());
+      token_given = true;
+    } else if (name == "rdzv_timeout") {
+      DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
+    } else if (name == "node_timeout") {
+      DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
+    } else if (name == "grace_period") {
+      DDP_RETURN_IF_ERROR(take_seconds(o.grace, /*positive=*/false));
+    } else if (name == "max_run_time") {
+      DDP_RETURN_IF_ERROR(take_seconds(o.max_run_time, /*positive=*/false));
+    } else {
+      return InvalidArgumentError("unknown flag --" + name + " (see ddprun --help)");
+    }
+  }
+  for (; i < argc; ++i) o.command.emplace_back(argv[i]);
+
+  if (o.command.empty()) {
+    return InvalidArgumentError("no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
+  }
+  if (o.node_rank >= o.nnodes) {
+    return InvalidArgumentError("--node_rank=" + std::to_string(o.node_rank) +
+                                " is not below --nnodes=" + std::to_string(o.nnodes));
+  }
+  if (o.standalone) {
+    if (o.nnodes > 1) {
+      return InvalidArgumentError("--standalone runs one node; it cannot be combined with --nnodes=" +
+                                  std::to_string(o.nnodes));
+    }
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
+  }
+  if (o.nnodes > 1) {
+    if (o.master_addr.empty()) {
+      return InvalidArgumentError("--master_addr is required with --nnodes=" +
+                                  std::to_string(o.nnodes) +
+                                  " (the address of node 0, where the store listens)");
+    }
+    if (o.master_port == 0) {
+      return InvalidArgumentError(
+          "--master_port=0 (any free port) works on one node only: every node must know the port");
+    }
+  }
+  if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
+  (void)port_given;
+  if (!token_given) {
+    if (auto it = env.find(kEnvJobToken); it != env.end()) o.job_token = it->second;
+  }
+  if (o.job_token.size() > kMaxJobTokenBytes) {
+    return InvalidArgumentError("the job token is " + std::to_string(o.job_token.size()) +
+                                " bytes long, more than the limit of " +
+                                std::to_string(kMaxJobTokenBytes));
+  }
+  if (o.nnodes > 1 && o.job_token.empty()) {
+    return InvalidArgumentError(
+        "several nodes need a shared job token: set DDP_JOB_TOKEN (or --job_token) to the same "
+        "secret on every node");
+  }
+  if (o.tee && o.log_dir.empty()) return InvalidArgumentError("--tee needs --log_dir");
+  return o;
+}
+
+namespace {
+
+// ---- the multi-node protocol ----
+
+std::string Key(int attempt, const std::string& rest) {
+  return "ddprun/a" + std::to_string(attempt) + "/" + rest;
+}
+
+// Failure notices start with 'R' (the job may restart) or 'F' (final: the
+// posting launcher stops, so must everyone).
+struct FailureNotice {
+  bool restartable = true;
+  std::string reason;
+};
+
+std::optional<FailureNotice> DecodeFailure(const std::string& value) {
+  if (value.empty()) return std::nullopt;
+  return FailureNotice{value[0] == 'R', value.substr(1)};
+}
+
+// The first failure posted for an attempt wins; later ones are dropped so
+// that every launcher reports the same root cause.
+void PostFailure(store::Store& store, int attempt, bool restartable, const std::string& reason) {
+  const Deadline deadline = DeadlineIn(kStoreCallTime);
+  StatusOr<int64_t> n = store.Add(Key(attempt, "failure_count"), 1, deadline);
+  if (n.ok() && *n == 1) {
+    (void)store.Set(Key(attempt, "failure"), (restartable ? "R" : "F") + reason, deadline);
+  }
+}
+
+// Watches one attempt from one node: waits on the failure key in slices,
+// beats this node's heartbeat between them, and on node 0 declares nodes
+// whose heartbeat stopped dead.
+class NodeMonitor {
+ public:
+  NodeMonitor(store::Store& store, const DdprunOptions& options, int attempt)
+      : store_(store), options_(options), attempt_(attempt) {
+    const Deadline now = Clock::now();
+    for (int node = 0; node < options.nnodes; ++node) last_seen_[node] = {"", now};
+  }
+
+  // One round of at most `slice`: waits on the failure key, then beats.
+  // Returns the failure notice when the attempt failed (here or elsewhere).
+  std::optional<FailureNotice> Poll(milliseconds slice) {
+    StatusOr<std::string> failure = store_.Get(Key(attempt_, "failure"), DeadlineIn(slice));
+    if (failure.ok()) return DecodeFailure(*failure);
+    if (failure.status().code() != StatusCode::kTimedOut) return StoreLost(failure.status());
+    return Beat();
+  }
+
+  // Like Poll, without waiting.
+  std::optional<FailureNotice> Check() {
+    auto failure = store_.TryGet(Key(attempt_, "failure"), DeadlineIn(kStoreCallTime));
+    if (!failure.ok()) return StoreLost(failure.status());
+    if (failure->has_value()) return DecodeFailure(**failure);
+    return Beat();
+  }
+
+ private:
+  static FailureNotice StoreLost(const Status& status) {
+    return FailureNotice{false, "lost the rendezvous store (" + status.message() +
+                                    "); the launcher of node 0 is gone"};
+  }
+
+  // Beats this node's heartbeat; node 0 also checks everyone else's.
+  std::optional<FailureNotice> Beat() {
+    ++beats_;
+    Status beat = store_.Set(Key(attempt_, "heartbeat/" + std::to_string(options_.node_rank)),
+                             std::to_string(beats_), DeadlineIn(kStoreCallTime));
+    if (!beat.ok() && beat.code() != StatusCode::kTimedOut) return StoreLost(beat);
+    if (options_.node_rank == 0) return CheckHeartbeats();
+    return std::nullopt;
+  }
+
+  std::optional<FailureNotice> CheckHeartbeats() {
+    const Deadline now = Clock::now();
+    for (int node = 1; node < options_.nnodes; ++node) {
+      const Deadline deadline = DeadlineIn(kStoreCallTime);
+      auto done = store_.TryGet(Key(attempt_, "done/" + std::to_string(node)), deadline);
+      if (done.ok() && done->has_value()) continue;  // finished; it may stop beating
+      auto beat = store_.TryGet(Key(attempt_, "heartbeat/" + std::to_string(node)), deadline);
+      if (!beat.ok()) continue;
+      const std::string value = beat->value_or("");
+      auto& [last_value, last_change] = last_seen_[node];
+      if (value != last_value) {
+        last_value = value;
+        last_change = now;
+      } else if (now - last_change > options_.node_timeout) {
+        const std::string reason =
+            "node " + std::to_string(node) + "'s launcher sent no heartbeat for " +
+            std::to_string(std::chrono::duration_cast<milliseconds>(now - last_change).count()) +
+            " ms (--node_timeout)";
+        (void)store_.Set(Key(attempt_, "dead/" + std::to_string(node)), "1",
+                         DeadlineIn(kStoreCallTime));
+        PostFailure(store_, attempt_, /*restartable=*/true, reason);
+        return FailureNotice{true, reason};
+      }
+    }
+    return std::nullopt;
+  }
+
+  store::Store& store_;
+  const DdprunOptions& options_;
+  const int attempt_;
+  int64_t beats_ = 0;
+  std::map<int, std::pair<std::string, Deadline>> last_seen_;
+};
+
+// Every launcher checks that it was started like node 0, since WORLD_SIZE and
+// the restart count follow from these flags.
+std::string ConfigLine(const DdprunOptions& o) {
+  return "--nnodes=" + std::to_string(o.nnodes) + " --nproc_per_node=" +
+         std::to_string(o.nproc_per_node) + " --max_restarts=" + std::to_string(o.max_restarts);
+}
+
+std::string Hostname() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+void Say(const std::string& line) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "ddprun: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+// Waits for every node to register for `attempt`; names the missing ones.
+Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
+  const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+  DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + std::to_string(o.node_rank)), Hostname(),
+                                DeadlineIn(kStoreCallTime)));
+  std::vector<std::string> keys;
+  for (int node = 0; node < o.nnodes; ++node) keys.push_back(Key(attempt, "node/" + std::to_string(node)));
+  Status joined = store.Wait(keys, deadline);
+  if (joined.ok()) return joined;
+  if (joined.code() != StatusCode::kTimedOut) return joined;
+  std::string missing;
+  for (int node = 0; node < o.nnodes; ++node) {
+    auto present = store.TryGet(keys[node], DeadlineIn(kStoreCallTime));
+    if (present.ok() && !present->has_value()) missing += (missing.empty() ? "" : ", ") + std::to_string(node);
+  }
+  return TimedOutError("not every node joined within --rdzv_timeout (" +
+                       std::to_string(o.rdzv_timeout.count()) + " ms); missing node(s): " + missing);
+}
+
+struct AttemptOutcome {
+  bool succeeded = false;
+  bool restartable = false;
+  int exit_code = 1;
+  std::string reason;
+};
+
+}  // namespace
+
+int RunDdprun(const DdprunOptions& o) {
+  // ---- checks that need the system, still before anything starts ----
+  StatusOr<std::string> program = ResolveProgram(o.command[0]);
+  if (!program.ok()) {
+    Say(program.status().message());
+    return 2;
+  }
+  std::string token = o.job_token;
+  if (token.empty()) {
+    StatusOr<std::string> fresh = GenerateJobToken();
+    if (!fresh.ok()) {
+      Say(fresh.status().message());
+      return 2;
+    }
+    token = *fresh;
+  }
+  std::unique_ptr<store::TcpStoreServer> server;
+  int port = o.master_port;
+  if (o.node_rank == 0) {
+    store::TcpStoreServerOptions server_options;
+    server_options.bind_address = o.master_addr;
+    server_options.port = o.master_port;
+    server_options.job_token = token;
+    StatusOr<std::unique_ptr<store::TcpStoreServer>> started =
+        store::TcpStoreServer::Start(server_options);
+    if (!started.ok()) {
+      Say("cannot serve the rendezvous store: " + started.status().message());
+      return 2;
+    }
+    server = std::move(started).value();
+    port = server->port();
+  }
+
+  // ---- the launchers meet (several nodes only) ----
+  const bool multi_node = o.nnodes > 1;
+  std::unique_ptr<store::TcpStoreClient> client;
+  if (multi_node) {
+    const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+    auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token, deadline);
+    if (!connected.ok()) {
+      Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
+      return connected.status().code() == StatusCode::kPermissionDenied ? 2 : 1;
+    }
+    client = std::move(connected).value();
+    if (o.node_rank == 0) {
+      Status s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
+      if (!s.ok()) {
+        Say(s.message());
+        return 1;
+      }
+    } else {
+      StatusOr<std::string> config = client->Get("ddprun/config", DeadlineIn(o.rdzv_timeout));
+      if (!config.ok()) {
+        Say("node " + std::to_string(o.node_rank) + ": " + config.status().message());
+        return 1;
+      }
+      if (*config != ConfigLine(o)) {
+        Say("node " + std::to_string(o.node_rank) + " was started with " + ConfigLine(o) +
+            " but node 0 with " + *config + "; every node needs the same flags");
+        return 2;
+      }
+    }
+  }
+
+  const int world_size = o.nnodes * o.nproc_per_node;
+  int exit_code = 1;
+  for (int attempt = 0; attempt <= o.max_restarts; ++attempt) {
+    if (multi_node) {
+      Status joined = Rendezvous(*client, o, attempt);
+      if (!joined.ok()) {
+        Say("node " + std::to_string(o.node_rank) + ": " + joined.message());
+        return 1;
+      }
+    }
+
+    std::vector<WorkerSpec> specs;
+    for (int local = 0; local < o.nproc_per_node; ++local) {
+      LaunchEnv env;
+      env.rank = o.node_rank * o.nproc_per_node + local;
+      env.world_size = world_size;
+      env.local_rank = local;
+      env.local_world_size = o.nproc_per_node;
+      env.group_rank = o.node_rank;
+      env.master_addr = o.master_addr;
+      env.master_port = port;
+      env.restart_count = attempt;
+      env.job_token = token;
+      env.store_hosted_by_launcher = true;
+      WorkerSpec spec;
+      spec.rank = env.rank;
+      spec.program = *program;
+      spec.argv = o.command;
+      spec.env = ToEnvironment(env);
+      specs.push_back(std::move(spec));
+    }
+    SpawnOptions spawn;
+    spawn.grace = o.grace;
+    spawn.output.to_terminal = o.log_dir.empty() || o.tee;
+    spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
+    spawn.output.log_dir = o.log_dir;
+    spawn.output.log_name_prefix = "attempt_" + std::to_string(attempt) + "/";
+    StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), spawn);
+    if (!group.ok()) {
+      Say(group.status().message());
+      if (multi_node) PostFailure(*client, attempt, false, "node " + std::to_string(o.node_rank) + ": " + group.status().message());
+      return attempt == 0 ? 2 : 1;
+    }
+
+    // While the workers run, a watcher thread follows the other nodes on a
+    // connection of its own (it parks in Get); closing that connection wakes
+    // it as soon as the workers are done.
+    std::unique_ptr<store::TcpStoreClient> watch_client;
+    if (multi_node) {
+      auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token,
+                                                      DeadlineIn(kStoreCallTime));
+      if (!connected.ok()) {
+        Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
+        return 1;  // the group's destructor stops the workers
+      }
+      watch_client = std::move(connected).value();
+    }
+    std::atomic<bool> stop_watching{false};
+    std::thread watcher;
+    if (multi_node) {
+      watcher = std::thread([&, attempt] {
+        NodeMonitor monitor(*watch_client, o, attempt);
+        while (!stop_watching.load()) {
+          if (std::optional<FailureNotice> notice = monitor.Poll(kMonitorSlice)) {
+            if (!stop_watching.load()) (*group)->RequestStop(notice->reason);
+            return;
+          }
+        }
+      });
+    }
+    const Deadline deadline = o.max_run_time.count() > 0 ? Clock::now() + o.max_run_time
+                                                          : Deadline::max();
+    GroupResult result = (*group)->Wait(deadline);
+    stop_watching = true;
+    if (watch_client) watch_client->Close();
+    if (watcher.joinable()) watcher.join();
+    group->reset();
+
+    AttemptOutcome outcome;
+    const std::string node = "node " + std::to_string(o.node_rank);
+    switch (result.outcome) {
+      case GroupOutcome::kSucceeded:
+        outcome.succeeded = true;
+        outcome.exit_code = 0;
+        break;
+      case GroupOutcome::kWorkerFailed:
+      case GroupOutcome::kTimedOut:
+        outcome.restartable = true;
+        outcome.exit_code = result.ExitCode();
+        outcome.reason = (multi_node ? node + ": " : "") + result.reason;
+        if (multi_node) PostFailure(*client, attempt, true, outcome.reason);
+        break;
+      case GroupOutcome::kInterrupted:
+        outcome.restartable = false;
+        outcome.exit_code = result.ExitCode();
+        outcome.reason = (multi_node ? node + ": " : "") + result.reason;
+        if (multi_node) PostFailure(*client, attempt, false, outcome.reason);
+        break;
+      case GroupOutcome::kStopped: {
+        // Another node failed (or the store went away): report its reason.
+        outcome.exit_code = 1;
+        outcome.reason = result.reason;
+        auto posted = client->TryGet(Key(attempt, "failure"), DeadlineIn(kStoreCallTime));
+        std::optional<FailureNotice> notice;
+        if (posted.ok() && posted->has_value()) notice = DecodeFailure(**posted);
+        outcome.restartable = notice && notice->restartable;
+        if (notice) outcome.reason = notice->reason;
+        break;
+      }
+    }
+
+    if (outcome.succeeded && multi_node) {
+      // Done here; the attempt succeeds when every node is done, and fails if
+      // any node fails meanwhile.
+      Status s = client->Set(Key(attempt, "done/" + std::to_string(o.node_rank)), "1",
+                             DeadlineIn(kStoreCallTime));
+      NodeMonitor monitor(*client, o, attempt);
+      std::vector<std::string> done_keys;
+      for (int n = 0; n < o.nnodes; ++n) done_keys.push_back(Key(attempt, "done/" + std::to_string(n)));
+      while (s.ok()) {
+        Status all_done = client->Wait(done_keys, DeadlineIn(kMonitorSlice));
+        if (all_done.ok()) break;
+        if (all_done.code() != StatusCode::kTimedOut) {
+          s = all_done;
+          break;
+        }
+        if (std::optional<FailureNotice> notice = monitor.Check()) {
+          outcome = AttemptOutcome{false, notice->restartable, 1, notice->reason};
+          break;
+        }
+      }
+      if (!s.ok()) outcome = AttemptOutcome{false, false, 1, "lost the rendezvous store: " + s.message()};
+    }
+
+    exit_code = outcome.exit_code;
+    const bool restart = !outcome.succeeded && outcome.restartable && attempt < o.max_restarts;
+    if (!outcome.succeeded) {
+      Say(outcome.reason + (restart ? "; restarting the job (restart " + std::to_string(attempt + 1) +
+                                          " of " + std::to_string(o.max_restarts) + ")"
+                                    : ""));
+    }
+    if (restart) continue;
+    if (multi_node) {
+      // Node 0 keeps the store up until every launcher has its answer.
+      (void)client->Set(Key(attempt, "exit/" + std::to_string(o.node_rank)), "1",
+                        DeadlineIn(kStoreCallTime));
+      if (o.node_rank == 0) {
+        // Nodes declared dead will not answer.
+        std::vector<std::string> keys;
+        for (int n = 0; n < o.nnodes; ++n) {
+          auto dead = client->TryGet(Key(attempt, "dead/" + std::to_string(n)),
+                                     DeadlineIn(kStoreCallTime));
+          if (dead.ok() && !dead->has_value()) keys.push_back(Key(attempt, "exit/" + std::to_string(n)));
+        }
+        (void)client->Wait(keys, DeadlineIn(kFarewellTime));
+      }
+    }
+    break;
+  }
+  if (server) server->Stop();
+  return exit_code;
+}
+
+}  // namespace ddp::transport::launch

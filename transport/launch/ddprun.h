@@ -1,0 +1,73 @@
+#ifndef DDP_TRANSPORT_LAUNCH_DDPRUN_H_
+#define DDP_TRANSPORT_LAUNCH_DDPRUN_H_
+
+// ddprun, the launcher: flags in torchrun's spelling, one launcher per node,
+// node 0 serving the rendezvous store for the whole job.
+//
+//   ddprun [flags] [--] PROGRAM [ARGS...]
+//
+// Several nodes: every launcher gets the same flags except --node_rank, and
+// the same job token through the environment (DDP_JOB_TOKEN, which schedulers
+// propagate and `ps` does not show) or --job_token. The launchers meet in the
+// store under "ddprun/": each registers, checks that node 0's flags match its
+// own, and starts its workers once every node is there. While the workers
+// run, each launcher beats a heartbeat and watches for a failure notice; the
+// first launcher whose workers fail posts the reason, and every launcher
+// stops its workers. Node 0 declares a node dead when its heartbeat stops
+// for --node_timeout; the other nodes stop when node 0's store goes away.
+// With --max_restarts=K the whole job (every node) restarts up to K times,
+// DDP_RESTART_COUNT counting the attempts; an interrupted launcher (SIGINT,
+// SIGTERM) stops the job without a restart.
+//
+// Exit status: 0 when every worker of every node succeeded; the failed
+// worker's exit code (or 128 + its signal) on the node where it failed; 1 on
+// the other nodes and for rendezvous failures; 128 + signal when interrupted;
+// 2 for bad input, reported on one line before anything starts.
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "transport/launch/env.h"
+#include "transport/status.h"
+
+namespace ddp::transport::launch {
+
+struct DdprunOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr;       ///< Empty: 127.0.0.1 (one node only).
+  int master_port = kDefaultMasterPort;
+  bool standalone = false;       ///< One node, 127.0.0.1, a free port.
+  int max_restarts = 0;
+  std::string log_dir;           ///< Per-rank log files under attempt_<k>/.
+  bool tee = false;              ///< With log_dir: also write to the terminal.
+  bool prefix = true;            ///< "[rank] " on terminal lines (when >1 worker).
+  std::string job_token;         ///< From --job_token or DDP_JOB_TOKEN.
+  std::chrono::milliseconds rdzv_timeout{300000};  ///< Waiting for all nodes.
+  std::chrono::milliseconds node_timeout{30000};   ///< Heartbeat silence = dead node.
+  std::chrono::milliseconds grace{5000};           ///< SIGTERM -> SIGKILL.
+  std::chrono::milliseconds max_run_time{0};       ///< Per attempt; 0: no limit.
+  std::vector<std::string> command;  ///< PROGRAM and its arguments.
+  bool help = false;
+};
+
+/// Parses the command line (argv[0] is ddprun itself); DDP_JOB_TOKEN from
+/// `env` is the token unless --job_token is given. INVALID_ARGUMENT with a
+/// one-line message for unknown flags, malformed values and inconsistent
+/// settings (node_rank >= nnodes, several nodes without --master_addr,
+/// --nproc_per_node=0, ...).
+StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const EnvMap& env);
+
+/// The --help text.
+std::string DdprunUsage();
+
+/// Runs the launcher of one node: checks the program, binds the store (node
+/// 0), meets the other nodes, runs and restarts the workers. Returns the exit
+/// status described above; prints one line per failure to stderr.
+int RunDdprun(const DdprunOptions& options);
+
+}  // namespace ddp::transport::launch
+
+#endif  // DDP_TRANSPORT_LAUNCH_DDPRUN_H_

@@ -1,0 +1,123 @@
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/ddprun.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using namespace std::chrono_literals;
+
+StatusOr<DdprunOptions> Parse(std::vector<std::string> args, EnvMap env = {}) {
+  std::vector<const char*> argv = {"ddprun"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  return ParseDdprunArgs(static_cast<int>(argv.size()), argv.data(), env);
+}
+
+void ExpectRefused(std::vector<std::string> args, const std::string& message, EnvMap env = {}) {
+  StatusOr<DdprunOptions> o = Parse(args, env);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(o.status().message(), message);
+}
+
+TEST(DdprunArgsTest, TorchrunSpellings) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--nproc-per-node=4", "--nnodes", "2", "--node_rank=1", "--master_addr=10.0.0.1",
+             "--master-port", "1234", "--max_restarts=3", "--log_dir=/tmp/x", "--tee",
+             "--no_prefix", "--rdzv_timeout=2.5", "--node_timeout=1", "--grace_period=0",
+             "--max_run_time=60", "train", "--lr=0.1"},
+            {{"DDP_JOB_TOKEN", "secret"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 4);
+  EXPECT_EQ(o->nnodes, 2);
+  EXPECT_EQ(o->node_rank, 1);
+  EXPECT_EQ(o->master_addr, "10.0.0.1");
+  EXPECT_EQ(o->master_port, 1234);
+  EXPECT_EQ(o->max_restarts, 3);
+  EXPECT_EQ(o->log_dir, "/tmp/x");
+  EXPECT_TRUE(o->tee);
+  EXPECT_FALSE(o->prefix);
+  EXPECT_EQ(o->job_token, "secret");
+  EXPECT_EQ(o->rdzv_timeout, 2500ms);
+  EXPECT_EQ(o->node_timeout, 1000ms);
+  EXPECT_EQ(o->grace, 0ms);
+  EXPECT_EQ(o->max_run_time, 60000ms);
+  EXPECT_EQ(o->command, (std::vector<std::string>{"train", "--lr=0.1"}));
+}
+
+TEST(DdprunArgsTest, ProgramFlagsAreLeftAlone) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=2", "--", "prog", "--nproc_per_node=5"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 2);
+  EXPECT_EQ(o->command, (std::vector<std::string>{"prog", "--nproc_per_node=5"}));
+  o = Parse({"prog", "--nnodes=9"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nnodes, 1);
+  EXPECT_EQ(o->command, (std::vector<std::string>{"prog", "--nnodes=9"}));
+}
+
+TEST(DdprunArgsTest, Defaults) {
+  StatusOr<DdprunOptions> o = Parse({"prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 1);
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 29500);
+  EXPECT_EQ(o->job_token, "");
+  o = Parse({"--standalone", "--master_port=1234", "prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_port, 0);
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+}
+
+TEST(DdprunArgsTest, TokenFlagWinsOverEnvironment) {
+  StatusOr<DdprunOptions> o = Parse({"--job_token=flag", "prog"}, {{"DDP_JOB_TOKEN", "env"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->job_token, "flag");
+}
+
+TEST(DdprunArgsTest, HelpNeedsNoProgram) {
+  StatusOr<DdprunOptions> o = Parse({"--help"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->help);
+  EXPECT_THAT(DdprunUsage(), ::testing::HasSubstr("--nproc_per_node=N"));
+}
+
+TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
+  ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
+  ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer");
+  ExpectRefused({"--nproc_per_node"}, "--nproc_per_node needs a value");
+  ExpectRefused({"--nnodes=2", "--node_rank=2", "--master_addr=h", "p"},
+                "--node_rank=2 is not below --nnodes=2");
+  ExpectRefused({"--nnodes=2", "p"},
+                "--master_addr is required with --nnodes=2 (the address of node 0, where the "
+                "store listens)");
+  ExpectRefused({"--nnodes=2", "--master_addr=h", "p"},
+                "several nodes need a shared job token: set DDP_JOB_TOKEN (or --job_token) to "
+                "the same secret on every node");
+  ExpectRefused({"--nnodes=2", "--master_addr=h", "--master_port=0", "p"},
+                "--master_port=0 (any free port) works on one node only: every node must know "
+                "the port",
+                {{"DDP_JOB_TOKEN", "t"}});
+  ExpectRefused({"--nnodes=1:4", "p"},
+                "--nnodes=1:4: elastic node ranges are not supported; give one number");
+  ExpectRefused({"--nnodes=0", "p"}, "--nnodes=0 must be in [1, 65536]");
+  ExpectRefused({"--standalone", "--nnodes=2", "p"},
+                "--standalone runs one node; it cannot be combined with --nnodes=2");
+  ExpectRefused({"--master_port=65536", "p"}, "--master_port=65536 must be in [0, 65535]");
+  ExpectRefused({"--max_restarts=-1", "p"}, "--max_restarts=-1 must be in [0, 1000000]");
+  ExpectRefused({"--node_timeout=0", "p"}, "--node_timeout=0 is not a positive number of seconds");
+  ExpectRefused({"--grace_period=soon", "p"}, "--grace_period=soon is not a number of seconds");
+  ExpectRefused({"--tee", "p"}, "--tee needs --log_dir");
+  ExpectRefused({"--tee=yes", "p"}, "--tee takes no value");
+  ExpectRefused({"--frobnicate", "p"}, "unknown flag --frobnicate (see ddprun --help)");
+  ExpectRefused({"--nproc_per_node=2"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
+  ExpectRefused({"--job_token=" + std::string(300, 't'), "p"},
+                "the job token is 300 bytes long, more than the limit of 256");
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch

@@ -1,0 +1,200 @@
+// Several ddprun launchers on this host, one per "node", meeting through
+// node 0's store on 127.0.0.1.
+
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/launch_test_util.h"
+#include "transport/launch/test_spawn.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using ::testing::ContainsRegex;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+using testing::CountLines;
+
+std::string Ddprun() { return testing::Runfile("transport/launch/ddprun"); }
+std::string Worker() { return testing::Runfile("transport/launch/test_worker"); }
+
+constexpr char kToken[] = "multinode-test-token";
+
+class Job {
+ public:
+  // Starts `nodes` launchers with `flags` (plus --nnodes, --node_rank,
+  // --master_addr, --master_port) running the test worker with
+  // `worker_flags`. `node_flags` adds flags for one node.
+  Job(int nodes, std::vector<std::string> flags, std::vector<std::string> worker_flags,
+      std::map<int, std::vector<std::string>> node_flags = {},
+      std::map<int, std::string> node_tokens = {}) {
+    StatusOr<int> port = testing::PickFreePort();
+    EXPECT_TRUE(port.ok()) << port.status();
+    port_ = *port;
+    // Node 0 first, then the others: they retry until its store is up.
+    for (int node = 0; node < nodes; ++node) {
+      std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nodes),
+                                       "--node_rank=" + std::to_string(node),
+                                       "--master_addr=127.0.0.1",
+                                       "--master_port=" + std::to_string(port_)};
+      argv.insert(argv.end(), flags.begin(), flags.end());
+      for (const std::string& f : node_flags[node]) argv.push_back(f);
+      argv.push_back(Worker());
+      argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+      const std::string token = node_tokens.count(node) ? node_tokens[node] : kToken;
+      auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", token}});
+      EXPECT_TRUE(group.ok()) << group.status();
+      launchers_.push_back(std::move(group).value());
+    }
+  }
+
+  pid_t launcher_pid(int node) const { return launchers_.at(node)->pids()[0]; }
+
+  // Waits for every launcher; one result per node.
+  std::vector<testing::ProgramRun> Wait(std::chrono::milliseconds timeout = 30s) {
+    std::vector<testing::ProgramRun> runs;
+    for (auto& launcher : launchers_) runs.push_back(testing::WaitProgram(*launcher, timeout));
+    return runs;
+  }
+
+ private:
+  int port_ = 0;
+  std::vector<std::unique_ptr<WorkerGroup>> launchers_;
+};
+
+std::vector<pid_t> WorkerPids(const std::string& dir, int count) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < count; ++r) {
+    pids.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
+  }
+  return pids;
+}
+
+void ExpectAllGone(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) {
+    ASSERT_GT(pid, 0);
+    EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << "worker " << pid << " is still running";
+  }
+}
+
+TEST(DdprunMultinodeTest, TwoNodesFormOneJob) {
+  Job job(2, {"--nproc_per_node=2"}, {"--store", "--print_env"});
+  const auto runs = job.Wait();
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("[0] rank 0/4 local 0/2 group 0 restart 0"));
+  EXPECT_THAT(runs[0].output, HasSubstr("[1] rank 1/4 local 1/2 group 0 restart 0"));
+  EXPECT_THAT(runs[1].output, HasSubstr("[2] rank 2/4 local 0/2 group 1 restart 0"));
+  EXPECT_THAT(runs[1].output, HasSubstr("[3] rank 3/4 local 1/2 group 1 restart 0"));
+  // Every worker met all four, through node 0's store.
+  EXPECT_EQ(CountLines(runs[0].output + runs[1].output, "met 4 ranks"), 4);
+  EXPECT_EQ(CountLines(runs[0].output + runs[1].output,
+                       "store launcher token_len " + std::to_string(sizeof(kToken) - 1)),
+            4);
+}
+
+TEST(DdprunMultinodeTest, FailureOnOneNodeStopsEveryNode) {
+  const std::string dir = testing::MakeTempDir("multinode_failure");
+  Job job(2, {"--nproc_per_node=2"},
+          {"--store", "--exit_code=3:7", "--sleep_ms=30000", "--pid_dir=" + dir});
+  const std::vector<pid_t> workers = WorkerPids(dir, 4);
+  const auto start = Clock::now();
+  const auto runs = job.Wait();
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(runs[1].exit_code, 7) << runs[1].output;
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  const std::string reason = "ddprun: node 1: rank 3 \\(pid [0-9]+\\) exited with code 7";
+  EXPECT_THAT(runs[0].output, ContainsRegex(reason));
+  EXPECT_THAT(runs[1].output, ContainsRegex(reason));
+  ExpectAllGone(workers);
+}
+
+TEST(DdprunMultinodeTest, RestartCoversEveryNode) {
+  Job job(2, {"--nproc_per_node=2", "--max_restarts=1"},
+          {"--store", "--print_env", "--fail_before_restart=1"});
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  for (const auto& run : runs) {
+    EXPECT_THAT(run.output, HasSubstr("restarting the job (restart 1 of 1)"));
+    EXPECT_EQ(CountLines(run.output, "met 4 ranks"), 2) << run.output;
+  }
+  EXPECT_THAT(runs[1].output, HasSubstr("[3] rank 3/4 local 1/2 group 1 restart 1"));
+}
+
+TEST(DdprunMultinodeTest, KilledLauncherOfAnotherNodeIsNoticed) {
+  const std::string dir = testing::MakeTempDir("multinode_kill_node1");
+  Job job(2, {"--nproc_per_node=1", "--node_timeout=1"}, {"--sleep_ms=30000", "--pid_dir=" + dir});
+  const std::vector<pid_t> workers = WorkerPids(dir, 2);
+  const auto start = Clock::now();
+  kill(job.launcher_pid(1), SIGKILL);
+  const auto runs = job.Wait();
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(runs[1].exit_code, 128 + SIGKILL);
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("node 1's launcher sent no heartbeat for"));
+  ExpectAllGone(workers);
+}
+
+TEST(DdprunMultinodeTest, KilledNodeZeroStopsTheOthers) {
+  const std::string dir = testing::MakeTempDir("multinode_kill_node0");
+  Job job(2, {"--nproc_per_node=1"}, {"--sleep_ms=30000", "--pid_dir=" + dir});
+  const std::vector<pid_t> workers = WorkerPids(dir, 2);
+  const auto start = Clock::now();
+  kill(job.launcher_pid(0), SIGKILL);
+  const auto runs = job.Wait();
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(runs[1].exit_code, 1) << runs[1].output;
+  EXPECT_THAT(runs[1].output, HasSubstr("the launcher of node 0 is gone"));
+  ExpectAllGone(workers);
+}
+
+TEST(DdprunMultinodeTest, InterruptedNodeStopsTheJobWithoutRestart) {
+  const std::string dir = testing::MakeTempDir("multinode_sigterm");
+  Job job(2, {"--nproc_per_node=1", "--max_restarts=3"}, {"--sleep_ms=30000", "--pid_dir=" + dir});
+  const std::vector<pid_t> workers = WorkerPids(dir, 2);
+  kill(job.launcher_pid(1), SIGTERM);
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[1].exit_code, 128 + SIGTERM) << runs[1].output;
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("node 1: interrupted by SIGTERM"));
+  EXPECT_THAT(runs[0].output, ::testing::Not(HasSubstr("restarting")));
+  ExpectAllGone(workers);
+}
+
+TEST(DdprunMultinodeTest, MissingNodeTimesOutTheRendezvous) {
+  Job job(1, {"--nproc_per_node=1", "--rdzv_timeout=0.5"}, {}, {{0, {"--nnodes=3"}}});
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("not every node joined within --rdzv_timeout (500 ms); "
+                                        "missing node(s): 1, 2"));
+}
+
+TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
+  Job job(2, {"--rdzv_timeout=1"}, {}, {{0, {"--nproc_per_node=2"}}, {1, {"--nproc_per_node=3"}}});
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
+  EXPECT_THAT(runs[1].output,
+              HasSubstr("node 1 was started with --nnodes=2 --nproc_per_node=3 --max_restarts=0 "
+                        "but node 0 with --nnodes=2 --nproc_per_node=2 --max_restarts=0"));
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
+}
+
+TEST(DdprunMultinodeTest, WrongTokenIsRefused) {
+  Job job(2, {"--nproc_per_node=1", "--rdzv_timeout=1"}, {}, {}, {{1, "not-the-token"}});
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
+  EXPECT_THAT(runs[1].output, HasSubstr("refused this process's job token"));
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch

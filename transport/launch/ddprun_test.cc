@@ -1,0 +1,220 @@
+// ddprun as a user runs it: the real binary, real worker processes.
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/launch_test_util.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using ::testing::ContainsRegex;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using namespace std::chrono_literals;
+using testing::CountLines;
+using testing::RunProgram;
+
+std::string Ddprun() { return testing::Runfile("transport/launch/ddprun"); }
+std::string Worker() { return testing::Runfile("transport/launch/test_worker"); }
+
+std::vector<std::string> Cmd(std::vector<std::string> flags, std::vector<std::string> worker_flags) {
+  std::vector<std::string> argv = {Ddprun()};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(Worker());
+  argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+  return argv;
+}
+
+// Pids the workers wrote to `dir` (rank0.restart0.pid, ...), waiting for
+// `count` of them. Workers write them first thing; tests that make a worker
+// fail pass --store so that the failure comes after every rank wrote its pid.
+std::vector<pid_t> WorkerPids(const std::string& dir, int count, int restart = 0) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < count; ++r) {
+    pids.push_back(testing::ReadPidFile(
+        dir + "/rank" + std::to_string(r) + ".restart" + std::to_string(restart) + ".pid", 10s));
+  }
+  return pids;
+}
+
+void ExpectAllGone(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) {
+    ASSERT_GT(pid, 0);
+    EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << "worker " << pid << " is still running";
+  }
+}
+
+std::string ReadFile(const std::string& path) {
+  std::stringstream s;
+  s << std::ifstream(path).rdbuf();
+  return s.str();
+}
+
+TEST(DdprunTest, StandaloneWorkersGetTheLaunchEnvironment) {
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=4"}, {"--store", "--print_env"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  for (int r = 0; r < 4; ++r) {
+    const std::string rs = std::to_string(r);
+    EXPECT_THAT(run.output, HasSubstr("[" + rs + "] rank " + rs + "/4 local " + rs +
+                                      "/4 group 0 restart 0 master 127.0.0.1:"));
+    EXPECT_THAT(run.output, HasSubstr("[" + rs + "] rank " + rs + " met 4 ranks"));
+  }
+  EXPECT_EQ(CountLines(run.output, "store launcher token_len 32"), 4) << run.output;
+}
+
+TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
+  const std::string dir = testing::MakeTempDir("ddprun_exit");
+  const auto start = Clock::now();
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=4"},
+                                  {"--store", "--exit_code=3:7", "--sleep_ms=30000", "--pid_dir=" + dir}));
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(run.exit_code, 7) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex(
+                              "ddprun: rank 3 \\(pid [0-9]+\\) exited with code 7; stopping the other workers\n"));
+  ExpectAllGone(WorkerPids(dir, 4));
+}
+
+TEST(DdprunTest, WorkerKilledBySignalStopsTheGroupAndNamesTheSignal) {
+  const std::string dir = testing::MakeTempDir("ddprun_signal");
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=3"},
+                                  {"--store", "--signal=0:9", "--sleep_ms=30000", "--pid_dir=" + dir}));
+  EXPECT_EQ(run.exit_code, 128 + 9) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 0 \\(pid [0-9]+\\) was killed by signal 9 "
+                                        "\\(SIGKILL\\); stopping the other workers\n"));
+  ExpectAllGone(WorkerPids(dir, 3));
+}
+
+TEST(DdprunTest, MaxRestartsRestartsTheGroupThenSucceeds) {
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=1"},
+                                  {"--store", "--print_env", "--fail_before_restart=1"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("rank 1 fails on attempt 0"));
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 1 \\(pid [0-9]+\\) exited with code 1; "
+                                        "stopping the other workers; restarting the job "
+                                        "\\(restart 1 of 1\\)"));
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0/2 local 0/2 group 0 restart 1"));
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1/2 local 1/2 group 0 restart 1"));
+  EXPECT_EQ(CountLines(run.output, "met 2 ranks"), 2) << run.output;
+}
+
+TEST(DdprunTest, RestartsRunOut) {
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=2"},
+                                  {"--fail_before_restart=9"}));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_EQ(CountLines(run.output, "rank 1 fails on attempt"), 3) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("(restart 2 of 2)"));
+}
+
+TEST(DdprunTest, SigtermAndSigintReachEveryWorker) {
+  for (int signo : {SIGTERM, SIGINT}) {
+    const std::string dir = testing::MakeTempDir("ddprun_forward_" + std::to_string(signo));
+    auto group = testing::StartProgram(
+        Cmd({"--standalone", "--nproc_per_node=3"}, {"--sleep_ms=30000", "--pid_dir=" + dir}));
+    ASSERT_TRUE(group.ok()) << group.status();
+    const std::vector<pid_t> workers = WorkerPids(dir, 3);
+    kill((*group)->pids()[0], signo);
+    const auto run = testing::WaitProgram(**group, 20s);
+    EXPECT_EQ(run.exit_code, 128 + signo) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("interrupted by " + std::string(signo == SIGTERM ? "SIGTERM" : "SIGINT") +
+                                      "; forwarded it to every worker"));
+    ExpectAllGone(workers);
+  }
+}
+
+TEST(DdprunTest, LauncherKilledBySigkillTakesItsWorkers) {
+  const std::string dir = testing::MakeTempDir("ddprun_sigkill");
+  auto group = testing::StartProgram(
+      Cmd({"--standalone", "--nproc_per_node=3"}, {"--sleep_ms=30000", "--pid_dir=" + dir}));
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> workers = WorkerPids(dir, 3);
+  kill((*group)->pids()[0], SIGKILL);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(run.exit_code, 128 + SIGKILL);
+  ExpectAllGone(workers);
+}
+
+TEST(DdprunTest, PerRankLogFilesAndTee) {
+  const std::string dir = testing::MakeTempDir("ddprun_logs");
+  auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--log_dir=" + dir},
+                            {"--print_env"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("rank 0 done")));  // files only
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(dir + "/attempt_0/rank_" + std::to_string(r) + ".log");
+    EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + "/2 local"));
+    EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + " done\n"));
+  }
+  const std::string tee_dir = testing::MakeTempDir("ddprun_tee");
+  run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--log_dir=" + tee_dir, "--tee"},
+                       {"--print_env"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
+  EXPECT_THAT(ReadFile(tee_dir + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
+}
+
+TEST(DdprunTest, NoPrefix) {
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--no_prefix"}, {}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("rank 1 done"));
+  EXPECT_THAT(run.output, Not(HasSubstr("[1]")));
+}
+
+// Bad input: exit status 2 and exactly one line, before any worker starts.
+void ExpectBadInput(std::vector<std::string> argv, const std::string& message,
+                    std::vector<std::pair<std::string, std::string>> env = {}) {
+  const auto run = RunProgram(std::move(argv), std::move(env));
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_EQ(run.output, "ddprun: " + message + "\n");
+}
+
+TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
+  ExpectBadInput({Ddprun(), "--nproc_per_node=0", Worker()}, "--nproc_per_node=0 must be in [1, 4096]");
+  ExpectBadInput({Ddprun(), "--nnodes=2", "--node_rank=2", "--master_addr=127.0.0.1", Worker()},
+                 "--node_rank=2 is not below --nnodes=2");
+  ExpectBadInput({Ddprun(), "--nnodes=2", Worker()},
+                 "--master_addr is required with --nnodes=2 (the address of node 0, where the "
+                 "store listens)");
+  ExpectBadInput({Ddprun(), "--standalone", "no-such-program-xyz"},
+                 "program 'no-such-program-xyz' not found in PATH");
+  ExpectBadInput({Ddprun(), "--standalone", "/nonexistent/worker"},
+                 "program '/nonexistent/worker': No such file or directory");
+  const std::string plain = testing::MakeTempDir("ddprun_bad") + "/not_executable";
+  std::ofstream(plain) << "#!/bin/sh\n";
+  chmod(plain.c_str(), 0644);
+  ExpectBadInput({Ddprun(), "--standalone", plain}, "program '" + plain + "' is not executable");
+  ExpectBadInput({Ddprun(), "--standalone"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
+}
+
+TEST(DdprunTest, PortInUseIsReported) {
+  // Hold a listening socket on a port, then ask ddprun for that port.
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  ExpectBadInput({Ddprun(), "--master_port=" + port, Worker()},
+                 "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
+                     ": Address already in use");
+  close(fd);
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch
