@@ -1,0 +1,99 @@
+#include "ddp/checkpoint.h"
+
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+
+#include "ddp/distributed_data_parallel.h"
+
+namespace ddp::dist {
+namespace {
+
+// Outcome of one rank's part, in a fixed size so that it can be exchanged
+// with one collective whatever happened.
+constexpr int64_t kRecordBytes = 1024;
+
+nn::Tensor Record(bool ok, const std::string& message) {
+  nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+  char* p = static_cast<char*>(r.data_ptr());
+  p[0] = ok ? 1 : 0;
+  std::strncpy(p + 1, message.c_str(), kRecordBytes - 2);
+  return r;
+}
+
+const nn::modules::Module& Unwrap(const nn::modules::Module& model) {
+  if (auto* ddp = dynamic_cast<const DistributedDataParallel*>(&model)) return *ddp->module();
+  return model;
+}
+
+nn::modules::Module& Unwrap(nn::modules::Module& model) {
+  if (auto* ddp = dynamic_cast<DistributedDataParallel*>(&model)) return *ddp->module();
+  return model;
+}
+
+}  // namespace
+
+nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
+                                  const nn::optim::Optimizer* optimizer, nn::io::Metadata metadata) {
+  nn::io::Checkpoint c;
+  c.model = Unwrap(model).GetStateDict();
+  if (optimizer != nullptr) c.optimizer = optimizer->StateDict();
+  c.metadata = std::move(metadata);
+  return c;
+}
+
+void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint) {
+  bool ok = true;
+  std::string error;
+  if (pg.rank() == 0) {
+    try {
+      nn::io::SaveCheckpoint(path, checkpoint);
+    } catch (const std::exception& e) {
+      ok = false;
+      error = e.what();
+    }
+  }
+  nn::Tensor record = Record(ok, error);
+  pg.Broadcast(record, 0, "checkpoint save status").Wait();
+  const char* p = static_cast<const char*>(record.data_ptr());
+  if (p[0] != 1) {
+    throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " +
+                             std::string(p + 1, strnlen(p + 1, kRecordBytes - 1)));
+  }
+}
+
+nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
+                                  const nn::io::LoadOptions& options) {
+  nn::io::Checkpoint checkpoint;
+  bool ok = true;
+  std::string error;
+  try {
+    checkpoint = nn::io::LoadCheckpoint(path, options);
+  } catch (const std::exception& e) {
+    ok = false;
+    error = e.what();
+  }
+  nn::Tensor mine = Record(ok, error);
+  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+  pg.AllGather(all, mine, "checkpoint load status").Wait();
+  std::string failures;
+  const char* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < pg.size(); ++r) {
+    const char* p = base + r * kRecordBytes;
+    if (p[0] == 1) continue;
+    failures += (failures.empty() ? "rank " : "; rank ") + std::to_string(r) + ": " +
+                std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
+  }
+  if (!failures.empty()) {
+    throw std::runtime_error("LoadCheckpoint " + path + " failed on " + failures);
+  }
+  return checkpoint;
+}
+
+void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+                       nn::optim::Optimizer* optimizer) {
+  Unwrap(model).LoadStateDict(checkpoint.model, /*strict=*/true);
+  if (optimizer != nullptr) optimizer->LoadStateDict(checkpoint.optimizer);
+}
+
+}  // namespace ddp::dist

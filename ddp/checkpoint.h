@@ -1,0 +1,50 @@
+#ifndef DDP_DDP_CHECKPOINT_H_
+#define DDP_DDP_CHECKPOINT_H_
+
+// Checkpoints of data-parallel training: rank 0 writes (one atomic file, so
+// a crash leaves the previous checkpoint or the new one, never a mix), every
+// rank reads. Both are collective so that a failure on one rank becomes the
+// same error on every rank instead of a hang at the next collective.
+//
+//   // save (every rank calls it; only rank 0 touches the disk)
+//   dist::SaveCheckpoint(pg, path, dist::MakeCheckpoint(*model, &opt, {{"step", "120"}}));
+//   // resume (every rank)
+//   nn::io::Checkpoint c = dist::LoadCheckpoint(pg, path);
+//   dist::RestoreCheckpoint(c, *model, &opt);
+//
+// The model is the wrapped module (a DistributedDataParallel is unwrapped
+// automatically, so keys never carry its "module." prefix and a checkpoint
+// loads into a plain model too). Format: nn/io/checkpoint.h.
+
+#include <string>
+
+#include "ddp/process_group.h"
+#include "nn/io/checkpoint.h"
+#include "nn/modules/module.h"
+#include "nn/optim/optimizer.h"
+
+namespace ddp::dist {
+
+/// The model's state dict and the optimizer's state (optimizer may be
+/// null), sharing the model's tensors (no copy).
+nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
+                                  const nn::optim::Optimizer* optimizer,
+                                  nn::io::Metadata metadata = {});
+
+/// Collective. Rank 0 writes `checkpoint` to `path` atomically; the others
+/// wait for it. Every rank throws the same error when rank 0 failed.
+void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint);
+
+/// Collective. Every rank reads `path`. When any rank fails, every rank
+/// throws one error naming each failing rank and its reason.
+nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
+                                  const nn::io::LoadOptions& options = {});
+
+/// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
+/// must match, see Module::LoadStateDict) and the optimizer (may be null).
+void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+                       nn::optim::Optimizer* optimizer);
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_CHECKPOINT_H_

@@ -1,0 +1,172 @@
+#include "ddp/comm_hooks.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ddp::dist {
+namespace internal {
+namespace {
+
+bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return has;
+}
+
+__attribute__((target("avx,f16c"))) void FloatToHalfF16c(const float* src, uint16_t* dst,
+                                                         int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = nn::detail::FloatToHalfBits(src[i]);
+}
+
+__attribute__((target("avx,f16c"))) void HalfToFloatF16c(const uint16_t* src, float* dst,
+                                                         int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = nn::detail::HalfBitsToFloat(src[i]);
+}
+
+}  // namespace
+
+void FloatToHalf(const float* src, uint16_t* dst, int64_t n) {
+  if (HasF16c()) return FloatToHalfF16c(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = nn::detail::FloatToHalfBits(src[i]);
+}
+
+void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
+  if (HasF16c()) return HalfToFloatF16c(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = nn::detail::HalfBitsToFloat(src[i]);
+}
+
+void FloatToBFloat16(const float* src, uint16_t* dst, int64_t n) {
+  // Branch-free on finite values so that the loop vectorizes; NaN keeps a
+  // quiet NaN pattern.
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t x;
+    std::memcpy(&x, src + i, 4);
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
+    dst[i] = static_cast<uint16_t>(nan ? ((x >> 16) | 0x40u) : rounded);
+  }
+}
+
+void BFloat16ToFloat(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t x = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &x, 4);
+  }
+}
+
+void ScaleCopy(void* dst, const void* src, int64_t n, nn::DType dtype, double factor) {
+  if (factor == 1.0) {
+    if (dst != src) std::memcpy(dst, src, static_cast<size_t>(n) * nn::ElementSize(dtype));
+    return;
+  }
+  DDP_DISPATCH_FLOATING(dtype, "gradient averaging", {
+    using A = nn::acc_t<scalar_t>;
+    const A f = static_cast<A>(factor);
+    const scalar_t* s = static_cast<const scalar_t*>(src);
+    scalar_t* d = static_cast<scalar_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<scalar_t>(static_cast<A>(s[i]) * f);
+  });
+}
+
+}  // namespace internal
+
+namespace hooks {
+namespace {
+
+enum class Wire { kF16, kBF16 };
+
+// Reduces an f32 or f64 bucket as 16-bit floats on the communication
+// thread: compress, all-reduce, decompress into the bucket.
+Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
+  const nn::Tensor& buffer = bucket.buffer();
+  const nn::DType wire_dtype = wire == Wire::kF16 ? nn::DType::kFloat16 : nn::DType::kBFloat16;
+  const nn::DType dtype = buffer.dtype();
+  if (dtype == nn::DType::kFloat16 || dtype == nn::DType::kBFloat16) {
+    return group.AllReduce(buffer, transport::ReduceOp::kSum,
+                           "bucket " + std::to_string(bucket.index()));
+  }
+  if (dtype != nn::DType::kFloat32 && dtype != nn::DType::kFloat64) {
+    throw std::invalid_argument(std::string("compression hook: bucket of dtype ") +
+                                std::string(nn::DTypeName(dtype)) + " cannot be compressed");
+  }
+  CollectiveDescription description{
+      std::string(wire == Wire::kF16 ? "fp16" : "bf16") + "_compress bucket " +
+          std::to_string(bucket.index()),
+      wire_dtype, buffer.shape(), -1, transport::ReduceOp::kSum, true};
+  const std::chrono::milliseconds timeout = group.options().timeout;
+  return group.Run(description, [buffer, wire, dtype, timeout](transport::Communicator* comm,
+                                                               transport::Deadline) {
+    const int64_t n = buffer.numel();
+    if (comm == nullptr || n == 0) return transport::Status::Ok();
+    // f64 buckets go through f32 first; the wire format is what matters.
+    std::vector<float> wide;
+    const float* values = nullptr;
+    if (dtype == nn::DType::kFloat64) {
+      wide.resize(n);
+      const double* d = static_cast<const double*>(buffer.data_ptr());
+      for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(d[i]);
+      values = wide.data();
+    } else {
+      values = static_cast<const float*>(buffer.data_ptr());
+    }
+    std::vector<uint16_t> packed(n);
+    if (wire == Wire::kF16) {
+      internal::FloatToHalf(values, packed.data(), n);
+    } else {
+      internal::FloatToBFloat16(values, packed.data(), n);
+    }
+    transport::Status s = comm->AllReduce(
+        packed.data(), static_cast<size_t>(n),
+        wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16,
+        transport::ReduceOp::kSum, {.timeout = timeout});
+    if (!s.ok()) return s;
+    float* out = dtype == nn::DType::kFloat64 ? wide.data() : static_cast<float*>(buffer.data_ptr());
+    if (wire == Wire::kF16) {
+      internal::HalfToFloat(packed.data(), out, n);
+    } else {
+      internal::BFloat16ToFloat(packed.data(), out, n);
+    }
+    if (dtype == nn::DType::kFloat64) {
+      double* d = static_cast<double*>(buffer.data_ptr());
+      for (int64_t i = 0; i < n; ++i) d[i] = wide[i];
+    }
+    return transport::Status::Ok();
+  });
+}
+
+}  // namespace
+
+CommHook AllReduceHook() {
+  return [](ProcessGroup& group, GradBucket& bucket) {
+    return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum,
+                           "bucket " + std::to_string(bucket.index()));
+  };
+}
+
+CommHook Fp16CompressHook() {
+  return [](ProcessGroup& group, GradBucket& bucket) {
+    return CompressedAllReduce(group, bucket, Wire::kF16);
+  };
+}
+
+CommHook Bf16CompressHook() {
+  return [](ProcessGroup& group, GradBucket& bucket) {
+    return CompressedAllReduce(group, bucket, Wire::kBF16);
+  };
+}
+
+}  // namespace hooks
+}  // namespace ddp::dist

@@ -1,0 +1,85 @@
+#ifndef DDP_DDP_COMM_HOOKS_H_
+#define DDP_DDP_COMM_HOOKS_H_
+
+// Communication hooks: how DistributedDataParallel reduces one bucket of
+// gradients across ranks (PyTorch's register_comm_hook). The default sums
+// the bucket with an all-reduce; the compression hooks send it as 16-bit
+// floats, halving the bytes on the wire; users can supply their own.
+//
+// Contract of a hook: it receives the bucket with this rank's gradients
+// already divided by the divisor (the world size, or the ranks still active
+// under Join), and must leave in bucket.buffer() the sum over all ranks,
+// by the time the returned Work completes. It is called on the thread
+// running backward, must not block, and must issue the same collectives on
+// every rank: run the communication through ProcessGroup (Run() executes a
+// function on the communication thread, in order with everything else).
+
+#include <functional>
+#include <vector>
+
+#include "ddp/process_group.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::dist {
+
+/// One bucket of gradients, as a hook sees it.
+class GradBucket {
+ public:
+  GradBucket(size_t index, size_t num_buckets, nn::Tensor buffer, std::vector<nn::Tensor> parameters,
+             std::vector<int64_t> offsets)
+      : index_(index),
+        num_buckets_(num_buckets),
+        buffer_(std::move(buffer)),
+        parameters_(std::move(parameters)),
+        offsets_(std::move(offsets)) {}
+
+  /// Position of the bucket in launch order (0 is launched first).
+  size_t index() const { return index_; }
+  /// True for the bucket launched last in an iteration.
+  bool is_last() const { return index_ + 1 == num_buckets_; }
+  /// The flat, contiguous gradients ([numel], one dtype, one device).
+  const nn::Tensor& buffer() const { return buffer_; }
+  /// The parameters whose gradients the buffer holds, in buffer order.
+  const std::vector<nn::Tensor>& parameters() const { return parameters_; }
+  /// Element offset of each parameter's gradient in the buffer.
+  const std::vector<int64_t>& offsets() const { return offsets_; }
+
+ private:
+  size_t index_;
+  size_t num_buckets_;
+  nn::Tensor buffer_;
+  std::vector<nn::Tensor> parameters_;
+  std::vector<int64_t> offsets_;
+};
+
+/// A communication hook (see the header comment for its contract).
+using CommHook = std::function<Work(ProcessGroup& group, GradBucket& bucket)>;
+
+namespace hooks {
+
+/// The default: one all-reduce (sum) of the bucket in its own dtype.
+CommHook AllReduceHook();
+/// Sends f32/f64 buckets as IEEE f16 (values are already divided, so the
+/// sum stays in range); 16-bit buckets are reduced as they are.
+CommHook Fp16CompressHook();
+/// The same with bfloat16: f32's range, 8 bits of mantissa.
+CommHook Bf16CompressHook();
+
+}  // namespace hooks
+
+namespace internal {
+
+/// dst[i] = src[i] * factor for n elements of one floating dtype
+/// (contiguous buffers; 16-bit types computed in f32).
+void ScaleCopy(void* dst, const void* src, int64_t n, nn::DType dtype, double factor);
+/// f32 -> f16 / bf16 and back, n elements (round to nearest even).
+void FloatToHalf(const float* src, uint16_t* dst, int64_t n);
+void HalfToFloat(const uint16_t* src, float* dst, int64_t n);
+void FloatToBFloat16(const float* src, uint16_t* dst, int64_t n);
+void BFloat16ToFloat(const uint16_t* src, float* dst, int64_t n);
+
+}  // namespace internal
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_COMM_HOOKS_H_

@@ -1,0 +1,344 @@
+#include "ddp/distributed_data_parallel.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+
+#include "ddp/debug_mode.h"
+#include "ddp/reducer.h"
+#include "ddp/replicas.h"
+
+namespace ddp::dist {
+
+using Clock = std::chrono::steady_clock;
+
+std::string DdpStats::ToString() const {
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                "forward %.2f ms, backward compute %.2f ms, backward comm %.2f ms (overlapped "
+                "%.2f ms = %.0f%%, exposed %.2f ms), comm thread CPU %.2f ms",
+                forward_ms, backward_compute_ms, backward_comm_ms, overlap_ms,
+                100.0 * overlap_fraction(), exposed_ms, comm_thread_cpu_ms);
+  std::string s = line;
+  s += ", " + std::to_string(bucket_bytes.size()) + " bucket(s) [";
+  for (size_t i = 0; i < bucket_bytes.size(); ++i) {
+    char b[32];
+    std::snprintf(b, sizeof(b), "%s%.2f MiB", i ? ", " : "", bucket_bytes[i] / 1048576.0);
+    s += b;
+  }
+  return s + "]";
+}
+
+// -------------------------------------------------------------- Impl ----
+
+class DistributedDataParallel::Impl {
+ public:
+  std::unique_ptr<internal::Reducer> reducer;  // null with one rank
+  std::vector<nn::Tensor> buffers;
+  std::shared_ptr<TraceRecorder> trace;
+  bool require_sync = true;
+
+  // Join state.
+  bool join_enabled = false;
+  JoinOptions join_options;
+  int64_t forwards = 0;  // synchronizing forwards, for choosing Join's final source
+
+  // Statistics window.
+  int64_t forward_count = 0;
+  double forward_seconds = 0;
+  std::chrono::nanoseconds cpu_at_reset{0};
+  int64_t log_every = 0;
+  int64_t logged_at = 0;
+};
+
+// ------------------------------------------------------------ wrapper ----
+
+namespace {
+
+std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& module, const DdpOptions& o) {
+  std::vector<internal::ReplicaEntry> entries;
+  for (const auto& [name, p] : module.NamedParameters()) {
+    entries.push_back({"parameter", name, internal::DescribeTensor(p, true)});
+  }
+  for (const auto& [name, b] : module.NamedBuffers()) {
+    entries.push_back({"buffer", name, internal::DescribeTensor(b, false)});
+  }
+  auto option = [&](const char* name, const std::string& value) {
+    entries.push_back({"option", name, value});
+  };
+  std::ostringstream cap, first;
+  cap << o.bucket_cap_mb;
+  first << o.first_bucket_mb;
+  option("bucket_cap_mb", cap.str());
+  option("first_bucket_mb", first.str());
+  option("broadcast_buffers", o.broadcast_buffers ? "true" : "false");
+  option("find_unused_parameters", o.find_unused_parameters ? "true" : "false");
+  option("gradient_as_bucket_view", o.gradient_as_bucket_view ? "true" : "false");
+  option("static_graph", o.static_graph ? "true" : "false");
+  return entries;
+}
+
+size_t MiB(double mb, const char* what) {
+  if (!(mb > 0)) {
+    throw std::invalid_argument(std::string("DdpOptions::") + what + " must be positive, got " +
+                                std::to_string(mb));
+  }
+  return static_cast<size_t>(mb * 1048576.0);
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
+                                                 DdpOptions options)
+    : module_(std::move(module)), options_(std::move(options)), impl_(std::make_unique<Impl>()) {
+  if (module_ == nullptr) throw std::invalid_argument("DistributedDataParallel: module is null");
+  if (dynamic_cast<DistributedDataParallel*>(module_.get()) != nullptr) {
+    throw std::invalid_argument("DistributedDataParallel: the module is already wrapped");
+  }
+  pg_ = options_.process_group != nullptr ? options_.process_group : DefaultProcessGroup();
+  RegisterModule("module", module_);
+  internal::ReducerOptions reducer_options;
+  reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb");
+  reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb");
+  reducer_options.find_unused_parameters = options_.find_unused_parameters;
+  reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view;
+  reducer_options.static_graph = options_.static_graph;
+
+  const DebugLevel level = DebugLevelFromEnvironment();
+  impl_->log_every = options_.log_stats_every;
+  if (impl_->log_every == 0 && level != DebugLevel::kOff) impl_->log_every = 100;
+  if (!options_.trace_prefix.empty()) {
+    impl_->trace = std::make_shared<TraceRecorder>();
+    pg_->set_trace(impl_->trace);
+  }
+
+  // 1. Same model on every rank, or the same error on every rank.
+  internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_));
+
+  // 2. Rank 0's values everywhere.
+  std::vector<nn::Tensor> state;
+  for (const auto& [name, p] : module_->NamedParameters()) state.push_back(p);
+  for (const auto& [name, b] : module_->NamedBuffers()) {
+    state.push_back(b);
+    impl_->buffers.push_back(b);
+  }
+  internal::BroadcastCoalesced(*pg_, state, 0, "initial parameters and buffers");
+
+  // 3. Buckets and hooks.
+  if (pg_->size() > 1) {
+    std::vector<std::pair<std::string, nn::Tensor>> trainable;
+    for (const auto& [name, p] : module_->NamedParameters()) {
+      if (p.requires_grad()) trainable.emplace_back(name, p);
+    }
+    if (!trainable.empty()) {
+      impl_->reducer = std::make_unique<internal::Reducer>(std::move(trainable), pg_, reducer_options,
+                                                           impl_->trace);
+    }
+  }
+  impl_->cpu_at_reset = pg_->CommThreadCpuTime();
+  if (level != DebugLevel::kOff && pg_->rank() == 0) {
+    std::fprintf(stderr, "[ddp] DistributedDataParallel over %d rank(s): %s\n", pg_->size(),
+                 Stats().ToString().c_str());
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  impl_->reducer.reset();
+  if (impl_->trace != nullptr) {
+    try {
+      WriteTrace();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[ddp] rank %d: writing the trace failed: %s\n", pg_->rank(), e.what());
+    }
+    pg_->set_trace(nullptr);
+  }
+}
+
+nn::Tensor DistributedDataParallel::Forward(const nn::Tensor& input) {
+  return Forward(std::vector<nn::Tensor>{input}).at(0);
+}
+
+std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::Tensor>& inputs) {
+  const Clock::time_point start = Clock::now();
+  Impl& s = *impl_;
+  const int size = pg_->size();
+  const bool training = is_training();
+  const bool sync = s.reducer != nullptr && training && nn::GradMode::IsEnabled() && s.require_sync;
+  const bool sync_buffers = training && options_.broadcast_buffers && size > 1 && !s.buffers.empty();
+  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration();
+  bool rebuild = sync && s.reducer->rebuild_pending();
+
+  double divisor = size;
+  int buffer_root = 0;
+  if (s.join_enabled && size > 1) {
+    // flags[r]: rank r is active; then: this iteration synchronizes
+    // gradients, rebuilds buckets, broadcasts buffers. Joined ranks read
+    // them to shadow exactly what the active ranks do.
+    nn::Tensor flags = nn::Zeros({size + 3}, {.dtype = nn::DType::kInt32});
+    int32_t* f = flags.data<int32_t>();
+    f[pg_->rank()] = 1;
+    f[size] = sync;
+    f[size + 1] = rebuild;
+    f[size + 2] = sync_buffers;
+    pg_->AllReduce(flags, transport::ReduceOp::kSum, "join flags").Wait();
+    int active = 0;
+    for (int r = 0; r < size; ++r) {
+      if (f[r] > 0) {
+        ++active;
+        buffer_root = r;  // the highest active rank, as PyTorch picks it
+      }
+    }
+    if (active < size && s.join_options.throw_on_early_termination) {
+      std::string joined;
+      for (int r = 0; r < size; ++r) {
+        if (f[r] == 0) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+      }
+      throw DistributedError(transport::AbortedError(
+          "rank(s) " + joined + " ran out of inputs (Join with throw_on_early_termination)"));
+    }
+    if (!s.join_options.divide_by_initial_world_size) divisor = active;
+  }
+  if (rebuild) s.reducer->RebuildBuckets();
+  if (sync_buffers) internal::BroadcastCoalesced(*pg_, s.buffers, buffer_root, "buffers");
+
+  std::vector<nn::Tensor> outputs = module_->Forward(inputs);
+
+  if (sync) {
+    s.reducer->PrepareForBackward(outputs, divisor);
+    ++s.forwards;
+  } else if (s.reducer != nullptr) {
+    s.reducer->Disarm();
+  }
+  const Clock::time_point end = Clock::now();
+  if (training) {
+    ++s.forward_count;
+    s.forward_seconds += std::chrono::duration<double>(end - start).count();
+  }
+  if (s.trace != nullptr) s.trace->Complete("forward", "compute", start, end);
+  if (s.log_every > 0 && pg_->rank() == 0 && s.reducer != nullptr &&
+      s.reducer->iterations() >= s.logged_at + s.log_every) {
+    std::fprintf(stderr, "[ddp] iterations %" PRId64 "-%" PRId64 ": %s\n", s.logged_at,
+                 s.reducer->iterations() - 1, Stats().ToString().c_str());
+    s.logged_at = s.reducer->iterations();
+    ResetStats();
+  }
+  return outputs;
+}
+
+void DistributedDataParallel::RegisterCommHook(CommHook hook) {
+  if (impl_->reducer != nullptr) {
+    impl_->reducer->SetCommHook(std::move(hook));
+  } else if (!hook) {
+    throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
+  }
+}
+
+DdpStats DistributedDataParallel::Stats() const {
+  const Impl& s = *impl_;
+  DdpStats stats;
+  if (s.forward_count > 0) stats.forward_ms = 1e3 * s.forward_seconds / s.forward_count;
+  if (s.reducer != nullptr) {
+    const internal::ReducerTimes& t = s.reducer->times();
+    stats.iterations = t.iterations;
+    stats.bucket_bytes = s.reducer->BucketBytes();
+    if (t.iterations > 0) {
+      const double k = 1e3 / t.iterations;
+      stats.backward_compute_ms = t.backward_compute * k;
+      stats.backward_comm_ms = t.backward_comm * k;
+      stats.overlap_ms = t.overlap * k;
+      stats.exposed_ms = t.exposed * k;
+      stats.comm_thread_cpu_ms =
+          std::chrono::duration<double, std::milli>(pg_->CommThreadCpuTime() - s.cpu_at_reset).count() /
+          t.iterations;
+    }
+  }
+  return stats;
+}
+
+void DistributedDataParallel::ResetStats() {
+  impl_->forward_count = 0;
+  impl_->forward_seconds = 0;
+  impl_->cpu_at_reset = pg_->CommThreadCpuTime();
+  if (impl_->reducer != nullptr) impl_->reducer->ResetTimes();
+}
+
+void DistributedDataParallel::WriteTrace() const {
+  if (impl_->trace == nullptr) {
+    throw std::logic_error("DistributedDataParallel::WriteTrace: DdpOptions::trace_prefix is empty");
+  }
+  impl_->trace->Write(options_.trace_prefix + "rank" + std::to_string(pg_->rank()) + ".json",
+                      pg_->rank());
+}
+
+std::vector<std::vector<std::string>> DistributedDataParallel::BucketParameterNames() const {
+  if (impl_->reducer == nullptr) return {};
+  return impl_->reducer->BucketNames();
+}
+
+int64_t DistributedDataParallel::iterations() const {
+  return impl_->reducer != nullptr ? impl_->reducer->iterations() : impl_->forwards;
+}
+
+// ------------------------------------------------------------- NoSync ----
+
+NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.impl_->require_sync) {
+  ddp_.impl_->require_sync = false;
+}
+
+NoSyncGuard::~NoSyncGuard() { ddp_.impl_->require_sync = previous_; }
+
+// --------------------------------------------------------------- Join ----
+
+Join::Join(DistributedDataParallel& ddp, JoinOptions options) : ddp_(ddp), options_(options) {
+  if (ddp_.impl_->join_enabled) throw std::logic_error("Join: this model is already in a Join");
+  ddp_.impl_->join_enabled = true;
+  ddp_.impl_->join_options = options_;
+}
+
+Join::~Join() { ddp_.impl_->join_enabled = false; }
+
+void Join::Wait() {
+  if (waited_) throw std::logic_error("Join::Wait called twice");
+  waited_ = true;
+  DistributedDataParallel::Impl& s = *ddp_.impl_;
+  ProcessGroup& pg = *ddp_.pg_;
+  const int size = pg.size();
+  if (size > 1) {
+    // Shadow the active ranks' forwards (and backwards) until none is left.
+    while (true) {
+      nn::Tensor flags = nn::Zeros({size + 3}, {.dtype = nn::DType::kInt32});
+      const int32_t* f = flags.data<int32_t>();
+      pg.AllReduce(flags, transport::ReduceOp::kSum, "join flags").Wait();
+      int active = 0, buffer_root = 0;
+      for (int r = 0; r < size; ++r) {
+        if (f[r] > 0) {
+          ++active;
+          buffer_root = r;
+        }
+      }
+      if (active == 0) break;
+      if (options_.throw_on_early_termination) {
+        throw DistributedError(transport::AbortedError(
+            "rank " + std::to_string(pg.rank()) +
+            " ran out of inputs first (Join with throw_on_early_termination)"));
+      }
+      if (f[size + 1] > 0 && s.reducer != nullptr) s.reducer->RebuildBuckets();
+      if (f[size + 2] > 0) internal::BroadcastCoalesced(pg, s.buffers, buffer_root, "buffers");
+      if (f[size] > 0 && s.reducer != nullptr) s.reducer->ShadowBackward();
+    }
+    // Every rank is done. The ranks that ran the most iterations hold the
+    // final parameters (they are identical); the highest of them is the source.
+    nn::Tensor source = nn::FromVectorOf<int64_t>({s.forwards * size + pg.rank()}, {1});
+    pg.AllReduce(source, transport::ReduceOp::kMax, "join source").Wait();
+    const int root = static_cast<int>(source.data<int64_t>()[0] % size);
+    std::vector<nn::Tensor> state;
+    for (const auto& [name, p] : ddp_.module_->NamedParameters()) state.push_back(p);
+    for (const nn::Tensor& b : s.buffers) state.push_back(b);
+    internal::BroadcastCoalesced(pg, state, root, "final parameters after join");
+  }
+  s.join_enabled = false;
+}
+
+}  // namespace ddp::dist

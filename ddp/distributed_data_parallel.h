@@ -1,0 +1,219 @@
+#ifndef DDP_DDP_DISTRIBUTED_DATA_PARALLEL_H_
+#define DDP_DDP_DISTRIBUTED_DATA_PARALLEL_H_
+
+// DistributedDataParallel: wraps a module so that N ranks, each running
+// forward and backward on its own shard of a batch, end every backward with
+// the same averaged gradients in every parameter's .grad: training on N
+// ranks with batch B each follows the same trajectory as one process with
+// the concatenated batch of N*B.
+//
+//   auto pg = ddp::dist::InitProcessGroup();            // from RANK, WORLD_SIZE, ...
+//   auto model = ddp::nn::modules::MakeCnn();
+//   ddp::dist::DistributedDataParallel ddp_model(model); // checks and syncs the replicas
+//   ddp::nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+//   for (...) {
+//     opt.ZeroGrad();
+//     Tensor loss = CrossEntropy(ddp_model(images), labels);
+//     ddp::nn::Backward(loss);                           // all-reduce overlaps backward
+//     opt.Step();
+//   }
+//
+// How it works (PyTorch's design, in C++):
+// - Construction (collective): every rank describes its parameters and
+//   buffers (names, order, shapes, strides, dtypes); if any rank differs,
+//   every rank throws the same message naming the first difference and each
+//   rank's value. Then rank 0's values are broadcast to all.
+// - Buckets: gradients are grouped into flat buffers in reverse
+//   registration order (roughly the order backward produces them), one dtype
+//   and device per bucket; the first bucket is small (1 MiB) so that
+//   communication starts early, the others hold up to bucket_cap_mb. After
+//   the first iteration the buckets are rebuilt once from the order in which
+//   gradients actually became ready (rank 0's order, broadcast).
+// - Backward: each parameter's post-accumulate-grad hook copies its gradient
+//   into its bucket, divided by the world size on the way; the hook that
+//   completes a bucket hands it to the communication thread at once
+//   (buckets are launched in bucket order on every rank). At the end of
+//   backward (an autograd callback) the reduced buckets are written back to
+//   .grad. With gradient_as_bucket_view, .grad is itself a view into the
+//   bucket and neither copy happens.
+//
+// Threading: forward, backward and the hooks run on the calling thread;
+// collectives run on the process group's communication thread. A
+// DistributedDataParallel object is used from one thread.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ddp/comm_hooks.h"
+#include "ddp/process_group.h"
+#include "nn/modules/module.h"
+
+namespace ddp::dist {
+
+/// Options, named and defaulted as PyTorch's DistributedDataParallel.
+struct DdpOptions {
+  /// Largest bucket in MiB (the first bucket is limited to
+  /// first_bucket_mb).
+  double bucket_cap_mb = 25.0;
+  /// Limit of the first bucket, so that the first all-reduce starts early.
+  double first_bucket_mb = 1.0;
+  /// Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at
+  /// every forward in training.
+  bool broadcast_buffers = true;
+  /// Allow parameters that get no gradient in an iteration (found by
+  /// walking the autograd graph from the forward's outputs); a parameter
+  /// unused on every rank keeps no gradient. Without it such a parameter is
+  /// an error naming it at the next forward.
+  bool find_unused_parameters = false;
+  /// .grad of every parameter is a view into its bucket: no copies in and
+  /// out of the buckets, and no second copy of the gradients in memory.
+  bool gradient_as_bucket_view = false;
+  /// The set of used parameters and their order never change: unused ones
+  /// are learned in the first iteration (no graph walk afterwards) and the
+  /// buckets are rebuilt even with find_unused_parameters.
+  bool static_graph = false;
+  /// Null: the default process group (InitProcessGroup).
+  std::shared_ptr<ProcessGroup> process_group;
+
+  /// Rank 0 logs runtime statistics every this many iterations (0: never;
+  /// DDP_DEBUG=info makes it 100).
+  int64_t log_stats_every = 0;
+  /// When set, each rank writes a Chrome-trace timeline to
+  /// `<trace_prefix>rank<r>.json` when the wrapper is destroyed (and on
+  /// WriteTrace()).
+  std::string trace_prefix;
+};
+
+/// Averages over the iterations of a statistics window, in milliseconds.
+struct DdpStats {
+  int64_t iterations = 0;           ///< Synchronizing iterations in the window.
+  double forward_ms = 0;            ///< DDP forward (buffer broadcast included).
+  double backward_compute_ms = 0;   ///< End of forward to the last gradient.
+  double backward_comm_ms = 0;      ///< First bucket launched to last bucket reduced.
+  double overlap_ms = 0;            ///< Part of backward_comm_ms before the last gradient.
+  double exposed_ms = 0;            ///< Backward waiting after its last gradient (and copying back).
+  double comm_thread_cpu_ms = 0;    ///< CPU time of the communication thread.
+  std::vector<size_t> bucket_bytes;  ///< Current bucket sizes, in launch order.
+  /// Overlapped share of communication (0..1; 1 when there was none).
+  double overlap_fraction() const {
+    return backward_comm_ms > 0 ? overlap_ms / backward_comm_ms : 1.0;
+  }
+  /// One line: "forward 1.20 ms, backward compute 3.40 ms, ...".
+  std::string ToString() const;
+};
+
+class DistributedDataParallel;
+
+/// While alive, forward and backward do not synchronize: gradients
+/// accumulate locally in .grad. The first backward after it ends
+/// synchronizes everything accumulated (gradient accumulation).
+class [[nodiscard]] NoSyncGuard {
+ public:
+  explicit NoSyncGuard(DistributedDataParallel& ddp);
+  ~NoSyncGuard();
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  DistributedDataParallel& ddp_;
+  bool previous_;
+};
+
+class DistributedDataParallel : public nn::modules::Module {
+ public:
+  /// Wraps `module` (registered as child "module", so names carry the
+  /// "module." prefix in this wrapper's state dict, as in PyTorch).
+  /// Collective. Throws std::invalid_argument when the replicas differ
+  /// (every rank, same message), DistributedError when communication fails.
+  explicit DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
+                                   DdpOptions options = {});
+  /// Writes the trace (when asked for) and waits, bounded, for collectives
+  /// still in flight.
+  ~DistributedDataParallel() override;
+
+  /// Runs the wrapped module, with the synchronization described above.
+  nn::Tensor Forward(const nn::Tensor& input) override;
+  std::vector<nn::Tensor> Forward(const std::vector<nn::Tensor>& inputs) override;
+  using Module::operator();
+  std::string TypeName() const override { return "DistributedDataParallel"; }
+
+  /// The wrapped module.
+  const std::shared_ptr<nn::modules::Module>& module() const { return module_; }
+  ProcessGroup& process_group() const { return *pg_; }
+  const DdpOptions& options() const { return options_; }
+
+  /// Gradient accumulation without communication (see NoSyncGuard).
+  NoSyncGuard NoSync() { return NoSyncGuard(*this); }
+  /// Replaces the default all-reduce. Call before the first backward.
+  void RegisterCommHook(CommHook hook);
+
+  /// Statistics since the last ResetStats (or construction).
+  DdpStats Stats() const;
+  void ResetStats();
+  /// Writes this rank's trace now (needs options.trace_prefix).
+  void WriteTrace() const;
+
+  /// Buckets in launch order, as parameter names (for tests and logs).
+  std::vector<std::vector<std::string>> BucketParameterNames() const;
+  /// Synchronizing iterations run so far.
+  int64_t iterations() const;
+
+  class Impl;
+
+ private:
+  friend class NoSyncGuard;
+  friend class Join;
+  std::shared_ptr<nn::modules::Module> module_;
+  DdpOptions options_;
+  std::shared_ptr<ProcessGroup> pg_;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Options of Join, as PyTorch's DistributedDataParallel.join().
+struct JoinOptions {
+  /// Gradients of iterations where some ranks have joined are divided by
+  /// the initial world size (true) or by the number of ranks still active.
+  bool divide_by_initial_world_size = true;
+  /// Throw on every rank as soon as one rank runs out of inputs, instead of
+  /// shadowing.
+  bool throw_on_early_termination = false;
+};
+
+/// Training with uneven inputs across ranks:
+///
+///   dist::Join join(ddp_model);
+///   while (auto batch = loader.Next()) { ...forward, backward, step... }
+///   join.Wait();  // this rank is out of data: shadow the others until all are
+///
+/// While a Join exists, every training forward tells the other ranks that
+/// this rank is still active (one small all-reduce). Wait() runs on a rank
+/// that has no more inputs: it performs the collectives the active ranks
+/// run (buffer broadcasts, all-reduces of zero gradients) until every rank
+/// has called Wait(); then the parameters and buffers of the rank that ran
+/// the most iterations are broadcast to all, so replicas end identical.
+/// Collective: every rank constructs a Join and calls Wait().
+class Join {
+ public:
+  explicit Join(DistributedDataParallel& ddp, JoinOptions options = {});
+  /// Leaves join mode (no communication; call Wait() for the protocol).
+  ~Join();
+  Join(const Join&) = delete;
+  Join& operator=(const Join&) = delete;
+
+  /// See the class comment. Throws DistributedError when communication
+  /// fails, or when throw_on_early_termination is set and a rank ran out of
+  /// inputs first.
+  void Wait();
+
+ private:
+  DistributedDataParallel& ddp_;
+  JoinOptions options_;
+  bool waited_ = false;
+};
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_DISTRIBUTED_DATA_PARALLEL_H_

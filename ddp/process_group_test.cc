@@ -1,0 +1,195 @@
+// ProcessGroup over real processes (UCX / shared memory): collectives on
+// tensors of every dtype, the communication thread's ordering and idleness,
+// argument errors, and the debug-mode desync report.
+
+#include "ddp/process_group.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <thread>
+
+#include "ddp/testing/ddp_test_util.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::DType;
+using nn::Tensor;
+using testing::RunWorkers;
+using transport::ReduceOp;
+
+DDP_TEST_WORKER(pg_collectives) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16,
+                      DType::kInt64, DType::kInt32, DType::kUInt8}) {
+    const std::string what = std::string(nn::DTypeName(dtype));
+    // All-reduce sum of (rank + i) % 7.
+    std::vector<double> v(1001);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = (me + i) % 7;
+    Tensor t = nn::FromVector(v, {7, 11, 13}, {.dtype = dtype});
+    pg->AllReduce(t).Wait();
+    const std::vector<double> got = t.ToVector<double>();
+    int wrong = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      double expected = 0;
+      for (int r = 0; r < n; ++r) expected += (r + i) % 7;
+      wrong += got[i] != expected;
+    }
+    WORKER_EXPECT(wrong == 0, what + " all-reduce: " + std::to_string(wrong) + " wrong");
+    // Max.
+    Tensor m = nn::FromVector({static_cast<double>(me), static_cast<double>(n - me)}, {2}, {.dtype = dtype});
+    pg->AllReduce(m, ReduceOp::kMax).Wait();
+    WORKER_EXPECT(m.ToVector<double>() == std::vector<double>({double(n - 1), double(n)}), what + " max");
+    // Broadcast from the last rank.
+    Tensor b = nn::Full({5}, me + 3, {.dtype = dtype});
+    pg->Broadcast(b, n - 1).Wait();
+    WORKER_EXPECT(b.ToVector<double>() == std::vector<double>(5, n - 1 + 3), what + " broadcast");
+    // All-gather and reduce-scatter.
+    Tensor in = nn::Full({3}, me, {.dtype = dtype});
+    Tensor all = nn::Empty({3 * n}, {.dtype = dtype});
+    pg->AllGather(all, in).Wait();
+    std::vector<double> expected_all;
+    for (int r = 0; r < n; ++r) expected_all.insert(expected_all.end(), 3, r);
+    WORKER_EXPECT(all.ToVector<double>() == expected_all, what + " all-gather");
+    Tensor scatter_in = nn::Ones({2 * n}, {.dtype = dtype});
+    Tensor scatter_out = nn::Empty({2}, {.dtype = dtype});
+    pg->ReduceScatter(scatter_out, scatter_in).Wait();
+    WORKER_EXPECT(scatter_out.ToVector<double>() == std::vector<double>(2, n), what + " reduce-scatter");
+  }
+  // Many async collectives complete in issue order with the right values.
+  std::vector<Tensor> tensors;
+  std::vector<Work> works;
+  for (int k = 0; k < 50; ++k) {
+    tensors.push_back(nn::Full({64 + k}, k));
+    works.push_back(pg->AllReduce(tensors.back()));
+  }
+  for (Work& w : works) w.Wait();
+  for (int k = 0; k < 50; ++k) {
+    WORKER_EXPECT(tensors[k].ToVector<double>() == std::vector<double>(64 + k, double(k) * n),
+                  "async all-reduce " + std::to_string(k));
+    WORKER_EXPECT(works[k].IsCompleted() && works[k].finished() >= works[k].started(), "times");
+    if (k > 0) WORKER_EXPECT(works[k].started() >= works[k - 1].finished(), "issue order");
+  }
+  pg->Barrier().Wait();
+  // Idle: the communication thread sleeps (no spinning) between collectives.
+  const auto before = pg->CommThreadCpuTime();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double idle_ms = std::chrono::duration<double, std::milli>(pg->CommThreadCpuTime() - before).count();
+  WORKER_EXPECT(idle_ms < 10, "communication thread used " + std::to_string(idle_ms) +
+                                  " ms of CPU in 300 ms of idleness");
+  pg->Barrier().Wait();
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, CollectivesOnTwoAndThreeRanks) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_collectives", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
+// Ranks run different collectives: with DDP_DEBUG=detail every rank reports
+// which rank runs what, with dtypes and shapes, instead of hanging.
+DDP_TEST_WORKER(pg_desync) {
+  auto pg = testing::WorkerGroup();
+  pg->AllReduce(nn::Ones({4})).Wait();  // agreed
+  Work w = pg->rank() == 0 ? pg->AllReduce(nn::Ones({10, 3})) : pg->Broadcast(nn::Ones({12}), 0);
+  try {
+    w.Wait();
+    WORKER_EXPECT(false, "the desync was not reported");
+  } catch (const DistributedError& e) {
+    const std::string m = e.what();
+    std::fprintf(stderr, "reported: %s\n", m.c_str());
+    WORKER_EXPECT(m.find("desync") != std::string::npos, m);
+    WORKER_EXPECT(m.find("rank 0 runs collective #1 all_reduce(sum, f32 [10, 3])") != std::string::npos, m);
+    WORKER_EXPECT(m.find("rank 1 runs collective #1 broadcast(root 0, f32 [12])") != std::string::npos, m);
+  }
+  // The group is aborted: later collectives fail at once with the reason.
+  try {
+    pg->Barrier().Wait();
+    WORKER_EXPECT(false, "barrier after a desync succeeded");
+  } catch (const DistributedError& e) {
+    WORKER_EXPECT(std::string(e.what()).find("desync") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, DebugModeReportsDesync) {
+  auto run = RunWorkers("pg_desync", 2, {{"DDP_DEBUG", "detail"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The same shapes with a different count of elements: the fingerprints name
+// both shapes.
+DDP_TEST_WORKER(pg_shape_desync) {
+  auto pg = testing::WorkerGroup();
+  try {
+    pg->AllReduce(nn::Ones({pg->rank() == 0 ? 8 : 9})).Wait();
+    WORKER_EXPECT(false, "not reported");
+  } catch (const DistributedError& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("f32 [8]") != std::string::npos && m.find("f32 [9]") != std::string::npos, m);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, DebugModeNamesBothShapes) {
+  auto run = RunWorkers("pg_shape_desync", 2, {{"DDP_DEBUG", "detail"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
+  auto pg = ProcessGroup::Single();
+  EXPECT_EQ(pg->rank(), 0);
+  EXPECT_EQ(pg->size(), 1);
+  Tensor t = nn::FromVector({1, 2, 3}, {3});
+  pg->AllReduce(t, ReduceOp::kAvg).Wait();
+  EXPECT_EQ(t.ToVector<double>(), std::vector<double>({1, 2, 3}));
+  Tensor out = nn::Empty({3});
+  pg->AllGather(out, t).Wait();
+  EXPECT_EQ(out.ToVector<double>(), std::vector<double>({1, 2, 3}));
+  pg->Barrier().Wait();
+}
+
+TEST(ProcessGroupTest, BadArgumentsNameTheProblem) {
+  auto pg = ProcessGroup::Single();
+  Tensor m = nn::Zeros({4, 3});
+  try {
+    pg->AllReduce(m.Transpose(0, 1));
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("not contiguous (shape [3, 4], strides [1, 3])"), std::string::npos)
+        << e.what();
+  }
+  try {
+    pg->AllReduce(Tensor());
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("undefined"), std::string::npos) << e.what();
+  }
+  try {
+    pg->Broadcast(m, 1);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("root 1 is outside a group of size 1"), std::string::npos) << e.what();
+  }
+  try {
+    pg->AllGather(nn::Zeros({5}), nn::Zeros({4}));
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("input f32 [4], output f32 [5]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ProcessGroupTest, DefaultGroupMustBeInitialized) {
+  DestroyProcessGroup();
+  EXPECT_THROW(DefaultProcessGroup(), std::logic_error);
+  SetDefaultProcessGroup(ProcessGroup::Single());
+  EXPECT_EQ(DefaultProcessGroup()->size(), 1);
+  DestroyProcessGroup();
+}
+
+}  // namespace
+}  // namespace ddp::dist

@@ -1,0 +1,454 @@
+#include "ddp/reducer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "nn/autograd/engine.h"
+#include "nn/autograd/node.h"
+
+namespace ddp::dist::internal {
+
+using std::chrono::duration;
+
+namespace {
+
+double Seconds(std::chrono::steady_clock::duration d) { return duration<double>(d).count(); }
+
+}  // namespace
+
+std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
+                                               const std::vector<size_t>& order,
+                                               size_t first_bucket_bytes, size_t bucket_bytes) {
+  struct Open {
+    std::vector<size_t> members;
+    size_t bytes = 0;
+    size_t limit = 0;
+  };
+  using Key = std::tuple<int, int, int>;  // dtype, device type, device index
+  std::map<Key, Open> open;
+  std::vector<std::vector<size_t>> result;
+  for (size_t i : order) {
+    const nn::Tensor& p = params.at(i);
+    const Key key{static_cast<int>(p.dtype()), static_cast<int>(p.device().type), p.device().index};
+    auto [it, inserted] = open.try_emplace(key);
+    Open& o = it->second;
+    if (inserted) o.limit = first_bucket_bytes;
+    o.members.push_back(i);
+    o.bytes += p.nbytes();
+    if (o.bytes >= o.limit) {
+      result.push_back(std::move(o.members));
+      o.members.clear();
+      o.bytes = 0;
+      o.limit = bucket_bytes;
+    }
+  }
+  for (auto& [key, o] : open) {
+    if (!o.members.empty()) result.push_back(std::move(o.members));
+  }
+  std::vector<size_t> position(params.size(), 0);
+  for (size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
+  std::stable_sort(result.begin(), result.end(),
+                   [&](const auto& a, const auto& b) { return position[a[0]] < position[b[0]]; });
+  return result;
+}
+
+Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
+                 std::shared_ptr<ProcessGroup> pg, ReducerOptions options,
+                 std::shared_ptr<TraceRecorder> trace)
+    : pg_(std::move(pg)), options_(options), trace_(std::move(trace)), hook_(hooks::AllReduceHook()) {
+  for (auto& [name, p] : params) {
+    names_.push_back(name);
+    params_.push_back(p);
+  }
+  const size_t n = params_.size();
+  ready_.assign(n, 0);
+  grad_was_undefined_.assign(n, 0);
+  used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
+  std::vector<size_t> reverse(n);
+  for (size_t i = 0; i < n; ++i) reverse[i] = n - 1 - i;
+  BuildBuckets(reverse);
+  for (size_t i = 0; i < n; ++i) {
+    hook_handles_.push_back(
+        params_[i].RegisterPostAccumulateGradHook([this, i](const nn::Tensor&) { OnGradReady(i); }));
+  }
+}
+
+Reducer::~Reducer() {
+  for (nn::HookHandle& h : hook_handles_) h.Remove();
+  WaitInFlight();
+}
+
+void Reducer::WaitInFlight() {
+  // Bounded by each Work's own budget; failures are reported elsewhere.
+  for (Bucket& b : buckets_) {
+    if (b.work.valid()) b.work.WaitFor(Clock::now() + pg_->options().timeout).IgnoreError();
+    b.work = Work();
+  }
+  if (used_work_.valid()) used_work_.WaitFor(Clock::now() + pg_->options().timeout).IgnoreError();
+  used_work_ = Work();
+}
+
+void Reducer::SetCommHook(CommHook hook) {
+  if (comm_hook_locked_) {
+    throw std::logic_error(
+        "DistributedDataParallel::RegisterCommHook: call it before the first backward");
+  }
+  if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
+  hook_ = std::move(hook);
+}
+
+void Reducer::BuildBuckets(const std::vector<size_t>& order) {
+  const std::vector<std::vector<size_t>> assignment =
+      AssignBuckets(params_, order, options_.first_bucket_bytes, options_.bucket_bytes);
+  std::vector<Bucket> buckets;
+  std::vector<Slot> slots(params_.size());
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket bucket;
+    const nn::Tensor& first = params_[assignment[b][0]];
+    bucket.dtype = first.dtype();
+    bucket.device = first.device();
+    int64_t numel = 0;
+    for (size_t i : assignment[b]) {
+      bucket.params.push_back(i);
+      bucket.offsets.push_back(numel);
+      numel += params_[i].numel();
+    }
+    bucket.buffer = nn::Zeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const size_t i = bucket.params[k];
+      slots[i].bucket = b;
+      slots[i].view = bucket.buffer.Narrow(0, bucket.offsets[k], params_[i].numel()).View(params_[i].shape());
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  if (options_.gradient_as_bucket_view) {
+    // Gradients that exist (accumulated ones included) move into the new views.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const nn::Tensor& grad = params_[i].grad();
+      if (!grad.defined()) continue;
+      nn::NoGradGuard guard;
+      slots[i].view.CopyFrom(grad);
+      params_[i].set_grad(slots[i].view);
+    }
+  }
+  buckets_ = std::move(buckets);
+  slots_ = std::move(slots);
+}
+
+std::vector<size_t> Reducer::BucketBytes() const {
+  std::vector<size_t> bytes;
+  for (const Bucket& b : buckets_) bytes.push_back(b.buffer.nbytes());
+  return bytes;
+}
+
+std::vector<std::vector<std::string>> Reducer::BucketNames() const {
+  std::vector<std::vector<std::string>> out;
+  for (const Bucket& b : buckets_) {
+    std::vector<std::string> names;
+    for (size_t i : b.params) names.push_back(names_[i]);
+    out.push_back(std::move(names));
+  }
+  return out;
+}
+
+void Reducer::CheckPreviousIteration() {
+  if (pending_error_.empty()) return;
+  const std::string message = pending_error_;
+  // Peers may be waiting in a bucket's all-reduce that this rank will never
+  // run: the abort reaches them within ~100 ms, with this message.
+  pg_->Abort(transport::FailedPreconditionError(message));
+  throw std::runtime_error(message);
+}
+
+void Reducer::RebuildBuckets() {
+  const size_t n = params_.size();
+  nn::Tensor order = nn::Empty({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt64});
+  int64_t* o = order.data<int64_t>();
+  // The observed order, completed with any parameter that never fired (in
+  // reverse registration order, as the initial buckets have them).
+  std::vector<char> seen(n, 0);
+  size_t k = 0;
+  for (size_t i : ready_order_) {
+    if (!seen[i]) {
+      seen[i] = 1;
+      o[k++] = static_cast<int64_t>(i);
+    }
+  }
+  for (size_t i = n; i-- > 0;) {
+    if (!seen[i]) o[k++] = static_cast<int64_t>(i);
+  }
+  // Ranks may have seen different orders; rank 0's wins everywhere.
+  pg_->Broadcast(order, 0, "bucket order").Wait();
+  std::vector<size_t> agreed(n);
+  std::vector<char> check(n, 0);
+  for (size_t j = 0; j < n; ++j) {
+    const int64_t v = o[j];
+    if (v < 0 || static_cast<size_t>(v) >= n || check[v]) {
+      throw std::logic_error("bucket rebuild: rank 0 sent an order that is not a permutation");
+    }
+    check[v] = 1;
+    agreed[j] = static_cast<size_t>(v);
+  }
+  rebuild_pending_ = false;
+  rebuilt_ = true;
+  const std::vector<std::vector<size_t>> next =
+      AssignBuckets(params_, agreed, options_.first_bucket_bytes, options_.bucket_bytes);
+  bool same = next.size() == buckets_.size();
+  for (size_t b = 0; same && b < next.size(); ++b) same = next[b] == buckets_[b].params;
+  if (!same) BuildBuckets(agreed);
+}
+
+std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>& outputs) const {
+  std::unordered_map<const nn::TensorImpl*, size_t> index;
+  for (size_t i = 0; i < params_.size(); ++i) index.emplace(params_[i].impl(), i);
+  std::vector<char> reached(params_.size(), 0);
+  std::unordered_set<const nn::autograd::Node*> seen;
+  std::vector<std::shared_ptr<nn::autograd::Node>> stack;
+  for (const nn::Tensor& out : outputs) {
+    if (!out.defined()) continue;
+    if (auto it = index.find(out.impl()); it != index.end()) reached[it->second] = 1;
+    if (out.grad_fn() != nullptr && seen.insert(out.grad_fn().get()).second) {
+      stack.push_back(out.grad_fn());
+    }
+  }
+  while (!stack.empty()) {
+    std::shared_ptr<nn::autograd::Node> node = std::move(stack.back());
+    stack.pop_back();
+    if (auto* acc = dynamic_cast<nn::autograd::AccumulateGrad*>(node.get())) {
+      if (auto it = index.find(acc->variable().impl()); it != index.end()) reached[it->second] = 1;
+    }
+    for (const nn::autograd::Edge& e : node->next_edges()) {
+      if (e.valid() && seen.insert(e.fn.get()).second) stack.push_back(e.fn);
+    }
+  }
+  std::vector<size_t> unreachable;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!reached[i]) unreachable.push_back(i);
+  }
+  return unreachable;
+}
+
+void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor) {
+  // A forward whose backward never ran may have launched buckets (of unused
+  // parameters); their memory is reused below.
+  WaitInFlight();
+  armed_ = true;
+  finalize_queued_ = false;
+  divisor_ = divisor;
+  std::fill(ready_.begin(), ready_.end(), 0);
+  ready_count_ = 0;
+  next_launch_ = 0;
+  std::memset(used_.data_ptr(), 0, used_.nbytes());
+  for (Bucket& b : buckets_) b.pending = b.params.size();
+  prepared_at_ = Clock::now();
+  last_grad_at_ = prepared_at_;
+
+  if (options_.gradient_as_bucket_view) {
+    // Gradients cleared to none (the optimizer's default ZeroGrad) become
+    // zeroed views again, so that autograd accumulates straight into the
+    // bucket instead of into a fresh tensor that would need a copy.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      grad_was_undefined_[i] = 0;
+      const nn::Tensor& grad = params_[i].grad();
+      if (grad.defined() && IsView(i, grad)) continue;
+      const nn::Tensor& view = slots_[i].view;
+      if (grad.defined()) {
+        nn::NoGradGuard guard;
+        view.CopyFrom(grad);
+      } else {
+        std::memset(view.data_ptr(), 0, view.nbytes());
+        grad_was_undefined_[i] = 1;
+      }
+      params_[i].set_grad(view);
+    }
+  }
+
+  if (!handles_unused()) return;
+  std::vector<size_t> unused;
+  if (options_.static_graph && static_known_) {
+    unused = static_unused_;
+  } else {
+    unused = UnreachableParameters(outputs);
+    if (options_.static_graph) {
+      static_unused_ = unused;
+      static_known_ = true;
+    }
+  }
+  for (size_t i : unused) MarkReady(i);
+}
+
+void Reducer::Disarm() { armed_ = false; }
+
+bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
+  const nn::Tensor& view = slots_[index].view;
+  return grad.storage() == view.storage() && grad.storage_offset() == view.storage_offset() &&
+         grad.is_contiguous();
+}
+
+void Reducer::OnGradReady(size_t index) {
+  if (!armed_) return;  // NoSync, eval, or a backward this reducer did not prepare
+  if (ready_[index]) {
+    throw std::logic_error("DistributedDataParallel: parameter `" + names_[index] +
+                           "` received its gradient twice in one backward (is it used by two "
+                           "backward passes of one forward?)");
+  }
+  if (!finalize_queued_) {
+    finalize_queued_ = true;
+    comm_hook_locked_ = true;
+    nn::autograd::QueueCallback([this] { Finalize(); });
+  }
+  used_.data<int32_t>()[index] = 1;
+  if (iterations_ == 0) ready_order_.push_back(index);
+  MarkReady(index);
+  last_grad_at_ = Clock::now();
+}
+
+void Reducer::MarkReady(size_t index) {
+  ready_[index] = 1;
+  ++ready_count_;
+  const Slot& slot = slots_[index];
+  const nn::Tensor& view = slot.view;
+  const nn::Tensor& grad = params_[index].grad();
+  const double factor = 1.0 / divisor_;
+  // Average while copying: one pass over the gradient.
+  if (!grad.defined()) {
+    std::memset(view.data_ptr(), 0, view.nbytes());
+  } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu()) {
+    ScaleCopy(view.data_ptr(), grad.data_ptr(), view.numel(), view.dtype(), factor);
+    if (options_.gradient_as_bucket_view && !IsView(index, grad)) params_[index].set_grad(view);
+  } else {
+    nn::NoGradGuard guard;
+    view.CopyFrom(grad);
+    ScaleCopy(view.data_ptr(), view.data_ptr(), view.numel(), view.dtype(), factor);
+    if (options_.gradient_as_bucket_view) params_[index].set_grad(view);
+  }
+  Bucket& bucket = buckets_[slot.bucket];
+  if (--bucket.pending == 0) LaunchReadyBuckets();
+}
+
+void Reducer::LaunchReadyBuckets() {
+  // Buckets are launched in index order on every rank, so that the
+  // collectives match even when gradients arrive in different orders.
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    buckets_[next_launch_].work = Launch(next_launch_, buckets_[next_launch_].buffer);
+    ++next_launch_;
+  }
+}
+
+Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
+  const Bucket& bucket = buckets_[b];
+  std::vector<nn::Tensor> params;
+  params.reserve(bucket.params.size());
+  for (size_t i : bucket.params) params.push_back(params_[i]);
+  GradBucket grad_bucket(b, buckets_.size(), buffer, std::move(params), bucket.offsets);
+  Work work = hook_(*pg_, grad_bucket);
+  if (!work.valid()) {
+    throw std::logic_error("DistributedDataParallel: the communication hook returned an empty Work "
+                           "for bucket " + std::to_string(b));
+  }
+  return work;
+}
+
+void Reducer::Finalize() {
+  armed_ = false;
+  const Clock::time_point compute_end = Clock::now();
+  if (ready_count_ < params_.size()) {
+    std::string names;
+    size_t listed = 0, missing = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) continue;
+      ++missing;
+      if (listed++ < 8) names += (names.empty() ? "`" : ", `") + names_[i] + "` (index " + std::to_string(i) + ")";
+    }
+    if (missing > listed) names += " and " + std::to_string(missing - listed) + " more";
+    pending_error_ =
+        "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": " +
+        std::to_string(missing) + " parameter(s) received no gradient in the previous iteration: " +
+        names + ". Their buckets could not be reduced, so gradients were not synchronized. If "
+        "parts of the model are unused in some iterations, set "
+        "DdpOptions::find_unused_parameters = true; otherwise make every output of forward "
+        "contribute to the loss.";
+    return;
+  }
+  if (handles_unused()) {
+    used_work_ = pg_->AllReduce(used_, transport::ReduceOp::kSum, "unused parameter map");
+  }
+
+  Clock::time_point comm_start = Clock::time_point::max(), comm_end{};
+  for (Bucket& b : buckets_) {
+    b.work.Wait();
+    comm_start = std::min(comm_start, b.work.started());
+    comm_end = std::max(comm_end, b.work.finished());
+  }
+  std::vector<char> globally_used(params_.size(), 1);
+  if (used_work_.valid()) {
+    used_work_.Wait();
+    comm_end = std::max(comm_end, used_work_.finished());
+    const int32_t* u = used_.data<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = u[i] > 0;
+  }
+  for (Bucket& b : buckets_) {
+    b.work = Work();
+    for (size_t i : b.params) {
+      const nn::Tensor& view = slots_[i].view;
+      const nn::Tensor& grad = params_[i].grad();
+      if (!globally_used[i]) {
+        // Unused on every rank: keeps no gradient (or the one it had).
+        if (options_.gradient_as_bucket_view && grad_was_undefined_[i]) params_[i].set_grad(nn::Tensor());
+        continue;
+      }
+      if (options_.gradient_as_bucket_view) continue;  // .grad is the bucket
+      if (!grad.defined()) {
+        params_[i].set_grad(view.Clone());
+      } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu()) {
+        std::memcpy(grad.data_ptr(), view.data_ptr(), view.nbytes());
+        grad.storage()->BumpVersion();
+      } else {
+        nn::NoGradGuard guard;
+        grad.CopyFrom(view);
+      }
+    }
+  }
+  used_work_ = Work();
+  const Clock::time_point end = Clock::now();
+
+  ++iterations_;
+  if (iterations_ == 1 && (!options_.find_unused_parameters || options_.static_graph)) {
+    rebuild_pending_ = !rebuilt_;
+  }
+  // Statistics: see DdpStats for the definitions.
+  ++times_.iterations;
+  times_.backward_compute += Seconds(last_grad_at_ - prepared_at_);
+  times_.exposed += Seconds(end - last_grad_at_);
+  if (comm_start != Clock::time_point::max()) {
+    times_.backward_comm += Seconds(comm_end - comm_start);
+    times_.overlap += std::max(0.0, Seconds(std::min(last_grad_at_, comm_end) - comm_start));
+  }
+  if (trace_ != nullptr) {
+    trace_->Complete("backward compute", "compute", prepared_at_, last_grad_at_);
+    trace_->Complete("backward wait + write-back", "compute", compute_end, end);
+  }
+}
+
+void Reducer::ShadowBackward() {
+  std::vector<Work> works;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
+    // Zeros of the bucket's kind: this rank contributes nothing, and its own
+    // gradients (a view in gradient_as_bucket_view mode) stay as they are.
+    works.push_back(Launch(b, nn::Zeros({bucket.buffer.numel()},
+                                        {.dtype = bucket.dtype, .device = bucket.device})));
+  }
+  if (handles_unused()) {
+    works.push_back(pg_->AllReduce(nn::ZerosLike(used_), transport::ReduceOp::kSum,
+                                   "unused parameter map"));
+  }
+  for (Work& w : works) w.Wait();
+}
+
+}  // namespace ddp::dist::internal

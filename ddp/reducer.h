@@ -1,0 +1,166 @@
+#ifndef DDP_DDP_REDUCER_H_
+#define DDP_DDP_REDUCER_H_
+
+// The gradient reducer behind DistributedDataParallel (private to //ddp):
+// buckets, the per-parameter hooks that fill them, the launch of each
+// bucket's communication, the end-of-backward write-back, unused-parameter
+// handling, the one-time bucket rebuild and the timing statistics.
+//
+// Everything here runs on the thread that runs forward and backward, except
+// the collectives themselves (the process group's thread). A bucket's
+// memory is handed to the communication thread when it is launched and not
+// touched by this thread again until its Work completed.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddp/comm_hooks.h"
+#include "ddp/process_group.h"
+#include "ddp/trace.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::dist::internal {
+
+/// Groups parameters into buckets: walks `order` (parameter indices in the
+/// order their gradients are expected), keeps one open bucket per
+/// (dtype, device), and closes a bucket once it holds at least its limit
+/// (first_bucket_bytes for the first bucket of each kind, bucket_bytes
+/// after). Buckets come out ordered by their first parameter's position in
+/// `order`.
+std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
+                                               const std::vector<size_t>& order,
+                                               size_t first_bucket_bytes, size_t bucket_bytes);
+
+struct ReducerOptions {
+  size_t first_bucket_bytes = size_t{1} << 20;
+  size_t bucket_bytes = size_t{25} << 20;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;
+};
+
+/// Sums of per-iteration timings (seconds), reset by the owner.
+struct ReducerTimes {
+  int64_t iterations = 0;
+  double backward_compute = 0;
+  double backward_comm = 0;
+  double overlap = 0;
+  double exposed = 0;
+};
+
+class Reducer {
+ public:
+  /// `params`: the parameters that require grad, in registration order,
+  /// with their names. Registers a post-accumulate-grad hook on each.
+  Reducer(std::vector<std::pair<std::string, nn::Tensor>> params, std::shared_ptr<ProcessGroup> pg,
+          ReducerOptions options, std::shared_ptr<TraceRecorder> trace);
+  /// Removes the hooks; waits (bounded) for buckets still in flight.
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  /// Replaces the communication hook; throws after the first backward.
+  void SetCommHook(CommHook hook);
+
+  /// Throws (after aborting the group, so that peers stop waiting for this
+  /// rank) when the previous backward ended with parameters that got no
+  /// gradient although find_unused_parameters is off.
+  void CheckPreviousIteration();
+
+  /// Whether the next synchronizing iteration starts with RebuildBuckets.
+  bool rebuild_pending() const { return rebuild_pending_; }
+  /// Collective: rebuilds the buckets from rank 0's observed gradient order.
+  void RebuildBuckets();
+
+  /// End of a synchronizing forward: arms the hooks for one backward, with
+  /// gradients divided by `divisor`; with find_unused_parameters, walks the
+  /// graph from `outputs` and marks the unreachable parameters ready.
+  void PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor);
+  /// A forward that will not synchronize: hooks do nothing until the next
+  /// PrepareForBackward.
+  void Disarm();
+
+  /// Join: runs the collectives of one synchronizing backward with zero
+  /// gradients, for ranks that have run out of inputs.
+  void ShadowBackward();
+
+  /// Whether an unused-parameter map is all-reduced after each backward.
+  bool handles_unused() const { return options_.find_unused_parameters || options_.static_graph; }
+
+  const ReducerTimes& times() const { return times_; }
+  void ResetTimes() { times_ = {}; }
+  std::vector<size_t> BucketBytes() const;
+  std::vector<std::vector<std::string>> BucketNames() const;
+  int64_t iterations() const { return iterations_; }
+
+ private:
+  struct Bucket {
+    nn::DType dtype;
+    nn::Device device;
+    nn::Tensor buffer;            // flat [numel]
+    std::vector<size_t> params;   // indices into params_
+    std::vector<int64_t> offsets; // element offset of each parameter
+    size_t pending = 0;           // gradients still missing this iteration
+    Work work;
+  };
+  struct Slot {
+    size_t bucket = 0;
+    nn::Tensor view;  // the parameter's part of the bucket, in its shape
+  };
+
+  void BuildBuckets(const std::vector<size_t>& order);
+  void OnGradReady(size_t index);
+  void MarkReady(size_t index);
+  void LaunchReadyBuckets();
+  Work Launch(size_t b, const nn::Tensor& buffer);
+  void Finalize();
+  void WaitInFlight();
+  bool IsView(size_t index, const nn::Tensor& grad) const;
+  std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs) const;
+
+  std::vector<std::string> names_;
+  std::vector<nn::Tensor> params_;
+  std::shared_ptr<ProcessGroup> pg_;
+  ReducerOptions options_;
+  std::shared_ptr<TraceRecorder> trace_;
+  CommHook hook_;
+  std::vector<nn::HookHandle> hook_handles_;
+
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+
+  // Iteration state.
+  bool armed_ = false;          // hooks act (between prepare and finalize)
+  bool finalize_queued_ = false;
+  double divisor_ = 1;
+  std::vector<char> ready_;
+  size_t ready_count_ = 0;
+  size_t next_launch_ = 0;
+  nn::Tensor used_;             // i32 [n]: 1 where this rank's hook fired
+  Work used_work_;
+  std::vector<char> grad_was_undefined_;  // view mode: .grad was set to a view by prepare
+  std::string pending_error_;   // thrown at the next forward
+  int64_t iterations_ = 0;
+  bool comm_hook_locked_ = false;
+
+  // Bucket rebuild and static graph.
+  std::vector<size_t> ready_order_;  // first iteration, as hooks fired
+  bool rebuild_pending_ = false;
+  bool rebuilt_ = false;
+  std::vector<size_t> static_unused_;  // static graph: learned in iteration 1
+  bool static_known_ = false;
+
+  // Timing of the current iteration.
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point prepared_at_{};
+  Clock::time_point last_grad_at_{};
+  ReducerTimes times_;
+};
+
+}  // namespace ddp::dist::internal
+
+#endif  // DDP_DDP_REDUCER_H_

@@ -1,0 +1,199 @@
+#include "ddp/replicas.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+namespace ddp::dist::internal {
+namespace {
+
+constexpr char kFieldSep = '\x1f';
+constexpr char kEntrySep = '\x1e';
+
+std::string Serialize(const std::vector<ReplicaEntry>& entries) {
+  std::string out;
+  for (const ReplicaEntry& e : entries) {
+    out += e.kind + kFieldSep + e.name + kFieldSep + e.value + kEntrySep;
+  }
+  return out;
+}
+
+std::vector<ReplicaEntry> Parse(const std::string& text) {
+  std::vector<ReplicaEntry> entries;
+  size_t pos = 0;
+  while (pos < text.size() && text[pos] != '\0') {
+    const size_t end = text.find(kEntrySep, pos);
+    if (end == std::string::npos) break;
+    const std::string line = text.substr(pos, end - pos);
+    const size_t a = line.find(kFieldSep), b = line.find(kFieldSep, a + 1);
+    if (a != std::string::npos && b != std::string::npos) {
+      entries.push_back({line.substr(0, a), line.substr(a + 1, b - a - 1), line.substr(b + 1)});
+    }
+    pos = end + 1;
+  }
+  return entries;
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Entries of one kind, in order.
+std::vector<const ReplicaEntry*> OfKind(const std::vector<ReplicaEntry>& all, const std::string& kind) {
+  std::vector<const ReplicaEntry*> out;
+  for (const ReplicaEntry& e : all) {
+    if (e.kind == kind) out.push_back(&e);
+  }
+  return out;
+}
+
+std::string Plural(const std::string& kind, size_t n) {
+  return std::to_string(n) + " " + kind + (n == 1 ? "" : "s");
+}
+
+// The message every rank throws: the first differing entry of the first
+// kind that differs, each rank's value, and the counts when they differ.
+std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks) {
+  const int size = static_cast<int>(ranks.size());
+  for (const std::string kind : {"parameter", "buffer", "option"}) {
+    std::vector<std::vector<const ReplicaEntry*>> lists;
+    size_t longest = 0;
+    for (const auto& r : ranks) {
+      lists.push_back(OfKind(r, kind));
+      longest = std::max(longest, lists.back().size());
+    }
+    for (size_t k = 0; k < longest; ++k) {
+      bool differ = false;
+      for (int r = 1; r < size; ++r) {
+        const ReplicaEntry* a = k < lists[0].size() ? lists[0][k] : nullptr;
+        const ReplicaEntry* b = k < lists[r].size() ? lists[r][k] : nullptr;
+        differ = differ || (a == nullptr) != (b == nullptr) ||
+                 (a != nullptr && (a->name != b->name || a->value != b->value));
+      }
+      if (!differ) continue;
+      std::string m =
+          "DistributedDataParallel: the ranks' models differ (every rank must register the same "
+          "parameters and buffers, in the same order, with the same shapes, dtypes and strides, "
+          "and pass the same options). First difference at " + kind + " #" + std::to_string(k) + ": ";
+      for (int r = 0; r < size; ++r) {
+        m += (r ? "; rank " : "rank ") + std::to_string(r);
+        if (k < lists[r].size()) {
+          m += " has `" + lists[r][k]->name + "` " + lists[r][k]->value;
+        } else {
+          m += " has no " + kind + " #" + std::to_string(k) + " (it has " +
+               Plural(kind, lists[r].size()) + ")";
+        }
+      }
+      m += ".";
+      bool counts_differ = false;
+      for (int r = 1; r < size; ++r) counts_differ = counts_differ || lists[r].size() != lists[0].size();
+      if (counts_differ) {
+        m += " Counts:";
+        for (int r = 0; r < size; ++r) {
+          m += std::string(r ? "," : "") + " rank " + std::to_string(r) + " has " +
+               Plural(kind, lists[r].size());
+        }
+        m += ".";
+      }
+      // Name a missing entry outright when a name exists on one rank only.
+      for (int r = 0; r < size; ++r) {
+        if (k >= lists[r].size()) continue;
+        const std::string& name = lists[r][k]->name;
+        for (int q = 0; q < size; ++q) {
+          const bool found = std::any_of(lists[q].begin(), lists[q].end(),
+                                         [&](const ReplicaEntry* e) { return e->name == name; });
+          if (!found) {
+            m += " Rank " + std::to_string(q) + " has no " + kind + " named `" + name + "`.";
+          }
+        }
+      }
+      return m;
+    }
+  }
+  return "DistributedDataParallel: the ranks' model descriptions differ in a way that could not "
+         "be located";
+}
+
+}  // namespace
+
+std::string DescribeTensor(const nn::Tensor& t, bool is_parameter) {
+  std::string s = std::string(nn::DTypeName(t.dtype())) + " " + nn::ShapeToString(t.shape()) +
+                  " strides " + nn::ShapeToString(t.strides());
+  if (!t.device().is_cpu()) s += " on " + t.device().ToString();
+  if (is_parameter && !t.requires_grad()) s += " no-grad";
+  return s;
+}
+
+void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries) {
+  if (pg.size() == 1) return;
+  const std::string text = Serialize(entries);
+  nn::Tensor mine = nn::FromVectorOf<int64_t>(
+      {static_cast<int64_t>(Fnv1a(text) >> 1), static_cast<int64_t>(text.size())}, {2});
+  nn::Tensor all = nn::Empty({2 * static_cast<int64_t>(pg.size())}, {.dtype = nn::DType::kInt64});
+  pg.AllGather(all, mine, "model fingerprint").Wait();
+  const int64_t* a = all.data<int64_t>();
+  bool same = true;
+  int64_t longest = 0;
+  for (int r = 0; r < pg.size(); ++r) {
+    same = same && a[2 * r] == a[0] && a[2 * r + 1] == a[1];
+    longest = std::max(longest, a[2 * r + 1]);
+  }
+  if (same) return;
+  nn::Tensor padded = nn::Zeros({longest}, {.dtype = nn::DType::kUInt8});
+  std::memcpy(padded.data_ptr(), text.data(), text.size());
+  nn::Tensor texts = nn::Empty({longest * pg.size()}, {.dtype = nn::DType::kUInt8});
+  pg.AllGather(texts, padded, "model description").Wait();
+  std::vector<std::vector<ReplicaEntry>> ranks;
+  const char* base = static_cast<const char*>(texts.data_ptr());
+  for (int r = 0; r < pg.size(); ++r) {
+    ranks.push_back(Parse(std::string(base + r * longest, static_cast<size_t>(a[2 * r + 1]))));
+  }
+  throw std::invalid_argument(Explain(ranks));
+}
+
+void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
+                        const std::string& label) {
+  if (pg.size() == 1) return;
+  std::map<nn::DType, std::vector<nn::Tensor>> by_dtype;
+  for (const nn::Tensor& t : tensors) {
+    if (!t.device().is_cpu()) {
+      throw std::invalid_argument(label + ": tensor on " + t.device().ToString() +
+                                  "; only CPU tensors are supported");
+    }
+    if (t.numel() > 0) by_dtype[t.dtype()].push_back(t);
+  }
+  nn::NoGradGuard guard;
+  for (auto& [dtype, list] : by_dtype) {
+    int64_t total = 0;
+    for (const nn::Tensor& t : list) total += t.numel();
+    nn::Tensor flat = nn::Empty({total}, {.dtype = dtype});
+    const size_t elem = nn::ElementSize(dtype);
+    if (pg.rank() == root) {
+      int64_t offset = 0;
+      for (const nn::Tensor& t : list) {
+        flat.Narrow(0, offset, t.numel()).View(t.shape()).CopyFrom(t);
+        offset += t.numel();
+      }
+    }
+    pg.Broadcast(flat, root, label + " " + std::string(nn::DTypeName(dtype))).Wait();
+    if (pg.rank() == root) continue;
+    int64_t offset = 0;
+    for (const nn::Tensor& t : list) {
+      if (t.is_contiguous()) {
+        std::memcpy(t.data_ptr(), static_cast<const char*>(flat.data_ptr()) + offset * elem, t.nbytes());
+        t.storage()->BumpVersion();
+      } else {
+        t.CopyFrom(flat.Narrow(0, offset, t.numel()).View(t.shape()));
+      }
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace ddp::dist::internal

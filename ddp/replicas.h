@@ -1,0 +1,40 @@
+#ifndef DDP_DDP_REPLICAS_H_
+#define DDP_DDP_REPLICAS_H_
+
+// Keeping model replicas identical across ranks (private to //ddp): the
+// construction-time check that every rank built the same model, and
+// coalesced broadcasts of parameters and buffers.
+
+#include <string>
+#include <vector>
+
+#include "ddp/process_group.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::dist::internal {
+
+/// One line of a rank's model description.
+struct ReplicaEntry {
+  std::string kind;   ///< "parameter", "buffer" or "option".
+  std::string name;   ///< "1.weight", "bucket_cap_mb".
+  std::string value;  ///< "f32 [512, 784] strides [784, 1]", "25".
+};
+
+/// "f32 [512, 784] strides [784, 1]" (plus " no-grad" for a parameter that
+/// does not require grad).
+std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
+
+/// Collective: returns when every rank passed the same entries; otherwise
+/// throws std::invalid_argument, with the same message on every rank,
+/// naming the first differing entry and each rank's value of it. Two
+/// fixed-size all-gathers at most, so differing ranks cannot hang.
+void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries);
+
+/// Collective: copies rank `root`'s values of `tensors` (CPU) into every
+/// rank's, one broadcast per dtype.
+void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
+                        const std::string& label);
+
+}  // namespace ddp::dist::internal
+
+#endif  // DDP_DDP_REPLICAS_H_

@@ -1,0 +1,317 @@
+#include "ddp/sync_batch_norm.h"
+
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+
+#include "nn/autograd/function.h"
+#include "nn/ops/functional.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+
+// x [N, C, S] with S the product of the trailing dimensions.
+struct Dims {
+  int64_t n, c, s;
+};
+
+Dims GetDims(const Tensor& x) {
+  int64_t s = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) s *= x.size(d);
+  return {x.size(0), x.size(1), s};
+}
+
+std::vector<double> ToDoubles(const Tensor& t, int64_t c, double fallback) {
+  if (!t.defined()) return std::vector<double>(c, fallback);
+  return t.ToVector<double>();
+}
+
+void StoreDoubles(const Tensor& t, const std::vector<double>& v) {
+  Tensor src = nn::FromVector(v, {static_cast<int64_t>(v.size())}, {.dtype = nn::DType::kFloat64});
+  nn::NoGradGuard guard;
+  t.CopyFrom(src);
+}
+
+// The global-statistics batch norm as an autograd function. Inputs: x
+// [N, C, *], weight [C] and bias [C] (both may be undefined).
+struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
+  static constexpr const char* kName = "SyncBatchNormBackward";
+
+  static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
+                                     ProcessGroup* pg, const Tensor& running_mean,
+                                     const Tensor& running_var, double momentum, double eps) {
+    const Tensor x = in[0].Contiguous();
+    const Tensor& weight = in[1];
+    const Tensor& bias = in[2];
+    const Dims d = GetDims(x);
+    const int64_t m = d.n * d.s;  // this rank's values per channel
+
+    // Local count, mean and sum of squared deviations, two passes in f64.
+    const int64_t row = 1 + 2 * d.c;
+    Tensor mine = nn::Zeros({row}, {.dtype = nn::DType::kFloat64});
+    double* st = mine.data<double>();
+    st[0] = static_cast<double>(m);
+    DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm", {
+      using A = nn::acc_t<scalar_t>;
+      const scalar_t* xp = x.data<scalar_t>();
+      for (int64_t c = 0; c < d.c; ++c) {
+        double sum = 0;
+        for (int64_t n = 0; n < d.n; ++n) {
+          const scalar_t* r = xp + (n * d.c + c) * d.s;
+          for (int64_t i = 0; i < d.s; ++i) sum += static_cast<A>(r[i]);
+        }
+        const double mean = m > 0 ? sum / m : 0.0;
+        double q = 0;
+        for (int64_t n = 0; n < d.n; ++n) {
+          const scalar_t* r = xp + (n * d.c + c) * d.s;
+          for (int64_t i = 0; i < d.s; ++i) {
+            const double dv = static_cast<A>(r[i]) - mean;
+            q += dv * dv;
+          }
+        }
+        st[1 + c] = mean;
+        st[1 + d.c + c] = q;
+      }
+    });
+
+    // Every rank's triple; combined with Chan et al.'s pairwise formula so
+    // that large means do not cancel and counts weight each rank.
+    Tensor all = nn::Empty({row * pg->size()}, {.dtype = nn::DType::kFloat64});
+    pg->AllGather(all, mine, "sync_batch_norm stats").Wait();
+    const double* a = all.data<double>();
+    std::vector<double> mean(d.c, 0.0), m2(d.c, 0.0);
+    double total = 0;
+    for (int r = 0; r < pg->size(); ++r) {
+      const double* s = a + r * row;
+      const double nr = s[0];
+      if (nr == 0) continue;
+      const double next = total + nr;
+      for (int64_t c = 0; c < d.c; ++c) {
+        const double delta = s[1 + c] - mean[c];
+        mean[c] += delta * nr / next;
+        m2[c] += s[1 + d.c + c] + delta * delta * total * nr / next;
+      }
+      total = next;
+    }
+    if (total <= 1) {
+      throw std::invalid_argument(
+          "SyncBatchNorm: expected more than 1 value per channel across all ranks when training, "
+          "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
+          nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg->rank()) + ")");
+    }
+    std::vector<double> invstd(d.c);
+    for (int64_t c = 0; c < d.c; ++c) invstd[c] = 1.0 / std::sqrt(m2[c] / total + eps);
+    if (running_mean.defined() && running_var.defined()) {
+      std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
+      for (int64_t c = 0; c < d.c; ++c) {
+        rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
+        rv[c] = (1 - momentum) * rv[c] + momentum * m2[c] / (total - 1);
+      }
+      StoreDoubles(running_mean, rm);
+      StoreDoubles(running_var, rv);
+    }
+
+    // y = x * scale + shift, per channel, as BatchNorm's kernel computes it.
+    const std::vector<double> w = ToDoubles(weight, d.c, 1.0), b = ToDoubles(bias, d.c, 0.0);
+    Tensor y = nn::Empty(x.shape(), {.dtype = x.dtype()});
+    DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm", {
+      using A = nn::acc_t<scalar_t>;
+      const scalar_t* xp = x.data<scalar_t>();
+      scalar_t* yp = y.data<scalar_t>();
+      for (int64_t n = 0; n < d.n; ++n) {
+        for (int64_t c = 0; c < d.c; ++c) {
+          const A scale = static_cast<A>(w[c] * invstd[c]);
+          const A shift = static_cast<A>(b[c] - mean[c] * w[c] * invstd[c]);
+          const scalar_t* r = xp + (n * d.c + c) * d.s;
+          scalar_t* out = yp + (n * d.c + c) * d.s;
+          for (int64_t i = 0; i < d.s; ++i) out[i] = static_cast<scalar_t>(static_cast<A>(r[i]) * scale + shift);
+        }
+      }
+    });
+
+    ctx->SaveForBackward({x, weight});
+    ctx->saved_data["mean"] = mean;
+    ctx->saved_data["invstd"] = invstd;
+    ctx->saved_data["total"] = total;
+    ctx->saved_data["pg"] = pg;
+    return {y};
+  }
+
+  static std::vector<Tensor> Backward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
+    const std::vector<Tensor> saved = ctx->GetSavedTensors();
+    const Tensor& x = saved[0];
+    const Tensor& weight = saved[1];
+    const Tensor dy = grad[0].Contiguous();
+    const auto& mean = std::any_cast<const std::vector<double>&>(ctx->saved_data["mean"]);
+    const auto& invstd = std::any_cast<const std::vector<double>&>(ctx->saved_data["invstd"]);
+    const double total = std::any_cast<double>(ctx->saved_data["total"]);
+    ProcessGroup* pg = std::any_cast<ProcessGroup*>(ctx->saved_data["pg"]);
+    const Dims d = GetDims(x);
+
+    // Local per-channel sums of dy and dy * (x - mean).
+    Tensor sums = nn::Zeros({2 * d.c}, {.dtype = nn::DType::kFloat64});
+    double* s = sums.data<double>();
+    DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm backward", {
+      using A = nn::acc_t<scalar_t>;
+      const scalar_t* xp = x.data<scalar_t>();
+      const scalar_t* gp = dy.data<scalar_t>();
+      for (int64_t n = 0; n < d.n; ++n) {
+        for (int64_t c = 0; c < d.c; ++c) {
+          const scalar_t* xr = xp + (n * d.c + c) * d.s;
+          const scalar_t* gr = gp + (n * d.c + c) * d.s;
+          double sd = 0, sx = 0;
+          for (int64_t i = 0; i < d.s; ++i) {
+            const double g = static_cast<A>(gr[i]);
+            sd += g;
+            sx += g * (static_cast<A>(xr[i]) - mean[c]);
+          }
+          s[c] += sd;
+          s[d.c + c] += sx;
+        }
+      }
+    });
+    Tensor dweight, dbias;
+    if (ctx->NeedsInputGrad(1)) {
+      std::vector<double> v(d.c);
+      for (int64_t c = 0; c < d.c; ++c) v[c] = s[d.c + c] * invstd[c];
+      dweight = nn::FromVector(v, {d.c}, {.dtype = weight.dtype()});
+    }
+    if (ctx->NeedsInputGrad(2)) {
+      dbias = nn::FromVector(std::vector<double>(s, s + d.c), {d.c}, {.dtype = weight.defined() ? weight.dtype() : x.dtype()});
+    }
+    Tensor dx;
+    if (ctx->NeedsInputGrad(0)) {
+      // The global sums: every rank's x shaped the statistics.
+      Tensor global = sums.Clone();
+      pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
+      const double* g = global.data<double>();
+      const std::vector<double> w = ToDoubles(weight, d.c, 1.0);
+      dx = nn::Empty(x.shape(), {.dtype = x.dtype()});
+      DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm backward", {
+        using A = nn::acc_t<scalar_t>;
+        const scalar_t* xp = x.data<scalar_t>();
+        const scalar_t* gp = dy.data<scalar_t>();
+        scalar_t* out = dx.data<scalar_t>();
+        for (int64_t n = 0; n < d.n; ++n) {
+          for (int64_t c = 0; c < d.c; ++c) {
+            // dx = k * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean)))
+            const A k = static_cast<A>(w[c] * invstd[c]);
+            const A mdy = static_cast<A>(g[c] / total);
+            const A coef = static_cast<A>(g[d.c + c] / total * invstd[c] * invstd[c]);
+            const A mu = static_cast<A>(mean[c]);
+            const scalar_t* xr = xp + (n * d.c + c) * d.s;
+            const scalar_t* gr = gp + (n * d.c + c) * d.s;
+            scalar_t* o = out + (n * d.c + c) * d.s;
+            for (int64_t i = 0; i < d.s; ++i) {
+              o[i] = static_cast<scalar_t>(k * (static_cast<A>(gr[i]) - mdy - (static_cast<A>(xr[i]) - mu) * coef));
+            }
+          }
+        }
+      });
+    }
+    return {dx, dweight, dbias};
+  }
+};
+
+std::string FormatDouble(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+SyncBatchNorm::SyncBatchNorm(int64_t num_features, nn::modules::BatchNormOptions options,
+                             std::shared_ptr<ProcessGroup> group)
+    : num_features_(num_features), options_(options), group_(std::move(group)) {
+  if (num_features < 1) throw std::invalid_argument("SyncBatchNorm: num_features must be positive");
+  if (options.affine) {
+    weight_ = RegisterParameter("weight", nn::Ones({num_features}));
+    bias_ = RegisterParameter("bias", nn::Zeros({num_features}));
+  }
+  if (options.track_running_stats) {
+    running_mean_ = RegisterBuffer("running_mean", nn::Zeros({num_features}));
+    running_var_ = RegisterBuffer("running_var", nn::Ones({num_features}));
+    num_batches_tracked_ = RegisterBuffer("num_batches_tracked", nn::Zeros({}, {.dtype = nn::DType::kInt64}));
+  }
+}
+
+SyncBatchNorm::SyncBatchNorm(Adopt, const nn::modules::BatchNorm& bn, std::shared_ptr<ProcessGroup> group)
+    : num_features_(bn.num_features()), options_(bn.options()), group_(std::move(group)) {
+  if (bn.weight().defined()) weight_ = RegisterParameter("weight", bn.weight(), bn.weight().requires_grad());
+  if (bn.bias().defined()) bias_ = RegisterParameter("bias", bn.bias(), bn.bias().requires_grad());
+  if (bn.running_mean().defined()) running_mean_ = RegisterBuffer("running_mean", bn.running_mean());
+  if (bn.running_var().defined()) running_var_ = RegisterBuffer("running_var", bn.running_var());
+  if (bn.num_batches_tracked().defined()) {
+    num_batches_tracked_ = RegisterBuffer("num_batches_tracked", bn.num_batches_tracked());
+  }
+  Train(bn.is_training());
+}
+
+std::shared_ptr<SyncBatchNorm> SyncBatchNorm::FromBatchNorm(const nn::modules::BatchNorm& bn,
+                                                            std::shared_ptr<ProcessGroup> group) {
+  return std::shared_ptr<SyncBatchNorm>(new SyncBatchNorm(Adopt{}, bn, std::move(group)));
+}
+
+std::string SyncBatchNorm::ExtraRepr() const {
+  return std::to_string(num_features_) + ", eps=" + FormatDouble(options_.eps) +
+         ", momentum=" + FormatDouble(options_.momentum) +
+         ", affine=" + (options_.affine ? "True" : "False") +
+         ", track_running_stats=" + (options_.track_running_stats ? "True" : "False");
+}
+
+std::string SyncBatchNorm::ShortRepr() const {
+  return TypeName() + "(" + std::to_string(num_features_) + ")";
+}
+
+nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
+  if (x.dim() < 2 || x.size(1) != num_features_) {
+    Fail("expected input [N, " + std::to_string(num_features_) + ", ...], got " +
+         nn::ShapeToString(x.shape()));
+  }
+  const bool batch_stats = is_training() || !options_.track_running_stats;
+  if (!is_training()) {
+    // Eval: local and silent.
+    return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, batch_stats,
+                              options_.momentum, options_.eps);
+  }
+  std::shared_ptr<ProcessGroup> pg = group_ != nullptr ? group_ : DefaultProcessGroup();
+  if (options_.track_running_stats) {
+    nn::NoGradGuard guard;
+    num_batches_tracked_.Fill(num_batches_tracked_.Item() + 1);
+  }
+  if (pg->size() == 1) {
+    return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true,
+                              options_.momentum, options_.eps);
+  }
+  try {
+    return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_, running_var_,
+                                        options_.momentum, options_.eps)[0];
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
+
+std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::modules::Module> module,
+                                                          std::shared_ptr<ProcessGroup> group) {
+  if (module == nullptr) throw std::invalid_argument("ConvertSyncBatchNorm: module is null");
+  if (auto* bn = dynamic_cast<nn::modules::BatchNorm*>(module.get())) {
+    return SyncBatchNorm::FromBatchNorm(*bn, group);
+  }
+  // Collect first: replacing children while walking the tree would
+  // invalidate the walk.
+  std::vector<std::pair<std::string, const nn::modules::BatchNorm*>> found;
+  for (const auto& [path, m] : module->NamedModules()) {
+    if (path.empty()) continue;
+    if (auto* bn = dynamic_cast<const nn::modules::BatchNorm*>(m)) found.emplace_back(path, bn);
+  }
+  for (const auto& [path, bn] : found) {
+    module->ReplaceChild(path, SyncBatchNorm::FromBatchNorm(*bn, group));
+  }
+  return module;
+}
+
+}  // namespace ddp::dist

@@ -1,0 +1,78 @@
+#ifndef DDP_DDP_SYNC_BATCH_NORM_H_
+#define DDP_DDP_SYNC_BATCH_NORM_H_
+
+// SyncBatchNorm: batch normalization whose training statistics are those of
+// the global batch (every rank's local batch together), so that N ranks
+// with B samples each normalize exactly as one process with N*B samples.
+//
+// Forward (training): each rank computes, per channel, its sample count,
+// mean and sum of squared deviations; one all-gather brings every rank's
+// triple, and each rank combines them (Chan's parallel variance formula,
+// in f64), so ranks with different batch sizes, including empty ones, are
+// weighted by their counts. Running statistics are updated with the global
+// mean and unbiased variance.
+// Backward: one all-reduce of the per-channel sums of dy and dy*(x-mean)
+// gives the global terms of dx; weight and bias get this rank's own terms,
+// which DistributedDataParallel then averages like every other gradient.
+// Eval: the running statistics, locally, with no communication.
+// With one rank it computes exactly what BatchNorm computes.
+//
+// Every rank must run forward and backward through the layer the same
+// number of times (a rank with an empty batch too), since each is a
+// collective.
+
+#include <memory>
+#include <string>
+
+#include "ddp/process_group.h"
+#include "nn/modules/layers.h"
+#include "nn/modules/module.h"
+
+namespace ddp::dist {
+
+class SyncBatchNorm : public nn::modules::Module {
+ public:
+  /// New layer with BatchNorm's parameters and buffers (same names).
+  /// `group` null: the default process group, looked up at each forward.
+  SyncBatchNorm(int64_t num_features, nn::modules::BatchNormOptions options = {},
+                std::shared_ptr<ProcessGroup> group = nullptr);
+  /// Takes over `bn`'s parameters and buffers (the same tensors, so an
+  /// optimizer that holds them keeps working) and its training mode.
+  static std::shared_ptr<SyncBatchNorm> FromBatchNorm(const nn::modules::BatchNorm& bn,
+                                                      std::shared_ptr<ProcessGroup> group = nullptr);
+
+  /// x [N, C, *] -> same shape. Throws when C differs from num_features.
+  nn::Tensor Forward(const nn::Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "SyncBatchNorm"; }
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+
+  int64_t num_features() const { return num_features_; }
+  const nn::modules::BatchNormOptions& options() const { return options_; }
+  const nn::Tensor& weight() const { return weight_; }
+  const nn::Tensor& bias() const { return bias_; }
+  const nn::Tensor& running_mean() const { return running_mean_; }
+  const nn::Tensor& running_var() const { return running_var_; }
+  const nn::Tensor& num_batches_tracked() const { return num_batches_tracked_; }
+
+ private:
+  struct Adopt {};
+  SyncBatchNorm(Adopt, const nn::modules::BatchNorm& bn, std::shared_ptr<ProcessGroup> group);
+
+  int64_t num_features_;
+  nn::modules::BatchNormOptions options_;
+  std::shared_ptr<ProcessGroup> group_;
+  nn::Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
+};
+
+/// Replaces every BatchNorm (1d, 2d) in `module`'s tree by a SyncBatchNorm
+/// that takes over its parameters, buffers and mode; returns the module
+/// (or the new layer when `module` itself is a BatchNorm). Call it before
+/// wrapping in DistributedDataParallel and before creating the optimizer.
+std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::modules::Module> module,
+                                                          std::shared_ptr<ProcessGroup> group = nullptr);
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_SYNC_BATCH_NORM_H_

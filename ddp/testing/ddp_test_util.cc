@@ -1,0 +1,130 @@
+#include "ddp/testing/ddp_test_util.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include "nn/data/idx.h"
+
+namespace ddp::dist::testing {
+
+int& WorkerFailures() {
+  static int failures = 0;
+  return failures;
+}
+
+int WorkerExit() {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  return WorkerFailures() == 0 ? 0 : 1;
+}
+
+std::shared_ptr<ProcessGroup> WorkerGroup() {
+  const char* t = std::getenv("DDP_TEST_TIMEOUT_MS");
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(t != nullptr ? std::atoi(t) : 20000);
+  return ProcessGroup::CreateFromEnvironment(options);
+}
+
+const Data& FashionMnist(int64_t n) {
+  static Data* data = nullptr;
+  if (data != nullptr && data->images.size(0) >= n) return *data;
+  auto set = nn::data::LoadFashionMnist(nn::data::kFashionMnistDebianDir, nn::data::Split::kTest);
+  n = std::min(n, set->Size());
+  auto* d = new Data();
+  d->images = nn::Empty({n, 1, 28, 28});
+  d->labels = nn::Empty({n}, {.dtype = nn::DType::kInt64});
+  float* img = d->images.data<float>();
+  int64_t* lab = d->labels.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* px = set->Pixels(i);
+    for (int64_t k = 0; k < 784; ++k) img[i * 784 + k] = px[k] / 255.0f;
+    lab[i] = set->Label(i);
+  }
+  delete data;
+  data = d;
+  return *data;
+}
+
+std::pair<nn::Tensor, nn::Tensor> Batch(const Data& data, int64_t start, int64_t count) {
+  const int64_t n = data.images.size(0);
+  nn::Tensor images = nn::Empty({count, 1, 28, 28});
+  nn::Tensor labels = nn::Empty({count}, {.dtype = nn::DType::kInt64});
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t k = (start + i) % n;
+    std::memcpy(images.data<float>() + i * 784, data.images.data<float>() + k * 784, 784 * 4);
+    labels.data<int64_t>()[i] = data.labels.data<int64_t>()[k];
+  }
+  return {images, labels};
+}
+
+std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& a,
+                                                     const nn::modules::Module& b) {
+  const auto pa = a.NamedParameters(), pb = b.NamedParameters();
+  if (pa.size() != pb.size()) throw std::logic_error("MaxRelativeDifference: different models");
+  double worst = 0;
+  std::string name;
+  for (size_t i = 0; i < pa.size(); ++i) {
+    const std::vector<double> x = pa[i].second.ToVector<double>(), y = pb[i].second.ToVector<double>();
+    double diff = 0, scale = 0;
+    for (size_t k = 0; k < x.size(); ++k) {
+      diff = std::max(diff, std::abs(x[k] - y[k]));
+      scale = std::max(scale, std::abs(y[k]));
+    }
+    const double rel = scale > 0 ? diff / scale : diff;
+    if (rel >= worst) {
+      worst = rel;
+      name = pa[i].first;
+    }
+  }
+  return {worst, name};
+}
+
+uint64_t HashState(const nn::modules::Module& m) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& [name, t] : m.GetStateDict()) {
+    const nn::Tensor c = t.Detach().Contiguous();
+    const unsigned char* p = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0; i < c.nbytes(); ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+bool SameOnAllRanks(ProcessGroup& pg, uint64_t value) {
+  nn::Tensor mine = nn::FromVectorOf<int64_t>({static_cast<int64_t>(value)}, {1});
+  nn::Tensor all = nn::Empty({pg.size()}, {.dtype = nn::DType::kInt64});
+  pg.AllGather(all, mine).Wait();
+  for (int r = 0; r < pg.size(); ++r) {
+    if (all.data<int64_t>()[r] != static_cast<int64_t>(value)) return false;
+  }
+  return true;
+}
+
+transport::launch::testing::TestRunResult RunWorkers(
+    const std::string& worker, int world_size, std::vector<std::pair<std::string, std::string>> env,
+    int timeout_ms, bool stop_all_on_failure) {
+  transport::launch::testing::TestRunOptions options;
+  options.world_size = world_size;
+  options.timeout = std::chrono::milliseconds(timeout_ms);
+  options.env = std::move(env);
+  options.stop_all_on_failure = stop_all_on_failure;
+  options.echo_output = false;
+  auto run = transport::launch::testing::RunTestWorkers(worker, options);
+  if (!run.ok()) throw std::runtime_error("could not start workers: " + run.status().ToString());
+  return std::move(*run);
+}
+
+std::string AllOutput(const transport::launch::testing::TestRunResult& run) {
+  std::string out = run.Summary() + "\n";
+  for (size_t r = 0; r < run.group.output.size(); ++r) {
+    out += "---- rank " + std::to_string(r) + " ----\n" + run.group.output[r];
+  }
+  return out;
+}
+
+}  // namespace ddp::dist::testing

@@ -1,0 +1,81 @@
+#ifndef DDP_DDP_TESTING_DDP_TEST_UTIL_H_
+#define DDP_DDP_TESTING_DDP_TEST_UTIL_H_
+
+// Helpers for //ddp's multi-process tests (test-only). Worker side: a
+// process group from the launch environment, Fashion-MNIST batches, model
+// comparisons and a failure counter whose count becomes the exit code.
+// Test side: running a worker on N ranks and checking every rank's exit.
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddp/process_group.h"
+#include "nn/modules/module.h"
+#include "nn/tensor/tensor.h"
+#include "transport/launch/test_spawn.h"
+
+namespace ddp::dist::testing {
+
+// ------------------------------------------------------------ worker ----
+
+/// Failures seen by WORKER_EXPECT in this process (the worker's exit code
+/// is 1 when non-zero).
+int& WorkerFailures();
+
+#define WORKER_EXPECT(cond, message)                                                     \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      ++::ddp::dist::testing::WorkerFailures();                                          \
+      std::fprintf(stderr, "FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #cond,            \
+                   std::string(message).c_str());                                        \
+    }                                                                                    \
+  } while (0)
+
+/// The exit code of a worker: 0 when nothing failed.
+int WorkerExit();
+
+/// The group of this worker (collective timeout DDP_TEST_TIMEOUT_MS,
+/// default 20 s).
+std::shared_ptr<ProcessGroup> WorkerGroup();
+
+/// The first `n` Fashion-MNIST test images as f32 [n, 1, 28, 28] in [0, 1]
+/// and their labels [n] (i64). Loaded once per process.
+struct Data {
+  nn::Tensor images;
+  nn::Tensor labels;
+};
+const Data& FashionMnist(int64_t n = 2048);
+
+/// Samples [start, start + count) (wrapping around), as new tensors.
+std::pair<nn::Tensor, nn::Tensor> Batch(const Data& data, int64_t start, int64_t count);
+
+/// Largest |a - b| over every parameter, divided by the largest |b| of that
+/// parameter (per tensor), maximized over tensors; also returns the name of
+/// the worst tensor.
+std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& a,
+                                                     const nn::modules::Module& b);
+
+/// FNV-1a over the bytes of every parameter and buffer.
+uint64_t HashState(const nn::modules::Module& m);
+
+/// Collective: true when every rank passed the same value.
+bool SameOnAllRanks(ProcessGroup& pg, uint64_t value);
+
+// -------------------------------------------------------------- test ----
+
+/// Runs DDP_TEST_WORKER `worker` on `world_size` ranks, with `env` added.
+transport::launch::testing::TestRunResult RunWorkers(
+    const std::string& worker, int world_size,
+    std::vector<std::pair<std::string, std::string>> env = {}, int timeout_ms = 60000,
+    bool stop_all_on_failure = true);
+
+/// Everything every rank printed, for failure messages.
+std::string AllOutput(const transport::launch::testing::TestRunResult& run);
+
+}  // namespace ddp::dist::testing
+
+#endif  // DDP_DDP_TESTING_DDP_TEST_UTIL_H_

@@ -1,0 +1,102 @@
+#include "ddp/trace.h"
+
+#include <cstdio>
+#include <map>
+#include <string_view>
+
+#include "nn/io/atomic_file.h"
+
+namespace ddp::dist {
+namespace {
+
+// Escapes a string for a JSON string literal.
+std::string JsonEscape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TraceRecorder::TraceRecorder(size_t max_events) : origin_(Clock::now()), max_events_(max_events) {}
+
+void TraceRecorder::Complete(std::string name, const char* lane, Clock::time_point start,
+                             Clock::time_point end, std::string args_json) {
+  using std::chrono::duration_cast;
+  using std::chrono::microseconds;
+  Event e{std::move(name), lane, duration_cast<microseconds>(start - origin_).count(),
+          duration_cast<microseconds>(end - start).count(), std::move(args_json)};
+  std::lock_guard lock(mu_);
+  if (events_.size() >= max_events_) {
+    ++dropped_;
+    return;
+  }
+  events_.push_back(std::move(e));
+}
+
+size_t TraceRecorder::size() const {
+  std::lock_guard lock(mu_);
+  return events_.size();
+}
+
+size_t TraceRecorder::dropped() const {
+  std::lock_guard lock(mu_);
+  return dropped_;
+}
+
+void TraceRecorder::Write(const std::string& path, int rank) const {
+  std::string json = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+  {
+    std::lock_guard lock(mu_);
+    // Lanes become numbered threads, named by metadata events.
+    std::map<std::string, int> lanes;
+    for (const Event& e : events_) lanes.emplace(e.lane, 0);
+    int next = 1;
+    for (auto& [lane, id] : lanes) id = next++;
+    bool first = true;
+    auto separator = [&] {
+      if (!first) json += ",\n";
+      first = false;
+    };
+    separator();
+    json += "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank) +
+            ", \"args\": {\"name\": \"rank " + std::to_string(rank) + "\"}}";
+    for (const auto& [lane, id] : lanes) {
+      separator();
+      json += "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank) +
+              ", \"tid\": " + std::to_string(id) + ", \"args\": {\"name\": \"" + JsonEscape(lane) +
+              "\"}}";
+    }
+    for (const Event& e : events_) {
+      separator();
+      json += "{\"name\": \"" + JsonEscape(e.name) + "\", \"ph\": \"X\", \"pid\": " +
+              std::to_string(rank) + ", \"tid\": " + std::to_string(lanes[e.lane]) +
+              ", \"ts\": " + std::to_string(e.start_us) + ", \"dur\": " +
+              std::to_string(e.duration_us);
+      if (!e.args_json.empty()) json += ", \"args\": {" + e.args_json + "}";
+      json += "}";
+    }
+  }
+  json += "\n]}\n";
+  nn::io::AtomicFileWriter writer(path);
+  writer.Write(json.data(), json.size());
+  writer.Commit();
+}
+
+}  // namespace ddp::dist

@@ -1,0 +1,56 @@
+#ifndef DDP_DDP_TRACE_H_
+#define DDP_DDP_TRACE_H_
+
+// A per-rank timeline in Chrome's trace-event format, readable by
+// chrome://tracing and ui.perfetto.dev: one "complete" event per forward,
+// backward and collective, on a lane per thread ("compute", "comm"). Open
+// the files of several ranks together to see them side by side (the rank is
+// the trace's process id).
+
+#include <chrono>
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ddp::dist {
+
+class TraceRecorder {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  /// Keeps at most `max_events` events; later ones are counted and dropped.
+  explicit TraceRecorder(size_t max_events = size_t{1} << 20);
+
+  /// Records an event named `name` on `lane` from `start` to `end`.
+  /// `args_json` is empty or a JSON object body ("\"bytes\": 4096").
+  /// Thread-safe.
+  void Complete(std::string name, const char* lane, Clock::time_point start,
+                Clock::time_point end, std::string args_json = "");
+
+  /// Writes every event as a JSON document to `path` (replacing it
+  /// atomically), with `rank` as the process id. Throws on I/O errors.
+  void Write(const std::string& path, int rank) const;
+
+  /// Events recorded so far, and events dropped for lack of room.
+  size_t size() const;
+  size_t dropped() const;
+
+ private:
+  struct Event {
+    std::string name;
+    const char* lane;
+    int64_t start_us;
+    int64_t duration_us;
+    std::string args_json;
+  };
+  const Clock::time_point origin_;
+  const size_t max_events_;
+  mutable std::mutex mu_;
+  std::vector<Event> events_;
+  size_t dropped_ = 0;
+};
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_TRACE_H_
