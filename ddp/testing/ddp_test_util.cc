@@ -113,7 +113,8 @@ transport::launch::testing::TestRunResult RunWorkers(
   options.timeout = std::chrono::milliseconds(timeout_ms);
   options.env = std::move(env);
   options.stop_all_on_failure = stop_all_on_failure;
-  options.echo_output = false;
+  // DDP_TEST_ECHO=1 shows the workers' output while they run.
+  options.echo_output = std::getenv("DDP_TEST_ECHO") != nullptr;
   auto run = transport::launch::testing::RunTestWorkers(worker, options);
   if (!run.ok()) throw std::runtime_error("could not start workers: " + run.status().ToString());
   return std::move(*run);

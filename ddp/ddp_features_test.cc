@@ -1,0 +1,537 @@
+// DistributedDataParallel beyond the plain loop, over real processes:
+// NoSync accumulation, Join with uneven inputs, unused parameters (with and
+// without find_unused_parameters), models that differ across ranks, the
+// bucket rebuild, communication hooks, statistics and the trace file.
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using nn::modules::Module;
+using testing::RunWorkers;
+
+constexpr int64_t kBatch = 8;
+
+std::shared_ptr<ProcessGroup> Borrow(ProcessGroup& pg) {
+  return std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+}
+
+std::shared_ptr<Module> Mlp(uint64_t seed) {
+  nn::Generator gen(seed);
+  return nn::modules::MakeMlp(gen);
+}
+
+// ------------------------------------------------------------- NoSync ----
+
+// Three micro-batches per rank, the first two under NoSync, each loss
+// scaled by 1/3: one step equals one step on the combined batch of
+// 3 * world * B samples.
+void CheckNoSync(ProcessGroup& pg, bool view) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  constexpr int kMicro = 3, kOuter = 3;
+  auto model = Mlp(rank == 0 ? 3 : 50 + rank);
+  DistributedDataParallel ddp(model, {.gradient_as_bucket_view = view, .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = Mlp(3);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < kOuter; ++s) {
+    const int64_t base = s * kMicro * world * kBatch;
+    opt.ZeroGrad();
+    for (int j = 0; j < kMicro; ++j) {
+      auto [x, y] = testing::Batch(data, base + (rank * kMicro + j) * kBatch, kBatch);
+      auto step = [&] {
+        Tensor loss = nn::loss::CrossEntropy(ddp(x), y) * (1.0 / kMicro);
+        nn::Backward(loss);
+      };
+      if (j < kMicro - 1) {
+        auto guard = ddp.NoSync();
+        step();
+      } else {
+        step();
+      }
+    }
+    opt.Step();
+    ref_opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, base, kMicro * world * kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  const std::string what = std::string("NoSync") + (view ? " (views)" : "");
+  WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+  WORKER_EXPECT(ddp.iterations() == kOuter, what + ": synchronizing iterations " + std::to_string(ddp.iterations()));
+}
+
+DDP_TEST_WORKER(no_sync) {
+  auto pg = testing::WorkerGroup();
+  CheckNoSync(*pg, false);
+  CheckNoSync(*pg, true);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, NoSyncAccumulationEqualsOneStepOnTheCombinedBatch) {
+  auto run = RunWorkers("no_sync", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// --------------------------------------------------------------- Join ----
+
+// The last rank holds 3 more batches than the others. Iterations where all
+// ranks are active average over every rank; in the extra ones the others
+// shadow with zeros, so the gradient is that rank's divided by the world
+// size (or by 1 with divide_by_initial_world_size = false).
+void CheckJoin(ProcessGroup& pg, bool divide_by_initial, bool view) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  constexpr int kCommon = 4, kExtra = 3;
+  const int mine = kCommon + (rank == world - 1 ? kExtra : 0);
+  auto model = Mlp(11);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1,
+                                      .gradient_as_bucket_view = view, .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto batch_of = [&](int r, int s) { return testing::Batch(data, (s * world + r) * kBatch, kBatch); };
+  {
+    Join join(ddp, {.divide_by_initial_world_size = divide_by_initial});
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = batch_of(rank, s);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    join.Wait();
+  }
+  auto reference = Mlp(11);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < kCommon + kExtra; ++s) {
+    ref_opt.ZeroGrad();
+    Tensor loss;
+    if (s < kCommon) {
+      auto [x, y] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      loss = nn::loss::CrossEntropy((*reference)(x), y);
+    } else {
+      auto [x, y] = batch_of(world - 1, s);
+      loss = nn::loss::CrossEntropy((*reference)(x), y) * (divide_by_initial ? 1.0 / world : 1.0);
+    }
+    nn::Backward(loss);
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  const std::string what = std::string("Join") + (divide_by_initial ? "" : " (divide by active ranks)") +
+                           (view ? " (views)" : "");
+  WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+}
+
+// A model with BatchNorm: joined ranks also shadow the buffer broadcasts.
+void CheckJoinWithBuffers(ProcessGroup& pg) {
+  const auto& data = testing::FashionMnist();
+  const int rank = pg.rank();
+  nn::Generator gen(5);
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 32, true, gen),
+      std::make_shared<nn::modules::BatchNorm1d>(32), std::make_shared<nn::modules::ReLU>(),
+      std::make_shared<nn::modules::Linear>(32, 10, true, gen)});
+  DistributedDataParallel ddp(model, {.process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  {
+    Join join(ddp);
+    for (int s = 0; s < 2 + 3 * rank; ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg.size() + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    join.Wait();
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)),
+                "Join with buffers: replicas (parameters and running statistics) differ");
+}
+
+DDP_TEST_WORKER(join) {
+  auto pg = testing::WorkerGroup();
+  CheckJoin(*pg, true, false);
+  CheckJoin(*pg, false, false);
+  CheckJoin(*pg, true, true);
+  CheckJoinWithBuffers(*pg);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinWithOneRankHoldingThreeMoreBatches) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("join", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
+DDP_TEST_WORKER(join_throw) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  Join join(ddp, {.throw_on_early_termination = true});
+  bool thrown = false;
+  try {
+    for (int s = 0; s < 2 + pg->rank(); ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    join.Wait();
+  } catch (const DistributedError& e) {
+    thrown = true;
+    WORKER_EXPECT(std::string(e.what()).find("ran out of inputs") != std::string::npos, e.what());
+  }
+  WORKER_EXPECT(thrown, "no rank-exhaustion error");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinThrowsOnEveryRankOnEarlyTermination) {
+  auto run = RunWorkers("join_throw", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------- unused params ----
+
+// trunk -> (a on even ranks, b on odd ranks); `never` is never used.
+class Branchy : public Module {
+ public:
+  Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
+    nn::Generator gen(seed);
+    trunk_ = RegisterModule("trunk", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
+    a_ = RegisterModule("a", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+    b_ = RegisterModule("b", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+    never_ = RegisterModule("never", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(x, 1)));
+    return use_a_ ? (*a_)(h) : (*b_)(h);
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "Branchy"; }
+  bool use_a_;
+
+ private:
+  std::shared_ptr<nn::modules::Linear> trunk_, a_, b_, never_;
+};
+
+void CheckFindUnused(ProcessGroup& pg, bool view, double cap_mb) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  auto model = std::make_shared<Branchy>(21, rank % 2 == 0);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = cap_mb, .first_bucket_mb = cap_mb,
+                                      .find_unused_parameters = true, .gradient_as_bucket_view = view,
+                                      .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = std::make_shared<Branchy>(21, true);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const std::string what = std::string("find_unused_parameters") + (view ? " (views)" : "") +
+                           " cap " + std::to_string(cap_mb);
+  for (int s = 0; s < 5; ++s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    for (const auto& [name, p] : model->NamedParameters()) {
+      const bool never = name.rfind("never.", 0) == 0;
+      WORKER_EXPECT(p.grad().defined() != never,
+                    what + ": `" + name + "` " + (never ? "has" : "lacks") + " a gradient");
+    }
+    opt.Step();
+    // The reference: the mean of every rank's loss, each through its branch.
+    ref_opt.ZeroGrad();
+    Tensor total;
+    for (int r = 0; r < world; ++r) {
+      auto [xr, yr] = testing::Batch(data, (s * world + r) * kBatch, kBatch);
+      reference->use_a_ = r % 2 == 0;
+      Tensor l = nn::loss::CrossEntropy((*reference)(xr), yr) * (1.0 / world);
+      total = total.defined() ? total + l : l;
+    }
+    nn::Backward(total);
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+}
+
+DDP_TEST_WORKER(find_unused) {
+  auto pg = testing::WorkerGroup();
+  CheckFindUnused(*pg, false, 25);
+  CheckFindUnused(*pg, true, 25);
+  CheckFindUnused(*pg, false, 1e-9);  // one bucket per parameter
+  CheckFindUnused(*pg, true, 1e-9);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, FindUnusedParametersWithRankDependentBranch) {
+  auto run = RunWorkers("find_unused", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Without the option: the next forward throws naming the parameter, on
+// every rank, instead of hanging. DDP_TEST_CASE=same: `never` is unused
+// everywhere; =rank: every rank misses a different branch too (one bucket
+// per parameter, so some ranks launch buckets the others never will).
+DDP_TEST_WORKER(unused_error) {
+  auto pg = testing::WorkerGroup();
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<Branchy>(21, which == "same" ? true : pg->rank() % 2 == 0);
+  const double cap = which == "same" ? 25 : 1e-9;
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = cap, .first_bucket_mb = cap, .process_group = pg});
+  std::string message;
+  try {
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  WORKER_EXPECT(message.find("received no gradient") != std::string::npos, message);
+  WORKER_EXPECT(message.find("find_unused_parameters") != std::string::npos, message);
+  if (which == "same") {
+    WORKER_EXPECT(message.find("`never.weight`") != std::string::npos, message);
+    WORKER_EXPECT(message.find("`never.bias`") != std::string::npos, message);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, UnusedParameterWithoutTheOptionIsNamed) {
+  for (const char* which : {"same", "rank"}) {
+    auto run = RunWorkers("unused_error", 2, {{"DDP_TEST_CASE", which}}, 30000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
+  }
+}
+
+// ---------------------------------------------------------- mismatch ----
+
+// Registers its two layers in the order given.
+class TwoLayers : public Module {
+ public:
+  TwoLayers(bool swapped, int64_t hidden, bool bias) {
+    if (swapped) {
+      second_ = RegisterModule("second", std::make_shared<nn::modules::Linear>(hidden, 10, bias));
+      first_ = RegisterModule("first", std::make_shared<nn::modules::Linear>(784, hidden));
+    } else {
+      first_ = RegisterModule("first", std::make_shared<nn::modules::Linear>(784, hidden));
+      second_ = RegisterModule("second", std::make_shared<nn::modules::Linear>(hidden, 10, bias));
+    }
+  }
+  Tensor Forward(const Tensor& x) override { return (*second_)(nn::ops::Relu((*first_)(nn::ops::Flatten(x, 1)))); }
+  using Module::Forward;
+  std::string TypeName() const override { return "TwoLayers"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> first_, second_;
+};
+
+std::string ConstructionError(ProcessGroup& pg, std::shared_ptr<Module> model) {
+  try {
+    DistributedDataParallel ddp(model, {.process_group = Borrow(pg)});
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+DDP_TEST_WORKER(mismatch) {
+  auto pg = testing::WorkerGroup();
+  const bool odd = pg->rank() == 1;
+  // A different shape.
+  std::string m = ConstructionError(*pg, std::make_shared<TwoLayers>(false, odd ? 33 : 32, true));
+  std::fprintf(stderr, "shape: %s\n", m.c_str());
+  WORKER_EXPECT(m.find("First difference at parameter #0: rank 0 has `first.weight` f32 [32, 784] "
+                       "strides [784, 1]; rank 1 has `first.weight` f32 [33, 784] strides [784, 1]") !=
+                    std::string::npos,
+                m);
+  // A missing parameter (no bias on rank 1).
+  m = ConstructionError(*pg, std::make_shared<TwoLayers>(false, 32, !odd));
+  std::fprintf(stderr, "missing: %s\n", m.c_str());
+  WORKER_EXPECT(m.find("rank 1 has no parameter #3 (it has 3 parameters)") != std::string::npos, m);
+  WORKER_EXPECT(m.find("Rank 1 has no parameter named `second.bias`") != std::string::npos, m);
+  // A different order.
+  m = ConstructionError(*pg, std::make_shared<TwoLayers>(odd, 32, true));
+  std::fprintf(stderr, "order: %s\n", m.c_str());
+  WORKER_EXPECT(m.find("parameter #0: rank 0 has `first.weight` f32 [32, 784] strides [784, 1]; rank 1 "
+                       "has `second.weight` f32 [10, 32] strides [32, 1]") != std::string::npos,
+                m);
+  // A different option.
+  try {
+    DistributedDataParallel ddp(std::make_shared<TwoLayers>(false, 32, true),
+                                {.bucket_cap_mb = odd ? 10.0 : 25.0, .process_group = pg});
+    WORKER_EXPECT(false, "different bucket_cap_mb accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("option #0: rank 0 has `bucket_cap_mb` 25; rank 1 has "
+                                             "`bucket_cap_mb` 10") != std::string::npos,
+                  e.what());
+  }
+  // After all that, the group still works and identical models pass.
+  auto ok = ConstructionError(*pg, std::make_shared<TwoLayers>(false, 32, true));
+  WORKER_EXPECT(ok.empty(), ok);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, MismatchedModelsFailOnEveryRankWithTheDifference) {
+  auto run = RunWorkers("mismatch", 2, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------------- rebuild ----
+
+// Registered output layer first: reverse registration order is the wrong
+// guess, and the first iteration's order fixes it.
+DDP_TEST_WORKER(rebuild) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<TwoLayers>(true, 32, true);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 1e-9, .first_bucket_mb = 1e-9, .process_group = pg});
+  const auto before = ddp.BucketParameterNames();
+  WORKER_EXPECT(before.size() == 4 && before[0][0] == "first.bias", "initial first bucket " + before[0][0]);
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  }
+  const auto after = ddp.BucketParameterNames();
+  WORKER_EXPECT(after.size() == 4 && after[0][0].rfind("second.", 0) == 0 && after[3][0].rfind("first.", 0) == 0,
+                "rebuilt order starts with " + after[0][0] + " and ends with " + after[3][0]);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
+  auto run = RunWorkers("rebuild", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------------- hooks ----
+
+DDP_TEST_WORKER(hooks) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  for (const std::string kind : {"fp16", "bf16", "user"}) {
+    auto model = Mlp(9);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    const size_t initial_buckets = ddp.BucketParameterNames().size();
+    int calls = 0;
+    if (kind == "fp16") ddp.RegisterCommHook(hooks::Fp16CompressHook());
+    if (kind == "bf16") ddp.RegisterCommHook(hooks::Bf16CompressHook());
+    if (kind == "user") {
+      // A user hook: all-reduce through the group, counting its calls.
+      ddp.RegisterCommHook([&calls](ProcessGroup& group, GradBucket& bucket) {
+        ++calls;
+        return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, "user hook");
+      });
+    }
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = Mlp(9);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    for (int s = 0; s < 5; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+      auto [xa, ya] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      ref_opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+      ref_opt.Step();
+    }
+    // 16-bit gradients: about 3 (f16) or 2 (bf16) significant digits.
+    const double tolerance = kind == "user" ? 1e-5 : kind == "fp16" ? 1e-3 : 1e-2;
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    std::fprintf(stderr, "%s hook: max relative difference %.3g\n", kind.c_str(), diff);
+    WORKER_EXPECT(diff <= tolerance, kind + " hook: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(diff > 0 || kind == "user", kind + " hook: no rounding at all, was it used?");
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), kind + " hook: replicas differ");
+    // Once per bucket: the initial buckets in the first iteration, the
+    // rebuilt ones after.
+    const int expected = static_cast<int>(initial_buckets + 4 * ddp.BucketParameterNames().size());
+    if (kind == "user") {
+      WORKER_EXPECT(calls == expected, "user hook called " + std::to_string(calls) + " times, expected " +
+                                           std::to_string(expected));
+    }
+    // Too late once training started.
+    bool refused = false;
+    try {
+      ddp.RegisterCommHook(hooks::AllReduceHook());
+    } catch (const std::logic_error&) {
+      refused = true;
+    }
+    WORKER_EXPECT(refused, "RegisterCommHook after backward was accepted");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, CommunicationHooks) {
+  auto run = RunWorkers("hooks", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------ stats, trace ----
+
+DDP_TEST_WORKER(stats_trace) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_trace_" +
+                             std::getenv("MASTER_PORT") + "_";
+  {
+    auto model = nn::modules::MakeCnn();
+    DistributedDataParallel ddp(model, {.first_bucket_mb = 0.1, .process_group = pg,
+                                        .log_stats_every = 2, .trace_prefix = prefix});
+    for (int s = 0; s < 4; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    const DdpStats stats = ddp.Stats();
+    std::fprintf(stderr, "stats: %s\n", stats.ToString().c_str());
+    // Rank 0 logged (and restarted its window) after iteration 2.
+    const int64_t window = pg->rank() == 0 ? 2 : 4;
+    WORKER_EXPECT(stats.iterations == window && stats.bucket_bytes.size() == 2, stats.ToString());
+    WORKER_EXPECT(stats.forward_ms > 0 && stats.backward_compute_ms > 0 && stats.backward_comm_ms > 0,
+                  stats.ToString());
+    WORKER_EXPECT(stats.overlap_ms >= 0 && stats.overlap_ms <= stats.backward_comm_ms + 1e-9, stats.ToString());
+  }
+  const std::string path = prefix + "rank" + std::to_string(pg->rank()) + ".json";
+  std::ifstream in(path);
+  WORKER_EXPECT(in.good(), "no trace at " + path);
+  nlohmann::json trace = nlohmann::json::parse(in);
+  std::map<std::string, int> names;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "X") ++names[e["name"].get<std::string>()];
+  }
+  WORKER_EXPECT(names["forward"] == 4, "forward events: " + std::to_string(names["forward"]));
+  WORKER_EXPECT(names["backward compute"] == 4, "backward events");
+  int bucket0 = 0;
+  for (const auto& [name, count] : names) {
+    if (name.rfind("all_reduce bucket 0(sum, f32 [", 0) == 0) bucket0 += count;
+  }
+  WORKER_EXPECT(bucket0 == 4, "bucket 0 events: " + std::to_string(bucket0));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, StatisticsAndTrace) {
+  auto run = RunWorkers("stats_trace", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  EXPECT_NE(run.Output(0).find("[ddp] iterations 0-1:"), std::string::npos) << run.Output(0);
+  EXPECT_EQ(run.Output(1).find("[ddp] iterations"), std::string::npos) << "only rank 0 logs";
+}
+
+}  // namespace
+}  // namespace ddp::dist

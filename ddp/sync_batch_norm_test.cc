@@ -1,0 +1,235 @@
+// SyncBatchNorm on N ranks against BatchNorm on the whole batch in one
+// process: forward output, input gradient, weight and bias gradients and
+// running statistics, for equal, unequal and empty local batches; eval mode
+// runs locally and sends nothing; one rank is exactly BatchNorm; DDP with
+// SyncBatchNorm matches one process on the concatenated batch.
+
+#include "ddp/sync_batch_norm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using testing::RunWorkers;
+
+constexpr int64_t kC = 3, kH = 4, kW = 5;
+
+std::vector<int64_t> ParseSizes(const std::string& text) {
+  std::vector<int64_t> sizes;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) sizes.push_back(std::stoll(item));
+  return sizes;
+}
+
+// Largest |a - b| relative to the largest |b| (absolute when b is all zero).
+double RelDiff(const Tensor& a, const Tensor& b) {
+  const auto x = a.ToVector<double>(), y = b.ToVector<double>();
+  if (x.size() != y.size()) return 1e30;
+  double d = 0, s = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    d = std::max(d, std::abs(x[i] - y[i]));
+    s = std::max(s, std::abs(y[i]));
+  }
+  return s > 0 ? d / s : d;
+}
+
+// Rows [start, start + n) of dimension 0.
+Tensor Rows(const Tensor& t, int64_t start, int64_t n) { return t.Narrow(0, start, n).Contiguous(); }
+
+DDP_TEST_WORKER(sync_bn) {
+  auto pg = testing::WorkerGroup();
+  const std::vector<int64_t> sizes = ParseSizes(std::getenv("DDP_TEST_SIZES"));
+  const int rank = pg->rank();
+  int64_t total = 0, offset = 0;
+  for (int r = 0; r < pg->size(); ++r) {
+    if (r == rank) offset = total;
+    total += sizes[r];
+  }
+  const std::string what = "sizes " + std::string(std::getenv("DDP_TEST_SIZES")) + ", rank " +
+                           std::to_string(rank);
+  nn::Generator gen(42);
+  auto sync = std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, pg);
+  auto reference = std::make_shared<nn::modules::BatchNorm2d>(kC);
+  {
+    nn::NoGradGuard guard;
+    Tensor w = nn::Randn({kC}, {}, gen), b = nn::Randn({kC}, {}, gen);
+    sync->weight().CopyFrom(w);
+    sync->bias().CopyFrom(b);
+    reference->weight().CopyFrom(w);
+    reference->bias().CopyFrom(b);
+  }
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    // The whole batch, the same on every rank; each rank takes its rows.
+    Tensor x_all = nn::Randn({total, kC, kH, kW}, {}, gen) * 3.0 + 5.0;
+    Tensor g_all = nn::Randn({total, kC, kH, kW}, {}, gen);
+    Tensor x = Rows(x_all, offset, sizes[rank]).Detach().set_requires_grad(true);
+    Tensor y = (*sync)(x);
+    // Sum, not mean: each rank's loss is its part of the whole batch's.
+    nn::Backward(nn::ops::Sum(y * Rows(g_all, offset, sizes[rank])));
+
+    Tensor xr = x_all.Detach().set_requires_grad(true);
+    Tensor yr = (*reference)(xr);
+    nn::Backward(nn::ops::Sum(yr * g_all));
+
+    WORKER_EXPECT(RelDiff(y, Rows(yr.Detach(), offset, sizes[rank])) < 1e-5, what + ": forward differs");
+    WORKER_EXPECT(RelDiff(x.grad(), Rows(xr.grad(), offset, sizes[rank])) < 1e-5,
+                  what + ": input gradient differs by " +
+                      std::to_string(RelDiff(x.grad(), Rows(xr.grad(), offset, sizes[rank]))));
+    // Weight and bias gradients are per rank; their sum is the whole batch's.
+    Tensor dw = sync->weight().grad().Clone(), db = sync->bias().grad().Clone();
+    pg->AllReduce(dw).Wait();
+    pg->AllReduce(db).Wait();
+    WORKER_EXPECT(RelDiff(dw, reference->weight().grad()) < 1e-5, what + ": weight gradient differs");
+    WORKER_EXPECT(RelDiff(db, reference->bias().grad()) < 1e-5, what + ": bias gradient differs");
+    WORKER_EXPECT(RelDiff(sync->running_mean(), reference->running_mean()) < 1e-6, what + ": running mean");
+    WORKER_EXPECT(RelDiff(sync->running_var(), reference->running_var()) < 1e-6, what + ": running var");
+    WORKER_EXPECT(sync->num_batches_tracked().Item() == iteration + 1, what + ": batches tracked");
+    sync->weight().set_grad(Tensor());
+    sync->bias().set_grad(Tensor());
+    reference->weight().set_grad(Tensor());
+    reference->bias().set_grad(Tensor());
+  }
+  // Eval: the running statistics, locally; no collective at all.
+  sync->Eval();
+  reference->Eval();
+  const uint64_t before = pg->collectives_run();
+  Tensor x = nn::Randn({sizes[rank], kC, kH, kW}, {}, gen);
+  Tensor y = (*sync)(x);
+  WORKER_EXPECT(pg->collectives_run() == before, what + ": eval ran " +
+                                                     std::to_string(pg->collectives_run() - before) +
+                                                     " collective(s)");
+  WORKER_EXPECT(RelDiff(y, (*reference)(x)) < 1e-6, what + ": eval output differs");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, MatchesBatchNormOnTheWholeBatch) {
+  for (const char* sizes : {"4,4", "3,6,1", "5,0", "0,2,7"}) {
+    const int world = static_cast<int>(ParseSizes(sizes).size());
+    auto run = RunWorkers("sync_bn", world, {{"DDP_TEST_SIZES", sizes}});
+    EXPECT_TRUE(run.AllSucceeded()) << sizes << "\n" << testing::AllOutput(run);
+  }
+}
+
+// A CNN with BatchNorm, converted and wrapped: N ranks with equal batches
+// follow one process with BatchNorm on the concatenated batch.
+std::shared_ptr<nn::modules::Sequential> BnCnn() {
+  nn::Generator gen(8);
+  using nn::modules::Module;
+  return std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Conv2d>(1, 8, 3, nn::modules::Conv2dOptions{}, gen),
+      std::make_shared<nn::modules::BatchNorm2d>(8), std::make_shared<nn::modules::ReLU>(),
+      std::make_shared<nn::modules::MaxPool2d>(2), std::make_shared<nn::modules::Flatten>(),
+      std::make_shared<nn::modules::Linear>(8 * 13 * 13, 10, true, gen)});
+}
+
+DDP_TEST_WORKER(sync_bn_ddp) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  constexpr int64_t kB = 6;
+  auto model = ConvertSyncBatchNorm(BnCnn(), pg);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = BnCnn();
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < 5; ++s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kB, kB);
+    opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    auto [xa, ya] = testing::Batch(data, s * world * kB, world * kB);
+    ref_opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff < 1e-5, "`" + worst + "` differs by " + std::to_string(diff));
+  const auto a = model->NamedBuffers(), b = reference->NamedBuffers();
+  for (size_t i = 0; i < a.size(); ++i) {
+    WORKER_EXPECT(RelDiff(a[i].second, b[i].second) < 1e-5, "buffer `" + a[i].first + "` differs");
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, DdpWithSyncBatchNormMatchesOneProcess) {
+  auto run = RunWorkers("sync_bn_ddp", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(SyncBatchNormTest, OneRankIsBatchNorm) {
+  auto pg = ProcessGroup::Single();
+  nn::Generator gen(3);
+  auto bn = std::make_shared<nn::modules::BatchNorm2d>(kC);
+  auto sync = SyncBatchNorm::FromBatchNorm(*std::make_shared<nn::modules::BatchNorm2d>(kC), pg);
+  Tensor x = nn::Randn({6, kC, kH, kW}, {}, gen);
+  Tensor g = nn::Randn({6, kC, kH, kW}, {}, gen);
+  Tensor x1 = x.Clone().set_requires_grad(true), x2 = x.Clone().set_requires_grad(true);
+  Tensor y1 = (*bn)(x1), y2 = (*sync)(x2);
+  nn::Backward(nn::ops::Sum(y1 * g));
+  nn::Backward(nn::ops::Sum(y2 * g));
+  EXPECT_EQ(y1.ToVector<float>(), y2.ToVector<float>());
+  EXPECT_EQ(x1.grad().ToVector<float>(), x2.grad().ToVector<float>());
+  EXPECT_EQ(bn->weight().grad().ToVector<float>(), sync->weight().grad().ToVector<float>());
+  EXPECT_EQ(bn->running_var().ToVector<float>(), sync->running_var().ToVector<float>());
+  EXPECT_EQ(sync->num_batches_tracked().Item(), 1);
+}
+
+TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
+  auto model = nn::modules::MakeResNet18({.num_classes = 10, .stem = nn::modules::ResNetStem::kCifar});
+  const auto before = model->GetStateDict();
+  int batch_norms = 0;
+  for (auto& [path, m] : model->NamedModules()) batch_norms += dynamic_cast<nn::modules::BatchNorm*>(m) != nullptr;
+  ASSERT_GT(batch_norms, 10);
+  model->Eval();
+  auto converted = ConvertSyncBatchNorm(model, ProcessGroup::Single());
+  EXPECT_EQ(converted.get(), model.get());
+  int left = 0, synced = 0;
+  for (auto& [path, m] : converted->NamedModules()) {
+    left += dynamic_cast<nn::modules::BatchNorm*>(m) != nullptr;
+    if (auto* s = dynamic_cast<SyncBatchNorm*>(m)) {
+      ++synced;
+      EXPECT_FALSE(s->is_training()) << path;
+    }
+  }
+  EXPECT_EQ(left, 0);
+  EXPECT_EQ(synced, batch_norms);
+  const auto after = converted->GetStateDict();
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(before[i].first, after[i].first);
+    EXPECT_TRUE(before[i].second.is_same(after[i].second)) << before[i].first << " is a new tensor";
+  }
+  // A BatchNorm root becomes a SyncBatchNorm.
+  auto root = ConvertSyncBatchNorm(std::make_shared<nn::modules::BatchNorm1d>(4));
+  EXPECT_NE(dynamic_cast<SyncBatchNorm*>(root.get()), nullptr);
+}
+
+TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
+  SyncBatchNorm sync(4, {}, ProcessGroup::Single());
+  try {
+    sync(nn::Zeros({2, 3, 5}));
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected input [N, 4, ...], got [2, 3, 5]"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ddp::dist
