@@ -1,0 +1,216 @@
+// Checkpoints of data-parallel training over real processes: rank 0 saves,
+// every rank loads, a resumed run equals an uninterrupted one bit for bit,
+// failures on one rank become errors on every rank, and a rank killed in
+// the middle of training makes the others fail within the deadline while
+// the last checkpoint on disk stays intact.
+
+#include "ddp/checkpoint.h"
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using testing::RunWorkers;
+
+constexpr int64_t kBatch = 8;
+
+std::shared_ptr<nn::modules::Module> Mlp(uint64_t seed) {
+  nn::Generator gen(seed);
+  return nn::modules::MakeMlp(gen);
+}
+
+void TrainStep(DistributedDataParallel& ddp, nn::optim::Sgd& opt, ProcessGroup& pg, int step) {
+  const auto& data = testing::FashionMnist();
+  auto [x, y] = testing::Batch(data, (step * pg.size() + pg.rank()) * kBatch, kBatch);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt.Step();
+}
+
+std::string TempDir() {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_ckpt_" + std::to_string(getpid()) +
+                    "_" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+  mkdir(dir.c_str(), 0700);
+  return dir;
+}
+
+std::vector<std::string> ListDir(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(n);
+    }
+    closedir(d);
+  }
+  return names;
+}
+
+// ------------------------------------------------------------- resume ----
+
+DDP_TEST_WORKER(resume) {
+  auto pg = testing::WorkerGroup();
+  const std::string path = std::getenv("DDP_TEST_CKPT");
+  uint64_t uninterrupted = 0;
+  {
+    auto model = Mlp(1);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 6; ++s) {
+      if (s == 3) SaveCheckpoint(*pg, path, MakeCheckpoint(ddp, &opt, {{"step", "3"}}));
+      TrainStep(ddp, opt, *pg, s);
+    }
+    uninterrupted = testing::HashState(*model);
+  }
+  {
+    // A fresh process state: other initial weights, a new optimizer.
+    auto model = Mlp(99);
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    nn::io::Checkpoint c = LoadCheckpoint(*pg, path);
+    RestoreCheckpoint(c, *model, &opt);
+    const int start = static_cast<int>(nn::io::MetadataInt(c.metadata, "step", path));
+    WORKER_EXPECT(start == 3, "step " + std::to_string(start));
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    for (int s = start; s < 6; ++s) TrainStep(ddp, opt, *pg, s);
+    WORKER_EXPECT(testing::HashState(*model) == uninterrupted,
+                  "the resumed run differs from the uninterrupted one");
+  }
+  // Keys carry no "module." prefix: the file loads into a plain model.
+  nn::io::Checkpoint c = nn::io::LoadCheckpoint(path);
+  WORKER_EXPECT(c.model.size() == 6 && c.model[0].first == "1.weight", c.model[0].first);
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ResumeEqualsUninterruptedRun) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("resume", 2, {{"DDP_TEST_CKPT", dir + "/model.safetensors"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------------- errors ----
+
+DDP_TEST_WORKER(checkpoint_errors) {
+  auto pg = testing::WorkerGroup();
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  auto model = Mlp(1);
+  // Rank 0 cannot write: every rank learns it.
+  try {
+    SaveCheckpoint(*pg, dir + "/no/such/dir/c.safetensors", MakeCheckpoint(*model, nullptr));
+    WORKER_EXPECT(false, "save into a missing directory succeeded");
+  } catch (const std::runtime_error& e) {
+    WORKER_EXPECT(std::string(e.what()).find("rank 0 could not write " + dir + "/no/such/dir") !=
+                      std::string::npos,
+                  e.what());
+  }
+  // One rank cannot read: every rank learns which one and why.
+  const std::string good = dir + "/good.safetensors";
+  SaveCheckpoint(*pg, good, MakeCheckpoint(*model, nullptr));
+  const std::string mine = pg->rank() == 1 ? dir + "/missing.safetensors" : good;
+  try {
+    LoadCheckpoint(*pg, mine);
+    WORKER_EXPECT(false, "load succeeded although rank 1's file is missing");
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("failed on rank 1: ") != std::string::npos && m.find("missing.safetensors") != std::string::npos &&
+                      m.find("rank 0:") == std::string::npos,
+                  m);
+  }
+  // A checkpoint of another model: the keys are listed.
+  nn::io::Checkpoint c = LoadCheckpoint(*pg, good);
+  auto cnn = nn::modules::MakeCnn();
+  try {
+    RestoreCheckpoint(c, *cnn, nullptr);
+    WORKER_EXPECT(false, "an MLP checkpoint loaded into a CNN");
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(std::string(e.what()).find("1.weight") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, FailuresReachEveryRank) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("checkpoint_errors", 2, {{"DDP_TEST_CKPT", dir}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// --------------------------------------------------------- killed rank ----
+
+constexpr int kSurvivorExit = 3;
+constexpr int kKillStep = 7;
+
+DDP_TEST_WORKER(killed_rank) {
+  auto pg = testing::WorkerGroup();
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/train.safetensors";
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const auto& data = testing::FashionMnist();
+  auto failing_since = std::chrono::steady_clock::now();
+  try {
+    for (int s = 0; s < 20; ++s) {
+      if (s > 0 && s % 2 == 0) {
+        SaveCheckpoint(*pg, path, MakeCheckpoint(ddp, &opt, {{"step", std::to_string(s)}}));
+      }
+      auto [x, y] = testing::Batch(data, (s * pg->size() + pg->rank()) * kBatch, kBatch);
+      opt.ZeroGrad();
+      Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+      if (s == kKillStep && pg->rank() == pg->size() - 1) raise(SIGKILL);  // between forward and backward
+      failing_since = std::chrono::steady_clock::now();
+      nn::Backward(loss);
+      opt.Step();
+    }
+  } catch (const DistributedError& e) {
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - failing_since).count();
+    std::fprintf(stderr, "survivor: failed after %.0f ms: %s\n", ms, e.what());
+    WORKER_EXPECT(ms < 5000, "took " + std::to_string(ms) + " ms");
+    return testing::WorkerFailures() == 0 ? kSurvivorExit : 1;
+  }
+  std::fprintf(stderr, "training finished although a rank was killed\n");
+  return 1;
+}
+
+TEST(DdpCheckpointTest, KilledRankFailsTheOthersAndTheLastCheckpointLoads) {
+  const std::string dir = TempDir();
+  const auto start = std::chrono::steady_clock::now();
+  auto run = RunWorkers("killed_rank", 3, {{"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000,
+                        /*stop_all_on_failure=*/false);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string out = testing::AllOutput(run);
+  EXPECT_EQ(run.ExitCode(2), 128 + SIGKILL) << out;
+  for (int r : {0, 1}) {
+    EXPECT_EQ(run.ExitCode(r), kSurvivorExit) << out;
+    EXPECT_NE(run.Output(r).find("PEER_LOST"), std::string::npos) << out;
+    EXPECT_NE(run.Output(r).find("rank 2"), std::string::npos) << out;
+  }
+  EXPECT_LT(seconds, 20) << out;
+  // The last checkpoint (step 6) is whole and loads into the model; no
+  // temporary file was left behind.
+  nn::io::Checkpoint c = nn::io::LoadCheckpoint(dir + "/train.safetensors");
+  EXPECT_EQ(nn::io::MetadataInt(c.metadata, "step", "checkpoint"), 6);
+  auto model = Mlp(5);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  RestoreCheckpoint(c, *model, &opt);
+  EXPECT_EQ(ListDir(dir), std::vector<std::string>{"train.safetensors"});
+}
+
+}  // namespace
+}  // namespace ddp::dist
