@@ -53,7 +53,7 @@ void CheckAllReduce(const AllReduceFn& fn, const AllReduceCase& c) {
     const int r = p2p.rank();
     std::vector<unsigned char> input = Contributions(c.op, c.dtype, r, c.count);
     std::vector<unsigned char> send(bytes + kGuardBytes, kGuard), recv(bytes + kGuardBytes, kGuard);
-    std::memcpy(send.data(), input.data(), bytes);
+    if (bytes > 0) std::memcpy(send.data(), input.data(), bytes);
     CollectiveArgs args;
     args.send = send.data();
     args.recv = c.in_place ? send.data() : recv.data();
@@ -71,7 +71,8 @@ void CheckAllReduce(const AllReduceFn& fn, const AllReduceCase& c) {
       if (out[i] != kGuard) wrong[r] = "wrote past the end of recv at byte " + std::to_string(i);
     }
     // Out-of-place must leave the input alone.
-    if (!c.in_place && wrong[r].empty() && std::memcmp(send.data(), input.data(), bytes) != 0) {
+    if (!c.in_place && wrong[r].empty() && bytes > 0 &&
+        std::memcmp(send.data(), input.data(), bytes) != 0) {
       wrong[r] = "modified the send buffer";
     }
     return Status();
@@ -251,6 +252,9 @@ void CheckBadArguments(const AllReduceFn& fn, const std::string& name) {
       {"tag too large", [](CollectiveArgs& a, auto&) { a.tag = p2p::kMaxTag; }, "tag"},
       {"negative depth", [](CollectiveArgs& a, auto&) { a.tuning.pipeline_depth = -1; },
        "pipeline_depth"},
+      {"misaligned recv",
+       [](CollectiveArgs& a, auto&) { a.recv = static_cast<char*>(a.recv) + 1; },
+       "not aligned"},
   };
   for (const Bad& bad : cases) {
     auto statuses = RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {

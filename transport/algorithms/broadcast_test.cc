@@ -36,7 +36,7 @@ void Check(int world, int root, size_t count, DataType dtype, bool in_place, siz
     const int r = p2p.rank();
     std::vector<unsigned char> send = Contributions(ReduceOp::kMax, dtype, r, count);
     std::vector<unsigned char> recv(count * es + 1, 0x5A);
-    if (in_place) std::memcpy(recv.data(), send.data(), count * es);
+    if (in_place && count > 0) std::memcpy(recv.data(), send.data(), count * es);
     CollectiveArgs args;
     args.send = in_place ? recv.data() : (r == root ? send.data() : nullptr);
     args.recv = recv.data();

@@ -52,6 +52,17 @@ Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
   if (shape.recv_elems > 0 && args.recv == nullptr) {
     return invalid("recv buffer is null with count " + std::to_string(args.count));
   }
+  // The reduction kernels read elements as their type: buffers must be
+  // aligned to the element size (any allocator's memory is).
+  auto misaligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % es != 0; };
+  if (shape.needs_send && shape.send_elems > 0 && misaligned(args.send)) {
+    return invalid("send buffer is not aligned to the " + std::to_string(es) + "-byte size of " +
+                   DataTypeName(args.dtype));
+  }
+  if (shape.recv_elems > 0 && misaligned(args.recv)) {
+    return invalid("recv buffer is not aligned to the " + std::to_string(es) + "-byte size of " +
+                   DataTypeName(args.dtype));
+  }
   if (shape.needs_send && shape.recv_alias_offset != -2 &&
       Overlaps(args.send, shape.send_elems * es, args.recv, shape.recv_elems * es)) {
     const auto* send = static_cast<const unsigned char*>(args.send);

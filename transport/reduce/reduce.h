@@ -16,8 +16,9 @@
 //   - Floating max/min propagate NaN: if either input is NaN the result is
 //     NaN (like torch.maximum, unlike std::fmax).
 //
-// Buffers either do not overlap at all or are the same pointer (in-place);
-// partial overlap is not supported.
+// Buffers are aligned to their element size (no stronger alignment is
+// assumed), and either do not overlap at all or are the same pointer
+// (in-place); partial overlap is not supported.
 //
 // Kernels are chosen once per process from the CPU's features (AVX2, F16C);
 // the generic versions are plain loops that the compiler vectorizes for the

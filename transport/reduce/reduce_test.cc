@@ -261,12 +261,15 @@ TEST(ReduceKernelTest, MatchesScalarReferenceForEveryTypeOpIsaAndAliasing) {
           fn(inout_b.data(), a.data(), inout_b.data(), n);
           ExpectSameElements(dtype, inout_b.data(), want.data(), n, what + " dst==b");
 
-          // Misaligned by one byte: the kernels must not assume alignment.
-          std::vector<unsigned char> a1(n * es + 1), b1(n * es + 1), d1(n * es + 1);
-          std::memcpy(a1.data() + 1, a.data(), n * es);
-          std::memcpy(b1.data() + 1, b.data(), n * es);
-          fn(d1.data() + 1, a1.data() + 1, b1.data() + 1, n);
-          ExpectSameElements(dtype, d1.data() + 1, want.data(), n, what + " misaligned");
+          // Off vector alignment by one element (element alignment is the
+          // contract): the kernels must not assume more.
+          std::vector<unsigned char> a1((n + 1) * es), b1((n + 1) * es), d1((n + 1) * es);
+          if (n > 0) {
+            std::memcpy(a1.data() + es, a.data(), n * es);
+            std::memcpy(b1.data() + es, b.data(), n * es);
+          }
+          fn(d1.data() + es, a1.data() + es, b1.data() + es, n);
+          ExpectSameElements(dtype, d1.data() + es, want.data(), n, what + " misaligned");
         }
       }
     }
