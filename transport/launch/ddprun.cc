@@ -31,7 +31,7 @@ constexpr auto kMonitorSlice = 1000ms;
 // How long node 0 keeps the store up for the other launchers to read the
 // outcome before it exits.
 constexpr auto kFarewellTime = 10000ms;
-// Deadline of one bookkeeping call on the store.
+// Deadline of one bookkeeping call on the store (at most --node_timeout).
 constexpr auto kStoreCallTime = 10000ms;
 
 // ---- parsing ----
@@ -264,12 +264,12 @@ std::optional<FailureNotice> DecodeFailure(const std::string& value) {
 
 // The first failure posted for an attempt wins; later ones are dropped so
 // that every launcher reports the same root cause.
-void PostFailure(store::Store& store, int attempt, bool restartable, const std::string& reason) {
-  const Deadline deadline = DeadlineIn(kStoreCallTime);
-  StatusOr<int64_t> n = store.Add(Key(attempt, "failure_count"), 1, deadline);
-  if (n.ok() && *n == 1) {
-    (void)store.Set(Key(attempt, "failure"), (restartable ? "R" : "F") + reason, deadline);
-  }
+Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, bool restartable,
+                   const std::string& reason) {
+  const Deadline deadline = DeadlineIn(std::min<milliseconds>(kStoreCallTime, o.node_timeout));
+  DDP_ASSIGN_OR_RETURN(int64_t n, store.Add(Key(attempt, "failure_count"), 1, deadline));
+  if (n != 1) return Status::Ok();
+  return store.Set(Key(attempt, "failure"), (restartable ? "R" : "F") + reason, deadline);
 }
 
 // Watches one attempt from one node: waits on the failure key in slices,
@@ -281,6 +281,7 @@ class NodeMonitor {
       : store_(store), options_(options), attempt_(attempt) {
     const Deadline now = Clock::now();
     for (int node = 0; node < options.nnodes; ++node) last_seen_[node] = {"", now};
+    last_reached_ = now;
   }
 
   // One round of at most `slice`: waits on the failure key, then beats.
@@ -294,8 +295,11 @@ class NodeMonitor {
 
   // Like Poll, without waiting.
   std::optional<FailureNotice> Check() {
-    auto failure = store_.TryGet(Key(attempt_, "failure"), DeadlineIn(kStoreCallTime));
-    if (!failure.ok()) return StoreLost(failure.status());
+    auto failure = store_.TryGet(Key(attempt_, "failure"), DeadlineIn(CallTime()));
+    if (!failure.ok() && failure.status().code() != StatusCode::kTimedOut) {
+      return StoreLost(failure.status());
+    }
+    if (!failure.ok()) return Beat();
     if (failure->has_value()) return DecodeFailure(**failure);
     return Beat();
   }
@@ -306,20 +310,36 @@ class NodeMonitor {
                                     "); the launcher of node 0 is gone"};
   }
 
-  // Beats this node's heartbeat; node 0 also checks everyone else's.
+  // Beats this node's heartbeat; node 0 also checks everyone else's. A
+  // store that stays unreachable (a network partition: calls time out
+  // instead of failing) for --node_timeout ends the attempt too.
   std::optional<FailureNotice> Beat() {
     ++beats_;
+    const Deadline now = Clock::now();
     Status beat = store_.Set(Key(attempt_, "heartbeat/" + std::to_string(options_.node_rank)),
-                             std::to_string(beats_), DeadlineIn(kStoreCallTime));
-    if (!beat.ok() && beat.code() != StatusCode::kTimedOut) return StoreLost(beat);
+                             std::to_string(beats_), DeadlineIn(CallTime()));
+    if (beat.ok()) {
+      last_reached_ = Clock::now();
+    } else if (beat.code() != StatusCode::kTimedOut) {
+      return StoreLost(beat);
+    } else if (now - last_reached_ >= options_.node_timeout) {
+      return FailureNotice{
+          false, "cannot reach the rendezvous store at " + options_.master_addr + " for " +
+                     std::to_string(
+                         std::chrono::duration_cast<milliseconds>(Clock::now() - last_reached_)
+                             .count()) +
+                     " ms (--node_timeout)"};
+    }
     if (options_.node_rank == 0) return CheckHeartbeats();
     return std::nullopt;
   }
 
+  milliseconds CallTime() const { return std::min<milliseconds>(kStoreCallTime, options_.node_timeout); }
+
   std::optional<FailureNotice> CheckHeartbeats() {
     const Deadline now = Clock::now();
     for (int node = 1; node < options_.nnodes; ++node) {
-      const Deadline deadline = DeadlineIn(kStoreCallTime);
+      const Deadline deadline = DeadlineIn(CallTime());
       auto done = store_.TryGet(Key(attempt_, "done/" + std::to_string(node)), deadline);
       if (done.ok() && done->has_value()) continue;  // finished; it may stop beating
       auto beat = store_.TryGet(Key(attempt_, "heartbeat/" + std::to_string(node)), deadline);
@@ -335,8 +355,8 @@ class NodeMonitor {
             std::to_string(std::chrono::duration_cast<milliseconds>(now - last_change).count()) +
             " ms (--node_timeout)";
         (void)store_.Set(Key(attempt_, "dead/" + std::to_string(node)), "1",
-                         DeadlineIn(kStoreCallTime));
-        PostFailure(store_, attempt_, /*restartable=*/true, reason);
+                         DeadlineIn(CallTime()));
+        (void)PostFailure(store_, options_, attempt_, /*restartable=*/true, reason);
         return FailureNotice{true, reason};
       }
     }
@@ -347,6 +367,7 @@ class NodeMonitor {
   const DdprunOptions& options_;
   const int attempt_;
   int64_t beats_ = 0;
+  Deadline last_reached_{};  // last time a call to the store succeeded
   std::map<int, std::pair<std::string, Deadline>> last_seen_;
 };
 
@@ -472,6 +493,20 @@ int RunDdprun(const DdprunOptions& o) {
       }
     }
 
+    // While the workers run, a watcher thread follows the other nodes on a
+    // connection of its own (it parks in Get); closing that connection wakes
+    // it as soon as the workers are done. Connected before the workers start,
+    // so that a node 0 dying early is seen as such.
+    std::unique_ptr<store::TcpStoreClient> watch_client;
+    if (multi_node) {
+      auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token,
+                                                      DeadlineIn(kStoreCallTime));
+      if (!connected.ok()) {
+        Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
+        return 1;
+      }
+      watch_client = std::move(connected).value();
+    }
     std::vector<WorkerSpec> specs;
     for (int local = 0; local < o.nproc_per_node; ++local) {
       LaunchEnv env;
@@ -501,23 +536,13 @@ int RunDdprun(const DdprunOptions& o) {
     StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), spawn);
     if (!group.ok()) {
       Say(group.status().message());
-      if (multi_node) PostFailure(*client, attempt, false, "node " + std::to_string(o.node_rank) + ": " + group.status().message());
+      if (multi_node) {
+        (void)PostFailure(*client, o, attempt, false,
+                          "node " + std::to_string(o.node_rank) + ": " + group.status().message());
+      }
       return attempt == 0 ? 2 : 1;
     }
 
-    // While the workers run, a watcher thread follows the other nodes on a
-    // connection of its own (it parks in Get); closing that connection wakes
-    // it as soon as the workers are done.
-    std::unique_ptr<store::TcpStoreClient> watch_client;
-    if (multi_node) {
-      auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token,
-                                                      DeadlineIn(kStoreCallTime));
-      if (!connected.ok()) {
-        Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
-        return 1;  // the group's destructor stops the workers
-      }
-      watch_client = std::move(connected).value();
-    }
     std::atomic<bool> stop_watching{false};
     std::thread watcher;
     if (multi_node) {
@@ -539,6 +564,17 @@ int RunDdprun(const DdprunOptions& o) {
     if (watcher.joinable()) watcher.join();
     group->reset();
 
+    // Bookkeeping in the store after the workers are done. A call that times
+    // out or finds the store gone means it cannot be reached (node 0 died or
+    // the network is cut): skip the rest, and do not restart.
+    const milliseconds call_time = std::min<milliseconds>(kStoreCallTime, o.node_timeout);
+    bool store_reachable = multi_node;
+    auto note = [&](const Status& status) {
+      if (status.code() == StatusCode::kTimedOut || status.code() == StatusCode::kUnavailable) {
+        store_reachable = false;
+      }
+    };
+
     AttemptOutcome outcome;
     const std::string node = "node " + std::to_string(o.node_rank);
     switch (result.outcome) {
@@ -548,24 +584,23 @@ int RunDdprun(const DdprunOptions& o) {
         break;
       case GroupOutcome::kWorkerFailed:
       case GroupOutcome::kTimedOut:
-        outcome.restartable = true;
-        outcome.exit_code = result.ExitCode();
-        outcome.reason = (multi_node ? node + ": " : "") + result.reason;
-        if (multi_node) PostFailure(*client, attempt, true, outcome.reason);
-        break;
       case GroupOutcome::kInterrupted:
-        outcome.restartable = false;
+        // An interrupted launcher stops the whole job: no restart.
+        outcome.restartable = result.outcome != GroupOutcome::kInterrupted;
         outcome.exit_code = result.ExitCode();
         outcome.reason = (multi_node ? node + ": " : "") + result.reason;
-        if (multi_node) PostFailure(*client, attempt, false, outcome.reason);
+        if (store_reachable) note(PostFailure(*client, o, attempt, outcome.restartable, outcome.reason));
         break;
       case GroupOutcome::kStopped: {
         // Another node failed (or the store went away): report its reason.
         outcome.exit_code = 1;
         outcome.reason = result.reason;
-        auto posted = client->TryGet(Key(attempt, "failure"), DeadlineIn(kStoreCallTime));
         std::optional<FailureNotice> notice;
-        if (posted.ok() && posted->has_value()) notice = DecodeFailure(**posted);
+        if (store_reachable) {
+          auto posted = client->TryGet(Key(attempt, "failure"), DeadlineIn(call_time));
+          note(posted.status());
+          if (posted.ok() && posted->has_value()) notice = DecodeFailure(**posted);
+        }
         outcome.restartable = notice && notice->restartable;
         if (notice) outcome.reason = notice->reason;
         break;
@@ -576,7 +611,7 @@ int RunDdprun(const DdprunOptions& o) {
       // Done here; the attempt succeeds when every node is done, and fails if
       // any node fails meanwhile.
       Status s = client->Set(Key(attempt, "done/" + std::to_string(o.node_rank)), "1",
-                             DeadlineIn(kStoreCallTime));
+                             DeadlineIn(call_time));
       NodeMonitor monitor(*client, o, attempt);
       std::vector<std::string> done_keys;
       for (int n = 0; n < o.nnodes; ++n) done_keys.push_back(Key(attempt, "done/" + std::to_string(n)));
@@ -592,30 +627,34 @@ int RunDdprun(const DdprunOptions& o) {
           break;
         }
       }
-      if (!s.ok()) outcome = AttemptOutcome{false, false, 1, "lost the rendezvous store: " + s.message()};
+      if (!s.ok()) {
+        note(s);
+        outcome = AttemptOutcome{false, false, 1, "lost the rendezvous store: " + s.message()};
+      }
     }
 
     exit_code = outcome.exit_code;
-    const bool restart = !outcome.succeeded && outcome.restartable && attempt < o.max_restarts;
+    const bool restart = !outcome.succeeded && outcome.restartable && attempt < o.max_restarts &&
+                         (store_reachable || !multi_node);
     if (!outcome.succeeded) {
       Say(outcome.reason + (restart ? "; restarting the job (restart " + std::to_string(attempt + 1) +
                                           " of " + std::to_string(o.max_restarts) + ")"
                                     : ""));
     }
     if (restart) continue;
-    if (multi_node) {
+    if (store_reachable) {
       // Node 0 keeps the store up until every launcher has its answer.
       (void)client->Set(Key(attempt, "exit/" + std::to_string(o.node_rank)), "1",
-                        DeadlineIn(kStoreCallTime));
+                        DeadlineIn(call_time));
       if (o.node_rank == 0) {
         // Nodes declared dead will not answer.
         std::vector<std::string> keys;
         for (int n = 0; n < o.nnodes; ++n) {
           auto dead = client->TryGet(Key(attempt, "dead/" + std::to_string(n)),
-                                     DeadlineIn(kStoreCallTime));
+                                     DeadlineIn(call_time));
           if (dead.ok() && !dead->has_value()) keys.push_back(Key(attempt, "exit/" + std::to_string(n)));
         }
-        (void)client->Wait(keys, DeadlineIn(kFarewellTime));
+        (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
       }
     }
     break;

@@ -1,0 +1,166 @@
+// Two hosts for real: two network namespaces joined by a veth pair, each
+// with its own host name (UTS namespace), one ddprun per namespace with two
+// workers each, all-reducing over UCX's TCP transport between them. Needs
+// root (CAP_NET_ADMIN, CAP_SYS_ADMIN), as CI runs it.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/launch_test_util.h"
+#include "transport/launch/spawn.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+using ::testing::ContainsRegex;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+namespace lt = testing;
+
+constexpr char kPrefix[] = "ddpns";
+constexpr char kAddrA[] = "10.231.0.1";
+constexpr char kAddrB[] = "10.231.0.2";
+constexpr char kDevice[] = "ddp0";
+constexpr char kPort[] = "29555";
+constexpr char kToken[] = "netns-test-token";
+
+std::string Tool(const std::string& name) {
+  StatusOr<std::string> path = ResolveProgram(name);
+  return path.ok() ? *path : name;
+}
+
+// Runs a command to its end; returns its output, and its exit code in `code`.
+std::string Run(std::vector<std::string> argv, int* code = nullptr) {
+  lt::ProgramRun run = lt::RunProgram(std::move(argv), {}, 20s);
+  if (code) *code = run.exit_code;
+  return run.output;
+}
+
+// Kills whatever runs in namespace `ns` and deletes it.
+void RemoveNamespace(const std::string& ns) {
+  std::istringstream pids(Run({Tool("ip"), "netns", "pids", ns}));
+  for (pid_t pid; pids >> pid;) kill(pid, SIGKILL);
+  Run({Tool("ip"), "netns", "del", ns});
+}
+
+// Two namespaces A and B joined by a veth pair named kDevice on both sides.
+// Removed on destruction, with everything running in them; namespaces left
+// by an earlier run that died are removed first.
+class TwoHosts {
+ public:
+  TwoHosts() {
+    std::istringstream list(Run({Tool("ip"), "netns", "list"}));
+    for (std::string line; std::getline(list, line);) {
+      const std::string name = line.substr(0, line.find(' '));
+      if (name.rfind(kPrefix, 0) != 0 || name.size() < sizeof(kPrefix) + 1) continue;
+      const std::string pid = name.substr(sizeof(kPrefix));  // after "ddpnsA"/"ddpnsB"
+      if (access(("/proc/" + pid).c_str(), F_OK) != 0) RemoveNamespace(name);
+    }
+    const std::string pid = std::to_string(getpid());
+    a_ = std::string(kPrefix) + "A" + pid;
+    b_ = std::string(kPrefix) + "B" + pid;
+    const std::string va = "dva" + pid, vb = "dvb" + pid;
+    const std::string ip = Tool("ip");
+    for (std::vector<std::string> cmd : std::vector<std::vector<std::string>>{
+             {ip, "netns", "add", a_},
+             {ip, "netns", "add", b_},
+             {ip, "link", "add", va, "type", "veth", "peer", "name", vb},
+             {ip, "link", "set", va, "netns", a_},
+             {ip, "link", "set", vb, "netns", b_},
+             {ip, "-n", a_, "link", "set", va, "name", kDevice},
+             {ip, "-n", b_, "link", "set", vb, "name", kDevice},
+             {ip, "-n", a_, "addr", "add", std::string(kAddrA) + "/24", "dev", kDevice},
+             {ip, "-n", b_, "addr", "add", std::string(kAddrB) + "/24", "dev", kDevice},
+             {ip, "-n", a_, "link", "set", kDevice, "up"},
+             {ip, "-n", b_, "link", "set", kDevice, "up"},
+             {ip, "-n", a_, "link", "set", "lo", "up"},
+             {ip, "-n", b_, "link", "set", "lo", "up"},
+         }) {
+      int code = 0;
+      const std::string out = Run(cmd, &code);
+      if (code != 0) {
+        error_ = "setting up network namespaces failed (this test needs root): `";
+        for (const std::string& part : cmd) error_ += part + " ";
+        error_ += "`: " + out;
+        return;
+      }
+    }
+  }
+  ~TwoHosts() {
+    RemoveNamespace(a_);
+    RemoveNamespace(b_);
+  }
+
+  const std::string& error() const { return error_; }
+  const std::string& ns(int node) const { return node == 0 ? a_ : b_; }
+
+  // Starts ddprun for `node` in its namespace, under its own host name.
+  std::unique_ptr<WorkerGroup> StartNode(int node, std::vector<std::string> ddprun_flags,
+                                         std::vector<std::string> worker_flags) {
+    std::vector<std::string> argv = {Tool("ip"), "netns", "exec", ns(node), Tool("unshare"), "--uts",
+                                     Tool("sh"), "-c", "hostname \"$0\" && exec \"$@\"",
+                                     "ddp-node" + std::to_string(node),
+                                     lt::Runfile("transport/launch/ddprun"),
+                                     "--nnodes=2",
+                                     "--node_rank=" + std::to_string(node),
+                                     std::string("--master_addr=") + kAddrA,
+                                     std::string("--master_port=") + kPort,
+                                     "--nproc_per_node=2"};
+    argv.insert(argv.end(), ddprun_flags.begin(), ddprun_flags.end());
+    argv.push_back(lt::Runfile("tests/launch/netns_worker"));
+    argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+    auto group = lt::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}, {"UCX_NET_DEVICES", kDevice}});
+    EXPECT_TRUE(group.ok()) << group.status();
+    return group.ok() ? std::move(group).value() : nullptr;
+  }
+
+  // Takes the link down on both sides.
+  void CutLink() {
+    Run({Tool("ip"), "-n", a_, "link", "set", kDevice, "down"});
+    Run({Tool("ip"), "-n", b_, "link", "set", kDevice, "down"});
+  }
+
+  // True when nothing runs in either namespace any more.
+  bool Empty() {
+    return Run({Tool("ip"), "netns", "pids", a_}).empty() &&
+           Run({Tool("ip"), "netns", "pids", b_}).empty();
+  }
+
+ private:
+  std::string a_, b_, error_;
+};
+
+TEST(NetnsTest, FourRanksOnTwoHostsAllReduceBroadcastAllGather) {
+  TwoHosts hosts;
+  ASSERT_EQ(hosts.error(), "");
+  auto node0 = hosts.StartNode(0, {}, {"--mode=check"});
+  auto node1 = hosts.StartNode(1, {}, {"--mode=check"});
+  ASSERT_TRUE(node0 && node1);
+  const lt::ProgramRun run0 = lt::WaitProgram(*node0, 60s);
+  const lt::ProgramRun run1 = lt::WaitProgram(*node1, 60s);
+  EXPECT_EQ(run0.exit_code, 0) << run0.output;
+  EXPECT_EQ(run1.exit_code, 0) << run1.output;
+  const std::string all = run0.output + run1.output;
+  for (int r = 0; r < 4; ++r) {
+    const std::string rs = std::to_string(r);
+    // The topology sees two hosts and picks the hierarchical all-reduce.
+    EXPECT_THAT(all, ContainsRegex("\\[" + rs + "\\] rank " + rs +
+                                   " hosts 2 tls [^ ]+ ring [0-9 ]+ algo_1MiB hierarchical"));
+    EXPECT_THAT(all, HasSubstr("[" + rs + "] rank " + rs + " ok"));
+  }
+  EXPECT_TRUE(hosts.Empty());
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch
