@@ -1,6 +1,7 @@
 #include "transport/algorithms/all_reduce_test_util.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -174,7 +175,14 @@ void CheckKilledRankFailsSurvivors(const AllReduceFn& fn, int world) {
     EXPECT_TRUE(statuses[r].code() == StatusCode::kPeerLost ||
                 statuses[r].code() == StatusCode::kTimedOut)
         << "world=" << world << " rank " << r << ": " << statuses[r];
+    // The error says where (a chunk, or the argument check that precedes
+    // the data), the direction and the peer.
+    EXPECT_THAT(statuses[r].message(),
+                ::testing::ContainsRegex("(chunk [0-9]+|argument check): (receive from|send to) "
+                                         "(group )?rank [0-9]+"))
+        << statuses[r];
   }
+  if (world == 4) std::printf("example survivor error: %s\n", statuses[0].ToString().c_str());
 }
 
 void CheckAbsentRankTimesOut(const AllReduceFn& fn, int world) {

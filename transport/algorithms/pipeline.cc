@@ -109,7 +109,8 @@ std::string Describe(const p2p::PointToPoint& p2p, const Where& where) {
   if (where.steps > 0) {
     s += " step " + std::to_string(where.step + 1) + "/" + std::to_string(where.steps);
   }
-  s += " chunk " + std::to_string(where.chunk) + ": ";
+  if (where.chunk != Where::kNoChunk) s += " chunk " + std::to_string(where.chunk);
+  s += ": ";
   s += where.is_send ? "send to " : "receive from ";
   s += DescribePeer(p2p, where.peer);
   return s;
@@ -157,11 +158,11 @@ Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, const std::vector
   theirs_.assign(from_.size(), Fingerprint{});
   ids_.assign(from_.size(), 0);
   for (size_t i = 0; i < from_.size(); ++i) {
-    Where where{what_, 0, 0, 0, false, from_[i]};
+    Where where{what_.c_str(), 0, 0, Where::kNoChunk, false, from_[i]};
     DDP_ASSIGN_OR_RETURN(ids_[i], requests.Recv(where, tag, &theirs_[i], sizeof(Fingerprint)));
   }
   for (int peer : to) {
-    Where where{what_, 0, 0, 0, true, peer};
+    Where where{what_.c_str(), 0, 0, Where::kNoChunk, true, peer};
     DDP_RETURN_IF_ERROR(requests.Send(where, tag, &mine_, sizeof(Fingerprint)).status());
   }
   requests.check_ = this;
@@ -172,11 +173,11 @@ Status PeerCheck::Verify(Requests& requests) {
   if (verified_) return Status();
   verified_ = true;
   for (size_t i = 0; i < from_.size(); ++i) {
-    Where where{what_, 0, 0, 0, false, from_[i]};
+    Where where{what_.c_str(), 0, 0, Where::kNoChunk, false, from_[i]};
     DDP_RETURN_IF_ERROR(requests.Wait(ids_[i], where));
     if (!(theirs_[i] == mine_)) {
       return InvalidArgumentError(
-          std::string(what_) + ": ranks disagree on the arguments: " +
+          what_ + ": ranks disagree on the arguments: " +
           DescribePeer(requests.p2p(), from_[i]) + " passed " + theirs_[i].ToString() +
           " but rank " + std::to_string(requests.p2p().rank()) + " passed " + mine_.ToString());
     }

@@ -78,10 +78,11 @@ Status Annotate(const Status& status, std::string_view context);
 
 /// Where a collective is, for error messages; formatted only on error.
 struct Where {
+  static constexpr size_t kNoChunk = ~size_t{0};
   const char* what = "";  ///< "ring reduce-scatter"
   int step = 0;           ///< 0-based
   int steps = 0;          ///< total, 0 when not meaningful
-  size_t chunk = 0;
+  size_t chunk = 0;       ///< kNoChunk when not meaningful
   bool is_send = false;
   int peer = 0;
 };
@@ -132,7 +133,8 @@ class Requests;
 /// so one mismatch makes every rank fail.
 class PeerCheck {
  public:
-  PeerCheck(const char* what, const Fingerprint& mine) : what_(what), mine_(mine) {}
+  PeerCheck(const char* what, const Fingerprint& mine)
+      : what_(std::string(what) + ", argument check"), mine_(mine) {}
 
   /// Sends this rank's fingerprint to each of `to` and receives one from
   /// each of `from`, with FingerprintTag(phase_tag), and registers with
@@ -145,7 +147,7 @@ class PeerCheck {
   bool verified() const { return verified_; }
 
  private:
-  const char* what_;
+  std::string what_;  // "<collective>, argument check", for errors
   Fingerprint mine_;
   std::vector<int> from_;
   std::vector<Fingerprint> theirs_;
