@@ -1,0 +1,351 @@
+// //examples:train: data-parallel training of an image classifier.
+//
+//   bazel run //examples:train                       # CNN on Fashion-MNIST, 2 ranks
+//   bazel run //examples:train -- --help             # every flag
+//   bazel run //examples:train -- --model=resnet50 --dataset=synthetic --max_steps=20
+//   ddprun --nproc_per_node=4 bazel-bin/examples/train --epochs=1
+//
+// Without launch variables the binary starts its own ranks (SelfLaunch,
+// before anything touches UCX); under ddprun, srun or mpirun it is one rank.
+// Flags are checked once, before any rank starts, so that a mistake gets a
+// single line that says how to fix it (exit status 2).
+
+#include <gflags/gflags.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "examples/trainer/config.h"
+#include "examples/trainer/parallel.h"
+#include "examples/trainer/trainer.h"
+#include "transport/launch/env.h"
+#include "transport/launch/self_launch.h"
+
+// Model and data.
+DEFINE_string(model, "cnn", "model: cnn, mlp, resnet18, resnet34, resnet50");
+DEFINE_string(dataset, "fashion_mnist",
+              "dataset: fashion_mnist, mnist, cifar10 (binary batches), synthetic (generated "
+              "images in CIFAR's 3x32x32 for ResNets, 28x28 for cnn and mlp)");
+DEFINE_string(data_dir, "",
+              "folder with the dataset's files (default for fashion_mnist: "
+              "/usr/share/datasets/fashion-mnist, from the package dataset-fashion-mnist)");
+DEFINE_int64(train_samples, 0, "train on the first N training samples only (0: all)");
+DEFINE_int64(test_samples, 0, "evaluate on the first N test samples only (0: all)");
+DEFINE_int32(workers, 1, "data loader threads per rank (0: load on the training thread)");
+DEFINE_uint64(seed, 0, "seed of initialization, shuffling and augmentation");
+// Schedule.
+DEFINE_int64(epochs, 2, "passes over the training set");
+DEFINE_int64(max_steps, 0, "stop after this many optimizer steps (0: no limit)");
+DEFINE_int64(batch_size, 64, "samples per rank per step (default for ResNets: 256 / ranks)");
+DEFINE_int64(grad_accum_steps, 1,
+             "micro-batches per optimizer step; all but the last skip gradient "
+             "synchronization (DDP's no_sync)");
+DEFINE_int64(eval_every, 0,
+             "steps between test-set evaluations (0: only at the end of each epoch)");
+// Optimizer.
+DEFINE_string(optimizer, "sgd", "optimizer: sgd, adam, adamw, adadelta");
+DEFINE_double(lr, 0.05,
+              "learning rate (default 0.05; 0.1 for ResNets, 0.001 for adam and adamw, 1.0 "
+              "for adadelta)");
+DEFINE_double(momentum, 0.9, "SGD momentum (sgd only)");
+DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 for ResNets)");
+DEFINE_string(scheduler, "none",
+              "learning-rate schedule: none, step (x0.1 after each third of the run), cosine "
+              "(to 0 at the last step)");
+DEFINE_string(amp, "off",
+              "mixed precision: off, bf16, fp16 (16-bit model and activations, f32 master "
+              "weights; fp16 adds loss scaling)");
+// Data parallelism.
+DEFINE_int32(nproc_per_node, 2,
+             "ranks to start on this machine (ignored under ddprun, srun or mpirun)");
+DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
+DEFINE_double(bucket_cap_mb, 25, "gradient bucket size in MiB for the overlapped all-reduce");
+DEFINE_bool(find_unused_parameters, false,
+            "allow parameters that get no gradient in an iteration");
+DEFINE_bool(ddp_stats, false,
+            "print DDP's runtime statistics (forward, backward, communication, overlap) per "
+            "epoch");
+DEFINE_bool(trace, false,
+            "write a Chrome trace per rank (trace_rank<N>.json in --log_dir, else the "
+            "working directory)");
+// Files.
+DEFINE_string(checkpoint, "auto",
+              "checkpoint path, saved by rank 0 at each epoch end; auto: "
+              "~/.cache/ddp/checkpoints/<model>_<dataset>.safetensors; none: no checkpoints");
+DEFINE_int64(checkpoint_every, 0, "also save every N steps (0: at epoch ends only)");
+DEFINE_bool(resume, false,
+            "continue from --checkpoint (model, optimizer, schedule, epoch and position in it)");
+DEFINE_string(log_dir, "",
+              "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder");
+DEFINE_int64(log_every, 10, "steps per metrics.csv row");
+
+// gflags' own help flags (defined in gflags_reporting.cc).
+DECLARE_bool(help);
+DECLARE_bool(helpshort);
+
+namespace {
+
+using ddp::examples::trainer::TrainConfig;
+using ddp::examples::trainer::UsageError;
+
+constexpr char kProgram[] = "train";
+
+std::atomic<int> g_stop{0};
+
+void OnStopSignal(int signo) {
+  if (g_stop.load() != 0) {
+    // Asked twice: stop now.
+    std::signal(signo, SIG_DFL);
+    std::raise(signo);
+    return;
+  }
+  g_stop.store(signo);
+}
+
+// The flags of this file, grouped as --help shows them.
+const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSections() {
+  static const std::vector<std::pair<const char*, std::vector<const char*>>> kSections = {
+      {"Model and data",
+       {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed"}},
+      {"Schedule", {"epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every"}},
+      {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
+      {"Data parallelism",
+       {"nproc_per_node", "sync_bn", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
+        "trace"}},
+      {"Checkpoints and logs",
+       {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
+  };
+  return kSections;
+}
+
+constexpr size_t kHelpWidth = 100;
+constexpr size_t kHelpIndent = 30;
+
+// "0.05" rather than gflags' "0.050000000000000003".
+std::string FormatDouble(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+// Breaks text into lines of at most `width` characters at spaces.
+std::vector<std::string> Wrap(const std::string& text, size_t width) {
+  std::vector<std::string> lines(1);
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find(' ', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string word = text.substr(pos, end - pos);
+    if (!lines.back().empty() && lines.back().size() + 1 + word.size() > width) lines.emplace_back();
+    if (!lines.back().empty()) lines.back() += ' ';
+    lines.back() += word;
+    pos = end + 1;
+  }
+  return lines;
+}
+
+// gflags' --help lists the flags of every linked library; this lists the
+// trainer's own, grouped, with their defaults. --helpfull still shows all.
+void PrintHelp() {
+  std::vector<gflags::CommandLineFlagInfo> all;
+  gflags::GetAllFlags(&all);
+  std::map<std::string, gflags::CommandLineFlagInfo> mine;
+  for (const auto& f : all) {
+    if (f.filename.find("examples/train_main.cc") != std::string::npos) mine[f.name] = f;
+  }
+  std::printf(
+      "Trains an image classifier on several ranks with DistributedDataParallel.\n"
+      "\n"
+      "Usage: bazel run //examples:train -- [--flag=value ...]\n"
+      "       ddprun --nproc_per_node=N bazel-bin/examples/train [flags]   (also srun, mpirun)\n"
+      "\n"
+      "With no flags: the CNN on Fashion-MNIST, 2 ranks, 2 epochs, SGD lr 0.05 momentum 0.9,\n"
+      "batch 64 per rank, test-set evaluation after each epoch, and a checkpoint in\n"
+      "~/.cache/ddp/checkpoints. The last line is machine-readable:\n"
+      "  RESULT model=... ranks=... epochs=... samples_per_s=... train_loss=... test_acc=... "
+      "wall_s=...\n");
+  auto print = [](const gflags::CommandLineFlagInfo& f) {
+    std::string head = "  --" + f.name;
+    if (f.type == "bool") {
+      head += f.default_value == "true" ? " (default on)" : "";
+    } else if (f.type == "double") {
+      head += "=" + FormatDouble(std::stod(f.default_value));
+    } else {
+      head += "=" + (f.default_value.empty() ? std::string("\"\"") : f.default_value);
+    }
+    const std::vector<std::string> lines = Wrap(f.description, kHelpWidth - kHelpIndent);
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (i == 0 && head.size() < kHelpIndent) {
+        std::printf("%-*s%s\n", static_cast<int>(kHelpIndent), head.c_str(), lines[0].c_str());
+        continue;
+      }
+      if (i == 0) std::printf("%s\n", head.c_str());
+      std::printf("%-*s%s\n", static_cast<int>(kHelpIndent), "", lines[i].c_str());
+    }
+  };
+  for (const auto& [title, names] : HelpSections()) {
+    std::printf("\n%s\n", title);
+    for (const char* name : names) {
+      auto it = mine.find(name);
+      if (it == mine.end()) continue;
+      print(it->second);
+      mine.erase(it);
+    }
+  }
+  if (!mine.empty()) {
+    std::printf("\nOther\n");
+    for (const auto& [name, f] : mine) print(f);
+  }
+  std::printf(
+      "\nCtrl-C stops every rank within seconds; rank 0 saves a checkpoint at its last\n"
+      "complete step first. --helpfull lists the flags of the libraries too.\n");
+}
+
+bool IsDefault(const char* flag) { return gflags::GetCommandLineFlagInfoOrDie(flag).is_default; }
+
+TrainConfig ConfigFromFlags(int world_size) {
+  TrainConfig c;
+  c.model = FLAGS_model;
+  c.dataset = FLAGS_dataset;
+  c.data_dir = FLAGS_data_dir;
+  c.train_samples = FLAGS_train_samples;
+  c.test_samples = FLAGS_test_samples;
+  c.workers = FLAGS_workers;
+  c.seed = FLAGS_seed;
+  c.epochs = FLAGS_epochs;
+  c.max_steps = FLAGS_max_steps;
+  c.batch_size = FLAGS_batch_size;
+  c.grad_accum_steps = FLAGS_grad_accum_steps;
+  c.eval_every = FLAGS_eval_every;
+  c.optimizer = FLAGS_optimizer;
+  c.lr = FLAGS_lr;
+  c.momentum = FLAGS_momentum;
+  c.weight_decay = FLAGS_weight_decay;
+  c.scheduler = FLAGS_scheduler;
+  c.amp = FLAGS_amp;
+  c.sync_bn = FLAGS_sync_bn;
+  c.bucket_cap_mb = FLAGS_bucket_cap_mb;
+  c.find_unused_parameters = FLAGS_find_unused_parameters;
+  c.ddp_stats = FLAGS_ddp_stats;
+  c.trace = FLAGS_trace;
+  c.checkpoint = FLAGS_checkpoint;
+  c.checkpoint_every = FLAGS_checkpoint_every;
+  c.resume = FLAGS_resume;
+  c.log_dir = FLAGS_log_dir;
+  c.log_every = FLAGS_log_every;
+
+  // Defaults that depend on the model or optimizer, for flags not given.
+  const bool resnet = c.model.rfind("resnet", 0) == 0;
+  if (resnet) {
+    // The DDP tutorials' ResNet recipe: global batch 256, lr 0.1, wd 1e-4.
+    if (IsDefault("batch_size")) c.batch_size = std::max(1, 256 / std::max(1, world_size));
+    if (IsDefault("lr")) c.lr = 0.1;
+    if (IsDefault("weight_decay")) c.weight_decay = 1e-4;
+  }
+  if (c.optimizer != "sgd") {
+    if (IsDefault("momentum")) c.momentum = 0;
+    if (IsDefault("lr")) c.lr = c.optimizer == "adadelta" ? 1.0 : 1e-3;
+  }
+  return c;
+}
+
+[[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
+  std::fflush(stdout);
+  if (world_size > 1 && rank > 0) {
+    std::fprintf(stderr, "%s: rank %d: %s\n", kProgram, rank, message.c_str());
+  } else {
+    std::fprintf(stderr, "%s: %s\n", kProgram, message.c_str());
+  }
+  std::fflush(stderr);
+  std::exit(status);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto start = std::chrono::steady_clock::now();
+  // SelfLaunch re-executes this program with the arguments as given, so keep
+  // them before gflags reorders them.
+  std::vector<std::string> original(argv, argv + argc);
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "-h") == 0) argv[i] = const_cast<char*>("--help");
+  }
+  gflags::SetUsageMessage("trains an image classifier data-parallel; see --help");
+  gflags::ParseCommandLineNonHelpFlags(&argc, &argv, /*remove_flags=*/true);
+  if (FLAGS_help || FLAGS_helpshort) {
+    PrintHelp();
+    return 0;
+  }
+  gflags::HandleCommandLineHelpFlags();  // --helpfull, --version, ...
+  if (argc > 1) {
+    Fail(2, 0, 1, std::string("unexpected argument '") + argv[1] +
+                      "'; flags are written --name=value (see --help)");
+  }
+
+  namespace launch = ddp::transport::launch;
+  const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
+  int world_size = FLAGS_nproc_per_node;
+  int rank = 0;
+  if (is_worker) {
+    auto env = launch::LaunchEnvFromProcess();
+    if (!env.ok()) Fail(2, 0, 1, env.status().message());
+    world_size = env->world_size;
+    rank = env->rank;
+  } else if (FLAGS_nproc_per_node < 1) {
+    Fail(2, 0, 1, "--nproc_per_node=" + std::to_string(FLAGS_nproc_per_node) +
+                      " must be at least 1");
+  }
+
+  TrainConfig config = ConfigFromFlags(world_size);
+  ddp::examples::trainer::ResolvePaths(config);
+
+  if (!is_worker) {
+    // The launcher checks once, then starts the ranks; it never touches UCX.
+    try {
+      ddp::examples::trainer::CheckSetup(config, world_size);
+    } catch (const UsageError& e) {
+      Fail(2, 0, 1, e.what());
+    }
+    std::vector<char*> args;
+    for (std::string& s : original) args.push_back(s.data());
+    args.push_back(nullptr);
+    int args_count = static_cast<int>(original.size());
+    launch::SelfLaunchOptions options;
+    options.default_nproc_per_node = FLAGS_nproc_per_node;
+    // Only rank 0 prints progress, and it needs the terminal itself (not a
+    // pipe) to draw the live bar; other ranks print errors only, prefixed.
+    options.prefix_output = false;
+    launch::SelfLaunchOrExit(args_count, args.data(), options);
+    return 0;  // not reached: the launcher exits with the workers' status
+  }
+
+  // One rank from here on.
+  std::signal(SIGINT, OnStopSignal);
+  std::signal(SIGTERM, OnStopSignal);
+  ddp::examples::trainer::RunOptions options;
+  options.stop = &g_stop;
+  options.start_time = start;
+  try {
+    std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
+        ddp::examples::trainer::JoinJob();
+    const auto result = ddp::examples::trainer::Train(config, *parallel, options);
+    parallel.reset();
+    if (result.stopped_by_signal != 0) return 128 + result.stopped_by_signal;
+    return 0;
+  } catch (const UsageError& e) {
+    Fail(2, rank, world_size, e.what());
+  } catch (const ddp::examples::trainer::JobError& e) {
+    if (g_stop.load() != 0) return 128 + g_stop.load();
+    Fail(1, rank, world_size, e.what());
+  } catch (const std::exception& e) {
+    if (g_stop.load() != 0) return 128 + g_stop.load();
+    Fail(1, rank, world_size, std::string("error: ") + e.what());
+  }
+}

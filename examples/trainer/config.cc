@@ -1,0 +1,139 @@
+#include "examples/trainer/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+namespace ddp::examples::trainer {
+namespace {
+
+bool Contains(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+std::string Absolute(const std::string& path) {
+  if (path.empty()) return path;
+  std::filesystem::path p(path);
+  if (p.is_relative()) p = std::filesystem::path(UserWorkingDirectory()) / p;
+  return p.lexically_normal().string();
+}
+
+}  // namespace
+
+std::string OneOf(const std::vector<std::string>& names) {
+  std::string out = "one of ";
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += names[i];
+  }
+  return out;
+}
+
+void ValidateConfig(const TrainConfig& c) {
+  if (!Contains(ModelNames(), c.model)) {
+    throw UsageError("unknown --model=" + c.model + "; use " + OneOf(ModelNames()));
+  }
+  if (!Contains(DatasetNames(), c.dataset)) {
+    throw UsageError("unknown --dataset=" + c.dataset + "; use " + OneOf(DatasetNames()));
+  }
+  const std::vector<std::string> optimizers = {"sgd", "adam", "adamw", "adadelta"};
+  if (!Contains(optimizers, c.optimizer)) {
+    throw UsageError("unknown --optimizer=" + c.optimizer + "; use " + OneOf(optimizers));
+  }
+  const std::vector<std::string> schedulers = {"none", "step", "cosine"};
+  if (!Contains(schedulers, c.scheduler)) {
+    throw UsageError("unknown --scheduler=" + c.scheduler + "; use " + OneOf(schedulers));
+  }
+  const std::vector<std::string> amps = {"off", "bf16", "fp16"};
+  if (!Contains(amps, c.amp)) {
+    throw UsageError("unknown --amp=" + c.amp + "; use " + OneOf(amps));
+  }
+  auto positive = [](const char* flag, int64_t v) {
+    if (v < 1) {
+      throw UsageError(std::string("--") + flag + "=" + std::to_string(v) +
+                       " must be at least 1");
+    }
+  };
+  auto non_negative = [](const char* flag, double v) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      throw UsageError(std::string("--") + flag + "=" + std::to_string(v) +
+                       " must be a finite number >= 0");
+    }
+  };
+  positive("epochs", c.epochs);
+  positive("batch_size", c.batch_size);
+  positive("grad_accum_steps", c.grad_accum_steps);
+  positive("log_every", c.log_every);
+  non_negative("max_steps", static_cast<double>(c.max_steps));
+  non_negative("eval_every", static_cast<double>(c.eval_every));
+  non_negative("checkpoint_every", static_cast<double>(c.checkpoint_every));
+  non_negative("train_samples", static_cast<double>(c.train_samples));
+  non_negative("test_samples", static_cast<double>(c.test_samples));
+  non_negative("workers", c.workers);
+  non_negative("lr", c.lr);
+  non_negative("momentum", c.momentum);
+  non_negative("weight_decay", c.weight_decay);
+  if (c.lr == 0) throw UsageError("--lr=0 would never change the model; use a positive value");
+  if (c.workers > 64) {
+    throw UsageError("--workers=" + std::to_string(c.workers) +
+                     " loader threads per rank is too many; use at most 64");
+  }
+  if (!(c.bucket_cap_mb > 0) || !std::isfinite(c.bucket_cap_mb)) {
+    throw UsageError("--bucket_cap_mb=" + std::to_string(c.bucket_cap_mb) +
+                     " must be a positive number of MiB");
+  }
+  if (c.momentum > 0 && c.optimizer != "sgd") {
+    // Adam's betas play momentum's part; a silently ignored flag misleads.
+    // (The default momentum is only applied with sgd; see train_main.cc.)
+    throw UsageError("--momentum applies to --optimizer=sgd only; drop it for --optimizer=" +
+                     c.optimizer);
+  }
+  if (c.momentum >= 1) {
+    throw UsageError("--momentum=" + std::to_string(c.momentum) + " must be below 1");
+  }
+  if (c.resume && c.checkpoint.empty()) {
+    throw UsageError("--resume needs a checkpoint to read; drop --checkpoint=none or give a path");
+  }
+  if (c.checkpoint_every > 0 && c.checkpoint.empty()) {
+    throw UsageError("--checkpoint_every needs --checkpoint (a path, or auto)");
+  }
+  if (c.sync_bn && c.model.rfind("resnet", 0) != 0) {
+    throw UsageError("--sync_bn converts BatchNorm layers, and --model=" + c.model +
+                     " has none; use it with a resnet");
+  }
+}
+
+std::string UserWorkingDirectory() {
+  if (const char* dir = std::getenv("BUILD_WORKING_DIRECTORY"); dir != nullptr && *dir) {
+    return dir;
+  }
+  std::error_code ec;
+  std::filesystem::path cwd = std::filesystem::current_path(ec);
+  return ec ? std::string(".") : cwd.string();
+}
+
+std::string DefaultCheckpointPath(const TrainConfig& c) {
+  std::filesystem::path base;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg == '/') {
+    base = xdg;
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home) {
+    base = std::filesystem::path(home) / ".cache";
+  } else {
+    base = std::filesystem::temp_directory_path();
+  }
+  return (base / "ddp" / "checkpoints" / (c.model + "_" + c.dataset + ".safetensors")).string();
+}
+
+void ResolvePaths(TrainConfig& c) {
+  if (c.checkpoint == kDefaultCheckpoint) {
+    c.checkpoint = DefaultCheckpointPath(c);
+  } else if (c.checkpoint == "none") {
+    c.checkpoint.clear();
+  }
+  c.checkpoint = Absolute(c.checkpoint);
+  c.data_dir = Absolute(c.data_dir);
+  c.log_dir = Absolute(c.log_dir);
+}
+
+}  // namespace ddp::examples::trainer

@@ -1,0 +1,107 @@
+#ifndef DDP_EXAMPLES_TRAINER_CONFIG_H_
+#define DDP_EXAMPLES_TRAINER_CONFIG_H_
+
+// What one training run does: the trainer's flags as a plain struct, so that
+// the library can be driven by //examples:train's gflags, by the scaling
+// benchmark, and by tests, without global state.
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ddp::examples::trainer {
+
+/// A mistake a user can fix: a bad flag, missing dataset files, a checkpoint
+/// of another model. The message is one line that says what is wrong and
+/// how to fix it; programs print it and exit with status 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Models the trainer knows, in the order --help lists them.
+inline const std::vector<std::string>& ModelNames() {
+  static const std::vector<std::string> kNames = {"cnn", "mlp", "resnet18", "resnet34",
+                                                  "resnet50"};
+  return kNames;
+}
+/// Datasets the trainer knows.
+inline const std::vector<std::string>& DatasetNames() {
+  static const std::vector<std::string> kNames = {"fashion_mnist", "mnist", "cifar10",
+                                                  "synthetic"};
+  return kNames;
+}
+
+/// Every setting of a run. Defaults are //examples:train's defaults.
+struct TrainConfig {
+  // Model and data.
+  std::string model = "cnn";
+  std::string dataset = "fashion_mnist";
+  std::string data_dir;            ///< Empty: the dataset's usual folder.
+  int64_t train_samples = 0;       ///< Use the first N training samples; 0: all.
+  int64_t test_samples = 0;        ///< Use the first N test samples; 0: all.
+  int workers = 1;                 ///< Loader threads per rank; 0: on the training thread.
+  uint64_t seed = 0;               ///< Initialization, shuffling and augmentation.
+
+  // Schedule.
+  int64_t epochs = 2;
+  int64_t max_steps = 0;           ///< Stop after this many optimizer steps; 0: no limit.
+  int64_t batch_size = 64;         ///< Samples per rank per micro-batch.
+  int64_t grad_accum_steps = 1;    ///< Micro-batches per optimizer step.
+  int64_t eval_every = 0;          ///< Steps between evaluations; 0: at each epoch end.
+
+  // Optimizer.
+  std::string optimizer = "sgd";
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  std::string scheduler = "none";  ///< none, step, cosine.
+  std::string amp = "off";         ///< off, bf16, fp16.
+
+  // Data parallelism.
+  bool sync_bn = false;
+  double bucket_cap_mb = 25.0;
+  bool find_unused_parameters = false;
+  bool ddp_stats = false;          ///< Print DDP's runtime statistics per epoch.
+  bool trace = false;              ///< Write a Chrome trace per rank.
+
+  // Files. Paths are absolute once ResolvePaths ran.
+  std::string checkpoint;          ///< Empty: no checkpoints.
+  int64_t checkpoint_every = 0;    ///< Also save every N steps; 0: at epoch ends only.
+  bool resume = false;             ///< Continue from `checkpoint`.
+  std::string log_dir;             ///< Empty: no CSV or chart.
+  int64_t log_every = 10;          ///< Steps between CSV rows.
+
+  /// Global batch: batch_size * world_size * grad_accum_steps.
+  int64_t GlobalBatch(int world_size) const {
+    return batch_size * world_size * grad_accum_steps;
+  }
+};
+
+/// The value "--checkpoint" takes to mean the default location.
+inline constexpr char kDefaultCheckpoint[] = "auto";
+
+/// Checks values and combinations that need no files: names, ranges,
+/// options that contradict each other. Throws UsageError.
+void ValidateConfig(const TrainConfig& config);
+
+/// Where "--checkpoint=auto" saves: $XDG_CACHE_HOME (or $HOME/.cache)
+/// /ddp/checkpoints/<model>_<dataset>.safetensors.
+std::string DefaultCheckpointPath(const TrainConfig& config);
+
+/// The directory relative paths on the command line are meant from: under
+/// `bazel run`, the user's ($BUILD_WORKING_DIRECTORY), else the current one.
+std::string UserWorkingDirectory();
+
+/// Makes data_dir, checkpoint and log_dir absolute (relative to
+/// UserWorkingDirectory()), replaces "auto" by DefaultCheckpointPath and
+/// "none" by no checkpoint.
+void ResolvePaths(TrainConfig& config);
+
+/// "one of a, b, c" for messages.
+std::string OneOf(const std::vector<std::string>& names);
+
+}  // namespace ddp::examples::trainer
+
+#endif  // DDP_EXAMPLES_TRAINER_CONFIG_H_

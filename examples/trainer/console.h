@@ -1,0 +1,87 @@
+#ifndef DDP_EXAMPLES_TRAINER_CONSOLE_H_
+#define DDP_EXAMPLES_TRAINER_CONSOLE_H_
+
+// What a person watching a run sees (rank 0 only). On a terminal: a live
+// progress bar per epoch, redrawn in place at most ten times a second:
+//
+//   epoch 1/2 ━━━━━━━━━━━━━━╺━━━━━━━━━━━━  234/469  2,613 samples/s  loss 0.4123  ETA 0:09
+//
+// Elsewhere (a pipe, a log file, a CI job) the bar becomes a plain line
+// about every tenth of an epoch, and never more often than every 2 s:
+//
+//   epoch 1/2  step 234/469  2,613 samples/s  loss 0.4123  ETA 0:09
+//
+// Other lines (the header, per-epoch results, notes) go through Line(),
+// which clears the bar first so that nothing is drawn over.
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+namespace ddp::examples::trainer {
+
+/// How the console draws.
+struct ConsoleOptions {
+  bool interactive = false;  ///< Redraw a bar in place (a terminal).
+  bool unicode = false;      ///< Box-drawing characters for the bar.
+  bool color = false;        ///< ANSI colours (bold labels, green accuracy).
+  int width = 100;           ///< Terminal columns.
+  /// Non-interactive: at least this long between two progress lines.
+  std::chrono::milliseconds min_plain_interval{2000};
+};
+
+/// Options for `file` as it is now: a terminal (isatty, TERM not "dumb")
+/// gets the live bar; UTF-8 locales get box-drawing characters; NO_COLOR
+/// turns colours off (https://no-color.org).
+ConsoleOptions DetectConsoleOptions(std::FILE* file);
+
+/// Live progress of one epoch at a time, plus ordinary lines.
+class Console {
+ public:
+  Console(std::FILE* out, ConsoleOptions options);
+  ~Console();
+  Console(const Console&) = delete;
+  Console& operator=(const Console&) = delete;
+
+  /// Prints a whole line (clearing the bar first when one is shown).
+  void Line(const std::string& text);
+  /// Starts the bar of `epoch` (1-based) of `epochs`; the epoch has
+  /// `total_steps` optimizer steps and `done_steps` of them are already done
+  /// (a resumed epoch).
+  void StartEpoch(int64_t epoch, int64_t epochs, int64_t total_steps, int64_t done_steps);
+  /// Reports that `done_steps` of the epoch are done; `samples_per_s` is the
+  /// recent global rate, `loss` the recent training loss, `eta_s` the time
+  /// left in this epoch. Draws at most every 100 ms (terminal) or per the
+  /// plain-line rule.
+  void Progress(int64_t done_steps, double samples_per_s, double loss, double eta_s);
+  /// Removes the bar (the epoch's result line comes next).
+  void EndEpoch();
+
+  /// Wraps text in bold / green / dim when colours are on.
+  std::string Bold(const std::string& text) const;
+  std::string Green(const std::string& text) const;
+  std::string Dim(const std::string& text) const;
+
+  const ConsoleOptions& options() const { return options_; }
+
+  /// The bar's text for the given state, `width` columns wide (for tests).
+  std::string RenderBar(int64_t done_steps, double samples_per_s, double loss, double eta_s,
+                        int width) const;
+
+ private:
+  void ClearBar();
+
+  std::FILE* out_;
+  ConsoleOptions options_;
+  int64_t epoch_ = 0;
+  int64_t epochs_ = 0;
+  int64_t total_steps_ = 0;
+  int64_t last_plain_step_ = -1;
+  bool bar_shown_ = false;
+  std::chrono::steady_clock::time_point last_draw_{};
+};
+
+}  // namespace ddp::examples::trainer
+
+#endif  // DDP_EXAMPLES_TRAINER_CONSOLE_H_

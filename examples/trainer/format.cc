@@ -1,0 +1,79 @@
+#include "examples/trainer/format.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
+
+namespace ddp::examples::trainer {
+
+std::string StringPrintf(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list copy;
+  va_copy(copy, args);
+  const int n = std::vsnprintf(nullptr, 0, format, copy);
+  va_end(copy);
+  std::string out;
+  if (n > 0) {
+    out.resize(static_cast<size_t>(n) + 1);
+    std::vsnprintf(out.data(), out.size(), format, args);
+    out.resize(static_cast<size_t>(n));
+  }
+  va_end(args);
+  return out;
+}
+
+std::string FormatCount(int64_t n) {
+  const bool negative = n < 0;
+  std::string digits = std::to_string(negative ? -n : n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return negative ? "-" + out : out;
+}
+
+std::string FormatClock(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "-";
+  const int64_t s = static_cast<int64_t>(seconds);
+  if (s >= 3600) {
+    return StringPrintf("%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
+                        static_cast<long long>(s / 60 % 60), static_cast<long long>(s % 60));
+  }
+  return StringPrintf("%lld:%02lld", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+}
+
+std::string FormatSeconds(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "-";
+  if (seconds < 100) return StringPrintf("%.1fs", seconds);
+  const int64_t s = static_cast<int64_t>(std::lround(seconds));
+  if (s < 3600) {
+    return StringPrintf("%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+  }
+  return StringPrintf("%lldh%02lldm", static_cast<long long>(s / 3600),
+                      static_cast<long long>(s / 60 % 60));
+}
+
+std::string FormatRate(double per_second) {
+  if (!std::isfinite(per_second) || per_second < 0) return "-";
+  return FormatCount(std::llround(per_second));
+}
+
+std::string ExactDouble(double value) { return StringPrintf("%a", value); }
+
+double ParseExactDouble(const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
+    throw std::invalid_argument("not a number: '" + text + "'");
+  }
+  return v;
+}
+
+}  // namespace ddp::examples::trainer

@@ -1,0 +1,29 @@
+#ifndef DDP_EXAMPLES_TRAINER_FORMAT_H_
+#define DDP_EXAMPLES_TRAINER_FORMAT_H_
+
+// Number and time formatting for what people read.
+
+#include <cstdint>
+#include <string>
+
+namespace ddp::examples::trainer {
+
+/// 1234567 -> "1,234,567".
+std::string FormatCount(int64_t n);
+/// Seconds as "0:09", "12:34" or "1:02:03" (rounded down; negative as "-").
+std::string FormatClock(double seconds);
+/// Seconds as "0.8s", "23.4s", "2m05s".
+std::string FormatSeconds(double seconds);
+/// A rate with thousands separators and no decimals: "2,613".
+std::string FormatRate(double per_second);
+/// printf into a std::string.
+std::string StringPrintf(const char* format, ...) __attribute__((format(printf, 1, 2)));
+/// A double that reads back exactly ("%a"), for checkpoint metadata.
+std::string ExactDouble(double value);
+/// Parses ExactDouble's output (or any strtod input); throws
+/// std::invalid_argument for text that is not a number.
+double ParseExactDouble(const std::string& text);
+
+}  // namespace ddp::examples::trainer
+
+#endif  // DDP_EXAMPLES_TRAINER_FORMAT_H_

@@ -1,0 +1,153 @@
+#include "examples/trainer/metrics_log.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "examples/trainer/format.h"
+#include "examples/trainer/svg_chart.h"
+#include "nn/io/atomic_file.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+std::vector<std::string> SplitCsv(const std::string& line) {
+  std::vector<std::string> out(1);
+  for (char c : line) {
+    if (c == ',') {
+      out.emplace_back();
+    } else {
+      out.back().push_back(c);
+    }
+  }
+  return out;
+}
+
+void WriteFileAtomically(const std::string& path, const std::string& content) {
+  nn::io::AtomicFileWriter writer(path);
+  writer.Write(content.data(), content.size());
+  writer.Commit();
+}
+
+std::string StepRow(const StepRecord& r) {
+  return StringPrintf("%lld,%lld,%.6g,%.6g,%.1f,,", static_cast<long long>(r.step),
+                      static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s);
+}
+
+std::string EvalRow(const EvalRecord& r) {
+  return StringPrintf("%lld,%lld,,,,%.6g,%.6g", static_cast<long long>(r.step),
+                      static_cast<long long>(r.epoch), r.test_loss, r.test_acc);
+}
+
+}  // namespace
+
+const char* MetricsLog::CsvHeader() { return "step,epoch,loss,lr,samples_per_s,test_loss,test_acc"; }
+
+MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
+                       int64_t resume_step)
+    : dir_(std::move(dir)), title_(std::move(title)), subtitle_(std::move(subtitle)) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) {
+    throw std::runtime_error("cannot create --log_dir " + dir_ + ": " + ec.message());
+  }
+  // Keep the rows of the interrupted run up to the resumed step; later rows
+  // are written again by this run.
+  std::string kept = std::string(CsvHeader()) + "\n";
+  if (resume_step >= 0) {
+    std::ifstream in(csv_path());
+    std::string line;
+    bool header = true;
+    while (std::getline(in, line)) {
+      if (header) {
+        header = false;
+        continue;
+      }
+      const std::vector<std::string> f = SplitCsv(line);
+      if (f.size() != 7) continue;
+      try {
+        const int64_t step = std::stoll(f[0]);
+        if (step > resume_step) continue;
+        if (!f[2].empty()) {
+          steps_.push_back({step, std::stoll(f[1]), std::stod(f[2]), std::stod(f[3]), std::stod(f[4])});
+        } else if (!f[5].empty()) {
+          evals_.push_back({step, std::stoll(f[1]), std::stod(f[5]), std::stod(f[6])});
+        } else {
+          continue;
+        }
+      } catch (const std::exception&) {
+        continue;  // a torn last line of a killed run
+      }
+      kept += line + "\n";
+    }
+    for (size_t i = 1; i < steps_.size(); ++i) {
+      if (steps_[i].epoch != steps_[i - 1].epoch) {
+        epoch_ends_.emplace_back(steps_[i - 1].epoch, steps_[i - 1].step);
+      }
+    }
+  }
+  WriteFileAtomically(csv_path(), kept);
+  csv_ = std::fopen(csv_path().c_str(), "a");
+  if (csv_ == nullptr) {
+    throw std::runtime_error("cannot open " + csv_path() + ": " + std::strerror(errno));
+  }
+}
+
+MetricsLog::~MetricsLog() {
+  if (csv_ != nullptr) std::fclose(csv_);
+}
+
+void MetricsLog::Append(const std::string& line) {
+  std::fputs(line.c_str(), csv_);
+  std::fputc('\n', csv_);
+  if (std::fflush(csv_) != 0) {
+    throw std::runtime_error("cannot write " + csv_path() + ": " + std::strerror(errno));
+  }
+}
+
+void MetricsLog::AddStep(const StepRecord& r) {
+  steps_.push_back(r);
+  Append(StepRow(r));
+}
+
+void MetricsLog::AddEval(const EvalRecord& r) {
+  evals_.push_back(r);
+  Append(EvalRow(r));
+}
+
+void MetricsLog::AddEpochEnd(int64_t epoch, int64_t step) {
+  if (!epoch_ends_.empty() && epoch_ends_.back().first == epoch) return;
+  epoch_ends_.emplace_back(epoch, step);
+}
+
+void MetricsLog::WriteChart() const {
+  Chart chart;
+  chart.title = title_;
+  chart.subtitle = subtitle_;
+  chart.x_label = "step";
+  ChartPanel loss;
+  loss.y_label = "loss (cross-entropy)";
+  loss.y_from_zero = true;
+  ChartSeries train{"train loss", kTrainLossColor, {}, false, false};
+  for (const StepRecord& r : steps_) train.points.emplace_back(r.step, r.loss);
+  ChartSeries test{"test loss", kTestLossColor, {}, true, true};
+  for (const EvalRecord& r : evals_) test.points.emplace_back(r.step, r.test_loss);
+  loss.series = {train, test};
+  ChartPanel acc;
+  acc.y_label = "test accuracy";
+  acc.percent = true;
+  ChartSeries accuracy{"test accuracy", kAccuracyColor, {}, true, false};
+  for (const EvalRecord& r : evals_) accuracy.points.emplace_back(r.step, r.test_acc);
+  acc.series = {accuracy};
+  chart.panels = {loss, acc};
+  for (const auto& [epoch, step] : epoch_ends_) {
+    chart.marks.push_back({static_cast<double>(step), "epoch " + std::to_string(epoch)});
+  }
+  WriteFileAtomically(chart_path(), RenderSvgChart(chart));
+}
+
+}  // namespace ddp::examples::trainer

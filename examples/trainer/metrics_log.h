@@ -1,0 +1,81 @@
+#ifndef DDP_EXAMPLES_TRAINER_METRICS_LOG_H_
+#define DDP_EXAMPLES_TRAINER_METRICS_LOG_H_
+
+// --log_dir: the run's metrics as CSV and as an SVG chart.
+//
+//   metrics.csv  step,epoch,loss,lr,samples_per_s,test_loss,test_acc
+//                one row per logged training interval (test fields empty)
+//                and one per evaluation (training fields empty); appended
+//                and flushed as the run goes, so `tail -f` follows it.
+//   chart.svg    training loss and test loss (top), test accuracy (bottom)
+//                over steps, epoch boundaries dotted; rewritten atomically at
+//                each epoch end.
+//
+// On --resume, rows after the checkpoint's step are dropped (the resumed
+// run writes them again) and the chart continues from the earlier rows.
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace ddp::examples::trainer {
+
+/// A logged stretch of training steps.
+struct StepRecord {
+  int64_t step = 0;            ///< Optimizer steps done (global, from the run's start).
+  int64_t epoch = 0;           ///< 1-based.
+  double loss = 0;             ///< Mean training loss over the stretch, all ranks.
+  double lr = 0;               ///< Learning rate of the last step.
+  double samples_per_s = 0;    ///< Global throughput over the stretch.
+};
+
+/// One evaluation on the test set.
+struct EvalRecord {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  double test_loss = 0;
+  double test_acc = 0;         ///< Fraction in [0, 1].
+};
+
+class MetricsLog {
+ public:
+  /// Creates `dir` (and parents). `title` and `subtitle` head the chart.
+  /// With `resume_step` >= 0, keeps the rows of an existing metrics.csv up
+  /// to that step; otherwise starts a new file. Throws std::runtime_error
+  /// naming the path on I/O errors.
+  MetricsLog(std::string dir, std::string title, std::string subtitle, int64_t resume_step);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+
+  void AddStep(const StepRecord& r);
+  void AddEval(const EvalRecord& r);
+  /// Marks the end of `epoch` at `step` (a dotted line on the chart).
+  void AddEpochEnd(int64_t epoch, int64_t step);
+  /// Writes chart.svg (atomically).
+  void WriteChart() const;
+
+  std::string csv_path() const { return dir_ + "/metrics.csv"; }
+  std::string chart_path() const { return dir_ + "/chart.svg"; }
+  const std::vector<StepRecord>& steps() const { return steps_; }
+  const std::vector<EvalRecord>& evals() const { return evals_; }
+
+  /// The CSV's header line (without newline).
+  static const char* CsvHeader();
+
+ private:
+  void Append(const std::string& line);
+
+  std::string dir_;
+  std::string title_;
+  std::string subtitle_;
+  std::FILE* csv_ = nullptr;
+  std::vector<StepRecord> steps_;
+  std::vector<EvalRecord> evals_;
+  std::vector<std::pair<int64_t, int64_t>> epoch_ends_;  // (epoch, step)
+};
+
+}  // namespace ddp::examples::trainer
+
+#endif  // DDP_EXAMPLES_TRAINER_METRICS_LOG_H_

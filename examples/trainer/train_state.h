@@ -1,0 +1,71 @@
+#ifndef DDP_EXAMPLES_TRAINER_TRAIN_STATE_H_
+#define DDP_EXAMPLES_TRAINER_TRAIN_STATE_H_
+
+// Training checkpoints: everything a resumed run needs to continue exactly
+// where the saved one was, in one safetensors file written atomically:
+//
+//   model.*   the model's state dict (parameters and buffers)
+//   optim.*   optimizer state (step counts, momentum or Adam moments, f32
+//             master copies), LR scheduler step, loss-scaler state
+//   metadata  position (epoch, micro-batch in the epoch, optimizer step), the
+//             running loss sums of the epoch (exact, as hex floats), and the
+//             settings that decide the data order (model, dataset, ranks,
+//             batch size, accumulation, seed)
+//
+// The data loader's order is a pure function of (seed, epoch, position), so
+// the position is all a resumed run needs to see the same batches.
+
+#include <cstdint>
+#include <string>
+
+#include "examples/trainer/config.h"
+#include "nn/modules/module.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/lr_scheduler.h"
+#include "nn/optim/optimizer.h"
+
+namespace ddp::examples::trainer {
+
+/// Where a run is.
+struct TrainPosition {
+  int64_t epoch = 0;           ///< 0-based epoch in progress.
+  int64_t batch_in_epoch = 0;  ///< Micro-batches of that epoch already trained on.
+  int64_t step = 0;            ///< Optimizer steps done since the run began.
+  /// Micro-batch losses of the epoch summed over every rank, and their
+  /// count, as of the last metrics flush (a checkpoint taken on Ctrl-C may
+  /// miss the few steps since then; scheduled ones flush first).
+  double epoch_loss_sum = 0;
+  int64_t epoch_loss_count = 0;
+};
+
+/// What gets saved and restored.
+struct TrainComponents {
+  nn::modules::Module* model = nullptr;
+  nn::optim::Optimizer* optimizer = nullptr;
+  nn::optim::LrScheduler* scheduler = nullptr;  ///< May be null.
+  nn::optim::GradScaler* scaler = nullptr;      ///< May be null.
+};
+
+/// Saves a checkpoint to `path` atomically, creating its folder. Call on
+/// rank 0 only. Throws UsageError naming the path when it cannot be written.
+void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
+                         const TrainPosition& position, const TrainConfig& config, int world_size);
+
+/// Loads `path` into `parts` (all or nothing) and returns the position to
+/// continue from. A missing or unreadable file, or a checkpoint of another
+/// model, optimizer or precision, throws UsageError with one line that names
+/// the differing keys and the fix. When the saved run had another data
+/// order (ranks, batch size, accumulation, seed), a mid-epoch position
+/// cannot be continued exactly: the position moves to the start of the next
+/// epoch and `note` says so.
+TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,
+                                  const TrainConfig& config, int world_size, std::string* note);
+
+/// Throws the UsageError LoadTrainCheckpoint would for a model mismatch,
+/// reading only the model part of `path` (used before starting ranks).
+void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Module& model,
+                                 const TrainConfig& config);
+
+}  // namespace ddp::examples::trainer
+
+#endif  // DDP_EXAMPLES_TRAINER_TRAIN_STATE_H_

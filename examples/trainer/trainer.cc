@@ -1,0 +1,609 @@
+#include "examples/trainer/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <memory>
+
+#include "examples/trainer/format.h"
+#include "examples/trainer/metrics_log.h"
+#include "examples/trainer/train_state.h"
+#include "examples/trainer/zoo.h"
+#include "nn/autograd/engine.h"
+#include "nn/data/data_loader.h"
+#include "nn/data/sampler.h"
+#include "nn/loss/loss.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/adadelta.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Rank r of W evaluates samples r, r + W, ...: every test sample exactly once
+// over all ranks (DistributedSampler would pad and count some twice).
+class StridedSampler : public nn::data::Sampler {
+ public:
+  StridedSampler(int64_t n, int64_t rank, int64_t world) : n_(n), rank_(rank), world_(world) {}
+  int64_t Size() const override { return n_ > rank_ ? (n_ - rank_ + world_ - 1) / world_ : 0; }
+  void SetEpoch(int64_t) override {}
+  std::vector<int64_t> Indices() const override {
+    std::vector<int64_t> out;
+    for (int64_t i = rank_; i < n_; i += world_) out.push_back(i);
+    return out;
+  }
+
+ private:
+  int64_t n_, rank_, world_;
+};
+
+nn::DType ComputeDType(const TrainConfig& c) {
+  if (c.amp == "bf16") return nn::DType::kBFloat16;
+  if (c.amp == "fp16") return nn::DType::kFloat16;
+  return nn::DType::kFloat32;
+}
+
+std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(const TrainConfig& c,
+                                                    nn::optim::NamedParameters params) {
+  if (c.optimizer == "sgd") {
+    return std::make_unique<nn::optim::Sgd>(
+        std::move(params), nn::optim::SgdOptions{.lr = c.lr,
+                                                 .momentum = c.momentum,
+                                                 .weight_decay = c.weight_decay});
+  }
+  if (c.optimizer == "adam") {
+    nn::optim::AdamOptions o;
+    o.lr = c.lr;
+    o.weight_decay = c.weight_decay;
+    return std::make_unique<nn::optim::Adam>(std::move(params), o);
+  }
+  if (c.optimizer == "adamw") {
+    nn::optim::AdamWOptions o;
+    o.lr = c.lr;
+    o.weight_decay = c.weight_decay;
+    return std::make_unique<nn::optim::AdamW>(std::move(params), o);
+  }
+  nn::optim::AdadeltaOptions o;
+  o.lr = c.lr;
+  o.weight_decay = c.weight_decay;
+  return std::make_unique<nn::optim::Adadelta>(std::move(params), o);
+}
+
+std::string OptimizerSummary(const TrainConfig& c) {
+  std::string s = c.optimizer + " lr " + StringPrintf("%g", c.lr);
+  if (c.optimizer == "sgd" && c.momentum > 0) s += StringPrintf(" momentum %g", c.momentum);
+  if (c.weight_decay > 0) s += StringPrintf(" weight decay %g", c.weight_decay);
+  if (c.scheduler != "none") s += ", " + c.scheduler + " schedule";
+  if (c.amp != "off") s += ", " + c.amp + " mixed precision";
+  return s;
+}
+
+// Global training throughput over the last few steps, for the live bar.
+class RecentRate {
+ public:
+  void Add(Clock::time_point end, double samples) {
+    window_.emplace_back(end, samples);
+    while (window_.size() > 2 && end - window_.front().first > std::chrono::seconds(3)) {
+      window_.pop_front();
+    }
+  }
+  void Reset() { window_.clear(); }
+  // Samples per second between the oldest and newest entries.
+  double Rate() const {
+    if (window_.size() < 2) return NAN;
+    double samples = 0;
+    for (size_t i = 1; i < window_.size(); ++i) samples += window_[i].second;
+    const double dt = Seconds(window_.back().first - window_.front().first);
+    return dt > 0 ? samples / dt : NAN;
+  }
+  // Seconds per step over the window.
+  double StepTime() const {
+    if (window_.size() < 2) return NAN;
+    return Seconds(window_.back().first - window_.front().first) / (window_.size() - 1);
+  }
+
+ private:
+  std::deque<std::pair<Clock::time_point, double>> window_;
+};
+
+struct Evaluation {
+  double loss = 0;
+  double accuracy = 0;
+};
+
+class Run {
+ public:
+  Run(const TrainConfig& c, Parallel& par, const RunOptions& opt)
+      : c_(c),
+        par_(par),
+        opt_(opt),
+        rank_(par.rank()),
+        world_(par.world_size()),
+        lead_(par.rank() == 0),
+        start_(opt.start_time.value_or(Clock::now())),
+        console_(opt.out, opt.console.value_or(DetectConsoleOptions(opt.out))) {}
+
+  RunResult Go();
+
+ private:
+  void Setup();
+  void Say(const std::string& line) {
+    if (lead_ && !opt_.quiet) console_.Line(line);
+  }
+  int StopSignal() const { return opt_.stop != nullptr ? opt_.stop->load() : 0; }
+  // Trains one optimizer step on up to grad_accum_steps micro-batches;
+  // false at the end of the epoch's data.
+  bool TrainStep(nn::data::DataLoader& loader);
+  // Sums the loss of the current logging stretch over the ranks and writes
+  // the CSV row. Collective.
+  void FlushMetrics();
+  Evaluation Evaluate();
+  void RecordEvaluation(const Evaluation& e);
+  void SaveCheckpoint();
+  bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
+
+  const TrainConfig& c_;
+  Parallel& par_;
+  const RunOptions& opt_;
+  const int rank_;
+  const int world_;
+  const bool lead_;
+  const Clock::time_point start_;
+  Console console_;
+
+  Datasets data_;
+  std::shared_ptr<nn::modules::Module> model_;
+  nn::DType compute_dtype_ = nn::DType::kFloat32;
+  std::unique_ptr<nn::optim::Optimizer> optimizer_;
+  std::unique_ptr<nn::optim::LrScheduler> scheduler_;
+  std::unique_ptr<nn::optim::GradScaler> scaler_;
+  std::unique_ptr<nn::data::DataLoader> train_loader_;
+  std::unique_ptr<nn::data::DataLoader> test_loader_;
+  std::unique_ptr<MetricsLog> log_;
+  nn::loss::CrossEntropyLoss loss_fn_;
+
+  TrainPosition pos_;
+  int64_t steps_per_epoch_ = 0;
+  int64_t total_steps_ = 0;
+  int64_t steps_this_process_ = 0;
+
+  // Logging stretch (this rank): losses since the last flush.
+  double stretch_loss_sum_ = 0;
+  int64_t stretch_loss_count_ = 0;
+  double stretch_train_s_ = 0;
+  double stretch_samples_ = 0;
+  int64_t last_flushed_step_ = -1;
+
+  // Rank 0's progress display: local running loss of the epoch.
+  double shown_loss_sum_ = 0;
+  int64_t shown_loss_count_ = 0;
+  RecentRate rate_;
+
+  // Throughput: training time and samples after the warm-up steps.
+  static constexpr int64_t kWarmupSteps = 5;
+  double measured_s_ = 0;
+  double measured_samples_ = 0;
+  int64_t measured_steps_ = 0;
+
+  std::optional<Evaluation> last_eval_;
+  int64_t last_eval_step_ = -1;
+  double last_epoch_train_loss_ = NAN;
+  std::string checkpoint_saved_;
+  int64_t last_checkpoint_step_ = -1;
+};
+
+void Run::Setup() {
+  data_ = LoadDatasets(c_);
+  CheckBatchFitsShard(c_, data_.train->Size(), world_);
+  model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
+  const int64_t num_params = CountParameters(*model_);
+  compute_dtype_ = ComputeDType(c_);
+  if (compute_dtype_ != nn::DType::kFloat32) model_->To(compute_dtype_);
+  model_->Train();
+  optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
+  if (c_.amp == "fp16") {
+    // f16 gradients underflow without loss scaling; bf16 has f32's range.
+    scaler_ = std::make_unique<nn::optim::GradScaler>();
+  }
+
+  nn::data::DistributedSamplerOptions sampler;
+  sampler.num_replicas = world_;
+  sampler.rank = rank_;
+  sampler.shuffle = true;
+  sampler.seed = c_.seed;
+  nn::data::DataLoaderOptions train_options;
+  train_options.batch_size = c_.batch_size;
+  train_options.num_workers = c_.workers;
+  train_loader_ = std::make_unique<nn::data::DataLoader>(
+      data_.train, std::make_shared<nn::data::DistributedSampler>(data_.train->Size(), sampler),
+      data_.train_transform, train_options);
+  nn::data::DataLoaderOptions test_options;
+  // Evaluation keeps no graph, so batches can be larger than training's.
+  test_options.batch_size =
+      c_.model.rfind("resnet", 0) == 0 ? std::max<int64_t>(c_.batch_size, 64) : 1000;
+  test_options.num_workers = c_.workers;
+  test_loader_ = std::make_unique<nn::data::DataLoader>(
+      data_.test, std::make_shared<StridedSampler>(data_.test->Size(), rank_, world_),
+      data_.test_transform, test_options);
+
+  const int64_t batches = train_loader_->NumBatches();
+  steps_per_epoch_ = (batches + c_.grad_accum_steps - 1) / c_.grad_accum_steps;
+  total_steps_ = c_.epochs * steps_per_epoch_;
+  if (c_.max_steps > 0) total_steps_ = std::min(total_steps_, c_.max_steps);
+  if (c_.scheduler == "step") {
+    // Ten times smaller after each third of the run.
+    scheduler_ = std::make_unique<nn::optim::LrScheduler>(
+        *optimizer_, nn::optim::StepSchedule(std::max<int64_t>(1, total_steps_ / 3), 0.1));
+  } else if (c_.scheduler == "cosine") {
+    scheduler_ = std::make_unique<nn::optim::LrScheduler>(
+        *optimizer_, nn::optim::CosineSchedule(std::max<int64_t>(1, total_steps_)));
+  }
+
+  std::string resume_note;
+  if (c_.resume) {
+    pos_ = LoadTrainCheckpoint(c_.checkpoint,
+                               {model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()},
+                               c_, world_, &resume_note);
+  }
+  // Every rank built the same model from the same seed; attaching makes
+  // rank 0's values the common start regardless.
+  par_.Attach(model_, c_);
+
+  if (lead_ && !c_.log_dir.empty()) {
+    log_ = std::make_unique<MetricsLog>(
+        c_.log_dir, c_.model + " on " + c_.dataset,
+        std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
+            FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
+        c_.resume ? pos_.step : -1);
+  }
+
+  const bool u = console_.options().unicode;
+  const std::string dot = u ? " \u00b7 " : ", ";
+  Say(console_.Bold(c_.model) + " (" + FormatCount(num_params) + " parameters)" + dot +
+      std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + dot + data_.description +
+      dot + "global batch " + FormatCount(c_.GlobalBatch(world_)) + " (" +
+      std::to_string(world_) + " x " + std::to_string(c_.batch_size) +
+      (c_.grad_accum_steps > 1 ? " x " + std::to_string(c_.grad_accum_steps) + " accumulated"
+                               : "") +
+      ")");
+  std::string plan = "  " + OptimizerSummary(c_) + dot + std::to_string(c_.epochs) +
+                     (c_.epochs == 1 ? " epoch" : " epochs") + " of " +
+                     FormatCount(steps_per_epoch_) + " steps";
+  if (c_.max_steps > 0) plan += " (at most " + FormatCount(c_.max_steps) + " steps)";
+  Say(console_.Dim(plan));
+  if (!c_.checkpoint.empty()) {
+    Say(console_.Dim("  checkpoint " + c_.checkpoint +
+                     (c_.resume ? " (resuming)" : "")));
+  }
+  if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
+  if (c_.resume) {
+    if (!resume_note.empty()) Say("  note: " + resume_note);
+    Say(StringPrintf("  resumed at epoch %lld, step %lld (%lld of the epoch's %lld steps done)",
+                     static_cast<long long>(pos_.epoch + 1), static_cast<long long>(pos_.step),
+                     static_cast<long long>(pos_.batch_in_epoch / c_.grad_accum_steps),
+                     static_cast<long long>(steps_per_epoch_)));
+  }
+}
+
+bool Run::TrainStep(nn::data::DataLoader& loader) {
+  const Clock::time_point t0 = Clock::now();
+  const int64_t remaining = train_loader_->NumBatches() - pos_.batch_in_epoch;
+  const int64_t group = std::min<int64_t>(c_.grad_accum_steps, remaining);
+  if (group <= 0) return false;
+  double samples = 0;
+  const double scale = scaler_ ? scaler_->scale() : 1.0;
+  for (int64_t i = 0; i < group; ++i) {
+    std::optional<nn::data::Batch> batch = loader.Next();
+    if (!batch) return false;
+    // Micro-batches before the last only accumulate; the last one's
+    // backward synchronizes everything accumulated.
+    auto no_sync = i + 1 < group ? par_.NoSync() : std::unique_ptr<void, void (*)(void*)>(nullptr, [](void*) {});
+    nn::Tensor x = batch->images;
+    if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
+    const nn::Tensor logits = par_.Forward(x);
+    const nn::Tensor loss = loss_fn_(logits, batch->labels);
+    const double value = loss.Item();
+    nn::Backward(nn::ops::MulScalar(loss, scale / static_cast<double>(group)));
+    stretch_loss_sum_ += value;
+    stretch_loss_count_ += 1;
+    shown_loss_sum_ += value;
+    shown_loss_count_ += 1;
+    samples += static_cast<double>(batch->images.size(0)) * world_;
+  }
+  par_.FinishBackward();
+  if (scaler_) {
+    scaler_->Step(*optimizer_);
+    scaler_->Update();
+  } else {
+    optimizer_->Step();
+  }
+  if (scheduler_) scheduler_->Step();
+  optimizer_->ZeroGrad();
+  pos_.batch_in_epoch += group;
+  pos_.step += 1;
+  steps_this_process_ += 1;
+
+  const Clock::time_point t1 = Clock::now();
+  const double dt = Seconds(t1 - t0);
+  stretch_train_s_ += dt;
+  stretch_samples_ += samples;
+  if (steps_this_process_ > kWarmupSteps) {
+    measured_s_ += dt;
+    measured_samples_ += samples;
+    measured_steps_ += 1;
+  }
+  rate_.Add(t1, samples);
+  return true;
+}
+
+void Run::FlushMetrics() {
+  if (last_flushed_step_ == pos_.step) return;
+  std::vector<double> v = {stretch_loss_sum_, static_cast<double>(stretch_loss_count_)};
+  par_.SumAcrossRanks(v);
+  pos_.epoch_loss_sum += v[0];
+  pos_.epoch_loss_count += static_cast<int64_t>(v[1]);
+  if (log_ && v[1] > 0) {
+    StepRecord r;
+    r.step = pos_.step;
+    r.epoch = pos_.epoch + 1;
+    r.loss = v[0] / v[1];
+    r.lr = optimizer_->lr();
+    r.samples_per_s = stretch_train_s_ > 0 ? stretch_samples_ / stretch_train_s_ : 0;
+    log_->AddStep(r);
+  }
+  stretch_loss_sum_ = 0;
+  stretch_loss_count_ = 0;
+  stretch_train_s_ = 0;
+  stretch_samples_ = 0;
+  last_flushed_step_ = pos_.step;
+}
+
+Evaluation Run::Evaluate() {
+  model_->Eval();
+  double loss_sum = 0;
+  double correct = 0;
+  double count = 0;
+  {
+    nn::NoGradGuard no_grad;
+    nn::loss::CrossEntropyOptions sum;
+    sum.reduction = nn::loss::Reduction::kSum;
+    test_loader_->StartEpoch(0);
+    while (std::optional<nn::data::Batch> batch = test_loader_->Next()) {
+      nn::Tensor x = batch->images;
+      if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
+      // The module itself, not the DDP wrapper: evaluation needs no gradient
+      // synchronization and must not count as a training iteration.
+      const nn::Tensor logits = model_->Forward(x);
+      loss_sum += nn::loss::CrossEntropy(logits, batch->labels, sum).Item();
+      const std::vector<int64_t> predicted = nn::ops::Argmax(logits, 1).ToVector<int64_t>();
+      const std::vector<int64_t> labels = batch->labels.ToVector<int64_t>();
+      for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
+      count += static_cast<double>(labels.size());
+    }
+  }
+  model_->Train();
+  std::vector<double> v = {loss_sum, correct, count};
+  par_.SumAcrossRanks(v);
+  Evaluation e;
+  e.loss = v[2] > 0 ? v[0] / v[2] : NAN;
+  e.accuracy = v[2] > 0 ? v[1] / v[2] : NAN;
+  return e;
+}
+
+void Run::RecordEvaluation(const Evaluation& e) {
+  last_eval_ = e;
+  last_eval_step_ = pos_.step;
+  if (log_) log_->AddEval({pos_.step, pos_.epoch + 1, e.loss, e.accuracy});
+}
+
+void Run::SaveCheckpoint() {
+  if (c_.checkpoint.empty() || last_checkpoint_step_ == pos_.step) return;
+  last_checkpoint_step_ = pos_.step;
+  if (!lead_) return;
+  SaveTrainCheckpoint(c_.checkpoint,
+                      {model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()}, pos_, c_,
+                      world_);
+  checkpoint_saved_ = c_.checkpoint;
+}
+
+RunResult Run::Go() {
+  Setup();
+  RunResult result;
+  result.world_size = world_;
+  int signal = 0;
+  int64_t epochs_done = pos_.epoch;
+  try {
+    while (pos_.epoch < c_.epochs && !StepLimitReached() && signal == 0) {
+      const Clock::time_point epoch_start = Clock::now();
+      double paused_s = 0;  // evaluation and checkpoints inside the epoch
+      const int64_t epoch_number = pos_.epoch + 1;
+      train_loader_->StartEpoch(pos_.epoch, pos_.batch_in_epoch);
+      const int64_t done_at_start = pos_.batch_in_epoch / c_.grad_accum_steps;
+      if (lead_ && !opt_.quiet) {
+        console_.StartEpoch(epoch_number, c_.epochs, steps_per_epoch_, done_at_start);
+      }
+      shown_loss_sum_ = 0;
+      shown_loss_count_ = 0;
+      rate_.Reset();
+      bool epoch_complete = false;
+      while (true) {
+        if ((signal = StopSignal()) != 0) break;
+        if (StepLimitReached()) break;
+        if (!TrainStep(*train_loader_)) {
+          epoch_complete = true;
+          break;
+        }
+        const bool epoch_end = pos_.batch_in_epoch >= train_loader_->NumBatches();
+        if (pos_.step % c_.log_every == 0 || epoch_end || StepLimitReached()) FlushMetrics();
+        const bool eval_now = c_.eval_every > 0 && pos_.step % c_.eval_every == 0 && !epoch_end;
+        const bool save_now = c_.checkpoint_every > 0 && pos_.step % c_.checkpoint_every == 0 &&
+                              !epoch_end && !StepLimitReached();
+        if (eval_now || save_now) {
+          const Clock::time_point p0 = Clock::now();
+          if (eval_now) {
+            FlushMetrics();
+            RecordEvaluation(Evaluate());
+          }
+          if (save_now) {
+            FlushMetrics();
+            SaveCheckpoint();
+          }
+          paused_s += Seconds(Clock::now() - p0);
+          rate_.Reset();
+        }
+        if (lead_ && !opt_.quiet) {
+          const int64_t done = pos_.batch_in_epoch / c_.grad_accum_steps +
+                               (pos_.batch_in_epoch % c_.grad_accum_steps != 0);
+          const double eta = rate_.StepTime() * static_cast<double>(steps_per_epoch_ - done);
+          console_.Progress(done, rate_.Rate(),
+                            shown_loss_count_ > 0 ? shown_loss_sum_ / shown_loss_count_ : NAN,
+                            eta);
+        }
+        if (epoch_end) {
+          epoch_complete = true;
+          break;
+        }
+      }
+      if (lead_ && !opt_.quiet) console_.EndEpoch();
+      if (signal != 0) break;
+
+      // End of the epoch, or of the run at --max_steps: the ranks agree on
+      // it (both are decided by the step count), so collectives are safe.
+      FlushMetrics();
+      const double train_s = Seconds(Clock::now() - epoch_start) - paused_s;
+      last_epoch_train_loss_ =
+          pos_.epoch_loss_count > 0 ? pos_.epoch_loss_sum / pos_.epoch_loss_count : NAN;
+      if (last_eval_step_ != pos_.step) RecordEvaluation(Evaluate());
+      const std::string stats = par_.TakeStatsLine();
+      if (epoch_complete) {
+        ++epochs_done;
+        pos_.epoch += 1;
+        pos_.batch_in_epoch = 0;
+        pos_.epoch_loss_sum = 0;
+        pos_.epoch_loss_count = 0;
+      }
+      SaveCheckpoint();
+      if (log_) {
+        if (epoch_complete) log_->AddEpochEnd(epoch_number, pos_.step);
+        log_->WriteChart();
+      }
+      std::string line = StringPrintf(
+          "%s  train loss %.4f  test loss %.4f  test acc %s  %s",
+          console_.Bold(StringPrintf("epoch %lld/%lld", static_cast<long long>(epoch_number),
+                                     static_cast<long long>(c_.epochs)))
+              .c_str(),
+          last_epoch_train_loss_, last_eval_->loss,
+          console_.Green(StringPrintf("%.2f%%", last_eval_->accuracy * 100)).c_str(),
+          FormatSeconds(train_s).c_str());
+      if (!epoch_complete) line += StringPrintf("  (stopped at --max_steps=%lld)",
+                                                static_cast<long long>(c_.max_steps));
+      Say(line);
+      if (c_.ddp_stats && !stats.empty()) Say(console_.Dim("  ddp: " + stats));
+    }
+    if (signal == 0 && !last_eval_) {
+      // Nothing left to train (a resumed finished run): still report accuracy.
+      RecordEvaluation(Evaluate());
+    }
+  } catch (const JobError&) {
+    // Ranks stop one by one on Ctrl-C; a rank still inside a collective
+    // sees its peer leave. That is the interruption, not a new failure.
+    if (StopSignal() == 0) throw;
+    signal = StopSignal();
+    last_checkpoint_step_ = pos_.step;  // the state may be mid-step: do not save it
+  }
+
+  if (signal != 0) {
+    // Rank 0's replica after its last complete step equals every rank's, so
+    // it alone can save a consistent checkpoint.
+    SaveCheckpoint();
+    if (lead_) {
+      std::string where = StringPrintf("stopped by %s at epoch %lld, step %lld",
+                                       signal == SIGINT ? "Ctrl-C" : strsignal(signal),
+                                       static_cast<long long>(pos_.epoch + 1),
+                                       static_cast<long long>(pos_.step));
+      if (!checkpoint_saved_.empty()) {
+        where += "; checkpoint saved to " + checkpoint_saved_ + " (continue with --resume)";
+      }
+      if (!opt_.quiet) console_.Line(where);
+    }
+  }
+
+  if (c_.trace) {
+    const std::string dir = c_.log_dir.empty() ? UserWorkingDirectory() : c_.log_dir;
+    const std::string path = dir + "/trace_rank" + std::to_string(rank_) + ".json";
+    par_.WriteTrace(path);
+    Say(console_.Dim("  trace " + dir + "/trace_rank*.json (open in ui.perfetto.dev)"));
+  }
+
+  result.steps = pos_.step;
+  result.epochs_done = epochs_done;
+  result.epochs = static_cast<double>(pos_.step) / std::max<int64_t>(1, steps_per_epoch_);
+  result.measured_steps = measured_steps_;
+  result.samples_per_s = measured_s_ > 0 ? measured_samples_ / measured_s_ : NAN;
+  result.train_loss = last_epoch_train_loss_;
+  if (last_eval_) {
+    result.test_loss = last_eval_->loss;
+    result.test_acc = last_eval_->accuracy;
+  } else {
+    result.test_loss = NAN;
+    result.test_acc = NAN;
+  }
+  result.comm_share = par_.CommShare();
+  result.comm_overlap = par_.CommOverlap();
+  result.stopped_by_signal = signal;
+  result.checkpoint_saved = checkpoint_saved_;
+  result.wall_s = Seconds(Clock::now() - start_);
+  if (lead_ && signal == 0 && !opt_.quiet) {
+    std::string done = StringPrintf("done in %s: test accuracy %s, %s samples/s",
+                                    FormatSeconds(result.wall_s).c_str(),
+                                    console_.Green(StringPrintf("%.2f%%", result.test_acc * 100)).c_str(),
+                                    FormatRate(result.samples_per_s).c_str());
+    if (!checkpoint_saved_.empty()) done += ", checkpoint " + checkpoint_saved_;
+    Say(done);
+  }
+  if (lead_ && signal == 0 && opt_.print_result) {
+    std::fprintf(opt_.out, "%s\n", ResultLine(c_, result).c_str());
+    std::fflush(opt_.out);
+  }
+  return result;
+}
+
+}  // namespace
+
+void CheckSetup(const TrainConfig& config, int world_size) {
+  ValidateConfig(config);
+  const Datasets data = LoadDatasets(config);
+  CheckBatchFitsShard(config, data.train->Size(), world_size);
+  const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
+  if (config.resume) {
+    if (ComputeDType(config) != nn::DType::kFloat32) model->To(ComputeDType(config));
+    CheckCheckpointMatchesModel(config.checkpoint, *model, config);
+  }
+}
+
+RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options) {
+  ValidateConfig(config);
+  Run run(config, parallel, options);
+  return run.Go();
+}
+
+std::string ResultLine(const TrainConfig& c, const RunResult& r) {
+  const std::string epochs = r.epochs == std::floor(r.epochs) ? StringPrintf("%.0f", r.epochs)
+                                                               : StringPrintf("%.2f", r.epochs);
+  return StringPrintf(
+      "RESULT model=%s ranks=%d epochs=%s samples_per_s=%.1f train_loss=%.4f test_acc=%.4f "
+      "wall_s=%.1f",
+      c.model.c_str(), r.world_size, epochs.c_str(), r.samples_per_s, r.train_loss, r.test_acc,
+      r.wall_s);
+}
+
+}  // namespace ddp::examples::trainer

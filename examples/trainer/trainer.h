@@ -1,0 +1,68 @@
+#ifndef DDP_EXAMPLES_TRAINER_TRAINER_H_
+#define DDP_EXAMPLES_TRAINER_TRAINER_H_
+
+// The training loop behind //examples:train and //examples:scaling_bench:
+// data-parallel training of an image classifier, with evaluation, metrics,
+// checkpoints and exact resume. Every rank calls Train; rank 0 talks to the
+// person watching (see console.h) and writes files.
+
+#include <atomic>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "examples/trainer/config.h"
+#include "examples/trainer/console.h"
+#include "examples/trainer/parallel.h"
+
+namespace ddp::examples::trainer {
+
+/// How Train reports.
+struct RunOptions {
+  std::FILE* out = stdout;                ///< Rank 0's output.
+  std::optional<ConsoleOptions> console;  ///< Default: detected from `out`.
+  bool quiet = false;                     ///< No header, progress or epoch lines.
+  bool print_result = true;               ///< The final RESULT line.
+  /// Set (to the signal number) by a SIGINT/SIGTERM handler: the run stops
+  /// at the next step boundary and rank 0 saves a checkpoint there.
+  const std::atomic<int>* stop = nullptr;
+  /// When the process started (wall_s counts from here); default: Train's start.
+  std::optional<std::chrono::steady_clock::time_point> start_time;
+};
+
+/// What a run achieved (identical on every rank except where noted).
+struct RunResult {
+  int world_size = 1;
+  int64_t steps = 0;             ///< Optimizer steps done, counting resumed ones.
+  int64_t epochs_done = 0;       ///< Complete epochs.
+  double epochs = 0;             ///< Steps done in epochs (fractional at --max_steps).
+  int64_t measured_steps = 0;    ///< Steps in the throughput figure.
+  double samples_per_s = 0;      ///< Global, excluding evaluation and 5 warm-up steps.
+  double train_loss = 0;         ///< Mean loss of the last (partial) epoch.
+  double test_loss = 0;          ///< Last evaluation.
+  double test_acc = 0;           ///< Last evaluation, fraction in [0, 1].
+  double wall_s = 0;
+  double comm_share = -1;        ///< See Parallel::CommShare.
+  double comm_overlap = -1;
+  int stopped_by_signal = 0;     ///< Non-zero: interrupted by this signal.
+  std::string checkpoint_saved;  ///< Path of the last checkpoint written ("" none).
+};
+
+/// Checks everything that can be checked before the ranks start, so that a
+/// mistake gets one message instead of one per rank: the flags, the dataset
+/// files, the batch size against a rank's share of the data, and with
+/// --resume the checkpoint against the model. Throws UsageError.
+void CheckSetup(const TrainConfig& config, int world_size);
+
+/// Trains as configured. Collective: every rank of `parallel` calls it.
+/// Throws UsageError for user mistakes found late (a corrupt checkpoint)
+/// and JobError when the job fails (a peer died).
+RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options);
+
+/// "RESULT model=cnn ranks=2 epochs=2 samples_per_s=... train_loss=...
+/// test_acc=... wall_s=..." (no newline).
+std::string ResultLine(const TrainConfig& config, const RunResult& result);
+
+}  // namespace ddp::examples::trainer
+
+#endif  // DDP_EXAMPLES_TRAINER_TRAINER_H_
