@@ -13,6 +13,8 @@
 namespace ddp::examples::trainer {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 bool Utf8Locale() {
   for (const char* name : {"LC_ALL", "LC_CTYPE", "LANG"}) {
     const char* v = std::getenv(name);
@@ -93,7 +95,9 @@ void Console::StartEpoch(int64_t epoch, int64_t epochs, int64_t total_steps, int
   epochs_ = epochs;
   total_steps_ = std::max<int64_t>(total_steps, 1);
   last_plain_step_ = done_steps;
-  last_draw_ = {};
+  // Plain lines start one interval into the epoch, when there is a rate to
+  // report; short epochs get none (their result line follows soon).
+  last_draw_ = options_.interactive ? Clock::time_point{} : Clock::now();
 }
 
 std::string Console::RenderBar(int64_t done, double rate, double loss, double eta_s,
@@ -109,7 +113,7 @@ std::string Console::RenderBar(int64_t done, double rate, double loss, double et
   // Bar between the epoch label and the figures; it gets what is left of
   // the line (at least 10 columns, at most 40).
   const int room = width - 1 - static_cast<int>(epoch.size()) - 1 - DisplayWidth(tail);
-  const int bar_width = std::clamp(room, 10, 40);
+  const int bar_width = std::clamp(room - (options_.unicode ? 0 : 2), 10, 40);  // ASCII adds [ ]
   const double frac = std::clamp(static_cast<double>(done) / total_steps_, 0.0, 1.0);
   std::string bar;
   if (options_.unicode) {
@@ -141,8 +145,7 @@ void Console::Progress(int64_t done, double rate, double loss, double eta_s) {
   // and none for the last step (the epoch's result line follows).
   const int64_t every = std::max<int64_t>(1, total_steps_ / 10);
   if (done >= total_steps_ || done - last_plain_step_ < every) return;
-  if (last_draw_ != std::chrono::steady_clock::time_point{} &&
-      now - last_draw_ < options_.min_plain_interval) {
+  if (now - last_draw_ < options_.min_plain_interval) {
     return;
   }
   last_draw_ = now;

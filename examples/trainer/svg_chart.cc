@@ -142,7 +142,7 @@ std::string RenderSvgChart(const Chart& chart) {
     yr.hi += air;
     if (panel.percent) {
       yr.lo = std::max(yr.lo, 0.0);
-      yr.hi = std::min(yr.hi, 1.0);
+      yr.hi = std::min(yr.hi, 1.02);  // room for a line at 100%
       if (yr.hi <= yr.lo) yr.hi = yr.lo + 0.01;
     }
     auto sy = [&](double y) { return bottom - (y - yr.lo) / (yr.hi - yr.lo) * chart.panel_height; };

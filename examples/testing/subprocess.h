@@ -1,0 +1,79 @@
+#ifndef DDP_EXAMPLES_TESTING_SUBPROCESS_H_
+#define DDP_EXAMPLES_TESTING_SUBPROCESS_H_
+
+// Running the example binaries from tests: start a program with its output
+// in files, signal it, wait with a deadline, find its children. Test-only.
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ddp::examples::testing {
+
+/// Path of a runfile of this workspace ("examples/train").
+std::string Runfile(const std::string& path);
+
+/// A fresh, empty directory under TEST_TMPDIR.
+std::string MakeTempDir(const std::string& name);
+
+/// A started program. Destroying it kills (SIGKILL) its process group and
+/// every process it started, then reaps it.
+class Subprocess {
+ public:
+  /// Starts `argv` (argv[0] is the program path) in its own process group
+  /// with `env` added to this process's environment; stdout and stderr go to
+  /// files in a fresh directory. Aborts the test on failure to start.
+  Subprocess(std::vector<std::string> argv,
+             std::vector<std::pair<std::string, std::string>> env = {});
+  ~Subprocess();
+  Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  /// Sends `signal` to the program itself (not its group), as a terminal's
+  /// Ctrl-C reaches a launcher that put its workers in their own group.
+  void Signal(int signal) const;
+  /// Waits until the program exits or `timeout` passes. Returns the exit
+  /// code (128 + signal when killed by one), or -1 on timeout.
+  int Wait(std::chrono::milliseconds timeout);
+  /// Output so far.
+  std::string Stdout() const;
+  std::string Stderr() const;
+  /// Processes whose parent is this program (its workers), now.
+  std::vector<pid_t> Children() const;
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int exit_code_ = -1;
+  std::string dir_;
+  std::vector<pid_t> seen_children_;
+};
+
+/// Result of RunToEnd.
+struct RunOutput {
+  int exit_code = -1;  ///< -1: it did not finish in time (it was killed).
+  std::string out;
+  std::string err;
+};
+
+/// Starts a program, waits up to `timeout` for it, and returns its output.
+RunOutput RunToEnd(std::vector<std::string> argv,
+                   std::vector<std::pair<std::string, std::string>> env = {},
+                   std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+/// True when `pid` no longer runs (gone, or a zombie).
+bool ProcessGone(pid_t pid);
+
+/// Reads a whole file ("" when it cannot be read).
+std::string ReadFile(const std::string& path);
+
+/// Lines of `text` (without their newlines; no empty last line).
+std::vector<std::string> Lines(const std::string& text);
+
+}  // namespace ddp::examples::testing
+
+#endif  // DDP_EXAMPLES_TESTING_SUBPROCESS_H_

@@ -1,0 +1,114 @@
+// What a new user meets on the command line: --help, and the mistakes that
+// must get one line that says how to fix them (exit status 2, nothing
+// started).
+
+#include <gflags/gflags.h>
+
+#include <string>
+#include <vector>
+
+#include "examples/testing/subprocess.h"
+#include "gtest/gtest.h"
+
+namespace ddp::examples {
+namespace {
+
+using testing::Lines;
+using testing::RunOutput;
+using testing::RunToEnd;
+using testing::Runfile;
+
+RunOutput Train(std::vector<std::string> args) {
+  args.insert(args.begin(), Runfile("examples/train"));
+  return RunToEnd(std::move(args), {}, std::chrono::seconds(120));
+}
+
+// The one line on stderr, after checking there is exactly one.
+std::string OneErrorLine(const RunOutput& r) {
+  const std::vector<std::string> lines = Lines(r.err);
+  EXPECT_EQ(lines.size(), 1u) << r.err;
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  return lines.empty() ? "" : lines[0];
+}
+
+TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
+  const RunOutput r = Train({"--help"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* flag :
+       {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
+        "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
+        "momentum", "weight_decay", "scheduler", "amp", "nproc_per_node", "sync_bn",
+        "bucket_cap_mb", "find_unused_parameters", "ddp_stats", "trace", "checkpoint",
+        "checkpoint_every", "resume", "log_dir", "log_every"}) {
+    EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
+  }
+  // Flags of linked libraries (gflags' own) stay out of the way.
+  EXPECT_EQ(r.out.find("--flagfile"), std::string::npos);
+  EXPECT_EQ(r.out.find("--tab_completion_columns"), std::string::npos);
+  EXPECT_NE(r.out.find("--model=cnn"), std::string::npos) << "defaults are shown";
+  EXPECT_NE(r.out.find("--lr=0.05 "), std::string::npos) << "numbers are shown as written";
+  for (const std::string& line : Lines(r.out)) EXPECT_LE(line.size(), 100u) << line;
+  EXPECT_EQ(Train({"-h"}).out, r.out);
+}
+
+TEST(TrainCliTest, MissingDatasetNamesThePackageAndDataDir) {
+  const std::string line = OneErrorLine(Train({"--data_dir=/nonexistent/fmnist"}));
+  EXPECT_EQ(line.rfind("train: dataset file not found: looked for "
+                       "/nonexistent/fmnist/train-images-idx3-ubyte.gz",
+                       0),
+            0u)
+      << line;
+  EXPECT_NE(line.find("apt-get install dataset-fashion-mnist"), std::string::npos) << line;
+  EXPECT_NE(line.find("--data_dir"), std::string::npos) << line;
+}
+
+TEST(TrainCliTest, UnknownModelListsTheModels) {
+  EXPECT_EQ(OneErrorLine(Train({"--model=vgg16"})),
+            "train: unknown --model=vgg16; use one of cnn, mlp, resnet18, resnet34, resnet50");
+}
+
+TEST(TrainCliTest, BatchLargerThanTheShardSaysTheLimit) {
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=synthetic", "--model=mlp", "--train_samples=1000",
+                                "--batch_size=600", "--nproc_per_node=2"})),
+            "train: --batch_size=600 is larger than the 500 training samples each of the 2 "
+            "ranks gets (synthetic has 1,000); use --batch_size=500 or less, or fewer ranks");
+}
+
+TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
+  EXPECT_EQ(OneErrorLine(Train({"epochs=3"})),
+            "train: unexpected argument 'epochs=3'; flags are written --name=value (see --help)");
+  EXPECT_EQ(OneErrorLine(Train({"--nproc_per_node=0"})),
+            "train: --nproc_per_node=0 must be at least 1");
+  EXPECT_EQ(OneErrorLine(Train({"--resume", "--checkpoint=none"})),
+            "train: --resume needs a checkpoint to read; drop --checkpoint=none or give a path");
+}
+
+TEST(TrainCliTest, CheckpointOfAnotherModelListsTheKeys) {
+  const std::string dir = testing::MakeTempDir("mismatch");
+  const std::string ckpt = dir + "/mlp.safetensors";
+  const RunOutput made = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=256",
+                                "--test_samples=64", "--batch_size=32", "--max_steps=2",
+                                "--nproc_per_node=1", "--checkpoint=" + ckpt});
+  ASSERT_EQ(made.exit_code, 0) << made.out << made.err;
+  const std::string line = OneErrorLine(Train({"--dataset=synthetic", "--model=cnn", "--resume",
+                                               "--nproc_per_node=1", "--checkpoint=" + ckpt}));
+  EXPECT_EQ(line,
+            "train: checkpoint " + ckpt +
+                " does not match --model=cnn: missing keys 0.weight, 0.bias, 7.weight, 7.bias, "
+                "9.weight, 9.bias; unexpected keys 1.weight, 1.bias, 5.weight, 5.bias; different "
+                "shapes or dtypes 3.weight [256, 512] f32 vs [64, 32, 3, 3] f32, 3.bias [256] f32 "
+                "vs [64] f32; it was saved by --model=mlp; pass the same flags, or another "
+                "--checkpoint path");
+}
+
+TEST(TrainCliTest, ResumeWithoutACheckpointSaysHowToMakeOne) {
+  const std::string dir = testing::MakeTempDir("nockpt");
+  const std::string line = OneErrorLine(
+      Train({"--resume", "--nproc_per_node=1", "--checkpoint=" + dir + "/none.safetensors"}));
+  EXPECT_EQ(line, "train: --resume: no checkpoint at " + dir +
+                      "/none.safetensors; run once without --resume to create it, or pass "
+                      "--checkpoint=PATH");
+}
+
+}  // namespace
+}  // namespace ddp::examples

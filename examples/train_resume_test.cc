@@ -1,0 +1,164 @@
+// Checkpoints under failure, on 2 ranks:
+// - a run killed (SIGKILL) in the middle and resumed with --resume ends with
+//   exactly the parameters of a run that was never interrupted;
+// - Ctrl-C (SIGINT to the self-launching parent) stops every rank within
+//   seconds, and the checkpoint on disk is complete and loadable.
+
+#include <signal.h>
+
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "examples/testing/subprocess.h"
+#include "gtest/gtest.h"
+#include "nn/io/checkpoint.h"
+
+namespace ddp::examples {
+namespace {
+
+using testing::RunOutput;
+using testing::Runfile;
+using testing::Subprocess;
+using Clock = std::chrono::steady_clock;
+
+// 3 epochs of 64 steps of the CNN with momentum and a cosine schedule, so
+// that optimizer, scheduler, epoch and position in the epoch all matter.
+std::vector<std::string> Args(const std::string& checkpoint) {
+  return {Runfile("examples/train"), "--dataset=synthetic", "--model=cnn",
+          "--train_samples=2048",    "--test_samples=128",  "--batch_size=16",
+          "--epochs=3",              "--scheduler=cosine",  "--workers=1",
+          "--checkpoint_every=4",    "--checkpoint=" + checkpoint};
+}
+
+// Step recorded in a checkpoint's metadata, or -1 when there is no
+// complete checkpoint.
+int64_t CheckpointStep(const std::string& path) {
+  if (!std::filesystem::exists(path)) return -1;
+  try {
+    const nn::io::Checkpoint c = nn::io::LoadCheckpoint(path);
+    return nn::io::MetadataInt(c.metadata, "step", path);
+  } catch (const std::exception&) {
+    return -1;  // being replaced right now: rename is atomic, so retry
+  }
+}
+
+// Waits until the checkpoint at `path` records at least `step`.
+int64_t WaitForCheckpoint(const std::string& path, int64_t step, Subprocess& p) {
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (Clock::now() < deadline) {
+    const int64_t s = CheckpointStep(path);
+    if (s >= step) return s;
+    if (p.Wait(std::chrono::milliseconds(0)) != -1) return -1;  // ended early
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return -1;
+}
+
+void ExpectSameModel(const std::string& a_path, const std::string& b_path) {
+  const nn::io::Checkpoint a = nn::io::LoadCheckpoint(a_path);
+  const nn::io::Checkpoint b = nn::io::LoadCheckpoint(b_path);
+  EXPECT_EQ(a.metadata.at("step"), b.metadata.at("step"));
+  ASSERT_EQ(a.model.size(), b.model.size());
+  for (size_t i = 0; i < a.model.size(); ++i) {
+    const nn::Tensor& x = a.model[i].second;
+    const nn::Tensor& y = b.model[i].second;
+    ASSERT_EQ(a.model[i].first, b.model[i].first);
+    ASSERT_EQ(x.nbytes(), y.nbytes());
+    EXPECT_EQ(std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()), 0)
+        << a.model[i].first << " differs bitwise";
+  }
+  ASSERT_EQ(a.optimizer.size(), b.optimizer.size());
+  for (size_t i = 0; i < a.optimizer.size(); ++i) {
+    const nn::Tensor& x = a.optimizer[i].second;
+    const nn::Tensor& y = b.optimizer[i].second;
+    EXPECT_EQ(std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()), 0) << a.optimizer[i].first;
+  }
+}
+
+// Files in `dir` that are not the checkpoint (temporaries of a killed write).
+std::vector<std::string> StrayFiles(const std::string& dir, const std::string& keep) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().string() != keep) out.push_back(e.path().string());
+  }
+  return out;
+}
+
+TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
+  const std::string dir = testing::MakeTempDir("resume");
+  const std::string reference = dir + "/reference/ckpt.safetensors";
+  const std::string resumed = dir + "/resumed/ckpt.safetensors";
+
+  const RunOutput ref = testing::RunToEnd(Args(reference));
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  ASSERT_EQ(CheckpointStep(reference), 192);
+
+  int64_t killed_at = -1;
+  {
+    Subprocess run(Args(resumed));
+    killed_at = WaitForCheckpoint(resumed, 8, run);
+    ASSERT_GT(killed_at, 0) << "the run ended before its first checkpoints: " << run.Stdout()
+                            << run.Stderr();
+    // Kill the launcher with no warning; the ranks die with it.
+    const std::vector<pid_t> workers = run.Children();
+    run.Signal(SIGKILL);
+    ASSERT_EQ(run.Wait(std::chrono::seconds(30)), 128 + SIGKILL);
+    for (pid_t w : workers) {
+      const auto until = Clock::now() + std::chrono::seconds(10);
+      while (!testing::ProcessGone(w) && Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_TRUE(testing::ProcessGone(w)) << "rank process " << w << " outlived the launcher";
+    }
+  }
+  const int64_t on_disk = CheckpointStep(resumed);
+  ASSERT_GE(on_disk, killed_at);
+  ASSERT_LT(on_disk, 192) << "the run was not interrupted in the middle";
+
+  std::vector<std::string> again = Args(resumed);
+  again.push_back("--resume");
+  const RunOutput res = testing::RunToEnd(again);
+  ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
+  EXPECT_NE(res.out.find("resumed at epoch " + std::to_string(on_disk / 64 + 1) + ", step " +
+                         std::to_string(on_disk)),
+            std::string::npos)
+      << res.out;
+  ExpectSameModel(reference, resumed);
+  // Same final evaluation too.
+  const std::string ref_result = ref.out.substr(ref.out.find("RESULT"));
+  const std::string res_result = res.out.substr(res.out.find("RESULT"));
+  EXPECT_EQ(ref_result.substr(0, ref_result.find(" samples_per_s")),
+            res_result.substr(0, res_result.find(" samples_per_s")));
+  EXPECT_EQ(ref_result.substr(ref_result.find("test_acc"), 15),
+            res_result.substr(res_result.find("test_acc"), 15));
+}
+
+TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
+  const std::string dir = testing::MakeTempDir("sigint");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  Subprocess run(Args(ckpt));
+  ASSERT_GT(WaitForCheckpoint(ckpt, 4, run), 0) << run.Stdout() << run.Stderr();
+  const std::vector<pid_t> workers = run.Children();
+  ASSERT_EQ(workers.size(), 2u);
+
+  const auto t0 = Clock::now();
+  run.Signal(SIGINT);
+  const int code = run.Wait(std::chrono::seconds(20));
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(code, 128 + SIGINT) << run.Stdout() << run.Stderr();
+  EXPECT_LT(took, 10.0) << "Ctrl-C took " << took << " s to stop the ranks";
+  for (pid_t w : workers) EXPECT_TRUE(testing::ProcessGone(w)) << "rank process " << w;
+
+  // Rank 0 saved its last complete step: loadable, and nothing else left.
+  const int64_t step = CheckpointStep(ckpt);
+  EXPECT_GT(step, 0);
+  EXPECT_LT(step, 192);
+  EXPECT_TRUE(StrayFiles(dir, ckpt).empty()) << StrayFiles(dir, ckpt)[0];
+  EXPECT_NE(run.Stdout().find("stopped by Ctrl-C at epoch "), std::string::npos) << run.Stdout();
+  EXPECT_NE(run.Stdout().find("(continue with --resume)"), std::string::npos) << run.Stdout();
+}
+
+}  // namespace
+}  // namespace ddp::examples

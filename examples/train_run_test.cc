@@ -1,0 +1,140 @@
+// A short real run of //examples:train on 2 ranks: what it prints, the
+// metrics it writes, and the chart as a browser shows it (Chromium renders
+// chart.svg to PNG; both curves must be visible). Also the trainer started
+// the way ddprun starts it (RANK, WORLD_SIZE, ... set per process).
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "examples/testing/png.h"
+#include "examples/testing/subprocess.h"
+#include "examples/trainer/svg_chart.h"
+#include "gtest/gtest.h"
+
+namespace ddp::examples {
+namespace {
+
+using testing::Lines;
+using testing::ReadFile;
+using testing::RunOutput;
+using testing::RunToEnd;
+using testing::Runfile;
+
+// Small and quick: 2 ranks, 16 steps per epoch on generated 28x28 images.
+std::vector<std::string> QuickRun(const std::string& dir) {
+  return {Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",
+          "--train_samples=1024",    "--test_samples=256",  "--batch_size=32",
+          "--workers=0",             "--eval_every=4",      "--log_every=2",
+          "--checkpoint=" + dir + "/ckpt.safetensors", "--log_dir=" + dir + "/logs"};
+}
+
+TEST(TrainRunTest, PrintsHeaderEpochsAndResultAndWritesMetrics) {
+  const std::string dir = testing::MakeTempDir("run");
+  const RunOutput r = RunToEnd(QuickRun(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(r.err, "");
+  const std::vector<std::string> lines = Lines(r.out);
+  ASSERT_GE(lines.size(), 5u) << r.out;
+  EXPECT_EQ(lines[0],
+            "mlp (535,818 parameters), 2 ranks, synthetic (1,024 train / 256 test), global "
+            "batch 64 (2 x 32)");
+  EXPECT_NE(r.out.find("checkpoint " + dir + "/ckpt.safetensors"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << "a pipe gets no live bar";
+  const std::regex epoch_line(
+      R"(epoch [12]/2  train loss \d+\.\d{4}  test loss \d+\.\d{4}  test acc \d+\.\d\d%  \d+\.\ds)");
+  int epoch_lines = 0;
+  for (const std::string& l : lines) epoch_lines += std::regex_match(l, epoch_line);
+  EXPECT_EQ(epoch_lines, 2) << r.out;
+  const std::regex result(
+      R"(RESULT model=mlp ranks=2 epochs=2 samples_per_s=\d+\.\d train_loss=\d+\.\d{4} test_acc=(0|1)\.\d{4} wall_s=\d+\.\d)");
+  EXPECT_TRUE(std::regex_match(lines.back(), result)) << lines.back();
+
+  // metrics.csv: a row every 2 steps, an evaluation every 4 and at epoch ends.
+  const std::vector<std::string> csv = Lines(ReadFile(dir + "/logs/metrics.csv"));
+  ASSERT_FALSE(csv.empty());
+  EXPECT_EQ(csv[0], "step,epoch,loss,lr,samples_per_s,test_loss,test_acc");
+  int step_rows = 0, eval_rows = 0;
+  for (size_t i = 1; i < csv.size(); ++i) {
+    if (std::regex_match(csv[i], std::regex(R"(\d+,[12],[0-9.e+-]+,0\.05,[0-9.]+,,)"))) ++step_rows;
+    if (std::regex_match(csv[i], std::regex(R"(\d+,[12],,,,[0-9.e+-]+,[0-9.]+)"))) ++eval_rows;
+  }
+  EXPECT_EQ(step_rows, 16) << ReadFile(dir + "/logs/metrics.csv");
+  EXPECT_EQ(eval_rows, 8) << ReadFile(dir + "/logs/metrics.csv");
+  EXPECT_TRUE(std::filesystem::exists(dir + "/ckpt.safetensors"));
+}
+
+TEST(TrainRunTest, ChromiumShowsBothCurvesOfTheChart) {
+  const std::string dir = testing::MakeTempDir("chart");
+  const RunOutput r = RunToEnd(QuickRun(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string svg = dir + "/logs/chart.svg";
+  ASSERT_TRUE(std::filesystem::exists(svg));
+
+  const std::string chromium = "/usr/bin/chromium";
+  ASSERT_TRUE(std::filesystem::exists(chromium))
+      << "Chromium renders the chart in this test: run tools/setup.sh (it installs chromium)";
+  const std::string png = dir + "/chart.png";
+  const RunOutput shot = RunToEnd(
+      {chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+       "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+       "--user-data-dir=" + testing::MakeTempDir("chromium-profile"), "--window-size=960,760",
+       "--screenshot=" + png, "file://" + svg},
+      {}, std::chrono::seconds(90));
+  ASSERT_EQ(shot.exit_code, 0) << shot.err;
+  const testing::Image image = testing::DecodePng(ReadFile(png));
+  EXPECT_EQ(image.width, 960);
+  EXPECT_EQ(image.height, 760);
+  // A drawn curve is a 2-pixel line across most of the plot: hundreds of
+  // pixels of its colour (anti-aliasing blends the edges, so the count uses
+  // a small tolerance). The legend swatches alone are about 60.
+  const int64_t loss = image.CountColor(testing::ParseHexColor(trainer::kTrainLossColor), 12);
+  const int64_t accuracy = image.CountColor(testing::ParseHexColor(trainer::kAccuracyColor), 12);
+  EXPECT_GT(loss, 600) << "training-loss curve not visible";
+  EXPECT_GT(accuracy, 600) << "accuracy curve not visible";
+  // Mostly white page: the chart, not an error page, was rendered.
+  EXPECT_GT(image.CountColor(0xffffff, 8), image.width * image.height / 2);
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
+  // What ddprun (or torchrun-style scripts) do: one process per rank with
+  // the launch variables set; the trainer then starts nothing itself.
+  const std::string dir = testing::MakeTempDir("launched");
+  const std::string port = std::to_string(FreePort());
+  std::vector<std::unique_ptr<testing::Subprocess>> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::string> args = QuickRun(dir);
+    args.push_back("--epochs=1");
+    args.push_back("--nproc_per_node=7");  // ignored under a launcher
+    ranks.push_back(std::make_unique<testing::Subprocess>(
+        args, std::vector<std::pair<std::string, std::string>>{{"RANK", std::to_string(rank)},
+                                                               {"WORLD_SIZE", "2"},
+                                                               {"MASTER_ADDR", "127.0.0.1"},
+                                                               {"MASTER_PORT", port}}));
+  }
+  for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(120)), 0) << p->Stderr();
+  EXPECT_NE(ranks[0]->Stdout().find("RESULT model=mlp ranks=2 epochs=1 "), std::string::npos)
+      << ranks[0]->Stdout();
+  EXPECT_EQ(ranks[1]->Stdout(), "") << "only rank 0 talks";
+}
+
+}  // namespace
+}  // namespace ddp::examples

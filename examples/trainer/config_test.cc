@@ -1,0 +1,66 @@
+#include "examples/trainer/config.h"
+
+#include <cstdlib>
+
+#include "gtest/gtest.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+std::string ErrorOf(const TrainConfig& c) {
+  try {
+    ValidateConfig(c);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ConfigTest, DefaultsAreValid) { EXPECT_EQ(ErrorOf(TrainConfig{}), ""); }
+
+TEST(ConfigTest, UnknownModelListsTheKnownOnes) {
+  TrainConfig c;
+  c.model = "resnet152";
+  EXPECT_EQ(ErrorOf(c),
+            "unknown --model=resnet152; use one of cnn, mlp, resnet18, resnet34, resnet50");
+}
+
+TEST(ConfigTest, BadValuesNameTheFlag) {
+  TrainConfig c;
+  c.batch_size = 0;
+  EXPECT_EQ(ErrorOf(c), "--batch_size=0 must be at least 1");
+  c = TrainConfig{};
+  c.amp = "fp8";
+  EXPECT_EQ(ErrorOf(c), "unknown --amp=fp8; use one of off, bf16, fp16");
+  c = TrainConfig{};
+  c.optimizer = "adam";
+  EXPECT_NE(ErrorOf(c).find("--momentum applies to --optimizer=sgd only"), std::string::npos);
+  c = TrainConfig{};
+  c.sync_bn = true;
+  EXPECT_NE(ErrorOf(c).find("--sync_bn"), std::string::npos);
+  c = TrainConfig{};
+  c.resume = true;
+  c.checkpoint = "";
+  EXPECT_NE(ErrorOf(c).find("--resume needs a checkpoint"), std::string::npos);
+}
+
+TEST(ConfigTest, PathsAreRelativeToTheUsersDirectory) {
+  setenv("BUILD_WORKING_DIRECTORY", "/home/someone/project", 1);
+  setenv("XDG_CACHE_HOME", "/cache", 1);
+  TrainConfig c;
+  c.checkpoint = kDefaultCheckpoint;
+  c.log_dir = "runs/a";
+  c.data_dir = "../data";
+  ResolvePaths(c);
+  EXPECT_EQ(c.checkpoint, "/cache/ddp/checkpoints/cnn_fashion_mnist.safetensors");
+  EXPECT_EQ(c.log_dir, "/home/someone/project/runs/a");
+  EXPECT_EQ(c.data_dir, "/home/someone/data");
+  c.checkpoint = "none";
+  ResolvePaths(c);
+  EXPECT_EQ(c.checkpoint, "");
+  unsetenv("BUILD_WORKING_DIRECTORY");
+  unsetenv("XDG_CACHE_HOME");
+}
+
+}  // namespace
+}  // namespace ddp::examples::trainer

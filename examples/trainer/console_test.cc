@@ -1,0 +1,109 @@
+#include "examples/trainer/console.h"
+
+#include <cstdio>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+// Everything written to a temporary FILE*.
+class Capture {
+ public:
+  Capture() : file_(std::tmpfile()) {}
+  ~Capture() { std::fclose(file_); }
+  std::FILE* file() const { return file_; }
+  std::string Text() const {
+    std::fflush(file_);
+    std::rewind(file_);
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), file_)) > 0) out.append(buf, n);
+    return out;
+  }
+
+ private:
+  std::FILE* file_;
+};
+
+int CountOf(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+TEST(ConsoleTest, BarShowsStepRateLossAndEta) {
+  Capture cap;
+  ConsoleOptions o;
+  o.interactive = true;
+  Console console(cap.file(), o);
+  console.StartEpoch(1, 2, 469, 0);
+  const std::string bar = console.RenderBar(234, 2613.4, 0.41234, 9.5, 100);
+  EXPECT_NE(bar.find("epoch 1/2"), std::string::npos) << bar;
+  EXPECT_NE(bar.find("234/469"), std::string::npos) << bar;
+  EXPECT_NE(bar.find("2,613 samples/s"), std::string::npos) << bar;
+  EXPECT_NE(bar.find("loss 0.4123"), std::string::npos) << bar;
+  EXPECT_NE(bar.find("ETA 0:09"), std::string::npos) << bar;
+  EXPECT_NE(bar.find("[##########"), std::string::npos) << bar;  // about half done
+  EXPECT_LE(bar.size(), 100u) << bar;
+}
+
+TEST(ConsoleTest, UnicodeBarFitsTheWidth) {
+  Capture cap;
+  ConsoleOptions o;
+  o.interactive = true;
+  o.unicode = true;
+  Console console(cap.file(), o);
+  console.StartEpoch(2, 2, 100, 0);
+  const std::string bar = console.RenderBar(100, 1000, 0.2, 0, 80);
+  EXPECT_NE(bar.find("\u2501"), std::string::npos);
+  EXPECT_EQ(bar.find("\u2500"), std::string::npos) << "a finished bar has no light part";
+}
+
+TEST(ConsoleTest, TerminalRedrawsInPlaceAndLinesClearTheBar) {
+  Capture cap;
+  ConsoleOptions o;
+  o.interactive = true;
+  Console console(cap.file(), o);
+  console.StartEpoch(1, 1, 10, 0);
+  console.Progress(1, 100, 1.0, 5);
+  console.Line("a note");
+  const std::string text = cap.Text();
+  EXPECT_NE(text.find("\r\033[2K"), std::string::npos);
+  EXPECT_NE(text.find("a note\n"), std::string::npos);
+  EXPECT_LT(text.find("1/10"), text.find("a note"));
+}
+
+TEST(ConsoleTest, PipesGetAboutTenPlainLinesPerEpoch) {
+  Capture cap;
+  ConsoleOptions o;
+  o.interactive = false;
+  o.min_plain_interval = std::chrono::milliseconds(0);
+  Console console(cap.file(), o);
+  console.StartEpoch(1, 2, 200, 0);
+  for (int step = 1; step <= 200; ++step) console.Progress(step, 1000, 0.5, 1);
+  console.EndEpoch();
+  const std::string text = cap.Text();
+  EXPECT_EQ(text.find('\r'), std::string::npos) << "no carriage returns in a pipe";
+  EXPECT_EQ(text.find('\033'), std::string::npos) << "no escape sequences in a pipe";
+  EXPECT_EQ(CountOf(text, "\n"), 9) << text;  // steps 20, 40, ..., 180
+  EXPECT_NE(text.find("epoch 1/2  step  20/200  1,000 samples/s  loss 0.5000  ETA 0:01\n"),
+            std::string::npos)
+      << text;
+}
+
+TEST(ConsoleTest, PlainLinesAreThrottled) {
+  Capture cap;
+  ConsoleOptions o;
+  o.interactive = false;
+  o.min_plain_interval = std::chrono::hours(1);
+  Console console(cap.file(), o);
+  console.StartEpoch(1, 1, 100, 0);
+  for (int step = 1; step <= 100; ++step) console.Progress(step, 1000, 0.5, 1);
+  EXPECT_EQ(CountOf(cap.Text(), "\n"), 1);
+}
+
+}  // namespace
+}  // namespace ddp::examples::trainer

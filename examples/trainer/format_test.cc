@@ -1,0 +1,42 @@
+#include "examples/trainer/format.h"
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+TEST(FormatTest, CountsGetThousandsSeparators) {
+  EXPECT_EQ(FormatCount(0), "0");
+  EXPECT_EQ(FormatCount(999), "999");
+  EXPECT_EQ(FormatCount(1000), "1,000");
+  EXPECT_EQ(FormatCount(225034), "225,034");
+  EXPECT_EQ(FormatCount(-1234567), "-1,234,567");
+}
+
+TEST(FormatTest, ClockShowsMinutesAndHours) {
+  EXPECT_EQ(FormatClock(9.7), "0:09");
+  EXPECT_EQ(FormatClock(754), "12:34");
+  EXPECT_EQ(FormatClock(3723), "1:02:03");
+  EXPECT_EQ(FormatClock(NAN), "-");
+  EXPECT_EQ(FormatClock(-1), "-");
+}
+
+TEST(FormatTest, SecondsReadNaturally) {
+  EXPECT_EQ(FormatSeconds(0.84), "0.8s");
+  EXPECT_EQ(FormatSeconds(23.44), "23.4s");
+  EXPECT_EQ(FormatSeconds(125), "2m05s");
+  EXPECT_EQ(FormatSeconds(7380), "2h03m");
+}
+
+TEST(FormatTest, ExactDoubleRoundTrips) {
+  for (double v : {0.0, 1.0 / 3.0, 1e-300, 123456.789, -2.5}) {
+    EXPECT_EQ(ParseExactDouble(ExactDouble(v)), v);
+  }
+  EXPECT_THROW(ParseExactDouble("0x1.8p+1junk"), std::invalid_argument);
+  EXPECT_THROW(ParseExactDouble(""), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ddp::examples::trainer

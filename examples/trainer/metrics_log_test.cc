@@ -1,0 +1,82 @@
+#include "examples/trainer/metrics_log.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "gtest/gtest.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string TempDir(const std::string& name) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+TEST(MetricsLogTest, WritesCsvRowsAsTheyCome) {
+  const std::string dir = TempDir("rows");
+  MetricsLog log(dir, "t", "s", -1);
+  log.AddStep({10, 1, 2.25, 0.05, 1234.5});
+  log.AddEval({10, 1, 0.5, 0.8125});
+  // Flushed at once: readable while the run goes on.
+  EXPECT_EQ(Read(dir + "/metrics.csv"),
+            "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n"
+            "10,1,2.25,0.05,1234.5,,\n"
+            "10,1,,,,0.5,0.8125\n");
+}
+
+TEST(MetricsLogTest, ChartHasBothPanels) {
+  const std::string dir = TempDir("chart");
+  MetricsLog log(dir, "mlp on fashion_mnist", "2 ranks", -1);
+  for (int s = 10; s <= 100; s += 10) log.AddStep({s, 1, 2.0 / s, 0.05, 1000});
+  log.AddEval({50, 1, 0.6, 0.75});
+  log.AddEval({100, 1, 0.4, 0.85});
+  log.AddEpochEnd(1, 100);
+  log.WriteChart();
+  const std::string svg = Read(dir + "/chart.svg");
+  EXPECT_NE(svg.find("mlp on fashion_mnist"), std::string::npos);
+  EXPECT_NE(svg.find("train loss"), std::string::npos);
+  EXPECT_NE(svg.find("test accuracy"), std::string::npos);
+  EXPECT_NE(svg.find(">epoch 1<"), std::string::npos);
+  // No temporary files are left next to the chart.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 2);
+}
+
+TEST(MetricsLogTest, ResumeKeepsRowsUpToTheCheckpointStep) {
+  const std::string dir = TempDir("resume");
+  {
+    MetricsLog log(dir, "t", "s", -1);
+    for (int s = 10; s <= 60; s += 10) log.AddStep({s, s <= 30 ? 1 : 2, 1.0, 0.05, 100});
+    log.AddEval({30, 1, 0.5, 0.8});
+    log.AddEval({60, 2, 0.4, 0.9});
+  }
+  // A killed run may leave a torn last line.
+  std::ofstream(dir + "/metrics.csv", std::ios::app) << "70,2,0.9";
+  MetricsLog log(dir, "t", "s", 40);
+  EXPECT_EQ(log.steps().size(), 4u);
+  EXPECT_EQ(log.evals().size(), 1u);
+  log.AddStep({50, 2, 0.7, 0.05, 100});
+  const std::string csv = Read(dir + "/metrics.csv");
+  EXPECT_EQ(csv.find("60,2"), std::string::npos) << csv;
+  EXPECT_EQ(csv.find("70,2"), std::string::npos) << csv;
+  EXPECT_NE(csv.find("40,2,1,0.05,100.0,,\n30,1,,,,0.5,0.8\n50,2,0.7,0.05,100.0,,\n"),
+            std::string::npos)
+      << csv;
+}
+
+}  // namespace
+}  // namespace ddp::examples::trainer

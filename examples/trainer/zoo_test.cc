@@ -1,0 +1,86 @@
+#include "examples/trainer/zoo.h"
+
+#include "gtest/gtest.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+std::string UsageErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ZooTest, MissingFashionMnistNamesThePackageAndTheFlag) {
+  TrainConfig c;
+  c.data_dir = "/nonexistent/fmnist";
+  const std::string msg = UsageErrorOf([&] { LoadDatasets(c); });
+  EXPECT_NE(msg.find("/nonexistent/fmnist/train-images-idx3-ubyte"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("dataset-fashion-mnist"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--data_dir"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+}
+
+TEST(ZooTest, CifarWithoutFilesPointsAtSynthetic) {
+  TrainConfig c;
+  c.model = "resnet18";
+  c.dataset = "cifar10";
+  EXPECT_NE(UsageErrorOf([&] { LoadDatasets(c); }).find("--dataset=synthetic"),
+            std::string::npos);
+  c.data_dir = "/nonexistent";
+  EXPECT_NE(UsageErrorOf([&] { LoadDatasets(c); }).find("--data_dir"), std::string::npos);
+}
+
+TEST(ZooTest, SyntheticDataTakesTheModelsShape) {
+  TrainConfig c;
+  c.dataset = "synthetic";
+  c.model = "resnet18";
+  Datasets d = LoadDatasets(c);
+  EXPECT_EQ(d.train->Shape(), (nn::data::ImageShape{3, 32, 32}));
+  EXPECT_EQ(d.train->Size(), 50000);
+  EXPECT_EQ(d.test->Size(), 10000);
+  EXPECT_TRUE(d.train_transform.random_crop);
+  EXPECT_TRUE(d.train_transform.horizontal_flip);
+  c.model = "mlp";
+  c.train_samples = 100;
+  d = LoadDatasets(c);
+  EXPECT_EQ(d.train->Shape(), (nn::data::ImageShape{1, 28, 28}));
+  EXPECT_EQ(d.train->Size(), 100);
+}
+
+TEST(ZooTest, MlpCannotTakeCifarImages) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.dataset = "cifar10";
+  const std::string msg = UsageErrorOf([&] { MakeModel(c, {3, 32, 32}, 10); });
+  EXPECT_EQ(msg,
+            "--model=mlp takes 1x28x28 images in 10 classes and cifar10 has [3, 32, 32]; use a "
+            "resnet (resnet18, resnet34, resnet50) for it");
+}
+
+TEST(ZooTest, ModelsByName) {
+  TrainConfig c;
+  c.model = "cnn";
+  EXPECT_EQ(CountParameters(*MakeModel(c, {1, 28, 28}, 10)), 225034);
+  c.model = "mlp";
+  EXPECT_EQ(CountParameters(*MakeModel(c, {1, 28, 28}, 10)), 535818);
+  c.model = "resnet18";
+  EXPECT_EQ(CountParameters(*MakeModel(c, {3, 32, 32}, 10)), 11173962);
+}
+
+TEST(ZooTest, BatchLargerThanTheShardSaysTheLimit) {
+  TrainConfig c;
+  c.batch_size = 40000;
+  const std::string msg = UsageErrorOf([&] { CheckBatchFitsShard(c, 60000, 2); });
+  EXPECT_EQ(msg,
+            "--batch_size=40000 is larger than the 30,000 training samples each of the 2 ranks "
+            "gets (fashion_mnist has 60,000); use --batch_size=30000 or less, or fewer ranks");
+  c.batch_size = 30000;
+  EXPECT_EQ(UsageErrorOf([&] { CheckBatchFitsShard(c, 60000, 2); }), "");
+}
+
+}  // namespace
+}  // namespace ddp::examples::trainer
