@@ -20,6 +20,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # multi-host tests (network namespaces), process tools used by tests
   iproute2 procps
+  # //examples:train_run_test renders the trainer's SVG chart to PNG
+  chromium
   # the default example's dataset
   dataset-fashion-mnist
 )
