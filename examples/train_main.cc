@@ -334,7 +334,9 @@ int main(int argc, char** argv) {
   options.start_time = start;
   try {
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
-        ddp::examples::trainer::JoinJob();
+        ddp::examples::trainer::JoinJob(config.log_dir.empty()
+                                            ? ddp::examples::trainer::UserWorkingDirectory()
+                                            : config.log_dir);
     const auto result = ddp::examples::trainer::Train(config, *parallel, options);
     parallel.reset();
     if (result.stopped_by_signal != 0) return 128 + result.stopped_by_signal;

@@ -1,12 +1,16 @@
 #ifndef DDP_EXAMPLES_TRAINER_PARALLEL_H_
 #define DDP_EXAMPLES_TRAINER_PARALLEL_H_
 
-// The trainer's view of data parallelism: the replica it runs forward on,
-// accumulation without synchronization, and the few collectives the
-// trainer itself needs (metric sums). One implementation wraps the model in
-// ddp::dist::DistributedDataParallel.
+// The trainer's view of data parallelism: the replica it runs forward and
+// backward on, accumulation without synchronization, and the few
+// collectives the trainer itself needs (metric sums). Implemented over
+// ddp::dist::DistributedDataParallel (parallel.cc); the trainer itself
+// never names ddp/, which keeps its loop readable and lets a failure of the
+// job reach it as one exception type.
 
+#include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,43 +27,67 @@ class JobError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// DDP's runtime statistics summed over a run's synchronizing iterations.
+struct CommTotals {
+  int64_t iterations = 0;
+  double forward_ms = 0;           ///< DDP forward (buffer broadcast included).
+  double backward_compute_ms = 0;  ///< End of forward to the last gradient.
+  double backward_comm_ms = 0;     ///< First bucket launched to last bucket reduced.
+  double overlap_ms = 0;           ///< Part of backward_comm_ms hidden behind compute.
+  double exposed_ms = 0;           ///< Backward waiting after its last gradient.
+
+  /// Communication time as a share of forward + backward (0..1); NaN
+  /// without data.
+  double CommShare() const;
+  /// Share of communication hidden behind backward compute (0..1); NaN
+  /// without data.
+  double Overlap() const;
+};
+
 class Parallel {
  public:
+  /// While alive, backward accumulates gradients locally (no communication);
+  /// the first backward after it synchronizes everything accumulated.
+  class NoSyncScope {
+   public:
+    virtual ~NoSyncScope() = default;
+  };
+
   virtual ~Parallel() = default;
 
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
 
-  /// Wraps `model` (already initialized identically on every rank; rank 0's
-  /// values win). Collective. Call once, before the first Forward.
+  /// Adapts a freshly built model before the optimizer sees its parameters
+  /// (--sync_bn replaces BatchNorm layers by SyncBatchNorm). May replace
+  /// `model`.
+  virtual void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) = 0;
+  /// Wraps `model` for training. Collective; once, before the first Forward.
+  /// Every rank must hold the same architecture; rank 0's values win.
   virtual void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config) = 0;
-  /// Forward through the wrapped model (the DDP wrapper's forward).
+  /// Forward through the wrapper (training).
   virtual nn::Tensor Forward(const nn::Tensor& input) = 0;
-  /// While the returned guard lives, backward accumulates gradients locally
-  /// (no communication); the first backward after it synchronizes.
-  virtual std::unique_ptr<void, void (*)(void*)> NoSync() = 0;
-  /// Called after the last backward of an optimizer step, before the step:
-  /// on return every rank holds the averaged gradients.
-  virtual void FinishBackward() = 0;
+  /// Backward from `loss`; unless inside a NoSyncScope, every rank holds the
+  /// averaged gradients when it returns.
+  virtual void Backward(const nn::Tensor& loss) = 0;
+  virtual std::unique_ptr<NoSyncScope> NoSync() = 0;
 
   /// values[i] = sum over ranks of values[i]. Collective.
   virtual void SumAcrossRanks(std::vector<double>& values) = 0;
 
-  /// Runtime statistics since the last call, one line, or "" when there are
-  /// none (for --ddp_stats).
+  /// DDP's statistics since the last call, as one line ("" when none).
   virtual std::string TakeStatsLine() = 0;
-  /// Fractions of backward time spent in communication and of that time
-  /// hidden behind computation, over the whole run (negative: unknown).
-  virtual double CommShare() const = 0;
-  virtual double CommOverlap() const = 0;
-  /// Writes this rank's Chrome trace to `path` (for --trace).
-  virtual void WriteTrace(const std::string& path) = 0;
+  /// Totals over the run so far.
+  virtual CommTotals Totals() = 0;
+  /// Writes this rank's Chrome trace now (when config.trace); returns its path.
+  virtual std::string WriteTrace() = 0;
 };
 
 /// Joins the job described by the launch environment (RANK, WORLD_SIZE,
 /// ...), or forms a one-process job without one. Collective. Throws
-/// JobError when the job cannot be formed.
-std::unique_ptr<Parallel> JoinJob();
+/// JobError when the job cannot be formed. `trace_dir` (when not empty)
+/// receives trace_rank<r>.json with --trace.
+std::unique_ptr<Parallel> JoinJob(const std::string& trace_dir = "");
 
 }  // namespace ddp::examples::trainer
 

@@ -205,6 +205,7 @@ void Run::Setup() {
   data_ = LoadDatasets(c_);
   CheckBatchFitsShard(c_, data_.train->Size(), world_);
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
+  par_.Prepare(model_, c_);
   const int64_t num_params = CountParameters(*model_);
   compute_dtype_ = ComputeDType(c_);
   if (compute_dtype_ != nn::DType::kFloat32) model_->To(compute_dtype_);
@@ -306,20 +307,20 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
     if (!batch) return false;
     // Micro-batches before the last only accumulate; the last one's
     // backward synchronizes everything accumulated.
-    auto no_sync = i + 1 < group ? par_.NoSync() : std::unique_ptr<void, void (*)(void*)>(nullptr, [](void*) {});
+    std::unique_ptr<Parallel::NoSyncScope> no_sync;
+    if (i + 1 < group) no_sync = par_.NoSync();
     nn::Tensor x = batch->images;
     if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
     const nn::Tensor logits = par_.Forward(x);
     const nn::Tensor loss = loss_fn_(logits, batch->labels);
     const double value = loss.Item();
-    nn::Backward(nn::ops::MulScalar(loss, scale / static_cast<double>(group)));
+    par_.Backward(nn::ops::MulScalar(loss, scale / static_cast<double>(group)));
     stretch_loss_sum_ += value;
     stretch_loss_count_ += 1;
     shown_loss_sum_ += value;
     shown_loss_count_ += 1;
     samples += static_cast<double>(batch->images.size(0)) * world_;
   }
-  par_.FinishBackward();
   if (scaler_) {
     scaler_->Step(*optimizer_);
     scaler_->Update();
@@ -538,10 +539,8 @@ RunResult Run::Go() {
   }
 
   if (c_.trace) {
-    const std::string dir = c_.log_dir.empty() ? UserWorkingDirectory() : c_.log_dir;
-    const std::string path = dir + "/trace_rank" + std::to_string(rank_) + ".json";
-    par_.WriteTrace(path);
-    Say(console_.Dim("  trace " + dir + "/trace_rank*.json (open in ui.perfetto.dev)"));
+    const std::string path = par_.WriteTrace();
+    Say(console_.Dim("  trace " + path + " (one per rank; open them in ui.perfetto.dev)"));
   }
 
   result.steps = pos_.step;
@@ -557,8 +556,9 @@ RunResult Run::Go() {
     result.test_loss = NAN;
     result.test_acc = NAN;
   }
-  result.comm_share = par_.CommShare();
-  result.comm_overlap = par_.CommOverlap();
+  const CommTotals totals = par_.Totals();
+  result.comm_share = totals.CommShare();
+  result.comm_overlap = totals.Overlap();
   result.stopped_by_signal = signal;
   result.checkpoint_saved = checkpoint_saved_;
   result.wall_s = Seconds(Clock::now() - start_);

@@ -42,8 +42,8 @@ struct RunResult {
   double test_loss = 0;          ///< Last evaluation.
   double test_acc = 0;           ///< Last evaluation, fraction in [0, 1].
   double wall_s = 0;
-  double comm_share = -1;        ///< See Parallel::CommShare.
-  double comm_overlap = -1;
+  double comm_share = 0;         ///< See CommTotals::CommShare (NaN: no data).
+  double comm_overlap = 0;       ///< See CommTotals::Overlap.
   int stopped_by_signal = 0;     ///< Non-zero: interrupted by this signal.
   std::string checkpoint_saved;  ///< Path of the last checkpoint written ("" none).
 };

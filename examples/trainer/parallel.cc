@@ -1,0 +1,140 @@
+#include "examples/trainer/parallel.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/process_group.h"
+#include "ddp/sync_batch_norm.h"
+#include "nn/autograd/engine.h"
+
+namespace ddp::examples::trainer {
+
+double CommTotals::CommShare() const {
+  const double busy = forward_ms + backward_compute_ms + exposed_ms;
+  return iterations > 0 && busy > 0 ? backward_comm_ms / busy : NAN;
+}
+
+double CommTotals::Overlap() const {
+  if (iterations == 0) return NAN;
+  return backward_comm_ms > 0 ? overlap_ms / backward_comm_ms : 1.0;
+}
+
+namespace {
+
+// Runs `f`, turning a failed collective into the trainer's JobError.
+template <typename F>
+auto Guarded(const char* what, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const dist::DistributedError& e) {
+    throw JobError(std::string(what) + ": " + e.what());
+  }
+}
+
+class DdpParallel : public Parallel {
+ public:
+  DdpParallel(std::shared_ptr<dist::ProcessGroup> pg, std::string trace_dir)
+      : pg_(std::move(pg)), trace_dir_(std::move(trace_dir)) {}
+
+  ~DdpParallel() override {
+    ddp_.reset();  // before the group: it waits for its collectives
+  }
+
+  int rank() const override { return pg_->rank(); }
+  int world_size() const override { return pg_->size(); }
+
+  void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) override {
+    if (config.sync_bn) model = dist::ConvertSyncBatchNorm(model, pg_);
+  }
+
+  void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config) override {
+    dist::DdpOptions o;
+    o.bucket_cap_mb = config.bucket_cap_mb;
+    o.find_unused_parameters = config.find_unused_parameters;
+    o.process_group = pg_;
+    if (config.trace) {
+      std::error_code ec;  // a failure shows when the trace is written
+      std::filesystem::create_directories(trace_dir_, ec);
+      o.trace_prefix = trace_dir_ + "/trace_";
+    }
+    trace_ = config.trace;
+    Guarded("DistributedDataParallel", [&] {
+      ddp_ = std::make_unique<dist::DistributedDataParallel>(std::move(model), o);
+    });
+  }
+
+  nn::Tensor Forward(const nn::Tensor& input) override {
+    return Guarded("forward", [&] { return ddp_->Forward(input); });
+  }
+
+  void Backward(const nn::Tensor& loss) override {
+    Guarded("backward", [&] { nn::Backward(loss); });
+  }
+
+  std::unique_ptr<NoSyncScope> NoSync() override {
+    struct Scope : NoSyncScope {
+      explicit Scope(dist::DistributedDataParallel& ddp) : guard(ddp) {}
+      dist::NoSyncGuard guard;
+    };
+    return std::make_unique<Scope>(*ddp_);
+  }
+
+  void SumAcrossRanks(std::vector<double>& values) override {
+    if (pg_->size() == 1 || values.empty()) return;
+    nn::Tensor t = nn::FromVector(values, {static_cast<int64_t>(values.size())},
+                                  {.dtype = nn::DType::kFloat64});
+    Guarded("metric all-reduce", [&] { pg_->AllReduce(t).Wait(); });
+    values = t.ToVector<double>();
+  }
+
+  std::string TakeStatsLine() override {
+    if (ddp_ == nullptr) return "";
+    const dist::DdpStats s = ddp_->Stats();
+    ddp_->ResetStats();
+    Add(s);
+    return s.iterations > 0 ? s.ToString() : "";
+  }
+
+  CommTotals Totals() override {
+    if (ddp_ != nullptr) {
+      Add(ddp_->Stats());
+      ddp_->ResetStats();
+    }
+    return totals_;
+  }
+
+  std::string WriteTrace() override {
+    if (!trace_ || ddp_ == nullptr) return "";
+    ddp_->WriteTrace();
+    return trace_dir_ + "/trace_rank" + std::to_string(pg_->rank()) + ".json";
+  }
+
+ private:
+  // Stats are averages over a window; totals are sums.
+  void Add(const dist::DdpStats& s) {
+    const double n = static_cast<double>(s.iterations);
+    totals_.iterations += s.iterations;
+    totals_.forward_ms += s.forward_ms * n;
+    totals_.backward_compute_ms += s.backward_compute_ms * n;
+    totals_.backward_comm_ms += s.backward_comm_ms * n;
+    totals_.overlap_ms += s.overlap_ms * n;
+    totals_.exposed_ms += s.exposed_ms * n;
+  }
+
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::string trace_dir_;
+  bool trace_ = false;
+  std::unique_ptr<dist::DistributedDataParallel> ddp_;
+  CommTotals totals_;
+};
+
+}  // namespace
+
+std::unique_ptr<Parallel> JoinJob(const std::string& trace_dir) {
+  std::shared_ptr<dist::ProcessGroup> pg =
+      Guarded("cannot join the job", [] { return dist::ProcessGroup::CreateFromEnvironment(); });
+  return std::make_unique<DdpParallel>(std::move(pg), trace_dir);
+}
+
+}  // namespace ddp::examples::trainer
