@@ -71,7 +71,7 @@ void RecordSignal(int signo) {
 // Everything the child needs, prepared by the parent: between vfork and exec
 // the child runs on the parent's memory and stack and may only make raw
 // system calls (no allocation, no locks, no libc state, no sanitizer
-// interceptors). Under ThreadSanitizer vfork is a fork and the child a copy;
+// interceptors). Under ThreadSanitizer the child is a copy (see StartOne);
 // the same code is correct there too.
 struct ChildArgs {
   const char* path = nullptr;
@@ -597,8 +597,14 @@ class WorkerGroup::Impl {
     pthread_sigmask(SIG_SETMASK, &all, &args.mask);
     // vfork, not fork: the parent waits until the child has exec'd, nothing
     // is copied, and no pthread_atfork handler runs (a transport fork guard
-    // would otherwise fire in every worker).
+    // would otherwise fire in every worker). ThreadSanitizer turns vfork into
+    // a fork that runs those handlers; there a raw clone without CLONE_VM
+    // (a fork that bypasses libc and the sanitizer) does the same job.
+#if defined(__SANITIZE_THREAD__)
+    const pid_t pid = static_cast<pid_t>(syscall(SYS_clone, SIGCHLD, 0, nullptr, nullptr, 0));
+#else
     const pid_t pid = vfork();
+#endif
     if (pid == 0) RunChild(&args);
     const int vfork_errno = errno;
     pthread_sigmask(SIG_SETMASK, &args.mask, nullptr);

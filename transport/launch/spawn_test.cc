@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <mutex>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -379,6 +380,20 @@ TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
   EXPECT_EQ(group.status().message(),
             "cannot start rank 2: exec '/nonexistent/program': No such file or directory");
   ExpectNoChildrenLeft();
+}
+
+// A fork guard like the transport's exits the child of any fork(); workers
+// must start anyway, because spawning runs no pthread_atfork handler.
+void ForkGuardLikeTheTransports() { _exit(99); }
+
+TEST(SpawnTest, AtforkHandlersDoNotRunWhenSpawning) {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &ForkGuardLikeTheTransports); });
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  EXPECT_THAT(result.output[1], HasSubstr("hello from rank 1"));
 }
 
 TEST(SpawnTest, ResolveProgram) {
