@@ -381,8 +381,8 @@ Status Communicator::Impl::Init() {
     if (const std::string v = GetEnv("DDP_SHM_STAGING_BYTES"); !v.empty()) {
       shm_options.staging_bytes = std::strtoull(v.c_str(), nullptr, 10);
     }
-    if (const std::string v = GetEnv("DDP_SHM_SPINS"); !v.empty()) {
-      shm_options.spins_before_yield = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    if (const std::string v = GetEnv("DDP_SHM_SPIN_US"); !v.empty()) {
+      shm_options.spin_time = std::chrono::microseconds(std::strtoul(v.c_str(), nullptr, 10));
     }
     if (const std::string v = GetEnv("DDP_SHM_CHUNK_BYTES"); !v.empty()) {
       shm_options.chunk_bytes = std::max<size_t>(4096, std::strtoull(v.c_str(), nullptr, 10));

@@ -57,10 +57,10 @@ struct ShmOptions {
   size_t staging_bytes = 256 << 10;
   /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
   size_t chunk_bytes = 256 << 10;
-  /// Ranks outnumber cores: sleep after a few spins (else after
-  /// spins_before_yield polls, ~100 us).
+  /// Ranks outnumber cores: start yielding after 2 us of polling.
   bool yield_when_idle = false;
-  uint32_t spins_before_yield = 1u << 12;
+  /// Otherwise, poll this long before yielding.
+  std::chrono::microseconds spin_time{50};
   std::chrono::milliseconds watchdog_period{100};
 };
 
