@@ -47,13 +47,17 @@ inline p2p::Tag PhaseTag(p2p::Tag tag, int phase) {
   return tag + (static_cast<p2p::Tag>(phase) << kStepTagBits);
 }
 
+/// The largest Tuning::pipeline_depth accepted.
+inline constexpr int kMaxPipelineDepth = 64;
+
 /// How an algorithm runs, not what it computes. Zero means the algorithm's
 /// default. Must be equal on every rank.
 struct Tuning {
   /// Bytes per pipelined message. Tests set it to a few bytes so that small
   /// inputs go through the multi-chunk paths.
   size_t chunk_bytes = 0;
-  /// Receives posted ahead of the one being processed (>= 1).
+  /// Receives posted ahead of the one being processed, 1 to
+  /// kMaxPipelineDepth; scratch memory grows with it.
   int pipeline_depth = 0;
   /// Halving-doubling all-reduce: messages of at most this many bytes use
   /// recursive doubling (log2 p exchanges of the whole vector) instead of

@@ -37,9 +37,9 @@ Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
     return invalid("tag " + std::to_string(args.tag) +
                    " leaves no room for the collective's tag range");
   }
-  if (args.tuning.pipeline_depth < 0) {
+  if (args.tuning.pipeline_depth < 0 || args.tuning.pipeline_depth > kMaxPipelineDepth) {
     return invalid("tuning.pipeline_depth " + std::to_string(args.tuning.pipeline_depth) +
-                   " is negative");
+                   " is outside [0, " + std::to_string(kMaxPipelineDepth) + "]");
   }
   const size_t limit = std::numeric_limits<size_t>::max() / es;
   if (shape.send_elems > limit || shape.recv_elems > limit) {

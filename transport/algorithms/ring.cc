@@ -57,7 +57,8 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
   const size_t total = static_cast<size_t>(steps) * k;
   const size_t group = std::min(k, kReduceScatterGroupChunks);
   const size_t depth = static_cast<size_t>(params.depth);
-  const size_t slots = group + depth + 1;
+  // Never more slots than messages: one big chunk needs one slot.
+  const size_t slots = std::min(group + depth + 1, total);
   const size_t slot_elems = std::min(ce, layout.size(0));
   Scratch scratch(slots * slot_elems * es);
   std::vector<p2p::RequestId> slot_send(slots, 0);  // forward still reading the slot
