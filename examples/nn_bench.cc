@@ -30,6 +30,7 @@ DEFINE_int32(batch, 64, "batch size");
 DEFINE_int32(threads, 1, "threads per GEMM/convolution");
 DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
 DEFINE_bool(eval, true, "measure test accuracy after training");
+DEFINE_int32(eval_batch, 1000, "test-set batch size (PyTorch's script uses 1000)");
 DEFINE_bool(verbose, false, "print allocator statistics");
 
 namespace {
@@ -71,7 +72,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "nn_bench: unknown --model=%s (mlp or cnn)\n", FLAGS_model.c_str());
     return 2;
   }
+  if (FLAGS_verbose) std::printf("peak RSS before loading data: %.1f MB\n", PeakRssMb());
   const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
+  if (FLAGS_verbose) std::printf("peak RSS after loading the training set: %.1f MB\n", PeakRssMb());
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   nn::Generator gen(1);
   const Tensor perm = nn::RandPerm(train->Size(), gen);
@@ -92,13 +95,14 @@ int main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < FLAGS_steps; ++i) step(i + 5);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double train_rss = PeakRssMb();
   double acc = -1;
   if (FLAGS_eval) {
     const auto test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
     model->Eval();
     nn::NoGradGuard no_grad;
     int64_t correct = 0;
-    const int64_t eb = 1000;
+    const int64_t eb = FLAGS_eval_batch;
     Tensor timages = nn::Empty({eb, 1, 28, 28});
     Tensor tlabels = nn::Empty({eb}, {.dtype = nn::DType::kInt64});
     std::vector<int64_t> idx(eb);
@@ -114,6 +118,7 @@ int main(int argc, char** argv) {
   }
   std::printf("%s 1 %.1f %.4f %.4f %.1f\n", FLAGS_model.c_str(), FLAGS_steps * bs / dt, loss_value, acc, PeakRssMb());
   if (FLAGS_verbose) {
+    std::printf("peak RSS after training (before evaluation): %.1f MB\n", train_rss);
     const nn::AllocatorStats s = nn::CpuAllocator().Stats();
     std::printf("allocator: requests %llu system %llu peak_in_use %.1f MB cached %.1f MB\n",
                 static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.system_allocations),

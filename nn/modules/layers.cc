@@ -156,6 +156,7 @@ void BatchNorm2d::CheckInput(const Tensor& x) const {
 // ---------------------------------------------------------------- activations
 
 Tensor ReLU::Forward(const Tensor& x) { return ops::Relu(x); }
+Tensor ReLU::ForwardOwned(Tensor x) { return ops::ReluOwned(std::move(x)); }
 Tensor GELU::Forward(const Tensor& x) { return ops::Gelu(x, tanh_); }
 Tensor Sigmoid::Forward(const Tensor& x) { return ops::Sigmoid(x); }
 Tensor Tanh::Forward(const Tensor& x) { return ops::Tanh(x); }
@@ -245,9 +246,12 @@ void Sequential::Push(std::shared_ptr<Module> module) {
 std::shared_ptr<Module> Sequential::at(size_t i) const { return Child(std::to_string(i)); }
 
 Tensor Sequential::Forward(const Tensor& x) {
-  Tensor y = x;
-  for (const auto& [name, child] : NamedChildren()) y = child->Forward(y);
-  return y;
+  Tensor y;
+  for (const auto& [name, child] : NamedChildren()) {
+    // Intermediate results belong to this loop alone, so children may reuse them.
+    y = y.defined() ? child->ForwardOwned(std::move(y)) : child->Forward(x);
+  }
+  return y.defined() ? y : x;
 }
 
 }  // namespace ddp::nn::modules

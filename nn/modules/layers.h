@@ -128,6 +128,8 @@ class BatchNorm2d : public BatchNorm {
 class ReLU : public Module {
  public:
   Tensor Forward(const Tensor& x) override;
+  /// Rectifies in place when the input's memory is referenced nowhere else.
+  Tensor ForwardOwned(Tensor x) override;
   using Module::Forward;
   std::string TypeName() const override { return "ReLU"; }
 };

@@ -35,6 +35,10 @@ class Module {
   virtual Tensor Forward(const Tensor& input);
   /// Several tensors in and out; the default runs Forward on a single input.
   virtual std::vector<Tensor> Forward(const std::vector<Tensor>& inputs);
+  /// Forward on an input the caller gives up (Sequential passes its
+  /// intermediate results this way). A module may then reuse the input's
+  /// memory when nothing else refers to it (ReLU does); the default calls Forward.
+  virtual Tensor ForwardOwned(Tensor input) { return Forward(input); }
   Tensor operator()(const Tensor& input) { return Forward(input); }
 
   /// Class name as printed: "Linear", "BatchNorm2d".

@@ -9,6 +9,7 @@
 #include "nn/modules/layers.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
+#include "nn/ops/gradcheck.h"
 
 namespace ddp::nn::modules {
 namespace {
@@ -224,6 +225,31 @@ TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   Tensor y = bn.Forward(x);
   EXPECT_EQ(bn.num_batches_tracked().Item(), 1.0);
   EXPECT_EQ(y.shape(), x.shape());
+}
+
+TEST(ModuleTest, SequentialReusesIntermediatesOnlyWhenUnshared) {
+  // Linear -> ReLU (in place on the Linear's output) -> Linear, in f64: exact gradients.
+  Sequential seq{std::make_shared<Linear>(4, 6), std::make_shared<ReLU>(), std::make_shared<Linear>(6, 3),
+                 std::make_shared<Sigmoid>(), std::make_shared<ReLU>()};
+  seq.To(DType::kFloat64);
+  std::vector<Tensor> params = seq.Parameters();
+  std::vector<Tensor> inputs = {testing::RandomLeaf({5, 4}, 1)};
+  inputs.insert(inputs.end(), params.begin(), params.end());
+  EXPECT_TRUE(testing::GradCheck([&seq](const std::vector<Tensor>& in) { return seq.Forward(in[0]); }, inputs));
+  // The ReLU after Sigmoid must not overwrite the sigmoid output its backward saved:
+  // the gradient above would be wrong if it did. A caller-held tensor is never reused.
+  ReLU relu;
+  Tensor a = ops::AddScalar(Rand({8}), -0.5);
+  const std::vector<float> before = a.ToVector<float>();
+  Tensor b = relu.ForwardOwned(a);
+  EXPECT_EQ(a.ToVector<float>(), before);
+  EXPECT_NE(a.storage().get(), b.storage().get());
+  // An unshared temporary is rectified in place.
+  Tensor c = ops::AddScalar(Rand({8}), -0.5);
+  const void* mem = c.data_ptr();
+  Tensor d = relu.ForwardOwned(std::move(c));
+  EXPECT_EQ(d.data_ptr(), mem);
+  for (float v : d.ToVector<float>()) EXPECT_GE(v, 0.0f);
 }
 
 TEST(InitTest, PyTorchBoundsAndSeededReproducibility) {

@@ -112,9 +112,11 @@ Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool di
 Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p) {
   const Shape out_shape = PoolOutput("max_pool2d", x, p, true);
   Tensor y = detail::NewLike(x, out_shape);
-  Tensor indices = Empty(out_shape, {.dtype = DType::kInt32, .device = x.device()});
+  const bool grad = detail::AnyRequiresGrad({&x});
+  // Indices are only kept for backward.
+  Tensor indices = grad ? Empty(out_shape, {.dtype = DType::kInt32, .device = x.device()}) : Tensor();
   DDP_KERNEL(x.device(), max_pool2d_forward)(x, y, indices, p);
-  if (!detail::AnyRequiresGrad({&x})) return y;
+  if (!grad) return y;
   const Shape in = x.shape();
   const DType dt = x.dtype();
   auto node = std::make_shared<LambdaNode>("MaxPool2dBackward", [in, dt, p](LambdaNode& n, std::vector<Tensor>& g) {

@@ -98,7 +98,8 @@ struct KernelTable {
                           const Tensor& dw, const Tensor& db, const Conv2dParams& p) = nullptr;
 
   // --- pooling ---
-  /// y[N,C,OH,OW] = max over windows; indices (i32, y's shape) = argmax within the input plane.
+  /// y[N,C,OH,OW] = max over windows; indices (i32, y's shape; undefined when
+  /// no gradient is wanted) = argmax within the input plane.
   void (*max_pool2d_forward)(const Tensor& x, const Tensor& y, const Tensor& indices,
                              const Pool2dParams& p) = nullptr;
   /// dx (zeroed here) receives dy at the recorded indices.

@@ -189,6 +189,27 @@ Tensor AddScalar(const Tensor& x, double s) { return AffineImpl(x, 1.0, s, "AddS
 Tensor MulScalar(const Tensor& x, double s) { return AffineImpl(x, s, 0.0, "MulScalarBackward"); }
 Tensor Neg(const Tensor& x) { return UnaryOpImpl(UnaryOp::kNeg, x); }
 Tensor Relu(const Tensor& x) { return UnaryOpImpl(UnaryOp::kRelu, x); }
+
+Tensor ReluOwned(Tensor x) {
+  const bool exclusive = x.defined() && x.impl_ptr().use_count() == 1 && x.storage().use_count() == 1 &&
+                         IsFloating(x.dtype()) && (x.grad_fn() != nullptr || !x.requires_grad());
+  if (!exclusive) return Relu(x);
+  DDP_KERNEL(x.device(), unary)(UnaryOp::kRelu, x, x);
+  x.storage()->BumpVersion();
+  // A fresh handle on the same memory carries the new history; x's own
+  // history (its producer) becomes this node's input edge.
+  Tensor out = x.Detach();
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>("ReluBackward", [](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor s = n.saved[0].Get();
+    Tensor gi = NewLike(s);
+    DDP_KERNEL(s.device(), unary_backward)(UnaryOp::kRelu, g[0], s, gi);
+    return std::vector<Tensor>{gi};
+  });
+  detail::ConnectNode(node, {&x}, {&out});
+  node->saved.emplace_back(out);
+  return out;
+}
 Tensor Gelu(const Tensor& x, bool tanh_approximation) {
   return UnaryOpImpl(tanh_approximation ? UnaryOp::kGeluTanh : UnaryOp::kGelu, x);
 }

@@ -26,6 +26,11 @@ Tensor AddScalar(const Tensor& x, double s);
 Tensor MulScalar(const Tensor& x, double s);
 Tensor Neg(const Tensor& x);
 Tensor Relu(const Tensor& x);
+/// Relu that writes into x's memory when x is the only reference to it
+/// (its storage is shared with no view and no saved tensor) and x is not a
+/// leaf that requires grad; otherwise the same as Relu. Saves one
+/// activation-sized buffer per ReLU in a sequential model.
+Tensor ReluOwned(Tensor x);
 /// GELU, exact (erf) or with the tanh approximation.
 Tensor Gelu(const Tensor& x, bool tanh_approximation = false);
 Tensor Sigmoid(const Tensor& x);

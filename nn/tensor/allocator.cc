@@ -1,11 +1,32 @@
 #include "nn/tensor/allocator.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <new>
 
 namespace ddp::nn {
 
 namespace {
+
+// Large blocks come straight from mmap: freeing them (EmptyCache, trimming)
+// then returns the pages to the system at once, which glibc's heap does not
+// guarantee below its adaptive 32 MiB mmap threshold.
+void* SystemAlloc(size_t size) {
+  if (size >= CachingCpuAllocator::kTrimThreshold) {
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  return std::aligned_alloc(kCpuAlignment, size);
+}
+
+void SystemFree(void* p, size_t size) {
+  if (size >= CachingCpuAllocator::kTrimThreshold) {
+    munmap(p, size);
+  } else {
+    std::free(p);
+  }
+}
 
 bool CachingDefault() {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -49,11 +70,18 @@ void* CachingCpuAllocator::Allocate(size_t nbytes, Device device) {
       return p;
     }
     ++stats_.system_allocations;
+    // A new large size while the footprint already exceeds the peak demand
+    // (plus slack): the workload changed (evaluation after training, a
+    // smaller last batch), so blocks of other large sizes go back first.
+    // Steady-state steps hit the cache and never get here.
+    const size_t footprint = stats_.in_use_bytes + stats_.cached_bytes;
+    const size_t limit = stats_.peak_in_use_bytes + kTrimSlack;
+    if (size >= kTrimThreshold && footprint > limit) TrimLocked(footprint - limit);
   }
-  void* p = std::aligned_alloc(kCpuAlignment, size);
+  void* p = SystemAlloc(size);
   if (p == nullptr) {
     EmptyCache();
-    p = std::aligned_alloc(kCpuAlignment, size);
+    p = SystemAlloc(size);
     if (p == nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.in_use_bytes -= size;
@@ -76,7 +104,24 @@ void CachingCpuAllocator::Deallocate(void* ptr, size_t nbytes, Device device) {
       return;
     }
   }
-  std::free(ptr);
+  SystemFree(ptr, size);
+}
+
+void CachingCpuAllocator::TrimLocked(size_t want) {
+  size_t freed = 0;
+  for (auto it = free_.begin(); it != free_.end() && freed < want;) {
+    if (it->first < kTrimThreshold) {
+      ++it;
+      continue;
+    }
+    while (!it->second.empty() && freed < want) {
+      SystemFree(it->second.back(), it->first);
+      it->second.pop_back();
+      freed += it->first;
+      stats_.cached_bytes -= it->first;
+    }
+    it = it->second.empty() ? free_.erase(it) : std::next(it);
+  }
 }
 
 void CachingCpuAllocator::EmptyCache() {
@@ -87,7 +132,7 @@ void CachingCpuAllocator::EmptyCache() {
     stats_.cached_bytes = 0;
   }
   for (auto& [size, list] : blocks) {
-    for (void* p : list) std::free(p);
+    for (void* p : list) SystemFree(p, size);
   }
 }
 

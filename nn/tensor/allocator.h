@@ -40,7 +40,13 @@ struct AllocatorStats {
 /// CPU allocator with exact-size free lists over size classes (64-byte steps
 /// up to 64 KiB, then eight classes per power of two). Blocks are 64-byte
 /// aligned. The cache is bounded (max_cached_bytes); beyond it freed blocks
-/// go back to the system. Caching is off under AddressSanitizer or when the
+/// go back to the system. Blocks of 1 MiB and more are mapped directly
+/// (mmap), so returning them really frees their pages. When a large request
+/// misses the cache while the cached and used memory together exceed the
+/// peak demand seen so far (plus 16 MiB), cached blocks of other large
+/// classes are returned first: switching workloads (training, then
+/// evaluation) does not add the two footprints up, while a steady training
+/// loop, which always hits the cache, never trims. Caching is off under AddressSanitizer or when the
 /// environment sets DDP_NN_CPU_CACHE=0, so that use-after-free is caught.
 class CachingCpuAllocator final : public Allocator {
  public:
@@ -61,7 +67,13 @@ class CachingCpuAllocator final : public Allocator {
   /// The size class a request of nbytes is served from.
   static size_t RoundSize(size_t nbytes);
 
+  /// Requests at least this large trim other cached classes on a miss.
+  static constexpr size_t kTrimThreshold = size_t{1} << 20;
+  /// Footprint allowed above the peak demand before trimming.
+  static constexpr size_t kTrimSlack = size_t{16} << 20;
+
  private:
+  void TrimLocked(size_t want);
   mutable std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> free_;
   AllocatorStats stats_;

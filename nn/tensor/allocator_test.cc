@@ -48,6 +48,34 @@ TEST(CachingCpuAllocatorTest, BoundedCacheAndDisabledCaching) {
   EXPECT_EQ(a.Stats().cached_bytes, 0u);
 }
 
+TEST(CachingCpuAllocatorTest, LargeMissTrimsOnlyBeyondThePeakDemand) {
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  const size_t mb = size_t{1} << 20;
+  // Phase 1 (training): 20 MiB and 8 MiB blocks live together, then freed.
+  void* p = a.Allocate(20 * mb, kCPU);
+  void* q = a.Allocate(8 * mb, kCPU);
+  a.Deallocate(p, 20 * mb, kCPU);
+  a.Deallocate(q, 8 * mb, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 28 * mb);
+  // Within the peak (28 MiB) plus slack: a new size is simply added.
+  void* r = a.Allocate(12 * mb, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 28 * mb);
+  a.Deallocate(r, 12 * mb, kCPU);
+  // Phase 2 (evaluation): a big new size would push the footprint past
+  // peak + slack, so cached blocks of other classes go back first.
+  void* s = a.Allocate(48 * mb, kCPU);
+  const AllocatorStats st = a.Stats();
+  EXPECT_LE(st.in_use_bytes + st.cached_bytes, st.peak_in_use_bytes + CachingCpuAllocator::kTrimSlack);
+  a.Deallocate(s, 48 * mb, kCPU);
+  // Steady state: the same size is served from the cache without trimming.
+  const size_t cached = a.Stats().cached_bytes;
+  void* t = a.Allocate(48 * mb, kCPU);
+  EXPECT_EQ(t, s);
+  EXPECT_EQ(a.Stats().cached_bytes, cached - 48 * mb);
+  a.Deallocate(t, 48 * mb, kCPU);
+}
+
 TEST(CachingCpuAllocatorTest, ThreadsAllocateConcurrently) {
   CachingCpuAllocator a;
   std::vector<std::thread> threads;

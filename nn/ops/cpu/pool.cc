@@ -114,17 +114,24 @@ void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, c
   const int64_t planes = x.size(0) * x.size(1), h = x.size(2), w = x.size(3);
   const int64_t oh = y.size(2), ow = y.size(3);
   Tensor yb = OutBuffer(y);
-  if (indices.dtype() != DType::kInt32 || !indices.is_contiguous()) {
+  // Without indices (no gradient wanted) the kernel still needs somewhere to
+  // put them: one plane's worth of scratch, reused.
+  Tensor scratch;
+  int64_t ind_plane_stride = oh * ow;
+  if (!indices.defined()) {
+    scratch = Empty({oh * ow}, {.dtype = DType::kInt32});
+    ind_plane_stride = 0;
+  } else if (indices.dtype() != DType::kInt32 || !indices.is_contiguous()) {
     throw std::invalid_argument("max_pool2d: indices must be contiguous i32");
   }
-  int32_t* ind = indices.data<int32_t>();
+  int32_t* ind = indices.defined() ? indices.data<int32_t>() : scratch.data<int32_t>();
   if (x.dtype() == DType::kFloat32 && IsFast22(p)) {
     const float* xp = xc.data<float>();
     float* yp = yb.data<float>();
     for (int64_t pl = 0; pl < planes; ++pl) {
       for (int64_t i = 0; i < oh; ++i) {
         const float* r0 = xp + pl * h * w + 2 * i * w;
-        MaxPoolRow22(r0, r0 + w, yp + (pl * oh + i) * ow, ind + (pl * oh + i) * ow, ow,
+        MaxPoolRow22(r0, r0 + w, yp + (pl * oh + i) * ow, ind + pl * ind_plane_stride + i * ow, ow,
                      static_cast<int32_t>(2 * i * w), static_cast<int32_t>(w));
       }
     }
@@ -139,7 +146,7 @@ void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, c
     for (int64_t pl = 0; pl < planes; ++pl) {
       const scalar_t* xpl = xp + pl * h * w;
       scalar_t* ypl = yp + pl * oh * ow;
-      int32_t* ipl = ind + pl * oh * ow;
+      int32_t* ipl = ind + pl * ind_plane_stride;
       for (int64_t i = 0; i < oh; ++i) {
         if (fast22) {
           // Not f32 (that case returned above): scalar, same selects.
