@@ -68,11 +68,14 @@ std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& m
   auto option = [&](const char* name, const std::string& value) {
     entries.push_back({"option", name, value});
   };
-  std::ostringstream cap, first;
-  cap << o.bucket_cap_mb;
-  first << o.first_bucket_mb;
-  option("bucket_cap_mb", cap.str());
-  option("first_bucket_mb", first.str());
+  auto number = [](double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  option("bucket_cap_mb", number(o.bucket_cap_mb));
+  option("first_bucket_mb", number(o.first_bucket_mb));
+  option("inplace_gradient_mb", number(o.inplace_gradient_mb));
   option("broadcast_buffers", o.broadcast_buffers ? "true" : "false");
   option("find_unused_parameters", o.find_unused_parameters ? "true" : "false");
   option("gradient_as_bucket_view", o.gradient_as_bucket_view ? "true" : "false");
@@ -102,6 +105,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   internal::ReducerOptions reducer_options;
   reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb");
   reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb");
+  if (options_.inplace_gradient_mb < 0) {
+    throw std::invalid_argument("DdpOptions::inplace_gradient_mb must not be negative, got " +
+                                std::to_string(options_.inplace_gradient_mb));
+  }
+  reducer_options.inplace_bytes = static_cast<size_t>(options_.inplace_gradient_mb * 1048576.0);
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer_options.static_graph = options_.static_graph;
@@ -326,7 +334,9 @@ void Join::Wait() {
       }
       if (f[size + 1] > 0 && s.reducer != nullptr) s.reducer->RebuildBuckets();
       if (f[size + 2] > 0) internal::BroadcastCoalesced(pg, s.buffers, buffer_root, "buffers");
-      if (f[size] > 0 && s.reducer != nullptr) s.reducer->ShadowBackward();
+      if (f[size] > 0 && s.reducer != nullptr) {
+        s.reducer->ShadowBackward(options_.divide_by_initial_world_size ? size : active);
+      }
     }
     // Every rank is done. The ranks that ran the most iterations hold the
     // final parameters (they are identical); the highest of them is the source.

@@ -60,6 +60,10 @@ struct DdpOptions {
   double bucket_cap_mb = 25.0;
   /// Limit of the first bucket, so that the first all-reduce starts early.
   double first_bucket_mb = 1.0;
+  /// A gradient of at least this many MiB is not copied into a shared
+  /// bucket: it is a bucket of its own, reduced in place in its .grad (no
+  /// copy in or out). 0 copies every gradient, as PyTorch does.
+  double inplace_gradient_mb = 0.5;
   /// Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at
   /// every forward in training.
   bool broadcast_buffers = true;

@@ -23,7 +23,8 @@ double Seconds(std::chrono::steady_clock::duration d) { return duration<double>(
 
 std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
                                                const std::vector<size_t>& order,
-                                               size_t first_bucket_bytes, size_t bucket_bytes) {
+                                               size_t first_bucket_bytes, size_t bucket_bytes,
+                                               size_t inplace_bytes) {
   struct Open {
     std::vector<size_t> members;
     size_t bytes = 0;
@@ -38,6 +39,14 @@ std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& pa
     auto [it, inserted] = open.try_emplace(key);
     Open& o = it->second;
     if (inserted) o.limit = first_bucket_bytes;
+    if (inplace_bytes > 0 && p.nbytes() >= inplace_bytes) {
+      if (!o.members.empty()) result.push_back(std::move(o.members));
+      o.members.clear();
+      o.bytes = 0;
+      o.limit = bucket_bytes;
+      result.push_back({i});
+      continue;
+    }
     o.members.push_back(i);
     o.bytes += p.nbytes();
     if (o.bytes >= o.limit) {
@@ -67,7 +76,6 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   }
   const size_t n = params_.size();
   ready_.assign(n, 0);
-  grad_was_undefined_.assign(n, 0);
   used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
   std::vector<size_t> reverse(n);
   for (size_t i = 0; i < n; ++i) reverse[i] = n - 1 - i;
@@ -100,11 +108,13 @@ void Reducer::SetCommHook(CommHook hook) {
   }
   if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
   hook_ = std::move(hook);
+  default_hook_ = false;
 }
 
 void Reducer::BuildBuckets(const std::vector<size_t>& order) {
   const std::vector<std::vector<size_t>> assignment =
-      AssignBuckets(params_, order, options_.first_bucket_bytes, options_.bucket_bytes);
+      AssignBuckets(params_, order, options_.first_bucket_bytes, options_.bucket_bytes,
+                    options_.inplace_bytes);
   std::vector<Bucket> buckets;
   std::vector<Slot> slots(params_.size());
   for (size_t b = 0; b < assignment.size(); ++b) {
@@ -118,11 +128,17 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
       bucket.offsets.push_back(numel);
       numel += params_[i].numel();
     }
-    bucket.buffer = nn::Zeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
+    bucket.numel = numel;
+    bucket.is_solo = bucket.params.size() == 1;
+    if (!bucket.is_solo) {
+      bucket.buffer = nn::Zeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
+    }
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const size_t i = bucket.params[k];
       slots[i].bucket = b;
-      slots[i].view = bucket.buffer.Narrow(0, bucket.offsets[k], params_[i].numel()).View(params_[i].shape());
+      if (!bucket.is_solo) {
+        slots[i].view = bucket.buffer.Narrow(0, bucket.offsets[k], params_[i].numel()).View(params_[i].shape());
+      }
     }
     buckets.push_back(std::move(bucket));
   }
@@ -130,7 +146,7 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
     // Gradients that exist (accumulated ones included) move into the new views.
     for (size_t i = 0; i < params_.size(); ++i) {
       const nn::Tensor& grad = params_[i].grad();
-      if (!grad.defined()) continue;
+      if (!grad.defined() || !slots[i].view.defined()) continue;
       nn::NoGradGuard guard;
       slots[i].view.CopyFrom(grad);
       params_[i].set_grad(slots[i].view);
@@ -142,7 +158,7 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
 
 std::vector<size_t> Reducer::BucketBytes() const {
   std::vector<size_t> bytes;
-  for (const Bucket& b : buckets_) bytes.push_back(b.buffer.nbytes());
+  for (const Bucket& b : buckets_) bytes.push_back(static_cast<size_t>(b.numel) * nn::ElementSize(b.dtype));
   return bytes;
 }
 
@@ -197,7 +213,8 @@ void Reducer::RebuildBuckets() {
   rebuild_pending_ = false;
   rebuilt_ = true;
   const std::vector<std::vector<size_t>> next =
-      AssignBuckets(params_, agreed, options_.first_bucket_bytes, options_.bucket_bytes);
+      AssignBuckets(params_, agreed, options_.first_bucket_bytes, options_.bucket_bytes,
+                    options_.inplace_bytes);
   bool same = next.size() == buckets_.size();
   for (size_t b = 0; same && b < next.size(); ++b) same = next[b] == buckets_[b].params;
   if (!same) BuildBuckets(agreed);
@@ -248,26 +265,6 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
 
-  if (options_.gradient_as_bucket_view) {
-    // Gradients cleared to none (the optimizer's default ZeroGrad) become
-    // zeroed views again, so that autograd accumulates straight into the
-    // bucket instead of into a fresh tensor that would need a copy.
-    for (size_t i = 0; i < params_.size(); ++i) {
-      grad_was_undefined_[i] = 0;
-      const nn::Tensor& grad = params_[i].grad();
-      if (grad.defined() && IsView(i, grad)) continue;
-      const nn::Tensor& view = slots_[i].view;
-      if (grad.defined()) {
-        nn::NoGradGuard guard;
-        view.CopyFrom(grad);
-      } else {
-        std::memset(view.data_ptr(), 0, view.nbytes());
-        grad_was_undefined_[i] = 1;
-      }
-      params_[i].set_grad(view);
-    }
-  }
-
   if (!handles_unused()) return;
   std::vector<size_t> unused;
   if (options_.static_graph && static_known_) {
@@ -286,8 +283,8 @@ void Reducer::Disarm() { armed_ = false; }
 
 bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
   const nn::Tensor& view = slots_[index].view;
-  return grad.storage() == view.storage() && grad.storage_offset() == view.storage_offset() &&
-         grad.is_contiguous();
+  return view.defined() && grad.storage() == view.storage() &&
+         grad.storage_offset() == view.storage_offset() && grad.is_contiguous();
 }
 
 void Reducer::OnGradReady(size_t index) {
@@ -312,22 +309,48 @@ void Reducer::MarkReady(size_t index) {
   ready_[index] = 1;
   ++ready_count_;
   const Slot& slot = slots_[index];
-  const nn::Tensor& view = slot.view;
-  const nn::Tensor& grad = params_[index].grad();
-  const double factor = 1.0 / divisor_;
-  // Average while copying: one pass over the gradient.
-  if (!grad.defined()) {
-    std::memset(view.data_ptr(), 0, view.nbytes());
-  } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu()) {
-    ScaleCopy(view.data_ptr(), grad.data_ptr(), view.numel(), view.dtype(), factor);
-    if (options_.gradient_as_bucket_view && !IsView(index, grad)) params_[index].set_grad(view);
-  } else {
-    nn::NoGradGuard guard;
-    view.CopyFrom(grad);
-    ScaleCopy(view.data_ptr(), view.data_ptr(), view.numel(), view.dtype(), factor);
-    if (options_.gradient_as_bucket_view) params_[index].set_grad(view);
-  }
   Bucket& bucket = buckets_[slot.bucket];
+  const nn::Tensor& grad = params_[index].grad();
+  // Average while copying (one pass over the gradient), or inside the
+  // all-reduce (default hook dividing by the world size).
+  const double factor = FusedAverage(divisor_) ? 1.0 : 1.0 / divisor_;
+  const bool plain = grad.defined() && grad.is_contiguous() && grad.device().is_cpu() &&
+                     grad.dtype() == bucket.dtype;
+  if (bucket.is_solo) {
+    // Reduced in place: .grad itself is the bucket.
+    if (!grad.defined()) {
+      // Unused here: contribute zeros (kept in case another rank used it).
+      bucket.solo = nn::Zeros(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
+    } else if (plain) {
+      bucket.solo = grad;
+    } else {
+      bucket.solo = nn::Empty(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
+      nn::NoGradGuard guard;
+      bucket.solo.CopyFrom(grad);
+      params_[index].set_grad(bucket.solo);
+    }
+    if (factor != 1.0) {
+      ScaleCopy(bucket.solo.data_ptr(), bucket.solo.data_ptr(), bucket.numel, bucket.dtype, factor);
+    }
+  } else {
+    const nn::Tensor& view = slot.view;
+    if (!grad.defined()) {
+      std::memset(view.data_ptr(), 0, view.nbytes());
+    } else if (IsView(index, grad)) {
+      // Accumulated straight into the bucket (gradient_as_bucket_view).
+      if (factor != 1.0) ScaleCopy(view.data_ptr(), view.data_ptr(), view.numel(), view.dtype(), factor);
+    } else {
+      if (plain) {
+        ScaleCopy(view.data_ptr(), grad.data_ptr(), view.numel(), view.dtype(), factor);
+      } else {
+        nn::NoGradGuard guard;
+        view.CopyFrom(grad);
+        ScaleCopy(view.data_ptr(), view.data_ptr(), view.numel(), view.dtype(), factor);
+      }
+      // The fresh gradient tensor is dropped: from now on the bucket is .grad.
+      if (options_.gradient_as_bucket_view) params_[index].set_grad(view);
+    }
+  }
   if (--bucket.pending == 0) LaunchReadyBuckets();
 }
 
@@ -335,12 +358,16 @@ void Reducer::LaunchReadyBuckets() {
   // Buckets are launched in index order on every rank, so that the
   // collectives match even when gradients arrive in different orders.
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    buckets_[next_launch_].work = Launch(next_launch_, buckets_[next_launch_].buffer);
+    Bucket& b = buckets_[next_launch_];
+    b.work = Launch(next_launch_, b.is_solo ? b.solo.View({b.numel}) : b.buffer);
     ++next_launch_;
   }
 }
 
 Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
+  if (FusedAverage(divisor_)) {
+    return pg_->AllReduce(buffer, transport::ReduceOp::kAvg, "bucket " + std::to_string(b));
+  }
   const Bucket& bucket = buckets_[b];
   std::vector<nn::Tensor> params;
   params.reserve(bucket.params.size());
@@ -394,15 +421,23 @@ void Reducer::Finalize() {
   }
   for (Bucket& b : buckets_) {
     b.work = Work();
+    if (b.is_solo) {
+      // Reduced in place; a gradient this rank lacked arrives now, unless
+      // no rank had one.
+      const size_t i = b.params[0];
+      if (globally_used[i] && !params_[i].grad().defined()) params_[i].set_grad(b.solo);
+      b.solo = nn::Tensor();
+      continue;
+    }
     for (size_t i : b.params) {
       const nn::Tensor& view = slots_[i].view;
       const nn::Tensor& grad = params_[i].grad();
-      if (!globally_used[i]) {
-        // Unused on every rank: keeps no gradient (or the one it had).
-        if (options_.gradient_as_bucket_view && grad_was_undefined_[i]) params_[i].set_grad(nn::Tensor());
-        continue;
+      // Unused on every rank: keeps no gradient (or the one it had).
+      if (!globally_used[i]) continue;
+      if (options_.gradient_as_bucket_view) {
+        if (!grad.defined()) params_[i].set_grad(view);
+        continue;  // .grad is the bucket
       }
-      if (options_.gradient_as_bucket_view) continue;  // .grad is the bucket
       if (!grad.defined()) {
         params_[i].set_grad(view.Clone());
       } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu()) {
@@ -435,14 +470,15 @@ void Reducer::Finalize() {
   }
 }
 
-void Reducer::ShadowBackward() {
+void Reducer::ShadowBackward(double divisor) {
+  // The same collectives as the active ranks: same hook, same reduction.
+  divisor_ = divisor;
   std::vector<Work> works;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     // Zeros of the bucket's kind: this rank contributes nothing, and its own
     // gradients (a view in gradient_as_bucket_view mode) stay as they are.
-    works.push_back(Launch(b, nn::Zeros({bucket.buffer.numel()},
-                                        {.dtype = bucket.dtype, .device = bucket.device})));
+    works.push_back(Launch(b, nn::Zeros({bucket.numel}, {.dtype = bucket.dtype, .device = bucket.device})));
   }
   if (handles_unused()) {
     works.push_back(pg_->AllReduce(nn::ZerosLike(used_), transport::ReduceOp::kSum,

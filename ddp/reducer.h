@@ -29,15 +29,21 @@ namespace ddp::dist::internal {
 /// order their gradients are expected), keeps one open bucket per
 /// (dtype, device), and closes a bucket once it holds at least its limit
 /// (first_bucket_bytes for the first bucket of each kind, bucket_bytes
-/// after). Buckets come out ordered by their first parameter's position in
-/// `order`.
+/// after). A gradient of at least `inplace_bytes` (0: none) closes the open
+/// bucket and gets a bucket of its own, which is reduced in place in .grad
+/// with no copy: copying a large gradient costs more than the one extra
+/// collective saves (Horovod fuses only tensors below its threshold for the
+/// same reason). Buckets come out ordered by their first parameter's
+/// position in `order`.
 std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
                                                const std::vector<size_t>& order,
-                                               size_t first_bucket_bytes, size_t bucket_bytes);
+                                               size_t first_bucket_bytes, size_t bucket_bytes,
+                                               size_t inplace_bytes);
 
 struct ReducerOptions {
   size_t first_bucket_bytes = size_t{1} << 20;
   size_t bucket_bytes = size_t{25} << 20;
+  size_t inplace_bytes = size_t{512} << 10;
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
@@ -85,8 +91,9 @@ class Reducer {
   void Disarm();
 
   /// Join: runs the collectives of one synchronizing backward with zero
-  /// gradients, for ranks that have run out of inputs.
-  void ShadowBackward();
+  /// gradients, for ranks that have run out of inputs; `divisor` is the one
+  /// the active ranks use.
+  void ShadowBackward(double divisor);
 
   /// Whether an unused-parameter map is all-reduced after each backward.
   bool handles_unused() const { return options_.find_unused_parameters || options_.static_graph; }
@@ -101,7 +108,12 @@ class Reducer {
   struct Bucket {
     nn::DType dtype;
     nn::Device device;
-    nn::Tensor buffer;            // flat [numel]
+    int64_t numel = 0;
+    // One parameter: reduced in place in its .grad (buffer stays undefined
+    // and `solo` holds the tensor being reduced this iteration).
+    bool is_solo = false;
+    nn::Tensor buffer;            // flat [numel], several parameters
+    nn::Tensor solo;
     std::vector<size_t> params;   // indices into params_
     std::vector<int64_t> offsets; // element offset of each parameter
     size_t pending = 0;           // gradients still missing this iteration
@@ -109,7 +121,7 @@ class Reducer {
   };
   struct Slot {
     size_t bucket = 0;
-    nn::Tensor view;  // the parameter's part of the bucket, in its shape
+    nn::Tensor view;  // the parameter's part of the bucket, in its shape (not for solo buckets)
   };
 
   void BuildBuckets(const std::vector<size_t>& order);
@@ -117,6 +129,12 @@ class Reducer {
   void MarkReady(size_t index);
   void LaunchReadyBuckets();
   Work Launch(size_t b, const nn::Tensor& buffer);
+  // Whether the average is taken inside the all-reduce (kAvg) instead of
+  // by scaling the gradients first: the default hook, dividing by the
+  // world size. Saves a pass over every gradient in view mode.
+  bool FusedAverage(double divisor) const {
+    return default_hook_ && divisor == static_cast<double>(pg_->size());
+  }
   void Finalize();
   void WaitInFlight();
   bool IsView(size_t index, const nn::Tensor& grad) const;
@@ -128,6 +146,7 @@ class Reducer {
   ReducerOptions options_;
   std::shared_ptr<TraceRecorder> trace_;
   CommHook hook_;
+  bool default_hook_ = true;
   std::vector<nn::HookHandle> hook_handles_;
 
   std::vector<Bucket> buckets_;
@@ -142,7 +161,6 @@ class Reducer {
   size_t next_launch_ = 0;
   nn::Tensor used_;             // i32 [n]: 1 where this rank's hook fired
   Work used_work_;
-  std::vector<char> grad_was_undefined_;  // view mode: .grad was set to a view by prepare
   std::string pending_error_;   // thrown at the next forward
   int64_t iterations_ = 0;
   bool comm_hook_locked_ = false;

@@ -1,0 +1,190 @@
+// Data-parallel training throughput, measured like
+// ../shared/peers/torch_ddp_train.py so that the two can be run side by
+// side: Fashion-MNIST, the peers' MLP or CNN, batch 64 per rank, SGD (lr
+// 0.05, momentum 0.9), cross-entropy, one compute thread per rank; each rank
+// takes every n-th sample of a fixed permutation and batch i is
+// shard[(i*bs) % (len - bs):][:bs]; 5 warm-up steps, a barrier, the timed
+// steps, a barrier; then test accuracy on rank 0.
+//
+//   bazel run //examples:ddp_bench -- --model=mlp --steps=300 --nproc_per_node=2
+//
+// Spawns its own ranks (or runs under ddprun / srun / mpirun). Rank 0
+// prints one line, the peer's five fields first:
+//
+//   model nproc samples_per_s final_loss test_acc fwd_ms bwd_compute_ms
+//   comm_ms overlap_pct exposed_ms comm_cpu_ms buckets step_ms cpu_ms
+//
+// fwd_ms ... buckets are DistributedDataParallel's statistics over the
+// timed steps (averages per step; see DdpStats); step_ms is wall time and
+// cpu_ms rank 0's process CPU time (all threads) per step.
+
+#include <gflags/gflags.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ddp/comm_hooks.h"
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/process_group.h"
+#include "nn/autograd/engine.h"
+#include "nn/data/idx.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/ops/config.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/sgd.h"
+#include "transport/launch/self_launch.h"
+
+DEFINE_string(model, "cnn", "mlp or cnn (the peers' models)");
+DEFINE_int32(steps, 300, "timed training steps");
+DEFINE_int32(batch, 64, "batch size per rank");
+DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
+DEFINE_double(bucket_cap_mb, 25, "DdpOptions::bucket_cap_mb");
+DEFINE_double(first_bucket_mb, 1, "DdpOptions::first_bucket_mb");
+DEFINE_bool(gradient_as_bucket_view, false, "DdpOptions::gradient_as_bucket_view");
+DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16");
+DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
+DEFINE_string(trace_prefix, "", "write a Chrome trace per rank to <prefix>rank<r>.json");
+DEFINE_bool(eval, true, "measure test accuracy after training");
+DEFINE_int32(timeout_ms, 120000, "deadline of every collective");
+
+namespace {
+
+namespace nn = ddp::nn;
+namespace dist = ddp::dist;
+using nn::Tensor;
+
+// Copies samples idx[0..n) into images [n, 1, 28, 28] (scaled to [0, 1]) and labels [n].
+void Gather(const nn::data::InMemoryImageDataset& data, const int64_t* idx, int64_t n,
+            const Tensor& images, const Tensor& labels) {
+  float* x = images.data<float>();
+  int64_t* y = labels.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* src = data.Pixels(idx[i]);
+    for (int64_t k = 0; k < 784; ++k) x[i * 784 + k] = static_cast<float>(src[k]) * (1.0f / 255.0f);
+    y[i] = data.Label(idx[i]);
+  }
+}
+
+// CPU time of this process (every thread), in seconds.
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+int Run() {
+  nn::ops::SetNumThreads(1);
+  dist::ProcessGroupOptions pg_options;
+  pg_options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
+  ddp::transport::CommunicatorOptions comm_options;
+  comm_options.bind_to_core = FLAGS_bind_to_core;
+  auto pg = dist::ProcessGroup::CreateFromEnvironment(pg_options, comm_options);
+  const int rank = pg->rank(), world = pg->size();
+
+  nn::ManualSeed(0);
+  std::shared_ptr<nn::modules::Sequential> model;
+  if (FLAGS_model == "mlp") {
+    model = nn::modules::MakeMlp();
+  } else if (FLAGS_model == "cnn") {
+    model = nn::modules::MakeCnn();
+  } else {
+    std::fprintf(stderr, "ddp_bench: unknown --model=%s (mlp or cnn)\n", FLAGS_model.c_str());
+    return 2;
+  }
+  dist::DdpOptions options;
+  options.process_group = pg;
+  options.bucket_cap_mb = FLAGS_bucket_cap_mb;
+  options.first_bucket_mb = FLAGS_first_bucket_mb;
+  options.gradient_as_bucket_view = FLAGS_gradient_as_bucket_view;
+  options.trace_prefix = FLAGS_trace_prefix;
+  dist::DistributedDataParallel ddp_model(model, options);
+  if (FLAGS_hook == "fp16") {
+    ddp_model.RegisterCommHook(dist::hooks::Fp16CompressHook());
+  } else if (FLAGS_hook == "bf16") {
+    ddp_model.RegisterCommHook(dist::hooks::Bf16CompressHook());
+  } else if (FLAGS_hook != "allreduce") {
+    std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16)\n", FLAGS_hook.c_str());
+    return 2;
+  }
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+
+  const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
+  nn::Generator gen(1);
+  const Tensor perm = nn::RandPerm(train->Size(), gen);
+  std::vector<int64_t> shard;
+  for (int64_t i = rank; i < train->Size(); i += world) shard.push_back(perm.data<int64_t>()[i]);
+  const int64_t bs = FLAGS_batch;
+  const int64_t span = static_cast<int64_t>(shard.size()) - bs;
+  Tensor images = nn::Empty({bs, 1, 28, 28});
+  Tensor labels = nn::Empty({bs}, {.dtype = nn::DType::kInt64});
+  double loss_value = 0;
+  auto step = [&](int64_t i) {
+    Gather(*train, shard.data() + (i * bs) % span, bs, images, labels);
+    opt.ZeroGrad();
+    Tensor loss = nn::loss::CrossEntropy(ddp_model(images), labels);
+    nn::Backward(loss);
+    opt.Step();
+    loss_value = loss.Item();
+  };
+  for (int i = 0; i < 5; ++i) step(i);
+  pg->Barrier().Wait();
+  ddp_model.ResetStats();
+  const auto t0 = std::chrono::steady_clock::now();
+  const double cpu0 = ProcessCpuSeconds();
+  for (int i = 0; i < FLAGS_steps; ++i) step(i + 5);
+  const double cpu_ms = 1e3 * (ProcessCpuSeconds() - cpu0) / FLAGS_steps;
+  pg->Barrier().Wait();
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const dist::DdpStats stats = ddp_model.Stats();
+
+  double acc = -1;
+  if (FLAGS_eval && rank == 0) {
+    const auto test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
+    model->Eval();
+    nn::NoGradGuard no_grad;
+    int64_t correct = 0;
+    const int64_t eb = 1000;
+    Tensor timages = nn::Empty({eb, 1, 28, 28});
+    Tensor tlabels = nn::Empty({eb}, {.dtype = nn::DType::kInt64});
+    std::vector<int64_t> idx(eb);
+    for (int64_t k = 0; k < test->Size(); k += eb) {
+      const int64_t n = std::min(eb, test->Size() - k);
+      for (int64_t i = 0; i < n; ++i) idx[i] = k + i;
+      Gather(*test, idx.data(), n, timages, tlabels);
+      const Tensor pred = nn::ops::Argmax(model->Forward(timages.Narrow(0, 0, n)), 1);
+      for (int64_t i = 0; i < n; ++i) correct += pred.data<int64_t>()[i] == tlabels.data<int64_t>()[i];
+    }
+    acc = static_cast<double>(correct) / static_cast<double>(test->Size());
+  }
+  if (rank == 0) {
+    std::printf("%s %d %.1f %.4f %.4f %.3f %.3f %.3f %.0f %.3f %.3f %zu %.3f %.3f\n", FLAGS_model.c_str(),
+                world, FLAGS_steps * bs * world / dt, loss_value, acc, stats.forward_ms,
+                stats.backward_compute_ms, stats.backward_comm_ms, 100 * stats.overlap_fraction(),
+                stats.exposed_ms, stats.comm_thread_cpu_ms, stats.bucket_bytes.size(),
+                1e3 * dt / FLAGS_steps, cpu_ms);
+    std::fflush(stdout);
+  }
+  // Everyone leaves together: rank 0 evaluated while the others waited.
+  pg->Barrier().Wait();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Spawn the ranks before anything touches UCX; rank 0 alone prints.
+  ddp::transport::launch::SelfLaunchOrExit(argc, argv,
+                                           {.default_nproc_per_node = 2, .prefix_output = false});
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  try {
+    return Run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ddp_bench: %s\n", e.what());
+    return 1;
+  }
+}
