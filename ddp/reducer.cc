@@ -173,12 +173,7 @@ std::vector<std::vector<std::string>> Reducer::BucketNames() const {
 }
 
 void Reducer::CheckPreviousIteration() {
-  if (pending_error_.empty()) return;
-  const std::string message = pending_error_;
-  // Peers may be waiting in a bucket's all-reduce that this rank will never
-  // run: the abort reaches them within ~100 ms, with this message.
-  pg_->Abort(transport::FailedPreconditionError(message));
-  throw std::runtime_error(message);
+  if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
 }
 
 void Reducer::RebuildBuckets() {
@@ -400,6 +395,12 @@ void Reducer::Finalize() {
         "parts of the model are unused in some iterations, set "
         "DdpOptions::find_unused_parameters = true; otherwise make every output of forward "
         "contribute to the loss.";
+    // Peers may wait in a bucket's all-reduce that this rank will never run,
+    // and this rank's launched buckets may wait for peers: the abort ends
+    // both within ~100 ms, and peers report this message. The error itself
+    // surfaces at the next forward, as documented.
+    pg_->Abort(transport::FailedPreconditionError(pending_error_));
+    WaitInFlight();
     return;
   }
   if (handles_unused()) {
