@@ -126,6 +126,21 @@ struct KernelTable {
                               const Tensor& save_mean, const Tensor& save_invstd, bool training,
                               const Tensor& dx, const Tensor& dweight, const Tensor& dbias) = nullptr;
 
+  // --- batch-norm building blocks (SyncBatchNorm composes these across ranks) ---
+  /// Per-channel sum and sum of squares of x[N,C,*] (f64 outputs [C]).
+  void (*batch_norm_stats)(const Tensor& x, const Tensor& sum, const Tensor& sum_sq) = nullptr;
+  /// y = (x - mean[c]) * invstd[c] * weight[c] + bias[c] (weight/bias may be undefined).
+  void (*batch_norm_elementwise)(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                                 const Tensor& bias, const Tensor& y) = nullptr;
+  /// Per-channel sum(dy) and sum(dy * (x - mean) * invstd) (f64 outputs [C]).
+  void (*batch_norm_backward_reduce)(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                                     const Tensor& sum_dy, const Tensor& sum_dy_xhat) = nullptr;
+  /// dx = weight * invstd * (dy - mean_dy - xhat * mean_dy_xhat), where
+  /// mean_dy / mean_dy_xhat are the (global) sums above divided by the (global) count.
+  void (*batch_norm_backward_elementwise)(const Tensor& dy, const Tensor& x, const Tensor& mean,
+                                          const Tensor& invstd, const Tensor& weight, const Tensor& mean_dy,
+                                          const Tensor& mean_dy_xhat, const Tensor& dx) = nullptr;
+
   // --- softmax and losses ---
   /// y = log_softmax(x) along dim.
   void (*log_softmax_forward)(const Tensor& x, int64_t dim, const Tensor& y) = nullptr;

@@ -98,6 +98,26 @@ int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, 
 Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                  const Tensor& bias, bool training, double momentum, double eps);
 
+// --- batch-norm building blocks (no autograd) ---
+// SyncBatchNorm computes statistics over the global batch: each rank runs
+// BatchNormStats, the sums are all-reduced with the counts, and the
+// elementwise parts run with the global mean and invstd; backward likewise
+// reduces sum_dy and sum_dy_xhat across ranks. Sums are f64 [C].
+struct BatchNormSums {
+  Tensor sum;     ///< sum of x (or of dy)
+  Tensor sum_sq;  ///< sum of x^2 (or of dy * xhat)
+};
+/// Per-channel sum and sum of squares of x [N, C, *] (count = numel / C).
+BatchNormSums BatchNormStats(const Tensor& x);
+/// (x - mean) * invstd * weight + bias per channel (weight/bias may be undefined).
+Tensor BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                            const Tensor& bias);
+/// Per-channel sum(dy) and sum(dy * (x - mean) * invstd).
+BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd);
+/// dx = weight * invstd * (dy - mean_dy - (x - mean) * invstd * mean_dy_xhat).
+Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                                    const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat);
+
 // --- softmax ---
 Tensor LogSoftmax(const Tensor& x, int64_t dim);
 Tensor Softmax(const Tensor& x, int64_t dim);

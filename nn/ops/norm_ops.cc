@@ -56,4 +56,51 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
   return y;
 }
 
+namespace {
+void CheckChannels(const char* op, const Tensor& x, std::initializer_list<const Tensor*> per_channel) {
+  if (x.dim() < 2) throw std::invalid_argument(std::string(op) + ": expected input [N, C, ...], got " + ShapeToString(x.shape()));
+  for (const Tensor* t : per_channel) {
+    if (t->defined() && (t->dim() != 1 || t->size(0) != x.size(1))) {
+      throw std::invalid_argument(std::string(op) + ": per-channel tensor of shape " + ShapeToString(t->shape()) +
+                                  " for input " + ShapeToString(x.shape()));
+    }
+  }
+}
+Tensor Sums(const Tensor& x) { return Empty({x.size(1)}, {.dtype = DType::kFloat64, .device = x.device()}); }
+}  // namespace
+
+BatchNormSums BatchNormStats(const Tensor& x) {
+  CheckChannels("batch_norm_stats", x, {});
+  BatchNormSums r{Sums(x), Sums(x)};
+  DDP_KERNEL(x.device(), batch_norm_stats)(x, r.sum, r.sum_sq);
+  return r;
+}
+
+Tensor BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                            const Tensor& bias) {
+  CheckChannels("batch_norm_elementwise", x, {&mean, &invstd, &weight, &bias});
+  Tensor y = detail::NewLike(x);
+  DDP_KERNEL(x.device(), batch_norm_elementwise)(x, mean, invstd, weight, bias, y);
+  return y;
+}
+
+BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd) {
+  CheckChannels("batch_norm_backward_reduce", x, {&mean, &invstd});
+  if (dy.shape() != x.shape()) {
+    throw std::invalid_argument("batch_norm_backward_reduce: dy " + ShapeToString(dy.shape()) + " vs x " +
+                                ShapeToString(x.shape()));
+  }
+  BatchNormSums r{Sums(x), Sums(x)};
+  DDP_KERNEL(x.device(), batch_norm_backward_reduce)(dy, x, mean, invstd, r.sum, r.sum_sq);
+  return r;
+}
+
+Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                                    const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat) {
+  CheckChannels("batch_norm_backward_elementwise", x, {&mean, &invstd, &weight, &mean_dy, &mean_dy_xhat});
+  Tensor dx = detail::NewLike(x);
+  DDP_KERNEL(x.device(), batch_norm_backward_elementwise)(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, dx);
+  return dx;
+}
+
 }  // namespace ddp::nn::ops

@@ -197,6 +197,63 @@ TEST(GradCheckTest, BatchNormTrainingAndEval) {
                         {x}));
 }
 
+// SyncBatchNorm's recipe on two simulated ranks (halves of the batch):
+// local sums, combined; elementwise parts with the global statistics. It
+// must equal BatchNorm on the whole batch, forward and backward.
+TEST(BatchNormPartsTest, TwoHalvesComposeToWholeBatch) {
+  Tensor x = RandomLeaf({6, 3, 4, 2}, 1, false);
+  Tensor w = RandomLeaf({3}, 2, false), b = RandomLeaf({3}, 3, false);
+  Tensor dy = RandomLeaf({6, 3, 4, 2}, 4, false);
+  const double eps = 1e-5;
+  // Reference: BatchNorm on all 6 samples.
+  Tensor xr = x.Clone(), wr = w.Clone(), br = b.Clone();
+  for (Tensor* t : {&xr, &wr, &br}) t->set_requires_grad(true);
+  Tensor yr = BatchNorm(xr, Tensor(), Tensor(), wr, br, true, 0.1, eps);
+  Backward(yr, dy);
+  // Two ranks with 2 and 4 samples (unequal local batches).
+  const Tensor parts[2] = {x.Narrow(0, 0, 2), x.Narrow(0, 2, 4)};
+  const Tensor dparts[2] = {dy.Narrow(0, 0, 2), dy.Narrow(0, 2, 4)};
+  std::vector<double> sum(3, 0), sq(3, 0);
+  for (const Tensor& p : parts) {
+    const BatchNormSums s = BatchNormStats(p);
+    for (int c = 0; c < 3; ++c) {
+      sum[c] += s.sum.ToVector<double>()[c];
+      sq[c] += s.sum_sq.ToVector<double>()[c];
+    }
+  }
+  const double count = 6 * 4 * 2;
+  std::vector<double> mean(3), invstd(3);
+  for (int c = 0; c < 3; ++c) {
+    mean[c] = sum[c] / count;
+    invstd[c] = 1 / std::sqrt(sq[c] / count - mean[c] * mean[c] + eps);
+  }
+  const Tensor mt = FromVector(mean, {3}, {.dtype = DType::kFloat64});
+  const Tensor it = FromVector(invstd, {3}, {.dtype = DType::kFloat64});
+  std::vector<double> sdy(3, 0), sdx(3, 0);
+  for (int r = 0; r < 2; ++r) {
+    const Tensor y = BatchNormElementwise(parts[r], mt, it, w, b);
+    EXPECT_LT(Sum(Abs(Sub(y, yr.Detach().Narrow(0, r == 0 ? 0 : 2, r == 0 ? 2 : 4)))).Item(), 1e-10);
+    const BatchNormSums g = BatchNormBackwardReduce(dparts[r], parts[r], mt, it);
+    for (int c = 0; c < 3; ++c) {
+      sdy[c] += g.sum.ToVector<double>()[c];
+      sdx[c] += g.sum_sq.ToVector<double>()[c];
+    }
+  }
+  EXPECT_NEAR(sdy[1], br.grad().ToVector<double>()[1], 1e-10);  // db = sum(dy)
+  EXPECT_NEAR(sdx[2], wr.grad().ToVector<double>()[2], 1e-10);  // dw = sum(dy * xhat)
+  std::vector<double> mdy(3), mdx(3);
+  for (int c = 0; c < 3; ++c) {
+    mdy[c] = sdy[c] / count;
+    mdx[c] = sdx[c] / count;
+  }
+  for (int r = 0; r < 2; ++r) {
+    const Tensor dx = BatchNormBackwardElementwise(dparts[r], parts[r], mt, it, w,
+                                                   FromVector(mdy, {3}, {.dtype = DType::kFloat64}),
+                                                   FromVector(mdx, {3}, {.dtype = DType::kFloat64}));
+    EXPECT_LT(Sum(Abs(Sub(dx, xr.grad().Narrow(0, r == 0 ? 0 : 2, r == 0 ? 2 : 4)))).Item(), 1e-10);
+  }
+}
+
 TEST(GradCheckTest, Softmax) {
   for (int64_t dim : {0, 1, -1}) {
     EXPECT_TRUE(GradCheck([dim](const V& in) { return LogSoftmax(in[0], dim); }, {RandomLeaf({3, 4, 2}, 1)}));

@@ -158,4 +158,114 @@ void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, 
   FromDoubles(dbias, sum_dy);
 }
 
+// --- building blocks ---
+
+void BatchNormStats(const Tensor& x, const Tensor& sum, const Tensor& sum_sq) {
+  const Dims d = GetDims(x);
+  const Tensor xc = ContiguousData(x);
+  std::vector<double> s(d.c, 0.0), q(d.c, 0.0);
+  DDP_DISPATCH_FLOATING(x.dtype(), "batch_norm_stats", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* xp = static_cast<const scalar_t*>(xc.data_ptr());
+    for (int64_t n = 0; n < d.n; ++n) {
+      for (int64_t c = 0; c < d.c; ++c) {
+        const scalar_t* row = xp + (n * d.c + c) * d.s;
+        double a = 0, b = 0;
+        for (int64_t i = 0; i < d.s; ++i) {
+          const double v = static_cast<A>(row[i]);
+          a += v;
+          b += v * v;
+        }
+        s[c] += a;
+        q[c] += b;
+      }
+    }
+  });
+  FromDoubles(sum, s);
+  FromDoubles(sum_sq, q);
+}
+
+void BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                          const Tensor& bias, const Tensor& y) {
+  const Dims d = GetDims(x);
+  const Tensor xc = ContiguousData(x);
+  if (!y.is_contiguous()) throw std::invalid_argument("batch_norm_elementwise: y must be contiguous");
+  const std::vector<double> mu = mean.ToVector<double>(), is = invstd.ToVector<double>();
+  const std::vector<double> w = ToDoubles(weight, d.c, 1.0), b = ToDoubles(bias, d.c, 0.0);
+  DDP_DISPATCH_FLOATING(x.dtype(), "batch_norm_elementwise", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* xp = static_cast<const scalar_t*>(xc.data_ptr());
+    scalar_t* yp = static_cast<scalar_t*>(y.data_ptr());
+    for (int64_t n = 0; n < d.n; ++n) {
+      for (int64_t c = 0; c < d.c; ++c) {
+        const A scale = static_cast<A>(w[c] * is[c]);
+        const A shift = static_cast<A>(b[c] - mu[c] * w[c] * is[c]);
+        const scalar_t* row = xp + (n * d.c + c) * d.s;
+        scalar_t* out = yp + (n * d.c + c) * d.s;
+        for (int64_t i = 0; i < d.s; ++i) out[i] = static_cast<scalar_t>(static_cast<A>(row[i]) * scale + shift);
+      }
+    }
+  });
+}
+
+void BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                             const Tensor& sum_dy, const Tensor& sum_dy_xhat) {
+  const Dims d = GetDims(x);
+  const Tensor xc = ContiguousData(x), dyc = ContiguousData(dy);
+  const std::vector<double> mu = mean.ToVector<double>(), is = invstd.ToVector<double>();
+  std::vector<double> s(d.c, 0.0), sx(d.c, 0.0);
+  DDP_DISPATCH_FLOATING(x.dtype(), "batch_norm_backward_reduce", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* xp = static_cast<const scalar_t*>(xc.data_ptr());
+    const scalar_t* gp = static_cast<const scalar_t*>(dyc.data_ptr());
+    for (int64_t n = 0; n < d.n; ++n) {
+      for (int64_t c = 0; c < d.c; ++c) {
+        const scalar_t* xr = xp + (n * d.c + c) * d.s;
+        const scalar_t* gr = gp + (n * d.c + c) * d.s;
+        double a = 0, b = 0;
+        for (int64_t i = 0; i < d.s; ++i) {
+          const double g = static_cast<A>(gr[i]);
+          a += g;
+          b += g * (static_cast<A>(xr[i]) - mu[c]);
+        }
+        s[c] += a;
+        sx[c] += b * is[c];
+      }
+    }
+  });
+  FromDoubles(sum_dy, s);
+  FromDoubles(sum_dy_xhat, sx);
+}
+
+void BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                                  const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat,
+                                  const Tensor& dx) {
+  const Dims d = GetDims(x);
+  const Tensor xc = ContiguousData(x), dyc = ContiguousData(dy);
+  if (!dx.is_contiguous()) throw std::invalid_argument("batch_norm_backward_elementwise: dx must be contiguous");
+  const std::vector<double> mu = mean.ToVector<double>(), is = invstd.ToVector<double>();
+  const std::vector<double> w = ToDoubles(weight, d.c, 1.0);
+  const std::vector<double> mdy = mean_dy.ToVector<double>(), mdx = mean_dy_xhat.ToVector<double>();
+  DDP_DISPATCH_FLOATING(x.dtype(), "batch_norm_backward_elementwise", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* xp = static_cast<const scalar_t*>(xc.data_ptr());
+    const scalar_t* gp = static_cast<const scalar_t*>(dyc.data_ptr());
+    scalar_t* dp = static_cast<scalar_t*>(dx.data_ptr());
+    for (int64_t n = 0; n < d.n; ++n) {
+      for (int64_t c = 0; c < d.c; ++c) {
+        const scalar_t* xr = xp + (n * d.c + c) * d.s;
+        const scalar_t* gr = gp + (n * d.c + c) * d.s;
+        scalar_t* out = dp + (n * d.c + c) * d.s;
+        const A k = static_cast<A>(w[c] * is[c]);
+        const A m = static_cast<A>(mdy[c]);
+        const A coef = static_cast<A>(mdx[c] * is[c]);
+        const A mu_c = static_cast<A>(mu[c]);
+        for (int64_t i = 0; i < d.s; ++i) {
+          out[i] = static_cast<scalar_t>(k * (static_cast<A>(gr[i]) - m - (static_cast<A>(xr[i]) - mu_c) * coef));
+        }
+      }
+    }
+  });
+}
+
 }  // namespace ddp::nn::ops::cpu

@@ -53,6 +53,15 @@ void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, 
                        const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
                        const Tensor& dbias);
 
+void BatchNormStats(const Tensor& x, const Tensor& sum, const Tensor& sum_sq);
+void BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                          const Tensor& bias, const Tensor& y);
+void BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                             const Tensor& sum_dy, const Tensor& sum_dy_xhat);
+void BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                                  const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat,
+                                  const Tensor& dx);
+
 // softmax.cc
 void LogSoftmaxForward(const Tensor& x, int64_t dim, const Tensor& y);
 void LogSoftmaxBackward(const Tensor& dy, const Tensor& y, int64_t dim, const Tensor& dx);

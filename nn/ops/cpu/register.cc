@@ -24,6 +24,10 @@ KernelTable CpuKernelTable() {
   t.adaptive_avg_pool2d_backward = &AdaptiveAvgPool2dBackward;
   t.batch_norm_forward = &BatchNormForward;
   t.batch_norm_backward = &BatchNormBackward;
+  t.batch_norm_stats = &BatchNormStats;
+  t.batch_norm_elementwise = &BatchNormElementwise;
+  t.batch_norm_backward_reduce = &BatchNormBackwardReduce;
+  t.batch_norm_backward_elementwise = &BatchNormBackwardElementwise;
   t.log_softmax_forward = &LogSoftmaxForward;
   t.log_softmax_backward = &LogSoftmaxBackward;
   t.cross_entropy_forward = &CrossEntropyForward;
