@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -145,6 +146,19 @@ TEST(AutogradTest, RootErrors) {
   EXPECT_NE(ErrorOf([&] { Backward(Zeros({1})); }).find("does not require grad"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { Backward(ops::MulScalar(w, 2.0), Ones({3})); }).find("gradient of shape [3]"),
             std::string::npos);
+}
+
+TEST(AutogradTest, ReachableLeavesFindsUsedParametersOnly) {
+  Tensor used = Param({2}, 1.0), unused = Param({2}, 1.0), also = Param({2}, 2.0);
+  Tensor y = ops::Sum(ops::Add(ops::Mul(used, also), FromVector({1, 2}, {2})));
+  std::vector<Tensor> leaves = ReachableLeaves({y});
+  ASSERT_EQ(leaves.size(), 2u);
+  auto has = [&](const Tensor& t) {
+    return std::any_of(leaves.begin(), leaves.end(), [&](const Tensor& l) { return l.is_same(t); });
+  };
+  EXPECT_TRUE(has(used));
+  EXPECT_TRUE(has(also));
+  EXPECT_FALSE(has(unused));
 }
 
 TEST(AutogradTest, RetainGradKeepsNonLeafGradient) {

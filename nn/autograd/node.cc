@@ -3,6 +3,7 @@
 #include <atomic>
 #include <limits>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "nn/ops/dispatch.h"
 
@@ -89,6 +90,34 @@ Edge GradientEdge(const Tensor& t) {
     meta.grad_accumulator = acc;
   }
   return {acc, 0};
+}
+
+std::vector<Tensor> ReachableLeaves(const std::vector<Tensor>& roots) {
+  std::vector<Tensor> leaves;
+  std::unordered_set<const Node*> seen;
+  std::unordered_set<const TensorImpl*> seen_leaves;
+  std::vector<const Node*> stack;
+  for (const Tensor& r : roots) {
+    if (!r.defined()) continue;
+    if (r.grad_fn()) {
+      if (seen.insert(r.grad_fn().get()).second) stack.push_back(r.grad_fn().get());
+    } else if (r.requires_grad() && seen_leaves.insert(r.impl()).second) {
+      leaves.push_back(r);
+    }
+  }
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    if (const auto* acc = dynamic_cast<const AccumulateGrad*>(n)) {
+      const Tensor v = acc->variable();
+      if (seen_leaves.insert(v.impl()).second) leaves.push_back(v);
+      continue;
+    }
+    for (const Edge& e : n->next_edges()) {
+      if (e.valid() && seen.insert(e.fn.get()).second) stack.push_back(e.fn.get());
+    }
+  }
+  return leaves;
 }
 
 bool AnyRequiresGrad(std::initializer_list<const Tensor*> tensors) {

@@ -101,6 +101,11 @@ class SavedTensor {
 /// accumulator (created on first use), or nothing.
 Edge GradientEdge(const Tensor& t);
 
+/// The leaves that require grad and are reachable from `roots` through the
+/// recorded graph (each once, in discovery order). DDP's find_unused_parameters
+/// compares them with the model's parameters after the forward pass.
+std::vector<Tensor> ReachableLeaves(const std::vector<Tensor>& roots);
+
 /// True when grad mode is on and any defined tensor in the list requires grad.
 bool AnyRequiresGrad(std::initializer_list<const Tensor*> tensors);
 bool AnyRequiresGrad(const std::vector<Tensor>& tensors);
