@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include <immintrin.h>
+
 #include "transport/reduce/reduce.h"
 
 namespace ddp::transport::shm {
@@ -198,9 +200,10 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
   // a millisecond, sleep on the futex so that a long wait (a slow rank)
   // costs no CPU that compute threads could use.
   //
-  // The spin has no PAUSE instruction: on this (virtualized) machine a 4 KiB
-  // all-reduce took 2 us without it and 10-190 us with it, probably because
-  // the hypervisor deschedules vCPUs that execute PAUSE loops.
+  // A long spin (250 us) measured better than a short one (50 us) on the
+  // busy 2-core machine: median 4 KiB all-reduce 2.3 us against 58 us over
+  // 7 runs each (docs/benchmarks.md), since a rank that keeps its core stays
+  // co-scheduled with its peer.
   const Clock::duration spin_for =
       options_.yield_when_idle ? Clock::duration(std::chrono::microseconds(2))
                                : Clock::duration(options_.spin_time);
@@ -211,7 +214,10 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
     const std::atomic<uint64_t>& counter = control(peer).*field;
     uint32_t spins = 0;
     while (counter.load(std::memory_order_acquire) < value) {
-      if ((++spins & 63) != 0) continue;
+      if ((++spins & 63) != 0) {
+        _mm_pause();
+        continue;
+      }
       const Clock::time_point now = Clock::now();
       if (now >= deadline) {
         return TimedOutError(std::string("shared-memory all-reduce: waiting for rank ") +

@@ -60,7 +60,7 @@ struct ShmOptions {
   /// Ranks outnumber cores: start yielding after 2 us of polling.
   bool yield_when_idle = false;
   /// Otherwise, poll this long before yielding.
-  std::chrono::microseconds spin_time{50};
+  std::chrono::microseconds spin_time{250};
   std::chrono::milliseconds watchdog_period{100};
 };
 
