@@ -54,7 +54,7 @@ struct ShmOptions {
   int size = 1;
   std::vector<int> pids;    ///< Per rank: its process id (for CMA).
   /// Vectors up to this many bytes use the staging path.
-  size_t staging_bytes = 256 << 10;
+  size_t staging_bytes = 8 << 10;
   /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
   size_t chunk_bytes = 256 << 10;
   /// Ranks outnumber cores: start yielding after 2 us of polling.
