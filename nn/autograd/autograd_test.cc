@@ -161,6 +161,11 @@ TEST(AutogradTest, ReachableLeavesFindsUsedParametersOnly) {
   EXPECT_FALSE(has(unused));
 }
 
+TEST(AutogradTest, PrintingNamesTheGradFn) {
+  Tensor w = Param({2}, 1.0);
+  EXPECT_EQ(ops::MulScalar(w, 2.0).ToString(), "tensor([2., 2.], grad_fn=<MulScalarBackward>)");
+}
+
 TEST(AutogradTest, RetainGradKeepsNonLeafGradient) {
   Tensor w = Param({2}, 3.0);
   Tensor h = ops::MulScalar(w, 2.0);

@@ -11,9 +11,15 @@ namespace ddp::nn::autograd {
 
 namespace {
 std::atomic<uint64_t> g_next_sequence_nr{0};
+std::string NodeName(const Node& n) { return n.name(); }
 }  // namespace
 
-Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
+Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {
+  // Every graph starts with a node, so this is the place to let printing
+  // name grad_fn (the tensor library cannot see Node).
+  static const bool registered = (detail::SetGradFnNamer(&NodeName), true);
+  (void)registered;
+}
 
 void Node::AddOutput(const Tensor& output) { outputs_.push_back(output.impl_ptr()); }
 

@@ -19,6 +19,8 @@ constexpr int64_t kSummarizeThreshold = 1000;
 constexpr int64_t kEdgeItems = 3;
 constexpr int kLineWidth = 80;
 
+std::string (*g_grad_fn_namer)(const autograd::Node&) = nullptr;
+
 struct Formatter {
   bool integer_dtype = false;
   bool int_mode = false;
@@ -163,10 +165,20 @@ std::string Tensor::ToString() const {
   if (dtype() != DType::kFloat32 && dtype() != DType::kInt64) {
     out += ", dtype=" + std::string(DTypeName(dtype()));
   }
-  if (requires_grad()) out += is_leaf() ? ", requires_grad=True" : ", grad_fn=<recorded>";
+  if (requires_grad()) {
+    if (is_leaf()) {
+      out += ", requires_grad=True";
+    } else {
+      out += ", grad_fn=<" + (g_grad_fn_namer != nullptr ? g_grad_fn_namer(*grad_fn()) : std::string("recorded")) + ">";
+    }
+  }
   return out + ")";
 }
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.ToString(); }
+
+namespace detail {
+void SetGradFnNamer(std::string (*namer)(const autograd::Node&)) { g_grad_fn_namer = namer; }
+}  // namespace detail
 
 }  // namespace ddp::nn

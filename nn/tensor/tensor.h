@@ -279,6 +279,11 @@ class Tensor {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
+namespace detail {
+/// Set by nn/autograd so that printing can name a tensor's grad_fn.
+void SetGradFnNamer(std::string (*namer)(const autograd::Node&));
+}  // namespace detail
+
 /// Autograd state of a tensor; created on first need.
 struct AutogradMeta {
   bool requires_grad = false;
