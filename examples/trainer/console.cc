@@ -159,4 +159,11 @@ void Console::Progress(int64_t done, double rate, double loss, double eta_s) {
 
 void Console::EndEpoch() { ClearBar(); }
 
+void Console::Status(const std::string& text) {
+  if (!options_.interactive) return;
+  std::fputs(("\r\033[2K" + Dim(text + "...")).c_str(), out_);
+  std::fflush(out_);
+  bar_shown_ = true;
+}
+
 }  // namespace ddp::examples::trainer

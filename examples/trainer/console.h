@@ -57,6 +57,9 @@ class Console {
   void Progress(int64_t done_steps, double samples_per_s, double loss, double eta_s);
   /// Removes the bar (the epoch's result line comes next).
   void EndEpoch();
+  /// On a terminal, shows `text` in place of the bar until the next line
+  /// (what the run is doing during a pause); elsewhere nothing.
+  void Status(const std::string& text);
 
   /// Wraps text in bold / green / dim when colours are on.
   std::string Bold(const std::string& text) const;

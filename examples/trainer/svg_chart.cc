@@ -214,7 +214,7 @@ std::string RenderSvgChart(const Chart& chart) {
     int lx = kLeft + plot_w;
     for (auto it = panel.series.rbegin(); it != panel.series.rend(); ++it) {
       const int text_w = static_cast<int>(it->name.size()) * 7 + 8;
-      lx -= text_w + 26;
+      lx -= text_w + 34;
       const int ly = top - 10;
       svg += StringPrintf("<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"%s\" stroke-width=\"3\"%s/>\n", lx,
                           ly - 4, lx + 20, ly - 4, it->color.c_str(),

@@ -193,6 +193,8 @@ class Run {
   double measured_s_ = 0;
   double measured_samples_ = 0;
   int64_t measured_steps_ = 0;
+  double all_steps_s_ = 0;
+  double all_samples_ = 0;
 
   std::optional<Evaluation> last_eval_;
   int64_t last_eval_step_ = -1;
@@ -337,6 +339,8 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
   const double dt = Seconds(t1 - t0);
   stretch_train_s_ += dt;
   stretch_samples_ += samples;
+  all_steps_s_ += dt;
+  all_samples_ += samples;
   if (steps_this_process_ > kWarmupSteps) {
     measured_s_ += dt;
     measured_samples_ += samples;
@@ -445,13 +449,15 @@ RunResult Run::Go() {
         }
         const bool epoch_end = pos_.batch_in_epoch >= train_loader_->NumBatches();
         if (pos_.step % c_.log_every == 0 || epoch_end || StepLimitReached()) FlushMetrics();
-        const bool eval_now = c_.eval_every > 0 && pos_.step % c_.eval_every == 0 && !epoch_end;
+        const bool eval_now = opt_.evaluate && c_.eval_every > 0 &&
+                              pos_.step % c_.eval_every == 0 && !epoch_end;
         const bool save_now = c_.checkpoint_every > 0 && pos_.step % c_.checkpoint_every == 0 &&
                               !epoch_end && !StepLimitReached();
         if (eval_now || save_now) {
           const Clock::time_point p0 = Clock::now();
           if (eval_now) {
             FlushMetrics();
+            if (lead_ && !opt_.quiet) console_.Status("evaluating");
             RecordEvaluation(Evaluate());
           }
           if (save_now) {
@@ -483,7 +489,12 @@ RunResult Run::Go() {
       const double train_s = Seconds(Clock::now() - epoch_start) - paused_s;
       last_epoch_train_loss_ =
           pos_.epoch_loss_count > 0 ? pos_.epoch_loss_sum / pos_.epoch_loss_count : NAN;
-      if (last_eval_step_ != pos_.step) RecordEvaluation(Evaluate());
+      if (opt_.evaluate && last_eval_step_ != pos_.step) {
+        if (lead_ && !opt_.quiet) {
+          console_.Status("evaluating on " + FormatCount(data_.test->Size()) + " test images");
+        }
+        RecordEvaluation(Evaluate());
+      }
       const std::string stats = par_.TakeStatsLine();
       if (epoch_complete) {
         ++epochs_done;
@@ -497,20 +508,21 @@ RunResult Run::Go() {
         if (epoch_complete) log_->AddEpochEnd(epoch_number, pos_.step);
         log_->WriteChart();
       }
-      std::string line = StringPrintf(
-          "%s  train loss %.4f  test loss %.4f  test acc %s  %s",
+      std::string line =
           console_.Bold(StringPrintf("epoch %lld/%lld", static_cast<long long>(epoch_number),
-                                     static_cast<long long>(c_.epochs)))
-              .c_str(),
-          last_epoch_train_loss_, last_eval_->loss,
-          console_.Green(StringPrintf("%.2f%%", last_eval_->accuracy * 100)).c_str(),
-          FormatSeconds(train_s).c_str());
+                                     static_cast<long long>(c_.epochs))) +
+          StringPrintf("  train loss %.4f", last_epoch_train_loss_);
+      if (last_eval_) {
+        line += StringPrintf("  test loss %.4f  test acc ", last_eval_->loss) +
+                console_.Green(StringPrintf("%.2f%%", last_eval_->accuracy * 100));
+      }
+      line += "  " + FormatSeconds(train_s);
       if (!epoch_complete) line += StringPrintf("  (stopped at --max_steps=%lld)",
                                                 static_cast<long long>(c_.max_steps));
       Say(line);
       if (c_.ddp_stats && !stats.empty()) Say(console_.Dim("  ddp: " + stats));
     }
-    if (signal == 0 && !last_eval_) {
+    if (opt_.evaluate && signal == 0 && !last_eval_) {
       // Nothing left to train (a resumed finished run): still report accuracy.
       RecordEvaluation(Evaluate());
     }
@@ -548,6 +560,10 @@ RunResult Run::Go() {
   result.epochs = static_cast<double>(pos_.step) / std::max<int64_t>(1, steps_per_epoch_);
   result.measured_steps = measured_steps_;
   result.samples_per_s = measured_s_ > 0 ? measured_samples_ / measured_s_ : NAN;
+  if (measured_steps_ == 0 && all_steps_s_ > 0) {
+    // A run of warm-up steps only: report them rather than nothing.
+    result.samples_per_s = all_samples_ / all_steps_s_;
+  }
   result.train_loss = last_epoch_train_loss_;
   if (last_eval_) {
     result.test_loss = last_eval_->loss;
@@ -563,10 +579,11 @@ RunResult Run::Go() {
   result.checkpoint_saved = checkpoint_saved_;
   result.wall_s = Seconds(Clock::now() - start_);
   if (lead_ && signal == 0 && !opt_.quiet) {
-    std::string done = StringPrintf("done in %s: test accuracy %s, %s samples/s",
-                                    FormatSeconds(result.wall_s).c_str(),
-                                    console_.Green(StringPrintf("%.2f%%", result.test_acc * 100)).c_str(),
-                                    FormatRate(result.samples_per_s).c_str());
+    std::string done = "done in " + FormatSeconds(result.wall_s) + ": ";
+    if (last_eval_) {
+      done += "test accuracy " + console_.Green(StringPrintf("%.2f%%", result.test_acc * 100)) + ", ";
+    }
+    done += FormatRate(result.samples_per_s) + " samples/s";
     if (!checkpoint_saved_.empty()) done += ", checkpoint " + checkpoint_saved_;
     Say(done);
   }

@@ -23,6 +23,8 @@ struct RunOptions {
   std::optional<ConsoleOptions> console;  ///< Default: detected from `out`.
   bool quiet = false;                     ///< No header, progress or epoch lines.
   bool print_result = true;               ///< The final RESULT line.
+  /// Evaluate on the test set (benchmarks turn it off; test_acc is then NaN).
+  bool evaluate = true;
   /// Set (to the signal number) by a SIGINT/SIGTERM handler: the run stops
   /// at the next step boundary and rank 0 saves a checkpoint there.
   const std::atomic<int>* stop = nullptr;
@@ -37,7 +39,9 @@ struct RunResult {
   int64_t epochs_done = 0;       ///< Complete epochs.
   double epochs = 0;             ///< Steps done in epochs (fractional at --max_steps).
   int64_t measured_steps = 0;    ///< Steps in the throughput figure.
-  double samples_per_s = 0;      ///< Global, excluding evaluation and 5 warm-up steps.
+  /// Global, excluding evaluation, checkpoints and the first 5 steps of
+  /// this process (all steps when there were no more than 5).
+  double samples_per_s = 0;
   double train_loss = 0;         ///< Mean loss of the last (partial) epoch.
   double test_loss = 0;          ///< Last evaluation.
   double test_acc = 0;           ///< Last evaluation, fraction in [0, 1].

@@ -1,0 +1,278 @@
+// Scaling of data-parallel training, as the DDP write-ups tabulate it: the
+// same model with the same per-rank batch on 1, 2 and 4 ranks of this
+// machine; global samples per second, speed-up over one rank, scaling
+// efficiency (speed-up / ranks), and DDP's view of communication (its
+// share of forward + backward time, and how much of it backward hid).
+//
+//   bazel run -c opt //examples:scaling_bench -- --model=cnn --steps=200 --repeat=3
+//       --chart=/tmp/scaling.svg
+//
+// The binary runs each configuration as its own job: it starts N copies of
+// itself (SelfLaunch; this process never touches UCX), the copies train for
+// --steps timed steps after 5 warm-up steps, and rank 0 hands its figures
+// back through a file. With --repeat, the median run (by samples/s) of each
+// rank count is shown.
+
+#include <gflags/gflags.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "examples/trainer/config.h"
+#include "examples/trainer/format.h"
+#include "examples/trainer/parallel.h"
+#include "examples/trainer/svg_chart.h"
+#include "examples/trainer/trainer.h"
+#include "nn/io/atomic_file.h"
+#include "transport/launch/env.h"
+#include "transport/launch/self_launch.h"
+
+DEFINE_string(model, "cnn", "model: cnn, mlp, resnet18, resnet34, resnet50");
+DEFINE_string(dataset, "synthetic",
+              "synthetic (generated images the model's shape) or fashion_mnist");
+DEFINE_string(data_dir, "", "folder of the dataset's files (fashion_mnist)");
+DEFINE_string(ranks, "1,2,4", "rank counts to measure, comma-separated");
+DEFINE_int64(steps, 200, "timed optimizer steps per run (after 5 warm-up steps)");
+DEFINE_int64(batch_size, 64, "samples per rank per step");
+DEFINE_double(bucket_cap_mb, 25, "DDP bucket size in MiB");
+DEFINE_int32(workers, 1, "data loader threads per rank");
+DEFINE_int32(repeat, 1, "runs per rank count; the median is reported");
+DEFINE_string(chart, "", "also write an SVG chart of samples/s and efficiency to this path");
+DEFINE_string(result_file, "", "internal: where rank 0 of a measured job writes its figures");
+
+namespace {
+
+namespace trainer = ddp::examples::trainer;
+namespace launch = ddp::transport::launch;
+using trainer::FormatRate;
+using trainer::StringPrintf;
+
+constexpr int64_t kWarmupSteps = 5;
+
+struct Measurement {
+  int ranks = 0;
+  double samples_per_s = NAN;
+  double step_ms = NAN;      ///< Wall time per step (global batch).
+  double comm_share = NAN;   ///< DDP communication / (forward + backward).
+  double overlap = NAN;      ///< Share of communication hidden behind backward.
+  bool ok = false;
+};
+
+trainer::TrainConfig Config() {
+  trainer::TrainConfig c;
+  c.model = FLAGS_model;
+  c.dataset = FLAGS_dataset;
+  c.data_dir = FLAGS_data_dir;
+  c.batch_size = FLAGS_batch_size;
+  c.bucket_cap_mb = FLAGS_bucket_cap_mb;
+  c.workers = FLAGS_workers;
+  c.max_steps = kWarmupSteps + FLAGS_steps;
+  c.epochs = 1000;  // --steps decides; epochs only bound it
+  c.checkpoint.clear();
+  if (c.model.rfind("resnet", 0) == 0) c.lr = 0.1;
+  trainer::ResolvePaths(c);
+  return c;
+}
+
+// One rank of a measured job.
+int RunWorker() {
+  trainer::RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  options.evaluate = false;
+  try {
+    auto parallel = trainer::JoinJob();
+    const trainer::RunResult r = trainer::Train(Config(), *parallel, options);
+    if (parallel->rank() == 0 && !FLAGS_result_file.empty()) {
+      const double step_ms =
+          1000.0 * FLAGS_batch_size * r.world_size / r.samples_per_s;
+      const std::string text = StringPrintf("%.17g %.17g %.17g %.17g\n", r.samples_per_s, step_ms,
+                                            r.comm_share, r.comm_overlap);
+      ddp::nn::io::AtomicFileWriter out(FLAGS_result_file);
+      out.Write(text.data(), text.size());
+      out.Commit();
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "scaling_bench: %s\n", e.what());
+    return 1;
+  }
+}
+
+// Runs a job of `ranks` ranks and reads rank 0's figures.
+Measurement Measure(int ranks, const std::vector<std::string>& base_args, const std::string& dir,
+                    int index) {
+  Measurement m;
+  m.ranks = ranks;
+  const std::string result = dir + "/result_" + std::to_string(index);
+  std::vector<std::string> args = base_args;
+  args.push_back("--result_file=" + result);
+  args.push_back("--nproc_per_node=" + std::to_string(ranks));
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int argc = static_cast<int>(args.size());
+  launch::SelfLaunchOptions options;
+  options.prefix_output = true;
+  auto launched = launch::SelfLaunch(argc, argv.data(), options);
+  if (launched.ok() && (launched->exit_code == 128 + SIGINT || launched->exit_code == 128 + SIGTERM)) {
+    // Ctrl-C reached the workers through the launcher: stop the benchmark.
+    std::filesystem::remove_all(dir);
+    std::exit(launched->exit_code);
+  }
+  if (!launched.ok() || launched->exit_code != 0) {
+    std::fprintf(stderr, "scaling_bench: the %d-rank run failed%s\n", ranks,
+                 launched.ok() ? "" : (": " + launched.status().message()).c_str());
+    return m;
+  }
+  // strtod reads "nan" (no communication with one rank); operator>> does not.
+  std::ifstream in(result);
+  std::string f[4];
+  if (!(in >> f[0] >> f[1] >> f[2] >> f[3])) {
+    std::fprintf(stderr, "scaling_bench: the %d-rank run left no figures\n", ranks);
+    return m;
+  }
+  m.samples_per_s = std::strtod(f[0].c_str(), nullptr);
+  m.step_ms = std::strtod(f[1].c_str(), nullptr);
+  m.comm_share = std::strtod(f[2].c_str(), nullptr);
+  m.overlap = std::strtod(f[3].c_str(), nullptr);
+  m.ok = std::isfinite(m.samples_per_s) && m.samples_per_s > 0;
+  return m;
+}
+
+std::string Percent(double fraction) {
+  return std::isfinite(fraction) ? StringPrintf("%.0f%%", 100 * fraction) : "-";
+}
+
+void WriteChart(const std::vector<Measurement>& rows, double base) {
+  trainer::Chart chart;
+  chart.title = "Scaling: " + FLAGS_model + " on " + FLAGS_dataset;
+  chart.subtitle = StringPrintf("batch %lld per rank, %lld timed steps, %u cores",
+                                static_cast<long long>(FLAGS_batch_size),
+                                static_cast<long long>(FLAGS_steps),
+                                std::thread::hardware_concurrency());
+  chart.x_label = "ranks";
+  trainer::ChartPanel rate;
+  rate.y_label = "samples/s (all ranks)";
+  rate.y_from_zero = true;
+  trainer::ChartSeries measured{"measured", trainer::kTrainLossColor, {}, true, false};
+  trainer::ChartSeries ideal{"linear", "#999999", {}, false, true};
+  trainer::ChartPanel eff;
+  eff.y_label = "scaling efficiency";
+  eff.percent = true;
+  eff.y_from_zero = true;
+  trainer::ChartSeries efficiency{"efficiency", trainer::kAccuracyColor, {}, true, false};
+  for (const Measurement& m : rows) {
+    if (!m.ok) continue;
+    measured.points.emplace_back(m.ranks, m.samples_per_s);
+    ideal.points.emplace_back(m.ranks, base * m.ranks);
+    efficiency.points.emplace_back(m.ranks, m.samples_per_s / (base * m.ranks));
+  }
+  rate.series = {measured, ideal};
+  eff.series = {efficiency};
+  chart.panels = {rate, eff};
+  chart.panel_height = 220;
+  const std::string svg = trainer::RenderSvgChart(chart);
+  ddp::nn::io::AtomicFileWriter out(FLAGS_chart);
+  out.Write(svg.data(), svg.size());
+  out.Commit();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("samples/s, speed-up and scaling efficiency of DDP training on 1, 2, 4 ranks");
+  std::vector<std::string> original(argv, argv + argc);
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+
+  if (launch::HasLaunchVariables(launch::CurrentEnvironment())) return RunWorker();
+
+  std::vector<int> counts;
+  for (size_t pos = 0; pos <= FLAGS_ranks.size();) {
+    size_t end = FLAGS_ranks.find(',', pos);
+    if (end == std::string::npos) end = FLAGS_ranks.size();
+    const int n = std::atoi(FLAGS_ranks.substr(pos, end - pos).c_str());
+    if (n < 1 || n > 256) {
+      std::fprintf(stderr, "scaling_bench: --ranks=%s: each count must be in [1, 256]\n",
+                   FLAGS_ranks.c_str());
+      return 2;
+    }
+    counts.push_back(n);
+    pos = end + 1;
+  }
+  if (FLAGS_steps < 1 || FLAGS_repeat < 1) {
+    std::fprintf(stderr, "scaling_bench: --steps and --repeat must be at least 1\n");
+    return 2;
+  }
+  try {
+    trainer::TrainConfig c = Config();
+    trainer::ValidateConfig(c);
+    for (int n : counts) trainer::CheckSetup(c, n);
+  } catch (const trainer::UsageError& e) {
+    std::fprintf(stderr, "scaling_bench: %s\n", e.what());
+    return 2;
+  }
+
+  // The workers get the same flags (minus ours, which are appended anew).
+  std::vector<std::string> base_args;
+  for (const std::string& a : original) {
+    if (a.rfind("--result_file", 0) == 0 || a.rfind("--nproc_per_node", 0) == 0) continue;
+    base_args.push_back(a);
+  }
+  char tmpl[] = "/tmp/scaling_bench.XXXXXX";
+  const char* dir = mkdtemp(tmpl);
+  if (dir == nullptr) {
+    std::perror("scaling_bench: mkdtemp");
+    return 1;
+  }
+
+  const unsigned cores = std::thread::hardware_concurrency();
+  std::printf("# scaling_bench: %s on %s, batch %lld per rank, %lld timed steps after %lld "
+              "warm-up, median of %d, %u cores\n",
+              FLAGS_model.c_str(), FLAGS_dataset.c_str(), static_cast<long long>(FLAGS_batch_size),
+              static_cast<long long>(FLAGS_steps), static_cast<long long>(kWarmupSteps),
+              FLAGS_repeat, cores);
+  std::printf("%5s %11s %8s %10s %10s %8s %8s\n", "ranks", "samples/s", "speed-up", "efficiency",
+              "comm", "overlap", "step_ms");
+  std::fflush(stdout);
+  std::vector<Measurement> rows;
+  double base = NAN;
+  int index = 0;
+  for (int n : counts) {
+    std::vector<Measurement> runs;
+    for (int r = 0; r < FLAGS_repeat; ++r) runs.push_back(Measure(n, base_args, dir, index++));
+    std::sort(runs.begin(), runs.end(), [](const Measurement& a, const Measurement& b) {
+      return a.ok != b.ok ? a.ok : a.samples_per_s < b.samples_per_s;
+    });
+    const Measurement m = runs[(runs.size() - 1) / 2];
+    rows.push_back(m);
+    if (!m.ok) {
+      std::printf("%5d %11s\n", n, "failed");
+      continue;
+    }
+    if (n == 1 || !std::isfinite(base)) base = m.samples_per_s / n;
+    const double speedup = m.samples_per_s / base;
+    std::printf("%5d %11s %7.2fx %10s %10s %8s %8.1f%s\n", n, FormatRate(m.samples_per_s).c_str(),
+                speedup, Percent(speedup / n).c_str(), n == 1 ? "-" : Percent(m.comm_share).c_str(),
+                n == 1 ? "-" : Percent(m.overlap).c_str(), m.step_ms,
+                static_cast<unsigned>(n) > cores ? "  (more ranks than cores)" : "");
+    std::fflush(stdout);
+  }
+  std::filesystem::remove_all(dir);
+  if (!FLAGS_chart.empty() && std::isfinite(base)) {
+    WriteChart(rows, base);
+    std::printf("# chart: %s\n", FLAGS_chart.c_str());
+  }
+  for (const Measurement& m : rows) {
+    if (!m.ok) return 1;
+  }
+  return 0;
+}
