@@ -23,11 +23,11 @@ using testing::Runfile;
 using testing::Subprocess;
 using Clock = std::chrono::steady_clock;
 
-// 3 epochs of 64 steps of the CNN with momentum and a cosine schedule, so
+// 3 epochs of 32 steps of the CNN with momentum and a cosine schedule, so
 // that optimizer, scheduler, epoch and position in the epoch all matter.
 std::vector<std::string> Args(const std::string& checkpoint) {
   return {Runfile("examples/train"), "--dataset=synthetic", "--model=cnn",
-          "--train_samples=2048",    "--test_samples=128",  "--batch_size=16",
+          "--train_samples=1024",    "--test_samples=128",  "--batch_size=16",
           "--epochs=3",              "--scheduler=cosine",  "--workers=1",
           "--checkpoint_every=4",    "--checkpoint=" + checkpoint};
 }
@@ -93,7 +93,7 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
 
   const RunOutput ref = testing::RunToEnd(Args(reference));
   ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
-  ASSERT_EQ(CheckpointStep(reference), 192);
+  ASSERT_EQ(CheckpointStep(reference), 96);
 
   int64_t killed_at = -1;
   {
@@ -115,13 +115,13 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
   }
   const int64_t on_disk = CheckpointStep(resumed);
   ASSERT_GE(on_disk, killed_at);
-  ASSERT_LT(on_disk, 192) << "the run was not interrupted in the middle";
+  ASSERT_LT(on_disk, 96) << "the run was not interrupted in the middle";
 
   std::vector<std::string> again = Args(resumed);
   again.push_back("--resume");
   const RunOutput res = testing::RunToEnd(again);
   ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
-  EXPECT_NE(res.out.find("resumed at epoch " + std::to_string(on_disk / 64 + 1) + ", step " +
+  EXPECT_NE(res.out.find("resumed at epoch " + std::to_string(on_disk / 32 + 1) + ", step " +
                          std::to_string(on_disk)),
             std::string::npos)
       << res.out;
@@ -154,7 +154,7 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
   // Rank 0 saved its last complete step: loadable, and nothing else left.
   const int64_t step = CheckpointStep(ckpt);
   EXPECT_GT(step, 0);
-  EXPECT_LT(step, 192);
+  EXPECT_LT(step, 96);
   EXPECT_TRUE(StrayFiles(dir, ckpt).empty()) << StrayFiles(dir, ckpt)[0];
   EXPECT_NE(run.Stdout().find("stopped by Ctrl-C at epoch "), std::string::npos) << run.Stdout();
   EXPECT_NE(run.Stdout().find("(continue with --resume)"), std::string::npos) << run.Stdout();
