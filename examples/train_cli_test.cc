@@ -101,6 +101,12 @@ TEST(TrainCliTest, CheckpointOfAnotherModelListsTheKeys) {
                 "--checkpoint path");
 }
 
+TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
+  EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
+            "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "
+            "not writable); choose a writable path, or --checkpoint=none");
+}
+
 TEST(TrainCliTest, ResumeWithoutACheckpointSaysHowToMakeOne) {
   const std::string dir = testing::MakeTempDir("nockpt");
   const std::string line = OneErrorLine(

@@ -56,7 +56,7 @@ DEFINE_double(lr, 0.05,
               "for adadelta)");
 DEFINE_double(momentum, 0.9, "SGD momentum (sgd only)");
 DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 for ResNets)");
-DEFINE_string(scheduler, "none",
+DEFINE_string(scheduler, "cosine",
               "learning-rate schedule: none, step (x0.1 after each third of the run), cosine "
               "(to 0 at the last step)");
 DEFINE_string(amp, "off",
@@ -166,9 +166,9 @@ void PrintHelp() {
       "Usage: bazel run //examples:train -- [--flag=value ...]\n"
       "       ddprun --nproc_per_node=N bazel-bin/examples/train [flags]   (also srun, mpirun)\n"
       "\n"
-      "With no flags: the CNN on Fashion-MNIST, 2 ranks, 2 epochs, SGD lr 0.05 momentum 0.9,\n"
-      "batch 64 per rank, test-set evaluation after each epoch, and a checkpoint in\n"
-      "~/.cache/ddp/checkpoints. The last line is machine-readable:\n"
+      "With no flags: the CNN on Fashion-MNIST, 2 ranks, 2 epochs, SGD lr 0.05 momentum 0.9\n"
+      "with cosine decay, batch 64 per rank, test-set evaluation after each epoch, and a\n"
+      "checkpoint in ~/.cache/ddp/checkpoints. The last line is machine-readable:\n"
       "  RESULT model=... ranks=... epochs=... samples_per_s=... train_loss=... test_acc=... "
       "wall_s=...\n");
   auto print = [](const gflags::CommandLineFlagInfo& f) {

@@ -61,7 +61,7 @@ TEST(TrainRunTest, PrintsHeaderEpochsAndResultAndWritesMetrics) {
   EXPECT_EQ(csv[0], "step,epoch,loss,lr,samples_per_s,test_loss,test_acc");
   int step_rows = 0, eval_rows = 0;
   for (size_t i = 1; i < csv.size(); ++i) {
-    if (std::regex_match(csv[i], std::regex(R"(\d+,[12],[0-9.e+-]+,0\.05,[0-9.]+,,)"))) ++step_rows;
+    if (std::regex_match(csv[i], std::regex(R"(\d+,[12],[0-9.e+-]+,[0-9.e+-]+,[0-9.]+,,)"))) ++step_rows;
     if (std::regex_match(csv[i], std::regex(R"(\d+,[12],,,,[0-9.e+-]+,[0-9.]+)"))) ++eval_rows;
   }
   EXPECT_EQ(step_rows, 16) << ReadFile(dir + "/logs/metrics.csv");

@@ -56,7 +56,7 @@ struct TrainConfig {
   double lr = 0.05;
   double momentum = 0.9;
   double weight_decay = 0.0;
-  std::string scheduler = "none";  ///< none, step, cosine.
+  std::string scheduler = "cosine";  ///< none, step, cosine.
   std::string amp = "off";         ///< off, bf16, fp16.
 
   // Data parallelism.

@@ -1,5 +1,7 @@
 #include "examples/trainer/trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -200,6 +202,7 @@ class Run {
   int64_t last_eval_step_ = -1;
   double last_epoch_train_loss_ = NAN;
   std::string checkpoint_saved_;
+  int64_t checkpoint_saved_step_ = -1;
   int64_t last_checkpoint_step_ = -1;
 };
 
@@ -418,6 +421,7 @@ void Run::SaveCheckpoint() {
                       {model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()}, pos_, c_,
                       world_);
   checkpoint_saved_ = c_.checkpoint;
+  checkpoint_saved_step_ = pos_.step;
 }
 
 RunResult Run::Go() {
@@ -540,11 +544,13 @@ RunResult Run::Go() {
     SaveCheckpoint();
     if (lead_) {
       std::string where = StringPrintf("stopped by %s at epoch %lld, step %lld",
-                                       signal == SIGINT ? "Ctrl-C" : strsignal(signal),
+                                       signal == SIGINT ? "Ctrl-C" : sigabbrev_np(signal),
                                        static_cast<long long>(pos_.epoch + 1),
                                        static_cast<long long>(pos_.step));
       if (!checkpoint_saved_.empty()) {
-        where += "; checkpoint saved to " + checkpoint_saved_ + " (continue with --resume)";
+        where += StringPrintf("; checkpoint of step %lld in %s (continue with --resume)",
+                              static_cast<long long>(checkpoint_saved_step_),
+                              checkpoint_saved_.c_str());
       }
       if (!opt_.quiet) console_.Line(where);
     }
@@ -596,8 +602,31 @@ RunResult Run::Go() {
 
 }  // namespace
 
+// Throws UsageError unless files can be created in `dir` (made if missing),
+// so that an unwritable --checkpoint or --log_dir fails now, not after an
+// epoch of training.
+void CheckWritable(const std::string& dir, const char* flag, const std::string& value) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
+  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "w");
+  if (f == nullptr) {
+    throw UsageError(std::string("cannot write --") + flag + "=" + value + " (folder " + dir +
+                     (ec ? ": " + ec.message() : std::string(": not writable")) +
+                     "); choose a writable path" +
+                     (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
+  }
+  std::fclose(f);
+  std::remove(probe.c_str());
+}
+
 void CheckSetup(const TrainConfig& config, int world_size) {
   ValidateConfig(config);
+  if (!config.checkpoint.empty()) {
+    const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
+    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
+  }
+  if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
   const Datasets data = LoadDatasets(config);
   CheckBatchFitsShard(config, data.train->Size(), world_size);
   const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
