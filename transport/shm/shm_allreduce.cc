@@ -177,12 +177,12 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
 }
 
 void ShmAllReduce::Publish(std::atomic<uint64_t> Control::*field, uint64_t value) {
-  (control(options_.rank).*field).store(value, std::memory_order_release);
-  // Pairs with the fence in WaitFor: either a sleeper sees the new value
-  // before it sleeps, or this rank sees the sleeper and wakes it.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  // Sequentially consistent store then load, paired with WaitFor's
+  // increment then load: either a sleeper sees the new value before it
+  // sleeps, or this rank sees the sleeper and wakes it.
+  (control(options_.rank).*field).store(value, std::memory_order_seq_cst);
   Shared& shared_area = shared();
-  if (shared_area.sleepers.load(std::memory_order_relaxed) > 0) {
+  if (shared_area.sleepers.load(std::memory_order_seq_cst) > 0) {
     shared_area.word.fetch_add(1, std::memory_order_release);
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&shared_area.word), FUTEX_WAKE, INT32_MAX,
             nullptr, nullptr, 0);
@@ -235,9 +235,8 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
         continue;
       }
       const uint32_t seen = shared_area.word.load(std::memory_order_acquire);
-      shared_area.sleepers.fetch_add(1, std::memory_order_relaxed);
-      std::atomic_thread_fence(std::memory_order_seq_cst);
-      if (counter.load(std::memory_order_acquire) < value) {
+      shared_area.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (counter.load(std::memory_order_seq_cst) < value) {
         // Bounded sleep: the deadline and the watchdog still run.
         const auto left = std::min<Clock::duration>(deadline - now, options_.watchdog_period);
         timespec timeout{};
