@@ -35,7 +35,6 @@ namespace {
 constexpr uint64_t kListenId = 0;
 constexpr uint64_t kWakeId = 1;
 constexpr uint64_t kFirstConnectionId = 2;
-constexpr size_t kReadChunk = 64 * 1024;
 // Reads per readable event before the loop moves on to other connections.
 constexpr int kReadsPerEvent = 16;
 // Connections accepted per round: small enough that a flood cannot evict a
