@@ -1,0 +1,47 @@
+// Fuzzes the IDX reader (MNIST / Fashion-MNIST files, gzip-compressed or not)
+// with whole file contents, through ParseIdxFileBytes.
+//
+// Properties: a rejected file raises DatasetError naming the source; an
+// accepted one holds exactly product(dims) bytes, and parsing it again with
+// its own dimension count succeeds while one more dimension is refused.
+// Decompression is bounded (1 MiB here) so gzip bombs are errors.
+
+#include <string>
+
+#include "nn/data/dataset.h"
+#include "nn/data/idx.h"
+#include "tests/fuzz/fuzz_target.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace ddp::nn::data;
+  constexpr uint64_t kMaxDecompressed = 1 << 20;
+  const std::string source = "fuzz-input-idx3-ubyte";
+  const std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  IdxArray array;
+  try {
+    array = ParseIdxFileBytes(bytes, source, 0, kMaxDecompressed);
+  } catch (const DatasetError& e) {
+    FUZZ_CHECK(std::string(e.what()).find(source) != std::string::npos,
+               "the error does not name the file");
+    return 0;
+  }
+  FUZZ_CHECK(!array.dims.empty(), "an accepted file has no dimensions");
+  uint64_t count = 1;
+  for (int64_t d : array.dims) {
+    FUZZ_CHECK(d >= 0, "a negative dimension");
+    count *= static_cast<uint64_t>(d);
+  }
+  FUZZ_CHECK(count == array.data.size(), "data size differs from the product of dims");
+  const int dims = static_cast<int>(array.dims.size());
+  IdxArray again = ParseIdxFileBytes(bytes, source, dims, kMaxDecompressed);
+  FUZZ_CHECK(again.dims == array.dims && again.data == array.data,
+             "parsing with the expected dimension count changes the result");
+  bool refused = false;
+  try {
+    ParseIdxFileBytes(bytes, source, dims + 1, kMaxDecompressed);
+  } catch (const DatasetError&) {
+    refused = true;
+  }
+  FUZZ_CHECK(refused, "a file was accepted with the wrong number of dimensions");
+  return 0;
+}
