@@ -185,7 +185,8 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
   json root;
   try {
     root = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // Not only parse_error: a number too large for a double is out_of_range.
     return InvalidArgumentError(std::string(origin) + ": not valid JSON: " + e.what());
   }
   DDP_RETURN_IF_ERROR(ExpectObject(root, "top level", origin));
