@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <sstream>
 
@@ -66,7 +67,8 @@ void ReportCurrentInput() {
     close(fd);
     WriteText("==== saved to ");
     WriteText(g_crash_path);
-    WriteText("; replay it with: bazel run //tests/fuzz:<target> -- <that path>\n");
+    WriteText("\n     (under bazel test: in the test's outputs.zip in bazel-testlogs)"
+              "\n     replay it with: bazel run //tests/fuzz:<target> -- <the file>\n");
   }
 }
 
@@ -141,8 +143,18 @@ void RunInput(const Input& input) {
       CrashDir() + "/crash-" + std::to_string(HashName(input.bytes));
   std::snprintf(g_crash_path, sizeof(g_crash_path), "%s", path.c_str());
   g_current = &input;
-  LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(input.bytes.data()),
-                         input.bytes.size());
+  // An exception escaping the target is a crash under libFuzzer (terminate);
+  // make it one here too, rather than a failure gtest catches and moves past.
+  try {
+    LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(input.bytes.data()),
+                           input.bytes.size());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "uncaught exception from the fuzz target: %s\n", e.what());
+    std::abort();
+  } catch (...) {
+    std::fprintf(stderr, "uncaught exception of unknown type from the fuzz target\n");
+    std::abort();
+  }
   g_current = nullptr;
 }
 
