@@ -18,6 +18,8 @@ PACKAGES=(
   libopenblas-dev libdnnl-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
+  # fuzzing (--config=fuzz): clang and its libFuzzer and sanitizer runtimes
+  clang libclang-rt-14-dev
   # multi-host tests (network namespaces), process tools used by tests
   iproute2 procps
   # //examples:train_run_test renders the trainer's SVG chart to PNG
