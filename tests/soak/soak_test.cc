@@ -1,0 +1,54 @@
+// The soak binary for a few seconds: 4 ranks, 1000 random collectives, every
+// result checked. The growth bounds are wider than a long run's defaults
+// (a one-off allocation of a few hundred KiB is a large slope over 1000
+// operations) but still fail a leak of half a KiB per operation, which the
+// second test shows with a deliberate one.
+
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/launch_test_util.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+namespace lt = ddp::transport::launch::testing;
+
+std::vector<std::string> SoakCommand(std::vector<std::string> extra) {
+  std::vector<std::string> argv = {lt::Runfile("tests/soak/soak"), "--nproc_per_node=4",
+                                   "--max_count=65536", "--seed=20240601",
+                                   "--max_rss_kib_per_1000=2048",
+                                   "--max_private_kib_per_1000=512", "--timeout_s=60"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+TEST(SoakTest, FourRanksRandomCollectivesCheckedAndFlat) {
+  const auto run = lt::RunProgram(SoakCommand({"--ops=1000"}), {}, 240s);
+  std::printf("%s", run.output.c_str());
+  EXPECT_EQ(run.exit_code, 0);
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string prefix = "soak rank " + std::to_string(rank) + ": ";
+    EXPECT_THAT(run.output, HasSubstr(prefix + "1000 ops in"));
+    EXPECT_THAT(run.output, HasSubstr(prefix + "growth per 1000 ops"));
+  }
+  EXPECT_EQ(lt::CountLines(run.output, "0 wrong"), 4);
+}
+
+// 2 KiB and one file descriptor leaked per few operations must fail the run,
+// naming what grew.
+TEST(SoakTest, DeliberateLeaksFailTheBounds) {
+  const auto run = lt::RunProgram(
+      SoakCommand({"--ops=400", "--kinds=barrier", "--leak_bytes_per_op=2048",
+                   "--leak_fd_every=20"}),
+      {}, 240s);
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("private resident memory grows"));
+  EXPECT_THAT(run.output, HasSubstr("malloc heap in use grows"));
+  EXPECT_THAT(run.output, HasSubstr("open file descriptors grow"));
+}
+
+}  // namespace
