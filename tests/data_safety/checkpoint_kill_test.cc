@@ -1,0 +1,285 @@
+// A checkpoint write killed at any point never leaves a file that loads as
+// something wrong: the previous checkpoint or the new one, never a mix, a
+// prefix or garbage.
+//
+// Every checkpoint written here is a function of one number, its
+// generation: every element of every tensor and the metadata follow from
+// it, so a file that mixed two saves, or held a torn tensor, is caught by
+// checking each element against the generation the metadata claims.
+//
+//   KillAtEvenlySpacedPointsOfOneSave: one process saves (nn/io), killed
+//     at 24 instants spread over the save's duration (data written, fsync,
+//     rename, folder fsync).
+//   KillRanksInALoopDuringDdpSaves: two ranks save through ddp's rank-0
+//     path in a loop; a rank (the writer or the other) is killed with
+//     SIGKILL at a random moment, round after round.
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ddp/checkpoint.h"
+#include "ddp/process_group.h"
+#include "nn/io/checkpoint.h"
+#include "nn/modules/layers.h"
+#include "nn/tensor/tensor.h"
+#include "transport/launch/test_spawn.h"
+
+namespace ddp {
+namespace {
+
+using namespace std::chrono_literals;
+namespace lt = transport::launch::testing;
+
+// Element i of tensor k in generation g; exact in f32 for the sizes used.
+float Value(int64_t gen, size_t k, int64_t i) {
+  return static_cast<float>(gen * 1024 + static_cast<int64_t>(k) * 16 + i % 13);
+}
+
+// A model of about 8 MiB of parameters: big enough that a save takes a
+// while, so kills land inside it.
+std::shared_ptr<nn::modules::Sequential> Model() {
+  return std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<nn::modules::Module>>{
+      std::make_shared<nn::modules::Linear>(1024, 1024),
+      std::make_shared<nn::modules::Linear>(1024, 512),
+      std::make_shared<nn::modules::Linear>(512, 10)});
+}
+
+void SetGeneration(nn::modules::Module& model, int64_t gen) {
+  nn::NoGradGuard no_grad;
+  size_t k = 0;
+  for (auto& [name, p] : model.NamedParameters()) {
+    float* data = p.data<float>();
+    for (int64_t i = 0; i < p.numel(); ++i) data[i] = Value(gen, k, i);
+    ++k;
+  }
+}
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name + "_" +
+                          std::to_string(getpid());
+  mkdir(dir.c_str(), 0700);
+  return dir;
+}
+
+std::vector<std::string> ListDir(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(n);
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Loads `path` and checks that it is exactly one generation: the one its
+// metadata names. Returns that generation; fails the test otherwise.
+int64_t LoadAndCheck(const std::string& path) {
+  nn::io::Checkpoint c;
+  try {
+    c = nn::io::LoadCheckpoint(path);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "the checkpoint does not load: " << e.what();
+    return -1;
+  }
+  const int64_t gen = nn::io::MetadataInt(c.metadata, "gen", path);
+  // Strict load into a fresh model: every key, shape and dtype present.
+  auto model = Model();
+  model->LoadStateDict(c.model);
+  size_t k = 0;
+  for (auto& [name, p] : model->NamedParameters()) {
+    const float* data = p.data<float>();
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      if (data[i] != Value(gen, k, i)) {
+        ADD_FAILURE() << path << ": " << name << "[" << i << "] is " << data[i]
+                      << ", generation " << gen << " has " << Value(gen, k, i);
+        return -1;
+      }
+    }
+    ++k;
+  }
+  return gen;
+}
+
+nn::io::Checkpoint MakeGeneration(nn::modules::Module& model, int64_t gen) {
+  SetGeneration(model, gen);
+  return dist::MakeCheckpoint(model, nullptr, {{"gen", std::to_string(gen)}});
+}
+
+// ---------------------------------------------------------- one process ----
+
+TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
+  const std::string dir = TempDir("ckpt_points");
+  const std::string path = dir + "/model.safetensors";
+  auto model = Model();
+  nn::io::SaveCheckpoint(path, MakeGeneration(*model, 1));
+
+  // How long one save takes here (the median of three).
+  std::vector<double> times;
+  for (int i = 0; i < 3; ++i) {
+    const nn::io::Checkpoint c = MakeGeneration(*model, 1);
+    const auto start = std::chrono::steady_clock::now();
+    nn::io::SaveCheckpoint(path, c);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  const double save_s = times[1];
+
+  constexpr int kPoints = 24;
+  int64_t last = 1;
+  int old_kept = 0, new_kept = 0;
+  for (int point = 0; point < kPoints; ++point) {
+    const int64_t next = last + 1;
+    const nn::io::Checkpoint c = MakeGeneration(*model, next);  // built before the fork
+    int go[2];
+    ASSERT_EQ(pipe(go), 0);
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      char byte;
+      if (read(go[0], &byte, 1) != 1) _exit(3);
+      nn::io::SaveCheckpoint(path, c);
+      _exit(0);
+    }
+    close(go[0]);
+    // Spread the kills from the start of the save to a little past its end.
+    const auto at = std::chrono::duration<double>(save_s * 1.2 * point / (kPoints - 1));
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_EQ(write(go[1], "g", 1), 1);
+    while (std::chrono::steady_clock::now() - start < at) {
+    }
+    kill(child, SIGKILL);
+    int status = 0;
+    waitpid(child, &status, 0);
+    close(go[1]);
+    const int64_t gen = LoadAndCheck(path);
+    ASSERT_TRUE(gen == last || gen == next)
+        << "kill at " << at.count() * 1e3 << " ms: generation " << gen << ", expected " << last
+        << " or " << next;
+    (gen == last ? old_kept : new_kept) += 1;
+    last = gen;
+  }
+  std::printf("save takes %.1f ms; %d kills left the previous checkpoint, %d the new one\n",
+              save_s * 1e3, old_kept, new_kept);
+  // The kills spanned the save: some came before it finished, some after.
+  EXPECT_GT(old_kept, 0);
+  EXPECT_GT(new_kept, 0);
+  // Killed writers leave temporaries beside the checkpoint, never in its
+  // place; the next successful save removes them.
+  for (const std::string& name : ListDir(dir)) {
+    EXPECT_TRUE(name == "model.safetensors" || name.rfind("model.safetensors.tmp.", 0) == 0)
+        << name;
+  }
+  nn::io::SaveCheckpoint(path, MakeGeneration(*model, last + 1));
+  EXPECT_EQ(ListDir(dir), std::vector<std::string>{"model.safetensors"});
+  EXPECT_EQ(LoadAndCheck(path), last + 1);
+}
+
+// ----------------------------------------------------------- ddp ranks ----
+
+// Saves generation after generation through ddp's collective save (rank 0
+// writes). Starts after the generation already on disk.
+DDP_TEST_WORKER(saver) {
+  const std::string dir = std::getenv("KILL_TEST_DIR");
+  const std::string path = dir + "/ddp.safetensors";
+  {
+    const int rank = std::atoi(std::getenv("RANK"));
+    std::ofstream(dir + "/rank" + std::to_string(rank) + ".pid.tmp") << getpid();
+    std::rename((dir + "/rank" + std::to_string(rank) + ".pid.tmp").c_str(),
+                (dir + "/rank" + std::to_string(rank) + ".pid").c_str());
+  }
+  dist::ProcessGroupOptions options;
+  options.timeout = 5s;
+  auto pg = dist::ProcessGroup::CreateFromEnvironment(options);
+  auto model = Model();
+  int64_t gen = nn::io::MetadataInt(nn::io::LoadCheckpoint(path).metadata, "gen", path);
+  for (int i = 0; i < 1000; ++i) {
+    ++gen;
+    dist::SaveCheckpoint(*pg, path, MakeGeneration(*model, gen));
+  }
+  return 0;
+}
+
+pid_t WaitForPid(const std::string& file, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    pid_t pid = 0;
+    std::ifstream(file) >> pid;
+    if (pid > 0) return pid;
+    std::this_thread::sleep_for(2ms);
+  }
+  return -1;
+}
+
+TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
+  const std::string dir = TempDir("ckpt_ddp");
+  const std::string path = dir + "/ddp.safetensors";
+  {
+    auto model = Model();
+    nn::io::SaveCheckpoint(path, MakeGeneration(*model, 1));
+  }
+  std::mt19937 rng(7);
+  int64_t last = 1;
+  int advanced = 0;
+  constexpr int kRounds = 6;
+  for (int round = 0; round < kRounds; ++round) {
+    const int victim = round % 2;  // the writer, then the other rank
+    for (int r = 0; r < 2; ++r) std::remove((dir + "/rank" + std::to_string(r) + ".pid").c_str());
+    std::atomic<bool> killed{false};
+    std::thread killer([&] {
+      const pid_t pid = WaitForPid(dir + "/rank" + std::to_string(victim) + ".pid", 30s);
+      if (pid <= 0) return;
+      // Communicator setup takes a few hundred ms; then saves follow each
+      // other. A random delay lands the kill anywhere in some save.
+      std::this_thread::sleep_for(std::chrono::milliseconds(400 + rng() % 1200));
+      killed = kill(pid, SIGKILL) == 0;
+    });
+    lt::TestRunOptions options;
+    options.world_size = 2;
+    options.timeout = 60s;
+    options.echo_output = false;
+    options.env = {{"KILL_TEST_DIR", dir}};
+    auto run = lt::RunTestWorkers("saver", options);
+    killer.join();
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_TRUE(killed.load()) << "round " << round << ": the victim was not killed\n"
+                               << run->Summary();
+    EXPECT_EQ(run->ExitCode(victim), 128 + SIGKILL) << run->Summary();
+    const int64_t gen = LoadAndCheck(path);
+    ASSERT_GE(gen, last) << "round " << round << ": an older checkpoint came back";
+    advanced += gen > last;
+    std::printf("round %d: killed rank %d; checkpoint at generation %lld\n", round, victim,
+                static_cast<long long>(gen));
+    last = gen;
+  }
+  // Saves happened between the kills (the test exercised the save path).
+  EXPECT_GE(advanced, kRounds / 2);
+  for (const std::string& name : ListDir(dir)) {
+    EXPECT_TRUE(name == "ddp.safetensors" || name.rfind("ddp.safetensors.tmp.", 0) == 0 ||
+                name.rfind("rank", 0) == 0)
+        << name;
+  }
+}
+
+}  // namespace
+}  // namespace ddp
