@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 
@@ -230,18 +231,21 @@ class Branchy : public Module {
   std::shared_ptr<nn::modules::Linear> trunk_, a_, b_, never_;
 };
 
-void CheckFindUnused(ProcessGroup& pg, bool view, double cap_mb) {
+// static_graph: the same rank-dependent model, without the graph walk
+// after the first iteration (the used set is learned once).
+void CheckFindUnused(ProcessGroup& pg, bool view, double cap_mb, bool static_graph = false) {
   const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   auto model = std::make_shared<Branchy>(21, rank % 2 == 0);
   DistributedDataParallel ddp(model, {.bucket_cap_mb = cap_mb, .first_bucket_mb = cap_mb,
-                                      .find_unused_parameters = true, .gradient_as_bucket_view = view,
+                                      .find_unused_parameters = !static_graph,
+                                      .gradient_as_bucket_view = view, .static_graph = static_graph,
                                       .process_group = Borrow(pg)});
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   auto reference = std::make_shared<Branchy>(21, true);
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
-  const std::string what = std::string("find_unused_parameters") + (view ? " (views)" : "") +
-                           " cap " + std::to_string(cap_mb);
+  const std::string what = std::string(static_graph ? "static_graph" : "find_unused_parameters") +
+                           (view ? " (views)" : "") + " cap " + std::to_string(cap_mb);
   for (int s = 0; s < 5; ++s) {
     auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
     opt.ZeroGrad();
@@ -275,6 +279,8 @@ DDP_TEST_WORKER(find_unused) {
   CheckFindUnused(*pg, true, 25);
   CheckFindUnused(*pg, false, 1e-9);  // one bucket per parameter
   CheckFindUnused(*pg, true, 1e-9);
+  CheckFindUnused(*pg, false, 25, /*static_graph=*/true);
+  CheckFindUnused(*pg, true, 1e-9, /*static_graph=*/true);
   return testing::WorkerExit();
 }
 
@@ -318,6 +324,68 @@ TEST(DdpFeaturesTest, UnusedParameterWithoutTheOptionIsNamed) {
     auto run = RunWorkers("unused_error", 2, {{"DDP_TEST_CASE", which}}, 30000);
     EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
   }
+}
+
+// --------------------------------------------------- broadcast_buffers ----
+
+// Records a hash of its BatchNorm's running mean as forward reaches it, that
+// is after DistributedDataParallel's buffer broadcast.
+class BufferSpy : public Module {
+ public:
+  BufferSpy() {
+    nn::Generator gen(4);
+    fc_ = RegisterModule("fc", std::make_shared<nn::modules::Linear>(784, 16, true, gen));
+    bn_ = RegisterModule("bn", std::make_shared<nn::modules::BatchNorm1d>(16));
+    out_ = RegisterModule("out", std::make_shared<nn::modules::Linear>(16, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    Tensor h = (*fc_)(nn::ops::Flatten(x, 1));
+    seen = 0;
+    for (float v : bn_->running_mean().ToVector<float>()) {
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      seen = seen * 1099511628211ull + bits;
+    }
+    return (*out_)(nn::ops::Relu((*bn_)(h)));
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "BufferSpy"; }
+  uint64_t seen = 0;
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc_, out_;
+  std::shared_ptr<nn::modules::BatchNorm1d> bn_;
+};
+
+DDP_TEST_WORKER(broadcast_buffers) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  for (bool broadcast : {true, false}) {
+    auto model = std::make_shared<BufferSpy>();
+    DistributedDataParallel ddp(model, {.broadcast_buffers = broadcast, .process_group = pg});
+    for (int s = 0; s < 3; ++s) {
+      // Different data per rank: local statistics drift apart.
+      auto [x, y] = testing::Batch(data, (s * pg->size() + pg->rank()) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      if (s == 0) continue;  // equal at construction either way
+      const bool same = testing::SameOnAllRanks(*pg, model->seen);
+      WORKER_EXPECT(same == broadcast, std::string("broadcast_buffers=") + (broadcast ? "true" : "false") +
+                                           ": running statistics at forward are " +
+                                           (same ? "equal" : "different") + " across ranks");
+    }
+    // Eval forwards broadcast nothing.
+    ddp.Eval();
+    const uint64_t before = pg->collectives_run();
+    nn::NoGradGuard no_grad;
+    ddp(testing::Batch(data, 0, kBatch).first);
+    WORKER_EXPECT(pg->collectives_run() == before, "an eval forward ran a collective");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, BroadcastBuffersAtEveryTrainingForward) {
+  auto run = RunWorkers("broadcast_buffers", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // ---------------------------------------------------------- mismatch ----

@@ -408,8 +408,10 @@ void Reducer::Finalize() {
   }
 
   Clock::time_point comm_start = Clock::time_point::max(), comm_end{};
+  // One thread runs the collectives in launch order: once the last bucket
+  // is done the others are too, so waiting on it first sleeps once.
+  for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) b->work.Wait();
   for (Bucket& b : buckets_) {
-    b.work.Wait();
     comm_start = std::min(comm_start, b.work.started());
     comm_end = std::max(comm_end, b.work.finished());
   }

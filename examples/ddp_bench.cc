@@ -45,6 +45,7 @@ DEFINE_int32(batch, 64, "batch size per rank");
 DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
 DEFINE_double(bucket_cap_mb, 25, "DdpOptions::bucket_cap_mb");
 DEFINE_double(first_bucket_mb, 1, "DdpOptions::first_bucket_mb");
+DEFINE_double(inplace_gradient_mb, 0.5, "DdpOptions::inplace_gradient_mb");
 DEFINE_bool(gradient_as_bucket_view, false, "DdpOptions::gradient_as_bucket_view");
 DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16");
 DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
@@ -100,6 +101,7 @@ int Run() {
   options.process_group = pg;
   options.bucket_cap_mb = FLAGS_bucket_cap_mb;
   options.first_bucket_mb = FLAGS_first_bucket_mb;
+  options.inplace_gradient_mb = FLAGS_inplace_gradient_mb;
   options.gradient_as_bucket_view = FLAGS_gradient_as_bucket_view;
   options.trace_prefix = FLAGS_trace_prefix;
   dist::DistributedDataParallel ddp_model(model, options);

@@ -15,7 +15,7 @@ shift 2 || true
 [ "${1:-}" = "--" ] && shift
 EXTRA=("$@")
 PEER=/work/shared/peers/torch_ddp_train.py
-BENCH=bazel-bin/examples/ddp_bench
+BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); ddp_bench ${EXTRA[*]:-}"
