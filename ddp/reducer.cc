@@ -40,10 +40,6 @@ std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& pa
     Open& o = it->second;
     if (inserted) o.limit = first_bucket_bytes;
     if (inplace_bytes > 0 && p.nbytes() >= inplace_bytes) {
-      if (!o.members.empty()) result.push_back(std::move(o.members));
-      o.members.clear();
-      o.bytes = 0;
-      o.limit = bucket_bytes;
       result.push_back({i});
       continue;
     }
@@ -59,10 +55,12 @@ std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& pa
   for (auto& [key, o] : open) {
     if (!o.members.empty()) result.push_back(std::move(o.members));
   }
+  // Launch order = the order in which buckets become complete.
   std::vector<size_t> position(params.size(), 0);
   for (size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
-  std::stable_sort(result.begin(), result.end(),
-                   [&](const auto& a, const auto& b) { return position[a[0]] < position[b[0]]; });
+  std::stable_sort(result.begin(), result.end(), [&](const auto& a, const auto& b) {
+    return position[a.back()] < position[b.back()];
+  });
   return result;
 }
 

@@ -29,12 +29,13 @@ namespace ddp::dist::internal {
 /// order their gradients are expected), keeps one open bucket per
 /// (dtype, device), and closes a bucket once it holds at least its limit
 /// (first_bucket_bytes for the first bucket of each kind, bucket_bytes
-/// after). A gradient of at least `inplace_bytes` (0: none) closes the open
-/// bucket and gets a bucket of its own, which is reduced in place in .grad
-/// with no copy: copying a large gradient costs more than the one extra
-/// collective saves (Horovod fuses only tensors below its threshold for the
-/// same reason). Buckets come out ordered by their first parameter's
-/// position in `order`.
+/// after). A gradient of at least `inplace_bytes` (0: none) is a bucket of
+/// its own, reduced in place in .grad with no copy: copying a large gradient
+/// costs more than the one extra collective saves (Horovod fuses only
+/// tensors below its threshold for the same reason); the small ones around
+/// it keep filling the open bucket. Buckets come out in the order they
+/// become complete (by their last parameter's position in `order`), which
+/// is the order they are launched in.
 std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
                                                const std::vector<size_t>& order,
                                                size_t first_bucket_bytes, size_t bucket_bytes,

@@ -31,13 +31,13 @@ TEST(AssignBucketsTest, PyTorchRuleWithoutInPlaceBuckets) {
 }
 
 TEST(AssignBucketsTest, LargeGradientGetsItsOwnBucket) {
-  // 1.weight (1.5 MiB) is at least 512 KiB: alone; 3.weight (512 KiB) too.
+  // 1.weight (1.5 MiB) and 3.weight (512 KiB) are at least 512 KiB: alone;
+  // the small ones share a bucket, complete when 1.bias arrives.
   const auto buckets = AssignBuckets(MlpShapes(), Reverse(6), 1 << 20, 25 << 20, 512 << 10);
-  ASSERT_EQ(buckets.size(), 4u);
-  EXPECT_EQ(buckets[0], (std::vector<size_t>{5, 4, 3}));
-  EXPECT_EQ(buckets[1], (std::vector<size_t>{2}));
-  EXPECT_EQ(buckets[2], (std::vector<size_t>{1}));
-  EXPECT_EQ(buckets[3], (std::vector<size_t>{0}));
+  ASSERT_EQ(buckets.size(), 3u);
+  EXPECT_EQ(buckets[0], (std::vector<size_t>{2}));
+  EXPECT_EQ(buckets[1], (std::vector<size_t>{5, 4, 3, 1}));
+  EXPECT_EQ(buckets[2], (std::vector<size_t>{0}));
 }
 
 TEST(AssignBucketsTest, FirstBucketSmallThenCap) {
@@ -45,7 +45,7 @@ TEST(AssignBucketsTest, FirstBucketSmallThenCap) {
   const auto buckets = AssignBuckets(MlpShapes(), Reverse(6), 100 << 10, 600 << 10, 1 << 20);
   ASSERT_EQ(buckets.size(), 3u);
   EXPECT_EQ(buckets[0], (std::vector<size_t>{5, 4, 3, 2}));
-  EXPECT_EQ(buckets[1], (std::vector<size_t>{1}));
+  EXPECT_EQ(buckets[1], (std::vector<size_t>{1}));  // complete before 1.weight arrives
   EXPECT_EQ(buckets[2], (std::vector<size_t>{0}));
 }
 
@@ -55,22 +55,22 @@ TEST(AssignBucketsTest, TinyLimitMeansOneBucketPerParameter) {
   for (size_t b = 0; b < 6; ++b) EXPECT_EQ(buckets[b], std::vector<size_t>{5 - b});
 }
 
-TEST(AssignBucketsTest, OneDtypePerBucketOrderedByFirstMember) {
+TEST(AssignBucketsTest, OneDtypePerBucketInCompletionOrder) {
   std::vector<Tensor> params = {nn::Empty({4}), nn::Empty({4}, {.dtype = DType::kBFloat16}),
                                 nn::Empty({4}), nn::Empty({4}, {.dtype = DType::kBFloat16})};
   const auto buckets = AssignBuckets(params, Reverse(4), 1 << 20, 1 << 20, 1 << 20);
   ASSERT_EQ(buckets.size(), 2u);
-  EXPECT_EQ(buckets[0], (std::vector<size_t>{3, 1}));  // bf16, first seen
+  EXPECT_EQ(buckets[0], (std::vector<size_t>{3, 1}));  // bf16, complete first
   EXPECT_EQ(buckets[1], (std::vector<size_t>{2, 0}));  // f32
 }
 
 TEST(AssignBucketsTest, FollowsTheGivenOrder) {
   // The order the MLP's gradients arrive in: weight before bias.
-  const auto buckets = AssignBuckets(MlpShapes(), {4, 5, 2, 3, 0, 1}, 1 << 20, 25 << 20, 1 << 20);
+  const auto buckets = AssignBuckets(MlpShapes(), {4, 5, 2, 3, 0, 1}, 1 << 20, 25 << 20, 512 << 10);
   ASSERT_EQ(buckets.size(), 3u);
-  EXPECT_EQ(buckets[0], (std::vector<size_t>{4, 5, 2, 3}));
+  EXPECT_EQ(buckets[0], (std::vector<size_t>{2}));
   EXPECT_EQ(buckets[1], (std::vector<size_t>{0}));
-  EXPECT_EQ(buckets[2], (std::vector<size_t>{1}));
+  EXPECT_EQ(buckets[2], (std::vector<size_t>{4, 5, 3, 1}));
 }
 
 }  // namespace
