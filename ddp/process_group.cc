@@ -1,7 +1,10 @@
 #include "ddp/process_group.h"
 
 #include <pthread.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -197,6 +200,12 @@ class ProcessGroup::Impl {
   };
 
   void Loop() {
+    if (options_.comm_thread_nice != 0) {
+      // Per-thread on Linux: the thread id names this thread only.
+      const int current = getpriority(PRIO_PROCESS, 0);
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)),
+                  current + options_.comm_thread_nice);
+    }
     std::unique_lock lock(mu_);
     while (true) {
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });

@@ -109,6 +109,10 @@ struct ProcessGroupOptions {
   /// Fingerprint check before each collective (see the header comment).
   /// DDP_DEBUG=detail in the environment turns it on as well.
   bool debug_detail = false;
+  /// Nice value of the communication thread (0: the process's own). A
+  /// positive value lets compute threads win the core while a collective
+  /// waits for a late peer, when ranks have no spare cores.
+  int comm_thread_nice = 0;
 };
 
 class ProcessGroup {

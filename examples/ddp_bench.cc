@@ -48,6 +48,7 @@ DEFINE_double(first_bucket_mb, 1, "DdpOptions::first_bucket_mb");
 DEFINE_double(inplace_gradient_mb, 0.5, "DdpOptions::inplace_gradient_mb");
 DEFINE_bool(gradient_as_bucket_view, false, "DdpOptions::gradient_as_bucket_view");
 DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16");
+DEFINE_int32(comm_nice, 0, "ProcessGroupOptions::comm_thread_nice");
 DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
 DEFINE_string(trace_prefix, "", "write a Chrome trace per rank to <prefix>rank<r>.json");
 DEFINE_bool(eval, true, "measure test accuracy after training");
@@ -82,6 +83,7 @@ int Run() {
   nn::ops::SetNumThreads(1);
   dist::ProcessGroupOptions pg_options;
   pg_options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
+  pg_options.comm_thread_nice = FLAGS_comm_nice;
   ddp::transport::CommunicatorOptions comm_options;
   comm_options.bind_to_core = FLAGS_bind_to_core;
   auto pg = dist::ProcessGroup::CreateFromEnvironment(pg_options, comm_options);
