@@ -6,7 +6,6 @@
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "nn/autograd/engine.h"
 #include "nn/autograd/node.h"
@@ -217,24 +216,8 @@ std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>
   std::unordered_map<const nn::TensorImpl*, size_t> index;
   for (size_t i = 0; i < params_.size(); ++i) index.emplace(params_[i].impl(), i);
   std::vector<char> reached(params_.size(), 0);
-  std::unordered_set<const nn::autograd::Node*> seen;
-  std::vector<std::shared_ptr<nn::autograd::Node>> stack;
-  for (const nn::Tensor& out : outputs) {
-    if (!out.defined()) continue;
-    if (auto it = index.find(out.impl()); it != index.end()) reached[it->second] = 1;
-    if (out.grad_fn() != nullptr && seen.insert(out.grad_fn().get()).second) {
-      stack.push_back(out.grad_fn());
-    }
-  }
-  while (!stack.empty()) {
-    std::shared_ptr<nn::autograd::Node> node = std::move(stack.back());
-    stack.pop_back();
-    if (auto* acc = dynamic_cast<nn::autograd::AccumulateGrad*>(node.get())) {
-      if (auto it = index.find(acc->variable().impl()); it != index.end()) reached[it->second] = 1;
-    }
-    for (const nn::autograd::Edge& e : node->next_edges()) {
-      if (e.valid() && seen.insert(e.fn.get()).second) stack.push_back(e.fn);
-    }
+  for (const nn::Tensor& leaf : nn::autograd::ReachableLeaves(outputs)) {
+    if (auto it = index.find(leaf.impl()); it != index.end()) reached[it->second] = 1;
   }
   std::vector<size_t> unreachable;
   for (size_t i = 0; i < params_.size(); ++i) {
