@@ -252,6 +252,18 @@ TEST(ModuleTest, SequentialReusesIntermediatesOnlyWhenUnshared) {
   for (float v : d.ToVector<float>()) EXPECT_GE(v, 0.0f);
 }
 
+TEST(ModuleTest, EmptyBatchRunsForwardAndBackward) {
+  // A rank can run out of data (DDP's Join): zero samples must not crash.
+  auto cnn = MakeCnn();
+  const Tensor y = cnn->Forward(Zeros({0, 1, 28, 28}));
+  EXPECT_EQ(y.shape(), (Shape{0, 10}));
+  Backward(ops::Sum(y));
+  for (const Tensor& p : cnn->Parameters()) {
+    ASSERT_TRUE(p.grad().defined());
+    for (float v : p.grad().ToVector<float>()) EXPECT_EQ(v, 0.0f);
+  }
+}
+
 TEST(InitTest, PyTorchBoundsAndSeededReproducibility) {
   Generator g1(7), g2(7);
   Linear a(100, 50, true, g1), b(100, 50, true, g2);

@@ -19,6 +19,11 @@ Tensor SumToShape(const Tensor& g, const Shape& shape) {
   return out.View(shape);
 }
 
+bool Exclusive(const Tensor& g, const Tensor& like) {
+  return g.defined() && g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.is_contiguous() &&
+         g.dtype() == like.dtype() && g.shape() == like.shape() && g.device() == like.device();
+}
+
 void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b) {
   if (a.device() != b.device()) {
     throw std::invalid_argument(std::string(op) + ": tensors on different devices (" + a.device().ToString() +
@@ -152,8 +157,10 @@ Tensor UnaryOpImpl(UnaryOp op, const Tensor& x) {
   if (!detail::AnyRequiresGrad({&x})) return out;
   auto node = std::make_shared<LambdaNode>(UnaryName(op), [op](LambdaNode& n, std::vector<Tensor>& g) {
     const Tensor s = n.saved[0].Get();
-    Tensor gi = NewLike(s);
-    // ReLU's derivative from its output: y > 0 exactly where x > 0.
+    // The incoming gradient is overwritten when nobody else holds it (saves
+    // a buffer and its write-allocate traffic). ReLU's derivative comes from
+    // its output: y > 0 exactly where x > 0.
+    Tensor gi = detail::Exclusive(g[0], s) ? g[0] : NewLike(s);
     DDP_KERNEL(s.device(), unary_backward)(op, g[0], s, gi);
     return std::vector<Tensor>{gi};
   });
@@ -202,7 +209,7 @@ Tensor ReluOwned(Tensor x) {
   if (!detail::AnyRequiresGrad({&x})) return out;
   auto node = std::make_shared<LambdaNode>("ReluBackward", [](LambdaNode& n, std::vector<Tensor>& g) {
     const Tensor s = n.saved[0].Get();
-    Tensor gi = NewLike(s);
+    Tensor gi = detail::Exclusive(g[0], s) ? g[0] : NewLike(s);
     DDP_KERNEL(s.device(), unary_backward)(UnaryOp::kRelu, g[0], s, gi);
     return std::vector<Tensor>{gi};
   });

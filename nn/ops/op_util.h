@@ -26,6 +26,11 @@ inline Tensor NewLike(const Tensor& t, const Shape& shape) {
 /// that it has `shape` (no autograd; used inside backward).
 Tensor SumToShape(const Tensor& g, const Shape& shape);
 
+/// True when g may be overwritten in place as a result shaped like `like`:
+/// nothing else refers to its handle or memory, and it is contiguous with
+/// like's shape, dtype and device (for gradients handed to a backward).
+bool Exclusive(const Tensor& g, const Tensor& like);
+
 /// Throws when tensors live on different devices, naming the op.
 void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b);
 
