@@ -162,5 +162,49 @@ TEST(NetnsTest, FourRanksOnTwoHostsAllReduceBroadcastAllGather) {
   EXPECT_TRUE(hosts.Empty());
 }
 
+TEST(NetnsTest, CutLinkFailsEveryRankWithinTheDeadline) {
+  TwoHosts hosts;
+  ASSERT_EQ(hosts.error(), "");
+  const std::string markers = lt::MakeTempDir("netns_markers");
+  constexpr int kCallTimeoutMs = 3000;
+  const std::vector<std::string> ddprun_flags = {"--node_timeout=2", "--grace_period=15"};
+  const std::vector<std::string> worker_flags = {
+      "--mode=loop", "--call_timeout_ms=" + std::to_string(kCallTimeoutMs),
+      "--marker_dir=" + markers};
+  auto node0 = hosts.StartNode(0, ddprun_flags, worker_flags);
+  auto node1 = hosts.StartNode(1, ddprun_flags, worker_flags);
+  ASSERT_TRUE(node0 && node1);
+  // Wait until all four ranks are looping, then cut the link.
+  for (int r = 0; r < 4; ++r) {
+    const std::string path = markers + "/rank" + std::to_string(r) + ".looping";
+    const auto deadline = Clock::now() + 60s;
+    while (access(path.c_str(), F_OK) != 0 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(20ms);
+    }
+    ASSERT_EQ(access(path.c_str(), F_OK), 0) << "rank " << r << " never started looping";
+  }
+  const auto cut_at = Clock::now();
+  hosts.CutLink();
+  const lt::ProgramRun run0 = lt::WaitProgram(*node0, 60s);
+  const lt::ProgramRun run1 = lt::WaitProgram(*node1, 60s);
+  const auto took = Clock::now() - cut_at;
+
+  // Both launchers exit non-zero, every rank reports the cut itself, within
+  // the call deadline (plus scheduling slack on a busy machine).
+  EXPECT_NE(run0.exit_code, 0) << run0.output;
+  EXPECT_NE(run1.exit_code, 0) << run1.output;
+  const std::string all = run0.output + run1.output;
+  for (int r = 0; r < 4; ++r) {
+    const std::string rs = std::to_string(r);
+    std::smatch m;
+    const std::regex line("\\[" + rs + "\\] rank " + rs +
+                          " failed after ([0-9]+) ms: (PEER_LOST|TIMED_OUT): ");
+    ASSERT_TRUE(std::regex_search(all, m, line)) << "rank " << r << ":\n" << all;
+    EXPECT_LE(std::stoi(m[1]), kCallTimeoutMs + 2000) << m[0] << "\n" << all;
+  }
+  EXPECT_LT(took, 30s);
+  EXPECT_TRUE(hosts.Empty()) << "processes left in the namespaces";
+}
+
 }  // namespace
 }  // namespace ddp::transport::launch
