@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -29,6 +30,10 @@ namespace ddp::transport {
 namespace {
 
 using std::chrono::milliseconds;
+
+// How long posting or reading the job's abort reason may take outside a call
+// (an explicit Abort, a failed creation, the background post).
+constexpr milliseconds kAbortStoreTime{1000};
 
 std::string GetEnv(const char* name) {
   const char* value = std::getenv(name);
@@ -172,7 +177,12 @@ class Communicator::Impl {
   Algorithm Choose(size_t bytes, Algorithm requested) const;
   // Aborts with `reason`, unless the job or this communicator was aborted
   // already; returns the reason in force (the one callers should see).
-  Status Abort(const Status& reason);
+  // `call_deadline`: the deadline of the call that failed, or nullopt outside
+  // any call. A failing call reads the job's reason only until its own
+  // deadline and leaves posting its reason to a background thread, so that
+  // it returns on time even when the store went silent (its host cut off);
+  // outside a call both happen here, for up to kAbortStoreTime.
+  Status Abort(const Status& reason, std::optional<Deadline> call_deadline);
   Status aborted_reason() const {
     std::lock_guard lock(abort_mu_);
     return aborted_;
@@ -224,7 +234,9 @@ class Communicator::Impl {
     args.tuning.chunk_bytes = options_.chunk_bytes;
     return args;
   }
-  Status Watchdog() { return monitor_ ? monitor_->Check() : Status::Ok(); }
+  Status Watchdog(Deadline deadline) {
+    return monitor_ ? monitor_->Check(deadline) : Status::Ok();
+  }
   void AsyncLoop();
   Status WaitForQueue(Deadline deadline);
   void Shutdown();
@@ -242,7 +254,7 @@ class Communicator::Impl {
   std::unique_ptr<p2p::GroupView> ring_view_;
   std::unique_ptr<fault::PeerMonitor> monitor_;
   std::unique_ptr<shm::ShmAllReduce> shm_;
-  std::function<Status()> watchdog_;
+  std::function<Status(Deadline)> watchdog_;
 
   std::mutex run_mu_;     // held by whichever thread drives UCX / shm
   uint64_t sequence_ = 0; // collective number, under run_mu_
@@ -257,6 +269,7 @@ class Communicator::Impl {
   mutable std::mutex abort_mu_;
   Status aborted_;
   std::atomic<bool> is_aborted_{false};
+  std::thread abort_poster_;  // posts a failed call's reason; joined in Shutdown()
   bool shut_down_ = false;
 
   std::mutex p2p_works_mu_;
@@ -363,7 +376,7 @@ Status Communicator::Impl::Init() {
       fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,
                                 .store_rank = o.host_store ? 0 : -1},
       store_.get());
-  watchdog_ = [this] { return Watchdog(); };
+  watchdog_ = [this](Deadline deadline) { return Watchdog(deadline); };
   p2p_->SetWatchdog(watchdog_);
 
   // 5. The shared-memory path, when every rank is on this host.
@@ -414,6 +427,7 @@ void Communicator::Impl::Shutdown() {
     queue_cv_.notify_all();
     thread_.join();
   }
+  if (abort_poster_.joinable()) abort_poster_.join();
   {
     // Point-to-point calls nobody waited for: their handles must not poll a
     // communicator that is going away.
@@ -426,10 +440,11 @@ void Communicator::Impl::Shutdown() {
     p2p_works_.clear();
   }
   if (store_ != nullptr) {
-    if (!aborted() && monitor_ != nullptr) monitor_->PostClosed();
+    if (!aborted() && monitor_ != nullptr) monitor_->PostClosed(DeadlineIn(kAbortStoreTime));
     // The rank serving the store keeps it up until the others have left
     // (they may still post or read the abort key); bounded.
-    auto left = store_->Add(prefix_ + "left", 1, DeadlineIn(milliseconds(2000)));
+    auto left = store_->Add(prefix_ + "left", 1,
+                            DeadlineIn(aborted() ? kAbortStoreTime : milliseconds(2000)));
     if (server_ != nullptr && left.ok()) {
       const Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
       while (Clock::now() < wait_until) {
@@ -441,19 +456,21 @@ void Communicator::Impl::Shutdown() {
   }
   shm_.reset();
   ring_view_.reset();
-  if (p2p_ != nullptr) p2p_->Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  // After an abort, endpoints to other hosts close without flushing: the
+  // host may be unreachable, and its peers have given up on us anyway.
+  if (p2p_ != nullptr) p2p_->Close(DeadlineIn(milliseconds(2000)), aborted()).IgnoreError();
   p2p_.reset();
   monitor_.reset();
   store_.reset();
   server_.reset();
 }
 
-Status Communicator::Impl::Abort(const Status& reason) {
+Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> call_deadline) {
   // The job's first reason wins: a failure seen here may only be the echo
   // of another rank's (it reported, left, and its endpoints reset ours).
   Status first = reason;
   if (monitor_ != nullptr) {
-    Status posted = monitor_->PostedAbort();
+    Status posted = monitor_->PostedAbort(call_deadline.value_or(DeadlineIn(kAbortStoreTime)));
     if (!posted.ok()) first = posted;
   }
   {
@@ -461,8 +478,16 @@ Status Communicator::Impl::Abort(const Status& reason) {
     if (!aborted_.ok()) return aborted_;
     aborted_ = first;
     is_aborted_.store(true, std::memory_order_release);
+    if (monitor_ == nullptr || !(first == reason)) return first;
+    if (call_deadline) {
+      // Only the rank that set aborted_ gets here, once.
+      abort_poster_ = std::thread([monitor = monitor_.get(), reason] {
+        monitor->PostAbort(reason, DeadlineIn(kAbortStoreTime));
+      });
+      return first;
+    }
   }
-  if (monitor_ != nullptr && first == reason) monitor_->PostAbort(reason);
+  monitor_->PostAbort(reason, DeadlineIn(kAbortStoreTime));
   return first;
 }
 
@@ -488,7 +513,7 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
   std::lock_guard run(run_mu_);
   if (aborted()) return aborted_reason();
   Status status = body(deadline);
-  if (!status.ok()) return Abort(status);
+  if (!status.ok()) return Abort(status, deadline);
   return status;
 }
 
@@ -511,8 +536,9 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
         status = aborted_reason();
       } else {
         std::lock_guard run(run_mu_);
-        status = aborted() ? aborted_reason() : body(DeadlineIn(timeout));
-        if (!status.ok()) status = Abort(status);
+        const Deadline deadline = DeadlineIn(timeout);
+        status = aborted() ? aborted_reason() : body(deadline);
+        if (!status.ok()) status = Abort(status, deadline);
       }
       state->Finish(status);
     });
@@ -600,7 +626,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
     if (aborted()) return Communicator::FinishedWork(aborted_reason());
     id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
   }
-  if (!id.ok()) return Communicator::FinishedWork(Abort(id.status()));
+  if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
   auto state = std::make_shared<Work::State>();
   std::weak_ptr<Work::State> weak = state;
   const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
@@ -634,12 +660,12 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
         failure = TimedOutError(what + " still pending at its deadline");
       } else if (now >= *next_watchdog) {
         *next_watchdog = now + milliseconds(100);
-        failure = Watchdog();
+        failure = Watchdog(deadline);
         if (!failure.ok()) p2p_->Cancel(id);
       }
     }
     if (!failure.ok()) {
-      state->Finish(Abort(failure));
+      state->Finish(Abort(failure, deadline));
       return;
     }
     sched_yield();
@@ -662,7 +688,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorO
   Status status = impl->Init();
   if (!status.ok()) {
     // Tell the ranks still forming the job instead of letting them time out.
-    impl->Abort(status).IgnoreError();
+    impl->Abort(status, std::nullopt).IgnoreError();
     return Status(status.code(), "rank " + std::to_string(options.rank) +
                                      ": creating the communicator: " + status.message());
   }
@@ -690,7 +716,9 @@ int Communicator::size() const { return impl_->options_.world_size; }
 int Communicator::local_rank() const { return impl_->options_.local_rank; }
 int Communicator::local_size() const { return impl_->options_.local_world_size; }
 const CommunicatorInfo& Communicator::info() const { return impl_->info_; }
-void Communicator::Abort(const Status& reason) { impl_->Abort(reason).IgnoreError(); }
+void Communicator::Abort(const Status& reason) {
+  impl_->Abort(reason, std::nullopt).IgnoreError();
+}
 Status Communicator::aborted_reason() const { return impl_->aborted_reason(); }
 Algorithm Communicator::SelectedAlgorithm(size_t bytes) const {
   return impl_->Choose(bytes, Algorithm::kAuto);

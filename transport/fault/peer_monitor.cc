@@ -5,6 +5,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 
@@ -15,7 +16,10 @@ int PidfdOpen(int pid) {
   return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
 }
 
-Deadline In(int ms) { return DeadlineIn(std::chrono::milliseconds(ms)); }
+// When one store access on behalf of a call ending at `deadline` gives up.
+Deadline StoreDeadline(Deadline deadline) {
+  return std::min(deadline, Clock::now() + kStoreCallCap);
+}
 
 }  // namespace
 
@@ -36,13 +40,14 @@ PeerMonitor::~PeerMonitor() {
   }
 }
 
-bool PeerMonitor::PeerClosed(int peer) {
-  if (store_ == nullptr) return false;
-  auto value = store_->TryGet(options_.key_prefix + "closed/" + std::to_string(peer), In(1000));
+bool PeerMonitor::PeerClosed(int peer, Deadline deadline) {
+  if (store_ == nullptr || Clock::now() >= deadline) return false;
+  auto value = store_->TryGet(options_.key_prefix + "closed/" + std::to_string(peer),
+                              StoreDeadline(deadline));
   return value.ok() && value->has_value();
 }
 
-Status PeerMonitor::Check() {
+Status PeerMonitor::Check(Deadline deadline) {
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     const int pid = options_.local_pids[r];
     if (static_cast<int>(r) == options_.rank || pid <= 0) continue;
@@ -53,21 +58,29 @@ Status PeerMonitor::Check() {
     } else {
       exited = kill(pid, 0) != 0 && errno == ESRCH;
     }
-    if (exited && !PeerClosed(static_cast<int>(r))) {
+    if (exited && !PeerClosed(static_cast<int>(r), deadline)) {
       // A rank that exits after reporting a failure is not the cause: the
       // reason it posted names the rank that really failed.
-      if (store_ != nullptr) {
-        auto posted = store_->TryGet(options_.key_prefix + "abort", In(1000));
-        if (posted.ok() && posted->has_value()) return DecodeAbort(**posted);
-      }
+      Status posted = PostedAbort(deadline);
+      if (!posted.ok()) return posted;
       lost_peer_ = static_cast<int>(r);
       return PeerLostError("rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
                            " on this host) exited");
     }
   }
-  if (store_ == nullptr) return Status::Ok();
-  auto posted = store_->TryGet(options_.key_prefix + "abort", In(2000));
+  // With no time left the caller reports its own deadline, naming what it
+  // waited for, which says more than a store read that could not start.
+  const Clock::time_point now = Clock::now();
+  if (store_ == nullptr || now >= deadline) return Status::Ok();
+  const Deadline until = std::min(deadline, now + kStoreCallCap);
+  auto posted = store_->TryGet(options_.key_prefix + "abort", until);
   if (!posted.ok()) {
+    if (posted.status().code() == StatusCode::kTimedOut && until == deadline) {
+      // Not (yet) evidence that the store is gone: the call ran out of time
+      // while asking it.
+      return TimedOutError("deadline passed while reading the job's abort state from the "
+                           "rendezvous store: " + posted.status().message());
+    }
     const std::string server = options_.store_rank >= 0
                                    ? "rank " + std::to_string(options_.store_rank)
                                    : std::string("the launcher");
@@ -78,24 +91,26 @@ Status PeerMonitor::Check() {
   return Status::Ok();
 }
 
-Status PeerMonitor::PostedAbort(int timeout_ms) {
-  if (store_ == nullptr) return Status::Ok();
-  auto posted = store_->TryGet(options_.key_prefix + "abort", In(timeout_ms));
+Status PeerMonitor::PostedAbort(Deadline deadline) {
+  if (store_ == nullptr || Clock::now() >= deadline) return Status::Ok();
+  auto posted = store_->TryGet(options_.key_prefix + "abort", StoreDeadline(deadline));
   if (posted.ok() && posted->has_value()) return DecodeAbort(**posted);
   return Status::Ok();
 }
 
-void PeerMonitor::PostAbort(const Status& reason, int timeout_ms) {
-  if (store_ == nullptr || reason.ok()) return;
+void PeerMonitor::PostAbort(const Status& reason, Deadline deadline) {
+  if (store_ == nullptr || reason.ok() || Clock::now() >= deadline) return;
   const std::string key = options_.key_prefix + "abort";
-  auto existing = store_->TryGet(key, In(timeout_ms));
+  auto existing = store_->TryGet(key, StoreDeadline(deadline));
   if (existing.ok() && existing->has_value()) return;
-  store_->Set(key, EncodeAbort(options_.rank, reason), In(timeout_ms)).IgnoreError();
+  if (Clock::now() >= deadline) return;
+  store_->Set(key, EncodeAbort(options_.rank, reason), StoreDeadline(deadline)).IgnoreError();
 }
 
-void PeerMonitor::PostClosed(int timeout_ms) {
-  if (store_ == nullptr) return;
-  store_->Set(options_.key_prefix + "closed/" + std::to_string(options_.rank), "1", In(timeout_ms))
+void PeerMonitor::PostClosed(Deadline deadline) {
+  if (store_ == nullptr || Clock::now() >= deadline) return;
+  store_->Set(options_.key_prefix + "closed/" + std::to_string(options_.rank), "1",
+              StoreDeadline(deadline))
       .IgnoreError();
 }
 

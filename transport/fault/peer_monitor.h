@@ -16,7 +16,13 @@
 //   3. treats an unreachable store as the loss of the rank serving it.
 // A peer that closed its communicator cleanly (posted under `closed/`) may
 // exit without being reported.
+//
+// Every store access takes the deadline of the call it serves: a store that
+// stopped answering (its host cut off) must not hold a call past its own
+// deadline. A store access is also capped at kStoreCallCap, after which the
+// store counts as unreachable.
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -36,6 +42,10 @@ struct PeerMonitorOptions {
   int store_rank = 0;
 };
 
+/// Longest a single store access may take before the store counts as
+/// unreachable (when the caller's deadline is further away).
+inline constexpr std::chrono::milliseconds kStoreCallCap{2000};
+
 class PeerMonitor {
  public:
   /// `store` must outlive the monitor; nullptr: no store checks.
@@ -45,22 +55,24 @@ class PeerMonitor {
   PeerMonitor& operator=(const PeerMonitor&) = delete;
 
   /// OK while the job looks healthy; otherwise the reason, naming the rank.
-  /// Cheap (a poll per local peer and one store round trip).
-  Status Check();
+  /// Cheap (a poll per local peer and one store round trip). Returns by
+  /// `deadline` (the calling operation's): TIMED_OUT when the store did not
+  /// answer before it; with no time left, only the local peers are checked.
+  Status Check(Deadline deadline);
 
   /// The rank on this host found dead by the last Check(), or -1.
   int lost_peer() const { return lost_peer_; }
 
   /// The abort reason another rank posted, if any (OK when none or when the
-  /// store cannot be read).
-  Status PostedAbort(int timeout_ms = 1000);
+  /// store cannot be read by `deadline`).
+  Status PostedAbort(Deadline deadline);
 
   /// Posts `reason` (from this rank) as the job's abort reason unless one is
-  /// already posted. Best effort: gives up after `timeout_ms`.
-  void PostAbort(const Status& reason, int timeout_ms = 1000);
+  /// already posted. Best effort: gives up at `deadline`.
+  void PostAbort(const Status& reason, Deadline deadline);
 
   /// Marks this rank as closed cleanly, so its exit is not a failure.
-  void PostClosed(int timeout_ms = 1000);
+  void PostClosed(Deadline deadline);
 
   /// Encoding of an abort reason in the store, and back. Decoding a posted
   /// reason keeps its code and says which rank posted it.
@@ -68,7 +80,7 @@ class PeerMonitor {
   static Status DecodeAbort(const std::string& value);
 
  private:
-  bool PeerClosed(int peer);
+  bool PeerClosed(int peer, Deadline deadline);
 
   PeerMonitorOptions options_;
   store::Store* store_;

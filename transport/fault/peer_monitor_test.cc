@@ -13,6 +13,11 @@
 namespace ddp::transport::fault {
 namespace {
 
+using std::chrono::milliseconds;
+
+// The deadline of a call with time to spare.
+Deadline Soon() { return DeadlineIn(milliseconds(5000)); }
+
 // A child process that sleeps until killed; spawned (not forked into test
 // logic) so that it is a real, separate process.
 pid_t SpawnSleeper() {
@@ -28,7 +33,7 @@ TEST(PeerMonitor, HealthyJobIsOk) {
   testing::InMemoryStore store;
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child, 0}, .key_prefix = "j/"}, &store);
-  EXPECT_TRUE(monitor.Check().ok());
+  EXPECT_TRUE(monitor.Check(Soon()).ok());
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
 }
@@ -39,7 +44,7 @@ TEST(PeerMonitor, DeadLocalPeerIsPeerLostNamingIt) {
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), 0, child}, .key_prefix = "j/"}, &store);
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
-  Status s = monitor.Check();
+  Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
   EXPECT_EQ(monitor.lost_peer(), 2);
@@ -52,7 +57,7 @@ TEST(PeerMonitor, ZombieCountsAsDead) {
   kill(child, SIGKILL);
   // Not reaped yet: the pidfd still reports the exit.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_EQ(monitor.Check().code(), StatusCode::kPeerLost);
+  EXPECT_EQ(monitor.Check(Soon()).code(), StatusCode::kPeerLost);
   waitpid(child, nullptr, 0);
 }
 
@@ -61,26 +66,26 @@ TEST(PeerMonitor, CleanlyClosedPeerMayExit) {
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
-  other.PostClosed();
+  other.PostClosed(Soon());
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
-  EXPECT_TRUE(monitor.Check().ok());
+  EXPECT_TRUE(monitor.Check(Soon()).ok());
 }
 
 TEST(PeerMonitor, PostedAbortReachesEveryRankWithItsCode) {
   testing::InMemoryStore store;
   PeerMonitor rank0({.rank = 0, .key_prefix = "j/"}, &store);
   PeerMonitor rank3({.rank = 3, .key_prefix = "j/"}, &store);
-  EXPECT_TRUE(rank0.Check().ok());
-  rank3.PostAbort(PeerLostError("receive from rank 2: rank 2 exited"));
-  rank0.PostAbort(TimedOutError("later reason"));  // the first one stays
-  Status s = rank0.Check();
+  EXPECT_TRUE(rank0.Check(Soon()).ok());
+  rank3.PostAbort(PeerLostError("receive from rank 2: rank 2 exited"), Soon());
+  rank0.PostAbort(TimedOutError("later reason"), Soon());  // the first one stays
+  Status s = rank0.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 3 aborted the job"), std::string::npos) << s;
   EXPECT_NE(s.message().find("rank 2 exited"), std::string::npos) << s;
   // Another job (other prefix) is not affected.
   PeerMonitor stranger({.rank = 0, .key_prefix = "other/"}, &store);
-  EXPECT_TRUE(stranger.Check().ok());
+  EXPECT_TRUE(stranger.Check(Soon()).ok());
 }
 
 TEST(PeerMonitor, GarbledAbortValueIsStillAnError) {
@@ -105,10 +110,95 @@ class DeadStore final : public store::Store {
   static Status Down() { return UnavailableError("connection reset"); }
 };
 
+// A store whose host was cut off: requests go out, no reply ever comes, so
+// every call runs to its deadline.
+class SilentStore final : public store::Store {
+ public:
+  Status Set(std::string_view, std::string_view, Deadline d) override { return Silent(d); }
+  StatusOr<std::string> Get(std::string_view, Deadline d) override { return Silent(d); }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view, Deadline d) override {
+    return Silent(d);
+  }
+  StatusOr<int64_t> Add(std::string_view, int64_t, Deadline d) override { return Silent(d); }
+  Status Wait(std::span<const std::string>, Deadline d) override { return Silent(d); }
+  StatusOr<bool> Delete(std::string_view, Deadline d) override { return Silent(d); }
+  int calls() const { return calls_; }
+
+ private:
+  Status Silent(Deadline deadline) {
+    ++calls_;
+    std::this_thread::sleep_until(deadline);
+    return TimedOutError("store request timed out");
+  }
+  int calls_ = 0;
+};
+
+TEST(PeerMonitor, SilentStoreEndsACheckAtTheCallsDeadline) {
+  SilentStore store;
+  PeerMonitor monitor({.rank = 2, .key_prefix = "j/", .store_rank = -1}, &store);
+  const auto start = Clock::now();
+  Status s = monitor.Check(start + milliseconds(300));
+  const auto took = Clock::now() - start;
+  // Not the loss of the store's host: the call merely ran out of time.
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("deadline passed"), std::string::npos) << s;
+  EXPECT_GE(took, milliseconds(300));
+  EXPECT_LT(took, milliseconds(300) + milliseconds(700));
+}
+
+TEST(PeerMonitor, CheckWithNoTimeLeftDoesNotAskTheStore) {
+  SilentStore store;
+  PeerMonitor monitor({.rank = 2, .key_prefix = "j/"}, &store);
+  const auto start = Clock::now();
+  EXPECT_TRUE(monitor.Check(start - milliseconds(1)).ok());
+  EXPECT_LT(Clock::now() - start, milliseconds(100));
+  EXPECT_EQ(store.calls(), 0);
+}
+
+TEST(PeerMonitor, SilentStoreWithTimeToSpareIsPeerLostAfterTheCap) {
+  SilentStore store;
+  PeerMonitor monitor({.rank = 2, .key_prefix = "j/", .store_rank = -1}, &store);
+  const auto start = Clock::now();
+  Status s = monitor.Check(start + std::chrono::seconds(30));
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("the launcher serves it"), std::string::npos) << s;
+  EXPECT_GE(took, kStoreCallCap);
+  EXPECT_LT(took, kStoreCallCap + milliseconds(1000));
+}
+
+TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
+  SilentStore store;
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  const auto start = Clock::now();
+  Status s = monitor.Check(start + milliseconds(300));
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_LT(Clock::now() - start, milliseconds(300) + milliseconds(700));
+  // With no time left the local check still runs, without the store.
+  const int calls = store.calls();
+  EXPECT_EQ(monitor.Check(Clock::now()).code(), StatusCode::kPeerLost);
+  EXPECT_EQ(store.calls(), calls);
+}
+
+TEST(PeerMonitor, PostingToASilentStoreEndsAtTheDeadline) {
+  SilentStore store;
+  PeerMonitor monitor({.rank = 1, .key_prefix = "j/"}, &store);
+  const auto start = Clock::now();
+  monitor.PostAbort(TimedOutError("t"), start + milliseconds(200));
+  EXPECT_TRUE(monitor.PostedAbort(start + milliseconds(300)).ok());
+  monitor.PostClosed(start + milliseconds(400));
+  const auto took = Clock::now() - start;
+  EXPECT_GE(took, milliseconds(400));
+  EXPECT_LT(took, milliseconds(400) + milliseconds(700));
+}
+
 TEST(PeerMonitor, UnreachableStoreIsPeerLostOfItsServer) {
   DeadStore store;
   PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0}, &store);
-  Status s = monitor.Check();
+  Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 0 serves it"), std::string::npos) << s;
 }
@@ -124,10 +214,10 @@ TEST(PeerMonitor, PostedReasonWinsOverAReporterThatExited) {
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   PeerMonitor reporter({.rank = 1, .key_prefix = "j/"}, &store);
-  reporter.PostAbort(PeerLostError("rank 3 died"));
+  reporter.PostAbort(PeerLostError("rank 3 died"), Soon());
   kill(child, SIGKILL);  // rank 1 leaves after reporting
   waitpid(child, nullptr, 0);
-  Status s = monitor.Check();
+  Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost);
   EXPECT_NE(s.message().find("rank 3 died"), std::string::npos) << s;
 }

@@ -1,6 +1,7 @@
 #include "transport/shm/shm_allreduce.h"
 
 #include <linux/futex.h>
+#include <poll.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -51,6 +52,18 @@ constexpr size_t kStagingCapacity = 1 << 20;
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// True when process `pid` exits within `within`. A process being killed
+// tears down its memory before it is reported as exited, and cross-memory
+// attach in that window fails with EFAULT, as if the buffer were freed.
+bool ExitsWithin(int pid, std::chrono::milliseconds within) {
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return errno == ESRCH;
+  pollfd p{fd, POLLIN, 0};
+  const bool exited = poll(&p, 1, static_cast<int>(within.count())) > 0;
+  close(fd);
+  return exited;
+}
 
 // Element range [begin, end) of `rank`'s slice: equal blocks rounded to
 // whole cache lines, so that no two ranks write the same line.
@@ -158,7 +171,8 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       const int error = n < 0 ? errno : EIO;
-      if (error == ESRCH) {
+      if (error == ESRCH ||
+          (error == EFAULT && ExitsWithin(options_.pids[peer], std::chrono::milliseconds(500)))) {
         return PeerLostError("rank " + std::to_string(peer) + " (pid " +
                              std::to_string(options_.pids[peer]) + ") exited");
       }
@@ -190,7 +204,7 @@ void ShmAllReduce::Publish(std::atomic<uint64_t> Control::*field, uint64_t value
 }
 
 Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
-                             Deadline deadline, const std::function<Status()>& watchdog,
+                             Deadline deadline, const std::function<Status(Deadline)>& watchdog,
                              const char* phase) {
   Clock::time_point next_watchdog = Clock::time_point::min();
   // Spin while the peer is likely running (a core each: it publishes within
@@ -226,7 +240,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       }
       if (watchdog && now >= next_watchdog) {
         next_watchdog = now + options_.watchdog_period;
-        DDP_RETURN_IF_ERROR(watchdog());
+        DDP_RETURN_IF_ERROR(watchdog(deadline));
       }
       const Clock::duration waited = now - started;
       if (waited < spin_for) continue;
@@ -271,7 +285,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
 
 Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, Deadline deadline,
-                               const std::function<Status()>& watchdog) {
+                               const std::function<Status(Deadline)>& watchdog) {
   const size_t bytes = count * DataTypeSize(dtype);
   const uint64_t s = ++sequence_;
   const bool staged = bytes <= options_.staging_bytes;
@@ -325,7 +339,7 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
 // all finished (every slice written everywhere, every input read).
 Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                      ReduceOp op, Deadline deadline,
-                                     const std::function<Status()>& watchdog) {
+                                     const std::function<Status(Deadline)>& watchdog) {
   const int me = options_.rank;
   const uint64_t s = sequence_;
   const size_t elem = DataTypeSize(dtype);
@@ -362,7 +376,7 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
   return WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish");
 }
 
-Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status()>& watchdog) {
+Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline)>& watchdog) {
   const uint64_t s = ++sequence_;
   Control& mine = control(options_.rank);
   // Arguments no all-reduce can have, so that a rank in an all-reduce while

@@ -110,7 +110,7 @@ TEST(ShmAllReduce, WatchdogEndsTheWait) {
   float x = 1;
   Status s = group[0]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
                                  DeadlineIn(milliseconds(10000)),
-                                 [] { return PeerLostError("rank 1 (pid 7) exited"); });
+                                 [](Deadline) { return PeerLostError("rank 1 (pid 7) exited"); });
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
 }
 

@@ -107,7 +107,9 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
   return Status::Ok();
 }
 
-void UcxPointToPoint::SetWatchdog(std::function<Status()> check) { watchdog_ = std::move(check); }
+void UcxPointToPoint::SetWatchdog(std::function<Status(Deadline)> check) {
+  watchdog_ = std::move(check);
+}
 
 void UcxPointToPoint::MarkPeerLost(int peer, Status reason) {
   if (peer < 0 || peer >= static_cast<int>(peers_.size())) return;
@@ -123,7 +125,7 @@ void UcxPointToPoint::EndpointErrorCallback(void* arg, ucp_ep_h, ucs_status_t st
   }
 }
 
-Status UcxPointToPoint::Close(Deadline deadline) {
+Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
   if (closed_) return Status::Ok();
   closed_ = true;
   // Requests first: abandon whatever is still pending.
@@ -137,10 +139,15 @@ Status UcxPointToPoint::Close(Deadline deadline) {
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    // Force only where the peer is gone: flushing towards it would wait for
-    // an answer that never comes. UCX asks for peer error mode on both sides
-    // for a forced close; a dead peer has no side left to disturb.
-    param.flags = peers_[peer]->failure.ok() ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+    // Force only where the peer is gone, or may be (force_remote): flushing
+    // towards it would wait for an answer that never comes, and UCX 1.13
+    // asserts when a worker is destroyed while a closing endpoint still
+    // holds sends. UCX asks for peer error mode on both sides for a forced
+    // close: remote endpoints have it on both sides, and a dead peer has no
+    // side left to disturb.
+    const bool force = !peers_[peer]->failure.ok() ||
+                       (force_remote && peers_[peer]->peer_error_mode);
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* request = ucp_ep_close_nbx(endpoints_[peer], &param);
     if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
     endpoints_[peer] = nullptr;
@@ -406,7 +413,7 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
   }
   if (watchdog_ && now >= next_watchdog_) {
     next_watchdog_ = now + options_.watchdog_period;
-    DDP_RETURN_IF_ERROR(watchdog_());
+    DDP_RETURN_IF_ERROR(watchdog_(deadline));
   }
   if (idle_polls >= options_.idle_polls_before_backoff) {
     switch (options_.idle_mode) {

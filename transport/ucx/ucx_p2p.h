@@ -74,9 +74,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status Connect(std::span<const std::string> addresses,
                  const std::vector<bool>& same_host = {});
 
-  /// Runs `check` about every `period` inside waits; a non-OK result ends the
-  /// wait with that status. Used to learn about aborts posted by other ranks.
-  void SetWatchdog(std::function<Status()> check);
+  /// Runs `check` about every `period` inside waits, passing the wait's
+  /// deadline (it must return by then); a non-OK result ends the wait with
+  /// that status. Used to learn about aborts posted by other ranks.
+  void SetWatchdog(std::function<Status(Deadline)> check);
 
   /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);
   /// pending and later operations with it fail with `reason`.
@@ -84,7 +85,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
 
   /// Flushes and closes every endpoint, waiting at most until `deadline`.
   /// Later messages fail. Called by the destructor if not called before.
-  Status Close(Deadline deadline);
+  /// `force_remote`: close endpoints to other hosts without flushing (after
+  /// an abort: a flush towards a host that went silent never completes, and
+  /// UCX cannot destroy a worker whose endpoints still hold sends).
+  Status Close(Deadline deadline, bool force_remote = false);
 
   /// Registers a long-lived staging buffer (see registration_cache.h).
   Status RegisterStagingBuffer(void* data, size_t bytes);
@@ -155,7 +159,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<uint32_t> free_slots_;
   P2pOptions options_;
-  std::function<Status()> watchdog_;
+  std::function<Status(Deadline)> watchdog_;
   Clock::time_point next_watchdog_{};
   bool closed_ = false;
 };

@@ -163,7 +163,7 @@ TEST(UcxPointToPoint, WatchdogEndsAWait) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
   std::atomic<int> calls{0};
-  p2p.SetWatchdog([&calls]() -> Status {
+  p2p.SetWatchdog([&calls](Deadline) -> Status {
     if (++calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
     return Status::Ok();
   });
