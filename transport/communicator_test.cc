@@ -328,10 +328,11 @@ TEST(Communicator, BadTopologyFileIsNamed) {
   }
 }
 
-// Kills rank `victim` while the others run all-reduces; every survivor must
-// report within the deadline, and later calls fail at once.
-void ExpectSurvivorsReport(int n, Algorithm algorithm, int signal) {
-  const int victim = n - 1;
+// Kills (or stops) rank `victim`, by default the last, while the others run
+// all-reduces; every survivor must report within the deadline, and later
+// calls fail at once.
+void ExpectSurvivorsReport(int n, Algorithm algorithm, int signal, int victim = -1) {
+  if (victim < 0) victim = n - 1;
   const milliseconds timeout(3000);
   Job job = RunJob(n, "loop",
                    {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
@@ -368,6 +369,11 @@ TEST(Faults, PeerKilledDuringSharedMemoryAllReduce) {
 TEST(Faults, PeerKilledDuringUcxRingAllReduce) { ExpectSurvivorsReport(3, Algorithm::kRing, SIGKILL); }
 TEST(Faults, PeerKilledDuringUcxTreeAllReduce) { ExpectSurvivorsReport(4, Algorithm::kTree, SIGKILL); }
 TEST(Faults, StoppedPeerTimesOut) { ExpectSurvivorsReport(2, Algorithm::kRing, SIGSTOP); }
+// Rank 0 serves the store: stopped, it answers nothing, and the survivors'
+// reads of the abort key must end by their calls' deadlines.
+TEST(Faults, StoppedStoreServerTimesOutOnTime) {
+  ExpectSurvivorsReport(3, Algorithm::kSharedMemory, SIGSTOP, 0);
+}
 
 void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm) {
   Job job = RunJob(n, "mismatch",

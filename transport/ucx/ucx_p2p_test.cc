@@ -163,7 +163,9 @@ TEST(UcxPointToPoint, WatchdogEndsAWait) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
   std::atomic<int> calls{0};
-  p2p.SetWatchdog([&calls](Deadline) -> Status {
+  Deadline seen{};
+  p2p.SetWatchdog([&calls, &seen](Deadline deadline) -> Status {
+    seen = deadline;
     if (++calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
     return Status::Ok();
   });
@@ -171,9 +173,12 @@ TEST(UcxPointToPoint, WatchdogEndsAWait) {
   auto r = p2p.PostRecv(1, 1, &value, sizeof(value));
   ASSERT_TRUE(r.ok());
   p2p::RequestId ids[] = {*r};
-  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(10000)));
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  Status s = p2p.WaitAll(ids, deadline);
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
   EXPECT_GE(calls.load(), 2);
+  // The watchdog is told the wait's deadline, so that it returns by then.
+  EXPECT_EQ(seen, deadline);
 }
 
 TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
