@@ -388,6 +388,42 @@ TEST(DdpFeaturesTest, BroadcastBuffersAtEveryTrainingForward) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ------------------------------------------------------- debug desync ----
+
+// Rank 1 wrongly skips synchronization in the first iteration (NoSync on
+// one rank only): from then on the ranks' collectives no longer pair up.
+// With DDP_DEBUG=detail both ranks name the collectives that diverged.
+DDP_TEST_WORKER(ddp_desync) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<BufferSpy>();  // has buffers: broadcast at each forward
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  std::string message;
+  try {
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      if (s == 0 && pg->rank() == 1) {
+        auto no_sync = ddp.NoSync();
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      } else {
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      }
+    }
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  std::fprintf(stderr, "reported: %s\n", message.c_str());
+  WORKER_EXPECT(message.find("collective desync detected") != std::string::npos, message);
+  WORKER_EXPECT(message.find("all_reduce bucket 0(avg, f32") != std::string::npos, message);
+  WORKER_EXPECT(message.find("broadcast buffers f32(root 0, f32") != std::string::npos, message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, DebugModeReportsRanksThatDiverge) {
+  auto run = RunWorkers("ddp_desync", 2, {{"DDP_DEBUG", "detail"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ---------------------------------------------------------- mismatch ----
 
 // Registers its two layers in the order given.
