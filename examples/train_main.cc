@@ -67,6 +67,9 @@ DEFINE_int32(nproc_per_node, 2,
              "ranks to start on this machine (ignored under ddprun, srun or mpirun)");
 DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
 DEFINE_double(bucket_cap_mb, 25, "gradient bucket size in MiB for the overlapped all-reduce");
+DEFINE_int64(timeout_s, 300,
+             "deadline of every collective in seconds: a rank that stops responding (hung, "
+             "stopped, cut off) fails the job after this long");
 DEFINE_bool(find_unused_parameters, false,
             "allow parameters that get no gradient in an iteration");
 DEFINE_bool(ddp_stats, false,
@@ -118,7 +121,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
       {"Data parallelism",
        {"nproc_per_node", "sync_bn", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
-        "trace"}},
+        "trace", "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
   };
@@ -232,6 +235,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.amp = FLAGS_amp;
   c.sync_bn = FLAGS_sync_bn;
   c.bucket_cap_mb = FLAGS_bucket_cap_mb;
+  c.timeout_s = FLAGS_timeout_s;
   c.find_unused_parameters = FLAGS_find_unused_parameters;
   c.ddp_stats = FLAGS_ddp_stats;
   c.trace = FLAGS_trace;
@@ -336,7 +340,8 @@ int main(int argc, char** argv) {
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
         ddp::examples::trainer::JoinJob(config.log_dir.empty()
                                             ? ddp::examples::trainer::UserWorkingDirectory()
-                                            : config.log_dir);
+                                            : config.log_dir,
+                                        std::chrono::seconds(config.timeout_s));
     const auto result = ddp::examples::trainer::Train(config, *parallel, options);
     parallel.reset();
     if (result.stopped_by_signal != 0) return 128 + result.stopped_by_signal;

@@ -65,6 +65,7 @@ void ValidateConfig(const TrainConfig& c) {
   positive("batch_size", c.batch_size);
   positive("grad_accum_steps", c.grad_accum_steps);
   positive("log_every", c.log_every);
+  positive("timeout_s", c.timeout_s);
   non_negative("max_steps", static_cast<double>(c.max_steps));
   non_negative("eval_every", static_cast<double>(c.eval_every));
   non_negative("checkpoint_every", static_cast<double>(c.checkpoint_every));

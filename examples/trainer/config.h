@@ -62,6 +62,9 @@ struct TrainConfig {
   // Data parallelism.
   bool sync_bn = false;
   double bucket_cap_mb = 25.0;
+  /// Deadline of every collective, in seconds: a rank that stops
+  /// responding (hung, stopped, cut off) fails the job after this long.
+  int64_t timeout_s = 300;
   bool find_unused_parameters = false;
   bool ddp_stats = false;          ///< Print DDP's runtime statistics per epoch.
   bool trace = false;              ///< Write a Chrome trace per rank.

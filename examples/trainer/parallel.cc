@@ -131,9 +131,14 @@ class DdpParallel : public Parallel {
 
 }  // namespace
 
-std::unique_ptr<Parallel> JoinJob(const std::string& trace_dir) {
-  std::shared_ptr<dist::ProcessGroup> pg =
-      Guarded("cannot join the job", [] { return dist::ProcessGroup::CreateFromEnvironment(); });
+std::unique_ptr<Parallel> JoinJob(const std::string& trace_dir, std::chrono::milliseconds timeout) {
+  std::shared_ptr<dist::ProcessGroup> pg = Guarded("cannot join the job", [timeout] {
+    dist::ProcessGroupOptions options;
+    options.timeout = timeout;
+    transport::CommunicatorOptions comm_options;
+    comm_options.timeout = timeout;
+    return dist::ProcessGroup::CreateFromEnvironment(options, comm_options);
+  });
   return std::make_unique<DdpParallel>(std::move(pg), trace_dir);
 }
 

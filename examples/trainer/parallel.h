@@ -8,6 +8,7 @@
 // never names ddp/, which keeps its loop readable and lets a failure of the
 // job reach it as one exception type.
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -86,8 +87,10 @@ class Parallel {
 /// Joins the job described by the launch environment (RANK, WORLD_SIZE,
 /// ...), or forms a one-process job without one. Collective. Throws
 /// JobError when the job cannot be formed. `trace_dir` (when not empty)
-/// receives trace_rank<r>.json with --trace.
-std::unique_ptr<Parallel> JoinJob(const std::string& trace_dir = "");
+/// receives trace_rank<r>.json with --trace. `timeout` bounds forming the
+/// job and every collective.
+std::unique_ptr<Parallel> JoinJob(const std::string& trace_dir = "",
+                                  std::chrono::milliseconds timeout = std::chrono::seconds(300));
 
 }  // namespace ddp::examples::trainer
 
