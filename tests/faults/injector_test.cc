@@ -1,0 +1,135 @@
+// The fault injector against a small target program: it finds functions by
+// name, and at the breakpoint it kills, stops (and the stopped program runs
+// on correctly once continued) or makes the program exit 0; a function that
+// is never reached times out and leaves the program unharmed.
+
+#include "tests/faults/injector.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "transport/launch/launch_test_util.h"
+
+namespace ddp::faults {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+namespace lt = transport::launch::testing;
+
+// The target runs under a shell, as ranks run under their launcher: the
+// injector must not be its parent. The shell exits with the target's status.
+struct Target {
+  std::unique_ptr<transport::launch::WorkerGroup> group;
+  pid_t pid = -1;
+};
+
+pid_t FirstChild(pid_t parent) {
+  for (int i = 0; i < 2000; ++i) {
+    std::ifstream in("/proc/" + std::to_string(parent) + "/task/" + std::to_string(parent) +
+                     "/children");
+    pid_t child = 0;
+    if (in >> child && child > 0) return child;
+    std::this_thread::sleep_for(1ms);
+  }
+  return -1;
+}
+
+Target Start(long ms) {
+  Target t;
+  auto group = lt::StartProgram({"/bin/sh", "-c", "\"$0\" \"$1\" & wait $!",
+                                 lt::Runfile("tests/faults/injector_target"),
+                                 "--ms=" + std::to_string(ms)});
+  EXPECT_TRUE(group.ok()) << group.status();
+  t.group = std::move(group).value();
+  t.pid = FirstChild(t.group->pids().at(0));
+  EXPECT_GT(t.pid, 0);
+  return t;
+}
+
+char ProcessState(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+}
+
+TEST(InjectorTest, FindsFunctionsByDemangledName) {
+  Target t = Start(1000);
+  std::this_thread::sleep_for(100ms);
+  auto f = FindFunction(t.pid, "ddp::faults::target::Victim(");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->name, "ddp::faults::target::Victim(int)");
+  EXPECT_EQ(FindFunction(t.pid, "no::such::Function(").status().code(),
+            transport::StatusCode::kNotFound);
+  EXPECT_EQ(FindFunction(t.pid, "ddp::faults::target::").status().code(),
+            transport::StatusCode::kInvalidArgument);
+  lt::WaitProgram(*t.group, 10s);
+}
+
+TEST(InjectorTest, KillAtAFunction) {
+  Target t = Start(20000);
+  std::this_thread::sleep_for(100ms);
+  auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kKill, 5s);
+  ASSERT_TRUE(injected.ok()) << injected.status();
+  const auto run = lt::WaitProgram(*t.group, 10s);
+  EXPECT_EQ(run.exit_code, 128 + SIGKILL) << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("finished")));
+}
+
+TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
+  Target t = Start(1500);
+  std::this_thread::sleep_for(100ms);
+  auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kStop, 5s);
+  ASSERT_TRUE(injected.ok()) << injected.status();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(ProcessState(t.pid), 'T');
+  kill(t.pid, SIGCONT);
+  const auto run = lt::WaitProgram(*t.group, 20s);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("finished"));
+}
+
+TEST(InjectorTest, ExitZeroAtAFunction) {
+  Target t = Start(20000);
+  std::this_thread::sleep_for(100ms);
+  auto injected =
+      InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kExitZero, 5s);
+  ASSERT_TRUE(injected.ok()) << injected.status();
+  const auto run = lt::WaitProgram(*t.group, 10s);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("finished")));
+}
+
+TEST(InjectorTest, RefusesToTraceItsOwnChild) {
+  auto group = lt::StartProgram({lt::Runfile("tests/faults/injector_target"), "--ms=1000"});
+  ASSERT_TRUE(group.ok());
+  std::this_thread::sleep_for(100ms);
+  auto injected = InjectAtFunction((*group)->pids().at(0), "ddp::faults::target::Victim(",
+                                   FaultAction::kKill, 1s);
+  EXPECT_EQ(injected.status().code(), transport::StatusCode::kInvalidArgument);
+  EXPECT_THAT(injected.status().message(), HasSubstr("is a child of the injecting process"));
+  EXPECT_EQ(lt::WaitProgram(**group, 10s).exit_code, 0);
+}
+
+TEST(InjectorTest, UnreachedFunctionTimesOutAndLeavesTheProgramUnharmed) {
+  Target t = Start(1500);
+  std::this_thread::sleep_for(100ms);
+  auto injected =
+      InjectAtFunction(t.pid, "ddp::faults::target::NeverCalled(", FaultAction::kKill, 300ms);
+  EXPECT_EQ(injected.status().code(), transport::StatusCode::kTimedOut) << injected.status();
+  const auto run = lt::WaitProgram(*t.group, 20s);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("finished"));
+}
+
+}  // namespace
+}  // namespace ddp::faults
