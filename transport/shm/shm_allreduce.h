@@ -120,6 +120,7 @@ class ShmAllReduce {
   ShmOptions options_;
   size_t staging_capacity_;
   uint64_t sequence_ = 0;
+  Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
 };
 

@@ -411,7 +411,10 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
     return TimedOutError(Describe(waiting_for) + " still pending after " +
                          std::to_string(waited.count()) + " ms (deadline passed)");
   }
-  if (watchdog_ && now >= next_watchdog_) {
+  // Only in waits that already lasted a millisecond: the watchdog's store
+  // round trip gives up the core, which on a busy machine may not come
+  // back for another task's whole time slice (see transport/shm).
+  if (watchdog_ && now - started >= std::chrono::milliseconds(1) && now >= next_watchdog_) {
     next_watchdog_ = now + options_.watchdog_period;
     DDP_RETURN_IF_ERROR(watchdog_(deadline));
   }

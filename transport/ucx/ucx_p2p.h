@@ -12,9 +12,9 @@
 //
 // Progress: all progress happens inside Test / WaitAll / WaitAny on the
 // calling thread. While idle a wait spins, yields the CPU or sleeps on the
-// worker's event fd (IdleMode), and every `watchdog_period` it runs the
-// watchdog (the communicator checks the store for an abort reason and the
-// liveness of peers on this host there).
+// worker's event fd (IdleMode); once it has lasted a millisecond it runs the
+// watchdog every `watchdog_period` (the communicator checks the store for an
+// abort reason and the liveness of peers on this host there).
 //
 // Threading: one thread at a time (the communicator serializes callers).
 
@@ -47,7 +47,7 @@ struct P2pOptions {
   IdleMode idle_mode = IdleMode::kSpin;
   /// Idle polls before yielding or sleeping.
   int idle_polls_before_backoff = 256;
-  /// How often a wait runs the watchdog.
+  /// How often a wait runs the watchdog (waits longer than a millisecond).
   std::chrono::milliseconds watchdog_period{100};
   /// Messages at least this large are sent with the memory handle of a
   /// registered staging buffer when they lie inside one.
