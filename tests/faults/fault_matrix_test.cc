@@ -266,7 +266,22 @@ class EndWatch {
     stop_ = true;
     thread_.join();
   }
-  std::optional<Clock::time_point> EndOf(pid_t pid) {
+  // When `pid` ended, as the watcher saw it. The watcher polls every 2 ms
+  // but may not have run since the process ended (the launcher can reap a
+  // rank and exit before the watcher's next turn on a busy machine), so a
+  // process found dead here but not yet recorded is waited for, bounded.
+  std::optional<Clock::time_point> EndOf(pid_t pid,
+                                         std::chrono::milliseconds timeout = 2000ms) {
+    const auto until = Clock::now() + timeout;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = ended_.find(pid);
+        if (it != ended_.end()) return it->second;
+      }
+      if (Alive(pid) || Clock::now() >= until) break;
+      std::this_thread::sleep_for(1ms);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto it = ended_.find(pid);
     if (it == ended_.end()) return std::nullopt;
