@@ -26,6 +26,14 @@ for rep in $(seq "$REPS"); do
         awk '{print "ddp", $0}' >>"$OUT"
     done
     /usr/bin/python3 "$PEER" 2 "$model" "$STEPS" 2>/dev/null | awk '{print "torch", $0}' >>"$OUT"
+    # The machine's own ceiling for 2 ranks: two independent 1-rank runs at
+    # once (no communication at all); their summed samples/s.
+    pair=$(mktemp)
+    "$BENCH" --model="$model" --steps="$STEPS" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.a" &
+    "$BENCH" --model="$model" --steps="$STEPS" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.b"
+    wait
+    cat "$pair.a" "$pair.b" | grep -v "^#" | awk -v m="$model" '{s += $3} END {print "pair", m, 2, s}' >>"$OUT"
+    rm -f "$pair" "$pair.a" "$pair.b"
   done
 done
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -39,14 +47,15 @@ for line in open(sys.argv[1]):
     rate[(who, model, nproc)].append(sps)
     if who == "ddp" and len(f) >= 15:
         extra[(model, nproc)].append([float(x) for x in f[6:15]])
-print("| model | ddp 1 rank | ddp 2 ranks | torch DDP 2 ranks | ddp 2 / torch 2 | ddp 2 / ddp 1 | comm ms | overlap | exposed ms | comm thread CPU ms | step ms | CPU ms |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| model | ddp 1 rank | ddp 2 ranks | torch DDP 2 ranks | ddp 2 / torch 2 | ddp 2 / ddp 1 | two 1-rank runs at once | ddp 2 / that | comm ms | overlap | exposed ms | comm thread CPU ms | step ms | CPU ms |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for model in ("mlp", "cnn"):
     m = lambda who, n: statistics.median(rate[(who, model, n)]) if rate[(who, model, n)] else float("nan")
-    d1, d2, t2 = m("ddp", 1), m("ddp", 2), m("torch", 2)
+    d1, d2, t2, p2 = m("ddp", 1), m("ddp", 2), m("torch", 2), m("pair", 2)
     e = extra.get((model, 2), [])
     med = lambda k: statistics.median(x[k] for x in e) if e else float("nan")
     print(f"| {model} | {d1:.0f} | {d2:.0f} | {t2:.0f} | {d2 / t2:.2f}x | {d2 / d1:.2f}x | "
+          f"{p2:.0f} ({p2 / d1:.2f}x) | {d2 / p2:.2f}x | "
           f"{med(2):.2f} | {med(3):.0f}% | {med(4):.2f} | {med(5):.2f} | {med(7):.2f} | {med(8):.2f} |")
 print()
 print("samples/s per run:")

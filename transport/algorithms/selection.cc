@@ -16,6 +16,11 @@ constexpr int kAnyWorld = std::numeric_limits<int>::max();
 //    2 (p - 1).
 //  - Across hosts, beyond small sizes, keep the network traffic to one shard
 //    per rank: hierarchical.
+//  - On 2 and 4 ranks (powers of two: no extra fold-in steps) halving-
+//    doubling stays ahead up to 4 MiB: measured on one host over UCX
+//    (transport/bench/compare_algorithms.sh, docs/benchmarks.md), 4 ranks,
+//    1 MiB: rhd 955 us, ring 1320 us, tree 1676 us; at 16 MiB the ring
+//    wins. On 3 ranks rhd led only up to 64 KiB.
 //  - Medium messages on many ranks: the double binary tree's log depth
 //    pipeline fills faster than a long ring.
 //  - Large messages: the ring, bandwidth-optimal and the simplest pipeline.
@@ -24,6 +29,8 @@ constexpr SelectionRule kDefaultRules[] = {
     {64 * kKiB, 2, kAnyWorld, TopologyCondition::kAny, Algorithm::kRhd},
     {std::numeric_limits<size_t>::max(), 2, kAnyWorld, TopologyCondition::kMultiHost,
      Algorithm::kHierarchical},
+    {4 * kMiB, 2, 2, TopologyCondition::kAny, Algorithm::kRhd},
+    {4 * kMiB, 4, 4, TopologyCondition::kAny, Algorithm::kRhd},
     {2 * kMiB, 8, kAnyWorld, TopologyCondition::kAny, Algorithm::kTree},
     {std::numeric_limits<size_t>::max(), 1, kAnyWorld, TopologyCondition::kAny, Algorithm::kRing},
 };

@@ -47,7 +47,10 @@ TEST(SelectionTest, DefaultTableBySizeWorldAndTopology) {
   EXPECT_EQ(SelectFromRules(rules, Input(4096, 2)), Algorithm::kRhd);
   EXPECT_EQ(SelectFromRules(rules, Input(64 << 10, 16)), Algorithm::kRhd);
   EXPECT_EQ(SelectFromRules(rules, Input(1 << 20, 8)), Algorithm::kTree);
-  EXPECT_EQ(SelectFromRules(rules, Input(1 << 20, 4)), Algorithm::kRing);
+  EXPECT_EQ(SelectFromRules(rules, Input(1 << 20, 4)), Algorithm::kRhd);
+  EXPECT_EQ(SelectFromRules(rules, Input(4 << 20, 2)), Algorithm::kRhd);
+  EXPECT_EQ(SelectFromRules(rules, Input(1 << 20, 3)), Algorithm::kRing);
+  EXPECT_EQ(SelectFromRules(rules, Input(16 << 20, 4)), Algorithm::kRing);
   EXPECT_EQ(SelectFromRules(rules, Input(64 << 20, 16)), Algorithm::kRing);
   EXPECT_EQ(SelectFromRules(rules, Input(64 << 20, 16, 4)), Algorithm::kHierarchical);
   EXPECT_EQ(SelectFromRules(rules, Input(4096, 16, 4)), Algorithm::kRhd);
