@@ -70,18 +70,56 @@ struct AddrInfoDeleter {
 };
 using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 
-StatusOr<AddrInfoPtr> Resolve(const std::string& host, int port, bool passive) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  addrinfo* result = nullptr;
-  const std::string port_text = std::to_string(port);
-  const int rc = getaddrinfo(host.c_str(), port_text.c_str(), &hints, &result);
+// How long ListenTcp may spend resolving its own address.
+constexpr auto kListenResolveTimeout = std::chrono::seconds(30);
+
+// Resolves `host` by the deadline. The lookup runs asynchronously
+// (getaddrinfo_a): with an unreachable DNS server a plain getaddrinfo would
+// wait out the C library's own retries (seconds times attempts) whatever
+// the caller's deadline. A lookup that is still running when the deadline
+// passes and cannot be cancelled keeps writing into its request, so that
+// request is left allocated (a few hundred bytes, once per such timeout).
+StatusOr<AddrInfoPtr> Resolve(const std::string& host, int port, bool passive, Deadline deadline) {
+  struct Request {
+    std::string name;
+    std::string service;
+    addrinfo hints{};
+    gaicb cb{};
+  };
+  auto request = std::make_unique<Request>();
+  request->name = host;
+  request->service = std::to_string(port);
+  request->hints.ai_family = AF_UNSPEC;
+  request->hints.ai_socktype = SOCK_STREAM;
+  request->hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  request->cb.ar_name = request->name.c_str();
+  request->cb.ar_service = request->service.c_str();
+  request->cb.ar_request = &request->hints;
+  gaicb* list[1] = {&request->cb};
+  int rc = getaddrinfo_a(GAI_NOWAIT, list, 1, nullptr);
   if (rc != 0) {
     return UnavailableError("cannot resolve " + HostPort(host, port) + ": " + gai_strerror(rc));
   }
-  return AddrInfoPtr(result);
+  while ((rc = gai_error(&request->cb)) == EAI_INPROGRESS) {
+    const int left_ms = MillisecondsUntil(deadline);
+    if (left_ms == 0) {
+      const int cancelled = gai_cancel(&request->cb);
+      if (cancelled == EAI_NOTCANCELED) {
+        request.release();  // the resolver still owns it; see above
+      } else if (cancelled == EAI_ALLDONE && request->cb.ar_result != nullptr) {
+        freeaddrinfo(request->cb.ar_result);
+      }
+      return TimedOutError("cannot resolve " + HostPort(host, port) +
+                           ": no answer from the name service before the deadline");
+    }
+    const timespec wait{left_ms / 1000, static_cast<long>(left_ms % 1000) * 1000000L};
+    const gaicb* pending[1] = {&request->cb};
+    gai_suspend(pending, 1, &wait);  // done, timed out or interrupted: the loop checks
+  }
+  if (rc != 0) {
+    return UnavailableError("cannot resolve " + HostPort(host, port) + ": " + gai_strerror(rc));
+  }
+  return AddrInfoPtr(request->cb.ar_result);
 }
 
 }  // namespace
@@ -90,7 +128,7 @@ StatusOr<UniqueFd> ListenTcp(const std::string& host, int port, int backlog) {
   if (port < 0 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
   }
-  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/true));
+  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/true, Clock::now() + kListenResolveTimeout));
   std::string last_error = "no usable address";
   for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
     UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
@@ -131,7 +169,7 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
   if (port < 1 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");
   }
-  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/false));
+  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/false, deadline));
   auto backoff = std::chrono::milliseconds(5);
   std::string last_error;
   while (true) {
