@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <initializer_list>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -15,6 +17,8 @@
 
 #include "transport/algorithms/collective.h"
 #include "transport/collectives.h"
+#include "transport/cuda/device_staging.h"
+#include "transport/cuda/staging_pipeline.h"
 #include "transport/fault/peer_monitor.h"
 #include "transport/fork/fork_guard.h"
 #include "transport/launch/env.h"
@@ -34,6 +38,12 @@ using std::chrono::milliseconds;
 // How long posting or reading the job's abort reason may take outside a call
 // (an explicit Abort, a failed creation, the background post).
 constexpr milliseconds kAbortStoreTime{1000};
+
+// Staging slot per chunk of a device-buffer collective. Two slots are
+// pinned per device in use. Large enough that a chunk's host collective
+// runs at full speed, small enough that copying the first chunk in and the
+// last one out (not overlapped) costs little.
+constexpr size_t kDefaultDeviceChunkBytes = size_t{4} << 20;
 
 std::string GetEnv(const char* name) {
   const char* value = std::getenv(name);
@@ -170,6 +180,32 @@ class Communicator::Impl {
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
   Status Barrier(Deadline deadline);
+
+  // Device buffers (a CUDA build): the same collectives, staged through
+  // pinned host slots chunk by chunk (transport/cuda/staging_pipeline.h),
+  // each chunk one host collective above.
+  Status DeviceAllReduce(int device, const void* send, void* recv, size_t count, DataType dtype,
+                         ReduceOp op, Algorithm requested, Deadline deadline);
+  Status DeviceBroadcast(int device, void* buffer, size_t count, DataType dtype, int root,
+                         Deadline deadline);
+  Status DeviceAllGather(int device, const void* send, void* recv, size_t count, DataType dtype,
+                         Deadline deadline);
+  Status DeviceReduceScatter(int device, const void* send, void* recv, size_t count,
+                             DataType dtype, ReduceOp op, Deadline deadline);
+  // The CUDA device of the device buffers among `buffers`, or -1 when all
+  // are host memory (always, without CUDA) or count is 0. INVALID_ARGUMENT
+  // when they are on two devices.
+  StatusOr<int> DeviceOf(std::initializer_list<const void*> buffers, size_t count,
+                         const char* what) const;
+  // Copies `bytes` between a device buffer and host memory on `device`'s
+  // staging stream, for Send/Recv when UCX cannot move device memory.
+  Status StageCopy(int device, void* dst, const void* src, size_t bytes, Deadline deadline);
+  // UCX moves device memory itself (a CUDA-enabled UCX).
+  bool ucx_cuda_memory() const { return info_.ucx_cuda_memory; }
+  Deadline DeadlineFor(const CallOptions& call) const {
+    return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
+  }
+
   // Posts a user Send/Recv at once (not queued) and returns its Work.
   Work PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
                const CallOptions& call);
@@ -204,6 +240,18 @@ class Communicator::Impl {
     }
     return Status::Ok();
   }
+  // Asynchronous point-to-point calls post the user's buffer to UCX as it
+  // is; a device buffer needs a UCX that moves device memory (the blocking
+  // Send/Recv stage it instead).
+  Status CheckUnstagedP2p(const void* p, size_t count, const char* what) const {
+    if (count == 0 || info_.ucx_cuda_memory || !cuda::ClassifyPointer(p).device) {
+      return Status::Ok();
+    }
+    return InvalidArgumentError(std::string(what) +
+                                " is CUDA device memory and this UCX cannot move device memory; "
+                                "use the blocking call (it stages through host memory) or a host "
+                                "buffer");
+  }
   Status CheckRank(int r, const char* what) const {
     if (r < 0 || r >= options_.world_size) {
       return InvalidArgumentError(std::string(what) + " " + std::to_string(r) +
@@ -217,9 +265,10 @@ class Communicator::Impl {
   CommunicatorInfo info_;
 
  private:
-  Deadline DeadlineFor(const CallOptions& call) const {
-    return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
-  }
+  // The staging engine of `device`, made on first use. Under run_mu_.
+  StatusOr<cuda::CopyEngine*> StagingEngine(int device);
+  Status Staged(int device, const cuda::StagedCall& call, const cuda::HostCollective& host,
+                Deadline deadline);
   algorithms::CollectiveArgs Args(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, int root, Deadline deadline) {
     algorithms::CollectiveArgs args;
@@ -255,6 +304,8 @@ class Communicator::Impl {
   std::unique_ptr<fault::PeerMonitor> monitor_;
   std::unique_ptr<shm::ShmAllReduce> shm_;
   std::function<Status(Deadline)> watchdog_;
+  // Pinned slots and a stream per CUDA device used, under run_mu_.
+  std::map<int, std::unique_ptr<cuda::DeviceCopyEngine>> staging_;
 
   std::mutex run_mu_;     // held by whichever thread drives UCX / shm
   uint64_t sequence_ = 0; // collective number, under run_mu_
@@ -350,6 +401,7 @@ Status Communicator::Impl::Init() {
   context_options.name = "ddp-rank" + std::to_string(o.rank);
   DDP_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Context> context, ucx::Context::Create(context_options));
   info_.ucx_tls = context->tls();
+  info_.ucx_cuda_memory = context->cuda_memory();
   // Ranks that outnumber this host's cores must not spin against each
   // other: yield while idle.
   const bool oversubscribed = o.local_world_size > available_cpus;
@@ -455,6 +507,7 @@ void Communicator::Impl::Shutdown() {
     }
   }
   shm_.reset();
+  staging_.clear();  // waits (bounded) for its copies; the async thread is gone
   ring_view_.reset();
   // After an abort, endpoints to other hosts close without flushing: the
   // host may be unreachable, and its peers have given up on us anyway.
@@ -616,6 +669,102 @@ Status Communicator::Impl::Barrier(Deadline deadline) {
                                             deadline));
 }
 
+StatusOr<int> Communicator::Impl::DeviceOf(std::initializer_list<const void*> buffers,
+                                          size_t count, const char* what) const {
+  if (count == 0) return -1;
+  int device = -1;
+  for (const void* p : buffers) {
+    const cuda::PointerKind kind = cuda::ClassifyPointer(p);
+    if (!kind.device) continue;
+    if (device >= 0 && kind.device_id != device) {
+      return InvalidArgumentError(std::string(what) + ": buffers on CUDA devices " +
+                                  std::to_string(device) + " and " +
+                                  std::to_string(kind.device_id) + "; one call uses one device");
+    }
+    device = kind.device_id;
+  }
+  return device;
+}
+
+StatusOr<cuda::CopyEngine*> Communicator::Impl::StagingEngine(int device) {
+  auto it = staging_.find(device);
+  if (it == staging_.end()) {
+    size_t slot = options_.device_chunk_bytes > 0 ? options_.device_chunk_bytes
+                                                  : kDefaultDeviceChunkBytes;
+    // Room for one element of the widest dtype per rank and one more (the
+    // reduce-scatter layout), whatever a test asked for.
+    slot = std::max<size_t>(slot, 8 * (static_cast<size_t>(options_.world_size) + 1));
+    DDP_ASSIGN_OR_RETURN(std::unique_ptr<cuda::DeviceCopyEngine> engine,
+                         cuda::DeviceCopyEngine::Create(device, slot));
+    it = staging_.emplace(device, std::move(engine)).first;
+  }
+  return it->second.get();
+}
+
+Status Communicator::Impl::Staged(int device, const cuda::StagedCall& call,
+                                  const cuda::HostCollective& host, Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
+  return cuda::RunStaged(*engine, call, host, deadline);
+}
+
+// Reductions run on the host staging slots, not with transport/cuda's
+// device kernels: the network path already brings every chunk through host
+// memory, and reducing there costs one copy in and one copy out per chunk
+// for the whole collective, where reducing on the device would cross PCIe
+// again at every ring or tree step. The host reductions also cover every
+// dtype and op. Device kernels pay off once data moves device to device
+// (CUDA-aware UCX, CUDA IPC), which this path does not do.
+Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* recv, size_t count,
+                                           DataType dtype, ReduceOp op, Algorithm requested,
+                                           Deadline deadline) {
+  const cuda::StagedCall call{.kind = cuda::StagedKind::kAllReduce, .send = send, .recv = recv,
+                              .count = count, .dtype = dtype, .rank = options_.rank,
+                              .size = options_.world_size};
+  return Staged(device, call, [&](const void* s, void* r, size_t n) {
+    return AllReduce(s, r, n, dtype, op, requested, deadline);
+  }, deadline);
+}
+
+Status Communicator::Impl::DeviceBroadcast(int device, void* buffer, size_t count, DataType dtype,
+                                           int root, Deadline deadline) {
+  const cuda::StagedCall call{.kind = cuda::StagedKind::kBroadcast, .send = buffer,
+                              .recv = buffer, .count = count, .dtype = dtype,
+                              .rank = options_.rank, .size = options_.world_size, .root = root};
+  return Staged(device, call, [&](const void*, void* r, size_t n) {
+    return Broadcast(r, n, dtype, root, deadline);
+  }, deadline);
+}
+
+Status Communicator::Impl::DeviceAllGather(int device, const void* send, void* recv, size_t count,
+                                           DataType dtype, Deadline deadline) {
+  const cuda::StagedCall call{.kind = cuda::StagedKind::kAllGather, .send = send, .recv = recv,
+                              .count = count, .dtype = dtype, .rank = options_.rank,
+                              .size = options_.world_size};
+  return Staged(device, call, [&](const void* s, void* r, size_t n) {
+    return AllGather(s, r, n, dtype, deadline);
+  }, deadline);
+}
+
+Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, void* recv,
+                                               size_t count, DataType dtype, ReduceOp op,
+                                               Deadline deadline) {
+  const cuda::StagedCall call{.kind = cuda::StagedKind::kReduceScatter, .send = send,
+                              .recv = recv, .count = count, .dtype = dtype,
+                              .rank = options_.rank, .size = options_.world_size};
+  return Staged(device, call, [&](const void* s, void* r, size_t n) {
+    return ReduceScatter(s, r, n, dtype, op, deadline);
+  }, deadline);
+}
+
+Status Communicator::Impl::StageCopy(int device, void* dst, const void* src, size_t bytes,
+                                     Deadline deadline) {
+  if (aborted()) return aborted_reason();
+  std::lock_guard run(run_mu_);
+  DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
+  DDP_RETURN_IF_ERROR(engine->Copy2D(dst, bytes, src, bytes, bytes, 1));
+  return engine->WaitAll(deadline);
+}
+
 Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
                                  const CallOptions& call) {
   if (aborted()) return Communicator::FinishedWork(aborted_reason());
@@ -729,7 +878,11 @@ Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataT
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
+    if (device >= 0) {
+      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm, d);
+    }
     return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
   });
 }
@@ -744,7 +897,12 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(root, "broadcast root"));
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
+  // A CUDA-enabled UCX takes the device buffer as it is: broadcast only
+  // sends and receives whole buffers in place, the host never touches them.
+  const bool staged = device >= 0 && !impl_->ucx_cuda_memory();
   return impl_->RunBlocking(call, [=, this](Deadline d) {
+    if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
     return impl_->Broadcast(buffer, count, dtype, root, d);
   });
 }
@@ -754,7 +912,9 @@ Status Communicator::AllGather(const void* send, void* recv, size_t count, DataT
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-gather send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-gather"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
+    if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
     return impl_->AllGather(send, recv, count, dtype, d);
   });
 }
@@ -764,7 +924,9 @@ Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, D
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
+    if (device >= 0) return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, d);
     return impl_->ReduceScatter(send, recv, count, dtype, op, d);
   });
 }
@@ -775,11 +937,30 @@ Status Communicator::Barrier(const CallOptions& call) {
 
 Status Communicator::Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({data}, count, "send"));
+  if (device >= 0 && !impl_->ucx_cuda_memory()) {
+    // One host copy of the whole message: the receiver matches one message
+    // per Send, so it cannot be chunked.
+    const size_t bytes = count * DataTypeSize(dtype);
+    std::vector<std::byte> host(bytes);
+    DDP_RETURN_IF_ERROR(impl_->StageCopy(device, host.data(), data, bytes, impl_->DeadlineFor(call)));
+    return SendAsync(host.data(), count, dtype, peer, tag, call).Wait();
+  }
   return SendAsync(data, count, dtype, peer, tag, call).Wait();
 }
 
 Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({data}, count, "receive"));
+  if (device >= 0 && !impl_->ucx_cuda_memory()) {
+    const Deadline deadline = impl_->DeadlineFor(call);
+    const size_t bytes = count * DataTypeSize(dtype);
+    std::vector<std::byte> host(bytes);
+    DDP_RETURN_IF_ERROR(RecvAsync(host.data(), count, dtype, peer, tag, call).Wait());
+    return impl_->StageCopy(device, data, host.data(), bytes, deadline);
+  }
   return RecvAsync(data, count, dtype, peer, tag, call).Wait();
 }
 
@@ -798,12 +979,25 @@ Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std
     if (!ddp_check_.ok()) return FinishedWork(ddp_check_); \
   } while (0)
 
+#define DDP_ASYNC_CONCAT_INNER(a, b) a##b
+#define DDP_ASYNC_CONCAT(a, b) DDP_ASYNC_CONCAT_INNER(a, b)
+#define DDP_ASYNC_ASSIGN(lhs, expr) \
+  DDP_ASYNC_ASSIGN_IMPL(DDP_ASYNC_CONCAT(ddp_async_or_, __LINE__), lhs, expr)
+#define DDP_ASYNC_ASSIGN_IMPL(tmp, lhs, expr)          \
+  auto tmp = (expr);                                   \
+  if (!tmp.ok()) return FinishedWork(tmp.status());    \
+  lhs = std::move(*tmp)
+
 Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
+  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
+    if (device >= 0) {
+      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm, d);
+    }
     return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
   });
 }
@@ -813,7 +1007,10 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
+  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
+  const bool staged = device >= 0 && !impl_->ucx_cuda_memory();
   return impl_->Enqueue(call, [=, this](Deadline d) {
+    if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
     return impl_->Broadcast(buffer, count, dtype, root, d);
   });
 }
@@ -823,7 +1020,9 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-gather send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
+  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-gather"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
+    if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
     return impl_->AllGather(send, recv, count, dtype, d);
   });
 }
@@ -833,7 +1032,9 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
+  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
+    if (device >= 0) return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, d);
     return impl_->ReduceScatter(send, recv, count, dtype, op, d);
   });
 }
@@ -847,6 +1048,7 @@ Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "send to rank"));
+  DDP_ASYNC_CHECK(impl_->CheckUnstagedP2p(data, count, "SendAsync: the send buffer"));
   return impl_->PostP2p(true, const_cast<void*>(data), count * DataTypeSize(dtype), peer, tag, call);
 }
 
@@ -855,6 +1057,7 @@ Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer,
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "receive from rank"));
+  DDP_ASYNC_CHECK(impl_->CheckUnstagedP2p(data, count, "RecvAsync: the receive buffer"));
   return impl_->PostP2p(false, data, count * DataTypeSize(dtype), peer, tag, call);
 }
 

@@ -67,6 +67,10 @@ struct CommunicatorOptions {
   /// not, with 12 other runnable processes). Off by default: it also pins
   /// whatever else the creating thread runs.
   bool bind_to_core = false;
+  /// Collectives on device buffers (CUDA build) go through pinned host
+  /// memory in chunks of this many bytes per rank's slot (0: 4 MiB); tests
+  /// shrink it to reach the multi-chunk paths. Equal on every rank.
+  size_t device_chunk_bytes = 0;
 };
 
 /// Per-call settings.
@@ -107,8 +111,19 @@ struct CommunicatorInfo {
   std::string ucx_tls;         ///< UCX transports in force.
   std::string net_device;      ///< RDMA port chosen for this rank ("" none).
   std::string ring_order;      ///< Rank order of rings, "0 2 1 3".
+  /// UCX moves CUDA device memory itself: Broadcast and Send/Recv hand it
+  /// device pointers; otherwise they are staged through host memory.
+  bool ucx_cuda_memory = false;
 };
 
+/// Device buffers: in a build with --config=cuda, every collective and
+/// Send/Recv also accepts CUDA device pointers (cudaMalloc), detected per
+/// call. Collectives stage them through pinned host memory in pipelined
+/// chunks and reduce on the host (see transport/README.md); every rank must
+/// pass the same kind of memory to one collective. Inputs must be complete:
+/// the copies wait for work on the legacy default stream, not for other
+/// streams. Results are in place when the call returns. Without CUDA every
+/// pointer is host memory.
 class Communicator {
  public:
   /// Forms the communicator with every other rank. Collective: every rank

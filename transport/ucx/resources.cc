@@ -54,7 +54,15 @@ StatusOr<std::shared_ptr<Context>> Context::Create(const ContextOptions& options
   ucs_status_t status = ucp_init(&params, config, &context);
   ucp_config_release(config);
   DDP_RETURN_IF_ERROR(FromUcs(status, "creating the UCX context (UCX_TLS=" + tls + ")"));
-  return std::shared_ptr<Context>(new Context(context, options.wakeup, tls));
+  // Debian's UCX is built without CUDA and never reports it; a CUDA-enabled
+  // UCX does when its cuda transports are among those in use.
+  ucp_context_attr_t attributes;
+  std::memset(&attributes, 0, sizeof(attributes));
+  attributes.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const bool cuda_memory =
+      ucp_context_query(context, &attributes) == UCS_OK &&
+      (attributes.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  return std::shared_ptr<Context>(new Context(context, options.wakeup, tls, cuda_memory));
 }
 
 Context::~Context() { ucp_cleanup(context_); }

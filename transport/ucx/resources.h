@@ -42,13 +42,17 @@ class Context {
   bool wakeup() const { return wakeup_; }
   /// The transport list in force ("sm,self", or the user's UCX_TLS).
   const std::string& tls() const { return tls_; }
+  /// UCX reports CUDA device memory among the memory types it can move
+  /// (a CUDA-enabled UCX with a cuda transport in use).
+  bool cuda_memory() const { return cuda_memory_; }
 
  private:
-  Context(ucp_context_h context, bool wakeup, std::string tls)
-      : context_(context), wakeup_(wakeup), tls_(std::move(tls)) {}
+  Context(ucp_context_h context, bool wakeup, std::string tls, bool cuda_memory)
+      : context_(context), wakeup_(wakeup), tls_(std::move(tls)), cuda_memory_(cuda_memory) {}
   ucp_context_h context_;
   bool wakeup_;
   std::string tls_;
+  bool cuda_memory_;
 };
 
 /// Owns a ucp_worker_h (thread mode SERIALIZED: one thread at a time, not

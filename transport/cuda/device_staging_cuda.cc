@@ -1,0 +1,178 @@
+// The --config=cuda build: pointers classified by the CUDA runtime, copies
+// on a dedicated stream, waits by polling events against deadlines.
+
+#include <cuda_runtime.h>
+#include <sched.h>
+
+#include <string>
+#include <thread>
+
+#include "transport/cuda/device_staging.h"
+
+namespace ddp::transport::cuda {
+namespace {
+
+Status CudaError(cudaError_t error, const std::string& what) {
+  return InternalError(what + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) +
+                       ")");
+}
+
+// Makes `device` current for the scope and restores the caller's: the
+// communicator may run on its own thread (current device 0) or on a user
+// thread that works on another device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) status_ = cudaSetDevice(device);
+    if (previous_ == device) previous_ = -1;
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Polls `event` until it completes or `deadline` passes. Copies of a few
+// MiB take well under a millisecond, so a short spin then yields.
+Status PollEvent(cudaEvent_t event, Deadline deadline, const char* what) {
+  for (int polls = 0;; ++polls) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaSuccess) return Status::Ok();
+    if (status != cudaErrorNotReady) return CudaError(status, what);
+    if (Clock::now() >= deadline) {
+      return TimedOutError(std::string(what) + " not finished by the call's deadline");
+    }
+    if (polls > 64) sched_yield();
+  }
+}
+
+}  // namespace
+
+struct DeviceCopyEngine::State {
+  int device = 0;
+  size_t slot_bytes = 0;
+  std::byte* pinned = nullptr;  // kSlots * slot_bytes, cudaHostAlloc
+  cudaStream_t stream = nullptr;
+  cudaEvent_t in_done[kSlots] = {};
+  cudaEvent_t all_done = nullptr;
+};
+
+bool BuiltWithCuda() { return true; }
+
+PointerKind ClassifyPointer(const void* p) {
+  if (p == nullptr) return {};
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
+  if (status != cudaSuccess) {
+    // No driver or no device (a CPU machine running the CUDA build): every
+    // buffer is host memory. Clear the sticky last error.
+    cudaGetLastError();
+    return {};
+  }
+  // Managed memory is staged too: the host may touch it only while no
+  // kernel uses it, which the transport cannot know.
+  if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) {
+    return {.device = true, .device_id = attributes.device};
+  }
+  return {};
+}
+
+StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
+                                                                     size_t slot_bytes) {
+  if (slot_bytes == 0) return InvalidArgumentError("device staging slots of 0 bytes");
+  DeviceScope scope(device);
+  if (scope.status() != cudaSuccess) {
+    return CudaError(scope.status(), "selecting CUDA device " + std::to_string(device));
+  }
+  auto state = std::make_unique<State>();
+  state->device = device;
+  state->slot_bytes = slot_bytes;
+  // Owned by the engine from here: its destructor frees whatever was made.
+  std::unique_ptr<DeviceCopyEngine> engine(new DeviceCopyEngine(std::move(state)));
+  State& s = *engine->state_;
+  void* pinned = nullptr;
+  cudaError_t status = cudaHostAlloc(&pinned, kSlots * slot_bytes, cudaHostAllocPortable);
+  if (status != cudaSuccess) {
+    return CudaError(status, "allocating " + std::to_string(kSlots * slot_bytes) +
+                                 " bytes of pinned staging memory");
+  }
+  s.pinned = static_cast<std::byte*>(pinned);
+  // A blocking stream (not cudaStreamNonBlocking): it waits for work on the
+  // legacy default stream, where a simple program's kernels wrote the input.
+  status = cudaStreamCreateWithFlags(&s.stream, cudaStreamDefault);
+  if (status != cudaSuccess) return CudaError(status, "creating the staging stream");
+  for (cudaEvent_t& event : s.in_done) {
+    status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (status != cudaSuccess) return CudaError(status, "creating a staging event");
+  }
+  status = cudaEventCreateWithFlags(&s.all_done, cudaEventDisableTiming);
+  if (status != cudaSuccess) return CudaError(status, "creating a staging event");
+  return engine;
+}
+
+DeviceCopyEngine::DeviceCopyEngine(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+DeviceCopyEngine::~DeviceCopyEngine() {
+  State& s = *state_;
+  DeviceScope scope(s.device);
+  bool idle = true;
+  if (s.stream != nullptr && s.all_done != nullptr) {
+    idle = cudaEventRecord(s.all_done, s.stream) == cudaSuccess &&
+           PollEvent(s.all_done, DeadlineIn(std::chrono::milliseconds(2000)), "staging copies")
+               .ok();
+  }
+  if (!idle) return;  // a wedged device: leak rather than free under live copies
+  for (cudaEvent_t event : s.in_done) {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
+  if (s.all_done != nullptr) cudaEventDestroy(s.all_done);
+  if (s.stream != nullptr) cudaStreamDestroy(s.stream);
+  if (s.pinned != nullptr) cudaFreeHost(s.pinned);
+}
+
+size_t DeviceCopyEngine::slot_bytes() const { return state_->slot_bytes; }
+
+std::byte* DeviceCopyEngine::slot(int s) { return state_->pinned + s * state_->slot_bytes; }
+
+Status DeviceCopyEngine::Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                                size_t width, size_t rows) {
+  if (width == 0 || rows == 0) return Status::Ok();
+  DeviceScope scope(state_->device);
+  // cudaMemcpyDefault: unified addressing tells each side's memory type, so
+  // the same call serves device->pinned, pinned->device and device->device.
+  const cudaError_t status =
+      rows == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, state_->stream)
+                : cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows,
+                                    cudaMemcpyDefault, state_->stream);
+  if (status != cudaSuccess) {
+    return CudaError(status, "queueing a staging copy of " + std::to_string(rows) + " x " +
+                                 std::to_string(width) + " bytes");
+  }
+  return Status::Ok();
+}
+
+Status DeviceCopyEngine::MarkIn(int s) {
+  DeviceScope scope(state_->device);
+  const cudaError_t status = cudaEventRecord(state_->in_done[s], state_->stream);
+  if (status != cudaSuccess) return CudaError(status, "recording a staging event");
+  return Status::Ok();
+}
+
+Status DeviceCopyEngine::WaitIn(int s, Deadline deadline) {
+  DeviceScope scope(state_->device);
+  return PollEvent(state_->in_done[s], deadline, "device-to-host staging copy");
+}
+
+Status DeviceCopyEngine::WaitAll(Deadline deadline) {
+  DeviceScope scope(state_->device);
+  const cudaError_t status = cudaEventRecord(state_->all_done, state_->stream);
+  if (status != cudaSuccess) return CudaError(status, "recording a staging event");
+  return PollEvent(state_->all_done, deadline, "host-to-device staging copy");
+}
+
+}  // namespace ddp::transport::cuda

@@ -1,0 +1,412 @@
+// Collectives on CUDA device buffers between real processes sharing one GPU
+// (run on a GPU machine: tag "gpu", --config=cuda). The test binary spawns
+// copies of itself as the ranks (DDP_TEST_SCENARIO names what they run);
+// each rank fills device buffers from closed-form inputs, runs the
+// collective on the device pointers, copies the result back and compares it
+// with the closed-form result.
+
+#include <cuda_runtime.h>
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/communicator.h"
+#include "transport/testing/expected_values.h"
+#include "transport/testing/process_group.h"
+
+namespace ddp::transport {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::CountWrong;
+using testing::FillInput;
+
+int failures = 0;
+
+#define WORKER_CHECK(cond, what)                                                          \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      ++failures;                                                                         \
+      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, std::string(what).c_str()); \
+    }                                                                                     \
+  } while (0)
+
+std::string Env(const char* name, const char* fallback = "") {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : v;
+}
+
+void MustCuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "CUDA %s: %s\n", what, cudaGetErrorString(status));
+    std::exit(4);
+  }
+}
+
+// A device buffer of `bytes` plus one guard byte, filled with 0x5A.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    MustCuda(cudaMalloc(&data_, bytes + 1), "cudaMalloc");
+    MustCuda(cudaMemset(data_, 0x5A, bytes + 1), "cudaMemset");
+  }
+  ~DeviceBuffer() { cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  std::byte* get() const { return static_cast<std::byte*>(data_); }
+  void Upload(const std::vector<char>& host, size_t offset = 0) {
+    MustCuda(cudaMemcpy(get() + offset, host.data(), host.size(), cudaMemcpyHostToDevice), "upload");
+  }
+  // The whole buffer and its guard byte.
+  std::vector<char> Download() const {
+    std::vector<char> host(bytes_ + 1);
+    MustCuda(cudaMemcpy(host.data(), data_, bytes_ + 1, cudaMemcpyDeviceToHost), "download");
+    return host;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_;
+};
+
+std::unique_ptr<Communicator> MustCreate() {
+  int devices = 0;
+  MustCuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  const int local_rank = std::atoi(Env("LOCAL_RANK", "0").c_str());
+  MustCuda(cudaSetDevice(local_rank % devices), "cudaSetDevice");
+  CommunicatorOptions options;
+  options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "30000").c_str()));
+  options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  options.device_chunk_bytes =
+      std::strtoul(Env("DDP_TEST_DEVICE_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  auto comm = Communicator::CreateFromEnvironment(options);
+  if (!comm.ok()) {
+    std::fprintf(stderr, "CREATE %s\n", comm.status().ToString().c_str());
+    std::exit(3);
+  }
+  return std::move(*comm);
+}
+
+void SweepAllReduce(Communicator& comm, Algorithm algorithm, const std::vector<size_t>& counts) {
+  const int n = comm.size();
+  for (DataType dtype : {DataType::kF32, DataType::kF16, DataType::kBF16}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+      for (size_t count : counts) {
+        for (bool in_place : {true, false}) {
+          const size_t bytes = count * DataTypeSize(dtype);
+          std::vector<char> input(bytes);
+          FillInput(dtype, input.data(), count, comm.rank(), op);
+          DeviceBuffer send(bytes), recv(bytes);
+          send.Upload(input);
+          DeviceBuffer& out = in_place ? send : recv;
+          Status s = comm.AllReduce(send.get(), out.get(), count, dtype, op, {.algorithm = algorithm});
+          const std::string what = std::string("device all-reduce ") + AlgorithmName(algorithm) +
+                                   " " + DataTypeName(dtype) + " " + ReduceOpName(op) +
+                                   " count " + std::to_string(count) +
+                                   (in_place ? " in place" : "");
+          WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+          if (!s.ok()) return;
+          const std::vector<char> result = out.Download();
+          std::string first;
+          WORKER_CHECK(CountWrong(dtype, result.data(), count, n, op, 0, &first) == 0,
+                       what + ": " + first);
+          WORKER_CHECK(result[bytes] == 0x5A, what + ": wrote past the end");
+          if (!in_place) {
+            WORKER_CHECK(send.Download() == [&] { auto v = input; v.push_back(0x5A); return v; }(),
+                         what + ": changed the send buffer");
+          }
+        }
+      }
+    }
+  }
+}
+
+void SweepOthers(Communicator& comm, const std::vector<size_t>& counts) {
+  const int n = comm.size(), me = comm.rank();
+  for (DataType dtype : {DataType::kF32, DataType::kF16, DataType::kBF16}) {
+    const size_t elem = DataTypeSize(dtype);
+    for (size_t count : counts) {
+      const std::string suffix = std::string(" ") + DataTypeName(dtype) + " count " +
+                                 std::to_string(count);
+      // Broadcast from every root.
+      for (int root = 0; root < n; ++root) {
+        std::vector<char> input(count * elem);
+        FillInput(dtype, input.data(), count, me == root ? 0 : 5, ReduceOp::kMax);
+        DeviceBuffer buf(count * elem);
+        buf.Upload(input);
+        Status s = comm.Broadcast(buf.get(), count, dtype, root);
+        WORKER_CHECK(s.ok(), "device broadcast: " + s.ToString());
+        const std::vector<char> result = buf.Download();
+        size_t wrong = 0;
+        for (size_t i = 0; i < count; ++i) {
+          wrong += testing::Load(dtype, result.data(), i) != testing::InputValue(0, i, ReduceOp::kMax);
+        }
+        WORKER_CHECK(wrong == 0, "device broadcast from " + std::to_string(root) + suffix + ": " +
+                                     std::to_string(wrong) + " wrong");
+        WORKER_CHECK(result[count * elem] == 0x5A, "device broadcast wrote past the end");
+      }
+      // All-gather, out of place and in place.
+      for (bool in_place : {false, true}) {
+        std::vector<char> mine(count * elem);
+        FillInput(dtype, mine.data(), count, me, ReduceOp::kSum);
+        DeviceBuffer all(n * count * elem), own(count * elem);
+        const std::byte* send = own.get();
+        if (in_place) {
+          all.Upload(mine, me * count * elem);
+          send = all.get() + me * count * elem;
+        } else {
+          own.Upload(mine);
+        }
+        Status s = comm.AllGather(send, all.get(), count, dtype);
+        WORKER_CHECK(s.ok(), "device all-gather: " + s.ToString());
+        const std::vector<char> result = all.Download();
+        size_t wrong = 0;
+        for (int r = 0; r < n; ++r) {
+          for (size_t i = 0; i < count; ++i) {
+            wrong += testing::Load(dtype, result.data(), r * count + i) !=
+                     testing::InputValue(r, i, ReduceOp::kSum);
+          }
+        }
+        WORKER_CHECK(wrong == 0, std::string("device all-gather") + (in_place ? " in place" : "") +
+                                     suffix + ": " + std::to_string(wrong) + " wrong");
+        WORKER_CHECK(result[n * count * elem] == 0x5A, "device all-gather wrote past the end");
+      }
+      // Reduce-scatter: rank r gets block r of the reduction.
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+        std::vector<char> input(n * count * elem);
+        FillInput(dtype, input.data(), n * count, me, op);
+        DeviceBuffer send(n * count * elem), recv(count * elem);
+        send.Upload(input);
+        Status s = comm.ReduceScatter(send.get(), recv.get(), count, dtype, op);
+        WORKER_CHECK(s.ok(), "device reduce-scatter: " + s.ToString());
+        const std::vector<char> result = recv.Download();
+        std::string first;
+        WORKER_CHECK(CountWrong(dtype, result.data(), count, n, op, me * count, &first) == 0,
+                     std::string("device reduce-scatter ") + ReduceOpName(op) + suffix + ": " + first);
+        WORKER_CHECK(result[count * elem] == 0x5A, "device reduce-scatter wrote past the end");
+      }
+    }
+  }
+}
+
+// Send/Recv around a ring with device buffers (staged when UCX cannot move
+// device memory), and async all-reduces on device buffers in issue order.
+void PointToPointAndAsync(Communicator& comm) {
+  const int n = comm.size(), me = comm.rank();
+  if (n > 1) {
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    std::vector<char> mine(777 * 8);
+    FillInput(DataType::kI64, mine.data(), 777, me, ReduceOp::kSum);
+    DeviceBuffer out(mine.size()), in(mine.size());
+    out.Upload(mine);
+    // Even ranks send first, odd ranks receive first: blocking calls only.
+    Status a = me % 2 == 0 ? comm.Send(out.get(), 777, DataType::kI64, next, 42)
+                           : comm.Recv(in.get(), 777, DataType::kI64, prev, 42);
+    Status b = me % 2 == 0 ? comm.Recv(in.get(), 777, DataType::kI64, prev, 42)
+                           : comm.Send(out.get(), 777, DataType::kI64, next, 42);
+    WORKER_CHECK(a.ok() && b.ok(), "device send/recv: " + a.ToString() + " " + b.ToString());
+    const std::vector<char> got = in.Download();
+    size_t wrong = 0;
+    for (size_t i = 0; i < 777; ++i) {
+      wrong += testing::Load(DataType::kI64, got.data(), i) != testing::InputValue(prev, i, ReduceOp::kSum);
+    }
+    WORKER_CHECK(wrong == 0, "device recv: " + std::to_string(wrong) + " wrong");
+    if (!comm.info().ucx_cuda_memory) {
+      Work w = comm.SendAsync(out.get(), 777, DataType::kI64, next, 43);
+      Status s = w.Wait();
+      WORKER_CHECK(s.code() == StatusCode::kInvalidArgument &&
+                       s.message().find("device memory") != std::string::npos,
+                   "device SendAsync without CUDA UCX: " + s.ToString());
+    }
+  }
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers;
+  std::vector<Work> works;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<char> input(3000 * 4);
+    FillInput(DataType::kF32, input.data(), 3000, me, ReduceOp::kSum);
+    buffers.push_back(std::make_unique<DeviceBuffer>(input.size()));
+    buffers.back()->Upload(input);
+    works.push_back(comm.AllReduceAsync(buffers.back()->get(), buffers.back()->get(), 3000,
+                                        DataType::kF32, ReduceOp::kSum));
+  }
+  for (size_t i = 0; i < works.size(); ++i) {
+    Status s = works[i].Wait();
+    WORKER_CHECK(s.ok(), "device async all-reduce: " + s.ToString());
+    const std::vector<char> result = buffers[i]->Download();
+    WORKER_CHECK(CountWrong(DataType::kF32, result.data(), 3000, n, ReduceOp::kSum) == 0,
+                 "device async all-reduce " + std::to_string(i) + " result");
+  }
+}
+
+int ScenarioSweep() {
+  auto comm = MustCreate();
+  const size_t n = comm->size();
+  const std::vector<size_t> counts = {0, 1, n - 1, 1001, 6000};
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
+                      Algorithm::kSharedMemory}) {
+    SweepAllReduce(*comm, a, counts);
+  }
+  SweepOthers(*comm, counts);
+  PointToPointAndAsync(*comm);
+  if (comm->rank() == 0) {
+    std::printf("INFO ranks=%d shm=%d ucx_cuda=%d\n", comm->size(), comm->info().shared_memory,
+                comm->info().ucx_cuda_memory);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// One large all-reduce at the default chunk size (several 4 MiB chunks).
+int ScenarioLarge() {
+  auto comm = MustCreate();
+  const size_t count = size_t{5} << 20;  // 20 MiB of f32
+  std::vector<char> input(count * 4);
+  FillInput(DataType::kF32, input.data(), count, comm->rank(), ReduceOp::kSum);
+  DeviceBuffer buf(input.size());
+  buf.Upload(input);
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing}) {
+    buf.Upload(input);
+    Status s = comm->AllReduce(buf.get(), count, DataType::kF32, ReduceOp::kSum, {.algorithm = a});
+    WORKER_CHECK(s.ok(), "large device all-reduce: " + s.ToString());
+    const std::vector<char> result = buf.Download();
+    std::string first;
+    WORKER_CHECK(CountWrong(DataType::kF32, result.data(), count, comm->size(), ReduceOp::kSum, 0,
+                            &first) == 0,
+                 std::string("large device all-reduce ") + AlgorithmName(a) + ": " + first);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// All-reduces on device buffers in a loop until something fails; reports
+// how it failed.
+int ScenarioLoop() {
+  auto comm = MustCreate();
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+  const size_t count = 1 << 20;
+  DeviceBuffer buf(count * 4);
+  MustCuda(cudaMemset(buf.get(), 0, count * 4), "cudaMemset");
+  const auto until = Clock::now() + std::chrono::seconds(30);
+  auto last_ok = Clock::now();
+  std::printf("READY\n");
+  std::fflush(stdout);
+  while (Clock::now() < until) {
+    Status s = comm->AllReduce(buf.get(), count, DataType::kF32, ReduceOp::kSum,
+                               {.algorithm = algorithm});
+    if (!s.ok()) {
+      const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - last_ok).count();
+      std::printf("ERROR %s after_ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+      Status again = comm->AllReduce(buf.get(), count, DataType::kF32, ReduceOp::kSum);
+      std::printf("AGAIN %s same=%d\n", again.ToString().c_str(), again == comm->aborted_reason());
+      return 0;
+    }
+    last_ok = Clock::now();
+  }
+  return 1;
+}
+
+int RunScenario(const std::string& name) {
+  if (name == "sweep") return ScenarioSweep();
+  if (name == "large") return ScenarioLarge();
+  if (name == "loop") return ScenarioLoop();
+  std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
+  return 2;
+}
+
+// ------------------------------------------------------------- parent ----
+
+struct Job {
+  std::vector<testing::WorkerResult> results;
+  std::string Describe() const {
+    std::string text;
+    for (size_t r = 0; r < results.size(); ++r) {
+      text += "--- rank " + std::to_string(r) + " exit " + std::to_string(results[r].exit_code) +
+              " signal " + std::to_string(results[r].signal) +
+              (results[r].timed_out ? " TIMED OUT" : "") + "\n" + results[r].output;
+    }
+    return text;
+  }
+};
+
+Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
+           milliseconds limit = milliseconds(120000),
+           const std::function<void(testing::ProcessGroup&)>& during = nullptr) {
+  env["DDP_TEST_SCENARIO"] = scenario;
+  env["DDP_JOB_TOKEN"] = "device-test-token";
+  auto group = testing::ProcessGroup::Spawn(n, {}, env, testing::FreePort());
+  EXPECT_TRUE(group.ok()) << group.status();
+  if (!group.ok()) return {};
+  if (during) during(**group);
+  return Job{(*group)->Wait(DeadlineIn(limit))};
+}
+
+class DeviceSweep : public ::testing::TestWithParam<int> {};
+
+// Every collective, dtype and algorithm on device buffers, with staging
+// chunks of 512 bytes so that most counts take several chunks.
+TEST_P(DeviceSweep, EveryCollectiveOnDeviceBuffers) {
+  Job job = RunJob(GetParam(), "sweep",
+                   {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}, {"DDP_TEST_CHUNK_BYTES", "1024"}});
+  ASSERT_EQ(job.results.size(), static_cast<size_t>(GetParam()));
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("INFO ranks="), std::string::npos) << job.Describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DeviceSweep, ::testing::Values(2, 4));
+
+TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {
+  Job job = RunJob(2, "large");
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+// A rank killed while the others all-reduce device buffers: every survivor
+// reports PEER_LOST naming it within the deadline, and later calls fail at
+// once with the same reason.
+void ExpectSurvivorsReport(int n, Algorithm algorithm) {
+  const milliseconds timeout(3000);
+  const int victim = n - 1;
+  Job job = RunJob(n, "loop",
+                   {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
+                    {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())}},
+                   milliseconds(60000), [&](testing::ProcessGroup& group) {
+                     // CUDA start-up takes a while; let the loop run first.
+                     std::this_thread::sleep_for(milliseconds(4000));
+                     group.Kill(victim, SIGKILL);
+                   });
+  ASSERT_EQ(job.results.size(), static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    if (r == victim) continue;
+    const auto& result = job.results[r];
+    ASSERT_EQ(result.exit_code, 0) << job.Describe();
+    EXPECT_NE(result.output.find("ERROR PEER_LOST"), std::string::npos) << job.Describe();
+    EXPECT_NE(result.output.find("rank " + std::to_string(victim)), std::string::npos)
+        << job.Describe();
+    const size_t at = result.output.find("after_ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(result.output.c_str() + at + 9), timeout.count() + 1000) << job.Describe();
+    EXPECT_NE(result.output.find("same=1"), std::string::npos) << job.Describe();
+  }
+}
+
+TEST(DeviceFaults, PeerKilledDuringSharedMemoryAllReduce) {
+  ExpectSurvivorsReport(2, Algorithm::kSharedMemory);
+}
+TEST(DeviceFaults, PeerKilledDuringUcxRingAllReduce) { ExpectSurvivorsReport(4, Algorithm::kRing); }
+
+}  // namespace
+}  // namespace ddp::transport
+
+int main(int argc, char** argv) {
+  const char* scenario = std::getenv("DDP_TEST_SCENARIO");
+  if (scenario != nullptr) return ddp::transport::RunScenario(scenario);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

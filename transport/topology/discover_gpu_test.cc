@@ -1,0 +1,38 @@
+// GPU discovery on a GPU machine (tag "gpu", --config=cuda): what
+// DiscoverGpus reports must agree with the CUDA runtime.
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "transport/topology/discover.h"
+
+namespace ddp::transport::topology {
+namespace {
+
+TEST(DiscoverGpus, ReportsEveryDeviceWithItsPeers) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess) << "no CUDA device";
+  const std::vector<Gpu> gpus = DiscoverGpus("/sys");
+  ASSERT_GE(gpus.size(), 1u);
+  ASSERT_EQ(gpus.size(), static_cast<size_t>(count));
+  for (size_t d = 0; d < gpus.size(); ++d) {
+    EXPECT_GE(gpus[d].numa_node, -1) << "GPU " << d;
+    for (int peer : gpus[d].nvlink_peers) {
+      EXPECT_NE(peer, static_cast<int>(d)) << "GPU " << d << " lists itself as a peer";
+      EXPECT_GE(peer, 0);
+      EXPECT_LT(peer, count);
+      int can = 0;
+      ASSERT_EQ(cudaDeviceCanAccessPeer(&can, static_cast<int>(d), peer), cudaSuccess);
+      EXPECT_EQ(can, 1) << "GPU " << d << " lists " << peer << " without peer access";
+    }
+    // Peers are listed once each.
+    std::vector<int> sorted = gpus[d].nvlink_peers;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end()) << "GPU " << d;
+  }
+}
+
+}  // namespace
+}  // namespace ddp::transport::topology
