@@ -1,0 +1,75 @@
+// Caching allocator for device memory. A training step asks for the same
+// sizes every iteration; after the first step every request is served from a
+// free list, so cudaMalloc (which synchronizes the device) and cudaFree are
+// never called in steady state. Never managed (unified) memory.
+//
+// Blocks belong to the stream that was current when they were allocated.
+// A freed block goes back to that stream's free list and is handed out again
+// only to requests on the same stream: work queued later on that stream runs
+// after the work that used the block, so reuse needs no host wait. A tensor
+// used on a second stream must be kept alive (or that stream synchronized)
+// until the second stream is done with it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "nn/tensor/allocator.h"
+
+namespace ddp::nn::cuda {
+
+/// Caching device allocator: exact-size free lists over size classes, one
+/// list per (device, stream, class). Classes: 512-byte steps below 1 MiB,
+/// then eight per power of two (at most 12.5% rounding waste).
+class CachingCudaAllocator final : public Allocator {
+ public:
+  CachingCudaAllocator();
+  ~CachingCudaAllocator() override = default;
+  /// At least nbytes on device (a CUDA device), on the current stream's free
+  /// list. On cudaMalloc failure the device's cache is released and the call
+  /// retried once; then throws CudaOutOfMemory (a std::bad_alloc).
+  void* Allocate(size_t nbytes, Device device) override;
+  void Deallocate(void* ptr, size_t nbytes, Device device) override;
+
+  /// Waits for each device that holds cached blocks, then cudaFrees them all.
+  void EmptyCache();
+  /// Counters summed over every device.
+  AllocatorStats Stats() const;
+  /// Counters of one device.
+  AllocatorStats Stats(Device device) const;
+  /// Turns caching off (every Deallocate frees at once: for compute-sanitizer
+  /// runs) or back on. DDP_NN_CUDA_CACHE=0 starts with caching off.
+  void set_caching_enabled(bool enabled);
+
+  /// The size class a request of nbytes is served from.
+  static size_t RoundSize(size_t nbytes);
+
+ private:
+  struct Block {
+    size_t size;
+    int device;
+    cudaStream_t stream;
+  };
+  using FreeKey = std::tuple<int, cudaStream_t, size_t>;
+
+  void ReleaseCachedLocked(int device);
+  AllocatorStats& StatsFor(int device);
+
+  mutable std::mutex mu_;
+  std::map<FreeKey, std::vector<void*>> free_;
+  std::unordered_map<void*, Block> live_;
+  std::map<int, AllocatorStats> stats_;
+  bool caching_;
+};
+
+/// The process-wide CUDA allocator (registered by Init()).
+CachingCudaAllocator& CudaAllocator();
+
+}  // namespace ddp::nn::cuda

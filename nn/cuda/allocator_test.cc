@@ -1,0 +1,102 @@
+// The caching allocator on a real GPU (tag "gpu").
+#include "nn/cuda/allocator.h"
+
+#include <gtest/gtest.h>
+
+#include <new>
+#include <string>
+#include <vector>
+
+#include "nn/cuda/cuda.h"
+#include "nn/cuda/cuda_error.h"
+#include "nn/cuda/stream.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::cuda {
+namespace {
+
+const Device kGpu(DeviceType::kCUDA, 0);
+
+class CudaAllocatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Init(); }
+};
+
+// What one training step of a small model asks for, freed at the end.
+void FakeStep() {
+  std::vector<Tensor> live;
+  for (int64_t n : {64 * 784, 784 * 512, 512, 512 * 10, 10, 64 * 512, 64 * 10, 1, 0, 3 * 1024 * 1024}) {
+    live.push_back(Empty({n}, {.device = kGpu}));
+  }
+  live.push_back(Empty({64, 512}, {.dtype = DType::kFloat16, .device = kGpu}));
+}
+
+TEST_F(CudaAllocatorTest, SecondStepAllocatesNothingNew) {
+  FakeStep();
+  const AllocatorStats warm = CudaAllocator().Stats(kGpu);
+  for (int i = 0; i < 5; ++i) FakeStep();
+  const AllocatorStats after = CudaAllocator().Stats(kGpu);
+  EXPECT_EQ(after.system_allocations, warm.system_allocations);
+  EXPECT_EQ(after.requests, warm.requests + 5 * 11);
+  EXPECT_EQ(after.in_use_bytes, warm.in_use_bytes);
+}
+
+TEST_F(CudaAllocatorTest, InUseAndCachedBytesFollowTheTensors) {
+  const AllocatorStats before = CudaAllocator().Stats(kGpu);
+  {
+    Tensor t = Empty({1000}, {.device = kGpu});  // 4000 bytes -> 4096
+    EXPECT_EQ(CudaAllocator().Stats(kGpu).in_use_bytes, before.in_use_bytes + 4096);
+  }
+  const AllocatorStats after = CudaAllocator().Stats(kGpu);
+  EXPECT_EQ(after.in_use_bytes, before.in_use_bytes);
+  EXPECT_GE(after.cached_bytes, 4096u);
+}
+
+TEST_F(CudaAllocatorTest, BlocksAreReusedOnlyOnTheirOwnStream) {
+  Stream side(kGpu);
+  const int64_t n = 12345;  // a size no other test uses
+  { StreamGuard guard(kGpu, side.get()); Tensor t = Empty({n}, {.device = kGpu}); }
+  const uint64_t before = CudaAllocator().Stats(kGpu).system_allocations;
+  { Tensor t = Empty({n}, {.device = kGpu}); }  // default stream: the side stream's block is not eligible
+  EXPECT_EQ(CudaAllocator().Stats(kGpu).system_allocations, before + 1);
+  { StreamGuard guard(kGpu, side.get()); Tensor t = Empty({n}, {.device = kGpu}); }
+  { Tensor t = Empty({n}, {.device = kGpu}); }
+  EXPECT_EQ(CudaAllocator().Stats(kGpu).system_allocations, before + 1);
+  side.Synchronize();
+}
+
+TEST_F(CudaAllocatorTest, EmptyCacheReturnsEveryCachedBlock) {
+  { Tensor t = Empty({1 << 20}, {.device = kGpu}); }
+  EXPECT_GT(CudaAllocator().Stats(kGpu).cached_bytes, 0u);
+  CudaAllocator().EmptyCache();
+  EXPECT_EQ(CudaAllocator().Stats(kGpu).cached_bytes, 0u);
+  const uint64_t before = CudaAllocator().Stats(kGpu).system_allocations;
+  { Tensor t = Empty({1 << 20}, {.device = kGpu}); }
+  EXPECT_EQ(CudaAllocator().Stats(kGpu).system_allocations, before + 1);
+}
+
+TEST_F(CudaAllocatorTest, OutOfMemoryIsABadAllocNamingTheDevice) {
+  try {
+    Tensor t = Empty({int64_t{1} << 50}, {.device = kGpu});  // 4 PiB
+    FAIL() << "expected out of memory";
+  } catch (const std::bad_alloc& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("cuda:0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cudaMalloc"), std::string::npos) << msg;
+  }
+  // The allocator still works afterwards.
+  Tensor t = Empty({16}, {.device = kGpu});
+  EXPECT_EQ(t.numel(), 16);
+}
+
+TEST_F(CudaAllocatorTest, MissingDeviceIsNamed) {
+  try {
+    Tensor t = Empty({16}, {.device = Device(DeviceType::kCUDA, 4096)});
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda:4096"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ddp::nn::cuda

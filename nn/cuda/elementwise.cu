@@ -1,0 +1,243 @@
+// Elementwise kernels. Shapes: every operand is indexed by one shared index
+// space of n elements (the output's shape); inputs that broadcast have
+// stride 0 in the dimensions they repeat. Grid-stride loops over 256-thread
+// blocks; 16-bit floats compute in f32, f64 in f64, integers in their type.
+#include <cstdint>
+
+#include "nn/cuda/device_util.cuh"
+#include "nn/cuda/launch.h"
+
+namespace ddp::nn::cuda::launch {
+
+using device::acc_t;
+using device::Cast;
+
+namespace {
+
+__device__ __forceinline__ float Erf(float x) { return erff(x); }
+__device__ __forceinline__ double Erf(double x) { return erf(x); }
+__device__ __forceinline__ float Exp(float x) { return expf(x); }
+__device__ __forceinline__ double Exp(double x) { return exp(x); }
+__device__ __forceinline__ float Log(float x) { return logf(x); }
+__device__ __forceinline__ double Log(double x) { return log(x); }
+__device__ __forceinline__ float Tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double Tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float Sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double Sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float Abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double Abs(double x) { return fabs(x); }
+
+constexpr double kSqrt1_2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kSqrt2OverPi = 0.79788456080286535588;
+constexpr double kGeluCoef = 0.044715;
+
+// The op codes are ops::UnaryOp's values.
+template <typename A>
+__device__ __forceinline__ A UnaryFn(OpCode op, A v) {
+  switch (op) {
+    case 0: return -v;
+    case 1: return v > A(0) ? v : A(0);
+    case 2: return A(0.5) * v * (A(1) + Erf(v * A(kSqrt1_2)));
+    case 3: return A(0.5) * v * (A(1) + Tanh(A(kSqrt2OverPi) * (v + A(kGeluCoef) * v * v * v)));
+    case 4: return A(1) / (A(1) + Exp(-v));
+    case 5: return Tanh(v);
+    case 6: return Exp(v);
+    case 7: return Log(v);
+    case 8: return Sqrt(v);
+    case 9: return v * v;
+    default: return Abs(v);
+  }
+}
+
+// d: incoming gradient; s: x for relu/gelu/log/square/abs/neg, y = op(x) for
+// sigmoid/tanh/exp/sqrt (what the CPU kernels and the autograd nodes save).
+template <typename A>
+__device__ __forceinline__ A UnaryGradFn(OpCode op, A d, A s) {
+  switch (op) {
+    case 0: return -d;
+    case 1: return s > A(0) ? d : A(0);
+    case 2: {
+      const A cdf = A(0.5) * (A(1) + Erf(s * A(kSqrt1_2)));
+      const A pdf = A(kInvSqrt2Pi) * Exp(A(-0.5) * s * s);
+      return d * (cdf + s * pdf);
+    }
+    case 3: {
+      const A u = A(kSqrt2OverPi) * (s + A(kGeluCoef) * s * s * s);
+      const A t = Tanh(u);
+      const A du = A(kSqrt2OverPi) * (A(1) + A(3 * kGeluCoef) * s * s);
+      return d * (A(0.5) * (A(1) + t) + A(0.5) * s * (A(1) - t * t) * du);
+    }
+    case 4: return d * s * (A(1) - s);
+    case 5: return d * (A(1) - s * s);
+    case 6: return d * s;
+    case 7: return d / s;
+    case 8: return d / (A(2) * s);
+    case 9: return A(2) * d * s;
+    default: return s > A(0) ? d : (s < A(0) ? -d : A(0));
+  }
+}
+
+template <int N, typename F>
+__global__ void ElementwiseKernel(Indexing ix, int64_t n, F f) {
+  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    int64_t off[N];
+    device::Offsets<N>(ix, i, off);
+    f(off);
+  }
+}
+
+template <int N, typename F>
+cudaError_t LaunchElementwise(const Indexing& ix, int64_t n, cudaStream_t stream, F f) {
+  if (n <= 0) return cudaSuccess;
+  ElementwiseKernel<N><<<device::GridFor(n), 256, 0, stream>>>(ix, n, f);
+  return cudaGetLastError();
+}
+
+// splitmix64: a bijective 64-bit mixer; its outputs for consecutive inputs
+// are statistically independent enough for dropout masks.
+__device__ __forceinline__ uint64_t Mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void BernoulliKernel(uint8_t* mask, int64_t n, uint64_t threshold, uint64_t seed) {
+  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    mask[i] = (Mix64(seed ^ Mix64(static_cast<uint64_t>(i))) >> 40) < threshold ? 1 : 0;
+  }
+}
+
+}  // namespace
+
+cudaError_t Copy(const Indexing& ix, int64_t n, void* dst, Dt dst_dt, const void* src, Dt src_dt,
+                 cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_ALL(dst_dt, {
+    using D = scalar_t;
+    D* d = static_cast<D*>(dst);
+    DDP_CUDA_DISPATCH_ALL(src_dt, {
+      using S = scalar_t;
+      const S* s = static_cast<const S*>(src);
+      err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+        d[off[0]] = Cast<D>(Cast<acc_t<S>>(s[off[1]]));
+      });
+    });
+  });
+  return err;
+}
+
+cudaError_t Unary(OpCode op, const Indexing& ix, int64_t n, void* out, const void* x, Dt dt, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* xp = static_cast<const T*>(x);
+    err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+      o[off[0]] = Cast<T>(UnaryFn<A>(op, Cast<A>(xp[off[1]])));
+    });
+  });
+  return err;
+}
+
+cudaError_t UnaryBackward(OpCode op, const Indexing& ix, int64_t n, void* grad_in, const void* grad_out,
+                          const void* saved, Dt dt, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* gi = static_cast<T*>(grad_in);
+    const T* go = static_cast<const T*>(grad_out);
+    const T* sv = static_cast<const T*>(saved);
+    err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
+      gi[off[0]] = Cast<T>(UnaryGradFn<A>(op, Cast<A>(go[off[1]]), Cast<A>(sv[off[2]])));
+    });
+  });
+  return err;
+}
+
+cudaError_t Binary(OpCode op, const Indexing& ix, int64_t n, void* out, const void* a, const void* b, Dt dt,
+                   cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_ALL(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* ap = static_cast<const T*>(a);
+    const T* bp = static_cast<const T*>(b);
+    err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
+      const A x = Cast<A>(ap[off[1]]), y = Cast<A>(bp[off[2]]);
+      A r;
+      switch (op) {  // ops::BinaryOp values
+        case 0: r = x + y; break;
+        case 1: r = x - y; break;
+        case 2: r = x * y; break;
+        default: r = x / y; break;
+      }
+      o[off[0]] = Cast<T>(r);
+    });
+  });
+  return err;
+}
+
+cudaError_t Affine(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, double beta, Dt dt,
+                   cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* xp = static_cast<const T*>(x);
+    const A al = static_cast<A>(alpha), be = static_cast<A>(beta);
+    err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+      o[off[0]] = Cast<T>(al * Cast<A>(xp[off[1]]) + be);
+    });
+  });
+  return err;
+}
+
+cudaError_t AddScaled(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, Dt dt,
+                      cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* xp = static_cast<const T*>(x);
+    const A al = static_cast<A>(alpha);
+    err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+      o[off[0]] = Cast<T>(Cast<A>(o[off[0]]) + al * Cast<A>(xp[off[1]]));
+    });
+  });
+  return err;
+}
+
+cudaError_t MaskedScale(const Indexing& ix, int64_t n, void* out, const void* x, const uint8_t* mask, double scale,
+                        Dt dt, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* xp = static_cast<const T*>(x);
+    const A s = static_cast<A>(scale);
+    err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
+      o[off[0]] = Cast<T>(Cast<A>(xp[off[1]]) * (mask[off[2]] ? s : A(0)));
+    });
+  });
+  return err;
+}
+
+cudaError_t BernoulliMask(uint8_t* mask, int64_t n, double keep_prob, uint64_t seed, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  // 24-bit uniform draws, as on the CPU.
+  const uint64_t threshold = static_cast<uint64_t>(keep_prob * 16777216.0);
+  BernoulliKernel<<<device::GridFor(n), 256, 0, stream>>>(mask, n, threshold, seed);
+  return cudaGetLastError();
+}
+
+}  // namespace ddp::nn::cuda::launch

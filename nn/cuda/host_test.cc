@@ -1,0 +1,121 @@
+// Logic of the CUDA backend that needs no GPU: size classes, index
+// geometry, error text, registration. Runs under --config=cuda on any
+// machine (no "gpu" tag).
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "nn/cuda/allocator.h"
+#include "nn/cuda/cuda.h"
+#include "nn/cuda/cuda_error.h"
+#include "nn/cuda/indexing.h"
+#include "nn/cuda/stream.h"
+#include "nn/ops/dispatch.h"
+
+namespace ddp::nn::cuda {
+namespace {
+
+TEST(CudaAllocatorSizes, SmallRequestsRoundTo512Bytes) {
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(0), 512u);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(1), 512u);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(512), 512u);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(513), 1024u);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize((1u << 20) - 1), size_t{1} << 20);
+}
+
+TEST(CudaAllocatorSizes, LargeRequestsUseEightClassesPerPowerOfTwo) {
+  const size_t mib = size_t{1} << 20;
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(mib), mib);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(mib + 1), mib + mib / 8);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(3 * mib), 3 * mib);
+  EXPECT_EQ(CachingCudaAllocator::RoundSize(3 * mib + 1), 3 * mib + 2 * mib / 8);
+  for (size_t n = mib; n < 64 * mib; n = n * 9 / 7 + 12345) {
+    const size_t r = CachingCudaAllocator::RoundSize(n);
+    EXPECT_GE(r, n);
+    EXPECT_LE(static_cast<double>(r), static_cast<double>(n) * 1.125 + 1) << n;
+  }
+}
+
+TEST(CudaIndexing, ContiguousOperandsCollapseToOneDimension) {
+  const Shape shape = {4, 5, 6};
+  const Shape st = ContiguousStrides(shape);
+  const launch::Indexing ix = MakeIndexing("test", shape, {st, st});
+  EXPECT_TRUE(ix.contiguous);
+  EXPECT_EQ(ix.ndim, 1);
+  EXPECT_EQ(ix.sizes[0], 120);
+}
+
+TEST(CudaIndexing, TransposedOperandKeepsTwoDimensions) {
+  // out [3, 4] contiguous, x = a transposed [4, 3] buffer: strides (1, 3).
+  const launch::Indexing ix = MakeIndexing("test", {3, 4}, {Shape{4, 1}, Shape{1, 3}});
+  EXPECT_FALSE(ix.contiguous);
+  ASSERT_EQ(ix.ndim, 2);
+  EXPECT_EQ(ix.sizes[0], 3);
+  EXPECT_EQ(ix.sizes[1], 4);
+  EXPECT_EQ(ix.strides[0][0], 4);
+  EXPECT_EQ(ix.strides[1][0], 1);
+  EXPECT_EQ(ix.strides[1][1], 3);
+}
+
+TEST(CudaIndexing, SizeOneDimensionsAreDroppedAndBroadcastKeepsStrideZero) {
+  const Shape shape = {1, 2, 1, 3};
+  const launch::Indexing ix = MakeIndexing("test", shape, {ContiguousStrides(shape), Shape{0, 0, 0, 1}});
+  ASSERT_EQ(ix.ndim, 2);
+  EXPECT_EQ(ix.sizes[0], 2);
+  EXPECT_EQ(ix.sizes[1], 3);
+  EXPECT_EQ(ix.strides[1][0], 0);
+  EXPECT_EQ(ix.strides[1][1], 1);
+}
+
+TEST(CudaIndexing, TooManyDimensionsNameTheOp) {
+  // Alternating strides that cannot merge: 9 dimensions.
+  Shape shape(9, 2), a(9), b(9);
+  for (int d = 8, s = 1; d >= 0; --d, s *= 2) {
+    a[d] = s;
+    b[d] = (d % 2 == 0) ? s * 3 : s;
+  }
+  try {
+    (void)MakeIndexing("binary", shape, {a, b});
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("binary on CUDA"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaIndexing, BroadcastStridesRejectIncompatibleShapes) {
+  EXPECT_THROW(BroadcastStridesTo(Tensor::FromBlob(nullptr, {3}, DType::kFloat32), {4}), std::invalid_argument);
+}
+
+TEST(CudaErrors, MessageNamesTheCallAndTheCudaError) {
+  try {
+    CheckCuda(cudaErrorInvalidValue, "cudaMemcpyAsync(host to device)");
+    FAIL() << "expected an error";
+  } catch (const CudaError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("cudaMemcpyAsync(host to device) failed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cudaErrorInvalidValue"), std::string::npos) << msg;
+    EXPECT_EQ(e.code(), static_cast<int>(cudaErrorInvalidValue));
+  }
+  try {
+    CheckCublas(CUBLAS_STATUS_INVALID_VALUE, "cublasGemmEx");
+    FAIL() << "expected an error";
+  } catch (const CudaError& e) {
+    EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_INVALID_VALUE"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaStream, TimeoutMustBePositive) {
+  EXPECT_THROW(SetWaitTimeout(std::chrono::milliseconds(0)), std::invalid_argument);
+}
+
+TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
+  EXPECT_FALSE(HasDeviceBackend(DeviceType::kCUDA));
+  Init();
+  Init();  // idempotent
+  EXPECT_TRUE(HasDeviceBackend(DeviceType::kCUDA));
+  EXPECT_EQ(GetDeviceBackend(Device(DeviceType::kCUDA, 0)).allocator, &CudaAllocator());
+}
+
+}  // namespace
+}  // namespace ddp::nn::cuda

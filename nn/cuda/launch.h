@@ -1,0 +1,91 @@
+// The host-side interface of the .cu kernels. It speaks in raw pointers,
+// dtype codes and index geometry, not Tensors, so the .cu files need no nn
+// header and the C++ side (kernels.cc) does all checking and conversion.
+// Every function queues work on `stream` and returns the launch's error
+// code (cudaSuccess when queued); completion is asynchronous.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace ddp::nn::cuda::launch {
+
+/// Most dimensions an indexed operand may have after merging contiguous runs.
+inline constexpr int kMaxDims = 8;
+
+/// Element types, numbered as ddp::nn::DType (whose values are stable).
+enum class Dt : int8_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI64 = 4, kU8 = 5, kI32 = 6 };
+
+/// Index geometry shared by up to three operands of an elementwise kernel:
+/// element i (row-major over `sizes`) of operand k is at
+/// sum_d index_d(i) * strides[k][d] elements from its base pointer.
+/// `contiguous` means every operand's offset is i (the fast path).
+struct Indexing {
+  int ndim = 0;
+  bool contiguous = true;
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[3][kMaxDims] = {};
+};
+
+/// Unary and binary op codes: the values of ops::UnaryOp / ops::BinaryOp.
+using OpCode = int;
+
+// ---- elementwise (n = product of ix.sizes) ----
+/// dst[i] = convert(src[i]): operand 0 is dst, 1 is src; any dtypes.
+cudaError_t Copy(const Indexing& ix, int64_t n, void* dst, Dt dst_dt, const void* src, Dt src_dt, cudaStream_t stream);
+/// out[i] = op(x[i]); operands 0 out, 1 x; floating dt.
+cudaError_t Unary(OpCode op, const Indexing& ix, int64_t n, void* out, const void* x, Dt dt, cudaStream_t stream);
+/// grad_in[i] = grad_out[i] * op'(saved[i]); operands 0 grad_in, 1 grad_out, 2 saved.
+cudaError_t UnaryBackward(OpCode op, const Indexing& ix, int64_t n, void* grad_in, const void* grad_out,
+                          const void* saved, Dt dt, cudaStream_t stream);
+/// out[i] = a[i] op b[i]; operands 0 out, 1 a, 2 b (broadcast by stride 0); any dt.
+cudaError_t Binary(OpCode op, const Indexing& ix, int64_t n, void* out, const void* a, const void* b, Dt dt,
+                   cudaStream_t stream);
+/// out[i] = alpha * x[i] + beta; operands 0 out, 1 x.
+cudaError_t Affine(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, double beta, Dt dt,
+                   cudaStream_t stream);
+/// out[i] += alpha * x[i]; operands 0 out, 1 x.
+cudaError_t AddScaled(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, Dt dt,
+                      cudaStream_t stream);
+/// out[i] = x[i] * (mask[i] ? scale : 0); operands 0 out, 1 x, 2 mask (u8).
+cudaError_t MaskedScale(const Indexing& ix, int64_t n, void* out, const void* x, const uint8_t* mask, double scale,
+                        Dt dt, cudaStream_t stream);
+/// mask[i] = 1 with probability keep_prob: a counter-based hash of (seed, i),
+/// so the result depends only on the seed, not on the launch geometry.
+cudaError_t BernoulliMask(uint8_t* mask, int64_t n, double keep_prob, uint64_t seed, cudaStream_t stream);
+
+// ---- reductions ----
+/// Geometry of a reduction: `kept` indexes the outputs (operand 0: out
+/// strides, operand 1: x strides), `reduced` the elements summed into each
+/// output (operand 1: x strides).
+struct ReduceIndexing {
+  Indexing kept;
+  Indexing reduced;
+  int64_t num_kept = 1;
+  int64_t num_reduced = 1;
+};
+/// out[j] = sum over reduced r of x[j, r], accumulated in f64; x and out floating.
+cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x, Dt x_dt, cudaStream_t stream);
+/// out[j] (i64) = first index of the maximum of x[j, 0..d) where element k
+/// is k * dim_stride from x[j]; `kept` as in ReduceIndexing.
+cudaError_t Argmax(const Indexing& kept, int64_t num_kept, int64_t d, int64_t dim_stride, int64_t* out,
+                   const void* x, Dt dt, cudaStream_t stream);
+
+// ---- softmax and cross-entropy (contiguous operands) ----
+/// x, y: [outer, d, inner]; y = log_softmax(x) along d.
+cudaError_t LogSoftmaxForward(const void* x, void* y, int64_t outer, int64_t d, int64_t inner, Dt dt,
+                              cudaStream_t stream);
+/// dy, y, dx: [outer, d, inner]; dx = dy - exp(y) * sum_d(dy).
+cudaError_t LogSoftmaxBackward(const void* dy, const void* y, void* dx, int64_t outer, int64_t d, int64_t inner,
+                               Dt dt, cudaStream_t stream);
+/// log_probs [n, c], target [n] (i64, already range-checked), loss [n]:
+/// loss = -(1 - eps) * lp[t] - eps / c * sum_k lp[k], 0 where t == ignore.
+cudaError_t CrossEntropyLoss(const void* log_probs, const int64_t* target, void* loss, int64_t n, int64_t c,
+                             double eps, int64_t ignore_index, Dt dt, cudaStream_t stream);
+/// dlogits [n, c] = g[i * g_stride] * (exp(lp) - eps / c - (1 - eps) * onehot(t)), 0 where t == ignore.
+cudaError_t CrossEntropyBackward(const void* log_probs, const int64_t* target, const void* grad, int64_t g_stride,
+                                 void* dlogits, int64_t n, int64_t c, double eps, int64_t ignore_index, Dt dt,
+                                 cudaStream_t stream);
+
+}  // namespace ddp::nn::cuda::launch

@@ -1,0 +1,169 @@
+#include "nn/cuda/stream.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "nn/cuda/cuda_error.h"
+
+namespace ddp::nn::cuda {
+
+namespace {
+
+std::chrono::milliseconds TimeoutFromEnv() {
+  const char* env = std::getenv("DDP_NN_CUDA_TIMEOUT_S");
+  if (env != nullptr) {
+    const long seconds = std::atol(env);
+    if (seconds > 0) return std::chrono::seconds(seconds);
+  }
+  return std::chrono::seconds(600);
+}
+
+std::atomic<int64_t> g_timeout_ms{TimeoutFromEnv().count()};
+
+// Per thread: device index -> current stream (absent: the legacy default stream).
+thread_local std::unordered_map<int, cudaStream_t> tls_streams;
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int index) : previous_(0), changed_(false) {
+  CheckCuda(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != index) {
+    CheckCuda(cudaSetDevice(index), ("cudaSetDevice(" + std::to_string(index) + ")").c_str());
+    changed_ = true;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (changed_) (void)cudaSetDevice(previous_);
+}
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+void CheckDevice(Device device) {
+  if (!device.is_cuda()) throw std::invalid_argument("expected a CUDA device, got " + device.ToString());
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw CudaError("device " + device.ToString() + " is not usable: cudaGetDeviceCount failed: " +
+                        cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")",
+                    static_cast<int>(err));
+  }
+  if (device.index < 0 || device.index >= n) {
+    throw std::invalid_argument("device " + device.ToString() + " does not exist: this process sees " +
+                                std::to_string(n) + " CUDA device(s)");
+  }
+}
+
+Stream::Stream(Device device) : device_(device) {
+  CheckDevice(device);
+  DeviceGuard guard(device.index);
+  CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+}
+
+Stream::~Stream() {
+  if (stream_ != nullptr) {
+    DeviceGuard guard(device_.index);
+    (void)cudaStreamDestroy(stream_);  // returns at once; queued work still completes
+  }
+}
+
+void Stream::Wait(cudaEvent_t event) const { CheckCuda(cudaStreamWaitEvent(stream_, event, 0), "cudaStreamWaitEvent"); }
+
+void Stream::Synchronize() const {
+  Event done(device_);
+  done.Record(stream_);
+  done.Synchronize("Stream::Synchronize");
+}
+
+Event::Event(Device device) : device_(device) {
+  DeviceGuard guard(device.index);
+  CheckCuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+}
+
+Event::~Event() {
+  if (event_ != nullptr) (void)cudaEventDestroy(event_);
+}
+
+void Event::Record(cudaStream_t stream) const {
+  DeviceGuard guard(device_.index);
+  CheckCuda(cudaEventRecord(event_, stream), "cudaEventRecord");
+}
+
+bool Event::Query() const {
+  const cudaError_t err = cudaEventQuery(event_);
+  if (err == cudaErrorNotReady) return false;
+  CheckCuda(err, "cudaEventQuery");
+  return true;
+}
+
+void Event::Synchronize(const char* what) const { WaitEvent(event_, what); }
+
+cudaStream_t CurrentStream(Device device) {
+  auto it = tls_streams.find(device.index);
+  return it == tls_streams.end() ? cudaStreamLegacy : it->second;
+}
+
+StreamGuard::StreamGuard(Device device, cudaStream_t stream) : index_(device.index) {
+  previous_ = CurrentStream(device);
+  tls_streams[index_] = stream;
+}
+
+StreamGuard::~StreamGuard() { tls_streams[index_] = previous_; }
+
+std::chrono::milliseconds WaitTimeout() { return std::chrono::milliseconds(g_timeout_ms.load()); }
+
+void SetWaitTimeout(std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0) {
+    throw std::invalid_argument("SetWaitTimeout: the timeout must be positive, got " +
+                                std::to_string(timeout.count()) + " ms");
+  }
+  g_timeout_ms = timeout.count();
+}
+
+void WaitEvent(cudaEvent_t event, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + WaitTimeout();
+  // Spin with yields first (a small copy completes in microseconds), then
+  // back off so a long kernel does not burn a host core.
+  for (int spins = 0;; ++spins) {
+    const cudaError_t err = cudaEventQuery(event);
+    if (err == cudaSuccess) return;
+    if (err != cudaErrorNotReady) CheckCuda(err, (std::string("cudaEventQuery (waiting for ") + what + ")").c_str());
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error(std::string("timed out after ") + std::to_string(WaitTimeout().count()) +
+                               " ms waiting for the GPU (" + what +
+                               "); raise DDP_NN_CUDA_TIMEOUT_S if the work is legitimately that long");
+    }
+    if (spins < 2000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+void SynchronizeDevice(Device device) {
+  CheckDevice(device);
+  Event legacy(device);
+  legacy.Record(cudaStreamLegacy);
+  legacy.Synchronize(("synchronize " + device.ToString()).c_str());
+  const cudaStream_t current = CurrentStream(device);
+  if (current != cudaStreamLegacy) {
+    Event cur(device);
+    cur.Record(current);
+    cur.Synchronize(("synchronize the current stream of " + device.ToString()).c_str());
+  }
+}
+
+}  // namespace ddp::nn::cuda

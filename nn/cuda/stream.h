@@ -1,0 +1,115 @@
+// Devices, streams and events.
+//
+// Ordering model: every nn kernel and copy for a tensor on cuda:N is queued
+// on the calling thread's *current stream* of device N. It is the device's
+// legacy default stream unless a StreamGuard selects another one, so code
+// that never mentions streams is ordered exactly as it is written. Work on a
+// second stream (a communication stream) is ordered against it only through
+// events: record on one stream, make the other wait (Stream::Wait).
+//
+// Host waits (for a copy to the host, or Synchronize) poll with a deadline
+// (WaitTimeout(), default 600 s, DDP_NN_CUDA_TIMEOUT_S overrides) and throw
+// naming what was awaited, rather than block forever on a wedged device.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+
+#include "nn/tensor/device.h"
+
+namespace ddp::nn::cuda {
+
+/// Makes `index` the current CUDA device for its scope (restores the previous one).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_;
+  bool changed_;
+};
+
+/// Number of visible CUDA devices (0 when there is none or no driver).
+int DeviceCount();
+/// Throws naming the device unless it is a CUDA device this process can see.
+void CheckDevice(Device device);
+
+/// An owned, non-blocking CUDA stream on one device.
+class Stream {
+ public:
+  /// Creates a stream on `device` (cudaStreamNonBlocking: it does not
+  /// serialize with the legacy default stream; order it with events).
+  explicit Stream(Device device);
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  cudaStream_t get() const { return stream_; }
+  Device device() const { return device_; }
+  /// Makes later work on this stream wait for everything recorded in `event`
+  /// (no host wait).
+  void Wait(cudaEvent_t event) const;
+  /// Host wait, with the deadline of WaitTimeout(), until the stream is idle.
+  void Synchronize() const;
+
+ private:
+  Device device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+/// An owned CUDA event (timing disabled: it only orders work).
+class Event {
+ public:
+  explicit Event(Device device);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  cudaEvent_t get() const { return event_; }
+  /// Captures the work queued on `stream` so far.
+  void Record(cudaStream_t stream) const;
+  /// True when the captured work has finished (never blocks).
+  bool Query() const;
+  /// Host wait with the deadline of WaitTimeout(); `what` names the wait in the error.
+  void Synchronize(const char* what) const;
+
+ private:
+  Device device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+/// The stream nn work for `device` goes to on this thread.
+cudaStream_t CurrentStream(Device device);
+
+/// Makes `stream` (on `device`) the current stream of this thread for its scope.
+class StreamGuard {
+ public:
+  StreamGuard(Device device, cudaStream_t stream);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  int index_;
+  cudaStream_t previous_;
+};
+
+/// Longest host wait on the device before it is reported as an error.
+std::chrono::milliseconds WaitTimeout();
+void SetWaitTimeout(std::chrono::milliseconds timeout);
+
+/// Polls cudaEventQuery until the event has completed; throws CudaError on a
+/// device error and std::runtime_error naming `what` past the deadline.
+void WaitEvent(cudaEvent_t event, const char* what);
+
+/// Waits for the work queued on `device` so far: its legacy default stream
+/// (which, by its legacy semantics, covers every blocking stream) and this
+/// thread's current stream. Streams created non-blocking elsewhere are their
+/// owners' to wait for.
+void SynchronizeDevice(Device device);
+
+}  // namespace ddp::nn::cuda
