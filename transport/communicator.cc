@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <initializer_list>
@@ -197,9 +198,13 @@ class Communicator::Impl {
   // when they are on two devices.
   StatusOr<int> DeviceOf(std::initializer_list<const void*> buffers, size_t count,
                          const char* what) const;
-  // Copies `bytes` between a device buffer and host memory on `device`'s
-  // staging stream, for Send/Recv when UCX cannot move device memory.
-  Status StageCopy(int device, void* dst, const void* src, size_t bytes, Deadline deadline);
+  // Copies `bytes` from a device buffer to host memory (or back, when
+  // `to_device`) through `device`'s staging slot, slot by slot, each copy
+  // awaited against `deadline`; for Send/Recv when UCX cannot move device
+  // memory. Host memory is touched only by the host, so no copy ever waits
+  // inside the driver on pageable memory.
+  Status StageCopy(int device, void* dst, const void* src, size_t bytes, bool to_device,
+                   Deadline deadline);
   // UCX moves device memory itself (a CUDA-enabled UCX).
   bool ucx_cuda_memory() const { return info_.ucx_cuda_memory; }
   Deadline DeadlineFor(const CallOptions& call) const {
@@ -757,12 +762,26 @@ Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, voi
 }
 
 Status Communicator::Impl::StageCopy(int device, void* dst, const void* src, size_t bytes,
-                                     Deadline deadline) {
+                                     bool to_device, Deadline deadline) {
   if (aborted()) return aborted_reason();
   std::lock_guard run(run_mu_);
   DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
-  DDP_RETURN_IF_ERROR(engine->Copy2D(dst, bytes, src, bytes, bytes, 1));
-  return engine->WaitAll(deadline);
+  std::byte* slot = engine->slot(0);
+  auto* out = static_cast<std::byte*>(dst);
+  const auto* in = static_cast<const std::byte*>(src);
+  for (size_t offset = 0; offset < bytes; offset += engine->slot_bytes()) {
+    const size_t n = std::min(engine->slot_bytes(), bytes - offset);
+    if (to_device) {
+      std::memcpy(slot, in + offset, n);
+      DDP_RETURN_IF_ERROR(engine->Copy2D(out + offset, n, slot, n, n, 1));
+      DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
+    } else {
+      DDP_RETURN_IF_ERROR(engine->Copy2D(slot, n, in + offset, n, n, 1));
+      DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
+      std::memcpy(out + offset, slot, n);
+    }
+  }
+  return Status::Ok();
 }
 
 Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
@@ -944,7 +963,8 @@ Status Communicator::Send(const void* data, size_t count, DataType dtype, int pe
     // per Send, so it cannot be chunked.
     const size_t bytes = count * DataTypeSize(dtype);
     std::vector<std::byte> host(bytes);
-    DDP_RETURN_IF_ERROR(impl_->StageCopy(device, host.data(), data, bytes, impl_->DeadlineFor(call)));
+    DDP_RETURN_IF_ERROR(
+        impl_->StageCopy(device, host.data(), data, bytes, false, impl_->DeadlineFor(call)));
     return SendAsync(host.data(), count, dtype, peer, tag, call).Wait();
   }
   return SendAsync(data, count, dtype, peer, tag, call).Wait();
@@ -959,7 +979,7 @@ Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, ui
     const size_t bytes = count * DataTypeSize(dtype);
     std::vector<std::byte> host(bytes);
     DDP_RETURN_IF_ERROR(RecvAsync(host.data(), count, dtype, peer, tag, call).Wait());
-    return impl_->StageCopy(device, data, host.data(), bytes, deadline);
+    return impl_->StageCopy(device, data, host.data(), bytes, true, deadline);
   }
   return RecvAsync(data, count, dtype, peer, tag, call).Wait();
 }

@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 #include <sched.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include <string>
 #include <thread>
@@ -56,7 +59,8 @@ Status PollEvent(cudaEvent_t event, Deadline deadline, const char* what) {
 struct DeviceCopyEngine::State {
   int device = 0;
   size_t slot_bytes = 0;
-  std::byte* pinned = nullptr;  // kSlots * slot_bytes, cudaHostAlloc
+  std::byte* pinned = nullptr;  // kSlots * slot_bytes, page-aligned, cudaHostRegister'ed
+  bool registered = false;
   cudaStream_t stream = nullptr;
   cudaEvent_t in_done[kSlots] = {};
   cudaEvent_t all_done = nullptr;
@@ -95,13 +99,22 @@ StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
   // Owned by the engine from here: its destructor frees whatever was made.
   std::unique_ptr<DeviceCopyEngine> engine(new DeviceCopyEngine(std::move(state)));
   State& s = *engine->state_;
-  void* pinned = nullptr;
-  cudaError_t status = cudaHostAlloc(&pinned, kSlots * slot_bytes, cudaHostAllocPortable);
-  if (status != cudaSuccess) {
-    return CudaError(status, "allocating " + std::to_string(kSlots * slot_bytes) +
-                                 " bytes of pinned staging memory");
+  // Ordinary anonymous pages, pinned by registration rather than allocated
+  // by cudaHostAlloc: the shared-memory all-reduce reads the peers' slots
+  // with process_vm_readv, which needs pages the kernel can look up, and
+  // the driver's own pinned mappings may not be.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t bytes = (kSlots * slot_bytes + page - 1) / page * page;
+  s.pinned = static_cast<std::byte*>(std::aligned_alloc(page, bytes));
+  if (s.pinned == nullptr) {
+    return ResourceExhaustedError("allocating " + std::to_string(bytes) +
+                                  " bytes of staging memory");
   }
-  s.pinned = static_cast<std::byte*>(pinned);
+  cudaError_t status = cudaHostRegister(s.pinned, bytes, cudaHostRegisterPortable);
+  if (status != cudaSuccess) {
+    return CudaError(status, "pinning " + std::to_string(bytes) + " bytes of staging memory");
+  }
+  s.registered = true;
   // A blocking stream (not cudaStreamNonBlocking): it waits for work on the
   // legacy default stream, where a simple program's kernels wrote the input.
   status = cudaStreamCreateWithFlags(&s.stream, cudaStreamDefault);
@@ -132,7 +145,8 @@ DeviceCopyEngine::~DeviceCopyEngine() {
   }
   if (s.all_done != nullptr) cudaEventDestroy(s.all_done);
   if (s.stream != nullptr) cudaStreamDestroy(s.stream);
-  if (s.pinned != nullptr) cudaFreeHost(s.pinned);
+  if (s.registered) cudaHostUnregister(s.pinned);
+  std::free(s.pinned);
 }
 
 size_t DeviceCopyEngine::slot_bytes() const { return state_->slot_bytes; }
