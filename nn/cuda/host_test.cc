@@ -115,6 +115,22 @@ TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
   Init();  // idempotent
   EXPECT_TRUE(HasDeviceBackend(DeviceType::kCUDA));
   EXPECT_EQ(GetDeviceBackend(Device(DeviceType::kCUDA, 0)).allocator, &CudaAllocator());
+  const ops::KernelTable& t = ops::KernelsFor(DeviceType::kCUDA);
+  EXPECT_NE(t.gemm, nullptr);
+  EXPECT_NE(t.unary, nullptr);
+  EXPECT_NE(t.cross_entropy_backward, nullptr);
+}
+
+TEST(CudaInit, AnOpWithoutACudaKernelIsNamed) {
+  Init();
+  try {
+    (void)DDP_KERNEL(Device(DeviceType::kCUDA, 0), adaptive_avg_pool2d_backward);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("adaptive_avg_pool2d_backward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cuda:0"), std::string::npos) << msg;
+  }
 }
 
 }  // namespace

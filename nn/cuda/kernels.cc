@@ -1,9 +1,402 @@
+// Host side of the CUDA kernel table: checks operands, builds the index
+// geometry and launches the .cu kernels on the current stream of the
+// operands' device. Inputs may have any strides (elementwise kernels index
+// them directly; softmax and cross-entropy first make them contiguous on
+// the device). Outputs are written through their strides unless a kernel
+// says otherwise.
 #include "nn/cuda/kernels.h"
+
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nn/cuda/cuda_error.h"
+#include "nn/cuda/gemm.h"
+#include "nn/cuda/indexing.h"
+#include "nn/cuda/launch.h"
+#include "nn/cuda/stream.h"
 
 namespace ddp::nn::cuda {
 
+namespace {
+
+// Checks that every defined tensor is on one CUDA device; returns it.
+Device CommonDevice(const char* op, std::initializer_list<const Tensor*> tensors) {
+  Device device;
+  bool first = true;
+  for (const Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    if (first) {
+      device = t->device();
+      first = false;
+    } else if (t->device() != device) {
+      throw std::invalid_argument(std::string(op) + ": operands on " + device.ToString() + " and " +
+                                  t->device().ToString() + " (all must be on one CUDA device)");
+    }
+  }
+  if (first || !device.is_cuda()) {
+    throw std::invalid_argument(std::string(op) + ": CUDA kernel called on " + device.ToString());
+  }
+  return device;
+}
+
+void CheckSameDType(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype()) {
+    throw std::invalid_argument(std::string(op) + ": dtypes " + std::string(DTypeName(a.dtype())) + " and " +
+                                std::string(DTypeName(b.dtype())) + " differ");
+  }
+}
+
+void CheckFloating(const char* op, const Tensor& t) {
+  if (!IsFloating(t.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": needs a floating dtype, got " + std::string(DTypeName(t.dtype())));
+  }
+}
+
+// A contiguous tensor with t's values on its device (t itself when contiguous).
+Tensor ContiguousOnDevice(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  NoGradGuard guard;
+  return t.Detach().Contiguous();
+}
+
+// Sets up the device and stream for a kernel on `device`.
+struct Launch {
+  explicit Launch(Device device) : guard(device.index), stream(CurrentStream(device)) {}
+  DeviceGuard guard;
+  cudaStream_t stream;
+};
+
+void Unary(ops::UnaryOp op, const Tensor& x, const Tensor& out) {
+  const Device dev = CommonDevice("unary", {&x, &out});
+  CheckSameDType("unary", x, out);
+  CheckFloating("unary", out);
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const launch::Indexing ix = MakeIndexing("unary", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
+  CheckCuda(launch::Unary(static_cast<int>(op), ix, out.numel(), out.data_ptr(), x.data_ptr(), ToDt(out.dtype()),
+                          l.stream),
+            "kernel `unary`");
+}
+
+void UnaryBackward(ops::UnaryOp op, const Tensor& grad_out, const Tensor& saved, const Tensor& grad_in) {
+  const Device dev = CommonDevice("unary_backward", {&grad_out, &saved, &grad_in});
+  CheckSameDType("unary_backward", grad_out, grad_in);
+  CheckSameDType("unary_backward", saved, grad_in);
+  CheckFloating("unary_backward", grad_in);
+  if (grad_in.numel() == 0) return;
+  Launch l(dev);
+  const Shape& shape = grad_in.shape();
+  const launch::Indexing ix = MakeIndexing(
+      "unary_backward", shape,
+      {grad_in.strides(), BroadcastStridesTo(grad_out, shape), BroadcastStridesTo(saved, shape)});
+  CheckCuda(launch::UnaryBackward(static_cast<int>(op), ix, grad_in.numel(), grad_in.data_ptr(), grad_out.data_ptr(),
+                                  saved.data_ptr(), ToDt(grad_in.dtype()), l.stream),
+            "kernel `unary_backward`");
+}
+
+void Binary(ops::BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  const Device dev = CommonDevice("binary", {&a, &b, &out});
+  CheckSameDType("binary", a, out);
+  CheckSameDType("binary", b, out);
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const Shape& shape = out.shape();
+  const launch::Indexing ix =
+      MakeIndexing("binary", shape, {out.strides(), BroadcastStridesTo(a, shape), BroadcastStridesTo(b, shape)});
+  CheckCuda(launch::Binary(static_cast<int>(op), ix, out.numel(), out.data_ptr(), a.data_ptr(), b.data_ptr(),
+                           ToDt(out.dtype()), l.stream),
+            "kernel `binary`");
+}
+
+void Affine(const Tensor& x, double alpha, double beta, const Tensor& out) {
+  const Device dev = CommonDevice("affine", {&x, &out});
+  CheckSameDType("affine", x, out);
+  CheckFloating("affine", out);
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const launch::Indexing ix =
+      MakeIndexing("affine", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
+  CheckCuda(launch::Affine(ix, out.numel(), out.data_ptr(), x.data_ptr(), alpha, beta, ToDt(out.dtype()), l.stream),
+            "kernel `affine`");
+}
+
+void AddScaled(const Tensor& out, const Tensor& x, double alpha) {
+  const Device dev = CommonDevice("add_scaled_", {&x, &out});
+  CheckSameDType("add_scaled_", x, out);
+  CheckFloating("add_scaled_", out);
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const launch::Indexing ix =
+      MakeIndexing("add_scaled_", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
+  CheckCuda(launch::AddScaled(ix, out.numel(), out.data_ptr(), x.data_ptr(), alpha, ToDt(out.dtype()), l.stream),
+            "kernel `add_scaled_`");
+}
+
+void MaskedScale(const Tensor& x, const Tensor& mask, double scale, const Tensor& out) {
+  const Device dev = CommonDevice("masked_scale", {&x, &mask, &out});
+  CheckSameDType("masked_scale", x, out);
+  CheckFloating("masked_scale", out);
+  if (mask.dtype() != DType::kUInt8) {
+    throw std::invalid_argument("masked_scale: mask must be u8, got " + std::string(DTypeName(mask.dtype())));
+  }
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const Shape& shape = out.shape();
+  const launch::Indexing ix = MakeIndexing("masked_scale", shape,
+                                           {out.strides(), BroadcastStridesTo(x, shape), BroadcastStridesTo(mask, shape)});
+  CheckCuda(launch::MaskedScale(ix, out.numel(), out.data_ptr(), x.data_ptr(),
+                                static_cast<const uint8_t*>(mask.data_ptr()), scale, ToDt(out.dtype()), l.stream),
+            "kernel `masked_scale`");
+}
+
+void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen) {
+  const Device dev = CommonDevice("bernoulli_mask", {&mask});
+  if (mask.dtype() != DType::kUInt8 || !mask.is_contiguous()) {
+    throw std::invalid_argument("bernoulli_mask: mask must be contiguous u8");
+  }
+  if (mask.numel() == 0) return;
+  Launch l(dev);
+  // One draw from the generator per call seeds a counter-based hash, so a
+  // seeded run is reproducible (its masks differ from the CPU's).
+  const uint64_t seed = gen.NextU64();
+  CheckCuda(launch::BernoulliMask(static_cast<uint8_t*>(mask.data_ptr()), mask.numel(), keep_prob, seed, l.stream),
+            "kernel `bernoulli_mask`");
+}
+
+// x: [d0, ..., dk]; out: same rank, each dimension equal to x's or 1 (summed over).
+void SumTo(const Tensor& x, const Tensor& out) {
+  const Device dev = CommonDevice("sum_to", {&x, &out});
+  CheckFloating("sum_to", x);
+  CheckFloating("sum_to", out);
+  if (out.dim() != x.dim()) {
+    throw std::invalid_argument("sum_to: out rank " + std::to_string(out.dim()) + " differs from input rank " +
+                                std::to_string(x.dim()));
+  }
+  Shape kept_shape, kept_out, kept_x, red_shape, red_zero, red_x;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (out.size(d) == x.size(d)) {
+      kept_shape.push_back(x.size(d));
+      kept_out.push_back(out.stride(d));
+      kept_x.push_back(x.stride(d));
+    } else if (out.size(d) == 1) {
+      red_shape.push_back(x.size(d));
+      red_zero.push_back(0);
+      red_x.push_back(x.stride(d));
+    } else {
+      throw std::invalid_argument("sum_to: cannot sum shape " + ShapeToString(x.shape()) + " to " +
+                                  ShapeToString(out.shape()));
+    }
+  }
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  launch::ReduceIndexing rx;
+  rx.kept = MakeIndexing("sum_to", kept_shape, {kept_out, kept_x});
+  rx.reduced = MakeIndexing("sum_to", red_shape, {red_zero, red_x});
+  rx.num_kept = NumElements(kept_shape);
+  rx.num_reduced = NumElements(red_shape);
+  CheckCuda(launch::SumTo(rx, out.data_ptr(), ToDt(out.dtype()), x.data_ptr(), ToDt(x.dtype()), l.stream),
+            "kernel `sum_to`");
+}
+
+// x: [..., D, ...] reduced along dim; out: x's shape without dim (i64).
+void Argmax(const Tensor& x, int64_t dim, const Tensor& out) {
+  const Device dev = CommonDevice("argmax", {&x, &out});
+  dim = x.WrapDim(dim);
+  if (out.dtype() != DType::kInt64) throw std::invalid_argument("argmax: out must be i64");
+  Shape kept_shape, kept_x;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (d == dim) continue;
+    kept_shape.push_back(x.size(d));
+    kept_x.push_back(x.stride(d));
+  }
+  if (out.numel() != NumElements(kept_shape)) {
+    throw std::invalid_argument("argmax: out of shape " + ShapeToString(out.shape()) + " does not hold " +
+                                ShapeToString(kept_shape));
+  }
+  if (out.numel() == 0) return;
+  if (x.size(dim) == 0) {
+    throw std::invalid_argument("argmax: dimension " + std::to_string(dim) + " of " + ShapeToString(x.shape()) +
+                                " is empty");
+  }
+  Shape kept_out;
+  if (out.shape() == kept_shape) {
+    kept_out = out.strides();
+  } else if (out.is_contiguous()) {
+    kept_out = ContiguousStrides(kept_shape);
+  } else {
+    throw std::invalid_argument("argmax: out of shape " + ShapeToString(out.shape()) +
+                                " must be contiguous or have shape " + ShapeToString(kept_shape));
+  }
+  Launch l(dev);
+  const launch::Indexing ix = MakeIndexing("argmax", kept_shape, {kept_out, kept_x});
+  CheckCuda(launch::Argmax(ix, out.numel(), x.size(dim), x.stride(dim), static_cast<int64_t*>(out.data_ptr()),
+                           x.data_ptr(), ToDt(x.dtype()), l.stream),
+            "kernel `argmax`");
+}
+
+struct Split {
+  int64_t outer, d, inner;
+};
+
+Split SplitAt(const Tensor& x, int64_t dim) {
+  Split s{1, x.size(dim), 1};
+  for (int64_t i = 0; i < dim; ++i) s.outer *= x.size(i);
+  for (int64_t i = dim + 1; i < x.dim(); ++i) s.inner *= x.size(i);
+  return s;
+}
+
+// Runs `fn(dst)` into out, or into a contiguous temporary of `dtype` that is
+// then copied into out (when out is strided or of another dtype).
+template <typename F>
+void IntoContiguous(const Tensor& out, DType dtype, F fn) {
+  if (out.is_contiguous() && out.dtype() == dtype) {
+    fn(out);
+    return;
+  }
+  Tensor tmp = Empty(out.shape(), {.dtype = dtype, .device = out.device()});
+  fn(tmp);
+  NoGradGuard guard;
+  out.CopyFrom(tmp);
+}
+
+// x, y: [outer, D, inner] around dimension dim.
+void LogSoftmaxForward(const Tensor& x, int64_t dim, const Tensor& y) {
+  const Device dev = CommonDevice("log_softmax", {&x, &y});
+  CheckFloating("log_softmax", x);
+  dim = x.WrapDim(dim);
+  if (y.shape() != x.shape()) {
+    throw std::invalid_argument("log_softmax: output " + ShapeToString(y.shape()) + " differs from input " +
+                                ShapeToString(x.shape()));
+  }
+  if (x.numel() == 0) return;
+  const Tensor xc = ContiguousOnDevice(x);
+  const Split s = SplitAt(x, dim);
+  IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::LogSoftmaxForward(xc.data_ptr(), dst.data_ptr(), s.outer, s.d, s.inner, ToDt(x.dtype()),
+                                        l.stream),
+              "kernel `log_softmax_forward`");
+  });
+}
+
+// dy, y, dx: [outer, D, inner] around dimension dim.
+void LogSoftmaxBackward(const Tensor& dy, const Tensor& y, int64_t dim, const Tensor& dx) {
+  const Device dev = CommonDevice("log_softmax_backward", {&dy, &y, &dx});
+  CheckFloating("log_softmax_backward", y);
+  CheckSameDType("log_softmax_backward", dy, y);
+  dim = y.WrapDim(dim);
+  if (dy.shape() != y.shape() || dx.shape() != y.shape()) {
+    throw std::invalid_argument("log_softmax_backward: shapes " + ShapeToString(dy.shape()) + ", " +
+                                ShapeToString(y.shape()) + ", " + ShapeToString(dx.shape()) + " differ");
+  }
+  if (y.numel() == 0) return;
+  const Tensor dyc = ContiguousOnDevice(dy), yc = ContiguousOnDevice(y);
+  const Split s = SplitAt(y, dim);
+  IntoContiguous(dx, y.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::LogSoftmaxBackward(dyc.data_ptr(), yc.data_ptr(), dst.data_ptr(), s.outer, s.d, s.inner,
+                                         ToDt(y.dtype()), l.stream),
+              "kernel `log_softmax_backward`");
+  });
+}
+
+// logits [N, C], target [N] (i64), log_probs [N, C], loss [N].
+void CrossEntropyForward(const Tensor& logits, const Tensor& target, double label_smoothing, int64_t ignore_index,
+                         const Tensor& log_probs, const Tensor& loss) {
+  const Device dev = CommonDevice("cross_entropy", {&logits, &target, &log_probs, &loss});
+  CheckFloating("cross_entropy", logits);
+  CheckFloating("cross_entropy", log_probs);
+  if (target.dtype() != DType::kInt64) {
+    throw std::invalid_argument("cross_entropy: target must be i64, got " + std::string(DTypeName(target.dtype())));
+  }
+  if (logits.dim() != 2 || target.dim() != 1 || target.size(0) != logits.size(0) ||
+      log_probs.shape() != logits.shape() || loss.numel() != logits.size(0)) {
+    throw std::invalid_argument("cross_entropy: logits " + ShapeToString(logits.shape()) + ", target " +
+                                ShapeToString(target.shape()) + ", log_probs " + ShapeToString(log_probs.shape()) +
+                                ", loss " + ShapeToString(loss.shape()) + " do not fit [N, C], [N], [N, C], [N]");
+  }
+  const int64_t n = logits.size(0), c = logits.size(1);
+  // The labels are checked on the host (a copy of N integers, which waits
+  // for the device) so that a bad one is named instead of read out of bounds.
+  const Tensor host_target = target.Detach().To(kCPU).Contiguous();
+  const int64_t* t = host_target.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == ignore_index) continue;
+    if (t[i] < 0 || t[i] >= c) {
+      throw std::out_of_range("cross_entropy: target " + std::to_string(t[i]) + " (sample " + std::to_string(i) +
+                              ") is out of range for " + std::to_string(c) + " classes [0, " +
+                              std::to_string(c - 1) + "]");
+    }
+  }
+  if (n == 0) return;
+  Tensor lg = logits;
+  if (logits.dtype() != log_probs.dtype()) {
+    NoGradGuard guard;
+    lg = logits.Detach().To(log_probs.dtype());
+  }
+  LogSoftmaxForward(lg, 1, log_probs);
+  const Tensor lp = ContiguousOnDevice(log_probs);
+  const Tensor tc = ContiguousOnDevice(target);
+  IntoContiguous(loss, lp.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::CrossEntropyLoss(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()), dst.data_ptr(), n,
+                                       c, label_smoothing, ignore_index, ToDt(lp.dtype()), l.stream),
+              "kernel `cross_entropy_loss`");
+  });
+}
+
+// log_probs [N, C], target [N], grad_loss [N] or one element, dlogits [N, C].
+void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const Tensor& grad_loss,
+                          double label_smoothing, int64_t ignore_index, const Tensor& dlogits) {
+  const Device dev = CommonDevice("cross_entropy_backward", {&log_probs, &target, &grad_loss, &dlogits});
+  CheckFloating("cross_entropy_backward", log_probs);
+  if (target.dtype() != DType::kInt64) {
+    throw std::invalid_argument("cross_entropy_backward: target must be i64, got " +
+                                std::string(DTypeName(target.dtype())));
+  }
+  const int64_t n = log_probs.size(0), c = log_probs.size(1);
+  if (grad_loss.numel() != 1 && grad_loss.numel() != n) {
+    throw std::invalid_argument("cross_entropy_backward: grad_loss of shape " + ShapeToString(grad_loss.shape()) +
+                                " for " + std::to_string(n) + " samples");
+  }
+  if (dlogits.numel() == 0) return;
+  Tensor g = grad_loss;
+  if (g.dtype() != log_probs.dtype()) {
+    NoGradGuard guard;
+    g = grad_loss.Detach().To(log_probs.dtype());
+  }
+  g = ContiguousOnDevice(g);
+  const Tensor lp = ContiguousOnDevice(log_probs);
+  const Tensor tc = ContiguousOnDevice(target);
+  IntoContiguous(dlogits, lp.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::CrossEntropyBackward(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()), g.data_ptr(),
+                                           g.numel() == 1 ? 0 : 1, dst.data_ptr(), n, c, label_smoothing,
+                                           ignore_index, ToDt(lp.dtype()), l.stream),
+              "kernel `cross_entropy_backward`");
+  });
+}
+
+}  // namespace
+
 ops::KernelTable CudaKernelTable() {
   ops::KernelTable t;
+  t.unary = &Unary;
+  t.unary_backward = &UnaryBackward;
+  t.binary = &Binary;
+  t.affine = &Affine;
+  t.add_scaled_ = &AddScaled;
+  t.masked_scale = &MaskedScale;
+  t.bernoulli_mask = &BernoulliMask;
+  t.sum_to = &SumTo;
+  t.argmax = &Argmax;
+  t.gemm = &Gemm;
+  t.log_softmax_forward = &LogSoftmaxForward;
+  t.log_softmax_backward = &LogSoftmaxBackward;
+  t.cross_entropy_forward = &CrossEntropyForward;
+  t.cross_entropy_backward = &CrossEntropyBackward;
   return t;
 }
 

@@ -1,0 +1,187 @@
+// cuBLAS is column-major and our tensors are row-major. A row-major [R, C]
+// matrix with row stride ld is, to cuBLAS, the column-major [C, R] matrix
+// (its transpose) with leading dimension ld. So c = a @ b is computed as
+// c^T = b^T @ a^T: cuBLAS gets (b, a) in that order with m and n swapped,
+// and writes c^T column-major, which is c row-major.
+#include "nn/cuda/gemm.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "nn/cuda/cuda.h"
+#include "nn/cuda/cuda_error.h"
+#include "nn/cuda/indexing.h"
+#include "nn/cuda/launch.h"
+#include "nn/cuda/stream.h"
+
+namespace ddp::nn::cuda {
+
+namespace {
+
+bool Tf32FromEnv() {
+  const char* env = std::getenv("DDP_NN_CUDA_TF32");
+  return env != nullptr && std::string_view(env) == "1";
+}
+
+std::atomic<bool> g_allow_tf32{Tf32FromEnv()};
+
+// cuBLAS handles are not safe to use from two threads at once, and creating
+// one costs milliseconds: each thread keeps one per device, and hands it
+// back to a shared pool when it exits (never destroyed: the runtime may be
+// gone at process exit).
+struct HandlePool {
+  std::mutex mu;
+  std::unordered_map<int, std::vector<cublasHandle_t>> free;
+};
+
+HandlePool& Pool() {
+  static HandlePool* pool = new HandlePool();
+  return *pool;
+}
+
+struct ThreadHandles {
+  std::unordered_map<int, cublasHandle_t> handles;
+  ~ThreadHandles() {
+    std::lock_guard<std::mutex> lock(Pool().mu);
+    for (const auto& [device, handle] : handles) Pool().free[device].push_back(handle);
+  }
+};
+
+thread_local ThreadHandles tls_handles;
+
+cublasHandle_t HandleFor(Device device) {
+  auto it = tls_handles.handles.find(device.index);
+  if (it != tls_handles.handles.end()) return it->second;
+  cublasHandle_t handle = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(Pool().mu);
+    auto& list = Pool().free[device.index];
+    if (!list.empty()) {
+      handle = list.back();
+      list.pop_back();
+    }
+  }
+  if (handle == nullptr) {
+    DeviceGuard guard(device.index);
+    CheckCublas(cublasCreate(&handle), "cublasCreate");
+  }
+  tls_handles.handles[device.index] = handle;
+  return handle;
+}
+
+// A 2-D operand as cuBLAS sees it (row-major view; see the file comment).
+struct Operand {
+  const void* data;
+  bool trans;  // stored column-major (a transposed view)
+  int64_t ld;
+  Tensor holder;  // keeps a converted or copied buffer alive
+};
+
+Operand Describe(const Tensor& t, DType want) {
+  NoGradGuard no_grad;
+  Tensor src = t.Detach();
+  if (src.dtype() != want) src = src.To(want);
+  const int64_t r = src.size(0), c = src.size(1), s0 = src.stride(0), s1 = src.stride(1);
+  if ((c == 1 || s1 == 1) && (r == 1 || s0 >= std::max<int64_t>(c, 1))) {
+    return {src.data_ptr(), false, r == 1 ? std::max<int64_t>(c, 1) : std::max<int64_t>(s0, 1), src};
+  }
+  if ((r == 1 || s0 == 1) && (c == 1 || s1 >= std::max<int64_t>(r, 1))) {
+    return {src.data_ptr(), true, c == 1 ? std::max<int64_t>(r, 1) : std::max<int64_t>(s1, 1), src};
+  }
+  Tensor copy = src.Contiguous();
+  return {copy.data_ptr(), false, std::max<int64_t>(c, 1), copy};
+}
+
+cudaDataType_t CudaType(DType t) {
+  switch (t) {
+    case DType::kFloat32: return CUDA_R_32F;
+    case DType::kFloat64: return CUDA_R_64F;
+    case DType::kFloat16: return CUDA_R_16F;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    default:
+      throw std::invalid_argument("gemm on CUDA: unsupported dtype " + std::string(DTypeName(t)) +
+                                  " (f32, f64, f16, bf16)");
+  }
+}
+
+int CheckedInt(int64_t v, const char* what) {
+  if (v > INT_MAX) {
+    throw std::invalid_argument(std::string("gemm on CUDA: ") + what + " = " + std::to_string(v) +
+                                " exceeds cuBLAS's 32-bit limit");
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+void SetAllowTf32(bool allow) { g_allow_tf32 = allow; }
+bool AllowTf32() { return g_allow_tf32; }
+
+void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, double beta) {
+  if (a.dim() != 2 || b.dim() != 2 || c.dim() != 2 || a.size(1) != b.size(0) || c.size(0) != a.size(0) ||
+      c.size(1) != b.size(1)) {
+    throw std::invalid_argument("gemm: shapes " + ShapeToString(a.shape()) + " @ " + ShapeToString(b.shape()) +
+                                " -> " + ShapeToString(c.shape()) + " do not chain");
+  }
+  const Device dev = c.device();
+  if (!dev.is_cuda() || a.device() != dev || b.device() != dev) {
+    throw std::invalid_argument("gemm: operands on " + a.device().ToString() + ", " + b.device().ToString() + ", " +
+                                dev.ToString() + " (all must be on one CUDA device)");
+  }
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  if (m == 0 || n == 0) return;
+  const DType dt = c.dtype();
+  const cudaDataType_t type = CudaType(dt);
+  NoGradGuard no_grad;
+  // The result goes straight into c when cuBLAS can address it.
+  const bool direct = (n == 1 || c.stride(1) == 1) && (m == 1 || c.stride(0) >= n);
+  Tensor cc = c;
+  if (!direct) {
+    cc = Empty({m, n}, {.dtype = dt, .device = dev});
+    if (beta != 0) cc.CopyFrom(c);
+  }
+  const int64_t ldc = direct ? (m == 1 ? std::max<int64_t>(n, 1) : c.stride(0)) : n;
+  DeviceGuard guard(dev.index);
+  const cudaStream_t stream = CurrentStream(dev);
+  if (k == 0) {
+    // Nothing to multiply: c = beta * c.
+    const launch::Indexing ix = MakeIndexing("gemm", cc.shape(), {cc.strides(), cc.strides()});
+    CheckCuda(launch::Affine(ix, cc.numel(), cc.data_ptr(), cc.data_ptr(), beta, 0.0, ToDt(dt), stream),
+              "kernel `affine` (gemm with k = 0)");
+  } else {
+    const Operand oa = Describe(a, dt), ob = Describe(b, dt);
+    const cublasHandle_t handle = HandleFor(dev);
+    CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
+    const cublasOperation_t op_b = ob.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_a = oa.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int in = CheckedInt(n, "N"), im = CheckedInt(m, "M"), ik = CheckedInt(k, "K");
+    const int lda = CheckedInt(oa.ld, "lda"), ldb = CheckedInt(ob.ld, "ldb"), ildc = CheckedInt(ldc, "ldc");
+    if (dt == DType::kFloat64) {
+      const double al = alpha, be = beta;
+      CheckCublas(cublasGemmEx(handle, op_b, op_a, in, im, ik, &al, ob.data, type, ldb, oa.data, type, lda, &be,
+                               cc.data_ptr(), type, ildc, CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT),
+                  "cublasGemmEx(f64)");
+    } else {
+      const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
+      const cublasComputeType_t compute =
+          dt == DType::kFloat32 && AllowTf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      CheckCublas(cublasGemmEx(handle, op_b, op_a, in, im, ik, &al, ob.data, type, ldb, oa.data, type, lda, &be,
+                               cc.data_ptr(), type, ildc, compute, CUBLAS_GEMM_DEFAULT),
+                  "cublasGemmEx");
+    }
+  }
+  c.storage()->BumpVersion();
+  if (!direct) c.CopyFrom(cc);
+}
+
+}  // namespace ddp::nn::cuda
