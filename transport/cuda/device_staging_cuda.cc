@@ -5,10 +5,9 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
-
 #include <string>
-#include <thread>
 
 #include "transport/cuda/device_staging.h"
 
@@ -69,13 +68,19 @@ struct DeviceCopyEngine::State {
 bool BuiltWithCuda() { return true; }
 
 PointerKind ClassifyPointer(const void* p) {
-  if (p == nullptr) return {};
+  // Set once the runtime said there is no driver or no device: that does
+  // not change during a process, and asking again costs a failed driver
+  // initialisation per call on a CPU machine running the CUDA build.
+  static std::atomic<bool> no_cuda{false};
+  if (p == nullptr || no_cuda.load(std::memory_order_relaxed)) return {};
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
   if (status != cudaSuccess) {
-    // No driver or no device (a CPU machine running the CUDA build): every
-    // buffer is host memory. Clear the sticky last error.
+    // Host memory either way; clear the sticky last error.
     cudaGetLastError();
+    if (status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver) {
+      no_cuda.store(true, std::memory_order_relaxed);
+    }
     return {};
   }
   // Managed memory is staged too: the host may touch it only while no
