@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/cuda/conv.h"
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/gemm.h"
 #include "nn/cuda/indexing.h"
@@ -379,6 +380,143 @@ void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const T
   });
 }
 
+
+// ---- pooling: x, dx [N, C, H, W]; y, dy, indices [N, C, OH, OW] ----
+
+void CheckPoolShapes(const char* op, const Tensor& in, const Tensor& out) {
+  if (in.dim() != 4 || out.dim() != 4 || in.size(0) != out.size(0) || in.size(1) != out.size(1)) {
+    throw std::invalid_argument(std::string(op) + ": expected [N, C, H, W] and [N, C, OH, OW], got " +
+                                ShapeToString(in.shape()) + " and " + ShapeToString(out.shape()));
+  }
+}
+
+launch::PoolGeometry Geometry(const Tensor& in, const Tensor& out, const ops::Pool2dParams* p) {
+  launch::PoolGeometry g;
+  g.planes = in.size(0) * in.size(1);
+  g.h = in.size(2);
+  g.w = in.size(3);
+  g.oh = out.size(2);
+  g.ow = out.size(3);
+  if (p != nullptr) {
+    g.kh = p->kernel_h;
+    g.kw = p->kernel_w;
+    g.sh = p->stride_h;
+    g.sw = p->stride_w;
+    g.ph = p->pad_h;
+    g.pw = p->pad_w;
+    g.dh = p->dilation_h;
+    g.dw = p->dilation_w;
+    g.count_include_pad = p->count_include_pad;
+    if (g.kh < 1 || g.kw < 1 || g.sh < 1 || g.sw < 1 || g.dh < 1 || g.dw < 1 || g.ph < 0 || g.pw < 0) {
+      throw std::invalid_argument("pooling on CUDA: kernel, stride and dilation must be >= 1 and padding >= 0");
+    }
+  }
+  return g;
+}
+
+void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, const ops::Pool2dParams& p) {
+  const Device dev = CommonDevice("max_pool2d", {&x, &y, &indices});
+  CheckFloating("max_pool2d", x);
+  CheckSameDType("max_pool2d", x, y);
+  CheckPoolShapes("max_pool2d", x, y);
+  if (indices.defined() && (indices.dtype() != DType::kInt32 || !indices.is_contiguous() ||
+                            indices.shape() != y.shape())) {
+    throw std::invalid_argument("max_pool2d: indices must be contiguous i32 of shape " + ShapeToString(y.shape()));
+  }
+  if (y.numel() == 0) return;
+  const launch::PoolGeometry g = Geometry(x, y, &p);
+  const Tensor xc = ContiguousOnDevice(x);
+  IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::MaxPoolForward(g, xc.data_ptr(), dst.data_ptr(),
+                                     indices.defined() ? static_cast<int32_t*>(indices.data_ptr()) : nullptr,
+                                     ToDt(x.dtype()), l.stream),
+              "kernel `max_pool2d_forward`");
+  });
+}
+
+void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx, const ops::Pool2dParams& p) {
+  const Device dev = CommonDevice("max_pool2d_backward", {&dy, &indices, &dx});
+  CheckFloating("max_pool2d_backward", dx);
+  CheckSameDType("max_pool2d_backward", dy, dx);
+  CheckPoolShapes("max_pool2d_backward", dx, dy);
+  if (indices.dtype() != DType::kInt32 || indices.shape() != dy.shape()) {
+    throw std::invalid_argument("max_pool2d_backward: indices must be i32 of shape " + ShapeToString(dy.shape()));
+  }
+  if (dx.numel() == 0) return;
+  const launch::PoolGeometry g = Geometry(dx, dy, &p);
+  const Tensor dyc = ContiguousOnDevice(dy), ic = ContiguousOnDevice(indices);
+  IntoContiguous(dx, dx.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::MaxPoolBackward(g, dyc.data_ptr(), static_cast<const int32_t*>(ic.data_ptr()), dst.data_ptr(),
+                                      ToDt(dx.dtype()), l.stream),
+              "kernel `max_pool2d_backward`");
+  });
+}
+
+void AvgPool2dForward(const Tensor& x, const Tensor& y, const ops::Pool2dParams& p) {
+  const Device dev = CommonDevice("avg_pool2d", {&x, &y});
+  CheckFloating("avg_pool2d", x);
+  CheckSameDType("avg_pool2d", x, y);
+  CheckPoolShapes("avg_pool2d", x, y);
+  if (y.numel() == 0) return;
+  const launch::PoolGeometry g = Geometry(x, y, &p);
+  const Tensor xc = ContiguousOnDevice(x);
+  IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::AvgPoolForward(g, xc.data_ptr(), dst.data_ptr(), ToDt(x.dtype()), l.stream),
+              "kernel `avg_pool2d_forward`");
+  });
+}
+
+void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const ops::Pool2dParams& p) {
+  const Device dev = CommonDevice("avg_pool2d_backward", {&dy, &dx});
+  CheckFloating("avg_pool2d_backward", dx);
+  CheckSameDType("avg_pool2d_backward", dy, dx);
+  CheckPoolShapes("avg_pool2d_backward", dx, dy);
+  if (dx.numel() == 0) return;
+  const launch::PoolGeometry g = Geometry(dx, dy, &p);
+  const Tensor dyc = ContiguousOnDevice(dy);
+  IntoContiguous(dx, dx.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::AvgPoolBackward(g, dyc.data_ptr(), dst.data_ptr(), ToDt(dx.dtype()), l.stream),
+              "kernel `avg_pool2d_backward`");
+  });
+}
+
+void AdaptiveAvgPool2dForward(const Tensor& x, const Tensor& y) {
+  const Device dev = CommonDevice("adaptive_avg_pool2d", {&x, &y});
+  CheckFloating("adaptive_avg_pool2d", x);
+  CheckSameDType("adaptive_avg_pool2d", x, y);
+  CheckPoolShapes("adaptive_avg_pool2d", x, y);
+  if (y.numel() == 0) return;
+  if (x.size(2) == 0 || x.size(3) == 0) {
+    throw std::invalid_argument("adaptive_avg_pool2d: empty input plane " + ShapeToString(x.shape()));
+  }
+  const launch::PoolGeometry g = Geometry(x, y, nullptr);
+  const Tensor xc = ContiguousOnDevice(x);
+  IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::AdaptiveAvgPoolForward(g, xc.data_ptr(), dst.data_ptr(), ToDt(x.dtype()), l.stream),
+              "kernel `adaptive_avg_pool2d_forward`");
+  });
+}
+
+void AdaptiveAvgPool2dBackward(const Tensor& dy, const Tensor& dx) {
+  const Device dev = CommonDevice("adaptive_avg_pool2d_backward", {&dy, &dx});
+  CheckFloating("adaptive_avg_pool2d_backward", dx);
+  CheckSameDType("adaptive_avg_pool2d_backward", dy, dx);
+  CheckPoolShapes("adaptive_avg_pool2d_backward", dx, dy);
+  if (dx.numel() == 0) return;
+  const launch::PoolGeometry g = Geometry(dx, dy, nullptr);
+  const Tensor dyc = ContiguousOnDevice(dy);
+  IntoContiguous(dx, dx.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::AdaptiveAvgPoolBackward(g, dyc.data_ptr(), dst.data_ptr(), ToDt(dx.dtype()), l.stream),
+              "kernel `adaptive_avg_pool2d_backward`");
+  });
+}
+
 }  // namespace
 
 ops::KernelTable CudaKernelTable() {
@@ -393,6 +531,14 @@ ops::KernelTable CudaKernelTable() {
   t.sum_to = &SumTo;
   t.argmax = &Argmax;
   t.gemm = &Gemm;
+  t.conv2d_forward = &Conv2dForward;
+  t.conv2d_backward = &Conv2dBackward;
+  t.max_pool2d_forward = &MaxPool2dForward;
+  t.max_pool2d_backward = &MaxPool2dBackward;
+  t.avg_pool2d_forward = &AvgPool2dForward;
+  t.avg_pool2d_backward = &AvgPool2dBackward;
+  t.adaptive_avg_pool2d_forward = &AdaptiveAvgPool2dForward;
+  t.adaptive_avg_pool2d_backward = &AdaptiveAvgPool2dBackward;
   t.log_softmax_forward = &LogSoftmaxForward;
   t.log_softmax_backward = &LogSoftmaxBackward;
   t.cross_entropy_forward = &CrossEntropyForward;

@@ -88,4 +88,24 @@ cudaError_t CrossEntropyBackward(const void* log_probs, const int64_t* target, c
                                  void* dlogits, int64_t n, int64_t c, double eps, int64_t ignore_index, Dt dt,
                                  cudaStream_t stream);
 
+// ---- pooling (contiguous NCHW operands; planes = N * C) ----
+/// Window geometry of a pooling op, as ops::Pool2dParams plus the sizes.
+struct PoolGeometry {
+  int64_t planes = 0, h = 0, w = 0, oh = 0, ow = 0;
+  int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0, dh = 1, dw = 1;
+  bool count_include_pad = true;
+};
+/// y[p, i, j] = max over the window; ind (may be null) = argmax as ih * w + iw.
+cudaError_t MaxPoolForward(const PoolGeometry& g, const void* x, void* y, int32_t* ind, Dt dt, cudaStream_t stream);
+/// dx[p, ih, iw] = sum of dy over the windows whose recorded argmax is (ih, iw).
+cudaError_t MaxPoolBackward(const PoolGeometry& g, const void* dy, const int32_t* ind, void* dx, Dt dt,
+                            cudaStream_t stream);
+/// y = mean over the window (divisor per count_include_pad).
+cudaError_t AvgPoolForward(const PoolGeometry& g, const void* x, void* y, Dt dt, cudaStream_t stream);
+/// dx[p, ih, iw] = sum over windows containing (ih, iw) of dy / divisor.
+cudaError_t AvgPoolBackward(const PoolGeometry& g, const void* dy, void* dx, Dt dt, cudaStream_t stream);
+/// Adaptive windows [floor(o * in / out), ceil((o + 1) * in / out)); kernel fields unused.
+cudaError_t AdaptiveAvgPoolForward(const PoolGeometry& g, const void* x, void* y, Dt dt, cudaStream_t stream);
+cudaError_t AdaptiveAvgPoolBackward(const PoolGeometry& g, const void* dy, void* dx, Dt dt, cudaStream_t stream);
+
 }  // namespace ddp::nn::cuda::launch

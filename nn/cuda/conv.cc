@@ -1,0 +1,405 @@
+#include "nn/cuda/conv.h"
+
+#include <cudnn.h>
+
+#include <atomic>
+#include <climits>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "nn/cuda/cuda.h"
+#include "nn/cuda/cuda_error.h"
+#include "nn/cuda/indexing.h"
+#include "nn/cuda/launch.h"
+#include "nn/cuda/stream.h"
+
+namespace ddp::nn::cuda {
+
+namespace {
+
+// cuDNN statuses become exceptions here (cuDNN is used by this file only).
+void CheckCudnn(cudnnStatus_t status, const char* call) {
+  if (status == CUDNN_STATUS_SUCCESS) return;
+  throw CudaError(std::string(call) + " failed: " + cudnnGetErrorString(status), static_cast<int>(status));
+}
+
+// One cuDNN handle per thread and device, returned to a pool when the
+// thread exits (as for cuBLAS in gemm.cc).
+struct HandlePool {
+  std::mutex mu;
+  std::unordered_map<int, std::vector<cudnnHandle_t>> free;
+};
+HandlePool& Pool() {
+  static HandlePool* pool = new HandlePool();
+  return *pool;
+}
+struct ThreadHandles {
+  std::unordered_map<int, cudnnHandle_t> handles;
+  ~ThreadHandles() {
+    std::lock_guard<std::mutex> lock(Pool().mu);
+    for (const auto& [device, handle] : handles) Pool().free[device].push_back(handle);
+  }
+};
+thread_local ThreadHandles tls_handles;
+
+cudnnHandle_t HandleFor(Device device) {
+  auto it = tls_handles.handles.find(device.index);
+  if (it != tls_handles.handles.end()) return it->second;
+  cudnnHandle_t handle = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(Pool().mu);
+    auto& list = Pool().free[device.index];
+    if (!list.empty()) {
+      handle = list.back();
+      list.pop_back();
+    }
+  }
+  if (handle == nullptr) {
+    DeviceGuard guard(device.index);
+    CheckCudnn(cudnnCreate(&handle), "cudnnCreate");
+  }
+  tls_handles.handles[device.index] = handle;
+  return handle;
+}
+
+int ToInt(int64_t v, const char* what) {
+  if (v < 0 || v > INT_MAX) throw std::invalid_argument(std::string("conv2d on CUDA: ") + what + " out of range");
+  return static_cast<int>(v);
+}
+
+cudnnDataType_t CudnnType(DType t) {
+  switch (t) {
+    case DType::kFloat32: return CUDNN_DATA_FLOAT;
+    case DType::kFloat64: return CUDNN_DATA_DOUBLE;
+    case DType::kFloat16: return CUDNN_DATA_HALF;
+    case DType::kBFloat16: return CUDNN_DATA_BFLOAT16;
+    default:
+      throw std::invalid_argument("conv2d on CUDA: unsupported dtype " + std::string(DTypeName(t)) +
+                                  " (f32, f64, f16, bf16)");
+  }
+}
+
+// RAII descriptors.
+struct TensorDesc {
+  cudnnTensorDescriptor_t d = nullptr;
+  TensorDesc(const Tensor& t) {  // NOLINT: contiguous NCHW
+    CheckCudnn(cudnnCreateTensorDescriptor(&d), "cudnnCreateTensorDescriptor");
+    CheckCudnn(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CudnnType(t.dtype()), ToInt(t.size(0), "N"),
+                                          ToInt(t.size(1), "C"), ToInt(t.size(2), "H"), ToInt(t.size(3), "W")),
+               "cudnnSetTensor4dDescriptor");
+  }
+  ~TensorDesc() { cudnnDestroyTensorDescriptor(d); }
+  TensorDesc(const TensorDesc&) = delete;
+  TensorDesc& operator=(const TensorDesc&) = delete;
+};
+
+struct FilterDesc {
+  cudnnFilterDescriptor_t d = nullptr;
+  explicit FilterDesc(const Tensor& w) {
+    CheckCudnn(cudnnCreateFilterDescriptor(&d), "cudnnCreateFilterDescriptor");
+    CheckCudnn(cudnnSetFilter4dDescriptor(d, CudnnType(w.dtype()), CUDNN_TENSOR_NCHW, ToInt(w.size(0), "O"),
+                                          ToInt(w.size(1), "C/g"), ToInt(w.size(2), "KH"), ToInt(w.size(3), "KW")),
+               "cudnnSetFilter4dDescriptor");
+  }
+  ~FilterDesc() { cudnnDestroyFilterDescriptor(d); }
+  FilterDesc(const FilterDesc&) = delete;
+  FilterDesc& operator=(const FilterDesc&) = delete;
+};
+
+struct ConvDesc {
+  cudnnConvolutionDescriptor_t d = nullptr;
+  ConvDesc(const ops::Conv2dParams& p, DType dt) {
+    CheckCudnn(cudnnCreateConvolutionDescriptor(&d), "cudnnCreateConvolutionDescriptor");
+    // Cross-correlation, as every framework's "convolution"; f64 accumulates in f64, the rest in f32.
+    CheckCudnn(cudnnSetConvolution2dDescriptor(d, ToInt(p.pad_h, "pad_h"), ToInt(p.pad_w, "pad_w"),
+                                               ToInt(p.stride_h, "stride_h"), ToInt(p.stride_w, "stride_w"),
+                                               ToInt(p.dilation_h, "dilation_h"), ToInt(p.dilation_w, "dilation_w"),
+                                               CUDNN_CROSS_CORRELATION,
+                                               dt == DType::kFloat64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT),
+               "cudnnSetConvolution2dDescriptor");
+    CheckCudnn(cudnnSetConvolutionGroupCount(d, ToInt(p.groups, "groups")), "cudnnSetConvolutionGroupCount");
+    SetMath(DefaultMath(dt));
+  }
+  ~ConvDesc() { cudnnDestroyConvolutionDescriptor(d); }
+  ConvDesc(const ConvDesc&) = delete;
+  ConvDesc& operator=(const ConvDesc&) = delete;
+
+  static cudnnMathType_t DefaultMath(DType dt) {
+    if (dt == DType::kFloat16 || dt == DType::kBFloat16) return CUDNN_TENSOR_OP_MATH;
+    // CUDNN_DEFAULT_MATH would allow TF32 for f32 on Ampere and later.
+    if (dt == DType::kFloat32 && !AllowTf32()) return CUDNN_FMA_MATH;
+    return CUDNN_DEFAULT_MATH;
+  }
+  void SetMath(cudnnMathType_t m) { CheckCudnn(cudnnSetConvolutionMathType(d, m), "cudnnSetConvolutionMathType"); }
+};
+
+enum class Direction : int { kForward = 0, kBackwardData = 1, kBackwardFilter = 2 };
+
+struct Choice {
+  int algo;
+  cudnnMathType_t math;
+  size_t workspace;
+};
+
+std::mutex g_cache_mu;
+std::unordered_map<std::string, Choice>* g_cache = new std::unordered_map<std::string, Choice>();
+std::atomic<size_t> g_searches{0};
+
+std::string CacheKey(Direction dir, Device dev, const Tensor& x, const Tensor& w, const ops::Conv2dParams& p) {
+  std::string k = std::to_string(static_cast<int>(dir)) + "|" + std::to_string(dev.index) + "|" +
+                  std::to_string(static_cast<int>(x.dtype())) + "|" + (AllowTf32() ? "tf32" : "fma");
+  for (int64_t v : x.shape()) k += "," + std::to_string(v);
+  k += "|";
+  for (int64_t v : w.shape()) k += "," + std::to_string(v);
+  for (int64_t v : {p.stride_h, p.stride_w, p.pad_h, p.pad_w, p.dilation_h, p.dilation_w, p.groups}) {
+    k += ";" + std::to_string(v);
+  }
+  return k;
+}
+
+// Device scratch from the caching allocator (a u8 tensor keeps it alive).
+Tensor Workspace(Device dev, size_t bytes) {
+  return Empty({static_cast<int64_t>(bytes)}, {.dtype = DType::kUInt8, .device = dev});
+}
+
+// The search gets up to 1 GiB of workspace (less when that much is not
+// free): algorithms needing more are not considered.
+Tensor SearchWorkspace(Device dev) {
+  for (size_t bytes : {size_t{1} << 30, size_t{256} << 20, size_t{32} << 20, size_t{0}}) {
+    try {
+      return Workspace(dev, bytes);
+    } catch (const std::bad_alloc&) {
+    }
+  }
+  return Workspace(dev, 0);
+}
+
+// Picks the fastest successful algorithm of a search, skipping tensor-core
+// (TF32) kernels for f32 unless allowed.
+template <typename Perf>
+Choice Pick(const Perf* perfs, int count, DType dt, const char* what) {
+  for (int i = 0; i < count; ++i) {
+    if (perfs[i].status != CUDNN_STATUS_SUCCESS) continue;
+    if (dt == DType::kFloat32 && !AllowTf32() && perfs[i].mathType == CUDNN_TENSOR_OP_MATH) continue;
+    return {static_cast<int>(perfs[i].algo), perfs[i].mathType, perfs[i].memory};
+  }
+  throw CudaError(std::string("cuDNN found no usable algorithm for ") + what, 0);
+}
+
+Choice ChooseForward(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Tensor& y, const ops::Conv2dParams& p,
+                     const TensorDesc& xd, const FilterDesc& wd, const ConvDesc& cd, const TensorDesc& yd) {
+  const std::string key = CacheKey(Direction::kForward, x.device(), x, w, p);
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mu);
+    auto it = g_cache->find(key);
+    if (it != g_cache->end()) return it->second;
+  }
+  Tensor ws = SearchWorkspace(x.device());
+  cudnnConvolutionFwdAlgoPerf_t perfs[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+  int count = 0;
+  CheckCudnn(cudnnFindConvolutionForwardAlgorithmEx(h, xd.d, x.data_ptr(), wd.d, w.data_ptr(), cd.d, yd.d,
+                                                    y.data_ptr(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, perfs,
+                                                    ws.data_ptr(), static_cast<size_t>(ws.numel())),
+             "cudnnFindConvolutionForwardAlgorithmEx");
+  const Choice c = Pick(perfs, count, x.dtype(), "conv2d forward");
+  ++g_searches;
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  (*g_cache)[key] = c;
+  return c;
+}
+
+Choice ChooseBackwardData(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                          const ops::Conv2dParams& p, const FilterDesc& wd, const TensorDesc& dyd, const ConvDesc& cd,
+                          const TensorDesc& dxd) {
+  const std::string key = CacheKey(Direction::kBackwardData, x.device(), x, w, p);
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mu);
+    auto it = g_cache->find(key);
+    if (it != g_cache->end()) return it->second;
+  }
+  Tensor ws = SearchWorkspace(x.device());
+  cudnnConvolutionBwdDataAlgoPerf_t perfs[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+  int count = 0;
+  CheckCudnn(cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.d, w.data_ptr(), dyd.d, dy.data_ptr(), cd.d, dxd.d,
+                                                         dx.data_ptr(), CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &count,
+                                                         perfs, ws.data_ptr(), static_cast<size_t>(ws.numel())),
+             "cudnnFindConvolutionBackwardDataAlgorithmEx");
+  const Choice c = Pick(perfs, count, x.dtype(), "conv2d backward (data)");
+  ++g_searches;
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  (*g_cache)[key] = c;
+  return c;
+}
+
+Choice ChooseBackwardFilter(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                            const ops::Conv2dParams& p, const TensorDesc& xd, const TensorDesc& dyd,
+                            const ConvDesc& cd, const FilterDesc& dwd) {
+  const std::string key = CacheKey(Direction::kBackwardFilter, x.device(), x, w, p);
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mu);
+    auto it = g_cache->find(key);
+    if (it != g_cache->end()) return it->second;
+  }
+  Tensor ws = SearchWorkspace(x.device());
+  cudnnConvolutionBwdFilterAlgoPerf_t perfs[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+  int count = 0;
+  CheckCudnn(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.d, x.data_ptr(), dyd.d, dy.data_ptr(), cd.d, dwd.d,
+                                                           dw.data_ptr(), CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+                                                           &count, perfs, ws.data_ptr(),
+                                                           static_cast<size_t>(ws.numel())),
+             "cudnnFindConvolutionBackwardFilterAlgorithmEx");
+  const Choice c = Pick(perfs, count, x.dtype(), "conv2d backward (filter)");
+  ++g_searches;
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  (*g_cache)[key] = c;
+  return c;
+}
+
+// alpha = 1, beta = 0 in the type cuDNN wants for this data type.
+struct Scalars {
+  float f1 = 1.0f, f0 = 0.0f;
+  double d1 = 1.0, d0 = 0.0;
+  const void* one(DType dt) const { return dt == DType::kFloat64 ? static_cast<const void*>(&d1) : &f1; }
+  const void* zero(DType dt) const { return dt == DType::kFloat64 ? static_cast<const void*>(&d0) : &f0; }
+};
+
+void CheckConvOperands(const char* op, const Tensor& x, const Tensor& w) {
+  if (x.dim() != 4 || w.dim() != 4) {
+    throw std::invalid_argument(std::string(op) + ": expected x [N,C,H,W] and w [O,C/g,KH,KW], got " +
+                                ShapeToString(x.shape()) + " and " + ShapeToString(w.shape()));
+  }
+  if (x.dtype() != w.dtype()) {
+    throw std::invalid_argument(std::string(op) + ": input " + std::string(DTypeName(x.dtype())) + " and weight " +
+                                std::string(DTypeName(w.dtype())) + " differ in dtype");
+  }
+  if (!x.device().is_cuda() || w.device() != x.device()) {
+    throw std::invalid_argument(std::string(op) + ": operands on " + x.device().ToString() + " and " +
+                                w.device().ToString() + " (expected one CUDA device)");
+  }
+}
+
+Tensor ContiguousOnDevice(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  NoGradGuard guard;
+  return t.Detach().Contiguous();
+}
+
+// out, or a contiguous temporary of out's shape and `dt` to be copied into it.
+Tensor Target(const Tensor& out, DType dt) {
+  if (out.is_contiguous() && out.dtype() == dt) return out;
+  return Empty(out.shape(), {.dtype = dt, .device = out.device()});
+}
+
+void Finish(const Tensor& out, const Tensor& target) {
+  out.storage()->BumpVersion();
+  if (target.is_same(out)) return;
+  NoGradGuard guard;
+  out.CopyFrom(target);
+}
+
+}  // namespace
+
+size_t ConvAlgorithmSearches() { return g_searches; }
+
+void Conv2dForward(const Tensor& x_in, const Tensor& w_in, const Tensor& bias, const Tensor& y,
+                   const ops::Conv2dParams& p) {
+  CheckConvOperands("conv2d_forward", x_in, w_in);
+  const Device dev = x_in.device();
+  const DType dt = x_in.dtype();
+  const Tensor x = ContiguousOnDevice(x_in), w = ContiguousOnDevice(w_in);
+  const Tensor yt = Target(y, dt);
+  DeviceGuard guard(dev.index);
+  const cudaStream_t stream = CurrentStream(dev);
+  const cudnnHandle_t h = HandleFor(dev);
+  CheckCudnn(cudnnSetStream(h, stream), "cudnnSetStream");
+  const TensorDesc xd(x), yd(yt);
+  const FilterDesc wd(w);
+  ConvDesc cd(p, dt);
+  int on, oc, oh, ow;
+  CheckCudnn(cudnnGetConvolution2dForwardOutputDim(cd.d, xd.d, wd.d, &on, &oc, &oh, &ow),
+             "cudnnGetConvolution2dForwardOutputDim");
+  if (Shape{on, oc, oh, ow} != y.shape()) {
+    throw std::invalid_argument("conv2d_forward: output " + ShapeToString(y.shape()) + " does not match the " +
+                                ShapeToString({on, oc, oh, ow}) + " of input " + ShapeToString(x.shape()) +
+                                " and weight " + ShapeToString(w.shape()));
+  }
+  if (y.numel() > 0) {
+    const Choice c = ChooseForward(h, x, w, yt, p, xd, wd, cd, yd);
+    cd.SetMath(c.math);
+    Tensor ws = Workspace(dev, c.workspace);
+    const Scalars s;
+    CheckCudnn(cudnnConvolutionForward(h, s.one(dt), xd.d, x.data_ptr(), wd.d, w.data_ptr(), cd.d,
+                                       static_cast<cudnnConvolutionFwdAlgo_t>(c.algo), ws.data_ptr(), c.workspace,
+                                       s.zero(dt), yd.d, yt.data_ptr()),
+               "cudnnConvolutionForward");
+    if (bias.defined()) {
+      // y[n, o, :, :] += bias[o]: the broadcasting add_scaled_ kernel.
+      const Tensor b = bias.dtype() == dt ? bias : bias.Detach().To(dt);
+      const Shape bs = BroadcastStridesTo(b.View({1, b.numel(), 1, 1}), yt.shape());
+      const launch::Indexing ix = MakeIndexing("conv2d bias", yt.shape(), {yt.strides(), bs});
+      CheckCuda(launch::AddScaled(ix, yt.numel(), yt.data_ptr(), b.data_ptr(), 1.0, ToDt(dt), stream),
+                "kernel `add_scaled_` (conv2d bias)");
+    }
+  }
+  Finish(y, yt);
+}
+
+void Conv2dBackward(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in, const Tensor& dx, const Tensor& dw,
+                    const Tensor& db, const ops::Conv2dParams& p) {
+  CheckConvOperands("conv2d_backward", x_in, w_in);
+  const Device dev = x_in.device();
+  const DType dt = x_in.dtype();
+  const Tensor x = ContiguousOnDevice(x_in), w = ContiguousOnDevice(w_in);
+  const Tensor dy = ContiguousOnDevice(dy_in.dtype() == dt ? dy_in : dy_in.Detach().To(dt));
+  DeviceGuard guard(dev.index);
+  const cudaStream_t stream = CurrentStream(dev);
+  const cudnnHandle_t h = HandleFor(dev);
+  CheckCudnn(cudnnSetStream(h, stream), "cudnnSetStream");
+  const TensorDesc xd(x), dyd(dy);
+  const FilterDesc wd(w);
+  const Scalars s;
+  if (dx.defined()) {
+    const Tensor t = Target(dx, dt);
+    if (t.numel() > 0 && dy.numel() > 0) {
+      ConvDesc cd(p, dt);
+      const Choice c = ChooseBackwardData(h, x, w, dy, t, p, wd, dyd, cd, xd);
+      cd.SetMath(c.math);
+      Tensor ws = Workspace(dev, c.workspace);
+      CheckCudnn(cudnnConvolutionBackwardData(h, s.one(dt), wd.d, w.data_ptr(), dyd.d, dy.data_ptr(), cd.d,
+                                              static_cast<cudnnConvolutionBwdDataAlgo_t>(c.algo), ws.data_ptr(),
+                                              c.workspace, s.zero(dt), xd.d, t.data_ptr()),
+                 "cudnnConvolutionBackwardData");
+    } else if (t.numel() > 0) {
+      t.Zero();
+    }
+    Finish(dx, t);
+  }
+  if (dw.defined()) {
+    const Tensor t = Target(dw, dt);
+    if (t.numel() > 0 && dy.numel() > 0) {
+      ConvDesc cd(p, dt);
+      const Choice c = ChooseBackwardFilter(h, x, w, dy, t, p, xd, dyd, cd, wd);
+      cd.SetMath(c.math);
+      Tensor ws = Workspace(dev, c.workspace);
+      CheckCudnn(cudnnConvolutionBackwardFilter(h, s.one(dt), xd.d, x.data_ptr(), dyd.d, dy.data_ptr(), cd.d,
+                                                static_cast<cudnnConvolutionBwdFilterAlgo_t>(c.algo), ws.data_ptr(),
+                                                c.workspace, s.zero(dt), wd.d, t.data_ptr()),
+                 "cudnnConvolutionBackwardFilter");
+    } else if (t.numel() > 0) {
+      t.Zero();
+    }
+    Finish(dw, t);
+  }
+  if (db.defined()) {
+    // db[o] = sum of dy over n, h, w.
+    NoGradGuard no_grad;
+    const Tensor db4 = db.View({1, db.numel(), 1, 1});
+    ops::KernelsFor(DeviceType::kCUDA).sum_to(dy, db4);
+  }
+}
+
+}  // namespace ddp::nn::cuda
