@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/cuda/batch_norm.h"
 #include "nn/cuda/conv.h"
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/gemm.h"
@@ -539,6 +540,12 @@ ops::KernelTable CudaKernelTable() {
   t.avg_pool2d_backward = &AvgPool2dBackward;
   t.adaptive_avg_pool2d_forward = &AdaptiveAvgPool2dForward;
   t.adaptive_avg_pool2d_backward = &AdaptiveAvgPool2dBackward;
+  t.batch_norm_forward = &BatchNormForward;
+  t.batch_norm_backward = &BatchNormBackward;
+  t.batch_norm_stats = &BatchNormStats;
+  t.batch_norm_elementwise = &BatchNormElementwise;
+  t.batch_norm_backward_reduce = &BatchNormBackwardReduce;
+  t.batch_norm_backward_elementwise = &BatchNormBackwardElementwise;
   t.log_softmax_forward = &LogSoftmaxForward;
   t.log_softmax_backward = &LogSoftmaxBackward;
   t.cross_entropy_forward = &CrossEntropyForward;

@@ -108,4 +108,34 @@ cudaError_t AvgPoolBackward(const PoolGeometry& g, const void* dy, void* dx, Dt 
 cudaError_t AdaptiveAvgPoolForward(const PoolGeometry& g, const void* x, void* y, Dt dt, cudaStream_t stream);
 cudaError_t AdaptiveAvgPoolBackward(const PoolGeometry& g, const void* dy, void* dx, Dt dt, cudaStream_t stream);
 
+// ---- batch norm: x, y, dy, dx [N, C, S] contiguous; per-channel arrays are
+// f64 [C] (nullptr where noted means "absent"); m = N * S ----
+/// mean[c] and biased var[c] of x, two passes in f64 (0 when m = 0).
+cudaError_t BatchNormMeanVar(const void* x, int64_t n, int64_t c, int64_t s, double* mean, double* var, Dt dt,
+                             cudaStream_t stream);
+/// sum[c] and sum_sq[c] of x in f64.
+cudaError_t BatchNormSums(const void* x, int64_t n, int64_t c, int64_t s, double* sum, double* sum_sq, Dt dt,
+                          cudaStream_t stream);
+/// Per-channel finishing, one thread per channel. Training: invstd =
+/// 1 / sqrt(var + eps), and when running_mean/var are given they move by
+/// momentum towards mean and var * unbias. Eval: mean = running_mean,
+/// invstd = 1 / sqrt(running_var + eps) (var unused).
+cudaError_t BatchNormFinalize(int64_t c, bool training, double momentum, double eps, double unbias, double* mean,
+                              const double* var, double* invstd, double* running_mean, double* running_var,
+                              cudaStream_t stream);
+/// y = x * scale + shift, scale = weight * invstd, shift = bias - mean * scale (weight, bias may be nullptr).
+cudaError_t BatchNormElementwise(const void* x, void* y, int64_t n, int64_t c, int64_t s, const double* mean,
+                                 const double* invstd, const double* weight, const double* bias, Dt dt,
+                                 cudaStream_t stream);
+/// sum_dy[c] = sum dy, sum_dy_xhat[c] = sum dy * (x - mean) * invstd, in f64.
+cudaError_t BatchNormBackwardReduce(const void* dy, const void* x, int64_t n, int64_t c, int64_t s,
+                                    const double* mean, const double* invstd, double* sum_dy, double* sum_dy_xhat,
+                                    Dt dt, cudaStream_t stream);
+/// dx = weight * invstd * (dy - a - (x - mean) * invstd * b) with a = dy_term[c] * scale,
+/// b = xhat_term[c] * scale (both 0 when nullptr; weight 1 when nullptr).
+cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx, int64_t n, int64_t c, int64_t s,
+                                         const double* mean, const double* invstd, const double* weight,
+                                         const double* dy_term, const double* xhat_term, double scale, Dt dt,
+                                         cudaStream_t stream);
+
 }  // namespace ddp::nn::cuda::launch

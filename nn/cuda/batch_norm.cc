@@ -1,0 +1,239 @@
+// Shapes: x, y, dy, dx [N, C, S...] seen as [N, C, S]; every per-channel
+// tensor is [C].
+#include "nn/cuda/batch_norm.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "nn/cuda/cuda_error.h"
+#include "nn/cuda/indexing.h"
+#include "nn/cuda/launch.h"
+#include "nn/cuda/stream.h"
+
+namespace ddp::nn::cuda {
+
+namespace {
+
+struct Dims {
+  int64_t n, c, s;
+};
+
+Dims CheckX(const char* op, const Tensor& x) {
+  if (x.dim() < 2) throw std::invalid_argument(std::string(op) + ": expected [N, C, ...], got " + ShapeToString(x.shape()));
+  if (!x.device().is_cuda()) throw std::invalid_argument(std::string(op) + ": CUDA kernel called on " + x.device().ToString());
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": needs a floating dtype, got " + std::string(DTypeName(x.dtype())));
+  }
+  int64_t s = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) s *= x.size(d);
+  return {x.size(0), x.size(1), s};
+}
+
+// A per-channel tensor as contiguous f64 on x's device (undefined stays undefined).
+Tensor F64(const char* op, const char* name, const Tensor& t, const Tensor& x, int64_t c) {
+  if (!t.defined()) return t;
+  if (t.numel() != c || t.device() != x.device()) {
+    throw std::invalid_argument(std::string(op) + ": " + name + " of shape " + ShapeToString(t.shape()) + " on " +
+                                t.device().ToString() + " does not match " + std::to_string(c) + " channels on " +
+                                x.device().ToString());
+  }
+  NoGradGuard guard;
+  Tensor r = t.Detach().Reshape({c});
+  if (r.dtype() != DType::kFloat64) r = r.To(DType::kFloat64);
+  return r.Contiguous();
+}
+
+const double* Ptr(const Tensor& t) { return t.defined() ? static_cast<const double*>(t.data_ptr()) : nullptr; }
+double* MutPtr(const Tensor& t) { return t.defined() ? static_cast<double*>(t.data_ptr()) : nullptr; }
+
+Tensor Scratch(const Tensor& x, int64_t c) { return Empty({c}, {.dtype = DType::kFloat64, .device = x.device()}); }
+
+// Writes f64 values into a per-channel output of any dtype and layout.
+void WriteBack(const Tensor& out, const Tensor& values) {
+  if (!out.defined() || out.is_same(values)) return;
+  NoGradGuard guard;
+  out.CopyFrom(values.View(out.shape()));
+}
+
+Tensor ContiguousOnDevice(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  NoGradGuard guard;
+  return t.Detach().Contiguous();
+}
+
+// `out` itself when contiguous, else a temporary written back by Finish.
+Tensor Target(const Tensor& out) {
+  return out.is_contiguous() ? out : Empty(out.shape(), {.dtype = out.dtype(), .device = out.device()});
+}
+
+void Finish(const Tensor& out, const Tensor& target) {
+  out.storage()->BumpVersion();
+  if (target.is_same(out)) return;
+  NoGradGuard guard;
+  out.CopyFrom(target);
+}
+
+void CheckSameShape(const char* op, const Tensor& a, const char* an, const Tensor& b, const char* bn) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype() || a.device() != b.device()) {
+    throw std::invalid_argument(std::string(op) + ": " + an + " " + ShapeToString(a.shape()) + " " +
+                                std::string(DTypeName(a.dtype())) + " and " + bn + " " + ShapeToString(b.shape()) +
+                                " " + std::string(DTypeName(b.dtype())) + " must match");
+  }
+}
+
+}  // namespace
+
+void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                      const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
+                      const Tensor& save_mean, const Tensor& save_invstd) {
+  const char* op = "batch_norm";
+  const Dims d = CheckX(op, x_in);
+  CheckSameShape(op, x_in, "x", y, "y");
+  const Tensor x = ContiguousOnDevice(x_in);
+  const Tensor w = F64(op, "weight", weight, x, d.c), b = F64(op, "bias", bias, x, d.c);
+  Tensor rm = F64(op, "running_mean", running_mean, x, d.c), rv = F64(op, "running_var", running_var, x, d.c);
+  if (!training && (!rm.defined() || !rv.defined())) {
+    throw std::invalid_argument("batch_norm: evaluation mode needs running_mean and running_var");
+  }
+  const bool update = training && rm.defined() && rv.defined();
+  const Tensor mean = Scratch(x, d.c), var = Scratch(x, d.c), invstd = Scratch(x, d.c);
+  const int64_t m = d.n * d.s;
+  const Tensor yt = Target(y);
+  {
+    DeviceGuard guard(x.device().index);
+    const cudaStream_t stream = CurrentStream(x.device());
+    if (training) {
+      CheckCuda(launch::BatchNormMeanVar(x.data_ptr(), d.n, d.c, d.s, MutPtr(mean), MutPtr(var), ToDt(x.dtype()),
+                                         stream),
+                "kernel `batch_norm_mean_var`");
+    }
+    const double unbias = m > 1 ? static_cast<double>(m) / static_cast<double>(m - 1) : 1.0;
+    CheckCuda(launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), Ptr(var), MutPtr(invstd),
+                                        update || !training ? MutPtr(rm) : nullptr,
+                                        update || !training ? MutPtr(rv) : nullptr, stream),
+              "kernel `batch_norm_finalize`");
+    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd), Ptr(w),
+                                           Ptr(b), ToDt(x.dtype()), stream),
+              "kernel `batch_norm_elementwise`");
+  }
+  Finish(y, yt);
+  if (update) {
+    WriteBack(running_mean, rm);
+    WriteBack(running_var, rv);
+  }
+  WriteBack(save_mean, mean);
+  WriteBack(save_invstd, invstd);
+}
+
+void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& weight, const Tensor& save_mean,
+                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias) {
+  const char* op = "batch_norm_backward";
+  const Dims d = CheckX(op, x_in);
+  CheckSameShape(op, x_in, "x", dy_in, "dy");
+  const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
+  const Tensor w = F64(op, "weight", weight, x, d.c);
+  const Tensor mean = F64(op, "save_mean", save_mean, x, d.c), invstd = F64(op, "save_invstd", save_invstd, x, d.c);
+  if (!mean.defined() || !invstd.defined()) throw std::invalid_argument("batch_norm_backward: saved statistics missing");
+  const Tensor sum_dy = Scratch(x, d.c), sum_dy_xhat = Scratch(x, d.c);
+  const int64_t m = d.n * d.s;
+  DeviceGuard guard(x.device().index);
+  const cudaStream_t stream = CurrentStream(x.device());
+  CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd),
+                                            MutPtr(sum_dy), MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
+            "kernel `batch_norm_backward_reduce`");
+  if (dx.defined()) {
+    CheckSameShape(op, x_in, "x", dx, "dx");
+    const Tensor t = Target(dx);
+    const bool centered = training && m > 0;
+    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s,
+                                                   Ptr(mean), Ptr(invstd), Ptr(w), centered ? Ptr(sum_dy) : nullptr,
+                                                   centered ? Ptr(sum_dy_xhat) : nullptr,
+                                                   m > 0 ? 1.0 / static_cast<double>(m) : 0.0, ToDt(x.dtype()),
+                                                   stream),
+              "kernel `batch_norm_backward_elementwise`");
+    Finish(dx, t);
+  }
+  WriteBack(dweight, sum_dy_xhat);
+  WriteBack(dbias, sum_dy);
+}
+
+void BatchNormStats(const Tensor& x_in, const Tensor& sum, const Tensor& sum_sq) {
+  const char* op = "batch_norm_stats";
+  const Dims d = CheckX(op, x_in);
+  const Tensor x = ContiguousOnDevice(x_in);
+  const Tensor s = Scratch(x, d.c), q = Scratch(x, d.c);
+  {
+    DeviceGuard guard(x.device().index);
+    CheckCuda(launch::BatchNormSums(x.data_ptr(), d.n, d.c, d.s, MutPtr(s), MutPtr(q), ToDt(x.dtype()),
+                                    CurrentStream(x.device())),
+              "kernel `batch_norm_stats`");
+  }
+  WriteBack(sum, s);
+  WriteBack(sum_sq, q);
+}
+
+void BatchNormElementwise(const Tensor& x_in, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                          const Tensor& bias, const Tensor& y) {
+  const char* op = "batch_norm_elementwise";
+  const Dims d = CheckX(op, x_in);
+  CheckSameShape(op, x_in, "x", y, "y");
+  const Tensor x = ContiguousOnDevice(x_in);
+  const Tensor mu = F64(op, "mean", mean, x, d.c), is = F64(op, "invstd", invstd, x, d.c);
+  const Tensor w = F64(op, "weight", weight, x, d.c), b = F64(op, "bias", bias, x, d.c);
+  if (!mu.defined() || !is.defined()) throw std::invalid_argument("batch_norm_elementwise: mean and invstd are required");
+  const Tensor yt = Target(y);
+  {
+    DeviceGuard guard(x.device().index);
+    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Ptr(mu), Ptr(is), Ptr(w),
+                                           Ptr(b), ToDt(x.dtype()), CurrentStream(x.device())),
+              "kernel `batch_norm_elementwise`");
+  }
+  Finish(y, yt);
+}
+
+void BatchNormBackwardReduce(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                             const Tensor& sum_dy, const Tensor& sum_dy_xhat) {
+  const char* op = "batch_norm_backward_reduce";
+  const Dims d = CheckX(op, x_in);
+  CheckSameShape(op, x_in, "x", dy_in, "dy");
+  const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
+  const Tensor mu = F64(op, "mean", mean, x, d.c), is = F64(op, "invstd", invstd, x, d.c);
+  if (!mu.defined() || !is.defined()) throw std::invalid_argument("batch_norm_backward_reduce: mean and invstd are required");
+  const Tensor s = Scratch(x, d.c), sx = Scratch(x, d.c);
+  {
+    DeviceGuard guard(x.device().index);
+    CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Ptr(mu), Ptr(is), MutPtr(s),
+                                              MutPtr(sx), ToDt(x.dtype()), CurrentStream(x.device())),
+              "kernel `batch_norm_backward_reduce`");
+  }
+  WriteBack(sum_dy, s);
+  WriteBack(sum_dy_xhat, sx);
+}
+
+void BatchNormBackwardElementwise(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                                  const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat,
+                                  const Tensor& dx) {
+  const char* op = "batch_norm_backward_elementwise";
+  const Dims d = CheckX(op, x_in);
+  CheckSameShape(op, x_in, "x", dy_in, "dy");
+  CheckSameShape(op, x_in, "x", dx, "dx");
+  const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
+  const Tensor mu = F64(op, "mean", mean, x, d.c), is = F64(op, "invstd", invstd, x, d.c);
+  const Tensor w = F64(op, "weight", weight, x, d.c);
+  const Tensor mdy = F64(op, "mean_dy", mean_dy, x, d.c), mdx = F64(op, "mean_dy_xhat", mean_dy_xhat, x, d.c);
+  if (!mu.defined() || !is.defined() || !mdy.defined() || !mdx.defined()) {
+    throw std::invalid_argument("batch_norm_backward_elementwise: mean, invstd, mean_dy and mean_dy_xhat are required");
+  }
+  const Tensor t = Target(dx);
+  {
+    DeviceGuard guard(x.device().index);
+    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s, Ptr(mu),
+                                                   Ptr(is), Ptr(w), Ptr(mdy), Ptr(mdx), 1.0, ToDt(x.dtype()),
+                                                   CurrentStream(x.device())),
+              "kernel `batch_norm_backward_elementwise`");
+  }
+  Finish(dx, t);
+}
+
+}  // namespace ddp::nn::cuda

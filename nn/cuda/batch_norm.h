@@ -1,0 +1,25 @@
+// Batch norm on CUDA (the KernelTable's batch_norm entries). Per-channel
+// parameters and statistics are handled in f64 on the device, whatever their
+// dtype, and converted back on write, as the CPU kernels do.
+#pragma once
+
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::cuda {
+
+void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                      const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
+                      const Tensor& save_mean, const Tensor& save_invstd);
+void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, const Tensor& save_mean,
+                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias);
+void BatchNormStats(const Tensor& x, const Tensor& sum, const Tensor& sum_sq);
+void BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                          const Tensor& bias, const Tensor& y);
+void BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                             const Tensor& sum_dy, const Tensor& sum_dy_xhat);
+void BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
+                                  const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat,
+                                  const Tensor& dx);
+
+}  // namespace ddp::nn::cuda
