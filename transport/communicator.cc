@@ -19,6 +19,7 @@
 #include "transport/algorithms/collective.h"
 #include "transport/collectives.h"
 #include "transport/cuda/device_staging.h"
+#include "transport/cuda/ipc_collectives.h"
 #include "transport/cuda/staging_pipeline.h"
 #include "transport/fault/peer_monitor.h"
 #include "transport/fork/fork_guard.h"
@@ -272,6 +273,12 @@ class Communicator::Impl {
  private:
   // The staging engine of `device`, made on first use. Under run_mu_.
   StatusOr<cuda::CopyEngine*> StagingEngine(int device);
+  // The IPC collectives of `device`, made on first use; nullptr when this
+  // job does not use IPC (option off, several hosts, one rank, more ranks
+  // than an IPC kernel takes): the same answer on every rank. Under run_mu_.
+  StatusOr<cuda::IpcCollectives*> Ipc(int device);
+  // The host collectives an IPC call synchronizes with.
+  cuda::IpcHostSteps IpcSteps(Deadline deadline);
   Status Staged(int device, const cuda::StagedCall& call, const cuda::HostCollective& host,
                 Deadline deadline);
   algorithms::CollectiveArgs Args(const void* send, void* recv, size_t count, DataType dtype,
@@ -311,6 +318,7 @@ class Communicator::Impl {
   std::function<Status(Deadline)> watchdog_;
   // Pinned slots and a stream per CUDA device used, under run_mu_.
   std::map<int, std::unique_ptr<cuda::DeviceCopyEngine>> staging_;
+  std::map<int, std::unique_ptr<cuda::IpcCollectives>> ipc_;  // under run_mu_
 
   std::mutex run_mu_;     // held by whichever thread drives UCX / shm
   uint64_t sequence_ = 0; // collective number, under run_mu_
@@ -350,6 +358,7 @@ Status Communicator::Impl::Init() {
     DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
   }
   if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
+  if (GetEnv("DDP_CUDA_IPC") == "1") options_.cuda_ipc = true;
 
   fork::InstallForkGuard();
   const Deadline deadline = DeadlineIn(o.timeout);
@@ -513,6 +522,7 @@ void Communicator::Impl::Shutdown() {
   }
   shm_.reset();
   staging_.clear();  // waits (bounded) for its copies; the async thread is gone
+  ipc_.clear();
   ring_view_.reset();
   // After an abort, endpoints to other hosts close without flushing: the
   // host may be unreachable, and its peers have given up on us anyway.
@@ -706,6 +716,27 @@ StatusOr<cuda::CopyEngine*> Communicator::Impl::StagingEngine(int device) {
   return it->second.get();
 }
 
+StatusOr<cuda::IpcCollectives*> Communicator::Impl::Ipc(int device) {
+  if (!options_.cuda_ipc || !single_host_ || options_.world_size < 2 ||
+      options_.world_size > cuda::kMaxIpcRanks) {
+    return nullptr;
+  }
+  auto it = ipc_.find(device);
+  if (it == ipc_.end()) {
+    DDP_ASSIGN_OR_RETURN(std::unique_ptr<cuda::IpcCollectives> ipc,
+                         cuda::IpcCollectives::Create(device, options_.rank, options_.world_size));
+    it = ipc_.emplace(device, std::move(ipc)).first;
+  }
+  return it->second.get();
+}
+
+cuda::IpcHostSteps Communicator::Impl::IpcSteps(Deadline deadline) {
+  return {.all_gather = [this, deadline](const void* mine, void* all, size_t bytes) {
+            return AllGather(mine, all, bytes, DataType::kU8, deadline);
+          },
+          .barrier = [this, deadline] { return Barrier(deadline); }};
+}
+
 Status Communicator::Impl::Staged(int device, const cuda::StagedCall& call,
                                   const cuda::HostCollective& host, Deadline deadline) {
   DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
@@ -722,6 +753,12 @@ Status Communicator::Impl::Staged(int device, const cuda::StagedCall& call,
 Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* recv, size_t count,
                                            DataType dtype, ReduceOp op, Algorithm requested,
                                            Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(cuda::IpcCollectives* ipc, Ipc(device));
+  if (ipc != nullptr) {
+    DDP_ASSIGN_OR_RETURN(bool ran,
+                         ipc->AllReduce(send, recv, count, dtype, op, IpcSteps(deadline), deadline));
+    if (ran) return Status::Ok();
+  }
   const cuda::StagedCall call{.kind = cuda::StagedKind::kAllReduce, .send = send, .recv = recv,
                               .count = count, .dtype = dtype, .rank = options_.rank,
                               .size = options_.world_size};
@@ -732,6 +769,12 @@ Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* r
 
 Status Communicator::Impl::DeviceBroadcast(int device, void* buffer, size_t count, DataType dtype,
                                            int root, Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(cuda::IpcCollectives* ipc, Ipc(device));
+  if (ipc != nullptr) {
+    DDP_ASSIGN_OR_RETURN(bool ran,
+                         ipc->Broadcast(buffer, count, dtype, root, IpcSteps(deadline), deadline));
+    if (ran) return Status::Ok();
+  }
   const cuda::StagedCall call{.kind = cuda::StagedKind::kBroadcast, .send = buffer,
                               .recv = buffer, .count = count, .dtype = dtype,
                               .rank = options_.rank, .size = options_.world_size, .root = root};
@@ -742,6 +785,12 @@ Status Communicator::Impl::DeviceBroadcast(int device, void* buffer, size_t coun
 
 Status Communicator::Impl::DeviceAllGather(int device, const void* send, void* recv, size_t count,
                                            DataType dtype, Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(cuda::IpcCollectives* ipc, Ipc(device));
+  if (ipc != nullptr) {
+    DDP_ASSIGN_OR_RETURN(bool ran,
+                         ipc->AllGather(send, recv, count, dtype, IpcSteps(deadline), deadline));
+    if (ran) return Status::Ok();
+  }
   const cuda::StagedCall call{.kind = cuda::StagedKind::kAllGather, .send = send, .recv = recv,
                               .count = count, .dtype = dtype, .rank = options_.rank,
                               .size = options_.world_size};
@@ -753,6 +802,12 @@ Status Communicator::Impl::DeviceAllGather(int device, const void* send, void* r
 Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, void* recv,
                                                size_t count, DataType dtype, ReduceOp op,
                                                Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(cuda::IpcCollectives* ipc, Ipc(device));
+  if (ipc != nullptr) {
+    DDP_ASSIGN_OR_RETURN(bool ran, ipc->ReduceScatter(send, recv, count, dtype, op,
+                                                      IpcSteps(deadline), deadline));
+    if (ran) return Status::Ok();
+  }
   const cuda::StagedCall call{.kind = cuda::StagedKind::kReduceScatter, .send = send,
                               .recv = recv, .count = count, .dtype = dtype,
                               .rank = options_.rank, .size = options_.world_size};

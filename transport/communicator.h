@@ -71,6 +71,12 @@ struct CommunicatorOptions {
   /// memory in chunks of this many bytes per rank's slot (0: 4 MiB); tests
   /// shrink it to reach the multi-chunk paths. Equal on every rank.
   size_t device_chunk_bytes = 0;
+  /// Device buffers of ranks on one host: exchange CUDA IPC handles and
+  /// copy and reduce GPU to GPU instead of staging through host memory,
+  /// when every rank reaches every peer's GPU (the same GPU or peer access).
+  /// Off by default until measured on a GPU; DDP_CUDA_IPC=1 turns it on.
+  /// Equal on every rank.
+  bool cuda_ipc = false;
 };
 
 /// Per-call settings.

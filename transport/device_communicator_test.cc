@@ -362,6 +362,20 @@ TEST_P(DeviceSweep, EveryCollectiveOnDeviceBuffers) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DeviceSweep, ::testing::Values(2, 4));
 
+class DeviceIpcSweep : public ::testing::TestWithParam<int> {};
+
+// The same sweep with CUDA IPC on: ranks sharing one GPU reach each
+// other's buffers, so every collective goes GPU to GPU.
+TEST_P(DeviceIpcSweep, EveryCollectiveOverCudaIpc) {
+  Job job = RunJob(GetParam(), "sweep",
+                   {{"DDP_CUDA_IPC", "1"}, {"DDP_TEST_DEVICE_CHUNK_BYTES", "512"},
+                    {"DDP_TEST_CHUNK_BYTES", "1024"}});
+  ASSERT_EQ(job.results.size(), static_cast<size_t>(GetParam()));
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DeviceIpcSweep, ::testing::Values(2, 4));
+
 TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {
   Job job = RunJob(2, "large");
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
@@ -370,15 +384,16 @@ TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {
 // A rank killed while the others all-reduce device buffers: every survivor
 // reports PEER_LOST naming it within the deadline, and later calls fail at
 // once with the same reason.
-void ExpectSurvivorsReport(int n, Algorithm algorithm) {
+void ExpectSurvivorsReport(int n, Algorithm algorithm, bool ipc = false) {
   const milliseconds timeout(3000);
   const int victim = n - 1;
   Job job = RunJob(n, "loop",
                    {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
-                    {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())}},
+                    {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())},
+                    {"DDP_CUDA_IPC", ipc ? "1" : "0"}},
                    milliseconds(60000), [&](testing::ProcessGroup& group) {
                      // CUDA start-up takes a while; let the loop run first.
-                     std::this_thread::sleep_for(milliseconds(4000));
+                     std::this_thread::sleep_for(milliseconds(6000));
                      group.Kill(victim, SIGKILL);
                    });
   ASSERT_EQ(job.results.size(), static_cast<size_t>(n));
@@ -400,6 +415,9 @@ TEST(DeviceFaults, PeerKilledDuringSharedMemoryAllReduce) {
   ExpectSurvivorsReport(2, Algorithm::kSharedMemory);
 }
 TEST(DeviceFaults, PeerKilledDuringUcxRingAllReduce) { ExpectSurvivorsReport(4, Algorithm::kRing); }
+TEST(DeviceFaults, PeerKilledDuringCudaIpcAllReduce) {
+  ExpectSurvivorsReport(3, Algorithm::kAuto, /*ipc=*/true);
+}
 
 }  // namespace
 }  // namespace ddp::transport

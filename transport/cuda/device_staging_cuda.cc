@@ -2,58 +2,16 @@
 // on a dedicated stream, waits by polling events against deadlines.
 
 #include <cuda_runtime.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <string>
 
+#include "transport/cuda/cuda_util.h"
 #include "transport/cuda/device_staging.h"
 
 namespace ddp::transport::cuda {
-namespace {
-
-Status CudaError(cudaError_t error, const std::string& what) {
-  return InternalError(what + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) +
-                       ")");
-}
-
-// Makes `device` current for the scope and restores the caller's: the
-// communicator may run on its own thread (current device 0) or on a user
-// thread that works on another device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) status_ = cudaSetDevice(device);
-    if (previous_ == device) previous_ = -1;
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
-
-// Polls `event` until it completes or `deadline` passes. Copies of a few
-// MiB take well under a millisecond, so a short spin then yields.
-Status PollEvent(cudaEvent_t event, Deadline deadline, const char* what) {
-  for (int polls = 0;; ++polls) {
-    const cudaError_t status = cudaEventQuery(event);
-    if (status == cudaSuccess) return Status::Ok();
-    if (status != cudaErrorNotReady) return CudaError(status, what);
-    if (Clock::now() >= deadline) {
-      return TimedOutError(std::string(what) + " not finished by the call's deadline");
-    }
-    if (polls > 64) sched_yield();
-  }
-}
-
-}  // namespace
 
 struct DeviceCopyEngine::State {
   int device = 0;

@@ -1,8 +1,13 @@
 #include "transport/cuda/reduce_kernels.h"
+#include "transport/reduce/half.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace ddp::transport::cuda {
@@ -31,6 +36,88 @@ TEST(ReduceKernels, SumF32MatchesHost) {
     cudaFree(da);
     cudaFree(db);
   }
+}
+
+}  // namespace
+}  // namespace ddp::transport::cuda
+
+namespace ddp::transport::cuda {
+namespace {
+
+using reduce::BFloat16ToFloat;
+using reduce::FloatToBFloat16;
+using reduce::FloatToHalf;
+using reduce::HalfToFloat;
+
+// Host copies of the values a kernel reads and writes, per dtype code
+// (transport/types.h): small integers, exact in every dtype.
+void StoreAs(int dtype, std::vector<char>& buf, size_t i, double v) {
+  switch (dtype) {
+    case 0: { float x = static_cast<float>(v); std::memcpy(&buf[i * 4], &x, 4); break; }
+    case 1: std::memcpy(&buf[i * 8], &v, 8); break;
+    case 2: { uint16_t b = FloatToHalf(static_cast<float>(v)); std::memcpy(&buf[i * 2], &b, 2); break; }
+    case 3: { uint16_t b = FloatToBFloat16(static_cast<float>(v)); std::memcpy(&buf[i * 2], &b, 2); break; }
+    case 4: { int32_t x = static_cast<int32_t>(v); std::memcpy(&buf[i * 4], &x, 4); break; }
+    case 5: { int64_t x = static_cast<int64_t>(v); std::memcpy(&buf[i * 8], &x, 8); break; }
+    case 6: buf[i] = static_cast<char>(static_cast<uint8_t>(v)); break;
+  }
+}
+
+double LoadAs(int dtype, const std::vector<char>& buf, size_t i) {
+  switch (dtype) {
+    case 0: { float x; std::memcpy(&x, &buf[i * 4], 4); return x; }
+    case 1: { double x; std::memcpy(&x, &buf[i * 8], 8); return x; }
+    case 2: { uint16_t b; std::memcpy(&b, &buf[i * 2], 2); return HalfToFloat(b); }
+    case 3: { uint16_t b; std::memcpy(&b, &buf[i * 2], 2); return BFloat16ToFloat(b); }
+    case 4: { int32_t x; std::memcpy(&x, &buf[i * 4], 4); return x; }
+    case 5: { int64_t x; std::memcpy(&x, &buf[i * 8], 8); return static_cast<double>(x); }
+    case 6: return static_cast<uint8_t>(buf[i]);
+  }
+  return 0;
+}
+
+TEST(ReduceKernels, EveryDtypeAndOpOverSeveralSources) {
+  constexpr int kSources = 4;
+  constexpr size_t kCount = 10007;
+  const size_t sizes[] = {4, 8, 2, 2, 4, 8, 1};
+  for (int dtype = 0; dtype < 7; ++dtype) {
+    for (int op = 0; op < 5; ++op) {
+      const size_t e = sizes[dtype];
+      // Source k, element i: 1 + (i + k) % 3 (prod stays small; 3 and 4
+      // divide the sum exactly for avg only sometimes, so avg expects the
+      // integer quotient for integer dtypes).
+      std::vector<void*> device(kSources);
+      for (int k = 0; k < kSources; ++k) {
+        std::vector<char> host(kCount * e);
+        for (size_t i = 0; i < kCount; ++i) StoreAs(dtype, host, i, 1 + (i + k) % 3);
+        ASSERT_EQ(cudaMalloc(&device[k], host.size()), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(device[k], host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      }
+      // In place into source 0, as the IPC all-reduce does for its own slice.
+      ASSERT_EQ(ReduceAsync(device[0], device.data(), kSources, kCount, dtype, op, nullptr), 0);
+      std::vector<char> out(kCount * e);
+      ASSERT_EQ(cudaMemcpy(out.data(), device[0], out.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      size_t wrong = 0;
+      for (size_t i = 0; i < kCount; ++i) {
+        double sum = 0, max = 0, min = 1e9, prod = 1;
+        for (int k = 0; k < kSources; ++k) {
+          const double v = 1 + (i + k) % 3;
+          sum += v;
+          max = std::max(max, v);
+          min = std::min(min, v);
+          prod *= v;
+        }
+        double want = op == 0 ? sum : op == 2 ? max : op == 3 ? min : op == 4 ? prod : sum / kSources;
+        if (op == 1 && dtype >= 4) want = std::trunc(want);
+        wrong += LoadAs(dtype, out, i) != want;
+      }
+      EXPECT_EQ(wrong, 0u) << "dtype " << dtype << " op " << op;
+      for (void* p : device) cudaFree(p);
+    }
+  }
+  EXPECT_EQ(ReduceAsync(nullptr, nullptr, 0, 1, 0, 0, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(ReduceAsync(nullptr, nullptr, kMaxReduceSources + 1, 1, 0, 0, nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace
