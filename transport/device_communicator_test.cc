@@ -313,7 +313,43 @@ int ScenarioLoop() {
   return 1;
 }
 
+// CUDA IPC on, but rank 0's buffer comes from a stream-ordered pool
+// (cudaMallocAsync), which the legacy IPC API cannot export: every rank must
+// learn it in the same call and stage instead, with correct results.
+int ScenarioIpcDeclined() {
+  auto comm = MustCreate();
+  const size_t count = 1001;
+  std::vector<char> input(count * 4);
+  FillInput(DataType::kF32, input.data(), count, comm->rank(), ReduceOp::kSum);
+  void* data = nullptr;
+  if (comm->rank() == 0) {
+    MustCuda(cudaMallocAsync(&data, input.size(), nullptr), "cudaMallocAsync");
+  } else {
+    MustCuda(cudaMalloc(&data, input.size()), "cudaMalloc");
+  }
+  MustCuda(cudaMemcpy(data, input.data(), input.size(), cudaMemcpyHostToDevice), "upload");
+  for (int round = 0; round < 3; ++round) {
+    MustCuda(cudaMemcpy(data, input.data(), input.size(), cudaMemcpyHostToDevice), "upload");
+    Status s = comm->AllReduce(data, count, DataType::kF32, ReduceOp::kSum);
+    WORKER_CHECK(s.ok(), "all-reduce with IPC declined: " + s.ToString());
+    std::vector<char> result(input.size());
+    MustCuda(cudaMemcpy(result.data(), data, result.size(), cudaMemcpyDeviceToHost), "download");
+    std::string first;
+    WORKER_CHECK(CountWrong(DataType::kF32, result.data(), count, comm->size(), ReduceOp::kSum, 0,
+                            &first) == 0,
+                 "all-reduce with IPC declined: " + first);
+  }
+  if (comm->rank() == 0) {
+    MustCuda(cudaFreeAsync(data, nullptr), "cudaFreeAsync");
+    MustCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  } else {
+    cudaFree(data);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
+  if (name == "ipc_declined") return ScenarioIpcDeclined();
   if (name == "sweep") return ScenarioSweep();
   if (name == "large") return ScenarioLarge();
   if (name == "loop") return ScenarioLoop();
@@ -375,6 +411,12 @@ TEST_P(DeviceIpcSweep, EveryCollectiveOverCudaIpc) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DeviceIpcSweep, ::testing::Values(2, 4));
+
+TEST(DeviceCollectives, IpcDeclinedByOneRankStagesOnEveryRank) {
+  Job job = RunJob(3, "ipc_declined", {{"DDP_CUDA_IPC", "1"}});
+  ASSERT_EQ(job.results.size(), 3u);
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
 
 TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {
   Job job = RunJob(2, "large");
