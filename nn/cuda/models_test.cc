@@ -1,0 +1,149 @@
+// Whole models on cuda:0 against the same models on the CPU (tag "gpu"): one
+// forward and backward with the same initial weights (same seed) and the
+// same batch. Compared: the loss, the logits, every parameter's gradient and
+// every buffer (BatchNorm running statistics) afterwards.
+//
+// Tolerance per tensor: |gpu - cpu| <= rtol * |cpu| + atol * max|cpu|. The
+// GPU sums in other orders (cuBLAS, cuDNN, tree reductions); deeper models
+// amplify that, BatchNorm most (it divides by batch statistics):
+// - MLP (784-512-256-10):          rtol 1e-4, atol 1e-5
+// - CNN (the peers' 2-conv model):  rtol 1e-3, atol 1e-4
+// - ResNet-18, CIFAR stem, batch 4: rtol 1e-2, atol 1e-3
+// A wrong kernel is off by O(1) of the tensor's scale, far outside these.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/autograd/engine.h"
+#include "nn/cuda/allocator.h"
+#include "nn/cuda/cuda.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/tensor/generator.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::nn::cuda {
+namespace {
+
+const Device kGpu(DeviceType::kCUDA, 0);
+
+using Factory = std::function<std::shared_ptr<modules::Module>(Generator&)>;
+
+struct StepResult {
+  double loss = 0;
+  Tensor logits;                                       // on the CPU
+  std::vector<std::pair<std::string, Tensor>> grads;   // on the CPU
+  std::vector<std::pair<std::string, Tensor>> buffers; // on the CPU, after the step
+};
+
+StepResult Step(const Factory& make, Device device, const Tensor& images, const Tensor& labels) {
+  Generator gen(2024);
+  auto model = make(gen);
+  model->Train();
+  model->To(device);
+  const Tensor logits = model->Forward(images.To(device));
+  const Tensor loss = loss::CrossEntropy(logits, labels.To(device));
+  Backward(loss);
+  StepResult r;
+  r.loss = loss.Item();
+  r.logits = logits.Detach().To(kCPU);
+  for (const auto& [name, p] : model->NamedParameters()) {
+    EXPECT_EQ(p.device(), device) << name;
+    EXPECT_TRUE(p.grad().defined()) << name;
+    r.grads.emplace_back(name, p.grad().To(kCPU));
+  }
+  for (const auto& [name, b] : model->NamedBuffers()) r.buffers.emplace_back(name, b.To(kCPU));
+  return r;
+}
+
+void ExpectTensorClose(const std::string& what, const Tensor& cpu, const Tensor& gpu, double rtol, double atol) {
+  ASSERT_EQ(cpu.shape(), gpu.shape()) << what;
+  const std::vector<double> want = cpu.ToVector<double>();
+  const std::vector<double> got = gpu.ToVector<double>();
+  double scale = 0;
+  for (double v : want) scale = std::max(scale, std::abs(v));
+  int bad = 0;
+  for (size_t j = 0; j < want.size(); ++j) {
+    if (!(std::abs(got[j] - want[j]) <= rtol * std::abs(want[j]) + atol * scale) && ++bad <= 3) {
+      ADD_FAILURE() << what << "[" << j << "]: cpu " << want[j] << ", gpu " << got[j] << " (max |cpu| " << scale
+                    << ")";
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+void CompareModels(const Factory& make, const Shape& input, int64_t classes, double rtol, double atol) {
+  Init();
+  Generator data(7);
+  const Tensor images = Rand(input, {}, data);
+  Tensor label_values = Empty({input[0]});
+  UniformFill(label_values, 0.0, static_cast<double>(classes), data);
+  const Tensor labels = label_values.To(DType::kInt64);
+  const StepResult cpu = Step(make, kCPU, images, labels);
+  const StepResult gpu = Step(make, kGpu, images, labels);
+  EXPECT_NEAR(gpu.loss, cpu.loss, rtol * std::abs(cpu.loss));
+  ExpectTensorClose("logits", cpu.logits, gpu.logits, rtol, atol);
+  ASSERT_EQ(gpu.grads.size(), cpu.grads.size());
+  for (size_t i = 0; i < cpu.grads.size(); ++i) {
+    ASSERT_EQ(gpu.grads[i].first, cpu.grads[i].first);
+    ExpectTensorClose("grad of " + cpu.grads[i].first, cpu.grads[i].second, gpu.grads[i].second, rtol, atol);
+  }
+  ASSERT_EQ(gpu.buffers.size(), cpu.buffers.size());
+  for (size_t i = 0; i < cpu.buffers.size(); ++i) {
+    ASSERT_EQ(gpu.buffers[i].first, cpu.buffers[i].first);
+    if (cpu.buffers[i].second.dtype() == DType::kInt64) {  // num_batches_tracked
+      EXPECT_EQ(gpu.buffers[i].second.ToVector<int64_t>(), cpu.buffers[i].second.ToVector<int64_t>());
+    } else {
+      ExpectTensorClose("buffer " + cpu.buffers[i].first, cpu.buffers[i].second, gpu.buffers[i].second, rtol, atol);
+    }
+  }
+}
+
+TEST(CudaModelsTest, MlpForwardAndBackwardMatchTheCpu) {
+  CompareModels([](Generator& g) { return modules::MakeMlp(g); }, {64, 1, 28, 28}, 10, 1e-4, 1e-5);
+}
+
+TEST(CudaModelsTest, CnnForwardAndBackwardMatchTheCpu) {
+  CompareModels([](Generator& g) { return modules::MakeCnn(g); }, {16, 1, 28, 28}, 10, 1e-3, 1e-4);
+}
+
+TEST(CudaModelsTest, ResNet18CifarForwardAndBackwardMatchTheCpu) {
+  CompareModels(
+      [](Generator& g) {
+        return modules::MakeResNet18({.num_classes = 10, .stem = modules::ResNetStem::kCifar}, g);
+      },
+      {4, 3, 32, 32}, 10, 1e-2, 1e-3);
+}
+
+TEST(CudaModelsTest, SecondStepAllocatesNoNewDeviceMemory) {
+  Init();
+  Generator data(8);
+  const Tensor images = Rand({32, 1, 28, 28}, {}, data);
+  Tensor label_values = Empty({32});
+  UniformFill(label_values, 0.0, 10.0, data);
+  const Tensor labels = label_values.To(DType::kInt64);
+  Generator gen(1);
+  auto model = modules::MakeCnn(gen);  // convolutions, pooling, linear layers
+  model->To(kGpu);
+  const Tensor x = images.To(kGpu), y = labels.To(kGpu);
+  auto step = [&] {
+    model->ZeroGrad();
+    const Tensor loss = loss::CrossEntropy(model->Forward(x), y);
+    Backward(loss);
+    return loss.Item();
+  };
+  const double first = step();
+  const uint64_t warm = CudaAllocator().Stats(kGpu).system_allocations;
+  const double second = step();
+  EXPECT_EQ(CudaAllocator().Stats(kGpu).system_allocations, warm);
+  // Same weights (no optimizer step) and batch, and the cached algorithms
+  // are deterministic for a fixed choice: the same loss.
+  EXPECT_NEAR(first, second, 1e-6 * std::abs(first));
+}
+
+}  // namespace
+}  // namespace ddp::nn::cuda
