@@ -748,8 +748,8 @@ Status Communicator::Impl::Staged(int device, const cuda::StagedCall& call,
 // memory, and reducing there costs one copy in and one copy out per chunk
 // for the whole collective, where reducing on the device would cross PCIe
 // again at every ring or tree step. The host reductions also cover every
-// dtype and op. Device kernels pay off once data moves device to device
-// (CUDA-aware UCX, CUDA IPC), which this path does not do.
+// dtype and op. Device kernels pay off where data moves GPU to GPU: the
+// CUDA IPC path tried first uses them.
 Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* recv, size_t count,
                                            DataType dtype, ReduceOp op, Algorithm requested,
                                            Deadline deadline) {
