@@ -178,14 +178,19 @@ Tensor SearchWorkspace(Device dev) {
   return Workspace(dev, 0);
 }
 
-// Picks the fastest successful algorithm of a search, skipping tensor-core
-// (TF32) kernels for f32 unless allowed.
+// Picks the fastest successful algorithm of a search. f32 and f64 never take
+// kernels that convert to 16-bit (ALLOW_CONVERSION), and f32 takes no tensor
+// core (TF32) kernel unless allowed; it then runs with FMA math, because
+// CUDNN_DEFAULT_MATH would let cuDNN use TF32 on Ampere and later.
 template <typename Perf>
 Choice Pick(const Perf* perfs, int count, DType dt, const char* what) {
+  const bool wide = dt == DType::kFloat32 || dt == DType::kFloat64;
+  const bool fma_only = dt == DType::kFloat32 && !AllowTf32();
   for (int i = 0; i < count; ++i) {
     if (perfs[i].status != CUDNN_STATUS_SUCCESS) continue;
-    if (dt == DType::kFloat32 && !AllowTf32() && perfs[i].mathType == CUDNN_TENSOR_OP_MATH) continue;
-    return {static_cast<int>(perfs[i].algo), perfs[i].mathType, perfs[i].memory};
+    if (wide && perfs[i].mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    if (fma_only && perfs[i].mathType == CUDNN_TENSOR_OP_MATH) continue;
+    return {static_cast<int>(perfs[i].algo), fma_only ? CUDNN_FMA_MATH : perfs[i].mathType, perfs[i].memory};
   }
   throw CudaError(std::string("cuDNN found no usable algorithm for ") + what, 0);
 }
