@@ -121,7 +121,8 @@ void SweepOthers(Communicator& comm) {
         FillInput(dtype, mine.data(), count, me, ReduceOp::kSum);
         const void* send = mine.data();
         if (in_place) {
-          std::memcpy(all.data() + me * count * elem, mine.data(), count * elem);
+          // count 0: the vectors hold no memory (null data), which memcpy must not see.
+          if (count > 0) std::memcpy(all.data() + me * count * elem, mine.data(), count * elem);
           send = all.data() + me * count * elem;
         }
         Status s = comm.AllGather(send, all.data(), count, dtype);
