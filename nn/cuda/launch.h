@@ -138,4 +138,23 @@ cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx
                                          const double* dy_term, const double* xhat_term, double scale, Dt dt,
                                          cudaStream_t stream);
 
+// ---- optimizer updates (contiguous [n], one dtype: f32 or f64) ----
+/// PyTorch's SGD, as nn/optim/sgd.cc: coefficients rounded to the element type first.
+struct SgdCoefficients {
+  double weight_decay, momentum, keep, neg_lr, grad_scale;  // keep = 1 - dampening
+  bool first_step, nesterov;
+};
+cudaError_t SgdStep(void* p, const void* g, void* momentum_buffer, int64_t n, const SgdCoefficients& c, Dt dt,
+                    cudaStream_t stream);
+/// PyTorch's Adam/AdamW, as nn/optim/adam.cc (max_exp_avg_sq null without amsgrad).
+struct AdamCoefficients {
+  double beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size, bc2_sqrt,
+      grad_scale;
+  bool coupled_weight_decay, decoupled_weight_decay;
+};
+cudaError_t AdamStep(void* p, const void* g, void* exp_avg, void* exp_avg_sq, void* max_exp_avg_sq, int64_t n,
+                     const AdamCoefficients& c, Dt dt, cudaStream_t stream);
+/// t[i] *= inv_scale; *found_inf = 1.0f when some t[i] is inf or NaN (never reset here).
+cudaError_t UnscaleAndCheck(void* t, int64_t n, double inv_scale, float* found_inf, Dt dt, cudaStream_t stream);
+
 }  // namespace ddp::nn::cuda::launch
