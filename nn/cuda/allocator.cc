@@ -45,6 +45,7 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
   const cudaStream_t stream = CurrentStream(device);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    ProcessPendingLocked();
     AllocatorStats& st = StatsFor(device.index);
     ++st.requests;
     auto it = free_.find(FreeKey{device.index, stream, size});
@@ -54,7 +55,7 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
       st.cached_bytes -= size;
       st.in_use_bytes += size;
       if (st.in_use_bytes > st.peak_in_use_bytes) st.peak_in_use_bytes = st.in_use_bytes;
-      live_[p] = Block{size, device.index, stream};
+      live_[p] = Block{size, device.index, stream, {}};
       return p;
     }
   }
@@ -78,8 +79,51 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
   ++st.system_allocations;
   st.in_use_bytes += size;
   if (st.in_use_bytes > st.peak_in_use_bytes) st.peak_in_use_bytes = st.in_use_bytes;
-  live_[p] = Block{size, device.index, stream};
+  live_[p] = Block{size, device.index, stream, {}};
   return p;
+}
+
+void CachingCudaAllocator::RecordStream(void* ptr, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    throw std::invalid_argument("RecordStream: the pointer is not a live block of the CUDA allocator");
+  }
+  Block& b = it->second;
+  if (stream == b.stream) return;
+  for (cudaStream_t s : b.used_on) {
+    if (s == stream) return;
+  }
+  b.used_on.push_back(stream);
+}
+
+void CachingCudaAllocator::ProcessPendingLocked() {
+  for (size_t i = 0; i < pending_.size();) {
+    Pending& pd = pending_[i];
+    bool done = true;
+    for (cudaEvent_t e : pd.events) {
+      const cudaError_t err = cudaEventQuery(e);
+      if (err == cudaErrorNotReady) {
+        done = false;
+        break;
+      }
+      CheckCuda(err, "cudaEventQuery (block used on another stream)");
+    }
+    if (!done) {
+      ++i;
+      continue;
+    }
+    for (cudaEvent_t e : pd.events) (void)cudaEventDestroy(e);
+    if (caching_) {
+      free_[FreeKey{pd.block.device, pd.block.stream, pd.block.size}].push_back(pd.ptr);
+      StatsFor(pd.block.device).cached_bytes += pd.block.size;
+    } else {
+      DeviceGuard guard(pd.block.device);
+      (void)cudaFree(pd.ptr);
+    }
+    pending_[i] = std::move(pending_.back());
+    pending_.pop_back();
+  }
 }
 
 void CachingCudaAllocator::Deallocate(void* ptr, size_t /*nbytes*/, Device device) {
@@ -95,6 +139,26 @@ void CachingCudaAllocator::Deallocate(void* ptr, size_t /*nbytes*/, Device devic
   live_.erase(it);
   AllocatorStats& st = StatsFor(b.device);
   st.in_use_bytes -= b.size;
+  if (!b.used_on.empty()) {
+    // Reuse only after every other stream has passed this point. The
+    // events are recorded now; ProcessPendingLocked returns the block.
+    DeviceGuard guard(b.device);
+    Pending pd{ptr, b, {}};
+    for (cudaStream_t s : b.used_on) {
+      cudaEvent_t e = nullptr;
+      CheckCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      CheckCuda(cudaEventRecord(e, s), "cudaEventRecord (block used on another stream)");
+      pd.events.push_back(e);
+    }
+    pending_.push_back(std::move(pd));
+    if (!caching_) {
+      // Without the cache the block must still not be freed before those
+      // streams are done: wait for them (rare: sanitizer runs only).
+      for (cudaEvent_t e : pending_.back().events) WaitEvent(e, "free of a block used on another stream");
+      ProcessPendingLocked();
+    }
+    return;
+  }
   if (caching_) {
     free_[FreeKey{b.device, b.stream, b.size}].push_back(ptr);
     st.cached_bytes += b.size;
@@ -130,6 +194,10 @@ void CachingCudaAllocator::ReleaseCachedLocked(int device) {
 
 void CachingCudaAllocator::EmptyCache() {
   std::lock_guard<std::mutex> lock(mu_);
+  for (const Pending& pd : pending_) {
+    for (cudaEvent_t e : pd.events) WaitEvent(e, "EmptyCache: a block used on another stream");
+  }
+  ProcessPendingLocked();
   std::vector<int> devices;
   for (const auto& [key, list] : free_) {
     if (!list.empty() && (devices.empty() || devices.back() != std::get<0>(key))) devices.push_back(std::get<0>(key));
@@ -162,6 +230,13 @@ void CachingCudaAllocator::set_caching_enabled(bool enabled) {
     caching_ = enabled;
   }
   if (!enabled) EmptyCache();
+}
+
+void RecordStream(const Tensor& t, cudaStream_t stream) {
+  if (!t.defined() || !t.device().is_cuda()) {
+    throw std::invalid_argument("RecordStream: expected a CUDA tensor");
+  }
+  CudaAllocator().RecordStream(t.storage()->data(), stream);
 }
 
 CachingCudaAllocator& CudaAllocator() {

@@ -7,8 +7,10 @@
 // A freed block goes back to that stream's free list and is handed out again
 // only to requests on the same stream: work queued later on that stream runs
 // after the work that used the block, so reuse needs no host wait. A tensor
-// used on a second stream must be kept alive (or that stream synchronized)
-// until the second stream is done with it.
+// also used on another stream (a communication stream reading a gradient
+// bucket) must be declared with RecordStream: when it is freed, an event is
+// recorded on each such stream and the block is reused only once they have
+// all passed it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "nn/tensor/allocator.h"
+#include "nn/tensor/tensor.h"
 
 namespace ddp::nn::cuda {
 
@@ -37,6 +40,10 @@ class CachingCudaAllocator final : public Allocator {
   /// retried once; then throws CudaOutOfMemory (a std::bad_alloc).
   void* Allocate(size_t nbytes, Device device) override;
   void Deallocate(void* ptr, size_t nbytes, Device device) override;
+  /// Declares that the live block at `ptr` (a tensor's storage data) is also
+  /// used by work queued on `stream`; freeing it then waits, on the device,
+  /// for that stream. Throws if ptr is not a live block of this allocator.
+  void RecordStream(void* ptr, cudaStream_t stream);
 
   /// Waits for each device that holds cached blocks, then cudaFrees them all.
   void EmptyCache();
@@ -56,20 +63,33 @@ class CachingCudaAllocator final : public Allocator {
     size_t size;
     int device;
     cudaStream_t stream;
+    std::vector<cudaStream_t> used_on;  // other streams (RecordStream)
+  };
+  // A freed block waiting for the events of its other streams.
+  struct Pending {
+    void* ptr;
+    Block block;
+    std::vector<cudaEvent_t> events;
   };
   using FreeKey = std::tuple<int, cudaStream_t, size_t>;
 
   void ReleaseCachedLocked(int device);
+  void ProcessPendingLocked();
   AllocatorStats& StatsFor(int device);
 
   mutable std::mutex mu_;
   std::map<FreeKey, std::vector<void*>> free_;
   std::unordered_map<void*, Block> live_;
+  std::vector<Pending> pending_;
   std::map<int, AllocatorStats> stats_;
   bool caching_;
 };
 
 /// The process-wide CUDA allocator (registered by Init()).
 CachingCudaAllocator& CudaAllocator();
+
+/// Declares that t's memory is used by work on `stream` too (see the header
+/// comment); t must live in memory from CudaAllocator().
+void RecordStream(const Tensor& t, cudaStream_t stream);
 
 }  // namespace ddp::nn::cuda

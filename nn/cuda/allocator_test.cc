@@ -3,8 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nn/cuda/cuda.h"
@@ -63,6 +66,50 @@ TEST_F(CudaAllocatorTest, BlocksAreReusedOnlyOnTheirOwnStream) {
   { Tensor t = Empty({n}, {.device = kGpu}); }
   EXPECT_EQ(CudaAllocator().Stats(kGpu).system_allocations, before + 1);
   side.Synchronize();
+}
+
+// Holds a stream in a host callback until opened (or for 10 s at most), so
+// that work queued behind it is known not to have run yet.
+struct Gate {
+  std::atomic<bool> open{false};
+};
+
+void CUDART_CB HoldUntilOpen(void* arg) {
+  auto* gate = static_cast<Gate*>(arg);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!gate->open.load() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+TEST_F(CudaAllocatorTest, BlockUsedOnAnotherStreamIsReusedOnlyAfterThatStream) {
+  Stream side(kGpu);
+  Gate gate;
+  const int64_t n = 23456;  // a size no other test uses
+  void* first = nullptr;
+  {
+    Tensor t = Empty({n}, {.device = kGpu});  // allocated on the default stream
+    first = t.data_ptr();
+    CheckCuda(cudaLaunchHostFunc(side.get(), &HoldUntilOpen, &gate), "cudaLaunchHostFunc");
+    RecordStream(t, side.get());  // the side stream (stalled) still "uses" t
+  }
+  void* second = nullptr;
+  {
+    Tensor u = Empty({n}, {.device = kGpu});
+    second = u.data_ptr();
+    EXPECT_NE(second, first) << "a block was reused before the stream that uses it had passed";
+  }
+  gate.open = true;
+  side.Synchronize();
+  const uint64_t before = CudaAllocator().Stats(kGpu).system_allocations;
+  Tensor a = Empty({n}, {.device = kGpu}), b = Empty({n}, {.device = kGpu});
+  EXPECT_EQ(CudaAllocator().Stats(kGpu).system_allocations, before) << "both blocks should be back in the cache";
+  EXPECT_TRUE((a.data_ptr() == first && b.data_ptr() == second) || (a.data_ptr() == second && b.data_ptr() == first));
+}
+
+TEST_F(CudaAllocatorTest, RecordStreamRejectsForeignMemory) {
+  float host = 0;
+  EXPECT_THROW(RecordStream(Tensor::FromBlob(&host, {1}, DType::kFloat32), cudaStreamLegacy), std::invalid_argument);
 }
 
 TEST_F(CudaAllocatorTest, EmptyCacheReturnsEveryCachedBlock) {
