@@ -70,6 +70,9 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
     err = cudaMalloc(&p, size);
   }
   AllocatorStats& st = StatsFor(device.index);
+  if (err != cudaSuccess && err != cudaErrorMemoryAllocation) {
+    CheckCuda(err, ("cudaMalloc(" + std::to_string(size) + " bytes on " + device.ToString() + ")").c_str());
+  }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     throw CudaOutOfMemory("cudaMalloc of " + std::to_string(size) + " bytes on " + device.ToString() +
