@@ -42,23 +42,10 @@ __device__ __forceinline__ To Cast(From v) {
   }
 }
 
-/// Offsets of element `linear` in up to three operands.
+/// Offsets of element `linear` in up to three operands (launch.h).
 template <int N>
 __device__ __forceinline__ void Offsets(const Indexing& ix, int64_t linear, int64_t (&off)[N]) {
-#pragma unroll
-  for (int k = 0; k < N; ++k) off[k] = 0;
-  if (ix.contiguous) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) off[k] = linear;
-    return;
-  }
-  for (int d = ix.ndim - 1; d >= 0; --d) {
-    const int64_t size = ix.sizes[d];
-    const int64_t i = linear % size;
-    linear /= size;
-#pragma unroll
-    for (int k = 0; k < N; ++k) off[k] += i * ix.strides[k][d];
-  }
+  launch::OffsetsOf<N>(ix, linear, off);
 }
 
 /// Grid for a grid-stride loop over n elements with 256-thread blocks.

@@ -5,6 +5,8 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/cuda.h"
@@ -12,6 +14,7 @@
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/stream.h"
 #include "nn/ops/dispatch.h"
+#include "nn/tensor/generator.h"
 
 namespace ddp::nn::cuda {
 namespace {
@@ -66,6 +69,53 @@ TEST(CudaIndexing, SizeOneDimensionsAreDroppedAndBroadcastKeepsStrideZero) {
   EXPECT_EQ(ix.sizes[1], 3);
   EXPECT_EQ(ix.strides[1][0], 0);
   EXPECT_EQ(ix.strides[1][1], 1);
+}
+
+// Row-major offset of element `linear` of `shape` in a tensor with `strides`.
+int64_t DirectOffset(const Shape& shape, const Shape& strides, int64_t linear) {
+  int64_t off = 0;
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+    off += (linear % shape[d]) * strides[d];
+    linear /= shape[d];
+  }
+  return off;
+}
+
+// The kernels' index math (merged dimensions, fast contiguous path) gives
+// every operand's offsets exactly as direct strided indexing does, for
+// random shapes, permutations, slices and broadcasts.
+TEST(CudaIndexing, MergedGeometryAddressesEveryElementLikeDirectIndexing) {
+  Generator gen(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int rank = 1 + static_cast<int>(gen.NextU64() % 5);
+    Shape shape(rank);
+    for (int d = 0; d < rank; ++d) shape[d] = 1 + static_cast<int64_t>(gen.NextU64() % 4);
+    // Operand 0: contiguous; 1: a permuted contiguous buffer; 2: broadcast
+    // (stride 0 in random dimensions) over a sliced (step 2) buffer.
+    const Shape s0 = ContiguousStrides(shape);
+    std::vector<int> perm(rank);
+    for (int d = 0; d < rank; ++d) perm[d] = d;
+    for (int d = rank - 1; d > 0; --d) std::swap(perm[d], perm[gen.NextU64() % (d + 1)]);
+    Shape permuted(rank);
+    for (int d = 0; d < rank; ++d) permuted[d] = shape[perm[d]];
+    const Shape pst = ContiguousStrides(permuted);
+    Shape s1(rank), s2(rank);
+    for (int d = 0; d < rank; ++d) s1[perm[d]] = pst[d];
+    int64_t stride = 2;
+    for (int d = rank - 1; d >= 0; --d) {
+      s2[d] = (gen.NextU64() % 3 == 0) ? 0 : stride;
+      stride *= shape[d] * 2;
+    }
+    const launch::Indexing ix = MakeIndexing("test", shape, {s0, s1, s2});
+    const int64_t n = NumElements(shape);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t off[3];
+      launch::OffsetsOf<3>(ix, i, off);
+      ASSERT_EQ(off[0], DirectOffset(shape, s0, i)) << "trial " << trial << " element " << i;
+      ASSERT_EQ(off[1], DirectOffset(shape, s1, i)) << "trial " << trial << " element " << i;
+      ASSERT_EQ(off[2], DirectOffset(shape, s2, i)) << "trial " << trial << " element " << i;
+    }
+  }
 }
 
 TEST(CudaIndexing, TooManyDimensionsNameTheOp) {

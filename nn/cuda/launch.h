@@ -9,6 +9,13 @@
 
 #include <cstdint>
 
+// Functions shared by host and device code (the host tests check them).
+#ifdef __CUDACC__
+#define DDP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define DDP_HOST_DEVICE inline
+#endif
+
 namespace ddp::nn::cuda::launch {
 
 /// Most dimensions an indexed operand may have after merging contiguous runs.
@@ -27,6 +34,23 @@ struct Indexing {
   int64_t sizes[kMaxDims] = {};
   int64_t strides[3][kMaxDims] = {};
 };
+
+/// Offsets (in elements) of element `linear` of the index space in the
+/// first N operands.
+template <int N>
+DDP_HOST_DEVICE void OffsetsOf(const Indexing& ix, int64_t linear, int64_t (&off)[N]) {
+  for (int k = 0; k < N; ++k) off[k] = 0;
+  if (ix.contiguous) {
+    for (int k = 0; k < N; ++k) off[k] = linear;
+    return;
+  }
+  for (int d = ix.ndim - 1; d >= 0; --d) {
+    const int64_t size = ix.sizes[d];
+    const int64_t i = linear % size;
+    linear /= size;
+    for (int k = 0; k < N; ++k) off[k] += i * ix.strides[k][d];
+  }
+}
 
 /// Unary and binary op codes: the values of ops::UnaryOp / ops::BinaryOp.
 using OpCode = int;
