@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <stdexcept>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/indexing.h"
+#include "nn/cuda/pool_math.h"
 #include "nn/cuda/stream.h"
 #include "nn/ops/dispatch.h"
 #include "nn/tensor/generator.h"
@@ -135,6 +138,120 @@ TEST(CudaIndexing, TooManyDimensionsNameTheOp) {
 
 TEST(CudaIndexing, BroadcastStridesRejectIncompatibleShapes) {
   EXPECT_THROW(BroadcastStridesTo(Tensor::FromBlob(nullptr, {3}, DType::kFloat32), {4}), std::invalid_argument);
+}
+
+// PyTorch's output size of a pooling window (ceil mode: the last window
+// must start inside the input or its left padding).
+int64_t PoolOut(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d, bool ceil) {
+  const int64_t num = in + 2 * p - d * (k - 1) - 1;
+  int64_t out = (ceil ? (num + s - 1) / s : num / s) + 1;
+  if (ceil && (out - 1) * s >= in + p) --out;
+  return out;
+}
+
+launch::PoolGeometry RandomPool(Generator& gen, bool dilated) {
+  launch::PoolGeometry g;
+  for (;;) {
+    g.planes = 1;
+    g.h = 1 + static_cast<int64_t>(gen.NextU64() % 12);
+    g.w = 1 + static_cast<int64_t>(gen.NextU64() % 12);
+    g.kh = 1 + static_cast<int64_t>(gen.NextU64() % 4);
+    g.kw = 1 + static_cast<int64_t>(gen.NextU64() % 4);
+    g.sh = 1 + static_cast<int64_t>(gen.NextU64() % 3);
+    g.sw = 1 + static_cast<int64_t>(gen.NextU64() % 3);
+    g.ph = static_cast<int64_t>(gen.NextU64() % (g.kh / 2 + 1));  // PyTorch: pad <= kernel / 2
+    g.pw = static_cast<int64_t>(gen.NextU64() % (g.kw / 2 + 1));
+    g.dh = dilated ? 1 + static_cast<int64_t>(gen.NextU64() % 2) : 1;
+    g.dw = dilated ? 1 + static_cast<int64_t>(gen.NextU64() % 2) : 1;
+    g.count_include_pad = gen.NextU64() % 2 == 0;
+    const bool ceil = gen.NextU64() % 2 == 0;
+    g.oh = PoolOut(g.h, g.kh, g.sh, g.ph, g.dh, ceil);
+    g.ow = PoolOut(g.w, g.kw, g.sw, g.pw, g.dw, ceil);
+    if (g.oh > 0 && g.ow > 0) return g;
+  }
+}
+
+// The backward kernels gather, per input element, the outputs whose windows
+// cover it; the forward kernels define the windows per output. Both views
+// must name the same (output, input) pairs, with the same divisors.
+TEST(CudaPoolMath, MaxWindowsGatheredPerInputAreTheForwardWindows) {
+  Generator gen(17);
+  for (int trial = 0; trial < 500; ++trial) {
+    const launch::PoolGeometry g = RandomPool(gen, true);
+    std::set<std::pair<int64_t, int64_t>> forward, gathered;
+    for (int64_t i = 0; i < g.oh; ++i) {
+      for (int64_t j = 0; j < g.ow; ++j) {
+        for (int64_t kh = 0; kh < g.kh; ++kh) {
+          for (int64_t kw = 0; kw < g.kw; ++kw) {
+            const int64_t ih = i * g.sh - g.ph + kh * g.dh, iw = j * g.sw - g.pw + kw * g.dw;
+            if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w) forward.insert({i * g.ow + j, ih * g.w + iw});
+          }
+        }
+      }
+    }
+    for (int64_t ih = 0; ih < g.h; ++ih) {
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        launch::ForEachMaxWindowCovering(g, ih, iw, [&](int64_t o) { gathered.insert({o, ih * g.w + iw}); });
+      }
+    }
+    ASSERT_EQ(gathered, forward) << "trial " << trial;
+  }
+}
+
+TEST(CudaPoolMath, AverageWindowsGatheredPerInputAreTheForwardWindows) {
+  Generator gen(18);
+  for (int trial = 0; trial < 500; ++trial) {
+    const launch::PoolGeometry g = RandomPool(gen, false);
+    std::set<std::tuple<int64_t, int64_t, int64_t>> forward, gathered;
+    for (int64_t i = 0; i < g.oh; ++i) {
+      const launch::AvgWindow wh = launch::AvgWindowOf(i, g.sh, g.ph, g.kh, g.h);
+      for (int64_t j = 0; j < g.ow; ++j) {
+        const launch::AvgWindow ww = launch::AvgWindowOf(j, g.sw, g.pw, g.kw, g.w);
+        const int64_t div = launch::AvgDivisorOf(g, wh, ww);
+        if (div <= 0) continue;
+        for (int64_t ih = wh.start; ih < wh.end; ++ih) {
+          for (int64_t iw = ww.start; iw < ww.end; ++iw) forward.insert({i * g.ow + j, ih * g.w + iw, div});
+        }
+      }
+    }
+    for (int64_t ih = 0; ih < g.h; ++ih) {
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        launch::ForEachAvgWindowCovering(g, ih, iw,
+                                         [&](int64_t o, int64_t div) { gathered.insert({o, ih * g.w + iw, div}); });
+      }
+    }
+    ASSERT_EQ(gathered, forward) << "trial " << trial;
+  }
+}
+
+TEST(CudaPoolMath, AdaptiveWindowsGatheredPerInputAreTheForwardWindows) {
+  for (int64_t h = 1; h <= 13; ++h) {
+    for (int64_t oh = 1; oh <= 15; ++oh) {
+      launch::PoolGeometry g;
+      g.planes = 1;
+      g.h = h;
+      g.w = 14 - h;
+      g.oh = oh;
+      g.ow = 16 - oh;
+      std::set<std::tuple<int64_t, int64_t, int64_t>> forward, gathered;
+      for (int64_t i = 0; i < g.oh; ++i) {
+        const int64_t hs = launch::AdaptiveStartOf(i, g.oh, g.h), he = launch::AdaptiveEndOf(i, g.oh, g.h);
+        for (int64_t j = 0; j < g.ow; ++j) {
+          const int64_t ws = launch::AdaptiveStartOf(j, g.ow, g.w), we = launch::AdaptiveEndOf(j, g.ow, g.w);
+          for (int64_t ih = hs; ih < he; ++ih) {
+            for (int64_t iw = ws; iw < we; ++iw) forward.insert({i * g.ow + j, ih * g.w + iw, (he - hs) * (we - ws)});
+          }
+        }
+      }
+      for (int64_t ih = 0; ih < g.h; ++ih) {
+        for (int64_t iw = 0; iw < g.w; ++iw) {
+          launch::ForEachAdaptiveWindowCovering(
+              g, ih, iw, [&](int64_t o, int64_t count) { gathered.insert({o, ih * g.w + iw, count}); });
+        }
+      }
+      ASSERT_EQ(gathered, forward) << h << "x" << g.w << " -> " << oh << "x" << g.ow;
+    }
+  }
 }
 
 TEST(CudaErrors, MessageNamesTheCallAndTheCudaError) {

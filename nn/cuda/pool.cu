@@ -6,6 +6,7 @@
 
 #include "nn/cuda/device_util.cuh"
 #include "nn/cuda/launch.h"
+#include "nn/cuda/pool_math.h"
 
 namespace ddp::nn::cuda::launch {
 
@@ -13,30 +14,6 @@ using device::acc_t;
 using device::Cast;
 
 namespace {
-
-struct AvgWindow {
-  int64_t start, end, padded;
-};
-
-// As the CPU's: the window clipped to the input, and its length with padding.
-__device__ __forceinline__ AvgWindow MakeAvgWindow(int64_t o, int64_t stride, int64_t pad, int64_t kernel,
-                                                   int64_t size) {
-  int64_t s = o * stride - pad;
-  int64_t e = s + kernel < size + pad ? s + kernel : size + pad;
-  const int64_t padded = e - s;
-  s = s > 0 ? s : 0;
-  e = e < size ? e : size;
-  return {s, e, padded};
-}
-
-__device__ __forceinline__ int64_t AvgDivisor(const PoolGeometry& g, const AvgWindow& wh, const AvgWindow& ww) {
-  return g.count_include_pad ? wh.padded * ww.padded : (wh.end - wh.start) * (ww.end - ww.start);
-}
-
-__device__ __forceinline__ int64_t AdaptiveStart(int64_t o, int64_t out, int64_t in) { return (o * in) / out; }
-__device__ __forceinline__ int64_t AdaptiveEnd(int64_t o, int64_t out, int64_t in) {
-  return ((o + 1) * in + out - 1) / out;
-}
 
 #define DDP_GRID_LOOP(i, n)                                                                      \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n);         \
@@ -82,20 +59,9 @@ __global__ void MaxPoolBackwardKernel(PoolGeometry g, const T* dy, const int32_t
     const int64_t self = ih * g.w + iw;
     const int64_t base = pl * g.oh * g.ow;
     A sum = 0;
-    for (int64_t kh = 0; kh < g.kh; ++kh) {
-      const int64_t num_h = ih + g.ph - kh * g.dh;
-      if (num_h < 0 || num_h % g.sh != 0) continue;
-      const int64_t i = num_h / g.sh;
-      if (i >= g.oh) continue;
-      for (int64_t kw = 0; kw < g.kw; ++kw) {
-        const int64_t num_w = iw + g.pw - kw * g.dw;
-        if (num_w < 0 || num_w % g.sw != 0) continue;
-        const int64_t j = num_w / g.sw;
-        if (j >= g.ow) continue;
-        const int64_t o = base + i * g.ow + j;
-        if (ind[o] == self) sum += Cast<A>(dy[o]);
-      }
-    }
+    ForEachMaxWindowCovering(g, ih, iw, [&](int64_t o) {
+      if (ind[base + o] == self) sum += Cast<A>(dy[base + o]);
+    });
     dx[idx] = Cast<T>(sum);
   }
 }
@@ -106,13 +72,13 @@ __global__ void AvgPoolForwardKernel(PoolGeometry g, const T* x, T* y) {
   DDP_GRID_LOOP(idx, g.planes * g.oh * g.ow) {
     const int64_t j = idx % g.ow, i = (idx / g.ow) % g.oh, pl = idx / (g.ow * g.oh);
     const T* xp = x + pl * g.h * g.w;
-    const AvgWindow wh = MakeAvgWindow(i, g.sh, g.ph, g.kh, g.h);
-    const AvgWindow ww = MakeAvgWindow(j, g.sw, g.pw, g.kw, g.w);
+    const AvgWindow wh = AvgWindowOf(i, g.sh, g.ph, g.kh, g.h);
+    const AvgWindow ww = AvgWindowOf(j, g.sw, g.pw, g.kw, g.w);
     A s = 0;
     for (int64_t ih = wh.start; ih < wh.end; ++ih) {
       for (int64_t iw = ww.start; iw < ww.end; ++iw) s += Cast<A>(xp[ih * g.w + iw]);
     }
-    const int64_t div = AvgDivisor(g, wh, ww);
+    const int64_t div = AvgDivisorOf(g, wh, ww);
     y[idx] = Cast<T>(div > 0 ? s / static_cast<A>(div) : A(0));
   }
 }
@@ -124,22 +90,9 @@ __global__ void AvgPoolBackwardKernel(PoolGeometry g, const T* dy, T* dx) {
     const int64_t iw = idx % g.w, ih = (idx / g.w) % g.h, pl = idx / (g.w * g.h);
     const int64_t base = pl * g.oh * g.ow;
     A sum = 0;
-    for (int64_t kh = 0; kh < g.kh; ++kh) {
-      const int64_t num_h = ih + g.ph - kh;
-      if (num_h < 0 || num_h % g.sh != 0) continue;
-      const int64_t i = num_h / g.sh;
-      if (i >= g.oh) continue;
-      const AvgWindow wh = MakeAvgWindow(i, g.sh, g.ph, g.kh, g.h);
-      for (int64_t kw = 0; kw < g.kw; ++kw) {
-        const int64_t num_w = iw + g.pw - kw;
-        if (num_w < 0 || num_w % g.sw != 0) continue;
-        const int64_t j = num_w / g.sw;
-        if (j >= g.ow) continue;
-        const AvgWindow ww = MakeAvgWindow(j, g.sw, g.pw, g.kw, g.w);
-        const int64_t div = AvgDivisor(g, wh, ww);
-        if (div > 0) sum += Cast<A>(dy[base + i * g.ow + j]) / static_cast<A>(div);
-      }
-    }
+    ForEachAvgWindowCovering(g, ih, iw, [&](int64_t o, int64_t div) {
+      sum += Cast<A>(dy[base + o]) / static_cast<A>(div);
+    });
     dx[idx] = Cast<T>(sum);
   }
 }
@@ -150,8 +103,8 @@ __global__ void AdaptiveAvgForwardKernel(PoolGeometry g, const T* x, T* y) {
   DDP_GRID_LOOP(idx, g.planes * g.oh * g.ow) {
     const int64_t j = idx % g.ow, i = (idx / g.ow) % g.oh, pl = idx / (g.ow * g.oh);
     const T* xp = x + pl * g.h * g.w;
-    const int64_t hs = AdaptiveStart(i, g.oh, g.h), he = AdaptiveEnd(i, g.oh, g.h);
-    const int64_t ws = AdaptiveStart(j, g.ow, g.w), we = AdaptiveEnd(j, g.ow, g.w);
+    const int64_t hs = AdaptiveStartOf(i, g.oh, g.h), he = AdaptiveEndOf(i, g.oh, g.h);
+    const int64_t ws = AdaptiveStartOf(j, g.ow, g.w), we = AdaptiveEndOf(j, g.ow, g.w);
     A s = 0;
     for (int64_t ih = hs; ih < he; ++ih) {
       for (int64_t iw = ws; iw < we; ++iw) s += Cast<A>(xp[ih * g.w + iw]);
@@ -166,19 +119,10 @@ __global__ void AdaptiveAvgBackwardKernel(PoolGeometry g, const T* dy, T* dx) {
   DDP_GRID_LOOP(idx, g.planes * g.h * g.w) {
     const int64_t iw = idx % g.w, ih = (idx / g.w) % g.h, pl = idx / (g.w * g.h);
     const int64_t base = pl * g.oh * g.ow;
-    // Outputs whose windows may contain ih (checked exactly below).
-    const int64_t i_lo = (ih * g.oh) / g.h, i_hi = ((ih + 1) * g.oh + g.h - 1) / g.h;
-    const int64_t j_lo = (iw * g.ow) / g.w, j_hi = ((iw + 1) * g.ow + g.w - 1) / g.w;
     A sum = 0;
-    for (int64_t i = i_lo > 0 ? i_lo - 1 : 0; i < i_hi + 1 && i < g.oh; ++i) {
-      const int64_t hs = AdaptiveStart(i, g.oh, g.h), he = AdaptiveEnd(i, g.oh, g.h);
-      if (ih < hs || ih >= he) continue;
-      for (int64_t j = j_lo > 0 ? j_lo - 1 : 0; j < j_hi + 1 && j < g.ow; ++j) {
-        const int64_t ws = AdaptiveStart(j, g.ow, g.w), we = AdaptiveEnd(j, g.ow, g.w);
-        if (iw < ws || iw >= we) continue;
-        sum += Cast<A>(dy[base + i * g.ow + j]) / static_cast<A>((he - hs) * (we - ws));
-      }
-    }
+    ForEachAdaptiveWindowCovering(g, ih, iw, [&](int64_t o, int64_t count) {
+      sum += Cast<A>(dy[base + o]) / static_cast<A>(count);
+    });
     dx[idx] = Cast<T>(sum);
   }
 }
