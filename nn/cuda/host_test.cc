@@ -121,6 +121,64 @@ TEST(CudaIndexing, MergedGeometryAddressesEveryElementLikeDirectIndexing) {
   }
 }
 
+// The sum_to kernels visit, for output j, the x offsets kept[j] + reduced[r]
+// for every r. Replayed on the host with real strided CPU tensors, that
+// must give the CPU kernel's sums exactly (the same f64 additions in the
+// same order per output).
+TEST(CudaIndexing, SumToGeometryReproducesTheCpuSums) {
+  Generator gen(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int rank = 1 + static_cast<int>(gen.NextU64() % 4);
+    Shape shape(rank), out_shape(rank);
+    for (int d = 0; d < rank; ++d) {
+      shape[d] = 1 + static_cast<int64_t>(gen.NextU64() % 5);
+      out_shape[d] = gen.NextU64() % 2 == 0 ? 1 : shape[d];
+    }
+    // x: a transposed view of a f64 buffer when rank >= 2, to get real strides.
+    Tensor x = Empty(shape, {.dtype = DType::kFloat64});
+    UniformFill(x, -1.0, 1.0, gen);
+    if (rank >= 2) {
+      Shape swapped = shape;
+      std::swap(swapped[0], swapped[rank - 1]);
+      Tensor base = Empty(swapped, {.dtype = DType::kFloat64});
+      UniformFill(base, -1.0, 1.0, gen);
+      x = base.Transpose(0, rank - 1);
+    }
+    const Tensor out = Empty(out_shape, {.dtype = DType::kFloat64});
+    const launch::ReduceIndexing rx = MakeSumToIndexing(x, out);
+    const double* xp = x.data<double>();
+    double* op = out.data<double>();
+    for (int64_t j = 0; j < rx.num_kept; ++j) {
+      int64_t kept[2];
+      launch::OffsetsOf<2>(rx.kept, j, kept);
+      double sum = 0;
+      for (int64_t r = 0; r < rx.num_reduced; ++r) {
+        int64_t red[2];
+        launch::OffsetsOf<2>(rx.reduced, r, red);
+        sum += xp[kept[1] + red[1]];
+      }
+      op[kept[0]] = sum;
+    }
+    const Tensor want = Empty(out_shape, {.dtype = DType::kFloat64});
+    ops::KernelsFor(DeviceType::kCPU).sum_to(x, want);
+    const std::vector<double> a = want.ToVector<double>(), b = out.ToVector<double>();
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_NEAR(b[i], a[i], 1e-12) << "trial " << trial << " " << ShapeToString(shape) << " -> "
+                                     << ShapeToString(out_shape) << " element " << i;
+    }
+  }
+}
+
+TEST(CudaIndexing, SumToRejectsShapesThatDoNotReduce) {
+  const Tensor x = Empty({3, 4}), out = Empty({2, 4});
+  try {
+    (void)MakeSumToIndexing(x, out);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[3, 4] to [2, 4]"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaIndexing, TooManyDimensionsNameTheOp) {
   // Alternating strides that cannot merge: 9 dimensions.
   Shape shape(9, 2), a(9), b(9);

@@ -70,4 +70,32 @@ launch::Indexing MakeIndexing(const char* op, const Shape& shape, std::initializ
   return ix;
 }
 
+launch::ReduceIndexing MakeSumToIndexing(const Tensor& x, const Tensor& out) {
+  if (out.dim() != x.dim()) {
+    throw std::invalid_argument("sum_to: out rank " + std::to_string(out.dim()) + " differs from input rank " +
+                                std::to_string(x.dim()));
+  }
+  Shape kept_shape, kept_out, kept_x, red_shape, red_zero, red_x;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (out.size(d) == x.size(d)) {
+      kept_shape.push_back(x.size(d));
+      kept_out.push_back(out.stride(d));
+      kept_x.push_back(x.stride(d));
+    } else if (out.size(d) == 1) {
+      red_shape.push_back(x.size(d));
+      red_zero.push_back(0);
+      red_x.push_back(x.stride(d));
+    } else {
+      throw std::invalid_argument("sum_to: cannot sum shape " + ShapeToString(x.shape()) + " to " +
+                                  ShapeToString(out.shape()));
+    }
+  }
+  launch::ReduceIndexing rx;
+  rx.kept = MakeIndexing("sum_to", kept_shape, {kept_out, kept_x});
+  rx.reduced = MakeIndexing("sum_to", red_shape, {red_zero, red_x});
+  rx.num_kept = NumElements(kept_shape);
+  rx.num_reduced = NumElements(red_shape);
+  return rx;
+}
+
 }  // namespace ddp::nn::cuda

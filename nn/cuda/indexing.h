@@ -21,4 +21,8 @@ Shape BroadcastStridesTo(const Tensor& t, const Shape& shape);
 /// when more than launch::kMaxDims dimensions remain.
 launch::Indexing MakeIndexing(const char* op, const Shape& shape, std::initializer_list<Shape> strides);
 
+/// Geometry of summing x into out (same rank; each of out's sizes equals
+/// x's or is 1, which sums that dimension). Throws naming both shapes otherwise.
+launch::ReduceIndexing MakeSumToIndexing(const Tensor& x, const Tensor& out);
+
 }  // namespace ddp::nn::cuda
