@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <stdexcept>
+#include <functional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -13,7 +14,10 @@
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/cuda_error.h"
+#include "nn/cuda/copy.h"
+#include "nn/cuda/gemm.h"
 #include "nn/cuda/indexing.h"
+#include "nn/cuda/optim_kernels.h"
 #include "nn/cuda/pool_math.h"
 #include "nn/cuda/stream.h"
 #include "nn/ops/dispatch.h"
@@ -330,12 +334,57 @@ TEST(CudaErrors, MessageNamesTheCallAndTheCudaError) {
   }
 }
 
+// Misuse is reported before any CUDA call, so these run without a GPU. The
+// tensors wrap a host buffer labelled as device memory; it is never read.
+class CudaMisuseTest : public ::testing::Test {
+ protected:
+  Tensor On(int device, const Shape& shape, DType dt = DType::kFloat32) {
+    return Tensor::FromBlob(buffer_.data(), shape, dt, Device(DeviceType::kCUDA, device));
+  }
+  static void ExpectMessage(const std::function<void()>& fn, const std::string& part) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error containing `" << part << "`";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  }
+  std::vector<double> buffer_ = std::vector<double>(64);
+};
+
+TEST_F(CudaMisuseTest, CopyBetweenTwoDevicesIsNotAStridedCopy) {
+  ExpectMessage([&] { CopyStrided(On(0, {4}), On(1, {4})); }, "cuda:1 and destination on cuda:0");
+}
+
+TEST_F(CudaMisuseTest, KernelsNameOperandsOnDifferentDevices) {
+  Init();
+  const ops::KernelTable& t = ops::KernelsFor(DeviceType::kCUDA);
+  ExpectMessage([&] { t.binary(ops::BinaryOp::kAdd, On(0, {4}), On(1, {4}), On(0, {4})); }, "cuda:0 and cuda:1");
+  ExpectMessage([&] { t.unary(ops::UnaryOp::kRelu, On(0, {4}), On(0, {4}, DType::kFloat64)); }, "f32 and f64");
+  ExpectMessage([&] { t.sum_to(On(0, {3, 4}), On(0, {2, 4})); }, "cannot sum shape [3, 4] to [2, 4]");
+  ExpectMessage([&] { t.argmax(On(0, {3, 4}), 1, On(0, {3})); }, "out must be i64");
+}
+
+TEST_F(CudaMisuseTest, GemmNamesShapesThatDoNotChain) {
+  ExpectMessage([&] { Gemm(On(0, {2, 3}), On(0, {4, 5}), On(0, {2, 5}), 1.0, 0.0); }, "[2, 3] @ [4, 5] -> [2, 5]");
+  ExpectMessage([&] { Gemm(On(0, {2, 3}), On(1, {3, 5}), On(0, {2, 5}), 1.0, 0.0); }, "cuda:1");
+}
+
+TEST_F(CudaMisuseTest, OptimizerStepsNameMismatchedState) {
+  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {5}), Tensor(), 1, {}); }, "grad [5]");
+  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), 0, {}); }, "step counts from 1");
+  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), 1, {.momentum = 0.9}); }, "momentum_buffer");
+  ExpectMessage([&] { AdamStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {3}), Tensor(), 1, {}); }, "exp_avg_sq [3]");
+  ExpectMessage([&] { UnscaleAndCheck({On(0, {4})}, 0.5, On(0, {1}, DType::kFloat64)); }, "one-element f32");
+}
+
 TEST(CudaStream, TimeoutMustBePositive) {
   EXPECT_THROW(SetWaitTimeout(std::chrono::milliseconds(0)), std::invalid_argument);
 }
 
 TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
-  EXPECT_FALSE(HasDeviceBackend(DeviceType::kCUDA));
+  // On a machine without a GPU (where this test also runs), Init() succeeds:
+  // it registers and touches no device.
   Init();
   Init();  // idempotent
   EXPECT_TRUE(HasDeviceBackend(DeviceType::kCUDA));
