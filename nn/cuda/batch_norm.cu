@@ -1,6 +1,7 @@
 // Batch norm. Shapes: x, y, dy, dx [N, C, S] contiguous (S = product of the
 // trailing dimensions, 1 for BatchNorm1d); per-channel arrays [C] in f64.
-// Reductions run one block per channel, summing in f64 as the CPU does;
+// Reductions run one block per channel, summing in f64 as the CPU does
+// (row by row without per-element division when a row fills a block);
 // elementwise passes run one thread per element.
 #include <cstdint>
 
@@ -14,6 +15,21 @@ using device::Cast;
 
 namespace {
 
+// Calls f(index) for the elements of channel ch handled by this thread: rows
+// of s contiguous elements when s is at least a block (no division per
+// element), else the flattened n * s elements.
+template <typename F>
+__device__ __forceinline__ void ForChannel(int64_t n, int64_t c, int64_t s, int64_t ch, F f) {
+  if (s >= blockDim.x) {
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t base = (b * c + ch) * s;
+      for (int64_t i = threadIdx.x; i < s; i += blockDim.x) f(base + i);
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < n * s; k += blockDim.x) f(((k / s) * c + ch) * s + k % s);
+  }
+}
+
 unsigned ChannelBlocks(int64_t c) { return static_cast<unsigned>(c < 65536 ? (c < 1 ? 1 : c) : 65536); }
 
 template <typename T>
@@ -22,14 +38,14 @@ __global__ void MeanVarKernel(const T* x, int64_t n, int64_t c, int64_t s, doubl
   const int64_t m = n * s;
   for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
     double sum = 0;
-    for (int64_t k = threadIdx.x; k < m; k += blockDim.x) sum += static_cast<double>(Cast<acc_t<T>>(x[((k / s) * c + ch) * s + k % s]));
+    ForChannel(n, c, s, ch, [&](int64_t idx) { sum += static_cast<double>(Cast<acc_t<T>>(x[idx])); });
     sum = device::BlockSum(sum, scratch);
     const double mu = m > 0 ? sum / static_cast<double>(m) : 0.0;
     double q = 0;
-    for (int64_t k = threadIdx.x; k < m; k += blockDim.x) {
-      const double d = static_cast<double>(Cast<acc_t<T>>(x[((k / s) * c + ch) * s + k % s])) - mu;
+    ForChannel(n, c, s, ch, [&](int64_t idx) {
+      const double d = static_cast<double>(Cast<acc_t<T>>(x[idx])) - mu;
       q += d * d;
-    }
+    });
     q = device::BlockSum(q, scratch);
     if (threadIdx.x == 0) {
       mean[ch] = mu;
@@ -41,14 +57,13 @@ __global__ void MeanVarKernel(const T* x, int64_t n, int64_t c, int64_t s, doubl
 template <typename T>
 __global__ void SumsKernel(const T* x, int64_t n, int64_t c, int64_t s, double* sum, double* sum_sq) {
   __shared__ double scratch[32];
-  const int64_t m = n * s;
   for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
     double a = 0, b = 0;
-    for (int64_t k = threadIdx.x; k < m; k += blockDim.x) {
-      const double v = static_cast<double>(Cast<acc_t<T>>(x[((k / s) * c + ch) * s + k % s]));
+    ForChannel(n, c, s, ch, [&](int64_t idx) {
+      const double v = static_cast<double>(Cast<acc_t<T>>(x[idx]));
       a += v;
       b += v * v;
-    }
+    });
     a = device::BlockSum(a, scratch);
     b = device::BlockSum(b, scratch);
     if (threadIdx.x == 0) {
@@ -95,16 +110,14 @@ template <typename T>
 __global__ void BackwardReduceKernel(const T* dy, const T* x, int64_t n, int64_t c, int64_t s, const double* mean,
                                      const double* invstd, double* sum_dy, double* sum_dy_xhat) {
   __shared__ double scratch[32];
-  const int64_t m = n * s;
   for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
     const double mu = mean[ch];
     double a = 0, b = 0;
-    for (int64_t k = threadIdx.x; k < m; k += blockDim.x) {
-      const int64_t idx = ((k / s) * c + ch) * s + k % s;
+    ForChannel(n, c, s, ch, [&](int64_t idx) {
       const double g = static_cast<double>(Cast<acc_t<T>>(dy[idx]));
       a += g;
       b += g * (static_cast<double>(Cast<acc_t<T>>(x[idx])) - mu);
-    }
+    });
     a = device::BlockSum(a, scratch);
     b = device::BlockSum(b, scratch);
     if (threadIdx.x == 0) {
