@@ -22,7 +22,9 @@
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/cuda.h"
 #include "nn/loss/loss.h"
+#include "nn/cuda/optim_kernels.h"
 #include "nn/modules/models.h"
+#include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
 #include "nn/tensor/tensor.h"
 
@@ -117,6 +119,51 @@ TEST(CudaModelsTest, ResNet18CifarForwardAndBackwardMatchTheCpu) {
         return modules::MakeResNet18({.num_classes = 10, .stem = modules::ResNetStem::kCifar}, g);
       },
       {4, 3, 32, 32}, 10, 1e-2, 1e-3);
+}
+
+// Five SGD steps (momentum 0.9, weight decay) of the CNN on one fixed batch:
+// on the CPU with nn/optim's Sgd, on the GPU with the fused device update.
+// The losses must fall and follow each other (rtol 1e-3 per step).
+TEST(CudaModelsTest, CnnTrainingStepsWithDeviceSgdFollowTheCpu) {
+  Init();
+  Generator data(9);
+  const Tensor images = Rand({32, 1, 28, 28}, {}, data);
+  Tensor label_values = Empty({32});
+  UniformFill(label_values, 0.0, 10.0, data);
+  const Tensor labels = label_values.To(DType::kInt64);
+  const SgdUpdate o{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-4};
+
+  Generator gen_cpu(3), gen_gpu(3);
+  auto cpu_model = modules::MakeCnn(gen_cpu);
+  auto gpu_model = modules::MakeCnn(gen_gpu);
+  gpu_model->To(kGpu);
+  optim::Sgd cpu_opt(cpu_model->NamedParameters(),
+                     {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+  std::vector<Tensor> buffers;
+  for (const auto& [name, p] : gpu_model->NamedParameters()) {
+    buffers.push_back(Zeros(p.shape(), {.dtype = p.dtype(), .device = kGpu}));
+  }
+  const Tensor x = images.To(kGpu), y = labels.To(kGpu);
+  std::vector<double> cpu_losses, gpu_losses;
+  for (int64_t step = 1; step <= 5; ++step) {
+    cpu_opt.ZeroGrad();
+    const Tensor cpu_loss = loss::CrossEntropy(cpu_model->Forward(images), labels);
+    Backward(cpu_loss);
+    cpu_opt.Step();
+    cpu_losses.push_back(cpu_loss.Item());
+
+    gpu_model->ZeroGrad();
+    const Tensor gpu_loss = loss::CrossEntropy(gpu_model->Forward(x), y);
+    Backward(gpu_loss);
+    NoGradGuard no_grad;
+    size_t i = 0;
+    for (const auto& [name, p] : gpu_model->NamedParameters()) SgdStep(p, p.grad(), buffers[i++], step, o);
+    gpu_losses.push_back(gpu_loss.Item());
+  }
+  EXPECT_LT(cpu_losses.back(), cpu_losses.front());
+  for (size_t k = 0; k < cpu_losses.size(); ++k) {
+    EXPECT_NEAR(gpu_losses[k], cpu_losses[k], 1e-3 * std::abs(cpu_losses[k])) << "step " << k + 1;
+  }
 }
 
 TEST(CudaModelsTest, SecondStepAllocatesNoNewDeviceMemory) {
