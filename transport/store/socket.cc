@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 namespace ddp::transport::store {
@@ -73,53 +75,61 @@ using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 // How long ListenTcp may spend resolving its own address.
 constexpr auto kListenResolveTimeout = std::chrono::seconds(30);
 
-// Resolves `host` by the deadline. The lookup runs asynchronously
-// (getaddrinfo_a): with an unreachable DNS server a plain getaddrinfo would
-// wait out the C library's own retries (seconds times attempts) whatever
-// the caller's deadline. A lookup that is still running when the deadline
-// passes and cannot be cancelled keeps writing into its request, so that
-// request is left allocated (a few hundred bytes, once per such timeout).
+// Resolves `host` by the deadline. Numeric addresses are parsed at once.
+// A name is looked up on a thread of its own: with an unreachable name
+// server a plain getaddrinfo waits out the C library's own retries (seconds
+// times attempts) whatever the caller's deadline. When the deadline passes
+// first, the lookup is abandoned to its thread, which frees its result when
+// it ends. (glibc's getaddrinfo_a would do the same, but its helper thread
+// is invisible to ThreadSanitizer, which then crashes in it.)
 StatusOr<AddrInfoPtr> Resolve(const std::string& host, int port, bool passive, Deadline deadline) {
-  struct Request {
-    std::string name;
-    std::string service;
-    addrinfo hints{};
-    gaicb cb{};
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  const std::string service = std::to_string(port);
+  addrinfo* result = nullptr;
+  addrinfo numeric = hints;
+  numeric.ai_flags |= AI_NUMERICHOST;
+  int rc = getaddrinfo(host.c_str(), service.c_str(), &numeric, &result);
+  if (rc == 0) return AddrInfoPtr(result);
+  if (rc != EAI_NONAME) {
+    return UnavailableError("cannot resolve " + HostPort(host, port) + ": " + gai_strerror(rc));
+  }
+
+  struct Lookup {
+    std::mutex mu;
+    std::condition_variable done_cv;
+    bool done = false;
+    bool abandoned = false;
+    int rc = 0;
+    addrinfo* result = nullptr;
   };
-  auto request = std::make_unique<Request>();
-  request->name = host;
-  request->service = std::to_string(port);
-  request->hints.ai_family = AF_UNSPEC;
-  request->hints.ai_socktype = SOCK_STREAM;
-  request->hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  request->cb.ar_name = request->name.c_str();
-  request->cb.ar_service = request->service.c_str();
-  request->cb.ar_request = &request->hints;
-  gaicb* list[1] = {&request->cb};
-  int rc = getaddrinfo_a(GAI_NOWAIT, list, 1, nullptr);
-  if (rc != 0) {
-    return UnavailableError("cannot resolve " + HostPort(host, port) + ": " + gai_strerror(rc));
-  }
-  while ((rc = gai_error(&request->cb)) == EAI_INPROGRESS) {
-    const int left_ms = MillisecondsUntil(deadline);
-    if (left_ms == 0) {
-      const int cancelled = gai_cancel(&request->cb);
-      if (cancelled == EAI_NOTCANCELED) {
-        request.release();  // the resolver still owns it; see above
-      } else if (cancelled == EAI_ALLDONE && request->cb.ar_result != nullptr) {
-        freeaddrinfo(request->cb.ar_result);
-      }
-      return TimedOutError("cannot resolve " + HostPort(host, port) +
-                           ": no answer from the name service before the deadline");
+  auto lookup = std::make_shared<Lookup>();
+  std::thread([lookup, host, service, hints] {
+    addrinfo* found = nullptr;
+    const int code = getaddrinfo(host.c_str(), service.c_str(), &hints, &found);
+    std::lock_guard<std::mutex> lock(lookup->mu);
+    if (lookup->abandoned) {
+      if (found != nullptr) freeaddrinfo(found);
+      return;
     }
-    const timespec wait{left_ms / 1000, static_cast<long>(left_ms % 1000) * 1000000L};
-    const gaicb* pending[1] = {&request->cb};
-    gai_suspend(pending, 1, &wait);  // done, timed out or interrupted: the loop checks
+    lookup->rc = code;
+    lookup->result = found;
+    lookup->done = true;
+    lookup->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(lookup->mu);
+  if (!lookup->done_cv.wait_until(lock, deadline, [&] { return lookup->done; })) {
+    lookup->abandoned = true;
+    return TimedOutError("cannot resolve " + HostPort(host, port) +
+                         ": no answer from the name service before the deadline");
   }
-  if (rc != 0) {
-    return UnavailableError("cannot resolve " + HostPort(host, port) + ": " + gai_strerror(rc));
+  if (lookup->rc != 0) {
+    return UnavailableError("cannot resolve " + HostPort(host, port) + ": " +
+                            gai_strerror(lookup->rc));
   }
-  return AddrInfoPtr(request->cb.ar_result);
+  return AddrInfoPtr(lookup->result);
 }
 
 }  // namespace
