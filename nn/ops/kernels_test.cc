@@ -110,6 +110,23 @@ TEST(KernelsTest, MaxPool2x2FastPathMatchesGenericPath) {
   }
 }
 
+// With ceil_mode the last windows of an odd-sized plane hang over its edge:
+// only the cells inside count. Plane 1 holds larger values right after
+// plane 0, so a window that read past plane 0 would return one of them.
+TEST(KernelsTest, MaxPool2x2CeilModeStaysInsideThePlane) {
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2, .ceil_mode = true};
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    std::vector<double> values;
+    for (int i = 1; i <= 9; ++i) values.push_back(-i);                  // plane 0: -1 .. -9
+    for (int i = 0; i < 9; ++i) values.push_back(100 + i);              // plane 1: 100 .. 108
+    Tensor x = FromVector(values, Shape{1, 2, 3, 3}).To(dtype);
+    Tensor y = MaxPool2d(x, p);
+    ASSERT_EQ(y.shape(), (Shape{1, 2, 2, 2}));
+    EXPECT_EQ(y.ToVector<double>(), (std::vector<double>{-1, -3, -7, -9, 104, 105, 107, 108}))
+        << DTypeName(dtype);
+  }
+}
+
 TEST(KernelsTest, MissingCudaKernelIsNamed) {
   try {
     DDP_KERNEL(Device(DeviceType::kCUDA, 1), conv2d_forward);

@@ -16,9 +16,11 @@ namespace ddp::nn::ops::cpu {
 
 namespace {
 
+// 2x2 windows, stride 2, every window inside the plane (no padding, no
+// ceil_mode: its last windows may hang over an odd-sized edge).
 bool IsFast22(const Pool2dParams& p) {
   return p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 && p.stride_w == 2 && p.pad_h == 0 &&
-         p.pad_w == 0 && p.dilation_h == 1 && p.dilation_w == 1;
+         p.pad_w == 0 && p.dilation_h == 1 && p.dilation_w == 1 && !p.ceil_mode;
 }
 
 // One output row of 2x2/2 max pooling over input rows r0 and r1 (f32):
