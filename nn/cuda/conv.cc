@@ -15,6 +15,7 @@
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
+#include "nn/cuda/library_handles.h"
 #include "nn/cuda/stream.h"
 
 namespace ddp::nn::cuda {
@@ -27,43 +28,10 @@ void CheckCudnn(cudnnStatus_t status, const char* call) {
   throw CudaError(std::string(call) + " failed: " + cudnnGetErrorString(status), static_cast<int>(status));
 }
 
-// One cuDNN handle per thread and device, returned to a pool when the
-// thread exits (as for cuBLAS in gemm.cc).
-struct HandlePool {
-  std::mutex mu;
-  std::unordered_map<int, std::vector<cudnnHandle_t>> free;
-};
-HandlePool& Pool() {
-  static HandlePool* pool = new HandlePool();
-  return *pool;
-}
-struct ThreadHandles {
-  std::unordered_map<int, cudnnHandle_t> handles;
-  ~ThreadHandles() {
-    std::lock_guard<std::mutex> lock(Pool().mu);
-    for (const auto& [device, handle] : handles) Pool().free[device].push_back(handle);
-  }
-};
-thread_local ThreadHandles tls_handles;
+void CreateCudnn(cudnnHandle_t* handle) { CheckCudnn(cudnnCreate(handle), "cudnnCreate"); }
 
 cudnnHandle_t HandleFor(Device device) {
-  auto it = tls_handles.handles.find(device.index);
-  if (it != tls_handles.handles.end()) return it->second;
-  cudnnHandle_t handle = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(Pool().mu);
-    auto& list = Pool().free[device.index];
-    if (!list.empty()) {
-      handle = list.back();
-      list.pop_back();
-    }
-  }
-  if (handle == nullptr) {
-    DeviceGuard guard(device.index);
-    CheckCudnn(cudnnCreate(&handle), "cudnnCreate");
-  }
-  tls_handles.handles[device.index] = handle;
-  return handle;
+  return LibraryHandles<cudnnHandle_t, CreateCudnn>::For(device);
 }
 
 int ToInt(int64_t v, const char* what) {

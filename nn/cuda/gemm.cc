@@ -24,6 +24,7 @@
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
+#include "nn/cuda/library_handles.h"
 #include "nn/cuda/stream.h"
 
 namespace ddp::nn::cuda {
@@ -37,48 +38,10 @@ bool Tf32FromEnv() {
 
 std::atomic<bool> g_allow_tf32{Tf32FromEnv()};
 
-// cuBLAS handles are not safe to use from two threads at once, and creating
-// one costs milliseconds: each thread keeps one per device, and hands it
-// back to a shared pool when it exits (never destroyed: the runtime may be
-// gone at process exit).
-struct HandlePool {
-  std::mutex mu;
-  std::unordered_map<int, std::vector<cublasHandle_t>> free;
-};
-
-HandlePool& Pool() {
-  static HandlePool* pool = new HandlePool();
-  return *pool;
-}
-
-struct ThreadHandles {
-  std::unordered_map<int, cublasHandle_t> handles;
-  ~ThreadHandles() {
-    std::lock_guard<std::mutex> lock(Pool().mu);
-    for (const auto& [device, handle] : handles) Pool().free[device].push_back(handle);
-  }
-};
-
-thread_local ThreadHandles tls_handles;
+void CreateCublas(cublasHandle_t* handle) { CheckCublas(cublasCreate(handle), "cublasCreate"); }
 
 cublasHandle_t HandleFor(Device device) {
-  auto it = tls_handles.handles.find(device.index);
-  if (it != tls_handles.handles.end()) return it->second;
-  cublasHandle_t handle = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(Pool().mu);
-    auto& list = Pool().free[device.index];
-    if (!list.empty()) {
-      handle = list.back();
-      list.pop_back();
-    }
-  }
-  if (handle == nullptr) {
-    DeviceGuard guard(device.index);
-    CheckCublas(cublasCreate(&handle), "cublasCreate");
-  }
-  tls_handles.handles[device.index] = handle;
-  return handle;
+  return LibraryHandles<cublasHandle_t, CreateCublas>::For(device);
 }
 
 // cuBLAS's workspace, from the caching allocator: one per (device, stream)
