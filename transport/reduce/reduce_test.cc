@@ -397,7 +397,11 @@ TEST(ReduceKernelTest, VectorAndScalarHalfPathsAgreeOnEveryInput) {
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd}) {
       GetReduceFn(dtype, op, Isa::kGeneric)(g.data(), a.data(), b.data(), a.size());
       GetReduceFn(dtype, op, Isa::kAvx2)(v.data(), a.data(), b.data(), a.size());
-      EXPECT_EQ(g, v) << DataTypeName(dtype) << " " << ReduceOpName(op);
+      // Both inputs may be NaN here, and which payload survives depends on
+      // the operand order the compiler picked for the generic loop (it
+      // differs under -fsanitize=thread): NaN only has to stay NaN.
+      ExpectSameElements(dtype, v.data(), g.data(), a.size(),
+                         std::string(DataTypeName(dtype)) + " " + ReduceOpName(op) + " random");
     }
   }
 }
