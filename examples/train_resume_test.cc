@@ -156,11 +156,12 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
   EXPECT_GT(step, 0);
   EXPECT_LT(step, 96);
   EXPECT_TRUE(StrayFiles(dir, ckpt).empty()) << StrayFiles(dir, ckpt)[0];
-  EXPECT_NE(run.Stdout().find("stopped by Ctrl-C at epoch "), std::string::npos) << run.Stdout();
+  EXPECT_NE(run.Stdout().find("stopped by Ctrl-C at epoch "), std::string::npos)
+      << run.Stdout() << run.Stderr();
   EXPECT_NE(run.Stdout().find("; checkpoint of step " + std::to_string(step) + " in " + ckpt +
                              " (continue with --resume)"),
             std::string::npos)
-      << run.Stdout();
+      << run.Stdout() << run.Stderr();
 }
 
 }  // namespace
