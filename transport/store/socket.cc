@@ -138,7 +138,8 @@ StatusOr<UniqueFd> ListenTcp(const std::string& host, int port, int backlog) {
   if (port < 0 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
   }
-  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/true, Clock::now() + kListenResolveTimeout));
+  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs,
+                       Resolve(host, port, /*passive=*/true, Clock::now() + kListenResolveTimeout));
   std::string last_error = "no usable address";
   for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
     UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
