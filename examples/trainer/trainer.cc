@@ -142,17 +142,6 @@ class Run {
     if (lead_ && !opt_.quiet) console_.Line(line);
   }
   int StopSignal() const { return opt_.stop != nullptr ? opt_.stop->load() : 0; }
-  // Whether any rank was asked to stop, agreed before every step (a
-  // 1-element all-reduce): every rank then stops at the same step
-  // boundary, so none leaves while another is inside a collective of the
-  // next step. Returns this rank's signal, or the first peer's.
-  int AgreedStopSignal() {
-    if (world_ == 1) return StopSignal();
-    std::vector<double> v = {static_cast<double>(StopSignal())};
-    par_.SumAcrossRanks(v);
-    if (v[0] == 0) return 0;
-    return StopSignal() != 0 ? StopSignal() : SIGINT;
-  }
   // Trains one optimizer step on up to grad_accum_steps micro-batches;
   // false at the end of the epoch's data.
   bool TrainStep(nn::data::DataLoader& loader);
@@ -456,7 +445,7 @@ RunResult Run::Go() {
       rate_.Reset();
       bool epoch_complete = false;
       while (true) {
-        if ((signal = AgreedStopSignal()) != 0) break;
+        if ((signal = StopSignal()) != 0) break;
         if (StepLimitReached()) break;
         if (!TrainStep(*train_loader_)) {
           epoch_complete = true;
