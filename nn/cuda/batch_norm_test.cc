@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "nn/cuda/cuda.h"
+#include "nn/cuda/gpu_test_util.h"
 #include "nn/ops/dispatch.h"
 #include "nn/tensor/generator.h"
 #include "nn/tensor/tensor.h"
@@ -18,32 +19,12 @@
 namespace ddp::nn::cuda {
 namespace {
 
-const Device kGpu(DeviceType::kCUDA, 0);
-const ops::KernelTable& Cpu() { return ops::KernelsFor(DeviceType::kCPU); }
-const ops::KernelTable& Gpu() { return ops::KernelsFor(DeviceType::kCUDA); }
-
-struct Tol {
-  double rtol, atol;
-};
-
-void ExpectClose(const Tensor& cpu, const Tensor& gpu, Tol tol, const std::string& what) {
-  ASSERT_EQ(cpu.shape(), gpu.shape()) << what;
-  const std::vector<double> want = cpu.ToVector<double>();
-  const std::vector<double> got = gpu.To(kCPU).ToVector<double>();
-  int bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!(std::abs(got[i] - want[i]) <= tol.atol + tol.rtol * std::abs(want[i])) && ++bad <= 5) {
-      ADD_FAILURE() << what << ": element " << i << ": cpu " << want[i] << ", gpu " << got[i];
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " elements differ";
-}
-
-Tensor RandnOf(const Shape& shape, DType dt, double mean = 0.0, double stddev = 1.0) {
-  Tensor t = Empty(shape);
-  NormalFill(t, mean, stddev);
-  return t.To(dt);
-}
+using testing::Cpu;
+using testing::ExpectClose;
+using testing::Gpu;
+using testing::kGpu;
+using testing::RandnOf;
+using testing::Tol;
 
 Tol ActTol(DType dt) {
   switch (dt) {

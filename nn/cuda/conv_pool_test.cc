@@ -16,6 +16,7 @@
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/conv.h"
 #include "nn/cuda/cuda.h"
+#include "nn/cuda/gpu_test_util.h"
 #include "nn/ops/dispatch.h"
 #include "nn/tensor/generator.h"
 #include "nn/tensor/tensor.h"
@@ -23,32 +24,12 @@
 namespace ddp::nn::cuda {
 namespace {
 
-const Device kGpu(DeviceType::kCUDA, 0);
-const ops::KernelTable& Cpu() { return ops::KernelsFor(DeviceType::kCPU); }
-const ops::KernelTable& Gpu() { return ops::KernelsFor(DeviceType::kCUDA); }
-
-struct Tol {
-  double rtol, atol;
-};
-
-void ExpectClose(const Tensor& cpu, const Tensor& gpu, Tol tol, const std::string& what) {
-  ASSERT_EQ(cpu.shape(), gpu.shape()) << what;
-  const std::vector<double> want = cpu.ToVector<double>();
-  const std::vector<double> got = gpu.To(kCPU).ToVector<double>();
-  int bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!(std::abs(got[i] - want[i]) <= tol.atol + tol.rtol * std::abs(want[i])) && ++bad <= 5) {
-      ADD_FAILURE() << what << ": element " << i << ": cpu " << want[i] << ", gpu " << got[i];
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " elements differ";
-}
-
-Tensor RandnOf(const Shape& shape, DType dt) {
-  Tensor t = Empty(shape);
-  NormalFill(t, 0.0, 1.0);
-  return t.To(dt);
-}
+using testing::Cpu;
+using testing::ExpectClose;
+using testing::Gpu;
+using testing::kGpu;
+using testing::RandnOf;
+using testing::Tol;
 
 int64_t ConvOut(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) { return (in + 2 * p - d * (k - 1) - 1) / s + 1; }
 
