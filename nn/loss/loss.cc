@@ -5,6 +5,7 @@
 #include <string>
 
 #include "nn/autograd/node.h"
+#include "nn/ops/autocast.h"
 #include "nn/ops/dispatch.h"
 #include "nn/ops/functional.h"
 
@@ -91,7 +92,9 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   return out;
 }
 
-Tensor MseLoss(const Tensor& input, const Tensor& target, Reduction reduction) {
+Tensor MseLoss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  // Autocast: squared differences in f32 (16-bit squares overflow or underflow).
+  const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
   if (input.shape() != target.shape()) {
     throw std::invalid_argument("mse_loss: input " + ShapeToString(input.shape()) + " and target " +
                                 ShapeToString(target.shape()) + " differ in shape");

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
 
@@ -39,7 +40,11 @@ void CheckPositive(const char* op, const char* what, int64_t a, int64_t b) {
 
 }  // namespace
 
-Tensor Conv2d(const Tensor& x_in, const Tensor& w, const Tensor& bias, const Conv2dParams& p) {
+Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_orig, const Conv2dParams& p) {
+  // Autocast: input, weight and bias in the low dtype (a no-op when it is off).
+  const Tensor x_in = autocast::ToLowPrecision(x_orig);
+  const Tensor w = autocast::ToLowPrecision(w_orig);
+  const Tensor bias = autocast::ToLowPrecision(bias_orig);
   if (w.dim() != 4) throw std::invalid_argument("conv2d: weight must be [O, C/groups, KH, KW], got " + ShapeToString(w.shape()));
   if (p.groups < 1) throw std::invalid_argument("conv2d: groups must be positive, got " + std::to_string(p.groups));
   CheckPositive("conv2d", "stride", p.stride_h, p.stride_w);

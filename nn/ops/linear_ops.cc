@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
 
@@ -82,7 +83,9 @@ Tensor Bmm(const Tensor& a, const Tensor& b) {
 
 }  // namespace
 
-Tensor Matmul(const Tensor& a_in, const Tensor& b_in) {
+Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
+  // Autocast: both operands in the low dtype (a no-op when it is off).
+  const Tensor a_in = autocast::ToLowPrecision(a_orig), b_in = autocast::ToLowPrecision(b_orig);
   CheckFloatingSameType("matmul", a_in, b_in);
   const int64_t da = a_in.dim(), db = b_in.dim();
   if (da == 0 || db == 0) throw std::invalid_argument("matmul: 0-d operands are not supported");
@@ -107,7 +110,11 @@ Tensor Matmul(const Tensor& a_in, const Tensor& b_in) {
                               ShapeToString(b_in.shape()) + " are not supported (2-D, N-D @ 2-D, or 3-D @ 3-D)");
 }
 
-Tensor Linear(const Tensor& x_in, const Tensor& w, const Tensor& bias) {
+Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_orig) {
+  // Autocast: input, weight and bias in the low dtype (a no-op when it is off).
+  const Tensor x_in = autocast::ToLowPrecision(x_orig);
+  const Tensor w = autocast::ToLowPrecision(w_orig);
+  const Tensor bias = autocast::ToLowPrecision(bias_orig);
   if (w.dim() != 2) throw std::invalid_argument("linear: weight must be 2-D, got " + ShapeToString(w.shape()));
   if (x_in.dim() < 1 || x_in.size(-1) != w.size(1)) {
     throw std::invalid_argument("linear: expected input [..., " + std::to_string(w.size(1)) + "], got " +

@@ -38,12 +38,16 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
   DDP_KERNEL(x.device(), batch_norm_forward)(x, weight, bias, running_mean, running_var, training, momentum, eps, y,
                                             mean, invstd);
   if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
-  auto node = std::make_shared<LambdaNode>("BatchNormBackward", [training](LambdaNode& n, std::vector<Tensor>& g) {
+  // The bias gradient is made in the bias's dtype: f32 for an f32 bias under
+  // autocast, where x is 16-bit (the sums behind it are f64 either way).
+  const DType bias_dtype = bias.defined() ? bias.dtype() : x.dtype();
+  auto node = std::make_shared<LambdaNode>("BatchNormBackward", [training, bias_dtype](LambdaNode& n,
+                                                                                      std::vector<Tensor>& g) {
     const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
     Tensor gx, gw, gb;
     if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
     if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
-    if (n.needs_input_grad(2)) gb = Empty({xv.size(1)}, {.dtype = xv.dtype(), .device = xv.device()});
+    if (n.needs_input_grad(2)) gb = Empty({xv.size(1)}, {.dtype = bias_dtype, .device = xv.device()});
     DDP_KERNEL(xv.device(), batch_norm_backward)(xv, g[0], wv, n.saved[2].Get(), n.saved[3].Get(), training, gx,
                                                  gw, gb);
     return std::vector<Tensor>{gx, gw, gb};

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
 
@@ -12,7 +13,9 @@ using detail::LambdaNode;
 namespace {
 
 // Reduces x over `dims` into keepdim shape, scaling by `scale`.
-Tensor Reduce(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, double scale, const char* name) {
+Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim, double scale, const char* name) {
+  // Autocast: sums of many 16-bit values lose precision and overflow f16.
+  const Tensor x = autocast::ToFloat32(x_in);
   if (!IsFloating(x.dtype())) {
     throw std::invalid_argument(std::string(name) + ": needs a floating tensor, got " +
                                 std::string(DTypeName(x.dtype())));

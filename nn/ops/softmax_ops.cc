@@ -1,6 +1,7 @@
 // log-softmax and softmax along one dimension.
 #include <stdexcept>
 
+#include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
 
@@ -8,7 +9,9 @@ namespace ddp::nn::ops {
 
 using detail::LambdaNode;
 
-Tensor LogSoftmax(const Tensor& x, int64_t dim) {
+Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
+  // Autocast: exponentials need f32's range.
+  const Tensor x = autocast::ToFloat32(x_in);
   if (!IsFloating(x.dtype())) throw std::invalid_argument("log_softmax: needs a floating tensor");
   dim = x.WrapDim(dim);
   Tensor y = detail::NewLike(x);
