@@ -5,7 +5,8 @@
 // idempotent and thread-safe). It was chosen over a static registrar so that
 // linking the library never changes behaviour by itself, and so that a
 // binary decides when CUDA becomes visible. Init() registers the device
-// backend (caching allocator, copies, synchronize) and the kernel table; it
+// backend (caching allocator, copies, synchronize), the kernel table and
+// nn/optim's device kernels (fused SGD/Adam, unscale-and-check); it
 // does not touch the driver, so it is safe before fork/exec and on a machine
 // without a GPU (the first allocation then fails naming the device).
 //

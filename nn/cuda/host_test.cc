@@ -18,6 +18,7 @@
 #include "nn/cuda/gemm.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/optim_kernels.h"
+#include "nn/optim/device_kernels.h"
 #include "nn/cuda/pool_math.h"
 #include "nn/cuda/stream.h"
 #include "nn/ops/dispatch.h"
@@ -389,6 +390,13 @@ TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
   Init();  // idempotent
   EXPECT_TRUE(HasDeviceBackend(DeviceType::kCUDA));
   EXPECT_EQ(GetDeviceBackend(Device(DeviceType::kCUDA, 0)).allocator, &CudaAllocator());
+  // nn/optim reaches the fused device updates through its registry.
+  const optim::DeviceOptimKernels& k = optim::DeviceOptimKernelsFor(DeviceType::kCUDA);
+  EXPECT_NE(k.sgd_step, nullptr);
+  EXPECT_NE(k.adam_step, nullptr);
+  EXPECT_EQ(k.unscale_and_check, &UnscaleAndCheck);
+  EXPECT_TRUE(optim::internal::UsesDevicePath(Device(DeviceType::kCUDA, 0)));
+  EXPECT_FALSE(optim::internal::UsesDevicePath(kCPU));
 }
 
 TEST(CudaInit, EveryKernelOfTheTableHasACudaPath) {

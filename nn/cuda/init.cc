@@ -4,6 +4,7 @@
 #include "nn/cuda/copy.h"
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/kernels.h"
+#include "nn/cuda/optim_kernels.h"
 #include "nn/ops/dispatch.h"
 #include "nn/tensor/tensor.h"
 
@@ -19,6 +20,7 @@ void Init() {
     backend.synchronize = &Synchronize;
     RegisterDeviceBackend(DeviceType::kCUDA, backend);
     ops::RegisterKernels(DeviceType::kCUDA, CudaKernelTable());
+    RegisterOptimKernels();
   });
 }
 

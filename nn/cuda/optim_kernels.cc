@@ -9,6 +9,7 @@
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
 #include "nn/cuda/stream.h"
+#include "nn/optim/device_kernels.h"
 
 namespace ddp::nn::cuda {
 
@@ -106,6 +107,41 @@ void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const
               "kernel `unscale_and_check`");
     t.storage()->BumpVersion();
   }
+}
+
+namespace {
+
+void SgdEntry(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& a) {
+  SgdStep(p, grad, momentum_buffer, a.step,
+          SgdUpdate{.lr = a.lr,
+                    .momentum = a.momentum,
+                    .dampening = a.dampening,
+                    .weight_decay = a.weight_decay,
+                    .nesterov = a.nesterov},
+          a.grad_scale);
+}
+
+void AdamEntry(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+               const Tensor& max_exp_avg_sq, const optim::AdamStepArgs& a) {
+  AdamStep(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, a.step,
+           AdamUpdate{.lr = a.lr,
+                      .beta1 = a.beta1,
+                      .beta2 = a.beta2,
+                      .eps = a.eps,
+                      .weight_decay = a.weight_decay,
+                      .amsgrad = a.amsgrad,
+                      .decoupled = a.decoupled},
+           a.grad_scale);
+}
+
+}  // namespace
+
+void RegisterOptimKernels() {
+  optim::RegisterDeviceOptimKernels(DeviceType::kCUDA, optim::DeviceOptimKernels{
+                                                           .sgd_step = &SgdEntry,
+                                                           .adam_step = &AdamEntry,
+                                                           .unscale_and_check = &UnscaleAndCheck,
+                                                       });
 }
 
 }  // namespace ddp::nn::cuda

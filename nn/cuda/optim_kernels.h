@@ -1,8 +1,9 @@
 // Optimizer updates and the loss scaler's unscale/inf-check on the device:
 // one fused kernel per parameter and step, the same arithmetic as nn/optim's
-// CPU kernels (PyTorch's rules). These are the device halves for nn/optim,
-// which still updates on the CPU only; they take their own option structs so
-// that nn/optim can depend on this library without a cycle.
+// CPU kernels (PyTorch's rules). These are the device halves of nn/optim:
+// Init() registers them with nn/optim's registry (nn/optim/device_kernels.h),
+// through which Sgd, Adam, AdamW and GradScaler reach them for CUDA
+// parameters; nn/optim itself never depends on this library.
 #pragma once
 
 #include <cstdint>
@@ -48,5 +49,9 @@ void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const 
 /// when any element was inf or NaN. Never reads found_inf back: no host
 /// synchronization; the caller zeroes it before the first call of a step.
 void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const Tensor& found_inf);
+
+/// Registers SgdStep, AdamStep and UnscaleAndCheck with nn/optim for CUDA
+/// devices (Init() calls it).
+void RegisterOptimKernels();
 
 }  // namespace ddp::nn::cuda

@@ -1,5 +1,6 @@
 #include "nn/optim/adam.h"
 
+#include "nn/optim/device_kernels.h"
 #include "nn/optim/kernel_util.h"
 
 #include <cmath>
@@ -92,6 +93,26 @@ void Adam::Update(float* p, const float* g, float* const* slots, int64_t n, int6
 void Adam::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
                   double grad_scale) {
   Kernel(p, g, slots, n, step, grad_scale);
+}
+
+void Adam::CheckDeviceKernels(Device device) const {
+  if (DeviceOptimKernelsFor(device.type).adam_step == nullptr) {
+    internal::ThrowNoDeviceKernel(Name(), "adam_step", device);
+  }
+}
+
+void Adam::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                        double grad_scale) {
+  DeviceOptimKernelsFor(p.device().type).adam_step(p, g, slots[0], slots[1], options_.amsgrad ? slots[2] : Tensor(),
+     AdamStepArgs{.lr = lr(),
+                  .beta1 = options_.beta1,
+                  .beta2 = options_.beta2,
+                  .eps = options_.eps,
+                  .weight_decay = options_.weight_decay,
+                  .amsgrad = options_.amsgrad,
+                  .decoupled = decoupled_,
+                  .step = step,
+                  .grad_scale = grad_scale});
 }
 
 }  // namespace ddp::nn::optim

@@ -4,6 +4,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "nn/ops/dispatch.h"
+#include "nn/optim/device_kernels.h"
+
 namespace ddp::nn::optim {
 namespace {
 
@@ -34,6 +37,40 @@ void Scale(T* g, int64_t n, float coef) {
   for (int64_t i = 0; i < n; ++i) g[i] = static_cast<T>(static_cast<acc_t<T>>(g[i]) * coef);
 }
 
+// Device gradients: sum over all gradients of |g|^q (q finite) into one f64
+// element on the device, composed from the device's kernels, read back
+// once. |g|^q is exp(q log|g|) (0 for g = 0, inf and NaN carried through).
+double DeviceSum(const std::vector<Tensor>& grads, double q) {
+  const Device dev = grads.front().device();
+  const auto& k = ops::KernelsFor(dev.type);
+  if (!k.unary || !k.affine || !k.sum_to || !k.add_scaled_) {
+    ops::detail::ThrowNoKernel("ClipGradNorm (unary, affine, sum_to, add_scaled_)", dev);
+  }
+  const Tensor total = Zeros({1}, {.dtype = DType::kFloat64, .device = dev});
+  for (const Tensor& g : grads) {
+    if (g.numel() == 0) continue;
+    const DType dt = g.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+    const Tensor flat = g.View({g.numel()});
+    const Tensor x = flat.dtype() == dt ? flat : flat.To(dt);
+    const Tensor powered = Empty({g.numel()}, {.dtype = dt, .device = dev});
+    if (q == 2.0) {
+      k.unary(ops::UnaryOp::kSquare, x, powered);
+    } else if (q == 1.0) {
+      k.unary(ops::UnaryOp::kAbs, x, powered);
+    } else {
+      const Tensor t = Empty({g.numel()}, {.dtype = dt, .device = dev});
+      k.unary(ops::UnaryOp::kAbs, x, powered);
+      k.unary(ops::UnaryOp::kLog, powered, t);
+      k.affine(t, q, 0.0, t);
+      k.unary(ops::UnaryOp::kExp, t, powered);
+    }
+    const Tensor part = Empty({1}, {.dtype = DType::kFloat64, .device = dev});
+    k.sum_to(powered, part);
+    k.add_scaled_(total, part, 1.0);
+  }
+  return total.Item();  // the one host synchronization
+}
+
 }  // namespace
 
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
@@ -43,13 +80,25 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
   for (const Tensor& p : params) {
     if (!p.defined() || !p.grad().defined()) continue;
     const Tensor& g = p.grad();
-    if (!g.device().is_cpu() || !g.is_contiguous()) {
-      throw std::invalid_argument("ClipGradNorm: gradients must be contiguous CPU tensors");
+    if (!g.is_contiguous()) {
+      throw std::invalid_argument("ClipGradNorm: gradients must be contiguous, one of shape " +
+                                  ShapeToString(g.shape()) + " is not");
+    }
+    if (!grads.empty() && g.device() != grads.front().device()) {
+      throw std::invalid_argument("ClipGradNorm: gradients on two devices, " + grads.front().device().ToString() +
+                                  " and " + g.device().ToString());
     }
     grads.push_back(g);
   }
+  const bool device_path = !grads.empty() && internal::UsesDevicePath(grads.front().device());
+  if (device_path && std::isinf(norm_type)) {
+    throw std::invalid_argument("ClipGradNorm: the infinity norm is not available for gradients on " +
+                                grads.front().device().ToString() + " (use a finite norm_type)");
+  }
   double acc = 0;
+  if (device_path) acc = DeviceSum(grads, norm_type);
   for (const Tensor& g : grads) {
+    if (device_path) break;
     double part = 0;
     DDP_DISPATCH_FLOATING(g.dtype(), "ClipGradNorm", part = Accumulate(g.data<scalar_t>(), g.numel(), norm_type));
     if (std::isinf(norm_type)) {
@@ -67,7 +116,12 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
   const float coef = static_cast<float>(max_norm / (total + 1e-6));
   if (coef < 1.0f || std::isnan(coef)) {
     for (const Tensor& g : grads) {
-      DDP_DISPATCH_FLOATING(g.dtype(), "ClipGradNorm", Scale(g.data<scalar_t>(), g.numel(), coef));
+      if (device_path) {
+        // Rounded to f32 first, as on the CPU; queued on the device's stream.
+        ops::KernelsFor(g.device().type).affine(g, static_cast<double>(coef), 0.0, g);
+      } else {
+        DDP_DISPATCH_FLOATING(g.dtype(), "ClipGradNorm", Scale(g.data<scalar_t>(), g.numel(), coef));
+      }
       g.storage()->BumpVersion();
     }
   }

@@ -3,6 +3,9 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "nn/optim/device_kernels.h"
 
 namespace ddp::nn::optim {
 namespace {
@@ -19,14 +22,35 @@ bool CheckAndMaybeUnscale(T* g, int64_t n, float inv_scale, bool unscale) {
   return bad;
 }
 
-bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
-  bool bad = false;
+// The gradients to scan, checked: contiguous and on the optimizer's device.
+std::vector<Tensor> Grads(const Optimizer& opt) {
+  std::vector<Tensor> grads;
   for (const auto& [name, p] : opt.params()) {
     const Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (!g.device().is_cpu() || !g.is_contiguous()) {
-      throw std::invalid_argument("GradScaler: gradient of `" + name + "` must be a contiguous CPU tensor");
+    if (!g.is_contiguous()) throw std::invalid_argument("GradScaler: gradient of `" + name + "` is not contiguous");
+    if (g.device() != opt.device()) {
+      throw std::invalid_argument("GradScaler: gradient of `" + name + "` is on " + g.device().ToString() +
+                                  ", the parameter on " + opt.device().ToString());
     }
+    grads.push_back(g);
+  }
+  return grads;
+}
+
+// Device path: queues the check (and the unscale when inv_scale != 1) and
+// returns the flag, still on the device.
+Tensor DeviceScan(const Optimizer& opt, const std::vector<Tensor>& grads, float inv_scale) {
+  const auto fn = DeviceOptimKernelsFor(opt.device().type).unscale_and_check;
+  if (fn == nullptr) internal::ThrowNoDeviceKernel("GradScaler", "unscale_and_check", opt.device());
+  Tensor found = Zeros({1}, {.dtype = DType::kFloat32, .device = opt.device()});
+  fn(grads, static_cast<double>(inv_scale), found);
+  return found;
+}
+
+bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
+  bool bad = false;
+  for (const Tensor& g : Grads(opt)) {
     DDP_DISPATCH_FLOATING(g.dtype(), "GradScaler",
                           bad |= CheckAndMaybeUnscale(g.data<scalar_t>(), g.numel(), inv_scale, unscale));
     if (unscale) g.storage()->BumpVersion();
@@ -53,7 +77,12 @@ void GradScaler::Unscale(Optimizer& optimizer) {
   }
   // PyTorch computes the reciprocal in f64 and rounds it to f32.
   const float inv = static_cast<float>(1.0 / static_cast<double>(scale_));
-  found_inf_ = ScanGrads(optimizer, inv, true);
+  if (internal::UsesDevicePath(optimizer.device())) {
+    found_inf_device_ = DeviceScan(optimizer, Grads(optimizer), inv);  // read in Step
+    found_inf_ = false;
+  } else {
+    found_inf_ = ScanGrads(optimizer, inv, true);
+  }
   stage_ = Stage::kUnscaled;
 }
 
@@ -64,7 +93,15 @@ bool GradScaler::Step(Optimizer& optimizer) {
   }
   if (stage_ == Stage::kStepped) throw std::logic_error("GradScaler: Step called twice before Update");
   const bool fused = stage_ == Stage::kReady;
-  if (fused) found_inf_ = ScanGrads(optimizer, 1.0f, false);
+  if (internal::UsesDevicePath(optimizer.device())) {
+    // Fused: check only (a multiply by 1 leaves the values as they are);
+    // the optimizer unscales as it reads. Either way, one read of the flag.
+    const Tensor found = fused ? DeviceScan(optimizer, Grads(optimizer), 1.0f) : found_inf_device_;
+    found_inf_device_ = Tensor();
+    found_inf_ = found.defined() && found.Item() != 0.0;
+  } else if (fused) {
+    found_inf_ = ScanGrads(optimizer, 1.0f, false);
+  }
   stage_ = Stage::kStepped;
   if (found_inf_) return false;
   if (fused) optimizer.set_grad_scale(static_cast<float>(1.0 / static_cast<double>(scale_)));
@@ -90,6 +127,7 @@ void GradScaler::Update() {
     growth_tracker_ = 0;
   }
   found_inf_ = false;
+  found_inf_device_ = Tensor();
   stage_ = Stage::kReady;
 }
 
@@ -119,6 +157,7 @@ void GradScaler::LoadStateDict(const NamedTensors& state) {
   scale_ = s;
   growth_tracker_ = tracker->To(kCPU).data<int64_t>()[0];
   found_inf_ = false;
+  found_inf_device_ = Tensor();
   stage_ = Stage::kReady;
 }
 

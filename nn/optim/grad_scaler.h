@@ -14,6 +14,11 @@
 // pass over the gradients) and .grad keeps the scaled values.
 // Under DDP the gradients are identical on every rank after the all-reduce,
 // so every rank takes the same decision.
+//
+// Gradients on a device (CUDA) are checked and unscaled there by the
+// registered unscale_and_check kernel into a one-element found-inf flag on
+// the device; the flag is read once, in Step (one host synchronization per
+// iteration, none per tensor).
 
 #include <cstdint>
 
@@ -47,7 +52,8 @@ class GradScaler {
   bool Step(Optimizer& optimizer);
   /// Updates the scale from this iteration's outcome; call after Step.
   void Update();
-  /// Whether this iteration found inf/NaN gradients (valid after Step).
+  /// Whether this iteration found inf/NaN gradients (valid after Step; for
+  /// CPU gradients also after Unscale).
   bool found_inf() const { return found_inf_; }
   /// Good steps since the last change of scale.
   int64_t growth_tracker() const { return growth_tracker_; }
@@ -65,6 +71,7 @@ class GradScaler {
   int64_t growth_tracker_ = 0;
   bool found_inf_ = false;
   Stage stage_ = Stage::kReady;
+  Tensor found_inf_device_;  // the flag Unscale left on the device for Step to read
 };
 
 }  // namespace ddp::nn::optim

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "nn/optim/device_kernels.h"
+
 namespace ddp::nn::optim {
 namespace {
 
@@ -53,14 +55,16 @@ Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string>
       throw std::invalid_argument("optimizer: parameter `" + name + "` has dtype " +
                                   std::string(DTypeName(p.dtype())) + ", expected a floating type");
     }
-    if (!p.device().is_cpu()) {
-      throw std::invalid_argument("optimizer: parameter `" + name + "` is on " +
-                                  p.device().ToString() + "; optimizer kernels run on the CPU only");
+    if (p.device() != params_.front().second.device()) {
+      throw std::invalid_argument("optimizer: parameters on two devices: `" + params_.front().first + "` on " +
+                                  params_.front().second.device().ToString() + ", `" + name + "` on " +
+                                  p.device().ToString() + " (one optimizer updates one device's parameters)");
     }
     if (!p.is_contiguous()) {
       throw std::invalid_argument("optimizer: parameter `" + name + "` is not contiguous");
     }
   }
+  if (!params_.empty()) device_ = params_.front().second.device();
   steps_.assign(params_.size(), 0);
   state_.resize(params_.size());
 }
@@ -79,17 +83,23 @@ void Optimizer::InitState(size_t i) {
   if (!s.slots.empty()) return;
   const Tensor& p = params_[i].second;
   for (size_t k = 0; k < slot_names_.size(); ++k) {
-    s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i)}));
+    s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i), .device = p.device()}));
   }
   if (p.dtype() == DType::kFloat16 || p.dtype() == DType::kBFloat16) {
-    s.master = Empty(p.shape(), {.dtype = DType::kFloat32});
-    ConvertTo(p, s.master.data<float>());
+    if (p.device().is_cpu()) {
+      s.master = Empty(p.shape(), {.dtype = DType::kFloat32});
+      ConvertTo(p, s.master.data<float>());
+    } else {
+      s.master = p.Detach().To(DType::kFloat32);
+    }
   }
 }
 
 void Optimizer::Step() {
   std::vector<float> scratch_f;
   std::vector<double> scratch_d;
+  const bool device_path = internal::UsesDevicePath(device_);
+  if (device_path) CheckDeviceKernels(device_);
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
     const Tensor& grad = p.grad();
@@ -99,50 +109,77 @@ void Optimizer::Step() {
                                   ShapeToString(grad.shape()) + ", the parameter " +
                                   ShapeToString(p.shape()));
     }
-    if (!grad.device().is_cpu()) {
+    if (grad.device() != p.device()) {
       throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` is on " +
-                                  grad.device().ToString());
+                                  grad.device().ToString() + ", the parameter on " + p.device().ToString());
     }
-    const Tensor g = grad.is_contiguous() ? grad : grad.Detach().Contiguous();
-    InitState(i);
-    State& s = state_[i];
-    const int64_t n = p.numel();
-    const int64_t step = ++steps_[i];
-    if (ComputeDType(i) == DType::kFloat64) {
-      std::vector<double*> slots;
-      for (Tensor& t : s.slots) slots.push_back(t.data<double>());
-      const double* gp;
-      if (g.dtype() == DType::kFloat64) {
-        gp = g.data<double>();
-      } else {
-        scratch_d.resize(n);
-        ConvertTo(g, scratch_d.data());
-        gp = scratch_d.data();
-      }
-      Update(p.data<double>(), gp, slots.data(), n, step, grad_scale_);
+    if (device_path) {
+      DeviceStep(i, grad);
     } else {
-      std::vector<float*> slots;
-      for (Tensor& t : s.slots) slots.push_back(t.data<float>());
-      const float* gp;
-      if (g.dtype() == DType::kFloat32) {
-        gp = g.data<float>();
-      } else {
-        scratch_f.resize(n);
-        ConvertTo(g, scratch_f.data());
-        gp = scratch_f.data();
-      }
-      float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
-      Update(target, gp, slots.data(), n, step, static_cast<float>(grad_scale_));
-      if (p.dtype() == DType::kFloat16) {
-        Half* out = p.data<Half>();
-        for (int64_t k = 0; k < n; ++k) out[k] = Half(target[k]);
-      } else if (p.dtype() == DType::kBFloat16) {
-        BFloat16* out = p.data<BFloat16>();
-        for (int64_t k = 0; k < n; ++k) out[k] = BFloat16(target[k]);
-      }
+      HostStep(i, grad, scratch_f, scratch_d);
     }
-    p.storage()->BumpVersion();
   }
+}
+
+void Optimizer::DeviceStep(size_t i, const Tensor& grad) {
+  const Tensor& p = params_[i].second;
+  const DType compute = ComputeDType(i);
+  // A 16-bit or strided gradient becomes a contiguous one of the compute
+  // dtype on the device (one conversion kernel; no host copy).
+  const Tensor g = grad.dtype() == compute && grad.is_contiguous() ? grad : grad.Detach().To(compute).Contiguous();
+  InitState(i);
+  State& s = state_[i];
+  const int64_t step = ++steps_[i];
+  const Tensor target = s.master.defined() ? s.master : p;
+  DeviceUpdate(target, g, s.slots, step, grad_scale_);
+  if (s.master.defined()) {
+    NoGradGuard guard;
+    p.CopyFrom(s.master);  // rounds the f32 master into the 16-bit parameter on the device
+  }
+  p.storage()->BumpVersion();
+}
+
+void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d) {
+  const Tensor& p = params_[i].second;
+  const Tensor g = grad.is_contiguous() ? grad : grad.Detach().Contiguous();
+  InitState(i);
+  State& s = state_[i];
+  const int64_t n = p.numel();
+  const int64_t step = ++steps_[i];
+  if (ComputeDType(i) == DType::kFloat64) {
+    std::vector<double*> slots;
+    for (Tensor& t : s.slots) slots.push_back(t.data<double>());
+    const double* gp;
+    if (g.dtype() == DType::kFloat64) {
+      gp = g.data<double>();
+    } else {
+      scratch_d.resize(n);
+      ConvertTo(g, scratch_d.data());
+      gp = scratch_d.data();
+    }
+    Update(p.data<double>(), gp, slots.data(), n, step, grad_scale_);
+  } else {
+    std::vector<float*> slots;
+    for (Tensor& t : s.slots) slots.push_back(t.data<float>());
+    const float* gp;
+    if (g.dtype() == DType::kFloat32) {
+      gp = g.data<float>();
+    } else {
+      scratch_f.resize(n);
+      ConvertTo(g, scratch_f.data());
+      gp = scratch_f.data();
+    }
+    float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
+    Update(target, gp, slots.data(), n, step, static_cast<float>(grad_scale_));
+    if (p.dtype() == DType::kFloat16) {
+      Half* out = p.data<Half>();
+      for (int64_t k = 0; k < n; ++k) out[k] = Half(target[k]);
+    } else if (p.dtype() == DType::kBFloat16) {
+      BFloat16* out = p.data<BFloat16>();
+      for (int64_t k = 0; k < n; ++k) out[k] = BFloat16(target[k]);
+    }
+  }
+  p.storage()->BumpVersion();
 }
 
 void Optimizer::ZeroGrad(bool set_to_none) {
@@ -240,11 +277,15 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     state_[i] = State();
     if (new_steps[i] == 0) continue;
     const std::string prefix = "state." + params_[i].first + ".";
-    for (const std::string& s : slot_names_) {
-      state_[i].slots.push_back(given.at(prefix + s).Detach().To(kCPU).Clone());
-    }
+    // Copies on the parameter's device, never aliasing the caller's tensors.
+    const Device dev = params_[i].second.device();
+    auto copy_to_device = [dev](const Tensor& t) {
+      const Tensor moved = t.Detach().To(dev);
+      return moved.storage() == t.storage() ? moved.Clone() : moved.Contiguous();
+    };
+    for (const std::string& s : slot_names_) state_[i].slots.push_back(copy_to_device(given.at(prefix + s)));
     auto m = given.find(prefix + "master");
-    if (m != given.end()) state_[i].master = m->second.Detach().To(kCPU).Clone();
+    if (m != given.end()) state_[i].master = copy_to_device(m->second);
   }
 }
 

@@ -11,6 +11,13 @@
 // 16-bit rounding. PyTorch's AMP gets the same effect by keeping the
 // parameters themselves in f32. f32 and f64 parameters are updated in their
 // own precision.
+//
+// Devices: all parameters of one optimizer live on one device. On a CUDA
+// device (or any non-CPU device) the state and master copies live there
+// too, and each parameter is updated by one fused device kernel registered
+// by the backend (device_kernels.h; nn::cuda::Init() registers CUDA's),
+// queued on the current stream with no host synchronization. Adadelta
+// composes the ops kernel table's elementwise kernels instead.
 
 #include <cstdint>
 #include <string>
@@ -52,21 +59,25 @@ class Optimizer {
   const NamedParameters& params() const { return params_; }
   /// Steps taken by parameter i (0 before its first update).
   int64_t step_count(size_t i) const { return steps_[i]; }
+  /// The device every parameter lives on (the CPU for an empty list).
+  Device device() const { return device_; }
 
   /// The state: "lr" (f64 scalar), and per updated parameter
   /// "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
   /// parameter's shape, f32 or f64; "master" for 16-bit parameters).
-  /// Tensors are copies.
+  /// Tensors are copies, on the parameters' device ("lr" and steps on the CPU).
   NamedTensors StateDict() const;
   /// Restores StateDict's output. Looks only at "lr" and "state." keys, so
   /// other components' state may share the list. Everything is checked
   /// before anything changes; one error lists every missing, unexpected or
-  /// mismatched key.
+  /// mismatched key. State tensors may come from any device: they are copied
+  /// to the parameters' device.
   void LoadStateDict(const NamedTensors& state);
 
  protected:
   /// Throws std::invalid_argument for an empty or repeated name, an
-  /// undefined, non-contiguous, non-floating or non-CPU parameter.
+  /// undefined, non-contiguous or non-floating parameter, or parameters on
+  /// two devices (naming one of each).
   Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names);
 
   /// One fused update of n elements. `p` is the parameter (or its master
@@ -77,6 +88,18 @@ class Optimizer {
                       float grad_scale) = 0;
   virtual void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
                       double grad_scale) = 0;
+
+  /// The device path's update of one parameter: `p` is the parameter (or its
+  /// f32 master copy), `g` its contiguous gradient in p's dtype (to be
+  /// multiplied by grad_scale), `slots` the state in slot_names order on p's
+  /// device, zero before the first step. Must queue work without waiting
+  /// for the device.
+  virtual void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                            double grad_scale) = 0;
+
+  /// Throws naming the device when the device path has no kernel for it
+  /// (called once per Step, before anything is allocated or changed).
+  virtual void CheckDeviceKernels(Device device) const = 0;
 
   /// Name of the optimizer for messages ("SGD").
   virtual const char* Name() const = 0;
@@ -89,8 +112,11 @@ class Optimizer {
 
   DType ComputeDType(size_t i) const;
   void InitState(size_t i);
+  void HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d);
+  void DeviceStep(size_t i, const Tensor& grad);
 
   NamedParameters params_;
+  Device device_ = kCPU;
   double lr_;
   double grad_scale_ = 1.0;
   std::vector<std::string> slot_names_;

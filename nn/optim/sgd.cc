@@ -1,5 +1,6 @@
 #include "nn/optim/sgd.h"
 
+#include "nn/optim/device_kernels.h"
 #include "nn/optim/kernel_util.h"
 
 #include <stdexcept>
@@ -69,6 +70,24 @@ void Sgd::Update(float* p, const float* g, float* const* slots, int64_t n, int64
 void Sgd::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
                  double grad_scale) {
   Kernel(p, g, slots[0], n, step, grad_scale);
+}
+
+void Sgd::CheckDeviceKernels(Device device) const {
+  if (DeviceOptimKernelsFor(device.type).sgd_step == nullptr) {
+    internal::ThrowNoDeviceKernel(Name(), "sgd_step", device);
+  }
+}
+
+void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                       double grad_scale) {
+  DeviceOptimKernelsFor(p.device().type).sgd_step(p, g, options_.momentum != 0 ? slots[0] : Tensor(),
+     SgdStepArgs{.lr = lr(),
+                 .momentum = options_.momentum,
+                 .dampening = options_.dampening,
+                 .weight_decay = options_.weight_decay,
+                 .nesterov = options_.nesterov,
+                 .step = step,
+                 .grad_scale = grad_scale});
 }
 
 }  // namespace ddp::nn::optim

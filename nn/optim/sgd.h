@@ -32,6 +32,9 @@ class Sgd : public Optimizer {
               float grad_scale) override;
   void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
               double grad_scale) override;
+  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                    double grad_scale) override;
+  void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
 
  private:

@@ -1,0 +1,368 @@
+// The device path of nn/optim (what CUDA parameters take) run on CPU
+// tensors: the test registers CPU stand-ins for the device kernels
+// (straightforward per-element loops of PyTorch's rules, written here
+// independently of sgd.cc/adam.cc), so everything around the kernels is
+// exercised without a GPU: state allocation on the parameter's device, f32
+// master copies of 16-bit parameters, gradient conversion, the loss
+// scaler's found-inf flag, ClipGradNorm and Adadelta composed from the ops
+// kernel table, state save and load. Results must match the host path
+// (tolerances: 1e-6 relative in f32, 1e-12 in f64; bf16 parameters
+// identical up to one bf16 rounding, 1e-2 relative).
+//
+// The CUDA kernels themselves are tested against the host path by
+// nn/cuda:optim_kernels_test and nn/cuda:optim_device_test (GPU).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/optim/adadelta.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/clip_grad.h"
+#include "nn/optim/device_kernels.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/sgd.h"
+#include "nn/tensor/generator.h"
+
+namespace ddp::nn::optim {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+struct Calls {
+  int sgd = 0, adam = 0, unscale = 0;
+  size_t unscale_tensors = 0;
+};
+Calls g_calls;
+
+template <typename T>
+void SgdLoop(const Tensor& p, const Tensor& g, const Tensor& buf, const SgdStepArgs& a) {
+  T* pp = p.data<T>();
+  const T* gp = g.data<T>();
+  T* bp = a.momentum != 0 ? buf.data<T>() : nullptr;
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    T d = gp[i] * static_cast<T>(a.grad_scale);
+    d = d + static_cast<T>(a.weight_decay) * pp[i];
+    if (a.momentum != 0) {
+      const T b = a.step == 1 ? d : bp[i] * static_cast<T>(a.momentum) + static_cast<T>(1.0 - a.dampening) * d;
+      bp[i] = b;
+      d = a.nesterov ? d + static_cast<T>(a.momentum) * b : b;
+    }
+    pp[i] = pp[i] + static_cast<T>(-a.lr) * d;
+  }
+}
+
+void TestSgdStep(const Tensor& p, const Tensor& g, const Tensor& buf, const SgdStepArgs& a) {
+  ++g_calls.sgd;
+  ASSERT_EQ(p.dtype(), g.dtype());
+  ASSERT_TRUE(p.is_contiguous() && g.is_contiguous());
+  if (p.dtype() == DType::kFloat64) {
+    SgdLoop<double>(p, g, buf, a);
+  } else {
+    SgdLoop<float>(p, g, buf, a);
+  }
+}
+
+template <typename T>
+void AdamLoop(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const Tensor& vmax,
+              const AdamStepArgs& a) {
+  const double bc1 = 1.0 - std::pow(a.beta1, static_cast<double>(a.step));
+  const double bc2 = 1.0 - std::pow(a.beta2, static_cast<double>(a.step));
+  T* pp = p.data<T>();
+  const T* gp = g.data<T>();
+  T* mp = m.data<T>();
+  T* vp = v.data<T>();
+  T* xp = a.amsgrad ? vmax.data<T>() : nullptr;
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    T gi = gp[i] * static_cast<T>(a.grad_scale);
+    T pi = pp[i];
+    if (!a.decoupled) gi = gi + static_cast<T>(a.weight_decay) * pi;
+    if (a.decoupled) pi = pi * static_cast<T>(1.0 - a.lr * a.weight_decay);
+    mp[i] = mp[i] * static_cast<T>(a.beta1) + static_cast<T>(1.0 - a.beta1) * gi;
+    vp[i] = vp[i] * static_cast<T>(a.beta2) + static_cast<T>(1.0 - a.beta2) * gi * gi;
+    T s = vp[i];
+    if (a.amsgrad) {
+      s = std::max(xp[i], s);
+      xp[i] = s;
+    }
+    const T denom = std::sqrt(s) / static_cast<T>(std::sqrt(bc2)) + static_cast<T>(a.eps);
+    pp[i] = pi + static_cast<T>(-(a.lr / bc1)) * (mp[i] / denom);
+  }
+}
+
+void TestAdamStep(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const Tensor& vmax,
+                  const AdamStepArgs& a) {
+  ++g_calls.adam;
+  ASSERT_EQ(p.dtype(), g.dtype());
+  if (p.dtype() == DType::kFloat64) {
+    AdamLoop<double>(p, g, m, v, vmax, a);
+  } else {
+    AdamLoop<float>(p, g, m, v, vmax, a);
+  }
+}
+
+void TestUnscale(const std::vector<Tensor>& tensors, double inv_scale, const Tensor& found_inf) {
+  ++g_calls.unscale;
+  g_calls.unscale_tensors += tensors.size();
+  ASSERT_EQ(found_inf.numel(), 1);
+  ASSERT_EQ(found_inf.dtype(), DType::kFloat32);
+  for (const Tensor& t : tensors) {
+    std::vector<double> v = t.ToVector<double>();
+    for (double& x : v) {
+      if (!std::isfinite(x)) found_inf.data<float>()[0] = 1.0f;
+      x = static_cast<double>(static_cast<float>(x) * static_cast<float>(inv_scale));
+    }
+    t.CopyFrom(FromVector(v, t.shape(), {.dtype = DType::kFloat64}));
+  }
+}
+
+// Registers the stand-ins for the CPU while a test runs.
+class DevicePathTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    g_calls = Calls();
+    RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.sgd_step = &TestSgdStep,
+                                                                    .adam_step = &TestAdamStep,
+                                                                    .unscale_and_check = &TestUnscale});
+    ASSERT_TRUE(internal::UsesDevicePath(kCPU));
+  }
+  void TearDown() override {
+    RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{});
+    EXPECT_FALSE(internal::UsesDevicePath(kCPU));
+  }
+  // Runs f with the host path (stand-ins unregistered), then re-registers them.
+  template <typename F>
+  void OnHostPath(F&& f) {
+    RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{});
+    f();
+    SetUp();
+  }
+};
+
+using Factory = std::function<std::unique_ptr<Optimizer>(NamedParameters)>;
+
+std::vector<std::pair<std::string, Factory>> AllOptimizers() {
+  return {
+      {"sgd", [](NamedParameters p) { return std::make_unique<Sgd>(p, SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true}); }},
+      {"sgd_plain", [](NamedParameters p) { return std::make_unique<Sgd>(p, SgdOptions{.lr = 0.1}); }},
+      {"adam", [](NamedParameters p) { return std::make_unique<Adam>(p, AdamOptions{.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true}); }},
+      {"adamw", [](NamedParameters p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 1e-2}); }},
+      {"adadelta", [](NamedParameters p) { return std::make_unique<Adadelta>(p, AdadeltaOptions{.weight_decay = 1e-2}); }},
+  };
+}
+
+NamedParameters MakeParams(DType dtype, uint64_t seed) {
+  Generator gen(seed);
+  return {{"fc.weight", Randn({8, 5}, {}, gen).To(dtype)}, {"fc.bias", Randn({8}, {}, gen).To(dtype)}};
+}
+
+void SetGrads(const NamedParameters& params, int step, double scale = 1.0) {
+  for (const auto& [name, p] : params) {
+    std::vector<double> v = p.ToVector<double>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = scale * ((v[i] - 0.3) + 0.1 * std::sin(step + 0.7 * i));
+    p.set_grad(FromVector(v, p.shape(), {.dtype = p.dtype()}));
+  }
+}
+
+double Tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64: return 1e-12;
+    case DType::kFloat32: return 1e-6;
+    default: return 1e-2;
+  }
+}
+
+void ExpectClose(const Tensor& a, const Tensor& b, double rel, const std::string& what) {
+  const std::vector<double> va = a.ToVector<double>(), vb = b.ToVector<double>();
+  ASSERT_EQ(va.size(), vb.size()) << what;
+  for (size_t i = 0; i < va.size(); ++i) {
+    EXPECT_NEAR(va[i], vb[i], rel * std::max(1.0, std::abs(vb[i]))) << what << " [" << i << "]";
+  }
+}
+
+TEST_F(DevicePathTest, EveryOptimizerFollowsTheHostPath) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    for (const auto& [name, make] : AllOptimizers()) {
+      SCOPED_TRACE(name + " " + std::string(DTypeName(dtype)));
+      NamedParameters host = MakeParams(dtype, 1), dev = MakeParams(dtype, 1);
+      std::unique_ptr<Optimizer> host_opt;
+      NamedTensors host_state;
+      OnHostPath([&] {
+        host_opt = make(host);
+        for (int s = 0; s < 3; ++s) {
+          SetGrads(host, s);
+          host_opt->Step();
+        }
+        host_state = host_opt->StateDict();
+      });
+      auto dev_opt = make(dev);
+      g_calls = Calls();
+      for (int s = 0; s < 3; ++s) {
+        SetGrads(dev, s);
+        dev_opt->Step();
+      }
+      // One fused kernel per parameter and step (Adadelta composes ops instead).
+      EXPECT_EQ(g_calls.sgd, name.rfind("sgd", 0) == 0 ? 6 : 0);
+      EXPECT_EQ(g_calls.adam, name.rfind("adam", 0) == 0 ? 6 : 0);
+      for (size_t i = 0; i < host.size(); ++i) {
+        EXPECT_EQ(dev[i].second.dtype(), dtype);
+        ExpectClose(dev[i].second, host[i].second, Tolerance(dtype), host[i].first);
+      }
+      const NamedTensors dev_state = dev_opt->StateDict();
+      ASSERT_EQ(dev_state.size(), host_state.size());
+      for (size_t i = 0; i < dev_state.size(); ++i) {
+        EXPECT_EQ(dev_state[i].first, host_state[i].first);
+        EXPECT_EQ(dev_state[i].second.dtype(), host_state[i].second.dtype()) << dev_state[i].first;
+        EXPECT_EQ(dev_state[i].second.device(), kCPU);
+        // Master copies and slots are f32/f64: compare at that precision.
+        ExpectClose(dev_state[i].second, host_state[i].second,
+                    dtype == DType::kFloat64 ? 1e-12 : 1e-5, dev_state[i].first);
+      }
+    }
+  }
+}
+
+TEST_F(DevicePathTest, StateSavedOnOnePathContinuesOnTheOther) {
+  for (const auto& [name, make] : AllOptimizers()) {
+    SCOPED_TRACE(name);
+    NamedParameters a = MakeParams(DType::kFloat32, 2), b = MakeParams(DType::kFloat32, 2);
+    auto opt_a = make(a);
+    for (int s = 0; s < 2; ++s) {
+      SetGrads(a, s);
+      opt_a->Step();
+    }
+    const NamedTensors state = opt_a->StateDict();
+    for (size_t i = 0; i < a.size(); ++i) b[i].second.CopyFrom(a[i].second);
+    auto opt_b = make(b);
+    opt_b->LoadStateDict(state);
+    // The loaded state is a copy: stepping b must not change a's saved tensors.
+    const std::vector<double> saved = state.back().second.ToVector<double>();
+    for (int s = 2; s < 4; ++s) {
+      SetGrads(a, s);
+      opt_a->Step();
+      SetGrads(b, s);
+      opt_b->Step();
+    }
+    EXPECT_EQ(state.back().second.ToVector<double>(), saved);
+    for (size_t i = 0; i < a.size(); ++i) ExpectClose(b[i].second, a[i].second, 1e-6, a[i].first);
+  }
+}
+
+TEST_F(DevicePathTest, GradScalerReadsOneFlagPerStep) {
+  NamedParameters host = MakeParams(DType::kFloat32, 3), dev = MakeParams(DType::kFloat32, 3);
+  OnHostPath([&] {
+    Adam opt(host, {.lr = 1e-2});
+    GradScaler scaler({.init_scale = 1024});
+    for (int s = 0; s < 3; ++s) {
+      SetGrads(host, s, 1024.0);
+      ASSERT_TRUE(scaler.Step(opt));
+      scaler.Update();
+    }
+  });
+  Adam opt(dev, {.lr = 1e-2});
+  GradScaler scaler({.init_scale = 1024});
+  for (int s = 0; s < 3; ++s) {
+    SetGrads(dev, s, 1024.0);
+    g_calls = Calls();
+    if (s == 1) {
+      scaler.Unscale(opt);  // explicit unscale, then the step reads the same flag
+    }
+    ASSERT_TRUE(scaler.Step(opt));
+    // One check over all gradients together, whichever way.
+    EXPECT_EQ(g_calls.unscale, 1);
+    EXPECT_EQ(g_calls.unscale_tensors, 2u);
+    scaler.Update();
+  }
+  for (size_t i = 0; i < host.size(); ++i) ExpectClose(dev[i].second, host[i].second, 1e-6, host[i].first);
+
+  // An inf found on the "device": no step, the scale backs off.
+  const std::vector<double> before = dev[0].second.ToVector<double>();
+  SetGrads(dev, 7, 1024.0);
+  Tensor g = dev[0].second.grad();
+  g.data<float>()[3] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(scaler.Step(opt));
+  EXPECT_TRUE(scaler.found_inf());
+  scaler.Update();
+  EXPECT_EQ(scaler.scale(), 512.0);
+  EXPECT_EQ(dev[0].second.ToVector<double>(), before);
+  // A NaN found by an explicit Unscale is reported by the Step that follows.
+  SetGrads(dev, 8, 512.0);
+  dev[1].second.grad().data<float>()[0] = std::nanf("");
+  scaler.Unscale(opt);
+  EXPECT_FALSE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(scaler.scale(), 256.0);
+}
+
+TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {
+  for (double norm_type : {2.0, 1.0, 3.0}) {
+    SCOPED_TRACE(norm_type);
+    NamedParameters host = MakeParams(DType::kFloat32, 4), dev = MakeParams(DType::kFloat32, 4);
+    SetGrads(host, 1);
+    SetGrads(dev, 1);
+    double host_norm = 0;
+    OnHostPath([&] { host_norm = ClipGradNorm({host[0].second, host[1].second}, 0.5, norm_type); });
+    const double dev_norm = ClipGradNorm({dev[0].second, dev[1].second}, 0.5, norm_type);
+    EXPECT_NEAR(dev_norm, host_norm, 1e-6 * host_norm);
+    EXPECT_GT(host_norm, 0.5);  // so the gradients were scaled
+    for (size_t i = 0; i < host.size(); ++i) {
+      ExpectClose(dev[i].second.grad(), host[i].second.grad(), 1e-6, host[i].first);
+    }
+  }
+  NamedParameters p = MakeParams(DType::kBFloat16, 5);
+  SetGrads(p, 1);
+  EXPECT_GT(ClipGradNorm({p[0].second, p[1].second}, 1e9), 0.0);
+  EXPECT_THAT([&] { ClipGradNorm({p[0].second}, 1.0, kInfNorm); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("infinity norm")));
+}
+
+// A tensor that claims to live on cuda:0 (no memory is ever touched: every
+// check below must fire before that).
+Tensor FakeCuda(std::vector<float>& backing, const Shape& shape) {
+  return Tensor::FromBlob(backing.data(), shape, DType::kFloat32, Device(DeviceType::kCUDA, 0));
+}
+
+TEST(DeviceErrors, MixedDeviceParameterListNamesBoth) {
+  std::vector<float> backing(4);
+  EXPECT_THAT([&] { Sgd({{"fc.weight", Zeros({4})}, {"fc.bias", FakeCuda(backing, {4})}}, {}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  AllOf(HasSubstr("`fc.weight` on cpu"), HasSubstr("`fc.bias` on cuda:0"))));
+}
+
+TEST(DeviceErrors, GradientOnAnotherDeviceNamesTheParameter) {
+  std::vector<float> backing(4);
+  Tensor w = Zeros({4});
+  w.impl()->mutable_autograd().grad = FakeCuda(backing, {4});  // set_grad would refuse it
+  Sgd opt({{"fc.weight", w}}, {.lr = 0.1});
+  EXPECT_THAT([&] { opt.Step(); }, ::testing::ThrowsMessage<std::invalid_argument>(AllOf(
+                                       HasSubstr("`fc.weight`"), HasSubstr("is on cuda:0, the parameter on cpu"))));
+  GradScaler scaler;
+  EXPECT_THAT([&] { scaler.Step(opt); }, ::testing::ThrowsMessage<std::invalid_argument>(
+                                             AllOf(HasSubstr("`fc.weight`"), HasSubstr("cuda:0"))));
+}
+
+TEST(DeviceErrors, NoRegisteredKernelNamesTheDevice) {
+  // In the plain build nothing is registered for CUDA.
+  ASSERT_EQ(DeviceOptimKernelsFor(DeviceType::kCUDA).sgd_step, nullptr);
+  std::vector<float> wb(4), gb(4);
+  Tensor w = FakeCuda(wb, {4});
+  w.set_grad(FakeCuda(gb, {4}));
+  Sgd sgd({{"w", w}}, {.lr = 0.1});
+  EXPECT_THAT([&] { sgd.Step(); }, ::testing::ThrowsMessage<std::runtime_error>(AllOf(
+                                       HasSubstr("sgd_step"), HasSubstr("cuda:0"), HasSubstr("nn::cuda::Init"))));
+  Adam adam({{"w", w}}, {});
+  EXPECT_THAT([&] { adam.Step(); }, ::testing::ThrowsMessage<std::runtime_error>(HasSubstr("adam_step")));
+  GradScaler scaler;
+  EXPECT_THAT([&] { scaler.Unscale(adam); },
+              ::testing::ThrowsMessage<std::runtime_error>(HasSubstr("unscale_and_check")));
+  EXPECT_EQ(wb, std::vector<float>(4, 0.0f));
+}
+
+}  // namespace
+}  // namespace ddp::nn::optim
