@@ -335,6 +335,15 @@ TEST(DeviceErrors, MixedDeviceParameterListNamesBoth) {
                   AllOf(HasSubstr("`fc.weight` on cpu"), HasSubstr("`fc.bias` on cuda:0"))));
 }
 
+TEST(DeviceErrors, ParameterMovedAloneAfterConstructionIsNamedAtStep) {
+  std::vector<float> backing(4);
+  Tensor w = Zeros({4}), b = Zeros({4});
+  Sgd opt({{"fc.weight", w}, {"fc.bias", b}}, {.lr = 0.1});
+  b.SetData(FakeCuda(backing, {4}));  // as Module::To would, for one parameter only
+  EXPECT_THAT([&] { opt.Step(); }, ::testing::ThrowsMessage<std::invalid_argument>(
+                                       AllOf(HasSubstr("`fc.weight` on cpu"), HasSubstr("`fc.bias` on cuda:0"))));
+}
+
 TEST(DeviceErrors, GradientOnAnotherDeviceNamesTheParameter) {
   std::vector<float> backing(4);
   Tensor w = Zeros({4});

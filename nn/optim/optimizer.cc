@@ -55,18 +55,23 @@ Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string>
       throw std::invalid_argument("optimizer: parameter `" + name + "` has dtype " +
                                   std::string(DTypeName(p.dtype())) + ", expected a floating type");
     }
+    if (!p.is_contiguous()) {
+      throw std::invalid_argument("optimizer: parameter `" + name + "` is not contiguous");
+    }
+  }
+  CheckOneDevice();
+  steps_.assign(params_.size(), 0);
+  state_.resize(params_.size());
+}
+
+void Optimizer::CheckOneDevice() const {
+  for (const auto& [name, p] : params_) {
     if (p.device() != params_.front().second.device()) {
       throw std::invalid_argument("optimizer: parameters on two devices: `" + params_.front().first + "` on " +
                                   params_.front().second.device().ToString() + ", `" + name + "` on " +
                                   p.device().ToString() + " (one optimizer updates one device's parameters)");
     }
-    if (!p.is_contiguous()) {
-      throw std::invalid_argument("optimizer: parameter `" + name + "` is not contiguous");
-    }
   }
-  if (!params_.empty()) device_ = params_.front().second.device();
-  steps_.assign(params_.size(), 0);
-  state_.resize(params_.size());
 }
 
 void Optimizer::set_lr(double lr) {
@@ -80,8 +85,15 @@ DType Optimizer::ComputeDType(size_t i) const {
 
 void Optimizer::InitState(size_t i) {
   State& s = state_[i];
-  if (!s.slots.empty()) return;
   const Tensor& p = params_[i].second;
+  if (!s.slots.empty()) {
+    // State made (or loaded) before the parameter moved follows it.
+    for (Tensor& t : s.slots) {
+      if (t.device() != p.device()) t = t.To(p.device());
+    }
+    if (s.master.defined() && s.master.device() != p.device()) s.master = s.master.To(p.device());
+    return;
+  }
   for (size_t k = 0; k < slot_names_.size(); ++k) {
     s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i), .device = p.device()}));
   }
@@ -98,8 +110,12 @@ void Optimizer::InitState(size_t i) {
 void Optimizer::Step() {
   std::vector<float> scratch_f;
   std::vector<double> scratch_d;
-  const bool device_path = internal::UsesDevicePath(device_);
-  if (device_path) CheckDeviceKernels(device_);
+  // Parameters may have moved since construction (Module::To keeps the
+  // tensor objects): check again, and take the state along below.
+  CheckOneDevice();
+  const Device device = this->device();
+  const bool device_path = internal::UsesDevicePath(device);
+  if (device_path) CheckDeviceKernels(device);
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
     const Tensor& grad = p.grad();

@@ -59,8 +59,9 @@ class Optimizer {
   const NamedParameters& params() const { return params_; }
   /// Steps taken by parameter i (0 before its first update).
   int64_t step_count(size_t i) const { return steps_[i]; }
-  /// The device every parameter lives on (the CPU for an empty list).
-  Device device() const { return device_; }
+  /// The device the parameters live on (the first parameter's; the CPU for
+  /// an empty list). Step checks that every parameter is still there.
+  Device device() const { return params_.empty() ? kCPU : params_.front().second.device(); }
 
   /// The state: "lr" (f64 scalar), and per updated parameter
   /// "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
@@ -115,8 +116,9 @@ class Optimizer {
   void HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d);
   void DeviceStep(size_t i, const Tensor& grad);
 
+  void CheckOneDevice() const;
+
   NamedParameters params_;
-  Device device_ = kCPU;
   double lr_;
   double grad_scale_ = 1.0;
   std::vector<std::string> slot_names_;

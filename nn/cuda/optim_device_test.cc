@@ -1,0 +1,221 @@
+// nn/optim on cuda:0 (tag "gpu"): the optimizers, the loss scaler and
+// gradient clipping on device parameters against the same calls on the CPU,
+// and autocast training of the CNN on the GPU against the CPU's f32 run.
+//
+// Tolerances, |gpu - cpu| <= atol + rtol * |cpu|:
+// - f32 and f64 updates after 3-5 steps: rtol 1e-5, atol 1e-6 (nvcc fuses
+//   multiply-adds, Adadelta's composed kernels round per pass);
+// - bf16 parameters (f32 master copies on both sides): rtol 1e-2, atol 1e-3,
+//   one bf16 rounding of a master that agrees to 1e-5;
+// - clipping: the norm to 1e-5 relative.
+// Autocast training (30 steps on Fashion-MNIST, the scenario of
+// nn/ops:autocast_test on the CPU): first loss within 1% (f16) / 2% (bf16)
+// of the CPU's f32 loss, mean of the last 10 losses within 10% of the f32
+// run's and below 75% of the first loss.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/cuda/cuda.h"
+#include "nn/cuda/gpu_test_util.h"
+#include "nn/ops/autocast_training.h"
+#include "nn/optim/adadelta.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/clip_grad.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/sgd.h"
+#include "nn/tensor/generator.h"
+
+namespace ddp::nn::cuda {
+namespace {
+
+using ::ddp::nn::cuda::testing::ExpectClose;
+using ::ddp::nn::cuda::testing::kGpu;
+using ::ddp::nn::cuda::testing::Tol;
+using optim::NamedParameters;
+
+using Factory = std::function<std::unique_ptr<optim::Optimizer>(NamedParameters)>;
+
+std::vector<std::pair<std::string, Factory>> AllOptimizers() {
+  using namespace optim;  // NOLINT: option structs only
+  return {
+      {"sgd", [](NamedParameters p) { return std::make_unique<Sgd>(p, SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true}); }},
+      {"sgd_plain", [](NamedParameters p) { return std::make_unique<Sgd>(p, SgdOptions{.lr = 0.1}); }},
+      {"adam", [](NamedParameters p) { return std::make_unique<Adam>(p, AdamOptions{.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true}); }},
+      {"adamw", [](NamedParameters p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 1e-2}); }},
+      {"adadelta", [](NamedParameters p) { return std::make_unique<Adadelta>(p, AdadeltaOptions{.weight_decay = 1e-2}); }},
+  };
+}
+
+// 2112 and 64 elements: several blocks, and a tail.
+NamedParameters MakeParams(DType dtype, Device device, uint64_t seed) {
+  Generator gen(seed);
+  return {{"fc.weight", Randn({64, 33}, {}, gen).To(dtype).To(device)},
+          {"fc.bias", Randn({64}, {}, gen).To(dtype).To(device)}};
+}
+
+// The same gradients on both sides, computed on the CPU from the CPU's
+// parameters (so the trajectory feeds back), times `scale`.
+void SetGrads(const NamedParameters& cpu, const NamedParameters& gpu, int step, double scale = 1.0) {
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const Tensor& p = cpu[k].second;
+    std::vector<double> v = p.ToVector<double>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = scale * ((v[i] - 0.3) + 0.1 * std::sin(step + 0.7 * i));
+    const Tensor g = FromVector(v, p.shape(), {.dtype = p.dtype()});
+    p.set_grad(g);
+    gpu[k].second.set_grad(g.To(kGpu));
+  }
+}
+
+Tol ParamTol(DType dtype) { return dtype == DType::kBFloat16 ? Tol{1e-2, 1e-3} : Tol{1e-5, 1e-6}; }
+
+void ExpectParamsClose(const NamedParameters& cpu, const NamedParameters& gpu, DType dtype) {
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    EXPECT_EQ(gpu[k].second.device(), kGpu);
+    EXPECT_EQ(gpu[k].second.dtype(), dtype);
+    ExpectClose(cpu[k].second, gpu[k].second, ParamTol(dtype), cpu[k].first);
+  }
+}
+
+TEST(OptimDeviceTest, EveryOptimizerOnCudaFollowsTheCpu) {
+  Init();
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    for (const auto& [name, make] : AllOptimizers()) {
+      SCOPED_TRACE(name + " " + std::string(DTypeName(dtype)));
+      NamedParameters cpu = MakeParams(dtype, kCPU, 1), gpu = MakeParams(dtype, kGpu, 1);
+      auto cpu_opt = make(cpu);
+      auto gpu_opt = make(gpu);
+      EXPECT_EQ(gpu_opt->device(), kGpu);
+      for (int s = 0; s < 3; ++s) {
+        SetGrads(cpu, gpu, s);
+        cpu_opt->Step();
+        gpu_opt->Step();
+      }
+      ExpectParamsClose(cpu, gpu, dtype);
+      // State stays on the device; "lr" and the step counts are host scalars.
+      const optim::NamedTensors cs = cpu_opt->StateDict(), gs = gpu_opt->StateDict();
+      ASSERT_EQ(cs.size(), gs.size());
+      for (size_t i = 0; i < cs.size(); ++i) {
+        ASSERT_EQ(gs[i].first, cs[i].first);
+        const std::string& key = gs[i].first;
+        const bool host_scalar =
+            key == "lr" || (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0);
+        EXPECT_EQ(gs[i].second.device(), host_scalar ? kCPU : kGpu) << gs[i].first;
+        EXPECT_EQ(gs[i].second.dtype(), cs[i].second.dtype()) << gs[i].first;
+        ExpectClose(cs[i].second, gs[i].second, Tol{1e-5, 1e-6}, gs[i].first);
+      }
+      // The CPU's state loaded into a new GPU optimizer continues like the CPU.
+      NamedParameters gpu2 = MakeParams(dtype, kGpu, 9);
+      for (size_t k = 0; k < cpu.size(); ++k) gpu2[k].second.CopyFrom(cpu[k].second);
+      auto gpu2_opt = make(gpu2);
+      gpu2_opt->LoadStateDict(cs);
+      for (int s = 3; s < 5; ++s) {
+        SetGrads(cpu, gpu2, s);
+        cpu_opt->Step();
+        gpu2_opt->Step();
+      }
+      ExpectParamsClose(cpu, gpu2, dtype);
+      for (const auto& [key, t] : gpu2_opt->StateDict()) {
+        if (key.find(".exp_avg") != std::string::npos || key.find(".momentum_buffer") != std::string::npos ||
+            key.find(".square_avg") != std::string::npos || key.find(".master") != std::string::npos) {
+          EXPECT_EQ(t.device(), kGpu) << key;
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimDeviceTest, GradScalerOnCudaSkipsInfAndFollowsTheCpu) {
+  Init();
+  NamedParameters cpu = MakeParams(DType::kFloat32, kCPU, 3), gpu = MakeParams(DType::kFloat32, kGpu, 3);
+  optim::Adam cpu_opt(cpu, {.lr = 1e-2}), gpu_opt(gpu, {.lr = 1e-2});
+  optim::GradScaler cpu_scaler({.init_scale = 1024}), gpu_scaler({.init_scale = 1024});
+  for (int s = 0; s < 4; ++s) {
+    SetGrads(cpu, gpu, s, 1024.0);
+    if (s % 2 == 1) {  // explicit unscale on odd steps, fused on even ones
+      cpu_scaler.Unscale(cpu_opt);
+      gpu_scaler.Unscale(gpu_opt);
+      ExpectClose(cpu[0].second.grad(), gpu[0].second.grad(), Tol{1e-6, 0}, "unscaled gradient");
+    }
+    EXPECT_TRUE(cpu_scaler.Step(cpu_opt));
+    EXPECT_TRUE(gpu_scaler.Step(gpu_opt));
+    EXPECT_FALSE(gpu_scaler.found_inf());
+    cpu_scaler.Update();
+    gpu_scaler.Update();
+  }
+  ExpectParamsClose(cpu, gpu, DType::kFloat32);
+
+  // An inf in one gradient on the device: no step, the scale backs off.
+  const Tensor before = gpu[1].second.To(kCPU);
+  SetGrads(cpu, gpu, 9, 1024.0);
+  Tensor bad = cpu[0].second.grad().Clone();
+  bad.data<float>()[100] = std::numeric_limits<float>::infinity();
+  gpu[0].second.set_grad(bad.To(kGpu));
+  EXPECT_FALSE(gpu_scaler.Step(gpu_opt));
+  EXPECT_TRUE(gpu_scaler.found_inf());
+  gpu_scaler.Update();
+  EXPECT_EQ(gpu_scaler.scale(), 512.0);
+  ExpectClose(before, gpu[1].second, Tol{0, 0}, "parameter after a skipped step");
+  // A NaN found by an explicit Unscale on the device.
+  bad.data<float>()[100] = std::nanf("");
+  gpu[0].second.set_grad(bad.To(kGpu));
+  gpu_scaler.Unscale(gpu_opt);
+  EXPECT_FALSE(gpu_scaler.Step(gpu_opt));
+  gpu_scaler.Update();
+  EXPECT_EQ(gpu_scaler.scale(), 256.0);
+}
+
+TEST(OptimDeviceTest, ClipGradNormOnCudaMatchesTheCpu) {
+  Init();
+  for (double norm_type : {2.0, 1.0, 3.0}) {
+    SCOPED_TRACE(norm_type);
+    NamedParameters cpu = MakeParams(DType::kFloat32, kCPU, 4), gpu = MakeParams(DType::kFloat32, kGpu, 4);
+    SetGrads(cpu, gpu, 1);
+    const double cn = optim::ClipGradNorm({cpu[0].second, cpu[1].second}, 0.5, norm_type);
+    const double gn = optim::ClipGradNorm({gpu[0].second, gpu[1].second}, 0.5, norm_type);
+    EXPECT_GT(cn, 0.5);
+    EXPECT_NEAR(gn, cn, 1e-5 * cn);
+    for (size_t k = 0; k < cpu.size(); ++k) {
+      ExpectClose(cpu[k].second.grad(), gpu[k].second.grad(), Tol{1e-5, 1e-7}, cpu[k].first);
+    }
+  }
+}
+
+// The CNN under autocast on cuda:0: f16 with the loss scaler, and bf16.
+TEST(OptimDeviceTest, AutocastCnnTrainsOnCudaAndFollowsTheCpuF32Run) {
+  Init();
+  const std::vector<data::Batch> batches = nn::testing::FashionMnistBatches(30);
+  ASSERT_EQ(batches.size(), 30u);
+  const nn::testing::Trajectory ref = nn::testing::TrainCnn(kCPU, std::nullopt, false, batches);
+  const double ref_last = nn::testing::MeanLoss(ref.losses, 20, 30);
+  struct Case {
+    DType dtype;
+    bool scaler;
+    double first_tol;
+  };
+  for (const Case& c : {Case{DType::kFloat16, true, 0.01}, Case{DType::kBFloat16, false, 0.02},
+                        Case{DType::kBFloat16, true, 0.02}}) {
+    SCOPED_TRACE(std::string(DTypeName(c.dtype)) + (c.scaler ? " with GradScaler" : ""));
+    const nn::testing::Trajectory t = nn::testing::TrainCnn(kGpu, c.dtype, c.scaler, batches);
+    const double last = nn::testing::MeanLoss(t.losses, 20, 30);
+    std::printf("cuda:0 %s%s: first loss %.4f (cpu f32 %.4f), last-10 %.4f (cpu f32 %.4f), %d steps taken\n",
+                std::string(DTypeName(c.dtype)).c_str(), c.scaler ? " + GradScaler" : "", t.losses[0],
+                ref.losses[0], last, ref_last, t.steps_taken);
+    EXPECT_EQ(t.logits_dtype, c.dtype);
+    EXPECT_EQ(t.loss_dtype, DType::kFloat32);
+    EXPECT_TRUE(t.grads_f32);
+    EXPECT_TRUE(t.params_f32);
+    EXPECT_GE(t.steps_taken, 28);
+    EXPECT_NEAR(t.losses[0], ref.losses[0], c.first_tol * ref.losses[0]);
+    EXPECT_LT(last, 0.75 * t.losses[0]);
+    EXPECT_NEAR(last, ref_last, 0.1 * ref_last);
+  }
+}
+
+}  // namespace
+}  // namespace ddp::nn::cuda
