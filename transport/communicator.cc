@@ -295,8 +295,8 @@ class Communicator::Impl {
     args.tuning.chunk_bytes = options_.chunk_bytes;
     return args;
   }
-  Status Watchdog(Deadline deadline) {
-    return monitor_ ? monitor_->Check(deadline) : Status::Ok();
+  Status Watchdog(Deadline deadline, int awaited_peer = -1) {
+    return monitor_ ? monitor_->Check(deadline, awaited_peer) : Status::Ok();
   }
   void AsyncLoop();
   Status WaitForQueue(Deadline deadline);
@@ -315,7 +315,7 @@ class Communicator::Impl {
   std::unique_ptr<p2p::GroupView> ring_view_;
   std::unique_ptr<fault::PeerMonitor> monitor_;
   std::unique_ptr<shm::ShmAllReduce> shm_;
-  std::function<Status(Deadline)> watchdog_;
+  std::function<Status(Deadline, int)> watchdog_;
   // Pinned slots and a stream per CUDA device used, under run_mu_.
   std::map<int, std::unique_ptr<cuda::DeviceCopyEngine>> staging_;
   std::map<int, std::unique_ptr<cuda::IpcCollectives>> ipc_;  // under run_mu_
@@ -442,7 +442,9 @@ Status Communicator::Impl::Init() {
       fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,
                                 .store_rank = o.host_store ? 0 : -1},
       store_.get());
-  watchdog_ = [this](Deadline deadline) { return Watchdog(deadline); };
+  watchdog_ = [this](Deadline deadline, int awaited_peer) {
+    return Watchdog(deadline, awaited_peer);
+  };
   p2p_->SetWatchdog(watchdog_);
 
   // 5. The shared-memory path, when every rank is on this host.
@@ -858,7 +860,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   // One poll: a short hold of the worker, so that the communicator's thread
   // can run queued collectives between polls (the peer may need them done
   // before it sends what this request waits for).
-  state->poll = [this, weak, id = *id, deadline, what, next_watchdog] {
+  state->poll = [this, weak, id = *id, deadline, what, next_watchdog, peer] {
     std::shared_ptr<Work::State> state = weak.lock();
     if (state == nullptr) return;
     Status failure;
@@ -883,8 +885,19 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
         failure = TimedOutError(what + " still pending at its deadline");
       } else if (now >= *next_watchdog) {
         *next_watchdog = now + milliseconds(100);
-        failure = Watchdog(deadline);
-        if (!failure.ok()) p2p_->Cancel(id);
+        failure = Watchdog(deadline, peer);
+        if (!failure.ok()) {
+          // A peer that sent and then exited: its message may be here.
+          for (int i = 0; i < 16; ++i) {
+            StatusOr<bool> last = p2p_->Test(id);
+            if (!last.ok()) break;
+            if (*last) {
+              state->Finish(Status::Ok());
+              return;
+            }
+          }
+          p2p_->Cancel(id);
+        }
       }
     }
     if (!failure.ok()) {

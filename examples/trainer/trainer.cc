@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <csignal>
 #include <cstring>
@@ -142,6 +143,14 @@ class Run {
     if (lead_ && !opt_.quiet) console_.Line(line);
   }
   int StopSignal() const { return opt_.stop != nullptr ? opt_.stop->load() : 0; }
+  // Whether a stop signal arrived by now or arrives within `grace`.
+  bool AwaitStopSignal(std::chrono::milliseconds grace) const {
+    const Clock::time_point until = Clock::now() + grace;
+    while (StopSignal() == 0 && opt_.stop != nullptr && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return StopSignal() != 0;
+  }
   // Trains one optimizer step on up to grad_accum_steps micro-batches;
   // false at the end of the epoch's data.
   bool TrainStep(nn::data::DataLoader& loader);
@@ -532,8 +541,10 @@ RunResult Run::Go() {
     }
   } catch (const JobError&) {
     // Ranks stop one by one on Ctrl-C; a rank still inside a collective
-    // sees its peer leave. That is the interruption, not a new failure.
-    if (StopSignal() == 0) throw;
+    // sees its peer leave, perhaps just before its own signal arrives (the
+    // launcher forwards it to one rank after the other; srun and mpirun may
+    // be slower). That is the interruption, not a new failure.
+    if (!AwaitStopSignal(std::chrono::seconds(1))) throw;
     signal = StopSignal();
     last_checkpoint_step_ = pos_.step;  // the state may be mid-step: do not save it
   }

@@ -47,7 +47,7 @@ bool PeerMonitor::PeerClosed(int peer, Deadline deadline) {
   return value.ok() && value->has_value();
 }
 
-Status PeerMonitor::Check(Deadline deadline) {
+Status PeerMonitor::Check(Deadline deadline, int awaited_peer) {
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     const int pid = options_.local_pids[r];
     if (static_cast<int>(r) == options_.rank || pid <= 0) continue;
@@ -58,15 +58,21 @@ Status PeerMonitor::Check(Deadline deadline) {
     } else {
       exited = kill(pid, 0) != 0 && errno == ESRCH;
     }
-    if (exited && !PeerClosed(static_cast<int>(r), deadline)) {
-      // A rank that exits after reporting a failure is not the cause: the
-      // reason it posted names the rank that really failed.
-      Status posted = PostedAbort(deadline);
-      if (!posted.ok()) return posted;
-      lost_peer_ = static_cast<int>(r);
-      return PeerLostError("rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
-                           " on this host) exited");
+    if (!exited) continue;
+    const bool closed = PeerClosed(static_cast<int>(r), deadline);
+    if (closed && static_cast<int>(r) != awaited_peer) continue;
+    // A rank that exits after reporting a failure is not the cause: the
+    // reason it posted names the rank that really failed.
+    Status posted = PostedAbort(deadline);
+    if (!posted.ok()) return posted;
+    lost_peer_ = static_cast<int>(r);
+    std::string what = "rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                       " on this host) exited";
+    if (closed) {
+      what += " while this rank waited for it; it had closed its communicator, so it left "
+              "the job early (the ranks stopped at different steps)";
     }
+    return PeerLostError(what);
   }
   // With no time left the caller reports its own deadline, naming what it
   // waited for, which says more than a store read that could not start.

@@ -15,7 +15,9 @@
 //      posts its reason there (PostAbort), so every rank learns it;
 //   3. treats an unreachable store as the loss of the rank serving it.
 // A peer that closed its communicator cleanly (posted under `closed/`) may
-// exit without being reported.
+// exit without being reported, unless the wait is for that very peer: it
+// left the job early (ranks stopping at different points, e.g. on a signal)
+// and what the wait needs from it will never come.
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
@@ -58,7 +60,9 @@ class PeerMonitor {
   /// Cheap (a poll per local peer and one store round trip). Returns by
   /// `deadline` (the calling operation's): TIMED_OUT when the store did not
   /// answer before it; with no time left, only the local peers are checked.
-  Status Check(Deadline deadline);
+  /// `awaited_peer` is the rank the calling wait needs something from (-1:
+  /// unknown or several): its exit is a failure even after a clean close.
+  Status Check(Deadline deadline, int awaited_peer = -1);
 
   /// The rank on this host found dead by the last Check(), or -1.
   int lost_peer() const { return lost_peer_; }

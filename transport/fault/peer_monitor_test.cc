@@ -70,6 +70,25 @@ TEST(PeerMonitor, CleanlyClosedPeerMayExit) {
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
   EXPECT_TRUE(monitor.Check(Soon()).ok());
+  EXPECT_TRUE(monitor.Check(Soon(), /*awaited_peer=*/0).ok());
+}
+
+// ...but not while this rank waits for it: what the wait needs will never
+// come (seen when Ctrl-C reached one rank a step before the other).
+TEST(PeerMonitor, CleanlyClosedPeerThatAWaitNeedsIsLost) {
+  testing::InMemoryStore store;
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
+  other.PostClosed(Soon());
+  EXPECT_TRUE(monitor.Check(Soon(), /*awaited_peer=*/1).ok());  // still running
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  Status s = monitor.Check(Soon(), /*awaited_peer=*/1);
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("left the job early"), std::string::npos) << s;
+  EXPECT_EQ(monitor.lost_peer(), 1);
 }
 
 TEST(PeerMonitor, PostedAbortReachesEveryRankWithItsCode) {

@@ -494,6 +494,16 @@ class WorkerGroup::Impl {
         result.output.push_back(w.captured);
       }
     }
+    if (result.outcome == GroupOutcome::kInterrupted) {
+      // A worker ends as asked by dying of the forwarded signal, or by
+      // handling it and exiting 0 or 128 + it; any other end (killed after
+      // the grace, a crash) is worth naming.
+      for (const WorkerExit& e : result.workers) {
+        const bool as_asked = e.exited && (e.signaled ? e.code == result.signal
+                                                      : e.code == 0 || e.code == 128 + result.signal);
+        if (!as_asked) result.reason += "; " + e.Describe();
+      }
+    }
     return result;
   }
 

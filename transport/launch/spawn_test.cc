@@ -74,8 +74,10 @@ DDP_TEST_WORKER(fail_rank1) {
 }
 
 DDP_TEST_WORKER(sleeper) {
-  WritePid("rank" + std::to_string(EnvInt("RANK", -1)));
+  const int rank = EnvInt("RANK", -1);
+  WritePid("rank" + std::to_string(rank));
   if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
+  if (EnvInt("IGNORING_RANK", -1) == rank) signal(SIGINT, SIG_IGN);
   SleepForever();
   return 0;
 }
@@ -346,6 +348,31 @@ TEST(SpawnTest, SignalsToTheLauncherReachEveryWorker) {
       EXPECT_EQ(w.code, signo) << w.Describe();
     }
   }
+  ExpectNoChildrenLeft();
+}
+
+// A worker that did not end by the forwarded signal (here: ignored it and
+// was killed after the grace) is named, so that a rank that hung on Ctrl-C
+// does not pass unnoticed.
+TEST(SpawnTest, InterruptionNamesAWorkerThatDidNotStopAsAsked) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  options.grace = 300ms;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(3, "sleeper", {{"IGNORING_RANK", "1"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const pthread_t waiter = pthread_self();
+  std::thread sender([waiter] {
+    std::this_thread::sleep_for(200ms);  // let rank 1 install SIG_IGN
+    pthread_kill(waiter, SIGINT);
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  sender.join();
+  EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted);
+  EXPECT_EQ(result.ExitCode(), 128 + SIGINT);
+  EXPECT_EQ(result.reason, "interrupted by SIGINT; forwarded it to every worker; rank 1 (pid " +
+                               std::to_string(result.workers[1].pid) +
+                               ") was killed by signal 9 (SIGKILL)");
   ExpectNoChildrenLeft();
 }
 

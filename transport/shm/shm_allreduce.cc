@@ -206,7 +206,7 @@ void ShmAllReduce::Publish(std::atomic<uint64_t> Control::*field, uint64_t value
 }
 
 Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
-                             Deadline deadline, const std::function<Status(Deadline)>& watchdog,
+                             Deadline deadline, const std::function<Status(Deadline, int)>& watchdog,
                              const char* phase) {
   // Spin while the peer is likely running (a core each: it publishes within
   // microseconds); then yield between polls, which on a busy machine lets
@@ -248,7 +248,11 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       // long, and a call that completes quickly needs no news of failures.
       if (watchdog && waited >= kWatchdogAfter && now >= next_watchdog_) {
         next_watchdog_ = now + options_.watchdog_period;
-        DDP_RETURN_IF_ERROR(watchdog(deadline));
+        Status health = watchdog(deadline, peer);
+        if (!health.ok()) {
+          if (counter.load(std::memory_order_acquire) >= value) break;
+          return health;
+        }
       }
       if (waited < spin_for) continue;
       if (waited < std::chrono::milliseconds(1)) {
@@ -292,7 +296,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
 
 Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, Deadline deadline,
-                               const std::function<Status(Deadline)>& watchdog) {
+                               const std::function<Status(Deadline, int)>& watchdog) {
   const size_t bytes = count * DataTypeSize(dtype);
   const uint64_t s = ++sequence_;
   const bool staged = bytes <= options_.staging_bytes;
@@ -346,7 +350,7 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
 // all finished (every slice written everywhere, every input read).
 Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                      ReduceOp op, Deadline deadline,
-                                     const std::function<Status(Deadline)>& watchdog) {
+                                     const std::function<Status(Deadline, int)>& watchdog) {
   const int me = options_.rank;
   const uint64_t s = sequence_;
   const size_t elem = DataTypeSize(dtype);
@@ -383,7 +387,7 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
   return WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish");
 }
 
-Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline)>& watchdog) {
+Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog) {
   const uint64_t s = ++sequence_;
   Control& mine = control(options_.rank);
   // Arguments no all-reduce can have, so that a rank in an all-reduce while

@@ -33,7 +33,10 @@
 //      result into every rank's output; finished = s; wait until every rank
 //      finished (until then they read this rank's input and write its
 //      output).
-// Every wait has a deadline and runs the watchdog about every 100 ms.
+// Every wait has a deadline and runs the watchdog about every 100 ms,
+// telling it which rank the wait needs (it fails the wait when that rank is
+// gone; the counter is read once more first, as a rank that published and
+// then exited did its part).
 
 #include <atomic>
 #include <chrono>
@@ -78,10 +81,10 @@ class ShmAllReduce {
   /// recv[i] = op over ranks of send[i], i in [0, count). send may equal recv.
   /// Must be called by every rank of the group in the same order.
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
-                   Deadline deadline, const std::function<Status(Deadline)>& watchdog);
+                   Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   /// Returns once every rank has called Barrier.
-  Status Barrier(Deadline deadline, const std::function<Status(Deadline)>& watchdog);
+  Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   const ShmOptions& options() const { return options_; }
   void set_staging_bytes(size_t bytes);
@@ -102,7 +105,7 @@ class ShmAllReduce {
   char* staging(int rank, uint64_t call) const;
   // Waits until `field` of every rank (or of `only`, if >= 0) reaches `value`.
   Status WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
-                 Deadline deadline, const std::function<Status(Deadline)>& watchdog,
+                 Deadline deadline, const std::function<Status(Deadline, int)>& watchdog,
                  const char* phase);
   Status CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
@@ -114,7 +117,7 @@ class ShmAllReduce {
   }
   Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op);
   Status DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
-                         ReduceOp op, Deadline deadline, const std::function<Status(Deadline)>& watchdog);
+                         ReduceOp op, Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   std::unique_ptr<Segment> segment_;
   ShmOptions options_;

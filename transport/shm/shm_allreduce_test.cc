@@ -108,10 +108,40 @@ TEST(ShmAllReduce, AbsentPeerTimesOutNamingIt) {
 TEST(ShmAllReduce, WatchdogEndsTheWait) {
   auto group = MakeGroup(2, 4096, 1024);
   float x = 1;
+  int awaited = -1;
   Status s = group[0]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
-                                 DeadlineIn(milliseconds(10000)),
-                                 [](Deadline) { return PeerLostError("rank 1 (pid 7) exited"); });
+                                 DeadlineIn(milliseconds(10000)), [&awaited](Deadline, int peer) {
+                                   awaited = peer;
+                                   return PeerLostError("rank 1 (pid 7) exited");
+                                 });
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_EQ(awaited, 1);
+}
+
+// A peer that did its part and then left (the watchdog reports it gone)
+// does not fail a wait that has what it needs.
+TEST(ShmAllReduce, WaitCompletesWhenTheGonePeerHadPublished) {
+  auto group = MakeGroup(2, 4096, 1024);
+  float x = 1;
+  float y = 2;
+  std::thread peer;
+  Status s = group[0]->AllReduce(
+      &x, &x, 1, DataType::kF32, ReduceOp::kSum, DeadlineIn(milliseconds(10000)),
+      [&](Deadline, int) {
+        if (!peer.joinable()) {
+          peer = std::thread([&] {
+            EXPECT_TRUE(group[1]->AllReduce(&y, &y, 1, DataType::kF32, ReduceOp::kSum,
+                                            DeadlineIn(milliseconds(10000)), nullptr)
+                            .ok());
+          });
+          std::this_thread::sleep_for(milliseconds(200));  // it arrives meanwhile
+        }
+        return PeerLostError("rank 1 (pid 7) exited");
+      });
+  peer.join();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(x, 3.0f);
+  EXPECT_EQ(y, 3.0f);
 }
 
 TEST(ShmAllReduce, BarrierThenAllReduce) {

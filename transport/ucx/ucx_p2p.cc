@@ -107,7 +107,7 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
   return Status::Ok();
 }
 
-void UcxPointToPoint::SetWatchdog(std::function<Status(Deadline)> check) {
+void UcxPointToPoint::SetWatchdog(std::function<Status(Deadline, int)> check) {
   watchdog_ = std::move(check);
 }
 
@@ -416,7 +416,14 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
   // back for another task's whole time slice (see transport/shm).
   if (watchdog_ && now - started >= std::chrono::milliseconds(1) && now >= next_watchdog_) {
     next_watchdog_ = now + options_.watchdog_period;
-    DDP_RETURN_IF_ERROR(watchdog_(deadline));
+    Status health = watchdog_(deadline, waiting_for != nullptr ? waiting_for->peer : -1);
+    if (!health.ok()) {
+      // What an exited peer sent before it left is already here: drain it
+      // before calling the wait lost.
+      while (worker_->Progress() != 0) {
+      }
+      if (waiting_for == nullptr || !waiting_for->done) return health;
+    }
   }
   if (idle_polls >= options_.idle_polls_before_backoff) {
     switch (options_.idle_mode) {

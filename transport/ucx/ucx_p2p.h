@@ -75,9 +75,11 @@ class UcxPointToPoint final : public p2p::PointToPoint {
                  const std::vector<bool>& same_host = {});
 
   /// Runs `check` about every `period` inside waits, passing the wait's
-  /// deadline (it must return by then); a non-OK result ends the wait with
-  /// that status. Used to learn about aborts posted by other ranks.
-  void SetWatchdog(std::function<Status(Deadline)> check);
+  /// deadline (it must return by then) and the rank of the first pending
+  /// request; a non-OK result ends the wait with that status, unless a last
+  /// progress pass completes what the wait needed. Used to learn about
+  /// aborts posted by other ranks and peers on this host that exited.
+  void SetWatchdog(std::function<Status(Deadline, int)> check);
 
   /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);
   /// pending and later operations with it fail with `reason`.
@@ -159,7 +161,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<uint32_t> free_slots_;
   P2pOptions options_;
-  std::function<Status(Deadline)> watchdog_;
+  std::function<Status(Deadline, int)> watchdog_;
   Clock::time_point next_watchdog_{};
   bool closed_ = false;
 };

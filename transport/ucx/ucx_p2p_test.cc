@@ -164,7 +164,7 @@ TEST(UcxPointToPoint, WatchdogEndsAWait) {
   UcxPointToPoint& p2p = *ranks[0];
   std::atomic<int> calls{0};
   Deadline seen{};
-  p2p.SetWatchdog([&calls, &seen](Deadline deadline) -> Status {
+  p2p.SetWatchdog([&calls, &seen](Deadline deadline, int) -> Status {
     seen = deadline;
     if (++calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
     return Status::Ok();
