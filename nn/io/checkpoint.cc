@@ -1,7 +1,10 @@
 #include "nn/io/checkpoint.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 
 namespace ddp::nn::io {
 namespace {
@@ -11,6 +14,58 @@ constexpr char kOptimPrefix[] = "optim.";
 
 bool StartsWith(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
+}
+
+// The device map's entries parsed and checked, before any file is read.
+std::vector<std::pair<Device, Device>> ParseDeviceMap(const std::map<std::string, std::string>& map) {
+  std::vector<std::pair<Device, Device>> out;
+  for (const auto& [from, to] : map) {
+    const std::string entry = "device_map entry \"" + from + "\" -> \"" + to + "\"";
+    Device f, t;
+    try {
+      f = Device::Parse(from);
+      t = Device::Parse(to);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(entry + ": " + e.what());
+    }
+    if (!t.is_cpu() && !HasDeviceBackend(t.type)) {
+      throw std::invalid_argument(entry + ": no backend for " + t.ToString() +
+                                  " in this process (CUDA needs a build with --config=cuda and nn::cuda::Init())");
+    }
+    for (const auto& [pf, pt] : out) {
+      if (pf == f) {
+        throw std::invalid_argument(entry + ": " + f.ToString() + " is mapped twice (also to " + pt.ToString() + ")");
+      }
+    }
+    out.emplace_back(f, t);
+  }
+  return out;
+}
+
+// The saved device of each tensor named in the file's device record.
+std::unordered_map<std::string, Device> SavedDevices(const std::string& path, const SafetensorsFile& file) {
+  std::unordered_map<std::string, Device> out;
+  auto it = file.metadata().find(kDevicesKey);
+  if (it == file.metadata().end()) return out;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(it->second);
+    if (!j.is_object()) throw std::invalid_argument("not a JSON object");
+    for (const auto& [name, dev] : j.items()) {
+      if (!dev.is_string()) throw std::invalid_argument("the device of `" + name + "` is not a string");
+      out.emplace(name, Device::Parse(dev.get<std::string>()));
+    }
+  } catch (const std::exception& e) {
+    throw CheckpointError(path + ": metadata `" + kDevicesKey + "` is malformed: " + e.what());
+  }
+  for (const auto& [name, dev] : out) {
+    bool found = false;
+    for (const TensorEntry& e : file.tensors()) found = found || e.name == name;
+    if (!found) {
+      throw CheckpointError(path + ": metadata `" + kDevicesKey + "` names tensor `" + name +
+                            "`, which the file does not hold");
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -42,12 +97,17 @@ DType FromStDtype(StDtype dtype) {
 }
 
 void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
+  if (metadata.count(kDevicesKey)) {
+    throw CheckpointError(path + ": metadata key `" + kDevicesKey + "` is reserved (SaveTensors records devices there)");
+  }
   std::vector<Tensor> host;  // keeps CPU copies alive during the write
   std::vector<TensorView> views;
+  nlohmann::json devices = nlohmann::json::object();
   host.reserve(tensors.size());
   views.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
     if (!t.defined()) throw CheckpointError(path + ": tensor `" + name + "` is undefined");
+    if (!t.device().is_cpu()) devices[name] = t.device().ToString();
     // Detach: saving reads values and must not trip the autograd checks.
     Tensor c = t.Detach();
     if (!c.device().is_cpu()) c = c.To(kCPU);
@@ -55,23 +115,38 @@ void SaveTensors(const std::string& path, const NamedTensors& tensors, const Met
     host.push_back(c);
     views.push_back({name, ToStDtype(c.dtype()), c.shape(), c.data_ptr(), c.nbytes()});
   }
-  WriteSafetensorsFile(path, views, metadata);
+  if (devices.empty()) {
+    WriteSafetensorsFile(path, views, metadata);  // CPU-only saves: no record, as before
+  } else {
+    Metadata with_devices = metadata;
+    with_devices[kDevicesKey] = devices.dump();
+    WriteSafetensorsFile(path, views, with_devices);
+  }
 }
 
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
-  // Parse validates the whole file before a single tensor is made.
-  const SafetensorsFile file = SafetensorsFile::Read(path);
+  const std::vector<std::pair<Device, Device>> map = ParseDeviceMap(options.device_map);
   if (!options.device.is_cpu()) {
     // Fails here, before any work, when the device has no backend.
     (void)GetDeviceBackend(options.device);
   }
+  // Parse validates the whole file before a single tensor is made.
+  const SafetensorsFile file = SafetensorsFile::Read(path);
+  const std::unordered_map<std::string, Device> saved = SavedDevices(path, file);
   LoadedTensors out;
   out.metadata = file.metadata();
+  out.metadata.erase(kDevicesKey);
   out.tensors.reserve(file.tensors().size());
   for (const TensorEntry& e : file.tensors()) {
+    auto s = saved.find(e.name);
+    const Device from = s == saved.end() ? kCPU : s->second;
+    Device target = options.device;
+    for (const auto& [f, t] : map) {
+      if (f == from) target = t;
+    }
     Tensor t = Empty(e.shape, {.dtype = FromStDtype(e.dtype)});
     if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.Data(e), e.nbytes);
-    if (!options.device.is_cpu()) t = t.To(options.device);
+    if (!target.is_cpu()) t = t.To(target);
     out.tensors.emplace_back(e.name, std::move(t));
   }
   return out;

@@ -14,6 +14,7 @@
 // gives a plain state dict.
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,11 +30,26 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 /// Metadata key that marks a file as a checkpoint.
 inline constexpr char kCheckpointMarkerKey[] = "ddp.checkpoint";
 
+/// Metadata key under which SaveTensors records the device of every tensor
+/// that was not on the CPU (a JSON object: name -> "cuda:N"). Reserved:
+/// LoadTensors consumes it; a caller's metadata may not hold it.
+inline constexpr char kDevicesKey[] = "ddp.devices";
+
 /// Options of the loaders.
 struct LoadOptions {
-  /// Device the loaded tensors are placed on (PyTorch's map_location).
+  /// Device the loaded tensors are placed on (PyTorch's map_location),
+  /// unless device_map names the device a tensor was saved from.
   /// CUDA needs a build with --config=cuda; otherwise loading throws.
   Device device = kCPU;
+  /// Saved device -> target device, as device names ("cpu", "cuda",
+  /// "cuda:N"): {{"cuda:0", "cuda:1"}} puts what rank 0 saved from its GPU
+  /// on this rank's GPU; {{"cuda:0", "cpu"}} loads it on the CPU. A tensor
+  /// saved from a device not named here goes to `device`. Files written
+  /// without device records (by Python, or from the CPU) count as saved from
+  /// "cpu". Every entry is checked before the file is read: a name that does
+  /// not parse, or a target without a backend, is an std::invalid_argument
+  /// naming the entry.
+  std::map<std::string, std::string> device_map;
 };
 
 /// The format's dtype of a tensor dtype (every nn::DType has one).
@@ -42,7 +58,8 @@ StDtype ToStDtype(DType dtype);
 DType FromStDtype(StDtype dtype);
 
 /// Writes tensors (any device, any strides: copied to contiguous CPU memory
-/// as needed) and metadata to `path` atomically. Throws CheckpointError.
+/// as needed) and metadata to `path` atomically; the device of each non-CPU
+/// tensor is recorded under kDevicesKey. Throws CheckpointError.
 void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata = {});
 
 /// A loaded safetensors file.

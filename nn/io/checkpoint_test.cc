@@ -150,5 +150,86 @@ TEST(CheckpointErrors, MetadataIntNamesTheKey) {
               HasSubstr("`epoch` is \"3x\", expected an integer"));
 }
 
+// A checkpoint as a GPU rank writes it (model and optimizer state saved from
+// cuda:0, the learning rate from the CPU), written through the format layer
+// since this process has no CUDA backend.
+std::string WriteGpuCheckpoint(const std::string& name, const Tensor& w, const Tensor& m) {
+  const std::string path = TmpPath(name);
+  const double lr = 0.1;
+  WriteSafetensorsFile(path,
+                       {{"model.w", StDtype::kF32, w.shape(), w.data_ptr(), w.nbytes()},
+                        {"optim.state.w.exp_avg", StDtype::kF32, m.shape(), m.data_ptr(), m.nbytes()},
+                        {"optim.lr", StDtype::kF64, {}, &lr, sizeof(lr)}},
+                       {{kCheckpointMarkerKey, "1"},
+                        {"step", "7"},
+                        {kDevicesKey, R"({"model.w": "cuda:0", "optim.state.w.exp_avg": "cuda:0"})"}});
+  return path;
+}
+
+TEST(DeviceMap, SavedOnCuda0LoadsOntoTheCpuThroughTheMap) {
+  std::mt19937_64 rng(5);
+  const Tensor w = RandomBytes({3, 4}, DType::kFloat32, rng), m = RandomBytes({3, 4}, DType::kFloat32, rng);
+  const std::string path = WriteGpuCheckpoint("gpu_ckpt.safetensors", w, m);
+  for (const auto& map : {std::map<std::string, std::string>{{"cuda:0", "cpu"}},
+                          std::map<std::string, std::string>{{"cuda", "cpu"}, {"cpu", "cpu"}},
+                          std::map<std::string, std::string>{}}) {
+    const Checkpoint c = LoadCheckpoint(path, {.device_map = map});
+    ASSERT_EQ(c.model.size(), 1u);
+    ASSERT_EQ(c.optimizer.size(), 2u);
+    EXPECT_TRUE(c.model[0].second.device().is_cpu());
+    EXPECT_TRUE(SameBytes(c.model[0].second, w));
+    EXPECT_TRUE(SameBytes(c.optimizer[0].second, m));
+    EXPECT_EQ(c.optimizer[1].second.Item(), 0.1);
+    // The device record is consumed; the caller's metadata is as saved.
+    EXPECT_EQ(c.metadata, (Metadata{{"step", "7"}}));
+  }
+}
+
+TEST(DeviceMap, TargetWithoutABackendNamesTheEntryBeforeReading) {
+  ASSERT_FALSE(HasDeviceBackend(DeviceType::kCUDA));  // this test links no CUDA library
+  std::mt19937_64 rng(6);
+  const Tensor w = RandomBytes({2}, DType::kFloat32, rng);
+  const std::string path = WriteGpuCheckpoint("gpu_ckpt2.safetensors", w, w);
+  EXPECT_THAT([&] { LoadCheckpoint(path, {.device_map = {{"cuda:0", "cuda:1"}}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  AllOf(HasSubstr("device_map entry \"cuda:0\" -> \"cuda:1\""), HasSubstr("no backend for cuda:1"))));
+  // Checked before the file is opened: a missing file is not what is reported.
+  EXPECT_THAT([&] { LoadTensors(TmpPath("missing.safetensors"), {.device_map = {{"cpu", "cuda:1"}}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("no backend for cuda:1")));
+}
+
+TEST(DeviceMap, BadEntriesAreNamed) {
+  std::mt19937_64 rng(7);
+  const Tensor w = RandomBytes({2}, DType::kFloat32, rng);
+  const std::string path = WriteGpuCheckpoint("gpu_ckpt3.safetensors", w, w);
+  EXPECT_THAT([&] { LoadCheckpoint(path, {.device_map = {{"gpu0", "cpu"}}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("device_map entry \"gpu0\" -> \"cpu\"")));
+  EXPECT_THAT([&] { LoadCheckpoint(path, {.device_map = {{"cuda:0", "tpu:1"}}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("\"cuda:0\" -> \"tpu:1\"")));
+  EXPECT_THAT([&] { LoadCheckpoint(path, {.device_map = {{"cuda", "cpu"}, {"cuda:0", "cpu"}}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("cuda:0 is mapped twice")));
+}
+
+TEST(DeviceMap, CpuSavesRecordNoDevicesAndTheKeyIsReserved) {
+  const std::string path = TmpPath("cpu_only.safetensors");
+  SaveTensors(path, {{"w", Ones({2})}}, {{"k", "v"}});
+  EXPECT_EQ(SafetensorsFile::Read(path).metadata().count(kDevicesKey), 0u);
+  EXPECT_THAT(ErrorOf([&] { SaveTensors(path, {{"w", Ones({2})}}, {{kDevicesKey, "{}"}}); }),
+              AllOf(HasSubstr(path), HasSubstr("reserved")));
+  // The failed save left the earlier file as it was.
+  EXPECT_EQ(LoadTensors(path).metadata, (Metadata{{"k", "v"}}));
+}
+
+TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
+  const float v = 1.0f;
+  const std::string path = TmpPath("bad_devices.safetensors");
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, "not json"}});
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), AllOf(HasSubstr(path), HasSubstr("ddp.devices"), HasSubstr("malformed")));
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, R"({"w": "cuda:x"})"}});
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), AllOf(HasSubstr(path), HasSubstr("malformed")));
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, R"({"v": "cuda:0"})"}});
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), HasSubstr("names tensor `v`, which the file does not hold"));
+}
+
 }  // namespace
 }  // namespace ddp::nn::io
