@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "ddp/device_ops.h"
+
 namespace ddp::dist {
 namespace internal {
 namespace {
@@ -107,6 +109,28 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
           std::to_string(bucket.index()),
       wire_dtype, buffer.shape(), -1, transport::ReduceOp::kSum, true};
   const std::chrono::milliseconds timeout = group.options().timeout;
+  if (!buffer.device().is_cpu()) {
+    // On the device: convert on the communication stream (after the
+    // bucket's ready event), reduce the 16-bit copy with the device
+    // collective, convert back; the Work's completion covers all three.
+    const nn::Tensor packed = nn::Empty(buffer.shape(), {.dtype = wire_dtype, .device = buffer.device()});
+    const transport::DataType wire_type =
+        wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16;
+    return group.RunFenced(
+        description,
+        [buffer, packed, wire_type, timeout](transport::Communicator* comm,
+                                             transport::Deadline deadline,
+                                             internal::DeviceFence* fence) {
+          if (comm == nullptr || buffer.numel() == 0) return transport::Status::Ok();
+          transport::Status s = fence->ConvertOnCommStream(packed, buffer, true, deadline);
+          if (!s.ok()) return s;
+          s = comm->AllReduce(packed.data_ptr(), static_cast<size_t>(packed.numel()), wire_type,
+                              transport::ReduceOp::kSum, {.timeout = timeout});
+          if (!s.ok()) return s;
+          return fence->ConvertOnCommStream(buffer, packed, false, deadline);
+        },
+        {buffer, packed});
+  }
   return group.Run(description, [buffer, wire, dtype, timeout](transport::Communicator* comm,
                                                                transport::Deadline) {
     const int64_t n = buffer.numel();

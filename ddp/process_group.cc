@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ddp/debug_mode.h"
+#include "ddp/device_ops.h"
 
 namespace ddp::dist {
 
@@ -63,6 +64,8 @@ struct Work::State {
   // How long Wait() may block: this call's timeout plus that of every
   // collective queued ahead of it (each one is bounded by its own deadline).
   Clock::duration wait_budget{};
+  // Orders device work around the collective (null for CPU tensors).
+  std::shared_ptr<internal::DeviceFence> fence;
 
   void Finish(Status s, Clock::time_point end) {
     {
@@ -79,6 +82,7 @@ void Work::Wait() {
   if (state_ == nullptr) throw std::logic_error("Work::Wait on an empty handle");
   Status s = WaitFor(Clock::now() + state_->wait_budget);
   if (!s.ok()) throw DistributedError(std::move(s));
+  if (state_->fence != nullptr) state_->fence->OrderConsumer();
 }
 
 Status Work::WaitFor(Deadline deadline) {
@@ -118,8 +122,10 @@ class ProcessGroup::Impl {
 
   ~Impl() { Stop(); }
 
-  Work Enqueue(CollectiveDescription description, Task task) {
+  Work Enqueue(CollectiveDescription description, Task task,
+               std::shared_ptr<internal::DeviceFence> fence = nullptr) {
     auto state = std::make_shared<Work::State>();
+    state->fence = std::move(fence);
     Work work(state);
     std::unique_lock lock(mu_);
     if (stopping_) {
@@ -230,7 +236,10 @@ class ProcessGroup::Impl {
             status = CheckFingerprints(*comm_, rank_, size_, sequence, item.description.ToString(),
                                        deadline);
           }
+          internal::DeviceFence* fence = item.state->fence.get();
+          if (status.ok() && fence != nullptr) status = fence->WaitReady(deadline);
           if (status.ok()) status = item.task(comm_.get(), deadline);
+          if (status.ok() && fence != nullptr) status = fence->MarkDone();
         } catch (const std::exception& e) {
           status = transport::InternalError(item.description.ToString() + " threw: " + e.what());
         }
@@ -322,15 +331,39 @@ std::shared_ptr<ProcessGroup> ProcessGroup::Single(ProcessGroupOptions options) 
 void ProcessGroup::CheckTensor(const nn::Tensor& t, const char* call, const char* what) {
   const std::string where = std::string("ProcessGroup::") + call + ": " + what;
   if (!t.defined()) throw std::invalid_argument(where + " is undefined");
-  if (!t.device().is_cpu()) {
-    throw std::invalid_argument(where + " is on " + t.device().ToString() +
-                                "; collectives take CPU tensors");
-  }
+  internal::CheckCollectiveDevice(t.device(), where);
   if (!t.is_contiguous()) {
     throw std::invalid_argument(where + " is not contiguous (shape " + nn::ShapeToString(t.shape()) +
                                 ", strides " + nn::ShapeToString(t.strides()) + ")");
   }
 }
+
+namespace {
+
+// The fence of a collective on `tensors`: null when they are CPU tensors;
+// throws when they are on two devices.
+std::shared_ptr<internal::DeviceFence> FenceFor(const std::vector<nn::Tensor>& tensors,
+                                                const char* call) {
+  const nn::Device device = tensors.at(0).device();
+  for (const nn::Tensor& t : tensors) {
+    if (t.device() != device) {
+      throw std::invalid_argument(std::string("ProcessGroup::") + call + ": tensors on " +
+                                  device.ToString() + " and " + t.device().ToString() +
+                                  "; one collective uses one device");
+    }
+  }
+  if (device.is_cpu()) return nullptr;
+  return internal::MakeFence(device, tensors);
+}
+
+// dst = src for a one-process group (the same device for both).
+Status LocalCopy(internal::DeviceFence* fence, void* dst, const void* src, size_t bytes) {
+  if (fence != nullptr) return fence->CopyOnCommStream(dst, src, bytes);
+  if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+  return Status::Ok();
+}
+
+}  // namespace
 
 Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
                              const std::string& label) {
@@ -345,7 +378,7 @@ Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
     if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
     return comm->AllReduce(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, op,
                            {.timeout = timeout});
-  });
+  }, FenceFor({tensor}, "AllReduce"));
 }
 
 Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::string& label) {
@@ -363,7 +396,7 @@ Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::stri
     if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
     return comm->Broadcast(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, root,
                            {.timeout = timeout});
-  });
+  }, FenceFor({tensor}, "Broadcast"));
 }
 
 Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
@@ -381,16 +414,15 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
                           input.shape(), -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
   const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [output, input, type, timeout](transport::Communicator* comm,
-                                                                     Deadline) {
-    if (comm == nullptr) {
-      std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
-      return Status::Ok();
-    }
+  std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "AllGather");
+  internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
+  return impl_->Enqueue(std::move(d), [output, input, type, timeout, local](
+                                          transport::Communicator* comm, Deadline) {
+    if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     if (input.numel() == 0) return Status::Ok();
     return comm->AllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
                            type, {.timeout = timeout});
-  });
+  }, std::move(fence));
 }
 
 Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& input,
@@ -409,12 +441,11 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
                           input.dtype(), input.shape(), -1, op, true};
   const transport::DataType type = ToTransportType(input.dtype());
   const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [output, input, op, type, timeout](
+  std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "ReduceScatter");
+  internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
+  return impl_->Enqueue(std::move(d), [output, input, op, type, timeout, local](
                                           transport::Communicator* comm, Deadline) {
-    if (comm == nullptr) {
-      std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
-      return Status::Ok();
-    }
+    if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     if (output.numel() == 0) return Status::Ok();
     return comm->ReduceScatter(input.data_ptr(), output.data_ptr(),
                                static_cast<size_t>(output.numel()), type, op,
@@ -431,9 +462,31 @@ Work ProcessGroup::Barrier() {
   });
 }
 
-Work ProcessGroup::Run(const CollectiveDescription& description, Task task) {
+Work ProcessGroup::Run(const CollectiveDescription& description, Task task,
+                       const std::vector<nn::Tensor>& device_tensors) {
   if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);
-  return impl_->Enqueue(description, std::move(task));
+  return RunFenced(
+      description,
+      [task = std::move(task)](transport::Communicator* comm, Deadline deadline,
+                               internal::DeviceFence*) { return task(comm, deadline); },
+      device_tensors);
+}
+
+Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTask task,
+                             const std::vector<nn::Tensor>& device_tensors) {
+  if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);
+  std::shared_ptr<internal::DeviceFence> fence;
+  if (!device_tensors.empty()) {
+    for (const nn::Tensor& t : device_tensors) CheckTensor(t, "Run", "device tensor");
+    fence = FenceFor(device_tensors, "Run");
+  }
+  internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
+  return impl_->Enqueue(
+      description,
+      [task = std::move(task), local](transport::Communicator* comm, Deadline deadline) {
+        return task(comm, deadline, local);
+      },
+      std::move(fence));
 }
 
 void ProcessGroup::set_trace(std::shared_ptr<TraceRecorder> trace) {

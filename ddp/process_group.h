@@ -17,8 +17,20 @@
 // never spins between collectives); inside a collective the transport waits
 // for late peers by polling and then yielding the CPU.
 //
-// Errors. Argument errors (undefined, non-contiguous or non-CPU tensors,
-// mismatched sizes) throw std::invalid_argument at the call. A collective
+// Device tensors. In a build with --config=cuda, every collective also takes
+// contiguous CUDA tensors (all tensors of one call on one device). The call
+// records an event on the caller's current stream; the communication thread
+// waits for it (on a per-device communication stream, and by polling with
+// the collective's deadline) before the transport moves the data (device
+// pointers to UCX when it handles CUDA memory, otherwise staged through
+// pinned host memory; reductions run on the device). Work::Wait then makes
+// the caller's current stream wait for the collective's completion event:
+// no device-wide synchronize. See ddp/device_ops.h. In a build without CUDA
+// a CUDA tensor is refused with a message saying to build with
+// --config=cuda.
+//
+// Errors. Argument errors (undefined or non-contiguous tensors, tensors on
+// two devices, mismatched sizes) throw std::invalid_argument at the call. A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its
 // Work with the transport's Status; Work::Wait throws it as a
 // DistributedError. After such a failure the communicator is aborted: every
@@ -35,12 +47,17 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ddp/trace.h"
 #include "nn/tensor/tensor.h"
 #include "transport/communicator.h"
 
 namespace ddp::dist {
+
+namespace internal {
+class DeviceFence;
+}  // namespace internal
 
 /// The API version of //ddp (bumped on incompatible change).
 inline constexpr int kDdpApiVersion = 1;
@@ -68,7 +85,9 @@ class Work {
 
   /// Waits until the collective finished; throws DistributedError on
   /// failure. Bounded: gives up (TIMED_OUT) once every collective queued
-  /// before this one and this one could have used its whole timeout.
+  /// before this one and this one could have used its whole timeout. For
+  /// CUDA tensors, also orders the calling thread's current stream after
+  /// the collective (no host wait for the device).
   void Wait();
   /// Waits until done or `deadline`; the collective's status, or TIMED_OUT
   /// for the wait itself (the collective then keeps its own deadline).
@@ -162,8 +181,19 @@ class ProcessGroup {
   Work Barrier();
   /// Runs `task` on the communication thread, in issue order with the other
   /// collectives (what communication hooks build on). `description` is what
-  /// the debug check compares across ranks.
-  Work Run(const CollectiveDescription& description, Task task);
+  /// the debug check compares across ranks. `device_tensors` (all on one
+  /// CUDA device) are ordered like a built-in collective's: the task starts
+  /// once the work queued on them before this call has run, and Wait orders
+  /// the caller's stream after the task.
+  Work Run(const CollectiveDescription& description, Task task,
+           const std::vector<nn::Tensor>& device_tensors = {});
+  /// Run, for //ddp's own hooks: the task also gets the fence of
+  /// `device_tensors` (null when they are CPU tensors or none), to queue
+  /// device work on the communication stream.
+  using FencedTask = std::function<transport::Status(
+      transport::Communicator* comm, transport::Deadline deadline, internal::DeviceFence* fence)>;
+  Work RunFenced(const CollectiveDescription& description, FencedTask task,
+                 const std::vector<nn::Tensor>& device_tensors);
 
   /// Records each collective as a trace event (null: stop recording).
   void set_trace(std::shared_ptr<TraceRecorder> trace);

@@ -9,6 +9,7 @@
 
 #include "nn/autograd/engine.h"
 #include "nn/autograd/node.h"
+#include "nn/ops/dispatch.h"
 
 namespace ddp::dist::internal {
 
@@ -17,6 +18,40 @@ using std::chrono::duration;
 namespace {
 
 double Seconds(std::chrono::steady_clock::duration d) { return duration<double>(d).count(); }
+
+// dst = src * factor (dst may be src; same shape, dtype and device). CPU
+// tensors take the vectorized loop; device tensors one kernel of the
+// device's table (for CUDA: on the calling thread's current stream, i.e.
+// the compute stream, before the bucket's ready event is recorded).
+void ScaleInto(const nn::Tensor& dst, const nn::Tensor& src, double factor) {
+  if (dst.device().is_cpu() && dst.is_contiguous() && src.is_contiguous()) {
+    ScaleCopy(dst.data_ptr(), src.data_ptr(), dst.numel(), dst.dtype(), factor);
+    return;
+  }
+  nn::NoGradGuard guard;
+  if (factor == 1.0) {
+    if (!(dst.storage() == src.storage() && dst.storage_offset() == src.storage_offset())) {
+      dst.CopyFrom(src);
+    }
+    return;
+  }
+  const auto affine = nn::ops::KernelsFor(dst.device().type).affine;
+  if (affine == nullptr) {
+    throw std::logic_error("DistributedDataParallel: no affine kernel registered for " +
+                           dst.device().ToString() + " (gradient averaging)");
+  }
+  affine(src, factor, 0.0, dst);
+  dst.storage()->BumpVersion();
+}
+
+void ZeroTensor(const nn::Tensor& t) {
+  if (t.device().is_cpu() && t.is_contiguous()) {
+    std::memset(t.data_ptr(), 0, t.nbytes());
+    return;
+  }
+  nn::NoGradGuard guard;
+  t.Zero();
+}
 
 }  // namespace
 
@@ -290,8 +325,9 @@ void Reducer::MarkReady(size_t index) {
   // Average while copying (one pass over the gradient), or inside the
   // all-reduce (default hook dividing by the world size).
   const double factor = FusedAverage(divisor_) ? 1.0 : 1.0 / divisor_;
-  const bool plain = grad.defined() && grad.is_contiguous() && grad.device().is_cpu() &&
-                     grad.dtype() == bucket.dtype;
+  // Same dtype and contiguous: used as it is (any device).
+  const bool plain = grad.defined() && grad.is_contiguous() && grad.dtype() == bucket.dtype &&
+                     grad.device() == bucket.device;
   if (bucket.is_solo) {
     // Reduced in place: .grad itself is the bucket.
     if (!grad.defined()) {
@@ -305,23 +341,21 @@ void Reducer::MarkReady(size_t index) {
       bucket.solo.CopyFrom(grad);
       params_[index].set_grad(bucket.solo);
     }
-    if (factor != 1.0) {
-      ScaleCopy(bucket.solo.data_ptr(), bucket.solo.data_ptr(), bucket.numel, bucket.dtype, factor);
-    }
+    if (factor != 1.0) ScaleInto(bucket.solo, bucket.solo, factor);
   } else {
     const nn::Tensor& view = slot.view;
     if (!grad.defined()) {
-      std::memset(view.data_ptr(), 0, view.nbytes());
+      ZeroTensor(view);
     } else if (IsView(index, grad)) {
       // Accumulated straight into the bucket (gradient_as_bucket_view).
-      if (factor != 1.0) ScaleCopy(view.data_ptr(), view.data_ptr(), view.numel(), view.dtype(), factor);
+      if (factor != 1.0) ScaleInto(view, view, factor);
     } else {
       if (plain) {
-        ScaleCopy(view.data_ptr(), grad.data_ptr(), view.numel(), view.dtype(), factor);
+        ScaleInto(view, grad, factor);  // copy and average in one pass
       } else {
         nn::NoGradGuard guard;
         view.CopyFrom(grad);
-        ScaleCopy(view.data_ptr(), view.data_ptr(), view.numel(), view.dtype(), factor);
+        if (factor != 1.0) ScaleInto(view, view, factor);
       }
       // The fresh gradient tensor is dropped: from now on the bucket is .grad.
       if (options_.gradient_as_bucket_view) params_[index].set_grad(view);
@@ -424,7 +458,8 @@ void Reducer::Finalize() {
       }
       if (!grad.defined()) {
         params_[i].set_grad(view.Clone());
-      } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu()) {
+      } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu() &&
+                 view.device().is_cpu()) {
         std::memcpy(grad.data_ptr(), view.data_ptr(), view.nbytes());
         grad.storage()->BumpVersion();
       } else {

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <stdexcept>
+#include <tuple>
 
 namespace ddp::dist::internal {
 namespace {
@@ -160,19 +161,22 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries) 
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label) {
   if (pg.size() == 1) return;
-  std::map<nn::DType, std::vector<nn::Tensor>> by_dtype;
+  // One flat buffer per (dtype, device): parameters of a model spread over
+  // a CPU and a GPU part, or mixing f32 and bf16, broadcast in one go each.
+  using Key = std::tuple<nn::DType, int, int>;  // dtype, device type, device index
+  std::map<Key, std::vector<nn::Tensor>> groups;
   for (const nn::Tensor& t : tensors) {
-    if (!t.device().is_cpu()) {
-      throw std::invalid_argument(label + ": tensor on " + t.device().ToString() +
-                                  "; only CPU tensors are supported");
+    if (t.numel() > 0) {
+      groups[{t.dtype(), static_cast<int>(t.device().type), t.device().index}].push_back(t);
     }
-    if (t.numel() > 0) by_dtype[t.dtype()].push_back(t);
   }
   nn::NoGradGuard guard;
-  for (auto& [dtype, list] : by_dtype) {
+  for (auto& [key, list] : groups) {
+    const nn::DType dtype = std::get<0>(key);
+    const nn::Device device = list.front().device();
     int64_t total = 0;
     for (const nn::Tensor& t : list) total += t.numel();
-    nn::Tensor flat = nn::Empty({total}, {.dtype = dtype});
+    nn::Tensor flat = nn::Empty({total}, {.dtype = dtype, .device = device});
     const size_t elem = nn::ElementSize(dtype);
     if (pg.rank() == root) {
       int64_t offset = 0;
@@ -181,11 +185,13 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
         offset += t.numel();
       }
     }
-    pg.Broadcast(flat, root, label + " " + std::string(nn::DTypeName(dtype))).Wait();
+    std::string what = label + " " + std::string(nn::DTypeName(dtype));
+    if (!device.is_cpu()) what += " on " + device.ToString();
+    pg.Broadcast(flat, root, what).Wait();
     if (pg.rank() == root) continue;
     int64_t offset = 0;
     for (const nn::Tensor& t : list) {
-      if (t.is_contiguous()) {
+      if (t.is_contiguous() && device.is_cpu()) {
         std::memcpy(t.data_ptr(), static_cast<const char*>(flat.data_ptr()) + offset * elem, t.nbytes());
         t.storage()->BumpVersion();
       } else {

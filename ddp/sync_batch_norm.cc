@@ -1,5 +1,7 @@
 #include "ddp/sync_batch_norm.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
@@ -216,13 +218,123 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   }
 };
 
+// The same layer from nn's batch-norm building blocks: every step runs on
+// x's device, and the collectives take device tensors. Inputs: x [N, C, *],
+// weight [C], bias [C] (both may be undefined).
+struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksFunction> {
+  static constexpr const char* kName = "SyncBatchNormBackward";
+
+  static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
+                                     ProcessGroup* pg, const Tensor& running_mean,
+                                     const Tensor& running_var, double momentum, double eps) {
+    const Tensor x = in[0].Contiguous();
+    const Tensor& weight = in[1];
+    const Tensor& bias = in[2];
+    const Dims d = GetDims(x);
+    const nn::Device device = x.device();
+    // [count, sum(x) per channel, sum(x^2) per channel], f64 on x's device.
+    Tensor mine = nn::Empty({1 + 2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
+    {
+      nn::NoGradGuard guard;
+      mine.Narrow(0, 0, 1).Fill(static_cast<double>(d.n * d.s));
+      if (d.n * d.s > 0) {
+        const nn::ops::BatchNormSums sums = nn::ops::BatchNormStats(x);
+        mine.Narrow(0, 1, d.c).CopyFrom(sums.sum);
+        mine.Narrow(0, 1 + d.c, d.c).CopyFrom(sums.sum_sq);
+      } else {
+        mine.Narrow(0, 1, 2 * d.c).Zero();
+      }
+    }
+    pg->AllReduce(mine, transport::ReduceOp::kSum, "sync_batch_norm stats").Wait();
+    // C + 1 values to the host: the statistics decide the running buffers
+    // and the error for a too small global batch.
+    const std::vector<double> g = mine.To(nn::kCPU).ToVector<double>();
+    const double total = g[0];
+    if (total <= 1) {
+      throw std::invalid_argument(
+          "SyncBatchNorm: expected more than 1 value per channel across all ranks when training, "
+          "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
+          nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg->rank()) + ")");
+    }
+    std::vector<double> mean(d.c), var(d.c), invstd(d.c);
+    for (int64_t c = 0; c < d.c; ++c) {
+      mean[c] = g[1 + c] / total;
+      var[c] = std::max(0.0, g[1 + d.c + c] / total - mean[c] * mean[c]);
+      invstd[c] = 1.0 / std::sqrt(var[c] + eps);
+    }
+    if (running_mean.defined() && running_var.defined()) {
+      std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
+      for (int64_t c = 0; c < d.c; ++c) {
+        rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
+        rv[c] = (1 - momentum) * rv[c] + momentum * var[c] * total / (total - 1);
+      }
+      StoreDoubles(running_mean, rm);
+      StoreDoubles(running_var, rv);
+    }
+    const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
+    const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
+    Tensor y = nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
+    ctx->SaveForBackward({x, weight, mean_t, invstd_t});
+    ctx->saved_data["total"] = total;
+    ctx->saved_data["pg"] = pg;
+    return {y};
+  }
+
+  static std::vector<Tensor> Backward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
+    const std::vector<Tensor> saved = ctx->GetSavedTensors();
+    const Tensor& x = saved[0];
+    const Tensor& weight = saved[1];
+    const Tensor& mean_t = saved[2];
+    const Tensor& invstd_t = saved[3];
+    const Tensor dy = grad[0].Contiguous();
+    const double total = std::any_cast<double>(ctx->saved_data["total"]);
+    ProcessGroup* pg = std::any_cast<ProcessGroup*>(ctx->saved_data["pg"]);
+    const Dims d = GetDims(x);
+    const nn::Device device = x.device();
+    nn::NoGradGuard guard;
+    // [sum(dy) per channel, sum(dy * xhat) per channel], f64 on the device.
+    Tensor sums = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
+    if (d.n * d.s > 0) {
+      const nn::ops::BatchNormSums local = nn::ops::BatchNormBackwardReduce(dy, x, mean_t, invstd_t);
+      sums.Narrow(0, 0, d.c).CopyFrom(local.sum);
+      sums.Narrow(0, d.c, d.c).CopyFrom(local.sum_sq);
+    } else {
+      sums.Zero();
+    }
+    Tensor dweight, dbias;
+    const nn::DType param_dtype = weight.defined() ? weight.dtype() : x.dtype();
+    if (ctx->NeedsInputGrad(1)) dweight = sums.Narrow(0, d.c, d.c).To(param_dtype);
+    if (ctx->NeedsInputGrad(2)) dbias = sums.Narrow(0, 0, d.c).To(param_dtype);
+    Tensor dx;
+    if (ctx->NeedsInputGrad(0)) {
+      // The global sums: every rank's x shaped the statistics.
+      Tensor global = sums.Clone();
+      pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
+      const Tensor means = nn::ops::MulScalar(global, 1.0 / total);
+      dx = nn::ops::BatchNormBackwardElementwise(dy, x, mean_t, invstd_t, weight, means.Narrow(0, 0, d.c),
+                                                 means.Narrow(0, d.c, d.c));
+    }
+    return {dx, dweight, dbias};
+  }
+};
+
+std::atomic<bool> building_blocks_for_cpu{false};
+
 std::string FormatDouble(double v) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%g", v);
   return buf;
 }
 
+bool internal_use_blocks() { return building_blocks_for_cpu.load(std::memory_order_relaxed); }
+
 }  // namespace
+
+namespace internal {
+void SetSyncBatchNormBuildingBlocks(bool on) {
+  building_blocks_for_cpu.store(on, std::memory_order_relaxed);
+}
+}  // namespace internal
 
 SyncBatchNorm::SyncBatchNorm(int64_t num_features, nn::modules::BatchNormOptions options,
                              std::shared_ptr<ProcessGroup> group)
@@ -288,6 +400,10 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
                               options_.momentum, options_.eps);
   }
   try {
+    if (!x.device().is_cpu() || internal_use_blocks()) {
+      return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_,
+                                                running_var_, options_.momentum, options_.eps)[0];
+    }
     return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_, running_var_,
                                         options_.momentum, options_.eps)[0];
   } catch (const std::invalid_argument& e) {

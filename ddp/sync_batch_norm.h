@@ -15,6 +15,11 @@
 // gives the global terms of dx; weight and bias get this rank's own terms,
 // which DistributedDataParallel then averages like every other gradient.
 // Eval: the running statistics, locally, with no communication.
+// On a CUDA input (CUDA build) the same sums come from nn's batch-norm
+// building blocks on the device: per-channel sum and sum of squares, one
+// all-reduce of [count, sums] on the device, the global mean and invstd
+// derived on the host from that one small copy, the normalization on the
+// device; backward all-reduces sum(dy) and sum(dy * xhat) on the device.
 // With one rank it computes exactly what BatchNorm computes.
 //
 // Every rank must run forward and backward through the layer the same
@@ -72,6 +77,15 @@ class SyncBatchNorm : public nn::modules::Module {
 /// wrapping in DistributedDataParallel and before creating the optimizer.
 std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::modules::Module> module,
                                                           std::shared_ptr<ProcessGroup> group = nullptr);
+
+namespace internal {
+
+/// Makes CPU inputs take the device formulation as well (nn's building
+/// blocks and an all-reduce of the sums), so that CPU tests cover what a
+/// GPU runs. Process-wide; for tests.
+void SetSyncBatchNormBuildingBlocks(bool on);
+
+}  // namespace internal
 
 }  // namespace ddp::dist
 

@@ -1,0 +1,145 @@
+// The CUDA build of device_ops.h (see there for the ordering model).
+
+#include <cuda_runtime_api.h>
+#include <sched.h>
+
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+#include "ddp/device_ops.h"
+#include "nn/cuda/allocator.h"
+#include "nn/cuda/stream.h"
+
+namespace ddp::dist::internal {
+namespace {
+
+transport::Status CudaFailure(cudaError_t error, const std::string& what) {
+  return transport::InternalError(what + ": " + cudaGetErrorName(error) + " (" +
+                                  cudaGetErrorString(error) + ")");
+}
+
+// One communication stream per device for the whole process. Never
+// destroyed: work may still reference it while static objects are torn down
+// after main returns, when the CUDA runtime may already be gone.
+cudaStream_t CommStream(nn::Device device) {
+  static std::mutex mu;
+  static auto* streams = new std::map<int, nn::cuda::Stream*>();
+  std::lock_guard lock(mu);
+  auto [it, inserted] = streams->try_emplace(device.index, nullptr);
+  if (inserted) it->second = new nn::cuda::Stream(device);
+  return it->second->get();
+}
+
+class CudaFence final : public DeviceFence {
+ public:
+  CudaFence(nn::Device device, const std::vector<nn::Tensor>& tensors)
+      : device_(device),
+        ready_(device),
+        done_(device),
+        converted_(device),
+        comm_(CommStream(device)) {
+    ready_.Record(nn::cuda::CurrentStream(device));
+    for (const nn::Tensor& t : tensors) {
+      if (!t.defined() || t.numel() == 0) continue;
+      nn::cuda::RecordStream(t, comm_);
+    }
+  }
+
+  transport::Status WaitReady(transport::Deadline deadline) override {
+    nn::cuda::DeviceGuard guard(device_.index);
+    const cudaError_t wait = cudaStreamWaitEvent(comm_, ready_.get(), 0);
+    if (wait != cudaSuccess) return CudaFailure(wait, "cudaStreamWaitEvent(input ready)");
+    // The transport copies on its own stream: the host learns that the
+    // inputs are complete before it hands their pointers over.
+    return Poll(ready_.get(), deadline, "the input of a collective");
+  }
+
+  transport::Status ConvertOnCommStream(const nn::Tensor& dst, const nn::Tensor& src, bool wait,
+                                        transport::Deadline deadline) override {
+    try {
+      nn::cuda::DeviceGuard guard(device_.index);
+      nn::cuda::StreamGuard stream(device_, comm_);
+      nn::NoGradGuard no_grad;
+      dst.CopyFrom(src);
+    } catch (const std::exception& e) {
+      return transport::InternalError(std::string("converting a bucket on the communication stream: ") +
+                                      e.what());
+    }
+    if (!wait) return transport::Status::Ok();
+    nn::cuda::DeviceGuard guard(device_.index);
+    const cudaError_t status = cudaEventRecord(converted_.get(), comm_);
+    if (status != cudaSuccess) return CudaFailure(status, "cudaEventRecord(converted)");
+    return Poll(converted_.get(), deadline, "a conversion on the communication stream");
+  }
+
+  transport::Status CopyOnCommStream(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0 || dst == src) return transport::Status::Ok();
+    nn::cuda::DeviceGuard guard(device_.index);
+    const cudaError_t status = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, comm_);
+    if (status != cudaSuccess) return CudaFailure(status, "cudaMemcpyAsync(one-process collective)");
+    return transport::Status::Ok();
+  }
+
+  transport::Status MarkDone() override {
+    nn::cuda::DeviceGuard guard(device_.index);
+    const cudaError_t status = cudaEventRecord(done_.get(), comm_);
+    if (status != cudaSuccess) return CudaFailure(status, "cudaEventRecord(collective done)");
+    return transport::Status::Ok();
+  }
+
+  void OrderConsumer() override {
+    nn::cuda::DeviceGuard guard(device_.index);
+    const cudaError_t status =
+        cudaStreamWaitEvent(nn::cuda::CurrentStream(device_), done_.get(), 0);
+    if (status != cudaSuccess) {
+      throw std::runtime_error(CudaFailure(status, "cudaStreamWaitEvent(collective done)").ToString());
+    }
+  }
+
+ private:
+  // Polls `event` until it completed or `deadline` passed: never a blocking
+  // synchronize, so a wedged peer or device becomes a TIMED_OUT.
+  transport::Status Poll(cudaEvent_t event, transport::Deadline deadline, const std::string& what) {
+    for (int polls = 0;; ++polls) {
+      const cudaError_t status = cudaEventQuery(event);
+      if (status == cudaSuccess) return transport::Status::Ok();
+      if (status != cudaErrorNotReady) return CudaFailure(status, "waiting for " + what);
+      if (transport::Clock::now() >= deadline) {
+        return transport::TimedOutError(what + " on " + device_.ToString() +
+                                        " did not finish by the collective's deadline");
+      }
+      if (polls > 64) sched_yield();
+    }
+  }
+
+  nn::Device device_;
+  nn::cuda::Event ready_;
+  nn::cuda::Event done_;
+  nn::cuda::Event converted_;
+  cudaStream_t comm_;
+};
+
+}  // namespace
+
+bool DeviceSupportBuilt() { return true; }
+
+std::string NoCudaMessage(const std::string& what) {
+  return what + " needs CUDA, but this binary was built without it; rebuild with "
+                "`bazel build --config=cuda ...`";
+}
+
+void CheckCollectiveDevice(nn::Device device, const std::string& where) {
+  if (device.is_cpu()) return;
+  if (!device.is_cuda()) {
+    throw std::invalid_argument(where + " is on " + device.ToString() +
+                                "; collectives take CPU or CUDA tensors");
+  }
+  nn::cuda::CheckDevice(device);
+}
+
+std::unique_ptr<DeviceFence> MakeFence(nn::Device device, const std::vector<nn::Tensor>& tensors) {
+  return std::make_unique<CudaFence>(device, tensors);
+}
+
+}  // namespace ddp::dist::internal
