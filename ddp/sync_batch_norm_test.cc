@@ -53,6 +53,9 @@ Tensor Rows(const Tensor& t, int64_t start, int64_t n) { return t.Narrow(0, star
 
 DDP_TEST_WORKER(sync_bn) {
   auto pg = testing::WorkerGroup();
+  // The formulation CUDA inputs take (nn's building blocks, an all-reduce
+  // of the sums), here on CPU tensors.
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
   const std::vector<int64_t> sizes = ParseSizes(std::getenv("DDP_TEST_SIZES"));
   const int rank = pg->rank();
   int64_t total = 0, offset = 0;
@@ -121,6 +124,14 @@ TEST(SyncBatchNormTest, MatchesBatchNormOnTheWholeBatch) {
   for (const char* sizes : {"4,4", "3,6,1", "5,0", "0,2,7"}) {
     const int world = static_cast<int>(ParseSizes(sizes).size());
     auto run = RunWorkers("sync_bn", world, {{"DDP_TEST_SIZES", sizes}});
+    EXPECT_TRUE(run.AllSucceeded()) << sizes << "\n" << testing::AllOutput(run);
+  }
+}
+
+TEST(SyncBatchNormTest, DeviceFormulationMatchesBatchNormOnTheWholeBatch) {
+  for (const char* sizes : {"4,4", "3,6,1", "5,0", "0,2,7"}) {
+    const int world = static_cast<int>(ParseSizes(sizes).size());
+    auto run = RunWorkers("sync_bn", world, {{"DDP_TEST_SIZES", sizes}, {"DDP_TEST_SBN_BLOCKS", "1"}});
     EXPECT_TRUE(run.AllSucceeded()) << sizes << "\n" << testing::AllOutput(run);
   }
 }
