@@ -37,7 +37,7 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
   for (const char* flag :
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
-        "momentum", "weight_decay", "scheduler", "amp", "nproc_per_node", "sync_bn",
+        "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "sync_bn",
         "bucket_cap_mb", "find_unused_parameters", "ddp_stats", "trace", "checkpoint",
         "checkpoint_every", "resume", "log_dir", "log_every", "timeout_s"}) {
     EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
@@ -49,6 +49,15 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
   EXPECT_NE(r.out.find("--lr=0.05 "), std::string::npos) << "numbers are shown as written";
   for (const std::string& line : Lines(r.out)) EXPECT_LE(line.size(), 100u) << line;
   EXPECT_EQ(Train({"-h"}).out, r.out);
+}
+
+TEST(TrainCliTest, DeviceIsCheckedBeforeAnythingStarts) {
+  EXPECT_EQ(OneErrorLine(Train({"--device=tpu"})), "train: unknown --device=tpu; use cpu or cuda");
+#ifndef DDP_TRAIN_BUILT_WITH_CUDA
+  EXPECT_EQ(OneErrorLine(Train({"--device=cuda", "--dataset=synthetic", "--model=mlp"})),
+            "train: --device=cuda: this trainer was built without CUDA; rebuild it with "
+            "`bazel build --config=cuda //examples:train`");
+#endif
 }
 
 TEST(TrainCliTest, MissingDatasetNamesThePackageAndDataDir) {

@@ -66,6 +66,9 @@ DEFINE_string(amp, "off",
               "mixed precision: off, bf16, fp16 (16-bit model and activations, f32 master "
               "weights; fp16 adds loss scaling)");
 // Data parallelism.
+DEFINE_string(device, "cpu",
+              "cpu, or cuda (needs a --config=cuda build; rank r uses GPU LOCAL_RANK modulo "
+              "the visible GPUs, so ranks may share one)");
 DEFINE_int32(nproc_per_node, 2,
              "ranks to start on this machine (ignored under ddprun, srun or mpirun)");
 DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
@@ -157,6 +160,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed"}},
       {"Schedule", {"epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every"}},
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
+      {"Device", {"device"}},
       {"Data parallelism",
        {"nproc_per_node", "sync_bn", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
         "trace", "timeout_s"}},
@@ -271,6 +275,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.weight_decay = FLAGS_weight_decay;
   c.scheduler = FLAGS_scheduler;
   c.amp = FLAGS_amp;
+  c.device = FLAGS_device;
   c.sync_bn = FLAGS_sync_bn;
   c.bucket_cap_mb = FLAGS_bucket_cap_mb;
   c.timeout_s = FLAGS_timeout_s;

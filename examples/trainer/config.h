@@ -58,6 +58,7 @@ struct TrainConfig {
   double weight_decay = 0.0;
   std::string scheduler = "cosine";  ///< none, step, cosine.
   std::string amp = "off";         ///< off, bf16, fp16.
+  std::string device = "cpu";      ///< cpu, or cuda (a CUDA build; cuda:LOCAL_RANK mod GPUs).
 
   // Data parallelism.
   bool sync_bn = false;

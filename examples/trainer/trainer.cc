@@ -7,11 +7,13 @@
 #include <thread>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
 #include <memory>
 
+#include "examples/trainer/device.h"
 #include "examples/trainer/format.h"
 #include "examples/trainer/metrics_log.h"
 #include "examples/trainer/train_state.h"
@@ -174,6 +176,7 @@ class Run {
   Datasets data_;
   std::shared_ptr<nn::modules::Module> model_;
   nn::DType compute_dtype_ = nn::DType::kFloat32;
+  nn::Device device_ = nn::kCPU;  // --device; cuda:LOCAL_RANK modulo the GPUs
   std::unique_ptr<nn::optim::Optimizer> optimizer_;
   std::unique_ptr<nn::optim::LrScheduler> scheduler_;
   std::unique_ptr<nn::optim::GradScaler> scaler_;
@@ -219,6 +222,10 @@ void Run::Setup() {
   data_ = LoadDatasets(c_);
   CheckBatchFitsShard(c_, data_.train->Size(), world_);
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
+  // In the worker only (never the launcher): CUDA is initialized here.
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  device_ = WorkerDevice(c_.device, local_rank != nullptr ? std::atoi(local_rank) : 0);
+  if (!device_.is_cpu()) model_->To(device_);
   par_.Prepare(model_, c_);
   const int64_t num_params = CountParameters(*model_);
   compute_dtype_ = ComputeDType(c_);
@@ -324,9 +331,14 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
     std::unique_ptr<Parallel::NoSyncScope> no_sync;
     if (i + 1 < group) no_sync = par_.NoSync();
     nn::Tensor x = batch->images;
+    nn::Tensor labels = batch->labels;
+    if (!device_.is_cpu()) {
+      x = x.To(device_);
+      labels = labels.To(device_);
+    }
     if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
     const nn::Tensor logits = par_.Forward(x);
-    const nn::Tensor loss = loss_fn_(logits, batch->labels);
+    const nn::Tensor loss = loss_fn_(logits, labels);
     const double value = loss.Item();
     par_.Backward(nn::ops::MulScalar(loss, scale / static_cast<double>(group)));
     stretch_loss_sum_ += value;
@@ -396,11 +408,16 @@ Evaluation Run::Evaluate() {
     test_loader_->StartEpoch(0);
     while (std::optional<nn::data::Batch> batch = test_loader_->Next()) {
       nn::Tensor x = batch->images;
+      nn::Tensor labels = batch->labels;
+      if (!device_.is_cpu()) {
+        x = x.To(device_);
+        labels = labels.To(device_);
+      }
       if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
       // The module itself, not the DDP wrapper: evaluation needs no gradient
       // synchronization and must not count as a training iteration.
       const nn::Tensor logits = model_->Forward(x);
-      loss_sum += nn::loss::CrossEntropy(logits, batch->labels, sum).Item();
+      loss_sum += nn::loss::CrossEntropy(logits, labels, sum).Item();
       const std::vector<int64_t> predicted = nn::ops::Argmax(logits, 1).ToVector<int64_t>();
       const std::vector<int64_t> labels = batch->labels.ToVector<int64_t>();
       for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
@@ -633,6 +650,7 @@ void CheckWritable(const std::string& dir, const char* flag, const std::string& 
 
 void CheckSetup(const TrainConfig& config, int world_size) {
   ValidateConfig(config);
+  CheckDeviceFlag(config.device);
   if (!config.checkpoint.empty()) {
     const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
     CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
@@ -649,6 +667,7 @@ void CheckSetup(const TrainConfig& config, int world_size) {
 
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options) {
   ValidateConfig(config);
+  CheckDeviceFlag(config.device);
   Run run(config, parallel, options);
   return run.Go();
 }
