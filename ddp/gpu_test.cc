@@ -70,8 +70,8 @@ std::shared_ptr<ProcessGroup> GroupWithSmallChunks() {
 // [n] f32 on `device`: (scale) * (i % 7 + 1), computed by a kernel on the
 // current stream (so the collective must wait for it).
 Tensor Pattern(int64_t n, double scale, nn::Device device) {
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(i % 7 + 1);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<double>(i % 7 + 1);
   return nn::ops::MulScalar(nn::FromVector(v, {n}).To(device), scale);
 }
 

@@ -419,9 +419,9 @@ Evaluation Run::Evaluate() {
       const nn::Tensor logits = model_->Forward(x);
       loss_sum += nn::loss::CrossEntropy(logits, labels, sum).Item();
       const std::vector<int64_t> predicted = nn::ops::Argmax(logits, 1).ToVector<int64_t>();
-      const std::vector<int64_t> labels = batch->labels.ToVector<int64_t>();
-      for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
-      count += static_cast<double>(labels.size());
+      const std::vector<int64_t> truth = batch->labels.ToVector<int64_t>();
+      for (size_t i = 0; i < truth.size(); ++i) correct += predicted[i] == truth[i];
+      count += static_cast<double>(truth.size());
     }
   }
   model_->Train();

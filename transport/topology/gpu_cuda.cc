@@ -30,6 +30,14 @@ std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root) {
       int can = 0;
       if (peer != d && cudaDeviceCanAccessPeer(&can, d, peer) == cudaSuccess && can) {
         gpus[d].nvlink_peers.push_back(peer);
+        // 0 is the best link (NVLink/NVSwitch ahead of PCIe); unknown
+        // counts as a slow peer link.
+        int rank = 0;
+        if (cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, d, peer) != cudaSuccess) {
+          cudaGetLastError();
+          rank = 100;
+        }
+        gpus[d].peer_perf_ranks.push_back(rank);
       }
     }
   }

@@ -123,6 +123,13 @@ bool Topology::Uniform() const {
   return std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<>()) == counts.end();
 }
 
+int Gpu::LinkRank(int peer) const {
+  for (size_t i = 0; i < nvlink_peers.size(); ++i) {
+    if (nvlink_peers[i] == peer) return i < peer_perf_ranks.size() ? peer_perf_ranks[i] : 0;
+  }
+  return -1;
+}
+
 Status Topology::Validate() const {
   if (hosts.empty()) return InvalidArgumentError("hosts: at least one host is required");
   if (ranks.empty()) return InvalidArgumentError("ranks: at least one rank is required");
@@ -137,6 +144,20 @@ Status Topology::Validate() const {
                                       ".nvlink_peers: " + std::to_string(peer) +
                                       " is not another GPU of this host (" +
                                       std::to_string(gpus) + " GPUs)");
+        }
+      }
+      const Gpu& gpu = host.gpus[g];
+      if (!gpu.peer_perf_ranks.empty() && gpu.peer_perf_ranks.size() != gpu.nvlink_peers.size()) {
+        return InvalidArgumentError(Indexed(Indexed("hosts", h) + ".gpus", g) + ".peer_perf_ranks: " +
+                                    std::to_string(gpu.peer_perf_ranks.size()) + " entries for " +
+                                    std::to_string(gpu.nvlink_peers.size()) +
+                                    " nvlink_peers; give one per peer");
+      }
+      for (size_t k = 0; k < gpu.peer_perf_ranks.size(); ++k) {
+        if (gpu.peer_perf_ranks[k] < 0) {
+          return InvalidArgumentError(Indexed(Indexed(Indexed("hosts", h) + ".gpus", g) + ".peer_perf_ranks", k) +
+                                      ": " + std::to_string(gpu.peer_perf_ranks[k]) +
+                                      " is negative (0 is the best link)");
         }
       }
       if (host.gpus[g].numa_node >= host.numa_nodes) {
@@ -226,7 +247,7 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
       const std::string gpath = Indexed(path + ".gpus", g);
       DDP_RETURN_IF_ERROR(ExpectObject((*gpus)[g], gpath, origin));
       FieldReader gpu_in((*gpus)[g], gpath, origin);
-      DDP_RETURN_IF_ERROR(gpu_in.CheckKnown({"numa_node", "nvlink_peers"}));
+      DDP_RETURN_IF_ERROR(gpu_in.CheckKnown({"numa_node", "nvlink_peers", "peer_perf_ranks"}));
       Gpu gpu;
       DDP_RETURN_IF_ERROR(gpu_in.Int("numa_node", false, gpu.numa_node, -1));
       DDP_ASSIGN_OR_RETURN(const json* peers, gpu_in.Array("nvlink_peers", false));
@@ -236,6 +257,15 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
                                       ": expected an integer, got " + TypeName((*peers)[p]));
         }
         gpu.nvlink_peers.push_back((*peers)[p].get<int>());
+      }
+      DDP_ASSIGN_OR_RETURN(const json* ranks, gpu_in.Array("peer_perf_ranks", false));
+      for (size_t p = 0; ranks != nullptr && p < ranks->size(); ++p) {
+        if (!(*ranks)[p].is_number_integer()) {
+          return InvalidArgumentError(std::string(origin) + ": " +
+                                      Indexed(gpath + ".peer_perf_ranks", p) +
+                                      ": expected an integer, got " + TypeName((*ranks)[p]));
+        }
+        gpu.peer_perf_ranks.push_back((*ranks)[p].get<int>());
       }
       host.gpus.push_back(std::move(gpu));
     }
@@ -283,7 +313,9 @@ std::string TopologyToJson(const Topology& topology) {
     }
     h["gpus"] = json::array();
     for (const Gpu& g : host.gpus) {
-      h["gpus"].push_back({{"numa_node", g.numa_node}, {"nvlink_peers", g.nvlink_peers}});
+      json gpu = {{"numa_node", g.numa_node}, {"nvlink_peers", g.nvlink_peers}};
+      if (!g.peer_perf_ranks.empty()) gpu["peer_perf_ranks"] = g.peer_perf_ranks;
+      h["gpus"].push_back(std::move(gpu));
     }
     root["hosts"].push_back(std::move(h));
   }
@@ -294,42 +326,114 @@ std::string TopologyToJson(const Topology& topology) {
   return root.dump();
 }
 
+int RingHopCost(const Host& host, int gpu_a, int gpu_b) {
+  const int link = host.gpus[gpu_a].LinkRank(gpu_b);
+  if (link >= 0) return link;
+  const int na = host.gpus[gpu_a].numa_node, nb = host.gpus[gpu_b].numa_node;
+  return na >= 0 && nb >= 0 && na != nb ? 2000 : 1000;
+}
+
+namespace {
+
+// The hop costs of visiting `gpus` in order (closing the ring when `closed`).
+std::vector<int> HopCosts(const Host& host, const std::vector<int>& gpus, bool closed) {
+  std::vector<int> costs;
+  for (size_t i = 0; i + 1 < gpus.size(); ++i) costs.push_back(RingHopCost(host, gpus[i], gpus[i + 1]));
+  if (closed && gpus.size() > 2) costs.push_back(RingHopCost(host, gpus.back(), gpus.front()));
+  return costs;
+}
+
+// Orders `gpus` (ascending, distinct) by exhaustive search: the slowest hop
+// first, then the sum of hops, then the hop costs in ring order (so that of
+// a ring's two directions the one starting on the better link wins), then
+// the GPU numbers. A closed ring starts at the lowest GPU (rotations are the
+// same ring).
+std::vector<int> BestGpuOrder(const Host& host, std::vector<int> gpus, bool closed) {
+  std::vector<int> best;
+  std::tuple<int, int, std::vector<int>> best_key;
+  do {
+    if (closed && gpus.front() != *std::min_element(gpus.begin(), gpus.end())) continue;
+    std::vector<int> costs = HopCosts(host, gpus, closed);
+    int worst = 0, sum = 0;
+    for (int c : costs) {
+      worst = std::max(worst, c);
+      sum += c;
+    }
+    auto key = std::make_tuple(worst, sum, std::move(costs));
+    if (best.empty() || key < best_key || (key == best_key && gpus < best)) {
+      best = gpus;
+      best_key = std::move(key);
+    }
+  } while (std::next_permutation(gpus.begin(), gpus.end()));
+  return best;
+}
+
+// Beyond kExactRingGpus: within a NUMA node, walk along peer links from the
+// lowest GPU to its best-linked unvisited peer (lowest number on ties),
+// else to the lowest unvisited GPU.
+std::vector<int> WalkGpuOrder(const Host& host, const std::vector<int>& gpus) {
+  std::vector<int> sorted = gpus;
+  std::stable_sort(sorted.begin(), sorted.end(), [&](int a, int b) {
+    return host.gpus[a].numa_node < host.gpus[b].numa_node;
+  });
+  std::set<int> todo(gpus.begin(), gpus.end());
+  std::vector<int> order;
+  for (int start : sorted) {
+    int current = start;
+    while (current >= 0 && todo.count(current) > 0) {
+      todo.erase(current);
+      order.push_back(current);
+      int next = -1, next_rank = 0;
+      const Gpu& g = host.gpus[current];
+      for (size_t k = 0; k < g.nvlink_peers.size(); ++k) {
+        const int peer = g.nvlink_peers[k];
+        const int rank = g.LinkRank(peer);
+        if (todo.count(peer) == 0) continue;
+        if (next < 0 || rank < next_rank || (rank == next_rank && peer < next)) {
+          next = peer;
+          next_rank = rank;
+        }
+      }
+      current = next;
+    }
+  }
+  return order;
+}
+
+}  // namespace
+
 std::vector<int> RingOrder(const Topology& topology) {
   std::vector<int> order;
   order.reserve(topology.size());
+  const bool one_host = topology.num_hosts() == 1;
   for (int h = 0; h < topology.num_hosts(); ++h) {
-    std::vector<int> on_host = topology.RanksOnHost(h);
     const Host& host = topology.hosts[h];
-    // Within a NUMA node, walk GPUs along peer links: start at the lowest
-    // GPU, step to the lowest unvisited peer, else the lowest unvisited GPU.
-    std::vector<int> gpu_rank_order;  // position of each GPU in the walk
-    const int gpus = static_cast<int>(host.gpus.size());
-    std::vector<int> walk_position(gpus, 0);
-    {
-      std::vector<bool> seen(gpus, false);
-      int position = 0;
-      for (int start = 0; start < gpus; ++start) {
-        int current = start;
-        while (current >= 0 && !seen[current]) {
-          seen[current] = true;
-          walk_position[current] = position++;
-          int next = -1;
-          for (int peer : host.gpus[current].nvlink_peers) {
-            if (!seen[peer] && (next < 0 || peer < next)) next = peer;
-          }
-          current = next;
-        }
+    std::map<int, std::vector<int>> ranks_of_gpu;  // GPU -> its ranks, ascending
+    std::vector<int> without_gpu;
+    for (int r : topology.RanksOnHost(h)) {
+      const int gpu = topology.ranks[r].gpu;
+      if (gpu >= 0) {
+        ranks_of_gpu[gpu].push_back(r);
+      } else {
+        without_gpu.push_back(r);
       }
     }
-    auto key = [&](int r) {
-      const RankPlace& p = topology.ranks[r];
-      const int numa = p.gpu >= 0 && host.gpus[p.gpu].numa_node >= 0 ? host.gpus[p.gpu].numa_node
-                                                                       : p.numa_node;
-      return std::make_tuple(numa, p.gpu >= 0 ? walk_position[p.gpu] : -1, r);
-    };
-    std::stable_sort(on_host.begin(), on_host.end(),
-                     [&](int a, int b) { return key(a) < key(b); });
-    order.insert(order.end(), on_host.begin(), on_host.end());
+    std::vector<int> gpus;
+    for (const auto& [gpu, ranks] : ranks_of_gpu) gpus.push_back(gpu);
+    // A ring that visits other hosts enters and leaves this one once: an
+    // open path. A ring of one host closes on itself.
+    const bool closed = one_host && without_gpu.empty();
+    const std::vector<int> gpu_order = gpus.size() <= static_cast<size_t>(kExactRingGpus)
+                                           ? (gpus.empty() ? gpus : BestGpuOrder(host, gpus, closed))
+                                           : WalkGpuOrder(host, gpus);
+    for (int gpu : gpu_order) {
+      const std::vector<int>& ranks = ranks_of_gpu[gpu];
+      order.insert(order.end(), ranks.begin(), ranks.end());
+    }
+    std::stable_sort(without_gpu.begin(), without_gpu.end(), [&](int a, int b) {
+      return topology.ranks[a].numa_node < topology.ranks[b].numa_node;
+    });
+    order.insert(order.end(), without_gpu.begin(), without_gpu.end());
   }
   return order;
 }

@@ -14,12 +14,17 @@
 //        "net_devices": [{"name": "mlx5_0", "port": 1, "numa_node": 0,
 //                         "link_layer": "InfiniBand", "rate_gbps": 200,
 //                         "active": true}],
-//        "gpus": [{"numa_node": 0, "nvlink_peers": [1]},
-//                 {"numa_node": 0, "nvlink_peers": [0]}]}
+//        "gpus": [{"numa_node": 0, "nvlink_peers": [1], "peer_perf_ranks": [0]},
+//                 {"numa_node": 0, "nvlink_peers": [0], "peer_perf_ranks": [0]}]}
 //     ],
 //     "ranks": [{"host": 0, "numa_node": 0, "gpu": 0},
 //               {"host": 0, "numa_node": 0, "gpu": 1}]
 //   }
+//
+// "peer_perf_ranks" (optional) has one entry per "nvlink_peers" entry: the
+// CUDA P2P performance rank of that link (cudaDevP2PAttrPerformanceRank;
+// 0 is the best link, larger is slower). Without it every peer link counts
+// as rank 0.
 
 #include <string>
 #include <string_view>
@@ -45,6 +50,10 @@ struct NetDevice {
 struct Gpu {
   int numa_node = -1;
   std::vector<int> nvlink_peers;  ///< GPUs of the same host it reaches by peer access.
+  /// Empty, or one P2P performance rank per nvlink_peers entry (0: best link).
+  std::vector<int> peer_perf_ranks;
+  /// Performance rank of the link to `peer`; -1 when there is no peer link.
+  int LinkRank(int peer) const;
 };
 
 struct Host {
@@ -87,10 +96,24 @@ StatusOr<Topology> LoadTopologyFile(const std::string& path);
 /// The file format for `topology` (round-trips through ParseTopologyJson).
 std::string TopologyToJson(const Topology& topology);
 
-/// Rank order for rings: grouped by host, then NUMA node, then along GPU peer
-/// links, so that consecutive ranks share the fastest link available and the
-/// ring leaves each host exactly once. Returns a permutation of [0, size).
+/// Rank order for rings: grouped by host, so that the ring leaves each host
+/// exactly once. Within a host, ranks with GPUs come first, ordered so that
+/// every hop between GPUs is the best link available (see RingHopCost):
+/// for up to kExactRingGpus GPUs the order minimizes the slowest hop, then
+/// the sum of hops, over every order (a closed ring when the job has one
+/// host, an open path when the ring goes on to other hosts); beyond that, a
+/// walk along peer links. Ranks sharing one GPU are adjacent. Ranks without
+/// a GPU follow, by NUMA node. Deterministic: every rank computes the same
+/// order from the same topology. Returns a permutation of [0, size).
 std::vector<int> RingOrder(const Topology& topology);
+
+/// Most GPUs of one host ordered by exhaustive search in RingOrder.
+inline constexpr int kExactRingGpus = 8;
+
+/// Cost of a ring hop between two GPUs of `host`: the link's P2P
+/// performance rank (0 best) over a peer link; otherwise 1000 through host
+/// memory on one NUMA node, 2000 across NUMA nodes.
+int RingHopCost(const Host& host, int gpu_a, int gpu_b);
 
 /// The RDMA port `rank` should use: an active port on the NUMA node of its
 /// GPU (or, without a GPU, of its own NUMA node), the fastest such, spread

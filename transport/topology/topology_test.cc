@@ -111,6 +111,105 @@ TEST(RingOrder, NvlinkChainWithinOneNode) {
   EXPECT_EQ(RingOrder(t), (std::vector<int>{0, 3, 1, 2}));
 }
 
+// The orders below are what the link costs force; each test says why.
+
+TEST(RingOrder, PerformanceRanksPickTheNvlinkPairs) {
+  // Four GPUs, every pair P2P-capable: NVLink (rank 0) joins 0-2 and 1-3,
+  // PCIe (rank 1) the rest. Peer access alone cannot tell them apart; the
+  // ranks make the ring use both NVLinks: GPUs 0, 2, 1, 3.
+  // Ranks are placed on GPUs 3, 1, 0, 2.
+  Topology t = MustParse(R"({"hosts": [{"gpus": [
+      {"nvlink_peers": [1, 2, 3], "peer_perf_ranks": [1, 0, 1]},
+      {"nvlink_peers": [0, 2, 3], "peer_perf_ranks": [1, 1, 0]},
+      {"nvlink_peers": [0, 1, 3], "peer_perf_ranks": [0, 1, 1]},
+      {"nvlink_peers": [0, 1, 2], "peer_perf_ranks": [1, 0, 1]}]}],
+      "ranks": [{"host": 0, "gpu": 3}, {"host": 0, "gpu": 1}, {"host": 0, "gpu": 0},
+                {"host": 0, "gpu": 2}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{2, 3, 1, 0}));  // GPUs 0, 2, 1, 3
+  EXPECT_EQ(RingHopCost(t.hosts[0], 0, 2), 0);
+  EXPECT_EQ(RingHopCost(t.hosts[0], 2, 1), 1);
+}
+
+TEST(RingOrder, TwoNvlinkPairsBridgedByPcieClosesOnPcie) {
+  // NVLink pairs 0-1 and 2-3; PCIe P2P (rank 2) only between 1-2 and 3-0;
+  // no peer access between 0-2 and 1-3 (through host memory: 1000). The
+  // ring 0-1-2-3-0 has no host hop at all.
+  Topology t = MustParse(R"({"hosts": [{"gpus": [
+      {"nvlink_peers": [1, 3], "peer_perf_ranks": [0, 2]},
+      {"nvlink_peers": [0, 2], "peer_perf_ranks": [0, 2]},
+      {"nvlink_peers": [3, 1], "peer_perf_ranks": [0, 2]},
+      {"nvlink_peers": [2, 0], "peer_perf_ranks": [0, 2]}]}],
+      "ranks": [{"host": 0, "gpu": 2}, {"host": 0, "gpu": 0}, {"host": 0, "gpu": 3},
+                {"host": 0, "gpu": 1}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{1, 3, 0, 2}));  // GPUs 0, 1, 2, 3
+  EXPECT_EQ(RingHopCost(t.hosts[0], 0, 2), 1000);
+}
+
+TEST(RingOrder, RanksSharingAGpuAreAdjacent) {
+  // Four ranks on two GPUs (two per GPU, as when ranks share a device),
+  // placed alternately: each GPU's ranks stay together.
+  Topology t = MustParse(R"({"hosts": [{"gpus": [{"nvlink_peers": [1]}, {"nvlink_peers": [0]}]}],
+      "ranks": [{"host": 0, "gpu": 1}, {"host": 0, "gpu": 0}, {"host": 0, "gpu": 1},
+                {"host": 0, "gpu": 0}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{1, 3, 0, 2}));
+}
+
+TEST(RingOrder, SeveralHostsOrderEachHostAsAnOpenPath) {
+  // Host 0: a chain 0-1-2 of NVLinks (rank 0) plus a slow 2-0 peer link
+  // (rank 5). As a closed ring the slow link would close it; the ring goes
+  // on to host 1, so the host is a path and the best path is the chain.
+  Topology t = MustParse(R"({"hosts": [
+      {"gpus": [{"nvlink_peers": [1, 2], "peer_perf_ranks": [0, 5]},
+                {"nvlink_peers": [0, 2], "peer_perf_ranks": [0, 0]},
+                {"nvlink_peers": [1, 0], "peer_perf_ranks": [0, 5]}]},
+      {"gpus": [{}]}],
+      "ranks": [{"host": 1, "gpu": 0}, {"host": 0, "gpu": 2}, {"host": 0, "gpu": 0},
+                {"host": 0, "gpu": 1}]})");
+  EXPECT_EQ(RingOrder(t), (std::vector<int>{2, 3, 1, 0}));  // GPUs 0, 1, 2, then host 1
+}
+
+TEST(RingOrder, ManyGpusFallBackToAWalkThatVisitsEachOnce) {
+  // 12 GPUs in a NVLink ring 0-1-...-11-0, beyond the exhaustive search:
+  // the walk follows the links.
+  std::string gpus;
+  for (int g = 0; g < 12; ++g) {
+    if (g > 0) gpus += ", ";
+    gpus += "{\"nvlink_peers\": [" + std::to_string((g + 11) % 12) + ", " + std::to_string((g + 1) % 12) + "]}";
+  }
+  std::string ranks;
+  for (int r = 0; r < 12; ++r) {
+    if (r > 0) ranks += ", ";
+    ranks += "{\"host\": 0, \"gpu\": " + std::to_string((r * 5) % 12) + "}";
+  }
+  Topology t = MustParse("{\"hosts\": [{\"gpus\": [" + gpus + "]}], \"ranks\": [" + ranks + "]}");
+  const std::vector<int> order = RingOrder(t);
+  ASSERT_EQ(order.size(), 12u);
+  for (size_t i = 0; i < order.size(); ++i) {
+    EXPECT_EQ(t.ranks[order[i]].gpu, static_cast<int>(i)) << "position " << i;
+  }
+}
+
+TEST(ParseTopologyJson, PeerPerfRanksAreCheckedAndRoundTrip) {
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1], "peer_perf_ranks": [0, 1]}, {}]}],
+      "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].peer_perf_ranks: 2 entries for 1 nvlink_peers; give one per peer");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1], "peer_perf_ranks": [-1]}, {}]}],
+      "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].peer_perf_ranks[0]: -1 is negative");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1], "peer_perf_ranks": ["fast"]}, {}]}],
+      "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].peer_perf_ranks[0]: expected an integer");
+  Topology t = MustParse(R"({"hosts": [{"gpus": [
+      {"nvlink_peers": [1], "peer_perf_ranks": [3]}, {"nvlink_peers": [0]}]}],
+      "ranks": [{"host": 0, "gpu": 0}]})");
+  auto back = ParseTopologyJson(TopologyToJson(t), "round trip");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->hosts[0].gpus[0].peer_perf_ranks, std::vector<int>{3});
+  EXPECT_EQ(back->hosts[0].gpus[0].LinkRank(1), 3);
+  EXPECT_EQ(back->hosts[0].gpus[1].LinkRank(0), 0);   // no ranks given: best
+  EXPECT_EQ(back->hosts[0].gpus[1].LinkRank(1), -1);  // not a peer
+}
+
 TEST(PickNetDevice, NearestToTheGpuThenSpread) {
   Topology t = MustParse(R"({"hosts": [{"numa_nodes": 2,
       "net_devices": [{"name": "mlx5_0", "numa_node": 0, "rate_gbps": 200},
