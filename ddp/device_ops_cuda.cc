@@ -42,7 +42,13 @@ class CudaFence final : public DeviceFence {
     ready_.Record(nn::cuda::CurrentStream(device));
     for (const nn::Tensor& t : tensors) {
       if (!t.defined() || t.numel() == 0) continue;
-      nn::cuda::RecordStream(t, comm_);
+      try {
+        nn::cuda::RecordStream(t, comm_);
+      } catch (const std::invalid_argument&) {
+        // Memory not from nn's allocator (Tensor::FromBlob over the
+        // caller's buffer): its owner keeps it alive, and the Work holds
+        // the tensor until the collective is done.
+      }
     }
   }
 

@@ -273,7 +273,9 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     }
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
-    Tensor y = nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
+    // An empty local batch still took part in both collectives above.
+    Tensor y = x.numel() == 0 ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
+                              : nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
     ctx->SaveForBackward({x, weight, mean_t, invstd_t});
     ctx->saved_data["total"] = total;
     ctx->saved_data["pg"] = pg;
@@ -311,8 +313,10 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
       Tensor global = sums.Clone();
       pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
       const Tensor means = nn::ops::MulScalar(global, 1.0 / total);
-      dx = nn::ops::BatchNormBackwardElementwise(dy, x, mean_t, invstd_t, weight, means.Narrow(0, 0, d.c),
-                                                 means.Narrow(0, d.c, d.c));
+      dx = x.numel() == 0
+               ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
+               : nn::ops::BatchNormBackwardElementwise(dy, x, mean_t, invstd_t, weight,
+                                                       means.Narrow(0, 0, d.c), means.Narrow(0, d.c, d.c));
     }
     return {dx, dweight, dbias};
   }
