@@ -12,6 +12,7 @@
 #include <deque>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "examples/trainer/device.h"
 #include "examples/trainer/format.h"
@@ -22,6 +23,7 @@
 #include "nn/data/data_loader.h"
 #include "nn/data/sampler.h"
 #include "nn/loss/loss.h"
+#include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/adadelta.h"
 #include "nn/optim/adam.h"
@@ -51,10 +53,19 @@ class StridedSampler : public nn::data::Sampler {
   int64_t n_, rank_, world_;
 };
 
+// --amp on the CPU: the whole model in 16 bits. On CUDA: f32 master
+// weights, and autocast runs GEMMs and convolutions in 16 bits
+// (AutocastDTypeOf).
 nn::DType ComputeDType(const TrainConfig& c) {
+  if (c.device == "cuda") return nn::DType::kFloat32;
   if (c.amp == "bf16") return nn::DType::kBFloat16;
   if (c.amp == "fp16") return nn::DType::kFloat16;
   return nn::DType::kFloat32;
+}
+
+std::optional<nn::DType> AutocastDTypeOf(const TrainConfig& c) {
+  if (c.device != "cuda" || c.amp == "off") return std::nullopt;
+  return c.amp == "bf16" ? nn::DType::kBFloat16 : nn::DType::kFloat16;
 }
 
 std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(const TrainConfig& c,
@@ -177,6 +188,7 @@ class Run {
   std::shared_ptr<nn::modules::Module> model_;
   nn::DType compute_dtype_ = nn::DType::kFloat32;
   nn::Device device_ = nn::kCPU;  // --device; cuda:LOCAL_RANK modulo the GPUs
+  std::optional<nn::DType> autocast_dtype_;  // --amp on CUDA
   std::unique_ptr<nn::optim::Optimizer> optimizer_;
   std::unique_ptr<nn::optim::LrScheduler> scheduler_;
   std::unique_ptr<nn::optim::GradScaler> scaler_;
@@ -229,6 +241,7 @@ void Run::Setup() {
   par_.Prepare(model_, c_);
   const int64_t num_params = CountParameters(*model_);
   compute_dtype_ = ComputeDType(c_);
+  autocast_dtype_ = AutocastDTypeOf(c_);
   if (compute_dtype_ != nn::DType::kFloat32) model_->To(compute_dtype_);
   model_->Train();
   optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
@@ -337,8 +350,13 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
       labels = labels.To(device_);
     }
     if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
-    const nn::Tensor logits = par_.Forward(x);
-    const nn::Tensor loss = loss_fn_(logits, labels);
+    nn::Tensor loss;
+    {
+      std::optional<nn::AutocastGuard> autocast;
+      if (autocast_dtype_) autocast.emplace(autocast_dtype_);
+      const nn::Tensor logits = par_.Forward(x);
+      loss = loss_fn_(logits, labels);
+    }
     const double value = loss.Item();
     par_.Backward(nn::ops::MulScalar(loss, scale / static_cast<double>(group)));
     stretch_loss_sum_ += value;
@@ -414,6 +432,8 @@ Evaluation Run::Evaluate() {
         labels = labels.To(device_);
       }
       if (compute_dtype_ != nn::DType::kFloat32) x = x.To(compute_dtype_);
+      std::optional<nn::AutocastGuard> autocast;
+      if (autocast_dtype_) autocast.emplace(autocast_dtype_);
       // The module itself, not the DDP wrapper: evaluation needs no gradient
       // synchronization and must not count as a training iteration.
       const nn::Tensor logits = model_->Forward(x);
