@@ -141,7 +141,12 @@ void CheckCollectiveDevice(nn::Device device, const std::string& where) {
     throw std::invalid_argument(where + " is on " + device.ToString() +
                                 "; collectives take CPU or CUDA tensors");
   }
-  nn::cuda::CheckDevice(device);
+  try {
+    nn::cuda::CheckDevice(device);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(where + " is on " + device.ToString() + ", which cannot be used: " +
+                                e.what());
+  }
 }
 
 std::unique_ptr<DeviceFence> MakeFence(nn::Device device, const std::vector<nn::Tensor>& tensors) {
