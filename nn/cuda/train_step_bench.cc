@@ -1,21 +1,30 @@
-// Prints images/s of one training step's forward and backward on cuda:0
-// (no optimizer step: nn/optim updates on the CPU only so far), for a model
-// on synthetic data. Needs a GPU. Compare with PyTorch on the same GPU and
-// settings (the same model, batch, dtype and TF32 choice).
+// Prints images/s of whole training steps on cuda:0 (forward, cross-entropy,
+// backward, SGD with momentum) for a model on synthetic data, one
+// machine-readable line per precision mode. Needs a GPU.
+// tools/bench/torch_train_step_bench.py does the same in PyTorch and prints
+// the same line; tools/gpu_check.sh runs both and prints the ratios.
 //
-//   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=resnet50 --batch=256
-//   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=cnn --batch=128 --tf32
+//   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=resnet50 --batch=256 --modes=fp32
+//   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=cnn --batch=128 --tf32 --optimizer=false
+//
+// Output, per mode (keys are stable; tools/gpu_check.sh parses them):
+//   BENCH impl=ours model=resnet50 mode=fp32 batch=256 warmup=5 steps=20 optimizer=sgd tf32=off
+//         images_per_s=... ms_per_step=... final_loss=...
 #include <gflags/gflags.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "nn/autograd/engine.h"
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/cuda.h"
+#include "nn/cuda/optim_kernels.h"
 #include "nn/cuda/stream.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
@@ -24,60 +33,115 @@
 
 DEFINE_string(model, "resnet50", "mlp, cnn, resnet18 or resnet50 (ResNets with the CIFAR stem, 32x32 input)");
 DEFINE_int64(batch, 256, "images per step");
-DEFINE_int32(warmup, 3, "steps before timing (the first searches convolution algorithms)");
-DEFINE_int32(steps, 10, "timed steps");
+DEFINE_string(modes, "fp32", "comma-separated precision modes, each timed on a fresh model: fp32");
+DEFINE_int32(warmup, 5, "untimed steps first (the first ones search convolution algorithms)");
+DEFINE_int32(steps, 20, "timed steps");
 DEFINE_bool(tf32, false, "allow TF32 tensor cores for f32 GEMM and convolution");
+DEFINE_bool(optimizer, true,
+            "include the SGD update (lr 0.01, momentum 0.9, weight decay 5e-4) in each step; false: forward "
+            "and backward only");
+DEFINE_uint64(seed, 1, "seed of the model's initialization and the synthetic batch");
 
 namespace ddp::nn::cuda {
 namespace {
 
-int Main() {
-  Init();
-  SetAllowTf32(FLAGS_tf32);
-  const Device gpu(DeviceType::kCUDA, 0);
-  std::shared_ptr<modules::Module> model;
-  Shape input;
-  if (FLAGS_model == "mlp") {
-    model = modules::MakeMlp();
-    input = {FLAGS_batch, 1, 28, 28};
-  } else if (FLAGS_model == "cnn") {
-    model = modules::MakeCnn();
-    input = {FLAGS_batch, 1, 28, 28};
-  } else if (FLAGS_model == "resnet18" || FLAGS_model == "resnet50") {
-    const modules::ResNetOptions o{.num_classes = 10, .stem = modules::ResNetStem::kCifar};
-    model = FLAGS_model == "resnet18" ? std::shared_ptr<modules::Module>(modules::MakeResNet18(o))
-                                      : std::shared_ptr<modules::Module>(modules::MakeResNet50(o));
-    input = {FLAGS_batch, 3, 32, 32};
-  } else {
-    throw std::invalid_argument("--model must be mlp, cnn, resnet18 or resnet50, got `" + FLAGS_model + "`");
+const Device kGpu(DeviceType::kCUDA, 0);
+
+// The peer script uses the same values (tools/bench/torch_train_step_bench.py).
+constexpr SgdUpdate kSgd{.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4};
+
+enum class Mode { kFp32 };
+
+Mode ParseMode(const std::string& name) {
+  if (name == "fp32") return Mode::kFp32;
+  throw std::invalid_argument("--modes: unknown mode `" + name + "` (known: fp32)");
+}
+
+std::vector<std::string> SplitModes(const std::string& list) {
+  std::vector<std::string> names;
+  std::stringstream in(list);
+  for (std::string name; std::getline(in, name, ',');) {
+    ParseMode(name);  // reject a bad list before any step runs
+    names.push_back(name);
   }
+  if (names.empty()) throw std::invalid_argument("--modes is empty");
+  return names;
+}
+
+struct Model {
+  std::shared_ptr<modules::Module> module;
+  Shape input;
+};
+
+Model MakeModel(Generator& gen) {
+  if (FLAGS_model == "mlp") return {modules::MakeMlp(gen), {FLAGS_batch, 1, 28, 28}};
+  if (FLAGS_model == "cnn") return {modules::MakeCnn(gen), {FLAGS_batch, 1, 28, 28}};
+  const modules::ResNetOptions o{.num_classes = 10, .stem = modules::ResNetStem::kCifar};
+  if (FLAGS_model == "resnet18") return {modules::MakeResNet18(o, gen), {FLAGS_batch, 3, 32, 32}};
+  if (FLAGS_model == "resnet50") return {modules::MakeResNet50(o, gen), {FLAGS_batch, 3, 32, 32}};
+  throw std::invalid_argument("--model must be mlp, cnn, resnet18 or resnet50, got `" + FLAGS_model + "`");
+}
+
+// Times one mode on a fresh model and prints its BENCH line.
+void RunMode(const std::string& mode_name) {
+  ParseMode(mode_name);
+  Generator gen(FLAGS_seed);
+  Model m = MakeModel(gen);
+  m.module->To(kGpu);
+  m.module->Train();
+  const Tensor images = Randn(m.input, {}, gen).To(kGpu);
+  Tensor label_values = Empty({FLAGS_batch});
+  UniformFill(label_values, 0.0, 10.0, gen);
+  const Tensor labels = label_values.To(DType::kInt64).To(kGpu);
+
+  const modules::NamedTensors params = m.module->NamedParameters();
+  std::vector<Tensor> momentum;
+  for (const auto& [name, p] : params) momentum.push_back(Zeros(p.shape(), {.dtype = p.dtype(), .device = kGpu}));
+  int64_t step_count = 0;
+  Tensor loss;
+  auto step = [&] {
+    m.module->ZeroGrad();
+    loss = loss::CrossEntropy(m.module->Forward(images), labels);
+    Backward(loss);
+    if (!FLAGS_optimizer) return;
+    ++step_count;
+    NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      SgdStep(params[i].second, params[i].second.grad(), momentum[i], step_count, kSgd);
+    }
+  };
+  for (int i = 0; i < FLAGS_warmup; ++i) step();
+  SynchronizeDevice(kGpu);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < FLAGS_steps; ++i) step();
+  SynchronizeDevice(kGpu);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double final_loss = loss.Item();
+  if (!std::isfinite(final_loss)) {
+    throw std::runtime_error("mode " + mode_name + ": the loss is " + std::to_string(final_loss) +
+                             " after the timed steps; the figures would be meaningless");
+  }
+  std::printf(
+      "BENCH impl=ours model=%s mode=%s batch=%lld warmup=%d steps=%d optimizer=%s tf32=%s images_per_s=%.1f "
+      "ms_per_step=%.2f final_loss=%.4f\n",
+      FLAGS_model.c_str(), mode_name.c_str(), static_cast<long long>(FLAGS_batch), FLAGS_warmup, FLAGS_steps,
+      FLAGS_optimizer ? "sgd" : "none", FLAGS_tf32 ? "on" : "off", FLAGS_batch * FLAGS_steps / seconds,
+      1e3 * seconds / FLAGS_steps, final_loss);
+  const AllocatorStats st = CudaAllocator().Stats(kGpu);
+  std::printf("  %s: device memory in use %.1f MiB, peak %.1f MiB, cached %.1f MiB, cudaMalloc calls %llu\n",
+              mode_name.c_str(), st.in_use_bytes / 1048576.0, st.peak_in_use_bytes / 1048576.0,
+              st.cached_bytes / 1048576.0, static_cast<unsigned long long>(st.system_allocations));
+  std::fflush(stdout);
+}
+
+int Main() {
   if (FLAGS_batch < 1 || FLAGS_steps < 1 || FLAGS_warmup < 0) {
     throw std::invalid_argument("--batch and --steps must be >= 1 and --warmup >= 0");
   }
-  model->To(gpu);
-  model->Train();
-  const Tensor images = Randn(input).To(gpu);
-  Tensor label_values = Empty({FLAGS_batch});
-  UniformFill(label_values, 0.0, 10.0);
-  const Tensor labels = label_values.To(DType::kInt64).To(gpu);
-  auto step = [&] {
-    model->ZeroGrad();
-    const Tensor loss = loss::CrossEntropy(model->Forward(images), labels);
-    Backward(loss);
-  };
-  for (int i = 0; i < FLAGS_warmup; ++i) step();
-  SynchronizeDevice(gpu);
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < FLAGS_steps; ++i) step();
-  SynchronizeDevice(gpu);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const AllocatorStats st = CudaAllocator().Stats(gpu);
-  std::printf("model %s batch %lld tf32 %s: %.1f images/s (%.2f ms/step over %d steps); device memory in use "
-              "%.1f MiB, peak %.1f MiB, cached %.1f MiB, cudaMalloc calls %llu\n",
-              FLAGS_model.c_str(), static_cast<long long>(FLAGS_batch), FLAGS_tf32 ? "on" : "off",
-              FLAGS_batch * FLAGS_steps / seconds, 1e3 * seconds / FLAGS_steps, FLAGS_steps,
-              st.in_use_bytes / 1048576.0, st.peak_in_use_bytes / 1048576.0, st.cached_bytes / 1048576.0,
-              static_cast<unsigned long long>(st.system_allocations));
+  const std::vector<std::string> modes = SplitModes(FLAGS_modes);
+  Init();
+  SetAllowTf32(FLAGS_tf32);
+  for (const std::string& mode : modes) RunMode(mode);
   return 0;
 }
 
