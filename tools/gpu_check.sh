@@ -1,0 +1,610 @@
+#!/usr/bin/env bash
+# Issue 9's GPU check, in one run on a machine with an NVIDIA GPU:
+#
+#   1. environment: the GPU (nvidia-smi), the tools and libraries found;
+#   2. build (bazel --config=cuda) of the training-step benchmark;
+#   3. ResNet-50 training steps (CIFAR-shaped synthetic input, batch 256) on
+#      cuda:0, ours: //nn/cuda:train_step_bench, one BENCH line per mode;
+#   4. the same in PyTorch eager (tools/bench/torch_train_step_bench.py) when
+#      python3 imports torch, and the table of images/s with ours/PyTorch;
+#   5. build and run every test tagged `gpu`, with a per-test timeout, going
+#      on after failures.
+#
+# With OUT set (a folder), the whole output, the BENCH lines, the summary and
+# the failed tests' logs are written there too (four files).
+#
+# The benchmarks come before the tests so that their figures exist even if
+# the tests run long. Every phase has a timeout taken from one overall budget
+# (--budget, 470 s by default: the issue asks for under 8 minutes on one H200),
+# and the elapsed time of each phase is printed at the end.
+#
+# A GPU machine without Bazel or the Debian libraries runs prebuilt binaries:
+# on a machine that builds (this repository's dev machines),
+#     tools/gpu_check.sh --make-bundle
+# writes .gpu_bundle/ (git-ignored: the benchmark, the gpu tests and their
+# non-system shared libraries, stripped, in one tar.xz); copy or carry that
+# folder next to the working tree on the GPU machine and run
+# tools/gpu_check.sh there: without bazel it uses the bundle by itself
+# (--bundle forces it). The CUDA runtime libraries (cuBLAS, cuDNN) are taken
+# from the GPU machine (CUDA toolkit or PyTorch's nvidia-* wheels).
+#
+# Without a GPU, --dry-run walks through the same phases and prints the
+# commands that need a GPU instead of running them; it runs the PyTorch script
+# on the CPU with a tiny batch (its figures are labelled device=cpu and
+# not compared with anything).
+#
+# Usage: tools/gpu_check.sh [options]   (see --help)
+set -uo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || exit 1
+readonly REPO_ROOT
+cd "$REPO_ROOT" || exit 1
+
+BUDGET_S=470
+MODES="fp32"
+BATCH=256
+WARMUP=3
+STEPS=20
+TEST_TIMEOUT_S=120
+TEST_JOBS=4
+SKIP_BUILD=0
+SKIP_TESTS=0
+SKIP_TORCH=0
+DRY_RUN=0
+USE_BUNDLE=auto
+BUNDLE_DIR="$REPO_ROOT/.gpu_bundle"
+MAKE_BUNDLE=0
+TABLE_FROM=""
+# The python3 that imports torch: PYTHON if set, else python3 on the PATH, else
+# Debian's (python3-torch) when the PATH's has no torch.
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  if ! python3 -c 'import torch' 2>/dev/null && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    PYTHON=/usr/bin/python3
+  fi
+fi
+
+usage() {
+  cat <<EOF
+Usage: tools/gpu_check.sh [options]
+
+  --budget=S          whole run's deadline in seconds (default $BUDGET_S)
+  --modes=LIST        precision modes of both benchmarks, comma-separated
+                      (default $MODES; known: fp32)
+  --batch=N           images per step (default $BATCH)
+  --warmup=N          untimed steps per mode (default $WARMUP)
+  --steps=N           timed steps per mode (default $STEPS)
+  --test-timeout=S    per-test timeout of the gpu tests (default $TEST_TIMEOUT_S)
+  --test-jobs=N       gpu tests run at once (default $TEST_JOBS)
+  --skip-build        use what is already built (bazel-bin, or the bundle)
+  --skip-tests        no gpu tests
+  --only-bench        the benchmarks only (= --skip-tests)
+  --skip-torch        do not run the PyTorch benchmark
+  --bundle[=DIR]      run prebuilt binaries from DIR (default .gpu_bundle)
+                      instead of building with bazel
+  --make-bundle[=DIR] build the benchmark and the gpu tests here and pack them
+                      with their non-system libraries into DIR (default
+                      .gpu_bundle), then stop
+  --table=FILE        print the comparison table from BENCH lines in FILE
+                      (a saved log) and stop
+  --dry-run           no GPU needed: run the phases' logic, print the GPU
+                      commands instead of running them, and run the PyTorch
+                      script on the CPU with a tiny batch
+  --help              this text
+
+Environment: OUT (a folder that receives gpu_check.log, the whole output;
+bench.log; summary.txt; failed_tests.log, the end of each failed test's log),
+PYTHON (the python3 with torch; default: python3).
+EOF
+}
+
+die() {
+  echo "gpu_check: $*" >&2
+  exit 2
+}
+
+for arg in "$@"; do
+  case "$arg" in
+    --budget=*) BUDGET_S="${arg#*=}" ;;
+    --modes=*) MODES="${arg#*=}" ;;
+    --batch=*) BATCH="${arg#*=}" ;;
+    --warmup=*) WARMUP="${arg#*=}" ;;
+    --steps=*) STEPS="${arg#*=}" ;;
+    --test-timeout=*) TEST_TIMEOUT_S="${arg#*=}" ;;
+    --test-jobs=*) TEST_JOBS="${arg#*=}" ;;
+    --skip-build) SKIP_BUILD=1 ;;
+    --skip-tests | --only-bench) SKIP_TESTS=1 ;;
+    --skip-torch) SKIP_TORCH=1 ;;
+    --bundle) USE_BUNDLE=1 ;;
+    --bundle=*) USE_BUNDLE=1 BUNDLE_DIR="${arg#*=}" ;;
+    --make-bundle) MAKE_BUNDLE=1 ;;
+    --make-bundle=*) MAKE_BUNDLE=1 BUNDLE_DIR="${arg#*=}" ;;
+    --table=*) TABLE_FROM="${arg#*=}" ;;
+    --dry-run) DRY_RUN=1 ;;
+    --help | -h) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument \`$arg\`" ;;
+  esac
+done
+
+for pair in "budget:$BUDGET_S" "batch:$BATCH" "steps:$STEPS" "test-timeout:$TEST_TIMEOUT_S" \
+  "test-jobs:$TEST_JOBS"; do
+  [[ "${pair#*:}" =~ ^[1-9][0-9]*$ ]] || die "--${pair%%:*} must be a positive integer, got \`${pair#*:}\`"
+done
+[[ "$WARMUP" =~ ^[0-9]+$ ]] || die "--warmup must be a non-negative integer, got \`$WARMUP\`"
+IFS=',' read -r -a MODE_LIST <<<"$MODES"
+[ "${#MODE_LIST[@]}" -gt 0 ] || die "--modes is empty"
+for m in "${MODE_LIST[@]}"; do
+  case "$m" in
+    fp32) ;;
+    *) die "--modes: unknown mode \`$m\` (known: fp32)" ;;
+  esac
+done
+
+# ---------------------------------------------------------------- the table
+
+# Reads BENCH lines (key=value words) on stdin; prints images/s of ours and
+# PyTorch's per mode, and the ratio when both ran with the same batch and
+# step count. A mode that one side did not produce shows "-".
+print_table() {
+  awk '
+    $1 == "BENCH" {
+      delete kv
+      for (i = 2; i <= NF; ++i) { split($i, p, "="); kv[p[1]] = p[2] }
+      key = kv["mode"]
+      if (!(key in seen)) { seen[key] = 1; order[++n] = key }
+      ips[kv["impl"], key] = kv["images_per_s"]
+      shape[kv["impl"], key] = kv["batch"] "x" kv["steps"]
+      dev[kv["impl"], key] = kv["device"]
+    }
+    END {
+      if (n == 0) { print "  (no BENCH lines)"; exit }
+      printf "  %-6s %14s %14s %14s\n", "mode", "ours img/s", "torch img/s", "ours/torch"
+      for (i = 1; i <= n; ++i) {
+        m = order[i]
+        o = ((("ours", m) in ips)) ? ips["ours", m] : "-"
+        t = ((("torch", m) in ips)) ? ips["torch", m] : "-"
+        r = "-"
+        if (o != "-" && t != "-" && shape["ours", m] == shape["torch", m] && dev["torch", m] !~ /^cpu/) {
+          r = sprintf("%.2f", o / t)
+        }
+        note = (t != "-" && dev["torch", m] ~ /^cpu/) ? "  (torch on the CPU: not comparable)" : ""
+        printf "  %-6s %14s %14s %14s%s\n", m, o, t, r, note
+      }
+    }'
+}
+
+if [ -n "$TABLE_FROM" ]; then
+  [ -r "$TABLE_FROM" ] || die "--table: cannot read \`$TABLE_FROM\`"
+  print_table <"$TABLE_FROM"
+  exit 0
+fi
+
+# --------------------------------------------------------------- time keeping
+
+START_S=$(date +%s)
+readonly START_S
+PHASE_NAMES=()
+PHASE_TIMES=()
+PHASE_RESULTS=()
+PHASE_START=0
+CURRENT_PHASE=""
+
+now() { date +%s; }
+left_s() { echo $((BUDGET_S - ($(now) - START_S))); }
+
+begin_phase() {
+  CURRENT_PHASE="$1"
+  PHASE_START=$(now)
+  printf '\n==== %s (at %ds, %ds left)\n' "$1" $(($(now) - START_S)) "$(left_s)"
+}
+
+end_phase() {
+  PHASE_NAMES+=("$CURRENT_PHASE")
+  PHASE_TIMES+=($(($(now) - PHASE_START)))
+  PHASE_RESULTS+=("$1")
+  printf -- '---- %s: %s in %ds\n' "$CURRENT_PHASE" "$1" $(($(now) - PHASE_START))
+}
+
+# Seconds a phase may take: its own cap, never past the budget minus what the
+# later phases need (reserve_s).
+phase_limit() {
+  local cap=$1 reserve=$2 left
+  left=$(($(left_s) - reserve))
+  [ "$left" -lt "$cap" ] && cap=$left
+  [ "$cap" -lt 1 ] && cap=1
+  echo "$cap"
+}
+
+# Runs a command under a deadline; its output goes to the terminal and to a log.
+run_logged() {
+  local limit=$1 log=$2
+  shift 2
+  echo "+ (limit ${limit}s) $*"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+  return "${PIPESTATUS[0]}"
+}
+
+describe_rc() {
+  case "$1" in
+    0) echo "ok" ;;
+    124 | 137) echo "TIMED OUT" ;;
+    *) echo "FAILED (exit $1)" ;;
+  esac
+}
+
+WORK="$(mktemp -d /tmp/gpu_check.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+BENCH_LOG="$WORK/bench.log"
+: >"$BENCH_LOG"
+
+copy_out() {
+  [ -n "${OUT:-}" ] || return 0
+  cp -f "$@" "$OUT/"
+}
+
+# ----------------------------------------------------------- making a bundle
+
+# The shared libraries the GPU machine is expected to have or that must come
+# from its own driver and CUDA installation.
+is_system_lib() {
+  case "$(basename "$1")" in
+    linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | librt.so* | libpthread.so* | libresolv.so*) return 0 ;;
+    libstdc++.so* | libgcc_s.so*) return 0 ;;
+    libcuda.so* | libnvidia-* | libcublas* | libcudnn* | libnccl* | libnvrtc* | libnvJitLink*) return 0 ;;
+  esac
+  return 1
+}
+
+gpu_test_labels() {
+  bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | sort
+}
+
+make_bundle() {
+  command -v bazel >/dev/null || die "--make-bundle needs bazel here"
+  local labels
+  labels="$(gpu_test_labels)" || die "bazel query for the gpu tests failed"
+  echo "gpu_check: building the benchmark and $(echo "$labels" | wc -l) gpu tests (--config=cuda)"
+  # shellcheck disable=SC2086
+  bazel build --config=cuda //nn/cuda:train_step_bench $labels || die "the build failed"
+  local bin stage
+  bin="$(bazel info --config=cuda bazel-bin 2>/dev/null)" || die "bazel info failed"
+  stage="$WORK/bundle"
+  mkdir -p "$stage/bin" "$stage/lib/ucx"
+  local targets=("//nn/cuda:train_step_bench")
+  for l in $labels; do targets+=("$l"); done
+  : >"$stage/tests.txt"
+  local t rel lib
+  for t in "${targets[@]}"; do
+    rel="${t#//}"
+    rel="${rel/://}"
+    [ -x "$bin/$rel" ] || die "no executable at $bin/$rel for $t"
+    local name="${rel//\//__}"
+    cp -L "$bin/$rel" "$stage/bin/$name"
+    [ "$t" = "//nn/cuda:train_step_bench" ] || echo "$name $t" >>"$stage/tests.txt"
+    # Every non-system library the binary loads, the project's own (_solib)
+    # included; LD_LIBRARY_PATH puts them ahead of the binary's RUNPATH.
+    while read -r lib; do
+      [ -n "$lib" ] && ! is_system_lib "$lib" && cp -Ln "$lib" "$stage/lib/" 2>/dev/null
+    done < <(ldd "$bin/$rel" | awk '$3 ~ /^\// {print $3}')
+  done
+  # UCX loads its transports as modules (shared memory via CMA is the one the
+  # tests need on one host).
+  if [ -e /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 ]; then
+    cp -L /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 "$stage/lib/ucx/"
+  fi
+  chmod -R u+w "$stage"
+  strip --strip-debug "$stage"/bin/* "$stage"/lib/*.so* 2>/dev/null
+  {
+    echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!.gpu_bundle' || echo ' (with uncommitted changes)')"
+    echo "built $(date -u +%FT%TZ) on $(grep -m1 '^PRETTY_NAME=' /etc/os-release | cut -d'"' -f2), $(ldd --version | head -1)"
+  } >"$stage/MANIFEST"
+  mkdir -p "$BUNDLE_DIR"
+  rm -f "$BUNDLE_DIR/bundle.tar.xz.tmp"
+  tar -C "$stage" -cf - . | xz -T0 -6 >"$BUNDLE_DIR/bundle.tar.xz.tmp" || die "packing the bundle failed"
+  mv -f "$BUNDLE_DIR/bundle.tar.xz.tmp" "$BUNDLE_DIR/bundle.tar.xz"
+  cp -f "$stage/MANIFEST" "$BUNDLE_DIR/MANIFEST"
+  echo "gpu_check: wrote $BUNDLE_DIR/bundle.tar.xz ($(du -h "$BUNDLE_DIR/bundle.tar.xz" | cut -f1);" \
+    "$(du -sh "$stage" | cut -f1) unpacked): $(find "$stage/bin" -type f | wc -l) binaries," \
+    "$(find "$stage/lib" -type f | wc -l) libraries"
+  cat "$BUNDLE_DIR/MANIFEST"
+}
+
+if [ "$MAKE_BUNDLE" = 1 ]; then
+  make_bundle
+  exit 0
+fi
+
+# ------------------------------------------------------------------- phases
+
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT" || die "cannot create OUT=$OUT"
+  rm -f "$OUT/failed_tests.log"
+  exec > >(tee "$OUT/gpu_check.log") 2>&1
+  TEE_PID=$!
+fi
+
+if [ "$USE_BUNDLE" = auto ]; then
+  USE_BUNDLE=0
+  if ! command -v bazel >/dev/null && [ -f "$BUNDLE_DIR/bundle.tar.xz" ]; then USE_BUNDLE=1; fi
+fi
+
+begin_phase "environment"
+echo "repository: $REPO_ROOT at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+echo "host: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo) memory, $(uname -r)"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv 2>&1
+  GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+else
+  echo "nvidia-smi: not found"
+  GPU_NAME=""
+fi
+[ -z "$GPU_NAME" ] && [ "$DRY_RUN" = 0 ] && echo "gpu_check: WARNING: no GPU seen by nvidia-smi; the GPU phases will fail (--dry-run runs without one)"
+for tool in bazel nvcc "$PYTHON" xz; do
+  if command -v "$tool" >/dev/null; then echo "found $tool: $(command -v "$tool")"; else echo "MISSING $tool"; fi
+done
+TORCH_OK=0
+if [ "$SKIP_TORCH" = 0 ]; then
+  if torch_info="$("$PYTHON" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1)"; then
+    echo "torch: $torch_info"
+    TORCH_OK=1
+  else
+    echo "MISSING torch in $PYTHON: ${torch_info##*$'\n'}"
+  fi
+fi
+if [ "$USE_BUNDLE" = 0 ]; then
+  # What the WORKSPACE takes from the system (tools/setup.sh installs it).
+  for f in /usr/include/ucp/api/ucp.h /usr/include/gflags/gflags.h /usr/include/glog/logging.h \
+    /usr/include/gtest/gtest.h /usr/include/x86_64-linux-gnu/openblas-pthread/cblas.h /usr/include/dnnl.h /usr/include/hwloc.h \
+    /usr/include/nlohmann/json.hpp /usr/include/zlib.h /usr/local/cuda/include/cuda_runtime.h \
+    /usr/local/cuda/include/cublas_v2.h /usr/local/cuda/include/cudnn.h; do
+    [ -e "$f" ] || echo "MISSING $f (needed by the bazel build; tools/setup.sh installs the Debian packages)"
+  done
+  command -v bazel >/dev/null || echo "gpu_check: no bazel and no bundle at $BUNDLE_DIR/bundle.tar.xz:" \
+    "our binaries cannot be built here (make one with --make-bundle on a dev machine and bring .gpu_bundle)"
+fi
+end_phase "done"
+
+BENCH_BIN=""
+# How the gpu tests run: "bazel" or "bundle"; empty when they cannot.
+TEST_RUNNER=""
+if [ "$USE_BUNDLE" = 1 ]; then
+  begin_phase "unpack bundle"
+  BUNDLE_ROOT="$WORK/bundle"
+  mkdir -p "$BUNDLE_ROOT"
+  rc=0
+  if [ ! -f "$BUNDLE_DIR/bundle.tar.xz" ]; then
+    echo "gpu_check: no bundle at $BUNDLE_DIR/bundle.tar.xz"
+    rc=1
+  elif command -v xz >/dev/null; then
+    tar -C "$BUNDLE_ROOT" -xJf "$BUNDLE_DIR/bundle.tar.xz" || rc=$?
+  else
+    "$PYTHON" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      "$BUNDLE_DIR/bundle.tar.xz" "$BUNDLE_ROOT" || rc=$?
+  fi
+  if [ "$rc" = 0 ]; then
+    cat "$BUNDLE_ROOT/MANIFEST"
+    head_commit="$(git rev-parse HEAD 2>/dev/null || true)"
+    grep -q "^commit $head_commit\$" "$BUNDLE_ROOT/MANIFEST" ||
+      echo "gpu_check: NOTE: the bundle was built from another commit than this checkout ($head_commit)"
+    # The CUDA libraries the binaries need come from this machine: the
+    # toolkit, or PyTorch's nvidia-* wheels.
+    lib_dirs="$BUNDLE_ROOT/lib"
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+      [ -d "$d" ] && lib_dirs="$lib_dirs:$d"
+    done
+    if [ "$TORCH_OK" = 1 ] || "$PYTHON" -c 'import nvidia' 2>/dev/null; then
+      while read -r d; do lib_dirs="$lib_dirs:$d"; done < <("$PYTHON" - <<'EOF' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit
+seen = []
+for root in nvidia.__path__:
+    for lib in sorted(glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)):
+        d = os.path.dirname(lib)
+        if d not in seen:
+            seen.append(d)
+print("\n".join(seen))
+EOF
+      )
+    fi
+    export LD_LIBRARY_PATH="$lib_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export UCX_MODULE_DIR="$BUNDLE_ROOT/lib/ucx"
+    missing="$(for b in "$BUNDLE_ROOT"/bin/*; do ldd "$b" | awk '/not found/ {print $1}'; done | sort -u | tr '\n' ' ')"
+    if [ -n "$missing" ]; then
+      echo "gpu_check: MISSING libraries for the bundled binaries: $missing"
+      echo "  (searched LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"
+      rc=1
+    fi
+    BENCH_BIN="$BUNDLE_ROOT/bin/nn__cuda__train_step_bench"
+    TEST_RUNNER=bundle
+  fi
+  end_phase "$(describe_rc "$rc")"
+elif [ "$SKIP_BUILD" = 1 ]; then
+  BENCH_BIN="$REPO_ROOT/bazel-bin/nn/cuda/train_step_bench"
+  command -v bazel >/dev/null && TEST_RUNNER=bazel
+elif command -v bazel >/dev/null; then
+  begin_phase "build benchmark (bazel --config=cuda)"
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "dry run: would run: bazel build --config=cuda //nn/cuda:train_step_bench"
+    end_phase "skipped (dry run)"
+  else
+    # The benchmark first: its figures come out even if the tests' build is long.
+    run_logged "$(phase_limit 300 150)" "$WORK/build.log" bazel build --config=cuda //nn/cuda:train_step_bench
+    rc=$?
+    end_phase "$(describe_rc "$rc")"
+  fi
+  BENCH_BIN="$REPO_ROOT/bazel-bin/nn/cuda/train_step_bench"
+  TEST_RUNNER=bazel
+fi
+
+BENCH_ARGS=(--model=resnet50 "--batch=$BATCH" "--warmup=$WARMUP" "--steps=$STEPS" "--modes=$MODES")
+
+begin_phase "benchmark: ours, ResNet-50 batch $BATCH, modes $MODES"
+if [ "$DRY_RUN" = 1 ]; then
+  echo "dry run: would run: ${BENCH_BIN:-(no benchmark binary)} ${BENCH_ARGS[*]}"
+  end_phase "skipped (dry run)"
+elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
+  echo "gpu_check: no benchmark binary (${BENCH_BIN:-neither bazel nor a bundle})"
+  end_phase "FAILED (not built)"
+else
+  run_logged "$(phase_limit 200 100)" "$BENCH_LOG" "$BENCH_BIN" "${BENCH_ARGS[@]}"
+  end_phase "$(describe_rc $?)"
+fi
+
+begin_phase "benchmark: PyTorch eager, same settings"
+TORCH_ARGS=("--batch=$BATCH" "--warmup=$WARMUP" "--steps=$STEPS" "--modes=$MODES")
+if [ "$SKIP_TORCH" = 1 ]; then
+  end_phase "skipped (--skip-torch)"
+elif [ "$TORCH_OK" = 0 ]; then
+  end_phase "skipped (torch does not import)"
+elif [ "$DRY_RUN" = 1 ]; then
+  # A smoke test of the script on the CPU: tiny batch, figures not compared.
+  run_logged "$(phase_limit 120 20)" "$BENCH_LOG" env PYTHONUNBUFFERED=1 "$PYTHON" \
+    tools/bench/torch_train_step_bench.py --device=cpu --batch=2 --warmup=0 --steps=1 "--modes=$MODES"
+  end_phase "$(describe_rc $?) (dry run: on the CPU, batch 2, 1 step)"
+else
+  run_logged "$(phase_limit 150 60)" "$BENCH_LOG" env PYTHONUNBUFFERED=1 "$PYTHON" \
+    tools/bench/torch_train_step_bench.py --device=cuda:0 "${TORCH_ARGS[@]}"
+  end_phase "$(describe_rc $?)"
+fi
+
+echo
+echo "ResNet-50 (CIFAR stem), batch $BATCH, $STEPS timed steps after $WARMUP, SGD momentum, TF32 off, ${GPU_NAME:-no GPU}:"
+print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
+copy_out "$BENCH_LOG"
+
+# ------------------------------------------------------------------ gpu tests
+
+TEST_SUMMARY="$WORK/tests.txt"
+: >"$TEST_SUMMARY"
+
+# Appends a failed test's log (its end, when long) to $OUT/failed_tests.log:
+# one file, because only a few files come back from a GPU machine's $OUT.
+keep_failed_log() {
+  local label=$1 log=$2
+  [ -n "${OUT:-}" ] && [ -f "$log" ] || return 0
+  {
+    echo "===== $label ($(wc -l <"$log") lines; the last 400)"
+    tail -n 400 "$log"
+  } >>"$OUT/failed_tests.log"
+}
+
+run_tests_bazel() {
+  local limit=$1 build_limit
+  build_limit=$(phase_limit $((limit * 2 / 3)) 30)
+  local common=(--config=cuda --keep_going --test_tag_filters=gpu "--test_timeout=$TEST_TIMEOUT_S"
+    --test_output=summary --test_summary=terse "--local_test_jobs=$TEST_JOBS")
+  run_logged "$build_limit" "$WORK/tests.log" bazel build --config=cuda --keep_going --build_tag_filters=gpu --build_tests_only //...
+  run_logged "$(phase_limit "$limit" 25)" "$WORK/tests.log" bazel test "${common[@]}" //...
+  local rc=$?
+  # Bazel's verdict per test, as "//label VERDICT" lines.
+  awk '$1 ~ /^\/\// && match($0, /(PASSED|FLAKY|TIMEOUT|NO STATUS|FAILED TO BUILD|FAILED)/) {
+         print $1, substr($0, RSTART, RLENGTH) }' "$WORK/tests.log" | sort -u -k1,1 >"$TEST_SUMMARY"
+  local testlogs label rel
+  testlogs="$(bazel info --config=cuda bazel-testlogs 2>/dev/null)"
+  awk '$2 != "PASSED" {print $1}' "$TEST_SUMMARY" | while read -r label; do
+    rel="${label#//}"
+    keep_failed_log "$label" "$testlogs/${rel/://}/test.log"
+  done
+  return "$rc"
+}
+
+# One bundled test under its deadline; writes "//label VERDICT" to $WORK/results/NAME.
+run_one_bundled_test() {
+  local name=$1 label=$2 limit=$3 rc verdict
+  mkdir -p "$WORK/tmp/$name"
+  TEST_TMPDIR="$WORK/tmp/$name" UCX_LOG_LEVEL=error timeout --kill-after=10 "$limit" \
+    "$BUNDLE_ROOT/bin/$name" >"$WORK/testlogs/$name.log" 2>&1
+  rc=$?
+  case "$rc" in
+    0) verdict=PASSED ;;
+    124 | 137) verdict="TIMEOUT (${limit}s)" ;;
+    *) verdict="FAILED (exit $rc)" ;;
+  esac
+  echo "$label $verdict" | tee "$WORK/results/$name"
+}
+
+# The bundle's tests, TEST_JOBS at a time (as bazel would run them), each
+# under --test-timeout and never past the phase's deadline.
+run_tests_bundle() {
+  local limit=$1 deadline name label left pids=()
+  deadline=$(($(now) + limit))
+  mkdir -p "$WORK/testlogs" "$WORK/results"
+  while read -r name label; do
+    # Polls rather than `wait -n`: a bare wait would also wait for the tee
+    # that copies the output into $OUT, which never ends before the script.
+    while [ "$(jobs -rp | wc -l)" -ge "$TEST_JOBS" ]; do sleep 0.5; done
+    left=$((deadline - $(now)))
+    if [ "$left" -lt 5 ]; then
+      echo "$label NO STATUS (out of time)" >"$WORK/results/$name"
+      continue
+    fi
+    [ "$left" -gt "$TEST_TIMEOUT_S" ] && left=$TEST_TIMEOUT_S
+    echo "+ (limit ${left}s) $label"
+    run_one_bundled_test "$name" "$label" "$left" &
+    pids+=($!)
+  done <"$BUNDLE_ROOT/tests.txt"
+  [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
+  sort "$WORK/results"/* >"$TEST_SUMMARY"
+  local worst=0
+  while read -r name label; do
+    if ! grep -q "^$label PASSED\$" "$WORK/results/$name"; then
+      worst=1
+      echo "---- $(cat "$WORK/results/$name"): the end of its log"
+      tail -n 15 "$WORK/testlogs/$name.log"
+      keep_failed_log "$label" "$WORK/testlogs/$name.log"
+    fi
+  done <"$BUNDLE_ROOT/tests.txt"
+  return "$worst"
+}
+
+begin_phase "gpu tests (timeout ${TEST_TIMEOUT_S}s each, keep going)"
+if [ "$SKIP_TESTS" = 1 ]; then
+  end_phase "skipped (--skip-tests)"
+elif [ "$DRY_RUN" = 1 ]; then
+  echo "dry run: would run: bazel test --config=cuda --keep_going --test_tag_filters=gpu --test_timeout=$TEST_TIMEOUT_S //..."
+  end_phase "skipped (dry run)"
+elif [ -z "$TEST_RUNNER" ]; then
+  end_phase "FAILED (neither bazel nor a bundle)"
+else
+  if [ "$TEST_RUNNER" = bazel ]; then
+    run_tests_bazel "$(phase_limit 400 5)"
+  else
+    run_tests_bundle "$(phase_limit 400 5)"
+  fi
+  rc=$?
+  end_phase "$(describe_rc "$rc")"
+fi
+
+# -------------------------------------------------------------------- summary
+
+{
+  echo
+  echo "==== summary ($(($(now) - START_S))s of the ${BUDGET_S}s budget)"
+  for i in "${!PHASE_NAMES[@]}"; do
+    printf '  %5ds  %-60s %s\n' "${PHASE_TIMES[$i]}" "${PHASE_NAMES[$i]}" "${PHASE_RESULTS[$i]}"
+  done
+  if [ -s "$TEST_SUMMARY" ]; then
+    echo
+    echo "gpu tests: $(awk '$2 == "PASSED"' "$TEST_SUMMARY" | wc -l) passed of $(wc -l <"$TEST_SUMMARY")"
+    awk '$2 != "PASSED" {print "  " $0}' "$TEST_SUMMARY"
+  fi
+  echo
+  echo "ResNet-50 images/s (${GPU_NAME:-no GPU}):"
+  cat "$WORK/table.txt"
+} | tee "$WORK/summary.txt"
+copy_out "$WORK/summary.txt"
+
+# Non-zero when any phase failed or timed out (skipped phases do not count).
+status=0
+for r in "${PHASE_RESULTS[@]}"; do
+  case "$r" in FAILED* | "TIMED OUT"*) status=1 ;; esac
+done
+# Lets the tee into $OUT/gpu_check.log write its last lines before the exit.
+if [ -n "${TEE_PID:-}" ]; then
+  exec >&- 2>&-
+  wait "$TEE_PID"
+fi
+exit "$status"

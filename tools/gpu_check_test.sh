@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# What tools/gpu_check.sh does without a GPU: argument errors, the table it
+# prints from BENCH lines (a fixture log: inputs for the parser, not
+# measurements), and the order of its phases in a dry run.
+# shellcheck disable=SC2016  # backquotes in the expected messages are literal
+set -uo pipefail
+SCRIPT="$(dirname "$0")/gpu_check.sh"
+FIXTURE="$(dirname "$0")/testdata/gpu_check_bench.log"
+failures=0
+
+check() {  # check NAME HAYSTACK NEEDLE
+  if ! grep -qF -- "$3" <<<"$2"; then
+    echo "FAIL: $1: expected to find \`$3\` in:"
+    echo "$2"
+    failures=$((failures + 1))
+  fi
+}
+
+expect_error() {  # expect_error MESSAGE ARGS...
+  local msg=$1 out rc
+  shift
+  out="$("$SCRIPT" "$@" 2>&1)"
+  rc=$?
+  [ "$rc" = 2 ] || { echo "FAIL: $* exited $rc, expected 2"; failures=$((failures + 1)); }
+  check "$*" "$out" "$msg"
+}
+
+expect_error 'unknown argument `--bogus`' --bogus
+expect_error '--steps must be a positive integer, got `0`' --steps=0
+expect_error '--batch must be a positive integer, got `x`' --batch=x
+expect_error '--warmup must be a non-negative integer, got `-1`' --warmup=-1
+expect_error '--modes: unknown mode `fp8`' --modes=fp32,fp8
+expect_error '--table: cannot read `/nonexistent`' --table=/nonexistent
+
+table="$("$SCRIPT" --table="$FIXTURE" | tr -s ' ')"
+# fp32: both sides, same batch and steps: 900 / 1000.
+check "fp32 row" "$table" " fp32 900.0 1000.0 0.90"
+# bf16: PyTorch ran another step count, so no ratio.
+check "bf16 row" "$table" " bf16 1500.0 2000.0 -"
+# fp16: ours missing.
+check "fp16 row" "$table" " fp16 - 3000.0 -"
+# A PyTorch run on the CPU is never compared.
+cpu_table="$(sed 's/device=cuda:0/device=cpu/' "$FIXTURE" | "$SCRIPT" --table=/dev/stdin | tr -s ' ')"
+check "cpu row" "$cpu_table" " fp32 900.0 1000.0 - (torch on the CPU: not comparable)"
+
+out="$(OUT="$TEST_TMPDIR/out" "$SCRIPT" --dry-run --skip-torch 2>&1)"
+rc=$?
+[ "$rc" = 0 ] || { echo "FAIL: dry run exited $rc"; echo "$out"; failures=$((failures + 1)); }
+# The phases in order (the build phase shows up only where bazel is installed):
+# the benchmarks come before the tests.
+order="$(grep -E '^==== ' <<<"$out" | grep -v '^==== build' | sed -E 's/^==== //; s/ \(.*//; s/,.*//' | paste -sd'|')"
+expected="environment|benchmark: ours|benchmark: PyTorch eager|gpu tests|summary"
+if [ "$order" != "$expected" ]; then
+  echo "FAIL: phase order: $order, expected $expected"
+  failures=$((failures + 1))
+fi
+check "dry run prints the benchmark command" "$out" "would run: "
+check "dry run skips torch" "$out" "skipped (--skip-torch)"
+for f in gpu_check.log bench.log summary.txt; do
+  [ -f "$TEST_TMPDIR/out/$f" ] || { echo "FAIL: no $f in OUT"; failures=$((failures + 1)); }
+done
+check "summary file" "$(cat "$TEST_TMPDIR/out/summary.txt")" "==== summary"
+
+if [ "$failures" -gt 0 ]; then
+  echo "$failures failures"
+  exit 1
+fi
+echo "all checks passed"
