@@ -1,10 +1,12 @@
 // Prints images/s of whole training steps on cuda:0 (forward, cross-entropy,
-// backward, SGD with momentum) for a model on synthetic data, one
-// machine-readable line per precision mode. Needs a GPU.
+// backward, nn::optim::Sgd with momentum) for a model on synthetic data, one
+// machine-readable line per precision mode. Needs a GPU. Modes: fp32; bf16
+// (autocast, f32 master weights); fp16 (autocast and the dynamic loss
+// scaler, nn::optim::GradScaler), as PyTorch's AMP recipe has it.
 // tools/bench/torch_train_step_bench.py does the same in PyTorch and prints
 // the same line; tools/gpu_check.sh runs both and prints the ratios.
 //
-//   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=resnet50 --batch=256 --modes=fp32
+//   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=resnet50 --batch=256 --modes=fp32,bf16,fp16
 //   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=cnn --batch=128 --tf32 --optimizer=false
 //
 // Output, per mode (keys are stable; tools/gpu_check.sh parses them):
@@ -16,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -24,16 +27,21 @@
 #include "nn/autograd/engine.h"
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/cuda.h"
-#include "nn/cuda/optim_kernels.h"
 #include "nn/cuda/stream.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
+#include "nn/ops/autocast.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
 #include "nn/tensor/tensor.h"
 
 DEFINE_string(model, "resnet50", "mlp, cnn, resnet18 or resnet50 (ResNets with the CIFAR stem, 32x32 input)");
 DEFINE_int64(batch, 256, "images per step");
-DEFINE_string(modes, "fp32", "comma-separated precision modes, each timed on a fresh model: fp32");
+DEFINE_string(modes, "fp32",
+              "comma-separated precision modes, each timed on a fresh model: fp32, bf16 (autocast), fp16 "
+              "(autocast and GradScaler)");
 DEFINE_int32(warmup, 5, "untimed steps first (the first ones search convolution algorithms)");
 DEFINE_int32(steps, 20, "timed steps");
 DEFINE_bool(tf32, false, "allow TF32 tensor cores for f32 GEMM and convolution");
@@ -48,13 +56,18 @@ namespace {
 const Device kGpu(DeviceType::kCUDA, 0);
 
 // The peer script uses the same values (tools/bench/torch_train_step_bench.py).
-constexpr SgdUpdate kSgd{.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4};
+constexpr optim::SgdOptions kSgd{.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4};
 
-enum class Mode { kFp32 };
+struct Mode {
+  std::optional<DType> autocast;  // nullopt: f32 throughout
+  bool loss_scaler = false;       // f16 needs it (range); bf16 does not
+};
 
 Mode ParseMode(const std::string& name) {
-  if (name == "fp32") return Mode::kFp32;
-  throw std::invalid_argument("--modes: unknown mode `" + name + "` (known: fp32)");
+  if (name == "fp32") return {};
+  if (name == "bf16") return {.autocast = DType::kBFloat16};
+  if (name == "fp16") return {.autocast = DType::kFloat16, .loss_scaler = true};
+  throw std::invalid_argument("--modes: unknown mode `" + name + "` (known: fp32, bf16, fp16)");
 }
 
 std::vector<std::string> SplitModes(const std::string& list) {
@@ -84,7 +97,7 @@ Model MakeModel(Generator& gen) {
 
 // Times one mode on a fresh model and prints its BENCH line.
 void RunMode(const std::string& mode_name) {
-  ParseMode(mode_name);
+  const Mode mode = ParseMode(mode_name);
   Generator gen(FLAGS_seed);
   Model m = MakeModel(gen);
   m.module->To(kGpu);
@@ -94,24 +107,28 @@ void RunMode(const std::string& mode_name) {
   UniformFill(label_values, 0.0, 10.0, gen);
   const Tensor labels = label_values.To(DType::kInt64).To(kGpu);
 
-  const modules::NamedTensors params = m.module->NamedParameters();
-  std::vector<Tensor> momentum;
-  for (const auto& [name, p] : params) momentum.push_back(Zeros(p.shape(), {.dtype = p.dtype(), .device = kGpu}));
-  int64_t step_count = 0;
+  optim::Sgd opt(m.module->NamedParameters(), kSgd);
+  optim::GradScaler scaler({.enabled = mode.loss_scaler});
+  int64_t skipped_steps = 0;
   Tensor loss;
   auto step = [&] {
-    m.module->ZeroGrad();
-    loss = loss::CrossEntropy(m.module->Forward(images), labels);
-    Backward(loss);
+    opt.ZeroGrad();
+    {
+      AutocastGuard guard(mode.autocast);
+      loss = loss::CrossEntropy(m.module->Forward(images), labels);
+    }
+    Backward(mode.loss_scaler ? ops::MulScalar(loss, scaler.scale()) : loss);
     if (!FLAGS_optimizer) return;
-    ++step_count;
-    NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      SgdStep(params[i].second, params[i].second.grad(), momentum[i], step_count, kSgd);
+    if (mode.loss_scaler) {
+      skipped_steps += scaler.Step(opt) ? 0 : 1;
+      scaler.Update();
+    } else {
+      opt.Step();
     }
   };
   for (int i = 0; i < FLAGS_warmup; ++i) step();
   SynchronizeDevice(kGpu);
+  skipped_steps = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < FLAGS_steps; ++i) step();
   SynchronizeDevice(kGpu);
@@ -123,10 +140,10 @@ void RunMode(const std::string& mode_name) {
   }
   std::printf(
       "BENCH impl=ours model=%s mode=%s batch=%lld warmup=%d steps=%d optimizer=%s tf32=%s images_per_s=%.1f "
-      "ms_per_step=%.2f final_loss=%.4f\n",
+      "ms_per_step=%.2f final_loss=%.4f skipped_steps=%lld\n",
       FLAGS_model.c_str(), mode_name.c_str(), static_cast<long long>(FLAGS_batch), FLAGS_warmup, FLAGS_steps,
       FLAGS_optimizer ? "sgd" : "none", FLAGS_tf32 ? "on" : "off", FLAGS_batch * FLAGS_steps / seconds,
-      1e3 * seconds / FLAGS_steps, final_loss);
+      1e3 * seconds / FLAGS_steps, final_loss, static_cast<long long>(skipped_steps));
   const AllocatorStats st = CudaAllocator().Stats(kGpu);
   std::printf("  %s: device memory in use %.1f MiB, peak %.1f MiB, cached %.1f MiB, cudaMalloc calls %llu\n",
               mode_name.c_str(), st.in_use_bytes / 1048576.0, st.peak_in_use_bytes / 1048576.0,

@@ -22,6 +22,7 @@ GradScaler).
 """
 import argparse
 import contextlib
+import math
 import sys
 import time
 
@@ -130,18 +131,23 @@ def run_mode(args, mode, device):
     for _ in range(args.warmup):
         step()
     sync()
+    scale_before = scaler.get_scale() if scaler else 1.0
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     sync()
     seconds = time.perf_counter() - start
     final_loss = loss.item()
+    # The scale halves after each skipped step and grows only after 2000 good
+    # ones: the count comes from it, with no host read inside the timed loop.
+    skipped = round(math.log2(scale_before / scaler.get_scale())) if scaler else 0
     if final_loss != final_loss or final_loss in (float("inf"), float("-inf")):
         raise SystemExit("torch_train_step_bench: mode %s: the loss is %r after the timed steps" % (mode, final_loss))
     print("BENCH impl=torch model=resnet50 mode=%s batch=%d warmup=%d steps=%d optimizer=%s tf32=%s "
-          "images_per_s=%.1f ms_per_step=%.2f final_loss=%.4f device=%s torch=%s" %
+          "images_per_s=%.1f ms_per_step=%.2f final_loss=%.4f skipped_steps=%d device=%s torch=%s" %
           (mode, args.batch, args.warmup, args.steps, args.optimizer, "on" if args.tf32 else "off",
-           args.batch * args.steps / seconds, 1e3 * seconds / args.steps, final_loss, device, torch.__version__),
+           args.batch * args.steps / seconds, 1e3 * seconds / args.steps, final_loss, skipped, device,
+           torch.__version__),
           flush=True)
     if device.type == "cuda":
         print("  %s: peak device memory allocated %.1f MiB" % (mode, torch.cuda.max_memory_allocated(device) / 2**20),
