@@ -314,6 +314,10 @@ TEST(AutocastTest, Bf16TrainingOnFashionMnistLowersTheLoss) {
   for (const Tensor& p : model->Parameters()) EXPECT_EQ(p.dtype(), DType::kFloat32);
 }
 
+// The per-model check the GPU test runs on cuda:0, here with the CPU's
+// 16-bit kernels (which convert to f32 and round like the GPU's).
+TEST(AutocastTest, MlpAndConvBnCnnMatchTheF32RunInF16AndBf16) { testing::ExpectAutocastModelsMatchCpuF32(kCPU); }
+
 // The scenario the GPU test (nn/cuda/optim_device_test) runs on cuda:0,
 // here on the CPU: 30 steps on real batches in f32, in f16 with the loss
 // scaler and in bf16. The 16-bit runs must train (the last 10 losses below
