@@ -173,6 +173,11 @@ TEST(OptimDeviceTest, GradScalerOnCudaSkipsInfAndFollowsTheCpu) {
   EXPECT_FALSE(gpu_scaler.Step(gpu_opt));
   gpu_scaler.Update();
   EXPECT_EQ(gpu_scaler.scale(), 256.0);
+  // The device flag is reset for the next iteration: a finite step goes through.
+  SetGrads(cpu, gpu, 10, 256.0);
+  EXPECT_TRUE(gpu_scaler.Step(gpu_opt));
+  EXPECT_FALSE(gpu_scaler.found_inf());
+  gpu_scaler.Update();
 }
 
 TEST(OptimDeviceTest, ClipGradNormOnCudaMatchesTheCpu) {

@@ -298,6 +298,11 @@ TEST_F(DevicePathTest, GradScalerReadsOneFlagPerStep) {
   EXPECT_FALSE(scaler.Step(opt));
   scaler.Update();
   EXPECT_EQ(scaler.scale(), 256.0);
+  // The flag is reset for the next iteration (by a kernel, not a host copy).
+  SetGrads(dev, 9, 256.0);
+  EXPECT_TRUE(scaler.Step(opt));
+  EXPECT_FALSE(scaler.found_inf());
+  scaler.Update();
 }
 
 TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {

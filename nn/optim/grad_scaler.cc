@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/ops/dispatch.h"
 #include "nn/optim/device_kernels.h"
 
 namespace ddp::nn::optim {
@@ -38,14 +39,19 @@ std::vector<Tensor> Grads(const Optimizer& opt) {
   return grads;
 }
 
-// Device path: queues the check (and the unscale when inv_scale != 1) and
-// returns the flag, still on the device.
-Tensor DeviceScan(const Optimizer& opt, const std::vector<Tensor>& grads, float inv_scale) {
+// Device path: resets `flag` (one f32 element on the device, allocated once
+// per device and holding only 0 or 1) with a kernel rather than a host copy,
+// then queues the check (and the unscale when inv_scale != 1). Nothing is
+// read back here.
+void DeviceScan(const Optimizer& opt, const std::vector<Tensor>& grads, float inv_scale, Tensor& flag) {
   const auto fn = DeviceOptimKernelsFor(opt.device().type).unscale_and_check;
   if (fn == nullptr) internal::ThrowNoDeviceKernel("GradScaler", "unscale_and_check", opt.device());
-  Tensor found = Zeros({1}, {.dtype = DType::kFloat32, .device = opt.device()});
-  fn(grads, static_cast<double>(inv_scale), found);
-  return found;
+  if (!flag.defined() || flag.device() != opt.device()) {
+    flag = Zeros({1}, {.dtype = DType::kFloat32, .device = opt.device()});
+  } else {
+    DDP_KERNEL(flag.device(), affine)(flag, 0.0, 0.0, flag);
+  }
+  fn(grads, static_cast<double>(inv_scale), flag);
 }
 
 bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
@@ -78,7 +84,8 @@ void GradScaler::Unscale(Optimizer& optimizer) {
   // PyTorch computes the reciprocal in f64 and rounds it to f32.
   const float inv = static_cast<float>(1.0 / static_cast<double>(scale_));
   if (internal::UsesDevicePath(optimizer.device())) {
-    found_inf_device_ = DeviceScan(optimizer, Grads(optimizer), inv);  // read in Step
+    DeviceScan(optimizer, Grads(optimizer), inv, found_inf_flag_);  // read in Step
+    device_flag_pending_ = true;
     found_inf_ = false;
   } else {
     found_inf_ = ScanGrads(optimizer, inv, true);
@@ -96,9 +103,14 @@ bool GradScaler::Step(Optimizer& optimizer) {
   if (internal::UsesDevicePath(optimizer.device())) {
     // Fused: check only (a multiply by 1 leaves the values as they are);
     // the optimizer unscales as it reads. Either way, one read of the flag.
-    const Tensor found = fused ? DeviceScan(optimizer, Grads(optimizer), 1.0f) : found_inf_device_;
-    found_inf_device_ = Tensor();
-    found_inf_ = found.defined() && found.Item() != 0.0;
+    if (fused) {
+      DeviceScan(optimizer, Grads(optimizer), 1.0f, found_inf_flag_);
+    } else if (!device_flag_pending_) {
+      throw std::logic_error("GradScaler: Unscale ran on the CPU but Step finds the parameters on " +
+                             optimizer.device().ToString());
+    }
+    device_flag_pending_ = false;
+    found_inf_ = found_inf_flag_.Item() != 0.0;
   } else if (fused) {
     found_inf_ = ScanGrads(optimizer, 1.0f, false);
   }
@@ -127,7 +139,7 @@ void GradScaler::Update() {
     growth_tracker_ = 0;
   }
   found_inf_ = false;
-  found_inf_device_ = Tensor();
+  device_flag_pending_ = false;
   stage_ = Stage::kReady;
 }
 
@@ -157,7 +169,7 @@ void GradScaler::LoadStateDict(const NamedTensors& state) {
   scale_ = s;
   growth_tracker_ = tracker->To(kCPU).data<int64_t>()[0];
   found_inf_ = false;
-  found_inf_device_ = Tensor();
+  device_flag_pending_ = false;
   stage_ = Stage::kReady;
 }
 

@@ -71,7 +71,8 @@ class GradScaler {
   int64_t growth_tracker_ = 0;
   bool found_inf_ = false;
   Stage stage_ = Stage::kReady;
-  Tensor found_inf_device_;  // the flag Unscale left on the device for Step to read
+  Tensor found_inf_flag_;             // device found-inf flag, reused every iteration
+  bool device_flag_pending_ = false;  // Unscale left a result in it for Step to read
 };
 
 }  // namespace ddp::nn::optim
