@@ -2,7 +2,7 @@
 // --config=cuda; written without a GPU, so its first run is on the GPU
 // machine). Each rank uses cuda:(LOCAL_RANK modulo the visible devices).
 //   - ProcessGroup collectives on device tensors, 2 and 4 ranks, every
-//     all-reduce algorithm, sizes 0 .. 300k elements with staging chunks
+//     all-reduce algorithm (and the opt-in CUDA IPC path), sizes 0 .. 300k elements with staging chunks
 //     shrunk to 4 KiB (multi-chunk), inputs computed by kernels on a
 //     non-blocking stream just before the call (the issue event is what
 //     orders them), results checked against closed forms.
@@ -10,7 +10,8 @@
 //     with the concatenated batch, all on the GPU: within 1e-5 relative
 //     after 20 SGD steps, replicas bitwise identical; with copies, bucket
 //     views and one bucket per parameter; fp16 and bf16 compression hooks
-//     (within 16-bit rounding) and NoSync accumulation.
+//     (within 16-bit rounding), NoSync accumulation, Join with uneven
+//     inputs and find_unused_parameters with a rank-dependent branch.
 //   - SyncBatchNorm on the GPU against BatchNorm on the whole batch (CPU),
 //     equal, unequal and empty local batches.
 // The optimizer step is a momentum SGD written with the device kernel
@@ -140,9 +141,11 @@ DDP_TEST_WORKER(collectives) {
   return testing::WorkerExit();
 }
 
-void ExpectCollectives(int world, const std::string& algorithm) {
-  auto run = RunWorkers("collectives", world, {{"DDP_ALLREDUCE_ALGO", algorithm}}, 240000);
-  EXPECT_TRUE(run.AllSucceeded()) << algorithm << "\n" << testing::AllOutput(run);
+void ExpectCollectives(int world, const std::string& algorithm, bool ipc = false) {
+  auto run = RunWorkers("collectives", world,
+                        {{"DDP_ALLREDUCE_ALGO", algorithm}, {"DDP_CUDA_IPC", ipc ? "1" : "0"}}, 240000);
+  EXPECT_TRUE(run.AllSucceeded()) << algorithm << (ipc ? " (CUDA IPC)" : "") << "\n"
+                                  << testing::AllOutput(run);
 }
 
 TEST(DdpGpuTest, CollectivesTwoRanksEveryAlgorithm) {
@@ -151,6 +154,13 @@ TEST(DdpGpuTest, CollectivesTwoRanksEveryAlgorithm) {
 
 TEST(DdpGpuTest, CollectivesFourRanksEveryAlgorithm) {
   for (const char* algorithm : {"auto", "ring", "tree", "rhd"}) ExpectCollectives(4, algorithm);
+}
+
+// The opt-in CUDA IPC path (ranks sharing one GPU reach each other's
+// buffers): tensors from nn's caching allocator, GPU to GPU.
+TEST(DdpGpuTest, CollectivesOverCudaIpc) {
+  ExpectCollectives(2, "auto", /*ipc=*/true);
+  ExpectCollectives(4, "auto", /*ipc=*/true);
 }
 
 // ------------------------------------------------------------ equivalence --
@@ -348,6 +358,144 @@ DDP_TEST_WORKER(no_sync) {
                                             std::to_string(diff / scale));
   }
   return testing::WorkerExit();
+}
+
+// Join on the GPU, as ddp_features_test checks it on the CPU: the last rank
+// has 3 more batches; the others shadow its collectives with zero
+// gradients; everyone ends with the parameters of one process that took the
+// common steps on the whole batch and the extra ones on the last rank's
+// batches divided by the world size.
+DDP_TEST_WORKER(join) {
+  const nn::Device device = WorkerDevice();
+  auto pg = GroupWithSmallChunks();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  constexpr int kCommon = 4, kExtra = 3;
+  const int mine = kCommon + (rank == world - 1 ? kExtra : 0);
+  for (const bool view : {false, true}) {
+    auto model = MakeModel("mlp", 11, device);
+    DdpOptions options;
+    options.bucket_cap_mb = 0.3;
+    options.first_bucket_mb = 0.1;
+    options.gradient_as_bucket_view = view;
+    options.process_group = pg;
+    DistributedDataParallel ddp(model, options);
+    DeviceSgd opt(*model, 0.05, 0.9);
+    auto batch_of = [&](int r, int s) { return testing::Batch(data, (s * world + r) * kBatch, kBatch); };
+    {
+      Join join(ddp);
+      for (int s = 0; s < mine; ++s) {
+        auto [x, y] = batch_of(rank, s);
+        TrainStep(opt, x.To(device), y.To(device), [&](const Tensor& in) { return ddp(in); });
+      }
+      join.Wait();
+    }
+    auto reference = MakeModel("mlp", 11, device);
+    DeviceSgd ref_opt(*reference, 0.05, 0.9);
+    for (int s = 0; s < kCommon + kExtra; ++s) {
+      ref_opt.ZeroGrad();
+      Tensor loss;
+      if (s < kCommon) {
+        auto [x, y] = testing::Batch(data, s * world * kBatch, world * kBatch);
+        loss = nn::loss::CrossEntropy((*reference)(x.To(device)), y.To(device));
+      } else {
+        auto [x, y] = batch_of(world - 1, s);
+        loss = nn::ops::MulScalar(nn::loss::CrossEntropy((*reference)(x.To(device)), y.To(device)),
+                                  1.0 / world);
+      }
+      nn::Backward(loss);
+      ref_opt.Step();
+    }
+    const std::string what = std::string("Join on the GPU") + (view ? " (views)" : "");
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+    model->To(nn::kCPU);
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+  }
+  return testing::WorkerExit();
+}
+
+// trunk -> (a on even ranks, b on odd ranks); `never` is never used.
+class Branchy : public Module {
+ public:
+  Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
+    nn::Generator gen(seed);
+    trunk_ = RegisterModule("trunk", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
+    a_ = RegisterModule("a", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+    b_ = RegisterModule("b", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+    never_ = RegisterModule("never", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(x, 1)));
+    return use_a_ ? (*a_)(h) : (*b_)(h);
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "Branchy"; }
+  bool use_a_;
+
+ private:
+  std::shared_ptr<nn::modules::Linear> trunk_, a_, b_, never_;
+};
+
+// find_unused_parameters on the GPU with a rank-dependent branch: the
+// unused branch contributes zeros on the device, `never` keeps no gradient.
+DDP_TEST_WORKER(find_unused) {
+  const nn::Device device = WorkerDevice();
+  auto pg = GroupWithSmallChunks();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  for (const double cap_mb : {25.0, 1e-9}) {
+    auto model = std::make_shared<Branchy>(21, rank % 2 == 0);
+    model->To(device);
+    DdpOptions options;
+    options.bucket_cap_mb = cap_mb;
+    options.first_bucket_mb = cap_mb;
+    options.find_unused_parameters = true;
+    options.process_group = pg;
+    DistributedDataParallel ddp(model, options);
+    DeviceSgd opt(*model, 0.05, 0.9);
+    auto reference = std::make_shared<Branchy>(21, true);
+    reference->To(device);
+    DeviceSgd ref_opt(*reference, 0.05, 0.9);
+    const std::string what = "find_unused_parameters on the GPU, cap " + std::to_string(cap_mb);
+    for (int s = 0; s < 5; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x.To(device)), y.To(device)));
+      for (const auto& [name, p] : model->NamedParameters()) {
+        const bool never = name.rfind("never.", 0) == 0;
+        WORKER_EXPECT(p.grad().defined() != never,
+                      what + ": `" + name + "` " + (never ? "has" : "lacks") + " a gradient");
+      }
+      opt.Step();
+      ref_opt.ZeroGrad();
+      Tensor total;
+      for (int r = 0; r < world; ++r) {
+        auto [xr, yr] = testing::Batch(data, (s * world + r) * kBatch, kBatch);
+        reference->use_a_ = r % 2 == 0;
+        Tensor l = nn::ops::MulScalar(nn::loss::CrossEntropy((*reference)(xr.To(device)), yr.To(device)),
+                                      1.0 / world);
+        total = total.defined() ? total + l : l;
+      }
+      nn::Backward(total);
+      ref_opt.Step();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+    model->To(nn::kCPU);
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpGpuTest, JoinWithUnevenInputsOnTheGpu) {
+  auto run = RunWorkers("join", 2, {}, 240000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpGpuTest, FindUnusedParametersOnTheGpu) {
+  auto run = RunWorkers("find_unused", 2, {}, 240000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(DdpGpuTest, MlpTwoRanksMatchesOneProcess) {
