@@ -127,7 +127,9 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
           s = comm->AllReduce(packed.data_ptr(), static_cast<size_t>(packed.numel()), wire_type,
                               transport::ReduceOp::kSum, {.timeout = timeout});
           if (!s.ok()) return s;
-          return fence->ConvertOnCommStream(buffer, packed, false, deadline);
+          // Awaited as well: the bucket is complete when the Work is, also
+          // for callers that only WaitFor it (no stream ordering).
+          return fence->ConvertOnCommStream(buffer, packed, true, deadline);
         },
         {buffer, packed});
   }
