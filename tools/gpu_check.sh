@@ -53,6 +53,7 @@ SKIP_TORCH=0
 DRY_RUN=0
 USE_BUNDLE=auto
 BUNDLE_DIR="$REPO_ROOT/.gpu_bundle"
+FASHION_MNIST_DIR=/usr/share/datasets/fashion-mnist
 MAKE_BUNDLE=0
 TABLE_FROM=""
 # The python3 that imports torch: PYTHON if set, else python3 on the PATH, else
@@ -273,14 +274,24 @@ make_bundle() {
   local targets=("//nn/cuda:train_step_bench")
   for l in $labels; do targets+=("$l"); done
   : >"$stage/tests.txt"
+  # Executables the tests run from their runfiles (e.g. //examples:train).
+  local data_labels
+  # shellcheck disable=SC2086
+  data_labels="$(bazel query "kind('.*_binary', labels(data, set($labels)))" 2>/dev/null | sort -u)"
   local t rel lib
-  for t in "${targets[@]}"; do
+  for t in "${targets[@]}" $data_labels; do
     rel="${t#//}"
     rel="${rel/://}"
     [ -x "$bin/$rel" ] || die "no executable at $bin/$rel for $t"
     local name="${rel//\//__}"
-    cp -L "$bin/$rel" "$stage/bin/$name"
-    [ "$t" = "//nn/cuda:train_step_bench" ] || echo "$name $t" >>"$stage/tests.txt"
+    if grep -qxF "$t" <<<"$data_labels"; then
+      # Where Runfile() looks: $TEST_SRCDIR/$TEST_WORKSPACE/<path>.
+      mkdir -p "$stage/runfiles/ddp/$(dirname "$rel")"
+      cp -L "$bin/$rel" "$stage/runfiles/ddp/$rel"
+    else
+      cp -L "$bin/$rel" "$stage/bin/$name"
+      [ "$t" = "//nn/cuda:train_step_bench" ] || echo "$name $t" >>"$stage/tests.txt"
+    fi
     # Every non-system library the binary loads, the project's own (_solib)
     # included; LD_LIBRARY_PATH puts them ahead of the binary's RUNPATH.
     while read -r lib; do
@@ -293,7 +304,7 @@ make_bundle() {
     cp -L /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 "$stage/lib/ucx/"
   fi
   chmod -R u+w "$stage"
-  strip --strip-debug "$stage"/bin/* "$stage"/lib/*.so* 2>/dev/null
+  find "$stage/bin" "$stage/lib" "$stage/runfiles" -type f -exec strip --strip-debug {} + 2>/dev/null
   {
     echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!.gpu_bundle' || echo ' (with uncommitted changes)')"
     echo "built $(date -u +%FT%TZ) on $(grep -m1 '^PRETTY_NAME=' /etc/os-release | cut -d'"' -f2), $(ldd --version | head -1)"
@@ -303,6 +314,14 @@ make_bundle() {
   tar -C "$stage" -cf - . | xz -T0 -6 >"$BUNDLE_DIR/bundle.tar.xz.tmp" || die "packing the bundle failed"
   mv -f "$BUNDLE_DIR/bundle.tar.xz.tmp" "$BUNDLE_DIR/bundle.tar.xz"
   cp -f "$stage/MANIFEST" "$BUNDLE_DIR/MANIFEST"
+  # Tests train on Fashion-MNIST from Debian's folder; the files are already
+  # gzipped, so they travel beside the tar as they are.
+  if [ -d "$FASHION_MNIST_DIR" ]; then
+    mkdir -p "$BUNDLE_DIR/fashion-mnist"
+    cp -f "$FASHION_MNIST_DIR"/*-ubyte.gz "$BUNDLE_DIR/fashion-mnist/"
+  else
+    echo "gpu_check: WARNING: no $FASHION_MNIST_DIR here; tests that train on it will fail on the GPU machine"
+  fi
   echo "gpu_check: wrote $BUNDLE_DIR/bundle.tar.xz ($(du -h "$BUNDLE_DIR/bundle.tar.xz" | cut -f1);" \
     "$(du -sh "$stage" | cut -f1) unpacked): $(find "$stage/bin" -type f | wc -l) binaries," \
     "$(find "$stage/lib" -type f | wc -l) libraries"
@@ -362,6 +381,16 @@ if [ "$USE_BUNDLE" = 0 ]; then
   command -v bazel >/dev/null || echo "gpu_check: no bazel and no bundle at $BUNDLE_DIR/bundle.tar.xz:" \
     "our binaries cannot be built here (make one with --make-bundle on a dev machine and bring .gpu_bundle)"
 fi
+# Some gpu tests train on Fashion-MNIST from Debian's folder (nn/data/idx.h).
+if [ -e "$FASHION_MNIST_DIR/train-images-idx3-ubyte.gz" ]; then
+  echo "found Fashion-MNIST in $FASHION_MNIST_DIR"
+elif [ -d "$BUNDLE_DIR/fashion-mnist" ] && [ "$DRY_RUN" = 0 ]; then
+  echo "copying the bundled Fashion-MNIST into $FASHION_MNIST_DIR (absent here)"
+  mkdir -p "$FASHION_MNIST_DIR" && cp -n "$BUNDLE_DIR"/fashion-mnist/*-ubyte.gz "$FASHION_MNIST_DIR/" ||
+    echo "MISSING Fashion-MNIST: cannot write $FASHION_MNIST_DIR; tests that train on it will fail"
+else
+  echo "MISSING Fashion-MNIST in $FASHION_MNIST_DIR: tests that train on it will fail (--make-bundle brings it)"
+fi
 end_phase "done"
 
 BENCH_BIN=""
@@ -411,6 +440,7 @@ EOF
     fi
     export LD_LIBRARY_PATH="$lib_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export UCX_MODULE_DIR="$BUNDLE_ROOT/lib/ucx"
+
     missing="$(for b in "$BUNDLE_ROOT"/bin/*; do ldd "$b" | awk '/not found/ {print $1}'; done | sort -u | tr '\n' ' ')"
     if [ -n "$missing" ]; then
       echo "gpu_check: MISSING libraries for the bundled binaries: $missing"
@@ -521,7 +551,8 @@ run_tests_bazel() {
 run_one_bundled_test() {
   local name=$1 label=$2 limit=$3 rc verdict
   mkdir -p "$WORK/tmp/$name"
-  TEST_TMPDIR="$WORK/tmp/$name" UCX_LOG_LEVEL=error timeout --kill-after=10 "$limit" \
+  TEST_TMPDIR="$WORK/tmp/$name" TEST_SRCDIR="$BUNDLE_ROOT/runfiles" TEST_WORKSPACE=ddp \
+    UCX_LOG_LEVEL=error timeout --kill-after=10 "$limit" \
     "$BUNDLE_ROOT/bin/$name" >"$WORK/testlogs/$name.log" 2>&1
   rc=$?
   case "$rc" in
