@@ -98,7 +98,8 @@ DType FromStDtype(StDtype dtype) {
 
 void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
   if (metadata.count(kDevicesKey)) {
-    throw CheckpointError(path + ": metadata key `" + kDevicesKey + "` is reserved (SaveTensors records devices there)");
+    throw CheckpointError(path + ": metadata key `" + kDevicesKey +
+                          "` is reserved (SaveTensors records devices there)");
   }
   std::vector<Tensor> host;  // keeps CPU copies alive during the write
   std::vector<TensorView> views;

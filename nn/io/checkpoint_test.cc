@@ -224,7 +224,8 @@ TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
   const float v = 1.0f;
   const std::string path = TmpPath("bad_devices.safetensors");
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, "not json"}});
-  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), AllOf(HasSubstr(path), HasSubstr("ddp.devices"), HasSubstr("malformed")));
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }),
+              AllOf(HasSubstr(path), HasSubstr("ddp.devices"), HasSubstr("malformed")));
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, R"({"w": "cuda:x"})"}});
   EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), AllOf(HasSubstr(path), HasSubstr("malformed")));
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, R"({"v": "cuda:0"})"}});

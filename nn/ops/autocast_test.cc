@@ -166,7 +166,8 @@ TEST(AutocastTest, RangeSensitiveOpsComputeInF32) {
 std::shared_ptr<modules::Sequential> SmallBnCnn() {
   using namespace modules;  // NOLINT: layer names only
   return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{
-      std::make_shared<Conv2d>(1, 8, 3, Conv2dOptions{.bias = false}), std::make_shared<BatchNorm2d>(8), std::make_shared<ReLU>(),
+      std::make_shared<Conv2d>(1, 8, 3, Conv2dOptions{.bias = false}), std::make_shared<BatchNorm2d>(8),
+      std::make_shared<ReLU>(),
       std::make_shared<MaxPool2d>(2), std::make_shared<Flatten>(), std::make_shared<Linear>(8 * 6 * 6, 10)});
 }
 
@@ -205,7 +206,8 @@ void ExpectCloseToF32(modules::Module& model, const Tensor& x, const Tensor& y, 
     EXPECT_EQ(amp.grads[i].dtype(), DType::kFloat32);
     const double err = RelativeError(amp.grads[i], ref.grads[i]);
     EXPECT_LT(err, tol.grads);
-    std::printf("%s %s gradient relative error %.4f\n", std::string(DTypeName(low)).c_str(), named[i].first.c_str(), err);
+    std::printf("%s %s gradient relative error %.4f\n", std::string(DTypeName(low)).c_str(),
+                named[i].first.c_str(), err);
   }
 }
 

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/ops/autocast_training.h"
 #include "nn/optim/adadelta.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/clip_grad.h"
@@ -325,6 +326,21 @@ TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {
   EXPECT_GT(ClipGradNorm({p[0].second, p[1].second}, 1e9), 0.0);
   EXPECT_THAT([&] { ClipGradNorm({p[0].second}, 1.0, kInfNorm); },
               ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("infinity norm")));
+}
+
+// A real loop (the CNN under f16 autocast with the loss scaler, SGD with
+// momentum) through the device path: the losses follow the host path's.
+TEST_F(DevicePathTest, AutocastTrainingThroughTheDevicePathFollowsTheHostPath) {
+  const std::vector<data::Batch> batches = nn::testing::SyntheticBatches(8);
+  nn::testing::Trajectory host;
+  OnHostPath([&] { host = nn::testing::TrainCnn(kCPU, DType::kFloat16, true, batches, 0.01); });
+  g_calls = Calls();
+  const nn::testing::Trajectory dev = nn::testing::TrainCnn(kCPU, DType::kFloat16, true, batches, 0.01);
+  EXPECT_EQ(g_calls.sgd, 8 * 8);      // 8 parameters, 8 steps
+  EXPECT_EQ(g_calls.unscale, 8);      // one check per step
+  EXPECT_EQ(dev.steps_taken, host.steps_taken);
+  ASSERT_EQ(dev.losses.size(), host.losses.size());
+  for (size_t i = 0; i < host.losses.size(); ++i) EXPECT_NEAR(dev.losses[i], host.losses[i], 1e-5) << "step " << i;
 }
 
 // A tensor that claims to live on cuda:0 (no memory is ever touched: every
