@@ -29,9 +29,9 @@
 # from the GPU machine (CUDA toolkit or PyTorch's nvidia-* wheels).
 #
 # Without a GPU, --dry-run walks through the same phases and prints the
-# commands that need a GPU instead of running them; it runs the PyTorch script
-# on the CPU with a tiny batch (its figures are labelled device=cpu and
-# not compared with anything).
+# commands that need a GPU instead of running them; it runs both benchmarks
+# on the CPU with a tiny batch (ours if it is built), as a smoke test: their
+# lines say device=cpu and the table compares nothing.
 #
 # Usage: tools/gpu_check.sh [options]   (see --help)
 set -uo pipefail
@@ -89,8 +89,8 @@ Usage: tools/gpu_check.sh [options]
   --table=FILE        print the comparison table from BENCH lines in FILE
                       (a saved log) and stop
   --dry-run           no GPU needed: run the phases' logic, print the GPU
-                      commands instead of running them, and run the PyTorch
-                      script on the CPU with a tiny batch
+                      commands instead of running them, and run both
+                      benchmarks on the CPU with a tiny batch (not compared)
   --help              this text
 
 Environment: OUT (a folder that receives gpu_check.log, the whole output;
@@ -156,6 +156,7 @@ print_table() {
       ips[kv["impl"], key] = kv["images_per_s"]
       shape[kv["impl"], key] = kv["batch"] "x" kv["steps"]
       dev[kv["impl"], key] = kv["device"]
+      params[kv["impl"], key] = kv["params"]
     }
     END {
       if (n == 0) { print "  (no BENCH lines)"; exit }
@@ -165,11 +166,14 @@ print_table() {
         o = ((("ours", m) in ips)) ? ips["ours", m] : "-"
         t = ((("torch", m) in ips)) ? ips["torch", m] : "-"
         r = "-"
-        if (o != "-" && t != "-" && shape["ours", m] == shape["torch", m] && dev["torch", m] !~ /^cpu/) {
-          r = sprintf("%.2f", o / t)
-        }
-        note = (t != "-" && dev["torch", m] ~ /^cpu/) ? "  (torch on the CPU: not comparable)" : ""
+        cpu = dev["ours", m] ~ /^cpu/ || dev["torch", m] ~ /^cpu/
+        if (o != "-" && t != "-" && shape["ours", m] == shape["torch", m] && !cpu) r = sprintf("%.2f", o / t)
+        note = cpu ? "  (run on the CPU: a smoke test, not comparable)" : ""
         printf "  %-6s %14s %14s %14s%s\n", m, o, t, r, note
+        if (o != "-" && t != "-" && params["ours", m] != params["torch", m]) {
+          printf "  WARNING: %s: the models differ: %s parameters in ours, %s in PyTorch\n", m, params["ours", m],
+                 params["torch", m]
+        }
       }
     }'
 }
@@ -474,7 +478,14 @@ BENCH_ARGS=(--model=resnet50 "--batch=$BATCH" "--warmup=$WARMUP" "--steps=$STEPS
 begin_phase "benchmark: ours, ResNet-50 batch $BATCH, modes $MODES"
 if [ "$DRY_RUN" = 1 ]; then
   echo "dry run: would run: ${BENCH_BIN:-(no benchmark binary)} ${BENCH_ARGS[*]}"
-  end_phase "skipped (dry run)"
+  if [ -n "$BENCH_BIN" ] && [ -x "$BENCH_BIN" ]; then
+    # A smoke test of the binary on the CPU: tiny batch, figures not compared.
+    run_logged "$(phase_limit 120 40)" "$BENCH_LOG" "$BENCH_BIN" --device=cpu --model=resnet50 --batch=2 \
+      --warmup=0 --steps=1 "--modes=$MODES"
+    end_phase "$(describe_rc $?) (dry run: on the CPU, batch 2, 1 step)"
+  else
+    end_phase "skipped (dry run, not built)"
+  fi
 elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
   echo "gpu_check: no benchmark binary (${BENCH_BIN:-neither bazel nor a bundle})"
   end_phase "FAILED (not built)"

@@ -41,7 +41,11 @@ check "bf16 row" "$table" " bf16 1500.0 2000.0 -"
 check "fp16 row" "$table" " fp16 - 3000.0 -"
 # A PyTorch run on the CPU is never compared.
 cpu_table="$(sed 's/device=cuda:0/device=cpu/' "$FIXTURE" | "$SCRIPT" --table=/dev/stdin | tr -s ' ')"
-check "cpu row" "$cpu_table" " fp32 900.0 1000.0 - (torch on the CPU: not comparable)"
+check "cpu row" "$cpu_table" " fp32 900.0 1000.0 - (run on the CPU: a smoke test, not comparable)"
+# Models of different sizes on the two sides are named.
+odd_table="$(sed '/impl=torch.*mode=fp32/s/params=23520842/params=11173962/' "$FIXTURE" | "$SCRIPT" --table=/dev/stdin)"
+check "params mismatch" "$odd_table" "WARNING: fp32: the models differ: 23520842 parameters in ours, 11173962 in PyTorch"
+check "params mismatch, other rows" "$(grep -c WARNING <<<"$odd_table")" "1"
 
 out="$(OUT="$TEST_TMPDIR/out" "$SCRIPT" --dry-run --skip-torch 2>&1)"
 rc=$?

@@ -8,10 +8,11 @@
 //
 //   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=resnet50 --batch=256 --modes=fp32,bf16,fp16
 //   bazel run --config=cuda //nn/cuda:train_step_bench -- --model=cnn --batch=128 --tf32 --optimizer=false
+//   bazel run --config=cuda //nn/cuda:train_step_bench -- --device=cpu --batch=2 --steps=1   # smoke test
 //
 // Output, per mode (keys are stable; tools/gpu_check.sh parses them):
 //   BENCH impl=ours model=resnet50 mode=fp32 batch=256 warmup=5 steps=20 optimizer=sgd tf32=off
-//         images_per_s=... ms_per_step=... final_loss=...
+//         images_per_s=... ms_per_step=... final_loss=... skipped_steps=0 params=...
 #include <gflags/gflags.h>
 
 #include <chrono>
@@ -49,11 +50,12 @@ DEFINE_bool(optimizer, true,
             "include the SGD update (lr 0.01, momentum 0.9, weight decay 5e-4) in each step; false: forward "
             "and backward only");
 DEFINE_uint64(seed, 1, "seed of the model's initialization and the synthetic batch");
+DEFINE_string(device, "cuda:0",
+              "cuda:N, or cpu for a smoke test of this benchmark without a GPU (tiny --batch; not a figure to "
+              "compare)");
 
 namespace ddp::nn::cuda {
 namespace {
-
-const Device kGpu(DeviceType::kCUDA, 0);
 
 // The peer script uses the same values (tools/bench/torch_train_step_bench.py).
 constexpr optim::SgdOptions kSgd{.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4};
@@ -96,17 +98,20 @@ Model MakeModel(Generator& gen) {
 }
 
 // Times one mode on a fresh model and prints its BENCH line.
-void RunMode(const std::string& mode_name) {
+void RunMode(const std::string& mode_name, Device device) {
   const Mode mode = ParseMode(mode_name);
   Generator gen(FLAGS_seed);
   Model m = MakeModel(gen);
-  m.module->To(kGpu);
+  m.module->To(device);
   m.module->Train();
-  const Tensor images = Randn(m.input, {}, gen).To(kGpu);
+  const Tensor images = Randn(m.input, {}, gen).To(device);
   Tensor label_values = Empty({FLAGS_batch});
   UniformFill(label_values, 0.0, 10.0, gen);
-  const Tensor labels = label_values.To(DType::kInt64).To(kGpu);
+  const Tensor labels = label_values.To(DType::kInt64).To(device);
 
+  // Printed so that tools/gpu_check.sh can tell when the two sides built different models.
+  int64_t param_count = 0;
+  for (const auto& [name, p] : m.module->NamedParameters()) param_count += p.numel();
   optim::Sgd opt(m.module->NamedParameters(), kSgd);
   optim::GradScaler scaler({.enabled = mode.loss_scaler});
   int64_t skipped_steps = 0;
@@ -126,12 +131,15 @@ void RunMode(const std::string& mode_name) {
       opt.Step();
     }
   };
+  auto sync = [&] {
+    if (device.is_cuda()) SynchronizeDevice(device);
+  };
   for (int i = 0; i < FLAGS_warmup; ++i) step();
-  SynchronizeDevice(kGpu);
+  sync();
   skipped_steps = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < FLAGS_steps; ++i) step();
-  SynchronizeDevice(kGpu);
+  sync();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double final_loss = loss.Item();
   if (!std::isfinite(final_loss)) {
@@ -140,15 +148,16 @@ void RunMode(const std::string& mode_name) {
   }
   std::printf(
       "BENCH impl=ours model=%s mode=%s batch=%lld warmup=%d steps=%d optimizer=%s tf32=%s images_per_s=%.1f "
-      "ms_per_step=%.2f final_loss=%.4f skipped_steps=%lld\n",
+      "ms_per_step=%.2f final_loss=%.4f skipped_steps=%lld params=%lld device=%s\n",
       FLAGS_model.c_str(), mode_name.c_str(), static_cast<long long>(FLAGS_batch), FLAGS_warmup, FLAGS_steps,
       FLAGS_optimizer ? "sgd" : "none", FLAGS_tf32 ? "on" : "off", FLAGS_batch * FLAGS_steps / seconds,
-      1e3 * seconds / FLAGS_steps, final_loss, static_cast<long long>(skipped_steps));
-  const AllocatorStats st = CudaAllocator().Stats(kGpu);
+      1e3 * seconds / FLAGS_steps, final_loss, static_cast<long long>(skipped_steps),
+      static_cast<long long>(param_count), device.ToString().c_str());
+  if (!device.is_cuda()) return;
+  const AllocatorStats st = CudaAllocator().Stats(device);
   std::printf("  %s: device memory in use %.1f MiB, peak %.1f MiB, cached %.1f MiB, cudaMalloc calls %llu\n",
               mode_name.c_str(), st.in_use_bytes / 1048576.0, st.peak_in_use_bytes / 1048576.0,
               st.cached_bytes / 1048576.0, static_cast<unsigned long long>(st.system_allocations));
-  std::fflush(stdout);
 }
 
 int Main() {
@@ -156,9 +165,13 @@ int Main() {
     throw std::invalid_argument("--batch and --steps must be >= 1 and --warmup >= 0");
   }
   const std::vector<std::string> modes = SplitModes(FLAGS_modes);
+  const Device device = Device::Parse(FLAGS_device);
   Init();
   SetAllowTf32(FLAGS_tf32);
-  for (const std::string& mode : modes) RunMode(mode);
+  for (const std::string& mode : modes) {
+    RunMode(mode, device);
+    std::fflush(stdout);  // each mode's line out at once: a later mode may be cut off by a timeout
+  }
   return 0;
 }
 

@@ -144,9 +144,10 @@ def run_mode(args, mode, device):
     if final_loss != final_loss or final_loss in (float("inf"), float("-inf")):
         raise SystemExit("torch_train_step_bench: mode %s: the loss is %r after the timed steps" % (mode, final_loss))
     print("BENCH impl=torch model=resnet50 mode=%s batch=%d warmup=%d steps=%d optimizer=%s tf32=%s "
-          "images_per_s=%.1f ms_per_step=%.2f final_loss=%.4f skipped_steps=%d device=%s torch=%s" %
+          "images_per_s=%.1f ms_per_step=%.2f final_loss=%.4f skipped_steps=%d params=%d device=%s torch=%s" %
           (mode, args.batch, args.warmup, args.steps, args.optimizer, "on" if args.tf32 else "off",
-           args.batch * args.steps / seconds, 1e3 * seconds / args.steps, final_loss, skipped, device,
+           args.batch * args.steps / seconds, 1e3 * seconds / args.steps, final_loss, skipped,
+           sum(p.numel() for p in model.parameters()), device,
            torch.__version__),
           flush=True)
     if device.type == "cuda":
