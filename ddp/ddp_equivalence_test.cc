@@ -16,6 +16,7 @@
 #include <functional>
 
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/reducer.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
@@ -130,6 +131,9 @@ std::vector<Config> Configs() {
 
 DDP_TEST_WORKER(equivalence) {
   auto pg = testing::WorkerGroup();
+  // The bucket copies GPU buckets use (tensor copies and the affine
+  // kernel), here on CPU tensors.
+  if (std::getenv("DDP_TEST_DEVICE_COPIES") != nullptr) internal::SetReducerDeviceCopiesForTesting(true);
   const std::string kind = std::getenv("DDP_TEST_MODEL");
   auto reference = TrainReference(kind, pg->size());
   for (const Config& c : Configs()) CheckConfig(*pg, kind, c, *reference, 1e-5);
@@ -158,6 +162,10 @@ TEST(DdpEquivalenceTest, MlpTwoRanks) { ExpectRun("equivalence", 2, "mlp"); }
 TEST(DdpEquivalenceTest, MlpThreeRanks) { ExpectRun("equivalence", 3, "mlp"); }
 TEST(DdpEquivalenceTest, CnnTwoRanks) { ExpectRun("equivalence", 2, "cnn"); }
 TEST(DdpEquivalenceTest, CnnThreeRanks) { ExpectRun("equivalence", 3, "cnn"); }
+TEST(DdpEquivalenceTest, CnnTwoRanksWithTheGpuBucketCopies) {
+  auto run = RunWorkers("equivalence", 2, {{"DDP_TEST_MODEL", "cnn"}, {"DDP_TEST_DEVICE_COPIES", "1"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
 TEST(DdpEquivalenceTest, MixedBf16AndF32TwoRanks) { ExpectRun("equivalence_mixed", 2, "mixed"); }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <functional>
 
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/reducer.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
@@ -527,6 +528,9 @@ TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
 
 DDP_TEST_WORKER(hooks) {
   auto pg = testing::WorkerGroup();
+  // The bucket copies GPU buckets use (tensor copies and the affine kernel
+  // that divides by the world size), here on CPU tensors.
+  if (std::getenv("DDP_TEST_DEVICE_COPIES") != nullptr) internal::SetReducerDeviceCopiesForTesting(true);
   const auto& data = testing::FashionMnist();
   const int world = pg->size(), rank = pg->rank();
   for (const std::string kind : {"fp16", "bf16", "user"}) {
@@ -584,6 +588,11 @@ DDP_TEST_WORKER(hooks) {
 
 TEST(DdpFeaturesTest, CommunicationHooks) {
   auto run = RunWorkers("hooks", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, CommunicationHooksWithTheGpuBucketCopies) {
+  auto run = RunWorkers("hooks", 2, {{"DDP_TEST_DEVICE_COPIES", "1"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -1,6 +1,7 @@
 #include "ddp/reducer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -19,12 +20,20 @@ namespace {
 
 double Seconds(std::chrono::steady_clock::duration d) { return duration<double>(d).count(); }
 
+std::atomic<bool> generic_copies{false};
+
+// Whether `t` takes the host loops (memcpy, ScaleCopy) rather than the
+// device-agnostic tensor operations a GPU bucket uses.
+bool HostLoops(const nn::Tensor& t) {
+  return t.device().is_cpu() && !generic_copies.load(std::memory_order_relaxed);
+}
+
 // dst = src * factor (dst may be src; same shape, dtype and device). CPU
 // tensors take the vectorized loop; device tensors one kernel of the
 // device's table (for CUDA: on the calling thread's current stream, i.e.
 // the compute stream, before the bucket's ready event is recorded).
 void ScaleInto(const nn::Tensor& dst, const nn::Tensor& src, double factor) {
-  if (dst.device().is_cpu() && dst.is_contiguous() && src.is_contiguous()) {
+  if (HostLoops(dst) && dst.is_contiguous() && src.is_contiguous()) {
     ScaleCopy(dst.data_ptr(), src.data_ptr(), dst.numel(), dst.dtype(), factor);
     return;
   }
@@ -45,7 +54,7 @@ void ScaleInto(const nn::Tensor& dst, const nn::Tensor& src, double factor) {
 }
 
 void ZeroTensor(const nn::Tensor& t) {
-  if (t.device().is_cpu() && t.is_contiguous()) {
+  if (HostLoops(t) && t.is_contiguous()) {
     std::memset(t.data_ptr(), 0, t.nbytes());
     return;
   }
@@ -54,6 +63,10 @@ void ZeroTensor(const nn::Tensor& t) {
 }
 
 }  // namespace
+
+void SetReducerDeviceCopiesForTesting(bool on) {
+  generic_copies.store(on, std::memory_order_relaxed);
+}
 
 std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
                                                const std::vector<size_t>& order,
@@ -458,8 +471,8 @@ void Reducer::Finalize() {
       }
       if (!grad.defined()) {
         params_[i].set_grad(view.Clone());
-      } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && grad.device().is_cpu() &&
-                 view.device().is_cpu()) {
+      } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && HostLoops(grad) &&
+                 HostLoops(view)) {
         std::memcpy(grad.data_ptr(), view.data_ptr(), view.nbytes());
         grad.storage()->BumpVersion();
       } else {

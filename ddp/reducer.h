@@ -41,6 +41,11 @@ std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& pa
                                                size_t first_bucket_bytes, size_t bucket_bytes,
                                                size_t inplace_bytes);
 
+/// Makes CPU buckets take the copies GPU buckets take (tensor CopyFrom and
+/// the kernel table's affine instead of memcpy and the host loop), so that
+/// CPU tests cover their arithmetic. Process-wide; for tests.
+void SetReducerDeviceCopiesForTesting(bool on);
+
 struct ReducerOptions {
   size_t first_bucket_bytes = size_t{1} << 20;
   size_t bucket_bytes = size_t{25} << 20;
