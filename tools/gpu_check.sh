@@ -56,14 +56,7 @@ BUNDLE_DIR="$REPO_ROOT/.gpu_bundle"
 FASHION_MNIST_DIR=/usr/share/datasets/fashion-mnist
 MAKE_BUNDLE=0
 TABLE_FROM=""
-# The python3 that imports torch: PYTHON if set, else python3 on the PATH, else
-# Debian's (python3-torch) when the PATH's has no torch.
-if [ -z "${PYTHON:-}" ]; then
-  PYTHON=python3
-  if ! python3 -c 'import torch' 2>/dev/null && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-    PYTHON=/usr/bin/python3
-  fi
-fi
+
 
 usage() {
   cat <<EOF
@@ -362,6 +355,15 @@ else
   GPU_NAME=""
 fi
 [ -z "$GPU_NAME" ] && [ "$DRY_RUN" = 0 ] && echo "gpu_check: WARNING: no GPU seen by nvidia-smi; the GPU phases will fail (--dry-run runs without one)"
+# The python3 that imports torch: PYTHON if set, else python3 on the PATH, else
+# Debian's (python3-torch) when the PATH's has no torch.
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  if [ "$SKIP_TORCH" = 0 ] && ! python3 -c 'import torch' 2>/dev/null &&
+    /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    PYTHON=/usr/bin/python3
+  fi
+fi
 for tool in bazel nvcc "$PYTHON" xz; do
   if command -v "$tool" >/dev/null; then echo "found $tool: $(command -v "$tool")"; else echo "MISSING $tool"; fi
 done
