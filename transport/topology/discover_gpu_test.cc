@@ -27,6 +27,15 @@ TEST(DiscoverGpus, ReportsEveryDeviceWithItsPeers) {
       ASSERT_EQ(cudaDeviceCanAccessPeer(&can, static_cast<int>(d), peer), cudaSuccess);
       EXPECT_EQ(can, 1) << "GPU " << d << " lists " << peer << " without peer access";
     }
+    // One CUDA P2P performance rank per peer, as the runtime reports it.
+    ASSERT_EQ(gpus[d].peer_perf_ranks.size(), gpus[d].nvlink_peers.size()) << "GPU " << d;
+    for (size_t k = 0; k < gpus[d].nvlink_peers.size(); ++k) {
+      int rank = -1;
+      ASSERT_EQ(cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, static_cast<int>(d),
+                                          gpus[d].nvlink_peers[k]),
+                cudaSuccess);
+      EXPECT_EQ(gpus[d].peer_perf_ranks[k], rank) << "GPU " << d << " -> " << gpus[d].nvlink_peers[k];
+    }
     // Peers are listed once each.
     std::vector<int> sorted = gpus[d].nvlink_peers;
     std::sort(sorted.begin(), sorted.end());
