@@ -1,7 +1,8 @@
 // The trainer with --device=cuda (tag "gpu", --config=cuda; written without
 // a GPU, so its first run is on the GPU machine): two ranks sharing one GPU
 // train a few steps and print their RESULT line; the checkpoint they wrote
-// from the GPU loads on the CPU and a CPU run resumes from it; --amp=bf16
+// from the GPU loads on the CPU, a CPU run resumes from it and a GPU run
+// from the CPU's; --amp=bf16
 // and --amp=fp16 on CUDA (autocast over f32 master weights, fp16 with the
 // loss scaler) train too.
 
@@ -25,7 +26,7 @@ using testing::Runfile;
 std::vector<std::string> Args(const std::string& dir, std::vector<std::string> extra) {
   std::vector<std::string> args = {Runfile("examples/train"), "--dataset=synthetic", "--model=cnn",
                                    "--train_samples=256",      "--test_samples=64",
-                                   "--batch_size=16",          "--epochs=1",
+                                   "--batch_size=16",          "--epochs=2",
                                    "--workers=1",              "--nproc_per_node=2",
                                    "--checkpoint=" + dir + "/ckpt.safetensors"};
   args.insert(args.end(), extra.begin(), extra.end());
@@ -47,7 +48,7 @@ void ExpectResult(const RunOutput& r) {
   EXPECT_EQ(lines.back().find("nan"), std::string::npos) << lines.back();
 }
 
-TEST(TrainGpuTest, TwoRanksShareOneGpuAndTheCheckpointLoadsOnTheCpu) {
+TEST(TrainGpuTest, TwoRanksShareOneGpuAndCheckpointsMoveBetweenGpuAndCpu) {
   const std::string dir = TempDir("gpu_train");
   ExpectResult(RunToEnd(Args(dir, {"--device=cuda", "--max_steps=6"}), {}, std::chrono::seconds(100)));
 
@@ -60,12 +61,17 @@ TEST(TrainGpuTest, TwoRanksShareOneGpuAndTheCheckpointLoadsOnTheCpu) {
     for (double v : t.ToVector<double>()) ASSERT_TRUE(std::isfinite(v)) << name;
   }
 
-  // And a CPU run continues from it.
+  // A CPU run continues from it, and a GPU run from the CPU's checkpoint.
   ExpectResult(RunToEnd(Args(dir, {"--device=cpu", "--resume", "--max_steps=8"}), {},
                         std::chrono::seconds(100)));
   EXPECT_EQ(nn::io::MetadataInt(nn::io::LoadCheckpoint(dir + "/ckpt.safetensors").metadata, "step",
                                 "ckpt"),
             8);
+  ExpectResult(RunToEnd(Args(dir, {"--device=cuda", "--resume", "--max_steps=10"}), {},
+                        std::chrono::seconds(100)));
+  EXPECT_EQ(nn::io::MetadataInt(nn::io::LoadCheckpoint(dir + "/ckpt.safetensors").metadata, "step",
+                                "ckpt"),
+            10);
 }
 
 TEST(TrainGpuTest, AutocastOnTheGpu) {
