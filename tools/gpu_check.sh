@@ -400,6 +400,8 @@ fi
 end_phase "done"
 
 BENCH_BIN=""
+# Prefix of our binaries' command lines (the bundle's library path).
+OUR_ENV=()
 # How the gpu tests run: "bazel" or "bundle"; empty when they cannot.
 TEST_RUNNER=""
 if [ "$USE_BUNDLE" = 1 ]; then
@@ -444,13 +446,17 @@ print("\n".join(seen))
 EOF
       )
     fi
-    export LD_LIBRARY_PATH="$lib_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export UCX_MODULE_DIR="$BUNDLE_ROOT/lib/ucx"
+    # Only for our binaries: exported, the bundle's older libraries would be
+    # loaded into PyTorch's process too.
+    OUR_ENV=(env "LD_LIBRARY_PATH=$lib_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      "UCX_MODULE_DIR=$BUNDLE_ROOT/lib/ucx")
 
-    missing="$(for b in "$BUNDLE_ROOT"/bin/*; do ldd "$b" | awk '/not found/ {print $1}'; done | sort -u | tr '\n' ' ')"
+    missing="$(for b in "$BUNDLE_ROOT"/bin/* "$BUNDLE_ROOT"/runfiles/ddp/*/*; do
+      "${OUR_ENV[@]}" ldd "$b" | awk '/not found/ {print $1}'
+    done | sort -u | tr '\n' ' ')"
     if [ -n "$missing" ]; then
       echo "gpu_check: MISSING libraries for the bundled binaries: $missing"
-      echo "  (searched LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"
+      echo "  (searched ${OUR_ENV[1]})"
       rc=1
     fi
     BENCH_BIN="$BUNDLE_ROOT/bin/nn__cuda__train_step_bench"
@@ -482,7 +488,7 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "dry run: would run: ${BENCH_BIN:-(no benchmark binary)} ${BENCH_ARGS[*]}"
   if [ -n "$BENCH_BIN" ] && [ -x "$BENCH_BIN" ]; then
     # A smoke test of the binary on the CPU: tiny batch, figures not compared.
-    run_logged "$(phase_limit 120 40)" "$BENCH_LOG" "$BENCH_BIN" --device=cpu --model=resnet50 --batch=2 \
+    run_logged "$(phase_limit 120 40)" "$BENCH_LOG" "${OUR_ENV[@]}" "$BENCH_BIN" --device=cpu --model=resnet50 --batch=2 \
       --warmup=0 --steps=1 "--modes=$MODES"
     end_phase "$(describe_rc $?) (dry run: on the CPU, batch 2, 1 step)"
   else
@@ -492,7 +498,7 @@ elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
   echo "gpu_check: no benchmark binary (${BENCH_BIN:-neither bazel nor a bundle})"
   end_phase "FAILED (not built)"
 else
-  run_logged "$(phase_limit 200 100)" "$BENCH_LOG" "$BENCH_BIN" "${BENCH_ARGS[@]}"
+  run_logged "$(phase_limit 200 100)" "$BENCH_LOG" "${OUR_ENV[@]}" "$BENCH_BIN" "${BENCH_ARGS[@]}"
   end_phase "$(describe_rc $?)"
 fi
 
@@ -566,7 +572,7 @@ run_one_bundled_test() {
   mkdir -p "$WORK/tmp/$name"
   TEST_TMPDIR="$WORK/tmp/$name" TEST_SRCDIR="$BUNDLE_ROOT/runfiles" TEST_WORKSPACE=ddp \
     UCX_LOG_LEVEL=error timeout --kill-after=10 "$limit" \
-    "$BUNDLE_ROOT/bin/$name" >"$WORK/testlogs/$name.log" 2>&1
+    "${OUR_ENV[@]}" "$BUNDLE_ROOT/bin/$name" >"$WORK/testlogs/$name.log" 2>&1
   rc=$?
   case "$rc" in
     0) verdict=PASSED ;;
@@ -614,7 +620,11 @@ begin_phase "gpu tests (timeout ${TEST_TIMEOUT_S}s each, keep going)"
 if [ "$SKIP_TESTS" = 1 ]; then
   end_phase "skipped (--skip-tests)"
 elif [ "$DRY_RUN" = 1 ]; then
-  echo "dry run: would run: bazel test --config=cuda --keep_going --test_tag_filters=gpu --test_timeout=$TEST_TIMEOUT_S //..."
+  if [ "$TEST_RUNNER" = bundle ]; then
+    echo "dry run: would run the $(wc -l <"$BUNDLE_ROOT/tests.txt") bundled tests, $TEST_JOBS at a time"
+  else
+    echo "dry run: would run: bazel test --config=cuda --keep_going --test_tag_filters=gpu --test_timeout=$TEST_TIMEOUT_S //..."
+  fi
   end_phase "skipped (dry run)"
 elif [ -z "$TEST_RUNNER" ]; then
   end_phase "FAILED (neither bazel nor a bundle)"
