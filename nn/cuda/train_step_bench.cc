@@ -168,11 +168,19 @@ int Main() {
   const Device device = Device::Parse(FLAGS_device);
   Init();
   SetAllowTf32(FLAGS_tf32);
+  // A mode that fails does not stop the next ones (one GPU run must yield as
+  // many figures as it can); the exit status says that one failed.
+  int status = 0;
   for (const std::string& mode : modes) {
-    RunMode(mode, device);
+    try {
+      RunMode(mode, device);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "train_step_bench: mode %s failed: %s\n", mode.c_str(), e.what());
+      status = 1;
+    }
     std::fflush(stdout);  // each mode's line out at once: a later mode may be cut off by a timeout
   }
-  return 0;
+  return status;
 }
 
 }  // namespace

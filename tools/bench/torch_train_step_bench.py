@@ -184,8 +184,16 @@ def main():
         torch.backends.cudnn.benchmark = True
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    failed = []
     for m in modes:
-        run_mode(args, m, device)
+        # A failing mode does not stop the next ones; the exit status says it failed.
+        try:
+            run_mode(args, m, device)
+        except (RuntimeError, SystemExit) as e:
+            print("torch_train_step_bench: mode %s failed: %s" % (m, e), file=sys.stderr, flush=True)
+            failed.append(m)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
