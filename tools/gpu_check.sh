@@ -24,8 +24,8 @@
 # writes .gpu_bundle/ (git-ignored: the benchmark, the gpu tests and their
 # non-system shared libraries, stripped, in one tar.xz); copy or carry that
 # folder next to the working tree on the GPU machine and run
-# tools/gpu_check.sh there: without bazel it uses the bundle by itself
-# (--bundle forces it). The CUDA runtime libraries (cuBLAS, cuDNN) are taken
+# tools/gpu_check.sh there: without bazel or the libraries' headers it uses
+# the bundle by itself (--bundle forces it). The CUDA runtime libraries (cuBLAS, cuDNN) are taken
 # from the GPU machine (CUDA toolkit or PyTorch's nvidia-* wheels).
 #
 # Without a GPU, --dry-run walks through the same phases and prints the
@@ -339,9 +339,23 @@ if [ -n "${OUT:-}" ]; then
   TEE_PID=$!
 fi
 
+# What the WORKSPACE takes from the system (tools/setup.sh installs it).
+BUILD_HEADERS=(/usr/include/ucp/api/ucp.h /usr/include/gflags/gflags.h /usr/include/glog/logging.h
+  /usr/include/gtest/gtest.h /usr/include/x86_64-linux-gnu/openblas-pthread/cblas.h /usr/include/dnnl.h
+  /usr/include/hwloc.h /usr/include/nlohmann/json.hpp /usr/include/zlib.h /usr/local/cuda/include/cuda_runtime.h
+  /usr/local/cuda/include/cublas_v2.h /usr/local/cuda/include/cudnn.h)
+missing_headers() {
+  local f
+  for f in "${BUILD_HEADERS[@]}"; do [ -e "$f" ] || echo "$f"; done
+}
+
+# The bundle when bazel could not build here (no bazel, or the system
+# libraries' headers are missing) and one is there.
 if [ "$USE_BUNDLE" = auto ]; then
   USE_BUNDLE=0
-  if ! command -v bazel >/dev/null && [ -f "$BUNDLE_DIR/bundle.tar.xz" ]; then USE_BUNDLE=1; fi
+  if [ -f "$BUNDLE_DIR/bundle.tar.xz" ] && { ! command -v bazel >/dev/null || [ -n "$(missing_headers)" ]; }; then
+    USE_BUNDLE=1
+  fi
 fi
 
 begin_phase "environment"
@@ -377,15 +391,16 @@ if [ "$SKIP_TORCH" = 0 ]; then
   fi
 fi
 if [ "$USE_BUNDLE" = 0 ]; then
-  # What the WORKSPACE takes from the system (tools/setup.sh installs it).
-  for f in /usr/include/ucp/api/ucp.h /usr/include/gflags/gflags.h /usr/include/glog/logging.h \
-    /usr/include/gtest/gtest.h /usr/include/x86_64-linux-gnu/openblas-pthread/cblas.h /usr/include/dnnl.h /usr/include/hwloc.h \
-    /usr/include/nlohmann/json.hpp /usr/include/zlib.h /usr/local/cuda/include/cuda_runtime.h \
-    /usr/local/cuda/include/cublas_v2.h /usr/local/cuda/include/cudnn.h; do
-    [ -e "$f" ] || echo "MISSING $f (needed by the bazel build; tools/setup.sh installs the Debian packages)"
+  for f in $(missing_headers); do
+    echo "MISSING $f (needed by the bazel build; tools/setup.sh installs the Debian packages)"
   done
   command -v bazel >/dev/null || echo "gpu_check: no bazel and no bundle at $BUNDLE_DIR/bundle.tar.xz:" \
     "our binaries cannot be built here (make one with --make-bundle on a dev machine and bring .gpu_bundle)"
+fi
+if [ "$USE_BUNDLE" = 1 ]; then
+  echo "our binaries: from the bundle $BUNDLE_DIR/bundle.tar.xz"
+else
+  echo "our binaries: built here with bazel --config=cuda"
 fi
 # Some gpu tests train on Fashion-MNIST from Debian's folder (nn/data/idx.h).
 if [ -e "$FASHION_MNIST_DIR/train-images-idx3-ubyte.gz" ]; then
