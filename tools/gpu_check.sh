@@ -399,8 +399,10 @@ if [ "$USE_BUNDLE" = 0 ]; then
 fi
 if [ "$USE_BUNDLE" = 1 ]; then
   echo "our binaries: from the bundle $BUNDLE_DIR/bundle.tar.xz"
-else
+elif command -v bazel >/dev/null; then
   echo "our binaries: built here with bazel --config=cuda"
+else
+  echo "our binaries: none (no bazel, no bundle)"
 fi
 # Some gpu tests train on Fashion-MNIST from Debian's folder (nn/data/idx.h).
 if [ -e "$FASHION_MNIST_DIR/train-images-idx3-ubyte.gz" ]; then
