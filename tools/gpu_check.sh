@@ -437,9 +437,12 @@ if [ "$USE_BUNDLE" = 1 ]; then
   fi
   if [ "$rc" = 0 ]; then
     cat "$BUNDLE_ROOT/MANIFEST"
-    head_commit="$(git rev-parse HEAD 2>/dev/null || true)"
-    grep -q "^commit $head_commit\$" "$BUNDLE_ROOT/MANIFEST" ||
-      echo "gpu_check: NOTE: the bundle was built from another commit than this checkout ($head_commit)"
+    bundle_commit="$(awk '/^commit / {print $2; exit}' "$BUNDLE_ROOT/MANIFEST")"
+    if ! git diff --quiet "$bundle_commit" -- . ':!*.md' ':!docs' ':!tools/gpu_check*' ':!tools/testdata' 2>/dev/null; then
+      echo "gpu_check: NOTE: the code differs from the commit the bundle was built from" \
+        "($bundle_commit; this checkout: $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')):" \
+        "the binaries may not be this code"
+    fi
     # The CUDA libraries the binaries need come from this machine: the
     # toolkit, or PyTorch's nvidia-* wheels.
     lib_dirs="$BUNDLE_ROOT/lib"
