@@ -126,7 +126,9 @@ std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks) {
 std::string DescribeTensor(const nn::Tensor& t, bool is_parameter) {
   std::string s = std::string(nn::DTypeName(t.dtype())) + " " + nn::ShapeToString(t.shape()) +
                   " strides " + nn::ShapeToString(t.strides());
-  if (!t.device().is_cpu()) s += " on " + t.device().ToString();
+  // The device type, not its index: with one process per GPU, rank r's
+  // replica lives on cuda:r and all of them are the same model.
+  if (t.device().is_cuda()) s += " on cuda";
   if (is_parameter && !t.requires_grad()) s += " no-grad";
   return s;
 }

@@ -20,8 +20,8 @@ struct ReplicaEntry {
   std::string value;  ///< "f32 [512, 784] strides [784, 1]", "25".
 };
 
-/// "f32 [512, 784] strides [784, 1]" (plus " no-grad" for a parameter that
-/// does not require grad).
+/// "f32 [512, 784] strides [784, 1]" (plus " on cuda" for a tensor on any
+/// GPU, and " no-grad" for a parameter that does not require grad).
 std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
 
 /// Collective: returns when every rank passed the same entries; otherwise
@@ -30,8 +30,8 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
 /// fixed-size all-gathers at most, so differing ranks cannot hang.
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries);
 
-/// Collective: copies rank `root`'s values of `tensors` (CPU) into every
-/// rank's, one broadcast per dtype.
+/// Collective: copies rank `root`'s values of `tensors` into every rank's,
+/// one broadcast per dtype and device.
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label);
 
