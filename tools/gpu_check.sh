@@ -257,6 +257,20 @@ gpu_test_labels() {
   bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | sort
 }
 
+# A test target's `args` (e.g. a --gtest_filter: several targets share one
+# source), one per line, as bazel passes them.
+test_args() {
+  # shellcheck disable=SC2016  # the Python text is not for the shell
+  bazel query --output=build "$1" 2>/dev/null | python3 -c '
+import ast, re, sys
+m = re.search(r"^\s*args = (\[.*?\]),?$", sys.stdin.read(), re.M | re.S)
+for a in ast.literal_eval(m.group(1)) if m else []:
+    if "$(" in a:
+        sys.exit("args with make variables are not supported: " + a)
+    print(a)
+'
+}
+
 make_bundle() {
   command -v bazel >/dev/null || die "--make-bundle needs bazel here"
   local labels
@@ -267,7 +281,7 @@ make_bundle() {
   local bin stage
   bin="$(bazel info --config=cuda bazel-bin 2>/dev/null)" || die "bazel info failed"
   stage="$WORK/bundle"
-  mkdir -p "$stage/bin" "$stage/lib/ucx"
+  mkdir -p "$stage/bin" "$stage/lib/ucx" "$stage/args"
   local targets=("//nn/cuda:train_step_bench")
   for l in $labels; do targets+=("$l"); done
   : >"$stage/tests.txt"
@@ -287,7 +301,10 @@ make_bundle() {
       cp -L "$bin/$rel" "$stage/runfiles/ddp/$rel"
     else
       cp -L "$bin/$rel" "$stage/bin/$name"
-      [ "$t" = "//nn/cuda:train_step_bench" ] || echo "$name $t" >>"$stage/tests.txt"
+      if [ "$t" != "//nn/cuda:train_step_bench" ]; then
+        echo "$name $t" >>"$stage/tests.txt"
+        test_args "$t" >"$stage/args/$name" || die "cannot read the args of $t"
+      fi
     fi
     # Every non-system library the binary loads, the project's own (_solib)
     # included; LD_LIBRARY_PATH puts them ahead of the binary's RUNPATH.
@@ -588,11 +605,12 @@ run_tests_bazel() {
 
 # One bundled test under its deadline; writes "//label VERDICT" to $WORK/results/NAME.
 run_one_bundled_test() {
-  local name=$1 label=$2 limit=$3 rc verdict
+  local name=$1 label=$2 limit=$3 rc verdict args=()
+  [ -f "$BUNDLE_ROOT/args/$name" ] && mapfile -t args <"$BUNDLE_ROOT/args/$name"
   mkdir -p "$WORK/tmp/$name"
   TEST_TMPDIR="$WORK/tmp/$name" TEST_SRCDIR="$BUNDLE_ROOT/runfiles" TEST_WORKSPACE=ddp \
     UCX_LOG_LEVEL=error timeout --kill-after=10 "$limit" \
-    "${OUR_ENV[@]}" "$BUNDLE_ROOT/bin/$name" >"$WORK/testlogs/$name.log" 2>&1
+    "${OUR_ENV[@]}" "$BUNDLE_ROOT/bin/$name" "${args[@]}" >"$WORK/testlogs/$name.log" 2>&1
   rc=$?
   case "$rc" in
     0) verdict=PASSED ;;
