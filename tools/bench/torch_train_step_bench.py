@@ -101,6 +101,8 @@ def make_scaler(device_type, enabled):
 
 def run_mode(args, mode, device):
     torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model = ResNet50Cifar().to(device).train()
     images = torch.randn(args.batch, 3, 32, 32, device=device)
     labels = torch.randint(0, 10, (args.batch,), device=device)
