@@ -155,7 +155,8 @@ void RunMode(const std::string& mode_name, Device device) {
       static_cast<long long>(param_count), device.ToString().c_str());
   if (!device.is_cuda()) return;
   const AllocatorStats st = CudaAllocator().Stats(device);
-  std::printf("  %s: device memory in use %.1f MiB, peak %.1f MiB, cached %.1f MiB, cudaMalloc calls %llu\n",
+  std::printf("  after %s: device memory in use %.1f MiB, peak %.1f MiB, cached %.1f MiB, cudaMalloc calls %llu "
+              "(the allocator's counters since the process started)\n",
               mode_name.c_str(), st.in_use_bytes / 1048576.0, st.peak_in_use_bytes / 1048576.0,
               st.cached_bytes / 1048576.0, static_cast<unsigned long long>(st.system_allocations));
 }
