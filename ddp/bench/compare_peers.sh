@@ -5,6 +5,10 @@
 #
 #   ddp/bench/compare_peers.sh [REPS] [STEPS] [-- extra ddp_bench flags]
 #
+# MLP_STEPS (environment) gives the MLP its own step count: its steps are
+# ~8x shorter than the CNN's, and runs under a few seconds are dominated by
+# start-up effects and noise.
+#
 # Needs: bazel build //examples:ddp_bench; /usr/bin/python3 with torch
 # (python3-torch) and OpenBLAS; dataset-fashion-mnist.
 set -euo pipefail
@@ -18,19 +22,21 @@ PEER=/work/shared/peers/torch_ddp_train.py
 BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
-echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); ddp_bench ${EXTRA[*]:-}"
+echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}"
 for rep in $(seq "$REPS"); do
   for model in mlp cnn; do
+    steps=$STEPS
+    [ "$model" = mlp ] && steps=${MLP_STEPS:-$STEPS}
     for np in 1 2; do
-      "$BENCH" --model="$model" --steps="$STEPS" --nproc_per_node="$np" --eval=false "${EXTRA[@]}" |
+      "$BENCH" --model="$model" --steps="$steps" --nproc_per_node="$np" --eval=false "${EXTRA[@]}" |
         awk '{print "ddp", $0}' >>"$OUT"
     done
-    /usr/bin/python3 "$PEER" 2 "$model" "$STEPS" 2>/dev/null | awk '{print "torch", $0}' >>"$OUT"
+    /usr/bin/python3 "$PEER" 2 "$model" "$steps" 2>/dev/null | awk '{print "torch", $0}' >>"$OUT"
     # The machine's own ceiling for 2 ranks: two independent 1-rank runs at
     # once (no communication at all); their summed samples/s.
     pair=$(mktemp)
-    "$BENCH" --model="$model" --steps="$STEPS" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.a" &
-    "$BENCH" --model="$model" --steps="$STEPS" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.b"
+    "$BENCH" --model="$model" --steps="$steps" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.a" &
+    "$BENCH" --model="$model" --steps="$steps" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.b"
     wait
     cat "$pair.a" "$pair.b" | grep -v "^#" | awk -v m="$model" '{s += $3} END {print "pair", m, 2, s}' >>"$OUT"
     rm -f "$pair" "$pair.a" "$pair.b"
