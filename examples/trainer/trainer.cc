@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -13,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "examples/trainer/device.h"
 #include "examples/trainer/format.h"
