@@ -372,10 +372,10 @@ TEST_F(CudaMisuseTest, GemmNamesShapesThatDoNotChain) {
 }
 
 TEST_F(CudaMisuseTest, OptimizerStepsNameMismatchedState) {
-  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {5}), Tensor(), 1, {}); }, "grad [5]");
-  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), 0, {}); }, "step counts from 1");
-  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), 1, {.momentum = 0.9}); }, "momentum_buffer");
-  ExpectMessage([&] { AdamStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {3}), Tensor(), 1, {}); }, "exp_avg_sq [3]");
+  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {5}), Tensor(), {}); }, "grad [5]");
+  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), {.step = 0}); }, "step counts from 1");
+  ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), {.momentum = 0.9}); }, "momentum_buffer");
+  ExpectMessage([&] { AdamStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {3}), Tensor(), {}); }, "exp_avg_sq [3]");
   ExpectMessage([&] { UnscaleAndCheck({On(0, {4})}, 0.5, On(0, {1}, DType::kFloat64)); }, "one-element f32");
 }
 

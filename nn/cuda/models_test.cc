@@ -131,7 +131,7 @@ TEST(CudaModelsTest, CnnTrainingStepsWithDeviceSgdFollowTheCpu) {
   Tensor label_values = Empty({32});
   UniformFill(label_values, 0.0, 10.0, data);
   const Tensor labels = label_values.To(DType::kInt64);
-  const SgdUpdate o{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-4};
+  optim::SgdStepArgs o{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-4};
 
   Generator gen_cpu(3), gen_gpu(3);
   auto cpu_model = modules::MakeCnn(gen_cpu);
@@ -157,7 +157,8 @@ TEST(CudaModelsTest, CnnTrainingStepsWithDeviceSgdFollowTheCpu) {
     Backward(gpu_loss);
     NoGradGuard no_grad;
     size_t i = 0;
-    for (const auto& [name, p] : gpu_model->NamedParameters()) SgdStep(p, p.grad(), buffers[i++], step, o);
+    o.step = step;
+    for (const auto& [name, p] : gpu_model->NamedParameters()) SgdStep(p, p.grad(), buffers[i++], o);
     gpu_losses.push_back(gpu_loss.Item());
   }
   EXPECT_LT(cpu_losses.back(), cpu_losses.front());

@@ -36,8 +36,8 @@ void CheckParam(const char* op, const Tensor& p, int64_t step) {
 
 }  // namespace
 
-void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, int64_t step, const SgdUpdate& o,
-             double grad_scale) {
+void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& o) {
+  const int64_t step = o.step;
   CheckParam("SgdStep", p, step);
   CheckState("SgdStep", p, "grad", grad);
   if (o.momentum != 0) CheckState("SgdStep", p, "momentum_buffer", momentum_buffer);
@@ -46,7 +46,7 @@ void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer,
   c.momentum = o.momentum;
   c.keep = 1.0 - o.dampening;
   c.neg_lr = -o.lr;
-  c.grad_scale = grad_scale;
+  c.grad_scale = o.grad_scale;
   c.first_step = step == 1;
   c.nesterov = o.nesterov;
   DeviceGuard guard(p.device().index);
@@ -57,7 +57,8 @@ void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer,
 }
 
 void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-              const Tensor& max_exp_avg_sq, int64_t step, const AdamUpdate& o, double grad_scale) {
+              const Tensor& max_exp_avg_sq, const optim::AdamStepArgs& o) {
+  const int64_t step = o.step;
   CheckParam("AdamStep", p, step);
   CheckState("AdamStep", p, "grad", grad);
   CheckState("AdamStep", p, "exp_avg", exp_avg);
@@ -76,7 +77,7 @@ void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const 
   c.decay = 1.0 - o.lr * o.weight_decay;
   c.neg_step_size = -(o.lr / bc1);
   c.bc2_sqrt = std::sqrt(bc2);
-  c.grad_scale = grad_scale;
+  c.grad_scale = o.grad_scale;
   c.coupled_weight_decay = !o.decoupled && o.weight_decay != 0;
   c.decoupled_weight_decay = o.decoupled;
   DeviceGuard guard(p.device().index);
@@ -109,37 +110,10 @@ void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const
   }
 }
 
-namespace {
-
-void SgdEntry(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& a) {
-  SgdStep(p, grad, momentum_buffer, a.step,
-          SgdUpdate{.lr = a.lr,
-                    .momentum = a.momentum,
-                    .dampening = a.dampening,
-                    .weight_decay = a.weight_decay,
-                    .nesterov = a.nesterov},
-          a.grad_scale);
-}
-
-void AdamEntry(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-               const Tensor& max_exp_avg_sq, const optim::AdamStepArgs& a) {
-  AdamStep(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, a.step,
-           AdamUpdate{.lr = a.lr,
-                      .beta1 = a.beta1,
-                      .beta2 = a.beta2,
-                      .eps = a.eps,
-                      .weight_decay = a.weight_decay,
-                      .amsgrad = a.amsgrad,
-                      .decoupled = a.decoupled},
-           a.grad_scale);
-}
-
-}  // namespace
-
 void RegisterOptimKernels() {
   optim::RegisterDeviceOptimKernels(DeviceType::kCUDA, optim::DeviceOptimKernels{
-                                                           .sgd_step = &SgdEntry,
-                                                           .adam_step = &AdamEntry,
+                                                           .sgd_step = &SgdStep,
+                                                           .adam_step = &AdamStep,
                                                            .unscale_and_check = &UnscaleAndCheck,
                                                        });
 }

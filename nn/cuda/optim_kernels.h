@@ -8,41 +8,23 @@
 
 #include <cstdint>
 
+#include "nn/optim/device_kernels.h"
 #include "nn/tensor/tensor.h"
 
 namespace ddp::nn::cuda {
 
-/// PyTorch's SGD options.
-struct SgdUpdate {
-  double lr = 0.01;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-};
+/// p -= lr * update(grad * args.grad_scale) in place (PyTorch's rule);
+/// momentum_buffer (p's shape, undefined when momentum is 0) carries the
+/// state; args.step counts from 1 (the first step initializes the buffer).
+/// p, grad and the buffer: contiguous, one CUDA device, one dtype (f32 or
+/// f64). Registered with nn/optim as its CUDA `sgd_step`.
+void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& args);
 
-/// p -= lr * update(grad * grad_scale) in place; momentum_buffer (p's shape,
-/// undefined when momentum is 0) carries the state. `step` counts from 1 (the
-/// first step initializes the buffer). p, grad and the buffer: contiguous, one
-/// CUDA device, one dtype (f32 or f64).
-void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, int64_t step, const SgdUpdate& o,
-             double grad_scale = 1.0);
-
-/// PyTorch's Adam (decoupled = false) or AdamW (decoupled = true) options.
-struct AdamUpdate {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool amsgrad = false;
-  bool decoupled = false;
-};
-
-/// One Adam/AdamW step in place; exp_avg, exp_avg_sq (and max_exp_avg_sq with
-/// amsgrad, else undefined) hold the state. Same layout rules as SgdStep.
+/// One Adam (args.decoupled false) or AdamW step in place; exp_avg,
+/// exp_avg_sq (and max_exp_avg_sq with amsgrad, else undefined) hold the
+/// state. Same layout rules as SgdStep.
 void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-              const Tensor& max_exp_avg_sq, int64_t step, const AdamUpdate& o, double grad_scale = 1.0);
+              const Tensor& max_exp_avg_sq, const optim::AdamStepArgs& args);
 
 /// For the dynamic loss scaler: multiplies each tensor by inv_scale in place
 /// and sets found_inf (an f32 tensor of one element on the same device) to 1

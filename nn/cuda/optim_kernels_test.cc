@@ -52,12 +52,12 @@ class CudaOptimTest : public ::testing::Test {
 };
 
 TEST_F(CudaOptimTest, SgdMatchesTheCpuOptimizer) {
-  const SgdUpdate configs[] = {{.lr = 0.1},
+  const optim::SgdStepArgs configs[] = {{.lr = 0.1},
                                {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3},
                                {.lr = 0.05, .momentum = 0.9, .dampening = 0.2},
                                {.lr = 0.05, .momentum = 0.8, .weight_decay = 1e-2, .nesterov = true}};
   for (DType dt : {DType::kFloat32, DType::kFloat64}) {
-    for (const SgdUpdate& o : configs) {
+    for (const optim::SgdStepArgs& o : configs) {
       const std::string what = "sgd " + std::string(DTypeName(dt)) + " momentum " + std::to_string(o.momentum) +
                                (o.nesterov ? " nesterov" : "");
       const Tensor p_cpu = RandnOf({37, 29}, dt);
@@ -69,7 +69,9 @@ TEST_F(CudaOptimTest, SgdMatchesTheCpuOptimizer) {
         const Tensor g = RandnOf({37, 29}, dt);
         p_cpu.set_grad(g);
         opt.Step();
-        SgdStep(p_gpu, g.To(kGpu), buf, step, o);
+        optim::SgdStepArgs a = o;
+        a.step = step;
+        SgdStep(p_gpu, g.To(kGpu), buf, a);
         ExpectClose(p_cpu, p_gpu, Rtol(dt), Atol(dt), what + " step " + std::to_string(step));
       }
     }
@@ -77,12 +79,12 @@ TEST_F(CudaOptimTest, SgdMatchesTheCpuOptimizer) {
 }
 
 TEST_F(CudaOptimTest, AdamAndAdamWMatchTheCpuOptimizers) {
-  const AdamUpdate configs[] = {{},
+  const optim::AdamStepArgs configs[] = {{},
                                 {.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true},
                                 {.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 1e-2,
                                  .decoupled = true}};
   for (DType dt : {DType::kFloat32, DType::kFloat64}) {
-    for (const AdamUpdate& o : configs) {
+    for (const optim::AdamStepArgs& o : configs) {
       const std::string what = std::string(o.decoupled ? "adamw " : "adam ") + std::string(DTypeName(dt)) +
                                (o.amsgrad ? " amsgrad" : "");
       const Tensor p_cpu = RandnOf({1000}, dt);
@@ -103,7 +105,9 @@ TEST_F(CudaOptimTest, AdamAndAdamWMatchTheCpuOptimizers) {
         const Tensor g = RandnOf({1000}, dt);
         p_cpu.set_grad(g);
         opt->Step();
-        AdamStep(p_gpu, g.To(kGpu), m, v, vmax, step, o);
+        optim::AdamStepArgs a = o;
+        a.step = step;
+        AdamStep(p_gpu, g.To(kGpu), m, v, vmax, a);
         ExpectClose(p_cpu, p_gpu, Rtol(dt), Atol(dt), what + " step " + std::to_string(step));
       }
     }
@@ -133,12 +137,12 @@ TEST_F(CudaOptimTest, UnscaleAndCheckFindsInfAndNanWithoutTouchingTheFlagOtherwi
 TEST_F(CudaOptimTest, MismatchedStateIsNamed) {
   const Tensor p = Zeros({4}, {.device = kGpu});
   try {
-    SgdStep(p, Zeros({5}, {.device = kGpu}), Tensor(), 1, {});
+    SgdStep(p, Zeros({5}, {.device = kGpu}), Tensor(), {});
     FAIL() << "expected an error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("grad [5]"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(SgdStep(p, Zeros({4}, {.device = kGpu}), Tensor(), 0, {}), std::invalid_argument);
+  EXPECT_THROW(SgdStep(p, Zeros({4}, {.device = kGpu}), Tensor(), {.step = 0}), std::invalid_argument);
 }
 
 }  // namespace
