@@ -25,6 +25,7 @@ namespace {
 
 using nn::Tensor;
 using nn::modules::Module;
+using testing::Branchy;
 using testing::RunWorkers;
 
 constexpr int64_t kBatch = 8;
@@ -210,27 +211,6 @@ TEST(DdpFeaturesTest, JoinThrowsOnEveryRankOnEarlyTermination) {
 
 // ----------------------------------------------------- unused params ----
 
-// trunk -> (a on even ranks, b on odd ranks); `never` is never used.
-class Branchy : public Module {
- public:
-  Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
-    nn::Generator gen(seed);
-    trunk_ = RegisterModule("trunk", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
-    a_ = RegisterModule("a", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
-    b_ = RegisterModule("b", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
-    never_ = RegisterModule("never", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
-  }
-  Tensor Forward(const Tensor& x) override {
-    Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(x, 1)));
-    return use_a_ ? (*a_)(h) : (*b_)(h);
-  }
-  using Module::Forward;
-  std::string TypeName() const override { return "Branchy"; }
-  bool use_a_;
-
- private:
-  std::shared_ptr<nn::modules::Linear> trunk_, a_, b_, never_;
-};
 
 // static_graph: the same rank-dependent model, without the graph walk
 // after the first iteration (the used set is learned once).

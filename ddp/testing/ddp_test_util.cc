@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "nn/data/idx.h"
+#include "nn/ops/functional.h"
 
 namespace ddp::dist::testing {
 
@@ -126,6 +127,19 @@ std::string AllOutput(const transport::launch::testing::TestRunResult& run) {
     out += "---- rank " + std::to_string(r) + " ----\n" + run.group.output[r];
   }
   return out;
+}
+
+Branchy::Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
+  nn::Generator gen(seed);
+  trunk_ = RegisterModule("trunk", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
+  a_ = RegisterModule("a", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  b_ = RegisterModule("b", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  never_ = RegisterModule("never", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+}
+
+nn::Tensor Branchy::Forward(const nn::Tensor& x) {
+  nn::Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(x, 1)));
+  return use_a_ ? (*a_)(h) : (*b_)(h);
 }
 
 }  // namespace ddp::dist::testing

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ddp/process_group.h"
+#include "nn/modules/layers.h"
 #include "nn/modules/module.h"
 #include "nn/tensor/tensor.h"
 #include "transport/launch/test_spawn.h"
@@ -64,6 +65,20 @@ uint64_t HashState(const nn::modules::Module& m);
 
 /// Collective: true when every rank passed the same value.
 bool SameOnAllRanks(ProcessGroup& pg, uint64_t value);
+
+/// trunk -> (a when `use_a`, else b), for parameters a rank does not use;
+/// `never` is never used. Input [N, 784] or [N, 1, 28, 28]; output [N, 10].
+class Branchy : public nn::modules::Module {
+ public:
+  Branchy(uint64_t seed, bool use_a);
+  nn::Tensor Forward(const nn::Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Branchy"; }
+  bool use_a_;
+
+ private:
+  std::shared_ptr<nn::modules::Linear> trunk_, a_, b_, never_;
+};
 
 // -------------------------------------------------------------- test ----
 
