@@ -127,6 +127,7 @@ const char* KindName(int32_t kind) {
     case kAllGatherKind: return "all-gather";
     case kBroadcastKind: return "broadcast";
     case kBarrierKind: return "barrier";
+    case kDirectExchangeKind: return "direct exchange";
   }
   return "unknown collective";
 }

@@ -117,6 +117,7 @@ enum FingerprintKind : int32_t {
   kAllGatherKind = 6,
   kBroadcastKind = 7,
   kBarrierKind = 8,
+  kDirectExchangeKind = 9,
 };
 
 /// The fingerprint of `args` for a collective of `kind`.

@@ -1,0 +1,70 @@
+#include "transport/algorithms/exchange.h"
+
+#include <string>
+#include <vector>
+
+#include "transport/algorithms/pipeline.h"
+
+namespace ddp::transport::algorithms {
+
+Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blocks,
+                      const CollectiveArgs& args) {
+  const int p = p2p.size(), r = p2p.rank();
+  constexpr const char* kWhat = "direct exchange";
+  internal::BufferShape shape;  // the blocks carry the buffers
+  shape.needs_send = false;
+  DDP_RETURN_IF_ERROR(internal::CheckArgs(kWhat, p2p, args, shape));
+  if (blocks.size() != static_cast<size_t>(p)) {
+    return InvalidArgumentError(std::string(kWhat) + ": " + std::to_string(blocks.size()) +
+                                " blocks for " + std::to_string(p) + " ranks");
+  }
+  for (int q = 0; q < p; ++q) {
+    if (q == r) continue;
+    const ExchangeBlock& b = blocks[q];
+    if ((b.send_bytes > 0 && b.send == nullptr) || (b.recv_bytes > 0 && b.recv == nullptr)) {
+      return InvalidArgumentError(std::string(kWhat) + ": the block for rank " +
+                                  std::to_string(q) + " has a null buffer");
+    }
+  }
+  if (p == 1) return Status();
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+
+  internal::Requests requests(p2p, args.deadline);
+  // Each rank checks its ring predecessor, before its first wait: a rank
+  // that runs another collective (or another chunk size) fails here at once
+  // instead of at the deadline.
+  internal::PeerCheck check(kWhat, internal::MakeFingerprint(args, internal::kDirectExchangeKind,
+                                                             /*uses_op=*/false,
+                                                             /*uses_root=*/false));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  // Receives first, so that no message waits unexpected; then the sends,
+  // starting with the next rank so that not every rank sends to rank 0
+  // first.
+  std::vector<p2p::RequestId> receives;
+  std::vector<int> from;
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + p - i) % p;
+    if (blocks[q].recv_bytes == 0) continue;
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, q};
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                         requests.Recv(where, internal::StepTag(tag, 0), blocks[q].recv,
+                                       blocks[q].recv_bytes));
+    receives.push_back(id);
+    from.push_back(q);
+  }
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + i) % p;
+    if (blocks[q].send_bytes == 0) continue;
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, q};
+    DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), blocks[q].send,
+                                      blocks[q].send_bytes)
+                            .status());
+  }
+  for (size_t i = 0; i < receives.size(); ++i) {
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, from[i]};
+    DDP_RETURN_IF_ERROR(requests.Wait(receives[i], where));
+  }
+  return requests.WaitAll(kWhat);
+}
+
+}  // namespace ddp::transport::algorithms
