@@ -29,15 +29,16 @@ bool BuiltWithCuda();
 /// host memory.
 PointerKind ClassifyPointer(const void* p);
 
-/// Copies between device buffers and pinned host slots on one dedicated
-/// stream of one device. The stream is a blocking stream: it starts after
+/// Copies between device buffers and pinned host slots, and reductions on
+/// the device, on one dedicated stream of one device. The stream is a blocking stream: it starts after
 /// work already queued on the legacy default stream, so inputs written by
 /// kernels on that stream are ready; work on other streams must be
 /// synchronized by the caller first. Waits poll CUDA events against the
 /// caller's deadline; nothing blocks in the driver.
 class DeviceCopyEngine : public CopyEngine {
  public:
-  /// Two pinned slots of `slot_bytes` and a stream on `device`.
+  /// Two pinned slots of `slot_bytes`, as much device scratch, and a stream
+  /// on `device`.
   static StatusOr<std::unique_ptr<DeviceCopyEngine>> Create(int device, size_t slot_bytes);
   /// Waits (bounded) for queued copies before freeing the slots; if they do
   /// not finish, the slots are leaked rather than freed under the copies.
@@ -45,6 +46,10 @@ class DeviceCopyEngine : public CopyEngine {
 
   size_t slot_bytes() const override;
   std::byte* slot(int s) override;
+  std::byte* scratch(int s) override;
+  /// ReduceAsync (reduce_kernels.h) on the engine's stream.
+  Status Reduce(void* dst, const void* const* sources, int num_sources, size_t count,
+                DataType dtype, ReduceOp op) override;
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
                 size_t rows) override;
   Status MarkIn(int s) override;

@@ -10,14 +10,19 @@
 
 #include "transport/cuda/cuda_util.h"
 #include "transport/cuda/device_staging.h"
+#include "transport/cuda/reduce_kernels.h"
 
 namespace ddp::transport::cuda {
+
+static_assert(kMaxDeviceReduceSources == kMaxReduceSources,
+              "the pipeline's limit is the kernel's");
 
 struct DeviceCopyEngine::State {
   int device = 0;
   size_t slot_bytes = 0;
   std::byte* pinned = nullptr;  // kSlots * slot_bytes, page-aligned, cudaHostRegister'ed
   bool registered = false;
+  std::byte* scratch = nullptr;  // kSlots * slot_bytes of device memory
   cudaStream_t stream = nullptr;
   cudaEvent_t in_done[kSlots] = {};
   cudaEvent_t all_done = nullptr;
@@ -78,6 +83,14 @@ StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
     return CudaError(status, "pinning " + std::to_string(bytes) + " bytes of staging memory");
   }
   s.registered = true;
+  // Device scratch for the device-reduce mode: 2 x 4 MiB by default, made
+  // with the engine so that no call allocates.
+  status = cudaMalloc(reinterpret_cast<void**>(&s.scratch), kSlots * slot_bytes);
+  if (status != cudaSuccess) {
+    s.scratch = nullptr;
+    return CudaError(status, "allocating " + std::to_string(kSlots * slot_bytes) +
+                                 " bytes of device staging scratch");
+  }
   // A blocking stream (not cudaStreamNonBlocking): it waits for work on the
   // legacy default stream, where a simple program's kernels wrote the input.
   status = cudaStreamCreateWithFlags(&s.stream, cudaStreamDefault);
@@ -108,6 +121,7 @@ DeviceCopyEngine::~DeviceCopyEngine() {
   }
   if (s.all_done != nullptr) cudaEventDestroy(s.all_done);
   if (s.stream != nullptr) cudaStreamDestroy(s.stream);
+  if (s.scratch != nullptr) cudaFree(s.scratch);
   if (s.registered) cudaHostUnregister(s.pinned);
   std::free(s.pinned);
 }
@@ -115,6 +129,23 @@ DeviceCopyEngine::~DeviceCopyEngine() {
 size_t DeviceCopyEngine::slot_bytes() const { return state_->slot_bytes; }
 
 std::byte* DeviceCopyEngine::slot(int s) { return state_->pinned + s * state_->slot_bytes; }
+
+std::byte* DeviceCopyEngine::scratch(int s) { return state_->scratch + s * state_->slot_bytes; }
+
+Status DeviceCopyEngine::Reduce(void* dst, const void* const* sources, int num_sources,
+                                size_t count, DataType dtype, ReduceOp op) {
+  if (count == 0) return Status::Ok();
+  DeviceScope scope(state_->device);
+  const int status = ReduceAsync(dst, sources, num_sources, count, static_cast<int>(dtype),
+                                 static_cast<int>(op), state_->stream);
+  if (status != cudaSuccess) {
+    return CudaError(static_cast<cudaError_t>(status),
+                     "queueing a " + std::string(ReduceOpName(op)) + " of " +
+                         std::to_string(num_sources) + " x " + std::to_string(count) + " " +
+                         DataTypeName(dtype) + " on the device");
+  }
+  return Status::Ok();
+}
 
 Status DeviceCopyEngine::Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                                 size_t width, size_t rows) {

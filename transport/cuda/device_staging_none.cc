@@ -19,6 +19,10 @@ DeviceCopyEngine::DeviceCopyEngine(std::unique_ptr<State> state) : state_(std::m
 DeviceCopyEngine::~DeviceCopyEngine() = default;
 size_t DeviceCopyEngine::slot_bytes() const { return 0; }
 std::byte* DeviceCopyEngine::slot(int) { return nullptr; }
+std::byte* DeviceCopyEngine::scratch(int) { return nullptr; }
+Status DeviceCopyEngine::Reduce(void*, const void* const*, int, size_t, DataType, ReduceOp) {
+  return UnavailableError("no CUDA support in this build");
+}
 Status DeviceCopyEngine::Copy2D(void*, size_t, const void*, size_t, size_t, size_t) {
   return UnavailableError("no CUDA support in this build");
 }

@@ -9,20 +9,34 @@
 //   copy queue:  in(0) in(1)        out(0) in(2)        out(1) in(3) ...
 //   host:                 coll(0)               coll(1)
 //
+// All-reduce and reduce-scatter have a second mode, RunStagedDeviceReduce,
+// in which the host only moves bytes and the device reduces: each chunk is
+// split into one segment per rank, every rank sends the segments it does
+// not own straight to their owners (algorithms/exchange.h), copies what it
+// received to device scratch, reduces it there with its own segment, and
+// (all-reduce) exchanges the reduced segments back.
+//
 // The copy engine is an interface so that this logic is tested on the CPU
 // (transport/cuda/staging_pipeline_test.cc) and the CUDA engine
-// (device_staging.h) only has to copy and wait. No CUDA header here.
+// (device_staging.h) only has to copy, reduce and wait. No CUDA header here.
 
 #include <cstddef>
 #include <functional>
+#include <span>
 
+#include "transport/algorithms/exchange.h"
 #include "transport/status.h"
 #include "transport/types.h"
 
 namespace ddp::transport::cuda {
 
+/// Most sources one CopyEngine::Reduce takes (the CUDA kernel passes them in
+/// its arguments; transport/cuda/reduce_kernels.h has the same limit).
+inline constexpr int kMaxDeviceReduceSources = 16;
+
 /// An in-order queue of asynchronous copies between user buffers and
-/// `kSlots` host staging slots of slot_bytes() each.
+/// `kSlots` host staging slots of slot_bytes() each, and of reductions on
+/// the device.
 class CopyEngine {
  public:
   static constexpr int kSlots = 2;
@@ -35,9 +49,20 @@ class CopyEngine {
   /// of src (at r * src_pitch). Copies run in the order they were enqueued.
   virtual Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                         size_t width, size_t rows) = 0;
-  /// Marks the end of slot `s`'s copy-in in the queue.
+  /// Device scratch of slot `s`, slot_bytes() long: only queued work (copies
+  /// and reductions) reads or writes it, or a network that reads device
+  /// memory.
+  virtual std::byte* scratch(int s) = 0;
+  /// Enqueues dst[i] = op over k < num_sources of sources[k][i], i < count,
+  /// all device memory (dst may equal one source); 16-bit floats reduce in
+  /// f32, kAvg divides by num_sources. num_sources is 1 to
+  /// kMaxDeviceReduceSources.
+  virtual Status Reduce(void* dst, const void* const* sources, int num_sources, size_t count,
+                        DataType dtype, ReduceOp op) = 0;
+  /// Marks slot `s`'s point in the queue: the end of a chunk's copy-in, or
+  /// in the device-reduce mode the end of its reduction.
   virtual Status MarkIn(int s) = 0;
-  /// Waits until every copy enqueued before MarkIn(s) is done.
+  /// Waits until everything enqueued before MarkIn(s) is done.
   virtual Status WaitIn(int s, Deadline deadline) = 0;
   /// Waits until every enqueued copy is done.
   virtual Status WaitAll(Deadline deadline) = 0;
@@ -58,6 +83,7 @@ struct StagedCall {
   int rank = 0;
   int size = 1;
   int root = 0;  ///< Broadcast only.
+  ReduceOp op = ReduceOp::kSum;  ///< RunStagedDeviceReduce only.
 };
 
 /// The host collective of one chunk: the same collective as the call, on
@@ -74,6 +100,48 @@ size_t ChunkElements(const StagedCall& call, size_t slot_bytes);
 /// error) no copy is pending unless the wait for it passed `deadline`.
 Status RunStaged(CopyEngine& engine, const StagedCall& call, const HostCollective& host,
                  Deadline deadline);
+
+/// The host step of the device-reduce mode: algorithms::DirectExchange of
+/// `blocks` (one per rank) with `chunk_elements` as the count every rank
+/// passes alike.
+using HostExchange =
+    std::function<Status(std::span<const algorithms::ExchangeBlock> blocks, size_t chunk_elements)>;
+
+/// How a staged all-reduce or reduce-scatter runs.
+enum class StagedPlan {
+  kHostReduce = 0,    ///< RunStaged: the host collective reduces in the slots.
+  kDeviceReduce = 1,  ///< RunStagedDeviceReduce through the host slots.
+  /// RunStagedDeviceReduce with the network reading and writing device
+  /// memory (a CUDA-aware UCX): no host copies at all.
+  kDeviceReduceDirect = 2,
+};
+
+/// The plan for `call`: the device reduces when `prefer_device`, the call is
+/// an all-reduce or reduce-scatter and one kernel takes every rank's
+/// segment (size <= kMaxDeviceReduceSources); it does so without host
+/// copies when `network_reads_device`. Everything else reduces on the host.
+/// Depends only on values equal on every rank.
+StagedPlan ChooseStagedPlan(const StagedCall& call, bool prefer_device, bool network_reads_device);
+
+/// Elements per chunk of RunStagedDeviceReduce for `call` with slots (and
+/// scratch) of `slot_bytes` (0 when too small for one element per rank).
+size_t DeviceReduceChunkElements(const StagedCall& call, size_t slot_bytes);
+
+/// All-reduce or reduce-scatter (call.kind) chunk by chunk, reducing with
+/// engine.Reduce, never on the host. Per chunk of n elements, rank r owns
+/// segment r (all-reduce: the r-th of p nearly equal parts of the chunk;
+/// reduce-scatter: the chunk of block r); `exchange` hands every segment to
+/// its owner, the owner reduces the p copies on the device, and an
+/// all-reduce exchanges the reduced segments back. With
+/// `network_reads_device` the exchanges read the user's device buffers and
+/// write device scratch directly; otherwise the segments go through the
+/// host slots, chunk k+1's copy out of the device overlapping chunk k's
+/// exchanges. Every rank must pass the same count, kind, op and slot size.
+/// On return (also on error) no work is pending unless the wait for it
+/// passed `deadline`.
+Status RunStagedDeviceReduce(CopyEngine& engine, const StagedCall& call,
+                             const HostExchange& exchange, bool network_reads_device,
+                             Deadline deadline);
 
 }  // namespace ddp::transport::cuda
 

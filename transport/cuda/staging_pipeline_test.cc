@@ -1,8 +1,9 @@
-// The staging pipeline on the CPU: a copy engine whose copies run later, in
-// order, on a thread of their own (like a CUDA stream), and real collective
-// algorithms over the loopback transport between ranks as threads. Results
-// are checked against closed forms; a pipeline that read a slot before its
-// copy landed, or reused a slot too early, produces wrong values here.
+// The staging pipeline on the CPU: a copy engine whose copies and
+// reductions run later, in order, on a thread of their own (like a CUDA
+// stream), and real collective algorithms over the loopback transport
+// between ranks as threads. Results are checked against closed forms; a
+// pipeline that read a slot before its copy landed, or reused a slot or the
+// scratch too early, produces wrong values here.
 
 #include "transport/cuda/staging_pipeline.h"
 
@@ -20,7 +21,9 @@
 #include "transport/algorithms/all_reduce.h"
 #include "transport/algorithms/broadcast.h"
 #include "transport/algorithms/collective.h"
+#include "transport/algorithms/exchange.h"
 #include "transport/algorithms/reduce_scatter.h"
+#include "transport/reduce/reduce.h"
 #include "transport/testing/expected_values.h"
 #include "transport/testing/thread_harness.h"
 
@@ -29,12 +32,14 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Copies run on a worker thread, each after a short delay, in queue order.
+// Copies and reductions run on a worker thread, each after a short delay,
+// in queue order. The "device" scratch is ordinary memory that only queued
+// work touches; reductions use transport/reduce, the host's kernels.
 class ThreadCopyEngine : public CopyEngine {
  public:
   explicit ThreadCopyEngine(size_t slot_bytes, milliseconds delay = milliseconds(0))
-      : slot_bytes_(slot_bytes), memory_(kSlots * slot_bytes), delay_(delay),
-        worker_([this] { Loop(); }) {}
+      : slot_bytes_(slot_bytes), memory_(kSlots * slot_bytes),
+        scratch_(kSlots * slot_bytes), delay_(delay), worker_([this] { Loop(); }) {}
   ~ThreadCopyEngine() override {
     {
       std::lock_guard lock(mu_);
@@ -46,6 +51,26 @@ class ThreadCopyEngine : public CopyEngine {
 
   size_t slot_bytes() const override { return slot_bytes_; }
   std::byte* slot(int s) override { return memory_.data() + s * slot_bytes_; }
+  std::byte* scratch(int s) override { return scratch_.data() + s * slot_bytes_; }
+  Status Reduce(void* dst, const void* const* sources, int num_sources, size_t count,
+                DataType dtype, ReduceOp op) override {
+    if (num_sources < 1 || num_sources > kMaxDeviceReduceSources) {
+      return InvalidArgumentError("reduce of " + std::to_string(num_sources) + " sources");
+    }
+    std::vector<const void*> in(sources, sources + num_sources);
+    ++reductions_;
+    Push([=] {
+      // Into a temporary: dst may equal any source.
+      const size_t bytes = count * DataTypeSize(dtype);
+      std::vector<std::byte> acc(bytes);
+      std::memcpy(acc.data(), in[0], bytes);
+      for (int k = 1; k < num_sources; ++k) reduce::Reduce(dtype, op, acc.data(), in[k], count);
+      if (op == ReduceOp::kAvg) reduce::DivideInPlace(dtype, acc.data(), count, num_sources);
+      std::memcpy(dst, acc.data(), bytes);
+    });
+    return Status::Ok();
+  }
+  size_t reductions() const { return reductions_; }
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
                 size_t rows) override {
     Push([=] {
@@ -107,6 +132,8 @@ class ThreadCopyEngine : public CopyEngine {
 
   size_t slot_bytes_;
   std::vector<std::byte> memory_;
+  std::vector<std::byte> scratch_;
+  size_t reductions_ = 0;  // enqueued, by the pipeline's thread
   milliseconds delay_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -293,6 +320,265 @@ TEST(StagingPipeline, SlowCopyTimesOutAtTheDeadline) {
                        DeadlineIn(milliseconds(100)));
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s.ToString();
   EXPECT_LT(Clock::now() - start, milliseconds(2000));
+}
+
+// ---------------------------------------------------- device-reduce mode --
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
+                                  DataType::kBF16, DataType::kI32, DataType::kI64,
+                                  DataType::kU8};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax,
+                                ReduceOp::kMin, ReduceOp::kProd};
+
+struct DeviceCase {
+  StagedKind kind;  // all-reduce or reduce-scatter
+  int world;
+  size_t count;
+  DataType dtype;
+  ReduceOp op;
+  size_t slot_bytes;
+  bool direct = false;    // the network reads the "device" buffers
+  bool in_place = false;
+};
+
+std::string Describe(const DeviceCase& c) {
+  return std::string(c.kind == StagedKind::kAllReduce ? "all-reduce" : "reduce-scatter") +
+         " world " + std::to_string(c.world) + " count " + std::to_string(c.count) + " " +
+         DataTypeName(c.dtype) + " " + ReduceOpName(c.op) + " slot " +
+         std::to_string(c.slot_bytes) + (c.direct ? " direct" : " staged") +
+         (c.in_place ? " in-place" : "");
+}
+
+// The exchange the communicator runs: DirectExchange over `p2p`, one tag
+// per call.
+HostExchange LoopbackExchange(p2p::PointToPoint& p2p, DataType dtype, uint64_t* sequence,
+                              Deadline deadline, size_t* calls) {
+  return [&p2p, dtype, sequence, deadline, calls](
+             std::span<const algorithms::ExchangeBlock> blocks, size_t chunk) {
+    ++*calls;
+    algorithms::CollectiveArgs args{.count = chunk, .dtype = dtype,
+                                    .tag = algorithms::CollectiveTag((*sequence)++),
+                                    .deadline = deadline};
+    return algorithms::DirectExchange(p2p, blocks, args);
+  };
+}
+
+// Runs one case on every rank; per-rank mismatches land in `errors`.
+Status RunDeviceCase(const DeviceCase& c, std::vector<std::string>* errors) {
+  errors->assign(c.world, "");
+  const size_t e = DataTypeSize(c.dtype);
+  std::vector<Status> statuses = testing::RunRanks(c.world, [&](p2p::PointToPoint& p2p) -> Status {
+    const int me = p2p.rank(), n = p2p.size();
+    ThreadCopyEngine engine(c.slot_bytes, milliseconds(c.count > 100 ? 0 : 1));
+    const bool rs = c.kind == StagedKind::kReduceScatter;
+    const size_t send_count = rs ? n * c.count : c.count;
+    std::vector<std::byte> send(send_count * e + 1, std::byte{0x3C});
+    std::vector<std::byte> recv(c.count * e + 1, std::byte{0x5A});
+    testing::FillInput(c.dtype, send.data(), send_count, me, c.op);
+    const std::vector<std::byte> original = send;
+    std::byte* out = recv.data();
+    if (c.in_place) out = rs ? send.data() + me * c.count * e : send.data();
+    StagedCall call{.kind = c.kind, .send = send.data(), .recv = out, .count = c.count,
+                    .dtype = c.dtype, .rank = me, .size = n, .op = c.op};
+    uint64_t sequence = 0;
+    size_t exchanges = 0;
+    const Deadline deadline = DeadlineIn(milliseconds(20000));
+    DDP_RETURN_IF_ERROR(RunStagedDeviceReduce(
+        engine, call, LoopbackExchange(p2p, c.dtype, &sequence, deadline, &exchanges), c.direct,
+        deadline));
+    const size_t n_max = DeviceReduceChunkElements(call, c.slot_bytes);
+    const size_t chunks = c.count == 0 ? 0 : (c.count + n_max - 1) / n_max;
+    std::string& error = (*errors)[me];
+    if (exchanges != chunks * (rs ? 1 : 2)) {
+      error = std::to_string(exchanges) + " exchanges for " + std::to_string(chunks) + " chunks";
+    }
+    if (engine.reductions() != chunks) {
+      error += " " + std::to_string(engine.reductions()) + " device reductions";
+    }
+    // The host staging slots stay unused when the network reads the device.
+    if (c.direct && engine.copies() != engine.reductions()) {
+      error += " " + std::to_string(engine.copies() - engine.reductions()) + " host copies";
+    }
+    std::string first;
+    const size_t wrong = testing::CountWrong(c.dtype, out, c.count, n, c.op,
+                                             rs ? me * c.count : 0, &first);
+    if (wrong > 0) error += " " + std::to_string(wrong) + " wrong " + first;
+    if (!c.in_place && recv[c.count * e] != std::byte{0x5A}) error += " wrote past the end";
+    if (!c.in_place && send != original) error += " modified the send buffer";
+    if (c.in_place && send[send_count * e] != std::byte{0x3C}) error += " wrote past the end";
+    return Status::Ok();
+  });
+  for (const Status& s : statuses) DDP_RETURN_IF_ERROR(s);
+  return Status::Ok();
+}
+
+void CheckDevice(const DeviceCase& c) {
+  std::vector<std::string> errors;
+  Status s = RunDeviceCase(c, &errors);
+  ASSERT_TRUE(s.ok()) << Describe(c) << ": " << s.ToString();
+  for (int r = 0; r < c.world; ++r) EXPECT_EQ(errors[r], "") << Describe(c) << " rank " << r;
+}
+
+TEST(StagingPipelineDeviceReduce, EveryDtypeAndOpAcrossChunkBoundaries) {
+  for (StagedKind kind : {StagedKind::kAllReduce, StagedKind::kReduceScatter}) {
+    for (bool direct : {false, true}) {
+      for (int world : {1, 2, 3, 4, 5}) {
+        for (DataType dtype : kAllTypes) {
+          for (ReduceOp op : kAllOps) {
+            // 96-byte slots: a few elements per chunk, several chunks.
+            CheckDevice({kind, world, 23, dtype, op, 96, direct});
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StagingPipelineDeviceReduce, CountsFromZeroToManyChunksInAndOutOfPlace) {
+  for (StagedKind kind : {StagedKind::kAllReduce, StagedKind::kReduceScatter}) {
+    for (bool direct : {false, true}) {
+      for (int world : {1, 2, 3, 4, 5}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{3}, size_t{37}, size_t{1001}}) {
+          for (size_t slot : {size_t{64}, size_t{100}, size_t{1} << 16}) {
+            for (bool in_place : {false, true}) {
+              CheckDevice({kind, world, count, DataType::kBF16, ReduceOp::kSum, slot, direct,
+                           in_place});
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StagingPipelineDeviceReduce, ChunksFitTheSlotsExactly) {
+  for (StagedKind kind : {StagedKind::kAllReduce, StagedKind::kReduceScatter}) {
+    for (int world = 1; world <= kMaxDeviceReduceSources; ++world) {
+      for (size_t slot : {size_t{8}, size_t{64}, size_t{100}, size_t{4} << 20}) {
+        StagedCall call{.kind = kind, .count = 1, .dtype = DataType::kF32, .size = world};
+        const size_t n = DeviceReduceChunkElements(call, slot);
+        const size_t slot_elems = slot / 4;
+        // What one chunk of n and of n + 1 elements needs of a slot.
+        auto need = [&](size_t m) {
+          const size_t segment = kind == StagedKind::kReduceScatter ? m : (m + world - 1) / world;
+          const size_t out = kind == StagedKind::kReduceScatter ? world * m : m;
+          return out + (world - 1) * segment;
+        };
+        const std::string what = std::to_string(world) + " ranks, slot " + std::to_string(slot);
+        if (n > 0) {
+          EXPECT_LE(need(n), slot_elems) << what;
+        }
+        EXPECT_GT(need(n + 1), slot_elems) << what;
+      }
+    }
+  }
+}
+
+TEST(StagingPipelineDeviceReduce, PlanFollowsPreferenceKindWorldAndNetwork) {
+  StagedCall call{.kind = StagedKind::kAllReduce, .size = 4};
+  EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kDeviceReduce);
+  EXPECT_EQ(ChooseStagedPlan(call, true, true), StagedPlan::kDeviceReduceDirect);
+  EXPECT_EQ(ChooseStagedPlan(call, false, true), StagedPlan::kHostReduce);
+  call.kind = StagedKind::kReduceScatter;
+  EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kDeviceReduce);
+  call.size = kMaxDeviceReduceSources;
+  EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kDeviceReduce);
+  // One kernel takes at most kMaxDeviceReduceSources segments.
+  call.size = kMaxDeviceReduceSources + 1;
+  EXPECT_EQ(ChooseStagedPlan(call, true, true), StagedPlan::kHostReduce);
+  call.size = 2;
+  for (StagedKind kind : {StagedKind::kBroadcast, StagedKind::kAllGather}) {
+    call.kind = kind;
+    EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kHostReduce);
+  }
+}
+
+TEST(StagingPipelineDeviceReduce, TooManyRanksOrAnotherKindIsRefused) {
+  ThreadCopyEngine engine(1024);
+  std::vector<float> data(40, 1.0f);
+  StagedCall call{.kind = StagedKind::kAllReduce, .send = data.data(), .recv = data.data(),
+                  .count = 2, .dtype = DataType::kF32, .rank = 0,
+                  .size = kMaxDeviceReduceSources + 1};
+  int calls = 0;
+  auto exchange = [&](std::span<const algorithms::ExchangeBlock>, size_t) {
+    ++calls;
+    return Status::Ok();
+  };
+  Status s = RunStagedDeviceReduce(engine, call, exchange, false, DeadlineIn(milliseconds(1000)));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("at most 16 ranks, not 17"), std::string::npos) << s.ToString();
+  call.size = 2;
+  call.kind = StagedKind::kAllGather;
+  s = RunStagedDeviceReduce(engine, call, exchange, false, DeadlineIn(milliseconds(1000)));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  call.kind = StagedKind::kReduceScatter;
+  ThreadCopyEngine tiny(4);  // one f32 cannot hold two ranks' segments
+  s = RunStagedDeviceReduce(tiny, call, exchange, false, DeadlineIn(milliseconds(1000)));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("4 bytes"), std::string::npos) << s.ToString();
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(engine.copies() + tiny.copies(), 0u);
+}
+
+TEST(StagingPipelineDeviceReduce, ExchangeFailureMidPipelineLeavesNothingPending) {
+  for (bool direct : {false, true}) {
+    for (StagedKind kind : {StagedKind::kAllReduce, StagedKind::kReduceScatter}) {
+      ThreadCopyEngine engine(32, milliseconds(5));
+      std::vector<float> send(2 * 40, 1.0f), recv(40, 0.0f);
+      StagedCall call{.kind = kind, .send = send.data(), .recv = recv.data(), .count = 40,
+                      .dtype = DataType::kF32, .rank = 1, .size = 2};
+      int calls = 0;
+      Status s = RunStagedDeviceReduce(
+          engine, call,
+          [&](std::span<const algorithms::ExchangeBlock> blocks, size_t) {
+            EXPECT_EQ(blocks.size(), 2u);
+            return ++calls == 3 ? PeerLostError("rank 0 died") : Status::Ok();
+          },
+          direct, DeadlineIn(milliseconds(5000)));
+      EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s.ToString();
+      EXPECT_EQ(calls, 3);
+      // Every copy and reduction queued before the failure has landed.
+      EXPECT_TRUE(engine.WaitAll(Clock::now()).ok());
+    }
+  }
+}
+
+TEST(StagingPipelineDeviceReduce, SlowDeviceTimesOutAtTheDeadline) {
+  for (bool direct : {false, true}) {
+    ThreadCopyEngine engine(16, milliseconds(300));
+    std::vector<float> data(64, 1.0f);
+    StagedCall call{.kind = StagedKind::kAllReduce, .send = data.data(), .recv = data.data(),
+                    .count = data.size(), .dtype = DataType::kF32, .rank = 0, .size = 1};
+    const auto start = Clock::now();
+    Status s = RunStagedDeviceReduce(
+        engine, call, [](std::span<const algorithms::ExchangeBlock>, size_t) { return Status::Ok(); },
+        direct, DeadlineIn(milliseconds(100)));
+    EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s.ToString();
+    EXPECT_LT(Clock::now() - start, milliseconds(2500));
+  }
+}
+
+TEST(StagingPipelineDeviceReduce, RanksWithDifferentSlotSizesFailFast) {
+  const auto start = Clock::now();
+  std::vector<Status> statuses = testing::RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
+    const int me = p2p.rank();
+    ThreadCopyEngine engine(me == 2 ? 128 : 64);
+    std::vector<float> data(300, 1.0f);
+    StagedCall call{.kind = StagedKind::kAllReduce, .send = data.data(), .recv = data.data(),
+                    .count = data.size(), .dtype = DataType::kF32, .rank = me, .size = 3};
+    uint64_t sequence = 0;
+    size_t calls = 0;
+    const Deadline deadline = DeadlineIn(milliseconds(20000));
+    return RunStagedDeviceReduce(
+        engine, call, LoopbackExchange(p2p, call.dtype, &sequence, deadline, &calls), false,
+        deadline);
+  });
+  EXPECT_LT(Clock::now() - start, milliseconds(10000));
+  // Rank 0 checks rank 2's chunk size; the others then lose a peer.
+  EXPECT_EQ(statuses[0].code(), StatusCode::kInvalidArgument) << statuses[0].ToString();
+  EXPECT_NE(statuses[0].message().find("direct exchange"), std::string::npos)
+      << statuses[0].ToString();
+  for (const Status& s : statuses) EXPECT_FALSE(s.ok());
 }
 
 }  // namespace
