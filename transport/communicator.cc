@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "transport/algorithms/collective.h"
+#include "transport/algorithms/exchange.h"
 #include "transport/collectives.h"
 #include "transport/cuda/device_staging.h"
 #include "transport/cuda/ipc_collectives.h"
@@ -59,6 +60,13 @@ StatusOr<Algorithm> ParseAlgorithm(const std::string& text, const char* origin) 
   }
   return InvalidArgumentError(std::string(origin) + "=" + text +
                               ": expected auto, ring, tree, rhd, hierarchical or shm");
+}
+
+// DDP_STAGED_REDUCE's value; "" leaves the option's choice.
+StatusOr<StagedReduce> ParseStagedReduce(const std::string& text) {
+  if (text == "device") return StagedReduce::kDevice;
+  if (text == "host") return StagedReduce::kHost;
+  return InvalidArgumentError("DDP_STAGED_REDUCE=" + text + ": expected device or host");
 }
 
 bool ValidDataType(DataType d) {
@@ -208,6 +216,11 @@ class Communicator::Impl {
                    Deadline deadline);
   // UCX moves device memory itself (a CUDA-enabled UCX).
   bool ucx_cuda_memory() const { return info_.ucx_cuda_memory; }
+  // How a staged call on device buffers runs (equal on every rank).
+  cuda::StagedPlan Plan(const cuda::StagedCall& call) const {
+    return cuda::ChooseStagedPlan(call, options_.staged_reduce == StagedReduce::kDevice,
+                                  ucx_cuda_memory());
+  }
   Deadline DeadlineFor(const CallOptions& call) const {
     return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
   }
@@ -281,6 +294,10 @@ class Communicator::Impl {
   cuda::IpcHostSteps IpcSteps(Deadline deadline);
   Status Staged(int device, const cuda::StagedCall& call, const cuda::HostCollective& host,
                 Deadline deadline);
+  // An all-reduce or reduce-scatter reduced on the device (plan
+  // kDeviceReduce or kDeviceReduceDirect).
+  Status StagedDeviceReduce(int device, const cuda::StagedCall& call, cuda::StagedPlan plan,
+                            Deadline deadline);
   algorithms::CollectiveArgs Args(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, int root, Deadline deadline) {
     algorithms::CollectiveArgs args;
@@ -359,6 +376,14 @@ Status Communicator::Impl::Init() {
   }
   if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
   if (GetEnv("DDP_CUDA_IPC") == "1") options_.cuda_ipc = true;
+  if (options_.staged_reduce == StagedReduce::kAuto) {
+    const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
+    options_.staged_reduce = StagedReduce::kDevice;
+    if (!env_reduce.empty()) {
+      DDP_ASSIGN_OR_RETURN(options_.staged_reduce, ParseStagedReduce(env_reduce));
+    }
+  }
+  info_.staged_reduce = options_.staged_reduce;
 
   fork::InstallForkGuard();
   const Deadline deadline = DeadlineIn(o.timeout);
@@ -745,13 +770,39 @@ Status Communicator::Impl::Staged(int device, const cuda::StagedCall& call,
   return cuda::RunStaged(*engine, call, host, deadline);
 }
 
-// Reductions run on the host staging slots, not with transport/cuda's
-// device kernels: the network path already brings every chunk through host
-// memory, and reducing there costs one copy in and one copy out per chunk
-// for the whole collective, where reducing on the device would cross PCIe
-// again at every ring or tree step. The host reductions also cover every
-// dtype and op. Device kernels pay off where data moves GPU to GPU: the
-// CUDA IPC path tried first uses them.
+Status Communicator::Impl::StagedDeviceReduce(int device, const cuda::StagedCall& call,
+                                              cuda::StagedPlan plan, Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
+  // Over UCX even on one host: the shared-memory engine reduces, and these
+  // exchanges only move bytes. Each exchange is a collective of its own
+  // (its own tag), checked against the ring predecessor's arguments.
+  auto exchange = [&](std::span<const algorithms::ExchangeBlock> blocks, size_t chunk) {
+    return algorithms::DirectExchange(
+        *p2p_, blocks, Args(nullptr, nullptr, chunk, call.dtype, call.op, 0, deadline));
+  };
+  return cuda::RunStagedDeviceReduce(*engine, call, exchange,
+                                     plan == cuda::StagedPlan::kDeviceReduceDirect, deadline);
+}
+
+// Staged all-reduce and reduce-scatter (no CUDA IPC) run one of three
+// plans (cuda::ChooseStagedPlan). PCIe crossings per rank for an
+// all-reduce of N bytes on p ranks, and who does the arithmetic:
+//   host reduce (DDP_STAGED_REDUCE=host): N out, N back = 2N; the host
+//     CPU reduces, at memory speed for f32 and slower for f16/bf16 (it
+//     converts every element), and the algorithm table (shm, ring, tree)
+//     moves the data.
+//   device reduce (the default up to 16 ranks): the (p-1)N/p this rank
+//     does not own out, the (p-1)N/p received from peers in, its reduced
+//     N/p out and the others' (p-1)N/p in = (3p-2)N/p, about 3N: half as
+//     much PCIe traffic again, but the CPU never reduces, and every rank
+//     sends each segment straight to its owner (p-1 messages at once, the
+//     same bytes as a ring). A reduce-scatter of p blocks of N/p bytes
+//     crosses 2(p-1)N/p either way (host: (p+1)N/p).
+//   device reduce, direct (UCX moves device memory): no staging copies;
+//     UCX reads and writes the device buffers and the device scratch.
+// Which of the first two is faster depends on PCIe bandwidth against the
+// host's reduction speed; neither has been measured on a GPU yet
+// (device_allreduce_bench --staged_reduce compares them).
 Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* recv, size_t count,
                                            DataType dtype, ReduceOp op, Algorithm requested,
                                            Deadline deadline) {
@@ -763,7 +814,9 @@ Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* r
   }
   const cuda::StagedCall call{.kind = cuda::StagedKind::kAllReduce, .send = send, .recv = recv,
                               .count = count, .dtype = dtype, .rank = options_.rank,
-                              .size = options_.world_size};
+                              .size = options_.world_size, .op = op};
+  const cuda::StagedPlan plan = Plan(call);
+  if (plan != cuda::StagedPlan::kHostSlots) return StagedDeviceReduce(device, call, plan, deadline);
   return Staged(device, call, [&](const void* s, void* r, size_t n) {
     return AllReduce(s, r, n, dtype, op, requested, deadline);
   }, deadline);
@@ -796,6 +849,19 @@ Status Communicator::Impl::DeviceAllGather(int device, const void* send, void* r
   const cuda::StagedCall call{.kind = cuda::StagedKind::kAllGather, .send = send, .recv = recv,
                               .count = count, .dtype = dtype, .rank = options_.rank,
                               .size = options_.world_size};
+  if (Plan(call) == cuda::StagedPlan::kDirect) {
+    // UCX moves device memory: a ring all-gather in place on the device
+    // buffer. The own block is put in place by the device (the algorithm
+    // would move it with the host); waiting for the staging queue also
+    // waits for the legacy default stream, so the input is complete before
+    // UCX reads it.
+    DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
+    const size_t bytes = count * DataTypeSize(dtype);
+    auto* own = static_cast<std::byte*>(recv) + options_.rank * bytes;
+    if (own != send) DDP_RETURN_IF_ERROR(engine->Copy2D(own, bytes, send, bytes, bytes, 1));
+    DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
+    return AllGather(own, recv, count, dtype, deadline);
+  }
   return Staged(device, call, [&](const void* s, void* r, size_t n) {
     return AllGather(s, r, n, dtype, deadline);
   }, deadline);
@@ -812,7 +878,9 @@ Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, voi
   }
   const cuda::StagedCall call{.kind = cuda::StagedKind::kReduceScatter, .send = send,
                               .recv = recv, .count = count, .dtype = dtype,
-                              .rank = options_.rank, .size = options_.world_size};
+                              .rank = options_.rank, .size = options_.world_size, .op = op};
+  const cuda::StagedPlan plan = Plan(call);
+  if (plan != cuda::StagedPlan::kHostSlots) return StagedDeviceReduce(device, call, plan, deadline);
   return Staged(device, call, [&](const void* s, void* r, size_t n) {
     return ReduceScatter(s, r, n, dtype, op, deadline);
   }, deadline);
@@ -987,7 +1055,8 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
   // A CUDA-enabled UCX takes the device buffer as it is: broadcast only
   // sends and receives whole buffers in place, the host never touches them.
-  const bool staged = device >= 0 && !impl_->ucx_cuda_memory();
+  const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
+                                                  .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
     return impl_->Broadcast(buffer, count, dtype, root, d);
@@ -1096,7 +1165,8 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
   DDP_ASYNC_CHECK(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
-  const bool staged = device >= 0 && !impl_->ucx_cuda_memory();
+  const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
+                                                  .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
     return impl_->Broadcast(buffer, count, dtype, root, d);

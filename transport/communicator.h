@@ -31,6 +31,14 @@
 
 namespace ddp::transport {
 
+/// Where staged all-reduces and reduce-scatters on device buffers reduce
+/// (see transport/README.md, Device buffers).
+enum class StagedReduce : int {
+  kAuto = 0,    ///< DDP_STAGED_REDUCE (device or host) when set, else kDevice.
+  kDevice = 1,  ///< On the GPU; the host only moves bytes. Up to 16 ranks, else as kHost.
+  kHost = 2,    ///< On the host CPU, in the pinned staging slots.
+};
+
 /// How a communicator is formed. Fields left at their defaults are taken from
 /// the launch environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 /// MASTER_ADDR, MASTER_PORT, DDP_JOB_TOKEN, DDP_STORE_HOST; see
@@ -77,6 +85,9 @@ struct CommunicatorOptions {
   /// Off by default until measured on a GPU; DDP_CUDA_IPC=1 turns it on.
   /// Equal on every rank.
   bool cuda_ipc = false;
+  /// Where staged all-reduces and reduce-scatters on device buffers reduce.
+  /// Equal on every rank.
+  StagedReduce staged_reduce = StagedReduce::kAuto;
 };
 
 /// Per-call settings.
@@ -117,16 +128,20 @@ struct CommunicatorInfo {
   std::string ucx_tls;         ///< UCX transports in force.
   std::string net_device;      ///< RDMA port chosen for this rank ("" none).
   std::string ring_order;      ///< Rank order of rings, "0 2 1 3".
-  /// UCX moves CUDA device memory itself: Broadcast and Send/Recv hand it
-  /// device pointers; otherwise they are staged through host memory.
+  /// UCX moves CUDA device memory itself: Broadcast, AllGather, Send/Recv
+  /// and the device-reduce exchanges hand it device pointers; otherwise
+  /// they are staged through host memory.
   bool ucx_cuda_memory = false;
+  /// The staged-reduce choice in force (never kAuto).
+  StagedReduce staged_reduce = StagedReduce::kDevice;
 };
 
 /// Device buffers: in a build with --config=cuda, every collective and
 /// Send/Recv also accepts CUDA device pointers (cudaMalloc), detected per
 /// call. Collectives stage them through pinned host memory in pipelined
-/// chunks and reduce on the host (see transport/README.md); every rank must
-/// pass the same kind of memory to one collective. Inputs must be complete:
+/// chunks, reducing on the device or the host (StagedReduce), or hand them
+/// to a UCX that moves device memory (see transport/README.md); every rank
+/// must pass the same kind of memory to one collective. Inputs must be complete:
 /// the copies wait for work on the legacy default stream, not for other
 /// streams. Results are in place when the call returns. Without CUDA every
 /// pointer is host memory.

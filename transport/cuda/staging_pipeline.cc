@@ -128,9 +128,8 @@ StagedPlan ChooseStagedPlan(const StagedCall& call, bool prefer_device,
                             bool network_reads_device) {
   const bool reduces =
       call.kind == StagedKind::kAllReduce || call.kind == StagedKind::kReduceScatter;
-  if (!prefer_device || !reduces || call.size > kMaxDeviceReduceSources) {
-    return StagedPlan::kHostReduce;
-  }
+  if (!reduces) return network_reads_device ? StagedPlan::kDirect : StagedPlan::kHostSlots;
+  if (!prefer_device || call.size > kMaxDeviceReduceSources) return StagedPlan::kHostSlots;
   return network_reads_device ? StagedPlan::kDeviceReduceDirect : StagedPlan::kDeviceReduce;
 }
 
@@ -312,6 +311,11 @@ Status RunStagedDeviceReduce(CopyEngine& engine, const StagedCall& call,
   // device is queued after chunk k's copies from the same slot, and the
   // host writes a slot only after WaitIn on a mark queued after them.
   auto run = [&]() -> Status {
+    // The network reads the user's buffer without the queue's ordering: the
+    // engine's queue starts after the work the input waits for (the CUDA
+    // engine's stream follows the legacy default stream), so draining it
+    // first makes the input complete.
+    if (network_reads_device) DDP_RETURN_IF_ERROR(engine.WaitAll(deadline));
     if (!network_reads_device) DDP_RETURN_IF_ERROR(start_out(0));
     for (size_t k = 0; k < chunks; ++k) {
       if (!network_reads_device && k + 1 < chunks) DDP_RETURN_IF_ERROR(start_out(k + 1));

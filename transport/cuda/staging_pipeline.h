@@ -107,20 +107,28 @@ Status RunStaged(CopyEngine& engine, const StagedCall& call, const HostCollectiv
 using HostExchange =
     std::function<Status(std::span<const algorithms::ExchangeBlock> blocks, size_t chunk_elements)>;
 
-/// How a staged all-reduce or reduce-scatter runs.
+/// How a collective on device buffers runs.
 enum class StagedPlan {
-  kHostReduce = 0,    ///< RunStaged: the host collective reduces in the slots.
+  /// RunStaged: through the host slots, where the host collective runs (and
+  /// reduces).
+  kHostSlots = 0,
   kDeviceReduce = 1,  ///< RunStagedDeviceReduce through the host slots.
   /// RunStagedDeviceReduce with the network reading and writing device
   /// memory (a CUDA-aware UCX): no host copies at all.
   kDeviceReduceDirect = 2,
+  /// Broadcast and all-gather over a network that reads device memory: the
+  /// host collective runs on the device buffers themselves (it only moves
+  /// bytes).
+  kDirect = 3,
 };
 
-/// The plan for `call`: the device reduces when `prefer_device`, the call is
-/// an all-reduce or reduce-scatter and one kernel takes every rank's
-/// segment (size <= kMaxDeviceReduceSources); it does so without host
-/// copies when `network_reads_device`. Everything else reduces on the host.
-/// Depends only on values equal on every rank.
+/// The plan for `call` given the network (`network_reads_device`: a
+/// CUDA-aware UCX). Broadcast and all-gather go direct when the network
+/// reads device memory, else through the slots. All-reduce and
+/// reduce-scatter reduce on the device when `prefer_device` and one kernel
+/// takes every rank's segment (size <= kMaxDeviceReduceSources), without
+/// host copies when the network reads device memory; else on the host in
+/// the slots. Depends only on values equal on every rank.
 StagedPlan ChooseStagedPlan(const StagedCall& call, bool prefer_device, bool network_reads_device);
 
 /// Elements per chunk of RunStagedDeviceReduce for `call` with slots (and

@@ -474,22 +474,28 @@ TEST(StagingPipelineDeviceReduce, ChunksFitTheSlotsExactly) {
   }
 }
 
-TEST(StagingPipelineDeviceReduce, PlanFollowsPreferenceKindWorldAndNetwork) {
+TEST(StagingPipelineDeviceReduce, PlanFollowsKindPreferenceWorldAndNetwork) {
   StagedCall call{.kind = StagedKind::kAllReduce, .size = 4};
   EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kDeviceReduce);
   EXPECT_EQ(ChooseStagedPlan(call, true, true), StagedPlan::kDeviceReduceDirect);
-  EXPECT_EQ(ChooseStagedPlan(call, false, true), StagedPlan::kHostReduce);
+  EXPECT_EQ(ChooseStagedPlan(call, false, true), StagedPlan::kHostSlots);
   call.kind = StagedKind::kReduceScatter;
   EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kDeviceReduce);
   call.size = kMaxDeviceReduceSources;
   EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kDeviceReduce);
   // One kernel takes at most kMaxDeviceReduceSources segments.
   call.size = kMaxDeviceReduceSources + 1;
-  EXPECT_EQ(ChooseStagedPlan(call, true, true), StagedPlan::kHostReduce);
+  EXPECT_EQ(ChooseStagedPlan(call, true, true), StagedPlan::kHostSlots);
+  EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kHostSlots);
+  // Broadcast and all-gather move bytes only: straight from device memory
+  // when the network reads it, whatever the reduction preference.
   call.size = 2;
   for (StagedKind kind : {StagedKind::kBroadcast, StagedKind::kAllGather}) {
     call.kind = kind;
-    EXPECT_EQ(ChooseStagedPlan(call, true, false), StagedPlan::kHostReduce);
+    for (bool prefer_device : {false, true}) {
+      EXPECT_EQ(ChooseStagedPlan(call, prefer_device, false), StagedPlan::kHostSlots);
+      EXPECT_EQ(ChooseStagedPlan(call, prefer_device, true), StagedPlan::kDirect);
+    }
   }
 }
 
