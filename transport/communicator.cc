@@ -195,13 +195,14 @@ class Communicator::Impl {
   // pinned host slots chunk by chunk (transport/cuda/staging_pipeline.h),
   // each chunk one host collective above.
   Status DeviceAllReduce(int device, const void* send, void* recv, size_t count, DataType dtype,
-                         ReduceOp op, Algorithm requested, Deadline deadline);
+                         ReduceOp op, Algorithm requested, StagedReduce where,
+                         Deadline deadline);
   Status DeviceBroadcast(int device, void* buffer, size_t count, DataType dtype, int root,
                          Deadline deadline);
   Status DeviceAllGather(int device, const void* send, void* recv, size_t count, DataType dtype,
                          Deadline deadline);
   Status DeviceReduceScatter(int device, const void* send, void* recv, size_t count,
-                             DataType dtype, ReduceOp op, Deadline deadline);
+                             DataType dtype, ReduceOp op, StagedReduce where, Deadline deadline);
   // The CUDA device of the device buffers among `buffers`, or -1 when all
   // are host memory (always, without CUDA) or count is 0. INVALID_ARGUMENT
   // when they are on two devices.
@@ -216,10 +217,20 @@ class Communicator::Impl {
                    Deadline deadline);
   // UCX moves device memory itself (a CUDA-enabled UCX).
   bool ucx_cuda_memory() const { return info_.ucx_cuda_memory; }
-  // How a staged call on device buffers runs (equal on every rank).
-  cuda::StagedPlan Plan(const cuda::StagedCall& call) const {
-    return cuda::ChooseStagedPlan(call, options_.staged_reduce == StagedReduce::kDevice,
-                                  ucx_cuda_memory());
+  // How a staged call on device buffers runs: `where` is the call's
+  // choice (kAuto: the communicator's). Equal on every rank.
+  cuda::StagedPlan Plan(const cuda::StagedCall& call,
+                        StagedReduce where = StagedReduce::kAuto) const {
+    if (where == StagedReduce::kAuto) where = options_.staged_reduce;
+    return cuda::ChooseStagedPlan(call, where == StagedReduce::kDevice, ucx_cuda_memory());
+  }
+  Status CheckStagedReduce(StagedReduce where) const {
+    if (where == StagedReduce::kAuto || where == StagedReduce::kDevice ||
+        where == StagedReduce::kHost) {
+      return Status::Ok();
+    }
+    return InvalidArgumentError("unknown staged_reduce " +
+                                std::to_string(static_cast<int>(where)));
   }
   Deadline DeadlineFor(const CallOptions& call) const {
     return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
@@ -376,6 +387,7 @@ Status Communicator::Impl::Init() {
   }
   if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
   if (GetEnv("DDP_CUDA_IPC") == "1") options_.cuda_ipc = true;
+  DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
   if (options_.staged_reduce == StagedReduce::kAuto) {
     const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
     options_.staged_reduce = StagedReduce::kDevice;
@@ -805,7 +817,7 @@ Status Communicator::Impl::StagedDeviceReduce(int device, const cuda::StagedCall
 // (device_allreduce_bench --staged_reduce compares them).
 Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* recv, size_t count,
                                            DataType dtype, ReduceOp op, Algorithm requested,
-                                           Deadline deadline) {
+                                           StagedReduce where, Deadline deadline) {
   DDP_ASSIGN_OR_RETURN(cuda::IpcCollectives* ipc, Ipc(device));
   if (ipc != nullptr) {
     DDP_ASSIGN_OR_RETURN(bool ran,
@@ -815,7 +827,7 @@ Status Communicator::Impl::DeviceAllReduce(int device, const void* send, void* r
   const cuda::StagedCall call{.kind = cuda::StagedKind::kAllReduce, .send = send, .recv = recv,
                               .count = count, .dtype = dtype, .rank = options_.rank,
                               .size = options_.world_size, .op = op};
-  const cuda::StagedPlan plan = Plan(call);
+  const cuda::StagedPlan plan = Plan(call, where);
   if (plan != cuda::StagedPlan::kHostSlots) return StagedDeviceReduce(device, call, plan, deadline);
   return Staged(device, call, [&](const void* s, void* r, size_t n) {
     return AllReduce(s, r, n, dtype, op, requested, deadline);
@@ -869,7 +881,7 @@ Status Communicator::Impl::DeviceAllGather(int device, const void* send, void* r
 
 Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, void* recv,
                                                size_t count, DataType dtype, ReduceOp op,
-                                               Deadline deadline) {
+                                               StagedReduce where, Deadline deadline) {
   DDP_ASSIGN_OR_RETURN(cuda::IpcCollectives* ipc, Ipc(device));
   if (ipc != nullptr) {
     DDP_ASSIGN_OR_RETURN(bool ran, ipc->ReduceScatter(send, recv, count, dtype, op,
@@ -879,7 +891,7 @@ Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, voi
   const cuda::StagedCall call{.kind = cuda::StagedKind::kReduceScatter, .send = send,
                               .recv = recv, .count = count, .dtype = dtype,
                               .rank = options_.rank, .size = options_.world_size, .op = op};
-  const cuda::StagedPlan plan = Plan(call);
+  const cuda::StagedPlan plan = Plan(call, where);
   if (plan != cuda::StagedPlan::kHostSlots) return StagedDeviceReduce(device, call, plan, deadline);
   return Staged(device, call, [&](const void* s, void* r, size_t n) {
     return ReduceScatter(s, r, n, dtype, op, deadline);
@@ -1031,12 +1043,14 @@ Algorithm Communicator::SelectedAlgorithm(size_t bytes) const {
 Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) {
-      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm, d);
+      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
+                                    call.staged_reduce, d);
     }
     return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
   });
@@ -1078,11 +1092,15 @@ Status Communicator::AllGather(const void* send, void* recv, size_t count, DataT
 Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, DataType dtype,
                                    ReduceOp op, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
-    if (device >= 0) return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, d);
+    if (device >= 0) {
+      return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce,
+                                        d);
+    }
     return impl_->ReduceScatter(send, recv, count, dtype, op, d);
   });
 }
@@ -1148,12 +1166,14 @@ Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std
 Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
+  DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) {
-      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm, d);
+      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
+                                    call.staged_reduce, d);
     }
     return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
   });
@@ -1188,11 +1208,15 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
 Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
+  DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
-    if (device >= 0) return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, d);
+    if (device >= 0) {
+      return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce,
+                                        d);
+    }
     return impl_->ReduceScatter(send, recv, count, dtype, op, d);
   });
 }

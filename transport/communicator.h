@@ -96,6 +96,9 @@ struct CallOptions {
   std::chrono::milliseconds timeout{0};
   /// All-reduce only: kAuto follows the communicator's choice.
   Algorithm algorithm = Algorithm::kAuto;
+  /// All-reduce and reduce-scatter on device buffers: where a staged call
+  /// reduces; kAuto follows the communicator's choice. Equal on every rank.
+  StagedReduce staged_reduce = StagedReduce::kAuto;
 };
 
 /// Handle of an asynchronous call. Cheap to copy; all copies see one result.

@@ -235,6 +235,7 @@ int ScenarioCreateOnly() {
   auto comm = Communicator::CreateFromEnvironment(WorkerOptions());
   std::printf("RESULT %s\n", comm.ok() ? "OK" : comm.status().ToString().c_str());
   if (!comm.ok()) return 2;
+  std::printf("STAGED_REDUCE %d\n", static_cast<int>((*comm)->info().staged_reduce));
   float x = 1;
   Status s = (*comm)->AllReduce(&x, 1, DataType::kF32, ReduceOp::kSum);
   return s.ok() && x == (*comm)->size() ? 0 : 1;
@@ -327,6 +328,28 @@ TEST(Communicator, BadTopologyFileIsNamed) {
     EXPECT_EQ(r.exit_code, 2) << job.Describe();
     EXPECT_NE(r.output.find("ranks[1].host: expected an integer"), std::string::npos) << job.Describe();
   }
+}
+
+TEST(Communicator, StagedReduceDefaultsToDeviceAndFollowsTheEnvironment) {
+  const std::pair<const char*, StagedReduce> cases[] = {
+      {"", StagedReduce::kDevice}, {"device", StagedReduce::kDevice}, {"host", StagedReduce::kHost}};
+  for (const auto& [value, want] : cases) {
+    Job job = RunJob(1, "create", {{"DDP_STAGED_REDUCE", value}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+    ASSERT_EQ(job.results.size(), 1u);
+    EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+    EXPECT_NE(job.results[0].output.find("STAGED_REDUCE " + std::to_string(static_cast<int>(want))),
+              std::string::npos)
+        << "DDP_STAGED_REDUCE=" << value << "\n" << job.Describe();
+  }
+}
+
+TEST(Communicator, BadStagedReduceIsNamed) {
+  Job job = RunJob(1, "create", {{"DDP_STAGED_REDUCE", "gpu"}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+  ASSERT_EQ(job.results.size(), 1u);
+  EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("DDP_STAGED_REDUCE=gpu: expected device or host"),
+            std::string::npos)
+      << job.Describe();
 }
 
 // Kills (or stops) rank `victim`, by default the last, while the others run
