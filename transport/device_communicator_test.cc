@@ -17,6 +17,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "transport/communicator.h"
@@ -265,6 +266,70 @@ int ScenarioSweep() {
   return failures == 0 ? 0 : 1;
 }
 
+// Staged all-reduce and reduce-scatter with each reduction placement
+// (CallOptions::staged_reduce), every dtype and op, against the closed form
+// and against the same call on host buffers (reduced by the host's
+// kernels), which must agree bit for bit: the inputs are small integers.
+int ScenarioStagedModes() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  const std::vector<size_t> counts = {1, static_cast<size_t>(n - 1), 1001, 6000};
+  const DataType types[] = {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
+                            DataType::kI32, DataType::kI64, DataType::kU8};
+  const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin,
+                          ReduceOp::kProd};
+  for (StagedReduce where : {StagedReduce::kDevice, StagedReduce::kHost}) {
+    const CallOptions call{.staged_reduce = where};
+    const std::string mode = where == StagedReduce::kDevice ? "device-reduce" : "host-reduce";
+    for (DataType dtype : types) {
+      const size_t elem = DataTypeSize(dtype);
+      for (ReduceOp op : ops) {
+        for (size_t count : counts) {
+          if (count == 0) continue;
+          const std::string suffix = " " + mode + " " + DataTypeName(dtype) + " " +
+                                     ReduceOpName(op) + " count " + std::to_string(count);
+          // All-reduce, out of place.
+          std::vector<char> input(count * elem);
+          FillInput(dtype, input.data(), count, me, op);
+          DeviceBuffer send(input.size()), recv(input.size());
+          send.Upload(input);
+          Status s = comm->AllReduce(send.get(), recv.get(), count, dtype, op, call);
+          WORKER_CHECK(s.ok(), "staged all-reduce" + suffix + ": " + s.ToString());
+          if (!s.ok()) return 1;
+          std::vector<char> host = input;
+          s = comm->AllReduce(host.data(), count, dtype, op);
+          WORKER_CHECK(s.ok(), "host all-reduce" + suffix + ": " + s.ToString());
+          std::vector<char> got = recv.Download();
+          std::string first;
+          WORKER_CHECK(CountWrong(dtype, got.data(), count, n, op, 0, &first) == 0,
+                       "staged all-reduce" + suffix + ": " + first);
+          WORKER_CHECK(std::memcmp(got.data(), host.data(), host.size()) == 0,
+                       "staged all-reduce" + suffix + ": differs from the host buffers' result");
+          WORKER_CHECK(got[input.size()] == 0x5A, "staged all-reduce" + suffix + ": wrote past the end");
+          // Reduce-scatter: rank r gets block r.
+          std::vector<char> blocks(n * count * elem);
+          FillInput(dtype, blocks.data(), n * count, me, op);
+          DeviceBuffer rs_send(blocks.size()), rs_recv(count * elem);
+          rs_send.Upload(blocks);
+          s = comm->ReduceScatter(rs_send.get(), rs_recv.get(), count, dtype, op, call);
+          WORKER_CHECK(s.ok(), "staged reduce-scatter" + suffix + ": " + s.ToString());
+          if (!s.ok()) return 1;
+          got = rs_recv.Download();
+          WORKER_CHECK(CountWrong(dtype, got.data(), count, n, op, me * count, &first) == 0,
+                       "staged reduce-scatter" + suffix + ": " + first);
+          WORKER_CHECK(got[count * elem] == 0x5A,
+                       "staged reduce-scatter" + suffix + ": wrote past the end");
+        }
+      }
+    }
+  }
+  if (me == 0) {
+    std::printf("INFO ranks=%d staged_reduce=%d ucx_cuda=%d\n", n,
+                static_cast<int>(comm->info().staged_reduce), comm->info().ucx_cuda_memory);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 // One large all-reduce at the default chunk size (several 4 MiB chunks).
 int ScenarioLarge() {
   auto comm = MustCreate();
@@ -273,15 +338,20 @@ int ScenarioLarge() {
   FillInput(DataType::kF32, input.data(), count, comm->rank(), ReduceOp::kSum);
   DeviceBuffer buf(input.size());
   buf.Upload(input);
-  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing}) {
-    buf.Upload(input);
-    Status s = comm->AllReduce(buf.get(), count, DataType::kF32, ReduceOp::kSum, {.algorithm = a});
-    WORKER_CHECK(s.ok(), "large device all-reduce: " + s.ToString());
-    const std::vector<char> result = buf.Download();
-    std::string first;
-    WORKER_CHECK(CountWrong(DataType::kF32, result.data(), count, comm->size(), ReduceOp::kSum, 0,
-                            &first) == 0,
-                 std::string("large device all-reduce ") + AlgorithmName(a) + ": " + first);
+  for (StagedReduce where : {StagedReduce::kDevice, StagedReduce::kHost}) {
+    for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing}) {
+      buf.Upload(input);
+      Status s = comm->AllReduce(buf.get(), count, DataType::kF32, ReduceOp::kSum,
+                                 {.algorithm = a, .staged_reduce = where});
+      WORKER_CHECK(s.ok(), "large device all-reduce: " + s.ToString());
+      const std::vector<char> result = buf.Download();
+      std::string first;
+      WORKER_CHECK(CountWrong(DataType::kF32, result.data(), count, comm->size(), ReduceOp::kSum,
+                              0, &first) == 0,
+                   std::string("large device all-reduce ") + AlgorithmName(a) +
+                       (where == StagedReduce::kDevice ? " device-reduce: " : " host-reduce: ") +
+                       first);
+    }
   }
   return failures == 0 ? 0 : 1;
 }
@@ -352,6 +422,7 @@ int RunScenario(const std::string& name) {
   if (name == "ipc_declined") return ScenarioIpcDeclined();
   if (name == "sweep") return ScenarioSweep();
   if (name == "large") return ScenarioLarge();
+  if (name == "staged_modes") return ScenarioStagedModes();
   if (name == "loop") return ScenarioLoop();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
@@ -384,19 +455,37 @@ Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string
   return Job{(*group)->Wait(DeadlineIn(limit))};
 }
 
-class DeviceSweep : public ::testing::TestWithParam<int> {};
+class DeviceSweep : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
 // Every collective, dtype and algorithm on device buffers, with staging
-// chunks of 512 bytes so that most counts take several chunks.
+// chunks of 512 bytes so that most counts take several chunks; staged
+// reductions on the device (the default) and on the host.
 TEST_P(DeviceSweep, EveryCollectiveOnDeviceBuffers) {
-  Job job = RunJob(GetParam(), "sweep",
-                   {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}, {"DDP_TEST_CHUNK_BYTES", "1024"}});
+  const auto& [ranks, staged_reduce] = GetParam();
+  Job job = RunJob(ranks, "sweep",
+                   {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}, {"DDP_TEST_CHUNK_BYTES", "1024"},
+                    {"DDP_STAGED_REDUCE", staged_reduce}});
+  ASSERT_EQ(job.results.size(), static_cast<size_t>(ranks));
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("INFO ranks="), std::string::npos) << job.Describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(RanksAndReduction, DeviceSweep,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values("device", "host")));
+
+class DeviceStagedModes : public ::testing::TestWithParam<int> {};
+
+// Both staged reduction placements in one job, every dtype and op, against
+// the closed form and the host buffers' result.
+TEST_P(DeviceStagedModes, DeviceAndHostReductionMatchTheCpu) {
+  Job job = RunJob(GetParam(), "staged_modes", {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}});
   ASSERT_EQ(job.results.size(), static_cast<size_t>(GetParam()));
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("INFO ranks="), std::string::npos) << job.Describe();
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, DeviceSweep, ::testing::Values(2, 4));
+INSTANTIATE_TEST_SUITE_P(Ranks, DeviceStagedModes, ::testing::Values(2, 4));
 
 class DeviceIpcSweep : public ::testing::TestWithParam<int> {};
 
@@ -425,14 +514,18 @@ TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {
 
 // A rank killed while the others all-reduce device buffers: every survivor
 // reports PEER_LOST naming it within the deadline, and later calls fail at
-// once with the same reason.
-void ExpectSurvivorsReport(int n, Algorithm algorithm, bool ipc = false) {
+// once with the same reason. `staged_reduce` is host by default, so that
+// the algorithm named is the one that runs (device reductions exchange
+// segments directly, whatever the algorithm).
+void ExpectSurvivorsReport(int n, Algorithm algorithm, bool ipc = false,
+                           const std::string& staged_reduce = "host") {
   const milliseconds timeout(3000);
   const int victim = n - 1;
   Job job = RunJob(n, "loop",
                    {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
                     {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())},
-                    {"DDP_CUDA_IPC", ipc ? "1" : "0"}},
+                    {"DDP_CUDA_IPC", ipc ? "1" : "0"},
+                    {"DDP_STAGED_REDUCE", staged_reduce}},
                    milliseconds(60000), [&](testing::ProcessGroup& group) {
                      // CUDA start-up takes a while; let the loop run first.
                      std::this_thread::sleep_for(milliseconds(6000));
@@ -457,6 +550,9 @@ TEST(DeviceFaults, PeerKilledDuringSharedMemoryAllReduce) {
   ExpectSurvivorsReport(2, Algorithm::kSharedMemory);
 }
 TEST(DeviceFaults, PeerKilledDuringUcxRingAllReduce) { ExpectSurvivorsReport(4, Algorithm::kRing); }
+TEST(DeviceFaults, PeerKilledDuringDeviceReduceExchange) {
+  ExpectSurvivorsReport(3, Algorithm::kAuto, /*ipc=*/false, "device");
+}
 TEST(DeviceFaults, PeerKilledDuringCudaIpcAllReduce) {
   ExpectSurvivorsReport(3, Algorithm::kAuto, /*ipc=*/true);
 }

@@ -1,13 +1,16 @@
 // All-reduce on device buffers against the same all-reduce on host buffers,
-// in one job, to measure what staging through pinned host memory costs and
-// how much of the copying the chunk pipeline hides. Needs a GPU.
+// in one job, to measure what staging through pinned host memory costs, how
+// much of the copying the chunk pipeline hides, and where the staged
+// reduction is better done (--staged_reduce: on the device, on the host, or
+// both side by side). Needs a GPU.
 //
 //   bazel run --config=cuda //transport/cuda:device_allreduce_bench --
-//       --nproc_per_node=2 --device_chunk_bytes=4194304
+//       --nproc_per_node=2 --device_chunk_bytes=4194304 --staged_reduce=both
 // (one command line)
 //
 // Rank 0 prints a '#' header, then one line per size and memory kind:
 //   bytes memory time_us algbw_GBps busbw_GBps copy_us wrong
+// memory: "device/device-reduce", "device/host-reduce" or "host".
 // copy_us: one unpipelined device->host plus host->device copy of the whole
 // buffer on this rank, the cost the pipeline tries to hide.
 
@@ -19,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "transport/communicator.h"
@@ -32,7 +36,9 @@ DEFINE_int32(iters, 20, "timed calls per size");
 DEFINE_int32(warmup_iters, 2, "untimed calls per size");
 DEFINE_int64(device_chunk_bytes, 0, "staging chunk per slot (0: the default, 4 MiB)");
 DEFINE_string(memory, "both", "device, host or both");
-DEFINE_string(algo, "auto", "auto, ring, tree, rhd, shm");
+DEFINE_string(algo, "auto", "auto, ring, tree, rhd, shm (host reductions only)");
+DEFINE_string(staged_reduce, "both",
+              "device buffers: where the staged all-reduce reduces: device, host or both");
 
 namespace ddp::transport {
 namespace {
@@ -72,14 +78,30 @@ int Run() {
   const Algorithm algorithm = ParseAlgo(FLAGS_algo);
   const int n = comm.size();
   if (comm.rank() == 0) {
-    std::printf("# ranks=%d devices=%d ucx_cuda=%d device_chunk_bytes=%lld algo=%s\n", n, devices,
-                comm.info().ucx_cuda_memory, static_cast<long long>(FLAGS_device_chunk_bytes),
-                FLAGS_algo.c_str());
+    std::printf("# ranks=%d devices=%d ucx_cuda=%d device_chunk_bytes=%lld algo=%s "
+                "staged_reduce=%s\n",
+                n, devices, comm.info().ucx_cuda_memory,
+                static_cast<long long>(FLAGS_device_chunk_bytes), FLAGS_algo.c_str(),
+                FLAGS_staged_reduce.c_str());
     std::printf("# bytes memory time_us algbw_GBps busbw_GBps copy_us wrong\n");
   }
-  std::vector<std::string> kinds;
-  if (FLAGS_memory != "host") kinds.push_back("device");
-  if (FLAGS_memory != "device") kinds.push_back("host");
+  if (FLAGS_staged_reduce != "device" && FLAGS_staged_reduce != "host" &&
+      FLAGS_staged_reduce != "both") {
+    std::fprintf(stderr, "--staged_reduce=%s: expected device, host or both\n",
+                 FLAGS_staged_reduce.c_str());
+    return 2;
+  }
+  // Label, and where a staged call reduces (unused for host memory).
+  std::vector<std::pair<std::string, StagedReduce>> kinds;
+  if (FLAGS_memory != "host") {
+    if (FLAGS_staged_reduce != "host") {
+      kinds.emplace_back("device/device-reduce", StagedReduce::kDevice);
+    }
+    if (FLAGS_staged_reduce != "device") {
+      kinds.emplace_back("device/host-reduce", StagedReduce::kHost);
+    }
+  }
+  if (FLAGS_memory != "device") kinds.emplace_back("host", StagedReduce::kAuto);
   for (double size = FLAGS_min_bytes; size <= FLAGS_max_bytes; size *= FLAGS_step_factor) {
     const size_t count = std::max<size_t>(1, static_cast<size_t>(size) / 4);
     const size_t bytes = count * 4;
@@ -92,10 +114,11 @@ int Run() {
     Must(cudaMemcpy(output.data(), device, bytes, cudaMemcpyDeviceToHost), "copy");
     Must(cudaMemcpy(device, output.data(), bytes, cudaMemcpyHostToDevice), "copy");
     const double copy_us = Seconds(std::chrono::steady_clock::now() - copy_start).count() * 1e6;
-    for (const std::string& kind : kinds) {
-      void* buffer = kind == "device" ? device : output.data();
+    for (const auto& [kind, where] : kinds) {
+      const bool on_device = kind != "host";
+      void* buffer = on_device ? device : output.data();
       auto reset = [&] {
-        if (kind == "device") {
+        if (on_device) {
           Must(cudaMemcpy(device, input.data(), bytes, cudaMemcpyHostToDevice), "upload");
         } else {
           output = input;
@@ -108,7 +131,8 @@ int Run() {
         Status s = comm.Barrier();
         const auto start = std::chrono::steady_clock::now();
         if (s.ok()) {
-          s = comm.AllReduce(buffer, count, DataType::kF32, ReduceOp::kSum, {.algorithm = algorithm});
+          s = comm.AllReduce(buffer, count, DataType::kF32, ReduceOp::kSum,
+                             {.algorithm = algorithm, .staged_reduce = where});
         }
         const double seconds = Seconds(std::chrono::steady_clock::now() - start).count();
         if (!s.ok()) {
@@ -119,7 +143,7 @@ int Run() {
         if (i >= FLAGS_warmup_iters) total += seconds;
       }
       std::vector<char> result(bytes);
-      if (kind == "device") {
+      if (on_device) {
         Must(cudaMemcpy(result.data(), device, bytes, cudaMemcpyDeviceToHost), "download");
       } else {
         result = output;
