@@ -75,10 +75,16 @@ TEST(DirectExchange, ARankRunningAnotherCollectiveFailsFastWithBothDescriptions)
     return DirectExchange(p2p, blocks, Args(20s, data.size()));
   });
   EXPECT_LT(Clock::now() - start, 10s);
-  // Rank 2 checks rank 1, which sent a broadcast's fingerprint.
-  EXPECT_EQ(statuses[2].code(), StatusCode::kInvalidArgument) << statuses[2];
-  EXPECT_THAT(statuses[2].message(), HasSubstr("broadcast"));
-  EXPECT_THAT(statuses[2].message(), HasSubstr("direct exchange"));
+  // Rank 1 checks rank 0's fingerprint, rank 2 checks rank 1's: whichever
+  // compares first names both collectives; the others may see it die first.
+  bool named = false;
+  for (const Status& status : statuses) {
+    EXPECT_FALSE(status.ok());
+    named |= status.code() == StatusCode::kInvalidArgument &&
+             status.message().find("broadcast") != std::string::npos &&
+             status.message().find("direct exchange") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << statuses[0] << "\n" << statuses[1] << "\n" << statuses[2];
 }
 
 TEST(DirectExchange, AMissingPeerTimesOutAtTheDeadline) {

@@ -580,11 +580,15 @@ TEST(StagingPipelineDeviceReduce, RanksWithDifferentSlotSizesFailFast) {
         deadline);
   });
   EXPECT_LT(Clock::now() - start, milliseconds(10000));
-  // Rank 0 checks rank 2's chunk size; the others then lose a peer.
-  EXPECT_EQ(statuses[0].code(), StatusCode::kInvalidArgument) << statuses[0].ToString();
-  EXPECT_NE(statuses[0].message().find("direct exchange"), std::string::npos)
-      << statuses[0].ToString();
-  for (const Status& s : statuses) EXPECT_FALSE(s.ok());
+  // Rank 0 checks rank 2's chunk size and rank 2 checks rank 1's: whichever
+  // compares first reports the mismatch; the others may lose it first.
+  bool named = false;
+  for (const Status& s : statuses) {
+    EXPECT_FALSE(s.ok());
+    named |= s.code() == StatusCode::kInvalidArgument &&
+             s.message().find("direct exchange") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << statuses[0].ToString() << "\n" << statuses[2].ToString();
 }
 
 }  // namespace
