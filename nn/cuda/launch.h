@@ -180,5 +180,14 @@ cudaError_t AdamStep(void* p, const void* g, void* exp_avg, void* exp_avg_sq, vo
                      const AdamCoefficients& c, Dt dt, cudaStream_t stream);
 /// t[i] *= inv_scale; *found_inf = 1.0f when some t[i] is inf or NaN (never reset here).
 cudaError_t UnscaleAndCheck(void* t, int64_t n, double inv_scale, float* found_inf, Dt dt, cudaStream_t stream);
+/// PyTorch's Adadelta, as nn/optim/adadelta.cc (one_minus_rho = 1 - rho, neg_lr = -lr).
+struct AdadeltaCoefficients {
+  double rho, one_minus_rho, eps, weight_decay, neg_lr, grad_scale;
+};
+cudaError_t AdadeltaStep(void* p, const void* g, void* square_avg, void* acc_delta, int64_t n,
+                         const AdadeltaCoefficients& c, Dt dt, cudaStream_t stream);
+/// *out = max(*out, |x[0]|, ..., |x[n-1]|), computed in f64; NaN if any x[i]
+/// is NaN (or *out already is). x: [n], any floating dtype; *out >= 0.
+cudaError_t MaxAbs(const void* x, int64_t n, double* out, Dt dt, cudaStream_t stream);
 
 }  // namespace ddp::nn::cuda::launch

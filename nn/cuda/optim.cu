@@ -1,9 +1,11 @@
-// Optimizer updates and the mixed-precision unscale/check. Shapes: every
-// operand is a contiguous [n] array of one dtype (f32 or f64 for updates,
-// any floating type for unscaling); one thread per element, grid-stride.
-// The arithmetic follows nn/optim's CPU kernels operation by operation
-// (nvcc may still fuse a multiply and an add into one FMA, which rounds once
-// instead of twice).
+// Optimizer updates, the mixed-precision unscale/check and the max-|x|
+// reduction of the infinity-norm gradient clip. Shapes: every operand is a
+// contiguous [n] array of one dtype (f32 or f64 for updates, any floating
+// type for unscaling and max-|x|); one thread per element, grid-stride.
+// The arithmetic follows nn/optim's CPU kernels operation by operation. In
+// SGD and Adam nvcc may still fuse a multiply and an add into one FMA, which
+// rounds once instead of twice; Adadelta rounds every product and sum on its
+// own (the _rn intrinsics are never contracted), as the x86-64 CPU loop does.
 #include <cstdint>
 
 #include "nn/cuda/device_util.cuh"
@@ -65,6 +67,60 @@ __global__ void AdamKernel(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, Ada
   }
 }
 
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double Mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double Add(double a, double b) { return __dadd_rn(a, b); }
+
+// The loop of nn/optim/adadelta.cc, same operands in the same order.
+template <typename T>
+__global__ void AdadeltaKernel(T* p, const T* g, T* sq, T* acc, int64_t n, AdadeltaCoefficients c) {
+  const T rho = static_cast<T>(c.rho), one_rho = static_cast<T>(c.one_minus_rho), eps = static_cast<T>(c.eps);
+  const T wd = static_cast<T>(c.weight_decay), neg_lr = static_cast<T>(c.neg_lr);
+  const T scale = static_cast<T>(c.grad_scale);
+  DDP_GRID_LOOP(i, n) {
+    T gi = Mul(g[i], scale);
+    if (c.weight_decay != 0) gi = Add(gi, Mul(wd, p[i]));
+    const T s = Add(Mul(sq[i], rho), Mul(Mul(one_rho, gi), gi));
+    sq[i] = s;
+    const T std_dev = Sqrt(Add(s, eps));
+    const T delta = Mul(Sqrt(Add(acc[i], eps)) / std_dev, gi);
+    acc[i] = Add(Mul(acc[i], rho), Mul(Mul(one_rho, delta), delta));
+    p[i] = Add(p[i], Mul(neg_lr, delta));
+  }
+}
+
+// max-|x| works on the bit patterns of non-negative f64 values: for those,
+// unsigned integer order is numeric order, and every NaN with a clear sign
+// bit (fabs clears it) is above +inf, so the integer maximum is the largest
+// |x| or a NaN when there is one. That lets blocks combine with the
+// integer atomicMax.
+using Bits = unsigned long long;
+
+__device__ __forceinline__ Bits MaxBits(Bits a, Bits b) { return a > b ? a : b; }
+
+constexpr int kMaxAbsThreads = 256;
+// Enough blocks to fill the GPU; each then reads many elements, and only
+// this many atomics meet at *out.
+constexpr unsigned kMaxAbsBlocks = 1024;
+
+template <typename T>
+__global__ void MaxAbsKernel(const T* x, int64_t n, Bits* out) {
+  __shared__ Bits warp_max[kMaxAbsThreads / 32];
+  Bits m = 0;  // +0.0
+  DDP_GRID_LOOP(i, n) {
+    const double a = fabs(static_cast<double>(Cast<acc_t<T>>(x[i])));
+    m = MaxBits(m, static_cast<Bits>(__double_as_longlong(a)));
+  }
+  for (int o = 16; o > 0; o /= 2) m = MaxBits(m, __shfl_down_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kMaxAbsThreads / 32; ++w) m = MaxBits(m, warp_max[w]);
+    atomicMax(out, m);
+  }
+}
+
 template <typename T>
 __global__ void UnscaleKernel(T* t, int64_t n, double inv_scale, float* found_inf) {
   using A = acc_t<T>;
@@ -119,6 +175,35 @@ cudaError_t UnscaleAndCheck(void* t, int64_t n, double inv_scale, float* found_i
   DDP_CUDA_DISPATCH_FLOATING(dt, {
     UnscaleKernel<scalar_t><<<device::GridFor(n), 256, 0, stream>>>(static_cast<scalar_t*>(t), n, inv_scale,
                                                                     found_inf);
+    err = cudaGetLastError();
+  });
+  return err;
+}
+
+cudaError_t AdadeltaStep(void* p, const void* g, void* square_avg, void* acc_delta, int64_t n,
+                         const AdadeltaCoefficients& c, Dt dt, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (dt == Dt::kF32) {
+    AdadeltaKernel<float><<<device::GridFor(n), 256, 0, stream>>>(
+        static_cast<float*>(p), static_cast<const float*>(g), static_cast<float*>(square_avg),
+        static_cast<float*>(acc_delta), n, c);
+  } else if (dt == Dt::kF64) {
+    AdadeltaKernel<double><<<device::GridFor(n), 256, 0, stream>>>(
+        static_cast<double*>(p), static_cast<const double*>(g), static_cast<double*>(square_avg),
+        static_cast<double*>(acc_delta), n, c);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t MaxAbs(const void* x, int64_t n, double* out, Dt dt, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const unsigned grid = device::GridFor(n) < kMaxAbsBlocks ? device::GridFor(n) : kMaxAbsBlocks;
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    MaxAbsKernel<scalar_t><<<grid, kMaxAbsThreads, 0, stream>>>(static_cast<const scalar_t*>(x), n,
+                                                                reinterpret_cast<Bits*>(out));
     err = cudaGetLastError();
   });
   return err;

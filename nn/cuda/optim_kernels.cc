@@ -26,11 +26,14 @@ void CheckState(const char* op, const Tensor& p, const char* name, const Tensor&
   }
 }
 
-void CheckParam(const char* op, const Tensor& p, int64_t step) {
+void CheckParam(const char* op, const Tensor& p) {
   if (!p.defined() || !p.device().is_cuda() || !p.is_contiguous() ||
       (p.dtype() != DType::kFloat32 && p.dtype() != DType::kFloat64)) {
     throw std::invalid_argument(std::string(op) + ": the parameter must be a contiguous f32 or f64 CUDA tensor");
   }
+}
+
+void CheckStep(const char* op, int64_t step) {
   if (step < 1) throw std::invalid_argument(std::string(op) + ": step counts from 1, got " + std::to_string(step));
 }
 
@@ -38,7 +41,8 @@ void CheckParam(const char* op, const Tensor& p, int64_t step) {
 
 void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& o) {
   const int64_t step = o.step;
-  CheckParam("SgdStep", p, step);
+  CheckParam("SgdStep", p);
+  CheckStep("SgdStep", step);
   CheckState("SgdStep", p, "grad", grad);
   if (o.momentum != 0) CheckState("SgdStep", p, "momentum_buffer", momentum_buffer);
   launch::SgdCoefficients c;
@@ -59,7 +63,8 @@ void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer,
 void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
               const Tensor& max_exp_avg_sq, const optim::AdamStepArgs& o) {
   const int64_t step = o.step;
-  CheckParam("AdamStep", p, step);
+  CheckParam("AdamStep", p);
+  CheckStep("AdamStep", step);
   CheckState("AdamStep", p, "grad", grad);
   CheckState("AdamStep", p, "exp_avg", exp_avg);
   CheckState("AdamStep", p, "exp_avg_sq", exp_avg_sq);
@@ -110,11 +115,61 @@ void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const
   }
 }
 
+void AdadeltaStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg, const Tensor& acc_delta,
+                  const optim::AdadeltaStepArgs& o) {
+  CheckParam("AdadeltaStep", p);
+  CheckState("AdadeltaStep", p, "grad", grad);
+  CheckState("AdadeltaStep", p, "square_avg", square_avg);
+  CheckState("AdadeltaStep", p, "acc_delta", acc_delta);
+  // 1 - rho and -lr in f64 as the CPU loop forms them; the kernel rounds them to the element type.
+  launch::AdadeltaCoefficients c;
+  c.rho = o.rho;
+  c.one_minus_rho = 1.0 - o.rho;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  c.neg_lr = -o.lr;
+  c.grad_scale = o.grad_scale;
+  DeviceGuard guard(p.device().index);
+  CheckCuda(launch::AdadeltaStep(p.data_ptr(), grad.data_ptr(), square_avg.data_ptr(), acc_delta.data_ptr(),
+                                 p.numel(), c, ToDt(p.dtype()), CurrentStream(p.device())),
+            "kernel `adadelta_step`");
+  p.storage()->BumpVersion();
+  square_avg.storage()->BumpVersion();
+  acc_delta.storage()->BumpVersion();
+}
+
+void MaxAbs(const std::vector<Tensor>& tensors, const Tensor& out) {
+  if (!out.defined() || out.numel() != 1 || out.dtype() != DType::kFloat64 || !out.device().is_cuda() ||
+      !out.is_contiguous()) {
+    throw std::invalid_argument("MaxAbs: out must be a one-element f64 CUDA tensor");
+  }
+  // Every tensor is checked before the first launch, so a bad one leaves out untouched.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    if (!t.defined()) continue;
+    if (t.device() != out.device() || !t.is_contiguous() || !IsFloating(t.dtype())) {
+      throw std::invalid_argument("MaxAbs: tensor " + std::to_string(i) + " (" + ShapeToString(t.shape()) + " " +
+                                  std::string(DTypeName(t.dtype())) + " on " + t.device().ToString() +
+                                  ") must be a contiguous floating tensor on " + out.device().ToString());
+    }
+  }
+  DeviceGuard guard(out.device().index);
+  const cudaStream_t stream = CurrentStream(out.device());
+  for (const Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    CheckCuda(launch::MaxAbs(t.data_ptr(), t.numel(), static_cast<double*>(out.data_ptr()), ToDt(t.dtype()), stream),
+              "kernel `max_abs`");
+  }
+  out.storage()->BumpVersion();
+}
+
 void RegisterOptimKernels() {
   optim::RegisterDeviceOptimKernels(DeviceType::kCUDA, optim::DeviceOptimKernels{
                                                            .sgd_step = &SgdStep,
                                                            .adam_step = &AdamStep,
                                                            .unscale_and_check = &UnscaleAndCheck,
+                                                           .adadelta_step = &AdadeltaStep,
+                                                           .max_abs = &MaxAbs,
                                                        });
 }
 

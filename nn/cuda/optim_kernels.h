@@ -2,11 +2,13 @@
 // one fused kernel per parameter and step, the same arithmetic as nn/optim's
 // CPU kernels (PyTorch's rules). These are the device halves of nn/optim:
 // Init() registers them with nn/optim's registry (nn/optim/device_kernels.h),
-// through which Sgd, Adam, AdamW and GradScaler reach them for CUDA
-// parameters; nn/optim itself never depends on this library.
+// through which Sgd, Adam, AdamW, Adadelta, GradScaler and ClipGradNorm's
+// infinity norm reach them for CUDA tensors; nn/optim itself never depends
+// on this library.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "nn/optim/device_kernels.h"
 #include "nn/tensor/tensor.h"
@@ -32,8 +34,21 @@ void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const 
 /// synchronization; the caller zeroes it before the first call of a step.
 void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const Tensor& found_inf);
 
-/// Registers SgdStep, AdamStep and UnscaleAndCheck with nn/optim for CUDA
-/// devices (Init() calls it).
+/// One Adadelta step in place: square_avg and acc_delta hold the state
+/// (zero before the first step). Same layout rules as SgdStep. Registered
+/// as nn/optim's CUDA `adadelta_step`.
+void AdadeltaStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg, const Tensor& acc_delta,
+                  const optim::AdadeltaStepArgs& args);
+
+/// For ClipGradNorm's infinity norm: raises out (a one-element f64 CUDA
+/// tensor holding a value >= 0, zeroed by the caller) to the largest |x|
+/// over the tensors (contiguous, floating, out's device; undefined ones
+/// skipped), NaN when any element is NaN. Never reads out back. Registered
+/// as nn/optim's CUDA `max_abs`.
+void MaxAbs(const std::vector<Tensor>& tensors, const Tensor& out);
+
+/// Registers SgdStep, AdamStep, UnscaleAndCheck, AdadeltaStep and MaxAbs
+/// with nn/optim for CUDA devices (Init() calls it).
 void RegisterOptimKernels();
 
 }  // namespace ddp::nn::cuda

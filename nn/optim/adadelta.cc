@@ -1,7 +1,7 @@
 #include "nn/optim/adadelta.h"
 
+#include "nn/optim/device_kernels.h"
 #include "nn/optim/kernel_util.h"
-#include "nn/ops/dispatch.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -56,42 +56,24 @@ void Adadelta::Update(double* p, const double* g, double* const* slots, int64_t 
   Kernel(p, g, slots, n, grad_scale);
 }
 
-// No fused device kernel: the rule is composed from the device's elementwise
-// kernels (ten passes over n elements instead of one, all queued on the
-// current stream). Same order of operations as Kernel above.
 void Adadelta::CheckDeviceKernels(Device device) const {
-  const auto& k = ops::KernelsFor(device.type);
-  if (!k.affine || !k.add_scaled_ || !k.binary || !k.unary) {
-    ops::detail::ThrowNoKernel("adadelta (affine, add_scaled_, binary, unary)", device);
+  if (DeviceOptimKernelsFor(device.type).adadelta_step == nullptr) {
+    internal::ThrowNoDeviceKernel(Name(), "adadelta_step", device);
   }
 }
 
+// One fused kernel per parameter (it follows Kernel above operation by
+// operation): one pass over p, g and the two slots instead of the ten that
+// composing elementwise ops would take.
 void Adadelta::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t,
                             double grad_scale) {
-  const Device dev = p.device();
-  const Tensor& sq = slots[0];
-  const Tensor& acc = slots[1];
-  const double rho = options_.rho, one_rho = 1.0 - options_.rho, eps = options_.eps;
-  auto temp = [&] { return Empty(p.shape(), {.dtype = p.dtype(), .device = dev}); };
-  const auto& k = ops::KernelsFor(dev.type);
-  const Tensor gi = temp(), t1 = temp(), t2 = temp(), t3 = temp();
-  k.affine(g, grad_scale, 0.0, gi);
-  if (options_.weight_decay != 0) k.add_scaled_(gi, p, options_.weight_decay);
-  k.binary(ops::BinaryOp::kMul, gi, gi, t1);   // g^2
-  k.affine(sq, rho, 0.0, sq);
-  k.add_scaled_(sq, t1, one_rho);               // sq = rho sq + (1 - rho) g^2
-  k.affine(sq, 1.0, eps, t2);
-  k.unary(ops::UnaryOp::kSqrt, t2, t1);         // t1 = sqrt(sq + eps)
-  k.affine(acc, 1.0, eps, t2);
-  k.unary(ops::UnaryOp::kSqrt, t2, t3);         // t3 = sqrt(acc + eps)
-  k.binary(ops::BinaryOp::kDiv, t3, t1, t2);
-  k.binary(ops::BinaryOp::kMul, t2, gi, t3);    // t3 = delta
-  k.binary(ops::BinaryOp::kMul, t3, t3, t1);    // t1 = delta^2
-  k.affine(acc, rho, 0.0, acc);
-  k.add_scaled_(acc, t1, one_rho);              // acc = rho acc + (1 - rho) delta^2
-  k.add_scaled_(p, t3, -lr());
-  sq.storage()->BumpVersion();
-  acc.storage()->BumpVersion();
+  DeviceOptimKernelsFor(p.device().type)
+      .adadelta_step(p, g, slots[0], slots[1],
+                     AdadeltaStepArgs{.lr = lr(),
+                                      .rho = options_.rho,
+                                      .eps = options_.eps,
+                                      .weight_decay = options_.weight_decay,
+                                      .grad_scale = grad_scale});
 }
 
 }  // namespace ddp::nn::optim

@@ -17,7 +17,7 @@ double Accumulate(const T* g, int64_t n, double q) {
   if (std::isinf(q)) {
     for (int64_t i = 0; i < n; ++i) {
       const double a = std::fabs(static_cast<double>(static_cast<acc_t<T>>(g[i])));
-      if (!(a <= acc)) acc = a;  // keeps NaN
+      if (a > acc || std::isnan(a)) acc = a;  // once NaN, nothing compares greater: NaN stays
     }
   } else if (q == 2.0) {
     for (int64_t i = 0; i < n; ++i) {
@@ -71,6 +71,20 @@ double DeviceSum(const std::vector<Tensor>& grads, double q) {
   return total.Item();  // the one host synchronization
 }
 
+// Device gradients, infinity norm: the largest |g| over all gradients, kept
+// in one f64 element on the device by the device's `max_abs` kernel (NaN
+// wins, as on the CPU) and read back once.
+double DeviceMaxAbs(const std::vector<Tensor>& grads) {
+  const Device dev = grads.front().device();
+  const auto max_abs = DeviceOptimKernelsFor(dev.type).max_abs;
+  if (max_abs == nullptr) internal::ThrowNoDeviceKernel("ClipGradNorm (infinity norm)", "max_abs", dev);
+  // Checked before anything runs: the clipping itself scales with `affine`.
+  if (!ops::KernelsFor(dev.type).affine) ops::detail::ThrowNoKernel("ClipGradNorm (affine)", dev);
+  const Tensor out = Zeros({1}, {.dtype = DType::kFloat64, .device = dev});
+  max_abs(grads, out);
+  return out.Item();  // the one host synchronization
+}
+
 }  // namespace
 
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
@@ -91,18 +105,14 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
     grads.push_back(g);
   }
   const bool device_path = !grads.empty() && internal::UsesDevicePath(grads.front().device());
-  if (device_path && std::isinf(norm_type)) {
-    throw std::invalid_argument("ClipGradNorm: the infinity norm is not available for gradients on " +
-                                grads.front().device().ToString() + " (use a finite norm_type)");
-  }
   double acc = 0;
-  if (device_path) acc = DeviceSum(grads, norm_type);
+  if (device_path) acc = std::isinf(norm_type) ? DeviceMaxAbs(grads) : DeviceSum(grads, norm_type);
   for (const Tensor& g : grads) {
     if (device_path) break;
     double part = 0;
     DDP_DISPATCH_FLOATING(g.dtype(), "ClipGradNorm", part = Accumulate(g.data<scalar_t>(), g.numel(), norm_type));
     if (std::isinf(norm_type)) {
-      if (!(part <= acc)) acc = part;
+      if (part > acc || std::isnan(part)) acc = part;
     } else {
       acc += part;
     }

@@ -25,7 +25,8 @@ void RegisterDeviceOptimKernels(DeviceType type, const DeviceOptimKernels& kerne
   r.tables[static_cast<int>(type)] = kernels;
   if (type == DeviceType::kCPU) {
     r.cpu_registered = kernels.sgd_step != nullptr || kernels.adam_step != nullptr ||
-                       kernels.unscale_and_check != nullptr;
+                       kernels.adadelta_step != nullptr || kernels.unscale_and_check != nullptr ||
+                       kernels.max_abs != nullptr;
   }
 }
 

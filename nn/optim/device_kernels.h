@@ -5,8 +5,9 @@
 // device backend registers per device type, so that nn/optim never depends
 // on a backend at build time. nn::cuda::Init() registers CUDA's
 // (nn/cuda/optim_kernels.h). Optimizers, GradScaler and ClipGradNorm look a
-// parameter's device type up here; Adadelta and ClipGradNorm need no entry
-// (they compose the ops kernel table's elementwise kernels and reductions).
+// parameter's device type up here. ClipGradNorm's finite norms compose the
+// ops kernel table's elementwise kernels and reductions; its infinity norm
+// needs `max_abs` from here.
 //
 // Conventions: every tensor of one call is contiguous and lives on one
 // device; parameters, gradients and state share the compute dtype (f32 or
@@ -44,6 +45,15 @@ struct AdamStepArgs {
   double grad_scale = 1.0;
 };
 
+/// One Adadelta step's coefficients (PyTorch's rule, see adadelta.h).
+struct AdadeltaStepArgs {
+  double lr = 1.0;
+  double rho = 0.9;
+  double eps = 1e-6;
+  double weight_decay = 0.0;  ///< L2 penalty added to the (scaled) gradient.
+  double grad_scale = 1.0;    ///< Multiplies the gradient as it is read.
+};
+
 /// Kernels of one device type; an empty entry is reported by name.
 struct DeviceOptimKernels {
   /// p and momentum_buffer (undefined when momentum is 0) updated in place.
@@ -57,6 +67,14 @@ struct DeviceOptimKernels {
   /// caller) to 1 if any element was inf or NaN; never reads it back.
   void (*unscale_and_check)(const std::vector<Tensor>& tensors, double inv_scale,
                             const Tensor& found_inf) = nullptr;
+  // Entries are appended, never reordered (designated initializers name them in order).
+  /// p, square_avg and acc_delta updated in place.
+  void (*adadelta_step)(const Tensor& p, const Tensor& grad, const Tensor& square_avg, const Tensor& acc_delta,
+                        const AdadeltaStepArgs& args) = nullptr;
+  /// Raises out (one f64 element on the same device, zeroed by the caller)
+  /// to the largest |element| of the tensors (any floating dtype, undefined
+  /// ones skipped); a NaN anywhere makes out NaN. Never reads it back.
+  void (*max_abs)(const std::vector<Tensor>& tensors, const Tensor& out) = nullptr;
 };
 
 /// Installs the kernels of a device type (replacing any previous ones).

@@ -4,10 +4,11 @@
 // independently of sgd.cc/adam.cc), so everything around the kernels is
 // exercised without a GPU: state allocation on the parameter's device, f32
 // master copies of 16-bit parameters, gradient conversion, the loss
-// scaler's found-inf flag, ClipGradNorm and Adadelta composed from the ops
-// kernel table, state save and load. Results must match the host path
-// (tolerances: 1e-6 relative in f32, 1e-12 in f64; bf16 parameters
-// identical up to one bf16 rounding, 1e-2 relative).
+// scaler's found-inf flag, ClipGradNorm (finite norms composed from the ops
+// kernel table, the infinity norm through `max_abs`), state save and load.
+// Results must match the host path (tolerances: 1e-6 relative in f32, 1e-12
+// in f64; bf16 parameters identical up to one bf16 rounding, 1e-2 relative;
+// the infinity norm exactly, as a maximum involves no rounding).
 //
 // The CUDA kernels themselves are tested against the host path by
 // nn/cuda:optim_kernels_test and nn/cuda:optim_device_test (GPU).
@@ -37,8 +38,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 struct Calls {
-  int sgd = 0, adam = 0, unscale = 0;
-  size_t unscale_tensors = 0;
+  int sgd = 0, adam = 0, adadelta = 0, unscale = 0, max_abs = 0;
+  size_t unscale_tensors = 0, max_abs_tensors = 0;
+  AdadeltaStepArgs last_adadelta;
 };
 Calls g_calls;
 
@@ -108,6 +110,56 @@ void TestAdamStep(const Tensor& p, const Tensor& g, const Tensor& m, const Tenso
   }
 }
 
+template <typename T>
+void AdadeltaLoop(const Tensor& p, const Tensor& g, const Tensor& sq, const Tensor& acc, const AdadeltaStepArgs& a) {
+  T* pp = p.data<T>();
+  const T* gp = g.data<T>();
+  T* sp = sq.data<T>();
+  T* ap = acc.data<T>();
+  const T rho = static_cast<T>(a.rho), eps = static_cast<T>(a.eps);
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    const T grad = gp[i] * static_cast<T>(a.grad_scale) + (a.weight_decay != 0 ? static_cast<T>(a.weight_decay) * pp[i] : T(0));
+    sp[i] = sp[i] * rho + static_cast<T>(1.0 - a.rho) * grad * grad;
+    const T delta = std::sqrt(ap[i] + eps) / std::sqrt(sp[i] + eps) * grad;
+    ap[i] = ap[i] * rho + static_cast<T>(1.0 - a.rho) * delta * delta;
+    pp[i] = pp[i] + static_cast<T>(-a.lr) * delta;
+  }
+}
+
+void TestAdadeltaStep(const Tensor& p, const Tensor& g, const Tensor& sq, const Tensor& acc,
+                      const AdadeltaStepArgs& a) {
+  ++g_calls.adadelta;
+  g_calls.last_adadelta = a;
+  ASSERT_EQ(p.dtype(), g.dtype());
+  ASSERT_EQ(sq.dtype(), p.dtype());
+  ASSERT_EQ(acc.dtype(), p.dtype());
+  ASSERT_EQ(sq.numel(), p.numel());
+  ASSERT_EQ(acc.numel(), p.numel());
+  if (p.dtype() == DType::kFloat64) {
+    AdadeltaLoop<double>(p, g, sq, acc, a);
+  } else {
+    AdadeltaLoop<float>(p, g, sq, acc, a);
+  }
+}
+
+// Any NaN makes the result NaN; otherwise the largest magnitude.
+void TestMaxAbs(const std::vector<Tensor>& tensors, const Tensor& out) {
+  ++g_calls.max_abs;
+  g_calls.max_abs_tensors += tensors.size();
+  ASSERT_EQ(out.numel(), 1);
+  ASSERT_EQ(out.dtype(), DType::kFloat64);
+  double& m = out.data<double>()[0];
+  for (const Tensor& t : tensors) {
+    for (double x : t.ToVector<double>()) {
+      if (std::isnan(x) || std::isnan(m)) {
+        m = std::numeric_limits<double>::quiet_NaN();
+      } else {
+        m = std::max(m, std::abs(x));
+      }
+    }
+  }
+}
+
 void TestUnscale(const std::vector<Tensor>& tensors, double inv_scale, const Tensor& found_inf) {
   ++g_calls.unscale;
   g_calls.unscale_tensors += tensors.size();
@@ -130,7 +182,9 @@ class DevicePathTest : public ::testing::Test {
     g_calls = Calls();
     RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.sgd_step = &TestSgdStep,
                                                                     .adam_step = &TestAdamStep,
-                                                                    .unscale_and_check = &TestUnscale});
+                                                                    .unscale_and_check = &TestUnscale,
+                                                                    .adadelta_step = &TestAdadeltaStep,
+                                                                    .max_abs = &TestMaxAbs});
     ASSERT_TRUE(internal::UsesDevicePath(kCPU));
   }
   void TearDown() override {
@@ -208,9 +262,10 @@ TEST_F(DevicePathTest, EveryOptimizerFollowsTheHostPath) {
         SetGrads(dev, s);
         dev_opt->Step();
       }
-      // One fused kernel per parameter and step (Adadelta composes ops instead).
+      // One fused kernel per parameter and step.
       EXPECT_EQ(g_calls.sgd, name.rfind("sgd", 0) == 0 ? 6 : 0);
       EXPECT_EQ(g_calls.adam, name.rfind("adam", 0) == 0 ? 6 : 0);
+      EXPECT_EQ(g_calls.adadelta, name == "adadelta" ? 6 : 0);
       for (size_t i = 0; i < host.size(); ++i) {
         EXPECT_EQ(dev[i].second.dtype(), dtype);
         ExpectClose(dev[i].second, host[i].second, Tolerance(dtype), host[i].first);
@@ -324,8 +379,142 @@ TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {
   NamedParameters p = MakeParams(DType::kBFloat16, 5);
   SetGrads(p, 1);
   EXPECT_GT(ClipGradNorm({p[0].second, p[1].second}, 1e9), 0.0);
-  EXPECT_THAT([&] { ClipGradNorm({p[0].second}, 1.0, kInfNorm); },
-              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("infinity norm")));
+}
+
+// Adadelta through `adadelta_step`, with and without weight decay, in f32
+// and f64, on odd sizes, for several steps, and with a loss-scaler factor.
+TEST_F(DevicePathTest, AdadeltaUsesItsFusedKernelAndFollowsTheHostPath) {
+  struct Case {
+    AdadeltaOptions options;
+    double grad_scale;
+  };
+  const Case cases[] = {{{}, 1.0},
+                        {{.lr = 0.5, .rho = 0.8, .eps = 1e-5, .weight_decay = 3e-2}, 1.0},
+                        {{.lr = 2.0, .rho = 0.95, .weight_decay = 1e-3}, 0.125}};
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + " weight_decay " + std::to_string(c.options.weight_decay) +
+                   " grad_scale " + std::to_string(c.grad_scale));
+      auto make = [&](uint64_t seed) {
+        Generator gen(seed);
+        return NamedParameters{{"a", Randn({1}, {}, gen).To(dtype)},
+                               {"b", Randn({7, 3}, {}, gen).To(dtype)},
+                               {"c", Randn({257}, {}, gen).To(dtype)}};
+      };
+      NamedParameters host = make(6), dev = make(6);
+      OnHostPath([&] {
+        Adadelta opt(host, c.options);
+        opt.set_grad_scale(c.grad_scale);
+        for (int s = 0; s < 5; ++s) {
+          SetGrads(host, s, 1.0 / c.grad_scale);
+          opt.Step();
+        }
+      });
+      Adadelta opt(dev, c.options);
+      opt.set_grad_scale(c.grad_scale);
+      g_calls = Calls();
+      for (int s = 0; s < 5; ++s) {
+        SetGrads(dev, s, 1.0 / c.grad_scale);
+        opt.Step();
+      }
+      EXPECT_EQ(g_calls.adadelta, 15);
+      EXPECT_EQ(g_calls.last_adadelta.lr, c.options.lr);
+      EXPECT_EQ(g_calls.last_adadelta.rho, c.options.rho);
+      EXPECT_EQ(g_calls.last_adadelta.eps, c.options.eps);
+      EXPECT_EQ(g_calls.last_adadelta.weight_decay, c.options.weight_decay);
+      EXPECT_EQ(g_calls.last_adadelta.grad_scale, c.grad_scale);
+      for (size_t i = 0; i < host.size(); ++i) {
+        ExpectClose(dev[i].second, host[i].second, Tolerance(dtype), host[i].first);
+      }
+    }
+  }
+}
+
+NamedParameters ThreeGradients(DType dtype) {
+  NamedParameters p = {{"a", Zeros({5}, {.dtype = dtype})},
+                       {"b", Zeros({3, 3}, {.dtype = dtype})},
+                       {"c", Zeros({131}, {.dtype = dtype})}};
+  SetGrads(p, 2);
+  return p;
+}
+
+std::vector<Tensor> Params(const NamedParameters& p) {
+  std::vector<Tensor> out;
+  for (const auto& [name, t] : p) out.push_back(t);
+  return out;
+}
+
+// The infinity norm through `max_abs`: one call for all gradients, the same
+// norm and clipped gradients as the host path, whether max_norm is exceeded
+// or not, and NaN and inf handled as on the host.
+TEST_F(DevicePathTest, ClipGradNormInfinityNormMatchesTheHostPath) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    for (double max_norm : {0.1, 1e3}) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + " max_norm " + std::to_string(max_norm));
+      NamedParameters host = ThreeGradients(dtype), dev = ThreeGradients(dtype);
+      double host_norm = 0;
+      OnHostPath([&] { host_norm = ClipGradNorm(Params(host), max_norm, kInfNorm); });
+      g_calls = Calls();
+      const double dev_norm = ClipGradNorm(Params(dev), max_norm, kInfNorm);
+      EXPECT_EQ(g_calls.max_abs, 1);
+      EXPECT_EQ(g_calls.max_abs_tensors, 3u);
+      EXPECT_EQ(dev_norm, host_norm);
+      EXPECT_EQ(host_norm > max_norm, max_norm == 0.1) << host_norm;
+      for (size_t i = 0; i < host.size(); ++i) {
+        ExpectClose(dev[i].second.grad(), host[i].second.grad(), Tolerance(dtype), host[i].first);
+      }
+    }
+  }
+  const double kInf = std::numeric_limits<double>::infinity();
+  for (double bad : {std::numeric_limits<double>::quiet_NaN(), kInf, -kInf}) {
+    SCOPED_TRACE(bad);
+    NamedParameters host = ThreeGradients(DType::kFloat32), dev = ThreeGradients(DType::kFloat32);
+    host[1].second.grad().data<float>()[4] = static_cast<float>(bad);
+    dev[1].second.grad().data<float>()[4] = static_cast<float>(bad);
+    double host_norm = 0;
+    OnHostPath([&] { host_norm = ClipGradNorm(Params(host), 1.0, kInfNorm); });
+    const double dev_norm = ClipGradNorm(Params(dev), 1.0, kInfNorm);
+    if (std::isnan(bad)) {
+      EXPECT_TRUE(std::isnan(host_norm));
+      EXPECT_TRUE(std::isnan(dev_norm));
+    } else {
+      EXPECT_EQ(host_norm, kInf);
+      EXPECT_EQ(dev_norm, kInf);
+    }
+    // Both paths scale by the same (0 or NaN) coefficient.
+    for (size_t i = 0; i < host.size(); ++i) {
+      const std::vector<float> h = host[i].second.grad().ToVector<float>(),
+                               d = dev[i].second.grad().ToVector<float>();
+      ASSERT_EQ(h.size(), d.size());
+      for (size_t k = 0; k < h.size(); ++k) {
+        EXPECT_TRUE(h[k] == d[k] || (std::isnan(h[k]) && std::isnan(d[k]))) << host[i].first << "[" << k << "]";
+      }
+    }
+    NamedParameters again = ThreeGradients(DType::kFloat32);
+    again[2].second.grad().data<float>()[130] = static_cast<float>(bad);
+    EXPECT_THAT([&] { ClipGradNorm(Params(again), 1.0, kInfNorm, /*error_if_nonfinite=*/true); },
+                ::testing::ThrowsMessage<std::runtime_error>(HasSubstr("total norm")));
+  }
+  // A NaN in the first tensor is not hidden by larger values after it.
+  NamedParameters p = ThreeGradients(DType::kFloat32);
+  p[0].second.grad().data<float>()[0] = std::nanf("");
+  p[2].second.grad().data<float>()[7] = 1e30f;
+  EXPECT_TRUE(std::isnan(ClipGradNorm(Params(p), 1.0, kInfNorm)));
+  // Parameters without gradients are ignored; no gradients at all: norm 0, no kernel.
+  g_calls = Calls();
+  EXPECT_EQ(ClipGradNorm({Zeros({3})}, 1.0, kInfNorm), 0.0);
+  EXPECT_EQ(g_calls.max_abs, 0);
+}
+
+TEST(DeviceKernelRegistry, AnyCpuEntryTurnsTheDevicePathOn) {
+  EXPECT_FALSE(internal::UsesDevicePath(kCPU));
+  RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.adadelta_step = &TestAdadeltaStep});
+  EXPECT_TRUE(internal::UsesDevicePath(kCPU));
+  RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.max_abs = &TestMaxAbs});
+  EXPECT_TRUE(internal::UsesDevicePath(kCPU));
+  EXPECT_EQ(DeviceOptimKernelsFor(DeviceType::kCPU).adadelta_step, nullptr);
+  RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{});
+  EXPECT_FALSE(internal::UsesDevicePath(kCPU));
 }
 
 // A real loop (the CNN under f16 autocast with the loss scaler, SGD with
@@ -391,7 +580,13 @@ TEST(DeviceErrors, NoRegisteredKernelNamesTheDevice) {
   GradScaler scaler;
   EXPECT_THAT([&] { scaler.Unscale(adam); },
               ::testing::ThrowsMessage<std::runtime_error>(HasSubstr("unscale_and_check")));
+  Adadelta adadelta({{"w", w}}, {});
+  EXPECT_THAT([&] { adadelta.Step(); }, ::testing::ThrowsMessage<std::runtime_error>(
+                                            AllOf(HasSubstr("adadelta_step"), HasSubstr("cuda:0"))));
+  EXPECT_THAT([&] { ClipGradNorm({w}, 1.0, kInfNorm); },
+              ::testing::ThrowsMessage<std::runtime_error>(AllOf(HasSubstr("max_abs"), HasSubstr("cuda:0"))));
   EXPECT_EQ(wb, std::vector<float>(4, 0.0f));
+  EXPECT_EQ(gb, std::vector<float>(4, 0.0f));
 }
 
 }  // namespace
