@@ -377,6 +377,14 @@ TEST_F(CudaMisuseTest, OptimizerStepsNameMismatchedState) {
   ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), {.momentum = 0.9}); }, "momentum_buffer");
   ExpectMessage([&] { AdamStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {3}), Tensor(), {}); }, "exp_avg_sq [3]");
   ExpectMessage([&] { UnscaleAndCheck({On(0, {4})}, 0.5, On(0, {1}, DType::kFloat64)); }, "one-element f32");
+  ExpectMessage([&] { AdadeltaStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {2, 2}), {}); }, "acc_delta [2, 2]");
+  ExpectMessage([&] { AdadeltaStep(On(0, {4}), On(0, {4}), On(0, {4}, DType::kFloat64), On(0, {4}), {}); },
+                "square_avg [4] f64");
+  ExpectMessage([&] { AdadeltaStep(On(0, {4}, DType::kInt64), On(0, {4}), On(0, {4}), On(0, {4}), {}); },
+                "contiguous f32 or f64 CUDA tensor");
+  ExpectMessage([&] { MaxAbs({On(0, {4})}, On(0, {1})); }, "one-element f64");
+  ExpectMessage([&] { MaxAbs({On(0, {4}), On(1, {4})}, On(0, {1}, DType::kFloat64)); }, "tensor 1 ([4] f32 on cuda:1)");
+  ExpectMessage([&] { MaxAbs({On(0, {4}, DType::kInt64)}, On(0, {1}, DType::kFloat64)); }, "floating tensor on cuda:0");
 }
 
 TEST(CudaStream, TimeoutMustBePositive) {
@@ -395,6 +403,8 @@ TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
   EXPECT_NE(k.sgd_step, nullptr);
   EXPECT_NE(k.adam_step, nullptr);
   EXPECT_EQ(k.unscale_and_check, &UnscaleAndCheck);
+  EXPECT_EQ(k.adadelta_step, &AdadeltaStep);
+  EXPECT_EQ(k.max_abs, &MaxAbs);
   EXPECT_TRUE(optim::internal::UsesDevicePath(Device(DeviceType::kCUDA, 0)));
   EXPECT_FALSE(optim::internal::UsesDevicePath(kCPU));
 }

@@ -3,11 +3,12 @@
 // and autocast training of the CNN on the GPU against the CPU's f32 run.
 //
 // Tolerances, |gpu - cpu| <= atol + rtol * |cpu|:
-// - f32 and f64 updates after 3-5 steps: rtol 1e-5, atol 1e-6 (nvcc fuses
-//   multiply-adds, Adadelta's composed kernels round per pass);
+// - f32 and f64 updates after 3-6 steps: rtol 1e-5, atol 1e-6 (nvcc fuses
+//   multiply-adds in the SGD and Adam kernels);
 // - bf16 parameters (f32 master copies on both sides): rtol 1e-2, atol 1e-3,
 //   one bf16 rounding of a master that agrees to 1e-5;
-// - clipping: the norm to 1e-5 relative.
+// - clipping: the norm to 1e-5 relative; the infinity norm exactly (a
+//   maximum involves no rounding), NaN and inf as on the CPU.
 // Autocast per model (one forward and backward of the MLP and of a small
 // conv + batch-norm CNN on cuda:0 against the CPU in f32; the check and
 // tolerances of nn/ops/autocast_training.h, which nn/ops:autocast_test runs
@@ -42,6 +43,7 @@ namespace {
 
 using ::ddp::nn::cuda::testing::ExpectClose;
 using ::ddp::nn::cuda::testing::kGpu;
+using ::ddp::nn::cuda::testing::RandnOf;
 using ::ddp::nn::cuda::testing::Tol;
 using optim::NamedParameters;
 
@@ -193,6 +195,100 @@ TEST(OptimDeviceTest, ClipGradNormOnCudaMatchesTheCpu) {
     EXPECT_NEAR(gn, cn, 1e-5 * cn);
     for (size_t k = 0; k < cpu.size(); ++k) {
       ExpectClose(cpu[k].second.grad(), gpu[k].second.grad(), Tol{1e-5, 1e-7}, cpu[k].first);
+    }
+  }
+}
+
+// Adadelta (its fused kernel) with and without weight decay, in f32 and f64,
+// with the loss scaler's fused unscale, on sizes with tails.
+TEST(OptimDeviceTest, AdadeltaOnCudaFollowsTheCpu) {
+  Init();
+  auto make = [](DType dtype, Device device) {
+    Generator gen(5);
+    return NamedParameters{{"a", Randn({1}, {}, gen).To(dtype).To(device)},
+                           {"b", Randn({7, 3}, {}, gen).To(dtype).To(device)},
+                           {"c", Randn({2113}, {}, gen).To(dtype).To(device)}};
+  };
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    for (double wd : {0.0, 2e-2}) {
+      for (bool scaler : {false, true}) {
+        SCOPED_TRACE(std::string(DTypeName(dtype)) + " weight_decay " + std::to_string(wd) +
+                     (scaler ? " with GradScaler" : ""));
+        NamedParameters cpu = make(dtype, kCPU), gpu = make(dtype, kGpu);
+        optim::Adadelta cpu_opt(cpu, {.lr = 0.5, .weight_decay = wd}), gpu_opt(gpu, {.lr = 0.5, .weight_decay = wd});
+        optim::GradScaler cpu_scaler({.init_scale = 256}), gpu_scaler({.init_scale = 256});
+        for (int s = 0; s < 6; ++s) {
+          SetGrads(cpu, gpu, s, scaler ? 256.0 : 1.0);
+          if (scaler) {
+            ASSERT_TRUE(cpu_scaler.Step(cpu_opt));
+            ASSERT_TRUE(gpu_scaler.Step(gpu_opt));
+            cpu_scaler.Update();
+            gpu_scaler.Update();
+          } else {
+            cpu_opt.Step();
+            gpu_opt.Step();
+          }
+          ExpectParamsClose(cpu, gpu, dtype);
+        }
+        const optim::NamedTensors cs = cpu_opt.StateDict(), gs = gpu_opt.StateDict();
+        ASSERT_EQ(cs.size(), gs.size());
+        for (size_t i = 0; i < cs.size(); ++i) ExpectClose(cs[i].second, gs[i].second, Tol{1e-5, 1e-6}, gs[i].first);
+      }
+    }
+  }
+}
+
+// Gradients of three parameters, one of them bf16, with `bad` at element
+// `where` of the first (none when where < 0); returns the CPU's norm.
+double ClipCase(double max_norm, double bad, int64_t where) {
+  NamedParameters cpu = MakeParams(DType::kFloat32, kCPU, 6), gpu = MakeParams(DType::kFloat32, kGpu, 6);
+  const Tensor third = RandnOf({301}, DType::kBFloat16);
+  cpu.emplace_back("extra", third.Clone());
+  gpu.emplace_back("extra", third.To(kGpu));
+  SetGrads(cpu, gpu, 2);
+  if (where >= 0) {
+    Tensor g = cpu[0].second.grad();
+    g.data<float>()[where] = static_cast<float>(bad);
+    gpu[0].second.set_grad(g.To(kGpu));
+  }
+  std::vector<Tensor> cp, gp;
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    cp.push_back(cpu[k].second);
+    gp.push_back(gpu[k].second);
+  }
+  const double cn = optim::ClipGradNorm(cp, max_norm, optim::kInfNorm);
+  const double gn = optim::ClipGradNorm(gp, max_norm, optim::kInfNorm);
+  if (std::isnan(cn)) {
+    EXPECT_TRUE(std::isnan(gn)) << gn;
+  } else {
+    EXPECT_EQ(gn, cn);
+  }
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const std::vector<double> want = cpu[k].second.grad().ToVector<double>(),
+                              got = gpu[k].second.grad().To(kCPU).ToVector<double>();
+    ASSERT_EQ(want.size(), got.size());
+    int bad_count = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const bool same =
+          std::isnan(want[i]) ? std::isnan(got[i]) : std::abs(got[i] - want[i]) <= 1e-6 * std::abs(want[i]);
+      if (!same && ++bad_count <= 3) {
+        ADD_FAILURE() << cpu[k].first << "[" << i << "]: cpu " << want[i] << ", gpu " << got[i];
+      }
+    }
+  }
+  return cn;
+}
+
+TEST(OptimDeviceTest, ClipGradNormInfinityNormOnCudaMatchesTheCpu) {
+  Init();
+  const double inf = std::numeric_limits<double>::infinity();
+  // The largest |g| is about 3: clipped at 0.5, untouched at 100.
+  EXPECT_GT(ClipCase(0.5, 0.0, -1), 0.5);
+  EXPECT_LT(ClipCase(100.0, 0.0, -1), 100.0);
+  for (double bad : {std::numeric_limits<double>::quiet_NaN(), inf, -inf}) {
+    for (int64_t where : {0, 1000, 2111}) {
+      SCOPED_TRACE(std::to_string(bad) + " at " + std::to_string(where));
+      ClipCase(1.0, bad, where);
     }
   }
 }

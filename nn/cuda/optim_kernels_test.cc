@@ -1,7 +1,11 @@
-// The device optimizer updates against nn/optim's CPU optimizers, and the
-// unscale/inf-check (tag "gpu"). Three steps with fresh random gradients;
-// parameters compared after every step. Tolerance: f32 rtol 2e-6, atol 1e-7
-// (nvcc may fuse a multiply-add that the CPU rounds twice); f64 rtol 1e-13.
+// The device optimizer updates against nn/optim's CPU optimizers, the
+// unscale/inf-check and the max-|x| reduction (tag "gpu"). Three steps with
+// fresh random gradients (five for Adadelta); parameters (and Adadelta's
+// state) compared after every step. Tolerance: f32 rtol 2e-6, atol 1e-7
+// (nvcc may fuse a multiply-add that the CPU rounds twice; Adadelta's kernel
+// rounds each operation alone and should agree to the bit with an x86-64
+// CPU, the tolerance leaves room for hosts whose compilers contract); f64
+// rtol 1e-13. max-|x| is exact: a maximum involves no rounding.
 #include "nn/cuda/optim_kernels.h"
 
 #include <gtest/gtest.h>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "nn/cuda/cuda.h"
+#include "nn/optim/adadelta.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
@@ -114,6 +119,109 @@ TEST_F(CudaOptimTest, AdamAndAdamWMatchTheCpuOptimizers) {
   }
 }
 
+// Odd sizes: one element, a partial block, several blocks with a tail.
+TEST_F(CudaOptimTest, AdadeltaMatchesTheCpuOptimizer) {
+  struct Case {
+    optim::AdadeltaOptions options;
+    double grad_scale;
+  };
+  const Case cases[] = {{{}, 1.0},
+                        {{.lr = 0.5, .rho = 0.8, .eps = 1e-5, .weight_decay = 3e-2}, 1.0},
+                        {{.lr = 2.0, .rho = 0.95, .weight_decay = 1e-3}, 1.0 / 64.0}};
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    for (const Case& c : cases) {
+      for (const Shape& shape : {Shape{1}, Shape{7, 3}, Shape{1000, 37}}) {
+        const std::string what = "adadelta " + std::string(DTypeName(dt)) + " " + ShapeToString(shape) +
+                                 " weight_decay " + std::to_string(c.options.weight_decay) + " grad_scale " +
+                                 std::to_string(c.grad_scale);
+        const Tensor p_cpu = RandnOf(shape, dt);
+        const Tensor p_gpu = p_cpu.To(kGpu);
+        const TensorOptions z{.dtype = dt, .device = kGpu};
+        const Tensor sq = Zeros(shape, z), acc = Zeros(shape, z);
+        optim::Adadelta opt({{"w", p_cpu}}, c.options);
+        opt.set_grad_scale(c.grad_scale);
+        for (int step = 1; step <= 5; ++step) {
+          const Tensor g = RandnOf(shape, dt);
+          p_cpu.set_grad(g);
+          opt.Step();
+          AdadeltaStep(p_gpu, g.To(kGpu), sq, acc,
+                       {.lr = c.options.lr,
+                        .rho = c.options.rho,
+                        .eps = c.options.eps,
+                        .weight_decay = c.options.weight_decay,
+                        .grad_scale = c.grad_scale});
+          const std::string at = what + " step " + std::to_string(step);
+          ExpectClose(p_cpu, p_gpu, Rtol(dt), Atol(dt), at);
+          for (const auto& [key, t] : opt.StateDict()) {
+            if (key == "state.w.square_avg") ExpectClose(t, sq, Rtol(dt), Atol(dt), at + " square_avg");
+            if (key == "state.w.acc_delta") ExpectClose(t, acc, Rtol(dt), Atol(dt), at + " acc_delta");
+          }
+        }
+      }
+    }
+  }
+}
+
+double HostMaxAbs(const std::vector<Tensor>& tensors, double start) {
+  double m = start;
+  for (const Tensor& t : tensors) {
+    for (double x : t.ToVector<double>()) m = std::isnan(x) || std::isnan(m) ? x + m : std::max(m, std::abs(x));
+  }
+  return m;
+}
+
+double DeviceMaxAbs(const std::vector<Tensor>& cpu_tensors, double start = 0.0) {
+  std::vector<Tensor> gpu;
+  for (const Tensor& t : cpu_tensors) gpu.push_back(t.To(kGpu));
+  const Tensor out = FromVector({start}, {1}, {.dtype = DType::kFloat64}).To(kGpu);
+  MaxAbs(gpu, out);
+  return out.Item();
+}
+
+// 300000 elements take more than the kernel's 1024 blocks of 256 threads,
+// so each thread's grid-stride loop runs more than once.
+TEST_F(CudaOptimTest, MaxAbsIsTheLargestMagnitudeInEveryDtype) {
+  for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    for (int64_t n : {1, 255, 257, 5000, 300000}) {
+      for (int64_t where : {int64_t{0}, n / 2, n - 1}) {
+        const std::string what = std::string(DTypeName(dt)) + " n " + std::to_string(n) + " max at " +
+                                 std::to_string(where);
+        Tensor t = RandnOf({n}, dt);
+        t.Narrow(0, where, 1).Fill(-9.5);  // negative: the magnitude counts
+        const Tensor other = RandnOf({33}, dt);
+        EXPECT_EQ(DeviceMaxAbs({t}), 9.5) << what;
+        EXPECT_EQ(DeviceMaxAbs({other, t, Zeros({0}, {.dtype = dt})}), 9.5) << what;
+        EXPECT_EQ(DeviceMaxAbs({other}), HostMaxAbs({other}, 0.0)) << what;
+      }
+    }
+  }
+  // out is only raised: a larger starting value stays.
+  EXPECT_EQ(DeviceMaxAbs({RandnOf({100}, DType::kFloat32)}, 1e6), 1e6);
+  EXPECT_EQ(DeviceMaxAbs({Zeros({10})}), 0.0);
+  EXPECT_EQ(DeviceMaxAbs({}), 0.0);
+}
+
+TEST_F(CudaOptimTest, MaxAbsIsNanForAnyNanAndInfForAnyInf) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    for (int64_t where : {0, 4321, 299999}) {
+      const std::string what = std::string(DTypeName(dt)) + " at " + std::to_string(where);
+      Tensor t = RandnOf({300000}, dt);
+      t.Narrow(0, where, 1).Fill(nan);
+      const Tensor big = FromVector({1e4, -3e4}, {2}).To(dt);
+      EXPECT_TRUE(std::isnan(DeviceMaxAbs({t}))) << what;
+      EXPECT_TRUE(std::isnan(DeviceMaxAbs({t, big}))) << what;   // larger values after it
+      EXPECT_TRUE(std::isnan(DeviceMaxAbs({big, t}))) << what;   // in the second tensor
+      EXPECT_TRUE(std::isnan(DeviceMaxAbs({big}, nan))) << what;  // already NaN stays NaN
+      t.Narrow(0, where, 1).Fill(-inf);
+      EXPECT_EQ(DeviceMaxAbs({big, t}), inf) << what;
+      t.Narrow(0, where, 1).Fill(inf);
+      t.Narrow(0, (where + 17) % 300000, 1).Fill(nan);
+      EXPECT_TRUE(std::isnan(DeviceMaxAbs({t}))) << what << " with inf";
+    }
+  }
+}
+
 TEST_F(CudaOptimTest, UnscaleAndCheckFindsInfAndNanWithoutTouchingTheFlagOtherwise) {
   const Tensor a = RandnOf({300}, DType::kFloat32), b = RandnOf({7, 9}, DType::kBFloat16);
   const Tensor ag = a.To(kGpu), bg = b.To(kGpu);
@@ -143,6 +251,10 @@ TEST_F(CudaOptimTest, MismatchedStateIsNamed) {
     EXPECT_NE(std::string(e.what()).find("grad [5]"), std::string::npos) << e.what();
   }
   EXPECT_THROW(SgdStep(p, Zeros({4}, {.device = kGpu}), Tensor(), {.step = 0}), std::invalid_argument);
+  EXPECT_THROW(AdadeltaStep(p, Zeros({4}, {.device = kGpu}), Zeros({4}, {.device = kGpu}), Zeros({3}, {.device = kGpu}),
+                            {}),
+               std::invalid_argument);
+  EXPECT_THROW(MaxAbs({p}, Zeros({1}, {.device = kGpu})), std::invalid_argument);  // out must be f64
 }
 
 }  // namespace

@@ -214,6 +214,21 @@ TEST(ClipGradNorm, ClipsOnlyAboveTheLimit) {
   EXPECT_THROW(ClipGradNorm({a, b}, 1.0, 2.0, true), std::runtime_error);
 }
 
+// torch.max propagates NaN; so does the infinity norm, wherever the NaN sits.
+TEST(ClipGradNorm, InfinityNormIsNanWhenAnyGradientIsNan) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Tensor a = Zeros({3}), b = Zeros({2});
+  a.set_grad(FromVector({1, -7, 2}, {3}));
+  b.set_grad(FromVector({3, 4}, {2}));
+  EXPECT_EQ(ClipGradNorm({a, b}, 100.0, kInfNorm), 7.0);
+  a.set_grad(FromVector({nan, 1, 2}, {3}));  // first element, larger values after it
+  b.set_grad(FromVector({5, 4}, {2}));
+  EXPECT_TRUE(std::isnan(ClipGradNorm({a, b}, 100.0, kInfNorm)));
+  a.set_grad(FromVector({1, 1, 2}, {3}));
+  b.set_grad(FromVector({nan, 9}, {2}));  // in the second tensor
+  EXPECT_TRUE(std::isnan(ClipGradNorm({a, b}, 100.0, kInfNorm)));
+}
+
 TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
   Tensor w = FromVector({1.0, 2.0}, {2});
   Sgd opt({{"w", w}}, {.lr = 0.5});
