@@ -90,10 +90,10 @@ __global__ void AdadeltaKernel(T* p, const T* g, T* sq, T* acc, int64_t n, Adade
   }
 }
 
-// max-|x| works on the bit patterns of non-negative f64 values: for those,
-// unsigned integer order is numeric order, and every NaN with a clear sign
-// bit (fabs clears it) is above +inf, so the integer maximum is the largest
-// |x| or a NaN when there is one. That lets blocks combine with the
+// max-|x| compares the bit patterns of |x| in f64 as unsigned integers: for
+// values >= 0 that order is numeric order, and every NaN pattern (whatever
+// sign bit fabs leaves on a NaN) lies above +inf's, so the integer maximum is
+// the largest |x|, or a NaN when there is one. Blocks then combine with the
 // integer atomicMax.
 using Bits = unsigned long long;
 

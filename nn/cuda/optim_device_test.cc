@@ -21,6 +21,7 @@
 // the f32 run's and below 75% of the first loss.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -266,9 +267,9 @@ double ClipCase(double max_norm, double bad, int64_t where) {
   for (size_t k = 0; k < cpu.size(); ++k) {
     const std::vector<double> want = cpu[k].second.grad().ToVector<double>(),
                               got = gpu[k].second.grad().To(kCPU).ToVector<double>();
-    ASSERT_EQ(want.size(), got.size());
+    EXPECT_EQ(want.size(), got.size()) << cpu[k].first;
     int bad_count = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
+    for (size_t i = 0; i < std::min(want.size(), got.size()); ++i) {
       const bool same =
           std::isnan(want[i]) ? std::isnan(got[i]) : std::abs(got[i] - want[i]) <= 1e-6 * std::abs(want[i]);
       if (!same && ++bad_count <= 3) {
