@@ -16,8 +16,7 @@
 // device (or any non-CPU device) the state and master copies live there
 // too, and each parameter is updated by one fused device kernel registered
 // by the backend (device_kernels.h; nn::cuda::Init() registers CUDA's),
-// queued on the current stream with no host synchronization. Adadelta
-// composes the ops kernel table's elementwise kernels instead.
+// queued on the current stream with no host synchronization.
 
 #include <cstdint>
 #include <string>
