@@ -453,6 +453,45 @@ TEST(DivideInPlaceTest, FloatsDivideAndHalvesRoundToNearestEven) {
   }
 }
 
+// Powers of two take a multiply by the exact reciprocal; the bits must be
+// those of a true division, also where the result is subnormal or rounds.
+TEST(DivideInPlaceTest, PowerOfTwoDivisorsGiveTheBitsOfADivision) {
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> mantissa(-2.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(-140, 40);
+  std::vector<float> base(1003);
+  for (float& x : base) x = std::ldexp(mantissa(gen), exponent(gen));
+  base[0] = std::numeric_limits<float>::denorm_min();
+  base[1] = -std::numeric_limits<float>::min();
+  base[2] = std::numeric_limits<float>::max();
+  base[3] = std::numeric_limits<float>::infinity();
+  for (Isa isa : IsasToTest()) {
+    for (int64_t divisor : {int64_t{2}, int64_t{4}, int64_t{8}, int64_t{64}, int64_t{1} << 40}) {
+      std::vector<float> f = base;
+      std::vector<double> d(base.begin(), base.end());
+      std::vector<uint16_t> h(base.size()), bf(base.size());
+      for (size_t i = 0; i < base.size(); ++i) {
+        h[i] = FloatToHalf(base[i]);
+        bf[i] = FloatToBFloat16(base[i]);
+      }
+      const std::vector<uint16_t> h0 = h, bf0 = bf;
+      DivideInPlace(DataType::kF32, f.data(), f.size(), divisor, isa);
+      DivideInPlace(DataType::kF64, d.data(), d.size(), divisor, isa);
+      DivideInPlace(DataType::kF16, h.data(), h.size(), divisor, isa);
+      DivideInPlace(DataType::kBF16, bf.data(), bf.size(), divisor, isa);
+      for (size_t i = 0; i < base.size(); ++i) {
+        const float want = base[i] / static_cast<float>(divisor);
+        ASSERT_EQ(std::bit_cast<uint32_t>(f[i]), std::bit_cast<uint32_t>(want))
+            << base[i] << " / " << divisor << " on " << IsaName(isa);
+        ASSERT_EQ(d[i], static_cast<double>(base[i]) / static_cast<double>(divisor));
+        ASSERT_EQ(h[i], FloatToHalf(HalfToFloat(h0[i]) / static_cast<float>(divisor))) << i;
+        ASSERT_EQ(bf[i], FloatToBFloat16(BFloat16ToFloat(bf0[i]) / static_cast<float>(divisor)))
+            << i;
+      }
+    }
+  }
+}
+
 TEST(ScaleInPlaceTest, ScalesFloatsAndSaturatesIntegers) {
   for (Isa isa : IsasToTest()) {
     std::vector<float> f = {1, -2, 3, 4, 5, 6, 7, 8, 9};

@@ -78,6 +78,27 @@ TEST(ShmAllReduce, SweepOfSizesDtypesOpsAndPlacement) {
   }
 }
 
+// kAvg's last fold and division run in blocks inside each chunk: chunks of
+// 64 KiB hold several blocks and an odd tail, in every rank position.
+TEST(ShmAllReduce, AverageOverChunksOfSeveralBlocks) {
+  for (int n : {2, 3}) {
+    auto group = MakeGroup(n, 4096, 64 << 10);
+    for (DataType dtype : {DataType::kF32, DataType::kF64, DataType::kBF16, DataType::kI32}) {
+      const size_t count = 100003;
+      RunRanks(n, [&](int r) {
+        std::vector<char> buffer(count * DataTypeSize(dtype));
+        FillInput(dtype, buffer.data(), count, r, ReduceOp::kAvg);
+        Status s = group[r]->AllReduce(buffer.data(), buffer.data(), count, dtype, ReduceOp::kAvg,
+                                       DeadlineIn(milliseconds(10000)), nullptr);
+        ASSERT_TRUE(s.ok()) << s;
+        std::string first;
+        EXPECT_EQ(CountWrong(dtype, buffer.data(), count, n, ReduceOp::kAvg, 0, &first), 0u)
+            << n << " ranks " << DataTypeName(dtype) << ": " << first;
+      });
+    }
+  }
+}
+
 TEST(ShmAllReduce, MismatchedCountsFailOnEveryRank) {
   auto group = MakeGroup(2, 4096, 1024);
   RunRanks(2, [&](int r) {
