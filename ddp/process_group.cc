@@ -316,6 +316,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::CreateFromEnvironment(
   if (comm_options.timeout == transport::CommunicatorOptions{}.timeout) {
     comm_options.timeout = options.timeout;
   }
+  // The caller's thread computes while this group's thread waits in
+  // collectives (DDP's backward): two busy threads per rank.
+  if (comm_options.busy_threads_per_rank == 0) comm_options.busy_threads_per_rank = 2;
   auto comm = transport::Communicator::CreateFromEnvironment(comm_options);
   if (!comm.ok()) {
     if (comm.status().code() == transport::StatusCode::kNotFound) return Single(options);

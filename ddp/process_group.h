@@ -145,6 +145,8 @@ class ProcessGroup {
   /// Forms the group from the launch environment (RANK, WORLD_SIZE, ...;
   /// see transport/launch). Without a launch environment, a one-process
   /// group. Collective: every rank calls it. Throws DistributedError.
+  /// comm_options.busy_threads_per_rank left at 0 becomes 2: the caller's
+  /// thread computes while the group's thread waits in collectives.
   static std::shared_ptr<ProcessGroup> CreateFromEnvironment(
       ProcessGroupOptions options = {}, transport::CommunicatorOptions comm_options = {});
   /// A one-process group with no transport (collectives are local).

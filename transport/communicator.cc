@@ -453,9 +453,11 @@ Status Communicator::Impl::Init() {
   DDP_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Context> context, ucx::Context::Create(context_options));
   info_.ucx_tls = context->tls();
   info_.ucx_cuda_memory = context->cuda_memory();
-  // Ranks that outnumber this host's cores must not spin against each
-  // other: yield while idle.
-  const bool oversubscribed = o.local_world_size > available_cpus;
+  // Busy threads that outnumber this host's cores must not spin against
+  // each other: yield while idle.
+  const bool oversubscribed =
+      o.local_world_size * std::max(1, o.busy_threads_per_rank) > available_cpus;
+  info_.yields_when_idle = oversubscribed;
   ucx::P2pOptions p2p_options;
   p2p_options.rank = o.rank;
   p2p_options.size = o.world_size;

@@ -75,6 +75,13 @@ struct CommunicatorOptions {
   /// not, with 12 other runnable processes). Off by default: it also pins
   /// whatever else the creating thread runs.
   bool bind_to_core = false;
+  /// Threads of each rank that keep a core busy while its collectives wait
+  /// (0: one). A training loop that computes backward while DDP's
+  /// communication thread reduces gradients has two. Waits spin while every
+  /// such thread of this host's ranks can have a core of its own; otherwise
+  /// they yield, since a spinning wait takes the core a compute thread needs
+  /// (measured on 2 cores, 2 DDP ranks: docs/benchmarks.md).
+  int busy_threads_per_rank = 0;
   /// Collectives on device buffers (CUDA build) go through pinned host
   /// memory in chunks of this many bytes per rank's slot (0: 4 MiB); tests
   /// shrink it to reach the multi-chunk paths. Equal on every rank.
@@ -137,6 +144,9 @@ struct CommunicatorInfo {
   bool ucx_cuda_memory = false;
   /// The staged-reduce choice in force (never kAuto).
   StagedReduce staged_reduce = StagedReduce::kDevice;
+  /// Waits yield the CPU almost at once instead of spinning: this host's
+  /// ranks times busy_threads_per_rank outnumber the cores it may use.
+  bool yields_when_idle = false;
 };
 
 /// Device buffers: in a build with --config=cuda, every collective and

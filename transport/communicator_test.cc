@@ -5,6 +5,7 @@
 #include "transport/communicator.h"
 
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -58,6 +59,7 @@ CommunicatorOptions WorkerOptions() {
   CommunicatorOptions options;
   options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
   options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  options.busy_threads_per_rank = std::atoi(Env("DDP_TEST_BUSY_THREADS", "0").c_str());
   return options;
 }
 
@@ -236,6 +238,7 @@ int ScenarioCreateOnly() {
   std::printf("RESULT %s\n", comm.ok() ? "OK" : comm.status().ToString().c_str());
   if (!comm.ok()) return 2;
   std::printf("STAGED_REDUCE %d\n", static_cast<int>((*comm)->info().staged_reduce));
+  std::printf("YIELDS %d\n", (*comm)->info().yields_when_idle ? 1 : 0);
   float x = 1;
   Status s = (*comm)->AllReduce(&x, 1, DataType::kF32, ReduceOp::kSum);
   return s.ok() && x == (*comm)->size() ? 0 : 1;
@@ -340,6 +343,26 @@ TEST(Communicator, StagedReduceDefaultsToDeviceAndFollowsTheEnvironment) {
     EXPECT_NE(job.results[0].output.find("STAGED_REDUCE " + std::to_string(static_cast<int>(want))),
               std::string::npos)
         << "DDP_STAGED_REDUCE=" << value << "\n" << job.Describe();
+  }
+}
+
+// Waits yield once the busy threads of the host's ranks outnumber the cores
+// this process may use, and spin otherwise.
+TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const int cpus = CPU_COUNT(&set);
+  const std::pair<int, bool> cases[] = {
+      {0, 2 > cpus}, {1, 2 > cpus}, {2, 4 > cpus}, {cpus, 2 * cpus > cpus}};
+  for (const auto& [busy, yields] : cases) {
+    Job job = RunJob(2, "create", {{"DDP_TEST_BUSY_THREADS", std::to_string(busy)},
+                                   {"DDP_TEST_TIMEOUT_MS", "5000"}});
+    ASSERT_EQ(job.results.size(), 2u);
+    for (const auto& result : job.results) {
+      EXPECT_EQ(result.exit_code, 0) << job.Describe();
+      EXPECT_NE(result.output.find(std::string("YIELDS ") + (yields ? "1" : "0")), std::string::npos)
+          << busy << " busy threads per rank, " << cpus << " cpus\n" << job.Describe();
+    }
   }
 }
 
