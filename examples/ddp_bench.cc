@@ -41,6 +41,9 @@
 
 DEFINE_string(model, "cnn", "mlp or cnn (the peers' models)");
 DEFINE_int32(steps, 300, "timed training steps");
+DEFINE_bool(flush_denormal, false,
+            "subnormal floats as zero (the trainer's default; off here to match the PyTorch peer's "
+            "IEEE arithmetic)");
 DEFINE_int32(batch, 64, "batch size per rank");
 DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
 DEFINE_double(bucket_cap_mb, 25, "DdpOptions::bucket_cap_mb");
@@ -81,6 +84,8 @@ double ProcessCpuSeconds() {
 
 int Run() {
   nn::ops::SetNumThreads(1);
+  // Before the process group's thread starts: threads inherit it.
+  nn::ops::SetFlushDenormal(FLAGS_flush_denormal);
   dist::ProcessGroupOptions pg_options;
   pg_options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
   pg_options.comm_thread_nice = FLAGS_comm_nice;

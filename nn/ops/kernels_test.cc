@@ -3,11 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <thread>
 
 #include "nn/autograd/engine.h"
-
-#include <cmath>
-
 #include "nn/ops/config.h"
 #include "nn/ops/dispatch.h"
 #include "nn/ops/functional.h"
@@ -135,6 +134,36 @@ TEST(KernelsTest, MissingCudaKernelIsNamed) {
     EXPECT_NE(std::string(e.what()).find("op `conv2d_forward` has no kernel for device cuda:1"), std::string::npos)
         << e.what();
   }
+}
+
+// volatile: the products must be computed at run time, under the mode.
+float MultiplyAtRunTime(float a, float b) {
+  volatile float x = a;
+  volatile float y = b;
+  return x * y;
+}
+
+TEST(KernelsTest, FlushDenormalAppliesToThisThreadAndThreadsStartedLater) {
+  const float tiny = std::numeric_limits<float>::denorm_min() * 1024;  // subnormal
+  ASSERT_FALSE(GetFlushDenormal());
+  EXPECT_EQ(MultiplyAtRunTime(tiny, 1.0f), tiny);
+  EXPECT_GT(MultiplyAtRunTime(1e-30f, 1e-9f), 0.0f);  // subnormal result kept
+  ASSERT_TRUE(SetFlushDenormal(true));
+  EXPECT_TRUE(GetFlushDenormal());
+  EXPECT_EQ(MultiplyAtRunTime(tiny, 1.0f), 0.0f);     // subnormal input read as 0
+  EXPECT_EQ(MultiplyAtRunTime(1e-30f, 1e-9f), 0.0f);  // subnormal result flushed
+  EXPECT_NEAR(MultiplyAtRunTime(1e-20f, 1e-9f), 1e-29f, 1e-35f);  // normal numbers untouched
+  float in_thread = -1;
+  bool flag_in_thread = false;
+  std::thread([&] {
+    flag_in_thread = GetFlushDenormal();
+    in_thread = MultiplyAtRunTime(tiny, 1.0f);
+  }).join();
+  EXPECT_TRUE(flag_in_thread);
+  EXPECT_EQ(in_thread, 0.0f);
+  ASSERT_TRUE(SetFlushDenormal(false));
+  EXPECT_FALSE(GetFlushDenormal());
+  EXPECT_EQ(MultiplyAtRunTime(tiny, 1.0f), tiny);
 }
 
 TEST(KernelsTest, ThreadsSetting) {
