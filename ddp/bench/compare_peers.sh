@@ -9,6 +9,10 @@
 # ~8x shorter than the CNN's, and runs under a few seconds are dominated by
 # start-up effects and noise.
 #
+# VARIANT (environment), e.g. VARIANT=--flush_denormal=true, adds ddp_bench
+# runs of 1 and 2 ranks with those extra flags to every repetition, reported
+# as the rows "<model> +variant".
+#
 # Needs: bazel build //examples:ddp_bench; /usr/bin/python3 with torch
 # (python3-torch) and OpenBLAS; dataset-fashion-mnist.
 set -euo pipefail
@@ -22,7 +26,7 @@ PEER=/work/shared/peers/torch_ddp_train.py
 BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
-echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}"
+echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}; variant: ${VARIANT:-none}"
 for rep in $(seq "$REPS"); do
   for model in mlp cnn; do
     steps=$STEPS
@@ -30,6 +34,11 @@ for rep in $(seq "$REPS"); do
     for np in 1 2; do
       "$BENCH" --model="$model" --steps="$steps" --nproc_per_node="$np" --eval=false "${EXTRA[@]}" |
         awk '{print "ddp", $0}' >>"$OUT"
+      if [ -n "${VARIANT:-}" ]; then
+        # shellcheck disable=SC2086  # VARIANT holds flags, split on purpose
+        "$BENCH" --model="$model" --steps="$steps" --nproc_per_node="$np" --eval=false "${EXTRA[@]}" $VARIANT |
+          awk '{print "var", $0}' >>"$OUT"
+      fi
     done
     /usr/bin/python3 "$PEER" 2 "$model" "$steps" 2>/dev/null | awk '{print "torch", $0}' >>"$OUT"
     # The machine's own ceiling for 2 ranks: two independent 1-rank runs at
@@ -51,16 +60,20 @@ for line in open(sys.argv[1]):
     f = line.split()
     who, model, nproc, sps = f[0], f[1], int(f[2]), float(f[3])
     rate[(who, model, nproc)].append(sps)
-    if who == "ddp" and len(f) >= 15:
-        extra[(model, nproc)].append([float(x) for x in f[6:15]])
+    if who in ("ddp", "var") and len(f) >= 15:
+        extra[(who, model, nproc)].append([float(x) for x in f[6:15]])
 print("| model | ddp 1 rank | ddp 2 ranks | torch DDP 2 ranks | ddp 2 / torch 2 | ddp 2 / ddp 1 | two 1-rank runs at once | ddp 2 / that | comm ms | overlap | exposed ms | comm thread CPU ms | step ms | CPU ms |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-for model in ("mlp", "cnn"):
-    m = lambda who, n: statistics.median(rate[(who, model, n)]) if rate[(who, model, n)] else float("nan")
-    d1, d2, t2, p2 = m("ddp", 1), m("ddp", 2), m("torch", 2), m("pair", 2)
-    e = extra.get((model, 2), [])
+rows = [(m, "ddp", m) for m in ("mlp", "cnn")]
+if any(k[0] == "var" for k in rate):
+    rows += [(m, "var", m + " +variant") for m in ("mlp", "cnn")]
+for model, who, label in rows:
+    m = lambda w, n: statistics.median(rate[(w, model, n)]) if rate[(w, model, n)] else float("nan")
+    d1, d2, t2, p2 = m(who, 1), m(who, 2), m("torch", 2), m("pair", 2)
+    e = extra.get((who, model, 2), [])
     med = lambda k: statistics.median(x[k] for x in e) if e else float("nan")
-    print(f"| {model} | {d1:.0f} | {d2:.0f} | {t2:.0f} | {d2 / t2:.2f}x | {d2 / d1:.2f}x | "
+    # The pair ceiling is measured without the variant's flags.
+    print(f"| {label} | {d1:.0f} | {d2:.0f} | {t2:.0f} | {d2 / t2:.2f}x | {d2 / d1:.2f}x | "
           f"{p2:.0f} ({p2 / d1:.2f}x) | {d2 / p2:.2f}x | "
           f"{med(2):.2f} | {med(3):.0f}% | {med(4):.2f} | {med(5):.2f} | {med(7):.2f} | {med(8):.2f} |")
 print()
