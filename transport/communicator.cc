@@ -420,6 +420,21 @@ Status Communicator::Impl::Init() {
   DDP_ASSIGN_OR_RETURN(topology::LocalView local,
                        topology::DiscoverLocal({.local_rank = o.local_rank,
                                                 .local_world_size = o.local_world_size}));
+  // Settings that must agree across ranks, compared in the exchange: a
+  // difference fails creation on every rank, naming the setting, where it
+  // would otherwise show as a collective waiting for messages its peers
+  // never send (different chunkings, device reduction on one rank and host
+  // reduction on another). The algorithm is not here: the collectives'
+  // argument check names a different one.
+  local.settings =
+      std::string("staged_reduce=") +
+      (options_.staged_reduce == StagedReduce::kHost ? "host" : "device") +
+      " cuda_ipc=" + (options_.cuda_ipc ? "1" : "0") +
+      " shared_memory=" + (o.shared_memory ? "1" : "0") +
+      " chunk_bytes=" + std::to_string(o.chunk_bytes) +
+      " device_chunk_bytes=" + std::to_string(o.device_chunk_bytes) +
+      " DDP_SHM_STAGING_BYTES=" + GetEnv("DDP_SHM_STAGING_BYTES") +
+      " DDP_SHM_CHUNK_BYTES=" + GetEnv("DDP_SHM_CHUNK_BYTES");
   DDP_ASSIGN_OR_RETURN(topology::Exchanged exchanged,
                        topology::ExchangeTopology(*store_, prefix_, o.rank, o.world_size, local,
                                                   deadline));

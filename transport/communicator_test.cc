@@ -281,11 +281,12 @@ struct Job {
 
 Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
            milliseconds limit = milliseconds(60000),
-           const std::function<void(testing::ProcessGroup&, int port)>& during = nullptr) {
+           const std::function<void(testing::ProcessGroup&, int port)>& during = nullptr,
+           const std::map<int, testing::ProcessGroup::Env>& rank_env = {}) {
   env["DDP_TEST_SCENARIO"] = scenario;
   env["DDP_JOB_TOKEN"] = env.count("DDP_JOB_TOKEN") ? env["DDP_JOB_TOKEN"] : "secret-token";
   const int port = testing::FreePort();
-  auto group = testing::ProcessGroup::Spawn(n, {}, env, port);
+  auto group = testing::ProcessGroup::Spawn(n, {}, env, port, rank_env);
   EXPECT_TRUE(group.ok()) << group.status();
   if (!group.ok()) return {};
   if (during) during(**group, port);
@@ -364,6 +365,26 @@ TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
           << busy << " busy threads per rank, " << cpus << " cpus\n" << job.Describe();
     }
   }
+}
+
+// A setting that must be equal on every rank, set differently on one:
+// creation fails at once on every rank, naming it, instead of the first
+// collective waiting for its deadline.
+TEST(Communicator, SettingThatDiffersBetweenRanksFailsCreationOnEveryRank) {
+  const auto start = Clock::now();
+  Job job = RunJob(2, "create", {{"DDP_TEST_TIMEOUT_MS", "30000"}}, milliseconds(60000), nullptr,
+                   {{1, {{"DDP_STAGED_REDUCE", "host"}}}});
+  EXPECT_LT(Clock::now() - start, milliseconds(15000)) << job.Describe();
+  ASSERT_EQ(job.results.size(), 2u);
+  for (const auto& result : job.results) {
+    EXPECT_EQ(result.exit_code, 2) << job.Describe();
+    EXPECT_NE(result.output.find("setting staged_reduce differs between ranks"), std::string::npos)
+        << job.Describe();
+  }
+  EXPECT_NE(job.results[0].output.find("rank 0 has device, rank 1 has host"), std::string::npos)
+      << job.Describe();
+  EXPECT_NE(job.results[1].output.find("rank 1 has host, rank 0 has device"), std::string::npos)
+      << job.Describe();
 }
 
 TEST(Communicator, BadStagedReduceIsNamed) {

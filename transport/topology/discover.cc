@@ -134,6 +134,49 @@ StatusOr<LocalView> DiscoverLocal(const DiscoverOptions& options) {
   return view;
 }
 
+namespace {
+
+// "name=value name=value" -> {name: value}.
+std::map<std::string, std::string> ParseSettings(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream words(text);
+  std::string word;
+  while (words >> word) {
+    const size_t eq = word.find('=');
+    out[word.substr(0, eq)] = eq == std::string::npos ? "" : word.substr(eq + 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const std::string& theirs,
+                                     int their_rank) {
+  const auto a = ParseSettings(mine), b = ParseSettings(theirs);
+  std::string name = "?", va = "(unset)", vb = "(unset)";
+  for (const auto& [key, value] : a) {
+    auto it = b.find(key);
+    if (it == b.end() || it->second != value) {
+      name = key;
+      va = value;
+      vb = it == b.end() ? "(unset)" : it->second;
+      break;
+    }
+  }
+  if (name == "?") {
+    for (const auto& [key, value] : b) {
+      if (a.count(key) == 0) {
+        name = key;
+        vb = value;
+        break;
+      }
+    }
+  }
+  return "setting " + name + " differs between ranks: rank " + std::to_string(my_rank) + " has " +
+         va + ", rank " + std::to_string(their_rank) + " has " + vb +
+         " (it must be equal on every rank)";
+}
+
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix, int rank,
                                      int size, const LocalView& local, Deadline deadline) {
   using nlohmann::json;
@@ -142,6 +185,7 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
   mine.ranks.push_back(local.place);
   json posted = json::parse(TopologyToJson(mine));
   posted["pid"] = local.pid;
+  posted["settings"] = local.settings;
   DDP_RETURN_IF_ERROR(store.Set(key_prefix + "topology/" + std::to_string(rank), posted.dump(),
                                 deadline));
 
@@ -162,6 +206,17 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
     }
     out.pids[r] = parsed["pid"].get<int>();
     parsed.erase("pid");
+    if (parsed.contains("settings")) {
+      if (!parsed["settings"].is_string()) {
+        return InternalError("topology exchange: rank " + std::to_string(r) +
+                             " posted malformed settings under " + key);
+      }
+      const std::string theirs = parsed["settings"].get<std::string>();
+      parsed.erase("settings");
+      if (!local.settings.empty() && !theirs.empty() && theirs != local.settings) {
+        return InvalidArgumentError(DescribeSettingsMismatch(local.settings, rank, theirs, r));
+      }
+    }
     DDP_ASSIGN_OR_RETURN(Topology theirs,
                          ParseTopologyJson(parsed.dump(), "topology of rank " + std::to_string(r)));
     const Host& host = theirs.hosts[0];

@@ -26,6 +26,10 @@ struct LocalView {
   Host host;
   RankPlace place;
   int pid = 0;
+  /// Settings every rank must share, as "name=value" words separated by
+  /// spaces; ExchangeTopology fails on every rank when two ranks differ.
+  /// Empty: nothing to compare.
+  std::string settings;
 };
 
 /// RDMA ports under `<sysfs_root>/class/infiniband`, sorted by name and port;
@@ -48,7 +52,14 @@ struct Exchanged {
 
 /// Posts `local` under `<key_prefix>topology/<rank>` and reads every rank's;
 /// ranks whose host name and boot id agree share a host. Must be called on
-/// every rank.
+/// every rank. INVALID_ARGUMENT, on every rank, naming the first setting
+/// and both values, when some rank's `settings` differ from this rank's.
+/// "setting staged_reduce differs between ranks: rank 0 has device, rank 1
+/// has host (it must be equal on every rank)", for the first setting (by
+/// name) whose values differ in two ranks' LocalView::settings.
+std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const std::string& theirs,
+                                     int their_rank);
+
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
                                      int rank, int size, const LocalView& local,
                                      Deadline deadline);

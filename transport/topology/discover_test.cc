@@ -92,6 +92,50 @@ TEST(ExchangeTopology, GroupsRanksByHostAndBootId) {
   }
 }
 
+TEST(ExchangeTopology, DifferentSettingsFailEveryRankNamingTheSetting) {
+  testing::InMemoryStore store;
+  std::vector<LocalView> views(3);
+  for (int r = 0; r < 3; ++r) {
+    views[r].host.name = "a";
+    views[r].host.boot_id = "1";
+    views[r].pid = 100 + r;
+    views[r].settings = "chunk_bytes=0 staged_reduce=device";
+  }
+  views[2].settings = "chunk_bytes=0 staged_reduce=host";
+  std::vector<StatusOr<Exchanged>> results(3, InternalError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = ExchangeTopology(store, "job/", r, 3, views[r],
+                                    DeadlineIn(std::chrono::milliseconds(5000)));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(results[r].status().code(), StatusCode::kInvalidArgument) << results[r].status();
+    EXPECT_NE(results[r].status().message().find("setting staged_reduce differs between ranks"),
+              std::string::npos)
+        << results[r].status();
+  }
+  EXPECT_NE(results[0].status().message().find("rank 0 has device, rank 2 has host"),
+            std::string::npos)
+      << results[0].status();
+  EXPECT_NE(results[2].status().message().find("rank 2 has host, rank 0 has device"),
+            std::string::npos)
+      << results[2].status();
+}
+
+TEST(ExchangeTopology, SettingsMismatchNamesTheFirstDifferenceOrAMissingSetting) {
+  EXPECT_EQ(DescribeSettingsMismatch("a=1 b=2 c=3", 0, "a=1 b=5 c=4", 1),
+            "setting b differs between ranks: rank 0 has 2, rank 1 has 5 (it must be equal on "
+            "every rank)");
+  EXPECT_NE(DescribeSettingsMismatch("a=1", 0, "a=1 z=9", 3).find("setting z differs between ranks: "
+                                                                   "rank 0 has (unset), rank 3 has 9"),
+            std::string::npos);
+  EXPECT_NE(DescribeSettingsMismatch("a=1 y=", 2, "a=1", 0).find("rank 2 has , rank 0 has (unset)"),
+            std::string::npos);
+}
+
 TEST(ExchangeTopology, MissingRankTimesOutNamingIt) {
   testing::InMemoryStore store;
   LocalView view;
