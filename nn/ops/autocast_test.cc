@@ -42,17 +42,8 @@ struct Tolerance {
 constexpr Tolerance kBf16Tolerance{0.02, 0.15};
 constexpr Tolerance kF16Tolerance{0.005, 0.03};
 
-// ||a - b|| / ||b|| over all elements, computed in f64 on the host.
-double RelativeError(const Tensor& a, const Tensor& b) {
-  const std::vector<double> va = a.Detach().ToVector<double>(), vb = b.Detach().ToVector<double>();
-  EXPECT_EQ(va.size(), vb.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < va.size() && i < vb.size(); ++i) {
-    num += (va[i] - vb[i]) * (va[i] - vb[i]);
-    den += vb[i] * vb[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
+// ||a - b|| / ||b||, shared with the GPU tests.
+using testing::RelativeError;
 
 TEST(AutocastGuardTest, NestsAndRestores) {
   EXPECT_FALSE(AutocastDType().has_value());
@@ -343,14 +334,7 @@ void ExpectSixteenBitFollowsF32(const std::vector<data::Batch>& batches, double 
     const double last = testing::MeanLoss(t.losses, 20, 30);
     std::printf("%s: first loss %.4f (f32 %.4f), last-10 %.4f (f32 %.4f), %d steps taken\n",
                 std::string(DTypeName(c.dtype)).c_str(), t.losses[0], ref.losses[0], last, ref_last, t.steps_taken);
-    EXPECT_EQ(t.logits_dtype, c.dtype);
-    EXPECT_EQ(t.loss_dtype, DType::kFloat32);
-    EXPECT_TRUE(t.grads_f32);
-    EXPECT_TRUE(t.params_f32);
-    EXPECT_GE(t.steps_taken, 28);
-    EXPECT_NEAR(t.losses[0], ref.losses[0], c.first_tol * ref.losses[0]);
-    EXPECT_LT(last, 0.75 * t.losses[0]);
-    EXPECT_NEAR(last, ref_last, 0.1 * ref_last);
+    testing::ExpectTrainedLikeF32(t, ref, c.dtype, c.first_tol);
   }
 }
 

@@ -132,6 +132,25 @@ inline double MeanLoss(const std::vector<double>& v, size_t from, size_t to) {
   return std::accumulate(v.begin() + from, v.begin() + to, 0.0) / static_cast<double>(to - from);
 }
 
+/// An autocast run `t` of 30 batches in `dtype` against the f32 run `ref`:
+/// low-precision logits, f32 loss, gradients and parameters, at most two
+/// skipped steps, a first loss within `first_tol` (relative) of f32's, and
+/// a last-10 mean that fell below 0.75 of its first loss and is within 10%
+/// of f32's.
+inline void ExpectTrainedLikeF32(const Trajectory& t, const Trajectory& ref, DType dtype,
+                                 double first_tol) {
+  const double last = MeanLoss(t.losses, 20, 30);
+  const double ref_last = MeanLoss(ref.losses, 20, 30);
+  EXPECT_EQ(t.logits_dtype, dtype);
+  EXPECT_EQ(t.loss_dtype, DType::kFloat32);
+  EXPECT_TRUE(t.grads_f32);
+  EXPECT_TRUE(t.params_f32);
+  EXPECT_GE(t.steps_taken, 28);
+  EXPECT_NEAR(t.losses[0], ref.losses[0], first_tol * ref.losses[0]);
+  EXPECT_LT(last, 0.75 * t.losses[0]);
+  EXPECT_NEAR(last, ref_last, 0.1 * ref_last);
+}
+
 inline double RelativeError(const Tensor& a, const Tensor& b) {
   const std::vector<double> va = a.Detach().ToVector<double>(), vb = b.Detach().ToVector<double>();
   EXPECT_EQ(va.size(), vb.size());
