@@ -41,6 +41,10 @@ using std::chrono::milliseconds;
 // How long posting or reading the job's abort reason may take outside a call
 // (an explicit Abort, a failed creation, the background post).
 constexpr milliseconds kAbortStoreTime{1000};
+// How long a rank that lost a connection looks for the failure's real cause
+// (see LocalCause), and how often.
+constexpr milliseconds kEchoGrace{100};
+constexpr milliseconds kEchoPoll{10};
 
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
@@ -249,6 +253,10 @@ class Communicator::Impl {
   // it returns on time even when the store went silent (its host cut off);
   // outside a call both happen here, for up to kAbortStoreTime.
   Status Abort(const Status& reason, std::optional<Deadline> call_deadline);
+  // What to report for `reason` when no other rank has posted one yet: for
+  // a lost peer, a rank on this host found dead or a reason posted within
+  // kEchoGrace, followed by `reason` as what this rank saw; else `reason`.
+  Status LocalCause(const Status& reason, Deadline deadline);
   Status aborted_reason() const {
     std::lock_guard lock(abort_mu_);
     return aborted_;
@@ -582,7 +590,16 @@ void Communicator::Impl::Shutdown() {
   ring_view_.reset();
   // After an abort, endpoints to other hosts close without flushing: the
   // host may be unreachable, and its peers have given up on us anyway.
-  if (p2p_ != nullptr) p2p_->Close(DeadlineIn(milliseconds(2000)), aborted()).IgnoreError();
+  if (p2p_ != nullptr) {
+    // UCX cannot detect the death of a rank on this host, and a flush
+    // towards it never completes; its endpoint must be forced closed.
+    if (monitor_ != nullptr) {
+      for (int r : monitor_->ExitedPeers()) {
+        p2p_->MarkPeerLost(r, PeerLostError("rank " + std::to_string(r) + " exited"));
+      }
+    }
+    p2p_->Close(DeadlineIn(milliseconds(2000)), aborted()).IgnoreError();
+  }
   p2p_.reset();
   monitor_.reset();
   store_.reset();
@@ -593,26 +610,48 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
   // The job's first reason wins: a failure seen here may only be the echo
   // of another rank's (it reported, left, and its endpoints reset ours).
   Status first = reason;
+  bool post = false;  // whether `first` is this rank's to post
   if (monitor_ != nullptr) {
-    Status posted = monitor_->PostedAbort(call_deadline.value_or(DeadlineIn(kAbortStoreTime)));
-    if (!posted.ok()) first = posted;
+    const Deadline deadline = call_deadline.value_or(DeadlineIn(kAbortStoreTime));
+    Status posted = monitor_->PostedAbort(deadline);
+    post = posted.ok();
+    first = post ? LocalCause(reason, deadline) : posted;
   }
   {
     std::lock_guard lock(abort_mu_);
     if (!aborted_.ok()) return aborted_;
     aborted_ = first;
     is_aborted_.store(true, std::memory_order_release);
-    if (monitor_ == nullptr || !(first == reason)) return first;
+    if (!post) return first;
     if (call_deadline) {
       // Only the rank that set aborted_ gets here, once.
-      abort_poster_ = std::thread([monitor = monitor_.get(), reason] {
-        monitor->PostAbort(reason, DeadlineIn(kAbortStoreTime));
+      abort_poster_ = std::thread([monitor = monitor_.get(), first] {
+        monitor->PostAbort(first, DeadlineIn(kAbortStoreTime));
       });
       return first;
     }
   }
-  monitor_->PostAbort(reason, DeadlineIn(kAbortStoreTime));
+  monitor_->PostAbort(first, DeadlineIn(kAbortStoreTime));
   return first;
+}
+
+Status Communicator::Impl::LocalCause(const Status& reason, Deadline deadline) {
+  if (reason.code() != StatusCode::kPeerLost) return reason;
+  // A lost connection may be the echo of a failure elsewhere: the rank that
+  // saw it first cancels its messages, which resets its connections to us,
+  // before its reason reaches the store. Give the cause a moment to show: a
+  // posted reason, or a process on this host that died.
+  const Deadline until = std::min(deadline, Clock::now() + kEchoGrace);
+  Status seen = monitor_->Check(until);
+  while (seen.ok() && Clock::now() + kEchoPoll < until) {
+    std::this_thread::sleep_for(kEchoPoll);
+    seen = monitor_->Check(until);
+  }
+  if (seen.ok() || seen.code() == StatusCode::kTimedOut ||
+      reason.message().find(seen.message()) != std::string::npos) {
+    return reason;
+  }
+  return Status(seen.code(), seen.message() + "; this rank saw it as: " + reason.message());
 }
 
 Status Communicator::Impl::WaitForQueue(Deadline deadline) {

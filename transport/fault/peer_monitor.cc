@@ -47,18 +47,28 @@ bool PeerMonitor::PeerClosed(int peer, Deadline deadline) {
   return value.ok() && value->has_value();
 }
 
+bool PeerMonitor::Exited(size_t rank) const {
+  const int pid = options_.local_pids[rank];
+  if (static_cast<int>(rank) == options_.rank || pid <= 0) return false;
+  if (pidfds_[rank] >= 0) {
+    pollfd p{pidfds_[rank], POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
+  }
+  return kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+std::vector<int> PeerMonitor::ExitedPeers() const {
+  std::vector<int> exited;
+  for (size_t r = 0; r < options_.local_pids.size(); ++r) {
+    if (Exited(r)) exited.push_back(static_cast<int>(r));
+  }
+  return exited;
+}
+
 Status PeerMonitor::Check(Deadline deadline, int awaited_peer) {
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     const int pid = options_.local_pids[r];
-    if (static_cast<int>(r) == options_.rank || pid <= 0) continue;
-    bool exited;
-    if (pidfds_[r] >= 0) {
-      pollfd p{pidfds_[r], POLLIN, 0};
-      exited = poll(&p, 1, 0) > 0;
-    } else {
-      exited = kill(pid, 0) != 0 && errno == ESRCH;
-    }
-    if (!exited) continue;
+    if (!Exited(r)) continue;
     const bool closed = PeerClosed(static_cast<int>(r), deadline);
     if (closed && static_cast<int>(r) != awaited_peer) continue;
     // A rank that exits after reporting a failure is not the cause: the

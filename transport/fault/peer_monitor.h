@@ -24,6 +24,7 @@
 // deadline. A store access is also capped at kStoreCallCap, after which the
 // store counts as unreachable.
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -64,8 +65,11 @@ class PeerMonitor {
   /// unknown or several): its exit is a failure even after a clean close.
   Status Check(Deadline deadline, int awaited_peer = -1);
 
+  /// The ranks on this host whose process has exited, cleanly or not.
+  std::vector<int> ExitedPeers() const;
+
   /// The rank on this host found dead by the last Check(), or -1.
-  int lost_peer() const { return lost_peer_; }
+  int lost_peer() const { return lost_peer_.load(std::memory_order_relaxed); }
 
   /// The abort reason another rank posted, if any (OK when none or when the
   /// store cannot be read by `deadline`).
@@ -85,11 +89,12 @@ class PeerMonitor {
 
  private:
   bool PeerClosed(int peer, Deadline deadline);
+  bool Exited(size_t rank) const;
 
   PeerMonitorOptions options_;
   store::Store* store_;
   std::vector<int> pidfds_;  // per rank; -1: not watched
-  int lost_peer_ = -1;
+  std::atomic<int> lost_peer_{-1};  // Check() may run on two threads
 };
 
 }  // namespace ddp::transport::fault

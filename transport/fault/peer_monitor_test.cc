@@ -50,6 +50,26 @@ TEST(PeerMonitor, DeadLocalPeerIsPeerLostNamingIt) {
   EXPECT_EQ(monitor.lost_peer(), 2);
 }
 
+// Exited peers are listed whether or not they closed cleanly; this rank,
+// live peers and peers on other hosts (pid 0) are not.
+TEST(PeerMonitor, ExitedPeersListsEveryLocalRankThatExited) {
+  testing::InMemoryStore store;
+  const pid_t alive = SpawnSleeper();
+  const pid_t killed = SpawnSleeper();
+  const pid_t closed = SpawnSleeper();
+  PeerMonitor monitor(
+      {.rank = 1, .local_pids = {killed, getpid(), alive, 0, closed}, .key_prefix = "j/"}, &store);
+  EXPECT_TRUE(monitor.ExitedPeers().empty());
+  ASSERT_TRUE(store.Set("j/closed/4", "1", Soon()).ok());
+  for (pid_t pid : {killed, closed}) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+  EXPECT_EQ(monitor.ExitedPeers(), (std::vector<int>{0, 4}));
+  kill(alive, SIGKILL);
+  waitpid(alive, nullptr, 0);
+}
+
 TEST(PeerMonitor, ZombieCountsAsDead) {
   testing::InMemoryStore store;
   const pid_t child = SpawnSleeper();
