@@ -39,6 +39,32 @@ void StoreDoubles(const Tensor& t, const std::vector<double>& v) {
 
 // The global-statistics batch norm as an autograd function. Inputs: x
 // [N, C, *], weight [C] and bias [C] (both may be undefined).
+// Training needs at least two values per channel in the global batch.
+void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
+  if (total > 1) return;
+  throw std::invalid_argument(
+      "SyncBatchNorm: expected more than 1 value per channel across all ranks when training, "
+      "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
+      nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg.rank()) + ")");
+}
+
+// running = (1 - momentum) * running + momentum * batch statistic, the
+// variance unbiased over `total` values, in BatchNorm's order of operations;
+// nothing when the module tracks no running statistics.
+void UpdateRunningStats(const Tensor& running_mean, const Tensor& running_var,
+                        const std::vector<double>& mean, const std::vector<double>& var,
+                        double total, double momentum) {
+  if (!running_mean.defined() || !running_var.defined()) return;
+  const double unbias = total / (total - 1);
+  std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
+  for (size_t c = 0; c < mean.size(); ++c) {
+    rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
+    rv[c] = (1 - momentum) * rv[c] + momentum * var[c] * unbias;
+  }
+  StoreDoubles(running_mean, rm);
+  StoreDoubles(running_var, rv);
+}
+
 struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   static constexpr const char* kName = "SyncBatchNormBackward";
 
@@ -98,23 +124,13 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
       }
       total = next;
     }
-    if (total <= 1) {
-      throw std::invalid_argument(
-          "SyncBatchNorm: expected more than 1 value per channel across all ranks when training, "
-          "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
-          nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg->rank()) + ")");
+    CheckGlobalCount(total, x, *pg);
+    std::vector<double> var(d.c), invstd(d.c);
+    for (int64_t c = 0; c < d.c; ++c) {
+      var[c] = m2[c] / total;
+      invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
-    std::vector<double> invstd(d.c);
-    for (int64_t c = 0; c < d.c; ++c) invstd[c] = 1.0 / std::sqrt(m2[c] / total + eps);
-    if (running_mean.defined() && running_var.defined()) {
-      std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
-      for (int64_t c = 0; c < d.c; ++c) {
-        rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
-        rv[c] = (1 - momentum) * rv[c] + momentum * m2[c] / (total - 1);
-      }
-      StoreDoubles(running_mean, rm);
-      StoreDoubles(running_var, rv);
-    }
+    UpdateRunningStats(running_mean, running_var, mean, var, total, momentum);
 
     // y = x * scale + shift, per channel, as BatchNorm's kernel computes it.
     const std::vector<double> w = ToDoubles(weight, d.c, 1.0), b = ToDoubles(bias, d.c, 0.0);
@@ -250,27 +266,14 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     // and the error for a too small global batch.
     const std::vector<double> g = mine.To(nn::kCPU).ToVector<double>();
     const double total = g[0];
-    if (total <= 1) {
-      throw std::invalid_argument(
-          "SyncBatchNorm: expected more than 1 value per channel across all ranks when training, "
-          "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
-          nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg->rank()) + ")");
-    }
+    CheckGlobalCount(total, x, *pg);
     std::vector<double> mean(d.c), var(d.c), invstd(d.c);
     for (int64_t c = 0; c < d.c; ++c) {
       mean[c] = g[1 + c] / total;
       var[c] = std::max(0.0, g[1 + d.c + c] / total - mean[c] * mean[c]);
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
-    if (running_mean.defined() && running_var.defined()) {
-      std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
-      for (int64_t c = 0; c < d.c; ++c) {
-        rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
-        rv[c] = (1 - momentum) * rv[c] + momentum * var[c] * total / (total - 1);
-      }
-      StoreDoubles(running_mean, rm);
-      StoreDoubles(running_var, rv);
-    }
+    UpdateRunningStats(running_mean, running_var, mean, var, total, momentum);
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     // An empty local batch still took part in both collectives above.

@@ -224,7 +224,10 @@ int ScenarioMismatch() {
   auto comm = MustCreate();
   const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
   std::vector<float> data(1000, 1.0f);
-  const size_t count = comm->rank() == 0 ? 1000 : 500;
+  // DDP_TEST_EMPTY_RANK: that rank passes 0 instead (default: rank 0 1000).
+  const int empty_rank = std::atoi(Env("DDP_TEST_EMPTY_RANK", "-1").c_str());
+  size_t count = comm->rank() == 0 ? 1000 : 500;
+  if (empty_rank >= 0) count = comm->rank() == empty_rank ? 0 : 500;
   const auto start = Clock::now();
   Status s = comm->AllReduce(data.data(), count, DataType::kF32, ReduceOp::kSum,
                              {.algorithm = algorithm});
@@ -443,15 +446,18 @@ TEST(Faults, StoppedStoreServerTimesOutOnTime) {
   ExpectSurvivorsReport(3, Algorithm::kSharedMemory, SIGSTOP, 0);
 }
 
-void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm) {
+// Every rank fails, well before the 10 s deadline: the arguments are
+// compared, not waited out.
+void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm, int empty_rank = -1) {
   Job job = RunJob(n, "mismatch",
                    {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
-                    {"DDP_TEST_TIMEOUT_MS", "3000"}});
+                    {"DDP_TEST_TIMEOUT_MS", "10000"},
+                    {"DDP_TEST_EMPTY_RANK", std::to_string(empty_rank)}});
   for (const auto& r : job.results) {
     ASSERT_EQ(r.exit_code, 0) << job.Describe();
     const size_t at = r.output.find("ms=");
     ASSERT_NE(at, std::string::npos) << job.Describe();
-    EXPECT_LE(std::atoi(r.output.c_str() + at + 3), 4000) << job.Describe();
+    EXPECT_LE(std::atoi(r.output.c_str() + at + 3), 3000) << job.Describe();
   }
   // Whoever sees the mismatch says what differs.
   bool named = false;
@@ -461,6 +467,12 @@ void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm) {
 
 TEST(Faults, MismatchedCountsSharedMemory) { ExpectMismatchFailsEverywhere(2, Algorithm::kSharedMemory); }
 TEST(Faults, MismatchedCountsUcxRing) { ExpectMismatchFailsEverywhere(3, Algorithm::kRing); }
+// An empty call where the others pass data used to return at once and leave
+// them waiting for their deadline.
+TEST(Faults, EmptyCallAgainstDataUcxTree) { ExpectMismatchFailsEverywhere(4, Algorithm::kTree, 1); }
+TEST(Faults, EmptyCallAgainstDataSharedMemory) {
+  ExpectMismatchFailsEverywhere(2, Algorithm::kSharedMemory, 0);
+}
 
 TEST(Faults, WrongJobTokenIsRefused) {
   // Rank 1 presents another token: the store refuses it, it says why; rank 0

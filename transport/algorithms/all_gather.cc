@@ -19,7 +19,12 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.recv_elems = args.count * p;
   shape.recv_alias_offset = -2;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("ring all-gather", p2p, args, shape));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint =
+      internal::MakeFingerprint(args, internal::kAllGatherKind, /*uses_op=*/false, /*uses_root=*/false);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, "ring all-gather", fingerprint,
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  }
 
   const size_t es = DataTypeSize(args.dtype);
   auto* own = static_cast<unsigned char*>(args.recv) + r * args.count * es;
@@ -29,8 +34,6 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.dtype = args.dtype;
   params.tag = PhaseTag(args.tag, 0);
   params.deadline = args.deadline;
-  const internal::Fingerprint fingerprint =
-      internal::MakeFingerprint(args, internal::kAllGatherKind, /*uses_op=*/false, /*uses_root=*/false);
   params.fingerprint = &fingerprint;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);

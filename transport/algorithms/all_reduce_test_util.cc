@@ -1,5 +1,7 @@
 #include "transport/algorithms/all_reduce_test_util.h"
 
+#include <algorithm>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -112,12 +114,17 @@ void SweepTypesAndOps(const AllReduceFn& fn, int world, size_t count, size_t chu
   }
 }
 
-void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world) {
-  const size_t count = 100 + 10 * static_cast<size_t>(world);
-  const int odd_one = world / 2;
+namespace {
+
+// The ranks in `odd_ones` pass `odd_count` to `odd_fn`, the others `count`
+// to `fn`: every rank must fail, naming the disagreement, well before the
+// deadline.
+void CheckOddOnesFailEverywhere(const AllReduceFn& fn, size_t count, const AllReduceFn& odd_fn,
+                                size_t odd_count, int world, const std::vector<int>& odd_ones) {
   const auto deadline = DeadlineIn(10s);
   auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
-    const size_t n = p2p.rank() == odd_one ? count + 1 : count;
+    const bool odd = std::find(odd_ones.begin(), odd_ones.end(), p2p.rank()) != odd_ones.end();
+    const size_t n = odd ? odd_count : count;
     std::vector<float> send(n, 1.0f), recv(n);
     CollectiveArgs args;
     args.send = send.data();
@@ -125,7 +132,7 @@ void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world) {
     args.count = n;
     args.deadline = deadline;
     args.tuning.chunk_bytes = 16;
-    return fn(p2p, args);
+    return odd ? odd_fn(p2p, args) : fn(p2p, args);
   });
   // Detected from the arguments, not by waiting for the deadline.
   EXPECT_LT(Clock::now() + 8s, deadline) << "world=" << world;
@@ -137,6 +144,20 @@ void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world) {
                       statuses[r].message().find("size mismatch") != std::string::npos;
   }
   EXPECT_TRUE(named_mismatch) << "world=" << world << ": no rank reported the size mismatch";
+}
+
+}  // namespace
+
+void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world) {
+  const size_t count = 100 + 10 * static_cast<size_t>(world);
+  CheckOddOnesFailEverywhere(fn, count, fn, count + 1, world, {world / 2});
+}
+
+void CheckEmptyAgainstNonEmptyFailsEverywhere(const AllReduceFn& fn, const AllReduceFn& empty_fn,
+                                              int world, std::vector<int> empty_ranks) {
+  if (empty_ranks.empty()) empty_ranks = {world / 2};
+  CheckOddOnesFailEverywhere(fn, 100 + 10 * static_cast<size_t>(world), empty_fn, 0, world,
+                             empty_ranks);
 }
 
 void CheckKilledRankFailsSurvivors(const AllReduceFn& fn, int world) {

@@ -48,6 +48,14 @@ void SweepTypesAndOps(const AllReduceFn& fn, int world, size_t count, size_t chu
 /// OK with a wrong result), before the deadline.
 void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world);
 
+/// The ranks in `empty_ranks` (default: world / 2) pass count 0 to
+/// `empty_fn` (another algorithm, as the automatic choice for 0 bytes may
+/// be) while the others pass more to `fn`: every rank must fail, before the
+/// deadline, where an empty call used to return at once and leave the
+/// others waiting for it.
+void CheckEmptyAgainstNonEmptyFailsEverywhere(const AllReduceFn& fn, const AllReduceFn& empty_fn,
+                                              int world, std::vector<int> empty_ranks = {});
+
 /// One rank is killed while stuck inside the collective: every survivor fails
 /// with PEER_LOST or TIMED_OUT, well before its deadline.
 void CheckKilledRankFailsSurvivors(const AllReduceFn& fn, int world);

@@ -23,7 +23,12 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.uses_root = true;
   shape.needs_send = is_root;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("broadcast", p2p, args, shape));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
+      args, internal::kBroadcastKind, /*uses_op=*/false, /*uses_root=*/true);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, "broadcast", fingerprint,
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  }
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
   auto* recv = static_cast<unsigned char*>(args.recv);
@@ -47,9 +52,7 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // wait, so before forwarding anything). The ring, unlike the tree, does
   // not depend on the root, so ranks that disagree on the root are caught
   // too.
-  internal::PeerCheck check(
-      what, internal::MakeFingerprint(args, internal::kBroadcastKind, /*uses_op=*/false,
-                                      /*uses_root=*/true));
+  internal::PeerCheck check(what, fingerprint);
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
 
   auto forward = [&](const unsigned char* data, size_t c) -> Status {

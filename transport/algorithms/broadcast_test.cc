@@ -117,6 +117,28 @@ TEST(BroadcastTest, NullBuffersAreNamed) {
   EXPECT_THAT(statuses[1].message(), HasSubstr("recv buffer is null"));
 }
 
+TEST(BroadcastTest, EmptyCallOnOneRankFailsEveryRank) {
+  for (int odd : {0, 2}) {  // the root, then another rank
+    const auto deadline = DeadlineIn(10s);
+    auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<float> buf(16, 1.0f);
+      CollectiveArgs args;
+      args.send = buf.data();
+      args.recv = buf.data();
+      args.count = p2p.rank() == odd ? 0 : buf.size();
+      args.deadline = deadline;
+      return Broadcast(p2p, args);
+    });
+    EXPECT_LT(Clock::now() + 8s, deadline) << "empty on rank " << odd;
+    int named = 0;
+    for (const Status& s : statuses) {
+      EXPECT_FALSE(s.ok()) << "empty on rank " << odd << ": " << s;
+      named += s.message().find("disagree") != std::string::npos;
+    }
+    EXPECT_GT(named, 0) << "empty on rank " << odd;
+  }
+}
+
 TEST(BroadcastTest, RanksDisagreeingOnTheRootFailFast) {
   const auto deadline = DeadlineIn(10s);
   auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {

@@ -69,7 +69,21 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
   shape.uses_op = true;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("hierarchical all-reduce", p2p, args, shape));
   DDP_ASSIGN_OR_RETURN(const HostGroups groups, GroupByHost(p2p, host_of_rank));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
+      args, internal::kHierarchicalAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
+  if (args.count == 0) {
+    // The full algorithm checks the ranks of its own host in step 1 and
+    // its inter-host group in step 2 (that all-reduce's own check): a host
+    // whose ranks all pass 0 must reach both.
+    std::vector<int> inter_peers;
+    for (int q : groups.inter) {
+      if (q != p2p.rank()) inter_peers.push_back(q);
+    }
+    return internal::CheckEmptyCall(
+        p2p, args.deadline, "hierarchical all-reduce", fingerprint,
+        {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)},
+         {PhaseTag(PhaseTag(args.tag, 1), 0), std::move(inter_peers)}});
+  }
 
   DDP_ASSIGN_OR_RETURN(p2p::GroupView intra, p2p::GroupView::Create(p2p, groups.intra));
   DDP_ASSIGN_OR_RETURN(p2p::GroupView inter, p2p::GroupView::Create(p2p, groups.inter));
@@ -80,8 +94,6 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
   const size_t shard_count = layout.size(local);
 
   // 1. Reduce-scatter inside the host.
-  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
-      args, internal::kHierarchicalAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
   internal::RingParams params;
   params.dtype = args.dtype;
   params.op = args.op;

@@ -135,6 +135,16 @@ TEST(HierarchicalAllReduceTest, MismatchedCountsFailOnEveryRank) {
   testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(6, 3)), 6);
 }
 
+TEST(HierarchicalAllReduceTest, EmptyCallFailsEveryRank) {
+  // One rank of a host, then every rank of a host: the others reach it only
+  // in their inter-host step.
+  testing::CheckEmptyAgainstNonEmptyFailsEverywhere(With(Contiguous(4, 2)), With(Contiguous(4, 2)), 4);
+  testing::CheckEmptyAgainstNonEmptyFailsEverywhere(With(Contiguous(4, 2)), With(Contiguous(4, 2)), 4,
+                                                    {2, 3});
+  testing::CheckEmptyAgainstNonEmptyFailsEverywhere(With(Contiguous(6, 3)), With(Contiguous(6, 3)), 6,
+                                                    {0, 1});
+}
+
 TEST(HierarchicalAllReduceTest, KilledRankFailsEverySurvivor) {
   testing::CheckKilledRankFailsSurvivors(With(Contiguous(6, 2)), 6);
 }

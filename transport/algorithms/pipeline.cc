@@ -1,6 +1,7 @@
 #include "transport/algorithms/pipeline.h"
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 
 #include "transport/p2p/group_view.h"
@@ -176,14 +177,57 @@ Status PeerCheck::Verify(Requests& requests) {
   for (size_t i = 0; i < from_.size(); ++i) {
     Where where{what_.c_str(), 0, 0, Where::kNoChunk, false, from_[i]};
     DDP_RETURN_IF_ERROR(requests.Wait(ids_[i], where));
-    if (!(theirs_[i] == mine_)) {
-      return InvalidArgumentError(
-          what_ + ": ranks disagree on the arguments: " +
-          DescribePeer(requests.p2p(), from_[i]) + " passed " + theirs_[i].ToString() +
-          " but rank " + std::to_string(requests.p2p().rank()) + " passed " + mine_.ToString());
-    }
+    DDP_RETURN_IF_ERROR(Compare(requests.p2p(), i));
   }
   return Status();
+}
+
+Status PeerCheck::VerifyAsTheyArrive(Requests& requests) {
+  if (verified_) return Status();
+  verified_ = true;
+  std::vector<p2p::RequestId> pending = ids_;
+  std::vector<size_t> index(ids_.size());
+  for (size_t i = 0; i < index.size(); ++i) index[i] = i;
+  while (!pending.empty()) {
+    StatusOr<size_t> got = requests.p2p().WaitAny(pending, requests.deadline());
+    if (!got.ok()) return Annotate(got.status(), what_ + ": waiting for the peers' arguments");
+    const size_t i = index[*got];
+    requests.Forget(pending[*got]);
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(*got));
+    index.erase(index.begin() + static_cast<std::ptrdiff_t>(*got));
+    DDP_RETURN_IF_ERROR(Compare(requests.p2p(), i));
+  }
+  return Status();
+}
+
+Status PeerCheck::Compare(const p2p::PointToPoint& p2p, size_t i) const {
+  if (theirs_[i] == mine_) return Status();
+  return InvalidArgumentError(what_ + ": ranks disagree on the arguments: " +
+                              DescribePeer(p2p, from_[i]) + " passed " +
+                              theirs_[i].ToString() + " but rank " +
+                              std::to_string(p2p.rank()) + " passed " +
+                              mine_.ToString());
+}
+
+Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
+                      const Fingerprint& mine, const std::vector<CheckRound>& rounds) {
+  Requests requests(p2p, deadline);
+  std::deque<PeerCheck> checks;  // registered with `requests`: must not move
+  for (const CheckRound& round : rounds) {
+    if (round.peers.empty()) continue;
+    checks.emplace_back(what, mine);
+    DDP_RETURN_IF_ERROR(checks.back().Post(requests, round.phase_tag, round.peers, round.peers));
+  }
+  for (PeerCheck& check : checks) DDP_RETURN_IF_ERROR(check.VerifyAsTheyArrive(requests));
+  return requests.WaitAll(what);
+}
+
+std::vector<int> OtherRanks(const p2p::PointToPoint& p2p) {
+  std::vector<int> others;
+  for (int q = 0; q < p2p.size(); ++q) {
+    if (q != p2p.rank()) others.push_back(q);
+  }
+  return others;
 }
 
 namespace {

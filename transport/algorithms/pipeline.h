@@ -145,9 +145,15 @@ class PeerCheck {
   /// Waits for the fingerprints from `from` (once) and compares; a
   /// difference is INVALID_ARGUMENT naming the peer and both values.
   Status Verify(Requests& requests);
+  /// Verify, but taking the fingerprints in the order they arrive, so the
+  /// first mismatch fails at once even while some peer has not sent yet
+  /// (CheckEmptyCall's peers may never send).
+  Status VerifyAsTheyArrive(Requests& requests);
   bool verified() const { return verified_; }
 
  private:
+  Status Compare(const p2p::PointToPoint& p2p, size_t i) const;
+
   std::string what_;  // "<collective>, argument check", for errors
   Fingerprint mine_;
   std::vector<int> from_;
@@ -155,6 +161,26 @@ class PeerCheck {
   std::vector<p2p::RequestId> ids_;
   bool verified_ = false;
 };
+
+/// The whole of a collective whose count is 0, on a world of more than one
+/// rank: nothing moves, but the arguments are still proven, so that a rank
+/// passing 0 where the others pass more fails at once, on every rank,
+/// instead of leaving them waiting for data it never sends. Which algorithm
+/// the peers run is not known here (the automatic choice depends on the
+/// size), so `mine` goes to each of `peers` with FingerprintTag(phase_tag),
+/// the tag every algorithm's own check uses, and one is expected back from
+/// each: O(peers) small messages. An algorithm whose steps check different
+/// groups of peers with different tags passes one round per step: all are
+/// sent before any is awaited.
+struct CheckRound {
+  p2p::Tag phase_tag = 0;
+  std::vector<int> peers;
+};
+Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
+                      const Fingerprint& mine, const std::vector<CheckRound>& rounds);
+
+/// Every rank of `p2p` but this one.
+std::vector<int> OtherRanks(const p2p::PointToPoint& p2p);
 
 /// Scratch memory for one collective, from a per-thread arena that keeps
 /// its largest size. A collective runs on one thread and needs a few MiB at

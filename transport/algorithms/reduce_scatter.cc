@@ -21,15 +21,18 @@ Status RingReduceScatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.uses_op = true;
   shape.recv_alias_offset = static_cast<int64_t>(r * args.count * es);
   DDP_RETURN_IF_ERROR(internal::CheckArgs("ring reduce-scatter", p2p, args, shape));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint =
+      internal::MakeFingerprint(args, internal::kReduceScatterKind, /*uses_op=*/true, /*uses_root=*/false);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, "ring reduce-scatter", fingerprint,
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  }
 
   internal::RingParams params;
   params.dtype = args.dtype;
   params.op = args.op;
   params.tag = PhaseTag(args.tag, 0);
   params.deadline = args.deadline;
-  const internal::Fingerprint fingerprint =
-      internal::MakeFingerprint(args, internal::kReduceScatterKind, /*uses_op=*/true, /*uses_root=*/false);
   params.fingerprint = &fingerprint;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);

@@ -89,24 +89,27 @@ TEST(RingReduceScatterTest, LargeVector) {
 }
 
 TEST(RingReduceScatterTest, MismatchedCountsFailOnEveryRank) {
-  const auto deadline = DeadlineIn(10s);
-  auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
-    const size_t count = p2p.rank() == 2 ? 21 : 20;
-    std::vector<float> send(count * 4, 1.0f), recv(count);
-    CollectiveArgs args;
-    args.send = send.data();
-    args.recv = recv.data();
-    args.count = count;
-    args.deadline = deadline;
-    return RingReduceScatter(p2p, args);
-  });
-  EXPECT_LT(Clock::now() + 8s, deadline);
-  int named = 0;
-  for (const Status& s : statuses) {
-    EXPECT_FALSE(s.ok());
-    named += s.message().find("count 21") != std::string::npos;
+  // 0 included: an empty call still proves its arguments.
+  for (size_t odd : {21, 0}) {
+    const auto deadline = DeadlineIn(10s);
+    auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+      const size_t count = p2p.rank() == 2 ? odd : 20;
+      std::vector<float> send(count * 4, 1.0f), recv(count);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = recv.data();
+      args.count = count;
+      args.deadline = deadline;
+      return RingReduceScatter(p2p, args);
+    });
+    EXPECT_LT(Clock::now() + 8s, deadline) << "odd count " << odd;
+    int named = 0;
+    for (const Status& s : statuses) {
+      EXPECT_FALSE(s.ok()) << "odd count " << odd;
+      named += s.message().find("count " + std::to_string(odd) + " ") != std::string::npos;
+    }
+    EXPECT_GT(named, 0) << "odd count " << odd;
   }
-  EXPECT_GT(named, 0);
 }
 
 TEST(RingReduceScatterTest, RecvOverlappingAnotherBlockIsRejected) {

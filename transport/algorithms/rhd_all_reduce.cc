@@ -33,7 +33,12 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.recv_elems = args.count;
   shape.uses_op = true;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("rhd all-reduce", p2p, args, shape));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
+      args, internal::kRhdAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, "rhd all-reduce", fingerprint,
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  }
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
@@ -67,9 +72,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // Fingerprints go around the ring of the p2 exchanging ranks, plus from
   // each handing-off rank to its partner: every rank is checked by an
   // exchanging rank before that one sends anything the others need.
-  internal::PeerCheck check("rhd all-reduce",
-                            internal::MakeFingerprint(args, internal::kRhdAllReduceKind,
-                                                      /*uses_op=*/true, /*uses_root=*/false));
+  internal::PeerCheck check("rhd all-reduce", fingerprint);
   if (folded) {
     DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
   } else {

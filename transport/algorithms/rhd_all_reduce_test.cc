@@ -2,6 +2,7 @@
 
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
+#include "transport/algorithms/ring_all_reduce.h"
 
 namespace ddp::transport::algorithms {
 namespace {
@@ -54,6 +55,14 @@ TEST(RhdAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5, 6}) {
     testing::CheckMismatchedCountsFailEverywhere(kHalving, world);
     testing::CheckMismatchedCountsFailEverywhere(kDoubling, world);
+  }
+}
+
+TEST(RhdAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
+  for (int world : {2, 3, 5, 6}) {
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(kHalving, kHalving, world);
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(kDoubling, kDoubling, world);
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(kHalving, RingAllReduce, world);
   }
 }
 

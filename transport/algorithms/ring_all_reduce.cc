@@ -12,7 +12,12 @@ Status RingAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.recv_elems = args.count;
   shape.uses_op = true;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("ring all-reduce", p2p, args, shape));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint =
+      internal::MakeFingerprint(args, internal::kRingAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, "ring all-reduce", fingerprint,
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  }
 
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);
@@ -21,8 +26,6 @@ Status RingAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.dtype = args.dtype;
   params.op = args.op;
   params.deadline = args.deadline;
-  const internal::Fingerprint fingerprint =
-      internal::MakeFingerprint(args, internal::kRingAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
   params.fingerprint = &fingerprint;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);

@@ -2,6 +2,7 @@
 
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
+#include "transport/algorithms/tree_all_reduce.h"
 
 namespace ddp::transport::algorithms {
 namespace {
@@ -29,6 +30,13 @@ TEST(RingAllReduceTest, LargeVectorWithDefaultChunks) {
 
 TEST(RingAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(RingAllReduce, world);
+}
+
+TEST(RingAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
+  for (int world : {2, 3, 5}) {
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(RingAllReduce, RingAllReduce, world);
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(RingAllReduce, TreeAllReduce, world);
+  }
 }
 
 TEST(RingAllReduceTest, KilledRankFailsEverySurvivor) {

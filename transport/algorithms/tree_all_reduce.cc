@@ -50,7 +50,12 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.recv_elems = args.count;
   shape.uses_op = true;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("tree all-reduce", p2p, args, shape));
-  if (args.count == 0) return Status();
+  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
+      args, internal::kTreeAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, "tree all-reduce", fingerprint,
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  }
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
@@ -107,9 +112,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::Requests requests(p2p, args.deadline);
   // Children prove their arguments to their tree-0 parent before any data:
   // a mismatch stops tree 0 at that parent, so no rank completes.
-  internal::PeerCheck check("tree all-reduce",
-                            internal::MakeFingerprint(args, internal::kTreeAllReduceKind,
-                                                      /*uses_op=*/true, /*uses_root=*/false));
+  internal::PeerCheck check("tree all-reduce", fingerprint);
   {
     std::vector<int> to, from = trees[0].node.children;
     if (trees[0].node.parent >= 0) to.push_back(trees[0].node.parent);

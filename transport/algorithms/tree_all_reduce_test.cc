@@ -2,6 +2,7 @@
 
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
+#include "transport/algorithms/ring_all_reduce.h"
 
 namespace ddp::transport::algorithms {
 namespace {
@@ -29,6 +30,15 @@ TEST(TreeAllReduceTest, LargeVectorWithDefaultChunks) {
 
 TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(TreeAllReduce, world);
+}
+
+TEST(TreeAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
+  for (int world : {2, 3, 5}) {
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(TreeAllReduce, TreeAllReduce, world);
+    testing::CheckEmptyAgainstNonEmptyFailsEverywhere(TreeAllReduce, RingAllReduce, world);
+  }
+  // Only leaves, which the tree never sends to before the data comes back.
+  testing::CheckEmptyAgainstNonEmptyFailsEverywhere(TreeAllReduce, TreeAllReduce, 7, {5, 6});
 }
 
 TEST(TreeAllReduceTest, KilledRankFailsEverySurvivor) {
