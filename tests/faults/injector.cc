@@ -164,6 +164,21 @@ class Tracer {
     return Status::Ok();
   }
 
+  // A thread whose int3 trap raced with our PTRACE_INTERRUPT reported the
+  // interrupt first (job control stops come before signals) and still has
+  // its SIGTRAP pending: detached, it would die of it. Resumes each such
+  // thread into the signal's delivery stop, where the signal is dropped.
+  // Call with the code restored and every thread stopped.
+  Status DrainPendingTraps() {
+    for (pid_t tid : std::set<pid_t>(attached_)) {
+      if (!TrapPending(tid)) continue;
+      if (ptrace(PTRACE_CONT, tid, nullptr, nullptr) != 0) return InternalError(Errno("CONT"));
+      stopped_.erase(tid);
+      DDP_RETURN_IF_ERROR(WaitForStop(tid));  // at once: the signal is pending
+    }
+    return Status::Ok();
+  }
+
   // Detaches every (stopped) thread, leaving it to run.
   void DetachAll() {
     for (pid_t tid : attached_) ptrace(PTRACE_DETACH, tid, nullptr, nullptr);
@@ -212,6 +227,19 @@ class Tracer {
         return Status::Ok();
       }
     }
+  }
+
+  // SIGTRAP in the thread's own pending set (/proc's SigPnd).
+  bool TrapPending(pid_t tid) const {
+    std::ifstream status("/proc/" + std::to_string(pid_) + "/task/" + std::to_string(tid) +
+                         "/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("SigPnd:", 0) == 0) {
+        const unsigned long long mask = std::strtoull(line.c_str() + 7, nullptr, 16);
+        return (mask >> (SIGTRAP - 1)) & 1;
+      }
+    }
+    return false;
   }
 
   void AdoptClone(pid_t tid) {
@@ -378,6 +406,7 @@ StatusOr<Injection> InjectAtFunction(pid_t pid, const std::string& prefix, Fault
           }
         }
         DDP_RETURN_IF_ERROR(tracer.Poke(address, original));
+        DDP_RETURN_IF_ERROR(tracer.DrainPendingTraps());
         tracer.DetachAll();
         return TimedOutError("no thread of process " + std::to_string(pid) + " reached " +
                              function.name + " within " + std::to_string(timeout.count()) + " ms");
@@ -402,6 +431,7 @@ StatusOr<Injection> InjectAtFunction(pid_t pid, const std::string& prefix, Fault
         }
       }
       DDP_RETURN_IF_ERROR(tracer.Poke(address, original));
+      DDP_RETURN_IF_ERROR(tracer.DrainPendingTraps());
       kill(pid, SIGSTOP);  // pending: takes effect as the threads are released
       tracer.DetachAll();
       break;

@@ -117,7 +117,11 @@ TEST(BroadcastTest, NullBuffersAreNamed) {
   EXPECT_THAT(statuses[1].message(), HasSubstr("recv buffer is null"));
 }
 
-TEST(BroadcastTest, EmptyCallOnOneRankFailsEveryRank) {
+// The empty rank and whoever checks it fail at once, and nobody waits for
+// the deadline. A rank that got the root's data before the failure may
+// return OK (its data is right); through a Communicator, the failure posted
+// by the others fails its next call.
+TEST(BroadcastTest, EmptyCallOnOneRankFailsFast) {
   for (int odd : {0, 2}) {  // the root, then another rank
     const auto deadline = DeadlineIn(10s);
     auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
@@ -130,11 +134,9 @@ TEST(BroadcastTest, EmptyCallOnOneRankFailsEveryRank) {
       return Broadcast(p2p, args);
     });
     EXPECT_LT(Clock::now() + 8s, deadline) << "empty on rank " << odd;
+    EXPECT_FALSE(statuses[odd].ok()) << "empty on rank " << odd;
     int named = 0;
-    for (const Status& s : statuses) {
-      EXPECT_FALSE(s.ok()) << "empty on rank " << odd << ": " << s;
-      named += s.message().find("disagree") != std::string::npos;
-    }
+    for (const Status& s : statuses) named += s.message().find("disagree") != std::string::npos;
     EXPECT_GT(named, 0) << "empty on rank " << odd;
   }
 }
