@@ -56,6 +56,9 @@ BUNDLE_DIR="$REPO_ROOT/.gpu_bundle"
 FASHION_MNIST_DIR=/usr/share/datasets/fashion-mnist
 MAKE_BUNDLE=0
 TABLE_FROM=""
+SKIP_COLLECTIVES=0
+# All-reduce on device buffers, staged reduction on the device and on the host.
+readonly ALLREDUCE_BENCH=//transport/cuda:device_allreduce_bench
 
 
 usage() {
@@ -74,6 +77,8 @@ Usage: tools/gpu_check.sh [options]
   --skip-tests        no gpu tests
   --only-bench        the benchmarks only (= --skip-tests)
   --skip-torch        do not run the PyTorch benchmark
+  --skip-collectives  do not run the device all-reduce benchmark (2 ranks
+                      on the GPU, staged reduction on the device and on the host)
   --bundle[=DIR]      run prebuilt binaries from DIR (default .gpu_bundle)
                       instead of building with bazel
   --make-bundle[=DIR] build the benchmark and the gpu tests here and pack them
@@ -109,6 +114,7 @@ for arg in "$@"; do
     --skip-build) SKIP_BUILD=1 ;;
     --skip-tests | --only-bench) SKIP_TESTS=1 ;;
     --skip-torch) SKIP_TORCH=1 ;;
+    --skip-collectives) SKIP_COLLECTIVES=1 ;;
     --bundle) USE_BUNDLE=1 ;;
     --bundle=*) USE_BUNDLE=1 BUNDLE_DIR="${arg#*=}" ;;
     --make-bundle) MAKE_BUNDLE=1 ;;
@@ -277,12 +283,12 @@ make_bundle() {
   labels="$(gpu_test_labels)" || die "bazel query for the gpu tests failed"
   echo "gpu_check: building the benchmark and $(echo "$labels" | wc -l) gpu tests (--config=cuda)"
   # shellcheck disable=SC2086
-  bazel build --config=cuda //nn/cuda:train_step_bench $labels || die "the build failed"
+  bazel build --config=cuda //nn/cuda:train_step_bench "$ALLREDUCE_BENCH" $labels || die "the build failed"
   local bin stage
   bin="$(bazel info --config=cuda bazel-bin 2>/dev/null)" || die "bazel info failed"
   stage="$WORK/bundle"
   mkdir -p "$stage/bin" "$stage/lib/ucx" "$stage/args"
-  local targets=("//nn/cuda:train_step_bench")
+  local targets=("//nn/cuda:train_step_bench" "$ALLREDUCE_BENCH")
   for l in $labels; do targets+=("$l"); done
   : >"$stage/tests.txt"
   # Executables the tests run from their runfiles (e.g. //examples:train).
@@ -301,7 +307,7 @@ make_bundle() {
       cp -L "$bin/$rel" "$stage/runfiles/ddp/$rel"
     else
       cp -L "$bin/$rel" "$stage/bin/$name"
-      if [ "$t" != "//nn/cuda:train_step_bench" ]; then
+      if [ "$t" != "//nn/cuda:train_step_bench" ] && [ "$t" != "$ALLREDUCE_BENCH" ]; then
         echo "$name $t" >>"$stage/tests.txt"
         test_args "$t" >"$stage/args/$name" || die "cannot read the args of $t"
       fi
@@ -434,6 +440,7 @@ fi
 end_phase "done"
 
 BENCH_BIN=""
+ALLREDUCE_BIN=""
 # Prefix of our binaries' command lines (the bundle's library path).
 OUR_ENV=()
 # How the gpu tests run: "bazel" or "bundle"; empty when they cannot.
@@ -497,11 +504,13 @@ EOF
       rc=1
     fi
     BENCH_BIN="$BUNDLE_ROOT/bin/nn__cuda__train_step_bench"
+    ALLREDUCE_BIN="$BUNDLE_ROOT/bin/transport__cuda__device_allreduce_bench"
     TEST_RUNNER=bundle
   fi
   end_phase "$(describe_rc "$rc")"
 elif [ "$SKIP_BUILD" = 1 ]; then
   BENCH_BIN="$REPO_ROOT/bazel-bin/nn/cuda/train_step_bench"
+  ALLREDUCE_BIN="$REPO_ROOT/bazel-bin/transport/cuda/device_allreduce_bench"
   command -v bazel >/dev/null && TEST_RUNNER=bazel
 elif command -v bazel >/dev/null; then
   begin_phase "build benchmark (bazel --config=cuda)"
@@ -510,11 +519,13 @@ elif command -v bazel >/dev/null; then
     end_phase "skipped (dry run)"
   else
     # The benchmark first: its figures come out even if the tests' build is long.
-    run_logged "$(phase_limit 300 150)" "$WORK/build.log" bazel build --config=cuda //nn/cuda:train_step_bench
+    run_logged "$(phase_limit 300 150)" "$WORK/build.log" bazel build --config=cuda //nn/cuda:train_step_bench \
+      "$ALLREDUCE_BENCH"
     rc=$?
     end_phase "$(describe_rc "$rc")"
   fi
   BENCH_BIN="$REPO_ROOT/bazel-bin/nn/cuda/train_step_bench"
+  ALLREDUCE_BIN="$REPO_ROOT/bazel-bin/transport/cuda/device_allreduce_bench"
   TEST_RUNNER=bazel
 fi
 
@@ -566,6 +577,29 @@ echo
 echo "ResNet-50 (CIFAR stem), batch $BATCH, $STEPS timed steps after $WARMUP, SGD momentum, TF32 off, ${GPU_NAME:-no GPU}:"
 print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
 copy_out "$BENCH_LOG"
+
+# ------------------------------------------------- collectives on the device
+
+# Two ranks on the one GPU, 4 KiB to 64 MiB: device buffers with the staged
+# reduction on the device and on the host, next to host buffers.
+ALLREDUCE_LOG="$WORK/allreduce.log"
+: >"$ALLREDUCE_LOG"
+begin_phase "benchmark: all-reduce on device buffers, 2 ranks"
+ALLREDUCE_ARGS=(--nproc_per_node=2 --max_bytes=67108864 --iters=10 --staged_reduce=both)
+if [ "$SKIP_COLLECTIVES" = 1 ]; then
+  end_phase "skipped (--skip-collectives)"
+elif [ "$DRY_RUN" = 1 ]; then
+  echo "dry run: would run: ${ALLREDUCE_BIN:-(no binary)} ${ALLREDUCE_ARGS[*]}"
+  end_phase "skipped (dry run)"
+elif [ -z "$ALLREDUCE_BIN" ] || [ ! -x "$ALLREDUCE_BIN" ]; then
+  echo "gpu_check: no all-reduce benchmark binary (${ALLREDUCE_BIN:-neither bazel nor a bundle})"
+  end_phase "FAILED (not built)"
+else
+  UCX_LOG_LEVEL=error run_logged "$(phase_limit 60 60)" "$ALLREDUCE_LOG" "${OUR_ENV[@]}" "$ALLREDUCE_BIN" \
+    "${ALLREDUCE_ARGS[@]}"
+  end_phase "$(describe_rc $?)"
+fi
+copy_out "$ALLREDUCE_LOG"
 
 # ------------------------------------------------------------------ gpu tests
 
