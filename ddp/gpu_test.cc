@@ -500,7 +500,7 @@ TEST(DdpGpuTest, NoSyncAccumulatesOnTheGpu) {
 // ---------------------------------------------------------- SyncBatchNorm --
 
 double RelDiff(const Tensor& a, const Tensor& b) {
-  const auto x = a.To(nn::kCPU).ToVector<double>(), y = b.To(nn::kCPU).ToVector<double>();
+  const auto x = a.Detach().To(nn::kCPU).ToVector<double>(), y = b.Detach().To(nn::kCPU).ToVector<double>();
   if (x.size() != y.size()) return 1e30;
   double d = 0, s = 0;
   for (size_t i = 0; i < x.size(); ++i) {

@@ -122,8 +122,11 @@ class ProcessGroup::Impl {
 
   ~Impl() { Stop(); }
 
+  // `fence` orders a collective on device tensors with the caller's stream;
+  // null only for host tensors and calls without data (a barrier). No
+  // default: a device collective that forgot it raced its producer kernels.
   Work Enqueue(CollectiveDescription description, Task task,
-               std::shared_ptr<internal::DeviceFence> fence = nullptr) {
+               std::shared_ptr<internal::DeviceFence> fence) {
     auto state = std::make_shared<Work::State>();
     state->fence = std::move(fence);
     Work work(state);
@@ -453,7 +456,7 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
     return comm->ReduceScatter(input.data_ptr(), output.data_ptr(),
                                static_cast<size_t>(output.numel()), type, op,
                                {.timeout = timeout});
-  });
+  }, std::move(fence));
 }
 
 Work ProcessGroup::Barrier() {
@@ -462,7 +465,7 @@ Work ProcessGroup::Barrier() {
   return impl_->Enqueue(std::move(d), [timeout](transport::Communicator* comm, Deadline) {
     if (comm == nullptr) return Status::Ok();
     return comm->Barrier({.timeout = timeout});
-  });
+  }, nullptr);
 }
 
 Work ProcessGroup::Run(const CollectiveDescription& description, Task task,

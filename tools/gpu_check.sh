@@ -611,9 +611,19 @@ TEST_SUMMARY="$WORK/tests.txt"
 keep_failed_log() {
   local label=$1 log=$2
   [ -n "${OUT:-}" ] && [ -f "$log" ] || return 0
+  local lines
+  lines=$(wc -l <"$log")
   {
-    echo "===== $label ($(wc -l <"$log") lines; the last 400)"
-    tail -n 400 "$log"
+    # The first failures name the cause; the end says what failed.
+    if [ "$lines" -le 600 ]; then
+      echo "===== $label ($lines lines)"
+      cat "$log"
+    else
+      echo "===== $label ($lines lines; the first 250 and the last 350)"
+      head -n 250 "$log"
+      echo "[... $((lines - 600)) lines left out ...]"
+      tail -n 350 "$log"
+    fi
   } >>"$OUT/failed_tests.log"
 }
 

@@ -41,7 +41,7 @@ Tensor GradFor(const Tensor& w, int step) {
 void ExpectSameBytes(const Tensor& a, const Tensor& b, const std::string& what) {
   ASSERT_EQ(a.shape(), b.shape()) << what;
   ASSERT_EQ(a.dtype(), b.dtype()) << what;
-  const Tensor ac = a.To(kCPU).Contiguous(), bc = b.To(kCPU).Contiguous();
+  const Tensor ac = a.Detach().To(kCPU).Contiguous(), bc = b.Detach().To(kCPU).Contiguous();
   EXPECT_EQ(std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.nbytes()), 0) << what;
 }
 

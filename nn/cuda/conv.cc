@@ -311,7 +311,8 @@ void Conv2dForward(const Tensor& x_in, const Tensor& w_in, const Tensor& bias, c
                "cudnnConvolutionForward");
     if (bias.defined()) {
       // y[n, o, :, :] += bias[o]: the broadcasting add_scaled_ kernel.
-      const Tensor b = bias.dtype() == dt ? bias : bias.Detach().To(dt);
+      // Detached: a parameter's bias requires grad, and the add reads its values only.
+      const Tensor b = bias.dtype() == dt ? bias.Detach() : bias.Detach().To(dt);
       const Shape bs = BroadcastStridesTo(b.View({1, b.numel(), 1, 1}), yt.shape());
       const launch::Indexing ix = MakeIndexing("conv2d bias", yt.shape(), {yt.strides(), bs});
       CheckCuda(launch::AddScaled(ix, yt.numel(), yt.data_ptr(), b.data_ptr(), 1.0, ToDt(dt), stream),

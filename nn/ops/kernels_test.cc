@@ -1,5 +1,6 @@
 // Kernel-level checks: the two GEMM backends and the two convolution
-// algorithms agree; 16-bit inputs compute in f32; bad targets are reported.
+// algorithms agree; 16-bit inputs compute in f32 (pooling gradients too);
+// bad targets are reported.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -123,6 +124,51 @@ TEST(KernelsTest, MaxPool2x2CeilModeStaysInsideThePlane) {
     ASSERT_EQ(y.shape(), (Shape{1, 2, 2, 2}));
     EXPECT_EQ(y.ToVector<double>(), (std::vector<double>{-1, -3, -7, -9, 104, 105, 107, 108}))
         << DTypeName(dtype);
+  }
+}
+
+// Overlapping windows add several terms into one input gradient. In bf16 the
+// sum is taken in f32 and rounded once (as the CUDA kernels do): the result
+// equals the f32 computation on the same values, rounded to bf16, bit for
+// bit. Rounding after every term drifts by a few bf16 ulps.
+TEST(KernelsTest, SixteenBitPoolingGradientsRoundOnce) {
+  const KernelTable& cpu = KernelsFor(DeviceType::kCPU);
+  const Pool2dParams p{.kernel_h = 3, .kernel_w = 3, .stride_h = 1, .stride_w = 1, .pad_h = 1, .pad_w = 1};
+  Generator gen(11);
+  const Shape xs{2, 3, 9, 9};
+  const Tensor x = Randn(xs, {}, gen).To(DType::kBFloat16);
+  // Bitwise equality, read as the bf16 values both sides hold.
+  auto expect_same = [](const Tensor& got, const Tensor& f32, const char* what) {
+    const std::vector<double> a = got.ToVector<double>(), b = f32.To(DType::kBFloat16).ToVector<double>();
+    ASSERT_EQ(a.size(), b.size()) << what;
+    int differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
+    EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << a.size() << " gradients";
+  };
+  {
+    // Max pooling, stride 1: a local maximum is picked by up to nine windows.
+    const Tensor y = Empty(xs, {.dtype = DType::kBFloat16}), ind = Empty(xs, {.dtype = DType::kInt32});
+    cpu.max_pool2d_forward(x, y, ind, p);
+    const Tensor dy = Randn(xs, {}, gen).To(DType::kBFloat16);
+    const Tensor dx = Empty(xs, {.dtype = DType::kBFloat16}), dx32 = Empty(xs);
+    cpu.max_pool2d_backward(dy, ind, dx, p);
+    cpu.max_pool2d_backward(dy.To(DType::kFloat32), ind, dx32, p);
+    expect_same(dx, dx32, "max_pool2d");
+  }
+  {
+    const Tensor dy = Randn(xs, {}, gen).To(DType::kBFloat16);
+    const Tensor dx = Empty(xs, {.dtype = DType::kBFloat16}), dx32 = Empty(xs);
+    cpu.avg_pool2d_backward(dy, dx, p);
+    cpu.avg_pool2d_backward(dy.To(DType::kFloat32), dx32, p);
+    expect_same(dx, dx32, "avg_pool2d");
+  }
+  {
+    // 9x9 -> 13x13: neighbouring output windows share input cells.
+    const Tensor dy = Randn({2, 3, 13, 13}, {}, gen).To(DType::kBFloat16);
+    const Tensor dx = Empty(xs, {.dtype = DType::kBFloat16}), dx32 = Empty(xs);
+    cpu.adaptive_avg_pool2d_backward(dy, dx);
+    cpu.adaptive_avg_pool2d_backward(dy.To(DType::kFloat32), dx32);
+    expect_same(dx, dx32, "adaptive_avg_pool2d");
   }
 }
 

@@ -25,6 +25,7 @@ import contextlib
 import math
 import sys
 import time
+import traceback
 
 import torch
 from torch import nn
@@ -181,6 +182,12 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("torch_train_step_bench: --device=%s but torch.cuda.is_available() is False (torch %s)" %
                      (args.device, torch.__version__))
+        # The caching allocator's statistics (reset per mode) exist only once
+        # CUDA is initialized on the device: reset_peak_memory_stats before
+        # that fails with "Invalid device argument".
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+        torch.empty(1, device=device)
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
         torch.backends.cudnn.benchmark = True
@@ -192,7 +199,9 @@ def main():
         try:
             run_mode(args, m, device)
         except (RuntimeError, SystemExit) as e:
-            print("torch_train_step_bench: mode %s failed: %s" % (m, e), file=sys.stderr, flush=True)
+            print("torch_train_step_bench: mode %s failed: %s: %s" % (m, type(e).__name__, e), file=sys.stderr,
+                  flush=True)
+            traceback.print_exc()
             failed.append(m)
     if failed:
         sys.exit(1)

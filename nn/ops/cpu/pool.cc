@@ -5,6 +5,7 @@
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 #include "nn/ops/cpu/cpu_kernels.h"
 
@@ -194,6 +195,31 @@ void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, c
   WriteBack(y, yb);
 }
 
+namespace {
+
+// Input gradients of pooling, where overlapping windows add into one cell:
+// add(pl, acc) adds plane pl's terms into acc (the plane's h * w cells,
+// zeroed, in the accumulation type). A 16-bit gradient is summed in f32 and
+// rounded once, as the CUDA kernels do, not after every term.
+template <typename scalar_t, typename Add>
+void AccumulatePlanes(scalar_t* dx, int64_t planes, int64_t plane_size, Add add) {
+  using A = acc_t<scalar_t>;
+  if constexpr (std::is_same_v<A, scalar_t>) {
+    std::fill(dx, dx + planes * plane_size, scalar_t(0));
+    for (int64_t pl = 0; pl < planes; ++pl) add(pl, dx + pl * plane_size);
+  } else {
+    std::vector<A> acc(static_cast<size_t>(plane_size));
+    for (int64_t pl = 0; pl < planes; ++pl) {
+      std::fill(acc.begin(), acc.end(), A(0));
+      add(pl, acc.data());
+      scalar_t* d = dx + pl * plane_size;
+      for (int64_t k = 0; k < plane_size; ++k) d[k] = static_cast<scalar_t>(acc[k]);
+    }
+  }
+}
+
+}  // namespace
+
 void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx, const Pool2dParams& p) {
   const Tensor dyc = ContiguousData(dy);
   const int64_t planes = dx.size(0) * dx.size(1), h = dx.size(2), w = dx.size(3);
@@ -219,16 +245,11 @@ void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx
   DDP_DISPATCH_FLOATING(dx.dtype(), "max_pool2d_backward", {
     using A = acc_t<scalar_t>;
     const scalar_t* g = static_cast<const scalar_t*>(dyc.data_ptr());
-    scalar_t* d = static_cast<scalar_t*>(dxb.data_ptr());
-    std::fill(d, d + planes * h * w, scalar_t(0));
-    for (int64_t pl = 0; pl < planes; ++pl) {
-      scalar_t* dpl = d + pl * h * w;
+    AccumulatePlanes(static_cast<scalar_t*>(dxb.data_ptr()), planes, h * w, [&](int64_t pl, A* dpl) {
       const scalar_t* gpl = g + pl * oh * ow;
       const int32_t* ipl = ind + pl * oh * ow;
-      for (int64_t k = 0; k < oh * ow; ++k) {
-        dpl[ipl[k]] = static_cast<scalar_t>(static_cast<A>(dpl[ipl[k]]) + static_cast<A>(gpl[k]));
-      }
-    }
+      for (int64_t k = 0; k < oh * ow; ++k) dpl[ipl[k]] += static_cast<A>(gpl[k]);
+    });
   });
   WriteBack(dx, dxb);
 }
@@ -290,10 +311,7 @@ void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const Pool2dParams& p
   DDP_DISPATCH_FLOATING(dx.dtype(), "avg_pool2d_backward", {
     using A = acc_t<scalar_t>;
     const scalar_t* g = static_cast<const scalar_t*>(dyc.data_ptr());
-    scalar_t* d = static_cast<scalar_t*>(dxb.data_ptr());
-    std::fill(d, d + planes * h * w, scalar_t(0));
-    for (int64_t pl = 0; pl < planes; ++pl) {
-      scalar_t* dpl = d + pl * h * w;
+    AccumulatePlanes(static_cast<scalar_t*>(dxb.data_ptr()), planes, h * w, [&](int64_t pl, A* dpl) {
       for (int64_t i = 0; i < oh; ++i) {
         const Window wh = AvgWindow(i, p.stride_h, p.pad_h, p.kernel_h, h);
         for (int64_t j = 0; j < ow; ++j) {
@@ -303,13 +321,11 @@ void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const Pool2dParams& p
           if (div <= 0) continue;
           const A v = static_cast<A>(g[(pl * oh + i) * ow + j]) / static_cast<A>(div);
           for (int64_t ih = wh.start; ih < wh.end; ++ih) {
-            for (int64_t iw = ww.start; iw < ww.end; ++iw) {
-              dpl[ih * w + iw] = static_cast<scalar_t>(static_cast<A>(dpl[ih * w + iw]) + v);
-            }
+            for (int64_t iw = ww.start; iw < ww.end; ++iw) dpl[ih * w + iw] += v;
           }
         }
       }
-    }
+    });
   });
   WriteBack(dx, dxb);
 }
@@ -354,23 +370,18 @@ void AdaptiveAvgPool2dBackward(const Tensor& dy, const Tensor& dx) {
   DDP_DISPATCH_FLOATING(dx.dtype(), "adaptive_avg_pool2d_backward", {
     using A = acc_t<scalar_t>;
     const scalar_t* g = static_cast<const scalar_t*>(dyc.data_ptr());
-    scalar_t* d = static_cast<scalar_t*>(dxb.data_ptr());
-    std::fill(d, d + planes * h * w, scalar_t(0));
-    for (int64_t pl = 0; pl < planes; ++pl) {
-      scalar_t* dpl = d + pl * h * w;
+    AccumulatePlanes(static_cast<scalar_t*>(dxb.data_ptr()), planes, h * w, [&](int64_t pl, A* dpl) {
       for (int64_t i = 0; i < oh; ++i) {
         const int64_t hs = AdaptiveStart(i, oh, h), he = AdaptiveEnd(i, oh, h);
         for (int64_t j = 0; j < ow; ++j) {
           const int64_t ws = AdaptiveStart(j, ow, w), we = AdaptiveEnd(j, ow, w);
           const A v = static_cast<A>(g[(pl * oh + i) * ow + j]) / static_cast<A>((he - hs) * (we - ws));
           for (int64_t ih = hs; ih < he; ++ih) {
-            for (int64_t iw = ws; iw < we; ++iw) {
-              dpl[ih * w + iw] = static_cast<scalar_t>(static_cast<A>(dpl[ih * w + iw]) + v);
-            }
+            for (int64_t iw = ws; iw < we; ++iw) dpl[ih * w + iw] += v;
           }
         }
       }
-    }
+    });
   });
   WriteBack(dx, dxb);
 }
