@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 #include <stdexcept>
@@ -129,6 +130,17 @@ std::string CacheKey(Direction dir, Device dev, const Tensor& x, const Tensor& w
   return k;
 }
 
+// DDP_NN_CUDA_CONV_SEARCH=0 turns the search off: every convolution then runs
+// cuDNN's plain implicit-GEMM algorithms, a slow reference for telling a
+// suspect searched algorithm from a bug elsewhere.
+bool SearchEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("DDP_NN_CUDA_CONV_SEARCH");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
+}
+
 // Device scratch from the caching allocator (a u8 tensor keeps it alive).
 Tensor Workspace(Device dev, size_t bytes) {
   return Empty({static_cast<int64_t>(bytes)}, {.dtype = DType::kUInt8, .device = dev});
@@ -171,6 +183,13 @@ Choice ChooseForward(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Te
     auto it = g_cache->find(key);
     if (it != g_cache->end()) return it->second;
   }
+  if (!SearchEnabled()) {
+    const auto algo = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM;
+    size_t bytes = 0;
+    CheckCudnn(cudnnGetConvolutionForwardWorkspaceSize(h, xd.d, wd.d, cd.d, yd.d, algo, &bytes),
+               "cudnnGetConvolutionForwardWorkspaceSize");
+    return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
+  }
   Tensor ws = SearchWorkspace(x.device());
   cudnnConvolutionFwdAlgoPerf_t perfs[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
   int count = 0;
@@ -194,6 +213,13 @@ Choice ChooseBackwardData(cudnnHandle_t h, const Tensor& x, const Tensor& w, con
     auto it = g_cache->find(key);
     if (it != g_cache->end()) return it->second;
   }
+  if (!SearchEnabled()) {
+    const auto algo = CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
+    size_t bytes = 0;
+    CheckCudnn(cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.d, dyd.d, cd.d, dxd.d, algo, &bytes),
+               "cudnnGetConvolutionBackwardDataWorkspaceSize");
+    return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
+  }
   Tensor ws = SearchWorkspace(x.device());
   cudnnConvolutionBwdDataAlgoPerf_t perfs[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
   int count = 0;
@@ -216,6 +242,13 @@ Choice ChooseBackwardFilter(cudnnHandle_t h, const Tensor& x, const Tensor& w, c
     std::lock_guard<std::mutex> lock(g_cache_mu);
     auto it = g_cache->find(key);
     if (it != g_cache->end()) return it->second;
+  }
+  if (!SearchEnabled()) {
+    const auto algo = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
+    size_t bytes = 0;
+    CheckCudnn(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.d, dyd.d, cd.d, dwd.d, algo, &bytes),
+               "cudnnGetConvolutionBackwardFilterWorkspaceSize");
+    return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
   Tensor ws = SearchWorkspace(x.device());
   cudnnConvolutionBwdFilterAlgoPerf_t perfs[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];

@@ -13,6 +13,7 @@
 // Output, per mode (keys are stable; tools/gpu_check.sh parses them):
 //   BENCH impl=ours model=resnet50 mode=fp32 batch=256 warmup=5 steps=20 optimizer=sgd tf32=off
 //         images_per_s=... ms_per_step=... final_loss=... skipped_steps=0 params=...
+#include <cuda_profiler_api.h>
 #include <gflags/gflags.h>
 
 #include <chrono>
@@ -29,6 +30,7 @@
 #include "nn/cuda/allocator.h"
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/stream.h"
+#include "nn/io/checkpoint.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
 #include "nn/ops/autocast.h"
@@ -49,6 +51,16 @@ DEFINE_bool(tf32, false, "allow TF32 tensor cores for f32 GEMM and convolution")
 DEFINE_bool(optimizer, true,
             "include the SGD update (lr 0.01, momentum 0.9, weight decay 5e-4) in each step; false: forward "
             "and backward only");
+DEFINE_bool(print_loss, false,
+            "print a LOSS line after every step (a diagnosis of training: each line waits for the device, "
+            "so the timing is not a figure to compare)");
+DEFINE_string(save_init, "",
+              "write the first mode's initial state dict and its batch (tensors `input.images`, "
+              "`input.labels`) to this safetensors file, for running the same start in PyTorch "
+              "(tools/bench/torch_train_step_bench.py --load_init)");
+DEFINE_bool(profiler_range, false,
+            "bracket the timed steps with cudaProfilerStart/Stop, for `ncu --profile-from-start off` "
+            "(kernels of the timed steps only)");
 DEFINE_uint64(seed, 1, "seed of the model's initialization and the synthetic batch");
 DEFINE_string(device, "cuda:0",
               "cuda:N, or cpu for a smoke test of this benchmark without a GPU (tiny --batch; not a figure to "
@@ -108,6 +120,13 @@ void RunMode(const std::string& mode_name, Device device) {
   Tensor label_values = Empty({FLAGS_batch});
   UniformFill(label_values, 0.0, 10.0, gen);
   const Tensor labels = label_values.To(DType::kInt64).To(device);
+  if (!FLAGS_save_init.empty()) {
+    io::NamedTensors state = m.module->GetStateDict();
+    state.emplace_back("input.images", images);
+    state.emplace_back("input.labels", labels);
+    io::SaveTensors(FLAGS_save_init, state);
+    FLAGS_save_init.clear();  // the first mode's start only
+  }
 
   // Printed so that tools/gpu_check.sh can tell when the two sides built different models.
   int64_t param_count = 0;
@@ -116,12 +135,17 @@ void RunMode(const std::string& mode_name, Device device) {
   optim::GradScaler scaler({.enabled = mode.loss_scaler});
   int64_t skipped_steps = 0;
   Tensor loss;
+  int step_index = 0;
   auto step = [&] {
     opt.ZeroGrad();
     {
       AutocastGuard guard(mode.autocast);
       loss = loss::CrossEntropy(m.module->Forward(images), labels);
     }
+    if (FLAGS_print_loss) {
+      std::printf("LOSS impl=ours mode=%s step=%d loss=%.6f\n", mode_name.c_str(), step_index, loss.Item());
+    }
+    ++step_index;
     Backward(mode.loss_scaler ? ops::MulScalar(loss, scaler.scale()) : loss);
     if (!FLAGS_optimizer) return;
     if (mode.loss_scaler) {
@@ -138,8 +162,10 @@ void RunMode(const std::string& mode_name, Device device) {
   sync();
   skipped_steps = 0;
   const auto start = std::chrono::steady_clock::now();
+  if (FLAGS_profiler_range && device.is_cuda()) cudaProfilerStart();
   for (int i = 0; i < FLAGS_steps; ++i) step();
   sync();
+  if (FLAGS_profiler_range && device.is_cuda()) cudaProfilerStop();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double final_loss = loss.Item();
   if (!std::isfinite(final_loss)) {

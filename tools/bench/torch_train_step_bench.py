@@ -22,7 +22,9 @@ GradScaler).
 """
 import argparse
 import contextlib
+import json
 import math
+import struct
 import sys
 import time
 import traceback
@@ -100,6 +102,27 @@ def make_scaler(device_type, enabled):
     return torch.cuda.amp.GradScaler(enabled=enabled)
 
 
+def load_safetensors(path):
+    """The tensors of a safetensors file, on the CPU (the format: an 8-byte
+    little-endian header length, a JSON header, then the raw data)."""
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = dtypes[info["dtype"]]
+        if begin == end:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype).reshape(info["shape"])
+    return out
+
+
 def run_mode(args, mode, device):
     torch.manual_seed(args.seed)
     if device.type == "cuda":
@@ -107,15 +130,29 @@ def run_mode(args, mode, device):
     model = ResNet50Cifar().to(device).train()
     images = torch.randn(args.batch, 3, 32, 32, device=device)
     labels = torch.randint(0, 10, (args.batch,), device=device)
+    if args.load_init:
+        # Our benchmark's start (--save_init): the same weights and batch.
+        state = load_safetensors(args.load_init)
+        images = state.pop("input.images").to(device)
+        labels = state.pop("input.labels").to(device)
+        if images.shape[0] != args.batch:
+            raise SystemExit("--load_init: the saved batch has %d images, --batch is %d" %
+                             (images.shape[0], args.batch))
+        model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
     scaler = make_scaler(device.type, mode == "fp16") if mode == "fp16" else None
+
+    losses = []
 
     def step():
         opt.zero_grad(set_to_none=True)
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with autocast:
             loss = F.cross_entropy(model(images), labels)
+        if args.print_loss:
+            print("LOSS impl=torch mode=%s step=%d loss=%.6f" % (mode, len(losses), loss.item()), flush=True)
+            losses.append(loss.item())
         if args.optimizer == "none":
             loss.backward()
         elif scaler is not None:
@@ -170,6 +207,10 @@ def main():
     p.add_argument("--tf32", action="store_true", help="allow TF32 for f32 matmul and convolution")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--load_init", default="",
+                   help="start from the weights and batch that our benchmark wrote with --save_init")
+    p.add_argument("--print_loss", action="store_true",
+                   help="print a LOSS line after every step (waits for the device: timing not comparable)")
     args = p.parse_args()
     modes = args.modes.split(",")
     for m in modes:

@@ -37,6 +37,7 @@ DEFINE_int32(warmup_iters, 2, "untimed calls per size");
 DEFINE_int64(device_chunk_bytes, 0, "staging chunk per slot (0: the default, 4 MiB)");
 DEFINE_string(memory, "both", "device, host or both");
 DEFINE_string(algo, "auto", "auto, ring, tree, rhd, shm (host reductions only)");
+DEFINE_string(dtype, "f32", "element type: f32, f64, f16, bf16, i32, i64 or u8");
 DEFINE_string(staged_reduce, "both",
               "device buffers: where the staged all-reduce reduces: device, host or both");
 
@@ -61,6 +62,15 @@ Algorithm ParseAlgo(const std::string& name) {
   std::exit(2);
 }
 
+DataType ParseDtype(const std::string& name) {
+  for (DataType t : {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16, DataType::kI32,
+                     DataType::kI64, DataType::kU8}) {
+    if (name == DataTypeName(t)) return t;
+  }
+  std::fprintf(stderr, "--dtype=%s: expected f32, f64, f16, bf16, i32, i64 or u8\n", name.c_str());
+  std::exit(2);
+}
+
 int Run() {
   int devices = 0;
   Must(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
@@ -76,13 +86,15 @@ int Run() {
   }
   Communicator& comm = **created;
   const Algorithm algorithm = ParseAlgo(FLAGS_algo);
+  const DataType dtype = ParseDtype(FLAGS_dtype);
+  const size_t element = DataTypeSize(dtype);
   const int n = comm.size();
   if (comm.rank() == 0) {
     std::printf("# ranks=%d devices=%d ucx_cuda=%d device_chunk_bytes=%lld algo=%s "
-                "staged_reduce=%s\n",
+                "staged_reduce=%s dtype=%s\n",
                 n, devices, comm.info().ucx_cuda_memory,
                 static_cast<long long>(FLAGS_device_chunk_bytes), FLAGS_algo.c_str(),
-                FLAGS_staged_reduce.c_str());
+                FLAGS_staged_reduce.c_str(), DataTypeName(dtype));
     std::printf("# bytes memory time_us algbw_GBps busbw_GBps copy_us wrong\n");
   }
   if (FLAGS_staged_reduce != "device" && FLAGS_staged_reduce != "host" &&
@@ -103,10 +115,10 @@ int Run() {
   }
   if (FLAGS_memory != "device") kinds.emplace_back("host", StagedReduce::kAuto);
   for (double size = FLAGS_min_bytes; size <= FLAGS_max_bytes; size *= FLAGS_step_factor) {
-    const size_t count = std::max<size_t>(1, static_cast<size_t>(size) / 4);
-    const size_t bytes = count * 4;
+    const size_t count = std::max<size_t>(1, static_cast<size_t>(size) / element);
+    const size_t bytes = count * element;
     std::vector<char> input(bytes), output(bytes);
-    testing::FillInput(DataType::kF32, input.data(), count, comm.rank(), ReduceOp::kSum);
+    testing::FillInput(dtype, input.data(), count, comm.rank(), ReduceOp::kSum);
     void* device = nullptr;
     Must(cudaMalloc(&device, bytes), "cudaMalloc");
     // The copy cost alone, for reference.
@@ -131,7 +143,7 @@ int Run() {
         Status s = comm.Barrier();
         const auto start = std::chrono::steady_clock::now();
         if (s.ok()) {
-          s = comm.AllReduce(buffer, count, DataType::kF32, ReduceOp::kSum,
+          s = comm.AllReduce(buffer, count, dtype, ReduceOp::kSum,
                              {.algorithm = algorithm, .staged_reduce = where});
         }
         const double seconds = Seconds(std::chrono::steady_clock::now() - start).count();
@@ -148,7 +160,7 @@ int Run() {
       } else {
         result = output;
       }
-      wrong = testing::CountWrong(DataType::kF32, result.data(), count, n, ReduceOp::kSum);
+      wrong = testing::CountWrong(dtype, result.data(), count, n, ReduceOp::kSum);
       const double us = total / FLAGS_iters * 1e6;
       const double algbw = bytes / (us * 1e-6) / 1e9;
       if (comm.rank() == 0) {
