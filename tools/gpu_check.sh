@@ -7,11 +7,14 @@
 #      cuda:0, ours: //nn/cuda:train_step_bench, one BENCH line per mode;
 #   4. the same in PyTorch eager (tools/bench/torch_train_step_bench.py) when
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
-#   5. build and run every test tagged `gpu`, with a per-test timeout, going
+#   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
+#      reduction on the device and on the host (device_allreduce_bench);
+#   6. build and run every test tagged `gpu`, with a per-test timeout, going
 #      on after failures.
 #
-# With OUT set (a folder), the whole output, the BENCH lines, the summary and
-# the failed tests' logs are written there too (four files).
+# With OUT set (a folder), the whole output, the BENCH lines, the all-reduce
+# figures, the summary and the failed tests' logs are written there too
+# (five files).
 #
 # The benchmarks come before the tests so that their figures exist even if
 # the tests run long. Every phase has a timeout taken from one overall budget

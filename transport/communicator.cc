@@ -398,7 +398,10 @@ Status Communicator::Impl::Init() {
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
   if (options_.staged_reduce == StagedReduce::kAuto) {
     const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
-    options_.staged_reduce = StagedReduce::kDevice;
+    // Host by default: on an H200 (2 ranks sharing it, f32 and bf16, 4 KiB to
+    // 64 MiB) reducing on the host was faster at every size but one
+    // (docs/benchmarks.md, GPU).
+    options_.staged_reduce = StagedReduce::kHost;
     if (!env_reduce.empty()) {
       DDP_ASSIGN_OR_RETURN(options_.staged_reduce, ParseStagedReduce(env_reduce));
     }

@@ -34,7 +34,7 @@ namespace ddp::transport {
 /// Where staged all-reduces and reduce-scatters on device buffers reduce
 /// (see transport/README.md, Device buffers).
 enum class StagedReduce : int {
-  kAuto = 0,    ///< DDP_STAGED_REDUCE (device or host) when set, else kDevice.
+  kAuto = 0,    ///< DDP_STAGED_REDUCE (device or host) when set, else kHost.
   kDevice = 1,  ///< On the GPU; the host only moves bytes. Up to 16 ranks, else as kHost.
   kHost = 2,    ///< On the host CPU, in the pinned staging slots.
 };
@@ -143,7 +143,7 @@ struct CommunicatorInfo {
   /// they are staged through host memory.
   bool ucx_cuda_memory = false;
   /// The staged-reduce choice in force (never kAuto).
-  StagedReduce staged_reduce = StagedReduce::kDevice;
+  StagedReduce staged_reduce = StagedReduce::kHost;
   /// Waits yield the CPU almost at once instead of spinning: this host's
   /// ranks times busy_threads_per_rank outnumber the cores it may use.
   bool yields_when_idle = false;

@@ -337,9 +337,9 @@ TEST(Communicator, BadTopologyFileIsNamed) {
   }
 }
 
-TEST(Communicator, StagedReduceDefaultsToDeviceAndFollowsTheEnvironment) {
+TEST(Communicator, StagedReduceDefaultsToHostAndFollowsTheEnvironment) {
   const std::pair<const char*, StagedReduce> cases[] = {
-      {"", StagedReduce::kDevice}, {"device", StagedReduce::kDevice}, {"host", StagedReduce::kHost}};
+      {"", StagedReduce::kHost}, {"device", StagedReduce::kDevice}, {"host", StagedReduce::kHost}};
   for (const auto& [value, want] : cases) {
     Job job = RunJob(1, "create", {{"DDP_STAGED_REDUCE", value}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
     ASSERT_EQ(job.results.size(), 1u);
