@@ -376,7 +376,7 @@ TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
 TEST(Communicator, SettingThatDiffersBetweenRanksFailsCreationOnEveryRank) {
   const auto start = Clock::now();
   Job job = RunJob(2, "create", {{"DDP_TEST_TIMEOUT_MS", "30000"}}, milliseconds(60000), nullptr,
-                   {{1, {{"DDP_STAGED_REDUCE", "host"}}}});
+                   {{1, {{"DDP_STAGED_REDUCE", "device"}}}});
   EXPECT_LT(Clock::now() - start, milliseconds(15000)) << job.Describe();
   ASSERT_EQ(job.results.size(), 2u);
   for (const auto& result : job.results) {
@@ -384,9 +384,9 @@ TEST(Communicator, SettingThatDiffersBetweenRanksFailsCreationOnEveryRank) {
     EXPECT_NE(result.output.find("setting staged_reduce differs between ranks"), std::string::npos)
         << job.Describe();
   }
-  EXPECT_NE(job.results[0].output.find("rank 0 has device, rank 1 has host"), std::string::npos)
+  EXPECT_NE(job.results[0].output.find("rank 0 has host, rank 1 has device"), std::string::npos)
       << job.Describe();
-  EXPECT_NE(job.results[1].output.find("rank 1 has host, rank 0 has device"), std::string::npos)
+  EXPECT_NE(job.results[1].output.find("rank 1 has device, rank 0 has host"), std::string::npos)
       << job.Describe();
 }
 
