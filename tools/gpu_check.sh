@@ -9,12 +9,14 @@
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
-#   6. build and run every test tagged `gpu`, with a per-test timeout, going
+#   6. with --profile, every kernel's time in one training step per mode
+#      (Nsight Compute), summed per kernel function;
+#   7. build and run every test tagged `gpu`, with a per-test timeout, going
 #      on after failures.
 #
 # With OUT set (a folder), the whole output, the BENCH lines, the all-reduce
-# figures, the summary and the failed tests' logs are written there too
-# (five files).
+# figures, the summary, the failed tests' logs and (--profile) the kernel
+# profile are written there too (up to six files).
 #
 # The benchmarks come before the tests so that their figures exist even if
 # the tests run long. Every phase has a timeout taken from one overall budget
@@ -60,6 +62,8 @@ FASHION_MNIST_DIR=/usr/share/datasets/fashion-mnist
 MAKE_BUNDLE=0
 TABLE_FROM=""
 SKIP_COLLECTIVES=0
+PROFILE=0
+PROFILE_MODES="fp32,bf16"
 # All-reduce on device buffers, staged reduction on the device and on the host.
 readonly ALLREDUCE_BENCH=//transport/cuda:device_allreduce_bench
 
@@ -82,6 +86,9 @@ Usage: tools/gpu_check.sh [options]
   --skip-torch        do not run the PyTorch benchmark
   --skip-collectives  do not run the device all-reduce benchmark (2 ranks
                       on the GPU, staged reduction on the device and on the host)
+  --profile[=MODES]   also time every kernel of one training step with Nsight
+                      Compute (ncu) per mode (default fp32,bf16) and print where
+                      the GPU time goes (tools/bench/ncu_summary.py)
   --bundle[=DIR]      run prebuilt binaries from DIR (default .gpu_bundle)
                       instead of building with bazel
   --make-bundle[=DIR] build the benchmark and the gpu tests here and pack them
@@ -118,6 +125,8 @@ for arg in "$@"; do
     --skip-tests | --only-bench) SKIP_TESTS=1 ;;
     --skip-torch) SKIP_TORCH=1 ;;
     --skip-collectives) SKIP_COLLECTIVES=1 ;;
+    --profile) PROFILE=1 ;;
+    --profile=*) PROFILE=1 PROFILE_MODES="${arg#*=}" ;;
     --bundle) USE_BUNDLE=1 ;;
     --bundle=*) USE_BUNDLE=1 BUNDLE_DIR="${arg#*=}" ;;
     --make-bundle) MAKE_BUNDLE=1 ;;
@@ -134,6 +143,13 @@ for pair in "budget:$BUDGET_S" "batch:$BATCH" "steps:$STEPS" "test-timeout:$TEST
   [[ "${pair#*:}" =~ ^[1-9][0-9]*$ ]] || die "--${pair%%:*} must be a positive integer, got \`${pair#*:}\`"
 done
 [[ "$WARMUP" =~ ^[0-9]+$ ]] || die "--warmup must be a non-negative integer, got \`$WARMUP\`"
+IFS=',' read -r -a PROFILE_MODE_LIST <<<"$PROFILE_MODES"
+for m in "${PROFILE_MODE_LIST[@]}"; do
+  case "$m" in
+    fp32 | bf16 | fp16) ;;
+    *) die "--profile: unknown mode \`$m\` (known: fp32, bf16, fp16)" ;;
+  esac
+done
 IFS=',' read -r -a MODE_LIST <<<"$MODES"
 [ "${#MODE_LIST[@]}" -gt 0 ] || die "--modes is empty"
 for m in "${MODE_LIST[@]}"; do
@@ -603,6 +619,44 @@ else
   end_phase "$(describe_rc $?)"
 fi
 copy_out "$ALLREDUCE_LOG"
+
+# ------------------------------------------------------ kernel profile (ncu)
+
+# One timed step per mode under Nsight Compute, the kernels' durations only
+# (one replay pass each); --profiler_range limits it to the timed step.
+PROFILE_LOG="$WORK/profile.txt"
+if [ "$PROFILE" = 1 ]; then
+  : >"$PROFILE_LOG"
+  begin_phase "profile: kernel times of one training step (ncu), modes $PROFILE_MODES"
+  NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+  NCU_ARGS=(--profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv --print-units base)
+  STEP_ARGS=(--model=resnet50 "--batch=$BATCH" --warmup=2 --steps=1 --profiler_range)
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "dry run: would run: ${NCU:-ncu} ${NCU_ARGS[*]} ${BENCH_BIN:-(no benchmark binary)} ${STEP_ARGS[*]} --modes=MODE"
+    end_phase "skipped (dry run)"
+  elif [ -z "$NCU" ]; then
+    end_phase "skipped (no ncu)"
+  elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
+    end_phase "FAILED (no benchmark binary)"
+  else
+    rc=0
+    for m in "${PROFILE_MODE_LIST[@]}"; do
+      limit="$(phase_limit 90 60)"
+      echo "+ (limit ${limit}s) $NCU ... $BENCH_BIN ${STEP_ARGS[*]} --modes=$m"
+      timeout --kill-after=10 "$limit" "${OUR_ENV[@]}" "$NCU" "${NCU_ARGS[@]}" "$BENCH_BIN" "${STEP_ARGS[@]}" \
+        "--modes=$m" >"$WORK/ncu_$m.csv" 2>&1
+      r=$?
+      {
+        echo "== $m: $(grep -m1 '^BENCH' "$WORK/ncu_$m.csv" | grep -o 'batch=[0-9]*') one timed step (ncu exit $r)"
+        "$PYTHON" tools/bench/ncu_summary.py --top=25 "$WORK/ncu_$m.csv" 2>&1
+        echo
+      } | tee -a "$PROFILE_LOG"
+      [ "$r" = 0 ] || rc=$r
+    done
+    end_phase "$(describe_rc "$rc")"
+  fi
+  copy_out "$PROFILE_LOG"
+fi
 
 # ------------------------------------------------------------------ gpu tests
 

@@ -31,6 +31,7 @@ expect_error '--batch must be a positive integer, got `x`' --batch=x
 expect_error '--warmup must be a non-negative integer, got `-1`' --warmup=-1
 expect_error '--modes: unknown mode `fp8`' --modes=fp32,fp8
 expect_error '--table: cannot read `/nonexistent`' --table=/nonexistent
+expect_error '--profile: unknown mode `fp8`' --profile=fp8
 
 table="$("$SCRIPT" --table="$FIXTURE" | tr -s ' ')"
 # fp32: both sides, same batch and steps: 900 / 1000.
@@ -58,6 +59,15 @@ if [ "$order" != "$expected" ]; then
   echo "FAIL: phase order: $order, expected $expected"
   failures=$((failures + 1))
 fi
+# --profile adds the kernel profile after the benchmarks, before the tests.
+out="$("$SCRIPT" --dry-run --skip-torch --profile=bf16 2>&1)"
+order="$(grep -E '^==== ' <<<"$out" | grep -v '^==== build' | sed -E 's/^==== //; s/ \(.*//; s/,.*//; s/:.*//' | paste -sd'|')"
+expected="environment|benchmark|benchmark|benchmark|profile|gpu tests|summary"
+if [ "$order" != "$expected" ]; then
+  echo "FAIL: phase order with --profile: $order, expected $expected"
+  failures=$((failures + 1))
+fi
+check "profile dry run" "$out" "--print-units base"
 check "dry run prints the benchmark command" "$out" "would run: "
 check "dry run skips torch" "$out" "skipped (--skip-torch)"
 for f in gpu_check.log bench.log summary.txt; do
