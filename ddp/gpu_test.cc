@@ -494,7 +494,8 @@ TEST(DdpGpuTest, MlpTwoRanksMatchesOneProcess) {
 // (DDP_NN_CUDA_CONV_SEARCH=0) are fixed and deterministic, so what is left
 // to compare is DDP's split of the batch.
 TEST(DdpGpuTest, CnnTwoRanksMatchesOneProcess) {
-  auto run = RunWorkers("equivalence", 2, {{"DDP_TEST_MODEL", "cnn"}, {"DDP_NN_CUDA_CONV_SEARCH", "0"}}, 90000);
+  auto run =
+      RunWorkers("equivalence", 2, {{"DDP_TEST_MODEL", "cnn"}, {"DDP_NN_CUDA_CONV_SEARCH", "0"}}, 90000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

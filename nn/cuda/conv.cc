@@ -131,8 +131,9 @@ std::string CacheKey(Direction dir, Device dev, const Tensor& x, const Tensor& w
 }
 
 // DDP_NN_CUDA_CONV_SEARCH=0 turns the search off: every convolution then runs
-// cuDNN's plain implicit-GEMM algorithms, a slow reference for telling a
-// suspect searched algorithm from a bug elsewhere.
+// cuDNN's plain implicit-GEMM algorithms, which are fixed (not chosen by
+// timing) and deterministic: for runs that must repeat bit for bit, and for
+// telling a suspect searched algorithm from a bug elsewhere.
 bool SearchEnabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("DDP_NN_CUDA_CONV_SEARCH");
