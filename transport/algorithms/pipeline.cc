@@ -1,6 +1,7 @@
 #include "transport/algorithms/pipeline.h"
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <limits>
 
@@ -228,6 +229,30 @@ std::vector<int> OtherRanks(const p2p::PointToPoint& p2p) {
     if (q != p2p.rank()) others.push_back(q);
   }
   return others;
+}
+
+AllReduceStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, FingerprintKind kind) {
+  const char* what = KindName(kind);
+  AllReduceStart start;
+  BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = args.count;
+  shape.uses_op = true;
+  start.status = CheckArgs(what, p2p, args, shape);
+  if (!start.status.ok()) {
+    start.finished = true;
+    return start;
+  }
+  start.fingerprint = MakeFingerprint(args, kind, /*uses_op=*/true, /*uses_root=*/false);
+  if (args.count == 0) {
+    start.finished = true;
+    start.status = CheckEmptyCall(p2p, args.deadline, what, start.fingerprint,
+                                  {{PhaseTag(args.tag, 0), OtherRanks(p2p)}});
+  } else if (p2p.size() == 1) {
+    start.finished = true;
+    if (args.recv != args.send) std::memmove(args.recv, args.send, args.count * DataTypeSize(args.dtype));
+  }
+  return start;
 }
 
 namespace {

@@ -182,6 +182,18 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// Every rank of `p2p` but this one.
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p);
 
+/// How the flat all-reduces (ring, tree, rhd; `kind` names which) begin:
+/// CheckArgs, the call's fingerprint, and the calls that end right here:
+/// count 0, whose arguments are still proven against every rank
+/// (CheckEmptyCall), and a world of one rank, whose result is a copy.
+/// `finished` says the call ended here, with `status`.
+struct AllReduceStart {
+  Status status;
+  bool finished = false;
+  Fingerprint fingerprint;
+};
+AllReduceStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, FingerprintKind kind);
+
 /// Scratch memory for one collective, from a per-thread arena that keeps
 /// its largest size. A collective runs on one thread and needs a few MiB at
 /// most; reusing the arena avoids a fresh mapping, and its page faults, on

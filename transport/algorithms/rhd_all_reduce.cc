@@ -28,25 +28,13 @@ int LargestPowerOfTwoAtMost(int p) {
 }  // namespace
 
 Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  internal::BufferShape shape;
-  shape.send_elems = args.count;
-  shape.recv_elems = args.count;
-  shape.uses_op = true;
-  DDP_RETURN_IF_ERROR(internal::CheckArgs("rhd all-reduce", p2p, args, shape));
-  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
-      args, internal::kRhdAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
-  if (args.count == 0) {
-    return internal::CheckEmptyCall(p2p, args.deadline, "rhd all-reduce", fingerprint,
-                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
-  }
+  const internal::AllReduceStart start = internal::StartFlatAllReduce(p2p, args, internal::kRhdAllReduceKind);
+  if (start.finished) return start.status;
+  const internal::Fingerprint& fingerprint = start.fingerprint;
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
   auto* recv = static_cast<unsigned char*>(args.recv);
-  if (p == 1) {
-    if (recv != send) std::memmove(recv, send, args.count * es);
-    return Status();
-  }
 
   // Ranks below 2 * extra pair up (even hands to odd); the p2 remaining
   // ranks get new ranks 0..p2-1 in which the exchanges are a hypercube.

@@ -7,17 +7,9 @@
 namespace ddp::transport::algorithms {
 
 Status RingAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  internal::BufferShape shape;
-  shape.send_elems = args.count;
-  shape.recv_elems = args.count;
-  shape.uses_op = true;
-  DDP_RETURN_IF_ERROR(internal::CheckArgs("ring all-reduce", p2p, args, shape));
-  const internal::Fingerprint fingerprint =
-      internal::MakeFingerprint(args, internal::kRingAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
-  if (args.count == 0) {
-    return internal::CheckEmptyCall(p2p, args.deadline, "ring all-reduce", fingerprint,
-                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
-  }
+  const internal::AllReduceStart start = internal::StartFlatAllReduce(p2p, args, internal::kRingAllReduceKind);
+  if (start.finished) return start.status;
+  const internal::Fingerprint& fingerprint = start.fingerprint;
 
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);

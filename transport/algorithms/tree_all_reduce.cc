@@ -45,25 +45,13 @@ struct Tree {
 }  // namespace
 
 Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  internal::BufferShape shape;
-  shape.send_elems = args.count;
-  shape.recv_elems = args.count;
-  shape.uses_op = true;
-  DDP_RETURN_IF_ERROR(internal::CheckArgs("tree all-reduce", p2p, args, shape));
-  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
-      args, internal::kTreeAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
-  if (args.count == 0) {
-    return internal::CheckEmptyCall(p2p, args.deadline, "tree all-reduce", fingerprint,
-                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
-  }
+  const internal::AllReduceStart start = internal::StartFlatAllReduce(p2p, args, internal::kTreeAllReduceKind);
+  if (start.finished) return start.status;
+  const internal::Fingerprint& fingerprint = start.fingerprint;
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
   auto* recv = static_cast<unsigned char*>(args.recv);
-  if (p == 1) {
-    if (recv != send) std::memmove(recv, send, args.count * es);
-    return Status();
-  }
 
   const size_t ce = internal::ChunkElems(args, kTreeChunkBytes);
   const size_t depth = static_cast<size_t>(internal::PipelineDepth(args, kTreeDepth));
