@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import struct
 import sys
 import time
@@ -218,6 +219,8 @@ def main():
             p.error("--modes: unknown mode %r (known: %s)" % (m, ", ".join(MODES)))
     if args.batch < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--batch and --steps must be >= 1 and --warmup >= 0")
+    if args.load_init and not os.path.isfile(args.load_init):
+        p.error("--load_init: no file %s" % args.load_init)
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -242,7 +245,8 @@ def main():
         except (RuntimeError, SystemExit) as e:
             print("torch_train_step_bench: mode %s failed: %s: %s" % (m, type(e).__name__, e), file=sys.stderr,
                   flush=True)
-            traceback.print_exc()
+            if not isinstance(e, SystemExit):
+                traceback.print_exc()
             failed.append(m)
     if failed:
         sys.exit(1)
