@@ -26,19 +26,12 @@ Dims GetDims(const Tensor& x) {
   return {x.size(0), x.size(1), s};
 }
 
-std::vector<double> ToDoubles(const Tensor& t, int64_t c, double fallback) {
-  if (!t.defined()) return std::vector<double>(c, fallback);
-  return t.ToVector<double>();
-}
-
 void StoreDoubles(const Tensor& t, const std::vector<double>& v) {
   Tensor src = nn::FromVector(v, {static_cast<int64_t>(v.size())}, {.dtype = nn::DType::kFloat64});
   nn::NoGradGuard guard;
   t.CopyFrom(src);
 }
 
-// The global-statistics batch norm as an autograd function. Inputs: x
-// [N, C, *], weight [C] and bias [C] (both may be undefined).
 // Training needs at least two values per channel in the global batch.
 void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
   if (total > 1) return;
@@ -65,6 +58,54 @@ void UpdateRunningStats(const Tensor& running_mean, const Tensor& running_var,
   StoreDoubles(running_var, rv);
 }
 
+// Backward of both SyncBatchNorm functions, from nn's building blocks on x's
+// device. Saved: x, weight, the global mean and invstd (f64 [C] on x's
+// device); saved_data: the global count ("total") and the group ("pg").
+std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
+  const std::vector<Tensor> saved = ctx->GetSavedTensors();
+  const Tensor& x = saved[0];
+  const Tensor& weight = saved[1];
+  const Tensor& mean_t = saved[2];
+  const Tensor& invstd_t = saved[3];
+  const Tensor dy = grad[0].Contiguous();
+  const double total = std::any_cast<double>(ctx->saved_data["total"]);
+  ProcessGroup* pg = std::any_cast<ProcessGroup*>(ctx->saved_data["pg"]);
+  const Dims d = GetDims(x);
+  const nn::Device device = x.device();
+  nn::NoGradGuard guard;
+  // [sum(dy) per channel, sum(dy * xhat) per channel], f64 on the device.
+  Tensor sums = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
+  if (d.n * d.s > 0) {
+    const nn::ops::BatchNormSums local = nn::ops::BatchNormBackwardReduce(dy, x, mean_t, invstd_t);
+    sums.Narrow(0, 0, d.c).CopyFrom(local.sum);
+    sums.Narrow(0, d.c, d.c).CopyFrom(local.sum_sq);
+  } else {
+    sums.Zero();
+  }
+  Tensor dweight, dbias;
+  const nn::DType param_dtype = weight.defined() ? weight.dtype() : x.dtype();
+  if (ctx->NeedsInputGrad(1)) dweight = sums.Narrow(0, d.c, d.c).To(param_dtype);
+  if (ctx->NeedsInputGrad(2)) dbias = sums.Narrow(0, 0, d.c).To(param_dtype);
+  Tensor dx;
+  if (ctx->NeedsInputGrad(0)) {
+    // The global sums: every rank's x shaped the statistics.
+    Tensor global = sums.Clone();
+    pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
+    const Tensor means = nn::ops::MulScalar(global, 1.0 / total);
+    dx = x.numel() == 0
+             ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
+             : nn::ops::BatchNormBackwardElementwise(dy, x, mean_t, invstd_t, weight,
+                                                     means.Narrow(0, 0, d.c), means.Narrow(0, d.c, d.c));
+  }
+  return {dx, dweight, dbias};
+}
+
+// The global-statistics batch norm on the CPU, as an autograd function.
+// Inputs: x [N, C, *], weight [C] and bias [C] (both may be undefined). The
+// statistics travel as each rank's count, mean and sum of squared
+// deviations (two passes in f64), merged with Chan et al.'s formula so that
+// large means do not cancel; the elementwise pass and the backward are nn's
+// building blocks, as on a device.
 struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   static constexpr const char* kName = "SyncBatchNormBackward";
 
@@ -132,105 +173,18 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
     }
     UpdateRunningStats(running_mean, running_var, mean, var, total, momentum);
 
-    // y = x * scale + shift, per channel, as BatchNorm's kernel computes it.
-    const std::vector<double> w = ToDoubles(weight, d.c, 1.0), b = ToDoubles(bias, d.c, 0.0);
-    Tensor y = nn::Empty(x.shape(), {.dtype = x.dtype()});
-    DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm", {
-      using A = nn::acc_t<scalar_t>;
-      const scalar_t* xp = x.data<scalar_t>();
-      scalar_t* yp = y.data<scalar_t>();
-      for (int64_t n = 0; n < d.n; ++n) {
-        for (int64_t c = 0; c < d.c; ++c) {
-          const A scale = static_cast<A>(w[c] * invstd[c]);
-          const A shift = static_cast<A>(b[c] - mean[c] * w[c] * invstd[c]);
-          const scalar_t* r = xp + (n * d.c + c) * d.s;
-          scalar_t* out = yp + (n * d.c + c) * d.s;
-          for (int64_t i = 0; i < d.s; ++i) out[i] = static_cast<scalar_t>(static_cast<A>(r[i]) * scale + shift);
-        }
-      }
-    });
-
-    ctx->SaveForBackward({x, weight});
-    ctx->saved_data["mean"] = mean;
-    ctx->saved_data["invstd"] = invstd;
+    const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64});
+    const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64});
+    Tensor y = x.numel() == 0 ? nn::Empty(x.shape(), {.dtype = x.dtype()})
+                              : nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
+    ctx->SaveForBackward({x, weight, mean_t, invstd_t});
     ctx->saved_data["total"] = total;
     ctx->saved_data["pg"] = pg;
     return {y};
   }
 
   static std::vector<Tensor> Backward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
-    const std::vector<Tensor> saved = ctx->GetSavedTensors();
-    const Tensor& x = saved[0];
-    const Tensor& weight = saved[1];
-    const Tensor dy = grad[0].Contiguous();
-    const auto& mean = std::any_cast<const std::vector<double>&>(ctx->saved_data["mean"]);
-    const auto& invstd = std::any_cast<const std::vector<double>&>(ctx->saved_data["invstd"]);
-    const double total = std::any_cast<double>(ctx->saved_data["total"]);
-    ProcessGroup* pg = std::any_cast<ProcessGroup*>(ctx->saved_data["pg"]);
-    const Dims d = GetDims(x);
-
-    // Local per-channel sums of dy and dy * (x - mean).
-    Tensor sums = nn::Zeros({2 * d.c}, {.dtype = nn::DType::kFloat64});
-    double* s = sums.data<double>();
-    DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm backward", {
-      using A = nn::acc_t<scalar_t>;
-      const scalar_t* xp = x.data<scalar_t>();
-      const scalar_t* gp = dy.data<scalar_t>();
-      for (int64_t n = 0; n < d.n; ++n) {
-        for (int64_t c = 0; c < d.c; ++c) {
-          const scalar_t* xr = xp + (n * d.c + c) * d.s;
-          const scalar_t* gr = gp + (n * d.c + c) * d.s;
-          double sd = 0, sx = 0;
-          for (int64_t i = 0; i < d.s; ++i) {
-            const double g = static_cast<A>(gr[i]);
-            sd += g;
-            sx += g * (static_cast<A>(xr[i]) - mean[c]);
-          }
-          s[c] += sd;
-          s[d.c + c] += sx;
-        }
-      }
-    });
-    Tensor dweight, dbias;
-    if (ctx->NeedsInputGrad(1)) {
-      std::vector<double> v(d.c);
-      for (int64_t c = 0; c < d.c; ++c) v[c] = s[d.c + c] * invstd[c];
-      dweight = nn::FromVector(v, {d.c}, {.dtype = weight.dtype()});
-    }
-    if (ctx->NeedsInputGrad(2)) {
-      dbias = nn::FromVector(std::vector<double>(s, s + d.c), {d.c}, {.dtype = weight.defined() ? weight.dtype() : x.dtype()});
-    }
-    Tensor dx;
-    if (ctx->NeedsInputGrad(0)) {
-      // The global sums: every rank's x shaped the statistics.
-      Tensor global = sums.Clone();
-      pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
-      const double* g = global.data<double>();
-      const std::vector<double> w = ToDoubles(weight, d.c, 1.0);
-      dx = nn::Empty(x.shape(), {.dtype = x.dtype()});
-      DDP_DISPATCH_FLOATING(x.dtype(), "SyncBatchNorm backward", {
-        using A = nn::acc_t<scalar_t>;
-        const scalar_t* xp = x.data<scalar_t>();
-        const scalar_t* gp = dy.data<scalar_t>();
-        scalar_t* out = dx.data<scalar_t>();
-        for (int64_t n = 0; n < d.n; ++n) {
-          for (int64_t c = 0; c < d.c; ++c) {
-            // dx = k * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean)))
-            const A k = static_cast<A>(w[c] * invstd[c]);
-            const A mdy = static_cast<A>(g[c] / total);
-            const A coef = static_cast<A>(g[d.c + c] / total * invstd[c] * invstd[c]);
-            const A mu = static_cast<A>(mean[c]);
-            const scalar_t* xr = xp + (n * d.c + c) * d.s;
-            const scalar_t* gr = gp + (n * d.c + c) * d.s;
-            scalar_t* o = out + (n * d.c + c) * d.s;
-            for (int64_t i = 0; i < d.s; ++i) {
-              o[i] = static_cast<scalar_t>(k * (static_cast<A>(gr[i]) - mdy - (static_cast<A>(xr[i]) - mu) * coef));
-            }
-          }
-        }
-      });
-    }
-    return {dx, dweight, dbias};
+    return SyncBatchNormBackward(ctx, grad);
   }
 };
 
@@ -286,42 +240,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
   }
 
   static std::vector<Tensor> Backward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
-    const std::vector<Tensor> saved = ctx->GetSavedTensors();
-    const Tensor& x = saved[0];
-    const Tensor& weight = saved[1];
-    const Tensor& mean_t = saved[2];
-    const Tensor& invstd_t = saved[3];
-    const Tensor dy = grad[0].Contiguous();
-    const double total = std::any_cast<double>(ctx->saved_data["total"]);
-    ProcessGroup* pg = std::any_cast<ProcessGroup*>(ctx->saved_data["pg"]);
-    const Dims d = GetDims(x);
-    const nn::Device device = x.device();
-    nn::NoGradGuard guard;
-    // [sum(dy) per channel, sum(dy * xhat) per channel], f64 on the device.
-    Tensor sums = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
-    if (d.n * d.s > 0) {
-      const nn::ops::BatchNormSums local = nn::ops::BatchNormBackwardReduce(dy, x, mean_t, invstd_t);
-      sums.Narrow(0, 0, d.c).CopyFrom(local.sum);
-      sums.Narrow(0, d.c, d.c).CopyFrom(local.sum_sq);
-    } else {
-      sums.Zero();
-    }
-    Tensor dweight, dbias;
-    const nn::DType param_dtype = weight.defined() ? weight.dtype() : x.dtype();
-    if (ctx->NeedsInputGrad(1)) dweight = sums.Narrow(0, d.c, d.c).To(param_dtype);
-    if (ctx->NeedsInputGrad(2)) dbias = sums.Narrow(0, 0, d.c).To(param_dtype);
-    Tensor dx;
-    if (ctx->NeedsInputGrad(0)) {
-      // The global sums: every rank's x shaped the statistics.
-      Tensor global = sums.Clone();
-      pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
-      const Tensor means = nn::ops::MulScalar(global, 1.0 / total);
-      dx = x.numel() == 0
-               ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
-               : nn::ops::BatchNormBackwardElementwise(dy, x, mean_t, invstd_t, weight,
-                                                       means.Narrow(0, 0, d.c), means.Narrow(0, d.c, d.c));
-    }
-    return {dx, dweight, dbias};
+    return SyncBatchNormBackward(ctx, grad);
   }
 };
 
