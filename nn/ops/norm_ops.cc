@@ -31,10 +31,12 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
     throw std::invalid_argument("batch_norm: expected more than 1 value per channel when training, got input " +
                                 ShapeToString(x.shape()));
   }
-  const DType stat = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  // The saved statistics stay in f64, as the kernels compute them: backward
+  // uses the mean and invstd the forward normalized with, unrounded, and a
+  // CUDA kernel reads them without a conversion.
   Tensor y = detail::NewLike(x);
-  Tensor mean = Empty({c}, {.dtype = stat, .device = x.device()});
-  Tensor invstd = Empty({c}, {.dtype = stat, .device = x.device()});
+  Tensor mean = Empty({c}, {.dtype = DType::kFloat64, .device = x.device()});
+  Tensor invstd = Empty({c}, {.dtype = DType::kFloat64, .device = x.device()});
   DDP_KERNEL(x.device(), batch_norm_forward)(x, weight, bias, running_mean, running_var, training, momentum, eps, y,
                                             mean, invstd);
   if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
