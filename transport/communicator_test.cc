@@ -271,15 +271,7 @@ int RunScenario(const std::string& name) {
 
 struct Job {
   std::vector<testing::WorkerResult> results;
-  std::string Describe() const {
-    std::string text;
-    for (size_t r = 0; r < results.size(); ++r) {
-      text += "--- rank " + std::to_string(r) + " exit " + std::to_string(results[r].exit_code) +
-              " signal " + std::to_string(results[r].signal) +
-              (results[r].timed_out ? " TIMED OUT" : "") + "\n" + results[r].output;
-    }
-    return text;
-  }
+  std::string Describe() const { return testing::DescribeResults(results); }
 };
 
 Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},

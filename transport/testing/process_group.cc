@@ -136,4 +136,14 @@ ProcessGroup::~ProcessGroup() {
   }
 }
 
+std::string DescribeResults(const std::vector<WorkerResult>& results) {
+  std::string text;
+  for (size_t r = 0; r < results.size(); ++r) {
+    text += "--- rank " + std::to_string(r) + " exit " + std::to_string(results[r].exit_code) + " signal " +
+            std::to_string(results[r].signal) + (results[r].timed_out ? " TIMED OUT" : "") + "\n" +
+            results[r].output;
+  }
+  return text;
+}
+
 }  // namespace ddp::transport::testing

@@ -28,6 +28,10 @@ struct WorkerResult {
   std::string output;   ///< stdout and stderr together.
 };
 
+/// Every worker's exit code, signal, whether it timed out and its output,
+/// rank by rank: what a failed multi-process test prints.
+std::string DescribeResults(const std::vector<WorkerResult>& results);
+
 class ProcessGroup {
  public:
   using Env = std::map<std::string, std::string>;
