@@ -45,6 +45,19 @@ Status RunHierarchicalAllReduce(p2p::PointToPoint& p2p, const topology::Topology
   return algorithms::HierarchicalAllReduce(p2p, args, host_of_rank);
 }
 
+Status RunHierarchicalThroughShm(shm::ShmAllReduce& host, p2p::PointToPoint& inter,
+                                 int world_size, const algorithms::CollectiveArgs& args,
+                                 const std::function<Status(Deadline, int)>& watchdog) {
+  const ReduceOp host_op = args.op == ReduceOp::kAvg ? ReduceOp::kSum : args.op;
+  // Called on every rank, for an empty slice too: the inter-host call then
+  // still checks the arguments against the other hosts.
+  auto across = [&](void* slice, size_t, size_t count) {
+    return algorithms::InterHostAllReduce(inter, slice, count, world_size, args);
+  };
+  return host.AllReduceThrough(args.send, args.recv, args.count, args.dtype, host_op, across,
+                               args.deadline, watchdog);
+}
+
 Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {
   return algorithms::Broadcast(p2p, args);
 }

@@ -5,9 +5,11 @@
 // collective, given the topology. Private to //transport.
 
 #include <cstddef>
+#include <functional>
 
 #include "transport/algorithms/collective.h"
 #include "transport/p2p/point_to_point.h"
+#include "transport/shm/shm_allreduce.h"
 #include "transport/status.h"
 #include "transport/topology/topology.h"
 #include "transport/types.h"
@@ -37,6 +39,15 @@ Status RunAllReduce(Algorithm algorithm, p2p::PointToPoint& p2p,
 /// Hierarchical all-reduce over the hosts of `topology`.
 Status RunHierarchicalAllReduce(p2p::PointToPoint& p2p, const topology::Topology& topology,
                                 const algorithms::CollectiveArgs& args);
+/// The hierarchical all-reduce with its steps inside a host in shared
+/// memory: `host` (this rank's host's ranks) reduces the inputs, each rank
+/// all-reduces its slice over `inter` (the ranks of the other hosts with
+/// this rank's local index; InterHostAllReduce), and `host` shares the
+/// slices. Every host must run it, not RunHierarchicalAllReduce: the two
+/// slice the vector differently.
+Status RunHierarchicalThroughShm(shm::ShmAllReduce& host, p2p::PointToPoint& inter,
+                                 int world_size, const algorithms::CollectiveArgs& args,
+                                 const std::function<Status(Deadline, int)>& watchdog);
 Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
 Status RunAllGather(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
 Status RunReduceScatter(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);

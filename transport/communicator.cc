@@ -18,6 +18,7 @@
 
 #include "transport/algorithms/collective.h"
 #include "transport/algorithms/exchange.h"
+#include "transport/algorithms/hierarchical_all_reduce.h"
 #include "transport/collectives.h"
 #include "transport/cuda/device_staging.h"
 #include "transport/cuda/ipc_collectives.h"
@@ -331,6 +332,9 @@ class Communicator::Impl {
     args.tuning.chunk_bytes = options_.chunk_bytes;
     return args;
   }
+  shm::ShmOptions SharedMemoryOptions(bool oversubscribed) const;
+  Status InitHostSharedMemory(const topology::Topology& real, const std::vector<int>& pids,
+                              bool oversubscribed, Deadline deadline);
   Status Watchdog(Deadline deadline, int awaited_peer = -1) {
     return monitor_ ? monitor_->Check(deadline, awaited_peer) : Status::Ok();
   }
@@ -351,6 +355,10 @@ class Communicator::Impl {
   std::unique_ptr<p2p::GroupView> ring_view_;
   std::unique_ptr<fault::PeerMonitor> monitor_;
   std::unique_ptr<shm::ShmAllReduce> shm_;
+  // Several hosts: this rank's host's ranks in shared memory, and the ranks
+  // of the other hosts with its local index (the hierarchical all-reduce).
+  std::unique_ptr<shm::ShmAllReduce> host_shm_;
+  std::unique_ptr<p2p::GroupView> host_inter_;
   std::function<Status(Deadline, int)> watchdog_;
   // Pinned slots and a stream per CUDA device used, under run_mu_.
   std::map<int, std::unique_ptr<cuda::DeviceCopyEngine>> staging_;
@@ -395,6 +403,7 @@ Status Communicator::Impl::Init() {
   }
   if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
   if (GetEnv("DDP_CUDA_IPC") == "1") options_.cuda_ipc = true;
+  if (GetEnv("DDP_SHARED_MEMORY") == "0") options_.shared_memory = false;
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
   if (options_.staged_reduce == StagedReduce::kAuto) {
     const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
@@ -514,25 +523,10 @@ Status Communicator::Impl::Init() {
 
   // 5. The shared-memory path, when every rank is on this host.
   if (single_host_ && o.world_size > 1 && o.shared_memory) {
-    shm::ShmOptions shm_options;
+    shm::ShmOptions shm_options = SharedMemoryOptions(oversubscribed);
     shm_options.rank = o.rank;
     shm_options.size = o.world_size;
     shm_options.pids = exchanged.pids;
-    shm_options.yield_when_idle = oversubscribed;
-    if (o.chunk_bytes > 0) {
-      shm_options.chunk_bytes = o.chunk_bytes;
-      shm_options.staging_bytes = std::min(shm_options.staging_bytes, 16 * o.chunk_bytes);
-    }
-    // Tuning knobs for benchmarks (docs/benchmarks.md); equal on every rank.
-    if (const std::string v = GetEnv("DDP_SHM_STAGING_BYTES"); !v.empty()) {
-      shm_options.staging_bytes = std::strtoull(v.c_str(), nullptr, 10);
-    }
-    if (const std::string v = GetEnv("DDP_SHM_SPIN_US"); !v.empty()) {
-      shm_options.spin_time = std::chrono::microseconds(std::strtoul(v.c_str(), nullptr, 10));
-    }
-    if (const std::string v = GetEnv("DDP_SHM_CHUNK_BYTES"); !v.empty()) {
-      shm_options.chunk_bytes = std::max<size_t>(4096, std::strtoull(v.c_str(), nullptr, 10));
-    }
     auto engine = shm::ShmAllReduce::Create(*store_, prefix_ + "shm/", shm_options, deadline);
     if (engine.ok()) {
       shm_ = std::move(*engine);
@@ -542,6 +536,83 @@ Status Communicator::Impl::Init() {
     // UNAVAILABLE (no CMA permission): every rank decided the same; UCX only.
   }
   info_.shared_memory = shm_ != nullptr;
+
+  // 6. Several hosts: the hierarchical all-reduce's steps inside a host in
+  // shared memory.
+  if (topology_.num_hosts() > 1 && o.world_size > 1 && o.shared_memory) {
+    DDP_RETURN_IF_ERROR(InitHostSharedMemory(real, exchanged.pids, oversubscribed, deadline));
+  }
+  info_.host_shared_memory = host_shm_ != nullptr;
+  return Status::Ok();
+}
+
+shm::ShmOptions Communicator::Impl::SharedMemoryOptions(bool oversubscribed) const {
+  shm::ShmOptions shm_options;
+  shm_options.yield_when_idle = oversubscribed;
+  if (options_.chunk_bytes > 0) {
+    shm_options.chunk_bytes = options_.chunk_bytes;
+    shm_options.staging_bytes = std::min(shm_options.staging_bytes, 16 * options_.chunk_bytes);
+  }
+  // Tuning knobs for benchmarks (docs/benchmarks.md); equal on every rank.
+  if (const std::string v = GetEnv("DDP_SHM_STAGING_BYTES"); !v.empty()) {
+    shm_options.staging_bytes = std::strtoull(v.c_str(), nullptr, 10);
+  }
+  if (const std::string v = GetEnv("DDP_SHM_SPIN_US"); !v.empty()) {
+    shm_options.spin_time = std::chrono::microseconds(std::strtoul(v.c_str(), nullptr, 10));
+  }
+  if (const std::string v = GetEnv("DDP_SHM_CHUNK_BYTES"); !v.empty()) {
+    shm_options.chunk_bytes = std::max<size_t>(4096, std::strtoull(v.c_str(), nullptr, 10));
+  }
+  return shm_options;
+}
+
+// The hosts are those of topology_ (what the algorithm choice sees: a
+// topology file may describe several on one machine); a host's group takes
+// shared memory when all of its ranks are really on this machine, there are
+// at least two, every host holds as many, and cross-memory attach works
+// between them. All hosts or none: the shared-memory form slices the vector
+// differently from the UCX one, so a host on each would disagree.
+Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
+                                                const std::vector<int>& pids,
+                                                bool oversubscribed, Deadline deadline) {
+  const CommunicatorOptions& o = options_;
+  std::vector<int> host_of_rank(topology_.size());
+  for (int r = 0; r < topology_.size(); ++r) host_of_rank[r] = topology_.ranks[r].host;
+  DDP_ASSIGN_OR_RETURN(const algorithms::HostGroups groups,
+                       algorithms::GroupByHost(*p2p_, host_of_rank));
+  bool able = groups.ranks_per_host > 1;
+  for (int r : groups.intra) able = able && real.SameHost(r, o.rank);
+  std::unique_ptr<shm::ShmAllReduce> engine;
+  if (able) {
+    shm::ShmOptions shm_options = SharedMemoryOptions(oversubscribed);
+    shm_options.size = static_cast<int>(groups.intra.size());
+    for (size_t i = 0; i < groups.intra.size(); ++i) {
+      if (groups.intra[i] == o.rank) shm_options.rank = static_cast<int>(i);
+      shm_options.pids.push_back(pids[groups.intra[i]]);
+    }
+    auto made = shm::ShmAllReduce::Create(
+        *store_, prefix_ + "shm-host" + std::to_string(groups.intra[0]) + "/", shm_options,
+        deadline);
+    if (made.ok()) {
+      engine = std::move(*made);
+    } else if (made.status().code() != StatusCode::kUnavailable) {
+      return made.status();
+    }
+  }
+  // Every rank counts itself in "seen" after its verdict in "able"; the
+  // last one in posts the total, which every rank waits for: O(1) store
+  // calls per rank.
+  DDP_RETURN_IF_ERROR(store_->Add(prefix_ + "shm-hosts/able", engine ? 1 : 0, deadline).status());
+  DDP_ASSIGN_OR_RETURN(const int64_t seen, store_->Add(prefix_ + "shm-hosts/seen", 1, deadline));
+  if (seen == o.world_size) {
+    DDP_ASSIGN_OR_RETURN(const int64_t total, store_->Add(prefix_ + "shm-hosts/able", 0, deadline));
+    DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "shm-hosts/total", std::to_string(total), deadline));
+  }
+  DDP_ASSIGN_OR_RETURN(const std::string total, store_->Get(prefix_ + "shm-hosts/total", deadline));
+  if (total != std::to_string(o.world_size)) return Status::Ok();
+  DDP_ASSIGN_OR_RETURN(p2p::GroupView inter, p2p::GroupView::Create(*p2p_, groups.inter));
+  host_inter_ = std::make_unique<p2p::GroupView>(std::move(inter));
+  host_shm_ = std::move(engine);
   return Status::Ok();
 }
 
@@ -588,9 +659,11 @@ void Communicator::Impl::Shutdown() {
     }
   }
   shm_.reset();
+  host_shm_.reset();
   staging_.clear();  // waits (bounded) for its copies; the async thread is gone
   ipc_.clear();
   ring_view_.reset();
+  host_inter_.reset();
   // After an abort, endpoints to other hosts close without flushing: the
   // host may be unreachable, and its peers have given up on us anyway.
   if (p2p_ != nullptr) {
@@ -751,6 +824,10 @@ Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count,
   }
   algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, 0, deadline);
   if (algorithm == Algorithm::kHierarchical) {
+    if (host_shm_ != nullptr) {
+      return internal::RunHierarchicalThroughShm(*host_shm_, *host_inter_, options_.world_size,
+                                                 args, watchdog_);
+    }
     return internal::RunHierarchicalAllReduce(*p2p_, topology_, args);
   }
   // Rings run in topology order: each hop stays on the fastest link.

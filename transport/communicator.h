@@ -63,7 +63,10 @@ struct CommunicatorOptions {
   Algorithm algorithm = Algorithm::kAuto;
   /// Topology description to use instead of discovery (DDP_TOPOLOGY_FILE).
   std::string topology_file;
-  /// Use the shared-memory path between ranks of one host when possible.
+  /// Use the shared-memory path between ranks of one host when possible:
+  /// for every all-reduce when all ranks are on one host, for the
+  /// hierarchical all-reduce's steps inside each host otherwise.
+  /// DDP_SHARED_MEMORY=0 in the environment turns it off.
   bool shared_memory = true;
   /// Tuning for tests: bytes per pipelined chunk (0: algorithm default), so
   /// that small inputs reach the multi-chunk paths.
@@ -135,6 +138,9 @@ class Work {
 struct CommunicatorInfo {
   int num_hosts = 1;
   bool shared_memory = false;  ///< The intra-host fast path is in use.
+  /// Several hosts: the hierarchical all-reduce's steps inside each host
+  /// use the shared-memory path.
+  bool host_shared_memory = false;
   std::string ucx_tls;         ///< UCX transports in force.
   std::string net_device;      ///< RDMA port chosen for this rank ("" none).
   std::string ring_order;      ///< Rank order of rings, "0 2 1 3".

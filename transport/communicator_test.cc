@@ -185,8 +185,9 @@ int ScenarioSweep() {
   for (Algorithm a : algorithms) SweepAllReduce(*comm, a);
   SweepOthers(*comm);
   if (comm->rank() == 0) {
-    std::printf("INFO hosts=%d shm=%d tls=%s ring=%s auto64k=%s\n", comm->info().num_hosts,
-                comm->info().shared_memory, comm->info().ucx_tls.c_str(),
+    std::printf("INFO hosts=%d shm=%d host_shm=%d tls=%s ring=%s auto64k=%s\n",
+                comm->info().num_hosts, comm->info().shared_memory,
+                comm->info().host_shared_memory, comm->info().ucx_tls.c_str(),
                 comm->info().ring_order.c_str(), AlgorithmName(comm->SelectedAlgorithm(65536)));
   }
   return failures == 0 ? 0 : 1;
@@ -308,15 +309,32 @@ TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
   EXPECT_NE(job.results[0].output.find("auto64k=ring"), std::string::npos) << job.Describe();
 }
 
-TEST(Communicator, DescribedTwoHostTopologyRunsHierarchical) {
-  // Four ranks that a topology file places on two hosts, interleaved.
+// Four ranks that a topology file places on two hosts, interleaved.
+std::string TwoHostTopologyFile() {
   const std::string path = ::testing::TempDir() + "/two_hosts.json";
   std::ofstream(path) << R"({"hosts": [{"name": "a"}, {"name": "b"}],
       "ranks": [{"host": 0}, {"host": 1}, {"host": 0}, {"host": 1}]})";
-  Job job = RunJob(4, "sweep", {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", path}});
+  return path;
+}
+
+// The hierarchical all-reduce's steps inside a host go through shared
+// memory (all four ranks are really on this machine).
+TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalThroughSharedMemory) {
+  Job job = RunJob(4, "sweep",
+                   {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
-  EXPECT_NE(job.results[0].output.find("hosts=2"), std::string::npos) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("hosts=2 shm=1 host_shm=1"), std::string::npos)
+      << job.Describe();
   EXPECT_NE(job.results[0].output.find("ring=0 2 1 3"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalOverUcxWithoutSharedMemory) {
+  Job job = RunJob(4, "sweep",
+                   {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()},
+                    {"DDP_SHARED_MEMORY", "0"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("hosts=2 shm=0 host_shm=0"), std::string::npos)
+      << job.Describe();
 }
 
 TEST(Communicator, BadTopologyFileIsNamed) {

@@ -192,9 +192,11 @@ TEST(NetnsTest, FourRanksOnTwoHostsAllReduceBroadcastAllGather) {
   const std::string all = run0.output + run1.output;
   for (int r = 0; r < 4; ++r) {
     const std::string rs = std::to_string(r);
-    // The topology sees two hosts and picks the hierarchical all-reduce.
+    // The topology sees two hosts and picks the hierarchical all-reduce,
+    // whose steps inside each host go through shared memory.
     EXPECT_THAT(all, ContainsRegex("\\[" + rs + "\\] rank " + rs +
-                                   " hosts 2 tls [^ ]+ ring [0-9 ]+ algo_1MiB hierarchical"));
+                                   " hosts 2 host_shm 1 tls [^ ]+ ring [0-9 ]+ algo_1MiB "
+                                   "hierarchical"));
     EXPECT_THAT(all, HasSubstr("[" + rs + "] rank " + rs + " ok"));
   }
   EXPECT_TRUE(hosts.Empty());

@@ -128,8 +128,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   const CommunicatorInfo& info = (*comm)->info();
-  std::printf("rank %d hosts %d tls %s ring %s algo_1MiB %s\n", (*comm)->rank(), info.num_hosts,
-              info.ucx_tls.c_str(), info.ring_order.c_str(),
+  std::printf("rank %d hosts %d host_shm %d tls %s ring %s algo_1MiB %s\n", (*comm)->rank(),
+              info.num_hosts, info.host_shared_memory, info.ucx_tls.c_str(), info.ring_order.c_str(),
               AlgorithmName((*comm)->SelectedAlgorithm(1 << 20)));
   std::fflush(stdout);
   return mode == "loop" ? Loop(**comm, call_timeout, marker_dir) : Check(**comm);

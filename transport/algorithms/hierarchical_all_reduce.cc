@@ -61,6 +61,24 @@ StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p,
   return groups;
 }
 
+Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, int world_size,
+                          const CollectiveArgs& args) {
+  // Avg is finished here, by the world size rather than the number of hosts.
+  CollectiveArgs across = args;
+  across.send = shard;
+  across.recv = shard;
+  across.count = count;
+  across.op = args.op == ReduceOp::kAvg ? ReduceOp::kSum : args.op;
+  across.tag = PhaseTag(args.tag, 1);
+  Status status = count * DataTypeSize(args.dtype) <= kInterHostRhdBytes
+                      ? RhdAllReduce(inter, across)
+                      : RingAllReduce(inter, across);
+  DDP_RETURN_IF_ERROR(
+      internal::Annotate(status, "hierarchical all-reduce (inter-host all-reduce)"));
+  if (args.op == ReduceOp::kAvg) reduce::DivideInPlace(args.dtype, shard, count, world_size);
+  return Status::Ok();
+}
+
 Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
                              std::span<const int> host_of_rank) {
   internal::BufferShape shape;
@@ -105,21 +123,8 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
   params.fingerprint = &fingerprint;
   DDP_RETURN_IF_ERROR(internal::RingReduceScatterBlocks(intra, args.send, shard, layout, params));
 
-  // 2. All-reduce of this shard across hosts (phases 1-2). Avg is finished
-  // below, by the world size rather than the number of hosts.
-  CollectiveArgs across = args;
-  across.send = shard;
-  across.recv = shard;
-  across.count = shard_count;
-  across.op = args.op == ReduceOp::kAvg ? ReduceOp::kSum : args.op;
-  across.tag = PhaseTag(args.tag, 1);
-  Status status = shard_count * es <= kInterHostRhdBytes ? RhdAllReduce(inter, across)
-                                                         : RingAllReduce(inter, across);
-  DDP_RETURN_IF_ERROR(
-      internal::Annotate(status, "hierarchical all-reduce (inter-host all-reduce)"));
-  if (args.op == ReduceOp::kAvg) {
-    reduce::DivideInPlace(args.dtype, shard, shard_count, p2p.size());
-  }
+  // 2. All-reduce of this shard across hosts (phases 1-2).
+  DDP_RETURN_IF_ERROR(InterHostAllReduce(inter, shard, shard_count, p2p.size(), args));
 
   // 3. All-gather inside the host (phase 3).
   params.tag = PhaseTag(args.tag, 3);

@@ -26,6 +26,15 @@ namespace ddp::transport::algorithms {
 Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
                              std::span<const int> host_of_rank);
 
+/// Step 2 on its own: `shard` (count elements, in place) all-reduced over
+/// `inter`, the ranks of every host that hold the same shard; with kAvg,
+/// divided by `world_size`. args supply dtype, op, tag and deadline (its
+/// buffers and count are ignored). The communicator also runs it between
+/// the shared-memory steps of a host (transport/collectives.h). Uses phases
+/// 1-2 of the tag range.
+Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, int world_size,
+                          const CollectiveArgs& args);
+
 /// The grouping HierarchicalAllReduce uses, for tests and logs.
 struct HostGroups {
   int num_hosts = 1;

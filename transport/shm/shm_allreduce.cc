@@ -33,6 +33,7 @@ struct alignas(128) ShmAllReduce::Control {
     uint64_t count;
     int32_t dtype;
     int32_t op;
+    int32_t through;  // 1 for AllReduceThrough
   } args[2];
 };
 
@@ -280,42 +281,78 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
   return Status::Ok();
 }
 
-Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
-                                    ReduceOp op) const {
+Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op,
+                                    bool through) const {
+  auto describe = [](size_t n, DataType t, ReduceOp o, bool th) {
+    return "count " + std::to_string(n) + " " + DataTypeName(t) + " " + ReduceOpName(o) +
+           (th ? " (hierarchical)" : "");
+  };
   for (int peer = 0; peer < options_.size; ++peer) {
     const Control::Args& theirs = control(peer).args[call % 2];
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) ||
-        theirs.op != static_cast<int32_t>(op)) {
+        theirs.op != static_cast<int32_t>(op) || (theirs.through != 0) != through) {
       return InvalidArgumentError(
           "all-reduce arguments differ across ranks: rank " + std::to_string(options_.rank) +
-          " passed count " + std::to_string(count) + " " + DataTypeName(dtype) + " " +
-          ReduceOpName(op) + ", rank " + std::to_string(peer) + " passed count " +
-          std::to_string(theirs.count) + " " + DataTypeName(static_cast<DataType>(theirs.dtype)) +
-          " " + ReduceOpName(static_cast<ReduceOp>(theirs.op)));
+          " passed " + describe(count, dtype, op, through) + ", rank " + std::to_string(peer) +
+          " passed " +
+          describe(theirs.count, static_cast<DataType>(theirs.dtype),
+                   static_cast<ReduceOp>(theirs.op), theirs.through != 0));
     }
   }
   return Status::Ok();
+}
+
+StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t count,
+                                        DataType dtype, ReduceOp op, bool through,
+                                        Deadline deadline,
+                                        const std::function<Status(Deadline, int)>& watchdog) {
+  const uint64_t s = ++sequence_;
+  Control::Args& args = control(options_.rank).args[s % 2];
+  args.src = reinterpret_cast<uint64_t>(send);
+  args.dst = reinterpret_cast<uint64_t>(recv);
+  args.count = count;
+  args.dtype = static_cast<int32_t>(dtype);
+  args.op = static_cast<int32_t>(op);
+  args.through = through ? 1 : 0;
+  Publish(&Control::arrived, s);
+  DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
+  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, through));
+  return s;
 }
 
 Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, Deadline deadline,
                                const std::function<Status(Deadline, int)>& watchdog) {
   const size_t bytes = count * DataTypeSize(dtype);
-  const uint64_t s = ++sequence_;
   const bool staged = bytes <= options_.staging_bytes;
-  if (staged && bytes > 0) std::memcpy(staging(options_.rank, s), send, bytes);
-  Control& mine = control(options_.rank);
-  Control::Args& args = mine.args[s % 2];
-  args.src = reinterpret_cast<uint64_t>(send);
-  args.dst = reinterpret_cast<uint64_t>(recv);
-  args.count = count;
-  args.dtype = static_cast<int32_t>(dtype);
-  args.op = static_cast<int32_t>(op);
-  Publish(&Control::arrived, s);
-  DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
-  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op));
+  // The staging buffer of call s is written before the call is announced.
+  if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
+  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, op, /*through=*/false, deadline, watchdog)
+                          .status());
   if (staged) return StagedAllReduce(recv, count, dtype, op);
-  return DirectAllReduce(send, recv, count, dtype, op, deadline, watchdog);
+  size_t begin, end;
+  Slice(count, DataTypeSize(dtype), options_.size, options_.rank, begin, end);
+  DDP_RETURN_IF_ERROR(ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/true));
+  return Finish(deadline, watchdog);
+}
+
+Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
+                                      ReduceOp op, const SliceFn& across, Deadline deadline,
+                                      const std::function<Status(Deadline, int)>& watchdog) {
+  if (op == ReduceOp::kAvg) {
+    return InvalidArgumentError(
+        "shared-memory all-reduce through a slice function: op avg is not accepted (reduce with "
+        "sum and divide in the slice function)");
+  }
+  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, op, /*through=*/true, deadline, watchdog)
+                          .status());
+  const size_t elem = DataTypeSize(dtype);
+  size_t begin, end;
+  Slice(count, elem, options_.size, options_.rank, begin, end);
+  DDP_RETURN_IF_ERROR(ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/false));
+  DDP_RETURN_IF_ERROR(across(static_cast<char*>(recv) + begin * elem, begin, end - begin));
+  DDP_RETURN_IF_ERROR(ShareSlice(recv, begin, end, elem));
+  return Finish(deadline, watchdog);
 }
 
 // Shapes: rank r's input is staging(r, s)[0, count) of `dtype`; every rank
@@ -347,21 +384,19 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
 
 // Shapes: every rank holds [count] elements of `dtype`; rank r owns the
 // slice [begin_r, end_r). Per chunk of its slice, rank r reads the chunk
-// from every peer's input into a cache-resident buffer, folds it into its
-// output, and writes the reduced chunk into every peer's output while it is
-// still in cache. Two rendezvous per call: all arrived (inputs readable),
-// all finished (every slice written everywhere, every input read).
-Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
-                                     ReduceOp op, Deadline deadline,
-                                     const std::function<Status(Deadline, int)>& watchdog) {
+// from every peer's input into a cache-resident buffer and folds it into
+// its output; AllReduce then writes the reduced chunk into every peer's
+// output while it is still in cache. Two rendezvous per call: all arrived
+// (inputs readable), all finished (every slice written everywhere, every
+// input read).
+Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, size_t end,
+                                 DataType dtype, ReduceOp op, bool share) {
   const int me = options_.rank;
   const uint64_t s = sequence_;
   const size_t elem = DataTypeSize(dtype);
   const reduce::ReduceFn fn = reduce::GetReduceFn(dtype, op);
   char* out = static_cast<char*>(recv);
   const char* in = static_cast<const char*>(send);
-  size_t begin, end;
-  Slice(count, elem, options_.size, me, begin, end);
   const size_t chunk_elems = std::max<size_t>(1, chunk_.size() / elem);
   for (size_t a = begin; a < end; a += chunk_elems) {
     const size_t n = std::min(chunk_elems, end - a);
@@ -387,12 +422,27 @@ Status ShmAllReduce::DirectAllReduce(const void* send, void* recv, size_t count,
       first = here;
     }
     if (options_.size == 1 && first != here) std::memcpy(here, first, n * elem);
-    // No peer touches this range of its own output: it is this rank's slice.
-    for (int k = 1; k < options_.size; ++k) {
-      const int peer = (me + k) % options_.size;
-      DDP_RETURN_IF_ERROR(WriteToPeer(peer, here, control(peer).args[s % 2].dst + a * elem, n * elem));
-    }
+    if (share) DDP_RETURN_IF_ERROR(ShareSlice(recv, a, a + n, elem));
   }
+  return Status::Ok();
+}
+
+Status ShmAllReduce::ShareSlice(const void* recv, size_t begin, size_t end, size_t elem) {
+  if (begin == end) return Status::Ok();
+  const uint64_t s = sequence_;
+  const char* here = static_cast<const char*>(recv) + begin * elem;
+  // No peer touches this range of its own output: it is this rank's slice.
+  for (int k = 1; k < options_.size; ++k) {
+    const int peer = (options_.rank + k) % options_.size;
+    DDP_RETURN_IF_ERROR(WriteToPeer(peer, here, control(peer).args[s % 2].dst + begin * elem,
+                                    (end - begin) * elem));
+  }
+  return Status::Ok();
+}
+
+Status ShmAllReduce::Finish(Deadline deadline,
+                            const std::function<Status(Deadline, int)>& watchdog) {
+  const uint64_t s = sequence_;
   Publish(&Control::reduced, s);
   Publish(&Control::finished, s);
   // Until every peer finished, its slice of this rank's output may be
@@ -409,6 +459,7 @@ Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadl
   args.count = ~uint64_t{0};
   args.dtype = -1;
   args.op = -1;
+  args.through = 0;
   Publish(&Control::reduced, s);
   Publish(&Control::finished, s);
   Publish(&Control::arrived, s);

@@ -33,6 +33,12 @@
 //      result into every rank's output; finished = s; wait until every rank
 //      finished (until then they read this rank's input and write its
 //      output).
+//
+// AllReduceThrough is the direct path with a pause: each rank folds its
+// whole slice, hands it to a caller's function (the hierarchical
+// all-reduce passes it to the same slice's owners on the other hosts), and
+// only then writes it into every rank's output.
+//
 // Every wait has a deadline and runs the watchdog about every 100 ms,
 // telling it which rank the wait needs (it fails the wait when that rank is
 // gone; the counter is read once more first, as a rank that published and
@@ -83,6 +89,21 @@ class ShmAllReduce {
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                    Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
+  /// Called with a rank's reduced slice, elements [offset, offset + count)
+  /// of its output, which it may change in place before the group gets it.
+  using SliceFn = std::function<Status(void* slice, size_t offset, size_t count)>;
+
+  /// recv[i] = op over ranks of send[i] as AllReduce, except that each
+  /// rank's slice passes through `across` between the reduction and the
+  /// copies into the other ranks' outputs; `across` runs once per call on
+  /// every rank, also for an empty slice. kAvg is refused (the divisor is
+  /// the caller's: reduce with kSum and divide in `across`). Every rank of
+  /// the group must call it where the others do; a rank calling AllReduce
+  /// instead fails the argument check on every rank.
+  Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                          const SliceFn& across, Deadline deadline,
+                          const std::function<Status(Deadline, int)>& watchdog);
+
   /// Returns once every rank has called Barrier.
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
@@ -107,7 +128,13 @@ class ShmAllReduce {
   Status WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
                  Deadline deadline, const std::function<Status(Deadline, int)>& watchdog,
                  const char* phase);
-  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op) const;
+  // Publishes this call's arguments, waits for every rank to arrive and
+  // checks that they agree; returns the call's sequence number.
+  StatusOr<uint64_t> Arrive(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                            bool through, Deadline deadline,
+                            const std::function<Status(Deadline, int)>& watchdog);
+  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op,
+                        bool through) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(false, peer, local, remote, bytes);
@@ -116,8 +143,15 @@ class ShmAllReduce {
     return CopyWithPeer(true, peer, const_cast<void*>(local), remote, bytes);
   }
   Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op);
-  Status DirectAllReduce(const void* send, void* recv, size_t count, DataType dtype,
-                         ReduceOp op, Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+  // Folds this rank's slice [begin, end) of every rank's input into `recv`;
+  // with `share`, writes each reduced chunk into every peer's output while
+  // it is in cache.
+  Status ReduceSlice(const void* send, void* recv, size_t begin, size_t end, DataType dtype,
+                     ReduceOp op, bool share);
+  // Writes elements [begin, end) of `recv` into every peer's output.
+  Status ShareSlice(const void* recv, size_t begin, size_t end, size_t elem);
+  // Publishes reduced and finished, then waits until every rank finished.
+  Status Finish(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   std::unique_ptr<Segment> segment_;
   ShmOptions options_;

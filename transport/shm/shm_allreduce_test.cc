@@ -99,6 +99,100 @@ TEST(ShmAllReduce, AverageOverChunksOfSeveralBlocks) {
   }
 }
 
+// Each rank's slice passes through the function once, between the
+// reduction and the sharing: here it doubles the slice, so every rank ends
+// with twice the sum, and the slices it saw tile the vector.
+TEST(ShmAllReduce, ThroughPassesEachSliceOnceBeforeSharingIt) {
+  for (int n : {1, 2, 3, 4}) {
+    auto group = MakeGroup(n, 4096, 1024);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{1001}, size_t{20000}}) {
+      std::vector<std::vector<std::pair<size_t, size_t>>> seen(n);
+      for (bool in_place : {true, false}) {
+        RunRanks(n, [&](int r) {
+          std::vector<double> send(count + 1), recv(count + 1, -7.0);
+          FillInput(DataType::kF64, send.data(), count, r, ReduceOp::kSum);
+          double* out = in_place ? send.data() : recv.data();
+          seen[r].clear();
+          Status s = group[r]->AllReduceThrough(
+              send.data(), out, count, DataType::kF64, ReduceOp::kSum,
+              [&](void* slice, size_t offset, size_t len) {
+                EXPECT_EQ(slice, out + offset);
+                for (size_t i = 0; i < len; ++i) static_cast<double*>(slice)[i] *= 2;
+                seen[r].emplace_back(offset, len);
+                return Status::Ok();
+              },
+              DeadlineIn(milliseconds(10000)), nullptr);
+          ASSERT_TRUE(s.ok()) << s;
+          size_t wrong = 0;
+          for (size_t i = 0; i < count; ++i) {
+            double sum = 0;
+            for (int q = 0; q < n; ++q) sum += testing::InputValue(q, i, ReduceOp::kSum);
+            wrong += out[i] != 2 * sum;
+          }
+          EXPECT_EQ(wrong, 0u) << n << " ranks, count " << count;
+          EXPECT_EQ(out[count], in_place ? 0.0 : -7.0) << "wrote past the end";
+        });
+        size_t next = 0;
+        for (int r = 0; r < n; ++r) {
+          ASSERT_EQ(seen[r].size(), 1u) << "rank " << r;
+          if (seen[r][0].second == 0) continue;
+          EXPECT_EQ(seen[r][0].first, next) << "rank " << r;
+          next = seen[r][0].first + seen[r][0].second;
+        }
+        EXPECT_EQ(next, count);
+      }
+    }
+  }
+}
+
+// A failing slice function fails that rank's call with its status; the
+// others time out waiting for the slice it never shared.
+TEST(ShmAllReduce, ThroughReturnsTheSliceFunctionsError) {
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(100, 1.0f);
+    Status s = group[r]->AllReduceThrough(
+        data.data(), data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+        [&](void*, size_t, size_t) {
+          return r == 1 ? UnavailableError("host 1 unreachable") : Status::Ok();
+        },
+        DeadlineIn(milliseconds(300)), nullptr);
+    if (r == 1) {
+      EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+    }
+  });
+}
+
+TEST(ShmAllReduce, ThroughRefusesAverage) {
+  auto group = MakeGroup(1, 4096, 1024);
+  float x = 1;
+  Status s = group[0]->AllReduceThrough(
+      &x, &x, 1, DataType::kF32, ReduceOp::kAvg, [](void*, size_t, size_t) { return Status::Ok(); },
+      DeadlineIn(milliseconds(1000)), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("avg"), std::string::npos) << s;
+}
+
+// One rank in AllReduceThrough and one in AllReduce: both fail naming it.
+TEST(ShmAllReduce, ThroughAgainstPlainIsAMismatch) {
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(3000, 1.0f);
+    const Deadline deadline = DeadlineIn(milliseconds(5000));
+    Status s =
+        r == 0 ? group[r]->AllReduceThrough(data.data(), data.data(), data.size(), DataType::kF32,
+                                            ReduceOp::kSum,
+                                            [](void*, size_t, size_t) { return Status::Ok(); },
+                                            deadline, nullptr)
+               : group[r]->AllReduce(data.data(), data.data(), data.size(), DataType::kF32,
+                                     ReduceOp::kSum, deadline, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("(hierarchical)"), std::string::npos) << s;
+  });
+}
+
 TEST(ShmAllReduce, MismatchedCountsFailOnEveryRank) {
   auto group = MakeGroup(2, 4096, 1024);
   RunRanks(2, [&](int r) {
