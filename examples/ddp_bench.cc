@@ -30,6 +30,7 @@
 #include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
+#include "ddp/zero_redundancy_optimizer.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
 #include "nn/loss/loss.h"
@@ -54,6 +55,7 @@ DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16");
 DEFINE_int32(comm_nice, 0, "ProcessGroupOptions::comm_thread_nice");
 DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
 DEFINE_string(trace_prefix, "", "write a Chrome trace per rank to <prefix>rank<r>.json");
+DEFINE_bool(zero, false, "shard the optimizer state across ranks (ZeroRedundancyOptimizer)");
 DEFINE_bool(eval, true, "measure test accuracy after training");
 DEFINE_int32(timeout_ms, 120000, "deadline of every collective");
 
@@ -120,7 +122,16 @@ int Run() {
     std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16)\n", FLAGS_hook.c_str());
     return 2;
   }
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto make_sgd = [](nn::optim::NamedParameters params) {
+    return std::make_unique<nn::optim::Sgd>(std::move(params), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+  };
+  std::unique_ptr<nn::optim::Optimizer> plain;
+  std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;
+  if (FLAGS_zero) {
+    zero = std::make_unique<dist::ZeroRedundancyOptimizer>(model->NamedParameters(), pg, make_sgd);
+  } else {
+    plain = make_sgd(model->NamedParameters());
+  }
 
   const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
   nn::Generator gen(1);
@@ -134,10 +145,10 @@ int Run() {
   double loss_value = 0;
   auto step = [&](int64_t i) {
     Gather(*train, shard.data() + (i * bs) % span, bs, images, labels);
-    opt.ZeroGrad();
+    if (zero) zero->ZeroGrad(); else plain->ZeroGrad();
     Tensor loss = nn::loss::CrossEntropy(ddp_model(images), labels);
     nn::Backward(loss);
-    opt.Step();
+    if (zero) zero->Step(); else plain->Step();
     loss_value = loss.Item();
   };
   for (int i = 0; i < 5; ++i) step(i);

@@ -1,0 +1,266 @@
+// ZeroRedundancyOptimizer over real processes: with DDP it trains exactly
+// as the unsharded optimizer (bit for bit, SGD with momentum and Adam, 2
+// and 3 ranks), each rank keeps state for its shard only, the consolidated
+// state equals the unsharded optimizer's, a run resumed from a checkpoint
+// holding it equals an uninterrupted one, and a bad state fails every rank.
+
+#include "ddp/zero_redundancy_optimizer.h"
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ddp/checkpoint.h"
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using nn::optim::NamedParameters;
+using nn::optim::NamedTensors;
+using testing::RunWorkers;
+
+constexpr int64_t kBatch = 8;
+
+std::shared_ptr<nn::modules::Module> Mlp(uint64_t seed) {
+  nn::Generator gen(seed);
+  return nn::modules::MakeMlp(gen);
+}
+
+// The optimizer named by DDP_TEST_OPTIM ("sgd" or "adam") over `params`.
+std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(NamedParameters params) {
+  const char* which = std::getenv("DDP_TEST_OPTIM");
+  if (which != nullptr && std::string(which) == "adam") {
+    return std::make_unique<nn::optim::Adam>(std::move(params), nn::optim::AdamOptions{.lr = 1e-3});
+  }
+  return std::make_unique<nn::optim::Sgd>(std::move(params), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+}
+
+// One step on this rank's part of global batch `step`. Takes either
+// optimizer (both have ZeroGrad and Step).
+template <typename Opt>
+void TrainStep(DistributedDataParallel& ddp, Opt& opt, ProcessGroup& pg, int step) {
+  const auto& data = testing::FashionMnist();
+  auto [x, y] = testing::Batch(data, (step * pg.size() + pg.rank()) * kBatch, kBatch);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt.Step();
+}
+
+bool SameBytes(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.To(nn::kCPU).Contiguous(), y = b.To(nn::kCPU).Contiguous();
+  return x.dtype() == y.dtype() && x.shape() == y.shape() &&
+         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+std::string TempPath(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp != nullptr ? tmp : "/tmp") + "/zero_" + std::to_string(getpid()) + "_" + name;
+}
+
+// ------------------------------------------------------------ partition ----
+
+NamedParameters Sized(const std::vector<int64_t>& sizes) {
+  NamedParameters params;
+  for (size_t i = 0; i < sizes.size(); ++i) params.emplace_back("p" + std::to_string(i), nn::Empty({sizes[i]}));
+  return params;
+}
+
+TEST(ZeroPartition, LargestFirstToTheLeastLoadedRank) {
+  // 100 -> 0; 50 -> 1; 40 -> 1 (90 < 100); 10 -> 1 (100); 10 -> 0 (tie: lower rank).
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({100, 10, 10, 50, 40}), 2),
+            (std::vector<int>{0, 1, 0, 1, 1}));
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({5, 5, 5}), 1), (std::vector<int>{0, 0, 0}));
+  // More ranks than parameters: the last ranks own nothing.
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({3, 7}), 4), (std::vector<int>{1, 0}));
+  EXPECT_THROW(ZeroRedundancyOptimizer::Partition(Sized({1}), 0), std::invalid_argument);
+}
+
+TEST(ZeroPartition, BadArgumentsAreNamed) {
+  auto pg = ProcessGroup::Single();
+  auto make = [](NamedParameters p) { return MakeOptimizer(std::move(p)); };
+  NamedParameters twice = {{"w", nn::Empty({2})}, {"w", nn::Empty({2})}};
+  try {
+    ZeroRedundancyOptimizer opt(twice, pg, make);
+    FAIL() << "a repeated name was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("`w` is given twice"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), nullptr, make), std::invalid_argument);
+  EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), pg, nullptr), std::invalid_argument);
+}
+
+// ----------------------------------------------------------- equivalence ----
+
+// The sharded and the unsharded optimizer, each behind its own DDP, from the
+// same weights on the same batches: equal bytes after every step; each rank
+// holds state for its own parameters only.
+DDP_TEST_WORKER(equivalence) {
+  auto pg = testing::WorkerGroup();
+  auto sharded = Mlp(1), plain = Mlp(1);
+  DistributedDataParallel ddp_sharded(sharded, {.process_group = pg});
+  DistributedDataParallel ddp_plain(plain, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(sharded->NamedParameters(), pg, MakeOptimizer);
+  auto opt = MakeOptimizer(plain->NamedParameters());
+  for (int s = 0; s < 5; ++s) {
+    TrainStep(ddp_sharded, zero, *pg, s);
+    TrainStep(ddp_plain, *opt, *pg, s);
+    WORKER_EXPECT(testing::HashState(*sharded) == testing::HashState(*plain),
+                  "step " + std::to_string(s) + ": sharded and unsharded training differ");
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*sharded)), "replicas differ");
+  const NamedParameters params = sharded->NamedParameters();
+  size_t owned = 0;
+  for (size_t i = 0; i < params.size(); ++i) owned += zero.owner(i) == pg->rank();
+  WORKER_EXPECT(zero.local().params().size() == owned, "shard size");
+  WORKER_EXPECT(owned > 0 && owned < params.size(), "a rank owns " + std::to_string(owned) + " parameters");
+  for (const auto& [key, t] : zero.local().StateDict()) {
+    if (key == "lr") continue;
+    bool mine = false;
+    for (size_t i = 0; i < params.size(); ++i) {
+      mine |= zero.owner(i) == pg->rank() && key.rfind("state." + params[i].first + ".", 0) == 0;
+    }
+    WORKER_EXPECT(mine, "rank " + std::to_string(pg->rank()) + " holds state " + key + " of another rank");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, SgdOnTwoRanksEqualsTheUnshardedOptimizer) {
+  auto run = RunWorkers("equivalence", 2, {{"DDP_TEST_OPTIM", "sgd"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ZeroRedundancyOptimizerTest, AdamOnThreeRanksEqualsTheUnshardedOptimizer) {
+  auto run = RunWorkers("equivalence", 3, {{"DDP_TEST_OPTIM", "adam"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------------- checkpoints ----
+
+// The consolidated state equals the unsharded optimizer's; saved with the
+// model and loaded on every rank into a fresh sharded optimizer, training
+// resumes exactly; the plain optimizer loads the same file.
+DDP_TEST_WORKER(consolidate) {
+  auto pg = testing::WorkerGroup();
+  const std::string path = std::getenv("DDP_TEST_CKPT");
+  auto sharded = Mlp(1), plain = Mlp(1);
+  DistributedDataParallel ddp_sharded(sharded, {.process_group = pg});
+  DistributedDataParallel ddp_plain(plain, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(sharded->NamedParameters(), pg, MakeOptimizer);
+  auto opt = MakeOptimizer(plain->NamedParameters());
+  for (int s = 0; s < 3; ++s) {
+    TrainStep(ddp_sharded, zero, *pg, s);
+    TrainStep(ddp_plain, *opt, *pg, s);
+  }
+  const NamedTensors whole = zero.ConsolidatedStateDict(1);
+  if (pg->rank() == 1) {
+    const NamedTensors want = opt->StateDict();
+    WORKER_EXPECT(whole.size() == want.size(),
+                  std::to_string(whole.size()) + " entries, want " + std::to_string(want.size()));
+    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
+      WORKER_EXPECT(whole[i].first == want[i].first, whole[i].first + " where " + want[i].first);
+      WORKER_EXPECT(SameBytes(whole[i].second, want[i].second), "values of " + want[i].first);
+    }
+  } else {
+    WORKER_EXPECT(whole.empty(), "a rank other than `to` got the state");
+  }
+  const NamedTensors on_zero = zero.ConsolidatedStateDict(0);
+  nn::io::Checkpoint c = MakeCheckpoint(ddp_sharded, nullptr, {{"step", "3"}});
+  c.optimizer = on_zero;
+  SaveCheckpoint(*pg, path, c);
+  for (int s = 3; s < 6; ++s) TrainStep(ddp_sharded, zero, *pg, s);
+  const uint64_t uninterrupted = testing::HashState(*sharded);
+
+  // Resume: other initial weights, a fresh sharded optimizer.
+  auto resumed = Mlp(99);
+  ZeroRedundancyOptimizer zero2(resumed->NamedParameters(), pg, MakeOptimizer);
+  nn::io::Checkpoint loaded = LoadCheckpoint(*pg, path);
+  RestoreCheckpoint(loaded, *resumed, nullptr);
+  zero2.LoadStateDict(loaded.optimizer);
+  DistributedDataParallel ddp_resumed(resumed, {.process_group = pg});
+  for (int s = 3; s < 6; ++s) TrainStep(ddp_resumed, zero2, *pg, s);
+  WORKER_EXPECT(testing::HashState(*resumed) == uninterrupted, "the resumed run differs");
+
+  // The unsharded optimizer takes the consolidated state as its own.
+  auto other = Mlp(7);
+  auto opt2 = MakeOptimizer(other->NamedParameters());
+  opt2->LoadStateDict(loaded.optimizer);
+  WORKER_EXPECT(opt2->StateDict().size() == opt->StateDict().size(), "plain optimizer load");
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, ConsolidatedStateEqualsTheUnshardedOnesAndResumes) {
+  auto run = RunWorkers("consolidate", 2,
+                        {{"DDP_TEST_OPTIM", "adam"}, {"DDP_TEST_CKPT", TempPath("ckpt.safetensors")}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A key naming no parameter fails every rank; an entry only one rank's
+// shard refuses fails that rank with the reason and the others naming it.
+DDP_TEST_WORKER(bad_state) {
+  auto pg = testing::WorkerGroup();
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, MakeOptimizer);
+  TrainStep(ddp, zero, *pg, 0);
+  NamedTensors state = zero.ConsolidatedStateDict(0);
+  // Every rank needs the whole state: rank 0 has it; the others rebuild the
+  // keys from rank 0's list through a checkpoint file.
+  const std::string path = std::getenv("DDP_TEST_CKPT");
+  nn::io::Checkpoint c;
+  c.optimizer = state;
+  SaveCheckpoint(*pg, path, c);
+  state = LoadCheckpoint(*pg, path).optimizer;
+
+  NamedTensors unknown = state;
+  unknown.emplace_back("state.nope.momentum_buffer", nn::Empty({1}));
+  try {
+    zero.LoadStateDict(unknown);
+    WORKER_EXPECT(false, "an unknown key was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("`state.nope.momentum_buffer` names no parameter") !=
+                      std::string::npos,
+                  e.what());
+  }
+
+  // A wrong shape for the first parameter, which only its owner loads.
+  const NamedParameters params = model->NamedParameters();
+  const int owner = zero.owner(0);
+  NamedTensors wrong;
+  for (const auto& [key, t] : state) {
+    const bool first = key.rfind("state." + params[0].first + ".", 0) == 0 && t.dim() > 0;
+    wrong.emplace_back(key, first ? nn::Empty({3}) : t);
+  }
+  try {
+    zero.LoadStateDict(wrong);
+    WORKER_EXPECT(false, "a wrong shape was accepted");
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    if (pg->rank() == owner) {
+      WORKER_EXPECT(m.find(params[0].first) != std::string::npos, m);
+    } else {
+      WORKER_EXPECT(m.find("failed on rank " + std::to_string(owner)) != std::string::npos, m);
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, BadStateFailsEveryRank) {
+  auto run = RunWorkers("bad_state", 2, {{"DDP_TEST_CKPT", TempPath("bad.safetensors")}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+}  // namespace
+}  // namespace ddp::dist
