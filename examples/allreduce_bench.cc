@@ -13,6 +13,9 @@
 // busbw = algbw * 2(n-1)/n, the bytes each rank's links must carry, which
 // makes figures comparable across rank counts; wrong counts mismatched
 // elements over all ranks with --check (else 0).
+//
+// --collective=broadcast times broadcasts from rank 0 instead (in place;
+// busbw = algbw, as nccl-tests counts it; algo is "-").
 
 #include <gflags/gflags.h>
 
@@ -27,6 +30,7 @@
 #include "transport/launch/self_launch.h"
 #include "transport/testing/expected_values.h"
 
+DEFINE_string(collective, "allreduce", "allreduce or broadcast (from rank 0)");
 DEFINE_string(algo, "auto", "all-reduce algorithm: auto, ring, tree, rhd, hierarchical, shm");
 DEFINE_string(min_bytes, "4", "smallest message (suffixes K, M, G: powers of 1024)");
 DEFINE_string(max_bytes, "64M", "largest message");
@@ -107,6 +111,10 @@ int main(int argc, char** argv) {
   if (max_bytes < min_bytes) Fail("--max_bytes is smaller than --min_bytes");
   if (FLAGS_step_factor <= 1) Fail("--step_factor must be greater than 1");
   if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
+  if (FLAGS_collective != "allreduce" && FLAGS_collective != "broadcast") {
+    Fail("--collective=" + FLAGS_collective + ": expected allreduce or broadcast");
+  }
+  const bool broadcast = FLAGS_collective == "broadcast";
 
   ddp::transport::CommunicatorOptions options;
   options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
@@ -136,27 +144,37 @@ int main(int argc, char** argv) {
     ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
     const int iters = FLAGS_iters > 0 ? FLAGS_iters
                                       : static_cast<int>(std::clamp<double>(2e8 / std::max<size_t>(bytes, 1), 3, 200));
-    for (int i = 0; i < FLAGS_warmup_iters; ++i) {
-      Check(comm.AllReduce(send.data(), out, count, dtype, op), "warm-up all-reduce");
-    }
+    auto call = [&] {
+      return broadcast ? comm.Broadcast(send.data(), count, dtype, 0)
+                       : comm.AllReduce(send.data(), out, count, dtype, op);
+    };
+    for (int i = 0; i < FLAGS_warmup_iters; ++i) Check(call(), "warm-up call");
     Check(comm.Barrier(), "barrier");
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) Check(comm.AllReduce(send.data(), out, count, dtype, op), "all-reduce");
+    for (int i = 0; i < iters; ++i) Check(call(), FLAGS_collective.c_str());
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
     Check(comm.AllReduce(&seconds, 1, DataType::kF64, ReduceOp::kMax), "collecting times");
 
     int64_t wrong = 0;
     if (FLAGS_check) {
       ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
-      Check(comm.AllReduce(send.data(), out, count, dtype, op), "checked all-reduce");
-      wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));
+      if (broadcast) {
+        // Every rank ends with rank 0's input: what a one-rank sum gives.
+        Check(comm.Broadcast(send.data(), count, dtype, 0), "checked broadcast");
+        wrong = static_cast<int64_t>(
+            ddp::transport::testing::CountWrong(dtype, send.data(), count, 1, ReduceOp::kSum));
+      } else {
+        Check(comm.AllReduce(send.data(), out, count, dtype, op), "checked all-reduce");
+        wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));
+      }
       Check(comm.AllReduce(&wrong, 1, DataType::kI64, ReduceOp::kSum), "collecting errors");
     }
     if (comm.rank() == 0) {
       const double algbw = bytes / seconds / 1e9;
-      const double busbw = algbw * 2.0 * (n - 1) / n;
+      const double busbw = broadcast ? algbw : algbw * 2.0 * (n - 1) / n;
       std::printf("%12zu %12zu %6s %10.2f %10.3f %10.3f %6lld\n", bytes, count,
-                  ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes)), seconds * 1e6,
+                  broadcast ? "-" : ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes)),
+                  seconds * 1e6,
                   algbw, busbw, static_cast<long long>(wrong));
       std::fflush(stdout);
     }
