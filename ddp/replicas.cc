@@ -176,6 +176,14 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
   for (auto& [key, list] : groups) {
     const nn::DType dtype = std::get<0>(key);
     const nn::Device device = list.front().device();
+    std::string what = label + " " + std::string(nn::DTypeName(dtype));
+    if (!device.is_cpu()) what += " on " + device.ToString();
+    if (list.size() == 1 && list.front().is_contiguous()) {
+      // One contiguous tensor: broadcast in place, no flat copy.
+      pg.Broadcast(list.front().Detach(), root, what).Wait();
+      if (pg.rank() != root) list.front().storage()->BumpVersion();
+      continue;
+    }
     int64_t total = 0;
     for (const nn::Tensor& t : list) total += t.numel();
     nn::Tensor flat = nn::Empty({total}, {.dtype = dtype, .device = device});
@@ -187,8 +195,6 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
         offset += t.numel();
       }
     }
-    std::string what = label + " " + std::string(nn::DTypeName(dtype));
-    if (!device.is_cpu()) what += " on " + device.ToString();
     pg.Broadcast(flat, root, what).Wait();
     if (pg.rank() == root) continue;
     int64_t offset = 0;

@@ -31,7 +31,8 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries);
 
 /// Collective: copies rank `root`'s values of `tensors` into every rank's,
-/// one broadcast per dtype and device.
+/// one broadcast per dtype and device (through a flat buffer, except for a
+/// lone contiguous tensor, which is broadcast in place).
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label);
 

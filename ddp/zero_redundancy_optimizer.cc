@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "ddp/replicas.h"
+
 namespace ddp::dist {
 namespace {
 
@@ -116,15 +118,14 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
 
 void ZeroRedundancyOptimizer::Step() {
   local_->Step();
-  // Every parameter from its owner, queued together so that the calls
-  // follow each other on the communication thread; the parameters are not
-  // touched until all have finished.
-  std::vector<Work> works;
-  works.reserve(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    works.push_back(pg_->Broadcast(params_[i].second.Detach(), owner_[i], "zero: " + params_[i].first));
+  // Each owner's parameters in one broadcast per dtype and device.
+  for (int r = 0; r < pg_->size(); ++r) {
+    std::vector<Tensor> owned;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (owner_[i] == r) owned.push_back(params_[i].second.Detach());
+    }
+    internal::BroadcastCoalesced(*pg_, owned, r, "zero: parameters of rank " + std::to_string(r));
   }
-  for (Work& w : works) w.Wait();
 }
 
 void ZeroRedundancyOptimizer::ZeroGrad(bool set_to_none) {
