@@ -359,6 +359,9 @@ class Communicator::Impl {
   // of the other hosts with its local index (the hierarchical all-reduce).
   std::unique_ptr<shm::ShmAllReduce> host_shm_;
   std::unique_ptr<p2p::GroupView> host_inter_;
+  // The watchdog for host_shm_'s waits, which name peers by their index in
+  // this host's group: it asks about their global ranks.
+  std::function<Status(Deadline, int)> host_watchdog_;
   std::function<Status(Deadline, int)> watchdog_;
   // Pinned slots and a stream per CUDA device used, under run_mu_.
   std::map<int, std::unique_ptr<cuda::DeviceCopyEngine>> staging_;
@@ -590,6 +593,7 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
       if (groups.intra[i] == o.rank) shm_options.rank = static_cast<int>(i);
       shm_options.pids.push_back(pids[groups.intra[i]]);
     }
+    shm_options.names = groups.intra;  // messages name ranks of the job
     auto made = shm::ShmAllReduce::Create(
         *store_, prefix_ + "shm-host" + std::to_string(groups.intra[0]) + "/", shm_options,
         deadline);
@@ -613,6 +617,9 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
   DDP_ASSIGN_OR_RETURN(p2p::GroupView inter, p2p::GroupView::Create(*p2p_, groups.inter));
   host_inter_ = std::make_unique<p2p::GroupView>(std::move(inter));
   host_shm_ = std::move(engine);
+  host_watchdog_ = [this, members = groups.intra](Deadline deadline, int peer) {
+    return Watchdog(deadline, peer >= 0 ? members[static_cast<size_t>(peer)] : -1);
+  };
   return Status::Ok();
 }
 
@@ -826,7 +833,7 @@ Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count,
   if (algorithm == Algorithm::kHierarchical) {
     if (host_shm_ != nullptr) {
       return internal::RunHierarchicalThroughShm(*host_shm_, *host_inter_, options_.world_size,
-                                                 args, watchdog_);
+                                                 args, host_watchdog_);
     }
     return internal::RunHierarchicalAllReduce(*p2p_, topology_, args);
   }

@@ -258,12 +258,36 @@ int ScenarioFork() {
   return comm->Barrier().ok() ? 0 : 1;
 }
 
+// Hierarchical all-reduces where the ranks listed in DDP_TEST_EARLY_RANKS
+// ("2,3") stop after 3 calls and close their communicators; the others go
+// on and report how their next call failed.
+int ScenarioEarly() {
+  auto comm = MustCreate();
+  const std::string early = "," + Env("DDP_TEST_EARLY_RANKS") + ",";
+  const bool leaves = early.find("," + std::to_string(comm->rank()) + ",") != std::string::npos;
+  std::vector<float> data(1 << 16, 1.0f);
+  for (int call = 0; call < 10; ++call) {
+    if (leaves && call == 3) return 0;  // the communicator closes here
+    const auto start = Clock::now();
+    Status s = comm->AllReduce(data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+                               {.algorithm = Algorithm::kHierarchical});
+    if (!s.ok()) {
+      const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+      std::printf("ERROR %s after_ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+      return 0;
+    }
+  }
+  std::printf("NO ERROR\n");
+  return 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
   if (name == "create") return ScenarioCreateOnly();
   if (name == "fork") return ScenarioFork();
+  if (name == "early") return ScenarioEarly();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -449,6 +473,52 @@ TEST(Faults, PeerKilledDuringSharedMemoryAllReduce) {
 }
 TEST(Faults, PeerKilledDuringUcxRingAllReduce) { ExpectSurvivorsReport(3, Algorithm::kRing, SIGKILL); }
 TEST(Faults, PeerKilledDuringUcxTreeAllReduce) { ExpectSurvivorsReport(4, Algorithm::kTree, SIGKILL); }
+
+// Two described hosts (ranks 0 and 2 on one, 1 and 3 on the other): rank 2
+// dies during hierarchical all-reduces whose steps inside each host run in
+// shared memory. Its host peer (rank 0) waits on it by its index in the
+// host's group (1), and must learn that global rank 2 is gone well before
+// the deadline; everyone fails.
+TEST(Faults, PeerKilledDuringHierarchicalAllReduceThroughSharedMemory) {
+  const milliseconds timeout(10000);
+  Job job = RunJob(4, "loop",
+                   {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(Algorithm::kHierarchical))},
+                    {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())},
+                    {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}},
+                   milliseconds(40000), [&](testing::ProcessGroup& group, int) {
+                     std::this_thread::sleep_for(milliseconds(1500));
+                     group.Kill(2, SIGKILL);
+                   });
+  for (int r : {0, 1, 3}) {
+    const auto& result = job.results[r];
+    ASSERT_EQ(result.exit_code, 0) << job.Describe();
+    const size_t at = result.output.find("after_ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(result.output.c_str() + at + 9), 3000) << job.Describe();
+  }
+  EXPECT_NE(job.results[0].output.find("ERROR PEER_LOST"), std::string::npos) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("rank 2"), std::string::npos) << job.Describe();
+}
+
+// The same hosts; ranks 2 and 3, one on each host, leave cleanly after 3
+// calls, so nobody waits for them across hosts. Ranks 0 and 1 wait for
+// them in the shared-memory step, by their index in the host's group, and
+// report at once that they left early (not at the deadline).
+TEST(Faults, PeersLeavingEarlyDuringHierarchicalAllReduceThroughSharedMemory) {
+  Job job = RunJob(4, "early",
+                   {{"DDP_TEST_EARLY_RANKS", "2,3"}, {"DDP_TEST_TIMEOUT_MS", "10000"},
+                    {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}},
+                   milliseconds(40000));
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  for (int r : {0, 1}) {
+    const std::string& out = job.results[r].output;
+    EXPECT_NE(out.find("rank " + std::to_string(r + 2) + " (pid"), std::string::npos) << job.Describe();
+    EXPECT_NE(out.find("left the job early"), std::string::npos) << job.Describe();
+    const size_t at = out.find("after_ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(out.c_str() + at + 9), 3000) << job.Describe();
+  }
+}
 TEST(Faults, StoppedPeerTimesOut) { ExpectSurvivorsReport(2, Algorithm::kRing, SIGSTOP); }
 // Rank 0 serves the store: stopped, it answers nothing, and the survivors'
 // reads of the abort key must end by their calls' deadlines.

@@ -82,6 +82,11 @@ void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t&
 
 }  // namespace
 
+std::string ShmAllReduce::RankName(int rank) const {
+  const bool named = static_cast<size_t>(rank) < options_.names.size();
+  return "rank " + std::to_string(named ? options_.names[static_cast<size_t>(rank)] : rank);
+}
+
 ShmAllReduce::Shared& ShmAllReduce::shared() const {
   return *static_cast<Shared*>(segment_->data());
 }
@@ -148,8 +153,8 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
     uint64_t value = 0;
     Status read = engine->ReadFromPeer(peer, &value, engine->control(peer).probe, sizeof(value));
     if (!read.ok() || value != kProbeValue) {
-      verdict = "rank " + std::to_string(options.rank) + " cannot read rank " +
-                std::to_string(peer) + "'s memory: " +
+      verdict = engine->RankName(options.rank) + " cannot read " + engine->RankName(peer) +
+                "'s memory: " +
                 (read.ok() ? std::string("wrong value") : read.message());
       break;
     }
@@ -179,15 +184,15 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
       const int error = n < 0 ? errno : EIO;
       if (error == ESRCH ||
           (error == EFAULT && ExitsWithin(options_.pids[peer], std::chrono::milliseconds(500)))) {
-        return PeerLostError("rank " + std::to_string(peer) + " (pid " +
+        return PeerLostError(RankName(peer) + " (pid " +
                              std::to_string(options_.pids[peer]) + ") exited");
       }
       if (error == EFAULT) {
-        return InvalidArgumentError("rank " + std::to_string(peer) + "'s buffer is not " +
+        return InvalidArgumentError(RankName(peer) + "'s buffer is not " +
                                     (write ? "writable" : "readable") + " (freed during the call?)");
       }
-      return UnavailableError(std::string(write ? "writing" : "reading") + " rank " +
-                              std::to_string(peer) + "'s memory: " + std::strerror(error));
+      return UnavailableError(std::string(write ? "writing " : "reading ") + RankName(peer) +
+                              "'s memory: " + std::strerror(error));
     }
     here += n;
     remote += static_cast<uint64_t>(n);
@@ -239,8 +244,8 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       }
       const Clock::time_point now = Clock::now();
       if (now >= deadline) {
-        return TimedOutError(std::string("shared-memory all-reduce: waiting for rank ") +
-                             std::to_string(peer) + " to " + phase + " (call " +
+        return TimedOutError("shared-memory all-reduce: waiting for " + RankName(peer) + " to " +
+                             phase + " (call " +
                              std::to_string(value) + "): deadline passed");
       }
       const Clock::duration waited = now - started;
@@ -292,9 +297,8 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) ||
         theirs.op != static_cast<int32_t>(op) || (theirs.through != 0) != through) {
       return InvalidArgumentError(
-          "all-reduce arguments differ across ranks: rank " + std::to_string(options_.rank) +
-          " passed " + describe(count, dtype, op, through) + ", rank " + std::to_string(peer) +
-          " passed " +
+          "all-reduce arguments differ across ranks: " + RankName(options_.rank) + " passed " +
+          describe(count, dtype, op, through) + ", " + RankName(peer) + " passed " +
           describe(theirs.count, static_cast<DataType>(theirs.dtype),
                    static_cast<ReduceOp>(theirs.op), theirs.through != 0));
     }

@@ -62,6 +62,9 @@ struct ShmOptions {
   int rank = 0;             ///< Rank in the group (all ranks on this host).
   int size = 1;
   std::vector<int> pids;    ///< Per rank: its process id (for CMA).
+  /// Per rank: the number messages call it by (its rank in the job when
+  /// the group is part of one); empty: its rank in the group.
+  std::vector<int> names;
   /// Vectors up to this many bytes use the staging path.
   size_t staging_bytes = 8 << 10;
   /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
@@ -120,6 +123,8 @@ class ShmAllReduce {
                size_t staging_capacity);
 
   Shared& shared() const;
+  // "rank N" for group rank `rank`, N as options_.names says.
+  std::string RankName(int rank) const;
   Control& control(int rank) const;
   // Stores this rank's counter and wakes sleeping waiters.
   void Publish(std::atomic<uint64_t> Control::*field, uint64_t value);

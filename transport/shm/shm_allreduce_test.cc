@@ -220,6 +220,23 @@ TEST(ShmAllReduce, AbsentPeerTimesOutNamingIt) {
   });
 }
 
+// A group inside a larger job names its members by their job ranks.
+TEST(ShmAllReduce, MessagesUseTheGivenRankNames) {
+  testing::InMemoryStore store;
+  std::vector<std::unique_ptr<ShmAllReduce>> group(2);
+  RunRanks(2, [&](int r) {
+    ShmOptions options{.rank = r, .size = 2, .pids = {getpid(), getpid()}, .names = {5, 7}};
+    auto engine = ShmAllReduce::Create(store, "named/", options, DeadlineIn(milliseconds(10000)));
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    group[r] = std::move(*engine);
+  });
+  float x = 1;
+  Status s = group[0]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
+                                 DeadlineIn(milliseconds(100)), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("waiting for rank 7"), std::string::npos) << s;
+}
+
 TEST(ShmAllReduce, WatchdogEndsTheWait) {
   auto group = MakeGroup(2, 4096, 1024);
   float x = 1;
