@@ -190,7 +190,10 @@ class Communicator::Impl {
 
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                    Algorithm requested, Deadline deadline);
-  Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline);
+  // host_memory: `buffer` is host memory (the shared-memory path may take
+  // it); device memory goes to UCX.
+  Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
+                   bool host_memory);
   Status AllGather(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
@@ -842,7 +845,11 @@ Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count,
 }
 
 Status Communicator::Impl::Broadcast(void* buffer, size_t count, DataType dtype, int root,
-                                     Deadline deadline) {
+                                     Deadline deadline, bool host_memory) {
+  if (shm_ != nullptr && host_memory) {
+    ++sequence_;  // keeps collective numbering equal on every path
+    return shm_->Broadcast(buffer, count, dtype, root, deadline, watchdog_);
+  }
   return internal::RunBroadcast(*p2p_, Args(buffer, buffer, count, dtype, ReduceOp::kSum, root,
                                               deadline));
 }
@@ -989,7 +996,7 @@ Status Communicator::Impl::DeviceBroadcast(int device, void* buffer, size_t coun
                               .recv = buffer, .count = count, .dtype = dtype,
                               .rank = options_.rank, .size = options_.world_size, .root = root};
   return Staged(device, call, [&](const void*, void* r, size_t n) {
-    return Broadcast(r, n, dtype, root, deadline);
+    return Broadcast(r, n, dtype, root, deadline, /*host_memory=*/true);
   }, deadline);
 }
 
@@ -1216,7 +1223,7 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
-    return impl_->Broadcast(buffer, count, dtype, root, d);
+    return impl_->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
   });
 }
 
@@ -1332,7 +1339,7 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
-    return impl_->Broadcast(buffer, count, dtype, root, d);
+    return impl_->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
   });
 }
 

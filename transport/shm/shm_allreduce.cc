@@ -23,6 +23,9 @@ struct alignas(128) ShmAllReduce::Control {
   std::atomic<uint64_t> arrived;
   std::atomic<uint64_t> reduced;
   std::atomic<uint64_t> finished;
+  // The last call this rank failed after arriving (set before it publishes
+  // finished): peers then fail that call too.
+  std::atomic<uint64_t> failed;
   uint64_t probe;  // address of a word holding kProbeValue (CMA check)
   // The arguments of call s live in args[s % 2]: a rank may start call s+1
   // while a slower peer still reads its arguments of call s, but it cannot
@@ -33,7 +36,7 @@ struct alignas(128) ShmAllReduce::Control {
     uint64_t count;
     int32_t dtype;
     int32_t op;
-    int32_t through;  // 1 for AllReduceThrough
+    int32_t kind;     // ShmAllReduce::Kind (op holds the root of a broadcast)
   } args[2];
 };
 
@@ -286,29 +289,30 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
   return Status::Ok();
 }
 
-Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op,
-                                    bool through) const {
-  auto describe = [](size_t n, DataType t, ReduceOp o, bool th) {
-    return "count " + std::to_string(n) + " " + DataTypeName(t) + " " + ReduceOpName(o) +
-           (th ? " (hierarchical)" : "");
+Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op,
+                                    Kind kind) const {
+  auto describe = [](size_t n, DataType t, int32_t o, int32_t k) {
+    const std::string what = "count " + std::to_string(n) + " " + DataTypeName(t);
+    if (k == static_cast<int32_t>(Kind::kBroadcast)) return "broadcast " + what + " from root " + std::to_string(o);
+    return what + " " + ReduceOpName(static_cast<ReduceOp>(o)) +
+           (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)" : "");
   };
   for (int peer = 0; peer < options_.size; ++peer) {
     const Control::Args& theirs = control(peer).args[call % 2];
-    if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) ||
-        theirs.op != static_cast<int32_t>(op) || (theirs.through != 0) != through) {
+    if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) || theirs.op != op ||
+        theirs.kind != static_cast<int32_t>(kind)) {
+      const std::string collective = kind == Kind::kBroadcast ? "broadcast" : "all-reduce";
       return InvalidArgumentError(
-          "all-reduce arguments differ across ranks: " + RankName(options_.rank) + " passed " +
-          describe(count, dtype, op, through) + ", " + RankName(peer) + " passed " +
-          describe(theirs.count, static_cast<DataType>(theirs.dtype),
-                   static_cast<ReduceOp>(theirs.op), theirs.through != 0));
+          collective + " arguments differ across ranks: " + RankName(options_.rank) + " passed " +
+          describe(count, dtype, op, static_cast<int32_t>(kind)) + ", " + RankName(peer) +
+          " passed " + describe(theirs.count, static_cast<DataType>(theirs.dtype), theirs.op, theirs.kind));
     }
   }
   return Status::Ok();
 }
 
 StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t count,
-                                        DataType dtype, ReduceOp op, bool through,
-                                        Deadline deadline,
+                                        DataType dtype, int32_t op, Kind kind, Deadline deadline,
                                         const std::function<Status(Deadline, int)>& watchdog) {
   const uint64_t s = ++sequence_;
   Control::Args& args = control(options_.rank).args[s % 2];
@@ -316,11 +320,11 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.dst = reinterpret_cast<uint64_t>(recv);
   args.count = count;
   args.dtype = static_cast<int32_t>(dtype);
-  args.op = static_cast<int32_t>(op);
-  args.through = through ? 1 : 0;
+  args.op = op;
+  args.kind = static_cast<int32_t>(kind);
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
-  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, through));
+  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind));
   return s;
 }
 
@@ -331,12 +335,14 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
   const bool staged = bytes <= options_.staging_bytes;
   // The staging buffer of call s is written before the call is announced.
   if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
-  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, op, /*through=*/false, deadline, watchdog)
+  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kAllReduce,
+                             deadline, watchdog)
                           .status());
   if (staged) return StagedAllReduce(recv, count, dtype, op);
   size_t begin, end;
   Slice(count, DataTypeSize(dtype), options_.size, options_.rank, begin, end);
-  DDP_RETURN_IF_ERROR(ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/true));
+  Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/true);
+  if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
   return Finish(deadline, watchdog);
 }
 
@@ -348,14 +354,16 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
         "shared-memory all-reduce through a slice function: op avg is not accepted (reduce with "
         "sum and divide in the slice function)");
   }
-  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, op, /*through=*/true, deadline, watchdog)
+  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kThrough,
+                             deadline, watchdog)
                           .status());
   const size_t elem = DataTypeSize(dtype);
   size_t begin, end;
   Slice(count, elem, options_.size, options_.rank, begin, end);
-  DDP_RETURN_IF_ERROR(ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/false));
-  DDP_RETURN_IF_ERROR(across(static_cast<char*>(recv) + begin * elem, begin, end - begin));
-  DDP_RETURN_IF_ERROR(ShareSlice(recv, begin, end, elem));
+  Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/false);
+  if (status.ok()) status = across(static_cast<char*>(recv) + begin * elem, begin, end - begin);
+  if (status.ok()) status = ShareSlice(recv, begin, end, elem);
+  if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
   return Finish(deadline, watchdog);
 }
 
@@ -451,7 +459,77 @@ Status ShmAllReduce::Finish(Deadline deadline,
   Publish(&Control::finished, s);
   // Until every peer finished, its slice of this rank's output may be
   // unwritten and it may still read this rank's input.
-  return WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish");
+  DDP_RETURN_IF_ERROR(WaitFor(&Control::finished, s, -1, deadline, watchdog, "finish"));
+  return PeerFailure(s);
+}
+
+Status ShmAllReduce::PeerFailure(uint64_t call) const {
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer != options_.rank && control(peer).failed.load(std::memory_order_acquire) == call) {
+      return UnavailableError("shared-memory collective: " + RankName(peer) +
+                              " failed during this call (" + std::to_string(call) +
+                              "), so its part of the result is missing");
+    }
+  }
+  return Status::Ok();
+}
+
+// Once this rank has arrived, its peers read its input and write its output
+// until they finish the call. So a rank that fails after arriving marks the
+// call as failed and waits, within the deadline, for each peer still alive
+// to finish: no peer writes into its buffers after it returns, and the
+// peers fail the call too instead of returning a result without this rank's
+// slice.
+Status ShmAllReduce::FailAfterArrival(Status error, Deadline deadline,
+                                      const std::function<Status(Deadline, int)>& watchdog) {
+  const uint64_t s = sequence_;
+  control(options_.rank).failed.store(s, std::memory_order_release);
+  Publish(&Control::reduced, s);
+  Publish(&Control::finished, s);
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer == options_.rank) continue;
+    WaitFor(&Control::finished, s, peer, deadline, watchdog, "finish").IgnoreError();
+  }
+  return error;
+}
+
+// Shapes: buffer [count] of `dtype` on every rank. Small buffers: the root
+// copies into its staging buffer before announcing the call, the others
+// copy out of it; nobody waits after arriving (the staging buffers
+// alternate between calls, as for the staged all-reduce). Larger ones: the
+// others read the root's buffer with CMA, and the root waits until every
+// rank has read it.
+Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int root,
+                               Deadline deadline,
+                               const std::function<Status(Deadline, int)>& watchdog) {
+  if (root < 0 || root >= options_.size) {
+    return InvalidArgumentError("shared-memory broadcast: root " + std::to_string(root) +
+                                " is not a rank of a group of " + std::to_string(options_.size));
+  }
+  const size_t bytes = count * DataTypeSize(dtype);
+  const bool staged = bytes <= options_.staging_bytes;
+  const bool is_root = options_.rank == root;
+  if (staged && is_root && bytes > 0) std::memcpy(staging(root, sequence_ + 1), buffer, bytes);
+  DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(buffer, buffer, count, dtype, root,
+                                                Kind::kBroadcast, deadline, watchdog));
+  if (!is_root && bytes > 0) {
+    if (staged) {
+      std::memcpy(buffer, staging(root, s), bytes);
+    } else if (Status read = ReadFromPeer(root, buffer, control(root).args[s % 2].src, bytes);
+               !read.ok()) {
+      // Nobody writes into this rank's buffer: tell the root and leave.
+      control(options_.rank).failed.store(s, std::memory_order_release);
+      Publish(&Control::reduced, s);
+      Publish(&Control::finished, s);
+      return read;
+    }
+  }
+  Publish(&Control::reduced, s);
+  Publish(&Control::finished, s);
+  if (staged || !is_root) return Status::Ok();
+  // Until every rank has read it, the root's buffer must stay as it is.
+  DDP_RETURN_IF_ERROR(WaitFor(&Control::finished, s, -1, deadline, watchdog, "read the broadcast"));
+  return PeerFailure(s);
 }
 
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog) {
@@ -463,7 +541,7 @@ Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadl
   args.count = ~uint64_t{0};
   args.dtype = -1;
   args.op = -1;
-  args.through = 0;
+  args.kind = static_cast<int32_t>(Kind::kBarrier);
   Publish(&Control::reduced, s);
   Publish(&Control::finished, s);
   Publish(&Control::arrived, s);

@@ -34,6 +34,16 @@
 //      finished (until then they read this rank's input and write its
 //      output).
 //
+// Broadcast: small buffers through the root's staging buffer (no wait
+// after arriving), larger ones read from the root's buffer with CMA by
+// every other rank at once; the root waits until all have read.
+//
+// Failures: a rank that fails after arriving (a CMA error, a failing slice
+// function) sets its `failed` word to the call, publishes finished, and
+// waits within the deadline for its live peers to finish before it
+// returns, so nobody writes into its buffers after it returned; the peers
+// see the mark once they have waited for it and fail the call as well.
+//
 // AllReduceThrough is the direct path with a pause: each rank folds its
 // whole slice, hands it to a caller's function (the hierarchical
 // all-reduce passes it to the same slice's owners on the other hosts), and
@@ -107,6 +117,13 @@ class ShmAllReduce {
                           const SliceFn& across, Deadline deadline,
                           const std::function<Status(Deadline, int)>& watchdog);
 
+  /// buffer = root's buffer, on every rank of the group (small buffers
+  /// through the root's staging buffer, larger ones read from the root's
+  /// memory with CMA). Every rank of the group calls it where the others
+  /// do; differing counts, dtypes or roots fail on every rank.
+  Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
+                   const std::function<Status(Deadline, int)>& watchdog);
+
   /// Returns once every rank has called Barrier.
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
@@ -117,6 +134,9 @@ class ShmAllReduce {
 
   struct Control;
   struct Shared;
+  /// What a call is, in Control::Args (so that ranks in different calls
+  /// report the mismatch).
+  enum class Kind : int32_t { kAllReduce = 0, kThrough = 1, kBroadcast = 2, kBarrier = 3 };
 
  private:
   ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& options,
@@ -135,11 +155,11 @@ class ShmAllReduce {
                  const char* phase);
   // Publishes this call's arguments, waits for every rank to arrive and
   // checks that they agree; returns the call's sequence number.
-  StatusOr<uint64_t> Arrive(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
-                            bool through, Deadline deadline,
+  // `op` is the ReduceOp of an all-reduce, the root of a broadcast.
+  StatusOr<uint64_t> Arrive(const void* send, void* recv, size_t count, DataType dtype, int32_t op,
+                            Kind kind, Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog);
-  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, ReduceOp op,
-                        bool through) const;
+  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op, Kind kind) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(false, peer, local, remote, bytes);
@@ -155,8 +175,15 @@ class ShmAllReduce {
                      ReduceOp op, bool share);
   // Writes elements [begin, end) of `recv` into every peer's output.
   Status ShareSlice(const void* recv, size_t begin, size_t end, size_t elem);
-  // Publishes reduced and finished, then waits until every rank finished.
+  // Publishes reduced and finished, then waits until every rank finished;
+  // fails when a peer failed the call.
   Status Finish(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+  // UNAVAILABLE naming a peer that marked `call` failed, else OK.
+  Status PeerFailure(uint64_t call) const;
+  // Marks the current call failed, waits (within the deadline) for the
+  // peers still alive to finish it, and returns `error`.
+  Status FailAfterArrival(Status error, Deadline deadline,
+                          const std::function<Status(Deadline, int)>& watchdog);
 
   std::unique_ptr<Segment> segment_;
   ShmOptions options_;

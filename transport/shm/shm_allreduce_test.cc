@@ -145,24 +145,33 @@ TEST(ShmAllReduce, ThroughPassesEachSliceOnceBeforeSharingIt) {
   }
 }
 
-// A failing slice function fails that rank's call with its status; the
-// others time out waiting for the slice it never shared.
-TEST(ShmAllReduce, ThroughReturnsTheSliceFunctionsError) {
-  auto group = MakeGroup(2, 4096, 1024);
-  RunRanks(2, [&](int r) {
-    std::vector<float> data(100, 1.0f);
-    Status s = group[r]->AllReduceThrough(
-        data.data(), data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
-        [&](void*, size_t, size_t) {
-          return r == 1 ? UnavailableError("host 1 unreachable") : Status::Ok();
-        },
-        DeadlineIn(milliseconds(300)), nullptr);
-    if (r == 1) {
-      EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
-    } else {
-      EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+// A failing slice function fails that rank's call with its status, and
+// the others' with one naming that rank, at once (no deadline); the failing
+// rank returns only after the others have written its output, so nothing
+// is written into its buffer after it returned (here the buffer is freed
+// right after the call).
+TEST(ShmAllReduce, ThroughFailsEveryRankWhenOneSliceFunctionFails) {
+  for (int n : {2, 3}) {
+    auto group = MakeGroup(n, 4096, 1024);
+    for (int round = 0; round < 20; ++round) {
+      RunRanks(n, [&](int r) {
+        auto data = std::make_unique<std::vector<float>>(20000, 1.0f);
+        const auto start = Clock::now();
+        Status s = group[r]->AllReduceThrough(
+            data->data(), data->data(), data->size(), DataType::kF32, ReduceOp::kSum,
+            [&](void*, size_t, size_t) {
+              return r == 1 ? UnavailableError("host 1 unreachable") : Status::Ok();
+            },
+            DeadlineIn(milliseconds(10000)), nullptr);
+        data.reset();
+        EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+        EXPECT_NE(s.message().find(r == 1 ? "host 1 unreachable" : "rank 1 failed during this call"),
+                  std::string::npos)
+            << s;
+        EXPECT_LT(Clock::now() - start, milliseconds(5000));
+      });
     }
-  });
+  }
 }
 
 TEST(ShmAllReduce, ThroughRefusesAverage) {
@@ -191,6 +200,58 @@ TEST(ShmAllReduce, ThroughAgainstPlainIsAMismatch) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("(hierarchical)"), std::string::npos) << s;
   });
+}
+
+// Every root, sizes on both sides of the staging limit (4 KiB here), and
+// interleaved with all-reduces, which share the staging buffers.
+TEST(ShmAllReduce, BroadcastFromEveryRoot) {
+  for (int n : {1, 2, 3, 4}) {
+    auto group = MakeGroup(n, 4096, 1024);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{1000}, size_t{1025}, size_t{50000}}) {
+      for (int root = 0; root < n; ++root) {
+        RunRanks(n, [&](int r) {
+          std::vector<float> data(count + 1, -1.0f);
+          for (size_t i = 0; i < count; ++i) data[i] = r == root ? static_cast<float>(i % 97 + root) : -2.0f;
+          Status s = group[r]->Broadcast(data.data(), count, DataType::kF32, root,
+                                         DeadlineIn(milliseconds(10000)), nullptr);
+          ASSERT_TRUE(s.ok()) << s;
+          size_t wrong = 0;
+          for (size_t i = 0; i < count; ++i) wrong += data[i] != static_cast<float>(i % 97 + root);
+          EXPECT_EQ(wrong, 0u) << n << " ranks, root " << root << ", count " << count;
+          EXPECT_EQ(data[count], -1.0f) << "wrote past the end";
+          std::vector<int32_t> v(count);
+          FillInput(DataType::kI32, v.data(), v.size(), r, ReduceOp::kSum);
+          ASSERT_TRUE(group[r]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32, ReduceOp::kSum,
+                                          DeadlineIn(milliseconds(10000)), nullptr).ok());
+          EXPECT_EQ(CountWrong(DataType::kI32, v.data(), v.size(), n, ReduceOp::kSum), 0u);
+        });
+      }
+    }
+  }
+}
+
+TEST(ShmAllReduce, BroadcastRootsThatDifferFailOnEveryRank) {
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(10, 1.0f);
+    Status s = group[r]->Broadcast(data.data(), data.size(), DataType::kF32, r,
+                                   DeadlineIn(milliseconds(5000)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("broadcast count 10 f32 from root 0"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("from root 1"), std::string::npos) << s;
+  });
+  auto other = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(10, 1.0f);
+    const Deadline deadline = DeadlineIn(milliseconds(5000));
+    Status s = r == 0 ? other[r]->Broadcast(data.data(), data.size(), DataType::kF32, 0, deadline, nullptr)
+                      : other[r]->AllReduce(data.data(), data.data(), data.size(), DataType::kF32,
+                                            ReduceOp::kSum, deadline, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  });
+  float x = 0;
+  EXPECT_EQ(group[0]->Broadcast(&x, 1, DataType::kF32, 2, DeadlineIn(milliseconds(100)), nullptr).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(ShmAllReduce, MismatchedCountsFailOnEveryRank) {
