@@ -247,7 +247,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       }
       const Clock::time_point now = Clock::now();
       if (now >= deadline) {
-        return TimedOutError("shared-memory all-reduce: waiting for " + RankName(peer) + " to " +
+        return TimedOutError("shared-memory collective: waiting for " + RankName(peer) + " to " +
                              phase + " (call " +
                              std::to_string(value) + "): deadline passed");
       }
