@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
-#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -99,14 +98,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
     : params_(std::move(params)), pg_(std::move(pg)) {
   if (pg_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the process group is null");
   if (!make) throw std::invalid_argument("ZeroRedundancyOptimizer: the optimizer factory is empty");
-  std::set<std::string> names;
-  for (const auto& [name, p] : params_) {
-    if (name.empty()) throw std::invalid_argument("ZeroRedundancyOptimizer: a parameter has an empty name");
-    if (!names.insert(name).second) {
-      throw std::invalid_argument("ZeroRedundancyOptimizer: parameter `" + name + "` is given twice");
-    }
-    if (!p.defined()) throw std::invalid_argument("ZeroRedundancyOptimizer: parameter `" + name + "` is undefined");
-  }
+  nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer");
   owner_ = Partition(params_, pg_->size());
   nn::optim::NamedParameters shard;
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -48,9 +48,9 @@ class ZeroRedundancyOptimizer {
 
   /// Collective only in that every rank must construct it with the same
   /// parameters (same names, shapes and order) and the same kind of
-  /// optimizer; nothing is sent. Throws std::invalid_argument for an
-  /// empty or repeated name or an undefined parameter, or a null group or
-  /// factory.
+  /// optimizer; nothing is sent. Throws std::invalid_argument for a list
+  /// that no optimizer would take (nn::optim::CheckParameters), or a null
+  /// group or factory.
   ZeroRedundancyOptimizer(nn::optim::NamedParameters params, std::shared_ptr<ProcessGroup> pg,
                           const Factory& make);
 

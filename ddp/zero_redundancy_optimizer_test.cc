@@ -96,7 +96,7 @@ TEST(ZeroPartition, BadArgumentsAreNamed) {
     ZeroRedundancyOptimizer opt(twice, pg, make);
     FAIL() << "a repeated name was accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("`w` is given twice"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("`w` is listed twice"), std::string::npos) << e.what();
   }
   EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), nullptr, make), std::invalid_argument);
   EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), pg, nullptr), std::invalid_argument);

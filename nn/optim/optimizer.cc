@@ -41,24 +41,28 @@ NamedParameters NameByPosition(const std::vector<Tensor>& params) {
   return out;
 }
 
-Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names)
-    : params_(std::move(params)), slot_names_(std::move(slot_names)) {
-  set_lr(lr);
+void CheckParameters(const NamedParameters& params, const std::string& who) {
   std::set<std::string> names;
-  for (const auto& [name, p] : params_) {
-    if (name.empty()) throw std::invalid_argument("optimizer: a parameter has an empty name");
+  for (const auto& [name, p] : params) {
+    if (name.empty()) throw std::invalid_argument(who + ": a parameter has an empty name");
     if (!names.insert(name).second) {
-      throw std::invalid_argument("optimizer: parameter `" + name + "` is listed twice");
+      throw std::invalid_argument(who + ": parameter `" + name + "` is listed twice");
     }
-    if (!p.defined()) throw std::invalid_argument("optimizer: parameter `" + name + "` is undefined");
+    if (!p.defined()) throw std::invalid_argument(who + ": parameter `" + name + "` is undefined");
     if (!IsFloating(p.dtype())) {
-      throw std::invalid_argument("optimizer: parameter `" + name + "` has dtype " +
+      throw std::invalid_argument(who + ": parameter `" + name + "` has dtype " +
                                   std::string(DTypeName(p.dtype())) + ", expected a floating type");
     }
     if (!p.is_contiguous()) {
-      throw std::invalid_argument("optimizer: parameter `" + name + "` is not contiguous");
+      throw std::invalid_argument(who + ": parameter `" + name + "` is not contiguous");
     }
   }
+}
+
+Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names)
+    : params_(std::move(params)), slot_names_(std::move(slot_names)) {
+  set_lr(lr);
+  CheckParameters(params_, "optimizer");
   CheckOneDevice();
   steps_.assign(params_.size(), 0);
   state_.resize(params_.size());

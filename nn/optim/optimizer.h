@@ -37,6 +37,12 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 NamedParameters NameByPosition(const std::vector<Tensor>& params);
 
 /// Base of SGD, Adam, AdamW and Adadelta: one parameter group.
+/// Throws std::invalid_argument, its message starting with `who`, for an
+/// empty or repeated name, or an undefined, non-floating or non-contiguous
+/// parameter. Every optimizer checks its list so; wrappers that split a
+/// list among optimizers check the whole list.
+void CheckParameters(const NamedParameters& params, const std::string& who);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
