@@ -496,7 +496,8 @@ TEST(Faults, PeerKilledDuringHierarchicalAllReduceThroughSharedMemory) {
     ASSERT_NE(at, std::string::npos) << job.Describe();
     EXPECT_LE(std::atoi(result.output.c_str() + at + 9), 3000) << job.Describe();
   }
-  EXPECT_NE(job.results[0].output.find("ERROR PEER_LOST"), std::string::npos) << job.Describe();
+  // Whoever noticed first tells the others: rank 0 by rank 2's exit, rank
+  // 3 by its lost connection to rank 2; either way rank 2 is named.
   EXPECT_NE(job.results[0].output.find("rank 2"), std::string::npos) << job.Describe();
 }
 
@@ -511,8 +512,12 @@ TEST(Faults, PeersLeavingEarlyDuringHierarchicalAllReduceThroughSharedMemory) {
                    milliseconds(40000));
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   for (int r : {0, 1}) {
+    // Each names whichever departure was noticed first (its own host
+    // peer's, or the other host's through the job's abort).
     const std::string& out = job.results[r].output;
-    EXPECT_NE(out.find("rank " + std::to_string(r + 2) + " (pid"), std::string::npos) << job.Describe();
+    EXPECT_TRUE(out.find("rank 2 (pid") != std::string::npos ||
+                out.find("rank 3 (pid") != std::string::npos)
+        << job.Describe();
     EXPECT_NE(out.find("left the job early"), std::string::npos) << job.Describe();
     const size_t at = out.find("after_ms=");
     ASSERT_NE(at, std::string::npos) << job.Describe();

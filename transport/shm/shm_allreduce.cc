@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -23,9 +24,12 @@ struct alignas(128) ShmAllReduce::Control {
   std::atomic<uint64_t> arrived;
   std::atomic<uint64_t> reduced;
   std::atomic<uint64_t> finished;
-  // The last call this rank failed after arriving (set before it publishes
-  // finished): peers then fail that call too.
+  // The last call this rank failed after arriving (set after the code and
+  // message, before it publishes finished): peers then fail that call too,
+  // with its code and the start of its message, which name the cause.
   std::atomic<uint64_t> failed;
+  int32_t failed_code;
+  char failed_message[240];
   uint64_t probe;  // address of a word holding kProbeValue (CMA check)
   // The arguments of call s live in args[s % 2]: a rank may start call s+1
   // while a slower peer still reads its arguments of call s, but it cannot
@@ -465,13 +469,27 @@ Status ShmAllReduce::Finish(Deadline deadline,
 
 Status ShmAllReduce::PeerFailure(uint64_t call) const {
   for (int peer = 0; peer < options_.size; ++peer) {
-    if (peer != options_.rank && control(peer).failed.load(std::memory_order_acquire) == call) {
-      return UnavailableError("shared-memory collective: " + RankName(peer) +
-                              " failed during this call (" + std::to_string(call) +
-                              "), so its part of the result is missing");
+    const Control& theirs = control(peer);
+    if (peer != options_.rank && theirs.failed.load(std::memory_order_acquire) == call) {
+      const size_t length = strnlen(theirs.failed_message, sizeof(theirs.failed_message));
+      return Status(static_cast<StatusCode>(theirs.failed_code),
+                    RankName(peer) + " failed in this shared-memory call (" + std::to_string(call) +
+                        "): " + std::string(theirs.failed_message, length));
     }
   }
   return Status::Ok();
+}
+
+void ShmAllReduce::MarkFailed(uint64_t call, const Status& error) {
+  Control& mine = control(options_.rank);
+  mine.failed_code = static_cast<int32_t>(error.code());
+  const std::string& message = error.message();
+  const size_t length = std::min(message.size(), sizeof(mine.failed_message) - 1);
+  std::memcpy(mine.failed_message, message.data(), length);
+  mine.failed_message[length] = '\0';
+  mine.failed.store(call, std::memory_order_release);
+  Publish(&Control::reduced, call);
+  Publish(&Control::finished, call);
 }
 
 // Once this rank has arrived, its peers read its input and write its output
@@ -483,9 +501,7 @@ Status ShmAllReduce::PeerFailure(uint64_t call) const {
 Status ShmAllReduce::FailAfterArrival(Status error, Deadline deadline,
                                       const std::function<Status(Deadline, int)>& watchdog) {
   const uint64_t s = sequence_;
-  control(options_.rank).failed.store(s, std::memory_order_release);
-  Publish(&Control::reduced, s);
-  Publish(&Control::finished, s);
+  MarkFailed(s, error);
   for (int peer = 0; peer < options_.size; ++peer) {
     if (peer == options_.rank) continue;
     WaitFor(&Control::finished, s, peer, deadline, watchdog, "finish").IgnoreError();
@@ -518,9 +534,7 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     } else if (Status read = ReadFromPeer(root, buffer, control(root).args[s % 2].src, bytes);
                !read.ok()) {
       // Nobody writes into this rank's buffer: tell the root and leave.
-      control(options_.rank).failed.store(s, std::memory_order_release);
-      Publish(&Control::reduced, s);
-      Publish(&Control::finished, s);
+      MarkFailed(s, read);
       return read;
     }
   }

@@ -39,10 +39,12 @@
 // every other rank at once; the root waits until all have read.
 //
 // Failures: a rank that fails after arriving (a CMA error, a failing slice
-// function) sets its `failed` word to the call, publishes finished, and
+// function) records its error and sets its `failed` word to the call,
+// publishes finished, and
 // waits within the deadline for its live peers to finish before it
 // returns, so nobody writes into its buffers after it returned; the peers
-// see the mark once they have waited for it and fail the call as well.
+// see the mark once they have waited for it and fail the call as well,
+// with that rank's error code and message (which name the cause).
 //
 // AllReduceThrough is the direct path with a pause: each rank folds its
 // whole slice, hands it to a caller's function (the hierarchical
@@ -178,8 +180,11 @@ class ShmAllReduce {
   // Publishes reduced and finished, then waits until every rank finished;
   // fails when a peer failed the call.
   Status Finish(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
-  // UNAVAILABLE naming a peer that marked `call` failed, else OK.
+  // The error of a peer that marked `call` failed (its code, its message
+  // prefixed with its rank), else OK.
   Status PeerFailure(uint64_t call) const;
+  // Records `error` as this rank's failure of `call` and publishes finished.
+  void MarkFailed(uint64_t call, const Status& error);
   // Marks the current call failed, waits (within the deadline) for the
   // peers still alive to finish it, and returns `error`.
   Status FailAfterArrival(Status error, Deadline deadline,
