@@ -102,6 +102,32 @@ TEST(ZeroPartition, BadArgumentsAreNamed) {
   EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), pg, nullptr), std::invalid_argument);
 }
 
+// One process: the shard is everything, and the optimizer is the plain one.
+TEST(ZeroPartition, OneProcessIsThePlainOptimizer) {
+  auto pg = ProcessGroup::Single();
+  auto sharded = Mlp(1), plain = Mlp(1);
+  ZeroRedundancyOptimizer zero(sharded->NamedParameters(), pg, MakeOptimizer);
+  auto opt = MakeOptimizer(plain->NamedParameters());
+  const auto& data = testing::FashionMnist();
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+    zero.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy((*sharded)(x), y));
+    zero.Step();
+    opt->ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy((*plain)(x), y));
+    opt->Step();
+  }
+  EXPECT_EQ(testing::HashState(*sharded), testing::HashState(*plain));
+  const NamedTensors whole = zero.ConsolidatedStateDict(0), want = opt->StateDict();
+  ASSERT_EQ(whole.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(whole[i].first, want[i].first);
+    EXPECT_TRUE(SameBytes(whole[i].second, want[i].second)) << want[i].first;
+  }
+  EXPECT_THROW(zero.ConsolidatedStateDict(1), std::invalid_argument);
+}
+
 // ----------------------------------------------------------- equivalence ----
 
 // The sharded and the unsharded optimizer, each behind its own DDP, from the
