@@ -163,21 +163,25 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   return out;
 }
 
+NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
+  NamedTensors shard;
+  for (const auto& [key, t] : state) {
+    if (key == "lr") {
+      shard.emplace_back(key, t);
+      continue;
+    }
+    if (key.rfind("state.", 0) != 0) continue;  // other components' entries
+    const int i = ParameterOfKey(key, params_);
+    if (i < 0) throw std::invalid_argument("state key `" + key + "` names no parameter of this optimizer");
+    if (owner_[static_cast<size_t>(i)] == pg_->rank()) shard.emplace_back(key, t);
+  }
+  return shard;
+}
+
 void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   std::string error;
   try {
-    NamedTensors shard;
-    for (const auto& [key, t] : state) {
-      if (key == "lr") {
-        shard.emplace_back(key, t);
-        continue;
-      }
-      if (key.rfind("state.", 0) != 0) continue;  // other components' entries
-      const int i = ParameterOfKey(key, params_);
-      if (i < 0) throw std::invalid_argument("state key `" + key + "` names no parameter of this optimizer");
-      if (owner_[static_cast<size_t>(i)] == pg_->rank()) shard.emplace_back(key, t);
-    }
-    local_->LoadStateDict(shard);
+    local_->LoadStateDict(ShardOf(state));
   } catch (const std::exception& e) {
     error = e.what();
   }

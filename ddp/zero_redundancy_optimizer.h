@@ -82,6 +82,12 @@ class ZeroRedundancyOptimizer {
   /// rank that found it, naming that rank on the others).
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
+  /// The entries of a whole state that this rank's shard holds: "lr" and
+  /// the "state." entries of the parameters it owns (what LoadStateDict
+  /// loads; not collective). Throws std::invalid_argument naming a
+  /// "state." key of no parameter.
+  nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& state) const;
+
   /// The owner of each parameter: largest first, each to the rank with the
   /// fewest elements so far (ties to the lower rank, then the earlier
   /// parameter), so shards hold about equal numbers of elements.

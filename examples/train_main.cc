@@ -76,6 +76,9 @@ DEFINE_bool(flush_denormal, true,
 DEFINE_int32(nproc_per_node, 2,
              "ranks to start on this machine (ignored under ddprun, srun or mpirun)");
 DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
+DEFINE_bool(zero, false,
+            "shard the optimizer state across ranks (ZeRO stage 1); results are the same, each "
+            "rank keeps the state of its own parameters only");
 DEFINE_double(bucket_cap_mb, 25, "gradient bucket size in MiB for the overlapped all-reduce");
 DEFINE_int64(timeout_s, 300,
              "deadline of every collective in seconds: a rank that stops responding (hung, "
@@ -166,7 +169,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
-       {"nproc_per_node", "sync_bn", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
+       {"nproc_per_node", "sync_bn", "zero", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
         "trace", "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
@@ -281,6 +284,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.amp = FLAGS_amp;
   c.device = FLAGS_device;
   c.sync_bn = FLAGS_sync_bn;
+  c.zero = FLAGS_zero;
   c.bucket_cap_mb = FLAGS_bucket_cap_mb;
   c.timeout_s = FLAGS_timeout_s;
   c.find_unused_parameters = FLAGS_find_unused_parameters;

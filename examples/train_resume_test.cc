@@ -135,6 +135,36 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
             res_result.substr(res_result.find("test_acc"), 15));
 }
 
+// With the optimizer state sharded (--zero), training is the unsharded
+// training bit for bit, the checkpoints hold the whole state in the same
+// format, and a run killed in the middle resumes to the same end.
+TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
+  const std::string dir = testing::MakeTempDir("resume_zero");
+  const std::string reference = dir + "/reference/ckpt.safetensors";
+  const std::string sharded = dir + "/sharded/ckpt.safetensors";
+  const RunOutput ref = testing::RunToEnd(Args(reference));
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+
+  std::vector<std::string> args = Args(sharded);
+  args.push_back("--zero");
+  int64_t killed_at = -1;
+  {
+    Subprocess run(args);
+    killed_at = WaitForCheckpoint(sharded, 8, run);
+    ASSERT_GT(killed_at, 0) << "the run ended before its first checkpoints: " << run.Stdout()
+                            << run.Stderr();
+    run.Signal(SIGKILL);
+    ASSERT_EQ(run.Wait(std::chrono::seconds(30)), 128 + SIGKILL);
+  }
+  const int64_t on_disk = CheckpointStep(sharded);
+  ASSERT_GE(on_disk, killed_at);
+  ASSERT_LT(on_disk, 96) << "the run was not interrupted in the middle";
+  args.push_back("--resume");
+  const RunOutput res = testing::RunToEnd(args);
+  ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
+  ExpectSameModel(reference, sharded);
+}
+
 TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
   const std::string dir = testing::MakeTempDir("sigint");
   const std::string ckpt = dir + "/ckpt.safetensors";

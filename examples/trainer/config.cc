@@ -99,6 +99,10 @@ void ValidateConfig(const TrainConfig& c) {
   if (c.checkpoint_every > 0 && c.checkpoint.empty()) {
     throw UsageError("--checkpoint_every needs --checkpoint (a path, or auto)");
   }
+  if (c.zero && c.amp == "fp16") {
+    throw UsageError("--zero leaves each rank the optimizer of its own parameters, and --amp=fp16's "
+                     "loss scaler must see every gradient; use --amp=bf16, or drop --zero");
+  }
   if (c.sync_bn && c.model.rfind("resnet", 0) != 0) {
     throw UsageError("--sync_bn converts BatchNorm layers, and --model=" + c.model +
                      " has none; use it with a resnet");

@@ -62,6 +62,8 @@ struct TrainConfig {
 
   // Data parallelism.
   bool sync_bn = false;
+  /// Shard the optimizer state across ranks (ZeroRedundancyOptimizer).
+  bool zero = false;
   double bucket_cap_mb = 25.0;
   /// Deadline of every collective, in seconds: a rank that stops
   /// responding (hung, stopped, cut off) fails the job after this long.

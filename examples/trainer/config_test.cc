@@ -39,6 +39,13 @@ TEST(ConfigTest, BadValuesNameTheFlag) {
   c.sync_bn = true;
   EXPECT_NE(ErrorOf(c).find("--sync_bn"), std::string::npos);
   c = TrainConfig{};
+  c.zero = true;
+  c.amp = "fp16";
+  EXPECT_NE(ErrorOf(c).find("--zero"), std::string::npos);
+  EXPECT_NE(ErrorOf(c).find("--amp=bf16"), std::string::npos);
+  c.amp = "bf16";
+  EXPECT_EQ(ErrorOf(c), "");
+  c = TrainConfig{};
   c.resume = true;
   c.checkpoint = "";
   EXPECT_NE(ErrorOf(c).find("--resume needs a checkpoint"), std::string::npos);

@@ -6,6 +6,7 @@
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
 #include "ddp/sync_batch_norm.h"
+#include "ddp/zero_redundancy_optimizer.h"
 #include "nn/autograd/engine.h"
 
 namespace ddp::examples::trainer {
@@ -70,6 +71,29 @@ class DdpParallel : public Parallel {
 
   void Backward(const nn::Tensor& loss) override {
     Guarded("backward", [&] { nn::Backward(loss); });
+  }
+
+  std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params,
+                                          const OptimizerFactory& make) override {
+    class Zero : public ShardedOptimizer {
+     public:
+      Zero(nn::optim::NamedParameters params, std::shared_ptr<dist::ProcessGroup> pg,
+           const OptimizerFactory& make)
+          : zero_(std::move(params), std::move(pg), make) {}
+      nn::optim::Optimizer& local() override { return zero_.local(); }
+      void Step() override { Guarded("optimizer step", [&] { zero_.Step(); }); }
+      void ZeroGrad() override { zero_.ZeroGrad(); }
+      nn::optim::NamedTensors Consolidate() override {
+        return Guarded("gathering the optimizer state", [&] { return zero_.ConsolidatedStateDict(0); });
+      }
+      nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& whole) const override {
+        return zero_.ShardOf(whole);
+      }
+
+     private:
+      dist::ZeroRedundancyOptimizer zero_;
+    };
+    return std::make_unique<Zero>(std::move(params), pg_, make);
   }
 
   std::unique_ptr<NoSyncScope> NoSync() override {

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "examples/trainer/config.h"
 #include "nn/modules/module.h"
+#include "nn/optim/optimizer.h"
 #include "nn/tensor/tensor.h"
 
 namespace ddp::examples::trainer {
@@ -54,6 +56,25 @@ class Parallel {
     virtual ~NoSyncScope() = default;
   };
 
+  /// An optimizer whose state is sharded across the ranks (--zero): each
+  /// rank's `local` optimizer holds its own parameters only.
+  class ShardedOptimizer {
+   public:
+    virtual ~ShardedOptimizer() = default;
+    /// This rank's optimizer (schedulers drive its learning rate).
+    virtual nn::optim::Optimizer& local() = 0;
+    /// Updates the shard, then every rank gets every parameter. Collective.
+    virtual void Step() = 0;
+    virtual void ZeroGrad() = 0;
+    /// The whole state in the unsharded format, on rank 0 (empty on the
+    /// others). Collective.
+    virtual nn::optim::NamedTensors Consolidate() = 0;
+    /// What `local` loads from a whole state.
+    virtual nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& whole) const = 0;
+  };
+  using OptimizerFactory =
+      std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>;
+
   virtual ~Parallel() = default;
 
   virtual int rank() const = 0;
@@ -72,6 +93,10 @@ class Parallel {
   /// averaged gradients when it returns.
   virtual void Backward(const nn::Tensor& loss) = 0;
   virtual std::unique_ptr<NoSyncScope> NoSync() = 0;
+  /// `params` split among the ranks, each rank's part updated by an
+  /// optimizer from `make` (ZeroRedundancyOptimizer). Not collective.
+  virtual std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params,
+                                                  const OptimizerFactory& make) = 0;
 
   /// values[i] = sum over ranks of values[i]. Collective.
   virtual void SumAcrossRanks(std::vector<double>& values) = 0;

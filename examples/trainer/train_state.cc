@@ -102,7 +102,7 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                          const TrainPosition& pos, const TrainConfig& config, int world_size) {
   nn::io::Checkpoint ckpt;
   ckpt.model = parts.model->GetStateDict();
-  ckpt.optimizer = parts.optimizer->StateDict();
+  ckpt.optimizer = parts.optimizer_state != nullptr ? *parts.optimizer_state : parts.optimizer->StateDict();
   if (parts.scheduler != nullptr) {
     for (auto& e : parts.scheduler->StateDict()) ckpt.optimizer.push_back(std::move(e));
   }
@@ -175,7 +175,8 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.
   try {
-    parts.optimizer->LoadStateDict(ckpt.optimizer);
+    parts.optimizer->LoadStateDict(parts.optimizer_shard ? parts.optimizer_shard(ckpt.optimizer)
+                                                         : ckpt.optimizer);
     if (parts.scheduler != nullptr) parts.scheduler->LoadStateDict(ckpt.optimizer);
     if (parts.scaler != nullptr) parts.scaler->LoadStateDict(ckpt.optimizer);
   } catch (const std::exception& e) {

@@ -16,6 +16,7 @@
 // the position is all a resumed run needs to see the same batches.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "examples/trainer/config.h"
@@ -44,6 +45,12 @@ struct TrainComponents {
   nn::optim::Optimizer* optimizer = nullptr;
   nn::optim::LrScheduler* scheduler = nullptr;  ///< May be null.
   nn::optim::GradScaler* scaler = nullptr;      ///< May be null.
+  /// A sharded optimizer's state (--zero): saved instead of
+  /// optimizer->StateDict(), which holds one shard only. May be null.
+  const nn::optim::NamedTensors* optimizer_state = nullptr;
+  /// A sharded optimizer's filter: what `optimizer` loads from the saved
+  /// whole state (its shard). Empty: all of it.
+  std::function<nn::optim::NamedTensors(const nn::optim::NamedTensors&)> optimizer_shard;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on

@@ -172,7 +172,8 @@ class Run {
   void FlushMetrics();
   Evaluation Evaluate();
   void RecordEvaluation(const Evaluation& e);
-  void SaveCheckpoint();
+  // every_rank: all ranks call it at the same step (not on an interrupt).
+  void SaveCheckpoint(bool every_rank = true);
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
 
   const TrainConfig& c_;
@@ -189,7 +190,11 @@ class Run {
   nn::DType compute_dtype_ = nn::DType::kFloat32;
   nn::Device device_ = nn::kCPU;  // --device; cuda:LOCAL_RANK modulo the GPUs
   std::optional<nn::DType> autocast_dtype_;  // --amp on CUDA
-  std::unique_ptr<nn::optim::Optimizer> optimizer_;
+  // The optimizer: optimizer_, or with --zero the sharded one, whose
+  // local() optimizer_ points to.
+  std::unique_ptr<nn::optim::Optimizer> own_optimizer_;
+  std::unique_ptr<Parallel::ShardedOptimizer> sharded_;
+  nn::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<nn::optim::LrScheduler> scheduler_;
   std::unique_ptr<nn::optim::GradScaler> scaler_;
   std::unique_ptr<nn::data::DataLoader> train_loader_;
@@ -244,7 +249,15 @@ void Run::Setup() {
   autocast_dtype_ = AutocastDTypeOf(c_);
   if (compute_dtype_ != nn::DType::kFloat32) model_->To(compute_dtype_);
   model_->Train();
-  optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
+  if (c_.zero) {
+    sharded_ = par_.Shard(model_->NamedParameters(), [this](nn::optim::NamedParameters shard) {
+      return MakeOptimizer(c_, std::move(shard));
+    });
+    optimizer_ = &sharded_->local();
+  } else {
+    own_optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
+    optimizer_ = own_optimizer_.get();
+  }
   if (c_.amp == "fp16") {
     // f16 gradients underflow without loss scaling; bf16 has f32's range.
     scaler_ = std::make_unique<nn::optim::GradScaler>();
@@ -285,9 +298,13 @@ void Run::Setup() {
 
   std::string resume_note;
   if (c_.resume) {
-    pos_ = LoadTrainCheckpoint(c_.checkpoint,
-                               {model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()},
-                               c_, world_, &resume_note);
+    TrainComponents parts{model_.get(), optimizer_, scheduler_.get(), scaler_.get()};
+    if (sharded_) {
+      parts.optimizer_shard = [this](const nn::optim::NamedTensors& whole) {
+        return sharded_->ShardOf(whole);
+      };
+    }
+    pos_ = LoadTrainCheckpoint(c_.checkpoint, parts, c_, world_, &resume_note);
   }
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.
@@ -368,11 +385,17 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
   if (scaler_) {
     scaler_->Step(*optimizer_);
     scaler_->Update();
+  } else if (sharded_) {
+    sharded_->Step();
   } else {
     optimizer_->Step();
   }
   if (scheduler_) scheduler_->Step();
-  optimizer_->ZeroGrad();
+  if (sharded_) {
+    sharded_->ZeroGrad();
+  } else {
+    optimizer_->ZeroGrad();
+  }
   pos_.batch_in_epoch += group;
   pos_.step += 1;
   steps_this_process_ += 1;
@@ -459,13 +482,18 @@ void Run::RecordEvaluation(const Evaluation& e) {
   if (log_) log_->AddEval({pos_.step, pos_.epoch + 1, e.loss, e.accuracy});
 }
 
-void Run::SaveCheckpoint() {
+void Run::SaveCheckpoint(bool every_rank) {
   if (c_.checkpoint.empty() || last_checkpoint_step_ == pos_.step) return;
+  // A sharded optimizer's state is gathered from every rank; stopped ranks
+  // cannot, so the last checkpoint stays.
+  if (sharded_ && !every_rank) return;
+  nn::optim::NamedTensors whole;
+  if (sharded_) whole = sharded_->Consolidate();
   last_checkpoint_step_ = pos_.step;
   if (!lead_) return;
-  SaveTrainCheckpoint(c_.checkpoint,
-                      {model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()}, pos_, c_,
-                      world_);
+  TrainComponents parts{model_.get(), optimizer_, scheduler_.get(), scaler_.get()};
+  if (sharded_) parts.optimizer_state = &whole;
+  SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
   checkpoint_saved_ = c_.checkpoint;
   checkpoint_saved_step_ = pos_.step;
 }
@@ -588,8 +616,9 @@ RunResult Run::Go() {
 
   if (signal != 0) {
     // Rank 0's replica after its last complete step equals every rank's, so
-    // it alone can save a consistent checkpoint.
-    SaveCheckpoint();
+    // it alone can save a consistent checkpoint (not with --zero: its
+    // optimizer holds one shard).
+    SaveCheckpoint(/*every_rank=*/false);
     if (lead_) {
       std::string where = StringPrintf("stopped by %s at epoch %lld, step %lld",
                                        signal == SIGINT ? "Ctrl-C" : sigabbrev_np(signal),
