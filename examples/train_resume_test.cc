@@ -194,5 +194,33 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
       << run.Stdout() << run.Stderr();
 }
 
+
+// With --zero, Ctrl-C cannot gather the sharded state (the ranks stop one by
+// one), so the last scheduled checkpoint stays and the message names it;
+// that file holds the whole state, which an unsharded run resumes from.
+TEST(TrainResumeTest, CtrlCWithShardedStateKeepsTheLastScheduledCheckpoint) {
+  const std::string dir = testing::MakeTempDir("sigint_zero");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  std::vector<std::string> args = Args(ckpt);
+  args.push_back("--zero");
+  Subprocess run(args);
+  ASSERT_GT(WaitForCheckpoint(ckpt, 4, run), 0) << run.Stdout() << run.Stderr();
+  run.Signal(SIGINT);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(20)), 128 + SIGINT) << run.Stdout() << run.Stderr();
+  const int64_t step = CheckpointStep(ckpt);
+  EXPECT_GT(step, 0);
+  EXPECT_EQ(step % 4, 0) << "not a scheduled checkpoint (--checkpoint_every=4)";
+  EXPECT_TRUE(StrayFiles(dir, ckpt).empty()) << StrayFiles(dir, ckpt)[0];
+  EXPECT_NE(run.Stdout().find("; checkpoint of step " + std::to_string(step) + " in " + ckpt),
+            std::string::npos)
+      << run.Stdout() << run.Stderr();
+
+  std::vector<std::string> plain = Args(ckpt);
+  plain.push_back("--resume");
+  const RunOutput res = testing::RunToEnd(plain);
+  ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
+  EXPECT_NE(res.out.find("resumed at epoch"), std::string::npos) << res.out;
+}
+
 }  // namespace
 }  // namespace ddp::examples
