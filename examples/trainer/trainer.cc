@@ -190,8 +190,8 @@ class Run {
   nn::DType compute_dtype_ = nn::DType::kFloat32;
   nn::Device device_ = nn::kCPU;  // --device; cuda:LOCAL_RANK modulo the GPUs
   std::optional<nn::DType> autocast_dtype_;  // --amp on CUDA
-  // The optimizer: optimizer_, or with --zero the sharded one, whose
-  // local() optimizer_ points to.
+  // optimizer_ is what the scheduler and checkpoints see: own_optimizer_,
+  // or with --zero the local optimizer of this rank's shard.
   std::unique_ptr<nn::optim::Optimizer> own_optimizer_;
   std::unique_ptr<Parallel::ShardedOptimizer> sharded_;
   nn::optim::Optimizer* optimizer_ = nullptr;
