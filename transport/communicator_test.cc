@@ -229,9 +229,14 @@ int ScenarioMismatch() {
   const int empty_rank = std::atoi(Env("DDP_TEST_EMPTY_RANK", "-1").c_str());
   size_t count = comm->rank() == 0 ? 1000 : 500;
   if (empty_rank >= 0) count = comm->rank() == empty_rank ? 0 : 500;
+  // DDP_TEST_AVG_ODD=1: equal counts, odd ranks average, even ranks sum.
+  ReduceOp op = ReduceOp::kSum;
+  if (Env("DDP_TEST_AVG_ODD") == "1") {
+    count = 1000;
+    if (comm->rank() % 2 == 1) op = ReduceOp::kAvg;
+  }
   const auto start = Clock::now();
-  Status s = comm->AllReduce(data.data(), count, DataType::kF32, ReduceOp::kSum,
-                             {.algorithm = algorithm});
+  Status s = comm->AllReduce(data.data(), count, DataType::kF32, op, {.algorithm = algorithm});
   const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
   return s.ok() ? 1 : 0;
@@ -533,11 +538,12 @@ TEST(Faults, StoppedStoreServerTimesOutOnTime) {
 
 // Every rank fails, well before the 10 s deadline: the arguments are
 // compared, not waited out.
-void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm, int empty_rank = -1) {
-  Job job = RunJob(n, "mismatch",
-                   {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
-                    {"DDP_TEST_TIMEOUT_MS", "10000"},
-                    {"DDP_TEST_EMPTY_RANK", std::to_string(empty_rank)}});
+void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm, int empty_rank = -1,
+                                   std::map<std::string, std::string> env = {}) {
+  env["DDP_TEST_ALGO"] = std::to_string(static_cast<int>(algorithm));
+  env["DDP_TEST_TIMEOUT_MS"] = "10000";
+  env["DDP_TEST_EMPTY_RANK"] = std::to_string(empty_rank);
+  Job job = RunJob(n, "mismatch", env);
   for (const auto& r : job.results) {
     ASSERT_EQ(r.exit_code, 0) << job.Describe();
     const size_t at = r.output.find("ms=");
@@ -557,6 +563,19 @@ TEST(Faults, MismatchedCountsUcxRing) { ExpectMismatchFailsEverywhere(3, Algorit
 TEST(Faults, EmptyCallAgainstDataUcxTree) { ExpectMismatchFailsEverywhere(4, Algorithm::kTree, 1); }
 TEST(Faults, EmptyCallAgainstDataSharedMemory) {
   ExpectMismatchFailsEverywhere(2, Algorithm::kSharedMemory, 0);
+}
+
+// Two described hosts, ranks 0 and 2 on one and 1 and 3 on the other: one
+// host averages, the other sums. Each host agrees inside; the step between
+// hosts (which sums for both) must still tell them apart, in both forms.
+TEST(Faults, AverageOnOneHostAndSumOnTheOtherFailEverywhere) {
+  for (const char* shared_memory : {"1", "0"}) {
+    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shared_memory);
+    ExpectMismatchFailsEverywhere(4, Algorithm::kHierarchical, -1,
+                                  {{"DDP_TEST_AVG_ODD", "1"},
+                                   {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()},
+                                   {"DDP_SHARED_MEMORY", shared_memory}});
+  }
 }
 
 TEST(Faults, WrongJobTokenIsRefused) {

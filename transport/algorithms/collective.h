@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "transport/p2p/point_to_point.h"
 #include "transport/types.h"
@@ -64,6 +65,10 @@ struct Tuning {
   /// halving then doubling (2 log2 p exchanges of shrinking halves). 0: the
   /// default (8 KiB); 1 forces halving-doubling for tests.
   size_t rhd_doubling_bytes = 0;
+  /// The op the ranks' argument check compares, when it is not `op`: the
+  /// hierarchical all-reduce's step between hosts sums for avg (it divides
+  /// by the whole world afterwards), and must still tell avg from sum.
+  std::optional<ReduceOp> checked_op;
 };
 
 /// Arguments of one collective. `count` is in elements of `dtype`; its

@@ -69,6 +69,7 @@ Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, i
   across.recv = shard;
   across.count = count;
   across.op = args.op == ReduceOp::kAvg ? ReduceOp::kSum : args.op;
+  across.tuning.checked_op = args.op;  // hosts calling avg and sum must not agree
   across.tag = PhaseTag(args.tag, 1);
   Status status = count * DataTypeSize(args.dtype) <= kInterHostRhdBytes
                       ? RhdAllReduce(inter, across)

@@ -353,14 +353,12 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
 Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& across, Deadline deadline,
                                       const std::function<Status(Deadline, int)>& watchdog) {
-  if (op == ReduceOp::kAvg) {
-    return InvalidArgumentError(
-        "shared-memory all-reduce through a slice function: op avg is not accepted (reduce with "
-        "sum and divide in the slice function)");
-  }
+  // The ranks compare the op they were given; avg reduces as sum here, and
+  // the slice function divides (only it knows by how many).
   DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kThrough,
                              deadline, watchdog)
                           .status());
+  if (op == ReduceOp::kAvg) op = ReduceOp::kSum;
   const size_t elem = DataTypeSize(dtype);
   size_t begin, end;
   Slice(count, elem, options_.size, options_.rank, begin, end);

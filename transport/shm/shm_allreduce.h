@@ -111,10 +111,11 @@ class ShmAllReduce {
   /// recv[i] = op over ranks of send[i] as AllReduce, except that each
   /// rank's slice passes through `across` between the reduction and the
   /// copies into the other ranks' outputs; `across` runs once per call on
-  /// every rank, also for an empty slice. kAvg is refused (the divisor is
-  /// the caller's: reduce with kSum and divide in `across`). Every rank of
-  /// the group must call it where the others do; a rank calling AllReduce
-  /// instead fails the argument check on every rank.
+  /// every rank, also for an empty slice. kAvg reduces as kSum and leaves
+  /// the division to `across` (the divisor is the caller's); the ranks
+  /// still check that they all passed the same op. Every rank of the group
+  /// must call it where the others do; a rank calling AllReduce instead
+  /// fails the argument check on every rank.
   Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                           const SliceFn& across, Deadline deadline,
                           const std::function<Status(Deadline, int)>& watchdog);

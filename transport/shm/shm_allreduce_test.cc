@@ -175,14 +175,31 @@ TEST(ShmAllReduce, ThroughFailsEveryRankWhenOneSliceFunctionFails) {
   }
 }
 
-TEST(ShmAllReduce, ThroughRefusesAverage) {
-  auto group = MakeGroup(1, 4096, 1024);
-  float x = 1;
-  Status s = group[0]->AllReduceThrough(
-      &x, &x, 1, DataType::kF32, ReduceOp::kAvg, [](void*, size_t, size_t) { return Status::Ok(); },
-      DeadlineIn(milliseconds(1000)), nullptr);
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
-  EXPECT_NE(s.message().find("avg"), std::string::npos) << s;
+// Avg reduces as sum and the slice function divides; ranks passing avg and
+// sum fail the argument check.
+TEST(ShmAllReduce, ThroughAverageLeavesTheDivisionToTheSliceFunction) {
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(5000, static_cast<float>(r + 1));
+    Status s = group[r]->AllReduceThrough(
+        data.data(), data.data(), data.size(), DataType::kF32, ReduceOp::kAvg,
+        [](void* slice, size_t, size_t n) {
+          for (size_t i = 0; i < n; ++i) static_cast<float*>(slice)[i] /= 4;
+          return Status::Ok();
+        },
+        DeadlineIn(milliseconds(10000)), nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(data[0], 0.75f);
+    EXPECT_EQ(data[4999], 0.75f);
+  });
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(5000, 1.0f);
+    Status s = group[r]->AllReduceThrough(
+        data.data(), data.data(), data.size(), DataType::kF32, r == 0 ? ReduceOp::kAvg : ReduceOp::kSum,
+        [](void*, size_t, size_t) { return Status::Ok(); }, DeadlineIn(milliseconds(5000)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("avg (hierarchical)"), std::string::npos) << s;
+  });
 }
 
 // One rank in AllReduceThrough and one in AllReduce: both fail naming it.
