@@ -121,14 +121,7 @@ void ZeroRedundancyOptimizer::Step() {
 }
 
 void ZeroRedundancyOptimizer::ZeroGrad(bool set_to_none) {
-  for (const auto& [name, p] : params_) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      p.set_grad(Tensor());
-    } else {
-      p.grad().Zero();
-    }
-  }
+  nn::optim::ZeroGrad(params_, set_to_none);
 }
 
 NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {

@@ -202,8 +202,8 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
   p.storage()->BumpVersion();
 }
 
-void Optimizer::ZeroGrad(bool set_to_none) {
-  for (const auto& [name, p] : params_) {
+void ZeroGrad(const NamedParameters& params, bool set_to_none) {
+  for (const auto& [name, p] : params) {
     if (!p.grad().defined()) continue;
     if (set_to_none) {
       p.set_grad(Tensor());
@@ -212,6 +212,8 @@ void Optimizer::ZeroGrad(bool set_to_none) {
     }
   }
 }
+
+void Optimizer::ZeroGrad(bool set_to_none) { optim::ZeroGrad(params_, set_to_none); }
 
 NamedTensors Optimizer::StateDict() const {
   NamedTensors out;

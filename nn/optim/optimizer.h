@@ -43,6 +43,10 @@ NamedParameters NameByPosition(const std::vector<Tensor>& params);
 /// list among optimizers check the whole list.
 void CheckParameters(const NamedParameters& params, const std::string& who);
 
+/// Clears the gradients of `params`: undefined (set_to_none) or zeros.
+/// Optimizer::ZeroGrad on its list; wrappers use it on theirs.
+void ZeroGrad(const NamedParameters& params, bool set_to_none = true);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
