@@ -28,6 +28,13 @@ struct alignas(128) ShmAllReduce::Control {
   // message, before it publishes finished): peers then fail that call too,
   // with its code and the start of its message, which name the cause.
   std::atomic<uint64_t> failed;
+  // The last call this rank returned from before every peer had finished
+  // it (set after `failed`): peers no longer copy from or into its buffers
+  // for that call, and fail it with its recorded error.
+  std::atomic<uint64_t> abandoned;
+  // Touching(call, peer) while this rank copies from or into that peer's
+  // memory for that call, else 0 (see CopyWithPeer and Abandon).
+  std::atomic<uint64_t> touching;
   int32_t failed_code;
   char failed_message[240];
   uint64_t probe;  // address of a word holding kProbeValue (CMA check)
@@ -60,11 +67,19 @@ constexpr size_t kStagingCapacity = 1 << 20;
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
 // A wait runs the watchdog once it has lasted this long.
 constexpr auto kWatchdogAfter = std::chrono::milliseconds(1);
+// How long a rank that gives up on a call waits for a peer to leave a copy
+// into its memory it had already begun (one chunk: microseconds, unless the
+// peer is stopped).
+constexpr auto kAbandonGrace = std::chrono::seconds(2);
 // Elements per block of the fused last fold and division of kAvg (16 KiB
 // of f32: the block is still in L1 when it is divided).
 constexpr size_t kDivideBlock = 4096;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Control::touching's value while copying with `peer` in `call`; group
+// sizes stay below 2^16 (checked in Create).
+uint64_t Touching(uint64_t call, int peer) { return (call << 16) | static_cast<uint64_t>(peer + 1); }
 
 // True when process `pid` exits within `within`. A process being killed
 // tears down its memory before it is reported as exited, and cross-memory
@@ -126,7 +141,8 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
                                                              const std::string& key_prefix,
                                                              const ShmOptions& options,
                                                              Deadline deadline) {
-  if (options.size < 1 || options.rank < 0 || options.rank >= options.size ||
+  if (options.size < 1 || options.size >= (1 << 16) - 1 || options.rank < 0 ||
+      options.rank >= options.size ||
       static_cast<int>(options.pids.size()) != options.size) {
     return InvalidArgumentError("shared-memory group: rank " + std::to_string(options.rank) +
                                 " of " + std::to_string(options.size) + " with " +
@@ -176,10 +192,26 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
   return engine;
 }
 
-// Copies between this process and a peer's memory (process_vm_readv /
-// process_vm_writev), resuming after partial transfers.
+// Copies between this process and a peer's memory for the current call,
+// unless the peer has left it (see Abandon): the mark in `touching` and the
+// check of the peer's `abandoned` word pair with Abandon's store of that
+// word and its check of `touching`, both sequentially consistent, so either
+// this rank sees the peer gone and does not copy, or the peer sees the copy
+// and waits for it to end before it returns.
 Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t remote,
                                   size_t bytes) const {
+  const uint64_t s = sequence_;
+  std::atomic<uint64_t>& touching = control(options_.rank).touching;
+  touching.store(Touching(s, peer), std::memory_order_seq_cst);
+  const uint64_t left = control(peer).abandoned.load(std::memory_order_seq_cst);
+  Status status = left != 0 && left >= s ? PeerFailure(s, peer) : CopyBytes(write, peer, local, remote, bytes);
+  touching.store(0, std::memory_order_release);
+  return status;
+}
+
+// process_vm_readv / process_vm_writev, resuming after partial transfers.
+Status ShmAllReduce::CopyBytes(bool write, int peer, void* local, uint64_t remote,
+                               size_t bytes) const {
   char* here = static_cast<char*>(local);
   while (bytes > 0) {
     iovec local_iov{here, bytes};
@@ -332,41 +364,53 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   return s;
 }
 
+template <typename Body>
+Status ShmAllReduce::InCall(Body body) {
+  const uint64_t before = sequence_;
+  Status status = body();
+  if (status.ok() || sequence_ == before) return status;
+  return Abandon(std::move(status));
+}
+
 Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, Deadline deadline,
                                const std::function<Status(Deadline, int)>& watchdog) {
-  const size_t bytes = count * DataTypeSize(dtype);
-  const bool staged = bytes <= options_.staging_bytes;
-  // The staging buffer of call s is written before the call is announced.
-  if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
-  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kAllReduce,
-                             deadline, watchdog)
-                          .status());
-  if (staged) return StagedAllReduce(recv, count, dtype, op);
-  size_t begin, end;
-  Slice(count, DataTypeSize(dtype), options_.size, options_.rank, begin, end);
-  Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/true);
-  if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
-  return Finish(deadline, watchdog);
+  return InCall([&]() -> Status {
+    const size_t bytes = count * DataTypeSize(dtype);
+    const bool staged = bytes <= options_.staging_bytes;
+    // The staging buffer of call s is written before the call is announced.
+    if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
+    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
+                               Kind::kAllReduce, deadline, watchdog)
+                            .status());
+    if (staged) return StagedAllReduce(recv, count, dtype, op);
+    size_t begin, end;
+    Slice(count, DataTypeSize(dtype), options_.size, options_.rank, begin, end);
+    Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/true);
+    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
+    return Finish(deadline, watchdog);
+  });
 }
 
 Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& across, Deadline deadline,
                                       const std::function<Status(Deadline, int)>& watchdog) {
-  // The ranks compare the op they were given; avg reduces as sum here, and
-  // the slice function divides (only it knows by how many).
-  DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kThrough,
-                             deadline, watchdog)
-                          .status());
-  if (op == ReduceOp::kAvg) op = ReduceOp::kSum;
-  const size_t elem = DataTypeSize(dtype);
-  size_t begin, end;
-  Slice(count, elem, options_.size, options_.rank, begin, end);
-  Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/false);
-  if (status.ok()) status = across(static_cast<char*>(recv) + begin * elem, begin, end - begin);
-  if (status.ok()) status = ShareSlice(recv, begin, end, elem);
-  if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
-  return Finish(deadline, watchdog);
+  return InCall([&]() -> Status {
+    // The ranks compare the op they were given; avg reduces as sum here,
+    // and the slice function divides (only it knows by how many).
+    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
+                               Kind::kThrough, deadline, watchdog)
+                            .status());
+    const ReduceOp fold = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    const size_t elem = DataTypeSize(dtype);
+    size_t begin, end;
+    Slice(count, elem, options_.size, options_.rank, begin, end);
+    Status status = ReduceSlice(send, recv, begin, end, dtype, fold, /*share=*/false);
+    if (status.ok()) status = across(static_cast<char*>(recv) + begin * elem, begin, end - begin);
+    if (status.ok()) status = ShareSlice(recv, begin, end, elem);
+    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
+    return Finish(deadline, watchdog);
+  });
 }
 
 // Shapes: rank r's input is staging(r, s)[0, count) of `dtype`; every rank
@@ -393,7 +437,9 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
   }
   Publish(&Control::reduced, s);
   Publish(&Control::finished, s);
-  return Status::Ok();
+  // The inputs were complete, but a peer that gave up on the call has
+  // failed it: say so, as the direct path would.
+  return PeerFailure(s);
 }
 
 // Shapes: every rank holds [count] elements of `dtype`; rank r owns the
@@ -465,14 +511,18 @@ Status ShmAllReduce::Finish(Deadline deadline,
   return PeerFailure(s);
 }
 
-Status ShmAllReduce::PeerFailure(uint64_t call) const {
+Status ShmAllReduce::PeerFailure(uint64_t call, int only) const {
   for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer == options_.rank || (only >= 0 && peer != only)) continue;
     const Control& theirs = control(peer);
-    if (peer != options_.rank && theirs.failed.load(std::memory_order_acquire) == call) {
+    if (theirs.failed.load(std::memory_order_acquire) == call) {
       const size_t length = strnlen(theirs.failed_message, sizeof(theirs.failed_message));
       return Status(static_cast<StatusCode>(theirs.failed_code),
                     RankName(peer) + " failed in this shared-memory call (" + std::to_string(call) +
                         "): " + std::string(theirs.failed_message, length));
+    }
+    if (only >= 0) {
+      return AbortedError(RankName(peer) + " left shared-memory call " + std::to_string(call));
     }
   }
   return Status::Ok();
@@ -488,6 +538,40 @@ void ShmAllReduce::MarkFailed(uint64_t call, const Status& error) {
   mine.failed.store(call, std::memory_order_release);
   Publish(&Control::reduced, call);
   Publish(&Control::finished, call);
+}
+
+// A rank returning from a call with an error may leave peers that still
+// mean to copy from its input or into its output (a late peer that has not
+// arrived yet, one still running its slice function). Those buffers are the
+// caller's again once the call returns, so it records the error as its
+// failure of the call, marks the call abandoned, and waits for any peer
+// already inside such a copy to leave it; peers check the mark before each
+// copy (CopyWithPeer) and fail the call with this rank's error instead.
+Status ShmAllReduce::Abandon(Status error) {
+  const uint64_t s = sequence_;
+  Control& mine = control(options_.rank);
+  if (mine.failed.load(std::memory_order_relaxed) != s) MarkFailed(s, error);
+  mine.abandoned.store(s, std::memory_order_seq_cst);
+  const uint64_t mark = Touching(s, options_.rank);
+  const Clock::time_point started = Clock::now();
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer == options_.rank) continue;
+    while (control(peer).touching.load(std::memory_order_seq_cst) == mark) {
+      const Clock::duration waited = Clock::now() - started;
+      if (waited >= kAbandonGrace) {
+        return Status(error.code(), error.message() + "; and " + RankName(peer) +
+                                        " was still copying into this rank's buffers " +
+                                        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(kAbandonGrace).count()) +
+                                        " ms later, so they may still change");
+      }
+      if (waited < std::chrono::milliseconds(1)) {
+        sched_yield();
+      } else if (ExitsWithin(options_.pids[peer], std::chrono::milliseconds(1))) {
+        break;  // a process that exited copies nothing more
+      }
+    }
+  }
+  return error;
 }
 
 // Once this rank has arrived, its peers read its input and write its output
@@ -520,28 +604,30 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     return InvalidArgumentError("shared-memory broadcast: root " + std::to_string(root) +
                                 " is not a rank of a group of " + std::to_string(options_.size));
   }
-  const size_t bytes = count * DataTypeSize(dtype);
-  const bool staged = bytes <= options_.staging_bytes;
-  const bool is_root = options_.rank == root;
-  if (staged && is_root && bytes > 0) std::memcpy(staging(root, sequence_ + 1), buffer, bytes);
-  DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(buffer, buffer, count, dtype, root,
-                                                Kind::kBroadcast, deadline, watchdog));
-  if (!is_root && bytes > 0) {
-    if (staged) {
-      std::memcpy(buffer, staging(root, s), bytes);
-    } else if (Status read = ReadFromPeer(root, buffer, control(root).args[s % 2].src, bytes);
-               !read.ok()) {
-      // Nobody writes into this rank's buffer: tell the root and leave.
-      MarkFailed(s, read);
-      return read;
+  return InCall([&]() -> Status {
+    const size_t bytes = count * DataTypeSize(dtype);
+    const bool staged = bytes <= options_.staging_bytes;
+    const bool is_root = options_.rank == root;
+    if (staged && is_root && bytes > 0) std::memcpy(staging(root, sequence_ + 1), buffer, bytes);
+    DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(buffer, buffer, count, dtype, root,
+                                                  Kind::kBroadcast, deadline, watchdog));
+    if (!is_root && bytes > 0) {
+      if (staged) {
+        std::memcpy(buffer, staging(root, s), bytes);
+      } else {
+        // Nobody writes into this rank's buffer: on failure it leaves at
+        // once (InCall tells the root).
+        DDP_RETURN_IF_ERROR(ReadFromPeer(root, buffer, control(root).args[s % 2].src, bytes));
+      }
     }
-  }
-  Publish(&Control::reduced, s);
-  Publish(&Control::finished, s);
-  if (staged || !is_root) return Status::Ok();
-  // Until every rank has read it, the root's buffer must stay as it is.
-  DDP_RETURN_IF_ERROR(WaitFor(&Control::finished, s, -1, deadline, watchdog, "read the broadcast"));
-  return PeerFailure(s);
+    Publish(&Control::reduced, s);
+    Publish(&Control::finished, s);
+    if (staged || !is_root) return Status::Ok();
+    // Until every rank has read it, the root's buffer must stay as it is.
+    DDP_RETURN_IF_ERROR(
+        WaitFor(&Control::finished, s, -1, deadline, watchdog, "read the broadcast"));
+    return PeerFailure(s);
+  });
 }
 
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog) {

@@ -38,6 +38,12 @@
 // after arriving), larger ones read from the root's buffer with CMA by
 // every other rank at once; the root waits until all have read.
 //
+// A rank that returns with an error before every peer finished the call
+// (its deadline passed while a peer was late, say) first marks the call
+// abandoned and waits for copies into its memory already under way; peers
+// check the mark before every copy and fail the call with its error, so a
+// straggler never writes into buffers the caller has taken back.
+//
 // Failures: a rank that fails after arriving (a CMA error, a failing slice
 // function) records its error and sets its `failed` word to the call,
 // publishes finished, and
@@ -164,6 +170,7 @@ class ShmAllReduce {
                             const std::function<Status(Deadline, int)>& watchdog);
   Status CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op, Kind kind) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
+  Status CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(false, peer, local, remote, bytes);
   }
@@ -182,8 +189,17 @@ class ShmAllReduce {
   // fails when a peer failed the call.
   Status Finish(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
   // The error of a peer that marked `call` failed (its code, its message
-  // prefixed with its rank), else OK.
-  Status PeerFailure(uint64_t call) const;
+  // prefixed with its rank), else OK; with `only` >= 0, of that peer, which
+  // is known to have left the call.
+  Status PeerFailure(uint64_t call, int only = -1) const;
+  // Runs a call's body; when it fails after the call began, abandons the
+  // call.
+  template <typename Body>
+  Status InCall(Body body);
+  // Records `error` as this rank's failure of the current call, marks the
+  // call abandoned so that no peer copies with this rank's buffers any
+  // more, and waits (briefly) for copies already begun; returns `error`.
+  Status Abandon(Status error);
   // Records `error` as this rank's failure of `call` and publishes finished.
   void MarkFailed(uint64_t call, const Status& error);
   // Marks the current call failed, waits (within the deadline) for the

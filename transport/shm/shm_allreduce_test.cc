@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
 #include <vector>
 
@@ -297,6 +298,96 @@ TEST(ShmAllReduce, AbsentPeerTimesOutNamingIt) {
     EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
     EXPECT_LT(Clock::now() - start, milliseconds(2000));
   });
+}
+
+// A rank whose deadline passes while a peer is late takes its buffer back
+// when the call returns: the late peer, arriving afterwards, neither reads
+// nor writes it, and fails at once with the first rank's error instead of
+// waiting out its own deadline. (Before, the late rank wrote its slice into
+// the buffer after the call had returned, then timed out.)
+TEST(ShmAllReduce, LatePeerLeavesTheBufferOfARankThatGaveUp) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t count = 50000;  // the direct path
+  std::vector<float> early(count, 1.0f);
+  std::vector<float> late(count, 2.0f);
+  Status late_status;
+  Clock::duration late_took{};
+  std::thread peer([&] {
+    std::this_thread::sleep_for(milliseconds(600));
+    const auto start = Clock::now();
+    late_status = group[1]->AllReduce(late.data(), late.data(), count, DataType::kF32,
+                                      ReduceOp::kSum, DeadlineIn(milliseconds(10000)), nullptr);
+    late_took = Clock::now() - start;
+  });
+  Status s = group[0]->AllReduce(early.data(), early.data(), count, DataType::kF32, ReduceOp::kSum,
+                                 DeadlineIn(milliseconds(200)), nullptr);
+  std::fill(early.begin(), early.end(), 7.0f);  // the caller reuses its buffer
+  peer.join();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(std::count(early.begin(), early.end(), 7.0f), static_cast<ptrdiff_t>(count))
+      << "the late rank wrote into the buffer after the call returned";
+  EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
+  EXPECT_NE(late_status.message().find("rank 0 failed in this shared-memory call"),
+            std::string::npos) << late_status;
+  EXPECT_NE(late_status.message().find("waiting for rank 1 to arrive"), std::string::npos)
+      << late_status;
+  EXPECT_LT(late_took, milliseconds(3000));
+}
+
+// The hierarchical form's slice function may be slow (the step between
+// hosts): a peer that gave up meanwhile does not get that slice written
+// into its output afterwards, and the slow rank fails with its error.
+TEST(ShmAllReduce, SlowSliceFunctionDoesNotWriteIntoARankThatGaveUp) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t count = 50000;
+  std::vector<float> fast(count, 1.0f);
+  std::vector<float> slow(count, 2.0f);
+  Status slow_status;
+  std::thread peer([&] {
+    slow_status = group[1]->AllReduceThrough(
+        slow.data(), slow.data(), count, DataType::kF32, ReduceOp::kSum,
+        [](void*, size_t, size_t) {
+          std::this_thread::sleep_for(milliseconds(800));
+          return Status::Ok();
+        },
+        DeadlineIn(milliseconds(10000)), nullptr);
+  });
+  Status s = group[0]->AllReduceThrough(fast.data(), fast.data(), count, DataType::kF32,
+                                        ReduceOp::kSum,
+                                        [](void*, size_t, size_t) { return Status::Ok(); },
+                                        DeadlineIn(milliseconds(300)), nullptr);
+  std::fill(fast.begin(), fast.end(), 7.0f);
+  peer.join();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("waiting for rank 1 to finish"), std::string::npos) << s;
+  EXPECT_EQ(std::count(fast.begin(), fast.end(), 7.0f), static_cast<ptrdiff_t>(count))
+      << "the slow rank wrote its slice after the call returned";
+  EXPECT_EQ(slow_status.code(), StatusCode::kTimedOut) << slow_status;
+  EXPECT_NE(slow_status.message().find("rank 0 failed in this shared-memory call"),
+            std::string::npos) << slow_status;
+}
+
+// A broadcast root that gave up: a late rank does not read the root's
+// buffer afterwards (it may hold anything by then) and return OK.
+TEST(ShmAllReduce, LateRankFailsTheBroadcastOfARootThatGaveUp) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t count = 50000;  // read from the root's buffer
+  std::vector<float> root(count, 5.0f);
+  std::vector<float> late(count, 0.0f);
+  Status late_status;
+  std::thread peer([&] {
+    std::this_thread::sleep_for(milliseconds(600));
+    late_status = group[1]->Broadcast(late.data(), count, DataType::kF32, 0,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+  });
+  Status s = group[0]->Broadcast(root.data(), count, DataType::kF32, 0,
+                                 DeadlineIn(milliseconds(200)), nullptr);
+  std::fill(root.begin(), root.end(), 7.0f);
+  peer.join();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
+  EXPECT_NE(late_status.message().find("rank 0 failed in this shared-memory call"),
+            std::string::npos) << late_status;
 }
 
 // A group inside a larger job names its members by their job ranks.
