@@ -27,6 +27,7 @@
 
 #include "examples/trainer/config.h"
 #include "examples/trainer/parallel.h"
+#include "examples/trainer/train_state.h"
 #include "examples/trainer/trainer.h"
 #include "nn/ops/config.h"
 #include "transport/launch/env.h"
@@ -75,6 +76,9 @@ DEFINE_bool(flush_denormal, true,
             "in optimizer updates; false keeps IEEE subnormals (PyTorch's default)");
 DEFINE_int32(nproc_per_node, 2,
              "ranks to start on this machine (ignored under ddprun, srun or mpirun)");
+DEFINE_int32(max_restarts, 0,
+             "when a rank fails, restart every rank up to N times; restarted ranks resume "
+             "from this run's last checkpoint (ignored under ddprun: use its --max_restarts)");
 DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
 DEFINE_bool(zero, false,
             "shard the optimizer state across ranks (ZeRO stage 1); results are the same, each "
@@ -169,7 +173,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
-       {"nproc_per_node", "sync_bn", "zero", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
+       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
         "trace", "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
@@ -348,18 +352,26 @@ int main(int argc, char** argv) {
   const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
   int world_size = FLAGS_nproc_per_node;
   int rank = 0;
+  int restart = 0;
+  std::string job_token;
   if (is_worker) {
     auto env = launch::LaunchEnvFromProcess();
     if (!env.ok()) Fail(2, 0, 1, env.status().message());
     world_size = env->world_size;
     rank = env->rank;
+    restart = env->restart_count;
+    job_token = env->job_token;
   } else if (FLAGS_nproc_per_node < 1) {
     Fail(2, 0, 1, "--nproc_per_node=" + std::to_string(FLAGS_nproc_per_node) +
                       " must be at least 1");
+  } else if (FLAGS_max_restarts < 0) {
+    Fail(2, 0, 1, "--max_restarts=" + std::to_string(FLAGS_max_restarts) +
+                      " must not be negative");
   }
 
   TrainConfig config = ConfigFromFlags(world_size);
   ddp::examples::trainer::ResolvePaths(config);
+  config.job = ddp::examples::trainer::JobFingerprint(job_token);
 
   if (!is_worker) {
     // The launcher checks once, then starts the ranks; it never touches UCX.
@@ -374,6 +386,7 @@ int main(int argc, char** argv) {
     int args_count = static_cast<int>(original.size());
     launch::SelfLaunchOptions options;
     options.default_nproc_per_node = FLAGS_nproc_per_node;
+    options.max_restarts = FLAGS_max_restarts;
     // Only rank 0 prints progress, and it needs the terminal itself (not a
     // pipe) to draw the live bar; other ranks print errors only, prefixed.
     options.prefix_output = false;
@@ -388,6 +401,14 @@ int main(int argc, char** argv) {
   options.stop = &g_stop;
   options.start_time = start;
   try {
+    if (restart > 0) {
+      // A restarted job continues from its own last checkpoint, if any.
+      const std::string note = ddp::examples::trainer::ResumeAfterRestart(config, restart);
+      if (rank == 0) {
+        std::printf("%s\n", note.c_str());
+        std::fflush(stdout);
+      }
+    }
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
         ddp::examples::trainer::JoinJob(config.log_dir.empty()
                                             ? ddp::examples::trainer::UserWorkingDirectory()

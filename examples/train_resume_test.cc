@@ -1,6 +1,8 @@
 // Checkpoints under failure, on 2 ranks:
 // - a run killed (SIGKILL) in the middle and resumed with --resume ends with
 //   exactly the parameters of a run that was never interrupted;
+// - a rank killed under --max_restarts=1 is restarted with its peer, and
+//   the run resumes from its own last checkpoint to the same end;
 // - Ctrl-C (SIGINT to the self-launching parent) stops every rank within
 //   seconds, and the checkpoint on disk is complete and loadable.
 
@@ -163,6 +165,35 @@ TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
   const RunOutput res = testing::RunToEnd(args);
   ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
   ExpectSameModel(reference, sharded);
+}
+
+// One rank killed in the middle of a run started with --max_restarts=1: the
+// launcher restarts both ranks, they continue from the run's last
+// checkpoint, and the run ends exactly like one never interrupted.
+TEST(TrainResumeTest, KilledRankRestartsAndResumesToTheSameEnd) {
+  const std::string dir = testing::MakeTempDir("restart");
+  const std::string reference = dir + "/reference/ckpt.safetensors";
+  const std::string restarted = dir + "/restarted/ckpt.safetensors";
+  const RunOutput ref = testing::RunToEnd(Args(reference));
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+
+  std::vector<std::string> args = Args(restarted);
+  args.push_back("--max_restarts=1");
+  Subprocess run(args);
+  ASSERT_GT(WaitForCheckpoint(restarted, 8, run), 0)
+      << "the run ended before its first checkpoints: " << run.Stdout() << run.Stderr();
+  const std::vector<pid_t> workers = run.Children();
+  ASSERT_EQ(workers.size(), 2u);
+  ASSERT_EQ(kill(workers[1], SIGKILL), 0);
+  ASSERT_EQ(run.Wait(std::chrono::seconds(120)), 0) << run.Stdout() << run.Stderr();
+  EXPECT_NE(run.Stderr().find("; restarting the workers (restart 1 of 1)"), std::string::npos)
+      << run.Stderr();
+  EXPECT_NE(run.Stdout().find("restart 1 of the job: resuming from this run's checkpoint " +
+                              restarted),
+            std::string::npos)
+      << run.Stdout();
+  EXPECT_NE(run.Stdout().find("resumed at epoch"), std::string::npos) << run.Stdout();
+  ExpectSameModel(reference, restarted);
 }
 
 TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {

@@ -6,6 +6,7 @@
 
 #include "examples/trainer/format.h"
 #include "nn/io/checkpoint.h"
+#include "nn/io/safetensors.h"
 
 namespace ddp::examples::trainer {
 namespace {
@@ -126,6 +127,7 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["grad_accum_steps"] = std::to_string(config.grad_accum_steps);
   m["seed"] = std::to_string(config.seed);
   m["train_samples"] = std::to_string(config.train_samples);
+  if (!config.job.empty()) m["job"] = config.job;
   std::error_code ec;
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
@@ -208,6 +210,40 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents
     pos.epoch_loss_count = 0;
   }
   return pos;
+}
+
+std::string JobFingerprint(const std::string& token) {
+  if (token.empty()) return "";
+  // FNV-1a, 64 bits, over a fixed prefix and the token.
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const char ch : "ddp-job:" + token) {
+    h ^= static_cast<unsigned char>(ch);
+    h *= 0x100000001b3ull;
+  }
+  return StringPrintf("%016llx", static_cast<unsigned long long>(h));
+}
+
+std::string ResumeAfterRestart(TrainConfig& config, int restart) {
+  const std::string attempt = "restart " + std::to_string(restart) + " of the job: ";
+  if (config.resume) return attempt + "resuming from " + config.checkpoint + " as asked";
+  if (config.checkpoint.empty()) return attempt + "no checkpoints (--checkpoint=none); starting over";
+  if (!std::filesystem::exists(config.checkpoint)) {
+    return attempt + "no checkpoint at " + config.checkpoint + " yet; starting over";
+  }
+  std::string saved_by;
+  try {
+    const Metadata m = nn::io::SafetensorsFile::Read(config.checkpoint).metadata();
+    const auto job = m.find("job");
+    if (job != m.end()) saved_by = job->second;
+  } catch (const std::exception& e) {
+    return attempt + "cannot read " + config.checkpoint + " (" + e.what() + "); starting over";
+  }
+  if (config.job.empty() || saved_by != config.job) {
+    return attempt + "the checkpoint at " + config.checkpoint +
+           " is from another run; starting over (it is overwritten at the first save)";
+  }
+  config.resume = true;
+  return attempt + "resuming from this run's checkpoint " + config.checkpoint;
 }
 
 }  // namespace ddp::examples::trainer

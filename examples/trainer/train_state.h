@@ -68,6 +68,19 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                                   const TrainConfig& config, int world_size, std::string* note);
 
+/// A short, stable name of the job whose launch token is `token` (a hash:
+/// the token itself is a secret and stays out of checkpoint files); empty
+/// for an empty token.
+std::string JobFingerprint(const std::string& token);
+
+/// For restart `restart` (> 0) of a job: sets config.resume when
+/// config.checkpoint holds a checkpoint saved by this job (config.job), so
+/// that the ranks continue where the failed attempt's last checkpoint left
+/// off instead of starting over; a checkpoint of another run is left alone.
+/// Returns a line saying which it did. Every rank decides alike: the ranks
+/// of the failed attempt are gone, so the file no longer changes.
+std::string ResumeAfterRestart(TrainConfig& config, int restart);
+
 /// Throws the UsageError LoadTrainCheckpoint would for a model mismatch,
 /// reading only the model part of `path` (used before starting ranks).
 void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Module& model,

@@ -119,6 +119,42 @@ TEST(TrainStateTest, AnotherDataOrderContinuesAtTheNextEpoch) {
   EXPECT_NE(note.find("another data order (2 ranks"), std::string::npos) << note;
 }
 
+// A restarted job resumes from a checkpoint only when this job saved it
+// (the default path is shared by every run of a model and dataset).
+TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
+  EXPECT_EQ(JobFingerprint(""), "");
+  EXPECT_EQ(JobFingerprint("token-a"), JobFingerprint("token-a"));
+  EXPECT_NE(JobFingerprint("token-a"), JobFingerprint("token-b"));
+  EXPECT_EQ(JobFingerprint("token-a").find("token"), std::string::npos);
+
+  TrainConfig config;
+  config.model = "mlp";
+  config.checkpoint = Path("restart");
+  config.job = JobFingerprint("token-a");
+  std::string note = ResumeAfterRestart(config, 1);
+  EXPECT_FALSE(config.resume);
+  EXPECT_NE(note.find("restart 1 of the job: no checkpoint at " + config.checkpoint + " yet"),
+            std::string::npos) << note;
+
+  nn::Generator g(1);
+  auto model = nn::modules::MakeMlp(g);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  SaveTrainCheckpoint(config.checkpoint, {model.get(), &opt, nullptr, nullptr}, {}, config, 2);
+  note = ResumeAfterRestart(config, 2);
+  EXPECT_TRUE(config.resume) << note;
+  EXPECT_NE(note.find("resuming from this run's checkpoint"), std::string::npos) << note;
+
+  config.resume = false;
+  config.job = JobFingerprint("token-b");
+  note = ResumeAfterRestart(config, 1);
+  EXPECT_FALSE(config.resume) << note;
+  EXPECT_NE(note.find("is from another run; starting over"), std::string::npos) << note;
+
+  config.checkpoint.clear();
+  EXPECT_NE(ResumeAfterRestart(config, 1).find("starting over"), std::string::npos);
+  EXPECT_FALSE(config.resume);
+}
+
 TEST(TrainStateTest, UnwritableFolderIsAUsageError) {
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});

@@ -101,6 +101,10 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
   if (n < 1) {
     return InvalidArgumentError("--nproc_per_node=" + std::to_string(n) + " must be at least 1");
   }
+  if (options.max_restarts < 0) {
+    return InvalidArgumentError("max_restarts=" + std::to_string(options.max_restarts) +
+                                " must not be negative");
+  }
 
   DDP_ASSIGN_OR_RETURN(std::string token, GenerateJobToken());
   store::TcpStoreServerOptions server_options;
@@ -110,40 +114,54 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<store::TcpStoreServer> server,
                        store::TcpStoreServer::Start(server_options));
 
-  std::vector<WorkerSpec> specs;
-  for (int rank = 0; rank < n; ++rank) {
-    LaunchEnv worker;
-    worker.rank = rank;
-    worker.world_size = n;
-    worker.local_rank = rank;
-    worker.local_world_size = n;
-    worker.group_rank = 0;
-    worker.master_addr = "127.0.0.1";
-    worker.master_port = server->port();
-    worker.restart_count = 0;
-    worker.job_token = token;
-    worker.store_hosted_by_launcher = true;
-    WorkerSpec spec;
-    spec.rank = rank;
-    spec.program = "/proc/self/exe";
-    spec.argv.assign(argv, argv + argc);
-    spec.env = ToEnvironment(worker);
-    specs.push_back(std::move(spec));
-  }
-  SpawnOptions spawn;
-  spawn.grace = options.grace;
-  spawn.output.prefix = n > 1 && options.prefix_output;
-  DDP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerGroup> group,
-                       WorkerGroup::Start(std::move(specs), spawn));
+  const char* program = argc > 0 ? argv[0] : "self-launch";
+  // One deadline for the whole run, restarts included.
   const Deadline deadline = options.max_run_time.count() > 0
                                 ? Clock::now() + options.max_run_time
                                 : Deadline::max();
-  GroupResult result = group->Wait(deadline);
-  group.reset();
-  server->Stop();
-  if (result.outcome != GroupOutcome::kSucceeded) {
-    std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "self-launch", result.reason.c_str());
+  GroupResult result;
+  for (int attempt = 0;; ++attempt) {
+    std::vector<WorkerSpec> specs;
+    for (int rank = 0; rank < n; ++rank) {
+      LaunchEnv worker;
+      worker.rank = rank;
+      worker.world_size = n;
+      worker.local_rank = rank;
+      worker.local_world_size = n;
+      worker.group_rank = 0;
+      worker.master_addr = "127.0.0.1";
+      worker.master_port = server->port();
+      worker.restart_count = attempt;
+      worker.job_token = token;
+      worker.store_hosted_by_launcher = true;
+      WorkerSpec spec;
+      spec.rank = rank;
+      spec.program = "/proc/self/exe";
+      spec.argv.assign(argv, argv + argc);
+      spec.env = ToEnvironment(worker);
+      specs.push_back(std::move(spec));
+    }
+    SpawnOptions spawn;
+    spawn.grace = options.grace;
+    spawn.output.prefix = n > 1 && options.prefix_output;
+    DDP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerGroup> group,
+                         WorkerGroup::Start(std::move(specs), spawn));
+    result = group->Wait(deadline);
+    group.reset();  // every worker of this attempt is gone
+    // Only a failing worker restarts the job: not Ctrl-C, not the time limit.
+    const bool restart =
+        result.outcome == GroupOutcome::kWorkerFailed && attempt < options.max_restarts;
+    if (result.outcome != GroupOutcome::kSucceeded) {
+      const std::string next = restart ? "; restarting the workers (restart " +
+                                             std::to_string(attempt + 1) + " of " +
+                                             std::to_string(options.max_restarts) + ")"
+                                       : "";
+      std::fprintf(stderr, "%s: %s%s\n", program, result.reason.c_str(), next.c_str());
+      std::fflush(stderr);
+    }
+    if (!restart) break;
   }
+  server->Stop();
   return SelfLaunchResult{.run_as_worker = false, .exit_code = result.ExitCode()};
 }
 

@@ -23,7 +23,9 @@
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK=0,
 // MASTER_ADDR=127.0.0.1, MASTER_PORT, DDP_RESTART_COUNT=0, a fresh random
 // DDP_JOB_TOKEN and DDP_STORE_HOST=launcher, waits for them and exits with
-// their combined status (see GroupResult::ExitCode). The launcher itself never
+// their combined status (see GroupResult::ExitCode), after restarting them
+// up to SelfLaunchOptions::max_restarts times when one fails. The launcher
+// itself never
 // touches UCX or CUDA.
 
 #include <chrono>
@@ -41,6 +43,12 @@ struct SelfLaunchOptions {
   /// Stop the workers when they run longer than this; zero: no limit (the
   /// launcher still wakes for every worker exit and every signal).
   std::chrono::milliseconds max_run_time{0};
+  /// When a worker fails (exits non-zero or dies by a signal), stop the
+  /// others and start all of them again, up to this many times, with
+  /// DDP_RESTART_COUNT counting the restarts (store keys of a restarted job
+  /// are prefixed anew, see LaunchEnv::StoreKeyPrefix). A launcher that is
+  /// interrupted (Ctrl-C) or runs past max_run_time does not restart.
+  int max_restarts = 0;
   /// With several workers, start each of their output lines with "[rank] ".
   /// Programs whose output comes from rank 0 alone (benchmarks with a fixed
   /// output format) turn it off.

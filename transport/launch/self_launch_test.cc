@@ -66,6 +66,35 @@ TEST(SelfLaunchTest, WorkerFailureGivesItsExitCodeAndNamesTheRank) {
                               "rank 2 \\(pid [0-9]+\\) exited with code 5; stopping the other workers"));
 }
 
+// Rank 1 fails on the first two attempts: the launcher restarts every
+// worker twice, with DDP_RESTART_COUNT counting, and the third attempt
+// meets through the store (fresh keys) and succeeds.
+TEST(SelfLaunchTest, FailedWorkerRestartsTheJob) {
+  const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_restarts=2",
+                               "--fail_before_restart=2", "--print_env", "--store"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  for (int attempt = 0; attempt <= 2; ++attempt) {
+    EXPECT_EQ(CountLines(run.output, "restart " + std::to_string(attempt) + " master"), 2)
+        << run.output;
+  }
+  EXPECT_THAT(run.output, ::testing::ContainsRegex(
+                              "rank 1 \\(pid [0-9]+\\) exited with code 1.*; restarting the "
+                              "workers \\(restart 1 of 2\\)"));
+  EXPECT_THAT(run.output, HasSubstr("(restart 2 of 2)"));
+  EXPECT_EQ(CountLines(run.output, "met 2 ranks"), 2) << run.output;
+  EXPECT_EQ(CountLines(run.output, " done"), 2) << run.output;
+}
+
+// Out of restarts: the last failure's status, and no further attempt.
+TEST(SelfLaunchTest, RestartsStopAtTheLimit) {
+  const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_restarts=1",
+                               "--fail_before_restart=5", "--print_env"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("(restart 1 of 1)"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("restart 2")));
+  EXPECT_EQ(CountLines(run.output, "rank 1 fails on attempt"), 2) << run.output;
+}
+
 TEST(SelfLaunchTest, UnderALauncherItRunsAsThatWorker) {
   const auto run = RunProgram({Worker(), "--nproc_per_node=4", "--print_env"},
                               {{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"MASTER_PORT", "4567"}});

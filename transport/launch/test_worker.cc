@@ -9,6 +9,7 @@
 //   --sleep_ms=N          sleep N ms before finishing
 //   --pid_dir=DIR         write DIR/rank<R>.restart<C>.pid
 //   --ignore_sigterm      ignore SIGTERM
+//   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
 
 #include <signal.h>
 #include <unistd.h>
@@ -74,6 +75,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (auto v = value("--fail_before_restart")) f.fail_before_restart = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--sleep_ms")) f.sleep_ms = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--pid_dir")) f.pid_dir = std::string(*v);
+    else if (value("--self_launch_restarts")) continue;  // read by main
     else {
       std::fprintf(stderr, "test_worker: unknown argument %s\n", argv[i]);
       std::exit(64);
@@ -126,7 +128,15 @@ int Rendezvous(const launch::LaunchEnv& env) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  launch::SelfLaunchOrExit(argc, argv);
+  launch::SelfLaunchOptions self_launch;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg(argv[i]);
+    const std::string_view flag = "--self_launch_restarts=";
+    if (arg.substr(0, flag.size()) == flag) {
+      self_launch.max_restarts = std::atoi(argv[i] + flag.size());
+    }
+  }
+  launch::SelfLaunchOrExit(argc, argv, self_launch);
   const Flags flags = ParseFlags(argc, argv);
   if (flags.ignore_sigterm) signal(SIGTERM, SIG_IGN);
   StatusOr<launch::LaunchEnv> env = launch::LaunchEnvFromProcess();
