@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
 #include <thread>
 
@@ -73,10 +74,14 @@ TEST(SelfLaunchTest, FailedWorkerRestartsTheJob) {
   const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_restarts=2",
                                "--fail_before_restart=2", "--print_env", "--store"});
   EXPECT_EQ(run.exit_code, 0) << run.output;
+  // Rank 1 prints before it fails; rank 0 may be stopped before it prints.
   for (int attempt = 0; attempt <= 2; ++attempt) {
-    EXPECT_EQ(CountLines(run.output, "restart " + std::to_string(attempt) + " master"), 2)
+    EXPECT_EQ(CountLines(run.output, "rank 1/2 local 1/2 group 0 restart " +
+                                         std::to_string(attempt) + " master"),
+              1)
         << run.output;
   }
+  EXPECT_EQ(CountLines(run.output, "restart 2 master"), 2) << run.output;
   EXPECT_THAT(run.output, ::testing::ContainsRegex(
                               "rank 1 \\(pid [0-9]+\\) exited with code 1.*; restarting the "
                               "workers \\(restart 1 of 2\\)"));
@@ -109,10 +114,11 @@ TEST(SelfLaunchTest, BrokenLaunchEnvironmentIsRefused) {
   EXPECT_THAT(run.output, HasSubstr("RANK=3 is not below WORLD_SIZE=2"));
 }
 
+// Also with restarts allowed: an interrupted launcher does not restart.
 TEST(SelfLaunchTest, SigtermToTheLauncherReachesEveryWorker) {
   const std::string dir = testing::MakeTempDir("self_launch_sigterm");
-  auto group = testing::StartProgram(
-      {Worker(), "--nproc_per_node=3", "--sleep_ms=30000", "--pid_dir=" + dir});
+  auto group = testing::StartProgram({Worker(), "--nproc_per_node=3", "--self_launch_restarts=2",
+                                      "--sleep_ms=30000", "--pid_dir=" + dir});
   ASSERT_TRUE(group.ok()) << group.status();
   std::vector<pid_t> workers;
   for (int r = 0; r < 3; ++r) {
@@ -123,7 +129,9 @@ TEST(SelfLaunchTest, SigtermToTheLauncherReachesEveryWorker) {
   const auto run = testing::WaitProgram(**group, 20s);
   EXPECT_EQ(run.exit_code, 128 + SIGTERM) << run.output;
   EXPECT_THAT(run.output, HasSubstr("interrupted by SIGTERM; forwarded it to every worker"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("restarting")));
   for (pid_t pid : workers) EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << pid;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/rank0.restart1.pid"));
 }
 
 TEST(SelfLaunchTest, LauncherKilledBySigkillTakesItsWorkers) {
