@@ -576,6 +576,69 @@ TEST(DdpFeaturesTest, CommunicationHooksWithTheGpuBucketCopies) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// --------------------------------------------------------- subgroups ----
+
+// Four ranks in two groups, {0, 1} and {3, 2}, each training its own DDP
+// replica on its own data: a group's ranks end identical and equal to one
+// process trained on the group's combined batch (averaged over the group,
+// not the job), and the two groups differ.
+DDP_TEST_WORKER(new_group) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  try {
+    pg->NewGroup({0, 0});
+    WORKER_EXPECT(false, "a rank given twice was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("rank 0 given twice") != std::string::npos, e.what());
+  }
+  const std::vector<std::vector<int>> lists = {{0, 1}, {3, 2}};
+  std::shared_ptr<ProcessGroup> sub;
+  int group = -1;
+  for (size_t g = 0; g < lists.size(); ++g) {
+    auto made = pg->NewGroup(lists[g]);  // every rank calls both
+    WORKER_EXPECT((made != nullptr) == (rank / 2 == static_cast<int>(g)), "membership of group " + std::to_string(g));
+    if (made != nullptr) {
+      sub = made;
+      group = static_cast<int>(g);
+    }
+  }
+  if (sub == nullptr) return testing::WorkerExit();
+  const std::vector<int>& members = lists[group];
+  WORKER_EXPECT(sub->size() == 2 && members[sub->rank()] == rank,
+                "rank " + std::to_string(rank) + " is " + std::to_string(sub->rank()) + " of " +
+                    std::to_string(sub->size()));
+
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(100 + rank);  // DDP broadcasts the group's rank 0 replica
+  DistributedDataParallel ddp(model, {.process_group = sub});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = Mlp(100 + members[0]);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < 3; ++s) {
+    const int64_t base = (group * 3 + s) * 2 * kBatch;
+    opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, base + sub->rank() * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    ref_opt.ZeroGrad();
+    auto [rx, ry] = testing::Batch(data, base, 2 * kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*reference)(rx), ry));
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "group " + std::to_string(group) + ": `" + worst + "` off by " + std::to_string(diff));
+  const uint64_t hash = testing::HashState(*model);
+  WORKER_EXPECT(testing::SameOnAllRanks(*sub, hash), "replicas differ inside a group");
+  WORKER_EXPECT(!testing::SameOnAllRanks(*pg, hash), "the two groups trained alike");
+  sub.reset();  // before the job's group
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, SubgroupsTrainTheirOwnReplicas) {
+  auto run = RunWorkers("new_group", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------ stats, trace ----
 
 DDP_TEST_WORKER(stats_trace) {

@@ -468,6 +468,39 @@ Work ProcessGroup::Barrier() {
   }, nullptr);
 }
 
+std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {
+  if (ranks.empty()) throw std::invalid_argument("ProcessGroup::NewGroup: the rank list is empty");
+  std::vector<bool> seen(static_cast<size_t>(size_), false);
+  int64_t digest = 0;  // of the list, so that DDP_DEBUG=detail compares lists
+  for (int r : ranks) {
+    if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
+      throw std::invalid_argument("ProcessGroup::NewGroup: rank " + std::to_string(r) +
+                                  (r >= 0 && r < size_ ? " given twice" : " is not in [0, " +
+                                                                              std::to_string(size_) + ")"));
+    }
+    seen[static_cast<size_t>(r)] = true;
+    digest = digest * 31 + r + 1;
+  }
+  const auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  const bool member = it != ranks.end();
+  const int color = member ? 0 : transport::Communicator::kNoColor;
+  const int key = static_cast<int>(it - ranks.begin());
+  auto made = std::make_shared<std::unique_ptr<transport::Communicator>>();
+  CollectiveDescription d{"new_group", nn::DType::kInt64, {static_cast<int64_t>(ranks.size()), digest},
+                          -1, transport::ReduceOp::kSum, false};
+  impl_->Enqueue(std::move(d), [color, key, made](transport::Communicator* comm, Deadline deadline) {
+    if (comm == nullptr) return Status::Ok();  // one process: the list is {0}
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - transport::Clock::now());
+    auto child = comm->Split(color, key, {.timeout = std::max(left, milliseconds(1))});
+    if (!child.ok()) return child.status();
+    *made = std::move(*child);
+    return Status::Ok();
+  }, nullptr).Wait();
+  if (!member) return nullptr;
+  if (*made == nullptr) return Single(options_);
+  return std::make_shared<ProcessGroup>(std::move(*made), options_);
+}
+
 Work ProcessGroup::Run(const CollectiveDescription& description, Task task,
                        const std::vector<nn::Tensor>& device_tensors) {
   if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);

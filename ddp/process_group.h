@@ -181,6 +181,16 @@ class ProcessGroup {
                      const std::string& label = "");
   /// Completes once every rank has entered it.
   Work Barrier();
+  /// A group of some of this group's ranks (torch.distributed.new_group):
+  /// rank i of the new group is ranks[i]. Collective over this group, in
+  /// issue order with its other collectives: every rank calls it with the
+  /// same list, and a rank not in it gets nullptr. The new group has this
+  /// group's options, its own communicator (Communicator::Split) and
+  /// communication thread; destroy it before this group. Throws
+  /// std::invalid_argument for an empty list, a rank out of range or given
+  /// twice, DistributedError when forming it fails.
+  std::shared_ptr<ProcessGroup> NewGroup(const std::vector<int>& ranks);
+
   /// Runs `task` on the communication thread, in issue order with the other
   /// collectives (what communication hooks build on). `description` is what
   /// the debug check compares across ranks. `device_tensors` (all on one

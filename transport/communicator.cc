@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <algorithm>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -307,6 +308,7 @@ class Communicator::Impl {
   CommunicatorInfo info_;
 
  private:
+  friend class Communicator;  // Split reads the topology and seeds a child
   // The staging engine of `device`, made on first use. Under run_mu_.
   StatusOr<cuda::CopyEngine*> StagingEngine(int device);
   // The IPC collectives of `device`, made on first use; nullptr when this
@@ -352,6 +354,12 @@ class Communicator::Impl {
   std::unique_ptr<store::TcpStoreClient> store_;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
+  topology::Topology real_topology_;  // as discovered
+  // Set by Split before Init: the parent's described topology, cut to the
+  // new communicator's ranks (it replaces the file, which describes the
+  // parent's ranks).
+  std::optional<topology::Topology> described_;
+  uint64_t splits_ = 0;          // Split calls so far (names the children)
   bool single_host_ = true;      // as discovered, whatever the file says
   std::vector<int> ring_order_;
   std::unique_ptr<ucx::UcxPointToPoint> p2p_;
@@ -467,7 +475,10 @@ Status Communicator::Impl::Init() {
   const topology::Topology& real = exchanged.topology;
   single_host_ = real.num_hosts() == 1;
   topology_ = real;
-  if (!options_.topology_file.empty()) {
+  real_topology_ = real;
+  if (described_) {
+    topology_ = *described_;
+  } else if (!options_.topology_file.empty()) {
     DDP_ASSIGN_OR_RETURN(topology_, topology::LoadTopologyFile(options_.topology_file));
     if (topology_.size() != o.world_size) {
       return InvalidArgumentError("topology file " + options_.topology_file + " describes " +
@@ -1175,6 +1186,56 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::CreateFromEnvironment(
   // A restarted group must not read what the previous attempt wrote.
   defaults.name = env.StoreKeyPrefix() + defaults.name;
   return Create(defaults);
+}
+
+StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
+                                                            const CallOptions& call) {
+  if (color < kNoColor) {
+    return InvalidArgumentError("split: color " + std::to_string(color) +
+                                " is negative (kNoColor, -1, joins no group)");
+  }
+  // Every rank's color and key, in order with this communicator's other
+  // collectives.
+  const int64_t mine[2] = {color, key};
+  std::vector<int64_t> all(2 * static_cast<size_t>(size()));
+  DDP_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DataType::kI64, call));
+  const uint64_t split = impl_->splits_++;  // the same on every rank
+  if (color == kNoColor) return std::unique_ptr<Communicator>();
+  std::vector<int> members;  // ranks of this communicator with this color
+  for (int r = 0; r < size(); ++r) {
+    if (all[2 * r] == color) members.push_back(r);
+  }
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+
+  const Impl& parent = *impl_;
+  CommunicatorOptions o = parent.options_;  // as Init settled them
+  o.rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+  o.world_size = static_cast<int>(members.size());
+  // Local ranks among the members on this rank's (real) host.
+  o.local_rank = 0;
+  o.local_world_size = 0;
+  for (int r : members) {
+    if (!parent.real_topology_.SameHost(r, rank())) continue;
+    if (r == rank()) o.local_rank = o.local_world_size;
+    ++o.local_world_size;
+  }
+  o.host_store = false;      // the store is served already
+  o.bind_to_core = false;    // a pinned creating thread stays pinned
+  o.name = parent.options_.name + "/split" + std::to_string(split) + "/" + std::to_string(color);
+  if (call.timeout.count() > 0) o.timeout = call.timeout;
+  auto impl = std::make_unique<Impl>(o);
+  if (!parent.options_.topology_file.empty()) {
+    DDP_ASSIGN_OR_RETURN(impl->described_, topology::Subset(parent.topology_, members));
+  }
+  Status status = impl->Init();
+  if (!status.ok()) {
+    impl->Abort(status, std::nullopt).IgnoreError();
+    return Status(status.code(), "rank " + std::to_string(rank()) + ": split (color " +
+                                     std::to_string(color) + "): " + status.message());
+  }
+  impl->options_.timeout = parent.options_.timeout;
+  return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
 }
 
 int Communicator::rank() const { return impl_->options_.rank; }

@@ -234,6 +234,18 @@ class Communicator {
   Work RecvAsync(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                  const CallOptions& call = {});
 
+  /// Split's color of a rank that joins no new communicator.
+  static constexpr int kNoColor = -1;
+  /// Collective, in order with this communicator's other collectives: forms
+  /// a new communicator of the ranks that pass the same `color` (>= 0),
+  /// ranked by `key`, ties by rank here (MPI_Comm_split, ncclCommSplit). A
+  /// rank passing kNoColor takes part and gets no communicator (nullptr).
+  /// The new one has this one's settings and rendezvous store and its own
+  /// connections; its creation runs within call.timeout (default: this
+  /// communicator's timeout). When rank 0 of this communicator serves the
+  /// store (host_store), this communicator must outlive the new ones there.
+  StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, const CallOptions& call = {});
+
   /// Aborts the communicator with `reason` (posted to the store); later calls
   /// fail with it.
   void Abort(const Status& reason);

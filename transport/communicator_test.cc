@@ -286,7 +286,69 @@ int ScenarioEarly() {
   return 1;
 }
 
+// Checks one all-reduce, broadcast and all-gather on `child`, whose ranks
+// are the parent ranks `members` in order.
+void CheckChild(Communicator& child, const std::vector<int>& members, int parent_rank,
+                const std::string& what) {
+  const int n = static_cast<int>(members.size());
+  WORKER_CHECK(child.size() == n, what + ": size " + std::to_string(child.size()));
+  WORKER_CHECK(child.rank() < n && members[child.rank()] == parent_rank,
+               what + ": rank " + std::to_string(child.rank()));
+  float expected = 0;
+  for (int r : members) expected += static_cast<float>(r + 1);
+  for (size_t count : {size_t{3}, size_t{20000}}) {  // staged and direct paths
+    std::vector<float> data(count, static_cast<float>(parent_rank + 1));
+    Status s = child.AllReduce(data.data(), count, DataType::kF32, ReduceOp::kSum);
+    WORKER_CHECK(s.ok(), what + ": all-reduce " + s.ToString());
+    WORKER_CHECK(data[0] == expected && data[count - 1] == expected,
+                 what + ": all-reduce gave " + std::to_string(data[0]));
+  }
+  int64_t root_value = parent_rank;
+  Status s = child.Broadcast(&root_value, 1, DataType::kI64, 0);
+  WORKER_CHECK(s.ok() && root_value == members[0], what + ": broadcast " + s.ToString());
+  std::vector<int64_t> gathered(n);
+  const int64_t mine = parent_rank;
+  s = child.AllGather(&mine, gathered.data(), 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), what + ": all-gather " + s.ToString());
+  for (int i = 0; i < n; ++i) {
+    WORKER_CHECK(gathered[i] == members[i], what + ": all-gather [" + std::to_string(i) + "] " +
+                                                std::to_string(gathered[i]));
+  }
+}
+
+// Four ranks split into evens and odds, each ordered by descending rank,
+// then into {0, 1, 2} without rank 3; the parent keeps working in between.
+int ScenarioSplit() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  WORKER_CHECK(comm->Split(-2, 0).status().code() == StatusCode::kInvalidArgument, "color -2");
+  {
+    auto half = comm->Split(me % 2, -me);
+    WORKER_CHECK(half.ok() && *half != nullptr, "split: " + half.status().ToString());
+    if (!half.ok() || *half == nullptr) return 1;
+    const std::vector<int> members = me % 2 == 0 ? std::vector<int>{2, 0} : std::vector<int>{3, 1};
+    CheckChild(**half, members, me, "half");
+    std::printf("HALF rank %d -> %d/%d hosts=%d\n", me, (*half)->rank(), (*half)->size(),
+                (*half)->info().num_hosts);
+    std::vector<float> all(5000, 1.0f);
+    Status s = comm->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+    WORKER_CHECK(s.ok() && all[0] == comm->size(), "parent after split: " + s.ToString());
+    auto three = comm->Split(me == 3 ? Communicator::kNoColor : 0, me);
+    WORKER_CHECK(three.ok(), "second split: " + three.status().ToString());
+    if (!three.ok()) return 1;
+    if (me == 3) {
+      WORKER_CHECK(*three == nullptr, "kNoColor got a communicator");
+    } else {
+      CheckChild(**three, {0, 1, 2}, me, "three");
+      std::printf("THREE rank %d -> %d/%d hosts=%d\n", me, (*three)->rank(), (*three)->size(),
+                  (*three)->info().num_hosts);
+    }
+  }
+  return comm->Barrier().ok() && failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
+  if (name == "split") return ScenarioSplit();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -364,6 +426,23 @@ TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalOverUcxWithoutSharedM
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("hosts=2 shm=0 host_shm=0"), std::string::npos)
       << job.Describe();
+}
+
+TEST(Communicator, SplitFormsCommunicatorsOfEachColorOrderedByKey) {
+  Job job = RunJob(4, "split");
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("HALF rank 0 -> 1/2 hosts=1"), std::string::npos) << job.Describe();
+  EXPECT_NE(job.results[3].output.find("HALF rank 3 -> 0/2 hosts=1"), std::string::npos) << job.Describe();
+  EXPECT_NE(job.results[2].output.find("THREE rank 2 -> 2/3"), std::string::npos) << job.Describe();
+}
+
+// A described topology is cut to the new communicator's ranks: evens are
+// all on host "a", and {0, 1, 2} spans both hosts.
+TEST(Communicator, SplitKeepsTheDescribedHostsOfItsRanks) {
+  Job job = RunJob(4, "split", {{"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("HALF rank 0 -> 1/2 hosts=1"), std::string::npos) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("THREE rank 0 -> 0/3 hosts=2"), std::string::npos) << job.Describe();
 }
 
 TEST(Communicator, BadTopologyFileIsNamed) {

@@ -117,6 +117,32 @@ std::vector<int> Topology::RanksOnHost(int host) const {
   return out;
 }
 
+StatusOr<Topology> Subset(const Topology& topology, const std::vector<int>& ranks) {
+  std::vector<int> new_host(topology.hosts.size(), -1);
+  std::vector<bool> taken(topology.ranks.size(), false);
+  for (int r : ranks) {
+    if (r < 0 || r >= topology.size() || taken[r]) {
+      return InvalidArgumentError("topology subset: rank " + std::to_string(r) +
+                                  (r >= 0 && r < topology.size() ? " given twice" : " out of range") +
+                                  " (" + std::to_string(topology.size()) + " ranks)");
+    }
+    taken[r] = true;
+    new_host[topology.ranks[r].host] = 0;
+  }
+  Topology part;
+  for (size_t h = 0; h < topology.hosts.size(); ++h) {
+    if (new_host[h] < 0) continue;
+    new_host[h] = part.num_hosts();
+    part.hosts.push_back(topology.hosts[h]);
+  }
+  for (int r : ranks) {
+    RankPlace place = topology.ranks[r];
+    place.host = new_host[place.host];
+    part.ranks.push_back(place);
+  }
+  return part;
+}
+
 bool Topology::Uniform() const {
   std::vector<int> counts(hosts.size(), 0);
   for (const RankPlace& place : ranks) ++counts[place.host];

@@ -87,6 +87,12 @@ struct Topology {
   Status Validate() const;
 };
 
+/// The part of `topology` that ranks `ranks` (indices into it, in their new
+/// order) make up: rank i of the result is ranks[i]; hosts none of them
+/// runs on are dropped, the others keep their order. INVALID_ARGUMENT for an
+/// index out of range or given twice.
+StatusOr<Topology> Subset(const Topology& topology, const std::vector<int>& ranks);
+
 /// Parses the file format above. `origin` (a path) leads error messages,
 /// which name the offending field: "t.json: ranks[2].host: 5 is not a host
 /// index (2 hosts)".

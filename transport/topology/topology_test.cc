@@ -81,6 +81,30 @@ TEST(LoadTopologyFile, RoundTripsThroughJson) {
   EXPECT_EQ(back->hosts[0].gpus[1].nvlink_peers, std::vector<int>{0});
 }
 
+TEST(Subset, KeepsTheChosenRanksInTheirNewOrderAndTheirHosts) {
+  Topology t;
+  t.hosts.resize(3);
+  t.hosts[0].name = "a";
+  t.hosts[1].name = "b";
+  t.hosts[2].name = "c";
+  t.hosts[2].gpus.resize(2);
+  t.ranks = {{.host = 0}, {.host = 1}, {.host = 2, .gpu = 1}, {.host = 2, .gpu = 0}};
+  auto part = Subset(t, {3, 0, 2});
+  ASSERT_TRUE(part.ok()) << part.status();
+  ASSERT_EQ(part->num_hosts(), 2);  // host "b" runs none of them
+  EXPECT_EQ(part->hosts[0].name, "a");
+  EXPECT_EQ(part->hosts[1].name, "c");
+  EXPECT_EQ(part->hosts[1].gpus.size(), 2u);
+  ASSERT_EQ(part->size(), 3);
+  EXPECT_EQ(part->ranks[0].host, 1);
+  EXPECT_EQ(part->ranks[0].gpu, 0);
+  EXPECT_EQ(part->ranks[1].host, 0);
+  EXPECT_EQ(part->ranks[2].gpu, 1);
+  EXPECT_TRUE(part->Validate().ok());
+  EXPECT_EQ(Subset(t, {0, 4}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(Subset(t, {1, 1}).status().message().find("rank 1 given twice"), std::string::npos);
+}
+
 TEST(RingOrder, InterleavedHostsLeaveEachHostOnce) {
   // Ranks alternate between two hosts (a round-robin scheduler): the natural
   // ring would cross the network on every hop; the ordered ring twice.
