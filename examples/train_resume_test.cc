@@ -79,6 +79,15 @@ void ExpectSameModel(const std::string& a_path, const std::string& b_path) {
   }
 }
 
+// Runs the uninterrupted reference run into `dir`/reference; returns the
+// path of its final checkpoint.
+std::string RunReference(const std::string& dir) {
+  const std::string path = dir + "/reference/ckpt.safetensors";
+  const RunOutput ref = testing::RunToEnd(Args(path));
+  EXPECT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  return path;
+}
+
 // Files in `dir` that are not the checkpoint (temporaries of a killed write).
 std::vector<std::string> StrayFiles(const std::string& dir, const std::string& keep) {
   std::vector<std::string> out;
@@ -142,10 +151,8 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
 // format, and a run killed in the middle resumes to the same end.
 TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
   const std::string dir = testing::MakeTempDir("resume_zero");
-  const std::string reference = dir + "/reference/ckpt.safetensors";
+  const std::string reference = RunReference(dir);
   const std::string sharded = dir + "/sharded/ckpt.safetensors";
-  const RunOutput ref = testing::RunToEnd(Args(reference));
-  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
 
   std::vector<std::string> args = Args(sharded);
   args.push_back("--zero");
@@ -172,10 +179,8 @@ TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
 // checkpoint, and the run ends exactly like one never interrupted.
 TEST(TrainResumeTest, KilledRankRestartsAndResumesToTheSameEnd) {
   const std::string dir = testing::MakeTempDir("restart");
-  const std::string reference = dir + "/reference/ckpt.safetensors";
+  const std::string reference = RunReference(dir);
   const std::string restarted = dir + "/restarted/ckpt.safetensors";
-  const RunOutput ref = testing::RunToEnd(Args(reference));
-  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
 
   std::vector<std::string> args = Args(restarted);
   args.push_back("--max_restarts=1");
