@@ -622,7 +622,9 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     }
     Publish(&Control::reduced, s);
     Publish(&Control::finished, s);
-    if (staged || !is_root) return Status::Ok();
+    // A root that gave up before this rank arrived has failed the call,
+    // even if its staged data was there to copy.
+    if (staged || !is_root) return PeerFailure(s);
     // Until every rank has read it, the root's buffer must stay as it is.
     DDP_RETURN_IF_ERROR(
         WaitFor(&Control::finished, s, -1, deadline, watchdog, "read the broadcast"));

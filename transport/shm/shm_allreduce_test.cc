@@ -388,6 +388,18 @@ TEST(ShmAllReduce, LateRankFailsTheBroadcastOfARootThatGaveUp) {
   EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
   EXPECT_NE(late_status.message().find("rank 0 failed in this shared-memory call"),
             std::string::npos) << late_status;
+  // Small buffers go through the root's staging buffer: the late rank fails
+  // the same way (the root returned an error for this call).
+  float small = 1.0f, small_late = 0.0f;
+  peer = std::thread([&] {
+    std::this_thread::sleep_for(milliseconds(600));
+    late_status = group[1]->Broadcast(&small_late, 1, DataType::kF32, 0,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+  });
+  s = group[0]->Broadcast(&small, 1, DataType::kF32, 0, DeadlineIn(milliseconds(200)), nullptr);
+  peer.join();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
 }
 
 // A group inside a larger job names its members by their job ranks.
