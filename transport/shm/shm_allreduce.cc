@@ -32,8 +32,8 @@ struct alignas(128) ShmAllReduce::Control {
   // it (set after `failed`): peers no longer copy from or into its buffers
   // for that call, and fail it with its recorded error.
   std::atomic<uint64_t> abandoned;
-  // Touching(call, peer) while this rank copies from or into that peer's
-  // memory for that call, else 0 (see CopyWithPeer and Abandon).
+  // Touching(call, peer) while this rank writes into that peer's memory
+  // for that call, else 0 (see CopyWithPeer and Abandon).
   std::atomic<uint64_t> touching;
   int32_t failed_code;
   char failed_message[240];
@@ -67,10 +67,13 @@ constexpr size_t kStagingCapacity = 1 << 20;
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
 // A wait runs the watchdog once it has lasted this long.
 constexpr auto kWatchdogAfter = std::chrono::milliseconds(1);
-// How long a rank that gives up on a call waits for a peer to leave a copy
-// into its memory it had already begun (one chunk: microseconds, unless the
-// peer is stopped).
-constexpr auto kAbandonGrace = std::chrono::seconds(2);
+// How long a rank that gives up on a call waits for a peer to finish a
+// write into its memory that it had already begun (at most kWritePiece
+// bytes: a millisecond or two, unless the peer is stopped or starved).
+constexpr auto kAbandonGrace = std::chrono::milliseconds(200);
+// Writes into a peer's memory go in pieces of at most this many bytes, each
+// checked against the peer having given up.
+constexpr size_t kWritePiece = 4 << 20;
 // Elements per block of the fused last fold and division of kAvg (16 KiB
 // of f32: the block is still in L1 when it is divided).
 constexpr size_t kDivideBlock = 4096;
@@ -193,20 +196,37 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
 }
 
 // Copies between this process and a peer's memory for the current call,
-// unless the peer has left it (see Abandon): the mark in `touching` and the
-// check of the peer's `abandoned` word pair with Abandon's store of that
-// word and its check of `touching`, both sequentially consistent, so either
-// this rank sees the peer gone and does not copy, or the peer sees the copy
-// and waits for it to end before it returns.
+// unless the peer has left it (see Abandon). A read is checked before and
+// after: a peer that gave up while it ran may have reused its buffer, so
+// the read fails. A write must not land after the peer returned at all:
+// each piece is marked in `touching`, then the peer's `abandoned` word is
+// checked; Abandon stores that word and then checks `touching`, both
+// sequentially consistent, so either this rank sees the peer gone and does
+// not write, or the peer sees the write and waits for it to end.
 Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t remote,
                                   size_t bytes) const {
   const uint64_t s = sequence_;
+  const std::atomic<uint64_t>& left = control(peer).abandoned;
+  auto gone = [&] {
+    const uint64_t call = left.load(std::memory_order_seq_cst);
+    return call != 0 && call >= s;
+  };
+  if (!write) {
+    if (gone()) return PeerFailure(s, peer);
+    DDP_RETURN_IF_ERROR(CopyBytes(false, peer, local, remote, bytes));
+    return gone() ? PeerFailure(s, peer) : Status::Ok();
+  }
   std::atomic<uint64_t>& touching = control(options_.rank).touching;
-  touching.store(Touching(s, peer), std::memory_order_seq_cst);
-  const uint64_t left = control(peer).abandoned.load(std::memory_order_seq_cst);
-  Status status = left != 0 && left >= s ? PeerFailure(s, peer) : CopyBytes(write, peer, local, remote, bytes);
-  touching.store(0, std::memory_order_release);
-  return status;
+  char* here = static_cast<char*>(local);
+  for (size_t done = 0; done < bytes;) {
+    const size_t n = std::min(kWritePiece, bytes - done);
+    touching.store(Touching(s, peer), std::memory_order_seq_cst);
+    Status status = gone() ? PeerFailure(s, peer) : CopyBytes(true, peer, here + done, remote + done, n);
+    touching.store(0, std::memory_order_release);
+    DDP_RETURN_IF_ERROR(status);
+    done += n;
+  }
+  return Status::Ok();
 }
 
 // process_vm_readv / process_vm_writev, resuming after partial transfers.
@@ -544,9 +564,10 @@ void ShmAllReduce::MarkFailed(uint64_t call, const Status& error) {
 // mean to copy from its input or into its output (a late peer that has not
 // arrived yet, one still running its slice function). Those buffers are the
 // caller's again once the call returns, so it records the error as its
-// failure of the call, marks the call abandoned, and waits for any peer
-// already inside such a copy to leave it; peers check the mark before each
-// copy (CopyWithPeer) and fail the call with this rank's error instead.
+// failure of the call, marks the call abandoned, and waits (briefly) for
+// any peer already inside a write into them to finish it; peers check the
+// mark around each copy (CopyWithPeer) and fail the call with this rank's
+// error instead.
 Status ShmAllReduce::Abandon(Status error) {
   const uint64_t s = sequence_;
   Control& mine = control(options_.rank);
@@ -560,7 +581,7 @@ Status ShmAllReduce::Abandon(Status error) {
       const Clock::duration waited = Clock::now() - started;
       if (waited >= kAbandonGrace) {
         return Status(error.code(), error.message() + "; and " + RankName(peer) +
-                                        " was still copying into this rank's buffers " +
+                                        " was still writing into this rank's buffers " +
                                         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(kAbandonGrace).count()) +
                                         " ms later, so they may still change");
       }

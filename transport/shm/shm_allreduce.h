@@ -40,9 +40,10 @@
 //
 // A rank that returns with an error before every peer finished the call
 // (its deadline passed while a peer was late, say) first marks the call
-// abandoned and waits for copies into its memory already under way; peers
-// check the mark before every copy and fail the call with its error, so a
-// straggler never writes into buffers the caller has taken back.
+// abandoned and waits (up to 200 ms) for writes into its memory already
+// under way; peers check the mark around every copy and fail the call with
+// its error, so a straggler never writes into buffers the caller has taken
+// back, nor returns data read from them after they were.
 //
 // Failures: a rank that fails after arriving (a CMA error, a failing slice
 // function) records its error and sets its `failed` word to the call,
@@ -198,7 +199,7 @@ class ShmAllReduce {
   Status InCall(Body body);
   // Records `error` as this rank's failure of the current call, marks the
   // call abandoned so that no peer copies with this rank's buffers any
-  // more, and waits (briefly) for copies already begun; returns `error`.
+  // more, and waits (briefly) for writes already begun; returns `error`.
   Status Abandon(Status error);
   // Records `error` as this rank's failure of `call` and publishes finished.
   void MarkFailed(uint64_t call, const Status& error);
