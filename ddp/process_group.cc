@@ -431,6 +431,66 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
   }, std::move(fence));
 }
 
+Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
+                            std::vector<int64_t> output_splits, std::vector<int64_t> input_splits,
+                            const std::string& label) {
+  CheckTensor(output, "AllToAll", "output");
+  CheckTensor(input, "AllToAll", "input");
+  const std::string where = "ProcessGroup::AllToAll: ";
+  if (output.dim() == 0 || input.dim() == 0 || output.dtype() != input.dtype() ||
+      output.numel() * input.size(0) != input.numel() * output.size(0)) {
+    throw std::invalid_argument(where + "input and output need rows of one dtype and size: input " +
+                                std::string(nn::DTypeName(input.dtype())) + " " +
+                                nn::ShapeToString(input.shape()) + ", output " +
+                                std::string(nn::DTypeName(output.dtype())) + " " +
+                                nn::ShapeToString(output.shape()));
+  }
+  if (!output.device().is_cpu() || !input.device().is_cpu()) {
+    throw std::invalid_argument(where + "takes CPU tensors");
+  }
+  // Splits in rows, checked against dim 0; then in elements.
+  auto resolve = [&](std::vector<int64_t>& splits, const nn::Tensor& t, const char* name) {
+    const int64_t rows = t.size(0);
+    if (splits.empty()) {
+      if (rows % size_ != 0) {
+        throw std::invalid_argument(where + name + " has " + std::to_string(rows) +
+                                    " rows, not a multiple of size() " + std::to_string(size_) +
+                                    "; pass split sizes");
+      }
+      splits.assign(static_cast<size_t>(size_), rows / size_);
+    }
+    int64_t total = 0;
+    for (int64_t s : splits) {
+      if (s < 0) throw std::invalid_argument(where + name + " split size " + std::to_string(s) + " is negative");
+      total += s;
+    }
+    if (static_cast<int>(splits.size()) != size_ || total != rows) {
+      throw std::invalid_argument(where + std::to_string(splits.size()) + " " + name +
+                                  " split sizes adding up to " + std::to_string(total) + " for " +
+                                  std::to_string(rows) + " rows and size() " + std::to_string(size_));
+    }
+    std::vector<size_t> elements;
+    const int64_t row = rows > 0 ? t.numel() / rows : 0;
+    for (int64_t s : splits) elements.push_back(static_cast<size_t>(s * row));
+    return elements;
+  };
+  std::vector<size_t> sends = resolve(input_splits, input, "input");
+  std::vector<size_t> receives = resolve(output_splits, output, "output");
+  CollectiveDescription d{label.empty() ? "all_to_all" : "all_to_all " + label, input.dtype(),
+                          {static_cast<int64_t>(size_)}, -1, transport::ReduceOp::kSum, false};
+  const transport::DataType type = ToTransportType(input.dtype());
+  const milliseconds timeout = options_.timeout;
+  return impl_->Enqueue(std::move(d), [output, input, type, timeout, sends, receives](
+                                          transport::Communicator* comm, Deadline) {
+    if (comm == nullptr) {
+      if (input.nbytes() > 0) std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
+      return Status::Ok();
+    }
+    return comm->AllToAllV(input.data_ptr(), sends, output.data_ptr(), receives, type,
+                           {.timeout = timeout});
+  }, nullptr);
+}
+
 Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& input,
                                  transport::ReduceOp op, const std::string& label) {
   CheckTensor(output, "ReduceScatter", "output");

@@ -179,6 +179,15 @@ class ProcessGroup {
   Work ReduceScatter(const nn::Tensor& output, const nn::Tensor& input,
                      transport::ReduceOp op = transport::ReduceOp::kSum,
                      const std::string& label = "");
+  /// Rows (along dim 0) exchanged between ranks
+  /// (torch.distributed.all_to_all_single): input_splits[q] rows of `input`,
+  /// in rank order, go to rank q; output_splits[q] rows of `output` come
+  /// from rank q. Empty splits: size() equal parts of dim 0. CPU tensors,
+  /// contiguous, of one dtype and row shape; input_splits[q] here must equal
+  /// output_splits[rank()] on rank q.
+  Work AllToAll(const nn::Tensor& output, const nn::Tensor& input,
+                std::vector<int64_t> output_splits = {}, std::vector<int64_t> input_splits = {},
+                const std::string& label = "");
   /// Completes once every rank has entered it.
   Work Barrier();
   /// A group of some of this group's ranks (torch.distributed.new_group):

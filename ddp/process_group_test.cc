@@ -140,6 +140,56 @@ TEST(ProcessGroupTest, DebugModeNamesBothShapes) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rows exchanged between ranks: equal parts, then rank a sending rank b
+// (a + 2 * b) % 3 rows; each row holds (sender, receiver, row) codes.
+DDP_TEST_WORKER(pg_all_to_all) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  auto code = [](int from, int to, int64_t row, int64_t col) {
+    return static_cast<double>(from * 1000 + to * 100 + row * 4 + col);
+  };
+  auto rows_of = [&](const std::vector<int64_t>& counts, bool sending) {
+    std::vector<double> v;
+    for (int q = 0; q < n; ++q) {
+      for (int64_t r = 0; r < counts[q]; ++r) {
+        for (int64_t c = 0; c < 4; ++c) v.push_back(sending ? code(me, q, r, c) : code(q, me, r, c));
+      }
+    }
+    return v;
+  };
+  for (bool uneven : {false, true}) {
+    std::vector<int64_t> in_splits(n), out_splits(n);
+    for (int q = 0; q < n; ++q) {
+      in_splits[q] = uneven ? (me + 2 * q) % 3 : 2;
+      out_splits[q] = uneven ? (q + 2 * me) % 3 : 2;
+    }
+    const std::vector<double> send = rows_of(in_splits, true), expected = rows_of(out_splits, false);
+    Tensor input = nn::FromVector(send, {static_cast<int64_t>(send.size() / 4), 4});
+    Tensor output = nn::Full({static_cast<int64_t>(expected.size() / 4), 4}, -1);
+    if (uneven) {
+      pg->AllToAll(output, input, out_splits, in_splits).Wait();
+    } else {
+      pg->AllToAll(output, input).Wait();
+    }
+    WORKER_EXPECT(output.ToVector<double>() == expected,
+                  std::string(uneven ? "uneven" : "equal") + " all-to-all: wrong rows");
+  }
+  try {
+    pg->AllToAll(nn::Zeros({3 * n, 4}), nn::Zeros({3 * n, 4}), {1});
+    WORKER_EXPECT(false, "a split list of the wrong length was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("1 output split sizes adding up to 1") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, AllToAllEqualAndUnevenRows) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_all_to_all", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
 TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
   auto pg = ProcessGroup::Single();
   EXPECT_EQ(pg->rank(), 0);
@@ -150,6 +200,10 @@ TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
   Tensor out = nn::Empty({3});
   pg->AllGather(out, t).Wait();
   EXPECT_EQ(out.ToVector<double>(), std::vector<double>({1, 2, 3}));
+  Tensor rows = nn::FromVector({1, 2, 3, 4}, {2, 2});
+  Tensor moved = nn::Empty({2, 2});
+  pg->AllToAll(moved, rows).Wait();
+  EXPECT_EQ(moved.ToVector<double>(), std::vector<double>({1, 2, 3, 4}));
   pg->Barrier().Wait();
 }
 

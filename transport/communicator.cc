@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <deque>
 #include <functional>
 #include <initializer_list>
@@ -196,6 +197,11 @@ class Communicator::Impl {
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
                    bool host_memory);
   Status AllGather(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
+  // Checks AllToAllV's arguments (every failure before anything moves).
+  Status CheckAllToAll(const void* send, std::span<const size_t> send_counts, const void* recv,
+                       std::span<const size_t> recv_counts, DataType dtype) const;
+  Status AllToAllV(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                   const std::vector<size_t>& recv_counts, DataType dtype, Deadline deadline);
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
   Status Barrier(Deadline deadline);
@@ -1316,6 +1322,85 @@ Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, D
   });
 }
 
+Status Communicator::Impl::CheckAllToAll(const void* send, std::span<const size_t> send_counts,
+                                         const void* recv, std::span<const size_t> recv_counts,
+                                         DataType dtype) const {
+  DDP_RETURN_IF_ERROR(CheckTypes(dtype, ReduceOp::kSum, false));
+  const size_t n = static_cast<size_t>(options_.world_size);
+  if (send_counts.size() != n || recv_counts.size() != n) {
+    return InvalidArgumentError("all-to-all: " + std::to_string(send_counts.size()) +
+                                " send counts and " + std::to_string(recv_counts.size()) +
+                                " receive counts for " + std::to_string(n) + " ranks");
+  }
+  const size_t es = DataTypeSize(dtype);
+  size_t sent = 0, received = 0;
+  for (size_t q = 0; q < n; ++q) {
+    const size_t limit = std::numeric_limits<size_t>::max() / es;
+    if (send_counts[q] > limit - sent || recv_counts[q] > limit - received) {
+      return InvalidArgumentError("all-to-all: the counts add up past the address space");
+    }
+    sent += send_counts[q];
+    received += recv_counts[q];
+  }
+  const size_t me = static_cast<size_t>(options_.rank);
+  if (send_counts[me] != recv_counts[me]) {
+    return InvalidArgumentError("all-to-all: rank " + std::to_string(me) + " sends itself " +
+                                std::to_string(send_counts[me]) + " elements but receives " +
+                                std::to_string(recv_counts[me]));
+  }
+  DDP_RETURN_IF_ERROR(CheckBuffer(send, sent, "all-to-all send buffer"));
+  DDP_RETURN_IF_ERROR(CheckBuffer(recv, received, "all-to-all receive buffer"));
+  const auto* s = static_cast<const char*>(send);
+  const auto* r = static_cast<const char*>(recv);
+  if (sent > 0 && received > 0 && s < r + received * es && r < s + sent * es) {
+    return InvalidArgumentError("all-to-all: the send and receive buffers overlap");
+  }
+  for (const void* p : {send, recv}) {
+    if (p != nullptr && cuda::ClassifyPointer(p).device) {
+      return FailedPreconditionError("all-to-all takes host memory; copy device buffers to the host first");
+    }
+  }
+  return Status::Ok();
+}
+
+Status Communicator::Impl::AllToAllV(const void* send, const std::vector<size_t>& send_counts,
+                                     void* recv, const std::vector<size_t>& recv_counts,
+                                     DataType dtype, Deadline deadline) {
+  const size_t es = DataTypeSize(dtype);
+  const int n = options_.world_size, me = options_.rank;
+  std::vector<algorithms::ExchangeBlock> blocks(static_cast<size_t>(n));
+  size_t sent = 0, received = 0;
+  for (int q = 0; q < n; ++q) {
+    blocks[q] = {static_cast<const char*>(send) + sent * es, send_counts[q] * es,
+                 static_cast<char*>(recv) + received * es, recv_counts[q] * es};
+    sent += send_counts[q];
+    received += recv_counts[q];
+  }
+  if (blocks[me].send_bytes > 0) std::memcpy(blocks[me].recv, blocks[me].send, blocks[me].send_bytes);
+  // The count the ranks compare is the world size: the blocks differ per
+  // rank, and each pair's sizes are checked by the receiving side.
+  return algorithms::DirectExchange(
+      *p2p_, blocks, Args(send, recv, static_cast<size_t>(n), dtype, ReduceOp::kSum, 0, deadline),
+      /*empty_messages=*/true);
+}
+
+Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
+                              const CallOptions& call) {
+  const std::vector<size_t> counts(static_cast<size_t>(size()), count);
+  return AllToAllV(send, counts, recv, counts, dtype, call);
+}
+
+Status Communicator::AllToAllV(const void* send, std::span<const size_t> send_counts, void* recv,
+                               std::span<const size_t> recv_counts, DataType dtype,
+                               const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
+  std::vector<size_t> sends(send_counts.begin(), send_counts.end());
+  std::vector<size_t> receives(recv_counts.begin(), recv_counts.end());
+  return impl_->RunBlocking(call, [&, this](Deadline d) {
+    return impl_->AllToAllV(send, sends, recv, receives, dtype, d);
+  });
+}
+
 Status Communicator::Barrier(const CallOptions& call) {
   return impl_->RunBlocking(call, [this](Deadline d) { return impl_->Barrier(d); });
 }
@@ -1429,6 +1514,23 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
                                         d);
     }
     return impl_->ReduceScatter(send, recv, count, dtype, op, d);
+  });
+}
+
+Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, DataType dtype,
+                                 const CallOptions& call) {
+  const std::vector<size_t> counts(static_cast<size_t>(size()), count);
+  return AllToAllVAsync(send, counts, recv, counts, dtype, call);
+}
+
+Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send_counts,
+                                  void* recv, std::span<const size_t> recv_counts, DataType dtype,
+                                  const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
+  return impl_->Enqueue(call, [=, this, sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
+                               receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](
+                                  Deadline d) {
+    return impl_->AllToAllV(send, sends, recv, receives, dtype, d);
   });
 }
 

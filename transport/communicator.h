@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "transport/status.h"
@@ -206,6 +207,21 @@ class Communicator {
   /// size() * count elements, recv count.
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        const CallOptions& call = {});
+  /// recv[q * count + i] = rank q's send[rank() * count + i]: send and recv
+  /// hold size() * count elements each, block q of send goes to rank q.
+  /// send and recv must not overlap. Host memory only (a device buffer is
+  /// FAILED_PRECONDITION).
+  Status AllToAll(const void* send, void* recv, size_t count, DataType dtype,
+                  const CallOptions& call = {});
+  /// All-to-all with a size per pair: send_counts[q] elements go to rank q
+  /// (the blocks lie in send one after another, in rank order) and
+  /// recv_counts[q] come from rank q (likewise in recv); both spans have
+  /// size() entries. send_counts[q] here must equal recv_counts[rank()] on
+  /// rank q: a pair that disagrees fails on the receiving rank with
+  /// INVALID_ARGUMENT naming the sizes. Host memory only.
+  Status AllToAllV(const void* send, std::span<const size_t> send_counts, void* recv,
+                   std::span<const size_t> recv_counts, DataType dtype,
+                   const CallOptions& call = {});
   /// Returns once every rank has entered the barrier.
   Status Barrier(const CallOptions& call = {});
   /// Sends `count` elements to `peer`, matched by its Recv with the same tag.
@@ -228,6 +244,12 @@ class Communicator {
                       const CallOptions& call = {});
   Work ReduceScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
                           ReduceOp op, const CallOptions& call = {});
+  Work AllToAllAsync(const void* send, void* recv, size_t count, DataType dtype,
+                     const CallOptions& call = {});
+  /// The counts are copied: the spans need not outlive the call.
+  Work AllToAllVAsync(const void* send, std::span<const size_t> send_counts, void* recv,
+                      std::span<const size_t> recv_counts, DataType dtype,
+                      const CallOptions& call = {});
   Work BarrierAsync(const CallOptions& call = {});
   Work SendAsync(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                  const CallOptions& call = {});

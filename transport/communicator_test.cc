@@ -316,6 +316,75 @@ void CheckChild(Communicator& child, const std::vector<int>& members, int parent
   }
 }
 
+// Value of element i of the block rank `from` sends rank `to`.
+int64_t BlockValue(int from, int to, size_t i) { return from * 1000 + to * 100 + static_cast<int64_t>(i % 97); }
+
+// All-to-all with equal blocks (several dtypes and counts, blocking and
+// async) and with a size per pair (some empty), then a pair that disagrees
+// on a size.
+int ScenarioAllToAll() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  for (DataType dtype : {DataType::kF32, DataType::kI64, DataType::kU8, DataType::kBF16}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{1001}}) {
+      for (bool async : {false, true}) {
+        const size_t es = DataTypeSize(dtype);
+        std::vector<char> send(n * count * es), recv(n * count * es + 1, 0x5A);
+        for (int q = 0; q < n; ++q) {
+          for (size_t i = 0; i < count; ++i) {
+            testing::Store(dtype, send.data(), q * count + i, static_cast<double>(BlockValue(me, q, i) % 250));
+          }
+        }
+        Status s = async ? comm->AllToAllAsync(send.data(), recv.data(), count, dtype).Wait()
+                         : comm->AllToAll(send.data(), recv.data(), count, dtype);
+        const std::string what = std::string("all-to-all ") + DataTypeName(dtype) + " count " +
+                                 std::to_string(count) + (async ? " async" : "");
+        WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+        size_t wrong = 0;
+        for (int q = 0; q < n; ++q) {
+          for (size_t i = 0; i < count; ++i) {
+            wrong += testing::Load(dtype, recv.data(), q * count + i) !=
+                     static_cast<double>(BlockValue(q, me, i) % 250);
+          }
+        }
+        WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " wrong");
+        WORKER_CHECK(recv[n * count * es] == 0x5A, what + ": wrote past the end");
+      }
+    }
+  }
+  // Uneven: rank a sends rank b (a * 7 + b * 3) % 5 elements.
+  auto size_of = [](int a, int b) { return static_cast<size_t>((a * 7 + b * 3) % 5); };
+  std::vector<size_t> send_counts(n), recv_counts(n);
+  for (int q = 0; q < n; ++q) {
+    send_counts[q] = size_of(me, q);
+    recv_counts[q] = size_of(q, me);
+  }
+  std::vector<int64_t> send, recv;
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < send_counts[q]; ++i) send.push_back(BlockValue(me, q, i));
+  }
+  for (size_t c : recv_counts) recv.resize(recv.size() + c, -1);
+  Status s = comm->AllToAllV(send.data(), send_counts, recv.data(), recv_counts, DataType::kI64);
+  WORKER_CHECK(s.ok(), "all-to-all-v: " + s.ToString());
+  size_t at = 0, wrong = 0;
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < recv_counts[q]; ++i) wrong += recv[at++] != BlockValue(q, me, i);
+  }
+  WORKER_CHECK(wrong == 0, "all-to-all-v: " + std::to_string(wrong) + " wrong");
+  // Local mistakes fail before anything moves.
+  WORKER_CHECK(comm->AllToAllV(send.data(), std::vector<size_t>(n + 1), recv.data(), recv_counts,
+                               DataType::kI64).code() == StatusCode::kInvalidArgument, "count list length");
+  WORKER_CHECK(comm->AllToAll(send.data(), send.data(), 1, DataType::kI64).code() ==
+                   StatusCode::kInvalidArgument, "overlapping buffers");
+  // Rank 0 expects one element more from rank 1 than rank 1 sends.
+  std::vector<size_t> mine(n, 1), theirs(n, 1);
+  if (me == 0) theirs[1] = 2;
+  std::vector<int64_t> out(n + 1), in(n + 1);
+  s = comm->AllToAllV(out.data(), mine, in.data(), theirs, DataType::kI64);
+  std::printf("MISMATCH rank %d %s\n", me, s.ToString().c_str());
+  return failures == 0 ? 0 : 1;
+}
+
 // Four ranks split into evens and odds, each ordered by descending rank,
 // then into {0, 1, 2} without rank 3; the parent keeps working in between.
 int ScenarioSplit() {
@@ -349,6 +418,7 @@ int ScenarioSplit() {
 
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
+  if (name == "alltoall") return ScenarioAllToAll();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -426,6 +496,18 @@ TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalOverUcxWithoutSharedM
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("hosts=2 shm=0 host_shm=0"), std::string::npos)
       << job.Describe();
+}
+
+TEST(Communicator, AllToAllEqualAndUnevenBlocks) {
+  for (int n : {1, 2, 3}) {
+    Job job = RunJob(n, "alltoall", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+    for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    if (n > 1) {
+      // The receiving side of the pair that disagrees names both sizes.
+      EXPECT_NE(job.results[0].output.find("MISMATCH rank 0 INVALID_ARGUMENT"), std::string::npos)
+          << job.Describe();
+    }
+  }
 }
 
 TEST(Communicator, SplitFormsCommunicatorsOfEachColorOrderedByKey) {

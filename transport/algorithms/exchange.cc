@@ -8,7 +8,7 @@
 namespace ddp::transport::algorithms {
 
 Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blocks,
-                      const CollectiveArgs& args) {
+                      const CollectiveArgs& args, bool empty_messages) {
   const int p = p2p.size(), r = p2p.rank();
   constexpr const char* kWhat = "direct exchange";
   internal::BufferShape shape;  // the blocks carry the buffers
@@ -44,7 +44,7 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   std::vector<int> from;
   for (int i = 1; i < p; ++i) {
     const int q = (r + p - i) % p;
-    if (blocks[q].recv_bytes == 0) continue;
+    if (blocks[q].recv_bytes == 0 && !empty_messages) continue;
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, q};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
                          requests.Recv(where, internal::StepTag(tag, 0), blocks[q].recv,
@@ -54,7 +54,7 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   }
   for (int i = 1; i < p; ++i) {
     const int q = (r + i) % p;
-    if (blocks[q].send_bytes == 0) continue;
+    if (blocks[q].send_bytes == 0 && !empty_messages) continue;
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, q};
     DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), blocks[q].send,
                                       blocks[q].send_bytes)

@@ -31,9 +31,12 @@ struct ExchangeBlock {
 /// rank running another collective fails at once) and args.tag; the block
 /// sizes must agree pairwise. Returns when every block arrived and every
 /// send completed; on error nothing stays posted. Uses phase 0 of the tag
-/// range.
+/// range. With `empty_messages`, blocks of 0 bytes are sent and received
+/// too, so that a pair that disagrees on a block's size always fails on the
+/// receiving side (INVALID_ARGUMENT) instead of one side waiting for a block
+/// the other never sends.
 Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blocks,
-                      const CollectiveArgs& args);
+                      const CollectiveArgs& args, bool empty_messages = false);
 
 }  // namespace ddp::transport::algorithms
 
