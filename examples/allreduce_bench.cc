@@ -15,7 +15,9 @@
 // elements over all ranks with --check (else 0).
 //
 // --collective=broadcast times broadcasts from rank 0 instead (in place;
-// busbw = algbw, as nccl-tests counts it; algo is "-").
+// busbw = algbw, as nccl-tests counts it; algo is "-"). --collective=alltoall
+// times AllToAll: bytes is each rank's whole send buffer (size() blocks),
+// busbw = algbw * (n-1)/n as nccl-tests counts it; algo is "-".
 
 #include <gflags/gflags.h>
 
@@ -30,7 +32,7 @@
 #include "transport/launch/self_launch.h"
 #include "transport/testing/expected_values.h"
 
-DEFINE_string(collective, "allreduce", "allreduce or broadcast (from rank 0)");
+DEFINE_string(collective, "allreduce", "allreduce, broadcast (from rank 0) or alltoall");
 DEFINE_string(algo, "auto", "all-reduce algorithm: auto, ring, tree, rhd, hierarchical, shm");
 DEFINE_string(min_bytes, "4", "smallest message (suffixes K, M, G: powers of 1024)");
 DEFINE_string(max_bytes, "64M", "largest message");
@@ -111,10 +113,12 @@ int main(int argc, char** argv) {
   if (max_bytes < min_bytes) Fail("--max_bytes is smaller than --min_bytes");
   if (FLAGS_step_factor <= 1) Fail("--step_factor must be greater than 1");
   if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
-  if (FLAGS_collective != "allreduce" && FLAGS_collective != "broadcast") {
-    Fail("--collective=" + FLAGS_collective + ": expected allreduce or broadcast");
+  if (FLAGS_collective != "allreduce" && FLAGS_collective != "broadcast" &&
+      FLAGS_collective != "alltoall") {
+    Fail("--collective=" + FLAGS_collective + ": expected allreduce, broadcast or alltoall");
   }
   const bool broadcast = FLAGS_collective == "broadcast";
+  const bool alltoall = FLAGS_collective == "alltoall";
 
   ddp::transport::CommunicatorOptions options;
   options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
@@ -137,14 +141,18 @@ int main(int argc, char** argv) {
   }
 
   for (double size = std::max<size_t>(min_bytes, elem); size <= max_bytes; size *= FLAGS_step_factor) {
-    const size_t count = static_cast<size_t>(size) / elem;
+    // All-to-all: whole blocks of count / n elements, one per rank.
+    const size_t block = std::max<size_t>(1, static_cast<size_t>(size) / elem / n);
+    const size_t count = alltoall ? block * n : static_cast<size_t>(size) / elem;
     const size_t bytes = count * elem;
-    std::vector<char> send(std::max<size_t>(bytes, 1)), recv(FLAGS_in_place ? 1 : std::max<size_t>(bytes, 1));
-    void* out = FLAGS_in_place ? send.data() : recv.data();
+    const bool separate = !FLAGS_in_place || alltoall;  // all-to-all is never in place
+    std::vector<char> send(std::max<size_t>(bytes, 1)), recv(separate ? std::max<size_t>(bytes, 1) : 1);
+    void* out = separate ? recv.data() : send.data();
     ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
     const int iters = FLAGS_iters > 0 ? FLAGS_iters
                                       : static_cast<int>(std::clamp<double>(2e8 / std::max<size_t>(bytes, 1), 3, 200));
     auto call = [&] {
+      if (alltoall) return comm.AllToAll(send.data(), out, block, dtype);
       return broadcast ? comm.Broadcast(send.data(), count, dtype, 0)
                        : comm.AllReduce(send.data(), out, count, dtype, op);
     };
@@ -158,7 +166,21 @@ int main(int argc, char** argv) {
     int64_t wrong = 0;
     if (FLAGS_check) {
       ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
-      if (broadcast) {
+      if (alltoall) {
+        // Element i of the block rank s sends rank d holds (s * 7 + d * 3 + i) % 100.
+        auto value = [](int s, int d, size_t i) { return static_cast<double>((s * 7 + d * 3 + i) % 100); };
+        for (int d = 0; d < n; ++d) {
+          for (size_t i = 0; i < block; ++i) {
+            ddp::transport::testing::Store(dtype, send.data(), d * block + i, value(comm.rank(), d, i));
+          }
+        }
+        Check(comm.AllToAll(send.data(), out, block, dtype), "checked all-to-all");
+        for (int s = 0; s < n; ++s) {
+          for (size_t i = 0; i < block; ++i) {
+            wrong += ddp::transport::testing::Load(dtype, out, s * block + i) != value(s, comm.rank(), i);
+          }
+        }
+      } else if (broadcast) {
         // Every rank ends with rank 0's input: what a one-rank sum gives.
         Check(comm.Broadcast(send.data(), count, dtype, 0), "checked broadcast");
         wrong = static_cast<int64_t>(
@@ -171,9 +193,11 @@ int main(int argc, char** argv) {
     }
     if (comm.rank() == 0) {
       const double algbw = bytes / seconds / 1e9;
-      const double busbw = broadcast ? algbw : algbw * 2.0 * (n - 1) / n;
+      const double busbw = broadcast ? algbw
+                           : alltoall ? algbw * (n - 1) / n
+                                      : algbw * 2.0 * (n - 1) / n;
       std::printf("%12zu %12zu %6s %10.2f %10.3f %10.3f %6lld\n", bytes, count,
-                  broadcast ? "-" : ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes)),
+                  broadcast || alltoall ? "-" : ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes)),
                   seconds * 1e6,
                   algbw, busbw, static_cast<long long>(wrong));
       std::fflush(stdout);

@@ -202,6 +202,8 @@ class Communicator::Impl {
                        std::span<const size_t> recv_counts, DataType dtype) const;
   Status AllToAllV(const void* send, const std::vector<size_t>& send_counts, void* recv,
                    const std::vector<size_t>& recv_counts, DataType dtype, Deadline deadline);
+  // Equal blocks: through shared memory when every rank is on this host.
+  Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
   Status Barrier(Deadline deadline);
@@ -1384,10 +1386,23 @@ Status Communicator::Impl::AllToAllV(const void* send, const std::vector<size_t>
       /*empty_messages=*/true);
 }
 
+Status Communicator::Impl::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
+                                    Deadline deadline) {
+  if (shm_ != nullptr) {
+    ++sequence_;  // keeps collective numbering equal on every path
+    return shm_->AllToAll(send, recv, count, dtype, deadline, watchdog_);
+  }
+  const std::vector<size_t> counts(static_cast<size_t>(options_.world_size), count);
+  return AllToAllV(send, counts, recv, counts, dtype, deadline);
+}
+
 Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                               const CallOptions& call) {
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  return AllToAllV(send, counts, recv, counts, dtype, call);
+  DDP_RETURN_IF_ERROR(impl_->CheckAllToAll(send, counts, recv, counts, dtype));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->AllToAll(send, recv, count, dtype, d);
+  });
 }
 
 Status Communicator::AllToAllV(const void* send, std::span<const size_t> send_counts, void* recv,
@@ -1520,7 +1535,10 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
 Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, DataType dtype,
                                  const CallOptions& call) {
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  return AllToAllVAsync(send, counts, recv, counts, dtype, call);
+  DDP_ASYNC_CHECK(impl_->CheckAllToAll(send, counts, recv, counts, dtype));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->AllToAll(send, recv, count, dtype, d);
+  });
 }
 
 Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send_counts,

@@ -210,7 +210,8 @@ class Communicator {
   /// recv[q * count + i] = rank q's send[rank() * count + i]: send and recv
   /// hold size() * count elements each, block q of send goes to rank q.
   /// send and recv must not overlap. Host memory only (a device buffer is
-  /// FAILED_PRECONDITION).
+  /// FAILED_PRECONDITION). On one host each rank reads its blocks straight
+  /// out of the others' send buffers (shared-memory path, CMA).
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                   const CallOptions& call = {});
   /// All-to-all with a size per pair: send_counts[q] elements go to rank q

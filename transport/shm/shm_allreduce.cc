@@ -350,6 +350,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
   auto describe = [](size_t n, DataType t, int32_t o, int32_t k) {
     const std::string what = "count " + std::to_string(n) + " " + DataTypeName(t);
     if (k == static_cast<int32_t>(Kind::kBroadcast)) return "broadcast " + what + " from root " + std::to_string(o);
+    if (k == static_cast<int32_t>(Kind::kAllToAll)) return "all-to-all " + what;
     return what + " " + ReduceOpName(static_cast<ReduceOp>(o)) +
            (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)" : "");
   };
@@ -357,7 +358,9 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
     const Control::Args& theirs = control(peer).args[call % 2];
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) || theirs.op != op ||
         theirs.kind != static_cast<int32_t>(kind)) {
-      const std::string collective = kind == Kind::kBroadcast ? "broadcast" : "all-reduce";
+      const std::string collective = kind == Kind::kBroadcast  ? "broadcast"
+                                     : kind == Kind::kAllToAll ? "all-to-all"
+                                                               : "all-reduce";
       return InvalidArgumentError(
           collective + " arguments differ across ranks: " + RankName(options_.rank) + " passed " +
           describe(count, dtype, op, static_cast<int32_t>(kind)) + ", " + RankName(peer) +
@@ -650,6 +653,49 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     DDP_RETURN_IF_ERROR(
         WaitFor(&Control::finished, s, -1, deadline, watchdog, "read the broadcast"));
     return PeerFailure(s);
+  });
+}
+
+// Shapes: send and recv [size * count] of `dtype` on every rank. Small
+// buffers: each rank stages its whole send buffer before it arrives and
+// copies its blocks out of the peers' staging buffers, with no wait after
+// arriving (as the staged all-reduce). Larger ones: rank r reads block r of
+// each peer's send into block q of its recv with CMA, starting with the
+// next rank so that the ranks do not all read rank 0 first; then it waits
+// until every rank finished, as they read its send buffer.
+Status ShmAllReduce::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
+                              Deadline deadline,
+                              const std::function<Status(Deadline, int)>& watchdog) {
+  return InCall([&]() -> Status {
+    const size_t block = count * DataTypeSize(dtype);
+    const bool staged = block * options_.size <= options_.staging_bytes;
+    if (staged && block > 0) {
+      std::memcpy(staging(options_.rank, sequence_ + 1), send, block * options_.size);
+    }
+    DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(send, recv, count, dtype, 0, Kind::kAllToAll,
+                                                  deadline, watchdog));
+    const int me = options_.rank;
+    if (block > 0) {
+      std::memcpy(static_cast<char*>(recv) + me * block,
+                  static_cast<const char*>(send) + me * block, block);
+    }
+    if (staged) {
+      for (int peer = 0; peer < options_.size; ++peer) {
+        if (peer == me || block == 0) continue;
+        std::memcpy(static_cast<char*>(recv) + peer * block, staging(peer, s) + me * block, block);
+      }
+      Publish(&Control::reduced, s);
+      Publish(&Control::finished, s);
+      return PeerFailure(s);
+    }
+    Status status;
+    for (int k = 1; k < options_.size && status.ok() && block > 0; ++k) {
+      const int peer = (me + k) % options_.size;
+      status = ReadFromPeer(peer, static_cast<char*>(recv) + peer * block,
+                            control(peer).args[s % 2].src + me * block, block);
+    }
+    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
+    return Finish(deadline, watchdog);
   });
 }
 

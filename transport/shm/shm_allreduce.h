@@ -134,6 +134,14 @@ class ShmAllReduce {
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
                    const std::function<Status(Deadline, int)>& watchdog);
 
+  /// recv[q * count + i] = rank q's send[rank * count + i]: each rank reads
+  /// its block of every peer's send buffer with CMA (one copy, no staging);
+  /// send and recv hold size * count elements and must not overlap. Every
+  /// rank of the group calls it where the others do; differing counts or
+  /// dtypes fail on every rank.
+  Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline,
+                  const std::function<Status(Deadline, int)>& watchdog);
+
   /// Returns once every rank has called Barrier.
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
@@ -146,7 +154,9 @@ class ShmAllReduce {
   struct Shared;
   /// What a call is, in Control::Args (so that ranks in different calls
   /// report the mismatch).
-  enum class Kind : int32_t { kAllReduce = 0, kThrough = 1, kBroadcast = 2, kBarrier = 3 };
+  enum class Kind : int32_t {
+    kAllReduce = 0, kThrough = 1, kBroadcast = 2, kBarrier = 3, kAllToAll = 4
+  };
 
  private:
   ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& options,

@@ -249,6 +249,40 @@ TEST(ShmAllReduce, BroadcastFromEveryRoot) {
   }
 }
 
+// Counts on both sides of the 4 KiB staging limit (staged: 1 and 200
+// elements per block; CMA: 1001).
+TEST(ShmAllReduce, AllToAllEveryBlockToItsRank) {
+  for (int n : {1, 2, 3, 4}) {
+    auto group = MakeGroup(n, 4096, 1024);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{200}, size_t{1001}}) {
+      RunRanks(n, [&](int r) {
+        std::vector<int32_t> send(n * count), recv(n * count + 1, -1);
+        for (int d = 0; d < n; ++d) {
+          for (size_t i = 0; i < count; ++i) send[d * count + i] = r * 100000 + d * 1000 + static_cast<int32_t>(i);
+        }
+        Status s = group[r]->AllToAll(send.data(), recv.data(), count, DataType::kI32,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+        ASSERT_TRUE(s.ok()) << s;
+        size_t wrong = 0;
+        for (int q = 0; q < n; ++q) {
+          for (size_t i = 0; i < count; ++i) wrong += recv[q * count + i] != q * 100000 + r * 1000 + static_cast<int32_t>(i);
+        }
+        EXPECT_EQ(wrong, 0u) << n << " ranks, count " << count;
+        EXPECT_EQ(recv[n * count], -1) << "wrote past the end";
+      });
+    }
+  }
+  // Another count on one rank: every rank fails, naming both.
+  auto group = MakeGroup(2, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> send(20, 1.0f), recv(20);
+    Status s = group[r]->AllToAll(send.data(), recv.data(), r == 0 ? 10 : 5, DataType::kF32,
+                                  DeadlineIn(milliseconds(5000)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("all-to-all arguments differ"), std::string::npos) << s;
+  });
+}
+
 TEST(ShmAllReduce, BroadcastRootsThatDifferFailOnEveryRank) {
   auto group = MakeGroup(2, 4096, 1024);
   RunRanks(2, [&](int r) {
