@@ -1,0 +1,348 @@
+#include "ddp/powersgd_hook.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "nn/tensor/generator.h"
+
+namespace ddp::dist {
+namespace {
+
+// How one tensor of a bucket travels. Offsets are in elements: `offset`
+// into the bucket, the others into the bucket state's arrays.
+struct TensorPlan {
+  int64_t offset = 0;
+  int64_t numel = 0;
+  int64_t rows = 0, cols = 0;  // n, m of the matrix view
+  int64_t rank = 0;            // r; 0: reduced exactly
+  int64_t exact_at = 0;        // into BucketState::wire (exact tensors)
+  int64_t p_at = 0;            // into BucketState::wire (P^T, [r, n])
+  int64_t q_at = 0;            // into BucketState::qs (Q^T, [r, m])
+  int64_t residual_at = 0;     // into BucketState::residuals ([n, m])
+  bool compressed() const { return rank > 0; }
+};
+
+TensorPlan PlanTensor(const nn::Shape& shape, const PowerSgdOptions& options) {
+  TensorPlan plan;
+  plan.numel = 1;
+  for (int64_t d : shape) plan.numel *= d;
+  if (shape.size() < 2 || plan.numel == 0) return plan;
+  const int64_t n = shape[0], m = plan.numel / n;
+  const int64_t r = std::min<int64_t>({options.matrix_approximation_rank, n, m});
+  // In doubles: n m and (n + m) r overflow nothing here, and the rate is
+  // fractional.
+  if (static_cast<double>(n) * static_cast<double>(m) >
+      options.min_compression_rate * static_cast<double>(n + m) * static_cast<double>(r)) {
+    plan.rows = n;
+    plan.cols = m;
+    plan.rank = r;
+  }
+  return plan;
+}
+
+// ---------------------------------------------------------------- BLAS ----
+// Row-major, no scaling of C (beta = 0): C = op(A) op(B).
+
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c, static_cast<blasint>(ldc));
+}
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+          const double* b, int64_t ldb, double* c, int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0, c, static_cast<blasint>(ldc));
+}
+float Dot(int64_t n, const float* x, const float* y) { return cblas_sdot(static_cast<blasint>(n), x, 1, y, 1); }
+double Dot(int64_t n, const double* x, const double* y) { return cblas_ddot(static_cast<blasint>(n), x, 1, y, 1); }
+void Axpy(int64_t n, float a, const float* x, float* y) { cblas_saxpy(static_cast<blasint>(n), a, x, 1, y, 1); }
+void Axpy(int64_t n, double a, const double* x, double* y) { cblas_daxpy(static_cast<blasint>(n), a, x, 1, y, 1); }
+float Norm(int64_t n, const float* x) { return cblas_snrm2(static_cast<blasint>(n), x, 1); }
+double Norm(int64_t n, const double* x) { return cblas_dnrm2(static_cast<blasint>(n), x, 1); }
+void Scale(int64_t n, float a, float* x) { cblas_sscal(static_cast<blasint>(n), a, x, 1); }
+void Scale(int64_t n, double a, double* x) { cblas_dscal(static_cast<blasint>(n), a, x, 1); }
+
+// a: [rows, len], row-major; its rows become orthonormal (the columns of P
+// and Q are kept as rows of P^T and Q^T so that this walks contiguous
+// memory). Modified Gram-Schmidt with every projection done twice: a single
+// pass leaves a row that was numerically dependent on the ones before it
+// (a gradient of lower rank than r, or full-rank settings on a
+// rank-deficient gradient) far from orthogonal to them, and P P^T is then
+// no projection; the second pass costs r^2 n more, small next to the
+// n m r products.
+template <typename T>
+void OrthonormalizeRows(T* a, int64_t rows, int64_t len, T epsilon) {
+  for (int64_t j = 0; j < rows; ++j) {
+    T* row = a + j * len;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t i = 0; i < j; ++i) {
+        const T* done = a + i * len;
+        Axpy(len, -Dot(len, done, row), done, row);
+      }
+    }
+    const T norm = Norm(len, row);
+    // An all-zero row (a zero gradient) stays zero instead of becoming NaN.
+    if (norm + epsilon > 0) Scale(len, T(1) / (norm + epsilon), row);
+  }
+}
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  // SplitMix64's finalizer over the running hash and the next value.
+  uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// ------------------------------------------------------- bucket state ----
+
+// What the hook keeps for one bucket between iterations; touched only on
+// the communication thread.
+struct BucketState {
+  // The bucket the state was built for; another one resets it.
+  std::vector<nn::Shape> shapes;
+  std::vector<int64_t> offsets;
+  nn::DType dtype = nn::DType::kFloat32;
+
+  std::vector<TensorPlan> plans;
+  bool any_compressed = false;
+  bool q_ready = false;
+  nn::Tensor wire;       // [exact tensors..., P^T of each compressed tensor]
+  nn::Tensor qs;         // Q^T of each compressed tensor
+  nn::Tensor residuals;  // error feedback: [n, m] per compressed tensor
+  nn::Tensor scratch;    // error feedback: P Q^T of the largest tensor
+};
+
+nn::Tensor Buffer(int64_t n, nn::DType dtype, bool zero) {
+  const nn::Shape shape{std::max<int64_t>(n, 1)};
+  return zero ? nn::Zeros(shape, {.dtype = dtype}) : nn::Empty(shape, {.dtype = dtype});
+}
+
+void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector<int64_t> offsets,
+                      nn::DType dtype, const PowerSgdOptions& options) {
+  b = BucketState{};
+  b.plans.reserve(shapes.size());
+  int64_t exact = 0, p = 0, q = 0, residual = 0, largest = 0;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    TensorPlan plan = PlanTensor(shapes[t], options);
+    plan.offset = offsets[t];
+    if (plan.compressed()) {
+      plan.p_at = p;
+      plan.q_at = q;
+      plan.residual_at = residual;
+      p += plan.rank * plan.rows;
+      q += plan.rank * plan.cols;
+      residual += plan.numel;
+      largest = std::max(largest, plan.numel);
+      b.any_compressed = true;
+    } else {
+      plan.exact_at = exact;
+      exact += plan.numel;
+    }
+    b.plans.push_back(plan);
+  }
+  // P^T's follow the exact tensors in the first all-reduce.
+  for (TensorPlan& plan : b.plans) {
+    if (plan.compressed()) plan.p_at += exact;
+  }
+  b.wire = Buffer(exact + p, dtype, false);
+  b.qs = Buffer(q, dtype, false);
+  if (options.use_error_feedback) {
+    b.residuals = Buffer(residual, dtype, true);
+    b.scratch = Buffer(largest, dtype, false);
+  }
+  b.shapes = std::move(shapes);
+  b.offsets = std::move(offsets);
+  b.dtype = dtype;
+}
+
+// (data, count, what) -> the sum over ranks, in place.
+using AllReduceFn = std::function<transport::Status(void* data, int64_t count, const char* what)>;
+
+// One PowerSGD step on one bucket. grads: the bucket, this rank's already
+// divided gradients in, the sum over ranks (approximated) out.
+template <typename T>
+transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, const PowerSgdOptions& options,
+                                 int world, size_t bucket_index, int64_t iteration,
+                                 const AllReduceFn& all_reduce) {
+  if (!b.any_compressed) return all_reduce(grads, grads_numel, "exact tensors");
+  T* wire = b.wire.data<T>();
+  T* qs = b.qs.data<T>();
+  const bool feedback = options.use_error_feedback;
+  if (!b.q_ready || !options.warm_start) {
+    // Same seed on every rank: Q agrees without being sent. Without warm
+    // start every iteration draws a new one.
+    for (size_t t = 0; t < b.plans.size(); ++t) {
+      const TensorPlan& plan = b.plans[t];
+      if (!plan.compressed()) continue;
+      uint64_t seed = Mix(Mix(Mix(options.seed, bucket_index), t), options.warm_start ? 0 : iteration + 1);
+      nn::Generator gen(seed);
+      T* q = qs + plan.q_at;
+      for (int64_t i = 0; i < plan.rank * plan.cols; ++i) q[i] = static_cast<T>(gen.NextNormal());
+      OrthonormalizeRows(q, plan.rank, plan.cols, T(0));
+    }
+    b.q_ready = true;
+  }
+
+  // M: grads [n, m];  P^T [r, n] = Q^T [r, m] . M^T.
+  for (const TensorPlan& plan : b.plans) {
+    T* g = grads + plan.offset;
+    if (!plan.compressed()) {
+      std::memcpy(wire + plan.exact_at, g, static_cast<size_t>(plan.numel) * sizeof(T));
+      continue;
+    }
+    if (feedback) Axpy(plan.numel, T(1), b.residuals.data<T>() + plan.residual_at, g);
+    Gemm(false, true, plan.rank, plan.rows, plan.cols, qs + plan.q_at, plan.cols, g, plan.cols, wire + plan.p_at,
+         plan.rows);
+  }
+  // sum_ranks(M_i Q) = (sum_ranks M_i) Q: the P of the summed gradient.
+  transport::Status s = all_reduce(wire, b.wire.numel(), "P and the exact tensors");
+  if (!s.ok()) return s;
+
+  // Q^T [r, m] = P^T [r, n] . M [n, m], with P orthonormal.
+  for (const TensorPlan& plan : b.plans) {
+    T* g = grads + plan.offset;
+    if (!plan.compressed()) {
+      std::memcpy(g, wire + plan.exact_at, static_cast<size_t>(plan.numel) * sizeof(T));
+      continue;
+    }
+    T* pt = wire + plan.p_at;
+    OrthonormalizeRows(pt, plan.rank, plan.rows, static_cast<T>(options.orthogonalization_epsilon));
+    Gemm(false, false, plan.rank, plan.cols, plan.rows, pt, plan.rows, g, plan.cols, qs + plan.q_at, plan.cols);
+  }
+  // sum_ranks(M_i^T P) = (sum_ranks M_i)^T P; kept as the next warm start.
+  s = all_reduce(qs, b.qs.numel(), "Q");
+  if (!s.ok()) return s;
+
+  // The sum's approximation: P Q^T [n, m] = (P^T)^T [n, r] . Q^T [r, m].
+  const T inv_world = T(1) / static_cast<T>(world);
+  for (const TensorPlan& plan : b.plans) {
+    if (!plan.compressed()) continue;
+    T* g = grads + plan.offset;
+    const T* pt = wire + plan.p_at;
+    const T* qt = qs + plan.q_at;
+    if (!feedback) {
+      Gemm(true, false, plan.rows, plan.cols, plan.rank, pt, plan.rows, qt, plan.cols, g, plan.cols);
+      continue;
+    }
+    T* approx = b.scratch.data<T>();
+    T* residual = b.residuals.data<T>() + plan.residual_at;
+    Gemm(true, false, plan.rows, plan.cols, plan.rank, pt, plan.rows, qt, plan.cols, approx, plan.cols);
+    // This rank's share of what the sum lost: the residuals of all ranks
+    // add up to sum M_i - P Q^T.
+    for (int64_t i = 0; i < plan.numel; ++i) {
+      residual[i] = g[i] - approx[i] * inv_world;
+      g[i] = approx[i];
+    }
+  }
+  return transport::Status::Ok();
+}
+
+// The hook's state, shared by the copies of the std::function.
+struct PowerSgdState {
+  explicit PowerSgdState(PowerSgdOptions o) : options(o) {}
+  const PowerSgdOptions options;
+  // Hook calls on the last bucket so far (the backward thread's).
+  int64_t iteration = 0;
+  // By bucket index (the communication thread's).
+  std::map<size_t, BucketState> buckets;
+};
+
+void Require(bool ok, const char* option, const std::string& rule, double value) {
+  if (ok) return;
+  std::ostringstream message;
+  message << "PowerSgdOptions::" << option << " must be " << rule << ", got " << value;
+  throw std::invalid_argument(message.str());
+}
+
+}  // namespace
+
+void ValidatePowerSgdOptions(const PowerSgdOptions& o) {
+  Require(o.matrix_approximation_rank >= 1, "matrix_approximation_rank", "at least 1",
+          o.matrix_approximation_rank);
+  Require(o.start_iteration >= 0, "start_iteration", "at least 0", static_cast<double>(o.start_iteration));
+  Require(std::isfinite(o.min_compression_rate) && o.min_compression_rate >= 0, "min_compression_rate",
+          "a finite number >= 0", o.min_compression_rate);
+  Require(std::isfinite(o.orthogonalization_epsilon) && o.orthogonalization_epsilon >= 0,
+          "orthogonalization_epsilon", "a finite number >= 0", o.orthogonalization_epsilon);
+}
+
+int64_t PowerSgdElementsPerStep(const std::vector<nn::Shape>& shapes, const PowerSgdOptions& options) {
+  ValidatePowerSgdOptions(options);
+  int64_t total = 0;
+  for (const nn::Shape& shape : shapes) {
+    const TensorPlan plan = PlanTensor(shape, options);
+    total += plan.compressed() ? (plan.rows + plan.cols) * plan.rank : plan.numel;
+  }
+  return total;
+}
+
+namespace hooks {
+
+CommHook PowerSgdHook(PowerSgdOptions options) {
+  ValidatePowerSgdOptions(options);
+  auto state = std::make_shared<PowerSgdState>(options);
+  return [state](ProcessGroup& group, GradBucket& bucket) -> Work {
+    const int64_t iteration = state->iteration;
+    if (bucket.is_last()) ++state->iteration;
+    const nn::Tensor& buffer = bucket.buffer();
+    const nn::DType dtype = buffer.dtype();
+    const std::string label = "bucket " + std::to_string(bucket.index());
+    // Exactly the default hook's collective before the start, and for what
+    // is not compressed here (16-bit and integer buckets, device memory).
+    if (iteration < state->options.start_iteration || !buffer.device().is_cpu() ||
+        (dtype != nn::DType::kFloat32 && dtype != nn::DType::kFloat64)) {
+      return group.AllReduce(buffer, transport::ReduceOp::kSum, label);
+    }
+    std::vector<nn::Shape> shapes;
+    shapes.reserve(bucket.parameters().size());
+    for (const nn::Tensor& p : bucket.parameters()) shapes.push_back(p.shape());
+    const CollectiveDescription description{"powersgd " + label, dtype, buffer.shape(), -1,
+                                            transport::ReduceOp::kSum, true};
+    return group.Run(
+        description, [state, buffer, shapes = std::move(shapes), offsets = bucket.offsets(), index = bucket.index(),
+                      iteration, world = group.size(), label](transport::Communicator* comm,
+                                                              transport::Deadline deadline) mutable {
+          const nn::DType dtype = buffer.dtype();
+          BucketState& b = state->buckets[index];
+          if (b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
+            BuildBucketState(b, std::move(shapes), std::move(offsets), dtype, state->options);
+          }
+          const transport::DataType type = ToTransportType(dtype);
+          // Both all-reduces share the task's deadline.
+          AllReduceFn all_reduce = [&](void* data, int64_t count, const char* what) {
+            if (comm == nullptr || count == 0) return transport::Status::Ok();
+            const auto left =
+                std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
+            if (left.count() <= 0) {
+              return transport::TimedOutError("powersgd " + label + ": the deadline passed before the all-reduce of " +
+                                              what);
+            }
+            return comm->AllReduce(data, static_cast<size_t>(count), type, transport::ReduceOp::kSum,
+                                   {.timeout = left});
+          };
+          if (dtype == nn::DType::kFloat32) {
+            return CompressBucket(b, buffer.data<float>(), buffer.numel(), state->options, world, index, iteration,
+                                  all_reduce);
+          }
+          return CompressBucket(b, buffer.data<double>(), buffer.numel(), state->options, world, index, iteration,
+                                all_reduce);
+        });
+  };
+}
+
+}  // namespace hooks
+}  // namespace ddp::dist
