@@ -61,14 +61,17 @@ std::pair<nn::Tensor, nn::Tensor> Batch(const Data& data, int64_t start, int64_t
   return {images, labels};
 }
 
-std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& a,
-                                                     const nn::modules::Module& b) {
-  const auto pa = a.NamedParameters(), pb = b.NamedParameters();
-  if (pa.size() != pb.size()) throw std::logic_error("MaxRelativeDifference: different models");
+namespace {
+
+// Over tensor pairs (a[i], b[i]) named by a: the largest per-tensor
+// max |a - b| / max |b|, and that tensor's name.
+std::pair<double, std::string> MaxRelativeDifferenceOf(const nn::modules::NamedTensors& a,
+                                                       const nn::modules::NamedTensors& b) {
+  if (a.size() != b.size()) throw std::logic_error("MaxRelativeDifference: different models");
   double worst = 0;
   std::string name;
-  for (size_t i = 0; i < pa.size(); ++i) {
-    const std::vector<double> x = pa[i].second.ToVector<double>(), y = pb[i].second.ToVector<double>();
+  for (size_t i = 0; i < a.size(); ++i) {
+    const std::vector<double> x = a[i].second.ToVector<double>(), y = b[i].second.ToVector<double>();
     double diff = 0, scale = 0;
     for (size_t k = 0; k < x.size(); ++k) {
       diff = std::max(diff, std::abs(x[k] - y[k]));
@@ -77,10 +80,31 @@ std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& 
     const double rel = scale > 0 ? diff / scale : diff;
     if (rel >= worst) {
       worst = rel;
-      name = pa[i].first;
+      name = a[i].first;
     }
   }
   return {worst, name};
+}
+
+nn::modules::NamedTensors Gradients(const nn::modules::Module& m) {
+  nn::modules::NamedTensors grads;
+  for (const auto& [name, p] : m.NamedParameters()) {
+    if (!p.grad().defined()) throw std::logic_error("MaxRelativeGradDifference: `" + name + "` has no gradient");
+    grads.emplace_back(name, p.grad());
+  }
+  return grads;
+}
+
+}  // namespace
+
+std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& a,
+                                                     const nn::modules::Module& b) {
+  return MaxRelativeDifferenceOf(a.NamedParameters(), b.NamedParameters());
+}
+
+std::pair<double, std::string> MaxRelativeGradDifference(const nn::modules::Module& a,
+                                                         const nn::modules::Module& b) {
+  return MaxRelativeDifferenceOf(Gradients(a), Gradients(b));
 }
 
 uint64_t HashState(const nn::modules::Module& m) {

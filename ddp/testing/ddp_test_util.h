@@ -60,6 +60,10 @@ std::pair<nn::Tensor, nn::Tensor> Batch(const Data& data, int64_t start, int64_t
 std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& a,
                                                      const nn::modules::Module& b);
 
+/// The same over the parameters' gradients (every one must have one).
+std::pair<double, std::string> MaxRelativeGradDifference(const nn::modules::Module& a,
+                                                         const nn::modules::Module& b);
+
 /// FNV-1a over the bytes of every parameter and buffer.
 uint64_t HashState(const nn::modules::Module& m);
 
