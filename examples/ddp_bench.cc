@@ -29,6 +29,7 @@
 
 #include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
 #include "nn/autograd/engine.h"
@@ -51,7 +52,10 @@ DEFINE_double(bucket_cap_mb, 25, "DdpOptions::bucket_cap_mb");
 DEFINE_double(first_bucket_mb, 1, "DdpOptions::first_bucket_mb");
 DEFINE_double(inplace_gradient_mb, 0.5, "DdpOptions::inplace_gradient_mb");
 DEFINE_bool(gradient_as_bucket_view, false, "DdpOptions::gradient_as_bucket_view");
-DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16");
+DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16, powersgd");
+DEFINE_int32(powersgd_rank, 1, "--hook=powersgd: PowerSgdOptions::matrix_approximation_rank");
+DEFINE_int32(powersgd_start, 0,
+             "--hook=powersgd: PowerSgdOptions::start_iteration (0: every step compressed, warm-up included)");
 DEFINE_int32(comm_nice, 0, "ProcessGroupOptions::comm_thread_nice");
 DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
 DEFINE_string(trace_prefix, "", "write a Chrome trace per rank to <prefix>rank<r>.json");
@@ -118,8 +122,29 @@ int Run() {
     ddp_model.RegisterCommHook(dist::hooks::Fp16CompressHook());
   } else if (FLAGS_hook == "bf16") {
     ddp_model.RegisterCommHook(dist::hooks::Bf16CompressHook());
+  } else if (FLAGS_hook == "powersgd") {
+    const dist::PowerSgdOptions powersgd{.matrix_approximation_rank = FLAGS_powersgd_rank,
+                                         .start_iteration = FLAGS_powersgd_start};
+    ddp_model.RegisterCommHook(dist::hooks::PowerSgdHook(powersgd));
+    if (rank == 0) {
+      // What one rank hands to all-reduces per step, compressed and not
+      // (f32; a ring moves about 2 (world - 1) / world times this per rank).
+      std::vector<nn::Shape> shapes;
+      int64_t plain_elements = 0;
+      for (const auto& [name, p] : model->NamedParameters()) {
+        shapes.push_back(p.shape());
+        plain_elements += p.numel();
+      }
+      const int64_t elements = dist::PowerSgdElementsPerStep(shapes, powersgd);
+      std::fprintf(stderr,
+                   "ddp_bench: powersgd rank %d: %lld bytes all-reduced per step (uncompressed %lld, "
+                   "%.1fx less)\n",
+                   FLAGS_powersgd_rank, static_cast<long long>(4 * elements),
+                   static_cast<long long>(4 * plain_elements),
+                   static_cast<double>(plain_elements) / static_cast<double>(elements));
+    }
   } else if (FLAGS_hook != "allreduce") {
-    std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16)\n", FLAGS_hook.c_str());
+    std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16, powersgd)\n", FLAGS_hook.c_str());
     return 2;
   }
   auto make_sgd = [](nn::optim::NamedParameters params) {
