@@ -116,6 +116,11 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 
 // ------------------------------------------------------- bucket state ----
 
+// Error feedback computes P Q^T this many rows at a time, each block used
+// while it is in cache: a whole-tensor product would be one more write and
+// read of every gradient (the hook is memory-bound at small r).
+constexpr int64_t kRowBlock = 32;
+
 // What the hook keeps for one bucket between iterations; touched only on
 // the communication thread.
 struct BucketState {
@@ -130,7 +135,7 @@ struct BucketState {
   nn::Tensor wire;       // [exact tensors..., P^T of each compressed tensor]
   nn::Tensor qs;         // Q^T of each compressed tensor
   nn::Tensor residuals;  // error feedback: [n, m] per compressed tensor
-  nn::Tensor scratch;    // error feedback: P Q^T of the largest tensor
+  nn::Tensor scratch;    // error feedback: kRowBlock rows of P Q^T
 };
 
 nn::Tensor Buffer(int64_t n, nn::DType dtype, bool zero) {
@@ -142,7 +147,7 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
                       nn::DType dtype, const PowerSgdOptions& options) {
   b = BucketState{};
   b.plans.reserve(shapes.size());
-  int64_t exact = 0, p = 0, q = 0, residual = 0, largest = 0;
+  int64_t exact = 0, p = 0, q = 0, residual = 0, widest = 0;
   for (size_t t = 0; t < shapes.size(); ++t) {
     TensorPlan plan = PlanTensor(shapes[t], options);
     plan.offset = offsets[t];
@@ -153,7 +158,7 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
       p += plan.rank * plan.rows;
       q += plan.rank * plan.cols;
       residual += plan.numel;
-      largest = std::max(largest, plan.numel);
+      widest = std::max(widest, plan.cols);
       b.any_compressed = true;
     } else {
       plan.exact_at = exact;
@@ -165,11 +170,13 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
   for (TensorPlan& plan : b.plans) {
     if (plan.compressed()) plan.p_at += exact;
   }
+  // A bucket with nothing to compress is all-reduced in place.
+  if (!b.any_compressed) exact = 0;
   b.wire = Buffer(exact + p, dtype, false);
   b.qs = Buffer(q, dtype, false);
   if (options.use_error_feedback) {
     b.residuals = Buffer(residual, dtype, true);
-    b.scratch = Buffer(largest, dtype, false);
+    b.scratch = Buffer(kRowBlock * widest, dtype, false);
   }
   b.shapes = std::move(shapes);
   b.offsets = std::move(offsets);
@@ -247,12 +254,16 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
     }
     T* approx = b.scratch.data<T>();
     T* residual = b.residuals.data<T>() + plan.residual_at;
-    Gemm(true, false, plan.rows, plan.cols, plan.rank, pt, plan.rows, qt, plan.cols, approx, plan.cols);
-    // This rank's share of what the sum lost: the residuals of all ranks
-    // add up to sum M_i - P Q^T.
-    for (int64_t i = 0; i < plan.numel; ++i) {
-      residual[i] = g[i] - approx[i] * inv_world;
-      g[i] = approx[i];
+    for (int64_t row = 0; row < plan.rows; row += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, plan.rows - row);
+      Gemm(true, false, block, plan.cols, plan.rank, pt + row, plan.rows, qt, plan.cols, approx, plan.cols);
+      // This rank's share of what the sum lost: the residuals of all ranks
+      // add up to sum M_i - P Q^T.
+      const int64_t at = row * plan.cols;
+      for (int64_t i = 0; i < block * plan.cols; ++i) {
+        residual[at + i] = g[at + i] - approx[i] * inv_world;
+        g[at + i] = approx[i];
+      }
     }
   }
   return transport::Status::Ok();
