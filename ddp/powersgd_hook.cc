@@ -116,9 +116,9 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 
 // ------------------------------------------------------- bucket state ----
 
-// Error feedback computes P Q^T this many rows at a time, each block used
-// while it is in cache: a whole-tensor product would be one more write and
-// read of every gradient (the hook is memory-bound at small r).
+// With error feedback, M and P Q^T are formed this many rows at a time and
+// each block used while it is in cache: whole-tensor steps would read or
+// write every gradient once more each (the hook is memory-bound at small r).
 constexpr int64_t kRowBlock = 32;
 
 // What the hook keeps for one bucket between iterations; touched only on
@@ -218,9 +218,21 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
       std::memcpy(wire + plan.exact_at, g, static_cast<size_t>(plan.numel) * sizeof(T));
       continue;
     }
-    if (feedback) Axpy(plan.numel, T(1), b.residuals.data<T>() + plan.residual_at, g);
-    Gemm(false, true, plan.rank, plan.rows, plan.cols, qs + plan.q_at, plan.cols, g, plan.cols, wire + plan.p_at,
-         plan.rows);
+    if (!feedback) {
+      Gemm(false, true, plan.rank, plan.rows, plan.cols, qs + plan.q_at, plan.cols, g, plan.cols, wire + plan.p_at,
+           plan.rows);
+      continue;
+    }
+    // M = gradient + residual, then its block's columns of P^T while the
+    // block is still in cache.
+    const T* residual = b.residuals.data<T>() + plan.residual_at;
+    for (int64_t row = 0; row < plan.rows; row += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, plan.rows - row);
+      const int64_t at = row * plan.cols;
+      Axpy(block * plan.cols, T(1), residual + at, g + at);
+      Gemm(false, true, plan.rank, block, plan.cols, qs + plan.q_at, plan.cols, g + at, plan.cols,
+           wire + plan.p_at + row, plan.rows);
+    }
   }
   // sum_ranks(M_i Q) = (sum_ranks M_i) Q: the P of the summed gradient.
   transport::Status s = all_reduce(wire, b.wire.numel(), "P and the exact tensors");
