@@ -3,17 +3,17 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <deque>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <mutex>
-#include <algorithm>
 #include <optional>
 #include <sstream>
 #include <thread>

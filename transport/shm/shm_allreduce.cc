@@ -80,7 +80,7 @@ constexpr size_t kDivideBlock = 4096;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-// Control::touching's value while copying with `peer` in `call`; group
+// Control::touching's value while writing into `peer`'s memory in `call`; group
 // sizes stay below 2^16 (checked in Create).
 uint64_t Touching(uint64_t call, int peer) { return (call << 16) | static_cast<uint64_t>(peer + 1); }
 
