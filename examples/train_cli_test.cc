@@ -4,6 +4,7 @@
 
 #include <gflags/gflags.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,9 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
   for (const char* flag :
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
-        "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "max_restarts", "sync_bn",
-        "zero", "bucket_cap_mb", "find_unused_parameters", "ddp_stats", "trace", "checkpoint",
-        "checkpoint_every", "resume", "log_dir", "log_every", "timeout_s"}) {
+        "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "max_restarts",
+        "sync_bn", "zero", "bucket_cap_mb", "find_unused_parameters", "ddp_stats", "trace",
+        "checkpoint", "checkpoint_every", "resume", "log_dir", "log_every", "timeout_s"}) {
     EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
   }
   // Flags of linked libraries (gflags' own) stay out of the way.
@@ -90,6 +91,18 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
             "train: --nproc_per_node=0 must be at least 1");
   EXPECT_EQ(OneErrorLine(Train({"--resume", "--checkpoint=none"})),
             "train: --resume needs a checkpoint to read; drop --checkpoint=none or give a path");
+}
+
+// A refused run creates no folder (the checkpoint's folder is made only
+// once every other check passed).
+TEST(TrainCliTest, MissingCheckpointToResumeLeavesNoFolderBehind) {
+  const std::string dir = testing::MakeTempDir("no_folder") + "/not_there";
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=synthetic", "--model=mlp", "--resume", "--nproc_per_node=1",
+                                "--checkpoint=" + dir + "/ckpt.safetensors"})),
+            "train: --resume: no checkpoint at " + dir +
+                "/ckpt.safetensors; run once without --resume to create it, or pass "
+                "--checkpoint=PATH");
+  EXPECT_FALSE(std::filesystem::exists(dir)) << dir << " was created";
 }
 
 TEST(TrainCliTest, CheckpointOfAnotherModelListsTheKeys) {

@@ -173,8 +173,8 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
-       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "bucket_cap_mb", "find_unused_parameters", "ddp_stats",
-        "trace", "timeout_s"}},
+       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "bucket_cap_mb",
+        "find_unused_parameters", "ddp_stats", "trace", "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
   };

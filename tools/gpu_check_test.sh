@@ -30,7 +30,9 @@ expect_error '--steps must be a positive integer, got `0`' --steps=0
 expect_error '--batch must be a positive integer, got `x`' --batch=x
 expect_error '--warmup must be a non-negative integer, got `-1`' --warmup=-1
 expect_error '--modes: unknown mode `fp8`' --modes=fp32,fp8
-expect_error '--table: cannot read `/nonexistent`' --table=/nonexistent
+missing="${TEST_TMPDIR:-/tmp}/gpu_check_test_missing_table"
+rm -rf "$missing"
+expect_error "--table: cannot read \`$missing\`" --table="$missing"
 expect_error '--profile: unknown mode `fp8`' --profile=fp8
 
 table="$("$SCRIPT" --table="$FIXTURE" | tr -s ' ')"

@@ -700,11 +700,6 @@ void CheckWritable(const std::string& dir, const char* flag, const std::string& 
 void CheckSetup(const TrainConfig& config, int world_size) {
   ValidateConfig(config);
   CheckDeviceFlag(config.device);
-  if (!config.checkpoint.empty()) {
-    const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
-    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
-  }
-  if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
   const Datasets data = LoadDatasets(config);
   CheckBatchFitsShard(config, data.train->Size(), world_size);
   const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
@@ -712,6 +707,12 @@ void CheckSetup(const TrainConfig& config, int world_size) {
     if (ComputeDType(config) != nn::DType::kFloat32) model->To(ComputeDType(config));
     CheckCheckpointMatchesModel(config.checkpoint, *model, config);
   }
+  // Folders are made last: a run refused for another reason leaves none.
+  if (!config.checkpoint.empty()) {
+    const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
+    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
+  }
+  if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
 }
 
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options) {
