@@ -195,7 +195,7 @@ class ProcessGroup {
   /// issue order with its other collectives: every rank calls it with the
   /// same list, and a rank not in it gets nullptr. The new group has this
   /// group's options, its own communicator (Communicator::Split) and
-  /// communication thread; destroy it before this group. Throws
+  /// communication thread, and may outlive this group. Throws
   /// std::invalid_argument for an empty list, a rank out of range or given
   /// twice, DistributedError when forming it fails.
   std::shared_ptr<ProcessGroup> NewGroup(const std::vector<int>& ranks);

@@ -105,6 +105,16 @@ int AvailableCpus() {
   return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
+// The rendezvous store this rank serves (host_store on rank 0), shared with
+// the communicators split off here. `users` are the key prefixes and rank
+// counts of every communicator using it, on any rank: the last holder
+// here keeps it up until their ranks have left.
+struct ServedStore {
+  std::unique_ptr<store::TcpStoreServer> server;
+  std::mutex mu;
+  std::vector<std::pair<std::string, int>> users;  // under mu
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------- Work ----
@@ -358,7 +368,7 @@ class Communicator::Impl {
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
   // engines, then UCX (requests, endpoints, worker, context), then the store
   // client, then the server.
-  std::unique_ptr<store::TcpStoreServer> server_;
+  std::shared_ptr<ServedStore> server_;
   std::unique_ptr<store::TcpStoreClient> store_;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
@@ -452,7 +462,9 @@ Status Communicator::Impl::Init() {
     server_options.bind_address = o.store_host;
     server_options.port = o.store_port;
     server_options.job_token = o.job_token;
-    DDP_ASSIGN_OR_RETURN(server_, store::TcpStoreServer::Start(server_options));
+    server_ = std::make_shared<ServedStore>();
+    DDP_ASSIGN_OR_RETURN(server_->server, store::TcpStoreServer::Start(server_options));
+    server_->users.emplace_back(prefix_, o.world_size);
   }
   DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
                                                               o.job_token, deadline));
@@ -679,11 +691,20 @@ void Communicator::Impl::Shutdown() {
     auto left = store_->Add(prefix_ + "left", 1,
                             DeadlineIn(aborted() ? kAbortStoreTime : milliseconds(2000)));
     if (server_ != nullptr && left.ok()) {
+      // The last communicator here to hold the server waits for the ranks
+      // of every communicator using it (those split off included).
+      std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
+      if (server_.use_count() == 1) {
+        std::lock_guard lock(server_->mu);
+        awaited = server_->users;
+      }
       const Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
-      while (Clock::now() < wait_until) {
-        auto count = store_->Add(prefix_ + "left", 0, DeadlineIn(milliseconds(1000)));
-        if (!count.ok() || *count >= options_.world_size) break;
-        std::this_thread::sleep_for(milliseconds(5));
+      for (const auto& [prefix, ranks] : awaited) {
+        while (Clock::now() < wait_until) {
+          auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
+          if (!count.ok() || *count >= ranks) break;
+          std::this_thread::sleep_for(milliseconds(5));
+        }
       }
     }
   }
@@ -1208,6 +1229,21 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   std::vector<int64_t> all(2 * static_cast<size_t>(size()));
   DDP_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DataType::kI64, call));
   const uint64_t split = impl_->splits_++;  // the same on every rank
+  auto child_name = [&](int64_t c) {
+    return impl_->options_.name + "/split" + std::to_string(split) + "/" + std::to_string(c);
+  };
+  if (impl_->server_ != nullptr) {
+    // The store must stay up until every new communicator is done with it,
+    // those without this rank too.
+    std::map<int64_t, int> ranks_of_color;
+    for (int r = 0; r < size(); ++r) {
+      if (all[2 * r] != kNoColor) ++ranks_of_color[all[2 * r]];
+    }
+    std::lock_guard lock(impl_->server_->mu);
+    for (const auto& [c, ranks] : ranks_of_color) {
+      impl_->server_->users.emplace_back(child_name(c) + "/", ranks);
+    }
+  }
   if (color == kNoColor) return std::unique_ptr<Communicator>();
   std::vector<int> members;  // ranks of this communicator with this color
   for (int r = 0; r < size(); ++r) {
@@ -1230,9 +1266,10 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   }
   o.host_store = false;      // the store is served already
   o.bind_to_core = false;    // a pinned creating thread stays pinned
-  o.name = parent.options_.name + "/split" + std::to_string(split) + "/" + std::to_string(color);
+  o.name = child_name(color);
   if (call.timeout.count() > 0) o.timeout = call.timeout;
   auto impl = std::make_unique<Impl>(o);
+  impl->server_ = parent.server_;  // its rendezvous store, if this rank serves it
   if (!parent.options_.topology_file.empty()) {
     DDP_ASSIGN_OR_RETURN(impl->described_, topology::Subset(parent.topology_, members));
   }

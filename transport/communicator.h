@@ -266,7 +266,9 @@ class Communicator {
   /// The new one has this one's settings and rendezvous store and its own
   /// connections; its creation runs within call.timeout (default: this
   /// communicator's timeout). When rank 0 of this communicator serves the
-  /// store (host_store), this communicator must outlive the new ones there.
+  /// store (host_store), the store stays up while any communicator split
+  /// from it lives there, and the last to go waits (within its timeout) for
+  /// every rank of every communicator that uses the store to leave.
   StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, const CallOptions& call = {});
 
   /// Aborts the communicator with `reason` (posted to the store); later calls

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -416,8 +417,52 @@ int ScenarioSplit() {
   return comm->Barrier().ok() && failures == 0 ? 0 : 1;
 }
 
+// The parent is destroyed first on every rank, rank 0 (which serves the
+// store) included; the child keeps working and leaves cleanly.
+int ScenarioSplitOutlivesParent() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(0, -me);
+  WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+  if (!child.ok() || *child == nullptr) return 1;
+  std::unique_ptr<Communicator> kept = std::move(*child);
+  comm.reset();
+  // Long enough for a peer monitor to look at the store at least once.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::vector<float> all(5000, static_cast<float>(me));
+  Status s = kept->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kMax);
+  WORKER_CHECK(s.ok() && all[0] == kept->size() - 1, "child after its parent: " + s.ToString());
+  s = kept->Barrier();
+  WORKER_CHECK(s.ok(), "child barrier: " + s.ToString());
+  std::printf("CHILD rank %d -> %d/%d\n", me, kept->rank(), kept->size());
+  return failures == 0 ? 0 : 1;
+}
+
+// Rank 0 serves the store and joins no new communicator; it destroys its
+// parent at once, and the others use theirs after destroying their parents.
+int ScenarioSplitWithoutStoreRank() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  std::unique_ptr<Communicator> kept = std::move(*child);
+  comm.reset();
+  if (me == 0) return kept == nullptr && failures == 0 ? 0 : 1;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::vector<float> all(5000, static_cast<float>(me));
+  Status s = kept->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(s.ok() && all[0] == 3.0f, "child without rank 0: " + s.ToString());
+  s = kept->Barrier();
+  WORKER_CHECK(s.ok(), "child barrier: " + s.ToString());
+  std::printf("CHILD rank %d -> %d/%d\n", me, kept->rank(), kept->size());
+  return failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
+  if (name == "split_outlives") return ScenarioSplitOutlivesParent();
+  if (name == "split_without_store_rank") return ScenarioSplitWithoutStoreRank();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
@@ -518,6 +563,22 @@ TEST(Communicator, SplitFormsCommunicatorsOfEachColorOrderedByKey) {
   EXPECT_NE(job.results[0].output.find("HALF rank 0 -> 1/2 hosts=1"), std::string::npos) << job.Describe();
   EXPECT_NE(job.results[3].output.find("HALF rank 3 -> 0/2 hosts=1"), std::string::npos) << job.Describe();
   EXPECT_NE(job.results[2].output.find("THREE rank 2 -> 2/3"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, SplitCommunicatorOutlivesItsParent) {
+  const auto start = std::chrono::steady_clock::now();
+  Job job = RunJob(3, "split_outlives", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+  const auto took = std::chrono::steady_clock::now() - start;
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("CHILD rank 0 -> 2/3"), std::string::npos) << job.Describe();
+  // Leaving waits for no store that has gone.
+  EXPECT_LT(took, std::chrono::seconds(4)) << job.Describe();
+}
+
+TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForSplitsWithoutIt) {
+  Job job = RunJob(3, "split_without_store_rank", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[2].output.find("CHILD rank 2 -> 1/2"), std::string::npos) << job.Describe();
 }
 
 // A described topology is cut to the new communicator's ranks: evens are
