@@ -6,7 +6,8 @@
 //   - parameters within 1e-5 (relative to each tensor's largest value) of
 //     the reference after 20 SGD steps (f32 models);
 //   - replicas bitwise identical across ranks (hash of every byte);
-// for the MLP and the CNN, with copies and with gradient_as_bucket_view,
+// for the MLP, the CNN and a model with a layer used twice and a frozen
+// parameter, with copies and with gradient_as_bucket_view,
 // with default buckets, small buckets and one bucket per parameter, and
 // for a model mixing f32 and bf16 layers.
 
@@ -37,6 +38,18 @@ std::shared_ptr<Module> MakeModel(const std::string& kind, uint64_t seed) {
   nn::Generator gen(seed);
   if (kind == "mlp") return nn::modules::MakeMlp(gen);
   if (kind == "cnn") return nn::modules::MakeCnn(gen);
+  if (kind == "tied") {
+    // One Linear applied twice (its gradient sums both uses before its hook
+    // fires, and it is registered once), and a frozen first-layer bias
+    // (requires_grad false: no bucket holds it, it never changes).
+    auto shared = std::make_shared<nn::modules::Linear>(32, 32, true, gen);
+    auto first = std::make_shared<nn::modules::Linear>(784, 32, true, gen);
+    first->NamedParameters().at(1).second.set_requires_grad(false);
+    return std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+        std::make_shared<nn::modules::Flatten>(), first, std::make_shared<nn::modules::ReLU>(), shared,
+        std::make_shared<nn::modules::ReLU>(), shared, std::make_shared<nn::modules::ReLU>(),
+        std::make_shared<nn::modules::Linear>(32, 10, true, gen)});
+  }
   // f32 first layer, bf16 second: two dtypes, so two kinds of buckets.
   auto m = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
       std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 64, true, gen),
@@ -97,7 +110,8 @@ void CheckConfig(ProcessGroup& pg, const std::string& kind, const Config& c, con
     if (c.view && s == 0) {
       // The gradients are views into the buckets, not copies.
       for (const auto& [name, p] : model->NamedParameters()) {
-        WORKER_EXPECT(p.grad().defined(), name + " has no gradient");
+        WORKER_EXPECT(p.grad().defined() == p.requires_grad(),
+                      name + (p.requires_grad() ? " has no gradient" : " is frozen yet has a gradient"));
       }
     }
   }
@@ -110,8 +124,11 @@ void CheckConfig(ProcessGroup& pg, const std::string& kind, const Config& c, con
                 what + ": replicas are not bitwise identical");
   const auto buckets = ddp.BucketParameterNames();
   if (c.expect_one_bucket_per_parameter) {
-    WORKER_EXPECT(buckets.size() == model->NamedParameters().size(),
-                  what + ": " + std::to_string(buckets.size()) + " buckets");
+    size_t trainable = 0;
+    for (const auto& [name, p] : model->NamedParameters()) trainable += p.requires_grad();
+    WORKER_EXPECT(buckets.size() == trainable, what + ": " + std::to_string(buckets.size()) +
+                                                   " buckets for " + std::to_string(trainable) +
+                                                   " trainable parameters");
   }
   WORKER_EXPECT(ddp.iterations() == kSteps, what + ": iterations " + std::to_string(ddp.iterations()));
 }
@@ -166,6 +183,8 @@ TEST(DdpEquivalenceTest, CnnTwoRanksWithTheGpuBucketCopies) {
   auto run = RunWorkers("equivalence", 2, {{"DDP_TEST_MODEL", "cnn"}, {"DDP_TEST_DEVICE_COPIES", "1"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
+// A tied (twice used) layer and a frozen parameter, on 3 ranks.
+TEST(DdpEquivalenceTest, TiedAndFrozenParametersThreeRanks) { ExpectRun("equivalence", 3, "tied"); }
 TEST(DdpEquivalenceTest, MixedBf16AndF32TwoRanks) { ExpectRun("equivalence_mixed", 2, "mixed"); }
 
 }  // namespace
