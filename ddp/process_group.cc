@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <condition_variable>
@@ -25,6 +26,7 @@ namespace ddp::dist {
 using transport::Clock;
 using transport::Deadline;
 using transport::Status;
+using transport::StatusOr;
 using std::chrono::milliseconds;
 
 DistributedError::DistributedError(Status status)
@@ -52,6 +54,152 @@ std::string CollectiveDescription::ToString() const {
   return s;
 }
 
+// ------------------------------------------------------- point-to-point ----
+
+namespace {
+
+// Tags of the transport's user channel: the top two bits say whose message
+// it is, so that the group's own messages never match a user's Recv.
+constexpr uint32_t kHeaderChannel = 1u << 30;  // a Send's header
+constexpr uint32_t kMonitoredBarrierTag = 2u << 30;
+
+// A Send's header: dtype, element count, rank, and up to kHeaderDims sizes.
+constexpr int kHeaderDims = 8;
+constexpr size_t kHeaderWords = 3 + kHeaderDims;
+using P2pHeader = std::array<int64_t, kHeaderWords>;
+
+P2pHeader HeaderOf(const nn::Tensor& t) {
+  P2pHeader h{};
+  h[0] = static_cast<int64_t>(t.dtype());
+  h[1] = t.numel();
+  h[2] = t.dim();
+  for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kHeaderDims); ++d) h[3 + d] = t.size(d);
+  return h;
+}
+
+// "f32 [3, 4] (48 bytes)", from a header.
+std::string DescribeHeader(const P2pHeader& h) {
+  const auto dtype = static_cast<nn::DType>(h[0]);
+  std::string s = std::string(nn::DTypeName(dtype)) + " ";
+  if (h[2] <= kHeaderDims) {
+    s += nn::ShapeToString(nn::Shape(h.begin() + 3, h.begin() + 3 + h[2]));
+  } else {
+    s += std::to_string(h[2]) + "-d";
+  }
+  return s + " (" + std::to_string(h[1] * static_cast<int64_t>(nn::ElementSize(dtype))) + " bytes)";
+}
+
+transport::CallOptions Within(Deadline deadline) {
+  const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+  return {.timeout = std::max(left, milliseconds(1))};
+}
+
+}  // namespace
+
+// One Send or Recv of the group. The communication thread posts it; then any
+// thread may advance it (Poll), under its own mutex. A send posts its header
+// and payload at once; a receive posts the header first and the payload only
+// once the header matched, so that a mismatch is reported with both sides'
+// sizes instead of as a truncated message.
+class P2pTransfer {
+ public:
+  P2pTransfer(bool send, nn::Tensor tensor, int peer, uint32_t tag, int rank)
+      : send_(send), tensor_(std::move(tensor)), peer_(peer), tag_(tag), rank_(rank) {}
+
+  // Communication thread, in issue order: posts the messages.
+  Status Post(transport::Communicator* comm, milliseconds timeout) {
+    std::lock_guard lock(mu_);
+    comm_ = comm;
+    call_ = {.timeout = timeout};
+    // CUDA tensors go through host memory: the copy to the host runs here,
+    // after the fence made sure the producers of the tensor have finished.
+    host_ = tensor_.device().is_cpu() ? tensor_
+                                      : (send_ ? tensor_.To(nn::kCPU)
+                                               : nn::Empty(tensor_.shape(), {.dtype = tensor_.dtype()}));
+    if (send_) {
+      header_ = HeaderOf(tensor_);
+      header_work_ = comm->SendAsync(header_.data(), kHeaderWords, transport::DataType::kI64, peer_,
+                                     tag_ | kHeaderChannel, call_);
+      if (tensor_.numel() > 0) {
+        payload_work_ = comm->SendAsync(host_.data_ptr(), static_cast<size_t>(tensor_.numel()),
+                                        ToTransportType(tensor_.dtype()), peer_, tag_, call_);
+      }
+    } else {
+      header_work_ = comm->RecvAsync(header_.data(), kHeaderWords, transport::DataType::kI64, peer_,
+                                     tag_ | kHeaderChannel, call_);
+    }
+    return Status::Ok();
+  }
+
+  // Any thread, after Post: advances the transfer without blocking; true
+  // once it finished, with its result in *status.
+  bool Poll(Status* status) {
+    std::lock_guard lock(mu_);
+    if (!finished_ && !header_done_) {
+      StatusOr<bool> header = header_work_.Test();
+      if (!header.ok()) return Finish(header.status(), status);
+      if (!*header) return false;
+      header_done_ = true;
+      if (!send_) {
+        const P2pHeader mine = HeaderOf(tensor_);
+        if (header_[0] != mine[0] || header_[1] != mine[1]) {
+          Status mismatch = transport::InvalidArgumentError(
+              "ProcessGroup::Recv on rank " + std::to_string(rank_) + " from rank " +
+              std::to_string(peer_) + " (tag " + std::to_string(tag_) + "): receives into " +
+              DescribeHeader(mine) + ", rank " + std::to_string(peer_) + " sent " +
+              DescribeHeader(header_));
+          // The sender's payload would wait for a receive that never comes.
+          comm_->Abort(mismatch);
+          return Finish(std::move(mismatch), status);
+        }
+        if (tensor_.numel() > 0) {
+          payload_work_ = comm_->RecvAsync(host_.data_ptr(), static_cast<size_t>(tensor_.numel()),
+                                           ToTransportType(tensor_.dtype()), peer_, tag_, call_);
+        }
+      }
+    }
+    if (!finished_ && payload_work_.valid()) {
+      StatusOr<bool> payload = payload_work_.Test();
+      if (!payload.ok()) return Finish(payload.status(), status);
+      if (!*payload) return false;
+    }
+    return Finish(Status::Ok(), status);
+  }
+
+  // The caller's thread, in Wait after success: a CUDA tensor received
+  // through host memory gets its data, on the caller's current stream.
+  void Deliver() {
+    std::lock_guard lock(mu_);
+    if (!send_ && !tensor_.device().is_cpu()) tensor_.CopyFrom(host_);
+  }
+
+ private:
+  bool Finish(Status result, Status* status) {
+    if (!finished_) {
+      finished_ = true;
+      status_ = std::move(result);
+    }
+    *status = status_;
+    return true;
+  }
+
+  std::mutex mu_;
+  const bool send_;
+  const nn::Tensor tensor_;
+  const int peer_;
+  const uint32_t tag_;
+  const int rank_;
+  nn::Tensor host_;   // tensor_ itself, or its copy in host memory
+  P2pHeader header_{};  // a send's own header; the sender's, for a receive
+  transport::Communicator* comm_ = nullptr;
+  transport::CallOptions call_;
+  transport::Work header_work_;
+  transport::Work payload_work_;
+  bool header_done_ = false;
+  bool finished_ = false;
+  Status status_;
+};
+
 // ---------------------------------------------------------------- Work ----
 
 struct Work::State {
@@ -66,15 +214,41 @@ struct Work::State {
   Clock::duration wait_budget{};
   // Orders device work around the collective (null for CPU tensors).
   std::shared_ptr<internal::DeviceFence> fence;
+  // Point-to-point: the messages, posted by the communication thread
+  // (`posted`); the Work is done once all of them are.
+  std::vector<std::shared_ptr<P2pTransfer>> transfers;
+  bool posted = false;
+  std::once_flag delivered;
 
+  // The first result counts (a waiter and the communication thread may
+  // both finish a point-to-point Work).
   void Finish(Status s, Clock::time_point end) {
     {
       std::lock_guard lock(mu);
+      if (done) return;
       status = std::move(s);
       finished = end;
       done = true;
     }
     cv.notify_all();
+  }
+
+  // Polls the messages once (after they were posted); true once finished:
+  // every one arrived, or one failed.
+  bool Drive() {
+    Status first;
+    bool all = true;
+    for (const std::shared_ptr<P2pTransfer>& t : transfers) {
+      Status s;
+      if (!t->Poll(&s)) {
+        all = false;
+      } else if (!s.ok() && first.ok()) {
+        first = std::move(s);
+      }
+    }
+    if (!all && first.ok()) return false;
+    Finish(std::move(first), Clock::now());
+    return true;
   }
 };
 
@@ -82,22 +256,41 @@ void Work::Wait() {
   if (state_ == nullptr) throw std::logic_error("Work::Wait on an empty handle");
   Status s = WaitFor(Clock::now() + state_->wait_budget);
   if (!s.ok()) throw DistributedError(std::move(s));
+  if (!state_->transfers.empty()) {
+    std::call_once(state_->delivered, [&] {
+      for (const std::shared_ptr<P2pTransfer>& t : state_->transfers) t->Deliver();
+    });
+  }
   if (state_->fence != nullptr) state_->fence->OrderConsumer();
 }
 
 Status Work::WaitFor(Deadline deadline) {
   if (state_ == nullptr) return transport::FailedPreconditionError("WaitFor on an empty Work handle");
-  std::unique_lock lock(state_->mu);
-  if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
-    return transport::TimedOutError("collective not finished by the waiter's deadline");
+  {
+    std::unique_lock lock(state_->mu);
+    if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done || state_->posted; })) {
+      return transport::TimedOutError("collective not finished by the waiter's deadline");
+    }
+    if (state_->done) return state_->status;
   }
+  // Posted messages: this thread drives them (the communication thread
+  // polls them only every millisecond or so).
+  while (!state_->Drive()) {
+    if (Clock::now() >= deadline) {
+      return transport::TimedOutError("point-to-point message not finished by the waiter's deadline");
+    }
+  }
+  std::lock_guard lock(state_->mu);
   return state_->status;
 }
 
 bool Work::IsCompleted() const {
   if (state_ == nullptr) return false;
-  std::lock_guard lock(state_->mu);
-  return state_->done;
+  {
+    std::lock_guard lock(state_->mu);
+    if (state_->done || !state_->posted) return state_->done;
+  }
+  return state_->Drive();
 }
 
 std::chrono::steady_clock::time_point Work::started() const {
@@ -122,13 +315,24 @@ class ProcessGroup::Impl {
 
   ~Impl() { Stop(); }
 
+  // How the communication thread runs an item.
+  enum class Mode {
+    kCollective,    // fingerprint-checked in debug mode, counted
+    kUnchecked,     // counted, no fingerprint (it must not wait for late ranks)
+    kPointToPoint,  // posts `transfers`; done once they are; not counted
+  };
+
   // `fence` orders a collective on device tensors with the caller's stream;
   // null only for host tensors and calls without data (a barrier). No
   // default: a device collective that forgot it raced its producer kernels.
+  // `own_time`: how long the item itself may run, when not the timeout.
   Work Enqueue(CollectiveDescription description, Task task,
-               std::shared_ptr<internal::DeviceFence> fence) {
+               std::shared_ptr<internal::DeviceFence> fence, Mode mode = Mode::kCollective,
+               std::vector<std::shared_ptr<P2pTransfer>> transfers = {},
+               Clock::duration own_time = Clock::duration::zero()) {
     auto state = std::make_shared<Work::State>();
     state->fence = std::move(fence);
+    state->transfers = std::move(transfers);
     Work work(state);
     std::unique_lock lock(mu_);
     if (stopping_) {
@@ -137,8 +341,9 @@ class ProcessGroup::Impl {
                     Clock::now());
       return work;
     }
-    state->wait_budget = (queue_.size() + running_ + 1) * options_.timeout + milliseconds(5000);
-    queue_.push_back(Item{std::move(description), std::move(task), state});
+    if (own_time == Clock::duration::zero()) own_time = options_.timeout;
+    state->wait_budget = (queue_.size() + running_) * options_.timeout + own_time + milliseconds(5000);
+    queue_.push_back(Item{std::move(description), std::move(task), state, mode});
     if (!thread_.joinable()) {
       thread_ = std::thread([this] { Loop(); });
       pthread_getcpuclockid(thread_.native_handle(), &thread_clock_);
@@ -157,8 +362,8 @@ class ProcessGroup::Impl {
     // fail at once instead of at their deadline.
     const Deadline deadline = Clock::now() + std::min<Clock::duration>(options_.timeout,
                                                                        milliseconds(10000));
-    if (!idle_cv_.wait_until(lock, deadline, [&] { return queue_.empty() && running_ == 0; })) {
-      const size_t pending = queue_.size() + running_;
+    if (!idle_cv_.wait_until(lock, deadline, [&] { return Idle(); })) {
+      const size_t pending = queue_.size() + running_ + in_flight_.size();
       lock.unlock();
       Abort(transport::AbortedError("process group of rank " + std::to_string(rank_) +
                                     " destroyed with " + std::to_string(pending) +
@@ -200,13 +405,42 @@ class ProcessGroup::Impl {
   }
 
   uint64_t run_count() const { return run_count_.load(std::memory_order_relaxed); }
+  // 1, 2, ...: the number of this group's next monitored barrier.
+  uint64_t NextMonitoredBarrier() { return monitored_barriers_.fetch_add(1) + 1; }
 
  private:
   struct Item {
     CollectiveDescription description;
     Task task;
     std::shared_ptr<Work::State> state;
+    Mode mode = Mode::kCollective;
   };
+
+  // Under mu_.
+  bool Idle() const { return queue_.empty() && running_ == 0 && in_flight_.empty(); }
+
+  // Polls the posted point-to-point Works once; drops the finished ones.
+  // Called with `lock` held; releases it while polling. When `stopping`,
+  // Works still unfinished are failed (Stop aborted the communicator, so
+  // their messages were cancelled).
+  void PollInFlight(std::unique_lock<std::mutex>& lock, bool stopping) {
+    std::vector<std::shared_ptr<Work::State>> polled = in_flight_;
+    lock.unlock();
+    for (const std::shared_ptr<Work::State>& state : polled) {
+      if (state->Drive() || !stopping) continue;
+      Status reason = aborted_reason();
+      state->Finish(reason.ok() ? transport::FailedPreconditionError(
+                                      "process group destroyed with a message in flight")
+                                : reason,
+                    Clock::now());
+    }
+    lock.lock();
+    std::erase_if(in_flight_, [](const std::shared_ptr<Work::State>& state) {
+      std::lock_guard state_lock(state->mu);
+      return state->done;
+    });
+    if (Idle()) idle_cv_.notify_all();
+  }
 
   void Loop() {
     if (options_.comm_thread_nice != 0) {
@@ -217,8 +451,19 @@ class ProcessGroup::Impl {
     }
     std::unique_lock lock(mu_);
     while (true) {
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
+      const auto ready = [&] { return stopping_ || !queue_.empty(); };
+      if (in_flight_.empty()) {
+        cv_.wait(lock, ready);
+      } else {
+        // Messages in flight: poll them now and then, so that they complete
+        // (and meet their deadline) even when nobody waits for them.
+        cv_.wait_for(lock, kInFlightPollInterval, ready);
+        PollInFlight(lock, stopping_ && queue_.empty());
+      }
+      if (queue_.empty()) {
+        if (stopping_ && in_flight_.empty()) return;
+        continue;
+      }
       Item item = std::move(queue_.front());
       queue_.pop_front();
       ++running_;
@@ -230,12 +475,14 @@ class ProcessGroup::Impl {
         std::lock_guard state_lock(item.state->mu);
         item.state->started = start;
       }
-      const uint64_t sequence = run_count_.fetch_add(1, std::memory_order_relaxed);
+      const uint64_t sequence =
+          item.mode == Mode::kPointToPoint ? 0 : run_count_.fetch_add(1, std::memory_order_relaxed);
       Status status = aborted_reason();
       if (status.ok()) {
         const Deadline deadline = start + options_.timeout;
         try {
-          if (options_.debug_detail && comm_ != nullptr && size_ > 1) {
+          if (options_.debug_detail && comm_ != nullptr && size_ > 1 &&
+              item.mode == Mode::kCollective) {
             status = CheckFingerprints(*comm_, rank_, size_, sequence, item.description.ToString(),
                                        deadline);
           }
@@ -253,13 +500,27 @@ class ProcessGroup::Impl {
         trace->Complete(item.description.ToString(), "comm", start, end,
                         "\"ok\": " + std::string(status.ok() ? "true" : "false"));
       }
-      item.state->Finish(std::move(status), end);
+      const bool posted = status.ok() && item.mode == Mode::kPointToPoint;
+      if (posted) {
+        {
+          std::lock_guard state_lock(item.state->mu);
+          item.state->posted = true;
+        }
+        item.state->cv.notify_all();
+      } else {
+        item.state->Finish(std::move(status), end);
+      }
 
       lock.lock();
       --running_;
-      if (queue_.empty() && running_ == 0) idle_cv_.notify_all();
+      if (posted) in_flight_.push_back(item.state);
+      if (Idle()) idle_cv_.notify_all();
     }
   }
+
+  // How often the thread polls messages in flight while it has nothing
+  // else to do (a waiter drives its own messages without this delay).
+  static constexpr milliseconds kInFlightPollInterval{1};
 
   std::unique_ptr<transport::Communicator> comm_;
   const int rank_;
@@ -270,6 +531,8 @@ class ProcessGroup::Impl {
   std::condition_variable cv_;       // the thread waits for work
   std::condition_variable idle_cv_;  // Stop waits for the queue to drain
   std::deque<Item> queue_;
+  // Point-to-point Works posted and not yet finished.
+  std::vector<std::shared_ptr<Work::State>> in_flight_;
   size_t running_ = 0;
   bool stopping_ = false;
   std::thread thread_;
@@ -277,6 +540,7 @@ class ProcessGroup::Impl {
   clockid_t thread_clock_{};
   std::atomic<bool> has_clock_{false};
   std::atomic<uint64_t> run_count_{0};
+  std::atomic<uint64_t> monitored_barriers_{0};
 
   mutable std::mutex abort_mu_;
   Status aborted_;  // one-process groups only; otherwise the communicator's
@@ -526,6 +790,342 @@ Work ProcessGroup::Barrier() {
     if (comm == nullptr) return Status::Ok();
     return comm->Barrier({.timeout = timeout});
   }, nullptr);
+}
+
+void ProcessGroup::CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const {
+  const std::string where = std::string("ProcessGroup::") + call + ": ";
+  if (peer < 0 || peer >= size_) {
+    throw std::invalid_argument(where + what + " " + std::to_string(peer) +
+                                " is outside a group of size " + std::to_string(size_));
+  }
+  if (peer == rank_) {
+    throw std::invalid_argument(where + what + " " + std::to_string(peer) +
+                                " is this rank; a rank cannot send to or receive from itself");
+  }
+  if (tag > kMaxP2pTag) {
+    throw std::invalid_argument(where + "tag " + std::to_string(tag) + " is above kMaxP2pTag (" +
+                                std::to_string(kMaxP2pTag) +
+                                "); larger tags are reserved for the group's own messages");
+  }
+}
+
+Work ProcessGroup::PostPointToPoint(const std::vector<P2POp>& ops, const char* call) {
+  if (ops.empty()) {
+    throw std::invalid_argument(std::string("ProcessGroup::") + call + ": no operations");
+  }
+  std::vector<nn::Tensor> tensors;
+  std::vector<std::shared_ptr<P2pTransfer>> transfers;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& op = ops[i];
+    const bool send = op.kind == P2POp::Kind::kSend;
+    if (!send && op.kind != P2POp::Kind::kRecv) {
+      throw std::invalid_argument(std::string("ProcessGroup::") + call + ": op #" +
+                                  std::to_string(i) + " has kind " +
+                                  std::to_string(static_cast<int>(op.kind)));
+    }
+    const std::string what = ops.size() == 1 ? std::string("tensor")
+                                             : "op #" + std::to_string(i) + "'s tensor";
+    CheckTensor(op.tensor, call, what.c_str());
+    CheckPeer(op.peer, op.tag, call, send ? "dst" : "src");
+    ToTransportType(op.tensor.dtype());  // throws for a dtype the transport lacks
+    tensors.push_back(op.tensor);
+    transfers.push_back(std::make_shared<P2pTransfer>(send, op.tensor, op.peer, op.tag, rank_));
+  }
+  const P2POp& first = ops.front();
+  std::string kind = ops.size() > 1 ? "batch_isend_irecv of " + std::to_string(ops.size()) + ", first "
+                                     : std::string();
+  kind += std::string(first.kind == P2POp::Kind::kSend ? "send to" : "recv from") + " rank " +
+          std::to_string(first.peer) + " tag " + std::to_string(first.tag);
+  CollectiveDescription d{kind, first.tensor.dtype(), first.tensor.shape(), -1,
+                          transport::ReduceOp::kSum, false};
+  const milliseconds timeout = options_.timeout;
+  std::shared_ptr<internal::DeviceFence> fence = FenceFor(tensors, call);
+  return impl_->Enqueue(
+      std::move(d),
+      [transfers, timeout](transport::Communicator* comm, Deadline) {
+        if (comm == nullptr) {
+          return transport::InternalError("point-to-point message in a group without transport");
+        }
+        for (const std::shared_ptr<P2pTransfer>& t : transfers) {
+          DDP_RETURN_IF_ERROR(t->Post(comm, timeout));
+        }
+        return Status::Ok();
+      },
+      std::move(fence), Impl::Mode::kPointToPoint, transfers);
+}
+
+Work ProcessGroup::Send(const nn::Tensor& tensor, int dst, uint32_t tag) {
+  return PostPointToPoint({P2POp::Send(tensor, dst, tag)}, "Send");
+}
+
+Work ProcessGroup::Recv(const nn::Tensor& tensor, int src, uint32_t tag) {
+  return PostPointToPoint({P2POp::Recv(tensor, src, tag)}, "Recv");
+}
+
+Work ProcessGroup::BatchIsendIrecv(const std::vector<P2POp>& ops) {
+  return PostPointToPoint(ops, "BatchIsendIrecv");
+}
+
+namespace {
+
+// The description of an object collective: the sizes differ across ranks,
+// so the debug check compares only the kind and root.
+CollectiveDescription ObjectCollective(const char* kind, int root) {
+  return {kind, nn::DType::kUInt8, {}, root, transport::ReduceOp::kSum, false};
+}
+
+void CheckRoot(int root, int size, const char* call, const char* what) {
+  if (root < 0 || root >= size) {
+    throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " + what + " " +
+                                std::to_string(root) + " is outside a group of size " +
+                                std::to_string(size));
+  }
+}
+
+}  // namespace
+
+void ProcessGroup::BroadcastObject(std::string* object, int root) {
+  if (object == nullptr) throw std::invalid_argument("ProcessGroup::BroadcastObject: object is null");
+  CheckRoot(root, size_, "BroadcastObject", "root");
+  impl_->Enqueue(ObjectCollective("broadcast_object", root), [object, root](
+                     transport::Communicator* comm, Deadline deadline) {
+    if (comm == nullptr) return Status::Ok();
+    int64_t bytes = static_cast<int64_t>(object->size());
+    DDP_RETURN_IF_ERROR(comm->Broadcast(&bytes, 1, transport::DataType::kI64, root, Within(deadline)));
+    if (comm->rank() != root) object->resize(static_cast<size_t>(bytes));
+    if (bytes == 0) return Status::Ok();
+    return comm->Broadcast(object->data(), static_cast<size_t>(bytes), transport::DataType::kU8, root,
+                           Within(deadline));
+  }, nullptr).Wait();
+}
+
+std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object) {
+  auto out = std::make_shared<std::vector<std::string>>();
+  impl_->Enqueue(ObjectCollective("all_gather_object", -1), [&object, out](
+                     transport::Communicator* comm, Deadline deadline) {
+    if (comm == nullptr) {
+      *out = {object};
+      return Status::Ok();
+    }
+    const size_t n = static_cast<size_t>(comm->size());
+    std::vector<int64_t> sizes(n);
+    const int64_t mine = static_cast<int64_t>(object.size());
+    DDP_RETURN_IF_ERROR(
+        comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
+    // Every rank's bytes padded to the longest, in one all-gather.
+    const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end()));
+    std::string padded = object;
+    padded.resize(longest);
+    std::string all(n * longest, '\0');
+    if (longest > 0) {
+      DDP_RETURN_IF_ERROR(comm->AllGather(padded.data(), all.data(), longest,
+                                          transport::DataType::kU8, Within(deadline)));
+    }
+    out->resize(n);
+    for (size_t r = 0; r < n; ++r) (*out)[r] = all.substr(r * longest, static_cast<size_t>(sizes[r]));
+    return Status::Ok();
+  }, nullptr).Wait();
+  return std::move(*out);
+}
+
+std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, int dst) {
+  CheckRoot(dst, size_, "GatherObject", "dst");
+  auto out = std::make_shared<std::vector<std::string>>();
+  impl_->Enqueue(ObjectCollective("gather_object", dst), [&object, dst, out](
+                     transport::Communicator* comm, Deadline deadline) {
+    if (comm == nullptr) {
+      *out = {object};
+      return Status::Ok();
+    }
+    const size_t n = static_cast<size_t>(comm->size());
+    const bool root = comm->rank() == dst;
+    std::vector<int64_t> sizes(n);
+    const int64_t mine = static_cast<int64_t>(object.size());
+    DDP_RETURN_IF_ERROR(
+        comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
+    // Everyone's bytes go to dst only: an all-to-all in which the other
+    // pairs exchange nothing.
+    std::vector<size_t> send_counts(n, 0), recv_counts(n, 0);
+    send_counts[static_cast<size_t>(dst)] = object.size();
+    size_t total = 0;
+    if (root) {
+      for (size_t r = 0; r < n; ++r) total += recv_counts[r] = static_cast<size_t>(sizes[r]);
+    }
+    std::string all(std::max<size_t>(total, 1), '\0');
+    const char kNothing = 0;
+    DDP_RETURN_IF_ERROR(comm->AllToAllV(object.empty() ? &kNothing : object.data(), send_counts,
+                                        all.data(), recv_counts, transport::DataType::kU8,
+                                        Within(deadline)));
+    if (root) {
+      out->resize(n);
+      size_t offset = 0;
+      for (size_t r = 0; r < n; ++r) {
+        (*out)[r] = all.substr(offset, recv_counts[r]);
+        offset += recv_counts[r];
+      }
+    }
+    return Status::Ok();
+  }, nullptr).Wait();
+  return std::move(*out);
+}
+
+std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects, int src) {
+  CheckRoot(src, size_, "ScatterObject", "src");
+  auto out = std::make_shared<std::string>();
+  // Set when src passed the wrong number of objects: every rank learns it
+  // from the sizes and throws, instead of waiting for bytes that never come.
+  auto bad_count = std::make_shared<int64_t>(-1);
+  impl_->Enqueue(ObjectCollective("scatter_object", src), [&objects, src, out, bad_count](
+                     transport::Communicator* comm, Deadline deadline) {
+    const size_t n = comm == nullptr ? 1 : static_cast<size_t>(comm->size());
+    const int me = comm == nullptr ? 0 : comm->rank();
+    // sizes[q]: the length of rank q's object; one more entry for src's
+    // count of objects.
+    std::vector<int64_t> sizes(n + 1, 0);
+    if (me == src) {
+      sizes[n] = static_cast<int64_t>(objects.size());
+      if (objects.size() == n) {
+        for (size_t q = 0; q < n; ++q) sizes[q] = static_cast<int64_t>(objects[q].size());
+      }
+    }
+    if (comm != nullptr) {
+      DDP_RETURN_IF_ERROR(
+          comm->Broadcast(sizes.data(), n + 1, transport::DataType::kI64, src, Within(deadline)));
+    }
+    if (sizes[n] != static_cast<int64_t>(n)) {
+      *bad_count = sizes[n];
+      return Status::Ok();
+    }
+    if (comm == nullptr) {
+      *out = objects[0];
+      return Status::Ok();
+    }
+    std::vector<size_t> send_counts(n, 0), recv_counts(n, 0);
+    std::string all;
+    if (me == src) {
+      for (size_t q = 0; q < n; ++q) {
+        send_counts[q] = objects[q].size();
+        all += objects[q];
+      }
+    }
+    recv_counts[static_cast<size_t>(src)] = static_cast<size_t>(sizes[static_cast<size_t>(me)]);
+    out->resize(recv_counts[static_cast<size_t>(src)]);
+    char nothing_in = 0, nothing_out = 0;
+    return comm->AllToAllV(all.empty() ? &nothing_in : all.data(), send_counts,
+                           out->empty() ? &nothing_out : out->data(), recv_counts,
+                           transport::DataType::kU8, Within(deadline));
+  }, nullptr).Wait();
+  if (*bad_count >= 0) {
+    throw std::invalid_argument("ProcessGroup::ScatterObject: src " + std::to_string(src) +
+                                " passed " + std::to_string(*bad_count) +
+                                " objects for a group of size " + std::to_string(size_));
+  }
+  return std::move(*out);
+}
+
+void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
+  if (timeout.count() < 0) {
+    throw std::invalid_argument("ProcessGroup::MonitoredBarrier: timeout " +
+                                std::to_string(timeout.count()) + " ms is negative");
+  }
+  if (timeout.count() == 0) timeout = options_.timeout;
+  const int64_t number = static_cast<int64_t>(impl_->NextMonitoredBarrier());
+  // Ranks other than 0 wait for rank 0's verdict this long: rank 0 may
+  // enter up to `timeout` after them and then wait `timeout` itself.
+  const milliseconds others_wait = 2 * timeout + milliseconds(1000);
+  CollectiveDescription d{"monitored_barrier", nn::DType::kInt64, {}, 0, transport::ReduceOp::kSum,
+                          false};
+  // No fingerprint exchange: it would wait the group's timeout for a missing
+  // rank instead of naming it.
+  impl_->Enqueue(std::move(d), [timeout, wait_all_ranks, number, others_wait](
+                     transport::Communicator* comm, Deadline) {
+    if (comm == nullptr || comm->size() == 1) return Status::Ok();
+    const int n = comm->size();
+    const Clock::time_point start = Clock::now();
+    // The transport's own deadline is later than ours, so that a missing
+    // rank is reported here (by name) rather than as a timed-out receive.
+    const transport::CallOptions call{.timeout = others_wait + milliseconds(1000)};
+    const std::string what = "monitored barrier #" + std::to_string(number);
+    // A failure: abort the group with `reason` (the other ranks learn it
+    // within ~100 ms) and cancel what is still posted.
+    auto fail = [comm](Status reason, std::vector<transport::Work>& works) {
+      comm->Abort(reason);
+      for (transport::Work& w : works) {
+        if (w.valid()) (void)w.Test();
+      }
+      return reason;
+    };
+    if (comm->rank() != 0) {
+      std::vector<int64_t> message = {number, -1};
+      std::vector<transport::Work> works = {
+          comm->SendAsync(&message[0], 1, transport::DataType::kI64, 0, kMonitoredBarrierTag, call),
+          comm->RecvAsync(&message[1], 1, transport::DataType::kI64, 0, kMonitoredBarrierTag, call)};
+      const Deadline deadline = start + others_wait;
+      for (transport::Work& w : works) {
+        Status s = w.Wait(deadline);
+        if (s.ok()) continue;
+        StatusOr<bool> done = w.Test();
+        if (!done.ok()) return done.status();  // the group failed (rank 0's verdict, a lost peer)
+        return fail(transport::TimedOutError(what + ": rank " + std::to_string(comm->rank()) +
+                                             " was not released by rank 0 within " +
+                                             std::to_string(others_wait.count()) +
+                                             " ms (rank 0 did not arrive)"),
+                    works);
+      }
+      if (message[1] != number) {
+        return fail(transport::InvalidArgumentError(
+                        what + ": rank 0 released rank " + std::to_string(comm->rank()) +
+                        " from monitored barrier #" + std::to_string(message[1])),
+                    works);
+      }
+      return Status::Ok();
+    }
+    // Rank 0: every other rank's arrival, by one deadline.
+    std::vector<int64_t> arrived(static_cast<size_t>(n), -1);
+    std::vector<transport::Work> works(static_cast<size_t>(n));
+    for (int r = 1; r < n; ++r) {
+      works[r] = comm->RecvAsync(&arrived[r], 1, transport::DataType::kI64, r, kMonitoredBarrierTag,
+                                 call);
+    }
+    const Deadline deadline = start + timeout;
+    std::vector<int> missing;
+    for (int r = 1; r < n; ++r) {
+      if (!missing.empty() && !wait_all_ranks) break;
+      Status s = works[r].Wait(deadline);
+      if (s.ok()) {
+        if (arrived[r] != number) {
+          return fail(transport::InvalidArgumentError(
+                          what + ": rank " + std::to_string(r) + " is at monitored barrier #" +
+                          std::to_string(arrived[r])),
+                      works);
+        }
+        continue;
+      }
+      StatusOr<bool> done = works[r].Test();
+      if (!done.ok()) return done.status();  // a lost peer, an abort
+      missing.push_back(r);
+    }
+    if (!missing.empty()) {
+      std::string names;
+      for (int r : missing) names += (names.empty() ? "" : ", ") + std::to_string(r);
+      const bool several = missing.size() > 1;
+      return fail(transport::TimedOutError(
+                      what + ": rank" + (several ? "s " : " ") + names + (several ? " have" : " has") +
+                      " not arrived within " + std::to_string(timeout.count()) + " ms" +
+                      (wait_all_ranks ? " (waited for all ranks)" : " (the first missing rank)")),
+                  works);
+    }
+    // Release them.
+    std::vector<transport::Work> releases;
+    for (int r = 1; r < n; ++r) {
+      releases.push_back(
+          comm->SendAsync(&arrived[r], 1, transport::DataType::kI64, r, kMonitoredBarrierTag, call));
+    }
+    for (transport::Work& w : releases) {
+      DDP_RETURN_IF_ERROR(w.Wait(Clock::now() + call.timeout));
+    }
+    return Status::Ok();
+  }, nullptr, Impl::Mode::kUnchecked, {}, others_wait + milliseconds(2000)).Wait();
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {

@@ -43,10 +43,12 @@
 // what, instead of hanging or exchanging garbage.
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ddp/trace.h"
@@ -122,6 +124,26 @@ struct CollectiveDescription {
   std::string ToString() const;
 };
 
+/// Largest tag of ProcessGroup::Send/Recv: the tags above it are reserved
+/// for the group's own messages (the monitored barrier, Send's headers).
+inline constexpr uint32_t kMaxP2pTag = (1u << 30) - 1;
+
+/// One operation of ProcessGroup::BatchIsendIrecv (torch.distributed.P2POp).
+struct P2POp {
+  enum class Kind : int { kSend = 0, kRecv = 1 };
+  Kind kind = Kind::kSend;
+  nn::Tensor tensor;  ///< Sent from, or received into (contiguous, whole).
+  int peer = 0;       ///< Destination of a send, source of a receive.
+  uint32_t tag = 0;   ///< At most kMaxP2pTag.
+
+  static P2POp Send(nn::Tensor tensor, int dst, uint32_t tag = 0) {
+    return {Kind::kSend, std::move(tensor), dst, tag};
+  }
+  static P2POp Recv(nn::Tensor tensor, int src, uint32_t tag = 0) {
+    return {Kind::kRecv, std::move(tensor), src, tag};
+  }
+};
+
 struct ProcessGroupOptions {
   /// Deadline of each collective, counted from when it starts running.
   std::chrono::milliseconds timeout{300000};
@@ -190,6 +212,64 @@ class ProcessGroup {
                 const std::string& label = "");
   /// Completes once every rank has entered it.
   Work Barrier();
+
+  // Point-to-point (torch.distributed.isend / irecv). Not collective: only
+  // the two ranks take part, and no debug-mode fingerprint is exchanged.
+  // The message is posted on the communication thread, after the
+  // collectives issued before it (a tensor an earlier collective writes is
+  // sent once that collective is done), and is not queued behind later
+  // ones: its Work completes when the message has gone or arrived, driven
+  // by Wait/WaitFor (or, more slowly, by the communication thread). A Send
+  // is matched by the Recv of the same tag from this rank, in issue order;
+  // it announces its dtype and shape first, so a Recv of another dtype or
+  // element count fails on both ranks with a DistributedError naming both.
+  // Bad arguments (a rank outside the group, this rank itself, a tag above
+  // kMaxP2pTag, an undefined or non-contiguous tensor) throw
+  // std::invalid_argument at the call. CUDA tensors are staged through host
+  // memory; a received CUDA tensor holds the data (ordered on the caller's
+  // current stream) once Wait has returned.
+
+  /// Sends `tensor` to rank `dst`, matched by its Recv with `tag`.
+  Work Send(const nn::Tensor& tensor, int dst, uint32_t tag = 0);
+  /// Receives into `tensor` (same dtype and element count as the Send) from
+  /// rank `src`'s Send with `tag`.
+  Work Recv(const nn::Tensor& tensor, int src, uint32_t tag = 0);
+  /// Posts every op at once, in order (torch.distributed.batch_isend_irecv);
+  /// one Work for all of them. Exchanges in which every rank sends before it
+  /// receives (rings, halo exchanges) belong in one batch, or in Sends and
+  /// Recvs issued before any Wait.
+  Work BatchIsendIrecv(const std::vector<P2POp>& ops);
+
+  // Object collectives on byte strings (torch.distributed's
+  // broadcast_object_list, all_gather_object, gather_object,
+  // scatter_object_list: serialize objects to strings first). Blocking,
+  // in issue order with the other collectives; every rank calls them. Sizes
+  // may differ per rank and be 0. Failures throw DistributedError.
+
+  /// `*object` on every rank becomes root's.
+  void BroadcastObject(std::string* object, int root);
+  /// Every rank's `object`, in rank order (lengths exchanged first, then
+  /// the bytes padded to the longest).
+  std::vector<std::string> AllGatherObject(const std::string& object);
+  /// On `dst`: every rank's `object` in rank order; elsewhere empty. Only
+  /// `dst` receives the bytes.
+  std::vector<std::string> GatherObject(const std::string& object, int dst);
+  /// Rank q receives `objects[q]` of rank `src`; `objects` is read on src
+  /// only and must hold size() strings there (otherwise every rank throws
+  /// std::invalid_argument naming src's count, and the group stays usable).
+  std::string ScatterObject(const std::vector<std::string>& objects, int src);
+
+  /// A barrier that names the ranks that did not come
+  /// (torch.distributed.monitored_barrier). Rank 0 waits up to `timeout`
+  /// (0: the group's timeout) for every other rank's message, then releases
+  /// them. When some are missing it throws a DistributedError naming the
+  /// first missing rank, or all of them when `wait_all_ranks`, and aborts the
+  /// group so that every other rank throws the same reason instead of
+  /// hanging (the other ranks give up on rank 0 after 2 x timeout + 1 s). A
+  /// debugging aid: it costs 2 (size() - 1) messages through rank 0.
+  void MonitoredBarrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0),
+                        bool wait_all_ranks = false);
+
   /// A group of some of this group's ranks (torch.distributed.new_group):
   /// rank i of the new group is ranks[i]. Collective over this group, in
   /// issue order with its other collectives: every rank calls it with the
@@ -235,6 +315,8 @@ class ProcessGroup {
   ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
                ProcessGroupOptions options);
   static void CheckTensor(const nn::Tensor& t, const char* call, const char* what);
+  void CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const;
+  Work PostPointToPoint(const std::vector<P2POp>& ops, const char* call);
 
   int rank_ = 0;
   int size_ = 1;
