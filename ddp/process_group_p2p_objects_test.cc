@@ -1,0 +1,400 @@
+// ProcessGroup's point-to-point messages, object collectives and monitored
+// barrier, over real processes: ring exchanges of every dtype, tags kept
+// apart, a size mismatch reported on both ranks, argument errors; strings of
+// different lengths (empty, several MB) on 1, 2 and 3 ranks; a monitored
+// barrier that names the ranks that did not come, on time.
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ddp/process_group.h"
+#include "ddp/testing/ddp_test_util.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::DType;
+using nn::Tensor;
+using testing::RunWorkers;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
+
+// Values a rank sends in exchange `k`: distinct per sender, exchange and
+// element, small enough for every dtype (u8 included).
+std::vector<double> Pattern(int sender, int k, int64_t n) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] = (sender * 31 + k * 7 + i) % 97;
+  return v;
+}
+
+// --------------------------------------------------------- point-to-point ----
+
+DDP_TEST_WORKER(pg_p2p_ring) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  int k = 0;
+  // Every dtype, Send then Recv (both posted before any Wait).
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16,
+                      DType::kInt64, DType::kInt32, DType::kUInt8}) {
+    const std::string what = std::string(nn::DTypeName(dtype)) + " ring";
+    Tensor out = nn::FromVector(Pattern(me, k, 60), {5, 12}, {.dtype = dtype});
+    Tensor in = nn::Full({5, 12}, -1, {.dtype = dtype});
+    Work sent = pg->Send(out, next, 5);
+    Work got = pg->Recv(in, prev, 5);
+    got.Wait();
+    sent.Wait();
+    WORKER_EXPECT(in.ToVector<double>() == Pattern(prev, k, 60), what);
+    ++k;
+  }
+  // Large (several MB: UCX's rendezvous protocol) and empty, in one batch.
+  {
+    const int64_t big = 1 << 20;
+    Tensor out = nn::FromVector(Pattern(me, k, big), {big});
+    Tensor in = nn::Zeros({big});
+    Tensor empty_out = nn::Empty({0, 3}), empty_in = nn::Empty({0, 3});
+    pg->BatchIsendIrecv({P2POp::Send(out, next, 1), P2POp::Recv(in, prev, 1),
+                         P2POp::Send(empty_out, next, 2), P2POp::Recv(empty_in, prev, 2)})
+        .Wait();
+    WORKER_EXPECT(in.ToVector<double>() == Pattern(prev, k, big), "4 MiB batch");
+    ++k;
+  }
+  // Tags keep messages apart: sent with tag 9 then 3, received 3 first.
+  {
+    Tensor a = nn::Full({4}, 100 + me, {.dtype = DType::kInt64});
+    Tensor b = nn::Full({4}, 200 + me, {.dtype = DType::kInt64});
+    Tensor got3 = nn::Zeros({4}, {.dtype = DType::kInt64});
+    Tensor got9 = nn::Zeros({4}, {.dtype = DType::kInt64});
+    Work s9 = pg->Send(a, next, 9);
+    Work s3 = pg->Send(b, next, 3);
+    pg->Recv(got3, prev, 3).Wait();
+    pg->Recv(got9, prev, 9).Wait();
+    s9.Wait();
+    s3.Wait();
+    WORKER_EXPECT(got3.ToVector<double>() == std::vector<double>(4, 200 + prev), "tag 3");
+    WORKER_EXPECT(got9.ToVector<double>() == std::vector<double>(4, 100 + prev), "tag 9");
+  }
+  // Ordered after the collectives issued before it: the sum is sent, with
+  // no Wait between the all-reduce and the Send.
+  {
+    Tensor t = nn::Full({1000}, me + 1);
+    pg->AllReduce(t);
+    Tensor in = nn::Zeros({1000});
+    Work sent = pg->Send(t, next, 4);
+    Work got = pg->Recv(in, prev, 4);
+    // Completion without Wait: IsCompleted drives the messages.
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    while (!(got.IsCompleted() && sent.IsCompleted()) && Clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    WORKER_EXPECT(got.IsCompleted() && sent.IsCompleted(), "not completed without Wait");
+    got.Wait();
+    WORKER_EXPECT(in.ToVector<double>() == std::vector<double>(1000, n * (n + 1) / 2.0),
+                  "send after an unwaited all-reduce");
+  }
+  // Messages in flight do not hold up the collectives issued after them
+  // (prev sends only after its all-reduce, which needs this rank's).
+  {
+    Tensor late = nn::Zeros({8});
+    Work pending = pg->Recv(late, prev, 77);
+    Tensor t = nn::Ones({16});
+    pg->AllReduce(t).Wait();
+    WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(16, n), "all-reduce behind a receive");
+    pg->Send(nn::Full({8}, me), next, 77).Wait();
+    pending.Wait();
+    WORKER_EXPECT(late.ToVector<double>() == std::vector<double>(8, prev), "late receive");
+  }
+  pg->Barrier().Wait();
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupP2pTest, RingExchangeOnTwoAndThreeRanks) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_p2p_ring", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
+// Rank 1 receives 10 floats where rank 0 sends 12: both ranks fail with one
+// message naming both sizes.
+DDP_TEST_WORKER(pg_p2p_mismatch) {
+  auto pg = testing::WorkerGroup();
+  const std::string expected = "receives into f32 [10] (40 bytes), rank 0 sent f32 [3, 4] (48 bytes)";
+  try {
+    if (pg->rank() == 0) {
+      pg->Send(nn::Ones({3, 4}), 1, 8).Wait();
+    } else {
+      pg->Recv(nn::Zeros({10}), 0, 8).Wait();
+      WORKER_EXPECT(false, "a receive of the wrong size succeeded");
+    }
+    pg->Barrier().Wait();
+    WORKER_EXPECT(false, "the group went on after a mismatch");
+  } catch (const DistributedError& e) {
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), e.what());
+    WORKER_EXPECT(std::string(e.what()).find(expected) != std::string::npos, e.what());
+    WORKER_EXPECT(std::string(e.what()).find("from rank 0 (tag 8)") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupP2pTest, SizeMismatchNamesBothSizesOnBothRanks) {
+  auto run = RunWorkers("pg_p2p_mismatch", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+void ExpectInvalid(const std::function<void()>& call, const std::string& text) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected " << text;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
+TEST(ProcessGroupP2pTest, BadArgumentsNameTheProblem) {
+  auto pg = ProcessGroup::Single();
+  Tensor t = nn::Zeros({4, 3});
+  ExpectInvalid([&] { pg->Send(t, 0); }, "Send: dst 0 is this rank");
+  ExpectInvalid([&] { pg->Send(t, 1); }, "Send: dst 1 is outside a group of size 1");
+  ExpectInvalid([&] { pg->Recv(t, -1); }, "Recv: src -1 is outside a group of size 1");
+  ExpectInvalid([&] { pg->Recv(t.Transpose(0, 1), 0); }, "Recv: tensor is not contiguous");
+  ExpectInvalid([&] { pg->Send(Tensor(), 0); }, "Send: tensor is undefined");
+  ExpectInvalid([&] { pg->BatchIsendIrecv({}); }, "BatchIsendIrecv: no operations");
+  ExpectInvalid([&] { pg->BatchIsendIrecv({P2POp::Recv(Tensor(), 0), P2POp::Send(t, 0)}); },
+                "BatchIsendIrecv: op #0's tensor is undefined");
+  ExpectInvalid([&] { pg->ScatterObject({"a"}, 1); }, "ScatterObject: src 1 is outside");
+  ExpectInvalid([&] { pg->GatherObject("a", -2); }, "GatherObject: dst -2 is outside");
+  ExpectInvalid([&] { pg->BroadcastObject(nullptr, 0); }, "BroadcastObject: object is null");
+  ExpectInvalid([&] { pg->MonitoredBarrier(milliseconds(-1)); }, "timeout -1 ms is negative");
+  // Nothing was queued by the refused calls.
+  EXPECT_EQ(pg->collectives_run(), 0u);
+}
+
+// Tags above kMaxP2pTag belong to the group (checked where the tag is the
+// only thing wrong: two ranks).
+DDP_TEST_WORKER(pg_p2p_tag) {
+  auto pg = testing::WorkerGroup();
+  try {
+    pg->Send(nn::Ones({2}), 1 - pg->rank(), kMaxP2pTag + 1);
+    WORKER_EXPECT(false, "a reserved tag was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("tag 1073741824 is above kMaxP2pTag (1073741823)") !=
+                      std::string::npos,
+                  e.what());
+  }
+  pg->Barrier().Wait();  // the group is still usable
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupP2pTest, ReservedTagsAreRefused) {
+  auto run = RunWorkers("pg_p2p_tag", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------------------- objects ----
+
+// Rank r's object: empty on rank 1, else (r * 1000 + 7) bytes that say
+// whose they are (with a zero byte inside: strings are bytes).
+std::string ObjectOf(int r, size_t length_scale = 1) {
+  if (r == 1) return "";
+  std::string s(static_cast<size_t>(r * 1000 + 7) * length_scale, '\0');
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>((r * 13 + i) % 251);
+  return s;
+}
+
+DDP_TEST_WORKER(pg_objects) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  // All-gather: different lengths, one empty.
+  std::vector<std::string> all = pg->AllGatherObject(ObjectOf(me));
+  WORKER_EXPECT(static_cast<int>(all.size()) == n, "all-gather count " + std::to_string(all.size()));
+  for (int r = 0; r < n && r < static_cast<int>(all.size()); ++r) {
+    WORKER_EXPECT(all[r] == ObjectOf(r), "all-gather object of rank " + std::to_string(r));
+  }
+  // Several MB, lengths differing by rank.
+  all = pg->AllGatherObject(ObjectOf(me, 1500));
+  for (int r = 0; r < n && r < static_cast<int>(all.size()); ++r) {
+    WORKER_EXPECT(all[r] == ObjectOf(r, 1500), "large all-gather object of rank " + std::to_string(r));
+  }
+  // Broadcast from the last rank (4 MB), then an empty one from rank 0.
+  std::string b = ObjectOf(me);
+  if (me == n - 1) b = std::string(4 << 20, 'x') + "y";
+  pg->BroadcastObject(&b, n - 1);
+  WORKER_EXPECT(b == std::string(4 << 20, 'x') + "y", "broadcast object: " + std::to_string(b.size()) + " bytes");
+  std::string e = me == 0 ? "" : "not empty";
+  pg->BroadcastObject(&e, 0);
+  WORKER_EXPECT(e.empty(), "empty broadcast object");
+  // Gather to the last rank.
+  std::vector<std::string> gathered = pg->GatherObject(ObjectOf(me, 700), n - 1);
+  if (me == n - 1) {
+    WORKER_EXPECT(static_cast<int>(gathered.size()) == n, "gather count");
+    for (int r = 0; r < n && r < static_cast<int>(gathered.size()); ++r) {
+      WORKER_EXPECT(gathered[r] == ObjectOf(r, 700), "gathered object of rank " + std::to_string(r));
+    }
+  } else {
+    WORKER_EXPECT(gathered.empty(), "gather result off dst");
+  }
+  // Scatter from rank 0; rank q gets q * 3 bytes (rank 0 nothing), and one
+  // of several MB.
+  std::vector<std::string> parts;
+  if (me == 0) {
+    for (int q = 0; q < n; ++q) parts.push_back(q == n - 1 && n > 1 ? std::string(3 << 20, 'm') + "!" : std::string(q * 3, static_cast<char>('a' + q)));
+  }
+  const std::string part = pg->ScatterObject(parts, 0);
+  const std::string want = me == n - 1 && n > 1 ? std::string(3 << 20, 'm') + "!"
+                                                 : std::string(me * 3, static_cast<char>('a' + me));
+  WORKER_EXPECT(part == want, "scattered object: " + std::to_string(part.size()) + " bytes");
+  // src passes one object too many: every rank hears of it; the group stays usable.
+  if (me == 0) parts.push_back("extra");
+  try {
+    pg->ScatterObject(parts, 0);
+    WORKER_EXPECT(false, "a wrong object count was accepted");
+  } catch (const std::invalid_argument& err) {
+    const std::string m = err.what();
+    WORKER_EXPECT(m.find("src 0 passed " + std::to_string(n + 1) + " objects for a group of size " +
+                         std::to_string(n)) != std::string::npos,
+                  m);
+  }
+  all = pg->AllGatherObject(std::to_string(me));
+  std::vector<std::string> ranks;
+  for (int r = 0; r < n; ++r) ranks.push_back(std::to_string(r));
+  WORKER_EXPECT(all == ranks, "all-gather after a refused scatter");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupObjectsTest, OneTwoAndThreeRanks) {
+  for (int n : {1, 2, 3}) {
+    auto run = RunWorkers("pg_objects", n);
+    EXPECT_TRUE(run.AllSucceeded()) << "ranks: " << n << "\n" << testing::AllOutput(run);
+  }
+}
+
+// With DDP_DEBUG=detail the fingerprints leave lengths out, so different
+// lengths per rank are no desync.
+TEST(ProcessGroupObjectsTest, DebugModeAcceptsDifferentLengths) {
+  auto run = RunWorkers("pg_objects", 3, {{"DDP_DEBUG", "detail"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ProcessGroupObjectsTest, SingleProcessGroup) {
+  auto pg = ProcessGroup::Single();
+  EXPECT_EQ(pg->AllGatherObject("abc"), std::vector<std::string>({"abc"}));
+  EXPECT_EQ(pg->GatherObject("", 0), std::vector<std::string>({""}));
+  EXPECT_EQ(pg->ScatterObject({"x"}, 0), "x");
+  std::string s = "same";
+  pg->BroadcastObject(&s, 0);
+  EXPECT_EQ(s, "same");
+  ExpectInvalid([&] { pg->ScatterObject({"x", "y"}, 0); }, "src 0 passed 2 objects for a group of size 1");
+  pg->MonitoredBarrier(milliseconds(100), true);
+}
+
+// -------------------------------------------------------- monitored barrier ----
+
+DDP_TEST_WORKER(pg_monitored_ok) {
+  auto pg = testing::WorkerGroup();
+  for (int k = 0; k < 3; ++k) pg->MonitoredBarrier(milliseconds(5000), k % 2 == 1);
+  pg->MonitoredBarrier();  // the group's timeout
+  // Interleaved with collectives, in issue order.
+  Tensor t = nn::Ones({3});
+  Work w = pg->AllReduce(t);
+  pg->MonitoredBarrier(milliseconds(5000));
+  w.Wait();
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(3, pg->size()), "all-reduce");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupMonitoredBarrierTest, AllArrive) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_monitored_ok", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
+// MB_LATE: ranks that arrive MB_SLEEP_MS late; MB_TIMEOUT_MS; MB_WAIT_ALL;
+// MB_EXPECT: the text every rank's error must hold. Rank 0 (when on time)
+// must fail within the timeout plus 1 s; every rank must fail, none hang.
+DDP_TEST_WORKER(pg_monitored_late) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  std::set<int> late;
+  std::stringstream list(std::getenv("MB_LATE"));
+  for (std::string r; std::getline(list, r, ',');) late.insert(std::atoi(r.c_str()));
+  const milliseconds timeout(EnvInt("MB_TIMEOUT_MS", 1000));
+  const std::string expected = std::getenv("MB_EXPECT");
+  pg->Barrier().Wait();  // everyone is up: the lateness is the sleep below
+  if (late.count(me) > 0) std::this_thread::sleep_for(milliseconds(EnvInt("MB_SLEEP_MS", 2500)));
+  const auto start = Clock::now();
+  try {
+    pg->MonitoredBarrier(timeout, EnvInt("MB_WAIT_ALL", 0) != 0);
+    if (me == 0 && late.count(0) > 0) {
+      // Rank 0 came after the others gave up: it finds their messages and
+      // passes; its next collective fails with their reason.
+      pg->Barrier().Wait();
+    }
+    WORKER_EXPECT(false, "the monitored barrier passed with late ranks");
+  } catch (const DistributedError& e) {
+    const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    std::fprintf(stderr, "rank %d failed after %lld ms: %s\n", me, static_cast<long long>(ms), e.what());
+    WORKER_EXPECT(std::string(e.what()).find(expected) != std::string::npos, e.what());
+    if (me == 0 && late.count(0) == 0) {
+      WORKER_EXPECT(ms >= timeout.count() - 5 && ms < timeout.count() + 1000,
+                    "rank 0 failed after " + std::to_string(ms) + " ms");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupMonitoredBarrierTest, NamesTheFirstLateRank) {
+  // Ranks 1 and 2 are late; without wait_all_ranks only rank 1 is named.
+  auto run = RunWorkers("pg_monitored_late", 3,
+                        {{"MB_LATE", "1,2"},
+                         {"MB_EXPECT", "monitored barrier #1: rank 1 has not arrived within 1000 ms "
+                                       "(the first missing rank)"}},
+                        20000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ProcessGroupMonitoredBarrierTest, NamesTheOneLateRank) {
+  auto run = RunWorkers("pg_monitored_late", 3,
+                        {{"MB_LATE", "2"},
+                         {"MB_WAIT_ALL", "1"},
+                         {"MB_EXPECT", "rank 2 has not arrived within 1000 ms (waited for all ranks)"}},
+                        20000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesEveryLateRank) {
+  auto run = RunWorkers("pg_monitored_late", 3,
+                        {{"MB_LATE", "1,2"},
+                         {"MB_WAIT_ALL", "1"},
+                         {"MB_EXPECT", "ranks 1, 2 have not arrived within 1000 ms"}},
+                        20000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ProcessGroupMonitoredBarrierTest, LateRankZeroIsNamedByTheOthers) {
+  // Rank 0 comes 2.5 s late to a 500 ms barrier: rank 1 gives up after
+  // 2 x 500 ms + 1 s and says so; rank 0's next collective fails with that
+  // reason.
+  auto run = RunWorkers("pg_monitored_late", 2,
+                        {{"MB_LATE", "0"},
+                         {"MB_TIMEOUT_MS", "500"},
+                         {"MB_EXPECT", "rank 1 was not released by rank 0 within 2000 ms"}},
+                        20000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+}  // namespace
+}  // namespace ddp::dist
