@@ -8,10 +8,12 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "ddp/process_group.h"
@@ -37,6 +39,15 @@ std::vector<double> Pattern(int sender, int k, int64_t n) {
   std::vector<double> v(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) v[i] = (sender * 31 + k * 7 + i) % 97;
   return v;
+}
+
+// Runs `worker` on each of `world_sizes`; every rank must pass its checks.
+void ExpectWorkersPass(const std::string& worker, std::vector<int> world_sizes,
+                       std::vector<std::pair<std::string, std::string>> env = {}) {
+  for (int n : world_sizes) {
+    auto run = RunWorkers(worker, n, env, 20000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << " on " << n << " ranks\n" << testing::AllOutput(run);
+  }
 }
 
 // --------------------------------------------------------- point-to-point ----
@@ -120,12 +131,7 @@ DDP_TEST_WORKER(pg_p2p_ring) {
   return testing::WorkerExit();
 }
 
-TEST(ProcessGroupP2pTest, RingExchangeOnTwoAndThreeRanks) {
-  for (int n : {2, 3}) {
-    auto run = RunWorkers("pg_p2p_ring", n);
-    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
-  }
-}
+TEST(ProcessGroupP2pTest, RingExchangeOnTwoAndThreeRanks) { ExpectWorkersPass("pg_p2p_ring", {2, 3}); }
 
 // Rank 1 receives 10 floats where rank 0 sends 12: both ranks fail with one
 // message naming both sizes.
@@ -150,8 +156,7 @@ DDP_TEST_WORKER(pg_p2p_mismatch) {
 }
 
 TEST(ProcessGroupP2pTest, SizeMismatchNamesBothSizesOnBothRanks) {
-  auto run = RunWorkers("pg_p2p_mismatch", 2);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  ExpectWorkersPass("pg_p2p_mismatch", {2});
 }
 
 void ExpectInvalid(const std::function<void()>& call, const std::string& text) {
@@ -198,10 +203,7 @@ DDP_TEST_WORKER(pg_p2p_tag) {
   return testing::WorkerExit();
 }
 
-TEST(ProcessGroupP2pTest, ReservedTagsAreRefused) {
-  auto run = RunWorkers("pg_p2p_tag", 2);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
-}
+TEST(ProcessGroupP2pTest, ReservedTagsAreRefused) { ExpectWorkersPass("pg_p2p_tag", {2}); }
 
 // ----------------------------------------------------------------- objects ----
 
@@ -274,18 +276,12 @@ DDP_TEST_WORKER(pg_objects) {
   return testing::WorkerExit();
 }
 
-TEST(ProcessGroupObjectsTest, OneTwoAndThreeRanks) {
-  for (int n : {1, 2, 3}) {
-    auto run = RunWorkers("pg_objects", n);
-    EXPECT_TRUE(run.AllSucceeded()) << "ranks: " << n << "\n" << testing::AllOutput(run);
-  }
-}
+TEST(ProcessGroupObjectsTest, OneTwoAndThreeRanks) { ExpectWorkersPass("pg_objects", {1, 2, 3}); }
 
 // With DDP_DEBUG=detail the fingerprints leave lengths out, so different
 // lengths per rank are no desync.
 TEST(ProcessGroupObjectsTest, DebugModeAcceptsDifferentLengths) {
-  auto run = RunWorkers("pg_objects", 3, {{"DDP_DEBUG", "detail"}});
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  ExpectWorkersPass("pg_objects", {3}, {{"DDP_DEBUG", "detail"}});
 }
 
 TEST(ProcessGroupObjectsTest, SingleProcessGroup) {
@@ -315,12 +311,7 @@ DDP_TEST_WORKER(pg_monitored_ok) {
   return testing::WorkerExit();
 }
 
-TEST(ProcessGroupMonitoredBarrierTest, AllArrive) {
-  for (int n : {2, 3}) {
-    auto run = RunWorkers("pg_monitored_ok", n);
-    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
-  }
-}
+TEST(ProcessGroupMonitoredBarrierTest, AllArrive) { ExpectWorkersPass("pg_monitored_ok", {2, 3}); }
 
 // MB_LATE: ranks that arrive MB_SLEEP_MS late; MB_TIMEOUT_MS; MB_WAIT_ALL;
 // MB_EXPECT: the text every rank's error must hold. Rank 0 (when on time)
@@ -356,44 +347,37 @@ DDP_TEST_WORKER(pg_monitored_late) {
   return testing::WorkerExit();
 }
 
+// Runs pg_monitored_late on `n` ranks.
+void ExpectLateRanksReported(int n, const std::string& late, bool wait_all, int timeout_ms,
+                             const std::string& expected) {
+  ExpectWorkersPass("pg_monitored_late", {n},
+                    {{"MB_LATE", late},
+                     {"MB_WAIT_ALL", wait_all ? "1" : "0"},
+                     {"MB_TIMEOUT_MS", std::to_string(timeout_ms)},
+                     {"MB_EXPECT", expected}});
+}
+
 TEST(ProcessGroupMonitoredBarrierTest, NamesTheFirstLateRank) {
   // Ranks 1 and 2 are late; without wait_all_ranks only rank 1 is named.
-  auto run = RunWorkers("pg_monitored_late", 3,
-                        {{"MB_LATE", "1,2"},
-                         {"MB_EXPECT", "monitored barrier #1: rank 1 has not arrived within 1000 ms "
-                                       "(the first missing rank)"}},
-                        20000);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  ExpectLateRanksReported(
+      3, "1,2", false, 1000,
+      "monitored barrier #1: rank 1 has not arrived within 1000 ms (the first missing rank)");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, NamesTheOneLateRank) {
-  auto run = RunWorkers("pg_monitored_late", 3,
-                        {{"MB_LATE", "2"},
-                         {"MB_WAIT_ALL", "1"},
-                         {"MB_EXPECT", "rank 2 has not arrived within 1000 ms (waited for all ranks)"}},
-                        20000);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  ExpectLateRanksReported(3, "2", true, 1000,
+                          "rank 2 has not arrived within 1000 ms (waited for all ranks)");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesEveryLateRank) {
-  auto run = RunWorkers("pg_monitored_late", 3,
-                        {{"MB_LATE", "1,2"},
-                         {"MB_WAIT_ALL", "1"},
-                         {"MB_EXPECT", "ranks 1, 2 have not arrived within 1000 ms"}},
-                        20000);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  ExpectLateRanksReported(3, "1,2", true, 1000, "ranks 1, 2 have not arrived within 1000 ms");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, LateRankZeroIsNamedByTheOthers) {
   // Rank 0 comes 2.5 s late to a 500 ms barrier: rank 1 gives up after
   // 2 x 500 ms + 1 s and says so; rank 0's next collective fails with that
   // reason.
-  auto run = RunWorkers("pg_monitored_late", 2,
-                        {{"MB_LATE", "0"},
-                         {"MB_TIMEOUT_MS", "500"},
-                         {"MB_EXPECT", "rank 1 was not released by rank 0 within 2000 ms"}},
-                        20000);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  ExpectLateRanksReported(2, "0", false, 500, "rank 1 was not released by rank 0 within 2000 ms");
 }
 
 }  // namespace
