@@ -1,0 +1,56 @@
+// //examples:ddp_hello, run as a user runs it: 2 ranks, one epoch of the
+// real Fashion-MNIST, a checkpoint. It must learn (test accuracy well above
+// chance), count the whole test set once, and leave a checkpoint that loads
+// with the MLP's parameters; a checkpoint folder that does not exist fails
+// the run, and the ranks say which path.
+
+#include <cstdio>
+#include <string>
+
+#include "examples/testing/subprocess.h"
+#include "gtest/gtest.h"
+#include "nn/io/checkpoint.h"
+#include "nn/modules/models.h"
+
+namespace ddp::examples {
+namespace {
+
+using testing::RunOutput;
+using testing::RunToEnd;
+using testing::Runfile;
+
+TEST(DdpHelloTest, TrainsEvaluatesAndCheckpoints) {
+  const std::string path = testing::MakeTempDir("hello") + "/hello.safetensors";
+  const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--checkpoint=" + path});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  double loss = 0, accuracy = 0, images = 0;
+  int ranks = 0;
+  ASSERT_EQ(std::sscanf(r.out.c_str(), "[0] epoch 1: train loss %lf\n[0] test accuracy %lf%% (%d ranks, %lf images)",
+                        &loss, &accuracy, &ranks, &images), 4)
+      << r.out;
+  EXPECT_LT(loss, 0.7) << r.out;       // ln(10) = 2.30 at chance
+  EXPECT_GT(accuracy, 80.0) << r.out;  // one epoch of the MLP: about 85%
+  EXPECT_EQ(ranks, 2);
+  EXPECT_EQ(images, 10000);
+  EXPECT_NE(r.out.find("[0] checkpoint " + path), std::string::npos) << r.out;
+
+  const nn::io::Checkpoint checkpoint = nn::io::LoadCheckpoint(path);
+  auto model = nn::modules::MakeMlp();
+  model->LoadStateDict(checkpoint.model);  // throws on a missing or misshapen tensor
+}
+
+TEST(DdpHelloTest, CheckpointIntoAMissingFolderFailsTheRun) {
+  const std::string path = testing::MakeTempDir("hello_missing") + "/no/such/folder/h.safetensors";
+  const RunOutput r =
+      RunToEnd({Runfile("examples/ddp_hello"), "--epochs=0", "--checkpoint=" + path});
+  EXPECT_NE(r.exit_code, 0);
+  // Rank 1 learns rank 0's failure and says so; rank 0 may be stopped by
+  // the launcher before it prints once rank 1 has exited.
+  EXPECT_NE(r.err.find("[1] ddp_hello: SaveCheckpoint: rank 0 could not write " + path),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("[0] checkpoint"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace ddp::examples
