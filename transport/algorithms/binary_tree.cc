@@ -72,4 +72,15 @@ TreeNode ChainTree(int p, int root, int rank) {
   return node;
 }
 
+TreeNode BinomialTree(int p, int root, int rank) {
+  TreeNode node;
+  const int v = (rank - root + p) % p;
+  const int low = v & -v;  // 0 at the root
+  if (v > 0) node.parent = (v - low + root) % p;
+  for (int bit = 1; bit < p && (v == 0 || bit < low); bit <<= 1) {
+    if (v + bit < p) node.children.push_back((v + bit + root) % p);
+  }
+  return node;
+}
+
 }  // namespace ddp::transport::algorithms::internal

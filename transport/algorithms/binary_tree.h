@@ -24,7 +24,9 @@ namespace ddp::transport::algorithms::internal {
 /// One rank's place in a tree over ranks 0..p-1.
 struct TreeNode {
   int parent = -1;              ///< -1 at the root
-  std::vector<int> children;    ///< at most two, ascending
+  /// Binary trees: at most two, ascending. Binomial: up to log2 p, the
+  /// smallest subtree first.
+  std::vector<int> children;
 };
 
 /// The node of `rank` in the in-order tree over p ranks.
@@ -38,6 +40,13 @@ std::array<TreeNode, 2> DoubleBinaryTree(int p, int rank);
 /// each node sends once: the bandwidth-optimal shape for long messages).
 TreeNode HeapTree(int p, int root, int rank);
 TreeNode ChainTree(int p, int root, int rank);
+
+/// Binomial tree towards `root`, over ranks relabelled v = (rank - root)
+/// mod p: v's parent is v without its lowest set bit, its children are
+/// v + 2^k for each 2^k below that bit (every k at the root) while below p.
+/// Depth ceil(log2 p) for any p; the subtree of child v + 2^k holds 2^k
+/// ranks at most, so the first children finish first (reduce to a root).
+TreeNode BinomialTree(int p, int root, int rank);
 
 }  // namespace ddp::transport::algorithms::internal
 

@@ -10,13 +10,13 @@ namespace ddp::transport::algorithms::internal {
 namespace {
 
 // Checks that `nodes` (one per rank) form one tree: parent and child links
-// agree, at most two children, one root, every rank reachable from it.
-// Returns the depth (edges on the longest root-to-leaf path).
-int CheckTree(const std::vector<TreeNode>& nodes, const char* what) {
+// agree, at most `max_children` children, one root, every rank reachable
+// from it. Returns the depth (edges on the longest root-to-leaf path).
+int CheckTree(const std::vector<TreeNode>& nodes, const char* what, size_t max_children = 2) {
   const int p = static_cast<int>(nodes.size());
   int root = -1;
   for (int r = 0; r < p; ++r) {
-    EXPECT_LE(nodes[r].children.size(), 2u) << what << " p=" << p << " rank " << r;
+    EXPECT_LE(nodes[r].children.size(), max_children) << what << " p=" << p << " rank " << r;
     if (nodes[r].parent < 0) {
       EXPECT_EQ(root, -1) << what << " p=" << p << ": two roots";
       root = r;
@@ -87,6 +87,30 @@ TEST(BinaryTreeTest, BroadcastShapesFromEveryRoot) {
       EXPECT_EQ(chain[root].parent, -1);
     }
   }
+}
+
+TEST(BinaryTreeTest, BinomialTreesHaveLogDepthFromEveryRoot) {
+  for (int p = 1; p <= 17; ++p) {
+    int log2p = 0;  // ceil(log2 p)
+    while ((1 << log2p) < p) ++log2p;
+    for (int root = 0; root < p; ++root) {
+      std::vector<TreeNode> nodes(p);
+      for (int r = 0; r < p; ++r) nodes[r] = BinomialTree(p, root, r);
+      // Depth: the most set bits of any v < p (log2 p for powers of two).
+      const int depth = CheckTree(nodes, "binomial", static_cast<size_t>(log2p));
+      EXPECT_LE(depth, log2p) << "p=" << p << " root=" << root;
+      if ((p & (p - 1)) == 0) EXPECT_EQ(depth, log2p) << "p=" << p;
+      EXPECT_EQ(nodes[root].parent, -1);
+      EXPECT_EQ(static_cast<int>(nodes[root].children.size()), log2p) << "p=" << p;
+    }
+  }
+  // Six ranks, root 2 (relabelled 0..5 as ranks 2,3,4,5,0,1): 0 <- {1,2,4},
+  // 2 <- {3}, 4 <- {5}.
+  EXPECT_EQ(BinomialTree(6, 2, 2).children, (std::vector<int>{3, 4, 0}));
+  EXPECT_EQ(BinomialTree(6, 2, 4).children, (std::vector<int>{5}));
+  EXPECT_EQ(BinomialTree(6, 2, 0).children, (std::vector<int>{1}));
+  EXPECT_EQ(BinomialTree(6, 2, 1).parent, 0);
+  EXPECT_TRUE(BinomialTree(6, 2, 3).children.empty());
 }
 
 }  // namespace

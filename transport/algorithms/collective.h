@@ -79,7 +79,7 @@ struct CollectiveArgs {
   size_t count = 0;            ///< Elements, see the collective's header.
   DataType dtype = DataType::kF32;
   ReduceOp op = ReduceOp::kSum;  ///< Reductions only; kAvg divides by size().
-  int root = 0;                  ///< Rooted collectives only (broadcast).
+  int root = 0;                  ///< Rooted collectives only (broadcast, reduce, gather, scatter).
   p2p::Tag tag = 0;              ///< First tag; see CollectiveTag().
   Deadline deadline{};           ///< Every wait gives up here with TIMED_OUT.
   Tuning tuning;

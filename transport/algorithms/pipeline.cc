@@ -130,6 +130,10 @@ const char* KindName(int32_t kind) {
     case kBroadcastKind: return "broadcast";
     case kBarrierKind: return "barrier";
     case kDirectExchangeKind: return "direct exchange";
+    case kTreeReduceKind: return "tree reduce";
+    case kRingReduceKind: return "ring reduce";
+    case kGatherKind: return "gather";
+    case kScatterKind: return "scatter";
   }
   return "unknown collective";
 }

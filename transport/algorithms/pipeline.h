@@ -118,6 +118,10 @@ enum FingerprintKind : int32_t {
   kBroadcastKind = 7,
   kBarrierKind = 8,
   kDirectExchangeKind = 9,
+  kTreeReduceKind = 10,
+  kRingReduceKind = 11,
+  kGatherKind = 12,
+  kScatterKind = 13,
 };
 
 /// The fingerprint of `args` for a collective of `kind`.

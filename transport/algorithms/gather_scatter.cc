@@ -1,0 +1,136 @@
+#include "transport/algorithms/gather_scatter.h"
+
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "transport/algorithms/pipeline.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+// The checks both begin with: the block count fits, CheckArgs with the
+// root's whole buffer on the root, and (gather) the root's send either is
+// its block of recv or lies outside recv.
+Status CheckRootedArgs(const char* what, p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                       bool gather) {
+  const int p = p2p.size();
+  const bool is_root = p2p.rank() == args.root;
+  if (args.count > std::numeric_limits<size_t>::max() / p) {
+    return InvalidArgumentError(std::string(what) + ": count " + std::to_string(args.count) +
+                                " times " + std::to_string(p) + " ranks overflows");
+  }
+  internal::BufferShape shape;
+  shape.uses_root = true;
+  if (gather) {
+    shape.send_elems = args.count;
+    shape.recv_elems = is_root ? args.count * p : 0;
+    shape.recv_alias_offset = -2;  // checked below
+  } else {
+    shape.send_elems = is_root ? args.count * p : 0;
+    shape.needs_send = is_root;
+    shape.recv_elems = args.count;
+    shape.recv_alias_offset =
+        is_root ? static_cast<int64_t>(args.root * args.count * DataTypeSize(args.dtype)) : -1;
+  }
+  DDP_RETURN_IF_ERROR(internal::CheckArgs(what, p2p, args, shape));
+  if (gather && is_root && args.count > 0) {
+    const size_t es = DataTypeSize(args.dtype);
+    const auto send = reinterpret_cast<uintptr_t>(args.send);
+    const auto recv = reinterpret_cast<uintptr_t>(args.recv);
+    const uintptr_t own = recv + args.root * args.count * es;
+    if (send != own && send < recv + p * args.count * es && recv < send + args.count * es) {
+      return InvalidArgumentError(std::string(what) +
+                                  ": send overlaps recv other than at the root's block (in-place "
+                                  "needs send == recv + root * count)");
+    }
+  }
+  return Status();
+}
+
+}  // namespace
+
+Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  constexpr const char* kWhat = "gather";
+  DDP_RETURN_IF_ERROR(CheckRootedArgs(kWhat, p2p, args, /*gather=*/true));
+  const internal::Fingerprint fingerprint =
+      internal::MakeFingerprint(args, internal::kGatherKind, /*uses_op=*/false, /*uses_root=*/true);
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, kWhat, fingerprint,
+                                    {{tag, internal::OtherRanks(p2p)}});
+  }
+  const int p = p2p.size(), r = p2p.rank();
+  const size_t bytes = args.count * DataTypeSize(args.dtype);
+  auto* recv = static_cast<unsigned char*>(args.recv);
+  if (p == 1) {
+    if (recv != args.send) std::memmove(recv, args.send, bytes);
+    return Status();
+  }
+
+  internal::Requests requests(p2p, args.deadline);
+  internal::PeerCheck check(kWhat, fingerprint);
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  if (r != args.root) {
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
+    DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), args.send, bytes).status());
+    return requests.WaitAll(kWhat);
+  }
+  std::vector<p2p::RequestId> ids;
+  std::vector<int> from;
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + i) % p;
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, q};
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                         requests.Recv(where, internal::StepTag(tag, 0), recv + q * bytes, bytes));
+    ids.push_back(id);
+    from.push_back(q);
+  }
+  // The own block while the others arrive.
+  if (recv + r * bytes != args.send) std::memcpy(recv + r * bytes, args.send, bytes);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, from[i]};
+    DDP_RETURN_IF_ERROR(requests.Wait(ids[i], where));
+  }
+  return requests.WaitAll(kWhat);
+}
+
+Status Scatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  constexpr const char* kWhat = "scatter";
+  DDP_RETURN_IF_ERROR(CheckRootedArgs(kWhat, p2p, args, /*gather=*/false));
+  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
+      args, internal::kScatterKind, /*uses_op=*/false, /*uses_root=*/true);
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  if (args.count == 0) {
+    return internal::CheckEmptyCall(p2p, args.deadline, kWhat, fingerprint,
+                                    {{tag, internal::OtherRanks(p2p)}});
+  }
+  const int p = p2p.size(), r = p2p.rank();
+  const size_t bytes = args.count * DataTypeSize(args.dtype);
+  const auto* send = static_cast<const unsigned char*>(args.send);
+  if (p == 1) {
+    if (args.recv != send) std::memmove(args.recv, send, bytes);
+    return Status();
+  }
+
+  internal::Requests requests(p2p, args.deadline);
+  internal::PeerCheck check(kWhat, fingerprint);
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  if (r != args.root) {
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, args.root};
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                         requests.Recv(where, internal::StepTag(tag, 0), args.recv, bytes));
+    DDP_RETURN_IF_ERROR(requests.Wait(id, where));
+    return requests.WaitAll(kWhat);
+  }
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + i) % p;
+    internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, q};
+    DDP_RETURN_IF_ERROR(
+        requests.Send(where, internal::StepTag(tag, 0), send + q * bytes, bytes).status());
+  }
+  if (args.recv != send + r * bytes) std::memcpy(args.recv, send + r * bytes, bytes);
+  return requests.WaitAll(kWhat);
+}
+
+}  // namespace ddp::transport::algorithms

@@ -1,0 +1,199 @@
+#include "transport/algorithms/rooted_reduce.h"
+
+#include <cstring>
+#include <vector>
+
+#include "transport/algorithms/binary_tree.h"
+#include "transport/algorithms/pipeline.h"
+#include "transport/algorithms/ring.h"
+#include "transport/reduce/reduce.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+// The tree is chosen for short vectors: chunks small enough that a few
+// levels pipeline, as in the tree all-reduce.
+constexpr size_t kTreeReduceChunkBytes = 64 << 10;
+constexpr int kTreeReduceDepth = 4;
+
+// How every reduce begins: CheckArgs, the fingerprint, and the calls that
+// end right here (count 0, whose arguments are still proven against every
+// rank, and a world of one rank, whose result is a copy).
+struct ReduceStart {
+  Status status;
+  bool finished = false;
+  internal::Fingerprint fingerprint;
+};
+
+ReduceStart StartReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                        internal::FingerprintKind kind, const char* what) {
+  ReduceStart start;
+  internal::BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = p2p.rank() == args.root ? args.count : 0;
+  shape.uses_root = true;
+  shape.uses_op = true;
+  start.status = internal::CheckArgs(what, p2p, args, shape);
+  if (!start.status.ok()) {
+    start.finished = true;
+    return start;
+  }
+  start.fingerprint = internal::MakeFingerprint(args, kind, /*uses_op=*/true, /*uses_root=*/true);
+  if (args.count == 0) {
+    start.finished = true;
+    start.status = internal::CheckEmptyCall(p2p, args.deadline, what, start.fingerprint,
+                                            {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+  } else if (p2p.size() == 1) {
+    start.finished = true;
+    if (args.recv != args.send) {
+      std::memmove(args.recv, args.send, args.count * DataTypeSize(args.dtype));
+    }
+  }
+  return start;
+}
+
+}  // namespace
+
+// Shapes: send [count] on every rank, recv [count] on the root. Chunk c of
+// a rank's partial result is its input chunk folded with the same chunk
+// from each child, in child order; it then goes to the parent (the root
+// keeps it in recv). Receives run `depth` chunks ahead per child.
+Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  constexpr const char* kWhat = "tree reduce";
+  const ReduceStart start = StartReduce(p2p, args, internal::kTreeReduceKind, kWhat);
+  if (start.finished) return start.status;
+  const int p = p2p.size(), r = p2p.rank();
+  const bool is_root = r == args.root;
+  const size_t es = DataTypeSize(args.dtype);
+  const auto* send = static_cast<const unsigned char*>(args.send);
+
+  const size_t ce = internal::ChunkElems(args, kTreeReduceChunkBytes);
+  const size_t depth = static_cast<size_t>(internal::PipelineDepth(args, kTreeReduceDepth));
+  const size_t k = (args.count + ce - 1) / ce;
+  const internal::TreeNode node = internal::BinomialTree(p, args.root, r);
+  const size_t children = node.children.size();
+  const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);
+  auto chunk_n = [&](size_t c) { return std::min(ce, args.count - c * ce); };
+
+  // Per child, `depth` chunk slots; an inner rank's partial results live in
+  // a whole-vector buffer, as each stays there until its send to the
+  // parent completes. The root folds into recv; a leaf sends its input.
+  const size_t slot_elems = std::min(ce, args.count);
+  const size_t slots_bytes = children * depth * slot_elems * es;
+  const bool own_partial = !is_root && children > 0;
+  internal::Scratch scratch(slots_bytes + (own_partial ? args.count * es : 0));
+  unsigned char* partial =
+      is_root ? static_cast<unsigned char*>(args.recv) : scratch.data() + slots_bytes;
+  auto slot = [&](size_t i, size_t c) {
+    return scratch.data() + ((i * depth) + c % depth) * slot_elems * es;
+  };
+
+  internal::Requests requests(p2p, args.deadline);
+  // Each rank checks its ring predecessor's arguments before its first
+  // wait: unlike the tree, the ring does not depend on the root, so ranks
+  // that disagree on it are caught too.
+  internal::PeerCheck check(kWhat, start.fingerprint);
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+
+  std::vector<p2p::RequestId> ids(children * depth, 0);
+  auto post = [&](size_t c) -> Status {
+    if (c >= k) return Status();
+    for (size_t i = 0; i < children; ++i) {
+      internal::Where where{kWhat, 0, 0, c, false, node.children[i]};
+      DDP_ASSIGN_OR_RETURN(ids[i * depth + c % depth],
+                           requests.Recv(where, internal::StepTag(tag, c), slot(i, c),
+                                         chunk_n(c) * es));
+    }
+    return Status();
+  };
+  for (size_t c = 0; c < depth; ++c) DDP_RETURN_IF_ERROR(post(c));
+  for (size_t c = 0; c < k; ++c) {
+    const size_t n = chunk_n(c);
+    const unsigned char* mine = send + c * ce * es;
+    unsigned char* out = children > 0 ? partial + c * ce * es : nullptr;
+    const unsigned char* result = mine;
+    for (size_t i = 0; i < children; ++i) {
+      internal::Where where{kWhat, 0, 0, c, false, node.children[i]};
+      DDP_RETURN_IF_ERROR(requests.Wait(ids[i * depth + c % depth], where));
+      reduce_fn(out, result, slot(i, c), n);
+      result = out;
+    }
+    DDP_RETURN_IF_ERROR(post(c + depth));  // the slots of chunk c are free again
+    if (node.parent >= 0) {
+      internal::Where where{kWhat, 0, 0, c, true, node.parent};
+      DDP_RETURN_IF_ERROR(
+          requests.Send(where, internal::StepTag(tag, c), result, n * es).status());
+    } else if (args.op == ReduceOp::kAvg) {
+      reduce::DivideInPlace(args.dtype, out, n, p);
+    }
+  }
+  return requests.WaitAll(kWhat);
+}
+
+// Shapes: send [count] on every rank, split into p blocks (BlockLayout);
+// rank q ends the reduce-scatter with block q reduced, and the root gathers
+// the blocks into recv. The root's own block is reduced straight into its
+// place in recv (in place when send == recv).
+Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+  constexpr const char* kWhat = "ring reduce";
+  const ReduceStart start = StartReduce(p2p, args, internal::kRingReduceKind, kWhat);
+  if (start.finished) return start.status;
+  const int p = p2p.size(), r = p2p.rank();
+  const bool is_root = r == args.root;
+  const size_t es = DataTypeSize(args.dtype);
+  const internal::BlockLayout layout{args.count, p};
+  auto* recv = static_cast<unsigned char*>(args.recv);
+
+  // Off the root, this rank's block is kept here between the two phases.
+  // Not the per-thread Scratch arena: the reduce-scatter takes that one.
+  thread_local std::vector<unsigned char> block_buffer;
+  unsigned char* block = recv + layout.offset(r) * es;
+  if (!is_root) {
+    if (block_buffer.size() < layout.size(r) * es) block_buffer.resize(layout.size(r) * es);
+    block = block_buffer.data();
+  }
+
+  internal::RingParams params;
+  params.dtype = args.dtype;
+  params.op = args.op;
+  params.tag = PhaseTag(args.tag, 0);
+  params.deadline = args.deadline;
+  params.fingerprint = &start.fingerprint;
+  params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
+  params.depth = internal::PipelineDepth(args, internal::kRingDepth);
+  params.what = "ring reduce (reduce-scatter)";
+  DDP_RETURN_IF_ERROR(internal::RingReduceScatterBlocks(p2p, args.send, block, layout, params));
+  // Every rank divides its own block: p divisions of N/p at once.
+  if (args.op == ReduceOp::kAvg) reduce::DivideInPlace(args.dtype, block, layout.size(r), p);
+
+  constexpr const char* kGatherWhat = "ring reduce (gather to the root)";
+  const p2p::Tag tag = PhaseTag(args.tag, 1);
+  internal::Requests requests(p2p, args.deadline);
+  if (is_root) {
+    for (int q = 0; q < p; ++q) {
+      if (q == r || layout.size(q) == 0) continue;
+      internal::Where where{kGatherWhat, 0, 0, internal::Where::kNoChunk, false, q};
+      DDP_RETURN_IF_ERROR(requests
+                              .Recv(where, internal::StepTag(tag, 0), recv + layout.offset(q) * es,
+                                    layout.size(q) * es)
+                              .status());
+    }
+  } else if (layout.size(r) > 0) {
+    internal::Where where{kGatherWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
+    DDP_RETURN_IF_ERROR(
+        requests.Send(where, internal::StepTag(tag, 0), block, layout.size(r) * es).status());
+  }
+  return requests.WaitAll(kGatherWhat);
+}
+
+Status Reduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm algorithm) {
+  if (algorithm == Algorithm::kTree) return TreeReduce(p2p, args);
+  if (algorithm == Algorithm::kRing) return RingReduce(p2p, args);
+  const size_t es = DataTypeSize(args.dtype);
+  const bool short_vector =
+      es == 0 || args.count <= kTreeReduceMaxBytes / es;  // es 0: TreeReduce names the dtype
+  return short_vector ? TreeReduce(p2p, args) : RingReduce(p2p, args);
+}
+
+}  // namespace ddp::transport::algorithms

@@ -1,0 +1,48 @@
+#ifndef DDP_TRANSPORT_ALGORITHMS_ROOTED_REDUCE_H_
+#define DDP_TRANSPORT_ALGORITHMS_ROOTED_REDUCE_H_
+
+// Reduce to one rank (MPI_Reduce, ncclReduce): args.recv on args.root gets
+// op over ranks of args.send (args.count elements; kAvg divided by size()).
+// args.recv is ignored elsewhere (it may be null); on the root send may
+// equal recv (in place). Two algorithms:
+//
+//   TreeReduce: a binomial tree towards the root, pipelined in chunks. Depth
+//     ceil(log2 p), so few message latencies for short vectors; but the root
+//     receives the whole vector from each of its log2 p children.
+//   RingReduce: a ring reduce-scatter (every rank ends with one reduced
+//     block), then every rank sends its block to the root. Each link carries
+//     about 2N(p-1)/p and every rank reduces only (p-1)/p of a block per
+//     step, so long vectors go at link speed; but 2(p-1)ish latencies.
+//
+// Both check each rank's arguments (count, dtype, op, root, algorithm)
+// against its ring predecessor's before the first wait, independent of the
+// root, so ranks that disagree on the root fail too.
+
+#include <cstddef>
+
+#include "transport/algorithms/collective.h"
+#include "transport/p2p/point_to_point.h"
+#include "transport/status.h"
+#include "transport/types.h"
+
+namespace ddp::transport::algorithms {
+
+/// Reduce messages up to this many bytes go up the binomial tree, longer
+/// ones around the ring (Reduce with kAuto). Measured over UCX on one host,
+/// 2 and 4 ranks (docs/benchmarks.md, rooted collectives).
+inline constexpr size_t kTreeReduceMaxBytes = 64 << 10;
+
+/// Binomial tree reduce. Uses phase 0 of the tag range.
+Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);
+
+/// Ring reduce-scatter, then each rank's block to the root. Uses phases 0
+/// and 1 of the tag range.
+Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);
+
+/// kTree or kRing as asked; kAuto (or any other value) chooses by size
+/// (kTreeReduceMaxBytes). Equal on every rank.
+Status Reduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm algorithm);
+
+}  // namespace ddp::transport::algorithms
+
+#endif  // DDP_TRANSPORT_ALGORITHMS_ROOTED_REDUCE_H_

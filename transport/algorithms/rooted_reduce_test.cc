@@ -1,0 +1,277 @@
+#include "transport/algorithms/rooted_reduce.h"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "transport/p2p/loopback.h"
+#include "transport/testing/collective_values.h"
+#include "transport/testing/thread_harness.h"
+
+namespace ddp::transport::algorithms {
+namespace {
+
+using namespace std::chrono_literals;
+using ::ddp::transport::testing::Compare;
+using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::Expectations;
+using ::ddp::transport::testing::RunRanks;
+using ::testing::HasSubstr;
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
+                                  DataType::kBF16, DataType::kI32, DataType::kI64,
+                                  DataType::kU8};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin,
+                                ReduceOp::kProd};
+
+struct Case {
+  int world = 1;
+  int root = 0;
+  size_t count = 0;
+  DataType dtype = DataType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  Algorithm algorithm = Algorithm::kAuto;
+  bool in_place = false;
+  size_t chunk_bytes = 0;
+  std::string Describe() const {
+    return "world=" + std::to_string(world) + " root=" + std::to_string(root) +
+           " count=" + std::to_string(count) + " " + DataTypeName(dtype) + " " +
+           ReduceOpName(op) + " " + AlgorithmName(algorithm) + (in_place ? " in-place" : "") +
+           " chunk=" + std::to_string(chunk_bytes);
+  }
+};
+
+// Every rank reduces Contributions to the root; the root's recv must equal
+// the closed form bit for bit and nothing past it may change; the other
+// ranks pass a null recv and must leave their send untouched.
+void Check(const Case& c) {
+  const size_t es = DataTypeSize(c.dtype);
+  const std::vector<unsigned char> want = Expectations(c.op, c.dtype, c.world, c.count);
+  std::vector<std::string> wrong(c.world);
+  auto statuses = RunRanks(c.world, [&](p2p::PointToPoint& p2p) -> Status {
+    const int r = p2p.rank();
+    const std::vector<unsigned char> input = Contributions(c.op, c.dtype, r, c.count);
+    std::vector<unsigned char> send(input);
+    send.push_back(0x5A);
+    std::vector<unsigned char> recv(c.count * es + 1, 0x5A);
+    const bool is_root = r == c.root;
+    CollectiveArgs args;
+    args.send = is_root && c.in_place ? recv.data() : send.data();
+    if (is_root && c.in_place && c.count > 0) std::memcpy(recv.data(), input.data(), c.count * es);
+    args.recv = is_root ? recv.data() : nullptr;
+    args.count = c.count;
+    args.dtype = c.dtype;
+    args.op = c.op;
+    args.root = c.root;
+    args.deadline = DeadlineIn(30s);
+    args.tuning.chunk_bytes = c.chunk_bytes;
+    DDP_RETURN_IF_ERROR(Reduce(p2p, args, c.algorithm));
+    if (is_root) {
+      wrong[r] = Compare(c.dtype, recv.data(), want.data(), c.count);
+      if (recv[c.count * es] != 0x5A) wrong[r] = "wrote past the end of recv";
+    }
+    if (!c.in_place || !is_root) {
+      if (Compare(c.dtype, send.data(), input.data(), c.count) != "" || send.back() != 0x5A) {
+        wrong[r] = "changed its send buffer";
+      }
+    }
+    return Status();
+  });
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << c.Describe() << " rank " << r << ": " << statuses[r];
+    EXPECT_EQ(wrong[r], "") << c.Describe() << " rank " << r;
+  }
+}
+
+class ReduceWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReduceWorldTest, EveryRootCountAndAlgorithm) {
+  const int world = GetParam();
+  for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing, Algorithm::kAuto}) {
+    for (int root = 0; root < world; ++root) {
+      for (size_t count : {size_t{0}, size_t{1}, static_cast<size_t>(world - 1),
+                           static_cast<size_t>(world + 2), size_t{37}}) {
+        // Default chunks: one chunk. 8-byte chunks: many, through the
+        // pipelined paths.
+        for (size_t chunk : {size_t{0}, size_t{8}}) {
+          Check({.world = world, .root = root, .count = count, .dtype = DataType::kF32,
+                 .op = ReduceOp::kSum, .algorithm = algorithm, .in_place = root % 2 == 1,
+                 .chunk_bytes = chunk});
+        }
+      }
+    }
+  }
+}
+
+TEST_P(ReduceWorldTest, EveryTypeAndOp) {
+  const int world = GetParam();
+  for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
+    for (DataType dtype : kAllTypes) {
+      for (ReduceOp op : kAllOps) {
+        Check({.world = world, .root = world / 2, .count = 19, .dtype = dtype, .op = op,
+               .algorithm = algorithm, .in_place = false, .chunk_bytes = 4});
+        Check({.world = world, .root = world - 1, .count = 19, .dtype = dtype, .op = op,
+               .algorithm = algorithm, .in_place = true, .chunk_bytes = 0});
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ReduceWorldTest,
+                         ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8, 9, 16));
+
+TEST(ReduceTest, LargeVectors) {
+  // Across the automatic switch point, both sides.
+  const size_t just_over = kTreeReduceMaxBytes / 4 + 1;
+  Check({.world = 5, .root = 3, .count = just_over, .op = ReduceOp::kAvg});
+  Check({.world = 3, .root = 0, .count = kTreeReduceMaxBytes / 4, .op = ReduceOp::kMax,
+         .in_place = true});
+  Check({.world = 4, .root = 1, .count = (1 << 20) + 3, .algorithm = Algorithm::kRing});
+  Check({.world = 4, .root = 2, .count = (1 << 18) + 1, .dtype = DataType::kBF16,
+         .algorithm = Algorithm::kTree, .in_place = true});
+}
+
+TEST(ReduceTest, RootOutOfRangeIsNamedOnEveryRank) {
+  for (int root : {3, -1}) {
+    auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<float> buf(4);
+      CollectiveArgs args;
+      args.send = buf.data();
+      args.recv = buf.data();
+      args.count = buf.size();
+      args.root = root;
+      args.deadline = DeadlineIn(5s);
+      return Reduce(p2p, args, Algorithm::kAuto);
+    });
+    for (const Status& s : statuses) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+      EXPECT_THAT(s.message(),
+                  HasSubstr("reduce: root " + std::to_string(root) + " is outside [0, 3)"));
+    }
+  }
+}
+
+TEST(ReduceTest, NullBuffersAreNamedWhereTheyMatter) {
+  auto statuses = RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> buf(4);
+    CollectiveArgs args;
+    args.send = p2p.rank() == 1 ? nullptr : buf.data();
+    args.recv = nullptr;  // wrong on the root only
+    args.count = buf.size();
+    args.deadline = DeadlineIn(5s);
+    return Reduce(p2p, args, Algorithm::kTree);
+  });
+  EXPECT_THAT(statuses[0].message(), HasSubstr("recv buffer is null"));
+  EXPECT_THAT(statuses[1].message(), HasSubstr("send buffer is null"));
+}
+
+TEST(ReduceTest, PartialOverlapOnTheRootIsRefused) {
+  auto statuses = RunRanks(1, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> buf(8);
+    CollectiveArgs args;
+    args.send = buf.data();
+    args.recv = buf.data() + 1;
+    args.count = 4;
+    args.deadline = DeadlineIn(5s);
+    return Reduce(p2p, args, Algorithm::kAuto);
+  });
+  EXPECT_THAT(statuses[0].message(), HasSubstr("partially overlap"));
+}
+
+// A rank passing another count, or another root, fails at once (its ring
+// successor names both values), not at the deadline.
+TEST(ReduceTest, RanksDisagreeingOnCountOrRootFailFast) {
+  for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
+    for (bool root_differs : {false, true}) {
+      const auto deadline = DeadlineIn(10s);
+      auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+        std::vector<float> send(64, 1.0f), recv(64);
+        CollectiveArgs args;
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = !root_differs && p2p.rank() == 2 ? 48 : 64;
+        args.root = root_differs && p2p.rank() == 2 ? 1 : 0;
+        args.deadline = deadline;
+        args.tuning.chunk_bytes = 16;
+        return Reduce(p2p, args, algorithm);
+      });
+      const std::string what = std::string(AlgorithmName(algorithm)) +
+                               (root_differs ? " root" : " count");
+      EXPECT_LT(Clock::now() + 8s, deadline) << what;
+      EXPECT_FALSE(statuses[2].ok()) << what;
+      int named = 0;
+      for (const Status& s : statuses) named += s.message().find("disagree") != std::string::npos;
+      EXPECT_GT(named, 0) << what;
+      EXPECT_FALSE(statuses[0].ok()) << what << ": the root returned " << statuses[0];
+    }
+  }
+}
+
+TEST(ReduceTest, EmptyCallOnOneRankFailsFast) {
+  const auto deadline = DeadlineIn(10s);
+  auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> buf(16, 1.0f);
+    CollectiveArgs args;
+    args.send = buf.data();
+    args.recv = buf.data();
+    args.count = p2p.rank() == 1 ? 0 : buf.size();
+    args.deadline = deadline;
+    return Reduce(p2p, args, Algorithm::kAuto);
+  });
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  EXPECT_FALSE(statuses[1].ok());
+  EXPECT_FALSE(statuses[0].ok());
+}
+
+TEST(ReduceTest, KilledRankFailsTheRoot) {
+  for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
+    p2p::LoopbackHub hub(5);
+    const auto deadline = DeadlineIn(20s);
+    auto statuses = RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+      if (p2p.rank() == 3) {
+        std::this_thread::sleep_for(50ms);
+        hub.Kill(3);
+        return AbortedError("killed");
+      }
+      std::vector<float> send(1000, 1.0f), recv(1000);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = recv.data();
+      args.count = send.size();
+      args.deadline = deadline;
+      args.tuning.chunk_bytes = 64;
+      return Reduce(p2p, args, algorithm);
+    });
+    EXPECT_LT(Clock::now() + 15s, deadline);
+    EXPECT_TRUE(statuses[0].code() == StatusCode::kPeerLost ||
+                statuses[0].code() == StatusCode::kTimedOut)
+        << AlgorithmName(algorithm) << ": " << statuses[0];
+  }
+}
+
+TEST(ReduceTest, AbsentRankTimesOutAtTheDeadline) {
+  p2p::LoopbackHub hub(3);
+  const auto started = Clock::now();
+  auto statuses = RunRanks(
+      hub,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        if (p2p.rank() == 2) return Status();  // never calls
+        std::vector<float> buf(100, 1.0f), out(100);
+        CollectiveArgs args;
+        args.send = buf.data();
+        args.recv = out.data();
+        args.count = buf.size();
+        args.deadline = DeadlineIn(300ms);
+        return Reduce(p2p, args, Algorithm::kTree);
+      },
+      {.kill_on_error = false});
+  EXPECT_LT(Clock::now() - started, 5s);
+  EXPECT_EQ(statuses[0].code(), StatusCode::kTimedOut) << statuses[0];
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms
