@@ -99,7 +99,9 @@ TEST(BinaryTreeTest, BinomialTreesHaveLogDepthFromEveryRoot) {
       // Depth: the most set bits of any v < p (log2 p for powers of two).
       const int depth = CheckTree(nodes, "binomial", static_cast<size_t>(log2p));
       EXPECT_LE(depth, log2p) << "p=" << p << " root=" << root;
-      if ((p & (p - 1)) == 0) EXPECT_EQ(depth, log2p) << "p=" << p;
+      if ((p & (p - 1)) == 0) {
+        EXPECT_EQ(depth, log2p) << "p=" << p;
+      }
       EXPECT_EQ(nodes[root].parent, -1);
       EXPECT_EQ(static_cast<int>(nodes[root].children.size()), log2p) << "p=" << p;
     }
