@@ -48,6 +48,7 @@ struct alignas(128) ShmAllReduce::Control {
     int32_t dtype;
     int32_t op;
     int32_t kind;     // ShmAllReduce::Kind (op holds the root of a broadcast)
+    int32_t root;     // reduce, gather, scatter; -1 otherwise
   } args[2];
 };
 
@@ -346,32 +347,44 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
 }
 
 Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op,
-                                    Kind kind) const {
-  auto describe = [](size_t n, DataType t, int32_t o, int32_t k) {
+                                    Kind kind, int32_t root) const {
+  auto describe = [](size_t n, DataType t, int32_t o, int32_t k, int32_t from) {
     const std::string what = "count " + std::to_string(n) + " " + DataTypeName(t);
+    const std::string to_root = " to root " + std::to_string(from);
     if (k == static_cast<int32_t>(Kind::kBroadcast)) return "broadcast " + what + " from root " + std::to_string(o);
     if (k == static_cast<int32_t>(Kind::kAllToAll)) return "all-to-all " + what;
+    if (k == static_cast<int32_t>(Kind::kGather)) return "gather " + what + to_root;
+    if (k == static_cast<int32_t>(Kind::kScatter)) return "scatter " + what + " from root " + std::to_string(from);
+    if (k == static_cast<int32_t>(Kind::kReduce)) {
+      return "reduce " + what + " " + ReduceOpName(static_cast<ReduceOp>(o)) + to_root;
+    }
     return what + " " + ReduceOpName(static_cast<ReduceOp>(o)) +
            (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)" : "");
   };
   for (int peer = 0; peer < options_.size; ++peer) {
     const Control::Args& theirs = control(peer).args[call % 2];
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) || theirs.op != op ||
-        theirs.kind != static_cast<int32_t>(kind)) {
+        theirs.kind != static_cast<int32_t>(kind) || theirs.root != root) {
       const std::string collective = kind == Kind::kBroadcast  ? "broadcast"
                                      : kind == Kind::kAllToAll ? "all-to-all"
+                                     : kind == Kind::kReduce   ? "reduce"
+                                     : kind == Kind::kGather   ? "gather"
+                                     : kind == Kind::kScatter  ? "scatter"
                                                                : "all-reduce";
       return InvalidArgumentError(
           collective + " arguments differ across ranks: " + RankName(options_.rank) + " passed " +
-          describe(count, dtype, op, static_cast<int32_t>(kind)) + ", " + RankName(peer) +
-          " passed " + describe(theirs.count, static_cast<DataType>(theirs.dtype), theirs.op, theirs.kind));
+          describe(count, dtype, op, static_cast<int32_t>(kind), root) + ", " + RankName(peer) +
+          " passed " +
+          describe(theirs.count, static_cast<DataType>(theirs.dtype), theirs.op, theirs.kind,
+                   theirs.root));
     }
   }
   return Status::Ok();
 }
 
 StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t count,
-                                        DataType dtype, int32_t op, Kind kind, Deadline deadline,
+                                        DataType dtype, int32_t op, Kind kind, int32_t root,
+                                        Deadline deadline,
                                         const std::function<Status(Deadline, int)>& watchdog) {
   const uint64_t s = ++sequence_;
   Control::Args& args = control(options_.rank).args[s % 2];
@@ -381,9 +394,10 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.dtype = static_cast<int32_t>(dtype);
   args.op = op;
   args.kind = static_cast<int32_t>(kind);
+  args.root = root;
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
-  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind));
+  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root));
   return s;
 }
 
@@ -404,7 +418,7 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
     // The staging buffer of call s is written before the call is announced.
     if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
     DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
-                               Kind::kAllReduce, deadline, watchdog)
+                               Kind::kAllReduce, -1, deadline, watchdog)
                             .status());
     if (staged) return StagedAllReduce(recv, count, dtype, op);
     size_t begin, end;
@@ -422,7 +436,7 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
     // The ranks compare the op they were given; avg reduces as sum here,
     // and the slice function divides (only it knows by how many).
     DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
-                               Kind::kThrough, deadline, watchdog)
+                               Kind::kThrough, -1, deadline, watchdog)
                             .status());
     const ReduceOp fold = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     const size_t elem = DataTypeSize(dtype);
@@ -448,7 +462,7 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
 Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op) {
   const uint64_t s = sequence_;
   const size_t bytes = count * DataTypeSize(dtype);
-  if (bytes > 0) {
+  if (bytes > 0 && recv != nullptr) {
     const reduce::ReduceFn fn = reduce::GetReduceFn(dtype, op);
     if (options_.size == 1) {
       std::memcpy(recv, staging(0, s), bytes);
@@ -473,7 +487,7 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
 // (inputs readable), all finished (every slice written everywhere, every
 // input read).
 Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, size_t end,
-                                 DataType dtype, ReduceOp op, bool share) {
+                                 DataType dtype, ReduceOp op, bool share, int to_root) {
   const int me = options_.rank;
   const uint64_t s = sequence_;
   const size_t elem = DataTypeSize(dtype);
@@ -481,9 +495,13 @@ Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, siz
   char* out = static_cast<char*>(recv);
   const char* in = static_cast<const char*>(send);
   const size_t chunk_elems = std::max<size_t>(1, chunk_.size() / elem);
+  // A reduce's ranks other than the root fold each chunk here, then write
+  // it into the root's output.
+  const bool to_peer = to_root >= 0 && to_root != me;
+  if (to_peer && folded_.size() < chunk_.size()) folded_.resize(chunk_.size());
   for (size_t a = begin; a < end; a += chunk_elems) {
     const size_t n = std::min(chunk_elems, end - a);
-    char* here = out + a * elem;
+    char* here = to_peer ? folded_.data() : out + a * elem;
     const char* first = in + a * elem;
     // Peers in rank order, so that every chunk is folded in one fixed order.
     const int last_peer = me == options_.size - 1 ? options_.size - 2 : options_.size - 1;
@@ -506,6 +524,10 @@ Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, siz
     }
     if (options_.size == 1 && first != here) std::memcpy(here, first, n * elem);
     if (share) DDP_RETURN_IF_ERROR(ShareSlice(recv, a, a + n, elem));
+    if (to_peer) {
+      DDP_RETURN_IF_ERROR(
+          WriteToPeer(to_root, here, control(to_root).args[s % 2].dst + a * elem, n * elem));
+    }
   }
   return Status::Ok();
 }
@@ -634,7 +656,7 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     const bool is_root = options_.rank == root;
     if (staged && is_root && bytes > 0) std::memcpy(staging(root, sequence_ + 1), buffer, bytes);
     DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(buffer, buffer, count, dtype, root,
-                                                  Kind::kBroadcast, deadline, watchdog));
+                                                  Kind::kBroadcast, -1, deadline, watchdog));
     if (!is_root && bytes > 0) {
       if (staged) {
         std::memcpy(buffer, staging(root, s), bytes);
@@ -673,7 +695,7 @@ Status ShmAllReduce::AllToAll(const void* send, void* recv, size_t count, DataTy
       std::memcpy(staging(options_.rank, sequence_ + 1), send, block * options_.size);
     }
     DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(send, recv, count, dtype, 0, Kind::kAllToAll,
-                                                  deadline, watchdog));
+                                                  -1, deadline, watchdog));
     const int me = options_.rank;
     if (block > 0) {
       std::memcpy(static_cast<char*>(recv) + me * block,
@@ -699,6 +721,124 @@ Status ShmAllReduce::AllToAll(const void* send, void* recv, size_t count, DataTy
   });
 }
 
+Status ShmAllReduce::CheckRoot(const char* what, int root) const {
+  if (root >= 0 && root < options_.size) return Status::Ok();
+  return InvalidArgumentError(std::string("shared-memory ") + what + ": root " +
+                              std::to_string(root) + " is not a rank of a group of " +
+                              std::to_string(options_.size));
+}
+
+// Shapes: send [count] of `dtype` on every rank, recv [count] on the root.
+// Small vectors: every rank stages its input before it arrives, the root
+// folds the staged inputs in rank order, and nobody waits after arriving
+// (staged all-reduce, with one output). Larger ones: rank r folds its
+// slice of every input, chunk by chunk, and writes each folded chunk into
+// the root's output (the root folds straight into it); then every rank
+// waits until all finished, as AllReduce's direct path: the root's output
+// is complete, and no peer still reads an input.
+Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType dtype,
+                            ReduceOp op, int root, Deadline deadline,
+                            const std::function<Status(Deadline, int)>& watchdog) {
+  DDP_RETURN_IF_ERROR(CheckRoot("reduce", root));
+  return InCall([&]() -> Status {
+    const size_t bytes = count * DataTypeSize(dtype);
+    const bool staged = bytes <= options_.staging_bytes;
+    const bool is_root = options_.rank == root;
+    if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
+    DDP_RETURN_IF_ERROR(Arrive(send, is_root ? recv : nullptr, count, dtype,
+                               static_cast<int32_t>(op), Kind::kReduce, root, deadline, watchdog)
+                            .status());
+    if (staged) return StagedAllReduce(is_root ? recv : nullptr, count, dtype, op);
+    size_t begin, end;
+    Slice(count, DataTypeSize(dtype), options_.size, options_.rank, begin, end);
+    Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/false, root);
+    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
+    return Finish(deadline, watchdog);
+  });
+}
+
+// Shapes: send [count] of `dtype` on every rank, recv [size * count] on the
+// root. Small blocks: each rank stages its block before it arrives and the
+// root copies them out, with no wait after arriving. Larger ones: each rank
+// writes its block into the root's output with CMA (the ranks copy at
+// once, instead of the root copying p - 1 blocks in turn) and leaves; the
+// root waits until every rank has written.
+Status ShmAllReduce::Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
+                            Deadline deadline,
+                            const std::function<Status(Deadline, int)>& watchdog) {
+  DDP_RETURN_IF_ERROR(CheckRoot("gather", root));
+  return InCall([&]() -> Status {
+    const size_t block = count * DataTypeSize(dtype);
+    const bool staged = block <= options_.staging_bytes;
+    const int me = options_.rank;
+    const bool is_root = me == root;
+    if (staged && !is_root && block > 0) std::memcpy(staging(me, sequence_ + 1), send, block);
+    DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(send, is_root ? recv : nullptr, count, dtype, 0,
+                                                  Kind::kGather, root, deadline, watchdog));
+    char* out = static_cast<char*>(recv);
+    if (is_root && block > 0 && out + me * block != send) {
+      std::memcpy(out + me * block, send, block);
+    }
+    if (staged) {
+      for (int peer = 0; peer < options_.size && is_root && block > 0; ++peer) {
+        if (peer != me) std::memcpy(out + peer * block, staging(peer, s), block);
+      }
+      Publish(&Control::reduced, s);
+      Publish(&Control::finished, s);
+      return PeerFailure(s);
+    }
+    if (!is_root) {
+      // Nobody touches this rank's buffers: on failure it leaves at once
+      // (InCall tells the root).
+      if (block > 0) {
+        DDP_RETURN_IF_ERROR(WriteToPeer(root, send, control(root).args[s % 2].dst + me * block, block));
+      }
+      Publish(&Control::reduced, s);
+      Publish(&Control::finished, s);
+      return PeerFailure(s);
+    }
+    return Finish(deadline, watchdog);
+  });
+}
+
+// Shapes: send [size * count] of `dtype` on the root, recv [count] on
+// every rank: Broadcast's protocol with a block per rank. Small buffers
+// through the root's staging buffer (no wait after arriving); larger ones
+// read by each rank from the root's input with CMA, the root waiting until
+// every rank has read.
+Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
+                             Deadline deadline,
+                             const std::function<Status(Deadline, int)>& watchdog) {
+  DDP_RETURN_IF_ERROR(CheckRoot("scatter", root));
+  return InCall([&]() -> Status {
+    const size_t block = count * DataTypeSize(dtype);
+    const bool staged = block * options_.size <= options_.staging_bytes;
+    const int me = options_.rank;
+    const bool is_root = me == root;
+    if (staged && is_root && block > 0) {
+      std::memcpy(staging(me, sequence_ + 1), send, block * options_.size);
+    }
+    DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(is_root ? send : nullptr, recv, count, dtype, 0,
+                                                  Kind::kScatter, root, deadline, watchdog));
+    const char* in = static_cast<const char*>(send);
+    if (block > 0) {
+      if (is_root) {
+        if (static_cast<char*>(recv) != in + me * block) std::memcpy(recv, in + me * block, block);
+      } else if (staged) {
+        std::memcpy(recv, staging(root, s) + me * block, block);
+      } else {
+        DDP_RETURN_IF_ERROR(ReadFromPeer(root, recv, control(root).args[s % 2].src + me * block, block));
+      }
+    }
+    Publish(&Control::reduced, s);
+    Publish(&Control::finished, s);
+    if (staged || !is_root) return PeerFailure(s);
+    // Until every rank has read its block, the root's input must stay.
+    DDP_RETURN_IF_ERROR(WaitFor(&Control::finished, s, -1, deadline, watchdog, "read the scatter"));
+    return PeerFailure(s);
+  });
+}
+
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog) {
   const uint64_t s = ++sequence_;
   Control& mine = control(options_.rank);
@@ -709,6 +849,7 @@ Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadl
   args.dtype = -1;
   args.op = -1;
   args.kind = static_cast<int32_t>(Kind::kBarrier);
+  args.root = -1;
   Publish(&Control::reduced, s);
   Publish(&Control::finished, s);
   Publish(&Control::arrived, s);

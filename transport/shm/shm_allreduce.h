@@ -142,6 +142,30 @@ class ShmAllReduce {
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline,
                   const std::function<Status(Deadline, int)>& watchdog);
 
+  /// Root's recv[i] = op over ranks of send[i] (recv ignored elsewhere; on
+  /// the root it may equal send). Small vectors through the staging
+  /// buffers (the root folds them); larger ones as AllReduce's direct path,
+  /// each rank folding its slice and writing it into the root's output
+  /// only. Every rank of the group calls it where the others do; differing
+  /// counts, dtypes, ops or roots fail on every rank.
+  Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                int root, Deadline deadline,
+                const std::function<Status(Deadline, int)>& watchdog);
+
+  /// Root's recv[q * count + i] = rank q's send[i] (recv ignored elsewhere;
+  /// on the root send may be recv + root * count). Small blocks through the
+  /// staging buffers, larger ones written by each rank into the root's
+  /// output with CMA. Disagreements fail as for Reduce.
+  Status Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
+                Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+
+  /// Rank q's recv[i] = root's send[q * count + i] (send ignored elsewhere;
+  /// on the root recv may be send + root * count). Small buffers through
+  /// the root's staging buffer, larger ones read by each rank from the
+  /// root's input with CMA. Disagreements fail as for Reduce.
+  Status Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
+                 Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+
   /// Returns once every rank has called Barrier.
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
@@ -155,7 +179,8 @@ class ShmAllReduce {
   /// What a call is, in Control::Args (so that ranks in different calls
   /// report the mismatch).
   enum class Kind : int32_t {
-    kAllReduce = 0, kThrough = 1, kBroadcast = 2, kBarrier = 3, kAllToAll = 4
+    kAllReduce = 0, kThrough = 1, kBroadcast = 2, kBarrier = 3, kAllToAll = 4, kReduce = 5,
+    kGather = 6, kScatter = 7
   };
 
  private:
@@ -176,10 +201,14 @@ class ShmAllReduce {
   // Publishes this call's arguments, waits for every rank to arrive and
   // checks that they agree; returns the call's sequence number.
   // `op` is the ReduceOp of an all-reduce, the root of a broadcast.
+  // INVALID_ARGUMENT naming `root` when it is not a rank of the group.
+  Status CheckRoot(const char* what, int root) const;
+  // `root`: of a reduce, gather or scatter, else -1.
   StatusOr<uint64_t> Arrive(const void* send, void* recv, size_t count, DataType dtype, int32_t op,
-                            Kind kind, Deadline deadline,
+                            Kind kind, int32_t root, Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog);
-  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op, Kind kind) const;
+  Status CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op, Kind kind,
+                        int32_t root) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
@@ -188,12 +217,15 @@ class ShmAllReduce {
   Status WriteToPeer(int peer, const void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(true, peer, const_cast<void*>(local), remote, bytes);
   }
+  // recv null (a reduce's other ranks): folds nothing, only finishes.
   Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op);
   // Folds this rank's slice [begin, end) of every rank's input into `recv`;
   // with `share`, writes each reduced chunk into every peer's output while
-  // it is in cache.
+  // it is in cache. With `to_root` >= 0 (a reduce) on another rank than
+  // that one, folds each chunk into a scratch chunk and writes it into the
+  // root's output instead (recv is unused).
   Status ReduceSlice(const void* send, void* recv, size_t begin, size_t end, DataType dtype,
-                     ReduceOp op, bool share);
+                     ReduceOp op, bool share, int to_root = -1);
   // Writes elements [begin, end) of `recv` into every peer's output.
   Status ShareSlice(const void* recv, size_t begin, size_t end, size_t elem);
   // Publishes reduced and finished, then waits until every rank finished;
@@ -224,6 +256,7 @@ class ShmAllReduce {
   uint64_t sequence_ = 0;
   Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
+  std::vector<char> folded_;  // a reduce's folded chunk on its way to the root
 };
 
 }  // namespace ddp::transport::shm

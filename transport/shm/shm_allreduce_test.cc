@@ -283,6 +283,132 @@ TEST(ShmAllReduce, AllToAllEveryBlockToItsRank) {
   });
 }
 
+// Reduce, gather and scatter to and from every root, on both sides of the
+// 4 KiB staging limit (the direct path with 1 KiB chunks, several per
+// slice), in place on the root, with a null output (reduce, gather) or
+// input (scatter) off the root; then every rank all-reduces, to show the
+// sequence stayed in step.
+TEST(ShmAllReduce, RootedCollectivesFromEveryRoot) {
+  for (int n : {1, 2, 3, 4}) {
+    auto group = MakeGroup(n, 4096, 1024);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{333}, size_t{1025}, size_t{20001}}) {
+      for (int root = 0; root < n; ++root) {
+        const bool in_place = (root + count) % 2 == 1;
+        const std::string what = std::to_string(n) + " ranks, root " + std::to_string(root) +
+                                 ", count " + std::to_string(count) + (in_place ? " in place" : "");
+        RunRanks(n, [&](int r) {
+          const bool is_root = r == root;
+          const Deadline deadline = DeadlineIn(milliseconds(10000));
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+            for (DataType dtype : {DataType::kF32, DataType::kBF16, DataType::kI64}) {
+              const size_t bytes = count * DataTypeSize(dtype);
+              std::vector<char> send(bytes + 1, 0x11), recv(bytes + 1, 0x5A);
+              FillInput(dtype, send.data(), count, r, op);
+              const std::vector<char> input = send;
+              void* out = is_root ? (in_place ? send.data() : recv.data()) : nullptr;
+              Status s = group[r]->Reduce(send.data(), out, count, dtype, op, root, deadline, nullptr);
+              ASSERT_TRUE(s.ok()) << what << ": " << s;
+              if (is_root) {
+                std::string first;
+                EXPECT_EQ(CountWrong(dtype, out, count, n, op, 0, &first), 0u)
+                    << "reduce " << what << " " << DataTypeName(dtype) << " "
+                    << ReduceOpName(op) << ": " << first;
+                EXPECT_EQ(static_cast<char*>(out)[bytes], in_place ? 0x11 : 0x5A) << what;
+              } else {
+                EXPECT_EQ(send, input) << "reduce " << what << ": changed a send buffer";
+              }
+            }
+          }
+          // Gather: rank q's block is FillInput of rank q.
+          std::vector<int32_t> mine(count), all(n * count + 1, -1);
+          FillInput(DataType::kI32, mine.data(), count, r, ReduceOp::kSum);
+          const int32_t* gather_send = mine.data();
+          if (is_root && in_place) {
+            std::copy(mine.begin(), mine.end(), all.begin() + r * count);
+            gather_send = all.data() + r * count;
+          }
+          Status s = group[r]->Gather(gather_send, is_root ? all.data() : nullptr, count,
+                                      DataType::kI32, root, deadline, nullptr);
+          ASSERT_TRUE(s.ok()) << "gather " << what << ": " << s;
+          if (is_root) {
+            size_t wrong = 0;
+            for (int q = 0; q < n; ++q) {
+              std::vector<int32_t> theirs(count);
+              FillInput(DataType::kI32, theirs.data(), count, q, ReduceOp::kSum);
+              for (size_t i = 0; i < count; ++i) wrong += all[q * count + i] != theirs[i];
+            }
+            EXPECT_EQ(wrong, 0u) << "gather " << what;
+            EXPECT_EQ(all[n * count], -1) << "gather " << what << ": wrote past the end";
+          }
+          // Scatter: the root sends block q = q * 1000 + i.
+          std::vector<int32_t> blocks(n * count), got(count + 1, -1);
+          for (int q = 0; q < n; ++q) {
+            for (size_t i = 0; i < count; ++i) blocks[q * count + i] = q * 1000 + static_cast<int32_t>(i);
+          }
+          int32_t* scatter_recv = is_root && in_place ? blocks.data() + r * count : got.data();
+          s = group[r]->Scatter(is_root ? blocks.data() : nullptr, scatter_recv, count,
+                                DataType::kI32, root, deadline, nullptr);
+          ASSERT_TRUE(s.ok()) << "scatter " << what << ": " << s;
+          size_t wrong = 0;
+          for (size_t i = 0; i < count; ++i) wrong += scatter_recv[i] != r * 1000 + static_cast<int32_t>(i);
+          EXPECT_EQ(wrong, 0u) << "scatter " << what;
+          EXPECT_EQ(got[count], -1) << "scatter " << what << ": wrote past the end";
+          std::vector<int32_t> v(100);
+          FillInput(DataType::kI32, v.data(), v.size(), r, ReduceOp::kSum);
+          ASSERT_TRUE(group[r]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32,
+                                          ReduceOp::kSum, deadline, nullptr).ok());
+          EXPECT_EQ(CountWrong(DataType::kI32, v.data(), v.size(), n, ReduceOp::kSum), 0u);
+        });
+      }
+    }
+  }
+}
+
+// Ranks that disagree on the root, the count or the collective fail on
+// every rank, naming both sides; a root outside the group is refused
+// before anything is published.
+TEST(ShmAllReduce, RootedDisagreementsFailOnEveryRank) {
+  for (size_t count : {size_t{10}, size_t{5000}}) {  // staged, direct
+    auto group = MakeGroup(3, 4096, 1024);
+    RunRanks(3, [&](int r) {
+      std::vector<float> send(3 * count, 1.0f), recv(3 * count);
+      const Deadline deadline = DeadlineIn(milliseconds(5000));
+      Status s = group[r]->Reduce(send.data(), recv.data(), count, DataType::kF32, ReduceOp::kSum,
+                                  r == 2 ? 1 : 0, deadline, nullptr);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find("to root 1"), std::string::npos) << s;
+      s = group[r]->Gather(send.data(), recv.data(), r == 1 ? count - 1 : count, DataType::kF32, 0,
+                           deadline, nullptr);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find("gather arguments differ"), std::string::npos) << s;
+      s = r == 0 ? group[r]->Scatter(send.data(), recv.data(), count, DataType::kF32, 0, deadline, nullptr)
+                 : group[r]->Gather(send.data(), recv.data(), count, DataType::kF32, 0, deadline, nullptr);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    });
+    float x = 0;
+    for (int root : {-1, 3}) {
+      Status s = group[0]->Scatter(&x, &x, 1, DataType::kF32, root, DeadlineIn(milliseconds(100)), nullptr);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(s.message().find("scatter: root " + std::to_string(root)), std::string::npos) << s;
+    }
+  }
+}
+
+// A rank that never comes: the others time out at their deadline naming
+// it (the root of a reduce, and a rank of a scatter whose root is absent).
+TEST(ShmAllReduce, RootedCallsWithAnAbsentPeerTimeOut) {
+  auto group = MakeGroup(3, 4096, 1024);
+  RunRanks(2, [&](int r) {
+    std::vector<float> x(5000, 1.0f), y(3 * 5000);
+    const auto start = Clock::now();
+    Status s = group[r]->Reduce(x.data(), y.data(), x.size(), DataType::kF32, ReduceOp::kSum, 0,
+                                DeadlineIn(milliseconds(200)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+    EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
+    EXPECT_LT(Clock::now() - start, milliseconds(2000));
+  });
+}
+
 TEST(ShmAllReduce, BroadcastRootsThatDifferFailOnEveryRank) {
   auto group = MakeGroup(2, 4096, 1024);
   RunRanks(2, [&](int r) {
