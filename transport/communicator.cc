@@ -20,7 +20,9 @@
 
 #include "transport/algorithms/collective.h"
 #include "transport/algorithms/exchange.h"
+#include "transport/algorithms/gather_scatter.h"
 #include "transport/algorithms/hierarchical_all_reduce.h"
+#include "transport/algorithms/rooted_reduce.h"
 #include "transport/collectives.h"
 #include "transport/cuda/device_staging.h"
 #include "transport/cuda/ipc_collectives.h"
@@ -217,6 +219,17 @@ class Communicator::Impl {
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
   Status Barrier(Deadline deadline);
+
+  // The rooted collectives, checked on the caller's thread by CheckRooted.
+  enum class Rooted { kReduce, kGather, kScatter };
+  Status CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
+                     DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
+  Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root,
+                Algorithm requested, Deadline deadline);
+  Status Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
+                Deadline deadline);
+  Status Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
+                 Deadline deadline);
 
   // Device buffers (a CUDA build): the same collectives, staged through
   // pinned host slots chunk by chunk (transport/cuda/staging_pipeline.h),
@@ -913,6 +926,99 @@ Status Communicator::Impl::Barrier(Deadline deadline) {
                                             deadline));
 }
 
+Status Communicator::Impl::CheckRooted(Rooted which, const void* send, const void* recv,
+                                       size_t count, DataType dtype, ReduceOp op, int root,
+                                       Algorithm algorithm) const {
+  const std::string what = which == Rooted::kReduce   ? "reduce"
+                           : which == Rooted::kGather ? "gather"
+                                                      : "scatter";
+  DDP_RETURN_IF_ERROR(CheckTypes(dtype, op, which == Rooted::kReduce));
+  DDP_RETURN_IF_ERROR(CheckRank(root, (what + " root").c_str()));
+  if (which == Rooted::kReduce && algorithm != Algorithm::kAuto && algorithm != Algorithm::kTree &&
+      algorithm != Algorithm::kRing && algorithm != Algorithm::kSharedMemory) {
+    return InvalidArgumentError("reduce: algorithm " + std::string(AlgorithmName(algorithm)) +
+                                " is not auto, tree, ring or shm");
+  }
+  const bool is_root = options_.rank == root;
+  const size_t ranks = static_cast<size_t>(options_.world_size);
+  const size_t es = DataTypeSize(dtype);
+  const size_t blocks = which == Rooted::kReduce ? 1 : ranks;
+  if (count > std::numeric_limits<size_t>::max() / es / blocks) {
+    return InvalidArgumentError(what + ": count " + std::to_string(count) + " times " +
+                                std::to_string(blocks) + " blocks of " + DataTypeName(dtype) +
+                                " overflows the address space");
+  }
+  // Elements each buffer holds on this rank (0: not used here).
+  const size_t whole = blocks * count;
+  const size_t send_elems = which == Rooted::kScatter ? (is_root ? whole : 0) : count;
+  const size_t recv_elems = which == Rooted::kScatter ? count : (is_root ? whole : 0);
+  DDP_RETURN_IF_ERROR(CheckBuffer(send, send_elems, (what + " send buffer").c_str()));
+  DDP_RETURN_IF_ERROR(CheckBuffer(recv, recv_elems, (what + " receive buffer").c_str()));
+  const auto* s = static_cast<const char*>(send);
+  const auto* r = static_cast<const char*>(recv);
+  if (send_elems > 0 && recv_elems > 0 && s < r + recv_elems * es && r < s + send_elems * es) {
+    // In place: the root's own block (reduce: the whole vector).
+    const size_t own = which == Rooted::kReduce ? 0 : static_cast<size_t>(root) * count * es;
+    const bool in_place = which == Rooted::kScatter ? r == s + own : s == r + own;
+    if (!in_place) {
+      return InvalidArgumentError(
+          what + ": the send and receive buffers overlap other than in place (" +
+          (which == Rooted::kReduce   ? "send == recv"
+           : which == Rooted::kGather ? "send == recv + root * count"
+                                      : "recv == send + root * count") +
+          ")");
+    }
+  }
+  for (const auto& [p, elems] : {std::pair{send, send_elems}, std::pair{recv, recv_elems}}) {
+    if (elems > 0 && cuda::ClassifyPointer(p).device) {
+      return FailedPreconditionError(what +
+                                     " takes host memory; copy device buffers to the host first");
+    }
+  }
+  return Status::Ok();
+}
+
+Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, DataType dtype,
+                                  ReduceOp op, int root, Algorithm requested, Deadline deadline) {
+  if (options_.rank != root) recv = nullptr;
+  if (shm_ != nullptr && (requested == Algorithm::kAuto || requested == Algorithm::kSharedMemory)) {
+    ++sequence_;  // keeps collective numbering equal on every path
+    return shm_->Reduce(send, recv, count, dtype, op, root, deadline, watchdog_);
+  }
+  Algorithm algorithm = requested;
+  if (algorithm != Algorithm::kTree && algorithm != Algorithm::kRing) {
+    algorithm = count <= algorithms::kTreeReduceMaxBytes / DataTypeSize(dtype) ? Algorithm::kTree
+                                                                               : Algorithm::kRing;
+  }
+  algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, root, deadline);
+  if (algorithm == Algorithm::kTree) return algorithms::TreeReduce(*p2p_, args);
+  // The ring in topology order, as the all-reduce's: the root by its place
+  // in it.
+  args.root = static_cast<int>(std::find(ring_order_.begin(), ring_order_.end(), root) -
+                               ring_order_.begin());
+  return algorithms::RingReduce(*ring_view_, args);
+}
+
+Status Communicator::Impl::Gather(const void* send, void* recv, size_t count, DataType dtype,
+                                  int root, Deadline deadline) {
+  if (options_.rank != root) recv = nullptr;
+  if (shm_ != nullptr) {
+    ++sequence_;
+    return shm_->Gather(send, recv, count, dtype, root, deadline, watchdog_);
+  }
+  return algorithms::Gather(*p2p_, Args(send, recv, count, dtype, ReduceOp::kSum, root, deadline));
+}
+
+Status Communicator::Impl::Scatter(const void* send, void* recv, size_t count, DataType dtype,
+                                   int root, Deadline deadline) {
+  if (options_.rank != root) send = nullptr;
+  if (shm_ != nullptr) {
+    ++sequence_;
+    return shm_->Scatter(send, recv, count, dtype, root, deadline, watchdog_);
+  }
+  return algorithms::Scatter(*p2p_, Args(send, recv, count, dtype, ReduceOp::kSum, root, deadline));
+}
+
 StatusOr<int> Communicator::Impl::DeviceOf(std::initializer_list<const void*> buffers,
                                           size_t count, const char* what) const {
   if (count == 0) return -1;
@@ -1453,6 +1559,33 @@ Status Communicator::AllToAllV(const void* send, std::span<const size_t> send_co
   });
 }
 
+Status Communicator::Reduce(const void* send, void* recv, size_t count, DataType dtype,
+                            ReduceOp op, int root, const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
+                                         call.algorithm));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->Reduce(send, recv, count, dtype, op, root, call.algorithm, d);
+  });
+}
+
+Status Communicator::Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
+                            const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
+                                         ReduceOp::kSum, root, call.algorithm));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->Gather(send, recv, count, dtype, root, d);
+  });
+}
+
+Status Communicator::Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
+                             const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
+                                         ReduceOp::kSum, root, call.algorithm));
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->Scatter(send, recv, count, dtype, root, d);
+  });
+}
+
 Status Communicator::Barrier(const CallOptions& call) {
   return impl_->RunBlocking(call, [this](Deadline d) { return impl_->Barrier(d); });
 }
@@ -1586,6 +1719,33 @@ Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send
                                receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](
                                   Deadline d) {
     return impl_->AllToAllV(send, sends, recv, receives, dtype, d);
+  });
+}
+
+Work Communicator::ReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
+                               ReduceOp op, int root, const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
+                                     call.algorithm));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->Reduce(send, recv, count, dtype, op, root, call.algorithm, d);
+  });
+}
+
+Work Communicator::GatherAsync(const void* send, void* recv, size_t count, DataType dtype,
+                               int root, const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
+                                     ReduceOp::kSum, root, call.algorithm));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->Gather(send, recv, count, dtype, root, d);
+  });
+}
+
+Work Communicator::ScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
+                                int root, const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
+                                     ReduceOp::kSum, root, call.algorithm));
+  return impl_->Enqueue(call, [=, this](Deadline d) {
+    return impl_->Scatter(send, recv, count, dtype, root, d);
   });
 }
 

@@ -105,7 +105,8 @@ struct CommunicatorOptions {
 struct CallOptions {
   /// 0: the communicator's default timeout.
   std::chrono::milliseconds timeout{0};
-  /// All-reduce only: kAuto follows the communicator's choice.
+  /// All-reduce: kAuto follows the communicator's choice. Reduce: kTree,
+  /// kRing, kSharedMemory or kAuto (see Communicator::Reduce).
   Algorithm algorithm = Algorithm::kAuto;
   /// All-reduce and reduce-scatter on device buffers: where a staged call
   /// reduces; kAuto follows the communicator's choice. Equal on every rank.
@@ -223,6 +224,33 @@ class Communicator {
   Status AllToAllV(const void* send, std::span<const size_t> send_counts, void* recv,
                    std::span<const size_t> recv_counts, DataType dtype,
                    const CallOptions& call = {});
+  /// Rooted collectives (MPI_Reduce, MPI_Gather, MPI_Scatter, ncclReduce).
+  /// Every rank calls them with the same count, dtype, root (and op): a
+  /// root outside [0, size()) is INVALID_ARGUMENT on the rank that passed
+  /// it; ranks that disagree fail (INVALID_ARGUMENT naming both values, or
+  /// the abort reason of the rank that found it) or time out at the call's
+  /// deadline. Host memory only (a device buffer is FAILED_PRECONDITION).
+  /// On one host they go through the shared-memory engine (CMA).
+  ///
+  /// Root's recv[i] = op over ranks of send[i], i in [0, count); recv is
+  /// ignored on the other ranks (it may be null there); on the root send
+  /// may equal recv (in place). kAvg divides by size() (integers
+  /// truncate). call.algorithm: kTree (binomial tree over UCX), kRing (ring
+  /// reduce-scatter then gather to the root over UCX), kSharedMemory, or
+  /// kAuto (shared memory on one host, else the tree up to 64 KiB and the
+  /// ring above); others are INVALID_ARGUMENT.
+  Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                int root, const CallOptions& call = {});
+  /// Root's recv[r * count + i] = rank r's send[i]: recv holds size() *
+  /// count elements on the root and is ignored elsewhere (it may be null).
+  /// On the root send may equal recv + root * count (in place).
+  Status Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
+                const CallOptions& call = {});
+  /// Rank r's recv[i] = root's send[r * count + i]: send holds size() *
+  /// count elements on the root and is ignored elsewhere (it may be null).
+  /// On the root recv may equal send + root * count (in place).
+  Status Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
+                 const CallOptions& call = {});
   /// Returns once every rank has entered the barrier.
   Status Barrier(const CallOptions& call = {});
   /// Sends `count` elements to `peer`, matched by its Recv with the same tag.
@@ -251,6 +279,12 @@ class Communicator {
   Work AllToAllVAsync(const void* send, std::span<const size_t> send_counts, void* recv,
                       std::span<const size_t> recv_counts, DataType dtype,
                       const CallOptions& call = {});
+  Work ReduceAsync(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                   int root, const CallOptions& call = {});
+  Work GatherAsync(const void* send, void* recv, size_t count, DataType dtype, int root,
+                   const CallOptions& call = {});
+  Work ScatterAsync(const void* send, void* recv, size_t count, DataType dtype, int root,
+                    const CallOptions& call = {});
   Work BarrierAsync(const CallOptions& call = {});
   Work SendAsync(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                  const CallOptions& call = {});

@@ -65,6 +65,10 @@ UcxPointToPoint::UcxPointToPoint(std::shared_ptr<Context> context, std::unique_p
 
 UcxPointToPoint::~UcxPointToPoint() {
   if (!closed_) Close(DeadlineIn(std::chrono::milliseconds(2000))).IgnoreError();
+  // The worker before the slots (declared after it): destroying the worker
+  // completes the sends it still holds (one the peer never took, whose
+  // endpoint's flush gave up), and their callbacks release their slots.
+  worker_.reset();
 }
 
 Status UcxPointToPoint::Connect(std::span<const std::string> addresses,

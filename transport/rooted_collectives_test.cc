@@ -1,0 +1,498 @@
+// Reduce, Gather and Scatter between real processes over UCX (and through
+// the shared-memory engine, which is on by default on one host): the test
+// binary spawns copies of itself as the ranks of a one-host job
+// (DDP_TEST_SCENARIO names what they run) and checks their exit codes and
+// output.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/communicator.h"
+#include "transport/testing/expected_values.h"
+#include "transport/testing/process_group.h"
+
+namespace ddp::transport {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::CountWrong;
+using testing::FillInput;
+
+constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
+                                  DataType::kI32, DataType::kI64, DataType::kU8};
+constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin};
+
+// ------------------------------------------------------------ workers ----
+
+int failures = 0;
+
+#define WORKER_CHECK(cond, what)                                                            \
+  do {                                                                                      \
+    if (!(cond)) {                                                                          \
+      ++failures;                                                                           \
+      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, std::string(what).c_str()); \
+    }                                                                                       \
+  } while (0)
+
+std::string Env(const char* name, const char* fallback = "") {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : v;
+}
+
+std::unique_ptr<Communicator> MustCreate() {
+  CommunicatorOptions options;
+  options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
+  options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  auto comm = Communicator::CreateFromEnvironment(options);
+  if (!comm.ok()) {
+    std::fprintf(stderr, "CREATE %s\n", comm.status().ToString().c_str());
+    std::exit(3);
+  }
+  return std::move(*comm);
+}
+
+// Rank q's gather block and the root's scatter block for rank q: distinct
+// per rank and element, exact in every dtype (u8 included).
+double BlockValue(int q, size_t i) { return static_cast<double>((q * 37 + i) % 101); }
+
+void CheckReduce(Communicator& comm, int root, size_t count, DataType dtype, ReduceOp op,
+                 bool in_place, Algorithm algorithm) {
+  const int n = comm.size(), me = comm.rank();
+  const bool is_root = me == root;
+  const size_t bytes = count * DataTypeSize(dtype);
+  std::vector<char> send(bytes + 1, 0x11), recv(bytes + 1, 0x5A);
+  FillInput(dtype, send.data(), count, me, op);
+  const std::vector<char> input = send;
+  void* out = in_place && is_root ? send.data() : recv.data();
+  // Off the root the output is ignored: pass null on odd ranks.
+  if (!is_root && me % 2 == 1) out = nullptr;
+  Status s = comm.Reduce(send.data(), out, count, dtype, op, root, {.algorithm = algorithm});
+  const std::string what = std::string("reduce ") + AlgorithmName(algorithm) + " root " +
+                           std::to_string(root) + " " + DataTypeName(dtype) + " " +
+                           ReduceOpName(op) + " count " + std::to_string(count) +
+                           (in_place ? " in place" : "");
+  WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+  if (!s.ok()) return;
+  if (is_root) {
+    std::string first;
+    WORKER_CHECK(CountWrong(dtype, out, count, n, op, 0, &first) == 0, what + ": " + first);
+    WORKER_CHECK(static_cast<char*>(out)[bytes] == (in_place ? 0x11 : 0x5A),
+                 what + ": wrote past the end");
+  } else {
+    WORKER_CHECK(send == input, what + ": changed the send buffer");
+    WORKER_CHECK(recv[0] == 0x5A, what + ": wrote into the ignored output");
+  }
+}
+
+void CheckGather(Communicator& comm, int root, size_t count, DataType dtype, bool in_place,
+                 bool async) {
+  const int n = comm.size(), me = comm.rank();
+  const bool is_root = me == root;
+  const size_t es = DataTypeSize(dtype);
+  std::vector<char> mine(count * es), all(n * count * es + 1, 0x5A);
+  for (size_t i = 0; i < count; ++i) testing::Store(dtype, mine.data(), i, BlockValue(me, i));
+  const void* send = mine.data();
+  if (is_root && in_place && count > 0) {
+    std::memcpy(all.data() + me * count * es, mine.data(), count * es);
+    send = all.data() + me * count * es;
+  }
+  void* recv = is_root ? all.data() : nullptr;
+  Status s = async ? comm.GatherAsync(send, recv, count, dtype, root).Wait()
+                   : comm.Gather(send, recv, count, dtype, root);
+  const std::string what = "gather root " + std::to_string(root) + " " + DataTypeName(dtype) +
+                           " count " + std::to_string(count) + (in_place ? " in place" : "") +
+                           (async ? " async" : "");
+  WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+  if (!s.ok() || !is_root) return;
+  size_t wrong = 0;
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < count; ++i) {
+      wrong += testing::Load(dtype, all.data(), q * count + i) != BlockValue(q, i);
+    }
+  }
+  WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " wrong");
+  WORKER_CHECK(all[n * count * es] == 0x5A, what + ": wrote past the end");
+}
+
+void CheckScatter(Communicator& comm, int root, size_t count, DataType dtype, bool in_place,
+                  bool async) {
+  const int n = comm.size(), me = comm.rank();
+  const bool is_root = me == root;
+  const size_t es = DataTypeSize(dtype);
+  std::vector<char> all(n * count * es), got(count * es + 1, 0x5A);
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < count; ++i) {
+      testing::Store(dtype, all.data(), q * count + i, is_root ? BlockValue(q, i) : -1.0);
+    }
+  }
+  const std::vector<char> before = all;
+  void* recv = is_root && in_place ? all.data() + me * count * es : got.data();
+  const void* send = is_root ? all.data() : nullptr;
+  Status s = async ? comm.ScatterAsync(send, recv, count, dtype, root).Wait()
+                   : comm.Scatter(send, recv, count, dtype, root);
+  const std::string what = "scatter root " + std::to_string(root) + " " + DataTypeName(dtype) +
+                           " count " + std::to_string(count) + (in_place ? " in place" : "") +
+                           (async ? " async" : "");
+  WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+  if (!s.ok()) return;
+  size_t wrong = 0;
+  for (size_t i = 0; i < count; ++i) wrong += testing::Load(dtype, recv, i) != BlockValue(me, i);
+  WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " wrong");
+  WORKER_CHECK(got[count * es] == 0x5A, what + ": wrote past the end");
+  if (is_root) WORKER_CHECK(all == before, what + ": changed the root's send buffer");
+}
+
+// Every root, dtype, op and algorithm; counts 0, 1, odd, on both sides of
+// the shared-memory staging limit (DDP_TEST_CHUNK_BYTES=256 makes it 4 KiB)
+// and over several chunks; then async calls queued behind each other.
+int ScenarioSweep() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  const std::vector<size_t> counts = {0, 1, 7, 1001, 6000};
+  for (int root = 0; root < n; ++root) {
+    for (Algorithm algorithm : {Algorithm::kAuto, Algorithm::kTree, Algorithm::kRing}) {
+      for (DataType dtype : kAllTypes) {
+        for (ReduceOp op : kOps) {
+          for (size_t count : counts) {
+            CheckReduce(*comm, root, count, dtype, op, (count + root) % 2 == 1, algorithm);
+          }
+        }
+      }
+    }
+    for (DataType dtype : kAllTypes) {
+      for (size_t count : counts) {
+        CheckGather(*comm, root, count, dtype, (count + root) % 2 == 0, count == 7);
+        CheckScatter(*comm, root, count, dtype, (count + root) % 2 == 1, count == 1001);
+      }
+    }
+  }
+  // Async rooted calls interleaved with an all-reduce run in issue order;
+  // a blocking call after them finds them done.
+  const size_t count = 3000;
+  std::vector<float> send(count), reduced(count, -1.0f), all(n * count), part(count, -1.0f);
+  FillInput(DataType::kF32, send.data(), count, me, ReduceOp::kSum);
+  std::vector<float> summed = send;
+  const int root = n - 1;
+  Work reduce = comm->ReduceAsync(send.data(), reduced.data(), count, DataType::kF32,
+                                  ReduceOp::kSum, root);
+  Work sum = comm->AllReduceAsync(summed.data(), summed.data(), count, DataType::kF32,
+                                  ReduceOp::kSum);
+  Work gather = comm->GatherAsync(send.data(), all.data(), count, DataType::kF32, 0);
+  Work scatter = comm->ScatterAsync(all.data(), part.data(), count, DataType::kF32, 0);
+  WORKER_CHECK(comm->Barrier().ok(), "barrier after async");
+  for (Work* w : {&reduce, &sum, &gather, &scatter}) {
+    auto done = w->Test();
+    WORKER_CHECK(done.ok() && *done, "async call not done before a later blocking call");
+  }
+  if (me == root) {
+    WORKER_CHECK(CountWrong(DataType::kF32, reduced.data(), count, n, ReduceOp::kSum) == 0,
+                 "async reduce");
+  }
+  WORKER_CHECK(CountWrong(DataType::kF32, summed.data(), count, n, ReduceOp::kSum) == 0,
+               "async all-reduce");
+  // The scatter sent rank q the gathered block q: its own input.
+  WORKER_CHECK(part == send, "async gather then scatter");
+  if (me == 0) {
+    std::printf("INFO shm=%d tls=%s\n", comm->info().shared_memory, comm->info().ucx_tls.c_str());
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// Arguments refused before anything moves: INVALID_ARGUMENT (or
+// FAILED_PRECONDITION) naming the value, and the communicator still works.
+int ScenarioLocalErrors() {
+  auto comm = MustCreate();
+  const int n = comm->size();
+  std::vector<float> a(4 * n, 1.0f), b(4 * n, 0.0f);
+  auto expect = [&](const Status& s, StatusCode code, const std::string& text) {
+    WORKER_CHECK(s.code() == code && s.message().find(text) != std::string::npos,
+                 "expected " + std::string(StatusCodeName(code)) + " with \"" + text + "\", got " +
+                     s.ToString());
+  };
+  const std::string outside = " is outside a world of size " + std::to_string(n);
+  for (int root : {n, -1}) {
+    const std::string r = std::to_string(root);
+    expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, root),
+           StatusCode::kInvalidArgument, "reduce root " + r + outside);
+    expect(comm->Gather(a.data(), b.data(), 4, DataType::kF32, root),
+           StatusCode::kInvalidArgument, "gather root " + r + outside);
+    expect(comm->Scatter(a.data(), b.data(), 4, DataType::kF32, root),
+           StatusCode::kInvalidArgument, "scatter root " + r + outside);
+    expect(comm->ReduceAsync(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, root).Wait(),
+           StatusCode::kInvalidArgument, "reduce root " + r + outside);
+    expect(comm->GatherAsync(a.data(), b.data(), 4, DataType::kF32, root).Wait(),
+           StatusCode::kInvalidArgument, "gather root " + r + outside);
+    expect(comm->ScatterAsync(a.data(), b.data(), 4, DataType::kF32, root).Wait(),
+           StatusCode::kInvalidArgument, "scatter root " + r + outside);
+  }
+  expect(comm->Reduce(nullptr, b.data(), 4, DataType::kF32, ReduceOp::kSum, 0),
+         StatusCode::kInvalidArgument, "reduce send buffer is null with count 4");
+  if (comm->rank() == 0) {
+    expect(comm->Reduce(a.data(), nullptr, 4, DataType::kF32, ReduceOp::kSum, 0),
+           StatusCode::kInvalidArgument, "reduce receive buffer is null");
+    expect(comm->Reduce(a.data(), a.data() + 1, 4, DataType::kF32, ReduceOp::kSum, 0),
+           StatusCode::kInvalidArgument, "overlap other than in place (send == recv)");
+    expect(comm->Gather(a.data() + 1, a.data(), 4, DataType::kF32, 0),
+           StatusCode::kInvalidArgument, "(send == recv + root * count)");
+    expect(comm->Scatter(nullptr, b.data(), 4, DataType::kF32, 0),
+           StatusCode::kInvalidArgument, "scatter send buffer is null with count " +
+                                             std::to_string(4 * n));
+  }
+  expect(comm->Reduce(a.data(), b.data(), 4, static_cast<DataType>(99), ReduceOp::kSum, 0),
+         StatusCode::kInvalidArgument, "unknown dtype 99");
+  expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, static_cast<ReduceOp>(42), 0),
+         StatusCode::kInvalidArgument, "unknown reduce op 42");
+  expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, 0,
+                      {.algorithm = Algorithm::kRhd}),
+         StatusCode::kInvalidArgument, "reduce: algorithm rhd is not auto, tree, ring or shm");
+  expect(comm->Gather(a.data(), b.data(), SIZE_MAX / 2, DataType::kF32, 0),
+         StatusCode::kInvalidArgument, "overflows");
+  // Still usable: a real reduce and gather.
+  std::vector<float> x(8), y(8 * n);
+  FillInput(DataType::kF32, x.data(), x.size(), comm->rank(), ReduceOp::kSum);
+  Status s = comm->Reduce(x.data(), y.data(), x.size(), DataType::kF32, ReduceOp::kSum, 0);
+  WORKER_CHECK(s.ok(), "reduce after refused calls: " + s.ToString());
+  if (comm->rank() == 0) {
+    WORKER_CHECK(CountWrong(DataType::kF32, y.data(), x.size(), n, ReduceOp::kSum) == 0,
+                 "reduce after refused calls");
+  }
+  WORKER_CHECK(comm->Gather(x.data(), y.data(), x.size(), DataType::kF32, n - 1).ok(),
+               "gather after refused calls");
+  WORKER_CHECK(comm->aborted_reason().ok(), "aborted: " + comm->aborted_reason().ToString());
+  return failures == 0 ? 0 : 1;
+}
+
+// DDP_TEST_DISAGREE=count|root on rank 1, for DDP_TEST_COLLECTIVE; every
+// rank prints how its call ended and how long it took.
+int ScenarioDisagree() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  const std::string disagree = Env("DDP_TEST_DISAGREE");
+  const std::string collective = Env("DDP_TEST_COLLECTIVE");
+  size_t count = 5000;
+  int root = 0;
+  if (me == 1 && disagree == "count") count = 4000;
+  if (me == 1 && disagree == "root") root = 2;
+  std::vector<float> send(n * 5000, 1.0f), recv(n * 5000);
+  const auto start = Clock::now();
+  Status s;
+  if (collective == "reduce") {
+    const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+    s = comm->Reduce(send.data(), recv.data(), count, DataType::kF32, ReduceOp::kSum, root,
+                     {.algorithm = algorithm});
+  } else if (collective == "gather") {
+    s = comm->Gather(send.data(), recv.data(), count, DataType::kF32, root);
+  } else {
+    s = comm->Scatter(send.data(), recv.data(), count, DataType::kF32, root);
+  }
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+  // Whatever this rank saw, the job is aborted for everyone afterwards.
+  Status next = comm->Barrier();
+  std::printf("NEXT %s\n", next.ToString().c_str());
+  return 0;
+}
+
+// Rank DDP_TEST_GONE_RANK leaves (DDP_TEST_GONE=exit: dies before the call;
+// sleep: arrives after the others' deadline); the others run a rooted call
+// and print how it ended.
+int ScenarioGone() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  const int gone = std::atoi(Env("DDP_TEST_GONE_RANK", "1").c_str());
+  const std::string how = Env("DDP_TEST_GONE");
+  if (!comm->Barrier().ok()) return 2;
+  if (me == gone) {
+    if (how == "exit") _exit(7);
+    std::this_thread::sleep_for(milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS").c_str()) * 2));
+    return 0;
+  }
+  std::vector<float> send(n * 100000, 1.0f), recv(n * 100000);
+  const std::string collective = Env("DDP_TEST_COLLECTIVE");
+  const auto start = Clock::now();
+  Status s;
+  if (collective == "reduce") {
+    s = comm->Reduce(send.data(), recv.data(), 100000, DataType::kF32, ReduceOp::kSum, 0);
+  } else if (collective == "gather") {
+    s = comm->Gather(send.data(), recv.data(), 100000, DataType::kF32, 0);
+  } else {
+    s = comm->Scatter(send.data(), recv.data(), 100000, DataType::kF32, 0);
+  }
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+  return s.ok() ? 1 : 0;
+}
+
+int RunScenario(const std::string& name) {
+  if (name == "sweep") return ScenarioSweep();
+  if (name == "local_errors") return ScenarioLocalErrors();
+  if (name == "disagree") return ScenarioDisagree();
+  if (name == "gone") return ScenarioGone();
+  std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
+  return 2;
+}
+
+// ------------------------------------------------------------- parent ----
+
+struct Job {
+  std::vector<testing::WorkerResult> results;
+  std::string Describe() const { return testing::DescribeResults(results); }
+};
+
+Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
+           milliseconds limit = milliseconds(60000)) {
+  env["DDP_TEST_SCENARIO"] = scenario;
+  env["DDP_JOB_TOKEN"] = "rooted-token";
+  const int port = testing::FreePort();
+  auto group = testing::ProcessGroup::Spawn(n, {}, env, port);
+  EXPECT_TRUE(group.ok()) << group.status();
+  if (!group.ok()) return {};
+  return Job{(*group)->Wait(DeadlineIn(limit))};
+}
+
+// The "ms=" a worker printed after RESULT.
+int ResultMs(const std::string& output) {
+  const size_t at = output.find("ms=");
+  return at == std::string::npos ? -1 : std::atoi(output.c_str() + at + 3);
+}
+
+struct SweepParam {
+  int ranks;
+  bool shared_memory;
+};
+
+class Sweep : public ::testing::TestWithParam<SweepParam> {};
+
+TEST_P(Sweep, EveryRootDtypeOpAlgorithmAndSize) {
+  const SweepParam p = GetParam();
+  Job job = RunJob(p.ranks, "sweep",
+                   {{"DDP_TEST_CHUNK_BYTES", "256"},
+                    {"DDP_SHARED_MEMORY", p.shared_memory ? "1" : "0"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  const bool shm = p.shared_memory && p.ranks > 1;
+  EXPECT_NE(job.results[0].output.find(shm ? "shm=1" : "shm=0"), std::string::npos)
+      << job.Describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Sweep,
+                         ::testing::Values(SweepParam{1, true}, SweepParam{2, true},
+                                           SweepParam{3, true}, SweepParam{4, true},
+                                           SweepParam{2, false}, SweepParam{3, false},
+                                           SweepParam{4, false}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.ranks) + "ranks" +
+                                  (info.param.shared_memory ? "Shm" : "Ucx");
+                         });
+
+TEST(RootedCollectives, LocalArgumentErrorsAreNamedAndLeaveTheCommunicatorUsable) {
+  Job job = RunJob(3, "local_errors", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+// Rank 1 passes another count or root: well before the 10 s deadline, a
+// rank finds it (INVALID_ARGUMENT naming both values) and every rank fails
+// the call, with that or the job's abort reason, except one whose part was
+// done before anyone could tell (a scatter's root whose blocks went out):
+// that one fails its next call.
+void ExpectDisagreementFailsEverywhere(const std::string& collective, const std::string& what,
+                                       bool shared_memory, Algorithm algorithm = Algorithm::kAuto) {
+  SCOPED_TRACE(collective + " " + what + (shared_memory ? " shm" : " ucx"));
+  Job job = RunJob(3, "disagree",
+                   {{"DDP_TEST_TIMEOUT_MS", "10000"},
+                    {"DDP_TEST_DISAGREE", what},
+                    {"DDP_TEST_COLLECTIVE", collective},
+                    {"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
+                    {"DDP_SHARED_MEMORY", shared_memory ? "1" : "0"}},
+                   milliseconds(30000));
+  int named = 0, call_failed = 0;
+  for (const auto& r : job.results) {
+    ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    EXPECT_LT(ResultMs(r.output), 5000) << job.Describe();
+    EXPECT_EQ(r.output.find("NEXT OK"), std::string::npos) << job.Describe();
+    named += r.output.find("disagree") != std::string::npos ||
+             r.output.find("differ across ranks") != std::string::npos;
+    call_failed += r.output.find("RESULT OK") == std::string::npos;
+  }
+  EXPECT_GT(named, 0) << job.Describe();
+  EXPECT_GE(call_failed, 2) << job.Describe();
+}
+
+TEST(RootedCollectives, DisagreeingCountFailsEverywhereSharedMemory) {
+  for (const char* c : {"reduce", "gather", "scatter"}) ExpectDisagreementFailsEverywhere(c, "count", true);
+}
+TEST(RootedCollectives, DisagreeingRootFailsEverywhereSharedMemory) {
+  for (const char* c : {"reduce", "gather", "scatter"}) ExpectDisagreementFailsEverywhere(c, "root", true);
+}
+TEST(RootedCollectives, DisagreeingCountFailsEverywhereUcx) {
+  ExpectDisagreementFailsEverywhere("reduce", "count", false, Algorithm::kTree);
+  ExpectDisagreementFailsEverywhere("reduce", "count", false, Algorithm::kRing);
+  ExpectDisagreementFailsEverywhere("gather", "count", false);
+  ExpectDisagreementFailsEverywhere("scatter", "count", false);
+}
+TEST(RootedCollectives, DisagreeingRootFailsEverywhereUcx) {
+  ExpectDisagreementFailsEverywhere("reduce", "root", false, Algorithm::kTree);
+  ExpectDisagreementFailsEverywhere("reduce", "root", false, Algorithm::kRing);
+  ExpectDisagreementFailsEverywhere("gather", "root", false);
+  ExpectDisagreementFailsEverywhere("scatter", "root", false);
+}
+
+// A rank that exits before the call (PEER_LOST naming it, or TIMED_OUT) or
+// arrives after the deadline (TIMED_OUT): the others report within the 1.5 s
+// deadline plus a margin.
+void ExpectSurvivorsReport(const std::string& collective, const std::string& how,
+                           bool shared_memory) {
+  SCOPED_TRACE(collective + " " + how + (shared_memory ? " shm" : " ucx"));
+  const int timeout_ms = 1500;
+  Job job = RunJob(3, "gone",
+                   {{"DDP_TEST_TIMEOUT_MS", std::to_string(timeout_ms)},
+                    {"DDP_TEST_GONE", how},
+                    {"DDP_TEST_GONE_RANK", "1"},
+                    {"DDP_TEST_COLLECTIVE", collective},
+                    {"DDP_SHARED_MEMORY", shared_memory ? "1" : "0"}},
+                   milliseconds(30000));
+  for (int r : {0, 2}) {
+    const std::string& out = job.results[r].output;
+    ASSERT_EQ(job.results[r].exit_code, 0) << job.Describe();
+    const bool lost = out.find("RESULT PEER_LOST") != std::string::npos;
+    const bool timed = out.find("RESULT TIMED_OUT") != std::string::npos;
+    EXPECT_TRUE(how == "exit" ? lost || timed : timed) << job.Describe();
+    if (lost) {
+      EXPECT_NE(out.find("rank 1"), std::string::npos) << job.Describe();
+    }
+    EXPECT_LE(ResultMs(out), timeout_ms + 1000) << job.Describe();
+  }
+}
+
+TEST(RootedCollectives, DeadPeerFailsTheOthers) {
+  for (bool shm : {true, false}) {
+    ExpectSurvivorsReport("reduce", "exit", shm);
+    ExpectSurvivorsReport("gather", "exit", shm);
+    ExpectSurvivorsReport("scatter", "exit", shm);
+  }
+}
+
+TEST(RootedCollectives, LatePeerTimesOutAtTheDeadline) {
+  ExpectSurvivorsReport("reduce", "sleep", true);
+  ExpectSurvivorsReport("scatter", "sleep", false);
+}
+
+}  // namespace
+}  // namespace ddp::transport
+
+int main(int argc, char** argv) {
+  const char* scenario = std::getenv("DDP_TEST_SCENARIO");
+  if (scenario != nullptr) return ddp::transport::RunScenario(scenario);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
