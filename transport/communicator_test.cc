@@ -32,7 +32,10 @@ namespace {
 
 using std::chrono::milliseconds;
 using testing::CountWrong;
+using testing::EnvOr;
 using testing::FillInput;
+using testing::Job;
+using testing::RunJob;
 
 constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
                                   DataType::kI32, DataType::kI64, DataType::kU8};
@@ -41,26 +44,11 @@ constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, 
 
 // ------------------------------------------------------------ workers ----
 
-int failures = 0;
-
-#define WORKER_CHECK(cond, what)                                                   \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      ++failures;                                                                  \
-      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, std::string(what).c_str()); \
-    }                                                                              \
-  } while (0)
-
-std::string Env(const char* name, const char* fallback = "") {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : v;
-}
-
 CommunicatorOptions WorkerOptions() {
   CommunicatorOptions options;
-  options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
-  options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
-  options.busy_threads_per_rank = std::atoi(Env("DDP_TEST_BUSY_THREADS", "0").c_str());
+  options.timeout = milliseconds(std::atoi(EnvOr("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
+  options.chunk_bytes = std::strtoul(EnvOr("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  options.busy_threads_per_rank = std::atoi(EnvOr("DDP_TEST_BUSY_THREADS", "0").c_str());
   return options;
 }
 
@@ -191,13 +179,13 @@ int ScenarioSweep() {
                 comm->info().host_shared_memory, comm->info().ucx_tls.c_str(),
                 comm->info().ring_order.c_str(), AlgorithmName(comm->SelectedAlgorithm(65536)));
   }
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // All-reduces in a loop until something fails; reports how it failed.
 int ScenarioLoop() {
   auto comm = MustCreate();
-  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
   std::vector<float> data(1 << 18, 1.0f);
   const auto until = Clock::now() + std::chrono::seconds(30);
   auto last_ok = Clock::now();
@@ -224,15 +212,15 @@ int ScenarioLoop() {
 
 int ScenarioMismatch() {
   auto comm = MustCreate();
-  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
   std::vector<float> data(1000, 1.0f);
   // DDP_TEST_EMPTY_RANK: that rank passes 0 instead (default: rank 0 1000).
-  const int empty_rank = std::atoi(Env("DDP_TEST_EMPTY_RANK", "-1").c_str());
+  const int empty_rank = std::atoi(EnvOr("DDP_TEST_EMPTY_RANK", "-1").c_str());
   size_t count = comm->rank() == 0 ? 1000 : 500;
   if (empty_rank >= 0) count = comm->rank() == empty_rank ? 0 : 500;
   // DDP_TEST_AVG_ODD=1: equal counts, odd ranks average, even ranks sum.
   ReduceOp op = ReduceOp::kSum;
-  if (Env("DDP_TEST_AVG_ODD") == "1") {
+  if (EnvOr("DDP_TEST_AVG_ODD") == "1") {
     count = 1000;
     if (comm->rank() % 2 == 1) op = ReduceOp::kAvg;
   }
@@ -269,7 +257,7 @@ int ScenarioFork() {
 // on and report how their next call failed.
 int ScenarioEarly() {
   auto comm = MustCreate();
-  const std::string early = "," + Env("DDP_TEST_EARLY_RANKS") + ",";
+  const std::string early = "," + EnvOr("DDP_TEST_EARLY_RANKS") + ",";
   const bool leaves = early.find("," + std::to_string(comm->rank()) + ",") != std::string::npos;
   std::vector<float> data(1 << 16, 1.0f);
   for (int call = 0; call < 10; ++call) {
@@ -383,7 +371,7 @@ int ScenarioAllToAll() {
   std::vector<int64_t> out(n + 1), in(n + 1);
   s = comm->AllToAllV(out.data(), mine, in.data(), theirs, DataType::kI64);
   std::printf("MISMATCH rank %d %s\n", me, s.ToString().c_str());
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // Four ranks split into evens and odds, each ordered by descending rank,
@@ -414,7 +402,7 @@ int ScenarioSplit() {
                   (*three)->info().num_hosts);
     }
   }
-  return comm->Barrier().ok() && failures == 0 ? 0 : 1;
+  return comm->Barrier().ok() && testing::worker_failures == 0 ? 0 : 1;
 }
 
 // The parent is destroyed first on every rank, rank 0 (which serves the
@@ -475,25 +463,6 @@ int RunScenario(const std::string& name) {
 }
 
 // ------------------------------------------------------------- parent ----
-
-struct Job {
-  std::vector<testing::WorkerResult> results;
-  std::string Describe() const { return testing::DescribeResults(results); }
-};
-
-Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
-           milliseconds limit = milliseconds(60000),
-           const std::function<void(testing::ProcessGroup&, int port)>& during = nullptr,
-           const std::map<int, testing::ProcessGroup::Env>& rank_env = {}) {
-  env["DDP_TEST_SCENARIO"] = scenario;
-  env["DDP_JOB_TOKEN"] = env.count("DDP_JOB_TOKEN") ? env["DDP_JOB_TOKEN"] : "secret-token";
-  const int port = testing::FreePort();
-  auto group = testing::ProcessGroup::Spawn(n, {}, env, port, rank_env);
-  EXPECT_TRUE(group.ok()) << group.status();
-  if (!group.ok()) return {};
-  if (during) during(**group, port);
-  return Job{(*group)->Wait(DeadlineIn(limit))};
-}
 
 class Sweep : public ::testing::TestWithParam<int> {};
 

@@ -29,22 +29,10 @@ namespace {
 
 using std::chrono::milliseconds;
 using testing::CountWrong;
+using testing::EnvOr;
 using testing::FillInput;
-
-int failures = 0;
-
-#define WORKER_CHECK(cond, what)                                                          \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      ++failures;                                                                         \
-      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, std::string(what).c_str()); \
-    }                                                                                     \
-  } while (0)
-
-std::string Env(const char* name, const char* fallback = "") {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : v;
-}
+using testing::Job;
+using testing::RunJob;
 
 void MustCuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
@@ -83,13 +71,13 @@ class DeviceBuffer {
 std::unique_ptr<Communicator> MustCreate() {
   int devices = 0;
   MustCuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
-  const int local_rank = std::atoi(Env("LOCAL_RANK", "0").c_str());
+  const int local_rank = std::atoi(EnvOr("LOCAL_RANK", "0").c_str());
   MustCuda(cudaSetDevice(local_rank % devices), "cudaSetDevice");
   CommunicatorOptions options;
-  options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "30000").c_str()));
-  options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  options.timeout = milliseconds(std::atoi(EnvOr("DDP_TEST_TIMEOUT_MS", "30000").c_str()));
+  options.chunk_bytes = std::strtoul(EnvOr("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
   options.device_chunk_bytes =
-      std::strtoul(Env("DDP_TEST_DEVICE_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+      std::strtoul(EnvOr("DDP_TEST_DEVICE_CHUNK_BYTES", "0").c_str(), nullptr, 10);
   auto comm = Communicator::CreateFromEnvironment(options);
   if (!comm.ok()) {
     std::fprintf(stderr, "CREATE %s\n", comm.status().ToString().c_str());
@@ -263,7 +251,7 @@ int ScenarioSweep() {
     std::printf("INFO ranks=%d shm=%d ucx_cuda=%d\n", comm->size(), comm->info().shared_memory,
                 comm->info().ucx_cuda_memory);
   }
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // Staged all-reduce and reduce-scatter with each reduction placement
@@ -327,7 +315,7 @@ int ScenarioStagedModes() {
     std::printf("INFO ranks=%d staged_reduce=%d ucx_cuda=%d\n", n,
                 static_cast<int>(comm->info().staged_reduce), comm->info().ucx_cuda_memory);
   }
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // One large all-reduce at the default chunk size (several 4 MiB chunks).
@@ -353,14 +341,14 @@ int ScenarioLarge() {
                        first);
     }
   }
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // All-reduces on device buffers in a loop until something fails; reports
 // how it failed.
 int ScenarioLoop() {
   auto comm = MustCreate();
-  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
   const size_t count = 1 << 20;
   DeviceBuffer buf(count * 4);
   MustCuda(cudaMemset(buf.get(), 0, count * 4), "cudaMemset");
@@ -415,7 +403,7 @@ int ScenarioIpcDeclined() {
   } else {
     cudaFree(data);
   }
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 int RunScenario(const std::string& name) {
@@ -430,22 +418,8 @@ int RunScenario(const std::string& name) {
 
 // ------------------------------------------------------------- parent ----
 
-struct Job {
-  std::vector<testing::WorkerResult> results;
-  std::string Describe() const { return testing::DescribeResults(results); }
-};
-
-Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
-           milliseconds limit = milliseconds(120000),
-           const std::function<void(testing::ProcessGroup&)>& during = nullptr) {
-  env["DDP_TEST_SCENARIO"] = scenario;
-  env["DDP_JOB_TOKEN"] = "device-test-token";
-  auto group = testing::ProcessGroup::Spawn(n, {}, env, testing::FreePort());
-  EXPECT_TRUE(group.ok()) << group.status();
-  if (!group.ok()) return {};
-  if (during) during(**group);
-  return Job{(*group)->Wait(DeadlineIn(limit))};
-}
+// How long a job may run: device jobs start CUDA in every rank.
+constexpr milliseconds kJobLimit(120000);
 
 class DeviceSweep : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
@@ -456,7 +430,8 @@ TEST_P(DeviceSweep, EveryCollectiveOnDeviceBuffers) {
   const auto& [ranks, staged_reduce] = GetParam();
   Job job = RunJob(ranks, "sweep",
                    {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}, {"DDP_TEST_CHUNK_BYTES", "1024"},
-                    {"DDP_STAGED_REDUCE", staged_reduce}});
+                    {"DDP_STAGED_REDUCE", staged_reduce}},
+                   kJobLimit);
   ASSERT_EQ(job.results.size(), static_cast<size_t>(ranks));
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("INFO ranks="), std::string::npos) << job.Describe();
@@ -473,7 +448,8 @@ class DeviceStagedModes : public ::testing::TestWithParam<int> {};
 // Both staged reduction placements in one job, every dtype and op, against
 // the closed form and the host buffers' result.
 TEST_P(DeviceStagedModes, DeviceAndHostReductionMatchTheCpu) {
-  Job job = RunJob(GetParam(), "staged_modes", {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}});
+  Job job = RunJob(GetParam(), "staged_modes", {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}},
+                   kJobLimit);
   ASSERT_EQ(job.results.size(), static_cast<size_t>(GetParam()));
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("INFO ranks="), std::string::npos) << job.Describe();
@@ -488,7 +464,8 @@ class DeviceIpcSweep : public ::testing::TestWithParam<int> {};
 TEST_P(DeviceIpcSweep, EveryCollectiveOverCudaIpc) {
   Job job = RunJob(GetParam(), "sweep",
                    {{"DDP_CUDA_IPC", "1"}, {"DDP_TEST_DEVICE_CHUNK_BYTES", "512"},
-                    {"DDP_TEST_CHUNK_BYTES", "1024"}});
+                    {"DDP_TEST_CHUNK_BYTES", "1024"}},
+                   kJobLimit);
   ASSERT_EQ(job.results.size(), static_cast<size_t>(GetParam()));
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
@@ -496,13 +473,13 @@ TEST_P(DeviceIpcSweep, EveryCollectiveOverCudaIpc) {
 INSTANTIATE_TEST_SUITE_P(Ranks, DeviceIpcSweep, ::testing::Values(2, 4));
 
 TEST(DeviceCollectives, IpcDeclinedByOneRankStagesOnEveryRank) {
-  Job job = RunJob(3, "ipc_declined", {{"DDP_CUDA_IPC", "1"}});
+  Job job = RunJob(3, "ipc_declined", {{"DDP_CUDA_IPC", "1"}}, kJobLimit);
   ASSERT_EQ(job.results.size(), 3u);
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {
-  Job job = RunJob(2, "large");
+  Job job = RunJob(2, "large", {}, kJobLimit);
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
@@ -520,7 +497,7 @@ void ExpectSurvivorsReport(int n, Algorithm algorithm, bool ipc = false,
                     {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())},
                     {"DDP_CUDA_IPC", ipc ? "1" : "0"},
                     {"DDP_STAGED_REDUCE", staged_reduce}},
-                   milliseconds(60000), [&](testing::ProcessGroup& group) {
+                   milliseconds(60000), [&](testing::ProcessGroup& group, int) {
                      // CUDA start-up takes a while; let the loop run first.
                      std::this_thread::sleep_for(milliseconds(6000));
                      group.Kill(victim, SIGKILL);

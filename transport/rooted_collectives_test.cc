@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "transport/communicator.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/expected_values.h"
 #include "transport/testing/process_group.h"
 
@@ -27,33 +28,20 @@ namespace {
 
 using std::chrono::milliseconds;
 using testing::CountWrong;
+using testing::EnvOr;
 using testing::FillInput;
+using testing::kAllDataTypes;
+using testing::Job;
+using testing::RunJob;
 
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
-                                  DataType::kI32, DataType::kI64, DataType::kU8};
 constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin};
 
 // ------------------------------------------------------------ workers ----
 
-int failures = 0;
-
-#define WORKER_CHECK(cond, what)                                                            \
-  do {                                                                                      \
-    if (!(cond)) {                                                                          \
-      ++failures;                                                                           \
-      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, std::string(what).c_str()); \
-    }                                                                                       \
-  } while (0)
-
-std::string Env(const char* name, const char* fallback = "") {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : v;
-}
-
 std::unique_ptr<Communicator> MustCreate() {
   CommunicatorOptions options;
-  options.timeout = milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
-  options.chunk_bytes = std::strtoul(Env("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  options.timeout = milliseconds(std::atoi(EnvOr("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
+  options.chunk_bytes = std::strtoul(EnvOr("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
   auto comm = Communicator::CreateFromEnvironment(options);
   if (!comm.ok()) {
     std::fprintf(stderr, "CREATE %s\n", comm.status().ToString().c_str());
@@ -162,7 +150,7 @@ int ScenarioSweep() {
   const std::vector<size_t> counts = {0, 1, 7, 1001, 6000};
   for (int root = 0; root < n; ++root) {
     for (Algorithm algorithm : {Algorithm::kAuto, Algorithm::kTree, Algorithm::kRing}) {
-      for (DataType dtype : kAllTypes) {
+      for (DataType dtype : kAllDataTypes) {
         for (ReduceOp op : kOps) {
           for (size_t count : counts) {
             CheckReduce(*comm, root, count, dtype, op, (count + root) % 2 == 1, algorithm);
@@ -170,7 +158,7 @@ int ScenarioSweep() {
         }
       }
     }
-    for (DataType dtype : kAllTypes) {
+    for (DataType dtype : kAllDataTypes) {
       for (size_t count : counts) {
         CheckGather(*comm, root, count, dtype, (count + root) % 2 == 0, count == 7);
         CheckScatter(*comm, root, count, dtype, (count + root) % 2 == 1, count == 1001);
@@ -206,7 +194,7 @@ int ScenarioSweep() {
   if (me == 0) {
     std::printf("INFO shm=%d tls=%s\n", comm->info().shared_memory, comm->info().ucx_tls.c_str());
   }
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // Arguments refused before anything moves: INVALID_ARGUMENT (or
@@ -270,7 +258,7 @@ int ScenarioLocalErrors() {
   WORKER_CHECK(comm->Gather(x.data(), y.data(), x.size(), DataType::kF32, n - 1).ok(),
                "gather after refused calls");
   WORKER_CHECK(comm->aborted_reason().ok(), "aborted: " + comm->aborted_reason().ToString());
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // DDP_TEST_DISAGREE=count|root on rank 1, for DDP_TEST_COLLECTIVE; every
@@ -278,8 +266,8 @@ int ScenarioLocalErrors() {
 int ScenarioDisagree() {
   auto comm = MustCreate();
   const int n = comm->size(), me = comm->rank();
-  const std::string disagree = Env("DDP_TEST_DISAGREE");
-  const std::string collective = Env("DDP_TEST_COLLECTIVE");
+  const std::string disagree = EnvOr("DDP_TEST_DISAGREE");
+  const std::string collective = EnvOr("DDP_TEST_COLLECTIVE");
   size_t count = 5000;
   int root = 0;
   if (me == 1 && disagree == "count") count = 4000;
@@ -288,7 +276,7 @@ int ScenarioDisagree() {
   const auto start = Clock::now();
   Status s;
   if (collective == "reduce") {
-    const Algorithm algorithm = static_cast<Algorithm>(std::atoi(Env("DDP_TEST_ALGO", "0").c_str()));
+    const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
     s = comm->Reduce(send.data(), recv.data(), count, DataType::kF32, ReduceOp::kSum, root,
                      {.algorithm = algorithm});
   } else if (collective == "gather") {
@@ -310,16 +298,16 @@ int ScenarioDisagree() {
 int ScenarioGone() {
   auto comm = MustCreate();
   const int n = comm->size(), me = comm->rank();
-  const int gone = std::atoi(Env("DDP_TEST_GONE_RANK", "1").c_str());
-  const std::string how = Env("DDP_TEST_GONE");
+  const int gone = std::atoi(EnvOr("DDP_TEST_GONE_RANK", "1").c_str());
+  const std::string how = EnvOr("DDP_TEST_GONE");
   if (!comm->Barrier().ok()) return 2;
   if (me == gone) {
     if (how == "exit") _exit(7);
-    std::this_thread::sleep_for(milliseconds(std::atoi(Env("DDP_TEST_TIMEOUT_MS").c_str()) * 2));
+    std::this_thread::sleep_for(milliseconds(std::atoi(EnvOr("DDP_TEST_TIMEOUT_MS").c_str()) * 2));
     return 0;
   }
   std::vector<float> send(n * 100000, 1.0f), recv(n * 100000);
-  const std::string collective = Env("DDP_TEST_COLLECTIVE");
+  const std::string collective = EnvOr("DDP_TEST_COLLECTIVE");
   const auto start = Clock::now();
   Status s;
   if (collective == "reduce") {
@@ -344,22 +332,6 @@ int RunScenario(const std::string& name) {
 }
 
 // ------------------------------------------------------------- parent ----
-
-struct Job {
-  std::vector<testing::WorkerResult> results;
-  std::string Describe() const { return testing::DescribeResults(results); }
-};
-
-Job RunJob(int n, const std::string& scenario, std::map<std::string, std::string> env = {},
-           milliseconds limit = milliseconds(60000)) {
-  env["DDP_TEST_SCENARIO"] = scenario;
-  env["DDP_JOB_TOKEN"] = "rooted-token";
-  const int port = testing::FreePort();
-  auto group = testing::ProcessGroup::Spawn(n, {}, env, port);
-  EXPECT_TRUE(group.ok()) << group.status();
-  if (!group.ok()) return {};
-  return Job{(*group)->Wait(DeadlineIn(limit))};
-}
 
 // The "ms=" a worker printed after RESULT.
 int ResultMs(const std::string& output) {

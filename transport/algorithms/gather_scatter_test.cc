@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
@@ -18,12 +19,10 @@ namespace {
 using namespace std::chrono_literals;
 using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::RunRanks;
 using ::testing::HasSubstr;
 
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                  DataType::kBF16, DataType::kI32, DataType::kI64,
-                                  DataType::kU8};
 
 // Rank q's block: Contributions of rank q (distinct per rank and element).
 std::vector<unsigned char> Block(DataType dtype, int q, size_t count) {
@@ -123,7 +122,7 @@ TEST_P(GatherScatterWorldTest, EveryRootAndCount) {
 }
 
 TEST_P(GatherScatterWorldTest, EveryType) {
-  for (DataType dtype : kAllTypes) {
+  for (DataType dtype : kAllDataTypes) {
     CheckGather(GetParam(), GetParam() / 2, 19, dtype, false);
     CheckScatter(GetParam(), GetParam() - 1, 19, dtype, true);
   }

@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
@@ -18,13 +19,11 @@ namespace {
 using namespace std::chrono_literals;
 using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::Expectations;
 using ::ddp::transport::testing::RunRanks;
 using ::testing::HasSubstr;
 
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                  DataType::kBF16, DataType::kI32, DataType::kI64,
-                                  DataType::kU8};
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin,
                                 ReduceOp::kProd};
 
@@ -110,7 +109,7 @@ TEST_P(ReduceWorldTest, EveryRootCountAndAlgorithm) {
 TEST_P(ReduceWorldTest, EveryTypeAndOp) {
   const int world = GetParam();
   for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
-    for (DataType dtype : kAllTypes) {
+    for (DataType dtype : kAllDataTypes) {
       for (ReduceOp op : kAllOps) {
         Check({.world = world, .root = world / 2, .count = 19, .dtype = dtype, .op = op,
                .algorithm = algorithm, .in_place = false, .chunk_bytes = 4});

@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -144,6 +146,28 @@ std::string DescribeResults(const std::vector<WorkerResult>& results) {
             results[r].output;
   }
   return text;
+}
+
+Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env,
+           std::chrono::milliseconds limit,
+           const std::function<void(ProcessGroup&, int port)>& during,
+           const std::map<int, ProcessGroup::Env>& rank_env) {
+  env["DDP_TEST_SCENARIO"] = scenario;
+  if (env.count("DDP_JOB_TOKEN") == 0) env["DDP_JOB_TOKEN"] = "secret-token";
+  const int port = FreePort();
+  auto group = ProcessGroup::Spawn(size, {}, env, port, rank_env);
+  if (!group.ok()) {
+    WorkerResult failed;
+    failed.output = "spawning the job failed: " + group.status().ToString();
+    return Job{std::vector<WorkerResult>(static_cast<size_t>(std::max(size, 1)), failed)};
+  }
+  if (during) during(**group, port);
+  return Job{(*group)->Wait(DeadlineIn(limit))};
+}
+
+std::string EnvOr(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? fallback : value;
 }
 
 }  // namespace ddp::transport::testing

@@ -8,6 +8,9 @@
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -57,6 +60,41 @@ class ProcessGroup {
   std::vector<bool> reaped_;
 };
 
+/// A finished job: every worker's result, rank by rank.
+struct Job {
+  std::vector<WorkerResult> results;
+  std::string Describe() const { return DescribeResults(results); }
+};
+
+/// Runs `size` copies of this test binary as a one-host job on a free port,
+/// with DDP_TEST_SCENARIO=`scenario` and a job token (unless `env` names
+/// one) besides `env`, and waits for them until `limit`; `during`, when
+/// set, runs while they do. A failed spawn gives `size` results with exit
+/// code -1 and the error as output, so that checks of the exit codes fail.
+Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env = {},
+           std::chrono::milliseconds limit = std::chrono::milliseconds(60000),
+           const std::function<void(ProcessGroup&, int port)>& during = nullptr,
+           const std::map<int, ProcessGroup::Env>& rank_env = {});
+
+// Worker side: a worker counts its failed checks and exits non-zero when
+// there were any; each failure is printed with its place.
+
+/// The value of environment variable `name`, or `fallback` when it is unset.
+std::string EnvOr(const char* name, const char* fallback = "");
+
+/// WORKER_CHECKs that failed in this process.
+inline int worker_failures = 0;
+
 }  // namespace ddp::transport::testing
+
+/// Counts and prints a failed check in a worker process (no gtest there).
+#define WORKER_CHECK(cond, what)                                                       \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      ++::ddp::transport::testing::worker_failures;                                    \
+      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__,                      \
+                   std::string(what).c_str());                                         \
+    }                                                                                  \
+  } while (0)
 
 #endif  // DDP_TRANSPORT_TESTING_PROCESS_GROUP_H_
