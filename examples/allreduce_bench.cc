@@ -18,6 +18,15 @@
 // busbw = algbw, as nccl-tests counts it; algo is "-"). --collective=alltoall
 // times AllToAll: bytes is each rank's whole send buffer (size() blocks),
 // busbw = algbw * (n-1)/n as nccl-tests counts it; algo is "-".
+//
+// Rooted collectives, to and from --root: --collective=reduce times Reduce
+// (bytes is each rank's vector; in place on the root with --in_place;
+// busbw = algbw, as nccl-tests counts it; --algo=tree|ring|shm forces the
+// algorithm, algo "auto" prints what the size gets: shm on one host, else
+// tree or ring). --collective=gather and --collective=scatter time Gather
+// and Scatter: bytes is the root's whole buffer (size() blocks, as
+// all-to-all), busbw = algbw * (n-1)/n (what the root's link carries);
+// algo is "-".
 
 #include <gflags/gflags.h>
 
@@ -32,8 +41,12 @@
 #include "transport/launch/self_launch.h"
 #include "transport/testing/expected_values.h"
 
-DEFINE_string(collective, "allreduce", "allreduce, broadcast (from rank 0) or alltoall");
-DEFINE_string(algo, "auto", "all-reduce algorithm: auto, ring, tree, rhd, hierarchical, shm");
+DEFINE_string(collective, "allreduce",
+              "allreduce, broadcast (from rank 0), alltoall, reduce, gather or scatter");
+DEFINE_string(algo, "auto",
+              "all-reduce algorithm: auto, ring, tree, rhd, hierarchical, shm; reduce: auto, tree, "
+              "ring, shm");
+DEFINE_int32(root, 0, "root of reduce, gather and scatter");
 DEFINE_string(min_bytes, "4", "smallest message (suffixes K, M, G: powers of 1024)");
 DEFINE_string(max_bytes, "64M", "largest message");
 DEFINE_double(step_factor, 2, "multiply the size by this between lines");
@@ -113,26 +126,41 @@ int main(int argc, char** argv) {
   if (max_bytes < min_bytes) Fail("--max_bytes is smaller than --min_bytes");
   if (FLAGS_step_factor <= 1) Fail("--step_factor must be greater than 1");
   if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
-  if (FLAGS_collective != "allreduce" && FLAGS_collective != "broadcast" &&
-      FLAGS_collective != "alltoall") {
-    Fail("--collective=" + FLAGS_collective + ": expected allreduce, broadcast or alltoall");
+  const std::string& collective = FLAGS_collective;
+  if (collective != "allreduce" && collective != "broadcast" && collective != "alltoall" &&
+      collective != "reduce" && collective != "gather" && collective != "scatter") {
+    Fail("--collective=" + collective +
+         ": expected allreduce, broadcast, alltoall, reduce, gather or scatter");
   }
-  const bool broadcast = FLAGS_collective == "broadcast";
-  const bool alltoall = FLAGS_collective == "alltoall";
+  const bool broadcast = collective == "broadcast";
+  const bool alltoall = collective == "alltoall";
+  const bool reduce = collective == "reduce";
+  const bool gather = collective == "gather";
+  const bool scatter = collective == "scatter";
+  // Blocks of count / n elements, one per rank, in one rank's buffer.
+  const bool blocked = alltoall || gather || scatter;
+  const int root = FLAGS_root;
+  ddp::transport::CallOptions call_options;
+  if (reduce) call_options.algorithm = algo;
 
   ddp::transport::CommunicatorOptions options;
   options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
-  options.algorithm = algo;
+  if (!reduce) options.algorithm = algo;
   options.bind_to_core = FLAGS_bind;
   auto created = Communicator::CreateFromEnvironment(options);
   if (!created.ok()) Fail(created.status().ToString());
   Communicator& comm = **created;
   const int n = comm.size();
+  if ((reduce || gather || scatter) && (root < 0 || root >= n)) {
+    Fail("--root=" + std::to_string(root) + " is outside [0, " + std::to_string(n) + ")");
+  }
+  const bool is_root = comm.rank() == root;
   const size_t elem = ddp::transport::DataTypeSize(dtype);
 
   if (comm.rank() == 0) {
-    std::printf("# allreduce_bench: %d ranks, %d host(s), dtype %s, op %s, %s, shm path %s, UCX_TLS=%s\n",
-                n, comm.info().num_hosts, FLAGS_dtype.c_str(), FLAGS_op.c_str(),
+    std::printf("# allreduce_bench: %s, %d ranks, %d host(s), dtype %s, op %s, %s, shm path %s, "
+                "UCX_TLS=%s\n",
+                collective.c_str(), n, comm.info().num_hosts, FLAGS_dtype.c_str(), FLAGS_op.c_str(),
                 FLAGS_in_place ? "in place" : "out of place",
                 comm.info().shared_memory ? "on" : "off", comm.info().ucx_tls.c_str());
     std::printf("# %10s %12s %6s %10s %10s %10s %6s\n", "bytes", "count", "algo", "time_us",
@@ -141,11 +169,11 @@ int main(int argc, char** argv) {
   }
 
   for (double size = std::max<size_t>(min_bytes, elem); size <= max_bytes; size *= FLAGS_step_factor) {
-    // All-to-all: whole blocks of count / n elements, one per rank.
     const size_t block = std::max<size_t>(1, static_cast<size_t>(size) / elem / n);
-    const size_t count = alltoall ? block * n : static_cast<size_t>(size) / elem;
+    const size_t count = blocked ? block * n : static_cast<size_t>(size) / elem;
     const size_t bytes = count * elem;
-    const bool separate = !FLAGS_in_place || alltoall;  // all-to-all is never in place
+    // All-to-all, gather and scatter are never in place.
+    const bool separate = !FLAGS_in_place || blocked;
     std::vector<char> send(std::max<size_t>(bytes, 1)), recv(separate ? std::max<size_t>(bytes, 1) : 1);
     void* out = separate ? recv.data() : send.data();
     ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
@@ -153,13 +181,18 @@ int main(int argc, char** argv) {
                                       : static_cast<int>(std::clamp<double>(2e8 / std::max<size_t>(bytes, 1), 3, 200));
     auto call = [&] {
       if (alltoall) return comm.AllToAll(send.data(), out, block, dtype);
+      // In place, a reduce overwrites the root's input with the sum every
+      // call: the timing is the same, and --check refills it.
+      if (reduce) return comm.Reduce(send.data(), out, count, dtype, op, root, call_options);
+      if (gather) return comm.Gather(send.data(), out, block, dtype, root);
+      if (scatter) return comm.Scatter(send.data(), out, block, dtype, root);
       return broadcast ? comm.Broadcast(send.data(), count, dtype, 0)
                        : comm.AllReduce(send.data(), out, count, dtype, op);
     };
     for (int i = 0; i < FLAGS_warmup_iters; ++i) Check(call(), "warm-up call");
     Check(comm.Barrier(), "barrier");
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) Check(call(), FLAGS_collective.c_str());
+    for (int i = 0; i < iters; ++i) Check(call(), collective.c_str());
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
     Check(comm.AllReduce(&seconds, 1, DataType::kF64, ReduceOp::kMax), "collecting times");
 
@@ -180,6 +213,35 @@ int main(int argc, char** argv) {
             wrong += ddp::transport::testing::Load(dtype, out, s * block + i) != value(s, comm.rank(), i);
           }
         }
+      } else if (reduce) {
+        Check(comm.Reduce(send.data(), out, count, dtype, op, root, call_options),
+              "checked reduce");
+        if (is_root) {
+          wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));
+        }
+      } else if (gather || scatter) {
+        // Gather: rank q's block holds (q * 7 + i) % 100; the root's buffer
+        // gets them in rank order. Scatter: the root sends those blocks.
+        auto value = [](int q, size_t i) { return static_cast<double>((q * 7 + i) % 100); };
+        for (int q = 0; q < n; ++q) {
+          for (size_t i = 0; i < block; ++i) {
+            const double v = gather ? value(comm.rank(), i) : value(q, i);
+            ddp::transport::testing::Store(dtype, send.data(), q * block + i, v);
+          }
+        }
+        if (gather) {
+          Check(comm.Gather(send.data(), out, block, dtype, root), "checked gather");
+          for (int q = 0; q < n && is_root; ++q) {
+            for (size_t i = 0; i < block; ++i) {
+              wrong += ddp::transport::testing::Load(dtype, out, q * block + i) != value(q, i);
+            }
+          }
+        } else {
+          Check(comm.Scatter(send.data(), out, block, dtype, root), "checked scatter");
+          for (size_t i = 0; i < block; ++i) {
+            wrong += ddp::transport::testing::Load(dtype, out, i) != value(comm.rank(), i);
+          }
+        }
       } else if (broadcast) {
         // Every rank ends with rank 0's input: what a one-rank sum gives.
         Check(comm.Broadcast(send.data(), count, dtype, 0), "checked broadcast");
@@ -193,11 +255,15 @@ int main(int argc, char** argv) {
     }
     if (comm.rank() == 0) {
       const double algbw = bytes / seconds / 1e9;
-      const double busbw = broadcast ? algbw
-                           : alltoall ? algbw * (n - 1) / n
-                                      : algbw * 2.0 * (n - 1) / n;
-      std::printf("%12zu %12zu %6s %10.2f %10.3f %10.3f %6lld\n", bytes, count,
-                  broadcast || alltoall ? "-" : ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes)),
+      const double busbw = broadcast || reduce ? algbw
+                           : blocked           ? algbw * (n - 1) / n
+                                               : algbw * 2.0 * (n - 1) / n;
+      const char* algo_name =
+          reduce                 ? ddp::transport::AlgorithmName(
+                                       comm.SelectedReduceAlgorithm(bytes, call_options.algorithm))
+          : broadcast || blocked ? "-"
+                                 : ddp::transport::AlgorithmName(comm.SelectedAlgorithm(bytes));
+      std::printf("%12zu %12zu %6s %10.2f %10.3f %10.3f %6lld\n", bytes, count, algo_name,
                   seconds * 1e6,
                   algbw, busbw, static_cast<long long>(wrong));
       std::fflush(stdout);

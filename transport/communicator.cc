@@ -224,6 +224,14 @@ class Communicator::Impl {
   enum class Rooted { kReduce, kGather, kScatter };
   Status CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
                      DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
+  // The shm engine when it is up (unless tree or ring is requested), else
+  // the binomial tree up to algorithms::kTreeReduceMaxBytes and the ring
+  // above (unless one is requested).
+  Algorithm ChooseReduce(size_t bytes, Algorithm requested) const {
+    if (requested == Algorithm::kTree || requested == Algorithm::kRing) return requested;
+    if (shm_ != nullptr) return Algorithm::kSharedMemory;
+    return bytes <= algorithms::kTreeReduceMaxBytes ? Algorithm::kTree : Algorithm::kRing;
+  }
   Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root,
                 Algorithm requested, Deadline deadline);
   Status Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
@@ -981,15 +989,11 @@ Status Communicator::Impl::CheckRooted(Rooted which, const void* send, const voi
 Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, int root, Algorithm requested, Deadline deadline) {
   if (options_.rank != root) recv = nullptr;
-  if (shm_ != nullptr && (requested == Algorithm::kAuto || requested == Algorithm::kSharedMemory)) {
+  if (ChooseReduce(count * DataTypeSize(dtype), requested) == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
     return shm_->Reduce(send, recv, count, dtype, op, root, deadline, watchdog_);
   }
-  Algorithm algorithm = requested;
-  if (algorithm != Algorithm::kTree && algorithm != Algorithm::kRing) {
-    algorithm = count <= algorithms::kTreeReduceMaxBytes / DataTypeSize(dtype) ? Algorithm::kTree
-                                                                               : Algorithm::kRing;
-  }
+  const Algorithm algorithm = ChooseReduce(count * DataTypeSize(dtype), requested);
   algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, root, deadline);
   if (algorithm == Algorithm::kTree) return algorithms::TreeReduce(*p2p_, args);
   // The ring in topology order, as the all-reduce's: the root by its place
@@ -1400,6 +1404,9 @@ void Communicator::Abort(const Status& reason) {
 Status Communicator::aborted_reason() const { return impl_->aborted_reason(); }
 Algorithm Communicator::SelectedAlgorithm(size_t bytes) const {
   return impl_->Choose(bytes, Algorithm::kAuto);
+}
+Algorithm Communicator::SelectedReduceAlgorithm(size_t bytes, Algorithm requested) const {
+  return impl_->ChooseReduce(bytes, requested);
 }
 
 Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataType dtype,

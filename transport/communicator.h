@@ -313,6 +313,9 @@ class Communicator {
 
   /// The all-reduce algorithm this communicator uses for `bytes` bytes.
   Algorithm SelectedAlgorithm(size_t bytes) const;
+  /// The algorithm a Reduce of `bytes` bytes runs when it asks for
+  /// `requested` (CallOptions::algorithm): kSharedMemory, kTree or kRing.
+  Algorithm SelectedReduceAlgorithm(size_t bytes, Algorithm requested = Algorithm::kAuto) const;
 
   class Impl;
 
