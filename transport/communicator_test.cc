@@ -423,7 +423,7 @@ int ScenarioSplitOutlivesParent() {
   s = kept->Barrier();
   WORKER_CHECK(s.ok(), "child barrier: " + s.ToString());
   std::printf("CHILD rank %d -> %d/%d\n", me, kept->rank(), kept->size());
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 // Rank 0 serves the store and joins no new communicator; it destroys its
@@ -436,7 +436,7 @@ int ScenarioSplitWithoutStoreRank() {
   if (!child.ok()) return 1;
   std::unique_ptr<Communicator> kept = std::move(*child);
   comm.reset();
-  if (me == 0) return kept == nullptr && failures == 0 ? 0 : 1;
+  if (me == 0) return kept == nullptr && testing::worker_failures == 0 ? 0 : 1;
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   std::vector<float> all(5000, static_cast<float>(me));
   Status s = kept->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
@@ -444,7 +444,7 @@ int ScenarioSplitWithoutStoreRank() {
   s = kept->Barrier();
   WORKER_CHECK(s.ok(), "child barrier: " + s.ToString());
   std::printf("CHILD rank %d -> %d/%d\n", me, kept->rank(), kept->size());
-  return failures == 0 ? 0 : 1;
+  return testing::worker_failures == 0 ? 0 : 1;
 }
 
 int RunScenario(const std::string& name) {
