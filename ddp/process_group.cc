@@ -626,6 +626,27 @@ std::shared_ptr<internal::DeviceFence> FenceFor(const std::vector<nn::Tensor>& t
   return internal::MakeFence(device, tensors);
 }
 
+void CheckRoot(int root, int size, const char* call, const char* what) {
+  if (root < 0 || root >= size) {
+    throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " + what + " " +
+                                std::to_string(root) + " is outside a group of size " +
+                                std::to_string(size));
+  }
+}
+
+// The rooted collectives move host memory only.
+void CheckHost(const nn::Tensor& t, const char* call, const std::string& what) {
+  if (!t.device().is_cpu()) {
+    throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " + what + " is on " +
+                                t.device().ToString() + "; " + call + " takes CPU tensors");
+  }
+}
+
+// "f32 [2, 3]".
+std::string TypeAndShape(const nn::Tensor& t) {
+  return std::string(nn::DTypeName(t.dtype())) + " " + nn::ShapeToString(t.shape());
+}
+
 // dst = src for a one-process group (the same device for both).
 Status LocalCopy(internal::DeviceFence* fence, void* dst, const void* src, size_t bytes) {
   if (fence != nullptr) return fence->CopyOnCommStream(dst, src, bytes);
@@ -783,6 +804,166 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
   }, std::move(fence));
 }
 
+Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceOp op,
+                          const std::string& label) {
+  CheckTensor(tensor, "Reduce", "tensor");
+  CheckHost(tensor, "Reduce", "tensor");
+  CheckRoot(root, size_, "Reduce", "root");
+  CollectiveDescription d{label.empty() ? "reduce" : "reduce " + label, tensor.dtype(),
+                          tensor.shape(), root, op, true};
+  const transport::DataType type = ToTransportType(tensor.dtype());
+  const milliseconds timeout = options_.timeout;
+  return impl_->Enqueue(std::move(d), [tensor, root, op, type, timeout](
+                                          transport::Communicator* comm, Deadline) {
+    if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
+    void* result = comm->rank() == root ? tensor.data_ptr() : nullptr;
+    return comm->Reduce(tensor.data_ptr(), result, static_cast<size_t>(tensor.numel()), type, op,
+                        root, {.timeout = timeout});
+  }, nullptr);
+}
+
+Work ProcessGroup::Gather(const nn::Tensor& output, const nn::Tensor& input, int root,
+                          const std::string& label) {
+  return GatherWith(output, input, root, label, nullptr);
+}
+
+Work ProcessGroup::GatherWith(const nn::Tensor& output, const nn::Tensor& input, int root,
+                              const std::string& label, std::function<void()> after) {
+  CheckTensor(input, "Gather", "input");
+  CheckHost(input, "Gather", "input");
+  CheckRoot(root, size_, "Gather", "root");
+  const bool is_root = rank_ == root;
+  if (is_root) {
+    CheckTensor(output, "Gather", "output");
+    CheckHost(output, "Gather", "output");
+    if (output.dtype() != input.dtype() || output.numel() != input.numel() * size_) {
+      throw std::invalid_argument(
+          "ProcessGroup::Gather: the root's output must hold size() x input elements of input's "
+          "dtype: input " + TypeAndShape(input) + ", output " + TypeAndShape(output) + ", size() " +
+          std::to_string(size_));
+    }
+  }
+  CollectiveDescription d{label.empty() ? "gather" : "gather " + label, input.dtype(),
+                          input.shape(), root, transport::ReduceOp::kSum, false};
+  const transport::DataType type = ToTransportType(input.dtype());
+  const milliseconds timeout = options_.timeout;
+  return impl_->Enqueue(std::move(d), [output, input, root, is_root, type, timeout, after](
+                                          transport::Communicator* comm, Deadline) {
+    if (comm == nullptr) {
+      if (input.nbytes() > 0) std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
+    } else if (input.numel() > 0) {
+      DDP_RETURN_IF_ERROR(comm->Gather(input.data_ptr(), is_root ? output.data_ptr() : nullptr,
+                                       static_cast<size_t>(input.numel()), type, root,
+                                       {.timeout = timeout}));
+    }
+    if (after) after();
+    return Status::Ok();
+  }, nullptr);
+}
+
+namespace {
+
+// The list of a rooted collective's list form: size() tensors like `like`
+// on the root, none elsewhere.
+void CheckRootList(const std::vector<nn::Tensor>& list, const nn::Tensor& like, int rank, int size,
+                   int root, const char* call, const char* name, const char* like_name) {
+  const std::string where = std::string("ProcessGroup::") + call + ": ";
+  if (rank != root) {
+    if (!list.empty()) {
+      throw std::invalid_argument(where + "rank " + std::to_string(rank) + " is not the root (" +
+                                  std::to_string(root) + ") and must pass no " + name + ", got " +
+                                  std::to_string(list.size()));
+    }
+    return;
+  }
+  if (static_cast<int>(list.size()) != size) {
+    throw std::invalid_argument(where + "the root passed " + std::to_string(list.size()) + " " +
+                                name + " for a group of size " + std::to_string(size));
+  }
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string what = std::string(name) + "[" + std::to_string(i) + "]";
+    if (!list[i].defined()) throw std::invalid_argument(where + what + " is undefined");
+    CheckHost(list[i], call, what);
+    if (list[i].dtype() != like.dtype() || list[i].numel() != like.numel()) {
+      throw std::invalid_argument(where + what + " is " + TypeAndShape(list[i]) + ", " + like_name +
+                                  " is " + TypeAndShape(like) +
+                                  "; each needs the same dtype and element count");
+    }
+  }
+}
+
+}  // namespace
+
+Work ProcessGroup::GatherList(const std::vector<nn::Tensor>& outputs, const nn::Tensor& input,
+                              int root) {
+  CheckTensor(input, "GatherList", "input");
+  CheckRootList(outputs, input, rank_, size_, root, "GatherList", "outputs", "input");
+  if (rank_ != root) return GatherWith(nn::Tensor(), input, root, "", nullptr);
+  // Gathered into one buffer, then copied into the list on the
+  // communication thread (the list's tensors need not be adjacent).
+  const nn::Tensor staged = nn::Empty({size_ * input.numel()}, {.dtype = input.dtype()});
+  return GatherWith(staged, input, root, "", [staged, outputs] {
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      const int64_t n = outputs[r].numel();
+      outputs[r].CopyFrom(staged.Narrow(0, static_cast<int64_t>(r) * n, n).View(outputs[r].shape()));
+    }
+  });
+}
+
+Work ProcessGroup::Scatter(const nn::Tensor& output, const nn::Tensor& input, int root,
+                           const std::string& label) {
+  return ScatterWith(output, input, root, label, nullptr);
+}
+
+Work ProcessGroup::ScatterWith(const nn::Tensor& output, const nn::Tensor& input, int root,
+                               const std::string& label, std::function<void()> before) {
+  CheckTensor(output, "Scatter", "output");
+  CheckHost(output, "Scatter", "output");
+  CheckRoot(root, size_, "Scatter", "root");
+  const bool is_root = rank_ == root;
+  if (is_root) {
+    CheckTensor(input, "Scatter", "input");
+    CheckHost(input, "Scatter", "input");
+    if (output.dtype() != input.dtype() || input.numel() != output.numel() * size_) {
+      throw std::invalid_argument(
+          "ProcessGroup::Scatter: the root's input must hold size() x output elements of output's "
+          "dtype: input " + TypeAndShape(input) + ", output " + TypeAndShape(output) + ", size() " +
+          std::to_string(size_));
+    }
+  }
+  CollectiveDescription d{label.empty() ? "scatter" : "scatter " + label, output.dtype(),
+                          output.shape(), root, transport::ReduceOp::kSum, false};
+  const transport::DataType type = ToTransportType(output.dtype());
+  const milliseconds timeout = options_.timeout;
+  return impl_->Enqueue(std::move(d), [output, input, root, is_root, type, timeout, before](
+                                          transport::Communicator* comm, Deadline) {
+    if (before) before();
+    if (comm == nullptr) {
+      if (output.nbytes() > 0) std::memcpy(output.data_ptr(), input.data_ptr(), output.nbytes());
+      return Status::Ok();
+    }
+    if (output.numel() == 0) return Status::Ok();
+    return comm->Scatter(is_root ? input.data_ptr() : nullptr, output.data_ptr(),
+                         static_cast<size_t>(output.numel()), type, root, {.timeout = timeout});
+  }, nullptr);
+}
+
+Work ProcessGroup::ScatterList(const nn::Tensor& output, const std::vector<nn::Tensor>& inputs,
+                               int root) {
+  CheckTensor(output, "ScatterList", "output");
+  CheckRootList(inputs, output, rank_, size_, root, "ScatterList", "inputs", "output");
+  if (rank_ != root) return ScatterWith(output, nn::Tensor(), root, "", nullptr);
+  // Packed into one buffer on the communication thread, so that the list
+  // is read after the collectives issued before this one.
+  const nn::Tensor staged = nn::Empty({size_ * output.numel()}, {.dtype = output.dtype()});
+  return ScatterWith(output, staged, root, "", [staged, inputs] {
+    for (size_t r = 0; r < inputs.size(); ++r) {
+      const int64_t n = inputs[r].numel();
+      staged.Narrow(0, static_cast<int64_t>(r) * n, n).CopyFrom(inputs[r].Reshape({n}));
+    }
+  });
+}
+
 Work ProcessGroup::Barrier() {
   CollectiveDescription d{"barrier", nn::DType::kUInt8, {0}, -1, transport::ReduceOp::kSum, false};
   const milliseconds timeout = options_.timeout;
@@ -874,14 +1055,6 @@ CollectiveDescription ObjectCollective(const char* kind, int root) {
   return {kind, nn::DType::kUInt8, {}, root, transport::ReduceOp::kSum, false};
 }
 
-void CheckRoot(int root, int size, const char* call, const char* what) {
-  if (root < 0 || root >= size) {
-    throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " + what + " " +
-                                std::to_string(root) + " is outside a group of size " +
-                                std::to_string(size));
-  }
-}
-
 }  // namespace
 
 void ProcessGroup::BroadcastObject(std::string* object, int root) {
@@ -939,30 +1112,23 @@ std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, i
     }
     const size_t n = static_cast<size_t>(comm->size());
     const bool root = comm->rank() == dst;
+    // Every rank needs the longest length (the gather's count); dst needs
+    // them all.
     std::vector<int64_t> sizes(n);
     const int64_t mine = static_cast<int64_t>(object.size());
     DDP_RETURN_IF_ERROR(
         comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
-    // Everyone's bytes go to dst only: an all-to-all in which the other
-    // pairs exchange nothing.
-    std::vector<size_t> send_counts(n, 0), recv_counts(n, 0);
-    send_counts[static_cast<size_t>(dst)] = object.size();
-    size_t total = 0;
-    if (root) {
-      for (size_t r = 0; r < n; ++r) total += recv_counts[r] = static_cast<size_t>(sizes[r]);
+    const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end()));
+    std::string padded = object;
+    padded.resize(longest);
+    std::string all(root ? n * longest : 0, '\0');
+    if (longest > 0) {
+      DDP_RETURN_IF_ERROR(comm->Gather(padded.data(), root ? all.data() : nullptr, longest,
+                                       transport::DataType::kU8, dst, Within(deadline)));
     }
-    std::string all(std::max<size_t>(total, 1), '\0');
-    const char kNothing = 0;
-    DDP_RETURN_IF_ERROR(comm->AllToAllV(object.empty() ? &kNothing : object.data(), send_counts,
-                                        all.data(), recv_counts, transport::DataType::kU8,
-                                        Within(deadline)));
     if (root) {
       out->resize(n);
-      size_t offset = 0;
-      for (size_t r = 0; r < n; ++r) {
-        (*out)[r] = all.substr(offset, recv_counts[r]);
-        offset += recv_counts[r];
-      }
+      for (size_t r = 0; r < n; ++r) (*out)[r] = all.substr(r * longest, static_cast<size_t>(sizes[r]));
     }
     return Status::Ok();
   }, nullptr).Wait();
@@ -1000,20 +1166,20 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
       *out = objects[0];
       return Status::Ok();
     }
-    std::vector<size_t> send_counts(n, 0), recv_counts(n, 0);
-    std::string all;
+    // Each object padded to the longest, in one scatter.
+    const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end() - 1));
+    std::string packed;
     if (me == src) {
-      for (size_t q = 0; q < n; ++q) {
-        send_counts[q] = objects[q].size();
-        all += objects[q];
-      }
+      packed.assign(n * longest, '\0');
+      for (size_t q = 0; q < n; ++q) packed.replace(q * longest, objects[q].size(), objects[q]);
     }
-    recv_counts[static_cast<size_t>(src)] = static_cast<size_t>(sizes[static_cast<size_t>(me)]);
-    out->resize(recv_counts[static_cast<size_t>(src)]);
-    char nothing_in = 0, nothing_out = 0;
-    return comm->AllToAllV(all.empty() ? &nothing_in : all.data(), send_counts,
-                           out->empty() ? &nothing_out : out->data(), recv_counts,
-                           transport::DataType::kU8, Within(deadline));
+    out->resize(longest);
+    if (longest > 0) {
+      DDP_RETURN_IF_ERROR(comm->Scatter(me == src ? packed.data() : nullptr, out->data(), longest,
+                                        transport::DataType::kU8, src, Within(deadline)));
+    }
+    out->resize(static_cast<size_t>(sizes[static_cast<size_t>(me)]));
+    return Status::Ok();
   }, nullptr).Wait();
   if (*bad_count >= 0) {
     throw std::invalid_argument("ProcessGroup::ScatterObject: src " + std::to_string(src) +

@@ -210,6 +210,37 @@ class ProcessGroup {
   Work AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                 std::vector<int64_t> output_splits = {}, std::vector<int64_t> input_splits = {},
                 const std::string& label = "");
+  // Rooted collectives (torch.distributed.reduce, gather, scatter) over
+  // Communicator::Reduce/Gather/Scatter. CPU tensors, contiguous; every rank
+  // passes the same root (and op), and the same element count and dtype
+  // for the tensors it sends or receives; a buffer that only the root uses
+  // may be undefined elsewhere. Ranks that disagree fail with a
+  // DistributedError (DDP_DEBUG=detail names what each rank ran).
+
+  /// In place on the root: root's `tensor` becomes `op` over every rank's;
+  /// the other ranks' tensors are left as they were.
+  Work Reduce(const nn::Tensor& tensor, int root,
+              transport::ReduceOp op = transport::ReduceOp::kSum, const std::string& label = "");
+  /// Root's `output` (size() x input.numel() elements, input's dtype)
+  /// receives rank r's `input` at offset r * input.numel(); `output` is not
+  /// used on the other ranks.
+  Work Gather(const nn::Tensor& output, const nn::Tensor& input, int root,
+              const std::string& label = "");
+  /// torch's list form (a name of its own: `Gather({t}, ...)` would pick the
+  /// overload above): on the root, outputs[r] (size() tensors of input's
+  /// dtype and element count, any shape) receives rank r's `input`; the
+  /// other ranks pass an empty list.
+  Work GatherList(const std::vector<nn::Tensor>& outputs, const nn::Tensor& input, int root);
+  /// `output` receives block rank() (output.numel() elements) of root's
+  /// `input` (size() x output.numel() elements, output's dtype); `input`
+  /// is not used on the other ranks.
+  Work Scatter(const nn::Tensor& output, const nn::Tensor& input, int root,
+               const std::string& label = "");
+  /// torch's list form: `output` receives root's inputs[rank()] (size()
+  /// tensors of output's dtype and element count, on the root; an empty
+  /// list elsewhere).
+  Work ScatterList(const nn::Tensor& output, const std::vector<nn::Tensor>& inputs, int root);
+
   /// Completes once every rank has entered it.
   Work Barrier();
 
@@ -251,8 +282,7 @@ class ProcessGroup {
   /// Every rank's `object`, in rank order (lengths exchanged first, then
   /// the bytes padded to the longest).
   std::vector<std::string> AllGatherObject(const std::string& object);
-  /// On `dst`: every rank's `object` in rank order; elsewhere empty. Only
-  /// `dst` receives the bytes.
+  /// On `dst`: every rank's `object` in rank order; elsewhere empty.
   std::vector<std::string> GatherObject(const std::string& object, int dst);
   /// Rank q receives `objects[q]` of rank `src`; `objects` is read on src
   /// only and must hold size() strings there (otherwise every rank throws
@@ -316,6 +346,13 @@ class ProcessGroup {
                ProcessGroupOptions options);
   static void CheckTensor(const nn::Tensor& t, const char* call, const char* what);
   void CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const;
+  // The rooted collectives, with host work run on the communication thread
+  // after the gather (`after`: copy into a list) or before the scatter
+  // (`before`: pack a list).
+  Work GatherWith(const nn::Tensor& output, const nn::Tensor& input, int root,
+                  const std::string& label, std::function<void()> after);
+  Work ScatterWith(const nn::Tensor& output, const nn::Tensor& input, int root,
+                   const std::string& label, std::function<void()> before);
   Work PostPointToPoint(const std::vector<P2POp>& ops, const char* call);
 
   int rank_ = 0;

@@ -1,8 +1,10 @@
-// ProcessGroup's point-to-point messages, object collectives and monitored
-// barrier, over real processes: ring exchanges of every dtype, tags kept
-// apart, a size mismatch reported on both ranks, argument errors; strings of
-// different lengths (empty, several MB) on 1, 2 and 3 ranks; a monitored
-// barrier that names the ranks that did not come, on time.
+// ProcessGroup's point-to-point messages, rooted collectives, object
+// collectives and monitored barrier, over real processes: ring exchanges of
+// every dtype, tags kept apart, a size mismatch reported on both ranks,
+// argument errors; reduce, gather and scatter (tensor and list forms) for
+// every dtype and root; strings of different lengths (empty, several MB) on
+// 1, 2 and 3 ranks; a monitored barrier that names the ranks that did not
+// come, on time.
 
 #include <gtest/gtest.h>
 
@@ -204,6 +206,137 @@ DDP_TEST_WORKER(pg_p2p_tag) {
 }
 
 TEST(ProcessGroupP2pTest, ReservedTagsAreRefused) { ExpectWorkersPass("pg_p2p_tag", {2}); }
+
+// ------------------------------------------------------------------ rooted ----
+
+DDP_TEST_WORKER(pg_rooted) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16,
+                      DType::kInt64, DType::kInt32, DType::kUInt8}) {
+    for (int root = 0; root < n; ++root) {
+      const std::string what = std::string(nn::DTypeName(dtype)) + " root " + std::to_string(root);
+      // Reduce: the sum on the root, the others untouched.
+      const std::vector<double> mine = Pattern(me, root, 1001);
+      Tensor t = nn::FromVector(mine, {7, 11, 13}, {.dtype = dtype});
+      pg->Reduce(t, root).Wait();
+      std::vector<double> sum(1001, 0);
+      for (int r = 0; r < n; ++r) {
+        const std::vector<double> theirs = Pattern(r, root, 1001);
+        for (size_t i = 0; i < sum.size(); ++i) sum[i] += theirs[i];
+      }
+      WORKER_EXPECT(t.ToVector<double>() == (me == root ? sum : mine), what + " reduce");
+      Tensor m = nn::Full({3}, me * 2, {.dtype = dtype});
+      pg->Reduce(m, root, transport::ReduceOp::kMax).Wait();
+      WORKER_EXPECT(m.ToVector<double>() == std::vector<double>(3, me == root ? 2 * (n - 1) : 2 * me),
+                    what + " reduce max");
+      // Gather: one tensor, then a list.
+      Tensor in = nn::Full({2, 3}, me + 1, {.dtype = dtype});
+      Tensor all = me == root ? nn::Full({n, 2, 3}, -1, {.dtype = dtype}) : Tensor();
+      pg->Gather(all, in, root).Wait();
+      std::vector<double> expected_all;
+      for (int r = 0; r < n; ++r) expected_all.insert(expected_all.end(), 6, r + 1);
+      if (me == root) WORKER_EXPECT(all.ToVector<double>() == expected_all, what + " gather");
+      std::vector<Tensor> outs;
+      if (me == root) {
+        for (int r = 0; r < n; ++r) outs.push_back(nn::Full({6}, -1, {.dtype = dtype}));
+      }
+      pg->GatherList(outs, in, root).Wait();
+      for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+        WORKER_EXPECT(outs[r].ToVector<double>() == std::vector<double>(6, r + 1), what + " gather list");
+      }
+      // Scatter: one tensor, then a list; rank q gets 4 elements q * 10 + root.
+      Tensor blocks;
+      std::vector<Tensor> parts;
+      if (me == root) {
+        std::vector<double> v;
+        for (int q = 0; q < n; ++q) {
+          v.insert(v.end(), 4, q * 10 + root);
+          parts.push_back(nn::Full({2, 2}, q * 10 + root, {.dtype = dtype}));
+        }
+        blocks = nn::FromVector(v, {n * 4}, {.dtype = dtype});
+      }
+      Tensor got = nn::Full({4}, -1, {.dtype = dtype});
+      pg->Scatter(got, blocks, root).Wait();
+      WORKER_EXPECT(got.ToVector<double>() == std::vector<double>(4, me * 10 + root), what + " scatter");
+      Tensor got_list = nn::Full({4}, -1, {.dtype = dtype});
+      pg->ScatterList(got_list, parts, root).Wait();
+      WORKER_EXPECT(got_list.ToVector<double>() == std::vector<double>(4, me * 10 + root),
+                    what + " scatter list");
+    }
+  }
+  // Large (4 MiB) and empty.
+  {
+    const int64_t big = 1 << 20;
+    Tensor t = nn::Full({big}, me + 1);
+    pg->Reduce(t, n - 1).Wait();
+    WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(big, me == n - 1 ? n * (n + 1) / 2.0 : me + 1),
+                  "4 MiB reduce");
+    pg->Reduce(nn::Empty({0}), 0).Wait();
+    pg->Gather(me == 0 ? nn::Empty({0}) : Tensor(), nn::Empty({0}), 0).Wait();
+    pg->Scatter(nn::Empty({0}), me == 0 ? nn::Empty({0}) : Tensor(), 0).Wait();
+  }
+  // Only the root passes a list.
+  if (me != 0) {
+    try {
+      pg->GatherList({nn::Zeros({2})}, nn::Zeros({2}), 0);
+      WORKER_EXPECT(false, "a list on a rank other than the root was accepted");
+    } catch (const std::invalid_argument& e) {
+      WORKER_EXPECT(std::string(e.what()).find("rank " + std::to_string(me) +
+                                               " is not the root (0) and must pass no outputs, got 1") !=
+                        std::string::npos,
+                    e.what());
+    }
+  }
+  pg->Barrier().Wait();
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupRootedTest, ReduceGatherScatterOnTwoAndThreeRanks) {
+  ExpectWorkersPass("pg_rooted", {2, 3});
+}
+
+// Ranks that name different roots: DDP_DEBUG=detail reports who ran what.
+DDP_TEST_WORKER(pg_rooted_desync) {
+  auto pg = testing::WorkerGroup();
+  try {
+    pg->Reduce(nn::Ones({4}), pg->rank()).Wait();
+    WORKER_EXPECT(false, "different roots were not reported");
+  } catch (const DistributedError& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("rank 0 runs collective #0 reduce(sum, root 0, f32 [4])") != std::string::npos, m);
+    WORKER_EXPECT(m.find("rank 1 runs collective #0 reduce(sum, root 1, f32 [4])") != std::string::npos, m);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupRootedTest, DebugModeNamesBothRoots) {
+  ExpectWorkersPass("pg_rooted_desync", {2}, {{"DDP_DEBUG", "detail"}});
+}
+
+TEST(ProcessGroupRootedTest, SingleProcessGroupAndBadArguments) {
+  auto pg = ProcessGroup::Single();
+  Tensor t = nn::FromVector({1, 2, 3, 4}, {4});
+  pg->Reduce(t, 0).Wait();
+  EXPECT_EQ(t.ToVector<double>(), std::vector<double>({1, 2, 3, 4}));
+  Tensor out = nn::Zeros({4});
+  pg->Gather(out, t, 0).Wait();
+  EXPECT_EQ(out.ToVector<double>(), std::vector<double>({1, 2, 3, 4}));
+  Tensor listed = nn::Zeros({2, 2});
+  pg->GatherList({listed}, t, 0).Wait();
+  EXPECT_EQ(listed.ToVector<double>(), std::vector<double>({1, 2, 3, 4}));
+  Tensor scattered = nn::Zeros({4});
+  pg->ScatterList(scattered, {t}, 0).Wait();
+  EXPECT_EQ(scattered.ToVector<double>(), std::vector<double>({1, 2, 3, 4}));
+  ExpectInvalid([&] { pg->Reduce(t, 1); }, "Reduce: root 1 is outside a group of size 1");
+  ExpectInvalid([&] { pg->Gather(nn::Zeros({5}), t, 0); }, "input f32 [4], output f32 [5]");
+  ExpectInvalid([&] { pg->Gather(Tensor(), t, 0); }, "Gather: output is undefined");
+  ExpectInvalid([&] { pg->Scatter(t, nn::Zeros({3}), 0); }, "Scatter: the root's input must hold");
+  ExpectInvalid([&] { pg->GatherList({t, t}, t, 0); },
+                "the root passed 2 outputs for a group of size 1");
+  ExpectInvalid([&] { pg->ScatterList(t, {nn::Zeros({3})}, 0); },
+                "inputs[0] is f32 [3], output is f32 [4]");
+}
 
 // ----------------------------------------------------------------- objects ----
 
