@@ -824,39 +824,55 @@ Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceO
 
 Work ProcessGroup::Gather(const nn::Tensor& output, const nn::Tensor& input, int root,
                           const std::string& label) {
-  return GatherWith(output, input, root, label, nullptr);
+  return RootedExchange(true, input, output, root, label, nullptr);
 }
 
-Work ProcessGroup::GatherWith(const nn::Tensor& output, const nn::Tensor& input, int root,
-                              const std::string& label, std::function<void()> after) {
-  CheckTensor(input, "Gather", "input");
-  CheckHost(input, "Gather", "input");
-  CheckRoot(root, size_, "Gather", "root");
+Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn::Tensor& rooted,
+                                  int root, const std::string& label, std::function<void()> host) {
+  // Gather: local is the input, rooted the root's output; Scatter: local
+  // is the output, rooted the root's input.
+  const char* call = gather ? "Gather" : "Scatter";
+  const char* local_name = gather ? "input" : "output";
+  const char* rooted_name = gather ? "output" : "input";
+  CheckTensor(local, call, local_name);
+  CheckHost(local, call, local_name);
+  CheckRoot(root, size_, call, "root");
   const bool is_root = rank_ == root;
   if (is_root) {
-    CheckTensor(output, "Gather", "output");
-    CheckHost(output, "Gather", "output");
-    if (output.dtype() != input.dtype() || output.numel() != input.numel() * size_) {
-      throw std::invalid_argument(
-          "ProcessGroup::Gather: the root's output must hold size() x input elements of input's "
-          "dtype: input " + TypeAndShape(input) + ", output " + TypeAndShape(output) + ", size() " +
-          std::to_string(size_));
+    CheckTensor(rooted, call, rooted_name);
+    CheckHost(rooted, call, rooted_name);
+    if (rooted.dtype() != local.dtype() || rooted.numel() != local.numel() * size_) {
+      const nn::Tensor& input = gather ? local : rooted;
+      const nn::Tensor& output = gather ? rooted : local;
+      throw std::invalid_argument(std::string("ProcessGroup::") + call + ": the root's " +
+                                  rooted_name + " must hold size() x " + local_name +
+                                  " elements of " + local_name + "'s dtype: input " +
+                                  TypeAndShape(input) + ", output " + TypeAndShape(output) +
+                                  ", size() " + std::to_string(size_));
     }
   }
-  CollectiveDescription d{label.empty() ? "gather" : "gather " + label, input.dtype(),
-                          input.shape(), root, transport::ReduceOp::kSum, false};
-  const transport::DataType type = ToTransportType(input.dtype());
+  const std::string kind = gather ? "gather" : "scatter";
+  CollectiveDescription d{label.empty() ? kind : kind + " " + label, local.dtype(), local.shape(),
+                          root, transport::ReduceOp::kSum, false};
+  const transport::DataType type = ToTransportType(local.dtype());
   const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [output, input, root, is_root, type, timeout, after](
+  return impl_->Enqueue(std::move(d), [gather, local, rooted, root, is_root, type, timeout, host](
                                           transport::Communicator* comm, Deadline) {
+    if (!gather && host) host();  // packs the root's input
+    const size_t count = static_cast<size_t>(local.numel());
+    void* root_buffer = is_root ? rooted.data_ptr() : nullptr;
     if (comm == nullptr) {
-      if (input.nbytes() > 0) std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
-    } else if (input.numel() > 0) {
-      DDP_RETURN_IF_ERROR(comm->Gather(input.data_ptr(), is_root ? output.data_ptr() : nullptr,
-                                       static_cast<size_t>(input.numel()), type, root,
-                                       {.timeout = timeout}));
+      if (local.nbytes() > 0) {
+        std::memcpy(gather ? root_buffer : local.data_ptr(), gather ? local.data_ptr() : root_buffer,
+                    local.nbytes());
+      }
+    } else if (count > 0) {
+      DDP_RETURN_IF_ERROR(gather ? comm->Gather(local.data_ptr(), root_buffer, count, type, root,
+                                                {.timeout = timeout})
+                                 : comm->Scatter(root_buffer, local.data_ptr(), count, type, root,
+                                                 {.timeout = timeout}));
     }
-    if (after) after();
+    if (gather && host) host();  // copies the root's output into a list
     return Status::Ok();
   }, nullptr);
 }
@@ -896,70 +912,39 @@ void CheckRootList(const std::vector<nn::Tensor>& list, const nn::Tensor& like, 
 
 Work ProcessGroup::GatherList(const std::vector<nn::Tensor>& outputs, const nn::Tensor& input,
                               int root) {
-  CheckTensor(input, "GatherList", "input");
-  CheckRootList(outputs, input, rank_, size_, root, "GatherList", "outputs", "input");
-  if (rank_ != root) return GatherWith(nn::Tensor(), input, root, "", nullptr);
-  // Gathered into one buffer, then copied into the list on the
-  // communication thread (the list's tensors need not be adjacent).
-  const nn::Tensor staged = nn::Empty({size_ * input.numel()}, {.dtype = input.dtype()});
-  return GatherWith(staged, input, root, "", [staged, outputs] {
-    for (size_t r = 0; r < outputs.size(); ++r) {
-      const int64_t n = outputs[r].numel();
-      outputs[r].CopyFrom(staged.Narrow(0, static_cast<int64_t>(r) * n, n).View(outputs[r].shape()));
-    }
-  });
+  return ListExchange(true, input, outputs, root);
 }
 
 Work ProcessGroup::Scatter(const nn::Tensor& output, const nn::Tensor& input, int root,
                            const std::string& label) {
-  return ScatterWith(output, input, root, label, nullptr);
-}
-
-Work ProcessGroup::ScatterWith(const nn::Tensor& output, const nn::Tensor& input, int root,
-                               const std::string& label, std::function<void()> before) {
-  CheckTensor(output, "Scatter", "output");
-  CheckHost(output, "Scatter", "output");
-  CheckRoot(root, size_, "Scatter", "root");
-  const bool is_root = rank_ == root;
-  if (is_root) {
-    CheckTensor(input, "Scatter", "input");
-    CheckHost(input, "Scatter", "input");
-    if (output.dtype() != input.dtype() || input.numel() != output.numel() * size_) {
-      throw std::invalid_argument(
-          "ProcessGroup::Scatter: the root's input must hold size() x output elements of output's "
-          "dtype: input " + TypeAndShape(input) + ", output " + TypeAndShape(output) + ", size() " +
-          std::to_string(size_));
-    }
-  }
-  CollectiveDescription d{label.empty() ? "scatter" : "scatter " + label, output.dtype(),
-                          output.shape(), root, transport::ReduceOp::kSum, false};
-  const transport::DataType type = ToTransportType(output.dtype());
-  const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [output, input, root, is_root, type, timeout, before](
-                                          transport::Communicator* comm, Deadline) {
-    if (before) before();
-    if (comm == nullptr) {
-      if (output.nbytes() > 0) std::memcpy(output.data_ptr(), input.data_ptr(), output.nbytes());
-      return Status::Ok();
-    }
-    if (output.numel() == 0) return Status::Ok();
-    return comm->Scatter(is_root ? input.data_ptr() : nullptr, output.data_ptr(),
-                         static_cast<size_t>(output.numel()), type, root, {.timeout = timeout});
-  }, nullptr);
+  return RootedExchange(false, output, input, root, label, nullptr);
 }
 
 Work ProcessGroup::ScatterList(const nn::Tensor& output, const std::vector<nn::Tensor>& inputs,
                                int root) {
-  CheckTensor(output, "ScatterList", "output");
-  CheckRootList(inputs, output, rank_, size_, root, "ScatterList", "inputs", "output");
-  if (rank_ != root) return ScatterWith(output, nn::Tensor(), root, "", nullptr);
-  // Packed into one buffer on the communication thread, so that the list
-  // is read after the collectives issued before this one.
-  const nn::Tensor staged = nn::Empty({size_ * output.numel()}, {.dtype = output.dtype()});
-  return ScatterWith(output, staged, root, "", [staged, inputs] {
-    for (size_t r = 0; r < inputs.size(); ++r) {
-      const int64_t n = inputs[r].numel();
-      staged.Narrow(0, static_cast<int64_t>(r) * n, n).CopyFrom(inputs[r].Reshape({n}));
+  return ListExchange(false, output, inputs, root);
+}
+
+Work ProcessGroup::ListExchange(bool gather, const nn::Tensor& local,
+                                const std::vector<nn::Tensor>& list, int root) {
+  const char* call = gather ? "GatherList" : "ScatterList";
+  const char* local_name = gather ? "input" : "output";
+  CheckTensor(local, call, local_name);
+  CheckRootList(list, local, rank_, size_, root, call, gather ? "outputs" : "inputs", local_name);
+  if (rank_ != root) return RootedExchange(gather, local, nn::Tensor(), root, "", nullptr);
+  // One staging buffer on the root (the list's tensors need not be
+  // adjacent), filled or emptied on the communication thread: the list is
+  // read after, and written before, the collectives issued around this one.
+  const int64_t n = local.numel();
+  const nn::Tensor staged = nn::Empty({size_ * n}, {.dtype = local.dtype()});
+  return RootedExchange(gather, local, staged, root, "", [gather, staged, list, n] {
+    for (size_t r = 0; r < list.size(); ++r) {
+      const nn::Tensor block = staged.Narrow(0, static_cast<int64_t>(r) * n, n);
+      if (gather) {
+        list[r].CopyFrom(block.View(list[r].shape()));
+      } else {
+        block.CopyFrom(list[r].Reshape({n}));
+      }
     }
   });
 }

@@ -346,13 +346,14 @@ class ProcessGroup {
                ProcessGroupOptions options);
   static void CheckTensor(const nn::Tensor& t, const char* call, const char* what);
   void CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const;
-  // The rooted collectives, with host work run on the communication thread
-  // after the gather (`after`: copy into a list) or before the scatter
-  // (`before`: pack a list).
-  Work GatherWith(const nn::Tensor& output, const nn::Tensor& input, int root,
-                  const std::string& label, std::function<void()> after);
-  Work ScatterWith(const nn::Tensor& output, const nn::Tensor& input, int root,
-                   const std::string& label, std::function<void()> before);
+  // Gather (`gather`) or Scatter between each rank's `local` tensor and the
+  // root's `rooted` one; `host` (may be empty) runs on the communication
+  // thread before a scatter (packing a list) or after a gather (unpacking).
+  Work RootedExchange(bool gather, const nn::Tensor& local, const nn::Tensor& rooted, int root,
+                      const std::string& label, std::function<void()> host);
+  // GatherList (`gather`) or ScatterList: `list` staged through one buffer.
+  Work ListExchange(bool gather, const nn::Tensor& local, const std::vector<nn::Tensor>& list,
+                    int root);
   Work PostPointToPoint(const std::vector<P2POp>& ops, const char* call);
 
   int rank_ = 0;
