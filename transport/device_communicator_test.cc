@@ -532,8 +532,5 @@ TEST(DeviceFaults, PeerKilledDuringCudaIpcAllReduce) {
 }  // namespace ddp::transport
 
 int main(int argc, char** argv) {
-  const char* scenario = std::getenv("DDP_TEST_SCENARIO");
-  if (scenario != nullptr) return ddp::transport::RunScenario(scenario);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return ddp::transport::testing::WorkerOrTestsMain(argc, argv, ddp::transport::RunScenario);
 }

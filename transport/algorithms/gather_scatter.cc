@@ -9,67 +9,63 @@
 namespace ddp::transport::algorithms {
 namespace {
 
-// The checks both begin with: the block count fits, CheckArgs with the
-// root's whole buffer on the root, and (gather) the root's send either is
-// its block of recv or lies outside recv.
-Status CheckRootedArgs(const char* what, p2p::PointToPoint& p2p, const CollectiveArgs& args,
-                       bool gather) {
+// How both begin: the block count fits, the root's send either is its
+// block of recv or lies outside recv (gather; CheckArgs allows any overlap
+// there), then StartCollective with the root's whole buffer on the root.
+internal::CollectiveStart StartRooted(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                                      bool gather) {
+  const char* what = gather ? "gather" : "scatter";
   const int p = p2p.size();
   const bool is_root = p2p.rank() == args.root;
+  internal::CollectiveStart refused;
+  refused.finished = true;
   if (args.count > std::numeric_limits<size_t>::max() / p) {
-    return InvalidArgumentError(std::string(what) + ": count " + std::to_string(args.count) +
-                                " times " + std::to_string(p) + " ranks overflows");
+    refused.status = InvalidArgumentError(std::string(what) + ": count " +
+                                          std::to_string(args.count) + " times " +
+                                          std::to_string(p) + " ranks overflows");
+    return refused;
+  }
+  const size_t es = DataTypeSize(args.dtype);
+  if (gather && is_root && args.count > 0 && args.send != nullptr && args.recv != nullptr) {
+    const auto send = reinterpret_cast<uintptr_t>(args.send);
+    const auto recv = reinterpret_cast<uintptr_t>(args.recv);
+    const uintptr_t own = recv + args.root * args.count * es;
+    if (send != own && send < recv + p * args.count * es && recv < send + args.count * es) {
+      refused.status = InvalidArgumentError(
+          "gather: send overlaps recv other than at the root's block (in-place needs send == "
+          "recv + root * count)");
+      return refused;
+    }
   }
   internal::BufferShape shape;
   shape.uses_root = true;
   if (gather) {
     shape.send_elems = args.count;
     shape.recv_elems = is_root ? args.count * p : 0;
-    shape.recv_alias_offset = -2;  // checked below
+    shape.recv_alias_offset = -2;  // checked above
   } else {
     shape.send_elems = is_root ? args.count * p : 0;
     shape.needs_send = is_root;
     shape.recv_elems = args.count;
-    shape.recv_alias_offset =
-        is_root ? static_cast<int64_t>(args.root * args.count * DataTypeSize(args.dtype)) : -1;
+    shape.recv_alias_offset = is_root ? static_cast<int64_t>(args.root * args.count * es) : -1;
   }
-  DDP_RETURN_IF_ERROR(internal::CheckArgs(what, p2p, args, shape));
-  if (gather && is_root && args.count > 0) {
-    const size_t es = DataTypeSize(args.dtype);
-    const auto send = reinterpret_cast<uintptr_t>(args.send);
-    const auto recv = reinterpret_cast<uintptr_t>(args.recv);
-    const uintptr_t own = recv + args.root * args.count * es;
-    if (send != own && send < recv + p * args.count * es && recv < send + args.count * es) {
-      return InvalidArgumentError(std::string(what) +
-                                  ": send overlaps recv other than at the root's block (in-place "
-                                  "needs send == recv + root * count)");
-    }
-  }
-  return Status();
+  return internal::StartCollective(p2p, args, gather ? internal::kGatherKind : internal::kScatterKind,
+                                   shape);
 }
 
 }  // namespace
 
 Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   constexpr const char* kWhat = "gather";
-  DDP_RETURN_IF_ERROR(CheckRootedArgs(kWhat, p2p, args, /*gather=*/true));
-  const internal::Fingerprint fingerprint =
-      internal::MakeFingerprint(args, internal::kGatherKind, /*uses_op=*/false, /*uses_root=*/true);
-  const p2p::Tag tag = PhaseTag(args.tag, 0);
-  if (args.count == 0) {
-    return internal::CheckEmptyCall(p2p, args.deadline, kWhat, fingerprint,
-                                    {{tag, internal::OtherRanks(p2p)}});
-  }
+  const internal::CollectiveStart start = StartRooted(p2p, args, /*gather=*/true);
+  if (start.finished) return start.status;
   const int p = p2p.size(), r = p2p.rank();
   const size_t bytes = args.count * DataTypeSize(args.dtype);
   auto* recv = static_cast<unsigned char*>(args.recv);
-  if (p == 1) {
-    if (recv != args.send) std::memmove(recv, args.send, bytes);
-    return Status();
-  }
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
 
   internal::Requests requests(p2p, args.deadline);
-  internal::PeerCheck check(kWhat, fingerprint);
+  internal::PeerCheck check(kWhat, start.fingerprint);
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
@@ -97,24 +93,15 @@ Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
 Status Scatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   constexpr const char* kWhat = "scatter";
-  DDP_RETURN_IF_ERROR(CheckRootedArgs(kWhat, p2p, args, /*gather=*/false));
-  const internal::Fingerprint fingerprint = internal::MakeFingerprint(
-      args, internal::kScatterKind, /*uses_op=*/false, /*uses_root=*/true);
-  const p2p::Tag tag = PhaseTag(args.tag, 0);
-  if (args.count == 0) {
-    return internal::CheckEmptyCall(p2p, args.deadline, kWhat, fingerprint,
-                                    {{tag, internal::OtherRanks(p2p)}});
-  }
+  const internal::CollectiveStart start = StartRooted(p2p, args, /*gather=*/false);
+  if (start.finished) return start.status;
   const int p = p2p.size(), r = p2p.rank();
   const size_t bytes = args.count * DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
-  if (p == 1) {
-    if (args.recv != send) std::memmove(args.recv, send, bytes);
-    return Status();
-  }
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
 
   internal::Requests requests(p2p, args.deadline);
-  internal::PeerCheck check(kWhat, fingerprint);
+  internal::PeerCheck check(kWhat, start.fingerprint);
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, args.root};

@@ -235,28 +235,36 @@ std::vector<int> OtherRanks(const p2p::PointToPoint& p2p) {
   return others;
 }
 
-AllReduceStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, FingerprintKind kind) {
+CollectiveStart StartCollective(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                                FingerprintKind kind, const BufferShape& shape) {
   const char* what = KindName(kind);
-  AllReduceStart start;
-  BufferShape shape;
-  shape.send_elems = args.count;
-  shape.recv_elems = args.count;
-  shape.uses_op = true;
+  CollectiveStart start;
   start.status = CheckArgs(what, p2p, args, shape);
   if (!start.status.ok()) {
     start.finished = true;
     return start;
   }
-  start.fingerprint = MakeFingerprint(args, kind, /*uses_op=*/true, /*uses_root=*/false);
+  start.fingerprint = MakeFingerprint(args, kind, shape.uses_op, shape.uses_root);
   if (args.count == 0) {
     start.finished = true;
     start.status = CheckEmptyCall(p2p, args.deadline, what, start.fingerprint,
                                   {{PhaseTag(args.tag, 0), OtherRanks(p2p)}});
   } else if (p2p.size() == 1) {
     start.finished = true;
-    if (args.recv != args.send) std::memmove(args.recv, args.send, args.count * DataTypeSize(args.dtype));
+    if (args.recv != args.send) {
+      std::memmove(args.recv, args.send, shape.recv_elems * DataTypeSize(args.dtype));
+    }
   }
   return start;
+}
+
+CollectiveStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                                   FingerprintKind kind) {
+  BufferShape shape;
+  shape.send_elems = args.count;
+  shape.recv_elems = args.count;
+  shape.uses_op = true;
+  return StartCollective(p2p, args, kind, shape);
 }
 
 namespace {

@@ -186,17 +186,22 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// Every rank of `p2p` but this one.
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p);
 
-/// How the flat all-reduces (ring, tree, rhd; `kind` names which) begin:
-/// CheckArgs, the call's fingerprint, and the calls that end right here:
-/// count 0, whose arguments are still proven against every rank
-/// (CheckEmptyCall), and a world of one rank, whose result is a copy.
+/// How a collective begins: CheckArgs against `shape`, the call's
+/// fingerprint (`kind` names the collective and algorithm), and the calls
+/// that end right here: count 0, whose arguments are still proven against
+/// every rank (CheckEmptyCall, phase 0), and a world of one rank, whose
+/// result is a copy of send into recv (shape.recv_elems elements).
 /// `finished` says the call ended here, with `status`.
-struct AllReduceStart {
+struct CollectiveStart {
   Status status;
   bool finished = false;
   Fingerprint fingerprint;
 };
-AllReduceStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, FingerprintKind kind);
+CollectiveStart StartCollective(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                                FingerprintKind kind, const BufferShape& shape);
+
+/// StartCollective for the flat all-reduces (ring, tree, rhd).
+CollectiveStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, FingerprintKind kind);
 
 /// Scratch memory for one collective, from a per-thread arena that keeps
 /// its largest size. A collective runs on one thread and needs a few MiB at

@@ -28,7 +28,7 @@ int LargestPowerOfTwoAtMost(int p) {
 }  // namespace
 
 Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  const internal::AllReduceStart start = internal::StartFlatAllReduce(p2p, args, internal::kRhdAllReduceKind);
+  const internal::CollectiveStart start = internal::StartFlatAllReduce(p2p, args, internal::kRhdAllReduceKind);
   if (start.finished) return start.status;
   const internal::Fingerprint& fingerprint = start.fingerprint;
   const int p = p2p.size(), r = p2p.rank();

@@ -7,7 +7,7 @@
 namespace ddp::transport::algorithms {
 
 Status RingAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  const internal::AllReduceStart start = internal::StartFlatAllReduce(p2p, args, internal::kRingAllReduceKind);
+  const internal::CollectiveStart start = internal::StartFlatAllReduce(p2p, args, internal::kRingAllReduceKind);
   if (start.finished) return start.status;
   const internal::Fingerprint& fingerprint = start.fingerprint;
 

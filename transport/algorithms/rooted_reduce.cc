@@ -16,40 +16,16 @@ namespace {
 constexpr size_t kTreeReduceChunkBytes = 64 << 10;
 constexpr int kTreeReduceDepth = 4;
 
-// How every reduce begins: CheckArgs, the fingerprint, and the calls that
-// end right here (count 0, whose arguments are still proven against every
-// rank, and a world of one rank, whose result is a copy).
-struct ReduceStart {
-  Status status;
-  bool finished = false;
-  internal::Fingerprint fingerprint;
-};
-
-ReduceStart StartReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
-                        internal::FingerprintKind kind, const char* what) {
-  ReduceStart start;
+// CheckArgs, fingerprint, count 0 and one rank (StartCollective): recv is
+// written on the root only.
+internal::CollectiveStart StartReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
+                                      internal::FingerprintKind kind) {
   internal::BufferShape shape;
   shape.send_elems = args.count;
   shape.recv_elems = p2p.rank() == args.root ? args.count : 0;
   shape.uses_root = true;
   shape.uses_op = true;
-  start.status = internal::CheckArgs(what, p2p, args, shape);
-  if (!start.status.ok()) {
-    start.finished = true;
-    return start;
-  }
-  start.fingerprint = internal::MakeFingerprint(args, kind, /*uses_op=*/true, /*uses_root=*/true);
-  if (args.count == 0) {
-    start.finished = true;
-    start.status = internal::CheckEmptyCall(p2p, args.deadline, what, start.fingerprint,
-                                            {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
-  } else if (p2p.size() == 1) {
-    start.finished = true;
-    if (args.recv != args.send) {
-      std::memmove(args.recv, args.send, args.count * DataTypeSize(args.dtype));
-    }
-  }
-  return start;
+  return internal::StartCollective(p2p, args, kind, shape);
 }
 
 }  // namespace
@@ -60,7 +36,7 @@ ReduceStart StartReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
 // keeps it in recv). Receives run `depth` chunks ahead per child.
 Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   constexpr const char* kWhat = "tree reduce";
-  const ReduceStart start = StartReduce(p2p, args, internal::kTreeReduceKind, kWhat);
+  const internal::CollectiveStart start = StartReduce(p2p, args, internal::kTreeReduceKind);
   if (start.finished) return start.status;
   const int p = p2p.size(), r = p2p.rank();
   const bool is_root = r == args.root;
@@ -136,8 +112,7 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 // the blocks into recv. The root's own block is reduced straight into its
 // place in recv (in place when send == recv).
 Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  constexpr const char* kWhat = "ring reduce";
-  const ReduceStart start = StartReduce(p2p, args, internal::kRingReduceKind, kWhat);
+  const internal::CollectiveStart start = StartReduce(p2p, args, internal::kRingReduceKind);
   if (start.finished) return start.status;
   const int p = p2p.size(), r = p2p.rank();
   const bool is_root = r == args.root;

@@ -45,7 +45,7 @@ struct Tree {
 }  // namespace
 
 Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
-  const internal::AllReduceStart start = internal::StartFlatAllReduce(p2p, args, internal::kTreeAllReduceKind);
+  const internal::CollectiveStart start = internal::StartFlatAllReduce(p2p, args, internal::kTreeAllReduceKind);
   if (start.finished) return start.status;
   const internal::Fingerprint& fingerprint = start.fingerprint;
   const int p = p2p.size(), r = p2p.rank();

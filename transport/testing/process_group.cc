@@ -15,6 +15,8 @@
 #include <sstream>
 #include <thread>
 
+#include <gtest/gtest.h>
+
 extern char** environ;
 
 namespace ddp::transport::testing {
@@ -163,6 +165,13 @@ Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env,
   }
   if (during) during(**group, port);
   return Job{(*group)->Wait(DeadlineIn(limit))};
+}
+
+int WorkerOrTestsMain(int argc, char** argv, int (*run_scenario)(const std::string& name)) {
+  const char* scenario = std::getenv("DDP_TEST_SCENARIO");
+  if (scenario != nullptr) return run_scenario(scenario);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
 }
 
 std::string EnvOr(const char* name, const char* fallback) {

@@ -85,6 +85,11 @@ std::string EnvOr(const char* name, const char* fallback = "");
 /// WORKER_CHECKs that failed in this process.
 inline int worker_failures = 0;
 
+/// The main() of a multi-process test binary: a copy spawned by RunJob
+/// (DDP_TEST_SCENARIO set) runs `run_scenario` with the scenario's name and
+/// exits with its result; otherwise the gtest tests run.
+int WorkerOrTestsMain(int argc, char** argv, int (*run_scenario)(const std::string& name));
+
 }  // namespace ddp::transport::testing
 
 /// Counts and prints a failed check in a worker process (no gtest there).
