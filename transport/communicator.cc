@@ -610,6 +610,8 @@ shm::ShmOptions Communicator::Impl::SharedMemoryOptions(bool oversubscribed) con
   if (options_.chunk_bytes > 0) {
     shm_options.chunk_bytes = options_.chunk_bytes;
     shm_options.staging_bytes = std::min(shm_options.staging_bytes, 16 * options_.chunk_bytes);
+    shm_options.rooted_staging_bytes =
+        std::min(shm_options.rooted_staging_bytes, 16 * options_.chunk_bytes);
   }
   // Tuning knobs for benchmarks (docs/benchmarks.md); equal on every rank.
   if (const std::string v = GetEnv("DDP_SHM_STAGING_BYTES"); !v.empty()) {

@@ -742,7 +742,7 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
   DDP_RETURN_IF_ERROR(CheckRoot("reduce", root));
   return InCall([&]() -> Status {
     const size_t bytes = count * DataTypeSize(dtype);
-    const bool staged = bytes <= options_.staging_bytes;
+    const bool staged = bytes <= rooted_staging_bytes();
     const bool is_root = options_.rank == root;
     if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
     DDP_RETURN_IF_ERROR(Arrive(send, is_root ? recv : nullptr, count, dtype,
@@ -769,7 +769,7 @@ Status ShmAllReduce::Gather(const void* send, void* recv, size_t count, DataType
   DDP_RETURN_IF_ERROR(CheckRoot("gather", root));
   return InCall([&]() -> Status {
     const size_t block = count * DataTypeSize(dtype);
-    const bool staged = block <= options_.staging_bytes;
+    const bool staged = block * options_.size <= rooted_staging_bytes();
     const int me = options_.rank;
     const bool is_root = me == root;
     if (staged && !is_root && block > 0) std::memcpy(staging(me, sequence_ + 1), send, block);
@@ -812,7 +812,7 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
   DDP_RETURN_IF_ERROR(CheckRoot("scatter", root));
   return InCall([&]() -> Status {
     const size_t block = count * DataTypeSize(dtype);
-    const bool staged = block * options_.size <= options_.staging_bytes;
+    const bool staged = block * options_.size <= rooted_staging_bytes();
     const int me = options_.rank;
     const bool is_root = me == root;
     if (staged && is_root && block > 0) {

@@ -63,6 +63,7 @@
 // gone; the counter is read once more first, as a rank that published and
 // then exited did its part).
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -86,6 +87,12 @@ struct ShmOptions {
   std::vector<int> names;
   /// Vectors up to this many bytes use the staging path.
   size_t staging_bytes = 8 << 10;
+  /// Reduce, gather and scatter: up to this many bytes (the root's whole
+  /// buffer) use the staging path, at least staging_bytes, at most half a
+  /// rank's staging area. Longer than for the all-reduce: only the root
+  /// folds or copies, and nobody waits for it (measured on 2 and 4 ranks,
+  /// docs/benchmarks.md: a 64 KiB reduce staged 8-19 us, direct 9-105 us).
+  size_t rooted_staging_bytes = 64 << 10;
   /// Bytes per CMA read in the reduce-scatter (sized to stay in L2).
   size_t chunk_bytes = 256 << 10;
   /// Ranks outnumber cores: start yielding after 2 us of polling.
@@ -170,6 +177,11 @@ class ShmAllReduce {
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   const ShmOptions& options() const { return options_; }
+  // The staging limit of reduce, gather and scatter (see ShmOptions).
+  size_t rooted_staging_bytes() const {
+    return std::min(std::max(options_.rooted_staging_bytes, options_.staging_bytes),
+                    staging_capacity_ / 2);
+  }
   void set_staging_bytes(size_t bytes);
   void set_chunk_bytes(size_t bytes) { options_.chunk_bytes = bytes; }
   size_t max_staging_bytes() const { return staging_capacity_; }

@@ -29,7 +29,8 @@ std::vector<std::unique_ptr<ShmAllReduce>> MakeGroup(int n, size_t staging_bytes
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       ShmOptions options{.rank = r, .size = n, .pids = std::vector<int>(n, getpid()),
-                         .staging_bytes = staging_bytes, .chunk_bytes = chunk_bytes,
+                         .staging_bytes = staging_bytes, .rooted_staging_bytes = staging_bytes,
+                         .chunk_bytes = chunk_bytes,
                          .yield_when_idle = true};
       auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(10000)));
       ASSERT_TRUE(engine.ok()) << engine.status();
