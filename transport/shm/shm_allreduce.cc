@@ -347,7 +347,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
 }
 
 Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op,
-                                    Kind kind, int32_t root) const {
+                                    Kind kind, int32_t root, int only) const {
   auto describe = [](size_t n, DataType t, int32_t o, int32_t k, int32_t from) {
     const std::string what = "count " + std::to_string(n) + " " + DataTypeName(t);
     const std::string to_root = " to root " + std::to_string(from);
@@ -362,6 +362,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
            (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)" : "");
   };
   for (int peer = 0; peer < options_.size; ++peer) {
+    if (only >= 0 && peer != only) continue;
     const Control::Args& theirs = control(peer).args[call % 2];
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) || theirs.op != op ||
         theirs.kind != static_cast<int32_t>(kind) || theirs.root != root) {
@@ -385,7 +386,8 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
 StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t count,
                                         DataType dtype, int32_t op, Kind kind, int32_t root,
                                         Deadline deadline,
-                                        const std::function<Status(Deadline, int)>& watchdog) {
+                                        const std::function<Status(Deadline, int)>& watchdog,
+                                        int wait_for) {
   const uint64_t s = ++sequence_;
   Control::Args& args = control(options_.rank).args[s % 2];
   args.src = reinterpret_cast<uint64_t>(send);
@@ -396,13 +398,28 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.kind = static_cast<int32_t>(kind);
   args.root = root;
   Publish(&Control::arrived, s);
-  DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "arrive"));
-  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root));
+  DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
+  DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
   return s;
 }
 
+// Call t = sequence_ + 1 writes the staging buffer and arguments that call
+// t - 2 used, so every rank must be done with call t - 2 first. Where every
+// rank of call t - 1 waited for all to arrive, that holds already (a rank
+// arrives at t - 1 only once it finished t - 2); but the staged rooted
+// calls' other ranks wait for the root alone, so one may start t while a
+// peer still reads what it staged for t - 2.
+Status ShmAllReduce::ClaimSlot(Deadline deadline,
+                               const std::function<Status(Deadline, int)>& watchdog) {
+  if (sequence_ < 2) return Status::Ok();
+  return WaitFor(&Control::finished, sequence_ - 1, -1, deadline, watchdog,
+                 "finish an earlier call");
+}
+
 template <typename Body>
-Status ShmAllReduce::InCall(Body body) {
+Status ShmAllReduce::InCall(Deadline deadline,
+                            const std::function<Status(Deadline, int)>& watchdog, Body body) {
+  DDP_RETURN_IF_ERROR(ClaimSlot(deadline, watchdog));
   const uint64_t before = sequence_;
   Status status = body();
   if (status.ok() || sequence_ == before) return status;
@@ -412,7 +429,7 @@ Status ShmAllReduce::InCall(Body body) {
 Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, Deadline deadline,
                                const std::function<Status(Deadline, int)>& watchdog) {
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     const size_t bytes = count * DataTypeSize(dtype);
     const bool staged = bytes <= options_.staging_bytes;
     // The staging buffer of call s is written before the call is announced.
@@ -432,7 +449,7 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
 Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& across, Deadline deadline,
                                       const std::function<Status(Deadline, int)>& watchdog) {
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     // The ranks compare the op they were given; avg reduces as sum here,
     // and the slice function divides (only it knows by how many).
     DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
@@ -650,7 +667,7 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     return InvalidArgumentError("shared-memory broadcast: root " + std::to_string(root) +
                                 " is not a rank of a group of " + std::to_string(options_.size));
   }
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     const size_t bytes = count * DataTypeSize(dtype);
     const bool staged = bytes <= options_.staging_bytes;
     const bool is_root = options_.rank == root;
@@ -688,7 +705,7 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
 Status ShmAllReduce::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                               Deadline deadline,
                               const std::function<Status(Deadline, int)>& watchdog) {
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     const size_t block = count * DataTypeSize(dtype);
     const bool staged = block * options_.size <= options_.staging_bytes;
     if (staged && block > 0) {
@@ -740,13 +757,17 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
                             ReduceOp op, int root, Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog) {
   DDP_RETURN_IF_ERROR(CheckRoot("reduce", root));
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     const size_t bytes = count * DataTypeSize(dtype);
     const bool staged = bytes <= rooted_staging_bytes();
     const bool is_root = options_.rank == root;
     if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
+    // Staged, a rank other than the root waits for the root alone: its
+    // input is in its staging buffer, and it need only know that the root
+    // agrees (the root compares everyone).
     DDP_RETURN_IF_ERROR(Arrive(send, is_root ? recv : nullptr, count, dtype,
-                               static_cast<int32_t>(op), Kind::kReduce, root, deadline, watchdog)
+                               static_cast<int32_t>(op), Kind::kReduce, root, deadline, watchdog,
+                               staged && !is_root ? root : -1)
                             .status());
     if (staged) return StagedAllReduce(is_root ? recv : nullptr, count, dtype, op);
     size_t begin, end;
@@ -767,14 +788,16 @@ Status ShmAllReduce::Gather(const void* send, void* recv, size_t count, DataType
                             Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog) {
   DDP_RETURN_IF_ERROR(CheckRoot("gather", root));
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     const size_t block = count * DataTypeSize(dtype);
     const bool staged = block * options_.size <= rooted_staging_bytes();
     const int me = options_.rank;
     const bool is_root = me == root;
     if (staged && !is_root && block > 0) std::memcpy(staging(me, sequence_ + 1), send, block);
-    DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(send, is_root ? recv : nullptr, count, dtype, 0,
-                                                  Kind::kGather, root, deadline, watchdog));
+    // Staged, as the reduce: the others wait for the root alone.
+    DDP_ASSIGN_OR_RETURN(const uint64_t s,
+                         Arrive(send, is_root ? recv : nullptr, count, dtype, 0, Kind::kGather,
+                                root, deadline, watchdog, staged && !is_root ? root : -1));
     char* out = static_cast<char*>(recv);
     if (is_root && block > 0 && out + me * block != send) {
       std::memcpy(out + me * block, send, block);
@@ -810,7 +833,7 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
                              Deadline deadline,
                              const std::function<Status(Deadline, int)>& watchdog) {
   DDP_RETURN_IF_ERROR(CheckRoot("scatter", root));
-  return InCall([&]() -> Status {
+  return InCall(deadline, watchdog, [&]() -> Status {
     const size_t block = count * DataTypeSize(dtype);
     const bool staged = block * options_.size <= rooted_staging_bytes();
     const int me = options_.rank;
@@ -818,8 +841,12 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
     if (staged && is_root && block > 0) {
       std::memcpy(staging(me, sequence_ + 1), send, block * options_.size);
     }
-    DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(is_root ? send : nullptr, recv, count, dtype, 0,
-                                                  Kind::kScatter, root, deadline, watchdog));
+    // A rank other than the root needs the root's arrival alone (its
+    // block is staged, or readable, from then on); the root compares
+    // everyone.
+    DDP_ASSIGN_OR_RETURN(const uint64_t s,
+                         Arrive(is_root ? send : nullptr, recv, count, dtype, 0, Kind::kScatter,
+                                root, deadline, watchdog, is_root ? -1 : root));
     const char* in = static_cast<const char*>(send);
     if (block > 0) {
       if (is_root) {
@@ -840,6 +867,7 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
 }
 
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog) {
+  DDP_RETURN_IF_ERROR(ClaimSlot(deadline, watchdog));
   const uint64_t s = ++sequence_;
   Control& mine = control(options_.rank);
   // Arguments no all-reduce can have, so that a rank in an all-reduce while

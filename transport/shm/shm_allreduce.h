@@ -53,6 +53,17 @@
 // see the mark once they have waited for it and fail the call as well,
 // with that rank's error code and message (which name the cause).
 //
+// Reduce, gather and scatter: the root waits for every rank to arrive and
+// compares all arguments; the other ranks wait for the root alone and
+// compare theirs with its own. Up to ShmOptions::rooted_staging_bytes they
+// go through staging buffers (the root folds or copies out the others'
+// inputs; a scatter's ranks copy their blocks out of the root's) and nobody
+// waits after that, so a rank may run one call ahead of a slow root: each
+// call first waits until every rank is done with the call before the last,
+// whose staging buffer and arguments it reuses. Larger ones use CMA and end
+// with every rank (reduce, gather) or the root (scatter) waiting for all to
+// finish.
+//
 // AllReduceThrough is the direct path with a pause: each rank folds its
 // whole slice, hands it to a caller's function (the hierarchical
 // all-reduce passes it to the same slice's owners on the other hosts), and
@@ -210,17 +221,20 @@ class ShmAllReduce {
   Status WaitFor(std::atomic<uint64_t> Control::*field, uint64_t value, int only,
                  Deadline deadline, const std::function<Status(Deadline, int)>& watchdog,
                  const char* phase);
-  // Publishes this call's arguments, waits for every rank to arrive and
-  // checks that they agree; returns the call's sequence number.
+  // Publishes this call's arguments, waits for every rank (or `wait_for`
+  // alone) to arrive and checks that they agree; returns the call's
+  // sequence number.
   // `op` is the ReduceOp of an all-reduce, the root of a broadcast.
   // INVALID_ARGUMENT naming `root` when it is not a rank of the group.
   Status CheckRoot(const char* what, int root) const;
   // `root`: of a reduce, gather or scatter, else -1.
   StatusOr<uint64_t> Arrive(const void* send, void* recv, size_t count, DataType dtype, int32_t op,
                             Kind kind, int32_t root, Deadline deadline,
-                            const std::function<Status(Deadline, int)>& watchdog);
+                            const std::function<Status(Deadline, int)>& watchdog,
+                            int wait_for = -1);
+  // With `only` >= 0, against that rank alone.
   Status CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op, Kind kind,
-                        int32_t root) const;
+                        int32_t root, int only = -1) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
@@ -247,10 +261,14 @@ class ShmAllReduce {
   // prefixed with its rank), else OK; with `only` >= 0, of that peer, which
   // is known to have left the call.
   Status PeerFailure(uint64_t call, int only = -1) const;
-  // Runs a call's body; when it fails after the call began, abandons the
-  // call.
+  // Waits until every rank is done with the call before the last (whose
+  // staging buffer and arguments the next call reuses).
+  Status ClaimSlot(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+  // Runs a call's body after ClaimSlot; when it fails after the call began,
+  // abandons the call.
   template <typename Body>
-  Status InCall(Body body);
+  Status InCall(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog,
+                Body body);
   // Records `error` as this rank's failure of the current call, marks the
   // call abandoned so that no peer copies with this rank's buffers any
   // more, and waits (briefly) for writes already begun; returns `error`.

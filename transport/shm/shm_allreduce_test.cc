@@ -365,26 +365,36 @@ TEST(ShmAllReduce, RootedCollectivesFromEveryRoot) {
   }
 }
 
-// Ranks that disagree on the root, the count or the collective fail on
-// every rank, naming both sides; a root outside the group is refused
-// before anything is published.
-TEST(ShmAllReduce, RootedDisagreementsFailOnEveryRank) {
+// Ranks that disagree on the root, the count or the collective: the root
+// (which compares everyone) and the rank that differs (which compares with
+// its root) fail, naming both sides; on the direct path every rank does (all
+// wait for all), staged a rank that agrees with the root may return first.
+// A root outside the group is refused before anything is published.
+TEST(ShmAllReduce, RootedDisagreementsFailTheRootAndTheRankThatDiffers) {
   for (size_t count : {size_t{10}, size_t{5000}}) {  // staged, direct
+    const bool direct = count == 5000;
     auto group = MakeGroup(3, 4096, 1024);
     RunRanks(3, [&](int r) {
       std::vector<float> send(3 * count, 1.0f), recv(3 * count);
       const Deadline deadline = DeadlineIn(milliseconds(5000));
+      // Rank 2 reduces to root 1, the others to root 0.
       Status s = group[r]->Reduce(send.data(), recv.data(), count, DataType::kF32, ReduceOp::kSum,
                                   r == 2 ? 1 : 0, deadline, nullptr);
-      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
-      EXPECT_NE(s.message().find("to root 1"), std::string::npos) << s;
+      if (r != 1 || direct) {
+        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << r << ": " << s;
+        EXPECT_NE(s.message().find("to root 1"), std::string::npos) << s;
+      }
+      // Rank 1 gathers one element less.
       s = group[r]->Gather(send.data(), recv.data(), r == 1 ? count - 1 : count, DataType::kF32, 0,
                            deadline, nullptr);
-      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
-      EXPECT_NE(s.message().find("gather arguments differ"), std::string::npos) << s;
+      if (r != 2 || direct) {
+        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << r << ": " << s;
+        EXPECT_NE(s.message().find("gather arguments differ"), std::string::npos) << s;
+      }
+      // The root scatters, the others gather: every rank compares with it.
       s = r == 0 ? group[r]->Scatter(send.data(), recv.data(), count, DataType::kF32, 0, deadline, nullptr)
                  : group[r]->Gather(send.data(), recv.data(), count, DataType::kF32, 0, deadline, nullptr);
-      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << r << ": " << s;
     });
     float x = 0;
     for (int root : {-1, 3}) {
@@ -393,6 +403,34 @@ TEST(ShmAllReduce, RootedDisagreementsFailOnEveryRank) {
       EXPECT_NE(s.message().find("scatter: root " + std::to_string(root)), std::string::npos) << s;
     }
   }
+}
+
+// A rank that leaves staged calls as soon as the root arrived runs at most
+// one call ahead: its second call waits until the slow root is done with
+// the first (whose staging buffer it reuses), and every result is right.
+TEST(ShmAllReduce, StagedRootedCallsRunAtMostOneCallAheadOfTheRoot) {
+  auto group = MakeGroup(3, 4096, 1024);
+  RunRanks(3, [&](int r) {
+    const Deadline deadline = DeadlineIn(milliseconds(10000));
+    for (int call = 0; call < 50; ++call) {
+      if (r == 0 && call % 7 == 0) std::this_thread::sleep_for(milliseconds(2));
+      std::vector<int32_t> send(100), recv(100, -1);
+      FillInput(DataType::kI32, send.data(), send.size(), r, ReduceOp::kSum, call);
+      Status s = group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kI32,
+                                  ReduceOp::kSum, 0, deadline, nullptr);
+      ASSERT_TRUE(s.ok()) << s;
+      if (r == 0) {
+        EXPECT_EQ(CountWrong(DataType::kI32, recv.data(), recv.size(), 3, ReduceOp::kSum, call), 0u)
+            << "call " << call;
+      }
+      // An all-reduce between them reuses the staging buffers too.
+      if (call % 5 == 4) {
+        ASSERT_TRUE(group[r]->AllReduce(send.data(), recv.data(), send.size(), DataType::kI32,
+                                        ReduceOp::kSum, deadline, nullptr).ok());
+        EXPECT_EQ(CountWrong(DataType::kI32, recv.data(), recv.size(), 3, ReduceOp::kSum, call), 0u);
+      }
+    }
+  });
 }
 
 // A rank that never comes: the others time out at their deadline naming
