@@ -225,12 +225,11 @@ class Communicator::Impl {
   Status CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
                      DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
   // The shm engine when it is up (unless tree or ring is requested), else
-  // the binomial tree up to algorithms::kTreeReduceMaxBytes and the ring
-  // above (unless one is requested).
+  // the tree or the ring by size and world (algorithms::ChooseReduce).
   Algorithm ChooseReduce(size_t bytes, Algorithm requested) const {
     if (requested == Algorithm::kTree || requested == Algorithm::kRing) return requested;
     if (shm_ != nullptr) return Algorithm::kSharedMemory;
-    return bytes <= algorithms::kTreeReduceMaxBytes ? Algorithm::kTree : Algorithm::kRing;
+    return algorithms::ChooseReduce(bytes, options_.world_size);
   }
   Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root,
                 Algorithm requested, Deadline deadline);

@@ -1,6 +1,7 @@
 #include "transport/algorithms/rooted_reduce.h"
 
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "transport/algorithms/binary_tree.h"
@@ -162,13 +163,18 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   return requests.WaitAll(kGatherWhat);
 }
 
+Algorithm ChooseReduce(size_t bytes, int ranks) {
+  return ranks <= 2 || bytes <= kTreeReduceMaxBytes ? Algorithm::kTree : Algorithm::kRing;
+}
+
 Status Reduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm algorithm) {
-  if (algorithm == Algorithm::kTree) return TreeReduce(p2p, args);
-  if (algorithm == Algorithm::kRing) return RingReduce(p2p, args);
-  const size_t es = DataTypeSize(args.dtype);
-  const bool short_vector =
-      es == 0 || args.count <= kTreeReduceMaxBytes / es;  // es 0: TreeReduce names the dtype
-  return short_vector ? TreeReduce(p2p, args) : RingReduce(p2p, args);
+  if (algorithm != Algorithm::kTree && algorithm != Algorithm::kRing) {
+    const size_t es = DataTypeSize(args.dtype);
+    // A count whose bytes overflow, or a bad dtype: TreeReduce names it.
+    const bool fits = es != 0 && args.count <= std::numeric_limits<size_t>::max() / es;
+    algorithm = fits ? ChooseReduce(args.count * es, p2p.size()) : Algorithm::kTree;
+  }
+  return algorithm == Algorithm::kTree ? TreeReduce(p2p, args) : RingReduce(p2p, args);
 }
 
 }  // namespace ddp::transport::algorithms

@@ -28,9 +28,16 @@
 namespace ddp::transport::algorithms {
 
 /// Reduce messages up to this many bytes go up the binomial tree, longer
-/// ones around the ring (Reduce with kAuto). Measured over UCX on one host,
-/// 2 and 4 ranks (docs/benchmarks.md, rooted collectives).
-inline constexpr size_t kTreeReduceMaxBytes = 64 << 10;
+/// ones around the ring, on three ranks or more (ChooseReduce). Measured
+/// over UCX on one host, 2 to 4 ranks (docs/benchmarks.md, Rooted
+/// collectives): on 4 ranks the tree was faster up to 128 KiB, the ring
+/// from 512 KiB (256 KiB about even); on 3 ranks the tree up to 512 KiB.
+inline constexpr size_t kTreeReduceMaxBytes = 256 << 10;
+
+/// kTree or kRing for a reduce of `bytes` bytes over `ranks` ranks. Two
+/// ranks always take the tree: both move the vector once, and the ring
+/// takes two steps to the tree's one.
+Algorithm ChooseReduce(size_t bytes, int ranks);
 
 /// Binomial tree reduce. Uses phase 0 of the tag range.
 Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);
@@ -39,8 +46,8 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);
 /// and 1 of the tag range.
 Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);
 
-/// kTree or kRing as asked; kAuto (or any other value) chooses by size
-/// (kTreeReduceMaxBytes). Equal on every rank.
+/// kTree or kRing as asked; kAuto (or any other value) as ChooseReduce.
+/// Equal on every rank.
 Status Reduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm algorithm);
 
 }  // namespace ddp::transport::algorithms
