@@ -225,11 +225,11 @@ class Communicator::Impl {
   Status CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
                      DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
   // The shm engine when it is up (unless tree or ring is requested), else
-  // the tree or the ring by size and world (algorithms::ChooseReduce).
+  // the tree or the ring by size (algorithms::ChooseReduce).
   Algorithm ChooseReduce(size_t bytes, Algorithm requested) const {
     if (requested == Algorithm::kTree || requested == Algorithm::kRing) return requested;
     if (shm_ != nullptr) return Algorithm::kSharedMemory;
-    return algorithms::ChooseReduce(bytes, options_.world_size);
+    return algorithms::ChooseReduce(bytes);
   }
   Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root,
                 Algorithm requested, Deadline deadline);

@@ -237,8 +237,8 @@ class Communicator {
   /// may equal recv (in place). kAvg divides by size() (integers
   /// truncate). call.algorithm: kTree (binomial tree over UCX), kRing (ring
   /// reduce-scatter then gather to the root over UCX), kSharedMemory, or
-  /// kAuto (shared memory on one host, else the tree up to 256 KiB or on
-  /// two ranks, the ring above); others are INVALID_ARGUMENT.
+  /// kAuto (shared memory on one host, else the tree up to 256 KiB and the
+  /// ring above); others are INVALID_ARGUMENT.
   Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                 int root, const CallOptions& call = {});
   /// Root's recv[r * count + i] = rank r's send[i]: recv holds size() *

@@ -163,8 +163,8 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   return requests.WaitAll(kGatherWhat);
 }
 
-Algorithm ChooseReduce(size_t bytes, int ranks) {
-  return ranks <= 2 || bytes <= kTreeReduceMaxBytes ? Algorithm::kTree : Algorithm::kRing;
+Algorithm ChooseReduce(size_t bytes) {
+  return bytes <= kTreeReduceMaxBytes ? Algorithm::kTree : Algorithm::kRing;
 }
 
 Status Reduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm algorithm) {
@@ -172,7 +172,7 @@ Status Reduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, Algorithm algo
     const size_t es = DataTypeSize(args.dtype);
     // A count whose bytes overflow, or a bad dtype: TreeReduce names it.
     const bool fits = es != 0 && args.count <= std::numeric_limits<size_t>::max() / es;
-    algorithm = fits ? ChooseReduce(args.count * es, p2p.size()) : Algorithm::kTree;
+    algorithm = fits ? ChooseReduce(args.count * es) : Algorithm::kTree;
   }
   return algorithm == Algorithm::kTree ? TreeReduce(p2p, args) : RingReduce(p2p, args);
 }

@@ -28,16 +28,15 @@
 namespace ddp::transport::algorithms {
 
 /// Reduce messages up to this many bytes go up the binomial tree, longer
-/// ones around the ring, on three ranks or more (ChooseReduce). Measured
-/// over UCX on one host, 2 to 4 ranks (docs/benchmarks.md, Rooted
-/// collectives): on 4 ranks the tree was faster up to 128 KiB, the ring
-/// from 512 KiB (256 KiB about even); on 3 ranks the tree up to 512 KiB.
+/// ones around the ring (ChooseReduce). Measured over UCX on one host
+/// (docs/benchmarks.md, Rooted collectives): the tree was 1.3-1.8x faster
+/// up to 256 KiB on 2 ranks, 1.3-2.6x up to 64 KiB and even at 256 KiB on
+/// 4; the ring 1.3-1.8x faster from 1 MiB on both (its ranks share the
+/// arithmetic, where the tree's root folds the whole vector).
 inline constexpr size_t kTreeReduceMaxBytes = 256 << 10;
 
-/// kTree or kRing for a reduce of `bytes` bytes over `ranks` ranks. Two
-/// ranks always take the tree: both move the vector once, and the ring
-/// takes two steps to the tree's one.
-Algorithm ChooseReduce(size_t bytes, int ranks);
+/// kTree or kRing for a reduce of `bytes` bytes.
+Algorithm ChooseReduce(size_t bytes);
 
 /// Binomial tree reduce. Uses phase 0 of the tag range.
 Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args);

@@ -123,12 +123,10 @@ TEST_P(ReduceWorldTest, EveryTypeAndOp) {
 INSTANTIATE_TEST_SUITE_P(Worlds, ReduceWorldTest,
                          ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8, 9, 16));
 
-TEST(ReduceTest, TheTreeTakesShortVectorsAndTwoRanks) {
-  EXPECT_EQ(ChooseReduce(kTreeReduceMaxBytes, 4), Algorithm::kTree);
-  EXPECT_EQ(ChooseReduce(kTreeReduceMaxBytes + 1, 4), Algorithm::kRing);
-  EXPECT_EQ(ChooseReduce(kTreeReduceMaxBytes + 1, 3), Algorithm::kRing);
-  EXPECT_EQ(ChooseReduce(size_t{1} << 30, 2), Algorithm::kTree);
-  EXPECT_EQ(ChooseReduce(0, 1), Algorithm::kTree);
+TEST(ReduceTest, TheTreeTakesShortVectorsTheRingLongOnes) {
+  EXPECT_EQ(ChooseReduce(0), Algorithm::kTree);
+  EXPECT_EQ(ChooseReduce(kTreeReduceMaxBytes), Algorithm::kTree);
+  EXPECT_EQ(ChooseReduce(kTreeReduceMaxBytes + 1), Algorithm::kRing);
 }
 
 TEST(ReduceTest, LargeVectors) {
