@@ -420,8 +420,10 @@ TEST(RootedCollectives, DisagreeingRootFailsEverywhereUcx) {
 }
 
 // A rank that exits before the call (PEER_LOST naming it, or TIMED_OUT) or
-// arrives after the deadline (TIMED_OUT): the others report within the 1.5 s
-// deadline plus a margin.
+// arrives after the deadline (TIMED_OUT): the root (rank 0) reports within
+// the 1.5 s deadline plus a margin, and so does rank 2, except in a
+// shared-memory scatter, where it needs only the root and may get its
+// block (the worker then returns 1: RESULT OK).
 void ExpectSurvivorsReport(const std::string& collective, const std::string& how,
                            bool shared_memory) {
   SCOPED_TRACE(collective + " " + how + (shared_memory ? " shm" : " ucx"));
@@ -435,6 +437,10 @@ void ExpectSurvivorsReport(const std::string& collective, const std::string& how
                    milliseconds(30000));
   for (int r : {0, 2}) {
     const std::string& out = job.results[r].output;
+    if (r == 2 && shared_memory && collective == "scatter" &&
+        out.find("RESULT OK") != std::string::npos) {
+      continue;
+    }
     ASSERT_EQ(job.results[r].exit_code, 0) << job.Describe();
     const bool lost = out.find("RESULT PEER_LOST") != std::string::npos;
     const bool timed = out.find("RESULT TIMED_OUT") != std::string::npos;

@@ -476,12 +476,23 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
 // each rendezvous waits for the peer to be scheduled, and that wait, not
 // the arithmetic, dominates small and medium vectors. Folding in rank order
 // gives every rank bit-identical results.
-Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op) {
+Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op,
+                                     const void* own) {
   const uint64_t s = sequence_;
   const size_t bytes = count * DataTypeSize(dtype);
   if (bytes > 0 && recv != nullptr) {
     const reduce::ReduceFn fn = reduce::GetReduceFn(dtype, op);
-    if (options_.size == 1) {
+    if (own != nullptr) {
+      // Own input first: recv may be it (in place), and is overwritten by
+      // the first fold.
+      const void* first = own;
+      for (int peer = 0; peer < options_.size; ++peer) {
+        if (peer == options_.rank) continue;
+        fn(recv, first, staging(peer, s), count);
+        first = recv;
+      }
+      if (first != recv) std::memcpy(recv, first, bytes);
+    } else if (options_.size == 1) {
       std::memcpy(recv, staging(0, s), bytes);
     } else {
       fn(recv, staging(0, s), staging(1, s), count);
@@ -761,7 +772,10 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
     const size_t bytes = count * DataTypeSize(dtype);
     const bool staged = bytes <= rooted_staging_bytes();
     const bool is_root = options_.rank == root;
-    if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
+    // The root folds its own input from where it is.
+    if (staged && !is_root && bytes > 0) {
+      std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
+    }
     // Staged, a rank other than the root waits for the root alone: its
     // input is in its staging buffer, and it need only know that the root
     // agrees (the root compares everyone).
@@ -769,7 +783,7 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
                                static_cast<int32_t>(op), Kind::kReduce, root, deadline, watchdog,
                                staged && !is_root ? root : -1)
                             .status());
-    if (staged) return StagedAllReduce(is_root ? recv : nullptr, count, dtype, op);
+    if (staged) return StagedAllReduce(is_root ? recv : nullptr, count, dtype, op, send);
     size_t begin, end;
     Slice(count, DataTypeSize(dtype), options_.size, options_.rank, begin, end);
     Status status = ReduceSlice(send, recv, begin, end, dtype, op, /*share=*/false, root);

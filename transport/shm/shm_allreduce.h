@@ -243,8 +243,12 @@ class ShmAllReduce {
   Status WriteToPeer(int peer, const void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(true, peer, const_cast<void*>(local), remote, bytes);
   }
-  // recv null (a reduce's other ranks): folds nothing, only finishes.
-  Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op);
+  // recv null (a reduce's other ranks): folds nothing, only finishes. With
+  // `own` (a reduce's root), folds that as this rank's input, not its
+  // staging buffer, and the others after it (AllReduce folds in rank
+  // order, so that every rank ends with the same bits).
+  Status StagedAllReduce(void* recv, size_t count, DataType dtype, ReduceOp op,
+                         const void* own = nullptr);
   // Folds this rank's slice [begin, end) of every rank's input into `recv`;
   // with `share`, writes each reduced chunk into every peer's output while
   // it is in cache. With `to_root` >= 0 (a reduce) on another rank than
