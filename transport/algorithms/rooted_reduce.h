@@ -29,10 +29,10 @@ namespace ddp::transport::algorithms {
 
 /// Reduce messages up to this many bytes go up the binomial tree, longer
 /// ones around the ring (ChooseReduce). Measured over UCX on one host
-/// (docs/benchmarks.md, Rooted collectives): the tree was 1.3-1.8x faster
-/// up to 256 KiB on 2 ranks, 1.3-2.6x up to 64 KiB and even at 256 KiB on
-/// 4; the ring 1.3-1.8x faster from 1 MiB on both (its ranks share the
-/// arithmetic, where the tree's root folds the whole vector).
+/// (docs/benchmarks.md, Rooted collectives): the tree was 1.3-1.9x faster
+/// up to 256 KiB on 2 ranks, 1.3-2.0x up to 64 KiB and about even at
+/// 256 KiB on 4; the ring 1.0-1.7x faster from 1 MiB on both (its ranks
+/// share the arithmetic, where the tree's root folds the whole vector).
 inline constexpr size_t kTreeReduceMaxBytes = 256 << 10;
 
 /// kTree or kRing for a reduce of `bytes` bytes.
