@@ -246,11 +246,13 @@ class ProcessGroup {
 
   // Point-to-point (torch.distributed.isend / irecv). Not collective: only
   // the two ranks take part, and no debug-mode fingerprint is exchanged.
-  // The message is posted on the communication thread, after the
-  // collectives issued before it (a tensor an earlier collective writes is
-  // sent once that collective is done), and is not queued behind later
-  // ones: its Work completes when the message has gone or arrived, driven
-  // by Wait/WaitFor (or, more slowly, by the communication thread). A Send
+  // The message is posted after the collectives issued before it (a tensor
+  // an earlier collective writes is sent once that collective is done): at
+  // once on the calling thread when nothing is queued, else by the
+  // communication thread when it gets there. It is not queued behind later
+  // collectives: its Work completes when the message has gone or arrived,
+  // driven by Wait/WaitFor/IsCompleted (or, every millisecond or so, by the
+  // communication thread). A Send
   // is matched by the Recv of the same tag from this rank, in issue order;
   // it announces its dtype and shape first, so a Recv of another dtype or
   // element count fails on both ranks with a DistributedError naming both.
