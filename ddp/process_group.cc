@@ -351,8 +351,13 @@ class ProcessGroup::Impl {
     const bool post_here = mode == Mode::kPointToPoint && state->fence == nullptr &&
                            comm_ != nullptr && queue_.empty() && running_ == 0;
     Status posted;
+    // Whether the thread must be woken: for a new item, or for messages to
+    // poll when it sleeps without a timeout (nothing in flight). A wake-up
+    // per message would cost a context switch each on a busy core.
+    bool wake = true;
     if (post_here) {
       posted = PostHere(task, state);
+      wake = in_flight_.empty();
       if (posted.ok()) in_flight_.push_back(state);
     } else {
       queue_.push_back(Item{std::move(description), std::move(task), state, mode});
@@ -364,7 +369,7 @@ class ProcessGroup::Impl {
     }
     std::shared_ptr<TraceRecorder> trace = trace_;
     lock.unlock();
-    cv_.notify_one();  // a new item, or messages to poll
+    if (wake) cv_.notify_one();
     if (post_here) {
       const Clock::time_point end = Clock::now();
       if (trace != nullptr) {
