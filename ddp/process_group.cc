@@ -96,11 +96,11 @@ transport::CallOptions Within(Deadline deadline) {
 
 }  // namespace
 
-// One Send or Recv of the group. The communication thread posts it; then any
-// thread may advance it (Poll), under its own mutex. A send posts its header
-// and payload at once; a receive posts the header first and the payload only
-// once the header matched, so that a mismatch is reported with both sides'
-// sizes instead of as a truncated message.
+// One Send or Recv of the group. It is posted in issue order (by the caller
+// or the communication thread); then any thread may advance it (Poll), under
+// its own mutex. Both sides post a header message (dtype, shape) and the
+// payload at once; Poll looks at the header first, so that a mismatch is
+// reported with both sides' sizes instead of as a truncated message.
 class P2pTransfer {
  public:
   P2pTransfer(bool send, nn::Tensor tensor, int peer, uint32_t tag, int rank)
@@ -127,6 +127,13 @@ class P2pTransfer {
     } else {
       header_work_ = comm->RecvAsync(header_.data(), kHeaderWords, transport::DataType::kI64, peer_,
                                      tag_ | kHeaderChannel, call_);
+      // Posted now rather than once the header is in: the sender's header
+      // goes first and Poll reads it first, so a mismatch is still reported
+      // with both sizes before the payload's own failure is looked at.
+      if (tensor_.numel() > 0) {
+        payload_work_ = comm->RecvAsync(host_.data_ptr(), static_cast<size_t>(tensor_.numel()),
+                                        ToTransportType(tensor_.dtype()), peer_, tag_, call_);
+      }
     }
     return Status::Ok();
   }
@@ -148,13 +155,11 @@ class P2pTransfer {
               std::to_string(peer_) + " (tag " + std::to_string(tag_) + "): receives into " +
               DescribeHeader(mine) + ", rank " + std::to_string(peer_) + " sent " +
               DescribeHeader(header_));
-          // The sender's payload would wait for a receive that never comes.
+          // Both ranks fail with this reason; the payload is cancelled
+          // (a pending receive sees the abort when tested).
           comm_->Abort(mismatch);
+          if (payload_work_.valid()) (void)payload_work_.Test();
           return Finish(std::move(mismatch), status);
-        }
-        if (tensor_.numel() > 0) {
-          payload_work_ = comm_->RecvAsync(host_.data_ptr(), static_cast<size_t>(tensor_.numel()),
-                                           ToTransportType(tensor_.dtype()), peer_, tag_, call_);
         }
       }
     }

@@ -135,16 +135,23 @@ DDP_TEST_WORKER(pg_p2p_ring) {
 
 TEST(ProcessGroupP2pTest, RingExchangeOnTwoAndThreeRanks) { ExpectWorkersPass("pg_p2p_ring", {2, 3}); }
 
-// Rank 1 receives 10 floats where rank 0 sends 12: both ranks fail with one
-// message naming both sizes.
+// Rank 0 sends f32 [3, 4]; rank 1 receives into P2P_RECV ("f32 10": fewer
+// elements, "f32 20": more, "i32 12": as many bytes of another dtype). Both
+// ranks fail with one message naming both sides.
 DDP_TEST_WORKER(pg_p2p_mismatch) {
   auto pg = testing::WorkerGroup();
-  const std::string expected = "receives into f32 [10] (40 bytes), rank 0 sent f32 [3, 4] (48 bytes)";
+  std::stringstream spec(std::getenv("P2P_RECV"));
+  std::string dtype_name;
+  int64_t count = 0;
+  spec >> dtype_name >> count;
+  const DType dtype = dtype_name == "i32" ? DType::kInt32 : DType::kFloat32;
+  const std::string expected = "receives into " + dtype_name + " [" + std::to_string(count) + "] (" +
+                               std::to_string(count * 4) + " bytes), rank 0 sent f32 [3, 4] (48 bytes)";
   try {
     if (pg->rank() == 0) {
       pg->Send(nn::Ones({3, 4}), 1, 8).Wait();
     } else {
-      pg->Recv(nn::Zeros({10}), 0, 8).Wait();
+      pg->Recv(nn::Zeros({count}, {.dtype = dtype}), 0, 8).Wait();
       WORKER_EXPECT(false, "a receive of the wrong size succeeded");
     }
     pg->Barrier().Wait();
@@ -157,8 +164,10 @@ DDP_TEST_WORKER(pg_p2p_mismatch) {
   return testing::WorkerExit();
 }
 
-TEST(ProcessGroupP2pTest, SizeMismatchNamesBothSizesOnBothRanks) {
-  ExpectWorkersPass("pg_p2p_mismatch", {2});
+TEST(ProcessGroupP2pTest, SizeMismatchNamesBothSidesOnBothRanks) {
+  for (const char* receive : {"f32 10", "f32 20", "i32 12"}) {
+    ExpectWorkersPass("pg_p2p_mismatch", {2}, {{"P2P_RECV", receive}});
+  }
 }
 
 void ExpectInvalid(const std::function<void()>& call, const std::string& text) {
