@@ -252,10 +252,10 @@ class ProcessGroup {
   // communication thread when it gets there. It is not queued behind later
   // collectives: its Work completes when the message has gone or arrived,
   // driven by Wait/WaitFor/IsCompleted (or, every millisecond or so, by the
-  // communication thread). A Send
-  // is matched by the Recv of the same tag from this rank, in issue order;
-  // it announces its dtype and shape first, so a Recv of another dtype or
-  // element count fails on both ranks with a DistributedError naming both.
+  // communication thread). A Send is matched by the Recv of the same tag
+  // from this rank, in issue order; it announces its dtype and shape first,
+  // so a Recv of another dtype or element count fails on both ranks with a
+  // DistributedError naming both.
   // Bad arguments (a rank outside the group, this rank itself, a tag above
   // kMaxP2pTag, an undefined or non-contiguous tensor) throw
   // std::invalid_argument at the call. CUDA tensors are staged through host
