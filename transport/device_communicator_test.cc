@@ -346,6 +346,42 @@ int ScenarioLarge() {
 
 // All-reduces on device buffers in a loop until something fails; reports
 // how it failed.
+// Reduce, Gather and Scatter take host memory only: a device buffer on
+// either side is FAILED_PRECONDITION before anything moves, on every rank,
+// and the communicator still works with host buffers.
+int ScenarioRootedDevice() {
+  auto comm = MustCreate();
+  const int n = comm->size();
+  const size_t count = 1000;
+  DeviceBuffer device(count * 4 * n);
+  std::vector<float> host(count * n, 1.0f), out(count * n);
+  auto refused = [&](const Status& s, const std::string& what) {
+    WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
+                     s.message().find("takes host memory") != std::string::npos,
+                 what + ": " + s.ToString());
+  };
+  refused(comm->Reduce(device.get(), out.data(), count, DataType::kF32, ReduceOp::kSum, 0),
+          "reduce from device memory");
+  if (comm->rank() == 0) {
+    refused(comm->Reduce(host.data(), device.get(), count, DataType::kF32, ReduceOp::kSum, 0),
+            "reduce into device memory");
+    refused(comm->Scatter(device.get(), out.data(), count, DataType::kF32, 0),
+            "scatter from device memory");
+  }
+  refused(comm->Gather(device.get(), out.data(), count, DataType::kF32, 0),
+          "gather from device memory");
+  refused(comm->ScatterAsync(host.data(), device.get(), count, DataType::kF32, 0).Wait(),
+          "scatter into device memory");
+  FillInput(DataType::kF32, host.data(), count, comm->rank(), ReduceOp::kSum);
+  Status s = comm->Reduce(host.data(), out.data(), count, DataType::kF32, ReduceOp::kSum, 0);
+  WORKER_CHECK(s.ok(), "host reduce after the refusals: " + s.ToString());
+  if (comm->rank() == 0) {
+    WORKER_CHECK(CountWrong(DataType::kF32, out.data(), count, n, ReduceOp::kSum) == 0,
+                 "host reduce after the refusals");
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int ScenarioLoop() {
   auto comm = MustCreate();
   const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
@@ -412,6 +448,7 @@ int RunScenario(const std::string& name) {
   if (name == "large") return ScenarioLarge();
   if (name == "staged_modes") return ScenarioStagedModes();
   if (name == "loop") return ScenarioLoop();
+  if (name == "rooted_device") return ScenarioRootedDevice();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -475,6 +512,12 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DeviceIpcSweep, ::testing::Values(2, 4));
 TEST(DeviceCollectives, IpcDeclinedByOneRankStagesOnEveryRank) {
   Job job = RunJob(3, "ipc_declined", {{"DDP_CUDA_IPC", "1"}}, kJobLimit);
   ASSERT_EQ(job.results.size(), 3u);
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(DeviceCollectives, RootedCollectivesRefuseDeviceBuffers) {
+  Job job = RunJob(2, "rooted_device", {}, kJobLimit);
+  ASSERT_EQ(job.results.size(), 2u);
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
