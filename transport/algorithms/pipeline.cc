@@ -162,15 +162,18 @@ Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, const std::vector
                        const std::vector<int>& from) {
   const p2p::Tag tag = FingerprintTag(phase_tag);
   from_ = from;
-  theirs_.assign(from_.size(), Fingerprint{});
+  Fingerprint* held = requests.HoldFingerprints(1 + from_.size());
+  held[0] = mine_;
+  sent_ = held;
+  theirs_ = held + 1;
   ids_.assign(from_.size(), 0);
   for (size_t i = 0; i < from_.size(); ++i) {
     Where where{what_.c_str(), 0, 0, Where::kNoChunk, false, from_[i]};
-    DDP_ASSIGN_OR_RETURN(ids_[i], requests.Recv(where, tag, &theirs_[i], sizeof(Fingerprint)));
+    DDP_ASSIGN_OR_RETURN(ids_[i], requests.Recv(where, tag, theirs_ + i, sizeof(Fingerprint)));
   }
   for (int peer : to) {
     Where where{what_.c_str(), 0, 0, Where::kNoChunk, true, peer};
-    DDP_RETURN_IF_ERROR(requests.Send(where, tag, &mine_, sizeof(Fingerprint)).status());
+    DDP_RETURN_IF_ERROR(requests.Send(where, tag, sent_, sizeof(Fingerprint)).status());
   }
   requests.check_ = this;
   return Status();
@@ -299,6 +302,10 @@ Scratch::~Scratch() {
 
 Requests::~Requests() {
   for (p2p::RequestId id : outstanding_) p2p_.Cancel(id);
+}
+
+Fingerprint* Requests::HoldFingerprints(size_t n) {
+  return held_.emplace_back(n).data();
 }
 
 void Requests::Forget(p2p::RequestId id) {

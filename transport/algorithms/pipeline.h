@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -161,7 +162,11 @@ class PeerCheck {
   std::string what_;  // "<collective>, argument check", for errors
   Fingerprint mine_;
   std::vector<int> from_;
-  std::vector<Fingerprint> theirs_;
+  // The fingerprints sent and received, in memory the Requests owns (Post):
+  // a collective that returns early destroys its PeerCheck before its
+  // Requests cancels the messages, which may still be in flight until then.
+  const Fingerprint* sent_ = nullptr;
+  Fingerprint* theirs_ = nullptr;
   std::vector<p2p::RequestId> ids_;
   bool verified_ = false;
 };
@@ -224,7 +229,9 @@ class Scratch {
 
 /// The requests one collective has outstanding. Every error path leaves
 /// through the destructor, which cancels what is still outstanding, so no
-/// transfer touches the caller's buffers after the collective returns.
+/// transfer touches the caller's buffers after the collective returns. The
+/// argument checks' messages live in memory this object owns, so that they
+/// outlast the PeerCheck that posted them.
 class Requests {
  public:
   Requests(p2p::PointToPoint& p2p, Deadline deadline) : p2p_(p2p), deadline_(deadline) {}
@@ -254,6 +261,9 @@ class Requests {
  private:
   friend class PeerCheck;
   void Forget(p2p::RequestId id);
+  // `n` fingerprints that live as long as this object (a PeerCheck's
+  // message buffers).
+  Fingerprint* HoldFingerprints(size_t n);
   // Runs the registered PeerCheck before the first blocking wait.
   Status VerifyFirst();
 
@@ -261,6 +271,7 @@ class Requests {
   p2p::PointToPoint& p2p_;
   const Deadline deadline_;
   std::vector<p2p::RequestId> outstanding_;
+  std::deque<std::vector<Fingerprint>> held_;  // HoldFingerprints
 };
 
 }  // namespace ddp::transport::algorithms::internal
