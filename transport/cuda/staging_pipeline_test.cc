@@ -62,6 +62,7 @@ class ThreadCopyEngine : public CopyEngine {
     Push([=] {
       // Into a temporary: dst may equal any source.
       const size_t bytes = count * DataTypeSize(dtype);
+      if (bytes == 0) return;  // (memcpy of a null vector's data is undefined)
       std::vector<std::byte> acc(bytes);
       std::memcpy(acc.data(), in[0], bytes);
       for (int k = 1; k < num_sources; ++k) reduce::Reduce(dtype, op, acc.data(), in[k], count);
