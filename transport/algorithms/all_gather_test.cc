@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "transport/testing/collective_values.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
@@ -15,11 +16,8 @@ namespace {
 using namespace std::chrono_literals;
 using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::RunRanks;
-
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                  DataType::kBF16, DataType::kI32, DataType::kI64,
-                                  DataType::kU8};
 
 enum class Placement { kSeparate, kInPlace, kSendAtRecvStart };
 
@@ -84,7 +82,7 @@ TEST_P(RingAllGatherWorldTest, CountsPlacementsAndChunking) {
 }
 
 TEST_P(RingAllGatherWorldTest, EveryType) {
-  for (DataType dtype : kAllTypes) Check(GetParam(), 13, dtype, Placement::kSeparate, 4);
+  for (DataType dtype : kAllDataTypes) Check(GetParam(), 13, dtype, Placement::kSeparate, 4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, RingAllGatherWorldTest,

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms::testing {
@@ -19,13 +20,11 @@ namespace {
 using namespace std::chrono_literals;
 using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::Expectations;
 using ::ddp::transport::testing::RunRanks;
 using ::testing::HasSubstr;
 
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                  DataType::kBF16, DataType::kI32, DataType::kI64,
-                                  DataType::kU8};
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax,
                                 ReduceOp::kMin, ReduceOp::kProd};
 
@@ -105,7 +104,7 @@ void SweepCounts(const AllReduceFn& fn, int world) {
 }
 
 void SweepTypesAndOps(const AllReduceFn& fn, int world, size_t count, size_t chunk_bytes) {
-  for (DataType dtype : kAllTypes) {
+  for (DataType dtype : kAllDataTypes) {
     for (ReduceOp op : kAllOps) {
       for (bool in_place : {false, true}) {
         CheckAllReduce(fn, {world, count, dtype, op, in_place, chunk_bytes});

@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
@@ -18,12 +19,9 @@ namespace {
 using namespace std::chrono_literals;
 using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::RunRanks;
 using ::testing::HasSubstr;
-
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                  DataType::kBF16, DataType::kI32, DataType::kI64,
-                                  DataType::kU8};
 
 void Check(int world, int root, size_t count, DataType dtype, bool in_place, size_t chunk_bytes) {
   const std::string what = "world=" + std::to_string(world) + " root=" + std::to_string(root) +
@@ -72,7 +70,7 @@ TEST_P(BroadcastWorldTest, EveryRootCountAndShape) {
 }
 
 TEST_P(BroadcastWorldTest, EveryType) {
-  for (DataType dtype : kAllTypes) {
+  for (DataType dtype : kAllDataTypes) {
     Check(GetParam(), GetParam() / 2, 19, dtype, false, 4);
     Check(GetParam(), GetParam() - 1, 19, dtype, true, 0);
   }

@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transport/testing/collective_values.h"
+#include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
@@ -16,13 +17,11 @@ namespace {
 using namespace std::chrono_literals;
 using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
+using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::Expectations;
 using ::ddp::transport::testing::RunRanks;
 using ::testing::HasSubstr;
 
-constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16,
-                                  DataType::kBF16, DataType::kI32, DataType::kI64,
-                                  DataType::kU8};
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax,
                                 ReduceOp::kMin, ReduceOp::kProd};
 
@@ -76,7 +75,7 @@ TEST_P(RingReduceScatterWorldTest, CountsAndChunking) {
 }
 
 TEST_P(RingReduceScatterWorldTest, EveryTypeAndOp) {
-  for (DataType dtype : kAllTypes) {
+  for (DataType dtype : kAllDataTypes) {
     for (ReduceOp op : kAllOps) Check(GetParam(), 11, dtype, op, GetParam() % 2 == 0, 4);
   }
 }
