@@ -1098,6 +1098,37 @@ CollectiveDescription ObjectCollective(const char* kind, int root) {
   return {kind, nn::DType::kUInt8, {}, root, transport::ReduceOp::kSum, false};
 }
 
+// What the gathered object collectives send: every rank's length (an
+// all-gather, so that each knows the longest, the gather's count) and this
+// rank's bytes padded to the longest.
+struct PaddedObject {
+  std::vector<int64_t> sizes;
+  size_t longest = 0;
+  std::string padded;
+
+  // Rank r's object out of n * longest gathered bytes.
+  std::vector<std::string> Split(const std::string& all) const {
+    std::vector<std::string> out(sizes.size());
+    for (size_t r = 0; r < out.size(); ++r) {
+      out[r] = all.substr(r * longest, static_cast<size_t>(sizes[r]));
+    }
+    return out;
+  }
+};
+
+StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::string& object,
+                                    Deadline deadline) {
+  PaddedObject p;
+  p.sizes.resize(static_cast<size_t>(comm.size()));
+  const int64_t mine = static_cast<int64_t>(object.size());
+  DDP_RETURN_IF_ERROR(
+      comm.AllGather(&mine, p.sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
+  p.longest = static_cast<size_t>(*std::max_element(p.sizes.begin(), p.sizes.end()));
+  p.padded = object;
+  p.padded.resize(p.longest);
+  return p;
+}
+
 }  // namespace
 
 void ProcessGroup::BroadcastObject(std::string* object, int root) {
@@ -1123,22 +1154,14 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
       *out = {object};
       return Status::Ok();
     }
-    const size_t n = static_cast<size_t>(comm->size());
-    std::vector<int64_t> sizes(n);
-    const int64_t mine = static_cast<int64_t>(object.size());
-    DDP_RETURN_IF_ERROR(
-        comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
     // Every rank's bytes padded to the longest, in one all-gather.
-    const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end()));
-    std::string padded = object;
-    padded.resize(longest);
-    std::string all(n * longest, '\0');
-    if (longest > 0) {
-      DDP_RETURN_IF_ERROR(comm->AllGather(padded.data(), all.data(), longest,
+    DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
+    std::string all(p.sizes.size() * p.longest, '\0');
+    if (p.longest > 0) {
+      DDP_RETURN_IF_ERROR(comm->AllGather(p.padded.data(), all.data(), p.longest,
                                           transport::DataType::kU8, Within(deadline)));
     }
-    out->resize(n);
-    for (size_t r = 0; r < n; ++r) (*out)[r] = all.substr(r * longest, static_cast<size_t>(sizes[r]));
+    *out = p.Split(all);
     return Status::Ok();
   }, nullptr).Wait();
   return std::move(*out);
@@ -1153,26 +1176,16 @@ std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, i
       *out = {object};
       return Status::Ok();
     }
-    const size_t n = static_cast<size_t>(comm->size());
     const bool root = comm->rank() == dst;
     // Every rank needs the longest length (the gather's count); dst needs
     // them all.
-    std::vector<int64_t> sizes(n);
-    const int64_t mine = static_cast<int64_t>(object.size());
-    DDP_RETURN_IF_ERROR(
-        comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
-    const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end()));
-    std::string padded = object;
-    padded.resize(longest);
-    std::string all(root ? n * longest : 0, '\0');
-    if (longest > 0) {
-      DDP_RETURN_IF_ERROR(comm->Gather(padded.data(), root ? all.data() : nullptr, longest,
+    DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
+    std::string all(root ? p.sizes.size() * p.longest : 0, '\0');
+    if (p.longest > 0) {
+      DDP_RETURN_IF_ERROR(comm->Gather(p.padded.data(), root ? all.data() : nullptr, p.longest,
                                        transport::DataType::kU8, dst, Within(deadline)));
     }
-    if (root) {
-      out->resize(n);
-      for (size_t r = 0; r < n; ++r) (*out)[r] = all.substr(r * longest, static_cast<size_t>(sizes[r]));
-    }
+    if (root) *out = p.Split(all);
     return Status::Ok();
   }, nullptr).Wait();
   return std::move(*out);
