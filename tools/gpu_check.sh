@@ -7,6 +7,8 @@
 #      cuda:0, ours: //nn/cuda:train_step_bench, one BENCH line per mode;
 #   4. the same in PyTorch eager (tools/bench/torch_train_step_bench.py) when
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
+#   4b. ours again with the split batch-norm reductions (DDP_NN_CUDA_BN_SPLIT=1),
+#      fp32 and bf16, and their ratio to the default;
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
 #   6. with --profile, every kernel's time in one training step per mode
@@ -596,6 +598,35 @@ echo
 echo "ResNet-50 (CIFAR stem), batch $BATCH, $STEPS timed steps after $WARMUP, SGD momentum, TF32 off, ${GPU_NAME:-no GPU}:"
 print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
 copy_out "$BENCH_LOG"
+
+# The batch-norm reductions split over several blocks per channel
+# (DDP_NN_CUDA_BN_SPLIT=1, off by default until measured here), fp32 and
+# bf16, against the default run above: images/s and their ratio per mode.
+SPLIT_LOG="$WORK/bench_bn_split.log"
+: >"$SPLIT_LOG"
+SPLIT_MODES="$(tr ',' '\n' <<<"$MODES" | grep -vx fp16 | paste -sd,)"
+begin_phase "benchmark: ours with split batch-norm reductions, modes $SPLIT_MODES"
+if [ "$DRY_RUN" = 1 ] || [ -z "$SPLIT_MODES" ]; then
+  echo "dry run or no modes: would run: DDP_NN_CUDA_BN_SPLIT=1 ${BENCH_BIN:-(no binary)}" \
+    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
+  end_phase "skipped"
+elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
+  end_phase "FAILED (not built)"
+else
+  run_logged "$(phase_limit 120 100)" "$SPLIT_LOG" "${OUR_ENV[@]}" DDP_NN_CUDA_BN_SPLIT=1 "$BENCH_BIN" \
+    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
+  end_phase "$(describe_rc $?)"
+  echo "split batch-norm reductions against the default (ours):"
+  grep -h '^BENCH impl=ours' "$BENCH_LOG" | sed 's/^/default /' >"$WORK/split_pairs.txt"
+  grep -h '^BENCH impl=ours' "$SPLIT_LOG" | sed 's/^/split /' >>"$WORK/split_pairs.txt"
+  awk '{ for (i = 2; i <= NF; ++i) { split($i, kv, "="); f[kv[1]] = kv[2] }
+         ips[$1, f["mode"]] = f["images_per_s"]; if (!(f["mode"] in seen)) { seen[f["mode"]] = 1; order[++n] = f["mode"] } }
+       END { printf "  %-6s %14s %14s %14s\n", "mode", "default img/s", "split img/s", "split/default"
+             for (i = 1; i <= n; ++i) { m = order[i]; d = ips["default", m]; p = ips["split", m]
+               printf "  %-6s %14s %14s %14s\n", m, d, p, (d > 0 && p > 0) ? sprintf("%.2f", p / d) : "-" } }' \
+    "$WORK/split_pairs.txt" | tee -a "$WORK/table.txt"
+fi
+copy_out "$SPLIT_LOG"
 
 # ------------------------------------------------- collectives on the device
 

@@ -2,6 +2,9 @@
 // tensor is [C].
 #include "nn/cuda/batch_norm.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -48,6 +51,29 @@ double* MutPtr(const Tensor& t) { return t.defined() ? static_cast<double*>(t.da
 
 Tensor Scratch(const Tensor& x, int64_t c) { return Empty({c}, {.dtype = DType::kFloat64, .device = x.device()}); }
 
+// The split reductions' partial sums for x's shape.
+Tensor SplitWork(const Tensor& x, const Dims& d) {
+  return Scratch(x, 2 * d.c * launch::BatchNormSplitParts(d.n, d.c, d.s));
+}
+
+// sum_dy[c] and sum_dy_xhat[c] (f64 [C]) on the stream, split or not.
+void BackwardReduce(const Tensor& dy, const Tensor& x, const Dims& d, const Tensor& mean, const Tensor& invstd,
+                    const Tensor& sum_dy, const Tensor& sum_dy_xhat, cudaStream_t stream) {
+  if (BatchNormSplitReductions()) {
+    CheckCuda(launch::BatchNormBackwardReduceSplit(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s,
+                                                   MutPtr(SplitWork(x, d)), Ptr(mean), Ptr(invstd), MutPtr(sum_dy),
+                                                   MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
+              "kernel `batch_norm_backward_reduce_split`");
+  } else {
+    CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd),
+                                              MutPtr(sum_dy), MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
+              "kernel `batch_norm_backward_reduce`");
+  }
+}
+
+// -1 until read from DDP_NN_CUDA_BN_SPLIT, then 0 or 1.
+std::atomic<int> split_reductions{-1};
+
 // Writes f64 values into a per-channel output of any dtype and layout.
 void WriteBack(const Tensor& out, const Tensor& values) {
   if (!out.defined() || out.is_same(values)) return;
@@ -83,6 +109,18 @@ void CheckSameShape(const char* op, const Tensor& a, const char* an, const Tenso
 
 }  // namespace
 
+bool BatchNormSplitReductions() {
+  int on = split_reductions.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("DDP_NN_CUDA_BN_SPLIT");
+    on = env != nullptr && std::strcmp(env, "1") == 0 ? 1 : 0;
+    split_reductions.store(on, std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+
+void SetBatchNormSplitReductions(bool on) { split_reductions.store(on ? 1 : 0, std::memory_order_relaxed); }
+
 void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                       const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
                       const Tensor& save_mean, const Tensor& save_invstd) {
@@ -102,16 +140,24 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
   {
     DeviceGuard guard(x.device().index);
     const cudaStream_t stream = CurrentStream(x.device());
-    if (training) {
-      CheckCuda(launch::BatchNormMeanVar(x.data_ptr(), d.n, d.c, d.s, MutPtr(mean), MutPtr(var), ToDt(x.dtype()),
-                                         stream),
-                "kernel `batch_norm_mean_var`");
-    }
     const double unbias = m > 1 ? static_cast<double>(m) / static_cast<double>(m - 1) : 1.0;
-    CheckCuda(launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), Ptr(var), MutPtr(invstd),
-                                        update || !training ? MutPtr(rm) : nullptr,
-                                        update || !training ? MutPtr(rv) : nullptr, stream),
-              "kernel `batch_norm_finalize`");
+    if (training && BatchNormSplitReductions()) {
+      CheckCuda(launch::BatchNormTrainStatsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), momentum, eps,
+                                                 unbias, MutPtr(mean), MutPtr(var), MutPtr(invstd),
+                                                 update ? MutPtr(rm) : nullptr, update ? MutPtr(rv) : nullptr,
+                                                 ToDt(x.dtype()), stream),
+                "kernel `batch_norm_train_stats_split`");
+    } else {
+      if (training) {
+        CheckCuda(launch::BatchNormMeanVar(x.data_ptr(), d.n, d.c, d.s, MutPtr(mean), MutPtr(var), ToDt(x.dtype()),
+                                           stream),
+                  "kernel `batch_norm_mean_var`");
+      }
+      CheckCuda(launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), Ptr(var),
+                                          MutPtr(invstd), update || !training ? MutPtr(rm) : nullptr,
+                                          update || !training ? MutPtr(rv) : nullptr, stream),
+                "kernel `batch_norm_finalize`");
+    }
     CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd), Ptr(w),
                                            Ptr(b), ToDt(x.dtype()), stream),
               "kernel `batch_norm_elementwise`");
@@ -139,9 +185,7 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
   const int64_t m = d.n * d.s;
   DeviceGuard guard(x.device().index);
   const cudaStream_t stream = CurrentStream(x.device());
-  CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd),
-                                            MutPtr(sum_dy), MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
-            "kernel `batch_norm_backward_reduce`");
+  BackwardReduce(dy, x, d, mean, invstd, sum_dy, sum_dy_xhat, stream);
   if (dx.defined()) {
     CheckSameShape(op, x_in, "x", dx, "dx");
     const Tensor t = Target(dx);
@@ -165,9 +209,15 @@ void BatchNormStats(const Tensor& x_in, const Tensor& sum, const Tensor& sum_sq)
   const Tensor s = Scratch(x, d.c), q = Scratch(x, d.c);
   {
     DeviceGuard guard(x.device().index);
-    CheckCuda(launch::BatchNormSums(x.data_ptr(), d.n, d.c, d.s, MutPtr(s), MutPtr(q), ToDt(x.dtype()),
-                                    CurrentStream(x.device())),
-              "kernel `batch_norm_stats`");
+    const cudaStream_t stream = CurrentStream(x.device());
+    if (BatchNormSplitReductions()) {
+      CheckCuda(launch::BatchNormSumsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), MutPtr(s), MutPtr(q),
+                                           ToDt(x.dtype()), stream),
+                "kernel `batch_norm_stats_split`");
+    } else {
+      CheckCuda(launch::BatchNormSums(x.data_ptr(), d.n, d.c, d.s, MutPtr(s), MutPtr(q), ToDt(x.dtype()), stream),
+                "kernel `batch_norm_stats`");
+    }
   }
   WriteBack(sum, s);
   WriteBack(sum_sq, q);
@@ -203,9 +253,7 @@ void BatchNormBackwardReduce(const Tensor& dy_in, const Tensor& x_in, const Tens
   const Tensor s = Scratch(x, d.c), sx = Scratch(x, d.c);
   {
     DeviceGuard guard(x.device().index);
-    CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Ptr(mu), Ptr(is), MutPtr(s),
-                                              MutPtr(sx), ToDt(x.dtype()), CurrentStream(x.device())),
-              "kernel `batch_norm_backward_reduce`");
+    BackwardReduce(dy, x, d, mu, is, s, sx, CurrentStream(x.device()));
   }
   WriteBack(sum_dy, s);
   WriteBack(sum_dy_xhat, sx);

@@ -7,6 +7,14 @@
 
 namespace ddp::nn::cuda {
 
+/// Whether the reductions (training statistics, SyncBatchNorm sums, the
+/// backward sums) split each channel over several blocks, as many as fill the
+/// GPU (launch::BatchNormSplitParts), instead of one block per channel. Off by
+/// default until it has been measured on a GPU; DDP_NN_CUDA_BN_SPLIT=1 turns
+/// it on for a process, and tests switch it with the setter.
+bool BatchNormSplitReductions();
+void SetBatchNormSplitReductions(bool on);
+
 void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                       const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
                       const Tensor& save_mean, const Tensor& save_invstd);

@@ -1,6 +1,7 @@
 // Batch norm on CUDA against the CPU kernels (tag "gpu"): training and eval
 // forward, backward, running-statistics update, the SyncBatchNorm building
-// blocks, 4-D and 2-D inputs, f32/f64/bf16 activations with f32 parameters.
+// blocks, 4-D and 2-D inputs, f32/f64/bf16 activations with f32 parameters,
+// with the reductions on one block per channel and split over several.
 // Both sides accumulate statistics in f64, so per-channel outputs agree to
 // the rounding of their own dtype (rtol 1e-6 for f32); activations and dx
 // to rtol 1e-5 (f32), 1e-10 (f64) or one bf16 ulp.
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/cuda/batch_norm.h"
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/gpu_test_util.h"
 #include "nn/ops/dispatch.h"
@@ -45,60 +47,95 @@ class CudaBatchNormTest : public ::testing::Test {
   }
 };
 
-TEST_F(CudaBatchNormTest, ForwardAndBackwardMatchCpu) {
-  // S = 20 and 1 take the flattened per-channel loop, S = 320 the row loop.
-  for (const Shape& shape : {Shape{8, 6, 5, 4}, Shape{16, 7}, Shape{4, 3, 16, 20}}) {
-    for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
-      for (bool training : {true, false}) {
-        for (bool affine : {true, false}) {
-          const std::string what = "batch_norm " + ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
-                                   (training ? " train" : " eval") + (affine ? " affine" : "");
-          const int64_t c = shape[1];
-          const DType pdt = dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-          // Activations off zero and not unit-scaled, so the statistics matter.
-          const Tensor x = RandnOf(shape, dt, 1.5, 2.0);
-          const Tensor w = affine ? RandnOf({c}, pdt) : Tensor(), b = affine ? RandnOf({c}, pdt) : Tensor();
-          const Tensor rm0 = RandnOf({c}, pdt), rv0 = RandnOf({c}, pdt, 2.0, 0.1);
-          const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone();
-          const Tensor y_cpu = Empty(shape, {.dtype = dt});
-          const Tensor sm_cpu = Empty({c}), si_cpu = Empty({c});
-          Cpu().batch_norm_forward(x, w, b, rm_cpu, rv_cpu, training, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
-          const Tensor rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
-          const Tensor y_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
-          const Tensor sm_gpu = Empty({c}, {.device = kGpu}), si_gpu = Empty({c}, {.device = kGpu});
-          const Tensor xg = x.To(kGpu), wg = G(w), bg = G(b);
-          Gpu().batch_norm_forward(xg, wg, bg, rm_gpu, rv_gpu, training, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
-          ExpectClose(y_cpu, y_gpu, ActTol(dt), what + " y");
-          ExpectClose(sm_cpu, sm_gpu, kStatTol, what + " save_mean");
-          ExpectClose(si_cpu, si_gpu, kStatTol, what + " save_invstd");
-          ExpectClose(rm_cpu, rm_gpu, kStatTol, what + " running_mean");
-          ExpectClose(rv_cpu, rv_gpu, kStatTol, what + " running_var");
+// Forward (batch statistics or running ones) and backward of one
+// configuration on both devices.
+void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool training, bool affine) {
+    const std::string what = std::string(BatchNormSplitReductions() ? "split " : "") + "batch_norm " + ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
+                             (training ? " train" : " eval") + (affine ? " affine" : "");
+    const int64_t c = shape[1];
+    const DType pdt = dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+    // Activations off zero and not unit-scaled, so the statistics matter.
+    const Tensor x = RandnOf(shape, dt, 1.5, 2.0);
+    const Tensor w = affine ? RandnOf({c}, pdt) : Tensor(), b = affine ? RandnOf({c}, pdt) : Tensor();
+    const Tensor rm0 = RandnOf({c}, pdt), rv0 = RandnOf({c}, pdt, 2.0, 0.1);
+    const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone();
+    const Tensor y_cpu = Empty(shape, {.dtype = dt});
+    const Tensor sm_cpu = Empty({c}), si_cpu = Empty({c});
+    Cpu().batch_norm_forward(x, w, b, rm_cpu, rv_cpu, training, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
+    const Tensor rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
+    const Tensor y_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
+    const Tensor sm_gpu = Empty({c}, {.device = kGpu}), si_gpu = Empty({c}, {.device = kGpu});
+    const Tensor xg = x.To(kGpu), wg = G(w), bg = G(b);
+    Gpu().batch_norm_forward(xg, wg, bg, rm_gpu, rv_gpu, training, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
+    ExpectClose(y_cpu, y_gpu, ActTol(dt), what + " y");
+    ExpectClose(sm_cpu, sm_gpu, kStatTol, what + " save_mean");
+    ExpectClose(si_cpu, si_gpu, kStatTol, what + " save_invstd");
+    ExpectClose(rm_cpu, rm_gpu, kStatTol, what + " running_mean");
+    ExpectClose(rv_cpu, rv_gpu, kStatTol, what + " running_var");
 
-          const Tensor dy = RandnOf(shape, dt);
-          const Tensor dx_cpu = Empty(shape, {.dtype = dt});
-          const Tensor dw_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
-          const Tensor db_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
-          Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, training, dx_cpu, dw_cpu, db_cpu);
-          const Tensor dx_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
-          const Tensor dw_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
-          const Tensor db_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
-          Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, dx_gpu, dw_gpu, db_gpu);
-          ExpectClose(dx_cpu, dx_gpu, ActTol(dt), what + " dx");
-          if (affine) {
-            ExpectClose(dw_cpu, dw_gpu, {1e-5, 1e-5}, what + " dweight");
-            ExpectClose(db_cpu, db_gpu, {1e-5, 1e-5}, what + " dbias");
-          }
+    const Tensor dy = RandnOf(shape, dt);
+    const Tensor dx_cpu = Empty(shape, {.dtype = dt});
+    const Tensor dw_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
+    const Tensor db_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
+    Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, training, dx_cpu, dw_cpu, db_cpu);
+    const Tensor dx_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
+    const Tensor dw_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
+    const Tensor db_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
+    Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, dx_gpu, dw_gpu, db_gpu);
+    ExpectClose(dx_cpu, dx_gpu, ActTol(dt), what + " dx");
+    if (affine) {
+      ExpectClose(dw_cpu, dw_gpu, {1e-5, 1e-5}, what + " dweight");
+      ExpectClose(db_cpu, db_gpu, {1e-5, 1e-5}, what + " dbias");
+    }
+}
+
+// Sets the split reductions for a scope, then restores the setting.
+class SplitReductions {
+ public:
+  explicit SplitReductions(bool on) : was_(BatchNormSplitReductions()) { SetBatchNormSplitReductions(on); }
+  ~SplitReductions() { SetBatchNormSplitReductions(was_); }
+  SplitReductions(const SplitReductions&) = delete;
+  SplitReductions& operator=(const SplitReductions&) = delete;
+
+ private:
+  bool was_;
+};
+
+TEST_F(CudaBatchNormTest, ForwardAndBackwardMatchCpu) {
+  // S = 20 and 1 take the flattened per-channel loop, S = 320 the row loop;
+  // every channel here fits one block of the split reductions.
+  for (bool split : {false, true}) {
+    const SplitReductions setting(split);
+    for (const Shape& shape : {Shape{8, 6, 5, 4}, Shape{16, 7}, Shape{4, 3, 16, 20}}) {
+      for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+        for (bool training : {true, false}) {
+          for (bool affine : {true, false}) ExpectForwardAndBackwardMatchCpu(shape, dt, training, affine);
         }
       }
     }
   }
 }
 
-TEST_F(CudaBatchNormTest, SyncBatchNormBuildingBlocksMatchCpu) {
-  const Shape shape = {6, 5, 3, 7};
-  const int64_t c = 5;
+TEST_F(CudaBatchNormTest, LongChannelsSplitOverBlocksMatchCpu) {
+  // Few channels with many elements each: the split reductions cut every
+  // channel over several blocks, on the row path (S = 1024: 16 parts), the
+  // flattened path (S = 9: 4 parts) and for BatchNorm1d (S = 1: 9 parts);
+  // the one-block-per-channel kernels run the same shapes (host_test checks
+  // these part counts).
+  for (bool split : {false, true}) {
+    const SplitReductions setting(split);
+    for (const Shape& shape : {Shape{64, 3, 32, 32}, Shape{2048, 4, 3, 3}, Shape{40000, 2}}) {
+      for (DType dt : {DType::kFloat32, DType::kBFloat16}) ExpectForwardAndBackwardMatchCpu(shape, dt, true, true);
+    }
+  }
+}
+
+// The SyncBatchNorm building blocks of one shape, f32 and bf16.
+void ExpectBuildingBlocksMatchCpu(const Shape& shape) {
+  const int64_t c = shape[1];
   for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
-    const std::string what = "building blocks " + std::string(DTypeName(dt));
+    const std::string what = std::string(BatchNormSplitReductions() ? "split " : "") + "building blocks " +
+                             ShapeToString(shape) + " " + std::string(DTypeName(dt));
     const Tensor x = RandnOf(shape, dt, -0.5, 3.0), dy = RandnOf(shape, dt);
     const Tensor xg = x.To(kGpu), dyg = dy.To(kGpu);
     const Tensor s_cpu = Empty({c}, {.dtype = DType::kFloat64}), q_cpu = Empty({c}, {.dtype = DType::kFloat64});
@@ -132,6 +169,17 @@ TEST_F(CudaBatchNormTest, SyncBatchNormBuildingBlocksMatchCpu) {
     Gpu().batch_norm_backward_elementwise(dyg, xg, mean.To(kGpu), invstd.To(kGpu), w.To(kGpu), mdy.To(kGpu),
                                           mdx.To(kGpu), dx_gpu);
     ExpectClose(dx_cpu, dx_gpu, ActTol(dt), what + " backward_elementwise");
+  }
+}
+
+TEST_F(CudaBatchNormTest, SyncBatchNormBuildingBlocksMatchCpu) {
+  // {256, 5, 8, 8}: 4 parts per channel in the split reductions; {0, ...}:
+  // an empty local batch, as SyncBatchNorm allows.
+  for (bool split : {false, true}) {
+    const SplitReductions setting(split);
+    for (const Shape& shape : {Shape{6, 5, 3, 7}, Shape{256, 5, 8, 8}, Shape{0, 5, 3, 7}}) {
+      ExpectBuildingBlocksMatchCpu(shape);
+    }
   }
 }
 

@@ -15,8 +15,10 @@
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/copy.h"
+#include "nn/cuda/fast_divide.h"
 #include "nn/cuda/gemm.h"
 #include "nn/cuda/indexing.h"
+#include "nn/cuda/launch.h"
 #include "nn/cuda/optim_kernels.h"
 #include "nn/optim/device_kernels.h"
 #include "nn/cuda/pool_math.h"
@@ -315,6 +317,60 @@ TEST(CudaPoolMath, AdaptiveWindowsGatheredPerInputAreTheForwardWindows) {
       ASSERT_EQ(gathered, forward) << h << "x" << g.w << " -> " << oh << "x" << g.ow;
     }
   }
+}
+
+TEST(CudaFastDivide, QuotientsEqualHardwareDivision) {
+  // Every divisor up to 4096, powers of two and their neighbours, and the
+  // largest; numerators at the edges (0, d - 1, d, 2^31 - 1) and spread out.
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d <= 4096; ++d) divisors.push_back(d);
+  for (int k = 1; k < 31; ++k) {
+    for (uint32_t d : {(1u << k) - 1, 1u << k, (1u << k) + 1}) divisors.push_back(d);
+  }
+  divisors.push_back(0x7fffffffu);
+  for (uint32_t d : divisors) {
+    const launch::FastDivider div(d);
+    std::vector<uint32_t> numerators = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, 0x7fffffffu, 0x7ffffffeu};
+    for (uint32_t i = 0; i < 64; ++i) numerators.push_back(i * 0x2000003u % 0x80000000u);
+    for (uint32_t n : numerators) {
+      if (n > 0x7fffffffu) continue;
+      ASSERT_EQ(div.Div(n), n / d) << n << " / " << d;
+    }
+  }
+}
+
+TEST(CudaFastDivide, ChannelOfElementsMatchesIndexArithmetic) {
+  for (const auto& [n, c, s] : {std::tuple<int64_t, int64_t, int64_t>{256, 64, 1024}, {3, 7, 5}, {16, 2048, 1},
+                                {1, 1, 1}, {5, 3, 4099}}) {
+    const launch::ChannelOf32 fast{launch::FastDivider(static_cast<uint32_t>(s)),
+                                   launch::FastDivider(static_cast<uint32_t>(c))};
+    const launch::ChannelOf64 plain{s, c};
+    const int64_t total = n * c * s;
+    for (int64_t idx = 0; idx < total; idx += 1 + total / 100000) {
+      ASSERT_EQ(fast(idx), plain(idx)) << idx << " in [" << n << ", " << c << ", " << s << "]";
+      ASSERT_EQ(plain(idx), (idx / s) % c);
+    }
+    ASSERT_EQ(fast(total - 1), c - 1);
+  }
+}
+
+TEST(CudaBatchNormSplit, PartsFillTheGpuWithoutTinyBlocks) {
+  // ResNet-50 on CIFAR at batch 256: few long channels get many parts, the
+  // 2048-channel layer one block per channel.
+  EXPECT_EQ(launch::BatchNormSplitParts(256, 64, 1024), 16);
+  EXPECT_EQ(launch::BatchNormSplitParts(256, 512, 256), 2);
+  EXPECT_EQ(launch::BatchNormSplitParts(256, 2048, 16), 1);
+  // The shapes batch_norm_test runs on a GPU.
+  EXPECT_EQ(launch::BatchNormSplitParts(64, 3, 1024), 16);
+  EXPECT_EQ(launch::BatchNormSplitParts(2048, 4, 9), 4);
+  EXPECT_EQ(launch::BatchNormSplitParts(40000, 2, 1), 9);
+  EXPECT_EQ(launch::BatchNormSplitParts(256, 5, 64), 4);
+  // Small inputs, empty batches and huge ones stay within [1, 1024]; on the
+  // row path (s >= 256) a part holds at least one row.
+  EXPECT_EQ(launch::BatchNormSplitParts(8, 6, 20), 1);
+  EXPECT_EQ(launch::BatchNormSplitParts(0, 6, 20), 1);
+  EXPECT_EQ(launch::BatchNormSplitParts(4, 1, 1 << 20), 4);
+  EXPECT_EQ(launch::BatchNormSplitParts(1 << 24, 1, 1), 1024);
 }
 
 TEST(CudaErrors, MessageNamesTheCallAndTheCudaError) {

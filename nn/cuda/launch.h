@@ -162,6 +162,26 @@ cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx
                                          const double* dy_term, const double* xhat_term, double scale, Dt dt,
                                          cudaStream_t stream);
 
+// The split reductions: each channel's m elements are cut over several blocks
+// (BatchNormSplitParts of them) whose partial sums go to `work`, 2 * c *
+// BatchNormSplitParts(n, c, s) doubles, and are added in a fixed order by a
+// second kernel. Same results as the one-block-per-channel kernels above, up
+// to f64 rounding; many more blocks when channels are few and long.
+int64_t BatchNormSplitParts(int64_t n, int64_t c, int64_t s);
+/// Training statistics and finishing in one call (BatchNormMeanVar, then
+/// BatchNormFinalize with training = true). The variance is formed from sums
+/// of x - shift, shift = the channel's first element, in one pass over x.
+cudaError_t BatchNormTrainStatsSplit(const void* x, int64_t n, int64_t c, int64_t s, double* work, double momentum,
+                                     double eps, double unbias, double* mean, double* var, double* invstd,
+                                     double* running_mean, double* running_var, Dt dt, cudaStream_t stream);
+/// As BatchNormSums.
+cudaError_t BatchNormSumsSplit(const void* x, int64_t n, int64_t c, int64_t s, double* work, double* sum,
+                               double* sum_sq, Dt dt, cudaStream_t stream);
+/// As BatchNormBackwardReduce.
+cudaError_t BatchNormBackwardReduceSplit(const void* dy, const void* x, int64_t n, int64_t c, int64_t s,
+                                         double* work, const double* mean, const double* invstd, double* sum_dy,
+                                         double* sum_dy_xhat, Dt dt, cudaStream_t stream);
+
 // ---- optimizer updates (contiguous [n], one dtype: f32 or f64) ----
 /// PyTorch's SGD, as nn/optim/sgd.cc: coefficients rounded to the element type first.
 struct SgdCoefficients {
