@@ -213,21 +213,36 @@ class Communicator::Impl {
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
                    bool host_memory);
   Status AllGather(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
-  // Checks AllToAllV's arguments (every failure before anything moves).
-  Status CheckAllToAll(const void* send, std::span<const size_t> send_counts, const void* recv,
-                       std::span<const size_t> recv_counts, DataType dtype) const;
+  // Checks AllToAllV's arguments (every failure before anything moves);
+  // returns the buffers' CUDA device, or -1 for host memory.
+  StatusOr<int> CheckAllToAll(const void* send, std::span<const size_t> send_counts,
+                              const void* recv, std::span<const size_t> recv_counts,
+                              DataType dtype) const;
   Status AllToAllV(const void* send, const std::vector<size_t>& send_counts, void* recv,
                    const std::vector<size_t>& recv_counts, DataType dtype, Deadline deadline);
+  // AllToAllV (device < 0) or, on device buffers, the whole send buffer
+  // copied to the host through the staging slot, the host exchange (which
+  // may use shared memory and CMA, which cannot read device memory), and the
+  // result copied back.
+  Status AllToAllVOn(int device, const void* send, const std::vector<size_t>& send_counts,
+                     void* recv, const std::vector<size_t>& recv_counts, DataType dtype,
+                     Deadline deadline);
   // Equal blocks: through shared memory when every rank is on this host.
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
   Status Barrier(Deadline deadline);
 
-  // The rooted collectives, checked on the caller's thread by CheckRooted.
+  // The rooted collectives, checked on the caller's thread by CheckRooted,
+  // which returns the CUDA device of the buffers this rank uses (-1: host).
   enum class Rooted { kReduce, kGather, kScatter };
-  Status CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
-                     DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
+  StatusOr<int> CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
+                            DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
+  // Runs one rooted collective: on host memory (device < 0) directly, on
+  // device buffers through the staging slots (cuda::RunStaged), chunk by
+  // chunk, with the host collective on each chunk.
+  Status RunRooted(Rooted which, int device, const void* send, void* recv, size_t count,
+                   DataType dtype, ReduceOp op, int root, Algorithm algorithm, Deadline deadline);
   // The shm engine when it is up (unless tree or ring is requested), else
   // the tree or the ring by size (algorithms::ChooseReduce).
   Algorithm ChooseReduce(size_t bytes, Algorithm requested) const {
@@ -266,6 +281,9 @@ class Communicator::Impl {
   // inside the driver on pageable memory.
   Status StageCopy(int device, void* dst, const void* src, size_t bytes, bool to_device,
                    Deadline deadline);
+  // StageCopy for a caller holding run_mu_.
+  Status StageCopyLocked(int device, void* dst, const void* src, size_t bytes, bool to_device,
+                         Deadline deadline);
   // UCX moves device memory itself (a CUDA-enabled UCX).
   bool ucx_cuda_memory() const { return info_.ucx_cuda_memory; }
   // How a staged call on device buffers runs: `where` is the call's
@@ -939,9 +957,9 @@ Status Communicator::Impl::Barrier(Deadline deadline) {
                                             deadline));
 }
 
-Status Communicator::Impl::CheckRooted(Rooted which, const void* send, const void* recv,
-                                       size_t count, DataType dtype, ReduceOp op, int root,
-                                       Algorithm algorithm) const {
+StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, const void* recv,
+                                              size_t count, DataType dtype, ReduceOp op, int root,
+                                              Algorithm algorithm) const {
   const std::string what = which == Rooted::kReduce   ? "reduce"
                            : which == Rooted::kGather ? "gather"
                                                       : "scatter";
@@ -982,13 +1000,33 @@ Status Communicator::Impl::CheckRooted(Rooted which, const void* send, const voi
           ")");
     }
   }
-  for (const auto& [p, elems] : {std::pair{send, send_elems}, std::pair{recv, recv_elems}}) {
-    if (elems > 0 && cuda::ClassifyPointer(p).device) {
-      return FailedPreconditionError(what +
-                                     " takes host memory; copy device buffers to the host first");
+  // Only the buffers this rank uses: the others may be null or anything.
+  return DeviceOf({send_elems > 0 ? send : nullptr, recv_elems > 0 ? recv : nullptr},
+                  std::max(send_elems, recv_elems), what.c_str());
+}
+
+Status Communicator::Impl::RunRooted(Rooted which, int device, const void* send, void* recv,
+                                     size_t count, DataType dtype, ReduceOp op, int root,
+                                     Algorithm algorithm, Deadline deadline) {
+  auto host = [&](const void* s, void* r, size_t n) -> Status {
+    switch (which) {
+      case Rooted::kReduce: return Reduce(s, r, n, dtype, op, root, algorithm, deadline);
+      case Rooted::kGather: return Gather(s, r, n, dtype, root, deadline);
+      case Rooted::kScatter: return Scatter(s, r, n, dtype, root, deadline);
     }
-  }
-  return Status::Ok();
+    return InternalError("unknown rooted collective");
+  };
+  if (device < 0) return host(send, recv, count);
+  // Through the slots even when UCX moves device memory: the reduce needs
+  // the host's arithmetic, and gather and scatter are rare enough on GPUs
+  // (object collectives, evaluation) not to need a direct path yet.
+  const cuda::StagedKind kind = which == Rooted::kReduce   ? cuda::StagedKind::kReduce
+                                : which == Rooted::kGather ? cuda::StagedKind::kGather
+                                                           : cuda::StagedKind::kScatter;
+  const cuda::StagedCall call{.kind = kind, .send = send, .recv = recv, .count = count,
+                              .dtype = dtype, .rank = options_.rank,
+                              .size = options_.world_size, .root = root, .op = op};
+  return Staged(device, call, host, deadline);
 }
 
 Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, DataType dtype,
@@ -1207,6 +1245,11 @@ Status Communicator::Impl::StageCopy(int device, void* dst, const void* src, siz
                                      bool to_device, Deadline deadline) {
   if (aborted()) return aborted_reason();
   std::lock_guard run(run_mu_);
+  return StageCopyLocked(device, dst, src, bytes, to_device, deadline);
+}
+
+Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* src, size_t bytes,
+                                           bool to_device, Deadline deadline) {
   DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
   std::byte* slot = engine->slot(0);
   auto* out = static_cast<std::byte*>(dst);
@@ -1482,9 +1525,11 @@ Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, D
   });
 }
 
-Status Communicator::Impl::CheckAllToAll(const void* send, std::span<const size_t> send_counts,
-                                         const void* recv, std::span<const size_t> recv_counts,
-                                         DataType dtype) const {
+StatusOr<int> Communicator::Impl::CheckAllToAll(const void* send,
+                                                std::span<const size_t> send_counts,
+                                                const void* recv,
+                                                std::span<const size_t> recv_counts,
+                                                DataType dtype) const {
   DDP_RETURN_IF_ERROR(CheckTypes(dtype, ReduceOp::kSum, false));
   const size_t n = static_cast<size_t>(options_.world_size);
   if (send_counts.size() != n || recv_counts.size() != n) {
@@ -1515,12 +1560,25 @@ Status Communicator::Impl::CheckAllToAll(const void* send, std::span<const size_
   if (sent > 0 && received > 0 && s < r + received * es && r < s + sent * es) {
     return InvalidArgumentError("all-to-all: the send and receive buffers overlap");
   }
-  for (const void* p : {send, recv}) {
-    if (p != nullptr && cuda::ClassifyPointer(p).device) {
-      return FailedPreconditionError("all-to-all takes host memory; copy device buffers to the host first");
-    }
-  }
-  return Status::Ok();
+  return DeviceOf({sent > 0 ? send : nullptr, received > 0 ? recv : nullptr},
+                  std::max(sent, received), "all-to-all");
+}
+
+Status Communicator::Impl::AllToAllVOn(int device, const void* send,
+                                       const std::vector<size_t>& send_counts, void* recv,
+                                       const std::vector<size_t>& recv_counts, DataType dtype,
+                                       Deadline deadline) {
+  if (device < 0) return AllToAllV(send, send_counts, recv, recv_counts, dtype, deadline);
+  const size_t es = DataTypeSize(dtype);
+  size_t sent = 0, received = 0;
+  for (size_t c : send_counts) sent += c;
+  for (size_t c : recv_counts) received += c;
+  // Either buffer may be host memory (the copy engine reads and writes both).
+  std::vector<std::byte> host_send(sent * es), host_recv(received * es);
+  DDP_RETURN_IF_ERROR(StageCopyLocked(device, host_send.data(), send, sent * es, false, deadline));
+  DDP_RETURN_IF_ERROR(
+      AllToAllV(host_send.data(), send_counts, host_recv.data(), recv_counts, dtype, deadline));
+  return StageCopyLocked(device, recv, host_recv.data(), received * es, true, deadline);
 }
 
 Status Communicator::Impl::AllToAllV(const void* send, const std::vector<size_t>& send_counts,
@@ -1557,8 +1615,9 @@ Status Communicator::Impl::AllToAll(const void* send, void* recv, size_t count, 
 Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                               const CallOptions& call) {
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  DDP_RETURN_IF_ERROR(impl_->CheckAllToAll(send, counts, recv, counts, dtype));
-  return impl_->RunBlocking(call, [=, this](Deadline d) {
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->CheckAllToAll(send, counts, recv, counts, dtype));
+  return impl_->RunBlocking(call, [&, this](Deadline d) {
+    if (device >= 0) return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d);
     return impl_->AllToAll(send, recv, count, dtype, d);
   });
 }
@@ -1566,38 +1625,45 @@ Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataTy
 Status Communicator::AllToAllV(const void* send, std::span<const size_t> send_counts, void* recv,
                                std::span<const size_t> recv_counts, DataType dtype,
                                const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
   std::vector<size_t> sends(send_counts.begin(), send_counts.end());
   std::vector<size_t> receives(recv_counts.begin(), recv_counts.end());
   return impl_->RunBlocking(call, [&, this](Deadline d) {
-    return impl_->AllToAllV(send, sends, recv, receives, dtype, d);
+    return impl_->AllToAllVOn(device, send, sends, recv, receives, dtype, d);
   });
 }
 
 Status Communicator::Reduce(const void* send, void* recv, size_t count, DataType dtype,
                             ReduceOp op, int root, const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
-                                         call.algorithm));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
+                                          call.algorithm));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
-    return impl_->Reduce(send, recv, count, dtype, op, root, call.algorithm, d);
+    return impl_->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
+                            call.algorithm, d);
   });
 }
 
 Status Communicator::Gather(const void* send, void* recv, size_t count, DataType dtype, int root,
                             const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
-                                         ReduceOp::kSum, root, call.algorithm));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
+                                          ReduceOp::kSum, root, call.algorithm));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
-    return impl_->Gather(send, recv, count, dtype, root, d);
+    return impl_->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
+                            root, call.algorithm, d);
   });
 }
 
 Status Communicator::Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
                              const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
-                                         ReduceOp::kSum, root, call.algorithm));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
+                                          ReduceOp::kSum, root, call.algorithm));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
-    return impl_->Scatter(send, recv, count, dtype, root, d);
+    return impl_->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
+                            ReduceOp::kSum, root, call.algorithm, d);
   });
 }
 
@@ -1720,8 +1786,9 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
 Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, DataType dtype,
                                  const CallOptions& call) {
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  DDP_ASYNC_CHECK(impl_->CheckAllToAll(send, counts, recv, counts, dtype));
+  DDP_ASYNC_ASSIGN(const int device, impl_->CheckAllToAll(send, counts, recv, counts, dtype));
   return impl_->Enqueue(call, [=, this](Deadline d) {
+    if (device >= 0) return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d);
     return impl_->AllToAll(send, recv, count, dtype, d);
   });
 }
@@ -1729,38 +1796,45 @@ Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, Dat
 Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send_counts,
                                   void* recv, std::span<const size_t> recv_counts, DataType dtype,
                                   const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
   return impl_->Enqueue(call, [=, this, sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
                                receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](
                                   Deadline d) {
-    return impl_->AllToAllV(send, sends, recv, receives, dtype, d);
+    return impl_->AllToAllVOn(device, send, sends, recv, receives, dtype, d);
   });
 }
 
 Work Communicator::ReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, int root, const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
-                                     call.algorithm));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
+                                      call.algorithm));
   return impl_->Enqueue(call, [=, this](Deadline d) {
-    return impl_->Reduce(send, recv, count, dtype, op, root, call.algorithm, d);
+    return impl_->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
+                            call.algorithm, d);
   });
 }
 
 Work Communicator::GatherAsync(const void* send, void* recv, size_t count, DataType dtype,
                                int root, const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
-                                     ReduceOp::kSum, root, call.algorithm));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
+                                      ReduceOp::kSum, root, call.algorithm));
   return impl_->Enqueue(call, [=, this](Deadline d) {
-    return impl_->Gather(send, recv, count, dtype, root, d);
+    return impl_->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
+                            root, call.algorithm, d);
   });
 }
 
 Work Communicator::ScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
                                 int root, const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
-                                     ReduceOp::kSum, root, call.algorithm));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
+                                      ReduceOp::kSum, root, call.algorithm));
   return impl_->Enqueue(call, [=, this](Deadline d) {
-    return impl_->Scatter(send, recv, count, dtype, root, d);
+    return impl_->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
+                            ReduceOp::kSum, root, call.algorithm, d);
   });
 }
 

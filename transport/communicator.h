@@ -210,9 +210,10 @@ class Communicator {
                        const CallOptions& call = {});
   /// recv[q * count + i] = rank q's send[rank() * count + i]: send and recv
   /// hold size() * count elements each, block q of send goes to rank q.
-  /// send and recv must not overlap. Host memory only (a device buffer is
-  /// FAILED_PRECONDITION). On one host each rank reads its blocks straight
-  /// out of the others' send buffers (shared-memory path, CMA).
+  /// send and recv must not overlap. On one host each rank reads its blocks
+  /// straight out of the others' send buffers (shared-memory path, CMA).
+  /// Device buffers are copied whole to host memory and back (one staged
+  /// copy each way, not pipelined).
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                   const CallOptions& call = {});
   /// All-to-all with a size per pair: send_counts[q] elements go to rank q
@@ -220,7 +221,7 @@ class Communicator {
   /// recv_counts[q] come from rank q (likewise in recv); both spans have
   /// size() entries. send_counts[q] here must equal recv_counts[rank()] on
   /// rank q: a pair that disagrees fails on the receiving rank with
-  /// INVALID_ARGUMENT naming the sizes. Host memory only.
+  /// INVALID_ARGUMENT naming the sizes. Device buffers as AllToAll.
   Status AllToAllV(const void* send, std::span<const size_t> send_counts, void* recv,
                    std::span<const size_t> recv_counts, DataType dtype,
                    const CallOptions& call = {});
@@ -229,7 +230,9 @@ class Communicator {
   /// root outside [0, size()) is INVALID_ARGUMENT on the rank that passed
   /// it; ranks that disagree fail (INVALID_ARGUMENT naming both values, or
   /// the abort reason of the rank that found it) or time out at the call's
-  /// deadline. Host memory only (a device buffer is FAILED_PRECONDITION).
+  /// deadline. Device buffers (those this rank uses) go through the pinned
+  /// staging slots chunk by chunk, with the host collective on each chunk
+  /// (the host reduces).
   /// On one host they go through the shared-memory engine (CMA).
   ///
   /// Root's recv[i] = op over ranks of send[i], i in [0, count); recv is

@@ -31,7 +31,9 @@ using std::chrono::milliseconds;
 using testing::CountWrong;
 using testing::EnvOr;
 using testing::FillInput;
+using testing::InputValue;
 using testing::Job;
+using testing::Load;
 using testing::RunJob;
 
 void MustCuda(cudaError_t status, const char* what) {
@@ -346,39 +348,72 @@ int ScenarioLarge() {
 
 // All-reduces on device buffers in a loop until something fails; reports
 // how it failed.
-// Reduce, Gather and Scatter take host memory only: a device buffer on
-// either side is FAILED_PRECONDITION before anything moves, on every rank,
-// and the communicator still works with host buffers.
+// Reduce, Gather, Scatter and all-to-all on device buffers, staged through
+// the host slots (the job sets small slots, so many chunks), for every root;
+// results against the closed forms, the guard byte after each device output
+// intact. Ranks off the root pass null for the buffer they do not use.
 int ScenarioRootedDevice() {
   auto comm = MustCreate();
-  const int n = comm->size();
-  const size_t count = 1000;
-  DeviceBuffer device(count * 4 * n);
-  std::vector<float> host(count * n, 1.0f), out(count * n);
-  auto refused = [&](const Status& s, const std::string& what) {
-    WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
-                     s.message().find("takes host memory") != std::string::npos,
-                 what + ": " + s.ToString());
-  };
-  refused(comm->Reduce(device.get(), out.data(), count, DataType::kF32, ReduceOp::kSum, 0),
-          "reduce from device memory");
-  if (comm->rank() == 0) {
-    refused(comm->Reduce(host.data(), device.get(), count, DataType::kF32, ReduceOp::kSum, 0),
-            "reduce into device memory");
-    refused(comm->Scatter(device.get(), out.data(), count, DataType::kF32, 0),
-            "scatter from device memory");
+  const int n = comm->size(), me = comm->rank();
+  const size_t count = 1001, bytes = count * 4;
+  const auto f32 = DataType::kF32;
+  std::vector<char> mine(bytes), all(bytes * n);
+  FillInput(f32, mine.data(), count, me, ReduceOp::kSum);
+  FillInput(f32, all.data(), count * n, me, ReduceOp::kSum);
+  DeviceBuffer send(bytes), whole(bytes * n);
+  send.Upload(mine);
+  whole.Upload(all);
+  for (int root = 0; root < n; ++root) {
+    const std::string at = " (root " + std::to_string(root) + ")";
+    const bool is_root = me == root;
+    DeviceBuffer gathered(bytes * n), reduced(bytes), part(bytes);
+    Status s = comm->Reduce(send.get(), is_root ? reduced.get() : nullptr, count, f32,
+                            ReduceOp::kSum, root);
+    WORKER_CHECK(s.ok(), "device reduce" + at + ": " + s.ToString());
+    if (is_root) {
+      const std::vector<char> out = reduced.Download();
+      std::string first;
+      WORKER_CHECK(CountWrong(f32, out.data(), count, n, ReduceOp::kSum, 0, &first) == 0 &&
+                       out[bytes] == 0x5A,
+                   "device reduce" + at + ": " + first);
+    }
+    s = comm->GatherAsync(send.get(), is_root ? gathered.get() : nullptr, count, f32, root).Wait();
+    WORKER_CHECK(s.ok(), "device gather" + at + ": " + s.ToString());
+    if (is_root) {
+      const std::vector<char> out = gathered.Download();
+      size_t wrong = 0;
+      for (int r = 0; r < n; ++r) {
+        for (size_t i = 0; i < count; ++i) {
+          wrong += Load(f32, out.data(), r * count + i) != InputValue(r, i, ReduceOp::kSum);
+        }
+      }
+      WORKER_CHECK(wrong == 0 && out[bytes * n] == 0x5A,
+                   "device gather" + at + ": " + std::to_string(wrong) + " wrong");
+    }
+    s = comm->Scatter(is_root ? whole.get() : nullptr, part.get(), count, f32, root);
+    WORKER_CHECK(s.ok(), "device scatter" + at + ": " + s.ToString());
+    const std::vector<char> out = part.Download();
+    size_t wrong = 0;
+    for (size_t i = 0; i < count; ++i) {
+      wrong += Load(f32, out.data(), i) != InputValue(root, me * count + i, ReduceOp::kSum);
+    }
+    WORKER_CHECK(wrong == 0 && out[bytes] == 0x5A,
+                 "device scatter" + at + ": " + std::to_string(wrong) + " wrong");
   }
-  refused(comm->Gather(device.get(), out.data(), count, DataType::kF32, 0),
-          "gather from device memory");
-  refused(comm->ScatterAsync(host.data(), device.get(), count, DataType::kF32, 0).Wait(),
-          "scatter into device memory");
-  FillInput(DataType::kF32, host.data(), count, comm->rank(), ReduceOp::kSum);
-  Status s = comm->Reduce(host.data(), out.data(), count, DataType::kF32, ReduceOp::kSum, 0);
-  WORKER_CHECK(s.ok(), "host reduce after the refusals: " + s.ToString());
-  if (comm->rank() == 0) {
-    WORKER_CHECK(CountWrong(DataType::kF32, out.data(), count, n, ReduceOp::kSum) == 0,
-                 "host reduce after the refusals");
+  // All-to-all: block q of this rank's `whole` goes to rank q.
+  DeviceBuffer exchanged(bytes * n);
+  Status s = comm->AllToAll(whole.get(), exchanged.get(), count, f32);
+  WORKER_CHECK(s.ok(), "device all-to-all: " + s.ToString());
+  const std::vector<char> out = exchanged.Download();
+  size_t wrong = 0;
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < count; ++i) {
+      wrong +=
+          Load(f32, out.data(), q * count + i) != InputValue(q, me * count + i, ReduceOp::kSum);
+    }
   }
+  WORKER_CHECK(wrong == 0 && out[bytes * n] == 0x5A,
+               "device all-to-all: " + std::to_string(wrong) + " wrong");
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -515,10 +550,12 @@ TEST(DeviceCollectives, IpcDeclinedByOneRankStagesOnEveryRank) {
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
-TEST(DeviceCollectives, RootedCollectivesRefuseDeviceBuffers) {
-  Job job = RunJob(2, "rooted_device", {}, kJobLimit);
-  ASSERT_EQ(job.results.size(), 2u);
-  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+TEST(DeviceCollectives, RootedCollectivesAndAllToAllStageDeviceBuffers) {
+  for (int n : {2, 3}) {
+    Job job = RunJob(n, "rooted_device", {{"DDP_TEST_DEVICE_CHUNK_BYTES", "512"}}, kJobLimit);
+    ASSERT_EQ(job.results.size(), static_cast<size_t>(n));
+    for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  }
 }
 
 TEST(DeviceCollectives, LargeAllReduceAtTheDefaultChunkSize) {

@@ -16,14 +16,24 @@ namespace {
 //                                          to recv + (r count + off) e
 //   reduce-scatter: slot[0, p n e)         in: row r from send + (r count +
 //                   slot[p n e, (p+1) n e) off) e; result out to recv + off e
+//   reduce:         slot[0, n e)           in from send+off; the host reduces
+//                                          in place on the root; out there
+//   gather:         slot[0, p n e)         as all-gather, out on the root only
+//   scatter:        slot[0, p n e)         in on the root as reduce-scatter;
+//                   slot[p n e, (p+1) n e) every rank's block out to recv+off
+// Every rank uses the same layout (it depends on the kind and size only), so
+// all ranks cut the same chunks.
 size_t SlotElementsPerChunk(const StagedCall& call) {
   switch (call.kind) {
     case StagedKind::kAllReduce:
     case StagedKind::kBroadcast:
+    case StagedKind::kReduce:
       return 1;
     case StagedKind::kAllGather:
+    case StagedKind::kGather:
       return static_cast<size_t>(call.size);
     case StagedKind::kReduceScatter:
+    case StagedKind::kScatter:
       return static_cast<size_t>(call.size) + 1;
   }
   return 1;
@@ -77,6 +87,19 @@ Status RunStaged(CopyEngine& engine, const StagedCall& call, const HostCollectiv
         DDP_RETURN_IF_ERROR(
             engine.Copy2D(slot, n * e, send + off * e, call.count * e, n * e, p));
         break;
+      case StagedKind::kReduce:
+        DDP_RETURN_IF_ERROR(engine.Copy2D(slot, n * e, send + off * e, n * e, n * e, 1));
+        break;
+      case StagedKind::kGather:
+        DDP_RETURN_IF_ERROR(
+            engine.Copy2D(slot + call.rank * n * e, n * e, send + off * e, n * e, n * e, 1));
+        break;
+      case StagedKind::kScatter:
+        if (is_root) {
+          DDP_RETURN_IF_ERROR(
+              engine.Copy2D(slot, n * e, send + off * e, call.count * e, n * e, p));
+        }
+        break;
     }
     return engine.MarkIn(s);
   };
@@ -98,6 +121,17 @@ Status RunStaged(CopyEngine& engine, const StagedCall& call, const HostCollectiv
         return engine.Copy2D(recv + off * e, call.count * e, slot, n * e, n * e, p);
       case StagedKind::kReduceScatter:
         DDP_RETURN_IF_ERROR(host(slot, slot + p * n * e, n));
+        return engine.Copy2D(recv + off * e, n * e, slot + p * n * e, n * e, n * e, 1);
+      case StagedKind::kReduce:
+        DDP_RETURN_IF_ERROR(host(slot, is_root ? slot : nullptr, n));
+        if (!is_root) return Status::Ok();
+        return engine.Copy2D(recv + off * e, n * e, slot, n * e, n * e, 1);
+      case StagedKind::kGather:
+        DDP_RETURN_IF_ERROR(host(slot + call.rank * n * e, is_root ? slot : nullptr, n));
+        if (!is_root) return Status::Ok();
+        return engine.Copy2D(recv + off * e, call.count * e, slot, n * e, n * e, p);
+      case StagedKind::kScatter:
+        DDP_RETURN_IF_ERROR(host(is_root ? slot : nullptr, slot + p * n * e, n));
         return engine.Copy2D(recv + off * e, n * e, slot + p * n * e, n * e, n * e, 1);
     }
     return InternalError("unknown staged collective");

@@ -69,25 +69,36 @@ class CopyEngine {
 };
 
 /// What a staged call computes; the layout of each is in staging_pipeline.cc.
-enum class StagedKind { kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3 };
+enum class StagedKind {
+  kAllReduce = 0,
+  kBroadcast = 1,
+  kAllGather = 2,
+  kReduceScatter = 3,
+  kReduce = 4,   ///< To call.root; the host collective reduces.
+  kGather = 5,   ///< To call.root.
+  kScatter = 6,  ///< From call.root.
+};
 
 /// One collective over user buffers the host cannot read directly.
 struct StagedCall {
   StagedKind kind = StagedKind::kAllReduce;
   const void* send = nullptr;  ///< Input (for broadcast: the buffer).
   void* recv = nullptr;        ///< Output (for broadcast: the buffer).
-  /// Elements: per rank for all-gather (send) and reduce-scatter (recv),
-  /// the whole vector for all-reduce and broadcast.
+  /// Elements: per rank for all-gather and gather (send) and
+  /// reduce-scatter and scatter (recv), the whole vector for all-reduce,
+  /// broadcast and reduce.
   size_t count = 0;
   DataType dtype = DataType::kF32;
   int rank = 0;
   int size = 1;
-  int root = 0;  ///< Broadcast only.
+  int root = 0;  ///< Broadcast, reduce, gather and scatter.
   ReduceOp op = ReduceOp::kSum;  ///< RunStagedDeviceReduce only.
 };
 
 /// The host collective of one chunk: the same collective as the call, on
-/// `count` elements per the call's convention, over host memory.
+/// `count` elements per the call's convention, over host memory. For the
+/// rooted kinds the buffers a rank does not use are null (recv off the root
+/// for reduce and gather, send off the root for scatter).
 using HostCollective = std::function<Status(const void* send, void* recv, size_t count)>;
 
 /// Elements per chunk for `call` with slots of `slot_bytes` (0 when a slot

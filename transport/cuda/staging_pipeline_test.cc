@@ -22,7 +22,9 @@
 #include "transport/algorithms/broadcast.h"
 #include "transport/algorithms/collective.h"
 #include "transport/algorithms/exchange.h"
+#include "transport/algorithms/gather_scatter.h"
 #include "transport/algorithms/reduce_scatter.h"
+#include "transport/algorithms/rooted_reduce.h"
 #include "transport/reduce/reduce.h"
 #include "transport/testing/expected_values.h"
 #include "transport/testing/thread_harness.h"
@@ -155,7 +157,8 @@ struct Case {
 };
 
 std::string Describe(const Case& c) {
-  static const char* kKinds[] = {"all-reduce", "broadcast", "all-gather", "reduce-scatter"};
+  static const char* kKinds[] = {"all-reduce", "broadcast", "all-gather", "reduce-scatter",
+                                 "reduce",     "gather",    "scatter"};
   return std::string(kKinds[static_cast<int>(c.kind)]) + " world " + std::to_string(c.world) +
          " count " + std::to_string(c.count) + " " + DataTypeName(c.dtype) + " " +
          ReduceOpName(c.op) + " slot " + std::to_string(c.slot_bytes);
@@ -170,18 +173,28 @@ Status RunCase(const Case& c, Algorithm algorithm, std::vector<std::string>* err
     const int me = p2p.rank(), n = p2p.size();
     ThreadCopyEngine engine(c.slot_bytes, milliseconds(c.count > 100 ? 0 : 1));
     size_t send_count = c.count, recv_count = c.count;
-    if (c.kind == StagedKind::kAllGather) recv_count = n * c.count;
-    if (c.kind == StagedKind::kReduceScatter) send_count = n * c.count;
+    if (c.kind == StagedKind::kAllGather || c.kind == StagedKind::kGather) recv_count = n * c.count;
+    if (c.kind == StagedKind::kReduceScatter || c.kind == StagedKind::kScatter) {
+      send_count = n * c.count;
+    }
     std::vector<std::byte> send(send_count * e + 1), recv(recv_count * e + 1, std::byte{0x5A});
     const int root = c.world - 1;
+    // The rooted kinds get null for the buffer this rank does not use: the
+    // pipeline must not touch it.
+    const bool rooted = c.kind == StagedKind::kReduce || c.kind == StagedKind::kGather ||
+                        c.kind == StagedKind::kScatter;
+    const bool unused_recv = rooted && c.kind != StagedKind::kScatter && me != root;
+    const bool unused_send = c.kind == StagedKind::kScatter && me != root;
     if (c.kind == StagedKind::kBroadcast) {
       testing::FillInput(c.dtype, recv.data(), c.count, me == root ? 0 : 5, ReduceOp::kMax);
     } else {
       testing::FillInput(c.dtype, send.data(), send_count, me, c.op);
     }
     StagedCall call{.kind = c.kind,
-                    .send = c.kind == StagedKind::kBroadcast ? recv.data() : send.data(),
-                    .recv = recv.data(),
+                    .send = c.kind == StagedKind::kBroadcast ? recv.data()
+                            : unused_send                    ? nullptr
+                                                             : send.data(),
+                    .recv = unused_recv ? nullptr : recv.data(),
                     .count = c.count,
                     .dtype = c.dtype,
                     .rank = me,
@@ -201,6 +214,9 @@ Status RunCase(const Case& c, Algorithm algorithm, std::vector<std::string>* err
         case StagedKind::kBroadcast: return algorithms::Broadcast(p2p, args);
         case StagedKind::kAllGather: return algorithms::RingAllGather(p2p, args);
         case StagedKind::kReduceScatter: return algorithms::RingReduceScatter(p2p, args);
+        case StagedKind::kReduce: return algorithms::Reduce(p2p, args, algorithm);
+        case StagedKind::kGather: return algorithms::Gather(p2p, args);
+        case StagedKind::kScatter: return algorithms::Scatter(p2p, args);
       }
       return InternalError("kind");
     };
@@ -232,6 +248,25 @@ Status RunCase(const Case& c, Algorithm algorithm, std::vector<std::string>* err
         break;
       case StagedKind::kReduceScatter:
         wrong = testing::CountWrong(c.dtype, recv.data(), c.count, n, c.op, me * c.count, &first);
+        break;
+      case StagedKind::kReduce:
+        if (me == root) {
+          wrong = testing::CountWrong(c.dtype, recv.data(), c.count, n, c.op, 0, &first);
+        }
+        break;
+      case StagedKind::kGather:
+        for (int r = 0; me == root && r < n; ++r) {
+          for (size_t i = 0; i < c.count; ++i) {
+            wrong += testing::Load(c.dtype, recv.data(), r * c.count + i) !=
+                     testing::InputValue(r, i, c.op);
+          }
+        }
+        break;
+      case StagedKind::kScatter:
+        for (size_t i = 0; i < c.count; ++i) {
+          wrong += testing::Load(c.dtype, recv.data(), i) !=
+                   testing::InputValue(root, me * c.count + i, c.op);
+        }
         break;
     }
     if (wrong > 0) error += " " + std::to_string(wrong) + " wrong " + first;
@@ -273,6 +308,28 @@ TEST(StagingPipeline, OtherCollectivesManyChunks) {
         for (size_t count : {size_t{0}, size_t{1}, size_t{37}, size_t{1001}}) {
           for (size_t slot : {size_t{80}, size_t{1} << 16}) {
             Check({kind, world, count, dtype, ReduceOp::kSum, slot});
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StagingPipeline, RootedCollectivesManyChunks) {
+  // The root is the last rank; the others pass null for the buffer they do
+  // not use. Reduce runs both of its algorithms.
+  for (StagedKind kind : {StagedKind::kReduce, StagedKind::kGather, StagedKind::kScatter}) {
+    for (int world : {1, 2, 3, 4}) {
+      for (DataType dtype : {DataType::kF32, DataType::kBF16}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{37}, size_t{1001}}) {
+          for (size_t slot : {size_t{80}, size_t{1} << 16}) {
+            for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
+              if (kind != StagedKind::kReduce && algorithm == Algorithm::kRing) continue;
+              for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+                if (kind != StagedKind::kReduce && op == ReduceOp::kMax) continue;
+                Check({kind, world, count, dtype, op, slot}, algorithm);
+              }
+            }
           }
         }
       }
