@@ -4,7 +4,8 @@
 // BUILD runs its test groups as separate targets (gtest filters), so that
 // each stays well inside tools/gpu_check.sh's per-test timeout.
 //   - ProcessGroup collectives on device tensors, 2 and 4 ranks, every
-//     all-reduce algorithm (and the opt-in CUDA IPC path), sizes 0 .. 100k
+//     all-reduce algorithm (and the opt-in CUDA IPC path), the rooted
+//     collectives and all-to-all included, sizes 0 .. 100k
 //     elements with staging chunks shrunk to 4 KiB (multi-chunk), inputs
 //     computed by kernels on a non-blocking stream just before the call
 //     (the issue event is what orders them), results checked against
@@ -118,6 +119,25 @@ void CheckCollectives(ProcessGroup& pg, nn::Device device, const std::string& wh
     Tensor out = nn::Empty({n}, {.device = device});
     pg.ReduceScatter(out, in).Wait();
     WORKER_EXPECT(Matches(out, n, rank_sum, rank * n), what + ": reduce-scatter");
+    // The rooted collectives and all-to-all, staged through host memory.
+    Tensor red = Pattern(n, rank + 1, device);
+    pg.Reduce(red, root).Wait();
+    WORKER_EXPECT(Matches(red, n, rank == root ? rank_sum : rank + 1), what + ": reduce");
+    Tensor gathered = rank == root ? nn::Empty({n * size}, {.device = device}) : Tensor();
+    pg.Gather(gathered, mine, root).Wait();
+    for (int r = 0; rank == root && r < size; ++r) {
+      WORKER_EXPECT(Matches(gathered.Narrow(0, r * n, n), n, r + 1),
+                    what + ": gather block " + std::to_string(r));
+    }
+    Tensor part = nn::Empty({n}, {.device = device});
+    pg.Scatter(part, rank == root ? in : Tensor(), root).Wait();
+    WORKER_EXPECT(Matches(part, n, root + 1, rank * n), what + ": scatter");
+    Tensor swapped = nn::Empty({n * size}, {.device = device});
+    pg.AllToAll(swapped, in).Wait();
+    for (int q = 0; q < size; ++q) {
+      WORKER_EXPECT(Matches(swapped.Narrow(0, q * n, n), n, q + 1, rank * n),
+                    what + ": all-to-all block " + std::to_string(q));
+    }
   }
   pg.Barrier().Wait();
 }

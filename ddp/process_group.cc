@@ -692,7 +692,7 @@ void CheckRoot(int root, int size, const char* call, const char* what) {
   }
 }
 
-// The rooted collectives move host memory only.
+// The list forms of the rooted collectives stage through host memory.
 void CheckHost(const nn::Tensor& t, const char* call, const std::string& what) {
   if (!t.device().is_cpu()) {
     throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " + what + " is on " +
@@ -788,9 +788,6 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                                 std::string(nn::DTypeName(output.dtype())) + " " +
                                 nn::ShapeToString(output.shape()));
   }
-  if (!output.device().is_cpu() || !input.device().is_cpu()) {
-    throw std::invalid_argument(where + "takes CPU tensors");
-  }
   // Splits in rows, checked against dim 0; then in elements.
   auto resolve = [&](std::vector<int64_t>& splits, const nn::Tensor& t, const char* name) {
     const int64_t rows = t.size(0);
@@ -823,15 +820,14 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                           {static_cast<int64_t>(size_)}, -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
   const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [output, input, type, timeout, sends, receives](
+  std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "AllToAll");
+  internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
+  return impl_->Enqueue(std::move(d), [output, input, type, timeout, sends, receives, local](
                                           transport::Communicator* comm, Deadline) {
-    if (comm == nullptr) {
-      if (input.nbytes() > 0) std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
-      return Status::Ok();
-    }
+    if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     return comm->AllToAllV(input.data_ptr(), sends, output.data_ptr(), receives, type,
                            {.timeout = timeout});
-  }, nullptr);
+  }, std::move(fence));
 }
 
 Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& input,
@@ -865,19 +861,19 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
 Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceOp op,
                           const std::string& label) {
   CheckTensor(tensor, "Reduce", "tensor");
-  CheckHost(tensor, "Reduce", "tensor");
   CheckRoot(root, size_, "Reduce", "root");
   CollectiveDescription d{label.empty() ? "reduce" : "reduce " + label, tensor.dtype(),
                           tensor.shape(), root, op, true};
   const transport::DataType type = ToTransportType(tensor.dtype());
   const milliseconds timeout = options_.timeout;
+  std::shared_ptr<internal::DeviceFence> fence = FenceFor({tensor}, "Reduce");
   return impl_->Enqueue(std::move(d), [tensor, root, op, type, timeout](
                                           transport::Communicator* comm, Deadline) {
     if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
     void* result = comm->rank() == root ? tensor.data_ptr() : nullptr;
     return comm->Reduce(tensor.data_ptr(), result, static_cast<size_t>(tensor.numel()), type, op,
                         root, {.timeout = timeout});
-  }, nullptr);
+  }, std::move(fence));
 }
 
 Work ProcessGroup::Gather(const nn::Tensor& output, const nn::Tensor& input, int root,
@@ -893,12 +889,10 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
   const char* local_name = gather ? "input" : "output";
   const char* rooted_name = gather ? "output" : "input";
   CheckTensor(local, call, local_name);
-  CheckHost(local, call, local_name);
   CheckRoot(root, size_, call, "root");
   const bool is_root = rank_ == root;
   if (is_root) {
     CheckTensor(rooted, call, rooted_name);
-    CheckHost(rooted, call, rooted_name);
     if (rooted.dtype() != local.dtype() || rooted.numel() != local.numel() * size_) {
       const nn::Tensor& input = gather ? local : rooted;
       const nn::Tensor& output = gather ? rooted : local;
@@ -914,16 +908,17 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
                           root, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(local.dtype());
   const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [gather, local, rooted, root, is_root, type, timeout, host](
-                                          transport::Communicator* comm, Deadline) {
+  std::shared_ptr<internal::DeviceFence> fence = FenceFor(
+      is_root ? std::vector<nn::Tensor>{local, rooted} : std::vector<nn::Tensor>{local}, call);
+  internal::DeviceFence* on_device = fence.get();  // owned by the Work, which outlives the task
+  return impl_->Enqueue(std::move(d), [gather, local, rooted, root, is_root, type, timeout, host,
+                                       on_device](transport::Communicator* comm, Deadline) {
     if (!gather && host) host();  // packs the root's input
     const size_t count = static_cast<size_t>(local.numel());
     void* root_buffer = is_root ? rooted.data_ptr() : nullptr;
     if (comm == nullptr) {
-      if (local.nbytes() > 0) {
-        std::memcpy(gather ? root_buffer : local.data_ptr(), gather ? local.data_ptr() : root_buffer,
-                    local.nbytes());
-      }
+      DDP_RETURN_IF_ERROR(LocalCopy(on_device, gather ? root_buffer : local.data_ptr(),
+                                    gather ? local.data_ptr() : root_buffer, local.nbytes()));
     } else if (count > 0) {
       DDP_RETURN_IF_ERROR(gather ? comm->Gather(local.data_ptr(), root_buffer, count, type, root,
                                                 {.timeout = timeout})
@@ -932,7 +927,7 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
     }
     if (gather && host) host();  // copies the root's output into a list
     return Status::Ok();
-  }, nullptr);
+  }, std::move(fence));
 }
 
 namespace {
@@ -988,6 +983,7 @@ Work ProcessGroup::ListExchange(bool gather, const nn::Tensor& local,
   const char* call = gather ? "GatherList" : "ScatterList";
   const char* local_name = gather ? "input" : "output";
   CheckTensor(local, call, local_name);
+  CheckHost(local, call, local_name);  // the list is staged by the host
   CheckRootList(list, local, rank_, size_, root, call, gather ? "outputs" : "inputs", local_name);
   if (rank_ != root) return RootedExchange(gather, local, nn::Tensor(), root, "", nullptr);
   // One staging buffer on the root (the list's tensors need not be

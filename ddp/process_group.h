@@ -204,14 +204,17 @@ class ProcessGroup {
   /// Rows (along dim 0) exchanged between ranks
   /// (torch.distributed.all_to_all_single): input_splits[q] rows of `input`,
   /// in rank order, go to rank q; output_splits[q] rows of `output` come
-  /// from rank q. Empty splits: size() equal parts of dim 0. CPU tensors,
-  /// contiguous, of one dtype and row shape; input_splits[q] here must equal
+  /// from rank q. Empty splits: size() equal parts of dim 0. Contiguous
+  /// tensors on one device (CUDA tensors are copied to the host whole and
+  /// back), of one dtype and row shape; input_splits[q] here must equal
   /// output_splits[rank()] on rank q.
   Work AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                 std::vector<int64_t> output_splits = {}, std::vector<int64_t> input_splits = {},
                 const std::string& label = "");
   // Rooted collectives (torch.distributed.reduce, gather, scatter) over
-  // Communicator::Reduce/Gather/Scatter. CPU tensors, contiguous; every rank
+  // Communicator::Reduce/Gather/Scatter. Contiguous tensors on one device
+  // (CUDA tensors go through the transport's staging slots; the list forms
+  // take CPU tensors only); every rank
   // passes the same root (and op), and the same element count and dtype
   // for the tensors it sends or receives; a buffer that only the root uses
   // may be undefined elsewhere. Ranks that disagree fail with a
