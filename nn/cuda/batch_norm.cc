@@ -74,9 +74,25 @@ void BackwardReduce(const Tensor& dy, const Tensor& x, const Dims& d, const Tens
 // -1 until read from DDP_NN_CUDA_BN_SPLIT, then 0 or 1.
 std::atomic<int> split_reductions{-1};
 
-// Writes f64 values into a per-channel output of any dtype and layout.
+// `out` itself when the kernels can write it directly (contiguous f64 [c] on
+// x's device, as nn's batch_norm allocates the saved statistics), else a
+// scratch that WriteBack copies into it.
+Tensor F64Target(const Tensor& out, const Tensor& x, int64_t c) {
+  if (out.defined() && out.dtype() == DType::kFloat64 && out.is_contiguous() && out.numel() == c &&
+      out.device() == x.device()) {
+    return out;
+  }
+  return Scratch(x, c);
+}
+
+// Writes f64 values into a per-channel output of any dtype and layout (a
+// version bump only, when the kernels wrote `out` itself).
 void WriteBack(const Tensor& out, const Tensor& values) {
-  if (!out.defined() || out.is_same(values)) return;
+  if (!out.defined()) return;
+  if (out.is_same(values)) {
+    out.storage()->BumpVersion();
+    return;
+  }
   NoGradGuard guard;
   out.CopyFrom(values.View(out.shape()));
 }
@@ -134,7 +150,8 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
     throw std::invalid_argument("batch_norm: evaluation mode needs running_mean and running_var");
   }
   const bool update = training && rm.defined() && rv.defined();
-  const Tensor mean = Scratch(x, d.c), var = Scratch(x, d.c), invstd = Scratch(x, d.c);
+  const Tensor mean = F64Target(save_mean, x, d.c), invstd = F64Target(save_invstd, x, d.c);
+  const Tensor var = Scratch(x, d.c);
   const int64_t m = d.n * d.s;
   const Tensor yt = Target(y);
   {
