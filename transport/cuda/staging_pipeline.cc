@@ -70,35 +70,25 @@ Status RunStaged(CopyEngine& engine, const StagedCall& call, const HostCollectiv
     const int s = static_cast<int>(k % CopyEngine::kSlots);
     const size_t off = k * n_max, n = chunk_size(k);
     std::byte* slot = engine.slot(s);
+    // Broadcast and scatter read the root's input only.
+    if (!is_root && (call.kind == StagedKind::kBroadcast || call.kind == StagedKind::kScatter)) {
+      return engine.MarkIn(s);
+    }
     switch (call.kind) {
       case StagedKind::kAllReduce:
-        DDP_RETURN_IF_ERROR(engine.Copy2D(slot, n * e, send + off * e, n * e, n * e, 1));
-        break;
       case StagedKind::kBroadcast:
-        if (is_root) {
-          DDP_RETURN_IF_ERROR(engine.Copy2D(slot, n * e, send + off * e, n * e, n * e, 1));
-        }
-        break;
-      case StagedKind::kAllGather:
-        DDP_RETURN_IF_ERROR(
-            engine.Copy2D(slot + call.rank * n * e, n * e, send + off * e, n * e, n * e, 1));
-        break;
-      case StagedKind::kReduceScatter:
-        DDP_RETURN_IF_ERROR(
-            engine.Copy2D(slot, n * e, send + off * e, call.count * e, n * e, p));
-        break;
       case StagedKind::kReduce:
         DDP_RETURN_IF_ERROR(engine.Copy2D(slot, n * e, send + off * e, n * e, n * e, 1));
         break;
+      case StagedKind::kAllGather:
       case StagedKind::kGather:
         DDP_RETURN_IF_ERROR(
             engine.Copy2D(slot + call.rank * n * e, n * e, send + off * e, n * e, n * e, 1));
         break;
+      case StagedKind::kReduceScatter:
       case StagedKind::kScatter:
-        if (is_root) {
-          DDP_RETURN_IF_ERROR(
-              engine.Copy2D(slot, n * e, send + off * e, call.count * e, n * e, p));
-        }
+        DDP_RETURN_IF_ERROR(
+            engine.Copy2D(slot, n * e, send + off * e, call.count * e, n * e, p));
         break;
     }
     return engine.MarkIn(s);
