@@ -1,7 +1,8 @@
 // Batch norm. Shapes: x, y, dy, dx [N, C, S] contiguous (S = product of the
 // trailing dimensions, 1 for BatchNorm1d); per-channel arrays [C] in f64.
 // Reductions run one block per channel, summing in f64 as the CPU does
-// (row by row without per-element division when a row fills a block);
+// (row by row without per-element division when a row fills a block), or
+// split over several blocks per channel (the "split reductions" below);
 // elementwise passes run one thread per element.
 #include <cstdint>
 
@@ -179,6 +180,7 @@ __device__ __forceinline__ void ForPart(int64_t n, int64_t c, int64_t s, int64_t
     // fixed steps as k moves by blockDim.x (s < blockDim.x here), so only the
     // first needs a division.
     const int64_t m = n * s, end = begin + per_part < m ? begin + per_part : m;
+    if (begin >= end) return;  // also keeps s = 0 out of the divisions
     const int64_t step_row = blockDim.x / s, step_col = blockDim.x % s;
     int64_t k = begin + threadIdx.x, row = k / s, col = k % s;
     for (; k < end; k += blockDim.x) {
