@@ -32,8 +32,10 @@ Dims CheckX(const char* op, const Tensor& x) {
   return {x.size(0), x.size(1), s};
 }
 
-// A per-channel tensor as contiguous f64 on x's device (undefined stays undefined).
-Tensor F64(const char* op, const char* name, const Tensor& t, const Tensor& x, int64_t c) {
+// A per-channel tensor for the kernels (undefined stays undefined): as it is
+// when they can read it in place (split reductions on: contiguous and
+// floating), else converted to contiguous f64.
+Tensor PerChannel(const char* op, const char* name, const Tensor& t, const Tensor& x, int64_t c) {
   if (!t.defined()) return t;
   if (t.numel() != c || t.device() != x.device()) {
     throw std::invalid_argument(std::string(op) + ": " + name + " of shape " + ShapeToString(t.shape()) + " on " +
@@ -42,11 +44,15 @@ Tensor F64(const char* op, const char* name, const Tensor& t, const Tensor& x, i
   }
   NoGradGuard guard;
   Tensor r = t.Detach().Reshape({c});
+  if (BatchNormSplitReductions() && r.is_contiguous() && IsFloating(r.dtype())) return r;
   if (r.dtype() != DType::kFloat64) r = r.To(DType::kFloat64);
   return r.Contiguous();
 }
 
-const double* Ptr(const Tensor& t) { return t.defined() ? static_cast<const double*>(t.data_ptr()) : nullptr; }
+launch::ChannelArray Arr(const Tensor& t) {
+  return t.defined() ? launch::ChannelArray{t.data_ptr(), ToDt(t.dtype())} : launch::ChannelArray{};
+}
+
 double* MutPtr(const Tensor& t) { return t.defined() ? static_cast<double*>(t.data_ptr()) : nullptr; }
 
 Tensor Scratch(const Tensor& x, int64_t c) { return Empty({c}, {.dtype = DType::kFloat64, .device = x.device()}); }
@@ -61,11 +67,11 @@ void BackwardReduce(const Tensor& dy, const Tensor& x, const Dims& d, const Tens
                     const Tensor& sum_dy, const Tensor& sum_dy_xhat, cudaStream_t stream) {
   if (BatchNormSplitReductions()) {
     CheckCuda(launch::BatchNormBackwardReduceSplit(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s,
-                                                   MutPtr(SplitWork(x, d)), Ptr(mean), Ptr(invstd), MutPtr(sum_dy),
+                                                   MutPtr(SplitWork(x, d)), Arr(mean), Arr(invstd), MutPtr(sum_dy),
                                                    MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
               "kernel `batch_norm_backward_reduce_split`");
   } else {
-    CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd),
+    CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd),
                                               MutPtr(sum_dy), MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
               "kernel `batch_norm_backward_reduce`");
   }
@@ -86,10 +92,11 @@ Tensor F64Target(const Tensor& out, const Tensor& x, int64_t c) {
 }
 
 // Writes f64 values into a per-channel output of any dtype and layout (a
-// version bump only, when the kernels wrote `out` itself).
+// version bump only, when the kernels wrote `out` itself, in place).
 void WriteBack(const Tensor& out, const Tensor& values) {
   if (!out.defined()) return;
-  if (out.is_same(values)) {
+  if (out.is_same(values) || (out.data_ptr() == values.data_ptr() && out.dtype() == values.dtype() &&
+                              out.numel() == values.numel())) {
     out.storage()->BumpVersion();
     return;
   }
@@ -144,8 +151,9 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", y, "y");
   const Tensor x = ContiguousOnDevice(x_in);
-  const Tensor w = F64(op, "weight", weight, x, d.c), b = F64(op, "bias", bias, x, d.c);
-  Tensor rm = F64(op, "running_mean", running_mean, x, d.c), rv = F64(op, "running_var", running_var, x, d.c);
+  const Tensor w = PerChannel(op, "weight", weight, x, d.c), b = PerChannel(op, "bias", bias, x, d.c);
+  const Tensor rm = PerChannel(op, "running_mean", running_mean, x, d.c);
+  const Tensor rv = PerChannel(op, "running_var", running_var, x, d.c);
   if (!training && (!rm.defined() || !rv.defined())) {
     throw std::invalid_argument("batch_norm: evaluation mode needs running_mean and running_var");
   }
@@ -161,7 +169,8 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
     if (training && BatchNormSplitReductions()) {
       CheckCuda(launch::BatchNormTrainStatsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), momentum, eps,
                                                  unbias, MutPtr(mean), MutPtr(var), MutPtr(invstd),
-                                                 update ? MutPtr(rm) : nullptr, update ? MutPtr(rv) : nullptr,
+                                                 update ? Arr(rm) : launch::ChannelArray{},
+                                                 update ? Arr(rv) : launch::ChannelArray{},
                                                  ToDt(x.dtype()), stream),
                 "kernel `batch_norm_train_stats_split`");
     } else {
@@ -170,13 +179,13 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
                                            stream),
                   "kernel `batch_norm_mean_var`");
       }
-      CheckCuda(launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), Ptr(var),
-                                          MutPtr(invstd), update || !training ? MutPtr(rm) : nullptr,
-                                          update || !training ? MutPtr(rv) : nullptr, stream),
+      CheckCuda(launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), MutPtr(var),
+                                          MutPtr(invstd), update || !training ? Arr(rm) : launch::ChannelArray{},
+                                          update || !training ? Arr(rv) : launch::ChannelArray{}, stream),
                 "kernel `batch_norm_finalize`");
     }
-    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Ptr(mean), Ptr(invstd), Ptr(w),
-                                           Ptr(b), ToDt(x.dtype()), stream),
+    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd), Arr(w),
+                                           Arr(b), ToDt(x.dtype()), stream),
               "kernel `batch_norm_elementwise`");
   }
   Finish(y, yt);
@@ -195,8 +204,9 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", dy_in, "dy");
   const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
-  const Tensor w = F64(op, "weight", weight, x, d.c);
-  const Tensor mean = F64(op, "save_mean", save_mean, x, d.c), invstd = F64(op, "save_invstd", save_invstd, x, d.c);
+  const Tensor w = PerChannel(op, "weight", weight, x, d.c);
+  const Tensor mean = PerChannel(op, "save_mean", save_mean, x, d.c);
+  const Tensor invstd = PerChannel(op, "save_invstd", save_invstd, x, d.c);
   if (!mean.defined() || !invstd.defined()) throw std::invalid_argument("batch_norm_backward: saved statistics missing");
   const Tensor sum_dy = Scratch(x, d.c), sum_dy_xhat = Scratch(x, d.c);
   const int64_t m = d.n * d.s;
@@ -208,8 +218,9 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
     const Tensor t = Target(dx);
     const bool centered = training && m > 0;
     CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s,
-                                                   Ptr(mean), Ptr(invstd), Ptr(w), centered ? Ptr(sum_dy) : nullptr,
-                                                   centered ? Ptr(sum_dy_xhat) : nullptr,
+                                                   Arr(mean), Arr(invstd), Arr(w),
+                                                   centered ? Arr(sum_dy) : launch::ChannelArray{},
+                                                   centered ? Arr(sum_dy_xhat) : launch::ChannelArray{},
                                                    m > 0 ? 1.0 / static_cast<double>(m) : 0.0, ToDt(x.dtype()),
                                                    stream),
               "kernel `batch_norm_backward_elementwise`");
@@ -246,14 +257,14 @@ void BatchNormElementwise(const Tensor& x_in, const Tensor& mean, const Tensor& 
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", y, "y");
   const Tensor x = ContiguousOnDevice(x_in);
-  const Tensor mu = F64(op, "mean", mean, x, d.c), is = F64(op, "invstd", invstd, x, d.c);
-  const Tensor w = F64(op, "weight", weight, x, d.c), b = F64(op, "bias", bias, x, d.c);
+  const Tensor mu = PerChannel(op, "mean", mean, x, d.c), is = PerChannel(op, "invstd", invstd, x, d.c);
+  const Tensor w = PerChannel(op, "weight", weight, x, d.c), b = PerChannel(op, "bias", bias, x, d.c);
   if (!mu.defined() || !is.defined()) throw std::invalid_argument("batch_norm_elementwise: mean and invstd are required");
   const Tensor yt = Target(y);
   {
     DeviceGuard guard(x.device().index);
-    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Ptr(mu), Ptr(is), Ptr(w),
-                                           Ptr(b), ToDt(x.dtype()), CurrentStream(x.device())),
+    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Arr(mu), Arr(is), Arr(w),
+                                           Arr(b), ToDt(x.dtype()), CurrentStream(x.device())),
               "kernel `batch_norm_elementwise`");
   }
   Finish(y, yt);
@@ -265,7 +276,7 @@ void BatchNormBackwardReduce(const Tensor& dy_in, const Tensor& x_in, const Tens
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", dy_in, "dy");
   const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
-  const Tensor mu = F64(op, "mean", mean, x, d.c), is = F64(op, "invstd", invstd, x, d.c);
+  const Tensor mu = PerChannel(op, "mean", mean, x, d.c), is = PerChannel(op, "invstd", invstd, x, d.c);
   if (!mu.defined() || !is.defined()) throw std::invalid_argument("batch_norm_backward_reduce: mean and invstd are required");
   const Tensor s = Scratch(x, d.c), sx = Scratch(x, d.c);
   {
@@ -284,17 +295,18 @@ void BatchNormBackwardElementwise(const Tensor& dy_in, const Tensor& x_in, const
   CheckSameShape(op, x_in, "x", dy_in, "dy");
   CheckSameShape(op, x_in, "x", dx, "dx");
   const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
-  const Tensor mu = F64(op, "mean", mean, x, d.c), is = F64(op, "invstd", invstd, x, d.c);
-  const Tensor w = F64(op, "weight", weight, x, d.c);
-  const Tensor mdy = F64(op, "mean_dy", mean_dy, x, d.c), mdx = F64(op, "mean_dy_xhat", mean_dy_xhat, x, d.c);
+  const Tensor mu = PerChannel(op, "mean", mean, x, d.c), is = PerChannel(op, "invstd", invstd, x, d.c);
+  const Tensor w = PerChannel(op, "weight", weight, x, d.c);
+  const Tensor mdy = PerChannel(op, "mean_dy", mean_dy, x, d.c);
+  const Tensor mdx = PerChannel(op, "mean_dy_xhat", mean_dy_xhat, x, d.c);
   if (!mu.defined() || !is.defined() || !mdy.defined() || !mdx.defined()) {
     throw std::invalid_argument("batch_norm_backward_elementwise: mean, invstd, mean_dy and mean_dy_xhat are required");
   }
   const Tensor t = Target(dx);
   {
     DeviceGuard guard(x.device().index);
-    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s, Ptr(mu),
-                                                   Ptr(is), Ptr(w), Ptr(mdy), Ptr(mdx), 1.0, ToDt(x.dtype()),
+    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s, Arr(mu),
+                                                   Arr(is), Arr(w), Arr(mdy), Arr(mdx), 1.0, ToDt(x.dtype()),
                                                    CurrentStream(x.device())),
               "kernel `batch_norm_backward_elementwise`");
   }

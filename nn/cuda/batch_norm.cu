@@ -1,5 +1,6 @@
 // Batch norm. Shapes: x, y, dy, dx [N, C, S] contiguous (S = product of the
-// trailing dimensions, 1 for BatchNorm1d); per-channel arrays [C] in f64.
+// trailing dimensions, 1 for BatchNorm1d); per-channel arrays [C], outputs
+// in f64, inputs in any floating dtype read into f64 (ChannelArray).
 // Reductions run one block per channel, summing in f64 as the CPU does
 // (row by row without per-element division when a row fills a block), or
 // split over several blocks per channel (the "split reductions" below);
@@ -35,6 +36,27 @@ __device__ __forceinline__ void ForChannel(int64_t n, int64_t c, int64_t s, int6
 constexpr int kReduceThreads = 256;
 
 unsigned ChannelBlocks(int64_t c) { return static_cast<unsigned>(c < 65536 ? (c < 1 ? 1 : c) : 65536); }
+
+// Element ch of a per-channel array, in f64 (`absent` when it has no data).
+__device__ __forceinline__ double Load(const ChannelArray& a, int64_t ch, double absent = 0.0) {
+  if (a.data == nullptr) return absent;
+  switch (a.dt) {
+    case Dt::kF32: return static_cast<const float*>(a.data)[ch];
+    case Dt::kF16: return Cast<double>(static_cast<const __half*>(a.data)[ch]);
+    case Dt::kBF16: return Cast<double>(static_cast<const __nv_bfloat16*>(a.data)[ch]);
+    default: return static_cast<const double*>(a.data)[ch];
+  }
+}
+
+// Writes element ch, rounded to the array's dtype as the CPU's conversions do.
+__device__ __forceinline__ void Store(const ChannelArray& a, int64_t ch, double v) {
+  switch (a.dt) {
+    case Dt::kF32: static_cast<float*>(a.data)[ch] = static_cast<float>(v); break;
+    case Dt::kF16: static_cast<__half*>(a.data)[ch] = Cast<__half>(v); break;
+    case Dt::kBF16: static_cast<__nv_bfloat16*>(a.data)[ch] = Cast<__nv_bfloat16>(v); break;
+    default: static_cast<double*>(a.data)[ch] = v; break;
+  }
+}
 
 template <typename T>
 __global__ void MeanVarKernel(const T* x, int64_t n, int64_t c, int64_t s, double* mean, double* var) {
@@ -78,43 +100,44 @@ __global__ void SumsKernel(const T* x, int64_t n, int64_t c, int64_t s, double* 
 }
 
 __global__ void FinalizeKernel(int64_t c, bool training, double momentum, double eps, double unbias, double* mean,
-                               const double* var, double* invstd, double* running_mean, double* running_var) {
+                               const double* var, double* invstd, ChannelArray running_mean,
+                               ChannelArray running_var) {
   for (int64_t ch = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; ch < c;
        ch += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     if (training) {
       invstd[ch] = 1.0 / sqrt(var[ch] + eps);
-      if (running_mean != nullptr && running_var != nullptr) {
-        running_mean[ch] = (1 - momentum) * running_mean[ch] + momentum * mean[ch];
-        running_var[ch] = (1 - momentum) * running_var[ch] + momentum * var[ch] * unbias;
+      if (running_mean.data != nullptr && running_var.data != nullptr) {
+        Store(running_mean, ch, (1 - momentum) * Load(running_mean, ch) + momentum * mean[ch]);
+        Store(running_var, ch, (1 - momentum) * Load(running_var, ch) + momentum * var[ch] * unbias);
       }
     } else {
-      mean[ch] = running_mean[ch];
-      invstd[ch] = 1.0 / sqrt(running_var[ch] + eps);
+      mean[ch] = Load(running_mean, ch);
+      invstd[ch] = 1.0 / sqrt(Load(running_var, ch) + eps);
     }
   }
 }
 
 template <typename T, typename ChannelOf>
-__global__ void ElementwiseKernel(const T* x, T* y, int64_t total, ChannelOf channel_of, const double* mean,
-                                  const double* invstd, const double* weight, const double* bias) {
+__global__ void ElementwiseKernel(const T* x, T* y, int64_t total, ChannelOf channel_of, ChannelArray mean,
+                                  ChannelArray invstd, ChannelArray weight, ChannelArray bias) {
   using A = acc_t<T>;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t ch = channel_of(idx);
-    const double w = weight != nullptr ? weight[ch] : 1.0, b = bias != nullptr ? bias[ch] : 0.0;
+    const double w = Load(weight, ch, 1.0), b = Load(bias, ch), is = Load(invstd, ch);
     // The scale and shift are formed in f64 and rounded once, as on the CPU.
-    const A scale = static_cast<A>(w * invstd[ch]);
-    const A shift = static_cast<A>(b - mean[ch] * w * invstd[ch]);
+    const A scale = static_cast<A>(w * is);
+    const A shift = static_cast<A>(b - Load(mean, ch) * w * is);
     y[idx] = Cast<T>(Cast<A>(x[idx]) * scale + shift);
   }
 }
 
 template <typename T>
-__global__ void BackwardReduceKernel(const T* dy, const T* x, int64_t n, int64_t c, int64_t s, const double* mean,
-                                     const double* invstd, double* sum_dy, double* sum_dy_xhat) {
+__global__ void BackwardReduceKernel(const T* dy, const T* x, int64_t n, int64_t c, int64_t s, ChannelArray mean,
+                                     ChannelArray invstd, double* sum_dy, double* sum_dy_xhat) {
   __shared__ double scratch[32];
   for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
-    const double mu = mean[ch];
+    const double mu = Load(mean, ch);
     double a = 0, b = 0;
     ForChannel(n, c, s, ch, [&](int64_t idx) {
       const double g = static_cast<double>(Cast<acc_t<T>>(dy[idx]));
@@ -125,24 +148,24 @@ __global__ void BackwardReduceKernel(const T* dy, const T* x, int64_t n, int64_t
     b = device::BlockSum(b, scratch);
     if (threadIdx.x == 0) {
       sum_dy[ch] = a;
-      sum_dy_xhat[ch] = b * invstd[ch];
+      sum_dy_xhat[ch] = b * Load(invstd, ch);
     }
   }
 }
 
 template <typename T, typename ChannelOf>
 __global__ void BackwardElementwiseKernel(const T* dy, const T* x, T* dx, int64_t total, ChannelOf channel_of,
-                                          const double* mean, const double* invstd, const double* weight,
-                                          const double* dy_term, const double* xhat_term, double scale) {
+                                          ChannelArray mean, ChannelArray invstd, ChannelArray weight,
+                                          ChannelArray dy_term, ChannelArray xhat_term, double scale) {
   using A = acc_t<T>;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t ch = channel_of(idx);
-    const double w = weight != nullptr ? weight[ch] : 1.0;
-    const A k = static_cast<A>(w * invstd[ch]);
-    const A a = static_cast<A>(dy_term != nullptr ? dy_term[ch] * scale : 0.0);
-    const A coef = static_cast<A>(xhat_term != nullptr ? xhat_term[ch] * scale * invstd[ch] : 0.0);
-    const A mu = static_cast<A>(mean[ch]);
+    const double w = Load(weight, ch, 1.0), is = Load(invstd, ch);
+    const A k = static_cast<A>(w * is);
+    const A a = static_cast<A>(Load(dy_term, ch) * scale);
+    const A coef = static_cast<A>(Load(xhat_term, ch) * scale * is);
+    const A mu = static_cast<A>(Load(mean, ch));
     dx[idx] = Cast<T>(k * (Cast<A>(dy[idx]) - a - (Cast<A>(x[idx]) - mu) * coef));
   }
 }
@@ -209,12 +232,12 @@ enum class Sums { kShifted, kPlain, kBackward };
 
 template <Sums kWhat, typename T>
 __global__ void PartialSumsKernel(const T* x, const T* dy, int64_t n, int64_t c, int64_t s, int64_t per_part,
-                                  bool rows, const double* mean, double* work) {
+                                  bool rows, ChannelArray mean, double* work) {
   __shared__ double scratch[32];
   const int64_t parts = gridDim.x;
   for (int64_t ch = blockIdx.y; ch < c; ch += gridDim.y) {
     const double shift = kWhat == Sums::kShifted ? ChannelShift(x, n, s, ch) : 0.0;
-    const double mu = kWhat == Sums::kBackward ? mean[ch] : 0.0;
+    const double mu = kWhat == Sums::kBackward ? Load(mean, ch) : 0.0;
     double a = 0, b = 0;
     ForPart(n, c, s, ch, per_part, rows, [&](int64_t idx) {
       const double v = static_cast<double>(Cast<acc_t<T>>(x[idx]));
@@ -253,7 +276,8 @@ __device__ __forceinline__ void AddParts(const double* work, int64_t c, int64_t 
 template <typename T>
 __global__ void SplitStatsFinalizeKernel(const T* x, int64_t n, int64_t c, int64_t s, int64_t parts,
                                          const double* work, double momentum, double eps, double unbias, double* mean,
-                                         double* var, double* invstd, double* running_mean, double* running_var) {
+                                         double* var, double* invstd, ChannelArray running_mean,
+                                         ChannelArray running_var) {
   const double m = static_cast<double>(n * s);
   for (int64_t ch = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; ch < c;
        ch += static_cast<int64_t>(blockDim.x) * gridDim.x) {
@@ -264,23 +288,23 @@ __global__ void SplitStatsFinalizeKernel(const T* x, int64_t n, int64_t c, int64
     mean[ch] = mu;
     var[ch] = v;
     invstd[ch] = 1.0 / sqrt(v + eps);
-    if (running_mean != nullptr && running_var != nullptr) {
-      running_mean[ch] = (1 - momentum) * running_mean[ch] + momentum * mu;
-      running_var[ch] = (1 - momentum) * running_var[ch] + momentum * v * unbias;
+    if (running_mean.data != nullptr && running_var.data != nullptr) {
+      Store(running_mean, ch, (1 - momentum) * Load(running_mean, ch) + momentum * mu);
+      Store(running_var, ch, (1 - momentum) * Load(running_var, ch) + momentum * v * unbias);
     }
   }
 }
 
 // out_a = sum of the first partials; out_b = sum of the second, times
 // b_scale[ch] when given.
-__global__ void SplitSumsFinalizeKernel(int64_t c, int64_t parts, const double* work, const double* b_scale,
+__global__ void SplitSumsFinalizeKernel(int64_t c, int64_t parts, const double* work, ChannelArray b_scale,
                                         double* out_a, double* out_b) {
   for (int64_t ch = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; ch < c;
        ch += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     double a, b;
     AddParts(work, c, parts, ch, &a, &b);
     out_a[ch] = a;
-    out_b[ch] = b_scale != nullptr ? b * b_scale[ch] : b;
+    out_b[ch] = b_scale.data != nullptr ? b * Load(b_scale, ch) : b;
   }
 }
 
@@ -304,7 +328,7 @@ dim3 SplitGrid(const SplitPlan& p, int64_t c) {
 
 template <Sums kWhat>
 cudaError_t LaunchPartialSums(const void* x, const void* dy, int64_t n, int64_t c, int64_t s, const SplitPlan& p,
-                              const double* mean, double* work, Dt dt, cudaStream_t stream) {
+                              ChannelArray mean, double* work, Dt dt, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   DDP_CUDA_DISPATCH_FLOATING(dt, {
     PartialSumsKernel<kWhat, scalar_t><<<SplitGrid(p, c), kReduceThreads, 0, stream>>>(
@@ -339,16 +363,16 @@ cudaError_t BatchNormSums(const void* x, int64_t n, int64_t c, int64_t s, double
 }
 
 cudaError_t BatchNormFinalize(int64_t c, bool training, double momentum, double eps, double unbias, double* mean,
-                              const double* var, double* invstd, double* running_mean, double* running_var,
-                              cudaStream_t stream) {
+                              const double* var, double* invstd, ChannelArray running_mean,
+                              ChannelArray running_var, cudaStream_t stream) {
   if (c <= 0) return cudaSuccess;
   FinalizeKernel<<<device::GridFor(c), 256, 0, stream>>>(c, training, momentum, eps, unbias, mean, var, invstd,
                                                          running_mean, running_var);
   return cudaGetLastError();
 }
 
-cudaError_t BatchNormElementwise(const void* x, void* y, int64_t n, int64_t c, int64_t s, const double* mean,
-                                 const double* invstd, const double* weight, const double* bias, Dt dt,
+cudaError_t BatchNormElementwise(const void* x, void* y, int64_t n, int64_t c, int64_t s, ChannelArray mean,
+                                 ChannelArray invstd, ChannelArray weight, ChannelArray bias, Dt dt,
                                  cudaStream_t stream) {
   const int64_t total = n * c * s;
   if (total <= 0) return cudaSuccess;
@@ -364,7 +388,7 @@ cudaError_t BatchNormElementwise(const void* x, void* y, int64_t n, int64_t c, i
 }
 
 cudaError_t BatchNormBackwardReduce(const void* dy, const void* x, int64_t n, int64_t c, int64_t s,
-                                    const double* mean, const double* invstd, double* sum_dy, double* sum_dy_xhat,
+                                    ChannelArray mean, ChannelArray invstd, double* sum_dy, double* sum_dy_xhat,
                                     Dt dt, cudaStream_t stream) {
   if (c <= 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
@@ -378,8 +402,8 @@ cudaError_t BatchNormBackwardReduce(const void* dy, const void* x, int64_t n, in
 }
 
 cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx, int64_t n, int64_t c, int64_t s,
-                                         const double* mean, const double* invstd, const double* weight,
-                                         const double* dy_term, const double* xhat_term, double scale, Dt dt,
+                                         ChannelArray mean, ChannelArray invstd, ChannelArray weight,
+                                         ChannelArray dy_term, ChannelArray xhat_term, double scale, Dt dt,
                                          cudaStream_t stream) {
   const int64_t total = n * c * s;
   if (total <= 0) return cudaSuccess;
@@ -411,10 +435,11 @@ int64_t BatchNormSplitParts(int64_t n, int64_t c, int64_t s) {
 
 cudaError_t BatchNormTrainStatsSplit(const void* x, int64_t n, int64_t c, int64_t s, double* work, double momentum,
                                      double eps, double unbias, double* mean, double* var, double* invstd,
-                                     double* running_mean, double* running_var, Dt dt, cudaStream_t stream) {
+                                     ChannelArray running_mean, ChannelArray running_var, Dt dt,
+                                     cudaStream_t stream) {
   if (c <= 0) return cudaSuccess;
   const SplitPlan p = PlanSplit(n, c, s);
-  cudaError_t err = LaunchPartialSums<Sums::kShifted>(x, nullptr, n, c, s, p, nullptr, work, dt, stream);
+  cudaError_t err = LaunchPartialSums<Sums::kShifted>(x, nullptr, n, c, s, p, {}, work, dt, stream);
   if (err != cudaSuccess) return err;
   err = cudaErrorInvalidValue;
   DDP_CUDA_DISPATCH_FLOATING(dt, {
@@ -430,14 +455,14 @@ cudaError_t BatchNormSumsSplit(const void* x, int64_t n, int64_t c, int64_t s, d
                                double* sum_sq, Dt dt, cudaStream_t stream) {
   if (c <= 0) return cudaSuccess;
   const SplitPlan p = PlanSplit(n, c, s);
-  const cudaError_t err = LaunchPartialSums<Sums::kPlain>(x, nullptr, n, c, s, p, nullptr, work, dt, stream);
+  const cudaError_t err = LaunchPartialSums<Sums::kPlain>(x, nullptr, n, c, s, p, {}, work, dt, stream);
   if (err != cudaSuccess) return err;
-  SplitSumsFinalizeKernel<<<device::GridFor(c), 256, 0, stream>>>(c, p.parts, work, nullptr, sum, sum_sq);
+  SplitSumsFinalizeKernel<<<device::GridFor(c), 256, 0, stream>>>(c, p.parts, work, {}, sum, sum_sq);
   return cudaGetLastError();
 }
 
 cudaError_t BatchNormBackwardReduceSplit(const void* dy, const void* x, int64_t n, int64_t c, int64_t s,
-                                         double* work, const double* mean, const double* invstd, double* sum_dy,
+                                         double* work, ChannelArray mean, ChannelArray invstd, double* sum_dy,
                                          double* sum_dy_xhat, Dt dt, cudaStream_t stream) {
   if (c <= 0) return cudaSuccess;
   const SplitPlan p = PlanSplit(n, c, s);

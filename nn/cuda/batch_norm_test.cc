@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,45 +49,53 @@ class CudaBatchNormTest : public ::testing::Test {
 };
 
 // Forward (batch statistics or running ones) and backward of one
-// configuration on both devices.
-void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool training, bool affine) {
-    const std::string what = std::string(BatchNormSplitReductions() ? "split " : "") + "batch_norm " + ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
-                             (training ? " train" : " eval") + (affine ? " affine" : "");
-    const int64_t c = shape[1];
-    const DType pdt = dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-    // Activations off zero and not unit-scaled, so the statistics matter.
-    const Tensor x = RandnOf(shape, dt, 1.5, 2.0);
-    const Tensor w = affine ? RandnOf({c}, pdt) : Tensor(), b = affine ? RandnOf({c}, pdt) : Tensor();
-    const Tensor rm0 = RandnOf({c}, pdt), rv0 = RandnOf({c}, pdt, 2.0, 0.1);
-    const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone();
-    const Tensor y_cpu = Empty(shape, {.dtype = dt});
-    const Tensor sm_cpu = Empty({c}), si_cpu = Empty({c});
-    Cpu().batch_norm_forward(x, w, b, rm_cpu, rv_cpu, training, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
-    const Tensor rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
-    const Tensor y_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
-    const Tensor sm_gpu = Empty({c}, {.device = kGpu}), si_gpu = Empty({c}, {.device = kGpu});
-    const Tensor xg = x.To(kGpu), wg = G(w), bg = G(b);
-    Gpu().batch_norm_forward(xg, wg, bg, rm_gpu, rv_gpu, training, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
-    ExpectClose(y_cpu, y_gpu, ActTol(dt), what + " y");
-    ExpectClose(sm_cpu, sm_gpu, kStatTol, what + " save_mean");
-    ExpectClose(si_cpu, si_gpu, kStatTol, what + " save_invstd");
-    ExpectClose(rm_cpu, rm_gpu, kStatTol, what + " running_mean");
-    ExpectClose(rv_cpu, rv_gpu, kStatTol, what + " running_var");
+// configuration on both devices. Parameters and running statistics are f64
+// for f64 activations, else f32 unless `params` says otherwise.
+void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool training, bool affine,
+                                      std::optional<DType> params = std::nullopt) {
+  const std::string what = std::string(BatchNormSplitReductions() ? "split " : "") + "batch_norm " +
+                           ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
+                           (training ? " train" : " eval") + (affine ? " affine" : "") + " params " +
+                           std::string(DTypeName(params.value_or(DType::kFloat32)));
+  const int64_t c = shape[1];
+  const DType pdt = params.value_or(dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
+  // 16-bit parameters and running statistics: both sides round the same f64
+  // values, at most an ulp apart.
+  const Tol param_tol = pdt == DType::kBFloat16 || pdt == DType::kFloat16 ? ActTol(DType::kBFloat16) : kStatTol;
+  // Activations off zero and not unit-scaled, so the statistics matter.
+  const Tensor x = RandnOf(shape, dt, 1.5, 2.0);
+  const Tensor w = affine ? RandnOf({c}, pdt) : Tensor(), b = affine ? RandnOf({c}, pdt) : Tensor();
+  const Tensor rm0 = RandnOf({c}, pdt), rv0 = RandnOf({c}, pdt, 2.0, 0.1);
+  const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone();
+  const Tensor y_cpu = Empty(shape, {.dtype = dt});
+  const Tensor sm_cpu = Empty({c}), si_cpu = Empty({c});
+  Cpu().batch_norm_forward(x, w, b, rm_cpu, rv_cpu, training, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
+  const Tensor rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
+  const Tensor y_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
+  const Tensor sm_gpu = Empty({c}, {.device = kGpu}), si_gpu = Empty({c}, {.device = kGpu});
+  const Tensor xg = x.To(kGpu), wg = G(w), bg = G(b);
+  Gpu().batch_norm_forward(xg, wg, bg, rm_gpu, rv_gpu, training, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
+  ExpectClose(y_cpu, y_gpu, ActTol(dt), what + " y");
+  ExpectClose(sm_cpu, sm_gpu, kStatTol, what + " save_mean");
+  ExpectClose(si_cpu, si_gpu, kStatTol, what + " save_invstd");
+  ExpectClose(rm_cpu, rm_gpu, param_tol, what + " running_mean");
+  ExpectClose(rv_cpu, rv_gpu, param_tol, what + " running_var");
 
-    const Tensor dy = RandnOf(shape, dt);
-    const Tensor dx_cpu = Empty(shape, {.dtype = dt});
-    const Tensor dw_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
-    const Tensor db_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
-    Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, training, dx_cpu, dw_cpu, db_cpu);
-    const Tensor dx_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
-    const Tensor dw_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
-    const Tensor db_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
-    Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, dx_gpu, dw_gpu, db_gpu);
-    ExpectClose(dx_cpu, dx_gpu, ActTol(dt), what + " dx");
-    if (affine) {
-      ExpectClose(dw_cpu, dw_gpu, {1e-5, 1e-5}, what + " dweight");
-      ExpectClose(db_cpu, db_gpu, {1e-5, 1e-5}, what + " dbias");
-    }
+  const Tensor dy = RandnOf(shape, dt);
+  const Tensor dx_cpu = Empty(shape, {.dtype = dt});
+  const Tensor dw_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
+  const Tensor db_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
+  Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, training, dx_cpu, dw_cpu, db_cpu);
+  const Tensor dx_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
+  const Tensor dw_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
+  const Tensor db_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
+  Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, dx_gpu, dw_gpu, db_gpu);
+  ExpectClose(dx_cpu, dx_gpu, ActTol(dt), what + " dx");
+  if (affine) {
+    const Tol grad_tol = param_tol.rtol > 1e-5 ? param_tol : Tol{1e-5, 1e-5};
+    ExpectClose(dw_cpu, dw_gpu, grad_tol, what + " dweight");
+    ExpectClose(db_cpu, db_gpu, grad_tol, what + " dbias");
+  }
 }
 
 // Sets the split reductions for a scope, then restores the setting.
@@ -126,6 +135,13 @@ TEST_F(CudaBatchNormTest, LongChannelsSplitOverBlocksMatchCpu) {
     const SplitReductions setting(split);
     for (const Shape& shape : {Shape{64, 3, 32, 32}, Shape{2048, 4, 3, 3}, Shape{40000, 2}}) {
       for (DType dt : {DType::kFloat32, DType::kBFloat16}) ExpectForwardAndBackwardMatchCpu(shape, dt, true, true);
+    }
+    // Parameters and running statistics read and written in their own 16-bit
+    // and 64-bit dtypes (the split path reads them in place), train and eval.
+    for (DType params : {DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+      for (bool training : {true, false}) {
+        ExpectForwardAndBackwardMatchCpu({8, 6, 5, 4}, DType::kFloat32, training, true, params);
+      }
     }
   }
 }

@@ -132,8 +132,16 @@ cudaError_t AvgPoolBackward(const PoolGeometry& g, const void* dy, void* dx, Dt 
 cudaError_t AdaptiveAvgPoolForward(const PoolGeometry& g, const void* x, void* y, Dt dt, cudaStream_t stream);
 cudaError_t AdaptiveAvgPoolBackward(const PoolGeometry& g, const void* dy, void* dx, Dt dt, cudaStream_t stream);
 
-// ---- batch norm: x, y, dy, dx [N, C, S] contiguous; per-channel arrays are
-// f64 [C] (nullptr where noted means "absent"); m = N * S ----
+// ---- batch norm: x, y, dy, dx [N, C, S] contiguous; m = N * S. Per-channel
+// outputs are f64 [C]; per-channel inputs (and the running statistics, read
+// and written) are ChannelArrays of any floating dtype, read into f64 (no
+// data where noted means "absent") ----
+
+/// A contiguous per-channel array [C] on the device in its own dtype.
+struct ChannelArray {
+  void* data = nullptr;
+  Dt dt = Dt::kF64;
+};
 /// mean[c] and biased var[c] of x, two passes in f64 (0 when m = 0).
 cudaError_t BatchNormMeanVar(const void* x, int64_t n, int64_t c, int64_t s, double* mean, double* var, Dt dt,
                              cudaStream_t stream);
@@ -145,21 +153,21 @@ cudaError_t BatchNormSums(const void* x, int64_t n, int64_t c, int64_t s, double
 /// momentum towards mean and var * unbias. Eval: mean = running_mean,
 /// invstd = 1 / sqrt(running_var + eps) (var unused).
 cudaError_t BatchNormFinalize(int64_t c, bool training, double momentum, double eps, double unbias, double* mean,
-                              const double* var, double* invstd, double* running_mean, double* running_var,
+                              const double* var, double* invstd, ChannelArray running_mean, ChannelArray running_var,
                               cudaStream_t stream);
-/// y = x * scale + shift, scale = weight * invstd, shift = bias - mean * scale (weight, bias may be nullptr).
-cudaError_t BatchNormElementwise(const void* x, void* y, int64_t n, int64_t c, int64_t s, const double* mean,
-                                 const double* invstd, const double* weight, const double* bias, Dt dt,
+/// y = x * scale + shift, scale = weight * invstd, shift = bias - mean * scale (weight, bias may be absent).
+cudaError_t BatchNormElementwise(const void* x, void* y, int64_t n, int64_t c, int64_t s, ChannelArray mean,
+                                 ChannelArray invstd, ChannelArray weight, ChannelArray bias, Dt dt,
                                  cudaStream_t stream);
 /// sum_dy[c] = sum dy, sum_dy_xhat[c] = sum dy * (x - mean) * invstd, in f64.
 cudaError_t BatchNormBackwardReduce(const void* dy, const void* x, int64_t n, int64_t c, int64_t s,
-                                    const double* mean, const double* invstd, double* sum_dy, double* sum_dy_xhat,
+                                    ChannelArray mean, ChannelArray invstd, double* sum_dy, double* sum_dy_xhat,
                                     Dt dt, cudaStream_t stream);
 /// dx = weight * invstd * (dy - a - (x - mean) * invstd * b) with a = dy_term[c] * scale,
-/// b = xhat_term[c] * scale (both 0 when nullptr; weight 1 when nullptr).
+/// b = xhat_term[c] * scale (both 0 when absent; weight 1 when absent).
 cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx, int64_t n, int64_t c, int64_t s,
-                                         const double* mean, const double* invstd, const double* weight,
-                                         const double* dy_term, const double* xhat_term, double scale, Dt dt,
+                                         ChannelArray mean, ChannelArray invstd, ChannelArray weight,
+                                         ChannelArray dy_term, ChannelArray xhat_term, double scale, Dt dt,
                                          cudaStream_t stream);
 
 // The split reductions: each channel's m elements are cut over several blocks
@@ -173,13 +181,14 @@ int64_t BatchNormSplitParts(int64_t n, int64_t c, int64_t s);
 /// of x - shift, shift = the channel's first element, in one pass over x.
 cudaError_t BatchNormTrainStatsSplit(const void* x, int64_t n, int64_t c, int64_t s, double* work, double momentum,
                                      double eps, double unbias, double* mean, double* var, double* invstd,
-                                     double* running_mean, double* running_var, Dt dt, cudaStream_t stream);
+                                     ChannelArray running_mean, ChannelArray running_var, Dt dt,
+                                     cudaStream_t stream);
 /// As BatchNormSums.
 cudaError_t BatchNormSumsSplit(const void* x, int64_t n, int64_t c, int64_t s, double* work, double* sum,
                                double* sum_sq, Dt dt, cudaStream_t stream);
 /// As BatchNormBackwardReduce.
 cudaError_t BatchNormBackwardReduceSplit(const void* dy, const void* x, int64_t n, int64_t c, int64_t s,
-                                         double* work, const double* mean, const double* invstd, double* sum_dy,
+                                         double* work, ChannelArray mean, ChannelArray invstd, double* sum_dy,
                                          double* sum_dy_xhat, Dt dt, cudaStream_t stream);
 
 // ---- optimizer updates (contiguous [n], one dtype: f32 or f64) ----
