@@ -8,7 +8,8 @@
 // amplify that, BatchNorm most (it divides by batch statistics):
 // - MLP (784-512-256-10):          rtol 1e-4, atol 1e-5
 // - CNN (the peers' 2-conv model):  rtol 1e-3, atol 1e-4
-// - ResNet-18, CIFAR stem, batch 4, in f64: rtol 1e-7, atol 1e-9
+// - ResNet-18, CIFAR stem, batch 4 (and 8 with the split BatchNorm
+//   reductions), in f64: rtol 1e-7, atol 1e-9
 // A wrong kernel is off by O(1) of the tensor's scale, far outside these.
 //
 // ResNet-18 runs in f64 because in f32 the comparison is not continuous: at
@@ -28,6 +29,7 @@
 
 #include "nn/autograd/engine.h"
 #include "nn/cuda/allocator.h"
+#include "nn/cuda/batch_norm.h"
 #include "nn/cuda/cuda.h"
 #include "nn/loss/loss.h"
 #include "nn/cuda/optim_kernels.h"
@@ -129,6 +131,19 @@ TEST(CudaModelsTest, ResNet18CifarForwardAndBackwardMatchTheCpu) {
         return modules::MakeResNet18({.num_classes = 10, .stem = modules::ResNetStem::kCifar}, g);
       },
       {4, 3, 32, 32}, 10, 1e-7, 1e-9, DType::kFloat64);
+}
+
+// The same with BatchNorm's split reductions (DDP_NN_CUDA_BN_SPLIT), at
+// batch 8 so that the 64-channel layers split over 2 blocks per channel.
+TEST(CudaModelsTest, ResNet18WithSplitBatchNormReductionsMatchesTheCpu) {
+  const bool was = BatchNormSplitReductions();
+  SetBatchNormSplitReductions(true);
+  CompareModels(
+      [](Generator& g) {
+        return modules::MakeResNet18({.num_classes = 10, .stem = modules::ResNetStem::kCifar}, g);
+      },
+      {8, 3, 32, 32}, 10, 1e-7, 1e-9, DType::kFloat64);
+  SetBatchNormSplitReductions(was);
 }
 
 // Five SGD steps (momentum 0.9, weight decay) of the CNN on one fixed batch:
