@@ -7,7 +7,7 @@
 #      cuda:0, ours: //nn/cuda:train_step_bench, one BENCH line per mode;
 #   4. the same in PyTorch eager (tools/bench/torch_train_step_bench.py) when
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
-#   4b. ours again with the split batch-norm reductions (DDP_NN_CUDA_BN_SPLIT=1),
+#   4b. ours again with the split BatchNorm path (DDP_NN_CUDA_BN_SPLIT=1),
 #      fp32 and bf16, and their ratio to the default;
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
@@ -599,9 +599,10 @@ echo "ResNet-50 (CIFAR stem), batch $BATCH, $STEPS timed steps after $WARMUP, SG
 print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
 copy_out "$BENCH_LOG"
 
-# The batch-norm reductions split over several blocks per channel
-# (DDP_NN_CUDA_BN_SPLIT=1, off by default until measured here), fp32 and
-# bf16, against the default run above: images/s and their ratio per mode.
+# The split BatchNorm path (DDP_NN_CUDA_BN_SPLIT=1: reductions over several
+# blocks per channel, per-channel tensors read in place; off by default until
+# measured here), fp32 and bf16, against the default run above: images/s and
+# their ratio per mode.
 SPLIT_LOG="$WORK/bench_bn_split.log"
 : >"$SPLIT_LOG"
 SPLIT_MODES="$(tr ',' '\n' <<<"$MODES" | grep -vx fp16 | paste -sd,)"
