@@ -346,8 +346,6 @@ int ScenarioLarge() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
-// All-reduces on device buffers in a loop until something fails; reports
-// how it failed.
 // Reduce, Gather, Scatter and all-to-all on device buffers, staged through
 // the host slots (the job sets small slots, so many chunks), for every root;
 // results against the closed forms, the guard byte after each device output
@@ -417,6 +415,8 @@ int ScenarioRootedDevice() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// All-reduces on device buffers in a loop until something fails; reports
+// how it failed.
 int ScenarioLoop() {
   auto comm = MustCreate();
   const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
