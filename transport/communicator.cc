@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -1574,11 +1575,13 @@ Status Communicator::Impl::AllToAllVOn(int device, const void* send,
   for (size_t c : send_counts) sent += c;
   for (size_t c : recv_counts) received += c;
   // Either buffer may be host memory (the copy engine reads and writes both).
-  std::vector<std::byte> host_send(sent * es), host_recv(received * es);
-  DDP_RETURN_IF_ERROR(StageCopyLocked(device, host_send.data(), send, sent * es, false, deadline));
+  // Uninitialized: every byte is written before it is read.
+  const std::unique_ptr<std::byte[]> host_send(new std::byte[sent * es]);
+  const std::unique_ptr<std::byte[]> host_recv(new std::byte[received * es]);
+  DDP_RETURN_IF_ERROR(StageCopyLocked(device, host_send.get(), send, sent * es, false, deadline));
   DDP_RETURN_IF_ERROR(
-      AllToAllV(host_send.data(), send_counts, host_recv.data(), recv_counts, dtype, deadline));
-  return StageCopyLocked(device, recv, host_recv.data(), received * es, true, deadline);
+      AllToAllV(host_send.get(), send_counts, host_recv.get(), recv_counts, dtype, deadline));
+  return StageCopyLocked(device, recv, host_recv.get(), received * es, true, deadline);
 }
 
 Status Communicator::Impl::AllToAllV(const void* send, const std::vector<size_t>& send_counts,
