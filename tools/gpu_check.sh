@@ -63,6 +63,7 @@ BUNDLE_DIR="$REPO_ROOT/.gpu_bundle"
 FASHION_MNIST_DIR=/usr/share/datasets/fashion-mnist
 MAKE_BUNDLE=0
 TABLE_FROM=""
+SPLIT_TABLE_FROM=""
 SKIP_COLLECTIVES=0
 PROFILE=0
 PROFILE_MODES="fp32,bf16"
@@ -97,6 +98,8 @@ Usage: tools/gpu_check.sh [options]
                       with their non-system libraries into DIR (default
                       .gpu_bundle), then stop
   --table=FILE        print the comparison table from BENCH lines in FILE
+  --split-table=A,B   print split/default images/s per mode from ours'
+                      BENCH lines in A (default run) and B (split BatchNorm)
                       (a saved log) and stop
   --dry-run           no GPU needed: run the phases' logic, print the GPU
                       commands instead of running them, and run both
@@ -134,6 +137,7 @@ for arg in "$@"; do
     --make-bundle) MAKE_BUNDLE=1 ;;
     --make-bundle=*) MAKE_BUNDLE=1 BUNDLE_DIR="${arg#*=}" ;;
     --table=*) TABLE_FROM="${arg#*=}" ;;
+    --split-table=*) SPLIT_TABLE_FROM="${arg#*=}" ;;
     --dry-run) DRY_RUN=1 ;;
     --help | -h) usage; exit 0 ;;
     *) usage >&2; die "unknown argument \`$arg\`" ;;
@@ -198,9 +202,41 @@ print_table() {
     }'
 }
 
+# Ours' images/s per mode in two logs of BENCH lines, the default run
+# ($1) and the split BatchNorm path's ($2), and split/default. A mode one
+# run lacks shows "-".
+print_split_table() {
+  { grep -h '^BENCH impl=ours' "$1" | sed 's/^/default /'
+    grep -h '^BENCH impl=ours' "$2" | sed 's/^/split /'; } |
+    awk '{
+      delete kv
+      for (i = 3; i <= NF; ++i) { split($i, word, "="); kv[word[1]] = word[2] }
+      ips[$1, kv["mode"]] = kv["images_per_s"]
+      if (!(kv["mode"] in seen)) { seen[kv["mode"]] = 1; order[++n] = kv["mode"] }
+    }
+    END {
+      printf "  %-6s %14s %14s %14s\n", "mode", "default img/s", "split img/s", "split/default"
+      for (i = 1; i <= n; ++i) {
+        m = order[i]
+        d = (("default", m) in ips) ? ips["default", m] : "-"
+        q = (("split", m) in ips) ? ips["split", m] : "-"
+        r = (d != "-" && q != "-" && d > 0) ? sprintf("%.2f", q / d) : "-"
+        printf "  %-6s %14s %14s %14s\n", m, d, q, r
+      }
+    }'
+}
+
 if [ -n "$TABLE_FROM" ]; then
   [ -r "$TABLE_FROM" ] || die "--table: cannot read \`$TABLE_FROM\`"
   print_table <"$TABLE_FROM"
+  exit 0
+fi
+if [ -n "$SPLIT_TABLE_FROM" ]; then
+  IFS=',' read -r split_a split_b <<<"$SPLIT_TABLE_FROM"
+  for f in "$split_a" "$split_b"; do
+    [ -n "$f" ] && [ -r "$f" ] || die "--split-table: cannot read \`$f\` (give DEFAULT_LOG,SPLIT_LOG)"
+  done
+  print_split_table "$split_a" "$split_b"
   exit 0
 fi
 
@@ -617,15 +653,8 @@ else
   run_logged "$(phase_limit 120 100)" "$SPLIT_LOG" "${OUR_ENV[@]}" DDP_NN_CUDA_BN_SPLIT=1 "$BENCH_BIN" \
     "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
   end_phase "$(describe_rc $?)"
-  echo "split batch-norm reductions against the default (ours):"
-  grep -h '^BENCH impl=ours' "$BENCH_LOG" | sed 's/^/default /' >"$WORK/split_pairs.txt"
-  grep -h '^BENCH impl=ours' "$SPLIT_LOG" | sed 's/^/split /' >>"$WORK/split_pairs.txt"
-  awk '{ for (i = 2; i <= NF; ++i) { split($i, kv, "="); f[kv[1]] = kv[2] }
-         ips[$1, f["mode"]] = f["images_per_s"]; if (!(f["mode"] in seen)) { seen[f["mode"]] = 1; order[++n] = f["mode"] } }
-       END { printf "  %-6s %14s %14s %14s\n", "mode", "default img/s", "split img/s", "split/default"
-             for (i = 1; i <= n; ++i) { m = order[i]; d = ips["default", m]; p = ips["split", m]
-               printf "  %-6s %14s %14s %14s\n", m, d, p, (d > 0 && p > 0) ? sprintf("%.2f", p / d) : "-" } }' \
-    "$WORK/split_pairs.txt" | tee -a "$WORK/table.txt"
+  echo "the split BatchNorm path against the default (ours):"
+  print_split_table "$BENCH_LOG" "$SPLIT_LOG" | tee -a "$WORK/table.txt"
 fi
 copy_out "$SPLIT_LOG"
 

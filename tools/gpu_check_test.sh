@@ -35,6 +35,17 @@ rm -rf "$missing"
 expect_error "--table: cannot read \`$missing\`" --table="$missing"
 expect_error '--profile: unknown mode `fp8`' --profile=fp8
 
+# The split BatchNorm comparison: ours' lines only, a mode the split run
+# lacks shows "-".
+split_log="${TEST_TMPDIR:-/tmp}/gpu_check_test_split.log"
+echo "BENCH impl=ours model=resnet50 mode=fp32 batch=256 warmup=3 steps=20 images_per_s=1350.0" >"$split_log"
+echo "BENCH impl=torch model=resnet50 mode=fp32 batch=256 images_per_s=5.0" >>"$split_log"
+split_table="$("$SCRIPT" --split-table="$FIXTURE,$split_log" | tr -s ' ')"
+check "split fp32 row" "$split_table" " fp32 900.0 1350.0 1.50"
+check "split bf16 row" "$split_table" " bf16 1500.0 - -"
+check "split table ignores PyTorch" "$(grep -c 'fp16' <<<"$split_table")" "0"
+expect_error "--split-table: cannot read \`$missing\`" --split-table="$FIXTURE,$missing"
+
 table="$("$SCRIPT" --table="$FIXTURE" | tr -s ' ')"
 # fp32: both sides, same batch and steps: 900 / 1000.
 check "fp32 row" "$table" " fp32 900.0 1000.0 0.90"
