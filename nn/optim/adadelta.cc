@@ -8,6 +8,27 @@
 #include <string>
 
 namespace ddp::nn::optim {
+namespace {
+
+// One Adadelta pass over n elements, coefficients by value so that the loop
+// vectorizes (see SgdLoop).
+template <bool kWd, typename T>
+void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq,
+                  T* __restrict__ acc, int64_t n, T grad_scale, T rho, T one_rho, T eps, T wd,
+                  T neg_lr) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = g[i] * grad_scale;
+    if constexpr (kWd) gi = gi + wd * p[i];
+    const T s = sq[i] * rho + one_rho * gi * gi;
+    sq[i] = s;
+    const T std_dev = std::sqrt(s + eps);
+    const T delta = std::sqrt(acc[i] + eps) / std_dev * gi;
+    acc[i] = acc[i] * rho + one_rho * delta * delta;
+    p[i] = p[i] + neg_lr * delta;
+  }
+}
+
+}  // namespace
 
 Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
     : Optimizer(std::move(params), options.lr, {"square_avg", "acc_delta"}), options_(options) {
@@ -27,23 +48,9 @@ void Adadelta::Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale
   const T eps = static_cast<T>(options_.eps);
   const T wd = static_cast<T>(options_.weight_decay);
   const T neg_lr = static_cast<T>(-lr());
-  T* __restrict__ pr = p;
-  const T* __restrict__ gr = g;
-  T* __restrict__ sqr = sq;
-  T* __restrict__ accr = acc;
-  auto loop = [&](auto use_wd) {
-    for (int64_t i = 0; i < n; ++i) {
-      T gi = gr[i] * grad_scale;
-      if constexpr (use_wd) gi = gi + wd * pr[i];
-      const T s = sqr[i] * rho + one_rho * gi * gi;
-      sqr[i] = s;
-      const T std_dev = std::sqrt(s + eps);
-      const T delta = std::sqrt(accr[i] + eps) / std_dev * gi;
-      accr[i] = accr[i] * rho + one_rho * delta * delta;
-      pr[i] = pr[i] + neg_lr * delta;
-    }
-  };
-  internal::WithFlag(options_.weight_decay != 0, loop);
+  internal::WithFlag(options_.weight_decay != 0, [&](auto w) {
+    AdadeltaLoop<w.value>(p, g, sq, acc, n, grad_scale, rho, one_rho, eps, wd, neg_lr);
+  });
 }
 
 void Adadelta::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t,

@@ -15,6 +15,36 @@ std::vector<std::string> Slots(bool amsgrad) {
   return {"exp_avg", "exp_avg_sq"};
 }
 
+template <typename T>
+struct AdamCoefficients {
+  T grad_scale, wd, decay, b1, one_b1, b2, one_b2, bc2_sqrt, eps, neg_step_size;
+};
+
+// One Adam pass over n elements. Coefficients arrive by value, so that the
+// stores through p, m and v cannot change them and the loop vectorizes
+// (see SgdLoop).
+template <bool kCoupledWd, bool kDecoupledWd, bool kAmsgrad, typename T>
+void AdamLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+              T* __restrict__ vmax, int64_t n, const AdamCoefficients<T> c) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = g[i] * c.grad_scale;
+    T pi = p[i];
+    if constexpr (kCoupledWd) gi = gi + c.wd * pi;
+    if constexpr (kDecoupledWd) pi = pi * c.decay;
+    const T mi = m[i] * c.b1 + c.one_b1 * gi;
+    const T vi = v[i] * c.b2 + c.one_b2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    T s = vi;
+    if constexpr (kAmsgrad) {
+      s = vmax[i] > vi ? vmax[i] : vi;
+      vmax[i] = s;
+    }
+    const T denom = std::sqrt(s) / c.bc2_sqrt + c.eps;
+    p[i] = pi + c.neg_step_size * (mi / denom);
+  }
+}
+
 }  // namespace
 
 Adam::Adam(NamedParameters params, AdamOptions options) : Adam(std::move(params), options, false) {}
@@ -54,33 +84,13 @@ void Adam::Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T 
   const T eps = static_cast<T>(options_.eps);
   const T wd = static_cast<T>(options_.weight_decay);
   const T decay = static_cast<T>(1.0 - lr() * options_.weight_decay);
-  T* __restrict__ pr = p;
-  const T* __restrict__ gr = g;
-  T* __restrict__ mr = m;
-  T* __restrict__ vr = v;
-  T* __restrict__ vmr = vmax;
-  auto loop = [&](auto coupled_wd, auto decoupled_wd, auto amsgrad) {
-    for (int64_t i = 0; i < n; ++i) {
-      T gi = gr[i] * grad_scale;
-      T pi = pr[i];
-      if constexpr (coupled_wd) gi = gi + wd * pi;
-      if constexpr (decoupled_wd) pi = pi * decay;
-      const T mi = mr[i] * b1 + one_b1 * gi;
-      const T vi = vr[i] * b2 + one_b2 * gi * gi;
-      mr[i] = mi;
-      vr[i] = vi;
-      T s = vi;
-      if constexpr (amsgrad) {
-        s = vmr[i] > vi ? vmr[i] : vi;
-        vmr[i] = s;
-      }
-      const T denom = std::sqrt(s) / bc2_sqrt + eps;
-      pr[i] = pi + neg_step_size * (mi / denom);
-    }
-  };
-  internal::WithFlag(!decoupled_ && options_.weight_decay != 0, [&](auto c) {
-    internal::WithFlag(decoupled_, [&](auto d) {
-      internal::WithFlag(options_.amsgrad, [&](auto a) { loop(c, d, a); });
+  const AdamCoefficients<T> c{grad_scale, wd, decay, b1, one_b1, b2, one_b2, bc2_sqrt, eps,
+                              neg_step_size};
+  internal::WithFlag(!decoupled_ && options_.weight_decay != 0, [&](auto cw) {
+    internal::WithFlag(decoupled_, [&](auto dw) {
+      internal::WithFlag(options_.amsgrad, [&](auto ams) {
+        AdamLoop<cw.value, dw.value, ams.value>(p, g, m, v, vmax, n, c);
+      });
     });
   });
 }

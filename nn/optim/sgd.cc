@@ -21,6 +21,38 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
   }
 }
 
+namespace {
+
+// One SGD pass over n elements. Options are template constants and every
+// coefficient a value parameter: with coefficients captured by reference,
+// GCC could not rule out that the stores to p and buf change them, and left
+// the loop scalar (15 GB/s against 37 GB/s for Adam in optim_bench).
+template <bool kWd, bool kMom, bool kFirst, bool kNesterov, typename T>
+void SgdLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, int64_t n,
+             T grad_scale, T wd, T mom, T keep, T neg_lr) {
+  for (int64_t i = 0; i < n; ++i) {
+    T d = g[i] * grad_scale;
+    if constexpr (kWd) d = d + wd * p[i];
+    if constexpr (kMom) {
+      T b;
+      if constexpr (kFirst) {
+        b = d;
+      } else {
+        b = buf[i] * mom + keep * d;
+      }
+      buf[i] = b;
+      if constexpr (kNesterov) {
+        d = d + mom * b;
+      } else {
+        d = b;
+      }
+    }
+    p[i] = p[i] + neg_lr * d;
+  }
+}
+
+}  // namespace
+
 // Coefficients are rounded to T first, as PyTorch passes Python floats to
 // kernels of the tensor's type; each line is one PyTorch tensor op.
 template <typename T>
@@ -29,34 +61,13 @@ void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale
   const T mom = static_cast<T>(options_.momentum);
   const T keep = static_cast<T>(1.0 - options_.dampening);
   const T neg_lr = static_cast<T>(-lr());
-  T* __restrict__ pr = p;
-  const T* __restrict__ gr = g;
-  T* __restrict__ br = buf;
-  auto loop = [&](auto use_wd, auto use_mom, auto first, auto nesterov) {
-    for (int64_t i = 0; i < n; ++i) {
-      T d = gr[i] * grad_scale;
-      if constexpr (use_wd) d = d + wd * pr[i];
-      if constexpr (use_mom) {
-        T b;
-        if constexpr (first) {
-          b = d;
-        } else {
-          b = br[i] * mom + keep * d;
-        }
-        br[i] = b;
-        if constexpr (nesterov) {
-          d = d + mom * b;
-        } else {
-          d = b;
-        }
-      }
-      pr[i] = pr[i] + neg_lr * d;
-    }
-  };
   internal::WithFlag(options_.weight_decay != 0, [&](auto w) {
     internal::WithFlag(options_.momentum != 0, [&](auto m) {
       internal::WithFlag(step == 1, [&](auto f) {
-        internal::WithFlag(options_.nesterov, [&](auto nv) { loop(w, m, f, nv); });
+        internal::WithFlag(options_.nesterov, [&](auto nv) {
+          SgdLoop<w.value, m.value, f.value, nv.value>(p, g, buf, n, grad_scale, wd, mom, keep,
+                                                       neg_lr);
+        });
       });
     });
   });
