@@ -113,6 +113,11 @@ int Run() {
     dist::SaveCheckpoint(*pg, FLAGS_checkpoint, dist::MakeCheckpoint(*model, &optimizer));
     if (rank == 0) std::printf("checkpoint %s\n", FLAGS_checkpoint.c_str());
   }
+  // As dist.destroy_process_group(): the default group lets go of the
+  // process group, which closes its connections once `pg` and the DDP
+  // wrapper are gone too (at the end of this function), instead of leaving
+  // them open until the process exits.
+  dist::DestroyProcessGroup();
   return 0;
 }
 
