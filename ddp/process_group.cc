@@ -20,6 +20,7 @@
 
 #include "ddp/debug_mode.h"
 #include "ddp/device_ops.h"
+#include "transport/shm/shareable.h"
 
 namespace ddp::dist {
 
@@ -421,6 +422,12 @@ class ProcessGroup::Impl {
     if (aborted_.ok()) aborted_ = reason;
   }
 
+  // The host's ranks exchange through shared memory (on one host, or inside
+  // each host of several).
+  bool host_shared_memory() const {
+    return comm_ != nullptr && (comm_->info().shared_memory || comm_->info().host_shared_memory);
+  }
+
   Status aborted_reason() const {
     if (comm_ != nullptr) return comm_->aborted_reason();
     std::lock_guard lock(abort_mu_);
@@ -632,6 +639,7 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   rank_ = comm->rank();
   size_ = comm->size();
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
+  if (size_ > 1 && impl_->host_shared_memory()) ShareLargeCpuBlocks();
 }
 
 ProcessGroup::~ProcessGroup() = default;
@@ -1417,6 +1425,58 @@ uint64_t ProcessGroup::collectives_run() const { return impl_->run_count(); }
 Status ProcessGroup::aborted_reason() const { return impl_->aborted_reason(); }
 
 void ProcessGroup::Abort(const Status& reason) { impl_->Abort(reason); }
+
+namespace {
+
+// At most this many large CPU blocks live in shareable memory at once (one
+// memfd, so one file descriptor, each); beyond it they come from the system.
+constexpr int kMaxShareableBlocks = 256;
+std::atomic<int> shareable_blocks{0};
+
+}  // namespace
+
+void ShareLargeCpuBlocks() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    nn::SetCpuLargeBlockSource({
+        .min_bytes = kShareableBlockBytes,
+        .allocate = [](size_t bytes) -> void* {
+          if (shareable_blocks.fetch_add(1) >= kMaxShareableBlocks) {
+            shareable_blocks.fetch_sub(1);
+            return nullptr;
+          }
+          auto memory = transport::shm::AllocateShareable(bytes);
+          if (!memory.ok()) {
+            shareable_blocks.fetch_sub(1);
+            return nullptr;
+          }
+          return *memory;
+        },
+        .release = [](void* block, size_t) {
+          if (!transport::shm::FindShareable(block, 1).has_value()) return false;
+          if (!transport::shm::FreeShareable(block).ok()) return false;
+          shareable_blocks.fetch_sub(1);
+          return true;
+        },
+    });
+  });
+}
+
+nn::Tensor ProcessGroup::CollectiveZeros(const nn::Shape& shape, nn::TensorOptions options) const {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const size_t bytes = static_cast<size_t>(numel) * nn::ElementSize(options.dtype);
+  if (!options.device.is_cpu() || size_ < 2 || bytes == 0 || !impl_->host_shared_memory()) {
+    return nn::Zeros(shape, options);
+  }
+  auto memory = transport::shm::AllocateShareable(bytes);
+  // Out of memfds or address space: an ordinary tensor works, via CMA.
+  if (!memory.ok()) return nn::Zeros(shape, options);
+  nn::Tensor t = nn::Tensor::FromBlob(*memory, shape, options.dtype, options.device,
+                                      [](void* p) { transport::shm::FreeShareable(p).IgnoreError(); });
+  t.set_requires_grad(options.requires_grad);
+  return t;
+}
 
 // ------------------------------------------------------- default group ----
 

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "ddp/testing/ddp_test_util.h"
+#include "transport/shm/shareable.h"
 
 namespace ddp::dist {
 namespace {
@@ -86,6 +87,42 @@ DDP_TEST_WORKER(pg_collectives) {
 TEST(ProcessGroupTest, CollectivesOnTwoAndThreeRanks) {
   for (int n : {2, 3}) {
     auto run = RunWorkers("pg_collectives", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
+// Ranks on one host: large CPU tensors and CollectiveZeros lie in shareable
+// memory, small ones do not, and all-reduces over them are right (the
+// host's ranks copy with them through mappings).
+DDP_TEST_WORKER(pg_shareable) {
+  auto pg = testing::WorkerGroup();
+  const Tensor large = nn::Full({1 << 17}, static_cast<double>(pg->rank() + 1));  // 512 KiB
+  const Tensor small = nn::Full({1000}, static_cast<double>(pg->rank() + 1));
+  const Tensor bucket = pg->CollectiveZeros({3000});
+  WORKER_EXPECT(transport::shm::FindShareable(large.data_ptr(), large.nbytes()).has_value(),
+                "a 512 KiB tensor is not in shareable memory");
+  WORKER_EXPECT(!transport::shm::FindShareable(small.data_ptr(), small.nbytes()).has_value(),
+                "a 4 KB tensor is in shareable memory");
+  WORKER_EXPECT(transport::shm::FindShareable(bucket.data_ptr(), bucket.nbytes()).has_value(),
+                "CollectiveZeros is not in shareable memory");
+  WORKER_EXPECT(bucket.data<float>()[2999] == 0.0f, "CollectiveZeros is not zero");
+  pg->AllReduce(large).Wait();
+  const float want = static_cast<float>(pg->size() * (pg->size() + 1) / 2);
+  const float* v = large.data<float>();
+  for (int64_t i = 0; i < large.numel(); ++i) {
+    if (v[i] != want) {
+      WORKER_EXPECT(false, "element " + std::to_string(i) + " is " + std::to_string(v[i]) +
+                               ", not " + std::to_string(want));
+      break;
+    }
+  }
+  pg->Barrier().Wait();
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, LargeCpuTensorsAreShareableOnOneHost) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_shareable", n);
     EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
   }
 }

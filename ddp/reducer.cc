@@ -176,7 +176,7 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
     bucket.numel = numel;
     bucket.is_solo = bucket.params.size() == 1;
     if (!bucket.is_solo) {
-      bucket.buffer = nn::Zeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
+      bucket.buffer = pg_->CollectiveZeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
     }
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const size_t i = bucket.params[k];

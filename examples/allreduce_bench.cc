@@ -39,6 +39,7 @@
 
 #include "transport/communicator.h"
 #include "transport/launch/self_launch.h"
+#include "transport/shm/shareable.h"
 #include "transport/testing/expected_values.h"
 
 DEFINE_string(collective, "allreduce",
@@ -56,12 +57,43 @@ DEFINE_string(dtype, "f32", "f32, f64, f16, bf16, i32, i64, u8");
 DEFINE_string(op, "sum", "sum, avg, max, min, prod");
 DEFINE_bool(check, false, "verify results against closed-form values (reported as 'wrong')");
 DEFINE_bool(in_place, true, "reduce in place (else into a separate output buffer)");
+DEFINE_bool(shareable, false,
+            "buffers in shareable memory (transport/shm/shareable.h): ranks on a host copy "
+            "with them through mappings instead of cross-memory attach");
 DEFINE_int32(timeout_ms, 120000, "deadline of every call");
 DEFINE_bool(bind, true,
             "pin each rank to one core (local rank modulo the cores it may use), as mpirun "
             "does by default; keeps two ranks from sharing one core's run queue");
 
 namespace {
+
+// A benchmark buffer: a vector, or shareable memory with --shareable.
+class HostBuffer {
+ public:
+  explicit HostBuffer(size_t bytes) {
+    if (!FLAGS_shareable) {
+      vector_.resize(bytes);
+      data_ = vector_.data();
+      return;
+    }
+    auto p = ddp::transport::shm::AllocateShareable(bytes);
+    if (!p.ok()) {
+      std::fprintf(stderr, "allreduce_bench: --shareable: %s\n", p.status().ToString().c_str());
+      std::exit(1);
+    }
+    data_ = static_cast<char*>(*p);
+  }
+  ~HostBuffer() {
+    if (FLAGS_shareable) ddp::transport::shm::FreeShareable(data_).IgnoreError();
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  char* data() { return data_; }
+
+ private:
+  std::vector<char> vector_;
+  char* data_ = nullptr;
+};
 
 using ddp::transport::Algorithm;
 using ddp::transport::Communicator;
@@ -174,7 +206,7 @@ int main(int argc, char** argv) {
     const size_t bytes = count * elem;
     // All-to-all, gather and scatter are never in place.
     const bool separate = !FLAGS_in_place || blocked;
-    std::vector<char> send(std::max<size_t>(bytes, 1)), recv(separate ? std::max<size_t>(bytes, 1) : 1);
+    HostBuffer send(std::max<size_t>(bytes, 1)), recv(separate ? std::max<size_t>(bytes, 1) : 1);
     void* out = separate ? recv.data() : send.data();
     ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
     const int iters = FLAGS_iters > 0 ? FLAGS_iters

@@ -3,16 +3,38 @@
 #include <sys/mman.h>
 
 #include <cstdlib>
+#include <mutex>
 #include <new>
+#include <vector>
 
 namespace ddp::nn {
 
 namespace {
 
+// Every source ever installed, newest last (never destroyed: blocks of a
+// replaced source are still released through it).
+struct Sources {
+  std::mutex mu;
+  std::vector<const LargeBlockSource*> all;
+  const LargeBlockSource* current = nullptr;
+};
+
+Sources& sources() {
+  static auto* s = new Sources();
+  return *s;
+}
+
 // Large blocks come straight from mmap: freeing them (EmptyCache, trimming)
 // then returns the pages to the system at once, which glibc's heap does not
 // guarantee below its adaptive 32 MiB mmap threshold.
 void* SystemAlloc(size_t size) {
+  {
+    Sources& s = sources();
+    std::lock_guard lock(s.mu);
+    if (s.current != nullptr && size >= s.current->min_bytes) {
+      if (void* p = s.current->allocate(size)) return p;
+    }
+  }
   if (size >= CachingCpuAllocator::kTrimThreshold) {
     void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? nullptr : p;
@@ -21,6 +43,13 @@ void* SystemAlloc(size_t size) {
 }
 
 void SystemFree(void* p, size_t size) {
+  {
+    Sources& s = sources();
+    std::lock_guard lock(s.mu);
+    for (auto it = s.all.rbegin(); it != s.all.rend(); ++it) {
+      if (size >= (*it)->min_bytes && (*it)->release(p, size)) return;
+    }
+  }
   if (size >= CachingCpuAllocator::kTrimThreshold) {
     munmap(p, size);
   } else {
@@ -155,6 +184,17 @@ void CachingCpuAllocator::set_caching_enabled(bool enabled) {
     caching_ = enabled;
   }
   if (!enabled) EmptyCache();
+}
+
+void SetCpuLargeBlockSource(LargeBlockSource source) {
+  Sources& s = sources();
+  std::lock_guard lock(s.mu);
+  if (!source.allocate || !source.release) {
+    s.current = nullptr;
+    return;
+  }
+  s.all.push_back(new LargeBlockSource(std::move(source)));
+  s.current = s.all.back();
 }
 
 CachingCpuAllocator& CpuAllocator() {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -83,5 +84,23 @@ class CachingCpuAllocator final : public Allocator {
 
 /// The process-wide CPU allocator.
 CachingCpuAllocator& CpuAllocator();
+
+/// Where the CPU allocator gets blocks of at least `min_bytes` from the
+/// system, instead of mmap or aligned_alloc. A DDP process group whose ranks
+/// share a host installs shareable memory here (transport/shm/shareable.h),
+/// so that large gradients are buffers the other ranks can map.
+struct LargeBlockSource {
+  size_t min_bytes = 0;
+  /// A block of exactly `bytes` (64-byte aligned, zero or not), or null to
+  /// decline (the allocator then uses the system).
+  std::function<void*(size_t bytes)> allocate;
+  /// Frees a block; false when the block is not one `allocate` returned.
+  std::function<bool(void* block, size_t bytes)> release;
+};
+
+/// Installs `source` (empty functions: none). Blocks handed out by an
+/// earlier source are still released through it, so a source may be
+/// replaced while its blocks live; sources are never destroyed.
+void SetCpuLargeBlockSource(LargeBlockSource source);
 
 }  // namespace ddp::nn

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -74,6 +77,62 @@ TEST(CachingCpuAllocatorTest, LargeMissTrimsOnlyBeyondThePeakDemand) {
   EXPECT_EQ(t, s);
   EXPECT_EQ(a.Stats().cached_bytes, cached - 48 * mb);
   a.Deallocate(t, 48 * mb, kCPU);
+}
+
+// A source hands out blocks of its minimum size and more; the allocator
+// returns them to it (also after another source replaced it), and smaller
+// blocks never reach it.
+TEST(CachingCpuAllocatorTest, LargeBlocksComeFromTheInstalledSource) {
+  struct Counts {
+    std::vector<void*> live;
+    int allocated = 0, released = 0;
+  };
+  auto counts = std::make_shared<Counts>();
+  auto make = [](std::shared_ptr<Counts> c, size_t min_bytes) {
+    return LargeBlockSource{
+        .min_bytes = min_bytes,
+        .allocate = [c](size_t bytes) -> void* {
+          void* p = std::aligned_alloc(kCpuAlignment, bytes);
+          c->live.push_back(p);
+          ++c->allocated;
+          return p;
+        },
+        .release = [c](void* p, size_t) {
+          auto it = std::find(c->live.begin(), c->live.end(), p);
+          if (it == c->live.end()) return false;
+          c->live.erase(it);
+          std::free(p);
+          ++c->released;
+          return true;
+        },
+    };
+  };
+  CachingCpuAllocator a;
+  a.set_caching_enabled(false);  // every Deallocate reaches the system
+  SetCpuLargeBlockSource(make(counts, 1 << 18));
+  void* small = a.Allocate(1000, kCPU);
+  void* large = a.Allocate(300000, kCPU);
+  EXPECT_EQ(counts->allocated, 1);
+  ASSERT_EQ(counts->live.size(), 1u);
+  EXPECT_EQ(counts->live[0], large);
+  a.Deallocate(small, 1000, kCPU);
+  EXPECT_EQ(counts->released, 0);
+  // Replaced by a source that declines everything: new large blocks come
+  // from the system, the old one still goes back to its source.
+  SetCpuLargeBlockSource(LargeBlockSource{
+      .min_bytes = 0,
+      .allocate = [](size_t) -> void* { return nullptr; },
+      .release = [](void*, size_t) { return false; }});
+  void* other = a.Allocate(300000, kCPU);
+  EXPECT_EQ(counts->allocated, 1);
+  a.Deallocate(other, 300000, kCPU);
+  a.Deallocate(large, 300000, kCPU);
+  EXPECT_EQ(counts->released, 1);
+  EXPECT_TRUE(counts->live.empty());
+  SetCpuLargeBlockSource({});  // none: the system again
+  void* again = a.Allocate(300000, kCPU);
+  EXPECT_EQ(counts->allocated, 1);
+  a.Deallocate(again, 300000, kCPU);
 }
 
 TEST(CachingCpuAllocatorTest, ThreadsAllocateConcurrently) {

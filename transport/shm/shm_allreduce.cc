@@ -4,6 +4,9 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/syscall.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -49,6 +52,11 @@ struct alignas(128) ShmAllReduce::Control {
     int32_t op;
     int32_t kind;     // ShmAllReduce::Kind (op holds the root of a broadcast)
     int32_t root;     // reduce, gather, scatter; -1 otherwise
+    // The shareable memory (shareable.h) holding src and dst, id 0 when
+    // the buffer lies in none: peers then copy with it by mapping that
+    // memory instead of by cross-memory attach.
+    ShareableRegion src_region;
+    ShareableRegion dst_region;
   } args[2];
 };
 
@@ -78,6 +86,8 @@ constexpr size_t kWritePiece = 4 << 20;
 // Elements per block of the fused last fold and division of kAvg (16 KiB
 // of f32: the block is still in L1 when it is divided).
 constexpr size_t kDivideBlock = 4096;
+// Peers' shareable regions kept mapped at once.
+constexpr size_t kMaxPeerMappings = 64;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -135,7 +145,11 @@ ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& o
   chunk_.resize(std::max<size_t>(options_.chunk_bytes, kPage));
 }
 
-ShmAllReduce::~ShmAllReduce() = default;
+ShmAllReduce::~ShmAllReduce() {
+  for (const PeerMapping& m : mappings_) {
+    if (m.local != nullptr) munmap(m.local, m.size);
+  }
+}
 
 void ShmAllReduce::set_staging_bytes(size_t bytes) {
   options_.staging_bytes = std::min(bytes, staging_capacity_ / 2);
@@ -212,9 +226,16 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
     const uint64_t call = left.load(std::memory_order_seq_cst);
     return call != 0 && call >= s;
   };
+  // The peer's buffer mapped here (shareable memory), else null: CMA.
+  char* mapped = sequence_ > 0 ? MapPeerBuffer(peer, remote, bytes) : nullptr;
+  if (mapped != nullptr) ++mapped_copies_;
   if (!write) {
     if (gone()) return PeerFailure(s, peer);
-    DDP_RETURN_IF_ERROR(CopyBytes(false, peer, local, remote, bytes));
+    if (mapped != nullptr) {
+      std::memcpy(local, mapped, bytes);
+    } else {
+      DDP_RETURN_IF_ERROR(CopyBytes(false, peer, local, remote, bytes));
+    }
     return gone() ? PeerFailure(s, peer) : Status::Ok();
   }
   std::atomic<uint64_t>& touching = control(options_.rank).touching;
@@ -222,12 +243,63 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
   for (size_t done = 0; done < bytes;) {
     const size_t n = std::min(kWritePiece, bytes - done);
     touching.store(Touching(s, peer), std::memory_order_seq_cst);
-    Status status = gone() ? PeerFailure(s, peer) : CopyBytes(true, peer, here + done, remote + done, n);
+    Status status = Status::Ok();
+    if (gone()) {
+      status = PeerFailure(s, peer);
+    } else if (mapped != nullptr) {
+      std::memcpy(mapped + done, here + done, n);
+    } else {
+      status = CopyBytes(true, peer, here + done, remote + done, n);
+    }
     touching.store(0, std::memory_order_release);
     DDP_RETURN_IF_ERROR(status);
     done += n;
   }
   return Status::Ok();
+}
+
+char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const {
+  const Control::Args& args = control(peer).args[sequence_ % 2];
+  const ShareableRegion* region = nullptr;
+  for (const ShareableRegion* r : {&args.src_region, &args.dst_region}) {
+    if (r->id != 0 && remote >= r->base && remote - r->base <= r->size &&
+        bytes <= r->size - (remote - r->base)) {
+      region = r;
+    }
+  }
+  if (region == nullptr) return nullptr;
+  PeerMapping* found = nullptr;
+  for (PeerMapping& m : mappings_) {
+    if (m.peer == peer && m.id == region->id) found = &m;
+  }
+  if (found == nullptr) {
+    // Bounded: a peer's freed regions stay mapped (their pages alive) only
+    // until the cache turns over.
+    if (mappings_.size() >= kMaxPeerMappings) {
+      if (mappings_.front().local != nullptr) munmap(mappings_.front().local, mappings_.front().size);
+      mappings_.erase(mappings_.begin());
+    }
+    PeerMapping m{.peer = peer, .id = region->id, .size = region->size};
+    // The owner's memfd, through its fd table: permitted where CMA is (the
+    // same ptrace check). Failing that, this region goes through CMA.
+    const std::string path = "/proc/" + std::to_string(options_.pids[peer]) + "/fd/" +
+                             std::to_string(region->fd);
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd >= 0) {
+      struct stat st {};
+      // The fd number may have been reused for another file since the peer
+      // published it: the size must match, and the file be a memfd.
+      if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == region->size) {
+        void* p = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) m.local = static_cast<char*>(p);
+      }
+      close(fd);
+    }
+    mappings_.push_back(m);
+    found = &mappings_.back();
+  }
+  if (found->local == nullptr) return nullptr;
+  return found->local + (remote - region->base);
 }
 
 // process_vm_readv / process_vm_writev, resuming after partial transfers.
@@ -397,6 +469,9 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.op = op;
   args.kind = static_cast<int32_t>(kind);
   args.root = root;
+  const size_t bytes = count * DataTypeSize(dtype);
+  args.src_region = FindShareable(send, bytes).value_or(ShareableRegion{});
+  args.dst_region = FindShareable(recv, bytes).value_or(ShareableRegion{});
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));

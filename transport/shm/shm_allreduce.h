@@ -83,6 +83,7 @@
 #include <vector>
 
 #include "transport/shm/segment.h"
+#include "transport/shm/shareable.h"
 #include "transport/status.h"
 #include "transport/store/store.h"
 #include "transport/types.h"
@@ -196,6 +197,9 @@ class ShmAllReduce {
   void set_staging_bytes(size_t bytes);
   void set_chunk_bytes(size_t bytes) { options_.chunk_bytes = bytes; }
   size_t max_staging_bytes() const { return staging_capacity_; }
+  /// Copies with a peer's buffer that went through a mapping of its
+  /// shareable memory instead of cross-memory attach, since creation.
+  uint64_t mapped_copies() const { return mapped_copies_; }
 
   struct Control;
   struct Shared;
@@ -237,6 +241,10 @@ class ShmAllReduce {
                         int32_t root, int only = -1) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   Status CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
+  // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
+  // in shareable memory the peer published for the current call and the
+  // mapping succeeds (cached per region); else null (use CMA).
+  char* MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(false, peer, local, remote, bytes);
   }
@@ -291,6 +299,15 @@ class ShmAllReduce {
   Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
   std::vector<char> folded_;  // a reduce's folded chunk on its way to the root
+  struct PeerMapping {
+    int peer = -1;
+    uint64_t id = 0;        // the peer's ShareableRegion::id
+    char* local = nullptr;  // null: mapping failed, use CMA
+    uint64_t size = 0;
+  };
+  // Caches of the const copy functions.
+  mutable std::vector<PeerMapping> mappings_;  // oldest first
+  mutable uint64_t mapped_copies_ = 0;
 };
 
 }  // namespace ddp::transport::shm

@@ -1,5 +1,7 @@
 #include "transport/shm/shm_allreduce.h"
 
+#include "transport/shm/shareable.h"
+
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -682,6 +684,93 @@ TEST(ShmAllReduce, BarrierAgainstAllReduceIsAMismatch) {
       EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
     }
   });
+}
+
+// Buffers in shareable memory: peers copy with them through a mapping of
+// the owner's memfd instead of CMA, with the same results; ranks whose
+// buffers are not shareable mix with ones whose buffers are.
+TEST(ShmAllReduce, ShareableBuffersAreCopiedThroughMappings) {
+  for (int n : {2, 3}) {
+    auto group = MakeGroup(n, 4096, 4096);
+    for (DataType dtype : {DataType::kF32, DataType::kF64, DataType::kBF16, DataType::kI32}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+        for (bool in_place : {true, false}) {
+          // -1: every rank shareable; r: rank r's buffers are private.
+          for (int private_rank : {-1, 0, n - 1}) {
+            std::vector<uint64_t> before(n);
+            for (int r = 0; r < n; ++r) before[r] = group[r]->mapped_copies();
+            const size_t count = 50001;
+            RunRanks(n, [&](int r) {
+              const size_t bytes = count * DataTypeSize(dtype);
+              const bool shareable = r != private_rank;
+              std::vector<char> private_send(bytes), private_recv(bytes);
+              void* send = private_send.data();
+              void* recv = private_recv.data();
+              if (shareable) {
+                auto a = AllocateShareable(bytes);
+                auto b = AllocateShareable(bytes);
+                ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+                send = *a;
+                recv = *b;
+              }
+              FillInput(dtype, send, count, r, op);
+              void* out = in_place ? send : recv;
+              Status st = group[r]->AllReduce(send, out, count, dtype, op,
+                                              DeadlineIn(milliseconds(10000)), nullptr);
+              ASSERT_TRUE(st.ok()) << st;
+              std::string first;
+              EXPECT_EQ(CountWrong(dtype, out, count, n, op, 0, &first), 0u)
+                  << n << " ranks " << DataTypeName(dtype) << " " << ReduceOpName(op)
+                  << (in_place ? " in place" : "") << ", private rank " << private_rank << ": "
+                  << first;
+              if (shareable) {
+                EXPECT_TRUE(FreeShareable(send).ok());
+                EXPECT_TRUE(FreeShareable(recv).ok());
+              }
+            });
+            // A rank copies through mappings when some peer's buffers are
+            // shareable (each rank copies with every peer).
+            for (int r = 0; r < n; ++r) {
+              const bool expect_mapped = private_rank == -1 || r == private_rank || n > 2;
+              EXPECT_EQ(group[r]->mapped_copies() > before[r], expect_mapped)
+                  << n << " ranks, rank " << r << ", private rank " << private_rank;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Shareable, FindsTheRegionHoldingARangeAndFreesIt) {
+  auto p = AllocateShareable(10000);
+  ASSERT_TRUE(p.ok()) << p.status();
+  char* base = static_cast<char*>(*p);
+  const auto whole = FindShareable(base, 10000);
+  ASSERT_TRUE(whole.has_value());
+  EXPECT_EQ(whole->base, reinterpret_cast<uint64_t>(base));
+  EXPECT_EQ(whole->size % 4096, 0u);
+  EXPECT_GE(whole->size, 10000u);
+  EXPECT_GE(whole->fd, 0);
+  EXPECT_NE(whole->id, 0u);
+  EXPECT_TRUE(FindShareable(base + 100, 50).has_value());
+  // Straddling the end, or outside: none.
+  EXPECT_FALSE(FindShareable(base + whole->size - 8, 16).has_value());
+  int local = 0;
+  EXPECT_FALSE(FindShareable(&local, sizeof(local)).has_value());
+  // Zero-filled, writable.
+  EXPECT_EQ(base[9999], 0);
+  base[9999] = 7;
+  auto q = AllocateShareable(1);
+  ASSERT_TRUE(q.ok());
+  EXPECT_NE(FindShareable(*q, 1)->id, whole->id);
+  EXPECT_TRUE(FreeShareable(base).ok());
+  EXPECT_FALSE(FindShareable(base, 1).has_value());
+  const Status again = FreeShareable(base);
+  EXPECT_EQ(again.code(), StatusCode::kInvalidArgument) << again;
+  EXPECT_NE(again.message().find("AllocateShareable"), std::string::npos) << again;
+  EXPECT_TRUE(FreeShareable(*q).ok());
+  EXPECT_TRUE(FreeShareable(nullptr).ok());
 }
 
 }  // namespace

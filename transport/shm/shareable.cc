@@ -1,0 +1,88 @@
+#include "transport/shm/shareable.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace ddp::transport::shm {
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::map<uint64_t, ShareableRegion> by_base;  // keyed by start address
+  uint64_t next_id = 1;
+};
+
+Registry& registry() {
+  static auto* r = new Registry();  // outlives every static destructor
+  return *r;
+}
+
+}  // namespace
+
+StatusOr<void*> AllocateShareable(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t size = std::max<size_t>(page, (bytes + page - 1) / page * page);
+  // Close-on-exec: a worker the launcher execs must not inherit it.
+  const int fd = memfd_create("ddp-shareable", MFD_CLOEXEC);
+  if (fd < 0) {
+    return ResourceExhaustedError(std::string("shareable memory: memfd_create: ") + std::strerror(errno));
+  }
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int error = errno;
+    close(fd);
+    return ResourceExhaustedError("shareable memory: sizing a memfd to " + std::to_string(size) +
+                                  " bytes: " + std::strerror(error));
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int error = errno;
+    close(fd);
+    return ResourceExhaustedError("shareable memory: mapping " + std::to_string(size) +
+                                  " bytes: " + std::strerror(error));
+  }
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  const uint64_t base = reinterpret_cast<uint64_t>(p);
+  r.by_base[base] = ShareableRegion{.id = r.next_id++, .base = base, .size = size, .fd = fd};
+  return p;
+}
+
+Status FreeShareable(void* ptr) {
+  if (ptr == nullptr) return Status::Ok();
+  ShareableRegion region;
+  {
+    Registry& r = registry();
+    std::lock_guard lock(r.mu);
+    auto it = r.by_base.find(reinterpret_cast<uint64_t>(ptr));
+    if (it == r.by_base.end()) {
+      return InvalidArgumentError("FreeShareable: " + std::to_string(reinterpret_cast<uint64_t>(ptr)) +
+                                  " was not returned by AllocateShareable (or was freed already)");
+    }
+    region = it->second;
+    r.by_base.erase(it);
+  }
+  munmap(ptr, region.size);
+  close(region.fd);
+  return Status::Ok();
+}
+
+std::optional<ShareableRegion> FindShareable(const void* ptr, size_t bytes) {
+  const uint64_t p = reinterpret_cast<uint64_t>(ptr);
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  auto it = r.by_base.upper_bound(p);
+  if (it == r.by_base.begin()) return std::nullopt;
+  --it;
+  const ShareableRegion& region = it->second;
+  if (p - region.base > region.size || bytes > region.size - (p - region.base)) return std::nullopt;
+  return region;
+}
+
+}  // namespace ddp::transport::shm
