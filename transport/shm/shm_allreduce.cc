@@ -86,8 +86,10 @@ constexpr size_t kWritePiece = 4 << 20;
 // Elements per block of the fused last fold and division of kAvg (16 KiB
 // of f32: the block is still in L1 when it is divided).
 constexpr size_t kDivideBlock = 4096;
-// Peers' shareable regions kept mapped at once.
+// Peers' shareable regions kept mapped at once (see MapPeerBuffer).
 constexpr size_t kMaxPeerMappings = 64;
+constexpr uint64_t kMaxPeerMappedBytes = uint64_t{4} << 30;
+constexpr uint64_t kMappingIdleCalls = 1000;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -273,10 +275,25 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
     if (m.peer == peer && m.id == region->id) found = &m;
   }
   if (found == nullptr) {
-    // Bounded: a peer's freed regions stay mapped (their pages alive) only
-    // until the cache turns over.
-    if (mappings_.size() >= kMaxPeerMappings) {
+    // A region the peer freed stays mapped here, its pages alive, until it
+    // is evicted: regions unused for kMappingIdleCalls calls go first, then
+    // the oldest while more than kMaxPeerMappings regions or
+    // kMaxPeerMappedBytes bytes are mapped.
+    uint64_t mapped_bytes = region->size;
+    std::vector<PeerMapping> kept;
+    for (const PeerMapping& m : mappings_) {
+      if (m.last_call + kMappingIdleCalls < sequence_) {
+        if (m.local != nullptr) munmap(m.local, m.size);
+      } else {
+        kept.push_back(m);
+        mapped_bytes += m.size;
+      }
+    }
+    mappings_ = std::move(kept);
+    while (!mappings_.empty() &&
+           (mappings_.size() >= kMaxPeerMappings || mapped_bytes > kMaxPeerMappedBytes)) {
       if (mappings_.front().local != nullptr) munmap(mappings_.front().local, mappings_.front().size);
+      mapped_bytes -= mappings_.front().size;
       mappings_.erase(mappings_.begin());
     }
     PeerMapping m{.peer = peer, .id = region->id, .size = region->size};
@@ -298,6 +315,7 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
     mappings_.push_back(m);
     found = &mappings_.back();
   }
+  found->last_call = sequence_;
   if (found->local == nullptr) return nullptr;
   return found->local + (remote - region->base);
 }

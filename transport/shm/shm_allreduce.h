@@ -304,6 +304,7 @@ class ShmAllReduce {
     uint64_t id = 0;        // the peer's ShareableRegion::id
     char* local = nullptr;  // null: mapping failed, use CMA
     uint64_t size = 0;
+    uint64_t last_call = 0;  // the last call that copied through it
   };
   // Caches of the const copy functions.
   mutable std::vector<PeerMapping> mappings_;  // oldest first

@@ -742,6 +742,36 @@ TEST(ShmAllReduce, ShareableBuffersAreCopiedThroughMappings) {
   }
 }
 
+// More regions than the mapping cache holds (64), each used once and then
+// freed, while one long-lived region is used every call: the cache evicts
+// and remaps without wrong results.
+TEST(ShmAllReduce, ShareableMappingsAreEvictedAndRemapped) {
+  auto group = MakeGroup(2, 4096, 4096);
+  const size_t count = 5000;  // 20 KB of f32: the direct path
+  RunRanks(2, [&](int r) {
+    auto kept = AllocateShareable(count * sizeof(float));
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    for (int round = 0; round < 80; ++round) {
+      auto fresh = AllocateShareable(count * sizeof(float));
+      ASSERT_TRUE(fresh.ok()) << fresh.status();
+      for (void* buffer : {*fresh, *kept}) {
+        FillInput(DataType::kF32, buffer, count, r, ReduceOp::kSum);
+        Status st = group[r]->AllReduce(buffer, buffer, count, DataType::kF32, ReduceOp::kSum,
+                                        DeadlineIn(milliseconds(10000)), nullptr);
+        ASSERT_TRUE(st.ok()) << st;
+        std::string first;
+        ASSERT_EQ(CountWrong(DataType::kF32, buffer, count, 2, ReduceOp::kSum, 0, &first), 0u)
+            << "round " << round << ": " << first;
+      }
+      // The peer may still copy with it until both finished the call.
+      ASSERT_TRUE(group[r]->Barrier(DeadlineIn(milliseconds(10000)), nullptr).ok());
+      ASSERT_TRUE(FreeShareable(*fresh).ok());
+    }
+    ASSERT_TRUE(FreeShareable(*kept).ok());
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_GE(group[r]->mapped_copies(), 160u);
+}
+
 TEST(Shareable, FindsTheRegionHoldingARangeAndFreesIt) {
   auto p = AllocateShareable(10000);
   ASSERT_TRUE(p.ok()) << p.status();
