@@ -1,12 +1,12 @@
 #include "transport/shm/shm_allreduce.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
-#include <sys/syscall.h>
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
