@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -89,6 +90,7 @@ void* CachingCpuAllocator::Allocate(size_t nbytes, Device device) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.requests;
+    if (size >= kTrimThreshold) last_request_[size] = stats_.requests;
     stats_.in_use_bytes += size;
     if (stats_.in_use_bytes > stats_.peak_in_use_bytes) stats_.peak_in_use_bytes = stats_.in_use_bytes;
     auto it = free_.find(size);
@@ -127,6 +129,13 @@ void CachingCpuAllocator::Deallocate(void* ptr, size_t nbytes, Device device) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.in_use_bytes -= size;
+    if (caching_ && stats_.cached_bytes + size > max_cached_bytes_ && size <= max_cached_bytes_) {
+      // Full, typically of another workload's sizes (evaluation's larger
+      // batches): blocks of other large sizes make room, so that the running
+      // workload keeps hitting the cache instead of faulting in fresh pages
+      // every step.
+      TrimLocked(stats_.cached_bytes + size - max_cached_bytes_, size);
+    }
     if (caching_ && stats_.cached_bytes + size <= max_cached_bytes_) {
       free_[size].push_back(ptr);
       stats_.cached_bytes += size;
@@ -136,20 +145,28 @@ void CachingCpuAllocator::Deallocate(void* ptr, size_t nbytes, Device device) {
   SystemFree(ptr, size);
 }
 
-void CachingCpuAllocator::TrimLocked(size_t want) {
+void CachingCpuAllocator::TrimLocked(size_t want, size_t keep) {
+  // Least recently requested classes first: after an evaluation, its sizes
+  // go back before those of the training steps that run now (freeing
+  // those would fault their pages in again at the next step).
+  std::vector<std::pair<uint64_t, size_t>> classes;  // (last request, size)
+  for (const auto& [size, list] : free_) {
+    if (size >= kTrimThreshold && size != keep && !list.empty()) {
+      classes.emplace_back(last_request_[size], size);
+    }
+  }
+  std::sort(classes.begin(), classes.end());
   size_t freed = 0;
-  for (auto it = free_.begin(); it != free_.end() && freed < want;) {
-    if (it->first < kTrimThreshold) {
-      ++it;
-      continue;
+  for (const auto& [tick, size] : classes) {
+    if (freed >= want) break;
+    std::vector<void*>& list = free_[size];
+    while (!list.empty() && freed < want) {
+      SystemFree(list.back(), size);
+      list.pop_back();
+      freed += size;
+      stats_.cached_bytes -= size;
     }
-    while (!it->second.empty() && freed < want) {
-      SystemFree(it->second.back(), it->first);
-      it->second.pop_back();
-      freed += it->first;
-      stats_.cached_bytes -= it->first;
-    }
-    it = it->second.empty() ? free_.erase(it) : std::next(it);
+    if (list.empty()) free_.erase(size);
   }
 }
 

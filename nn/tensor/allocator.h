@@ -74,9 +74,13 @@ class CachingCpuAllocator final : public Allocator {
   static constexpr size_t kTrimSlack = size_t{16} << 20;
 
  private:
-  void TrimLocked(size_t want);
+  // Returns cached blocks of the large classes other than `keep` until
+  // `want` bytes are freed (or none is left).
+  void TrimLocked(size_t want, size_t keep = 0);
   mutable std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> free_;
+  // Large classes: the request count at their last request (trim order).
+  std::unordered_map<size_t, uint64_t> last_request_;
   AllocatorStats stats_;
   size_t max_cached_bytes_;
   bool caching_;

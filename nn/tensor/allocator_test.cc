@@ -135,6 +135,39 @@ TEST(CachingCpuAllocatorTest, LargeBlocksComeFromTheInstalledSource) {
   a.Deallocate(again, 300000, kCPU);
 }
 
+// A trim frees the least recently requested large classes first: after an
+// "evaluation" block, the training step's own block stays cached (freeing
+// it would fault its pages in again at every step), and a full cache makes
+// room for a block being returned.
+TEST(CachingCpuAllocatorTest, TrimFreesLeastRecentlyRequestedClassesFirst) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  void* eval = a.Allocate(40 * kMiB, kCPU);  // requested first
+  a.Deallocate(eval, 40 * kMiB, kCPU);
+  void* step = a.Allocate(3 * kMiB, kCPU);  // requested last
+  a.Deallocate(step, 3 * kMiB, kCPU);
+  // A new 30 MiB class: the footprint (30 + 43 MiB) exceeds the peak
+  // (40 MiB) plus slack (16 MiB), so 17 MiB must go: the 40 MiB block.
+  void* other = a.Allocate(30 * kMiB, kCPU);
+  a.Deallocate(other, 30 * kMiB, kCPU);
+  const uint64_t before = a.Stats().system_allocations;
+  void* again = a.Allocate(3 * kMiB, kCPU);
+  EXPECT_EQ(again, step);
+  EXPECT_EQ(a.Stats().system_allocations, before);
+  a.Deallocate(again, 3 * kMiB, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 33 * kMiB);
+
+  // Full: returning a 3 MiB block frees the 30 MiB class to make room.
+  a.set_max_cached_bytes(32 * kMiB);
+  void* held = a.Allocate(3 * kMiB, kCPU);
+  void* extra = a.Allocate(3 * kMiB, kCPU);  // a second block of the class
+  a.Deallocate(held, 3 * kMiB, kCPU);
+  a.Deallocate(extra, 3 * kMiB, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 6 * kMiB);
+  a.EmptyCache();
+}
+
 TEST(CachingCpuAllocatorTest, ThreadsAllocateConcurrently) {
   CachingCpuAllocator a;
   std::vector<std::thread> threads;
