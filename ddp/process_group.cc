@@ -1453,7 +1453,8 @@ void ShareLargeCpuBlocks() {
           return *memory;
         },
         .release = [](void* block, size_t) {
-          if (!transport::shm::FindShareable(block, 1).has_value()) return false;
+          // Not shareable (allocated before the source, or declined): the
+          // allocator frees it itself.
           if (!transport::shm::FreeShareable(block).ok()) return false;
           shareable_blocks.fetch_sub(1);
           return true;

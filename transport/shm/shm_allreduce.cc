@@ -487,9 +487,12 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.op = op;
   args.kind = static_cast<int32_t>(kind);
   args.root = root;
+  // Staged calls never copy with a peer's buffers: no lookup (a lock) for
+  // them. Without a region peers use CMA, so skipping is always safe.
   const size_t bytes = count * DataTypeSize(dtype);
-  args.src_region = FindShareable(send, bytes).value_or(ShareableRegion{});
-  args.dst_region = FindShareable(recv, bytes).value_or(ShareableRegion{});
+  const bool direct = bytes > options_.staging_bytes;
+  args.src_region = direct ? FindShareable(send, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
+  args.dst_region = direct ? FindShareable(recv, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
