@@ -223,11 +223,7 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
 Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t remote,
                                   size_t bytes) const {
   const uint64_t s = sequence_;
-  const std::atomic<uint64_t>& left = control(peer).abandoned;
-  auto gone = [&] {
-    const uint64_t call = left.load(std::memory_order_seq_cst);
-    return call != 0 && call >= s;
-  };
+  auto gone = [&] { return Abandoned(peer); };
   // The peer's buffer mapped here (shareable memory), else null: CMA.
   char* mapped = sequence_ > 0 ? MapPeerBuffer(peer, remote, bytes) : nullptr;
   if (mapped != nullptr) ++mapped_copies_;
@@ -258,6 +254,11 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
     done += n;
   }
   return Status::Ok();
+}
+
+bool ShmAllReduce::Abandoned(int peer) const {
+  const uint64_t call = control(peer).abandoned.load(std::memory_order_seq_cst);
+  return call != 0 && call >= sequence_;
 }
 
 char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const {
@@ -605,8 +606,9 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
 
 // Shapes: every rank holds [count] elements of `dtype`; rank r owns the
 // slice [begin_r, end_r). Per chunk of its slice, rank r reads the chunk
-// from every peer's input into a cache-resident buffer and folds it into
-// its output; AllReduce then writes the reduced chunk into every peer's
+// from every peer's input into a cache-resident buffer (or, for an input in
+// shareable memory, reads it where it lies through a mapping) and folds it
+// into its output; AllReduce then writes the reduced chunk into every peer's
 // output while it is still in cache. Two rendezvous per call: all arrived
 // (inputs readable), all finished (every slice written everywhere, every
 // input read).
@@ -631,19 +633,31 @@ Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, siz
     const int last_peer = me == options_.size - 1 ? options_.size - 2 : options_.size - 1;
     for (int peer = 0; peer < options_.size; ++peer) {
       if (peer == me) continue;
-      DDP_RETURN_IF_ERROR(ReadFromPeer(peer, chunk_.data(),
-                                       control(peer).args[s % 2].src + a * elem, n * elem));
+      const uint64_t remote = control(peer).args[s % 2].src + a * elem;
+      // A peer's input in shareable memory is folded where it lies, through
+      // this rank's mapping of it; any other is first copied here.
+      const char* theirs = MapPeerBuffer(peer, remote, n * elem);
+      if (theirs != nullptr) {
+        ++mapped_copies_;
+        if (Abandoned(peer)) return PeerFailure(s, peer);
+      } else {
+        DDP_RETURN_IF_ERROR(ReadFromPeer(peer, chunk_.data(), remote, n * elem));
+        theirs = chunk_.data();
+      }
       if (op == ReduceOp::kAvg && peer == last_peer) {
         // The last fold and the division in L1-sized blocks: one pass over
         // the chunk instead of two.
         for (size_t b = 0; b < n; b += kDivideBlock) {
           const size_t m = std::min(kDivideBlock, n - b);
-          fn(here + b * elem, first + b * elem, chunk_.data() + b * elem, m);
+          fn(here + b * elem, first + b * elem, theirs + b * elem, m);
           reduce::DivideInPlace(dtype, here + b * elem, m, options_.size);
         }
       } else {
-        fn(here, first, chunk_.data(), n);
+        fn(here, first, theirs, n);
       }
+      // A peer that gave up on the call while this rank read its input may
+      // have reused that memory: the fold is void.
+      if (theirs != chunk_.data() && Abandoned(peer)) return PeerFailure(s, peer);
       first = here;
     }
     if (options_.size == 1 && first != here) std::memcpy(here, first, n * elem);

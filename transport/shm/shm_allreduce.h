@@ -240,6 +240,9 @@ class ShmAllReduce {
   Status CheckAgreement(uint64_t call, size_t count, DataType dtype, int32_t op, Kind kind,
                         int32_t root, int only = -1) const;
   Status CopyWithPeer(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
+  // Whether `peer` gave up on the current call (returned before every rank
+  // finished it): its buffers may have been reused since.
+  bool Abandoned(int peer) const;
   Status CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
   // in shareable memory the peer published for the current call and the

@@ -535,6 +535,43 @@ TEST(ShmAllReduce, LatePeerLeavesTheBufferOfARankThatGaveUp) {
   EXPECT_LT(late_took, milliseconds(3000));
 }
 
+// The same with both ranks' buffers in shareable memory, where the late
+// rank would read the first rank's input through its mapping: it checks
+// that the first rank is still in the call before folding, and fails.
+TEST(ShmAllReduce, LatePeerDoesNotFoldTheShareableInputOfARankThatGaveUp) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t count = 50000;
+  const size_t bytes = count * sizeof(float);
+  auto early_buffer = AllocateShareable(bytes);
+  auto late_buffer = AllocateShareable(bytes);
+  ASSERT_TRUE(early_buffer.ok() && late_buffer.ok());
+  float* early = static_cast<float*>(*early_buffer);
+  float* late = static_cast<float*>(*late_buffer);
+  std::fill(early, early + count, 1.0f);
+  std::fill(late, late + count, 2.0f);
+  const uint64_t late_mapped_before = group[1]->mapped_copies();
+  Status late_status;
+  std::thread peer([&] {
+    std::this_thread::sleep_for(milliseconds(600));
+    late_status = group[1]->AllReduce(late, late, count, DataType::kF32, ReduceOp::kSum,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+  });
+  Status s = group[0]->AllReduce(early, early, count, DataType::kF32, ReduceOp::kSum,
+                                 DeadlineIn(milliseconds(200)), nullptr);
+  std::fill(early, early + count, 7.0f);
+  peer.join();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(std::count(early, early + count, 7.0f), static_cast<ptrdiff_t>(count))
+      << "the late rank wrote into the buffer after the call returned";
+  EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
+  EXPECT_NE(late_status.message().find("rank 0 failed in this shared-memory call"),
+            std::string::npos) << late_status;
+  EXPECT_EQ(group[1]->mapped_copies(), late_mapped_before + 1)
+      << "the late rank should have mapped the first rank's input once, then stopped";
+  EXPECT_TRUE(FreeShareable(early).ok());
+  EXPECT_TRUE(FreeShareable(late).ok());
+}
+
 // The hierarchical form's slice function may be slow (the step between
 // hosts): a peer that gave up meanwhile does not get that slice written
 // into its output afterwards, and the slow rank fails with its error.
