@@ -42,13 +42,19 @@ struct AllocatorStats {
 /// up to 64 KiB, then eight classes per power of two). Blocks are 64-byte
 /// aligned. The cache is bounded (max_cached_bytes); beyond it freed blocks
 /// go back to the system. Blocks of 1 MiB and more are mapped directly
-/// (mmap), so returning them really frees their pages. When a large request
-/// misses the cache while the cached and used memory together exceed the
-/// peak demand seen so far (plus 16 MiB), cached blocks of other large
-/// classes are returned first: switching workloads (training, then
-/// evaluation) does not add the two footprints up, while a steady training
-/// loop, which always hits the cache, never trims. Caching is off under AddressSanitizer or when the
-/// environment sets DDP_NN_CPU_CACHE=0, so that use-after-free is caught.
+/// (mmap), so returning them really frees their pages. A large request that
+/// misses its class takes a cached block of a larger class (at most
+/// kBorrowFactor times larger) before asking the system: its pages are
+/// resident already, where fresh ones fault in one by one. When a large
+/// request still misses while the cached and used memory together exceed
+/// the peak demand seen so far (plus 16 MiB), cached blocks of other large
+/// classes are returned first, least recently requested first, and never
+/// those requested since this class's previous use (its cycle: a training
+/// step, an evaluation batch): switching workloads (training, then
+/// evaluation) does not add the two footprints up, a cycle keeps its own
+/// blocks, and a steady training loop, which always hits the cache, never
+/// trims. Caching is off under AddressSanitizer or when the environment
+/// sets DDP_NN_CPU_CACHE=0, so that use-after-free is caught.
 class CachingCpuAllocator final : public Allocator {
  public:
   CachingCpuAllocator();
@@ -72,15 +78,29 @@ class CachingCpuAllocator final : public Allocator {
   static constexpr size_t kTrimThreshold = size_t{1} << 20;
   /// Footprint allowed above the peak demand before trimming.
   static constexpr size_t kTrimSlack = size_t{16} << 20;
+  /// A large request that misses its class may take a cached block up to
+  /// this many times larger.
+  static constexpr size_t kBorrowFactor = 4;
 
  private:
-  // Returns cached blocks of the large classes other than `keep` until
-  // `want` bytes are freed (or none is left).
-  void TrimLocked(size_t want, size_t keep = 0);
+  // Returns cached blocks of the large classes other than `keep`, and last
+  // requested before request number `before`, until `want` bytes are freed
+  // (or none is left), least recently requested first.
+  void TrimLocked(size_t want, size_t keep = 0, uint64_t before = UINT64_MAX);
+  // A cached block of a larger large class for a request of `size` bytes
+  // that missed its own (recorded in borrowed_), or null.
+  void* BorrowLocked(size_t size);
   mutable std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> free_;
-  // Large classes: the request count at their last request (trim order).
-  std::unordered_map<size_t, uint64_t> last_request_;
+  // A large class's requests, counted in stats_.requests.
+  struct ClassUse {
+    uint64_t last = 0;          // the last request (trim order)
+    uint64_t before_burst = 0;  // the last one before its blocks now in use
+    int64_t in_use = 0;         // its blocks handed out and not returned
+  };
+  std::unordered_map<size_t, ClassUse> use_;
+  // Blocks handed out for smaller requests: their own class.
+  std::unordered_map<void*, size_t> borrowed_;
   AllocatorStats stats_;
   size_t max_cached_bytes_;
   bool caching_;

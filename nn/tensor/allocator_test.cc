@@ -61,10 +61,11 @@ TEST(CachingCpuAllocatorTest, LargeMissTrimsOnlyBeyondThePeakDemand) {
   a.Deallocate(p, 20 * mb, kCPU);
   a.Deallocate(q, 8 * mb, kCPU);
   EXPECT_EQ(a.Stats().cached_bytes, 28 * mb);
-  // Within the peak (28 MiB) plus slack: a new size is simply added.
-  void* r = a.Allocate(12 * mb, kCPU);
+  // Within the peak (28 MiB) plus slack: a new size is simply added (1.5
+  // MiB: no cached block is small enough to be borrowed for it).
+  void* r = a.Allocate(3 * mb / 2, kCPU);
   EXPECT_EQ(a.Stats().cached_bytes, 28 * mb);
-  a.Deallocate(r, 12 * mb, kCPU);
+  a.Deallocate(r, 3 * mb / 2, kCPU);
   // Phase 2 (evaluation): a big new size would push the footprint past
   // peak + slack, so cached blocks of other classes go back first.
   void* s = a.Allocate(48 * mb, kCPU);
@@ -143,28 +144,106 @@ TEST(CachingCpuAllocatorTest, TrimFreesLeastRecentlyRequestedClassesFirst) {
   constexpr size_t kMiB = size_t{1} << 20;
   CachingCpuAllocator a;
   a.set_caching_enabled(true);
-  void* eval = a.Allocate(40 * kMiB, kCPU);  // requested first
-  a.Deallocate(eval, 40 * kMiB, kCPU);
+  void* eval = a.Allocate(60 * kMiB, kCPU);  // requested first
+  a.Deallocate(eval, 60 * kMiB, kCPU);
   void* step = a.Allocate(3 * kMiB, kCPU);  // requested last
   a.Deallocate(step, 3 * kMiB, kCPU);
-  // A new 30 MiB class: the footprint (30 + 43 MiB) exceeds the peak
-  // (40 MiB) plus slack (16 MiB), so 17 MiB must go: the 40 MiB block.
-  void* other = a.Allocate(30 * kMiB, kCPU);
-  a.Deallocate(other, 30 * kMiB, kCPU);
+  // A new 14 MiB class (the 60 MiB block is too large to be borrowed for
+  // it): the footprint (14 + 63 MiB) exceeds the peak (60 MiB) plus slack
+  // (16 MiB), so 1 MiB must go: the 60 MiB block.
+  void* other = a.Allocate(14 * kMiB, kCPU);
+  a.Deallocate(other, 14 * kMiB, kCPU);
   const uint64_t before = a.Stats().system_allocations;
   void* again = a.Allocate(3 * kMiB, kCPU);
   EXPECT_EQ(again, step);
   EXPECT_EQ(a.Stats().system_allocations, before);
   a.Deallocate(again, 3 * kMiB, kCPU);
-  EXPECT_EQ(a.Stats().cached_bytes, 33 * kMiB);
+  EXPECT_EQ(a.Stats().cached_bytes, 17 * kMiB);
 
-  // Full: returning a 3 MiB block frees the 30 MiB class to make room.
-  a.set_max_cached_bytes(32 * kMiB);
+  // Full: returning a 3 MiB block frees the 14 MiB class to make room.
+  a.set_max_cached_bytes(16 * kMiB);
   void* held = a.Allocate(3 * kMiB, kCPU);
   void* extra = a.Allocate(3 * kMiB, kCPU);  // a second block of the class
   a.Deallocate(held, 3 * kMiB, kCPU);
   a.Deallocate(extra, 3 * kMiB, kCPU);
   EXPECT_EQ(a.Stats().cached_bytes, 6 * kMiB);
+  a.EmptyCache();
+}
+
+// A cycle (an evaluation batch) whose distinct large sizes add up to more
+// than its peak demand plus slack: after its first pass every block stays
+// cached, so later passes allocate nothing. When the other workload
+// (training) comes back, its misses give back only classes older than its
+// own last use, not the evaluation's; two blocks of one class requested
+// at once count as one use. (Sizes differ by more than kBorrowFactor, so
+// that no block is borrowed for another class.)
+TEST(CachingCpuAllocatorTest, RecurringCycleKeepsItsClassesCached) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  auto train = [&] {
+    void* t1 = a.Allocate(20 * kMiB, kCPU);
+    void* t2 = a.Allocate(20 * kMiB, kCPU);
+    a.Deallocate(t1, 20 * kMiB, kCPU);
+    a.Deallocate(t2, 20 * kMiB, kCPU);
+  };
+  // Peak in use 100 MiB; the classes of one pass add up to 108 MiB.
+  auto pass = [&] {
+    void* x = a.Allocate(100 * kMiB, kCPU);
+    a.Deallocate(x, 100 * kMiB, kCPU);
+    void* z1 = a.Allocate(4 * kMiB, kCPU);
+    void* z2 = a.Allocate(4 * kMiB, kCPU);
+    a.Deallocate(z1, 4 * kMiB, kCPU);
+    a.Deallocate(z2, 4 * kMiB, kCPU);
+  };
+  train();
+  for (int i = 0; i < 3; ++i) pass();
+  const uint64_t settled = a.Stats().system_allocations;
+  for (int i = 0; i < 5; ++i) pass();
+  EXPECT_EQ(a.Stats().system_allocations, settled) << "a recurring pass allocated fresh blocks";
+  // The evaluation gave the training blocks back; they come back now
+  // without the evaluation's going.
+  train();
+  EXPECT_EQ(a.Stats().system_allocations, settled + 2);
+  pass();
+  EXPECT_EQ(a.Stats().system_allocations, settled + 2) << "training evicted the evaluation's blocks";
+  a.EmptyCache();
+}
+
+// A large request that misses its class takes a cached block of a larger
+// class (at most kBorrowFactor times larger) instead of fresh pages, and
+// the block returns to its own class.
+TEST(CachingCpuAllocatorTest, LargeMissBorrowsALargerCachedBlock) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  void* big = a.Allocate(32 * kMiB, kCPU);
+  a.Deallocate(big, 32 * kMiB, kCPU);
+  const uint64_t before = a.Stats().system_allocations;
+  void* small = a.Allocate(10 * kMiB, kCPU);
+  EXPECT_EQ(small, big);
+  EXPECT_EQ(a.Stats().system_allocations, before);
+  EXPECT_EQ(a.Stats().in_use_bytes, 32 * kMiB);
+  EXPECT_EQ(a.Stats().cached_bytes, 0u);
+  // Too small to borrow the 32 MiB block while it is free again: fresh.
+  a.Deallocate(small, 10 * kMiB, kCPU);
+  EXPECT_EQ(a.Stats().in_use_bytes, 0u);
+  EXPECT_EQ(a.Stats().cached_bytes, 32 * kMiB);
+  void* tiny = a.Allocate(6 * kMiB, kCPU);
+  EXPECT_NE(tiny, big);
+  EXPECT_EQ(a.Stats().system_allocations, before + 1);
+  // The big block is back in its own class.
+  void* again = a.Allocate(32 * kMiB, kCPU);
+  EXPECT_EQ(again, big);
+  a.Deallocate(again, 32 * kMiB, kCPU);
+  a.Deallocate(tiny, 6 * kMiB, kCPU);
+  // Small classes never borrow.
+  void* small_block = a.Allocate(64 * 1024, kCPU);
+  a.Deallocate(small_block, 64 * 1024, kCPU);
+  const uint64_t b2 = a.Stats().system_allocations;
+  void* smaller = a.Allocate(32 * 1024, kCPU);
+  EXPECT_EQ(a.Stats().system_allocations, b2 + 1);
+  a.Deallocate(smaller, 32 * 1024, kCPU);
   a.EmptyCache();
 }
 
