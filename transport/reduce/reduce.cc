@@ -1,5 +1,6 @@
 #include "transport/reduce/reduce.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -363,6 +364,20 @@ DDP_INLINE void DivideNative(T* __restrict p, size_t n, int64_t divisor) {
   }
 }
 
+// f32 and f64: each sum rounds to T and is then divided, exactly as a sum
+// pass followed by DivideNative's pass (no fused multiply-add can form:
+// the product's operand is the rounded sum). No __restrict: dst may be a.
+template <typename T>
+DDP_INLINE void SumDivideFloat(T* d, const T* a, const T* b, size_t n, int64_t divisor) {
+  if ((divisor & (divisor - 1)) == 0) {
+    const T r = T{1} / static_cast<T>(divisor);
+    for (size_t i = 0; i < n; ++i) d[i] = (a[i] + b[i]) * r;
+    return;
+  }
+  const T q = static_cast<T>(divisor);
+  for (size_t i = 0; i < n; ++i) d[i] = (a[i] + b[i]) / q;
+}
+
 template <typename T>
 DDP_INLINE void ScaleNative(T* __restrict p, size_t n, double factor) {
   if constexpr (std::is_floating_point_v<T>) {
@@ -413,6 +428,11 @@ DDP_AVX2 void DivideNativeAvx2(T* p, size_t n, int64_t divisor) {
 template <typename T>
 DDP_AVX2 void ScaleNativeAvx2(T* p, size_t n, double factor) {
   ScaleNative<T>(p, n, factor);
+}
+
+template <typename T>
+DDP_AVX2 void SumDivideFloatAvx2(T* d, const T* a, const T* b, size_t n, int64_t divisor) {
+  SumDivideFloat<T>(d, a, b, n, divisor);
 }
 #endif
 
@@ -542,6 +562,42 @@ void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Is
         if ((divisor & (divisor - 1)) == 0) return map(MultiplyBy{1.0f / static_cast<float>(divisor)});
         map(DivideBy{static_cast<float>(divisor)});
       });
+}
+
+void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
+               int64_t divisor) {
+  SumDivide(dtype, dst, a, b, count, divisor, DetectIsa());
+}
+
+void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
+               int64_t divisor, Isa isa) {
+  if (divisor <= 0) {
+    std::fprintf(stderr, "fatal: reduce: SumDivide by non-positive divisor %lld\n",
+                 static_cast<long long>(divisor));
+    std::abort();
+  }
+  const bool avx2 = DDP_REDUCE_HAVE_X86 && isa == Isa::kAvx2;
+  auto fused = [&](auto* d) {
+    using T = std::remove_pointer_t<decltype(d)>;
+    const T* x = static_cast<const T*>(a);
+    const T* y = static_cast<const T*>(b);
+#if DDP_REDUCE_HAVE_X86
+    if (avx2) return SumDivideFloatAvx2<T>(d, x, y, count, divisor);
+#endif
+    SumDivideFloat<T>(d, x, y, count, divisor);
+  };
+  if (dtype == DataType::kF32) return fused(static_cast<float*>(dst));
+  if (dtype == DataType::kF64) return fused(static_cast<double*>(dst));
+  // Other types: the two passes, in blocks that stay in L1 between them.
+  constexpr size_t kBlock = 4096;
+  const ReduceFn sum = GetReduceFn(dtype, ReduceOp::kSum, isa);
+  const size_t elem = DataTypeSize(dtype);
+  for (size_t i = 0; i < count; i += kBlock) {
+    const size_t m = std::min(kBlock, count - i);
+    char* d = static_cast<char*>(dst) + i * elem;
+    sum(d, static_cast<const char*>(a) + i * elem, static_cast<const char*>(b) + i * elem, m);
+    DivideInPlace(dtype, d, m, divisor, isa);
+  }
 }
 
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor) {

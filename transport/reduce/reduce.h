@@ -62,6 +62,14 @@ void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b
 void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor);
 void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Isa isa);
 
+/// dst[i] = (a[i] + b[i]) / divisor (dst may equal a or b): the last fold
+/// of kAvg and its division in one pass, with the same bits as
+/// Reduce(kSum) followed by DivideInPlace. divisor must be positive.
+void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
+               int64_t divisor);
+void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
+               int64_t divisor, Isa isa);
+
 /// data[i] *= factor (f16/bf16 in f32; integers: product truncated toward
 /// zero, computed in double).
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor);

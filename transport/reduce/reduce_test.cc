@@ -492,6 +492,43 @@ TEST(DivideInPlaceTest, PowerOfTwoDivisorsGiveTheBitsOfADivision) {
   }
 }
 
+// The fused last fold of kAvg gives the bits of a sum pass followed by a
+// division pass, for every type, divisor, ISA and aliasing (dst = a, dst =
+// b, separate), on random inputs with NaN, infinities, signed zeros and
+// (for the power-of-two divisors) results that become subnormal.
+TEST(SumDivideTest, SameBitsAsASumThenADivision) {
+  std::mt19937 rng(11);
+  const size_t n = 10007;  // odd, and more than one of the fallback's blocks
+  for (Isa isa : IsasToTest()) {
+    for (DataType dtype : kAllTypes) {
+      for (int64_t divisor : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}, int64_t{1} << 40}) {
+        std::vector<unsigned char> a = RandomBuffer(dtype, n, rng, /*specials=*/true);
+        std::vector<unsigned char> b = RandomBuffer(dtype, n, rng, /*specials=*/true);
+        if (dtype == DataType::kF32) {
+          // Tiny values: their sums divided by 2^k are subnormal.
+          for (size_t i = 0; i < n; i += 5) {
+            Store(dtype, a.data(), i, std::ldexp(1.0, -125) * static_cast<double>(i % 7));
+          }
+        }
+        std::vector<unsigned char> want(a.size());
+        Reduce(dtype, ReduceOp::kSum, want.data(), a.data(), b.data(), n);
+        DivideInPlace(dtype, want.data(), n, divisor, isa);
+        const std::string what = std::string(DataTypeName(dtype)) + " / " + std::to_string(divisor) +
+                                 " on " + IsaName(isa);
+        std::vector<unsigned char> out(a.size());
+        SumDivide(dtype, out.data(), a.data(), b.data(), n, divisor, isa);
+        ExpectSameElements(dtype, out.data(), want.data(), n, what + ", separate output");
+        std::vector<unsigned char> in_a = a;
+        SumDivide(dtype, in_a.data(), in_a.data(), b.data(), n, divisor, isa);
+        ExpectSameElements(dtype, in_a.data(), want.data(), n, what + ", into a");
+        std::vector<unsigned char> in_b = b;
+        SumDivide(dtype, in_b.data(), a.data(), in_b.data(), n, divisor, isa);
+        ExpectSameElements(dtype, in_b.data(), want.data(), n, what + ", into b");
+      }
+    }
+  }
+}
+
 TEST(ScaleInPlaceTest, ScalesFloatsAndSaturatesIntegers) {
   for (Isa isa : IsasToTest()) {
     std::vector<float> f = {1, -2, 3, 4, 5, 6, 7, 8, 9};

@@ -83,9 +83,6 @@ constexpr auto kAbandonGrace = std::chrono::milliseconds(200);
 // Writes into a peer's memory go in pieces of at most this many bytes, each
 // checked against the peer having given up.
 constexpr size_t kWritePiece = 4 << 20;
-// Elements per block of the fused last fold and division of kAvg (16 KiB
-// of f32: the block is still in L1 when it is divided).
-constexpr size_t kDivideBlock = 4096;
 // Peers' shareable regions kept mapped at once (see MapPeerBuffer).
 constexpr size_t kMaxPeerMappings = 64;
 constexpr uint64_t kMaxPeerMappedBytes = uint64_t{4} << 30;
@@ -645,13 +642,8 @@ Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, siz
         theirs = chunk_.data();
       }
       if (op == ReduceOp::kAvg && peer == last_peer) {
-        // The last fold and the division in L1-sized blocks: one pass over
-        // the chunk instead of two.
-        for (size_t b = 0; b < n; b += kDivideBlock) {
-          const size_t m = std::min(kDivideBlock, n - b);
-          fn(here + b * elem, first + b * elem, theirs + b * elem, m);
-          reduce::DivideInPlace(dtype, here + b * elem, m, options_.size);
-        }
+        // The last fold and the division in one pass over the chunk.
+        reduce::SumDivide(dtype, here, first, theirs, n, options_.size);
       } else {
         fn(here, first, theirs, n);
       }
