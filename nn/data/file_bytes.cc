@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -58,6 +59,18 @@ std::string Gunzip(std::string_view bytes, const std::string& source, uint64_t m
   } closer{&zs};
 
   std::string out;
+  // The gzip trailer's last four bytes hold the decompressed size modulo
+  // 2^32: reserved up front, the output is written once instead of being
+  // copied at every doubling (the 47 MB of Fashion-MNIST's training images
+  // were copied and faulted into fresh memory some 7 times). It is only a
+  // hint: a corrupt one is capped by max_bytes and by deflate's largest
+  // ratio (1032:1), and the output still grows as data arrives.
+  if (bytes.size() >= 18) {
+    const auto* t = reinterpret_cast<const uint8_t*>(bytes.data() + bytes.size() - 4);
+    const uint64_t hint = uint64_t{t[0]} | (uint64_t{t[1]} << 8) | (uint64_t{t[2]} << 16) |
+                          (uint64_t{t[3]} << 24);
+    out.reserve(std::min<uint64_t>({hint, max_bytes, uint64_t{1032} * bytes.size()}));
+  }
   // Grow as data arrives, so a corrupt size never allocates up front.
   constexpr size_t kChunk = size_t{1} << 20;
   zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data()));

@@ -191,6 +191,19 @@ TEST(IdxErrors, DecompressedSizeIsBounded) {
               AllOf(HasSubstr("big.gz"), HasSubstr("more than 4096 bytes")));
 }
 
+// The trailer's size field only sizes the first allocation: one that
+// claims 4 GiB for a few hundred compressed bytes neither allocates that
+// (capped by deflate's largest ratio) nor goes unnoticed (zlib checks it).
+TEST(IdxErrors, ForgedGzipSizeFieldIsCorruptNotAnAllocation) {
+  TinySet t;
+  std::string gz = Gzip(t.images);
+  for (size_t i = gz.size() - 4; i < gz.size(); ++i) gz[i] = static_cast<char>(0xff);
+  EXPECT_THAT(ErrorOf([&] { ParseIdxFileBytes(gz, "forged.gz"); }),
+              AllOf(HasSubstr("forged.gz"), HasSubstr("corrupt gzip data")));
+  // The right size decompresses as before.
+  EXPECT_EQ(ParseIdxFileBytes(Gzip(t.images), "ok.gz").data.size(), t.images.size() - 16);
+}
+
 TEST(IdxErrors, UnreadableFileNamesTheOsError) {
   const std::string dir = FreshDir("idx_dir");
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/nope"); }),
