@@ -170,13 +170,24 @@ DDP_TEST_WORKER(equivalence_mixed) {
   return testing::WorkerExit();
 }
 
-void ExpectRun(const std::string& worker, int world, const std::string& model) {
-  auto run = RunWorkers(worker, world, {{"DDP_TEST_MODEL", model}});
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+void ExpectRun(const std::string& worker, int world, const std::string& model,
+               const std::string& collective_thread = "auto") {
+  auto run = RunWorkers(worker, world,
+                        {{"DDP_TEST_MODEL", model}, {"DDP_COLLECTIVE_THREAD", collective_thread}});
+  EXPECT_TRUE(run.AllSucceeded()) << collective_thread << "\n" << testing::AllOutput(run);
 }
 
-TEST(DdpEquivalenceTest, MlpTwoRanks) { ExpectRun("equivalence", 2, "mlp"); }
-TEST(DdpEquivalenceTest, MlpThreeRanks) { ExpectRun("equivalence", 3, "mlp"); }
+// The MLP with the buckets' all-reduces on the communication thread and on
+// the thread running backward (ProcessGroupOptions::collective_thread;
+// which one "auto" picks depends on the machine's cores).
+TEST(DdpEquivalenceTest, MlpTwoRanks) {
+  ExpectRun("equivalence", 2, "mlp", "comm");
+  ExpectRun("equivalence", 2, "mlp", "caller");
+}
+TEST(DdpEquivalenceTest, MlpThreeRanks) {
+  ExpectRun("equivalence", 3, "mlp", "comm");
+  ExpectRun("equivalence", 3, "mlp", "caller");
+}
 TEST(DdpEquivalenceTest, CnnTwoRanks) { ExpectRun("equivalence", 2, "cnn"); }
 TEST(DdpEquivalenceTest, CnnThreeRanks) { ExpectRun("equivalence", 3, "cnn"); }
 TEST(DdpEquivalenceTest, CnnTwoRanksWithTheGpuBucketCopies) {

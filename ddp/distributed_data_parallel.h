@@ -99,6 +99,10 @@ struct DdpStats {
   double backward_comm_ms = 0;      ///< First bucket launched to last bucket reduced.
   double overlap_ms = 0;            ///< Part of backward_comm_ms before the last gradient.
   double exposed_ms = 0;            ///< Backward waiting after its last gradient (and copying back).
+  // With collectives on the caller's thread (ProcessGroup::collectives_on_caller)
+  // the buckets' all-reduces run inside backward and hold it up: their summed
+  // durations count as backward_comm_ms and exposed_ms, not as compute, and
+  // overlap_ms stays 0.
   double comm_thread_cpu_ms = 0;    ///< CPU time of the communication thread.
   std::vector<size_t> bucket_bytes;  ///< Current bucket sizes, in launch order.
   /// Overlapped share of communication (0..1; 1 when there was none).

@@ -317,7 +317,13 @@ class ProcessGroup::Impl {
  public:
   Impl(std::unique_ptr<transport::Communicator> comm, int rank, int size,
        const ProcessGroupOptions& options)
-      : comm_(std::move(comm)), rank_(rank), size_(size), options_(options) {}
+      : comm_(std::move(comm)), rank_(rank), size_(size), options_(options),
+        on_caller_(comm_ != nullptr &&
+                   (options.collective_thread == CollectiveThread::kCaller ||
+                    (options.collective_thread == CollectiveThread::kAuto &&
+                     comm_->info().yields_when_idle))) {}
+
+  bool on_caller() const { return on_caller_; }
 
   ~Impl() { Stop(); }
 
@@ -365,6 +371,21 @@ class ProcessGroup::Impl {
       posted = PostHere(task, state);
       wake = in_flight_.empty();
       if (posted.ok()) in_flight_.push_back(state);
+    } else if (on_caller_ && mode != Mode::kPointToPoint && state->fence == nullptr &&
+               queue_.empty() && running_ == 0) {
+      // Run here (collectives_on_caller): nothing is ahead of it, and
+      // running_ keeps the thread from starting anything issued meanwhile.
+      Item item{std::move(description), std::move(task), state, mode};
+      ++running_;
+      std::shared_ptr<TraceRecorder> trace = trace_;
+      lock.unlock();
+      Run(item, trace);
+      lock.lock();
+      --running_;
+      if (Idle()) idle_cv_.notify_all();
+      lock.unlock();
+      cv_.notify_one();  // items issued meanwhile, or Stop, may wait for it
+      return work;
     } else {
       queue_.push_back(Item{std::move(description), std::move(task), state, mode});
     }
@@ -506,6 +527,53 @@ class ProcessGroup::Impl {
     if (Idle()) idle_cv_.notify_all();
   }
 
+  // Runs one item, on the communication thread or (collectives_on_caller)
+  // on the caller's; running_ counts it and mu_ is not held. Returns whether
+  // it posted point-to-point messages that are still in flight.
+  bool Run(Item& item, const std::shared_ptr<TraceRecorder>& trace) {
+    const Clock::time_point start = Clock::now();
+    {
+      std::lock_guard state_lock(item.state->mu);
+      item.state->started = start;
+    }
+    const uint64_t sequence =
+        item.mode == Mode::kPointToPoint ? 0 : run_count_.fetch_add(1, std::memory_order_relaxed);
+    Status status = aborted_reason();
+    if (status.ok()) {
+      const Deadline deadline = start + options_.timeout;
+      try {
+        if (options_.debug_detail && comm_ != nullptr && size_ > 1 &&
+            item.mode == Mode::kCollective) {
+          status = CheckFingerprints(*comm_, rank_, size_, sequence, item.description.ToString(),
+                                     deadline);
+        }
+        internal::DeviceFence* fence = item.state->fence.get();
+        if (status.ok() && fence != nullptr) status = fence->WaitReady(deadline);
+        if (status.ok()) status = item.task(comm_.get(), deadline);
+        if (status.ok() && fence != nullptr) status = fence->MarkDone();
+      } catch (const std::exception& e) {
+        status = transport::InternalError(item.description.ToString() + " threw: " + e.what());
+      }
+      if (!status.ok()) Abort(status);
+    }
+    const Clock::time_point end = Clock::now();
+    if (trace != nullptr) {
+      trace->Complete(item.description.ToString(), "comm", start, end,
+                      "\"ok\": " + std::string(status.ok() ? "true" : "false"));
+    }
+    const bool posted = status.ok() && item.mode == Mode::kPointToPoint;
+    if (posted) {
+      {
+        std::lock_guard state_lock(item.state->mu);
+        item.state->posted = true;
+      }
+      item.state->cv.notify_all();
+    } else {
+      item.state->Finish(std::move(status), end);
+    }
+    return posted;
+  }
+
   void Loop() {
     if (options_.comm_thread_nice != 0) {
       // Per-thread on Linux: the thread id names this thread only.
@@ -515,7 +583,8 @@ class ProcessGroup::Impl {
     }
     std::unique_lock lock(mu_);
     while (true) {
-      const auto ready = [&] { return stopping_ || !queue_.empty(); };
+      // An item running on a caller's thread (running_) goes first.
+      const auto ready = [&] { return (stopping_ || !queue_.empty()) && running_ == 0; };
       if (in_flight_.empty()) {
         // Also wakes for messages posted on a caller's thread.
         cv_.wait(lock, [&] { return ready() || !in_flight_.empty(); });
@@ -525,8 +594,8 @@ class ProcessGroup::Impl {
         cv_.wait_for(lock, kInFlightPollInterval, ready);
         PollInFlight(lock, stopping_ && queue_.empty());
       }
-      if (queue_.empty()) {
-        if (stopping_ && in_flight_.empty()) return;
+      if (queue_.empty() || running_ > 0) {
+        if (stopping_ && queue_.empty() && in_flight_.empty() && running_ == 0) return;
         continue;
       }
       Item item = std::move(queue_.front());
@@ -534,48 +603,7 @@ class ProcessGroup::Impl {
       ++running_;
       std::shared_ptr<TraceRecorder> trace = trace_;
       lock.unlock();
-
-      const Clock::time_point start = Clock::now();
-      {
-        std::lock_guard state_lock(item.state->mu);
-        item.state->started = start;
-      }
-      const uint64_t sequence =
-          item.mode == Mode::kPointToPoint ? 0 : run_count_.fetch_add(1, std::memory_order_relaxed);
-      Status status = aborted_reason();
-      if (status.ok()) {
-        const Deadline deadline = start + options_.timeout;
-        try {
-          if (options_.debug_detail && comm_ != nullptr && size_ > 1 &&
-              item.mode == Mode::kCollective) {
-            status = CheckFingerprints(*comm_, rank_, size_, sequence, item.description.ToString(),
-                                       deadline);
-          }
-          internal::DeviceFence* fence = item.state->fence.get();
-          if (status.ok() && fence != nullptr) status = fence->WaitReady(deadline);
-          if (status.ok()) status = item.task(comm_.get(), deadline);
-          if (status.ok() && fence != nullptr) status = fence->MarkDone();
-        } catch (const std::exception& e) {
-          status = transport::InternalError(item.description.ToString() + " threw: " + e.what());
-        }
-        if (!status.ok()) Abort(status);
-      }
-      const Clock::time_point end = Clock::now();
-      if (trace != nullptr) {
-        trace->Complete(item.description.ToString(), "comm", start, end,
-                        "\"ok\": " + std::string(status.ok() ? "true" : "false"));
-      }
-      const bool posted = status.ok() && item.mode == Mode::kPointToPoint;
-      if (posted) {
-        {
-          std::lock_guard state_lock(item.state->mu);
-          item.state->posted = true;
-        }
-        item.state->cv.notify_all();
-      } else {
-        item.state->Finish(std::move(status), end);
-      }
-
+      const bool posted = Run(item, trace);
       lock.lock();
       --running_;
       if (posted) in_flight_.push_back(item.state);
@@ -598,7 +626,8 @@ class ProcessGroup::Impl {
   std::deque<Item> queue_;
   // Point-to-point Works posted and not yet finished.
   std::vector<std::shared_ptr<Work::State>> in_flight_;
-  size_t running_ = 0;
+  size_t running_ = 0;  // items running, on the thread or on a caller's
+  const bool on_caller_;
   bool stopping_ = false;
   std::thread thread_;
   std::shared_ptr<TraceRecorder> trace_;
@@ -617,6 +646,19 @@ namespace {
 
 ProcessGroupOptions WithEnvironment(ProcessGroupOptions options) {
   if (DebugLevelFromEnvironment() == DebugLevel::kDetail) options.debug_detail = true;
+  if (const char* v = std::getenv("DDP_COLLECTIVE_THREAD"); v != nullptr && *v != '\0') {
+    const std::string value = v;
+    if (value == "auto") {
+      options.collective_thread = CollectiveThread::kAuto;
+    } else if (value == "comm") {
+      options.collective_thread = CollectiveThread::kCommThread;
+    } else if (value == "caller") {
+      options.collective_thread = CollectiveThread::kCaller;
+    } else {
+      throw std::invalid_argument("DDP_COLLECTIVE_THREAD must be auto, comm or caller, got '" +
+                                  value + "'");
+    }
+  }
   if (options.timeout.count() <= 0) {
     throw std::invalid_argument("ProcessGroupOptions::timeout must be positive, got " +
                                 std::to_string(options.timeout.count()) + " ms");
@@ -643,6 +685,8 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
 }
 
 ProcessGroup::~ProcessGroup() = default;
+
+bool ProcessGroup::collectives_on_caller() const { return impl_->on_caller(); }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::CreateFromEnvironment(
     ProcessGroupOptions options, transport::CommunicatorOptions comm_options) {

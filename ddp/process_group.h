@@ -156,6 +156,24 @@ struct P2POp {
   }
 };
 
+/// Which thread runs a group's collectives on CPU tensors.
+enum class CollectiveThread {
+  /// kCaller when the communicator reports that this host's ranks have more
+  /// busy threads than cores (CommunicatorInfo::yields_when_idle), else
+  /// kCommThread.
+  kAuto,
+  /// The group's communication thread: the caller (DDP's backward) goes on
+  /// computing while they run.
+  kCommThread,
+  /// The thread that issues them, whenever nothing is queued or running
+  /// ahead (the returned Work is then complete): no hand-off to another
+  /// thread and no second busy thread per rank. Where cores are
+  /// oversubscribed the communication thread overlaps nothing (it takes the
+  /// cores backward needs) and its wake-ups and waits cost time: on 2 cores
+  /// with 2 ranks DDP ran 1-8% faster this way (docs/benchmarks.md).
+  kCaller,
+};
+
 struct ProcessGroupOptions {
   /// Deadline of each collective, counted from when it starts running.
   std::chrono::milliseconds timeout{300000};
@@ -166,6 +184,10 @@ struct ProcessGroupOptions {
   /// positive value lets compute threads win the core while a collective
   /// waits for a late peer, when ranks have no spare cores.
   int comm_thread_nice = 0;
+  /// Where CPU collectives run (device collectives always use the
+  /// communication thread, which orders them with the streams).
+  /// DDP_COLLECTIVE_THREAD=auto|comm|caller in the environment overrides it.
+  CollectiveThread collective_thread = CollectiveThread::kAuto;
 };
 
 class ProcessGroup {
@@ -199,6 +221,9 @@ class ProcessGroup {
   const ProcessGroupOptions& options() const { return options_; }
   /// Whether the debug-mode fingerprint check runs.
   bool debug_detail() const { return options_.debug_detail; }
+  /// Whether CPU collectives run on the caller's thread (the resolved
+  /// ProcessGroupOptions::collective_thread).
+  bool collectives_on_caller() const;
 
   /// Zeros for a tensor this group reduces again and again (DDP's gradient
   /// buckets). On the CPU, when the group's ranks share a host, it lies in
@@ -334,8 +359,9 @@ class ProcessGroup {
   /// twice, DistributedError when forming it fails.
   std::shared_ptr<ProcessGroup> NewGroup(const std::vector<int>& ranks);
 
-  /// Runs `task` on the communication thread, in issue order with the other
-  /// collectives (what communication hooks build on). `description` is what
+  /// Runs `task` on the communication thread (or the caller's: see
+  /// collectives_on_caller), in issue order with the other collectives
+  /// (what communication hooks build on). `description` is what
   /// the debug check compares across ranks. `device_tensors` (all on one
   /// CUDA device) are ordered like a built-in collective's: the task starts
   /// once the work queued on them before this call has run, and Wait orders

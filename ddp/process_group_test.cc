@@ -85,10 +85,68 @@ DDP_TEST_WORKER(pg_collectives) {
 }
 
 TEST(ProcessGroupTest, CollectivesOnTwoAndThreeRanks) {
-  for (int n : {2, 3}) {
-    auto run = RunWorkers("pg_collectives", n);
-    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  for (const char* where : {"comm", "caller"}) {
+    for (int n : {2, 3}) {
+      auto run = RunWorkers("pg_collectives", n, {{"DDP_COLLECTIVE_THREAD", where}});
+      EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+    }
   }
+}
+
+// Where collectives run. On the caller's thread a collective is complete
+// when the call returns, no communication thread is started for it, and
+// point-to-point messages and collectives still mix in issue order; on the
+// communication thread the caller does not run them.
+DDP_TEST_WORKER(pg_collective_thread) {
+  const std::string where = std::getenv("DDP_COLLECTIVE_THREAD");
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  WORKER_EXPECT(pg->collectives_on_caller() == (where == "caller"), "collectives_on_caller");
+  Tensor t = nn::Full({100000}, me + 1.0);
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  Work w = pg->Run({.kind = "probe"}, [&](transport::Communicator*, transport::Deadline) {
+    ran_on = std::this_thread::get_id();
+    return transport::Status::Ok();
+  });
+  Work a = pg->AllReduce(t);
+  if (where == "caller") {
+    WORKER_EXPECT(w.IsCompleted() && a.IsCompleted(), "not complete on return");
+    WORKER_EXPECT(ran_on == caller, "the task ran on another thread");
+  }
+  w.Wait();
+  a.Wait();
+  if (where == "comm") WORKER_EXPECT(ran_on != caller, "the task ran on the caller's thread");
+  WORKER_EXPECT(t.data<float>()[99999] == n * (n + 1) / 2.0f, "all-reduce value");
+  if (where == "caller") {
+    WORKER_EXPECT(pg->CommThreadCpuTime().count() == 0, "a communication thread ran");
+  }
+  // A message in flight (its polling starts the communication thread), then collectives, then the message's answer.
+  const int peer = (me + 1) % n, from = (me + n - 1) % n;
+  Tensor out = nn::Full({8}, me);
+  Tensor in = nn::Empty({8});
+  Work send = pg->Send(out, peer, 7);
+  Work recv = pg->Recv(in, from, 7);
+  Tensor s = nn::Ones({3});
+  pg->AllReduce(s).Wait();
+  pg->Barrier().Wait();
+  send.Wait();
+  recv.Wait();
+  WORKER_EXPECT(in.data<float>()[7] == from, "message");
+  WORKER_EXPECT(s.data<float>()[0] == n, "all-reduce after a message");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, CollectivesRunOnTheChosenThread) {
+  for (const char* where : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_collective_thread", 2, {{"DDP_COLLECTIVE_THREAD", where}});
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
+  auto bad = RunWorkers("pg_collective_thread", 2, {{"DDP_COLLECTIVE_THREAD", "sideways"}});
+  EXPECT_FALSE(bad.AllSucceeded());
+  EXPECT_NE(testing::AllOutput(bad).find("DDP_COLLECTIVE_THREAD must be auto, comm or caller, got 'sideways'"),
+            std::string::npos)
+      << testing::AllOutput(bad);
 }
 
 // Ranks on one host: large CPU tensors and CollectiveZeros lie in shareable

@@ -439,9 +439,15 @@ void Reducer::Finalize() {
   // One thread runs the collectives in launch order: once the last bucket
   // is done the others are too, so waiting on it first sleeps once.
   for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) b->work.Wait();
+  // Collectives that ran on this thread, inside the gradient hooks, held
+  // backward up for their whole duration: none of it overlapped.
+  Clock::duration inline_comm{};
   for (Bucket& b : buckets_) {
     comm_start = std::min(comm_start, b.work.started());
     comm_end = std::max(comm_end, b.work.finished());
+    if (pg_->collectives_on_caller() && b.device.is_cpu()) {
+      inline_comm += b.work.finished() - b.work.started();
+    }
   }
   std::vector<char> globally_used(params_.size(), 1);
   if (used_work_.valid()) {
@@ -490,11 +496,15 @@ void Reducer::Finalize() {
   }
   // Statistics: see DdpStats for the definitions.
   ++times_.iterations;
-  times_.backward_compute += Seconds(last_grad_at_ - prepared_at_);
-  times_.exposed += Seconds(end - last_grad_at_);
+  times_.backward_compute += Seconds(last_grad_at_ - prepared_at_ - inline_comm);
+  times_.exposed += Seconds(end - last_grad_at_ + inline_comm);
   if (comm_start != Clock::time_point::max()) {
-    times_.backward_comm += Seconds(comm_end - comm_start);
-    times_.overlap += std::max(0.0, Seconds(std::min(last_grad_at_, comm_end) - comm_start));
+    if (inline_comm > Clock::duration::zero()) {
+      times_.backward_comm += Seconds(inline_comm);
+    } else {
+      times_.backward_comm += Seconds(comm_end - comm_start);
+      times_.overlap += std::max(0.0, Seconds(std::min(last_grad_at_, comm_end) - comm_start));
+    }
   }
   if (trace_ != nullptr) {
     trace_->Complete("backward compute", "compute", prepared_at_, last_grad_at_);

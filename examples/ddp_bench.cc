@@ -57,6 +57,9 @@ DEFINE_int32(powersgd_rank, 1, "--hook=powersgd: PowerSgdOptions::matrix_approxi
 DEFINE_int32(powersgd_start, 0,
              "--hook=powersgd: PowerSgdOptions::start_iteration (0: every step compressed, warm-up included)");
 DEFINE_int32(comm_nice, 0, "ProcessGroupOptions::comm_thread_nice");
+DEFINE_string(collective_thread, "auto",
+              "ProcessGroupOptions::collective_thread: auto, comm (the communication thread) or "
+              "caller (the thread that issues them)");
 DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
 DEFINE_string(trace_prefix, "", "write a Chrome trace per rank to <prefix>rank<r>.json");
 DEFINE_bool(zero, false, "shard the optimizer state across ranks (ZeroRedundancyOptimizer)");
@@ -95,6 +98,15 @@ int Run() {
   dist::ProcessGroupOptions pg_options;
   pg_options.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);
   pg_options.comm_thread_nice = FLAGS_comm_nice;
+  if (FLAGS_collective_thread == "comm") {
+    pg_options.collective_thread = dist::CollectiveThread::kCommThread;
+  } else if (FLAGS_collective_thread == "caller") {
+    pg_options.collective_thread = dist::CollectiveThread::kCaller;
+  } else if (FLAGS_collective_thread != "auto") {
+    std::fprintf(stderr, "ddp_bench: --collective_thread must be auto, comm or caller, got '%s'\n",
+                 FLAGS_collective_thread.c_str());
+    return 2;
+  }
   ddp::transport::CommunicatorOptions comm_options;
   comm_options.bind_to_core = FLAGS_bind_to_core;
   auto pg = dist::ProcessGroup::CreateFromEnvironment(pg_options, comm_options);
