@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -74,23 +74,48 @@ std::string BroadcastString(ProcessGroup& pg, const std::string& text, int root,
 
 }  // namespace
 
-std::vector<int> ZeroRedundancyOptimizer::Partition(const nn::optim::NamedParameters& params,
-                                                    int world_size) {
+std::vector<std::vector<ZeroRedundancyOptimizer::Slice>> ZeroRedundancyOptimizer::Partition(
+    const nn::optim::NamedParameters& params, int world_size) {
   if (world_size < 1) throw std::invalid_argument("ZeroRedundancyOptimizer: world size must be positive");
-  std::vector<size_t> order(params.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return params[a].second.numel() > params[b].second.numel();
-  });
-  std::vector<int64_t> load(static_cast<size_t>(world_size), 0);
-  std::vector<int> owner(params.size(), 0);
-  for (size_t i : order) {
-    const int rank = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    owner[i] = rank;
-    load[static_cast<size_t>(rank)] += params[i].second.numel();
+  std::vector<int64_t> start(params.size() + 1, 0);  // of each parameter, end to end
+  for (size_t i = 0; i < params.size(); ++i) start[i + 1] = start[i] + params[i].second.numel();
+  const int64_t total = start.back();
+  // cut[r]: where rank r's run begins; cut[world_size] = total.
+  std::vector<int64_t> cut(static_cast<size_t>(world_size) + 1, total);
+  cut[0] = 0;
+  for (int r = 1; r < world_size; ++r) {
+    const int64_t target = total * r / world_size;
+    // The parameter the target falls in (the last one starting at or before it).
+    const size_t i = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), target) - start.begin()) - 1;
+    cut[static_cast<size_t>(r)] = i >= params.size() ? total : start[i] + (target - start[i]) / kAlignment * kAlignment;
   }
-  return owner;
+  std::vector<std::vector<Slice>> shards(static_cast<size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) {
+    const int64_t lo = cut[static_cast<size_t>(r)], hi = cut[static_cast<size_t>(r) + 1];
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t a = std::max(lo, start[i]), b = std::min(hi, start[i + 1]);
+      if (a < b) shards[static_cast<size_t>(r)].push_back({.param = i, .offset = a - start[i], .length = b - a});
+    }
+  }
+  return shards;
 }
+
+namespace {
+
+// Elements [s.offset, s.offset + s.length) of `t` (row-major) as a 1-D
+// tensor sharing t's storage; t is copied first if it is not contiguous.
+Tensor PieceOf(const Tensor& t, const ZeroRedundancyOptimizer::Slice& s) {
+  const Tensor flat = t.is_contiguous() ? t.View({t.numel()}) : t.Contiguous().View({t.numel()});
+  return flat.Narrow(0, s.offset, s.length);
+}
+
+// "step" for "state.<name>.step": the part of a state key after its
+// parameter's name.
+std::string SlotOfKey(const std::string& key, const std::string& param_name) {
+  return key.substr(std::string("state.").size() + param_name.size() + 1);
+}
+
+}  // namespace
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters params,
                                                  std::shared_ptr<ProcessGroup> pg,
@@ -99,24 +124,37 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
   if (pg_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the process group is null");
   if (!make) throw std::invalid_argument("ZeroRedundancyOptimizer: the optimizer factory is empty");
   nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer");
-  owner_ = Partition(params_, pg_->size());
+  shards_ = Partition(params_, pg_->size());
+  pieces_.resize(shards_.size());
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    for (const Slice& s : shards_[r]) pieces_[r].push_back(PieceOf(params_[s.param].second.Detach(), s));
+  }
   nn::optim::NamedParameters shard;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (owner_[i] == pg_->rank()) shard.push_back(params_[i]);
+  const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
+  for (size_t k = 0; k < mine.size(); ++k) {
+    shard.emplace_back(params_[mine[k].param].first, pieces_[static_cast<size_t>(pg_->rank())][k]);
   }
   local_ = make(std::move(shard));
   if (local_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the factory returned null");
 }
 
 void ZeroRedundancyOptimizer::Step() {
+  // The local optimizer's pieces take the matching pieces of the gradients
+  // for this step only: holding them would keep the gradients' memory alive
+  // after ZeroGrad lets go of it.
+  const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
+  const nn::optim::NamedParameters& local = local_->params();
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const Tensor& grad = params_[mine[k].param].second.grad();
+    local[k].second.set_grad(grad.defined() ? PieceOf(grad, mine[k]) : Tensor());
+  }
   local_->Step();
-  // Each owner's parameters in one broadcast per dtype and device.
+  for (const auto& [name, piece] : local) piece.set_grad(Tensor());
+  // Each rank's pieces in one broadcast per dtype and device (in place when
+  // they are one piece).
   for (int r = 0; r < pg_->size(); ++r) {
-    std::vector<Tensor> owned;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (owner_[i] == r) owned.push_back(params_[i].second.Detach());
-    }
-    internal::BroadcastCoalesced(*pg_, owned, r, "zero: parameters of rank " + std::to_string(r));
+    internal::BroadcastCoalesced(*pg_, pieces_[static_cast<size_t>(r)], r,
+                                 "zero: parameters of rank " + std::to_string(r));
   }
 }
 
@@ -145,18 +183,49 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
     by_rank[static_cast<size_t>(r)] = std::move(tensors);
   }
   if (pg_->rank() != to) return {};
-  // The unsharded optimizer's order: "lr", then parameter by parameter.
+  // The unsharded optimizer's order: "lr", then parameter by parameter,
+  // each parameter's entries in its first piece's order; the pieces of an
+  // elementwise entry are put back in place in a tensor of the parameter's
+  // shape, and "step" (the same in every piece) is taken from the first.
+  std::vector<std::map<std::string, Tensor>> lookup(by_rank.size());
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    for (const auto& [name, t] : by_rank[r]) lookup[r].emplace(name, t);
+  }
   NamedTensors out;
   out.emplace_back("lr", nn::FromVector({local_->lr()}, {}, {.dtype = nn::DType::kFloat64}));
   for (size_t i = 0; i < params_.size(); ++i) {
-    for (const auto& [name, t] : by_rank[static_cast<size_t>(owner_[i])]) {
-      if (ParameterOfKey(name, params_) == static_cast<int>(i)) out.emplace_back(name, t);
+    std::vector<std::pair<size_t, Slice>> holders;  // (rank, piece) of parameter i
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      for (const Slice& s : shards_[r]) {
+        if (s.param == i) holders.emplace_back(r, s);
+      }
+    }
+    if (holders.empty()) continue;
+    const Tensor& param = params_[i].second;
+    for (const auto& [name, first] : by_rank[holders.front().first]) {
+      if (ParameterOfKey(name, params_) != static_cast<int>(i)) continue;
+      if (SlotOfKey(name, params_[i].first) == "step") {
+        out.emplace_back(name, first);
+        continue;
+      }
+      Tensor whole = nn::Empty(param.shape(), {.dtype = first.dtype()});
+      for (const auto& [r, s] : holders) {
+        const auto it = lookup[r].find(name);
+        if (it == lookup[r].end() || it->second.numel() != s.length) {
+          throw std::runtime_error("ZeroRedundancyOptimizer::ConsolidatedStateDict: rank " + std::to_string(r) +
+                                   " holds no piece of `" + name + "` of " + std::to_string(s.length) +
+                                   " elements");
+        }
+        PieceOf(whole, s).CopyFrom(it->second);
+      }
+      out.emplace_back(name, whole);
     }
   }
   return out;
 }
 
 NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
+  const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
   NamedTensors shard;
   for (const auto& [key, t] : state) {
     if (key == "lr") {
@@ -166,7 +235,20 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
     if (key.rfind("state.", 0) != 0) continue;  // other components' entries
     const int i = ParameterOfKey(key, params_);
     if (i < 0) throw std::invalid_argument("state key `" + key + "` names no parameter of this optimizer");
-    if (owner_[static_cast<size_t>(i)] == pg_->rank()) shard.emplace_back(key, t);
+    const auto piece = std::find_if(mine.begin(), mine.end(),
+                                    [&](const Slice& s) { return s.param == static_cast<size_t>(i); });
+    if (piece == mine.end()) continue;
+    const std::string& name = params_[static_cast<size_t>(i)].first;
+    if (SlotOfKey(key, name) == "step") {
+      shard.emplace_back(key, t);
+      continue;
+    }
+    const int64_t want = params_[static_cast<size_t>(i)].second.numel();
+    if (!t.defined() || t.numel() != want) {
+      throw std::invalid_argument("state entry `" + key + "` has " + std::to_string(t.defined() ? t.numel() : 0) +
+                                  " elements; parameter `" + name + "` has " + std::to_string(want));
+    }
+    shard.emplace_back(key, PieceOf(t, *piece));
   }
   return shard;
 }

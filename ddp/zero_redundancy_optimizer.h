@@ -2,16 +2,20 @@
 #define DDP_DDP_ZERO_REDUNDANCY_OPTIMIZER_H_
 
 // An optimizer whose state is sharded across the ranks of a process group
-// (ZeRO stage 1; PyTorch's torch.distributed.optim.ZeroRedundancyOptimizer).
-// Every parameter has one owner rank; each rank keeps optimizer state
-// (momentum, Adam's moments, f32 masters of 16-bit parameters) for the
-// parameters it owns only, and Step updates only those, then each owner
-// broadcasts its updated parameters so that every replica stays identical.
-// With Adam on N ranks a rank holds about 1/N of the two moment buffers.
+// (ZeRO stage 1, as PyTorch's torch.distributed.optim.ZeroRedundancyOptimizer
+// but with DeepSpeed's flat partition). The parameters, laid end to end, are
+// cut into one run of about equal length per rank, so a large parameter (an
+// embedding, a first layer) may be split between ranks. Each rank keeps
+// optimizer state (momentum, Adam's moments, f32 masters of 16-bit
+// parameters) for its own elements only, and Step updates only those, then
+// each rank broadcasts its updated elements so that every replica stays
+// identical. On N ranks a rank holds and updates 1/N of the elements, give
+// or take 16 per cut, however uneven the parameters' sizes are.
 //
 // It runs after DistributedDataParallel has averaged the gradients, so the
-// result equals the unsharded optimizer's bit for bit: the owner runs the
-// same update on the same averaged gradient, and the others copy its bytes.
+// result equals the unsharded optimizer's bit for bit: every update is
+// elementwise, each element's owner runs it on the same averaged gradient,
+// and the others copy its bytes.
 //
 //   auto model = ...;
 //   DistributedDataParallel ddp(model, {.process_group = pg});
@@ -41,8 +45,12 @@ namespace ddp::dist {
 
 class ZeroRedundancyOptimizer {
  public:
-  /// Builds the optimizer of one rank's shard (in the order the parameters
-  /// were given; possibly empty when there are more ranks than parameters).
+  /// Builds the optimizer of one rank's shard: a 1-D view of each piece of a
+  /// parameter the rank owns, named after that parameter, in the order the
+  /// parameters were given (possibly empty when there are more ranks than
+  /// 16-element runs). Its update must be elementwise, as every optimizer in
+  /// nn::optim is; one that looks at a whole tensor (a norm, as LAMB's)
+  /// would see only a piece.
   using Factory =
       std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters shard)>;
 
@@ -55,7 +63,7 @@ class ZeroRedundancyOptimizer {
                           const Factory& make);
 
   /// Updates this rank's shard from its gradients, then broadcasts every
-  /// shard from its owner. Collective. Throws DistributedError when a
+  /// rank's shard from that rank. Collective. Throws DistributedError when a
   /// broadcast fails.
   void Step();
   /// Clears every parameter's gradient (the shard's and the others').
@@ -65,8 +73,17 @@ class ZeroRedundancyOptimizer {
   /// Sets the rate of this rank's shard; schedulers run on every rank.
   void set_lr(double lr) { local_->set_lr(lr); }
 
-  /// Owner rank of parameter i (in construction order).
-  int owner(size_t i) const { return owner_[i]; }
+  /// One rank's piece of one parameter: elements [offset, offset + length)
+  /// of parameter `param` (its index in construction order), counted in the
+  /// parameter's row-major order.
+  struct Slice {
+    size_t param = 0;
+    int64_t offset = 0;
+    int64_t length = 0;
+    bool operator==(const Slice&) const = default;
+  };
+  /// The pieces rank r owns, in parameter order.
+  const std::vector<Slice>& shard(int r) const { return shards_[static_cast<size_t>(r)]; }
   /// This rank's optimizer (over its shard).
   nn::optim::Optimizer& local() { return *local_; }
   const nn::optim::Optimizer& local() const { return *local_; }
@@ -82,22 +99,30 @@ class ZeroRedundancyOptimizer {
   /// rank that found it, naming that rank on the others).
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
-  /// The entries of a whole state that this rank's shard holds: "lr" and
-  /// the "state." entries of the parameters it owns (what LoadStateDict
-  /// loads; not collective). Throws std::invalid_argument naming a
-  /// "state." key of no parameter.
+  /// The entries of a whole state that this rank's shard holds: "lr", and
+  /// for each parameter it owns a piece of, the "state." entries cut to that
+  /// piece ("step" counts as they are; the others, which have the
+  /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not
+  /// collective. Throws std::invalid_argument naming a "state." key of no
+  /// parameter, or one whose tensor has not the parameter's element count.
   nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& state) const;
 
-  /// The owner of each parameter: largest first, each to the rank with the
-  /// fewest elements so far (ties to the lower rank, then the earlier
-  /// parameter), so shards hold about equal numbers of elements.
-  static std::vector<int> Partition(const nn::optim::NamedParameters& params, int world_size);
+  /// The shards: the parameters' elements laid end to end in the given
+  /// order, cut at about r * total / world_size for r = 1 .. world_size - 1,
+  /// each cut moved down to a multiple of kAlignment elements from the start
+  /// of the parameter it falls in (a piece starts on a whole vector of
+  /// registers). Rank r gets the run between cuts r and r + 1; a rank may get
+  /// nothing when the parameters are few and small.
+  static std::vector<std::vector<Slice>> Partition(const nn::optim::NamedParameters& params,
+                                                   int world_size);
+  static constexpr int64_t kAlignment = 16;
 
  private:
   nn::optim::NamedParameters params_;
   std::shared_ptr<ProcessGroup> pg_;
-  std::vector<int> owner_;
-  std::unique_ptr<nn::optim::Optimizer> local_;
+  std::vector<std::vector<Slice>> shards_;   // by rank
+  std::vector<std::vector<nn::Tensor>> pieces_;  // by rank: views of the parameters
+  std::unique_ptr<nn::optim::Optimizer> local_;  // over pieces_[rank]
 };
 
 }  // namespace ddp::dist

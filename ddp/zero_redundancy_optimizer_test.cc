@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -78,14 +79,52 @@ NamedParameters Sized(const std::vector<int64_t>& sizes) {
   return params;
 }
 
-TEST(ZeroPartition, LargestFirstToTheLeastLoadedRank) {
-  // 100 -> 0; 50 -> 1; 40 -> 1 (90 < 100); 10 -> 1 (100); 10 -> 0 (tie: lower rank).
+using Slice = ZeroRedundancyOptimizer::Slice;
+using Shards = std::vector<std::vector<Slice>>;
+
+TEST(ZeroPartition, EqualRunsOfTheFlatElementsCutOnWholeVectors) {
+  // One parameter cut in two: 500 moves down to 496.
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({1000}), 2),
+            (Shards{{{0, 0, 496}}, {{0, 496, 504}}}));
+  // Cuts at 341 and 682 of 1024 -> 336 and 672; the small parameter goes
+  // whole with the last run.
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({1000, 24}), 3),
+            (Shards{{{0, 0, 336}}, {{0, 336, 336}}, {{0, 672, 328}, {1, 0, 24}}}));
+  // A cut inside a parameter of under 16 elements moves to its start.
   EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({100, 10, 10, 50, 40}), 2),
-            (std::vector<int>{0, 1, 0, 1, 1}));
-  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({5, 5, 5}), 1), (std::vector<int>{0, 0, 0}));
-  // More ranks than parameters: the last ranks own nothing.
-  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({3, 7}), 4), (std::vector<int>{1, 0}));
+            (Shards{{{0, 0, 100}}, {{1, 0, 10}, {2, 0, 10}, {3, 0, 50}, {4, 0, 40}}}));
+  // A cut on a parameter boundary; a parameter of no elements is nobody's.
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({64, 0, 64}), 2),
+            (Shards{{{0, 0, 64}}, {{2, 0, 64}}}));
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({5, 5, 5}), 1),
+            (Shards{{{0, 0, 5}, {1, 0, 5}, {2, 0, 5}}}));
+  // More ranks than 16-element runs: the first ranks own nothing.
+  EXPECT_EQ(ZeroRedundancyOptimizer::Partition(Sized({20}), 4), (Shards{{}, {}, {}, {{0, 0, 20}}}));
   EXPECT_THROW(ZeroRedundancyOptimizer::Partition(Sized({1}), 0), std::invalid_argument);
+}
+
+// However uneven the parameters, every rank gets its share of the elements
+// within the 16-element rounding of its two cuts, and the shards cover
+// every element once.
+TEST(ZeroPartition, ShardsAreEvenAndCoverEveryElementOnce) {
+  const std::vector<int64_t> sizes = {401408, 512, 131072, 256, 2560, 10, 3, 7777};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  for (int world : {1, 2, 3, 4, 7, 8}) {
+    const Shards shards = ZeroRedundancyOptimizer::Partition(Sized(sizes), world);
+    ASSERT_EQ(shards.size(), static_cast<size_t>(world));
+    std::vector<int64_t> covered(sizes.size(), 0);
+    for (const auto& shard : shards) {
+      int64_t mine = 0;
+      for (const Slice& s : shard) {
+        EXPECT_EQ(s.offset, covered[s.param]) << "world " << world << ": a gap or an overlap";
+        covered[s.param] += s.length;
+        mine += s.length;
+      }
+      EXPECT_LE(std::abs(mine - total / world), 2 * ZeroRedundancyOptimizer::kAlignment) << "world " << world;
+    }
+    EXPECT_EQ(covered, sizes) << "world " << world;
+  }
 }
 
 TEST(ZeroPartition, BadArgumentsAreNamed) {
@@ -147,18 +186,24 @@ DDP_TEST_WORKER(equivalence) {
                   "step " + std::to_string(s) + ": sharded and unsharded training differ");
   }
   WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*sharded)), "replicas differ");
+  // The local optimizer holds this rank's pieces, about 1/N of the
+  // elements, and state for nothing else: no entry of another piece's size.
   const NamedParameters params = sharded->NamedParameters();
-  size_t owned = 0;
-  for (size_t i = 0; i < params.size(); ++i) owned += zero.owner(i) == pg->rank();
-  WORKER_EXPECT(zero.local().params().size() == owned, "shard size");
-  WORKER_EXPECT(owned > 0 && owned < params.size(), "a rank owns " + std::to_string(owned) + " parameters");
+  const auto& mine = zero.shard(pg->rank());
+  int64_t total = 0, owned = 0;
+  for (const auto& [name, p] : params) total += p.numel();
+  for (const Slice& s : mine) owned += s.length;
+  WORKER_EXPECT(zero.local().params().size() == mine.size(), "shard size");
+  WORKER_EXPECT(std::abs(owned - total / pg->size()) <= 2 * ZeroRedundancyOptimizer::kAlignment,
+                "rank " + std::to_string(pg->rank()) + " owns " + std::to_string(owned) + " of " +
+                    std::to_string(total) + " elements");
   for (const auto& [key, t] : zero.local().StateDict()) {
-    if (key == "lr") continue;
-    bool mine = false;
-    for (size_t i = 0; i < params.size(); ++i) {
-      mine |= zero.owner(i) == pg->rank() && key.rfind("state." + params[i].first + ".", 0) == 0;
+    if (key == "lr" || (key.size() >= 5 && key.compare(key.size() - 5, 5, ".step") == 0)) continue;
+    bool match = false;
+    for (const Slice& s : mine) {
+      match |= key.rfind("state." + params[s.param].first + ".", 0) == 0 && t.numel() == s.length;
     }
-    WORKER_EXPECT(mine, "rank " + std::to_string(pg->rank()) + " holds state " + key + " of another rank");
+    WORKER_EXPECT(match, "rank " + std::to_string(pg->rank()) + " holds state " + key + " that is not its piece");
   }
   return testing::WorkerExit();
 }
@@ -261,23 +306,39 @@ DDP_TEST_WORKER(bad_state) {
                   e.what());
   }
 
-  // A wrong shape for the first parameter, which only its owner loads.
+  // A wrong shape for the last parameter, which only the last rank holds,
+  // and for the first, which every rank holds a piece of (the MLP's first
+  // weight is most of its elements).
   const NamedParameters params = model->NamedParameters();
-  const int owner = zero.owner(0);
-  NamedTensors wrong;
-  for (const auto& [key, t] : state) {
-    const bool first = key.rfind("state." + params[0].first + ".", 0) == 0 && t.dim() > 0;
-    wrong.emplace_back(key, first ? nn::Empty({3}) : t);
-  }
-  try {
-    zero.LoadStateDict(wrong);
-    WORKER_EXPECT(false, "a wrong shape was accepted");
-  } catch (const std::invalid_argument& e) {
-    const std::string m = e.what();
-    if (pg->rank() == owner) {
-      WORKER_EXPECT(m.find(params[0].first) != std::string::npos, m);
-    } else {
-      WORKER_EXPECT(m.find("failed on rank " + std::to_string(owner)) != std::string::npos, m);
+  const int last = pg->size() - 1;
+  for (size_t which : {params.size() - 1, size_t{0}}) {
+    NamedTensors wrong;
+    for (const auto& [key, t] : state) {
+      const bool hit = key.rfind("state." + params[which].first + ".", 0) == 0 && t.dim() > 0;
+      wrong.emplace_back(key, hit ? nn::Empty({3}) : t);
+    }
+    int holders = 0;
+    bool mine = false;
+    for (int r = 0; r < pg->size(); ++r) {
+      for (const Slice& s : zero.shard(r)) {
+        holders += s.param == which;
+        mine |= s.param == which && r == pg->rank();
+      }
+    }
+    WORKER_EXPECT(which == 0 ? holders == pg->size() : holders == 1 && zero.shard(last).back().param == which,
+                  "parameter " + std::to_string(which) + " has " + std::to_string(holders) + " holders");
+    try {
+      zero.LoadStateDict(wrong);
+      WORKER_EXPECT(false, "a wrong shape was accepted");
+    } catch (const std::invalid_argument& e) {
+      const std::string m = e.what();
+      if (mine) {
+        WORKER_EXPECT(m.find("`state." + params[which].first + ".") != std::string::npos &&
+                          m.find("has 3 elements") != std::string::npos,
+                      m);
+      } else {
+        WORKER_EXPECT(m.find("failed on rank " + std::to_string(last)) != std::string::npos, m);
+      }
     }
   }
   return testing::WorkerExit();
