@@ -1,6 +1,12 @@
 #include "nn/data/idx.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <functional>
 #include <utility>
 
 #include "nn/data/file_bytes.h"
@@ -64,10 +70,32 @@ std::shared_ptr<InMemoryImageDataset> LoadMnistFormat(const std::string& dataset
 
 }  // namespace
 
-IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expected_dims) {
-  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
-  if (bytes.size() < 4) {
-    throw DatasetError(source + ": not an IDX file: " + std::to_string(bytes.size()) +
+namespace {
+
+// Asks for the whole 2 MiB pages inside [p, p + n) to be backed by huge
+// pages when first touched: a 47 MB image set then takes 23 page faults
+// instead of 11,500 (each 4 KiB fault cost ~30 us on the 2-core VM). Only
+// advice: where transparent huge pages are off, nothing changes.
+void AdviseHugePages(void* p, size_t n) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+// Bytes read in order, from memory or from a gzip stream: Read fills up to
+// n bytes and returns fewer only at the end.
+using ReadFn = std::function<size_t(void* dst, size_t n)>;
+
+// Parses an IDX file read through `read`, its data read straight into the
+// result. `size_hint` guesses the bytes left to read (what is reserved; a
+// wrong guess costs copies, never a large allocation for a forged header).
+IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, const std::string& source,
+                      int expected_dims) {
+  uint8_t p[4] = {};
+  const size_t magic = read(p, 4);
+  if (magic < 4) {
+    throw DatasetError(source + ": not an IDX file: " + std::to_string(magic) +
                        " bytes, shorter than the 4-byte magic number");
   }
   if (p[0] != 0 || p[1] != 0) {
@@ -88,49 +116,84 @@ IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expecte
                        " dimensions, expected " + std::to_string(expected_dims));
   }
   const size_t header = 4 + 4 * static_cast<size_t>(ndims);
-  if (bytes.size() < header) {
+  uint8_t dims[4 * kMaxDims] = {};
+  const size_t got_dims = read(dims, header - 4);
+  if (got_dims < header - 4) {
     throw DatasetError(source + ": IDX header truncated: " + std::to_string(ndims) +
                        " dimensions need " + std::to_string(header) + " bytes, file has " +
-                       std::to_string(bytes.size()));
+                       std::to_string(4 + got_dims));
   }
   IdxArray out;
   uint64_t count = 1;
   bool overflow = false;
   for (int d = 0; d < ndims; ++d) {
-    const uint8_t* q = p + 4 + 4 * d;
+    const uint8_t* q = dims + 4 * d;
     const uint64_t dim = (uint64_t{q[0]} << 24) | (uint64_t{q[1]} << 16) |
                          (uint64_t{q[2]} << 8) | uint64_t{q[3]};
     out.dims.push_back(static_cast<int64_t>(dim));
     if (dim != 0 && count > (uint64_t{1} << 62) / dim) overflow = true;
     count *= dim;
   }
-  const uint64_t have = bytes.size() - header;
+  // The data, in chunks that stay in cache between being zeroed by resize
+  // and written by read; reserved up front when the guess allows.
+  const uint64_t want = overflow ? UINT64_MAX : count;
+  out.data.reserve(static_cast<size_t>(std::min(want, size_hint > header ? size_hint - header : 0)));
+  AdviseHugePages(out.data.data(), out.data.capacity());
+  constexpr size_t kChunk = size_t{1} << 20;
+  while (out.data.size() < want) {
+    const size_t old = out.data.size();
+    const size_t step = static_cast<size_t>(std::min<uint64_t>(kChunk, want - old));
+    out.data.resize(old + step);
+    const size_t got = read(out.data.data() + old, step);
+    out.data.resize(old + got);
+    if (got < step) break;
+  }
+  const uint64_t have = out.data.size();
   if (overflow || count > have) {
     throw DatasetError(source + ": IDX data truncated: dimensions " + DimsString(out.dims) +
                        " need " + (overflow ? std::string("more than 2^62") : std::to_string(count)) +
                        " bytes after the " + std::to_string(header) + "-byte header, found " +
                        std::to_string(have));
   }
-  if (count < have) {
-    throw DatasetError(source + ": " + std::to_string(have - count) +
+  // Read to the end: trailing bytes are an error, and a gzip stream checks
+  // its trailer (CRC and size) only there.
+  uint64_t extra = 0;
+  uint8_t scratch[4096];
+  for (size_t got; (got = read(scratch, sizeof(scratch))) > 0;) extra += got;
+  if (extra > 0) {
+    throw DatasetError(source + ": " + std::to_string(extra) +
                        " unexpected bytes after the IDX data (dimensions " +
                        DimsString(out.dims) + " need " + std::to_string(count) + ")");
   }
-  out.data.assign(p + header, p + header + count);
   return out;
+}
+
+}  // namespace
+
+IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expected_dims) {
+  size_t at = 0;
+  const ReadFn read = [&](void* dst, size_t n) {
+    const size_t got = std::min(n, bytes.size() - at);
+    if (got > 0) std::memcpy(dst, bytes.data() + at, got);
+    at += got;
+    return got;
+  };
+  return ParseIdxFrom(read, bytes.size(), source, expected_dims);
 }
 
 IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& source,
                            int expected_dims, uint64_t max_decompressed_bytes) {
   if (internal::IsGzip(file_bytes)) {
-    return ParseIdx(internal::Gunzip(file_bytes, source, max_decompressed_bytes), source,
-                    expected_dims);
+    internal::GzipReader gzip(file_bytes, source, max_decompressed_bytes);
+    const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
+    return ParseIdxFrom(read, gzip.SizeHint(), source, expected_dims);
   }
   return ParseIdx(file_bytes, source, expected_dims);
 }
 
 IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
-  return ParseIdx(internal::ReadMaybeGzipFile(path), path, expected_dims);
+  const internal::MappedFile file(path);
+  return ParseIdxFileBytes(file.bytes(), path, expected_dims);
 }
 
 std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,

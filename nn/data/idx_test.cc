@@ -6,6 +6,7 @@
 #include <numeric>
 #include <string>
 
+#include "nn/data/file_bytes.h"
 #include "nn/data/test_files.h"
 
 namespace ddp::nn::data {
@@ -209,6 +210,55 @@ TEST(IdxErrors, UnreadableFileNamesTheOsError) {
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/nope"); }),
               AllOf(HasSubstr(dir + "/nope"), HasSubstr("No such file")));
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir); }), HasSubstr("not a regular file"));
+}
+
+// --------------------------------------------------- streaming readers ----
+
+// Read in pieces of any size, the stream gives the same bytes as Gunzip,
+// across member boundaries too; exactly max_bytes of output is allowed and
+// one byte more is not.
+TEST(GzipReaderTest, PiecesEqualTheWholeAndTheBoundIsExact) {
+  std::string data(300000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 2654435761u) >> 13);
+  const std::string two = Gzip(data.substr(0, 123457)) + Gzip(data.substr(123457));
+  ASSERT_EQ(internal::Gunzip(two, "two.gz"), data);
+  for (size_t piece : {1, 7, 4096, 65536, 1 << 20}) {
+    internal::GzipReader reader(two, "two.gz");
+    std::string got;
+    std::string buf(piece, '\0');
+    for (size_t n; (n = reader.Read(buf.data(), piece)) > 0;) got.append(buf, 0, n);
+    EXPECT_EQ(got, data) << "pieces of " << piece;
+    EXPECT_EQ(reader.Read(buf.data(), piece), 0u) << "the end stays the end";
+  }
+  EXPECT_EQ(internal::Gunzip(two, "two.gz", data.size()), data);
+  EXPECT_THAT(ErrorOf([&] { internal::Gunzip(two, "two.gz", data.size() - 1); }),
+              HasSubstr("decompresses to more than " + std::to_string(data.size() - 1) + " bytes"));
+  // The hint is the last member's size field.
+  EXPECT_EQ(internal::GzipReader(two, "two.gz").SizeHint(), data.size() - 123457);
+}
+
+// An IDX file whose gzip members cut through its header and its data reads
+// as the plain file does.
+TEST(GzipReaderTest, IdxAcrossMembersParsesAsPlain) {
+  TinySet t;
+  const std::string gz = Gzip(t.images.substr(0, 6)) + Gzip(t.images.substr(6, 14)) + Gzip(t.images.substr(20));
+  const IdxArray a = ParseIdxFileBytes(gz, "members.gz"), b = ParseIdx(t.images, "plain");
+  EXPECT_EQ(a.dims, b.dims);
+  EXPECT_EQ(a.data, b.data);
+}
+
+TEST(MappedFileTest, HoldsTheFileAndNamesWhatIsWrong) {
+  const std::string dir = FreshDir("mapped");
+  const std::string bytes = Gzip(std::string(10000, 'q'));
+  WriteFile(dir + "/f", bytes);
+  EXPECT_EQ(internal::MappedFile(dir + "/f").bytes(), bytes);
+  WriteFile(dir + "/empty", "");
+  EXPECT_TRUE(internal::MappedFile(dir + "/empty").bytes().empty());
+  EXPECT_EQ(internal::ReadMaybeGzipFile(dir + "/f"), std::string(10000, 'q'));
+  EXPECT_THAT(ErrorOf([&] { internal::MappedFile f(dir + "/nope"); }),
+              AllOf(HasSubstr(dir + "/nope"), HasSubstr("cannot open"), HasSubstr("No such file")));
+  EXPECT_THAT(ErrorOf([&] { internal::MappedFile f(dir); }),
+              AllOf(HasSubstr(dir), HasSubstr("not a regular file")));
 }
 
 TEST(IdxDatasetErrors, LabelCountDiffersFromImageCount) {
