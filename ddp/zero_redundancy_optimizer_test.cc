@@ -35,9 +35,17 @@ using testing::RunWorkers;
 
 constexpr int64_t kBatch = 8;
 
+// The peers' MLP; with DDP_TEST_MODEL=mixed, a bf16 first layer (the one
+// the flat partition splits between ranks) and an f32 second one.
 std::shared_ptr<nn::modules::Module> Mlp(uint64_t seed) {
   nn::Generator gen(seed);
-  return nn::modules::MakeMlp(gen);
+  const char* kind = std::getenv("DDP_TEST_MODEL");
+  if (kind == nullptr || std::string(kind) != "mixed") return nn::modules::MakeMlp(gen);
+  auto m = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<nn::modules::Module>>{
+      std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 64, true, gen),
+      std::make_shared<nn::modules::ReLU>(), std::make_shared<nn::modules::Linear>(64, 10, true, gen)});
+  m->at(1)->To(nn::DType::kBFloat16);
+  return m;
 }
 
 // The optimizer named by DDP_TEST_OPTIM ("sgd" or "adam") over `params`.
@@ -211,6 +219,17 @@ DDP_TEST_WORKER(equivalence) {
 TEST(ZeroRedundancyOptimizerTest, SgdOnTwoRanksEqualsTheUnshardedOptimizer) {
   auto run = RunWorkers("equivalence", 2, {{"DDP_TEST_OPTIM", "sgd"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// 16-bit parameters split between ranks: each piece keeps its f32 master.
+TEST(ZeroRedundancyOptimizerTest, SplitBf16ParameterEqualsTheUnshardedOptimizer) {
+  auto run = RunWorkers("equivalence", 3, {{"DDP_TEST_OPTIM", "sgd"}, {"DDP_TEST_MODEL", "mixed"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  auto state = RunWorkers("consolidate", 2,
+                          {{"DDP_TEST_OPTIM", "adam"},
+                           {"DDP_TEST_MODEL", "mixed"},
+                           {"DDP_TEST_CKPT", TempPath("mixed.safetensors")}});
+  EXPECT_TRUE(state.AllSucceeded()) << testing::AllOutput(state);
 }
 
 TEST(ZeroRedundancyOptimizerTest, AdamOnThreeRanksEqualsTheUnshardedOptimizer) {
