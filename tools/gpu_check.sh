@@ -9,6 +9,7 @@
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
 #   4b. ours again with the split BatchNorm path (DDP_NN_CUDA_BN_SPLIT=1),
 #      fp32 and bf16, and their ratio to the default;
+#   4c. the same with cuDNN's batch norm (DDP_NN_CUDA_BN=cudnn);
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
 #   6. with --profile, every kernel's time in one training step per mode
@@ -18,7 +19,7 @@
 #
 # With OUT set (a folder), the whole output, the BENCH lines, the all-reduce
 # figures, the summary, the failed tests' logs and (--profile) the kernel
-# profile are written there too (up to six files).
+# profile are written there too (up to seven files).
 #
 # The benchmarks come before the tests so that their figures exist even if
 # the tests run long. Every phase has a timeout taken from one overall budget
@@ -202,24 +203,24 @@ print_table() {
     }'
 }
 
-# Ours' images/s per mode in two logs of BENCH lines, the default run
-# ($1) and the split BatchNorm path's ($2), and split/default. A mode one
-# run lacks shows "-".
-print_split_table() {
-  { grep -h '^BENCH impl=ours' "$1" | sed 's/^/default /'
-    grep -h '^BENCH impl=ours' "$2" | sed 's/^/split /'; } |
-    awk '{
+# Ours' images/s per mode in two logs of BENCH lines, the default run ($2)
+# and a variant's ($3, named $1: "split", "cudnn"), and variant/default. A
+# mode one run lacks shows "-".
+print_variant_table() {
+  { grep -h '^BENCH impl=ours' "$2" | sed 's/^/default /'
+    grep -h '^BENCH impl=ours' "$3" | sed 's/^/variant /'; } |
+    awk -v name="$1" '{
       delete kv
       for (i = 3; i <= NF; ++i) { split($i, word, "="); kv[word[1]] = word[2] }
       ips[$1, kv["mode"]] = kv["images_per_s"]
       if (!(kv["mode"] in seen)) { seen[kv["mode"]] = 1; order[++n] = kv["mode"] }
     }
     END {
-      printf "  %-6s %14s %14s %14s\n", "mode", "default img/s", "split img/s", "split/default"
+      printf "  %-6s %14s %14s %14s\n", "mode", "default img/s", name " img/s", name "/default"
       for (i = 1; i <= n; ++i) {
         m = order[i]
         d = (("default", m) in ips) ? ips["default", m] : "-"
-        q = (("split", m) in ips) ? ips["split", m] : "-"
+        q = (("variant", m) in ips) ? ips["variant", m] : "-"
         r = (d != "-" && q != "-" && d > 0) ? sprintf("%.2f", q / d) : "-"
         printf "  %-6s %14s %14s %14s\n", m, d, q, r
       }
@@ -236,7 +237,7 @@ if [ -n "$SPLIT_TABLE_FROM" ]; then
   for f in "$split_a" "$split_b"; do
     [ -n "$f" ] && [ -r "$f" ] || die "--split-table: cannot read \`$f\` (give DEFAULT_LOG,SPLIT_LOG)"
   done
-  print_split_table "$split_a" "$split_b"
+  print_variant_table split "$split_a" "$split_b"
   exit 0
 fi
 
@@ -654,9 +655,30 @@ else
     "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
   end_phase "$(describe_rc $?)"
   echo "the split BatchNorm path against the default (ours):"
-  print_split_table "$BENCH_LOG" "$SPLIT_LOG" | tee -a "$WORK/table.txt"
+  print_variant_table split "$BENCH_LOG" "$SPLIT_LOG" | tee -a "$WORK/table.txt"
 fi
 copy_out "$SPLIT_LOG"
+
+# cuDNN's training-mode batch norm (DDP_NN_CUDA_BN=cudnn: PyTorch's kernels
+# for NCHW; off by default until measured here), the same modes, against
+# the default run.
+CUDNN_BN_LOG="$WORK/bench_bn_cudnn.log"
+: >"$CUDNN_BN_LOG"
+begin_phase "benchmark: ours with cuDNN batch norm, modes $SPLIT_MODES"
+if [ "$DRY_RUN" = 1 ] || [ -z "$SPLIT_MODES" ]; then
+  echo "dry run or no modes: would run: DDP_NN_CUDA_BN=cudnn ${BENCH_BIN:-(no binary)}" \
+    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
+  end_phase "skipped"
+elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
+  end_phase "FAILED (not built)"
+else
+  run_logged "$(phase_limit 120 100)" "$CUDNN_BN_LOG" "${OUR_ENV[@]}" DDP_NN_CUDA_BN=cudnn "$BENCH_BIN" \
+    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
+  end_phase "$(describe_rc $?)"
+  echo "cuDNN batch norm against the default (ours):"
+  print_variant_table cudnn "$BENCH_LOG" "$CUDNN_BN_LOG" | tee -a "$WORK/table.txt"
+fi
+copy_out "$CUDNN_BN_LOG"
 
 # ------------------------------------------------- collectives on the device
 

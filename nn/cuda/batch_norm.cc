@@ -2,13 +2,18 @@
 // tensor is [C].
 #include "nn/cuda/batch_norm.h"
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "nn/cuda/cuda_error.h"
+#include "nn/cuda/cudnn_util.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
 #include "nn/cuda/stream.h"
@@ -35,13 +40,17 @@ Dims CheckX(const char* op, const Tensor& x) {
 // A per-channel tensor for the kernels (undefined stays undefined): as it is
 // when they can read it in place (split reductions on: contiguous and
 // floating), else converted to contiguous f64.
-Tensor PerChannel(const char* op, const char* name, const Tensor& t, const Tensor& x, int64_t c) {
-  if (!t.defined()) return t;
-  if (t.numel() != c || t.device() != x.device()) {
+void CheckPerChannel(const char* op, const char* name, const Tensor& t, const Tensor& x, int64_t c) {
+  if (t.defined() && (t.numel() != c || t.device() != x.device())) {
     throw std::invalid_argument(std::string(op) + ": " + name + " of shape " + ShapeToString(t.shape()) + " on " +
                                 t.device().ToString() + " does not match " + std::to_string(c) + " channels on " +
                                 x.device().ToString());
   }
+}
+
+Tensor PerChannel(const char* op, const char* name, const Tensor& t, const Tensor& x, int64_t c) {
+  if (!t.defined()) return t;
+  CheckPerChannel(op, name, t, x, c);
   NoGradGuard guard;
   Tensor r = t.Detach().Reshape({c});
   if (BatchNormSplitReductions() && r.is_contiguous() && IsFloating(r.dtype())) return r;
@@ -130,6 +139,155 @@ void CheckSameShape(const char* op, const Tensor& a, const char* an, const Tenso
   }
 }
 
+// -1 until read from DDP_NN_CUDA_BN, then a BatchNormKernels value.
+std::atomic<int> kernel_choice{-1};
+// Activation dtypes cuDNN declined, as bits 1 << dtype: ours run them.
+std::atomic<uint32_t> cudnn_declined{0};
+
+bool UsesCudnn(DType dt) {
+  if (BatchNormKernelChoice() == BatchNormKernels::kOwn) return false;
+  if (dt != DType::kFloat32 && dt != DType::kFloat16 && dt != DType::kBFloat16) return false;
+  return (cudnn_declined.load(std::memory_order_relaxed) & (1u << static_cast<int>(dt))) == 0;
+}
+
+cudnnBatchNormMode_t CudnnMode() {
+  return BatchNormKernelChoice() == BatchNormKernels::kCudnnPersistent ? CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+                                                                         : CUDNN_BATCHNORM_SPATIAL;
+}
+
+// cuDNN takes the shape: every dimension and the element count fit its ints.
+bool CudnnShapeFits(const Dims& d, const Tensor& x) {
+  return d.n > 0 && d.n <= INT_MAX && d.c > 0 && d.c <= INT_MAX && d.s > 0 && d.s <= INT_MAX &&
+         x.numel() <= INT_MAX;
+}
+
+// True when cuDNN ran the call; false, after noting the dtype, when it
+// declined it (the caller then runs ours); throws for any other failure.
+bool CudnnRan(cudnnStatus_t status, DType dt, const char* call) {
+  if (status == CUDNN_STATUS_NOT_SUPPORTED || status == CUDNN_STATUS_BAD_PARAM) {
+    const uint32_t bit = 1u << static_cast<int>(dt);
+    if ((cudnn_declined.fetch_or(bit) & bit) == 0) {
+      std::fprintf(stderr, "batch_norm: %s declined %s activations (%s); our kernels run them\n", call,
+                   std::string(DTypeName(dt)).c_str(), cudnnGetErrorString(status));
+    }
+    return false;
+  }
+  CheckCudnn(status, call);
+  return true;
+}
+
+// A per-channel tensor cuDNN reads or writes where it lies: f32, contiguous,
+// [C] on x's device.
+bool CudnnReadsInPlace(const Tensor& t, const Tensor& x, int64_t c) {
+  return t.defined() && t.dtype() == DType::kFloat32 && t.is_contiguous() && t.numel() == c &&
+         t.device() == x.device();
+}
+
+// What cuDNN reads for per-channel `t`: t itself, or an f32 copy; `fill` for
+// an undefined t (no affine parameters).
+Tensor CudnnIn(const Tensor& t, const Tensor& x, int64_t c, double fill) {
+  if (!t.defined()) return Full({c}, fill, {.dtype = DType::kFloat32, .device = x.device()});
+  if (CudnnReadsInPlace(t, x, c)) return t;
+  NoGradGuard guard;
+  return t.Detach().Reshape({c}).To(DType::kFloat32).Contiguous();
+}
+
+// Where cuDNN writes per-channel `out`: out itself, or f32 scratch that
+// WriteBack copies into it.
+Tensor CudnnOut(const Tensor& out, const Tensor& x, int64_t c) {
+  return CudnnReadsInPlace(out, x, c) ? out : Empty({c}, {.dtype = DType::kFloat32, .device = x.device()});
+}
+
+void* MutPtrOrNull(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// The activation's descriptor ([N, C, S, 1], NCHW) and the per-channel one
+// cuDNN derives from it; `status` says whether cuDNN took them.
+struct CudnnBnDescs {
+  cudnnTensorDescriptor_t x = nullptr, bn = nullptr;
+  cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
+  CudnnBnDescs(const Tensor& t, const Dims& d) {
+    CheckCudnn(cudnnCreateTensorDescriptor(&x), "cudnnCreateTensorDescriptor");
+    CheckCudnn(cudnnCreateTensorDescriptor(&bn), "cudnnCreateTensorDescriptor");
+    status = cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NCHW, CudnnType(t.dtype()), static_cast<int>(d.n),
+                                        static_cast<int>(d.c), static_cast<int>(d.s), 1);
+    if (status == CUDNN_STATUS_SUCCESS) status = cudnnDeriveBNTensorDescriptor(bn, x, CudnnMode());
+  }
+  ~CudnnBnDescs() {
+    cudnnDestroyTensorDescriptor(bn);
+    cudnnDestroyTensorDescriptor(x);
+  }
+  CudnnBnDescs(const CudnnBnDescs&) = delete;
+  CudnnBnDescs& operator=(const CudnnBnDescs&) = delete;
+};
+
+// The legacy batch-norm calls are deprecated in cuDNN 9 but are what
+// PyTorch calls; the warnings are silenced around them only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+// Training-mode forward through cuDNN: y (contiguous), the running
+// statistics when `update`, the saved mean and invstd. False when cuDNN
+// declined (nothing written).
+bool CudnnForwardTraining(const Tensor& x, const Dims& d, const Tensor& weight, const Tensor& bias,
+                          const Tensor& running_mean, const Tensor& running_var, bool update, double momentum,
+                          double eps, const Tensor& yt, const Tensor& save_mean, const Tensor& save_invstd) {
+  const Tensor scale = CudnnIn(weight, x, d.c, 1.0), shift = CudnnIn(bias, x, d.c, 0.0);
+  const Tensor rm = update ? CudnnIn(running_mean, x, d.c, 0.0) : Tensor();
+  const Tensor rv = update ? CudnnIn(running_var, x, d.c, 1.0) : Tensor();
+  const Tensor sm = save_mean.defined() ? CudnnOut(save_mean, x, d.c) : Tensor();
+  const Tensor si = save_invstd.defined() ? CudnnOut(save_invstd, x, d.c) : Tensor();
+  const CudnnBnDescs desc(x, d);
+  if (!CudnnRan(desc.status, x.dtype(), "cudnnDeriveBNTensorDescriptor")) return false;
+  const cudnnHandle_t h = CudnnHandleFor(x.device());
+  CheckCudnn(cudnnSetStream(h, CurrentStream(x.device())), "cudnnSetStream");
+  const float one = 1.0f, zero = 0.0f;
+  if (!CudnnRan(cudnnBatchNormalizationForwardTraining(
+                    h, CudnnMode(), &one, &zero, desc.x, x.data_ptr(), desc.x, yt.data_ptr(), desc.bn,
+                    scale.data_ptr(), shift.data_ptr(), momentum, MutPtrOrNull(rm), MutPtrOrNull(rv),
+                    std::max(eps, CUDNN_BN_MIN_EPSILON), MutPtrOrNull(sm), MutPtrOrNull(si)),
+                x.dtype(), "cudnnBatchNormalizationForwardTraining")) {
+    return false;
+  }
+  if (update) {
+    WriteBack(running_mean, rm);
+    WriteBack(running_var, rv);
+  }
+  WriteBack(save_mean, sm);
+  WriteBack(save_invstd, si);
+  return true;
+}
+
+// Training-mode backward through cuDNN from the saved statistics: dx (when
+// defined), dweight and dbias. False when cuDNN declined (nothing written).
+bool CudnnBackward(const Tensor& x, const Tensor& dy, const Dims& d, const Tensor& weight, const Tensor& save_mean,
+                   const Tensor& save_invstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  const Tensor scale = CudnnIn(weight, x, d.c, 1.0);
+  const Tensor sm = CudnnIn(save_mean, x, d.c, 0.0), si = CudnnIn(save_invstd, x, d.c, 1.0);
+  // cuDNN always writes dx and both parameter gradients.
+  const Tensor dxt = dx.defined() ? Target(dx) : Empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+  const Tensor dw = dweight.defined() ? CudnnOut(dweight, x, d.c) : Empty({d.c}, {.device = x.device()});
+  const Tensor db = dbias.defined() ? CudnnOut(dbias, x, d.c) : Empty({d.c}, {.device = x.device()});
+  const CudnnBnDescs desc(x, d);
+  if (!CudnnRan(desc.status, x.dtype(), "cudnnDeriveBNTensorDescriptor")) return false;
+  const cudnnHandle_t h = CudnnHandleFor(x.device());
+  CheckCudnn(cudnnSetStream(h, CurrentStream(x.device())), "cudnnSetStream");
+  const float one = 1.0f, zero = 0.0f;
+  // epsilon is unused with saved statistics, but must be valid.
+  if (!CudnnRan(cudnnBatchNormalizationBackward(h, CudnnMode(), &one, &zero, &one, &zero, desc.x, x.data_ptr(),
+                                                desc.x, dy.data_ptr(), desc.x, dxt.data_ptr(), desc.bn,
+                                                scale.data_ptr(), dw.data_ptr(), db.data_ptr(),
+                                                std::max(1e-5, CUDNN_BN_MIN_EPSILON), sm.data_ptr(), si.data_ptr()),
+                x.dtype(), "cudnnBatchNormalizationBackward")) {
+    return false;
+  }
+  if (dx.defined()) Finish(dx, dxt);
+  WriteBack(dweight, dw);
+  WriteBack(dbias, db);
+  return true;
+}
+
+#pragma GCC diagnostic pop
+
 }  // namespace
 
 bool BatchNormSplitReductions() {
@@ -144,6 +302,33 @@ bool BatchNormSplitReductions() {
 
 void SetBatchNormSplitReductions(bool on) { split_reductions.store(on ? 1 : 0, std::memory_order_relaxed); }
 
+BatchNormKernels BatchNormKernelChoice() {
+  int choice = kernel_choice.load(std::memory_order_relaxed);
+  if (choice < 0) {
+    const char* env = std::getenv("DDP_NN_CUDA_BN");
+    const std::string value = env != nullptr ? env : "";
+    if (value.empty() || value == "own") {
+      choice = static_cast<int>(BatchNormKernels::kOwn);
+    } else if (value == "cudnn") {
+      choice = static_cast<int>(BatchNormKernels::kCudnn);
+    } else if (value == "cudnn_persistent") {
+      choice = static_cast<int>(BatchNormKernels::kCudnnPersistent);
+    } else {
+      throw std::invalid_argument("DDP_NN_CUDA_BN=" + value + " is not one of own, cudnn, cudnn_persistent");
+    }
+    kernel_choice.store(choice, std::memory_order_relaxed);
+  }
+  return static_cast<BatchNormKernels>(choice);
+}
+
+void SetBatchNormKernels(BatchNormKernels kernels) {
+  kernel_choice.store(static_cast<int>(kernels), std::memory_order_relaxed);
+}
+
+bool BatchNormCudnnDeclined(DType dt) {
+  return (cudnn_declined.load(std::memory_order_relaxed) & (1u << static_cast<int>(dt))) != 0;
+}
+
 void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                       const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
                       const Tensor& save_mean, const Tensor& save_invstd) {
@@ -151,6 +336,20 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", y, "y");
   const Tensor x = ContiguousOnDevice(x_in);
+  if (training && UsesCudnn(x.dtype()) && CudnnShapeFits(d, x) && d.n * d.s > 1) {
+    CheckPerChannel(op, "weight", weight, x, d.c);
+    CheckPerChannel(op, "bias", bias, x, d.c);
+    CheckPerChannel(op, "running_mean", running_mean, x, d.c);
+    CheckPerChannel(op, "running_var", running_var, x, d.c);
+    const Tensor yt = Target(y);
+    DeviceGuard guard(x.device().index);
+    if (CudnnForwardTraining(x, d, weight, bias, running_mean, running_var,
+                             running_mean.defined() && running_var.defined(), momentum, eps, yt, save_mean,
+                             save_invstd)) {
+      Finish(y, yt);
+      return;
+    }
+  }
   const Tensor w = PerChannel(op, "weight", weight, x, d.c), b = PerChannel(op, "bias", bias, x, d.c);
   const Tensor rm = PerChannel(op, "running_mean", running_mean, x, d.c);
   const Tensor rv = PerChannel(op, "running_var", running_var, x, d.c);
@@ -204,6 +403,15 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", dy_in, "dy");
   const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
+  if (training && UsesCudnn(x.dtype()) && CudnnShapeFits(d, x) && d.n * d.s > 1 && save_mean.defined() &&
+      save_invstd.defined()) {
+    CheckPerChannel(op, "weight", weight, x, d.c);
+    CheckPerChannel(op, "save_mean", save_mean, x, d.c);
+    CheckPerChannel(op, "save_invstd", save_invstd, x, d.c);
+    if (dx.defined()) CheckSameShape(op, x_in, "x", dx, "dx");
+    DeviceGuard guard(x.device().index);
+    if (CudnnBackward(x, dy, d, weight, save_mean, save_invstd, dx, dweight, dbias)) return;
+  }
   const Tensor w = PerChannel(op, "weight", weight, x, d.c);
   const Tensor mean = PerChannel(op, "save_mean", save_mean, x, d.c);
   const Tensor invstd = PerChannel(op, "save_invstd", save_invstd, x, d.c);

@@ -18,6 +18,25 @@ namespace ddp::nn::cuda {
 bool BatchNormSplitReductions();
 void SetBatchNormSplitReductions(bool on);
 
+/// Which kernels run training-mode batch norm (forward and backward; eval
+/// mode and SyncBatchNorm's building blocks always run ours).
+enum class BatchNormKernels : int {
+  kOwn = 0,               ///< ours (statistics in f64, as on the CPU)
+  kCudnn = 1,             ///< cuDNN's, CUDNN_BATCHNORM_SPATIAL (PyTorch's path for NCHW)
+  kCudnnPersistent = 2,   ///< cuDNN's, CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+};
+/// With cuDNN, statistics come from its f32 arithmetic; per-channel tensors
+/// of another dtype than f32 go through f32 copies; an activation dtype that
+/// cuDNN declines (not supported, bad parameter) runs on ours from then on,
+/// with one line on stderr. kOwn by default until measured on a GPU;
+/// DDP_NN_CUDA_BN=cudnn or cudnn_persistent chooses for a process (any other
+/// value is an error naming it), tests switch with the setter.
+BatchNormKernels BatchNormKernelChoice();
+void SetBatchNormKernels(BatchNormKernels kernels);
+/// Whether cuDNN has declined activations of `dt` in this process (ours
+/// have run them since).
+bool BatchNormCudnnDeclined(DType dt);
+
 void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                       const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
                       const Tensor& save_mean, const Tensor& save_invstd);

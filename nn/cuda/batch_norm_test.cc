@@ -1,13 +1,16 @@
 // Batch norm on CUDA against the CPU kernels (tag "gpu"): training and eval
 // forward, backward, running-statistics update, the SyncBatchNorm building
 // blocks, 4-D and 2-D inputs, f32/f64/bf16 activations with f32 parameters,
-// with the reductions on one block per channel and split over several.
-// Both sides accumulate statistics in f64, so per-channel outputs agree to
-// the rounding of their own dtype (rtol 1e-6 for f32); activations and dx
-// to rtol 1e-5 (f32), 1e-10 (f64) or one bf16 ulp.
+// with the reductions on one block per channel and split over several, and
+// with cuDNN's training-mode kernels (both modes). Our kernels accumulate
+// statistics in f64 as the CPU does, so per-channel outputs agree to the
+// rounding of their own dtype (rtol 1e-6 for f32); activations and dx to
+// rtol 1e-5 (f32), 1e-10 (f64) or one bf16 ulp. cuDNN accumulates in f32:
+// its f32 statistics and outputs are held to 1e-4, dx to 1e-3.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,17 +54,30 @@ class CudaBatchNormTest : public ::testing::Test {
 // Forward (batch statistics or running ones) and backward of one
 // configuration on both devices. Parameters and running statistics are f64
 // for f64 activations, else f32 unless `params` says otherwise.
+// The kernels the current settings run for a configuration, for messages.
+std::string KernelName(DType dt, bool training) {
+  if (training && BatchNormKernelChoice() != BatchNormKernels::kOwn && dt != DType::kFloat64) {
+    return BatchNormKernelChoice() == BatchNormKernels::kCudnn ? "cudnn " : "cudnn persistent ";
+  }
+  return BatchNormSplitReductions() ? "split " : "";
+}
+
 void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool training, bool affine,
                                       std::optional<DType> params = std::nullopt) {
-  const std::string what = std::string(BatchNormSplitReductions() ? "split " : "") + "batch_norm " +
-                           ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
+  const std::string kernels = KernelName(dt, training);
+  const std::string what = kernels + "batch_norm " + ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
                            (training ? " train" : " eval") + (affine ? " affine" : "") + " params " +
                            std::string(DTypeName(params.value_or(DType::kFloat32)));
+  const bool cudnn = kernels.rfind("cudnn", 0) == 0;
   const int64_t c = shape[1];
   const DType pdt = params.value_or(dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
+  // cuDNN's f32 arithmetic, against f64 on the CPU.
+  const Tol stat_tol = cudnn ? Tol{1e-4, 1e-5} : kStatTol;
+  const Tol act_tol = cudnn && dt == DType::kFloat32 ? Tol{1e-4, 1e-4} : ActTol(dt);
+  const Tol dx_tol = cudnn && dt == DType::kFloat32 ? Tol{1e-3, 1e-4} : ActTol(dt);
   // 16-bit parameters and running statistics: both sides round the same f64
   // values, at most an ulp apart.
-  const Tol param_tol = pdt == DType::kBFloat16 || pdt == DType::kFloat16 ? ActTol(DType::kBFloat16) : kStatTol;
+  const Tol param_tol = pdt == DType::kBFloat16 || pdt == DType::kFloat16 ? ActTol(DType::kBFloat16) : stat_tol;
   // Activations off zero and not unit-scaled, so the statistics matter.
   const Tensor x = RandnOf(shape, dt, 1.5, 2.0);
   const Tensor w = affine ? RandnOf({c}, pdt) : Tensor(), b = affine ? RandnOf({c}, pdt) : Tensor();
@@ -75,9 +91,9 @@ void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool trainin
   const Tensor sm_gpu = Empty({c}, {.device = kGpu}), si_gpu = Empty({c}, {.device = kGpu});
   const Tensor xg = x.To(kGpu), wg = G(w), bg = G(b);
   Gpu().batch_norm_forward(xg, wg, bg, rm_gpu, rv_gpu, training, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
-  ExpectClose(y_cpu, y_gpu, ActTol(dt), what + " y");
-  ExpectClose(sm_cpu, sm_gpu, kStatTol, what + " save_mean");
-  ExpectClose(si_cpu, si_gpu, kStatTol, what + " save_invstd");
+  ExpectClose(y_cpu, y_gpu, act_tol, what + " y");
+  ExpectClose(sm_cpu, sm_gpu, stat_tol, what + " save_mean");
+  ExpectClose(si_cpu, si_gpu, stat_tol, what + " save_invstd");
   ExpectClose(rm_cpu, rm_gpu, param_tol, what + " running_mean");
   ExpectClose(rv_cpu, rv_gpu, param_tol, what + " running_var");
 
@@ -90,7 +106,7 @@ void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool trainin
   const Tensor dw_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
   const Tensor db_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
   Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, dx_gpu, dw_gpu, db_gpu);
-  ExpectClose(dx_cpu, dx_gpu, ActTol(dt), what + " dx");
+  ExpectClose(dx_cpu, dx_gpu, dx_tol, what + " dx");
   if (affine) {
     const Tol grad_tol = param_tol.rtol > 1e-5 ? param_tol : Tol{1e-5, 1e-5};
     ExpectClose(dw_cpu, dw_gpu, grad_tol, what + " dweight");
@@ -109,6 +125,40 @@ class SplitReductions {
  private:
   bool was_;
 };
+
+// Sets the training kernels for a scope, then restores the setting.
+class Kernels {
+ public:
+  explicit Kernels(BatchNormKernels k) : was_(BatchNormKernelChoice()) { SetBatchNormKernels(k); }
+  ~Kernels() { SetBatchNormKernels(was_); }
+  Kernels(const Kernels&) = delete;
+  Kernels& operator=(const Kernels&) = delete;
+
+ private:
+  BatchNormKernels was_;
+};
+
+// cuDNN's kernels, both modes, on the shapes and dtypes of the tests above
+// (f64 and eval mode run ours whatever the setting). cuDNN must take f32;
+// whether it took f16 and bf16 is printed.
+TEST_F(CudaBatchNormTest, CudnnTrainingKernelsMatchCpu) {
+  for (BatchNormKernels k : {BatchNormKernels::kCudnn, BatchNormKernels::kCudnnPersistent}) {
+    const Kernels setting(k);
+    for (const Shape& shape : {Shape{8, 6, 5, 4}, Shape{16, 7}, Shape{4, 3, 16, 20}, Shape{64, 3, 32, 32},
+                               Shape{40000, 2}}) {
+      for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+        for (bool affine : {true, false}) ExpectForwardAndBackwardMatchCpu(shape, dt, true, affine);
+      }
+    }
+    for (DType params : {DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+      ExpectForwardAndBackwardMatchCpu({8, 6, 5, 4}, DType::kFloat32, true, true, params);
+    }
+    ExpectForwardAndBackwardMatchCpu({8, 6, 5, 4}, DType::kFloat32, false, true);
+    EXPECT_FALSE(BatchNormCudnnDeclined(DType::kFloat32)) << "cuDNN declined f32 batch norm";
+    std::printf("cuDNN batch norm (mode %d): bf16 %s\n", static_cast<int>(k),
+                BatchNormCudnnDeclined(DType::kBFloat16) ? "declined, ours ran it" : "taken");
+  }
+}
 
 TEST_F(CudaBatchNormTest, ForwardAndBackwardMatchCpu) {
   // S = 20 and 1 take the flattened per-channel loop, S = 320 the row loop;

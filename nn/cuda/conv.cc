@@ -14,42 +14,18 @@
 
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/cuda_error.h"
+#include "nn/cuda/cudnn_util.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
-#include "nn/cuda/library_handles.h"
 #include "nn/cuda/stream.h"
 
 namespace ddp::nn::cuda {
 
 namespace {
 
-// cuDNN statuses become exceptions here (cuDNN is used by this file only).
-void CheckCudnn(cudnnStatus_t status, const char* call) {
-  if (status == CUDNN_STATUS_SUCCESS) return;
-  throw CudaError(std::string(call) + " failed: " + cudnnGetErrorString(status), static_cast<int>(status));
-}
-
-void CreateCudnn(cudnnHandle_t* handle) { CheckCudnn(cudnnCreate(handle), "cudnnCreate"); }
-
-cudnnHandle_t HandleFor(Device device) {
-  return LibraryHandles<cudnnHandle_t, CreateCudnn>::For(device);
-}
-
 int ToInt(int64_t v, const char* what) {
   if (v < 0 || v > INT_MAX) throw std::invalid_argument(std::string("conv2d on CUDA: ") + what + " out of range");
   return static_cast<int>(v);
-}
-
-cudnnDataType_t CudnnType(DType t) {
-  switch (t) {
-    case DType::kFloat32: return CUDNN_DATA_FLOAT;
-    case DType::kFloat64: return CUDNN_DATA_DOUBLE;
-    case DType::kFloat16: return CUDNN_DATA_HALF;
-    case DType::kBFloat16: return CUDNN_DATA_BFLOAT16;
-    default:
-      throw std::invalid_argument("conv2d on CUDA: unsupported dtype " + std::string(DTypeName(t)) +
-                                  " (f32, f64, f16, bf16)");
-  }
 }
 
 // RAII descriptors.
@@ -321,7 +297,7 @@ void Conv2dForward(const Tensor& x_in, const Tensor& w_in, const Tensor& bias, c
   const Tensor yt = Target(y, dt);
   DeviceGuard guard(dev.index);
   const cudaStream_t stream = CurrentStream(dev);
-  const cudnnHandle_t h = HandleFor(dev);
+  const cudnnHandle_t h = CudnnHandleFor(dev);
   CheckCudnn(cudnnSetStream(h, stream), "cudnnSetStream");
   const TensorDesc xd(x), yd(yt);
   const FilterDesc wd(w);
@@ -365,7 +341,7 @@ void Conv2dBackward(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in,
   const Tensor dy = ContiguousOnDevice(dy_in.dtype() == dt ? dy_in : dy_in.Detach().To(dt));
   DeviceGuard guard(dev.index);
   const cudaStream_t stream = CurrentStream(dev);
-  const cudnnHandle_t h = HandleFor(dev);
+  const cudnnHandle_t h = CudnnHandleFor(dev);
   CheckCudnn(cudnnSetStream(h, stream), "cudnnSetStream");
   const TensorDesc xd(x), dyd(dy);
   const FilterDesc wd(w);
