@@ -325,6 +325,10 @@ void SetBatchNormKernels(BatchNormKernels kernels) {
   kernel_choice.store(static_cast<int>(kernels), std::memory_order_relaxed);
 }
 
+DType BatchNormSavedDType(const Tensor& x, bool training) {
+  return training && UsesCudnn(x.dtype()) ? DType::kFloat32 : DType::kFloat64;
+}
+
 bool BatchNormCudnnDeclined(DType dt) {
   return (cudnn_declined.load(std::memory_order_relaxed) & (1u << static_cast<int>(dt))) != 0;
 }

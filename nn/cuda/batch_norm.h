@@ -37,6 +37,10 @@ void SetBatchNormKernels(BatchNormKernels kernels);
 /// have run them since).
 bool BatchNormCudnnDeclined(DType dt);
 
+/// f32 where training-mode batch norm of x runs on cuDNN (it computes the
+/// statistics in f32), else f64 (ours compute them in f64).
+DType BatchNormSavedDType(const Tensor& x, bool training);
+
 void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                       const Tensor& running_var, bool training, double momentum, double eps, const Tensor& y,
                       const Tensor& save_mean, const Tensor& save_invstd);

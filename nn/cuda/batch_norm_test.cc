@@ -18,7 +18,9 @@
 #include "nn/cuda/batch_norm.h"
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/gpu_test_util.h"
+#include "nn/autograd/engine.h"
 #include "nn/ops/dispatch.h"
+#include "nn/ops/functional.h"
 #include "nn/tensor/generator.h"
 #include "nn/tensor/tensor.h"
 
@@ -194,6 +196,39 @@ TEST_F(CudaBatchNormTest, LongChannelsSplitOverBlocksMatchCpu) {
       }
     }
   }
+}
+
+// Through the op and autograd, as a model runs it: with cuDNN chosen the op
+// keeps the saved statistics in f32 (what cuDNN computes), and the input,
+// weight and bias gradients and the running statistics match the CPU.
+TEST_F(CudaBatchNormTest, CudnnThroughTheOpMatchesCpu) {
+  const Kernels setting(BatchNormKernels::kCudnn);
+  const Shape shape{16, 8, 6, 6};
+  const Tensor x = RandnOf(shape, DType::kFloat32, 1.5, 2.0), dy = RandnOf(shape, DType::kFloat32);
+  const Tensor w = RandnOf({8}, DType::kFloat32), b = RandnOf({8}, DType::kFloat32);
+  const Tensor rm = RandnOf({8}, DType::kFloat32), rv = RandnOf({8}, DType::kFloat32, 2.0, 0.1);
+  EXPECT_EQ(BatchNormSavedDType(x.To(kGpu), true), DType::kFloat32);
+  EXPECT_EQ(BatchNormSavedDType(x.To(kGpu), false), DType::kFloat64);
+  struct Run {
+    Tensor x, w, b, rm, rv;
+  };
+  auto run = [&](Device device) {
+    // Copies: the CPU run must not change what the GPU run starts from.
+    auto copy = [&](const Tensor& t) { return t.To(device).Clone(); };
+    Run r{copy(x), copy(w), copy(b), copy(rm), copy(rv)};
+    for (Tensor* t : {&r.x, &r.w, &r.b}) t->set_requires_grad(true);
+    const Tensor y = ops::BatchNorm(r.x, r.rm, r.rv, r.w, r.b, true, 0.1, 1e-5);
+    Backward(ops::Sum(ops::Mul(y, dy.To(device))));
+    return r;
+  };
+  const Run cpu = run(kCPU), gpu = run(kGpu);
+  const Tol tol{1e-4, 1e-4};
+  ExpectClose(cpu.x.grad(), gpu.x.grad(), {1e-3, 1e-4}, "op dx");
+  ExpectClose(cpu.w.grad(), gpu.w.grad(), tol, "op dweight");
+  ExpectClose(cpu.b.grad(), gpu.b.grad(), tol, "op dbias");
+  ExpectClose(cpu.rm, gpu.rm, tol, "op running_mean");
+  ExpectClose(cpu.rv, gpu.rv, tol, "op running_var");
+  EXPECT_FALSE(BatchNormCudnnDeclined(DType::kFloat32));
 }
 
 // The SyncBatchNorm building blocks of one shape, f32 and bf16.

@@ -488,6 +488,7 @@ TEST(CudaInit, EveryKernelOfTheTableHasACudaPath) {
       {"adaptive_avg_pool2d_forward", reinterpret_cast<const void*>(t.adaptive_avg_pool2d_forward)},
       {"adaptive_avg_pool2d_backward", reinterpret_cast<const void*>(t.adaptive_avg_pool2d_backward)},
       {"batch_norm_forward", reinterpret_cast<const void*>(t.batch_norm_forward)},
+      {"batch_norm_saved_dtype", reinterpret_cast<const void*>(t.batch_norm_saved_dtype)},
       {"batch_norm_backward", reinterpret_cast<const void*>(t.batch_norm_backward)},
       {"batch_norm_stats", reinterpret_cast<const void*>(t.batch_norm_stats)},
       {"batch_norm_elementwise", reinterpret_cast<const void*>(t.batch_norm_elementwise)},
@@ -499,7 +500,7 @@ TEST(CudaInit, EveryKernelOfTheTableHasACudaPath) {
       {"cross_entropy_backward", reinterpret_cast<const void*>(t.cross_entropy_backward)},
   };
   // The table has exactly these entries (a new one must be added here and to CudaKernelTable).
-  static_assert(sizeof(ops::KernelTable) == 28 * sizeof(void*));
+  static_assert(sizeof(ops::KernelTable) == 29 * sizeof(void*));
   for (const auto& [name, fn] : entries) EXPECT_NE(fn, nullptr) << name;
 }
 

@@ -519,6 +519,7 @@ ops::KernelTable CudaKernelTable() {
   t.adaptive_avg_pool2d_backward = &AdaptiveAvgPool2dBackward;
   t.batch_norm_forward = &BatchNormForward;
   t.batch_norm_backward = &BatchNormBackward;
+  t.batch_norm_saved_dtype = &BatchNormSavedDType;
   t.batch_norm_stats = &BatchNormStats;
   t.batch_norm_elementwise = &BatchNormElementwise;
   t.batch_norm_backward_reduce = &BatchNormBackwardReduce;

@@ -120,6 +120,10 @@ struct KernelTable {
                              const Tensor& running_mean, const Tensor& running_var, bool training,
                              double momentum, double eps, const Tensor& y, const Tensor& save_mean,
                              const Tensor& save_invstd) = nullptr;
+  /// The dtype batch_norm_forward should get save_mean/save_invstd in for x
+  /// (the kernels take any floating dtype; the one they compute in saves a
+  /// conversion each way). Null: f64, as the CPU kernels compute.
+  DType (*batch_norm_saved_dtype)(const Tensor& x, bool training) = nullptr;
   /// Gradients of batch norm; training selects whether mean/invstd depended on x.
   /// Any of dx, dweight, dbias may be undefined.
   void (*batch_norm_backward)(const Tensor& x, const Tensor& dy, const Tensor& weight,

@@ -31,12 +31,15 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
     throw std::invalid_argument("batch_norm: expected more than 1 value per channel when training, got input " +
                                 ShapeToString(x.shape()));
   }
-  // The saved statistics stay in f64, as the kernels compute them: backward
-  // uses the mean and invstd the forward normalized with, unrounded, and a
-  // CUDA kernel reads them without a conversion.
+  // The saved statistics stay in the dtype the kernels compute them in (f64
+  // unless the device says otherwise, as CUDA does for cuDNN's f32): backward
+  // uses the mean and invstd the forward normalized with, unrounded, and
+  // reads them without a conversion.
   Tensor y = detail::NewLike(x);
-  Tensor mean = Empty({c}, {.dtype = DType::kFloat64, .device = x.device()});
-  Tensor invstd = Empty({c}, {.dtype = DType::kFloat64, .device = x.device()});
+  const auto saved_dtype = ops::KernelsFor(x.device().type).batch_norm_saved_dtype;
+  const DType saved = saved_dtype != nullptr ? saved_dtype(x, training) : DType::kFloat64;
+  Tensor mean = Empty({c}, {.dtype = saved, .device = x.device()});
+  Tensor invstd = Empty({c}, {.dtype = saved, .device = x.device()});
   DDP_KERNEL(x.device(), batch_norm_forward)(x, weight, bias, running_mean, running_var, training, momentum, eps, y,
                                             mean, invstd);
   if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
