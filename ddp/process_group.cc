@@ -224,7 +224,12 @@ struct Work::State {
   // (`posted`); the Work is done once all of them are.
   std::vector<std::shared_ptr<P2pTransfer>> transfers;
   bool posted = false;
-  std::once_flag delivered;
+  // Whether the messages were delivered (Deliver), under deliver_mu: the
+  // first waiter delivers, later ones return after it. Not a once_flag:
+  // glibc's pthread_once makes a futex system call on every first use, one
+  // per message (measured: 8% of a small ping-pong's time).
+  std::mutex deliver_mu;
+  bool delivered = false;
 
   // The first result counts (a waiter and the communication thread may
   // both finish a point-to-point Work).
@@ -263,9 +268,11 @@ void Work::Wait() {
   Status s = WaitFor(Clock::now() + state_->wait_budget);
   if (!s.ok()) throw DistributedError(std::move(s));
   if (!state_->transfers.empty()) {
-    std::call_once(state_->delivered, [&] {
+    std::lock_guard lock(state_->deliver_mu);
+    if (!state_->delivered) {
       for (const std::shared_ptr<P2pTransfer>& t : state_->transfers) t->Deliver();
-    });
+      state_->delivered = true;
+    }
   }
   if (state_->fence != nullptr) state_->fence->OrderConsumer();
 }
