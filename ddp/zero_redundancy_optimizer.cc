@@ -139,6 +139,19 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
 }
 
 void ZeroRedundancyOptimizer::Step() {
+  // The pieces are views of the parameters' memory as it was at
+  // construction; Module::To gives a parameter new memory, and the pieces
+  // would then update and broadcast memory the model no longer uses.
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    for (size_t k = 0; k < shards_[r].size(); ++k) {
+      const auto& [name, param] = params_[shards_[r][k].param];
+      if (pieces_[r][k].storage() != param.storage()) {
+        throw std::logic_error("ZeroRedundancyOptimizer::Step: parameter `" + name +
+                               "` has new memory since the optimizer was built (Module::To after it?); "
+                               "build the optimizer after moving or converting the model");
+      }
+    }
+  }
   // The local optimizer's pieces take the matching pieces of the gradients
   // for this step only: holding them would keep the gradients' memory alive
   // after ZeroGrad lets go of it.

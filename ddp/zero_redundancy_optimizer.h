@@ -64,7 +64,9 @@ class ZeroRedundancyOptimizer {
 
   /// Updates this rank's shard from its gradients, then broadcasts every
   /// rank's shard from that rank. Collective. Throws DistributedError when a
-  /// broadcast fails.
+  /// broadcast fails, and std::logic_error naming a parameter that got new
+  /// memory (Module::To) after construction: build the optimizer after
+  /// moving or converting the model.
   void Step();
   /// Clears every parameter's gradient (the shard's and the others').
   void ZeroGrad(bool set_to_none = true);

@@ -149,6 +149,23 @@ TEST(ZeroPartition, BadArgumentsAreNamed) {
   EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), pg, nullptr), std::invalid_argument);
 }
 
+// The shards are views of the parameters' memory: a model converted after
+// the optimizer was built is an error naming a parameter, not a silent
+// update of memory the model no longer uses.
+TEST(ZeroPartition, ModelConvertedAfterConstructionIsAnError) {
+  auto pg = ProcessGroup::Single();
+  auto model = Mlp(1);
+  ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, MakeOptimizer);
+  model->To(nn::DType::kFloat64);
+  try {
+    zero.Step();
+    FAIL() << "a stale shard was stepped";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("has new memory since the optimizer was built"), std::string::npos)
+        << e.what();
+  }
+}
+
 // One process: the shard is everything, and the optimizer is the plain one.
 TEST(ZeroPartition, OneProcessIsThePlainOptimizer) {
   auto pg = ProcessGroup::Single();
