@@ -141,13 +141,19 @@ void CheckSameShape(const char* op, const Tensor& a, const char* an, const Tenso
 
 // -1 until read from DDP_NN_CUDA_BN, then a BatchNormKernels value.
 std::atomic<int> kernel_choice{-1};
-// Activation dtypes cuDNN declined, as bits 1 << dtype: ours run them.
+// Activation dtypes cuDNN declined, per mode: bit dtype for the spatial
+// mode, 16 + dtype for the persistent one. Ours run them.
 std::atomic<uint32_t> cudnn_declined{0};
+
+uint32_t DeclinedBit(DType dt) {
+  const int mode = BatchNormKernelChoice() == BatchNormKernels::kCudnnPersistent ? 1 : 0;
+  return 1u << (static_cast<int>(dt) + 16 * mode);
+}
 
 bool UsesCudnn(DType dt) {
   if (BatchNormKernelChoice() == BatchNormKernels::kOwn) return false;
   if (dt != DType::kFloat32 && dt != DType::kFloat16 && dt != DType::kBFloat16) return false;
-  return (cudnn_declined.load(std::memory_order_relaxed) & (1u << static_cast<int>(dt))) == 0;
+  return (cudnn_declined.load(std::memory_order_relaxed) & DeclinedBit(dt)) == 0;
 }
 
 cudnnBatchNormMode_t CudnnMode() {
@@ -165,10 +171,12 @@ bool CudnnShapeFits(const Dims& d, const Tensor& x) {
 // declined it (the caller then runs ours); throws for any other failure.
 bool CudnnRan(cudnnStatus_t status, DType dt, const char* call) {
   if (status == CUDNN_STATUS_NOT_SUPPORTED || status == CUDNN_STATUS_BAD_PARAM) {
-    const uint32_t bit = 1u << static_cast<int>(dt);
+    const uint32_t bit = DeclinedBit(dt);
     if ((cudnn_declined.fetch_or(bit) & bit) == 0) {
-      std::fprintf(stderr, "batch_norm: %s declined %s activations (%s); our kernels run them\n", call,
-                   std::string(DTypeName(dt)).c_str(), cudnnGetErrorString(status));
+      std::fprintf(stderr, "batch_norm: %s declined %s activations in %s mode (%s); our kernels run them\n",
+                   call, std::string(DTypeName(dt)).c_str(),
+                   CudnnMode() == CUDNN_BATCHNORM_SPATIAL_PERSISTENT ? "persistent" : "spatial",
+                   cudnnGetErrorString(status));
     }
     return false;
   }
@@ -330,7 +338,7 @@ DType BatchNormSavedDType(const Tensor& x, bool training) {
 }
 
 bool BatchNormCudnnDeclined(DType dt) {
-  return (cudnn_declined.load(std::memory_order_relaxed) & (1u << static_cast<int>(dt))) != 0;
+  return (cudnn_declined.load(std::memory_order_relaxed) & DeclinedBit(dt)) != 0;
 }
 
 void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,

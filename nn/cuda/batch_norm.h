@@ -33,8 +33,8 @@ enum class BatchNormKernels : int {
 /// value is an error naming it), tests switch with the setter.
 BatchNormKernels BatchNormKernelChoice();
 void SetBatchNormKernels(BatchNormKernels kernels);
-/// Whether cuDNN has declined activations of `dt` in this process (ours
-/// have run them since).
+/// Whether cuDNN has declined activations of `dt` in the chosen mode in
+/// this process (ours have run them since).
 bool BatchNormCudnnDeclined(DType dt);
 
 /// f32 where training-mode batch norm of x runs on cuDNN (it computes the
