@@ -18,11 +18,28 @@ InMemoryImageDataset::InMemoryImageDataset(std::string name, ImageShape shape,
                                            int64_t num_classes,
                                            std::vector<uint8_t> pixels,
                                            std::vector<uint8_t> labels)
+    : name_(std::move(name)), shape_(shape), num_classes_(num_classes), labels_(std::move(labels)) {
+  auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(pixels));
+  pixels_ = owned->data();
+  pixel_bytes_ = owned->size();
+  pixel_owner_ = std::move(owned);
+  Check();
+}
+
+InMemoryImageDataset::InMemoryImageDataset(std::string name, ImageShape shape, int64_t num_classes,
+                                           std::shared_ptr<const void> owner, const uint8_t* pixels,
+                                           size_t pixel_bytes, std::vector<uint8_t> labels)
     : name_(std::move(name)),
       shape_(shape),
       num_classes_(num_classes),
-      pixels_(std::move(pixels)),
+      pixel_owner_(std::move(owner)),
+      pixels_(pixels),
+      pixel_bytes_(pixel_bytes),
       labels_(std::move(labels)) {
+  Check();
+}
+
+void InMemoryImageDataset::Check() const {
   if (shape_.channels <= 0 || shape_.height <= 0 || shape_.width <= 0) {
     throw DatasetError(name_ + ": image shape " + shape_.ToString() +
                        " must be positive in every dimension");
@@ -32,10 +49,10 @@ InMemoryImageDataset::InMemoryImageDataset(std::string name, ImageShape shape,
                        " must be in [1, 256] for u8 labels");
   }
   const uint64_t expected = static_cast<uint64_t>(labels_.size()) * shape_.NumPixels();
-  if (pixels_.size() != expected) {
+  if (pixel_bytes_ != expected) {
     throw DatasetError(name_ + ": " + std::to_string(labels_.size()) + " labels need " +
                        std::to_string(expected) + " pixel bytes of shape " +
-                       shape_.ToString() + ", got " + std::to_string(pixels_.size()));
+                       shape_.ToString() + ", got " + std::to_string(pixel_bytes_));
   }
   for (size_t i = 0; i < labels_.size(); ++i) {
     if (labels_[i] >= num_classes_) {
@@ -55,7 +72,7 @@ void InMemoryImageDataset::CheckIndex(int64_t index) const {
 
 const uint8_t* InMemoryImageDataset::Pixels(int64_t index) const {
   CheckIndex(index);
-  return pixels_.data() + index * shape_.NumPixels();
+  return pixels_ + index * shape_.NumPixels();
 }
 
 void InMemoryImageDataset::Get(int64_t index, uint8_t* pixels) const {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,11 @@ class InMemoryImageDataset : public Dataset {
   /// label < num_classes. Throws DatasetError naming `name` otherwise.
   InMemoryImageDataset(std::string name, ImageShape shape, int64_t num_classes,
                        std::vector<uint8_t> pixels, std::vector<uint8_t> labels);
+  /// The same over `pixel_bytes` bytes at `pixels` that `owner` keeps alive
+  /// and unchanged (a mapped file that several processes share).
+  InMemoryImageDataset(std::string name, ImageShape shape, int64_t num_classes,
+                       std::shared_ptr<const void> owner, const uint8_t* pixels, size_t pixel_bytes,
+                       std::vector<uint8_t> labels);
 
   int64_t Size() const override { return static_cast<int64_t>(labels_.size()); }
   ImageShape Shape() const override { return shape_; }
@@ -73,15 +79,18 @@ class InMemoryImageDataset : public Dataset {
   /// The pixel block of sample `index` (Shape().NumPixels() bytes), no copy.
   const uint8_t* Pixels(int64_t index) const;
   /// Bytes held for pixels and labels.
-  int64_t MemoryBytes() const { return static_cast<int64_t>(pixels_.size() + labels_.size()); }
+  int64_t MemoryBytes() const { return static_cast<int64_t>(pixel_bytes_ + labels_.size()); }
 
  private:
   void CheckIndex(int64_t index) const;
+  void Check() const;
 
   std::string name_;
   ImageShape shape_;
   int64_t num_classes_;
-  std::vector<uint8_t> pixels_;
+  std::shared_ptr<const void> pixel_owner_;  // a vector, or a mapped file
+  const uint8_t* pixels_ = nullptr;
+  size_t pixel_bytes_ = 0;
   std::vector<uint8_t> labels_;
 };
 

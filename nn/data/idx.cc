@@ -9,6 +9,7 @@
 #include <functional>
 #include <utility>
 
+#include "nn/data/decoded_cache.h"
 #include "nn/data/file_bytes.h"
 
 namespace ddp::nn::data {
@@ -200,7 +201,12 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
                                                      const std::string& images_path,
                                                      const std::string& labels_path,
                                                      int64_t num_classes) {
-  IdxArray images = ReadIdxFile(images_path);
+  // The images through the decoded cache (mapped, shared by every process
+  // that loads them); the labels are small.
+  const internal::SharedArray images = internal::LoadDecoded(images_path, [&] {
+    IdxArray a = ReadIdxFile(images_path);
+    return std::make_pair(std::move(a.dims), std::move(a.data));
+  });
   if (images.dims.size() != 3 && images.dims.size() != 4) {
     throw DatasetError(images_path + ": image file has " + std::to_string(images.dims.size()) +
                        " dimensions " + DimsString(images.dims) +
@@ -232,7 +238,7 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
                          std::to_string(num_classes) + ")");
     }
   }
-  return std::make_shared<InMemoryImageDataset>(name, shape, num_classes, std::move(images.data),
+  return std::make_shared<InMemoryImageDataset>(name, shape, num_classes, images.owner, images.data, images.size,
                                                 std::move(labels.data));
 }
 

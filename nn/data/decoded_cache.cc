@@ -1,0 +1,202 @@
+#include "nn/data/decoded_cache.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string_view>
+
+namespace ddp::nn::data::internal {
+namespace {
+
+constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '1', '\0'};
+constexpr uint32_t kMaxDims = 8;
+
+// What an entry says about its source and itself; the dimensions follow it
+// (u64 each), then the data.
+struct Header {
+  char magic[8];
+  uint64_t source_dev;
+  uint64_t source_ino;
+  uint64_t source_size;
+  int64_t source_mtime_ns;
+  uint64_t data_bytes;
+  uint32_t ndims;
+  uint32_t crc;
+};
+
+uint32_t Crc(const uint8_t* data, size_t n) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  // zlib takes uInt lengths.
+  for (size_t done = 0; done < n;) {
+    const uInt piece = static_cast<uInt>(std::min<size_t>(n - done, size_t{1} << 30));
+    crc = crc32(crc, data + done, piece);
+    done += piece;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+// FNV-1a of the source's absolute path: the entry's file name.
+std::string EntryName(const std::string& source) {
+  char* real = ::realpath(source.c_str(), nullptr);
+  const std::string path = real != nullptr ? real : source;
+  std::free(real);
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : path) h = (h ^ c) * 1099511628211ull;
+  const size_t slash = path.find_last_of('/');
+  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  for (char& c : base) {
+    if (c == '.' || c == '-' || c == '_') continue;
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return base + "-" + hex + ".decoded";
+}
+
+bool SameSource(const Header& h, const struct stat& st) {
+  return h.source_dev == static_cast<uint64_t>(st.st_dev) && h.source_ino == static_cast<uint64_t>(st.st_ino) &&
+         h.source_size == static_cast<uint64_t>(st.st_size) &&
+         h.source_mtime_ns == static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+// The entry at `path` when it is whole and describes `source` (as `st`);
+// else an empty array.
+SharedArray MapEntry(const std::string& path, const struct stat& source) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) < sizeof(Header)) {
+    ::close(fd);
+    return {};
+  }
+  const size_t bytes = static_cast<size_t>(st.st_size);
+  void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) return {};
+  std::shared_ptr<const void> owner(base, [bytes](const void* p) { ::munmap(const_cast<void*>(p), bytes); });
+  Header h;
+  std::memcpy(&h, base, sizeof(h));
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || !SameSource(h, source) || h.ndims == 0 ||
+      h.ndims > kMaxDims) {
+    return {};
+  }
+  const size_t header_bytes = sizeof(Header) + 8 * h.ndims;
+  if (bytes < header_bytes || bytes - header_bytes != h.data_bytes) return {};
+  SharedArray out;
+  uint64_t count = 1;
+  for (uint32_t d = 0; d < h.ndims; ++d) {
+    uint64_t dim;
+    std::memcpy(&dim, static_cast<const char*>(base) + sizeof(Header) + 8 * d, sizeof(dim));
+    if (dim > static_cast<uint64_t>(INT64_MAX) || (dim != 0 && count > UINT64_MAX / dim)) return {};
+    count *= dim;
+    out.dims.push_back(static_cast<int64_t>(dim));
+  }
+  if (count != h.data_bytes) return {};
+  out.data = static_cast<const uint8_t*>(base) + header_bytes;
+  out.size = h.data_bytes;
+  if (Crc(out.data, out.size) != h.crc) return {};
+  out.owner = std::move(owner);
+  return out;
+}
+
+bool WriteAll(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// mkdir -p; true when `dir` exists afterwards.
+bool MakeDirs(const std::string& dir) {
+  for (size_t i = 1; i <= dir.size(); ++i) {
+    if (i == dir.size() || dir[i] == '/') {
+      const std::string part = dir.substr(0, i);
+      if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return false;
+    }
+  }
+  struct stat st;
+  return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// Writes an entry for `source` (best effort): a temporary file renamed into
+// place, so that readers never see part of one.
+void WriteEntry(const std::string& dir, const std::string& path, const struct stat& source,
+                const std::vector<int64_t>& dims, const std::vector<uint8_t>& data) {
+  if (dims.empty() || dims.size() > kMaxDims || !MakeDirs(dir)) return;
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof(kMagic));
+  h.source_dev = static_cast<uint64_t>(source.st_dev);
+  h.source_ino = static_cast<uint64_t>(source.st_ino);
+  h.source_size = static_cast<uint64_t>(source.st_size);
+  h.source_mtime_ns = static_cast<int64_t>(source.st_mtim.tv_sec) * 1000000000 + source.st_mtim.tv_nsec;
+  h.data_bytes = data.size();
+  h.ndims = static_cast<uint32_t>(dims.size());
+  h.crc = Crc(data.data(), data.size());
+  std::random_device random;
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(random());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  bool ok = WriteAll(fd, &h, sizeof(h));
+  for (int64_t d : dims) {
+    const uint64_t dim = static_cast<uint64_t>(d);
+    ok = ok && WriteAll(fd, &dim, sizeof(dim));
+  }
+  ok = ok && WriteAll(fd, data.data(), data.size());
+  ok = ::close(fd) == 0 && ok;
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
+}
+
+}  // namespace
+
+std::string DecodedCacheDir() {
+  const char* env = std::getenv("DDP_DATA_CACHE");
+  if (env != nullptr && env[0] != '\0') {
+    const std::string v = env;
+    if (v == "0" || v == "off") return "";
+    return v;
+  }
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (xdg != nullptr && xdg[0] == '/') return std::string(xdg) + "/ddp/datasets";
+  const char* home = std::getenv("HOME");
+  if (home != nullptr && home[0] == '/') return std::string(home) + "/.cache/ddp/datasets";
+  return "";
+}
+
+SharedArray LoadDecoded(const std::string& source,
+                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode) {
+  const std::string dir = DecodedCacheDir();
+  struct stat st;
+  const bool cacheable = !dir.empty() && ::stat(source.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  const std::string path = cacheable ? dir + "/" + EntryName(source) : "";
+  if (cacheable) {
+    SharedArray hit = MapEntry(path, st);
+    if (hit.owner != nullptr) return hit;
+  }
+  auto [dims, bytes] = decode();
+  if (cacheable) WriteEntry(dir, path, st, dims, bytes);
+  auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
+  SharedArray out;
+  out.dims = std::move(dims);
+  out.data = owned->data();
+  out.size = owned->size();
+  out.owner = std::move(owned);
+  return out;
+}
+
+}  // namespace ddp::nn::data::internal

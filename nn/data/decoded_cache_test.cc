@@ -1,0 +1,194 @@
+// The decoded cache over real files: a second load maps the entry the first
+// wrote; a corrupted entry, a changed source, an entry of another file and an
+// unwritable folder all fall back to decoding, with the right bytes; "off"
+// writes nothing.
+#include "nn/data/decoded_cache.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/data/idx.h"
+#include "nn/data/test_files.h"
+
+namespace ddp::nn::data::internal {
+namespace {
+
+using testing::FreshDir;
+using testing::Gzip;
+using testing::IdxBytes;
+using testing::WriteFile;
+
+// Sets DDP_DATA_CACHE for a scope.
+class CacheDir {
+ public:
+  explicit CacheDir(const std::string& dir) {
+    const char* was = std::getenv("DDP_DATA_CACHE");
+    had_ = was != nullptr;
+    if (had_) was_ = was;
+    ::setenv("DDP_DATA_CACHE", dir.c_str(), 1);
+  }
+  ~CacheDir() {
+    if (had_) {
+      ::setenv("DDP_DATA_CACHE", was_.c_str(), 1);
+    } else {
+      ::unsetenv("DDP_DATA_CACHE");
+    }
+  }
+
+ private:
+  bool had_ = false;
+  std::string was_;
+};
+
+std::vector<std::filesystem::path> Entries(const std::string& dir) {
+  std::vector<std::filesystem::path> out;
+  if (!std::filesystem::exists(dir)) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out.push_back(e.path());
+  return out;
+}
+
+// A decode that counts its calls and reads the IDX file.
+struct CountingDecode {
+  std::string path;
+  int calls = 0;
+  std::pair<std::vector<int64_t>, std::vector<uint8_t>> operator()() {
+    ++calls;
+    IdxArray a = ReadIdxFile(path);
+    return {a.dims, a.data};
+  }
+};
+
+std::vector<uint8_t> Bytes(const SharedArray& a) { return std::vector<uint8_t>(a.data, a.data + a.size); }
+
+std::string Pixels(size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>(i * 7 + 3);
+  return s;
+}
+
+std::vector<uint8_t> Want(size_t n) {
+  const std::string s = Pixels(n);
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+TEST(DecodedCache, SecondLoadMapsTheEntryTheFirstWrote) {
+  const std::string dir = FreshDir("decoded_hit");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images.gz";
+  WriteFile(src, Gzip(IdxBytes({5, 4, 3}, Pixels(60))));
+  CountingDecode decode{src};
+  const SharedArray first = LoadDecoded(src, std::ref(decode));
+  EXPECT_EQ(decode.calls, 1);
+  ASSERT_EQ(Entries(dir + "/cache").size(), 1u) << "one entry, no temporary left";
+  const SharedArray second = LoadDecoded(src, std::ref(decode));
+  EXPECT_EQ(decode.calls, 1) << "the entry was not used";
+  EXPECT_EQ(second.dims, (std::vector<int64_t>{5, 4, 3}));
+  EXPECT_EQ(Bytes(second), Bytes(first));
+  EXPECT_EQ(Bytes(second), Want(60));
+}
+
+TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
+  const std::string dir = FreshDir("decoded_corrupt");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({10, 8}, Pixels(80)));
+  CountingDecode decode{src};
+  LoadDecoded(src, std::ref(decode));
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u);
+  // Flip one data byte (the last): the CRC no longer matches.
+  {
+    std::fstream f(entries[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(-1, std::ios::end);
+    c = static_cast<char>(c ^ 0x5a);
+    f.write(&c, 1);
+  }
+  const SharedArray again = LoadDecoded(src, std::ref(decode));
+  EXPECT_EQ(decode.calls, 2);
+  EXPECT_EQ(Bytes(again), Want(80));
+  LoadDecoded(src, std::ref(decode));
+  EXPECT_EQ(decode.calls, 2) << "the rewritten entry was not used";
+  // A truncated entry likewise.
+  std::filesystem::resize_file(entries[0], 40);
+  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode))), Want(80));
+  EXPECT_EQ(decode.calls, 3);
+}
+
+TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
+  const std::string dir = FreshDir("decoded_changed");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
+  CountingDecode decode{src};
+  LoadDecoded(src, std::ref(decode));
+  // Same size, new bytes, a later modification time.
+  std::string other = Pixels(8);
+  other[0] = 'z';
+  WriteFile(src, IdxBytes({4, 2}, other));
+  struct timespec times[2] = {{0, UTIME_OMIT}, {0, 0}};
+  ::clock_gettime(CLOCK_REALTIME, &times[1]);
+  times[1].tv_sec += 10;
+  ASSERT_EQ(::utimensat(AT_FDCWD, src.c_str(), times, 0), 0);
+  const SharedArray now = LoadDecoded(src, std::ref(decode));
+  EXPECT_EQ(decode.calls, 2);
+  EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
+}
+
+TEST(DecodedCache, UnwritableFolderAndOffDecodeEveryTime) {
+  const std::string dir = FreshDir("decoded_unwritable");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  {
+    // A regular file where the folder should be.
+    WriteFile(dir + "/blocked", "x");
+    const CacheDir cache(dir + "/blocked/cache");
+    CountingDecode decode{src};
+    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode))), Want(9));
+    LoadDecoded(src, std::ref(decode));
+    EXPECT_EQ(decode.calls, 2);
+  }
+  {
+    const CacheDir cache("off");
+    EXPECT_EQ(DecodedCacheDir(), "");
+    CountingDecode decode{src};
+    LoadDecoded(src, std::ref(decode));
+    LoadDecoded(src, std::ref(decode));
+    EXPECT_EQ(decode.calls, 2);
+  }
+}
+
+// Through the dataset loader: two loads of one set give the same samples,
+// the second from the entry; two sets in one folder get two entries.
+TEST(DecodedCache, DatasetLoadsShareTheEntry) {
+  const std::string dir = FreshDir("decoded_dataset");
+  const CacheDir cache(dir + "/cache");
+  for (const char* split : {"train", "t10k"}) {
+    WriteFile(dir + "/" + std::string(split) + "-images-idx3-ubyte.gz", Gzip(IdxBytes({3, 2, 2}, Pixels(12))));
+    WriteFile(dir + "/" + std::string(split) + "-labels-idx1-ubyte.gz", Gzip(IdxBytes({3}, std::string("\0\1\2", 3))));
+  }
+  const auto a = LoadMnist(dir, Split::kTrain);
+  const auto b = LoadMnist(dir, Split::kTrain);
+  LoadMnist(dir, Split::kTest);
+  EXPECT_EQ(Entries(dir + "/cache").size(), 2u);
+  ASSERT_EQ(b->Size(), 3);
+  for (int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::vector<uint8_t>(a->Pixels(i), a->Pixels(i) + 4), std::vector<uint8_t>(b->Pixels(i), b->Pixels(i) + 4));
+    EXPECT_EQ(b->Label(i), i);
+  }
+}
+
+}  // namespace
+}  // namespace ddp::nn::data::internal
