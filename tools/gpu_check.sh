@@ -636,49 +636,38 @@ echo "ResNet-50 (CIFAR stem), batch $BATCH, $STEPS timed steps after $WARMUP, SG
 print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
 copy_out "$BENCH_LOG"
 
-# The split BatchNorm path (DDP_NN_CUDA_BN_SPLIT=1: reductions over several
-# blocks per channel, per-channel tensors read in place; off by default until
-# measured here), fp32 and bf16, against the default run above: images/s and
-# their ratio per mode.
-SPLIT_LOG="$WORK/bench_bn_split.log"
-: >"$SPLIT_LOG"
+# Ours again with one BatchNorm variant switched on by an environment
+# assignment ($3), fp32 and bf16, against the default run above: images/s
+# and their ratio per mode, into $4. $1 names the variant in the table, $2
+# in the phase and the table's heading.
 SPLIT_MODES="$(tr ',' '\n' <<<"$MODES" | grep -vx fp16 | paste -sd,)"
-begin_phase "benchmark: ours with split batch-norm reductions, modes $SPLIT_MODES"
-if [ "$DRY_RUN" = 1 ] || [ -z "$SPLIT_MODES" ]; then
-  echo "dry run or no modes: would run: DDP_NN_CUDA_BN_SPLIT=1 ${BENCH_BIN:-(no binary)}" \
-    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
-  end_phase "skipped"
-elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
-  end_phase "FAILED (not built)"
-else
-  run_logged "$(phase_limit 120 100)" "$SPLIT_LOG" "${OUR_ENV[@]}" DDP_NN_CUDA_BN_SPLIT=1 "$BENCH_BIN" \
-    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
-  end_phase "$(describe_rc $?)"
-  echo "the split BatchNorm path against the default (ours):"
-  print_variant_table split "$BENCH_LOG" "$SPLIT_LOG" | tee -a "$WORK/table.txt"
-fi
-copy_out "$SPLIT_LOG"
+run_bn_variant() {
+  local name=$1 what=$2 assignment=$3 log=$4
+  : >"$log"
+  begin_phase "benchmark: ours with $what, modes $SPLIT_MODES"
+  if [ "$DRY_RUN" = 1 ] || [ -z "$SPLIT_MODES" ]; then
+    echo "dry run or no modes: would run: $assignment ${BENCH_BIN:-(no binary)}" \
+      "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
+    end_phase "skipped"
+  elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
+    end_phase "FAILED (not built)"
+  else
+    # `env`: OUR_ENV is empty where the binary was built here, and timeout
+    # would take the assignment for a command.
+    run_logged "$(phase_limit 120 100)" "$log" "${OUR_ENV[@]}" env "$assignment" "$BENCH_BIN" \
+      "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
+    end_phase "$(describe_rc $?)"
+    echo "$what against the default (ours):"
+    print_variant_table "$name" "$BENCH_LOG" "$log" | tee -a "$WORK/table.txt"
+  fi
+  copy_out "$log"
+}
 
-# cuDNN's training-mode batch norm (DDP_NN_CUDA_BN=cudnn: PyTorch's kernels
-# for NCHW; off by default until measured here), the same modes, against
-# the default run.
-CUDNN_BN_LOG="$WORK/bench_bn_cudnn.log"
-: >"$CUDNN_BN_LOG"
-begin_phase "benchmark: ours with cuDNN batch norm, modes $SPLIT_MODES"
-if [ "$DRY_RUN" = 1 ] || [ -z "$SPLIT_MODES" ]; then
-  echo "dry run or no modes: would run: DDP_NN_CUDA_BN=cudnn ${BENCH_BIN:-(no binary)}" \
-    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
-  end_phase "skipped"
-elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
-  end_phase "FAILED (not built)"
-else
-  run_logged "$(phase_limit 120 100)" "$CUDNN_BN_LOG" "${OUR_ENV[@]}" DDP_NN_CUDA_BN=cudnn "$BENCH_BIN" \
-    "${BENCH_ARGS[@]/#--modes=*/--modes=$SPLIT_MODES}"
-  end_phase "$(describe_rc $?)"
-  echo "cuDNN batch norm against the default (ours):"
-  print_variant_table cudnn "$BENCH_LOG" "$CUDNN_BN_LOG" | tee -a "$WORK/table.txt"
-fi
-copy_out "$CUDNN_BN_LOG"
+# The split BatchNorm path (reductions over several blocks per channel,
+# per-channel tensors read in place) and cuDNN's training-mode batch norm
+# (PyTorch's kernels for NCHW): both off by default until measured here.
+run_bn_variant split "split batch-norm reductions" DDP_NN_CUDA_BN_SPLIT=1 "$WORK/bench_bn_split.log"
+run_bn_variant cudnn "cuDNN batch norm" DDP_NN_CUDA_BN=cudnn "$WORK/bench_bn_cudnn.log"
 
 # ------------------------------------------------- collectives on the device
 
