@@ -179,7 +179,8 @@ std::string DecodedCacheDir() {
 }
 
 SharedArray LoadDecoded(const std::string& source,
-                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode) {
+                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
+                        size_t min_bytes) {
   const std::string dir = DecodedCacheDir();
   struct stat st;
   const bool cacheable = !dir.empty() && ::stat(source.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -189,7 +190,7 @@ SharedArray LoadDecoded(const std::string& source,
     if (hit.owner != nullptr) return hit;
   }
   auto [dims, bytes] = decode();
-  if (cacheable) WriteEntry(dir, path, st, dims, bytes);
+  if (cacheable && bytes.size() >= min_bytes) WriteEntry(dir, path, st, dims, bytes);
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
   SharedArray out;
   out.dims = std::move(dims);

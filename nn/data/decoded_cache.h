@@ -38,11 +38,17 @@ struct SharedArray {
 /// The folder the cache uses now ("" when it is off or there is no home).
 std::string DecodedCacheDir();
 
+/// Decoded files smaller than this are not cached: they decode in
+/// microseconds, and tests' scratch files would pile up.
+inline constexpr size_t kMinCachedBytes = size_t{1} << 20;
+
 /// The decoded contents of `source`: from its cache entry when one matches,
 /// else from `decode` (which throws for a bad file), whose result is then
-/// written to the cache. `decode` returns the dimensions and the bytes.
+/// written to the cache when it has at least `min_bytes`. `decode` returns
+/// the dimensions and the bytes.
 SharedArray LoadDecoded(const std::string& source,
-                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode);
+                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
+                        size_t min_bytes = kMinCachedBytes);
 
 }  // namespace ddp::nn::data::internal
 

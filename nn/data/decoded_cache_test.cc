@@ -87,10 +87,10 @@ TEST(DecodedCache, SecondLoadMapsTheEntryTheFirstWrote) {
   const std::string src = dir + "/images.gz";
   WriteFile(src, Gzip(IdxBytes({5, 4, 3}, Pixels(60))));
   CountingDecode decode{src};
-  const SharedArray first = LoadDecoded(src, std::ref(decode));
+  const SharedArray first = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 1);
   ASSERT_EQ(Entries(dir + "/cache").size(), 1u) << "one entry, no temporary left";
-  const SharedArray second = LoadDecoded(src, std::ref(decode));
+  const SharedArray second = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 1) << "the entry was not used";
   EXPECT_EQ(second.dims, (std::vector<int64_t>{5, 4, 3}));
   EXPECT_EQ(Bytes(second), Bytes(first));
@@ -103,7 +103,7 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   const std::string src = dir + "/images";
   WriteFile(src, IdxBytes({10, 8}, Pixels(80)));
   CountingDecode decode{src};
-  LoadDecoded(src, std::ref(decode));
+  LoadDecoded(src, std::ref(decode), 0);
   const auto entries = Entries(dir + "/cache");
   ASSERT_EQ(entries.size(), 1u);
   // Flip one data byte (the last): the CRC no longer matches.
@@ -116,14 +116,14 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
     c = static_cast<char>(c ^ 0x5a);
     f.write(&c, 1);
   }
-  const SharedArray again = LoadDecoded(src, std::ref(decode));
+  const SharedArray again = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(again), Want(80));
-  LoadDecoded(src, std::ref(decode));
+  LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2) << "the rewritten entry was not used";
   // A truncated entry likewise.
   std::filesystem::resize_file(entries[0], 40);
-  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode))), Want(80));
+  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(80));
   EXPECT_EQ(decode.calls, 3);
 }
 
@@ -133,7 +133,7 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   const std::string src = dir + "/images";
   WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
   CountingDecode decode{src};
-  LoadDecoded(src, std::ref(decode));
+  LoadDecoded(src, std::ref(decode), 0);
   // Same size, new bytes, a later modification time.
   std::string other = Pixels(8);
   other[0] = 'z';
@@ -142,7 +142,7 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   ::clock_gettime(CLOCK_REALTIME, &times[1]);
   times[1].tv_sec += 10;
   ASSERT_EQ(::utimensat(AT_FDCWD, src.c_str(), times, 0), 0);
-  const SharedArray now = LoadDecoded(src, std::ref(decode));
+  const SharedArray now = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
 }
@@ -156,38 +156,47 @@ TEST(DecodedCache, UnwritableFolderAndOffDecodeEveryTime) {
     WriteFile(dir + "/blocked", "x");
     const CacheDir cache(dir + "/blocked/cache");
     CountingDecode decode{src};
-    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode))), Want(9));
-    LoadDecoded(src, std::ref(decode));
+    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
+    LoadDecoded(src, std::ref(decode), 0);
     EXPECT_EQ(decode.calls, 2);
   }
   {
     const CacheDir cache("off");
     EXPECT_EQ(DecodedCacheDir(), "");
     CountingDecode decode{src};
-    LoadDecoded(src, std::ref(decode));
-    LoadDecoded(src, std::ref(decode));
+    LoadDecoded(src, std::ref(decode), 0);
+    LoadDecoded(src, std::ref(decode), 0);
     EXPECT_EQ(decode.calls, 2);
   }
 }
 
 // Through the dataset loader: two loads of one set give the same samples,
-// the second from the entry; two sets in one folder get two entries.
+// the second from the entry; a set of 1 MiB or more gets an entry, a smaller
+// one none.
 TEST(DecodedCache, DatasetLoadsShareTheEntry) {
   const std::string dir = FreshDir("decoded_dataset");
   const CacheDir cache(dir + "/cache");
-  for (const char* split : {"train", "t10k"}) {
-    WriteFile(dir + "/" + std::string(split) + "-images-idx3-ubyte.gz", Gzip(IdxBytes({3, 2, 2}, Pixels(12))));
-    WriteFile(dir + "/" + std::string(split) + "-labels-idx1-ubyte.gz", Gzip(IdxBytes({3}, std::string("\0\1\2", 3))));
-  }
+  constexpr int64_t kImages = 1030;  // of 32 x 32: just over 1 MiB
+  std::string labels(kImages, '\0');
+  for (int64_t i = 0; i < kImages; ++i) labels[i] = static_cast<char>(i % 10);
+  WriteFile(dir + "/train-images-idx3-ubyte.gz", Gzip(IdxBytes({kImages, 32, 32}, Pixels(kImages * 1024))));
+  WriteFile(dir + "/train-labels-idx1-ubyte.gz", Gzip(IdxBytes({kImages}, labels)));
+  WriteFile(dir + "/t10k-images-idx3-ubyte.gz", Gzip(IdxBytes({3, 2, 2}, Pixels(12))));
+  WriteFile(dir + "/t10k-labels-idx1-ubyte.gz", Gzip(IdxBytes({3}, std::string("\0\1\2", 3))));
   const auto a = LoadMnist(dir, Split::kTrain);
+  EXPECT_EQ(Entries(dir + "/cache").size(), 1u);
   const auto b = LoadMnist(dir, Split::kTrain);
   LoadMnist(dir, Split::kTest);
-  EXPECT_EQ(Entries(dir + "/cache").size(), 2u);
-  ASSERT_EQ(b->Size(), 3);
-  for (int64_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(std::vector<uint8_t>(a->Pixels(i), a->Pixels(i) + 4), std::vector<uint8_t>(b->Pixels(i), b->Pixels(i) + 4));
-    EXPECT_EQ(b->Label(i), i);
+  EXPECT_EQ(Entries(dir + "/cache").size(), 1u) << "the small set was cached";
+  ASSERT_EQ(b->Size(), kImages);
+  for (int64_t i : {int64_t{0}, int64_t{517}, kImages - 1}) {
+    EXPECT_EQ(std::vector<uint8_t>(a->Pixels(i), a->Pixels(i) + 1024),
+              std::vector<uint8_t>(b->Pixels(i), b->Pixels(i) + 1024));
+    EXPECT_EQ(b->Label(i), i % 10);
   }
+  const std::vector<uint8_t> want = Want(kImages * 1024);
+  EXPECT_EQ(std::vector<uint8_t>(b->Pixels(kImages - 1), b->Pixels(kImages - 1) + 1024),
+            std::vector<uint8_t>(want.end() - 1024, want.end()));
 }
 
 }  // namespace
