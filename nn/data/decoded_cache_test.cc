@@ -6,10 +6,12 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -145,6 +147,42 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   const SharedArray now = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
+}
+
+// Ranks load at once into an empty cache: every one gets the right bytes,
+// and one whole entry is left, with no temporary files.
+TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
+  const std::string dir = FreshDir("decoded_concurrent");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images.gz";
+  const std::vector<uint8_t> want = Want(3 << 20);
+  WriteFile(src, Gzip(IdxBytes({3, 1024, 1024}, Pixels(3 << 20))));
+  std::vector<pid_t> children;
+  for (int i = 0; i < 4; ++i) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      int ok = 0;
+      for (int round = 0; round < 3; ++round) {
+        CountingDecode decode{src};
+        const SharedArray a = LoadDecoded(src, std::ref(decode), 0);
+        ok += a.size == want.size() && std::equal(a.data, a.data + a.size, want.begin());
+      }
+      ::_exit(ok == 3 ? 0 : 1);
+    }
+    children.push_back(pid);
+  }
+  for (pid_t pid : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a child read wrong bytes";
+  }
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u);
+  EXPECT_EQ(entries[0].extension(), ".decoded");
+  CountingDecode decode{src};
+  EXPECT_TRUE(Bytes(LoadDecoded(src, std::ref(decode), 0)) == want);
+  EXPECT_EQ(decode.calls, 0);
 }
 
 TEST(DecodedCache, UnwritableFolderAndOffDecodeEveryTime) {
