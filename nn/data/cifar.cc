@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "nn/data/decoded_cache.h"
 #include "nn/data/file_bytes.h"
 
 namespace ddp::nn::data {
@@ -57,18 +58,31 @@ std::shared_ptr<InMemoryImageDataset> LoadCifar10(const std::string& dir, Split 
   } else {
     files.push_back(folder + "test_batch.bin");
   }
-  std::vector<uint8_t> pixels;
-  std::vector<uint8_t> labels;
   for (const std::string& f : files) {
     if (!internal::FileExists(f)) {
       throw DatasetError("CIFAR-10 file not found: " + f + " (the training set is data_batch_1.bin "
                          "to data_batch_5.bin in one folder)");
     }
-    ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
   }
+  // Through the decoded cache (mapped, shared by every process that loads
+  // the set): the records' pixels, then their labels, as one array of
+  // n x 3073 bytes.
+  constexpr int64_t kPixels = kCifarRecordBytes - 1;
+  const internal::SharedArray all = internal::LoadDecoded(files, [&] {
+    std::vector<uint8_t> pixels, labels;
+    for (const std::string& f : files) ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
+    const int64_t n = static_cast<int64_t>(labels.size());
+    pixels.insert(pixels.end(), labels.begin(), labels.end());
+    return std::make_pair(std::vector<int64_t>{n, kCifarRecordBytes}, std::move(pixels));
+  });
+  const int64_t n = all.dims.size() == 2 ? all.dims[0] : 0;
+  if (all.dims.size() != 2 || all.dims[1] != kCifarRecordBytes) {
+    throw DatasetError(files.front() + ": decoded CIFAR-10 array has an unexpected shape");
+  }
+  const uint8_t* labels = all.data + n * kPixels;
   return std::make_shared<InMemoryImageDataset>(
-      split == Split::kTrain ? "cifar10/train" : "cifar10/test", ImageShape{3, 32, 32}, 10,
-      std::move(pixels), std::move(labels));
+      split == Split::kTrain ? "cifar10/train" : "cifar10/test", ImageShape{3, 32, 32}, 10, all.owner, all.data,
+      static_cast<size_t>(n * kPixels), std::vector<uint8_t>(labels, labels + n));
 }
 
 }  // namespace ddp::nn::data

@@ -19,20 +19,28 @@
 namespace ddp::nn::data::internal {
 namespace {
 
-constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '1', '\0'};
+constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '2', '\0'};
 constexpr uint32_t kMaxDims = 8;
+constexpr uint32_t kMaxSources = 64;
 
-// What an entry says about its source and itself; the dimensions follow it
-// (u64 each), then the data.
+// An entry: this header, the stat of each source file, the dimensions (u64
+// each), then the data.
 struct Header {
   char magic[8];
-  uint64_t source_dev;
-  uint64_t source_ino;
-  uint64_t source_size;
-  int64_t source_mtime_ns;
   uint64_t data_bytes;
   uint32_t ndims;
+  uint32_t nsources;
   uint32_t crc;
+  uint32_t reserved;
+};
+
+// What identifies a source file's contents without reading it.
+struct SourceStat {
+  uint64_t dev;
+  uint64_t ino;
+  uint64_t size;
+  int64_t mtime_ns;
+  bool operator==(const SourceStat&) const = default;
 };
 
 uint32_t Crc(const uint8_t* data, size_t n) {
@@ -46,15 +54,21 @@ uint32_t Crc(const uint8_t* data, size_t n) {
   return static_cast<uint32_t>(crc);
 }
 
-// FNV-1a of the source's absolute path: the entry's file name.
-std::string EntryName(const std::string& source) {
-  char* real = ::realpath(source.c_str(), nullptr);
-  const std::string path = real != nullptr ? real : source;
-  std::free(real);
+// The first source's file name and an FNV-1a hash of every source's
+// absolute path: the entry's file name.
+std::string EntryName(const std::vector<std::string>& sources) {
   uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : path) h = (h ^ c) * 1099511628211ull;
-  const size_t slash = path.find_last_of('/');
-  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  std::string first;
+  for (const std::string& source : sources) {
+    char* real = ::realpath(source.c_str(), nullptr);
+    const std::string path = real != nullptr ? real : source;
+    std::free(real);
+    if (first.empty()) first = path;
+    for (unsigned char c : path) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ 0xff) * 1099511628211ull;  // a separator between paths
+  }
+  const size_t slash = first.find_last_of('/');
+  std::string base = slash == std::string::npos ? first : first.substr(slash + 1);
   for (char& c : base) {
     if (c == '.' || c == '-' || c == '_') continue;
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
@@ -64,15 +78,21 @@ std::string EntryName(const std::string& source) {
   return base + "-" + hex + ".decoded";
 }
 
-bool SameSource(const Header& h, const struct stat& st) {
-  return h.source_dev == static_cast<uint64_t>(st.st_dev) && h.source_ino == static_cast<uint64_t>(st.st_ino) &&
-         h.source_size == static_cast<uint64_t>(st.st_size) &&
-         h.source_mtime_ns == static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+// The sources' stats; false when one is not a regular file.
+bool StatSources(const std::vector<std::string>& sources, std::vector<SourceStat>* out) {
+  for (const std::string& source : sources) {
+    struct stat st;
+    if (::stat(source.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+    out->push_back({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+                    static_cast<uint64_t>(st.st_size),
+                    static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec});
+  }
+  return !out->empty() && out->size() <= kMaxSources;
 }
 
-// The entry at `path` when it is whole and describes `source` (as `st`);
-// else an empty array.
-SharedArray MapEntry(const std::string& path, const struct stat& source) {
+// The entry at `path` when it is whole and describes `sources`; else an
+// empty array.
+SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sources) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return {};
   struct stat st;
@@ -85,25 +105,31 @@ SharedArray MapEntry(const std::string& path, const struct stat& source) {
   ::close(fd);
   if (base == MAP_FAILED) return {};
   std::shared_ptr<const void> owner(base, [bytes](const void* p) { ::munmap(const_cast<void*>(p), bytes); });
+  const char* at = static_cast<const char*>(base);
   Header h;
-  std::memcpy(&h, base, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || !SameSource(h, source) || h.ndims == 0 ||
-      h.ndims > kMaxDims) {
+  std::memcpy(&h, at, sizeof(h));
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.ndims == 0 || h.ndims > kMaxDims ||
+      h.nsources != sources.size()) {
     return {};
   }
-  const size_t header_bytes = sizeof(Header) + 8 * h.ndims;
+  const size_t header_bytes = sizeof(Header) + sizeof(SourceStat) * h.nsources + 8 * h.ndims;
   if (bytes < header_bytes || bytes - header_bytes != h.data_bytes) return {};
+  for (uint32_t i = 0; i < h.nsources; ++i) {
+    SourceStat recorded;
+    std::memcpy(&recorded, at + sizeof(Header) + sizeof(SourceStat) * i, sizeof(recorded));
+    if (!(recorded == sources[i])) return {};
+  }
   SharedArray out;
   uint64_t count = 1;
   for (uint32_t d = 0; d < h.ndims; ++d) {
     uint64_t dim;
-    std::memcpy(&dim, static_cast<const char*>(base) + sizeof(Header) + 8 * d, sizeof(dim));
+    std::memcpy(&dim, at + sizeof(Header) + sizeof(SourceStat) * h.nsources + 8 * d, sizeof(dim));
     if (dim > static_cast<uint64_t>(INT64_MAX) || (dim != 0 && count > UINT64_MAX / dim)) return {};
     count *= dim;
     out.dims.push_back(static_cast<int64_t>(dim));
   }
   if (count != h.data_bytes) return {};
-  out.data = static_cast<const uint8_t*>(base) + header_bytes;
+  out.data = reinterpret_cast<const uint8_t*>(at) + header_bytes;
   out.size = h.data_bytes;
   if (Crc(out.data, out.size) != h.crc) return {};
   out.owner = std::move(owner);
@@ -134,25 +160,23 @@ bool MakeDirs(const std::string& dir) {
   return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// Writes an entry for `source` (best effort): a temporary file renamed into
-// place, so that readers never see part of one.
-void WriteEntry(const std::string& dir, const std::string& path, const struct stat& source,
+// Writes an entry for `sources` (best effort): a temporary file renamed
+// into place, so that readers never see part of one.
+void WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
                 const std::vector<int64_t>& dims, const std::vector<uint8_t>& data) {
   if (dims.empty() || dims.size() > kMaxDims || !MakeDirs(dir)) return;
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
-  h.source_dev = static_cast<uint64_t>(source.st_dev);
-  h.source_ino = static_cast<uint64_t>(source.st_ino);
-  h.source_size = static_cast<uint64_t>(source.st_size);
-  h.source_mtime_ns = static_cast<int64_t>(source.st_mtim.tv_sec) * 1000000000 + source.st_mtim.tv_nsec;
   h.data_bytes = data.size();
   h.ndims = static_cast<uint32_t>(dims.size());
+  h.nsources = static_cast<uint32_t>(sources.size());
   h.crc = Crc(data.data(), data.size());
   std::random_device random;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(random());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return;
   bool ok = WriteAll(fd, &h, sizeof(h));
+  for (const SourceStat& source : sources) ok = ok && WriteAll(fd, &source, sizeof(source));
   for (int64_t d : dims) {
     const uint64_t dim = static_cast<uint64_t>(d);
     ok = ok && WriteAll(fd, &dim, sizeof(dim));
@@ -178,19 +202,19 @@ std::string DecodedCacheDir() {
   return "";
 }
 
-SharedArray LoadDecoded(const std::string& source,
+SharedArray LoadDecoded(const std::vector<std::string>& sources,
                         const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
                         size_t min_bytes) {
   const std::string dir = DecodedCacheDir();
-  struct stat st;
-  const bool cacheable = !dir.empty() && ::stat(source.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-  const std::string path = cacheable ? dir + "/" + EntryName(source) : "";
+  std::vector<SourceStat> stats;
+  const bool cacheable = !dir.empty() && StatSources(sources, &stats);
+  const std::string path = cacheable ? dir + "/" + EntryName(sources) : "";
   if (cacheable) {
-    SharedArray hit = MapEntry(path, st);
+    SharedArray hit = MapEntry(path, stats);
     if (hit.owner != nullptr) return hit;
   }
   auto [dims, bytes] = decode();
-  if (cacheable && bytes.size() >= min_bytes) WriteEntry(dir, path, st, dims, bytes);
+  if (cacheable && bytes.size() >= min_bytes) WriteEntry(dir, path, stats, dims, bytes);
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
   SharedArray out;
   out.dims = std::move(dims);
@@ -198,6 +222,12 @@ SharedArray LoadDecoded(const std::string& source,
   out.size = owned->size();
   out.owner = std::move(owned);
   return out;
+}
+
+SharedArray LoadDecoded(const std::string& source,
+                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
+                        size_t min_bytes) {
+  return LoadDecoded(std::vector<std::string>{source}, decode, min_bytes);
 }
 
 }  // namespace ddp::nn::data::internal

@@ -7,8 +7,8 @@
 // run). Fashion-MNIST's training images take ~0.3 s and 47 MB of fresh memory
 // per process to decompress, and ~15 ms to map and check.
 //
-// An entry is keyed by the source file (its path, device, inode, size and
-// modification time) and carries a CRC-32 of its data: an entry that does not
+// An entry is keyed by its source files (their paths, devices, inodes, sizes
+// and modification times) and carries a CRC-32 of its data: an entry that does not
 // match is ignored and written again. Entries are written to a temporary
 // file and renamed into place, so a reader sees a whole entry or none. The
 // cache is best effort: where it cannot be read or written, loads decode as
@@ -42,13 +42,15 @@ std::string DecodedCacheDir();
 /// microseconds, and tests' scratch files would pile up.
 inline constexpr size_t kMinCachedBytes = size_t{1} << 20;
 
-/// The decoded contents of `source`: from its cache entry when one matches,
-/// else from `decode` (which throws for a bad file), whose result is then
-/// written to the cache when it has at least `min_bytes`. `decode` returns
-/// the dimensions and the bytes.
-SharedArray LoadDecoded(const std::string& source,
-                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
+/// The decoded contents of `sources` (one or more files, decoded together):
+/// from their cache entry when one matches, else from `decode` (which
+/// throws for a bad file), whose result is then written to the cache when
+/// it has at least `min_bytes`. `decode` returns the dimensions and the
+/// bytes.
+using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
+SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
                         size_t min_bytes = kMinCachedBytes);
+SharedArray LoadDecoded(const std::string& source, const DecodeFn& decode, size_t min_bytes = kMinCachedBytes);
 
 }  // namespace ddp::nn::data::internal
 

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "nn/data/cifar.h"
 #include "nn/data/idx.h"
 #include "nn/data/test_files.h"
 
@@ -147,6 +148,54 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   const SharedArray now = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
+}
+
+// An entry of several sources (CIFAR-10's five batches) is keyed by all of
+// them: a change to any one decodes again.
+TEST(DecodedCache, SeveralSourcesAreAllPartOfTheKey) {
+  const std::string dir = FreshDir("decoded_sources");
+  const CacheDir cache(dir + "/cache");
+  const std::vector<std::string> sources = {dir + "/a", dir + "/b"};
+  WriteFile(sources[0], "first");
+  WriteFile(sources[1], "second");
+  int calls = 0;
+  auto decode = [&] {
+    ++calls;
+    return std::make_pair(std::vector<int64_t>{4}, std::vector<uint8_t>{1, 2, 3, static_cast<uint8_t>(calls)});
+  };
+  LoadDecoded(sources, decode, 0);
+  EXPECT_EQ(LoadDecoded(sources, decode, 0).data[3], 1);
+  EXPECT_EQ(calls, 1);
+  // The same first source alone is another entry.
+  LoadDecoded(sources[0], decode, 0);
+  EXPECT_EQ(calls, 2);
+  WriteFile(sources[1], "changed");  // another size
+  EXPECT_EQ(LoadDecoded(sources, decode, 0).data[3], 3);
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(Entries(dir + "/cache").size(), 2u);
+}
+
+// CIFAR-10 through the cache: a second load maps the entry and gives the
+// same pixels and labels.
+TEST(DecodedCache, CifarLoadsShareTheEntry) {
+  const std::string dir = FreshDir("decoded_cifar");
+  const CacheDir cache(dir + "/cache");
+  constexpr int64_t kRecords = 350;  // x 3073 bytes: just over 1 MiB
+  std::string batch(kRecords * kCifarRecordBytes, '\0');
+  for (int64_t r = 0; r < kRecords; ++r) {
+    batch[r * kCifarRecordBytes] = static_cast<char>(r % 10);
+    for (int64_t p = 1; p < kCifarRecordBytes; ++p) batch[r * kCifarRecordBytes + p] = static_cast<char>(r * 31 + p);
+  }
+  WriteFile(dir + "/test_batch.bin", batch);
+  const auto a = LoadCifar10(dir, Split::kTest);
+  EXPECT_EQ(Entries(dir + "/cache").size(), 1u);
+  const auto b = LoadCifar10(dir, Split::kTest);
+  ASSERT_EQ(b->Size(), kRecords);
+  for (int64_t r : {int64_t{0}, int64_t{123}, kRecords - 1}) {
+    EXPECT_EQ(b->Label(r), r % 10);
+    EXPECT_EQ(std::vector<uint8_t>(a->Pixels(r), a->Pixels(r) + 3072), std::vector<uint8_t>(b->Pixels(r), b->Pixels(r) + 3072));
+    EXPECT_EQ(b->Pixels(r)[5], static_cast<uint8_t>(r * 31 + 6));
+  }
 }
 
 // Ranks load at once into an empty cache: every one gets the right bytes,
