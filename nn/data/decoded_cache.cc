@@ -203,7 +203,7 @@ std::string DecodedCacheDir() {
 }
 
 SharedArray LoadDecoded(const std::vector<std::string>& sources,
-                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
+                        const DecodeFn& decode,
                         size_t min_bytes) {
   const std::string dir = DecodedCacheDir();
   std::vector<SourceStat> stats;
@@ -225,7 +225,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
 }
 
 SharedArray LoadDecoded(const std::string& source,
-                        const std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>& decode,
+                        const DecodeFn& decode,
                         size_t min_bytes) {
   return LoadDecoded(std::vector<std::string>{source}, decode, min_bytes);
 }
