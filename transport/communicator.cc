@@ -568,15 +568,23 @@ Status Communicator::Impl::Init() {
   DDP_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Context> context, ucx::Context::Create(context_options));
   info_.ucx_tls = context->tls();
   info_.ucx_cuda_memory = context->cuda_memory();
-  // Busy threads that outnumber this host's cores must not spin against
-  // each other: yield while idle.
-  const bool oversubscribed =
-      o.local_world_size * std::max(1, o.busy_threads_per_rank) > available_cpus;
-  info_.yields_when_idle = oversubscribed;
+  // Busy threads that outnumber the cores of this kernel must not spin
+  // against each other, nor, over TCP, against the kernel's network stack:
+  // yield while idle (topology::ChooseIdlePolicy). UCX names RDMA ports
+  // "device:port"; any other device (or none) between hosts is TCP.
+  const bool kernel_network =
+      !single_host_ && info_.net_device.find(':') == std::string::npos;
+  const topology::IdlePolicy idle = topology::ChooseIdlePolicy(
+      real, o.rank, o.busy_threads_per_rank, available_cpus, kernel_network);
+  const bool oversubscribed = idle.yield;
+  info_.ranks_sharing_kernel = topology::RanksSharingKernel(real, o.rank);
+  info_.yields_when_idle = idle.yield;
+  info_.yields_at_once = idle.at_once;
   ucx::P2pOptions p2p_options;
   p2p_options.rank = o.rank;
   p2p_options.size = o.world_size;
-  p2p_options.idle_mode = oversubscribed ? ucx::IdleMode::kYield : ucx::IdleMode::kSpin;
+  p2p_options.idle_mode = idle.yield ? ucx::IdleMode::kYield : ucx::IdleMode::kSpin;
+  if (idle.at_once) p2p_options.idle_polls_before_backoff = 1;
   DDP_ASSIGN_OR_RETURN(p2p_, ucx::UcxPointToPoint::Create(context, p2p_options));
   DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "ucx/" + std::to_string(o.rank), p2p_->address(), deadline));
   std::vector<std::string> addresses(o.world_size);

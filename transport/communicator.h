@@ -82,9 +82,11 @@ struct CommunicatorOptions {
   /// Threads of each rank that keep a core busy while its collectives wait
   /// (0: one). A training loop that computes backward while DDP's
   /// communication thread reduces gradients has two. Waits spin while every
-  /// such thread of this host's ranks can have a core of its own; otherwise
-  /// they yield, since a spinning wait takes the core a compute thread needs
-  /// (measured on 2 cores, 2 DDP ranks: docs/benchmarks.md).
+  /// such thread of the ranks on this kernel can have a core of its own
+  /// (and, over TCP between hosts, one core is left for the kernel);
+  /// otherwise they yield, since a spinning wait takes the core a compute
+  /// thread or the network stack needs (measured on 2 cores:
+  /// docs/benchmarks.md).
   int busy_threads_per_rank = 0;
   /// Collectives on device buffers (CUDA build) go through pinned host
   /// memory in chunks of this many bytes per rank's slot (0: 4 MiB); tests
@@ -152,9 +154,16 @@ struct CommunicatorInfo {
   bool ucx_cuda_memory = false;
   /// The staged-reduce choice in force (never kAuto).
   StagedReduce staged_reduce = StagedReduce::kHost;
-  /// Waits yield the CPU almost at once instead of spinning: this host's
-  /// ranks times busy_threads_per_rank outnumber the cores it may use.
+  /// Ranks of the job on this rank's kernel, itself included (same boot id,
+  /// whatever the host names: containers on one machine share its cores).
+  int ranks_sharing_kernel = 1;
+  /// Waits yield the CPU instead of spinning: those ranks times
+  /// busy_threads_per_rank outnumber the cores this rank may use, or, when
+  /// peers on other hosts are reached over TCP, leave none for the kernel's
+  /// network stack (topology::ChooseIdlePolicy).
   bool yields_when_idle = false;
+  /// Over TCP with no core to spare: waits yield at the first idle poll.
+  bool yields_at_once = false;
 };
 
 /// Device buffers: in a build with --config=cuda, every collective and

@@ -128,9 +128,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   const CommunicatorInfo& info = (*comm)->info();
-  std::printf("rank %d hosts %d host_shm %d tls %s ring %s algo_1MiB %s\n", (*comm)->rank(),
-              info.num_hosts, info.host_shared_memory, info.ucx_tls.c_str(), info.ring_order.c_str(),
-              AlgorithmName((*comm)->SelectedAlgorithm(1 << 20)));
+  std::printf("rank %d hosts %d host_shm %d tls %s ring %s algo_1MiB %s kernel_ranks %d yields %d at_once %d\n",
+              (*comm)->rank(), info.num_hosts, info.host_shared_memory, info.ucx_tls.c_str(),
+              info.ring_order.c_str(), AlgorithmName((*comm)->SelectedAlgorithm(1 << 20)),
+              info.ranks_sharing_kernel, info.yields_when_idle, info.yields_at_once);
   std::fflush(stdout);
   return mode == "loop" ? Loop(**comm, call_timeout, marker_dir) : Check(**comm);
 }

@@ -503,4 +503,29 @@ std::string PickNetDevice(const Topology& topology, int rank) {
   return fastest[index % fastest.size()]->UcxName();
 }
 
+int RanksSharingKernel(const Topology& topology, int rank) {
+  const Host& mine = topology.hosts[topology.ranks[rank].host];
+  int n = 0;
+  for (int r = 0; r < topology.size(); ++r) {
+    const Host& theirs = topology.hosts[topology.ranks[r].host];
+    const bool same = mine.boot_id.empty() || theirs.boot_id.empty() ? topology.SameHost(r, rank)
+                                                                     : theirs.boot_id == mine.boot_id;
+    n += same ? 1 : 0;
+  }
+  return n;
+}
+
+IdlePolicy ChooseIdlePolicy(const Topology& topology, int rank, int busy_threads_per_rank,
+                            int available_cpus, bool kernel_network) {
+  const int busy = RanksSharingKernel(topology, rank) * std::max(1, busy_threads_per_rank);
+  IdlePolicy policy;
+  if (kernel_network && busy >= available_cpus) {
+    policy.yield = true;
+    policy.at_once = true;
+  } else {
+    policy.yield = busy > available_cpus;
+  }
+  return policy;
+}
+
 }  // namespace ddp::transport::topology

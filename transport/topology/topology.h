@@ -127,6 +127,32 @@ int RingHopCost(const Host& host, int gpu_a, int gpu_b);
 /// when the host has none.
 std::string PickNetDevice(const Topology& topology, int rank);
 
+/// Ranks that share `rank`'s kernel, itself included: those whose host has
+/// its host's boot id, whatever the host names (containers on one machine
+/// each have their own name and network, but one kernel and one set of
+/// cores). Hosts without a boot id count by host.
+int RanksSharingKernel(const Topology& topology, int rank);
+
+/// What a rank's waits do while there is nothing to progress.
+struct IdlePolicy {
+  /// Yield the core between polls instead of spinning.
+  bool yield = false;
+  /// Yield at the first idle poll rather than after a short spin.
+  bool at_once = false;
+};
+
+/// Spin while every busy thread of the ranks on this kernel
+/// (RanksSharingKernel times busy_threads_per_rank) has a core of its own
+/// among `available_cpus`; otherwise yield. When a rank reaches peers
+/// through the kernel's TCP stack (`kernel_network`: another host, no RDMA),
+/// that stack needs a core too: spinning threads that fill every core leave
+/// delivering the peers' packets to whenever the scheduler next runs the
+/// kernel's softirq thread, milliseconds per message. Then the waits yield at
+/// once, and also when the busy threads exactly fill the cores
+/// (docs/benchmarks.md, "All-reduce between hosts over TCP").
+IdlePolicy ChooseIdlePolicy(const Topology& topology, int rank, int busy_threads_per_rank,
+                            int available_cpus, bool kernel_network);
+
 }  // namespace ddp::transport::topology
 
 #endif  // DDP_TRANSPORT_TOPOLOGY_TOPOLOGY_H_

@@ -257,5 +257,58 @@ TEST(PickNetDevice, ByNumaNodeWithoutGpusAndFallbacks) {
   EXPECT_EQ(PickNetDevice(t, 2), "");       // a host with no RDMA port
 }
 
+// Two hosts of two ranks each, with the given boot ids.
+Topology TwoHosts(const std::string& boot_a, const std::string& boot_b) {
+  Topology t;
+  t.hosts = {Host{.name = "a", .boot_id = boot_a}, Host{.name = "b", .boot_id = boot_b}};
+  t.ranks = {RankPlace{.host = 0}, RankPlace{.host = 0}, RankPlace{.host = 1}, RankPlace{.host = 1}};
+  return t;
+}
+
+TEST(RanksSharingKernel, CountsByBootIdAcrossHostNames) {
+  // Two machines: each rank shares its kernel with its host's ranks.
+  EXPECT_EQ(RanksSharingKernel(TwoHosts("k1", "k2"), 0), 2);
+  EXPECT_EQ(RanksSharingKernel(TwoHosts("k1", "k2"), 3), 2);
+  // Two containers (network namespaces) on one machine: one kernel.
+  EXPECT_EQ(RanksSharingKernel(TwoHosts("k1", "k1"), 0), 4);
+  EXPECT_EQ(RanksSharingKernel(TwoHosts("k1", "k1"), 2), 4);
+  // No boot id: by host.
+  EXPECT_EQ(RanksSharingKernel(TwoHosts("", ""), 1), 2);
+  EXPECT_EQ(RanksSharingKernel(TwoHosts("k1", ""), 2), 2);
+}
+
+TEST(ChooseIdlePolicy, SpinsWhileEveryBusyThreadHasACore) {
+  const Topology machines = TwoHosts("k1", "k2");
+  // RDMA between hosts: yield only when the busy threads outnumber cores.
+  EXPECT_FALSE(ChooseIdlePolicy(machines, 0, 2, 4, false).yield);
+  EXPECT_FALSE(ChooseIdlePolicy(machines, 0, 1, 2, false).yield);
+  IdlePolicy p = ChooseIdlePolicy(machines, 0, 2, 3, false);
+  EXPECT_TRUE(p.yield);
+  EXPECT_FALSE(p.at_once);
+  // TCP between hosts: the kernel's network stack needs a core as well.
+  EXPECT_FALSE(ChooseIdlePolicy(machines, 0, 2, 5, true).yield);
+  p = ChooseIdlePolicy(machines, 0, 2, 4, true);
+  EXPECT_TRUE(p.yield);
+  EXPECT_TRUE(p.at_once);
+  // busy_threads_per_rank 0 counts as one.
+  EXPECT_TRUE(ChooseIdlePolicy(machines, 0, 0, 2, true).at_once);
+  EXPECT_FALSE(ChooseIdlePolicy(machines, 0, 0, 3, true).yield);
+}
+
+TEST(ChooseIdlePolicy, ContainersOnOneMachineCountTogether) {
+  // One rank per "host", both on one 2-core kernel, over TCP: 2 busy threads
+  // fill both cores, so they yield at once (by host they would spin).
+  Topology t;
+  t.hosts = {Host{.name = "pod-a", .boot_id = "k"}, Host{.name = "pod-b", .boot_id = "k"}};
+  t.ranks = {RankPlace{.host = 0}, RankPlace{.host = 1}};
+  const IdlePolicy p = ChooseIdlePolicy(t, 1, 1, 2, true);
+  EXPECT_TRUE(p.yield);
+  EXPECT_TRUE(p.at_once);
+  // The same ranks on one host (shared memory, no network): spin.
+  t.ranks = {RankPlace{.host = 0}, RankPlace{.host = 0}};
+  t.hosts.pop_back();
+  EXPECT_FALSE(ChooseIdlePolicy(t, 1, 1, 2, false).yield);
+}
+
 }  // namespace
 }  // namespace ddp::transport::topology
