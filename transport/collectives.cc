@@ -26,6 +26,9 @@ Algorithm ChooseAllReduce(const AllReduceChoice& c, const topology::Topology& to
   if (a == Algorithm::kHierarchical && topology.num_hosts() < 2) a = Algorithm::kAuto;
   if (a != Algorithm::kAuto) return a;
   if (c.shared_memory) return Algorithm::kSharedMemory;
+  if (c.host_shared_memory && topology.num_hosts() > 1 && topology.Uniform()) {
+    return Algorithm::kHierarchical;
+  }
   return SelectAllReduce(c.bytes, topology);
 }
 

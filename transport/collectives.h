@@ -26,11 +26,17 @@ struct AllReduceChoice {
   Algorithm requested = Algorithm::kAuto;  ///< CallOptions::algorithm.
   Algorithm configured = Algorithm::kAuto; ///< Options or DDP_ALLREDUCE_ALGO.
   bool shared_memory = false;              ///< The shm engine is up.
+  /// Several hosts, each reducing among its ranks through shared memory
+  /// (the hierarchical all-reduce's fast path).
+  bool host_shared_memory = false;
 };
 
 /// The per-call choice: the request, else the configuration, else the shm
-/// engine when it is up, else the table. Requests that cannot run here fall
-/// back: shm without the engine, hierarchical on one host.
+/// engine when it is up, else the hierarchical all-reduce at every size
+/// when uniform hosts reduce inside through shared memory (one exchange
+/// between hosts per call, where a flat algorithm crosses hosts at several
+/// steps), else the table. Requests that cannot run here fall back: shm
+/// without the engine, hierarchical on one host.
 Algorithm ChooseAllReduce(const AllReduceChoice& choice, const topology::Topology& topology);
 
 /// Runs a flat all-reduce algorithm (ring, tree, rhd) over `p2p`.

@@ -65,6 +65,18 @@ TEST(Choice, TwoHostsGoHierarchicalWithRingsLeavingEachHostOnce) {
   EXPECT_EQ(Auto(1 << 20, t, false), Algorithm::kHierarchical);
   EXPECT_EQ(Auto(64 << 20, t, false), Algorithm::kHierarchical);
   EXPECT_EQ(Order(t), "0 2 4 6 1 3 5 7");
+  // With shared memory inside each host, hierarchical at every size: one
+  // exchange between hosts instead of several.
+  for (size_t bytes : {size_t{4}, size_t{4} << 10, size_t{64} << 10, size_t{64} << 20}) {
+    EXPECT_EQ(ChooseAllReduce({.bytes = bytes, .host_shared_memory = true}, t),
+              Algorithm::kHierarchical)
+        << bytes;
+  }
+  // Not for uneven hosts.
+  topology::Topology uneven = Parse(R"({"hosts": [{}, {}], "ranks": [
+      {"host": 0}, {"host": 1}, {"host": 0}]})");
+  EXPECT_EQ(ChooseAllReduce({.bytes = 4 << 10, .host_shared_memory = true}, uneven),
+            Algorithm::kRhd);
 }
 
 TEST(Choice, UnevenHostsFallBackToAFlatRingInTopologyOrder) {

@@ -914,7 +914,8 @@ Algorithm Communicator::Impl::Choose(size_t bytes, Algorithm requested) const {
   return internal::ChooseAllReduce({.bytes = bytes,
                                     .requested = requested,
                                     .configured = options_.algorithm,
-                                    .shared_memory = shm_ != nullptr},
+                                    .shared_memory = shm_ != nullptr,
+                                    .host_shared_memory = host_shm_ != nullptr},
                                    topology_);
 }
 

@@ -12,8 +12,9 @@ namespace ddp::transport::algorithms {
 /// reducing (a reduce-scatter), then log2 p that double it back (an
 /// all-gather). For small and medium messages: 2 log2 p steps instead of the
 /// ring's 2 (p - 1), at the same 2 (p-1)/p bytes per rank. Messages up to
-/// tuning.rhd_doubling_bytes use recursive doubling instead (log2 p steps,
-/// whole vector each time), the latency-optimal choice for tiny messages.
+/// tuning.rhd_doubling_bytes (default 8 KiB, 64 KiB on 2 ranks) use
+/// recursive doubling instead (log2 p steps, whole vector each time), the
+/// latency-optimal choice for small messages.
 ///
 /// Any p works: with p2 the largest power of two <= p, the first
 /// 2 (p - p2) ranks pair up, the even one of each pair hands its vector to

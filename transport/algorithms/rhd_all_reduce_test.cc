@@ -45,6 +45,11 @@ TEST(RhdAllReduceTest, DefaultSwitchesBetweenModesBySize) {
   for (size_t count : {size_t{1000}, size_t{10000}}) {
     CheckAllReduce(RhdAllReduce, {5, count, DataType::kF32, ReduceOp::kAvg, false});
   }
+  // Two ranks double up to 64 KiB: 10000 floats (40 KB) double, 16385
+  // (just over 64 KiB) and 100000 halve.
+  for (size_t count : {size_t{10000}, size_t{16384}, size_t{16385}, size_t{100000}}) {
+    CheckAllReduce(RhdAllReduce, {2, count, DataType::kF32, ReduceOp::kAvg, false});
+  }
 }
 
 TEST(RhdAllReduceTest, LargeVectorWithDefaultChunks) {
