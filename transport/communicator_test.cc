@@ -641,7 +641,10 @@ void ExpectSurvivorsReport(int n, Algorithm algorithm, int signal, int victim = 
                    {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
                     {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())}},
                    milliseconds(30000), [&](testing::ProcessGroup& group, int) {
-                     std::this_thread::sleep_for(milliseconds(1500));
+                     // Once every rank is in its loop (creation can take
+                     // seconds on a loaded machine or under a sanitizer).
+                     group.WaitForOutput("READY", DeadlineIn(milliseconds(20000)));
+                     std::this_thread::sleep_for(milliseconds(500));
                      group.Kill(victim, signal);
                      if (signal == SIGSTOP) {
                        std::this_thread::sleep_for(timeout + milliseconds(2000));
@@ -684,7 +687,8 @@ TEST(Faults, PeerKilledDuringHierarchicalAllReduceThroughSharedMemory) {
                     {"DDP_TEST_TIMEOUT_MS", std::to_string(timeout.count())},
                     {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}},
                    milliseconds(40000), [&](testing::ProcessGroup& group, int) {
-                     std::this_thread::sleep_for(milliseconds(1500));
+                     group.WaitForOutput("READY", DeadlineIn(milliseconds(20000)));
+                     std::this_thread::sleep_for(milliseconds(500));
                      group.Kill(2, SIGKILL);
                    });
   for (int r : {0, 1, 3}) {

@@ -97,6 +97,40 @@ void ProcessGroup::Kill(int rank, int signal) {
   if (!reaped_[rank]) kill(pids_[rank], signal);
 }
 
+namespace {
+
+// Whether `pid` (a child) has exited, leaving it to be reaped by Wait.
+bool Exited(pid_t pid) {
+  siginfo_t info{};
+  return waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+         info.si_pid == pid;
+}
+
+}  // namespace
+
+bool ProcessGroup::WaitForOutput(const std::string& text, Deadline deadline) {
+  std::vector<bool> seen(pids_.size(), false);
+  size_t left = pids_.size();
+  while (left > 0) {
+    for (size_t i = 0; i < pids_.size(); ++i) {
+      if (seen[i]) continue;
+      std::ifstream in(logs_[i]);
+      std::stringstream got;
+      got << in.rdbuf();
+      if (got.str().find(text) != std::string::npos) {
+        seen[i] = true;
+        --left;
+      } else if (reaped_[i] || Exited(pids_[i])) {
+        return false;  // gone without printing it
+      }
+    }
+    if (left == 0) break;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
 std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
   std::vector<WorkerResult> results(pids_.size());
   size_t left = 0;

@@ -51,6 +51,9 @@ class ProcessGroup {
   std::vector<WorkerResult> Wait(Deadline deadline);
   /// Sends `signal` to rank `rank`.
   void Kill(int rank, int signal);
+  /// Waits until every worker has printed `text` (polling their output);
+  /// false when the deadline passes first or a worker exits without it.
+  bool WaitForOutput(const std::string& text, Deadline deadline);
   pid_t pid(int rank) const { return pids_[rank]; }
 
  private:
