@@ -158,9 +158,10 @@ struct P2POp {
 
 /// Which thread runs a group's collectives on CPU tensors.
 enum class CollectiveThread {
-  /// kCaller when the communicator reports that this host's ranks have more
-  /// busy threads than cores (CommunicatorInfo::yields_when_idle), else
-  /// kCommThread.
+  /// kCaller when the communicator's waits yield (CommunicatorInfo::
+  /// yields_when_idle: the ranks on this kernel have more busy threads than
+  /// cores, or over TCP between hosts no core to spare for the kernel's
+  /// network stack), else kCommThread.
   kAuto,
   /// The group's communication thread: the caller (DDP's backward) goes on
   /// computing while they run.
