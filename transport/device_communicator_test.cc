@@ -578,8 +578,10 @@ void ExpectSurvivorsReport(int n, Algorithm algorithm, bool ipc = false,
                     {"DDP_CUDA_IPC", ipc ? "1" : "0"},
                     {"DDP_STAGED_REDUCE", staged_reduce}},
                    milliseconds(60000), [&](testing::ProcessGroup& group, int) {
-                     // CUDA start-up takes a while; let the loop run first.
-                     std::this_thread::sleep_for(milliseconds(6000));
+                     // CUDA start-up takes a while: kill once every rank
+                     // is in its loop.
+                     group.WaitForOutput("READY", DeadlineIn(milliseconds(40000)));
+                     std::this_thread::sleep_for(milliseconds(500));
                      group.Kill(victim, SIGKILL);
                    });
   ASSERT_EQ(job.results.size(), static_cast<size_t>(n));
