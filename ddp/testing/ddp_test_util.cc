@@ -130,12 +130,27 @@ bool SameOnAllRanks(ProcessGroup& pg, uint64_t value) {
   return true;
 }
 
+namespace {
+
+// How much longer a run may take under a sanitizer: TSAN runs the workers'
+// arithmetic several times slower (the CNN's equivalence run passed 60 s
+// with other suites running beside it).
+#if defined(__SANITIZE_THREAD__)
+constexpr int kSanitizerSlowdown = 5;
+#elif defined(__SANITIZE_ADDRESS__)
+constexpr int kSanitizerSlowdown = 2;
+#else
+constexpr int kSanitizerSlowdown = 1;
+#endif
+
+}  // namespace
+
 transport::launch::testing::TestRunResult RunWorkers(
     const std::string& worker, int world_size, std::vector<std::pair<std::string, std::string>> env,
     int timeout_ms, bool stop_all_on_failure) {
   transport::launch::testing::TestRunOptions options;
   options.world_size = world_size;
-  options.timeout = std::chrono::milliseconds(timeout_ms);
+  options.timeout = std::chrono::milliseconds(timeout_ms * kSanitizerSlowdown);
   options.env = std::move(env);
   options.stop_all_on_failure = stop_all_on_failure;
   // DDP_TEST_ECHO=1 shows the workers' output while they run.

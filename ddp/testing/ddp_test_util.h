@@ -86,7 +86,8 @@ class Branchy : public nn::modules::Module {
 
 // -------------------------------------------------------------- test ----
 
-/// Runs DDP_TEST_WORKER `worker` on `world_size` ranks, with `env` added.
+/// Runs DDP_TEST_WORKER `worker` on `world_size` ranks, with `env` added,
+/// for up to `timeout_ms` (times 5 under TSAN, 2 under ASan).
 transport::launch::testing::TestRunResult RunWorkers(
     const std::string& worker, int world_size,
     std::vector<std::pair<std::string, std::string>> env = {}, int timeout_ms = 60000,
