@@ -406,6 +406,12 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
     return Status::Ok();
   }
   ++idle_polls;
+  // Yielding waits give up the core at every idle poll once past the
+  // threshold (with a threshold of 1, over TCP, the kernel's network stack
+  // gets the core as soon as there is nothing to do).
+  if (options_.idle_mode == IdleMode::kYield && idle_polls >= options_.idle_polls_before_backoff) {
+    sched_yield();
+  }
   // Reading the clock costs ~20 ns; doing it every 16 idle polls keeps the
   // deadline check well under a microsecond late.
   if ((idle_polls & 15) != 0) return Status::Ok();
@@ -437,8 +443,7 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
         if (idle_polls >= 16 * options_.idle_polls_before_backoff) sched_yield();
         break;
       case IdleMode::kYield:
-        sched_yield();
-        break;
+        break;  // above, at every idle poll
       case IdleMode::kSleep: {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
         const int timeout_ms =
