@@ -141,6 +141,20 @@ class TwoHosts {
     return group.ok() ? std::move(group).value() : nullptr;
   }
 
+  // Runs `program` on both hosts (StartNode) to its end, up to `limit`;
+  // expects both launchers to exit 0 and returns everything they printed.
+  std::string RunOnBoth(std::vector<std::string> worker_flags, const std::string& program,
+                        std::vector<std::pair<std::string, std::string>> env,
+                        std::chrono::seconds limit) {
+    auto node0 = StartNode(0, {}, worker_flags, program, env);
+    auto node1 = StartNode(1, {}, worker_flags, program, env);
+    if (!node0 || !node1) return "";
+    const lt::ProgramRun run0 = lt::WaitProgram(*node0, limit);
+    const lt::ProgramRun run1 = lt::WaitProgram(*node1, limit);
+    EXPECT_EQ(run0.exit_code, 0) << run0.output;
+    EXPECT_EQ(run1.exit_code, 0) << run1.output;
+    return run0.output + run1.output;
+  }
   // Takes the link down on both sides.
   void CutLink() {
     Run({Tool("ip"), "-n", a_, "link", "set", kDevice, "down"});
@@ -188,14 +202,7 @@ class TwoHosts {
 TEST(NetnsTest, FourRanksOnTwoHostsAllReduceBroadcastAllGather) {
   TwoHosts hosts;
   ASSERT_EQ(hosts.error(), "");
-  auto node0 = hosts.StartNode(0, {}, {"--mode=check"});
-  auto node1 = hosts.StartNode(1, {}, {"--mode=check"});
-  ASSERT_TRUE(node0 && node1);
-  const lt::ProgramRun run0 = lt::WaitProgram(*node0, 60s);
-  const lt::ProgramRun run1 = lt::WaitProgram(*node1, 60s);
-  EXPECT_EQ(run0.exit_code, 0) << run0.output;
-  EXPECT_EQ(run1.exit_code, 0) << run1.output;
-  const std::string all = run0.output + run1.output;
+  const std::string all = hosts.RunOnBoth({"--mode=check"}, "tests/launch/netns_worker", {}, 60s);
   for (int r = 0; r < 4; ++r) {
     const std::string rs = std::to_string(r);
     // The topology sees two hosts and picks the hierarchical all-reduce,
@@ -219,14 +226,7 @@ TEST(NetnsTest, DdpAcrossHostsMatchesOneProcess) {
   ASSERT_EQ(hosts.error(), "");
   const std::vector<std::pair<std::string, std::string>> env = {
       {"DDP_TEST_WORKER", "equivalence"}, {"DDP_TEST_MODEL", "mlp"}, {"DDP_TEST_TIMEOUT_MS", "60000"}};
-  auto node0 = hosts.StartNode(0, {}, {}, "ddp/ddp_equivalence_test", env);
-  auto node1 = hosts.StartNode(1, {}, {}, "ddp/ddp_equivalence_test", env);
-  ASSERT_TRUE(node0 && node1);
-  const lt::ProgramRun run0 = lt::WaitProgram(*node0, 240s);
-  const lt::ProgramRun run1 = lt::WaitProgram(*node1, 240s);
-  EXPECT_EQ(run0.exit_code, 0) << run0.output;
-  EXPECT_EQ(run1.exit_code, 0) << run1.output;
-  const std::string all = run0.output + run1.output;
+  const std::string all = hosts.RunOnBoth({}, "ddp/ddp_equivalence_test", env, 240s);
   // Every rank reports each layout's difference (and none failed).
   for (int r = 0; r < 4; ++r) {
     EXPECT_THAT(all, ContainsRegex("\\[" + std::to_string(r) +

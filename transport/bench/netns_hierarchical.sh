@@ -15,27 +15,13 @@ DDPRUN=$PWD/bazel-bin/transport/launch/ddprun
 BENCH=$PWD/bazel-bin/examples/allreduce_bench
 A=ddpbenchA$$ B=ddpbenchB$$ DEV=ddp0 ADDR_A=10.232.0.1 ADDR_B=10.232.0.2 PORT=29655
 OUT=$(mktemp)
+source transport/bench/netns_hosts.sh
 cleanup() {
-  ip netns pids "$A" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-  ip netns pids "$B" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-  ip netns del "$A" 2>/dev/null || true
-  ip netns del "$B" 2>/dev/null || true
+  netns_hosts_down
   rm -f "$OUT"
 }
 trap cleanup EXIT
-ip netns add "$A"
-ip netns add "$B"
-ip link add "va$$" type veth peer name "vb$$"
-ip link set "va$$" netns "$A"
-ip link set "vb$$" netns "$B"
-ip -n "$A" link set "va$$" name $DEV
-ip -n "$B" link set "vb$$" name $DEV
-ip -n "$A" addr add $ADDR_A/24 dev $DEV
-ip -n "$B" addr add $ADDR_B/24 dev $DEV
-for ns in "$A" "$B"; do
-  ip -n "$ns" link set $DEV up
-  ip -n "$ns" link set lo up
-done
+netns_hosts_up
 
 # One run: both hosts' launchers; host 0 (rank 0) prints the table.
 run() {

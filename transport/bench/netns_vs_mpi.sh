@@ -24,30 +24,16 @@ MPI_BENCH=${MPI_BENCH:-/tmp/mpi_allreduce}
 SIZES="4096 65536 1048576 16777216"
 A=ddpmpiA$$ B=ddpmpiB$$ DEV=ddp0 ADDR_A=10.233.0.1 ADDR_B=10.233.0.2 PORT=29656
 WORK=$(mktemp -d)
+source transport/bench/netns_hosts.sh
 cleanup() {
-  for ns in "$A" "$B"; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
+  netns_hosts_down
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 for f in "$DDPRUN" "$BENCH" "$MPI_BENCH"; do
   [ -x "$f" ] || { echo "netns_vs_mpi: $f is missing (see the header for how to build it)" >&2; exit 2; }
 done
-ip netns add "$A"
-ip netns add "$B"
-ip link add "va$$" type veth peer name "vb$$"
-ip link set "va$$" netns "$A"
-ip link set "vb$$" netns "$B"
-ip -n "$A" link set "va$$" name $DEV
-ip -n "$B" link set "vb$$" name $DEV
-ip -n "$A" addr add $ADDR_A/24 dev $DEV
-ip -n "$B" addr add $ADDR_B/24 dev $DEV
-for ns in "$A" "$B"; do
-  ip -n "$ns" link set $DEV up
-  ip -n "$ns" link set lo up
-done
+netns_hosts_up
 
 # mpirun's rsh agent: "host command..." runs the command in that host's
 # namespace under that host's name (so that UCX does not take the two
