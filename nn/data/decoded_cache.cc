@@ -8,13 +8,15 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
+#include <filesystem>
 #include <string_view>
+
+#include "nn/io/atomic_file.h"
+#include "nn/io/safetensors.h"
 
 namespace ddp::nn::data::internal {
 namespace {
@@ -136,54 +138,33 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   return out;
 }
 
-bool WriteAll(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-// mkdir -p; true when `dir` exists afterwards.
-bool MakeDirs(const std::string& dir) {
-  for (size_t i = 1; i <= dir.size(); ++i) {
-    if (i == dir.size() || dir[i] == '/') {
-      const std::string part = dir.substr(0, i);
-      if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return false;
-    }
-  }
-  struct stat st;
-  return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-// Writes an entry for `sources` (best effort): a temporary file renamed
-// into place, so that readers never see part of one.
+// Writes an entry for `sources` (best effort) through AtomicFileWriter:
+// readers never see part of one, and the temporary files of killed writers
+// are removed by the next one.
 void WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
                 const std::vector<int64_t>& dims, const std::vector<uint8_t>& data) {
-  if (dims.empty() || dims.size() > kMaxDims || !MakeDirs(dir)) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (dims.empty() || dims.size() > kMaxDims || !std::filesystem::is_directory(dir, ec)) return;
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.data_bytes = data.size();
   h.ndims = static_cast<uint32_t>(dims.size());
   h.nsources = static_cast<uint32_t>(sources.size());
   h.crc = Crc(data.data(), data.size());
-  std::random_device random;
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(random());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return;
-  bool ok = WriteAll(fd, &h, sizeof(h));
-  for (const SourceStat& source : sources) ok = ok && WriteAll(fd, &source, sizeof(source));
-  for (int64_t d : dims) {
-    const uint64_t dim = static_cast<uint64_t>(d);
-    ok = ok && WriteAll(fd, &dim, sizeof(dim));
+  try {
+    io::AtomicFileWriter out(path);
+    out.Write(&h, sizeof(h));
+    for (const SourceStat& source : sources) out.Write(&source, sizeof(source));
+    for (int64_t d : dims) {
+      const uint64_t dim = static_cast<uint64_t>(d);
+      out.Write(&dim, sizeof(dim));
+    }
+    out.Write(data.data(), data.size());
+    out.Commit();
+  } catch (const io::CheckpointError&) {
+    // An unwritable cache leaves loads as they were.
   }
-  ok = ok && WriteAll(fd, data.data(), data.size());
-  ok = ::close(fd) == 0 && ok;
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
 }
 
 }  // namespace

@@ -79,8 +79,7 @@ MappedFile::~MappedFile() {
 GzipReader::GzipReader(std::string_view bytes, std::string source, uint64_t max_bytes)
     : zs_(std::make_unique<z_stream>()),
       source_(std::move(source)),
-      max_bytes_(max_bytes),
-      compressed_bytes_(bytes.size()) {
+      max_bytes_(max_bytes) {
   if (bytes.size() > UINT32_MAX) {
     throw DatasetError(source_ + ": compressed file larger than 4 GiB is not supported");
   }

@@ -69,7 +69,6 @@ class GzipReader {
   std::unique_ptr<z_stream_s> zs_;
   std::string source_;
   uint64_t max_bytes_;
-  uint64_t compressed_bytes_;
   uint64_t produced_ = 0;
   uint64_t size_hint_ = 0;
   bool ended_ = false;
