@@ -328,7 +328,13 @@ class ProcessGroup::Impl {
         on_caller_(comm_ != nullptr &&
                    (options.collective_thread == CollectiveThread::kCaller ||
                     (options.collective_thread == CollectiveThread::kAuto &&
-                     comm_->info().yields_when_idle))) {}
+                     comm_->info().yields_when_idle))) {
+    // The communication thread was counted as busy; with collectives on the
+    // caller it mostly sleeps, so waits may spin again if the cores allow
+    // (measured: MLP, 2 ranks on 2 cores, docs/benchmarks.md).
+    const int busy = comm_ != nullptr ? comm_->info().busy_threads_per_rank : 1;
+    if (on_caller_ && busy > 1) comm_->SetBusyThreadsPerRank(busy - 1);
+  }
 
   bool on_caller() const { return on_caller_; }
 

@@ -105,8 +105,10 @@ DDP_TEST_WORKER(pg_collective_thread) {
   Tensor t = nn::Full({100000}, me + 1.0);
   const std::thread::id caller = std::this_thread::get_id();
   std::thread::id ran_on;
-  Work w = pg->Run({.kind = "probe"}, [&](transport::Communicator*, transport::Deadline) {
+  int busy_threads = 0;
+  Work w = pg->Run({.kind = "probe"}, [&](transport::Communicator* comm, transport::Deadline) {
     ran_on = std::this_thread::get_id();
+    busy_threads = comm->info().busy_threads_per_rank;
     return transport::Status::Ok();
   });
   Work a = pg->AllReduce(t);
@@ -117,6 +119,11 @@ DDP_TEST_WORKER(pg_collective_thread) {
   w.Wait();
   a.Wait();
   if (where == "comm") WORKER_EXPECT(ran_on != caller, "the task ran on the caller's thread");
+  // The group counts two busy threads per rank (CreateFromEnvironment's
+  // default); on the caller, its thread no longer is one.
+  WORKER_EXPECT(busy_threads == (where == "caller" ? 1 : 2),
+                "the communicator's waits were chosen for " + std::to_string(busy_threads) +
+                    " busy threads per rank");
   WORKER_EXPECT(t.data<float>()[99999] == n * (n + 1) / 2.0f, "all-reduce value");
   if (where == "caller") {
     WORKER_EXPECT(pg->CommThreadCpuTime().count() == 0, "a communication thread ran");

@@ -399,6 +399,9 @@ class Communicator::Impl {
     return args;
   }
   shm::ShmOptions SharedMemoryOptions(bool oversubscribed) const;
+  // Chooses how waits idle for options_.busy_threads_per_rank, records it
+  // in info_ and hands it to whichever engines exist.
+  topology::IdlePolicy ApplyIdlePolicy();
   Status InitHostSharedMemory(const topology::Topology& real, const std::vector<int>& pids,
                               bool oversubscribed, Deadline deadline);
   Status Watchdog(Deadline deadline, int awaited_peer = -1) {
@@ -422,6 +425,9 @@ class Communicator::Impl {
   std::optional<topology::Topology> described_;
   uint64_t splits_ = 0;          // Split calls so far (names the children)
   bool single_host_ = true;      // as discovered, whatever the file says
+  // What the idle policy is chosen from (ApplyIdlePolicy).
+  int available_cpus_ = 1;
+  bool kernel_network_ = false;
   std::vector<int> ring_order_;
   std::unique_ptr<ucx::UcxPointToPoint> p2p_;
   std::unique_ptr<p2p::GroupView> ring_view_;
@@ -572,14 +578,11 @@ Status Communicator::Impl::Init() {
   // against each other, nor, over TCP, against the kernel's network stack:
   // yield while idle (topology::ChooseIdlePolicy). UCX names RDMA ports
   // "device:port"; any other device (or none) between hosts is TCP.
-  const bool kernel_network =
-      !single_host_ && info_.net_device.find(':') == std::string::npos;
-  const topology::IdlePolicy idle = topology::ChooseIdlePolicy(
-      real, o.rank, o.busy_threads_per_rank, available_cpus, kernel_network);
-  const bool oversubscribed = idle.yield;
+  available_cpus_ = available_cpus;
+  kernel_network_ = !single_host_ && info_.net_device.find(':') == std::string::npos;
   info_.ranks_sharing_kernel = topology::RanksSharingKernel(real, o.rank);
-  info_.yields_when_idle = idle.yield;
-  info_.yields_at_once = idle.at_once;
+  const topology::IdlePolicy idle = ApplyIdlePolicy();
+  const bool oversubscribed = idle.yield;
   ucx::P2pOptions p2p_options;
   p2p_options.rank = o.rank;
   p2p_options.size = o.world_size;
@@ -632,6 +635,23 @@ Status Communicator::Impl::Init() {
   }
   info_.host_shared_memory = host_shm_ != nullptr;
   return Status::Ok();
+}
+
+topology::IdlePolicy Communicator::Impl::ApplyIdlePolicy() {
+  const topology::IdlePolicy idle =
+      topology::ChooseIdlePolicy(real_topology_, options_.rank, options_.busy_threads_per_rank,
+                                 available_cpus_, kernel_network_);
+  info_.yields_when_idle = idle.yield;
+  info_.yields_at_once = idle.at_once;
+  info_.busy_threads_per_rank = std::max(1, options_.busy_threads_per_rank);
+  if (p2p_) {
+    p2p_->set_idle_mode(idle.yield ? ucx::IdleMode::kYield : ucx::IdleMode::kSpin,
+                        idle.at_once ? 1 : ucx::P2pOptions{}.idle_polls_before_backoff);
+  }
+  for (shm::ShmAllReduce* engine : {shm_.get(), host_shm_.get()}) {
+    if (engine != nullptr) engine->set_yield_when_idle(idle.yield);
+  }
+  return idle;
 }
 
 shm::ShmOptions Communicator::Impl::SharedMemoryOptions(bool oversubscribed) const {
@@ -1459,6 +1479,11 @@ int Communicator::size() const { return impl_->options_.world_size; }
 int Communicator::local_rank() const { return impl_->options_.local_rank; }
 int Communicator::local_size() const { return impl_->options_.local_world_size; }
 const CommunicatorInfo& Communicator::info() const { return impl_->info_; }
+void Communicator::SetBusyThreadsPerRank(int busy_threads_per_rank) {
+  std::lock_guard<std::mutex> lock(impl_->run_mu_);
+  impl_->options_.busy_threads_per_rank = busy_threads_per_rank;
+  impl_->ApplyIdlePolicy();
+}
 void Communicator::Abort(const Status& reason) {
   impl_->Abort(reason, std::nullopt).IgnoreError();
 }

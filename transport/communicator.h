@@ -164,6 +164,9 @@ struct CommunicatorInfo {
   bool yields_when_idle = false;
   /// Over TCP with no core to spare: waits yield at the first idle poll.
   bool yields_at_once = false;
+  /// The busy threads per rank those choices were made for (at least 1;
+  /// see Communicator::SetBusyThreadsPerRank).
+  int busy_threads_per_rank = 1;
 };
 
 /// Device buffers: in a build with --config=cuda, every collective and
@@ -198,6 +201,13 @@ class Communicator {
   int local_rank() const;
   int local_size() const;
   const CommunicatorInfo& info() const;
+  /// Re-chooses how waits idle (info().yields_when_idle, yields_at_once) as
+  /// CommunicatorOptions::busy_threads_per_rank would have at creation; a
+  /// program that moves its collectives onto its computing thread has one
+  /// busy thread fewer (ddp::ProcessGroup does). Local to this rank, and
+  /// inherited by later Splits. Waits for a collective in flight; do not
+  /// call it while another thread reads info().
+  void SetBusyThreadsPerRank(int busy_threads_per_rank);
 
   /// recv[i] = op over all ranks of send[i], for i in [0, count). send may
   /// equal recv (in place). kAvg divides by size() (integers truncate).

@@ -237,6 +237,12 @@ int ScenarioCreateOnly() {
   if (!comm.ok()) return 2;
   std::printf("STAGED_REDUCE %d\n", static_cast<int>((*comm)->info().staged_reduce));
   std::printf("YIELDS %d\n", (*comm)->info().yields_when_idle ? 1 : 0);
+  // DDP_TEST_SET_BUSY_THREADS: re-choose the idle policy for that many.
+  if (const std::string busy = EnvOr("DDP_TEST_SET_BUSY_THREADS"); !busy.empty()) {
+    (*comm)->SetBusyThreadsPerRank(std::atoi(busy.c_str()));
+    std::printf("YIELDS_AFTER %d BUSY %d\n", (*comm)->info().yields_when_idle ? 1 : 0,
+                (*comm)->info().busy_threads_per_rank);
+  }
   float x = 1;
   Status s = (*comm)->AllReduce(&x, 1, DataType::kF32, ReduceOp::kSum);
   return s.ok() && x == (*comm)->size() ? 0 : 1;
@@ -598,6 +604,32 @@ TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
       EXPECT_EQ(result.exit_code, 0) << job.Describe();
       EXPECT_NE(result.output.find(std::string("YIELDS ") + (yields ? "1" : "0")), std::string::npos)
           << busy << " busy threads per rank, " << cpus << " cpus\n" << job.Describe();
+    }
+  }
+}
+
+// The choice is made again for a new number of busy threads (as
+// ddp::ProcessGroup does when it moves collectives onto the caller), and
+// collectives still work after it.
+TEST(Communicator, SetBusyThreadsPerRankChoosesTheIdlePolicyAgain) {
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const int cpus = CPU_COUNT(&set);
+  // {at creation, set later}
+  const std::pair<int, int> cases[] = {{cpus, 1}, {1, cpus}, {2, 0}};
+  for (const auto& [created, set_to] : cases) {
+    Job job = RunJob(2, "create", {{"DDP_TEST_BUSY_THREADS", std::to_string(created)},
+                                   {"DDP_TEST_SET_BUSY_THREADS", std::to_string(set_to)},
+                                   {"DDP_TEST_TIMEOUT_MS", "5000"}});
+    ASSERT_EQ(job.results.size(), 2u);
+    const int busy = std::max(1, set_to);
+    const std::string want = std::string("YIELDS_AFTER ") + (2 * busy > cpus ? "1" : "0") +
+                             " BUSY " + std::to_string(busy);
+    for (const auto& result : job.results) {
+      EXPECT_EQ(result.exit_code, 0) << job.Describe();
+      EXPECT_NE(result.output.find(want), std::string::npos)
+          << created << " then " << set_to << " busy threads per rank, " << cpus << " cpus\n"
+          << job.Describe();
     }
   }
 }

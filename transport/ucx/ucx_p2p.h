@@ -96,7 +96,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status RegisterStagingBuffer(void* data, size_t bytes);
 
   const P2pOptions& options() const { return options_; }
-  void set_idle_mode(IdleMode mode) { options_.idle_mode = mode; }
+  void set_idle_mode(IdleMode mode, int idle_polls_before_backoff) {
+    options_.idle_mode = mode;
+    options_.idle_polls_before_backoff = idle_polls_before_backoff;
+  }
 
   /// Like PostSend/PostRecv, on the user channel (Communicator::Send/Recv).
   StatusOr<p2p::RequestId> PostUserSend(int peer, p2p::Tag tag, const void* data, size_t bytes);
