@@ -171,7 +171,10 @@ enum class CollectiveThread {
   /// thread and no second busy thread per rank. Where cores are
   /// oversubscribed the communication thread overlaps nothing (it takes the
   /// cores backward needs) and its wake-ups and waits cost time: on 2 cores
-  /// with 2 ranks DDP ran 1-8% faster this way (docs/benchmarks.md).
+  /// with 2 ranks DDP ran 1-8% faster this way (docs/benchmarks.md). The
+  /// communicator is then told of one busy thread fewer per rank
+  /// (Communicator::SetBusyThreadsPerRank), so its waits spin where the
+  /// ranks' training threads fit the cores.
   kCaller,
 };
 
