@@ -331,7 +331,7 @@ DDP_TEST_WORKER(hooks) {
       if (kind == "fp16") ddp.RegisterCommHook(hooks::Fp16CompressHook());
       if (kind == "bf16") ddp.RegisterCommHook(hooks::Bf16CompressHook());
       if (kind == "powersgd") {
-        ddp.RegisterCommHook(PowerSgdHook(
+        ddp.RegisterCommHook(hooks::PowerSgdHook(
             {.matrix_approximation_rank = 1, .start_iteration = 0, .min_compression_rate = 0}));
       }
       DeviceSgd opt(*model, 0.05, 0.0);
