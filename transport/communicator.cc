@@ -398,12 +398,12 @@ class Communicator::Impl {
     args.tuning.chunk_bytes = options_.chunk_bytes;
     return args;
   }
-  shm::ShmOptions SharedMemoryOptions(bool oversubscribed) const;
+  shm::ShmOptions SharedMemoryOptions() const;
   // Chooses how waits idle for options_.busy_threads_per_rank, records it
-  // in info_ and hands it to whichever engines exist.
-  topology::IdlePolicy ApplyIdlePolicy();
+  // in info_ and hands it to the engines (Init calls it once they exist).
+  void ApplyIdlePolicy();
   Status InitHostSharedMemory(const topology::Topology& real, const std::vector<int>& pids,
-                              bool oversubscribed, Deadline deadline);
+                              Deadline deadline);
   Status Watchdog(Deadline deadline, int awaited_peer = -1) {
     return monitor_ ? monitor_->Check(deadline, awaited_peer) : Status::Ok();
   }
@@ -581,14 +581,11 @@ Status Communicator::Impl::Init() {
   available_cpus_ = available_cpus;
   kernel_network_ = !single_host_ && info_.net_device.find(':') == std::string::npos;
   info_.ranks_sharing_kernel = topology::RanksSharingKernel(real, o.rank);
-  const topology::IdlePolicy idle = ApplyIdlePolicy();
-  const bool oversubscribed = idle.yield;
   ucx::P2pOptions p2p_options;
   p2p_options.rank = o.rank;
   p2p_options.size = o.world_size;
-  p2p_options.idle_mode = idle.yield ? ucx::IdleMode::kYield : ucx::IdleMode::kSpin;
-  if (idle.at_once) p2p_options.idle_polls_before_backoff = 1;
   DDP_ASSIGN_OR_RETURN(p2p_, ucx::UcxPointToPoint::Create(context, p2p_options));
+  ApplyIdlePolicy();  // for the connection set-up; again once shm engines exist
   DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "ucx/" + std::to_string(o.rank), p2p_->address(), deadline));
   std::vector<std::string> addresses(o.world_size);
   std::vector<bool> same_host(o.world_size);
@@ -614,7 +611,7 @@ Status Communicator::Impl::Init() {
 
   // 5. The shared-memory path, when every rank is on this host.
   if (single_host_ && o.world_size > 1 && o.shared_memory) {
-    shm::ShmOptions shm_options = SharedMemoryOptions(oversubscribed);
+    shm::ShmOptions shm_options = SharedMemoryOptions();
     shm_options.rank = o.rank;
     shm_options.size = o.world_size;
     shm_options.pids = exchanged.pids;
@@ -631,13 +628,14 @@ Status Communicator::Impl::Init() {
   // 6. Several hosts: the hierarchical all-reduce's steps inside a host in
   // shared memory.
   if (topology_.num_hosts() > 1 && o.world_size > 1 && o.shared_memory) {
-    DDP_RETURN_IF_ERROR(InitHostSharedMemory(real, exchanged.pids, oversubscribed, deadline));
+    DDP_RETURN_IF_ERROR(InitHostSharedMemory(real, exchanged.pids, deadline));
   }
   info_.host_shared_memory = host_shm_ != nullptr;
+  ApplyIdlePolicy();
   return Status::Ok();
 }
 
-topology::IdlePolicy Communicator::Impl::ApplyIdlePolicy() {
+void Communicator::Impl::ApplyIdlePolicy() {
   const topology::IdlePolicy idle =
       topology::ChooseIdlePolicy(real_topology_, options_.rank, options_.busy_threads_per_rank,
                                  available_cpus_, kernel_network_);
@@ -651,12 +649,10 @@ topology::IdlePolicy Communicator::Impl::ApplyIdlePolicy() {
   for (shm::ShmAllReduce* engine : {shm_.get(), host_shm_.get()}) {
     if (engine != nullptr) engine->set_yield_when_idle(idle.yield);
   }
-  return idle;
 }
 
-shm::ShmOptions Communicator::Impl::SharedMemoryOptions(bool oversubscribed) const {
-  shm::ShmOptions shm_options;
-  shm_options.yield_when_idle = oversubscribed;
+shm::ShmOptions Communicator::Impl::SharedMemoryOptions() const {
+  shm::ShmOptions shm_options;  // yield_when_idle: ApplyIdlePolicy
   if (options_.chunk_bytes > 0) {
     shm_options.chunk_bytes = options_.chunk_bytes;
     shm_options.staging_bytes = std::min(shm_options.staging_bytes, 16 * options_.chunk_bytes);
@@ -684,7 +680,7 @@ shm::ShmOptions Communicator::Impl::SharedMemoryOptions(bool oversubscribed) con
 // differently from the UCX one, so a host on each would disagree.
 Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
                                                 const std::vector<int>& pids,
-                                                bool oversubscribed, Deadline deadline) {
+                                                Deadline deadline) {
   const CommunicatorOptions& o = options_;
   std::vector<int> host_of_rank(topology_.size());
   for (int r = 0; r < topology_.size(); ++r) host_of_rank[r] = topology_.ranks[r].host;
@@ -694,7 +690,7 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
   for (int r : groups.intra) able = able && real.SameHost(r, o.rank);
   std::unique_ptr<shm::ShmAllReduce> engine;
   if (able) {
-    shm::ShmOptions shm_options = SharedMemoryOptions(oversubscribed);
+    shm::ShmOptions shm_options = SharedMemoryOptions();
     shm_options.size = static_cast<int>(groups.intra.size());
     for (size_t i = 0; i < groups.intra.size(); ++i) {
       if (groups.intra[i] == o.rank) shm_options.rank = static_cast<int>(i);
