@@ -284,7 +284,11 @@ __global__ void SplitStatsFinalizeKernel(const T* x, int64_t n, int64_t c, int64
     double sum, sum_sq;
     AddParts(work, c, parts, ch, &sum, &sum_sq);
     const double mu = m > 0 ? ChannelShift(x, n, s, ch) + sum / m : 0.0;
-    const double v = m > 0 ? fmax((sum_sq - sum * sum / m) / m, 0.0) : 0.0;
+    // Rounding can leave the shifted formula slightly negative; clamp
+    // that, but let a NaN (an inf or NaN in x) through as the two-pass
+    // kernels do: fmax would turn it into 0.
+    double v = m > 0 ? (sum_sq - sum * sum / m) / m : 0.0;
+    if (v < 0.0) v = 0.0;
     mean[ch] = mu;
     var[ch] = v;
     invstd[ch] = 1.0 / sqrt(v + eps);

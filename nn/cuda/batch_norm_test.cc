@@ -1,6 +1,6 @@
 // Batch norm on CUDA against the CPU kernels (tag "gpu"): training and eval
 // forward, backward, running-statistics update, the SyncBatchNorm building
-// blocks, 4-D and 2-D inputs, f32/f64/bf16 activations with f32 parameters,
+// blocks, 4-D and 2-D inputs, f32/f64/bf16/f16 activations with f32 parameters,
 // with the reductions on one block per channel and split over several, and
 // with cuDNN's training-mode kernels (both modes). Our kernels accumulate
 // statistics in f64 as the CPU does, so per-channel outputs agree to the
@@ -38,6 +38,7 @@ Tol ActTol(DType dt) {
   switch (dt) {
     case DType::kFloat64: return {1e-10, 1e-12};
     case DType::kBFloat16: return {8e-3, 1e-2};
+    case DType::kFloat16: return {2e-3, 2e-3};
     default: return {1e-5, 1e-5};
   }
 }
@@ -65,11 +66,13 @@ std::string KernelName(DType dt, bool training) {
 }
 
 void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool training, bool affine,
-                                      std::optional<DType> params = std::nullopt) {
+                                      std::optional<DType> params = std::nullopt,
+                                      DType saved = DType::kFloat32) {
   const std::string kernels = KernelName(dt, training);
   const std::string what = kernels + "batch_norm " + ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
                            (training ? " train" : " eval") + (affine ? " affine" : "") + " params " +
-                           std::string(DTypeName(params.value_or(DType::kFloat32)));
+                           std::string(DTypeName(params.value_or(DType::kFloat32))) + " saved " +
+                           std::string(DTypeName(saved));
   const bool cudnn = kernels.rfind("cudnn", 0) == 0;
   const int64_t c = shape[1];
   const DType pdt = params.value_or(dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
@@ -86,11 +89,12 @@ void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool trainin
   const Tensor rm0 = RandnOf({c}, pdt), rv0 = RandnOf({c}, pdt, 2.0, 0.1);
   const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone();
   const Tensor y_cpu = Empty(shape, {.dtype = dt});
-  const Tensor sm_cpu = Empty({c}), si_cpu = Empty({c});
+  const Tensor sm_cpu = Empty({c}, {.dtype = saved}), si_cpu = Empty({c}, {.dtype = saved});
   Cpu().batch_norm_forward(x, w, b, rm_cpu, rv_cpu, training, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
   const Tensor rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
   const Tensor y_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
-  const Tensor sm_gpu = Empty({c}, {.device = kGpu}), si_gpu = Empty({c}, {.device = kGpu});
+  const Tensor sm_gpu = Empty({c}, {.dtype = saved, .device = kGpu});
+  const Tensor si_gpu = Empty({c}, {.dtype = saved, .device = kGpu});
   const Tensor xg = x.To(kGpu), wg = G(w), bg = G(b);
   Gpu().batch_norm_forward(xg, wg, bg, rm_gpu, rv_gpu, training, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
   ExpectClose(y_cpu, y_gpu, act_tol, what + " y");
@@ -199,6 +203,67 @@ TEST_F(CudaBatchNormTest, LongChannelsSplitOverBlocksMatchCpu) {
       for (bool training : {true, false}) {
         ExpectForwardAndBackwardMatchCpu({8, 6, 5, 4}, DType::kFloat32, training, true, params);
       }
+    }
+  }
+}
+
+// Shapes at the edges of the launch plans, fp16 activations, and saved
+// statistics in f64 (what nn's op passes: the kernels write them in place):
+// {5, 2, 3500} leaves the last part of each channel's rows empty on the
+// row path; {2, 70000} has more channels than a grid's y dimension holds;
+// {1, 4} has one value per channel (variance 0, running variance unbiased
+// by 1).
+TEST_F(CudaBatchNormTest, EdgeShapesFp16AndF64SavedStatisticsMatchCpu) {
+  for (bool split : {false, true}) {
+    const SplitReductions setting(split);
+    ExpectForwardAndBackwardMatchCpu({5, 2, 3500}, DType::kFloat32, true, true);
+    for (bool training : {true, false}) ExpectForwardAndBackwardMatchCpu({2, 70000}, DType::kFloat32, training, true);
+    ExpectForwardAndBackwardMatchCpu({1, 4}, DType::kFloat32, true, true);
+    for (const Shape& shape : {Shape{8, 6, 5, 4}, Shape{64, 3, 32, 32}}) {
+      for (bool training : {true, false}) ExpectForwardAndBackwardMatchCpu(shape, DType::kFloat16, training, true);
+    }
+    for (bool training : {true, false}) {
+      ExpectForwardAndBackwardMatchCpu({8, 6, 5, 4}, DType::kFloat32, training, true, std::nullopt, DType::kFloat64);
+    }
+  }
+}
+
+// A NaN or an infinity in a channel makes that channel's statistics, its
+// running variance and its output NaN, as on the CPU (an fp16 overflow
+// under autocast must show, not turn into a variance of 0); the other
+// channel is unaffected.
+TEST_F(CudaBatchNormTest, NonFiniteInputsPropagateAsOnCpu) {
+  auto same = [](const Tensor& cpu, const Tensor& gpu, const std::string& what) {
+    const std::vector<double> want = cpu.ToVector<double>(), got = gpu.To(kCPU).ToVector<double>();
+    ASSERT_EQ(want.size(), got.size()) << what;
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const bool ok = std::isnan(want[i])   ? std::isnan(got[i])
+                      : std::isinf(want[i]) ? got[i] == want[i]
+                                            : std::abs(got[i] - want[i]) <= 1e-5 + 1e-5 * std::abs(want[i]);
+      if (!ok && ++bad <= 5) ADD_FAILURE() << what << ": element " << i << ": cpu " << want[i] << ", gpu " << got[i];
+    }
+  };
+  for (bool split : {false, true}) {
+    const SplitReductions setting(split);
+    for (double bad : {std::nan(""), HUGE_VAL}) {
+      const std::string what = std::string(split ? "split " : "") + "batch_norm with " + (std::isnan(bad) ? "NaN" : "inf");
+      const Shape shape{4, 2, 8, 8};
+      const Tensor x = RandnOf(shape, DType::kFloat32, 1.5, 2.0);
+      x.data<float>()[(1 * 2 + 0) * 64 + 3 * 8 + 3] = static_cast<float>(bad);  // x[1, 0, 3, 3]
+      const Tensor rm0 = RandnOf({2}, DType::kFloat32), rv0 = RandnOf({2}, DType::kFloat32, 2.0, 0.1);
+      const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone(), rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
+      const Tensor y_cpu = Empty(shape), sm_cpu = Empty({2}), si_cpu = Empty({2});
+      Cpu().batch_norm_forward(x, Tensor(), Tensor(), rm_cpu, rv_cpu, true, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
+      const Tensor y_gpu = Empty(shape, {.device = kGpu});
+      const Tensor sm_gpu = Empty({2}, {.device = kGpu}), si_gpu = Empty({2}, {.device = kGpu});
+      Gpu().batch_norm_forward(x.To(kGpu), Tensor(), Tensor(), rm_gpu, rv_gpu, true, 0.1, 1e-5, y_gpu, sm_gpu,
+                               si_gpu);
+      ASSERT_TRUE(std::isnan(rv_cpu.ToVector<double>()[0])) << what << ": the CPU's reference changed";
+      same(rv_cpu, rv_gpu, what + " running_var");
+      same(rm_cpu, rm_gpu, what + " running_mean");
+      same(si_cpu, si_gpu, what + " save_invstd");
+      same(y_cpu, y_gpu, what + " y");
     }
   }
 }
