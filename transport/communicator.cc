@@ -1052,7 +1052,12 @@ Status Communicator::Impl::RunRooted(Rooted which, int device, const void* send,
   const cuda::StagedCall call{.kind = kind, .send = send, .recv = recv, .count = count,
                               .dtype = dtype, .rank = options_.rank,
                               .size = options_.world_size, .root = root, .op = op};
-  return Staged(device, call, host, deadline);
+  Status status = Staged(device, call, host, deadline);
+  if (status.ok()) return status;
+  const char* name = which == Rooted::kReduce ? "reduce" : which == Rooted::kGather ? "gather" : "scatter";
+  return Status(status.code(), std::string(name) + " of device " + std::to_string(device) +
+                                   " buffers (staged through host memory) on rank " +
+                                   std::to_string(options_.rank) + ": " + status.message());
 }
 
 Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, DataType dtype,
@@ -1280,17 +1285,30 @@ Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* sr
   std::byte* slot = engine->slot(0);
   auto* out = static_cast<std::byte*>(dst);
   const auto* in = static_cast<const std::byte*>(src);
-  for (size_t offset = 0; offset < bytes; offset += engine->slot_bytes()) {
-    const size_t n = std::min(engine->slot_bytes(), bytes - offset);
-    if (to_device) {
-      std::memcpy(slot, in + offset, n);
-      DDP_RETURN_IF_ERROR(engine->Copy2D(out + offset, n, slot, n, n, 1));
-      DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
-    } else {
-      DDP_RETURN_IF_ERROR(engine->Copy2D(slot, n, in + offset, n, n, 1));
-      DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
-      std::memcpy(out + offset, slot, n);
+  auto copy = [&]() -> Status {
+    for (size_t offset = 0; offset < bytes; offset += engine->slot_bytes()) {
+      const size_t n = std::min(engine->slot_bytes(), bytes - offset);
+      if (to_device) {
+        std::memcpy(slot, in + offset, n);
+        DDP_RETURN_IF_ERROR(engine->Copy2D(out + offset, n, slot, n, n, 1));
+        DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
+      } else {
+        DDP_RETURN_IF_ERROR(engine->Copy2D(slot, n, in + offset, n, n, 1));
+        DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
+        std::memcpy(out + offset, slot, n);
+      }
     }
+    return Status::Ok();
+  };
+  Status status = copy();
+  if (!status.ok()) {
+    // As RunStaged: a copy still queued must land before the caller gets its
+    // buffer back or the slot is reused (bounded: a wedged device must not
+    // hang the call).
+    engine->WaitAll(std::max(deadline, DeadlineIn(std::chrono::milliseconds(1000)))).IgnoreError();
+    return Status(status.code(), std::string(to_device ? "copying the result to device "
+                                                       : "copying the input from device ") +
+                                     std::to_string(device) + ": " + status.message());
   }
   return Status::Ok();
 }

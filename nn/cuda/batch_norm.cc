@@ -167,10 +167,21 @@ bool CudnnShapeFits(const Dims& d, const Tensor& x) {
          x.numel() <= INT_MAX;
 }
 
+// Training batches cuDNN is given: the chosen kernels, a dtype it may take,
+// a shape within its ints, more than one value per channel, and PyTorch's
+// limits for its cuDNN path (at least 3 dimensions, N <= 880801), beyond
+// which PyTorch notes cuDNN's batch norm misbehaving. The forward, the
+// backward and the saved statistics' dtype all ask this one question.
+bool CudnnTrains(const Dims& d, const Tensor& x) {
+  return UsesCudnn(x.dtype()) && CudnnShapeFits(d, x) && d.n * d.s > 1 && x.dim() >= 3 && d.n <= 880801;
+}
+
 // True when cuDNN ran the call; false, after noting the dtype, when it
 // declined it (the caller then runs ours); throws for any other failure.
+// cuDNN 9 reports a decline as any code in the NOT_SUPPORTED category
+// (NOT_SUPPORTED_DATA_TYPE, _SHAPE, _ARCH_MISMATCH, ...).
 bool CudnnRan(cudnnStatus_t status, DType dt, const char* call) {
-  if (status == CUDNN_STATUS_NOT_SUPPORTED || status == CUDNN_STATUS_BAD_PARAM) {
+  if (CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED || status == CUDNN_STATUS_BAD_PARAM) {
     const uint32_t bit = DeclinedBit(dt);
     if ((cudnn_declined.fetch_or(bit) & bit) == 0) {
       std::fprintf(stderr, "batch_norm: %s declined %s activations in %s mode (%s); our kernels run them\n",
@@ -334,7 +345,7 @@ void SetBatchNormKernels(BatchNormKernels kernels) {
 }
 
 DType BatchNormSavedDType(const Tensor& x, bool training) {
-  return training && UsesCudnn(x.dtype()) ? DType::kFloat32 : DType::kFloat64;
+  return training && CudnnTrains(CheckX("batch_norm", x), x) ? DType::kFloat32 : DType::kFloat64;
 }
 
 bool BatchNormCudnnDeclined(DType dt) {
@@ -348,7 +359,7 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", y, "y");
   const Tensor x = ContiguousOnDevice(x_in);
-  if (training && UsesCudnn(x.dtype()) && CudnnShapeFits(d, x) && d.n * d.s > 1) {
+  if (training && CudnnTrains(d, x)) {
     CheckPerChannel(op, "weight", weight, x, d.c);
     CheckPerChannel(op, "bias", bias, x, d.c);
     CheckPerChannel(op, "running_mean", running_mean, x, d.c);
@@ -415,8 +426,7 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", dy_in, "dy");
   const Tensor x = ContiguousOnDevice(x_in), dy = ContiguousOnDevice(dy_in);
-  if (training && UsesCudnn(x.dtype()) && CudnnShapeFits(d, x) && d.n * d.s > 1 && save_mean.defined() &&
-      save_invstd.defined()) {
+  if (training && CudnnTrains(d, x) && save_mean.defined() && save_invstd.defined()) {
     CheckPerChannel(op, "weight", weight, x, d.c);
     CheckPerChannel(op, "save_mean", save_mean, x, d.c);
     CheckPerChannel(op, "save_invstd", save_invstd, x, d.c);

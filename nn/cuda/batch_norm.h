@@ -1,6 +1,7 @@
-// Batch norm on CUDA (the KernelTable's batch_norm entries). Per-channel
-// parameters and statistics are handled in f64 on the device, whatever their
-// dtype, and converted back on write, as the CPU kernels do.
+// Batch norm on CUDA (the KernelTable's batch_norm entries). Our kernels
+// accumulate statistics in f64, as the CPU kernels do, and read and write
+// per-channel parameters and statistics in their own dtypes; cuDNN's
+// training kernels (when chosen) compute in f32 (BatchNormSavedDType).
 #pragma once
 
 #include "nn/tensor/tensor.h"

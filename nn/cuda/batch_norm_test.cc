@@ -58,8 +58,10 @@ class CudaBatchNormTest : public ::testing::Test {
 // configuration on both devices. Parameters and running statistics are f64
 // for f64 activations, else f32 unless `params` says otherwise.
 // The kernels the current settings run for a configuration, for messages.
-std::string KernelName(DType dt, bool training) {
-  if (training && BatchNormKernelChoice() != BatchNormKernels::kOwn && dt != DType::kFloat64) {
+std::string KernelName(const Shape& shape, DType dt, bool training) {
+  // cuDNN takes f32 and 16-bit training batches of 3 or more dimensions.
+  if (training && BatchNormKernelChoice() != BatchNormKernels::kOwn && dt != DType::kFloat64 &&
+      shape.size() >= 3) {
     return BatchNormKernelChoice() == BatchNormKernels::kCudnn ? "cudnn " : "cudnn persistent ";
   }
   return BatchNormSplitReductions() ? "split " : "";
@@ -68,7 +70,7 @@ std::string KernelName(DType dt, bool training) {
 void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool training, bool affine,
                                       std::optional<DType> params = std::nullopt,
                                       DType saved = DType::kFloat32) {
-  const std::string kernels = KernelName(dt, training);
+  const std::string kernels = KernelName(shape, dt, training);
   const std::string what = kernels + "batch_norm " + ShapeToString(shape) + " " + std::string(DTypeName(dt)) +
                            (training ? " train" : " eval") + (affine ? " affine" : "") + " params " +
                            std::string(DTypeName(params.value_or(DType::kFloat32))) + " saved " +
@@ -145,8 +147,8 @@ class Kernels {
 };
 
 // cuDNN's kernels, both modes, on the shapes and dtypes of the tests above
-// (f64 and eval mode run ours whatever the setting). cuDNN must take f32;
-// whether it took f16 and bf16 is printed.
+// (f64, eval mode and 2-D inputs run ours whatever the setting). cuDNN
+// must take f32; whether it took f16 and bf16 is printed.
 TEST_F(CudaBatchNormTest, CudnnTrainingKernelsMatchCpu) {
   for (BatchNormKernels k : {BatchNormKernels::kCudnn, BatchNormKernels::kCudnnPersistent}) {
     const Kernels setting(k);

@@ -1,5 +1,6 @@
 // Batch normalization. Shapes: x [N, C, *]; weight, bias, running_mean,
-// running_var [C]. Saved statistics are f32 (f64 for f64 input).
+// running_var [C]. Saved statistics are in the dtype the device's kernels
+// compute them in (KernelTable::batch_norm_saved_dtype; f64 by default).
 #include <stdexcept>
 #include <string>
 

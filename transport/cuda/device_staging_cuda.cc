@@ -173,14 +173,15 @@ Status DeviceCopyEngine::MarkIn(int s) {
 
 Status DeviceCopyEngine::WaitIn(int s, Deadline deadline) {
   DeviceScope scope(state_->device);
-  return PollEvent(state_->in_done[s], deadline, "device-to-host staging copy");
+  // Covers this slot's copy in and, queued before it, earlier copies out.
+  return PollEvent(state_->in_done[s], deadline, "staging copies into slot " + std::to_string(s));
 }
 
 Status DeviceCopyEngine::WaitAll(Deadline deadline) {
   DeviceScope scope(state_->device);
   const cudaError_t status = cudaEventRecord(state_->all_done, state_->stream);
   if (status != cudaSuccess) return CudaError(status, "recording a staging event");
-  return PollEvent(state_->all_done, deadline, "host-to-device staging copy");
+  return PollEvent(state_->all_done, deadline, "staging copies");
 }
 
 }  // namespace ddp::transport::cuda

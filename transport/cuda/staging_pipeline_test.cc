@@ -154,6 +154,7 @@ struct Case {
   DataType dtype;
   ReduceOp op;
   size_t slot_bytes;
+  int root = -1;  // rooted kinds (and broadcast); -1: the last rank
 };
 
 std::string Describe(const Case& c) {
@@ -161,7 +162,8 @@ std::string Describe(const Case& c) {
                                  "reduce",     "gather",    "scatter"};
   return std::string(kKinds[static_cast<int>(c.kind)]) + " world " + std::to_string(c.world) +
          " count " + std::to_string(c.count) + " " + DataTypeName(c.dtype) + " " +
-         ReduceOpName(c.op) + " slot " + std::to_string(c.slot_bytes);
+         ReduceOpName(c.op) + " slot " + std::to_string(c.slot_bytes) + " root " +
+         std::to_string(c.root >= 0 ? c.root : c.world - 1);
 }
 
 // Runs one case on every rank; returns the number of wrong elements (and a
@@ -178,7 +180,7 @@ Status RunCase(const Case& c, Algorithm algorithm, std::vector<std::string>* err
       send_count = n * c.count;
     }
     std::vector<std::byte> send(send_count * e + 1), recv(recv_count * e + 1, std::byte{0x5A});
-    const int root = c.world - 1;
+    const int root = c.root >= 0 ? c.root : c.world - 1;
     // The rooted kinds get null for the buffer this rank does not use: the
     // pipeline must not touch it.
     const bool rooted = c.kind == StagedKind::kReduce || c.kind == StagedKind::kGather ||
@@ -316,18 +318,21 @@ TEST(StagingPipeline, OtherCollectivesManyChunks) {
 }
 
 TEST(StagingPipeline, RootedCollectivesManyChunks) {
-  // The root is the last rank; the others pass null for the buffer they do
-  // not use. Reduce runs both of its algorithms.
+  // The root is the first or the last rank; the others pass null for the
+  // buffer they do not use. Reduce runs both of its algorithms and averages.
   for (StagedKind kind : {StagedKind::kReduce, StagedKind::kGather, StagedKind::kScatter}) {
     for (int world : {1, 2, 3, 4}) {
-      for (DataType dtype : {DataType::kF32, DataType::kBF16}) {
-        for (size_t count : {size_t{0}, size_t{1}, size_t{37}, size_t{1001}}) {
-          for (size_t slot : {size_t{80}, size_t{1} << 16}) {
-            for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
-              if (kind != StagedKind::kReduce && algorithm == Algorithm::kRing) continue;
-              for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
-                if (kind != StagedKind::kReduce && op == ReduceOp::kMax) continue;
-                Check({kind, world, count, dtype, op, slot}, algorithm);
+      for (int root : {world - 1, 0}) {
+        if (root == 0 && world == 1) continue;
+        for (DataType dtype : {DataType::kF32, DataType::kBF16}) {
+          for (size_t count : {size_t{0}, size_t{1}, size_t{37}, size_t{1001}}) {
+            for (size_t slot : {size_t{80}, size_t{1} << 16}) {
+              for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
+                if (kind != StagedKind::kReduce && algorithm == Algorithm::kRing) continue;
+                for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
+                  if (kind != StagedKind::kReduce && op != ReduceOp::kSum) continue;
+                  Check({kind, world, count, dtype, op, slot, root}, algorithm);
+                }
               }
             }
           }
