@@ -19,7 +19,10 @@
 #
 # With OUT set (a folder), the whole output, the BENCH lines, the all-reduce
 # figures, the summary, the failed tests' logs and (--profile) the kernel
-# profile are written there too (up to seven files).
+# profile are written there too (up to eight files). The summary is rewritten
+# after every phase and each failed test's log appended as it ends, so a run
+# stopped from outside (SIGTERM, ^C) keeps what it found; a phase with no
+# time left is skipped, not started and timed out.
 #
 # The benchmarks come before the tests so that their figures exist even if
 # the tests run long. Every phase has a timeout taken from one overall budget
@@ -265,22 +268,78 @@ end_phase() {
   PHASE_TIMES+=($(($(now) - PHASE_START)))
   PHASE_RESULTS+=("$1")
   printf -- '---- %s: %s in %ds\n' "$CURRENT_PHASE" "$1" $(($(now) - PHASE_START))
+  save_summary
+}
+
+# The summary so far ($1: a note for its heading): phases, gpu tests (those
+# finished, while they still run), the ResNet-50 table.
+summary() {
+  echo
+  echo "==== summary ($(($(now) - START_S))s of the ${BUDGET_S}s budget)${1:+; $1}"
+  for i in "${!PHASE_NAMES[@]}"; do
+    printf '  %5ds  %-60s %s\n' "${PHASE_TIMES[$i]}" "${PHASE_NAMES[$i]}" "${PHASE_RESULTS[$i]}"
+  done
+  local tests="${TEST_SUMMARY:-}"
+  if { [ -z "$tests" ] || [ ! -s "$tests" ]; } && compgen -G "$WORK/results/*" >/dev/null; then
+    tests="$WORK/tests_so_far.txt"
+    sort "$WORK/results"/* >"$tests"
+  fi
+  if [ -n "$tests" ] && [ -s "$tests" ]; then
+    echo
+    echo "gpu tests: $(awk '$2 == "PASSED"' "$tests" | wc -l) passed of $(wc -l <"$tests")"
+    awk '$2 != "PASSED" {print "  " $0}' "$tests"
+  fi
+  echo
+  echo "ResNet-50 images/s (${GPU_NAME:-no GPU}):"
+  [ -r "$WORK/table.txt" ] && cat "$WORK/table.txt"
+  return 0
+}
+
+# Keeps $OUT/summary.txt current after every phase: a run killed at its
+# wall-clock limit still leaves what it had found.
+save_summary() {
+  [ -n "${OUT:-}" ] || return 0
+  summary "$@" >"$OUT/summary.txt"
+}
+
+# Stopped from outside (the device's limit, ^C): stop the tests still
+# running (each under its own `timeout`, which passes the signal on), and
+# leave the summary so far.
+on_signal() {
+  trap - TERM INT
+  save_summary "stopped by a signal during: $CURRENT_PHASE"
+  echo "gpu_check: stopped by a signal $(($(now) - START_S))s in, during: $CURRENT_PHASE" 2>/dev/null
+  local pid
+  for pid in $(jobs -p); do
+    [ "$pid" = "${TEE_PID:-}" ] && continue
+    pkill -TERM -P "$pid" 2>/dev/null
+    kill -TERM "$pid" 2>/dev/null
+  done
+  exit 143
 }
 
 # Seconds a phase may take: its own cap, never past the budget minus what the
 # later phases need (reserve_s).
+# 0 when nothing is left: run_logged then starts nothing.
 phase_limit() {
   local cap=$1 reserve=$2 left
   left=$(($(left_s) - reserve))
   [ "$left" -lt "$cap" ] && cap=$left
-  [ "$cap" -lt 1 ] && cap=1
+  [ "$cap" -lt 0 ] && cap=0
   echo "$cap"
 }
+
+# run_logged's status for a command it did not start (no time left).
+readonly NOT_STARTED=253
 
 # Runs a command under a deadline; its output goes to the terminal and to a log.
 run_logged() {
   local limit=$1 log=$2
   shift 2
+  if [ "$limit" -lt 1 ]; then
+    echo "+ not started (out of budget): $*"
+    return "$NOT_STARTED"
+  fi
   echo "+ (limit ${limit}s) $*"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
   return "${PIPESTATUS[0]}"
@@ -290,12 +349,19 @@ describe_rc() {
   case "$1" in
     0) echo "ok" ;;
     124 | 137) echo "TIMED OUT" ;;
+    "$NOT_STARTED") echo "skipped (out of budget)" ;;
     *) echo "FAILED (exit $1)" ;;
   esac
 }
 
 WORK="$(mktemp -d /tmp/gpu_check.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
+trap on_signal TERM INT
+# A signal to the whole group also ends the tee into $OUT/gpu_check.log,
+# and bash then reports the killed job on that broken pipe: with SIGPIPE's
+# default action it would die there, before on_signal runs. A trap (unlike
+# an ignored signal) is not inherited by the commands this script starts.
+trap ':' PIPE
 BENCH_LOG="$WORK/bench.log"
 : >"$BENCH_LOG"
 
@@ -659,6 +725,8 @@ run_bn_variant() {
     end_phase "$(describe_rc $?)"
     echo "$what against the default (ours):"
     print_variant_table "$name" "$BENCH_LOG" "$log" | tee -a "$WORK/table.txt"
+    # cuDNN may decline a dtype; our kernels then run it under its label.
+    grep -h 'declined' "$log" | sort -u | sed 's/^/  note: /' | tee -a "$WORK/table.txt"
   fi
   copy_out "$log"
 }
@@ -714,13 +782,18 @@ if [ "$PROFILE" = 1 ]; then
     rc=0
     for m in "${PROFILE_MODE_LIST[@]}"; do
       limit="$(phase_limit 90 60)"
+      if [ "$limit" -lt 1 ]; then
+        echo "+ not started (out of budget): $NCU ... --modes=$m"
+        [ "$rc" = 0 ] && rc=$NOT_STARTED
+        break
+      fi
       echo "+ (limit ${limit}s) $NCU ... $BENCH_BIN ${STEP_ARGS[*]} --modes=$m"
       timeout --kill-after=10 "$limit" "${OUR_ENV[@]}" "$NCU" "${NCU_ARGS[@]}" "$BENCH_BIN" "${STEP_ARGS[@]}" \
         "--modes=$m" >"$WORK/ncu_$m.csv" 2>&1
       r=$?
       {
         echo "== $m: $(grep -m1 '^BENCH' "$WORK/ncu_$m.csv" | grep -o 'batch=[0-9]*') one timed step (ncu exit $r)"
-        "$PYTHON" tools/bench/ncu_summary.py --top=25 "$WORK/ncu_$m.csv" 2>&1
+        timeout 30 "$PYTHON" tools/bench/ncu_summary.py --top=25 "$WORK/ncu_$m.csv" 2>&1
         echo
       } | tee -a "$PROFILE_LOG"
       [ "$r" = 0 ] || rc=$r
@@ -740,8 +813,11 @@ TEST_SUMMARY="$WORK/tests.txt"
 keep_failed_log() {
   local label=$1 log=$2
   [ -n "${OUT:-}" ] && [ -f "$log" ] || return 0
-  local lines
+  local lines block
   lines=$(wc -l <"$log")
+  # Built aside, then appended in one go: tests that run in parallel call
+  # this as each ends, so that a run killed at its limit keeps what failed.
+  block="$(mktemp "$WORK/failed.XXXXXX")"
   {
     # The first failures name the cause; the end says what failed.
     if [ "$lines" -le 600 ]; then
@@ -753,7 +829,9 @@ keep_failed_log() {
       echo "[... $((lines - 600)) lines left out ...]"
       tail -n 350 "$log"
     fi
-  } >>"$OUT/failed_tests.log"
+  } >"$block"
+  cat "$block" >>"$OUT/failed_tests.log"
+  rm -f "$block"
 }
 
 run_tests_bazel() {
@@ -791,6 +869,7 @@ run_one_bundled_test() {
     *) verdict="FAILED (exit $rc)" ;;
   esac
   echo "$label $verdict" | tee "$WORK/results/$name"
+  [ "$rc" = 0 ] || keep_failed_log "$label" "$WORK/testlogs/$name.log"
 }
 
 # The bundle's tests, TEST_JOBS at a time (as bazel would run them), each
@@ -804,7 +883,9 @@ run_tests_bundle() {
     # that copies the output into $OUT, which never ends before the script.
     while [ "$(jobs -rp | wc -l)" -ge "$TEST_JOBS" ]; do sleep 0.5; done
     left=$((deadline - $(now)))
-    if [ "$left" -lt 5 ]; then
+    # A test started with seconds left would only time out, which says
+    # nothing about it: it needs a minute (or its whole timeout, if less).
+    if [ "$left" -lt "$((TEST_TIMEOUT_S < 60 ? TEST_TIMEOUT_S : 60))" ]; then
       echo "$label NO STATUS (out of time)" >"$WORK/results/$name"
       continue
     fi
@@ -820,8 +901,7 @@ run_tests_bundle() {
     if ! grep -q "^$label PASSED\$" "$WORK/results/$name"; then
       worst=1
       echo "---- $(cat "$WORK/results/$name"): the end of its log"
-      tail -n 15 "$WORK/testlogs/$name.log"
-      keep_failed_log "$label" "$WORK/testlogs/$name.log"
+      [ -f "$WORK/testlogs/$name.log" ] && tail -n 15 "$WORK/testlogs/$name.log"
     fi
   done <"$BUNDLE_ROOT/tests.txt"
   return "$worst"
@@ -851,21 +931,7 @@ fi
 
 # -------------------------------------------------------------------- summary
 
-{
-  echo
-  echo "==== summary ($(($(now) - START_S))s of the ${BUDGET_S}s budget)"
-  for i in "${!PHASE_NAMES[@]}"; do
-    printf '  %5ds  %-60s %s\n' "${PHASE_TIMES[$i]}" "${PHASE_NAMES[$i]}" "${PHASE_RESULTS[$i]}"
-  done
-  if [ -s "$TEST_SUMMARY" ]; then
-    echo
-    echo "gpu tests: $(awk '$2 == "PASSED"' "$TEST_SUMMARY" | wc -l) passed of $(wc -l <"$TEST_SUMMARY")"
-    awk '$2 != "PASSED" {print "  " $0}' "$TEST_SUMMARY"
-  fi
-  echo
-  echo "ResNet-50 images/s (${GPU_NAME:-no GPU}):"
-  cat "$WORK/table.txt"
-} | tee "$WORK/summary.txt"
+summary | tee "$WORK/summary.txt"
 copy_out "$WORK/summary.txt"
 
 # Non-zero when any phase failed or timed out (skipped phases do not count).
