@@ -586,7 +586,10 @@ if [ "$USE_BUNDLE" = 1 ]; then
   if [ "$rc" = 0 ]; then
     cat "$BUNDLE_ROOT/MANIFEST"
     bundle_commit="$(awk '/^commit / {print $2; exit}' "$BUNDLE_ROOT/MANIFEST")"
-    if ! git diff --quiet "$bundle_commit" -- . ':!*.md' ':!docs' ':!tools/gpu_check*' ':!tools/testdata' 2>/dev/null; then
+    # Only where there is a repository to compare with (a copy of the
+    # working tree may come without .git).
+    if git rev-parse --git-dir >/dev/null 2>&1 &&
+      ! git diff --quiet "$bundle_commit" -- . ':!*.md' ':!docs' ':!tools/gpu_check*' ':!tools/testdata' 2>/dev/null; then
       echo "gpu_check: NOTE: the code differs from the commit the bundle was built from" \
         "($bundle_commit; this checkout: $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')):" \
         "the binaries may not be this code"
