@@ -319,8 +319,8 @@ on_signal() {
 }
 
 # Seconds a phase may take: its own cap, never past the budget minus what the
-# later phases need (reserve_s).
-# 0 when nothing is left: run_logged then starts nothing.
+# later phases need (reserve_s); 0 when nothing is left (run_logged then
+# starts nothing).
 phase_limit() {
   local cap=$1 reserve=$2 left
   left=$(($(left_s) - reserve))

@@ -1306,8 +1306,8 @@ Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* sr
     // buffer back or the slot is reused (bounded: a wedged device must not
     // hang the call).
     engine->WaitAll(std::max(deadline, DeadlineIn(std::chrono::milliseconds(1000)))).IgnoreError();
-    return Status(status.code(), std::string(to_device ? "copying the result to device "
-                                                       : "copying the input from device ") +
+    return Status(status.code(), std::string(to_device ? "staging a copy to device "
+                                                       : "staging a copy from device ") +
                                      std::to_string(device) + ": " + status.message());
   }
   return Status::Ok();
