@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What tools/gpu_check.sh does without a GPU: argument errors, the table it
 # prints from BENCH lines (a fixture log: inputs for the parser, not
-# measurements), and the order of its phases in a dry run.
+# measurements), the order of its phases in a dry run, and a dry run stopped
+# by SIGTERM in the middle of a benchmark.
 # shellcheck disable=SC2016  # backquotes in the expected messages are literal
 set -uo pipefail
 SCRIPT="$(dirname "$0")/gpu_check.sh"
@@ -87,6 +88,43 @@ for f in gpu_check.log bench.log summary.txt; do
   [ -f "$TEST_TMPDIR/out/$f" ] || { echo "FAIL: no $f in OUT"; failures=$((failures + 1)); }
 done
 check "summary file" "$(cat "$TEST_TMPDIR/out/summary.txt")" "==== summary"
+
+# Stopped from outside (as the device's time limit does, TERM to the whole
+# process group) in the middle of a benchmark: it exits at once and leaves
+# a summary that says where it stopped. A stand-in for python plays a
+# PyTorch that imports and a benchmark that prints a line per step.
+fake_python="$TEST_TMPDIR/fake_python"
+cat >"$fake_python" <<'EOF_PY'
+#!/bin/sh
+case "$*" in
+  *torch_train_step_bench.py*) for i in $(seq 300); do echo "step $i"; sleep 0.1; done ;;
+  *"import torch"*) echo "2.0 cuda None available False" ;;
+  *) exit 1 ;;
+esac
+EOF_PY
+chmod +x "$fake_python"
+stop_out="$TEST_TMPDIR/stop"
+mkdir -p "$stop_out"
+OUT="$stop_out" PYTHON="$fake_python" setsid "$SCRIPT" --dry-run >"$TEST_TMPDIR/stop.log" 2>&1 &
+pid=$!
+for _ in $(seq 600); do
+  grep -q 'step 5' "$stop_out/gpu_check.log" 2>/dev/null && break
+  sleep 0.1
+done
+kill -TERM -- "-$pid"
+for _ in $(seq 300); do
+  kill -0 "$pid" 2>/dev/null || break
+  sleep 0.1
+done
+if kill -0 "$pid" 2>/dev/null; then
+  echo "FAIL: still running 30 s after SIGTERM"
+  kill -KILL -- "-$pid"
+  failures=$((failures + 1))
+fi
+wait "$pid"
+rc=$?
+[ "$rc" = 143 ] || { echo "FAIL: stopped run exited $rc, expected 143"; failures=$((failures + 1)); }
+check "summary of a stopped run" "$(cat "$stop_out/summary.txt")" "stopped by a signal during: benchmark: PyTorch eager"
 
 if [ "$failures" -gt 0 ]; then
   echo "$failures failures"
