@@ -221,13 +221,15 @@ class Communicator::Impl {
                               DataType dtype) const;
   Status AllToAllV(const void* send, const std::vector<size_t>& send_counts, void* recv,
                    const std::vector<size_t>& recv_counts, DataType dtype, Deadline deadline);
-  // AllToAllV (device < 0) or, on device buffers, the whole send buffer
-  // copied to the host through the staging slot, the host exchange (which
-  // may use shared memory and CMA, which cannot read device memory), and the
-  // result copied back.
+  // The host exchange (device < 0) or, on device buffers, the whole send
+  // buffer copied to the host through the staging slot, the host exchange
+  // (which may use shared memory and CMA, which cannot read device memory),
+  // and the result copied back. The exchange is AllToAllV's, or with
+  // `equal_blocks` (AllToAll) AllToAll's: a rank passing device buffers
+  // takes the path a rank passing host buffers takes.
   Status AllToAllVOn(int device, const void* send, const std::vector<size_t>& send_counts,
                      void* recv, const std::vector<size_t>& recv_counts, DataType dtype,
-                     Deadline deadline);
+                     Deadline deadline, bool equal_blocks = false);
   // Equal blocks: through shared memory when every rank is on this host.
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
@@ -1616,8 +1618,12 @@ StatusOr<int> Communicator::Impl::CheckAllToAll(const void* send,
 Status Communicator::Impl::AllToAllVOn(int device, const void* send,
                                        const std::vector<size_t>& send_counts, void* recv,
                                        const std::vector<size_t>& recv_counts, DataType dtype,
-                                       Deadline deadline) {
-  if (device < 0) return AllToAllV(send, send_counts, recv, recv_counts, dtype, deadline);
+                                       Deadline deadline, bool equal_blocks) {
+  auto exchange = [&](const void* s, void* r) {
+    return equal_blocks ? AllToAll(s, r, send_counts.empty() ? 0 : send_counts[0], dtype, deadline)
+                        : AllToAllV(s, send_counts, r, recv_counts, dtype, deadline);
+  };
+  if (device < 0) return exchange(send, recv);
   const size_t es = DataTypeSize(dtype);
   size_t sent = 0, received = 0;
   for (size_t c : send_counts) sent += c;
@@ -1627,8 +1633,7 @@ Status Communicator::Impl::AllToAllVOn(int device, const void* send,
   const std::unique_ptr<std::byte[]> host_send(new std::byte[sent * es]);
   const std::unique_ptr<std::byte[]> host_recv(new std::byte[received * es]);
   DDP_RETURN_IF_ERROR(StageCopyLocked(device, host_send.get(), send, sent * es, false, deadline));
-  DDP_RETURN_IF_ERROR(
-      AllToAllV(host_send.get(), send_counts, host_recv.get(), recv_counts, dtype, deadline));
+  DDP_RETURN_IF_ERROR(exchange(host_send.get(), host_recv.get()));
   return StageCopyLocked(device, recv, host_recv.get(), received * es, true, deadline);
 }
 
@@ -1668,8 +1673,7 @@ Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataTy
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
   DDP_ASSIGN_OR_RETURN(const int device, impl_->CheckAllToAll(send, counts, recv, counts, dtype));
   return impl_->RunBlocking(call, [&, this](Deadline d) {
-    if (device >= 0) return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d);
-    return impl_->AllToAll(send, recv, count, dtype, d);
+    return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
   });
 }
 
@@ -1839,8 +1843,7 @@ Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, Dat
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
   DDP_ASYNC_ASSIGN(const int device, impl_->CheckAllToAll(send, counts, recv, counts, dtype));
   return impl_->Enqueue(call, [=, this](Deadline d) {
-    if (device >= 0) return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d);
-    return impl_->AllToAll(send, recv, count, dtype, d);
+    return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
   });
 }
 
