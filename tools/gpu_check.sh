@@ -244,6 +244,15 @@ if [ -n "$SPLIT_TABLE_FROM" ]; then
   exit 0
 fi
 
+# The default run and the tests must run the default kernels: the variants
+# set their own switch.
+for v in DDP_NN_CUDA_BN DDP_NN_CUDA_BN_SPLIT; do
+  if [ -n "${!v:-}" ]; then
+    echo "gpu_check: ignoring $v=${!v} from the environment (the variants set it themselves)" >&2
+    unset "$v"
+  fi
+done
+
 # --------------------------------------------------------------- time keeping
 
 START_S=$(date +%s)
