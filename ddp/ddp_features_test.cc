@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <limits>
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/reducer.h"
@@ -426,6 +427,31 @@ class TwoLayers : public Module {
  private:
   std::shared_ptr<nn::modules::Linear> first_, second_;
 };
+
+// Checked before any communication: no process group is needed to see them.
+TEST(DdpFeaturesTest, SizesOutOfRangeAreRefusedBeforeAnyCommunication) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  auto error = [](DdpOptions options) {
+    try {
+      DistributedDataParallel ddp(std::make_shared<TwoLayers>(false, 32, true), std::move(options));
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(error({.bucket_cap_mb = 0}), "DdpOptions::bucket_cap_mb must be positive and finite, got 0.000000");
+  EXPECT_EQ(error({.bucket_cap_mb = nan}), "DdpOptions::bucket_cap_mb must be positive and finite, got nan");
+  EXPECT_EQ(error({.bucket_cap_mb = inf}), "DdpOptions::bucket_cap_mb must be positive and finite, got inf");
+  EXPECT_EQ(error({.first_bucket_mb = -1}),
+            "DdpOptions::first_bucket_mb must be positive and finite, got -1.000000");
+  EXPECT_EQ(error({.first_bucket_mb = 2e12}),
+            "DdpOptions::first_bucket_mb must be positive and finite, got 2000000000000.000000");
+  EXPECT_EQ(error({.inplace_gradient_mb = -0.5}),
+            "DdpOptions::inplace_gradient_mb must be at least 0 and finite, got -0.500000");
+  EXPECT_EQ(error({.inplace_gradient_mb = nan}),
+            "DdpOptions::inplace_gradient_mb must be at least 0 and finite, got nan");
+}
 
 std::string ConstructionError(ProcessGroup& pg, std::shared_ptr<Module> model) {
   try {

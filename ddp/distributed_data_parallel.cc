@@ -83,9 +83,13 @@ std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& m
   return entries;
 }
 
-size_t MiB(double mb, const char* what) {
-  if (!(mb > 0)) {
-    throw std::invalid_argument(std::string("DdpOptions::") + what + " must be positive, got " +
+// mb MiB in bytes. NaN, infinities and sizes past 2^40 MiB (whose byte
+// count would not fit a size_t) are refused, as are 0 unless `zero_allowed`.
+size_t MiB(double mb, const char* what, bool zero_allowed) {
+  const bool in_range = zero_allowed ? mb >= 0 : mb > 0;
+  if (!in_range || !(mb <= 1099511627776.0)) {
+    throw std::invalid_argument(std::string("DdpOptions::") + what + " must be " +
+                                (zero_allowed ? "at least 0" : "positive") + " and finite, got " +
                                 std::to_string(mb));
   }
   return static_cast<size_t>(mb * 1048576.0);
@@ -100,16 +104,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   if (dynamic_cast<DistributedDataParallel*>(module_.get()) != nullptr) {
     throw std::invalid_argument("DistributedDataParallel: the module is already wrapped");
   }
+  // The options first: a bad value fails here, before any communication.
+  internal::ReducerOptions reducer_options;
+  reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb", false);
+  reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb", false);
+  reducer_options.inplace_bytes = MiB(options_.inplace_gradient_mb, "inplace_gradient_mb", true);
   pg_ = options_.process_group != nullptr ? options_.process_group : DefaultProcessGroup();
   RegisterModule("module", module_);
-  internal::ReducerOptions reducer_options;
-  reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb");
-  reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb");
-  if (options_.inplace_gradient_mb < 0) {
-    throw std::invalid_argument("DdpOptions::inplace_gradient_mb must not be negative, got " +
-                                std::to_string(options_.inplace_gradient_mb));
-  }
-  reducer_options.inplace_bytes = static_cast<size_t>(options_.inplace_gradient_mb * 1048576.0);
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer_options.static_graph = options_.static_graph;

@@ -92,6 +92,10 @@ double ProcessCpuSeconds() {
 }
 
 int Run() {
+  if (FLAGS_steps < 1) {
+    std::fprintf(stderr, "ddp_bench: --steps=%d must be at least 1\n", FLAGS_steps);
+    return 2;
+  }
   nn::ops::SetNumThreads(1);
   // Before the process group's thread starts: threads inherit it.
   nn::ops::SetFlushDenormal(FLAGS_flush_denormal);
@@ -176,7 +180,18 @@ int Run() {
   std::vector<int64_t> shard;
   for (int64_t i = rank; i < train->Size(); i += world) shard.push_back(perm.data<int64_t>()[i]);
   const int64_t bs = FLAGS_batch;
+  // Batch i starts at (i * bs) % span, so a batch must leave part of the
+  // shard out. Checked against the smallest shard, so that every rank agrees.
   const int64_t span = static_cast<int64_t>(shard.size()) - bs;
+  const int64_t smallest = train->Size() / world;
+  if (bs < 1 || bs >= smallest) {
+    std::fprintf(stderr,
+                 "ddp_bench: --batch=%d must be in [1, %lld): each of the %d ranks draws its batches from "
+                 "its %lld-sample share of %s\n",
+                 FLAGS_batch, static_cast<long long>(smallest), world, static_cast<long long>(smallest),
+                 FLAGS_data.c_str());
+    return 2;
+  }
   Tensor images = nn::Empty({bs, 1, 28, 28});
   Tensor labels = nn::Empty({bs}, {.dtype = nn::DType::kInt64});
   double loss_value = 0;

@@ -57,10 +57,19 @@ double PeakRssMb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+int Run() {
+  if (FLAGS_steps < 1) {
+    std::fprintf(stderr, "nn_bench: --steps=%d must be at least 1\n", FLAGS_steps);
+    return 2;
+  }
+  if (FLAGS_threads < 1) {
+    std::fprintf(stderr, "nn_bench: --threads=%d must be at least 1\n", FLAGS_threads);
+    return 2;
+  }
+  if (FLAGS_eval_batch < 1) {
+    std::fprintf(stderr, "nn_bench: --eval_batch=%d must be at least 1\n", FLAGS_eval_batch);
+    return 2;
+  }
   nn::ops::SetNumThreads(FLAGS_threads);
   nn::ManualSeed(0);
   std::shared_ptr<nn::modules::Sequential> model;
@@ -79,7 +88,14 @@ int main(int argc, char** argv) {
   nn::Generator gen(1);
   const Tensor perm = nn::RandPerm(train->Size(), gen);
   const int64_t bs = FLAGS_batch;
+  // Batch i starts at (i * bs) % span, so a batch must leave part of the set out.
   const int64_t span = train->Size() - bs;
+  if (bs < 1 || span < 1) {
+    std::fprintf(stderr, "nn_bench: --batch=%d must be in [1, %lld): the batches are drawn from the %lld samples of %s\n",
+                 FLAGS_batch, static_cast<long long>(train->Size()), static_cast<long long>(train->Size()),
+                 FLAGS_data.c_str());
+    return 2;
+  }
   Tensor images = nn::Empty({bs, 1, 28, 28});
   Tensor labels = nn::Empty({bs}, {.dtype = nn::DType::kInt64});
   double loss_value = 0;
@@ -125,4 +141,16 @@ int main(int argc, char** argv) {
                 s.peak_in_use_bytes / 1048576.0, s.cached_bytes / 1048576.0);
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  try {
+    return Run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "nn_bench: %s\n", e.what());
+    return 1;
+  }
 }

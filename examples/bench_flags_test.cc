@@ -1,0 +1,87 @@
+// //examples:ddp_bench and //examples:nn_bench: a tiny run prints its one
+// line of figures, and flags out of range are refused with a message that
+// names them (a batch as large as the data used to read past the sample
+// list and crash).
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "examples/testing/subprocess.h"
+#include "gtest/gtest.h"
+
+namespace ddp::examples {
+namespace {
+
+std::vector<std::string> Fields(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<std::string> fields;
+  for (std::string f; in >> f;) fields.push_back(f);
+  return fields;
+}
+
+TEST(DdpBenchTest, TwoRanksPrintOneLineOfFigures) {
+  const testing::RunOutput r =
+      testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3",
+                         "--nproc_per_node=2", "--eval=false"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> lines = testing::Lines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  const std::vector<std::string> f = Fields(lines[0]);
+  ASSERT_EQ(f.size(), 14u) << lines[0];
+  EXPECT_EQ(f[0], "mlp");
+  EXPECT_EQ(f[1], "2");
+  EXPECT_GT(std::stod(f[2]), 0) << "samples/s: " << lines[0];
+  EXPECT_EQ(f[11], "3") << "buckets: " << lines[0];
+}
+
+TEST(DdpBenchTest, ABatchAsLargeAsARanksShareIsRefused) {
+  // 60,000 training samples on 2 ranks: 30,000 each.
+  for (const char* batch : {"--batch=30000", "--batch=0"}) {
+    const testing::RunOutput r =
+        testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3",
+                           "--nproc_per_node=2", "--eval=false", batch});
+    EXPECT_EQ(r.exit_code, 2) << batch << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(std::string("ddp_bench: ") + batch +
+                         " must be in [1, 30000): each of the 2 ranks draws its batches from its "
+                         "30000-sample share of"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out, "");
+  }
+}
+
+TEST(DdpBenchTest, NoTimedStepsIsRefused) {
+  const testing::RunOutput r = testing::RunToEnd(
+      {testing::Runfile("examples/ddp_bench"), "--steps=-5", "--nproc_per_node=1"});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("ddp_bench: --steps=-5 must be at least 1\n"), std::string::npos) << r.err;
+}
+
+TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
+  const std::string bench = testing::Runfile("examples/nn_bench");
+  const testing::RunOutput ok = testing::RunToEnd({bench, "--model=mlp", "--steps=3", "--eval=false"});
+  ASSERT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  const std::vector<std::string> lines = testing::Lines(ok.out);
+  ASSERT_EQ(lines.size(), 1u) << ok.out;
+  EXPECT_EQ(Fields(lines[0]).at(0), "mlp");
+
+  const testing::RunOutput big = testing::RunToEnd({bench, "--steps=3", "--batch=60000"});
+  EXPECT_EQ(big.exit_code, 2) << big.out << big.err;
+  EXPECT_NE(big.err.find("nn_bench: --batch=60000 must be in [1, 60000): the batches are drawn from the "
+                         "60000 samples of"),
+            std::string::npos)
+      << big.err;
+  const testing::RunOutput steps = testing::RunToEnd({bench, "--steps=0"});
+  EXPECT_EQ(steps.exit_code, 2) << steps.out << steps.err;
+  EXPECT_EQ(steps.err, "nn_bench: --steps=0 must be at least 1\n");
+  const testing::RunOutput threads = testing::RunToEnd({bench, "--threads=0"});
+  EXPECT_EQ(threads.exit_code, 2) << threads.out << threads.err;
+  EXPECT_EQ(threads.err, "nn_bench: --threads=0 must be at least 1\n");
+  const testing::RunOutput eval_batch = testing::RunToEnd({bench, "--eval_batch=0"});
+  EXPECT_EQ(eval_batch.exit_code, 2) << eval_batch.out << eval_batch.err;
+  EXPECT_EQ(eval_batch.err, "nn_bench: --eval_batch=0 must be at least 1\n");
+}
+
+}  // namespace
+}  // namespace ddp::examples
