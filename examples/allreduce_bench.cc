@@ -31,6 +31,7 @@
 #include <gflags/gflags.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -115,8 +116,24 @@ size_t ParseBytes(const std::string& flag, const std::string& text) {
   else if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
   else if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
   else if (!suffix.empty()) Fail("--" + flag + "=" + text + ": expected a number with an optional K, M or G");
-  if (end == text.c_str() || value < 0) Fail("--" + flag + "=" + text + ": expected a non-negative size");
+  // Also refuses NaN, infinities and sizes past 2^60 bytes, which no size_t holds safely.
+  if (end == text.c_str() || !(value >= 0) || !(value * scale <= 0x1p60)) {
+    Fail("--" + flag + "=" + text + ": expected a non-negative size");
+  }
   return static_cast<size_t>(value * scale);
+}
+
+// MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read.
+uint64_t MemAvailableBytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<uint64_t>(kib) * 1024;
 }
 
 template <typename E>
@@ -188,6 +205,23 @@ int main(int argc, char** argv) {
   }
   const bool is_root = comm.rank() == root;
   const size_t elem = ddp::transport::DataTypeSize(dtype);
+  // Each rank holds a send and a receive buffer of up to --max_bytes. Refused
+  // up front rather than left to the kernel's out-of-memory killer; rank 0's
+  // reading decides for everyone, so that all ranks agree.
+  {
+    int64_t available = comm.rank() == 0 ? static_cast<int64_t>(MemAvailableBytes()) : 0;
+    Check(comm.Broadcast(&available, 1, DataType::kI64, 0), "sharing MemAvailable");
+    const double need = 2.0 * static_cast<double>(max_bytes) * comm.info().ranks_sharing_kernel;
+    if (available > 0 && need > static_cast<double>(available)) {
+      char text[256];
+      std::snprintf(text, sizeof(text),
+                    "--max_bytes=%s needs about %.1f GiB on this host (a send and a receive buffer for "
+                    "each of its %d ranks); it has %.1f GiB available",
+                    FLAGS_max_bytes.c_str(), need / (1 << 30), comm.info().ranks_sharing_kernel,
+                    static_cast<double>(available) / (1 << 30));
+      Fail(text);
+    }
+  }
 
   if (comm.rank() == 0) {
     std::printf("# allreduce_bench: %s, %d ranks, %d host(s), dtype %s, op %s, %s, shm path %s, "

@@ -1,7 +1,8 @@
-// //examples:ddp_bench and //examples:nn_bench: a tiny run prints its one
-// line of figures, and flags out of range are refused with a message that
-// names them (a batch as large as the data used to read past the sample
-// list and crash).
+// //examples:ddp_bench, nn_bench and allreduce_bench: a tiny run prints its
+// figures, and flags out of range are refused with a message that names
+// them (a batch as large as the data used to read past the sample list and
+// crash; a --max_bytes beyond the host's memory was left to the kernel's
+// out-of-memory killer).
 
 #include <sstream>
 #include <string>
@@ -81,6 +82,37 @@ TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   const testing::RunOutput eval_batch = testing::RunToEnd({bench, "--eval_batch=0"});
   EXPECT_EQ(eval_batch.exit_code, 2) << eval_batch.out << eval_batch.err;
   EXPECT_EQ(eval_batch.err, "nn_bench: --eval_batch=0 must be at least 1\n");
+}
+
+TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  const testing::RunOutput ok = testing::RunToEnd(
+      {bench, "--nproc_per_node=2", "--min_bytes=4K", "--max_bytes=64K", "--step_factor=16", "--check"});
+  ASSERT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  int rows = 0;
+  for (const std::string& line : testing::Lines(ok.out)) {
+    if (line.empty() || line[0] == '#') continue;
+    const std::vector<std::string> f = Fields(line);
+    ASSERT_EQ(f.size(), 7u) << line;
+    EXPECT_EQ(f[6], "0") << "wrong elements: " << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 2) << ok.out;  // 4 KiB and 64 KiB
+
+  // 2 x 1 PiB per rank: no host here has that.
+  const testing::RunOutput huge = testing::RunToEnd({bench, "--nproc_per_node=2", "--max_bytes=1048576G"});
+  EXPECT_EQ(huge.exit_code, 2) << huge.out << huge.err;
+  EXPECT_NE(huge.err.find("allreduce_bench: --max_bytes=1048576G needs about 4194304.0 GiB on this host (a "
+                          "send and a receive buffer for each of its 2 ranks); it has "),
+            std::string::npos)
+      << huge.err;
+  for (const char* bad : {"--max_bytes=nan", "--max_bytes=-1K", "--max_bytes=inf"}) {
+    const testing::RunOutput r = testing::RunToEnd({bench, "--nproc_per_node=1", bad});
+    EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(std::string("allreduce_bench: ") + bad + ": expected a non-negative size"),
+              std::string::npos)
+        << r.err;
+  }
 }
 
 }  // namespace
