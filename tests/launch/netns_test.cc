@@ -118,19 +118,26 @@ class TwoHosts {
 
   // Starts ddprun for `node` in its namespace, under its own host name,
   // running `program` (a runfile) with `worker_flags` and `env` added.
+  // With `c10d`, the launcher gets torchrun's dynamic rendezvous flags
+  // instead of its node rank and node 0's address.
   std::unique_ptr<WorkerGroup> StartNode(
       int node, std::vector<std::string> ddprun_flags, std::vector<std::string> worker_flags,
       const std::string& program = "tests/launch/netns_worker",
-      std::vector<std::pair<std::string, std::string>> env = {}) {
+      std::vector<std::pair<std::string, std::string>> env = {}, bool c10d = false) {
     std::vector<std::string> argv = {Tool("ip"), "netns", "exec", ns(node), Tool("unshare"), "--uts",
                                      Tool("sh"), "-c", "hostname \"$0\" && exec \"$@\"",
                                      "ddp-node" + std::to_string(node),
                                      lt::Runfile("transport/launch/ddprun"),
                                      "--nnodes=2",
-                                     "--node_rank=" + std::to_string(node),
-                                     std::string("--master_addr=") + kAddrA,
-                                     std::string("--master_port=") + kPort,
                                      "--nproc_per_node=2"};
+    if (c10d) {
+      argv.push_back("--rdzv_backend=c10d");
+      argv.push_back(std::string("--rdzv_endpoint=") + kAddrA + ":" + kPort);
+    } else {
+      argv.push_back("--node_rank=" + std::to_string(node));
+      argv.push_back(std::string("--master_addr=") + kAddrA);
+      argv.push_back(std::string("--master_port=") + kPort);
+    }
     argv.insert(argv.end(), ddprun_flags.begin(), ddprun_flags.end());
     argv.push_back(lt::Runfile(program));
     argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
@@ -213,6 +220,29 @@ TEST(NetnsTest, FourRanksOnTwoHostsAllReduceBroadcastAllGather) {
                                    " hosts 2 host_shm 1 tls [^ ]+ ring [0-9 ]+ algo_1MiB "
                                    "hierarchical kernel_ranks 4 yields 1 at_once 1\n"));
     EXPECT_THAT(all, HasSubstr("[" + rs + "] rank " + rs + " ok"));
+  }
+  EXPECT_TRUE(hosts.Empty());
+}
+
+// torchrun's dynamic rendezvous across hosts: the launcher on host B starts
+// first and cannot listen on host A's address, so it waits for A's store
+// and joins as node 1; A's launcher serves the store and is node 0.
+TEST(NetnsTest, C10dRendezvousMakesTheEndpointsHostNodeZero) {
+  TwoHosts hosts;
+  ASSERT_EQ(hosts.error(), "");
+  auto node_b = hosts.StartNode(1, {}, {"--mode=check"}, "tests/launch/netns_worker", {}, /*c10d=*/true);
+  std::this_thread::sleep_for(300ms);
+  auto node_a = hosts.StartNode(0, {}, {"--mode=check"}, "tests/launch/netns_worker", {}, /*c10d=*/true);
+  ASSERT_TRUE(node_a && node_b);
+  const lt::ProgramRun run_a = lt::WaitProgram(*node_a, 60s);
+  const lt::ProgramRun run_b = lt::WaitProgram(*node_b, 60s);
+  ASSERT_EQ(run_a.exit_code, 0) << run_a.output;
+  ASSERT_EQ(run_b.exit_code, 0) << run_b.output;
+  EXPECT_THAT(run_b.output, HasSubstr("ddprun: joined as node 1 of 2"));
+  EXPECT_THAT(run_a.output, Not(HasSubstr("joined as node")));
+  for (int r = 0; r < 4; ++r) {
+    const std::string rs = std::to_string(r);
+    EXPECT_THAT(r < 2 ? run_a.output : run_b.output, HasSubstr("[" + rs + "] rank " + rs + " ok"));
   }
   EXPECT_TRUE(hosts.Empty());
 }

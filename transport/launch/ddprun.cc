@@ -77,6 +77,13 @@ for each. Node 0's launcher serves the rendezvous store.
   --master_addr=ADDR   address of node 0, where the store listens
                        (required with several nodes; default 127.0.0.1)
   --master_port=PORT   port of the store (default 29500; 0: any free port)
+  --rdzv_endpoint=HOST[:PORT]
+                       torchrun's spelling of --master_addr and --master_port
+  --rdzv_backend=B     static (default): every node gives --node_rank;
+                       c10d: no --node_rank, the launcher that can listen on
+                       the endpoint serves the store and is node 0, the
+                       others are numbered in the order they join
+  --rdzv_id=ID         job id; every node must give the same one
   --standalone         one node on 127.0.0.1 with a free port
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
@@ -93,9 +100,51 @@ Dashes and underscores in flag names are interchangeable.
 )";
 }
 
+namespace {
+
+// "HOST", "HOST:PORT", "[IPV6]" or "[IPV6]:PORT"; port -1 when not given.
+StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
+  auto bad = [&](const std::string& why) {
+    return InvalidArgumentError(Flag("rdzv_endpoint", text) + ": " + why);
+  };
+  std::string host = text;
+  std::string port_text;
+  if (!text.empty() && text[0] == '[') {
+    const size_t close = text.find(']');
+    if (close == std::string::npos) return bad("no ']' after the IPv6 address");
+    host = text.substr(1, close - 1);
+    const std::string rest = text.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest[0] != ':') return bad("expected ':PORT' after ']'");
+      port_text = rest.substr(1);
+      if (port_text.empty()) return bad("empty port");
+    }
+  } else if (const size_t colon = text.find(':'); colon != std::string::npos) {
+    if (text.find(':', colon + 1) != std::string::npos) {
+      return bad("an IPv6 address needs brackets: [ADDRESS]:PORT");
+    }
+    host = text.substr(0, colon);
+    port_text = text.substr(colon + 1);
+    if (port_text.empty()) return bad("empty port");
+  }
+  if (host.empty()) return bad("no host");
+  int port = -1;
+  if (!port_text.empty()) {
+    const std::optional<int64_t> v = ParseInt(port_text);
+    if (!v || *v < 1 || *v > 65535) return bad("the port must be in [1, 65535]");
+    port = static_cast<int>(*v);
+  }
+  return std::make_pair(host, port);
+}
+
+}  // namespace
+
 StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const EnvMap& env) {
   DdprunOptions o;
   bool port_given = false;
+  bool addr_given = false;
+  bool endpoint_given = false;
+  bool node_rank_given = false;
   bool token_given = false;
   int i = 1;
   for (; i < argc; ++i) {
@@ -160,12 +209,31 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
       DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
     } else if (name == "node_rank") {
       DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
+      node_rank_given = true;
     } else if (name == "master_addr") {
       DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
       if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
+      addr_given = true;
     } else if (name == "master_port") {
       DDP_RETURN_IF_ERROR(take_int(0, 65535, o.master_port));
       port_given = true;
+    } else if (name == "rdzv_endpoint") {
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
+      o.master_addr = endpoint.first;
+      if (endpoint.second > 0) o.master_port = endpoint.second;
+      endpoint_given = true;
+    } else if (name == "rdzv_backend") {
+      DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
+      if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d") {
+        return InvalidArgumentError(Flag(name, o.rdzv_backend) +
+                                    " is not supported; use static or c10d");
+      }
+    } else if (name == "rdzv_id") {
+      DDP_ASSIGN_OR_RETURN(o.rdzv_id, take_value());
+      if (o.rdzv_id.empty() || o.rdzv_id.find_first_of(" \t\n") != std::string::npos) {
+        return InvalidArgumentError(Flag(name, o.rdzv_id) + " must be non-empty without spaces");
+      }
     } else if (name == "standalone") {
       DDP_RETURN_IF_ERROR(no_value());
       o.standalone = true;
@@ -200,6 +268,29 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   if (o.command.empty()) {
     return InvalidArgumentError("no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   }
+  if (endpoint_given && (addr_given || port_given)) {
+    return InvalidArgumentError(
+        "--rdzv_endpoint names the store's address and port; it cannot be combined with "
+        "--master_addr or --master_port");
+  }
+  if (o.standalone && endpoint_given) {
+    return InvalidArgumentError("--standalone picks its own endpoint; drop --rdzv_endpoint");
+  }
+  if (o.rdzv_backend == "c10d") {
+    if (node_rank_given) {
+      return InvalidArgumentError(
+          "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
+          "--rdzv_backend=static)");
+    }
+    o.assign_node_rank = o.nnodes > 1;
+    // Every launcher could listen on a wildcard address, and each would
+    // then serve a store of its own.
+    if (o.assign_node_rank && (o.master_addr == "0.0.0.0" || o.master_addr == "::")) {
+      return InvalidArgumentError("--rdzv_endpoint=" + o.master_addr +
+                                  " is a wildcard address; with --rdzv_backend=c10d it must be "
+                                  "the address of one node, which then serves the store");
+    }
+  }
   if (o.node_rank >= o.nnodes) {
     return InvalidArgumentError("--node_rank=" + std::to_string(o.node_rank) +
                                 " is not below --nnodes=" + std::to_string(o.nnodes));
@@ -214,7 +305,7 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   }
   if (o.nnodes > 1) {
     if (o.master_addr.empty()) {
-      return InvalidArgumentError("--master_addr is required with --nnodes=" +
+      return InvalidArgumentError("--master_addr (or --rdzv_endpoint) is required with --nnodes=" +
                                   std::to_string(o.nnodes) +
                                   " (the address of node 0, where the store listens)");
     }
@@ -224,7 +315,6 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     }
   }
   if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
-  (void)port_given;
   if (!token_given) {
     if (auto it = env.find(kEnvJobToken); it != env.end()) o.job_token = it->second;
   }
@@ -374,8 +464,11 @@ class NodeMonitor {
 // Every launcher checks that it was started like node 0, since WORLD_SIZE and
 // the restart count follow from these flags.
 std::string ConfigLine(const DdprunOptions& o) {
-  return "--nnodes=" + std::to_string(o.nnodes) + " --nproc_per_node=" +
-         std::to_string(o.nproc_per_node) + " --max_restarts=" + std::to_string(o.max_restarts);
+  std::string line = "--nnodes=" + std::to_string(o.nnodes) + " --nproc_per_node=" +
+                     std::to_string(o.nproc_per_node) + " --max_restarts=" +
+                     std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
+  if (!o.rdzv_id.empty()) line += " --rdzv_id=" + o.rdzv_id;
+  return line;
 }
 
 std::string Hostname() {
@@ -418,7 +511,8 @@ struct AttemptOutcome {
 
 }  // namespace
 
-int RunDdprun(const DdprunOptions& o) {
+int RunDdprun(const DdprunOptions& options) {
+  DdprunOptions o = options;  // with --rdzv_backend=c10d, node_rank is found below
   // ---- checks that need the system, still before anything starts ----
   StatusOr<std::string> program = ResolveProgram(o.command[0]);
   if (!program.ok()) {
@@ -436,6 +530,9 @@ int RunDdprun(const DdprunOptions& o) {
   }
   std::unique_ptr<store::TcpStoreServer> server;
   int port = o.master_port;
+  // Assigned node ranks: whoever can listen on the endpoint serves the store
+  // and is node 0; the others learn their rank from the store below.
+  std::string not_served;
   if (o.node_rank == 0) {
     store::TcpStoreServerOptions server_options;
     server_options.bind_address = o.master_addr;
@@ -443,13 +540,21 @@ int RunDdprun(const DdprunOptions& o) {
     server_options.job_token = token;
     StatusOr<std::unique_ptr<store::TcpStoreServer>> started =
         store::TcpStoreServer::Start(server_options);
-    if (!started.ok()) {
+    if (started.ok()) {
+      server = std::move(started).value();
+      port = server->port();
+    } else if (o.assign_node_rank) {
+      not_served = started.status().message();
+      o.node_rank = -1;
+    } else {
       Say("cannot serve the rendezvous store: " + started.status().message());
       return 2;
     }
-    server = std::move(started).value();
-    port = server->port();
   }
+  // How this launcher is named in messages before and after it has a rank.
+  auto node_name = [&o] {
+    return o.node_rank >= 0 ? "node " + std::to_string(o.node_rank) : std::string("launcher");
+  };
 
   // ---- the launchers meet (several nodes only) ----
   const bool multi_node = o.nnodes > 1;
@@ -458,10 +563,26 @@ int RunDdprun(const DdprunOptions& o) {
     const Deadline deadline = DeadlineIn(o.rdzv_timeout);
     auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token, deadline);
     if (!connected.ok()) {
-      Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
+      Say(node_name() + ": " + connected.status().message() +
+          (not_served.empty() ? "" : " (nor could this launcher serve it: " + not_served + ")"));
       return connected.status().code() == StatusCode::kPermissionDenied ? 2 : 1;
     }
     client = std::move(connected).value();
+    if (o.node_rank < 0) {
+      StatusOr<int64_t> joined = client->Add("ddprun/joined", 1, DeadlineIn(kStoreCallTime));
+      if (!joined.ok()) {
+        Say("launcher: " + joined.status().message());
+        return 1;
+      }
+      if (*joined >= o.nnodes) {
+        Say("launcher: " + std::to_string(*joined + 1) + " launchers joined the store at " +
+            o.master_addr + ":" + std::to_string(port) + ", more than --nnodes=" +
+            std::to_string(o.nnodes) + " (with --rdzv_backend=c10d a relaunched node counts anew)");
+        return 2;
+      }
+      o.node_rank = static_cast<int>(*joined);
+      Say("joined as node " + std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
+    }
     if (o.node_rank == 0) {
       Status s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
       if (!s.ok()) {

@@ -15,6 +15,10 @@
 // first launcher whose workers fail posts the reason, and every launcher
 // stops its workers. Node 0 declares a node dead when its heartbeat stops
 // for --node_timeout; the other nodes stop when node 0's store goes away.
+// With --rdzv_backend=c10d (torchrun's dynamic rendezvous) the launchers
+// take no --node_rank: the one that can listen on the endpoint's address
+// and port serves the store and is node 0; the others take node ranks 1,
+// 2, ... in the order they join. Node ranks stay fixed across restarts.
 // With --max_restarts=K the whole job (every node) restarts up to K times,
 // DDP_RESTART_COUNT counting the attempts; an interrupted launcher (SIGINT,
 // SIGTERM) stops the job without a restart.
@@ -37,6 +41,13 @@ struct DdprunOptions {
   int nproc_per_node = 1;
   int nnodes = 1;
   int node_rank = 0;
+  /// "static" (every node gives --node_rank) or "c10d" (node ranks are
+  /// assigned as the launchers join; see above).
+  std::string rdzv_backend = "static";
+  /// Taken from the join order (c10d with several nodes); node_rank is
+  /// then only known once RunDdprun has met the store.
+  bool assign_node_rank = false;
+  std::string rdzv_id;           ///< Job id; every node must give the same.
   std::string master_addr;       ///< Empty: 127.0.0.1 (one node only).
   int master_port = kDefaultMasterPort;
   bool standalone = false;       ///< One node, 127.0.0.1, a free port.

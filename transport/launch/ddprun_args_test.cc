@@ -86,6 +86,60 @@ TEST(DdprunArgsTest, HelpNeedsNoProgram) {
   EXPECT_THAT(DdprunUsage(), ::testing::HasSubstr("--nproc_per_node=N"));
 }
 
+TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
+  // torchrun's usual multi-node line: no --node_rank with c10d.
+  StatusOr<DdprunOptions> o =
+      Parse({"--nnodes=2", "--nproc_per_node=8", "--rdzv_id=job42", "--rdzv_backend=c10d",
+             "--rdzv_endpoint=head.example:29400", "train"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "head.example");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_EQ(o->rdzv_backend, "c10d");
+  EXPECT_EQ(o->rdzv_id, "job42");
+  EXPECT_TRUE(o->assign_node_rank);
+  // The static backend with an endpoint: the port keeps its default, the
+  // node rank is given.
+  o = Parse({"--nnodes=2", "--node_rank=1", "--rdzv_backend=static", "--rdzv_endpoint=10.1.2.3", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "10.1.2.3");
+  EXPECT_EQ(o->master_port, 29500);
+  EXPECT_EQ(o->node_rank, 1);
+  EXPECT_FALSE(o->assign_node_rank);
+  o = Parse({"--rdzv_endpoint=[fe80::1]:1234", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "fe80::1");
+  EXPECT_EQ(o->master_port, 1234);
+  // One node with c10d: node 0, nothing to assign.
+  o = Parse({"--rdzv_backend=c10d", "--rdzv_endpoint=localhost:1234", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_rank, 0);
+  EXPECT_FALSE(o->assign_node_rank);
+
+  ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
+  ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
+                "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
+                "--rdzv_backend=static)",
+                {{"DDP_JOB_TOKEN", "t"}});
+  ExpectRefused({"--rdzv_endpoint=h:1", "--master_port=2", "p"},
+                "--rdzv_endpoint names the store's address and port; it cannot be combined with "
+                "--master_addr or --master_port");
+  ExpectRefused({"--standalone", "--rdzv_endpoint=h:1", "p"},
+                "--standalone picks its own endpoint; drop --rdzv_endpoint");
+  ExpectRefused({"--rdzv_endpoint=h:", "p"}, "--rdzv_endpoint=h:: empty port");
+  ExpectRefused({"--rdzv_endpoint=h:99999", "p"}, "--rdzv_endpoint=h:99999: the port must be in [1, 65535]");
+  ExpectRefused({"--rdzv_endpoint=fe80::1", "p"},
+                "--rdzv_endpoint=fe80::1: an IPv6 address needs brackets: [ADDRESS]:PORT");
+  ExpectRefused({"--rdzv_endpoint=[fe80::1", "p"}, "--rdzv_endpoint=[fe80::1: no ']' after the IPv6 address");
+  ExpectRefused({"--rdzv_endpoint=:80", "p"}, "--rdzv_endpoint=:80: no host");
+  ExpectRefused({"--rdzv_id=a b", "p"}, "--rdzv_id=a b must be non-empty without spaces");
+  ExpectRefused({"--nnodes=3", "--rdzv_backend=c10d", "--rdzv_endpoint=0.0.0.0:5", "p"},
+                "--rdzv_endpoint=0.0.0.0 is a wildcard address; with --rdzv_backend=c10d it must be "
+                "the address of one node, which then serves the store",
+                {{"DDP_JOB_TOKEN", "t"}});
+}
+
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
   ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer");
@@ -93,8 +147,8 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nnodes=2", "--node_rank=2", "--master_addr=h", "p"},
                 "--node_rank=2 is not below --nnodes=2");
   ExpectRefused({"--nnodes=2", "p"},
-                "--master_addr is required with --nnodes=2 (the address of node 0, where the "
-                "store listens)");
+                "--master_addr (or --rdzv_endpoint) is required with --nnodes=2 (the address of "
+                "node 0, where the store listens)");
   ExpectRefused({"--nnodes=2", "--master_addr=h", "p"},
                 "several nodes need a shared job token: set DDP_JOB_TOKEN (or --job_token) to "
                 "the same secret on every node");

@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -183,7 +184,8 @@ TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
   EXPECT_THAT(runs[1].output,
               HasSubstr("node 1 was started with --nnodes=2 --nproc_per_node=3 --max_restarts=0 "
-                        "but node 0 with --nnodes=2 --nproc_per_node=2 --max_restarts=0"));
+                        "--rdzv_backend=static but node 0 with --nnodes=2 --nproc_per_node=2 "
+                        "--max_restarts=0 --rdzv_backend=static"));
   EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
   EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
 }
@@ -194,6 +196,78 @@ TEST(DdprunMultinodeTest, WrongTokenIsRefused) {
   EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
   EXPECT_THAT(runs[1].output, HasSubstr("refused this process's job token"));
   EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+}
+
+// torchrun's dynamic form: every launcher gets the same line, without
+// --node_rank; `extra` adds flags for one launcher.
+std::vector<testing::ProgramRun> RunC10dJob(int launchers, int nnodes, std::vector<std::string> flags,
+                                            std::vector<std::string> worker_flags,
+                                            std::map<int, std::vector<std::string>> extra = {}) {
+  StatusOr<int> port = testing::PickFreePort();
+  EXPECT_TRUE(port.ok()) << port.status();
+  std::vector<std::unique_ptr<WorkerGroup>> groups;
+  for (int i = 0; i < launchers; ++i) {
+    std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nnodes),
+                                     "--rdzv_backend=c10d",
+                                     "--rdzv_endpoint=127.0.0.1:" + std::to_string(*port)};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    for (const std::string& f : extra[i]) argv.push_back(f);
+    argv.push_back(Worker());
+    argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+    auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
+    EXPECT_TRUE(group.ok()) << group.status();
+    groups.push_back(std::move(group).value());
+  }
+  std::vector<testing::ProgramRun> runs;
+  for (auto& g : groups) runs.push_back(testing::WaitProgram(*g, 30s));
+  return runs;
+}
+
+TEST(DdprunMultinodeTest, C10dRendezvousNumbersTheNodesAsTheyJoin) {
+  const auto runs = RunC10dJob(2, 2, {"--nproc_per_node=2", "--rdzv_id=job7"}, {"--store", "--print_env"});
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  const std::string all = runs[0].output + runs[1].output;
+  // One launcher served the store (node 0); the other joined as node 1.
+  EXPECT_EQ(CountLines(all, "ddprun: joined as node 1 of 2"), 1) << all;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_THAT(all, HasSubstr("rank " + std::to_string(rank) + "/4 local " + std::to_string(rank % 2) +
+                               "/2 group " + std::to_string(rank / 2) + " restart 0"));
+  }
+  EXPECT_EQ(CountLines(all, "met 4 ranks"), 4);
+  // Each launcher ran the two ranks of its own node.
+  const bool first_is_node0 = runs[0].output.find("rank 0/4") != std::string::npos;
+  EXPECT_THAT(runs[first_is_node0 ? 0 : 1].output, HasSubstr("rank 1/4 local 1/2 group 0"));
+  EXPECT_THAT(runs[first_is_node0 ? 1 : 0].output, HasSubstr("rank 3/4 local 1/2 group 1"));
+}
+
+TEST(DdprunMultinodeTest, C10dRefusesALauncherBeyondNnodes) {
+  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1"}, {"--store"});
+  int ok = 0, refused = 0;
+  for (const auto& run : runs) {
+    if (run.exit_code == 0) ++ok;
+    if (run.exit_code == 2) {
+      ++refused;
+      EXPECT_THAT(run.output, ContainsRegex("ddprun: launcher: 3 launchers joined the store at "
+                                            "127\\.0\\.0\\.1:[0-9]+, more than --nnodes=2"));
+    }
+  }
+  EXPECT_EQ(ok, 2) << runs[0].output << runs[1].output << runs[2].output;
+  EXPECT_EQ(refused, 1) << runs[0].output << runs[1].output << runs[2].output;
+}
+
+TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
+  const auto runs = RunC10dJob(2, 2, {"--nproc_per_node=1", "--rdzv_timeout=1"}, {},
+                               {{0, {"--rdzv_id=a"}}, {1, {"--rdzv_id=b"}}});
+  // Whichever launcher joined second is refused; node 0 then misses it.
+  const int refused = runs[0].exit_code == 2 ? 0 : 1;
+  EXPECT_EQ(runs[refused].exit_code, 2) << runs[refused].output;
+  EXPECT_THAT(runs[refused].output,
+              ContainsRegex("node 1 was started with .* --rdzv_id=[ab] but node 0 with .* "
+                            "--rdzv_id=[ab]; every node needs the same flags"));
+  EXPECT_EQ(runs[1 - refused].exit_code, 1) << runs[1 - refused].output;
+  EXPECT_THAT(runs[1 - refused].output, HasSubstr("missing node(s): 1"));
 }
 
 }  // namespace

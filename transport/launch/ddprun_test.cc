@@ -185,8 +185,8 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
   ExpectBadInput({Ddprun(), "--nnodes=2", "--node_rank=2", "--master_addr=127.0.0.1", Worker()},
                  "--node_rank=2 is not below --nnodes=2");
   ExpectBadInput({Ddprun(), "--nnodes=2", Worker()},
-                 "--master_addr is required with --nnodes=2 (the address of node 0, where the "
-                 "store listens)");
+                 "--master_addr (or --rdzv_endpoint) is required with --nnodes=2 (the address of "
+                 "node 0, where the store listens)");
   ExpectBadInput({Ddprun(), "--standalone", "no-such-program-xyz"},
                  "program 'no-such-program-xyz' not found in PATH");
   ExpectBadInput({Ddprun(), "--standalone", "/nonexistent/worker"},
