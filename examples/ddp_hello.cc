@@ -31,8 +31,8 @@
 #include "nn/optim/sgd.h"
 #include "transport/launch/self_launch.h"
 
-DEFINE_int32(epochs, 1, "passes over the training set");
-DEFINE_validator(epochs, [](const char*, int32_t v) { return v >= 1; });  // gflags names the flag
+DEFINE_int32(epochs, 1, "passes over the training set (0: evaluate and save the initial model)");
+DEFINE_validator(epochs, [](const char*, int32_t v) { return v >= 0; });  // gflags names the flag
 DEFINE_int32(batch_size, 64, "samples per rank and step");
 DEFINE_double(lr, 0.05, "SGD learning rate (momentum 0.9)");
 DEFINE_string(data_dir, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST's IDX files");
