@@ -96,7 +96,9 @@ for each. Node 0's launcher serves the rendezvous store.
   --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5)
   --max_run_time=SEC   stop the workers after this long (default: no limit)
 
-Dashes and underscores in flag names are interchangeable.
+Dashes and underscores in flag names are interchangeable. torchrun's
+--no_python is accepted (ddprun always runs PROGRAM itself); for Python,
+give the interpreter as PROGRAM: ddprun ... python3 train.py.
 )";
 }
 
@@ -156,6 +158,11 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     if (arg == "-h" || arg == "--help") {
       o.help = true;
       return o;
+    }
+    if (arg == "-m") {
+      return InvalidArgumentError(
+          "-m runs a Python module under torchrun; ddprun starts programs: give the program "
+          "(e.g. python3 -m MODULE)");
     }
     if (arg.size() < 2 || arg.substr(0, 2) != "--") break;  // the program
     std::string name(arg.substr(2));
@@ -251,6 +258,14 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     } else if (name == "job_token") {
       DDP_ASSIGN_OR_RETURN(o.job_token, take_value());
       token_given = true;
+    } else if (name == "no_python") {
+      // torchrun's way of saying "PROGRAM is not a Python script": ddprun
+      // always runs PROGRAM itself.
+      DDP_RETURN_IF_ERROR(no_value());
+    } else if (name == "module" || name == "run_path") {
+      return InvalidArgumentError("--" + name +
+                                  " is torchrun's way of running Python; ddprun starts programs: "
+                                  "give the program (e.g. python3 -m MODULE)");
     } else if (name == "rdzv_timeout") {
       DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
     } else if (name == "node_timeout") {

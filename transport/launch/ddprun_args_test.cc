@@ -117,6 +117,16 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   EXPECT_EQ(o->node_rank, 0);
   EXPECT_FALSE(o->assign_node_rank);
 
+  o = Parse({"--no-python", "--nproc_per_node=2", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
+  ExpectRefused({"-m", "mypkg.train"},
+                "-m runs a Python module under torchrun; ddprun starts programs: give the program "
+                "(e.g. python3 -m MODULE)");
+  ExpectRefused({"--run_path", "x.py"},
+                "--run_path is torchrun's way of running Python; ddprun starts programs: give the "
+                "program (e.g. python3 -m MODULE)");
+  ExpectRefused({"--no_python=1", "p"}, "--no_python takes no value");
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
                 "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
