@@ -23,7 +23,6 @@ namespace {
 using namespace std::chrono_literals;
 using std::chrono::milliseconds;
 
-constexpr int kMaxProcPerNode = 4096;
 constexpr int kMaxNodes = 1 << 16;
 // How long one wait on the store lasts before the launcher beats its
 // heartbeat and looks around again.
@@ -71,7 +70,8 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT, DDP_RESTART_COUNT, DDP_JOB_TOKEN and DDP_STORE_HOST=launcher set
 for each. Node 0's launcher serves the rendezvous store.
 
-  --nproc_per_node=N   workers on this node (default 1)
+  --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
+                       GPU, cpu: one per CPU, auto: gpu if any, else cpu
   --nnodes=N           nodes in the job (default 1)
   --node_rank=R        this node, in [0, nnodes) (default 0)
   --master_addr=ADDR   address of node 0, where the store listens
@@ -205,7 +205,8 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     };
 
     if (name == "nproc_per_node") {
-      DDP_RETURN_IF_ERROR(take_int(1, kMaxProcPerNode, o.nproc_per_node));
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      DDP_ASSIGN_OR_RETURN(o.nproc_per_node, ParseNprocPerNode(text, env));
     } else if (name == "nnodes") {
       DDP_ASSIGN_OR_RETURN(std::string text, take_value());
       if (text.find(':') != std::string::npos) {

@@ -127,6 +127,13 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "--run_path is torchrun's way of running Python; ddprun starts programs: give the "
                 "program (e.g. python3 -m MODULE)");
   ExpectRefused({"--no_python=1", "p"}, "--no_python takes no value");
+  // torchrun's worker counts by device; CUDA_VISIBLE_DEVICES decides here.
+  o = Parse({"--nproc_per_node=gpu", "p"}, {{"CUDA_VISIBLE_DEVICES", "0,1,2,3"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 4);
+  ExpectRefused({"--nproc_per_node=gpu", "p"},
+                "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty)",
+                {{"CUDA_VISIBLE_DEVICES", ""}});
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
                 "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
@@ -152,7 +159,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
 
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
-  ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer");
+  ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer, gpu, cpu or auto");
   ExpectRefused({"--nproc_per_node"}, "--nproc_per_node needs a value");
   ExpectRefused({"--nnodes=2", "--node_rank=2", "--master_addr=h", "p"},
                 "--node_rank=2 is not below --nnodes=2");

@@ -243,7 +243,10 @@ TEST(DdprunMultinodeTest, C10dRendezvousNumbersTheNodesAsTheyJoin) {
 }
 
 TEST(DdprunMultinodeTest, C10dRefusesALauncherBeyondNnodes) {
-  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1"}, {"--store"});
+  // The workers stay 3 s, so that the job (and its store) is still there
+  // when the third launcher arrives, however late it is scheduled.
+  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1", "--rdzv_timeout=10"},
+                               {"--store", "--sleep_ms=3000"});
   int ok = 0, refused = 0;
   for (const auto& run : runs) {
     if (run.exit_code == 0) ++ok;

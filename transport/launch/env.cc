@@ -1,5 +1,9 @@
 #include "transport/launch/env.h"
 
+#include <dirent.h>
+#include <sched.h>
+
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <limits>
@@ -364,6 +368,58 @@ StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(std::string_view spec) {
     pos = comma + 1;
   }
   return out;
+}
+
+int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus) {
+  if (auto it = env.find("CUDA_VISIBLE_DEVICES"); it != env.end()) {
+    int count = 0;
+    size_t start = 0;
+    while (start <= it->second.size()) {
+      size_t end = it->second.find(',', start);
+      if (end == std::string::npos) end = it->second.size();
+      if (end > start) ++count;
+      start = end + 1;
+    }
+    return count;
+  }
+  DIR* dir = opendir(proc_gpus.c_str());
+  if (dir == nullptr) return 0;
+  int count = 0;
+  while (const dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] != '.') ++count;
+  }
+  closedir(dir);
+  return count;
+}
+
+StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env, const std::string& proc_gpus) {
+  const std::string flag = "--nproc_per_node=" + std::string(text);
+  if (text == "gpu" || text == "auto") {
+    const int gpus = VisibleGpuCount(env, proc_gpus);
+    if (gpus > 0) return std::min(gpus, kMaxProcPerNode);
+    if (text == "gpu") {
+      return InvalidArgumentError(flag + ": no GPU is visible (" +
+                                  (env.count("CUDA_VISIBLE_DEVICES") != 0
+                                       ? std::string("CUDA_VISIBLE_DEVICES is empty")
+                                       : proc_gpus + " lists none") +
+                                  ")");
+    }
+  }
+  if (text == "cpu" || text == "auto") {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    return std::clamp(cpus, 1, kMaxProcPerNode);
+  }
+  int n = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size()) {
+    return InvalidArgumentError(flag + " is not an integer, gpu, cpu or auto");
+  }
+  if (n < 1 || n > kMaxProcPerNode) {
+    return InvalidArgumentError(flag + " must be in [1, " + std::to_string(kMaxProcPerNode) + "]");
+  }
+  return n;
 }
 
 }  // namespace ddp::transport::launch

@@ -120,6 +120,22 @@ StatusOr<LaunchEnv> LaunchEnvFromProcess();
 /// back `env` (source is always kTorchrun; an empty token is left out).
 std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& env);
 
+/// Most workers one node may run.
+inline constexpr int kMaxProcPerNode = 4096;
+/// Where the NVIDIA driver lists the GPUs (one entry per GPU).
+inline constexpr char kNvidiaProcGpus[] = "/proc/driver/nvidia/gpus";
+
+/// GPUs this process may use: the entries of CUDA_VISIBLE_DEVICES when it is
+/// set (empty: none), otherwise the entries of `proc_gpus` (0 when absent).
+int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus = kNvidiaProcGpus);
+
+/// The value of --nproc_per_node, in torchrun's forms: a number in [1,
+/// kMaxProcPerNode], `gpu` (one worker per visible GPU), `cpu` (one per CPU
+/// this process may run on) or `auto` (gpu when there is one, else cpu).
+/// INVALID_ARGUMENT naming the flag otherwise, and for `gpu` without GPUs.
+StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env,
+                                const std::string& proc_gpus = kNvidiaProcGpus);
+
 /// First host of a Slurm node list: "node[01-04,7],gpu3" -> "node01".
 /// Supports comma-separated names, each with bracketed ranges and lists.
 StatusOr<std::string> FirstHostOfSlurmNodelist(std::string_view nodelist);

@@ -1,5 +1,9 @@
 #include "transport/launch/env.h"
 
+#include <sched.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include <gtest/gtest.h>
@@ -292,6 +296,40 @@ TEST(CurrentEnvironmentTest, SeesVariablesOfThisProcess) {
   ASSERT_TRUE(env.count("DDP_ENV_TEST_PROBE"));
   EXPECT_EQ(env["DDP_ENV_TEST_PROBE"], "a=b");
   unsetenv("DDP_ENV_TEST_PROBE");
+}
+
+TEST(NprocPerNodeTest, NumbersGpuCpuAndAuto) {
+  // A stand-in for the driver's listing: one entry per GPU.
+  const std::string dir = ::testing::TempDir() + "/nvidia_gpus_" + std::to_string(getpid());
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  for (const char* gpu : {"0000:19:00.0", "0000:3b:00.0", "0000:4c:00.0"}) {
+    ASSERT_EQ(mkdir((dir + "/" + gpu).c_str(), 0755), 0);
+  }
+  const std::string none = dir + "/absent";
+  EXPECT_EQ(VisibleGpuCount({}, dir), 3);
+  EXPECT_EQ(VisibleGpuCount({}, none), 0);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "2,0"}}, dir), 2);  // the variable wins
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", ""}}, dir), 0);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "GPU-8f2a,,MIG-1c"}}, dir), 2);
+
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const int cpus = CPU_COUNT(&set);
+
+  EXPECT_EQ(ParseNprocPerNode("4", {}, none).value(), 4);
+  EXPECT_EQ(ParseNprocPerNode("gpu", {}, dir).value(), 3);
+  EXPECT_EQ(ParseNprocPerNode("auto", {}, dir).value(), 3);
+  EXPECT_EQ(ParseNprocPerNode("auto", {}, none).value(), cpus);
+  EXPECT_EQ(ParseNprocPerNode("cpu", {}, dir).value(), cpus);
+  auto error = [](StatusOr<int> r) { return r.ok() ? std::string("ok") : r.status().message(); };
+  EXPECT_EQ(error(ParseNprocPerNode("gpu", {}, none)),
+            "--nproc_per_node=gpu: no GPU is visible (" + none + " lists none)");
+  EXPECT_EQ(error(ParseNprocPerNode("gpu", {{"CUDA_VISIBLE_DEVICES", ""}}, dir)),
+            "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty)");
+  EXPECT_EQ(error(ParseNprocPerNode("0", {}, dir)), "--nproc_per_node=0 must be in [1, 4096]");
+  EXPECT_EQ(error(ParseNprocPerNode("GPU", {}, dir)), "--nproc_per_node=GPU is not an integer, gpu, cpu or auto");
+  EXPECT_EQ(error(ParseNprocPerNode("", {}, dir)), "--nproc_per_node= is not an integer, gpu, cpu or auto");
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 #include <sys/random.h>
 
 #include <cerrno>
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,8 +15,6 @@
 
 namespace ddp::transport::launch {
 namespace {
-
-constexpr int kMaxProcPerNode = 4096;
 
 // Finds and removes the --nproc_per_node flag; nullopt when absent.
 StatusOr<std::optional<int>> TakeNprocFlag(int& argc, char** argv) {
@@ -51,16 +48,7 @@ StatusOr<std::optional<int>> TakeNprocFlag(int& argc, char** argv) {
       argv[out++] = argv[i];
       continue;
     }
-    int n = 0;
-    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-    if (ec != std::errc() || ptr != text.data() + text.size()) {
-      return InvalidArgumentError("--nproc_per_node=" + std::string(text) + " is not an integer");
-    }
-    if (n < 1 || n > kMaxProcPerNode) {
-      return InvalidArgumentError("--nproc_per_node=" + std::string(text) + " must be in [1, " +
-                                  std::to_string(kMaxProcPerNode) + "]");
-    }
-    value = n;
+    DDP_ASSIGN_OR_RETURN(value, ParseNprocPerNode(text, CurrentEnvironment()));
   }
   argc = out;
   argv[argc] = nullptr;

@@ -54,7 +54,7 @@ TEST(SelfLaunchTest, BadProcessCountIsRefusedBeforeAnythingStarts) {
   EXPECT_EQ(CountLines(run.output, ""), 1) << "expected one line: " << run.output;
   run = RunProgram({Worker(), "--nproc_per_node=two"});
   EXPECT_EQ(run.exit_code, 2);
-  EXPECT_THAT(run.output, HasSubstr("--nproc_per_node=two is not an integer"));
+  EXPECT_THAT(run.output, HasSubstr("--nproc_per_node=two is not an integer, gpu, cpu or auto"));
   run = RunProgram({Worker(), "--nproc_per_node"});
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_THAT(run.output, HasSubstr("--nproc_per_node needs a value"));
