@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <cmath>
@@ -32,6 +33,8 @@ constexpr auto kMonitorSlice = 1000ms;
 constexpr auto kFarewellTime = 10000ms;
 // Deadline of one bookkeeping call on the store (at most --node_timeout).
 constexpr auto kStoreCallTime = 10000ms;
+// torchrun's port for an --rdzv_endpoint given without one.
+constexpr int kDefaultRdzvPort = 29400;
 
 // ---- parsing ----
 
@@ -79,6 +82,7 @@ for each. Node 0's launcher serves the rendezvous store.
   --master_port=PORT   port of the store (default 29500; 0: any free port)
   --rdzv_endpoint=HOST[:PORT]
                        torchrun's spelling of --master_addr and --master_port
+                       (default port 29400, as torchrun's)
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
@@ -229,7 +233,7 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
       DDP_ASSIGN_OR_RETURN(std::string text, take_value());
       DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
       o.master_addr = endpoint.first;
-      if (endpoint.second > 0) o.master_port = endpoint.second;
+      o.master_port = endpoint.second > 0 ? endpoint.second : kDefaultRdzvPort;
       endpoint_given = true;
     } else if (name == "rdzv_backend") {
       DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
@@ -301,8 +305,10 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     o.assign_node_rank = o.nnodes > 1;
     // Every launcher could listen on a wildcard address, and each would
     // then serve a store of its own.
-    if (o.assign_node_rank && (o.master_addr == "0.0.0.0" || o.master_addr == "::")) {
-      return InvalidArgumentError("--rdzv_endpoint=" + o.master_addr +
+    static constexpr std::string_view kWildcards[] = {"0.0.0.0", "0", "::", "::0", "0:0:0:0:0:0:0:0"};
+    if (o.assign_node_rank &&
+        std::find(std::begin(kWildcards), std::end(kWildcards), o.master_addr) != std::end(kWildcards)) {
+      return InvalidArgumentError("the store's address " + o.master_addr +
                                   " is a wildcard address; with --rdzv_backend=c10d it must be "
                                   "the address of one node, which then serves the store");
     }
@@ -584,6 +590,29 @@ int RunDdprun(const DdprunOptions& options) {
       return connected.status().code() == StatusCode::kPermissionDenied ? 2 : 1;
     }
     client = std::move(connected).value();
+    const std::string serve_note =
+        not_served.empty() ? "" : " (this launcher could not serve the store itself: " + not_served + ")";
+    if (o.node_rank == 0) {
+      Status s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
+      if (!s.ok()) {
+        Say(s.message());
+        return 1;
+      }
+    } else {
+      // Checked before a node rank is taken, so that a launcher started
+      // wrongly does not use one up.
+      StatusOr<std::string> config = client->Get("ddprun/config", DeadlineIn(o.rdzv_timeout));
+      if (!config.ok()) {
+        Say(node_name() + ": " + config.status().message());
+        return 1;
+      }
+      if (*config != ConfigLine(o)) {
+        Say(node_name() + " was started with " + ConfigLine(o) + " but node 0 with " + *config +
+            "; every node needs the same flags (gpu, cpu and auto are counted on each node)" +
+            serve_note);
+        return 2;
+      }
+    }
     if (o.node_rank < 0) {
       StatusOr<int64_t> joined = client->Add("ddprun/joined", 1, DeadlineIn(kStoreCallTime));
       if (!joined.ok()) {
@@ -593,29 +622,12 @@ int RunDdprun(const DdprunOptions& options) {
       if (*joined >= o.nnodes) {
         Say("launcher: " + std::to_string(*joined + 1) + " launchers joined the store at " +
             o.master_addr + ":" + std::to_string(port) + ", more than --nnodes=" +
-            std::to_string(o.nnodes) + " (with --rdzv_backend=c10d a relaunched node counts anew)");
+            std::to_string(o.nnodes) + " (with --rdzv_backend=c10d a relaunched node counts anew)" +
+            serve_note);
         return 2;
       }
       o.node_rank = static_cast<int>(*joined);
       Say("joined as node " + std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
-    }
-    if (o.node_rank == 0) {
-      Status s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
-      if (!s.ok()) {
-        Say(s.message());
-        return 1;
-      }
-    } else {
-      StatusOr<std::string> config = client->Get("ddprun/config", DeadlineIn(o.rdzv_timeout));
-      if (!config.ok()) {
-        Say("node " + std::to_string(o.node_rank) + ": " + config.status().message());
-        return 1;
-      }
-      if (*config != ConfigLine(o)) {
-        Say("node " + std::to_string(o.node_rank) + " was started with " + ConfigLine(o) +
-            " but node 0 with " + *config + "; every node needs the same flags");
-        return 2;
-      }
     }
   }
 

@@ -98,13 +98,13 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   EXPECT_EQ(o->rdzv_backend, "c10d");
   EXPECT_EQ(o->rdzv_id, "job42");
   EXPECT_TRUE(o->assign_node_rank);
-  // The static backend with an endpoint: the port keeps its default, the
-  // node rank is given.
+  // The static backend with an endpoint: torchrun's endpoint port when none
+  // is given, the node rank given.
   o = Parse({"--nnodes=2", "--node_rank=1", "--rdzv_backend=static", "--rdzv_endpoint=10.1.2.3", "p"},
             {{"DDP_JOB_TOKEN", "t"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "10.1.2.3");
-  EXPECT_EQ(o->master_port, 29500);
+  EXPECT_EQ(o->master_port, 29400);
   EXPECT_EQ(o->node_rank, 1);
   EXPECT_FALSE(o->assign_node_rank);
   o = Parse({"--rdzv_endpoint=[fe80::1]:1234", "p"});
@@ -132,7 +132,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->nproc_per_node, 4);
   ExpectRefused({"--nproc_per_node=gpu", "p"},
-                "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty)",
+                "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES='' names none)",
                 {{"CUDA_VISIBLE_DEVICES", ""}});
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
@@ -151,8 +151,12 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--rdzv_endpoint=[fe80::1", "p"}, "--rdzv_endpoint=[fe80::1: no ']' after the IPv6 address");
   ExpectRefused({"--rdzv_endpoint=:80", "p"}, "--rdzv_endpoint=:80: no host");
   ExpectRefused({"--rdzv_id=a b", "p"}, "--rdzv_id=a b must be non-empty without spaces");
+  ExpectRefused({"--nnodes=2", "--rdzv_backend=c10d", "--master_addr=::0", "p"},
+                "the store's address ::0 is a wildcard address; with --rdzv_backend=c10d it must be "
+                "the address of one node, which then serves the store",
+                {{"DDP_JOB_TOKEN", "t"}});
   ExpectRefused({"--nnodes=3", "--rdzv_backend=c10d", "--rdzv_endpoint=0.0.0.0:5", "p"},
-                "--rdzv_endpoint=0.0.0.0 is a wildcard address; with --rdzv_backend=c10d it must be "
+                "the store's address 0.0.0.0 is a wildcard address; with --rdzv_backend=c10d it must be "
                 "the address of one node, which then serves the store",
                 {{"DDP_JOB_TOKEN", "t"}});
 }

@@ -243,10 +243,10 @@ TEST(DdprunMultinodeTest, C10dRendezvousNumbersTheNodesAsTheyJoin) {
 }
 
 TEST(DdprunMultinodeTest, C10dRefusesALauncherBeyondNnodes) {
-  // The workers stay 3 s, so that the job (and its store) is still there
-  // when the third launcher arrives, however late it is scheduled.
+  // The workers stay 6 s, so that the job (and its store) is still there
+  // when the third launcher arrives on a loaded machine.
   const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1", "--rdzv_timeout=10"},
-                               {"--store", "--sleep_ms=3000"});
+                               {"--store", "--sleep_ms=6000"});
   int ok = 0, refused = 0;
   for (const auto& run : runs) {
     if (run.exit_code == 0) ++ok;
@@ -261,13 +261,15 @@ TEST(DdprunMultinodeTest, C10dRefusesALauncherBeyondNnodes) {
 }
 
 TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
-  const auto runs = RunC10dJob(2, 2, {"--nproc_per_node=1", "--rdzv_timeout=1"}, {},
+  // 3 s: node 0 must still wait when the other launcher arrives.
+  const auto runs = RunC10dJob(2, 2, {"--nproc_per_node=1", "--rdzv_timeout=3"}, {},
                                {{0, {"--rdzv_id=a"}}, {1, {"--rdzv_id=b"}}});
-  // Whichever launcher joined second is refused; node 0 then misses it.
+  // Whichever launcher joined second is refused before it takes a node
+  // rank; node 0 then misses node 1.
   const int refused = runs[0].exit_code == 2 ? 0 : 1;
   EXPECT_EQ(runs[refused].exit_code, 2) << runs[refused].output;
   EXPECT_THAT(runs[refused].output,
-              ContainsRegex("node 1 was started with .* --rdzv_id=[ab] but node 0 with .* "
+              ContainsRegex("ddprun: launcher was started with .* --rdzv_id=[ab] but node 0 with .* "
                             "--rdzv_id=[ab]; every node needs the same flags"));
   EXPECT_EQ(runs[1 - refused].exit_code, 1) << runs[1 - refused].output;
   EXPECT_THAT(runs[1 - refused].output, HasSubstr("missing node(s): 1"));

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
@@ -372,12 +373,19 @@ StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(std::string_view spec) {
 
 int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus) {
   if (auto it = env.find("CUDA_VISIBLE_DEVICES"); it != env.end()) {
+    // As CUDA reads it: entries up to the first that is neither an index
+    // nor a GPU-/MIG- UUID ("-1", the usual way to hide every GPU, ends it).
     int count = 0;
     size_t start = 0;
-    while (start <= it->second.size()) {
-      size_t end = it->second.find(',', start);
-      if (end == std::string::npos) end = it->second.size();
-      if (end > start) ++count;
+    const std::string& list = it->second;
+    while (start < list.size()) {
+      size_t end = list.find(',', start);
+      if (end == std::string::npos) end = list.size();
+      const std::string_view entry(list.data() + start, end - start);
+      const bool index = !entry.empty() && entry.find_first_not_of("0123456789") == std::string_view::npos;
+      const bool uuid = entry.substr(0, 4) == "GPU-" || entry.substr(0, 4) == "MIG-";
+      if (!index && !uuid) break;
+      ++count;
       start = end + 1;
     }
     return count;
@@ -400,16 +408,20 @@ StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env, const 
     if (text == "gpu") {
       return InvalidArgumentError(flag + ": no GPU is visible (" +
                                   (env.count("CUDA_VISIBLE_DEVICES") != 0
-                                       ? std::string("CUDA_VISIBLE_DEVICES is empty")
+                                       ? "CUDA_VISIBLE_DEVICES='" + env.find("CUDA_VISIBLE_DEVICES")->second +
+                                             "' names none"
                                        : proc_gpus + " lists none") +
                                   ")");
     }
   }
   if (text == "cpu" || text == "auto") {
+    // A fixed cpu_set_t holds 1024 CPUs; beyond that the call fails and
+    // the online count stands in.
     cpu_set_t set;
     CPU_ZERO(&set);
-    const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    return std::clamp(cpus, 1, kMaxProcPerNode);
+    const long cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                                    : sysconf(_SC_NPROCESSORS_ONLN);
+    return static_cast<int>(std::clamp<long>(cpus, 1, kMaxProcPerNode));
   }
   int n = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);

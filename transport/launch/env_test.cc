@@ -310,7 +310,11 @@ TEST(NprocPerNodeTest, NumbersGpuCpuAndAuto) {
   EXPECT_EQ(VisibleGpuCount({}, none), 0);
   EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "2,0"}}, dir), 2);  // the variable wins
   EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", ""}}, dir), 0);
-  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "GPU-8f2a,,MIG-1c"}}, dir), 2);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "GPU-8f2a,MIG-1c"}}, dir), 2);
+  // CUDA stops at the first entry that names no device.
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "-1"}}, dir), 0);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,1,-1,2"}}, dir), 2);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,,1"}}, dir), 1);
 
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -326,7 +330,7 @@ TEST(NprocPerNodeTest, NumbersGpuCpuAndAuto) {
   EXPECT_EQ(error(ParseNprocPerNode("gpu", {}, none)),
             "--nproc_per_node=gpu: no GPU is visible (" + none + " lists none)");
   EXPECT_EQ(error(ParseNprocPerNode("gpu", {{"CUDA_VISIBLE_DEVICES", ""}}, dir)),
-            "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty)");
+            "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES='' names none)");
   EXPECT_EQ(error(ParseNprocPerNode("0", {}, dir)), "--nproc_per_node=0 must be in [1, 4096]");
   EXPECT_EQ(error(ParseNprocPerNode("GPU", {}, dir)), "--nproc_per_node=GPU is not an integer, gpu, cpu or auto");
   EXPECT_EQ(error(ParseNprocPerNode("", {}, dir)), "--nproc_per_node= is not an integer, gpu, cpu or auto");
