@@ -71,7 +71,10 @@ std::string DdprunUsage() {
 Starts PROGRAM as the workers of one node of a data-parallel job, with
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT, DDP_RESTART_COUNT, DDP_JOB_TOKEN and DDP_STORE_HOST=launcher set
-for each. Node 0's launcher serves the rendezvous store.
+for each, and torchrun's GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK,
+ROLE_WORLD_SIZE and TORCHELASTIC_RESTART_COUNT, _MAX_RESTARTS and _RUN_ID;
+with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
+(as torchrun). Node 0's launcher serves the rendezvous store.
 
   --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
                        GPU, cpu: one per CPU, auto: gpu if any, else cpu
@@ -632,6 +635,9 @@ int RunDdprun(const DdprunOptions& options) {
   }
 
   const int world_size = o.nnodes * o.nproc_per_node;
+  // As torchrun: several workers on a node get one OpenMP thread each
+  // unless the launcher's environment says otherwise.
+  const bool omp_default = o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
   int exit_code = 1;
   for (int attempt = 0; attempt <= o.max_restarts; ++attempt) {
     if (multi_node) {
@@ -674,6 +680,15 @@ int RunDdprun(const DdprunOptions& options) {
       spec.program = *program;
       spec.argv = o.command;
       spec.env = ToEnvironment(env);
+      // torchrun's other variables, for programs written against it.
+      spec.env.emplace_back("GROUP_WORLD_SIZE", std::to_string(o.nnodes));
+      spec.env.emplace_back("ROLE_NAME", "default");
+      spec.env.emplace_back("ROLE_RANK", std::to_string(env.rank));
+      spec.env.emplace_back("ROLE_WORLD_SIZE", std::to_string(world_size));
+      spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt));
+      spec.env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
+      spec.env.emplace_back("TORCHELASTIC_RUN_ID", o.rdzv_id.empty() ? "none" : o.rdzv_id);
+      if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");
       specs.push_back(std::move(spec));
     }
     SpawnOptions spawn;

@@ -75,6 +75,26 @@ TEST(DdprunTest, StandaloneWorkersGetTheLaunchEnvironment) {
   EXPECT_EQ(CountLines(run.output, "store launcher token_len 32"), 4) << run.output;
 }
 
+// Programs written for torchrun find its other variables too, and several
+// workers per node get one OpenMP thread each unless OMP_NUM_THREADS is set.
+TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
+  const std::string print =
+      "echo vars $GROUP_WORLD_SIZE $ROLE_NAME $ROLE_RANK $ROLE_WORLD_SIZE $TORCHELASTIC_RESTART_COUNT "
+      "$TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID omp=$OMP_NUM_THREADS";
+  auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=3", "--rdzv_id=j9",
+                         "/bin/sh", "-c", print});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] vars 1 default 0 2 0 3 j9 omp=1\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] vars 1 default 1 2 0 3 j9 omp=1\n"));
+  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c", print},
+                   {{"OMP_NUM_THREADS", "4"}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[1] vars 1 default 1 2 0 0 none omp=4\n"));
+  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=1", "/bin/sh", "-c", print});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("vars 1 default 0 1 0 0 none omp=\n"));
+}
+
 TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
   const std::string dir = testing::MakeTempDir("ddprun_exit");
   const auto start = Clock::now();
