@@ -95,6 +95,7 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
   --tee                with --log_dir, also write it to the terminal
+                       (torchrun's --tee=3; --tee=0 and --redirects=3 accepted)
   --no_prefix          do not start terminal lines with "[rank] "
   --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
                        required with several nodes, generated otherwise
@@ -155,6 +156,7 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   bool endpoint_given = false;
   bool node_rank_given = false;
   bool token_given = false;
+  bool redirects = false;
   int i = 1;
   for (; i < argc; ++i) {
     std::string_view arg(argv[i]);
@@ -257,9 +259,25 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     } else if (name == "log_dir") {
       DDP_ASSIGN_OR_RETURN(o.log_dir, take_value());
       if (o.log_dir.empty()) return InvalidArgumentError("--log_dir is empty");
-    } else if (name == "tee") {
-      DDP_RETURN_IF_ERROR(no_value());
-      o.tee = true;
+    } else if (name == "tee" || name == "redirects") {
+      // torchrun's stream codes: 0 none, 1 stdout, 2 stderr, 3 both, as
+      // --tee=3 or --tee 3. ddprun keeps a worker's two streams together,
+      // so only 0 and 3 mean anything here. A bare --tee is --tee=3;
+      // --redirects=3 is what --log_dir does anyway.
+      std::string code = value.value_or("");
+      if (!value && i + 1 < argc && std::string_view(argv[i + 1]).size() == 1 &&
+          argv[i + 1][0] >= '0' && argv[i + 1][0] <= '3') {
+        code = argv[++i];
+      }
+      if (code.empty() && name == "redirects") return InvalidArgumentError("--redirects needs a value");
+      if (!code.empty() && code != "0" && code != "3") {
+        return InvalidArgumentError(Flag(name, code) +
+                                    ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout "
+                                    "and stderr, which it keeps together); 1, 2 and per-rank maps "
+                                    "are not supported");
+      }
+      if (name == "tee") o.tee = code != "0";
+      if (name == "redirects") redirects = code == "3";
     } else if (name == "no_prefix") {
       DDP_RETURN_IF_ERROR(no_value());
       o.prefix = false;
@@ -354,6 +372,7 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
         "secret on every node");
   }
   if (o.tee && o.log_dir.empty()) return InvalidArgumentError("--tee needs --log_dir");
+  if (redirects && o.log_dir.empty()) return InvalidArgumentError("--redirects needs --log_dir");
   return o;
 }
 

@@ -117,6 +117,18 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   EXPECT_EQ(o->node_rank, 0);
   EXPECT_FALSE(o->assign_node_rank);
 
+  // torchrun's stream codes, with or without '='.
+  o = Parse({"--log_dir=/tmp/x", "--redirects", "3", "--tee", "3", "./prog", "3"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->command, (std::vector<std::string>{"./prog", "3"}));
+  o = Parse({"--log_dir=/tmp/x", "--tee=0", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->tee);
+  o = Parse({"--log_dir=/tmp/x", "--tee", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
   o = Parse({"--no-python", "--nproc_per_node=2", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
@@ -187,7 +199,15 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--node_timeout=0", "p"}, "--node_timeout=0 is not a positive number of seconds");
   ExpectRefused({"--grace_period=soon", "p"}, "--grace_period=soon is not a number of seconds");
   ExpectRefused({"--tee", "p"}, "--tee needs --log_dir");
-  ExpectRefused({"--tee=yes", "p"}, "--tee takes no value");
+  auto codes = [](const std::string& flag) {
+    return flag +
+           ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps "
+           "together); 1, 2 and per-rank maps are not supported";
+  };
+  ExpectRefused({"--tee=yes", "p"}, codes("--tee=yes"));
+  ExpectRefused({"--log_dir=/tmp/x", "--redirects=1", "p"}, codes("--redirects=1"));
+  ExpectRefused({"--log_dir=/tmp/x", "--tee=0:1,1:2", "p"}, codes("--tee=0:1,1:2"));
+  ExpectRefused({"--redirects=3", "p"}, "--redirects needs --log_dir");
   ExpectRefused({"--frobnicate", "p"}, "unknown flag --frobnicate (see ddprun --help)");
   ExpectRefused({"--nproc_per_node=2"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   ExpectRefused({"--job_token=" + std::string(300, 't'), "p"},
