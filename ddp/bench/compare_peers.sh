@@ -27,6 +27,11 @@ BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}; variant: ${VARIANT:-none}"
+# 2 ranks in lockstep on 2 cores pay for any other work on either core (an
+# idle Bazel server takes about 2% of one; docs/benchmarks.md).
+if pgrep -f 'bazel.*A-server.jar' >/dev/null 2>&1; then
+  echo "# note: a Bazel server is running; 'bazel shutdown' before a run gives quieter 2-rank figures"
+fi
 for rep in $(seq "$REPS"); do
   for model in mlp cnn; do
     steps=$STEPS
