@@ -201,7 +201,9 @@ int main(int argc, char** argv) {
   Communicator& comm = **created;
   const int n = comm.size();
   if ((reduce || gather || scatter) && (root < 0 || root >= n)) {
-    Fail("--root=" + std::to_string(root) + " is outside [0, " + std::to_string(n) + ")");
+    // Returning (not exiting) closes the communicator on the way out.
+    std::fprintf(stderr, "allreduce_bench: --root=%d is outside [0, %d)\n", root, n);
+    return 2;
   }
   const bool is_root = comm.rank() == root;
   const size_t elem = ddp::transport::DataTypeSize(dtype);
@@ -219,7 +221,8 @@ int main(int argc, char** argv) {
                     "each of its %d ranks); it has %.1f GiB available",
                     FLAGS_max_bytes.c_str(), need / (1 << 30), comm.info().ranks_sharing_kernel,
                     static_cast<double>(available) / (1 << 30));
-      Fail(text);
+      std::fprintf(stderr, "allreduce_bench: %s\n", text);
+      return 2;
     }
   }
 
