@@ -78,7 +78,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
 
   --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
                        GPU, cpu: one per CPU, auto: gpu if any, else cpu
-  --nnodes=N           nodes in the job (default 1)
+  --nnodes=N           nodes in the job (default 1); MIN:MAX with c10d: as
+                       many as join, at least MIN (elastic start)
   --node_rank=R        this node, in [0, nnodes) (default 0)
   --master_addr=ADDR   address of node 0, where the store listens
                        (required with several nodes; default 127.0.0.1)
@@ -91,6 +92,10 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
                        the endpoint serves the store and is node 0, the
                        others are numbered in the order they join
   --rdzv_id=ID         job id; every node must give the same one
+  --rdzv_conf=last_call_timeout=SEC,join_timeout=SEC
+                       with --nnodes=MIN:MAX, how long to wait for more
+                       nodes once MIN joined (default 30); join_timeout is
+                       --rdzv_timeout
   --standalone         one node on 127.0.0.1 with a free port
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
@@ -218,12 +223,42 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
       DDP_ASSIGN_OR_RETURN(o.nproc_per_node, ParseNprocPerNode(text, env));
     } else if (name == "nnodes") {
       DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      if (text.find(':') != std::string::npos) {
-        return InvalidArgumentError(Flag(name, text) +
-                                    ": elastic node ranges are not supported; give one number");
+      o.nnodes_spec = text;
+      o.min_nodes = 0;
+      if (const size_t colon = text.find(':'); colon != std::string::npos) {
+        const std::optional<int64_t> lo = ParseInt(std::string_view(text).substr(0, colon));
+        const std::optional<int64_t> hi = ParseInt(std::string_view(text).substr(colon + 1));
+        if (!lo || !hi || *lo < 1 || *hi < *lo || *hi > kMaxNodes) {
+          return InvalidArgumentError(Flag(name, text) + ": expected MIN:MAX with 1 <= MIN <= MAX <= " +
+                                      std::to_string(kMaxNodes));
+        }
+        o.nnodes = static_cast<int>(*hi);
+        if (*lo < *hi) o.min_nodes = static_cast<int>(*lo);
+      } else {
+        value = text;
+        DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
       }
-      value = text;
-      DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
+    } else if (name == "rdzv_conf") {
+      // torchrun's KEY=VALUE,... rendezvous settings; the two that apply here.
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      size_t start = 0;
+      while (start < text.size()) {
+        size_t end = text.find(',', start);
+        if (end == std::string::npos) end = text.size();
+        const std::string item = text.substr(start, end - start);
+        const size_t eq = item.find('=');
+        const std::string key = item.substr(0, eq);
+        const std::optional<milliseconds> seconds =
+            eq == std::string::npos ? std::nullopt : ParseSeconds(item.substr(eq + 1));
+        if ((key != "last_call_timeout" && key != "join_timeout") || !seconds ||
+            (key == "join_timeout" && seconds->count() == 0)) {
+          return InvalidArgumentError(Flag(name, text) + ": '" + item +
+                                      "' is not one of last_call_timeout=SEC, join_timeout=SEC "
+                                      "(positive)");
+        }
+        (key == "last_call_timeout" ? o.last_call : o.rdzv_timeout) = *seconds;
+        start = end + 1;
+      }
     } else if (name == "node_rank") {
       DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
       node_rank_given = true;
@@ -316,6 +351,11 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   }
   if (o.standalone && endpoint_given) {
     return InvalidArgumentError("--standalone picks its own endpoint; drop --rdzv_endpoint");
+  }
+  if (o.min_nodes > 0 && o.rdzv_backend != "c10d") {
+    return InvalidArgumentError("--nnodes=" + o.nnodes_spec +
+                                ": a range of nodes needs --rdzv_backend=c10d (nodes numbered as "
+                                "they join)");
   }
   if (o.rdzv_backend == "c10d") {
     if (node_rank_given) {
@@ -508,7 +548,8 @@ class NodeMonitor {
 // Every launcher checks that it was started like node 0, since WORLD_SIZE and
 // the restart count follow from these flags.
 std::string ConfigLine(const DdprunOptions& o) {
-  std::string line = "--nnodes=" + std::to_string(o.nnodes) + " --nproc_per_node=" +
+  const std::string nnodes = o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec;
+  std::string line = "--nnodes=" + nnodes + " --nproc_per_node=" +
                      std::to_string(o.nproc_per_node) + " --max_restarts=" +
                      std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
   if (!o.rdzv_id.empty()) line += " --rdzv_id=" + o.rdzv_id;
@@ -544,6 +585,31 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   }
   return TimedOutError("not every node joined within --rdzv_timeout (" +
                        std::to_string(o.rdzv_timeout.count()) + " ms); missing node(s): " + missing);
+}
+
+// Node 0 of an elastic start: waits (within --rdzv_timeout) until at least
+// min_nodes have joined, then until all nnodes have or the last call has
+// passed, and publishes the count under "ddprun/members". Launchers that
+// take a node rank later read the count and leave.
+StatusOr<int> CloseMembership(store::Store& store, const DdprunOptions& o) {
+  const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+  std::optional<Deadline> last_call;
+  int members = 1;
+  while (true) {
+    DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add("ddprun/joined", 0, DeadlineIn(kStoreCallTime)));
+    members = static_cast<int>(std::min<int64_t>(1 + joined, o.nnodes));
+    const Deadline now = Clock::now();
+    if (members >= o.min_nodes && !last_call) last_call = now + o.last_call;
+    if (members == o.nnodes || (last_call && now >= *last_call)) break;
+    if (!last_call && now >= deadline) {
+      return TimedOutError("only " + std::to_string(members) + " of at least " +
+                           std::to_string(o.min_nodes) + " nodes joined within --rdzv_timeout (" +
+                           std::to_string(o.rdzv_timeout.count()) + " ms)");
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  DDP_RETURN_IF_ERROR(store.Set("ddprun/members", std::to_string(members), DeadlineIn(kStoreCallTime)));
+  return members;
 }
 
 struct AttemptOutcome {
@@ -635,6 +701,16 @@ int RunDdprun(const DdprunOptions& options) {
         return 2;
       }
     }
+    if (o.node_rank == 0 && o.min_nodes > 0) {
+      StatusOr<int> members = CloseMembership(*client, o);
+      if (!members.ok()) {
+        Say("node 0: " + members.status().message());
+        return 1;
+      }
+      o.nnodes = *members;
+      Say("the job runs on " + std::to_string(o.nnodes) + (o.nnodes == 1 ? " node" : " nodes") +
+          " (--nnodes=" + o.nnodes_spec + ")");
+    }
     if (o.node_rank < 0) {
       StatusOr<int64_t> joined = client->Add("ddprun/joined", 1, DeadlineIn(kStoreCallTime));
       if (!joined.ok()) {
@@ -649,6 +725,20 @@ int RunDdprun(const DdprunOptions& options) {
         return 2;
       }
       o.node_rank = static_cast<int>(*joined);
+      if (o.min_nodes > 0) {
+        StatusOr<std::string> members = client->Get("ddprun/members", DeadlineIn(o.rdzv_timeout));
+        if (!members.ok()) {
+          Say("launcher: " + members.status().message());
+          return 1;
+        }
+        o.nnodes = std::atoi(members->c_str());
+        if (o.node_rank >= o.nnodes) {
+          Say("launcher: joined after node 0 closed the job at " + *members +
+              (o.nnodes == 1 ? " node" : " nodes") + " (--nnodes=" +
+              o.nnodes_spec + ", last call " + std::to_string(o.last_call.count()) + " ms)");
+          return 2;
+        }
+      }
       Say("joined as node " + std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
     }
   }

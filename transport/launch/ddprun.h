@@ -19,6 +19,10 @@
 // take no --node_rank: the one that can listen on the endpoint's address
 // and port serves the store and is node 0; the others take node ranks 1,
 // 2, ... in the order they join. Node ranks stay fixed across restarts.
+// With --nnodes=MIN:MAX (c10d only) node 0 waits for MIN nodes, then up to
+// the last call (--rdzv_conf=last_call_timeout=SEC, default 30) for more,
+// and closes the membership; later launchers are refused. Unlike torchrun,
+// the membership then stays fixed across restarts.
 // With --max_restarts=K the whole job (every node) restarts up to K times,
 // DDP_RESTART_COUNT counting the attempts; an interrupted launcher (SIGINT,
 // SIGTERM) stops the job without a restart.
@@ -48,6 +52,12 @@ struct DdprunOptions {
   /// then only known once RunDdprun has met the store.
   bool assign_node_rank = false;
   std::string rdzv_id;           ///< Job id; every node must give the same.
+  /// Elastic start (--nnodes=MIN:MAX, c10d only): nnodes holds MAX until the
+  /// launchers have met; the job then runs on as many nodes as joined, at
+  /// least min_nodes, waiting up to last_call for more once min_nodes are in.
+  int min_nodes = 0;             ///< 0: not elastic.
+  std::string nnodes_spec;       ///< --nnodes as given (compared across nodes).
+  std::chrono::milliseconds last_call{30000};
   std::string master_addr;       ///< Empty: 127.0.0.1 (one node only).
   int master_port = kDefaultMasterPort;
   bool standalone = false;       ///< One node, 127.0.0.1, a free port.

@@ -146,6 +146,31 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--nproc_per_node=gpu", "p"},
                 "--nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES='' names none)",
                 {{"CUDA_VISIBLE_DEVICES", ""}});
+  // An elastic start: MIN:MAX nodes, with torchrun's last call.
+  o = Parse({"--nnodes=2:4", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1",
+             "--rdzv_conf=last_call_timeout=2.5,join_timeout=60", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->min_nodes, 2);
+  EXPECT_EQ(o->nnodes, 4);
+  EXPECT_EQ(o->nnodes_spec, "2:4");
+  EXPECT_EQ(o->last_call, 2500ms);
+  EXPECT_EQ(o->rdzv_timeout, 60000ms);
+  EXPECT_TRUE(o->assign_node_rank);
+  o = Parse({"--nnodes=3:3", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"}, {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->min_nodes, 0);  // a fixed count
+  EXPECT_EQ(o->nnodes, 3);
+  for (const char* bad : {"--nnodes=3:2", "--nnodes=0:2", "--nnodes=1:", "--nnodes=:4", "--nnodes=1:99999"}) {
+    ExpectRefused({bad, "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
+                  std::string(bad) + ": expected MIN:MAX with 1 <= MIN <= MAX <= 65536", {{"DDP_JOB_TOKEN", "t"}});
+  }
+  ExpectRefused({"--rdzv_conf=timeout=5", "p"},
+                "--rdzv_conf=timeout=5: 'timeout=5' is not one of last_call_timeout=SEC, join_timeout=SEC "
+                "(positive)");
+  ExpectRefused({"--rdzv_conf=join_timeout=0", "p"},
+                "--rdzv_conf=join_timeout=0: 'join_timeout=0' is not one of last_call_timeout=SEC, "
+                "join_timeout=SEC (positive)");
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
                 "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
@@ -189,8 +214,9 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
                 "--master_port=0 (any free port) works on one node only: every node must know "
                 "the port",
                 {{"DDP_JOB_TOKEN", "t"}});
-  ExpectRefused({"--nnodes=1:4", "p"},
-                "--nnodes=1:4: elastic node ranges are not supported; give one number");
+  ExpectRefused({"--nnodes=1:4", "--master_addr=h", "p"},
+                "--nnodes=1:4: a range of nodes needs --rdzv_backend=c10d (nodes numbered as they join)",
+                {{"DDP_JOB_TOKEN", "t"}});
   ExpectRefused({"--nnodes=0", "p"}, "--nnodes=0 must be in [1, 65536]");
   ExpectRefused({"--standalone", "--nnodes=2", "p"},
                 "--standalone runs one node; it cannot be combined with --nnodes=2");

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -207,9 +208,9 @@ std::vector<testing::ProgramRun> RunC10dJob(int launchers, int nnodes, std::vect
   EXPECT_TRUE(port.ok()) << port.status();
   std::vector<std::unique_ptr<WorkerGroup>> groups;
   for (int i = 0; i < launchers; ++i) {
-    std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nnodes),
-                                     "--rdzv_backend=c10d",
+    std::vector<std::string> argv = {Ddprun(), "--rdzv_backend=c10d",
                                      "--rdzv_endpoint=127.0.0.1:" + std::to_string(*port)};
+    if (nnodes > 0) argv.push_back("--nnodes=" + std::to_string(nnodes));  // 0: in `flags`
     argv.insert(argv.end(), flags.begin(), flags.end());
     for (const std::string& f : extra[i]) argv.push_back(f);
     argv.push_back(Worker());
@@ -273,6 +274,47 @@ TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
                             "--rdzv_id=[ab]; every node needs the same flags"));
   EXPECT_EQ(runs[1 - refused].exit_code, 1) << runs[1 - refused].output;
   EXPECT_THAT(runs[1 - refused].output, HasSubstr("missing node(s): 1"));
+}
+
+TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {
+  // --nnodes=1:3: node 0 waits 1 s after the first node for more; two come.
+  const auto runs = RunC10dJob(2, 0, {"--nnodes=1:3", "--rdzv_conf=last_call_timeout=1", "--nproc_per_node=2"},
+                               {"--store", "--print_env"});
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  const std::string all = runs[0].output + runs[1].output;
+  EXPECT_EQ(CountLines(all, "ddprun: the job runs on 2 nodes (--nnodes=1:3)"), 1) << all;
+  EXPECT_EQ(CountLines(all, "ddprun: joined as node 1 of 2"), 1) << all;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_THAT(all, HasSubstr("rank " + std::to_string(rank) + "/4 local " + std::to_string(rank % 2) + "/2"));
+  }
+  EXPECT_EQ(CountLines(all, "met 4 ranks"), 4);
+}
+
+TEST(DdprunMultinodeTest, ElasticStartRefusesALateLauncher) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  auto start = [&](std::vector<std::string> worker_flags) {
+    std::vector<std::string> argv = {Ddprun(), "--nnodes=1:2", "--rdzv_backend=c10d",
+                                     "--rdzv_endpoint=127.0.0.1:" + std::to_string(*port),
+                                     "--rdzv_conf=last_call_timeout=0.2", "--nproc_per_node=1", Worker()};
+    argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+    auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
+    EXPECT_TRUE(group.ok()) << group.status();
+    return std::move(group).value();
+  };
+  // The first launcher closes the job at 1 node after 0.2 s; its worker
+  // stays 6 s, and the second launcher arrives after 2 s.
+  auto first = start({"--store", "--sleep_ms=6000"});
+  std::this_thread::sleep_for(2s);
+  auto late = start({"--store"});
+  const testing::ProgramRun late_run = testing::WaitProgram(*late, 30s);
+  const testing::ProgramRun first_run = testing::WaitProgram(*first, 30s);
+  EXPECT_EQ(first_run.exit_code, 0) << first_run.output;
+  EXPECT_THAT(first_run.output, HasSubstr("ddprun: the job runs on 1 node (--nnodes=1:2)"));
+  EXPECT_EQ(late_run.exit_code, 2) << late_run.output;
+  EXPECT_THAT(late_run.output, HasSubstr("ddprun: launcher: joined after node 0 closed the job at 1 node "
+                                         "(--nnodes=1:2, last call 200 ms)"));
 }
 
 }  // namespace
