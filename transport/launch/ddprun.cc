@@ -26,8 +26,12 @@ using std::chrono::milliseconds;
 
 constexpr int kMaxNodes = 1 << 16;
 // How long one wait on the store lasts before the launcher beats its
-// heartbeat and looks around again.
+// heartbeat and looks around again: at most this, and at most a quarter of
+// --node_timeout, so that a live node always beats within the timeout.
 constexpr auto kMonitorSlice = 1000ms;
+milliseconds MonitorSlice(const DdprunOptions& o) {
+  return std::clamp<milliseconds>(o.node_timeout / 4, 10ms, kMonitorSlice);
+}
 // How long node 0 keeps the store up for the other launchers to read the
 // outcome before it exits.
 constexpr auto kFarewellTime = 10000ms;
@@ -424,26 +428,37 @@ std::string Key(int attempt, const std::string& rest) {
   return "ddprun/a" + std::to_string(attempt) + "/" + rest;
 }
 
-// Failure notices start with 'R' (the job may restart) or 'F' (final: the
-// posting launcher stops, so must everyone).
+// Failure notices start with 'R' (the job may restart), 'F' (final: the
+// posting launcher stops, so must everyone) or 'M' (c10d: launchers wait to
+// join; the workers restart on more nodes, which is not counted against
+// --max_restarts).
 struct FailureNotice {
   bool restartable = true;
+  bool membership = false;
   std::string reason;
 };
 
+enum class NoticeKind : char { kRestartable = 'R', kFinal = 'F', kMembership = 'M' };
+
 std::optional<FailureNotice> DecodeFailure(const std::string& value) {
   if (value.empty()) return std::nullopt;
-  return FailureNotice{value[0] == 'R', value.substr(1)};
+  return FailureNotice{value[0] != 'F', value[0] == 'M', value.substr(1)};
 }
 
 // The first failure posted for an attempt wins; later ones are dropped so
 // that every launcher reports the same root cause.
-Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, bool restartable,
+Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, NoticeKind kind,
                    const std::string& reason) {
   const Deadline deadline = DeadlineIn(std::min<milliseconds>(kStoreCallTime, o.node_timeout));
   DDP_ASSIGN_OR_RETURN(int64_t n, store.Add(Key(attempt, "failure_count"), 1, deadline));
   if (n != 1) return Status::Ok();
-  return store.Set(Key(attempt, "failure"), (restartable ? "R" : "F") + reason, deadline);
+  return store.Set(Key(attempt, "failure"), static_cast<char>(kind) + reason, deadline);
+}
+
+Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, bool restartable,
+                   const std::string& reason) {
+  return PostFailure(store, o, attempt, restartable ? NoticeKind::kRestartable : NoticeKind::kFinal,
+                     reason);
 }
 
 // Watches one attempt from one node: waits on the failure key in slices,
@@ -451,8 +466,11 @@ Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, boo
 // whose heartbeat stopped dead.
 class NodeMonitor {
  public:
-  NodeMonitor(store::Store& store, const DdprunOptions& options, int attempt)
-      : store_(store), options_(options), attempt_(attempt) {
+  // `admit_waiting` (node 0 of an elastic job with room for more nodes):
+  // launchers waiting to join end the attempt with a membership notice.
+  NodeMonitor(store::Store& store, const DdprunOptions& options, int attempt,
+              bool admit_waiting = false)
+      : store_(store), options_(options), attempt_(attempt), admit_waiting_(admit_waiting) {
     const Deadline now = Clock::now();
     for (int node = 0; node < options.nnodes; ++node) last_seen_[node] = {"", now};
     last_reached_ = now;
@@ -480,7 +498,7 @@ class NodeMonitor {
 
  private:
   static FailureNotice StoreLost(const Status& status) {
-    return FailureNotice{false, "lost the rendezvous store (" + status.message() +
+    return FailureNotice{false, false, "lost the rendezvous store (" + status.message() +
                                     "); the launcher of node 0 is gone"};
   }
 
@@ -498,14 +516,25 @@ class NodeMonitor {
       return StoreLost(beat);
     } else if (now - last_reached_ >= options_.node_timeout) {
       return FailureNotice{
-          false, "cannot reach the rendezvous store at " + options_.master_addr + " for " +
+          false, false, "cannot reach the rendezvous store at " + options_.master_addr + " for " +
                      std::to_string(
                          std::chrono::duration_cast<milliseconds>(Clock::now() - last_reached_)
                              .count()) +
                      " ms (--node_timeout)"};
     }
-    if (options_.node_rank == 0) return CheckHeartbeats();
-    return std::nullopt;
+    if (options_.node_rank != 0) return std::nullopt;
+    if (std::optional<FailureNotice> waiting = CheckWaiting()) return waiting;
+    return CheckHeartbeats();
+  }
+
+  std::optional<FailureNotice> CheckWaiting() {
+    if (!admit_waiting_) return std::nullopt;
+    auto waiting = store_.Add(Key(attempt_, "waiting"), 0, DeadlineIn(CallTime()));
+    if (!waiting.ok() || *waiting == 0) return std::nullopt;
+    const std::string reason = std::to_string(*waiting) + (*waiting == 1 ? " launcher waits" : " launchers wait") +
+                               " to join the job";
+    (void)PostFailure(store_, options_, attempt_, NoticeKind::kMembership, reason);
+    return FailureNotice{true, true, reason};
   }
 
   milliseconds CallTime() const { return std::min<milliseconds>(kStoreCallTime, options_.node_timeout); }
@@ -531,7 +560,7 @@ class NodeMonitor {
         (void)store_.Set(Key(attempt_, "dead/" + std::to_string(node)), "1",
                          DeadlineIn(CallTime()));
         (void)PostFailure(store_, options_, attempt_, /*restartable=*/true, reason);
-        return FailureNotice{true, reason};
+        return FailureNotice{true, false, reason};
       }
     }
     return std::nullopt;
@@ -540,6 +569,7 @@ class NodeMonitor {
   store::Store& store_;
   const DdprunOptions& options_;
   const int attempt_;
+  const bool admit_waiting_;
   int64_t beats_ = 0;
   Deadline last_reached_{};  // last time a call to the store succeeded
   std::map<int, std::pair<std::string, Deadline>> last_seen_;
@@ -587,29 +617,137 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
                        std::to_string(o.rdzv_timeout.count()) + " ms); missing node(s): " + missing);
 }
 
-// Node 0 of an elastic start: waits (within --rdzv_timeout) until at least
-// min_nodes have joined, then until all nnodes have or the last call has
-// passed, and publishes the count under "ddprun/members". Launchers that
-// take a node rank later read the count and leave.
-StatusOr<int> CloseMembership(store::Store& store, const DdprunOptions& o) {
+// ---- c10d rounds ----
+//
+// With --rdzv_backend=c10d every start of the workers (the first and each
+// restart) is a round k, formed under Key(k, ...): node 0 (the store's
+// host) opens it ("ddprun/round" = k); each other launcher takes a slot
+// (Add "joined"), writes its node rank of round k - 1 under "join/<slot>"
+// (-1: none) and waits for "members". Node 0 waits for enough slots (all
+// of --nnodes, or with MIN:MAX at least MIN and then up to the last call
+// for more), seats the launchers of the previous round first, in their old
+// order, then the others in slot order, and publishes "members": the
+// failure restarts so far, then the slot of node 1, 2, ... A launcher left
+// out waits for the next round; in an elastic job with room it first adds
+// itself to "waiting", and node 0 ends the running round for it (a
+// membership notice, not counted against --max_restarts). So a node that
+// died drops out at the next restart, a relaunched or new one comes in, and
+// launchers beyond --nnodes wait as spares. When the job ends, node 0
+// writes an end record as the next round's members, and waits a moment for
+// the launchers waiting for that round to acknowledge it ("left/<slot>").
+
+constexpr char kRoundKey[] = "ddprun/round";
+// A round's "members" record when node 0 ends the job instead: "end <exit status>".
+constexpr char kEndRecord[] = "end ";
+
+struct Seat {
+  int round = 0;
+  int node_rank = 0;
+  int nnodes = 1;
+  int failures = 0;  // failure restarts before this round
+};
+
+// Node 0: forms round `round`; returns the number of nodes in it.
+StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nodes, int round,
+                        int failures) {
   const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+  DDP_RETURN_IF_ERROR(store.Set(kRoundKey, std::to_string(round), DeadlineIn(kStoreCallTime)));
+  const int min_nodes = o.min_nodes > 0 ? o.min_nodes : max_nodes;
   std::optional<Deadline> last_call;
-  int members = 1;
+  int64_t joined = 0;
   while (true) {
-    DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add("ddprun/joined", 0, DeadlineIn(kStoreCallTime)));
-    members = static_cast<int>(std::min<int64_t>(1 + joined, o.nnodes));
+    DDP_ASSIGN_OR_RETURN(joined, store.Add(Key(round, "joined"), 0, DeadlineIn(kStoreCallTime)));
+    const int64_t present = std::min<int64_t>(1 + joined, max_nodes);
     const Deadline now = Clock::now();
-    if (members >= o.min_nodes && !last_call) last_call = now + o.last_call;
-    if (members == o.nnodes || (last_call && now >= *last_call)) break;
+    if (present >= min_nodes && !last_call) last_call = now + o.last_call;
+    if (present == max_nodes || (last_call && now >= *last_call)) break;
     if (!last_call && now >= deadline) {
-      return TimedOutError("only " + std::to_string(members) + " of at least " +
-                           std::to_string(o.min_nodes) + " nodes joined within --rdzv_timeout (" +
-                           std::to_string(o.rdzv_timeout.count()) + " ms)");
+      return TimedOutError("only " + std::to_string(present) + " of " +
+                           (min_nodes < max_nodes ? "at least " : "") + std::to_string(min_nodes) +
+                           " nodes joined within --rdzv_timeout (" +
+                           std::to_string(o.rdzv_timeout.count()) + " ms)" +
+                           (round > 0 ? " for restart " + std::to_string(round) : ""));
     }
     std::this_thread::sleep_for(50ms);
   }
-  DDP_RETURN_IF_ERROR(store.Set("ddprun/members", std::to_string(members), DeadlineIn(kStoreCallTime)));
+  // Each slot's owner writes its previous node rank right after taking the
+  // slot; a launcher that died in between is seated last.
+  std::vector<std::pair<int64_t, int64_t>> order;  // (previous rank or a large number, slot)
+  for (int64_t slot = 1; slot <= joined; ++slot) {
+    const std::string key = Key(round, "join/" + std::to_string(slot));
+    StatusOr<std::string> previous = store.Get(key, DeadlineIn(std::min<milliseconds>(kStoreCallTime, 2000ms)));
+    int64_t rank = kMaxNodes + slot;
+    if (previous.ok()) {
+      const std::optional<int64_t> value = ParseInt(*previous);
+      if (value && *value > 0) rank = *value;
+    } else if (previous.status().code() != StatusCode::kTimedOut) {
+      return previous.status();
+    }
+    order.emplace_back(rank, slot);
+  }
+  std::sort(order.begin(), order.end());
+  const int members = static_cast<int>(std::min<int64_t>(1 + joined, max_nodes));
+  std::string record = std::to_string(failures);
+  for (int i = 0; i + 1 < members; ++i) record += " " + std::to_string(order[i].second);
+  DDP_RETURN_IF_ERROR(store.Set(Key(round, "members"), record, DeadlineIn(kStoreCallTime)));
   return members;
+}
+
+// What a launcher other than node 0 gets from JoinRound.
+struct JoinResult {
+  std::optional<Seat> seat;  // empty: the job ended first
+  int job_exit = 1;          // then: node 0's exit status
+};
+
+// Other launchers: takes a seat in round `round` or, when left out, in a
+// later one. `previous` is this launcher's node rank of round - 1 (-1:
+// none). Waits within --rdzv_timeout for each round it tries.
+StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int max_nodes,
+                               int round, int previous) {
+  while (true) {
+    DDP_ASSIGN_OR_RETURN(int64_t slot, store.Add(Key(round, "joined"), 1, DeadlineIn(kStoreCallTime)));
+    DDP_RETURN_IF_ERROR(store.Set(Key(round, "join/" + std::to_string(slot)), std::to_string(previous),
+                                  DeadlineIn(kStoreCallTime)));
+    StatusOr<std::string> record = store.Get(Key(round, "members"), DeadlineIn(o.rdzv_timeout));
+    if (record.status().code() == StatusCode::kTimedOut) {
+      return TimedOutError("node 0 did not start the job's " +
+                           (round == 0 ? std::string("first round") : "restart " + std::to_string(round)) +
+                           " within --rdzv_timeout (" + std::to_string(o.rdzv_timeout.count()) + " ms)");
+    }
+    if (!record.ok()) return record.status();
+    if (record->rfind(kEndRecord, 0) == 0) {
+      // The job ended instead; node 0 waits for this acknowledgement.
+      (void)store.Set(Key(round, "left/" + std::to_string(slot)), "1", DeadlineIn(kStoreCallTime));
+      const std::optional<int64_t> code = ParseInt(std::string_view(*record).substr(sizeof(kEndRecord) - 1));
+      return JoinResult{std::nullopt, code ? static_cast<int>(*code) : 1};
+    }
+    std::vector<int64_t> fields;
+    for (size_t at = 0; at < record->size();) {
+      const size_t space = std::min(record->find(' ', at), record->size());
+      const std::optional<int64_t> value = ParseInt(std::string_view(*record).substr(at, space - at));
+      if (!value) return InternalError("malformed membership record '" + *record + "' in the store");
+      fields.push_back(*value);
+      at = space + 1;
+    }
+    if (fields.empty()) return InternalError("empty membership record in the store");
+    const int nnodes = static_cast<int>(fields.size());  // node 0 and the seated slots
+    for (int node = 1; node < nnodes; ++node) {
+      if (fields[node] == slot) return JoinResult{Seat{round, node, nnodes, static_cast<int>(fields[0])}};
+    }
+    // Left out: wait for the next round.
+    if (nnodes < max_nodes) {
+      DDP_RETURN_IF_ERROR(store.Add(Key(round, "waiting"), 1, DeadlineIn(kStoreCallTime)).status());
+      Say("launcher: the job runs on " + std::to_string(nnodes) + (nnodes == 1 ? " node" : " nodes") +
+          " (--nnodes=" + o.nnodes_spec + "); this launcher joins when node 0 restarts the workers");
+    } else {
+      Say("launcher: the job already runs on " + std::to_string(nnodes) +
+          (nnodes == 1 ? " node" : " nodes") + " (--nnodes=" +
+          (o.nnodes_spec.empty() ? std::to_string(max_nodes) : o.nnodes_spec) +
+          "); this launcher waits as a spare for a restart");
+    }
+    ++round;
+    previous = -1;
+  }
 }
 
 struct AttemptOutcome {
@@ -617,6 +755,7 @@ struct AttemptOutcome {
   bool restartable = false;
   int exit_code = 1;
   std::string reason;
+  bool membership = false;  // a membership notice: restart, not counted
 };
 
 }  // namespace
@@ -668,6 +807,8 @@ int RunDdprun(const DdprunOptions& options) {
 
   // ---- the launchers meet (several nodes only) ----
   const bool multi_node = o.nnodes > 1;
+  const std::string serve_note =
+      not_served.empty() ? "" : " (this launcher could not serve the store itself: " + not_served + ")";
   std::unique_ptr<store::TcpStoreClient> client;
   if (multi_node) {
     const Deadline deadline = DeadlineIn(o.rdzv_timeout);
@@ -678,8 +819,6 @@ int RunDdprun(const DdprunOptions& options) {
       return connected.status().code() == StatusCode::kPermissionDenied ? 2 : 1;
     }
     client = std::move(connected).value();
-    const std::string serve_note =
-        not_served.empty() ? "" : " (this launcher could not serve the store itself: " + not_served + ")";
     if (o.node_rank == 0) {
       Status s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
       if (!s.ok()) {
@@ -701,61 +840,82 @@ int RunDdprun(const DdprunOptions& options) {
         return 2;
       }
     }
-    if (o.node_rank == 0 && o.min_nodes > 0) {
-      StatusOr<int> members = CloseMembership(*client, o);
-      if (!members.ok()) {
-        Say("node 0: " + members.status().message());
-        return 1;
-      }
-      o.nnodes = *members;
-      Say("the job runs on " + std::to_string(o.nnodes) + (o.nnodes == 1 ? " node" : " nodes") +
-          " (--nnodes=" + o.nnodes_spec + ")");
-    }
-    if (o.node_rank < 0) {
-      StatusOr<int64_t> joined = client->Add("ddprun/joined", 1, DeadlineIn(kStoreCallTime));
-      if (!joined.ok()) {
-        Say("launcher: " + joined.status().message());
-        return 1;
-      }
-      if (*joined >= o.nnodes) {
-        Say("launcher: " + std::to_string(*joined + 1) + " launchers joined the store at " +
-            o.master_addr + ":" + std::to_string(port) + ", more than --nnodes=" +
-            std::to_string(o.nnodes) + " (with --rdzv_backend=c10d a relaunched node counts anew)" +
-            serve_note);
-        return 2;
-      }
-      o.node_rank = static_cast<int>(*joined);
-      if (o.min_nodes > 0) {
-        StatusOr<std::string> members = client->Get("ddprun/members", DeadlineIn(o.rdzv_timeout));
-        if (!members.ok()) {
-          Say("launcher: " + members.status().message());
-          return 1;
-        }
-        o.nnodes = std::atoi(members->c_str());
-        if (o.node_rank >= o.nnodes) {
-          Say("launcher: joined after node 0 closed the job at " + *members +
-              (o.nnodes == 1 ? " node" : " nodes") + " (--nnodes=" +
-              o.nnodes_spec + ", last call " + std::to_string(o.last_call.count()) + " ms)");
-          return 2;
-        }
-      }
-      Say("joined as node " + std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
-    }
   }
 
-  const int world_size = o.nnodes * o.nproc_per_node;
   // As torchrun: several workers on a node get one OpenMP thread each
   // unless the launcher's environment says otherwise.
   const bool omp_default = o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+  const int max_nodes = o.nnodes;
+  // Node 0 ends a c10d job instead of forming round `round`: the launchers
+  // waiting for it learn the exit status; those seen so far are given up to
+  // kFarewellTime to read it before the store goes away.
+  auto publish_final = [&](int round, int code) {
+    if (!client || o.node_rank != 0 || !o.assign_node_rank) return;
+    const Deadline deadline = DeadlineIn(std::min<milliseconds>(kStoreCallTime, o.node_timeout));
+    if (!client->Set(Key(round, "members"), kEndRecord + std::to_string(code), deadline).ok()) return;
+    auto waiting = client->Add(Key(round, "joined"), 0, deadline);
+    std::vector<std::string> keys;
+    for (int64_t slot = 1; waiting.ok() && slot <= *waiting; ++slot) {
+      keys.push_back(Key(round, "left/" + std::to_string(slot)));
+    }
+    if (!keys.empty()) (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
+  };
   int exit_code = 1;
-  for (int attempt = 0; attempt <= o.max_restarts; ++attempt) {
-    if (multi_node) {
+  int failures = 0;  // failure restarts so far (membership restarts are not counted)
+  int previous_rank = -1;
+  for (int attempt = 0;; ++attempt) {
+    if (multi_node && o.assign_node_rank) {
+      if (o.node_rank == 0) {
+        StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures);
+        if (!members.ok()) {
+          Say("node 0: " + members.status().message());
+          publish_final(attempt, 1);
+          return 1;
+        }
+        o.nnodes = *members;
+        if (o.min_nodes > 0) {
+          Say("the job runs on " + std::to_string(o.nnodes) + (o.nnodes == 1 ? " node" : " nodes") +
+              " (--nnodes=" + o.nnodes_spec + ")" +
+              (attempt > 0 ? " from restart " + std::to_string(attempt) : ""));
+        }
+      } else {
+        if (previous_rank < 0 && attempt == 0) {
+          // A new launcher joins the round node 0 is forming or running.
+          StatusOr<std::string> current = client->Get(kRoundKey, DeadlineIn(o.rdzv_timeout));
+          const std::optional<int64_t> round = current.ok() ? ParseInt(*current) : std::nullopt;
+          if (!round || *round < 0) {
+            Say(node_name() + ": " +
+                (current.ok() ? "malformed round '" + *current + "' in the store" : current.status().message()));
+            return 1;
+          }
+          attempt = static_cast<int>(*round);
+        }
+        StatusOr<JoinResult> joined = JoinRound(*client, o, max_nodes, attempt, previous_rank);
+        if (!joined.ok()) {
+          Say(node_name() + ": " + joined.status().message() + serve_note);
+          return 1;
+        }
+        if (!joined->seat) {
+          Say("launcher: the job ended (exit status " + std::to_string(joined->job_exit) +
+              " on node 0) before this launcher got a place in it");
+          return joined->job_exit == 0 ? 0 : 1;
+        }
+        const Seat& seat = *joined->seat;
+        attempt = seat.round;
+        failures = seat.failures;
+        o.node_rank = previous_rank = seat.node_rank;
+        o.nnodes = seat.nnodes;
+        Say((attempt == 0 ? "joined as node " : "restart " + std::to_string(attempt) + ": joined as node ") +
+            std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
+      }
+    } else if (multi_node) {
       Status joined = Rendezvous(*client, o, attempt);
       if (!joined.ok()) {
         Say("node " + std::to_string(o.node_rank) + ": " + joined.message());
         return 1;
       }
     }
+    const int world_size = o.nnodes * o.nproc_per_node;
 
     // While the workers run, a watcher thread follows the other nodes on a
     // connection of its own (it parks in Get); closing that connection wakes
@@ -794,7 +954,7 @@ int RunDdprun(const DdprunOptions& options) {
       spec.env.emplace_back("ROLE_NAME", "default");
       spec.env.emplace_back("ROLE_RANK", std::to_string(env.rank));
       spec.env.emplace_back("ROLE_WORLD_SIZE", std::to_string(world_size));
-      spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt));
+      spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(failures));
       spec.env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
       spec.env.emplace_back("TORCHELASTIC_RUN_ID", o.rdzv_id.empty() ? "none" : o.rdzv_id);
       if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");
@@ -816,13 +976,14 @@ int RunDdprun(const DdprunOptions& options) {
       return attempt == 0 ? 2 : 1;
     }
 
+    const bool admit_waiting = o.assign_node_rank && o.min_nodes > 0 && o.nnodes < max_nodes;
     std::atomic<bool> stop_watching{false};
     std::thread watcher;
     if (multi_node) {
       watcher = std::thread([&, attempt] {
-        NodeMonitor monitor(*watch_client, o, attempt);
+        NodeMonitor monitor(*watch_client, o, attempt, /*admit_waiting=*/admit_waiting);
         while (!stop_watching.load()) {
-          if (std::optional<FailureNotice> notice = monitor.Poll(kMonitorSlice)) {
+          if (std::optional<FailureNotice> notice = monitor.Poll(MonitorSlice(o))) {
             if (!stop_watching.load()) (*group)->RequestStop(notice->reason);
             return;
           }
@@ -875,6 +1036,7 @@ int RunDdprun(const DdprunOptions& options) {
           if (posted.ok() && posted->has_value()) notice = DecodeFailure(**posted);
         }
         outcome.restartable = notice && notice->restartable;
+        outcome.membership = notice && notice->membership;
         if (notice) outcome.reason = notice->reason;
         break;
       }
@@ -889,14 +1051,14 @@ int RunDdprun(const DdprunOptions& options) {
       std::vector<std::string> done_keys;
       for (int n = 0; n < o.nnodes; ++n) done_keys.push_back(Key(attempt, "done/" + std::to_string(n)));
       while (s.ok()) {
-        Status all_done = client->Wait(done_keys, DeadlineIn(kMonitorSlice));
+        Status all_done = client->Wait(done_keys, DeadlineIn(MonitorSlice(o)));
         if (all_done.ok()) break;
         if (all_done.code() != StatusCode::kTimedOut) {
           s = all_done;
           break;
         }
         if (std::optional<FailureNotice> notice = monitor.Check()) {
-          outcome = AttemptOutcome{false, notice->restartable, 1, notice->reason};
+          outcome = AttemptOutcome{false, notice->restartable, 1, notice->reason, notice->membership};
           break;
         }
       }
@@ -907,14 +1069,36 @@ int RunDdprun(const DdprunOptions& options) {
     }
 
     exit_code = outcome.exit_code;
-    const bool restart = !outcome.succeeded && outcome.restartable && attempt < o.max_restarts &&
+    // Every launcher decides from the notice posted first, so that all
+    // agree (a worker stopped with the others may still exit non-zero).
+    if (!outcome.succeeded && store_reachable) {
+      auto posted = client->TryGet(Key(attempt, "failure"), DeadlineIn(call_time));
+      note(posted.status());
+      if (posted.ok() && posted->has_value()) {
+        if (std::optional<FailureNotice> first = DecodeFailure(**posted)) {
+          outcome.restartable = first->restartable;
+          outcome.membership = first->membership;
+        }
+      }
+    }
+    const bool restart = !outcome.succeeded && outcome.restartable &&
+                         (outcome.membership || failures < o.max_restarts) &&
                          (store_reachable || !multi_node);
     if (!outcome.succeeded) {
-      Say(outcome.reason + (restart ? "; restarting the job (restart " + std::to_string(attempt + 1) +
-                                          " of " + std::to_string(o.max_restarts) + ")"
-                                    : ""));
+      std::string why = outcome.reason;
+      if (restart && outcome.membership) {
+        why += "; restarting the workers to take them in (not counted against --max_restarts)";
+      } else if (restart) {
+        why += "; restarting the job (restart " + std::to_string(failures + 1) + " of " +
+               std::to_string(o.max_restarts) + ")";
+      }
+      Say(why);
     }
-    if (restart) continue;
+    if (restart) {
+      if (!outcome.membership) ++failures;
+      continue;
+    }
+    if (store_reachable) publish_final(attempt + 1, exit_code);
     if (store_reachable) {
       // Node 0 keeps the store up until every launcher has its answer.
       (void)client->Set(Key(attempt, "exit/" + std::to_string(o.node_rank)), "1",

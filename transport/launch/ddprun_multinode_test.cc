@@ -200,28 +200,56 @@ TEST(DdprunMultinodeTest, WrongTokenIsRefused) {
 }
 
 // torchrun's dynamic form: every launcher gets the same line, without
-// --node_rank; `extra` adds flags for one launcher.
-std::vector<testing::ProgramRun> RunC10dJob(int launchers, int nnodes, std::vector<std::string> flags,
-                                            std::vector<std::string> worker_flags,
-                                            std::map<int, std::vector<std::string>> extra = {}) {
-  StatusOr<int> port = testing::PickFreePort();
-  EXPECT_TRUE(port.ok()) << port.status();
-  std::vector<std::unique_ptr<WorkerGroup>> groups;
-  for (int i = 0; i < launchers; ++i) {
+// --node_rank, and the same endpoint.
+class C10dJob {
+ public:
+  C10dJob() {
+    StatusOr<int> port = testing::PickFreePort();
+    EXPECT_TRUE(port.ok()) << port.status();
+    port_ = *port;
+  }
+
+  // Starts one launcher; returns its index.
+  int Start(std::vector<std::string> flags, const std::vector<std::string>& worker_flags) {
     std::vector<std::string> argv = {Ddprun(), "--rdzv_backend=c10d",
-                                     "--rdzv_endpoint=127.0.0.1:" + std::to_string(*port)};
-    if (nnodes > 0) argv.push_back("--nnodes=" + std::to_string(nnodes));  // 0: in `flags`
+                                     "--rdzv_endpoint=127.0.0.1:" + std::to_string(port_)};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    for (const std::string& f : extra[i]) argv.push_back(f);
     argv.push_back(Worker());
     argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
     auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
     EXPECT_TRUE(group.ok()) << group.status();
-    groups.push_back(std::move(group).value());
+    launchers_.push_back(std::move(group).value());
+    return static_cast<int>(launchers_.size()) - 1;
   }
-  std::vector<testing::ProgramRun> runs;
-  for (auto& g : groups) runs.push_back(testing::WaitProgram(*g, 30s));
-  return runs;
+
+  testing::ProgramRun Wait(int launcher, std::chrono::milliseconds timeout = 30s) {
+    return testing::WaitProgram(*launchers_.at(launcher), timeout);
+  }
+
+  std::vector<testing::ProgramRun> WaitAll(std::chrono::milliseconds timeout = 30s) {
+    std::vector<testing::ProgramRun> runs;
+    for (size_t i = 0; i < launchers_.size(); ++i) runs.push_back(Wait(static_cast<int>(i), timeout));
+    return runs;
+  }
+
+ private:
+  int port_ = 0;
+  std::vector<std::unique_ptr<WorkerGroup>> launchers_;
+};
+
+// `launchers` launchers with --nnodes=`nnodes` (0: given in `flags`);
+// `extra` adds flags for one launcher.
+std::vector<testing::ProgramRun> RunC10dJob(int launchers, int nnodes, std::vector<std::string> flags,
+                                            std::vector<std::string> worker_flags,
+                                            std::map<int, std::vector<std::string>> extra = {}) {
+  C10dJob job;
+  for (int i = 0; i < launchers; ++i) {
+    std::vector<std::string> all = flags;
+    if (nnodes > 0) all.push_back("--nnodes=" + std::to_string(nnodes));
+    for (const std::string& f : extra[i]) all.push_back(f);
+    job.Start(all, worker_flags);
+  }
+  return job.WaitAll();
 }
 
 TEST(DdprunMultinodeTest, C10dRendezvousNumbersTheNodesAsTheyJoin) {
@@ -243,22 +271,68 @@ TEST(DdprunMultinodeTest, C10dRendezvousNumbersTheNodesAsTheyJoin) {
   EXPECT_THAT(runs[first_is_node0 ? 1 : 0].output, HasSubstr("rank 3/4 local 1/2 group 1"));
 }
 
-TEST(DdprunMultinodeTest, C10dRefusesALauncherBeyondNnodes) {
-  // The workers stay 6 s, so that the job (and its store) is still there
-  // when the third launcher arrives on a loaded machine.
-  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1", "--rdzv_timeout=10"},
+TEST(DdprunMultinodeTest, C10dLauncherBeyondNnodesWaitsAsASpare) {
+  // The workers stay 6 s, so that the job is still running when the third
+  // launcher arrives on a loaded machine; it waits for a restart that never
+  // comes and leaves with the job's status.
+  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1", "--rdzv_timeout=20"},
                                {"--store", "--sleep_ms=6000"});
-  int ok = 0, refused = 0;
+  int ran = 0, spare = 0;
   for (const auto& run : runs) {
-    if (run.exit_code == 0) ++ok;
-    if (run.exit_code == 2) {
-      ++refused;
-      EXPECT_THAT(run.output, ContainsRegex("ddprun: launcher: 3 launchers joined the store at "
-                                            "127\\.0\\.0\\.1:[0-9]+, more than --nnodes=2"));
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    if (run.output.find("rank") != std::string::npos) ++ran;
+    if (run.output.find("waits as a spare") != std::string::npos) {
+      ++spare;
+      EXPECT_THAT(run.output, HasSubstr("ddprun: launcher: the job already runs on 2 nodes (--nnodes=2); "
+                                        "this launcher waits as a spare for a restart"));
+      EXPECT_THAT(run.output, HasSubstr("ddprun: launcher: the job ended (exit status 0 on node 0) before "
+                                        "this launcher got a place in it"));
     }
   }
-  EXPECT_EQ(ok, 2) << runs[0].output << runs[1].output << runs[2].output;
-  EXPECT_EQ(refused, 1) << runs[0].output << runs[1].output << runs[2].output;
+  EXPECT_EQ(ran, 2) << runs[0].output << runs[1].output << runs[2].output;
+  EXPECT_EQ(spare, 1) << runs[0].output << runs[1].output << runs[2].output;
+}
+
+TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
+  // Node 1's launcher is killed; node 0 declares it dead after 1 s and
+  // restarts the job, in which a launcher started by hand takes its place.
+  const std::string dir = testing::MakeTempDir("c10d_relaunch");
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--max_restarts=1",
+                                          "--node_timeout=1", "--rdzv_timeout=20"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
+                                                 "--sleep_before_restart=1", "--pid_dir=" + dir};
+  const int first = job.Start(flags, worker_flags);
+  const int second = job.Start(flags, worker_flags);
+  // Node 1 runs rank 1; its launcher is that worker's parent.
+  const pid_t worker = testing::ReadPidFile(dir + "/rank1.restart0.pid", 10s);
+  ASSERT_GT(worker, 0);
+  const pid_t node1 = testing::ParentPid(worker);
+  ASSERT_GT(node1, 0);
+  kill(node1, SIGKILL);
+  const int relaunched = job.Start(flags, worker_flags);
+  const auto start = Clock::now();
+  std::vector<testing::ProgramRun> runs = {job.Wait(first), job.Wait(second), job.Wait(relaunched)};
+  EXPECT_LT(Clock::now() - start, 20s);
+  int killed = 0;
+  std::string all;
+  for (const auto& run : runs) {
+    all += run.output;
+    if (run.exit_code == 128 + SIGKILL) {
+      ++killed;
+    } else {
+      EXPECT_EQ(run.exit_code, 0) << run.output;
+    }
+  }
+  EXPECT_EQ(killed, 1) << all;
+  EXPECT_THAT(all, HasSubstr("node 1's launcher sent no heartbeat for"));
+  EXPECT_THAT(all, HasSubstr("restarting the job (restart 1 of 1)"));
+  EXPECT_EQ(CountLines(all, "ddprun: restart 1: joined as node 1 of 2"), 1) << all;
+  // The relaunched launcher ran rank 1 of the restart to the end.
+  EXPECT_THAT(runs[2].output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
+  EXPECT_THAT(runs[2].output, HasSubstr("rank 1 met 2 ranks"));
+  EXPECT_THAT(runs[2].output, HasSubstr("rank 1 done"));
+  EXPECT_TRUE(testing::GoneWithin(worker, 5s));
 }
 
 TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
@@ -273,7 +347,8 @@ TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
               ContainsRegex("ddprun: launcher was started with .* --rdzv_id=[ab] but node 0 with .* "
                             "--rdzv_id=[ab]; every node needs the same flags"));
   EXPECT_EQ(runs[1 - refused].exit_code, 1) << runs[1 - refused].output;
-  EXPECT_THAT(runs[1 - refused].output, HasSubstr("missing node(s): 1"));
+  EXPECT_THAT(runs[1 - refused].output,
+              HasSubstr("ddprun: node 0: only 1 of 2 nodes joined within --rdzv_timeout (3000 ms)"));
 }
 
 TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {
@@ -291,30 +366,73 @@ TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {
   EXPECT_EQ(CountLines(all, "met 4 ranks"), 4);
 }
 
-TEST(DdprunMultinodeTest, ElasticStartRefusesALateLauncher) {
-  StatusOr<int> port = testing::PickFreePort();
-  ASSERT_TRUE(port.ok()) << port.status();
-  auto start = [&](std::vector<std::string> worker_flags) {
-    std::vector<std::string> argv = {Ddprun(), "--nnodes=1:2", "--rdzv_backend=c10d",
-                                     "--rdzv_endpoint=127.0.0.1:" + std::to_string(*port),
-                                     "--rdzv_conf=last_call_timeout=0.2", "--nproc_per_node=1", Worker()};
-    argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
-    auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
-    EXPECT_TRUE(group.ok()) << group.status();
-    return std::move(group).value();
-  };
-  // The first launcher closes the job at 1 node after 0.2 s; its worker
-  // stays 6 s, and the second launcher arrives after 2 s.
-  auto first = start({"--store", "--sleep_ms=6000"});
+TEST(DdprunMultinodeTest, ElasticJobTakesInALateLauncher) {
+  // The first launcher starts the job on 1 node after 0.2 s; its worker
+  // would stay 8 s, but the second launcher arrives after 2 s, and the job
+  // restarts on 2 nodes (--max_restarts=0: such a restart is not counted).
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=1:2", "--rdzv_conf=last_call_timeout=0.2",
+                                          "--nproc_per_node=1"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=8000",
+                                                 "--sleep_before_restart=1"};
+  const int first = job.Start(flags, worker_flags);
   std::this_thread::sleep_for(2s);
-  auto late = start({"--store"});
-  const testing::ProgramRun late_run = testing::WaitProgram(*late, 30s);
-  const testing::ProgramRun first_run = testing::WaitProgram(*first, 30s);
+  const int late = job.Start(flags, worker_flags);
+  const auto start = Clock::now();
+  const testing::ProgramRun late_run = job.Wait(late);
+  const testing::ProgramRun first_run = job.Wait(first);
+  EXPECT_LT(Clock::now() - start, 6s);  // the first worker's 8 s were cut short
   EXPECT_EQ(first_run.exit_code, 0) << first_run.output;
-  EXPECT_THAT(first_run.output, HasSubstr("ddprun: the job runs on 1 node (--nnodes=1:2)"));
-  EXPECT_EQ(late_run.exit_code, 2) << late_run.output;
-  EXPECT_THAT(late_run.output, HasSubstr("ddprun: launcher: joined after node 0 closed the job at 1 node "
-                                         "(--nnodes=1:2, last call 200 ms)"));
+  EXPECT_EQ(late_run.exit_code, 0) << late_run.output;
+  EXPECT_THAT(first_run.output, HasSubstr("ddprun: the job runs on 1 node (--nnodes=1:2)\n"));
+  EXPECT_THAT(first_run.output, HasSubstr("ddprun: 1 launcher waits to join the job; restarting the "
+                                          "workers to take them in (not counted against --max_restarts)"));
+  EXPECT_THAT(first_run.output, HasSubstr("ddprun: the job runs on 2 nodes (--nnodes=1:2) from restart 1"));
+  EXPECT_THAT(late_run.output, HasSubstr("ddprun: launcher: the job runs on 1 node (--nnodes=1:2); this "
+                                         "launcher joins when node 0 restarts the workers"));
+  EXPECT_THAT(late_run.output, HasSubstr("ddprun: restart 1: joined as node 1 of 2"));
+  EXPECT_THAT(first_run.output, HasSubstr("rank 0/1 local 0/1 group 0 restart 0"));
+  EXPECT_THAT(first_run.output, HasSubstr("rank 0/2 local 0/1 group 0 restart 1"));
+  EXPECT_THAT(late_run.output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
+  EXPECT_EQ(CountLines(first_run.output + late_run.output, "met 2 ranks"), 2);
+}
+
+TEST(DdprunMultinodeTest, ElasticJobGoesOnWithoutADeadNode) {
+  // Three nodes of --nnodes=2:3; one launcher is killed. Node 0 declares it
+  // dead after 1 s, and the restart runs on the two that are left.
+  const std::string dir = testing::MakeTempDir("elastic_dead_node");
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2:3", "--rdzv_conf=last_call_timeout=1",
+                                          "--nproc_per_node=1", "--max_restarts=1", "--node_timeout=1"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
+                                                 "--sleep_before_restart=1", "--pid_dir=" + dir};
+  for (int i = 0; i < 3; ++i) job.Start(flags, worker_flags);
+  const pid_t worker = testing::ReadPidFile(dir + "/rank2.restart0.pid", 10s);
+  ASSERT_GT(worker, 0);
+  const pid_t node2 = testing::ParentPid(worker);
+  ASSERT_GT(node2, 0);
+  kill(node2, SIGKILL);
+  const auto runs = job.WaitAll();
+  int killed = 0;
+  std::string all;
+  for (const auto& run : runs) {
+    all += run.output;
+    if (run.exit_code == 128 + SIGKILL) {
+      ++killed;
+    } else {
+      EXPECT_EQ(run.exit_code, 0) << run.output;
+    }
+  }
+  EXPECT_EQ(killed, 1) << all;
+  EXPECT_THAT(all, HasSubstr("ddprun: the job runs on 3 nodes (--nnodes=2:3)\n"));
+  EXPECT_THAT(all, HasSubstr("node 2's launcher sent no heartbeat for"));
+  EXPECT_THAT(all, HasSubstr("ddprun: the job runs on 2 nodes (--nnodes=2:3) from restart 1"));
+  // The survivor keeps its node rank.
+  EXPECT_EQ(CountLines(all, "ddprun: restart 1: joined as node 1 of 2"), 1) << all;
+  // (The first round's workers may not have met before the kill.)
+  EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
+  EXPECT_EQ(CountLines(all, " done"), 2) << all;
+  EXPECT_TRUE(testing::GoneWithin(worker, 5s));
 }
 
 }  // namespace

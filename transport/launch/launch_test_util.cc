@@ -76,6 +76,20 @@ bool ProcessGone(pid_t pid) {
   return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
 }
 
+pid_t ParentPid(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!stat || !std::getline(stat, line)) return -1;
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos) return -1;
+  std::istringstream rest(line.substr(paren + 1));
+  std::string state;
+  pid_t parent = -1;
+  rest >> state >> parent;
+  return rest ? parent : -1;
+}
+
 bool GoneWithin(pid_t pid, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   while (!ProcessGone(pid)) {

@@ -47,6 +47,9 @@ bool ProcessGone(pid_t pid);
 /// Waits up to `timeout` for ProcessGone(pid).
 bool GoneWithin(pid_t pid, std::chrono::milliseconds timeout);
 
+/// The parent of `pid` (from /proc/<pid>/stat); -1 when it is gone.
+pid_t ParentPid(pid_t pid);
+
 /// Reads a pid written to `path`, waiting up to `timeout` for the file; -1
 /// when it does not appear.
 pid_t ReadPidFile(const std::string& path, std::chrono::milliseconds timeout);

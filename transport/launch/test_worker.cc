@@ -7,6 +7,7 @@
 //   --signal=R:S          rank R raises signal S
 //   --fail_before_restart=K  rank 1 exits 1 while DDP_RESTART_COUNT < K
 //   --sleep_ms=N          sleep N ms before finishing
+//   --sleep_before_restart=K  sleep only while DDP_RESTART_COUNT < K
 //   --pid_dir=DIR         write DIR/rank<R>.restart<C>.pid
 //   --ignore_sigterm      ignore SIGTERM
 //   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
@@ -44,6 +45,7 @@ struct Flags {
   int signal_rank = -1, signal = 0;
   int fail_before_restart = 0;
   int sleep_ms = 0;
+  int sleep_before_restart = -1;  // -1: at every restart
   std::string pid_dir;
   bool ignore_sigterm = false;
 };
@@ -74,6 +76,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (auto v = value("--signal")) ParsePair(*v, f.signal_rank, f.signal);
     else if (auto v = value("--fail_before_restart")) f.fail_before_restart = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--sleep_ms")) f.sleep_ms = std::atoi(std::string(*v).c_str());
+    else if (auto v = value("--sleep_before_restart")) f.sleep_before_restart = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--pid_dir")) f.pid_dir = std::string(*v);
     else if (value("--self_launch_restarts")) continue;  // read by main
     else {
@@ -168,7 +171,8 @@ int main(int argc, char** argv) {
   }
   if (env->rank == flags.signal_rank) raise(flags.signal);
   if (env->rank == flags.exit_rank) return flags.exit_code;
-  for (int slept = 0; slept < flags.sleep_ms; slept += 10) std::this_thread::sleep_for(10ms);
+  const bool sleeps = flags.sleep_before_restart < 0 || env->restart_count < flags.sleep_before_restart;
+  for (int slept = 0; sleeps && slept < flags.sleep_ms; slept += 10) std::this_thread::sleep_for(10ms);
   std::printf("rank %d done\n", env->rank);
   return 0;
 }
