@@ -83,7 +83,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
                        GPU, cpu: one per CPU, auto: gpu if any, else cpu
   --nnodes=N           nodes in the job (default 1); MIN:MAX with c10d: as
-                       many as join, at least MIN (elastic start)
+                       many as join, at least MIN, formed anew at every
+                       restart (elastic)
   --node_rank=R        this node, in [0, nnodes) (default 0)
   --master_addr=ADDR   address of node 0, where the store listens
                        (required with several nodes; default 127.0.0.1)
@@ -94,7 +95,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
-                       others are numbered in the order they join
+                       others are numbered in the order they join; every
+                       restart takes in the launchers then present
   --rdzv_id=ID         job id; every node must give the same one
   --rdzv_conf=last_call_timeout=SEC,join_timeout=SEC
                        with --nnodes=MIN:MAX, how long to wait for more
@@ -533,7 +535,9 @@ class NodeMonitor {
     if (!waiting.ok() || *waiting == 0) return std::nullopt;
     const std::string reason = std::to_string(*waiting) + (*waiting == 1 ? " launcher waits" : " launchers wait") +
                                " to join the job";
-    (void)PostFailure(store_, options_, attempt_, NoticeKind::kMembership, reason);
+    // Only a notice in the store ends the round everywhere; try again at
+    // the next beat otherwise.
+    if (!PostFailure(store_, options_, attempt_, NoticeKind::kMembership, reason).ok()) return std::nullopt;
     return FailureNotice{true, true, reason};
   }
 
@@ -647,20 +651,49 @@ struct Seat {
   int failures = 0;  // failure restarts before this round
 };
 
+// How long node 0 may take to form a round: --rdzv_timeout for MIN nodes,
+// the last call, and the wait for the previous round's nodes.
+milliseconds RejoinTime(const DdprunOptions& o) { return o.grace + 5000ms; }
+milliseconds RoundFormingTime(const DdprunOptions& o) {
+  return o.rdzv_timeout + o.last_call + RejoinTime(o);
+}
+
 // Node 0: forms round `round`; returns the number of nodes in it.
+// `returning` nodes of the previous round (those not declared dead) are
+// waited for up to RejoinTime (they may still be stopping their workers)
+// before anyone else takes a place or the last call starts, so that a
+// restart keeps its nodes and their ranks.
 StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nodes, int round,
-                        int failures) {
-  const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+                        int failures, int returning) {
+  const Deadline start = Clock::now();
+  const Deadline deadline = start + o.rdzv_timeout;
+  const Deadline rejoin_deadline = start + RejoinTime(o);
   DDP_RETURN_IF_ERROR(store.Set(kRoundKey, std::to_string(round), DeadlineIn(kStoreCallTime)));
   const int min_nodes = o.min_nodes > 0 ? o.min_nodes : max_nodes;
   std::optional<Deadline> last_call;
-  int64_t joined = 0;
+  // Slot -> the node rank its launcher had in the previous round (-1:
+  // none). A slot counts once its launcher has written that (right after
+  // taking it); one that died in between never counts.
+  std::map<int64_t, int64_t> entries;
+  int back = 0;
   while (true) {
-    DDP_ASSIGN_OR_RETURN(joined, store.Add(Key(round, "joined"), 0, DeadlineIn(kStoreCallTime)));
-    const int64_t present = std::min<int64_t>(1 + joined, max_nodes);
+    DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(kStoreCallTime)));
+    for (int64_t slot = 1; slot <= joined; ++slot) {
+      if (entries.count(slot)) continue;
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> previous,
+                           store.TryGet(Key(round, "join/" + std::to_string(slot)), DeadlineIn(kStoreCallTime)));
+      if (!previous) continue;
+      const std::optional<int64_t> rank = ParseInt(*previous);
+      entries[slot] = rank && *rank > 0 ? *rank : -1;
+      if (entries[slot] > 0) ++back;
+    }
+    const int64_t present = std::min<int64_t>(1 + static_cast<int64_t>(entries.size()), max_nodes);
     const Deadline now = Clock::now();
-    if (present >= min_nodes && !last_call) last_call = now + o.last_call;
-    if (present == max_nodes || (last_call && now >= *last_call)) break;
+    const bool awaiting_previous = back < returning && now < rejoin_deadline;
+    if (!awaiting_previous) {
+      if (present >= min_nodes && !last_call) last_call = now + o.last_call;
+      if (present == max_nodes || (last_call && now >= *last_call)) break;
+    }
     if (!last_call && now >= deadline) {
       return TimedOutError("only " + std::to_string(present) + " of " +
                            (min_nodes < max_nodes ? "at least " : "") + std::to_string(min_nodes) +
@@ -670,23 +703,12 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
     }
     std::this_thread::sleep_for(50ms);
   }
-  // Each slot's owner writes its previous node rank right after taking the
-  // slot; a launcher that died in between is seated last.
-  std::vector<std::pair<int64_t, int64_t>> order;  // (previous rank or a large number, slot)
-  for (int64_t slot = 1; slot <= joined; ++slot) {
-    const std::string key = Key(round, "join/" + std::to_string(slot));
-    StatusOr<std::string> previous = store.Get(key, DeadlineIn(std::min<milliseconds>(kStoreCallTime, 2000ms)));
-    int64_t rank = kMaxNodes + slot;
-    if (previous.ok()) {
-      const std::optional<int64_t> value = ParseInt(*previous);
-      if (value && *value > 0) rank = *value;
-    } else if (previous.status().code() != StatusCode::kTimedOut) {
-      return previous.status();
-    }
-    order.emplace_back(rank, slot);
-  }
+  // The previous round's nodes in their old order, then the others in the
+  // order they joined.
+  std::vector<std::pair<int64_t, int64_t>> order;  // (sort key, slot)
+  for (const auto& [slot, previous] : entries) order.emplace_back(previous > 0 ? previous : kMaxNodes + slot, slot);
   std::sort(order.begin(), order.end());
-  const int members = static_cast<int>(std::min<int64_t>(1 + joined, max_nodes));
+  const int members = static_cast<int>(std::min<int64_t>(1 + static_cast<int64_t>(order.size()), max_nodes));
   std::string record = std::to_string(failures);
   for (int i = 0; i + 1 < members; ++i) record += " " + std::to_string(order[i].second);
   DDP_RETURN_IF_ERROR(store.Set(Key(round, "members"), record, DeadlineIn(kStoreCallTime)));
@@ -703,16 +725,28 @@ struct JoinResult {
 // later one. `previous` is this launcher's node rank of round - 1 (-1:
 // none). Waits within --rdzv_timeout for each round it tries.
 StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int max_nodes,
-                               int round, int previous) {
+                               int round, int previous, const std::string& name) {
   while (true) {
     DDP_ASSIGN_OR_RETURN(int64_t slot, store.Add(Key(round, "joined"), 1, DeadlineIn(kStoreCallTime)));
     DDP_RETURN_IF_ERROR(store.Set(Key(round, "join/" + std::to_string(slot)), std::to_string(previous),
                                   DeadlineIn(kStoreCallTime)));
-    StatusOr<std::string> record = store.Get(Key(round, "members"), DeadlineIn(o.rdzv_timeout));
-    if (record.status().code() == StatusCode::kTimedOut) {
-      return TimedOutError("node 0 did not start the job's " +
-                           (round == 0 ? std::string("first round") : "restart " + std::to_string(round)) +
-                           " within --rdzv_timeout (" + std::to_string(o.rdzv_timeout.count()) + " ms)");
+    // Node 0 may still be running an earlier round (this launcher is a
+    // spare, or came late): the clock starts once it opens this one.
+    Deadline deadline = DeadlineIn(RoundFormingTime(o));
+    StatusOr<std::string> record = TimedOutError("");
+    while (true) {
+      record = store.Get(Key(round, "members"), std::min(deadline, DeadlineIn(kMonitorSlice)));
+      if (record.ok() || record.status().code() != StatusCode::kTimedOut) break;
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> current, store.TryGet(kRoundKey, DeadlineIn(kStoreCallTime)));
+      const std::optional<int64_t> opened = current ? ParseInt(*current) : std::nullopt;
+      if (opened && *opened < round) deadline = DeadlineIn(RoundFormingTime(o));
+      if (Clock::now() >= deadline) {
+        return TimedOutError("node 0 did not form the job's " +
+                             (round == 0 ? std::string("first round") : "restart " + std::to_string(round)) +
+                             " within " + std::to_string(RoundFormingTime(o).count()) +
+                             " ms (--rdzv_timeout, the last call and --grace_period + 5 s for the "
+                             "previous round's nodes)");
+      }
     }
     if (!record.ok()) return record.status();
     if (record->rfind(kEndRecord, 0) == 0) {
@@ -737,10 +771,10 @@ StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int 
     // Left out: wait for the next round.
     if (nnodes < max_nodes) {
       DDP_RETURN_IF_ERROR(store.Add(Key(round, "waiting"), 1, DeadlineIn(kStoreCallTime)).status());
-      Say("launcher: the job runs on " + std::to_string(nnodes) + (nnodes == 1 ? " node" : " nodes") +
+      Say(name + ": the job runs on " + std::to_string(nnodes) + (nnodes == 1 ? " node" : " nodes") +
           " (--nnodes=" + o.nnodes_spec + "); this launcher joins when node 0 restarts the workers");
     } else {
-      Say("launcher: the job already runs on " + std::to_string(nnodes) +
+      Say(name + ": the job already runs on " + std::to_string(nnodes) +
           (nnodes == 1 ? " node" : " nodes") + " (--nnodes=" +
           (o.nnodes_spec.empty() ? std::to_string(max_nodes) : o.nnodes_spec) +
           "); this launcher waits as a spare for a restart");
@@ -862,11 +896,13 @@ int RunDdprun(const DdprunOptions& options) {
   };
   int exit_code = 1;
   int failures = 0;  // failure restarts so far (membership restarts are not counted)
-  int previous_rank = -1;
+  int previous_rank = -1;  // this launcher's node rank in the last round it ran
+  int returning = 0;       // node 0: nodes of the last round expected back
+  bool started = false;    // this launcher has started workers before
   for (int attempt = 0;; ++attempt) {
     if (multi_node && o.assign_node_rank) {
       if (o.node_rank == 0) {
-        StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures);
+        StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures, returning);
         if (!members.ok()) {
           Say("node 0: " + members.status().message());
           publish_final(attempt, 1);
@@ -890,14 +926,19 @@ int RunDdprun(const DdprunOptions& options) {
           }
           attempt = static_cast<int>(*round);
         }
-        StatusOr<JoinResult> joined = JoinRound(*client, o, max_nodes, attempt, previous_rank);
+        StatusOr<JoinResult> joined = JoinRound(*client, o, max_nodes, attempt, previous_rank, node_name());
         if (!joined.ok()) {
           Say(node_name() + ": " + joined.status().message() + serve_note);
           return 1;
         }
         if (!joined->seat) {
-          Say("launcher: the job ended (exit status " + std::to_string(joined->job_exit) +
-              " on node 0) before this launcher got a place in it");
+          if (previous_rank > 0) {
+            Say(node_name() + ": node 0 ended the job (exit status " + std::to_string(joined->job_exit) +
+                ") instead of restarting it");
+          } else {
+            Say("launcher: the job ended (exit status " + std::to_string(joined->job_exit) +
+                " on node 0) before this launcher got a place in it");
+          }
           return joined->job_exit == 0 ? 0 : 1;
         }
         const Seat& seat = *joined->seat;
@@ -973,10 +1014,11 @@ int RunDdprun(const DdprunOptions& options) {
         (void)PostFailure(*client, o, attempt, false,
                           "node " + std::to_string(o.node_rank) + ": " + group.status().message());
       }
-      return attempt == 0 ? 2 : 1;
+      return started ? 1 : 2;
     }
 
     const bool admit_waiting = o.assign_node_rank && o.min_nodes > 0 && o.nnodes < max_nodes;
+    started = true;
     std::atomic<bool> stop_watching{false};
     std::thread watcher;
     if (multi_node) {
@@ -1070,8 +1112,10 @@ int RunDdprun(const DdprunOptions& options) {
 
     exit_code = outcome.exit_code;
     // Every launcher decides from the notice posted first, so that all
-    // agree (a worker stopped with the others may still exit non-zero).
-    if (!outcome.succeeded && store_reachable) {
+    // agree (a worker stopped with the others may still exit non-zero);
+    // an interrupted launcher stops whatever the others do.
+    const bool interrupted = result.outcome == GroupOutcome::kInterrupted;
+    if (!outcome.succeeded && store_reachable && !interrupted) {
       auto posted = client->TryGet(Key(attempt, "failure"), DeadlineIn(call_time));
       note(posted.status());
       if (posted.ok() && posted->has_value()) {
@@ -1096,6 +1140,14 @@ int RunDdprun(const DdprunOptions& options) {
     }
     if (restart) {
       if (!outcome.membership) ++failures;
+      if (o.node_rank == 0 && o.assign_node_rank) {
+        // The nodes declared dead will not be back.
+        returning = 0;
+        for (int n = 1; n < o.nnodes; ++n) {
+          auto dead = client->TryGet(Key(attempt, "dead/" + std::to_string(n)), DeadlineIn(call_time));
+          if (dead.ok() && !dead->has_value()) ++returning;
+        }
+      }
       continue;
     }
     if (store_reachable) publish_final(attempt + 1, exit_code);

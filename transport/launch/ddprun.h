@@ -18,14 +18,21 @@
 // With --rdzv_backend=c10d (torchrun's dynamic rendezvous) the launchers
 // take no --node_rank: the one that can listen on the endpoint's address
 // and port serves the store and is node 0; the others take node ranks 1,
-// 2, ... in the order they join. Node ranks stay fixed across restarts.
-// With --nnodes=MIN:MAX (c10d only) node 0 waits for MIN nodes, then up to
-// the last call (--rdzv_conf=last_call_timeout=SEC, default 30) for more,
-// and closes the membership; later launchers are refused. Unlike torchrun,
-// the membership then stays fixed across restarts.
-// With --max_restarts=K the whole job (every node) restarts up to K times,
-// DDP_RESTART_COUNT counting the attempts; an interrupted launcher (SIGINT,
-// SIGTERM) stops the job without a restart.
+// 2, ... in the order they join. As under torchrun, every start and
+// restart forms the membership anew (a round): the nodes of the last round
+// come back first and keep their node ranks, a node that died drops out,
+// and a relaunched or new launcher takes a free place; launchers beyond
+// --nnodes wait as spares for a restart (within --rdzv_timeout) and leave
+// with the job's exit status. With --nnodes=MIN:MAX (c10d only) node 0
+// waits for MIN nodes, then up to the last call
+// (--rdzv_conf=last_call_timeout=SEC, default 30) for more, and closes the
+// round; a launcher arriving while the job runs on fewer than MAX nodes
+// makes node 0 restart the workers with it, which does not count against
+// --max_restarts.
+// With --max_restarts=K the whole job (every node) restarts up to K times
+// after failures, DDP_RESTART_COUNT counting every start of the workers
+// (TORCHELASTIC_RESTART_COUNT only the failures); an interrupted launcher
+// (SIGINT, SIGTERM) stops the job without a restart.
 //
 // Exit status: 0 when every worker of every node succeeded; the failed
 // worker's exit code (or 128 + its signal) on the node where it failed; 1 on
@@ -52,9 +59,9 @@ struct DdprunOptions {
   /// then only known once RunDdprun has met the store.
   bool assign_node_rank = false;
   std::string rdzv_id;           ///< Job id; every node must give the same.
-  /// Elastic start (--nnodes=MIN:MAX, c10d only): nnodes holds MAX until the
-  /// launchers have met; the job then runs on as many nodes as joined, at
-  /// least min_nodes, waiting up to last_call for more once min_nodes are in.
+  /// Elastic job (--nnodes=MIN:MAX, c10d only): nnodes holds MAX; each
+  /// round runs on as many nodes as joined, at least min_nodes, waiting up
+  /// to last_call for more once min_nodes are in.
   int min_nodes = 0;             ///< 0: not elastic.
   std::string nnodes_spec;       ///< --nnodes as given (compared across nodes).
   std::chrono::milliseconds last_call{30000};

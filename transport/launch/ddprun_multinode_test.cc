@@ -293,6 +293,33 @@ TEST(DdprunMultinodeTest, C10dLauncherBeyondNnodesWaitsAsASpare) {
   EXPECT_EQ(spare, 1) << runs[0].output << runs[1].output << runs[2].output;
 }
 
+TEST(DdprunMultinodeTest, C10dRestartKeepsItsNodesBeforeASpare) {
+  // Rank 1 fails at once; at the restart node 0 waits for node 1 to come
+  // back before it would give the place to the spare.
+  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1", "--max_restarts=1", "--rdzv_timeout=20"},
+                               {"--store", "--print_env", "--fail_before_restart=1"});
+  std::string all;
+  for (const auto& run : runs) all += run.output;
+  int node1 = 0, spare = 0;
+  for (const auto& run : runs) {
+    EXPECT_EQ(run.exit_code, 0) << all;
+    if (run.output.find("ddprun: joined as node 1 of 2") != std::string::npos) {
+      ++node1;
+      EXPECT_THAT(run.output, HasSubstr("rank 1 fails on attempt 0"));
+      EXPECT_THAT(run.output, HasSubstr("ddprun: restart 1: joined as node 1 of 2"));
+      EXPECT_THAT(run.output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
+    }
+    if (run.output.find("waits as a spare") != std::string::npos) {
+      ++spare;
+      EXPECT_THAT(run.output, ::testing::Not(HasSubstr("rank ")));
+      EXPECT_THAT(run.output, HasSubstr("before this launcher got a place in it"));
+    }
+  }
+  EXPECT_EQ(node1, 1) << all;
+  EXPECT_EQ(spare, 1) << all;
+  EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
+}
+
 TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
   // Node 1's launcher is killed; node 0 declares it dead after 1 s and
   // restarts the job, in which a launcher started by hand takes its place.
@@ -368,12 +395,12 @@ TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {
 
 TEST(DdprunMultinodeTest, ElasticJobTakesInALateLauncher) {
   // The first launcher starts the job on 1 node after 0.2 s; its worker
-  // would stay 8 s, but the second launcher arrives after 2 s, and the job
+  // would stay 20 s, but the second launcher arrives after 2 s, and the job
   // restarts on 2 nodes (--max_restarts=0: such a restart is not counted).
   C10dJob job;
   const std::vector<std::string> flags = {"--nnodes=1:2", "--rdzv_conf=last_call_timeout=0.2",
                                           "--nproc_per_node=1"};
-  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=8000",
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=20000",
                                                  "--sleep_before_restart=1"};
   const int first = job.Start(flags, worker_flags);
   std::this_thread::sleep_for(2s);
@@ -381,7 +408,7 @@ TEST(DdprunMultinodeTest, ElasticJobTakesInALateLauncher) {
   const auto start = Clock::now();
   const testing::ProgramRun late_run = job.Wait(late);
   const testing::ProgramRun first_run = job.Wait(first);
-  EXPECT_LT(Clock::now() - start, 6s);  // the first worker's 8 s were cut short
+  EXPECT_LT(Clock::now() - start, 15s);  // the first worker's 20 s were cut short
   EXPECT_EQ(first_run.exit_code, 0) << first_run.output;
   EXPECT_EQ(late_run.exit_code, 0) << late_run.output;
   EXPECT_THAT(first_run.output, HasSubstr("ddprun: the job runs on 1 node (--nnodes=1:2)\n"));
@@ -398,11 +425,12 @@ TEST(DdprunMultinodeTest, ElasticJobTakesInALateLauncher) {
 }
 
 TEST(DdprunMultinodeTest, ElasticJobGoesOnWithoutADeadNode) {
-  // Three nodes of --nnodes=2:3; one launcher is killed. Node 0 declares it
-  // dead after 1 s, and the restart runs on the two that are left.
+  // Three nodes of --nnodes=2:3 (the round closes as soon as all three
+  // are in); one launcher is killed. Node 0 declares it dead after 1 s, and
+  // the restart runs on the two that are left after the 3 s last call.
   const std::string dir = testing::MakeTempDir("elastic_dead_node");
   C10dJob job;
-  const std::vector<std::string> flags = {"--nnodes=2:3", "--rdzv_conf=last_call_timeout=1",
+  const std::vector<std::string> flags = {"--nnodes=2:3", "--rdzv_conf=last_call_timeout=3",
                                           "--nproc_per_node=1", "--max_restarts=1", "--node_timeout=1"};
   const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
                                                  "--sleep_before_restart=1", "--pid_dir=" + dir};
