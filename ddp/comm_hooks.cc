@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ddp/device_ops.h"
+#include "nn/ops/dispatch.h"
 
 namespace ddp::dist {
 namespace internal {
@@ -81,6 +82,27 @@ void ScaleCopy(void* dst, const void* src, int64_t n, nn::DType dtype, double fa
     scalar_t* d = static_cast<scalar_t*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = static_cast<scalar_t>(static_cast<A>(s[i]) * f);
   });
+}
+
+void ScaleTensor(const nn::Tensor& dst, const nn::Tensor& src, double factor, bool host_loops) {
+  if (host_loops && dst.device().is_cpu() && dst.is_contiguous() && src.is_contiguous()) {
+    ScaleCopy(dst.data_ptr(), src.data_ptr(), dst.numel(), dst.dtype(), factor);
+    return;
+  }
+  nn::NoGradGuard guard;
+  if (factor == 1.0) {
+    if (!(dst.storage() == src.storage() && dst.storage_offset() == src.storage_offset())) {
+      dst.CopyFrom(src);
+    }
+    return;
+  }
+  const auto affine = nn::ops::KernelsFor(dst.device().type).affine;
+  if (affine == nullptr) {
+    throw std::logic_error("DistributedDataParallel: no affine kernel registered for " +
+                           dst.device().ToString() + " (gradient averaging)");
+  }
+  affine(src, factor, 0.0, dst);
+  dst.storage()->BumpVersion();
 }
 
 }  // namespace internal
@@ -191,6 +213,17 @@ CommHook Fp16CompressHook() {
 CommHook Bf16CompressHook() {
   return [](ProcessGroup& group, GradBucket& bucket) {
     return CompressedAllReduce(group, bucket, Wire::kBF16);
+  };
+}
+
+CommHook NoopHook() {
+  return [](ProcessGroup& group, GradBucket& bucket) {
+    // Undo the averaging (on the calling thread: for a device bucket, on
+    // the compute stream); the Work only keeps the bucket in issue order.
+    internal::ScaleTensor(bucket.buffer(), bucket.buffer(), bucket.divisor());
+    return group.Run({"noop bucket " + std::to_string(bucket.index()), bucket.buffer().dtype(),
+                      bucket.buffer().shape(), -1, transport::ReduceOp::kSum, false},
+                     [](transport::Communicator*, transport::Deadline) { return transport::Status::Ok(); });
   };
 }
 

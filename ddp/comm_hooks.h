@@ -26,12 +26,13 @@ namespace ddp::dist {
 class GradBucket {
  public:
   GradBucket(size_t index, size_t num_buckets, nn::Tensor buffer, std::vector<nn::Tensor> parameters,
-             std::vector<int64_t> offsets)
+             std::vector<int64_t> offsets, double divisor = 1.0)
       : index_(index),
         num_buckets_(num_buckets),
         buffer_(std::move(buffer)),
         parameters_(std::move(parameters)),
-        offsets_(std::move(offsets)) {}
+        offsets_(std::move(offsets)),
+        divisor_(divisor) {}
 
   /// Position of the bucket in launch order (0 is launched first).
   size_t index() const { return index_; }
@@ -43,6 +44,9 @@ class GradBucket {
   const std::vector<nn::Tensor>& parameters() const { return parameters_; }
   /// Element offset of each parameter's gradient in the buffer.
   const std::vector<int64_t>& offsets() const { return offsets_; }
+  /// What this rank's gradients in the buffer were divided by: the world
+  /// size, or under Join the ranks still active (JoinOptions).
+  double divisor() const { return divisor_; }
 
  private:
   size_t index_;
@@ -50,6 +54,7 @@ class GradBucket {
   nn::Tensor buffer_;
   std::vector<nn::Tensor> parameters_;
   std::vector<int64_t> offsets_;
+  double divisor_;
 };
 
 /// A communication hook (see the header comment for its contract).
@@ -64,6 +69,12 @@ CommHook AllReduceHook();
 CommHook Fp16CompressHook();
 /// The same with bfloat16: f32's range, 8 bits of mantissa.
 CommHook Bf16CompressHook();
+/// Sends nothing: each rank keeps its own gradient (undivided again) in
+/// its bucket, as PyTorch's noop_hook. For local SGD (with a
+/// PeriodicModelAverager, model_averaging.h), or to time DDP without its
+/// communication. For a world size that is not a power of two the
+/// division and multiplication may change the last bit.
+CommHook NoopHook();
 
 }  // namespace hooks
 
@@ -72,6 +83,11 @@ namespace internal {
 /// dst[i] = src[i] * factor for n elements of one floating dtype
 /// (contiguous buffers; 16-bit types computed in f32).
 void ScaleCopy(void* dst, const void* src, int64_t n, nn::DType dtype, double factor);
+/// dst = src * factor (dst may be src; same shape, dtype and device). CPU
+/// tensors take the vectorized loop unless `host_loops` is false; device
+/// tensors one kernel of the device's table, on the calling thread's
+/// current stream.
+void ScaleTensor(const nn::Tensor& dst, const nn::Tensor& src, double factor, bool host_loops = true);
 /// f32 -> f16 / bf16 and back, n elements (round to nearest even).
 void FloatToHalf(const float* src, uint16_t* dst, int64_t n);
 void HalfToFloat(const uint16_t* src, float* dst, int64_t n);

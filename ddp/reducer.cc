@@ -28,29 +28,8 @@ bool HostLoops(const nn::Tensor& t) {
   return t.device().is_cpu() && !generic_copies.load(std::memory_order_relaxed);
 }
 
-// dst = src * factor (dst may be src; same shape, dtype and device). CPU
-// tensors take the vectorized loop; device tensors one kernel of the
-// device's table (for CUDA: on the calling thread's current stream, i.e.
-// the compute stream, before the bucket's ready event is recorded).
 void ScaleInto(const nn::Tensor& dst, const nn::Tensor& src, double factor) {
-  if (HostLoops(dst) && dst.is_contiguous() && src.is_contiguous()) {
-    ScaleCopy(dst.data_ptr(), src.data_ptr(), dst.numel(), dst.dtype(), factor);
-    return;
-  }
-  nn::NoGradGuard guard;
-  if (factor == 1.0) {
-    if (!(dst.storage() == src.storage() && dst.storage_offset() == src.storage_offset())) {
-      dst.CopyFrom(src);
-    }
-    return;
-  }
-  const auto affine = nn::ops::KernelsFor(dst.device().type).affine;
-  if (affine == nullptr) {
-    throw std::logic_error("DistributedDataParallel: no affine kernel registered for " +
-                           dst.device().ToString() + " (gradient averaging)");
-  }
-  affine(src, factor, 0.0, dst);
-  dst.storage()->BumpVersion();
+  internal::ScaleTensor(dst, src, factor, HostLoops(dst));
 }
 
 void ZeroTensor(const nn::Tensor& t) {
@@ -395,7 +374,7 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   std::vector<nn::Tensor> params;
   params.reserve(bucket.params.size());
   for (size_t i : bucket.params) params.push_back(params_[i]);
-  GradBucket grad_bucket(b, buckets_.size(), buffer, std::move(params), bucket.offsets);
+  GradBucket grad_bucket(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_);
   Work work = hook_(*pg_, grad_bucket);
   if (!work.valid()) {
     throw std::logic_error("DistributedDataParallel: the communication hook returned an empty Work "

@@ -52,6 +52,23 @@ TEST(DdpBenchTest, ABatchAsLargeAsARanksShareIsRefused) {
   }
 }
 
+TEST(DdpBenchTest, LocalSgdAndNoopHooksRunAndBadPeriodsAreRefused) {
+  for (const char* hook : {"--hook=local_sgd", "--hook=noop"}) {
+    const testing::RunOutput r =
+        testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=6",
+                           "--nproc_per_node=2", "--eval=false", hook, "--average_period=2"});
+    ASSERT_EQ(r.exit_code, 0) << hook << "\n" << r.out << r.err;
+    ASSERT_EQ(testing::Lines(r.out).size(), 1u) << r.out;
+  }
+  const testing::RunOutput r =
+      testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3",
+                         "--nproc_per_node=1", "--hook=local_sgd", "--average_period=0"});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("ddp_bench: --local_sgd_start=0 must be at least 0 and --average_period=0 at least 1"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(DdpBenchTest, NoTimedStepsIsRefused) {
   const testing::RunOutput r = testing::RunToEnd(
       {testing::Runfile("examples/ddp_bench"), "--steps=-5", "--nproc_per_node=1"});

@@ -29,6 +29,7 @@
 
 #include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/model_averaging.h"
 #include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
@@ -52,7 +53,13 @@ DEFINE_double(bucket_cap_mb, 25, "DdpOptions::bucket_cap_mb");
 DEFINE_double(first_bucket_mb, 1, "DdpOptions::first_bucket_mb");
 DEFINE_double(inplace_gradient_mb, 0.5, "DdpOptions::inplace_gradient_mb");
 DEFINE_bool(gradient_as_bucket_view, false, "DdpOptions::gradient_as_bucket_view");
-DEFINE_string(hook, "allreduce", "communication hook: allreduce, fp16, bf16, powersgd");
+DEFINE_string(hook, "allreduce",
+              "communication hook: allreduce, fp16, bf16, powersgd, noop (no communication), "
+              "local_sgd (post-local SGD with periodic model averaging)");
+DEFINE_int32(local_sgd_start, 0,
+             "--hook=local_sgd: steps of plain DDP first (PostLocalSgdOptions::start_iteration and "
+             "the averager's warm-up; the 5 untimed steps count)");
+DEFINE_int32(average_period, 4, "--hook=local_sgd: average the parameters every this many steps");
 DEFINE_int32(powersgd_rank, 1, "--hook=powersgd: PowerSgdOptions::matrix_approximation_rank");
 DEFINE_int32(powersgd_start, 0,
              "--hook=powersgd: PowerSgdOptions::start_iteration (0: every step compressed, warm-up included)");
@@ -134,6 +141,7 @@ int Run() {
   options.gradient_as_bucket_view = FLAGS_gradient_as_bucket_view;
   options.trace_prefix = FLAGS_trace_prefix;
   dist::DistributedDataParallel ddp_model(model, options);
+  std::unique_ptr<dist::PeriodicModelAverager> averager;  // --hook=local_sgd
   if (FLAGS_hook == "fp16") {
     ddp_model.RegisterCommHook(dist::hooks::Fp16CompressHook());
   } else if (FLAGS_hook == "bf16") {
@@ -159,8 +167,20 @@ int Run() {
                    static_cast<long long>(4 * plain_elements),
                    static_cast<double>(plain_elements) / static_cast<double>(elements));
     }
+  } else if (FLAGS_hook == "noop") {
+    ddp_model.RegisterCommHook(dist::hooks::NoopHook());
+  } else if (FLAGS_hook == "local_sgd") {
+    if (FLAGS_local_sgd_start < 0 || FLAGS_average_period < 1) {
+      std::fprintf(stderr, "ddp_bench: --local_sgd_start=%d must be at least 0 and --average_period=%d at least 1\n",
+                   FLAGS_local_sgd_start, FLAGS_average_period);
+      return 2;
+    }
+    ddp_model.RegisterCommHook(dist::hooks::PostLocalSgdHook({.start_iteration = FLAGS_local_sgd_start}));
+    averager = std::make_unique<dist::PeriodicModelAverager>(dist::ModelAveragerOptions{
+        .period = FLAGS_average_period, .warmup_steps = FLAGS_local_sgd_start, .process_group = pg});
   } else if (FLAGS_hook != "allreduce") {
-    std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16, powersgd)\n", FLAGS_hook.c_str());
+    std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16, powersgd, noop, local_sgd)\n",
+                 FLAGS_hook.c_str());
     return 2;
   }
   auto make_sgd = [](nn::optim::NamedParameters params) {
@@ -201,6 +221,7 @@ int Run() {
     Tensor loss = nn::loss::CrossEntropy(ddp_model(images), labels);
     nn::Backward(loss);
     if (zero) zero->Step(); else plain->Step();
+    if (averager) averager->AverageParameters(model->Parameters());
     loss_value = loss.Item();
   };
   for (int i = 0; i < 5; ++i) step(i);

@@ -1,0 +1,118 @@
+#include "ddp/model_averaging.h"
+
+#include <unistd.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace ddp::dist {
+
+namespace hooks {
+
+CommHook PostLocalSgdHook(PostLocalSgdOptions options) {
+  if (options.start_iteration < 0) {
+    throw std::invalid_argument("PostLocalSgdOptions::start_iteration must be at least 0, got " +
+                                std::to_string(options.start_iteration));
+  }
+  auto iteration = std::make_shared<int64_t>(0);
+  const CommHook noop = NoopHook();
+  return [options = std::move(options), iteration, noop](ProcessGroup& group, GradBucket& bucket) -> Work {
+    const int64_t now = *iteration;
+    if (bucket.is_last()) ++*iteration;
+    const std::string label = "bucket " + std::to_string(bucket.index());
+    if (now < options.start_iteration) return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
+    if (!options.subgroup) return noop(group, bucket);
+    // The bucket holds gradient / divisor; the subgroup's sum of gradient /
+    // its size is the subgroup's mean.
+    ProcessGroup& sub = *options.subgroup;
+    internal::ScaleTensor(bucket.buffer(), bucket.buffer(), bucket.divisor() / sub.size());
+    return sub.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, "local " + label);
+  };
+}
+
+}  // namespace hooks
+
+PeriodicModelAverager::PeriodicModelAverager(ModelAveragerOptions options) : options_(std::move(options)) {
+  if (options_.period < 1) {
+    throw std::invalid_argument("ModelAveragerOptions::period must be at least 1, got " +
+                                std::to_string(options_.period));
+  }
+  if (options_.warmup_steps < 0) {
+    throw std::invalid_argument("ModelAveragerOptions::warmup_steps must be at least 0, got " +
+                                std::to_string(options_.warmup_steps));
+  }
+  if (!options_.process_group) options_.process_group = DefaultProcessGroup();
+  if (!options_.process_group) {
+    throw std::logic_error(
+        "PeriodicModelAverager: no process group given and no default one (InitProcessGroup)");
+  }
+}
+
+bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& params) {
+  const int64_t step = step_++;
+  if (step < options_.warmup_steps || (step - options_.warmup_steps) % options_.period != 0) return false;
+  dist::AverageParameters(params, *options_.process_group);
+  return true;
+}
+
+void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group) {
+  // One flat buffer per dtype and device, in the order of first appearance.
+  std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;
+  std::vector<std::tuple<int, int, int>> order;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const nn::Tensor& p = params[i];
+    if (!p.defined()) {
+      throw std::invalid_argument("AverageParameters: tensor " + std::to_string(i) + " is undefined");
+    }
+    if (!nn::IsFloating(p.dtype())) {
+      throw std::invalid_argument("AverageParameters: tensor " + std::to_string(i) + " has dtype " +
+                                  std::string(nn::DTypeName(p.dtype())) + "; only floating tensors can be averaged");
+    }
+    const std::tuple<int, int, int> key{static_cast<int>(p.dtype()), static_cast<int>(p.device().type),
+                                        p.device().index};
+    if (!groups.count(key)) order.push_back(key);
+    groups[key].push_back(i);
+  }
+  nn::NoGradGuard no_grad;
+  for (const auto& key : order) {
+    const std::vector<size_t>& members = groups[key];
+    const nn::Tensor& first = params[members[0]];
+    int64_t total = 0;
+    for (size_t i : members) total += params[i].numel();
+    nn::Tensor flat = nn::Empty({total}, {.dtype = first.dtype(), .device = first.device()});
+    std::vector<nn::Tensor> views;
+    int64_t offset = 0;
+    for (size_t i : members) {
+      const nn::Tensor& p = params[i];
+      views.push_back(flat.Narrow(0, offset, p.numel()).View(p.shape()));
+      views.back().CopyFrom(p);
+      offset += p.numel();
+    }
+    group.AllReduce(flat, transport::ReduceOp::kAvg, "average parameters").Wait();
+    for (size_t k = 0; k < members.size(); ++k) params[members[k]].CopyFrom(views[k]);
+  }
+}
+
+std::shared_ptr<ProcessGroup> NewSubgroupsByHost(ProcessGroup& group) {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  const std::vector<std::string> hosts = group.AllGatherObject(name);
+  // Hosts in the order of their lowest rank; every rank forms every group
+  // in that order (NewGroup is collective over `group`).
+  std::vector<std::string> distinct;
+  std::map<std::string, std::vector<int>> ranks;
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
+    if (!ranks.count(hosts[r])) distinct.push_back(hosts[r]);
+    ranks[hosts[r]].push_back(r);
+  }
+  std::shared_ptr<ProcessGroup> mine;
+  for (const std::string& host : distinct) {
+    std::shared_ptr<ProcessGroup> formed = group.NewGroup(ranks[host]);
+    if (formed) mine = std::move(formed);
+  }
+  return mine;
+}
+
+}  // namespace ddp::dist

@@ -1,0 +1,99 @@
+#ifndef DDP_DDP_MODEL_AVERAGING_H_
+#define DDP_DDP_MODEL_AVERAGING_H_
+
+// Local SGD and model averaging (PyTorch's post_localSGD_hook and
+// PeriodicModelAverager): after a warm-up of ordinary DDP steps, each rank
+// (or each group of ranks, say the ranks of one host) steps on its own
+// gradients, and every few steps the parameters are averaged across all
+// ranks. Communication drops from one gradient all-reduce per step to one
+// parameter all-reduce per period, for a slower network than DDP needs;
+// the replicas differ between averages.
+//
+//   DistributedDataParallel ddp(model, {.process_group = pg});
+//   ddp.RegisterCommHook(hooks::PostLocalSgdHook({.start_iteration = 100}));
+//   PeriodicModelAverager averager({.period = 4, .warmup_steps = 100});
+//   for (...) {
+//     opt.ZeroGrad(); nn::Backward(loss_fn(ddp(x), y)); opt.Step();
+//     averager.AverageParameters(model->Parameters());
+//   }
+//
+// With the same warm-up in both, the first warmup_steps steps are plain
+// DDP. For plain SGD, averaging every step (period 1) after local steps
+// gives the DDP step itself: the mean of p - lr g_r over ranks is p - lr
+// times the mean gradient. Optimizer state (momentum) stays local, as in
+// PyTorch.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ddp/comm_hooks.h"
+#include "ddp/process_group.h"
+#include "nn/tensor/tensor.h"
+
+namespace ddp::dist {
+
+struct PostLocalSgdOptions {
+  /// Iterations (calls of the hook on the last bucket) that all-reduce
+  /// gradients across the whole group, as DDP's default, before local
+  /// steps begin (>= 0).
+  int64_t start_iteration = 0;
+  /// After that, gradients are averaged within this group (say the ranks
+  /// of a host, from NewSubgroupsByHost) instead of not at all; it must
+  /// contain this rank. Null: each rank steps on its own gradients.
+  std::shared_ptr<ProcessGroup> subgroup;
+};
+
+namespace hooks {
+
+/// Global all-reduce for start_iteration iterations, then the subgroup's
+/// (or none). Throws std::invalid_argument for a negative start_iteration.
+/// One hook object per DistributedDataParallel: it counts its iterations.
+CommHook PostLocalSgdHook(PostLocalSgdOptions options);
+
+}  // namespace hooks
+
+struct ModelAveragerOptions {
+  /// Average every this many steps (>= 1).
+  int64_t period = 1;
+  /// Steps before the first average (>= 0); usually the hook's
+  /// start_iteration, so that the warm-up is plain DDP.
+  int64_t warmup_steps = 0;
+  /// Null: the default process group (InitProcessGroup).
+  std::shared_ptr<ProcessGroup> process_group;
+};
+
+/// Averages parameters across a group every `period` steps once
+/// `warmup_steps` have passed (torch.distributed.algorithms.model_averaging).
+class PeriodicModelAverager {
+ public:
+  /// Throws std::invalid_argument for a period below 1 or a negative
+  /// warm-up, std::logic_error when there is no group at all.
+  explicit PeriodicModelAverager(ModelAveragerOptions options);
+
+  /// Call once per optimizer step, after it, with the same tensors on
+  /// every rank. Averages them (collective) when this step is due, then
+  /// counts the step; returns whether it averaged. Throws DistributedError
+  /// when the all-reduce fails.
+  bool AverageParameters(const std::vector<nn::Tensor>& params);
+
+  /// Steps counted so far.
+  int64_t step() const { return step_; }
+
+ private:
+  ModelAveragerOptions options_;
+  int64_t step_ = 0;
+};
+
+/// Replaces each tensor by its mean over the ranks of `group` (collective):
+/// one all-reduce per dtype and device, through a flat copy.
+void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group);
+
+/// Groups of the ranks on each host (by host name), as
+/// torch.distributed.new_subgroups() for one group per node: collective
+/// over `group`; returns this rank's host group.
+std::shared_ptr<ProcessGroup> NewSubgroupsByHost(ProcessGroup& group);
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_MODEL_AVERAGING_H_

@@ -1,0 +1,181 @@
+// Local SGD and model averaging over real processes: local steps averaged
+// every step equal DDP (2 and 3 ranks); the post-local-SGD hook is DDP
+// during its warm-up, then the replicas drift apart between averages and
+// agree after each; subgroups agree within themselves (4 ranks); the noop
+// hook sends nothing. In one process: option checks.
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/model_averaging.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using nn::modules::Module;
+using testing::RunWorkers;
+
+std::shared_ptr<Module> Mlp(uint64_t seed) {
+  nn::Generator gen(seed);
+  return nn::modules::MakeMlp(gen);
+}
+
+// One SGD step of `ddp` on this rank's 16 samples of step `step`.
+void Step(DistributedDataParallel& ddp, nn::optim::Optimizer& opt, int64_t step, int rank, int world) {
+  const auto& data = testing::FashionMnist();
+  auto [x, y] = testing::Batch(data, (step * world + rank) * 16, 16);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt.Step();
+}
+
+// Collective: whether every rank holds the same parameters, bit for bit.
+bool Identical(ProcessGroup& pg, const Module& m) { return testing::SameOnAllRanks(pg, testing::HashState(m)); }
+
+// ---------------------------------- local steps averaged every step ----
+
+DDP_TEST_WORKER(average_every_step) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  auto model = Mlp(3), reference = Mlp(3);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  DistributedDataParallel ref_ddp(reference, {.process_group = pg});
+  ddp.RegisterCommHook(hooks::NoopHook());
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  for (int64_t step = 0; step < 5; ++step) {
+    Step(ddp, opt, step, rank, world);
+    if (step == 0) {
+      // Each rank stepped on its own gradient: the replicas differ, and the
+      // noop hook's buckets only kept their place in the queue.
+      WORKER_EXPECT(!Identical(*pg, *model), "the noop hook synchronized the replicas");
+    }
+    WORKER_EXPECT(averager.AverageParameters(model->Parameters()), "step " + std::to_string(step) + " not averaged");
+    Step(ref_ddp, ref_opt, step, rank, world);
+    WORKER_EXPECT(Identical(*pg, *model), "replicas differ after averaging step " + std::to_string(step));
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "step " + std::to_string(step) + ": `" + worst + "` off DDP by " + std::to_string(diff));
+  }
+  WORKER_EXPECT(averager.step() == 5, "counted " + std::to_string(averager.step()) + " steps");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, LocalStepsAveragedEveryStepEqualDdpOnTwoRanks) {
+  auto run = RunWorkers("average_every_step", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ModelAveragingTest, LocalStepsAveragedEveryStepEqualDdpOnThreeRanks) {
+  auto run = RunWorkers("average_every_step", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------- post-local SGD ----
+
+DDP_TEST_WORKER(post_local_sgd) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  constexpr int64_t kWarmup = 3, kPeriod = 4, kSteps = 12;
+  auto model = Mlp(4), reference = Mlp(4);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  DistributedDataParallel ref_ddp(reference, {.process_group = pg});
+  ddp.RegisterCommHook(hooks::PostLocalSgdHook({.start_iteration = kWarmup}));
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  PeriodicModelAverager averager({.period = kPeriod, .warmup_steps = kWarmup, .process_group = pg});
+  for (int64_t step = 0; step < kSteps; ++step) {
+    Step(ddp, opt, step, rank, world);
+    if (step < kWarmup) {
+      // The warm-up is DDP: the same steps as the reference.
+      Step(ref_ddp, ref_opt, step, rank, world);
+      const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+      WORKER_EXPECT(diff <= 1e-5, "warm-up step " + std::to_string(step) + ": `" + worst + "` off DDP by " +
+                                      std::to_string(diff));
+    }
+    const bool due = step >= kWarmup && (step - kWarmup) % kPeriod == 0;
+    const bool averaged = averager.AverageParameters(model->Parameters());
+    WORKER_EXPECT(averaged == due, "step " + std::to_string(step) + ": averaged " + std::to_string(averaged));
+    // Identical during the warm-up and right after each average; apart on
+    // the local steps in between.
+    const bool together = step < kWarmup || due;
+    WORKER_EXPECT(Identical(*pg, *model) == together,
+                  "step " + std::to_string(step) + ": replicas " + (together ? "differ" : "agree"));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PostLocalSgdIsDdpUntilItsStartThenAveragesEveryPeriod) {
+  auto run = RunWorkers("post_local_sgd", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------- subgroups ----
+
+DDP_TEST_WORKER(subgroups) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  // Ranks {0, 1} and {2, 3}; each rank gets its own pair.
+  std::shared_ptr<ProcessGroup> low = pg->NewGroup({0, 1}), high = pg->NewGroup({2, 3});
+  std::shared_ptr<ProcessGroup> pair = rank < 2 ? low : high;
+  WORKER_EXPECT(pair && pair->size() == 2, "no pair group");
+  auto model = Mlp(6);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ddp.RegisterCommHook(hooks::PostLocalSgdHook({.subgroup = pair}));
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  for (int64_t step = 0; step < 3; ++step) Step(ddp, opt, step, rank, world);
+  const std::vector<std::string> hashes = pg->AllGatherObject(std::to_string(testing::HashState(*model)));
+  WORKER_EXPECT(hashes[0] == hashes[1], "ranks 0 and 1 differ");
+  WORKER_EXPECT(hashes[2] == hashes[3], "ranks 2 and 3 differ");
+  WORKER_EXPECT(hashes[0] != hashes[2], "the pairs agree: gradients crossed the subgroups");
+  AverageParameters(model->Parameters(), *pg);
+  WORKER_EXPECT(Identical(*pg, *model), "replicas differ after AverageParameters");
+  // One host: its group holds every rank.
+  std::shared_ptr<ProcessGroup> host = NewSubgroupsByHost(*pg);
+  WORKER_EXPECT(host && host->size() == world && host->rank() == rank, "host group of the wrong shape");
+  try {
+    AverageParameters({nn::Zeros({3}, {.dtype = nn::DType::kInt64})}, *pg);
+    WORKER_EXPECT(false, "an integer tensor was averaged");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("tensor 0 has dtype") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, SubgroupsAverageGradientsWithinThemselves) {
+  auto run = RunWorkers("subgroups", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ---------------------------------------------------- bad options ----
+
+TEST(ModelAveragingTest, OptionsOutOfRangeAreRefusedNamingTheOption) {
+  auto refused = [](auto make, const std::string& what) {
+    try {
+      make();
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused([] { PeriodicModelAverager({.period = 0}); }, "ModelAveragerOptions::period must be at least 1, got 0");
+  refused([] { PeriodicModelAverager({.warmup_steps = -1}); },
+          "ModelAveragerOptions::warmup_steps must be at least 0, got -1");
+  refused([] { hooks::PostLocalSgdHook({.start_iteration = -2}); },
+          "PostLocalSgdOptions::start_iteration must be at least 0, got -2");
+  // No group given and none by default.
+  EXPECT_THROW(PeriodicModelAverager({}), std::logic_error);
+}
+
+}  // namespace
+}  // namespace ddp::dist
