@@ -8,8 +8,10 @@
 //
 // Contract of a hook: it receives the bucket with this rank's gradients
 // already divided by the divisor (the world size, or the ranks still active
-// under Join), and must leave in bucket.buffer() the sum over all ranks,
-// by the time the returned Work completes. It is called on the thread
+// under Join), and must leave in bucket.buffer() the sum over all ranks
+// (the average gradient), by the time the returned Work completes; local
+// SGD's hooks (NoopHook, model_averaging.h) leave a local or subgroup
+// average instead, on purpose. It is called on the thread
 // running backward, must not block, and must issue the same collectives on
 // every rank: run the communication through ProcessGroup (Run() executes a
 // function on the communication thread, in order with everything else).
@@ -72,8 +74,10 @@ CommHook Bf16CompressHook();
 /// Sends nothing: each rank keeps its own gradient (undivided again) in
 /// its bucket, as PyTorch's noop_hook. For local SGD (with a
 /// PeriodicModelAverager, model_averaging.h), or to time DDP without its
-/// communication. For a world size that is not a power of two the
-/// division and multiplication may change the last bit.
+/// communication. The gradient is divided and multiplied back: for a world
+/// size that is not a power of two that may change its last bit, and in
+/// 16-bit buckets (bf16 always rounds then; fp16 can lose gradients below
+/// about 2^-24 times the world size) more than that.
 CommHook NoopHook();
 
 }  // namespace hooks

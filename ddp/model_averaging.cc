@@ -53,7 +53,11 @@ PeriodicModelAverager::PeriodicModelAverager(ModelAveragerOptions options) : opt
 bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& params) {
   const int64_t step = step_++;
   if (step < options_.warmup_steps || (step - options_.warmup_steps) % options_.period != 0) return false;
-  dist::AverageParameters(params, *options_.process_group);
+  std::vector<nn::Tensor> trained;
+  for (const nn::Tensor& p : params) {
+    if (p.defined() && p.grad().defined()) trained.push_back(p);
+  }
+  dist::AverageParameters(trained, *options_.process_group);
   return true;
 }
 

@@ -39,8 +39,14 @@ struct PostLocalSgdOptions {
   /// steps begin (>= 0).
   int64_t start_iteration = 0;
   /// After that, gradients are averaged within this group (say the ranks
-  /// of a host, from NewSubgroupsByHost) instead of not at all; it must
-  /// contain this rank. Null: each rank steps on its own gradients.
+  /// of a host, from NewSubgroupsByHost; it contains this rank, as every
+  /// group object does). Null: each rank steps on its own gradients
+  /// (PyTorch's post_local_gradient_allreduce=False). Unlike PyTorch, null
+  /// does not mean one subgroup per node: pass NewSubgroupsByHost(*pg) for
+  /// that. Under Join the subgroup's sum over its active ranks is divided
+  /// by its full size, as in PyTorch. A subgroup is not aborted with the
+  /// DDP group: a rank that fails in the local phase leaves its subgroup
+  /// peers to their collective timeout.
   std::shared_ptr<ProcessGroup> subgroup;
 };
 
@@ -72,9 +78,11 @@ class PeriodicModelAverager {
   explicit PeriodicModelAverager(ModelAveragerOptions options);
 
   /// Call once per optimizer step, after it, with the same tensors on
-  /// every rank. Averages them (collective) when this step is due, then
-  /// counts the step; returns whether it averaged. Throws DistributedError
-  /// when the all-reduce fails.
+  /// every rank. Averages those that have a gradient (as PyTorch: frozen
+  /// and unused parameters keep their values) when this step is due, then
+  /// counts the step; returns whether it averaged. Collective on due steps,
+  /// so not for use under Join (a rank that joined would not take part).
+  /// Throws DistributedError when the all-reduce fails.
   bool AverageParameters(const std::vector<nn::Tensor>& params);
 
   /// Steps counted so far.

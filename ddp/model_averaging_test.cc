@@ -133,7 +133,16 @@ DDP_TEST_WORKER(subgroups) {
   DistributedDataParallel ddp(model, {.process_group = pg});
   ddp.RegisterCommHook(hooks::PostLocalSgdHook({.subgroup = pair}));
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
-  for (int64_t step = 0; step < 3; ++step) Step(ddp, opt, step, rank, world);
+  // What each pair computes: DDP over the pair alone, on the same batches.
+  auto reference = Mlp(6);
+  DistributedDataParallel ref_ddp(reference, {.process_group = pair});
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  for (int64_t step = 0; step < 3; ++step) {
+    Step(ddp, opt, step, rank, world);
+    Step(ref_ddp, ref_opt, step, rank, world);
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off the pair's DDP by " + std::to_string(diff));
   const std::vector<std::string> hashes = pg->AllGatherObject(std::to_string(testing::HashState(*model)));
   WORKER_EXPECT(hashes[0] == hashes[1], "ranks 0 and 1 differ");
   WORKER_EXPECT(hashes[2] == hashes[3], "ranks 2 and 3 differ");
@@ -154,6 +163,40 @@ DDP_TEST_WORKER(subgroups) {
 
 TEST(ModelAveragingTest, SubgroupsAverageGradientsWithinThemselves) {
   auto run = RunWorkers("subgroups", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A periodic average skips parameters without a gradient (frozen ones),
+// as PyTorch's.
+DDP_TEST_WORKER(frozen) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  auto model = Mlp(8);
+  const auto params = model->NamedParameters();
+  Tensor frozen = params.at(1).second;
+  frozen.set_requires_grad(false);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  {
+    // After DDP's broadcast from rank 0: different on every rank on purpose.
+    nn::NoGradGuard no_grad;
+    frozen.Fill(static_cast<double>(rank));
+  }
+  ddp.RegisterCommHook(hooks::NoopHook());
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  Step(ddp, opt, 0, rank, world);
+  WORKER_EXPECT(averager.AverageParameters(model->Parameters()), "not averaged");
+  WORKER_EXPECT(frozen.ToVector<double>()[0] == static_cast<double>(rank), "a frozen parameter was averaged");
+  // The trained ones agree: compare every value of the first weight.
+  std::string values;
+  for (double v : model->NamedParameters().at(0).second.ToVector<double>()) values += std::to_string(v) + ",";
+  const std::vector<std::string> all = pg->AllGatherObject(values);
+  WORKER_EXPECT(all[0] == all[1], "the trained weight differs after averaging");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PeriodicAveragesSkipFrozenParameters) {
+  auto run = RunWorkers("frozen", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

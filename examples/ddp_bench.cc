@@ -170,6 +170,11 @@ int Run() {
   } else if (FLAGS_hook == "noop") {
     ddp_model.RegisterCommHook(dist::hooks::NoopHook());
   } else if (FLAGS_hook == "local_sgd") {
+    if (FLAGS_zero) {
+      // ZeRO broadcasts each shard from its owner: the replicas would never differ.
+      std::fprintf(stderr, "ddp_bench: --hook=local_sgd cannot be combined with --zero\n");
+      return 2;
+    }
     if (FLAGS_local_sgd_start < 0 || FLAGS_average_period < 1) {
       std::fprintf(stderr, "ddp_bench: --local_sgd_start=%d must be at least 0 and --average_period=%d at least 1\n",
                    FLAGS_local_sgd_start, FLAGS_average_period);
