@@ -217,14 +217,12 @@ CommHook Bf16CompressHook() {
 }
 
 CommHook NoopHook() {
-  return [](ProcessGroup& group, GradBucket& bucket) {
-    // Undo the averaging (on the calling thread: for a device bucket, on
-    // the compute stream); the Work only keeps the bucket in issue order.
-    internal::ScaleTensor(bucket.buffer(), bucket.buffer(), bucket.divisor());
+  // The Work only keeps the bucket in issue order.
+  return CommHook::OnLocalGradients([](ProcessGroup& group, GradBucket& bucket) {
     return group.Run({"noop bucket " + std::to_string(bucket.index()), bucket.buffer().dtype(),
                       bucket.buffer().shape(), -1, transport::ReduceOp::kSum, false},
                      [](transport::Communicator*, transport::Deadline) { return transport::Status::Ok(); });
-  };
+  });
 }
 
 }  // namespace hooks

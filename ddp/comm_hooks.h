@@ -8,7 +8,7 @@
 //
 // Contract of a hook: it receives the bucket with this rank's gradients
 // already divided by the divisor (the world size, or the ranks still active
-// under Join), and must leave in bucket.buffer() the sum over all ranks
+// under Join; undivided for CommHook::OnLocalGradients), and must leave in bucket.buffer() the sum over all ranks
 // (the average gradient), by the time the returned Work completes; local
 // SGD's hooks (NoopHook, model_averaging.h) leave a local or subgroup
 // average instead, on purpose. It is called on the thread
@@ -16,7 +16,9 @@
 // every rank: run the communication through ProcessGroup (Run() executes a
 // function on the communication thread, in order with everything else).
 
+#include <cstddef>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "ddp/process_group.h"
@@ -59,8 +61,35 @@ class GradBucket {
   double divisor_;
 };
 
-/// A communication hook (see the header comment for its contract).
-using CommHook = std::function<Work(ProcessGroup& group, GradBucket& bucket)>;
+/// A communication hook (see the header comment for its contract): any
+/// callable Work(ProcessGroup&, GradBucket&).
+class CommHook {
+ public:
+  using Function = std::function<Work(ProcessGroup& group, GradBucket& bucket)>;
+
+  CommHook() = default;
+  CommHook(std::nullptr_t) {}  // NOLINT: as std::function
+  template <typename F, typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, CommHook> &&
+                                                    std::is_invocable_r_v<Work, F&, ProcessGroup&, GradBucket&>>>
+  CommHook(F function) : function_(std::move(function)) {}  // NOLINT: implicit, as std::function
+
+  /// A hook that gets each rank's own gradients, not divided by the
+  /// divisor (GradBucket::divisor() still says what it is): it averages
+  /// them itself, or keeps them local, and saves the reducer's pass.
+  static CommHook OnLocalGradients(Function function) {
+    CommHook hook(std::move(function));
+    hook.local_gradients_ = true;
+    return hook;
+  }
+
+  Work operator()(ProcessGroup& group, GradBucket& bucket) const { return function_(group, bucket); }
+  explicit operator bool() const { return static_cast<bool>(function_); }
+  bool on_local_gradients() const { return local_gradients_; }
+
+ private:
+  Function function_;
+  bool local_gradients_ = false;
+};
 
 namespace hooks {
 
@@ -71,13 +100,10 @@ CommHook AllReduceHook();
 CommHook Fp16CompressHook();
 /// The same with bfloat16: f32's range, 8 bits of mantissa.
 CommHook Bf16CompressHook();
-/// Sends nothing: each rank keeps its own gradient (undivided again) in
-/// its bucket, as PyTorch's noop_hook. For local SGD (with a
-/// PeriodicModelAverager, model_averaging.h), or to time DDP without its
-/// communication. The gradient is divided and multiplied back: for a world
-/// size that is not a power of two that may change its last bit, and in
-/// 16-bit buckets (bf16 always rounds then; fp16 can lose gradients below
-/// about 2^-24 times the world size) more than that.
+/// Sends nothing: each rank keeps its own gradient in its bucket, as
+/// PyTorch's noop_hook (on local gradients: nothing is divided). For local
+/// SGD (with a PeriodicModelAverager, model_averaging.h), or to time DDP
+/// without its communication.
 CommHook NoopHook();
 
 }  // namespace hooks

@@ -18,18 +18,23 @@ CommHook PostLocalSgdHook(PostLocalSgdOptions options) {
   }
   auto iteration = std::make_shared<int64_t>(0);
   const CommHook noop = NoopHook();
-  return [options = std::move(options), iteration, noop](ProcessGroup& group, GradBucket& bucket) -> Work {
+  // On local gradients: the global phase averages as DDP's default does
+  // (bit for bit, unless Join's divisor differs from the group's size).
+  return CommHook::OnLocalGradients([options = std::move(options), iteration, noop](
+                                        ProcessGroup& group, GradBucket& bucket) -> Work {
     const int64_t now = *iteration;
     if (bucket.is_last()) ++*iteration;
     const std::string label = "bucket " + std::to_string(bucket.index());
-    if (now < options.start_iteration) return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
+    if (now < options.start_iteration) {
+      if (bucket.divisor() == static_cast<double>(group.size())) {
+        return group.AllReduce(bucket.buffer(), transport::ReduceOp::kAvg, label);
+      }
+      internal::ScaleTensor(bucket.buffer(), bucket.buffer(), 1.0 / bucket.divisor());
+      return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
+    }
     if (!options.subgroup) return noop(group, bucket);
-    // The bucket holds gradient / divisor; the subgroup's sum of gradient /
-    // its size is the subgroup's mean.
-    ProcessGroup& sub = *options.subgroup;
-    internal::ScaleTensor(bucket.buffer(), bucket.buffer(), bucket.divisor() / sub.size());
-    return sub.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, "local " + label);
-  };
+    return options.subgroup->AllReduce(bucket.buffer(), transport::ReduceOp::kAvg, "local " + label);
+  });
 }
 
 }  // namespace hooks
@@ -62,7 +67,11 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
 }
 
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group) {
-  // One flat buffer per dtype and device, in the order of first appearance.
+  // Large contiguous tensors are averaged in place (no copy in and out);
+  // the others through one flat buffer per dtype and device, in the order
+  // of first appearance.
+  constexpr size_t kInPlaceBytes = size_t{256} << 10;
+  std::vector<size_t> whole;
   std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;
   std::vector<std::tuple<int, int, int>> order;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -74,10 +83,20 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
       throw std::invalid_argument("AverageParameters: tensor " + std::to_string(i) + " has dtype " +
                                   std::string(nn::DTypeName(p.dtype())) + "; only floating tensors can be averaged");
     }
+    if (p.is_contiguous() && p.nbytes() >= kInPlaceBytes) {
+      whole.push_back(i);
+      continue;
+    }
     const std::tuple<int, int, int> key{static_cast<int>(p.dtype()), static_cast<int>(p.device().type),
                                         p.device().index};
     if (!groups.count(key)) order.push_back(key);
     groups[key].push_back(i);
+  }
+  // Everything checked: now the collectives, the same on every rank.
+  std::vector<Work> in_place;
+  for (size_t i : whole) {
+    in_place.push_back(group.AllReduce(params[i].Detach().View({params[i].numel()}), transport::ReduceOp::kAvg,
+                                       "average parameters"));
   }
   nn::NoGradGuard no_grad;
   for (const auto& key : order) {
@@ -97,6 +116,7 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
     group.AllReduce(flat, transport::ReduceOp::kAvg, "average parameters").Wait();
     for (size_t k = 0; k < members.size(); ++k) params[members[k]].CopyFrom(views[k]);
   }
+  for (Work& work : in_place) work.Wait();
 }
 
 std::shared_ptr<ProcessGroup> NewSubgroupsByHost(ProcessGroup& group) {

@@ -131,6 +131,7 @@ void Reducer::SetCommHook(CommHook hook) {
         "DistributedDataParallel::RegisterCommHook: call it before the first backward");
   }
   if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
+  local_gradients_ = hook.on_local_gradients();
   hook_ = std::move(hook);
   default_hook_ = false;
 }
@@ -315,8 +316,8 @@ void Reducer::MarkReady(size_t index) {
   Bucket& bucket = buckets_[slot.bucket];
   const nn::Tensor& grad = params_[index].grad();
   // Average while copying (one pass over the gradient), or inside the
-  // all-reduce (default hook dividing by the world size).
-  const double factor = FusedAverage(divisor_) ? 1.0 : 1.0 / divisor_;
+  // all-reduce (default hook dividing by the world size), or in the hook.
+  const double factor = FusedAverage(divisor_) || local_gradients_ ? 1.0 : 1.0 / divisor_;
   // Same dtype and contiguous: used as it is (any device).
   const bool plain = grad.defined() && grad.is_contiguous() && grad.dtype() == bucket.dtype &&
                      grad.device() == bucket.device;

@@ -153,6 +153,7 @@ class Reducer {
   std::shared_ptr<TraceRecorder> trace_;
   CommHook hook_;
   bool default_hook_ = true;
+  bool local_gradients_ = false;  // the hook takes undivided gradients
   std::vector<nn::HookHandle> hook_handles_;
 
   std::vector<Bucket> buckets_;
