@@ -320,6 +320,34 @@ TEST(DdprunMultinodeTest, C10dRestartKeepsItsNodesBeforeASpare) {
   EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
 }
 
+// Kills (SIGKILL) the launcher running `rank` (its parent), once that
+// worker wrote its pid under `dir`; returns the worker's pid.
+pid_t KillLauncherOf(const std::string& dir, int rank) {
+  const pid_t worker = testing::ReadPidFile(dir + "/rank" + std::to_string(rank) + ".restart0.pid", 10s);
+  EXPECT_GT(worker, 0);
+  const pid_t launcher = worker > 0 ? testing::ParentPid(worker) : -1;
+  EXPECT_GT(launcher, 0);
+  if (launcher > 0) kill(launcher, SIGKILL);
+  return worker;
+}
+
+// Every launcher's output, after checking that exactly one was killed and
+// the others succeeded.
+std::string OneKilledOthersSucceeded(const std::vector<testing::ProgramRun>& runs) {
+  int killed = 0;
+  std::string all;
+  for (const auto& run : runs) all += run.output;
+  for (const auto& run : runs) {
+    if (run.exit_code == 128 + SIGKILL) {
+      ++killed;
+    } else {
+      EXPECT_EQ(run.exit_code, 0) << all;
+    }
+  }
+  EXPECT_EQ(killed, 1) << all;
+  return all;
+}
+
 TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
   // Node 1's launcher is killed; node 0 declares it dead after 1 s and
   // restarts the job, in which a launcher started by hand takes its place.
@@ -331,27 +359,13 @@ TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
                                                  "--sleep_before_restart=1", "--pid_dir=" + dir};
   const int first = job.Start(flags, worker_flags);
   const int second = job.Start(flags, worker_flags);
-  // Node 1 runs rank 1; its launcher is that worker's parent.
-  const pid_t worker = testing::ReadPidFile(dir + "/rank1.restart0.pid", 10s);
-  ASSERT_GT(worker, 0);
-  const pid_t node1 = testing::ParentPid(worker);
-  ASSERT_GT(node1, 0);
-  kill(node1, SIGKILL);
+  // Node 1 runs rank 1.
+  const pid_t worker = KillLauncherOf(dir, 1);
   const int relaunched = job.Start(flags, worker_flags);
   const auto start = Clock::now();
   std::vector<testing::ProgramRun> runs = {job.Wait(first), job.Wait(second), job.Wait(relaunched)};
   EXPECT_LT(Clock::now() - start, 20s);
-  int killed = 0;
-  std::string all;
-  for (const auto& run : runs) {
-    all += run.output;
-    if (run.exit_code == 128 + SIGKILL) {
-      ++killed;
-    } else {
-      EXPECT_EQ(run.exit_code, 0) << run.output;
-    }
-  }
-  EXPECT_EQ(killed, 1) << all;
+  const std::string all = OneKilledOthersSucceeded(runs);
   EXPECT_THAT(all, HasSubstr("node 1's launcher sent no heartbeat for"));
   EXPECT_THAT(all, HasSubstr("restarting the job (restart 1 of 1)"));
   EXPECT_EQ(CountLines(all, "ddprun: restart 1: joined as node 1 of 2"), 1) << all;
@@ -435,23 +449,8 @@ TEST(DdprunMultinodeTest, ElasticJobGoesOnWithoutADeadNode) {
   const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
                                                  "--sleep_before_restart=1", "--pid_dir=" + dir};
   for (int i = 0; i < 3; ++i) job.Start(flags, worker_flags);
-  const pid_t worker = testing::ReadPidFile(dir + "/rank2.restart0.pid", 10s);
-  ASSERT_GT(worker, 0);
-  const pid_t node2 = testing::ParentPid(worker);
-  ASSERT_GT(node2, 0);
-  kill(node2, SIGKILL);
-  const auto runs = job.WaitAll();
-  int killed = 0;
-  std::string all;
-  for (const auto& run : runs) {
-    all += run.output;
-    if (run.exit_code == 128 + SIGKILL) {
-      ++killed;
-    } else {
-      EXPECT_EQ(run.exit_code, 0) << run.output;
-    }
-  }
-  EXPECT_EQ(killed, 1) << all;
+  const pid_t worker = KillLauncherOf(dir, 2);
+  const std::string all = OneKilledOthersSucceeded(job.WaitAll());
   EXPECT_THAT(all, HasSubstr("ddprun: the job runs on 3 nodes (--nnodes=2:3)\n"));
   EXPECT_THAT(all, HasSubstr("node 2's launcher sent no heartbeat for"));
   EXPECT_THAT(all, HasSubstr("ddprun: the job runs on 2 nodes (--nnodes=2:3) from restart 1"));
