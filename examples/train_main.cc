@@ -84,6 +84,9 @@ DEFINE_bool(zero, false,
             "shard the optimizer state across ranks (ZeRO stage 1); results are the same, each "
             "rank keeps the state of its own parameters only");
 DEFINE_double(bucket_cap_mb, 25, "gradient bucket size in MiB for the overlapped all-reduce");
+DEFINE_string(comm_hook, "allreduce",
+              "how gradient buckets are reduced: allreduce, fp16 or bf16 (half the bytes on the "
+              "wire), powersgd (rank-1 PowerSGD from step 1000)");
 DEFINE_int64(timeout_s, 300,
              "deadline of every collective in seconds: a rank that stops responding (hung, "
              "stopped, cut off) fails the job after this long");
@@ -173,7 +176,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
-       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "bucket_cap_mb",
+       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "bucket_cap_mb", "comm_hook",
         "find_unused_parameters", "ddp_stats", "trace", "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
@@ -290,6 +293,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.sync_bn = FLAGS_sync_bn;
   c.zero = FLAGS_zero;
   c.bucket_cap_mb = FLAGS_bucket_cap_mb;
+  c.comm_hook = FLAGS_comm_hook;
   c.timeout_s = FLAGS_timeout_s;
   c.find_unused_parameters = FLAGS_find_unused_parameters;
   c.ddp_stats = FLAGS_ddp_stats;

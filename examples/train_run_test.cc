@@ -69,6 +69,19 @@ TEST(TrainRunTest, PrintsHeaderEpochsAndResultAndWritesMetrics) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/ckpt.safetensors"));
 }
 
+TEST(TrainRunTest, CompressedGradientsTrainAndSaySo) {
+  const std::string dir = testing::MakeTempDir("bf16_hook");
+  std::vector<std::string> args = QuickRun(dir);
+  args.push_back("--comm_hook=bf16");
+  args.push_back("--epochs=1");
+  const RunOutput r = RunToEnd(args);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> lines = Lines(r.out);
+  ASSERT_GE(lines.size(), 2u) << r.out;
+  EXPECT_NE(lines[1].find(", bf16-compressed gradients"), std::string::npos) << lines[1];
+  EXPECT_NE(lines.back().find("RESULT model=mlp ranks=2 epochs=1"), std::string::npos) << lines.back();
+}
+
 TEST(TrainRunTest, ChromiumShowsBothCurvesOfTheChart) {
   const std::string dir = testing::MakeTempDir("chart");
   const RunOutput r = RunToEnd(QuickRun(dir));

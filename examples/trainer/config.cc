@@ -45,6 +45,10 @@ void ValidateConfig(const TrainConfig& c) {
   if (!Contains(schedulers, c.scheduler)) {
     throw UsageError("unknown --scheduler=" + c.scheduler + "; use " + OneOf(schedulers));
   }
+  const std::vector<std::string> hooks = {"allreduce", "fp16", "bf16", "powersgd"};
+  if (!Contains(hooks, c.comm_hook)) {
+    throw UsageError("unknown --comm_hook=" + c.comm_hook + "; use " + OneOf(hooks));
+  }
   const std::vector<std::string> amps = {"off", "bf16", "fp16"};
   if (!Contains(amps, c.amp)) {
     throw UsageError("unknown --amp=" + c.amp + "; use " + OneOf(amps));

@@ -65,6 +65,9 @@ struct TrainConfig {
   /// Shard the optimizer state across ranks (ZeroRedundancyOptimizer).
   bool zero = false;
   double bucket_cap_mb = 25.0;
+  /// How DDP reduces gradient buckets: allreduce (f32), fp16 or bf16
+  /// (compressed on the wire), powersgd (rank 1 from step 1000).
+  std::string comm_hook = "allreduce";
   /// Deadline of every collective, in seconds: a rank that stops
   /// responding (hung, stopped, cut off) fails the job after this long.
   int64_t timeout_s = 300;

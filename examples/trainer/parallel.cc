@@ -3,7 +3,9 @@
 #include <cmath>
 #include <filesystem>
 
+#include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/sync_batch_norm.h"
 #include "ddp/zero_redundancy_optimizer.h"
@@ -63,6 +65,9 @@ class DdpParallel : public Parallel {
     Guarded("DistributedDataParallel", [&] {
       ddp_ = std::make_unique<dist::DistributedDataParallel>(std::move(model), o);
     });
+    if (config.comm_hook == "fp16") ddp_->RegisterCommHook(dist::hooks::Fp16CompressHook());
+    if (config.comm_hook == "bf16") ddp_->RegisterCommHook(dist::hooks::Bf16CompressHook());
+    if (config.comm_hook == "powersgd") ddp_->RegisterCommHook(dist::hooks::PowerSgdHook({}));
   }
 
   nn::Tensor Forward(const nn::Tensor& input) override {

@@ -334,6 +334,10 @@ void Run::Setup() {
                      (c_.epochs == 1 ? " epoch" : " epochs") + " of " +
                      FormatCount(steps_per_epoch_) + " steps";
   if (c_.max_steps > 0) plan += " (at most " + FormatCount(c_.max_steps) + " steps)";
+  if (world_ > 1 && c_.comm_hook != "allreduce") {
+    plan += dot + (c_.comm_hook == "powersgd" ? std::string("PowerSGD gradients (rank 1 from step 1,000)")
+                                              : c_.comm_hook + "-compressed gradients");
+  }
   Say(console_.Dim(plan));
   if (!c_.checkpoint.empty()) {
     Say(console_.Dim("  checkpoint " + c_.checkpoint +
