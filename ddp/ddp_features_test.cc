@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -662,6 +663,35 @@ DDP_TEST_WORKER(new_group) {
 
 TEST(DdpFeaturesTest, SubgroupsTrainTheirOwnReplicas) {
   auto run = RunWorkers("new_group", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A rank that aborts the job's group takes the groups made from it down
+// too: its peer, waiting in such a group, fails within moments with the
+// reason instead of waiting out the 20 s deadline.
+DDP_TEST_WORKER(abort_reaches_subgroups) {
+  auto pg = testing::WorkerGroup();
+  std::shared_ptr<ProcessGroup> sub = pg->NewGroup({0, 1});
+  WORKER_EXPECT(sub != nullptr, "no subgroup");
+  if (pg->rank() == 0) {
+    pg->Abort(transport::FailedPreconditionError("rank 0 gave up on purpose"));
+    WORKER_EXPECT(!sub->aborted_reason().ok(), "the subgroup was not aborted here");
+    return testing::WorkerExit();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    sub->AllReduce(nn::Ones({4})).Wait();
+    WORKER_EXPECT(false, "the subgroup's all-reduce succeeded without rank 0");
+  } catch (const DistributedError& e) {
+    WORKER_EXPECT(std::string(e.what()).find("rank 0 gave up on purpose") != std::string::npos, e.what());
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(waited < 5, "waited " + std::to_string(waited) + " s for the aborted subgroup");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AbortReachesTheGroupsMadeFromTheGroup) {
+  auto run = RunWorkers("abort_reaches_subgroups", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -44,9 +44,9 @@ struct PostLocalSgdOptions {
   /// (PyTorch's post_local_gradient_allreduce=False). Unlike PyTorch, null
   /// does not mean one subgroup per node: pass NewSubgroupsByHost(*pg) for
   /// that. Under Join the subgroup's sum over its active ranks is divided
-  /// by its full size, as in PyTorch. A subgroup is not aborted with the
-  /// DDP group: a rank that fails in the local phase leaves its subgroup
-  /// peers to their collective timeout.
+  /// by its full size, as in PyTorch. A subgroup made from the DDP group
+  /// by NewGroup is aborted with it (a rank that fails in the local phase
+  /// stops its subgroup peers too).
   std::shared_ptr<ProcessGroup> subgroup;
 };
 

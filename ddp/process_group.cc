@@ -450,10 +450,26 @@ class ProcessGroup::Impl {
   void Abort(const Status& reason) {
     if (comm_ != nullptr) {
       comm_->Abort(reason);
-      return;
+    } else {
+      std::lock_guard lock(abort_mu_);
+      if (aborted_.ok()) aborted_ = reason;
     }
+    // The groups made from this one (NewGroup) go down with it, so that
+    // none of their ranks waits out its deadline for a rank that gave up.
+    std::vector<std::weak_ptr<ProcessGroup>> children;
+    {
+      std::lock_guard lock(abort_mu_);
+      children = children_;
+    }
+    for (const auto& weak : children) {
+      if (std::shared_ptr<ProcessGroup> child = weak.lock()) child->Abort(reason);
+    }
+  }
+
+  void AddChild(const std::shared_ptr<ProcessGroup>& child) {
     std::lock_guard lock(abort_mu_);
-    if (aborted_.ok()) aborted_ = reason;
+    std::erase_if(children_, [](const std::weak_ptr<ProcessGroup>& w) { return w.expired(); });
+    children_.push_back(child);
   }
 
   // The host's ranks exchange through shared memory (on one host, or inside
@@ -651,6 +667,7 @@ class ProcessGroup::Impl {
 
   mutable std::mutex abort_mu_;
   Status aborted_;  // one-process groups only; otherwise the communicator's
+  std::vector<std::weak_ptr<ProcessGroup>> children_;  // made by NewGroup
 };
 
 // -------------------------------------------------------- ProcessGroup ----
@@ -1440,8 +1457,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
     return Status::Ok();
   }, nullptr).Wait();
   if (!member) return nullptr;
-  if (*made == nullptr) return Single(options_);
-  return std::make_shared<ProcessGroup>(std::move(*made), options_);
+  std::shared_ptr<ProcessGroup> child =
+      *made == nullptr ? Single(options_) : std::make_shared<ProcessGroup>(std::move(*made), options_);
+  impl_->AddChild(child);
+  return child;
 }
 
 Work ProcessGroup::Run(const CollectiveDescription& description, Task task,

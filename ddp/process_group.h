@@ -390,7 +390,8 @@ class ProcessGroup {
   /// OK, or the reason this group's communicator was aborted.
   transport::Status aborted_reason() const;
   /// Aborts the communicator: queued and later collectives fail with `reason`
-  /// here, and peers learn it within about 100 ms.
+  /// here, and peers learn it within about 100 ms. The groups made from this
+  /// one by NewGroup (still alive) are aborted with it.
   void Abort(const transport::Status& reason);
 
   class Impl;
