@@ -723,7 +723,8 @@ struct JoinResult {
 
 // Other launchers: takes a seat in round `round` or, when left out, in a
 // later one. `previous` is this launcher's node rank of round - 1 (-1:
-// none). Waits within --rdzv_timeout for each round it tries.
+// none). Waits for each round it tries up to RoundFormingTime from when
+// node 0 opens it (as long as the job runs, for a spare).
 StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int max_nodes,
                                int round, int previous, const std::string& name) {
   while (true) {
