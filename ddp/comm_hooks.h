@@ -8,13 +8,14 @@
 //
 // Contract of a hook: it receives the bucket with this rank's gradients
 // already divided by the divisor (the world size, or the ranks still active
-// under Join; undivided for CommHook::OnLocalGradients), and must leave in bucket.buffer() the sum over all ranks
-// (the average gradient), by the time the returned Work completes; local
-// SGD's hooks (NoopHook, model_averaging.h) leave a local or subgroup
-// average instead, on purpose. It is called on the thread
-// running backward, must not block, and must issue the same collectives on
-// every rank: run the communication through ProcessGroup (Run() executes a
-// function on the communication thread, in order with everything else).
+// under Join; undivided for CommHook::OnLocalGradients), and must leave in
+// bucket.buffer() the sum over all ranks (the average gradient) by the
+// time the returned Work completes; local SGD's hooks (NoopHook,
+// model_averaging.h) leave a local or subgroup average instead, on
+// purpose. It is called on the thread running backward, must not block,
+// and must issue the same collectives on every rank: run the communication
+// through ProcessGroup (Run() executes a function on the communication
+// thread, in order with everything else).
 
 #include <cstddef>
 #include <functional>
@@ -48,8 +49,9 @@ class GradBucket {
   const std::vector<nn::Tensor>& parameters() const { return parameters_; }
   /// Element offset of each parameter's gradient in the buffer.
   const std::vector<int64_t>& offsets() const { return offsets_; }
-  /// What this rank's gradients in the buffer were divided by: the world
-  /// size, or under Join the ranks still active (JoinOptions).
+  /// The divisor of this iteration's average: the world size, or under
+  /// Join the ranks still active (JoinOptions). The buffer's gradients were
+  /// divided by it, unless the hook takes local gradients.
   double divisor() const { return divisor_; }
 
  private:
