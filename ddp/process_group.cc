@@ -437,7 +437,8 @@ class ProcessGroup::Impl {
       lock.unlock();
       Abort(transport::AbortedError("process group of rank " + std::to_string(rank_) +
                                     " destroyed with " + std::to_string(pending) +
-                                    " collective(s) unfinished"));
+                                    " collective(s) unfinished"),
+            /*cascade=*/false);
       lock.lock();
     }
     stopping_ = true;
@@ -447,29 +448,39 @@ class ProcessGroup::Impl {
     thread_.join();
   }
 
-  void Abort(const Status& reason) {
+  // `cascade`: also abort the live groups made from this one (NewGroup),
+  // so that none of their ranks waits out its deadline for a rank that gave
+  // up; they get the reason this group settled on (the first, perhaps a
+  // peer's). Not when this group is merely destroyed: a subgroup may
+  // outlive it.
+  void Abort(const Status& reason, bool cascade = true) {
     if (comm_ != nullptr) {
       comm_->Abort(reason);
     } else {
       std::lock_guard lock(abort_mu_);
       if (aborted_.ok()) aborted_ = reason;
     }
-    // The groups made from this one (NewGroup) go down with it, so that
-    // none of their ranks waits out its deadline for a rank that gave up.
+    if (!cascade) return;
+    Status settled = aborted_reason();
+    if (settled.ok()) settled = reason;
     std::vector<std::weak_ptr<ProcessGroup>> children;
     {
       std::lock_guard lock(abort_mu_);
       children = children_;
     }
     for (const auto& weak : children) {
-      if (std::shared_ptr<ProcessGroup> child = weak.lock()) child->Abort(reason);
+      if (std::shared_ptr<ProcessGroup> child = weak.lock()) child->Abort(settled);
     }
   }
 
+  // A group made from this one; aborted at once if this one already is.
   void AddChild(const std::shared_ptr<ProcessGroup>& child) {
-    std::lock_guard lock(abort_mu_);
-    std::erase_if(children_, [](const std::weak_ptr<ProcessGroup>& w) { return w.expired(); });
-    children_.push_back(child);
+    {
+      std::lock_guard lock(abort_mu_);
+      std::erase_if(children_, [](const std::weak_ptr<ProcessGroup>& w) { return w.expired(); });
+      children_.push_back(child);
+    }
+    if (const Status reason = aborted_reason(); !reason.ok()) child->Abort(reason);
   }
 
   // The host's ranks exchange through shared memory (on one host, or inside

@@ -75,6 +75,10 @@ TEST(TrainCliTest, MissingDatasetNamesThePackageAndDataDir) {
 TEST(TrainCliTest, UnknownCommHookListsTheHooks) {
   EXPECT_EQ(OneErrorLine(Train({"--comm_hook=int8"})),
             "train: unknown --comm_hook=int8; use one of allreduce, fp16, bf16, powersgd");
+  // A hook that would leave the gradients as they are is refused.
+  EXPECT_EQ(OneErrorLine(Train({"--comm_hook=bf16", "--amp=bf16"})),
+            "train: --amp=bf16 on the CPU makes the whole model bf16, so its gradients already travel "
+            "in 16 bits and --comm_hook=bf16 would leave them as they are; drop one of the two");
 }
 
 TEST(TrainCliTest, UnknownModelListsTheModels) {

@@ -107,6 +107,17 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--zero leaves each rank the optimizer of its own parameters, and --amp=fp16's "
                      "loss scaler must see every gradient; use --amp=bf16, or drop --zero");
   }
+  // Hooks that would do nothing say so instead of printing a plan they do
+  // not follow.
+  if (c.comm_hook == "powersgd" && c.device == "cuda") {
+    throw UsageError("--comm_hook=powersgd compresses gradients in host memory only; with "
+                     "--device=cuda they would travel uncompressed: use --comm_hook=fp16 or bf16");
+  }
+  if (c.comm_hook != "allreduce" && c.amp != "off" && c.device != "cuda") {
+    throw UsageError("--amp=" + c.amp + " on the CPU makes the whole model " + c.amp +
+                     ", so its gradients already travel in 16 bits and --comm_hook=" + c.comm_hook +
+                     " would leave them as they are; drop one of the two");
+  }
   if (c.sync_bn && c.model.rfind("resnet", 0) != 0) {
     throw UsageError("--sync_bn converts BatchNorm layers, and --model=" + c.model +
                      " has none; use it with a resnet");

@@ -1,5 +1,6 @@
 #include "examples/trainer/parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -51,7 +52,8 @@ class DdpParallel : public Parallel {
     if (config.sync_bn) model = dist::ConvertSyncBatchNorm(model, pg_);
   }
 
-  void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config) override {
+  void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config,
+              int64_t step) override {
     dist::DdpOptions o;
     o.bucket_cap_mb = config.bucket_cap_mb;
     o.find_unused_parameters = config.find_unused_parameters;
@@ -67,7 +69,13 @@ class DdpParallel : public Parallel {
     });
     if (config.comm_hook == "fp16") ddp_->RegisterCommHook(dist::hooks::Fp16CompressHook());
     if (config.comm_hook == "bf16") ddp_->RegisterCommHook(dist::hooks::Bf16CompressHook());
-    if (config.comm_hook == "powersgd") ddp_->RegisterCommHook(dist::hooks::PowerSgdHook({}));
+    if (config.comm_hook == "powersgd") {
+      // PyTorch's default warm-up, counted from the run's first step; the
+      // approximation itself (Q, residuals) starts afresh on a resume.
+      const dist::PowerSgdOptions defaults;
+      ddp_->RegisterCommHook(dist::hooks::PowerSgdHook(
+          {.start_iteration = std::max<int64_t>(0, defaults.start_iteration - step)}));
+    }
   }
 
   nn::Tensor Forward(const nn::Tensor& input) override {

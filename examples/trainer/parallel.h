@@ -86,7 +86,10 @@ class Parallel {
   virtual void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) = 0;
   /// Wraps `model` for training. Collective; once, before the first Forward.
   /// Every rank must hold the same architecture; rank 0's values win.
-  virtual void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config) = 0;
+  /// `step`: optimizer steps already taken (a resumed run), so that
+  /// --comm_hook=powersgd still starts compressing at step 1,000.
+  virtual void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config,
+                      int64_t step) = 0;
   /// Forward through the wrapper (training).
   virtual nn::Tensor Forward(const nn::Tensor& input) = 0;
   /// Backward from `loss`; unless inside a NoSyncScope, every rank holds the

@@ -311,7 +311,7 @@ void Run::Setup() {
   }
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.
-  par_.Attach(model_, c_);
+  par_.Attach(model_, c_, pos_.step);
 
   if (lead_ && !c_.log_dir.empty()) {
     log_ = std::make_unique<MetricsLog>(
