@@ -10,18 +10,18 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "examples/testing/checkpoint_step.h"
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
-#include "nn/io/checkpoint.h"
 
 namespace ddp::examples {
 namespace {
 
+using testing::CheckpointStep;
 using testing::Runfile;
 using testing::Subprocess;
 using Clock = std::chrono::steady_clock;
@@ -40,16 +40,6 @@ int FreePort() {
   }
   close(fd);
   return ntohs(addr.sin_port);
-}
-
-int64_t CheckpointStep(const std::string& path) {
-  if (!std::filesystem::exists(path)) return -1;
-  try {
-    const nn::io::Checkpoint c = nn::io::LoadCheckpoint(path);
-    return nn::io::MetadataInt(c.metadata, "step", path);
-  } catch (const std::exception&) {
-    return -1;  // being replaced right now (the rename is atomic): retry
-  }
 }
 
 TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {

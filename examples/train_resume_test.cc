@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "examples/testing/checkpoint_step.h"
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
 #include "nn/io/checkpoint.h"
@@ -20,6 +21,7 @@
 namespace ddp::examples {
 namespace {
 
+using testing::CheckpointStep;
 using testing::RunOutput;
 using testing::Runfile;
 using testing::Subprocess;
@@ -32,18 +34,6 @@ std::vector<std::string> Args(const std::string& checkpoint) {
           "--train_samples=1024",    "--test_samples=128",  "--batch_size=16",
           "--epochs=3",              "--scheduler=cosine",  "--workers=1",
           "--checkpoint_every=4",    "--checkpoint=" + checkpoint};
-}
-
-// Step recorded in a checkpoint's metadata, or -1 when there is no
-// complete checkpoint.
-int64_t CheckpointStep(const std::string& path) {
-  if (!std::filesystem::exists(path)) return -1;
-  try {
-    const nn::io::Checkpoint c = nn::io::LoadCheckpoint(path);
-    return nn::io::MetadataInt(c.metadata, "step", path);
-  } catch (const std::exception&) {
-    return -1;  // being replaced right now: rename is atomic, so retry
-  }
 }
 
 // Waits until the checkpoint at `path` records at least `step`.
