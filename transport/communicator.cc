@@ -25,6 +25,7 @@
 #include "transport/algorithms/hierarchical_all_reduce.h"
 #include "transport/algorithms/rooted_reduce.h"
 #include "transport/collectives.h"
+#include "transport/reduce/reduce.h"
 #include "transport/cuda/device_staging.h"
 #include "transport/cuda/ipc_collectives.h"
 #include "transport/cuda/staging_pipeline.h"
@@ -209,6 +210,9 @@ class Communicator::Impl {
 
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                    Algorithm requested, Deadline deadline);
+  // Communicator::AllReduceThrough on host buffers.
+  Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                          const SliceFn& apply, Algorithm requested, Deadline deadline);
   // host_memory: `buffer` is host memory (the shared-memory path may take
   // it); device memory goes to UCX.
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
@@ -956,6 +960,58 @@ Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count,
   return internal::RunAllReduce(algorithm, *ring_view_, args);
 }
 
+Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t count,
+                                            DataType dtype, ReduceOp op, const SliceFn& apply,
+                                            Algorithm requested, Deadline deadline) {
+  const size_t elem = DataTypeSize(dtype);
+  const int size = options_.world_size;
+  const shm::SliceRange mine = shm::SliceOf(count, elem, size, options_.rank);
+  if (size == 1) {
+    if (count > 0 && recv != send) std::memmove(recv, send, count * elem);
+    return apply(recv, 0, count);
+  }
+  if (Choose(count * elem, requested) == Algorithm::kSharedMemory) {
+    ++sequence_;  // keeps collective numbering equal on every path
+    // The engine folds kAvg as a sum and leaves the division to the slice's
+    // function; only the owner touches its slice, so dividing here is one
+    // pass over 1/size of the vector.
+    const shm::ShmAllReduce::SliceFn across = [&](void* slice, size_t offset, size_t n) {
+      if (op == ReduceOp::kAvg && n > 0) reduce::DivideInPlace(dtype, slice, n, size);
+      return apply(slice, offset, n);
+    };
+    return shm_->AllReduceThrough(send, recv, count, dtype, op, across, deadline, watchdog_);
+  }
+  // Elsewhere: equal blocks (the slices, the last ones padded) through the
+  // reduce-scatter and all-gather algorithms. Padding is zeros; no slice
+  // reads it.
+  const size_t block = shm::SliceOf(count, elem, size, 0).end;
+  std::vector<char> padded(block * static_cast<size_t>(size) * elem, 0);
+  std::vector<char> slice(block * elem);
+  if (count > 0) std::memcpy(padded.data(), send, count * elem);
+  if (block > 0) {
+    DDP_RETURN_IF_ERROR(internal::RunReduceScatter(
+        *p2p_, Args(padded.data(), slice.data(), block, dtype, op, 0, deadline)));
+  }
+  Status applied = apply(slice.data(), mine.begin, mine.end - mine.begin);
+  // A failed apply still takes part in the all-gather, so that no peer is
+  // left waiting for this rank, and then in a one-word all-reduce that
+  // tells every rank whether some slice is not what apply should have made.
+  if (block > 0) {
+    DDP_RETURN_IF_ERROR(internal::RunAllGather(
+        *p2p_, Args(slice.data(), padded.data(), block, dtype, ReduceOp::kSum, 0, deadline)));
+  }
+  int32_t failed = applied.ok() ? -1 : options_.rank;
+  DDP_RETURN_IF_ERROR(AllReduce(&failed, &failed, 1, DataType::kI32, ReduceOp::kMax,
+                                Algorithm::kAuto, deadline));
+  DDP_RETURN_IF_ERROR(applied);
+  if (failed >= 0) {
+    return InternalError("all-reduce-through: the slice function failed on rank " +
+                         std::to_string(failed));
+  }
+  if (count > 0) std::memcpy(recv, padded.data(), count * elem);
+  return Status::Ok();
+}
+
 Status Communicator::Impl::Broadcast(void* buffer, size_t count, DataType dtype, int root,
                                      Deadline deadline, bool host_memory) {
   if (shm_ != nullptr && host_memory) {
@@ -1530,6 +1586,27 @@ Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataT
 Status Communicator::AllReduce(void* buffer, size_t count, DataType dtype, ReduceOp op,
                                const CallOptions& call) {
   return AllReduce(buffer, buffer, count, dtype, op, call);
+}
+
+Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
+                                      ReduceOp op, const SliceFn& apply, const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce-through send buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce-through receive buffer"));
+  if (!apply) return InvalidArgumentError("all-reduce-through: no slice function");
+  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce-through"));
+  if (device >= 0) {
+    return InvalidArgumentError("all-reduce-through: send and recv must be host memory (got cuda:" +
+                                std::to_string(device) + " buffers)");
+  }
+  return impl_->RunBlocking(call, [=, this](Deadline d) {
+    return impl_->AllReduceThrough(send, recv, count, dtype, op, apply, call.algorithm, d);
+  });
+}
+
+std::pair<size_t, size_t> Communicator::ThroughSlice(size_t count, DataType dtype, int rank) const {
+  const shm::SliceRange range = shm::SliceOf(count, DataTypeSize(dtype), size(), rank);
+  return {range.begin, range.end};
 }
 
 Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int root,

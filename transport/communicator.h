@@ -23,9 +23,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "transport/status.h"
 #include "transport/types.h"
@@ -216,6 +218,28 @@ class Communicator {
   /// In-place AllReduce.
   Status AllReduce(void* buffer, size_t count, DataType dtype, ReduceOp op,
                    const CallOptions& call = {});
+  /// Called by AllReduceThrough with this rank's slice of the reduced
+  /// vector: elements [offset, offset + count) of it, at `slice` in recv.
+  using SliceFn = std::function<Status(void* slice, size_t offset, size_t count)>;
+  /// An all-reduce that passes each rank's share of the result through
+  /// `apply` before the ranks exchange it: the ranks reduce-scatter send
+  /// (rank r gets the slice ThroughSlice(count, dtype, r) says; kAvg already
+  /// divided), each calls apply(slice, offset, count) once (also for an
+  /// empty slice), which may rewrite its slice in place, and the ranks then
+  /// all-gather the slices: every rank's recv ends as the applied slices
+  /// end to end. The bytes moved are an AllReduce's. Made for an optimizer
+  /// step fused into the gradient reduction (each rank updates only its
+  /// slice of the parameters and sends those instead of gradients). Host
+  /// buffers; send may equal recv. An apply that fails fails the call on
+  /// every rank with its status. On one host it runs in the shared-memory
+  /// engine (one fold per slice, two rendezvous); elsewhere as
+  /// ReduceScatter and AllGather on copies padded to equal slices.
+  Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
+                          ReduceOp op, const SliceFn& apply, const CallOptions& call = {});
+  /// Rank `rank`'s slice [first, second) of an AllReduceThrough of `count`
+  /// elements of `dtype`: equal blocks rounded up to whole 64-byte lines, so
+  /// the last ranks' slices may be short or empty. The same on every path.
+  std::pair<size_t, size_t> ThroughSlice(size_t count, DataType dtype, int rank) const;
   /// Copies `count` elements of root's `buffer` into every rank's `buffer`.
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root,
                    const CallOptions& call = {});

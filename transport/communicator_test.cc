@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -453,11 +454,77 @@ int ScenarioSplitWithoutStoreRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// AllReduceThrough: each rank's slice (as ThroughSlice says) arrives
+// reduced, apply rewrites it (x -> 3x + rank, so every slice shows which
+// rank applied it), and every rank ends with all applied slices; in place
+// and out of place, kSum and kAvg, empty and uneven lengths; then a slice
+// function that fails on the last rank fails the call on every rank.
+int ScenarioThrough() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    for (size_t count : {size_t{0}, size_t{5}, size_t{1001}, size_t{300000}}) {
+      for (bool in_place : {false, true}) {
+        std::vector<float> send(count), recv(count + 1, -7.0f);
+        for (size_t i = 0; i < count; ++i) send[i] = static_cast<float>((i % 13) + me);
+        if (in_place) std::copy(send.begin(), send.end(), recv.begin());
+        int calls = 0;
+        size_t seen_offset = 0, seen_count = 0;
+        const auto [begin, end] = comm->ThroughSlice(count, DataType::kF32, me);
+        Status s = comm->AllReduceThrough(
+            in_place ? recv.data() : send.data(), recv.data(), count, DataType::kF32, op,
+            [&](void* slice, size_t offset, size_t len) {
+              ++calls;
+              seen_offset = offset;
+              seen_count = len;
+              float* f = static_cast<float*>(slice);
+              for (size_t i = 0; i < len; ++i) f[i] = 3 * f[i] + static_cast<float>(me);
+              return Status::Ok();
+            });
+        const std::string what = std::string("through ") + (op == ReduceOp::kAvg ? "avg" : "sum") +
+                                 " count " + std::to_string(count) + (in_place ? " in place" : "");
+        WORKER_CHECK(s.ok(), what + ": " + s.ToString());
+        WORKER_CHECK(calls == 1, what + ": apply ran " + std::to_string(calls) + " times");
+        WORKER_CHECK(seen_offset == begin && seen_count == end - begin,
+                     what + ": apply saw [" + std::to_string(seen_offset) + ", +" +
+                         std::to_string(seen_count) + "), ThroughSlice says [" +
+                         std::to_string(begin) + ", " + std::to_string(end) + ")");
+        size_t wrong = 0;
+        for (int q = 0; q < n; ++q) {
+          const auto [b, e] = comm->ThroughSlice(count, DataType::kF32, q);
+          for (size_t i = b; i < e; ++i) {
+            float sum = 0;
+            for (int r = 0; r < n; ++r) sum += static_cast<float>((i % 13) + r);
+            const float reduced = op == ReduceOp::kAvg ? sum / static_cast<float>(n) : sum;
+            wrong += std::fabs(recv[i] - (3 * reduced + static_cast<float>(q))) > 1e-4f;
+          }
+        }
+        WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " wrong");
+        WORKER_CHECK(recv[count] == -7.0f, what + ": wrote past the end");
+      }
+    }
+  }
+  std::vector<float> data(4096, 1.0f);
+  Status s = comm->AllReduceThrough(data.data(), data.data(), data.size(), DataType::kF32,
+                                    ReduceOp::kSum, [&](void*, size_t, size_t) {
+                                      return me == n - 1 ? InvalidArgumentError("step refused")
+                                                         : Status::Ok();
+                                    });
+  WORKER_CHECK(!s.ok(), "a failing slice function on the last rank went unnoticed");
+  std::printf("THROUGH_FAILED rank %d %s\n", me, s.ToString().c_str());
+  // Local mistakes.
+  WORKER_CHECK(comm->AllReduceThrough(data.data(), data.data(), data.size(), DataType::kF32,
+                                      ReduceOp::kSum, nullptr).code() == StatusCode::kInvalidArgument,
+               "a null slice function was accepted");
+  return 0;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
   if (name == "split_without_store_rank") return ScenarioSplitWithoutStoreRank();
   if (name == "alltoall") return ScenarioAllToAll();
+  if (name == "through") return ScenarioThrough();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -529,6 +596,25 @@ TEST(Communicator, AllToAllEqualAndUnevenBlocks) {
       EXPECT_NE(job.results[0].output.find("MISMATCH rank 0 INVALID_ARGUMENT"), std::string::npos)
           << job.Describe();
     }
+  }
+}
+
+// Through shared memory on one host, or reduce-scatter and all-gather over
+// UCX without it.
+TEST(Communicator, AllReduceThroughAppliesEachSliceOnItsRank) {
+  for (auto [n, shm] : {std::pair{1, "1"}, {2, "1"}, {3, "1"}, {2, "0"}, {3, "0"}}) {
+    SCOPED_TRACE(std::to_string(n) + " ranks, DDP_SHARED_MEMORY=" + shm);
+    Job job = RunJob(n, "through", {{"DDP_TEST_TIMEOUT_MS", "5000"}, {"DDP_SHARED_MEMORY", shm}});
+    for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    // The failing rank names its error; the others that or the rank (the
+    // UCX path carries a flag, not the message).
+    const std::string culprit = "failed on rank " + std::to_string(n - 1);
+    for (const auto& r : job.results) {
+      EXPECT_TRUE(r.output.find("step refused") != std::string::npos ||
+                  r.output.find(culprit) != std::string::npos)
+          << job.Describe();
+    }
+    EXPECT_NE(job.results.back().output.find("step refused"), std::string::npos) << job.Describe();
   }
 }
 

@@ -106,16 +106,19 @@ bool ExitsWithin(int pid, std::chrono::milliseconds within) {
   return exited;
 }
 
-// Element range [begin, end) of `rank`'s slice: equal blocks rounded to
-// whole cache lines, so that no two ranks write the same line.
 void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t& end) {
-  const size_t per_line = std::max<size_t>(1, 64 / elem);
-  const size_t block = RoundUp((count + size - 1) / size, per_line);
-  begin = std::min(count, block * rank);
-  end = std::min(count, block * (rank + 1));
+  const SliceRange range = SliceOf(count, elem, size, rank);
+  begin = range.begin;
+  end = range.end;
 }
 
 }  // namespace
+
+SliceRange SliceOf(size_t count, size_t elem, int size, int rank) {
+  const size_t per_line = std::max<size_t>(1, 64 / std::max<size_t>(1, elem));
+  const size_t block = RoundUp((count + size - 1) / size, per_line);
+  return {std::min(count, block * rank), std::min(count, block * (rank + 1))};
+}
 
 std::string ShmAllReduce::RankName(int rank) const {
   const bool named = static_cast<size_t>(rank) < options_.names.size();

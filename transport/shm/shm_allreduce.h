@@ -90,6 +90,17 @@
 
 namespace ddp::transport::shm {
 
+/// Element range [begin, end) of `rank`'s slice of `count` elements of
+/// `elem` bytes among `size` ranks, as the direct path and
+/// AllReduceThrough cut the vector: equal blocks rounded up to whole
+/// 64-byte cache lines (so that no two ranks write the same line); the last
+/// ranks' slices may be short or empty.
+struct SliceRange {
+  size_t begin = 0;
+  size_t end = 0;
+};
+SliceRange SliceOf(size_t count, size_t elem, int size, int rank);
+
 struct ShmOptions {
   int rank = 0;             ///< Rank in the group (all ranks on this host).
   int size = 1;
