@@ -84,13 +84,25 @@ class CommHook {
     return hook;
   }
 
+  /// This hook with the reducer keeping its first buckets: no rebuild from
+  /// the order gradients arrived in, so that a bucket is the same set of
+  /// parameters at the same offsets in every iteration (for hooks that keep
+  /// state per bucket and its elements, as OverlappedZeroOptimizer's).
+  CommHook WithFixedBuckets() const {
+    CommHook hook = *this;
+    hook.fixed_buckets_ = true;
+    return hook;
+  }
+
   Work operator()(ProcessGroup& group, GradBucket& bucket) const { return function_(group, bucket); }
   explicit operator bool() const { return static_cast<bool>(function_); }
   bool on_local_gradients() const { return local_gradients_; }
+  bool fixed_buckets() const { return fixed_buckets_; }
 
  private:
   Function function_;
   bool local_gradients_ = false;
+  bool fixed_buckets_ = false;
 };
 
 namespace hooks {

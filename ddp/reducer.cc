@@ -132,6 +132,9 @@ void Reducer::SetCommHook(CommHook hook) {
   }
   if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
   local_gradients_ = hook.on_local_gradients();
+  // Before the first backward no rebuild ran: whether one will is the
+  // hook's to say.
+  rebuilt_ = hook.fixed_buckets();
   hook_ = std::move(hook);
   default_hook_ = false;
 }

@@ -30,6 +30,7 @@
 #include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/model_averaging.h"
+#include "ddp/overlapped_zero_optimizer.h"
 #include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
@@ -70,6 +71,9 @@ DEFINE_string(collective_thread, "auto",
 DEFINE_bool(bind_to_core, false, "pin each rank (and its communication) to one core");
 DEFINE_string(trace_prefix, "", "write a Chrome trace per rank to <prefix>rank<r>.json");
 DEFINE_bool(zero, false, "shard the optimizer state across ranks (ZeroRedundancyOptimizer)");
+DEFINE_bool(zero_overlap, false,
+            "run the optimizer step inside each bucket's all-reduce, sharded across ranks "
+            "(OverlappedZeroOptimizer; with --hook=allreduce)");
 DEFINE_bool(eval, true, "measure test accuracy after training");
 DEFINE_int32(timeout_ms, 120000, "deadline of every collective");
 
@@ -193,7 +197,15 @@ int Run() {
   };
   std::unique_ptr<nn::optim::Optimizer> plain;
   std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;
-  if (FLAGS_zero) {
+  std::unique_ptr<dist::OverlappedZeroOptimizer> overlapped;
+  if (FLAGS_zero_overlap) {
+    if (FLAGS_zero || FLAGS_hook != "allreduce") {
+      std::fprintf(stderr, "ddp_bench: --zero_overlap is its own hook and optimizer: not with --zero or --hook=%s\n",
+                   FLAGS_hook.c_str());
+      return 2;
+    }
+    overlapped = std::make_unique<dist::OverlappedZeroOptimizer>(ddp_model, make_sgd);
+  } else if (FLAGS_zero) {
     zero = std::make_unique<dist::ZeroRedundancyOptimizer>(model->NamedParameters(), pg, make_sgd);
   } else {
     plain = make_sgd(model->NamedParameters());
@@ -222,10 +234,10 @@ int Run() {
   double loss_value = 0;
   auto step = [&](int64_t i) {
     Gather(*train, shard.data() + (i * bs) % span, bs, images, labels);
-    if (zero) zero->ZeroGrad(); else plain->ZeroGrad();
+    if (zero) zero->ZeroGrad(); else if (plain) plain->ZeroGrad();
     Tensor loss = nn::loss::CrossEntropy(ddp_model(images), labels);
     nn::Backward(loss);
-    if (zero) zero->Step(); else plain->Step();
+    if (zero) zero->Step(); else if (overlapped) overlapped->Step(); else plain->Step();
     if (averager) averager->AverageParameters(model->Parameters());
     loss_value = loss.Item();
   };

@@ -982,7 +982,8 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
     return shm_->AllReduceThrough(send, recv, count, dtype, op, across, deadline, watchdog_);
   }
   // Elsewhere: equal blocks (the slices, the last ones padded) through the
-  // reduce-scatter and all-gather algorithms. Padding is zeros; no slice
+  // reduce-scatter and all-gather algorithms, on copies (send may be recv,
+  // which the slice function's slice lies in). Padding is zeros; no slice
   // reads it.
   const size_t block = shm::SliceOf(count, elem, size, 0).end;
   std::vector<char> padded(block * static_cast<size_t>(size) * elem, 0);
@@ -992,7 +993,13 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
     DDP_RETURN_IF_ERROR(internal::RunReduceScatter(
         *p2p_, Args(padded.data(), slice.data(), block, dtype, op, 0, deadline)));
   }
-  Status applied = apply(slice.data(), mine.begin, mine.end - mine.begin);
+  // The slice function gets its slice where the shared-memory path has it:
+  // in recv, at its offset.
+  char* in_recv = static_cast<char*>(recv) + mine.begin * elem;
+  const size_t mine_bytes = (mine.end - mine.begin) * elem;
+  if (mine_bytes > 0) std::memcpy(in_recv, slice.data(), mine_bytes);
+  Status applied = apply(in_recv, mine.begin, mine.end - mine.begin);
+  if (mine_bytes > 0) std::memcpy(slice.data(), in_recv, mine_bytes);
   // A failed apply still takes part in the all-gather, so that no peer is
   // left waiting for this rank, and then in a one-word all-reduce that
   // tells every rank whether some slice is not what apply should have made.

@@ -219,7 +219,8 @@ class Communicator {
   Status AllReduce(void* buffer, size_t count, DataType dtype, ReduceOp op,
                    const CallOptions& call = {});
   /// Called by AllReduceThrough with this rank's slice of the reduced
-  /// vector: elements [offset, offset + count) of it, at `slice` in recv.
+  /// vector: elements [offset, offset + count) of it, which lie in recv at
+  /// that offset (slice == recv + offset elements).
   using SliceFn = std::function<Status(void* slice, size_t offset, size_t count)>;
   /// An all-reduce that passes each rank's share of the result through
   /// `apply` before the ranks exchange it: the ranks reduce-scatter send

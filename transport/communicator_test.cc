@@ -474,7 +474,7 @@ int ScenarioThrough() {
         Status s = comm->AllReduceThrough(
             in_place ? recv.data() : send.data(), recv.data(), count, DataType::kF32, op,
             [&](void* slice, size_t offset, size_t len) {
-              ++calls;
+              calls += slice == recv.data() + offset ? 1 : 100;  // where recv holds it
               seen_offset = offset;
               seen_count = len;
               float* f = static_cast<float*>(slice);

@@ -1,0 +1,101 @@
+#ifndef DDP_DDP_OVERLAPPED_ZERO_OPTIMIZER_H_
+#define DDP_DDP_OVERLAPPED_ZERO_OPTIMIZER_H_
+
+// The optimizer step run inside DistributedDataParallel's gradient
+// reduction, sharded across the ranks (ZeRO stage 1 overlapped with DDP, as
+// PyTorch's ZeroRedundancyOptimizer(overlap_with_ddp=True) with
+// hook_with_zero_step). Each bucket goes through one
+// Communicator::AllReduceThrough: the ranks reduce-scatter the bucket's
+// gradients, each rank updates the parameters of its slice of the bucket
+// with its own optimizer (holding momentum, Adam's moments and so on for
+// that slice only), and the ranks all-gather the updated parameters instead
+// of gradients. Per step a rank updates 1/N of the parameters, the bytes
+// sent equal plain DDP's, and the separate pass of the optimizer over every
+// parameter is gone: on one host the step runs on each slice while it is in
+// cache, between the two halves of the all-reduce.
+//
+//   DistributedDataParallel ddp(model, {.process_group = pg});
+//   OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+//     return std::make_unique<nn::optim::Sgd>(std::move(shard), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+//   });
+//   for (...) { auto loss = ...(ddp(x)); nn::Backward(loss); opt.Step(); }
+//
+// The parameters change during backward, as soon as their bucket is
+// reduced, so Step() only ends the step: it clears the gradients, which the
+// fused step consumed (after backward .grad holds no gradient; it is
+// unspecified). The result equals DDP followed by the unsharded optimizer,
+// to rounding: the step is elementwise and each element's owner runs it on
+// the averaged gradient.
+//
+// What it asks of the training loop, as PyTorch's overlap does:
+// - Nothing may read a parameter's old value after its gradient is ready
+//   (a detached use of a weight later in backward would see the new one).
+// - No gradient clipping, GradScaler or other look at the averaged
+//   gradients between backward and step: there is no such moment.
+// - CPU parameters, contiguous; DdpOptions::find_unused_parameters off (a
+//   parameter unused on every rank would still take a step).
+// - The buckets stay as first built (no rebuild from the observed gradient
+//   order), so that each rank's slice, and the state it keeps for it, never
+//   moves.
+// - NoSync works (the step runs at the synchronizing backward); Join works
+//   (ranks that ran out of data still step their slices with the others'
+//   gradients).
+// - The optimizer's update must be elementwise (every nn::optim optimizer
+//   but one that looks at whole tensors, as LAMB's norms).
+// - No checkpoint of the optimizer's state yet (the parameters save as
+//   usual; momentum and moments start afresh on resume).
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ddp/distributed_data_parallel.h"
+#include "nn/optim/optimizer.h"
+
+namespace ddp::dist {
+
+class OverlappedZeroOptimizer {
+ public:
+  /// Builds the optimizer of one rank's slice of one bucket: 1-D views of
+  /// the pieces of the parameters in that slice, named after them.
+  using Factory =
+      std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters shard)>;
+
+  /// Registers the fused step as `ddp`'s communication hook (call it
+  /// before the first backward, and keep this object alive while `ddp`
+  /// trains). Throws std::invalid_argument for a null factory, a parameter
+  /// that is not a contiguous CPU tensor (naming it), or
+  /// find_unused_parameters; std::logic_error after the first backward.
+  OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make);
+  ~OverlappedZeroOptimizer();
+  OverlappedZeroOptimizer(const OverlappedZeroOptimizer&) = delete;
+  OverlappedZeroOptimizer& operator=(const OverlappedZeroOptimizer&) = delete;
+
+  /// Ends the step the backward ran: clears every gradient.
+  void Step();
+  /// Clears every gradient (for loops that call it before backward).
+  void ZeroGrad();
+
+  /// The rate of the next steps, for every slice (schedulers call it on
+  /// every rank between steps, not during backward). lr() is the factory's
+  /// rate once the first step made the optimizers (0 before, unless set).
+  double lr() const;
+  void set_lr(double lr);
+  /// Steps run so far (synchronizing backwards).
+  int64_t steps() const;
+  /// Elements of the parameters this rank updates (its slices), once the
+  /// first step made them.
+  int64_t owned_elements() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace ddp::dist
+
+#endif  // DDP_DDP_OVERLAPPED_ZERO_OPTIMIZER_H_

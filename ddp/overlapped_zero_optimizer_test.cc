@@ -1,0 +1,231 @@
+// The optimizer step fused into DDP's reduction, over real processes: it
+// equals DDP followed by the unsharded optimizer (SGD with momentum and
+// weight decay, Adam; one bucket or many, copied or viewed gradients; 2 and
+// 3 ranks; through shared memory or over UCX), each rank updates only its
+// slices, NoSync and Join work; misuse is refused with a message.
+
+#include "ddp/overlapped_zero_optimizer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using nn::modules::Module;
+using testing::RunWorkers;
+
+constexpr int64_t kBatch = 16;
+
+std::shared_ptr<Module> Mlp(uint64_t seed) {
+  nn::Generator gen(seed);
+  return nn::modules::MakeMlp(gen);
+}
+
+std::shared_ptr<ProcessGroup> Borrow(ProcessGroup& pg) {
+  return std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+}
+
+std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(bool adam, nn::optim::NamedParameters params) {
+  if (adam) return std::make_unique<nn::optim::Adam>(std::move(params), nn::optim::AdamOptions{.lr = 1e-3});
+  return std::make_unique<nn::optim::Sgd>(
+      std::move(params), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-4});
+}
+
+// Steps of the fused optimizer against DDP with the unsharded optimizer on
+// the same batches.
+void CheckEqualsDdp(ProcessGroup& pg, DdpOptions options, bool adam, const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  const int rank = pg.rank(), world = pg.size();
+  options.process_group = Borrow(pg);
+  auto model = Mlp(21), reference = Mlp(21);
+  DistributedDataParallel ddp(model, options);
+  DistributedDataParallel ref_ddp(reference, options);
+  OverlappedZeroOptimizer opt(ddp, [adam](nn::optim::NamedParameters shard) {
+    return MakeOptimizer(adam, std::move(shard));
+  });
+  auto ref_opt = MakeOptimizer(adam, reference->NamedParameters());
+  for (int64_t step = 0; step < 8; ++step) {
+    auto [x, y] = testing::Batch(data, (step * world + rank) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    ref_opt->ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ref_ddp(x), y));
+    ref_opt->Step();
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + " step " + std::to_string(step) + ": `" + worst + "` off by " +
+                                    std::to_string(diff));
+  }
+  WORKER_EXPECT(opt.steps() == 8, what + ": counted " + std::to_string(opt.steps()) + " steps");
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+  for (const auto& [name, p] : model->NamedParameters()) {
+    WORKER_EXPECT(!p.grad().defined(), what + ": `" + name + "` keeps a gradient after Step");
+  }
+  // The slices cover every element once: this rank owns about 1/world.
+  int64_t total = 0;
+  for (const auto& [name, p] : model->NamedParameters()) total += p.numel();
+  Tensor owned = nn::Full({1}, static_cast<double>(opt.owned_elements()), {.dtype = nn::DType::kInt64});
+  pg.AllReduce(owned).Wait();
+  WORKER_EXPECT(owned.data<int64_t>()[0] == total,
+                what + ": the ranks own " + std::to_string(owned.data<int64_t>()[0]) + " of " +
+                    std::to_string(total) + " elements");
+  WORKER_EXPECT(opt.owned_elements() <= total / world + 16 * 8,
+                what + ": this rank owns " + std::to_string(opt.owned_elements()) + " of " +
+                    std::to_string(total) + " elements");
+}
+
+DDP_TEST_WORKER(equals_ddp) {
+  auto pg = testing::WorkerGroup();
+  CheckEqualsDdp(*pg, {}, false, "SGD, default buckets");
+  CheckEqualsDdp(*pg, {}, true, "Adam, default buckets");
+  // Many buckets of several parameters each, copied and viewed.
+  CheckEqualsDdp(*pg, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.01, .inplace_gradient_mb = 0},
+                 false, "SGD, small buckets");
+  CheckEqualsDdp(*pg,
+                 {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.01, .inplace_gradient_mb = 0,
+                  .gradient_as_bucket_view = true},
+                 true, "Adam, small buckets as views");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, EqualsDdpAndTheUnshardedOptimizerOnTwoRanks) {
+  auto run = RunWorkers("equals_ddp", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(OverlappedZeroOptimizerTest, EqualsDdpAndTheUnshardedOptimizerOnThreeRanks) {
+  auto run = RunWorkers("equals_ddp", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(OverlappedZeroOptimizerTest, EqualsDdpOverUcxWithoutSharedMemory) {
+  auto run = RunWorkers("equals_ddp", 2, {{"DDP_SHARED_MEMORY", "0"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(OverlappedZeroOptimizerTest, EqualsDdpOnOneRank) {
+  auto run = RunWorkers("equals_ddp", 1);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------ NoSync, Join ----
+
+// Two micro-batches under NoSync, then a synchronizing one: one step, on
+// the accumulated gradients.
+DDP_TEST_WORKER(no_sync_and_join) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  {
+    auto model = Mlp(5), reference = Mlp(5);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    DistributedDataParallel ref_ddp(reference, {.process_group = pg});
+    OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+    auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+    for (int64_t step = 0; step < 3; ++step) {
+      for (int micro = 0; micro < 3; ++micro) {
+        auto [x, y] = testing::Batch(data, ((step * 3 + micro) * world + rank) * kBatch, kBatch);
+        if (micro < 2) {
+          auto guard = ddp.NoSync();
+          nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+          auto ref_guard = ref_ddp.NoSync();
+          nn::Backward(nn::loss::CrossEntropy(ref_ddp(x), y));
+        } else {
+          nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+          nn::Backward(nn::loss::CrossEntropy(ref_ddp(x), y));
+        }
+      }
+      opt.Step();
+      ref_opt->Step();
+      ref_opt->ZeroGrad();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "NoSync: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(opt.steps() == 3, "NoSync: counted " + std::to_string(opt.steps()) + " steps");
+  }
+  // The last rank holds 3 more batches; the others shadow its backwards,
+  // and still step their slices with its gradients.
+  {
+    constexpr int kCommon = 3, kExtra = 3;
+    const int mine = kCommon + (rank == world - 1 ? kExtra : 0);
+    auto model = Mlp(9), reference = Mlp(9);
+    DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+    DistributedDataParallel ref_ddp(reference, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+    OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+    auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+    for (auto* which : {&ddp, &ref_ddp}) {
+      Join join(*which);
+      for (int s = 0; s < mine; ++s) {
+        auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+        nn::Backward(nn::loss::CrossEntropy((*which)(x), y));
+        if (which == &ddp) {
+          opt.Step();
+        } else {
+          ref_opt->Step();
+          ref_opt->ZeroGrad();
+        }
+      }
+      join.Wait();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "Join: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "Join: replicas differ");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, NoSyncAccumulatesAndJoinedRanksStillStepTheirSlices) {
+  auto run = RunWorkers("no_sync_and_join", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------------- misuse ----
+
+DDP_TEST_WORKER(misuse) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto factory = [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); };
+  auto expect_throw = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(std::string(e.what()).find(needle) != std::string::npos,
+                    "message `" + std::string(e.what()) + "` lacks `" + needle + "`");
+      return;
+    }
+    WORKER_EXPECT(false, "no error for `" + needle + "`");
+  };
+  {
+    DistributedDataParallel ddp(Mlp(1), {.find_unused_parameters = true, .process_group = pg});
+    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "find_unused_parameters");
+    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, nullptr); }, "null factory");
+  }
+  {
+    DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "before the first backward");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, MisuseIsRefusedWithAMessage) {
+  auto run = RunWorkers("misuse", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+}  // namespace
+}  // namespace ddp::dist
