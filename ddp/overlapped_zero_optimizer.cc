@@ -1,8 +1,8 @@
 #include "ddp/overlapped_zero_optimizer.h"
 
 #include <algorithm>
-#include <cstring>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -15,139 +15,79 @@ namespace ddp::dist {
 
 using nn::Tensor;
 
-// Shared by the object and its hook (which the wrapper keeps): the hook's
-// tasks run on the communication thread, the rest on the training thread.
-// `mu` guards what both touch: the slices (made by the first step of each
-// bucket), the rate and the counters.
+// Shared by the object and its hook (which the wrapper keeps). Everything
+// is built at construction on the training thread; the hook's tasks then
+// run the optimizers on the communication thread. `mu` orders those steps
+// with set_lr and the counters.
 struct OverlappedZeroOptimizer::State {
-  // One piece of a parameter inside this rank's slice of a bucket.
-  struct Piece {
-    size_t param = 0;    // index into the bucket's parameters
-    int64_t begin = 0;   // element range in the bucket
-    int64_t length = 0;
-  };
-  // This rank's slice of one bucket and the optimizer of its pieces.
-  struct Slice {
-    std::vector<const nn::TensorImpl*> params;  // the bucket's, to notice a change
+  // One bucket: its parameters, moved into one flat buffer laid out as the
+  // bucket (the reduction's all-gather writes into it directly), and the
+  // optimizer of this rank's slice of it.
+  struct Bucket {
+    Tensor flat;
+    std::vector<const nn::TensorImpl*> params;
     std::vector<int64_t> offsets;
-    size_t begin = 0, end = 0;
-    std::vector<Piece> pieces;
-    nn::optim::NamedParameters views;  // the pieces, 1-D views of the parameters
-    std::unique_ptr<nn::optim::Optimizer> optimizer;
+    // The optimizer's parameters: 1-D views of the pieces of parameters in
+    // this rank's slice, cut also where the transport's pieces begin, so
+    // that each transport piece is a run of whole views.
+    nn::optim::NamedParameters views;
+    std::vector<int64_t> view_begin;  // each view's first element in the bucket
+    // Transport piece offset -> [first view, end view) and its length.
+    std::map<int64_t, std::pair<std::pair<size_t, size_t>, int64_t>> pieces;
+    std::unique_ptr<nn::optim::Optimizer> optimizer;  // null for an empty slice
   };
 
-  Factory make;
-  // One rank: DDP has no reducer and runs no hook; Step() runs this, the
-  // optimizer of every parameter.
-  std::unique_ptr<nn::optim::Optimizer> whole;
-  std::unordered_map<const nn::TensorImpl*, std::string> names;
-  std::vector<Tensor> params;  // every trained parameter (ZeroGrad)
+  std::vector<Bucket> buckets;  // by bucket index
+  std::vector<Tensor> params;   // every trained parameter (ZeroGrad)
   int64_t total_elements = 0;
+  int64_t owned_elements = 0;
+  // One rank: DDP runs no hook; Step() runs this optimizer of everything.
+  std::unique_ptr<nn::optim::Optimizer> whole;
 
   mutable std::mutex mu;
-  std::map<size_t, Slice> slices;  // by bucket index
   double lr = 0;
-  bool lr_set = false;  // set_lr before the first step: applied at creation
   int64_t steps = 0;
 
-  // Runs the optimizer on elements [begin, begin + count) of `bucket`
-  // (reduced gradients, times `scale`), then writes the updated parameters
-  // over them, which the all-gather then sends.
-  void StepSlice(size_t index, const Tensor& bucket, const std::vector<Tensor>& bucket_params,
-                 const std::vector<int64_t>& offsets, size_t begin, size_t count, double scale) {
+  // Runs bucket `index`'s optimizer on the views of the transport piece at
+  // `offset` (`count` elements; their reduced gradients at `reduced`, read
+  // times `scale`), which updates the parameters in the flat buffer that
+  // the all-gather then sends.
+  void StepPiece(size_t index, const void* reduced, int64_t offset, int64_t count, double scale) {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = slices.find(index);
-    if (it == slices.end()) {
-      it = slices.emplace(index, MakeSlice(bucket_params, offsets, begin, begin + count)).first;
+    Bucket& bucket = buckets.at(index);
+    if (count == 0) return;  // an empty slice
+    auto it = bucket.pieces.find(offset);
+    if (it == bucket.pieces.end() || it->second.second != count || bucket.optimizer == nullptr) {
+      throw std::logic_error("bucket " + std::to_string(index) + ": piece [" + std::to_string(offset) +
+                             ", +" + std::to_string(count) + ") is not one the optimizer was built for");
     }
-    Slice& slice = it->second;
-    bool same = slice.begin == begin && slice.end == begin + count &&
-                slice.offsets == offsets && slice.params.size() == bucket_params.size();
-    for (size_t k = 0; same && k < bucket_params.size(); ++k) {
-      same = slice.params[k] == bucket_params[k].impl();
+    const auto [first, end] = it->second.first;
+    const nn::DType dtype = bucket.flat.dtype();
+    const size_t elem = nn::ElementSize(dtype);
+    char* grads = static_cast<char*>(const_cast<void*>(reduced));
+    for (size_t j = first; j < end; ++j) {
+      const Tensor& view = bucket.views[j].second;
+      view.set_grad(Tensor::FromBlob(grads + static_cast<size_t>(bucket.view_begin[j] - offset) * elem,
+                                     {view.numel()}, dtype));
     }
-    if (!same) {
-      throw std::logic_error("bucket " + std::to_string(index) +
-                             " is not the set of parameters, or not the slice, its first step had");
-    }
-    if (slice.optimizer == nullptr) return;  // an empty slice
-    for (size_t j = 0; j < slice.pieces.size(); ++j) {
-      slice.views[j].second.set_grad(bucket.Narrow(0, slice.pieces[j].begin, slice.pieces[j].length));
-    }
-    slice.optimizer->set_grad_scale(scale);
-    slice.optimizer->Step();
-    const size_t elem = nn::ElementSize(bucket.dtype());
-    char* out = static_cast<char*>(bucket.data_ptr());
-    for (size_t j = 0; j < slice.pieces.size(); ++j) {
-      const Tensor& view = slice.views[j].second;
-      view.set_grad(Tensor());
-      std::memcpy(out + slice.pieces[j].begin * elem, view.data_ptr(),
-                  static_cast<size_t>(slice.pieces[j].length) * elem);
-    }
-  }
-
-  Slice MakeSlice(const std::vector<Tensor>& bucket_params, const std::vector<int64_t>& offsets,
-                  size_t begin, size_t end) {
-    Slice slice;
-    slice.offsets = offsets;
-    slice.begin = begin;
-    slice.end = end;
-    for (size_t k = 0; k < bucket_params.size(); ++k) {
-      const Tensor& p = bucket_params[k];
-      slice.params.push_back(p.impl());
-      const int64_t lo = std::max<int64_t>(offsets[k], static_cast<int64_t>(begin));
-      const int64_t hi = std::min<int64_t>(offsets[k] + p.numel(), static_cast<int64_t>(end));
-      if (lo >= hi) continue;
-      slice.pieces.push_back({k, lo, hi - lo});
-      auto name = names.find(p.impl());
-      const std::string label = name != names.end() ? name->second : "parameter " + std::to_string(k);
-      slice.views.emplace_back(label, p.Detach().View({p.numel()}).Narrow(0, lo - offsets[k], hi - lo));
-    }
-    if (!slice.views.empty()) {
-      slice.optimizer = make(slice.views);
-      if (slice.optimizer == nullptr) throw std::invalid_argument("the factory returned null");
-      if (lr_set) slice.optimizer->set_lr(lr);
-    }
-    return slice;
+    bucket.optimizer->set_grad_scale(scale);
+    bucket.optimizer->Step();
+    for (size_t j = first; j < end; ++j) bucket.views[j].second.set_grad(Tensor());
   }
 };
-
-namespace {
-
-// Copies every element of `bucket` outside [begin, end) (the other ranks'
-// updated parameters) into its parameter.
-void CopyOtherSlices(const Tensor& bucket, const std::vector<Tensor>& params,
-                     const std::vector<int64_t>& offsets, int64_t begin, int64_t end) {
-  const size_t elem = nn::ElementSize(bucket.dtype());
-  const char* in = static_cast<const char*>(bucket.data_ptr());
-  for (size_t k = 0; k < params.size(); ++k) {
-    const int64_t first = offsets[k], last = offsets[k] + params[k].numel();
-    char* out = static_cast<char*>(params[k].data_ptr());
-    // [first, last) minus [begin, end): up to two runs.
-    const std::pair<int64_t, int64_t> runs[] = {{first, std::min(last, begin)},
-                                                {std::max(first, end), last}};
-    bool copied = false;
-    for (const auto& [lo, hi] : runs) {
-      if (lo >= hi) continue;
-      std::memcpy(out + (lo - first) * elem, in + lo * elem, static_cast<size_t>(hi - lo) * elem);
-      copied = true;
-    }
-    if (copied) params[k].storage()->BumpVersion();
-  }
-}
-
-}  // namespace
 
 OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make)
     : state_(std::make_shared<State>()) {
   if (!make) throw std::invalid_argument("OverlappedZeroOptimizer: null factory");
-  if (ddp.options().find_unused_parameters) {
+  if (ddp.options().find_unused_parameters || ddp.options().static_graph) {
     throw std::invalid_argument(
-        "OverlappedZeroOptimizer: DdpOptions::find_unused_parameters is set; a parameter unused on "
-        "every rank would still take a step (with a zero gradient) inside the reduction, where the "
-        "unsharded optimizer skips it");
+        std::string("OverlappedZeroOptimizer: DdpOptions::") +
+        (ddp.options().find_unused_parameters ? "find_unused_parameters" : "static_graph") +
+        " is set; a parameter unused on every rank would still take a step (with a zero gradient) "
+        "inside the reduction, where the unsharded optimizer skips it");
   }
-  state_->make = std::move(make);
+  std::unordered_map<std::string, Tensor> by_name;
+  nn::optim::NamedParameters all;
   for (const auto& [name, p] : ddp.module()->NamedParameters()) {
     if (!p.requires_grad()) continue;
     if (!p.device().is_cpu() || !p.is_contiguous()) {
@@ -155,51 +95,133 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
                                   (p.device().is_cpu() ? "not contiguous" : "on " + p.device().ToString()) +
                                   "; the fused step runs on contiguous CPU parameters");
     }
-    state_->names.emplace(p.impl(), name);
+    by_name.emplace(name, p);
+    all.emplace_back(name, p);
     state_->params.push_back(p);
     state_->total_elements += p.numel();
   }
-  if (ddp.process_group().size() == 1) {
-    nn::optim::NamedParameters all;
-    for (const Tensor& p : state_->params) all.emplace_back(state_->names.at(p.impl()), p);
-    state_->whole = state_->make(std::move(all));
+  ProcessGroup& group = ddp.process_group();
+  if (group.size() == 1) {
+    state_->whole = make(std::move(all));
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
+    state_->lr = state_->whole->lr();
+    state_->owned_elements = state_->total_elements;
     return;
   }
+
+  // The buckets as the reducer built them, which the fixed-bucket hook
+  // keeps: each one's parameters move into one flat buffer in shareable
+  // memory, at their gradients' offsets, and this rank's slice of it gets
+  // its optimizer.
+  bool have_lr = false;
+  for (const std::vector<std::string>& names : ddp.BucketParameterNames()) {
+    State::Bucket bucket;
+    std::vector<Tensor> members;
+    int64_t numel = 0;
+    for (const std::string& name : names) {
+      members.push_back(by_name.at(name));
+      bucket.offsets.push_back(numel);
+      numel += members.back().numel();
+    }
+    bucket.flat = group.CollectiveZeros({numel}, {.dtype = members.front().dtype()});
+    for (size_t k = 0; k < members.size(); ++k) {
+      const Tensor& p = members[k];
+      const Tensor view = bucket.flat.Narrow(0, bucket.offsets[k], p.numel()).View(p.shape());
+      {
+        nn::NoGradGuard guard;
+        view.CopyFrom(p);
+      }
+      p.SetData(view);
+      bucket.params.push_back(p.impl());
+    }
+    const Tensor flat = bucket.flat.Detach();
+    for (const auto& [offset, count] : group.ThroughPieces(numel, bucket.flat.dtype())) {
+      const size_t first = bucket.views.size();
+      for (size_t k = 0; k < members.size(); ++k) {
+        const int64_t lo = std::max(bucket.offsets[k], offset);
+        const int64_t hi = std::min(bucket.offsets[k] + members[k].numel(), offset + count);
+        if (lo >= hi) continue;
+        // A parameter cut into several views names each by its range.
+        const bool whole = lo == bucket.offsets[k] && hi == bucket.offsets[k] + members[k].numel();
+        bucket.views.emplace_back(
+            whole ? names[k]
+                  : names[k] + "[" + std::to_string(lo - bucket.offsets[k]) + ":" +
+                        std::to_string(hi - bucket.offsets[k]) + "]",
+            flat.Narrow(0, lo, hi - lo));
+        bucket.view_begin.push_back(lo);
+      }
+      bucket.pieces[offset] = {{first, bucket.views.size()}, count};
+      state_->owned_elements += count;
+    }
+    if (!bucket.views.empty()) {
+      bucket.optimizer = make(bucket.views);
+      if (bucket.optimizer == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
+      if (!have_lr) state_->lr = bucket.optimizer->lr();
+      have_lr = true;
+    }
+    state_->buckets.push_back(std::move(bucket));
+  }
+  if (!have_lr) {
+    // This rank owns no element (more ranks than cache lines of
+    // parameters): the rate comes from an optimizer of everything.
+    auto probe = make(std::move(all));
+    if (probe == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
+    state_->lr = probe->lr();
+  }
+
   std::shared_ptr<State> state = state_;
-  const std::chrono::milliseconds timeout = ddp.process_group().options().timeout;
-  CommHook hook = CommHook::OnLocalGradients([state, timeout](ProcessGroup& pg, GradBucket& bucket) {
-    const Tensor buffer = bucket.buffer();
-    // A sum, averaged by the factor the optimizer reads gradients with
-    // (the world size, or under Join the ranks still active): no pass of
-    // its own.
-    const transport::ReduceOp op = transport::ReduceOp::kSum;
-    const double scale = 1.0 / bucket.divisor();
-    CollectiveDescription d{"zero_step bucket " + std::to_string(bucket.index()), buffer.dtype(),
-                            buffer.shape(), -1, op, true};
-    return pg.Run(d, [state, buffer, params = bucket.parameters(), offsets = bucket.offsets(),
-                      index = bucket.index(), last = bucket.is_last(), op, scale,
+  const std::chrono::milliseconds timeout = group.options().timeout;
+  CommHook hook = CommHook::OnLocalGradients([state, timeout](ProcessGroup& pg, GradBucket& grad_bucket) {
+    const size_t index = grad_bucket.index();
+    const std::vector<Tensor>& params = grad_bucket.parameters();
+    // The flat buffer must still be the parameters' memory.
+    std::string wrong;
+    if (index >= state->buckets.size()) {
+      wrong = "bucket " + std::to_string(index) + " did not exist when the optimizer was built";
+    } else {
+      const State::Bucket& bucket = state->buckets[index];
+      const char* flat = static_cast<const char*>(bucket.flat.data_ptr());
+      const size_t elem = nn::ElementSize(bucket.flat.dtype());
+      bool same = bucket.params.size() == params.size() && bucket.offsets == grad_bucket.offsets();
+      for (size_t k = 0; same && k < params.size(); ++k) {
+        same = bucket.params[k] == params[k].impl() &&
+               params[k].data_ptr() == flat + static_cast<size_t>(bucket.offsets[k]) * elem;
+      }
+      if (!same) {
+        wrong = "the parameters of bucket " + std::to_string(index) +
+                " no longer lie in the optimizer's flat buffer (did Module::To, or something else, give "
+                "them new memory after it was built?); build the optimizer after moving the model";
+      }
+    }
+    if (!wrong.empty()) {
+      // The peers may already wait in this bucket's reduction: stop them.
+      const std::string message = "OverlappedZeroOptimizer on rank " + std::to_string(pg.rank()) + ": " + wrong;
+      pg.Abort(transport::FailedPreconditionError(message));
+      throw std::logic_error(message);
+    }
+    const Tensor grads = grad_bucket.buffer();
+    const Tensor out = state->buckets[index].flat;
+    // Averaged inside the reduction's last fold, as DDP's default hook
+    // does (so the gradients match it bit for bit), or under Join (the
+    // ranks still active) summed and read by the optimizer times a factor.
+    const bool average = grad_bucket.divisor() == static_cast<double>(pg.size());
+    const transport::ReduceOp op = average ? transport::ReduceOp::kAvg : transport::ReduceOp::kSum;
+    const double scale = average ? 1.0 : 1.0 / grad_bucket.divisor();
+    CollectiveDescription d{"zero_step bucket " + std::to_string(index), grads.dtype(),
+                            grads.shape(), -1, op, true};
+    return pg.Run(d, [state, grads, out, params, index, last = grad_bucket.is_last(), op, scale,
                       timeout](transport::Communicator* comm, transport::Deadline) {
-      const size_t n = static_cast<size_t>(buffer.numel());
-      std::string error;
-      size_t begin = 0, end = n;
-      const transport::Communicator::SliceFn apply = [&](void*, size_t offset, size_t count) {
-        begin = offset;
-        end = offset + count;
-        try {
-          state->StepSlice(index, buffer, params, offsets, offset, count, scale);
-        } catch (const std::exception& e) {
-          return transport::InternalError(std::string("OverlappedZeroOptimizer: ") + e.what());
-        }
+      const transport::Communicator::SliceFn apply = [&](const void* reduced, void*, size_t offset,
+                                                         size_t count) {
+        state->StepPiece(index, reduced, static_cast<int64_t>(offset), static_cast<int64_t>(count), scale);
         return transport::Status::Ok();
       };
-      transport::Status status =
-          comm != nullptr ? comm->AllReduceThrough(buffer.data_ptr(), buffer.data_ptr(), n,
-                                                   ToTransportType(buffer.dtype()), op, apply,
-                                                   {.timeout = timeout})
-                          : apply(buffer.data_ptr(), 0, n);
+      // The group has more than one rank here (one rank runs no hook).
+      const transport::Status status = comm->AllReduceThrough(
+          grads.data_ptr(), out.data_ptr(), static_cast<size_t>(grads.numel()),
+          ToTransportType(grads.dtype()), op, apply, {.timeout = timeout});
       if (!status.ok()) return status;
-      CopyOtherSlices(buffer, params, offsets, static_cast<int64_t>(begin), static_cast<int64_t>(end));
+      for (const Tensor& p : params) p.storage()->BumpVersion();
       if (last) {
         std::lock_guard<std::mutex> lock(state->mu);
         ++state->steps;
@@ -227,21 +249,15 @@ void OverlappedZeroOptimizer::ZeroGrad() {
 
 double OverlappedZeroOptimizer::lr() const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->whole != nullptr) return state_->whole->lr();
-  if (state_->lr_set) return state_->lr;
-  for (const auto& [index, slice] : state_->slices) {
-    if (slice.optimizer != nullptr) return slice.optimizer->lr();
-  }
   return state_->lr;
 }
 
 void OverlappedZeroOptimizer::set_lr(double lr) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->lr = lr;
-  state_->lr_set = true;
   if (state_->whole != nullptr) state_->whole->set_lr(lr);
-  for (auto& [index, slice] : state_->slices) {
-    if (slice.optimizer != nullptr) slice.optimizer->set_lr(lr);
+  for (State::Bucket& bucket : state_->buckets) {
+    if (bucket.optimizer != nullptr) bucket.optimizer->set_lr(lr);
   }
 }
 
@@ -250,12 +266,6 @@ int64_t OverlappedZeroOptimizer::steps() const {
   return state_->steps;
 }
 
-int64_t OverlappedZeroOptimizer::owned_elements() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->whole != nullptr) return state_->total_elements;
-  int64_t owned = 0;
-  for (const auto& [index, slice] : state_->slices) owned += static_cast<int64_t>(slice.end - slice.begin);
-  return owned;
-}
+int64_t OverlappedZeroOptimizer::owned_elements() const { return state_->owned_elements; }
 
 }  // namespace ddp::dist

@@ -9,10 +9,12 @@
 // gradients, each rank updates the parameters of its slice of the bucket
 // with its own optimizer (holding momentum, Adam's moments and so on for
 // that slice only), and the ranks all-gather the updated parameters instead
-// of gradients. Per step a rank updates 1/N of the parameters, the bytes
-// sent equal plain DDP's, and the separate pass of the optimizer over every
-// parameter is gone: on one host the step runs on each slice while it is in
-// cache, between the two halves of the all-reduce.
+// of gradients, straight into each other's parameters: at construction the
+// parameters of each bucket move into one flat buffer laid out as the
+// bucket (Tensor::SetData, so every handle stays valid). Per step a rank
+// updates 1/N of the parameters, the bytes sent equal plain DDP's, and
+// there is no separate pass of the optimizer over every parameter, nor a
+// copy of reduced gradients back into .grad.
 //
 //   DistributedDataParallel ddp(model, {.process_group = pg});
 //   OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
@@ -21,34 +23,39 @@
 //   for (...) { auto loss = ...(ddp(x)); nn::Backward(loss); opt.Step(); }
 //
 // The parameters change during backward, as soon as their bucket is
-// reduced, so Step() only ends the step: it clears the gradients, which the
-// fused step consumed (after backward .grad holds no gradient; it is
-// unspecified). The result equals DDP followed by the unsharded optimizer,
-// to rounding: the step is elementwise and each element's owner runs it on
-// the averaged gradient.
+// reduced, so Step() only ends the step: it clears the gradients (after
+// backward .grad holds this rank's own gradient, not the average, which
+// only the step saw). The result equals DDP followed by the unsharded
+// optimizer, to rounding: the step is elementwise and each element's owner
+// runs it on the averaged gradient. On one rank Step() runs the optimizer
+// of every parameter.
 //
 // What it asks of the training loop, as PyTorch's overlap does:
 // - Nothing may read a parameter's old value after its gradient is ready
 //   (a detached use of a weight later in backward would see the new one).
 // - No gradient clipping, GradScaler or other look at the averaged
 //   gradients between backward and step: there is no such moment.
-// - CPU parameters, contiguous; DdpOptions::find_unused_parameters off (a
-//   parameter unused on every rank would still take a step).
+// - CPU parameters, contiguous; DdpOptions::find_unused_parameters and
+//   static_graph off (a parameter unused on every rank would still take a
+//   step, with a zero gradient).
 // - The buckets stay as first built (no rebuild from the observed gradient
 //   order), so that each rank's slice, and the state it keeps for it, never
-//   moves.
+//   moves. Build it after moving or converting the model: Module::To gives
+//   the parameters new memory, which the next backward refuses (every rank
+//   fails, naming the bucket).
 // - NoSync works (the step runs at the synchronizing backward); Join works
 //   (ranks that ran out of data still step their slices with the others'
 //   gradients).
 // - The optimizer's update must be elementwise (every nn::optim optimizer
-//   but one that looks at whole tensors, as LAMB's norms).
+//   but one that looks at whole tensors, as LAMB's norms). It runs on the
+//   communication thread, whose floating-point mode (flush to zero) is the
+//   one the process had when the group was made.
 // - No checkpoint of the optimizer's state yet (the parameters save as
 //   usual; momentum and moments start afresh on resume).
 
 #include <cstddef>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -60,15 +67,20 @@ namespace ddp::dist {
 class OverlappedZeroOptimizer {
  public:
   /// Builds the optimizer of one rank's slice of one bucket: 1-D views of
-  /// the pieces of the parameters in that slice, named after them.
+  /// the pieces of the parameters in that slice, named after them (with
+  /// "[begin:end]" where a parameter is cut). Called at construction, once
+  /// per bucket this rank owns part of.
   using Factory =
       std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters shard)>;
 
-  /// Registers the fused step as `ddp`'s communication hook (call it
-  /// before the first backward, and keep this object alive while `ddp`
-  /// trains). Throws std::invalid_argument for a null factory, a parameter
-  /// that is not a contiguous CPU tensor (naming it), or
-  /// find_unused_parameters; std::logic_error after the first backward.
+  /// Moves each bucket's parameters into a flat buffer, builds this rank's
+  /// optimizers and registers the fused step as `ddp`'s communication hook
+  /// (keep this object alive while `ddp` trains). Collective: every rank
+  /// builds it, before the first backward. Throws std::invalid_argument for
+  /// a null factory or one that returns null, a parameter that is not a
+  /// contiguous CPU tensor (naming it), find_unused_parameters or
+  /// static_graph; std::logic_error after the first backward (on more
+  /// than one rank; one rank runs no hook, and Step() steps everything).
   OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make);
   ~OverlappedZeroOptimizer();
   OverlappedZeroOptimizer(const OverlappedZeroOptimizer&) = delete;
@@ -80,14 +92,13 @@ class OverlappedZeroOptimizer {
   void ZeroGrad();
 
   /// The rate of the next steps, for every slice (schedulers call it on
-  /// every rank between steps, not during backward). lr() is the factory's
-  /// rate once the first step made the optimizers (0 before, unless set).
+  /// every rank between steps, not during backward); at first the
+  /// factory's.
   double lr() const;
   void set_lr(double lr);
   /// Steps run so far (synchronizing backwards).
   int64_t steps() const;
-  /// Elements of the parameters this rank updates (its slices), once the
-  /// first step made them.
+  /// Elements of the parameters this rank updates (its slices).
   int64_t owned_elements() const;
 
   struct State;

@@ -8,8 +8,10 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,7 @@
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
 #include "nn/optim/adam.h"
+#include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::dist {
@@ -192,6 +195,59 @@ TEST(OverlappedZeroOptimizerTest, NoSyncAccumulatesAndJoinedRanksStillStepTheirS
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ------------------------------------------------------ fixed buckets ----
+
+// Registers its output layer first, so that gradients arrive in
+// registration order, not the reverse one the first buckets assume: plain
+// DDP rebuilds its buckets after the first iteration, the fused step keeps
+// them (its slices and their state never move).
+class Reversed : public Module {
+ public:
+  explicit Reversed(uint64_t seed) {
+    nn::Generator gen(seed);
+    out_ = RegisterModule("out", std::make_shared<nn::modules::Linear>(64, 10, true, gen));
+    in_ = RegisterModule("in", std::make_shared<nn::modules::Linear>(784, 64, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override { return (*out_)(nn::ops::Relu((*in_)(x.View({x.size(0), 784})))); }
+  using Module::Forward;
+  std::string TypeName() const override { return "Reversed"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> out_, in_;
+};
+
+DDP_TEST_WORKER(fixed_buckets) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  const DdpOptions options{.bucket_cap_mb = 0.001, .first_bucket_mb = 0.001, .inplace_gradient_mb = 0,
+                           .process_group = pg};
+  auto model = std::make_shared<Reversed>(3), reference = std::make_shared<Reversed>(3);
+  DistributedDataParallel ddp(model, options);
+  DistributedDataParallel ref_ddp(reference, options);
+  const auto first = ddp.BucketParameterNames();
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+  for (int64_t step = 0; step < 4; ++step) {
+    auto [x, y] = testing::Batch(data, (step * world + rank) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    ref_opt->ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ref_ddp(x), y));
+    ref_opt->Step();
+  }
+  WORKER_EXPECT(ref_ddp.BucketParameterNames() != first, "plain DDP did not rebuild its buckets (test premise)");
+  WORKER_EXPECT(ddp.BucketParameterNames() == first, "the fused step's buckets were rebuilt");
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "fixed buckets: `" + worst + "` off by " + std::to_string(diff));
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, KeepsItsFirstBucketsWhereDdpWouldRebuildThem) {
+  auto run = RunWorkers("fixed_buckets", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------------- misuse ----
 
 DDP_TEST_WORKER(misuse) {
@@ -214,12 +270,59 @@ DDP_TEST_WORKER(misuse) {
     expect_throw([&] { OverlappedZeroOptimizer opt(ddp, nullptr); }, "null factory");
   }
   {
+    DistributedDataParallel ddp(Mlp(1), {.static_graph = true, .process_group = pg});
+    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "static_graph");
+    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters) { return nullptr; }); },
+                 "static_graph");
+  }
+  {
+    DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+    expect_throw([&] {
+      OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters) { return std::unique_ptr<nn::optim::Optimizer>(); });
+    }, "returned null");
+  }
+  {
     DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
     auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
     nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
     expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "before the first backward");
   }
   return testing::WorkerExit();
+}
+
+// A parameter that gets new memory on rank 0 after the optimizer was built:
+// rank 0's next backward refuses, naming the bucket, and aborts the group,
+// so rank 1 fails at once instead of at its deadline.
+DDP_TEST_WORKER(moved_parameter) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(2);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  if (pg->rank() == 0) {
+    const Tensor p = model->NamedParameters().front().second;
+    p.SetData(p.Detach().Clone());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("MOVED rank %d after %.1f s: %s\n", pg->rank(), seconds, error.c_str());
+  WORKER_EXPECT(!error.empty(), "no error");
+  WORKER_EXPECT(pg->rank() != 0 || error.find("no longer lie") != std::string::npos, "rank 0: " + error);
+  WORKER_EXPECT(seconds < 20, "took " + std::to_string(seconds) + " s");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ParameterMovedAfterConstructionFailsEveryRank) {
+  auto run = RunWorkers("moved_parameter", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(OverlappedZeroOptimizerTest, MisuseIsRefusedWithAMessage) {

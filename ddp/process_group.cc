@@ -337,6 +337,8 @@ class ProcessGroup::Impl {
   }
 
   bool on_caller() const { return on_caller_; }
+  // Null on one rank. Its const queries are safe from any thread.
+  const transport::Communicator* comm() const { return comm_.get(); }
 
   ~Impl() { Stop(); }
 
@@ -728,6 +730,18 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
 ProcessGroup::~ProcessGroup() = default;
 
 bool ProcessGroup::collectives_on_caller() const { return impl_->on_caller(); }
+
+std::vector<std::pair<int64_t, int64_t>> ProcessGroup::ThroughPieces(int64_t numel,
+                                                                    nn::DType dtype) const {
+  const transport::Communicator* comm = impl_->comm();
+  if (comm == nullptr) return {{0, numel}};
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  for (const auto& [offset, count] :
+       comm->ThroughPieces(static_cast<size_t>(numel), ToTransportType(dtype))) {
+    pieces.emplace_back(static_cast<int64_t>(offset), static_cast<int64_t>(count));
+  }
+  return pieces;
+}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::CreateFromEnvironment(
     ProcessGroupOptions options, transport::CommunicatorOptions comm_options) {

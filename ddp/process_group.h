@@ -229,6 +229,12 @@ class ProcessGroup {
   /// ProcessGroupOptions::collective_thread).
   bool collectives_on_caller() const;
 
+  /// The pieces [offset, offset + count) of this rank's slice that a
+  /// transport::Communicator::AllReduceThrough of `numel` elements of
+  /// `dtype` hands to its function, in order (one piece of the whole
+  /// vector on one rank).
+  std::vector<std::pair<int64_t, int64_t>> ThroughPieces(int64_t numel, nn::DType dtype) const;
+
   /// Zeros for a tensor this group reduces again and again (DDP's gradient
   /// buckets). On the CPU, when the group's ranks share a host, it lies in
   /// shareable memory (transport/shm/shareable.h): the host's ranks then

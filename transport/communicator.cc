@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "transport/algorithms/collective.h"
@@ -210,6 +211,20 @@ class Communicator::Impl {
 
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                    Algorithm requested, Deadline deadline);
+  std::vector<std::pair<size_t, size_t>> ThroughPieces(size_t count, DataType dtype) const {
+    const size_t elem = DataTypeSize(dtype);
+    const shm::SliceRange mine = shm::SliceOf(count, elem, options_.world_size, options_.rank);
+    if (mine.begin == mine.end) return {{mine.begin, 0}};
+    const size_t piece = options_.world_size > 1 && Choose(count * elem, Algorithm::kAuto) ==
+                                                        Algorithm::kSharedMemory
+                             ? shm_->apply_piece_elems(dtype)
+                             : mine.end - mine.begin;
+    std::vector<std::pair<size_t, size_t>> pieces;
+    for (size_t a = mine.begin; a < mine.end; a += piece) {
+      pieces.emplace_back(a, std::min(piece, mine.end - a));
+    }
+    return pieces;
+  }
   // Communicator::AllReduceThrough on host buffers.
   Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                           const SliceFn& apply, Algorithm requested, Deadline deadline);
@@ -961,52 +976,51 @@ Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count,
 }
 
 Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t count,
-                                            DataType dtype, ReduceOp op, const SliceFn& apply,
+                                            DataType dtype, ReduceOp op, const SliceFn& user_apply,
                                             Algorithm requested, Deadline deadline) {
+  // An exception from the function becomes the call's error, so that the
+  // peers hear of it as of any failure instead of waiting for this rank.
+  const SliceFn apply = [&user_apply](const void* reduced, void* out, size_t offset,
+                                      size_t n) -> Status {
+    try {
+      return user_apply(reduced, out, offset, n);
+    } catch (const std::exception& e) {
+      return InternalError(std::string("all-reduce-through: the slice function threw: ") + e.what());
+    } catch (...) {
+      return InternalError("all-reduce-through: the slice function threw");
+    }
+  };
   const size_t elem = DataTypeSize(dtype);
   const int size = options_.world_size;
   const shm::SliceRange mine = shm::SliceOf(count, elem, size, options_.rank);
+  char* out = static_cast<char*>(recv) + mine.begin * elem;
   if (size == 1) {
-    if (count > 0 && recv != send) std::memmove(recv, send, count * elem);
-    return apply(recv, 0, count);
+    // The function's `reduced` must not be `out`: a copy of send.
+    std::vector<char> reduced(static_cast<const char*>(send),
+                              static_cast<const char*>(send) + count * elem);
+    return apply(reduced.data(), out, 0, count);
   }
   if (Choose(count * elem, requested) == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
-    // The engine folds kAvg as a sum and leaves the division to the slice's
-    // function; only the owner touches its slice, so dividing here is one
-    // pass over 1/size of the vector.
-    const shm::ShmAllReduce::SliceFn across = [&](void* slice, size_t offset, size_t n) {
-      if (op == ReduceOp::kAvg && n > 0) reduce::DivideInPlace(dtype, slice, n, size);
-      return apply(slice, offset, n);
-    };
-    return shm_->AllReduceThrough(send, recv, count, dtype, op, across, deadline, watchdog_);
+    return shm_->AllReduceApply(send, recv, count, dtype, op, apply, deadline, watchdog_);
   }
   // Elsewhere: equal blocks (the slices, the last ones padded) through the
-  // reduce-scatter and all-gather algorithms, on copies (send may be recv,
-  // which the slice function's slice lies in). Padding is zeros; no slice
-  // reads it.
+  // reduce-scatter and all-gather algorithms, on copies (recv must keep its
+  // values for the slice function). Padding is zeros; no slice reads it.
   const size_t block = shm::SliceOf(count, elem, size, 0).end;
   std::vector<char> padded(block * static_cast<size_t>(size) * elem, 0);
   std::vector<char> slice(block * elem);
   if (count > 0) std::memcpy(padded.data(), send, count * elem);
-  if (block > 0) {
-    DDP_RETURN_IF_ERROR(internal::RunReduceScatter(
-        *p2p_, Args(padded.data(), slice.data(), block, dtype, op, 0, deadline)));
-  }
-  // The slice function gets its slice where the shared-memory path has it:
-  // in recv, at its offset.
-  char* in_recv = static_cast<char*>(recv) + mine.begin * elem;
+  DDP_RETURN_IF_ERROR(internal::RunReduceScatter(
+      *p2p_, Args(padded.data(), slice.data(), block, dtype, op, 0, deadline)));
   const size_t mine_bytes = (mine.end - mine.begin) * elem;
-  if (mine_bytes > 0) std::memcpy(in_recv, slice.data(), mine_bytes);
-  Status applied = apply(in_recv, mine.begin, mine.end - mine.begin);
-  if (mine_bytes > 0) std::memcpy(slice.data(), in_recv, mine_bytes);
+  Status applied = apply(slice.data(), out, mine.begin, mine.end - mine.begin);
+  if (mine_bytes > 0) std::memcpy(slice.data(), out, mine_bytes);
   // A failed apply still takes part in the all-gather, so that no peer is
   // left waiting for this rank, and then in a one-word all-reduce that
   // tells every rank whether some slice is not what apply should have made.
-  if (block > 0) {
-    DDP_RETURN_IF_ERROR(internal::RunAllGather(
-        *p2p_, Args(slice.data(), padded.data(), block, dtype, ReduceOp::kSum, 0, deadline)));
-  }
+  DDP_RETURN_IF_ERROR(internal::RunAllGather(
+      *p2p_, Args(slice.data(), padded.data(), block, dtype, ReduceOp::kSum, 0, deadline)));
   int32_t failed = applied.ok() ? -1 : options_.rank;
   DDP_RETURN_IF_ERROR(AllReduce(&failed, &failed, 1, DataType::kI32, ReduceOp::kMax,
                                 Algorithm::kAuto, deadline));
@@ -1611,9 +1625,15 @@ Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count
   });
 }
 
-std::pair<size_t, size_t> Communicator::ThroughSlice(size_t count, DataType dtype, int rank) const {
-  const shm::SliceRange range = shm::SliceOf(count, DataTypeSize(dtype), size(), rank);
+std::pair<size_t, size_t> Communicator::ThroughSlice(size_t count, DataType dtype, int size,
+                                                     int rank) {
+  const shm::SliceRange range = shm::SliceOf(count, DataTypeSize(dtype), size, rank);
   return {range.begin, range.end};
+}
+
+std::vector<std::pair<size_t, size_t>> Communicator::ThroughPieces(size_t count,
+                                                                   DataType dtype) const {
+  return impl_->ThroughPieces(count, dtype);
 }
 
 Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int root,

@@ -28,6 +28,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "transport/status.h"
 #include "transport/types.h"
@@ -218,29 +219,41 @@ class Communicator {
   /// In-place AllReduce.
   Status AllReduce(void* buffer, size_t count, DataType dtype, ReduceOp op,
                    const CallOptions& call = {});
-  /// Called by AllReduceThrough with this rank's slice of the reduced
-  /// vector: elements [offset, offset + count) of it, which lie in recv at
-  /// that offset (slice == recv + offset elements).
-  using SliceFn = std::function<Status(void* slice, size_t offset, size_t count)>;
-  /// An all-reduce that passes each rank's share of the result through
-  /// `apply` before the ranks exchange it: the ranks reduce-scatter send
-  /// (rank r gets the slice ThroughSlice(count, dtype, r) says; kAvg already
-  /// divided), each calls apply(slice, offset, count) once (also for an
-  /// empty slice), which may rewrite its slice in place, and the ranks then
-  /// all-gather the slices: every rank's recv ends as the applied slices
-  /// end to end. The bytes moved are an AllReduce's. Made for an optimizer
-  /// step fused into the gradient reduction (each rank updates only its
-  /// slice of the parameters and sends those instead of gradients). Host
-  /// buffers; send may equal recv. An apply that fails fails the call on
-  /// every rank with its status. On one host it runs in the shared-memory
-  /// engine (one fold per slice, two rendezvous); elsewhere as
-  /// ReduceScatter and AllGather on copies padded to equal slices.
+  /// Called by AllReduceThrough with a piece of this rank's slice:
+  /// `reduced` holds elements [offset, offset + count) of the reduction
+  /// (kAvg divided), in memory of the call; `out` is recv + offset, still
+  /// holding recv's values there from before the call. It writes the
+  /// piece's result into `out` (a plain all-reduce would copy `reduced`).
+  using SliceFn =
+      std::function<Status(const void* reduced, void* out, size_t offset, size_t count)>;
+  /// An all-reduce whose result passes through `apply` on the rank that
+  /// owns each slice, before the ranks exchange it: the ranks
+  /// reduce-scatter send, each calls apply on the pieces of its slice that
+  /// ThroughPieces lists, in that order (once with count 0 for an empty
+  /// slice), to write its slice of recv, and the ranks then all-gather the
+  /// slices, so every rank's recv ends as the slices their owners wrote.
+  /// The bytes moved are an AllReduce's. Made for an optimizer step fused
+  /// into the gradient reduction: send the gradients, recv the parameters
+  /// (laid out as the gradients are); each rank updates the parameters of
+  /// its slice from the reduced gradients, and the others receive them
+  /// instead of gradients. Host buffers; send may equal recv. An apply
+  /// that fails (or throws) fails the call on every rank. On one host it
+  /// runs in the shared-memory engine, one cache-sized piece at a time:
+  /// fold, apply and write into the others' recv while the piece is in
+  /// cache; two rendezvous. Elsewhere as ReduceScatter and AllGather on
+  /// copies padded to equal slices, with the whole slice as one piece.
   Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                           ReduceOp op, const SliceFn& apply, const CallOptions& call = {});
+  /// The pieces [offset, offset + count) of this rank's slice that an
+  /// AllReduceThrough of `count` elements of `dtype` (with call.algorithm
+  /// kAuto) hands to its function, in order. The slices are equal blocks
+  /// rounded up to whole 64-byte lines, so the last ranks' may be short or
+  /// empty (one piece of count 0). The same in every call with these
+  /// arguments.
+  std::vector<std::pair<size_t, size_t>> ThroughPieces(size_t count, DataType dtype) const;
   /// Rank `rank`'s slice [first, second) of an AllReduceThrough of `count`
-  /// elements of `dtype`: equal blocks rounded up to whole 64-byte lines, so
-  /// the last ranks' slices may be short or empty. The same on every path.
-  std::pair<size_t, size_t> ThroughSlice(size_t count, DataType dtype, int rank) const;
+  /// elements of `dtype` among `size` ranks (its pieces cover it).
+  static std::pair<size_t, size_t> ThroughSlice(size_t count, DataType dtype, int size, int rank);
   /// Copies `count` elements of root's `buffer` into every rank's `buffer`.
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root,
                    const CallOptions& call = {});

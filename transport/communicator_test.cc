@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -454,49 +456,59 @@ int ScenarioSplitWithoutStoreRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
-// AllReduceThrough: each rank's slice (as ThroughSlice says) arrives
-// reduced, apply rewrites it (x -> 3x + rank, so every slice shows which
-// rank applied it), and every rank ends with all applied slices; in place
-// and out of place, kSum and kAvg, empty and uneven lengths; then a slice
-// function that fails on the last rank fails the call on every rank.
+// AllReduceThrough: each piece of each rank's slice (as ThroughPieces
+// says) arrives reduced, the function writes out = 3 * reduced + rank + what recv held
+// there (so every slice shows which rank applied it, and that recv was
+// intact), and every rank ends with all applied slices; in place and out
+// of place, kSum and kAvg, empty and uneven lengths; then a slice function
+// that fails on the last rank fails the call on every rank.
 int ScenarioThrough() {
   auto comm = MustCreate();
   const int n = comm->size(), me = comm->rank();
+  auto input = [](size_t i, int r) { return static_cast<float>((i % 13) + r); };
+  auto before = [](size_t i, bool in_place, int r) {
+    return in_place ? static_cast<float>((i % 13) + r) : static_cast<float>(i % 7);
+  };
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
     for (size_t count : {size_t{0}, size_t{5}, size_t{1001}, size_t{300000}}) {
       for (bool in_place : {false, true}) {
         std::vector<float> send(count), recv(count + 1, -7.0f);
-        for (size_t i = 0; i < count; ++i) send[i] = static_cast<float>((i % 13) + me);
-        if (in_place) std::copy(send.begin(), send.end(), recv.begin());
-        int calls = 0;
-        size_t seen_offset = 0, seen_count = 0;
-        const auto [begin, end] = comm->ThroughSlice(count, DataType::kF32, me);
+        for (size_t i = 0; i < count; ++i) {
+          send[i] = input(i, me);
+          recv[i] = before(i, in_place, me);
+        }
+        std::vector<std::pair<size_t, size_t>> seen;
+        int elsewhere = 0;
         Status s = comm->AllReduceThrough(
             in_place ? recv.data() : send.data(), recv.data(), count, DataType::kF32, op,
-            [&](void* slice, size_t offset, size_t len) {
-              calls += slice == recv.data() + offset ? 1 : 100;  // where recv holds it
-              seen_offset = offset;
-              seen_count = len;
-              float* f = static_cast<float*>(slice);
-              for (size_t i = 0; i < len; ++i) f[i] = 3 * f[i] + static_cast<float>(me);
+            [&](const void* reduced, void* out, size_t offset, size_t len) {
+              elsewhere += out != recv.data() + offset;
+              seen.emplace_back(offset, len);
+              const float* r = static_cast<const float*>(reduced);
+              float* o = static_cast<float*>(out);
+              for (size_t i = 0; i < len; ++i) o[i] = 3 * r[i] + static_cast<float>(me) + o[i];
               return Status::Ok();
             });
         const std::string what = std::string("through ") + (op == ReduceOp::kAvg ? "avg" : "sum") +
                                  " count " + std::to_string(count) + (in_place ? " in place" : "");
         WORKER_CHECK(s.ok(), what + ": " + s.ToString());
-        WORKER_CHECK(calls == 1, what + ": apply ran " + std::to_string(calls) + " times");
-        WORKER_CHECK(seen_offset == begin && seen_count == end - begin,
-                     what + ": apply saw [" + std::to_string(seen_offset) + ", +" +
-                         std::to_string(seen_count) + "), ThroughSlice says [" +
-                         std::to_string(begin) + ", " + std::to_string(end) + ")");
+        WORKER_CHECK(elsewhere == 0, what + ": out was not recv + offset");
+        const auto pieces = comm->ThroughPieces(count, DataType::kF32);
+        WORKER_CHECK(seen == pieces, what + ": apply saw " + std::to_string(seen.size()) +
+                                         " pieces, ThroughPieces lists " + std::to_string(pieces.size()));
+        const auto [begin, end] = Communicator::ThroughSlice(count, DataType::kF32, n, me);
+        WORKER_CHECK(pieces.front().first == begin &&
+                         pieces.back().first + pieces.back().second == end,
+                     what + ": the pieces do not cover the slice");
         size_t wrong = 0;
         for (int q = 0; q < n; ++q) {
-          const auto [b, e] = comm->ThroughSlice(count, DataType::kF32, q);
+          const auto [b, e] = Communicator::ThroughSlice(count, DataType::kF32, n, q);
           for (size_t i = b; i < e; ++i) {
             float sum = 0;
-            for (int r = 0; r < n; ++r) sum += static_cast<float>((i % 13) + r);
+            for (int r = 0; r < n; ++r) sum += input(i, r);
             const float reduced = op == ReduceOp::kAvg ? sum / static_cast<float>(n) : sum;
-            wrong += std::fabs(recv[i] - (3 * reduced + static_cast<float>(q))) > 1e-4f;
+            const float want = 3 * reduced + static_cast<float>(q) + before(i, in_place, q);
+            wrong += std::fabs(recv[i] - want) > 1e-4f * std::max(1.0f, std::fabs(want));
           }
         }
         WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " wrong");
@@ -504,18 +516,22 @@ int ScenarioThrough() {
       }
     }
   }
-  std::vector<float> data(4096, 1.0f);
-  Status s = comm->AllReduceThrough(data.data(), data.data(), data.size(), DataType::kF32,
-                                    ReduceOp::kSum, [&](void*, size_t, size_t) {
-                                      return me == n - 1 ? InvalidArgumentError("step refused")
-                                                         : Status::Ok();
-                                    });
-  WORKER_CHECK(!s.ok(), "a failing slice function on the last rank went unnoticed");
-  std::printf("THROUGH_FAILED rank %d %s\n", me, s.ToString().c_str());
   // Local mistakes.
+  std::vector<float> data(4096, 1.0f);
   WORKER_CHECK(comm->AllReduceThrough(data.data(), data.data(), data.size(), DataType::kF32,
                                       ReduceOp::kSum, nullptr).code() == StatusCode::kInvalidArgument,
                "a null slice function was accepted");
+  // A slice function that fails (last rank) or throws (rank 0) fails the
+  // call everywhere (and aborts the communicator: one per run).
+  const bool throws = EnvOr("DDP_TEST_THROUGH_FAILURE", "refuse") == "throw";
+  Status s = comm->AllReduceThrough(
+      data.data(), data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+      [&](const void*, void*, size_t, size_t) -> Status {
+        if (throws && me == 0) throw std::runtime_error("step threw");
+        return !throws && me == n - 1 ? InvalidArgumentError("step refused") : Status::Ok();
+      });
+  WORKER_CHECK(!s.ok(), "a failing slice function went unnoticed");
+  std::printf("THROUGH_FAILED rank %d %s\n", me, s.ToString().c_str());
   return 0;
 }
 
@@ -603,18 +619,22 @@ TEST(Communicator, AllToAllEqualAndUnevenBlocks) {
 // UCX without it.
 TEST(Communicator, AllReduceThroughAppliesEachSliceOnItsRank) {
   for (auto [n, shm] : {std::pair{1, "1"}, {2, "1"}, {3, "1"}, {2, "0"}, {3, "0"}}) {
-    SCOPED_TRACE(std::to_string(n) + " ranks, DDP_SHARED_MEMORY=" + shm);
-    Job job = RunJob(n, "through", {{"DDP_TEST_TIMEOUT_MS", "5000"}, {"DDP_SHARED_MEMORY", shm}});
-    for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
-    // The failing rank names its error; the others that or the rank (the
-    // UCX path carries a flag, not the message).
-    const std::string culprit = "failed on rank " + std::to_string(n - 1);
-    for (const auto& r : job.results) {
-      EXPECT_TRUE(r.output.find("step refused") != std::string::npos ||
-                  r.output.find(culprit) != std::string::npos)
-          << job.Describe();
+    for (const char* failure : {"refuse", "throw"}) {
+      SCOPED_TRACE(std::to_string(n) + " ranks, DDP_SHARED_MEMORY=" + shm + ", " + failure);
+      Job job = RunJob(n, "through", {{"DDP_TEST_TIMEOUT_MS", "5000"}, {"DDP_SHARED_MEMORY", shm},
+                                      {"DDP_TEST_THROUGH_FAILURE", failure}});
+      for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+      // Every rank fails naming the error or the failing rank (the UCX path
+      // carries a flag, not the message; an abort may carry either).
+      const bool threw = std::string(failure) == "throw";
+      const std::string error = threw ? "step threw" : "step refused";
+      const std::string culprit = "failed on rank " + std::to_string(threw ? 0 : n - 1);
+      for (const auto& r : job.results) {
+        EXPECT_TRUE(r.output.find(error) != std::string::npos ||
+                    r.output.find(culprit) != std::string::npos)
+            << job.Describe();
+      }
     }
-    EXPECT_NE(job.results.back().output.find("step refused"), std::string::npos) << job.Describe();
   }
 }
 

@@ -450,7 +450,9 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
       return "reduce " + what + " " + ReduceOpName(static_cast<ReduceOp>(o)) + to_root;
     }
     return what + " " + ReduceOpName(static_cast<ReduceOp>(o)) +
-           (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)" : "");
+           (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)"
+            : k == static_cast<int32_t>(Kind::kApply) ? " (through a slice function)"
+                                                       : "");
   };
   for (int peer = 0; peer < options_.size; ++peer) {
     if (only >= 0 && peer != only) continue;
@@ -564,6 +566,32 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
   });
 }
 
+Status ShmAllReduce::AllReduceApply(const void* send, void* recv, size_t count, DataType dtype,
+                                    ReduceOp op, const ApplyFn& apply, Deadline deadline,
+                                    const std::function<Status(Deadline, int)>& watchdog) {
+  return InCall(deadline, watchdog, [&]() -> Status {
+    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kApply,
+                               -1, deadline, watchdog)
+                            .status());
+    const size_t elem = DataTypeSize(dtype);
+    size_t begin, end;
+    Slice(count, elem, options_.size, options_.rank, begin, end);
+    const size_t piece = apply_piece_elems(dtype);
+    if (applied_.size() < piece * elem) applied_.resize(piece * elem);
+    Status status = Status::Ok();
+    char* out = static_cast<char*>(recv);
+    if (begin == end) status = apply(applied_.data(), out + begin * elem, begin, 0);
+    for (size_t a = begin; status.ok() && a < end; a += piece) {
+      const size_t n = std::min(piece, end - a);
+      status = ReduceSlice(send, recv, a, a + n, dtype, op, /*share=*/false, -1, applied_.data());
+      if (status.ok()) status = apply(applied_.data(), out + a * elem, a, n);
+      if (status.ok()) status = ShareSlice(recv, a, a + n, elem);
+    }
+    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
+    return Finish(deadline, watchdog);
+  });
+}
+
 // Shapes: rank r's input is staging(r, s)[0, count) of `dtype`; every rank
 // folds all of them, in rank order, into its own output.
 //
@@ -613,7 +641,8 @@ Status ShmAllReduce::StagedAllReduce(void* recv, size_t count, DataType dtype, R
 // (inputs readable), all finished (every slice written everywhere, every
 // input read).
 Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, size_t end,
-                                 DataType dtype, ReduceOp op, bool share, int to_root) {
+                                 DataType dtype, ReduceOp op, bool share, int to_root,
+                                 char* into) {
   const int me = options_.rank;
   const uint64_t s = sequence_;
   const size_t elem = DataTypeSize(dtype);
@@ -627,7 +656,9 @@ Status ShmAllReduce::ReduceSlice(const void* send, void* recv, size_t begin, siz
   if (to_peer && folded_.size() < chunk_.size()) folded_.resize(chunk_.size());
   for (size_t a = begin; a < end; a += chunk_elems) {
     const size_t n = std::min(chunk_elems, end - a);
-    char* here = to_peer ? folded_.data() : out + a * elem;
+    char* here = to_peer            ? folded_.data()
+                 : into != nullptr ? into + (a - begin) * elem
+                                   : out + a * elem;
     const char* first = in + a * elem;
     // Peers in rank order, so that every chunk is folded in one fixed order.
     const int last_peer = me == options_.size - 1 ? options_.size - 2 : options_.size - 1;

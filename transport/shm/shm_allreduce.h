@@ -157,6 +157,26 @@ class ShmAllReduce {
                           const SliceFn& across, Deadline deadline,
                           const std::function<Status(Deadline, int)>& watchdog);
 
+  /// Called with a piece of a rank's slice: `reduced` holds elements
+  /// [offset, offset + count) of the reduction (kAvg divided), in scratch
+  /// memory of the call; `out` is recv + offset, still holding recv's
+  /// values from before the call. It writes the piece's result into `out`.
+  using ApplyFn =
+      std::function<Status(const void* reduced, void* out, size_t offset, size_t count)>;
+
+  /// recv = the slices `apply` made, on every rank: each rank folds its
+  /// slice of every rank's send one piece at a time (apply_piece_elems;
+  /// the last may be shorter) into cache-sized scratch memory (not into
+  /// recv), calls `apply` on the piece, and writes the piece's `out` into
+  /// every peer's recv while it is still in cache. `apply` runs on the
+  /// pieces in order, or once with count 0 for an empty slice. Two
+  /// rendezvous, as AllReduce's direct path, at any size. send may equal
+  /// recv. Every rank of the group calls it where the others do; a rank
+  /// calling another collective fails the argument check on every rank.
+  Status AllReduceApply(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                        const ApplyFn& apply, Deadline deadline,
+                        const std::function<Status(Deadline, int)>& watchdog);
+
   /// buffer = root's buffer, on every rank of the group (small buffers
   /// through the root's staging buffer, larger ones read from the root's
   /// memory with CMA). Every rank of the group calls it where the others
@@ -200,6 +220,10 @@ class ShmAllReduce {
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   const ShmOptions& options() const { return options_; }
+  /// Elements of `dtype` per AllReduceApply piece (the chunk size).
+  size_t apply_piece_elems(DataType dtype) const {
+    return std::max<size_t>(1, chunk_.size() / DataTypeSize(dtype));
+  }
   // The staging limit of reduce, gather and scatter (see ShmOptions).
   size_t rooted_staging_bytes() const {
     return std::min(std::max(options_.rooted_staging_bytes, options_.staging_bytes),
@@ -219,7 +243,7 @@ class ShmAllReduce {
   /// report the mismatch).
   enum class Kind : int32_t {
     kAllReduce = 0, kThrough = 1, kBroadcast = 2, kBarrier = 3, kAllToAll = 4, kReduce = 5,
-    kGather = 6, kScatter = 7
+    kGather = 6, kScatter = 7, kApply = 8
   };
 
  private:
@@ -277,8 +301,10 @@ class ShmAllReduce {
   // it is in cache. With `to_root` >= 0 (a reduce) on another rank than
   // that one, folds each chunk into a scratch chunk and writes it into the
   // root's output instead (recv is unused).
+  // With `into` (AllReduceApply), folds element a of the slice into
+  // into[a - begin] instead of recv[a], and shares nothing.
   Status ReduceSlice(const void* send, void* recv, size_t begin, size_t end, DataType dtype,
-                     ReduceOp op, bool share, int to_root = -1);
+                     ReduceOp op, bool share, int to_root = -1, char* into = nullptr);
   // Writes elements [begin, end) of `recv` into every peer's output.
   Status ShareSlice(const void* recv, size_t begin, size_t end, size_t elem);
   // Publishes reduced and finished, then waits until every rank finished;
@@ -314,6 +340,7 @@ class ShmAllReduce {
   Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
   std::vector<char> folded_;  // a reduce's folded chunk on its way to the root
+  std::vector<char> applied_;  // AllReduceApply's reduced slice
   struct PeerMapping {
     int peer = -1;
     uint64_t id = 0;        // the peer's ShareableRegion::id
