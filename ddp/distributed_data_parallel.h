@@ -28,7 +28,8 @@
 //   and device per bucket; the first bucket is small (1 MiB) so that
 //   communication starts early, the others hold up to bucket_cap_mb. After
 //   the first iteration the buckets are rebuilt once from the order in which
-//   gradients actually became ready (rank 0's order, broadcast).
+//   gradients actually became ready (rank 0's order, broadcast), unless the
+//   communication hook keeps per-bucket state (CommHook::WithFixedBuckets).
 // - Backward: each parameter's post-accumulate-grad hook copies its gradient
 //   into its bucket, divided by the world size on the way; the hook that
 //   completes a bucket hands it to the communication thread at once

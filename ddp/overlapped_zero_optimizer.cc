@@ -1,6 +1,8 @@
 #include "ddp/overlapped_zero_optimizer.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -32,13 +34,17 @@ struct OverlappedZeroOptimizer::State {
     // that each transport piece is a run of whole views.
     nn::optim::NamedParameters views;
     std::vector<int64_t> view_begin;  // each view's first element in the bucket
+    std::vector<size_t> view_param;   // each view's parameter (index into params)
+    std::vector<int64_t> view_offset; // each view's first element in its parameter
     // Transport piece offset -> [first view, end view) and its length.
     std::map<int64_t, std::pair<std::pair<size_t, size_t>, int64_t>> pieces;
     std::unique_ptr<nn::optim::Optimizer> optimizer;  // null for an empty slice
   };
 
   std::vector<Bucket> buckets;  // by bucket index
+  ProcessGroup* group = nullptr;  // DistributedDataParallel's (it outlives this)
   std::vector<Tensor> params;   // every trained parameter (ZeroGrad)
+  std::vector<std::string> names;  // their names
   int64_t total_elements = 0;
   int64_t owned_elements = 0;
   // One rank: DDP runs no hook; Step() runs this optimizer of everything.
@@ -98,9 +104,11 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
     by_name.emplace(name, p);
     all.emplace_back(name, p);
     state_->params.push_back(p);
+    state_->names.push_back(name);
     state_->total_elements += p.numel();
   }
   ProcessGroup& group = ddp.process_group();
+  state_->group = &group;
   if (group.size() == 1) {
     state_->whole = make(std::move(all));
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
@@ -117,9 +125,12 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   for (const std::vector<std::string>& names : ddp.BucketParameterNames()) {
     State::Bucket bucket;
     std::vector<Tensor> members;
+    std::vector<size_t> indices;  // into state_->params
     int64_t numel = 0;
     for (const std::string& name : names) {
       members.push_back(by_name.at(name));
+      indices.push_back(static_cast<size_t>(
+          std::find(state_->names.begin(), state_->names.end(), name) - state_->names.begin()));
       bucket.offsets.push_back(numel);
       numel += members.back().numel();
     }
@@ -149,6 +160,8 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
                         std::to_string(hi - bucket.offsets[k]) + "]",
             flat.Narrow(0, lo, hi - lo));
         bucket.view_begin.push_back(lo);
+        bucket.view_param.push_back(indices[k]);
+        bucket.view_offset.push_back(lo - bucket.offsets[k]);
       }
       bucket.pieces[offset] = {{first, bucket.views.size()}, count};
       state_->owned_elements += count;
@@ -267,5 +280,205 @@ int64_t OverlappedZeroOptimizer::steps() const {
 }
 
 int64_t OverlappedZeroOptimizer::owned_elements() const { return state_->owned_elements; }
+
+namespace {
+
+// Records of a rank's state pieces, for GatherObject: per entry its
+// parameter, slot, offset in the parameter, dtype, element count and bytes.
+void Put(std::string& out, const void* data, size_t bytes) {
+  out.append(static_cast<const char*>(data), bytes);
+}
+template <typename T>
+void PutValue(std::string& out, T value) {
+  Put(out, &value, sizeof(value));
+}
+void PutString(std::string& out, const std::string& s) {
+  PutValue<uint64_t>(out, s.size());
+  out += s;
+}
+struct Reader {
+  const std::string& in;
+  size_t at = 0;
+  void Get(void* data, size_t bytes) {
+    if (at + bytes > in.size()) throw std::runtime_error("OverlappedZeroOptimizer: a truncated state record");
+    std::memcpy(data, in.data() + at, bytes);
+    at += bytes;
+  }
+  template <typename T>
+  T Value() {
+    T value;
+    Get(&value, sizeof(value));
+    return value;
+  }
+  std::string String() {
+    const uint64_t n = Value<uint64_t>();
+    std::string s(n, '\0');
+    Get(s.data(), n);
+    return s;
+  }
+};
+
+// "state.<name>.<slot>" -> slot, for a key of parameter `name`; else "".
+std::string SlotOf(const std::string& key, const std::string& name) {
+  const std::string prefix = "state." + name + ".";
+  if (key.size() <= prefix.size() || key.compare(0, prefix.size(), prefix) != 0) return "";
+  return key.substr(prefix.size());
+}
+
+}  // namespace
+
+nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
+  State& s = *state_;
+  if (s.whole != nullptr) {
+    if (to != 0) {
+      throw std::invalid_argument("OverlappedZeroOptimizer::ConsolidatedStateDict: rank " + std::to_string(to) +
+                                  " is not in a group of 1");
+    }
+    return s.whole->StateDict();
+  }
+  ProcessGroup& pg = *s.group;
+  if (to < 0 || to >= pg.size()) {
+    throw std::invalid_argument("OverlappedZeroOptimizer::ConsolidatedStateDict: rank " + std::to_string(to) +
+                                " is not in a group of " + std::to_string(pg.size()));
+  }
+  std::string mine;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const State::Bucket& bucket : s.buckets) {
+      if (bucket.optimizer == nullptr) continue;
+      for (const auto& [key, value] : bucket.optimizer->StateDict()) {
+        for (size_t j = 0; j < bucket.views.size(); ++j) {
+          const std::string slot = SlotOf(key, bucket.views[j].first);
+          if (slot.empty() || slot.find('.') != std::string::npos) continue;
+          const Tensor t = value.To(nn::kCPU).Contiguous();
+          PutString(mine, s.names[bucket.view_param[j]]);
+          PutString(mine, slot);
+          PutValue<int64_t>(mine, bucket.view_offset[j]);
+          PutValue<int32_t>(mine, static_cast<int32_t>(t.dtype()));
+          PutValue<int64_t>(mine, t.numel());
+          Put(mine, t.data_ptr(), t.nbytes());
+        }
+      }
+    }
+  }
+  const std::vector<std::string> all = pg.GatherObject(mine, to);
+  if (pg.rank() != to) return {};
+  // Per parameter and slot, the pieces put back in place ("step", the same
+  // in every piece, taken once); in the unsharded optimizer's order.
+  // Slots in the order the optimizer lists them (the first record's).
+  struct Entry {
+    std::string slot;
+    Tensor whole;
+    int64_t filled = 0;
+  };
+  std::vector<std::vector<Entry>> entries(s.params.size());
+  for (const std::string& blob : all) {
+    Reader in{blob};
+    while (in.at < blob.size()) {
+      const std::string name = in.String(), slot = in.String();
+      const int64_t offset = in.Value<int64_t>();
+      const auto dtype = static_cast<nn::DType>(in.Value<int32_t>());
+      const int64_t numel = in.Value<int64_t>();
+      const size_t i = static_cast<size_t>(std::find(s.names.begin(), s.names.end(), name) - s.names.begin());
+      if (i == s.names.size()) throw std::runtime_error("OverlappedZeroOptimizer: state of unknown parameter `" + name + "`");
+      auto it = std::find_if(entries[i].begin(), entries[i].end(),
+                             [&](const Entry& e) { return e.slot == slot; });
+      if (it == entries[i].end()) it = entries[i].insert(entries[i].end(), Entry{slot, Tensor(), 0});
+      Tensor& whole = it->whole;
+      const size_t bytes = static_cast<size_t>(numel) * nn::ElementSize(dtype);
+      if (slot == "step") {
+        whole = nn::Empty({}, {.dtype = dtype});
+        in.Get(whole.data_ptr(), bytes);
+        continue;
+      }
+      if (!whole.defined()) whole = nn::Empty(s.params[i].shape(), {.dtype = dtype});
+      if (offset < 0 || offset + numel > whole.numel() || whole.dtype() != dtype) {
+        throw std::runtime_error("OverlappedZeroOptimizer: a piece of `state." + name + "." + slot +
+                                 "` does not fit its parameter");
+      }
+      in.Get(static_cast<char*>(whole.data_ptr()) + static_cast<size_t>(offset) * nn::ElementSize(dtype), bytes);
+      it->filled += numel;
+    }
+  }
+  nn::optim::NamedTensors out;
+  out.emplace_back("lr", nn::FromVector({lr()}, {}, {.dtype = nn::DType::kFloat64}));
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    for (const auto& [slot, whole, filled] : entries[i]) {
+      if (slot != "step" && filled != s.params[i].numel()) {
+        throw std::runtime_error("OverlappedZeroOptimizer::ConsolidatedStateDict: the ranks hold " +
+                                 std::to_string(filled) + " of the " +
+                                 std::to_string(s.params[i].numel()) + " elements of `state." +
+                                 s.names[i] + "." + slot + "`");
+      }
+      out.emplace_back("state." + s.names[i] + "." + slot, whole);
+    }
+  }
+  return out;
+}
+
+void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state) {
+  State& s = *state_;
+  if (s.whole != nullptr) {
+    s.whole->LoadStateDict(state);
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.lr = s.whole->lr();
+    return;
+  }
+  // Every "state." key must name a trained parameter and fit its size.
+  std::vector<std::vector<std::pair<std::string, Tensor>>> by_param(s.params.size());
+  const Tensor* lr = nullptr;
+  for (const auto& [key, value] : state) {
+    if (key == "lr") {
+      lr = &value;
+      continue;
+    }
+    if (key.compare(0, 6, "state.") != 0) continue;
+    size_t best = s.params.size();
+    std::string slot;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const std::string candidate = SlotOf(key, s.names[i]);
+      if (!candidate.empty() && (best == s.params.size() || s.names[i].size() > s.names[best].size())) {
+        best = i;
+        slot = candidate;
+      }
+    }
+    if (best == s.params.size()) {
+      throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key +
+                                  "` names no trained parameter");
+    }
+    if (slot != "step" && value.numel() != s.params[best].numel()) {
+      throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key + "` holds " +
+                                  std::to_string(value.numel()) + " elements, its parameter " +
+                                  std::to_string(s.params[best].numel()));
+    }
+    by_param[best].emplace_back(slot, value);
+  }
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (State::Bucket& bucket : s.buckets) {
+    if (bucket.optimizer == nullptr) continue;
+    nn::optim::NamedTensors pieces;
+    if (lr != nullptr) pieces.emplace_back("lr", *lr);
+    for (size_t j = 0; j < bucket.views.size(); ++j) {
+      for (const auto& [slot, value] : by_param[bucket.view_param[j]]) {
+        const std::string key = "state." + bucket.views[j].first + "." + slot;
+        if (slot == "step") {
+          pieces.emplace_back(key, value);
+        } else {
+          const Tensor flat = value.Contiguous().View({value.numel()});
+          pieces.emplace_back(key, flat.Narrow(0, bucket.view_offset[j], bucket.views[j].second.numel()));
+        }
+      }
+    }
+    bucket.optimizer->LoadStateDict(pieces);
+  }
+  if (lr != nullptr) {
+    for (const State::Bucket& bucket : s.buckets) {
+      if (bucket.optimizer != nullptr) {
+        s.lr = bucket.optimizer->lr();
+        break;
+      }
+    }
+  }
+}
 
 }  // namespace ddp::dist

@@ -50,8 +50,10 @@
 //   but one that looks at whole tensors, as LAMB's norms). It runs on the
 //   communication thread, whose floating-point mode (flush to zero) is the
 //   one the process had when the group was made.
-// - No checkpoint of the optimizer's state yet (the parameters save as
-//   usual; momentum and moments start afresh on resume).
+// - Checkpoints: ConsolidatedStateDict gathers the whole state on one rank
+//   in the unsharded optimizer's format (a plain optimizer, or this one on
+//   any number of ranks, loads it); LoadStateDict takes such a state on
+//   every rank and keeps its slices' entries.
 
 #include <cstddef>
 #include <functional>
@@ -75,7 +77,7 @@ class OverlappedZeroOptimizer {
 
   /// Moves each bucket's parameters into a flat buffer, builds this rank's
   /// optimizers and registers the fused step as `ddp`'s communication hook
-  /// (keep this object alive while `ddp` trains). Collective: every rank
+  /// (keep this object alive while `ddp` trains; `ddp` must outlive it). Collective: every rank
   /// builds it, before the first backward. Throws std::invalid_argument for
   /// a null factory or one that returns null, a parameter that is not a
   /// contiguous CPU tensor (naming it), find_unused_parameters or
@@ -100,6 +102,18 @@ class OverlappedZeroOptimizer {
   int64_t steps() const;
   /// Elements of the parameters this rank updates (its slices).
   int64_t owned_elements() const;
+
+  /// Collective: the whole state on rank `to` ("lr", and per parameter
+  /// "state.<name>.step" and its elementwise entries in the parameter's
+  /// shape, as the unsharded optimizer's StateDict), empty elsewhere.
+  /// Throws std::invalid_argument for a rank outside the group.
+  nn::optim::NamedTensors ConsolidatedStateDict(int to = 0);
+  /// Loads a whole state (ConsolidatedStateDict's, or a plain optimizer's
+  /// StateDict) on every rank; each slice's optimizer takes its pieces. Not
+  /// collective, but every rank must load the same state. Throws
+  /// std::invalid_argument naming a "state." key of no trained parameter,
+  /// or an entry whose size is not its parameter's.
+  void LoadStateDict(const nn::optim::NamedTensors& state);
 
   struct State;
 

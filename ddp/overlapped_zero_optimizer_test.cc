@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -122,6 +124,92 @@ TEST(OverlappedZeroOptimizerTest, EqualsDdpOverUcxWithoutSharedMemory) {
 TEST(OverlappedZeroOptimizerTest, EqualsDdpOnOneRank) {
   auto run = RunWorkers("equals_ddp", 1);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------------- checkpoint ----
+
+// The consolidated state is the unsharded optimizer's; a fused optimizer
+// that loads the unsharded state (on a copy of the model) goes on training
+// as the unsharded one does.
+void CheckCheckpoint(ProcessGroup& pg, bool adam, const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  const int rank = pg.rank(), world = pg.size();
+  auto model = Mlp(31), reference = Mlp(31);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = Borrow(pg)});
+  DistributedDataParallel ref_ddp(reference, {.process_group = Borrow(pg)});
+  auto factory = [adam](nn::optim::NamedParameters shard) { return MakeOptimizer(adam, std::move(shard)); };
+  OverlappedZeroOptimizer opt(ddp, factory);
+  auto ref_opt = MakeOptimizer(adam, reference->NamedParameters());
+  auto train = [&](DistributedDataParallel& d, const std::function<void()>& step, int64_t from, int64_t to) {
+    for (int64_t i = from; i < to; ++i) {
+      auto [x, y] = testing::Batch(data, (i * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(d(x), y));
+      step();
+    }
+  };
+  auto ref_step = [&] { ref_opt->Step(); ref_opt->ZeroGrad(); };
+  train(ddp, [&] { opt.Step(); }, 0, 3);
+  train(ref_ddp, ref_step, 0, 3);
+  const nn::optim::NamedTensors consolidated = opt.ConsolidatedStateDict(world - 1);
+  if (rank == world - 1) {
+    const nn::optim::NamedTensors expected = ref_opt->StateDict();
+    WORKER_EXPECT(consolidated.size() == expected.size(),
+                  what + ": " + std::to_string(consolidated.size()) + " entries, the unsharded optimizer has " +
+                      std::to_string(expected.size()));
+    for (size_t k = 0; k < std::min(consolidated.size(), expected.size()); ++k) {
+      const auto& [name, t] = consolidated[k];
+      WORKER_EXPECT(name == expected[k].first, what + ": entry " + name + " where " + expected[k].first + " belongs");
+      WORKER_EXPECT(t.shape() == expected[k].second.shape(), what + ": `" + name + "` has another shape");
+      double diff = 0;
+      const Tensor a = t.To(nn::DType::kFloat64).Contiguous();
+      const Tensor b = expected[k].second.To(nn::DType::kFloat64).Contiguous();
+      for (int64_t i = 0; i < std::min(a.numel(), b.numel()); ++i) {
+        diff = std::max(diff, std::abs(a.data<double>()[i] - b.data<double>()[i]));
+      }
+      WORKER_EXPECT(diff <= 1e-6, what + ": `" + name + "` off by " + std::to_string(diff));
+    }
+  } else {
+    WORKER_EXPECT(consolidated.empty(), what + ": a rank other than the target got state");
+  }
+  // Resume: a copy of the model and a fused optimizer loading the unsharded
+  // state go on as the unsharded optimizer does.
+  auto resumed = Mlp(99);
+  {
+    nn::NoGradGuard guard;
+    auto from = model->NamedParameters(), into = resumed->NamedParameters();
+    for (size_t i = 0; i < from.size(); ++i) into[i].second.CopyFrom(from[i].second);
+  }
+  DistributedDataParallel resumed_ddp(resumed, {.process_group = Borrow(pg)});
+  OverlappedZeroOptimizer resumed_opt(resumed_ddp, factory);
+  resumed_opt.LoadStateDict(ref_opt->StateDict());
+  train(resumed_ddp, [&] { resumed_opt.Step(); }, 3, 6);
+  train(ref_ddp, ref_step, 3, 6);
+  const auto [diff, worst] = testing::MaxRelativeDifference(*resumed, *reference);
+  WORKER_EXPECT(diff <= 1e-5, what + " resumed: `" + worst + "` off by " + std::to_string(diff));
+}
+
+DDP_TEST_WORKER(checkpoint) {
+  auto pg = testing::WorkerGroup();
+  CheckCheckpoint(*pg, false, "SGD");
+  CheckCheckpoint(*pg, true, "Adam");
+  // A key of no parameter is refused, naming it.
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  bool refused = false;
+  try {
+    opt.LoadStateDict({{"state.nothing.momentum_buffer", nn::Zeros({3})}});
+  } catch (const std::invalid_argument& e) {
+    refused = std::string(e.what()).find("state.nothing.momentum_buffer") != std::string::npos;
+  }
+  WORKER_EXPECT(refused, "a state of no parameter was not refused by name");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ConsolidatedStateIsTheUnshardedOptimizersAndResumes) {
+  for (int world : {1, 2, 3}) {
+    auto run = RunWorkers("checkpoint", world);
+    EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
+  }
 }
 
 // ------------------------------------------------------ NoSync, Join ----
