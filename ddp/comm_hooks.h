@@ -11,8 +11,9 @@
 // under Join; undivided for CommHook::OnLocalGradients), and must leave in
 // bucket.buffer() the sum over all ranks (the average gradient) by the
 // time the returned Work completes; local SGD's hooks (NoopHook,
-// model_averaging.h) leave a local or subgroup average instead, on
-// purpose. It is called on the thread running backward, must not block,
+// model_averaging.h) leave a local or subgroup average instead, and
+// OverlappedZeroOptimizer's leaves the gradients and updates the
+// parameters, on purpose. It is called on the thread running backward, must not block,
 // and must issue the same collectives on every rank: run the communication
 // through ProcessGroup (Run() executes a function on the communication
 // thread, in order with everything else).

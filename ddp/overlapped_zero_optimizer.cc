@@ -1,6 +1,7 @@
 #include "ddp/overlapped_zero_optimizer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -41,6 +42,7 @@ struct OverlappedZeroOptimizer::State {
     std::unique_ptr<nn::optim::Optimizer> optimizer;  // null for an empty slice
   };
 
+  Factory make;                 // for LoadStateDict's probe
   std::vector<Bucket> buckets;  // by bucket index
   ProcessGroup* group = nullptr;  // DistributedDataParallel's (it outlives this)
   std::vector<Tensor> params;   // every trained parameter (ZeroGrad)
@@ -77,7 +79,13 @@ struct OverlappedZeroOptimizer::State {
                                      {view.numel()}, dtype));
     }
     bucket.optimizer->set_grad_scale(scale);
-    bucket.optimizer->Step();
+    try {
+      bucket.optimizer->Step();
+    } catch (...) {
+      // The gradients point into the call's scratch memory.
+      for (size_t j = first; j < end; ++j) bucket.views[j].second.set_grad(Tensor());
+      throw;
+    }
     for (size_t j = first; j < end; ++j) bucket.views[j].second.set_grad(Tensor());
   }
 };
@@ -109,6 +117,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   }
   ProcessGroup& group = ddp.process_group();
   state_->group = &group;
+  state_->make = make;
   if (group.size() == 1) {
     state_->whole = make(std::move(all));
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
@@ -121,14 +130,20 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   // keeps: each one's parameters move into one flat buffer in shareable
   // memory, at their gradients' offsets, and this rank's slice of it gets
   // its optimizer.
-  bool have_lr = false;
   for (const std::vector<std::string>& names : ddp.BucketParameterNames()) {
     State::Bucket bucket;
     std::vector<Tensor> members;
     std::vector<size_t> indices;  // into state_->params
     int64_t numel = 0;
     for (const std::string& name : names) {
-      members.push_back(by_name.at(name));
+      const auto found = by_name.find(name);
+      if (found == by_name.end()) {
+        throw std::invalid_argument("OverlappedZeroOptimizer: DDP's bucket parameter `" + name +
+                                    "` is not a trained parameter of the module (did requires_grad "
+                                    "change after the wrapper was built?)");
+      }
+      members.push_back(found->second);
+      by_name.erase(found);  // each parameter in one bucket
       indices.push_back(static_cast<size_t>(
           std::find(state_->names.begin(), state_->names.end(), name) - state_->names.begin()));
       bucket.offsets.push_back(numel);
@@ -166,20 +181,49 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
       bucket.pieces[offset] = {{first, bucket.views.size()}, count};
       state_->owned_elements += count;
     }
-    if (!bucket.views.empty()) {
+    state_->buckets.push_back(std::move(bucket));
+  }
+  if (!by_name.empty()) {
+    throw std::invalid_argument("OverlappedZeroOptimizer: trained parameter `" + by_name.begin()->first +
+                                "` is in none of DDP's buckets (did requires_grad change after the "
+                                "wrapper was built?)");
+  }
+  // The optimizers differ per rank (each gets its own pieces), so a factory
+  // may fail on some ranks only: the ranks agree on the outcome before any
+  // of them registers the hook, and all fail alike.
+  std::string failure;
+  try {
+    bool have_lr = false;
+    for (State::Bucket& bucket : state_->buckets) {
+      if (bucket.views.empty()) continue;
       bucket.optimizer = make(bucket.views);
-      if (bucket.optimizer == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
+      if (bucket.optimizer == nullptr) throw std::invalid_argument("the factory returned null");
+      const nn::optim::NamedParameters& got = bucket.optimizer->params();
+      bool same = got.size() == bucket.views.size();
+      for (size_t j = 0; same && j < got.size(); ++j) same = got[j].second.impl() == bucket.views[j].second.impl();
+      if (!same) {
+        throw std::invalid_argument("the factory's optimizer does not hold the pieces it was given (it must "
+                                    "build the optimizer from its argument, not from the model)");
+      }
       if (!have_lr) state_->lr = bucket.optimizer->lr();
       have_lr = true;
     }
-    state_->buckets.push_back(std::move(bucket));
+    if (!have_lr) {
+      // This rank owns no element (more ranks than cache lines of
+      // parameters): the rate comes from an optimizer of everything.
+      auto probe = make(std::move(all));
+      if (probe == nullptr) throw std::invalid_argument("the factory returned null");
+      state_->lr = probe->lr();
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
   }
-  if (!have_lr) {
-    // This rank owns no element (more ranks than cache lines of
-    // parameters): the rate comes from an optimizer of everything.
-    auto probe = make(std::move(all));
-    if (probe == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
-    state_->lr = probe->lr();
+  const std::vector<std::string> outcomes = group.AllGatherObject(failure);
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    if (!outcomes[r].empty()) {
+      throw std::invalid_argument("OverlappedZeroOptimizer: building the optimizer of rank " + std::to_string(r) +
+                                  "'s slices failed: " + outcomes[r]);
+    }
   }
 
   std::shared_ptr<State> state = state_;
@@ -215,8 +259,8 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
     const Tensor grads = grad_bucket.buffer();
     const Tensor out = state->buckets[index].flat;
     // Averaged inside the reduction's last fold, as DDP's default hook
-    // does (so the gradients match it bit for bit), or under Join (the
-    // ranks still active) summed and read by the optimizer times a factor.
+    // does, or under Join (the ranks still active) summed and read by the
+    // optimizer times a factor.
     const bool average = grad_bucket.divisor() == static_cast<double>(pg.size());
     const transport::ReduceOp op = average ? transport::ReduceOp::kAvg : transport::ReduceOp::kSum;
     const double scale = average ? 1.0 : 1.0 / grad_bucket.divisor();
@@ -266,6 +310,7 @@ double OverlappedZeroOptimizer::lr() const {
 }
 
 void OverlappedZeroOptimizer::set_lr(double lr) {
+  if (!(lr >= 0)) throw std::invalid_argument("OverlappedZeroOptimizer::set_lr: rate " + std::to_string(lr) + " is negative or NaN");
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->lr = lr;
   if (state_->whole != nullptr) state_->whole->set_lr(lr);
@@ -453,6 +498,19 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     }
     by_param[best].emplace_back(slot, value);
   }
+  // Every rank checks the whole state the way the unsharded optimizer
+  // would (a probe over every parameter), so that a bad state fails on every
+  // rank alike before any slice changes; each slice's load then only cuts.
+  {
+    nn::optim::NamedParameters all;
+    for (size_t i = 0; i < s.params.size(); ++i) all.emplace_back(s.names[i], s.params[i]);
+    std::unique_ptr<nn::optim::Optimizer> probe = s.make(std::move(all));
+    try {
+      probe->LoadStateDict(state);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
+    }
+  }
   std::lock_guard<std::mutex> lock(s.mu);
   for (State::Bucket& bucket : s.buckets) {
     if (bucket.optimizer == nullptr) continue;
@@ -471,14 +529,7 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     }
     bucket.optimizer->LoadStateDict(pieces);
   }
-  if (lr != nullptr) {
-    for (const State::Bucket& bucket : s.buckets) {
-      if (bucket.optimizer != nullptr) {
-        s.lr = bucket.optimizer->lr();
-        break;
-      }
-    }
-  }
+  if (lr != nullptr) s.lr = lr->Item();
 }
 
 }  // namespace ddp::dist

@@ -13,8 +13,10 @@
 // parameters of each bucket move into one flat buffer laid out as the
 // bucket (Tensor::SetData, so every handle stays valid). Per step a rank
 // updates 1/N of the parameters, the bytes sent equal plain DDP's, and
-// there is no separate pass of the optimizer over every parameter, nor a
-// copy of reduced gradients back into .grad.
+// there is no separate pass of the optimizer over every parameter. (With
+// gradients copied into buckets, the default, DDP still copies each
+// bucket's local gradients back into .grad after backward;
+// gradient_as_bucket_view saves that pass.)
 //
 //   DistributedDataParallel ddp(model, {.process_group = pg});
 //   OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
@@ -47,15 +49,18 @@
 //   (ranks that ran out of data still step their slices with the others'
 //   gradients).
 // - The optimizer's update must be elementwise (every nn::optim optimizer
-//   but one that looks at whole tensors, as LAMB's norms). It runs on the
-//   communication thread, whose floating-point mode (flush to zero) is the
-//   one the process had when the group was made.
+//   but one that looks at whole tensors, as LAMB's norms). It runs where
+//   the group runs collectives: on its communication thread, whose
+//   floating-point mode (flush to zero) is the one the process had when
+//   the group was made, or on the training thread
+//   (ProcessGroup::collectives_on_caller).
 // - Checkpoints: ConsolidatedStateDict gathers the whole state on one rank
 //   in the unsharded optimizer's format (a plain optimizer, or this one on
 //   any number of ranks, loads it); LoadStateDict takes such a state on
 //   every rank and keeps its slices' entries.
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>

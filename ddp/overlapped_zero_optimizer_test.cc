@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,12 @@ void CheckEqualsDdp(ProcessGroup& pg, DdpOptions options, bool adam, const std::
   });
   auto ref_opt = MakeOptimizer(adam, reference->NamedParameters());
   for (int64_t step = 0; step < 8; ++step) {
+    if (step == 4) {
+      // A schedule's change reaches every slice.
+      opt.set_lr(ref_opt->lr() / 2);
+      ref_opt->set_lr(ref_opt->lr() / 2);
+      WORKER_EXPECT(opt.lr() == ref_opt->lr(), what + ": lr() is " + std::to_string(opt.lr()));
+    }
     auto [x, y] = testing::Batch(data, (step * world + rank) * kBatch, kBatch);
     nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
     opt.Step();
@@ -119,6 +126,16 @@ TEST(OverlappedZeroOptimizerTest, EqualsDdpAndTheUnshardedOptimizerOnThreeRanks)
 TEST(OverlappedZeroOptimizerTest, EqualsDdpOverUcxWithoutSharedMemory) {
   auto run = RunWorkers("equals_ddp", 2, {{"DDP_SHARED_MEMORY", "0"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The step on the training thread (collectives on the caller), and whole
+// slices as one piece over UCX's ring although shared memory is up.
+TEST(OverlappedZeroOptimizerTest, EqualsDdpWithCollectivesOnTheCallerAndWithTheRing) {
+  for (auto env : std::vector<std::pair<std::string, std::string>>{{"DDP_COLLECTIVE_THREAD", "caller"},
+                                                                  {"DDP_ALLREDUCE_ALGO", "ring"}}) {
+    auto run = RunWorkers("equals_ddp", 2, {env});
+    EXPECT_TRUE(run.AllSucceeded()) << env.first << "=" << env.second << "\n" << testing::AllOutput(run);
+  }
 }
 
 TEST(OverlappedZeroOptimizerTest, EqualsDdpOnOneRank) {
@@ -368,6 +385,19 @@ DDP_TEST_WORKER(misuse) {
     expect_throw([&] {
       OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters) { return std::unique_ptr<nn::optim::Optimizer>(); });
     }, "returned null");
+    // A factory that builds from the model instead of its argument.
+    auto model = Mlp(1);
+    expect_throw([&] {
+      OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters) { return MakeOptimizer(false, model->NamedParameters()); });
+    }, "does not hold the pieces");
+    // A factory that fails on the last rank only fails every rank alike.
+    const bool last = pg->rank() == pg->size() - 1;
+    expect_throw([&] {
+      OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters shard) {
+        if (last) throw std::runtime_error("no optimizer here");
+        return MakeOptimizer(false, std::move(shard));
+      });
+    }, "rank " + std::to_string(pg->size() - 1) + "'s slices failed: no optimizer here");
   }
   {
     DistributedDataParallel ddp(Mlp(1), {.process_group = pg});

@@ -26,7 +26,6 @@
 #include "transport/algorithms/hierarchical_all_reduce.h"
 #include "transport/algorithms/rooted_reduce.h"
 #include "transport/collectives.h"
-#include "transport/reduce/reduce.h"
 #include "transport/cuda/device_staging.h"
 #include "transport/cuda/ipc_collectives.h"
 #include "transport/cuda/staging_pipeline.h"

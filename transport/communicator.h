@@ -237,7 +237,9 @@ class Communicator {
   /// (laid out as the gradients are); each rank updates the parameters of
   /// its slice from the reduced gradients, and the others receive them
   /// instead of gradients. Host buffers; send may equal recv. An apply
-  /// that fails (or throws) fails the call on every rank. On one host it
+  /// that fails (or throws) fails the call on every rank, and, as any
+  /// failed collective, aborts the communicator. apply runs inside the
+  /// call: it must not call this communicator. On one host it
   /// runs in the shared-memory engine, one cache-sized piece at a time:
   /// fold, apply and write into the others' recv while the piece is in
   /// cache; two rendezvous. Elsewhere as ReduceScatter and AllGather on
