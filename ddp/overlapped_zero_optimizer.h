@@ -49,7 +49,8 @@
 //   (ranks that ran out of data still step their slices with the others'
 //   gradients).
 // - The optimizer's update must be elementwise (every nn::optim optimizer
-//   but one that looks at whole tensors, as LAMB's norms). It runs where
+//   is; one that looks at whole tensors, as LAMB's norms, would see only a
+//   piece). It runs where
 //   the group runs collectives: on its communication thread, whose
 //   floating-point mode (flush to zero) is the one the process had when
 //   the group was made, or on the training thread
