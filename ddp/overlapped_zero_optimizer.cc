@@ -470,6 +470,8 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     return;
   }
   // Every "state." key must name a trained parameter and fit its size.
+  nn::optim::NamedParameters all;
+  for (size_t i = 0; i < s.params.size(); ++i) all.emplace_back(s.names[i], s.params[i]);
   std::vector<std::vector<std::pair<std::string, Tensor>>> by_param(s.params.size());
   const Tensor* lr = nullptr;
   for (const auto& [key, value] : state) {
@@ -478,15 +480,9 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
       continue;
     }
     if (key.compare(0, 6, "state.") != 0) continue;
-    size_t best = s.params.size();
     std::string slot;
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      const std::string candidate = SlotOf(key, s.names[i]);
-      if (!candidate.empty() && (best == s.params.size() || s.names[i].size() > s.names[best].size())) {
-        best = i;
-        slot = candidate;
-      }
-    }
+    const int found = nn::optim::ParameterOfStateKey(key, all, &slot);
+    const size_t best = found < 0 ? s.params.size() : static_cast<size_t>(found);
     if (best == s.params.size()) {
       throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key +
                                   "` names no trained parameter");
@@ -502,8 +498,6 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
   // would (a probe over every parameter), so that a bad state fails on every
   // rank alike before any slice changes; each slice's load then only cuts.
   {
-    nn::optim::NamedParameters all;
-    for (size_t i = 0; i < s.params.size(); ++i) all.emplace_back(s.names[i], s.params[i]);
     std::unique_ptr<nn::optim::Optimizer> probe = s.make(std::move(all));
     try {
       probe->LoadStateDict(state);

@@ -16,22 +16,6 @@ namespace {
 using nn::Tensor;
 using nn::optim::NamedTensors;
 
-// The parameter a "state.<name>.<slot>" key belongs to: the longest
-// parameter name that prefixes it (names may hold dots); -1 for none.
-int ParameterOfKey(const std::string& key, const nn::optim::NamedParameters& params) {
-  int best = -1;
-  size_t best_length = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const std::string prefix = "state." + params[i].first + ".";
-    if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0 &&
-        prefix.size() > best_length) {
-      best = static_cast<int>(i);
-      best_length = prefix.size();
-    }
-  }
-  return best;
-}
-
 // A list of (name, dtype, shape) as text, one tensor per line, and back:
 // what a rank sends before the tensors of its shard's state.
 std::string DescribeTensors(const NamedTensors& tensors) {
@@ -216,7 +200,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
     if (holders.empty()) continue;
     const Tensor& param = params_[i].second;
     for (const auto& [name, first] : by_rank[holders.front().first]) {
-      if (ParameterOfKey(name, params_) != static_cast<int>(i)) continue;
+      if (nn::optim::ParameterOfStateKey(name, params_) != static_cast<int>(i)) continue;
       if (SlotOfKey(name, params_[i].first) == "step") {
         out.emplace_back(name, first);
         continue;
@@ -246,7 +230,7 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
       continue;
     }
     if (key.rfind("state.", 0) != 0) continue;  // other components' entries
-    const int i = ParameterOfKey(key, params_);
+    const int i = nn::optim::ParameterOfStateKey(key, params_);
     if (i < 0) throw std::invalid_argument("state key `" + key + "` names no parameter of this optimizer");
     const auto piece = std::find_if(mine.begin(), mine.end(),
                                     [&](const Slice& s) { return s.param == static_cast<size_t>(i); });

@@ -35,6 +35,21 @@ void ConvertTo(const Tensor& src, To* dst) {
 
 }  // namespace
 
+int ParameterOfStateKey(const std::string& key, const NamedParameters& params, std::string* slot) {
+  int best = -1;
+  size_t best_length = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string prefix = "state." + params[i].first + ".";
+    if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0 &&
+        prefix.size() > best_length) {
+      best = static_cast<int>(i);
+      best_length = prefix.size();
+    }
+  }
+  if (slot != nullptr) *slot = best >= 0 ? key.substr(best_length) : std::string();
+  return best;
+}
+
 NamedParameters NameByPosition(const std::vector<Tensor>& params) {
   NamedParameters out;
   for (size_t i = 0; i < params.size(); ++i) out.emplace_back(std::to_string(i), params[i]);

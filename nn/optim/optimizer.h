@@ -36,6 +36,12 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 /// Gives unnamed parameters the names "0", "1", ...
 NamedParameters NameByPosition(const std::vector<Tensor>& params);
 
+/// The parameter a "state.<name>.<slot>" key of StateDict belongs to: the
+/// index of the longest name in `params` that prefixes it (names may hold
+/// dots), or -1; with `slot`, also the part after that name.
+int ParameterOfStateKey(const std::string& key, const NamedParameters& params,
+                        std::string* slot = nullptr);
+
 /// Base of SGD, Adam, AdamW and Adadelta: one parameter group.
 /// Throws std::invalid_argument, its message starting with `who`, for an
 /// empty or repeated name, or an undefined, non-floating or non-contiguous
