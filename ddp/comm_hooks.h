@@ -95,15 +95,29 @@ class CommHook {
     return hook;
   }
 
+  /// This hook with the reducer leaving .grad as backward made it: the
+  /// hook consumes the bucket (as OverlappedZeroOptimizer's, which steps the
+  /// parameters), so nothing reads the reduced gradients from .grad, and
+  /// the reducer skips copying buckets back into it after backward (a pass
+  /// over every gradient; with gradient_as_bucket_view, and for a gradient
+  /// reduced in place, .grad is the bucket regardless).
+  CommHook WithoutGradWriteBack() const {
+    CommHook hook = *this;
+    hook.grad_write_back_ = false;
+    return hook;
+  }
+
   Work operator()(ProcessGroup& group, GradBucket& bucket) const { return function_(group, bucket); }
   explicit operator bool() const { return static_cast<bool>(function_); }
   bool on_local_gradients() const { return local_gradients_; }
   bool fixed_buckets() const { return fixed_buckets_; }
+  bool grad_write_back() const { return grad_write_back_; }
 
  private:
   Function function_;
   bool local_gradients_ = false;
   bool fixed_buckets_ = false;
+  bool grad_write_back_ = true;
 };
 
 namespace hooks {

@@ -607,6 +607,49 @@ TEST(DdpFeaturesTest, CommunicationHooksWithTheGpuBucketCopies) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A hook on local gradients that consumes its bucket: registered
+// WithoutGradWriteBack, .grad keeps this rank's own gradient after
+// backward; without it, the reducer copies the reduced bucket into .grad.
+DDP_TEST_WORKER(grad_write_back) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  auto local = Mlp(9);
+  nn::Backward(nn::loss::CrossEntropy((*local)(x), y));
+  const auto local_params = local->NamedParameters();
+  for (const bool write_back : {false, true}) {
+    auto model = Mlp(9);
+    // Every gradient copied into a bucket (one reduced in place is .grad).
+    DistributedDataParallel ddp(model, {.inplace_gradient_mb = 0, .process_group = pg});
+    const CommHook sum = CommHook::OnLocalGradients([](ProcessGroup& group, GradBucket& bucket) {
+      return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, "summing hook");
+    });
+    ddp.RegisterCommHook(write_back ? sum : sum.WithoutGradWriteBack());
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    const auto params = model->NamedParameters();
+    size_t same = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const nn::Tensor& got = params[i].second.grad();
+      const nn::Tensor& want = local_params[i].second.grad();
+      WORKER_EXPECT(got.defined(), "`" + params[i].first + "` has no gradient");
+      same += std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()) == 0;
+    }
+    if (write_back) {
+      WORKER_EXPECT(same == 0, std::to_string(same) + " gradients kept the local values although the "
+                                                      "reduced buckets are written back");
+    } else {
+      WORKER_EXPECT(same == params.size(), std::to_string(params.size() - same) +
+                                               " gradients changed although the hook asked for no write-back");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, HooksWithoutGradWriteBackLeaveTheLocalGradients) {
+  auto run = RunWorkers("grad_write_back", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // --------------------------------------------------------- subgroups ----
 
 // Four ranks in two groups, {0, 1} and {3, 2}, each training its own DDP

@@ -35,8 +35,9 @@
 //   completes a bucket hands it to the communication thread at once
 //   (buckets are launched in bucket order on every rank). At the end of
 //   backward (an autograd callback) the reduced buckets are written back to
-//   .grad. With gradient_as_bucket_view, .grad is itself a view into the
-//   bucket and neither copy happens.
+//   .grad, unless the hook consumed them (CommHook::WithoutGradWriteBack).
+//   With gradient_as_bucket_view, .grad is itself a view into the bucket
+//   and neither copy happens.
 //
 // Threading: forward, backward and the hooks run on the calling thread;
 // collectives run on the process group's communication thread. A

@@ -55,6 +55,11 @@ struct OverlappedZeroOptimizer::State {
   mutable std::mutex mu;
   double lr = 0;
   int64_t steps = 0;
+  // The wrapper (which outlives this), and its count of synchronizing
+  // backwards when Step() last returned: Step() ends one step per such
+  // backward, read on the training thread that runs them.
+  const DistributedDataParallel* ddp = nullptr;
+  int64_t iterations_ended = 0;
 
   // Runs bucket `index`'s optimizer on the views of the transport piece at
   // `offset` (`count` elements; their reduced gradients at `reduced`, read
@@ -118,6 +123,8 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   ProcessGroup& group = ddp.process_group();
   state_->group = &group;
   state_->make = make;
+  state_->ddp = &ddp;
+  state_->iterations_ended = ddp.iterations();
   if (group.size() == 1) {
     state_->whole = make(std::move(all));
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
@@ -286,7 +293,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
       return transport::Status::Ok();
     });
   });
-  ddp.RegisterCommHook(hook.WithFixedBuckets());
+  ddp.RegisterCommHook(hook.WithFixedBuckets().WithoutGradWriteBack());
 }
 
 OverlappedZeroOptimizer::~OverlappedZeroOptimizer() = default;
@@ -296,8 +303,20 @@ void OverlappedZeroOptimizer::Step() {
     state_->whole->Step();
     std::lock_guard<std::mutex> lock(state_->mu);
     ++state_->steps;
+  } else if (state_->ddp->iterations() == state_->iterations_ended) {
+    // A backward that failed (the group aborted; say why) or ran under
+    // NoSync, or none: clearing the gradients now would drop what NoSync
+    // accumulated.
+    if (const transport::Status reason = state_->group->aborted_reason(); !reason.ok()) {
+      throw DistributedError(reason);
+    }
+    throw std::logic_error(
+        "OverlappedZeroOptimizer::Step: no synchronizing backward ran since the last Step() (the update "
+        "runs inside that backward; after a backward under NoSync, run the synchronizing one first); the "
+        "gradients are left as they are");
   }
   ZeroGrad();
+  state_->iterations_ended = state_->ddp->iterations();
 }
 
 void OverlappedZeroOptimizer::ZeroGrad() {

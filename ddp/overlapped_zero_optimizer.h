@@ -13,10 +13,9 @@
 // parameters of each bucket move into one flat buffer laid out as the
 // bucket (Tensor::SetData, so every handle stays valid). Per step a rank
 // updates 1/N of the parameters, the bytes sent equal plain DDP's, and
-// there is no separate pass of the optimizer over every parameter. (With
-// gradients copied into buckets, the default, DDP still copies each
-// bucket's local gradients back into .grad after backward;
-// gradient_as_bucket_view saves that pass.)
+// there is no separate pass of the optimizer over every parameter, nor
+// the copy of the reduced buckets back into .grad (the hook is registered
+// WithoutGradWriteBack).
 //
 //   DistributedDataParallel ddp(model, {.process_group = pg});
 //   OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
@@ -94,7 +93,12 @@ class OverlappedZeroOptimizer {
   OverlappedZeroOptimizer(const OverlappedZeroOptimizer&) = delete;
   OverlappedZeroOptimizer& operator=(const OverlappedZeroOptimizer&) = delete;
 
-  /// Ends the step the backward ran: clears every gradient.
+  /// Ends the step the backward ran: clears every gradient. When no
+  /// synchronizing backward of this rank completed since the last Step()
+  /// (none ran, or only under NoSync) it keeps the gradients and throws
+  /// std::logic_error, or DistributedError with the reason when the group
+  /// was aborted (a failed backward). On one rank it steps every
+  /// parameter, as a plain optimizer.
   void Step();
   /// Clears every gradient (for loops that call it before backward).
   void ZeroGrad();

@@ -423,7 +423,71 @@ DDP_TEST_WORKER(misuse) {
     nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
     expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "before the first backward");
   }
+  {
+    // Step() with no step to end: before any backward, and after one under
+    // NoSync, whose accumulated gradients it keeps.
+    auto model = Mlp(1);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    OverlappedZeroOptimizer opt(ddp, factory);
+    expect_throw([&] { opt.Step(); }, "no synchronizing backward");
+    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+    {
+      auto guard = ddp.NoSync();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    expect_throw([&] { opt.Step(); }, "no synchronizing backward");
+    const Tensor first = model->NamedParameters().front().second;
+    WORKER_EXPECT(first.grad().defined(), "Step() dropped the gradients accumulated under NoSync");
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    WORKER_EXPECT(opt.steps() == 1, "counted " + std::to_string(opt.steps()) + " steps");
+    expect_throw([&] { opt.Step(); }, "no synchronizing backward");
+  }
   return testing::WorkerExit();
+}
+
+// A layer forward never uses, without find_unused_parameters: its bucket
+// is never reduced, so DDP aborts the group at the end of backward (the
+// error itself shows at the next forward). Step() then reports that
+// failure instead of ending a step that did not happen.
+class WithSpare : public Module {
+ public:
+  explicit WithSpare(uint64_t seed) {
+    nn::Generator gen(seed);
+    used_ = RegisterModule("used", std::make_shared<nn::modules::Linear>(784, 10, true, gen));
+    spare_ = RegisterModule("spare", std::make_shared<nn::modules::Linear>(10, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override { return (*used_)(x.View({x.size(0), 784})); }
+  using Module::Forward;
+  std::string TypeName() const override { return "WithSpare"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> used_, spare_;
+};
+
+DDP_TEST_WORKER(failed_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<WithSpare>(3);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  std::string error;
+  try {
+    opt.Step();
+  } catch (const DistributedError& e) {
+    error = e.what();
+  }
+  std::printf("FAILED BACKWARD rank %d: %s\n", pg->rank(), error.c_str());
+  WORKER_EXPECT(!error.empty(), "Step() after a failed backward raised no DistributedError");
+  WORKER_EXPECT(model->NamedParameters().front().second.grad().defined(), "Step() dropped the gradients");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, StepAfterAFailedBackwardReportsTheFailure) {
+  auto run = RunWorkers("failed_backward", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // A parameter that gets new memory on rank 0 after the optimizer was built:

@@ -132,6 +132,7 @@ void Reducer::SetCommHook(CommHook hook) {
   }
   if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
   local_gradients_ = hook.on_local_gradients();
+  grad_write_back_ = hook.grad_write_back();
   // Before the first backward no rebuild ran: whether one will is the
   // hook's to say.
   rebuilt_ = hook.fixed_buckets();
@@ -458,6 +459,7 @@ void Reducer::Finalize() {
         if (!grad.defined()) params_[i].set_grad(view);
         continue;  // .grad is the bucket
       }
+      if (!grad_write_back_) continue;  // the hook consumed the bucket
       if (!grad.defined()) {
         params_[i].set_grad(view.Clone());
       } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && HostLoops(grad) &&

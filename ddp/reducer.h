@@ -154,6 +154,7 @@ class Reducer {
   CommHook hook_;
   bool default_hook_ = true;
   bool local_gradients_ = false;  // the hook takes undivided gradients
+  bool grad_write_back_ = true;   // buckets are copied back into .grad after backward
   std::vector<nn::HookHandle> hook_handles_;
 
   std::vector<Bucket> buckets_;

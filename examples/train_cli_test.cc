@@ -39,7 +39,7 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
         "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "max_restarts",
-        "sync_bn", "zero", "bucket_cap_mb", "comm_hook", "find_unused_parameters", "ddp_stats", "trace",
+        "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "find_unused_parameters", "ddp_stats", "trace",
         "checkpoint", "checkpoint_every", "resume", "log_dir", "log_every", "timeout_s"}) {
     EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
   }

@@ -83,6 +83,10 @@ DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResN
 DEFINE_bool(zero, false,
             "shard the optimizer state across ranks (ZeRO stage 1); results are the same, each "
             "rank keeps the state of its own parameters only");
+DEFINE_bool(zero_overlap, false,
+            "with --zero: run each rank's optimizer step inside backward, on each gradient "
+            "bucket as soon as it is reduced, instead of after backward (CPU; the default "
+            "--comm_hook only)");
 DEFINE_double(bucket_cap_mb, 25, "gradient bucket size in MiB for the overlapped all-reduce");
 DEFINE_string(comm_hook, "allreduce",
               "how gradient buckets are reduced: allreduce, fp16 or bf16 (half the bytes on the "
@@ -176,8 +180,8 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
-       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "bucket_cap_mb", "comm_hook",
-        "find_unused_parameters", "ddp_stats", "trace", "timeout_s"}},
+       {"nproc_per_node", "max_restarts", "sync_bn", "zero", "zero_overlap", "bucket_cap_mb",
+        "comm_hook", "find_unused_parameters", "ddp_stats", "trace", "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
   };
@@ -292,6 +296,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.device = FLAGS_device;
   c.sync_bn = FLAGS_sync_bn;
   c.zero = FLAGS_zero;
+  c.zero_overlap = FLAGS_zero_overlap;
   c.bucket_cap_mb = FLAGS_bucket_cap_mb;
   c.comm_hook = FLAGS_comm_hook;
   c.timeout_s = FLAGS_timeout_s;

@@ -136,16 +136,18 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
             res_result.substr(res_result.find("test_acc"), 15));
 }
 
-// With the optimizer state sharded (--zero), training is the unsharded
-// training bit for bit, the checkpoints hold the whole state in the same
-// format, and a run killed in the middle resumes to the same end.
-TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
-  const std::string dir = testing::MakeTempDir("resume_zero");
+// With the optimizer state sharded (`flags`: --zero, with or without
+// --zero_overlap), training is the unsharded training bit for bit, the
+// checkpoints hold the whole state in the same format, and a run killed in
+// the middle resumes to the same end.
+void ExpectShardedTrainsAndResumesLikeTheUnsharded(const std::string& name,
+                                                   const std::vector<std::string>& flags) {
+  const std::string dir = testing::MakeTempDir(name);
   const std::string reference = RunReference(dir);
   const std::string sharded = dir + "/sharded/ckpt.safetensors";
 
   std::vector<std::string> args = Args(sharded);
-  args.push_back("--zero");
+  args.insert(args.end(), flags.begin(), flags.end());
   int64_t killed_at = -1;
   {
     Subprocess run(args);
@@ -162,6 +164,15 @@ TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
   const RunOutput res = testing::RunToEnd(args);
   ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
   ExpectSameModel(reference, sharded);
+}
+
+TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
+  ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero", {"--zero"});
+}
+
+// The step inside backward (OverlappedZeroOptimizer) too.
+TEST(TrainResumeTest, OverlappedShardedStepTrainsAndResumesLikeTheUnsharded) {
+  ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero_overlap", {"--zero", "--zero_overlap"});
 }
 
 // One rank killed in the middle of a run started with --max_restarts=1: the

@@ -465,6 +465,11 @@ class Communicator::Impl {
   std::map<int, std::unique_ptr<cuda::DeviceCopyEngine>> staging_;
   std::map<int, std::unique_ptr<cuda::IpcCollectives>> ipc_;  // under run_mu_
 
+  // AllReduceThrough's scratch off shared memory, kept between calls (some
+  // (1 + 1/size) times the largest vector it was given); under run_mu_.
+  std::vector<char> through_whole_;
+  std::vector<char> through_slice_;
+
   std::mutex run_mu_;     // held by whichever thread drives UCX / shm
   uint64_t sequence_ = 0; // collective number, under run_mu_
 
@@ -1003,32 +1008,45 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
     ++sequence_;  // keeps collective numbering equal on every path
     return shm_->AllReduceApply(send, recv, count, dtype, op, apply, deadline, watchdog_);
   }
-  // Elsewhere: equal blocks (the slices, the last ones padded) through the
-  // reduce-scatter and all-gather algorithms, on copies (recv must keep its
-  // values for the slice function). Padding is zeros; no slice reads it.
+  // Elsewhere: equal blocks (the slices, the last ones padded with zeros
+  // that no slice reads) through the reduce-scatter and all-gather
+  // algorithms, on scratch copies (recv must keep its values for the slice
+  // function). Each gathered block carries its rank's outcome in a word
+  // after the slice, so every rank learns of a failed slice function
+  // without another collective; a failed rank still takes part in the
+  // all-gather, and no peer is left waiting for it.
   const size_t block = shm::SliceOf(count, elem, size, 0).end;
-  std::vector<char> padded(block * static_cast<size_t>(size) * elem, 0);
-  std::vector<char> slice(block * elem);
-  if (count > 0) std::memcpy(padded.data(), send, count * elem);
+  const size_t wide = block * elem + sizeof(int32_t);  // bytes of a gathered block
+  std::vector<char>& whole = through_whole_;
+  std::vector<char>& slice = through_slice_;
+  whole.resize(wide * static_cast<size_t>(size));  // more than block * size elements
+  slice.resize(wide);
+  if (count > 0) std::memcpy(whole.data(), send, count * elem);
+  std::memset(whole.data() + count * elem, 0, (block * static_cast<size_t>(size) - count) * elem);
   DDP_RETURN_IF_ERROR(internal::RunReduceScatter(
-      *p2p_, Args(padded.data(), slice.data(), block, dtype, op, 0, deadline)));
+      *p2p_, Args(whole.data(), slice.data(), block, dtype, op, 0, deadline)));
   const size_t mine_bytes = (mine.end - mine.begin) * elem;
-  Status applied = apply(slice.data(), out, mine.begin, mine.end - mine.begin);
+  const Status applied = apply(slice.data(), out, mine.begin, mine.end - mine.begin);
   if (mine_bytes > 0) std::memcpy(slice.data(), out, mine_bytes);
-  // A failed apply still takes part in the all-gather, so that no peer is
-  // left waiting for this rank, and then in a one-word all-reduce that
-  // tells every rank whether some slice is not what apply should have made.
+  const int32_t outcome = applied.ok() ? 0 : 1;
+  std::memcpy(slice.data() + block * elem, &outcome, sizeof(outcome));
   DDP_RETURN_IF_ERROR(internal::RunAllGather(
-      *p2p_, Args(slice.data(), padded.data(), block, dtype, ReduceOp::kSum, 0, deadline)));
-  int32_t failed = applied.ok() ? -1 : options_.rank;
-  DDP_RETURN_IF_ERROR(AllReduce(&failed, &failed, 1, DataType::kI32, ReduceOp::kMax,
-                                Algorithm::kAuto, deadline));
+      *p2p_, Args(slice.data(), whole.data(), wide, DataType::kU8, ReduceOp::kSum, 0, deadline)));
   DDP_RETURN_IF_ERROR(applied);
-  if (failed >= 0) {
-    return InternalError("all-reduce-through: the slice function failed on rank " +
-                         std::to_string(failed));
+  for (int r = 0; r < size; ++r) {
+    int32_t failed = 0;
+    std::memcpy(&failed, whole.data() + static_cast<size_t>(r) * wide + block * elem, sizeof(failed));
+    if (failed != 0) {
+      return InternalError("all-reduce-through: the slice function failed on rank " + std::to_string(r));
+    }
   }
-  if (count > 0) std::memcpy(recv, padded.data(), count * elem);
+  for (int r = 0; r < size; ++r) {
+    const shm::SliceRange range = shm::SliceOf(count, elem, size, r);
+    if (range.end > range.begin) {
+      std::memcpy(static_cast<char*>(recv) + range.begin * elem, whole.data() + static_cast<size_t>(r) * wide,
+                  (range.end - range.begin) * elem);
+    }
+  }
   return Status::Ok();
 }
 

@@ -107,6 +107,22 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--zero leaves each rank the optimizer of its own parameters, and --amp=fp16's "
                      "loss scaler must see every gradient; use --amp=bf16, or drop --zero");
   }
+  if (c.zero_overlap) {
+    // The fused step is DDP's communication hook, works on host memory,
+    // and needs the same buckets in every iteration.
+    if (!c.zero) throw UsageError("--zero_overlap runs --zero's sharded step inside backward; add --zero");
+    if (c.comm_hook != "allreduce") {
+      throw UsageError("--zero_overlap reduces the buckets itself, so --comm_hook=" + c.comm_hook +
+                       " cannot apply; drop one of the two");
+    }
+    if (c.device != "cpu") {
+      throw UsageError("--zero_overlap steps parameters in host memory; drop it for --device=" + c.device);
+    }
+    if (c.find_unused_parameters) {
+      throw UsageError("--zero_overlap would step unused parameters with a zero gradient; drop it, or "
+                       "--find_unused_parameters");
+    }
+  }
   // Hooks that would do nothing say so instead of printing a plan they do
   // not follow.
   if (c.comm_hook == "powersgd" && c.device == "cuda") {

@@ -64,6 +64,9 @@ struct TrainConfig {
   bool sync_bn = false;
   /// Shard the optimizer state across ranks (ZeroRedundancyOptimizer).
   bool zero = false;
+  /// With zero: each rank's step runs inside backward, on each gradient
+  /// bucket as soon as it is reduced (OverlappedZeroOptimizer).
+  bool zero_overlap = false;
   double bucket_cap_mb = 25.0;
   /// How DDP reduces gradient buckets: allreduce (f32), fp16 or bf16
   /// (compressed on the wire), powersgd (rank 1 from step 1000).

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <optional>
+#include <stdexcept>
 
 #include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/overlapped_zero_optimizer.h"
 #include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/sync_batch_norm.h"
@@ -35,6 +38,77 @@ auto Guarded(const char* what, F&& f) -> decltype(f()) {
     throw JobError(std::string(what) + ": " + e.what());
   }
 }
+
+// --zero: ZeroRedundancyOptimizer, stepped after backward.
+class Zero : public Parallel::ShardedOptimizer {
+ public:
+  Zero(nn::optim::NamedParameters params, std::shared_ptr<dist::ProcessGroup> pg,
+       const Parallel::OptimizerFactory& make)
+      : zero_(std::move(params), std::move(pg), make) {}
+  double lr() const override { return zero_.lr(); }
+  void set_lr(double lr) override { zero_.set_lr(lr); }
+  void Step() override { Guarded("optimizer step", [&] { zero_.Step(); }); }
+  void ZeroGrad() override { zero_.ZeroGrad(); }
+  nn::optim::NamedTensors Consolidate() override {
+    return Guarded("gathering the optimizer state", [&] { return zero_.ConsolidatedStateDict(0); });
+  }
+  void Load(const nn::optim::NamedTensors& whole) override { zero_.local().LoadStateDict(zero_.ShardOf(whole)); }
+
+ private:
+  dist::ZeroRedundancyOptimizer zero_;
+};
+
+// --zero --zero_overlap: OverlappedZeroOptimizer, which needs the DDP
+// wrapper, made later (Attach): until Bind it holds the rate and a loaded
+// state, checked at once against an optimizer of every parameter.
+class Overlapped : public Parallel::ShardedOptimizer {
+ public:
+  // The factory's rate, read off an optimizer of one parameter (cheaper
+  // than one of all).
+  Overlapped(nn::optim::NamedParameters params, Parallel::OptimizerFactory make)
+      : params_(std::move(params)), make_(std::move(make)), lr_(make_({params_.at(0)})->lr()) {}
+
+  void Bind(dist::DistributedDataParallel& ddp) {
+    zero_ = std::make_unique<dist::OverlappedZeroOptimizer>(ddp, make_);
+    if (pending_) zero_->LoadStateDict(*pending_);
+    pending_.reset();
+    zero_->set_lr(lr_);  // the latest: loaded, or set by a scheduler since
+  }
+  double lr() const override { return zero_ ? zero_->lr() : lr_; }
+  void set_lr(double lr) override {
+    lr_ = lr;
+    if (zero_) zero_->set_lr(lr);
+  }
+  void Step() override { Guarded("optimizer step", [&] { Bound().Step(); }); }
+  void ZeroGrad() override { Bound().ZeroGrad(); }
+  nn::optim::NamedTensors Consolidate() override {
+    return Guarded("gathering the optimizer state", [&] { return Bound().ConsolidatedStateDict(0); });
+  }
+  void Load(const nn::optim::NamedTensors& whole) override {
+    if (zero_) {
+      zero_->LoadStateDict(whole);
+      return;
+    }
+    auto probe = make_(params_);
+    probe->LoadStateDict(whole);
+    // The loaded rate is the one to continue with (a scheduler, if any,
+    // sets its own after).
+    lr_ = probe->lr();
+    pending_ = whole;
+  }
+
+ private:
+  dist::OverlappedZeroOptimizer& Bound() {
+    if (!zero_) throw std::logic_error("--zero_overlap: the optimizer is used before the model was attached");
+    return *zero_;
+  }
+
+  nn::optim::NamedParameters params_;
+  Parallel::OptimizerFactory make_;
+  double lr_;
+  std::optional<nn::optim::NamedTensors> pending_;
+  std::unique_ptr<dist::OverlappedZeroOptimizer> zero_;
+};
 
 class DdpParallel : public Parallel {
  public:
@@ -76,6 +150,10 @@ class DdpParallel : public Parallel {
       ddp_->RegisterCommHook(dist::hooks::PowerSgdHook(
           {.start_iteration = std::max<int64_t>(0, defaults.start_iteration - step)}));
     }
+    if (overlapped_ != nullptr) {
+      Guarded("the overlapped optimizer", [&] { overlapped_->Bind(*ddp_); });
+      overlapped_ = nullptr;  // bound; Shard's caller owns it
+    }
   }
 
   nn::Tensor Forward(const nn::Tensor& input) override {
@@ -86,29 +164,16 @@ class DdpParallel : public Parallel {
     Guarded("backward", [&] { nn::Backward(loss); });
   }
 
-  std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params,
-                                          const OptimizerFactory& make) override {
-    class Zero : public ShardedOptimizer {
-     public:
-      Zero(nn::optim::NamedParameters params, std::shared_ptr<dist::ProcessGroup> pg,
-           const OptimizerFactory& make)
-          : zero_(std::move(params), std::move(pg), make) {}
-      nn::optim::Optimizer& local() override { return zero_.local(); }
-      void Step() override { Guarded("optimizer step", [&] { zero_.Step(); }); }
-      void ZeroGrad() override { zero_.ZeroGrad(); }
-      nn::optim::NamedTensors Consolidate() override {
-        return Guarded("gathering the optimizer state", [&] { return zero_.ConsolidatedStateDict(0); });
-      }
-      nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& whole) const override {
-        return zero_.ShardOf(whole);
-      }
-
-     private:
-      dist::ZeroRedundancyOptimizer zero_;
-    };
+  std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params, const OptimizerFactory& make,
+                                          bool overlap) override {
+    overlapped_ = nullptr;
+    if (overlap) {
+      auto fused = std::make_unique<Overlapped>(std::move(params), make);
+      overlapped_ = fused.get();
+      return fused;
+    }
     return std::make_unique<Zero>(std::move(params), pg_, make);
   }
-
   std::unique_ptr<NoSyncScope> NoSync() override {
     struct Scope : NoSyncScope {
       explicit Scope(dist::DistributedDataParallel& ddp) : guard(ddp) {}
@@ -163,6 +228,7 @@ class DdpParallel : public Parallel {
   std::string trace_dir_;
   bool trace_ = false;
   std::unique_ptr<dist::DistributedDataParallel> ddp_;
+  Overlapped* overlapped_ = nullptr;  // Shard's, until Attach binds it to ddp_
   CommTotals totals_;
 };
 

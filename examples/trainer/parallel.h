@@ -57,20 +57,25 @@ class Parallel {
   };
 
   /// An optimizer whose state is sharded across the ranks (--zero): each
-  /// rank's `local` optimizer holds its own parameters only.
+  /// rank holds the state of its own part of the parameters.
   class ShardedOptimizer {
    public:
     virtual ~ShardedOptimizer() = default;
-    /// This rank's optimizer (schedulers drive its learning rate).
-    virtual nn::optim::Optimizer& local() = 0;
-    /// Updates the shard, then every rank gets every parameter. Collective.
+    /// The learning rate of every part (schedulers drive it on every rank).
+    virtual double lr() const = 0;
+    virtual void set_lr(double lr) = 0;
+    /// Ends the step: updates this rank's part, then every rank gets every
+    /// parameter (collective); with --zero_overlap the update already ran
+    /// inside backward and this only clears the gradients.
     virtual void Step() = 0;
     virtual void ZeroGrad() = 0;
     /// The whole state in the unsharded format, on rank 0 (empty on the
     /// others). Collective.
     virtual nn::optim::NamedTensors Consolidate() = 0;
-    /// What `local` loads from a whole state.
-    virtual nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& whole) const = 0;
+    /// Loads a whole state (Consolidate's, or an unsharded optimizer's);
+    /// each rank keeps its part. Throws std::invalid_argument, changing
+    /// nothing, for a state this optimizer cannot take.
+    virtual void Load(const nn::optim::NamedTensors& whole) = 0;
   };
   using OptimizerFactory =
       std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>;
@@ -98,8 +103,12 @@ class Parallel {
   virtual std::unique_ptr<NoSyncScope> NoSync() = 0;
   /// `params` split among the ranks, each rank's part updated by an
   /// optimizer from `make` (ZeroRedundancyOptimizer). Not collective.
+  /// `overlap` (--zero_overlap): the parts are DDP's buckets, and each is
+  /// updated inside backward as soon as its gradients are reduced
+  /// (OverlappedZeroOptimizer); it starts working at Attach, which must
+  /// follow (lr, set_lr and Load work before).
   virtual std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params,
-                                                  const OptimizerFactory& make) = 0;
+                                                  const OptimizerFactory& make, bool overlap) = 0;
 
   /// values[i] = sum over ranks of values[i]. Collective.
   virtual void SumAcrossRanks(std::vector<double>& values) = 0;

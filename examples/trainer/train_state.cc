@@ -177,8 +177,11 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.
   try {
-    parts.optimizer->LoadStateDict(parts.optimizer_shard ? parts.optimizer_shard(ckpt.optimizer)
-                                                         : ckpt.optimizer);
+    if (parts.load_optimizer) {
+      parts.load_optimizer(ckpt.optimizer);
+    } else {
+      parts.optimizer->LoadStateDict(ckpt.optimizer);
+    }
     if (parts.scheduler != nullptr) parts.scheduler->LoadStateDict(ckpt.optimizer);
     if (parts.scaler != nullptr) parts.scaler->LoadStateDict(ckpt.optimizer);
   } catch (const std::exception& e) {

@@ -42,15 +42,16 @@ struct TrainPosition {
 /// What gets saved and restored.
 struct TrainComponents {
   nn::modules::Module* model = nullptr;
+  /// Null for a sharded optimizer (--zero), which the next two stand for.
   nn::optim::Optimizer* optimizer = nullptr;
   nn::optim::LrScheduler* scheduler = nullptr;  ///< May be null.
   nn::optim::GradScaler* scaler = nullptr;      ///< May be null.
-  /// A sharded optimizer's state (--zero): saved instead of
-  /// optimizer->StateDict(), which holds one shard only. May be null.
+  /// A sharded optimizer's whole state (gathered), saved instead of
+  /// optimizer->StateDict(). May be null.
   const nn::optim::NamedTensors* optimizer_state = nullptr;
-  /// A sharded optimizer's filter: what `optimizer` loads from the saved
-  /// whole state (its shard). Empty: all of it.
-  std::function<nn::optim::NamedTensors(const nn::optim::NamedTensors&)> optimizer_shard;
+  /// A sharded optimizer's loader of the whole saved state, used instead
+  /// of optimizer->LoadStateDict; must throw before changing anything.
+  std::function<void(const nn::optim::NamedTensors&)> load_optimizer;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on

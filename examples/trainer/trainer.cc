@@ -174,6 +174,7 @@ class Run {
   void RecordEvaluation(const Evaluation& e);
   // every_rank: all ranks call it at the same step (not on an interrupt).
   void SaveCheckpoint(bool every_rank = true);
+  double Lr() const { return sharded_ ? sharded_->lr() : optimizer_->lr(); }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
 
   const TrainConfig& c_;
@@ -190,11 +191,10 @@ class Run {
   nn::DType compute_dtype_ = nn::DType::kFloat32;
   nn::Device device_ = nn::kCPU;  // --device; cuda:LOCAL_RANK modulo the GPUs
   std::optional<nn::DType> autocast_dtype_;  // --amp on CUDA
-  // optimizer_ is what the scheduler and checkpoints see: own_optimizer_,
-  // or with --zero the local optimizer of this rank's shard.
-  std::unique_ptr<nn::optim::Optimizer> own_optimizer_;
+  // One of the two: an optimizer of every parameter, or with --zero one
+  // sharded across the ranks.
+  std::unique_ptr<nn::optim::Optimizer> optimizer_;
   std::unique_ptr<Parallel::ShardedOptimizer> sharded_;
-  nn::optim::Optimizer* optimizer_ = nullptr;
   std::unique_ptr<nn::optim::LrScheduler> scheduler_;
   std::unique_ptr<nn::optim::GradScaler> scaler_;
   std::unique_ptr<nn::data::DataLoader> train_loader_;
@@ -250,13 +250,12 @@ void Run::Setup() {
   if (compute_dtype_ != nn::DType::kFloat32) model_->To(compute_dtype_);
   model_->Train();
   if (c_.zero) {
-    sharded_ = par_.Shard(model_->NamedParameters(), [this](nn::optim::NamedParameters shard) {
-      return MakeOptimizer(c_, std::move(shard));
-    });
-    optimizer_ = &sharded_->local();
+    sharded_ = par_.Shard(
+        model_->NamedParameters(),
+        [this](nn::optim::NamedParameters shard) { return MakeOptimizer(c_, std::move(shard)); },
+        c_.zero_overlap);
   } else {
-    own_optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
-    optimizer_ = own_optimizer_.get();
+    optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
   }
   if (c_.amp == "fp16") {
     // f16 gradients underflow without loss scaling; bf16 has f32's range.
@@ -290,22 +289,27 @@ void Run::Setup() {
   steps_per_epoch_ = (batches + c_.grad_accum_steps - 1) / c_.grad_accum_steps;
   total_steps_ = c_.epochs * steps_per_epoch_;
   if (c_.max_steps > 0) total_steps_ = std::min(total_steps_, c_.max_steps);
+  nn::optim::LrTarget lr_target{[this] { return Lr(); }, [this](double lr) {
+                                  if (sharded_) {
+                                    sharded_->set_lr(lr);
+                                  } else {
+                                    optimizer_->set_lr(lr);
+                                  }
+                                }};
   if (c_.scheduler == "step") {
     // Ten times smaller after each third of the run.
     scheduler_ = std::make_unique<nn::optim::LrScheduler>(
-        *optimizer_, nn::optim::StepSchedule(std::max<int64_t>(1, total_steps_ / 3), 0.1));
+        lr_target, nn::optim::StepSchedule(std::max<int64_t>(1, total_steps_ / 3), 0.1));
   } else if (c_.scheduler == "cosine") {
     scheduler_ = std::make_unique<nn::optim::LrScheduler>(
-        *optimizer_, nn::optim::CosineSchedule(std::max<int64_t>(1, total_steps_)));
+        lr_target, nn::optim::CosineSchedule(std::max<int64_t>(1, total_steps_)));
   }
 
   std::string resume_note;
   if (c_.resume) {
-    TrainComponents parts{model_.get(), optimizer_, scheduler_.get(), scaler_.get()};
+    TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
     if (sharded_) {
-      parts.optimizer_shard = [this](const nn::optim::NamedTensors& whole) {
-        return sharded_->ShardOf(whole);
-      };
+      parts.load_optimizer = [this](const nn::optim::NamedTensors& whole) { sharded_->Load(whole); };
     }
     pos_ = LoadTrainCheckpoint(c_.checkpoint, parts, c_, world_, &resume_note);
   }
@@ -433,7 +437,7 @@ void Run::FlushMetrics() {
     r.step = pos_.step;
     r.epoch = pos_.epoch + 1;
     r.loss = v[0] / v[1];
-    r.lr = optimizer_->lr();
+    r.lr = Lr();
     r.samples_per_s = stretch_train_s_ > 0 ? stretch_samples_ / stretch_train_s_ : 0;
     log_->AddStep(r);
   }
@@ -498,7 +502,7 @@ void Run::SaveCheckpoint(bool every_rank) {
   if (sharded_) whole = sharded_->Consolidate();
   last_checkpoint_step_ = pos_.step;
   if (!lead_) return;
-  TrainComponents parts{model_.get(), optimizer_, scheduler_.get(), scaler_.get()};
+  TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
   if (sharded_) parts.optimizer_state = &whole;
   SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
   checkpoint_saved_ = c_.checkpoint;

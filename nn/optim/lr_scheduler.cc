@@ -116,14 +116,21 @@ std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t tot
 }
 
 LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule)
-    : optimizer_(optimizer), schedule_(std::move(schedule)), base_lr_(optimizer.lr()) {
+    : LrScheduler(LrTarget{[&optimizer] { return optimizer.lr(); },
+                           [&optimizer](double lr) { optimizer.set_lr(lr); }},
+                  std::move(schedule)) {}
+
+LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule)
+    : target_(std::move(target)), schedule_(std::move(schedule)) {
+  if (!target_.get || !target_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
-  optimizer_.set_lr(schedule_->Lr(base_lr_, 0));
+  base_lr_ = target_.get();
+  target_.set(schedule_->Lr(base_lr_, 0));
 }
 
 void LrScheduler::Step() {
   ++t_;
-  optimizer_.set_lr(schedule_->Lr(base_lr_, t_));
+  target_.set(schedule_->Lr(base_lr_, t_));
 }
 
 NamedTensors LrScheduler::StateDict() const {
@@ -149,7 +156,7 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
   if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
   t_ = t;
   base_lr_ = base->Item();
-  optimizer_.set_lr(schedule_->Lr(base_lr_, t_));
+  target_.set(schedule_->Lr(base_lr_, t_));
 }
 
 }  // namespace ddp::nn::optim

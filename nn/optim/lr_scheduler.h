@@ -7,6 +7,7 @@
 // SequentialLR.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -39,18 +40,28 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
 std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
                                                double start_factor = 0.01, double eta_min = 0.0);
 
+/// A learning rate a scheduler drives: an Optimizer's, or one shared by
+/// several (the slices of a sharded optimizer).
+struct LrTarget {
+  std::function<double()> get;
+  std::function<void(double)> set;
+};
+
 /// Drives an optimizer's learning rate along a schedule. Construction sets
 /// lr to Lr(base_lr, 0) where base_lr is the optimizer's lr at that time.
+/// The optimizer (or the target's owner) must outlive the scheduler.
 class LrScheduler {
  public:
   LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule);
+  /// Throws std::invalid_argument when `target` lacks get or set.
+  LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule);
 
   /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the lr.
   void Step();
   /// Steps taken.
   int64_t step_count() const { return t_; }
   /// The current learning rate.
-  double lr() const { return optimizer_.lr(); }
+  double lr() const { return target_.get(); }
   double base_lr() const { return base_lr_; }
 
   /// "scheduler.step" (i64) and "scheduler.base_lr" (f64) scalars.
@@ -61,9 +72,9 @@ class LrScheduler {
   void LoadStateDict(const NamedTensors& state);
 
  private:
-  Optimizer& optimizer_;
+  LrTarget target_;
   std::shared_ptr<Schedule> schedule_;
-  double base_lr_;
+  double base_lr_ = 0;
   int64_t t_ = 0;
 };
 

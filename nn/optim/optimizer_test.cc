@@ -321,5 +321,32 @@ TEST(LrScheduler, StepDecayAndStateErrors) {
   EXPECT_THROW(WarmupCosineSchedule(10, 5), std::invalid_argument);
 }
 
+// A target other than one optimizer: a rate several optimizers share.
+TEST(LrScheduler, DrivesASharedRateThroughATarget) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd first({{"a", a}}, {.lr = 2.0});
+  Sgd second({{"b", b}}, {.lr = 2.0});
+  double shared = 2.0;
+  LrTarget target{[&] { return shared; }, [&](double lr) {
+                    shared = lr;
+                    first.set_lr(lr);
+                    second.set_lr(lr);
+                  }};
+  LrScheduler s(target, StepSchedule(1, 0.5));
+  s.Step();
+  s.Step();
+  EXPECT_EQ(s.lr(), 0.5);
+  EXPECT_EQ(first.lr(), 0.5);
+  EXPECT_EQ(second.lr(), 0.5);
+  EXPECT_EQ(s.base_lr(), 2.0);
+  // Restored at step 1: the rate follows.
+  s.LoadStateDict(s.StateDict());
+  LrScheduler restored(target, StepSchedule(1, 0.5));
+  restored.LoadStateDict({{"scheduler.step", FromVectorOf<int64_t>({1}, {})},
+                          {"scheduler.base_lr", FromVector({2.0}, {}, {.dtype = DType::kFloat64})}});
+  EXPECT_EQ(second.lr(), 1.0);
+  EXPECT_THROW(LrScheduler(LrTarget{}, StepSchedule(1)), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace ddp::nn::optim
