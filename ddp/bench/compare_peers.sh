@@ -24,6 +24,14 @@ shift 2 || true
 EXTRA=("$@")
 PEER=/work/shared/peers/torch_ddp_train.py
 BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
+# The peer runs with its stderr hidden (PyTorch's warnings); say up front
+# what is missing instead of ending silently at its first run.
+if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  echo "compare_peers: /usr/bin/python3 cannot import torch; install the peers with" \
+    "'apt-get install python3-torch openmpi-bin'" >&2
+  exit 1
+fi
+[ -x "$BENCH" ] || { echo "compare_peers: no ddp_bench at $BENCH; bazel build //examples:ddp_bench" >&2; exit 1; }
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}; variant: ${VARIANT:-none}"
