@@ -139,9 +139,9 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
 // With the optimizer state sharded (`flags`: --zero, with or without
 // --zero_overlap), training is the unsharded training bit for bit, the
 // checkpoints hold the whole state in the same format, and a run killed in
-// the middle resumes to the same end.
-void ExpectShardedTrainsAndResumesLikeTheUnsharded(const std::string& name,
-                                                   const std::vector<std::string>& flags) {
+// the middle resumes to the same end. The plan line says `plan_says`.
+void ExpectShardedTrainsAndResumesLikeTheUnsharded(const std::string& name, const std::vector<std::string>& flags,
+                                                   const std::string& plan_says) {
   const std::string dir = testing::MakeTempDir(name);
   const std::string reference = RunReference(dir);
   const std::string sharded = dir + "/sharded/ckpt.safetensors";
@@ -163,16 +163,18 @@ void ExpectShardedTrainsAndResumesLikeTheUnsharded(const std::string& name,
   args.push_back("--resume");
   const RunOutput res = testing::RunToEnd(args);
   ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
+  EXPECT_NE(res.out.find(plan_says), std::string::npos) << res.out;
   ExpectSameModel(reference, sharded);
 }
 
 TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
-  ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero", {"--zero"});
+  ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero", {"--zero"}, "optimizer state sharded");
 }
 
 // The step inside backward (OverlappedZeroOptimizer) too.
 TEST(TrainResumeTest, OverlappedShardedStepTrainsAndResumesLikeTheUnsharded) {
-  ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero_overlap", {"--zero", "--zero_overlap"});
+  ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero_overlap", {"--zero", "--zero_overlap"},
+                                                 "optimizer state sharded, stepped inside backward");
 }
 
 // One rank killed in the middle of a run started with --max_restarts=1: the

@@ -342,6 +342,10 @@ void Run::Setup() {
     plan += dot + (c_.comm_hook == "powersgd" ? std::string("PowerSGD gradients (rank 1 from step 1,000)")
                                               : c_.comm_hook + "-compressed gradients");
   }
+  if (world_ > 1 && c_.zero) {
+    plan += dot + std::string(c_.zero_overlap ? "optimizer state sharded, stepped inside backward"
+                                              : "optimizer state sharded");
+  }
   Say(console_.Dim(plan));
   if (!c_.checkpoint.empty()) {
     Say(console_.Dim("  checkpoint " + c_.checkpoint +
