@@ -340,7 +340,6 @@ TEST(LrScheduler, DrivesASharedRateThroughATarget) {
   EXPECT_EQ(second.lr(), 0.5);
   EXPECT_EQ(s.base_lr(), 2.0);
   // Restored at step 1: the rate follows.
-  s.LoadStateDict(s.StateDict());
   LrScheduler restored(target, StepSchedule(1, 0.5));
   restored.LoadStateDict({{"scheduler.step", FromVectorOf<int64_t>({1}, {})},
                           {"scheduler.base_lr", FromVector({2.0}, {}, {.dtype = DType::kFloat64})}});
