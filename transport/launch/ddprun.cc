@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <thread>
 
@@ -627,7 +628,10 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
 // restart) is a round k, formed under Key(k, ...): node 0 (the store's
 // host) opens it ("ddprun/round" = k); each other launcher takes a slot
 // (Add "joined"), writes its node rank of round k - 1 under "join/<slot>"
-// (-1: none) and waits for "members". Node 0 waits for enough slots (all
+// (-1: none) and waits for "members", beating "alive/<slot>" meanwhile
+// (node 0 leaves out a slot silent for --node_timeout, whose launcher died
+// after taking it, and one taken before it opened the round that does not
+// beat: see FormRound). Node 0 waits for enough slots (all
 // of --nnodes, or with MIN:MAX at least MIN and then up to the last call
 // for more), seats the launchers of the previous round first, in their old
 // order, then the others in slot order, and publishes "members": the
@@ -670,12 +674,34 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
   const Deadline rejoin_deadline = start + RejoinTime(o);
   DDP_RETURN_IF_ERROR(store.Set(kRoundKey, std::to_string(round), DeadlineIn(kStoreCallTime)));
   const int min_nodes = o.min_nodes > 0 ? o.min_nodes : max_nodes;
-  std::optional<Deadline> last_call;
+  // The end of the last call, once at least MIN nodes are in (else none).
+  bool calling = false;
+  Deadline last_call{};
   // Slot -> the node rank its launcher had in the previous round (-1:
   // none). A slot counts once its launcher has written that (right after
   // taking it); one that died in between never counts.
   std::map<int64_t, int64_t> entries;
-  int back = 0;
+  // Slot -> its launcher's last heartbeat while it waits for the round
+  // ("alive/<slot>"), when node 0 saw it change, and whether the slot
+  // counts. One taken while node 0 watches counts at once; one it finds
+  // at its first look was taken earlier (a spare, or a launcher waiting
+  // for this restart, which may have died since) and counts once its beat
+  // changes, which a live launcher's does within a monitor slice: until
+  // then it holds the last call open, and after two slices and a half
+  // second it is left out. A counted slot stops counting when silent for
+  // --node_timeout (its launcher died after taking it), as under
+  // torchrun's keep-alives; should it beat again before the round closes,
+  // it counts again.
+  struct Beat {
+    std::string value;
+    Deadline changed;
+    bool alive = false;
+  };
+  std::map<int64_t, Beat> beats;
+  std::set<int64_t> silent;  // slots reported silent
+  std::vector<std::pair<int64_t, int64_t>> live;  // (slot, previous rank) of live slots
+  const milliseconds unproven_for = 2 * MonitorSlice(o) + 500ms;
+  bool first_look = true;
   while (true) {
     DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(kStoreCallTime)));
     for (int64_t slot = 1; slot <= joined; ++slot) {
@@ -685,28 +711,65 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
       if (!previous) continue;
       const std::optional<int64_t> rank = ParseInt(*previous);
       entries[slot] = rank && *rank > 0 ? *rank : -1;
-      if (entries[slot] > 0) ++back;
     }
-    const int64_t present = std::min<int64_t>(1 + static_cast<int64_t>(entries.size()), max_nodes);
+    live.clear();
+    int back = 0;
+    bool unproven = false;  // a slot found at the first look that has not beaten yet
+    for (const auto& [slot, previous] : entries) {
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> beat,
+                           store.TryGet(Key(round, "alive/" + std::to_string(slot)), DeadlineIn(kStoreCallTime)));
+      const Deadline seen = Clock::now();
+      auto [it, first] = beats.try_emplace(slot, Beat{beat.value_or(""), seen, !first_look});
+      Beat& b = it->second;
+      if (!first && b.value != beat.value_or("")) b = Beat{beat.value_or(""), seen, true};
+      const milliseconds quiet = std::chrono::duration_cast<milliseconds>(seen - b.changed);
+      if (quiet > (b.alive ? o.node_timeout : unproven_for)) {
+        if (silent.insert(slot).second) {
+          Say("node 0: the launcher that joined " +
+              (round == 0 ? std::string("the job") : "restart " + std::to_string(round)) + " in slot " +
+              std::to_string(slot) + " sent no heartbeat for " + std::to_string(quiet.count()) + " ms" +
+              (b.alive ? " (--node_timeout)" : "") + " and gets no place");
+        }
+        continue;
+      }
+      silent.erase(slot);
+      if (!b.alive) {
+        unproven = true;
+        continue;
+      }
+      live.emplace_back(slot, previous);
+      if (previous > 0) ++back;
+    }
+    first_look = false;
+    const int64_t present = std::min<int64_t>(1 + static_cast<int64_t>(live.size()), max_nodes);
     const Deadline now = Clock::now();
     const bool awaiting_previous = back < returning && now < rejoin_deadline;
     if (!awaiting_previous) {
-      if (present >= min_nodes && !last_call) last_call = now + o.last_call;
-      if (present == max_nodes || (last_call && now >= *last_call)) break;
+      // Slots can fall silent: below MIN again, the last call is off
+      // until MIN are back (as torchrun drops its deadline).
+      if (present < min_nodes) calling = false;
+      if (present >= min_nodes && !calling) {
+        calling = true;
+        last_call = now + o.last_call;
+      }
+      if (present == max_nodes || (calling && now >= last_call && !unproven)) break;
     }
-    if (!last_call && now >= deadline) {
+    if (!calling && now >= deadline) {
       return TimedOutError("only " + std::to_string(present) + " of " +
                            (min_nodes < max_nodes ? "at least " : "") + std::to_string(min_nodes) +
                            " nodes joined within --rdzv_timeout (" +
                            std::to_string(o.rdzv_timeout.count()) + " ms)" +
-                           (round > 0 ? " for restart " + std::to_string(round) : ""));
+                           (round > 0 ? " for restart " + std::to_string(round) : "") +
+                           (silent.empty() ? ""
+                                           : " (" + std::to_string(silent.size()) +
+                                                 " more took a place and then sent no heartbeat)"));
     }
     std::this_thread::sleep_for(50ms);
   }
   // The previous round's nodes in their old order, then the others in the
   // order they joined.
   std::vector<std::pair<int64_t, int64_t>> order;  // (sort key, slot)
-  for (const auto& [slot, previous] : entries) order.emplace_back(previous > 0 ? previous : kMaxNodes + slot, slot);
+  for (const auto& [slot, previous] : live) order.emplace_back(previous > 0 ? previous : kMaxNodes + slot, slot);
   std::sort(order.begin(), order.end());
   const int members = static_cast<int>(std::min<int64_t>(1 + static_cast<int64_t>(order.size()), max_nodes));
   std::string record = std::to_string(failures);
@@ -736,8 +799,13 @@ StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int 
     Deadline deadline = DeadlineIn(RoundFormingTime(o));
     StatusOr<std::string> record = TimedOutError("");
     while (true) {
-      record = store.Get(Key(round, "members"), std::min(deadline, DeadlineIn(kMonitorSlice)));
+      // Beats under the slot once per monitor slice (a quarter of
+      // --node_timeout, at most 1 s), so that node 0 seats it and keeps it
+      // in the round it forms.
+      record = store.Get(Key(round, "members"), std::min(deadline, DeadlineIn(MonitorSlice(o))));
       if (record.ok() || record.status().code() != StatusCode::kTimedOut) break;
+      DDP_RETURN_IF_ERROR(
+          store.Add(Key(round, "alive/" + std::to_string(slot)), 1, DeadlineIn(kStoreCallTime)).status());
       DDP_ASSIGN_OR_RETURN(std::optional<std::string> current, store.TryGet(kRoundKey, DeadlineIn(kStoreCallTime)));
       const std::optional<int64_t> opened = current ? ParseInt(*current) : std::nullopt;
       if (opened && *opened < round) deadline = DeadlineIn(RoundFormingTime(o));

@@ -14,12 +14,14 @@
 
 #include "transport/launch/launch_test_util.h"
 #include "transport/launch/test_spawn.h"
+#include "transport/store/tcp_store.h"
 
 namespace ddp::transport::launch {
 namespace {
 
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 using testing::CountLines;
 
@@ -226,6 +228,9 @@ class C10dJob {
     return testing::WaitProgram(*launchers_.at(launcher), timeout);
   }
 
+  int port() const { return port_; }
+  pid_t launcher_pid(int launcher) const { return launchers_.at(launcher)->pids()[0]; }
+
   std::vector<testing::ProgramRun> WaitAll(std::chrono::milliseconds timeout = 30s) {
     std::vector<testing::ProgramRun> runs;
     for (size_t i = 0; i < launchers_.size(); ++i) runs.push_back(Wait(static_cast<int>(i), timeout));
@@ -373,6 +378,94 @@ TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
   EXPECT_THAT(runs[2].output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
   EXPECT_THAT(runs[2].output, HasSubstr("rank 1 met 2 ranks"));
   EXPECT_THAT(runs[2].output, HasSubstr("rank 1 done"));
+  EXPECT_TRUE(testing::GoneWithin(worker, 5s));
+}
+
+TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
+  // Four nodes. The second launcher takes a slot and is killed; a third
+  // waits beside it (its heartbeat keeps its slot), and two more come
+  // after node 0 heard nothing from the dead slot for --node_timeout. The
+  // job runs on the four live launchers at once, without spending its
+  // restart on the dead one.
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=4", "--nproc_per_node=1", "--node_timeout=1",
+                                          "--max_restarts=1", "--rdzv_timeout=20"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env"};
+  const int first = job.Start(flags, worker_flags);
+  auto store = store::TcpStoreClient::Connect("127.0.0.1", job.port(), kToken, DeadlineIn(20s));
+  ASSERT_TRUE(store.ok()) << store.status();
+  // The first launcher serves the store, so it is node 0.
+  ASSERT_TRUE((*store)->Get("ddprun/config", DeadlineIn(20s)).ok());
+  const int doomed = job.Start(flags, worker_flags);
+  // It holds slot 1 of the first round once it wrote its entry there.
+  ASSERT_TRUE((*store)->Get("ddprun/a0/join/1", DeadlineIn(20s)).ok());
+  const int waiting = job.Start(flags, worker_flags);
+  ASSERT_TRUE((*store)->Get("ddprun/a0/join/2", DeadlineIn(20s)).ok());
+  ASSERT_EQ(kill(job.launcher_pid(doomed), SIGKILL), 0);
+  std::this_thread::sleep_for(2500ms);  // well past --node_timeout of silence
+  const int third = job.Start(flags, worker_flags);
+  const int fourth = job.Start(flags, worker_flags);
+  const testing::ProgramRun killed = job.Wait(doomed);
+  EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
+  std::string all;
+  for (int launcher : {first, waiting, third, fourth}) {
+    const testing::ProgramRun run = job.Wait(launcher);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    all += run.output;
+  }
+  EXPECT_THAT(all, ContainsRegex("ddprun: node 0: the launcher that joined the job in slot 1 sent no "
+                                 "heartbeat for [0-9]+ ms \\(--node_timeout\\) and gets no place"));
+  EXPECT_THAT(all, Not(HasSubstr("in slot 2 sent no heartbeat"))) << all;
+  EXPECT_THAT(all, Not(HasSubstr("restarting the job"))) << all;
+  EXPECT_EQ(CountLines(all, "met 4 ranks"), 4) << all;
+  for (int node = 1; node < 4; ++node) {
+    EXPECT_EQ(CountLines(all, "ddprun: joined as node " + std::to_string(node) + " of 4"), 1) << all;
+  }
+}
+
+TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
+  // A spare takes its slot in the next round while the job runs, and is
+  // killed there; then node 1's launcher is killed too. At the restart
+  // node 0 finds the spare's slot, hears no heartbeat from it, and gives
+  // node 1's place to a launcher started afterwards instead.
+  const std::string dir = testing::MakeTempDir("c10d_dead_spare");
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--max_restarts=1",
+                                          "--node_timeout=1", "--rdzv_timeout=20"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
+                                                 "--sleep_before_restart=1", "--pid_dir=" + dir};
+  const int first = job.Start(flags, worker_flags);
+  auto store = store::TcpStoreClient::Connect("127.0.0.1", job.port(), kToken, DeadlineIn(20s));
+  ASSERT_TRUE(store.ok()) << store.status();
+  // The first launcher serves the store, so it is node 0.
+  ASSERT_TRUE((*store)->Get("ddprun/config", DeadlineIn(20s)).ok());
+  const int second = job.Start(flags, worker_flags);
+  testing::ReadPidFile(dir + "/rank1.restart0.pid", 10s);  // the job runs
+  const int spare = job.Start(flags, worker_flags);
+  ASSERT_TRUE((*store)->Get("ddprun/a1/join/1", DeadlineIn(20s)).ok());
+  ASSERT_EQ(kill(job.launcher_pid(spare), SIGKILL), 0);
+  const pid_t worker = KillLauncherOf(dir, 1);
+  // Node 0 opens the restart's round once it declared node 1 dead.
+  const auto opened = Clock::now() + 20s;
+  while (Clock::now() < opened) {
+    auto round = (*store)->TryGet("ddprun/round", DeadlineIn(5s));
+    if (round.ok() && round->value_or("") == "1") break;
+    std::this_thread::sleep_for(20ms);
+  }
+  std::this_thread::sleep_for(2500ms);  // the spare's slot stays silent
+  const int relaunched = job.Start(flags, worker_flags);
+  const testing::ProgramRun first_run = job.Wait(first);
+  const testing::ProgramRun relaunched_run = job.Wait(relaunched);
+  const std::string all = first_run.output + job.Wait(second).output + job.Wait(spare).output +
+                          relaunched_run.output;
+  EXPECT_EQ(first_run.exit_code, 0) << all;
+  EXPECT_EQ(relaunched_run.exit_code, 0) << all;
+  EXPECT_THAT(all, ContainsRegex("ddprun: node 0: the launcher that joined restart 1 in slot 1 sent no "
+                                 "heartbeat for [0-9]+ ms and gets no place"));
+  EXPECT_THAT(all, HasSubstr("restarting the job (restart 1 of 1)"));
+  EXPECT_EQ(CountLines(all, "ddprun: restart 1: joined as node 1 of 2"), 1) << all;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1 done"));
   EXPECT_TRUE(testing::GoneWithin(worker, 5s));
 }
 
