@@ -514,12 +514,22 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     by_param[best].emplace_back(slot, value);
   }
   // Every rank checks the whole state the way the unsharded optimizer
-  // would (a probe over every parameter), so that a bad state fails on every
-  // rank alike before any slice changes; each slice's load then only cuts.
-  {
-    std::unique_ptr<nn::optim::Optimizer> probe = s.make(std::move(all));
+  // would, so that a bad state fails on every rank alike before any slice
+  // changes; each slice's load then only cuts. One parameter at a time (a
+  // probe optimizer of that parameter, given the entries that are not
+  // per-parameter and that parameter's), so that the check holds one
+  // parameter's state at most, not a second copy of the whole.
+  nn::optim::NamedTensors shared_entries;
+  for (const auto& [key, value] : state) {
+    if (key.compare(0, 6, "state.") != 0) shared_entries.emplace_back(key, value);
+  }
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    nn::optim::NamedTensors entries = shared_entries;
+    for (const auto& [slot, value] : by_param[i]) entries.emplace_back("state." + s.names[i] + "." + slot, value);
+    std::unique_ptr<nn::optim::Optimizer> probe = s.make({all[i]});
+    if (probe == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: the factory returned null");
     try {
-      probe->LoadStateDict(state);
+      probe->LoadStateDict(entries);
     } catch (const std::exception& e) {
       throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
     }

@@ -121,9 +121,10 @@ class OverlappedZeroOptimizer {
   /// Loads a whole state (ConsolidatedStateDict's, or a plain optimizer's
   /// StateDict) on every rank; each slice's optimizer takes its pieces. Not
   /// collective, but every rank must load the same state. The state is
-  /// first checked by loading it into a throwaway optimizer of every
-  /// parameter (which holds a whole copy for that moment), so that a bad
-  /// state fails every rank alike before anything changes. Throws
+  /// first checked, one parameter at a time, by loading that parameter's
+  /// entries into a throwaway optimizer of it (so the check holds one
+  /// parameter's state at most), so that a bad state fails every rank
+  /// alike before anything changes. Throws
   /// std::invalid_argument naming a "state." key of no trained parameter,
   /// or an entry whose size is not its parameter's.
   void LoadStateDict(const nn::optim::NamedTensors& state);
