@@ -36,6 +36,9 @@ milliseconds MonitorSlice(const DdprunOptions& o) {
 // How long node 0 keeps the store up for the other launchers to read the
 // outcome before it exits.
 constexpr auto kFarewellTime = 10000ms;
+// Node 0's --node_timeout in milliseconds: a launcher given a longer one
+// beats (and gives up on an unreachable store) by node 0's.
+constexpr char kNodeTimeoutKey[] = "ddprun/node_timeout_ms";
 // Deadline of one bookkeeping call on the store (at most --node_timeout).
 constexpr auto kStoreCallTime = 10000ms;
 // torchrun's port for an --rdzv_endpoint given without one.
@@ -112,7 +115,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
                        required with several nodes, generated otherwise
   --rdzv_timeout=SEC   how long to wait for every node to join (default 300)
-  --node_timeout=SEC   heartbeat silence after which a node is dead (default 30)
+  --node_timeout=SEC   heartbeat silence after which a node is dead (default 30;
+                       node 0's counts: a node given a longer one beats by it)
   --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5)
   --max_run_time=SEC   stop the workers after this long (default: no limit)
 
@@ -923,7 +927,11 @@ int RunDdprun(const DdprunOptions& options) {
     }
     client = std::move(connected).value();
     if (o.node_rank == 0) {
-      Status s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
+      // Node 0 judges everyone's heartbeats by its --node_timeout, so the
+      // others beat by it too (set first: whoever sees the configuration
+      // sees it).
+      Status s = client->Set(kNodeTimeoutKey, std::to_string(o.node_timeout.count()), DeadlineIn(kStoreCallTime));
+      if (s.ok()) s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
       if (!s.ok()) {
         Say(s.message());
         return 1;
@@ -941,6 +949,17 @@ int RunDdprun(const DdprunOptions& options) {
             "; every node needs the same flags (gpu, cpu and auto are counted on each node)" +
             serve_note);
         return 2;
+      }
+      StatusOr<std::optional<std::string>> timeout = client->TryGet(kNodeTimeoutKey, DeadlineIn(kStoreCallTime));
+      if (!timeout.ok()) {
+        Say(node_name() + ": " + timeout.status().message());
+        return 1;
+      }
+      const std::optional<int64_t> node0_ms = timeout->has_value() ? ParseInt(**timeout) : std::nullopt;
+      if (node0_ms && *node0_ms > 0 && *node0_ms < o.node_timeout.count()) {
+        Say(node_name() + ": beating by node 0's --node_timeout of " + std::to_string(*node0_ms) +
+            " ms instead of this launcher's " + std::to_string(o.node_timeout.count()) + " ms");
+        o.node_timeout = milliseconds(*node0_ms);
       }
     }
   }

@@ -193,6 +193,19 @@ TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
 }
 
+TEST(DdprunMultinodeTest, ANodeBeatsByNodeZerosShorterTimeout) {
+  // Node 0 declares a node dead after 1 s of silence; node 1 was given the
+  // default 30 s, by which it would beat once a second, too seldom: it
+  // takes node 0's timeout, and the job (5 s of work) succeeds.
+  Job job(2, {"--nproc_per_node=1"}, {"--store", "--sleep_ms=5000"}, {{0, {"--node_timeout=1"}}});
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output << runs[1].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1: beating by node 0's --node_timeout of 1000 ms "
+                                        "instead of this launcher's 30000 ms"));
+  EXPECT_THAT(runs[0].output + runs[1].output, Not(HasSubstr("sent no heartbeat")));
+}
+
 TEST(DdprunMultinodeTest, WrongTokenIsRefused) {
   Job job(2, {"--nproc_per_node=1", "--rdzv_timeout=1"}, {}, {}, {{1, "not-the-token"}});
   const auto runs = job.Wait();
