@@ -102,10 +102,12 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
                        others are numbered in the order they join; every
                        restart takes in the launchers then present
   --rdzv_id=ID         job id; every node must give the same one
-  --rdzv_conf=last_call_timeout=SEC,join_timeout=SEC
-                       with --nnodes=MIN:MAX, how long to wait for more
-                       nodes once MIN joined (default 30); join_timeout is
-                       --rdzv_timeout
+  --rdzv_conf=last_call_timeout=SEC,join_timeout=SEC,keep_alive_interval=SEC,
+             keep_alive_max_attempt=N
+                       last_call_timeout: with --nnodes=MIN:MAX, how long to
+                       wait for more nodes once MIN joined (default 30);
+                       join_timeout is --rdzv_timeout; the keep-alives make
+                       --node_timeout interval x attempts (5 s, 3 if not given)
   --standalone         one node on 127.0.0.1 with a free port
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
@@ -171,6 +173,10 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   bool addr_given = false;
   bool endpoint_given = false;
   bool node_rank_given = false;
+  bool node_timeout_given = false;
+  // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
+  std::optional<milliseconds> keep_alive_interval;
+  std::optional<int> keep_alive_attempts;
   bool token_given = false;
   bool redirects = false;
   int i = 1;
@@ -250,7 +256,9 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
         DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
       }
     } else if (name == "rdzv_conf") {
-      // torchrun's KEY=VALUE,... rendezvous settings; the two that apply here.
+      // torchrun's KEY=VALUE,... rendezvous settings; those that apply here.
+      // Its keep-alives (a beat every keep_alive_interval, dead after
+      // keep_alive_max_attempt missed ones) are --node_timeout.
       DDP_ASSIGN_OR_RETURN(std::string text, take_value());
       size_t start = 0;
       while (start < text.size()) {
@@ -259,15 +267,30 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
         const std::string item = text.substr(start, end - start);
         const size_t eq = item.find('=');
         const std::string key = item.substr(0, eq);
-        const std::optional<milliseconds> seconds =
-            eq == std::string::npos ? std::nullopt : ParseSeconds(item.substr(eq + 1));
-        if ((key != "last_call_timeout" && key != "join_timeout") || !seconds ||
-            (key == "join_timeout" && seconds->count() == 0)) {
-          return InvalidArgumentError(Flag(name, text) + ": '" + item +
-                                      "' is not one of last_call_timeout=SEC, join_timeout=SEC "
-                                      "(positive)");
+        const std::string raw = eq == std::string::npos ? "" : item.substr(eq + 1);
+        const std::optional<milliseconds> parsed = eq == std::string::npos ? std::nullopt : ParseSeconds(raw);
+        const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
+        if (key == "keep_alive_max_attempt") {
+          const std::optional<int64_t> attempts = ParseInt(raw);
+          if (!attempts || *attempts < 1 || *attempts > 1000) {
+            return InvalidArgumentError(Flag(name, text) + ": '" + item +
+                                        "': keep_alive_max_attempt takes a count from 1 to 1000");
+          }
+          keep_alive_attempts = static_cast<int>(*attempts);
+          start = end + 1;
+          continue;
         }
-        (key == "last_call_timeout" ? o.last_call : o.rdzv_timeout) = *seconds;
+        const bool known = key == "last_call_timeout" || key == "join_timeout" || key == "keep_alive_interval";
+        if (!known || seconds.count() < 0 || (key != "last_call_timeout" && seconds.count() == 0)) {
+          return InvalidArgumentError(Flag(name, text) + ": '" + item +
+                                      "' is not one of last_call_timeout=SEC, join_timeout=SEC, "
+                                      "keep_alive_interval=SEC (positive), keep_alive_max_attempt=N");
+        }
+        if (key == "keep_alive_interval") {
+          keep_alive_interval = seconds;
+        } else {
+          (key == "last_call_timeout" ? o.last_call : o.rdzv_timeout) = seconds;
+        }
         start = end + 1;
       }
     } else if (name == "node_rank") {
@@ -342,6 +365,7 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
       DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
     } else if (name == "node_timeout") {
       DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
+      node_timeout_given = true;
     } else if (name == "grace_period") {
       DDP_RETURN_IF_ERROR(take_seconds(o.grace, /*positive=*/false));
     } else if (name == "max_run_time") {
@@ -384,6 +408,15 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
                                   " is a wildcard address; with --rdzv_backend=c10d it must be "
                                   "the address of one node, which then serves the store");
     }
+  }
+  if (keep_alive_interval || keep_alive_attempts) {
+    if (node_timeout_given) {
+      return InvalidArgumentError(
+          "--node_timeout and --rdzv_conf's keep_alive_interval/keep_alive_max_attempt both say when a "
+          "silent node is dead; give one of them");
+    }
+    // torchrun's defaults: a beat every 5 s, dead after 3 missed.
+    o.node_timeout = keep_alive_interval.value_or(milliseconds(5000)) * keep_alive_attempts.value_or(3);
   }
   if (o.node_rank >= o.nnodes) {
     return InvalidArgumentError("--node_rank=" + std::to_string(o.node_rank) +

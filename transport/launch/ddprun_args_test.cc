@@ -166,11 +166,32 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                   std::string(bad) + ": expected MIN:MAX with 1 <= MIN <= MAX <= 65536", {{"DDP_JOB_TOKEN", "t"}});
   }
   ExpectRefused({"--rdzv_conf=timeout=5", "p"},
-                "--rdzv_conf=timeout=5: 'timeout=5' is not one of last_call_timeout=SEC, join_timeout=SEC "
-                "(positive)");
+                "--rdzv_conf=timeout=5: 'timeout=5' is not one of last_call_timeout=SEC, join_timeout=SEC, "
+                "keep_alive_interval=SEC (positive), keep_alive_max_attempt=N");
   ExpectRefused({"--rdzv_conf=join_timeout=0", "p"},
                 "--rdzv_conf=join_timeout=0: 'join_timeout=0' is not one of last_call_timeout=SEC, "
-                "join_timeout=SEC (positive)");
+                "join_timeout=SEC, keep_alive_interval=SEC (positive), keep_alive_max_attempt=N");
+  // torchrun's keep-alives are the node timeout: interval times attempts,
+  // with its defaults (5 s, 3) for the one not given.
+  o = Parse({"--rdzv_conf=keep_alive_interval=2,keep_alive_max_attempt=4", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_timeout, 8000ms);
+  o = Parse({"--rdzv_conf=keep_alive_interval=0.5", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_timeout, 1500ms);
+  o = Parse({"--rdzv_conf=keep_alive_max_attempt=2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_timeout, 10000ms);
+  ExpectRefused({"--rdzv_conf=keep_alive_max_attempt=0", "p"},
+                "--rdzv_conf=keep_alive_max_attempt=0: 'keep_alive_max_attempt=0': keep_alive_max_attempt "
+                "takes a count from 1 to 1000");
+  ExpectRefused({"--rdzv_conf=keep_alive_interval=0", "p"},
+                "--rdzv_conf=keep_alive_interval=0: 'keep_alive_interval=0' is not one of "
+                "last_call_timeout=SEC, join_timeout=SEC, keep_alive_interval=SEC (positive), "
+                "keep_alive_max_attempt=N");
+  ExpectRefused({"--node_timeout=4", "--rdzv_conf=keep_alive_interval=1", "p"},
+                "--node_timeout and --rdzv_conf's keep_alive_interval/keep_alive_max_attempt both say when a "
+                "silent node is dead; give one of them");
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
                 "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
