@@ -18,9 +18,10 @@ std::string DdpStats::ToString() const {
   char line[512];
   std::snprintf(line, sizeof(line),
                 "forward %.2f ms, backward compute %.2f ms, backward comm %.2f ms (overlapped "
-                "%.2f ms = %.0f%%, exposed %.2f ms), comm thread CPU %.2f ms",
+                "%.2f ms = %.0f%%, exposed %.2f ms), comm thread CPU %.2f ms, waiting for other "
+                "ranks %.2f ms",
                 forward_ms, backward_compute_ms, backward_comm_ms, overlap_ms,
-                100.0 * overlap_fraction(), exposed_ms, comm_thread_cpu_ms);
+                100.0 * overlap_fraction(), exposed_ms, comm_thread_cpu_ms, peer_wait_ms);
   std::string s = line;
   s += ", " + std::to_string(bucket_bytes.size()) + " bucket(s) [";
   for (size_t i = 0; i < bucket_bytes.size(); ++i) {
@@ -49,6 +50,7 @@ class DistributedDataParallel::Impl {
   int64_t forward_count = 0;
   double forward_seconds = 0;
   std::chrono::nanoseconds cpu_at_reset{0};
+  std::chrono::nanoseconds wait_at_reset{0};  // pg's PeerWaitTime then
   int64_t log_every = 0;
   int64_t logged_at = 0;
 };
@@ -147,6 +149,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     }
   }
   impl_->cpu_at_reset = pg_->CommThreadCpuTime();
+  impl_->wait_at_reset = pg_->PeerWaitTime();
   if (level != DebugLevel::kOff && pg_->rank() == 0) {
     std::fprintf(stderr, "[ddp] DistributedDataParallel over %d rank(s): %s\n", pg_->size(),
                  Stats().ToString().c_str());
@@ -261,6 +264,8 @@ DdpStats DistributedDataParallel::Stats() const {
       stats.comm_thread_cpu_ms =
           std::chrono::duration<double, std::milli>(pg_->CommThreadCpuTime() - s.cpu_at_reset).count() /
           t.iterations;
+      stats.peer_wait_ms =
+          std::chrono::duration<double, std::milli>(pg_->PeerWaitTime() - s.wait_at_reset).count() / t.iterations;
     }
   }
   return stats;
@@ -270,6 +275,7 @@ void DistributedDataParallel::ResetStats() {
   impl_->forward_count = 0;
   impl_->forward_seconds = 0;
   impl_->cpu_at_reset = pg_->CommThreadCpuTime();
+  impl_->wait_at_reset = pg_->PeerWaitTime();
   if (impl_->reducer != nullptr) impl_->reducer->ResetTimes();
 }
 

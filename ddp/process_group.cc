@@ -1521,6 +1521,11 @@ void ProcessGroup::set_trace(std::shared_ptr<TraceRecorder> trace) {
 
 std::chrono::nanoseconds ProcessGroup::CommThreadCpuTime() const { return impl_->CpuTime(); }
 
+std::chrono::nanoseconds ProcessGroup::PeerWaitTime() const {
+  const transport::Communicator* comm = impl_->comm();
+  return comm != nullptr ? comm->PeerWaitTime() : std::chrono::nanoseconds(0);
+}
+
 uint64_t ProcessGroup::collectives_run() const { return impl_->run_count(); }
 
 Status ProcessGroup::aborted_reason() const { return impl_->aborted_reason(); }

@@ -391,6 +391,9 @@ class ProcessGroup {
   /// CPU time the communication thread has used so far (zero before its
   /// first collective): what shows that it sleeps instead of spinning.
   std::chrono::nanoseconds CommThreadCpuTime() const;
+  /// transport::Communicator::PeerWaitTime of the group's communicator
+  /// (0 without one): time its collectives spent waiting for slower ranks.
+  std::chrono::nanoseconds PeerWaitTime() const;
   /// Collectives run so far (including failed ones).
   uint64_t collectives_run() const;
   /// OK, or the reason this group's communicator was aborted.

@@ -29,11 +29,12 @@ TEST(DdpBenchTest, TwoRanksPrintOneLineOfFigures) {
   const std::vector<std::string> lines = testing::Lines(r.out);
   ASSERT_EQ(lines.size(), 1u) << r.out;
   const std::vector<std::string> f = Fields(lines[0]);
-  ASSERT_EQ(f.size(), 14u) << lines[0];
+  ASSERT_EQ(f.size(), 15u) << lines[0];
   EXPECT_EQ(f[0], "mlp");
   EXPECT_EQ(f[1], "2");
   EXPECT_GT(std::stod(f[2]), 0) << "samples/s: " << lines[0];
   EXPECT_EQ(f[11], "3") << "buckets: " << lines[0];
+  EXPECT_GE(std::stod(f[14]), 0) << "rank 0's wait for the other rank: " << lines[0];
 }
 
 TEST(DdpBenchTest, ABatchAsLargeAsARanksShareIsRefused) {

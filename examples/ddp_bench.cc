@@ -13,10 +13,13 @@
 //
 //   model nproc samples_per_s final_loss test_acc fwd_ms bwd_compute_ms
 //   comm_ms overlap_pct exposed_ms comm_cpu_ms buckets step_ms cpu_ms
+//   peer_wait_ms
 //
-// fwd_ms ... buckets are DistributedDataParallel's statistics over the
-// timed steps (averages per step; see DdpStats); step_ms is wall time and
-// cpu_ms rank 0's process CPU time (all threads) per step.
+// fwd_ms ... buckets and peer_wait_ms are DistributedDataParallel's
+// statistics over the timed steps on rank 0 (averages per step; see
+// DdpStats; peer_wait_ms is the time rank 0's collectives waited for the
+// other ranks); step_ms is wall time and cpu_ms rank 0's process CPU time
+// (all threads) per step.
 
 #include <gflags/gflags.h>
 #include <sys/resource.h>
@@ -272,11 +275,11 @@ int Run() {
     acc = static_cast<double>(correct) / static_cast<double>(test->Size());
   }
   if (rank == 0) {
-    std::printf("%s %d %.1f %.4f %.4f %.3f %.3f %.3f %.0f %.3f %.3f %zu %.3f %.3f\n", FLAGS_model.c_str(),
+    std::printf("%s %d %.1f %.4f %.4f %.3f %.3f %.3f %.0f %.3f %.3f %zu %.3f %.3f %.3f\n", FLAGS_model.c_str(),
                 world, FLAGS_steps * bs * world / dt, loss_value, acc, stats.forward_ms,
                 stats.backward_compute_ms, stats.backward_comm_ms, 100 * stats.overlap_fraction(),
                 stats.exposed_ms, stats.comm_thread_cpu_ms, stats.bucket_bytes.size(),
-                1e3 * dt / FLAGS_steps, cpu_ms);
+                1e3 * dt / FLAGS_steps, cpu_ms, stats.peer_wait_ms);
     std::fflush(stdout);
   }
   // Everyone leaves together: rank 0 evaluated while the others waited.

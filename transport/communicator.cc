@@ -347,6 +347,13 @@ class Communicator::Impl {
     std::lock_guard lock(abort_mu_);
     return aborted_;
   }
+
+  std::chrono::nanoseconds PeerWaitTime() const {
+    std::chrono::nanoseconds total{0};
+    if (shm_ != nullptr) total += shm_->peer_wait();
+    if (host_shm_ != nullptr) total += host_shm_->peer_wait();
+    return total;
+  }
   bool aborted() const { return is_aborted_.load(std::memory_order_acquire); }
 
   Status CheckBuffer(const void* p, size_t count, const char* name) const {
@@ -1598,6 +1605,7 @@ void Communicator::Abort(const Status& reason) {
   impl_->Abort(reason, std::nullopt).IgnoreError();
 }
 Status Communicator::aborted_reason() const { return impl_->aborted_reason(); }
+std::chrono::nanoseconds Communicator::PeerWaitTime() const { return impl_->PeerWaitTime(); }
 Algorithm Communicator::SelectedAlgorithm(size_t bytes) const {
   return impl_->Choose(bytes, Algorithm::kAuto);
 }

@@ -372,6 +372,14 @@ class Communicator {
   void Abort(const Status& reason);
   /// OK, or the reason the communicator was aborted.
   Status aborted_reason() const;
+  /// Time this rank's collectives have spent waiting for other ranks (to
+  /// arrive, or to finish with this rank's buffers), summed since creation:
+  /// how much a slower rank held this one up. Counted where the ranks of a
+  /// host exchange through shared memory (the whole group on one host, or
+  /// inside each host of a hierarchical all-reduce); transfers over UCX
+  /// are not counted, as waiting there cannot be told from moving data.
+  /// Any thread.
+  std::chrono::nanoseconds PeerWaitTime() const;
 
   /// The all-reduce algorithm this communicator uses for `bytes` bytes.
   Algorithm SelectedAlgorithm(size_t bytes) const;

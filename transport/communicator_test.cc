@@ -535,6 +535,21 @@ int ScenarioThrough() {
   return 0;
 }
 
+// Rank 1 comes 200 ms late to a large and a small all-reduce (direct and
+// staged paths); each rank prints how long it waited for the other.
+int ScenarioLate() {
+  auto comm = MustCreate();
+  const auto before = comm->PeerWaitTime();
+  std::vector<float> big(1 << 16, 1.0f), small(4, 1.0f);
+  for (std::vector<float>* v : {&big, &small}) {
+    if (comm->rank() == 1) std::this_thread::sleep_for(milliseconds(200));
+    const Status s = comm->AllReduce(v->data(), v->size(), DataType::kF32, ReduceOp::kSum);
+    WORKER_CHECK(s.ok(), s.ToString());
+  }
+  std::printf("WAITED_MS %.0f\n", std::chrono::duration<double, std::milli>(comm->PeerWaitTime() - before).count());
+  return 0;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -547,6 +562,7 @@ int RunScenario(const std::string& name) {
   if (name == "create") return ScenarioCreateOnly();
   if (name == "fork") return ScenarioFork();
   if (name == "early") return ScenarioEarly();
+  if (name == "late") return ScenarioLate();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -692,6 +708,22 @@ TEST(Communicator, StagedReduceDefaultsToHostAndFollowsTheEnvironment) {
               std::string::npos)
         << "DDP_STAGED_REDUCE=" << value << "\n" << job.Describe();
   }
+}
+
+// PeerWaitTime counts what a rank waited for a late one (2 x 200 ms), and
+// hardly anything on the late rank.
+TEST(Communicator, PeerWaitTimeCountsTheWaitForALateRank) {
+  Job job = RunJob(2, "late", {});
+  ASSERT_EQ(job.results.size(), 2u);
+  double waited[2] = {-1, -1};
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(job.results[r].exit_code, 0) << job.Describe();
+    const size_t at = job.results[r].output.find("WAITED_MS ");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    waited[r] = std::atof(job.results[r].output.c_str() + at + 10);
+  }
+  EXPECT_GE(waited[0], 300) << job.Describe();
+  EXPECT_LT(waited[1], 150) << job.Describe();
 }
 
 // Waits yield once the busy threads of the host's ranks outnumber the cores

@@ -74,9 +74,10 @@ for line in open(sys.argv[1]):
     who, model, nproc, sps = f[0], f[1], int(f[2]), float(f[3])
     rate[(who, model, nproc)].append(sps)
     if who in ("ddp", "var") and len(f) >= 15:
-        extra[(who, model, nproc)].append([float(x) for x in f[6:15]])
-print("| model | ddp 1 rank | ddp 2 ranks | torch DDP 2 ranks | ddp 2 / torch 2 | ddp 2 / ddp 1 | two 1-rank runs at once | ddp 2 / that | comm ms | overlap | exposed ms | comm thread CPU ms | step ms | CPU ms |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        # The last field, rank 0's wait for the other ranks, is newer.
+        extra[(who, model, nproc)].append([float(x) for x in f[6:16]] + [float("nan")] * (16 - len(f)))
+print("| model | ddp 1 rank | ddp 2 ranks | torch DDP 2 ranks | ddp 2 / torch 2 | ddp 2 / ddp 1 | two 1-rank runs at once | ddp 2 / that | comm ms | overlap | exposed ms | comm thread CPU ms | step ms | CPU ms | rank 0 waits ms |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 rows = [(m, "ddp", m) for m in ("mlp", "cnn")]
 if any(k[0] == "var" for k in rate):
     rows += [(m, "var", m + " +variant") for m in ("mlp", "cnn")]
@@ -88,7 +89,8 @@ for model, who, label in rows:
     # The pair ceiling is measured without the variant's flags.
     print(f"| {label} | {d1:.0f} | {d2:.0f} | {t2:.0f} | {d2 / t2:.2f}x | {d2 / d1:.2f}x | "
           f"{p2:.0f} ({p2 / d1:.2f}x) | {d2 / p2:.2f}x | "
-          f"{med(2):.2f} | {med(3):.0f}% | {med(4):.2f} | {med(5):.2f} | {med(7):.2f} | {med(8):.2f} |")
+          f"{med(2):.2f} | {med(3):.0f}% | {med(4):.2f} | {med(5):.2f} | {med(7):.2f} | {med(8):.2f} | "
+          f"{med(9):.2f} |")
 print()
 print("samples/s per run:")
 for k in sorted(rate):

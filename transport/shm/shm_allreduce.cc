@@ -384,6 +384,16 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
                                : Clock::duration(options_.spin_time);
   const Clock::time_point started = Clock::now();
   Shared& shared_area = shared();
+  // Adds the time waited to peer_wait_ns_ on every way out.
+  struct Tally {
+    std::atomic<uint64_t>& total;
+    Clock::time_point started;
+    ~Tally() {
+      total.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                Clock::now() - started).count()),
+                      std::memory_order_relaxed);
+    }
+  } tally{peer_wait_ns_, started};
   for (int peer = 0; peer < options_.size; ++peer) {
     if (peer == options_.rank || (only >= 0 && peer != only)) continue;
     const std::atomic<uint64_t>& counter = control(peer).*field;

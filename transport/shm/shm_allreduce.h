@@ -236,6 +236,11 @@ class ShmAllReduce {
   /// Copies with a peer's buffer that went through a mapping of its
   /// shareable memory instead of cross-memory attach, since creation.
   uint64_t mapped_copies() const { return mapped_copies_; }
+  /// Time this rank's calls spent waiting for other ranks (to arrive, to
+  /// finish, to free a staging slot), summed since creation. Any thread.
+  std::chrono::nanoseconds peer_wait() const {
+    return std::chrono::nanoseconds(peer_wait_ns_.load(std::memory_order_relaxed));
+  }
 
   struct Control;
   struct Shared;
@@ -351,6 +356,7 @@ class ShmAllReduce {
   // Caches of the const copy functions.
   mutable std::vector<PeerMapping> mappings_;  // oldest first
   mutable uint64_t mapped_copies_ = 0;
+  std::atomic<uint64_t> peer_wait_ns_{0};
 };
 
 }  // namespace ddp::transport::shm
