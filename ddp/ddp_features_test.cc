@@ -810,23 +810,23 @@ DDP_TEST_WORKER(peer_wait) {
   } else {
     WORKER_EXPECT(waited_ms < 100, "the late rank waited " + std::to_string(waited_ms) + " ms");
   }
-  // DDP's statistics: 40 ms late before every backward, 4 iterations.
+  // DDP's statistics: 80 ms late before every backward, 4 iterations.
   auto model = nn::modules::MakeMlp();
   DistributedDataParallel ddp(model, {.process_group = pg});
   ddp.ResetStats();
   for (int s = 0; s < 4; ++s) {
     auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
     const Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
-    if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(80));
     nn::Backward(loss);
   }
   const DdpStats stats = ddp.Stats();
   std::fprintf(stderr, "rank %d stats: %s\n", pg->rank(), stats.ToString().c_str());
   WORKER_EXPECT(stats.ToString().find("waiting for other ranks") != std::string::npos, stats.ToString());
   if (pg->rank() == 0) {
-    WORKER_EXPECT(stats.peer_wait_ms >= 30, "rank 0 waited " + std::to_string(stats.peer_wait_ms) + " ms per step");
+    WORKER_EXPECT(stats.peer_wait_ms >= 50, "rank 0 waited " + std::to_string(stats.peer_wait_ms) + " ms per step");
   } else {
-    WORKER_EXPECT(stats.peer_wait_ms < 20, "the straggler waited " + std::to_string(stats.peer_wait_ms) +
+    WORKER_EXPECT(stats.peer_wait_ms < 30, "the straggler waited " + std::to_string(stats.peer_wait_ms) +
                                                " ms per step");
   }
   return testing::WorkerExit();

@@ -107,8 +107,9 @@ struct DdpStats {
   // overlap_ms stays 0.
   double comm_thread_cpu_ms = 0;    ///< CPU time of the communication thread.
   /// Time the group's collectives waited for slower ranks
-  /// (ProcessGroup::PeerWaitTime; through shared memory only): high on the
-  /// ranks that wait, near 0 on the rank they wait for, the straggler.
+  /// (ProcessGroup::PeerWaitTime: host tensors through shared memory
+  /// only): high on the ranks that wait, low on the rank they wait for,
+  /// the straggler.
   double peer_wait_ms = 0;
   std::vector<size_t> bucket_bytes;  ///< Current bucket sizes, in launch order.
   /// Overlapped share of communication (0..1; 1 when there was none).

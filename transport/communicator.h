@@ -374,11 +374,15 @@ class Communicator {
   Status aborted_reason() const;
   /// Time this rank's collectives have spent waiting for other ranks (to
   /// arrive, or to finish with this rank's buffers), summed since creation:
-  /// how much a slower rank held this one up. Counted where the ranks of a
-  /// host exchange through shared memory (the whole group on one host, or
-  /// inside each host of a hierarchical all-reduce); transfers over UCX
-  /// are not counted, as waiting there cannot be told from moving data.
-  /// Any thread.
+  /// how long slower ranks kept it waiting (inside a collective; on a
+  /// communication thread that may overlap this rank's own work). Counted
+  /// in the shared-memory engine: all-reduce (also AllReduceThrough),
+  /// broadcast, barrier, all-to-all, reduce, gather and scatter among the
+  /// ranks of a host, and inside each host of a hierarchical all-reduce
+  /// (whose wait for the host's slice owners includes their exchange with
+  /// the other hosts). What goes over UCX is not counted, as waiting there
+  /// cannot be told from moving data: all-gather, reduce-scatter and
+  /// point-to-point messages, also on one host. Any thread.
   std::chrono::nanoseconds PeerWaitTime() const;
 
   /// The all-reduce algorithm this communicator uses for `bytes` bytes.

@@ -384,11 +384,15 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
                                : Clock::duration(options_.spin_time);
   const Clock::time_point started = Clock::now();
   Shared& shared_area = shared();
-  // Adds the time waited to peer_wait_ns_ on every way out.
+  // Adds the time waited to peer_wait_ns_ on every way out, if a peer was
+  // not there at the first look (a wait that finds everyone there costs no
+  // second clock read).
   struct Tally {
     std::atomic<uint64_t>& total;
     Clock::time_point started;
+    bool waited = false;
     ~Tally() {
+      if (!waited) return;
       total.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                 Clock::now() - started).count()),
                       std::memory_order_relaxed);
@@ -399,6 +403,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
     const std::atomic<uint64_t>& counter = control(peer).*field;
     uint32_t spins = 0;
     while (counter.load(std::memory_order_acquire) < value) {
+      tally.waited = true;
       if ((++spins & 63) != 0) {
         _mm_pause();
         continue;
