@@ -21,8 +21,9 @@
 // 2, ... in the order they join. As under torchrun, every start and
 // restart forms the membership anew (a round): the nodes of the last round
 // come back first and keep their node ranks, a node that died drops out
-// (waiting launchers beat a heartbeat too: node 0 seats one only once it
-// saw it beat, and none silent for --node_timeout when the round closes),
+// (waiting launchers beat a heartbeat too: node 0 seats none silent for
+// --node_timeout when the round closes, nor one that took its slot before
+// the round opened, a spare, until it saw it beat),
 // and a relaunched or new launcher takes a free place; launchers beyond
 // --nnodes wait as spares for a restart (within --rdzv_timeout) and leave
 // with the job's exit status. With --nnodes=MIN:MAX (c10d only) node 0
