@@ -97,8 +97,8 @@ DEFINE_int64(timeout_s, 300,
 DEFINE_bool(find_unused_parameters, false,
             "allow parameters that get no gradient in an iteration");
 DEFINE_bool(ddp_stats, false,
-            "print DDP's runtime statistics (forward, backward, communication, overlap) per "
-            "epoch");
+            "print DDP's runtime statistics (forward, backward, communication, overlap, and each "
+            "rank's wait for the others: the straggler waits least) per epoch");
 DEFINE_bool(trace, false,
             "write a Chrome trace per rank (trace_rank<N>.json in --log_dir, else the "
             "working directory)");

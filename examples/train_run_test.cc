@@ -82,6 +82,21 @@ TEST(TrainRunTest, CompressedGradientsTrainAndSaySo) {
   EXPECT_NE(lines.back().find("RESULT model=mlp ranks=2 epochs=1"), std::string::npos) << lines.back();
 }
 
+TEST(TrainRunTest, DdpStatisticsNameEachRanksWait) {
+  const std::string dir = testing::MakeTempDir("ddp_stats");
+  std::vector<std::string> args = QuickRun(dir);
+  args.push_back("--ddp_stats");
+  args.push_back("--epochs=1");
+  const RunOutput r = RunToEnd(args);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::regex stats(
+      R"(  ddp: forward \d+\.\d\d ms, .*, waiting for other ranks \d+\.\d\d ms, .*; each rank's wait for the )"
+      R"(others \(ms per iteration\): 0:\d+\.\d\d 1:\d+\.\d\d)");
+  int found = 0;
+  for (const std::string& l : Lines(r.out)) found += std::regex_match(l, stats);
+  EXPECT_EQ(found, 1) << r.out;
+}
+
 TEST(TrainRunTest, ChromiumShowsBothCurvesOfTheChart) {
   const std::string dir = testing::MakeTempDir("chart");
   const RunOutput r = RunToEnd(QuickRun(dir));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <stdexcept>
@@ -195,7 +196,21 @@ class DdpParallel : public Parallel {
     const dist::DdpStats s = ddp_->Stats();
     ddp_->ResetStats();
     Add(s);
-    return s.iterations > 0 ? s.ToString() : "";
+    // Every rank's wait for the others, so that the line shows the
+    // straggler (the rank that waits least) and not only rank 0's view.
+    std::vector<std::string> waits;
+    if (pg_->size() > 1) {
+      char mine[32];
+      std::snprintf(mine, sizeof(mine), "%.2f", s.peer_wait_ms);
+      waits = Guarded("gathering the ranks' statistics", [&] { return pg_->AllGatherObject(mine); });
+    }
+    if (s.iterations == 0) return "";
+    std::string line = s.ToString();
+    if (!waits.empty()) {
+      line += "; each rank's wait for the others (ms per iteration):";
+      for (size_t r = 0; r < waits.size(); ++r) line += " " + std::to_string(r) + ":" + waits[r];
+    }
+    return line;
   }
 
   CommTotals Totals() override {

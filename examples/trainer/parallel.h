@@ -113,7 +113,9 @@ class Parallel {
   /// values[i] = sum over ranks of values[i]. Collective.
   virtual void SumAcrossRanks(std::vector<double>& values) = 0;
 
-  /// DDP's statistics since the last call, as one line ("" when none).
+  /// DDP's statistics since the last call, as one line ("" when none),
+  /// with every rank's wait for the others. Collective: every rank calls
+  /// it at the same point (the end of an epoch).
   virtual std::string TakeStatsLine() = 0;
   /// Totals over the run so far.
   virtual CommTotals Totals() = 0;
