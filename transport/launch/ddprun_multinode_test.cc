@@ -241,8 +241,23 @@ class C10dJob {
     return testing::WaitProgram(*launchers_.at(launcher), timeout);
   }
 
-  int port() const { return port_; }
   pid_t launcher_pid(int launcher) const { return launchers_.at(launcher)->pids()[0]; }
+
+  // Starts the first launcher and waits until it serves the store (so it
+  // is node 0, whatever starts next); store() then reads the store.
+  int StartNodeZero(const std::vector<std::string>& flags, const std::vector<std::string>& worker_flags) {
+    const int first = Start(flags, worker_flags);
+    auto client = store::TcpStoreClient::Connect("127.0.0.1", port_, kToken, DeadlineIn(20s));
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (client.ok()) {
+      store_ = std::move(client).value();
+      EXPECT_TRUE(store_->Get("ddprun/config", DeadlineIn(20s)).ok());
+    }
+    return first;
+  }
+  // Waits until `key` is set (a launcher took its slot, say).
+  bool Reached(const std::string& key) { return store_ != nullptr && store_->Get(key, DeadlineIn(20s)).ok(); }
+  store::TcpStoreClient* store() { return store_.get(); }
 
   std::vector<testing::ProgramRun> WaitAll(std::chrono::milliseconds timeout = 30s) {
     std::vector<testing::ProgramRun> runs;
@@ -253,6 +268,7 @@ class C10dJob {
  private:
   int port_ = 0;
   std::vector<std::unique_ptr<WorkerGroup>> launchers_;
+  std::unique_ptr<store::TcpStoreClient> store_;
 };
 
 // `launchers` launchers with --nnodes=`nnodes` (0: given in `flags`);
@@ -366,15 +382,21 @@ std::string OneKilledOthersSucceeded(const std::vector<testing::ProgramRun>& run
   return all;
 }
 
+// Two nodes, one restart, dead after 1 s of silence.
+const std::vector<std::string> kRestartableTwoNodes = {"--nnodes=2", "--nproc_per_node=1", "--max_restarts=1",
+                                                       "--node_timeout=1", "--rdzv_timeout=20"};
+// Workers that stay until stopped (30 s) and write their pids into `dir`.
+std::vector<std::string> LastingWorkers(const std::string& dir) {
+  return {"--store", "--print_env", "--sleep_ms=30000", "--sleep_before_restart=1", "--pid_dir=" + dir};
+}
+
 TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
   // Node 1's launcher is killed; node 0 declares it dead after 1 s and
   // restarts the job, in which a launcher started by hand takes its place.
   const std::string dir = testing::MakeTempDir("c10d_relaunch");
   C10dJob job;
-  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--max_restarts=1",
-                                          "--node_timeout=1", "--rdzv_timeout=20"};
-  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
-                                                 "--sleep_before_restart=1", "--pid_dir=" + dir};
+  const std::vector<std::string>& flags = kRestartableTwoNodes;
+  const std::vector<std::string> worker_flags = LastingWorkers(dir);
   const int first = job.Start(flags, worker_flags);
   const int second = job.Start(flags, worker_flags);
   // Node 1 runs rank 1.
@@ -404,16 +426,12 @@ TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
   const std::vector<std::string> flags = {"--nnodes=4", "--nproc_per_node=1", "--node_timeout=1",
                                           "--max_restarts=1", "--rdzv_timeout=20"};
   const std::vector<std::string> worker_flags = {"--store", "--print_env"};
-  const int first = job.Start(flags, worker_flags);
-  auto store = store::TcpStoreClient::Connect("127.0.0.1", job.port(), kToken, DeadlineIn(20s));
-  ASSERT_TRUE(store.ok()) << store.status();
-  // The first launcher serves the store, so it is node 0.
-  ASSERT_TRUE((*store)->Get("ddprun/config", DeadlineIn(20s)).ok());
+  const int first = job.StartNodeZero(flags, worker_flags);
   const int doomed = job.Start(flags, worker_flags);
   // It holds slot 1 of the first round once it wrote its entry there.
-  ASSERT_TRUE((*store)->Get("ddprun/a0/join/1", DeadlineIn(20s)).ok());
+  ASSERT_TRUE(job.Reached("ddprun/a0/join/1"));
   const int waiting = job.Start(flags, worker_flags);
-  ASSERT_TRUE((*store)->Get("ddprun/a0/join/2", DeadlineIn(20s)).ok());
+  ASSERT_TRUE(job.Reached("ddprun/a0/join/2"));
   ASSERT_EQ(kill(job.launcher_pid(doomed), SIGKILL), 0);
   std::this_thread::sleep_for(2500ms);  // well past --node_timeout of silence
   const int third = job.Start(flags, worker_flags);
@@ -443,25 +461,19 @@ TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
   // node 1's place to a launcher started afterwards instead.
   const std::string dir = testing::MakeTempDir("c10d_dead_spare");
   C10dJob job;
-  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--max_restarts=1",
-                                          "--node_timeout=1", "--rdzv_timeout=20"};
-  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
-                                                 "--sleep_before_restart=1", "--pid_dir=" + dir};
-  const int first = job.Start(flags, worker_flags);
-  auto store = store::TcpStoreClient::Connect("127.0.0.1", job.port(), kToken, DeadlineIn(20s));
-  ASSERT_TRUE(store.ok()) << store.status();
-  // The first launcher serves the store, so it is node 0.
-  ASSERT_TRUE((*store)->Get("ddprun/config", DeadlineIn(20s)).ok());
+  const std::vector<std::string>& flags = kRestartableTwoNodes;
+  const std::vector<std::string> worker_flags = LastingWorkers(dir);
+  const int first = job.StartNodeZero(flags, worker_flags);
   const int second = job.Start(flags, worker_flags);
   testing::ReadPidFile(dir + "/rank1.restart0.pid", 10s);  // the job runs
   const int spare = job.Start(flags, worker_flags);
-  ASSERT_TRUE((*store)->Get("ddprun/a1/join/1", DeadlineIn(20s)).ok());
+  ASSERT_TRUE(job.Reached("ddprun/a1/join/1"));
   ASSERT_EQ(kill(job.launcher_pid(spare), SIGKILL), 0);
   const pid_t worker = KillLauncherOf(dir, 1);
   // Node 0 opens the restart's round once it declared node 1 dead.
   const auto opened = Clock::now() + 20s;
   while (Clock::now() < opened) {
-    auto round = (*store)->TryGet("ddprun/round", DeadlineIn(5s));
+    auto round = job.store()->TryGet("ddprun/round", DeadlineIn(5s));
     if (round.ok() && round->value_or("") == "1") break;
     std::this_thread::sleep_for(20ms);
   }
