@@ -191,7 +191,7 @@ class DdpParallel : public Parallel {
     values = t.ToVector<double>();
   }
 
-  std::string TakeStatsLine() override {
+  std::string TakeStatsLine(bool every_rank) override {
     if (ddp_ == nullptr) return "";
     const dist::DdpStats s = ddp_->Stats();
     ddp_->ResetStats();
@@ -199,7 +199,7 @@ class DdpParallel : public Parallel {
     // Every rank's wait for the others, so that the line shows the
     // straggler (the rank that waits least) and not only rank 0's view.
     std::vector<std::string> waits;
-    if (pg_->size() > 1) {
+    if (every_rank && pg_->size() > 1) {
       char mine[32];
       std::snprintf(mine, sizeof(mine), "%.2f", s.peer_wait_ms);
       waits = Guarded("gathering the ranks' statistics", [&] { return pg_->AllGatherObject(mine); });

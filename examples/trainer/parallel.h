@@ -114,9 +114,11 @@ class Parallel {
   virtual void SumAcrossRanks(std::vector<double>& values) = 0;
 
   /// DDP's statistics since the last call, as one line ("" when none),
-  /// with every rank's wait for the others. Collective: every rank calls
-  /// it at the same point (the end of an epoch).
-  virtual std::string TakeStatsLine() = 0;
+  /// adding them to Totals(). With `every_rank` the line ends with every
+  /// rank's wait for the others, gathered across the ranks: then it is
+  /// collective, and every rank calls it at the same point (the end of an
+  /// epoch) with the same value.
+  virtual std::string TakeStatsLine(bool every_rank) = 0;
   /// Totals over the run so far.
   virtual CommTotals Totals() = 0;
   /// Writes this rank's Chrome trace now (when config.trace); returns its path.

@@ -588,7 +588,8 @@ RunResult Run::Go() {
         }
         RecordEvaluation(Evaluate());
       }
-      const std::string stats = par_.TakeStatsLine();
+      // The ranks' waits are gathered only when the line is printed.
+      const std::string stats = par_.TakeStatsLine(/*every_rank=*/c_.ddp_stats);
       if (epoch_complete) {
         ++epochs_done;
         pos_.epoch += 1;
