@@ -62,17 +62,11 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
   }
 }
 
-nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
-                                  const nn::io::LoadOptions& options) {
-  nn::io::Checkpoint checkpoint;
-  bool ok = true;
-  std::string error;
-  try {
-    checkpoint = nn::io::LoadCheckpoint(path, options);
-  } catch (const std::exception& e) {
-    ok = false;
-    error = e.what();
-  }
+namespace {
+
+// Every rank's outcome, exchanged; throws one error naming each rank that
+// failed when any did.
+void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::string& error) {
   nn::Tensor mine = Record(ok, error);
   nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
   pg.AllGather(all, mine, "checkpoint load status").Wait();
@@ -87,6 +81,60 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   if (!failures.empty()) {
     throw std::runtime_error("LoadCheckpoint " + path + " failed on " + failures);
   }
+}
+
+}  // namespace
+
+nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
+                                  const nn::io::LoadOptions& options) {
+  nn::io::Checkpoint checkpoint;
+  bool ok = true;
+  std::string error;
+  try {
+    checkpoint = nn::io::LoadCheckpoint(path, options);
+  } catch (const std::exception& e) {
+    ok = false;
+    error = e.what();
+  }
+  AgreeOnLoad(pg, path, ok, error);
+  return checkpoint;
+}
+
+nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root,
+                                          const nn::io::LoadOptions& options) {
+  if (root < 0 || root >= pg.size()) {
+    throw std::invalid_argument("LoadCheckpointFromRank: root " + std::to_string(root) +
+                                " is not a rank of the group (size " + std::to_string(pg.size()) +
+                                ")");
+  }
+  // What travels: "1" and the file's bytes, or "0" and why root could not
+  // read them.
+  std::string shared;
+  if (pg.rank() == root) {
+    try {
+      shared = "1" + nn::io::SafetensorsFile::ReadBytes(path);
+    } catch (const std::exception& e) {
+      shared = std::string("0") + e.what();
+    }
+  }
+  pg.BroadcastObject(&shared, root);
+  if (shared.empty() || shared[0] != '1') {
+    const std::string why = shared.empty() ? std::string("nothing was sent") : shared.substr(1);
+    throw std::runtime_error("LoadCheckpoint " + path + " failed on rank " + std::to_string(root) +
+                             ": " + why);
+  }
+  nn::io::Checkpoint checkpoint;
+  bool ok = true;
+  std::string error;
+  try {
+    shared.erase(0, 1);
+    checkpoint = nn::io::LoadCheckpointFromBytes(
+        std::move(shared), path + " (read by rank " + std::to_string(root) + ")", options);
+  } catch (const std::exception& e) {
+    ok = false;
+    error = e.what();
+  }
+  AgreeOnLoad(pg, path, ok, error);
   return checkpoint;
 }
 

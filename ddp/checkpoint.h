@@ -8,7 +8,7 @@
 //
 //   // save (every rank calls it; only rank 0 touches the disk)
 //   dist::SaveCheckpoint(pg, path, dist::MakeCheckpoint(*model, &opt, {{"step", "120"}}));
-//   // resume (every rank)
+//   // resume (every rank; LoadCheckpointFromRank when only rank 0 has the file)
 //   nn::io::Checkpoint c = dist::LoadCheckpoint(pg, path);
 //   dist::RestoreCheckpoint(c, *model, &opt);
 //
@@ -39,6 +39,16 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
 /// throws one error naming each failing rank and its reason.
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {});
+
+/// Collective. Rank `root` reads `path` and sends its bytes to the others,
+/// which parse the same bytes: the file need only be where `root` can read
+/// it (a checkpoint SaveCheckpoint wrote on rank 0's own disk, with no
+/// filesystem shared between hosts), and it is read once, not once per
+/// rank. When `root` cannot read it, or any rank cannot load it, every rank
+/// throws one error naming each failing rank and its reason. Throws
+/// std::invalid_argument for a root outside the group.
+nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root = 0,
+                                          const nn::io::LoadOptions& options = {});
 
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
 /// must match, see Module::LoadStateDict) and the optimizer (may be null).

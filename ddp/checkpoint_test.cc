@@ -152,6 +152,62 @@ TEST(DdpCheckpointTest, FailuresReachEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ----------------------------------------------- the file on one rank ----
+
+DDP_TEST_WORKER(from_rank) {
+  auto pg = testing::WorkerGroup();
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  auto model = Mlp(1);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  // Only rank 0's "disk" has the file: each rank's own folder, as on hosts
+  // without a shared filesystem.
+  const std::string own = dir + "/rank" + std::to_string(pg->rank());
+  mkdir(own.c_str(), 0700);
+  SaveCheckpoint(*pg, own + "/c.safetensors", MakeCheckpoint(*model, &opt, {{"step", "5"}}));
+  struct stat st;
+  WORKER_EXPECT((stat((own + "/c.safetensors").c_str(), &st) == 0) == (pg->rank() == 0),
+                "rank 0 alone should have written the file");
+  // Rank 1 could not read it itself; from rank 0 it gets the same state.
+  auto other = Mlp(7);
+  nn::optim::Sgd other_opt(other->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::io::Checkpoint c = LoadCheckpointFromRank(*pg, own + "/c.safetensors");
+  RestoreCheckpoint(c, *other, &other_opt);
+  WORKER_EXPECT(testing::HashState(*other) == testing::HashState(*model), "the loaded model differs");
+  WORKER_EXPECT(nn::io::MetadataInt(c.metadata, "step", "c") == 5, "step");
+  // Rank 1 as the root: it has no file, so every rank fails naming it.
+  try {
+    LoadCheckpointFromRank(*pg, own + "/c.safetensors", 1);
+    WORKER_EXPECT(false, "a load from a rank without the file succeeded");
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("failed on rank 1: ") != std::string::npos && m.find("rank1/c.safetensors") != std::string::npos, m);
+  }
+  // A file that is not a checkpoint: every rank fails the same way.
+  if (pg->rank() == 0) std::ofstream(own + "/bad.safetensors") << "not a safetensors file";
+  try {
+    LoadCheckpointFromRank(*pg, own + "/bad.safetensors");
+    WORKER_EXPECT(false, "a broken file loaded");
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("rank 0: ") != std::string::npos && m.find("rank 1: ") != std::string::npos &&
+                      m.find("read by rank 0") != std::string::npos,
+                  m);
+  }
+  try {
+    LoadCheckpointFromRank(*pg, own + "/c.safetensors", 2);
+    WORKER_EXPECT(false, "root 2 of 2 ranks was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("root 2") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("from_rank", 2, {{"DDP_TEST_CKPT", dir}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // --------------------------------------------------------- killed rank ----
 
 constexpr int kSurvivorExit = 3;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,6 +83,96 @@ TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {
   EXPECT_NE(out.find("resuming from this run's checkpoint " + checkpoint), std::string::npos) << out;
   EXPECT_NE(out.find("RESULT model=mlp ranks=1 "), std::string::npos) << out;
   EXPECT_GT(CheckpointStep(checkpoint), 64);
+}
+
+// Hosts without a shared filesystem: rank 0 saves the checkpoint on its own
+// disk, so the other nodes cannot read it. In these tests node 1 runs in a
+// mount namespace of its own where the checkpoint's folder is an empty
+// tmpfs. Need root (CAP_SYS_ADMIN), as CI runs them.
+class PrivateDiskTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(access("/usr/bin/unshare", X_OK), 0) << "needs /usr/bin/unshare (util-linux)";
+    dir_ = testing::MakeTempDir("private_disk");
+    checkpoint_ = dir_ + "/ckpt.safetensors";
+  }
+
+  std::vector<std::string> Train() const {
+    return {Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",
+            "--train_samples=1024",    "--test_samples=128",  "--batch_size=16",
+            "--workers=0",             "--checkpoint=" + checkpoint_};
+  }
+
+  // Two ddprun launchers of one rank each, on `port`, allowing
+  // `max_restarts`, running the trainer with `flags` added; node 1's sees
+  // an empty folder instead of dir_.
+  void Start(int port, int max_restarts, const std::vector<std::string>& flags) {
+    std::vector<std::string> launcher = {
+        Runfile("transport/launch/ddprun"), "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:" + std::to_string(port), "--rdzv_id=private_disk_test",
+        "--nnodes=2", "--nproc_per_node=1", "--node_timeout=2", "--grace_period=1",
+        "--max_restarts=" + std::to_string(max_restarts)};
+    const std::vector<std::string> train = Train();
+    launcher.insert(launcher.end(), train.begin(), train.end());
+    launcher.insert(launcher.end(), flags.begin(), flags.end());
+    const std::vector<std::pair<std::string, std::string>> env = {{"DDP_JOB_TOKEN", "private-disk-token"}};
+    node0_ = std::make_unique<Subprocess>(launcher, env);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    std::vector<std::string> private_disk = {"/usr/bin/unshare", "--mount", "/bin/sh", "-c",
+                                             "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", dir_};
+    private_disk.insert(private_disk.end(), launcher.begin(), launcher.end());
+    node1_ = std::make_unique<Subprocess>(private_disk, env);
+  }
+
+  std::string dir_, checkpoint_;
+  std::unique_ptr<Subprocess> node0_, node1_;
+};
+
+// --resume: every rank resumes from the bytes rank 0 read.
+TEST_F(PrivateDiskTest, ResumeWorksWhenOnlyNodeZeroSeesTheCheckpoint) {
+  // One epoch on one rank: 64 steps, saved at the end.
+  std::vector<std::string> first_run = Train();
+  first_run.insert(first_run.end(), {"--epochs=1", "--nproc_per_node=1"});
+  const testing::RunOutput before = testing::RunToEnd(first_run);
+  ASSERT_EQ(before.exit_code, 0) << before.out << before.err;
+  ASSERT_EQ(CheckpointStep(checkpoint_), 64);
+
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  Start(port, 0, {"--epochs=2", "--resume"});
+  EXPECT_EQ(node1_->Wait(std::chrono::seconds(120)), 0) << node1_->Stderr();
+  ASSERT_EQ(node0_->Wait(std::chrono::seconds(120)), 0) << node0_->Stdout() << node0_->Stderr();
+  const std::string out = node0_->Stdout();
+  EXPECT_NE(out.find("resumed at epoch 2, step 64"), std::string::npos) << out;
+  EXPECT_NE(out.find("RESULT model=mlp ranks=2 "), std::string::npos) << out;
+  // The second epoch, 32 steps of 2 ranks, ran on both from there.
+  EXPECT_EQ(CheckpointStep(checkpoint_), 96);
+}
+
+// A restart: rank 0 decides to resume from the job's checkpoint, and node
+// 1's rank follows although it sees no file (before, it started over from
+// step 0 while rank 0 resumed, and their collectives no longer matched).
+TEST_F(PrivateDiskTest, RestartResumesEveryRankWhenOnlyNodeZeroSeesTheCheckpoint) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  Start(port, 1, {"--epochs=3", "--checkpoint_every=16"});
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (CheckpointStep(checkpoint_) < 32 && Clock::now() < deadline &&
+         node1_->Wait(std::chrono::milliseconds(0)) == -1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GE(CheckpointStep(checkpoint_), 32) << node0_->Stdout() << node0_->Stderr() << node1_->Stderr();
+  const std::vector<pid_t> workers = node1_->Children();
+  ASSERT_EQ(workers.size(), 1u);
+  ASSERT_EQ(kill(workers[0], SIGKILL), 0);
+
+  EXPECT_EQ(node1_->Wait(std::chrono::seconds(120)), 0) << node1_->Stderr();
+  ASSERT_EQ(node0_->Wait(std::chrono::seconds(120)), 0) << node0_->Stdout() << node0_->Stderr();
+  const std::string out = node0_->Stdout(), err = node0_->Stderr();
+  EXPECT_NE(err.find("restarting the job (restart 1 of 1)"), std::string::npos) << err;
+  EXPECT_NE(out.find("resuming from this run's checkpoint " + checkpoint_), std::string::npos) << out;
+  EXPECT_NE(out.find("RESULT model=mlp ranks=2 "), std::string::npos) << out;
+  EXPECT_EQ(CheckpointStep(checkpoint_), 96);
 }
 
 }  // namespace

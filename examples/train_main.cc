@@ -410,19 +410,22 @@ int main(int argc, char** argv) {
   options.stop = &g_stop;
   options.start_time = start;
   try {
-    if (restart > 0) {
-      // A restarted job continues from its own last checkpoint, if any.
-      const std::string note = ddp::examples::trainer::ResumeAfterRestart(config, restart);
-      if (rank == 0) {
-        std::printf("%s\n", note.c_str());
-        std::fflush(stdout);
-      }
-    }
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
         ddp::examples::trainer::JoinJob(config.log_dir.empty()
                                             ? ddp::examples::trainer::UserWorkingDirectory()
                                             : config.log_dir,
                                         std::chrono::seconds(config.timeout_s));
+    if (restart > 0) {
+      // A restarted job continues from its own last checkpoint, if any.
+      // Rank 0 decides (it saved the checkpoint, perhaps on a disk only its
+      // host sees) and the others follow, so that all resume or none.
+      if (rank == 0) {
+        const std::string note = ddp::examples::trainer::ResumeAfterRestart(config, restart);
+        std::printf("%s\n", note.c_str());
+        std::fflush(stdout);
+      }
+      config.resume = parallel->ShareFromLead(config.resume ? "1" : "0") == "1";
+    }
     const auto result = ddp::examples::trainer::Train(config, *parallel, options);
     parallel.reset();
     if (result.stopped_by_signal != 0) return 128 + result.stopped_by_signal;

@@ -191,6 +191,11 @@ class DdpParallel : public Parallel {
     values = t.ToVector<double>();
   }
 
+  std::string ShareFromLead(std::string value) override {
+    if (pg_->size() > 1) Guarded("sharing rank 0's data", [&] { pg_->BroadcastObject(&value, 0); });
+    return value;
+  }
+
   std::string TakeStatsLine(bool every_rank) override {
     if (ddp_ == nullptr) return "";
     const dist::DdpStats s = ddp_->Stats();

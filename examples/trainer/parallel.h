@@ -112,6 +112,9 @@ class Parallel {
 
   /// values[i] = sum over ranks of values[i]. Collective.
   virtual void SumAcrossRanks(std::vector<double>& values) = 0;
+  /// Rank 0's `value` on every rank (what the others pass is ignored).
+  /// Collective.
+  virtual std::string ShareFromLead(std::string value) = 0;
 
   /// DDP's statistics since the last call, as one line ("" when none),
   /// adding them to Totals(). With `every_rank` the line ends with every

@@ -74,19 +74,17 @@ std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
   return msg;
 }
 
-nn::io::Checkpoint Read(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
-    throw UsageError("--resume: no checkpoint at " + path +
-                     "; run once without --resume to create it, or pass --checkpoint=PATH");
-  }
+// Parses a checkpoint's bytes (read here or by rank 0).
+nn::io::Checkpoint Parse(const std::string& path, std::string bytes) {
   try {
-    return nn::io::LoadCheckpoint(path);
+    return nn::io::LoadCheckpointFromBytes(std::move(bytes), path);
   } catch (const nn::io::CheckpointError& e) {
     throw UsageError(std::string("--resume: ") + e.what() +
                      "; delete the file or pass another --checkpoint to start afresh");
   }
 }
+
+nn::io::Checkpoint Read(const std::string& path) { return Parse(path, ReadTrainCheckpoint(path)); }
 
 int64_t MetaInt(const Metadata& m, const std::string& key, const std::string& path) {
   try {
@@ -98,6 +96,20 @@ int64_t MetaInt(const Metadata& m, const std::string& key, const std::string& pa
 }
 
 }  // namespace
+
+std::string ReadTrainCheckpoint(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    throw UsageError("--resume: no checkpoint at " + path +
+                     "; run once without --resume to create it, or pass --checkpoint=PATH");
+  }
+  try {
+    return nn::io::SafetensorsFile::ReadBytes(path);
+  } catch (const nn::io::CheckpointError& e) {
+    throw UsageError(std::string("--resume: ") + e.what() +
+                     "; delete the file or pass another --checkpoint to start afresh");
+  }
+}
 
 void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                          const TrainPosition& pos, const TrainConfig& config, int world_size) {
@@ -152,7 +164,13 @@ void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Mod
 
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                                   const TrainConfig& config, int world_size, std::string* note) {
-  const nn::io::Checkpoint ckpt = Read(path);
+  return LoadTrainCheckpoint(path, ReadTrainCheckpoint(path), parts, config, world_size, note);
+}
+
+TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
+                                  const TrainComponents& parts, const TrainConfig& config,
+                                  int world_size, std::string* note) {
+  const nn::io::Checkpoint ckpt = Parse(path, std::move(bytes));
   const Metadata& m = ckpt.metadata;
   if (std::string msg = ModelMismatch(path, ckpt.model, *parts.model, config, m); !msg.empty()) {
     throw UsageError(msg);

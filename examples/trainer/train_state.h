@@ -68,6 +68,14 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 /// epoch and `note` says so.
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                                   const TrainConfig& config, int world_size, std::string* note);
+/// The same from the checkpoint file's bytes, read by ReadTrainCheckpoint
+/// (perhaps on another rank); `path` names them in messages.
+TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
+                                  const TrainComponents& parts, const TrainConfig& config,
+                                  int world_size, std::string* note);
+/// The bytes of the checkpoint at `path`; throws the UsageError of a
+/// missing or unreadable file.
+std::string ReadTrainCheckpoint(const std::string& path);
 
 /// A short, stable name of the job whose launch token is `token` (a hash:
 /// the token itself is a secret and stays out of checkpoint files); empty
@@ -78,8 +86,9 @@ std::string JobFingerprint(const std::string& token);
 /// config.checkpoint holds a checkpoint saved by this job (config.job), so
 /// that the ranks continue where the failed attempt's last checkpoint left
 /// off instead of starting over; a checkpoint of another run is left alone.
-/// Returns a line saying which it did. Every rank decides alike: the ranks
-/// of the failed attempt are gone, so the file no longer changes.
+/// Returns a line saying which it did. Called on rank 0 only, whose
+/// decision the others follow: rank 0 saved the checkpoint, perhaps on a
+/// disk that only its host sees.
 std::string ResumeAfterRestart(TrainConfig& config, int restart);
 
 /// Throws the UsageError LoadTrainCheckpoint would for a model mismatch,

@@ -311,7 +311,23 @@ void Run::Setup() {
     if (sharded_) {
       parts.load_optimizer = [this](const nn::optim::NamedTensors& whole) { sharded_->Load(whole); };
     }
-    pos_ = LoadTrainCheckpoint(c_.checkpoint, parts, c_, world_, &resume_note);
+    // Rank 0 reads the file and sends its bytes to the others: it saved
+    // it, perhaps on a disk only its host sees, and its failure to read it
+    // is every rank's. The last byte says which: 1, the file; 0, the error.
+    std::string shared;
+    if (lead_) {
+      try {
+        shared = ReadTrainCheckpoint(c_.checkpoint);
+        shared.push_back('1');
+      } catch (const UsageError& e) {
+        shared = std::string(e.what()) + '0';
+      }
+    }
+    shared = par_.ShareFromLead(std::move(shared));
+    const bool read = !shared.empty() && shared.back() == '1';
+    if (!shared.empty()) shared.pop_back();
+    if (!read) throw UsageError(shared);
+    pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(shared), parts, c_, world_, &resume_note);
   }
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.

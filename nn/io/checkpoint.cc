@@ -125,15 +125,24 @@ void SaveTensors(const std::string& path, const NamedTensors& tensors, const Met
   }
 }
 
-LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
-  const std::vector<std::pair<Device, Device>> map = ParseDeviceMap(options.device_map);
+namespace {
+
+// Checks the options before any reading, so that a bad device map fails
+// before a large file is read.
+std::vector<std::pair<Device, Device>> CheckOptions(const LoadOptions& options) {
+  std::vector<std::pair<Device, Device>> map = ParseDeviceMap(options.device_map);
   if (!options.device.is_cpu()) {
     // Fails here, before any work, when the device has no backend.
     (void)GetDeviceBackend(options.device);
   }
-  // Parse validates the whole file before a single tensor is made.
-  const SafetensorsFile file = SafetensorsFile::Read(path);
-  const std::unordered_map<std::string, Device> saved = SavedDevices(path, file);
+  return map;
+}
+
+// Parse validated the whole file before a single tensor is made.
+LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source,
+                          const LoadOptions& options,
+                          const std::vector<std::pair<Device, Device>>& map) {
+  const std::unordered_map<std::string, Device> saved = SavedDevices(source, file);
   LoadedTensors out;
   out.metadata = file.metadata();
   out.metadata.erase(kDevicesKey);
@@ -153,26 +162,15 @@ LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
   return out;
 }
 
-void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint) {
-  NamedTensors all;
-  all.reserve(checkpoint.model.size() + checkpoint.optimizer.size());
-  for (const auto& [name, t] : checkpoint.model) all.emplace_back(kModelPrefix + name, t);
-  for (const auto& [name, t] : checkpoint.optimizer) all.emplace_back(kOptimPrefix + name, t);
-  Metadata metadata = checkpoint.metadata;
-  metadata[kCheckpointMarkerKey] = "1";
-  SaveTensors(path, all, metadata);
-}
-
-Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options) {
-  LoadedTensors loaded = LoadTensors(path, options);
+Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
   auto marker = loaded.metadata.find(kCheckpointMarkerKey);
   if (marker == loaded.metadata.end()) {
-    throw CheckpointError(path + ": not a checkpoint written by SaveCheckpoint (no " +
+    throw CheckpointError(source + ": not a checkpoint written by SaveCheckpoint (no " +
                           kCheckpointMarkerKey +
                           " metadata); plain safetensors files load with LoadTensors");
   }
   if (marker->second != "1") {
-    throw CheckpointError(path + ": checkpoint format version " + marker->second +
+    throw CheckpointError(source + ": checkpoint format version " + marker->second +
                           " is not supported (this build reads version 1)");
   }
   loaded.metadata.erase(marker);
@@ -184,11 +182,43 @@ Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options) {
     } else if (StartsWith(name, kOptimPrefix)) {
       c.optimizer.emplace_back(name.substr(std::strlen(kOptimPrefix)), std::move(t));
     } else {
-      throw CheckpointError(path + ": tensor `" + name +
+      throw CheckpointError(source + ": tensor `" + name +
                             "` belongs to neither the model (model.) nor the optimizer (optim.)");
     }
   }
   return c;
+}
+
+}  // namespace
+
+LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
+  const std::vector<std::pair<Device, Device>> map = CheckOptions(options);
+  return MakeTensors(SafetensorsFile::Read(path), path, options, map);
+}
+
+LoadedTensors LoadTensorsFromBytes(std::string bytes, const std::string& source,
+                                   const LoadOptions& options) {
+  const std::vector<std::pair<Device, Device>> map = CheckOptions(options);
+  return MakeTensors(SafetensorsFile::Parse(std::move(bytes), source), source, options, map);
+}
+
+void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint) {
+  NamedTensors all;
+  all.reserve(checkpoint.model.size() + checkpoint.optimizer.size());
+  for (const auto& [name, t] : checkpoint.model) all.emplace_back(kModelPrefix + name, t);
+  for (const auto& [name, t] : checkpoint.optimizer) all.emplace_back(kOptimPrefix + name, t);
+  Metadata metadata = checkpoint.metadata;
+  metadata[kCheckpointMarkerKey] = "1";
+  SaveTensors(path, all, metadata);
+}
+
+Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options) {
+  return SplitCheckpoint(LoadTensors(path, options), path);
+}
+
+Checkpoint LoadCheckpointFromBytes(std::string bytes, const std::string& source,
+                                   const LoadOptions& options) {
+  return SplitCheckpoint(LoadTensorsFromBytes(std::move(bytes), source, options), source);
 }
 
 int64_t MetadataInt(const Metadata& metadata, const std::string& key, const std::string& source) {

@@ -71,6 +71,10 @@ struct LoadedTensors {
 /// Reads and fully validates `path` before making any tensor; a bad file
 /// throws CheckpointError naming it and the problem.
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options = {});
+/// The same from a file's bytes already in memory (SafetensorsFile::ReadBytes,
+/// perhaps on another rank); errors name `source`.
+LoadedTensors LoadTensorsFromBytes(std::string bytes, const std::string& source,
+                                   const LoadOptions& options = {});
 
 /// What a training checkpoint holds.
 struct Checkpoint {
@@ -85,6 +89,10 @@ void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint);
 /// Loads a checkpoint written by SaveCheckpoint. Never touches a model: the
 /// caller hands `model` to Module::LoadStateDict, which checks the keys.
 Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options = {});
+/// The same from a checkpoint file's bytes already in memory; errors name
+/// `source`.
+Checkpoint LoadCheckpointFromBytes(std::string bytes, const std::string& source,
+                                   const LoadOptions& options = {});
 
 /// Metadata value of `key` as an integer; throws CheckpointError naming the
 /// key (and `source`) when it is missing or not an integer.

@@ -365,21 +365,27 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
   return f;
 }
 
-SafetensorsFile SafetensorsFile::Read(const std::string& path) {
+std::string SafetensorsFile::ReadBytes(const std::string& path) {
   std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!f) throw CheckpointError(path + ": cannot open: " + std::strerror(errno));
   struct stat st;
-  if (::fstat(fileno(f.get()), &st) != 0 || !S_ISREG(st.st_mode)) {
-    throw CheckpointError(path + ": not a regular file");
+  if (::fstat(fileno(f.get()), &st) != 0) {
+    throw CheckpointError(path + ": cannot stat: " + std::strerror(errno));
   }
+  if (!S_ISREG(st.st_mode)) throw CheckpointError(path + ": not a regular file");
   std::string bytes(static_cast<size_t>(st.st_size), '\0');
   const size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
   if (got != bytes.size()) {
+    // A short read without an error is a file that shrank since fstat.
     throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
-                          std::to_string(bytes.size()) + " bytes");
+                          std::to_string(bytes.size()) + " bytes" +
+                          (std::ferror(f.get()) ? std::string(": ") + std::strerror(errno)
+                                                : std::string(": the file got shorter while read")));
   }
-  return Parse(std::move(bytes), path);
+  return bytes;
 }
+
+SafetensorsFile SafetensorsFile::Read(const std::string& path) { return Parse(ReadBytes(path), path); }
 
 const TensorEntry* SafetensorsFile::Find(std::string_view name) const {
   for (const TensorEntry& e : tensors_) {

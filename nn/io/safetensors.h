@@ -102,6 +102,9 @@ class SafetensorsFile {
   static SafetensorsFile Parse(std::string bytes, const std::string& source);
   /// Reads and parses a file.
   static SafetensorsFile Read(const std::string& path);
+  /// A file's bytes, unparsed (to hand to Parse here or on another rank).
+  /// Throws CheckpointError naming the path and the OS error.
+  static std::string ReadBytes(const std::string& path);
 
   /// Entries in data-region order.
   const std::vector<TensorEntry>& tensors() const { return tensors_; }
