@@ -4,7 +4,9 @@
 
 #include <gflags/gflags.h>
 
+#include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -70,6 +72,32 @@ TEST(TrainCliTest, MissingDatasetNamesThePackageAndDataDir) {
       << line;
   EXPECT_NE(line.find("apt-get install dataset-fashion-mnist"), std::string::npos) << line;
   EXPECT_NE(line.find("--data_dir"), std::string::npos) << line;
+}
+
+// An IDX file of unsigned bytes: `dims`, then that many zero bytes.
+void WriteIdx(const std::string& path, const std::vector<uint32_t>& dims) {
+  std::string bytes = {0, 0, 8, static_cast<char>(dims.size())};
+  size_t count = 1;
+  for (uint32_t d : dims) {
+    for (int shift : {24, 16, 8, 0}) bytes.push_back(static_cast<char>((d >> shift) & 0xff));
+    count *= d;
+  }
+  bytes.append(count, '\0');
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST(TrainCliTest, TestImagesOfAnotherShapeAreRefusedAtTheStart) {
+  const std::string dir = testing::MakeTempDir("mismatched_splits");
+  WriteIdx(dir + "/train-images-idx3-ubyte", {64, 28, 28});
+  WriteIdx(dir + "/train-labels-idx1-ubyte", {64});
+  WriteIdx(dir + "/t10k-images-idx3-ubyte", {8, 32, 32});
+  WriteIdx(dir + "/t10k-labels-idx1-ubyte", {8});
+  const std::string line =
+      OneErrorLine(Train({"--dataset=mnist", "--data_dir=" + dir, "--model=mlp", "--batch_size=8"}));
+  EXPECT_NE(line.find("the test images"), std::string::npos) << line;
+  EXPECT_NE(line.find("[1, 32, 32]"), std::string::npos) << line;
+  EXPECT_NE(line.find("do not match the training images"), std::string::npos) << line;
+  EXPECT_NE(line.find("[1, 28, 28]"), std::string::npos) << line;
 }
 
 TEST(TrainCliTest, UnknownCommHookListsTheHooks) {

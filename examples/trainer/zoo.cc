@@ -106,6 +106,15 @@ Datasets LoadDatasets(const TrainConfig& c) {
   } else {
     d.train = LoadSplit(c, nn::data::Split::kTrain);
     d.test = LoadSplit(c, nn::data::Split::kTest);
+    // The files are read independently; a test split of other images
+    // would fail, or mislead, only at the first evaluation.
+    if (d.test->Shape() != d.train->Shape() || d.test->NumClasses() != d.train->NumClasses()) {
+      throw UsageError("--data_dir=" + c.data_dir + ": the test images (" + d.test->Name() + ", " +
+                       d.test->Shape().ToString() + ", " + std::to_string(d.test->NumClasses()) +
+                       " classes) do not match the training images (" + d.train->Name() + ", " +
+                       d.train->Shape().ToString() + ", " + std::to_string(d.train->NumClasses()) +
+                       " classes)");
+    }
   }
   d.train = Head(d.train, c.train_samples);
   d.test = Head(d.test, c.test_samples);

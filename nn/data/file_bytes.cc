@@ -38,8 +38,10 @@ std::string ReadFileBytes(const std::string& path) {
   bytes.resize(static_cast<size_t>(st.st_size));
   size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
   if (got != bytes.size() || std::ferror(f.get())) {
+    // A short read without an error is a file that shrank since fstat.
     throw DatasetError(path + ": read " + std::to_string(got) + " of " +
-                       std::to_string(bytes.size()) + " bytes: " + std::strerror(errno));
+                       std::to_string(bytes.size()) + " bytes: " +
+                       (std::ferror(f.get()) ? std::strerror(errno) : "the file got shorter while read"));
   }
   return bytes;
 }
@@ -128,16 +130,20 @@ size_t GzipReader::Read(void* dst, size_t n) {
         ended_ = true;
         break;
       }
-      // Another gzip member follows (gzip files may be concatenations).
+      // Another gzip member follows (gzip files may be concatenations);
+      // the reset starts total_in again at 0.
+      earlier_members_in_ += zs.total_in;
       if (inflateReset(&zs) != Z_OK) throw DatasetError(source_ + ": zlib inflateReset failed");
       continue;
     }
     if (rc == Z_BUF_ERROR && zs.avail_in == 0) {
-      throw DatasetError(source_ + ": gzip data is truncated after " + std::to_string(zs.total_in) +
+      throw DatasetError(source_ + ": gzip data is truncated after " +
+                         std::to_string(earlier_members_in_ + zs.total_in) +
                          " compressed bytes");
     }
     if (rc != Z_OK && rc != Z_BUF_ERROR) {
-      throw DatasetError(source_ + ": corrupt gzip data at compressed byte " + std::to_string(zs.total_in) +
+      throw DatasetError(source_ + ": corrupt gzip data at compressed byte " +
+                         std::to_string(earlier_members_in_ + zs.total_in) +
                          ": " + (zs.msg ? zs.msg : "zlib error " + std::to_string(rc)));
     }
   }

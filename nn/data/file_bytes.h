@@ -70,6 +70,7 @@ class GzipReader {
   std::string source_;
   uint64_t max_bytes_;
   uint64_t produced_ = 0;
+  uint64_t earlier_members_in_ = 0;  // compressed bytes of the members before this one
   uint64_t size_hint_ = 0;
   bool ended_ = false;
 };

@@ -126,13 +126,17 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, const std::string&
   }
   IdxArray out;
   uint64_t count = 1;
+  // The product of the non-zero dimensions: a file of no items whose item
+  // dimensions overflow is as broken as one with items.
+  uint64_t nonzero = 1;
   bool overflow = false;
   for (int d = 0; d < ndims; ++d) {
     const uint8_t* q = dims + 4 * d;
     const uint64_t dim = (uint64_t{q[0]} << 24) | (uint64_t{q[1]} << 16) |
                          (uint64_t{q[2]} << 8) | uint64_t{q[3]};
     out.dims.push_back(static_cast<int64_t>(dim));
-    if (dim != 0 && count > (uint64_t{1} << 62) / dim) overflow = true;
+    if (dim != 0 && nonzero > (uint64_t{1} << 62) / dim) overflow = true;
+    if (dim != 0) nonzero *= dim;
     count *= dim;
   }
   // The data, in chunks that stay in cache between being zeroed by resize
@@ -231,6 +235,7 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
   if (shape.NumPixels() == 0) {
     throw DatasetError(images_path + ": image shape " + shape.ToString() + " is empty");
   }
+  if (images.dims[0] == 0) throw DatasetError(images_path + ": holds no images");
   for (size_t i = 0; i < labels.data.size(); ++i) {
     if (labels.data[i] >= num_classes) {
       throw DatasetError(labels_path + ": label " + std::to_string(labels.data[i]) +

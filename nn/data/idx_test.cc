@@ -160,6 +160,14 @@ TEST(IdxErrors, HugeDimensionsAreTruncationNotAllocation) {
               AllOf(HasSubstr("data truncated"), HasSubstr("more than 2^62")));
 }
 
+TEST(IdxErrors, NoItemsOfOverflowingSizeAreAnError) {
+  // Zero items would make the total 0 bytes, but each item's size overflows.
+  EXPECT_THAT(ErrorOf([] {
+                ParseIdx(IdxBytes({0, 0xffffffffu, 0xffffffffu, 0xffffffffu}, ""), "f.idx");
+              }),
+              AllOf(HasSubstr("f.idx"), HasSubstr("more than 2^62")));
+}
+
 TEST(IdxErrors, TrailingBytes) {
   EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({2}, "abc"), "f.idx"); }),
               AllOf(HasSubstr("1 unexpected bytes after the IDX data")));
@@ -183,6 +191,19 @@ TEST(IdxErrors, TruncatedGzip) {
   WriteFile(dir + "/x.gz", gz.substr(0, gz.size() - 6));
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/x.gz"); }),
               AllOf(HasSubstr(dir + "/x.gz"), HasSubstr("truncated")));
+}
+
+TEST(IdxErrors, TruncatedSecondGzipMemberCountsTheFirstMembersBytes) {
+  TinySet t;
+  const std::string first = Gzip(t.images.substr(0, 7));
+  const std::string second = Gzip(t.images.substr(7));
+  const std::string dir = FreshDir("idx_trunc_member");
+  WriteFile(dir + "/x.gz", first + second.substr(0, second.size() - 6));
+  // The second member stops 6 bytes short: the message counts from the
+  // file's start, not the member's.
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/x.gz"); }),
+              HasSubstr("truncated after " + std::to_string(first.size() + second.size() - 6) +
+                        " compressed bytes"));
 }
 
 TEST(IdxErrors, DecompressedSizeIsBounded) {
@@ -302,6 +323,14 @@ TEST(IdxDatasetErrors, EmptyImageShape) {
   WriteFile(dir + "/lb", IdxBytes({2}, std::string("\x00\x01", 2)));
   EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
               HasSubstr("is empty"));
+}
+
+TEST(IdxDatasetErrors, NoImages) {
+  const std::string dir = FreshDir("idx_none");
+  WriteFile(dir + "/im", IdxBytes({0, 28, 28}, ""));
+  WriteFile(dir + "/lb", IdxBytes({0}, ""));
+  EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
+              AllOf(HasSubstr(dir + "/im"), HasSubstr("holds no images")));
 }
 
 }  // namespace
