@@ -37,10 +37,15 @@ inline constexpr p2p::Tag kTagsPerCollective = p2p::Tag{1} << kCollectiveTagBits
 inline constexpr int kMaxPhases = 1 << kPhaseTagBits;
 
 /// The base tag of the collective with sequence number `sequence` (any
-/// value; it wraps after 2^16 collectives, far more than can be in flight).
+/// value; it wraps after 2^16 - 1 collectives, far more than can be in
+/// flight). The top range of tags is left out: a collective run inside
+/// another at one of its phases (the hierarchical all-reduce's step between
+/// hosts, at phase 1) checks for a whole range above its own tag, which
+/// the top range's phases would not have.
 inline p2p::Tag CollectiveTag(uint64_t sequence) {
   constexpr int kSequenceBits = p2p::kTagBits - kCollectiveTagBits;
-  return (sequence & ((uint64_t{1} << kSequenceBits) - 1)) << kCollectiveTagBits;
+  constexpr uint64_t kRanges = (uint64_t{1} << kSequenceBits) - 1;
+  return (sequence % kRanges) << kCollectiveTagBits;
 }
 
 /// The base tag of phase `phase` (< kMaxPhases) of the collective at `tag`.

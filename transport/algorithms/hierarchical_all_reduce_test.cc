@@ -130,6 +130,29 @@ TEST(HierarchicalAllReduceTest, OnlyOneShardPerRankCrossesHosts) {
   }
 }
 
+// Every collective tag leaves room for the step between hosts, which runs
+// as an all-reduce of its own at phase 1 and checks its tag range: before,
+// the 65,536th collective's tag had none, and every rank failed.
+TEST(HierarchicalAllReduceTest, EverySequenceNumberLeavesRoomForTheStepBetweenHosts) {
+  for (uint64_t s : {uint64_t{0}, uint64_t{65534}, uint64_t{65535}, uint64_t{65536}, uint64_t{131071}}) {
+    EXPECT_LE(PhaseTag(CollectiveTag(s), 1), p2p::kMaxTag - (kTagsPerCollective - 1)) << s;
+  }
+  for (uint64_t s = 0; s < (uint64_t{1} << 17); ++s) {
+    ASSERT_LE(CollectiveTag(s), p2p::kMaxTag - 2 * kTagsPerCollective + 1) << s;
+  }
+  for (const uint64_t s : {uint64_t{65535}, uint64_t{65534}}) {
+    const std::vector<int> hosts = Contiguous(4, 2);
+    AllReduceFn at_sequence = [hosts, s](p2p::PointToPoint& p2p, const CollectiveArgs& args) {
+      CollectiveArgs a = args;
+      a.tag = CollectiveTag(s);
+      return HierarchicalAllReduce(p2p, a, hosts);
+    };
+    for (size_t count : {size_t{0}, size_t{1000}}) {
+      CheckAllReduce(at_sequence, {.world = 4, .count = count, .dtype = DataType::kF32, .op = ReduceOp::kSum});
+    }
+  }
+}
+
 TEST(HierarchicalAllReduceTest, MismatchedCountsFailOnEveryRank) {
   testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(4, 2)), 4);
   testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(6, 3)), 6);

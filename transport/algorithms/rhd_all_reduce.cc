@@ -111,8 +111,16 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         // Doubling reduces into the vector it is sending: wait for the send.
         if (doubling) DDP_RETURN_IF_ERROR(requests.WaitAll(what));
         const size_t n = std::min(ce, recv_n - m * ce);
-        reduce_fn(in + m * ce * es, in + m * ce * es,
-                  scratch.data() + (m % depth) * slot_elems * es, n);
+        unsigned char* mine = in + m * ce * es;
+        const unsigned char* theirs = scratch.data() + (m % depth) * slot_elems * es;
+        // Doubling: both partners reduce the same elements, so both put the
+        // lower rank's first and get the same bits (max and min of +0 and
+        // -0, or of two NaNs, depend on the order).
+        if (doubling && peer < r) {
+          reduce_fn(mine, theirs, mine, n);
+        } else {
+          reduce_fn(mine, mine, theirs, n);
+        }
       }
     }
     return requests.WaitAll(what);

@@ -1,8 +1,14 @@
 #include "transport/algorithms/rhd_all_reduce.h"
 
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
 #include "transport/algorithms/ring_all_reduce.h"
+#include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
 namespace {
@@ -49,6 +55,38 @@ TEST(RhdAllReduceTest, DefaultSwitchesBetweenModesBySize) {
   // (just over 64 KiB) and 100000 halve.
   for (size_t count : {size_t{10000}, size_t{16384}, size_t{16385}, size_t{100000}}) {
     CheckAllReduce(RhdAllReduce, {2, count, DataType::kF32, ReduceOp::kAvg, false});
+  }
+}
+
+// Recursive doubling reduces each element on both partners: they must get
+// the same bits even where the order of the operands matters (max and min
+// of +0 and -0).
+TEST(RhdAllReduceTest, DoublingGivesEveryRankTheSameBits) {
+  for (int world : {2, 3, 4, 8}) {
+    for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+      constexpr size_t kCount = 40;
+      std::vector<std::vector<float>> out(world, std::vector<float>(kCount));
+      auto statuses = transport::testing::RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
+        // Even ranks +0, odd ranks -0.
+        std::vector<float> in(kCount, p2p.rank() % 2 == 0 ? 0.0f : -0.0f);
+        CollectiveArgs args;
+        args.send = in.data();
+        args.recv = out[p2p.rank()].data();
+        args.count = kCount;
+        args.dtype = DataType::kF32;
+        args.op = op;
+        args.tag = CollectiveTag(3);
+        args.deadline = DeadlineIn(std::chrono::seconds(30));
+        return kDoubling(p2p, args);
+      });
+      for (int r = 0; r < world; ++r) ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+      for (int r = 1; r < world; ++r) {
+        EXPECT_EQ(std::memcmp(out[r].data(), out[0].data(), kCount * sizeof(float)), 0)
+            << "world " << world << " " << ReduceOpName(op) << ": rank " << r << " got "
+            << (std::signbit(out[r][0]) ? "-0" : "+0") << ", rank 0 "
+            << (std::signbit(out[0][0]) ? "-0" : "+0");
+      }
+    }
   }
 }
 

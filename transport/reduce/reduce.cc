@@ -108,16 +108,22 @@ DDP_INLINE void InPlaceLoop(T* __restrict inout, const T* __restrict in, size_t 
   for (size_t i = 0; i < n; ++i) inout[i] = Op::Apply(inout[i], in[i]);
 }
 
+template <typename T, typename Op>
+DDP_INLINE void InPlaceLoopSecond(T* __restrict inout, const T* __restrict in, size_t n) {
+  for (size_t i = 0; i < n; ++i) inout[i] = Op::Apply(in[i], inout[i]);
+}
+
 // Routes the aliasing cases to loops whose pointers are truly disjoint, so
-// the vectorizer needs no run-time overlap checks. Every op is commutative,
-// so dst == b can use the in-place loop with a as the other operand.
+// the vectorizer needs no run-time overlap checks. The operands keep their
+// order: max and min are not commutative bit for bit (+0 against -0, and
+// which of two NaNs comes out), nor is a sum of two NaNs.
 template <typename T, typename Op>
 DDP_INLINE void RunLoops(void* dst, const void* a, const void* b, size_t n) {
   T* d = static_cast<T*>(dst);
   if (dst == a) {
     InPlaceLoop<T, Op>(d, static_cast<const T*>(b), n);
   } else if (dst == b) {
-    InPlaceLoop<T, Op>(d, static_cast<const T*>(a), n);
+    InPlaceLoopSecond<T, Op>(d, static_cast<const T*>(a), n);
   } else {
     OutOfPlaceLoop<T, Op>(d, static_cast<const T*>(a), static_cast<const T*>(b), n);
   }

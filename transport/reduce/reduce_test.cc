@@ -276,6 +276,26 @@ TEST(ReduceKernelTest, MatchesScalarReferenceForEveryTypeOpIsaAndAliasing) {
   }
 }
 
+// dst == b must still compute a op b, not b op a: max and min of +0 and -0
+// differ bit for bit with the order (the RHD all-reduce relies on it).
+TEST(ReduceKernelTest, AliasingKeepsTheOperandOrderBitForBit) {
+  for (Isa isa : IsasToTest()) {
+    for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+      const std::string what = std::string(IsaName(isa)) + " " + ReduceOpName(op);
+      std::vector<float> a(37, 0.0f), b(37, -0.0f), out(37);
+      GetReduceFn(DataType::kF32, op, isa)(out.data(), a.data(), b.data(), a.size());
+      std::vector<float> inout_b = b;
+      GetReduceFn(DataType::kF32, op, isa)(inout_b.data(), a.data(), inout_b.data(), a.size());
+      EXPECT_EQ(std::memcmp(out.data(), inout_b.data(), out.size() * sizeof(float)), 0) << what << " f32";
+      std::vector<double> da(37, 0.0), db(37, -0.0), dout(37);
+      GetReduceFn(DataType::kF64, op, isa)(dout.data(), da.data(), db.data(), da.size());
+      std::vector<double> dinout_b = db;
+      GetReduceFn(DataType::kF64, op, isa)(dinout_b.data(), da.data(), dinout_b.data(), da.size());
+      EXPECT_EQ(std::memcmp(dout.data(), dinout_b.data(), dout.size() * sizeof(double)), 0) << what << " f64";
+    }
+  }
+}
+
 TEST(ReduceKernelTest, InPlaceEntryPointUsesDetectedIsa) {
   std::vector<float> a = {1, 2, 3}, b = {10, 20, 30};
   Reduce(DataType::kF32, ReduceOp::kSum, a.data(), b.data(), a.size());
