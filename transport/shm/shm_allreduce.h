@@ -230,7 +230,6 @@ class ShmAllReduce {
                     staging_capacity_ / 2);
   }
   void set_staging_bytes(size_t bytes);
-  void set_chunk_bytes(size_t bytes) { options_.chunk_bytes = bytes; }
   void set_yield_when_idle(bool yield) { options_.yield_when_idle = yield; }
   size_t max_staging_bytes() const { return staging_capacity_; }
   /// Copies with a peer's buffer that went through a mapping of its
