@@ -446,9 +446,11 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
   if (dx.defined()) {
     CheckSameShape(op, x_in, "x", dx, "dx");
     const Tensor t = Target(dx);
+    // Eval mode: dx = weight * invstd * dy, as on the CPU; x is not passed,
+    // so an inf or NaN in it cannot reach dx.
     const bool centered = training && m > 0;
-    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s,
-                                                   Arr(mean), Arr(invstd), Arr(w),
+    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), centered ? x.data_ptr() : nullptr, t.data_ptr(),
+                                                   d.n, d.c, d.s, Arr(mean), Arr(invstd), Arr(w),
                                                    centered ? Arr(sum_dy) : launch::ChannelArray{},
                                                    centered ? Arr(sum_dy_xhat) : launch::ChannelArray{},
                                                    m > 0 ? 1.0 / static_cast<double>(m) : 0.0, ToDt(x.dtype()),

@@ -163,6 +163,12 @@ __global__ void BackwardElementwiseKernel(const T* dy, const T* x, T* dx, int64_
     const int64_t ch = channel_of(idx);
     const double w = Load(weight, ch, 1.0), is = Load(invstd, ch);
     const A k = static_cast<A>(w * is);
+    if (x == nullptr) {
+      // Eval mode, as the CPU: x is not read, so an inf or NaN in it does
+      // not turn dx into NaN through (x - mean) * 0.
+      dx[idx] = Cast<T>(k * Cast<A>(dy[idx]));
+      continue;
+    }
     const A a = static_cast<A>(Load(dy_term, ch) * scale);
     const A coef = static_cast<A>(Load(xhat_term, ch) * scale * is);
     const A mu = static_cast<A>(Load(mean, ch));
@@ -220,10 +226,15 @@ __device__ __forceinline__ void ForPart(int64_t n, int64_t c, int64_t s, int64_t
 
 // The value every block of a channel subtracts before summing (its first
 // element), so that the sum of squares does not cancel: var is formed from
-// sums of x - shift.
+// sums of x - shift. 0 when that element is an infinity or NaN: a shift of
+// +inf would make x - shift NaN at the element itself (inf - inf), and the
+// mean NaN where the CPU's two passes give inf; with 0 the sums carry the
+// inf, or a NaN when +inf and -inf (or a NaN) occur, as on the CPU.
 template <typename T>
 __device__ __forceinline__ double ChannelShift(const T* x, int64_t n, int64_t s, int64_t ch) {
-  return n > 0 && s > 0 ? static_cast<double>(Cast<acc_t<T>>(x[ch * s])) : 0.0;
+  if (n <= 0 || s <= 0) return 0.0;
+  const double first = static_cast<double>(Cast<acc_t<T>>(x[ch * s]));
+  return isfinite(first) ? first : 0.0;
 }
 
 // Which sums a split pass accumulates for an element: kShifted (x - shift and

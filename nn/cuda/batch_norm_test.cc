@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/cuda/batch_norm.h"
@@ -230,29 +231,50 @@ TEST_F(CudaBatchNormTest, EdgeShapesFp16AndF64SavedStatisticsMatchCpu) {
   }
 }
 
-// A NaN or an infinity in a channel makes that channel's statistics, its
-// running variance and its output NaN, as on the CPU (an fp16 overflow
-// under autocast must show, not turn into a variance of 0); the other
-// channel is unaffected.
+// Element by element: NaN where the CPU has NaN, the same infinity where it
+// has one, else within 1e-5.
+void ExpectSameWithNonFinite(const Tensor& cpu, const Tensor& gpu, const std::string& what) {
+  const std::vector<double> want = cpu.ToVector<double>(), got = gpu.To(kCPU).ToVector<double>();
+  ASSERT_EQ(want.size(), got.size()) << what;
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const bool ok = std::isnan(want[i])   ? std::isnan(got[i])
+                    : std::isinf(want[i]) ? got[i] == want[i]
+                                          : std::abs(got[i] - want[i]) <= 1e-5 + 1e-5 * std::abs(want[i]);
+    if (!ok && ++bad <= 5) ADD_FAILURE() << what << ": element " << i << ": cpu " << want[i] << ", gpu " << got[i];
+  }
+}
+
+// A NaN or an infinity in a channel makes that channel's variance, running
+// variance and output NaN, as on the CPU (an fp16 overflow under autocast
+// must show, not turn into a variance of 0), and its mean NaN or that
+// infinity, also as on the CPU; the other channel is unaffected. The
+// infinity sits once inside channel 0 and once at its first element,
+// x[0, 0, 0, 0], which the split path subtracts from every element as its
+// shift: an infinite shift would make the mean inf - inf = NaN where the
+// CPU's is inf.
 TEST_F(CudaBatchNormTest, NonFiniteInputsPropagateAsOnCpu) {
-  auto same = [](const Tensor& cpu, const Tensor& gpu, const std::string& what) {
-    const std::vector<double> want = cpu.ToVector<double>(), got = gpu.To(kCPU).ToVector<double>();
-    ASSERT_EQ(want.size(), got.size()) << what;
-    int bad = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      const bool ok = std::isnan(want[i])   ? std::isnan(got[i])
-                      : std::isinf(want[i]) ? got[i] == want[i]
-                                            : std::abs(got[i] - want[i]) <= 1e-5 + 1e-5 * std::abs(want[i]);
-      if (!ok && ++bad <= 5) ADD_FAILURE() << what << ": element " << i << ": cpu " << want[i] << ", gpu " << got[i];
-    }
+  const double nan = std::nan("");
+  const int64_t inside = (1 * 2 + 0) * 64 + 3 * 8 + 3;  // x[1, 0, 3, 3]
+  struct Case {
+    std::string name;
+    std::vector<std::pair<int64_t, double>> values;  // flat index into x, value
+    double mean;                                     // channel 0's mean on the CPU
+  };
+  const Case cases[] = {
+      {"NaN", {{inside, nan}}, nan},
+      {"inf", {{inside, HUGE_VAL}}, HUGE_VAL},
+      {"inf first", {{0, HUGE_VAL}}, HUGE_VAL},
+      {"-inf first", {{0, -HUGE_VAL}}, -HUGE_VAL},
+      {"inf first and -inf", {{0, HUGE_VAL}, {inside, -HUGE_VAL}}, nan},
   };
   for (bool split : {false, true}) {
     const SplitReductions setting(split);
-    for (double bad : {std::nan(""), HUGE_VAL}) {
-      const std::string what = std::string(split ? "split " : "") + "batch_norm with " + (std::isnan(bad) ? "NaN" : "inf");
+    for (const Case& k : cases) {
+      const std::string what = std::string(split ? "split " : "") + "batch_norm with " + k.name;
       const Shape shape{4, 2, 8, 8};
       const Tensor x = RandnOf(shape, DType::kFloat32, 1.5, 2.0);
-      x.data<float>()[(1 * 2 + 0) * 64 + 3 * 8 + 3] = static_cast<float>(bad);  // x[1, 0, 3, 3]
+      for (const auto& [index, value] : k.values) x.data<float>()[index] = static_cast<float>(value);
       const Tensor rm0 = RandnOf({2}, DType::kFloat32), rv0 = RandnOf({2}, DType::kFloat32, 2.0, 0.1);
       const Tensor rm_cpu = rm0.Clone(), rv_cpu = rv0.Clone(), rm_gpu = rm0.To(kGpu), rv_gpu = rv0.To(kGpu);
       const Tensor y_cpu = Empty(shape), sm_cpu = Empty({2}), si_cpu = Empty({2});
@@ -262,10 +284,52 @@ TEST_F(CudaBatchNormTest, NonFiniteInputsPropagateAsOnCpu) {
       Gpu().batch_norm_forward(x.To(kGpu), Tensor(), Tensor(), rm_gpu, rv_gpu, true, 0.1, 1e-5, y_gpu, sm_gpu,
                                si_gpu);
       ASSERT_TRUE(std::isnan(rv_cpu.ToVector<double>()[0])) << what << ": the CPU's reference changed";
-      same(rv_cpu, rv_gpu, what + " running_var");
-      same(rm_cpu, rm_gpu, what + " running_mean");
-      same(si_cpu, si_gpu, what + " save_invstd");
-      same(y_cpu, y_gpu, what + " y");
+      const double cpu_mean = sm_cpu.ToVector<double>()[0];
+      ASSERT_TRUE(std::isnan(k.mean) ? std::isnan(cpu_mean) : cpu_mean == k.mean)
+          << what << ": the CPU's reference mean changed: " << cpu_mean;
+      ExpectSameWithNonFinite(rv_cpu, rv_gpu, what + " running_var");
+      ExpectSameWithNonFinite(rm_cpu, rm_gpu, what + " running_mean");
+      ExpectSameWithNonFinite(sm_cpu, sm_gpu, what + " save_mean");
+      ExpectSameWithNonFinite(si_cpu, si_gpu, what + " save_invstd");
+      ExpectSameWithNonFinite(y_cpu, y_gpu, what + " y");
+    }
+  }
+}
+
+// Eval-mode backward is dx = weight * invstd * dy, as on the CPU: it does
+// not read x, so an infinity or NaN in x leaves dx finite (computed as
+// k * (dy - 0 - (x - mean) * 0) it would be NaN there). dweight does read x
+// and is not finite in that channel, alike on both devices. Both reduction
+// paths.
+TEST_F(CudaBatchNormTest, EvalBackwardDoesNotReadX) {
+  for (bool split : {false, true}) {
+    const SplitReductions setting(split);
+    for (double bad : {HUGE_VAL, std::nan("")}) {
+      const std::string what =
+          std::string(split ? "split " : "") + "eval batch_norm backward with " + (std::isnan(bad) ? "NaN" : "inf");
+      const Shape shape{4, 2, 8, 8};
+      const Tensor x = RandnOf(shape, DType::kFloat32, 1.5, 2.0), dy = RandnOf(shape, DType::kFloat32);
+      x.data<float>()[(1 * 2 + 0) * 64 + 3 * 8 + 3] = static_cast<float>(bad);  // x[1, 0, 3, 3]
+      const Tensor w = RandnOf({2}, DType::kFloat32), b = RandnOf({2}, DType::kFloat32);
+      const Tensor rm = RandnOf({2}, DType::kFloat32), rv = RandnOf({2}, DType::kFloat32, 2.0, 0.1);
+      const Tensor y_cpu = Empty(shape), sm_cpu = Empty({2}), si_cpu = Empty({2});
+      Cpu().batch_norm_forward(x, w, b, rm, rv, false, 0.1, 1e-5, y_cpu, sm_cpu, si_cpu);
+      const Tensor xg = x.To(kGpu), wg = w.To(kGpu);
+      const Tensor y_gpu = Empty(shape, {.device = kGpu});
+      const Tensor sm_gpu = Empty({2}, {.device = kGpu}), si_gpu = Empty({2}, {.device = kGpu});
+      Gpu().batch_norm_forward(xg, wg, b.To(kGpu), rm.To(kGpu), rv.To(kGpu), false, 0.1, 1e-5, y_gpu, sm_gpu, si_gpu);
+      ExpectSameWithNonFinite(y_cpu, y_gpu, what + " y");
+
+      const Tensor dx_cpu = Empty(shape), dw_cpu = Empty({2}), db_cpu = Empty({2});
+      Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, false, dx_cpu, dw_cpu, db_cpu);
+      const Tensor dx_gpu = Empty(shape, {.device = kGpu});
+      const Tensor dw_gpu = Empty({2}, {.device = kGpu}), db_gpu = Empty({2}, {.device = kGpu});
+      Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, false, dx_gpu, dw_gpu, db_gpu);
+      for (double v : dx_cpu.ToVector<double>()) ASSERT_TRUE(std::isfinite(v)) << what << ": the CPU's dx changed";
+      ASSERT_FALSE(std::isfinite(dw_cpu.ToVector<double>()[0])) << what << ": the CPU's dweight changed";
+      ExpectSameWithNonFinite(dx_cpu, dx_gpu, what + " dx");
+      ExpectSameWithNonFinite(dw_cpu, dw_gpu, what + " dweight");
+      ExpectSameWithNonFinite(db_cpu, db_gpu, what + " dbias");
     }
   }
 }

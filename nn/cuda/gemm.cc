@@ -145,7 +145,16 @@ void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, doubl
   const int64_t ldc = direct ? (m == 1 ? std::max<int64_t>(n, 1) : c.stride(0)) : n;
   DeviceGuard guard(dev.index);
   const cudaStream_t stream = CurrentStream(dev);
-  if (k == 0) {
+  if (k == 0 && beta == 0) {
+    // Nothing to multiply and c not read, as BLAS and the CPU kernel do:
+    // beta * c would turn a NaN or an infinity left in c (often fresh from
+    // Empty) into NaN. All-zero bytes are +0 in every floating dtype; cc's
+    // rows lie ldc elements apart.
+    const size_t elem = cc.element_size();
+    CheckCuda(cudaMemset2DAsync(cc.data_ptr(), static_cast<size_t>(ldc) * elem, 0, static_cast<size_t>(n) * elem,
+                                static_cast<size_t>(m), stream),
+              "cudaMemset2DAsync (gemm with k = 0)");
+  } else if (k == 0) {
     // Nothing to multiply: c = beta * c.
     const launch::Indexing ix = MakeIndexing("gemm", cc.shape(), {cc.strides(), cc.strides()});
     CheckCuda(launch::Affine(ix, cc.numel(), cc.data_ptr(), cc.data_ptr(), beta, 0.0, ToDt(dt), stream),

@@ -392,6 +392,32 @@ TEST_F(CudaKernelsTest, GemmMatchesCpu) {
   }
 }
 
+// K = 0 with beta = 0 writes zeros without reading c, as BLAS and the CPU
+// do: a NaN already in c (as Empty may leave one) must not come out as
+// beta * NaN. c is contiguous, the first 3 columns of a [4, 5] buffer (rows
+// 5 apart: the last 2 columns must keep their NaN), or the transpose of a
+// [3, 4] buffer (computed in a temporary, then copied in).
+TEST_F(CudaKernelsTest, GemmWithEmptyKAndZeroBetaWritesZerosOverNaN) {
+  const char* layouts[] = {"contiguous c", "c a column slice", "c transposed"};
+  for (DType dt : kFloats) {
+    for (int layout = 0; layout < 3; ++layout) {
+      const std::string what = "gemm 4x0x3 beta 0 over NaN, " + std::string(layouts[layout]) + " " + Name(dt);
+      const Shape buf_shape = layout == 0 ? Shape{4, 3} : layout == 1 ? Shape{4, 5} : Shape{3, 4};
+      auto view = [&](const Tensor& buf) {
+        return layout == 0 ? buf : layout == 1 ? buf.Narrow(1, 0, 3) : buf.Transpose(0, 1);
+      };
+      const Tensor c_buf = Full(buf_shape, std::nan(""), {.dtype = dt});
+      const Tensor c_cpu = c_buf.Clone(), c_gpu = c_buf.To(kGpu);
+      Cpu().gemm(Empty({4, 0}, {.dtype = dt}), Empty({0, 3}, {.dtype = dt}), view(c_cpu), 1.0, 0.0);
+      for (double v : view(c_cpu).ToVector<double>()) ASSERT_EQ(v, 0.0) << what << ": the CPU's reference changed";
+      Gpu().gemm(Empty({4, 0}, {.dtype = dt, .device = kGpu}), Empty({0, 3}, {.dtype = dt, .device = kGpu}),
+                 view(c_gpu), 1.0, 0.0);
+      // Exact: zeros where c is, NaN (matched as NaN) outside it.
+      ExpectClose(c_cpu, c_gpu, {0.0, 0.0}, what);
+    }
+  }
+}
+
 TEST_F(CudaKernelsTest, GemmWithTf32AllowedStaysClose) {
   SetAllowTf32(true);
   // TF32 keeps 10 mantissa bits: relative error per product about 1e-3.

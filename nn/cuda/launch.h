@@ -164,7 +164,8 @@ cudaError_t BatchNormBackwardReduce(const void* dy, const void* x, int64_t n, in
                                     ChannelArray mean, ChannelArray invstd, double* sum_dy, double* sum_dy_xhat,
                                     Dt dt, cudaStream_t stream);
 /// dx = weight * invstd * (dy - a - (x - mean) * invstd * b) with a = dy_term[c] * scale,
-/// b = xhat_term[c] * scale (both 0 when absent; weight 1 when absent).
+/// b = xhat_term[c] * scale (both 0 when absent; weight 1 when absent). With x null
+/// (eval mode), dx = weight * invstd * dy: mean, dy_term and xhat_term unused.
 cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx, int64_t n, int64_t c, int64_t s,
                                          ChannelArray mean, ChannelArray invstd, ChannelArray weight,
                                          ChannelArray dy_term, ChannelArray xhat_term, double scale, Dt dt,
@@ -178,7 +179,8 @@ cudaError_t BatchNormBackwardElementwise(const void* dy, const void* x, void* dx
 int64_t BatchNormSplitParts(int64_t n, int64_t c, int64_t s);
 /// Training statistics and finishing in one call (BatchNormMeanVar, then
 /// BatchNormFinalize with training = true). The variance is formed from sums
-/// of x - shift, shift = the channel's first element, in one pass over x.
+/// of x - shift, shift = the channel's first element (0 when that is not
+/// finite), in one pass over x.
 cudaError_t BatchNormTrainStatsSplit(const void* x, int64_t n, int64_t c, int64_t s, double* work, double momentum,
                                      double eps, double unbias, double* mean, double* var, double* invstd,
                                      ChannelArray running_mean, ChannelArray running_var, Dt dt,
