@@ -1237,21 +1237,27 @@ StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::st
 void ProcessGroup::BroadcastObject(std::string* object, int root) {
   if (object == nullptr) throw std::invalid_argument("ProcessGroup::BroadcastObject: object is null");
   CheckRoot(root, size_, "BroadcastObject", "root");
-  impl_->Enqueue(ObjectCollective("broadcast_object", root), [object, root](
+  // The task owns the bytes: a Wait that gives up (its budget spent behind
+  // slow items) returns while the task may still run, and must not leave it
+  // writing into the caller's string.
+  auto bytes = std::make_shared<std::string>(std::move(*object));
+  impl_->Enqueue(ObjectCollective("broadcast_object", root), [bytes, root](
                      transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
-    int64_t bytes = static_cast<int64_t>(object->size());
-    DDP_RETURN_IF_ERROR(comm->Broadcast(&bytes, 1, transport::DataType::kI64, root, Within(deadline)));
-    if (comm->rank() != root) object->resize(static_cast<size_t>(bytes));
-    if (bytes == 0) return Status::Ok();
-    return comm->Broadcast(object->data(), static_cast<size_t>(bytes), transport::DataType::kU8, root,
+    int64_t size = static_cast<int64_t>(bytes->size());
+    DDP_RETURN_IF_ERROR(comm->Broadcast(&size, 1, transport::DataType::kI64, root, Within(deadline)));
+    if (comm->rank() != root) bytes->resize(static_cast<size_t>(size));
+    if (size == 0) return Status::Ok();
+    return comm->Broadcast(bytes->data(), static_cast<size_t>(size), transport::DataType::kU8, root,
                            Within(deadline));
   }, nullptr).Wait();
+  *object = std::move(*bytes);
 }
 
 std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object) {
   auto out = std::make_shared<std::vector<std::string>>();
-  impl_->Enqueue(ObjectCollective("all_gather_object", -1), [&object, out](
+  // The task owns its copies (see BroadcastObject).
+  impl_->Enqueue(ObjectCollective("all_gather_object", -1), [object, out](
                      transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) {
       *out = {object};
@@ -1273,7 +1279,7 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
 std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, int dst) {
   CheckRoot(dst, size_, "GatherObject", "dst");
   auto out = std::make_shared<std::vector<std::string>>();
-  impl_->Enqueue(ObjectCollective("gather_object", dst), [&object, dst, out](
+  impl_->Enqueue(ObjectCollective("gather_object", dst), [object, dst, out](
                      transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) {
       *out = {object};
@@ -1300,7 +1306,9 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
   // Set when src passed the wrong number of objects: every rank learns it
   // from the sizes and throws, instead of waiting for bytes that never come.
   auto bad_count = std::make_shared<int64_t>(-1);
-  impl_->Enqueue(ObjectCollective("scatter_object", src), [&objects, src, out, bad_count](
+  // The task owns a copy (see BroadcastObject); only src's is read.
+  std::vector<std::string> mine = rank_ == src ? objects : std::vector<std::string>{};
+  impl_->Enqueue(ObjectCollective("scatter_object", src), [objects = std::move(mine), src, out, bad_count](
                      transport::Communicator* comm, Deadline deadline) {
     const size_t n = comm == nullptr ? 1 : static_cast<size_t>(comm->size());
     const int me = comm == nullptr ? 0 : comm->rank();

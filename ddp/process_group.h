@@ -336,7 +336,8 @@ class ProcessGroup {
   // in issue order with the other collectives; every rank calls them. Sizes
   // may differ per rank and be 0. Failures throw DistributedError.
 
-  /// `*object` on every rank becomes root's.
+  /// `*object` on every rank becomes root's (moved, not copied, in and
+  /// out; after a failure it is empty).
   void BroadcastObject(std::string* object, int root);
   /// Every rank's `object`, in rank order (lengths exchanged first, then
   /// the bytes padded to the longest).
