@@ -37,7 +37,7 @@ template <typename A>
 __device__ __forceinline__ A UnaryFn(OpCode op, A v) {
   switch (op) {
     case 0: return -v;
-    case 1: return v > A(0) ? v : A(0);
+    case 1: return v < A(0) ? A(0) : v;  // keeps NaN, as the CPU kernel and torch.relu
     case 2: return A(0.5) * v * (A(1) + Erf(v * A(kSqrt1_2)));
     case 3: return A(0.5) * v * (A(1) + Tanh(A(kSqrt2OverPi) * (v + A(kGeluCoef) * v * v * v)));
     case 4: return A(1) / (A(1) + Exp(-v));

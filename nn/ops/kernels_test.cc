@@ -172,6 +172,31 @@ TEST(KernelsTest, SixteenBitPoolingGradientsRoundOnce) {
   }
 }
 
+// torch.relu keeps NaN (and -0): for every floating dtype, contiguous or
+// strided, and in place (ReluOwned). The gradient stays g * (x > 0).
+TEST(KernelsTest, ReluKeepsNaN) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType t : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(std::string(DTypeName(t)));
+    const Tensor x = FromVector({-1.5, nan, 0.0, 2.0, -0.0}, {5}, {.dtype = t});
+    const Tensor wide = FromVector({-1.5, 9, nan, 9, 0.0, 9, 2.0, 9, -0.0, 9}, {10}, {.dtype = t});
+    const Tensor strided = wide.Slice(0, 0, 10, 2);
+    ASSERT_FALSE(strided.is_contiguous());
+    for (const Tensor& y : {Relu(x), Relu(strided), ReluOwned(x.Clone())}) {
+      const std::vector<double> v = y.ToVector<double>();
+      EXPECT_EQ(v[0], 0.0);
+      EXPECT_TRUE(std::isnan(v[1]));
+      EXPECT_EQ(v[2], 0.0);
+      EXPECT_EQ(v[3], 2.0);
+      EXPECT_EQ(v[4], 0.0);
+      EXPECT_TRUE(std::signbit(v[4]));  // -0 stays -0, as in PyTorch
+    }
+  }
+  Tensor x = FromVector({-1.5, 0.0, 2.0}, {3}, {.requires_grad = true});
+  Backward(Sum(Relu(x)));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{0, 0, 1}));
+}
+
 TEST(KernelsTest, MissingCudaKernelIsNamed) {
   try {
     DDP_KERNEL(Device(DeviceType::kCUDA, 1), conv2d_forward);

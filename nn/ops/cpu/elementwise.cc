@@ -89,7 +89,9 @@ void UnaryTyped(UnaryOp op, const Tensor& x, const Tensor& out) {
   using A = acc_t<T>;
   switch (op) {
     case UnaryOp::kNeg: Map1<T>(x, out, [](A v) { return -v; }); break;
-    case UnaryOp::kRelu: Map1<T>(x, out, [](A v) { return v > A(0) ? v : A(0); }); break;
+    // NaN fails `v < 0` and passes through unchanged, as torch.relu keeps
+    // NaN (and -0); this still compiles to a vector compare and mask.
+    case UnaryOp::kRelu: Map1<T>(x, out, [](A v) { return v < A(0) ? A(0) : v; }); break;
     case UnaryOp::kGelu:
       Map1<T>(x, out, [](A v) { return A(0.5) * v * (A(1) + std::erf(v * A(kSqrt1_2))); });
       break;
