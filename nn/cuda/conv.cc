@@ -382,7 +382,7 @@ void Conv2dBackward(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in,
     // db[o] = sum of dy over n, h, w.
     NoGradGuard no_grad;
     const Tensor db4 = db.View({1, db.numel(), 1, 1});
-    ops::KernelsFor(DeviceType::kCUDA).sum_to(dy, db4);
+    ops::KernelsFor(DeviceType::kCUDA).sum_to(dy, db4, 1.0);
   }
 }
 

@@ -167,7 +167,7 @@ TEST(CudaIndexing, SumToGeometryReproducesTheCpuSums) {
       op[kept[0]] = sum;
     }
     const Tensor want = Empty(out_shape, {.dtype = DType::kFloat64});
-    ops::KernelsFor(DeviceType::kCPU).sum_to(x, want);
+    ops::KernelsFor(DeviceType::kCPU).sum_to(x, want, 1.0);
     const std::vector<double> a = want.ToVector<double>(), b = out.ToVector<double>();
     for (size_t i = 0; i < a.size(); ++i) {
       ASSERT_NEAR(b[i], a[i], 1e-12) << "trial " << trial << " " << ShapeToString(shape) << " -> "
@@ -418,7 +418,7 @@ TEST_F(CudaMisuseTest, KernelsNameOperandsOnDifferentDevices) {
   const ops::KernelTable& t = ops::KernelsFor(DeviceType::kCUDA);
   ExpectMessage([&] { t.binary(ops::BinaryOp::kAdd, On(0, {4}), On(1, {4}), On(0, {4})); }, "cuda:0 and cuda:1");
   ExpectMessage([&] { t.unary(ops::UnaryOp::kRelu, On(0, {4}), On(0, {4}, DType::kFloat64)); }, "f32 and f64");
-  ExpectMessage([&] { t.sum_to(On(0, {3, 4}), On(0, {2, 4})); }, "cannot sum shape [3, 4] to [2, 4]");
+  ExpectMessage([&] { t.sum_to(On(0, {3, 4}), On(0, {2, 4}), 1.0); }, "cannot sum shape [3, 4] to [2, 4]");
   ExpectMessage([&] { t.argmax(On(0, {3, 4}), 1, On(0, {3})); }, "out must be i64");
 }
 

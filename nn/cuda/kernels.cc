@@ -167,15 +167,16 @@ void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen) {
             "kernel `bernoulli_mask`");
 }
 
-// x: [d0, ..., dk]; out: same rank, each dimension equal to x's or 1 (summed over).
-void SumTo(const Tensor& x, const Tensor& out) {
+// x: [d0, ..., dk]; out: same rank, each dimension equal to x's or 1 (summed
+// over), receiving scale times the sum.
+void SumTo(const Tensor& x, const Tensor& out, double scale) {
   const Device dev = CommonDevice("sum_to", {&x, &out});
   CheckFloating("sum_to", x);
   CheckFloating("sum_to", out);
   const launch::ReduceIndexing rx = MakeSumToIndexing(x, out);
   if (out.numel() == 0) return;
   Launch l(dev);
-  CheckCuda(launch::SumTo(rx, out.data_ptr(), ToDt(out.dtype()), x.data_ptr(), ToDt(x.dtype()), l.stream),
+  CheckCuda(launch::SumTo(rx, out.data_ptr(), ToDt(out.dtype()), x.data_ptr(), ToDt(x.dtype()), scale, l.stream),
             "kernel `sum_to`");
 }
 

@@ -217,9 +217,9 @@ TEST_F(CudaKernelsTest, SumToMatchesCpu) {
       const std::string what = "sum_to " + ShapeToString(c.x) + " -> " + ShapeToString(c.out) + " " + Name(dt);
       const Tensor x = RandnOf(c.x, dt);
       const Tensor out_cpu = Empty(c.out, {.dtype = dt});
-      Cpu().sum_to(x, out_cpu);
+      Cpu().sum_to(x, out_cpu, 1.0);
       const Tensor out_gpu = Empty(c.out, {.dtype = dt, .device = kGpu});
-      Gpu().sum_to(x.To(kGpu), out_gpu);
+      Gpu().sum_to(x.To(kGpu), out_gpu, 1.0);
       // Both accumulate in f64: only the final rounding and the order differ.
       ExpectClose(out_cpu, out_gpu, dt == DType::kBFloat16 ? ElementwiseTol(dt) : Tol{1e-6, 1e-9}, what);
     }
@@ -227,16 +227,22 @@ TEST_F(CudaKernelsTest, SumToMatchesCpu) {
   // A transposed input, and an f16 input summed into f32.
   const Tensor x = RandnOf({40, 30}, DType::kFloat32);
   const Tensor out_cpu = Empty({30, 1});
-  Cpu().sum_to(x.Transpose(0, 1), out_cpu);
+  Cpu().sum_to(x.Transpose(0, 1), out_cpu, 1.0);
   const Tensor out_gpu = Empty({30, 1}, {.device = kGpu});
-  Gpu().sum_to(x.To(kGpu).Transpose(0, 1), out_gpu);
+  Gpu().sum_to(x.To(kGpu).Transpose(0, 1), out_gpu, 1.0);
   ExpectClose(out_cpu, out_gpu, {1e-6, 1e-9}, "sum_to of a transposed view");
   const Tensor h = RandnOf({100, 3}, DType::kFloat16);
   const Tensor hs_cpu = Empty({1, 3});
-  Cpu().sum_to(h, hs_cpu);
+  Cpu().sum_to(h, hs_cpu, 1.0);
   const Tensor hs_gpu = Empty({1, 3}, {.device = kGpu});
-  Gpu().sum_to(h.To(kGpu), hs_gpu);
+  Gpu().sum_to(h.To(kGpu), hs_gpu, 1.0);
   ExpectClose(hs_cpu, hs_gpu, {1e-6, 1e-9}, "sum_to f16 -> f32");
+  // The scale applies before the rounding into f16: the mean of 100000 ones
+  // is 1 although their sum overflows f16.
+  const Tensor ones = Ones({100000}, {.dtype = DType::kFloat16});
+  const Tensor mean_gpu = Empty({1}, {.dtype = DType::kFloat16, .device = kGpu});
+  Gpu().sum_to(ones.To(kGpu), mean_gpu, 1e-5);
+  EXPECT_EQ(mean_gpu.To(kCPU).ToVector<float>(), std::vector<float>{1.0f});
 }
 
 TEST_F(CudaKernelsTest, ArgmaxMatchesCpuIncludingTies) {

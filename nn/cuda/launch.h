@@ -89,8 +89,10 @@ struct ReduceIndexing {
   int64_t num_kept = 1;
   int64_t num_reduced = 1;
 };
-/// out[j] = sum over reduced r of x[j, r], accumulated in f64; x and out floating.
-cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x, Dt x_dt, cudaStream_t stream);
+/// out[j] = scale * sum over reduced r of x[j, r], accumulated and scaled in
+/// f64 before rounding into out; x and out floating.
+cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x, Dt x_dt, double scale,
+                  cudaStream_t stream);
 /// out[j] (i64) = first index of the maximum of x[j, 0..d) where element k
 /// is k * dim_stride from x[j]; `kept` as in ReduceIndexing.
 cudaError_t Argmax(const Indexing& kept, int64_t num_kept, int64_t d, int64_t dim_stride, int64_t* out,

@@ -1,6 +1,6 @@
 // Reductions, log-softmax and cross-entropy.
 //
-// sum_to:      x indexed as [kept j, reduced r] -> out[j] = sum_r x[j, r] (f64 accumulator)
+// sum_to:      x indexed as [kept j, reduced r] -> out[j] = scale * sum_r x[j, r] (f64 accumulator)
 // argmax:      x[j, 0..d) with element stride dim_stride -> out[j] (i64)
 // log_softmax: x, y [outer, d, inner] contiguous; one block per (outer, inner) row
 // cross-entropy: log_probs [n, c], target [n] (i64), loss [n], dlogits [n, c]
@@ -30,7 +30,7 @@ __device__ __forceinline__ int64_t ReducedOffset(const Indexing& red, int64_t r)
 
 // Few elements per output: one thread per output, summing serially.
 template <typename O, typename X>
-__global__ void SumToThreadKernel(ReduceIndexing rx, O* out, const X* x) {
+__global__ void SumToThreadKernel(ReduceIndexing rx, O* out, const X* x, double scale) {
   const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < rx.num_kept; j += step) {
     int64_t off[2];
@@ -39,13 +39,13 @@ __global__ void SumToThreadKernel(ReduceIndexing rx, O* out, const X* x) {
     for (int64_t r = 0; r < rx.num_reduced; ++r) {
       s += static_cast<double>(Cast<acc_t<X>>(x[off[1] + ReducedOffset(rx.reduced, r)]));
     }
-    out[off[0]] = Cast<O>(s);
+    out[off[0]] = Cast<O>(s * scale);
   }
 }
 
 // Many elements per output: one block per output, threads striding over r.
 template <typename O, typename X>
-__global__ void SumToBlockKernel(ReduceIndexing rx, O* out, const X* x) {
+__global__ void SumToBlockKernel(ReduceIndexing rx, O* out, const X* x, double scale) {
   __shared__ double scratch[32];
   for (int64_t j = blockIdx.x; j < rx.num_kept; j += gridDim.x) {
     int64_t off[2];
@@ -55,7 +55,7 @@ __global__ void SumToBlockKernel(ReduceIndexing rx, O* out, const X* x) {
       s += static_cast<double>(Cast<acc_t<X>>(x[off[1] + ReducedOffset(rx.reduced, r)]));
     }
     s = device::BlockSum(s, scratch);
-    if (threadIdx.x == 0) out[off[0]] = Cast<O>(s);
+    if (threadIdx.x == 0) out[off[0]] = Cast<O>(s * scale);
   }
 }
 
@@ -169,7 +169,8 @@ unsigned BlocksFor(int64_t rows) { return static_cast<unsigned>(rows < 65536 ? (
 
 }  // namespace
 
-cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x, Dt x_dt, cudaStream_t stream) {
+cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x, Dt x_dt, double scale,
+                  cudaStream_t stream) {
   if (rx.num_kept <= 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
   DDP_CUDA_DISPATCH_FLOATING(out_dt, {
@@ -177,11 +178,11 @@ cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x,
     DDP_CUDA_DISPATCH_FLOATING(x_dt, {
       using X = scalar_t;
       if (rx.num_reduced < 64) {
-        SumToThreadKernel<O, X><<<device::GridFor(rx.num_kept), 256, 0, stream>>>(rx, static_cast<O*>(out),
-                                                                                    static_cast<const X*>(x));
+        SumToThreadKernel<O, X><<<device::GridFor(rx.num_kept), 256, 0, stream>>>(
+            rx, static_cast<O*>(out), static_cast<const X*>(x), scale);
       } else {
         SumToBlockKernel<O, X><<<BlocksFor(rx.num_kept), 256, 0, stream>>>(rx, static_cast<O*>(out),
-                                                                             static_cast<const X*>(x));
+                                                                             static_cast<const X*>(x), scale);
       }
       err = cudaGetLastError();
     });

@@ -83,7 +83,7 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
     out = losses;
   } else {
     out = Empty({}, {.dtype = compute, .device = logits.device()});
-    DDP_KERNEL(logits.device(), sum_to)(losses, out.View({1}));
+    DDP_KERNEL(logits.device(), sum_to)(losses, out.View({1}), 1.0);
     if (options.reduction == Reduction::kMean) DDP_KERNEL(out.device(), affine)(out, 1.0 / count, 0.0, out);
   }
   if (!autograd::AnyRequiresGrad({&logits})) return out;

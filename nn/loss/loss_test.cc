@@ -86,5 +86,18 @@ TEST(MseTest, ValueGradientAndShapeCheck) {
   EXPECT_NE(ErrorOf([] { MseLoss(Zeros({3}), Zeros({4})); }).find("differ in shape"), std::string::npos);
 }
 
+// As PyTorch: the mean over no elements is NaN (the sum is 0), and a 16-bit
+// mean is finite where the 16-bit sum is not (100000 * 4 > f16's 65504).
+TEST(MseTest, EmptyIsNaNAndSixteenBitMeanDoesNotOverflow) {
+  EXPECT_TRUE(std::isnan(MseLoss(Zeros({0}), Zeros({0})).Item()));
+  EXPECT_TRUE(std::isnan(MseLoss(Zeros({0, 3}), Zeros({0, 3})).Item()));
+  EXPECT_EQ(MseLoss(Zeros({0}), Zeros({0}), Reduction::kSum).Item(), 0.0);
+  const Tensor x = Zeros({100000}, {.dtype = DType::kFloat16});
+  const Tensor y = Full({100000}, 2.0, {.dtype = DType::kFloat16});
+  const Tensor loss = MseLoss(x, y);
+  EXPECT_EQ(loss.dtype(), DType::kFloat16);
+  EXPECT_EQ(loss.Item(), 4.0);
+}
+
 }  // namespace
 }  // namespace ddp::nn::loss

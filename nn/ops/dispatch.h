@@ -79,8 +79,10 @@ struct KernelTable {
   void (*bernoulli_mask)(const Tensor& mask, double keep_prob, Generator& gen) = nullptr;
 
   // --- reductions ---
-  /// out = sum of x over the dimensions where out has size 1 (out has x's rank).
-  void (*sum_to)(const Tensor& x, const Tensor& out) = nullptr;
+  /// out = scale * (sum of x over the dimensions where out has size 1); out has
+  /// x's rank. The scaling happens in the wide accumulator before rounding
+  /// into out's dtype, so a 16-bit mean stays finite where its sum would not.
+  void (*sum_to)(const Tensor& x, const Tensor& out, double scale) = nullptr;
   /// out[..] = index of the maximum of x along dim (out i64, x's shape without dim).
   void (*argmax)(const Tensor& x, int64_t dim, const Tensor& out) = nullptr;
 

@@ -15,7 +15,7 @@ Tensor SumToShape(const Tensor& g, const Shape& shape) {
   Shape padded(g.dim() - shape.size(), 1);
   padded.insert(padded.end(), shape.begin(), shape.end());
   Tensor out = Empty(padded, {.dtype = g.dtype(), .device = g.device()});
-  DDP_KERNEL(g.device(), sum_to)(g, out);
+  DDP_KERNEL(g.device(), sum_to)(g, out, 1.0);
   return out.View(shape);
 }
 

@@ -197,6 +197,37 @@ TEST(KernelsTest, ReluKeepsNaN) {
   EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{0, 0, 1}));
 }
 
+// The mean scales the f64 sum before rounding into the 16-bit result: the
+// sum of 100000 ones overflows f16 (max 65504), their mean does not.
+TEST(KernelsTest, SixteenBitMeanScalesBeforeRounding) {
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(std::string(DTypeName(t)));
+    const Tensor ones = Ones({100000}, {.dtype = t});
+    const Tensor mean = Mean(ones);
+    EXPECT_EQ(mean.dtype(), t);
+    EXPECT_EQ(mean.Item(), 1.0);
+    const Tensor rows = Mean(Ones({2, 100000}, {.dtype = t}), {1});
+    EXPECT_EQ(rows.ToVector<double>(), (std::vector<double>{1.0, 1.0}));
+  }
+  // bf16 values near its maximum: the sum leaves f32's range, the mean does not.
+  const Tensor big = Full({4}, 3e38, {.dtype = DType::kBFloat16});
+  EXPECT_NEAR(Mean(big).Item(), 3e38, 3e36);
+}
+
+// A mean over no elements is NaN, as in PyTorch; its gradient is empty.
+TEST(KernelsTest, MeanOfNothingIsNaN) {
+  Tensor empty = Zeros({0}, {.requires_grad = true});
+  const Tensor m = Mean(empty);
+  EXPECT_TRUE(std::isnan(m.Item()));
+  Backward(m);
+  EXPECT_EQ(empty.grad().shape(), (Shape{0}));
+  const Tensor rows = Mean(Zeros({3, 0}), {1});
+  ASSERT_EQ(rows.shape(), (Shape{3}));
+  for (double v : rows.ToVector<double>()) EXPECT_TRUE(std::isnan(v));
+  EXPECT_EQ(Mean(Zeros({0, 3}), {1}).shape(), (Shape{0}));
+  EXPECT_EQ(Sum(Zeros({0})).Item(), 0.0);
+}
+
 TEST(KernelsTest, MissingCudaKernelIsNamed) {
   try {
     DDP_KERNEL(Device(DeviceType::kCUDA, 1), conv2d_forward);

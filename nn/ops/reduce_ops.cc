@@ -1,5 +1,5 @@
 // Sums and means (differentiable) and argmax.
-#include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "nn/ops/autocast.h"
@@ -12,7 +12,8 @@ using detail::LambdaNode;
 
 namespace {
 
-// Reduces x over `dims` into keepdim shape, scaling by `scale`.
+// Reduces x over `dims` into keepdim shape, scaling by `scale` (the kernel
+// scales the wide sum before rounding it into x's dtype).
 Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim, double scale, const char* name) {
   // Autocast: sums of many 16-bit values lose precision and overflow f16.
   const Tensor x = autocast::ToFloat32(x_in);
@@ -33,8 +34,7 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
     if (!reduced[d] || keepdim) final_shape.push_back(kept[d]);
   }
   Tensor out = Empty(kept, {.dtype = x.dtype(), .device = x.device()});
-  DDP_KERNEL(x.device(), sum_to)(x, out);
-  if (scale != 1.0) DDP_KERNEL(x.device(), affine)(out, scale, 0.0, out);
+  DDP_KERNEL(x.device(), sum_to)(x, out, scale);
   out = out.View(final_shape);
   if (!detail::AnyRequiresGrad({&x})) return out;
   const Shape in = x.shape();
@@ -63,6 +63,10 @@ double Count(const Tensor& x, const std::vector<int64_t>& dims) {
   return n;
 }
 
+// The factor that turns a sum of n elements into their mean. A mean of no
+// elements is NaN, as in PyTorch (the empty sum, 0, times NaN).
+double MeanScale(double n) { return n == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / n; }
+
 }  // namespace
 
 Tensor Sum(const Tensor& x) { return Reduce(x, AllDims(x), false, 1.0, "SumBackward"); }
@@ -72,11 +76,11 @@ Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor Mean(const Tensor& x) {
-  return Reduce(x, AllDims(x), false, 1.0 / std::max(1.0, static_cast<double>(x.numel())), "MeanBackward");
+  return Reduce(x, AllDims(x), false, MeanScale(static_cast<double>(x.numel())), "MeanBackward");
 }
 
 Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return Reduce(x, dims, keepdim, 1.0 / std::max(1.0, Count(x, dims)), "MeanBackward");
+  return Reduce(x, dims, keepdim, MeanScale(Count(x, dims)), "MeanBackward");
 }
 
 Tensor Argmax(const Tensor& x, int64_t dim) {

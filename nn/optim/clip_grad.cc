@@ -65,7 +65,7 @@ double DeviceSum(const std::vector<Tensor>& grads, double q) {
       k.unary(ops::UnaryOp::kExp, t, powered);
     }
     const Tensor part = Empty({1}, {.dtype = DType::kFloat64, .device = dev});
-    k.sum_to(powered, part);
+    k.sum_to(powered, part, 1.0);
     k.add_scaled_(total, part, 1.0);
   }
   return total.Item();  // the one host synchronization

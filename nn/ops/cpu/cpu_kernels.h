@@ -18,7 +18,7 @@ void MaskedScale(const Tensor& x, const Tensor& mask, double scale, const Tensor
 void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen);
 
 // reduce.cc
-void SumTo(const Tensor& x, const Tensor& out);
+void SumTo(const Tensor& x, const Tensor& out, double scale);
 void Argmax(const Tensor& x, int64_t dim, const Tensor& out);
 
 // gemm.cc

@@ -10,8 +10,9 @@
 
 namespace ddp::nn::ops::cpu {
 
-// x: [d0, ..., dk]; out: same rank, each dimension equal to x's or 1 (summed over).
-void SumTo(const Tensor& x, const Tensor& out) {
+// x: [d0, ..., dk]; out: same rank, each dimension equal to x's or 1 (summed
+// over), receiving scale times the sum.
+void SumTo(const Tensor& x, const Tensor& out, double scale) {
   if (out.dim() != x.dim()) {
     throw std::invalid_argument("sum_to: out rank " + std::to_string(out.dim()) + " differs from input rank " +
                                 std::to_string(x.dim()));
@@ -50,6 +51,11 @@ void SumTo(const Tensor& x, const Tensor& out) {
       }
     });
   });
+  // Scaled before the rounding into out: a mean of many 16-bit values fits
+  // in the 16-bit type even when their sum does not.
+  if (scale != 1.0) {
+    for (double& v : acc) v *= scale;
+  }
   Tensor acc_t = Tensor::FromBlob(acc.data(), os, DType::kFloat64);
   NoGradGuard guard;
   out.CopyFrom(acc_t);
