@@ -102,6 +102,10 @@ void Binary(ops::BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& ou
   const Device dev = CommonDevice("binary", {&a, &b, &out});
   CheckSameDType("binary", a, out);
   CheckSameDType("binary", b, out);
+  // As on the CPU: ops::Div divides integers as f32, never in the integer type.
+  if (op == ops::BinaryOp::kDiv && !IsFloating(out.dtype())) {
+    throw std::invalid_argument("binary: division needs a floating dtype, got " + std::string(DTypeName(out.dtype())));
+  }
   if (out.numel() == 0) return;
   Launch l(dev);
   const Shape& shape = out.shape();

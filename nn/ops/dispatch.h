@@ -67,7 +67,8 @@ struct KernelTable {
   /// for sigmoid/tanh/exp/sqrt; x for log/square/abs/neg.
   void (*unary_backward)(UnaryOp op, const Tensor& grad_out, const Tensor& saved,
                          const Tensor& grad_in) = nullptr;
-  /// out = op(a, b); a and b broadcast to out's shape; computed in out's dtype.
+  /// out = op(a, b); a and b broadcast to out's shape; computed in out's dtype
+  /// (kDiv: a floating one; integers are rejected rather than divided).
   void (*binary)(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = nullptr;
   /// out = alpha * x + beta (x broadcast to out; out may alias x).
   void (*affine)(const Tensor& x, double alpha, double beta, const Tensor& out) = nullptr;

@@ -52,7 +52,10 @@ const char* BinaryName(BinaryOp op) {
 Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
   if (!a_in.defined() || !b_in.defined()) throw std::invalid_argument("binary op on an undefined tensor");
   detail::CheckSameDevice(BinaryName(op), a_in, b_in);
-  const DType dtype = PromoteTypes(a_in.dtype(), b_in.dtype());
+  DType dtype = PromoteTypes(a_in.dtype(), b_in.dtype());
+  // Division is true division, as torch.div: integer operands divide as the
+  // default float dtype (f32), so 7 / 2 is 3.5 and x / 0 is inf, never a trap.
+  if (op == BinaryOp::kDiv && !IsFloating(dtype)) dtype = DType::kFloat32;
   const Tensor a = a_in.dtype() == dtype ? a_in : Cast(a_in, dtype);
   const Tensor b = b_in.dtype() == dtype ? b_in : Cast(b_in, dtype);
   Shape shape;

@@ -19,6 +19,7 @@ namespace ddp::nn::ops {
 Tensor Add(const Tensor& a, const Tensor& b);
 Tensor Sub(const Tensor& a, const Tensor& b);
 Tensor Mul(const Tensor& a, const Tensor& b);
+/// True division, as torch.div: two integer tensors give f32.
 Tensor Div(const Tensor& a, const Tensor& b);
 /// x + s.
 Tensor AddScalar(const Tensor& x, double s);

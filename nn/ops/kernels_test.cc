@@ -228,6 +228,33 @@ TEST(KernelsTest, MeanOfNothingIsNaN) {
   EXPECT_EQ(Sum(Zeros({0})).Item(), 0.0);
 }
 
+// Division is true division, as torch.div: integer operands give f32, so
+// 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
+TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType t : {DType::kInt64, DType::kInt32, DType::kUInt8}) {
+    SCOPED_TRACE(std::string(DTypeName(t)));
+    const Tensor a = FromVector({7, 6, 1, 0}, {4}, {.dtype = t});
+    const Tensor b = FromVector({2, 4, 0, 0}, {4}, {.dtype = t});
+    const Tensor q = Div(a, b);
+    EXPECT_EQ(q.dtype(), DType::kFloat32);
+    const std::vector<double> v = q.ToVector<double>();
+    EXPECT_EQ(v[0], 3.5);
+    EXPECT_EQ(v[1], 1.5);
+    EXPECT_EQ(v[2], inf);
+    EXPECT_TRUE(std::isnan(v[3]));
+    EXPECT_EQ((a / b).dtype(), DType::kFloat32);
+  }
+  const Tensor i = FromVector({-7}, {1}, {.dtype = DType::kInt64});
+  EXPECT_EQ(Div(i, FromVector({2}, {1}, {.dtype = DType::kInt32})).ToVector<double>(),
+            (std::vector<double>{-3.5}));
+  // Mixed with a float, the float's dtype wins as before.
+  EXPECT_EQ(Div(i, FromVector({2}, {1}, {.dtype = DType::kFloat64})).dtype(), DType::kFloat64);
+  // The raw kernel refuses integer division rather than trapping.
+  const Tensor z = FromVector({0}, {1}, {.dtype = DType::kInt64});
+  EXPECT_THROW(KernelsFor(DeviceType::kCPU).binary(BinaryOp::kDiv, i, z, EmptyLike(i)), std::invalid_argument);
+}
+
 TEST(KernelsTest, MissingCudaKernelIsNamed) {
   try {
     DDP_KERNEL(Device(DeviceType::kCUDA, 1), conv2d_forward);

@@ -168,6 +168,10 @@ void UnaryBackward(UnaryOp op, const Tensor& grad_out, const Tensor& saved, cons
 void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   CheckSameDType("binary", a, out);
   CheckSameDType("binary", b, out);
+  // An integer divisor of 0 would trap (SIGFPE); ops::Div divides integers as f32.
+  if (op == BinaryOp::kDiv && !IsFloating(out.dtype())) {
+    throw std::invalid_argument("binary: division needs a floating dtype, got " + std::string(DTypeName(out.dtype())));
+  }
   const Shape as = BroadcastStrides(a, out.shape());
   const Shape bs = BroadcastStrides(b, out.shape());
   DDP_DISPATCH_ALL(out.dtype(), "binary", {
