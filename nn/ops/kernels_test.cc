@@ -1,6 +1,8 @@
 // Kernel-level checks: the two GEMM backends and the two convolution
 // algorithms agree; 16-bit inputs compute in f32 (pooling gradients too);
-// bad targets are reported.
+// bad targets are reported; edge values and shapes (NaN through ReLU,
+// 16-bit and empty means, integer division, no inner dimension) behave as
+// in PyTorch.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -253,6 +255,39 @@ TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {
   // The raw kernel refuses integer division rather than trapping.
   const Tensor z = FromVector({0}, {1}, {.dtype = DType::kInt64});
   EXPECT_THROW(KernelsFor(DeviceType::kCPU).binary(BinaryOp::kDiv, i, z, EmptyLike(i)), std::invalid_argument);
+}
+
+// in_features = 0: Linear gives the bias broadcast to [..., out] (zeros
+// without one), as PyTorch.
+TEST(KernelsTest, LinearWithNoInputFeatures) {
+  const Tensor x = Zeros({4, 0}, {.requires_grad = true});
+  const Tensor w = Zeros({3, 0}, {.requires_grad = true});
+  const Tensor b = FromVector({1, 2, 3}, {3}, {.requires_grad = true});
+  const Tensor y = Linear(x, w, b);
+  ASSERT_EQ(y.shape(), (Shape{4, 3}));
+  for (int64_t r = 0; r < 4; ++r) {
+    EXPECT_EQ(y.Detach().Select(0, r).ToVector<float>(), (std::vector<float>{1, 2, 3}));
+  }
+  Backward(Sum(y));
+  EXPECT_EQ(x.grad().shape(), (Shape{4, 0}));
+  EXPECT_EQ(w.grad().shape(), (Shape{3, 0}));
+  EXPECT_EQ(b.grad().ToVector<float>(), (std::vector<float>{4, 4, 4}));
+  const Tensor y3 = Linear(Zeros({2, 5, 0}), Zeros({3, 0}), Tensor());
+  ASSERT_EQ(y3.shape(), (Shape{2, 5, 3}));
+  EXPECT_EQ(y3.ToVector<float>(), std::vector<float>(30, 0.0f));
+}
+
+// N-D @ 2-D with K = 0 gives zeros of shape [..., N], as PyTorch.
+TEST(KernelsTest, MatmulWithNoInnerDimension) {
+  const Tensor a = Zeros({2, 3, 0}, {.requires_grad = true});
+  const Tensor m = Zeros({0, 5}, {.requires_grad = true});
+  const Tensor p = Matmul(a, m);
+  ASSERT_EQ(p.shape(), (Shape{2, 3, 5}));
+  EXPECT_EQ(p.ToVector<float>(), std::vector<float>(30, 0.0f));
+  Backward(Sum(p));
+  EXPECT_EQ(a.grad().shape(), (Shape{2, 3, 0}));
+  EXPECT_EQ(m.grad().shape(), (Shape{0, 5}));
+  EXPECT_EQ(Matmul(Zeros({0, 3, 0}), Zeros({0, 5})).shape(), (Shape{0, 3, 5}));
 }
 
 TEST(KernelsTest, MissingCudaKernelIsNamed) {

@@ -100,10 +100,12 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
   if (db == 1) return Squeeze(Matmul(a_in, Unsqueeze(b_in, 1)), -1);
   if (da == 2 && db == 2) return Mm(a_in, b_in);
   if (db == 2) {
-    // [..., M, K] @ [K, N]: fold the leading dimensions into M.
+    // [..., M, K] @ [K, N]: fold the leading dimensions into M (counted, not
+    // inferred with -1, which K = 0 would leave undetermined).
     Shape out_shape(a_in.shape().begin(), a_in.shape().end() - 1);
+    const int64_t m = NumElements(out_shape);
     out_shape.push_back(b_in.size(1));
-    return Reshape(Mm(Reshape(a_in, {-1, a_in.size(-1)}), b_in), out_shape);
+    return Reshape(Mm(Reshape(a_in, {m, a_in.size(-1)}), b_in), out_shape);
   }
   if (da == 3 && db == 3) return Bmm(a_in, b_in);
   throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
@@ -128,7 +130,9 @@ Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   const Tensor x = x_in.dtype() == w.dtype() ? x_in : Cast(x_in, w.dtype());
   CheckFloatingSameType("linear", x, w);
   const int64_t in = w.size(1), out_features = w.size(0);
-  const int64_t m = x.numel() / std::max<int64_t>(in, 1);
+  // Rows: the product of x's leading dimensions (with in = 0, x has no
+  // elements but still m rows, each the bias alone).
+  const int64_t m = NumElements(Shape(x.shape().begin(), x.shape().end() - 1));
   const Tensor x2 = x.Detach().Reshape({m, in});
   Tensor y2 = Empty({m, out_features}, {.dtype = w.dtype(), .device = w.device()});
   double beta = 0.0;
