@@ -22,18 +22,37 @@ std::string ShapeToString(const Shape& shape) {
   return s + "]";
 }
 
-int64_t NumElements(const Shape& shape) {
+namespace {
+
+// Sizes whose element or byte count leaves int64 would wrap around and
+// describe a much smaller buffer than the shape claims; they are refused,
+// as PyTorch refuses them.
+[[noreturn]] void ThrowSizeOverflow(const std::string& what, const Shape& shape) {
+  throw std::invalid_argument(what + ": storage size calculation overflowed for shape " + ShapeToString(shape) +
+                              " (more than 2^63 - 1)");
+}
+
+int64_t CountElements(const Shape& shape, const std::string& what) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    if (__builtin_mul_overflow(n, s, &n)) ThrowSizeOverflow(what, shape);
+  }
   return n;
 }
+
+}  // namespace
+
+int64_t NumElements(const Shape& shape) { return CountElements(shape, "numel"); }
 
 Shape ContiguousStrides(const Shape& shape) {
   Shape strides(shape.size());
   int64_t s = 1;
   for (size_t i = shape.size(); i-- > 0;) {
     strides[i] = s;
-    s *= std::max<int64_t>(shape[i], 1);
+    // Zero sizes count as one here, so an empty shape can overflow too.
+    if (i > 0 && __builtin_mul_overflow(s, std::max<int64_t>(shape[i], 1), &s)) {
+      ThrowSizeOverflow("strides", shape);
+    }
   }
   return strides;
 }
@@ -74,6 +93,18 @@ void CheckShape(const Shape& shape, const char* what) {
                                   ShapeToString(shape));
     }
   }
+  CountElements(shape, what);
+}
+
+// Bytes of a contiguous tensor of `shape`: checked as CheckShape does, and
+// the byte count must fit in int64 as well.
+size_t ContiguousBytes(const Shape& shape, DType dtype, const char* what) {
+  CheckShape(shape, what);
+  int64_t nbytes;
+  if (__builtin_mul_overflow(NumElements(shape), static_cast<int64_t>(ElementSize(dtype)), &nbytes)) {
+    ThrowSizeOverflow(std::string(what) + " (" + std::string(DTypeName(dtype)) + ")", shape);
+  }
+  return static_cast<size_t>(nbytes);
 }
 
 // Replaces a single -1 in `shape` by the size that makes numel elements.
@@ -87,8 +118,8 @@ Shape InferSize(const Shape& shape, int64_t numel) {
       infer = static_cast<int>(i);
     } else if (out[i] < 0) {
       throw std::invalid_argument("invalid size in shape " + ShapeToString(shape));
-    } else {
-      known *= out[i];
+    } else if (__builtin_mul_overflow(known, out[i], &known)) {
+      ThrowSizeOverflow("view", shape);
     }
   }
   if (infer >= 0) {
@@ -283,9 +314,8 @@ void HookHandle::Remove() {
 
 Tensor Tensor::FromBlob(void* data, const Shape& shape, DType dtype, Device device,
                         std::function<void(void*)> deleter) {
-  CheckShape(shape, "FromBlob");
-  auto storage = std::make_shared<Storage>(data, NumElements(shape) * ElementSize(dtype), device,
-                                           std::move(deleter));
+  const size_t nbytes = ContiguousBytes(shape, dtype, "FromBlob");
+  auto storage = std::make_shared<Storage>(data, nbytes, device, std::move(deleter));
   return Tensor(std::make_shared<TensorImpl>(std::move(storage), 0, shape, ContiguousStrides(shape), dtype));
 }
 
@@ -297,12 +327,23 @@ Tensor Tensor::FromStorage(std::shared_ptr<Storage> storage, int64_t offset, con
                                 ShapeToString(strides) + " differ in length");
   }
   if (NumElements(shape) > 0) {
-    int64_t last = offset;
+    // The byte just past the last element, computed without wrapping: a huge
+    // stride must not come back around into the storage's range.
+    int64_t last = offset, end_bytes = 0;
+    bool overflow = false;
     for (size_t i = 0; i < shape.size(); ++i) {
       if (strides[i] < 0) throw std::invalid_argument("FromStorage: negative stride");
-      last += (shape[i] - 1) * strides[i];
+      int64_t reach;
+      overflow |= __builtin_mul_overflow(shape[i] - 1, strides[i], &reach);
+      overflow |= __builtin_add_overflow(last, reach, &last);
     }
-    if (offset < 0 || static_cast<size_t>(last + 1) * ElementSize(dtype) > storage->nbytes()) {
+    overflow |= __builtin_add_overflow(last, 1, &last);
+    overflow |= __builtin_mul_overflow(last, static_cast<int64_t>(ElementSize(dtype)), &end_bytes);
+    if (overflow) {
+      throw std::out_of_range("FromStorage: storage size calculation overflowed for shape " + ShapeToString(shape) +
+                              " strides " + ShapeToString(strides) + " offset " + std::to_string(offset));
+    }
+    if (offset < 0 || static_cast<size_t>(end_bytes) > storage->nbytes()) {
       throw std::out_of_range("FromStorage: shape " + ShapeToString(shape) + " strides " +
                               ShapeToString(strides) + " offset " + std::to_string(offset) +
                               " reach past the storage's " + std::to_string(storage->nbytes()) + " bytes");
@@ -753,8 +794,7 @@ HookHandle Tensor::RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) con
 // ---------------------------------------------------------------- factories
 
 Tensor Empty(const Shape& shape, TensorOptions options) {
-  CheckShape(shape, "Empty");
-  const size_t nbytes = static_cast<size_t>(NumElements(shape)) * ElementSize(options.dtype);
+  const size_t nbytes = ContiguousBytes(shape, options.dtype, "Empty");
   auto storage = std::make_shared<Storage>(nbytes, options.device);
   Tensor t(std::make_shared<TensorImpl>(std::move(storage), 0, shape, ContiguousStrides(shape), options.dtype));
   if (options.requires_grad) t.set_requires_grad(true);

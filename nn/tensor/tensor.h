@@ -32,7 +32,8 @@ using Shape = std::vector<int64_t>;
 
 /// "[64, 784]".
 std::string ShapeToString(const Shape& shape);
-/// Product of the sizes (1 for a 0-d shape).
+/// Product of the sizes (1 for a 0-d shape). Throws std::invalid_argument,
+/// naming the shape, when it does not fit in int64.
 int64_t NumElements(const Shape& shape);
 /// Row-major strides of a contiguous tensor of this shape.
 Shape ContiguousStrides(const Shape& shape);
@@ -150,7 +151,9 @@ class Tensor {
   /// Wraps memory owned elsewhere (no copy). `deleter` may be empty for borrowed memory.
   static Tensor FromBlob(void* data, const Shape& shape, DType dtype, Device device = kCPU,
                          std::function<void(void*)> deleter = {});
-  /// A tensor over `storage` with explicit geometry (offset and strides in elements).
+  /// A tensor over `storage` with explicit geometry (offset and strides in
+  /// elements). Throws std::out_of_range when the geometry reaches past the
+  /// storage, including when computing its extent would overflow int64.
   static Tensor FromStorage(std::shared_ptr<Storage> storage, int64_t offset, const Shape& shape,
                             const Shape& strides, DType dtype);
 

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -141,6 +142,50 @@ TEST(TensorTest, FromStorageSharesMemoryAndChecksBounds) {
   EXPECT_NE(ErrorOf([&] { Tensor::FromStorage(flat.storage(), 5, {2, 3}, {3, 1}, DType::kFloat32); })
                 .find("reach past the storage"),
             std::string::npos);
+}
+
+// Shapes whose element or byte count leaves int64 are refused before any
+// allocation, as PyTorch's "Storage size calculation overflowed"; wrapped
+// around they would describe a tiny buffer.
+TEST(TensorTest, SizeOverflowIsRefused) {
+  const int64_t big = int64_t{1} << 32;
+  std::string err = ErrorOf([&] { Empty({big, big}); });
+  EXPECT_NE(err.find("Empty: storage size calculation overflowed for shape [4294967296, 4294967296]"),
+            std::string::npos)
+      << err;
+  EXPECT_THROW(Empty({big, big}), std::invalid_argument);
+  // 2^62 elements fit in int64, their 2^64 bytes (f32) do not.
+  err = ErrorOf([&] { Empty({int64_t{1} << 62}); });
+  EXPECT_NE(err.find("Empty (f32): storage size calculation overflowed for shape [4611686018427387904]"),
+            std::string::npos)
+      << err;
+  EXPECT_THROW(Zeros({big, big, 0}), std::invalid_argument);  // as PyTorch: overflows before the 0
+  float buf[4] = {};
+  EXPECT_THROW(Tensor::FromBlob(buf, {big, big}, DType::kFloat32), std::invalid_argument);
+  EXPECT_THROW(NumElements({big, big}), std::invalid_argument);
+  EXPECT_EQ(NumElements({big, int64_t{1} << 30}), int64_t{1} << 62);
+  // A view's shape is checked too, even over no elements.
+  EXPECT_THROW(Zeros({0}).View({big, big, 0}), std::invalid_argument);
+  EXPECT_THROW(Zeros({2}).Expand({big, big, 2}), std::invalid_argument);
+}
+
+// Strides and offsets that reach past int64 are out of range, not wrapped
+// back into the storage.
+TEST(TensorTest, FromStorageRefusesStridesThatOverflow) {
+  Tensor flat = Zeros({10});
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  std::string err = ErrorOf([&] { Tensor::FromStorage(flat.storage(), 0, {2}, {max}, DType::kFloat32); });
+  EXPECT_NE(err.find("FromStorage: storage size calculation overflowed for shape [2] strides [" +
+                     std::to_string(max) + "]"),
+            std::string::npos)
+      << err;
+  EXPECT_THROW(Tensor::FromStorage(flat.storage(), 0, {2}, {max}, DType::kFloat32), std::out_of_range);
+  // (2^62 + 1) * 4 bytes wraps around to 4: must not pass as "inside 40 bytes".
+  EXPECT_THROW(Tensor::FromStorage(flat.storage(), 0, {2}, {int64_t{1} << 62}, DType::kFloat32), std::out_of_range);
+  EXPECT_THROW(Tensor::FromStorage(flat.storage(), max, {1}, {1}, DType::kFloat32), std::out_of_range);
+  EXPECT_THROW(flat.AsStrided({3, 2}, {max / 2, 1}, 0), std::out_of_range);
+  // Stride 0 repeats one element: many elements, few bytes, allowed.
+  EXPECT_EQ(flat.AsStrided({int64_t{1} << 40}, {0}, 9).numel(), int64_t{1} << 40);
 }
 
 TEST(TensorTest, FromBlobWrapsWithoutCopyAndRunsDeleter) {
