@@ -102,28 +102,56 @@ DType Optimizer::ComputeDType(size_t i) const {
   return params_[i].second.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
 }
 
+namespace {
+
+bool Is16Bit(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
+
+// An f32 copy of a 16-bit parameter.
+Tensor MasterOf(const Tensor& p) {
+  if (!p.device().is_cpu()) return p.Detach().To(DType::kFloat32);
+  Tensor master = Empty(p.shape(), {.dtype = DType::kFloat32});
+  ConvertTo(p, master.data<float>());
+  return master;
+}
+
+}  // namespace
+
+Optimizer::State Optimizer::CurrentState(size_t i) const {
+  State s = state_[i];
+  const Tensor& p = params_[i].second;
+  if (s.slots.empty()) return s;
+  // State made (or loaded) before the parameter moved follows it: to its
+  // device, and to its dtype (Module::To converts parameters in place).
+  // The slots' values carry over, converted to the new compute dtype (PyTorch
+  // keeps its buffers and casts in the update); a parameter that is no
+  // longer 16-bit drops its master and is updated itself, one that became
+  // 16-bit gets a master copied from it.
+  const DType compute = ComputeDType(i);
+  for (Tensor& t : s.slots) {
+    if (t.device() != p.device()) t = t.To(p.device());
+    if (t.dtype() != compute) t = t.To(compute);
+  }
+  if (!Is16Bit(p.dtype())) {
+    s.master = Tensor();
+  } else if (!s.master.defined()) {
+    s.master = MasterOf(p);
+  } else if (s.master.device() != p.device()) {
+    s.master = s.master.To(p.device());
+  }
+  return s;
+}
+
 void Optimizer::InitState(size_t i) {
   State& s = state_[i];
   const Tensor& p = params_[i].second;
   if (!s.slots.empty()) {
-    // State made (or loaded) before the parameter moved follows it.
-    for (Tensor& t : s.slots) {
-      if (t.device() != p.device()) t = t.To(p.device());
-    }
-    if (s.master.defined() && s.master.device() != p.device()) s.master = s.master.To(p.device());
+    s = CurrentState(i);
     return;
   }
   for (size_t k = 0; k < slot_names_.size(); ++k) {
     s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i), .device = p.device()}));
   }
-  if (p.dtype() == DType::kFloat16 || p.dtype() == DType::kBFloat16) {
-    if (p.device().is_cpu()) {
-      s.master = Empty(p.shape(), {.dtype = DType::kFloat32});
-      ConvertTo(p, s.master.data<float>());
-    } else {
-      s.master = p.Detach().To(DType::kFloat32);
-    }
-  }
+  if (Is16Bit(p.dtype())) s.master = MasterOf(p);
 }
 
 void Optimizer::Step() {
@@ -237,10 +265,13 @@ NamedTensors Optimizer::StateDict() const {
     if (steps_[i] == 0) continue;
     const std::string prefix = "state." + params_[i].first + ".";
     out.emplace_back(prefix + "step", FromVectorOf<int64_t>({steps_[i]}, {}));
+    // As the next step would see it, so LoadStateDict takes it back even
+    // when the parameter changed dtype or device since its last step.
+    const State s = CurrentState(i);
     for (size_t k = 0; k < slot_names_.size(); ++k) {
-      out.emplace_back(prefix + slot_names_[k], state_[i].slots[k].Clone());
+      out.emplace_back(prefix + slot_names_[k], s.slots[k].Clone());
     }
-    if (state_[i].master.defined()) out.emplace_back(prefix + "master", state_[i].master.Clone());
+    if (s.master.defined()) out.emplace_back(prefix + "master", s.master.Clone());
   }
   return out;
 }
@@ -273,8 +304,7 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     const std::string prefix = "state." + params_[i].first + ".";
     std::vector<std::string> keys = {prefix + "step"};
     for (const std::string& s : slot_names_) keys.push_back(prefix + s);
-    const bool is16 = p.dtype() == DType::kFloat16 || p.dtype() == DType::kBFloat16;
-    if (is16) keys.push_back(prefix + "master");
+    if (Is16Bit(p.dtype())) keys.push_back(prefix + "master");
     int present = 0;
     for (const std::string& k : keys) {
       expected.insert(k);

@@ -10,7 +10,10 @@
 // the parameter; small updates then accumulate instead of vanishing in a
 // 16-bit rounding. PyTorch's AMP gets the same effect by keeping the
 // parameters themselves in f32. f32 and f64 parameters are updated in their
-// own precision.
+// own precision. A parameter whose dtype changes between steps (Module::To)
+// keeps its state, converted: the slots take the new compute dtype, a
+// parameter that is no longer 16-bit drops its master and is updated
+// itself, and one that became 16-bit gets a master copied from it.
 //
 // Devices: all parameters of one optimizer live on one device. On a CUDA
 // device (or any non-CPU device) the state and master copies live there
@@ -127,6 +130,9 @@ class Optimizer {
   };
 
   DType ComputeDType(size_t i) const;
+  /// The state of parameter i as its current device and dtype need it (a
+  /// copy only where something changed since the state was made).
+  State CurrentState(size_t i) const;
   void InitState(size_t i);
   void HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d);
   void DeviceStep(size_t i, const Tensor& grad);

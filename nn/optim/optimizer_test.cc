@@ -190,6 +190,69 @@ TEST(Optimizer, MasterCopyKeepsSmallUpdatesOfBf16Parameters) {
   for (float v : w.ToVector<float>()) EXPECT_EQ(v, 1.0234375f);
 }
 
+// Module::To converts a parameter in place (the same tensor object) between
+// steps. bf16 -> f32: the master is dropped and the parameter itself is
+// updated from its converted value, the momentum carried over; before, the
+// master kept absorbing the updates and the f32 parameter never changed.
+TEST(Optimizer, Bf16ParameterConvertedToF32KeepsTraining) {
+  Tensor w = Ones({4}, {.dtype = DType::kBFloat16});
+  Sgd opt({{"w", w}}, {.lr = 0.1, .momentum = 0.9});
+  w.set_grad(Full({4}, -1.0, {.dtype = DType::kBFloat16}));
+  opt.Step();  // momentum 1, master 1.1, w = bf16(1.1) = 1.1015625
+  w.SetData(w.Detach().To(DType::kFloat32));
+  w.set_grad(Full({4}, -1.0));
+  opt.Step();  // momentum 0.9 * 1 + 1 = 1.9, w = 1.1015625 + 0.19
+  EXPECT_EQ(w.dtype(), DType::kFloat32);
+  for (float v : w.ToVector<float>()) EXPECT_FLOAT_EQ(v, 1.1015625f + 0.19f);
+  // The state no longer holds a master, and loads into an f32 parameter.
+  for (const auto& [k, t] : opt.StateDict()) EXPECT_EQ(k.find("master"), std::string::npos) << k;
+  Tensor w2 = w.Detach().Clone();
+  Sgd opt2({{"w", w2}}, {.lr = 0.1, .momentum = 0.9});
+  opt2.LoadStateDict(opt.StateDict());
+  w.set_grad(Full({4}, -1.0));
+  opt.Step();
+  w2.set_grad(Full({4}, -1.0));
+  opt2.Step();
+  EXPECT_EQ(w.ToVector<float>(), w2.ToVector<float>());
+}
+
+// Every optimizer keeps training through any change of a parameter's dtype
+// between steps (no stall, no dtype error), and its state dict afterwards
+// loads into an optimizer over a parameter of the new dtype.
+TEST(Optimizer, ParameterDtypeChangesBetweenStepsKeepTraining) {
+  const std::pair<DType, DType> changes[] = {{DType::kBFloat16, DType::kFloat32}, {DType::kFloat16, DType::kFloat64},
+                                             {DType::kFloat32, DType::kBFloat16}, {DType::kFloat32, DType::kFloat64},
+                                             {DType::kFloat64, DType::kFloat32}, {DType::kFloat16, DType::kBFloat16}};
+  for (const auto& [from, to] : changes) {
+    for (const auto& [name, make] : AllOptimizers()) {
+      SCOPED_TRACE(name + " " + std::string(DTypeName(from)) + " -> " + std::string(DTypeName(to)));
+      NamedParameters p = MakeParams(from, 1);
+      auto opt = make(p);
+      for (int s = 0; s < 3; ++s) {
+        SetGrads(p, s);
+        opt->Step();
+      }
+      for (const auto& [n, t] : p) t.SetData(t.Detach().To(to));
+      // Saved between the change and the next step: already in the new form.
+      const NamedTensors saved = opt->StateDict();
+      NamedParameters q = MakeParams(to, 1);
+      for (size_t i = 0; i < p.size(); ++i) q[i].second.CopyFrom(p[i].second);
+      auto restored = make(q);
+      ASSERT_NO_THROW(restored->LoadStateDict(saved));
+      for (int s = 3; s < 6; ++s) {
+        const std::vector<std::vector<uint8_t>> before = Bytes(p);
+        SetGrads(p, s);
+        ASSERT_NO_THROW(opt->Step());
+        EXPECT_NE(Bytes(p), before) << "step " << s;
+        SetGrads(q, s);
+        restored->Step();
+      }
+      EXPECT_EQ(Bytes(p), Bytes(q));
+      for (const auto& [n, t] : p) EXPECT_EQ(t.dtype(), to);
+    }
+  }
+}
+
 TEST(Optimizer, RejectsBadParametersAndOptions) {
   EXPECT_THROW(Sgd({{"a", Zeros({2})}, {"a", Zeros({2})}}, {}), std::invalid_argument);
   EXPECT_THROW(Sgd({{"i", Zeros({2}, {.dtype = DType::kInt64})}}, {}), std::invalid_argument);
