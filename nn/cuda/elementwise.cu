@@ -56,7 +56,7 @@ template <typename A>
 __device__ __forceinline__ A UnaryGradFn(OpCode op, A d, A s) {
   switch (op) {
     case 0: return -d;
-    case 1: return s > A(0) ? d : A(0);
+    case 1: return s <= A(0) ? A(0) : d;
     case 2: {
       const A cdf = A(0.5) * (A(1) + Erf(s * A(kSqrt1_2)));
       const A pdf = A(kInvSqrt2Pi) * Exp(A(-0.5) * s * s);

@@ -175,7 +175,8 @@ TEST(KernelsTest, SixteenBitPoolingGradientsRoundOnce) {
 }
 
 // torch.relu keeps NaN (and -0): for every floating dtype, contiguous or
-// strided, and in place (ReluOwned). The gradient stays g * (x > 0).
+// strided, and in place (ReluOwned). The gradient is 0 where x <= 0 and g
+// elsewhere, NaN included (PyTorch's threshold_backward passes it there).
 TEST(KernelsTest, ReluKeepsNaN) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (DType t : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
@@ -194,9 +195,9 @@ TEST(KernelsTest, ReluKeepsNaN) {
       EXPECT_TRUE(std::signbit(v[4]));  // -0 stays -0, as in PyTorch
     }
   }
-  Tensor x = FromVector({-1.5, 0.0, 2.0}, {3}, {.requires_grad = true});
+  Tensor x = FromVector({-1.5, 0.0, 2.0, nan}, {4}, {.requires_grad = true});
   Backward(Sum(Relu(x)));
-  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{0, 0, 1}));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{0, 0, 1, 1}));
 }
 
 // The mean scales the f64 sum before rounding into the 16-bit result: the

@@ -116,7 +116,7 @@ void UnaryBackwardTyped(UnaryOp op, const Tensor& g, const Tensor& s, const Tens
   const Shape gs = g.strides(), ss = s.strides();
   switch (op) {
     case UnaryOp::kNeg: Map2<T>(g, gs, s, ss, out, [](A d, A) { return -d; }); break;
-    case UnaryOp::kRelu: Map2<T>(g, gs, s, ss, out, [](A d, A x) { return x > A(0) ? d : A(0); }); break;
+    case UnaryOp::kRelu: Map2<T>(g, gs, s, ss, out, [](A d, A x) { return x <= A(0) ? A(0) : d; }); break;
     case UnaryOp::kGelu:
       Map2<T>(g, gs, s, ss, out, [](A d, A x) {
         const A cdf = A(0.5) * (A(1) + std::erf(x * A(kSqrt1_2)));
