@@ -100,6 +100,77 @@ TEST(DdpFeaturesTest, NoSyncAccumulationEqualsOneStepOnTheCombinedBatch) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// NoSync with find_unused_parameters: head `b` gets gradients only in the
+// NoSync micro-batches, and the synchronizing one uses `a` on every rank.
+// b's accumulated gradient still counts as used, so it is averaged like
+// the others: each step equals one step on the combined batch, and `never`
+// keeps no gradient.
+void CheckNoSyncThenUnused(ProcessGroup& pg, bool view, double cap_mb) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  constexpr int kMicro = 3, kOuter = 2;
+  auto model = std::make_shared<Branchy>(31, false);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = cap_mb, .first_bucket_mb = cap_mb,
+                                      .find_unused_parameters = true, .gradient_as_bucket_view = view,
+                                      .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = std::make_shared<Branchy>(31, false);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const std::string what = std::string("NoSync, then unused") + (view ? " (views)" : "") + " cap " +
+                           std::to_string(cap_mb);
+  auto micro = [&](int s, int r, int j) {
+    return testing::Batch(data, (s * kMicro * world + r * kMicro + j) * kBatch, kBatch);
+  };
+  for (int s = 0; s < kOuter; ++s) {
+    opt.ZeroGrad();
+    for (int j = 0; j < kMicro; ++j) {
+      model->use_a_ = j == kMicro - 1;
+      auto [x, y] = micro(s, rank, j);
+      auto step = [&] { nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * (1.0 / kMicro)); };
+      if (j < kMicro - 1) {
+        auto guard = ddp.NoSync();
+        step();
+      } else {
+        step();
+      }
+    }
+    for (const auto& [name, p] : model->NamedParameters()) {
+      const bool never = name.rfind("never.", 0) == 0;
+      WORKER_EXPECT(p.grad().defined() != never, what + ": `" + name + "` " + (never ? "has" : "lacks") + " a gradient");
+    }
+    opt.Step();
+    ref_opt.ZeroGrad();
+    Tensor total;
+    for (int r = 0; r < world; ++r) {
+      for (int j = 0; j < kMicro; ++j) {
+        reference->use_a_ = j == kMicro - 1;
+        auto [x, y] = micro(s, r, j);
+        Tensor l = nn::loss::CrossEntropy((*reference)(x), y) * (1.0 / (kMicro * world));
+        total = total.defined() ? total + l : l;
+      }
+    }
+    nn::Backward(total);
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+}
+
+DDP_TEST_WORKER(no_sync_then_unused) {
+  auto pg = testing::WorkerGroup();
+  for (const bool view : {false, true}) {
+    CheckNoSyncThenUnused(*pg, view, 25);
+    CheckNoSyncThenUnused(*pg, view, 1e-9);  // one bucket per parameter
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, NoSyncGradientsOfAParameterUnusedInTheSynchronizingStepAreAveraged) {
+  auto run = RunWorkers("no_sync_then_unused", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // --------------------------------------------------------------- Join ----
 
 // The last rank holds 3 more batches than the others. Iterations where all

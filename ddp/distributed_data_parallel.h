@@ -71,8 +71,11 @@ struct DdpOptions {
   bool broadcast_buffers = true;
   /// Allow parameters that get no gradient in an iteration (found by
   /// walking the autograd graph from the forward's outputs); a parameter
-  /// unused on every rank keeps no gradient. Without it such a parameter is
-  /// an error naming it at the next forward.
+  /// unused on every rank keeps no gradient. A gradient accumulated under
+  /// NoSync counts as a use in the next synchronizing backward, so it is
+  /// averaged even where that backward does not reach the parameter.
+  /// Without the option an unused parameter is an error naming it at the
+  /// next forward.
   bool find_unused_parameters = false;
   /// .grad of every parameter is a view into its bucket: no copies in and
   /// out of the buckets, and no second copy of the gradients in memory.

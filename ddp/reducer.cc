@@ -268,7 +268,8 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
   next_launch_ = 0;
-  std::memset(used_.data_ptr(), 0, used_.nbytes());
+  // used_ is not cleared here: it already holds the parameters that got
+  // gradients in backwards since the last synchronizing one (NoSync).
   for (Bucket& b : buckets_) b.pending = b.params.size();
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
@@ -296,7 +297,14 @@ bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
 }
 
 void Reducer::OnGradReady(size_t index) {
-  if (!armed_) return;  // NoSync, eval, or a backward this reducer did not prepare
+  if (!armed_) {
+    // NoSync, eval, or a backward this reducer did not prepare: the
+    // gradient accumulates in .grad and is reduced by the next
+    // synchronizing backward, so the parameter counts as used there even if
+    // that backward does not reach it (as PyTorch's local_used_map).
+    used_.data<int32_t>()[index] = 1;
+    return;
+  }
   if (ready_[index]) {
     throw std::logic_error("DistributedDataParallel: parameter `" + names_[index] +
                            "` received its gradient twice in one backward (is it used by two "
@@ -440,6 +448,8 @@ void Reducer::Finalize() {
     const int32_t* u = used_.data<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = u[i] > 0;
   }
+  // The next accumulation starts here.
+  std::memset(used_.data_ptr(), 0, used_.nbytes());
   for (Bucket& b : buckets_) {
     b.work = Work();
     if (b.is_solo) {

@@ -167,7 +167,8 @@ class Reducer {
   std::vector<char> ready_;
   size_t ready_count_ = 0;
   size_t next_launch_ = 0;
-  nn::Tensor used_;             // i32 [n]: 1 where this rank's hook fired
+  nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing
+                                // backward ended (NoSync backwards included)
   Work used_work_;
   std::string pending_error_;   // thrown at the next forward
   int64_t iterations_ = 0;
