@@ -384,6 +384,133 @@ TEST(DdpFeaturesTest, UnusedParameterWithoutTheOptionIsNamed) {
   }
 }
 
+// ------------------------------------------------- unfinished iteration ----
+
+// A synchronizing forward whose backward never finished: the next
+// synchronizing forward on that rank throws, saying why, and aborts the
+// group, so that the ranks waiting for its gradients fail within moments
+// (the deadline is 60 s) instead of pairing collectives of different
+// iterations. DDP_TEST_CASE=no_backward: rank 1 skips one backward (as for a
+// NaN loss); =no_gradient: every rank backpropagates a loss that no output
+// of forward contributes to; =backward_threw: a hook throws partway through
+// rank 1's backward, and the caller carries on.
+DDP_TEST_WORKER(unfinished_iteration) {
+  auto pg = testing::WorkerGroup();
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = Mlp(7);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  bool throw_now = false;
+  if (which == "backward_threw" && rank == 1) {
+    // The last layer's bias: among the first gradients of backward.
+    model->NamedParameters().back().second.RegisterPostAccumulateGradHook([&throw_now](const Tensor&) {
+      if (throw_now) throw std::runtime_error("a failure inside backward, on purpose");
+    });
+  }
+  const Tensor extra = nn::Zeros({1}).set_requires_grad(true);
+  std::string message;
+  int failed_at = -1;
+  double waited = 0;
+  for (int s = 0; s < 4 && failed_at < 0; ++s) {
+    auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+    const auto step_start = std::chrono::steady_clock::now();
+    try {
+      Tensor out = ddp(x);
+      Tensor loss = nn::loss::CrossEntropy(out, y);
+      if (s == 1 && which == "no_backward" && rank == 1) continue;
+      if (s == 1 && which == "no_gradient") loss = nn::loss::CrossEntropy(out.Detach(), y) + nn::ops::Sum(extra);
+      throw_now = s == 1;
+      try {
+        nn::Backward(loss);
+      } catch (const std::runtime_error& e) {
+        if (std::string(e.what()).find("on purpose") == std::string::npos) throw;
+      }
+    } catch (const std::exception& e) {
+      message = e.what();
+      failed_at = s;
+      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    }
+  }
+  std::fprintf(stderr, "rank %d, step %d, after %.2f s: %s\n", rank, failed_at, waited, message.c_str());
+  WORKER_EXPECT(message.find("previous iteration's gradient reduction did not finish") != std::string::npos, message);
+  const bool culprit = which == "no_gradient" || rank == 1;
+  if (culprit) {
+    WORKER_EXPECT(failed_at == 2, "failed at step " + std::to_string(failed_at));
+    WORKER_EXPECT(message.find("on rank " + std::to_string(rank)) != std::string::npos, message);
+    WORKER_EXPECT(message.find(which == "backward_threw" ? "stopped partway" : "no parameter received a gradient") !=
+                      std::string::npos,
+                  message);
+  } else {
+    WORKER_EXPECT(failed_at == 1 || failed_at == 2, "failed at step " + std::to_string(failed_at));
+    WORKER_EXPECT(waited < 10, "waited " + std::to_string(waited) + " s for the rank that did not finish");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AnIterationThatDidNotFinishFailsTheNextForward) {
+  for (const char* which : {"no_backward", "no_gradient", "backward_threw"}) {
+    auto run = RunWorkers("unfinished_iteration", 2, {{"DDP_TEST_CASE", which}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          30000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
+  }
+}
+
+// Forwards that do not synchronize are not unfinished iterations: no-grad
+// and eval-mode forwards, NoSync forwards without a backward, and a no-grad
+// evaluation between a training forward and its backward, which still
+// synchronizes. Three steps equal three steps on the combined batch.
+DDP_TEST_WORKER(non_sync_forwards) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = Mlp(13);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = Mlp(13);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  try {
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      const Tensor out = ddp(x);
+      {
+        nn::NoGradGuard no_grad;
+        ddp.Eval();
+        ddp(held_out);
+        ddp.Train();
+        ddp(held_out);
+      }
+      nn::Backward(nn::loss::CrossEntropy(out, y));
+      opt.Step();
+      ddp.Eval();
+      ddp(held_out);  // grad enabled, eval mode
+      ddp.Train();
+      {
+        auto no_sync = ddp.NoSync();
+        ddp(held_out);
+      }
+      ref_opt.ZeroGrad();
+      auto [xa, ya] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+      ref_opt.Step();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  WORKER_EXPECT(ddp.iterations() == 3, "synchronizing iterations " + std::to_string(ddp.iterations()));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ForwardsThatDoNotSynchronizeAreNoUnfinishedIterations) {
+  auto run = RunWorkers("non_sync_forwards", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // --------------------------------------------------- broadcast_buffers ----
 
 // Records a hash of its BatchNorm's running mean as forward reaches it, that

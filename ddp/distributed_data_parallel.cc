@@ -179,7 +179,7 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   const bool training = is_training();
   const bool sync = s.reducer != nullptr && training && nn::GradMode::IsEnabled() && s.require_sync;
   const bool sync_buffers = training && options_.broadcast_buffers && size > 1 && !s.buffers.empty();
-  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration();
+  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration(sync);
   bool rebuild = sync && s.reducer->rebuild_pending();
 
   double divisor = size;
@@ -220,7 +220,10 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   if (sync) {
     s.reducer->PrepareForBackward(outputs, divisor);
     ++s.forwards;
-  } else if (s.reducer != nullptr) {
+  } else if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
+    // A forward under no-grad records no graph, so it leaves a prepared
+    // iteration armed: an evaluation between a training forward and its
+    // backward does not keep that backward from synchronizing.
     s.reducer->Disarm();
   }
   const Clock::time_point end = Clock::now();
@@ -320,6 +323,8 @@ void Join::Wait() {
   DistributedDataParallel::Impl& s = *ddp_.impl_;
   ProcessGroup& pg = *ddp_.pg_;
   const int size = pg.size();
+  // The active ranks may still wait for this rank's last gradients.
+  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration(true);
   if (size > 1) {
     // Shadow the active ranks' forwards (and backwards) until none is left.
     while (true) {

@@ -153,6 +153,10 @@ class DistributedDataParallel : public nn::modules::Module {
   ~DistributedDataParallel() override;
 
   /// Runs the wrapped module, with the synchronization described above.
+  /// A synchronizing forward (training mode, grad enabled, outside NoSync)
+  /// throws std::runtime_error, after aborting the group, when the previous
+  /// one's backward did not finish on this rank (none ran, none reached a
+  /// parameter, or it threw).
   nn::Tensor Forward(const nn::Tensor& input) override;
   std::vector<nn::Tensor> Forward(const std::vector<nn::Tensor>& inputs) override;
   using Module::operator();
@@ -223,7 +227,8 @@ class Join {
 
   /// See the class comment. Throws DistributedError when communication
   /// fails, or when throw_on_early_termination is set and a rank ran out of
-  /// inputs first.
+  /// inputs first; std::runtime_error, as a synchronizing forward does,
+  /// when this rank's last backward did not finish.
   void Wait();
 
  private:

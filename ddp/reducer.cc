@@ -201,8 +201,32 @@ std::vector<std::vector<std::string>> Reducer::BucketNames() const {
   return out;
 }
 
-void Reducer::CheckPreviousIteration() {
+void Reducer::CheckPreviousIteration(bool synchronizing) {
   if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
+  if (!synchronizing || !unfinished_) return;
+  // The other ranks may be waiting in this iteration's collectives (or may
+  // pair them with the next one's): the group is aborted, so that they fail
+  // within moments with this message rather than at their deadline.
+  const std::string state =
+      finalize_queued_
+          ? "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
+                std::to_string(params_.size()) +
+                " parameters had their gradients; did an exception leave backward?)"
+          : "no parameter received a gradient after it (no backward ran, or its loss did not "
+            "depend on the forward's outputs)";
+  pending_error_ =
+      "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+      ": the previous iteration's gradient reduction did not finish: a synchronizing forward "
+      "(training mode, grad enabled, outside NoSync) ran, but " + state +
+      ". Every synchronizing forward must be followed by one backward through its outputs on "
+      "every rank. This usually means that a rank skipped the backward of a batch after its "
+      "forward (on a NaN loss, say: every rank must skip the same batches, or run forwards whose "
+      "backward may be skipped under NoGradGuard, Eval() or NoSync), that no output of forward "
+      "took part in the loss (make every output contribute; set "
+      "DdpOptions::find_unused_parameters when some parameters really are unused), or that an "
+      "exception was thrown during backward. The process group was aborted.";
+  pg_->Abort(transport::FailedPreconditionError(pending_error_));
+  throw std::runtime_error(pending_error_);
 }
 
 void Reducer::RebuildBuckets() {
@@ -259,10 +283,12 @@ std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>
 }
 
 void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor) {
-  // A forward whose backward never ran may have launched buckets (of unused
-  // parameters); their memory is reused below.
+  // CheckPreviousIteration refuses a forward after an iteration that did
+  // not finish, so nothing should be in flight; the wait is a safeguard
+  // before the bucket memory is reused below.
   WaitInFlight();
   armed_ = true;
+  unfinished_ = true;
   finalize_queued_ = false;
   divisor_ = divisor;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -398,6 +424,8 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
 
 void Reducer::Finalize() {
   armed_ = false;
+  // Any failure from here on is reported by its own error.
+  unfinished_ = false;
   const Clock::time_point compute_end = Clock::now();
   if (ready_count_ < params_.size()) {
     std::string names;

@@ -80,8 +80,11 @@ class Reducer {
 
   /// Throws (after aborting the group, so that peers stop waiting for this
   /// rank) when the previous backward ended with parameters that got no
-  /// gradient although find_unused_parameters is off.
-  void CheckPreviousIteration();
+  /// gradient although find_unused_parameters is off, and, before a
+  /// `synchronizing` forward, when the last synchronizing forward's
+  /// reduction never finished (no backward, none that reached a parameter,
+  /// or one that threw). Once thrown, every later forward throws the same.
+  void CheckPreviousIteration(bool synchronizing);
 
   /// Whether the next synchronizing iteration starts with RebuildBuckets.
   bool rebuild_pending() const { return rebuild_pending_; }
@@ -92,8 +95,10 @@ class Reducer {
   /// gradients divided by `divisor`; with find_unused_parameters, walks the
   /// graph from `outputs` and marks the unreachable parameters ready.
   void PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor);
-  /// A forward that will not synchronize: hooks do nothing until the next
-  /// PrepareForBackward.
+  /// A forward that will not synchronize but may be backpropagated (NoSync,
+  /// or eval mode with grad enabled): hooks only accumulate until the next
+  /// PrepareForBackward. An iteration prepared before and not finalized
+  /// stays unfinished.
   void Disarm();
 
   /// Join: runs the collectives of one synchronizing backward with zero
@@ -162,6 +167,7 @@ class Reducer {
 
   // Iteration state.
   bool armed_ = false;          // hooks act (between prepare and finalize)
+  bool unfinished_ = false;     // prepared, and Finalize has not run since
   bool finalize_queued_ = false;
   double divisor_ = 1;
   std::vector<char> ready_;
