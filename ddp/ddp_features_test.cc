@@ -291,7 +291,12 @@ TEST(DdpFeaturesTest, JoinThrowsOnEveryRankOnEarlyTermination) {
 
 // static_graph: the same rank-dependent model, without the graph walk
 // after the first iteration (the used set is learned once).
-void CheckFindUnused(ProcessGroup& pg, bool view, double cap_mb, bool static_graph = false) {
+// collective_before_backward: each rank all-reduces a number between
+// forward and backward (a loss for logging, say). Buckets of parameters a
+// rank did not use must not be launched before it, or the ranks, which use
+// different parameters, would pair that all-reduce with different buckets.
+void CheckFindUnused(ProcessGroup& pg, bool view, double cap_mb, bool static_graph = false,
+                     bool collective_before_backward = false) {
   const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   auto model = std::make_shared<Branchy>(21, rank % 2 == 0);
@@ -303,11 +308,19 @@ void CheckFindUnused(ProcessGroup& pg, bool view, double cap_mb, bool static_gra
   auto reference = std::make_shared<Branchy>(21, true);
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   const std::string what = std::string(static_graph ? "static_graph" : "find_unused_parameters") +
-                           (view ? " (views)" : "") + " cap " + std::to_string(cap_mb);
+                           (view ? " (views)" : "") + " cap " + std::to_string(cap_mb) +
+                           (collective_before_backward ? " (all-reduce before backward)" : "");
   for (int s = 0; s < 5; ++s) {
     auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
     opt.ZeroGrad();
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    const Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+    if (collective_before_backward) {
+      Tensor n = nn::Full({1}, rank + 1);
+      pg.AllReduce(n, transport::ReduceOp::kSum, "between forward and backward").Wait();
+      WORKER_EXPECT(n.Item() == world * (world + 1) / 2,
+                    what + ": the all-reduce between forward and backward gave " + std::to_string(n.Item()));
+    }
+    nn::Backward(loss);
     for (const auto& [name, p] : model->NamedParameters()) {
       const bool never = name.rfind("never.", 0) == 0;
       WORKER_EXPECT(p.grad().defined() != never,
@@ -344,6 +357,19 @@ DDP_TEST_WORKER(find_unused) {
 
 TEST(DdpFeaturesTest, FindUnusedParametersWithRankDependentBranch) {
   auto run = RunWorkers("find_unused", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+DDP_TEST_WORKER(find_unused_collective) {
+  auto pg = testing::WorkerGroup();
+  CheckFindUnused(*pg, false, 1e-9, false, /*collective_before_backward=*/true);
+  CheckFindUnused(*pg, true, 25, false, true);
+  CheckFindUnused(*pg, true, 1e-9, /*static_graph=*/true, true);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, FindUnusedParametersWithACollectiveBetweenForwardAndBackward) {
+  auto run = RunWorkers("find_unused_collective", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

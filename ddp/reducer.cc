@@ -100,6 +100,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   }
   const size_t n = params_.size();
   ready_.assign(n, 0);
+  is_unused_.assign(n, 0);
   used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
   std::vector<size_t> reverse(n);
   for (size_t i = 0; i < n; ++i) reverse[i] = n - 1 - i;
@@ -300,18 +301,25 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
 
+  for (size_t i : unused_) is_unused_[i] = 0;
+  unused_.clear();
   if (!handles_unused()) return;
-  std::vector<size_t> unused;
   if (options_.static_graph && static_known_) {
-    unused = static_unused_;
+    unused_ = static_unused_;
   } else {
-    unused = UnreachableParameters(outputs);
+    unused_ = UnreachableParameters(outputs);
     if (options_.static_graph) {
-      static_unused_ = unused;
+      static_unused_ = unused_;
       static_known_ = true;
     }
   }
-  for (size_t i : unused) MarkReady(i);
+  for (size_t i : unused_) is_unused_[i] = 1;
+  // They are marked ready when backward starts (OnGradReady), not here: a
+  // bucket launched now would be issued before any collective that this
+  // rank runs between forward and backward, and ranks that use different
+  // parameters launch different buckets here, so that collective would
+  // pair with different ones on different ranks. PyTorch waits for the
+  // first hook likewise.
 }
 
 void Reducer::Disarm() { armed_ = false; }
@@ -331,15 +339,17 @@ void Reducer::OnGradReady(size_t index) {
     used_.data<int32_t>()[index] = 1;
     return;
   }
-  if (ready_[index]) {
+  if (ready_[index] || is_unused_[index]) {
     throw std::logic_error("DistributedDataParallel: parameter `" + names_[index] +
                            "` received its gradient twice in one backward (is it used by two "
                            "backward passes of one forward?)");
   }
   if (!finalize_queued_) {
+    // The first gradient of backward.
     finalize_queued_ = true;
     comm_hook_locked_ = true;
     nn::autograd::QueueCallback([this] { Finalize(); });
+    for (size_t i : unused_) MarkReady(i);
   }
   used_.data<int32_t>()[index] = 1;
   if (iterations_ == 0) ready_order_.push_back(index);

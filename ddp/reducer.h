@@ -93,7 +93,8 @@ class Reducer {
 
   /// End of a synchronizing forward: arms the hooks for one backward, with
   /// gradients divided by `divisor`; with find_unused_parameters, walks the
-  /// graph from `outputs` and marks the unreachable parameters ready.
+  /// graph from `outputs` for the unreachable parameters, which the first
+  /// gradient hook of backward marks ready.
   void PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor);
   /// A forward that will not synchronize but may be backpropagated (NoSync,
   /// or eval mode with grad enabled): hooks only accumulate until the next
@@ -171,6 +172,8 @@ class Reducer {
   bool finalize_queued_ = false;
   double divisor_ = 1;
   std::vector<char> ready_;
+  std::vector<size_t> unused_;  // found unused by this iteration's forward
+  std::vector<char> is_unused_; // the same, per parameter
   size_t ready_count_ = 0;
   size_t next_launch_ = 0;
   nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing
