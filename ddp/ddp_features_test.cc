@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <thread>
 
 #include "ddp/distributed_data_parallel.h"
@@ -757,6 +758,67 @@ DDP_TEST_WORKER(rebuild) {
 TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
   auto run = RunWorkers("rebuild", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The bucket rebuild after the first iteration happens on every rank at
+// once even when a rank shadowed that iteration: rank 1 joins at once, rank
+// 0 runs one step, then both train (DDP_TEST_CASE=plain: without a Join;
+// =join: inside a second one). The model registers its output layer first
+// (one bucket per parameter), so the rebuild changes the buckets.
+DDP_TEST_WORKER(join_then_rebuild) {
+  auto pg = testing::WorkerGroup();
+  const bool second_join = std::string(std::getenv("DDP_TEST_CASE")) == "join";
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = std::make_shared<TwoLayers>(true, 32, true);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 1e-9, .first_bucket_mb = 1e-9, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = std::make_shared<TwoLayers>(true, 32, true);
+  reference->LoadStateDict(model->GetStateDict());
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  auto step = [&](int s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+  };
+  try {
+    {
+      Join join(ddp);
+      if (rank == 0) step(0);
+      join.Wait();
+    }
+    std::optional<Join> join;
+    if (second_join) join.emplace(ddp);
+    for (int s = 1; s < 4; ++s) step(s);
+    if (join) join->Wait();
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+  }
+  // The reference: rank 0's batch alone (divided by the world size), then
+  // the combined batches.
+  for (int s = 0; s < 4; ++s) {
+    ref_opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, s * world * kBatch, (s == 0 ? 1 : world) * kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*reference)(x), y) * (s == 0 ? 1.0 / world : 1.0));
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  const auto buckets = ddp.BucketParameterNames();
+  std::string layout;
+  for (const auto& b : buckets) layout += b.at(0) + ";";
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, std::hash<std::string>{}(layout)), "bucket layouts differ: " + layout);
+  WORKER_EXPECT(buckets.size() == 4 && buckets[0][0].rfind("second.", 0) == 0, "not rebuilt: " + layout);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, BucketsAreRebuiltOnEveryRankAfterAJoinInWhichOneRankRanNothing) {
+  for (const char* which : {"plain", "join"}) {
+    auto run = RunWorkers("join_then_rebuild", 2, {{"DDP_TEST_CASE", which}, {"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
+  }
 }
 
 // ------------------------------------------------------------- hooks ----

@@ -211,6 +211,8 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
           "rank(s) " + joined + " ran out of inputs (Join with throw_on_early_termination)"));
     }
     if (!s.join_options.divide_by_initial_world_size) divisor = active;
+    // What the joined ranks follow, the active ones follow too.
+    if (sync) rebuild = f[size + 1] > 0;
   }
   if (rebuild) s.reducer->RebuildBuckets();
   if (sync_buffers) internal::BroadcastCoalesced(*pg_, s.buffers, buffer_root, "buffers");

@@ -352,7 +352,7 @@ void Reducer::OnGradReady(size_t index) {
     for (size_t i : unused_) MarkReady(i);
   }
   used_.data<int32_t>()[index] = 1;
-  if (iterations_ == 0) ready_order_.push_back(index);
+  if (group_iterations_ == 0) ready_order_.push_back(index);
   MarkReady(index);
   last_grad_at_ = Clock::now();
 }
@@ -524,9 +524,7 @@ void Reducer::Finalize() {
   const Clock::time_point end = Clock::now();
 
   ++iterations_;
-  if (iterations_ == 1 && (!options_.find_unused_parameters || options_.static_graph)) {
-    rebuild_pending_ = !rebuilt_;
-  }
+  CountGroupIteration();
   // Statistics: see DdpStats for the definitions.
   ++times_.iterations;
   times_.backward_compute += Seconds(last_grad_at_ - prepared_at_ - inline_comm);
@@ -545,6 +543,16 @@ void Reducer::Finalize() {
   }
 }
 
+void Reducer::CountGroupIteration() {
+  // A rank that shadowed the first iteration sets the flag as the ranks
+  // that ran it do; deciding from iterations_ would leave it out, and the
+  // others would broadcast the bucket order while it runs something else.
+  ++group_iterations_;
+  if (group_iterations_ == 1 && (!options_.find_unused_parameters || options_.static_graph)) {
+    rebuild_pending_ = !rebuilt_;
+  }
+}
+
 void Reducer::ShadowBackward(double divisor) {
   // The same collectives as the active ranks: same hook, same reduction.
   divisor_ = divisor;
@@ -560,6 +568,7 @@ void Reducer::ShadowBackward(double divisor) {
                                    "unused parameter map"));
   }
   for (Work& w : works) w.Wait();
+  CountGroupIteration();
 }
 
 }  // namespace ddp::dist::internal

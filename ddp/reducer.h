@@ -86,7 +86,9 @@ class Reducer {
   /// or one that threw). Once thrown, every later forward throws the same.
   void CheckPreviousIteration(bool synchronizing);
 
-  /// Whether the next synchronizing iteration starts with RebuildBuckets.
+  /// Whether the next synchronizing iteration starts with RebuildBuckets:
+  /// after the group's first synchronizing iteration, the same on every
+  /// rank (an iteration shadowed under Join counts).
   bool rebuild_pending() const { return rebuild_pending_; }
   /// Collective: rebuilds the buckets from rank 0's observed gradient order.
   void RebuildBuckets();
@@ -148,6 +150,9 @@ class Reducer {
     return default_hook_ && divisor == static_cast<double>(pg_->size());
   }
   void Finalize();
+  // The end of a synchronizing iteration, run or shadowed: the rebuild is
+  // decided from the group's count, the same on every rank.
+  void CountGroupIteration();
   void WaitInFlight();
   bool IsView(size_t index, const nn::Tensor& grad) const;
   std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs) const;
@@ -180,11 +185,12 @@ class Reducer {
                                 // backward ended (NoSync backwards included)
   Work used_work_;
   std::string pending_error_;   // thrown at the next forward
-  int64_t iterations_ = 0;
+  int64_t iterations_ = 0;       // synchronizing backwards this rank ran
+  int64_t group_iterations_ = 0; // the same, and those it shadowed (Join)
   bool comm_hook_locked_ = false;
 
   // Bucket rebuild and static graph.
-  std::vector<size_t> ready_order_;  // first iteration, as hooks fired
+  std::vector<size_t> ready_order_;  // group's first iteration, as hooks fired
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
   std::vector<size_t> static_unused_;  // static graph: learned in iteration 1
