@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -536,6 +538,137 @@ DDP_TEST_WORKER(non_sync_forwards) {
 TEST(DdpFeaturesTest, ForwardsThatDoNotSynchronizeAreNoUnfinishedIterations) {
   auto run = RunWorkers("non_sync_forwards", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------ unexpected gradients ----
+
+// A second backward through the outputs of one forward: its gradients would
+// be added to the averaged ones unsynchronized, so the first gradient to
+// arrive is an error naming its parameter, on every rank. Under NoSync the
+// same backward accumulates locally, with no error, and training goes on.
+DDP_TEST_WORKER(second_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  for (const bool view : {false, true}) {
+    auto model = Mlp(17);
+    DistributedDataParallel ddp(model, {.gradient_as_bucket_view = view, .process_group = pg});
+    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+    const std::string what = view ? " (views)" : "";
+    std::string message;
+    try {
+      const Tensor out = ddp(x);
+      nn::Backward(nn::loss::CrossEntropy(out, y), Tensor(), /*retain_graph=*/true);
+      nn::Backward(nn::ops::Sum(out) * 0.01);
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    std::fprintf(stderr, "second backward%s: %s\n", what.c_str(), message.c_str());
+    WORKER_EXPECT(message.find("second backward through the outputs of one forward") != std::string::npos,
+                  what + ": " + message);
+    WORKER_EXPECT(message.find("parameter `5.") != std::string::npos, what + ": " + message);
+    WORKER_EXPECT(message.find("NoSync") != std::string::npos, what + ": " + message);
+    try {
+      const Tensor out = ddp(x);
+      nn::Backward(nn::loss::CrossEntropy(out, y), Tensor(), true);
+      {
+        auto no_sync = ddp.NoSync();
+        nn::Backward(nn::ops::Sum(out) * 0.01);
+      }
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, what + ": " + e.what());
+    }
+    WORKER_EXPECT(ddp.iterations() == 3, what + ": synchronizing iterations " + std::to_string(ddp.iterations()));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ASecondBackwardOfOneForwardIsAnError) {
+  auto run = RunWorkers("second_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// find_unused_parameters: `never` is not used by forward, so it is marked
+// unused after forward, but the loss adds a penalty on it. Its gradient is
+// an error saying that, on every rank; the group is aborted (the
+// iteration cannot finish) and the next forward repeats the error.
+// DDP_TEST_CASE=copy, view (gradient_as_bucket_view: never.weight's .grad,
+// zeros before, is its part of the shared bucket), per_parameter (one
+// bucket per parameter: its .grad is its bucket, launched when backward
+// starts), static (static_graph: `b`, unused in the first iteration, is
+// used in the second). The penalty is computed before forward, so its
+// gradient arrives last, after the unused parameters were marked ready; in
+// view and per_parameter the memory being reduced must not receive it.
+DDP_TEST_WORKER(unreachable_in_loss) {
+  auto pg = testing::WorkerGroup();
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const auto& data = testing::FashionMnist();
+  const bool is_static = which == "static";
+  const bool reduced_in_grad = which == "view" || which == "per_parameter";
+  const double cap = which == "per_parameter" ? 1e-9 : 25;
+  auto model = std::make_shared<Branchy>(23, true);
+  Tensor never_weight;
+  for (const auto& [name, p] : model->NamedParameters()) {
+    if (name == "never.weight") never_weight = p;
+  }
+  never_weight.set_grad(nn::ZerosLike(never_weight));  // as ZeroGrad(set_to_none=false) leaves it
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = cap, .first_bucket_mb = cap,
+                                      .find_unused_parameters = !is_static,
+                                      .gradient_as_bucket_view = reduced_in_grad, .static_graph = is_static,
+                                      .process_group = pg});
+  const Tensor held = never_weight.grad();  // in view mode, the bucket's view now
+  std::string message;
+  int failed_at = -1;
+  for (int s = 0; s < 3 && failed_at < 0; ++s) {
+    auto [x, y] = testing::Batch(data, (s * pg->size() + pg->rank()) * kBatch, kBatch);
+    try {
+      Tensor loss;
+      if (is_static) {
+        model->use_a_ = s == 0;
+        loss = nn::loss::CrossEntropy(ddp(x), y);
+      } else {
+        const Tensor penalty = nn::ops::Sum(never_weight * never_weight) * 1e-3;
+        loss = nn::loss::CrossEntropy(ddp(x), y) + penalty;
+      }
+      nn::Backward(loss);
+    } catch (const std::exception& e) {
+      message = e.what();
+      failed_at = s;
+    }
+  }
+  std::fprintf(stderr, "%s, step %d: %s\n", which.c_str(), failed_at, message.c_str());
+  WORKER_EXPECT(failed_at == (is_static ? 1 : 0), "failed at step " + std::to_string(failed_at));
+  if (is_static) {
+    WORKER_EXPECT(message.find("parameter `b.") != std::string::npos, message);
+    WORKER_EXPECT(message.find("static_graph") != std::string::npos, message);
+  } else {
+    WORKER_EXPECT(message.find("parameter `never.weight`") != std::string::npos, message);
+    WORKER_EXPECT(message.find("not reachable from the outputs of forward") != std::string::npos, message);
+    WORKER_EXPECT(message.find("inside the module's forward") != std::string::npos, message);
+    if (reduced_in_grad) {
+      double most = 0;
+      for (double v : held.ToVector<double>()) most = std::max(most, std::abs(v));
+      WORKER_EXPECT(most == 0, "the memory being reduced received the gradient (" + std::to_string(most) + ")");
+    }
+  }
+  // The next forward says the same (this rank's, or the peer's through the abort).
+  std::string again;
+  try {
+    ddp(testing::Batch(data, 0, kBatch).first);
+  } catch (const std::exception& e) {
+    again = e.what();
+  }
+  WORKER_EXPECT(again.find(is_static ? "static_graph" : "not reachable from the outputs") != std::string::npos,
+                "the next forward: " + again);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AGradientForAParameterForwardDidNotUseIsNamed) {
+  for (const char* which : {"copy", "view", "per_parameter", "static"}) {
+    auto run = RunWorkers("unreachable_in_loss", 2, {{"DDP_TEST_CASE", which}, {"DDP_TEST_TIMEOUT_MS", "5000"}},
+                          30000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
+  }
 }
 
 // --------------------------------------------------- broadcast_buffers ----

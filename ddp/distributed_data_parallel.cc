@@ -305,9 +305,13 @@ int64_t DistributedDataParallel::iterations() const {
 
 NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.impl_->require_sync) {
   ddp_.impl_->require_sync = false;
+  if (ddp_.impl_->reducer != nullptr) ddp_.impl_->reducer->SetNoSync(true);
 }
 
-NoSyncGuard::~NoSyncGuard() { ddp_.impl_->require_sync = previous_; }
+NoSyncGuard::~NoSyncGuard() {
+  ddp_.impl_->require_sync = previous_;
+  if (ddp_.impl_->reducer != nullptr) ddp_.impl_->reducer->SetNoSync(!previous_);
+}
 
 // --------------------------------------------------------------- Join ----
 

@@ -127,7 +127,9 @@ class DistributedDataParallel;
 
 /// While alive, forward and backward do not synchronize: gradients
 /// accumulate locally in .grad. The first backward after it ends
-/// synchronizes everything accumulated (gradient accumulation).
+/// synchronizes everything accumulated (gradient accumulation). It also
+/// lets a further backward through the graph of a forward that already
+/// synchronized accumulate locally, which is an error outside it.
 class [[nodiscard]] NoSyncGuard {
  public:
   explicit NoSyncGuard(DistributedDataParallel& ddp);

@@ -101,6 +101,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   const size_t n = params_.size();
   ready_.assign(n, 0);
   is_unused_.assign(n, 0);
+  detached_.assign(n, 0);
   used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
   std::vector<size_t> reverse(n);
   for (size_t i = 0; i < n; ++i) reverse[i] = n - 1 - i;
@@ -290,6 +291,7 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   WaitInFlight();
   armed_ = true;
   unfinished_ = true;
+  finalized_ = false;
   finalize_queued_ = false;
   divisor_ = divisor;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -304,7 +306,8 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   for (size_t i : unused_) is_unused_[i] = 0;
   unused_.clear();
   if (!handles_unused()) return;
-  if (options_.static_graph && static_known_) {
+  unused_from_walk_ = !(options_.static_graph && static_known_);
+  if (!unused_from_walk_) {
     unused_ = static_unused_;
   } else {
     unused_ = UnreachableParameters(outputs);
@@ -322,7 +325,10 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // first hook likewise.
 }
 
-void Reducer::Disarm() { armed_ = false; }
+void Reducer::Disarm() {
+  armed_ = false;
+  finalized_ = false;
+}
 
 bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
   const nn::Tensor& view = slots_[index].view;
@@ -331,7 +337,21 @@ bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
 }
 
 void Reducer::OnGradReady(size_t index) {
+  // The gradient is already in .grad when this hook runs: the errors below
+  // cannot undo that, only keep the reducer from using it.
   if (!armed_) {
+    if (finalized_ && !no_sync_) {
+      // PyTorch ignores such a gradient; here it is an error, since it
+      // silently makes the replicas differ.
+      throw std::logic_error(
+          "DistributedDataParallel: parameter `" + names_[index] +
+          "` received a gradient after this iteration's gradients were averaged (its backward had "
+          "finished and no forward has run since). A second backward through the outputs of one "
+          "forward is not supported: its gradients go into .grad on top of the averaged ones "
+          "without being synchronized (this one already has, on this rank), so the replicas drift "
+          "apart. Backpropagate the sum of the losses once, or run the further backward under "
+          "NoSync to accumulate its gradients locally on purpose.");
+    }
     // NoSync, eval, or a backward this reducer did not prepare: the
     // gradient accumulates in .grad and is reduced by the next
     // synchronizing backward, so the parameter counts as used there even if
@@ -339,22 +359,63 @@ void Reducer::OnGradReady(size_t index) {
     used_.data<int32_t>()[index] = 1;
     return;
   }
-  if (ready_[index] || is_unused_[index]) {
+  // Checked before anything is marked ready, so that when this is the
+  // first gradient of backward no bucket has been touched.
+  if (is_unused_[index]) FailUnusedParameterGradient(index);
+  if (ready_[index]) {
     throw std::logic_error("DistributedDataParallel: parameter `" + names_[index] +
-                           "` received its gradient twice in one backward (is it used by two "
-                           "backward passes of one forward?)");
+                           "` received its gradient twice in one backward");
   }
   if (!finalize_queued_) {
     // The first gradient of backward.
     finalize_queued_ = true;
     comm_hook_locked_ = true;
     nn::autograd::QueueCallback([this] { Finalize(); });
-    for (size_t i : unused_) MarkReady(i);
+    for (size_t i : unused_) {
+      MarkReady(i);
+      // Should this parameter get a gradient later in this backward (an
+      // error), the engine adds it to .grad before the hook can object:
+      // when .grad is the memory being reduced (its solo bucket, or its
+      // view with gradient_as_bucket_view), it is detached, so that the
+      // gradient lands in a tensor of its own instead of racing with the
+      // collective. Finalize sets it back.
+      const Bucket& b = buckets_[slots_[i].bucket];
+      const nn::Tensor& grad = params_[i].grad();
+      if (grad.defined() && grad.storage() == (b.is_solo ? b.solo : b.buffer).storage()) {
+        params_[i].set_grad(nn::Tensor());
+        detached_[i] = 1;
+      }
+    }
   }
   used_.data<int32_t>()[index] = 1;
   if (group_iterations_ == 0) ready_order_.push_back(index);
   MarkReady(index);
   last_grad_at_ = Clock::now();
+}
+
+void Reducer::FailUnusedParameterGradient(size_t index) {
+  const std::string head = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+                           ": parameter `" + names_[index] + "` received a gradient";
+  if (unused_from_walk_) {
+    pending_error_ =
+        head + " although it is not reachable from the outputs of forward: find_unused_parameters "
+        "marked it unused at the end of forward, and its bucket is reduced without this gradient. "
+        "A parameter must be used inside the module's forward for its gradient to be synchronized; "
+        "a loss term on it computed outside forward (a penalty such as wd * Sum(p * p) on a "
+        "parameter that forward does not use) is not seen by DistributedDataParallel. Use it inside "
+        "forward, or leave it out of the loss. The process group was aborted.";
+  } else {
+    pending_error_ =
+        head + ", but it got none in the first iteration, and static_graph keeps the set of "
+        "parameters used there for good: it is marked unused in every iteration and its bucket is "
+        "reduced without this gradient. Under static_graph every iteration must use the same "
+        "parameters; where the set changes, use find_unused_parameters instead. The process group "
+        "was aborted.";
+  }
+  // This iteration cannot finish here, and its buckets may be in flight:
+  // the peers fail within moments with this message instead of waiting.
+  pg_->Abort(transport::FailedPreconditionError(pending_error_));
+  throw std::logic_error(pending_error_);
 }
 
 void Reducer::MarkReady(size_t index) {
@@ -490,6 +551,11 @@ void Reducer::Finalize() {
   std::memset(used_.data_ptr(), 0, used_.nbytes());
   for (Bucket& b : buckets_) {
     b.work = Work();
+    for (size_t i : b.params) {
+      if (!detached_[i]) continue;
+      detached_[i] = 0;
+      params_[i].set_grad(b.is_solo ? b.solo : slots_[i].view);
+    }
     if (b.is_solo) {
       // Reduced in place; a gradient this rank lacked arrives now, unless
       // no rank had one.
@@ -525,6 +591,7 @@ void Reducer::Finalize() {
 
   ++iterations_;
   CountGroupIteration();
+  finalized_ = true;
   // Statistics: see DdpStats for the definitions.
   ++times_.iterations;
   times_.backward_compute += Seconds(last_grad_at_ - prepared_at_ - inline_comm);

@@ -103,6 +103,10 @@ class Reducer {
   /// PrepareForBackward. An iteration prepared before and not finalized
   /// stays unfinished.
   void Disarm();
+  /// Whether a NoSync scope is open: a gradient that arrives after the
+  /// last synchronizing backward finalized (a further backward through its
+  /// graph) then accumulates locally instead of being an error.
+  void SetNoSync(bool on) { no_sync_ = on; }
 
   /// Join: runs the collectives of one synchronizing backward with zero
   /// gradients, for ranks that have run out of inputs; `divisor` is the one
@@ -141,6 +145,9 @@ class Reducer {
   void BuildBuckets(const std::vector<size_t>& order);
   void OnGradReady(size_t index);
   void MarkReady(size_t index);
+  // A gradient for a parameter this iteration took as unused: records the
+  // error for the next forward, aborts the group and throws.
+  [[noreturn]] void FailUnusedParameterGradient(size_t index);
   void LaunchReadyBuckets();
   Work Launch(size_t b, const nn::Tensor& buffer);
   // Whether the average is taken inside the all-reduce (kAvg) instead of
@@ -174,11 +181,15 @@ class Reducer {
   // Iteration state.
   bool armed_ = false;          // hooks act (between prepare and finalize)
   bool unfinished_ = false;     // prepared, and Finalize has not run since
+  bool finalized_ = false;      // Finalize succeeded and no forward ran since
+  bool no_sync_ = false;        // a NoSync scope is open
   bool finalize_queued_ = false;
   double divisor_ = 1;
   std::vector<char> ready_;
   std::vector<size_t> unused_;  // found unused by this iteration's forward
   std::vector<char> is_unused_; // the same, per parameter
+  bool unused_from_walk_ = false; // found by this forward's graph walk (not static_graph's)
+  std::vector<char> detached_;  // unused, and .grad was the memory being reduced: Finalize sets it back
   size_t ready_count_ = 0;
   size_t next_launch_ = 0;
   nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing
