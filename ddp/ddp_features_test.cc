@@ -540,6 +540,63 @@ TEST(DdpFeaturesTest, ForwardsThatDoNotSynchronizeAreNoUnfinishedIterations) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A communication hook whose first collective outlives the wait for it
+// (it sleeps 10 s, past the 7 s that backward waits for the one bucket
+// under a 2 s timeout, and then writes 42 into the bucket): backward
+// throws, and the next forward must not reuse the bucket memory that the
+// collective still writes. It throws, naming the unfinished iteration,
+// where it used to go ahead and let the late write land in the next
+// iteration's gradients.
+DDP_TEST_WORKER(slow_collective) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(19);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = 0, .process_group = pg});
+  int calls = 0;
+  ddp.RegisterCommHook([&calls](ProcessGroup& group, GradBucket& bucket) {
+    const bool slow = calls++ == 0;
+    const Tensor buffer = bucket.buffer();
+    return group.Run({.kind = "late hook", .dtype = buffer.dtype(), .shape = buffer.shape()},
+                     [buffer, slow](transport::Communicator*, transport::Deadline) {
+                       if (slow) {
+                         std::this_thread::sleep_for(std::chrono::seconds(10));
+                         float* p = buffer.data<float>();
+                         for (int64_t i = 0; i < buffer.numel(); ++i) p[i] = 42;
+                       }
+                       return transport::Status::Ok();
+                     });
+  });
+  std::string first, second;
+  for (int s = 0; s < 2; ++s) {
+    auto [x, y] = testing::Batch(data, (s * pg->size() + pg->rank()) * kBatch, kBatch);
+    try {
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    } catch (const std::exception& e) {
+      (s == 0 ? first : second) = e.what();
+    }
+  }
+  std::fprintf(stderr, "first backward: %s\nsecond iteration: %s\n", first.c_str(), second.c_str());
+  WORKER_EXPECT(first.find("TIMED_OUT") != std::string::npos, "first backward: " + first);
+  WORKER_EXPECT(second.find("previous iteration's gradient reduction did not finish") != std::string::npos,
+                "second iteration: " + second);
+  for (const auto& [name, p] : model->NamedParameters()) {
+    if (!p.grad().defined()) continue;
+    for (double v : p.grad().ToVector<double>()) {
+      if (v == 42) {
+        WORKER_EXPECT(false, "`" + name + "` got the late collective's write");
+        break;
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, BucketMemoryIsNotReusedWhileALateCollectiveMayWriteIt) {
+  auto run = RunWorkers("slow_collective", 2, {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_COLLECTIVE_THREAD", "comm"}},
+                        40000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------ unexpected gradients ----
 
 // A second backward through the outputs of one forward: its gradients would

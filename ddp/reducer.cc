@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -114,17 +115,43 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
 
 Reducer::~Reducer() {
   for (nn::HookHandle& h : hook_handles_) h.Remove();
-  WaitInFlight();
+  if (!WaitInFlight()) {
+    std::fprintf(stderr,
+                 "[ddp] rank %d: a gradient bucket's collective was still running when "
+                 "DistributedDataParallel was destroyed (the group was aborted); it may still "
+                 "write its bucket, and the .grad of its parameters where they share its memory, "
+                 "until it returns\n",
+                 pg_->rank());
+  }
 }
 
-void Reducer::WaitInFlight() {
-  // Bounded by each Work's own budget; failures are reported elsewhere.
-  for (Bucket& b : buckets_) {
-    if (b.work.valid()) b.work.WaitFor(Clock::now() + pg_->options().timeout).IgnoreError();
-    b.work = Work();
+bool Reducer::WaitInFlight() {
+  // Each wait is bounded by the group's timeout; failed collectives are
+  // reported elsewhere. One still running after it may go on reading and
+  // writing its bucket, so that memory must not be reused: the group is
+  // aborted, which ends its own collectives within moments, and the wait
+  // repeated once. A Work that still has not finished stays in place.
+  bool aborted = false;
+  auto wait = [&](Work& work, const std::string& what) {
+    if (!work.valid()) return true;
+    if (work.WaitFor(Clock::now() + pg_->options().timeout).code() == transport::StatusCode::kTimedOut &&
+        !work.IsCompleted()) {
+      if (!aborted) {
+        aborted = true;
+        pg_->Abort(transport::TimedOutError(
+            "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": " + what +
+            " was still in flight after the group's timeout, when its memory was to be reused"));
+      }
+      (void)work.WaitFor(Clock::now() + pg_->options().timeout);
+      if (!work.IsCompleted()) return false;
+    }
+    work = Work();
+    return true;
+  };
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!wait(buckets_[b].work, "the collective of gradient bucket " + std::to_string(b))) return false;
   }
-  if (used_work_.valid()) used_work_.WaitFor(Clock::now() + pg_->options().timeout).IgnoreError();
-  used_work_ = Work();
+  return wait(used_work_, "the all-reduce of the unused parameter map");
 }
 
 void Reducer::SetCommHook(CommHook hook) {
@@ -209,13 +236,18 @@ void Reducer::CheckPreviousIteration(bool synchronizing) {
   // The other ranks may be waiting in this iteration's collectives (or may
   // pair them with the next one's): the group is aborted, so that they fail
   // within moments with this message rather than at their deadline.
-  const std::string state =
-      finalize_queued_
-          ? "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
-                std::to_string(params_.size()) +
-                " parameters had their gradients; did an exception leave backward?)"
-          : "no parameter received a gradient after it (no backward ran, or its loss did not "
-            "depend on the forward's outputs)";
+  std::string state;
+  if (!finalize_queued_) {
+    state = "no parameter received a gradient after it (no backward ran, or its loss did not depend "
+            "on the forward's outputs)";
+  } else if (ready_count_ < params_.size()) {
+    state = "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
+            std::to_string(params_.size()) +
+            " parameters had their gradients; did an exception leave backward?)";
+  } else {
+    state = "its backward ended before the gradient buckets were reduced (waiting for them failed "
+            "with the error that backward threw)";
+  }
   pending_error_ =
       "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
       ": the previous iteration's gradient reduction did not finish: a synchronizing forward "
@@ -288,7 +320,12 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // CheckPreviousIteration refuses a forward after an iteration that did
   // not finish, so nothing should be in flight; the wait is a safeguard
   // before the bucket memory is reused below.
-  WaitInFlight();
+  if (!WaitInFlight()) {
+    pending_error_ = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+                     ": a collective of an earlier iteration was still running after the group's "
+                     "timeout, so its bucket memory cannot be reused; the process group was aborted.";
+    throw std::runtime_error(pending_error_);
+  }
   armed_ = true;
   unfinished_ = true;
   finalized_ = false;
@@ -355,8 +392,10 @@ void Reducer::OnGradReady(size_t index) {
     // NoSync, eval, or a backward this reducer did not prepare: the
     // gradient accumulates in .grad and is reduced by the next
     // synchronizing backward, so the parameter counts as used there even if
-    // that backward does not reach it (as PyTorch's local_used_map).
-    used_.data<int32_t>()[index] = 1;
+    // that backward does not reach it (as PyTorch's local_used_map). Not
+    // while the map's all-reduce may still run (a backward whose wait
+    // failed: that iteration is refused at the next forward anyway).
+    if (!used_work_.valid()) used_.data<int32_t>()[index] = 1;
     return;
   }
   // Checked before anything is marked ready, so that when this is the
@@ -495,8 +534,6 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
 
 void Reducer::Finalize() {
   armed_ = false;
-  // Any failure from here on is reported by its own error.
-  unfinished_ = false;
   const Clock::time_point compute_end = Clock::now();
   if (ready_count_ < params_.size()) {
     std::string names;
@@ -519,7 +556,10 @@ void Reducer::Finalize() {
     // both within ~100 ms, and peers report this message. The error itself
     // surfaces at the next forward, as documented.
     pg_->Abort(transport::FailedPreconditionError(pending_error_));
-    WaitInFlight();
+    // Whether or not they all end, pending_error_ keeps the buckets from
+    // being reused.
+    (void)WaitInFlight();
+    unfinished_ = false;
     return;
   }
   if (handles_unused()) {
@@ -547,6 +587,10 @@ void Reducer::Finalize() {
     const int32_t* u = used_.data<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = u[i] > 0;
   }
+  // Every collective has finished. Until here a failed wait (which throws
+  // out of backward) may leave one running on the bucket memory, so the
+  // iteration counts as unfinished: the next forward refuses to reuse it.
+  unfinished_ = false;
   // The next accumulation starts here.
   std::memset(used_.data_ptr(), 0, used_.nbytes());
   for (Bucket& b : buckets_) {

@@ -70,7 +70,8 @@ class Reducer {
   /// with their names. Registers a post-accumulate-grad hook on each.
   Reducer(std::vector<std::pair<std::string, nn::Tensor>> params, std::shared_ptr<ProcessGroup> pg,
           ReducerOptions options, std::shared_ptr<TraceRecorder> trace);
-  /// Removes the hooks; waits (bounded) for buckets still in flight.
+  /// Removes the hooks; waits (bounded) for buckets still in flight,
+  /// aborting the group for one that outlives the wait.
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
@@ -160,7 +161,9 @@ class Reducer {
   // The end of a synchronizing iteration, run or shadowed: the rebuild is
   // decided from the group's count, the same on every rank.
   void CountGroupIteration();
-  void WaitInFlight();
+  // Waits for the collectives still in flight (bounded); false when one
+  // still runs after the group was aborted for it: its memory is not free.
+  bool WaitInFlight();
   bool IsView(size_t index, const nn::Tensor& grad) const;
   std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs) const;
 
@@ -180,7 +183,7 @@ class Reducer {
 
   // Iteration state.
   bool armed_ = false;          // hooks act (between prepare and finalize)
-  bool unfinished_ = false;     // prepared, and Finalize has not run since
+  bool unfinished_ = false;     // prepared, and Finalize has not completed since
   bool finalized_ = false;      // Finalize succeeded and no forward ran since
   bool no_sync_ = false;        // a NoSync scope is open
   bool finalize_queued_ = false;
