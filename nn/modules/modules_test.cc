@@ -227,6 +227,27 @@ TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   EXPECT_EQ(y.shape(), x.shape());
 }
 
+// An empty batch in training, as PyTorch: an empty output, the running
+// statistics unchanged, zero gradients for weight and bias. One value per
+// channel is still refused.
+TEST(ModuleTest, BatchNormTrainsOnAnEmptyBatch) {
+  BatchNorm2d bn(3);
+  const std::vector<float> mean_before = bn.running_mean().ToVector<float>();
+  const std::vector<float> var_before = bn.running_var().ToVector<float>();
+  Tensor x = Zeros({0, 3, 4, 4}, {.requires_grad = true});
+  Tensor y = bn.Forward(x);
+  EXPECT_EQ(y.shape(), x.shape());
+  EXPECT_EQ(bn.running_mean().ToVector<float>(), mean_before);
+  EXPECT_EQ(bn.running_var().ToVector<float>(), var_before);
+  Backward(ops::Sum(y));
+  EXPECT_EQ(x.grad().shape(), x.shape());
+  for (const Tensor& p : bn.Parameters()) {
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_EQ(p.grad().ToVector<float>(), std::vector<float>(3, 0.0f));
+  }
+  EXPECT_THROW(bn.Forward(Rand({1, 3, 1, 1})), std::invalid_argument);
+}
+
 TEST(ModuleTest, SequentialReusesIntermediatesOnlyWhenUnshared) {
   // Linear -> ReLU (in place on the Linear's output) -> Linear, in f64: exact gradients.
   Sequential seq{std::make_shared<Linear>(4, 6), std::make_shared<ReLU>(), std::make_shared<Linear>(6, 3),

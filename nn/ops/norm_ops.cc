@@ -28,6 +28,27 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
   if (!training && (!running_mean.defined() || !running_var.defined())) {
     throw std::invalid_argument("batch_norm: eval mode needs running statistics");
   }
+  if (training && x.numel() == 0) {
+    // An empty batch, as PyTorch allows it: an empty output, the running
+    // statistics unchanged, and zero gradients for weight and bias.
+    Tensor y = detail::NewLike(x);
+    if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
+    const DType bias_dtype = bias.defined() ? bias.dtype() : x.dtype();
+    auto node = std::make_shared<LambdaNode>("BatchNormBackward", [bias_dtype](LambdaNode& n,
+                                                                               std::vector<Tensor>& g) {
+      const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
+      Tensor gx, gw, gb;
+      if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
+      if (n.needs_input_grad(1)) gw = Zeros(wv.shape(), {.dtype = wv.dtype(), .device = wv.device()});
+      if (n.needs_input_grad(2)) gb = Zeros({xv.size(1)}, {.dtype = bias_dtype, .device = xv.device()});
+      (void)g;
+      return std::vector<Tensor>{gx, gw, gb};
+    });
+    node->saved.emplace_back(x);
+    node->saved.emplace_back(weight);
+    detail::ConnectNode(node, {&x, &weight, &bias}, {&y});
+    return y;
+  }
   if (training && x.numel() / std::max<int64_t>(c, 1) <= 1) {
     throw std::invalid_argument("batch_norm: expected more than 1 value per channel when training, got input " +
                                 ShapeToString(x.shape()));
