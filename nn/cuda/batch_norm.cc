@@ -179,9 +179,13 @@ bool CudnnTrains(const Dims& d, const Tensor& x) {
 // True when cuDNN ran the call; false, after noting the dtype, when it
 // declined it (the caller then runs ours); throws for any other failure.
 // cuDNN 9 reports a decline as any code in the NOT_SUPPORTED category
-// (NOT_SUPPORTED_DATA_TYPE, _SHAPE, _ARCH_MISMATCH, ...).
+// (NOT_SUPPORTED_DATA_TYPE, _SHAPE, _ARCH_MISMATCH, ...), and a shape or
+// layout it refuses as one in the BAD_PARAM category (plain BAD_PARAM, or
+// a sub-status such as BAD_PARAM_SHAPE_MISMATCH); either way ours run the
+// call, and the message names the status.
 bool CudnnRan(cudnnStatus_t status, DType dt, const char* call) {
-  if (CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED || status == CUDNN_STATUS_BAD_PARAM) {
+  if (CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED ||
+      CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_BAD_PARAM) {
     const uint32_t bit = DeclinedBit(dt);
     if ((cudnn_declined.fetch_or(bit) & bit) == 0) {
       std::fprintf(stderr, "batch_norm: %s declined %s activations in %s mode (%s); our kernels run them\n",
