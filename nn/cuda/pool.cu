@@ -28,21 +28,16 @@ __global__ void MaxPoolForwardKernel(PoolGeometry g, const T* x, T* y, int32_t* 
     const int64_t h0 = i * g.sh - g.ph, w0 = j * g.sw - g.pw;
     A best = -INFINITY;
     int64_t bi = -1;
-    bool done = false;
-    for (int64_t kh = 0; kh < g.kh && !done; ++kh) {
+    for (int64_t kh = 0; kh < g.kh; ++kh) {
       const int64_t ih = h0 + kh * g.dh;
       if (ih < 0 || ih >= g.h) continue;
       for (int64_t kw = 0; kw < g.kw; ++kw) {
         const int64_t iw = w0 + kw * g.dw;
         if (iw < 0 || iw >= g.w) continue;
         const A v = Cast<A>(xp[ih * g.w + iw]);
-        if (bi < 0 || v > best || isnan(v)) {  // the first maximum wins; NaN wins and stops the scan
+        if (bi < 0 || v > best || isnan(v)) {  // the first maximum wins, and the last NaN, as in PyTorch
           best = v;
           bi = ih * g.w + iw;
-          if (isnan(v)) {
-            done = true;
-            break;
-          }
         }
       }
     }

@@ -112,6 +112,47 @@ TEST(KernelsTest, MaxPool2x2FastPathMatchesGenericPath) {
   }
 }
 
+// A window with several NaNs: the last one in scan order gets the gradient,
+// as PyTorch's indices say (max_pool2d(..., return_indices=True) on these
+// inputs gives 2, 4 and 3). The 2x2/2 paths (f32 vectorized and its tail,
+// f64 scalar) and the generic one (3x3/1) are checked.
+TEST(KernelsTest, MaxPoolPicksTheLastNaNAsPyTorch) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const Pool2dParams p22{.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2};
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    // Ten windows side by side (vector body and tail), each [[nan, 1], [nan, 2]].
+    std::vector<double> v;
+    for (int row = 0; row < 2; ++row) {
+      for (int k = 0; k < 10; ++k) {
+        v.push_back(nan);
+        v.push_back(row == 0 ? 1 : 2);
+      }
+    }
+    Tensor x = FromVector(v, Shape{1, 1, 2, 20}).To(dtype);
+    x.set_requires_grad(true);
+    Tensor y = MaxPool2d(x, p22);
+    for (double e : y.ToVector<double>()) EXPECT_TRUE(std::isnan(e)) << DTypeName(dtype);
+    Backward(Sum(y));
+    const std::vector<double> g = x.grad().ToVector<double>();
+    for (int k = 0; k < 10; ++k) {
+      EXPECT_EQ(g[2 * k], 0) << DTypeName(dtype) << " window " << k;
+      EXPECT_EQ(g[20 + 2 * k], 1) << DTypeName(dtype) << " window " << k;  // the second row's NaN
+    }
+    // [[1, nan], [nan, 2]] in the first 2x2 window of a 4x4 plane: index 4.
+    Tensor x4 = FromVector({1, nan, 0, 0, nan, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, Shape{1, 1, 4, 4}).To(dtype);
+    x4.set_requires_grad(true);
+    Backward(Sum(MaxPool2d(x4, p22)));
+    EXPECT_EQ(x4.grad().ToVector<double>()[1], 0) << DTypeName(dtype);
+    EXPECT_EQ(x4.grad().ToVector<double>()[4], 1) << DTypeName(dtype);
+    // The generic path: one 3x3 window over [[1, nan, 0], [nan, 2, 0], [0, 0, 0]]: index 3.
+    const Pool2dParams p33{.kernel_h = 3, .kernel_w = 3, .stride_h = 1, .stride_w = 1};
+    Tensor x3 = FromVector({1, nan, 0, nan, 2, 0, 0, 0, 0}, Shape{1, 1, 3, 3}).To(dtype);
+    x3.set_requires_grad(true);
+    Backward(Sum(MaxPool2d(x3, p33)));
+    EXPECT_EQ(x3.grad().ToVector<double>(), (std::vector<double>{0, 0, 0, 1, 0, 0, 0, 0, 0})) << DTypeName(dtype);
+  }
+}
+
 // With ceil_mode the last windows of an odd-sized plane hang over its edge:
 // only the cells inside count. Plane 1 holds larger values right after
 // plane 0, so a window that read past plane 0 would return one of them.
