@@ -32,7 +32,7 @@ namespace {
                               " (more than 2^63 - 1)");
 }
 
-int64_t CountElements(const Shape& shape, const std::string& what) {
+int64_t CountElements(const Shape& shape, const char* what) {
   int64_t n = 1;
   for (int64_t s : shape) {
     if (__builtin_mul_overflow(n, s, &n)) ThrowSizeOverflow(what, shape);
