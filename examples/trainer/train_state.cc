@@ -139,6 +139,7 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["grad_accum_steps"] = std::to_string(config.grad_accum_steps);
   m["seed"] = std::to_string(config.seed);
   m["train_samples"] = std::to_string(config.train_samples);
+  if (parts.train_size >= 0) m["train_size"] = std::to_string(parts.train_size);
   if (!config.job.empty()) m["job"] = config.job;
   std::error_code ec;
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
@@ -217,12 +218,17 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                           MetaInt(m, "grad_accum_steps", path) == config.grad_accum_steps &&
                           Get(m, "seed") == std::to_string(config.seed) &&
                           Get(m, "dataset") == config.dataset &&
-                          Get(m, "train_samples") == std::to_string(config.train_samples);
+                          Get(m, "train_samples") == std::to_string(config.train_samples) &&
+                          // Another --data_dir of the same dataset name: other samples.
+                          (parts.train_size < 0 || Get(m, "train_size").empty() ||
+                           Get(m, "train_size") == std::to_string(parts.train_size));
   if (!same_order && pos.batch_in_epoch > 0) {
     if (note != nullptr) {
       *note = "the checkpoint was saved in the middle of epoch " + std::to_string(pos.epoch + 1) +
               " by a run with another data order (" + Get(m, "world_size") + " ranks, batch " +
-              Get(m, "batch_size") + ", seed " + Get(m, "seed") + "); continuing with epoch " +
+              Get(m, "batch_size") + ", seed " + Get(m, "seed") +
+              (Get(m, "train_size").empty() ? "" : ", " + Get(m, "train_size") + " training samples") +
+              "); continuing with epoch " +
               std::to_string(pos.epoch + 2);
     }
     pos.epoch += 1;

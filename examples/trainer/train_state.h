@@ -52,6 +52,9 @@ struct TrainComponents {
   /// A sharded optimizer's loader of the whole saved state, used instead
   /// of optimizer->LoadStateDict; must throw before changing anything.
   std::function<void(const nn::optim::NamedTensors&)> load_optimizer;
+  /// Samples in the training set: saved, and compared on load as part of
+  /// the data order (-1: not known, not compared).
+  int64_t train_size = -1;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on

@@ -119,6 +119,34 @@ TEST(TrainStateTest, AnotherDataOrderContinuesAtTheNextEpoch) {
   EXPECT_NE(note.find("another data order (2 ranks"), std::string::npos) << note;
 }
 
+// The same flags over another training set (another --data_dir of the same
+// dataset name) is another data order too; an equal size is not.
+TEST(TrainStateTest, AnotherTrainingSetSizeContinuesAtTheNextEpoch) {
+  TrainConfig config;
+  config.model = "mlp";
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  const std::string path = Path("size");
+  TrainComponents saved{model.get(), &opt, nullptr, nullptr};
+  saved.train_size = 60000;
+  SaveTrainCheckpoint(path, saved, {.epoch = 0, .batch_in_epoch = 5, .step = 5}, config, 2);
+  for (const int64_t size : {int64_t{10000}, int64_t{60000}}) {
+    TrainComponents loading{model.get(), &opt, nullptr, nullptr};
+    loading.train_size = size;
+    std::string note;
+    const TrainPosition pos = LoadTrainCheckpoint(path, loading, config, 2, &note);
+    if (size == 60000) {
+      EXPECT_EQ(pos.epoch, 0);
+      EXPECT_EQ(pos.batch_in_epoch, 5);
+      EXPECT_EQ(note, "");
+    } else {
+      EXPECT_EQ(pos.epoch, 1);
+      EXPECT_EQ(pos.batch_in_epoch, 0);
+      EXPECT_NE(note.find("60000 training samples"), std::string::npos) << note;
+    }
+  }
+}
+
 // A restarted job resumes from a checkpoint only when this job saved it
 // (the default path is shared by every run of a model and dataset).
 TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {

@@ -308,6 +308,7 @@ void Run::Setup() {
   std::string resume_note;
   if (c_.resume) {
     TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
+    parts.train_size = data_.train->Size();
     if (sharded_) {
       parts.load_optimizer = [this](const nn::optim::NamedTensors& whole) { sharded_->Load(whole); };
     }
@@ -523,6 +524,7 @@ void Run::SaveCheckpoint(bool every_rank) {
   last_checkpoint_step_ = pos_.step;
   if (!lead_) return;
   TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
+  parts.train_size = data_.train->Size();
   if (sharded_) parts.optimizer_state = &whole;
   SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
   checkpoint_saved_ = c_.checkpoint;
