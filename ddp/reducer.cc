@@ -132,14 +132,18 @@ bool Reducer::WaitInFlight() {
   // aborted, which ends its own collectives within moments, and the wait
   // repeated once. A Work that still has not finished stays in place.
   bool aborted = false;
-  auto wait = [&](Work& work, const std::string& what) {
+  // `bucket`: the bucket whose collective `work` is; -1 for the unused
+  // parameter map's (named only when it is late).
+  auto wait = [&](Work& work, int64_t bucket) {
     if (!work.valid()) return true;
     if (work.WaitFor(Clock::now() + pg_->options().timeout).code() == transport::StatusCode::kTimedOut &&
         !work.IsCompleted()) {
       if (!aborted) {
         aborted = true;
         pg_->Abort(transport::TimedOutError(
-            "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": " + what +
+            "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": " +
+            (bucket < 0 ? std::string("the all-reduce of the unused parameter map")
+                        : "the collective of gradient bucket " + std::to_string(bucket)) +
             " was still in flight after the group's timeout, when its memory was to be reused"));
       }
       (void)work.WaitFor(Clock::now() + pg_->options().timeout);
@@ -149,9 +153,9 @@ bool Reducer::WaitInFlight() {
     return true;
   };
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (!wait(buckets_[b].work, "the collective of gradient bucket " + std::to_string(b))) return false;
+    if (!wait(buckets_[b].work, static_cast<int64_t>(b))) return false;
   }
-  return wait(used_work_, "the all-reduce of the unused parameter map");
+  return wait(used_work_, -1);
 }
 
 void Reducer::SetCommHook(CommHook hook) {

@@ -132,7 +132,8 @@ Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   const int64_t in = w.size(1), out_features = w.size(0);
   // Rows: the product of x's leading dimensions (with in = 0, x has no
   // elements but still m rows, each the bias alone).
-  const int64_t m = NumElements(Shape(x.shape().begin(), x.shape().end() - 1));
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
   const Tensor x2 = x.Detach().Reshape({m, in});
   Tensor y2 = Empty({m, out_features}, {.dtype = w.dtype(), .device = w.device()});
   double beta = 0.0;

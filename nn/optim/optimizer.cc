@@ -145,7 +145,13 @@ void Optimizer::InitState(size_t i) {
   State& s = state_[i];
   const Tensor& p = params_[i].second;
   if (!s.slots.empty()) {
-    s = CurrentState(i);
+    // Every step comes here: the state is rebuilt only when the parameter
+    // moved or changed dtype since it was made.
+    const DType compute = ComputeDType(i);
+    bool current = s.master.defined() == Is16Bit(p.dtype()) &&
+                   (!s.master.defined() || s.master.device() == p.device());
+    for (const Tensor& t : s.slots) current = current && t.device() == p.device() && t.dtype() == compute;
+    if (!current) s = CurrentState(i);
     return;
   }
   for (size_t k = 0; k < slot_names_.size(); ++k) {
