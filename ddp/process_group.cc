@@ -827,13 +827,12 @@ Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
   CollectiveDescription d{label.empty() ? "all_reduce" : "all_reduce " + label, tensor.dtype(),
                           tensor.shape(), -1, op, true};
   const transport::DataType type = ToTransportType(tensor.dtype());
-  const milliseconds timeout = options_.timeout;
   // The task holds the tensor, so its memory outlives the collective.
-  return impl_->Enqueue(std::move(d), [tensor, op, type, timeout](transport::Communicator* comm,
-                                                                  Deadline) {
-    if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
+  return impl_->Enqueue(std::move(d), [tensor, op, type](transport::Communicator* comm,
+                                                           Deadline deadline) {
+    if (comm == nullptr) return Status::Ok();
     return comm->AllReduce(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, op,
-                           {.timeout = timeout});
+                           Within(deadline));
   }, FenceFor({tensor}, "AllReduce"));
 }
 
@@ -846,12 +845,11 @@ Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::stri
   CollectiveDescription d{label.empty() ? "broadcast" : "broadcast " + label, tensor.dtype(),
                           tensor.shape(), root, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(tensor.dtype());
-  const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [tensor, root, type, timeout](transport::Communicator* comm,
-                                                                    Deadline) {
-    if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
+  return impl_->Enqueue(std::move(d), [tensor, root, type](transport::Communicator* comm,
+                                                             Deadline deadline) {
+    if (comm == nullptr) return Status::Ok();
     return comm->Broadcast(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, root,
-                           {.timeout = timeout});
+                           Within(deadline));
   }, FenceFor({tensor}, "Broadcast"));
 }
 
@@ -869,15 +867,13 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
   CollectiveDescription d{label.empty() ? "all_gather" : "all_gather " + label, input.dtype(),
                           input.shape(), -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
-  const milliseconds timeout = options_.timeout;
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "AllGather");
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
-  return impl_->Enqueue(std::move(d), [output, input, type, timeout, local](
-                                          transport::Communicator* comm, Deadline) {
+  return impl_->Enqueue(std::move(d), [output, input, type, local](
+                                          transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
-    if (input.numel() == 0) return Status::Ok();
     return comm->AllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                           type, {.timeout = timeout});
+                           type, Within(deadline));
   }, std::move(fence));
 }
 
@@ -908,8 +904,12 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
     }
     int64_t total = 0;
     for (int64_t s : splits) {
-      if (s < 0) throw std::invalid_argument(where + name + " split size " + std::to_string(s) + " is negative");
-      total += s;
+      if (s < 0 || s > rows) {
+        throw std::invalid_argument(where + name + " split size " + std::to_string(s) +
+                                    (s < 0 ? " is negative" : " exceeds its " + std::to_string(rows) + " rows"));
+      }
+      total += s;  // at most size() * rows: no overflow
+
     }
     if (static_cast<int>(splits.size()) != size_ || total != rows) {
       throw std::invalid_argument(where + std::to_string(splits.size()) + " " + name +
@@ -923,17 +923,25 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
   };
   std::vector<size_t> sends = resolve(input_splits, input, "input");
   std::vector<size_t> receives = resolve(output_splits, output, "output");
+  // What this rank sends itself is what it receives from itself (the
+  // transport checks the pairs between ranks; a one-rank group has only this one).
+  if (sends[static_cast<size_t>(rank_)] != receives[static_cast<size_t>(rank_)]) {
+    throw std::invalid_argument(where + "rank " + std::to_string(rank_) + " sends itself " +
+                                std::to_string(input_splits[static_cast<size_t>(rank_)]) +
+                                " rows (input split " + std::to_string(rank_) + ") but receives " +
+                                std::to_string(output_splits[static_cast<size_t>(rank_)]) +
+                                " (output split " + std::to_string(rank_) + ")");
+  }
   CollectiveDescription d{label.empty() ? "all_to_all" : "all_to_all " + label, input.dtype(),
                           {static_cast<int64_t>(size_)}, -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
-  const milliseconds timeout = options_.timeout;
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "AllToAll");
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
-  return impl_->Enqueue(std::move(d), [output, input, type, timeout, sends, receives, local](
-                                          transport::Communicator* comm, Deadline) {
+  return impl_->Enqueue(std::move(d), [output, input, type, sends, receives, local](
+                                          transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     return comm->AllToAllV(input.data_ptr(), sends, output.data_ptr(), receives, type,
-                           {.timeout = timeout});
+                           Within(deadline));
   }, std::move(fence));
 }
 
@@ -952,16 +960,14 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
   CollectiveDescription d{label.empty() ? "reduce_scatter" : "reduce_scatter " + label,
                           input.dtype(), input.shape(), -1, op, true};
   const transport::DataType type = ToTransportType(input.dtype());
-  const milliseconds timeout = options_.timeout;
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "ReduceScatter");
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
-  return impl_->Enqueue(std::move(d), [output, input, op, type, timeout, local](
-                                          transport::Communicator* comm, Deadline) {
+  return impl_->Enqueue(std::move(d), [output, input, op, type, local](
+                                          transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
-    if (output.numel() == 0) return Status::Ok();
     return comm->ReduceScatter(input.data_ptr(), output.data_ptr(),
                                static_cast<size_t>(output.numel()), type, op,
-                               {.timeout = timeout});
+                               Within(deadline));
   }, std::move(fence));
 }
 
@@ -972,14 +978,13 @@ Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceO
   CollectiveDescription d{label.empty() ? "reduce" : "reduce " + label, tensor.dtype(),
                           tensor.shape(), root, op, true};
   const transport::DataType type = ToTransportType(tensor.dtype());
-  const milliseconds timeout = options_.timeout;
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({tensor}, "Reduce");
-  return impl_->Enqueue(std::move(d), [tensor, root, op, type, timeout](
-                                          transport::Communicator* comm, Deadline) {
-    if (comm == nullptr || tensor.numel() == 0) return Status::Ok();
+  return impl_->Enqueue(std::move(d), [tensor, root, op, type](
+                                          transport::Communicator* comm, Deadline deadline) {
+    if (comm == nullptr) return Status::Ok();
     void* result = comm->rank() == root ? tensor.data_ptr() : nullptr;
     return comm->Reduce(tensor.data_ptr(), result, static_cast<size_t>(tensor.numel()), type, op,
-                        root, {.timeout = timeout});
+                        root, Within(deadline));
   }, std::move(fence));
 }
 
@@ -1014,23 +1019,22 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
   CollectiveDescription d{label.empty() ? kind : kind + " " + label, local.dtype(), local.shape(),
                           root, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(local.dtype());
-  const milliseconds timeout = options_.timeout;
   std::shared_ptr<internal::DeviceFence> fence = FenceFor(
       is_root ? std::vector<nn::Tensor>{local, rooted} : std::vector<nn::Tensor>{local}, call);
   internal::DeviceFence* on_device = fence.get();  // owned by the Work, which outlives the task
-  return impl_->Enqueue(std::move(d), [gather, local, rooted, root, is_root, type, timeout, host,
-                                       on_device](transport::Communicator* comm, Deadline) {
+  return impl_->Enqueue(std::move(d), [gather, local, rooted, root, is_root, type, host,
+                                       on_device](transport::Communicator* comm, Deadline deadline) {
     if (!gather && host) host();  // packs the root's input
     const size_t count = static_cast<size_t>(local.numel());
     void* root_buffer = is_root ? rooted.data_ptr() : nullptr;
     if (comm == nullptr) {
       DDP_RETURN_IF_ERROR(LocalCopy(on_device, gather ? root_buffer : local.data_ptr(),
                                     gather ? local.data_ptr() : root_buffer, local.nbytes()));
-    } else if (count > 0) {
+    } else {
       DDP_RETURN_IF_ERROR(gather ? comm->Gather(local.data_ptr(), root_buffer, count, type, root,
-                                                {.timeout = timeout})
+                                                Within(deadline))
                                  : comm->Scatter(root_buffer, local.data_ptr(), count, type, root,
-                                                 {.timeout = timeout}));
+                                                 Within(deadline)));
     }
     if (gather && host) host();  // copies the root's output into a list
     return Status::Ok();
@@ -1112,10 +1116,9 @@ Work ProcessGroup::ListExchange(bool gather, const nn::Tensor& local,
 
 Work ProcessGroup::Barrier() {
   CollectiveDescription d{"barrier", nn::DType::kUInt8, {0}, -1, transport::ReduceOp::kSum, false};
-  const milliseconds timeout = options_.timeout;
-  return impl_->Enqueue(std::move(d), [timeout](transport::Communicator* comm, Deadline) {
+  return impl_->Enqueue(std::move(d), [](transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
-    return comm->Barrier({.timeout = timeout});
+    return comm->Barrier(Within(deadline));
   }, nullptr);
 }
 
@@ -1395,10 +1398,11 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
           comm->RecvAsync(&message[1], 1, transport::DataType::kI64, 0, kMonitoredBarrierTag, call)};
       const Deadline deadline = start + others_wait;
       for (transport::Work& w : works) {
-        Status s = w.Wait(deadline);
-        if (s.ok()) continue;
+        if (w.Wait(deadline).ok()) continue;
+        // Past the deadline Wait no longer polls: Test does, once.
         StatusOr<bool> done = w.Test();
         if (!done.ok()) return done.status();  // the group failed (rank 0's verdict, a lost peer)
+        if (*done) continue;
         return fail(transport::TimedOutError(what + ": rank " + std::to_string(comm->rank()) +
                                              " was not released by rank 0 within " +
                                              std::to_string(others_wait.count()) +
@@ -1424,8 +1428,15 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
     std::vector<int> missing;
     for (int r = 1; r < n; ++r) {
       if (!missing.empty() && !wait_all_ranks) break;
-      Status s = works[r].Wait(deadline);
-      if (s.ok()) {
+      // Once an earlier rank used up the deadline, Wait returns without
+      // polling; Test polls once, so a rank that did arrive is not named.
+      bool came = works[r].Wait(deadline).ok();
+      if (!came) {
+        StatusOr<bool> done = works[r].Test();
+        if (!done.ok()) return done.status();  // a lost peer, an abort
+        came = *done;
+      }
+      if (came) {
         if (arrived[r] != number) {
           return fail(transport::InvalidArgumentError(
                           what + ": rank " + std::to_string(r) + " is at monitored barrier #" +
@@ -1434,8 +1445,6 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
         }
         continue;
       }
-      StatusOr<bool> done = works[r].Test();
-      if (!done.ok()) return done.status();  // a lost peer, an abort
       missing.push_back(r);
     }
     if (!missing.empty()) {
@@ -1464,7 +1473,7 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
 std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {
   if (ranks.empty()) throw std::invalid_argument("ProcessGroup::NewGroup: the rank list is empty");
   std::vector<bool> seen(static_cast<size_t>(size_), false);
-  int64_t digest = 0;  // of the list, so that DDP_DEBUG=detail compares lists
+  uint64_t digest = 0;  // of the list, so that DDP_DEBUG=detail compares lists
   for (int r : ranks) {
     if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
       throw std::invalid_argument("ProcessGroup::NewGroup: rank " + std::to_string(r) +
@@ -1472,14 +1481,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
                                                                               std::to_string(size_) + ")"));
     }
     seen[static_cast<size_t>(r)] = true;
-    digest = digest * 31 + r + 1;
+    digest = digest * 31 + static_cast<uint64_t>(r) + 1;
   }
   const auto it = std::find(ranks.begin(), ranks.end(), rank_);
   const bool member = it != ranks.end();
   const int color = member ? 0 : transport::Communicator::kNoColor;
   const int key = static_cast<int>(it - ranks.begin());
   auto made = std::make_shared<std::unique_ptr<transport::Communicator>>();
-  CollectiveDescription d{"new_group", nn::DType::kInt64, {static_cast<int64_t>(ranks.size()), digest},
+  CollectiveDescription d{"new_group", nn::DType::kInt64, {static_cast<int64_t>(ranks.size()), static_cast<int64_t>(digest)},
                           -1, transport::ReduceOp::kSum, false};
   impl_->Enqueue(std::move(d), [color, key, made](transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();  // one process: the list is {0}

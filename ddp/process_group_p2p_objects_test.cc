@@ -511,6 +511,14 @@ TEST(ProcessGroupMonitoredBarrierTest, NamesTheOneLateRank) {
                           "rank 2 has not arrived within 1000 ms (waited for all ranks)");
 }
 
+// Only rank 1 is late, and the wait for it uses up the deadline: ranks 2
+// and 3 did arrive and must not be named (they were, when the waits after
+// the deadline no longer polled).
+TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesOnlyTheLateOneOfFour) {
+  ExpectLateRanksReported(4, "1", true, 1000,
+                          "rank 1 has not arrived within 1000 ms (waited for all ranks)");
+}
+
 TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesEveryLateRank) {
   ExpectLateRanksReported(3, "1,2", true, 1000, "ranks 1, 2 have not arrived within 1000 ms");
 }

@@ -285,6 +285,46 @@ DDP_TEST_WORKER(pg_all_to_all) {
   return testing::WorkerExit();
 }
 
+// Empty tensors still take part in the collective: every rank passing one
+// is a call that does nothing, and one rank passing one where the others
+// pass data is a mismatch every rank reports, instead of that rank
+// skipping the call and its next collective pairing with the wrong one.
+DDP_TEST_WORKER(pg_empty) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  Tensor empty = nn::Empty({0});
+  pg->AllReduce(empty).Wait();
+  pg->Broadcast(empty, n - 1).Wait();
+  pg->AllGather(nn::Empty({0}), empty).Wait();
+  pg->ReduceScatter(empty, nn::Empty({0})).Wait();
+  pg->Reduce(empty, 0).Wait();
+  pg->Gather(me == 0 ? nn::Empty({0}) : Tensor(), empty, 0).Wait();
+  pg->Scatter(empty, me == 0 ? nn::Empty({0}) : Tensor(), 0).Wait();
+  pg->AllToAll(nn::Empty({0, 2}), nn::Empty({0, 2})).Wait();
+  Tensor t = nn::Full({5}, me + 1);
+  pg->AllReduce(t).Wait();
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(5, n * (n + 1) / 2.0),
+                "all-reduce after the empty calls");
+  // Rank 0 passes nothing where the others pass 4 elements.
+  Tensor mine = me == 0 ? nn::Empty({0}) : nn::Ones({4});
+  try {
+    pg->AllReduce(mine).Wait();
+    WORKER_EXPECT(false, "an empty all-reduce against data passed on rank " + std::to_string(me));
+  } catch (const DistributedError& e) {
+    WORKER_EXPECT(std::string(e.what()).find("INVALID_ARGUMENT") != std::string::npos ||
+                      std::string(e.what()).find("count") != std::string::npos,
+                  e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, EmptyTensorsTakePartInCollectives) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_empty", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
 TEST(ProcessGroupTest, AllToAllEqualAndUnevenRows) {
   for (int n : {2, 3}) {
     auto run = RunWorkers("pg_all_to_all", n);
@@ -307,6 +347,15 @@ TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
   pg->AllToAll(moved, rows).Wait();
   EXPECT_EQ(moved.ToVector<double>(), std::vector<double>({1, 2, 3, 4}));
   pg->Barrier().Wait();
+  // A rank sends itself what it receives from itself: 3 rows in, 2 out.
+  try {
+    pg->AllToAll(nn::Empty({2, 2}), nn::Zeros({3, 2}), {2}, {3});
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 sends itself 3 rows (input split 0) but receives 2"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(ProcessGroupTest, BadArgumentsNameTheProblem) {

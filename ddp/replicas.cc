@@ -177,7 +177,9 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
     const nn::DType dtype = std::get<0>(key);
     const nn::Device device = list.front().device();
     std::string what = label + " " + std::string(nn::DTypeName(dtype));
-    if (!device.is_cpu()) what += " on " + device.ToString();
+    // The device type alone: the label is part of the collective's
+    // fingerprint (DDP_DEBUG=detail), and rank r's replica is on cuda:r.
+    if (device.is_cuda()) what += " on cuda";
     if (list.size() == 1 && list.front().is_contiguous()) {
       // One contiguous tensor: broadcast in place, no flat copy.
       pg.Broadcast(list.front().Detach(), root, what).Wait();

@@ -177,7 +177,9 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
     std::vector<Work> works;
     for (const auto& [name, t] : tensors) works.push_back(pg_->Broadcast(t, r, "zero: " + name));
     for (Work& w : works) w.Wait();
-    by_rank[static_cast<size_t>(r)] = std::move(tensors);
+    // Only the receiving rank keeps the shards: the others would hold the
+    // whole optimizer state, which sharding exists to avoid.
+    if (pg_->rank() == to) by_rank[static_cast<size_t>(r)] = std::move(tensors);
   }
   if (pg_->rank() != to) return {};
   // The unsharded optimizer's order: "lr", then parameter by parameter,

@@ -32,6 +32,13 @@
 // Loss scaling: GradScaler checks only the gradients its optimizer holds,
 // which here are one rank's shard, so ranks could disagree on skipping a
 // step; use it with the unsharded optimizer.
+//
+// Uneven inputs: Step broadcasts from every rank, so it does not work under
+// DistributedDataParallel's Join (a rank that ran out of data takes no
+// step, and the others' broadcasts meet its Join all-reduce, which every
+// rank reports as a desync). PyTorch's ZeroRedundancyOptimizer shadows the
+// step in Join; this one does not yet: give every rank the same number of
+// batches.
 
 #include <cstddef>
 #include <functional>

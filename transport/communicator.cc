@@ -897,7 +897,10 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
     std::unique_lock lock(queue_mu_);
     if (unfinished_ > 0) {
       lock.unlock();
-      DDP_RETURN_IF_ERROR(WaitForQueue(deadline));
+      // Returning without running the body would leave this rank a
+      // collective behind its peers, and its next call paired with the
+      // wrong one of theirs: the communicator fails instead.
+      if (Status queued = WaitForQueue(deadline); !queued.ok()) return Abort(queued, deadline);
     }
   }
   std::lock_guard run(run_mu_);
