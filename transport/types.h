@@ -27,7 +27,9 @@ size_t DataTypeSize(DataType dtype);
 const char* DataTypeName(DataType dtype);
 
 /// Reductions. kAvg is a sum divided by the number of contributing ranks
-/// (integers: truncated toward zero).
+/// (integers: truncated toward zero). Integers are summed in their own type
+/// before the division, as NCCL does, so a sum that overflows it (u8: above
+/// 255) wraps first: average small integers or widen them.
 enum class ReduceOp : int {
   kSum = 0,
   kAvg = 1,
