@@ -272,6 +272,36 @@ TEST(KernelsTest, MeanOfNothingIsNaN) {
   EXPECT_EQ(Sum(Zeros({0})).Item(), 0.0);
 }
 
+// Argmax along every dimension of a 4-d tensor, against torch.argmax: the
+// reduced dimension goes last and the others keep their order, so the
+// indices land where PyTorch puts them (dim 0 and 1 were scrambled).
+TEST(KernelsTest, ArgmaxAlongEveryDimensionMatchesPyTorch) {
+  std::vector<double> v(120);
+  for (int i = 0; i < 120; ++i) v[i] = (i * 53) % 120;  // a permutation of 0..119
+  const Tensor x = FromVector(v, {2, 3, 4, 5});
+  // torch.argmax(((torch.arange(120) * 53) % 120).float().reshape(2, 3, 4, 5), d).flatten()
+  const std::vector<std::vector<int64_t>> expected = {
+      {1, 1, 0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 1, 0, 1, 0,
+       1, 0, 1, 0, 1, 1, 0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1},
+      {1, 0, 0, 2, 0, 2, 0, 1, 0, 0, 0, 0, 2, 0, 2, 0, 1, 0, 0, 0,
+       0, 0, 0, 0, 2, 0, 1, 0, 1, 0, 0, 0, 0, 2, 0, 1, 0, 1, 0, 0},
+      {3, 2, 0, 3, 1, 0, 3, 1, 3, 1, 1, 3, 2, 0, 2, 2, 0, 2, 0, 3, 3, 1, 3, 1, 3, 3, 1, 3, 2, 0},
+      {2, 4, 1, 3, 0, 2, 1, 1, 3, 0, 2, 1, 1, 0, 0, 4, 1, 1, 0, 0, 4, 1, 3, 0},
+  };
+  for (int64_t d = 0; d < 4; ++d) {
+    SCOPED_TRACE("dim " + std::to_string(d));
+    Shape shape = x.shape();
+    shape.erase(shape.begin() + d);
+    const Tensor out = Argmax(x, d);
+    EXPECT_EQ(out.shape(), shape);
+    EXPECT_EQ(out.ToVector<int64_t>(), expected[d]);
+    EXPECT_EQ(Argmax(x, d - 4).ToVector<int64_t>(), expected[d]);
+    // A strided (transposed) input gives the same answer as its contiguous copy.
+    const Tensor t = x.Transpose(0, 3);
+    EXPECT_EQ(Argmax(t, d).ToVector<int64_t>(), Argmax(t.Contiguous(), d).ToVector<int64_t>());
+  }
+}
+
 // Division is true division, as torch.div: integer operands give f32, so
 // 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
 TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {

@@ -65,7 +65,15 @@ void SumTo(const Tensor& x, const Tensor& out, double scale) {
 void Argmax(const Tensor& x, int64_t dim, const Tensor& out) {
   dim = x.WrapDim(dim);
   if (out.dtype() != DType::kInt64) throw std::invalid_argument("argmax: out must be i64");
-  const Tensor moved = x.Detach().Transpose(dim, x.dim() - 1).Contiguous();
+  // Rows of D contiguous elements, in the order of out's elements: dim goes
+  // last and the other dimensions keep their order (a transpose of dim with
+  // the last one would swap that one into dim's place).
+  Shape order;
+  for (int64_t k = 0; k < x.dim(); ++k) {
+    if (k != dim) order.push_back(k);
+  }
+  order.push_back(dim);
+  const Tensor moved = x.Detach().Permute(order).Contiguous();
   const int64_t d = x.size(dim);
   const int64_t rows = d == 0 ? 0 : x.numel() / d;
   Tensor res = Empty({rows}, {.dtype = DType::kInt64});
