@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -263,6 +264,14 @@ TEST_F(CudaKernelsTest, ArgmaxMatchesCpuIncludingTies) {
   const Tensor out_gpu = Empty({2}, {.dtype = DType::kInt64, .device = kGpu});
   Gpu().argmax(ties.To(kGpu), 1, out_gpu);
   EXPECT_EQ(out_gpu.To(kCPU).ToVector<int64_t>(), (std::vector<int64_t>{1, 0}));
+  // NaN: the first one wins wherever it stands, as in PyTorch.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    const Tensor nans = FromVector({1, nan, 3, nan, nan, 5, 7, 1, 5, 2, 1, nan}, {3, 4}, {.dtype = dt});
+    const Tensor out = Empty({3}, {.dtype = DType::kInt64, .device = kGpu});
+    Gpu().argmax(nans.To(kGpu), 1, out);
+    EXPECT_EQ(out.To(kCPU).ToVector<int64_t>(), (std::vector<int64_t>{1, 0, 3})) << Name(dt);
+  }
 }
 
 TEST_F(CudaKernelsTest, LogSoftmaxForwardAndBackwardMatchCpu) {

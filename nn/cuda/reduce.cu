@@ -67,12 +67,13 @@ __global__ void ArgmaxKernel(Indexing kept, int64_t num_kept, int64_t d, int64_t
     int64_t off[2];
     device::Offsets<2>(kept, j, off);
     const T* row = x + off[1];
-    // Serial scan: the first maximum wins and NaNs are skipped, as on the CPU.
+    // Serial scan: the first maximum wins and the first NaN beats everything,
+    // as on the CPU and in PyTorch (v != v is false for integers).
     acc_t<T> best = Cast<acc_t<T>>(row[0]);
     int64_t arg = 0;
-    for (int64_t k = 1; k < d; ++k) {
+    for (int64_t k = 1; k < d && best == best; ++k) {
       const acc_t<T> v = Cast<acc_t<T>>(row[k * dim_stride]);
-      if (v > best) {
+      if (v > best || v != v) {
         best = v;
         arg = k;
       }

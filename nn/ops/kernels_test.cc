@@ -302,6 +302,26 @@ TEST(KernelsTest, ArgmaxAlongEveryDimensionMatchesPyTorch) {
   }
 }
 
+// torch.argmax takes NaN as the largest value: the first NaN of a row wins,
+// wherever it stands (before, NaNs were skipped unless one came first).
+TEST(KernelsTest, ArgmaxPicksTheFirstNaNAsPyTorch) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> rows = {1,   nan,  3, nan,  //
+                                    nan, 5,    7, 1,    //
+                                    5,   2,    1, nan,  //
+                                    inf, nan, -inf, nan, //
+                                    -inf, -inf, 2, 2};
+  const std::vector<int64_t> expected = {1, 0, 3, 1, 2};  // torch.argmax(x, 1), every floating dtype
+  for (DType t : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(std::string(DTypeName(t)));
+    const Tensor x = FromVector(rows, {5, 4}, {.dtype = t});
+    EXPECT_EQ(Argmax(x, 1).ToVector<int64_t>(), expected);
+    EXPECT_EQ(Argmax(x.Transpose(0, 1), 0).ToVector<int64_t>(), expected);
+    EXPECT_EQ(Argmax(x.Transpose(0, 1).Contiguous(), 0).ToVector<int64_t>(), expected);
+  }
+}
+
 // Division is true division, as torch.div: integer operands give f32, so
 // 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
 TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {

@@ -82,11 +82,13 @@ void Argmax(const Tensor& x, int64_t dim, const Tensor& out) {
     const scalar_t* p = static_cast<const scalar_t*>(moved.data_ptr());
     for (int64_t i = 0; i < rows; ++i) {
       const scalar_t* row = p + i * d;
+      // The first maximum wins; NaN counts as larger than everything, so the
+      // first NaN ends the scan (PyTorch's rule). v != v is false for integers.
       int64_t best = 0;
       acc_t<scalar_t> bv = static_cast<acc_t<scalar_t>>(row[0]);
-      for (int64_t j = 1; j < d; ++j) {
+      for (int64_t j = 1; j < d && bv == bv; ++j) {
         const acc_t<scalar_t> v = static_cast<acc_t<scalar_t>>(row[j]);
-        if (v > bv) {
+        if (v > bv || v != v) {
           bv = v;
           best = j;
         }
