@@ -322,6 +322,50 @@ TEST(KernelsTest, ArgmaxPicksTheFirstNaNAsPyTorch) {
   }
 }
 
+// A 0-d tensor has one dimension as far as dim arguments go, as in PyTorch:
+// dim 0 or -1 is accepted, anything else is out of range. Softmax of a
+// scalar is 1, log-softmax 0 (gradient 0), argmax 0; sum and mean over it
+// change nothing.
+TEST(KernelsTest, ScalarTakesDimZeroOrMinusOne) {
+  for (int64_t dim : {0, -1}) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    for (DType t : {DType::kFloat32, DType::kBFloat16}) {
+      const Tensor s = Full({}, 3.0, {.dtype = t});
+      const Tensor ls = LogSoftmax(s, dim), sm = Softmax(s, dim);
+      EXPECT_EQ(ls.shape(), Shape{});
+      EXPECT_EQ(ls.dtype(), t);
+      EXPECT_EQ(ls.Item(), 0.0);
+      EXPECT_EQ(sm.shape(), Shape{});
+      EXPECT_EQ(sm.Item(), 1.0);
+    }
+    Tensor x = Full({}, 3.0, {.requires_grad = true});
+    Backward(LogSoftmax(x, dim));
+    EXPECT_EQ(x.grad().shape(), Shape{});
+    EXPECT_EQ(x.grad().Item(), 0.0);
+    x.set_grad(Tensor());
+    Backward(Softmax(x, dim));
+    EXPECT_EQ(x.grad().Item(), 0.0);
+
+    for (const Tensor& s : {Full({}, 3.0), FromVectorOf<int64_t>({7}, {})}) {
+      const Tensor a = Argmax(s, dim);
+      EXPECT_EQ(a.shape(), Shape{});
+      EXPECT_EQ(a.dtype(), DType::kInt64);
+      EXPECT_EQ(a.ToVector<int64_t>(), std::vector<int64_t>{0});
+    }
+    EXPECT_EQ(Sum(Full({}, 3.0), {dim}).Item(), 3.0);
+    EXPECT_EQ(Sum(Full({}, 3.0), {dim}, /*keepdim=*/true).shape(), Shape{});
+    EXPECT_EQ(Mean(Full({}, 3.0), {dim}).Item(), 3.0);
+  }
+  const Tensor s = Full({}, 3.0);
+  for (int64_t dim : {1, -2}) {
+    EXPECT_THROW(LogSoftmax(s, dim), std::out_of_range);
+    EXPECT_THROW(Softmax(s, dim), std::out_of_range);
+    EXPECT_THROW(Argmax(s, dim), std::out_of_range);
+    EXPECT_THROW(Sum(s, {dim}), std::out_of_range);
+  }
+  EXPECT_THROW(Sum(s, {0, -1}), std::invalid_argument);  // repeated, as in PyTorch
+}
+
 // Division is true division, as torch.div: integer operands give f32, so
 // 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
 TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {

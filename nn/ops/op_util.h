@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,18 @@ Tensor SumToShape(const Tensor& g, const Shape& shape);
 /// nothing else refers to its handle or memory, and it is contiguous with
 /// like's shape, dtype and device (for gradients handed to a backward).
 bool Exclusive(const Tensor& g, const Tensor& like);
+
+/// dim wrapped as PyTorch wraps a dim argument: a 0-d tensor counts as
+/// having one dimension there, so 0 and -1 are accepted for it (and give 0).
+/// Throws std::out_of_range for anything else.
+inline int64_t WrapDimAllowingScalar(const Tensor& x, int64_t dim) {
+  if (x.dim() > 0) return x.WrapDim(dim);
+  if (dim != 0 && dim != -1) {
+    throw std::out_of_range("dimension " + std::to_string(dim) +
+                            " out of range for a 0-d tensor (expected 0 or -1)");
+  }
+  return 0;
+}
 
 /// Throws when tensors live on different devices, naming the op.
 void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b);

@@ -23,7 +23,15 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
   }
   Shape kept = x.shape();
   std::vector<bool> reduced(x.dim(), false);
-  for (int64_t d : dims) {
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t d = dims[i];
+    if (x.dim() == 0) {
+      // A 0-d tensor takes dim 0 (or -1) once, as in PyTorch, and has
+      // nothing to reduce.
+      detail::WrapDimAllowingScalar(x, d);
+      if (i > 0) throw std::invalid_argument(std::string(name) + ": dimension " + std::to_string(d) + " repeated");
+      continue;
+    }
     const int64_t w = x.WrapDim(d);
     if (reduced[w]) throw std::invalid_argument(std::string(name) + ": dimension " + std::to_string(d) + " repeated");
     reduced[w] = true;
@@ -59,6 +67,7 @@ std::vector<int64_t> AllDims(const Tensor& x) {
 
 double Count(const Tensor& x, const std::vector<int64_t>& dims) {
   double n = 1;
+  if (x.dim() == 0) return n;  // Reduce checks the dims
   for (int64_t d : dims) n *= static_cast<double>(x.size(d));
   return n;
 }
@@ -84,7 +93,8 @@ Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor Argmax(const Tensor& x, int64_t dim) {
-  dim = x.WrapDim(dim);
+  dim = detail::WrapDimAllowingScalar(x, dim);
+  if (x.dim() == 0) return Zeros({}, {.dtype = DType::kInt64, .device = x.device()});  // its only element
   Shape shape = x.shape();
   shape.erase(shape.begin() + dim);
   Tensor out = Empty(shape, {.dtype = DType::kInt64, .device = x.device()});

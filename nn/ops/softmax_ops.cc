@@ -10,6 +10,12 @@ namespace ddp::nn::ops {
 using detail::LambdaNode;
 
 Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
+  if (x_in.dim() == 0) {
+    // PyTorch takes a scalar as one element along dim 0 (or -1): log-softmax
+    // of it is 0 for a finite value (and softmax 1).
+    detail::WrapDimAllowingScalar(x_in, dim);
+    return Reshape(LogSoftmax(Reshape(x_in, {1}), 0), {});
+  }
   // Autocast: exponentials need f32's range.
   const Tensor x = autocast::ToFloat32(x_in);
   if (!IsFloating(x.dtype())) throw std::invalid_argument("log_softmax: needs a floating tensor");
