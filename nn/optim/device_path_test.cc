@@ -310,6 +310,21 @@ TEST_F(DevicePathTest, StateSavedOnOnePathContinuesOnTheOther) {
   }
 }
 
+// As on the host path: a value written into a bf16 parameter between steps
+// (as Module::LoadStateDict writes it) is what the next step updates, not
+// the master's old value.
+TEST_F(DevicePathTest, OutsideWriteToABf16ParameterIsWhatTheNextStepUpdates) {
+  Tensor w = Ones({4}, {.dtype = DType::kBFloat16});
+  Sgd opt({{"w", w}}, {.lr = 0.1});
+  w.set_grad(Full({4}, -1.0, {.dtype = DType::kBFloat16}));
+  opt.Step();
+  w.CopyFrom(Full({4}, 5.0, {.dtype = DType::kBFloat16}));
+  w.set_grad(Full({4}, -1.0, {.dtype = DType::kBFloat16}));
+  opt.Step();
+  EXPECT_EQ(g_calls.sgd, 2);
+  EXPECT_EQ(w.ToVector<float>(), std::vector<float>(4, 5.09375f));  // 5.1 to bf16
+}
+
 TEST_F(DevicePathTest, GradScalerReadsOneFlagPerStep) {
   NamedParameters host = MakeParams(DType::kFloat32, 3), dev = MakeParams(DType::kFloat32, 3);
   OnHostPath([&] {

@@ -114,7 +114,73 @@ Tensor MasterOf(const Tensor& p) {
   return master;
 }
 
+bool SameStorage(const std::weak_ptr<Storage>& a, const std::shared_ptr<Storage>& b) {
+  return !a.owner_before(b) && !b.owner_before(a);
+}
+
+// p [n] (P: Half or BFloat16) against its master m [n]: an element whose
+// master does not round to p's bits was written from outside and takes p's
+// value. Rounded through the other 16-bit type first also counts as
+// agreeing: that is what a parameter converted between the two (Module::To)
+// holds, and a checkpoint of the state does not say which type it had.
+template <typename P, typename Other>
+void MergeElements(const Tensor& p, const Tensor& m) {
+  const P* pp = static_cast<const P*>(p.data_ptr());
+  float* mp = m.data<float>();
+  for (int64_t k = 0; k < p.numel(); ++k) {
+    if (P(mp[k]).bits == pp[k].bits || P(static_cast<float>(Other(mp[k]))).bits == pp[k].bits) continue;
+    mp[k] = static_cast<float>(pp[k]);
+  }
+}
+
+// Takes the writes made to the 16-bit parameter p since it last agreed with
+// its f32 master (contiguous, p's shape and device) into the master, in
+// place. Only after such a write: on a device, p and the master make a trip
+// through host memory, which waits for the device.
+void MergeOutsideWrites(const Tensor& p, const Tensor& master) {
+  const bool host = p.device().is_cpu();
+  const Tensor pc = host ? p : p.Detach().To(kCPU);
+  const Tensor mc = host ? master : master.To(kCPU);
+  if (p.dtype() == DType::kFloat16) {
+    MergeElements<Half, BFloat16>(pc, mc);
+  } else {
+    MergeElements<BFloat16, Half>(pc, mc);
+  }
+  if (!host) {
+    NoGradGuard guard;
+    master.CopyFrom(mc);
+  }
+}
+
 }  // namespace
+
+bool Optimizer::MasterSynced(const State& s, const Tensor& p) {
+  return SameStorage(s.synced_storage, p.storage()) && s.synced_version == p.storage()->version();
+}
+
+void Optimizer::MarkSynced(State& s, const Tensor& p) {
+  s.synced_storage = p.storage();
+  s.synced_version = p.storage()->version();
+}
+
+void Optimizer::NoteOwnWrite(size_t i, uint64_t before) {
+  const std::shared_ptr<Storage>& storage = params_[i].second.storage();
+  const uint64_t after = storage->version();
+  State& own = state_[i];
+  if (own.master.defined() && own.synced_version == before && SameStorage(own.synced_storage, storage)) {
+    own.synced_version = after;
+  }
+  // Other parameters viewing the same memory (ZeRO's pieces of one flat
+  // buffer) saw the version move too, by this write alone; the memory has
+  // no other user in the common case, and nothing to look for.
+  if (storage.use_count() == 1) return;
+  for (size_t j = 0; j < params_.size(); ++j) {
+    State& t = state_[j];
+    if (j != i && t.master.defined() && t.synced_version == before && SameStorage(t.synced_storage, storage)) {
+      t.synced_version = after;
+    }
+  }
+}
 
 Optimizer::State Optimizer::CurrentState(size_t i) const {
   State s = state_[i];
@@ -135,6 +201,13 @@ Optimizer::State Optimizer::CurrentState(size_t i) const {
     s.master = Tensor();
   } else if (!s.master.defined()) {
     s.master = MasterOf(p);
+    MarkSynced(s, p);
+  } else if (!MasterSynced(s, p)) {
+    // Written from outside since the master last agreed with it: merged
+    // into a copy (the stored master changes only when a step takes this).
+    s.master = s.master.device() == p.device() ? s.master.Clone() : s.master.To(p.device());
+    MergeOutsideWrites(p, s.master);
+    MarkSynced(s, p);
   } else if (s.master.device() != p.device()) {
     s.master = s.master.To(p.device());
   }
@@ -146,18 +219,27 @@ void Optimizer::InitState(size_t i) {
   const Tensor& p = params_[i].second;
   if (!s.slots.empty()) {
     // Every step comes here: the state is rebuilt only when the parameter
-    // moved or changed dtype since it was made.
+    // moved or changed dtype since it was made, and the master takes in
+    // writes made to the parameter from outside.
     const DType compute = ComputeDType(i);
     bool current = s.master.defined() == Is16Bit(p.dtype()) &&
                    (!s.master.defined() || s.master.device() == p.device());
     for (const Tensor& t : s.slots) current = current && t.device() == p.device() && t.dtype() == compute;
-    if (!current) s = CurrentState(i);
+    if (!current) {
+      s = CurrentState(i);
+    } else if (s.master.defined() && !MasterSynced(s, p)) {
+      MergeOutsideWrites(p, s.master);
+      MarkSynced(s, p);
+    }
     return;
   }
   for (size_t k = 0; k < slot_names_.size(); ++k) {
     s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i), .device = p.device()}));
   }
-  if (Is16Bit(p.dtype())) s.master = MasterOf(p);
+  if (Is16Bit(p.dtype())) {
+    s.master = MasterOf(p);
+    MarkSynced(s, p);
+  }
 }
 
 void Optimizer::Step() {
@@ -199,6 +281,7 @@ void Optimizer::DeviceStep(size_t i, const Tensor& grad) {
   InitState(i);
   State& s = state_[i];
   const int64_t step = ++steps_[i];
+  const uint64_t before = p.storage()->version();
   const Tensor target = s.master.defined() ? s.master : p;
   DeviceUpdate(target, g, s.slots, step, grad_scale_);
   if (s.master.defined()) {
@@ -206,6 +289,7 @@ void Optimizer::DeviceStep(size_t i, const Tensor& grad) {
     p.CopyFrom(s.master);  // rounds the f32 master into the 16-bit parameter on the device
   }
   p.storage()->BumpVersion();
+  if (s.master.defined()) NoteOwnWrite(i, before);
 }
 
 void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d) {
@@ -215,6 +299,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
   State& s = state_[i];
   const int64_t n = p.numel();
   const int64_t step = ++steps_[i];
+  const uint64_t before = p.storage()->version();
   if (ComputeDType(i) == DType::kFloat64) {
     std::vector<double*> slots;
     for (Tensor& t : s.slots) slots.push_back(t.data<double>());
@@ -249,6 +334,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
     }
   }
   p.storage()->BumpVersion();
+  if (s.master.defined()) NoteOwnWrite(i, before);
 }
 
 void ZeroGrad(const NamedParameters& params, bool set_to_none) {
@@ -358,6 +444,8 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     };
     for (const std::string& s : slot_names_) state_[i].slots.push_back(copy_to_device(given.at(prefix + s)));
     auto m = given.find(prefix + "master");
+    // Not known to agree with the parameter (which may be loaded before or
+    // after this): the next step merges the two.
     if (m != given.end()) state_[i].master = copy_to_device(m->second);
   }
 }

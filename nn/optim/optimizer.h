@@ -14,6 +14,11 @@
 // keeps its state, converted: the slots take the new compute dtype, a
 // parameter that is no longer 16-bit drops its master and is updated
 // itself, and one that became 16-bit gets a master copied from it.
+// Writes to a 16-bit parameter made outside the optimizer (a loaded state
+// dict, a CopyFrom, parameter averaging) are taken into the master at the
+// next step: an element whose master no longer rounds to the parameter's
+// value takes that value, the others keep their extra precision. Without
+// that, the master would write its old values back over them.
 //
 // Devices: all parameters of one optimizer live on one device. On a CUDA
 // device (or any non-CPU device) the state and master copies live there
@@ -22,6 +27,7 @@
 // queued on the current stream with no host synchronization.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,6 +133,13 @@ class Optimizer {
   struct State {
     std::vector<Tensor> slots;  // empty until the first step
     Tensor master;              // f32 copy of a 16-bit parameter
+    // Where the master last agreed with the parameter: its memory and that
+    // memory's version. A version bumped since means someone else wrote the
+    // parameter (Module::LoadStateDict, a CopyFrom, an averaging), and the
+    // next step merges that write into the master first. Empty after
+    // LoadStateDict: the first step merges.
+    std::weak_ptr<Storage> synced_storage;
+    uint64_t synced_version = 0;
   };
 
   DType ComputeDType(size_t i) const;
@@ -134,6 +147,13 @@ class Optimizer {
   /// copy only where something changed since the state was made).
   State CurrentState(size_t i) const;
   void InitState(size_t i);
+  /// True when nothing but this optimizer wrote p since s's master last agreed with it.
+  static bool MasterSynced(const State& s, const Tensor& p);
+  static void MarkSynced(State& s, const Tensor& p);
+  /// After this optimizer wrote parameter i (its memory's version went from
+  /// `before` to now): every master that agreed with that memory at `before`
+  /// still does, parameter i's and those of other views of the same memory.
+  void NoteOwnWrite(size_t i, uint64_t before);
   void HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d);
   void DeviceStep(size_t i, const Tensor& grad);
 

@@ -190,6 +190,83 @@ TEST(Optimizer, MasterCopyKeepsSmallUpdatesOfBf16Parameters) {
   for (float v : w.ToVector<float>()) EXPECT_EQ(v, 1.0234375f);
 }
 
+// A write to a 16-bit parameter from outside the optimizer (here CopyFrom,
+// as Module::LoadStateDict does it) is what the next step starts from; the
+// f32 master used to write its old values back over it.
+TEST(Optimizer, OutsideWriteToA16BitParameterIsWhatTheNextStepUpdates) {
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(std::string(DTypeName(t)));
+    Tensor w = Ones({4}, {.dtype = t});
+    Sgd opt({{"w", w}}, {.lr = 0.1});
+    w.set_grad(Full({4}, -1.0, {.dtype = t}));
+    opt.Step();  // master 1.1
+    {
+      NoGradGuard guard;
+      w.CopyFrom(Full({4}, 5.0, {.dtype = t}));
+    }
+    w.set_grad(Full({4}, -1.0, {.dtype = t}));
+    opt.Step();  // from 5: 5.1 rounded (1.2 rounded before)
+    const float expected = t == DType::kBFloat16 ? 5.09375f : 5.1015625f;
+    for (float v : w.ToVector<float>()) EXPECT_EQ(v, expected);
+    // The saved master holds the loaded value too.
+    for (const auto& [k, st] : opt.StateDict()) {
+      if (k == "state.w.master") {
+        EXPECT_EQ(st.ToVector<float>(), std::vector<float>(4, 5.1f));
+      }
+    }
+  }
+  // Part of a parameter written: only those elements restart from the
+  // written value, the others keep the updates below bf16's resolution.
+  Tensor w = Ones({4}, {.dtype = DType::kBFloat16});
+  Sgd opt({{"w", w}}, {.lr = 1e-4});
+  for (int s = 0; s < 200; ++s) {
+    if (s == 100) w.Narrow(0, 2, 1).Fill(3.0);
+    w.set_grad(Full({4}, -1.0, {.dtype = DType::kBFloat16}));
+    opt.Step();
+  }
+  // 1.02 and 3.01 to bf16.
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{1.0234375f, 1.0234375f, 3.015625f, 1.0234375f}));
+}
+
+// The trainer's resume order: the optimizer's state first, then the model's
+// values written into the parameters. The loaded master keeps its precision
+// where the parameters hold its rounding, so the run continues exactly.
+TEST(Optimizer, MasterLoadedBeforeTheParametersKeepsItsPrecision) {
+  for (const auto& [name, make] : AllOptimizers()) {
+    SCOPED_TRACE(name);
+    NamedParameters a = MakeParams(DType::kBFloat16, 1);
+    auto opt_a = make(a);
+    for (int s = 0; s < 5; ++s) {
+      SetGrads(a, s);
+      opt_a->Step();
+    }
+    const NamedTensors state = opt_a->StateDict();
+    NamedParameters b = MakeParams(DType::kBFloat16, 2);
+    auto opt_b = make(b);
+    opt_b->LoadStateDict(state);
+    for (size_t i = 0; i < b.size(); ++i) b[i].second.CopyFrom(a[i].second);
+    for (int s = 5; s < 10; ++s) {
+      SetGrads(a, s);
+      opt_a->Step();
+      SetGrads(b, s);
+      opt_b->Step();
+    }
+    EXPECT_EQ(Bytes(a), Bytes(b));
+  }
+}
+
+// Parameters that are views of one buffer (as ZeRO's pieces are): one's
+// update is not taken for an outside write to the others.
+TEST(Optimizer, MastersOfViewsOfOneBufferKeepSmallUpdates) {
+  const Tensor flat = Ones({8}, {.dtype = DType::kBFloat16});
+  Sgd opt({{"a", flat.Narrow(0, 0, 4)}, {"b", flat.Narrow(0, 4, 4)}}, {.lr = 1e-4});
+  for (int s = 0; s < 200; ++s) {
+    for (const auto& [n, p] : opt.params()) p.set_grad(Full({4}, -1.0, {.dtype = DType::kBFloat16}));
+    opt.Step();
+  }
+  for (float v : flat.ToVector<float>()) EXPECT_EQ(v, 1.0234375f);
+}
+
 // Module::To converts a parameter in place (the same tensor object) between
 // steps. bf16 -> f32: the master is dropped and the parameter itself is
 // updated from its converted value, the momentum carried over; before, the
