@@ -75,7 +75,8 @@ class ZeroRedundancyOptimizer {
   /// memory (Module::To) after construction: build the optimizer after
   /// moving or converting the model.
   void Step();
-  /// Clears every parameter's gradient (the shard's and the others').
+  /// Clears every parameter's gradient (the shard's and the others'):
+  /// undefined by default, as PyTorch 2.x (1.13 zeroes them), or zeros.
   void ZeroGrad(bool set_to_none = true);
 
   double lr() const { return local_->lr(); }

@@ -91,8 +91,9 @@ class Module {
   void Train(bool on = true);
   void Eval() { Train(false); }
   bool is_training() const { return training_; }
-  /// Drops every parameter's .grad (set_to_none) or zeroes it in place (keeping
-  /// the memory, e.g. a DDP bucket view).
+  /// Drops every parameter's .grad (set_to_none, the default as in PyTorch
+  /// 2.x; PyTorch 1.13 zeroes by default) or zeroes it in place (keeping the
+  /// memory, e.g. a DDP bucket view).
   void ZeroGrad(bool set_to_none = true);
   /// Calls fn on every descendant (children first, depth first), then on this module.
   void Apply(const std::function<void(Module&)>& fn);

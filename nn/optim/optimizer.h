@@ -59,7 +59,8 @@ int ParameterOfStateKey(const std::string& key, const NamedParameters& params,
 void CheckParameters(const NamedParameters& params, const std::string& who);
 
 /// Clears the gradients of `params`: undefined (set_to_none) or zeros.
-/// Optimizer::ZeroGrad on its list; wrappers use it on theirs.
+/// Optimizer::ZeroGrad on its list; wrappers use it on theirs. The default,
+/// set_to_none, is PyTorch 2.x's; PyTorch 1.13 zeroes by default.
 void ZeroGrad(const NamedParameters& params, bool set_to_none = true);
 
 class Optimizer {
@@ -71,7 +72,8 @@ class Optimizer {
   /// Updates every parameter that has a gradient; parameters whose .grad is
   /// undefined are skipped and their state is left as it is (as PyTorch).
   void Step();
-  /// Clears gradients: undefined (set_to_none, PyTorch's default) or zeros.
+  /// Clears gradients: undefined (set_to_none, the default as in PyTorch 2.x;
+  /// PyTorch 1.13's zero_grad() zeroes them instead) or zeros.
   void ZeroGrad(bool set_to_none = true);
 
   /// Learning rate of the next Step (schedulers set it).
