@@ -52,7 +52,9 @@ const char* BinaryName(BinaryOp op) {
 Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
   if (!a_in.defined() || !b_in.defined()) throw std::invalid_argument("binary op on an undefined tensor");
   detail::CheckSameDevice(BinaryName(op), a_in, b_in);
-  DType dtype = PromoteTypes(a_in.dtype(), b_in.dtype());
+  // torch.result_type: a 0-d operand (a loss, a scale) gives way to the
+  // other's dtype unless it is floating and the other is not.
+  DType dtype = ResultType(a_in.dtype(), a_in.dim() == 0, b_in.dtype(), b_in.dim() == 0);
   // Division is true division, as torch.div: integer operands divide as the
   // default float dtype (f32), so 7 / 2 is 3.5 and x / 0 is inf, never a trap.
   if (op == BinaryOp::kDiv && !IsFloating(dtype)) dtype = DType::kFloat32;

@@ -1,7 +1,9 @@
 // Differentiable operations on tensors. Each records a node when grad mode
 // is on and an input requires grad; each checks its inputs' shapes first and
 // reports a mismatch with both shapes. Binary ops broadcast (numpy rules)
-// and promote dtypes (a bf16 tensor plus an f32 tensor gives f32). Layers
+// and promote dtypes as torch.result_type (a bf16 tensor plus an f32 tensor
+// gives f32, plus a 0-d f32 tensor bf16: a 0-d operand decides only when it
+// is floating and the other is an integer). Layers
 // that own weights (Linear, Conv2d) cast their input to the weight's dtype,
 // so f16/bf16 layers can sit next to f32 ones.
 #pragma once

@@ -366,6 +366,46 @@ TEST(KernelsTest, ScalarTakesDimZeroOrMinusOne) {
   EXPECT_THROW(Sum(s, {0, -1}), std::invalid_argument);  // repeated, as in PyTorch
 }
 
+// Binary ops with a 0-d tensor operand take torch.result_type's dtype: the
+// 0-d one decides only when it is floating and the other is not. Values as
+// PyTorch 1.13 gives them (the 0-d operand is rounded to the result dtype).
+TEST(KernelsTest, ZeroDimOperandPromotesAsPyTorch) {
+  const Tensor half_f32 = Full({}, 1.005);
+  const Tensor x = FromVector({100, 3}, {2}, {.dtype = DType::kBFloat16});
+  for (const Tensor& y : {Mul(x, half_f32), Mul(half_f32, x)}) {
+    EXPECT_EQ(y.dtype(), DType::kBFloat16);
+    EXPECT_EQ(y.ToVector<float>(), (std::vector<float>{101.0f, 3.03125f}));
+  }
+  EXPECT_EQ(Add(Ones({3}), Full({}, 0.1, {.dtype = DType::kFloat64})).dtype(), DType::kFloat32);
+  EXPECT_EQ(Sub(Ones({3}, {.dtype = DType::kFloat16}), Full({}, 1e-4, {.dtype = DType::kFloat64})).dtype(),
+            DType::kFloat16);
+  // An integer tensor with a 0-d float: the 0-d one's float dtype.
+  const Tensor ints = FromVector({1, 2, 3}, {3}, {.dtype = DType::kInt64});
+  const Tensor by_half = Mul(ints, Full({}, 0.5));
+  EXPECT_EQ(by_half.dtype(), DType::kFloat32);
+  EXPECT_EQ(by_half.ToVector<double>(), (std::vector<double>{0.5, 1.0, 1.5}));
+  const Tensor plus = Add(ints, Full({}, 0.25, {.dtype = DType::kFloat64}));
+  EXPECT_EQ(plus.dtype(), DType::kFloat64);
+  EXPECT_EQ(plus.ToVector<double>(), (std::vector<double>{1.25, 2.25, 3.25}));
+  // Integers with a 0-d integer: the dimensioned dtype, wrapping as u8 does.
+  const Tensor bytes = Mul(FromVector({200, 100, 3}, {3}, {.dtype = DType::kUInt8}), FromVectorOf<int64_t>({2}, {}));
+  EXPECT_EQ(bytes.dtype(), DType::kUInt8);
+  EXPECT_EQ(bytes.ToVector<double>(), (std::vector<double>{144, 200, 6}));
+  EXPECT_EQ(Div(FromVector({7, 6}, {2}, {.dtype = DType::kInt32}), FromVectorOf<int64_t>({2}, {})).ToVector<double>(),
+            (std::vector<double>{3.5, 3.0}));
+  // Two 0-d operands, or a 1-element tensor with dimensions: the usual promotion.
+  EXPECT_EQ(Mul(Full({}, 2.0, {.dtype = DType::kBFloat16}), Full({}, 2.0)).dtype(), DType::kFloat32);
+  EXPECT_EQ(Mul(x, Full({1}, 2.0)).dtype(), DType::kFloat32);
+  // The 0-d operand's gradient comes back in its own dtype.
+  Tensor a = FromVector({1, 2, 3}, {3}, {.dtype = DType::kBFloat16, .requires_grad = true});
+  Tensor b = Full({}, 2.0, {.requires_grad = true});
+  Backward(Sum(Mul(a, b)));
+  EXPECT_EQ(a.grad().dtype(), DType::kBFloat16);
+  EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{2, 2, 2}));
+  EXPECT_EQ(b.grad().dtype(), DType::kFloat32);
+  EXPECT_EQ(b.grad().Item(), 6.0);
+}
+
 // Division is true division, as torch.div: integer operands give f32, so
 // 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
 TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {

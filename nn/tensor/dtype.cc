@@ -50,6 +50,17 @@ DType PromoteTypes(DType a, DType b) {
   return DType::kInt32;
 }
 
+DType ResultType(DType a, bool a_is_0d, DType b, bool b_is_0d) {
+  if (a_is_0d == b_is_0d) return PromoteTypes(a, b);
+  const DType dimensioned = a_is_0d ? b : a;
+  const DType zero_dim = a_is_0d ? a : b;
+  // PyTorch ranks operands by category first (integer, then floating); a
+  // 0-d tensor of the same or a lower category leaves the type to the one
+  // with dimensions, so a scale held in a 0-d f32 keeps a bf16 tensor bf16.
+  if (!IsFloating(dimensioned) && IsFloating(zero_dim)) return zero_dim;
+  return dimensioned;
+}
+
 namespace detail {
 void ThrowUnsupportedDType(std::string_view what, DType dtype) {
   throw std::invalid_argument(std::string(what) + ": dtype " + std::string(DTypeName(dtype)) +

@@ -51,6 +51,13 @@ DType ParseDType(std::string_view name);
 /// floats: any f64 -> f64, f16 with bf16 -> f32, a float with an integer -> the float).
 DType PromoteTypes(DType a, DType b);
 
+/// torch.result_type of two tensor operands, either of which may be 0-d: a
+/// 0-d operand is weaker than one with dimensions and decides the type only
+/// when it is floating and the other is an integer (i64[3] * 0-d f64 -> f64,
+/// bf16[3] * 0-d f32 -> bf16, u8[3] * 0-d i64 -> u8). Two operands of the
+/// same kind (both 0-d, or both not) promote as PromoteTypes.
+DType ResultType(DType a, bool a_is_0d, DType b, bool b_is_0d);
+
 namespace detail {
 
 inline uint32_t FloatBits(float f) {

@@ -55,5 +55,34 @@ TEST(DTypeTest, NamesSizesAndPromotion) {
   EXPECT_EQ(PromoteTypes(DType::kUInt8, DType::kInt64), DType::kInt64);
 }
 
+// torch.result_type when one operand is 0-d: it decides only when its
+// category (integer < floating) is above the other's; two 0-d operands, or
+// two with dimensions, promote as usual. Expected values from PyTorch 1.13.
+TEST(DTypeTest, ZeroDimOperandDecidesOnlyAcrossCategories) {
+  using D = DType;
+  struct Case {
+    D dimensioned, zero_dim, expected;
+  };
+  const Case cases[] = {
+      {D::kBFloat16, D::kFloat32, D::kBFloat16}, {D::kFloat32, D::kFloat64, D::kFloat32},
+      {D::kFloat16, D::kFloat64, D::kFloat16},   {D::kFloat16, D::kBFloat16, D::kFloat16},
+      {D::kInt64, D::kFloat32, D::kFloat32},     {D::kInt64, D::kFloat64, D::kFloat64},
+      {D::kInt64, D::kBFloat16, D::kBFloat16},   {D::kUInt8, D::kFloat16, D::kFloat16},
+      {D::kUInt8, D::kInt64, D::kUInt8},         {D::kInt32, D::kInt64, D::kInt32},
+      {D::kUInt8, D::kInt32, D::kUInt8},         {D::kInt32, D::kUInt8, D::kInt32},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(DTypeName(c.dimensioned)) + " with a 0-d " + std::string(DTypeName(c.zero_dim)));
+    EXPECT_EQ(ResultType(c.dimensioned, false, c.zero_dim, true), c.expected);
+    EXPECT_EQ(ResultType(c.zero_dim, true, c.dimensioned, false), c.expected);
+    // Both 0-d or both with dimensions: the usual promotion.
+    EXPECT_EQ(ResultType(c.dimensioned, true, c.zero_dim, true), PromoteTypes(c.dimensioned, c.zero_dim));
+    EXPECT_EQ(ResultType(c.dimensioned, false, c.zero_dim, false), PromoteTypes(c.dimensioned, c.zero_dim));
+  }
+  EXPECT_EQ(ResultType(D::kFloat64, true, D::kFloat32, true), D::kFloat64);
+  EXPECT_EQ(ResultType(D::kInt64, true, D::kBFloat16, true), D::kBFloat16);
+  EXPECT_EQ(ResultType(D::kBFloat16, true, D::kFloat16, true), D::kFloat32);
+}
+
 }  // namespace
 }  // namespace ddp::nn
