@@ -70,9 +70,11 @@ Tensor Clone(const Tensor& x);
 // --- reductions ---
 /// Sum of all elements (0-d).
 Tensor Sum(const Tensor& x);
-/// Sum over dims (negative allowed); keepdim keeps them as size 1.
+/// Sum over dims (negative allowed; an empty list is every dimension, as in
+/// PyTorch); keepdim keeps them as size 1.
 Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
 Tensor Mean(const Tensor& x);
+/// Mean over dims, as Sum (an empty list is every dimension).
 Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
 /// Index of the maximum along dim (i64, no gradient).
 Tensor Argmax(const Tensor& x, int64_t dim);

@@ -406,6 +406,24 @@ TEST(KernelsTest, ZeroDimOperandPromotesAsPyTorch) {
   EXPECT_EQ(b.grad().Item(), 6.0);
 }
 
+// An empty dims list reduces every dimension, as x.sum(dim=[]) does in
+// PyTorch 1.13 (it reduced none before).
+TEST(KernelsTest, EmptyDimsListReducesEverything) {
+  Tensor x = FromVector({0, 1, 2, 3, 4, 5}, {2, 3}, {.requires_grad = true});
+  const Tensor s = Sum(x, {});
+  EXPECT_EQ(s.shape(), Shape{});
+  EXPECT_EQ(s.Item(), 15.0);
+  EXPECT_EQ(Sum(x, {}, /*keepdim=*/true).shape(), (Shape{1, 1}));
+  const Tensor m = Mean(x, {});
+  EXPECT_EQ(m.shape(), Shape{});
+  EXPECT_EQ(m.Item(), 2.5);
+  EXPECT_EQ(Mean(x, {}, /*keepdim=*/true).shape(), (Shape{1, 1}));
+  Backward(m);
+  for (float g : x.grad().ToVector<float>()) EXPECT_FLOAT_EQ(g, 1.0f / 6);
+  EXPECT_TRUE(std::isnan(Mean(Zeros({0, 2}), {}).Item()));
+  EXPECT_EQ(Sum(Full({}, 3.0), {}).Item(), 3.0);
+}
+
 // Division is true division, as torch.div: integer operands give f32, so
 // 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
 TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {

@@ -80,7 +80,10 @@ double MeanScale(double n) { return n == 0 ? std::numeric_limits<double>::quiet_
 
 Tensor Sum(const Tensor& x) { return Reduce(x, AllDims(x), false, 1.0, "SumBackward"); }
 
+// An empty dims list means every dimension, as in PyTorch 1.13's
+// sum(dim=[]) and mean(dim=[]).
 Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (dims.empty()) return Reduce(x, AllDims(x), keepdim, 1.0, "SumBackward");
   return Reduce(x, dims, keepdim, 1.0, "SumBackward");
 }
 
@@ -89,6 +92,9 @@ Tensor Mean(const Tensor& x) {
 }
 
 Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (dims.empty()) {
+    return Reduce(x, AllDims(x), keepdim, MeanScale(static_cast<double>(x.numel())), "MeanBackward");
+  }
   return Reduce(x, dims, keepdim, MeanScale(Count(x, dims)), "MeanBackward");
 }
 
