@@ -19,6 +19,7 @@
 #include "nn/modules/models.h"
 #include "nn/optim/lr_scheduler.h"
 #include "nn/optim/sgd.h"
+#include "nn/tensor/generator.h"
 
 namespace ddp::nn::io {
 namespace {
@@ -131,6 +132,40 @@ TEST(CheckpointResume, CorruptCheckpointLeavesTheModelUntouched) {
     EXPECT_THAT(e.what(), HasSubstr("checksum"));
   }
   EXPECT_EQ(b.ParamBytes(), before);
+}
+
+// Registers the tensor it is given, so that two of them can share one.
+class Holder : public modules::Module {
+ public:
+  explicit Holder(Tensor w) { RegisterParameter("weight", std::move(w)); }
+  std::string TypeName() const override { return "Holder"; }
+};
+
+class Tied : public modules::Module {
+ public:
+  explicit Tied(uint64_t seed) {
+    Generator gen(seed);
+    const Tensor w = Randn({3, 2}, {}, gen);
+    RegisterModule("embed", std::make_shared<Holder>(w));
+    RegisterModule("head", std::make_shared<Holder>(w));
+  }
+  std::string TypeName() const override { return "Tied"; }
+};
+
+// A tied weight is saved under both names (as torch.save(model.state_dict())
+// does) and loads back into a tied model, strictly.
+TEST(CheckpointResume, TiedWeightRoundTripsUnderBothNames) {
+  Tied a(1), b(2);
+  const std::string path = TmpPath("tied.safetensors");
+  SaveCheckpoint(path, Checkpoint{.model = a.GetStateDict()});
+  const Checkpoint back = LoadCheckpoint(path);
+  ASSERT_EQ(back.model.size(), 2u);
+  EXPECT_EQ(back.model[0].first, "embed.weight");
+  EXPECT_EQ(back.model[1].first, "head.weight");
+  b.LoadStateDict(back.model);
+  const modules::StateDict sb = b.GetStateDict();
+  EXPECT_EQ(sb[0].second.ToVector<float>(), a.GetStateDict()[0].second.ToVector<float>());
+  EXPECT_TRUE(sb[0].second.is_same(sb[1].second));
 }
 
 TEST(CheckpointResume, CheckpointOfAnotherModelIsRejectedByKey) {

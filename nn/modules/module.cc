@@ -182,12 +182,17 @@ void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replace
 }
 
 StateDict Module::GetStateDict() const {
+  // Unlike the parameter list, every name: a weight shared by two modules
+  // (tied) appears under both, as in PyTorch's state_dict, so a checkpoint
+  // names every entry a model has and loads strictly into either layout.
   StateDict out;
-  std::unordered_set<const TensorImpl*> seen;
   for (auto& [path, m] : const_cast<Module*>(this)->NamedModules()) {
     const std::string prefix = path.empty() ? "" : path + ".";
-    Collect(m->params_, prefix, &out, &seen);
-    Collect(m->buffers_, prefix, &out, &seen);
+    for (const NamedTensors* own : {&m->params_, &m->buffers_}) {
+      for (const auto& [name, t] : *own) {
+        if (t.defined()) out.emplace_back(prefix + name, t);
+      }
+    }
   }
   return out;
 }

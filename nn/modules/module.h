@@ -78,7 +78,10 @@ class Module {
   void ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement);
 
   // --- state ---
-  /// Parameters and buffers in state-dict order (tensors shared with the module).
+  /// Parameters and buffers in state-dict order (tensors shared with the
+  /// module). A tensor registered under several names (a tied weight) is
+  /// listed under each, as in PyTorch's state_dict; NamedParameters and
+  /// NamedBuffers list it once.
   StateDict GetStateDict() const;
   /// Copies values into the module's parameters and buffers. Strict: every
   /// key of the module must be present and no other; shapes and dtypes must

@@ -151,6 +151,49 @@ TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>()[0], 0.0f);
 }
 
+// Registers the tensor it is given, so that two of them can share one.
+class Holder : public Module {
+ public:
+  explicit Holder(Tensor w) { RegisterParameter("weight", std::move(w)); }
+  std::string TypeName() const override { return "Holder"; }
+};
+
+// An embedding and an output layer with one weight (weight tying).
+class Tied : public Module {
+ public:
+  Tied() {
+    const Tensor w = Randn({3, 2});
+    RegisterModule("embed", std::make_shared<Holder>(w));
+    RegisterModule("head", std::make_shared<Holder>(w));
+    RegisterBuffer("steps", Zeros({1}));
+  }
+  std::string TypeName() const override { return "Tied"; }
+};
+
+// As PyTorch's state_dict, the state lists a shared weight under every name
+// it is registered under (it listed the first only); the parameter list
+// still holds it once, as named_parameters does. Loading writes every name
+// into the one tensor.
+TEST(ModuleTest, StateDictListsATiedWeightUnderEachName) {
+  ManualSeed(1);
+  Tied a;
+  const StateDict sd = a.GetStateDict();
+  EXPECT_EQ(Names(sd), (std::vector<std::string>{"steps", "embed.weight", "head.weight"}));
+  EXPECT_TRUE(sd[1].second.is_same(sd[2].second));
+  EXPECT_EQ(Names(a.NamedParameters()), std::vector<std::string>{"embed.weight"});
+
+  ManualSeed(2);
+  Tied b;
+  b.LoadStateDict(sd);
+  const StateDict loaded = b.GetStateDict();
+  EXPECT_EQ(loaded[1].second.ToVector<float>(), sd[1].second.ToVector<float>());
+  EXPECT_TRUE(loaded[1].second.is_same(loaded[2].second));  // still tied
+  // Strict loading wants every name, as PyTorch's load_state_dict does.
+  const StateDict one_name = {sd[0], sd[1]};
+  EXPECT_NE(ErrorOf([&] { b.LoadStateDict(one_name); }).find("missing keys (1): `head.weight`"), std::string::npos);
+  EXPECT_NO_THROW(b.LoadStateDict(one_name, /*strict=*/false));
+}
+
 TEST(ModuleTest, TrainEvalZeroGradApplyTo) {
   auto r = MakeResNet18({.num_classes = 10, .stem = ResNetStem::kCifar});
   r->Eval();
