@@ -21,6 +21,19 @@ bool CachingFromEnv() {
   return env == nullptr || std::string_view(env) != "0";
 }
 
+// A block given up on the way back to the cache: it stays allocated and is
+// never handed out again. For paths that must not throw (Deallocate runs in
+// ~Storage), so the report goes to stderr.
+void ReportLeak(void* ptr, size_t size, int device, const char* why) noexcept {
+  std::fprintf(stderr, "CachingCudaAllocator: leaking the %zu-byte block %p on cuda:%d: %s\n", size, ptr, device,
+               why);
+}
+
+void ReportLeak(void* ptr, size_t size, int device, const char* call, cudaError_t err) noexcept {
+  std::fprintf(stderr, "CachingCudaAllocator: leaking the %zu-byte block %p on cuda:%d: %s failed: %s (%s)\n", size,
+               ptr, device, call, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
 }  // namespace
 
 CachingCudaAllocator::CachingCudaAllocator() : caching_(CachingFromEnv()) {}
@@ -100,77 +113,112 @@ void CachingCudaAllocator::RecordStream(void* ptr, cudaStream_t stream) {
   b.used_on.push_back(stream);
 }
 
-void CachingCudaAllocator::ProcessPendingLocked() {
+void CachingCudaAllocator::ProcessPendingLocked() noexcept {
   for (size_t i = 0; i < pending_.size();) {
     Pending& pd = pending_[i];
     bool done = true;
+    cudaError_t failed = cudaSuccess;
     for (cudaEvent_t e : pd.events) {
       const cudaError_t err = cudaEventQuery(e);
+      if (err == cudaSuccess) continue;
       if (err == cudaErrorNotReady) {
         done = false;
-        break;
+      } else {
+        (void)cudaGetLastError();
+        failed = err;
       }
-      CheckCuda(err, "cudaEventQuery (block used on another stream)");
+      break;
     }
     if (!done) {
       ++i;
       continue;
     }
     for (cudaEvent_t e : pd.events) (void)cudaEventDestroy(e);
-    if (caching_) {
-      free_[FreeKey{pd.block.device, pd.block.stream, pd.block.size}].push_back(pd.ptr);
-      StatsFor(pd.block.device).cached_bytes += pd.block.size;
+    if (failed != cudaSuccess) {
+      // Whether the other streams are past the block is unknown: it must
+      // never be handed out again.
+      ReportLeak(pd.ptr, pd.block.size, pd.block.device, "cudaEventQuery (block used on another stream)", failed);
     } else {
-      DeviceGuard guard(pd.block.device);
-      (void)cudaFree(pd.ptr);
+      ReturnBlockLocked(pd.ptr, pd.block);
     }
     pending_[i] = std::move(pending_.back());
     pending_.pop_back();
   }
 }
 
-void CachingCudaAllocator::Deallocate(void* ptr, size_t /*nbytes*/, Device device) {
+void CachingCudaAllocator::ReturnBlockLocked(void* ptr, const Block& b) noexcept {
+  try {
+    if (caching_) {
+      AllocatorStats& st = StatsFor(b.device);  // exists since the block's Allocate
+      free_[FreeKey{b.device, b.stream, b.size}].push_back(ptr);
+      st.cached_bytes += b.size;
+      return;
+    }
+    // Without the cache, the block may still be in use by queued work:
+    // cudaFree waits for the device before it releases the memory.
+    DeviceGuard guard(b.device);
+    const cudaError_t err = cudaFree(ptr);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      ReportLeak(ptr, b.size, b.device, "cudaFree", err);
+    }
+  } catch (const std::exception& e) {
+    ReportLeak(ptr, b.size, b.device, e.what());
+  } catch (...) {
+    ReportLeak(ptr, b.size, b.device, "unknown exception");
+  }
+}
+
+void CachingCudaAllocator::HoldUntilStreamsPassLocked(void* ptr, Block b) noexcept {
+  // Reuse only after every other stream has passed this point: an event is
+  // recorded on each now, and ProcessPendingLocked returns the block.
+  Pending pd{ptr, std::move(b), {}};
+  try {
+    pd.events.reserve(pd.block.used_on.size());
+    DeviceGuard guard(pd.block.device);
+    for (cudaStream_t s : pd.block.used_on) {
+      cudaEvent_t e = nullptr;
+      CheckCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      pd.events.push_back(e);  // reserved: cannot throw, so e is destroyed below on failure
+      CheckCuda(cudaEventRecord(e, s), "cudaEventRecord (block used on another stream)");
+    }
+    pending_.push_back(std::move(pd));  // on failure pd is left as it was
+  } catch (const std::exception& e) {
+    for (cudaEvent_t ev : pd.events) (void)cudaEventDestroy(ev);
+    ReportLeak(ptr, pd.block.size, pd.block.device, e.what());
+    return;
+  }
+  if (!caching_) {
+    // Without the cache the block must still not be freed before those
+    // streams are done: wait for them (rare: sanitizer runs only).
+    try {
+      for (cudaEvent_t e : pending_.back().events) WaitEvent(e, "free of a block used on another stream");
+    } catch (const std::exception& e) {
+      // Left pending: a later ProcessPendingLocked frees it once the streams
+      // are past it, or gives it up if their events fail.
+      std::fprintf(stderr, "CachingCudaAllocator: the %zu-byte block %p on cuda:%d stays held: %s\n",
+                   pending_.back().block.size, ptr, pending_.back().block.device, e.what());
+    }
+    ProcessPendingLocked();
+  }
+}
+
+void CachingCudaAllocator::Deallocate(void* ptr, size_t /*nbytes*/, Device device) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     // An invariant of Storage, not a user error: abort loudly.
-    std::fprintf(stderr, "CachingCudaAllocator: Deallocate of unknown pointer %p on %s\n", ptr,
-                 device.ToString().c_str());
+    std::fprintf(stderr, "CachingCudaAllocator: Deallocate of unknown pointer %p on cuda:%d\n", ptr, device.index);
     std::abort();
   }
-  const Block b = it->second;
+  Block b = std::move(it->second);
   live_.erase(it);
-  AllocatorStats& st = StatsFor(b.device);
-  st.in_use_bytes -= b.size;
-  if (!b.used_on.empty()) {
-    // Reuse only after every other stream has passed this point. The
-    // events are recorded now; ProcessPendingLocked returns the block.
-    DeviceGuard guard(b.device);
-    Pending pd{ptr, b, {}};
-    for (cudaStream_t s : b.used_on) {
-      cudaEvent_t e = nullptr;
-      CheckCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-      CheckCuda(cudaEventRecord(e, s), "cudaEventRecord (block used on another stream)");
-      pd.events.push_back(e);
-    }
-    pending_.push_back(std::move(pd));
-    if (!caching_) {
-      // Without the cache the block must still not be freed before those
-      // streams are done: wait for them (rare: sanitizer runs only).
-      for (cudaEvent_t e : pending_.back().events) WaitEvent(e, "free of a block used on another stream");
-      ProcessPendingLocked();
-    }
-    return;
+  StatsFor(b.device).in_use_bytes -= b.size;  // exists since the block's Allocate
+  if (b.used_on.empty()) {
+    ReturnBlockLocked(ptr, b);
+  } else {
+    HoldUntilStreamsPassLocked(ptr, std::move(b));
   }
-  if (caching_) {
-    free_[FreeKey{b.device, b.stream, b.size}].push_back(ptr);
-    st.cached_bytes += b.size;
-    return;
-  }
-  // Without the cache, the block may still be in use by queued work:
-  // cudaFree waits for the device before it releases the memory.
-  DeviceGuard guard(b.device);
-  (void)cudaFree(ptr);
 }
 
 void CachingCudaAllocator::ReleaseCachedLocked(int device) {
@@ -182,16 +230,34 @@ void CachingCudaAllocator::ReleaseCachedLocked(int device) {
   // freed; wait for the device so that cudaFree never races it.
   SynchronizeDevice(Device(DeviceType::kCUDA, device));
   AllocatorStats& st = StatsFor(device);
+  // Every block leaves the cache, freed or not: after a failed cudaFree the
+  // block's state is unknown, so it is leaked rather than handed out again.
+  cudaError_t first_error = cudaSuccess;
+  size_t leaked_blocks = 0, leaked_bytes = 0;
   for (auto it = free_.begin(); it != free_.end();) {
     if (std::get<0>(it->first) != device) {
       ++it;
       continue;
     }
+    const size_t size = std::get<2>(it->first);
     for (void* p : it->second) {
-      CheckCuda(cudaFree(p), "cudaFree");
-      st.cached_bytes -= std::get<2>(it->first);
+      const cudaError_t err = cudaFree(p);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (first_error == cudaSuccess) first_error = err;
+        ++leaked_blocks;
+        leaked_bytes += size;
+      }
+      st.cached_bytes -= size;
     }
     it = free_.erase(it);
+  }
+  if (first_error != cudaSuccess) {
+    throw CudaError("cudaFree of cached blocks on cuda:" + std::to_string(device) + " failed: " +
+                        cudaGetErrorString(first_error) + " (" + cudaGetErrorName(first_error) + "); " +
+                        std::to_string(leaked_blocks) + " block(s), " + std::to_string(leaked_bytes) +
+                        " bytes, were left allocated and dropped from the cache",
+                    static_cast<int>(first_error));
   }
 }
 

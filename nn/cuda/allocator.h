@@ -39,13 +39,17 @@ class CachingCudaAllocator final : public Allocator {
   /// list. On cudaMalloc failure the device's cache is released and the call
   /// retried once; then throws CudaOutOfMemory (a std::bad_alloc).
   void* Allocate(size_t nbytes, Device device) override;
-  void Deallocate(void* ptr, size_t nbytes, Device device) override;
+  /// Never throws (it runs in ~Storage): when a CUDA call on the way fails,
+  /// the block is reported on stderr and leaked (never reused) instead.
+  void Deallocate(void* ptr, size_t nbytes, Device device) noexcept override;
   /// Declares that the live block at `ptr` (a tensor's storage data) is also
   /// used by work queued on `stream`; freeing it then waits, on the device,
   /// for that stream. Throws if ptr is not a live block of this allocator.
   void RecordStream(void* ptr, cudaStream_t stream);
 
   /// Waits for each device that holds cached blocks, then cudaFrees them all.
+  /// A block whose cudaFree fails leaves the cache all the same (leaked:
+  /// its state is unknown); the first such failure is then thrown.
   void EmptyCache();
   /// Counters summed over every device.
   AllocatorStats Stats() const;
@@ -74,7 +78,12 @@ class CachingCudaAllocator final : public Allocator {
   using FreeKey = std::tuple<int, cudaStream_t, size_t>;
 
   void ReleaseCachedLocked(int device);
-  void ProcessPendingLocked();
+  // The three below never throw: they run inside Deallocate.
+  void ProcessPendingLocked() noexcept;
+  // A free block goes to its free list, or to cudaFree without the cache.
+  void ReturnBlockLocked(void* ptr, const Block& b) noexcept;
+  // A free block used on other streams waits (pending_) for events on them.
+  void HoldUntilStreamsPassLocked(void* ptr, Block b) noexcept;
   AllocatorStats& StatsFor(int device);
 
   mutable std::mutex mu_;

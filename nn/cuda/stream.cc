@@ -1,6 +1,7 @@
 #include "nn/cuda/stream.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -73,9 +74,19 @@ Stream::Stream(Device device) : device_(device) {
 }
 
 Stream::~Stream() {
-  if (stream_ != nullptr) {
+  if (stream_ == nullptr) return;
+  // A destructor must not throw: a failure is reported and the stream left
+  // to the process.
+  try {
     DeviceGuard guard(device_.index);
-    (void)cudaStreamDestroy(stream_);  // returns at once; queued work still completes
+    const cudaError_t err = cudaStreamDestroy(stream_);  // returns at once; queued work still completes
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      std::fprintf(stderr, "nn::cuda::Stream: cudaStreamDestroy on cuda:%d failed: %s (%s)\n", device_.index,
+                   cudaGetErrorString(err), cudaGetErrorName(err));
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "nn::cuda::Stream: the stream on cuda:%d was not destroyed: %s\n", device_.index, e.what());
   }
 }
 

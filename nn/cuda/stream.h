@@ -44,6 +44,8 @@ class Stream {
   /// Creates a stream on `device` (cudaStreamNonBlocking: it does not
   /// serialize with the legacy default stream; order it with events).
   explicit Stream(Device device);
+  /// Queued work still completes. Never throws: a failed destroy is
+  /// reported on stderr.
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
