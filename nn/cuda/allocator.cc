@@ -55,20 +55,20 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
     throw std::invalid_argument("CUDA allocator asked for memory on " + device.ToString());
   }
   const size_t size = RoundSize(nbytes);
-  const cudaStream_t stream = CurrentStream(device);
+  const uint64_t stream_id = CurrentStreamId(device);
   {
     std::lock_guard<std::mutex> lock(mu_);
     ProcessPendingLocked();
     AllocatorStats& st = StatsFor(device.index);
     ++st.requests;
-    auto it = free_.find(FreeKey{device.index, stream, size});
+    auto it = free_.find(FreeKey{device.index, stream_id, size});
     if (it != free_.end() && !it->second.empty()) {
       void* p = it->second.back();
       it->second.pop_back();
       st.cached_bytes -= size;
       st.in_use_bytes += size;
       if (st.in_use_bytes > st.peak_in_use_bytes) st.peak_in_use_bytes = st.in_use_bytes;
-      live_[p] = Block{size, device.index, stream, {}};
+      live_[p] = Block{size, device.index, stream_id, {}};
       return p;
     }
   }
@@ -95,22 +95,23 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
   ++st.system_allocations;
   st.in_use_bytes += size;
   if (st.in_use_bytes > st.peak_in_use_bytes) st.peak_in_use_bytes = st.in_use_bytes;
-  live_[p] = Block{size, device.index, stream, {}};
+  live_[p] = Block{size, device.index, stream_id, {}};
   return p;
 }
 
 void CachingCudaAllocator::RecordStream(void* ptr, cudaStream_t stream) {
+  const uint64_t stream_id = StreamId(stream);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw std::invalid_argument("RecordStream: the pointer is not a live block of the CUDA allocator");
   }
   Block& b = it->second;
-  if (stream == b.stream) return;
-  for (cudaStream_t s : b.used_on) {
-    if (s == stream) return;
+  if (stream_id == b.stream_id) return;
+  for (const UsedOn& u : b.used_on) {
+    if (u.stream_id == stream_id) return;
   }
-  b.used_on.push_back(stream);
+  b.used_on.push_back(UsedOn{stream, stream_id});
 }
 
 void CachingCudaAllocator::ProcessPendingLocked() noexcept {
@@ -150,7 +151,7 @@ void CachingCudaAllocator::ReturnBlockLocked(void* ptr, const Block& b) noexcept
   try {
     if (caching_) {
       AllocatorStats& st = StatsFor(b.device);  // exists since the block's Allocate
-      free_[FreeKey{b.device, b.stream, b.size}].push_back(ptr);
+      free_[FreeKey{b.device, b.stream_id, b.size}].push_back(ptr);
       st.cached_bytes += b.size;
       return;
     }
@@ -176,11 +177,16 @@ void CachingCudaAllocator::HoldUntilStreamsPassLocked(void* ptr, Block b) noexce
   try {
     pd.events.reserve(pd.block.used_on.size());
     DeviceGuard guard(pd.block.device);
-    for (cudaStream_t s : pd.block.used_on) {
+    for (const UsedOn& u : pd.block.used_on) {
+      // A destroyed stream's handle may name another stream by now, and its
+      // remaining work cannot be waited for.
+      if (!StreamAlive(u.stream_id)) {
+        throw std::runtime_error("a stream it was used on (RecordStream) was destroyed before it was freed");
+      }
       cudaEvent_t e = nullptr;
       CheckCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
       pd.events.push_back(e);  // reserved: cannot throw, so e is destroyed below on failure
-      CheckCuda(cudaEventRecord(e, s), "cudaEventRecord (block used on another stream)");
+      CheckCuda(cudaEventRecord(e, u.stream), "cudaEventRecord (block used on another stream)");
     }
     pending_.push_back(std::move(pd));  // on failure pd is left as it was
   } catch (const std::exception& e) {

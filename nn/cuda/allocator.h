@@ -11,6 +11,12 @@
 // bucket) must be declared with RecordStream: when it is freed, an event is
 // recorded on each such stream and the block is reused only once they have
 // all passed it.
+//
+// Streams are told apart by StreamId (stream.h), not by handle: CUDA may
+// give a destroyed stream's handle to a new stream, which must not inherit
+// the old one's free lists. Blocks freed on a destroyed Stream are never
+// handed out again; EmptyCache (or the release before an out-of-memory
+// retry) returns them to CUDA.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -45,6 +51,9 @@ class CachingCudaAllocator final : public Allocator {
   /// Declares that the live block at `ptr` (a tensor's storage data) is also
   /// used by work queued on `stream`; freeing it then waits, on the device,
   /// for that stream. Throws if ptr is not a live block of this allocator.
+  /// The stream must outlive the block: a block freed after a Stream it was
+  /// recorded on has been destroyed is reported and leaked, since the work
+  /// left on that stream can no longer be waited for.
   void RecordStream(void* ptr, cudaStream_t stream);
 
   /// Waits for each device that holds cached blocks, then cudaFrees them all.
@@ -63,11 +72,15 @@ class CachingCudaAllocator final : public Allocator {
   static size_t RoundSize(size_t nbytes);
 
  private:
+  struct UsedOn {
+    cudaStream_t stream;
+    uint64_t stream_id;
+  };
   struct Block {
     size_t size;
     int device;
-    cudaStream_t stream;
-    std::vector<cudaStream_t> used_on;  // other streams (RecordStream)
+    uint64_t stream_id;           // StreamId of the stream it belongs to
+    std::vector<UsedOn> used_on;  // other streams (RecordStream)
   };
   // A freed block waiting for the events of its other streams.
   struct Pending {
@@ -75,7 +88,7 @@ class CachingCudaAllocator final : public Allocator {
     Block block;
     std::vector<cudaEvent_t> events;
   };
-  using FreeKey = std::tuple<int, cudaStream_t, size_t>;
+  using FreeKey = std::tuple<int, uint64_t, size_t>;  // device, stream id, size
 
   void ReleaseCachedLocked(int device);
   // The three below never throw: they run inside Deallocate.

@@ -11,8 +11,10 @@
 #include <atomic>
 #include <climits>
 #include <cstddef>
-#include <functional>
+#include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <iterator>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -47,28 +49,34 @@ cublasHandle_t HandleFor(Device device) {
 // cuBLAS's workspace, from the caching allocator: one per (device, stream)
 // for this thread's handle, set after every cublasSetStream (which resets
 // it). 32 MiB is what cuBLAS recommends for Hopper; without it cuBLAS would
-// cudaMalloc its own pool per stream.
+// cudaMalloc its own pool per stream. Keyed by StreamId, not by handle: a
+// new stream that got a destroyed one's handle must not share its workspace.
 constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
 
 struct WorkspaceKey {
   int device;
-  cudaStream_t stream;
-  bool operator==(const WorkspaceKey& o) const { return device == o.device && stream == o.stream; }
+  uint64_t stream_id;
+  bool operator==(const WorkspaceKey& o) const { return device == o.device && stream_id == o.stream_id; }
 };
 struct WorkspaceKeyHash {
   size_t operator()(const WorkspaceKey& k) const {
-    return std::hash<const void*>()(k.stream) ^ (static_cast<size_t>(k.device) * 0x9e3779b97f4a7c15ull);
+    return std::hash<uint64_t>()(k.stream_id) ^ (static_cast<size_t>(k.device) * 0x9e3779b97f4a7c15ull);
   }
 };
 thread_local std::unordered_map<WorkspaceKey, Tensor, WorkspaceKeyHash> tls_workspaces;
 
-const Tensor& CublasWorkspace(Device device, cudaStream_t stream) {
-  auto it = tls_workspaces.find(WorkspaceKey{device.index, stream});
+const Tensor& CublasWorkspace(Device device, cudaStream_t stream, uint64_t stream_id) {
+  auto it = tls_workspaces.find(WorkspaceKey{device.index, stream_id});
   if (it != tls_workspaces.end()) return it->second;
+  // Workspaces of destroyed Streams are never used again: drop them (their
+  // blocks go back to the allocator, under the dead stream's id).
+  for (auto w = tls_workspaces.begin(); w != tls_workspaces.end();) {
+    w = StreamAlive(w->first.stream_id) ? std::next(w) : tls_workspaces.erase(w);
+  }
   // Allocated while `stream` is current, so the block belongs to that stream.
   StreamGuard on(device, stream);
   Tensor ws = Empty({kCublasWorkspaceBytes}, {.dtype = DType::kUInt8, .device = device});
-  return tls_workspaces.emplace(WorkspaceKey{device.index, stream}, std::move(ws)).first->second;
+  return tls_workspaces.emplace(WorkspaceKey{device.index, stream_id}, std::move(ws)).first->second;
 }
 
 // A 2-D operand as cuBLAS sees it (row-major view; see the file comment).
@@ -163,7 +171,7 @@ void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, doubl
     const Operand oa = Describe(a, dt), ob = Describe(b, dt);
     const cublasHandle_t handle = HandleFor(dev);
     CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
-    const Tensor& ws = CublasWorkspace(dev, stream);
+    const Tensor& ws = CublasWorkspace(dev, stream, CurrentStreamId(dev));
     CheckCublas(cublasSetWorkspace(handle, ws.data_ptr(), ws.nbytes()), "cublasSetWorkspace");
     const cublasOperation_t op_b = ob.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_a = oa.trans ? CUBLAS_OP_T : CUBLAS_OP_N;

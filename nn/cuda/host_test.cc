@@ -3,8 +3,9 @@
 // machine (no "gpu" tag).
 #include <gtest/gtest.h>
 
-#include <stdexcept>
+#include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <set>
 #include <string>
 #include <tuple>
@@ -445,6 +446,24 @@ TEST_F(CudaMisuseTest, OptimizerStepsNameMismatchedState) {
 
 TEST(CudaStream, TimeoutMustBePositive) {
   EXPECT_THROW(SetWaitTimeout(std::chrono::milliseconds(0)), std::invalid_argument);
+}
+
+TEST(CudaStream, HandlesNotMadeByStreamHaveTaggedIdsThatStayAlive) {
+  // No CUDA call: neither the lookup nor the guard touches the driver.
+  const Device gpu(DeviceType::kCUDA, 0);
+  const uint64_t legacy = StreamId(cudaStreamLegacy);
+  EXPECT_EQ(CurrentStreamId(gpu), legacy);
+  EXPECT_NE(legacy >> 63, 0u) << "an id from the handle value carries the top bit; Stream ids never do";
+  EXPECT_TRUE(StreamAlive(legacy));
+  const cudaStream_t other = reinterpret_cast<cudaStream_t>(uintptr_t{0x1000});
+  EXPECT_NE(StreamId(other), legacy);
+  {
+    StreamGuard guard(gpu, other);
+    EXPECT_EQ(CurrentStream(gpu), other);
+    EXPECT_EQ(CurrentStreamId(gpu), StreamId(other));
+  }
+  EXPECT_EQ(CurrentStream(gpu), cudaStreamLegacy);
+  EXPECT_EQ(CurrentStreamId(gpu), legacy);
 }
 
 TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {

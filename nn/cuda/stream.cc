@@ -1,12 +1,15 @@
 #include "nn/cuda/stream.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "nn/cuda/cuda_error.h"
 
@@ -25,8 +28,36 @@ std::chrono::milliseconds TimeoutFromEnv() {
 
 std::atomic<int64_t> g_timeout_ms{TimeoutFromEnv().count()};
 
+// Ids that StreamId gives to handles not owned by a Stream; Stream ids are
+// counted from 1 and never reach this bit.
+constexpr uint64_t kForeignStreamBit = uint64_t{1} << 63;
+
+uint64_t ForeignStreamId(cudaStream_t stream) {
+  return kForeignStreamBit | static_cast<uint64_t>(reinterpret_cast<uintptr_t>(stream));
+}
+
+std::atomic<uint64_t> g_next_stream_id{1};
+
+// The live Streams by handle (a handle names at most one live stream).
+// Never destroyed: Streams may be destroyed after main returns.
+struct StreamRegistry {
+  std::mutex mu;
+  std::unordered_map<cudaStream_t, uint64_t> ids;
+  std::unordered_set<uint64_t> live;
+};
+
+StreamRegistry& Registry() {
+  static auto* registry = new StreamRegistry();
+  return *registry;
+}
+
+struct CurrentStreamEntry {
+  cudaStream_t stream;
+  uint64_t id;  // StreamId(stream), looked up once by StreamGuard
+};
+
 // Per thread: device index -> current stream (absent: the legacy default stream).
-thread_local std::unordered_map<int, cudaStream_t> tls_streams;
+thread_local std::unordered_map<int, CurrentStreamEntry> tls_streams;
 
 }  // namespace
 
@@ -71,10 +102,27 @@ Stream::Stream(Device device) : device_(device) {
   CheckDevice(device);
   DeviceGuard guard(device.index);
   CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  id_ = g_next_stream_id.fetch_add(1);
+  try {
+    StreamRegistry& r = Registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.ids[stream_] = id_;
+    r.live.insert(id_);
+  } catch (...) {
+    (void)cudaStreamDestroy(stream_);  // the destructor will not run
+    throw;
+  }
 }
 
 Stream::~Stream() {
   if (stream_ == nullptr) return;
+  {
+    // Before the handle is released: from then on CUDA may hand it out again.
+    StreamRegistry& r = Registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.ids.erase(stream_);
+    r.live.erase(id_);
+  }
   // A destructor must not throw: a failure is reported and the stream left
   // to the process.
   try {
@@ -123,15 +171,35 @@ void Event::Synchronize(const char* what) const { WaitEvent(event_, what); }
 
 cudaStream_t CurrentStream(Device device) {
   auto it = tls_streams.find(device.index);
-  return it == tls_streams.end() ? cudaStreamLegacy : it->second;
+  return it == tls_streams.end() ? cudaStreamLegacy : it->second.stream;
+}
+
+uint64_t StreamId(cudaStream_t stream) {
+  StreamRegistry& r = Registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.ids.find(stream);
+  return it != r.ids.end() ? it->second : ForeignStreamId(stream);
+}
+
+uint64_t CurrentStreamId(Device device) {
+  auto it = tls_streams.find(device.index);
+  return it == tls_streams.end() ? ForeignStreamId(cudaStreamLegacy) : it->second.id;
+}
+
+bool StreamAlive(uint64_t id) {
+  if ((id & kForeignStreamBit) != 0) return true;
+  StreamRegistry& r = Registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return r.live.count(id) != 0;
 }
 
 StreamGuard::StreamGuard(Device device, cudaStream_t stream) : index_(device.index) {
   previous_ = CurrentStream(device);
-  tls_streams[index_] = stream;
+  previous_id_ = CurrentStreamId(device);
+  tls_streams[index_] = CurrentStreamEntry{stream, StreamId(stream)};
 }
 
-StreamGuard::~StreamGuard() { tls_streams[index_] = previous_; }
+StreamGuard::~StreamGuard() { tls_streams[index_] = CurrentStreamEntry{previous_, previous_id_}; }
 
 std::chrono::milliseconds WaitTimeout() { return std::chrono::milliseconds(g_timeout_ms.load()); }
 

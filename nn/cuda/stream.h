@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cstdint>
 
 #include "nn/tensor/device.h"
 
@@ -52,6 +53,10 @@ class Stream {
 
   cudaStream_t get() const { return stream_; }
   Device device() const { return device_; }
+  /// Never reused in this process, unlike the handle, which CUDA may give
+  /// to a stream created after this one is destroyed: per-stream caches key
+  /// by it (see StreamId).
+  uint64_t id() const { return id_; }
   /// Makes later work on this stream wait for everything recorded in `event`
   /// (no host wait).
   void Wait(cudaEvent_t event) const;
@@ -61,6 +66,7 @@ class Stream {
  private:
   Device device_;
   cudaStream_t stream_ = nullptr;
+  uint64_t id_ = 0;
 };
 
 /// An owned CUDA event (timing disabled: it only orders work).
@@ -87,6 +93,17 @@ class Event {
 /// The stream nn work for `device` goes to on this thread.
 cudaStream_t CurrentStream(Device device);
 
+/// A key for per-stream state that a destroyed and re-created stream cannot
+/// alias: the id() of the live Stream whose handle is `stream`. Any other
+/// handle (the legacy default stream, a stream not made by Stream) maps to
+/// its value with the top bit set, and aliases as the handle itself does.
+uint64_t StreamId(cudaStream_t stream);
+/// StreamId(CurrentStream(device)), without a lookup.
+uint64_t CurrentStreamId(Device device);
+/// False once the Stream with this id has been destroyed; true for a live
+/// one and for every id StreamId gives to other handles.
+bool StreamAlive(uint64_t id);
+
 /// Makes `stream` (on `device`) the current stream of this thread for its scope.
 class StreamGuard {
  public:
@@ -98,6 +115,7 @@ class StreamGuard {
  private:
   int index_;
   cudaStream_t previous_;
+  uint64_t previous_id_;
 };
 
 /// Longest host wait on the device before it is reported as an error.
