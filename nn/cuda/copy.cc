@@ -175,6 +175,25 @@ void CopyStrided(const Tensor& dst, const Tensor& src) {
             "kernel `copy`");
 }
 
+void Fill(const Tensor& dst, const void* value) {
+  if (!dst.device().is_cuda()) {
+    throw std::invalid_argument("CUDA fill: tensor on " + dst.device().ToString() + " (expected a CUDA device)");
+  }
+  if (dst.numel() == 0) return;
+  const size_t elem = dst.element_size();
+  const auto* bytes = static_cast<const unsigned char*>(value);
+  bool uniform = true;
+  for (size_t i = 1; i < elem; ++i) uniform = uniform && bytes[i] == bytes[0];
+  DeviceGuard guard(dst.device().index);
+  const cudaStream_t stream = CurrentStream(dst.device());
+  if (uniform && dst.is_contiguous()) {
+    CheckCuda(cudaMemsetAsync(dst.data_ptr(), bytes[0], dst.nbytes(), stream), "cudaMemsetAsync (fill)");
+    return;
+  }
+  const launch::Indexing ix = MakeIndexing("fill", dst.shape(), {dst.strides()});
+  CheckCuda(launch::Fill(ix, dst.numel(), dst.data_ptr(), value, static_cast<int>(elem), stream), "kernel `fill`");
+}
+
 void Synchronize(Device device) { SynchronizeDevice(device); }
 
 }  // namespace ddp::nn::cuda

@@ -30,6 +30,11 @@ void CopyBytes(void* dst, Device dst_device, const void* src, Device src_device,
 /// dst = src elementwise for two tensors of one shape on one CUDA device,
 /// any strides (stride 0 broadcasts), converting dtypes.
 void CopyStrided(const Tensor& dst, const Tensor& src);
+/// Every element of dst (on a CUDA device, any strides) = *value, one
+/// element of dst's dtype in host memory, on the current stream: a memset
+/// when dst is contiguous and the element's bytes are all equal (zero, -1 in
+/// the integers), else the fill kernel.
+void Fill(const Tensor& dst, const void* value);
 /// Host wait for the device's queued work (see SynchronizeDevice in stream.h).
 void Synchronize(Device device);
 

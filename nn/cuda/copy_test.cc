@@ -81,6 +81,46 @@ TEST_F(CudaCopyTest, FillAndBroadcastCopy) {
   ExpectSameBytes(dst.To(kCPU), FromVector({1, 2, 3, 4, 5}, {5}).Expand({3, 5}).Contiguous());
 }
 
+TEST_F(CudaCopyTest, FillZerosAndFullMatchTheCpuForEveryDtype) {
+  // Zero and values whose bytes are all equal (-1 in the integers, every
+  // u8) take the memset, the others the fill kernel; strided views always
+  // take the kernel. Negative values and values past 255 are left out for
+  // u8, whose conversion from them is undefined.
+  const std::vector<double> any_dtype = {0.0, 1.0, 2.5, 3.7, 255.0};
+  const std::vector<double> signed_only = {-1.0, -0.0, -2.5, 1.0 / 3, 1e-3, 65504.0, 1e30};
+  for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt64,
+                   DType::kUInt8, DType::kInt32}) {
+    std::vector<double> values = any_dtype;
+    if (dt != DType::kUInt8) values.insert(values.end(), signed_only.begin(), signed_only.end());
+    if (dt == DType::kInt64 || dt == DType::kInt32) values.pop_back();  // 1e30 overflows integers
+    SCOPED_TRACE(DTypeName(dt));
+    for (const Shape& shape : std::vector<Shape>{{0}, {1}, {1001}, {37, 53}}) {
+      ExpectSameBytes(Zeros(shape, {.dtype = dt, .device = kGpu}).To(kCPU), Zeros(shape, {.dtype = dt}));
+      for (double v : values) {
+        SCOPED_TRACE(v);
+        ExpectSameBytes(Full(shape, v, {.dtype = dt, .device = kGpu}).To(kCPU), Full(shape, v, {.dtype = dt}));
+      }
+    }
+    for (double v : values) {
+      SCOPED_TRACE(v);
+      // Every third column of rows 1..4 of a [6, 10] tensor, the rest kept.
+      const Tensor host = Full({6, 10}, 7.0, {.dtype = dt});
+      const Tensor dev = host.To(kGpu);
+      host.Slice(0, 1, 5, 1).Slice(1, 1, 9, 3).Fill(v);
+      dev.Slice(0, 1, 5, 1).Slice(1, 1, 9, 3).Fill(v);
+      ExpectSameBytes(dev.To(kCPU), host);
+      // Transposed: the whole storage, not contiguous as a view.
+      const Tensor t = Empty({5, 3}, {.dtype = dt, .device = kGpu});
+      t.Transpose(0, 1).Fill(v);
+      ExpectSameBytes(t.To(kCPU), Full({5, 3}, v, {.dtype = dt}));
+    }
+    // Zero() on a contiguous device tensor.
+    const Tensor z = Full({17}, 3.0, {.dtype = dt, .device = kGpu});
+    z.Zero();
+    ExpectSameBytes(z.To(kCPU), Zeros({17}, {.dtype = dt}));
+  }
+}
+
 TEST_F(CudaCopyTest, WorkOnACurrentSideStreamStaysInOrder) {
   Stream side(kGpu);
   const Tensor host = Randn({3, 1 << 20});  // 12 MiB: three staging chunks

@@ -3,6 +3,7 @@
 // stride 0 in the dimensions they repeat. Grid-stride loops over 256-thread
 // blocks; 16-bit floats compute in f32, f64 in f64, integers in their type.
 #include <cstdint>
+#include <cstring>
 
 #include "nn/cuda/device_util.cuh"
 #include "nn/cuda/launch.h"
@@ -230,6 +231,40 @@ cudaError_t MaskedScale(const Indexing& ix, int64_t n, void* out, const void* x,
     });
   });
   return err;
+}
+
+cudaError_t Fill(const Indexing& ix, int64_t n, void* dst, const void* value, int element_size,
+                 cudaStream_t stream) {
+  // The element is stored as an unsigned integer of its width: no
+  // conversion on the device, so each dtype gets the host's bits.
+  switch (element_size) {
+    case 1: {
+      uint8_t v;
+      std::memcpy(&v, value, sizeof(v));
+      uint8_t* d = static_cast<uint8_t*>(dst);
+      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
+    }
+    case 2: {
+      uint16_t v;
+      std::memcpy(&v, value, sizeof(v));
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
+    }
+    case 4: {
+      uint32_t v;
+      std::memcpy(&v, value, sizeof(v));
+      uint32_t* d = static_cast<uint32_t*>(dst);
+      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
+    }
+    case 8: {
+      uint64_t v;
+      std::memcpy(&v, value, sizeof(v));
+      uint64_t* d = static_cast<uint64_t*>(dst);
+      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
+    }
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t BernoulliMask(uint8_t* mask, int64_t n, double keep_prob, uint64_t seed, cudaStream_t stream) {

@@ -473,6 +473,7 @@ TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
   Init();  // idempotent
   EXPECT_TRUE(HasDeviceBackend(DeviceType::kCUDA));
   EXPECT_EQ(GetDeviceBackend(Device(DeviceType::kCUDA, 0)).allocator, &CudaAllocator());
+  EXPECT_EQ(GetDeviceBackend(Device(DeviceType::kCUDA, 0)).fill, &Fill);
   // nn/optim reaches the fused device updates through its registry.
   const optim::DeviceOptimKernels& k = optim::DeviceOptimKernelsFor(DeviceType::kCUDA);
   EXPECT_NE(k.sgd_step, nullptr);

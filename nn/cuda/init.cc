@@ -18,6 +18,7 @@ void Init() {
     backend.copy_bytes = &CopyBytes;
     backend.copy_strided = &CopyStrided;
     backend.synchronize = &Synchronize;
+    backend.fill = &Fill;
     RegisterDeviceBackend(DeviceType::kCUDA, backend);
     ops::RegisterKernels(DeviceType::kCUDA, CudaKernelTable());
     RegisterOptimKernels();

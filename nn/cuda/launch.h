@@ -75,6 +75,9 @@ cudaError_t AddScaled(const Indexing& ix, int64_t n, void* out, const void* x, d
 /// out[i] = x[i] * (mask[i] ? scale : 0); operands 0 out, 1 x, 2 mask (u8).
 cudaError_t MaskedScale(const Indexing& ix, int64_t n, void* out, const void* x, const uint8_t* mask, double scale,
                         Dt dt, cudaStream_t stream);
+/// dst[i] = the element at `value` (host memory, element_size bytes: 1, 2,
+/// 4 or 8), stored bit for bit, whatever the dtype; operand 0 is dst.
+cudaError_t Fill(const Indexing& ix, int64_t n, void* dst, const void* value, int element_size, cudaStream_t stream);
 /// mask[i] = 1 with probability keep_prob: a counter-based hash of (seed, i),
 /// so the result depends only on the seed, not on the launch geometry.
 cudaError_t BernoulliMask(uint8_t* mask, int64_t n, double keep_prob, uint64_t seed, cudaStream_t stream);

@@ -686,8 +686,17 @@ const Tensor& Tensor::Fill(double value) const {
   storage()->BumpVersion();
   if (numel() == 0) return *this;
   if (!device().is_cpu()) {
-    Tensor one = Full({}, value, {.dtype = dtype()});
-    CopyFrom(one);
+    const DeviceBackend& backend = GetDeviceBackend(device());
+    if (backend.fill != nullptr) {
+      // Converted here, as on the CPU; the device stores the element's bytes.
+      DDP_DISPATCH_ALL(dtype(), "Fill", {
+        const scalar_t v = ConvertScalar<scalar_t>(value);
+        backend.fill(*this, &v);
+      });
+    } else {
+      Tensor one = Full({}, value, {.dtype = dtype()});
+      CopyFrom(one);
+    }
     return *this;
   }
   DDP_DISPATCH_ALL(dtype(), "Fill", {
@@ -805,13 +814,7 @@ Tensor Full(const Shape& shape, double value, TensorOptions options) {
   TensorOptions plain = options;
   plain.requires_grad = false;
   Tensor t = Empty(shape, plain);
-  if (options.device.is_cpu()) {
-    t.Fill(value);
-  } else {
-    Tensor host = Empty(shape, {.dtype = options.dtype});
-    host.Fill(value);
-    t.CopyFrom(host);
-  }
+  t.Fill(value);
   if (options.requires_grad) t.set_requires_grad(true);
   return t;
 }

@@ -81,6 +81,10 @@ struct DeviceBackend {
   void (*copy_strided)(const Tensor& dst, const Tensor& src) = nullptr;
   /// Waits until the device has finished queued work.
   void (*synchronize)(Device device) = nullptr;
+  /// Sets every element of dst (on this device type, any strides) to
+  /// *value, one element of dst's dtype in host memory, stored bit for bit.
+  /// Optional: without it, Fill copies from a host buffer.
+  void (*fill)(const Tensor& dst, const void* value) = nullptr;
 };
 
 /// Installs the backend of a device type (replacing any previous one).
