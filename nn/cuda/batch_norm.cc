@@ -226,21 +226,15 @@ void* MutPtrOrNull(const Tensor& t) { return t.defined() ? t.data_ptr() : nullpt
 // The activation's descriptor ([N, C, S, 1], NCHW) and the per-channel one
 // cuDNN derives from it; `status` says whether cuDNN took them.
 struct CudnnBnDescs {
-  cudnnTensorDescriptor_t x = nullptr, bn = nullptr;
+  CudnnTensorDescriptor x, bn;  // destroyed also when the constructor throws
   cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
   CudnnBnDescs(const Tensor& t, const Dims& d) {
-    CheckCudnn(cudnnCreateTensorDescriptor(&x), "cudnnCreateTensorDescriptor");
-    CheckCudnn(cudnnCreateTensorDescriptor(&bn), "cudnnCreateTensorDescriptor");
-    status = cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NCHW, CudnnType(t.dtype()), static_cast<int>(d.n),
+    CheckCudnn(cudnnCreateTensorDescriptor(&x.d), "cudnnCreateTensorDescriptor");
+    CheckCudnn(cudnnCreateTensorDescriptor(&bn.d), "cudnnCreateTensorDescriptor");
+    status = cudnnSetTensor4dDescriptor(x.d, CUDNN_TENSOR_NCHW, CudnnType(t.dtype()), static_cast<int>(d.n),
                                         static_cast<int>(d.c), static_cast<int>(d.s), 1);
-    if (status == CUDNN_STATUS_SUCCESS) status = cudnnDeriveBNTensorDescriptor(bn, x, CudnnMode());
+    if (status == CUDNN_STATUS_SUCCESS) status = cudnnDeriveBNTensorDescriptor(bn.d, x.d, CudnnMode());
   }
-  ~CudnnBnDescs() {
-    cudnnDestroyTensorDescriptor(bn);
-    cudnnDestroyTensorDescriptor(x);
-  }
-  CudnnBnDescs(const CudnnBnDescs&) = delete;
-  CudnnBnDescs& operator=(const CudnnBnDescs&) = delete;
 };
 
 // The legacy batch-norm calls are deprecated in cuDNN 9 but are what
@@ -265,7 +259,7 @@ bool CudnnForwardTraining(const Tensor& x, const Dims& d, const Tensor& weight, 
   CheckCudnn(cudnnSetStream(h, CurrentStream(x.device())), "cudnnSetStream");
   const float one = 1.0f, zero = 0.0f;
   if (!CudnnRan(cudnnBatchNormalizationForwardTraining(
-                    h, CudnnMode(), &one, &zero, desc.x, x.data_ptr(), desc.x, yt.data_ptr(), desc.bn,
+                    h, CudnnMode(), &one, &zero, desc.x.d, x.data_ptr(), desc.x.d, yt.data_ptr(), desc.bn.d,
                     scale.data_ptr(), shift.data_ptr(), momentum, MutPtrOrNull(rm), MutPtrOrNull(rv),
                     std::max(eps, CUDNN_BN_MIN_EPSILON), MutPtrOrNull(sm), MutPtrOrNull(si)),
                 x.dtype(), "cudnnBatchNormalizationForwardTraining")) {
@@ -296,8 +290,8 @@ bool CudnnBackward(const Tensor& x, const Tensor& dy, const Dims& d, const Tenso
   CheckCudnn(cudnnSetStream(h, CurrentStream(x.device())), "cudnnSetStream");
   const float one = 1.0f, zero = 0.0f;
   // epsilon is unused with saved statistics, but must be valid.
-  if (!CudnnRan(cudnnBatchNormalizationBackward(h, CudnnMode(), &one, &zero, &one, &zero, desc.x, x.data_ptr(),
-                                                desc.x, dy.data_ptr(), desc.x, dxt.data_ptr(), desc.bn,
+  if (!CudnnRan(cudnnBatchNormalizationBackward(h, CudnnMode(), &one, &zero, &one, &zero, desc.x.d, x.data_ptr(),
+                                                desc.x.d, dy.data_ptr(), desc.x.d, dxt.data_ptr(), desc.bn.d,
                                                 scale.data_ptr(), dw.data_ptr(), db.data_ptr(),
                                                 std::max(1e-5, CUDNN_BN_MIN_EPSILON), sm.data_ptr(), si.data_ptr()),
                 x.dtype(), "cudnnBatchNormalizationBackward")) {

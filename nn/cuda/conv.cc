@@ -28,35 +28,27 @@ int ToInt(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-// RAII descriptors.
-struct TensorDesc {
-  cudnnTensorDescriptor_t d = nullptr;
+// Descriptors, created and set in their constructors (the base destroys
+// them, also when a constructor throws).
+struct TensorDesc : CudnnTensorDescriptor {
   TensorDesc(const Tensor& t) {  // NOLINT: contiguous NCHW
     CheckCudnn(cudnnCreateTensorDescriptor(&d), "cudnnCreateTensorDescriptor");
     CheckCudnn(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CudnnType(t.dtype()), ToInt(t.size(0), "N"),
                                           ToInt(t.size(1), "C"), ToInt(t.size(2), "H"), ToInt(t.size(3), "W")),
                "cudnnSetTensor4dDescriptor");
   }
-  ~TensorDesc() { cudnnDestroyTensorDescriptor(d); }
-  TensorDesc(const TensorDesc&) = delete;
-  TensorDesc& operator=(const TensorDesc&) = delete;
 };
 
-struct FilterDesc {
-  cudnnFilterDescriptor_t d = nullptr;
+struct FilterDesc : CudnnDescriptor<cudnnFilterDescriptor_t, &cudnnDestroyFilterDescriptor> {
   explicit FilterDesc(const Tensor& w) {
     CheckCudnn(cudnnCreateFilterDescriptor(&d), "cudnnCreateFilterDescriptor");
     CheckCudnn(cudnnSetFilter4dDescriptor(d, CudnnType(w.dtype()), CUDNN_TENSOR_NCHW, ToInt(w.size(0), "O"),
                                           ToInt(w.size(1), "C/g"), ToInt(w.size(2), "KH"), ToInt(w.size(3), "KW")),
                "cudnnSetFilter4dDescriptor");
   }
-  ~FilterDesc() { cudnnDestroyFilterDescriptor(d); }
-  FilterDesc(const FilterDesc&) = delete;
-  FilterDesc& operator=(const FilterDesc&) = delete;
 };
 
-struct ConvDesc {
-  cudnnConvolutionDescriptor_t d = nullptr;
+struct ConvDesc : CudnnDescriptor<cudnnConvolutionDescriptor_t, &cudnnDestroyConvolutionDescriptor> {
   ConvDesc(const ops::Conv2dParams& p, DType dt) {
     CheckCudnn(cudnnCreateConvolutionDescriptor(&d), "cudnnCreateConvolutionDescriptor");
     // Cross-correlation, as every framework's "convolution"; f64 accumulates in f64, the rest in f32.
@@ -69,9 +61,6 @@ struct ConvDesc {
     CheckCudnn(cudnnSetConvolutionGroupCount(d, ToInt(p.groups, "groups")), "cudnnSetConvolutionGroupCount");
     SetMath(DefaultMath(dt));
   }
-  ~ConvDesc() { cudnnDestroyConvolutionDescriptor(d); }
-  ConvDesc(const ConvDesc&) = delete;
-  ConvDesc& operator=(const ConvDesc&) = delete;
 
   static cudnnMathType_t DefaultMath(DType dt) {
     if (dt == DType::kFloat16 || dt == DType::kBFloat16) return CUDNN_TENSOR_OP_MATH;

@@ -16,6 +16,21 @@ void CheckCudnn(cudnnStatus_t status, const char* call);
 /// library_handles.h). Set its stream before each use.
 cudnnHandle_t CudnnHandleFor(Device device);
 
+/// Owns one cuDNN descriptor `d` (null until created), destroyed with it.
+/// The wrappers that create and set a descriptor derive from (or hold) one,
+/// so that it is destroyed even when they throw after creating it.
+template <typename T, cudnnStatus_t (*Destroy)(T)>
+struct CudnnDescriptor {
+  T d = nullptr;
+  CudnnDescriptor() = default;
+  ~CudnnDescriptor() {
+    if (d != nullptr) (void)Destroy(d);
+  }
+  CudnnDescriptor(const CudnnDescriptor&) = delete;
+  CudnnDescriptor& operator=(const CudnnDescriptor&) = delete;
+};
+using CudnnTensorDescriptor = CudnnDescriptor<cudnnTensorDescriptor_t, &cudnnDestroyTensorDescriptor>;
+
 /// cuDNN's type for f32, f64, f16 and bf16; std::invalid_argument naming
 /// the dtype for any other.
 cudnnDataType_t CudnnType(DType t);
