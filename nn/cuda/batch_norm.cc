@@ -277,7 +277,8 @@ bool CudnnForwardTraining(const Tensor& x, const Dims& d, const Tensor& weight, 
 // Training-mode backward through cuDNN from the saved statistics: dx (when
 // defined), dweight and dbias. False when cuDNN declined (nothing written).
 bool CudnnBackward(const Tensor& x, const Tensor& dy, const Dims& d, const Tensor& weight, const Tensor& save_mean,
-                   const Tensor& save_invstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+                   const Tensor& save_invstd, double eps, const Tensor& dx, const Tensor& dweight,
+                   const Tensor& dbias) {
   const Tensor scale = CudnnIn(weight, x, d.c, 1.0);
   const Tensor sm = CudnnIn(save_mean, x, d.c, 0.0), si = CudnnIn(save_invstd, x, d.c, 1.0);
   // cuDNN always writes dx and both parameter gradients.
@@ -289,11 +290,13 @@ bool CudnnBackward(const Tensor& x, const Tensor& dy, const Dims& d, const Tenso
   const cudnnHandle_t h = CudnnHandleFor(x.device());
   CheckCudnn(cudnnSetStream(h, CurrentStream(x.device())), "cudnnSetStream");
   const float one = 1.0f, zero = 0.0f;
-  // epsilon is unused with saved statistics, but must be valid.
+  // The forward's epsilon, as cuDNN asks (with saved statistics it reads
+  // the saved invstd, which holds it), raised to CUDNN_BN_MIN_EPSILON like
+  // the forward's so that both pass the same value.
   if (!CudnnRan(cudnnBatchNormalizationBackward(h, CudnnMode(), &one, &zero, &one, &zero, desc.x.d, x.data_ptr(),
                                                 desc.x.d, dy.data_ptr(), desc.x.d, dxt.data_ptr(), desc.bn.d,
                                                 scale.data_ptr(), dw.data_ptr(), db.data_ptr(),
-                                                std::max(1e-5, CUDNN_BN_MIN_EPSILON), sm.data_ptr(), si.data_ptr()),
+                                                std::max(eps, CUDNN_BN_MIN_EPSILON), sm.data_ptr(), si.data_ptr()),
                 x.dtype(), "cudnnBatchNormalizationBackward")) {
     return false;
   }
@@ -418,8 +421,8 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
 }
 
 void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& weight, const Tensor& save_mean,
-                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
-                       const Tensor& dbias) {
+                       const Tensor& save_invstd, bool training, double eps, const Tensor& dx,
+                       const Tensor& dweight, const Tensor& dbias) {
   const char* op = "batch_norm_backward";
   const Dims d = CheckX(op, x_in);
   CheckSameShape(op, x_in, "x", dy_in, "dy");
@@ -430,7 +433,7 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
     CheckPerChannel(op, "save_invstd", save_invstd, x, d.c);
     if (dx.defined()) CheckSameShape(op, x_in, "x", dx, "dx");
     DeviceGuard guard(x.device().index);
-    if (CudnnBackward(x, dy, d, weight, save_mean, save_invstd, dx, dweight, dbias)) return;
+    if (CudnnBackward(x, dy, d, weight, save_mean, save_invstd, eps, dx, dweight, dbias)) return;
   }
   const Tensor w = PerChannel(op, "weight", weight, x, d.c);
   const Tensor mean = PerChannel(op, "save_mean", save_mean, x, d.c);

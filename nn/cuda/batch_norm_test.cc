@@ -110,11 +110,11 @@ void ExpectForwardAndBackwardMatchCpu(const Shape& shape, DType dt, bool trainin
   const Tensor dx_cpu = Empty(shape, {.dtype = dt});
   const Tensor dw_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
   const Tensor db_cpu = affine ? Empty({c}, {.dtype = pdt}) : Tensor();
-  Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, training, dx_cpu, dw_cpu, db_cpu);
+  Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, training, 1e-5, dx_cpu, dw_cpu, db_cpu);
   const Tensor dx_gpu = Empty(shape, {.dtype = dt, .device = kGpu});
   const Tensor dw_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
   const Tensor db_gpu = affine ? Empty({c}, {.dtype = pdt, .device = kGpu}) : Tensor();
-  Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, dx_gpu, dw_gpu, db_gpu);
+  Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, training, 1e-5, dx_gpu, dw_gpu, db_gpu);
   ExpectClose(dx_cpu, dx_gpu, dx_tol, what + " dx");
   if (affine) {
     const Tol grad_tol = param_tol.rtol > 1e-5 ? param_tol : Tol{1e-5, 1e-5};
@@ -321,10 +321,10 @@ TEST_F(CudaBatchNormTest, EvalBackwardDoesNotReadX) {
       ExpectSameWithNonFinite(y_cpu, y_gpu, what + " y");
 
       const Tensor dx_cpu = Empty(shape), dw_cpu = Empty({2}), db_cpu = Empty({2});
-      Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, false, dx_cpu, dw_cpu, db_cpu);
+      Cpu().batch_norm_backward(x, dy, w, sm_cpu, si_cpu, false, 1e-5, dx_cpu, dw_cpu, db_cpu);
       const Tensor dx_gpu = Empty(shape, {.device = kGpu});
       const Tensor dw_gpu = Empty({2}, {.device = kGpu}), db_gpu = Empty({2}, {.device = kGpu});
-      Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, false, dx_gpu, dw_gpu, db_gpu);
+      Gpu().batch_norm_backward(xg, dy.To(kGpu), wg, sm_gpu, si_gpu, false, 1e-5, dx_gpu, dw_gpu, db_gpu);
       for (double v : dx_cpu.ToVector<double>()) ASSERT_TRUE(std::isfinite(v)) << what << ": the CPU's dx changed";
       ASSERT_FALSE(std::isfinite(dw_cpu.ToVector<double>()[0])) << what << ": the CPU's dweight changed";
       ExpectSameWithNonFinite(dx_cpu, dx_gpu, what + " dx");

@@ -128,9 +128,10 @@ struct KernelTable {
   /// conversion each way). Null: f64, as the CPU kernels compute.
   DType (*batch_norm_saved_dtype)(const Tensor& x, bool training) = nullptr;
   /// Gradients of batch norm; training selects whether mean/invstd depended on x.
-  /// Any of dx, dweight, dbias may be undefined.
+  /// eps is the forward's (save_invstd already holds it; cuDNN asks for the
+  /// same value in both directions). Any of dx, dweight, dbias may be undefined.
   void (*batch_norm_backward)(const Tensor& x, const Tensor& dy, const Tensor& weight,
-                              const Tensor& save_mean, const Tensor& save_invstd, bool training,
+                              const Tensor& save_mean, const Tensor& save_invstd, bool training, double eps,
                               const Tensor& dx, const Tensor& dweight, const Tensor& dbias) = nullptr;
 
   // --- batch-norm building blocks (SyncBatchNorm composes these across ranks) ---

@@ -68,15 +68,15 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
   // The bias gradient is made in the bias's dtype: f32 for an f32 bias under
   // autocast, where x is 16-bit (the sums behind it are f64 either way).
   const DType bias_dtype = bias.defined() ? bias.dtype() : x.dtype();
-  auto node = std::make_shared<LambdaNode>("BatchNormBackward", [training, bias_dtype](LambdaNode& n,
-                                                                                      std::vector<Tensor>& g) {
+  auto node = std::make_shared<LambdaNode>("BatchNormBackward", [training, eps, bias_dtype](LambdaNode& n,
+                                                                                           std::vector<Tensor>& g) {
     const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
     Tensor gx, gw, gb;
     if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
     if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
     if (n.needs_input_grad(2)) gb = Empty({xv.size(1)}, {.dtype = bias_dtype, .device = xv.device()});
-    DDP_KERNEL(xv.device(), batch_norm_backward)(xv, g[0], wv, n.saved[2].Get(), n.saved[3].Get(), training, gx,
-                                                 gw, gb);
+    DDP_KERNEL(xv.device(), batch_norm_backward)(xv, g[0], wv, n.saved[2].Get(), n.saved[3].Get(), training, eps,
+                                                 gx, gw, gb);
     return std::vector<Tensor>{gx, gw, gb};
   });
   node->saved.emplace_back(x);

@@ -101,8 +101,8 @@ void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
 }
 
 void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, const Tensor& save_mean,
-                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
-                       const Tensor& dbias) {
+                       const Tensor& save_invstd, bool training, double /*eps: in save_invstd*/, const Tensor& dx,
+                       const Tensor& dweight, const Tensor& dbias) {
   const Dims d = GetDims(x);
   const Tensor xc = ContiguousData(x), dyc = ContiguousData(dy);
   const int64_t m = d.n * d.s;

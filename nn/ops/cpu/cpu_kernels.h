@@ -50,8 +50,8 @@ void BatchNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
                       double momentum, double eps, const Tensor& y, const Tensor& save_mean,
                       const Tensor& save_invstd);
 void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, const Tensor& save_mean,
-                       const Tensor& save_invstd, bool training, const Tensor& dx, const Tensor& dweight,
-                       const Tensor& dbias);
+                       const Tensor& save_invstd, bool training, double eps, const Tensor& dx,
+                       const Tensor& dweight, const Tensor& dbias);
 
 void BatchNormStats(const Tensor& x, const Tensor& sum, const Tensor& sum_sq);
 void BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
