@@ -1160,6 +1160,14 @@ int RunDdprun(const DdprunOptions& options) {
     if (watch_client) watch_client->Close();
     if (watcher.joinable()) watcher.join();
     group->reset();
+    if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
+      // The signal came after Wait's last look, while the group was being
+      // destroyed: it ends this launcher all the same.
+      result.reason = (result.reason.empty() ? "" : result.reason + "; ") + "interrupted by " +
+                      SignalName(signo);
+      result.outcome = GroupOutcome::kInterrupted;
+      result.signal = signo;
+    }
 
     // Bookkeeping in the store after the workers are done. A call that times
     // out or finds the store gone means it cannot be reached (node 0 died or

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -152,6 +153,30 @@ TEST(DdprunTest, SigtermAndSigintReachEveryWorker) {
                                       "; forwarded it to every worker"));
     ExpectAllGone(workers);
   }
+}
+
+// SIGTERM while the launcher stops the workers after a failure (here: for
+// the grace period, as rank 0 ignores SIGTERM) ends the launcher with 128 +
+// the signal; no restart, though restarts are left.
+TEST(DdprunTest, SigtermWhileStoppingAfterAFailureEndsTheJobWithoutRestart) {
+  const std::string dir = testing::MakeTempDir("ddprun_term_while_stopping");
+  auto group = testing::StartProgram(
+      Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=3", "--grace_period=3"},
+          {"--ignore_sigterm", "--fail_before_restart=9", "--sleep_ms=30000", "--pid_dir=" + dir}));
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> workers = WorkerPids(dir, 2);
+  ASSERT_GT(workers[1], 0);
+  ASSERT_TRUE(testing::GoneWithin(workers[1], 10s));  // rank 1 failed
+  std::this_thread::sleep_for(300ms);  // the launcher is in rank 0's grace period
+  ASSERT_FALSE(testing::ProcessGone(workers[0]));
+  kill((*group)->pids()[0], SIGTERM);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(run.exit_code, 128 + SIGTERM) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("then interrupted by SIGTERM"));
+  EXPECT_THAT(run.output, Not(HasSubstr("restarting")));
+  EXPECT_EQ(CountLines(run.output, "rank 1 fails on attempt"), 1) << run.output;
+  EXPECT_EQ(testing::ReadPidFile(dir + "/rank0.restart1.pid", 100ms), -1) << "the job restarted";
+  ExpectAllGone(workers);
 }
 
 TEST(DdprunTest, LauncherKilledBySigkillTakesItsWorkers) {

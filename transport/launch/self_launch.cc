@@ -136,6 +136,13 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
                          WorkerGroup::Start(std::move(specs), spawn));
     result = group->Wait(deadline);
     group.reset();  // every worker of this attempt is gone
+    if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
+      // Arrived after Wait's last look: still no restart.
+      result.reason = (result.reason.empty() ? "" : result.reason + "; ") + "interrupted by " +
+                      SignalName(signo);
+      result.outcome = GroupOutcome::kInterrupted;
+      result.signal = signo;
+    }
     // Only a failing worker restarts the job: not Ctrl-C, not the time limit.
     const bool restart =
         result.outcome == GroupOutcome::kWorkerFailed && attempt < options.max_restarts;

@@ -53,10 +53,15 @@ int MillisecondsUntil(Deadline deadline) {
 
 std::atomic<int> g_signal_write_fd{-1};
 std::atomic<bool> g_forwarding{false};
+// The first forwarded signal this process received (0: none); see
+// InterruptSignal. Never cleared: a launcher that was told to stop stays told.
+std::atomic<int> g_interrupt_signal{0};
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
 void RecordSignal(int signo) {
   const int saved_errno = errno;
+  int none = 0;
+  g_interrupt_signal.compare_exchange_strong(none, signo, std::memory_order_relaxed);
   const int fd = g_signal_write_fd.load(std::memory_order_relaxed);
   if (fd >= 0) {
     const unsigned char byte = static_cast<unsigned char>(signo);
@@ -199,6 +204,8 @@ std::string SignalName(int signal) {
   }
   return "signal " + std::to_string(signal);
 }
+
+int InterruptSignal() { return g_interrupt_signal.load(std::memory_order_relaxed); }
 
 std::string WorkerExit::Describe() const {
   std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
@@ -362,6 +369,9 @@ class WorkerGroup::Impl {
     Phase phase = Phase::kRunning;
     Deadline phase_deadline = Deadline::max();
     const Deadline start = Clock::now();
+    // Whether the interruption came first (then every worker should end by
+    // the forwarded signal; see below).
+    bool interrupted_while_running = false;
 
     auto stop_workers = [&](int signal) {
       SignalRunning(signal);
@@ -429,7 +439,19 @@ class WorkerGroup::Impl {
               result.signal = signo;
               result.reason = "interrupted by " + SignalName(signo) +
                               "; forwarded it to every worker";
+              interrupted_while_running = true;
               stop_workers(signo);
+            } else if (result.outcome != GroupOutcome::kInterrupted) {
+              // The workers are already being stopped (one failed, a stop
+              // was requested, the deadline passed) or are gone. The signal
+              // still counts: the caller must end rather than restart them.
+              // Those still running get it too; the grace goes on.
+              result.outcome = GroupOutcome::kInterrupted;
+              result.signal = signo;
+              result.reason = (result.reason.empty() ? "every worker had ended"
+                                                     : result.reason) +
+                              "; then interrupted by " + SignalName(signo);
+              if (phase == Phase::kStopping) SignalRunning(signo);
             } else if (phase == Phase::kStopping) {
               // Asked twice: no more grace.
               SignalRunning(SIGKILL);
@@ -494,7 +516,7 @@ class WorkerGroup::Impl {
         result.output.push_back(w.captured);
       }
     }
-    if (result.outcome == GroupOutcome::kInterrupted) {
+    if (interrupted_while_running) {
       // A worker ends as asked by dying of the forwarded signal, or by
       // handling it and exiting 0 or 128 + it; any other end (killed after
       // the grace, a crash) is worth naming.

@@ -15,7 +15,10 @@
 // Failure handling: when a worker exits non-zero or dies by a signal, the
 // others get SIGTERM, then SIGKILL after a grace period; Wait names the rank
 // that failed first and how. SIGINT, SIGTERM and SIGHUP sent to the launcher
-// are forwarded to every worker (a second one escalates to SIGKILL). When the
+// are forwarded to every worker (a second one escalates to SIGKILL); one
+// that arrives while the workers are being stopped for another reason still
+// makes Wait report kInterrupted, so that the launcher ends instead of
+// restarting them. When the
 // workers are gone the whole process group gets SIGKILL, so a worker's own
 // children do not outlive it.
 
@@ -85,7 +88,7 @@ struct WorkerExit {
 enum class GroupOutcome : int {
   kSucceeded = 0,     ///< Every worker exited with status 0.
   kWorkerFailed = 1,  ///< A worker exited non-zero or died by a signal.
-  kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP.
+  kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP (at any point of Wait).
   kStopped = 3,       ///< RequestStop was called.
   kTimedOut = 4,      ///< The deadline given to Wait passed.
 };
@@ -138,6 +141,12 @@ class WorkerGroup {
   explicit WorkerGroup(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+/// The first SIGINT, SIGTERM or SIGHUP that reached this process while a
+/// WorkerGroup forwarded signals; 0 when none did. It stays set. A launcher
+/// checks it before it restarts workers: a signal that arrives after Wait's
+/// last look, while the group is being destroyed, is recorded only here.
+int InterruptSignal();
 
 /// "SIGKILL", "SIGTERM", ... or "signal 42".
 std::string SignalName(int signal);

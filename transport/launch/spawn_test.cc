@@ -59,6 +59,7 @@ DDP_TEST_WORKER(hello) {
 DDP_TEST_WORKER(fail_rank1) {
   const int rank = EnvInt("RANK", -1);
   WritePid("rank" + std::to_string(rank));
+  if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
   if (rank == 1) {
     std::this_thread::sleep_for(100ms);
     const int how = EnvInt("HOW", 0);
@@ -373,6 +374,41 @@ TEST(SpawnTest, InterruptionNamesAWorkerThatDidNotStopAsAsked) {
   EXPECT_EQ(result.reason, "interrupted by SIGINT; forwarded it to every worker; rank 1 (pid " +
                                std::to_string(result.workers[1].pid) +
                                ") was killed by signal 9 (SIGKILL)");
+  ExpectNoChildrenLeft();
+}
+
+// A signal that arrives while the workers are being stopped after a
+// failure is not lost: Wait reports the interruption (so that a launcher does
+// not restart), keeps the first failure, and forwards the signal.
+TEST(SpawnTest, SignalWhileStoppingAfterAFailureIsReported) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  options.grace = 1000ms;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"IGNORE_TERM", "1"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const pthread_t waiter = pthread_self();
+  std::thread sender([waiter] {
+    // Rank 1 exits at 100 ms; rank 0 ignores the SIGTERM that follows, so
+    // the group is still stopping at 500 ms.
+    std::this_thread::sleep_for(500ms);
+    pthread_kill(waiter, SIGINT);
+  });
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  sender.join();
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted) << result.reason;
+  EXPECT_EQ(result.signal, SIGINT);
+  EXPECT_EQ(result.ExitCode(), 128 + SIGINT);
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_THAT(result.reason, HasSubstr("rank 1 (pid "));
+  EXPECT_THAT(result.reason, HasSubstr("stopping the other workers; then interrupted by SIGINT"));
+  // Rank 0 ignored SIGTERM but not SIGINT: the forwarded signal ended it.
+  EXPECT_TRUE(result.workers[0].signaled);
+  EXPECT_EQ(result.workers[0].code, SIGINT) << result.workers[0].Describe();
+  EXPECT_NE(InterruptSignal(), 0);  // recorded for the launcher's restart loop
   ExpectNoChildrenLeft();
 }
 
