@@ -1190,8 +1190,11 @@ int RunDdprun(const DdprunOptions& options) {
       case GroupOutcome::kWorkerFailed:
       case GroupOutcome::kTimedOut:
       case GroupOutcome::kInterrupted:
-        // An interrupted launcher stops the whole job: no restart.
-        outcome.restartable = result.outcome != GroupOutcome::kInterrupted;
+      case GroupOutcome::kMonitorFailed:
+        // An interrupted launcher stops the whole job: no restart. Nor does
+        // one that could not watch its workers (a fault of this launcher).
+        outcome.restartable = result.outcome != GroupOutcome::kInterrupted &&
+                              result.outcome != GroupOutcome::kMonitorFailed;
         outcome.exit_code = result.ExitCode();
         outcome.reason = (multi_node ? node + ": " : "") + result.reason;
         if (store_reachable) note(PostFailure(*client, o, attempt, outcome.restartable, outcome.reason));

@@ -224,7 +224,8 @@ int GroupResult::ExitCode() const {
       return first_failure->signaled ? 128 + first_failure->code : first_failure->code;
     case GroupOutcome::kInterrupted: return 128 + signal;
     case GroupOutcome::kStopped:
-    case GroupOutcome::kTimedOut: return 1;
+    case GroupOutcome::kTimedOut:
+    case GroupOutcome::kMonitorFailed: return 1;
   }
   return 1;
 }
@@ -418,10 +419,20 @@ class WorkerGroup::Impl {
       Deadline wake = phase == Phase::kRunning ? deadline : phase_deadline;
       int timeout = std::min(MillisecondsUntil(wake), kMaxPollMs);
       if (need_fallback_poll) timeout = std::min(timeout, kFallbackPollMs);
+      // EINTR needs nothing special: the next round computes its timeout
+      // from the same absolute deadlines.
       const int n = poll(fds.data(), fds.size(), timeout);
       if (n < 0 && errno != EINTR) {
-        // Cannot watch anything any more: stop the workers rather than hang.
-        result.reason = "poll failed: " + ErrnoText(errno);
+        // Cannot watch anything any more: stop the workers rather than hang,
+        // and say so (this is no success, whatever the workers did so far).
+        const std::string why = "cannot watch the workers (poll: " + ErrnoText(errno) +
+                                "); killed every worker still running";
+        if (result.outcome == GroupOutcome::kSucceeded) {
+          result.outcome = GroupOutcome::kMonitorFailed;
+          result.reason = why;
+        } else {
+          result.reason += "; " + why;
+        }
         KillAndReap();
         break;
       }

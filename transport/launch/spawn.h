@@ -91,6 +91,8 @@ enum class GroupOutcome : int {
   kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP (at any point of Wait).
   kStopped = 3,       ///< RequestStop was called.
   kTimedOut = 4,      ///< The deadline given to Wait passed.
+  /// Wait could not watch the workers (poll failed); it killed them.
+  kMonitorFailed = 5,
 };
 
 /// What Wait found.
@@ -103,7 +105,7 @@ struct GroupResult {
   std::vector<std::string> output;           ///< Captured output per worker.
 
   /// 0 on success; the failed worker's exit code, or 128 + its signal; 128 +
-  /// the signal when interrupted; 1 when stopped or timed out.
+  /// the signal when interrupted; 1 when stopped, timed out or unwatchable.
   int ExitCode() const;
 };
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -409,6 +410,33 @@ TEST(SpawnTest, SignalWhileStoppingAfterAFailureIsReported) {
   EXPECT_TRUE(result.workers[0].signaled);
   EXPECT_EQ(result.workers[0].code, SIGINT) << result.workers[0].Describe();
   EXPECT_NE(InterruptSignal(), 0);  // recorded for the launcher's restart loop
+  ExpectNoChildrenLeft();
+}
+
+// A monitor loop that cannot poll (here: more descriptors to watch than
+// RLIMIT_NOFILE allows, which poll refuses with EINVAL) stops the workers
+// and reports a failure, never a success.
+TEST(SpawnTest, PollFailureIsAnErrorAndStopsTheWorkers) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = 3;  // the group watches 7: a stop event, 2 pidfds, 4 pipes
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(result.outcome, GroupOutcome::kMonitorFailed) << result.reason;
+  EXPECT_EQ(result.ExitCode(), 1);
+  EXPECT_EQ(result.reason,
+            "cannot watch the workers (poll: Invalid argument); killed every worker still running");
+  for (const WorkerExit& w : result.workers) {
+    EXPECT_TRUE(w.signaled) << w.Describe();
+    EXPECT_EQ(w.code, SIGKILL) << w.Describe();
+  }
+  group->reset();
   ExpectNoChildrenLeft();
 }
 
