@@ -179,6 +179,28 @@ TEST(DdprunTest, SigtermWhileStoppingAfterAFailureEndsTheJobWithoutRestart) {
   ExpectAllGone(workers);
 }
 
+// `nohup ddprun ...`: SIGHUP stays ignored by the launcher and its workers,
+// which run to their end.
+TEST(DdprunTest, NohupKeepsSighupIgnored) {
+  const std::string dir = testing::MakeTempDir("ddprun_nohup");
+  std::vector<std::string> argv = {"/bin/sh", "-c", "trap '' HUP; exec \"$@\"", "sh"};
+  for (const std::string& a : Cmd({"--standalone", "--nproc_per_node=2"},
+                                  {"--sleep_ms=1500", "--pid_dir=" + dir})) {
+    argv.push_back(a);
+  }
+  auto group = testing::StartProgram(argv);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> workers = WorkerPids(dir, 2);
+  ASSERT_GT(workers[0], 0);
+  kill((*group)->pids()[0], SIGHUP);  // sh exec'd ddprun: same pid
+  kill(workers[0], SIGHUP);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0 done"));
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
+  EXPECT_THAT(run.output, Not(HasSubstr("interrupted")));
+}
+
 TEST(DdprunTest, LauncherKilledBySigkillTakesItsWorkers) {
   const std::string dir = testing::MakeTempDir("ddprun_sigkill");
   auto group = testing::StartProgram(

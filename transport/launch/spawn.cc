@@ -318,7 +318,7 @@ class WorkerGroup::Impl {
     KillAndReap();
     if (forwarding_) {
       for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
-        sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
+        if (installed_[i]) sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
       }
       g_signal_write_fd.store(-1);
       g_forwarding.store(false);
@@ -559,7 +559,14 @@ class WorkerGroup::Impl {
     sigemptyset(&action.sa_mask);
     action.sa_flags = SA_RESTART;
     for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
+      // A signal this process ignores stays ignored, as shells and torchrun
+      // leave it: under nohup (SIGHUP) or as a background job of a script
+      // (SIGINT) the launcher and, through exec, its workers ignore it.
+      struct sigaction current{};
+      sigaction(kForwardedSignals[i], nullptr, &current);
+      if (current.sa_handler == SIG_IGN) continue;
       sigaction(kForwardedSignals[i], &action, &old_actions_[i]);
+      installed_[i] = true;
     }
     forwarding_ = true;
     return Status::Ok();
@@ -811,6 +818,7 @@ class WorkerGroup::Impl {
   Fd signal_write_;
   bool forwarding_ = false;
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
+  bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so
   std::mutex mu_;
   std::string stop_reason_;
 };

@@ -67,7 +67,9 @@ struct SpawnOptions {
   /// survivors report a dead peer.
   bool stop_all_on_failure = true;
   /// Forward SIGINT / SIGTERM / SIGHUP received by this process to the
-  /// workers during Wait. One group at a time may do so.
+  /// workers during Wait. One group at a time may do so. A signal this
+  /// process ignores (SIGHUP under nohup) is left ignored, for the workers
+  /// too.
   bool forward_signals = true;
 };
 

@@ -440,6 +440,40 @@ TEST(SpawnTest, PollFailureIsAnErrorAndStopsTheWorkers) {
   ExpectNoChildrenLeft();
 }
 
+// Under nohup SIGHUP is ignored; forwarding leaves it so (and the workers
+// inherit that), while it still catches the signals not ignored.
+TEST(SpawnTest, IgnoredSignalStaysIgnored) {
+  struct sigaction saved{};
+  struct sigaction ignore{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGHUP, &ignore, &saved), 0);
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "sleeper"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  struct sigaction hup{}, term{};
+  sigaction(SIGHUP, nullptr, &hup);
+  sigaction(SIGTERM, nullptr, &term);
+  EXPECT_EQ(hup.sa_handler, SIG_IGN);
+  EXPECT_NE(term.sa_handler, SIG_DFL);  // forwarded
+  const pid_t worker = (*group)->pids()[0];
+  std::this_thread::sleep_for(100ms);
+  kill(worker, SIGHUP);  // the worker ignores it too
+  pthread_kill(pthread_self(), SIGHUP);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(ProcessGone(worker));
+  (*group)->RequestStop("done");
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped) << result.reason;
+  EXPECT_EQ(result.workers[0].code, SIGTERM) << result.workers[0].Describe();
+  group->reset();
+  sigaction(SIGHUP, nullptr, &hup);
+  EXPECT_EQ(hup.sa_handler, SIG_IGN);
+  sigaction(SIGHUP, &saved, nullptr);
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, OnlyOneGroupForwardsSignals) {
   SpawnOptions options = Quiet();
   options.forward_signals = true;
