@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -39,8 +40,6 @@ constexpr auto kFarewellTime = 10000ms;
 // Node 0's --node_timeout in milliseconds: a launcher given a longer one
 // beats (and gives up on an unreachable store) by node 0's.
 constexpr char kNodeTimeoutKey[] = "ddprun/node_timeout_ms";
-// Deadline of one bookkeeping call on the store (at most --node_timeout).
-constexpr auto kStoreCallTime = 10000ms;
 // torchrun's port for an --rdzv_endpoint given without one.
 constexpr int kDefaultRdzvPort = 29400;
 
@@ -103,11 +102,15 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
                        restart takes in the launchers then present
   --rdzv_id=ID         job id; every node must give the same one
   --rdzv_conf=last_call_timeout=SEC,join_timeout=SEC,keep_alive_interval=SEC,
-             keep_alive_max_attempt=N
+             keep_alive_max_attempt=N,read_timeout=SEC,is_host=BOOL,...
                        last_call_timeout: with --nnodes=MIN:MAX, how long to
                        wait for more nodes once MIN joined (default 30);
-                       join_timeout is --rdzv_timeout; the keep-alives make
-                       --node_timeout interval x attempts (5 s, 3 if not given)
+                       join_timeout (or timeout) is --rdzv_timeout; the
+                       keep-alives make --node_timeout interval x attempts
+                       (5 s, 3 if not given); read_timeout: deadline of one
+                       call on the store (default 10, at most --node_timeout);
+                       is_host (c10d): serve the store (true) or join (false)
+                       instead of trying to listen; close_timeout is ignored
   --standalone         one node on 127.0.0.1 with a free port
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
@@ -122,9 +125,15 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5)
   --max_run_time=SEC   stop the workers after this long (default: no limit)
 
+  --role=NAME          the workers' ROLE_NAME (default: default)
+
 Dashes and underscores in flag names are interchangeable. torchrun's
 --no_python is accepted (ddprun always runs PROGRAM itself); for Python,
-give the interpreter as PROGRAM: ddprun ... python3 train.py.
+give the interpreter as PROGRAM: ddprun ... python3 train.py. Also accepted:
+--monitor_interval=SEC (ddprun sees a worker exit at once, without polling),
+--start_method=spawn|fork|forkserver (ddprun always starts a fresh process
+with exec, so all three are the same), and, with a note that they are
+ignored, --local_addr, --logs_specs and --node_rank with c10d (as torchrun).
 )";
 }
 
@@ -256,46 +265,100 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
         DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
       }
     } else if (name == "rdzv_conf") {
-      // torchrun's KEY=VALUE,... rendezvous settings; those that apply here.
-      // Its keep-alives (a beat every keep_alive_interval, dead after
-      // keep_alive_max_attempt missed ones) are --node_timeout.
+      // torchrun's KEY=VALUE,... rendezvous settings. Its keep-alives (a
+      // beat every keep_alive_interval, dead after keep_alive_max_attempt
+      // missed ones) are --node_timeout; its other keys map to ddprun's
+      // settings where they mean the same, and are noted as ignored where
+      // nothing here matches.
       DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      auto bad_item = [&](const std::string& item, const std::string& why) {
+        return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
+      };
       size_t start = 0;
       while (start < text.size()) {
         size_t end = text.find(',', start);
         if (end == std::string::npos) end = text.size();
         const std::string item = text.substr(start, end - start);
+        start = end + 1;
         const size_t eq = item.find('=');
         const std::string key = item.substr(0, eq);
         const std::string raw = eq == std::string::npos ? "" : item.substr(eq + 1);
         const std::optional<milliseconds> parsed = eq == std::string::npos ? std::nullopt : ParseSeconds(raw);
         const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
+        const bool positive = seconds.count() > 0;
         if (key == "keep_alive_max_attempt") {
           const std::optional<int64_t> attempts = ParseInt(raw);
           if (!attempts || *attempts < 1 || *attempts > 1000) {
-            return InvalidArgumentError(Flag(name, text) + ": '" + item +
-                                        "': keep_alive_max_attempt takes a count from 1 to 1000");
+            return bad_item(item, "keep_alive_max_attempt takes a count from 1 to 1000");
           }
           keep_alive_attempts = static_cast<int>(*attempts);
-          start = end + 1;
-          continue;
-        }
-        const bool known = key == "last_call_timeout" || key == "join_timeout" || key == "keep_alive_interval";
-        if (!known || seconds.count() < 0 || (key != "last_call_timeout" && seconds.count() == 0)) {
-          return InvalidArgumentError(Flag(name, text) + ": '" + item +
-                                      "' is not one of last_call_timeout=SEC, join_timeout=SEC, "
-                                      "keep_alive_interval=SEC (positive), keep_alive_max_attempt=N");
-        }
-        if (key == "keep_alive_interval") {
+        } else if (key == "is_host") {
+          // c10d: whether this launcher serves the store, instead of
+          // finding out by trying to listen on the endpoint.
+          std::string lower = raw;
+          for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+          if (lower == "1" || lower == "true" || lower == "t" || lower == "yes" || lower == "y") {
+            o.is_host = true;
+          } else if (lower == "0" || lower == "false" || lower == "f" || lower == "no" || lower == "n") {
+            o.is_host = false;
+          } else {
+            return bad_item(item, "is_host takes true or false (1/0, yes/no)");
+          }
+        } else if (key == "last_call_timeout") {
+          if (seconds.count() < 0) return bad_item(item, "last_call_timeout takes a number of seconds");
+          o.last_call = seconds;
+        } else if (key == "join_timeout" || key == "timeout") {
+          // timeout: the static and etcd backends' name for the same wait.
+          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+          o.rdzv_timeout = seconds;
+        } else if (key == "keep_alive_interval") {
+          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
           keep_alive_interval = seconds;
+        } else if (key == "read_timeout") {
+          // torchrun's deadline of one call on the store.
+          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+          o.store_call_time = seconds;
+        } else if (key == "close_timeout") {
+          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+          o.notes.push_back(Flag(name, item) +
+                            " is ignored: when the job ends, node 0 tells the waiting launchers "
+                            "and keeps the store up for them for up to 10 s");
         } else {
-          (key == "last_call_timeout" ? o.last_call : o.rdzv_timeout) = seconds;
+          return bad_item(item,
+                          "not one of last_call_timeout, join_timeout (or timeout), read_timeout, "
+                          "close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
+                          "is_host=BOOL");
         }
-        start = end + 1;
       }
     } else if (name == "node_rank") {
       DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
       node_rank_given = true;
+    } else if (name == "monitor_interval") {
+      // torchrun looks at its workers every so often; ddprun learns of a
+      // worker's exit at once (pidfd), so there is nothing to set.
+      milliseconds unused{};
+      DDP_RETURN_IF_ERROR(take_seconds(unused, /*positive=*/true));
+    } else if (name == "start_method") {
+      // Python's ways of starting a worker; ddprun starts every worker with
+      // vfork + exec, a fresh process image, so they all come to the same.
+      DDP_ASSIGN_OR_RETURN(std::string method, take_value());
+      if (method != "spawn" && method != "fork" && method != "forkserver") {
+        return InvalidArgumentError(Flag(name, method) + ": expected spawn, fork or forkserver");
+      }
+    } else if (name == "role") {
+      DDP_ASSIGN_OR_RETURN(o.role, take_value());
+      if (o.role.empty() || o.role.find_first_of(" \t\n=") != std::string::npos) {
+        return InvalidArgumentError(Flag(name, o.role) + " must be non-empty without spaces or '='");
+      }
+    } else if (name == "local_addr") {
+      DDP_ASSIGN_OR_RETURN(std::string addr, take_value());
+      o.notes.push_back(Flag(name, addr) +
+                        " is ignored: launchers other than node 0 need no address of their own "
+                        "(they connect to node 0's store)");
+    } else if (name == "logs_specs") {
+      DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
+      o.notes.push_back(Flag(name, specs) +
+                        " is ignored: ddprun writes --log_dir/attempt_K/rank_R.log");
     } else if (name == "master_addr") {
       DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
       if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
@@ -394,9 +457,10 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   }
   if (o.rdzv_backend == "c10d") {
     if (node_rank_given) {
-      return InvalidArgumentError(
-          "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
-          "--rdzv_backend=static)");
+      // As under torchrun, which hands --node_rank to the static backend only.
+      o.notes.push_back("--node_rank=" + std::to_string(o.node_rank) +
+                        " is ignored with --rdzv_backend=c10d: nodes are numbered as they join");
+      o.node_rank = 0;
     }
     o.assign_node_rank = o.nnodes > 1;
     // Every launcher could listen on a wildcard address, and each would
@@ -408,6 +472,13 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
                                   " is a wildcard address; with --rdzv_backend=c10d it must be "
                                   "the address of one node, which then serves the store");
     }
+  }
+  if (o.is_host && !o.assign_node_rank) {
+    o.notes.push_back(std::string("--rdzv_conf is_host=") + (*o.is_host ? "true" : "false") +
+                      " is ignored: " +
+                      (o.rdzv_backend == "c10d" ? "one node serves its own store"
+                                                : "with --rdzv_backend=static node 0 serves the store"));
+    o.is_host.reset();
   }
   if (keep_alive_interval || keep_alive_attempts) {
     if (node_timeout_given) {
@@ -489,7 +560,7 @@ std::optional<FailureNotice> DecodeFailure(const std::string& value) {
 // that every launcher reports the same root cause.
 Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, NoticeKind kind,
                    const std::string& reason) {
-  const Deadline deadline = DeadlineIn(std::min<milliseconds>(kStoreCallTime, o.node_timeout));
+  const Deadline deadline = DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout));
   DDP_ASSIGN_OR_RETURN(int64_t n, store.Add(Key(attempt, "failure_count"), 1, deadline));
   if (n != 1) return Status::Ok();
   return store.Set(Key(attempt, "failure"), static_cast<char>(kind) + reason, deadline);
@@ -579,7 +650,7 @@ class NodeMonitor {
     return FailureNotice{true, true, reason};
   }
 
-  milliseconds CallTime() const { return std::min<milliseconds>(kStoreCallTime, options_.node_timeout); }
+  milliseconds CallTime() const { return std::min<milliseconds>(options_.store_call_time, options_.node_timeout); }
 
   std::optional<FailureNotice> CheckHeartbeats() {
     const Deadline now = Clock::now();
@@ -644,7 +715,7 @@ void Say(const std::string& line) {
 Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   const Deadline deadline = DeadlineIn(o.rdzv_timeout);
   DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + std::to_string(o.node_rank)), Hostname(),
-                                DeadlineIn(kStoreCallTime)));
+                                DeadlineIn(o.store_call_time)));
   std::vector<std::string> keys;
   for (int node = 0; node < o.nnodes; ++node) keys.push_back(Key(attempt, "node/" + std::to_string(node)));
   Status joined = store.Wait(keys, deadline);
@@ -652,7 +723,7 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   if (joined.code() != StatusCode::kTimedOut) return joined;
   std::string missing;
   for (int node = 0; node < o.nnodes; ++node) {
-    auto present = store.TryGet(keys[node], DeadlineIn(kStoreCallTime));
+    auto present = store.TryGet(keys[node], DeadlineIn(o.store_call_time));
     if (present.ok() && !present->has_value()) missing += (missing.empty() ? "" : ", ") + std::to_string(node);
   }
   return TimedOutError("not every node joined within --rdzv_timeout (" +
@@ -709,7 +780,7 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
   const Deadline start = Clock::now();
   const Deadline deadline = start + o.rdzv_timeout;
   const Deadline rejoin_deadline = start + RejoinTime(o);
-  DDP_RETURN_IF_ERROR(store.Set(kRoundKey, std::to_string(round), DeadlineIn(kStoreCallTime)));
+  DDP_RETURN_IF_ERROR(store.Set(kRoundKey, std::to_string(round), DeadlineIn(o.store_call_time)));
   const int min_nodes = o.min_nodes > 0 ? o.min_nodes : max_nodes;
   // The end of the last call, once at least MIN nodes are in (else none).
   bool calling = false;
@@ -740,11 +811,11 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
   const milliseconds unproven_for = 2 * MonitorSlice(o) + 500ms;
   bool first_look = true;
   while (true) {
-    DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(kStoreCallTime)));
+    DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(o.store_call_time)));
     for (int64_t slot = 1; slot <= joined; ++slot) {
       if (entries.count(slot)) continue;
       DDP_ASSIGN_OR_RETURN(std::optional<std::string> previous,
-                           store.TryGet(Key(round, "join/" + std::to_string(slot)), DeadlineIn(kStoreCallTime)));
+                           store.TryGet(Key(round, "join/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
       if (!previous) continue;
       const std::optional<int64_t> rank = ParseInt(*previous);
       entries[slot] = rank && *rank > 0 ? *rank : -1;
@@ -754,7 +825,7 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
     bool unproven = false;  // a slot found at the first look that has not beaten yet
     for (const auto& [slot, previous] : entries) {
       DDP_ASSIGN_OR_RETURN(std::optional<std::string> beat,
-                           store.TryGet(Key(round, "alive/" + std::to_string(slot)), DeadlineIn(kStoreCallTime)));
+                           store.TryGet(Key(round, "alive/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
       const Deadline seen = Clock::now();
       auto [it, first] = beats.try_emplace(slot, Beat{beat.value_or(""), seen, !first_look});
       Beat& b = it->second;
@@ -811,7 +882,7 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
   const int members = static_cast<int>(std::min<int64_t>(1 + static_cast<int64_t>(order.size()), max_nodes));
   std::string record = std::to_string(failures);
   for (int i = 0; i + 1 < members; ++i) record += " " + std::to_string(order[i].second);
-  DDP_RETURN_IF_ERROR(store.Set(Key(round, "members"), record, DeadlineIn(kStoreCallTime)));
+  DDP_RETURN_IF_ERROR(store.Set(Key(round, "members"), record, DeadlineIn(o.store_call_time)));
   return members;
 }
 
@@ -828,9 +899,9 @@ struct JoinResult {
 StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int max_nodes,
                                int round, int previous, const std::string& name) {
   while (true) {
-    DDP_ASSIGN_OR_RETURN(int64_t slot, store.Add(Key(round, "joined"), 1, DeadlineIn(kStoreCallTime)));
+    DDP_ASSIGN_OR_RETURN(int64_t slot, store.Add(Key(round, "joined"), 1, DeadlineIn(o.store_call_time)));
     DDP_RETURN_IF_ERROR(store.Set(Key(round, "join/" + std::to_string(slot)), std::to_string(previous),
-                                  DeadlineIn(kStoreCallTime)));
+                                  DeadlineIn(o.store_call_time)));
     // Node 0 may still be running an earlier round (this launcher is a
     // spare, or came late): the clock starts once it opens this one.
     Deadline deadline = DeadlineIn(RoundFormingTime(o));
@@ -842,8 +913,8 @@ StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int 
       record = store.Get(Key(round, "members"), std::min(deadline, DeadlineIn(MonitorSlice(o))));
       if (record.ok() || record.status().code() != StatusCode::kTimedOut) break;
       DDP_RETURN_IF_ERROR(
-          store.Add(Key(round, "alive/" + std::to_string(slot)), 1, DeadlineIn(kStoreCallTime)).status());
-      DDP_ASSIGN_OR_RETURN(std::optional<std::string> current, store.TryGet(kRoundKey, DeadlineIn(kStoreCallTime)));
+          store.Add(Key(round, "alive/" + std::to_string(slot)), 1, DeadlineIn(o.store_call_time)).status());
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> current, store.TryGet(kRoundKey, DeadlineIn(o.store_call_time)));
       const std::optional<int64_t> opened = current ? ParseInt(*current) : std::nullopt;
       if (opened && *opened < round) deadline = DeadlineIn(RoundFormingTime(o));
       if (Clock::now() >= deadline) {
@@ -857,7 +928,7 @@ StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int 
     if (!record.ok()) return record.status();
     if (record->rfind(kEndRecord, 0) == 0) {
       // The job ended instead; node 0 waits for this acknowledgement.
-      (void)store.Set(Key(round, "left/" + std::to_string(slot)), "1", DeadlineIn(kStoreCallTime));
+      (void)store.Set(Key(round, "left/" + std::to_string(slot)), "1", DeadlineIn(o.store_call_time));
       const std::optional<int64_t> code = ParseInt(std::string_view(*record).substr(sizeof(kEndRecord) - 1));
       return JoinResult{std::nullopt, code ? static_cast<int>(*code) : 1};
     }
@@ -876,7 +947,7 @@ StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int 
     }
     // Left out: wait for the next round.
     if (nnodes < max_nodes) {
-      DDP_RETURN_IF_ERROR(store.Add(Key(round, "waiting"), 1, DeadlineIn(kStoreCallTime)).status());
+      DDP_RETURN_IF_ERROR(store.Add(Key(round, "waiting"), 1, DeadlineIn(o.store_call_time)).status());
       Say(name + ": the job runs on " + std::to_string(nnodes) + (nnodes == 1 ? " node" : " nodes") +
           " (--nnodes=" + o.nnodes_spec + "); this launcher joins when node 0 restarts the workers");
     } else {
@@ -922,7 +993,9 @@ int RunDdprun(const DdprunOptions& options) {
   // Assigned node ranks: whoever can listen on the endpoint serves the store
   // and is node 0; the others learn their rank from the store below.
   std::string not_served;
-  if (o.node_rank == 0) {
+  if (o.node_rank == 0 && o.assign_node_rank && o.is_host == false) {
+    o.node_rank = -1;  // --rdzv_conf=is_host=false: join node 0's store
+  } else if (o.node_rank == 0) {
     store::TcpStoreServerOptions server_options;
     server_options.bind_address = o.master_addr;
     server_options.port = o.master_port;
@@ -932,7 +1005,7 @@ int RunDdprun(const DdprunOptions& options) {
     if (started.ok()) {
       server = std::move(started).value();
       port = server->port();
-    } else if (o.assign_node_rank) {
+    } else if (o.assign_node_rank && !o.is_host.has_value()) {
       not_served = started.status().message();
       o.node_rank = -1;
     } else {
@@ -944,6 +1017,8 @@ int RunDdprun(const DdprunOptions& options) {
   auto node_name = [&o] {
     return o.node_rank >= 0 ? "node " + std::to_string(o.node_rank) : std::string("launcher");
   };
+
+  for (const std::string& note : o.notes) Say("note: " + note);
 
   // ---- the launchers meet (several nodes only) ----
   const bool multi_node = o.nnodes > 1;
@@ -963,8 +1038,8 @@ int RunDdprun(const DdprunOptions& options) {
       // Node 0 judges everyone's heartbeats by its --node_timeout, so the
       // others beat by it too (set first: whoever sees the configuration
       // sees it).
-      Status s = client->Set(kNodeTimeoutKey, std::to_string(o.node_timeout.count()), DeadlineIn(kStoreCallTime));
-      if (s.ok()) s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(kStoreCallTime));
+      Status s = client->Set(kNodeTimeoutKey, std::to_string(o.node_timeout.count()), DeadlineIn(o.store_call_time));
+      if (s.ok()) s = client->Set("ddprun/config", ConfigLine(o), DeadlineIn(o.store_call_time));
       if (!s.ok()) {
         Say(s.message());
         return 1;
@@ -983,7 +1058,7 @@ int RunDdprun(const DdprunOptions& options) {
             serve_note);
         return 2;
       }
-      StatusOr<std::optional<std::string>> timeout = client->TryGet(kNodeTimeoutKey, DeadlineIn(kStoreCallTime));
+      StatusOr<std::optional<std::string>> timeout = client->TryGet(kNodeTimeoutKey, DeadlineIn(o.store_call_time));
       if (!timeout.ok()) {
         Say(node_name() + ": " + timeout.status().message());
         return 1;
@@ -1006,7 +1081,7 @@ int RunDdprun(const DdprunOptions& options) {
   // kFarewellTime to read it before the store goes away.
   auto publish_final = [&](int round, int code) {
     if (!client || o.node_rank != 0 || !o.assign_node_rank) return;
-    const Deadline deadline = DeadlineIn(std::min<milliseconds>(kStoreCallTime, o.node_timeout));
+    const Deadline deadline = DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout));
     if (!client->Set(Key(round, "members"), kEndRecord + std::to_string(code), deadline).ok()) return;
     auto waiting = client->Add(Key(round, "joined"), 0, deadline);
     std::vector<std::string> keys;
@@ -1086,7 +1161,7 @@ int RunDdprun(const DdprunOptions& options) {
     std::unique_ptr<store::TcpStoreClient> watch_client;
     if (multi_node) {
       auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token,
-                                                      DeadlineIn(kStoreCallTime));
+                                                      DeadlineIn(o.store_call_time));
       if (!connected.ok()) {
         Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
         return 1;
@@ -1113,7 +1188,7 @@ int RunDdprun(const DdprunOptions& options) {
       spec.env = ToEnvironment(env);
       // torchrun's other variables, for programs written against it.
       spec.env.emplace_back("GROUP_WORLD_SIZE", std::to_string(o.nnodes));
-      spec.env.emplace_back("ROLE_NAME", "default");
+      spec.env.emplace_back("ROLE_NAME", o.role);
       spec.env.emplace_back("ROLE_RANK", std::to_string(env.rank));
       spec.env.emplace_back("ROLE_WORLD_SIZE", std::to_string(world_size));
       spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(failures));
@@ -1172,7 +1247,7 @@ int RunDdprun(const DdprunOptions& options) {
     // Bookkeeping in the store after the workers are done. A call that times
     // out or finds the store gone means it cannot be reached (node 0 died or
     // the network is cut): skip the rest, and do not restart.
-    const milliseconds call_time = std::min<milliseconds>(kStoreCallTime, o.node_timeout);
+    const milliseconds call_time = std::min<milliseconds>(o.store_call_time, o.node_timeout);
     bool store_reachable = multi_node;
     auto note = [&](const Status& status) {
       if (status.code() == StatusCode::kTimedOut || status.code() == StatusCode::kUnavailable) {

@@ -43,6 +43,7 @@
 // 2 for bad input, reported on one line before anything starts.
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,17 @@ struct DdprunOptions {
   std::chrono::milliseconds node_timeout{30000};   ///< Heartbeat silence = dead node.
   std::chrono::milliseconds grace{5000};           ///< SIGTERM -> SIGKILL.
   std::chrono::milliseconds max_run_time{0};       ///< Per attempt; 0: no limit.
+  /// Deadline of one bookkeeping call on the store (torchrun's
+  /// --rdzv_conf=read_timeout); at most --node_timeout counts.
+  std::chrono::milliseconds store_call_time{10000};
+  /// c10d only (--rdzv_conf=is_host): true, this launcher must serve the
+  /// store; false, it joins; unset, it serves if it can listen on the
+  /// endpoint.
+  std::optional<bool> is_host;
+  std::string role = "default";  ///< --role: the workers' ROLE_NAME.
+  /// One line each about torchrun flags that were accepted but mean nothing
+  /// here; RunDdprun prints them.
+  std::vector<std::string> notes;
   std::vector<std::string> command;  ///< PROGRAM and its arguments.
   bool help = false;
 };

@@ -165,12 +165,13 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
     ExpectRefused({bad, "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
                   std::string(bad) + ": expected MIN:MAX with 1 <= MIN <= MAX <= 65536", {{"DDP_JOB_TOKEN", "t"}});
   }
-  ExpectRefused({"--rdzv_conf=timeout=5", "p"},
-                "--rdzv_conf=timeout=5: 'timeout=5' is not one of last_call_timeout=SEC, join_timeout=SEC, "
-                "keep_alive_interval=SEC (positive), keep_alive_max_attempt=N");
+  ExpectRefused({"--rdzv_conf=frob=5", "p"},
+                "--rdzv_conf=frob=5: 'frob=5': not one of last_call_timeout, join_timeout (or timeout), "
+                "read_timeout, close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
+                "is_host=BOOL");
   ExpectRefused({"--rdzv_conf=join_timeout=0", "p"},
-                "--rdzv_conf=join_timeout=0: 'join_timeout=0' is not one of last_call_timeout=SEC, "
-                "join_timeout=SEC, keep_alive_interval=SEC (positive), keep_alive_max_attempt=N");
+                "--rdzv_conf=join_timeout=0: 'join_timeout=0': join_timeout takes a positive number of "
+                "seconds");
   // torchrun's keep-alives are the node timeout: interval times attempts,
   // with its defaults (5 s, 3) for the one not given.
   o = Parse({"--rdzv_conf=keep_alive_interval=2,keep_alive_max_attempt=4", "p"});
@@ -186,17 +187,12 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "--rdzv_conf=keep_alive_max_attempt=0: 'keep_alive_max_attempt=0': keep_alive_max_attempt "
                 "takes a count from 1 to 1000");
   ExpectRefused({"--rdzv_conf=keep_alive_interval=0", "p"},
-                "--rdzv_conf=keep_alive_interval=0: 'keep_alive_interval=0' is not one of "
-                "last_call_timeout=SEC, join_timeout=SEC, keep_alive_interval=SEC (positive), "
-                "keep_alive_max_attempt=N");
+                "--rdzv_conf=keep_alive_interval=0: 'keep_alive_interval=0': keep_alive_interval takes a "
+                "positive number of seconds");
   ExpectRefused({"--node_timeout=4", "--rdzv_conf=keep_alive_interval=1", "p"},
                 "--node_timeout and --rdzv_conf's keep_alive_interval/keep_alive_max_attempt both say when a "
                 "silent node is dead; give one of them");
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
-  ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
-                "--rdzv_backend=c10d numbers the nodes as they join; drop --node_rank (or use "
-                "--rdzv_backend=static)",
-                {{"DDP_JOB_TOKEN", "t"}});
   ExpectRefused({"--rdzv_endpoint=h:1", "--master_port=2", "p"},
                 "--rdzv_endpoint names the store's address and port; it cannot be combined with "
                 "--master_addr or --master_port");
@@ -217,6 +213,73 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "the store's address 0.0.0.0 is a wildcard address; with --rdzv_backend=c10d it must be "
                 "the address of one node, which then serves the store",
                 {{"DDP_JOB_TOKEN", "t"}});
+}
+
+// torchrun's other flags: those with a meaning here take effect, the rest
+// are accepted with a note (printed when ddprun runs).
+TEST(DdprunArgsTest, TorchrunsOtherFlagsAreAccepted) {
+  StatusOr<DdprunOptions> o = Parse({"--monitor_interval=0.5", "--start_method", "fork", "--role=trainer",
+                                     "--local-addr=10.0.0.2", "--logs_specs=mine", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->role, "trainer");
+  EXPECT_EQ(o->command, std::vector<std::string>{"p"});
+  EXPECT_EQ(o->notes, (std::vector<std::string>{
+                          "--local_addr=10.0.0.2 is ignored: launchers other than node 0 need no "
+                          "address of their own (they connect to node 0's store)",
+                          "--logs_specs=mine is ignored: ddprun writes --log_dir/attempt_K/rank_R.log"}));
+  for (const char* method : {"spawn", "fork", "forkserver"}) {
+    EXPECT_TRUE(Parse({std::string("--start_method=") + method, "p"}).ok()) << method;
+  }
+  o = Parse({"p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->role, "default");
+  EXPECT_TRUE(o->notes.empty());
+  EXPECT_EQ(o->store_call_time, 10000ms);
+  EXPECT_FALSE(o->is_host.has_value());
+
+  // --node_rank with c10d: ignored, as torchrun ignores it.
+  o = Parse({"--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_rank, 0);
+  EXPECT_TRUE(o->assign_node_rank);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--node_rank=1 is ignored with --rdzv_backend=c10d: nodes are numbered as they join"});
+
+  // rdzv_conf: timeout is the join timeout, read_timeout the deadline of a
+  // store call, is_host whether a c10d launcher serves the store.
+  o = Parse({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1",
+             "--rdzv_conf=timeout=42,read_timeout=7,is_host=False,close_timeout=3", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->rdzv_timeout, 42000ms);
+  EXPECT_EQ(o->store_call_time, 7000ms);
+  EXPECT_EQ(o->is_host, std::optional<bool>(false));
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--rdzv_conf=close_timeout=3 is ignored: when the job ends, node 0 tells the "
+                          "waiting launchers and keeps the store up for them for up to 10 s"});
+  o = Parse({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "--rdzv_conf=is_host=1", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->is_host, std::optional<bool>(true));
+  // is_host means nothing where node 0 serves anyway.
+  o = Parse({"--nnodes=2", "--node_rank=1", "--master_addr=h", "--rdzv_conf=is_host=yes", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->is_host.has_value());
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--rdzv_conf is_host=true is ignored: with --rdzv_backend=static node 0 serves the "
+                          "store"});
+
+  ExpectRefused({"--start_method=thread", "p"}, "--start_method=thread: expected spawn, fork or forkserver");
+  ExpectRefused({"--monitor_interval=0", "p"}, "--monitor_interval=0 is not a positive number of seconds");
+  ExpectRefused({"--role=", "p"}, "--role= must be non-empty without spaces or '='");
+  ExpectRefused({"--local_addr"}, "--local_addr needs a value");
+  ExpectRefused({"--rdzv_conf=is_host=maybe", "p"},
+                "--rdzv_conf=is_host=maybe: 'is_host=maybe': is_host takes true or false (1/0, yes/no)");
+  ExpectRefused({"--rdzv_conf=read_timeout=0", "p"},
+                "--rdzv_conf=read_timeout=0: 'read_timeout=0': read_timeout takes a positive number of "
+                "seconds");
 }
 
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {

@@ -94,6 +94,13 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
   run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=1", "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("vars 1 default 0 1 0 0 none omp=\n"));
+  // --role names the role; flags without a meaning here get a note.
+  run = RunProgram({Ddprun(), "--standalone", "--role=trainer", "--logs-specs=x", "--monitor_interval=1",
+                    "--start_method=spawn", "/bin/sh", "-c", print});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("vars 1 trainer 0 1 0 0 none omp=\n"));
+  EXPECT_THAT(run.output, HasSubstr("ddprun: note: --logs_specs=x is ignored: ddprun writes "
+                                    "--log_dir/attempt_K/rank_R.log\n"));
 }
 
 TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
@@ -280,6 +287,12 @@ TEST(DdprunTest, PortInUseIsReported) {
   ExpectBadInput({Ddprun(), "--master_port=" + port, Worker()},
                  "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
                      ": Address already in use");
+  // A c10d launcher told to serve (torchrun's is_host) does not join instead.
+  ExpectBadInput({Ddprun(), "--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:" + port,
+                  "--rdzv_conf=is_host=true", Worker()},
+                 "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
+                     ": Address already in use",
+                 {{"DDP_JOB_TOKEN", "t"}});
   close(fd);
 }
 
