@@ -721,11 +721,16 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   Status joined = store.Wait(keys, deadline);
   if (joined.ok()) return joined;
   if (joined.code() != StatusCode::kTimedOut) return joined;
+  // The first few missing nodes by name, then how many more.
+  constexpr int kNamed = 10;
   std::string missing;
+  int missing_count = 0;
   for (int node = 0; node < o.nnodes; ++node) {
     auto present = store.TryGet(keys[node], DeadlineIn(o.store_call_time));
-    if (present.ok() && !present->has_value()) missing += (missing.empty() ? "" : ", ") + std::to_string(node);
+    if (!present.ok() || present->has_value()) continue;
+    if (++missing_count <= kNamed) missing += (missing.empty() ? "" : ", ") + std::to_string(node);
   }
+  if (missing_count > kNamed) missing += " and " + std::to_string(missing_count - kNamed) + " more";
   return TimedOutError("not every node joined within --rdzv_timeout (" +
                        std::to_string(o.rdzv_timeout.count()) + " ms); missing node(s): " + missing);
 }

@@ -181,6 +181,16 @@ TEST(DdprunMultinodeTest, MissingNodeTimesOutTheRendezvous) {
                                         "missing node(s): 1, 2"));
 }
 
+// More nodes than one store request can wait for (1024): the rendezvous
+// waits for all of them (here it times out, naming the first missing ones).
+TEST(DdprunMultinodeTest, RendezvousOfMoreThan1024Nodes) {
+  Job job(1, {"--nproc_per_node=1", "--rdzv_timeout=1"}, {}, {{0, {"--nnodes=1100"}}});
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("not every node joined within --rdzv_timeout (1000 ms); "
+                                        "missing node(s): 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 1089 more"));
+}
+
 TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   Job job(2, {"--rdzv_timeout=1"}, {}, {{0, {"--nproc_per_node=2"}}, {1, {"--nproc_per_node=3"}}});
   const auto runs = job.Wait();

@@ -136,6 +136,8 @@ class TcpStoreClient final : public Store {
   StatusOr<std::string> Get(std::string_view key, Deadline deadline) override;
   StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override;
   StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override;
+  /// Any number of keys: more than one request carries (wire::kMaxWaitKeys)
+  /// are waited for in turn, against the one deadline.
   Status Wait(std::span<const std::string> keys, Deadline deadline) override;
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override;
 

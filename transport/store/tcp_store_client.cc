@@ -294,12 +294,14 @@ StatusOr<int64_t> TcpStoreClient::Add(std::string_view key, int64_t delta, Deadl
 }
 
 Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline) {
-  if (keys.empty()) return Status::Ok();
-  if (keys.size() > wire::kMaxWaitKeys) {
-    return ResourceExhaustedError("store wait on " + std::to_string(keys.size()) +
-                                  " keys exceeds the limit of " +
-                                  std::to_string(wire::kMaxWaitKeys));
+  // One request names at most wire::kMaxWaitKeys keys (the server bounds its
+  // frames). A longer list is waited for a piece at a time, every piece
+  // against the same deadline: all keys exist once every piece returned.
+  while (keys.size() > wire::kMaxWaitKeys) {
+    DDP_RETURN_IF_ERROR(Wait(keys.first(wire::kMaxWaitKeys), deadline));
+    keys = keys.subspan(wire::kMaxWaitKeys);
   }
+  if (keys.empty()) return Status::Ok();
   wire::Writer w;
   w.U32(TimeoutMs(deadline));
   w.U32(static_cast<uint32_t>(keys.size()));

@@ -214,6 +214,37 @@ TEST(TcpStoreTest, WaitParksUntilEveryKeyExists) {
   EXPECT_TRUE(result.ok()) << result;
 }
 
+// More keys than one wait request may name (1024) are waited for all the
+// same, under one deadline.
+TEST(TcpStoreTest, WaitOnMoreKeysThanOneRequestCarries) {
+  auto server = StartServer();
+  auto waiter = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 2500; ++i) keys.push_back("node/" + std::to_string(i));
+  for (int i = 0; i < 2500; ++i) {
+    if (i == 2100) continue;
+    ASSERT_TRUE(setter->Set(keys[i], "1", DeadlineIn(5s)).ok());
+  }
+  // One key missing, in the third piece: a timeout that names it.
+  const Deadline start = Clock::now();
+  Status waited = waiter->Wait(keys, DeadlineIn(300ms));
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut) << waited;
+  EXPECT_THAT(waited.message(), HasSubstr("wait for key 'node/2048' and 451 more timed out"));
+  EXPECT_LT(Clock::now() - start, 3s);
+  std::atomic<bool> done{false};
+  Status result = InternalError("not run");
+  std::thread thread([&] {
+    result = waiter->Wait(keys, DeadlineIn(10s));
+    done = true;
+  });
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(done.load());
+  ASSERT_TRUE(setter->Set(keys[2100], "1", DeadlineIn(5s)).ok());
+  thread.join();
+  EXPECT_TRUE(result.ok()) << result;
+}
+
 TEST(TcpStoreTest, DeadlinesAreHonouredAndTheConnectionSurvives) {
   auto server = StartServer();
   auto client = ConnectClient(*server);
