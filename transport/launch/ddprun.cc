@@ -711,14 +711,53 @@ void Say(const std::string& line) {
   std::fflush(stderr);
 }
 
+// A node rank claimed twice in `attempt`: the line every launcher prints.
+std::optional<std::string> DuplicateRank(store::Store& store, const DdprunOptions& o, int attempt) {
+  auto duplicate = store.TryGet(Key(attempt, "duplicate"), DeadlineIn(o.store_call_time));
+  if (!duplicate.ok() || !duplicate->has_value()) return std::nullopt;
+  return **duplicate;
+}
+
 // Waits for every node to register for `attempt`; names the missing ones.
+// INVALID_ARGUMENT when two launchers were given the same --node_rank:
+// the second to claim it is refused at once and records the fact; every
+// launcher that was waiting refuses the job when the wait ends (and posts
+// the refusal, which stops any launcher that already started its workers).
+// A duplicate that comes after everyone looked is refused alone; the job
+// it did not join goes on.
 Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   const Deadline deadline = DeadlineIn(o.rdzv_timeout);
-  DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + std::to_string(o.node_rank)), Hostname(),
-                                DeadlineIn(o.store_call_time)));
+  const std::string rank = std::to_string(o.node_rank);
+  DDP_ASSIGN_OR_RETURN(int64_t claims,
+                       store.Add(Key(attempt, "claims/" + rank), 1, DeadlineIn(o.store_call_time)));
+  if (claims > 1) {
+    auto first = store.TryGet(Key(attempt, "node/" + rank), DeadlineIn(o.store_call_time));
+    const std::string first_host = first.ok() && first->has_value() ? **first : "another host";
+    const std::string line = "--node_rank=" + rank + " was given to two launchers (one on " + first_host +
+                             ", one on " + Hostname() + "); every node needs its own --node_rank";
+    (void)store.Set(Key(attempt, "duplicate"), line, DeadlineIn(o.store_call_time));
+    return InvalidArgumentError(line);
+  }
+  DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + rank), Hostname(), DeadlineIn(o.store_call_time)));
   std::vector<std::string> keys;
   for (int node = 0; node < o.nnodes; ++node) keys.push_back(Key(attempt, "node/" + std::to_string(node)));
   Status joined = store.Wait(keys, deadline);
+  if (joined.ok() || joined.code() == StatusCode::kTimedOut) {
+    if (std::optional<std::string> duplicate = DuplicateRank(store, o, attempt)) {
+      (void)PostFailure(store, o, attempt, /*restartable=*/false, *duplicate);
+      // Node 0's store stays up until the registered nodes have read it too.
+      (void)store.Set(Key(attempt, "exit/" + rank), "1", DeadlineIn(o.store_call_time));
+      if (o.node_rank == 0) {
+        std::vector<std::string> acks;
+        for (int node = 1; node < o.nnodes; ++node) {
+          auto present = store.TryGet(keys[node], DeadlineIn(o.store_call_time));
+          if (present.ok() && present->has_value()) acks.push_back(Key(attempt, "exit/" + std::to_string(node)));
+        }
+        (void)store.Wait(acks, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
+      }
+      return InvalidArgumentError(*duplicate);
+    }
+  }
   if (joined.ok()) return joined;
   if (joined.code() != StatusCode::kTimedOut) return joined;
   // The first few missing nodes by name, then how many more.
@@ -1154,7 +1193,8 @@ int RunDdprun(const DdprunOptions& options) {
       Status joined = Rendezvous(*client, o, attempt);
       if (!joined.ok()) {
         Say("node " + std::to_string(o.node_rank) + ": " + joined.message());
-        return 1;
+        // A node rank given twice is bad input, found before anything ran.
+        return joined.code() == StatusCode::kInvalidArgument && !started ? 2 : 1;
       }
     }
     const int world_size = o.nnodes * o.nproc_per_node;

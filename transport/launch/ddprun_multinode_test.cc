@@ -2,6 +2,7 @@
 // node 0's store on 127.0.0.1.
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <map>
@@ -29,6 +30,12 @@ std::string Ddprun() { return testing::Runfile("transport/launch/ddprun"); }
 std::string Worker() { return testing::Runfile("transport/launch/test_worker"); }
 
 constexpr char kToken[] = "multinode-test-token";
+
+std::string Hostname() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
 
 class Job {
  public:
@@ -189,6 +196,44 @@ TEST(DdprunMultinodeTest, RendezvousOfMoreThan1024Nodes) {
   EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
   EXPECT_THAT(runs[0].output, HasSubstr("not every node joined within --rdzv_timeout (1000 ms); "
                                         "missing node(s): 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 1089 more"));
+}
+
+// Two launchers given the same --node_rank (static backend): the second to
+// register is refused at once; the first, and every other node, refuse the
+// job when the rendezvous completes. Nobody starts a worker.
+TEST(DdprunMultinodeTest, DuplicateNodeRankIsRefusedOnEveryNode) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string dir = testing::MakeTempDir("ddprun_duplicate_rank");
+  auto launch = [&](int node_rank) {
+    auto group = testing::StartProgram(
+        {Ddprun(), "--nnodes=3", "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
+         "--master_port=" + std::to_string(*port), "--rdzv_timeout=20", Worker(), "--pid_dir=" + dir},
+        {{"DDP_JOB_TOKEN", kToken}});
+    EXPECT_TRUE(group.ok()) << group.status();
+    return std::move(group).value();
+  };
+  auto node0 = launch(0);
+  auto first = launch(1);
+  auto store = store::TcpStoreClient::Connect("127.0.0.1", *port, kToken, DeadlineIn(20s));
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->Get("ddprun/a0/node/1", DeadlineIn(20s)).ok());  // the first has node 1
+  auto second = launch(1);
+  const auto second_run = testing::WaitProgram(*second, 20s);
+  const std::string line = "--node_rank=1 was given to two launchers (one on " + Hostname() + ", one on " +
+                           Hostname() + "); every node needs its own --node_rank";
+  EXPECT_EQ(second_run.exit_code, 2) << second_run.output;
+  EXPECT_EQ(second_run.output, "ddprun: node 1: " + line + "\n");
+  // Node 2 completes the rendezvous: everyone else finds the duplicate.
+  auto node2 = launch(2);
+  for (auto* launcher : {node0.get(), first.get(), node2.get()}) {
+    const auto run = testing::WaitProgram(*launcher, 20s);
+    EXPECT_EQ(run.exit_code, 2) << run.output;
+    EXPECT_THAT(run.output, HasSubstr(line)) << run.output;
+  }
+  for (const char* name : {"/rank0.restart0.pid", "/rank1.restart0.pid", "/rank2.restart0.pid"}) {
+    EXPECT_EQ(testing::ReadPidFile(dir + name, 10ms), -1) << "a worker started: " << name;
+  }
 }
 
 TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
