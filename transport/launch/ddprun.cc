@@ -1280,6 +1280,11 @@ int RunDdprun(const DdprunOptions& options) {
     if (watch_client) watch_client->Close();
     if (watcher.joinable()) watcher.join();
     group->reset();
+    if (result.output_dropped > 0) {
+      Say("dropped " + std::to_string(result.output_dropped) +
+          " bytes of worker output: this launcher's stdout or stderr took nothing for 2 s" +
+          (o.log_dir.empty() ? "" : " (the log files have it all)"));
+    }
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
       // The signal came after Wait's last look, while the group was being
       // destroyed: it ends this launcher all the same.

@@ -1,5 +1,6 @@
 // ddprun as a user runs it: the real binary, real worker processes.
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -206,6 +207,28 @@ TEST(DdprunTest, NohupKeepsSighupIgnored) {
   EXPECT_THAT(run.output, HasSubstr("[0] rank 0 done"));
   EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
   EXPECT_THAT(run.output, Not(HasSubstr("interrupted")));
+}
+
+// The launcher's stdout is a pipe that nobody reads: it must not hang in a
+// write. It gives up on the output after 2 s without progress, keeps
+// watching the workers (which finish) and says how much it dropped.
+TEST(DdprunTest, StdoutThatNobodyReadsDoesNotHangTheLauncher) {
+  const std::string fifo = testing::MakeTempDir("ddprun_blocked_stdout") + "/stdout";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const int reader = open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // held, never read
+  ASSERT_GE(reader, 0);
+  const auto start = Clock::now();
+  const auto run = RunProgram({"/bin/sh", "-c", "exec \"$@\" > \"$0\"", fifo, Ddprun(), "--standalone",
+                               "--nproc_per_node=2", "/bin/sh", "-c",
+                               "yes 0123456789abcdef | head -c 2000000; echo finished >&2"},
+                              {}, 30s);
+  close(reader);
+  EXPECT_LT(Clock::now() - start, 20s);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] finished\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] finished\n"));
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: dropped [0-9]+ bytes of worker output: this launcher's "
+                                        "stdout or stderr took nothing for 2 s\n"));
 }
 
 TEST(DdprunTest, LauncherKilledBySigkillTakesItsWorkers) {

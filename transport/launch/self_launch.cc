@@ -136,6 +136,10 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
                          WorkerGroup::Start(std::move(specs), spawn));
     result = group->Wait(deadline);
     group.reset();  // every worker of this attempt is gone
+    if (result.output_dropped > 0) {
+      std::fprintf(stderr, "%s: dropped %llu bytes of worker output: stdout or stderr took nothing for 2 s\n",
+                   program, static_cast<unsigned long long>(result.output_dropped));
+    }
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
       // Arrived after Wait's last look: still no restart.
       result.reason = (result.reason.empty() ? "" : result.reason + "; ") + "interrupted by " +

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -32,6 +33,9 @@ constexpr auto kDrainTime = std::chrono::milliseconds(1000);
 constexpr auto kReapTime = std::chrono::milliseconds(5000);
 // Poll period when the kernel has no pidfd_open (before Linux 5.3).
 constexpr int kFallbackPollMs = 20;
+// How long a write of worker output to the launcher's own stdout or stderr
+// may make no progress before the output is dropped (see Terminal).
+constexpr auto kTerminalStallTime = std::chrono::milliseconds(2000);
 // Longest single wait of the monitor loop. Every event wakes it at once; the
 // bound only matters when a signal handler's run is deferred (ThreadSanitizer
 // delays handlers on threads that are not in a system call).
@@ -291,8 +295,64 @@ class Fd {
 // One output stream (stdout or stderr) of one worker, read through a pipe.
 struct Stream {
   Fd pipe;
-  int terminal_fd = 1;  // where prefixed lines go
   std::string partial;  // an incomplete line waiting for its newline
+};
+
+// The launcher's own stdout or stderr, to which worker output is copied.
+// The loop that watches the workers writes there, so a reader that stops
+// reading (a pipe nobody drains, a terminal on hold) must not stop it:
+// writes do not block, a write that makes no progress for
+// kTerminalStallTime gives up, and from then on output that cannot be
+// written at once is dropped and counted, until a write goes through again.
+// The descriptor is shared with the launcher's parent (a shell), so its
+// O_NONBLOCK flag is left alone: a pipe or terminal is opened anew through
+// /proc (a description of our own), a socket is written with MSG_DONTWAIT.
+// A regular file is written as before; it does not stall.
+struct Terminal {
+  int fd = -1;
+  Fd reopened;          // valid: fd is this non-blocking description
+  bool socket = false;  // send(MSG_DONTWAIT) instead of write
+  bool stalled = false;
+  uint64_t dropped = 0;
+
+  void Open(int target) {
+    fd = target;
+    struct stat st{};
+    if (fstat(target, &st) != 0) return;
+    if (S_ISSOCK(st.st_mode)) {
+      socket = true;
+    } else if (S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)) {
+      const std::string path = "/proc/self/fd/" + std::to_string(target);
+      reopened.Reset(open(path.c_str(), O_WRONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+      if (reopened.valid()) fd = reopened.get();
+    }
+  }
+
+  void Write(std::string_view data) {
+    Deadline give_up = stalled ? Clock::now() : Clock::now() + kTerminalStallTime;
+    while (!data.empty()) {
+      const ssize_t n = socket ? send(fd, data.data(), data.size(), MSG_DONTWAIT | MSG_NOSIGNAL)
+                               : write(fd, data.data(), data.size());
+      if (n > 0) {
+        data.remove_prefix(static_cast<size_t>(n));
+        give_up = Clock::now() + kTerminalStallTime;
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        const int wait_ms = MillisecondsUntil(give_up);
+        if (wait_ms > 0) {
+          pollfd p{fd, POLLOUT, 0};
+          poll(&p, 1, wait_ms);
+          continue;
+        }
+        stalled = true;
+      }
+      dropped += data.size();  // stalled, or the output is gone (EPIPE, EIO)
+      return;
+    }
+    stalled = false;
+  }
 };
 
 struct Worker {
@@ -334,6 +394,10 @@ class WorkerGroup::Impl {
     dev_null_.Reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
     if (!dev_null_.valid()) return InternalError("open /dev/null: " + ErrnoText(errno));
     if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
+    if (use_pipes_ && out.to_terminal) {
+      terminals_[0].Open(STDOUT_FILENO);
+      terminals_[1].Open(STDERR_FILENO);
+    }
 
     workers_.resize(specs.size());
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -527,6 +591,7 @@ class WorkerGroup::Impl {
         result.output.push_back(w.captured);
       }
     }
+    result.output_dropped = terminals_[0].dropped + terminals_[1].dropped;
     if (interrupted_while_running) {
       // A worker ends as asked by dying of the forwarded signal, or by
       // handling it and exiting 0 or 128 + it; any other end (killed after
@@ -594,7 +659,6 @@ class WorkerGroup::Impl {
         if (pipe2(p, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
         fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
         w.streams[s].pipe.Reset(p[0]);
-        w.streams[s].terminal_fd = s == 0 ? STDOUT_FILENO : STDERR_FILENO;
         (s == 0 ? child_out : child_err).Reset(p[1]);
       }
     }
@@ -730,7 +794,7 @@ class WorkerGroup::Impl {
     }
     if (!options_.output.to_terminal) return;
     if (!options_.output.prefix) {
-      WriteAll(stream.terminal_fd, data);
+      terminals_[s].Write(data);
       return;
     }
     stream.partial.append(data);
@@ -760,7 +824,7 @@ class WorkerGroup::Impl {
   void WriteLine(const Worker& w, int s, std::string_view line) {
     std::string text = "[" + std::to_string(w.rank) + "] ";
     text.append(line);
-    WriteAll(w.streams[s].terminal_fd, text);
+    terminals_[s].Write(text);
   }
 
   // SIGKILLs everything still running and reaps it, within kReapTime.
@@ -811,6 +875,7 @@ class WorkerGroup::Impl {
   SpawnOptions options_;
   bool use_pipes_ = false;
   std::vector<Worker> workers_;
+  Terminal terminals_[2];  // the launcher's stdout and stderr
   pid_t pgid_ = 0;
   Fd stop_event_;
   Fd dev_null_;

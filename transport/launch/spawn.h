@@ -25,6 +25,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -105,6 +106,10 @@ struct GroupResult {
   int signal = 0;                            ///< The signal, for kInterrupted.
   std::string reason;                        ///< One line; empty on success.
   std::vector<std::string> output;           ///< Captured output per worker.
+  /// Bytes of worker output that the launcher's stdout or stderr did not
+  /// take (nothing written for 2 s: a reader that stopped reading), dropped
+  /// so that the launcher kept watching the workers. Log files get it all.
+  uint64_t output_dropped = 0;
 
   /// 0 on success; the failed worker's exit code, or 128 + its signal; 128 +
   /// the signal when interrupted; 1 when stopped, timed out or unwatchable.
