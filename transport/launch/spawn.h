@@ -18,9 +18,15 @@
 // are forwarded to every worker (a second one escalates to SIGKILL); one
 // that arrives while the workers are being stopped for another reason still
 // makes Wait report kInterrupted, so that the launcher ends instead of
-// restarting them. When the
-// workers are gone the whole process group gets SIGKILL, so a worker's own
-// children do not outlive it.
+// restarting them. When the workers are gone the whole process group gets
+// SIGKILL, so a worker's own children do not outlive it (unless they left
+// the group).
+//
+// What a launcher killed by SIGKILL leaves: its workers die (the death
+// signal above), but nothing kills their children, which run on, reparented
+// to init. The death signal is not inherited across fork, and the launcher
+// has no chance to signal the group; a worker that starts processes must
+// give them PR_SET_PDEATHSIG itself if they must not survive that case.
 
 #include <sys/types.h>
 
