@@ -783,7 +783,8 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
 // (-1: none) and waits for "members", beating "alive/<slot>" meanwhile
 // (node 0 leaves out a slot silent for --node_timeout, whose launcher died
 // after taking it, and one taken before it opened the round that does not
-// beat: see FormRound). Node 0 waits for enough slots (all
+// beat, and one that does not beat again after the round closed: see
+// FormRound). Node 0 waits for enough slots (all
 // of --nnodes, or with MIN:MAX at least MIN and then up to the last call
 // for more), seats the launchers of the previous round first, in their old
 // order, then the others in slot order, and publishes "members": the
@@ -853,77 +854,116 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
   std::set<int64_t> silent;  // slots reported silent
   std::vector<std::pair<int64_t, int64_t>> live;  // (slot, previous rank) of live slots
   const milliseconds unproven_for = 2 * MonitorSlice(o) + 500ms;
+  // Slot -> its beat when it failed the confirmation below; it counts
+  // again only once that changes.
+  std::map<int64_t, std::string> lapsed;
   bool first_look = true;
-  while (true) {
-    DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(o.store_call_time)));
-    for (int64_t slot = 1; slot <= joined; ++slot) {
-      if (entries.count(slot)) continue;
-      DDP_ASSIGN_OR_RETURN(std::optional<std::string> previous,
-                           store.TryGet(Key(round, "join/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
-      if (!previous) continue;
-      const std::optional<int64_t> rank = ParseInt(*previous);
-      entries[slot] = rank && *rank > 0 ? *rank : -1;
-    }
-    live.clear();
-    int back = 0;
-    bool unproven = false;  // a slot found at the first look that has not beaten yet
-    for (const auto& [slot, previous] : entries) {
-      DDP_ASSIGN_OR_RETURN(std::optional<std::string> beat,
-                           store.TryGet(Key(round, "alive/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
-      const Deadline seen = Clock::now();
-      auto [it, first] = beats.try_emplace(slot, Beat{beat.value_or(""), seen, !first_look});
-      Beat& b = it->second;
-      if (!first && b.value != beat.value_or("")) b = Beat{beat.value_or(""), seen, true};
-      const milliseconds quiet = std::chrono::duration_cast<milliseconds>(seen - b.changed);
-      if (quiet > (b.alive ? o.node_timeout : unproven_for)) {
-        if (silent.insert(slot).second) {
-          Say("node 0: the launcher that joined " +
-              (round == 0 ? std::string("the job") : "restart " + std::to_string(round)) + " in slot " +
-              std::to_string(slot) + " sent no heartbeat for " + std::to_string(quiet.count()) + " ms" +
-              (b.alive ? " (--node_timeout)" : "") + " and gets no place");
-        }
-        continue;
-      }
-      silent.erase(slot);
-      if (!b.alive) {
-        unproven = true;
-        continue;
-      }
-      live.emplace_back(slot, previous);
-      if (previous > 0) ++back;
-    }
-    first_look = false;
-    const int64_t present = std::min<int64_t>(1 + static_cast<int64_t>(live.size()), max_nodes);
-    const Deadline now = Clock::now();
-    const bool awaiting_previous = back < returning && now < rejoin_deadline;
-    if (!awaiting_previous) {
-      // Slots can fall silent: below MIN again, the last call is off
-      // until MIN are back (as torchrun drops its deadline).
-      if (present < min_nodes) calling = false;
-      if (present >= min_nodes && !calling) {
-        calling = true;
-        last_call = now + o.last_call;
-      }
-      if (present == max_nodes || (calling && now >= last_call && !unproven)) break;
-    }
-    if (!calling && now >= deadline) {
-      return TimedOutError("only " + std::to_string(present) + " of " +
-                           (min_nodes < max_nodes ? "at least " : "") + std::to_string(min_nodes) +
-                           " nodes joined within --rdzv_timeout (" +
-                           std::to_string(o.rdzv_timeout.count()) + " ms)" +
-                           (round > 0 ? " for restart " + std::to_string(round) : "") +
-                           (silent.empty() ? ""
-                                           : " (" + std::to_string(silent.size()) +
-                                                 " more took a place and then sent no heartbeat)"));
-    }
-    std::this_thread::sleep_for(50ms);
-  }
-  // The previous round's nodes in their old order, then the others in the
-  // order they joined.
   std::vector<std::pair<int64_t, int64_t>> order;  // (sort key, slot)
-  for (const auto& [slot, previous] : live) order.emplace_back(previous > 0 ? previous : kMaxNodes + slot, slot);
-  std::sort(order.begin(), order.end());
-  const int members = static_cast<int>(std::min<int64_t>(1 + static_cast<int64_t>(order.size()), max_nodes));
+  int members = 1;
+  while (true) {  // until a closed round is confirmed
+    while (true) {  // until the round closes
+      DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(o.store_call_time)));
+      for (int64_t slot = 1; slot <= joined; ++slot) {
+        if (entries.count(slot)) continue;
+        DDP_ASSIGN_OR_RETURN(std::optional<std::string> previous,
+                             store.TryGet(Key(round, "join/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
+        if (!previous) continue;
+        const std::optional<int64_t> rank = ParseInt(*previous);
+        entries[slot] = rank && *rank > 0 ? *rank : -1;
+      }
+      live.clear();
+      int back = 0;
+      bool unproven = false;  // a slot found at the first look that has not beaten yet
+      for (const auto& [slot, previous] : entries) {
+        DDP_ASSIGN_OR_RETURN(std::optional<std::string> beat,
+                             store.TryGet(Key(round, "alive/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
+        const Deadline seen = Clock::now();
+        auto [it, first] = beats.try_emplace(slot, Beat{beat.value_or(""), seen, !first_look});
+        Beat& b = it->second;
+        if (!first && b.value != beat.value_or("")) b = Beat{beat.value_or(""), seen, true};
+        if (auto l = lapsed.find(slot); l != lapsed.end()) {
+          if (l->second == b.value) continue;  // still silent since it failed the confirmation
+          lapsed.erase(l);
+        }
+        const milliseconds quiet = std::chrono::duration_cast<milliseconds>(seen - b.changed);
+        if (quiet > (b.alive ? o.node_timeout : unproven_for)) {
+          if (silent.insert(slot).second) {
+            Say("node 0: the launcher that joined " +
+                (round == 0 ? std::string("the job") : "restart " + std::to_string(round)) + " in slot " +
+                std::to_string(slot) + " sent no heartbeat for " + std::to_string(quiet.count()) + " ms" +
+                (b.alive ? " (--node_timeout)" : "") + " and gets no place");
+          }
+          continue;
+        }
+        silent.erase(slot);
+        if (!b.alive) {
+          unproven = true;
+          continue;
+        }
+        live.emplace_back(slot, previous);
+        if (previous > 0) ++back;
+      }
+      first_look = false;
+      const int64_t present = std::min<int64_t>(1 + static_cast<int64_t>(live.size()), max_nodes);
+      const Deadline now = Clock::now();
+      const bool awaiting_previous = back < returning && now < rejoin_deadline;
+      if (!awaiting_previous) {
+        // Slots can fall silent: below MIN again, the last call is off
+        // until MIN are back (as torchrun drops its deadline).
+        if (present < min_nodes) calling = false;
+        if (present >= min_nodes && !calling) {
+          calling = true;
+          last_call = now + o.last_call;
+        }
+        if (present == max_nodes || (calling && now >= last_call && !unproven)) break;
+      }
+      if (!calling && now >= deadline) {
+        return TimedOutError("only " + std::to_string(present) + " of " +
+                             (min_nodes < max_nodes ? "at least " : "") + std::to_string(min_nodes) +
+                             " nodes joined within --rdzv_timeout (" +
+                             std::to_string(o.rdzv_timeout.count()) + " ms)" +
+                             (round > 0 ? " for restart " + std::to_string(round) : "") +
+                             (silent.empty() ? ""
+                                             : " (" + std::to_string(silent.size()) +
+                                                   " more took a place and then sent no heartbeat)"));
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    // The previous round's nodes in their old order, then the others in the
+    // order they joined.
+    order.clear();
+    for (const auto& [slot, previous] : live) order.emplace_back(previous > 0 ? previous : kMaxNodes + slot, slot);
+    std::sort(order.begin(), order.end());
+    members = static_cast<int>(std::min<int64_t>(1 + static_cast<int64_t>(order.size()), max_nodes));
+
+    // Confirmation: every launcher seated must beat once more after the round
+    // closed (a live one beats every monitor slice). One that died shortly
+    // before the close (less than --node_timeout: it still counted) would
+    // otherwise be seated and found dead only once the workers run, at the
+    // cost of a restart. Those that miss it are left out and the round stays
+    // open; the window left is about a monitor slice.
+    std::map<int64_t, std::string> unconfirmed;  // slot -> its beat at the close
+    for (int i = 0; i + 1 < members; ++i) unconfirmed[order[i].second] = beats[order[i].second].value;
+    const Deadline confirm_by = Clock::now() + unproven_for;
+    while (!unconfirmed.empty()) {
+      for (auto it = unconfirmed.begin(); it != unconfirmed.end();) {
+        DDP_ASSIGN_OR_RETURN(std::optional<std::string> beat,
+                             store.TryGet(Key(round, "alive/" + std::to_string(it->first)),
+                                          DeadlineIn(o.store_call_time)));
+        it = beat.value_or("") != it->second ? unconfirmed.erase(it) : std::next(it);
+      }
+      if (unconfirmed.empty() || Clock::now() >= confirm_by) break;
+      std::this_thread::sleep_for(50ms);
+    }
+    if (unconfirmed.empty()) break;
+    for (const auto& [slot, value] : unconfirmed) {
+      lapsed[slot] = value;
+      Say("node 0: the launcher in slot " + std::to_string(slot) + " of " +
+          (round == 0 ? std::string("the job") : "restart " + std::to_string(round)) +
+          " sent no heartbeat for " + std::to_string(unproven_for.count()) +
+          " ms after the round closed and gets no place; waiting for the others again");
+    }
+  }
   std::string record = std::to_string(failures);
   for (int i = 0; i + 1 < members; ++i) record += " " + std::to_string(order[i].second);
   DDP_RETURN_IF_ERROR(store.Set(Key(round, "members"), record, DeadlineIn(o.store_call_time)));

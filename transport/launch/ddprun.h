@@ -23,7 +23,8 @@
 // come back first and keep their node ranks, a node that died drops out
 // (waiting launchers beat a heartbeat too: node 0 seats none silent for
 // --node_timeout when the round closes, nor one that took its slot before
-// the round opened, a spare, until it saw it beat),
+// the round opened, a spare, until it saw it beat, nor one that does not
+// beat once more after the round closed),
 // and a relaunched or new launcher takes a free place; launchers beyond
 // --nnodes wait as spares for a restart (within --rdzv_timeout) and leave
 // with the job's exit status. With --nnodes=MIN:MAX (c10d only) node 0

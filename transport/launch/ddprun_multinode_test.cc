@@ -509,6 +509,41 @@ TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
   }
 }
 
+TEST(DdprunMultinodeTest, C10dLauncherThatDiesJustBeforeTheRoundClosesGetsNoPlace) {
+  // --nnodes=2:4: node 0 and a second launcher make the minimum, and the
+  // round closes at the end of a 5 s last call. A third launcher joins,
+  // beats, and is killed, less than --node_timeout (10 s) before the close:
+  // it still counts then, but misses the beat that node 0 asks of every
+  // launcher it seats after the close. The job runs on the two live nodes
+  // at once, instead of seating the dead one and failing when its workers
+  // never come.
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2:4", "--rdzv_conf=last_call_timeout=5", "--nproc_per_node=1",
+                                          "--node_timeout=10", "--rdzv_timeout=20"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env"};
+  const int first = job.StartNodeZero(flags, worker_flags);
+  const int second = job.Start(flags, worker_flags);
+  ASSERT_TRUE(job.Reached("ddprun/a0/join/1"));
+  const int doomed = job.Start(flags, worker_flags);
+  ASSERT_TRUE(job.Reached("ddprun/a0/alive/2"));  // took slot 2 and beat there
+  ASSERT_EQ(kill(job.launcher_pid(doomed), SIGKILL), 0);
+  auto members = job.store()->TryGet("ddprun/a0/members", DeadlineIn(5s));
+  ASSERT_TRUE(members.ok() && !members->has_value()) << "the round closed before the kill; too slow a machine";
+  const testing::ProgramRun killed = job.Wait(doomed);
+  EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
+  std::string all;
+  for (int launcher : {first, second}) {
+    const testing::ProgramRun run = job.Wait(launcher);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    all += run.output;
+  }
+  EXPECT_THAT(all, ContainsRegex("ddprun: node 0: the launcher in slot 2 of the job sent no heartbeat for "
+                                 "[0-9]+ ms after the round closed and gets no place"));
+  EXPECT_EQ(CountLines(all, "ddprun: the job runs on 2 nodes (--nnodes=2:4)"), 1) << all;
+  EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
+  EXPECT_THAT(all, Not(HasSubstr("restarting"))) << all;
+}
+
 TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
   // A spare takes its slot in the next round while the job runs, and is
   // killed there; then node 1's launcher is killed too. At the restart
