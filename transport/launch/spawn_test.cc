@@ -62,7 +62,7 @@ DDP_TEST_WORKER(fail_rank1) {
   WritePid("rank" + std::to_string(rank));
   if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
   if (rank == 1) {
-    std::this_thread::sleep_for(100ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(EnvInt("FAIL_AFTER_MS", 100)));
     const int how = EnvInt("HOW", 0);
     if (how == 0) return 3;
     raise(how);
@@ -384,15 +384,15 @@ TEST(SpawnTest, InterruptionNamesAWorkerThatDidNotStopAsAsked) {
 TEST(SpawnTest, SignalWhileStoppingAfterAFailureIsReported) {
   SpawnOptions options = Quiet();
   options.forward_signals = true;
-  options.grace = 1000ms;
-  StatusOr<std::unique_ptr<WorkerGroup>> group =
-      WorkerGroup::Start(Specs(2, "fail_rank1", {{"IGNORE_TERM", "1"}}), options);
+  options.grace = 2000ms;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(2, "fail_rank1", {{"IGNORE_TERM", "1"}, {"FAIL_AFTER_MS", "500"}}), options);
   ASSERT_TRUE(group.ok()) << group.status();
   const pthread_t waiter = pthread_self();
   std::thread sender([waiter] {
-    // Rank 1 exits at 100 ms; rank 0 ignores the SIGTERM that follows, so
-    // the group is still stopping at 500 ms.
-    std::this_thread::sleep_for(500ms);
+    // Rank 1 exits at 500 ms; rank 0 ignores the SIGTERM that follows, so
+    // the group is still stopping at 1000 ms.
+    std::this_thread::sleep_for(1000ms);
     pthread_kill(waiter, SIGINT);
   });
   const auto start = Clock::now();
