@@ -233,37 +233,24 @@ cudaError_t MaskedScale(const Indexing& ix, int64_t n, void* out, const void* x,
   return err;
 }
 
+// Stores `value`'s bits as an unsigned integer U of the element's width: no
+// conversion on the device, so each dtype gets the host's bits.
+template <typename U>
+cudaError_t FillBits(const Indexing& ix, int64_t n, void* dst, const void* value, cudaStream_t stream) {
+  U v;
+  std::memcpy(&v, value, sizeof(v));
+  U* d = static_cast<U*>(dst);
+  return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
+}
+
 cudaError_t Fill(const Indexing& ix, int64_t n, void* dst, const void* value, int element_size,
                  cudaStream_t stream) {
-  // The element is stored as an unsigned integer of its width: no
-  // conversion on the device, so each dtype gets the host's bits.
   switch (element_size) {
-    case 1: {
-      uint8_t v;
-      std::memcpy(&v, value, sizeof(v));
-      uint8_t* d = static_cast<uint8_t*>(dst);
-      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
-    }
-    case 2: {
-      uint16_t v;
-      std::memcpy(&v, value, sizeof(v));
-      uint16_t* d = static_cast<uint16_t*>(dst);
-      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
-    }
-    case 4: {
-      uint32_t v;
-      std::memcpy(&v, value, sizeof(v));
-      uint32_t* d = static_cast<uint32_t*>(dst);
-      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
-    }
-    case 8: {
-      uint64_t v;
-      std::memcpy(&v, value, sizeof(v));
-      uint64_t* d = static_cast<uint64_t*>(dst);
-      return LaunchElementwise<1>(ix, n, stream, [=] __device__(const int64_t(&off)[1]) { d[off[0]] = v; });
-    }
-    default:
-      return cudaErrorInvalidValue;
+    case 1: return FillBits<uint8_t>(ix, n, dst, value, stream);
+    case 2: return FillBits<uint16_t>(ix, n, dst, value, stream);
+    case 4: return FillBits<uint32_t>(ix, n, dst, value, stream);
+    case 8: return FillBits<uint64_t>(ix, n, dst, value, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
