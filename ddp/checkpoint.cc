@@ -64,10 +64,26 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
 
 namespace {
 
+// What a rank read, for comparing across ranks: the data checksum, the
+// number of tensors and their bytes.
+std::string Fingerprint(const nn::io::Checkpoint& c) {
+  size_t bytes = 0;
+  for (const auto& part : {&c.model, &c.optimizer}) {
+    for (const auto& [name, t] : *part) bytes += t.nbytes();
+  }
+  return "data checksum " + (c.data_checksum.empty() ? std::string("none") : c.data_checksum) + ", " +
+         std::to_string(c.model.size() + c.optimizer.size()) + " tensors of " + std::to_string(bytes) +
+         " bytes, step " + (c.metadata.count("step") ? c.metadata.at("step") : std::string("unset"));
+}
+
 // Every rank's outcome, exchanged; throws one error naming each rank that
-// failed when any did.
-void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::string& error) {
-  nn::Tensor mine = Record(ok, error);
+// failed when any did. A rank that loaded puts what it read (Fingerprint)
+// in its record: ranks that read different files (a node-local disk with
+// an older copy, a network filesystem's client cache after rank 0 replaced
+// the file) fail together, naming what each read, instead of training from
+// different states.
+void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::string& what) {
+  nn::Tensor mine = Record(ok, what);
   nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
   pg.AllGather(all, mine, "checkpoint load status").Wait();
   std::string failures;
@@ -81,6 +97,19 @@ void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::
   if (!failures.empty()) {
     throw std::runtime_error("LoadCheckpoint " + path + " failed on " + failures);
   }
+  std::string read;
+  bool differ = false;
+  for (int r = 0; r < pg.size(); ++r) {
+    const char* p = base + r * kRecordBytes;
+    const std::string what(p + 1, strnlen(p + 1, kRecordBytes - 1));
+    differ = differ || what != std::string(base + 1, strnlen(base + 1, kRecordBytes - 1));
+    read += (r == 0 ? "rank " : "; rank ") + std::to_string(r) + " read " + what;
+  }
+  if (differ) {
+    throw std::runtime_error("LoadCheckpoint " + path +
+                             ": the ranks read different files (a stale copy on a node's own disk, "
+                             "or a network filesystem's cache?): " + read);
+  }
 }
 
 }  // namespace
@@ -89,14 +118,15 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options) {
   nn::io::Checkpoint checkpoint;
   bool ok = true;
-  std::string error;
+  std::string what;  // the error, or what was read
   try {
     checkpoint = nn::io::LoadCheckpoint(path, options);
+    what = Fingerprint(checkpoint);
   } catch (const std::exception& e) {
     ok = false;
-    error = e.what();
+    what = e.what();
   }
-  AgreeOnLoad(pg, path, ok, error);
+  AgreeOnLoad(pg, path, ok, what);
   return checkpoint;
 }
 
@@ -125,16 +155,17 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   }
   nn::io::Checkpoint checkpoint;
   bool ok = true;
-  std::string error;
+  std::string what;  // the error, or what was read
   try {
     shared.erase(0, 1);
     checkpoint = nn::io::LoadCheckpointFromBytes(
         std::move(shared), path + " (read by rank " + std::to_string(root) + ")", options);
+    what = Fingerprint(checkpoint);
   } catch (const std::exception& e) {
     ok = false;
-    error = e.what();
+    what = e.what();
   }
-  AgreeOnLoad(pg, path, ok, error);
+  AgreeOnLoad(pg, path, ok, what);
   return checkpoint;
 }
 

@@ -32,11 +32,18 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   nn::io::Metadata metadata = {});
 
 /// Collective. Rank 0 writes `checkpoint` to `path` atomically; the others
-/// wait for it. Every rank throws the same error when rank 0 failed.
+/// wait for it. Every rank throws the same error when rank 0 failed. The
+/// others wait within the group's timeout (ProcessGroupOptions::timeout): a
+/// checkpoint that takes longer to write (many GB to slow storage) needs a
+/// group made with a longer one.
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint);
 
 /// Collective. Every rank reads `path`. When any rank fails, every rank
-/// throws one error naming each failing rank and its reason.
+/// throws one error naming each failing rank and its reason; so it does
+/// when the ranks read different contents (the data checksum, the tensors'
+/// count and bytes, the "step" entry differ: a stale copy on a node's own
+/// disk, a network filesystem's client cache just after rank 0 replaced
+/// the file), naming what each rank read.
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {});
 

@@ -134,6 +134,20 @@ DDP_TEST_WORKER(checkpoint_errors) {
                       m.find("rank 0:") == std::string::npos,
                   m);
   }
+  // Rank 1 reads an older copy (a node-local disk, a stale cache): every
+  // rank learns that the ranks read different files, and what each read.
+  const std::string older = dir + "/older.safetensors";
+  SaveCheckpoint(*pg, older, MakeCheckpoint(*Mlp(2), nullptr, {{"step", "7"}}));
+  try {
+    LoadCheckpoint(*pg, pg->rank() == 1 ? older : good);
+    WORKER_EXPECT(false, "ranks loaded different checkpoints without an error");
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("the ranks read different files") != std::string::npos &&
+                      m.find("rank 1 read data checksum") != std::string::npos &&
+                      m.find("step 7") != std::string::npos,
+                  m);
+  }
   // A checkpoint of another model: the keys are listed.
   nn::io::Checkpoint c = LoadCheckpoint(*pg, good);
   auto cnn = nn::modules::MakeCnn();
@@ -246,10 +260,12 @@ DDP_TEST_WORKER(killed_rank) {
 
 TEST(DdpCheckpointTest, KilledRankFailsTheOthersAndTheLastCheckpointLoads) {
   const std::string dir = TempDir();
-  const auto start = std::chrono::steady_clock::now();
-  auto run = RunWorkers("killed_rank", 3, {{"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000,
+  // How fast the survivors find the loss is checked by each survivor itself
+  // (under 5 s, the group's timeout, from its last step); the run as a
+  // whole (spawn, UCX, data, 7 steps: about 3 s unloaded, several times
+  // that under CI's load) is only bounded here, against a hang.
+  auto run = RunWorkers("killed_rank", 3, {{"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "5000"}}, 60000,
                         /*stop_all_on_failure=*/false);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::string out = testing::AllOutput(run);
   EXPECT_EQ(run.ExitCode(2), 128 + SIGKILL) << out;
   for (int r : {0, 1}) {
@@ -257,7 +273,6 @@ TEST(DdpCheckpointTest, KilledRankFailsTheOthersAndTheLastCheckpointLoads) {
     EXPECT_NE(run.Output(r).find("PEER_LOST"), std::string::npos) << out;
     EXPECT_NE(run.Output(r).find("rank 2"), std::string::npos) << out;
   }
-  EXPECT_LT(seconds, 20) << out;
   // The last checkpoint (step 6) is whole and loads into the model; no
   // temporary file was left behind.
   nn::io::Checkpoint c = nn::io::LoadCheckpoint(dir + "/train.safetensors");

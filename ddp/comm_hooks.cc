@@ -130,7 +130,6 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
       std::string(wire == Wire::kF16 ? "fp16" : "bf16") + "_compress bucket " +
           std::to_string(bucket.index()),
       wire_dtype, buffer.shape(), -1, transport::ReduceOp::kSum, true};
-  const std::chrono::milliseconds timeout = group.options().timeout;
   if (!buffer.device().is_cpu()) {
     // On the device: convert on the communication stream (after the
     // bucket's ready event), reduce the 16-bit copy with the device
@@ -140,14 +139,14 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16;
     return group.RunFenced(
         description,
-        [buffer, packed, wire_type, timeout](transport::Communicator* comm,
+        [buffer, packed, wire_type](transport::Communicator* comm,
                                              transport::Deadline deadline,
                                              internal::DeviceFence* fence) {
           if (comm == nullptr || buffer.numel() == 0) return transport::Status::Ok();
           transport::Status s = fence->ConvertOnCommStream(packed, buffer, true, deadline);
           if (!s.ok()) return s;
           s = comm->AllReduce(packed.data_ptr(), static_cast<size_t>(packed.numel()), wire_type,
-                              transport::ReduceOp::kSum, {.timeout = timeout});
+                              transport::ReduceOp::kSum, internal::Within(deadline));
           if (!s.ok()) return s;
           // Awaited as well: the bucket is complete when the Work is, also
           // for callers that only WaitFor it (no stream ordering).
@@ -155,8 +154,8 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         },
         {buffer, packed});
   }
-  return group.Run(description, [buffer, wire, dtype, timeout](transport::Communicator* comm,
-                                                               transport::Deadline) {
+  return group.Run(description, [buffer, wire, dtype](transport::Communicator* comm,
+                                                      transport::Deadline deadline) {
     const int64_t n = buffer.numel();
     if (comm == nullptr || n == 0) return transport::Status::Ok();
     // f64 buckets go through f32 first; the wire format is what matters.
@@ -179,7 +178,7 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
     transport::Status s = comm->AllReduce(
         packed.data(), static_cast<size_t>(n),
         wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16,
-        transport::ReduceOp::kSum, {.timeout = timeout});
+        transport::ReduceOp::kSum, internal::Within(deadline));
     if (!s.ok()) return s;
     float* out = dtype == nn::DType::kFloat64 ? wide.data() : static_cast<float*>(buffer.data_ptr());
     if (wire == Wire::kF16) {

@@ -284,6 +284,49 @@ DDP_TEST_WORKER(join_throw) {
   return testing::WorkerExit();
 }
 
+// A rank that ran out of inputs in the middle of a NoSync accumulation
+// (it backpropagated through head b locally) contributes nothing of it to
+// the iterations it shadows, and starts the next synchronizing iteration
+// with nothing counted as used: with find_unused_parameters, b, unused on
+// every rank there, keeps no gradient (its stale used flag made it count as
+// used, and b got a zero gradient that momentum and weight decay step).
+DDP_TEST_WORKER(join_after_no_sync) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = std::make_shared<testing::Branchy>(41, true);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+  auto batch = [&](int s) { return testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch); };
+  auto step = [&](int s, bool use_a) {
+    model->use_a_ = use_a;
+    auto [x, y] = batch(s);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  };
+  {
+    Join join(ddp);
+    step(0, true);
+    {
+      auto no_sync = ddp.NoSync();
+      step(1, false);
+    }
+    if (rank == 1) step(2, true);  // rank 0 has run out
+    join.Wait();
+  }
+  nn::optim::ZeroGrad(model->NamedParameters());
+  step(3, true);
+  for (const auto& [name, p] : model->NamedParameters()) {
+    const bool used = name.rfind("trunk.", 0) == 0 || name.rfind("a.", 0) == 0;
+    WORKER_EXPECT(p.grad().defined() == used, "rank " + std::to_string(rank) + ": `" + name + "` " +
+                                                  (used ? "has no gradient" : "has a gradient"));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, RankThatRanOutDuringNoSyncStartsAfresh) {
+  auto run = RunWorkers("join_after_no_sync", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(DdpFeaturesTest, JoinThrowsOnEveryRankOnEarlyTermination) {
   auto run = RunWorkers("join_throw", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
@@ -485,6 +528,50 @@ TEST(DdpFeaturesTest, AnIterationThatDidNotFinishFailsTheNextForward) {
   }
 }
 
+// Rank 1's backward throws partway (a hook, on purpose) and the caller
+// unwinds, destroying its DistributedDataParallel while rank 0 waits for
+// the buckets rank 1 never launched. The destruction aborts the group, so
+// rank 0 fails within moments naming it, not at the 60 s timeout (rank 1
+// stays alive meanwhile, so its exit cannot be what rank 0 notices).
+DDP_TEST_WORKER(destroyed_mid_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = Mlp(7);
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
+    if (rank == 1) {
+      // The first weight's gradient comes last: the buckets before it are
+      // launched, the ones after it never are.
+      model->NamedParameters().front().second.RegisterPostAccumulateGradHook(
+          [](const Tensor&) { throw std::runtime_error("a failure inside backward, on purpose"); });
+    }
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rank == 1) {
+    WORKER_EXPECT(message.find("on purpose") != std::string::npos, message);
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+  } else {
+    std::fprintf(stderr, "rank 0 after %.2f s: %s\n", seconds, message.c_str());
+    WORKER_EXPECT(message.find("DistributedDataParallel on rank 1 was destroyed in the middle of an iteration") !=
+                      std::string::npos,
+                  message);
+    WORKER_EXPECT(seconds < 8, "rank 0 failed after " + std::to_string(seconds) + " s");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, DestroyedInTheMiddleOfABackwardAbortsTheGroup) {
+  auto run = RunWorkers("destroyed_mid_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Forwards that do not synchronize are not unfinished iterations: no-grad
 // and eval-mode forwards, NoSync forwards without a backward, and a no-grad
 // evaluation between a training forward and its backward, which still
@@ -537,6 +624,136 @@ DDP_TEST_WORKER(non_sync_forwards) {
 
 TEST(DdpFeaturesTest, ForwardsThatDoNotSynchronizeAreNoUnfinishedIterations) {
   auto run = RunWorkers("non_sync_forwards", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Eval mode synchronizes gradients when grad is enabled, as in PyTorch:
+// three steps of a model trained with Eval() set (an evaluation forward
+// with grad enabled and no backward between them) equal three steps on the
+// combined batch; before, each rank stepped on its own gradients. Then two
+// forwards and one backward, the first under NoSync (a GAN discriminator's
+// real and fake batches): two steps equal the reference's on both combined
+// batches. Last, inside Join a backward after an eval-mode forward throws,
+// naming the parameter, and training goes on.
+DDP_TEST_WORKER(eval_mode_and_two_forwards) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  try {
+    auto model = Mlp(23);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    auto reference = Mlp(23);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    ddp.Eval();
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      ddp(held_out);  // no backward follows
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+      ref_opt.ZeroGrad();
+      auto [xa, ya] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+      ref_opt.Step();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "eval mode: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(ddp.iterations() == 3, "eval mode: synchronizing iterations " + std::to_string(ddp.iterations()));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("eval mode: ") + e.what());
+  }
+  try {
+    auto model = Mlp(29);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = Mlp(29);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    for (int s = 0; s < 2; ++s) {
+      const int real = 2 * s, fake = 2 * s + 1;
+      auto [xr, yr] = testing::Batch(data, (real * world + rank) * kBatch, kBatch);
+      auto [xf, yf] = testing::Batch(data, (fake * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      Tensor first;
+      {
+        auto no_sync = ddp.NoSync();
+        first = ddp(xr);
+      }
+      nn::Backward(nn::loss::CrossEntropy(first, yr) + nn::loss::CrossEntropy(ddp(xf), yf));
+      opt.Step();
+      ref_opt.ZeroGrad();
+      auto [xra, yra] = testing::Batch(data, real * world * kBatch, world * kBatch);
+      auto [xfa, yfa] = testing::Batch(data, fake * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xra), yra) +
+                   nn::loss::CrossEntropy((*reference)(xfa), yfa));
+      ref_opt.Step();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "two forwards: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "two forwards: replicas differ");
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("two forwards: ") + e.what());
+  }
+  try {
+    auto model = Mlp(31);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    Join join(ddp);
+    auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+    ddp.Eval();
+    std::string message;
+    try {
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    WORKER_EXPECT(message.find("after an eval-mode forward inside Join") != std::string::npos &&
+                      message.find("parameter `") != std::string::npos,
+                  "eval under Join: " + message);
+    ddp.Train();
+    opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    join.Wait();
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "eval under Join: replicas differ");
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("eval under Join: ") + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, EvalModeSynchronizesAndTwoForwardsTakeNoSyncOnTheFirst) {
+  auto run = RunWorkers("eval_mode_and_two_forwards", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// f16 buckets are averaged by dividing before the sum: a gradient of 40000
+// on each of two ranks (f16's largest value is 65504) averages to 40000,
+// where summing first made it inf.
+DDP_TEST_WORKER(f16_large_gradients) {
+  auto pg = testing::WorkerGroup();
+  nn::Generator gen(3);
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Linear>(4, 2, false, gen)});
+  model->To(nn::DType::kFloat16);
+  for (bool view : {false, true}) {
+    DistributedDataParallel ddp(model, {.gradient_as_bucket_view = view, .process_group = pg});
+    for (const auto& [name, p] : model->NamedParameters()) p.set_grad(Tensor());
+    const Tensor x = nn::Ones({1, 4}, {.dtype = nn::DType::kFloat16});
+    nn::Backward(nn::ops::Sum(ddp(x)) * 40000.0);
+    for (const auto& [name, p] : model->NamedParameters()) {
+      for (double v : p.grad().ToVector<double>()) {
+        WORKER_EXPECT(v == 40000, "`" + name + "`" + (view ? " (views)" : "") + ": averaged gradient " +
+                                      std::to_string(v) + ", expected 40000");
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, F16BucketsAreDividedBeforeTheSum) {
+  auto run = RunWorkers("f16_large_gradients", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
@@ -1272,37 +1489,40 @@ DDP_TEST_WORKER(stats_trace) {
 }
 
 // A straggler shows in the statistics: rank 1 sleeps before each backward,
-// so rank 0's collectives wait for it and rank 1's hardly wait.
+// so rank 0's collectives wait for it and rank 1's hardly wait. The
+// lateness is large (a loaded machine delays either rank by tens of ms)
+// and the bounds are fractions of it.
 DDP_TEST_WORKER(peer_wait) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
-  // The group itself: rank 1 arrives 200 ms late at an all-reduce.
+  // The group itself: rank 1 arrives 1 s late at an all-reduce.
+  pg->AllReduce(nn::Ones({1})).Wait();  // start together
   const auto before = pg->PeerWaitTime();
-  if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   pg->AllReduce(nn::Ones({1 << 16})).Wait();
   const double waited_ms = std::chrono::duration<double, std::milli>(pg->PeerWaitTime() - before).count();
   if (pg->rank() == 0) {
-    WORKER_EXPECT(waited_ms >= 150, "rank 0 waited " + std::to_string(waited_ms) + " ms for the late rank");
+    WORKER_EXPECT(waited_ms >= 500, "rank 0 waited " + std::to_string(waited_ms) + " ms for the late rank");
   } else {
-    WORKER_EXPECT(waited_ms < 100, "the late rank waited " + std::to_string(waited_ms) + " ms");
+    WORKER_EXPECT(waited_ms < 250, "the late rank waited " + std::to_string(waited_ms) + " ms");
   }
-  // DDP's statistics: 80 ms late before every backward, 4 iterations.
+  // DDP's statistics: 300 ms late before every backward, 4 iterations.
   auto model = nn::modules::MakeMlp();
   DistributedDataParallel ddp(model, {.process_group = pg});
   ddp.ResetStats();
   for (int s = 0; s < 4; ++s) {
     auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
     const Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
-    if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
     nn::Backward(loss);
   }
   const DdpStats stats = ddp.Stats();
   std::fprintf(stderr, "rank %d stats: %s\n", pg->rank(), stats.ToString().c_str());
   WORKER_EXPECT(stats.ToString().find("waiting for other ranks") != std::string::npos, stats.ToString());
   if (pg->rank() == 0) {
-    WORKER_EXPECT(stats.peer_wait_ms >= 50, "rank 0 waited " + std::to_string(stats.peer_wait_ms) + " ms per step");
+    WORKER_EXPECT(stats.peer_wait_ms >= 150, "rank 0 waited " + std::to_string(stats.peer_wait_ms) + " ms per step");
   } else {
-    WORKER_EXPECT(stats.peer_wait_ms < 30, "the straggler waited " + std::to_string(stats.peer_wait_ms) +
+    WORKER_EXPECT(stats.peer_wait_ms < 75, "the straggler waited " + std::to_string(stats.peer_wait_ms) +
                                                " ms per step");
   }
   return testing::WorkerExit();

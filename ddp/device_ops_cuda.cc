@@ -26,8 +26,9 @@ cudaStream_t CommStream(nn::Device device) {
   static std::mutex mu;
   static auto* streams = new std::map<int, nn::cuda::Stream*>();
   std::lock_guard lock(mu);
-  auto [it, inserted] = streams->try_emplace(device.index, nullptr);
-  if (inserted) it->second = new nn::cuda::Stream(device);
+  auto it = streams->find(device.index);
+  // Made before it is entered: a creation that throws leaves no entry.
+  if (it == streams->end()) it = streams->emplace(device.index, new nn::cuda::Stream(device)).first;
   return it->second->get();
 }
 

@@ -177,10 +177,17 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   Impl& s = *impl_;
   const int size = pg_->size();
   const bool training = is_training();
-  const bool sync = s.reducer != nullptr && training && nn::GradMode::IsEnabled() && s.require_sync;
+  // Gradients are synchronized whenever grad is enabled outside NoSync, in
+  // eval mode too, as PyTorch does (training with the model in eval mode
+  // must not let the replicas drift apart); an eval-mode forward need not
+  // be followed by a backward. Under Join the joined ranks shadow training
+  // iterations only, so there an eval-mode forward does not synchronize
+  // and a backward through it is refused.
+  const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync;
+  const bool sync = grad_sync && (training || !s.join_enabled);
   const bool sync_buffers = training && options_.broadcast_buffers && size > 1 && !s.buffers.empty();
   if (s.reducer != nullptr) s.reducer->CheckPreviousIteration(sync);
-  bool rebuild = sync && s.reducer->rebuild_pending();
+  bool rebuild = sync && training && s.reducer->rebuild_pending();
 
   double divisor = size;
   int buffer_root = 0;
@@ -210,6 +217,27 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
       throw DistributedError(transport::AbortedError(
           "rank(s) " + joined + " ran out of inputs (Join with throw_on_early_termination)"));
     }
+    if (active < size && training) {
+      // SyncBatchNorm gathers statistics inside forward, a collective the
+      // joined ranks cannot shadow (PyTorch's Join does not support it
+      // either): stop every rank with that, rather than let the gather pair
+      // with a joined rank's shadowed bucket reduction.
+      for (const auto& [name, m] : module_->NamedModules()) {
+        if (m->TypeName() != "SyncBatchNorm" || !m->is_training()) continue;
+        std::string joined;
+        for (int r = 0; r < size; ++r) {
+          if (f[r] == 0) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+        }
+        const transport::Status error = transport::FailedPreconditionError(
+            "Join: rank(s) " + joined + " ran out of inputs, and module `" + name +
+            "` (SyncBatchNorm, in training mode) runs a collective inside forward, which the ranks "
+            "that ran out cannot shadow. Give every rank the same number of batches (a "
+            "DistributedSampler with drop_last), or put the SyncBatchNorm modules in eval mode. The "
+            "process group was aborted.");
+        pg_->Abort(error);
+        throw DistributedError(error);
+      }
+    }
     if (!s.join_options.divide_by_initial_world_size) divisor = active;
     // What the joined ranks follow, the active ones follow too.
     if (sync) rebuild = f[size + 1] > 0;
@@ -220,13 +248,13 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   std::vector<nn::Tensor> outputs = module_->Forward(inputs);
 
   if (sync) {
-    s.reducer->PrepareForBackward(outputs, divisor);
-    ++s.forwards;
+    s.reducer->PrepareForBackward(outputs, divisor, /*backward_optional=*/!training);
+    if (training) ++s.forwards;
   } else if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
     // A forward under no-grad records no graph, so it leaves a prepared
     // iteration armed: an evaluation between a training forward and its
     // backward does not keep that backward from synchronizing.
-    s.reducer->Disarm();
+    s.reducer->Disarm(/*reject_gradients=*/grad_sync);
   }
   const Clock::time_point end = Clock::now();
   if (training) {
@@ -353,7 +381,9 @@ void Join::Wait() {
       if (f[size + 1] > 0 && s.reducer != nullptr) s.reducer->RebuildBuckets();
       if (f[size + 2] > 0) internal::BroadcastCoalesced(pg, s.buffers, buffer_root, "buffers");
       if (f[size] > 0 && s.reducer != nullptr) {
-        s.reducer->ShadowBackward(options_.divide_by_initial_world_size ? size : active);
+        s.reducer->ShadowBackward(options_.divide_by_initial_world_size ? size : active,
+                                  /*write_gradients=*/static_cast<bool>(options_.shadow_step));
+        if (options_.shadow_step) options_.shadow_step();
       }
     }
     // Every rank is done. The ranks that ran the most iterations hold the

@@ -45,6 +45,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -204,6 +205,16 @@ struct JoinOptions {
   /// Throw on every rank as soon as one rank runs out of inputs, instead of
   /// shadowing.
   bool throw_on_early_termination = false;
+  /// The optimizer step to shadow, for an optimizer whose Step is itself
+  /// collective (ZeroRedundancyOptimizer: `[&] { zero.Step(); }`), as
+  /// PyTorch's Join([model, zero]). A joined rank calls it after each
+  /// shadowed synchronizing backward, with the active ranks' averaged
+  /// gradients in its .grad, so that it updates its own shard as the
+  /// others expect and joins their broadcasts. The active ranks must step
+  /// exactly once after each synchronizing backward, before the next
+  /// forward. Empty: the optimizer is local (plain SGD, Adam, ...), and a
+  /// joined rank's .grad is left as it was.
+  std::function<void()> shadow_step;
 };
 
 /// Training with uneven inputs across ranks:

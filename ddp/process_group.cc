@@ -90,12 +90,12 @@ std::string DescribeHeader(const P2pHeader& h) {
   return s + " (" + std::to_string(h[1] * static_cast<int64_t>(nn::ElementSize(dtype))) + " bytes)";
 }
 
-transport::CallOptions Within(Deadline deadline) {
+}  // namespace
+
+transport::CallOptions internal::Within(Deadline deadline) {
   const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
   return {.timeout = std::max(left, milliseconds(1))};
 }
-
-}  // namespace
 
 // One Send or Recv of the group. It is posted in issue order (by the caller
 // or the communication thread); then any thread may advance it (Poll), under
@@ -832,7 +832,7 @@ Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
                                                            Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
     return comm->AllReduce(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, op,
-                           Within(deadline));
+                           internal::Within(deadline));
   }, FenceFor({tensor}, "AllReduce"));
 }
 
@@ -849,7 +849,7 @@ Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::stri
                                                              Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
     return comm->Broadcast(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, root,
-                           Within(deadline));
+                           internal::Within(deadline));
   }, FenceFor({tensor}, "Broadcast"));
 }
 
@@ -873,7 +873,7 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
                                           transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     return comm->AllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                           type, Within(deadline));
+                           type, internal::Within(deadline));
   }, std::move(fence));
 }
 
@@ -941,7 +941,7 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                                           transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     return comm->AllToAllV(input.data_ptr(), sends, output.data_ptr(), receives, type,
-                           Within(deadline));
+                           internal::Within(deadline));
   }, std::move(fence));
 }
 
@@ -967,7 +967,7 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
     if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
     return comm->ReduceScatter(input.data_ptr(), output.data_ptr(),
                                static_cast<size_t>(output.numel()), type, op,
-                               Within(deadline));
+                               internal::Within(deadline));
   }, std::move(fence));
 }
 
@@ -984,7 +984,7 @@ Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceO
     if (comm == nullptr) return Status::Ok();
     void* result = comm->rank() == root ? tensor.data_ptr() : nullptr;
     return comm->Reduce(tensor.data_ptr(), result, static_cast<size_t>(tensor.numel()), type, op,
-                        root, Within(deadline));
+                        root, internal::Within(deadline));
   }, std::move(fence));
 }
 
@@ -1032,9 +1032,9 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
                                     gather ? local.data_ptr() : root_buffer, local.nbytes()));
     } else {
       DDP_RETURN_IF_ERROR(gather ? comm->Gather(local.data_ptr(), root_buffer, count, type, root,
-                                                Within(deadline))
+                                                internal::Within(deadline))
                                  : comm->Scatter(root_buffer, local.data_ptr(), count, type, root,
-                                                 Within(deadline)));
+                                                 internal::Within(deadline)));
     }
     if (gather && host) host();  // copies the root's output into a list
     return Status::Ok();
@@ -1118,7 +1118,7 @@ Work ProcessGroup::Barrier() {
   CollectiveDescription d{"barrier", nn::DType::kUInt8, {0}, -1, transport::ReduceOp::kSum, false};
   return impl_->Enqueue(std::move(d), [](transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
-    return comm->Barrier(Within(deadline));
+    return comm->Barrier(internal::Within(deadline));
   }, nullptr);
 }
 
@@ -1228,7 +1228,7 @@ StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::st
   p.sizes.resize(static_cast<size_t>(comm.size()));
   const int64_t mine = static_cast<int64_t>(object.size());
   DDP_RETURN_IF_ERROR(
-      comm.AllGather(&mine, p.sizes.data(), 1, transport::DataType::kI64, Within(deadline)));
+      comm.AllGather(&mine, p.sizes.data(), 1, transport::DataType::kI64, internal::Within(deadline)));
   p.longest = static_cast<size_t>(*std::max_element(p.sizes.begin(), p.sizes.end()));
   p.padded = object;
   p.padded.resize(p.longest);
@@ -1248,11 +1248,11 @@ void ProcessGroup::BroadcastObject(std::string* object, int root) {
                      transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
     int64_t size = static_cast<int64_t>(bytes->size());
-    DDP_RETURN_IF_ERROR(comm->Broadcast(&size, 1, transport::DataType::kI64, root, Within(deadline)));
+    DDP_RETURN_IF_ERROR(comm->Broadcast(&size, 1, transport::DataType::kI64, root, internal::Within(deadline)));
     if (comm->rank() != root) bytes->resize(static_cast<size_t>(size));
     if (size == 0) return Status::Ok();
     return comm->Broadcast(bytes->data(), static_cast<size_t>(size), transport::DataType::kU8, root,
-                           Within(deadline));
+                           internal::Within(deadline));
   }, nullptr).Wait();
   *object = std::move(*bytes);
 }
@@ -1271,7 +1271,7 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
     std::string all(p.sizes.size() * p.longest, '\0');
     if (p.longest > 0) {
       DDP_RETURN_IF_ERROR(comm->AllGather(p.padded.data(), all.data(), p.longest,
-                                          transport::DataType::kU8, Within(deadline)));
+                                          transport::DataType::kU8, internal::Within(deadline)));
     }
     *out = p.Split(all);
     return Status::Ok();
@@ -1295,7 +1295,7 @@ std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, i
     std::string all(root ? p.sizes.size() * p.longest : 0, '\0');
     if (p.longest > 0) {
       DDP_RETURN_IF_ERROR(comm->Gather(p.padded.data(), root ? all.data() : nullptr, p.longest,
-                                       transport::DataType::kU8, dst, Within(deadline)));
+                                       transport::DataType::kU8, dst, internal::Within(deadline)));
     }
     if (root) *out = p.Split(all);
     return Status::Ok();
@@ -1326,7 +1326,7 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
     }
     if (comm != nullptr) {
       DDP_RETURN_IF_ERROR(
-          comm->Broadcast(sizes.data(), n + 1, transport::DataType::kI64, src, Within(deadline)));
+          comm->Broadcast(sizes.data(), n + 1, transport::DataType::kI64, src, internal::Within(deadline)));
     }
     if (sizes[n] != static_cast<int64_t>(n)) {
       *bad_count = sizes[n];
@@ -1346,7 +1346,7 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
     out->resize(longest);
     if (longest > 0) {
       DDP_RETURN_IF_ERROR(comm->Scatter(me == src ? packed.data() : nullptr, out->data(), longest,
-                                        transport::DataType::kU8, src, Within(deadline)));
+                                        transport::DataType::kU8, src, internal::Within(deadline)));
     }
     out->resize(static_cast<size_t>(sizes[static_cast<size_t>(me)]));
     return Status::Ok();

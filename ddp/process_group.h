@@ -59,6 +59,10 @@ namespace ddp::dist {
 
 namespace internal {
 class DeviceFence;
+/// Options for a communicator call made inside a task: the time left until
+/// the task's `deadline` (at least 1 ms, so that a call made just at the
+/// deadline reports TIMED_OUT itself), never a fresh full timeout.
+transport::CallOptions Within(transport::Deadline deadline);
 }  // namespace internal
 
 /// The API version of //ddp (bumped on incompatible change).

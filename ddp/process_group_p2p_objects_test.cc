@@ -43,11 +43,13 @@ std::vector<double> Pattern(int sender, int k, int64_t n) {
   return v;
 }
 
-// Runs `worker` on each of `world_sizes`; every rank must pass its checks.
+// Runs `worker` on each of `world_sizes`; every rank must pass its checks
+// within `timeout_ms`.
 void ExpectWorkersPass(const std::string& worker, std::vector<int> world_sizes,
-                       std::vector<std::pair<std::string, std::string>> env = {}) {
+                       std::vector<std::pair<std::string, std::string>> env = {},
+                       int timeout_ms = 20000) {
   for (int n : world_sizes) {
-    auto run = RunWorkers(worker, n, env, 20000);
+    auto run = RunWorkers(worker, n, env, timeout_ms);
     EXPECT_TRUE(run.AllSucceeded()) << worker << " on " << n << " ranks\n" << testing::AllOutput(run);
   }
 }
@@ -457,7 +459,8 @@ TEST(ProcessGroupMonitoredBarrierTest, AllArrive) { ExpectWorkersPass("pg_monito
 
 // MB_LATE: ranks that arrive MB_SLEEP_MS late; MB_TIMEOUT_MS; MB_WAIT_ALL;
 // MB_EXPECT: the text every rank's error must hold. Rank 0 (when on time)
-// must fail within the timeout plus 1 s; every rank must fail, none hang.
+// must fail at the timeout, well before the transport's own deadline
+// (2 x timeout + 2 s); every rank must fail, none hang.
 DDP_TEST_WORKER(pg_monitored_late) {
   auto pg = testing::WorkerGroup();
   const int me = pg->rank();
@@ -482,52 +485,67 @@ DDP_TEST_WORKER(pg_monitored_late) {
     std::fprintf(stderr, "rank %d failed after %lld ms: %s\n", me, static_cast<long long>(ms), e.what());
     WORKER_EXPECT(std::string(e.what()).find(expected) != std::string::npos, e.what());
     if (me == 0 && late.count(0) == 0) {
-      WORKER_EXPECT(ms >= timeout.count() - 5 && ms < timeout.count() + 1000,
+      // 3 s of slack for a starved process (CI runs several tests on 2
+      // cores); still short of 2 x timeout + 2 s, where the transport
+      // itself would give up.
+      WORKER_EXPECT(ms >= timeout.count() - 5 && ms < timeout.count() + 3000,
                     "rank 0 failed after " + std::to_string(ms) + " ms");
     }
   }
   return testing::WorkerExit();
 }
 
-// Runs pg_monitored_late on `n` ranks.
+// The timings of the late-rank cases. The on-time ranks must reach rank 0
+// within the timeout of the Barrier before it, and the late ones must not:
+// each has seconds of slack, so that a process starved of CPU (CI runs
+// several tests on 2 cores) neither misses the barrier nor makes it.
+constexpr int kLateTimeoutMs = 3000;  // the on-time ranks: 3 s to arrive
+constexpr int kLateSleepMs = 7000;    // the late ranks: 4 s past the timeout
+
+// Runs pg_monitored_late on `n` ranks; the ranks in `late` come `sleep_ms`
+// after the others.
 void ExpectLateRanksReported(int n, const std::string& late, bool wait_all, int timeout_ms,
-                             const std::string& expected) {
+                             int sleep_ms, const std::string& expected) {
   ExpectWorkersPass("pg_monitored_late", {n},
                     {{"MB_LATE", late},
                      {"MB_WAIT_ALL", wait_all ? "1" : "0"},
                      {"MB_TIMEOUT_MS", std::to_string(timeout_ms)},
-                     {"MB_EXPECT", expected}});
+                     {"MB_SLEEP_MS", std::to_string(sleep_ms)},
+                     {"MB_EXPECT", expected}},
+                    /*timeout_ms=*/60000);  // the sleep, then seconds of slack under load
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, NamesTheFirstLateRank) {
   // Ranks 1 and 2 are late; without wait_all_ranks only rank 1 is named.
   ExpectLateRanksReported(
-      3, "1,2", false, 1000,
-      "monitored barrier #1: rank 1 has not arrived within 1000 ms (the first missing rank)");
+      3, "1,2", false, kLateTimeoutMs, kLateSleepMs,
+      "monitored barrier #1: rank 1 has not arrived within 3000 ms (the first missing rank)");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, NamesTheOneLateRank) {
-  ExpectLateRanksReported(3, "2", true, 1000,
-                          "rank 2 has not arrived within 1000 ms (waited for all ranks)");
+  ExpectLateRanksReported(3, "2", true, kLateTimeoutMs, kLateSleepMs,
+                          "rank 2 has not arrived within 3000 ms (waited for all ranks)");
 }
 
 // Only rank 1 is late, and the wait for it uses up the deadline: ranks 2
 // and 3 did arrive and must not be named (they were, when the waits after
 // the deadline no longer polled).
 TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesOnlyTheLateOneOfFour) {
-  ExpectLateRanksReported(4, "1", true, 1000,
-                          "rank 1 has not arrived within 1000 ms (waited for all ranks)");
+  ExpectLateRanksReported(4, "1", true, kLateTimeoutMs, kLateSleepMs,
+                          "rank 1 has not arrived within 3000 ms (waited for all ranks)");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesEveryLateRank) {
-  ExpectLateRanksReported(3, "1,2", true, 1000, "ranks 1, 2 have not arrived within 1000 ms");
+  ExpectLateRanksReported(3, "1,2", true, kLateTimeoutMs, kLateSleepMs,
+                          "ranks 1, 2 have not arrived within 3000 ms");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, LateRankZeroIsNamedByTheOthers) {
-  // Rank 0 comes 2.5 s late to a 500 ms barrier: rank 1 gives up after
-  // 2 x 500 ms + 1 s and says so; rank 0's next collective fails with that
-  // reason.
-  ExpectLateRanksReported(2, "0", false, 500, "rank 1 was not released by rank 0 within 2000 ms");
+  // Rank 0 comes 6 s late to a 1 s barrier: rank 1 gives up after
+  // 2 x 1 s + 1 s = 3 s (3 s before rank 0 comes) and says so; rank 0's
+  // next collective fails with that reason.
+  ExpectLateRanksReported(2, "0", false, 1000, 6000,
+                          "rank 1 was not released by rank 0 within 3000 ms");
 }
 
 }  // namespace

@@ -115,6 +115,16 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
 
 Reducer::~Reducer() {
   for (nn::HookHandle& h : hook_handles_) h.Remove();
+  if (unfinished_ && finalize_queued_ && ready_count_ < params_.size() && pending_error_.empty()) {
+    // Destroyed after a backward stopped partway (an exception left it, and
+    // the caller unwound): the peers wait for buckets that will never come,
+    // so they are told now rather than at the group's timeout.
+    pg_->Abort(transport::FailedPreconditionError(
+        "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+        " was destroyed in the middle of an iteration: its backward stopped partway (" +
+        std::to_string(ready_count_) + " of " + std::to_string(params_.size()) +
+        " parameters had their gradients), so the gradient buckets its peers wait for will not come"));
+  }
   if (!WaitInFlight()) {
     std::fprintf(stderr,
                  "[ddp] rank %d: a gradient bucket's collective was still running when "
@@ -237,13 +247,22 @@ std::vector<std::vector<std::string>> Reducer::BucketNames() const {
 void Reducer::CheckPreviousIteration(bool synchronizing) {
   if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
   if (!synchronizing || !unfinished_) return;
+  if (!finalize_queued_ && backward_optional_) {
+    // An eval-mode forward that no backward followed (an evaluation with
+    // grad enabled): nothing was launched, so nothing is left to pair.
+    unfinished_ = false;
+    return;
+  }
   // The other ranks may be waiting in this iteration's collectives (or may
   // pair them with the next one's): the group is aborted, so that they fail
   // within moments with this message rather than at their deadline.
   std::string state;
   if (!finalize_queued_) {
     state = "no parameter received a gradient after it (no backward ran, or its loss did not depend "
-            "on the forward's outputs)";
+            "on the forward's outputs, or a second synchronizing forward ran before the first one's "
+            "backward: for two forwards and one backward, such as a GAN discriminator's real and fake "
+            "batches or a siamese pair, run all but the last under NoSync, or concatenate the inputs "
+            "into one forward)";
   } else if (ready_count_ < params_.size()) {
     state = "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
             std::to_string(params_.size()) +
@@ -320,7 +339,8 @@ std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>
   return unreachable;
 }
 
-void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor) {
+void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor,
+                                 bool backward_optional) {
   // CheckPreviousIteration refuses a forward after an iteration that did
   // not finish, so nothing should be in flight; the wait is a safeguard
   // before the bucket memory is reused below.
@@ -334,6 +354,8 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   unfinished_ = true;
   finalized_ = false;
   finalize_queued_ = false;
+  backward_optional_ = backward_optional;
+  reject_gradients_ = false;
   divisor_ = divisor;
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
@@ -347,12 +369,14 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   for (size_t i : unused_) is_unused_[i] = 0;
   unused_.clear();
   if (!handles_unused()) return;
-  unused_from_walk_ = !(options_.static_graph && static_known_);
+  // An eval-mode forward may take another path than training (an
+  // auxiliary head used only in training): walked, and not learned from.
+  unused_from_walk_ = !(options_.static_graph && static_known_) || backward_optional;
   if (!unused_from_walk_) {
     unused_ = static_unused_;
   } else {
     unused_ = UnreachableParameters(outputs);
-    if (options_.static_graph) {
+    if (options_.static_graph && !backward_optional) {
       static_unused_ = unused_;
       static_known_ = true;
     }
@@ -366,9 +390,10 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // first hook likewise.
 }
 
-void Reducer::Disarm() {
+void Reducer::Disarm(bool reject_gradients) {
   armed_ = false;
   finalized_ = false;
+  reject_gradients_ = reject_gradients;
 }
 
 bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
@@ -381,6 +406,15 @@ void Reducer::OnGradReady(size_t index) {
   // The gradient is already in .grad when this hook runs: the errors below
   // cannot undo that, only keep the reducer from using it.
   if (!armed_) {
+    if (reject_gradients_) {
+      throw std::logic_error(
+          "DistributedDataParallel: parameter `" + names_[index] +
+          "` received a gradient in a backward after an eval-mode forward inside Join. Outside "
+          "Join such a backward synchronizes gradients as in training; inside it the ranks that "
+          "ran out of inputs shadow training iterations only, so it cannot. Train in training mode "
+          "(put the submodules to freeze, such as BatchNorm, in eval mode instead), or run that "
+          "forward and backward under NoSync to accumulate gradients locally on purpose.");
+    }
     if (finalized_ && !no_sync_) {
       // PyTorch ignores such a gradient; here it is an error, since it
       // silently makes the replicas differ.
@@ -393,7 +427,7 @@ void Reducer::OnGradReady(size_t index) {
           "apart. Backpropagate the sum of the losses once, or run the further backward under "
           "NoSync to accumulate its gradients locally on purpose.");
     }
-    // NoSync, eval, or a backward this reducer did not prepare: the
+    // NoSync, or a backward this reducer did not prepare: the
     // gradient accumulates in .grad and is reduced by the next
     // synchronizing backward, so the parameter counts as used there even if
     // that backward does not reach it (as PyTorch's local_used_map). Not
@@ -469,7 +503,7 @@ void Reducer::MarkReady(size_t index) {
   const nn::Tensor& grad = params_[index].grad();
   // Average while copying (one pass over the gradient), or inside the
   // all-reduce (default hook dividing by the world size), or in the hook.
-  const double factor = FusedAverage(divisor_) || local_gradients_ ? 1.0 : 1.0 / divisor_;
+  const double factor = FusedAverage(divisor_, bucket.dtype) || local_gradients_ ? 1.0 : 1.0 / divisor_;
   // Same dtype and contiguous: used as it is (any device).
   const bool plain = grad.defined() && grad.is_contiguous() && grad.dtype() == bucket.dtype &&
                      grad.device() == bucket.device;
@@ -520,10 +554,10 @@ void Reducer::LaunchReadyBuckets() {
 }
 
 Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
-  if (FusedAverage(divisor_)) {
+  const Bucket& bucket = buckets_[b];
+  if (FusedAverage(divisor_, bucket.dtype)) {
     return pg_->AllReduce(buffer, transport::ReduceOp::kAvg, "bucket " + std::to_string(b));
   }
-  const Bucket& bucket = buckets_[b];
   std::vector<nn::Tensor> params;
   params.reserve(bucket.params.size());
   for (size_t i : bucket.params) params.push_back(params_[i]);
@@ -668,21 +702,50 @@ void Reducer::CountGroupIteration() {
   }
 }
 
-void Reducer::ShadowBackward(double divisor) {
+void Reducer::ShadowBackward(double divisor, bool write_gradients) {
   // The same collectives as the active ranks: same hook, same reduction.
   divisor_ = divisor;
   std::vector<Work> works;
+  std::vector<nn::Tensor> results;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     // Zeros of the bucket's kind: this rank contributes nothing, and its own
-    // gradients (a view in gradient_as_bucket_view mode) stay as they are.
-    works.push_back(Launch(b, nn::Zeros({bucket.numel}, {.dtype = bucket.dtype, .device = bucket.device})));
+    // gradients (a view in gradient_as_bucket_view mode) are not reduced.
+    results.push_back(nn::Zeros({bucket.numel}, {.dtype = bucket.dtype, .device = bucket.device}));
+    works.push_back(Launch(b, results.back()));
   }
+  nn::Tensor used;
   if (handles_unused()) {
-    works.push_back(pg_->AllReduce(nn::ZerosLike(used_), transport::ReduceOp::kSum,
-                                   "unused parameter map"));
+    used = nn::ZerosLike(used_);
+    works.push_back(pg_->AllReduce(used, transport::ReduceOp::kSum, "unused parameter map"));
   }
   for (Work& w : works) w.Wait();
+  // Gradients this rank accumulated under NoSync before it ran out were
+  // not contributed (it sent zeros): its used map starts afresh, as after a
+  // synchronizing backward of its own.
+  std::memset(used_.data_ptr(), 0, used_.nbytes());
+  if (write_gradients && grad_write_back_) {
+    const int32_t* u = used.defined() ? used.data<int32_t>() : nullptr;
+    nn::NoGradGuard guard;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bucket = buckets_[b];
+      for (size_t k = 0; k < bucket.params.size(); ++k) {
+        const size_t i = bucket.params[k];
+        if (u != nullptr && u[i] == 0) continue;  // unused on every rank: no gradient
+        const nn::Tensor average =
+            results[b].Narrow(0, bucket.offsets[k], params_[i].numel()).View(params_[i].shape());
+        const nn::Tensor& grad = params_[i].grad();
+        if (grad.defined()) {
+          grad.CopyFrom(average);
+        } else if (options_.gradient_as_bucket_view && slots_[i].view.defined()) {
+          slots_[i].view.CopyFrom(average);
+          params_[i].set_grad(slots_[i].view);
+        } else {
+          params_[i].set_grad(average.Clone());
+        }
+      }
+    }
+  }
   CountGroupIteration();
 }
 

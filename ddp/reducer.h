@@ -97,13 +97,18 @@ class Reducer {
   /// End of a synchronizing forward: arms the hooks for one backward, with
   /// gradients divided by `divisor`; with find_unused_parameters, walks the
   /// graph from `outputs` for the unreachable parameters, which the first
-  /// gradient hook of backward marks ready.
-  void PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor);
-  /// A forward that will not synchronize but may be backpropagated (NoSync,
-  /// or eval mode with grad enabled): hooks only accumulate until the next
-  /// PrepareForBackward. An iteration prepared before and not finalized
-  /// stays unfinished.
-  void Disarm();
+  /// gradient hook of backward marks ready. `backward_optional` (an
+  /// eval-mode forward): the next synchronizing forward does not count a
+  /// missing backward as an unfinished iteration, as long as no gradient
+  /// hook fired; static_graph does not learn from such a forward.
+  void PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor,
+                          bool backward_optional = false);
+  /// A forward that will not synchronize but may be backpropagated (NoSync):
+  /// hooks only accumulate until the next PrepareForBackward. An iteration
+  /// prepared before and not finalized stays unfinished. `reject_gradients`
+  /// (an eval-mode forward under Join, which cannot be shadowed): a
+  /// gradient before the next PrepareForBackward throws instead.
+  void Disarm(bool reject_gradients = false);
   /// Whether a NoSync scope is open: a gradient that arrives after the
   /// last synchronizing backward finalized (a further backward through its
   /// graph) then accumulates locally instead of being an error.
@@ -111,8 +116,12 @@ class Reducer {
 
   /// Join: runs the collectives of one synchronizing backward with zero
   /// gradients, for ranks that have run out of inputs; `divisor` is the one
-  /// the active ranks use.
-  void ShadowBackward(double divisor);
+  /// the active ranks use. With `write_gradients` the reduced result (the
+  /// active ranks' average) becomes this rank's .grad, as after a backward
+  /// of its own, for an optimizer step that must be shadowed too (a
+  /// sharded optimizer updating this rank's shard); otherwise .grad is left
+  /// alone. Nothing is written when the hook consumes the buckets.
+  void ShadowBackward(double divisor, bool write_gradients = false);
 
   /// Whether an unused-parameter map is all-reduced after each backward.
   bool handles_unused() const { return options_.find_unused_parameters || options_.static_graph; }
@@ -154,8 +163,11 @@ class Reducer {
   // Whether the average is taken inside the all-reduce (kAvg) instead of
   // by scaling the gradients first: the default hook, dividing by the
   // world size. Saves a pass over every gradient in view mode.
-  bool FusedAverage(double divisor) const {
-    return default_hook_ && divisor == static_cast<double>(pg_->size());
+  // Not for f16 buckets: the sum of the ranks' gradients may pass f16's
+  // largest value (65504) where each gradient does not, so they are divided
+  // first (as PyTorch's default hook divides before the sum) and summed.
+  bool FusedAverage(double divisor, nn::DType dtype) const {
+    return default_hook_ && divisor == static_cast<double>(pg_->size()) && dtype != nn::DType::kFloat16;
   }
   void Finalize();
   // The end of a synchronizing iteration, run or shadowed: the rebuild is
@@ -187,6 +199,8 @@ class Reducer {
   bool finalized_ = false;      // Finalize succeeded and no forward ran since
   bool no_sync_ = false;        // a NoSync scope is open
   bool finalize_queued_ = false;
+  bool backward_optional_ = false; // prepared by an eval-mode forward
+  bool reject_gradients_ = false;  // disarmed by an eval-mode forward under Join
   double divisor_ = 1;
   std::vector<char> ready_;
   std::vector<size_t> unused_;  // found unused by this iteration's forward

@@ -296,7 +296,7 @@ std::shared_ptr<SyncBatchNorm> SyncBatchNorm::FromBatchNorm(const nn::modules::B
 
 std::string SyncBatchNorm::ExtraRepr() const {
   return std::to_string(num_features_) + ", eps=" + FormatDouble(options_.eps) +
-         ", momentum=" + FormatDouble(options_.momentum) +
+         ", momentum=" + (options_.momentum ? FormatDouble(*options_.momentum) : std::string("None")) +
          ", affine=" + (options_.affine ? "True" : "False") +
          ", track_running_stats=" + (options_.track_running_stats ? "True" : "False");
 }
@@ -314,24 +314,26 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
   if (!is_training()) {
     // Eval: local and silent.
     return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, batch_stats,
-                              options_.momentum, options_.eps);
+                              nn::modules::RunningAverageFactor(options_, num_batches_tracked_),
+                              options_.eps);
   }
   std::shared_ptr<ProcessGroup> pg = group_ != nullptr ? group_ : DefaultProcessGroup();
   if (options_.track_running_stats) {
     nn::NoGradGuard guard;
     num_batches_tracked_.Fill(num_batches_tracked_.Item() + 1);
   }
+  const double momentum = nn::modules::RunningAverageFactor(options_, num_batches_tracked_);
   if (pg->size() == 1) {
     return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true,
-                              options_.momentum, options_.eps);
+                              momentum, options_.eps);
   }
   try {
     if (!x.device().is_cpu() || internal_use_blocks()) {
       return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_,
-                                                running_var_, options_.momentum, options_.eps)[0];
+                                                running_var_, momentum, options_.eps)[0];
     }
     return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_, running_var_,
-                                        options_.momentum, options_.eps)[0];
+                                        momentum, options_.eps)[0];
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }

@@ -2,12 +2,14 @@
 // process: forward output, input gradient, weight and bias gradients and
 // running statistics, for equal, unequal and empty local batches; eval mode
 // runs locally and sends nothing; one rank is exactly BatchNorm; DDP with
-// SyncBatchNorm matches one process on the concatenated batch.
+// SyncBatchNorm matches one process on the concatenated batch; under Join,
+// SyncBatchNorm stops every rank with one message.
 
 #include "ddp/sync_batch_norm.h"
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -66,8 +68,11 @@ DDP_TEST_WORKER(sync_bn) {
   const std::string what = "sizes " + std::string(std::getenv("DDP_TEST_SIZES")) + ", rank " +
                            std::to_string(rank);
   nn::Generator gen(42);
-  auto sync = std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, pg);
-  auto reference = std::make_shared<nn::modules::BatchNorm2d>(kC);
+  // DDP_TEST_SBN_CUMULATIVE: momentum None (the cumulative average).
+  nn::modules::BatchNormOptions options;
+  if (std::getenv("DDP_TEST_SBN_CUMULATIVE") != nullptr) options.momentum = std::nullopt;
+  auto sync = std::make_shared<SyncBatchNorm>(kC, options, pg);
+  auto reference = std::make_shared<nn::modules::BatchNorm2d>(kC, options);
   {
     nn::NoGradGuard guard;
     Tensor w = nn::Randn({kC}, {}, gen), b = nn::Randn({kC}, {}, gen);
@@ -126,6 +131,8 @@ TEST(SyncBatchNormTest, MatchesBatchNormOnTheWholeBatch) {
     auto run = RunWorkers("sync_bn", world, {{"DDP_TEST_SIZES", sizes}});
     EXPECT_TRUE(run.AllSucceeded()) << sizes << "\n" << testing::AllOutput(run);
   }
+  auto run = RunWorkers("sync_bn", 3, {{"DDP_TEST_SIZES", "3,6,1"}, {"DDP_TEST_SBN_CUMULATIVE", "1"}});
+  EXPECT_TRUE(run.AllSucceeded()) << "momentum None\n" << testing::AllOutput(run);
 }
 
 TEST(SyncBatchNormTest, DeviceFormulationMatchesBatchNormOnTheWholeBatch) {
@@ -182,6 +189,42 @@ DDP_TEST_WORKER(sync_bn_ddp) {
 
 TEST(SyncBatchNormTest, DdpWithSyncBatchNormMatchesOneProcess) {
   auto run = RunWorkers("sync_bn_ddp", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Join with SyncBatchNorm: once rank 0 runs out of batches, rank 1's next
+// forward would gather statistics while rank 0 shadows a bucket
+// reduction. Every rank stops with one message naming the module and the
+// rank that ran out, and nothing waits out a deadline.
+DDP_TEST_WORKER(sync_bn_join) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  constexpr int64_t kB = 6;
+  auto model = ConvertSyncBatchNorm(BnCnn(), pg);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    Join join(ddp);
+    for (int s = 0; s < 2 + 2 * rank; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kB, kB);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    join.Wait();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(message.find("Join: rank(s) 0 ran out of inputs, and module `") != std::string::npos &&
+                    message.find("(SyncBatchNorm, in training mode)") != std::string::npos,
+                "rank " + std::to_string(rank) + ": " + message);
+  WORKER_EXPECT(seconds < 20, "took " + std::to_string(seconds) + " s");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, JoinStopsEveryRankNamingTheModule) {
+  auto run = RunWorkers("sync_bn_join", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -33,12 +33,17 @@
 // which here are one rank's shard, so ranks could disagree on skipping a
 // step; use it with the unsharded optimizer.
 //
-// Uneven inputs: Step broadcasts from every rank, so it does not work under
-// DistributedDataParallel's Join (a rank that ran out of data takes no
-// step, and the others' broadcasts meet its Join all-reduce, which every
-// rank reports as a desync). PyTorch's ZeroRedundancyOptimizer shadows the
-// step in Join; this one does not yet: give every rank the same number of
-// batches.
+// Uneven inputs: Step broadcasts from every rank, so under
+// DistributedDataParallel's Join the ranks that ran out of data must take
+// the step too. Hand it to the Join, as PyTorch's Join([model, zero]):
+//
+//   Join join(ddp, {.shadow_step = [&] { zero.Step(); }});
+//
+// A joined rank then gets the active ranks' averaged gradients in its
+// .grad at each shadowed backward and steps its shard with them, so the
+// result equals the unsharded optimizer's under Join. Without it, the
+// active ranks' broadcasts meet a joined rank's Join all-reduce, which
+// every rank reports as a desync.
 
 #include <cstddef>
 #include <functional>

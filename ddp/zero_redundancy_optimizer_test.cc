@@ -254,6 +254,54 @@ TEST(ZeroRedundancyOptimizerTest, AdamOnThreeRanksEqualsTheUnshardedOptimizer) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ------------------------------------------------------------------ Join ----
+
+// Uneven inputs: the last rank holds 3 more batches. Under Join with
+// shadow_step, the ranks that ran out of data get the active ranks'
+// averaged gradients and step their shards with them, so sharded training
+// equals the unsharded optimizer's under Join, and the consolidated state
+// equals that of the unsharded optimizer on the rank that never joined.
+DDP_TEST_WORKER(join) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  const int mine = 4 + (rank == world - 1 ? 3 : 0);
+  auto sharded = Mlp(4), plain = Mlp(4);
+  {
+    DistributedDataParallel ddp(sharded, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+    ZeroRedundancyOptimizer zero(sharded->NamedParameters(), pg, MakeOptimizer);
+    Join join(ddp, {.shadow_step = [&] { zero.Step(); }});
+    for (int s = 0; s < mine; ++s) TrainStep(ddp, zero, *pg, s);
+    join.Wait();
+    NamedTensors state = zero.ConsolidatedStateDict(world - 1);
+    DistributedDataParallel ddp_plain(plain, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+    auto opt = MakeOptimizer(plain->NamedParameters());
+    Join plain_join(ddp_plain);
+    for (int s = 0; s < mine; ++s) TrainStep(ddp_plain, *opt, *pg, s);
+    plain_join.Wait();
+    if (rank == world - 1) {
+      const NamedTensors expected = opt->StateDict();
+      WORKER_EXPECT(state.size() == expected.size(), "consolidated state has " + std::to_string(state.size()) +
+                                                         " entries, the unsharded " + std::to_string(expected.size()));
+      for (const auto& [key, t] : expected) {
+        bool same = false;
+        for (const auto& [k, u] : state) same |= k == key && SameBytes(t, u);
+        WORKER_EXPECT(same, "state entry " + key + " differs from the unsharded optimizer's");
+      }
+    }
+  }
+  WORKER_EXPECT(testing::HashState(*sharded) == testing::HashState(*plain),
+                "sharded and unsharded training under Join differ");
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*sharded)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, JoinWithOneRankHoldingThreeMoreBatches) {
+  for (const char* optim : {"sgd", "adam"}) {
+    auto run = RunWorkers("join", 3, {{"DDP_TEST_OPTIM", optim}});
+    EXPECT_TRUE(run.AllSucceeded()) << optim << "\n" << testing::AllOutput(run);
+  }
+}
+
 // ----------------------------------------------------------- checkpoints ----
 
 // The consolidated state equals the unsharded optimizer's; saved with the

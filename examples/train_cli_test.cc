@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "examples/testing/subprocess.h"
@@ -125,9 +127,41 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
   EXPECT_EQ(OneErrorLine(Train({"epochs=3"})),
             "train: unexpected argument 'epochs=3'; flags are written --name=value (see --help)");
   EXPECT_EQ(OneErrorLine(Train({"--nproc_per_node=0"})),
-            "train: --nproc_per_node=0 must be at least 1");
+            "train: --nproc_per_node=0 must be in [1, 4096]");
   EXPECT_EQ(OneErrorLine(Train({"--resume", "--checkpoint=none"})),
             "train: --resume needs a checkpoint to read; drop --checkpoint=none or give a path");
+}
+
+// --nproc_per_node takes torchrun's forms, as SelfLaunch and ddprun do: gpu
+// and auto count the GPUs CUDA_VISIBLE_DEVICES names (none needs to exist:
+// the ranks train on the CPU).
+TEST(TrainCliTest, NprocPerNodeTakesGpuCpuAndAuto) {
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=128",
+                                          "--test_samples=32",   "--batch_size=16", "--max_steps=1",
+                                          "--workers=0",         "--checkpoint=none"};
+  auto run = [&](const std::string& nproc, const std::string& gpus) {
+    std::vector<std::string> args = {Runfile("examples/train"), "--nproc_per_node=" + nproc};
+    args.insert(args.end(), quick.begin(), quick.end());
+    return RunToEnd(args, {{"CUDA_VISIBLE_DEVICES", gpus}});
+  };
+  for (const auto& [nproc, gpus, ranks] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"gpu", "0,1", "ranks=2"}, {"auto", "3", "ranks=1"}}) {
+    const RunOutput r = run(nproc, gpus);
+    ASSERT_EQ(r.exit_code, 0) << nproc << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("RESULT model=mlp " + ranks + " "), std::string::npos) << nproc << ": " << r.out;
+  }
+  EXPECT_EQ(OneErrorLine(run("gpu", "")),
+            "train: --nproc_per_node=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES='' names none)");
+  EXPECT_EQ(OneErrorLine(Train({"--nproc_per_node=many"})),
+            "train: --nproc_per_node=many is not an integer, gpu, cpu or auto");
+  // cpu: one rank per CPU this process may run on; the batch check names
+  // the count without starting them.
+  const std::string cpu = OneErrorLine(Train({"--nproc_per_node=cpu", "--dataset=synthetic",
+                                              "--model=mlp", "--batch_size=100000"}));
+  EXPECT_TRUE(std::regex_match(cpu, std::regex(R"(train: --batch_size=100000 is larger than the .* )"
+                                               R"(training samples each of the \d+ ranks? gets .*)")))
+      << cpu;
 }
 
 // A refused run creates no folder (the checkpoint's folder is made only
@@ -160,10 +194,61 @@ TEST(TrainCliTest, CheckpointOfAnotherModelListsTheKeys) {
                 "--checkpoint path");
 }
 
+// A resumed run continues the saved schedule or is refused, before any rank
+// starts (a cosine checkpoint used to continue under --scheduler=step, and
+// a changed --lr gave way to the saved one without a word).
+TEST(TrainCliTest, CheckpointOfAnotherScheduleOrRateIsRefusedInOneLine) {
+  const std::string dir = testing::MakeTempDir("schedule");
+  const std::string ckpt = dir + "/mlp.safetensors";
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=256",
+                                          "--test_samples=64",   "--batch_size=32", "--max_steps=2",
+                                          "--workers=0",         "--checkpoint=" + ckpt};
+  const RunOutput made = Train(quick);  // 2 ranks, 4 steps per epoch
+  ASSERT_EQ(made.exit_code, 0) << made.out << made.err;
+  std::vector<std::string> args = quick;
+  args.insert(args.end(), {"--resume", "--scheduler=step"});
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: checkpoint " + ckpt + " was saved with --scheduler=cosine and this run has "
+            "--scheduler=step; pass --scheduler=cosine to continue that run, or another "
+            "--checkpoint path to start afresh");
+  args = quick;
+  args.insert(args.end(), {"--resume", "--lr=0.1"});
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: checkpoint " + ckpt + " was saved with --lr=0.05 and this run has --lr=0.1; "
+            "pass --lr=0.05 to continue that run, or another --checkpoint path to start afresh");
+  args = quick;
+  args.insert(args.end(), {"--resume", "--max_steps=0"});
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: the cosine schedule of checkpoint " + ckpt + " ends at step 2, as "
+            "--max_steps=2 set it, and this run's --max_steps=0 would end it at step 8; pass "
+            "--max_steps=2 to continue that run, or another --checkpoint path to start afresh");
+}
+
 TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
             "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "
             "not writable); choose a writable path, or --checkpoint=none");
+}
+
+// A folder for --checkpoint would be found only when the first epoch's
+// checkpoint cannot be written over it.
+TEST(TrainCliTest, CheckpointThatNamesAFolderIsRefusedAtTheStart) {
+  const std::string dir = testing::MakeTempDir("ckpt_folder");
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=128",
+                                          "--test_samples=32",   "--batch_size=16", "--max_steps=2",
+                                          "--workers=0",         "--nproc_per_node=1"};
+  std::vector<std::string> args = quick;
+  args.push_back("--checkpoint=" + dir);
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --checkpoint=" + dir + " is a folder; it names the checkpoint file itself: pass "
+            "--checkpoint=" + dir + "/mlp_synthetic.safetensors, for example, or --checkpoint=none");
+  args = quick;
+  args.push_back("--checkpoint=" + dir + "/new/");
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --checkpoint=" + dir + "/new/ ends in '/'; it names the checkpoint file itself: "
+            "pass --checkpoint=" + dir + "/new/mlp_synthetic.safetensors, for example, or "
+            "--checkpoint=none");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/new")) << "a refused run made the folder";
 }
 
 TEST(TrainCliTest, ResumeWithoutACheckpointSaysHowToMakeOne) {

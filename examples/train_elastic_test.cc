@@ -48,21 +48,25 @@ TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {
   const std::string checkpoint = dir + "/ckpt.safetensors";
   const int port = FreePort();
   ASSERT_GT(port, 0);
-  auto launcher = [&] {
+  // The first launcher serves the store (is_host=true): it is node 0 and
+  // stays; the second joins it (is_host=false), however late it starts.
+  // 5 s of silence (not 2) declare a node dead, so that a live launcher
+  // starved on a loaded machine is not; the second has 5 s after node 0 is
+  // up to join the first round.
+  auto launcher = [&](bool host) {
     return std::vector<std::string>{
         Runfile("transport/launch/ddprun"), "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:" + std::to_string(port), "--rdzv_id=elastic_test",
-        "--nnodes=1:2", "--nproc_per_node=1", "--max_restarts=1", "--node_timeout=2",
-        "--grace_period=1", "--rdzv_conf=last_call_timeout=2", Runfile("examples/train"),
+        "--nnodes=1:2", "--nproc_per_node=1", "--max_restarts=1", "--node_timeout=5",
+        "--grace_period=1", "--rdzv_conf=last_call_timeout=5",
+        std::string("--rdzv_conf=is_host=") + (host ? "true" : "false"), Runfile("examples/train"),
         "--dataset=synthetic", "--model=mlp", "--train_samples=1024", "--test_samples=128",
         "--batch_size=16", "--epochs=40", "--workers=0", "--checkpoint_every=32",
         "--checkpoint=" + checkpoint};
   };
   const std::vector<std::pair<std::string, std::string>> env = {{"DDP_JOB_TOKEN", "elastic-test-token"}};
-  // The first launcher can listen on the endpoint: it is node 0 and stays.
-  Subprocess first(launcher(), env);
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  Subprocess second(launcher(), env);
+  Subprocess first(launcher(true), env);
+  Subprocess second(launcher(false), env);
 
   const auto deadline = Clock::now() + std::chrono::seconds(120);
   while (CheckpointStep(checkpoint) < 64 && Clock::now() < deadline &&
@@ -105,22 +109,28 @@ class PrivateDiskTest : public ::testing::Test {
 
   // Two ddprun launchers of one rank each, on `port`, allowing
   // `max_restarts`, running the trainer with `flags` added; node 1's sees
-  // an empty folder instead of dir_.
+  // an empty folder instead of dir_. The roles are given (is_host), not
+  // left to whichever launcher listens first; 5 s of silence declare a
+  // node dead, so that a live launcher starved on a loaded machine is not.
   void Start(int port, int max_restarts, const std::vector<std::string>& flags) {
-    std::vector<std::string> launcher = {
-        Runfile("transport/launch/ddprun"), "--rdzv_backend=c10d",
-        "--rdzv_endpoint=127.0.0.1:" + std::to_string(port), "--rdzv_id=private_disk_test",
-        "--nnodes=2", "--nproc_per_node=1", "--node_timeout=2", "--grace_period=1",
-        "--max_restarts=" + std::to_string(max_restarts)};
-    const std::vector<std::string> train = Train();
-    launcher.insert(launcher.end(), train.begin(), train.end());
-    launcher.insert(launcher.end(), flags.begin(), flags.end());
+    auto launcher = [&](bool host) {
+      std::vector<std::string> argv = {
+          Runfile("transport/launch/ddprun"), "--rdzv_backend=c10d",
+          "--rdzv_endpoint=127.0.0.1:" + std::to_string(port), "--rdzv_id=private_disk_test",
+          "--nnodes=2", "--nproc_per_node=1", "--node_timeout=5", "--grace_period=1",
+          std::string("--rdzv_conf=is_host=") + (host ? "true" : "false"),
+          "--max_restarts=" + std::to_string(max_restarts)};
+      const std::vector<std::string> train = Train();
+      argv.insert(argv.end(), train.begin(), train.end());
+      argv.insert(argv.end(), flags.begin(), flags.end());
+      return argv;
+    };
     const std::vector<std::pair<std::string, std::string>> env = {{"DDP_JOB_TOKEN", "private-disk-token"}};
-    node0_ = std::make_unique<Subprocess>(launcher, env);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    node0_ = std::make_unique<Subprocess>(launcher(true), env);
     std::vector<std::string> private_disk = {"/usr/bin/unshare", "--mount", "/bin/sh", "-c",
                                              "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", dir_};
-    private_disk.insert(private_disk.end(), launcher.begin(), launcher.end());
+    const std::vector<std::string> node1 = launcher(false);
+    private_disk.insert(private_disk.end(), node1.begin(), node1.end());
     node1_ = std::make_unique<Subprocess>(private_disk, env);
   }
 
@@ -130,16 +140,17 @@ class PrivateDiskTest : public ::testing::Test {
 
 // --resume: every rank resumes from the bytes rank 0 read.
 TEST_F(PrivateDiskTest, ResumeWorksWhenOnlyNodeZeroSeesTheCheckpoint) {
-  // One epoch on one rank: 64 steps, saved at the end.
+  // One epoch on one rank: 64 steps, saved at the end. Without a schedule,
+  // which a run longer than the saved one could not continue.
   std::vector<std::string> first_run = Train();
-  first_run.insert(first_run.end(), {"--epochs=1", "--nproc_per_node=1"});
+  first_run.insert(first_run.end(), {"--epochs=1", "--nproc_per_node=1", "--scheduler=none"});
   const testing::RunOutput before = testing::RunToEnd(first_run);
   ASSERT_EQ(before.exit_code, 0) << before.out << before.err;
   ASSERT_EQ(CheckpointStep(checkpoint_), 64);
 
   const int port = FreePort();
   ASSERT_GT(port, 0);
-  Start(port, 0, {"--epochs=2", "--resume"});
+  Start(port, 0, {"--epochs=2", "--resume", "--scheduler=none"});
   EXPECT_EQ(node1_->Wait(std::chrono::seconds(120)), 0) << node1_->Stderr();
   ASSERT_EQ(node0_->Wait(std::chrono::seconds(120)), 0) << node0_->Stdout() << node0_->Stderr();
   const std::string out = node0_->Stdout();

@@ -23,11 +23,14 @@ using testing::RunOutput;
 using testing::RunToEnd;
 using testing::Runfile;
 
+// No learning-rate schedule: each resume below runs longer (--max_steps)
+// than the checkpoint's run, whose schedule it could not continue.
 std::vector<std::string> Args(const std::string& dir, std::vector<std::string> extra) {
   std::vector<std::string> args = {Runfile("examples/train"), "--dataset=synthetic", "--model=cnn",
                                    "--train_samples=256",      "--test_samples=64",
                                    "--batch_size=16",          "--epochs=2",
                                    "--workers=1",              "--nproc_per_node=2",
+                                   "--scheduler=none",
                                    "--checkpoint=" + dir + "/ckpt.safetensors"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;

@@ -74,8 +74,9 @@ DEFINE_string(device, "cpu",
 DEFINE_bool(flush_denormal, true,
             "treat subnormal floats as zero on the CPU (x86 FTZ/DAZ): avoids a ~100x slow path "
             "in optimizer updates; false keeps IEEE subnormals (PyTorch's default)");
-DEFINE_int32(nproc_per_node, 2,
-             "ranks to start on this machine (ignored under ddprun, srun or mpirun)");
+DEFINE_string(nproc_per_node, "2",
+              "ranks to start on this machine: a number, gpu (one per visible GPU), cpu (one per "
+              "CPU) or auto (gpu if any, else cpu); ignored under ddprun, srun or mpirun");
 DEFINE_int32(max_restarts, 0,
              "when a rank fails, restart every rank up to N times; restarted ranks resume "
              "from this run's last checkpoint (ignored under ddprun: use its --max_restarts)");
@@ -108,7 +109,9 @@ DEFINE_string(checkpoint, "auto",
               "~/.cache/ddp/checkpoints/<model>_<dataset>.safetensors; none: no checkpoints");
 DEFINE_int64(checkpoint_every, 0, "also save every N steps (0: at epoch ends only)");
 DEFINE_bool(resume, false,
-            "continue from --checkpoint (model, optimizer, schedule, epoch and position in it)");
+            "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
+            "the schedule as saved: the same --scheduler, --lr, and --epochs and --max_steps "
+            "that end it where it ended");
 DEFINE_string(log_dir, "",
               "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder");
 DEFINE_int64(log_every, 10, "steps per metrics.csv row");
@@ -359,7 +362,7 @@ int main(int argc, char** argv) {
 
   namespace launch = ddp::transport::launch;
   const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
-  int world_size = FLAGS_nproc_per_node;
+  int world_size = 1;
   int rank = 0;
   int restart = 0;
   std::string job_token;
@@ -370,12 +373,16 @@ int main(int argc, char** argv) {
     rank = env->rank;
     restart = env->restart_count;
     job_token = env->job_token;
-  } else if (FLAGS_nproc_per_node < 1) {
-    Fail(2, 0, 1, "--nproc_per_node=" + std::to_string(FLAGS_nproc_per_node) +
-                      " must be at least 1");
-  } else if (FLAGS_max_restarts < 0) {
-    Fail(2, 0, 1, "--max_restarts=" + std::to_string(FLAGS_max_restarts) +
-                      " must not be negative");
+  } else {
+    // torchrun's forms, resolved as SelfLaunch resolves them (it reads the
+    // flag again from the original arguments).
+    auto nproc = launch::ParseNprocPerNode(FLAGS_nproc_per_node, launch::CurrentEnvironment());
+    if (!nproc.ok()) Fail(2, 0, 1, nproc.status().message());
+    world_size = *nproc;
+    if (FLAGS_max_restarts < 0) {
+      Fail(2, 0, 1, "--max_restarts=" + std::to_string(FLAGS_max_restarts) +
+                        " must not be negative");
+    }
   }
 
   TrainConfig config = ConfigFromFlags(world_size);
@@ -394,7 +401,7 @@ int main(int argc, char** argv) {
     args.push_back(nullptr);
     int args_count = static_cast<int>(original.size());
     launch::SelfLaunchOptions options;
-    options.default_nproc_per_node = FLAGS_nproc_per_node;
+    options.default_nproc_per_node = world_size;
     options.max_restarts = FLAGS_max_restarts;
     // Only rank 0 prints progress, and it needs the terminal itself (not a
     // pipe) to draw the live bar; other ranks print errors only, prefixed.

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -16,6 +17,7 @@
 #include "examples/testing/subprocess.h"
 #include "examples/trainer/svg_chart.h"
 #include "gtest/gtest.h"
+#include "nn/io/checkpoint.h"
 
 namespace ddp::examples {
 namespace {
@@ -129,6 +131,95 @@ TEST(TrainRunTest, ChromiumShowsBothCurvesOfTheChart) {
   EXPECT_GT(image.CountColor(0xffffff, 8), image.width * image.height / 2);
 }
 
+// The test loss of the last evaluation row of `dir`/metrics.csv (NaN: none).
+double LastTestLoss(const std::string& dir) {
+  const std::vector<std::string> csv = Lines(ReadFile(dir + "/metrics.csv"));
+  for (auto it = csv.rbegin(); it != csv.rend(); ++it) {
+    std::smatch m;
+    if (std::regex_match(*it, m, std::regex(R"(\d+,\d+,,,,([0-9.e+-]+),[0-9.]+)"))) return std::stod(m[1]);
+  }
+  return NAN;
+}
+
+// Without --sync_bn each rank's BatchNorm running statistics follow its own
+// batches. The test loss of 2 ranks, each scoring its half of the test set,
+// must be that of rank 0's model, the one saved, which a resumed run scores
+// on one rank: every rank evaluates with rank 0's statistics. (With its own,
+// this run's loss was off by 0.4%.)
+TEST(TrainRunTest, EveryRankEvaluatesWithRankZerosBatchNormStatistics) {
+  const std::string dir = testing::MakeTempDir("bn_eval");
+  // Batches of 2 make the ranks' statistics differ clearly.
+  const std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=32",
+      "--test_samples=64",       "--batch_size=2",      "--max_steps=3",      "--workers=0",
+      "--checkpoint=" + dir + "/ckpt.safetensors"};
+  std::vector<std::string> two = args;
+  two.push_back("--log_dir=" + dir + "/two");
+  const RunOutput trained = RunToEnd(two);
+  ASSERT_EQ(trained.exit_code, 0) << trained.out << trained.err;
+  std::vector<std::string> one = args;
+  one.insert(one.end(), {"--log_dir=" + dir + "/one", "--resume", "--nproc_per_node=1"});
+  const RunOutput scored = RunToEnd(one);
+  ASSERT_EQ(scored.exit_code, 0) << scored.out << scored.err;
+  const double two_ranks = LastTestLoss(dir + "/two");
+  const double one_rank = LastTestLoss(dir + "/one");
+  ASSERT_FALSE(std::isnan(two_ranks)) << ReadFile(dir + "/two/metrics.csv");
+  ASSERT_FALSE(std::isnan(one_rank)) << ReadFile(dir + "/one/metrics.csv");
+  // metrics.csv has 6 digits; other batch sizes may round differently.
+  EXPECT_NEAR(two_ranks, one_rank, 1e-4 * one_rank);
+}
+
+// A 2-rank run's checkpoint after its first epoch, resumed on 1 rank, which
+// takes twice the steps per epoch: the cosine schedule still ends at 0 with
+// the run (it used to end 4 steps past it), and RESULT counts 2 epochs (it
+// divided all steps by 1 rank's steps per epoch: 1.50).
+TEST(TrainRunTest, ResumedOnFewerRanksTheScheduleEndsWithTheRun) {
+  const std::string dir = testing::MakeTempDir("fewer_ranks");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  // 2 epochs of 4 steps on 2 ranks, of 8 on 1.
+  const std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp", "--train_samples=256",
+      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--log_every=1",
+      "--checkpoint=" + ckpt};
+  const RunOutput two = RunToEnd(args);
+  ASSERT_EQ(two.exit_code, 0) << two.out << two.err;
+  // As if stopped after epoch 1 (too short a run to stop reliably there).
+  nn::io::Checkpoint c = nn::io::LoadCheckpoint(ckpt);
+  ASSERT_EQ(c.metadata.at("step"), "8");
+  c.metadata["epoch"] = "1";
+  c.metadata["batch_in_epoch"] = "0";
+  c.metadata["step"] = "4";
+  c.metadata["epoch_loss_sum"] = "0";
+  c.metadata["epoch_loss_count"] = "0";
+  bool found = false;
+  for (auto& [name, t] : c.optimizer) {
+    if (name == "scheduler.step") {
+      t = nn::FromVectorOf<int64_t>({4}, {});
+      found = true;
+    }
+  }
+  ASSERT_TRUE(found);
+  nn::io::SaveCheckpoint(ckpt, c);
+
+  std::vector<std::string> one = args;
+  one.insert(one.end(), {"--resume", "--nproc_per_node=1", "--log_dir=" + dir + "/logs"});
+  const RunOutput r = RunToEnd(one);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("  note: the cosine schedule now ends at step 12, where this run ends "
+                       "(after --epochs=2 at 8 steps per epoch), instead of the checkpoint's step 8"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("RESULT model=mlp ranks=1 epochs=2 "), std::string::npos) << r.out;
+  // The learning rate after each step (a row per step): the last is 0.
+  std::string last_step_row;
+  for (const std::string& row : Lines(ReadFile(dir + "/logs/metrics.csv"))) {
+    if (std::regex_match(row, std::regex(R"(\d+,\d+,[^,]+,[^,]+,[^,]+,,)"))) last_step_row = row;
+  }
+  EXPECT_EQ(last_step_row.rfind("12,2,", 0), 0u) << last_step_row;
+  EXPECT_NE(last_step_row.find(",0,"), std::string::npos)
+      << "the learning rate did not reach 0 at the run's end: " << last_step_row;
+}
+
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -162,6 +253,34 @@ TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
   EXPECT_NE(ranks[0]->Stdout().find("RESULT model=mlp ranks=2 epochs=1 "), std::string::npos)
       << ranks[0]->Stdout();
   EXPECT_EQ(ranks[1]->Stdout(), "") << "only rank 0 talks";
+}
+
+// Under a launcher no CheckSetup runs before the ranks start: rank 0 checks
+// the paths it writes at setup, and every rank stops with its message
+// before training (not rank 0 alone at the first save, an epoch later).
+TEST(TrainRunTest, UnwritableCheckpointStopsEveryLaunchedRankBeforeTraining) {
+  const std::string dir = testing::MakeTempDir("launched_unwritable");
+  const std::string port = std::to_string(FreePort());
+  std::vector<std::unique_ptr<testing::Subprocess>> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::string> args = QuickRun(dir);
+    args.push_back("--epochs=1");
+    args.push_back("--checkpoint=/proc/self/ckpt.safetensors");
+    ranks.push_back(std::make_unique<testing::Subprocess>(
+        args, std::vector<std::pair<std::string, std::string>>{{"RANK", std::to_string(rank)},
+                                                               {"WORLD_SIZE", "2"},
+                                                               {"MASTER_ADDR", "127.0.0.1"},
+                                                               {"MASTER_PORT", port}}));
+  }
+  const std::string message =
+      "cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: not writable); "
+      "choose a writable path, or --checkpoint=none";
+  for (int rank = 0; rank < 2; ++rank) {
+    testing::Subprocess& p = *ranks[rank];
+    EXPECT_EQ(p.Wait(std::chrono::seconds(120)), 2) << p.Stdout() << p.Stderr();
+    EXPECT_EQ(p.Stderr(), "train: " + std::string(rank > 0 ? "rank 1: " : "") + message + "\n");
+    EXPECT_EQ(p.Stdout().find("epoch 1/1"), std::string::npos) << "it trained: " << p.Stdout();
+  }
 }
 
 }  // namespace

@@ -14,8 +14,9 @@ PACKAGES=(
   libucx-dev ucx-utils libhwloc-dev
   # common libraries
   libgflags-dev libgoogle-glog-dev nlohmann-json3-dev zlib1g-dev
-  # nn: BLAS and oneDNN
-  libopenblas-dev libdnnl-dev
+  # nn: BLAS (the pthread build, whose headers third_party/blas names: the
+  # openmp or serial variant would also satisfy libopenblas-dev) and oneDNN
+  libopenblas-dev libopenblas-pthread-dev libdnnl-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # fuzzing (--config=fuzz): clang and its libFuzzer and sanitizer runtimes

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -56,6 +58,9 @@ constexpr milliseconds kEchoPoll{10};
 // (the peer's process and the job's abort key), then between checks.
 constexpr milliseconds kP2pWatchdogAfter{10};
 constexpr milliseconds kP2pWatchdogPeriod{100};
+// How long one poll of a point-to-point request waits for the worker while
+// another thread's call holds it.
+constexpr milliseconds kP2pPollHold{5};
 
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
@@ -121,6 +126,56 @@ struct ServedStore {
   std::unique_ptr<store::TcpStoreServer> server;
   std::mutex mu;
   std::vector<std::pair<std::string, int>> users;  // under mu
+};
+
+// The store as creation uses it: a wait for another rank's key also watches
+// the job's abort key, which a rank whose creation failed posts (Create),
+// so the others fail within moments with its reason instead of waiting out
+// the creation deadline for a key it will never write.
+class WatchfulStore : public store::Store {
+ public:
+  WatchfulStore(store::Store& inner, std::string abort_key)
+      : inner_(inner), abort_key_(std::move(abort_key)) {}
+
+  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
+    return inner_.Set(key, value, deadline);
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
+    while (true) {
+      StatusOr<std::string> got = inner_.Get(key, Slice(deadline));
+      if (got.ok() || got.status().code() != StatusCode::kTimedOut || Clock::now() >= deadline) return got;
+      DDP_RETURN_IF_ERROR(Posted(deadline));
+    }
+  }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
+    return inner_.TryGet(key, deadline);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
+    return inner_.Add(key, delta, deadline);
+  }
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override {
+    while (true) {
+      Status waited = inner_.Wait(keys, Slice(deadline));
+      if (waited.ok() || waited.code() != StatusCode::kTimedOut || Clock::now() >= deadline) return waited;
+      DDP_RETURN_IF_ERROR(Posted(deadline));
+    }
+  }
+  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
+    return inner_.Delete(key, deadline);
+  }
+
+ private:
+  static constexpr milliseconds kSlice{200};
+  static Deadline Slice(Deadline deadline) { return std::min(deadline, Clock::now() + kSlice); }
+  // The reason another rank posted, as an error; OK when none.
+  Status Posted(Deadline deadline) {
+    StatusOr<std::optional<std::string>> posted = inner_.TryGet(abort_key_, deadline);
+    if (posted.ok() && posted->has_value()) return fault::PeerMonitor::DecodeAbort(**posted);
+    return Status::Ok();
+  }
+
+  store::Store& inner_;
+  std::string abort_key_;
 };
 
 }  // namespace
@@ -202,6 +257,21 @@ class Communicator::Impl {
   ~Impl();
 
   Status Init();
+  // After a failed Init: posts `status` as the job's abort reason (unless one
+  // is posted already), where the others' creation waits see it.
+  void PostCreationFailure(const Status& status) {
+    const Status reason(status.code(), "creating its communicator: " + status.message());
+    if (monitor_ != nullptr) {
+      Abort(reason, std::nullopt).IgnoreError();
+      return;
+    }
+    if (store_ == nullptr) return;
+    const Deadline deadline = DeadlineIn(kAbortStoreTime);
+    const std::string key = prefix_ + "abort";
+    StatusOr<std::optional<std::string>> existing = store_->TryGet(key, deadline);
+    if (!existing.ok() || existing->has_value()) return;
+    store_->Set(key, fault::PeerMonitor::EncodeAbort(options_.rank, reason), deadline).IgnoreError();
+  }
 
   // Runs `body` on the caller's thread after earlier async calls finished.
   Status RunBlocking(const CallOptions& call, const Body& body);
@@ -362,6 +432,45 @@ class Communicator::Impl {
     }
     return Status::Ok();
   }
+  // The send and receive buffers of a collective that reads one and writes
+  // the other: aligned to the element size, and overlapping only in place,
+  // where `recv` starts `in_place` bytes after `send` (negative: before),
+  // as `rule` says.
+  // Checked here, before any engine: the shared-memory one reads and writes
+  // both directly and cannot take a partial overlap either.
+  Status CheckLayout(const void* send, size_t send_elems, const void* recv, size_t recv_elems,
+                     DataType dtype, std::ptrdiff_t in_place, const char* rule, const char* what) const {
+    const size_t es = DataTypeSize(dtype);
+    if (std::max(send_elems, recv_elems) > std::numeric_limits<size_t>::max() / es) {
+      return InvalidArgumentError(std::string(what) + ": " + std::to_string(std::max(send_elems, recv_elems)) +
+                                  " elements of " + DataTypeName(dtype) + " overflow the address space");
+    }
+    const auto s = reinterpret_cast<uintptr_t>(send), r = reinterpret_cast<uintptr_t>(recv);
+    if ((send_elems > 0 && s % es != 0) || (recv_elems > 0 && r % es != 0)) {
+      const char* which = s == r ? "" : send_elems > 0 && s % es != 0 ? "send " : "receive ";
+      return InvalidArgumentError(std::string(what) + ": the " + which + "buffer is not aligned to the " +
+                                  std::to_string(es) + "-byte size of " + DataTypeName(dtype));
+    }
+    if (send_elems == 0 || recv_elems == 0) return Status::Ok();
+    const bool overlap = s < r + recv_elems * es && r < s + send_elems * es;
+    if (overlap && static_cast<std::ptrdiff_t>(r - s) != in_place) {
+      return InvalidArgumentError(std::string(what) +
+                                  ": the send and receive buffers overlap other than in place (" + rule + ")");
+    }
+    return Status::Ok();
+  }
+  // count elements per rank times the ranks (saturating: CheckLayout then
+  // reports the overflow).
+  size_t AllBlocks(size_t count) const {
+    const auto ranks = static_cast<size_t>(options_.world_size);
+    return count > std::numeric_limits<size_t>::max() / ranks ? std::numeric_limits<size_t>::max()
+                                                              : count * ranks;
+  }
+  // Bytes of this rank's block, for the in-place layouts of all-gather and
+  // reduce-scatter (count elements per rank).
+  std::ptrdiff_t OwnBlock(size_t count, DataType dtype) const {
+    return static_cast<std::ptrdiff_t>(static_cast<size_t>(options_.rank) * count * DataTypeSize(dtype));
+  }
   Status CheckTypes(DataType dtype, ReduceOp op, bool uses_op) const {
     if (!ValidDataType(dtype)) {
       return InvalidArgumentError("unknown dtype " + std::to_string(static_cast<int>(dtype)));
@@ -443,6 +552,7 @@ class Communicator::Impl {
   // client, then the server.
   std::shared_ptr<ServedStore> server_;
   std::unique_ptr<store::TcpStoreClient> store_;
+  std::unique_ptr<WatchfulStore> setup_store_;  // store_ as Init waits on it
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
   topology::Topology real_topology_;  // as discovered
@@ -477,7 +587,10 @@ class Communicator::Impl {
   std::vector<char> through_whole_;
   std::vector<char> through_slice_;
 
-  std::mutex run_mu_;     // held by whichever thread drives UCX / shm
+  // Held by whichever thread drives UCX / shm. Timed: a blocking call
+  // gives up at its deadline, and a point-to-point poll does not sit out
+  // another thread's whole collective (Work::Wait keeps its own deadline).
+  std::timed_mutex run_mu_;
   uint64_t sequence_ = 0; // collective number, under run_mu_
 
   std::mutex queue_mu_;
@@ -549,6 +662,7 @@ Status Communicator::Impl::Init() {
   }
   DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
                                                               o.job_token, deadline));
+  setup_store_ = std::make_unique<WatchfulStore>(*store_, prefix_ + "abort");
 
   // 2. Topology: discovered and exchanged (hosts, pids), or from a file for
   // the algorithm choice.
@@ -571,7 +685,7 @@ Status Communicator::Impl::Init() {
       " DDP_SHM_STAGING_BYTES=" + GetEnv("DDP_SHM_STAGING_BYTES") +
       " DDP_SHM_CHUNK_BYTES=" + GetEnv("DDP_SHM_CHUNK_BYTES");
   DDP_ASSIGN_OR_RETURN(topology::Exchanged exchanged,
-                       topology::ExchangeTopology(*store_, prefix_, o.rank, o.world_size, local,
+                       topology::ExchangeTopology(*setup_store_, prefix_, o.rank, o.world_size, local,
                                                   deadline));
   const topology::Topology& real = exchanged.topology;
   single_host_ = real.num_hosts() == 1;
@@ -623,7 +737,7 @@ Status Communicator::Impl::Init() {
   std::vector<bool> same_host(o.world_size);
   std::vector<int> local_pids(o.world_size, 0);
   for (int r = 0; r < o.world_size; ++r) {
-    DDP_ASSIGN_OR_RETURN(addresses[r], store_->Get(prefix_ + "ucx/" + std::to_string(r), deadline));
+    DDP_ASSIGN_OR_RETURN(addresses[r], setup_store_->Get(prefix_ + "ucx/" + std::to_string(r), deadline));
     same_host[r] = real.SameHost(r, o.rank);
     if (same_host[r]) local_pids[r] = exchanged.pids[r];
   }
@@ -647,13 +761,16 @@ Status Communicator::Impl::Init() {
     shm_options.rank = o.rank;
     shm_options.size = o.world_size;
     shm_options.pids = exchanged.pids;
-    auto engine = shm::ShmAllReduce::Create(*store_, prefix_ + "shm/", shm_options, deadline);
+    auto engine = shm::ShmAllReduce::Create(*setup_store_, prefix_ + "shm/", shm_options, deadline);
     if (engine.ok()) {
       shm_ = std::move(*engine);
     } else if (engine.status().code() != StatusCode::kUnavailable) {
       return engine.status();
+    } else {
+      // UNAVAILABLE (no segment on some rank, no CMA permission): every
+      // rank decided the same; UCX only.
+      info_.shared_memory_unavailable = engine.status().message();
     }
-    // UNAVAILABLE (no CMA permission): every rank decided the same; UCX only.
   }
   info_.shared_memory = shm_ != nullptr;
 
@@ -730,12 +847,14 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
     }
     shm_options.names = groups.intra;  // messages name ranks of the job
     auto made = shm::ShmAllReduce::Create(
-        *store_, prefix_ + "shm-host" + std::to_string(groups.intra[0]) + "/", shm_options,
+        *setup_store_, prefix_ + "shm-host" + std::to_string(groups.intra[0]) + "/", shm_options,
         deadline);
     if (made.ok()) {
       engine = std::move(*made);
     } else if (made.status().code() != StatusCode::kUnavailable) {
       return made.status();
+    } else {
+      info_.shared_memory_unavailable = made.status().message();
     }
   }
   // Every rank counts itself in "seen" after its verdict in "able"; the
@@ -747,7 +866,7 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
     DDP_ASSIGN_OR_RETURN(const int64_t total, store_->Add(prefix_ + "shm-hosts/able", 0, deadline));
     DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "shm-hosts/total", std::to_string(total), deadline));
   }
-  DDP_ASSIGN_OR_RETURN(const std::string total, store_->Get(prefix_ + "shm-hosts/total", deadline));
+  DDP_ASSIGN_OR_RETURN(const std::string total, setup_store_->Get(prefix_ + "shm-hosts/total", deadline));
   if (total != std::to_string(o.world_size)) return Status::Ok();
   DDP_ASSIGN_OR_RETURN(p2p::GroupView inter, p2p::GroupView::Create(*p2p_, groups.inter));
   host_inter_ = std::make_unique<p2p::GroupView>(std::move(inter));
@@ -903,7 +1022,14 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
       if (Status queued = WaitForQueue(deadline); !queued.ok()) return Abort(queued, deadline);
     }
   }
-  std::lock_guard run(run_mu_);
+  std::unique_lock run(run_mu_, std::defer_lock);
+  if (!run.try_lock_until(deadline)) {
+    // Another thread's call held the communicator past this one's deadline;
+    // this rank would now be a collective behind its peers.
+    return Abort(TimedOutError("the communicator was busy with another thread's call until this "
+                               "call's deadline"),
+                 deadline);
+  }
   if (aborted()) return aborted_reason();
   Status status = body(deadline);
   if (!status.ok()) return Abort(status, deadline);
@@ -1392,6 +1518,9 @@ Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* sr
   auto* out = static_cast<std::byte*>(dst);
   const auto* in = static_cast<const std::byte*>(src);
   auto copy = [&]() -> Status {
+    // A staged call whose bounded drain gave up may have left a copy out of
+    // slot 0 queued; it must finish before the slot is written.
+    DDP_RETURN_IF_ERROR(engine->WaitAll(deadline));
     for (size_t offset = 0; offset < bytes; offset += engine->slot_bytes()) {
       const size_t n = std::min(engine->slot_bytes(), bytes - offset);
       if (to_device) {
@@ -1446,7 +1575,10 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
     if (state == nullptr) return;
     Status failure;
     {
-      std::lock_guard run(run_mu_);
+      // Briefly: the communicator's thread may be inside a collective, and
+      // the caller's Work::Wait checks its own deadline between polls.
+      std::unique_lock run(run_mu_, std::defer_lock);
+      if (!run.try_lock_for(kP2pPollHold)) return;
       if (state->done) return;
       if (aborted()) {
         p2p_->Cancel(id);
@@ -1504,8 +1636,9 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorO
   auto impl = std::make_unique<Impl>(options);
   Status status = impl->Init();
   if (!status.ok()) {
-    // Tell the ranks still forming the job instead of letting them time out.
-    impl->Abort(status, std::nullopt).IgnoreError();
+    // Tell the ranks still forming the job instead of letting them time out
+    // (their creation waits watch the abort key; see WatchfulStore).
+    impl->PostCreationFailure(status);
     return Status(status.code(), "rank " + std::to_string(options.rank) +
                                      ": creating the communicator: " + status.message());
   }
@@ -1600,7 +1733,7 @@ int Communicator::local_rank() const { return impl_->options_.local_rank; }
 int Communicator::local_size() const { return impl_->options_.local_world_size; }
 const CommunicatorInfo& Communicator::info() const { return impl_->info_; }
 void Communicator::SetBusyThreadsPerRank(int busy_threads_per_rank) {
-  std::lock_guard<std::mutex> lock(impl_->run_mu_);
+  std::lock_guard lock(impl_->run_mu_);
   impl_->options_.busy_threads_per_rank = busy_threads_per_rank;
   impl_->ApplyIdlePolicy();
 }
@@ -1622,6 +1755,7 @@ Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataT
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) {
@@ -1642,6 +1776,8 @@ Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce-through send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce-through receive buffer"));
+  DDP_RETURN_IF_ERROR(
+      impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce-through"));
   if (!apply) return InvalidArgumentError("all-reduce-through: no slice function");
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce-through"));
   if (device >= 0) {
@@ -1668,6 +1804,7 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
                                const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckLayout(buffer, count, buffer, 0, dtype, 0, "", "broadcast"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(root, "broadcast root"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
   // A CUDA-enabled UCX takes the device buffer as it is: broadcast only
@@ -1685,6 +1822,9 @@ Status Communicator::AllGather(const void* send, void* recv, size_t count, DataT
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-gather send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, count, recv, impl_->AllBlocks(count), dtype,
+                                         -impl_->OwnBlock(count, dtype), "send == recv + rank * count",
+                                     "all-gather"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-gather"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
@@ -1698,6 +1838,9 @@ Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, D
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, impl_->AllBlocks(count), recv, count, dtype,
+                                         impl_->OwnBlock(count, dtype), "recv == send + rank * count",
+                                     "reduce-scatter"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) {
@@ -1918,6 +2061,7 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) {
@@ -1932,6 +2076,7 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
                                   const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckLayout(buffer, count, buffer, 0, dtype, 0, "", "broadcast"));
   DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
   const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
@@ -1947,6 +2092,9 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-gather send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckLayout(send, count, recv, impl_->AllBlocks(count), dtype,
+                                     -impl_->OwnBlock(count, dtype), "send == recv + rank * count",
+                                     "all-gather"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-gather"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
@@ -1960,6 +2108,9 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
+  DDP_ASYNC_CHECK(impl_->CheckLayout(send, impl_->AllBlocks(count), recv, count, dtype,
+                                     impl_->OwnBlock(count, dtype), "recv == send + rank * count",
+                                     "reduce-scatter"));
   DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) {

@@ -148,6 +148,11 @@ struct CommunicatorInfo {
   /// Several hosts: the hierarchical all-reduce's steps inside each host
   /// use the shared-memory path.
   bool host_shared_memory = false;
+  /// Why the ranks of this host went without the shared-memory path (one
+  /// could not create or map the segment, or cross-memory attach is not
+  /// permitted): the same text on each of them. Empty when it was not
+  /// tried or they took it.
+  std::string shared_memory_unavailable;
   std::string ucx_tls;         ///< UCX transports in force.
   std::string net_device;      ///< RDMA port chosen for this rank ("" none).
   std::string ring_order;      ///< Rank order of rings, "0 2 1 3".

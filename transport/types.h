@@ -58,11 +58,16 @@ using Clock = std::chrono::steady_clock;
 /// An absolute point in time after which a blocking call gives up.
 using Deadline = Clock::time_point;
 
-/// The deadline `timeout` from now; Clock::time_point::max() for a
-/// non-positive timeout is NOT implied: every wait in the project has a
-/// finite deadline.
+/// The deadline `timeout` from now (a non-positive timeout: now or
+/// earlier, never "no deadline": every wait in the project has one). A
+/// timeout too long for the clock's range (hundreds of years) gives
+/// Deadline::max() instead of wrapping into the past.
 inline Deadline DeadlineIn(std::chrono::milliseconds timeout) {
-  return Clock::now() + timeout;
+  const Deadline now = Clock::now();
+  if (timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(Deadline::max() - now)) {
+    return Deadline::max();
+  }
+  return now + timeout;
 }
 
 /// The stable API version of //transport (bumped on incompatible change).

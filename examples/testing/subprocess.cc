@@ -184,7 +184,11 @@ std::vector<pid_t> Subprocess::Children() const {
     char* end = nullptr;
     const long pid = std::strtol(e->d_name, &end, 10);
     if (end == e->d_name || *end != '\0') continue;
-    if (ParentOf(static_cast<pid_t>(pid)) == pid_) out.push_back(static_cast<pid_t>(pid));
+    if (ParentOf(static_cast<pid_t>(pid)) != pid_) continue;
+    // The group's watcher names itself before leaving the launcher's group.
+    if (getpgid(static_cast<pid_t>(pid)) == getpgid(pid_)) continue;
+    if (ReadFile("/proc/" + std::to_string(pid) + "/comm") == "ddp-watcher\n") continue;
+    out.push_back(static_cast<pid_t>(pid));
   }
   closedir(proc);
   return out;

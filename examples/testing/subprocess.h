@@ -42,7 +42,9 @@ class Subprocess {
   /// Output so far.
   std::string Stdout() const;
   std::string Stderr() const;
-  /// Processes whose parent is this program (its workers), now.
+  /// Processes whose parent is this program and that left its process
+  /// group (its workers, which run in a group of their own), now, less the
+  /// launcher's helper (the group's watcher process, named ddp-watcher).
   std::vector<pid_t> Children() const;
 
  private:

@@ -59,6 +59,12 @@ void ValidateConfig(const TrainConfig& c) {
                        " must be at least 1");
     }
   };
+  // Counts stay integers in the message: "--max_steps=-5", not "-5.000000".
+  auto not_negative = [](const char* flag, int64_t v) {
+    if (v < 0) {
+      throw UsageError(std::string("--") + flag + "=" + std::to_string(v) + " must be at least 0");
+    }
+  };
   auto non_negative = [](const char* flag, double v) {
     if (!(v >= 0) || !std::isfinite(v)) {
       throw UsageError(std::string("--") + flag + "=" + std::to_string(v) +
@@ -70,12 +76,12 @@ void ValidateConfig(const TrainConfig& c) {
   positive("grad_accum_steps", c.grad_accum_steps);
   positive("log_every", c.log_every);
   positive("timeout_s", c.timeout_s);
-  non_negative("max_steps", static_cast<double>(c.max_steps));
-  non_negative("eval_every", static_cast<double>(c.eval_every));
-  non_negative("checkpoint_every", static_cast<double>(c.checkpoint_every));
-  non_negative("train_samples", static_cast<double>(c.train_samples));
-  non_negative("test_samples", static_cast<double>(c.test_samples));
-  non_negative("workers", c.workers);
+  not_negative("max_steps", c.max_steps);
+  not_negative("eval_every", c.eval_every);
+  not_negative("checkpoint_every", c.checkpoint_every);
+  not_negative("train_samples", c.train_samples);
+  not_negative("test_samples", c.test_samples);
+  not_negative("workers", c.workers);
   non_negative("lr", c.lr);
   non_negative("momentum", c.momentum);
   non_negative("weight_decay", c.weight_decay);

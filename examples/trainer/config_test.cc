@@ -29,6 +29,16 @@ TEST(ConfigTest, BadValuesNameTheFlag) {
   TrainConfig c;
   c.batch_size = 0;
   EXPECT_EQ(ErrorOf(c), "--batch_size=0 must be at least 1");
+  // Integer flags are shown as given, not through a double ("-5.000000").
+  c = TrainConfig{};
+  c.max_steps = -5;
+  EXPECT_EQ(ErrorOf(c), "--max_steps=-5 must be at least 0");
+  c = TrainConfig{};
+  c.test_samples = -9007199254740993;  // not a double
+  EXPECT_EQ(ErrorOf(c), "--test_samples=-9007199254740993 must be at least 0");
+  c = TrainConfig{};
+  c.workers = -1;
+  EXPECT_EQ(ErrorOf(c), "--workers=-1 must be at least 0");
   c = TrainConfig{};
   c.amp = "fp8";
   EXPECT_EQ(ErrorOf(c), "unknown --amp=fp8; use one of off, bf16, fp16");

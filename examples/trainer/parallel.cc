@@ -165,6 +165,15 @@ class DdpParallel : public Parallel {
     Guarded("backward", [&] { nn::Backward(loss); });
   }
 
+  void BroadcastBuffers() override {
+    if (pg_->size() == 1) return;
+    // A few small tensors per BatchNorm layer, at evaluations only: one
+    // broadcast each is cheap enough.
+    Guarded("broadcasting the buffers", [&] {
+      for (const auto& [name, b] : ddp_->module()->NamedBuffers()) pg_->Broadcast(b, 0, name).Wait();
+    });
+  }
+
   std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params, const OptimizerFactory& make,
                                           bool overlap) override {
     overlapped_ = nullptr;

@@ -101,6 +101,11 @@ class Parallel {
   /// averaged gradients when it returns.
   virtual void Backward(const nn::Tensor& loss) = 0;
   virtual std::unique_ptr<NoSyncScope> NoSync() = 0;
+  /// Copies rank 0's buffers (BatchNorm running statistics) into every
+  /// rank's model, as DDP does before each training forward; then every
+  /// rank evaluates rank 0's model, the one its checkpoint holds.
+  /// Collective; after Attach. Nothing to do for a model without buffers.
+  virtual void BroadcastBuffers() = 0;
   /// `params` split among the ranks, each rank's part updated by an
   /// optimizer from `make` (ZeroRedundancyOptimizer). Not collective.
   /// `overlap` (--zero_overlap): the parts are DDP's buckets, and each is

@@ -1,8 +1,13 @@
 #include "examples/trainer/train_state.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
+#include <stdexcept>
+#include <vector>
 
 #include "examples/trainer/format.h"
 #include "nn/io/checkpoint.h"
@@ -95,7 +100,130 @@ int64_t MetaInt(const Metadata& m, const std::string& key, const std::string& pa
   }
 }
 
+// The shortest "%g" form that reads back as `v`: "0.05", not
+// "0.050000000000000003", yet 0.05 and 0.0500001 stay apart.
+std::string FlagDouble(double v) {
+  for (int digits = 6;; ++digits) {
+    const std::string s = StringPrintf("%.*g", digits, v);
+    if (digits >= 17 || std::strtod(s.c_str(), nullptr) == v) return s;
+  }
+}
+
+// The f64 scalar `key` of an optimizer state list (NaN when absent).
+double RateIn(const NamedTensors& state, const std::string& key) {
+  for (const auto& [name, t] : state) {
+    if (name == key && t.defined() && t.numel() == 1 && t.dtype() == nn::DType::kFloat64) {
+      return t.Item();
+    }
+  }
+  return NAN;
+}
+
+// The learning-rate schedule of the saved run continues unchanged, or not
+// at all: throws UsageError for another --scheduler or --lr.
+void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainConfig& config) {
+  const std::string restart = " to continue that run, or another --checkpoint path to start afresh";
+  const std::string saved_scheduler = Get(m, "scheduler");
+  if (!saved_scheduler.empty() && saved_scheduler != config.scheduler) {
+    throw UsageError("checkpoint " + path + " was saved with --scheduler=" + saved_scheduler +
+                     " and this run has --scheduler=" + config.scheduler + "; pass --scheduler=" +
+                     saved_scheduler + restart);
+  }
+  if (Get(m, "lr").empty()) return;  // an older trainer's: see LoadTrainCheckpoint
+  double saved_lr = 0;
+  try {
+    saved_lr = ParseExactDouble(Get(m, "lr"));
+  } catch (const std::invalid_argument&) {
+    throw UsageError("--resume: checkpoint " + path +
+                     " has no valid lr; the file was not written by this trainer");
+  }
+  if (saved_lr != config.lr) {
+    throw UsageError("checkpoint " + path + " was saved with --lr=" + FlagDouble(saved_lr) +
+                     " and this run has --lr=" + FlagDouble(config.lr) + "; pass --lr=" +
+                     FlagDouble(saved_lr) + restart);
+  }
+}
+
+// The horizon a resumed schedule continues with: the saved one, or where
+// this run ends when only the steps per epoch changed. Throws UsageError
+// when this run's --epochs or --max_steps would move it: the rate would
+// jump back up (cosine) or drop late (step).
+int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainConfig& config,
+                       const TrainComponents& parts, const TrainPosition& pos,
+                       std::vector<std::string>& notes) {
+  const std::string& kind = parts.schedule->kind();
+  if (Get(m, "schedule_steps").empty()) {
+    // An older trainer's checkpoint: the horizon from this run's flags, as
+    // such checkpoints always resumed.
+    notes.push_back("checkpoint " + path +
+                    " was saved by an older trainer, which did not record where its schedule "
+                    "ends: the " + kind + " schedule ends at step " +
+                    std::to_string(parts.schedule->steps()) + ", as this run's flags set it");
+    return parts.schedule->steps();
+  }
+  const int64_t saved = MetaInt(m, "schedule_steps", path);
+  if (parts.batches_per_epoch < 0) return saved;
+  const int64_t run_end = RunEndStep(config, parts.batches_per_epoch, pos);
+  if (run_end == saved) return saved;
+  std::string then, now;
+  for (const auto& [flag, value] :
+       {std::pair<std::string, int64_t>{"epochs", config.epochs}, {"max_steps", config.max_steps}}) {
+    const std::string was = Get(m, flag);
+    if (!was.empty() && was != std::to_string(value)) {
+      then += " --" + flag + "=" + was;
+      now += " --" + flag + "=" + std::to_string(value);
+    }
+  }
+  if (!then.empty()) {
+    throw UsageError("the " + kind + " schedule of checkpoint " + path + " ends at step " +
+                     std::to_string(saved) + ", as" + then + " set it, and this run's" + now +
+                     " would end it at step " + std::to_string(run_end) + "; pass" + then +
+                     " to continue that run, or another --checkpoint path to start afresh");
+  }
+  // The same run on other ranks, batches or accumulation: another number of
+  // steps per epoch. The schedule ends with the run, as it would have.
+  const int64_t per_epoch =
+      (parts.batches_per_epoch + config.grad_accum_steps - 1) / config.grad_accum_steps;
+  const std::string where =
+      config.max_steps > 0 && run_end == config.max_steps
+          ? "at --max_steps=" + std::to_string(config.max_steps)
+          : "after --epochs=" + std::to_string(config.epochs) + " at " +
+                std::to_string(per_epoch) + " steps per epoch";
+  notes.push_back("the " + kind + " schedule now ends at step " + std::to_string(run_end) +
+                  ", where this run ends (" + where + "), instead of the checkpoint's step " +
+                  std::to_string(saved));
+  return run_end;
+}
+
 }  // namespace
+
+RunSchedule::RunSchedule(std::string kind, int64_t steps) : kind_(std::move(kind)) {
+  if (kind_ != "step" && kind_ != "cosine") {
+    throw std::invalid_argument("RunSchedule: unknown kind `" + kind_ + "`");
+  }
+  set_steps(steps);
+}
+
+void RunSchedule::set_steps(int64_t steps) {
+  steps_ = steps;
+  // Ten times smaller after each third of the run.
+  schedule_ = kind_ == "step" ? nn::optim::StepSchedule(std::max<int64_t>(1, steps / 3), 0.1)
+                              : nn::optim::CosineSchedule(std::max<int64_t>(1, steps));
+}
+
+int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
+                   const TrainPosition& position) {
+  const int64_t accum = config.grad_accum_steps;
+  int64_t end = position.step;
+  if (position.epoch < config.epochs) {
+    // The last step of an epoch takes the micro-batches left, even fewer.
+    const int64_t left = std::max<int64_t>(0, batches_per_epoch - position.batch_in_epoch);
+    end += (left + accum - 1) / accum +
+           (config.epochs - position.epoch - 1) * ((batches_per_epoch + accum - 1) / accum);
+  }
+  if (config.max_steps > 0) end = std::min(end, config.max_steps);
+  return end;
+}
 
 std::string ReadTrainCheckpoint(const std::string& path) {
   std::error_code ec;
@@ -129,6 +257,14 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["optimizer"] = config.optimizer;
   m["scheduler"] = config.scheduler;
   m["amp"] = config.amp;
+  // The schedule: its base rate (the scheduler's, or the constant one), and
+  // the step it ends at with the flags that set it.
+  const double rate = parts.scheduler != nullptr ? parts.scheduler->base_lr()
+                                                 : RateIn(ckpt.optimizer, "lr");
+  if (!std::isnan(rate)) m["lr"] = ExactDouble(rate);
+  if (parts.schedule != nullptr) m["schedule_steps"] = std::to_string(parts.schedule->steps());
+  m["epochs"] = std::to_string(config.epochs);
+  m["max_steps"] = std::to_string(config.max_steps);
   m["epoch"] = std::to_string(pos.epoch);
   m["batch_in_epoch"] = std::to_string(pos.batch_in_epoch);
   m["step"] = std::to_string(pos.step);
@@ -182,6 +318,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                      " state and this run uses --optimizer=" + config.optimizer +
                      "; pass --optimizer=" + saved_optimizer + ", or another --checkpoint path");
   }
+  CheckSameSchedule(path, m, config);
   TrainPosition pos;
   pos.epoch = MetaInt(m, "epoch", path);
   pos.batch_in_epoch = MetaInt(m, "batch_in_epoch", path);
@@ -193,6 +330,33 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     throw UsageError("--resume: checkpoint " + path +
                      " has no valid epoch_loss_sum; the file was not written by this trainer");
   }
+
+  std::vector<std::string> notes;
+  const bool same_order = MetaInt(m, "world_size", path) == world_size &&
+                          MetaInt(m, "batch_size", path) == config.batch_size &&
+                          MetaInt(m, "grad_accum_steps", path) == config.grad_accum_steps &&
+                          Get(m, "seed") == std::to_string(config.seed) &&
+                          Get(m, "dataset") == config.dataset &&
+                          Get(m, "train_samples") == std::to_string(config.train_samples) &&
+                          // Another --data_dir of the same dataset name: other samples.
+                          (parts.train_size < 0 || Get(m, "train_size").empty() ||
+                           Get(m, "train_size") == std::to_string(parts.train_size));
+  if (!same_order && pos.batch_in_epoch > 0) {
+    notes.push_back("the checkpoint was saved in the middle of epoch " +
+                    std::to_string(pos.epoch + 1) + " by a run with another data order (" +
+                    Get(m, "world_size") + " ranks, batch " + Get(m, "batch_size") + ", seed " +
+                    Get(m, "seed") +
+                    (Get(m, "train_size").empty() ? ""
+                                                  : ", " + Get(m, "train_size") + " training samples") +
+                    "); continuing with epoch " + std::to_string(pos.epoch + 2));
+    pos.epoch += 1;
+    pos.batch_in_epoch = 0;
+    pos.epoch_loss_sum = 0;
+    pos.epoch_loss_count = 0;
+  }
+  const int64_t horizon =
+      parts.schedule != nullptr ? ResumedHorizon(path, m, config, parts, pos, notes) : 0;
+
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.
   try {
@@ -201,6 +365,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     } else {
       parts.optimizer->LoadStateDict(ckpt.optimizer);
     }
+    if (parts.schedule != nullptr) parts.schedule->set_steps(horizon);
     if (parts.scheduler != nullptr) parts.scheduler->LoadStateDict(ckpt.optimizer);
     if (parts.scaler != nullptr) parts.scaler->LoadStateDict(ckpt.optimizer);
   } catch (const std::exception& e) {
@@ -213,28 +378,19 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   }
   parts.model->LoadStateDict(ckpt.model);
 
-  const bool same_order = MetaInt(m, "world_size", path) == world_size &&
-                          MetaInt(m, "batch_size", path) == config.batch_size &&
-                          MetaInt(m, "grad_accum_steps", path) == config.grad_accum_steps &&
-                          Get(m, "seed") == std::to_string(config.seed) &&
-                          Get(m, "dataset") == config.dataset &&
-                          Get(m, "train_samples") == std::to_string(config.train_samples) &&
-                          // Another --data_dir of the same dataset name: other samples.
-                          (parts.train_size < 0 || Get(m, "train_size").empty() ||
-                           Get(m, "train_size") == std::to_string(parts.train_size));
-  if (!same_order && pos.batch_in_epoch > 0) {
-    if (note != nullptr) {
-      *note = "the checkpoint was saved in the middle of epoch " + std::to_string(pos.epoch + 1) +
-              " by a run with another data order (" + Get(m, "world_size") + " ranks, batch " +
-              Get(m, "batch_size") + ", seed " + Get(m, "seed") +
-              (Get(m, "train_size").empty() ? "" : ", " + Get(m, "train_size") + " training samples") +
-              "); continuing with epoch " +
-              std::to_string(pos.epoch + 2);
+  if (Get(m, "lr").empty()) {
+    // An older trainer's checkpoint: the rate it saved wins, as it always did.
+    const double rate = RateIn(ckpt.optimizer, parts.scheduler != nullptr ? "scheduler.base_lr" : "lr");
+    if (!std::isnan(rate) && rate != config.lr) {
+      notes.push_back("checkpoint " + path +
+                      " was saved by an older trainer, which did not record --lr: the run "
+                      "continues from its rate " + FlagDouble(rate) + ", not --lr=" +
+                      FlagDouble(config.lr));
     }
-    pos.epoch += 1;
-    pos.batch_in_epoch = 0;
-    pos.epoch_loss_sum = 0;
-    pos.epoch_loss_count = 0;
+  }
+  if (note != nullptr) {
+    note->clear();
+    for (const std::string& n : notes) *note += (note->empty() ? "" : "; ") + n;
   }
   return pos;
 }

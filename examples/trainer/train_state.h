@@ -8,15 +8,18 @@
 //   optim.*   optimizer state (step counts, momentum or Adam moments, f32
 //             master copies), LR scheduler step, loss-scaler state
 //   metadata  position (epoch, micro-batch in the epoch, optimizer step), the
-//             running loss sums of the epoch (exact, as hex floats), and the
+//             running loss sums of the epoch (exact, as hex floats), the
 //             settings that decide the data order (model, dataset, ranks,
-//             batch size, accumulation, seed)
+//             batch size, accumulation, seed), and the learning-rate
+//             schedule (--scheduler, --lr, the step it ends at, and the
+//             --epochs and --max_steps that set that step)
 //
 // The data loader's order is a pure function of (seed, epoch, position), so
 // the position is all a resumed run needs to see the same batches.
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "examples/trainer/config.h"
@@ -39,6 +42,32 @@ struct TrainPosition {
   int64_t epoch_loss_count = 0;
 };
 
+/// --scheduler's learning-rate schedule over a horizon, the optimizer step
+/// it ends at: step (x0.1 after each third of it) or cosine (to 0 at it). A
+/// resumed run continues the saved one's horizon (LoadTrainCheckpoint sets
+/// it), not the one its own flags give.
+class RunSchedule : public nn::optim::Schedule {
+ public:
+  /// `kind`: "step" or "cosine".
+  RunSchedule(std::string kind, int64_t steps);
+  const std::string& kind() const { return kind_; }
+  int64_t steps() const { return steps_; }
+  /// Takes effect at the scheduler's next step or LoadStateDict.
+  void set_steps(int64_t steps);
+  double Lr(double base_lr, int64_t t) const override { return schedule_->Lr(base_lr, t); }
+
+ private:
+  std::string kind_;
+  int64_t steps_ = 0;
+  std::shared_ptr<nn::optim::Schedule> schedule_;
+};
+
+/// The optimizer step where a run that is at `position` ends: after
+/// config.epochs epochs of `batches_per_epoch` micro-batches per rank
+/// (config.grad_accum_steps to a step), or at config.max_steps if sooner.
+int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
+                   const TrainPosition& position = {});
+
 /// What gets saved and restored.
 struct TrainComponents {
   nn::modules::Module* model = nullptr;
@@ -55,6 +84,12 @@ struct TrainComponents {
   /// Samples in the training set: saved, and compared on load as part of
   /// the data order (-1: not known, not compared).
   int64_t train_size = -1;
+  /// The scheduler's schedule (null without one): its horizon is saved, and
+  /// set on load before the scheduler's state.
+  RunSchedule* schedule = nullptr;
+  /// Micro-batches per epoch on each rank of this run, from which a resumed
+  /// schedule's horizon follows (-1: not known; the saved horizon stays).
+  int64_t batches_per_epoch = -1;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on
@@ -65,10 +100,17 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 /// Loads `path` into `parts` (all or nothing) and returns the position to
 /// continue from. A missing or unreadable file, or a checkpoint of another
 /// model, optimizer or precision, throws UsageError with one line that names
-/// the differing keys and the fix. When the saved run had another data
-/// order (ranks, batch size, accumulation, seed), a mid-epoch position
-/// cannot be continued exactly: the position moves to the start of the next
-/// epoch and `note` says so.
+/// the differing keys and the fix; so does one of another --scheduler or
+/// --lr, and one whose schedule this run's --epochs or --max_steps would end
+/// elsewhere (naming the flags and both values). When the saved run had
+/// another data order (ranks, batch size, accumulation, seed), a mid-epoch
+/// position cannot be continued exactly: the position moves to the start of
+/// the next epoch and `note` says so. The schedule keeps its horizon unless
+/// this run, with the same --epochs and --max_steps, ends at another step
+/// (another number of steps per epoch): then it ends where this run ends,
+/// and `note` says so. A checkpoint from before schedules were recorded
+/// takes the horizon from this run's flags and the rate from the file, with
+/// a note.
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                                   const TrainConfig& config, int world_size, std::string* note);
 /// The same from the checkpoint file's bytes, read by ReadTrainCheckpoint

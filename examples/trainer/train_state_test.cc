@@ -1,9 +1,12 @@
 #include "examples/trainer/train_state.h"
 
+#include <cmath>
 #include <filesystem>
+#include <memory>
 
 #include "gtest/gtest.h"
 #include "nn/autograd/engine.h"
+#include "nn/io/checkpoint.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
@@ -36,6 +39,7 @@ std::string UsageErrorOf(const std::function<void()>& f) {
 TEST(TrainStateTest, RoundTripsModelOptimizerAndPosition) {
   TrainConfig config;
   config.model = "mlp";
+  config.lr = 0.1;  // as the optimizers below
   nn::Generator g1(1), g2(2);
   auto model = nn::modules::MakeMlp(g1);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
@@ -105,6 +109,7 @@ TEST(TrainStateTest, MissingFileSaysHowToCreateIt) {
 TEST(TrainStateTest, AnotherDataOrderContinuesAtTheNextEpoch) {
   TrainConfig config;
   config.model = "mlp";
+  config.lr = 0.1;
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
   const std::string path = Path("order");
@@ -124,6 +129,7 @@ TEST(TrainStateTest, AnotherDataOrderContinuesAtTheNextEpoch) {
 TEST(TrainStateTest, AnotherTrainingSetSizeContinuesAtTheNextEpoch) {
   TrainConfig config;
   config.model = "mlp";
+  config.lr = 0.1;
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
   const std::string path = Path("size");
@@ -181,6 +187,173 @@ TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
   config.checkpoint.clear();
   EXPECT_NE(ResumeAfterRestart(config, 1).find("starting over"), std::string::npos);
   EXPECT_FALSE(config.resume);
+}
+
+// A checkpoint of a cosine schedule from lr 0.05, saved at the end of the
+// first of 2 epochs of 4 steps on 2 ranks.
+std::string SaveCosineRun(const std::string& name, TrainConfig& config) {
+  config.model = "mlp";
+  config.epochs = 2;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  nn::optim::LrScheduler scheduler(opt, nn::optim::CosineSchedule(8));
+  for (int i = 0; i < 4; ++i) scheduler.Step();
+  const std::string path = Path(name);
+  SaveTrainCheckpoint(path, {model.get(), &opt, &scheduler, nullptr},
+                      {.epoch = 1, .batch_in_epoch = 0, .step = 4}, config, 2);
+  return path;
+}
+
+// A resumed schedule continues the saved one or nothing: another
+// --scheduler (none too) or another --lr, which the saved base rate used to
+// override silently, is refused naming the flag and both values, and
+// nothing is loaded.
+TEST(TrainStateTest, AnotherSchedulerOrRateIsRefusedNamingBothValues) {
+  TrainConfig saved;
+  const std::string path = SaveCosineRun("schedule_kind", saved);
+  auto model = nn::modules::MakeMlp();
+  for (const std::string scheduler : {"step", "none"}) {
+    TrainConfig config = saved;
+    config.scheduler = scheduler;
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    std::unique_ptr<nn::optim::LrScheduler> step;
+    if (scheduler == "step") step = std::make_unique<nn::optim::LrScheduler>(opt, nn::optim::StepSchedule(2));
+    EXPECT_EQ(UsageErrorOf([&] {
+                LoadTrainCheckpoint(path, {model.get(), &opt, step.get(), nullptr}, config, 2, nullptr);
+              }),
+              "checkpoint " + path + " was saved with --scheduler=cosine and this run has --scheduler=" +
+                  scheduler + "; pass --scheduler=cosine to continue that run, or another "
+                  "--checkpoint path to start afresh");
+    if (step) {
+      EXPECT_EQ(step->step_count(), 0) << "a refused checkpoint was loaded";
+    }
+  }
+  TrainConfig config = saved;
+  config.lr = 0.1;
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
+  EXPECT_EQ(UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr);
+            }),
+            "checkpoint " + path + " was saved with --lr=0.05 and this run has --lr=0.1; pass "
+            "--lr=0.05 to continue that run, or another --checkpoint path to start afresh");
+  EXPECT_EQ(cosine.step_count(), 0);
+  EXPECT_EQ(cosine.base_lr(), 0.1);
+  // Rates that print alike at 6 digits are told apart.
+  config.lr = 0.0500001;
+  EXPECT_NE(UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr);
+            }).find("was saved with --lr=0.05 and this run has --lr=0.0500001;"),
+            std::string::npos);
+}
+
+// The same run resumed on 1 rank instead of 2 takes twice the steps per
+// epoch: the schedule ends where this run ends (step 4 + 8), not at the 16
+// steps this run's flags alone give, where it never reaches 0.
+TEST(TrainStateTest, ScheduleEndsWhereTheRunEndsOnAnotherNumberOfRanks) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.epochs = 2;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
+  EXPECT_EQ(schedule->steps(), 8);
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 4; ++i) scheduler.Step();
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 4;
+  const std::string path = Path("horizon");
+  SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = 0, .step = 4}, config, 2);
+
+  // The same ranks: the same schedule, no note.
+  std::string note = "stale";
+  LoadTrainCheckpoint(path, parts, config, 2, &note);
+  EXPECT_EQ(note, "");
+  EXPECT_EQ(schedule->steps(), 8);
+
+  nn::optim::Sgd one_opt(model->NamedParameters(), {.lr = config.lr});
+  auto one_schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 8));
+  EXPECT_EQ(one_schedule->steps(), 16);
+  nn::optim::LrScheduler one_scheduler(one_opt, one_schedule);
+  TrainComponents one{model.get(), &one_opt, &one_scheduler, nullptr};
+  one.schedule = one_schedule.get();
+  one.batches_per_epoch = 8;
+  const TrainPosition pos = LoadTrainCheckpoint(path, one, config, 1, &note);
+  EXPECT_EQ(pos.step, 4);
+  EXPECT_EQ(one_schedule->steps(), 12);
+  EXPECT_EQ(note, "the cosine schedule now ends at step 12, where this run ends (after --epochs=2 "
+                  "at 8 steps per epoch), instead of the checkpoint's step 8");
+  EXPECT_DOUBLE_EQ(one_opt.lr(), 0.05 * (1 + std::cos(M_PI * 4 / 12)) / 2);
+  for (int i = 0; i < 8; ++i) one_scheduler.Step();
+  EXPECT_EQ(one_opt.lr(), 0.0) << "the schedule did not end with the run";
+}
+
+// A run stopped by --max_steps=6 and resumed without it: its cosine
+// schedule ended at step 6; ending it at step 8 instead would raise the
+// rate again. Refused, naming the flag and both values; a change that
+// leaves the end where it was (--max_steps still binds) is not.
+TEST(TrainStateTest, RunLengthThatMovesTheScheduleIsRefused) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.epochs = 2;
+  config.max_steps = 6;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
+  EXPECT_EQ(schedule->steps(), 6);
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 4;
+  const std::string path = Path("run_length");
+  SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = 2, .step = 6}, config, 2);
+
+  TrainConfig longer = config;
+  longer.max_steps = 0;
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, longer, 2, nullptr); }),
+            "the cosine schedule of checkpoint " + path + " ends at step 6, as --max_steps=6 set "
+            "it, and this run's --max_steps=0 would end it at step 8; pass --max_steps=6 to "
+            "continue that run, or another --checkpoint path to start afresh");
+  longer.epochs = 3;
+  EXPECT_NE(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, longer, 2, nullptr); })
+                .find("as --epochs=2 --max_steps=6 set it, and this run's --epochs=3 --max_steps=0 "
+                      "would end it at step 12; pass --epochs=2 --max_steps=6 to"),
+            std::string::npos);
+  EXPECT_EQ(schedule->steps(), 6) << "a refused checkpoint changed the schedule";
+  TrainConfig capped = config;
+  capped.epochs = 5;
+  EXPECT_EQ(LoadTrainCheckpoint(path, parts, capped, 2, nullptr).step, 6);
+  EXPECT_EQ(schedule->steps(), 6);
+}
+
+// Checkpoints from before the schedule was recorded load as they always
+// did (the horizon from this run's flags, the saved base rate), with a
+// note saying so.
+TEST(TrainStateTest, CheckpointWithoutTheRecordedScheduleLoadsWithANote) {
+  TrainConfig saved;
+  const std::string path = SaveCosineRun("older", saved);
+  nn::io::Checkpoint older = nn::io::LoadCheckpoint(path);
+  for (const char* key : {"lr", "schedule_steps", "epochs", "max_steps"}) older.metadata.erase(key);
+  nn::io::SaveCheckpoint(path, older);
+
+  TrainConfig config = saved;
+  config.lr = 0.1;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 8));
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 8;
+  std::string note;
+  EXPECT_EQ(LoadTrainCheckpoint(path, parts, config, 1, &note).step, 4);
+  EXPECT_EQ(schedule->steps(), 16);
+  EXPECT_EQ(scheduler.base_lr(), 0.05);
+  EXPECT_EQ(note, "checkpoint " + path + " was saved by an older trainer, which did not record "
+                  "where its schedule ends: the cosine schedule ends at step 16, as this run's "
+                  "flags set it; checkpoint " + path + " was saved by an older trainer, which did "
+                  "not record --lr: the run continues from its rate 0.05, not --lr=0.1");
 }
 
 TEST(TrainStateTest, UnwritableFolderIsAUsageError) {

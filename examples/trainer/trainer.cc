@@ -94,6 +94,22 @@ std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(const TrainConfig& c,
   return std::make_unique<nn::optim::Adadelta>(std::move(params), o);
 }
 
+// Rank `rank`'s loader of the training set: its shard, reshuffled each epoch.
+std::unique_ptr<nn::data::DataLoader> MakeTrainLoader(const TrainConfig& c, const Datasets& data,
+                                                      int rank, int world, int workers) {
+  nn::data::DistributedSamplerOptions sampler;
+  sampler.num_replicas = world;
+  sampler.rank = rank;
+  sampler.shuffle = true;
+  sampler.seed = c.seed;
+  nn::data::DataLoaderOptions options;
+  options.batch_size = c.batch_size;
+  options.num_workers = workers;
+  return std::make_unique<nn::data::DataLoader>(
+      data.train, std::make_shared<nn::data::DistributedSampler>(data.train->Size(), sampler),
+      data.train_transform, options);
+}
+
 std::string OptimizerSummary(const TrainConfig& c) {
   std::string s = c.optimizer + " lr " + StringPrintf("%g", c.lr);
   if (c.optimizer == "sgd" && c.momentum > 0) s += StringPrintf(" momentum %g", c.momentum);
@@ -130,6 +146,50 @@ class RecentRate {
  private:
   std::deque<std::pair<Clock::time_point, double>> window_;
 };
+
+// Throws UsageError unless files can be created in `dir` (made if missing),
+// so that an unwritable --checkpoint or --log_dir fails now, not after an
+// epoch of training.
+void CheckWritable(const std::string& dir, const char* flag, const std::string& value) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
+  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "w");
+  if (f == nullptr) {
+    throw UsageError(std::string("cannot write --") + flag + "=" + value + " (folder " + dir +
+                     (ec ? ": " + ec.message() : std::string(": not writable")) +
+                     "); choose a writable path" +
+                     (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
+  }
+  std::fclose(f);
+  std::remove(probe.c_str());
+}
+
+// Throws UsageError when --checkpoint names a folder (an existing one, or a
+// path ending in '/'): the save would fail only at the end of the first
+// epoch.
+void CheckCheckpointIsAFile(const TrainConfig& config) {
+  const std::string& path = config.checkpoint;
+  if (path.empty()) return;
+  const bool slash = path.back() == '/';
+  std::error_code ec;
+  if (!slash && !std::filesystem::is_directory(path, ec)) return;
+  const std::string folder = slash ? path.substr(0, path.size() - 1) : path;
+  throw UsageError("--checkpoint=" + path + (slash ? " ends in '/'" : " is a folder") +
+                   "; it names the checkpoint file itself: pass --checkpoint=" + folder + "/" +
+                   config.model + "_" + config.dataset + ".safetensors, for example, or "
+                   "--checkpoint=none");
+}
+
+// The folders rank 0 writes into: --checkpoint's and --log_dir (made if
+// missing). Throws UsageError.
+void CheckOutputFolders(const TrainConfig& config) {
+  if (!config.checkpoint.empty()) {
+    const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
+    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
+  }
+  if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
+}
 
 struct Evaluation {
   double loss = 0;
@@ -175,6 +235,14 @@ class Run {
   // every_rank: all ranks call it at the same step (not on an interrupt).
   void SaveCheckpoint(bool every_rank = true);
   double Lr() const { return sharded_ ? sharded_->lr() : optimizer_->lr(); }
+  // What a checkpoint saves and restores (not a sharded optimizer's state).
+  TrainComponents Components() const {
+    TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
+    parts.train_size = data_.train->Size();
+    parts.schedule = schedule_.get();
+    parts.batches_per_epoch = train_loader_->NumBatches();
+    return parts;
+  }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
 
   const TrainConfig& c_;
@@ -195,6 +263,7 @@ class Run {
   // sharded across the ranks.
   std::unique_ptr<nn::optim::Optimizer> optimizer_;
   std::unique_ptr<Parallel::ShardedOptimizer> sharded_;
+  std::shared_ptr<RunSchedule> schedule_;  // scheduler_'s (null without one)
   std::unique_ptr<nn::optim::LrScheduler> scheduler_;
   std::unique_ptr<nn::optim::GradScaler> scaler_;
   std::unique_ptr<nn::data::DataLoader> train_loader_;
@@ -204,7 +273,6 @@ class Run {
 
   TrainPosition pos_;
   int64_t steps_per_epoch_ = 0;
-  int64_t total_steps_ = 0;
   int64_t steps_this_process_ = 0;
 
   // Logging stretch (this rank): losses since the last flush.
@@ -262,17 +330,7 @@ void Run::Setup() {
     scaler_ = std::make_unique<nn::optim::GradScaler>();
   }
 
-  nn::data::DistributedSamplerOptions sampler;
-  sampler.num_replicas = world_;
-  sampler.rank = rank_;
-  sampler.shuffle = true;
-  sampler.seed = c_.seed;
-  nn::data::DataLoaderOptions train_options;
-  train_options.batch_size = c_.batch_size;
-  train_options.num_workers = c_.workers;
-  train_loader_ = std::make_unique<nn::data::DataLoader>(
-      data_.train, std::make_shared<nn::data::DistributedSampler>(data_.train->Size(), sampler),
-      data_.train_transform, train_options);
+  train_loader_ = MakeTrainLoader(c_, data_, rank_, world_, c_.workers);
   nn::data::DataLoaderOptions test_options;
   // Evaluation keeps no graph, so batches can be larger than training's;
   // not much larger, though: its first batch faults in all of its memory
@@ -287,8 +345,6 @@ void Run::Setup() {
 
   const int64_t batches = train_loader_->NumBatches();
   steps_per_epoch_ = (batches + c_.grad_accum_steps - 1) / c_.grad_accum_steps;
-  total_steps_ = c_.epochs * steps_per_epoch_;
-  if (c_.max_steps > 0) total_steps_ = std::min(total_steps_, c_.max_steps);
   nn::optim::LrTarget lr_target{[this] { return Lr(); }, [this](double lr) {
                                   if (sharded_) {
                                     sharded_->set_lr(lr);
@@ -296,19 +352,15 @@ void Run::Setup() {
                                     optimizer_->set_lr(lr);
                                   }
                                 }};
-  if (c_.scheduler == "step") {
-    // Ten times smaller after each third of the run.
-    scheduler_ = std::make_unique<nn::optim::LrScheduler>(
-        lr_target, nn::optim::StepSchedule(std::max<int64_t>(1, total_steps_ / 3), 0.1));
-  } else if (c_.scheduler == "cosine") {
-    scheduler_ = std::make_unique<nn::optim::LrScheduler>(
-        lr_target, nn::optim::CosineSchedule(std::max<int64_t>(1, total_steps_)));
+  if (c_.scheduler != "none") {
+    // Over the whole run; a resumed one continues the saved horizon.
+    schedule_ = std::make_shared<RunSchedule>(c_.scheduler, RunEndStep(c_, batches));
+    scheduler_ = std::make_unique<nn::optim::LrScheduler>(lr_target, schedule_);
   }
 
   std::string resume_note;
   if (c_.resume) {
-    TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
-    parts.train_size = data_.train->Size();
+    TrainComponents parts = Components();
     if (sharded_) {
       parts.load_optimizer = [this](const nn::optim::NamedTensors& whole) { sharded_->Load(whole); };
     }
@@ -330,6 +382,21 @@ void Run::Setup() {
     if (!read) throw UsageError(shared);
     pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(shared), parts, c_, world_, &resume_note);
   }
+  // Under ddprun, srun or mpirun no launcher ran CheckSetup: rank 0, which
+  // writes the checkpoint and the metrics, checks their paths here and every
+  // rank stops with its answer, instead of rank 0 alone at the first save.
+  std::string refused;
+  if (lead_) {
+    try {
+      CheckCheckpointIsAFile(c_);
+      CheckOutputFolders(c_);
+    } catch (const UsageError& e) {
+      refused = e.what();
+    }
+  }
+  refused = par_.ShareFromLead(std::move(refused));
+  if (!refused.empty()) throw UsageError(refused);
+
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.
   par_.Attach(model_, c_, pos_.step);
@@ -470,6 +537,11 @@ void Run::FlushMetrics() {
 }
 
 Evaluation Run::Evaluate() {
+  // Without --sync_bn each rank's BatchNorm statistics follow its own
+  // batches (DDP broadcasts rank 0's before each training forward, and the
+  // forward then updates them); every rank scores its test slice with rank
+  // 0's, those of the model the checkpoint holds.
+  par_.BroadcastBuffers();
   model_->Eval();
   double loss_sum = 0;
   double correct = 0;
@@ -523,8 +595,7 @@ void Run::SaveCheckpoint(bool every_rank) {
   if (sharded_) whole = sharded_->Consolidate();
   last_checkpoint_step_ = pos_.step;
   if (!lead_) return;
-  TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
-  parts.train_size = data_.train->Size();
+  TrainComponents parts = Components();
   if (sharded_) parts.optimizer_state = &whole;
   SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
   checkpoint_saved_ = c_.checkpoint;
@@ -674,7 +745,11 @@ RunResult Run::Go() {
 
   result.steps = pos_.step;
   result.epochs_done = epochs_done;
-  result.epochs = static_cast<double>(pos_.step) / std::max<int64_t>(1, steps_per_epoch_);
+  // Not steps over this run's steps per epoch: those of a resumed run's
+  // first part may have been others (another number of ranks).
+  result.epochs = static_cast<double>(pos_.epoch) +
+                  static_cast<double>(pos_.batch_in_epoch) /
+                      static_cast<double>(std::max<int64_t>(1, train_loader_->NumBatches()));
   result.measured_steps = measured_steps_;
   result.samples_per_s = measured_s_ > 0 ? measured_samples_ / measured_s_ : NAN;
   if (measured_steps_ == 0 && all_steps_s_ > 0) {
@@ -713,40 +788,35 @@ RunResult Run::Go() {
 
 }  // namespace
 
-// Throws UsageError unless files can be created in `dir` (made if missing),
-// so that an unwritable --checkpoint or --log_dir fails now, not after an
-// epoch of training.
-void CheckWritable(const std::string& dir, const char* flag, const std::string& value) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
-  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "w");
-  if (f == nullptr) {
-    throw UsageError(std::string("cannot write --") + flag + "=" + value + " (folder " + dir +
-                     (ec ? ": " + ec.message() : std::string(": not writable")) +
-                     "); choose a writable path" +
-                     (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
-  }
-  std::fclose(f);
-  std::remove(probe.c_str());
-}
-
 void CheckSetup(const TrainConfig& config, int world_size) {
   ValidateConfig(config);
   CheckDeviceFlag(config.device);
+  CheckCheckpointIsAFile(config);
   const Datasets data = LoadDatasets(config);
   CheckBatchFitsShard(config, data.train->Size(), world_size);
   const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
   if (config.resume) {
+    // What the ranks would refuse (another model, optimizer, precision or
+    // schedule), once: the checkpoint loaded as a rank loads it.
     if (ComputeDType(config) != nn::DType::kFloat32) model->To(ComputeDType(config));
-    CheckCheckpointMatchesModel(config.checkpoint, *model, config);
+    const auto optimizer = MakeOptimizer(config, model->NamedParameters());
+    std::shared_ptr<RunSchedule> schedule;
+    std::unique_ptr<nn::optim::LrScheduler> scheduler;
+    const int64_t batches = MakeTrainLoader(config, data, 0, world_size, 0)->NumBatches();
+    if (config.scheduler != "none") {
+      schedule = std::make_shared<RunSchedule>(config.scheduler, RunEndStep(config, batches));
+      scheduler = std::make_unique<nn::optim::LrScheduler>(*optimizer, schedule);
+    }
+    std::unique_ptr<nn::optim::GradScaler> scaler;
+    if (config.amp == "fp16") scaler = std::make_unique<nn::optim::GradScaler>();
+    TrainComponents parts{model.get(), optimizer.get(), scheduler.get(), scaler.get()};
+    parts.train_size = data.train->Size();
+    parts.schedule = schedule.get();
+    parts.batches_per_epoch = batches;
+    LoadTrainCheckpoint(config.checkpoint, parts, config, world_size, nullptr);
   }
   // Folders are made last: a run refused for another reason leaves none.
-  if (!config.checkpoint.empty()) {
-    const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
-    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
-  }
-  if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
+  CheckOutputFolders(config);
 }
 
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options) {

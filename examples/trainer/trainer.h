@@ -37,7 +37,9 @@ struct RunResult {
   int world_size = 1;
   int64_t steps = 0;             ///< Optimizer steps done, counting resumed ones.
   int64_t epochs_done = 0;       ///< Complete epochs.
-  double epochs = 0;             ///< Steps done in epochs (fractional at --max_steps).
+  /// Complete epochs plus the part of the current one (fractional at
+  /// --max_steps), counting a resumed run's earlier part.
+  double epochs = 0;
   int64_t measured_steps = 0;    ///< Steps in the throughput figure.
   /// Global, excluding evaluation, checkpoints and the first 5 steps of
   /// this process (all steps when there were no more than 5).
@@ -55,12 +57,16 @@ struct RunResult {
 /// Checks everything that can be checked before the ranks start, so that a
 /// mistake gets one message instead of one per rank: the flags, the dataset
 /// files, the batch size against a rank's share of the data, and with
-/// --resume the checkpoint against the model. Throws UsageError.
+/// --resume the checkpoint against the model, optimizer and schedule (it is
+/// loaded as a rank would load it). Throws UsageError.
 void CheckSetup(const TrainConfig& config, int world_size);
 
 /// Trains as configured. Collective: every rank of `parallel` calls it.
-/// Throws UsageError for user mistakes found late (a corrupt checkpoint)
-/// and JobError when the job fails (a peer died).
+/// Before training, rank 0 checks the paths it writes (--checkpoint,
+/// --log_dir) and every rank throws its UsageError, since under ddprun,
+/// srun or mpirun no launcher ran CheckSetup. Throws UsageError for user
+/// mistakes found late (a corrupt checkpoint) and JobError when the job
+/// fails (a peer died).
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options);
 
 /// "RESULT model=cnn ranks=2 epochs=2 samples_per_s=... train_loss=...

@@ -74,6 +74,36 @@ TEST(AutogradTest, HooksFireInReadinessOrderAfterAccumulation) {
   EXPECT_EQ(order, (std::vector<std::string>{"w2", "w1"}));
 }
 
+// Freezing a parameter between forward and backward: as PyTorch's
+// AccumulateGrad::apply, which returns at once for a variable that no longer
+// requires grad, its .grad stays as it was and its post-accumulate hooks
+// (DDP's reduction) do not fire. Before, the gradient was accumulated and
+// the hook fired.
+TEST(AutogradTest, LeafFrozenAfterForwardGetsNoGradientAndNoHook) {
+  Tensor w1 = Param({2}, 1.0), w2 = Param({2}, 2.0);
+  int w1_hooks = 0, w2_hooks = 0;
+  w1.RegisterPostAccumulateGradHook([&](const Tensor&) { ++w1_hooks; });
+  w2.RegisterPostAccumulateGradHook([&](const Tensor&) { ++w2_hooks; });
+  Tensor y = ops::Sum(ops::Mul(w1, w2));
+  w1.set_requires_grad(false);
+  Backward(y);
+  EXPECT_FALSE(w1.grad().defined());
+  EXPECT_EQ(w1_hooks, 0);
+  EXPECT_EQ(w2.grad().ToVector<float>(), (std::vector<float>{1, 1}));
+  EXPECT_EQ(w2_hooks, 1);
+  // An existing .grad is left as it is.
+  w1.set_requires_grad(true);
+  Backward(ops::Sum(ops::Mul(w1, w2)));
+  ASSERT_EQ(w1.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+  EXPECT_EQ(w1_hooks, 1);
+  y = ops::Sum(ops::Mul(w1, w2));
+  w1.set_requires_grad(false);
+  Backward(y);
+  EXPECT_EQ(w1.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+  EXPECT_EQ(w1_hooks, 1);
+  EXPECT_EQ(w2.grad().ToVector<float>(), (std::vector<float>{3, 3}));
+}
+
 TEST(AutogradTest, CallbacksRunOnceAtTheEndOfBackward) {
   Tensor w1 = Param({2}, 1.0), w2 = Param({2}, 2.0);
   std::vector<std::string> events;

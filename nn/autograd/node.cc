@@ -37,6 +37,10 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
   Tensor g = std::move(grad_outputs[0]);
   if (!g.defined()) return {};
   const Tensor var(variable_);
+  // Frozen after the forward (requires_grad turned off before backward):
+  // no gradient and no post-accumulate hooks, so DDP does not reduce it, as
+  // PyTorch's AccumulateGrad::apply returns early.
+  if (!var.requires_grad()) return {};
   if (g.shape() != var.shape()) {
     throw std::logic_error("gradient of shape " + ShapeToString(g.shape()) + " for a leaf of shape " +
                            ShapeToString(var.shape()));

@@ -65,7 +65,8 @@ class Node {
 
 /// Adds incoming gradients into a leaf's .grad (in place when .grad exists,
 /// so a .grad that views a bucket is written directly), then runs the
-/// leaf's post-accumulate-grad hooks in registration order.
+/// leaf's post-accumulate-grad hooks in registration order. A leaf whose
+/// requires_grad was turned off after the forward gets neither (PyTorch).
 class AccumulateGrad final : public Node {
  public:
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> variable);

@@ -1,5 +1,7 @@
 #include "nn/cuda/stream.h"
 
+#include <cuda.h>  // types only: nothing links libcuda
+
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -61,6 +63,51 @@ thread_local std::unordered_map<int, CurrentStreamEntry> tls_streams;
 
 }  // namespace
 
+namespace {
+
+// Whether `device`'s primary context exists already. Since CUDA 12,
+// cudaSetDevice creates it: a scope that put device 0 back on a thread that
+// never used it (a communication thread) would give every process a
+// context on GPU 0, hundreds of MiB each. The runtime has no call for this;
+// the driver's cuDevicePrimaryCtxGetState is reached through its entry
+// point (nothing links libcuda). True when it cannot be asked, which keeps
+// the plain restore.
+// (transport/cuda/cuda_util.h has the same check for its DeviceScope.)
+bool PrimaryContextActive(int device) {
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  struct Driver {
+    DeviceGet device_get = nullptr;
+    GetState get_state = nullptr;
+  };
+  static const Driver driver = [] {
+    Driver d;
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &fn, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      d.device_get = reinterpret_cast<DeviceGet>(fn);
+    }
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000, cudaEnableDefault,
+                                         &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      d.get_state = reinterpret_cast<GetState>(fn);
+    }
+    (void)cudaGetLastError();
+    return d;
+  }();
+  if (driver.device_get == nullptr || driver.get_state == nullptr) return true;
+  CUdevice handle{};
+  unsigned int flags = 0;
+  int active = 1;
+  if (driver.device_get(&handle, device) != CUDA_SUCCESS) return true;
+  if (driver.get_state(handle, &flags, &active) != CUDA_SUCCESS) return true;
+  return active != 0;
+}
+
+}  // namespace
+
 DeviceGuard::DeviceGuard(int index) : previous_(0), changed_(false) {
   CheckCuda(cudaGetDevice(&previous_), "cudaGetDevice");
   if (previous_ != index) {
@@ -70,7 +117,7 @@ DeviceGuard::DeviceGuard(int index) : previous_(0), changed_(false) {
 }
 
 DeviceGuard::~DeviceGuard() {
-  if (changed_) (void)cudaSetDevice(previous_);
+  if (changed_ && PrimaryContextActive(previous_)) (void)cudaSetDevice(previous_);
 }
 
 int DeviceCount() {

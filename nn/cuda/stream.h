@@ -21,7 +21,10 @@
 
 namespace ddp::nn::cuda {
 
-/// Makes `index` the current CUDA device for its scope (restores the previous one).
+/// Makes `index` the current CUDA device for its scope and restores the
+/// previous one, unless that one has no context yet (the default device 0 of
+/// a thread that never chose one: since CUDA 12 restoring it would create a
+/// context there).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int index);

@@ -52,6 +52,13 @@ int64_t DataLoader::NumBatches() const {
 void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
   sampler_->SetEpoch(epoch);
   auto indices = std::make_shared<const std::vector<int64_t>>(sampler_->Indices());
+  // The batch count comes from Size(); a sampler whose Indices() disagree
+  // would make a batch of negative size or leave indices out.
+  if (static_cast<int64_t>(indices->size()) != sampler_->Size()) {
+    throw std::logic_error("DataLoader: the sampler's Indices() for epoch " + std::to_string(epoch) +
+                           " hold " + std::to_string(indices->size()) + " indices but its Size() is " +
+                           std::to_string(sampler_->Size()));
+  }
   const int64_t num_batches = NumBatches();
   if (skip_batches < 0 || skip_batches > num_batches) {
     throw std::invalid_argument("DataLoader: cannot skip " + std::to_string(skip_batches) +

@@ -262,5 +262,23 @@ TEST(DataLoader, RejectsBadOptionsAndIndices) {
   EXPECT_THROW(loader.Next(), std::logic_error);
 }
 
+// A user sampler whose Indices() hold fewer than its Size() says.
+class ShortSampler : public Sampler {
+ public:
+  int64_t Size() const override { return 100; }
+  void SetEpoch(int64_t) override {}
+  std::vector<int64_t> Indices() const override { return std::vector<int64_t>(40, 0); }
+};
+
+TEST(DataLoader, SamplerWhoseIndicesDisagreeWithItsSizeIsRefused) {
+  DataLoader loader(FashionTest(), std::make_shared<ShortSampler>(), {}, {.batch_size = 32});
+  try {
+    loader.StartEpoch(3);
+    FAIL() << "no error";
+  } catch (const std::logic_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("Indices() for epoch 3 hold 40 indices but its Size() is 100"));
+  }
+}
+
 }  // namespace
 }  // namespace ddp::nn::data

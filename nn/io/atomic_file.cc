@@ -33,9 +33,37 @@ std::string BaseName(const std::string& path) {
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
-// Removes `<name>.tmp.<pid>.<n>` files left by writers of the same target
-// that were killed (SIGKILL leaves no chance to clean up): each could be as
-// large as a whole checkpoint. Files of live processes are kept.
+// This host's name, as it goes into temporary file names: on a shared
+// filesystem only the host that wrote a file can tell whether its writer
+// lives (a pid means nothing elsewhere, nor in another container).
+const std::string& HostTag() {
+  static const std::string tag = [] {
+    char name[256] = {};
+    if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return std::string("unknown");
+    std::string t = name;
+    for (char& c : t) {
+      if (c == '/') c = '_';
+    }
+    return t;
+  }();
+  return tag;
+}
+
+// Whether `text` is a run of decimal digits.
+bool AllDigits(const std::string& text) {
+  if (text.empty()) return false;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+  }
+  return true;
+}
+
+// Removes `<name>.tmp.<pid>.<n>.<host>` files that writers on this host
+// left when they were killed (SIGKILL leaves no chance to clean up): each
+// could be as large as a whole checkpoint. Files of live processes, of other
+// hosts and of other targets (`<name>.tmp.5`'s own temporaries) are kept;
+// so is anything not named exactly so. Names without a host (`.<pid>.<n>`,
+// from before hosts were named) are taken as this host's.
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
   const std::string prefix = BaseName(path) + ".tmp.";
@@ -46,10 +74,14 @@ void RemoveStaleTemporaries(const std::string& path) {
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string rest = name.substr(prefix.size());
     const size_t dot = rest.find('.');
-    if (dot == 0 || dot == std::string::npos) continue;
-    char* end = nullptr;
-    const long pid = std::strtol(rest.c_str(), &end, 10);
-    if (end != rest.c_str() + dot || pid <= 0 || pid == ::getpid()) continue;
+    if (dot == std::string::npos) continue;
+    const std::string pid_text = rest.substr(0, dot);
+    const size_t dot2 = rest.find('.', dot + 1);
+    const std::string counter = rest.substr(dot + 1, dot2 == std::string::npos ? std::string::npos : dot2 - dot - 1);
+    const std::string host = dot2 == std::string::npos ? HostTag() : rest.substr(dot2 + 1);
+    if (!AllDigits(pid_text) || !AllDigits(counter) || host != HostTag() || pid_text.size() > 9) continue;
+    const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
+    if (pid <= 0 || pid == ::getpid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) {
       ::unlink((folder + "/" + name).c_str());
     }
@@ -65,9 +97,16 @@ AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
     throw CheckpointError("cannot write a file at '" + path_ + "': not a file name");
   }
   RemoveStaleTemporaries(path_);
-  temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." +
+               HostTag();
   fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd_ < 0) Fail(temp_path_, "cannot create temporary file", errno);
+  // A file replaced keeps its permissions (a private checkpoint stays
+  // private), as an editor's save would.
+  struct stat old{};
+  if (::stat(path_.c_str(), &old) == 0 && S_ISREG(old.st_mode)) {
+    (void)::fchmod(fd_, old.st_mode & 07777);
+  }
 }
 
 AtomicFileWriter::~AtomicFileWriter() {

@@ -146,6 +146,7 @@ LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source
   LoadedTensors out;
   out.metadata = file.metadata();
   out.metadata.erase(kDevicesKey);
+  out.data_checksum = file.data_checksum();
   out.tensors.reserve(file.tensors().size());
   for (const TensorEntry& e : file.tensors()) {
     auto s = saved.find(e.name);
@@ -176,6 +177,7 @@ Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
   loaded.metadata.erase(marker);
   Checkpoint c;
   c.metadata = std::move(loaded.metadata);
+  c.data_checksum = std::move(loaded.data_checksum);
   for (auto& [name, t] : loaded.tensors) {
     if (StartsWith(name, kModelPrefix)) {
       c.model.emplace_back(name.substr(std::strlen(kModelPrefix)), std::move(t));

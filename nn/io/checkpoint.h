@@ -66,6 +66,8 @@ void SaveTensors(const std::string& path, const NamedTensors& tensors, const Met
 struct LoadedTensors {
   NamedTensors tensors;  ///< In file order, new tensors on options.device.
   Metadata metadata;
+  /// SafetensorsFile::data_checksum of what was read (empty: none in it).
+  std::string data_checksum;
 };
 
 /// Reads and fully validates `path` before making any tensor; a bad file
@@ -81,6 +83,9 @@ struct Checkpoint {
   NamedTensors model;      ///< State dict, saved under "model.".
   NamedTensors optimizer;  ///< Optimizer (and scheduler, scaler) state, under "optim.".
   Metadata metadata;       ///< Epoch, step and anything else.
+  /// Set by loading: the data checksum of the file read (see
+  /// SafetensorsFile::data_checksum); ignored by SaveCheckpoint.
+  std::string data_checksum;
 };
 
 /// Saves a checkpoint atomically (call on one rank only).

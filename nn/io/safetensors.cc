@@ -55,16 +55,20 @@ constexpr DtypeInfo kDtypes[] = {
     {StDtype::kU8, "U8", 1},
 };
 
-// Bytes of a tensor, or nullopt when the count overflows 2^62.
+// Bytes of a tensor, or nullopt when the count overflows 2^62. An empty
+// tensor counts too: its other dimensions multiplied (0 taken as 1) must
+// stay within the bound, as a tensor of that shape could not be made.
 std::optional<uint64_t> ByteCount(const std::vector<int64_t>& shape, StDtype dtype) {
-  uint64_t n = static_cast<uint64_t>(StDtypeSize(dtype));
+  uint64_t bound = static_cast<uint64_t>(StDtypeSize(dtype));
+  bool empty = false;
   for (int64_t d : shape) {
     if (d < 0) return std::nullopt;
-    const uint64_t u = static_cast<uint64_t>(d);
-    if (u != 0 && n > (uint64_t{1} << 62) / u) return std::nullopt;
-    n *= u;
+    const uint64_t u = d == 0 ? 1 : static_cast<uint64_t>(d);
+    if (bound > (uint64_t{1} << 62) / u) return std::nullopt;
+    bound *= u;
+    empty = empty || d == 0;
   }
-  return n;
+  return empty ? 0 : bound;
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
@@ -359,6 +363,7 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
       p.Fail("data region checksum is " + got + ", the header says " + crc->second +
              " (the tensor data is corrupt)");
     }
+    f.data_checksum_ = crc->second;
     f.metadata_.erase(crc);
   }
   f.bytes_ = std::move(bytes);

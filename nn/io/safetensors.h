@@ -115,9 +115,14 @@ class SafetensorsFile {
   const std::byte* Data(const TensorEntry& entry) const;
   /// Name of the file or buffer, for messages.
   const std::string& source() const { return source_; }
+  /// The data region's CRC-32 (8 hex digits) as the header gave it and the
+  /// data matched; empty for a file written without one. It names the
+  /// contents: two ranks holding the same one read the same data.
+  const std::string& data_checksum() const { return data_checksum_; }
 
  private:
   std::string source_;
+  std::string data_checksum_;
   std::string bytes_;
   uint64_t data_start_ = 0;
   std::vector<TensorEntry> tensors_;

@@ -280,6 +280,47 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
+// Only this host's dead writers' temporaries go: on a shared folder another
+// host's pid says nothing here, and `c.safetensors.tmp.5` is a target of
+// its own whose temporaries start with `c.safetensors.tmp.`.
+TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
+  const std::string dir = TmpDir("st_hosts");
+  const std::string path = dir + "/c.safetensors";
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  waitpid(gone, nullptr, 0);
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
+  const std::string dead = std::to_string(gone);
+  const std::vector<std::string> kept = {
+      "c.safetensors.tmp." + dead + ".0.some-other-host",            // another host's writer
+      "c.safetensors.tmp.5.tmp." + dead + ".0." + std::string(host),  // another target's
+      "c.safetensors.tmp." + dead + ".x." + std::string(host),        // not a temporary's name
+  };
+  for (const std::string& name : kept) WriteAll(dir + "/" + name, "x");
+  WriteAll(path + ".tmp." + dead + ".7." + std::string(host), "x");  // this host's, writer gone
+  float value = 1;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  std::vector<std::string> left = FilesIn(dir);
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> expected = kept;
+  expected.push_back("c.safetensors");
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(left, expected);
+}
+
+TEST(Safetensors, ReplacedFileKeepsItsPermissions) {
+  const std::string path = TmpDir("st_mode") + "/c.safetensors";
+  float value = 1;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  value = 2;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  struct stat st{};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+}
+
 // --- rejected input ---
 
 std::string Build(const std::string& header_json, const std::string& data) {
@@ -407,6 +448,11 @@ TEST(SafetensorsErrors, SizeDoesNotMatchDtypeAndShape) {
   EXPECT_THAT(ParseError(Build(
                   R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,4]}})", "abcd")),
               HasSubstr("more than 2^62"));
+  // Empty, yet no tensor of that shape could be made: refused here, naming
+  // the tensor, instead of by Empty() at load without a name.
+  EXPECT_THAT(ParseError(Build(
+                  R"({"w":{"dtype":"F32","shape":[0,4611686018427387904,4],"data_offsets":[0,0]}})", "")),
+              AllOf(HasSubstr("`w`"), HasSubstr("more than 2^62")));
 }
 
 TEST(SafetensorsErrors, OverlappingOffsets) {

@@ -104,6 +104,17 @@ Tensor Conv2d::Forward(const Tensor& x) {
 
 // ---------------------------------------------------------------- BatchNorm
 
+double RunningAverageFactor(const BatchNormOptions& options, const Tensor& num_batches_tracked) {
+  if (options.momentum.has_value()) return *options.momentum;
+  if (!num_batches_tracked.defined()) return 0.0;  // no running statistics to update
+  const double tracked = num_batches_tracked.Item();
+  return tracked > 0 ? 1.0 / tracked : 1.0;
+}
+
+std::string MomentumRepr(const std::optional<double>& momentum) {
+  return momentum.has_value() ? PyFloat(*momentum) : "None";
+}
+
 BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_features_(num_features), options_(options) {
   if (num_features < 1) throw std::invalid_argument("BatchNorm: num_features must be positive");
   if (options.affine) {
@@ -119,7 +130,7 @@ BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_featu
 
 std::string BatchNorm::ExtraRepr() const {
   return std::to_string(num_features_) + ", eps=" + PyFloat(options_.eps) + ", momentum=" +
-         PyFloat(options_.momentum) + ", affine=" + PyBool(options_.affine) +
+         MomentumRepr(options_.momentum) + ", affine=" + PyBool(options_.affine) +
          ", track_running_stats=" + PyBool(options_.track_running_stats);
 }
 
@@ -133,8 +144,8 @@ Tensor BatchNorm::Forward(const Tensor& x) {
     num_batches_tracked_.Fill(num_batches_tracked_.Item() + 1);
   }
   try {
-    return ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats, options_.momentum,
-                          options_.eps);
+    return ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats,
+                          RunningAverageFactor(options_, num_batches_tracked_), options_.eps);
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }

@@ -8,6 +8,7 @@
 
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "nn/modules/module.h"
@@ -70,10 +71,19 @@ class Conv2d : public Module {
 
 struct BatchNormOptions {
   double eps = 1e-5;
-  double momentum = 0.1;
+  /// Weight of the batch statistic in the running ones; nullopt (PyTorch's
+  /// momentum=None): their cumulative average, 1 / num_batches_tracked.
+  std::optional<double> momentum = 0.1;
   bool affine = true;               ///< learnable weight (gamma) and bias (beta)
   bool track_running_stats = true;  ///< running_mean / running_var / num_batches_tracked buffers
 };
+
+/// The running statistics' update factor for a training batch, once
+/// `num_batches_tracked` counts it: the momentum, or 1 / num_batches_tracked
+/// without one. Shared with ddp's SyncBatchNorm.
+double RunningAverageFactor(const BatchNormOptions& options, const Tensor& num_batches_tracked);
+/// "0.1", or "None" without a momentum, as PyTorch prints it.
+std::string MomentumRepr(const std::optional<double>& momentum);
 
 /// Batch normalization over the channel dimension (1) of its input. In
 /// training the batch statistics normalize and update the running ones; in

@@ -210,11 +210,18 @@ void Module::LoadStateDict(const StateDict& state, bool strict) {
       continue;
     }
     const Tensor& src = it->second;
-    if (!src.defined() || src.shape() != dst.shape() || src.dtype() != dst.dtype()) {
+    // As PyTorch, which checks shapes only and copies with copy_: CopyFrom
+    // converts the dtype (an f32 checkpoint into a model made bf16 by To).
+    // Unlike PyTorch, floating values are not cast into an integer tensor nor
+    // integers into a floating one: that pairing means a wrong checkpoint
+    // far more often than a wanted conversion, and a cast would hide it.
+    const bool kinds_differ = src.defined() && IsFloating(src.dtype()) != IsFloating(dst.dtype());
+    if (!src.defined() || src.shape() != dst.shape() || kinds_differ) {
       mismatched.push_back("`" + name + "`: expected " + ShapeToString(dst.shape()) + " " +
                            std::string(DTypeName(dst.dtype())) + ", got " +
                            (src.defined() ? ShapeToString(src.shape()) + " " + std::string(DTypeName(src.dtype()))
-                                          : std::string("undefined")));
+                                          : std::string("undefined")) +
+                           (kinds_differ ? " (floating and integer values are not converted into each other)" : ""));
       continue;
     }
     copies.emplace_back(dst, src);

@@ -84,10 +84,13 @@ class Module {
   /// NamedBuffers list it once.
   StateDict GetStateDict() const;
   /// Copies values into the module's parameters and buffers. Strict: every
-  /// key of the module must be present and no other; shapes and dtypes must
-  /// match. All offenders are listed in one error, and nothing is changed
-  /// unless everything matches. Not strict: only matching names are copied,
-  /// and shape or dtype mismatches are still errors.
+  /// key of the module must be present and no other; shapes must match.
+  /// Values are converted to the tensor's dtype, as PyTorch's copy_ (an f32
+  /// checkpoint loads into a bf16 model), except between floating and
+  /// integer types, which is an error. All offenders are listed in one
+  /// error, and nothing is changed unless everything matches. Not strict:
+  /// only matching names are copied, and shape or floating/integer
+  /// mismatches are still errors.
   void LoadStateDict(const StateDict& state, bool strict = true);
 
   /// Sets training mode on this module and every descendant.

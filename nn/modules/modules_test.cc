@@ -137,18 +137,75 @@ TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   bad.erase(bad.begin() + 1);                              // missing 0.bias
   bad.emplace_back("extra.weight", Zeros({2}));            // unexpected
   bad[1].second = Zeros({64, 32, 3, 2});                   // shape mismatch on 3.weight
-  bad[2].second = Zeros({64}, {.dtype = DType::kFloat64}); // dtype mismatch on 3.bias
+  bad[2].second = Zeros({64}, {.dtype = DType::kInt64});   // integer values for 3.bias
   const std::vector<float> before = b->GetStateDict()[0].second.ToVector<float>();
   const std::string err = ErrorOf([&] { b->LoadStateDict(bad); });
   EXPECT_NE(err.find("missing keys (1): `0.bias`"), std::string::npos) << err;
   EXPECT_NE(err.find("unexpected keys (1): `extra.weight`"), std::string::npos) << err;
   EXPECT_NE(err.find("`3.weight`: expected [64, 32, 3, 3] f32, got [64, 32, 3, 2] f32"), std::string::npos) << err;
-  EXPECT_NE(err.find("`3.bias`: expected [64] f32, got [64] f64"), std::string::npos) << err;
+  EXPECT_NE(err.find("`3.bias`: expected [64] f32, got [64] i64 (floating and integer values are not converted into "
+                     "each other)"),
+            std::string::npos)
+      << err;
   EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>(), before);  // nothing half-loaded
   // Not strict: missing and unexpected keys are skipped, the rest is loaded.
   StateDict partial = {{"0.weight", Zeros({32, 1, 3, 3})}, {"other", Zeros({1})}};
   b->LoadStateDict(partial, /*strict=*/false);
   EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>()[0], 0.0f);
+}
+
+// As PyTorch's load_state_dict (which checks shapes only and copies with
+// copy_), a floating value is converted to the parameter's floating dtype:
+// an f32 checkpoint loads into a model converted to bf16, and an f64 one
+// into f32. Before, any dtype difference was refused as a mismatch.
+TEST(ModuleTest, LoadStateDictConvertsFloatingDtypes) {
+  ManualSeed(1);
+  auto a = MakeCnn();
+  ManualSeed(2);
+  auto b = MakeCnn();
+  b->To(DType::kBFloat16);
+  const Tensor handle = b->NamedParameters()[0].second;
+  for (bool strict : {true, false}) {
+    SCOPED_TRACE(strict ? "strict" : "not strict");
+    ASSERT_NO_THROW(b->LoadStateDict(a->GetStateDict(), strict));
+    const StateDict mine = b->GetStateDict(), given = a->GetStateDict();
+    for (size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_EQ(mine[i].second.dtype(), DType::kBFloat16) << mine[i].first;
+      EXPECT_EQ(mine[i].second.ToVector<float>(), given[i].second.Detach().To(DType::kBFloat16).ToVector<float>())
+          << mine[i].first;
+    }
+  }
+  EXPECT_TRUE(handle.is_same(b->NamedParameters()[0].second));  // written in place
+
+  // f64 into f32, buffers included; an integer buffer takes another integer type.
+  BatchNorm2d bn(3);
+  StateDict sd = bn.GetStateDict();
+  for (auto& [name, t] : sd) {
+    t = name == "num_batches_tracked" ? FromVectorOf<int32_t>({7}, {})
+                                      : Full({3}, 0.25, {.dtype = DType::kFloat64});
+  }
+  ASSERT_NO_THROW(bn.LoadStateDict(sd));
+  for (const auto& [name, t] : bn.GetStateDict()) {
+    if (name == "num_batches_tracked") {
+      EXPECT_EQ(t.dtype(), DType::kInt64);
+      EXPECT_EQ(t.Item(), 7.0);
+    } else {
+      EXPECT_EQ(t.dtype(), DType::kFloat32) << name;
+      EXPECT_EQ(t.ToVector<float>(), std::vector<float>(3, 0.25f)) << name;
+    }
+  }
+  // Floating values for an integer buffer are refused, strict or not, and
+  // nothing is loaded.
+  StateDict floating = bn.GetStateDict();
+  for (auto& [name, t] : floating) t = name == "num_batches_tracked" ? Full({}, 2.0) : Zeros({3});
+  for (bool strict : {true, false}) {
+    const std::string err = ErrorOf([&] { bn.LoadStateDict(floating, strict); });
+    EXPECT_NE(err.find("`num_batches_tracked`: expected [] i64, got [] f32 (floating and integer values are not "
+                       "converted into each other)"),
+              std::string::npos)
+        << err;
+  }
+  EXPECT_EQ(bn.GetStateDict()[0].second.ToVector<float>(), std::vector<float>(3, 0.25f));
 }
 
 // Registers the tensor it is given, so that two of them can share one.
@@ -268,6 +325,17 @@ TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   Tensor y = bn.Forward(x);
   EXPECT_EQ(bn.num_batches_tracked().Item(), 1.0);
   EXPECT_EQ(y.shape(), x.shape());
+}
+
+// momentum = nullopt (PyTorch's None): the running statistics are the
+// cumulative average of the batches' (1 / num_batches_tracked each time).
+TEST(ModuleTest, BatchNormWithoutMomentumKeepsTheCumulativeAverage) {
+  BatchNorm2d bn(3, {.momentum = std::nullopt});
+  EXPECT_EQ(bn.ToString(), "BatchNorm2d(3, eps=1e-05, momentum=None, affine=True, track_running_stats=True)");
+  for (double v : {1.0, 3.0, 8.0}) bn.Forward(Full({2, 3, 2, 2}, v));
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 3.0);
+  for (float m : bn.running_mean().ToVector<float>()) EXPECT_NEAR(m, 4.0, 1e-6);
+  for (float v : bn.running_var().ToVector<float>()) EXPECT_NEAR(v, 0.0, 1e-6);
 }
 
 // An empty batch in training, as PyTorch: an empty output, the running

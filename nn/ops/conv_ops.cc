@@ -65,6 +65,7 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   }
   const Tensor x = x_in.dtype() == w.dtype() ? x_in : Cast(x_in, w.dtype());
   detail::CheckSameDevice("conv2d", x, w);
+  if (bias.defined()) detail::CheckSameDevice("conv2d", x, bias);
   const int64_t oh = ConvOutputSize(x.size(2), w.size(2), p.stride_h, p.pad_h, p.dilation_h);
   const int64_t ow = ConvOutputSize(x.size(3), w.size(3), p.stride_w, p.pad_w, p.dilation_w);
   if (oh < 1 || ow < 1) {

@@ -80,7 +80,9 @@ Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = fa
 Tensor Argmax(const Tensor& x, int64_t dim);
 
 // --- matrix products ---
-/// a [M,K] @ b [K,N]; also [..., M, K] @ [K, N], batched [B,M,K] @ [B,K,N], and 1-D operands.
+/// torch.matmul: a [M,K] @ b [K,N]; [..., M, K] @ [K, N]; batched
+/// [..., M, K] @ [..., K, N] with the leading dimensions broadcast; 1-D
+/// operands (a vector is a row on the left, a column on the right).
 Tensor Matmul(const Tensor& a, const Tensor& b);
 /// y [..., out] = x [..., in] @ w[out, in]^T + bias[out] (bias may be undefined).
 Tensor Linear(const Tensor& x, const Tensor& w, const Tensor& bias);

@@ -107,9 +107,38 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
     out_shape.push_back(b_in.size(1));
     return Reshape(Mm(Reshape(a_in, {m, a_in.size(-1)}), b_in), out_shape);
   }
-  if (da == 3 && db == 3) return Bmm(a_in, b_in);
-  throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
-                              ShapeToString(b_in.shape()) + " are not supported (2-D, N-D @ 2-D, or 3-D @ 3-D)");
+  if (da == 3 && db == 3 && a_in.size(0) == b_in.size(0)) return Bmm(a_in, b_in);
+  // Batched with broadcasting, as torch.matmul: [..., M, K] @ [..., K, N]
+  // with the leading dimensions broadcast against each other (attention's
+  // [B, H, T, D] @ [B, H, D, T], or [M, K] @ [B, K, N]). The operands are
+  // expanded and folded into one batch; Expand's backward sums the
+  // gradients back to each operand's own shape.
+  if (a_in.size(-1) != b_in.size(-2)) {
+    throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
+                                ShapeToString(b_in.shape()) + " do not match (" + std::to_string(a_in.size(-1)) +
+                                " against " + std::to_string(b_in.size(-2)) + ")");
+  }
+  const Shape a_batch(a_in.shape().begin(), a_in.shape().end() - 2);
+  const Shape b_batch(b_in.shape().begin(), b_in.shape().end() - 2);
+  Shape batch;
+  try {
+    batch = BroadcastShapes(a_batch, b_batch);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument("matmul: batch dimensions of " + ShapeToString(a_in.shape()) + " and " +
+                                ShapeToString(b_in.shape()) + " cannot be broadcast together");
+  }
+  const int64_t m = a_in.size(-2), k = a_in.size(-1), n = b_in.size(-1), count = NumElements(batch);
+  auto fold = [&](const Tensor& t, int64_t rows, int64_t cols) {
+    Shape full = batch;
+    full.push_back(rows);
+    full.push_back(cols);
+    const Tensor expanded = t.shape() == full ? t : Expand(t, full);
+    return Reshape(expanded, {count, rows, cols});
+  };
+  Shape out_shape = batch;
+  out_shape.push_back(m);
+  out_shape.push_back(n);
+  return Reshape(Bmm(fold(a_in, m, k), fold(b_in, k, n)), out_shape);
 }
 
 Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_orig) {

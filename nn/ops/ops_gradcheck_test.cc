@@ -112,11 +112,34 @@ TEST(GradCheckTest, MatmulAndLinear) {
   EXPECT_TRUE(GradCheck(mm, {RandomLeaf({3, 4}, 11), RandomLeaf({4}, 12)}));
   EXPECT_TRUE(GradCheck(mm, {RandomLeaf({4}, 13), RandomLeaf({4}, 14)}));
   EXPECT_TRUE(GradCheck(mm, {StridedLeaf({3, 4}, 15), RandomLeaf({4, 2}, 16)}));
+  // Broadcast batch dimensions, as torch.matmul (attention's 4-D products).
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({2, 3, 2, 4}, 28), RandomLeaf({2, 3, 4, 2}, 29)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({1, 3, 4}, 30), RandomLeaf({2, 4, 5}, 31)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({3, 4}, 32), RandomLeaf({2, 4, 5}, 33)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({4}, 34), RandomLeaf({2, 4, 5}, 35)}));
+  EXPECT_TRUE(GradCheck(mm, {RandomLeaf({2, 1, 3, 4}, 36), RandomLeaf({3, 4, 2}, 37)}));
   auto lin = [](const V& in) { return Linear(in[0], in[1], in[2]); };
   EXPECT_TRUE(GradCheck(lin, {RandomLeaf({5, 4}, 17), RandomLeaf({3, 4}, 18), RandomLeaf({3}, 19)}));
   EXPECT_TRUE(GradCheck(lin, {RandomLeaf({2, 5, 4}, 20), RandomLeaf({3, 4}, 21), RandomLeaf({3}, 22)}));
   EXPECT_TRUE(GradCheck(lin, {TransposedLeaf(5, 4, 23), TransposedLeaf(3, 4, 24), Tensor()}));
   EXPECT_TRUE(GradCheck(lin, {StridedLeaf({5, 4}, 25), RandomLeaf({3, 4}, 26), RandomLeaf({3}, 27, false)}));
+}
+
+// Broadcast batches give each pair's product: c[i][j] = a[i][0] @ b[j].
+TEST(MatmulTest, BroadcastBatchesGiveEachPairsProduct) {
+  Generator gen(5);
+  const Tensor a = Randn({2, 1, 3, 4}, {}, gen), b = Randn({3, 4, 2}, {}, gen);
+  const Tensor c = Matmul(a, b);
+  ASSERT_EQ(c.shape(), (Shape{2, 3, 3, 2}));
+  for (int64_t i = 0; i < 2; ++i) {
+    for (int64_t j = 0; j < 3; ++j) {
+      EXPECT_EQ(c.Select(0, i).Select(0, j).Contiguous().ToVector<float>(),
+                Matmul(a.Select(0, i).Select(0, 0), b.Select(0, j)).ToVector<float>());
+    }
+  }
+  EXPECT_EQ(Matmul(Randn({4}, {}, gen), Randn({2, 4, 5}, {}, gen)).shape(), (Shape{2, 5}));
+  EXPECT_THROW(Matmul(Randn({2, 3, 4}), Randn({3, 4, 5})), std::invalid_argument);
+  EXPECT_THROW(Matmul(Randn({2, 3, 4}), Randn({2, 3, 5})), std::invalid_argument);
 }
 
 struct ConvCase {

@@ -32,6 +32,7 @@ void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq
 
 Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
     : Optimizer(std::move(params), options.lr, {"square_avg", "acc_delta"}), options_(options) {
+  set_maximize(options_.maximize);
   if (!(options_.rho >= 0 && options_.rho <= 1 && options_.eps >= 0 && options_.weight_decay >= 0)) {
     throw std::invalid_argument("Adadelta: rho " + std::to_string(options_.rho) +
                                 " must be in [0, 1], eps " + std::to_string(options_.eps) +
@@ -53,12 +54,12 @@ void Adadelta::Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale
   });
 }
 
-void Adadelta::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t,
+void Adadelta::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t, bool,
                       float grad_scale) {
   Kernel(p, g, slots, n, grad_scale);
 }
 
-void Adadelta::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t,
+void Adadelta::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t, bool,
                       double grad_scale) {
   Kernel(p, g, slots, n, grad_scale);
 }
@@ -72,7 +73,7 @@ void Adadelta::CheckDeviceKernels(Device device) const {
 // One fused kernel per parameter (it follows Kernel above operation by
 // operation): one pass over p, g and the two slots instead of the ten that
 // composing elementwise ops would take.
-void Adadelta::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t,
+void Adadelta::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t, bool,
                             double grad_scale) {
   DeviceOptimKernelsFor(p.device().type)
       .adadelta_step(p, g, slots[0], slots[1],

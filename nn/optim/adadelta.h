@@ -11,6 +11,7 @@ struct AdadeltaOptions {
   double rho = 0.9;
   double eps = 1e-6;
   double weight_decay = 0.0;  ///< L2 penalty added to the gradient.
+  bool maximize = false;      ///< Ascend: the gradient is negated first.
 };
 
 /// Adadelta (Zeiler 2012) with PyTorch's rule:
@@ -24,11 +25,11 @@ class Adadelta : public Optimizer {
   Adadelta(NamedParameters params, AdadeltaOptions options);
 
  protected:
-  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override;
-  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
               double grad_scale) override;
-  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
                     double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "Adadelta"; }

@@ -53,6 +53,7 @@ Adam::Adam(NamedParameters params, AdamOptions options, bool decoupled)
     : Optimizer(std::move(params), options.lr, Slots(options.amsgrad)),
       options_(options),
       decoupled_(decoupled) {
+  set_maximize(options_.maximize);
   const char* name = decoupled ? "AdamW" : "Adam";
   if (!(options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 && options_.beta2 < 1)) {
     throw std::invalid_argument(std::string(name) + ": betas (" + std::to_string(options_.beta1) +
@@ -67,7 +68,7 @@ Adam::Adam(NamedParameters params, AdamOptions options, bool decoupled)
 
 AdamW::AdamW(NamedParameters params, AdamWOptions o)
     : Adam(std::move(params),
-           AdamOptions{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad}, true) {}
+           AdamOptions{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize}, true) {}
 
 template <typename T>
 void Adam::Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const {
@@ -95,12 +96,12 @@ void Adam::Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T 
   });
 }
 
-void Adam::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+void Adam::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool,
                   float grad_scale) {
   Kernel(p, g, slots, n, step, grad_scale);
 }
 
-void Adam::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+void Adam::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool,
                   double grad_scale) {
   Kernel(p, g, slots, n, step, grad_scale);
 }
@@ -111,7 +112,7 @@ void Adam::CheckDeviceKernels(Device device) const {
   }
 }
 
-void Adam::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+void Adam::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool,
                         double grad_scale) {
   DeviceOptimKernelsFor(p.device().type).adam_step(p, g, slots[0], slots[1], options_.amsgrad ? slots[2] : Tensor(),
      AdamStepArgs{.lr = lr(),

@@ -13,6 +13,7 @@ struct AdamOptions {
   double eps = 1e-8;
   double weight_decay = 0.0;  ///< L2 penalty added to the gradient.
   bool amsgrad = false;
+  bool maximize = false;      ///< Ascend: the gradient is negated first.
 };
 
 /// torch.optim.AdamW's options and defaults (weight decay 1e-2).
@@ -23,6 +24,7 @@ struct AdamWOptions {
   double eps = 1e-8;
   double weight_decay = 1e-2;  ///< Decoupled: p *= 1 - lr * weight_decay.
   bool amsgrad = false;
+  bool maximize = false;       ///< Ascend: the gradient is negated first.
 };
 
 /// Adam, with PyTorch's rule (t = step, bias corrections in f64):
@@ -40,11 +42,11 @@ class Adam : public Optimizer {
   /// AdamW: the same with decoupled weight decay.
   Adam(NamedParameters params, AdamOptions options, bool decoupled);
 
-  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override;
-  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
               double grad_scale) override;
-  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
                     double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return decoupled_ ? "AdamW" : "Adam"; }

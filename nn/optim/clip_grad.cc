@@ -3,6 +3,8 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nn/ops/dispatch.h"
 #include "nn/optim/device_kernels.h"
@@ -90,19 +92,25 @@ double DeviceMaxAbs(const std::vector<Tensor>& grads) {
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
                     bool error_if_nonfinite) {
   if (!(norm_type > 0)) throw std::invalid_argument("ClipGradNorm: norm_type must be > 0");
+  // The gradients as the loops and kernels read them: contiguous. One of
+  // other strides (set_grad accepts any, as PyTorch) is read as a
+  // contiguous copy, and the clipped values are written back through its
+  // strides.
   std::vector<Tensor> grads;
+  std::vector<std::pair<Tensor, Tensor>> strided;  // (gradient, its copy in grads)
   for (const Tensor& p : params) {
     if (!p.defined() || !p.grad().defined()) continue;
     const Tensor& g = p.grad();
-    if (!g.is_contiguous()) {
-      throw std::invalid_argument("ClipGradNorm: gradients must be contiguous, one of shape " +
-                                  ShapeToString(g.shape()) + " is not");
-    }
     if (!grads.empty() && g.device() != grads.front().device()) {
       throw std::invalid_argument("ClipGradNorm: gradients on two devices, " + grads.front().device().ToString() +
                                   " and " + g.device().ToString());
     }
-    grads.push_back(g);
+    if (g.is_contiguous()) {
+      grads.push_back(g);
+    } else {
+      grads.push_back(g.Detach().Contiguous());
+      strided.emplace_back(g, grads.back());
+    }
   }
   const bool device_path = !grads.empty() && internal::UsesDevicePath(grads.front().device());
   double acc = 0;
@@ -134,6 +142,8 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
       }
       g.storage()->BumpVersion();
     }
+    NoGradGuard guard;
+    for (const auto& [g, copy] : strided) g.CopyFrom(copy);
   }
   return total;
 }

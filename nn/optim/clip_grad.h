@@ -18,7 +18,9 @@ inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
 /// norm throws std::runtime_error when error_if_nonfinite, otherwise the
 /// gradients are scaled by it as PyTorch does (the loss scaler then skips
 /// the step). Gradients on a device are reduced there (one host read of the
-/// total), the infinity norm included.
+/// total), the infinity norm included. Gradients may have any strides: a
+/// non-contiguous one is read as a contiguous copy, and the clipped values
+/// are written back through its strides.
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                     bool error_if_nonfinite = false);
 

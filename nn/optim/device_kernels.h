@@ -28,7 +28,10 @@ struct SgdStepArgs {
   double dampening = 0.0;
   double weight_decay = 0.0;
   bool nesterov = false;
-  int64_t step = 1;          ///< 1 on the first update (initializes the buffer).
+  /// 1 when the update starts the momentum buffer (buf = d): the
+  /// parameter's first, or its first after a state without a buffer was
+  /// loaded. Used for nothing else.
+  int64_t step = 1;
   double grad_scale = 1.0;   ///< Multiplies the gradient as it is read.
 };
 

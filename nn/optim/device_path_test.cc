@@ -150,6 +150,7 @@ void TestMaxAbs(const std::vector<Tensor>& tensors, const Tensor& out) {
   ASSERT_EQ(out.dtype(), DType::kFloat64);
   double& m = out.data<double>()[0];
   for (const Tensor& t : tensors) {
+    ASSERT_TRUE(t.is_contiguous());  // as CUDA's MaxAbs requires
     for (double x : t.ToVector<double>()) {
       if (std::isnan(x) || std::isnan(m)) {
         m = std::numeric_limits<double>::quiet_NaN();
@@ -166,6 +167,7 @@ void TestUnscale(const std::vector<Tensor>& tensors, double inv_scale, const Ten
   ASSERT_EQ(found_inf.numel(), 1);
   ASSERT_EQ(found_inf.dtype(), DType::kFloat32);
   for (const Tensor& t : tensors) {
+    ASSERT_TRUE(t.is_contiguous());  // as CUDA's UnscaleAndCheck requires
     std::vector<double> v = t.ToVector<double>();
     for (double& x : v) {
       if (!std::isfinite(x)) found_inf.data<float>()[0] = 1.0f;
@@ -310,6 +312,23 @@ TEST_F(DevicePathTest, StateSavedOnOnePathContinuesOnTheOther) {
   }
 }
 
+// As on the host path, SGD starts a momentum buffer (buf = d, the kernel's
+// step 1) at the first step after loading a state without one, here one
+// saved at momentum 0. Before, the state held a zero buffer and the step
+// made buf = 0.9 * 0 + 0.9 * d.
+TEST_F(DevicePathTest, SgdStartsTheMomentumBufferAfterAStateWithoutOne) {
+  Tensor w = Ones({4});
+  Sgd plain({{"w", w}}, {.lr = 0.1});
+  w.set_grad(Full({4}, 1.0));
+  plain.Step();  // w = 0.9
+  Sgd with_momentum({{"w", w}}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.1});
+  with_momentum.LoadStateDict(plain.StateDict());
+  w.set_grad(Full({4}, 1.0));
+  with_momentum.Step();  // buf = 1
+  EXPECT_EQ(g_calls.sgd, 2);
+  for (float x : w.ToVector<float>()) EXPECT_FLOAT_EQ(x, 0.8f);
+}
+
 // As on the host path: a value written into a bf16 parameter between steps
 // (as Module::LoadStateDict writes it) is what the next step updates, not
 // the master's old value.
@@ -394,6 +413,45 @@ TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {
   NamedParameters p = MakeParams(DType::kBFloat16, 5);
   SetGrads(p, 1);
   EXPECT_GT(ClipGradNorm({p[0].second, p[1].second}, 1e9), 0.0);
+}
+
+// Gradients held transposed (set_grad accepts any strides): the scaler and
+// clipping give the host path's results, written back through the strides,
+// and hand the kernels contiguous tensors only. Before, they threw.
+TEST_F(DevicePathTest, NonContiguousGradientsFollowTheHostPath) {
+  auto make = [] {
+    Tensor w = Zeros({4, 3});
+    w.set_grad(FromVector({1, -2, 3, -4, 5, -6, 7, -8, 9, -10, 11, -12}, {3, 4}).Transpose(0, 1));
+    return w;
+  };
+  for (double norm_type : {2.0, 3.0, kInfNorm}) {
+    SCOPED_TRACE(norm_type);
+    Tensor host = make(), dev = make();
+    double host_norm = 0;
+    OnHostPath([&] { host_norm = ClipGradNorm({host}, 1.0, norm_type); });
+    EXPECT_NEAR(ClipGradNorm({dev}, 1.0, norm_type), host_norm, 1e-6 * host_norm);
+    EXPECT_FALSE(dev.grad().is_contiguous());
+    ExpectClose(dev.grad(), host.grad(), 1e-6, "w");
+  }
+  Tensor host = make(), dev = make();
+  OnHostPath([&] {
+    Sgd opt({{"w", host}}, {.lr = 0.5});
+    GradScaler scaler({.init_scale = 4});
+    scaler.Unscale(opt);
+    scaler.Step(opt);
+  });
+  Sgd opt({{"w", dev}}, {.lr = 0.5});
+  GradScaler scaler({.init_scale = 4});
+  scaler.Unscale(opt);
+  EXPECT_TRUE(scaler.Step(opt));
+  EXPECT_EQ(g_calls.unscale, 1);
+  EXPECT_FALSE(dev.grad().is_contiguous());
+  ExpectClose(dev.grad(), host.grad(), 1e-6, "w.grad");
+  ExpectClose(dev, host, 1e-6, "w");
+  // Fused: the check finds an inf in a strided gradient.
+  scaler.Update();
+  dev.grad().Transpose(0, 1).data<float>()[5] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(scaler.Step(opt));
 }
 
 // Adadelta through `adadelta_step`, with and without weight decay, in f32

@@ -37,19 +37,20 @@ const nlohmann::json& Case(const std::string& name) {
 
 std::unique_ptr<Optimizer> Make(const std::string& name, const nlohmann::json& d, NamedParameters params) {
   const double lr = d["lr"];
+  const bool maximize = d.value("maximize", false);
   if (name.rfind("sgd", 0) == 0) {
     return std::make_unique<Sgd>(params, SgdOptions{lr, d["momentum"], d["dampening"], d["weight_decay"],
-                                                    d["nesterov"]});
+                                                    d["nesterov"], maximize});
   }
   if (name.rfind("adamw", 0) == 0) {
     return std::make_unique<AdamW>(params, AdamWOptions{lr, d["betas"][0], d["betas"][1], d["eps"],
-                                                        d["weight_decay"], d["amsgrad"]});
+                                                        d["weight_decay"], d["amsgrad"], maximize});
   }
   if (name.rfind("adam", 0) == 0) {
     return std::make_unique<Adam>(params, AdamOptions{lr, d["betas"][0], d["betas"][1], d["eps"],
-                                                      d["weight_decay"], d["amsgrad"]});
+                                                      d["weight_decay"], d["amsgrad"], maximize});
   }
-  return std::make_unique<Adadelta>(params, AdadeltaOptions{lr, d["rho"], d["eps"], d["weight_decay"]});
+  return std::make_unique<Adadelta>(params, AdadeltaOptions{lr, d["rho"], d["eps"], d["weight_decay"], maximize});
 }
 
 // Runs one golden trajectory; tolerance is relative to max(1, |expected|):
@@ -92,6 +93,11 @@ TEST(GoldenAdamW, Defaults) { RunCase("adamw", 1e-6); }
 TEST(GoldenAdamW, Amsgrad) { RunCase("adamw_amsgrad", 1e-6); }
 TEST(GoldenAdadelta, Defaults) { RunCase("adadelta", 1e-6); }
 TEST(GoldenAdadelta, WeightDecay) { RunCase("adadelta_wd", 1e-6); }
+// maximize: the gradient negated before weight decay, in each optimizer.
+TEST(GoldenMaximize, SgdMomentumWeightDecayWithASkippedGradient) { RunCase("sgd_maximize", 1e-6); }
+TEST(GoldenMaximize, AdamWeightDecayAmsgrad) { RunCase("adam_maximize", 1e-6); }
+TEST(GoldenMaximize, AdamW) { RunCase("adamw_maximize", 1e-6); }
+TEST(GoldenMaximize, AdadeltaWeightDecay) { RunCase("adadelta_maximize", 1e-6); }
 
 std::shared_ptr<Schedule> MakeSchedule(const std::string& name) {
   if (name == "step") return StepSchedule(3, 0.5);

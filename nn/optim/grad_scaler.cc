@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/ops/dispatch.h"
@@ -23,21 +24,42 @@ bool CheckAndMaybeUnscale(T* g, int64_t n, float inv_scale, bool unscale) {
   return bad;
 }
 
-// The gradients to scan, checked: contiguous and on the optimizer's device.
-std::vector<Tensor> Grads(const Optimizer& opt) {
-  std::vector<Tensor> grads;
-  for (const auto& [name, p] : opt.params()) {
-    const Tensor& g = p.grad();
-    if (!g.defined()) continue;
-    if (!g.is_contiguous()) throw std::invalid_argument("GradScaler: gradient of `" + name + "` is not contiguous");
-    if (g.device() != opt.device()) {
-      throw std::invalid_argument("GradScaler: gradient of `" + name + "` is on " + g.device().ToString() +
-                                  ", the parameter on " + opt.device().ToString());
+// The gradients to scan, checked to be on the optimizer's device, as the
+// loops and kernels read them: contiguous. A gradient of other strides
+// (set_grad accepts any, and Step reads any, as PyTorch) is scanned as a
+// contiguous copy, which WriteBack puts into it after an unscale.
+struct Grads {
+  explicit Grads(const Optimizer& opt) {
+    for (const auto& [name, p] : opt.params()) {
+      const Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      if (g.device() != opt.device()) {
+        throw std::invalid_argument("GradScaler: gradient of `" + name + "` is on " + g.device().ToString() +
+                                    ", the parameter on " + opt.device().ToString());
+      }
+      if (g.is_contiguous()) {
+        dense.push_back(g);
+      } else {
+        dense.push_back(g.Detach().Contiguous());
+        strided.emplace_back(g, dense.back());
+      }
     }
-    grads.push_back(g);
+    // Nothing to check would read as "no inf": a step that skipped nothing
+    // while the loss was never backpropagated (PyTorch raises here too).
+    if (dense.empty() && !opt.params().empty()) {
+      throw std::logic_error(
+          "GradScaler: no parameter of the optimizer has a gradient (its first is `" +
+          opt.params().front().first +
+          "`); run backward on scaler.Scale(loss) before Unscale or Step");
+    }
   }
-  return grads;
-}
+  void WriteBack() const {
+    NoGradGuard guard;
+    for (const auto& [g, copy] : strided) g.CopyFrom(copy);
+  }
+  std::vector<Tensor> dense;
+  std::vector<std::pair<Tensor, Tensor>> strided;  // (gradient, its copy in dense)
+};
 
 // Device path: resets `flag` (one f32 element on the device, allocated once
 // per device and holding only 0 or 1) with a kernel rather than a host copy,
@@ -56,11 +78,13 @@ void DeviceScan(const Optimizer& opt, const std::vector<Tensor>& grads, float in
 
 bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
   bool bad = false;
-  for (const Tensor& g : Grads(opt)) {
+  const Grads grads(opt);
+  for (const Tensor& g : grads.dense) {
     DDP_DISPATCH_FLOATING(g.dtype(), "GradScaler",
                           bad |= CheckAndMaybeUnscale(g.data<scalar_t>(), g.numel(), inv_scale, unscale));
     if (unscale) g.storage()->BumpVersion();
   }
+  if (unscale) grads.WriteBack();
   return bad;
 }
 
@@ -84,7 +108,9 @@ void GradScaler::Unscale(Optimizer& optimizer) {
   // PyTorch computes the reciprocal in f64 and rounds it to f32.
   const float inv = static_cast<float>(1.0 / static_cast<double>(scale_));
   if (internal::UsesDevicePath(optimizer.device())) {
-    DeviceScan(optimizer, Grads(optimizer), inv, found_inf_flag_);  // read in Step
+    const Grads grads(optimizer);
+    DeviceScan(optimizer, grads.dense, inv, found_inf_flag_);  // read in Step
+    grads.WriteBack();  // queued after the unscale on the device
     device_flag_pending_ = true;
     found_inf_ = false;
   } else {
@@ -104,7 +130,7 @@ bool GradScaler::Step(Optimizer& optimizer) {
     // Fused: check only (a multiply by 1 leaves the values as they are);
     // the optimizer unscales as it reads. Either way, one read of the flag.
     if (fused) {
-      DeviceScan(optimizer, Grads(optimizer), 1.0f, found_inf_flag_);
+      DeviceScan(optimizer, Grads(optimizer).dense, 1.0f, found_inf_flag_);
     } else if (!device_flag_pending_) {
       throw std::logic_error("GradScaler: Unscale ran on the CPU but Step finds the parameters on " +
                              optimizer.device().ToString());

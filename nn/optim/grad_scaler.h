@@ -45,6 +45,8 @@ class GradScaler {
   double scale() const { return options_.enabled ? scale_ : 1.0; }
   /// Divides the optimizer's gradients by the scale in place and records
   /// whether any is inf or NaN. At most once between Update calls.
+  /// Gradients may have any strides (a non-contiguous one is scanned as a
+  /// contiguous copy and the result written back through its strides).
   void Unscale(Optimizer& optimizer);
   /// Steps the optimizer unless a gradient is inf or NaN (checked here if
   /// Unscale was not called; unscaling is then fused into the step).

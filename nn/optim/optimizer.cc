@@ -74,14 +74,17 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
   }
 }
 
-Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names)
-    : params_(std::move(params)), slot_names_(std::move(slot_names)) {
+Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names, SlotRules rules)
+    : params_(std::move(params)), slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
   set_lr(lr);
   CheckParameters(params_, "optimizer");
   CheckOneDevice();
   steps_.assign(params_.size(), 0);
   state_.resize(params_.size());
 }
+
+Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names)
+    : Optimizer(std::move(params), lr, std::move(slot_names), SlotRules()) {}
 
 void Optimizer::CheckOneDevice() const {
   for (const auto& [name, p] : params_) {
@@ -185,7 +188,6 @@ void Optimizer::NoteOwnWrite(size_t i, uint64_t before) {
 Optimizer::State Optimizer::CurrentState(size_t i) const {
   State s = state_[i];
   const Tensor& p = params_[i].second;
-  if (s.slots.empty()) return s;
   // State made (or loaded) before the parameter moved follows it: to its
   // device, and to its dtype (Module::To converts parameters in place).
   // The slots' values carry over, converted to the new compute dtype (PyTorch
@@ -214,32 +216,28 @@ Optimizer::State Optimizer::CurrentState(size_t i) const {
   return s;
 }
 
-void Optimizer::InitState(size_t i) {
+bool Optimizer::InitState(size_t i) {
   State& s = state_[i];
   const Tensor& p = params_[i].second;
-  if (!s.slots.empty()) {
-    // Every step comes here: the state is rebuilt only when the parameter
-    // moved or changed dtype since it was made, and the master takes in
-    // writes made to the parameter from outside.
-    const DType compute = ComputeDType(i);
-    bool current = s.master.defined() == Is16Bit(p.dtype()) &&
-                   (!s.master.defined() || s.master.device() == p.device());
-    for (const Tensor& t : s.slots) current = current && t.device() == p.device() && t.dtype() == compute;
-    if (!current) {
-      s = CurrentState(i);
-    } else if (s.master.defined() && !MasterSynced(s, p)) {
-      MergeOutsideWrites(p, s.master);
-      MarkSynced(s, p);
-    }
-    return;
-  }
-  for (size_t k = 0; k < slot_names_.size(); ++k) {
-    s.slots.push_back(Zeros(p.shape(), {.dtype = ComputeDType(i), .device = p.device()}));
-  }
-  if (Is16Bit(p.dtype())) {
-    s.master = MasterOf(p);
+  // Every step comes here: the state is rebuilt only when the parameter
+  // moved or changed dtype since it was made (or has no master yet, on its
+  // first step), and the master takes in writes made to the parameter from
+  // outside.
+  const DType compute = ComputeDType(i);
+  bool current = s.master.defined() == Is16Bit(p.dtype()) &&
+                 (!s.master.defined() || s.master.device() == p.device());
+  for (const Tensor& t : s.slots) current = current && t.device() == p.device() && t.dtype() == compute;
+  if (!current) {
+    s = CurrentState(i);
+  } else if (s.master.defined() && !MasterSynced(s, p)) {
+    MergeOutsideWrites(p, s.master);
     MarkSynced(s, p);
   }
+  if (s.slots.size() == slot_names_.size()) return false;
+  for (size_t k = 0; k < slot_names_.size(); ++k) {
+    s.slots.push_back(Zeros(p.shape(), {.dtype = compute, .device = p.device()}));
+  }
+  return true;
 }
 
 void Optimizer::Step() {
@@ -278,12 +276,12 @@ void Optimizer::DeviceStep(size_t i, const Tensor& grad) {
   // A 16-bit or strided gradient becomes a contiguous one of the compute
   // dtype on the device (one conversion kernel; no host copy).
   const Tensor g = grad.dtype() == compute && grad.is_contiguous() ? grad : grad.Detach().To(compute).Contiguous();
-  InitState(i);
+  const bool fresh = InitState(i);
   State& s = state_[i];
   const int64_t step = ++steps_[i];
   const uint64_t before = p.storage()->version();
   const Tensor target = s.master.defined() ? s.master : p;
-  DeviceUpdate(target, g, s.slots, step, grad_scale_);
+  DeviceUpdate(target, g, s.slots, step, fresh, StepScale());
   if (s.master.defined()) {
     NoGradGuard guard;
     p.CopyFrom(s.master);  // rounds the f32 master into the 16-bit parameter on the device
@@ -295,7 +293,7 @@ void Optimizer::DeviceStep(size_t i, const Tensor& grad) {
 void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d) {
   const Tensor& p = params_[i].second;
   const Tensor g = grad.is_contiguous() ? grad : grad.Detach().Contiguous();
-  InitState(i);
+  const bool fresh = InitState(i);
   State& s = state_[i];
   const int64_t n = p.numel();
   const int64_t step = ++steps_[i];
@@ -311,7 +309,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
       ConvertTo(g, scratch_d.data());
       gp = scratch_d.data();
     }
-    Update(p.data<double>(), gp, slots.data(), n, step, grad_scale_);
+    Update(p.data<double>(), gp, slots.data(), n, step, fresh, StepScale());
   } else {
     std::vector<float*> slots;
     for (Tensor& t : s.slots) slots.push_back(t.data<float>());
@@ -324,7 +322,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
       gp = scratch_f.data();
     }
     float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
-    Update(target, gp, slots.data(), n, step, static_cast<float>(grad_scale_));
+    Update(target, gp, slots.data(), n, step, fresh, static_cast<float>(StepScale()));
     if (p.dtype() == DType::kFloat16) {
       Half* out = p.data<Half>();
       for (int64_t k = 0; k < n; ++k) out[k] = Half(target[k]);
@@ -360,9 +358,7 @@ NamedTensors Optimizer::StateDict() const {
     // As the next step would see it, so LoadStateDict takes it back even
     // when the parameter changed dtype or device since its last step.
     const State s = CurrentState(i);
-    for (size_t k = 0; k < slot_names_.size(); ++k) {
-      out.emplace_back(prefix + slot_names_[k], s.slots[k].Clone());
-    }
+    for (size_t k = 0; k < s.slots.size(); ++k) out.emplace_back(prefix + slot_names_[k], s.slots[k].Clone());
     if (s.master.defined()) out.emplace_back(prefix + "master", s.master.Clone());
   }
   return out;
@@ -374,10 +370,13 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     if (k == "lr" || k.rfind("state.", 0) == 0) given[k] = t;
   }
   std::vector<std::string> problems;
-  auto check = [&](const std::string& key, const Tensor& t, const Shape& shape, DType dtype) {
+  // `convertible`: any floating dtype is taken and converted to `dtype` (as
+  // PyTorch casts floating state to its parameter's dtype), so a state saved
+  // before Module::To changed a parameter's dtype loads after it.
+  auto check = [&](const std::string& key, const Tensor& t, const Shape& shape, DType dtype, bool convertible) {
     if (!t.defined()) {
       problems.push_back("`" + key + "` is undefined");
-    } else if (t.shape() != shape || t.dtype() != dtype) {
+    } else if (t.shape() != shape || (convertible ? !IsFloating(t.dtype()) : t.dtype() != dtype)) {
       problems.push_back("`" + key + "` is " + std::string(DTypeName(t.dtype())) + " " +
                          ShapeToString(t.shape()) + ", expected " + std::string(DTypeName(dtype)) +
                          " " + ShapeToString(shape));
@@ -387,7 +386,7 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
   if (lr_it == given.end()) {
     problems.push_back("missing `lr`");
   } else {
-    check("lr", lr_it->second, {}, DType::kFloat64);
+    check("lr", lr_it->second, {}, DType::kFloat64, false);
   }
   std::set<std::string> expected = {"lr"};
   std::vector<int64_t> new_steps(params_.size(), 0);
@@ -395,29 +394,47 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     const Tensor& p = params_[i].second;
     const std::string prefix = "state." + params_[i].first + ".";
     std::vector<std::string> keys = {prefix + "step"};
-    for (const std::string& s : slot_names_) keys.push_back(prefix + s);
-    if (Is16Bit(p.dtype())) keys.push_back(prefix + "master");
+    int slots_given = 0;
+    for (const std::string& s : slot_names_) {
+      keys.push_back(prefix + s);
+      slots_given += given.count(prefix + s);
+    }
+    // Absent together (SlotRules::may_be_absent): made at the next step.
+    const bool slots_absent = slot_rules_.may_be_absent && slots_given == 0;
+    // Kept by other options: checked below like slots, then dropped.
+    std::vector<std::string> optional;
+    for (const std::string& s : slot_rules_.dropped) optional.push_back(prefix + s);
+    // The master is optional either way: saved while the parameter was f32
+    // or f64, a 16-bit parameter gets one from its values at the next step;
+    // saved while it was 16-bit, an f32 or f64 parameter drops it.
+    const std::string master_key = prefix + "master";
+    optional.push_back(master_key);
     int present = 0;
-    for (const std::string& k : keys) {
-      expected.insert(k);
-      present += given.count(k);
+    for (const std::vector<std::string>* list : {&keys, &optional}) {
+      for (const std::string& k : *list) {
+        expected.insert(k);
+        present += given.count(k);
+      }
     }
     if (present == 0) continue;  // never updated when saved
     for (const std::string& k : keys) {
       auto it = given.find(k);
       if (it == given.end()) {
-        problems.push_back("missing `" + k + "`");
+        if (!slots_absent || k == prefix + "step") problems.push_back("missing `" + k + "`");
       } else if (k == prefix + "step") {
-        check(k, it->second, {}, DType::kInt64);
+        check(k, it->second, {}, DType::kInt64, false);
         if (it->second.defined() && it->second.dtype() == DType::kInt64 && it->second.numel() == 1) {
           new_steps[i] = it->second.To(kCPU).data<int64_t>()[0];
           if (new_steps[i] < 1) problems.push_back("`" + k + "` is " + std::to_string(new_steps[i]) + ", expected >= 1");
         }
-      } else if (k == prefix + "master") {
-        check(k, it->second, p.shape(), DType::kFloat32);
       } else {
-        check(k, it->second, p.shape(), ComputeDType(i));
+        check(k, it->second, p.shape(), ComputeDType(i), true);
       }
+    }
+    for (const std::string& k : optional) {
+      auto it = given.find(k);
+      const DType dtype = k == master_key ? DType::kFloat32 : ComputeDType(i);
+      if (it != given.end()) check(k, it->second, p.shape(), dtype, true);
     }
   }
   for (const auto& [k, t] : given) {
@@ -436,17 +453,23 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     state_[i] = State();
     if (new_steps[i] == 0) continue;
     const std::string prefix = "state." + params_[i].first + ".";
-    // Copies on the parameter's device, never aliasing the caller's tensors.
-    const Device dev = params_[i].second.device();
-    auto copy_to_device = [dev](const Tensor& t) {
-      const Tensor moved = t.Detach().To(dev);
+    // Copies on the parameter's device in the dtype the step computes in,
+    // never aliasing the caller's tensors.
+    const Tensor& p = params_[i].second;
+    auto copy_to_device = [&p](const Tensor& t, DType dtype) {
+      Tensor moved = t.Detach().To(p.device());
+      if (moved.dtype() != dtype) moved = moved.To(dtype);
       return moved.storage() == t.storage() ? moved.Clone() : moved.Contiguous();
     };
-    for (const std::string& s : slot_names_) state_[i].slots.push_back(copy_to_device(given.at(prefix + s)));
+    for (const std::string& s : slot_names_) {
+      auto it = given.find(prefix + s);
+      if (it != given.end()) state_[i].slots.push_back(copy_to_device(it->second, ComputeDType(i)));
+    }
     auto m = given.find(prefix + "master");
     // Not known to agree with the parameter (which may be loaded before or
-    // after this): the next step merges the two.
-    if (m != given.end()) state_[i].master = copy_to_device(m->second);
+    // after this): the next step merges the two. Without one, that step
+    // copies a master from the parameter.
+    if (m != given.end() && Is16Bit(p.dtype())) state_[i].master = copy_to_device(m->second, DType::kFloat32);
   }
 }
 

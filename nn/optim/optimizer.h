@@ -82,6 +82,8 @@ class Optimizer {
   /// Factor every gradient is multiplied by as Step reads it (GradScaler
   /// sets 1/scale for one step, so unscaling costs no extra pass). 1 by default.
   void set_grad_scale(double scale) { grad_scale_ = scale; }
+  /// Whether Step ascends the gradient (the options' `maximize`).
+  bool maximize() const { return maximize_; }
   const NamedParameters& params() const { return params_; }
   /// Steps taken by parameter i (0 before its first update).
   int64_t step_count(size_t i) const { return steps_[i]; }
@@ -91,38 +93,63 @@ class Optimizer {
 
   /// The state: "lr" (f64 scalar), and per updated parameter
   /// "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
-  /// parameter's shape, f32 or f64; "master" for 16-bit parameters).
+  /// parameter's shape, f32 or f64; "master" for 16-bit parameters). Slots
+  /// a loaded state did not have are not saved until the next step makes them.
   /// Tensors are copies, on the parameters' device ("lr" and steps on the CPU).
   NamedTensors StateDict() const;
   /// Restores StateDict's output. Looks only at "lr" and "state." keys, so
   /// other components' state may share the list. Everything is checked
   /// before anything changes; one error lists every missing, unexpected or
   /// mismatched key. State tensors may come from any device: they are copied
-  /// to the parameters' device.
+  /// to the parameters' device. Slots of any floating dtype are converted to
+  /// the parameter's compute dtype (a state saved before Module::To changed
+  /// the parameter's dtype loads after it, as PyTorch casts its state); a
+  /// "master" is optional: a 16-bit parameter without one gets one from its
+  /// values at the next step, and one saved for a parameter that is now f32
+  /// or f64 is dropped. Optimizers whose slots may be absent (SGD's momentum
+  /// buffer) take a state without them, and one with slots their options do
+  /// not keep (see SlotRules).
   void LoadStateDict(const NamedTensors& state);
 
  protected:
+  /// What LoadStateDict accepts beyond the slots an optimizer keeps.
+  struct SlotRules {
+    /// A stepped parameter's state may lack every slot (PyTorch's SGD keeps
+    /// its momentum buffer as None until momentum uses it): the slots are
+    /// made at the parameter's next update, which gets `fresh` set.
+    bool may_be_absent = false;
+    /// Slots that other options of the same optimizer keep (SGD's momentum
+    /// buffer at momentum 0, which earlier versions saved as zeros): checked
+    /// as slots, then dropped.
+    std::vector<std::string> dropped;
+  };
+
   /// Throws std::invalid_argument for an empty or repeated name, an
   /// undefined, non-contiguous or non-floating parameter, or parameters on
   /// two devices (naming one of each).
+  Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names, SlotRules rules);
   Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names);
+  /// `maximize` (PyTorch's option): the gradient is negated as Step reads
+  /// it, before weight decay is added, as PyTorch negates it.
+  void set_maximize(bool maximize) { maximize_ = maximize; }
 
   /// One fused update of n elements. `p` is the parameter (or its master
   /// copy), `g` the gradient to be multiplied by `grad_scale`, `slots` the
-  /// state in slot_names order, zero before the first step; `step` counts
-  /// this update (1 on the first).
-  virtual void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+  /// state in slot_names order; `step` counts this update (1 on the first).
+  /// `fresh`: the slots were just made, zero: on the first update, and on
+  /// the first after LoadStateDict gave the parameter none (SlotRules).
+  virtual void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
                       float grad_scale) = 0;
-  virtual void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+  virtual void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
                       double grad_scale) = 0;
 
   /// The device path's update of one parameter: `p` is the parameter (or its
   /// f32 master copy), `g` its contiguous gradient in p's dtype (to be
   /// multiplied by grad_scale), `slots` the state in slot_names order on p's
-  /// device, zero before the first step. Must queue work without waiting
-  /// for the device.
+  /// device; `step` and `fresh` as for Update. Must queue work without
+  /// waiting for the device.
   virtual void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
-                            double grad_scale) = 0;
+                            bool fresh, double grad_scale) = 0;
 
   /// Throws naming the device when the device path has no kernel for it
   /// (called once per Step, before anything is allocated or changed).
@@ -133,7 +160,9 @@ class Optimizer {
 
  private:
   struct State {
-    std::vector<Tensor> slots;  // empty until the first step
+    // Empty until the first step, and after LoadStateDict gave none
+    // (SlotRules::may_be_absent).
+    std::vector<Tensor> slots;
     Tensor master;              // f32 copy of a 16-bit parameter
     // Where the master last agreed with the parameter: its memory and that
     // memory's version. A version bumped since means someone else wrote the
@@ -148,7 +177,9 @@ class Optimizer {
   /// The state of parameter i as its current device and dtype need it (a
   /// copy only where something changed since the state was made).
   State CurrentState(size_t i) const;
-  void InitState(size_t i);
+  /// Brings parameter i's state up to date for a step; true when it made
+  /// the slots (the update's `fresh`).
+  bool InitState(size_t i);
   /// True when nothing but this optimizer wrote p since s's master last agreed with it.
   static bool MasterSynced(const State& s, const Tensor& p);
   static void MarkSynced(State& s, const Tensor& p);
@@ -164,7 +195,12 @@ class Optimizer {
   NamedParameters params_;
   double lr_;
   double grad_scale_ = 1.0;
+  bool maximize_ = false;
+  // The factor Update multiplies each gradient by: the gradient scale,
+  // negated under maximize.
+  double StepScale() const { return maximize_ ? -grad_scale_ : grad_scale_; }
   std::vector<std::string> slot_names_;
+  SlotRules slot_rules_;
   std::vector<int64_t> steps_;
   std::vector<State> state_;
 };

@@ -57,6 +57,14 @@ void SetGrads(const NamedParameters& params, int step) {
   }
 }
 
+// Steps `opt` through steps [from, to) with SetGrads's gradients.
+void TrainSteps(const NamedParameters& params, Optimizer& opt, int from, int to) {
+  for (int s = from; s < to; ++s) {
+    SetGrads(params, s);
+    opt.Step();
+  }
+}
+
 std::vector<std::vector<uint8_t>> Bytes(const NamedParameters& params) {
   std::vector<std::vector<uint8_t>> out;
   for (const auto& [name, p] : params) {
@@ -137,7 +145,7 @@ TEST(OptimizerState, BadStateListsEveryProblemAndChangesNothing) {
   NamedTensors state = opt.StateDict();
   NamedTensors bad;
   for (auto& [k, t] : state) {
-    if (k == "state.fc.bias.momentum_buffer") continue;  // missing
+    if (k == "state.fc.bias.step") continue;  // missing
     if (k == "state.fc.weight.momentum_buffer") {
       bad.emplace_back(k, Zeros({5, 8}));  // wrong shape
       continue;
@@ -151,7 +159,7 @@ TEST(OptimizerState, BadStateListsEveryProblemAndChangesNothing) {
     opt.LoadStateDict(bad);
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("3 problem(s)"), HasSubstr("missing `state.fc.bias.momentum_buffer`"),
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("3 problem(s)"), HasSubstr("missing `state.fc.bias.step`"),
                                 HasSubstr("`state.fc.weight.momentum_buffer` is f32 [5, 8], expected f32 [8, 5]"),
                                 HasSubstr("unexpected `state.fc.other.momentum_buffer`")));
   }
@@ -330,6 +338,98 @@ TEST(Optimizer, ParameterDtypeChangesBetweenStepsKeepTraining) {
   }
 }
 
+// A state saved before a parameter's dtype changed loads after the change,
+// as PyTorch's load_state_dict casts floating state to the parameter's
+// dtype: the slots take the new compute dtype, a master saved for a
+// parameter that is no longer 16-bit is dropped, and a parameter that
+// became 16-bit gets a master from its values at the next step. The run
+// continues as the optimizer that saw the change itself. Before, f64 slots
+// did not load into an f32 optimizer, nor a state without a master into a
+// bf16 one.
+TEST(OptimizerState, StateSavedBeforeADtypeChangeLoadsAfterIt) {
+  const std::pair<DType, DType> changes[] = {{DType::kFloat64, DType::kFloat32}, {DType::kFloat32, DType::kBFloat16},
+                                             {DType::kFloat32, DType::kFloat16}, {DType::kBFloat16, DType::kFloat32},
+                                             {DType::kFloat16, DType::kFloat64}, {DType::kFloat32, DType::kFloat64}};
+  for (const auto& [from, to] : changes) {
+    for (const auto& [name, make] : AllOptimizers()) {
+      SCOPED_TRACE(name + " " + std::string(DTypeName(from)) + " -> " + std::string(DTypeName(to)));
+      NamedParameters p = MakeParams(from, 1);
+      auto opt = make(p);
+      TrainSteps(p, *opt, 0, 3);
+      const NamedTensors saved = opt->StateDict();
+      for (const auto& [n, t] : p) t.SetData(t.Detach().To(to));
+      NamedParameters q = MakeParams(to, 2);
+      for (size_t i = 0; i < p.size(); ++i) q[i].second.CopyFrom(p[i].second);
+      auto restored = make(q);
+      ASSERT_NO_THROW(restored->LoadStateDict(saved));
+      for (int s = 3; s < 6; ++s) {
+        SetGrads(p, s);
+        opt->Step();
+        SetGrads(q, s);
+        restored->Step();
+      }
+      EXPECT_EQ(Bytes(p), Bytes(q));
+    }
+  }
+  // Only floating state converts.
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Adam opt(p, {});
+  SetGrads(p, 0);
+  opt.Step();
+  NamedTensors state = opt.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "state.fc.bias.exp_avg") t = Zeros({8}, {.dtype = DType::kInt64});
+  }
+  try {
+    opt.LoadStateDict(state);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("`state.fc.bias.exp_avg` is i64 [8], expected f32 [8]"));
+  }
+}
+
+// As PyTorch's SGD, which keeps no momentum buffer (None) when momentum is
+// 0 and starts one as buf = d at the first update that uses it. Before, a
+// zero buffer was kept and saved, and a state from Sgd{momentum = 0} loaded
+// into Sgd{momentum = 0.9, dampening = 0.1} made the next update
+// buf = 0.9 * 0 + 0.9 * d instead of buf = d.
+TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {
+  Tensor w = Ones({4});
+  Sgd plain({{"w", w}}, {.lr = 0.1});
+  w.set_grad(Full({4}, 1.0));
+  plain.Step();  // w = 0.9
+  std::vector<std::string> keys;
+  for (const auto& [k, t] : plain.StateDict()) keys.push_back(k);
+  EXPECT_EQ(keys, (std::vector<std::string>{"lr", "state.w.step"}));
+
+  Tensor v = w.Detach().Clone();
+  Sgd with_momentum({{"w", v}}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.1});
+  ASSERT_NO_THROW(with_momentum.LoadStateDict(plain.StateDict()));
+  EXPECT_EQ(with_momentum.step_count(0), 1);
+  v.set_grad(Full({4}, 1.0));
+  with_momentum.Step();  // buf = 1, v = 0.9 - 0.1
+  for (float x : v.ToVector<float>()) EXPECT_FLOAT_EQ(x, 0.8f);
+  EXPECT_EQ(with_momentum.step_count(0), 2);
+  v.set_grad(Full({4}, 1.0));
+  with_momentum.Step();  // buf = 0.9 * 1 + 0.9 * 1, v = 0.8 - 0.18
+  for (float x : v.ToVector<float>()) EXPECT_FLOAT_EQ(x, 0.62f);
+
+  // A state saved by earlier versions holds a zero buffer at momentum 0:
+  // it still loads, and is not kept.
+  NamedTensors older = plain.StateDict();
+  older.emplace_back("state.w.momentum_buffer", Zeros({4}));
+  Tensor u = w.Detach().Clone();
+  Sgd again({{"w", u}}, {.lr = 0.1});
+  ASSERT_NO_THROW(again.LoadStateDict(older));
+  EXPECT_EQ(again.StateDict().size(), 2u);
+  u.set_grad(Full({4}, 1.0));
+  again.Step();
+  for (float x : u.ToVector<float>()) EXPECT_FLOAT_EQ(x, 0.8f);
+  // Its shape is still checked.
+  older.back().second = Zeros({5});
+  EXPECT_THROW(again.LoadStateDict(older), std::invalid_argument);
+}
+
 TEST(Optimizer, RejectsBadParametersAndOptions) {
   EXPECT_THROW(Sgd({{"a", Zeros({2})}, {"a", Zeros({2})}}, {}), std::invalid_argument);
   EXPECT_THROW(Sgd({{"i", Zeros({2}, {.dtype = DType::kInt64})}}, {}), std::invalid_argument);
@@ -367,6 +467,62 @@ TEST(ClipGradNorm, InfinityNormIsNanWhenAnyGradientIsNan) {
   a.set_grad(FromVector({1, 1, 2}, {3}));
   b.set_grad(FromVector({nan, 9}, {2}));  // in the second tensor
   EXPECT_TRUE(std::isnan(ClipGradNorm({a, b}, 100.0, kInfNorm)));
+}
+
+// A gradient [2, 3] held transposed (strides [1, 2]): logical values
+// [[a, c, e], [b, d, f]] for values {a, b, c, d, e, f}.
+Tensor TransposedGrad(const std::vector<double>& values) {
+  Tensor g = FromVector(values, {3, 2}).Transpose(0, 1);
+  EXPECT_FALSE(g.is_contiguous());
+  return g;
+}
+
+// set_grad accepts a gradient of any strides and Optimizer::Step reads one;
+// so does clipping now, as PyTorch's, writing the clipped values back
+// through the strides. Before, a non-contiguous gradient threw.
+TEST(ClipGradNorm, ClipsANonContiguousGradientThroughItsStrides) {
+  Tensor a = Zeros({2, 3}), b = Zeros({1});
+  const Tensor g = TransposedGrad({1, 2, 3, 4, 5, 6});
+  a.set_grad(g);
+  b.set_grad(FromVector({2}, {1}));
+  EXPECT_DOUBLE_EQ(ClipGradNorm({a, b}, 100.0, kInfNorm), 6.0);
+  const double norm = std::sqrt(91.0 + 4.0);
+  EXPECT_NEAR(ClipGradNorm({a, b}, 1.0), norm, 1e-5);
+  EXPECT_TRUE(a.grad().is_same(g));  // in place, strides kept
+  EXPECT_EQ(a.grad().strides(), (Shape{1, 2}));
+  const std::vector<float> got = a.grad().ToVector<float>();
+  const std::vector<double> logical = {1, 3, 5, 2, 4, 6};
+  ASSERT_EQ(got.size(), logical.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], logical[i] / norm, 1e-6) << i;
+  EXPECT_NEAR(b.grad().ToVector<float>()[0], 2.0 / norm, 1e-6);
+}
+
+// The scaler, likewise: an explicit Unscale writes through the strides, and
+// the fused path checks a strided gradient for inf and NaN. Before, both
+// threw "not contiguous".
+TEST(GradScaler, UnscalesAndChecksANonContiguousGradient) {
+  Tensor w = Zeros({2, 3});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  GradScaler scaler({.init_scale = 4});
+  const Tensor g = TransposedGrad({4, 8, 12, 16, 20, 24});
+  w.set_grad(g);
+  scaler.Unscale(opt);
+  EXPECT_TRUE(w.grad().is_same(g));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{1, 3, 5, 2, 4, 6}));
+  EXPECT_TRUE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{-1, -3, -5, -2, -4, -6}));
+  // Fused: an inf skips the step and halves the scale.
+  w.set_grad(TransposedGrad({4, 8, 12, 16, std::numeric_limits<double>::infinity(), 24}));
+  EXPECT_FALSE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(scaler.scale(), 2.0);
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{-1, -3, -5, -2, -4, -6}));
+  w.set_grad(TransposedGrad({2, 4, 6, 8, 10, 12}));
+  EXPECT_TRUE(scaler.Step(opt));  // unscaled as the optimizer reads it: .grad keeps the scaled values
+  scaler.Update();
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 6, 10, 4, 8, 12}));
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{-2, -6, -10, -4, -8, -12}));
 }
 
 TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
@@ -444,6 +600,22 @@ TEST(GradScaler, StateRoundTripAndMisuse) {
   GradScaler off({.enabled = false});
   EXPECT_EQ(off.scale(), 1.0);
   EXPECT_TRUE(off.Step(opt));
+}
+
+// No gradient at all (backward never ran): Step and Unscale refuse, naming
+// a parameter, instead of stepping as if nothing were inf.
+TEST(GradScaler, NoGradientsIsAnError) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {});
+  GradScaler s;
+  for (int fused = 0; fused < 2; ++fused) {
+    try {
+      fused ? s.Step(opt) : (s.Unscale(opt), true);
+      ADD_FAILURE() << "no error";
+    } catch (const std::logic_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("no parameter of the optimizer has a gradient (its first is `w`)"));
+    }
+  }
 }
 
 TEST(LrScheduler, StepDecayAndStateErrors) {

@@ -5,11 +5,26 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ddp::nn::optim {
 
+namespace {
+
+std::vector<std::string> BufferIf(bool wanted) {
+  return wanted ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+}
+
+}  // namespace
+
+// As PyTorch: no momentum buffer (None) at momentum 0, and one started as
+// buf = d at the first step that uses it, also after loading a state
+// without one. At momentum 0, a buffer in a loaded state (earlier versions
+// saved a zero one) is checked and dropped.
 Sgd::Sgd(NamedParameters params, SgdOptions options)
-    : Optimizer(std::move(params), options.lr, {"momentum_buffer"}), options_(options) {
+    : Optimizer(std::move(params), options.lr, BufferIf(options.momentum != 0),
+                {.may_be_absent = true, .dropped = BufferIf(options.momentum == 0)}),
+      options_(options) {
   if (options_.momentum < 0 || options_.weight_decay < 0 || options_.dampening < 0) {
     throw std::invalid_argument("SGD: momentum " + std::to_string(options_.momentum) +
                                 ", dampening " + std::to_string(options_.dampening) +
@@ -19,6 +34,7 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
   if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
     throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0");
   }
+  set_maximize(options_.maximize);
 }
 
 namespace {
@@ -56,14 +72,14 @@ void SgdLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, in
 // Coefficients are rounded to T first, as PyTorch passes Python floats to
 // kernels of the tensor's type; each line is one PyTorch tensor op.
 template <typename T>
-void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale) const {
+void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const {
   const T wd = static_cast<T>(options_.weight_decay);
   const T mom = static_cast<T>(options_.momentum);
   const T keep = static_cast<T>(1.0 - options_.dampening);
   const T neg_lr = static_cast<T>(-lr());
   internal::WithFlag(options_.weight_decay != 0, [&](auto w) {
     internal::WithFlag(options_.momentum != 0, [&](auto m) {
-      internal::WithFlag(step == 1, [&](auto f) {
+      internal::WithFlag(first, [&](auto f) {
         internal::WithFlag(options_.nesterov, [&](auto nv) {
           SgdLoop<w.value, m.value, f.value, nv.value>(p, g, buf, n, grad_scale, wd, mom, keep,
                                                        neg_lr);
@@ -73,14 +89,16 @@ void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale
   });
 }
 
-void Sgd::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+// The buffer's first update is the parameter's first, or its first after a
+// state without a buffer was loaded: `fresh`, not step 1.
+void Sgd::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t, bool fresh,
                  float grad_scale) {
-  Kernel(p, g, slots[0], n, step, grad_scale);
+  Kernel(p, g, options_.momentum != 0 ? slots[0] : nullptr, n, fresh, grad_scale);
 }
 
-void Sgd::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+void Sgd::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t, bool fresh,
                  double grad_scale) {
-  Kernel(p, g, slots[0], n, step, grad_scale);
+  Kernel(p, g, options_.momentum != 0 ? slots[0] : nullptr, n, fresh, grad_scale);
 }
 
 void Sgd::CheckDeviceKernels(Device device) const {
@@ -89,15 +107,16 @@ void Sgd::CheckDeviceKernels(Device device) const {
   }
 }
 
-void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
                        double grad_scale) {
+  // The kernel starts the buffer (buf = d) at step 1, its only use of the step.
   DeviceOptimKernelsFor(p.device().type).sgd_step(p, g, options_.momentum != 0 ? slots[0] : Tensor(),
      SgdStepArgs{.lr = lr(),
                  .momentum = options_.momentum,
                  .dampening = options_.dampening,
                  .weight_decay = options_.weight_decay,
                  .nesterov = options_.nesterov,
-                 .step = step,
+                 .step = fresh ? 1 : step,
                  .grad_scale = grad_scale});
 }
 

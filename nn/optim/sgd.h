@@ -12,6 +12,7 @@ struct SgdOptions {
   double dampening = 0.0;
   double weight_decay = 0.0;  ///< L2 penalty added to the gradient.
   bool nesterov = false;      ///< Needs momentum > 0 and dampening 0.
+  bool maximize = false;      ///< Ascend: the gradient is negated first.
 };
 
 /// Stochastic gradient descent with PyTorch's rule:
@@ -19,7 +20,10 @@ struct SgdOptions {
 ///   buf = d on the first step, else momentum * buf + (1 - dampening) * d
 ///   d = nesterov ? d + momentum * buf : buf        (when momentum != 0)
 ///   p = p - lr * d
-/// State slot: "momentum_buffer".
+/// State slot: "momentum_buffer", kept only when momentum != 0 (PyTorch's
+/// is None at momentum 0). A loaded state without one makes the next step
+/// the buffer's first (buf = d); one with a buffer loads into momentum 0
+/// (states saved by earlier versions hold a zero one) and is dropped.
 class Sgd : public Optimizer {
  public:
   /// Throws std::invalid_argument for negative values or nesterov without
@@ -28,18 +32,18 @@ class Sgd : public Optimizer {
   const SgdOptions& options() const { return options_; }
 
  protected:
-  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override;
-  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
               double grad_scale) override;
-  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
                     double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
 
  private:
   template <typename T>
-  void Kernel(T* p, const T* g, T* buf, int64_t n, int64_t step, T grad_scale) const;
+  void Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
 
   SgdOptions options_;
 };

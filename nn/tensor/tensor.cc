@@ -514,6 +514,7 @@ Tensor Tensor::Narrow(int64_t d, int64_t start, int64_t length) const {
   CheckNoHistoryLoss("Narrow");
   d = WrapDim(d);
   const int64_t n = shape()[d];
+  if (start < 0 && start >= -n) start += n;  // counted from the end, as torch.narrow
   if (start < 0 || length < 0 || start + length > n) {
     throw std::out_of_range("Narrow: elements [" + std::to_string(start) + ", " +
                             std::to_string(start + length) + ") of dimension " + std::to_string(d) +
@@ -555,6 +556,9 @@ Tensor Tensor::Unsqueeze(int64_t d) const {
 
 Tensor Tensor::Squeeze(int64_t d) const {
   CheckNoHistoryLoss("Squeeze");
+  if (dim() == 0 && (d == 0 || d == -1)) {  // a scalar stays one, as in PyTorch
+    return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), shape(), strides(), dtype()));
+  }
   d = WrapDim(d);
   Shape sh = shape(), st = strides();
   if (sh[d] == 1) {
@@ -654,9 +658,36 @@ void Tensor::CopyFrom(const Tensor& src) const {
                                   " cannot be broadcast to destination shape " + ShapeToString(shape()));
     }
   }
-  storage()->BumpVersion();
-  if (numel() == 0) return;
+  if (numel() == 0) {
+    storage()->BumpVersion();
+    return;
+  }
+  for (int64_t d = 0; d < dim(); ++d) {
+    if (strides()[d] == 0 && shape()[d] > 1) {
+      throw std::invalid_argument("CopyFrom: the destination " + ShapeToString(shape()) +
+                                  " has several elements at one memory location (stride 0 in dimension " +
+                                  std::to_string(d) + ", an expanded view); copy into a tensor of its own");
+    }
+  }
   const Device dd = device(), sd = s.device();
+  if (dd == sd && s.storage() == storage()) {
+    if (s.data_ptr() == data_ptr() && s.strides() == strides() && s.dtype() == dtype()) {
+      storage()->BumpVersion();  // the same elements: nothing to copy
+      return;
+    }
+    // Overlapping memory (x.CopyFrom(x.Transpose(0, 1))): an element may be
+    // overwritten before it is read, so the source is read from a copy.
+    auto range = [](const Tensor& t) {
+      const char* lo = static_cast<const char*>(t.data_ptr());
+      int64_t span = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) span += (t.shape()[d] - 1) * t.strides()[d];
+      return std::make_pair(lo, lo + (span + 1) * static_cast<int64_t>(ElementSize(t.dtype())));
+    };
+    const auto [dst_lo, dst_hi] = range(*this);
+    const auto [src_lo, src_hi] = range(s);
+    if (src_lo < dst_hi && dst_lo < src_hi) s = s.Clone();
+  }
+  storage()->BumpVersion();
   if (dd == sd) {
     GetDeviceBackend(dd).copy_strided(*this, s);
     return;

@@ -87,6 +87,9 @@ TEST(TensorTest, TransposePermuteNarrowSliceSelect) {
   Tensor row = t.Select(0, -1);
   EXPECT_EQ(row.ToVector<float>(), (std::vector<float>{8, 9, 10, 11}));
   EXPECT_NE(ErrorOf([&] { t.Narrow(1, 3, 2); }).find("outside shape [3, 4]"), std::string::npos);
+  // A negative start counts from the end, as torch.narrow's.
+  EXPECT_EQ(t.Narrow(1, -2, 2).ToVector<float>(), (std::vector<float>{2, 3, 6, 7, 10, 11}));
+  EXPECT_NE(ErrorOf([&] { t.Narrow(1, -5, 1); }).find("outside shape [3, 4]"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { t.Select(0, 3); }).find("index 3 out of range"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { t.Transpose(0, 2); }).find("dimension 2 out of range"), std::string::npos);
 }
@@ -96,6 +99,8 @@ TEST(TensorTest, UnsqueezeSqueezeExpandFlatten) {
   Tensor u = t.Unsqueeze(0);
   EXPECT_EQ(u.shape(), (Shape{1, 3}));
   EXPECT_EQ(u.Squeeze(0).shape(), (Shape{3}));
+  EXPECT_EQ(Full({}, 7).Squeeze(0).shape(), (Shape{}));  // a scalar stays one, as in PyTorch
+  EXPECT_EQ(Full({}, 7).Squeeze(-1).Item(), 7);
   Tensor e = t.Unsqueeze(1).Expand({3, 2});
   EXPECT_EQ(e.strides(), (Shape{1, 0}));
   EXPECT_EQ(e.Contiguous().ToVector<float>(), (std::vector<float>{0, 0, 1, 1, 2, 2}));
@@ -114,6 +119,26 @@ TEST(TensorTest, CopyFromBroadcastsConvertsAndHandlesStrides) {
   col.Fill(1);
   EXPECT_GT(col.storage()->version(), before);
   EXPECT_NE(ErrorOf([&] { dst.CopyFrom(Zeros({4})); }).find("cannot be broadcast"), std::string::npos);
+}
+
+// Source and destination in one memory: read as it was before the copy
+// (an element is not overwritten before it is read); a destination with
+// several elements at one address (an expanded view) is refused.
+TEST(TensorTest, CopyFromOverlappingMemory) {
+  Tensor x = FromVector({1, 2, 3, 4}, {2, 2});
+  x.CopyFrom(x.Transpose(0, 1));
+  EXPECT_EQ(x.ToVector<float>(), (std::vector<float>{1, 3, 2, 4}));
+  Tensor y = Iota({6});
+  y.Narrow(0, 1, 5).CopyFrom(y.Narrow(0, 0, 5));  // shift right by one
+  EXPECT_EQ(y.ToVector<float>(), (std::vector<float>{0, 0, 1, 2, 3, 4}));
+  Tensor z = Iota({3});
+  const uint64_t before = z.storage()->version();
+  z.CopyFrom(z);
+  EXPECT_EQ(z.ToVector<float>(), (std::vector<float>{0, 1, 2}));
+  EXPECT_GT(z.storage()->version(), before);
+  Tensor e = Zeros({3}).Unsqueeze(1).Expand({3, 2});
+  EXPECT_NE(ErrorOf([&] { e.CopyFrom(Iota({3, 2})); }).find("several elements at one memory location"),
+            std::string::npos);
 }
 
 TEST(TensorTest, FillOnStridedViewTouchesOnlyTheView) {

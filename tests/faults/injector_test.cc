@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -33,7 +34,8 @@ struct Target {
 };
 
 pid_t FirstChild(pid_t parent) {
-  for (int i = 0; i < 2000; ++i) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < deadline) {
     std::ifstream in("/proc/" + std::to_string(parent) + "/task/" + std::to_string(parent) +
                      "/children");
     pid_t child = 0;
@@ -43,6 +45,26 @@ pid_t FirstChild(pid_t parent) {
   return -1;
 }
 
+// Whether `pid` runs the program whose path ends in `name`, in its main():
+// its /proc/PID/exe names it (set early in exec, before the program is
+// mapped) and it has started the second thread that main() starts first.
+bool RunsMain(pid_t pid, const std::string& name) {
+  const std::string proc = "/proc/" + std::to_string(pid);
+  char buf[4096];
+  const ssize_t n = readlink((proc + "/exe").c_str(), buf, sizeof(buf) - 1);
+  if (n <= 0) return false;
+  const std::string exe(buf, static_cast<size_t>(n));
+  if (exe.size() < name.size() || exe.compare(exe.size() - name.size(), name.size(), name) != 0) return false;
+  std::ifstream status(proc + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8) >= 2;
+  }
+  return false;
+}
+
+// Starts the target for `ms` milliseconds under a shell; returns once the
+// shell's child runs it (until then it is the shell, or half exec'd).
 Target Start(long ms) {
   Target t;
   auto group = lt::StartProgram({"/bin/sh", "-c", "\"$0\" \"$1\" & wait $!",
@@ -52,6 +74,11 @@ Target Start(long ms) {
   t.group = std::move(group).value();
   t.pid = FirstChild(t.group->pids().at(0));
   EXPECT_GT(t.pid, 0);
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (t.pid > 0 && !RunsMain(t.pid, "/injector_target") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(t.pid > 0 && RunsMain(t.pid, "/injector_target")) << "the shell's child never ran the target";
   return t;
 }
 
@@ -63,8 +90,8 @@ char ProcessState(pid_t pid) {
 }
 
 TEST(InjectorTest, FindsFunctionsByDemangledName) {
-  Target t = Start(1000);
-  std::this_thread::sleep_for(100ms);
+  // Long enough to outlive the look-ups on a loaded machine; killed after.
+  Target t = Start(20000);
   auto f = FindFunction(t.pid, "ddp::faults::target::Victim(");
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->name, "ddp::faults::target::Victim(int)");
@@ -72,12 +99,12 @@ TEST(InjectorTest, FindsFunctionsByDemangledName) {
             transport::StatusCode::kNotFound);
   EXPECT_EQ(FindFunction(t.pid, "ddp::faults::target::").status().code(),
             transport::StatusCode::kInvalidArgument);
+  kill(t.pid, SIGKILL);
   lt::WaitProgram(*t.group, 10s);
 }
 
 TEST(InjectorTest, KillAtAFunction) {
   Target t = Start(20000);
-  std::this_thread::sleep_for(100ms);
   auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kKill, 5s);
   ASSERT_TRUE(injected.ok()) << injected.status();
   const auto run = lt::WaitProgram(*t.group, 10s);
@@ -86,8 +113,8 @@ TEST(InjectorTest, KillAtAFunction) {
 }
 
 TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
-  Target t = Start(1500);
-  std::this_thread::sleep_for(100ms);
+  // Still calling Victim when the injector attaches on a loaded machine.
+  Target t = Start(5000);
   auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kStop, 5s);
   ASSERT_TRUE(injected.ok()) << injected.status();
   std::this_thread::sleep_for(300ms);
@@ -100,7 +127,6 @@ TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
 
 TEST(InjectorTest, ExitZeroAtAFunction) {
   Target t = Start(20000);
-  std::this_thread::sleep_for(100ms);
   auto injected =
       InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kExitZero, 5s);
   ASSERT_TRUE(injected.ok()) << injected.status();
@@ -121,8 +147,9 @@ TEST(InjectorTest, RefusesToTraceItsOwnChild) {
 }
 
 TEST(InjectorTest, UnreachedFunctionTimesOutAndLeavesTheProgramUnharmed) {
-  Target t = Start(1500);
-  std::this_thread::sleep_for(100ms);
+  // Runs well past the injector's 300 ms wait, so that the wait times out
+  // rather than ending with the program.
+  Target t = Start(5000);
   auto injected =
       InjectAtFunction(t.pid, "ddp::faults::target::NeverCalled(", FaultAction::kKill, 300ms);
   EXPECT_EQ(injected.status().code(), transport::StatusCode::kTimedOut) << injected.status();

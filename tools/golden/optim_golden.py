@@ -94,6 +94,12 @@ def main():
         trajectory("adamw_amsgrad", lambda p: optim.AdamW(p, lr=3e-2, weight_decay=0.05, amsgrad=True)),
         trajectory("adadelta", lambda p: optim.Adadelta(p)),
         trajectory("adadelta_wd", lambda p: optim.Adadelta(p, lr=0.5, rho=0.95, eps=1e-5, weight_decay=0.1)),
+        trajectory("sgd_maximize", lambda p: optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01,
+                                                       maximize=True), none_grad_at=(3, 1)),
+        trajectory("adam_maximize", lambda p: optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True,
+                                                         maximize=True)),
+        trajectory("adamw_maximize", lambda p: optim.AdamW(p, lr=1e-2, maximize=True)),
+        trajectory("adadelta_maximize", lambda p: optim.Adadelta(p, lr=0.5, weight_decay=0.1, maximize=True)),
     ]
     print(json.dumps({"torch_version": torch.__version__, "optimizers": cases,
                       "schedules": schedules(), "clipping": clipping()}))

@@ -21,6 +21,18 @@ Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // sanity check that the rounds line up.
   std::array<unsigned char, 32> out{}, in{};
   internal::Requests requests(p2p, args.deadline);
+  // Each rank checks its ring predecessor's fingerprint before round 0's
+  // wait, as the other collectives do: a rank one collective out of step
+  // (say, in a broadcast of one byte that happens to be 0 while this rank
+  // is in a barrier) fails on both sides instead of passing for round 0.
+  // A barrier has no count, dtype, op or root: only its kind is compared.
+  internal::Fingerprint fingerprint;
+  fingerprint.dtype = static_cast<int32_t>(DataType::kU8);
+  fingerprint.op = -1;
+  fingerprint.root = -1;
+  fingerprint.kind = internal::kBarrierKind;
+  internal::PeerCheck check("barrier", fingerprint);
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
   for (int k = 0; k < rounds; ++k) {
     const int to = (r + (1 << k)) % p, from = (r - (1 << k) % p + p) % p;
     out[k] = static_cast<unsigned char>(k);

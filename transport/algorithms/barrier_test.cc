@@ -7,6 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/algorithms/broadcast.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/thread_harness.h"
 
@@ -85,6 +86,44 @@ TEST(BarrierTest, KilledRankGivesPeerLost) {
   });
   EXPECT_EQ(statuses[0].code(), StatusCode::kPeerLost) << statuses[0];
   EXPECT_EQ(statuses[2].code(), StatusCode::kPeerLost) << statuses[2];
+}
+
+// Two ranks one collective out of step: rank 0 in a barrier, rank 1 in a
+// broadcast of one byte, 0, from itself, with the same tag. The byte comes
+// on the tag of the barrier's round 0 and equals the round number, so the
+// barrier took it for its peer's round and (where the transport completes
+// a short send without its receive, as UCX does) returned OK. Both must
+// fail, naming the two collectives.
+TEST(BarrierTest, PeerInAnotherCollectiveFailsBothRanks) {
+  const auto deadline = DeadlineIn(10s);
+  auto statuses = RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    CollectiveArgs args;
+    args.tag = CollectiveTag(0);
+    args.deadline = deadline;
+    if (p2p.rank() == 0) return Barrier(p2p, args);
+    unsigned char byte = 0;
+    args.send = &byte;
+    args.recv = &byte;
+    args.count = 1;
+    args.dtype = DataType::kU8;
+    args.root = 1;
+    return Broadcast(p2p, args);
+  });
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  // The barrier always gets the broadcast's fingerprint. The broadcast may
+  // instead find the barrier's rank already gone (the harness kills a
+  // failed rank), before or after its own check.
+  EXPECT_EQ(statuses[0].code(), StatusCode::kInvalidArgument) << statuses[0];
+  EXPECT_THAT(statuses[0].message(),
+              HasSubstr("barrier, argument check: ranks disagree on the arguments: rank 1 passed "
+                        "broadcast, count 1 of u8, root 1 but rank 0 passed barrier"));
+  EXPECT_TRUE(statuses[1].code() == StatusCode::kInvalidArgument ||
+              statuses[1].code() == StatusCode::kPeerLost)
+      << statuses[1];
+  if (statuses[1].code() == StatusCode::kInvalidArgument) {
+    EXPECT_THAT(statuses[1].message(), HasSubstr("rank 0 passed barrier but rank 1 passed "
+                                                 "broadcast, count 1 of u8, root 1"));
+  }
 }
 
 TEST(BarrierTest, UnsetDeadlineIsRejected) {

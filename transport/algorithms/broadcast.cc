@@ -39,7 +39,7 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   const size_t ce = internal::ChunkElems(args, kBroadcastChunkBytes);
   const size_t depth = static_cast<size_t>(internal::PipelineDepth(args, kBroadcastDepth));
-  const size_t k = (args.count + ce - 1) / ce;
+  const size_t k = internal::ChunkCount(args.count, ce);
   const bool chain = k >= static_cast<size_t>(p);
   const internal::TreeNode node =
       chain ? internal::ChainTree(p, args.root, r) : internal::HeapTree(p, args.root, r);
@@ -48,12 +48,21 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto chunk_n = [&](size_t c) { return std::min(ce, args.count - c * ce); };
 
   internal::Requests requests(p2p, args.deadline);
-  // Each rank checks its ring predecessor's arguments (before its first
-  // wait, so before forwarding anything). The ring, unlike the tree, does
-  // not depend on the root, so ranks that disagree on the root are caught
-  // too.
+  // Each rank checks its ring predecessor's arguments and its parent's
+  // (before its first wait, so before using or forwarding any data). The
+  // ring, unlike the tree, does not depend on the root, so ranks that
+  // disagree on the root are caught too; the parent is where the data comes
+  // from, and a parent that took itself for the root sends its own buffer
+  // before it learns that it is wrong: its children must not take that data
+  // on the strength of their ring predecessor's agreement alone. In the
+  // chain the parent is the ring predecessor, so this adds nothing there.
+  std::vector<int> check_to = {(r + 1) % p}, check_from = {(r + p - 1) % p};
+  for (int child : node.children) {
+    if (child != check_to[0]) check_to.push_back(child);
+  }
+  if (node.parent >= 0 && node.parent != check_from[0]) check_from.push_back(node.parent);
   internal::PeerCheck check(what, fingerprint);
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
 
   auto forward = [&](const unsigned char* data, size_t c) -> Status {
     for (int child : node.children) {

@@ -84,6 +84,16 @@ TEST(BroadcastTest, LargeVector) {
   Check(5, 0, 1 << 20, DataType::kBF16, true, 0);
 }
 
+// chunk_bytes near SIZE_MAX with u8: the chunk count used to be
+// (n + ce - 1) / ce, which wraps to 0, so the call returned OK having moved
+// nothing.
+TEST(BroadcastTest, HugeChunkBytesStillMoveTheData) {
+  for (size_t chunk : {~size_t{0}, ~size_t{0} - 1}) {
+    Check(4, 1, 1000, DataType::kU8, false, chunk);
+    Check(3, 2, 37, DataType::kU8, true, chunk);
+  }
+}
+
 TEST(BroadcastTest, RootOutOfRangeIsNamedOnEveryRank) {
   auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
     std::vector<float> buf(4);
@@ -156,6 +166,58 @@ TEST(BroadcastTest, RanksDisagreeingOnTheRootFailFast) {
   for (const Status& s : statuses) named += s.message().find("disagree") != std::string::npos;
   EXPECT_GT(named, 0);
   EXPECT_FALSE(statuses[2].ok());
+}
+
+// Rank root + 1 takes itself for the root; the others agree on the true
+// root. In the tree shape (one chunk), the impostor sends its own buffer to
+// its children before its check of its ring predecessor (the true root)
+// fails; a rank whose tree parent is the impostor but whose ring predecessor
+// agrees with it used to take that data and return OK with it (world 4:
+// rank root + 3). The true root starts last, so that the impostor's check
+// waits and its data goes out first; the impostor's ring successor, which
+// fails at once on the impostor's fingerprint, starts after the others have
+// posted their receives (the harness kills a failed rank, and its
+// fingerprint, not yet taken, would go with it). Every rank must fail, and
+// none may return OK with anything but the root's data.
+TEST(BroadcastTest, RankTakingItselfForTheRootFailsEveryRankInTheTree) {
+  constexpr size_t kCount = 16;  // one chunk: the tree, not the chain
+  for (int world : {4, 5, 8}) {
+    for (int root : {0, world - 2}) {
+      const int impostor = (root + 1) % world;
+      const std::string what = "world=" + std::to_string(world) + " root=" + std::to_string(root) +
+                               " impostor=" + std::to_string(impostor);
+      const std::vector<unsigned char> want =
+          Contributions(ReduceOp::kMax, DataType::kF32, root, kCount);
+      std::vector<std::string> wrong(world);
+      const auto deadline = DeadlineIn(10s);
+      auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        if (r == root) std::this_thread::sleep_for(200ms);
+        if (r == (impostor + 1) % world) std::this_thread::sleep_for(100ms);
+        const std::vector<unsigned char> send =
+            Contributions(ReduceOp::kMax, DataType::kF32, r, kCount);
+        std::vector<unsigned char> recv(kCount * sizeof(float), 0);
+        CollectiveArgs args;
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = kCount;
+        args.dtype = DataType::kF32;
+        args.root = r == impostor ? impostor : root;
+        args.deadline = deadline;
+        DDP_RETURN_IF_ERROR(Broadcast(p2p, args));
+        wrong[r] = Compare(DataType::kF32, recv.data(), want.data(), kCount);
+        return Status();
+      });
+      EXPECT_LT(Clock::now() + 8s, deadline) << what;
+      int named = 0;
+      for (int r = 0; r < world; ++r) {
+        EXPECT_FALSE(statuses[r].ok()) << what << " rank " << r << " returned OK"
+                                       << (wrong[r].empty() ? "" : " with wrong data: " + wrong[r]);
+        named += statuses[r].message().find("disagree") != std::string::npos;
+      }
+      EXPECT_GT(named, 0) << what;
+    }
+  }
 }
 
 TEST(BroadcastTest, KilledRootFailsEveryOtherRank) {

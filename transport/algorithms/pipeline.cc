@@ -151,6 +151,7 @@ Fingerprint MakeFingerprint(const CollectiveArgs& args, FingerprintKind kind, bo
 }
 
 std::string Fingerprint::ToString() const {
+  if (kind == kBarrierKind) return KindName(kind);  // no count, dtype, op or root
   std::string s = std::string(KindName(kind)) + ", count " + std::to_string(count) + " of " +
                   DataTypeName(static_cast<DataType>(dtype));
   if (op >= 0) s += std::string(", op ") + ReduceOpName(static_cast<ReduceOp>(op));
@@ -288,6 +289,7 @@ Scratch::Scratch(size_t bytes) {
   }
   if (arena.size < bytes) {
     arena.buffer.reset();  // free first: the peak is the new size, not both
+    arena.size = 0;        // until the new block is there (new may throw)
     arena.buffer.reset(new unsigned char[bytes]);
     arena.size = bytes;
   }
@@ -301,7 +303,9 @@ Scratch::~Scratch() {
 }
 
 Requests::~Requests() {
-  for (p2p::RequestId id : outstanding_) p2p_.Cancel(id);
+  // All at once: cancelling one by one could wait a grace period and a
+  // forced close per peer (UCX), far past the deadline when many are hung.
+  if (!outstanding_.empty()) p2p_.CancelAll(outstanding_);
 }
 
 Fingerprint* Requests::HoldFingerprints(size_t n) {

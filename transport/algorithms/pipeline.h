@@ -55,6 +55,12 @@ struct BlockLayout {
 /// Elements per chunk: args.tuning.chunk_bytes (or `default_bytes`) rounded
 /// down to whole elements, at least one.
 size_t ChunkElems(const CollectiveArgs& args, size_t default_bytes);
+/// Chunks of `chunk_elems` (> 0) covering `n` elements: ceil(n / chunk_elems),
+/// without the (n + chunk_elems - 1) that wraps to a count of 0 when
+/// chunk_elems is near SIZE_MAX (tuning.chunk_bytes = SIZE_MAX with u8).
+inline size_t ChunkCount(size_t n, size_t chunk_elems) {
+  return n / chunk_elems + (n % chunk_elems != 0 ? 1 : 0);
+}
 /// Receives to keep posted ahead: args.tuning.pipeline_depth or `fallback`.
 int PipelineDepth(const CollectiveArgs& args, int fallback);
 
@@ -228,10 +234,11 @@ class Scratch {
 };
 
 /// The requests one collective has outstanding. Every error path leaves
-/// through the destructor, which cancels what is still outstanding, so no
-/// transfer touches the caller's buffers after the collective returns. The
-/// argument checks' messages live in memory this object owns, so that they
-/// outlast the PeerCheck that posted them.
+/// through the destructor, which cancels what is still outstanding (in one
+/// CancelAll, so that hung peers are waited for together, not one after
+/// the other), so no transfer touches the caller's buffers after the
+/// collective returns. The argument checks' messages live in memory this
+/// object owns, so that they outlast the PeerCheck that posted them.
 class Requests {
  public:
   Requests(p2p::PointToPoint& p2p, Deadline deadline) : p2p_(p2p), deadline_(deadline) {}

@@ -83,7 +83,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // Returns when both directions are done: partners move in lockstep.
   auto exchange = [&](const char* what, int step, int peer, const unsigned char* out,
                       size_t send_n, unsigned char* in, size_t recv_n, bool combine) -> Status {
-    const size_t ks = (send_n + ce - 1) / ce, kr = (recv_n + ce - 1) / ce;
+    const size_t ks = internal::ChunkCount(send_n, ce), kr = internal::ChunkCount(recv_n, ce);
     const p2p::Tag step_tag = tag + (static_cast<p2p::Tag>(step) << kChunkBits);
     std::vector<p2p::RequestId> recv_ids(depth, 0);
     auto chunk_tag = [&](size_t c) { return step_tag + (c & ((size_t{1} << kChunkBits) - 1)); };

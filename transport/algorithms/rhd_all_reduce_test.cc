@@ -94,6 +94,16 @@ TEST(RhdAllReduceTest, LargeVectorWithDefaultChunks) {
   CheckAllReduce(RhdAllReduce, {6, (1 << 20) + 3, DataType::kF32, ReduceOp::kSum, false});
 }
 
+// chunk_bytes near SIZE_MAX with u8: the chunk count used to be
+// (n + ce - 1) / ce, which wraps to 0, so the call returned OK having moved
+// nothing.
+TEST(RhdAllReduceTest, HugeChunkBytesStillReduce) {
+  for (size_t chunk : {~size_t{0}, ~size_t{0} - 1}) {
+    CheckAllReduce(kHalving, {4, 1000, DataType::kU8, ReduceOp::kSum, false, chunk});
+    CheckAllReduce(kHalving, {3, 37, DataType::kU8, ReduceOp::kMax, true, chunk});
+  }
+}
+
 TEST(RhdAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5, 6}) {
     testing::CheckMismatchedCountsFailEverywhere(kHalving, world);

@@ -50,7 +50,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
     return Status();
   }
   const size_t ce = params.chunk_elems;
-  const size_t k = (layout.size(0) + ce - 1) / ce;  // chunks per block; block 0 is largest
+  const size_t k = ChunkCount(layout.size(0), ce);  // chunks per block; block 0 is largest
   if (k == 0) return Status();
 
   const int steps = p - 1;
@@ -159,7 +159,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
   const size_t es = DataTypeSize(params.dtype);
   auto* data = static_cast<unsigned char*>(buf);
   const size_t ce = params.chunk_elems;
-  const size_t k = (layout.size(0) + ce - 1) / ce;
+  const size_t k = ChunkCount(layout.size(0), ce);
   if (k == 0) return Status();
   const int steps = p - 1;
   const size_t total = static_cast<size_t>(steps) * k;

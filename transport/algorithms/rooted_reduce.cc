@@ -46,7 +46,7 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   const size_t ce = internal::ChunkElems(args, kTreeReduceChunkBytes);
   const size_t depth = static_cast<size_t>(internal::PipelineDepth(args, kTreeReduceDepth));
-  const size_t k = (args.count + ce - 1) / ce;
+  const size_t k = internal::ChunkCount(args.count, ce);
   const internal::TreeNode node = internal::BinomialTree(p, args.root, r);
   const size_t children = node.children.size();
   const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);

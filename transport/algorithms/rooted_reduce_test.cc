@@ -140,6 +140,20 @@ TEST(ReduceTest, LargeVectors) {
          .algorithm = Algorithm::kTree, .in_place = true});
 }
 
+// chunk_bytes near SIZE_MAX with u8: the chunk count used to be
+// (n + ce - 1) / ce, which wraps to 0, so the call returned OK having moved
+// nothing.
+TEST(ReduceTest, HugeChunkBytesStillReduce) {
+  for (size_t chunk : {~size_t{0}, ~size_t{0} - 1}) {
+    for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
+      Check({.world = 4, .root = 1, .count = 1000, .dtype = DataType::kU8, .op = ReduceOp::kSum,
+             .algorithm = algorithm, .chunk_bytes = chunk});
+      Check({.world = 3, .root = 2, .count = 37, .dtype = DataType::kU8, .op = ReduceOp::kMax,
+             .algorithm = algorithm, .in_place = true, .chunk_bytes = chunk});
+    }
+  }
+}
+
 TEST(ReduceTest, RootOutOfRangeIsNamedOnEveryRank) {
   for (int root : {3, -1}) {
     auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {

@@ -75,7 +75,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     tree.node = nodes[t];
     tree.offset = halves.offset(t);
     tree.count = halves.size(t);
-    tree.chunks = (tree.count + ce - 1) / ce;
+    tree.chunks = internal::ChunkCount(tree.count, ce);
     tree.up_tag = PhaseTag(args.tag, 2 * t);
     tree.down_tag = PhaseTag(args.tag, 2 * t + 1);
     const size_t slot_elems = std::min(ce, std::max<size_t>(tree.count, 1));

@@ -28,6 +28,16 @@ TEST(TreeAllReduceTest, LargeVectorWithDefaultChunks) {
   CheckAllReduce(TreeAllReduce, {3, 1 << 20, DataType::kBF16, ReduceOp::kAvg, true});
 }
 
+// chunk_bytes near SIZE_MAX with u8: the chunk count used to be
+// (n + ce - 1) / ce, which wraps to 0, so the call returned OK having moved
+// nothing.
+TEST(TreeAllReduceTest, HugeChunkBytesStillReduce) {
+  for (size_t chunk : {~size_t{0}, ~size_t{0} - 1}) {
+    CheckAllReduce(TreeAllReduce, {4, 1000, DataType::kU8, ReduceOp::kSum, false, chunk});
+    CheckAllReduce(TreeAllReduce, {3, 37, DataType::kU8, ReduceOp::kMax, true, chunk});
+  }
+}
+
 TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(TreeAllReduce, world);
 }

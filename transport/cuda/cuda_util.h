@@ -4,6 +4,7 @@
 // Small helpers shared by the CUDA sources of transport/cuda (CUDA build
 // only; private).
 
+#include <cuda.h>  // types only: nothing links libcuda
 #include <cuda_runtime.h>
 #include <sched.h>
 
@@ -19,9 +20,51 @@ inline Status CudaError(cudaError_t error, const std::string& what) {
                        ")");
 }
 
+// Whether `device`'s primary context exists already. Since CUDA 12,
+// cudaSetDevice creates it: a scope that put device 0 back on a thread that
+// never used it (a communication thread) would give every process a
+// context on GPU 0, hundreds of MiB each. The runtime has no call for this;
+// the driver's cuDevicePrimaryCtxGetState is reached through its entry
+// point (nothing links libcuda). True when it cannot be asked, which keeps
+// the plain restore.
+// (nn/cuda/stream.cc has the same check for nn::cuda::DeviceGuard.)
+inline bool PrimaryContextActive(int device) {
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  struct Driver {
+    DeviceGet device_get = nullptr;
+    GetState get_state = nullptr;
+  };
+  static const Driver driver = [] {
+    Driver d;
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &fn, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      d.device_get = reinterpret_cast<DeviceGet>(fn);
+    }
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000, cudaEnableDefault,
+                                         &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      d.get_state = reinterpret_cast<GetState>(fn);
+    }
+    (void)cudaGetLastError();
+    return d;
+  }();
+  if (driver.device_get == nullptr || driver.get_state == nullptr) return true;
+  CUdevice handle{};
+  unsigned int flags = 0;
+  int active = 1;
+  if (driver.device_get(&handle, device) != CUDA_SUCCESS) return true;
+  if (driver.get_state(handle, &flags, &active) != CUDA_SUCCESS) return true;
+  return active != 0;
+}
+
 // Makes `device` current for the scope and restores the caller's: the
 // communicator may run on its own thread (current device 0) or on a user
-// thread that works on another device.
+// thread that works on another device. A previous device without a context
+// (the default 0 of a thread that never chose one) is not put back.
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
@@ -30,7 +73,7 @@ class DeviceScope {
     if (previous_ == device) previous_ = -1;
   }
   ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (previous_ >= 0 && PrimaryContextActive(previous_)) cudaSetDevice(previous_);
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <climits>
+#include <cstddef>
 #include <cstdlib>
 #include <string>
 
@@ -26,6 +28,7 @@ struct DeviceCopyEngine::State {
   cudaStream_t stream = nullptr;
   cudaEvent_t in_done[kSlots] = {};
   cudaEvent_t all_done = nullptr;
+  size_t max_pitch = 0;  // cudaDevAttrMaxPitch: the widest row a 2-D copy takes
 };
 
 bool BuiltWithCuda() { return true; }
@@ -63,6 +66,12 @@ StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
   }
   auto state = std::make_unique<State>();
   state->device = device;
+  int max_pitch = 0;
+  if (cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device) != cudaSuccess || max_pitch <= 0) {
+    (void)cudaGetLastError();
+    max_pitch = INT_MAX;  // 2^31 - 1, what devices report
+  }
+  state->max_pitch = static_cast<size_t>(max_pitch);
   state->slot_bytes = slot_bytes;
   // Owned by the engine from here: its destructor frees whatever was made.
   std::unique_ptr<DeviceCopyEngine> engine(new DeviceCopyEngine(std::move(state)));
@@ -153,10 +162,22 @@ Status DeviceCopyEngine::Copy2D(void* dst, size_t dst_pitch, const void* src, si
   DeviceScope scope(state_->device);
   // cudaMemcpyDefault: unified addressing tells each side's memory type, so
   // the same call serves device->pinned, pinned->device and device->device.
-  const cudaError_t status =
-      rows == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, state_->stream)
-                : cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows,
-                                    cudaMemcpyDefault, state_->stream);
+  // A 2-D copy takes pitches up to the device's limit (2 GiB): wider rows (a
+  // reduce-scatter of more than 2 GiB per rank) go one row at a time.
+  const size_t limit = state_->max_pitch;
+  cudaError_t status = cudaSuccess;
+  if (rows == 1) {
+    status = cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, state_->stream);
+  } else if (dst_pitch <= limit && src_pitch <= limit && width <= limit) {
+    status = cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault,
+                               state_->stream);
+  } else {
+    for (size_t r = 0; r < rows && status == cudaSuccess; ++r) {
+      status = cudaMemcpyAsync(static_cast<std::byte*>(dst) + r * dst_pitch,
+                               static_cast<const std::byte*>(src) + r * src_pitch, width,
+                               cudaMemcpyDefault, state_->stream);
+    }
+  }
   if (status != cudaSuccess) {
     return CudaError(status, "queueing a staging copy of " + std::to_string(rows) + " x " +
                                  std::to_string(width) + " bytes");

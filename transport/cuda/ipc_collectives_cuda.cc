@@ -24,7 +24,9 @@ using std::chrono::milliseconds;
 struct Record {
   cudaIpcMemHandle_t handle;  // of the allocation holding the buffer
   uint64_t offset = 0;        // of the buffer inside that allocation
-  int32_t device = -1;
+  // The device's PCI bus id ("0000:65:00.0"): device ordinals are each
+  // process's own (CUDA_VISIBLE_DEVICES may differ between ranks).
+  char bus_id[16] = {};
   int32_t ok = 0;  // 1: exported
 };
 
@@ -61,7 +63,10 @@ Record Export(const void* p) {
     cudaGetLastError();
     return r;
   }
-  r.device = attributes.device;
+  if (cudaDeviceGetPCIBusId(r.bus_id, sizeof(r.bus_id), attributes.device) != cudaSuccess) {
+    cudaGetLastError();
+    return r;
+  }
   DeviceScope scope(attributes.device);
   const AddressRangeFn range = AddressRange();
   unsigned long long base = 0;
@@ -107,6 +112,15 @@ class Session {
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
+  // Closes the peers' mappings once this rank's copies and kernels drained
+  // (the caller waited for its stream): called before the call's last
+  // barrier, so that no rank returns, and may free the buffer it exported,
+  // while a peer still has it mapped.
+  void Close() {
+    for (auto& [key, base] : opened_) cudaIpcCloseMemHandle(base);
+    opened_.clear();
+  }
+
   // Waits for the inputs, exports `mine`, exchanges, opens the peers'
   // buffers and agrees with every rank whether IPC can run. false: it
   // cannot (same answer on every rank).
@@ -126,7 +140,7 @@ class Session {
     for (int q = 0; q < n && usable; ++q) {
       for (int b = 0; b < k && usable; ++b) {
         const Record& r = all[q].buffers[b];
-        usable = r.ok == 1 && Reachable(r.device);
+        usable = r.ok == 1 && Reachable(r.bus_id);
       }
     }
     peers_.assign(n, std::vector<std::byte*>(k, nullptr));
@@ -150,7 +164,16 @@ class Session {
   std::byte* buffer(int q, int b) const { return peers_[q][b]; }
 
  private:
-  bool Reachable(int peer_device) const {
+  // Whether this rank's device can read the device with PCI bus id
+  // `bus_id` (the same one, or a peer): not when this process cannot see it.
+  bool Reachable(const char bus_id[16]) const {
+    char terminated[17] = {};
+    std::memcpy(terminated, bus_id, 16);
+    int peer_device = -1;
+    if (cudaDeviceGetByPCIBusId(&peer_device, terminated) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
     if (peer_device == s_.device) return true;
     int can = 0;
     return cudaDeviceCanAccessPeer(&can, s_.device, peer_device) == cudaSuccess && can == 1;
@@ -242,6 +265,7 @@ StatusOr<bool> IpcCollectives::AllReduce(const void* send, void* recv, size_t co
     if (status != cudaSuccess) return CudaError(status, "copying a reduced slice over IPC");
   }
   DDP_RETURN_IF_ERROR(WaitStream(s.stream, s.done, deadline, "IPC slice copies"));
+  session.Close();
   // 4. Nobody reuses its buffers while a peer may still read them.
   DDP_RETURN_IF_ERROR(host.barrier());
   return true;
@@ -261,6 +285,7 @@ StatusOr<bool> IpcCollectives::Broadcast(void* buffer, size_t count, DataType dt
     if (status != cudaSuccess) return CudaError(status, "copying the root's buffer over IPC");
     DDP_RETURN_IF_ERROR(WaitStream(s.stream, s.done, deadline, "IPC broadcast copy"));
   }
+  session.Close();
   DDP_RETURN_IF_ERROR(host.barrier());
   return true;
 }
@@ -283,6 +308,7 @@ StatusOr<bool> IpcCollectives::AllGather(const void* send, void* recv, size_t co
     if (status != cudaSuccess) return CudaError(status, "copying a block over IPC");
   }
   DDP_RETURN_IF_ERROR(WaitStream(s.stream, s.done, deadline, "IPC all-gather copies"));
+  session.Close();
   DDP_RETURN_IF_ERROR(host.barrier());
   return true;
 }
@@ -304,6 +330,7 @@ StatusOr<bool> IpcCollectives::ReduceScatter(const void* send, void* recv, size_
     return CudaError(static_cast<cudaError_t>(launched), "launching the IPC reduction");
   }
   DDP_RETURN_IF_ERROR(WaitStream(s.stream, s.done, deadline, "IPC reduction"));
+  session.Close();
   DDP_RETURN_IF_ERROR(host.barrier());
   return true;
 }

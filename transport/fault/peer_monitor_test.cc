@@ -75,8 +75,11 @@ TEST(PeerMonitor, ZombieCountsAsDead) {
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 1, .local_pids = {child, getpid()}, .key_prefix = "j/"}, &store);
   kill(child, SIGKILL);
-  // Not reaped yet: the pidfd still reports the exit.
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Block until it has exited, leaving it unreaped (a zombie): the pidfd
+  // still reports the exit.
+  siginfo_t info{};
+  ASSERT_EQ(waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);
+  EXPECT_EQ(info.si_pid, child);
   EXPECT_EQ(monitor.Check(Soon()).code(), StatusCode::kPeerLost);
   waitpid(child, nullptr, 0);
 }
@@ -182,7 +185,9 @@ TEST(PeerMonitor, SilentStoreEndsACheckAtTheCallsDeadline) {
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_NE(s.message().find("deadline passed"), std::string::npos) << s;
   EXPECT_GE(took, milliseconds(300));
-  EXPECT_LT(took, milliseconds(300) + milliseconds(700));
+  // Well past the deadline on a loaded machine, but short of the cap that
+  // a store call ignoring the deadline would run to.
+  EXPECT_LT(took, kStoreCallCap - milliseconds(200));
 }
 
 TEST(PeerMonitor, CheckWithNoTimeLeftDoesNotAskTheStore) {
@@ -190,7 +195,7 @@ TEST(PeerMonitor, CheckWithNoTimeLeftDoesNotAskTheStore) {
   PeerMonitor monitor({.rank = 2, .key_prefix = "j/"}, &store);
   const auto start = Clock::now();
   EXPECT_TRUE(monitor.Check(start - milliseconds(1)).ok());
-  EXPECT_LT(Clock::now() - start, milliseconds(100));
+  EXPECT_LT(Clock::now() - start, milliseconds(2000));
   EXPECT_EQ(store.calls(), 0);
 }
 
@@ -203,7 +208,8 @@ TEST(PeerMonitor, SilentStoreWithTimeToSpareIsPeerLostAfterTheCap) {
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("the launcher serves it"), std::string::npos) << s;
   EXPECT_GE(took, kStoreCallCap);
-  EXPECT_LT(took, kStoreCallCap + milliseconds(1000));
+  // One capped call, not two.
+  EXPECT_LT(took, kStoreCallCap + milliseconds(1500));
 }
 
 TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
@@ -215,7 +221,8 @@ TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
   const auto start = Clock::now();
   Status s = monitor.Check(start + milliseconds(300));
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
-  EXPECT_LT(Clock::now() - start, milliseconds(300) + milliseconds(700));
+  // Short of the cap that a store call ignoring the deadline would run to.
+  EXPECT_LT(Clock::now() - start, kStoreCallCap - milliseconds(200));
   // With no time left the local check still runs, without the store.
   const int calls = store.calls();
   EXPECT_EQ(monitor.Check(Clock::now()).code(), StatusCode::kPeerLost);
@@ -231,7 +238,8 @@ TEST(PeerMonitor, PostingToASilentStoreEndsAtTheDeadline) {
   monitor.PostClosed(start + milliseconds(400));
   const auto took = Clock::now() - start;
   EXPECT_GE(took, milliseconds(400));
-  EXPECT_LT(took, milliseconds(400) + milliseconds(700));
+  // Short of the cap that one call ignoring its deadline would run to.
+  EXPECT_LT(took, kStoreCallCap - milliseconds(200));
 }
 
 TEST(PeerMonitor, UnreachableStoreIsPeerLostOfItsServer) {

@@ -705,11 +705,7 @@ std::string Hostname() {
   return name;
 }
 
-void Say(const std::string& line) {
-  std::fflush(stdout);
-  std::fprintf(stderr, "ddprun: %s\n", line.c_str());
-  std::fflush(stderr);
-}
+void Say(const std::string& line) { WriteLauncherLine("ddprun: " + line + "\n"); }
 
 // A node rank claimed twice in `attempt`: the line every launcher prints.
 std::optional<std::string> DuplicateRank(store::Store& store, const DdprunOptions& o, int attempt) {

@@ -41,15 +41,18 @@ class Job {
  public:
   // Starts `nodes` launchers with `flags` (plus --nnodes, --node_rank,
   // --master_addr, --master_port) running the test worker with
-  // `worker_flags`. `node_flags` adds flags for one node.
+  // `worker_flags`. `node_flags` adds flags for one node. Node 0 starts
+  // first, then the others (they retry until its store is up), or last
+  // with `node0_last`.
   Job(int nodes, std::vector<std::string> flags, std::vector<std::string> worker_flags,
       std::map<int, std::vector<std::string>> node_flags = {},
-      std::map<int, std::string> node_tokens = {}) {
+      std::map<int, std::string> node_tokens = {}, bool node0_last = false) {
     StatusOr<int> port = testing::PickFreePort();
     EXPECT_TRUE(port.ok()) << port.status();
     port_ = *port;
-    // Node 0 first, then the others: they retry until its store is up.
-    for (int node = 0; node < nodes; ++node) {
+    launchers_.resize(nodes);
+    for (int i = 0; i < nodes; ++i) {
+      const int node = node0_last ? (i + 1) % nodes : i;
       std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nodes),
                                        "--node_rank=" + std::to_string(node),
                                        "--master_addr=127.0.0.1",
@@ -61,7 +64,7 @@ class Job {
       const std::string token = node_tokens.count(node) ? node_tokens[node] : kToken;
       auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", token}});
       EXPECT_TRUE(group.ok()) << group.status();
-      launchers_.push_back(std::move(group).value());
+      launchers_[node] = std::move(group).value();
     }
   }
 
@@ -142,12 +145,14 @@ TEST(DdprunMultinodeTest, RestartCoversEveryNode) {
 
 TEST(DdprunMultinodeTest, KilledLauncherOfAnotherNodeIsNoticed) {
   const std::string dir = testing::MakeTempDir("multinode_kill_node1");
-  Job job(2, {"--nproc_per_node=1", "--node_timeout=1"}, {"--sleep_ms=30000", "--pid_dir=" + dir});
+  // 3 s: a live launcher starved on a loaded machine still beats in time;
+  // the job ends well before the workers' 30 s.
+  Job job(2, {"--nproc_per_node=1", "--node_timeout=3"}, {"--sleep_ms=30000", "--pid_dir=" + dir});
   const std::vector<pid_t> workers = WorkerPids(dir, 2);
   const auto start = Clock::now();
   kill(job.launcher_pid(1), SIGKILL);
   const auto runs = job.Wait();
-  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_LT(Clock::now() - start, 15s);
   EXPECT_EQ(runs[1].exit_code, 128 + SIGKILL);
   EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
   EXPECT_THAT(runs[0].output, HasSubstr("node 1's launcher sent no heartbeat for"));
@@ -237,7 +242,10 @@ TEST(DdprunMultinodeTest, DuplicateNodeRankIsRefusedOnEveryNode) {
 }
 
 TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
-  Job job(2, {"--rdzv_timeout=1"}, {}, {{0, {"--nproc_per_node=2"}}, {1, {"--nproc_per_node=3"}}});
+  // Node 1 starts first and waits for node 0's store (up to 30 s); node 0
+  // refuses it and times out 5 s later, missing it.
+  Job job(2, {}, {}, {{0, {"--nproc_per_node=2", "--rdzv_timeout=5"}}, {1, {"--nproc_per_node=3", "--rdzv_timeout=30"}}},
+          {}, /*node0_last=*/true);
   const auto runs = job.Wait();
   EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
   EXPECT_THAT(runs[1].output,
@@ -249,20 +257,24 @@ TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
 }
 
 TEST(DdprunMultinodeTest, ANodeBeatsByNodeZerosShorterTimeout) {
-  // Node 0 declares a node dead after 1 s of silence; node 1 was given the
-  // default 30 s, by which it would beat once a second, too seldom: it
-  // takes node 0's timeout, and the job (5 s of work) succeeds.
-  Job job(2, {"--nproc_per_node=1"}, {"--store", "--sleep_ms=5000"}, {{0, {"--node_timeout=1"}}});
+  // Node 0 declares a node dead after 3 s of silence; node 1 was given the
+  // default 30 s: it takes node 0's timeout, and the job (5 s of work)
+  // succeeds. (At 1 s, where node 1's own beat of once a second would be
+  // too seldom, a live launcher starved on a loaded machine was dropped.)
+  Job job(2, {"--nproc_per_node=1"}, {"--store", "--sleep_ms=5000"}, {{0, {"--node_timeout=3"}}});
   const auto runs = job.Wait();
   EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output << runs[1].output;
   EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
-  EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1: beating by node 0's --node_timeout of 1000 ms "
+  EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1: beating by node 0's --node_timeout of 3000 ms "
                                         "instead of this launcher's 30000 ms"));
   EXPECT_THAT(runs[0].output + runs[1].output, Not(HasSubstr("sent no heartbeat")));
 }
 
 TEST(DdprunMultinodeTest, WrongTokenIsRefused) {
-  Job job(2, {"--nproc_per_node=1", "--rdzv_timeout=1"}, {}, {}, {{1, "not-the-token"}});
+  // As above: node 1 is refused as soon as node 0's store is up, well
+  // before node 0 gives up on it.
+  Job job(2, {"--nproc_per_node=1"}, {}, {{0, {"--rdzv_timeout=5"}}, {1, {"--rdzv_timeout=30"}}},
+          {{1, "not-the-token"}}, /*node0_last=*/true);
   const auto runs = job.Wait();
   EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
   EXPECT_THAT(runs[1].output, HasSubstr("refused this process's job token"));
@@ -437,16 +449,17 @@ std::string OneKilledOthersSucceeded(const std::vector<testing::ProgramRun>& run
   return all;
 }
 
-// Two nodes, one restart, dead after 1 s of silence.
+// Two nodes, one restart, dead after 3 s of silence (at 1 s, a live
+// launcher starved on a loaded machine was dropped).
 const std::vector<std::string> kRestartableTwoNodes = {"--nnodes=2", "--nproc_per_node=1", "--max_restarts=1",
-                                                       "--node_timeout=1", "--rdzv_timeout=20"};
+                                                       "--node_timeout=3", "--rdzv_timeout=20"};
 // Workers that stay until stopped (30 s) and write their pids into `dir`.
 std::vector<std::string> LastingWorkers(const std::string& dir) {
   return {"--store", "--print_env", "--sleep_ms=30000", "--sleep_before_restart=1", "--pid_dir=" + dir};
 }
 
 TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
-  // Node 1's launcher is killed; node 0 declares it dead after 1 s and
+  // Node 1's launcher is killed; node 0 declares it dead after 3 s and
   // restarts the job, in which a launcher started by hand takes its place.
   const std::string dir = testing::MakeTempDir("c10d_relaunch");
   C10dJob job;
@@ -459,7 +472,7 @@ TEST(DdprunMultinodeTest, C10dRelaunchedNodeTakesTheDeadOnesPlace) {
   const int relaunched = job.Start(flags, worker_flags);
   const auto start = Clock::now();
   std::vector<testing::ProgramRun> runs = {job.Wait(first), job.Wait(second), job.Wait(relaunched)};
-  EXPECT_LT(Clock::now() - start, 20s);
+  EXPECT_LT(Clock::now() - start, 25s);  // well before the first workers' 30 s
   const std::string all = OneKilledOthersSucceeded(runs);
   EXPECT_THAT(all, HasSubstr("node 1's launcher sent no heartbeat for"));
   EXPECT_THAT(all, HasSubstr("restarting the job (restart 1 of 1)"));
@@ -478,8 +491,8 @@ TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
   // job runs on the four live launchers at once, without spending its
   // restart on the dead one.
   C10dJob job;
-  const std::vector<std::string> flags = {"--nnodes=4", "--nproc_per_node=1", "--node_timeout=1",
-                                          "--max_restarts=1", "--rdzv_timeout=20"};
+  const std::vector<std::string> flags = {"--nnodes=4", "--nproc_per_node=1", "--node_timeout=3",
+                                          "--max_restarts=1", "--rdzv_timeout=30"};
   const std::vector<std::string> worker_flags = {"--store", "--print_env"};
   const int first = job.StartNodeZero(flags, worker_flags);
   const int doomed = job.Start(flags, worker_flags);
@@ -488,7 +501,11 @@ TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
   const int waiting = job.Start(flags, worker_flags);
   ASSERT_TRUE(job.Reached("ddprun/a0/join/2"));
   ASSERT_EQ(kill(job.launcher_pid(doomed), SIGKILL), 0);
-  std::this_thread::sleep_for(2500ms);  // well past --node_timeout of silence
+  // Node 0 judges the slot silent once --node_timeout (3 s) has passed
+  // (it writes nothing the test could wait for); the other two must come
+  // after that, or they would close the round on the dead slot. Several
+  // times the timeout, for a node 0 starved on a loaded machine.
+  std::this_thread::sleep_for(9s);
   const int third = job.Start(flags, worker_flags);
   const int fourth = job.Start(flags, worker_flags);
   const testing::ProgramRun killed = job.Wait(doomed);
@@ -567,7 +584,12 @@ TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
     if (round.ok() && round->value_or("") == "1") break;
     std::this_thread::sleep_for(20ms);
   }
-  std::this_thread::sleep_for(2500ms);  // the spare's slot stays silent
+  // Node 0 leaves out the spare's slot, which it found taken at its first
+  // look and never heard beat, after two monitor slices and a half second
+  // (2 s at --node_timeout=3); it writes nothing the test could wait for,
+  // and the relaunched launcher must come after that. Three times that,
+  // for a node 0 starved on a loaded machine.
+  std::this_thread::sleep_for(6s);
   const int relaunched = job.Start(flags, worker_flags);
   const testing::ProgramRun first_run = job.Wait(first);
   const testing::ProgramRun relaunched_run = job.Wait(relaunched);
@@ -617,20 +639,22 @@ TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {
 
 TEST(DdprunMultinodeTest, ElasticJobTakesInALateLauncher) {
   // The first launcher starts the job on 1 node after 0.2 s; its worker
-  // would stay 20 s, but the second launcher arrives after 2 s, and the job
-  // restarts on 2 nodes (--max_restarts=0: such a restart is not counted).
+  // would stay 60 s, but the second launcher arrives once it runs, and the
+  // job restarts on 2 nodes (--max_restarts=0: such a restart is not
+  // counted).
+  const std::string dir = testing::MakeTempDir("elastic_late_launcher");
   C10dJob job;
   const std::vector<std::string> flags = {"--nnodes=1:2", "--rdzv_conf=last_call_timeout=0.2",
                                           "--nproc_per_node=1"};
-  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=20000",
-                                                 "--sleep_before_restart=1"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=60000",
+                                                 "--sleep_before_restart=1", "--pid_dir=" + dir};
   const int first = job.Start(flags, worker_flags);
-  std::this_thread::sleep_for(2s);
+  ASSERT_GT(testing::ReadPidFile(dir + "/rank0.restart0.pid", 30s), 0);  // the 1-node job runs
   const int late = job.Start(flags, worker_flags);
   const auto start = Clock::now();
-  const testing::ProgramRun late_run = job.Wait(late);
-  const testing::ProgramRun first_run = job.Wait(first);
-  EXPECT_LT(Clock::now() - start, 15s);  // the first worker's 20 s were cut short
+  const testing::ProgramRun late_run = job.Wait(late, 90s);
+  const testing::ProgramRun first_run = job.Wait(first, 90s);
+  EXPECT_LT(Clock::now() - start, 40s);  // the first worker's 60 s were cut short
   EXPECT_EQ(first_run.exit_code, 0) << first_run.output;
   EXPECT_EQ(late_run.exit_code, 0) << late_run.output;
   EXPECT_THAT(first_run.output, HasSubstr("ddprun: the job runs on 1 node (--nnodes=1:2)\n"));
@@ -648,12 +672,12 @@ TEST(DdprunMultinodeTest, ElasticJobTakesInALateLauncher) {
 
 TEST(DdprunMultinodeTest, ElasticJobGoesOnWithoutADeadNode) {
   // Three nodes of --nnodes=2:3 (the round closes as soon as all three
-  // are in); one launcher is killed. Node 0 declares it dead after 1 s, and
+  // are in); one launcher is killed. Node 0 declares it dead after 3 s, and
   // the restart runs on the two that are left after the 3 s last call.
   const std::string dir = testing::MakeTempDir("elastic_dead_node");
   C10dJob job;
   const std::vector<std::string> flags = {"--nnodes=2:3", "--rdzv_conf=last_call_timeout=3",
-                                          "--nproc_per_node=1", "--max_restarts=1", "--node_timeout=1"};
+                                          "--nproc_per_node=1", "--max_restarts=1", "--node_timeout=3"};
   const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
                                                  "--sleep_before_restart=1", "--pid_dir=" + dir};
   for (int i = 0; i < 3; ++i) job.Start(flags, worker_flags);

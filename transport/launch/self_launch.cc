@@ -137,8 +137,8 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     result = group->Wait(deadline);
     group.reset();  // every worker of this attempt is gone
     if (result.output_dropped > 0) {
-      std::fprintf(stderr, "%s: dropped %llu bytes of worker output: stdout or stderr took nothing for 2 s\n",
-                   program, static_cast<unsigned long long>(result.output_dropped));
+      WriteLauncherLine(std::string(program) + ": dropped " + std::to_string(result.output_dropped) +
+                        " bytes of worker output: stdout or stderr took nothing for 2 s\n");
     }
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
       // Arrived after Wait's last look: still no restart.
@@ -155,8 +155,7 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
                                              std::to_string(attempt + 1) + " of " +
                                              std::to_string(options.max_restarts) + ")"
                                        : "";
-      std::fprintf(stderr, "%s: %s%s\n", program, result.reason.c_str(), next.c_str());
-      std::fflush(stderr);
+      WriteLauncherLine(std::string(program) + ": " + result.reason + next + "\n");
     }
     if (!restart) break;
   }

@@ -355,6 +355,21 @@ struct Terminal {
   }
 };
 
+}  // namespace
+
+void WriteLauncherLine(std::string_view text) {
+  static std::mutex mu;
+  static Terminal* terminal = nullptr;  // never destroyed: callable at exit
+  std::lock_guard lock(mu);
+  if (terminal == nullptr) {
+    terminal = new Terminal();
+    terminal->Open(STDERR_FILENO);
+  }
+  terminal->Write(text);
+}
+
+namespace {
+
 struct Worker {
   int rank = 0;
   pid_t pid = -1;
@@ -402,6 +417,8 @@ class WorkerGroup::Impl {
     workers_.resize(specs.size());
     for (size_t i = 0; i < specs.size(); ++i) {
       Status started = StartOne(specs[i], workers_[i]);
+      // The first worker's pid is the group's: watch it from now on.
+      if (started.ok() && i == 0) started = StartWatcher();
       if (!started.ok()) {
         KillAndReap();
         return started;
@@ -582,6 +599,10 @@ class WorkerGroup::Impl {
       }
     }
 
+    // The group was killed whole once the workers were gone: the watcher
+    // has nothing left to do (told so before the leader, whose pid is the
+    // group id, is reaped and that id becomes free).
+    if (RunningCount() == 0) StopWatcher();
     ReapLeader();
     for (Worker& w : workers_) {
       for (int s = 0; s < 2; ++s) FlushPartial(w, s);
@@ -830,6 +851,7 @@ class WorkerGroup::Impl {
   // SIGKILLs everything still running and reaps it, within kReapTime.
   void KillAndReap() {
     if (RunningCount() == 0) {
+      StopWatcher();
       ReapLeader();
       return;
     }
@@ -842,7 +864,84 @@ class WorkerGroup::Impl {
       if (RunningCount() > 0) usleep(5000);
     }
     if (pgid_ > 0) kill(-pgid_, SIGKILL);
+    StopWatcher();
     ReapLeader();
+  }
+
+  // The watcher: a small process outside the group that kills the whole
+  // group when this launcher dies without having ended it (SIGKILL, a
+  // crash). The workers die of their death signal anyway, but their own
+  // children do not have it; the watcher reads a pipe whose only writer is
+  // this process and on end-of-file, which the kernel delivers however the
+  // launcher died, sends SIGKILL to the group. A launcher that ends the
+  // group itself writes one byte first, and the watcher leaves without
+  // killing anything (the group id may be a stranger's by then).
+  //
+  // Started with a bare clone, as the workers are under ThreadSanitizer: no
+  // pthread_atfork handler runs, and the child makes raw system calls only
+  // (the parent may have other threads holding locks). It blocks every
+  // signal, so that a Ctrl-C to the launcher's terminal leaves it alone
+  // (the launcher handles that), and holds no descriptor but the pipe.
+  // It runs in a process group of its own, neither the launcher's nor the
+  // workers'.
+  Status StartWatcher() {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
+    Fd read_end(p[0]);
+    watcher_write_.Reset(p[1]);
+    sigset_t all;
+    sigfillset(&all);
+    const pid_t group = pgid_;
+    const pid_t pid = static_cast<pid_t>(syscall(SYS_clone, SIGCHLD, 0, nullptr, nullptr, 0));
+    if (pid == 0) {
+      syscall(SYS_rt_sigprocmask, SIG_SETMASK, &all, nullptr, _NSIG / 8);
+      // Named for ps and top, which would show a second launcher.
+      syscall(SYS_prctl, PR_SET_NAME, "ddp-watcher", 0, 0, 0);
+      // A group of its own: whoever kills the launcher's group (a
+      // supervisor that ends a dead launcher's group, `kill -9 -PGID`)
+      // must not take the watcher along before it has killed the workers'.
+      syscall(SYS_setpgid, 0, 0);
+      const unsigned fd = static_cast<unsigned>(p[0]);
+      if (fd > 0) syscall(SYS_close_range, 0u, fd - 1, 0u);
+      syscall(SYS_close_range, fd + 1, ~0u, 0u);
+      syscall(SYS_close, p[1]);  // in case close_range is missing (before Linux 5.9)
+      char byte = 0;
+      long n;
+      do {
+        n = syscall(SYS_read, p[0], &byte, 1);
+      } while (n < 0 && errno == EINTR);
+      if (n == 0) syscall(SYS_kill, -group, SIGKILL);
+      syscall(SYS_exit_group, 0);
+    }
+    if (pid < 0) {
+      const int err = errno;
+      watcher_write_.Reset();
+      return InternalError("cannot start the process that watches the workers' process group: clone: " +
+                           ErrnoText(err));
+    }
+    watcher_ = pid;
+    return Status::Ok();
+  }
+
+  // Tells the watcher to leave without killing, and reaps it (bounded).
+  void StopWatcher() {
+    if (watcher_ <= 0) return;
+    const char disarm = 'x';
+    ssize_t n;
+    do {
+      n = write(watcher_write_.get(), &disarm, 1);
+    } while (n < 0 && errno == EINTR);
+    watcher_write_.Reset();
+    const Deadline give_up = Clock::now() + kReapTime;
+    while (waitpid(watcher_, nullptr, WNOHANG) == 0) {
+      if (Clock::now() >= give_up) {
+        kill(watcher_, SIGKILL);
+        waitpid(watcher_, nullptr, 0);
+        break;
+      }
+      usleep(1000);
+    }
+    watcher_ = -1;
   }
 
   // Records the exit of `w` if it has exited. The group leader is left a
@@ -877,6 +976,8 @@ class WorkerGroup::Impl {
   std::vector<Worker> workers_;
   Terminal terminals_[2];  // the launcher's stdout and stderr
   pid_t pgid_ = 0;
+  pid_t watcher_ = -1;   // the group's watcher process (StartWatcher)
+  Fd watcher_write_;     // its pipe; closing it unannounced kills the group
   Fd stop_event_;
   Fd dev_null_;
   Fd signal_read_;

@@ -22,11 +22,13 @@
 // SIGKILL, so a worker's own children do not outlive it (unless they left
 // the group).
 //
-// What a launcher killed by SIGKILL leaves: its workers die (the death
-// signal above), but nothing kills their children, which run on, reparented
-// to init. The death signal is not inherited across fork, and the launcher
-// has no chance to signal the group; a worker that starts processes must
-// give them PR_SET_PDEATHSIG itself if they must not survive that case.
+// A launcher killed by SIGKILL has no chance to signal the group, and the
+// death signal is not inherited across fork: for the workers' own children
+// each group starts a watcher, a process in a group of its own (so that
+// killing the launcher's group does not take it along) that holds the
+// read end of a pipe only the launcher writes to. On end-of-file without
+// the launcher's word that it ended the group itself, the watcher sends
+// SIGKILL to the group. Only a child that left the group escapes.
 
 #include <sys/types.h>
 
@@ -35,6 +37,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -162,6 +165,14 @@ class WorkerGroup {
 /// checks it before it restarts workers: a signal that arrives after Wait's
 /// last look, while the group is being destroyed, is recorded only here.
 int InterruptSignal();
+
+/// Writes `text` to this process's stderr the way worker output is copied
+/// there: a reader that stopped reading (a full pipe nobody drains) holds it
+/// up for at most 2 s without progress, and once it has, text that cannot
+/// be written at once is dropped until the reader takes some again. For a
+/// launcher's own messages, so that reporting a failure cannot hang it.
+/// Thread-safe.
+void WriteLauncherLine(std::string_view text);
 
 /// "SIGKILL", "SIGTERM", ... or "signal 42".
 std::string SignalName(int signal);

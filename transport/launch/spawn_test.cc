@@ -57,11 +57,42 @@ DDP_TEST_WORKER(hello) {
   return 0;
 }
 
+// $PID_DIR/rank<R>.term, created by the SIGTERM handler of IgnoreTerm.
+char g_term_mark[4096];
+
+void MarkTerm(int) {
+  const int saved = errno;
+  const int fd = open(g_term_mark, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd >= 0) close(fd);
+  errno = saved;
+}
+
+// Ignores SIGTERM; with $PID_DIR, leaves $PID_DIR/rank<R>.term behind when
+// one arrives, so that a test sees when the group began to stop the workers.
+void IgnoreTerm(int rank) {
+  const char* dir = std::getenv("PID_DIR");
+  if (dir == nullptr) {
+    signal(SIGTERM, SIG_IGN);
+    return;
+  }
+  std::snprintf(g_term_mark, sizeof(g_term_mark), "%s/rank%d.term", dir, rank);
+  struct sigaction action = {};
+  action.sa_handler = MarkTerm;
+  action.sa_flags = SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
 DDP_TEST_WORKER(fail_rank1) {
   const int rank = EnvInt("RANK", -1);
-  WritePid("rank" + std::to_string(rank));
-  if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
+  if (EnvInt("IGNORE_TERM", 0)) IgnoreTerm(rank);
+  WritePid("rank" + std::to_string(rank));  // after the signal setup: "ready"
   if (rank == 1) {
+    if (EnvInt("AFTER_RANK0", 0)) {
+      // Rank 0 is ready (its signal setup done) once its pid file is there.
+      const std::string rank0 = std::string(std::getenv("PID_DIR")) + "/rank0";
+      for (int i = 0; i < 2000 && access(rank0.c_str(), F_OK) != 0; ++i) std::this_thread::sleep_for(10ms);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(EnvInt("FAIL_AFTER_MS", 100)));
     const int how = EnvInt("HOW", 0);
     if (how == 0) return 3;
@@ -77,9 +108,9 @@ DDP_TEST_WORKER(fail_rank1) {
 
 DDP_TEST_WORKER(sleeper) {
   const int rank = EnvInt("RANK", -1);
-  WritePid("rank" + std::to_string(rank));
   if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
   if (EnvInt("IGNORING_RANK", -1) == rank) signal(SIGINT, SIG_IGN);
+  WritePid("rank" + std::to_string(rank));  // after the signal setup: "ready"
   SleepForever();
   return 0;
 }
@@ -283,10 +314,12 @@ TEST(SpawnTest, WithoutStopAllSurvivorsRunToTheirEnd) {
 TEST(SpawnTest, WorkerIgnoringSigtermIsKilledAfterTheGrace) {
   SpawnOptions options = Quiet();
   options.grace = 300ms;
+  const std::string dir = TempDir("ignoring_sigterm");
   StatusOr<std::unique_ptr<WorkerGroup>> group =
-      WorkerGroup::Start(Specs(2, "sleeper", {{"IGNORE_TERM", "1"}}), options);
+      WorkerGroup::Start(Specs(2, "sleeper", {{"IGNORE_TERM", "1"}, {"PID_DIR", dir}}), options);
   ASSERT_TRUE(group.ok()) << group.status();
-  std::this_thread::sleep_for(200ms);  // let them install SIG_IGN
+  // Both have installed SIG_IGN (a fixed sleep was too short under ASan).
+  for (int r = 0; r < 2; ++r) EXPECT_GT(ReadPid(dir + "/rank" + std::to_string(r), 20s), 0);
   const auto start = Clock::now();
   (*group)->RequestStop("test asked to stop");
   GroupResult result = (*group)->Wait(DeadlineIn(20s));
@@ -360,12 +393,14 @@ TEST(SpawnTest, InterruptionNamesAWorkerThatDidNotStopAsAsked) {
   SpawnOptions options = Quiet();
   options.forward_signals = true;
   options.grace = 300ms;
+  const std::string dir = TempDir("ignoring_sigint");
   StatusOr<std::unique_ptr<WorkerGroup>> group =
-      WorkerGroup::Start(Specs(3, "sleeper", {{"IGNORING_RANK", "1"}}), options);
+      WorkerGroup::Start(Specs(3, "sleeper", {{"IGNORING_RANK", "1"}, {"PID_DIR", dir}}), options);
   ASSERT_TRUE(group.ok()) << group.status();
   const pthread_t waiter = pthread_self();
-  std::thread sender([waiter] {
-    std::this_thread::sleep_for(200ms);  // let rank 1 install SIG_IGN
+  std::thread sender([waiter, dir] {
+    // Rank 1 has installed SIG_IGN (a fixed sleep was too short under ASan).
+    ReadPid(dir + "/rank1", 20s);
     pthread_kill(waiter, SIGINT);
   });
   GroupResult result = (*group)->Wait(DeadlineIn(20s));
@@ -384,21 +419,31 @@ TEST(SpawnTest, InterruptionNamesAWorkerThatDidNotStopAsAsked) {
 TEST(SpawnTest, SignalWhileStoppingAfterAFailureIsReported) {
   SpawnOptions options = Quiet();
   options.forward_signals = true;
-  options.grace = 2000ms;
+  // Far longer than the test takes when the signal ends the stop.
+  options.grace = 15000ms;
+  const std::string dir = TempDir("signal_while_stopping");
+  for (const char* name : {"/rank0", "/rank1", "/rank0.term"}) unlink((dir + name).c_str());
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
-      Specs(2, "fail_rank1", {{"IGNORE_TERM", "1"}, {"FAIL_AFTER_MS", "500"}}), options);
+      Specs(2, "fail_rank1", {{"IGNORE_TERM", "1"}, {"FAIL_AFTER_MS", "500"}, {"PID_DIR", dir}, {"AFTER_RANK0", "1"}}),
+      options);
   ASSERT_TRUE(group.ok()) << group.status();
   const pthread_t waiter = pthread_self();
-  std::thread sender([waiter] {
-    // Rank 1 exits at 500 ms; rank 0 ignores the SIGTERM that follows, so
-    // the group is still stopping at 1000 ms.
-    std::this_thread::sleep_for(1000ms);
+  std::thread sender([waiter, dir] {
+    // Rank 1 exits 500 ms after rank 0 is ready, and the group sends
+    // SIGTERM to rank 0, which ignores it but marks its arrival: the group
+    // is stopping from then until the grace period ends.
+    const auto deadline = Clock::now() + 20s;
+    while (access((dir + "/rank0.term").c_str(), F_OK) != 0 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(5ms);
+    }
     pthread_kill(waiter, SIGINT);
   });
   const auto start = Clock::now();
-  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  GroupResult result = (*group)->Wait(DeadlineIn(30s));
   sender.join();
-  EXPECT_LT(Clock::now() - start, 5s);
+  // The signal cut the grace period short.
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(access((dir + "/rank0.term").c_str(), F_OK), 0) << "rank 0 got no SIGTERM";
   EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted) << result.reason;
   EXPECT_EQ(result.signal, SIGINT);
   EXPECT_EQ(result.ExitCode(), 128 + SIGINT);

@@ -9,12 +9,15 @@
 //   --sleep_ms=N          sleep N ms before finishing
 //   --sleep_before_restart=K  sleep only while DDP_RESTART_COUNT < K
 //   --pid_dir=DIR         write DIR/rank<R>.restart<C>.pid
-//   --ignore_sigterm      ignore SIGTERM
+//   --ignore_sigterm      ignore SIGTERM; with --pid_dir, each one that arrives
+//                         (re)writes DIR/rank<R>.restart<C>.got_term with the pid
 //   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -87,6 +90,22 @@ Flags ParseFlags(int argc, char** argv) {
   return f;
 }
 
+// --ignore_sigterm --pid_dir: the marker's path and contents, set before
+// the handler is installed (it may only make async-signal-safe calls).
+char g_term_mark[4096];
+char g_term_pid[32];
+size_t g_term_pid_len = 0;
+
+void MarkSigterm(int) {
+  const int saved = errno;
+  const int fd = open(g_term_mark, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd >= 0) {
+    (void)!write(fd, g_term_pid, g_term_pid_len);
+    close(fd);
+  }
+  errno = saved;
+}
+
 int Fail(const char* what, const Status& status) {
   std::fprintf(stderr, "test_worker: %s: %s\n", what, status.ToString().c_str());
   return 20;
@@ -144,6 +163,18 @@ int main(int argc, char** argv) {
   if (flags.ignore_sigterm) signal(SIGTERM, SIG_IGN);
   StatusOr<launch::LaunchEnv> env = launch::LaunchEnvFromProcess();
   if (!env.ok()) return Fail("launch env", env.status());
+  if (flags.ignore_sigterm && !flags.pid_dir.empty()) {
+    // Still ignored, but a test can tell that the launcher began to stop
+    // this worker.
+    std::snprintf(g_term_mark, sizeof(g_term_mark), "%s/rank%d.restart%d.got_term", flags.pid_dir.c_str(),
+                  env->rank, env->restart_count);
+    g_term_pid_len = static_cast<size_t>(std::snprintf(g_term_pid, sizeof(g_term_pid), "%d\n", getpid()));
+    struct sigaction action = {};
+    action.sa_handler = MarkSigterm;
+    action.sa_flags = SA_RESTART;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, nullptr);
+  }
   if (!flags.pid_dir.empty()) {
     const std::string path = flags.pid_dir + "/rank" + std::to_string(env->rank) + ".restart" +
                              std::to_string(env->restart_count) + ".pid";

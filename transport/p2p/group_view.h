@@ -7,7 +7,8 @@
 // t is parent tag t + tag_offset, which keeps concurrent sub-groups' messages
 // apart.
 //
-// Request handles are the parent's; Test/Wait/Cancel pass straight through.
+// Request handles are the parent's; Test/Wait/Cancel/CancelAll pass straight
+// through.
 // Error messages come from the parent and so name parent ranks.
 
 #include <memory>
@@ -45,6 +46,7 @@ class GroupView final : public PointToPoint {
     return parent_->WaitAny(requests, deadline);
   }
   void Cancel(RequestId request) override { parent_->Cancel(request); }
+  void CancelAll(std::span<const RequestId> requests) override { parent_->CancelAll(requests); }
 
  private:
   GroupView(PointToPoint* parent, std::vector<int> members, Tag tag_offset, int rank)

@@ -60,6 +60,26 @@ TEST(GroupViewTest, ViewsWithDifferentOffsetsDoNotSeeEachOthersMessages) {
   EXPECT_EQ(y, 0);
 }
 
+TEST(GroupViewTest, CancelAllReachesTheParent) {
+  LoopbackHub hub(3);
+  auto p0 = std::move(hub.Connect(0)).value();
+  auto p2 = std::move(hub.Connect(2)).value();
+  auto g0 = GroupView::Create(*p0, {0, 2});
+  ASSERT_TRUE(g0.ok()) << g0.status();
+  int y = 0;
+  const int x = 5;
+  auto r = *g0->PostRecv(1, 3, &y, sizeof(y));
+  auto s = *g0->PostSend(1, 4, &x, sizeof(x));
+  g0->CancelAll(std::vector<RequestId>{r, s});
+  EXPECT_EQ(p0->Test(r).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p0->Test(s).status().code(), StatusCode::kInvalidArgument);
+  // Parent rank 2's message finds no receive: the cancelled one is gone.
+  auto late = *p2->PostSend(0, 3, &x, sizeof(x));
+  EXPECT_EQ(p2->WaitAll(std::vector<RequestId>{late}, DeadlineIn(30ms)).code(),
+            StatusCode::kTimedOut);
+  EXPECT_EQ(y, 0);
+}
+
 TEST(GroupViewTest, BadMembersAndTagsAreNamed) {
   LoopbackHub hub(3);
   auto p0 = std::move(hub.Connect(0)).value();

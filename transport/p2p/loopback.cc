@@ -47,6 +47,9 @@ class LoopbackEndpoint final : public PointToPoint {
     return hub_->WaitAny(rank_, requests.data(), requests.size(), deadline);
   }
   void Cancel(RequestId request) override { hub_->Cancel(rank_, request); }
+  void CancelAll(std::span<const RequestId> requests) override {
+    hub_->CancelAll(rank_, requests.data(), requests.size());
+  }
 
  private:
   LoopbackHub* const hub_;
@@ -346,6 +349,11 @@ StatusOr<size_t> LoopbackHub::WaitAny(int rank, const RequestId* requests, size_
 void LoopbackHub::Cancel(int rank, RequestId request) {
   std::unique_lock<std::mutex> lock(mu_);
   ReleaseLocked(lock, rank, request);
+}
+
+void LoopbackHub::CancelAll(int rank, const RequestId* requests, size_t n) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) ReleaseLocked(lock, rank, requests[i]);
 }
 
 }  // namespace ddp::transport::p2p

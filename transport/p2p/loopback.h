@@ -113,6 +113,7 @@ class LoopbackHub {
   Status WaitAll(int rank, const RequestId* requests, size_t n, Deadline deadline);
   StatusOr<size_t> WaitAny(int rank, const RequestId* requests, size_t n, Deadline deadline);
   void Cancel(int rank, RequestId request);
+  void CancelAll(int rank, const RequestId* requests, size_t n);
   void Disconnect(int rank);
 
   // Copies `send` into `recv` (outside the lock) and completes both.

@@ -175,6 +175,34 @@ TEST(LoopbackTest, CancelledReceiveLetsTheMessageGoToTheNextOne) {
   EXPECT_EQ(b, 8);
 }
 
+TEST(LoopbackTest, CancelAllReleasesEveryRequestAndSkipsUnknownOnes) {
+  LoopbackHub hub(3);
+  auto eps = ConnectAll(hub);
+  int a = 0, b = 0;
+  const int x = 4, z = 6;
+  auto ra = *eps[0]->PostRecv(1, 1, &a, sizeof(a));
+  auto rb = *eps[0]->PostRecv(2, 1, &b, sizeof(b));
+  auto s1 = *eps[0]->PostSend(1, 2, &x, sizeof(x));
+  auto s2 = *eps[0]->PostSend(2, 2, &x, sizeof(x));
+  eps[0]->CancelAll(std::vector<RequestId>{ra, s1, rb, s2, ra, 12345});
+  for (RequestId id : {ra, rb, s1, s2}) {
+    EXPECT_EQ(eps[0]->Test(id).status().code(), StatusCode::kInvalidArgument);
+  }
+  // Nothing was delivered either way, and later messages go to new requests.
+  auto s = *eps[1]->PostSend(0, 1, &z, sizeof(z));
+  int got = 0, c = 0;
+  auto r2 = *eps[2]->PostRecv(0, 2, &got, sizeof(got));
+  EXPECT_EQ(eps[2]->WaitAll(std::vector<RequestId>{r2}, DeadlineIn(30ms)).code(),
+            StatusCode::kTimedOut);
+  auto rc = *eps[0]->PostRecv(1, 1, &c, sizeof(c));
+  ASSERT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{rc}, Soon()).ok());
+  ASSERT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
+  EXPECT_EQ(a, 0);
+  EXPECT_EQ(b, 0);
+  EXPECT_EQ(c, 6);
+  eps[0]->CancelAll({});
+}
+
 TEST(LoopbackTest, SendToSelfAndEmptyMessagesWork) {
   LoopbackHub hub(1);
   auto eps = ConnectAll(hub);

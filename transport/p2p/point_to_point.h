@@ -67,7 +67,16 @@ class PointToPoint {
                                    Deadline deadline) = 0;
 
   /// Cancels and releases an outstanding request (no-op if already done).
+  /// Returns once nothing uses the request's buffer any more, as far as the
+  /// implementation can promise that (see transport/ucx/ucx_p2p.h).
   virtual void Cancel(RequestId request) = 0;
+
+  /// Cancel for each of `requests` (unknown or released ids are skipped),
+  /// but all at once: an implementation that has to wait for a request to
+  /// let go of its buffer waits for all of them together, so the time this
+  /// takes does not grow with the number of requests or peers. Error paths
+  /// that give up several requests use this rather than a loop of Cancel.
+  virtual void CancelAll(std::span<const RequestId> requests) = 0;
 };
 
 }  // namespace ddp::transport::p2p

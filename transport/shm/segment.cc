@@ -6,77 +6,128 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <random>
-#include <thread>
 
 namespace ddp::transport::shm {
 namespace {
 
+// Where a rank would post that it has the segment, a rank that could not
+// create or map it posts why, after this mark (names start with '/').
+constexpr char kFailed = '!';
+
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// What every rank of the group returns when local rank `rank` could not
+// create or map the segment (UNAVAILABLE: the caller goes without it).
+Status GroupFailure(int rank, const std::string& reason) {
+  return UnavailableError("shared-memory segment unavailable: local rank " + std::to_string(rank) +
+                          ": " + reason);
+}
 
 }  // namespace
 
+// Every rank reports its outcome in the store, rank 0 under the name key
+// (the name, or kFailed and why), the others under mapped/<rank>, and every
+// rank reads them in rank order and returns the first failure: the ranks
+// take the same decision at once, where a rank that failed alone would
+// leave the others waiting for it until the deadline.
 StatusOr<std::unique_ptr<Segment>> Segment::CreateShared(store::Store& store,
                                                          const std::string& key_prefix,
                                                          int group_rank, int group_size,
                                                          size_t bytes, Deadline deadline) {
   const std::string name_key = key_prefix + "name";
   std::string name;
-  int fd = -1;
+  std::string failure;  // why this rank has no mapping
+  void* data = MAP_FAILED;
   if (group_rank == 0) {
     std::random_device random;
     name = "/ddp-" + std::to_string(getpid()) + "-" + std::to_string(random());
-    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return UnavailableError(Errno("shm_open(" + name + ")"));
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      Status error = ResourceExhaustedError(Errno("sizing shared memory " + name + " to " +
-                                                  std::to_string(bytes) + " bytes"));
+    const std::string path = "/dev/shm" + name;
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      failure = Errno("creating " + path);
+    } else {
+      // Reserved, not only sized: a tmpfs hands out pages at the first
+      // touch, and one that has no room left (Docker gives a container a
+      // /dev/shm of 64 MiB) raises SIGBUS there instead of failing here.
+      int error = 0;
+      do {
+        error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));  // an error number, not -1
+      } while (error == EINTR);
+      if (error != 0) {
+        failure = "reserving " + std::to_string(bytes) + " bytes for " + path + ": " +
+                  std::strerror(error);
+        if (error == ENOSPC) {
+          failure += " (/dev/shm is too small: a container's is 64 MiB unless --shm-size says "
+                     "otherwise; DDP_SHM_STAGING_BYTES sets each rank's share)";
+        }
+      } else {
+        data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (data == MAP_FAILED) failure = Errno("mapping " + path);
+      }
       close(fd);
-      shm_unlink(name.c_str());
+      if (!failure.empty()) shm_unlink(name.c_str());
+    }
+    if (!failure.empty()) {
+      const Status error = GroupFailure(0, failure);
+      DDP_RETURN_IF_ERROR(store.Set(name_key, kFailed + error.message(), deadline));
       return error;
     }
     Status posted = store.Set(name_key, name, deadline);
     if (!posted.ok()) {
-      close(fd);
+      munmap(data, bytes);
       shm_unlink(name.c_str());
       return posted;
     }
   } else {
     DDP_ASSIGN_OR_RETURN(name, store.Get(name_key, deadline));
-    fd = shm_open(name.c_str(), O_RDWR, 0600);
-    if (fd < 0) return UnavailableError(Errno("shm_open(" + name + ") posted by local rank 0"));
+    if (!name.empty() && name[0] == kFailed) return UnavailableError(name.substr(1));
+    const std::string path = "/dev/shm" + name;
+    const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    struct stat st {};
+    if (fd < 0) {
+      failure = Errno("opening " + path + " (local rank 0 created it)");
+    } else if (fstat(fd, &st) != 0) {
+      failure = Errno("fstat of " + path);
+    } else if (static_cast<uint64_t>(st.st_size) < bytes) {
+      // Mapping past its end would raise SIGBUS at the first touch there.
+      failure = path + " holds " + std::to_string(st.st_size) + " bytes, this rank needs " +
+                std::to_string(bytes);
+    } else {
+      data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (data == MAP_FAILED) failure = Errno("mapping " + path);
+    }
+    if (fd >= 0) close(fd);
+    const std::string outcome =
+        failure.empty() ? "ok" : kFailed + GroupFailure(group_rank, failure).message();
+    Status posted = store.Set(key_prefix + "mapped/" + std::to_string(group_rank), outcome,
+                              deadline);
+    if (!posted.ok()) {
+      if (data != MAP_FAILED) munmap(data, bytes);
+      return posted;
+    }
   }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (data == MAP_FAILED) {
-    if (group_rank == 0) shm_unlink(name.c_str());
-    return ResourceExhaustedError(Errno("mapping shared memory " + name));
-  }
-  std::unique_ptr<Segment> segment(new Segment(data, bytes));
+  std::unique_ptr<Segment> segment(data != MAP_FAILED ? new Segment(data, bytes) : nullptr);
 
-  // Unlink once everyone has it mapped. Every rank tries, so the name goes
-  // even if rank 0 dies right after the last rank mapped it.
-  auto mapped = store.Add(key_prefix + "mapped", 1, deadline);
-  if (!mapped.ok()) {
-    if (group_rank == 0) shm_unlink(name.c_str());
-    return mapped.status();
-  }
-  while (true) {
-    auto count = store.Add(key_prefix + "mapped", 0, deadline);
-    if (!count.ok()) {
+  // Every rank tries to unlink the name, so that it goes even if rank 0
+  // dies right after the last rank mapped it (ENOENT when another rank was
+  // first: fine), and also when a rank failed.
+  for (int rank = 1; rank < group_size; ++rank) {
+    auto outcome = store.Get(key_prefix + "mapped/" + std::to_string(rank), deadline);
+    if (!outcome.ok()) {
       shm_unlink(name.c_str());
-      return count.status();
+      return Status(outcome.status().code(),
+                    "shared-memory segment " + name + ": waiting for local rank " +
+                        std::to_string(rank) + " to map it: " + outcome.status().message());
     }
-    if (*count >= group_size) break;
-    if (Clock::now() >= deadline) {
+    if (!outcome->empty() && (*outcome)[0] == kFailed) {
       shm_unlink(name.c_str());
-      return TimedOutError("shared memory segment " + name + ": only " + std::to_string(*count) +
-                           " of " + std::to_string(group_size) + " local ranks mapped it in time");
+      return UnavailableError(outcome->substr(1));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  shm_unlink(name.c_str());  // ENOENT when another rank was first: fine
+  shm_unlink(name.c_str());
   return segment;
 }
 

@@ -3,8 +3,8 @@
 
 // A POSIX shared-memory segment mapped by every rank of one host. Rank 0 of
 // the group creates it under a fresh name and posts the name in the store;
-// the others map it; once all have mapped it the name is unlinked, so a
-// crash later leaves nothing behind in /dev/shm.
+// the others map it and say so; once all have mapped it the name is
+// unlinked, so a crash later leaves nothing behind in /dev/shm.
 
 #include <cstddef>
 #include <memory>
@@ -20,6 +20,10 @@ class Segment {
  public:
   /// Collective over the `group_size` ranks of the group (keys under
   /// `key_prefix`): creates (group_rank 0) or maps a segment of `bytes`.
+  /// When any rank cannot create, open or map it, every rank returns the
+  /// same UNAVAILABLE naming that rank and the cause, at once (the group
+  /// then goes without it); other errors (the store's, a deadline) are
+  /// this rank's alone.
   static StatusOr<std::unique_ptr<Segment>> CreateShared(store::Store& store,
                                                          const std::string& key_prefix,
                                                          int group_rank, int group_size,

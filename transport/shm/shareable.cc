@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -28,6 +29,11 @@ Registry& registry() {
 
 StatusOr<void*> AllocateShareable(size_t bytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  // Rounded up to whole pages it would wrap around (to 0, then one page).
+  if (bytes > SIZE_MAX - (page - 1)) {
+    return ResourceExhaustedError("shareable memory: " + std::to_string(bytes) +
+                                  " bytes is more than whole pages of the address space hold");
+  }
   const size_t size = std::max<size_t>(page, (bytes + page - 1) / page * page);
   // Close-on-exec: a worker the launcher execs must not inherit it.
   const int fd = memfd_create("ddp-shareable", MFD_CLOEXEC);

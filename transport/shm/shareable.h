@@ -33,7 +33,8 @@ struct ShareableRegion {
 };
 
 /// `bytes` (rounded up to whole pages) of zero-filled shareable memory.
-/// RESOURCE_EXHAUSTED when the system refuses a memfd or the mapping.
+/// RESOURCE_EXHAUSTED when the system refuses a memfd or the mapping, or
+/// when `bytes` rounded up to whole pages exceeds SIZE_MAX.
 StatusOr<void*> AllocateShareable(size_t bytes);
 
 /// Frees memory from AllocateShareable; null is ignored. INVALID_ARGUMENT

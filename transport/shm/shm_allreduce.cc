@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <iterator>
 
 #include <immintrin.h>
 
@@ -30,6 +32,7 @@ struct alignas(128) ShmAllReduce::Control {
   // The last call this rank failed after arriving (set after the code and
   // message, before it publishes finished): peers then fail that call too,
   // with its code and the start of its message, which name the cause.
+  // kRewriting while it rewrites them for a later call (see MarkFailed).
   std::atomic<uint64_t> failed;
   // The last call this rank returned from before every peer had finished
   // it (set after `failed`): peers no longer copy from or into its buffers
@@ -38,8 +41,11 @@ struct alignas(128) ShmAllReduce::Control {
   // Touching(call, peer) while this rank writes into that peer's memory
   // for that call, else 0 (see CopyWithPeer and Abandon).
   std::atomic<uint64_t> touching;
-  int32_t failed_code;
-  char failed_message[240];
+  // The code and message (NUL-padded) of the call in `failed`, as words:
+  // a peer may copy them while this rank rewrites them for a later call,
+  // and finds out from `failed` afterwards (PeerFailure).
+  std::atomic<int32_t> failed_code;
+  std::atomic<uint64_t> failed_message[30];
   uint64_t probe;  // address of a word holding kProbeValue (CMA check)
   // The arguments of call s live in args[s % 2]: a rank may start call s+1
   // while a slower peer still reads its arguments of call s, but it cannot
@@ -74,6 +80,8 @@ constexpr size_t kPage = 4096;
 constexpr size_t kHeader = 128;  // sizeof(Shared), rounded to its alignment
 constexpr size_t kStagingCapacity = 1 << 20;
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
+// Control::failed while its owner rewrites the failure's code and message.
+constexpr uint64_t kRewriting = ~uint64_t{0};
 // A wait runs the watchdog once it has lasted this long.
 constexpr auto kWatchdogAfter = std::chrono::milliseconds(1);
 // How long a rank that gives up on a call waits for a peer to finish a
@@ -168,17 +176,40 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
                                 " of " + std::to_string(options.size) + " with " +
                                 std::to_string(options.pids.size()) + " pids");
   }
-  const size_t staging_capacity =
-      std::max(kStagingCapacity, 2 * RoundUp(options.staging_bytes, kPage));
+  // The staging area's size (the segment's layout) and the limits that
+  // choose each call's path must be the same on every rank: a call staged
+  // on one rank and read directly on another gives wrong results, and a
+  // rank that sizes the staging areas larger than rank 0 did maps past the
+  // segment's end. So rank 0's are in force: it publishes them and the
+  // others adopt them (with the chunk size, so that every rank cuts
+  // AllReduceApply's pieces alike).
+  ShmOptions agreed = options;
+  size_t staging_capacity = 0;
+  const std::string layout_key = key_prefix + "layout";
+  if (options.rank == 0) {
+    staging_capacity = std::max(kStagingCapacity, 2 * RoundUp(options.staging_bytes, kPage));
+    agreed.staging_bytes = std::min(options.staging_bytes, staging_capacity / 2);
+    DDP_RETURN_IF_ERROR(store.Set(layout_key,
+                                  std::to_string(staging_capacity) + " " +
+                                      std::to_string(agreed.staging_bytes) + " " +
+                                      std::to_string(agreed.rooted_staging_bytes) + " " +
+                                      std::to_string(agreed.chunk_bytes),
+                                  deadline));
+  } else {
+    DDP_ASSIGN_OR_RETURN(const std::string layout, store.Get(layout_key, deadline));
+    if (std::sscanf(layout.c_str(), "%zu %zu %zu %zu", &staging_capacity, &agreed.staging_bytes,
+                    &agreed.rooted_staging_bytes, &agreed.chunk_bytes) != 4) {
+      return InternalError("shared-memory group: rank 0 published the layout '" + layout + "'");
+    }
+  }
   static_assert(sizeof(Shared) <= kHeader);
   const size_t bytes = RoundUp(kHeader + sizeof(Control) * options.size, kPage) +
                        staging_capacity * options.size;
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment,
                        Segment::CreateShared(store, key_prefix + "segment/", options.rank,
                                              options.size, bytes, deadline));
-  std::unique_ptr<ShmAllReduce> engine(new ShmAllReduce(std::move(segment), options,
+  std::unique_ptr<ShmAllReduce> engine(new ShmAllReduce(std::move(segment), agreed,
                                                         staging_capacity));
-  engine->options_.staging_bytes = std::min(options.staging_bytes, staging_capacity / 2);
 
   // CMA needs ptrace permission between the ranks (Yama, containers and
   // seccomp may deny it). Every rank probes every peer and posts the
@@ -740,10 +771,25 @@ Status ShmAllReduce::PeerFailure(uint64_t call, int only) const {
     if (peer == options_.rank || (only >= 0 && peer != only)) continue;
     const Control& theirs = control(peer);
     if (theirs.failed.load(std::memory_order_acquire) == call) {
-      const size_t length = strnlen(theirs.failed_message, sizeof(theirs.failed_message));
-      return Status(static_cast<StatusCode>(theirs.failed_code),
-                    RankName(peer) + " failed in this shared-memory call (" + std::to_string(call) +
-                        "): " + std::string(theirs.failed_message, length));
+      // Acquire loads, pairing with MarkFailed's release stores (standing
+      // in for fences, which ThreadSanitizer does not model): if the peer
+      // began to rewrite code or text for a later call while they were
+      // copied, `failed` no longer holds this call below, and the copy may
+      // be torn.
+      const int32_t code = theirs.failed_code.load(std::memory_order_acquire);
+      char text[sizeof(theirs.failed_message)];
+      for (size_t w = 0; w < std::size(theirs.failed_message); ++w) {
+        const uint64_t word = theirs.failed_message[w].load(std::memory_order_acquire);
+        std::memcpy(text + w * sizeof(word), &word, sizeof(word));
+      }
+      const std::string what = RankName(peer) + " failed in this shared-memory call (" +
+                               std::to_string(call) + ")";
+      if (theirs.failed.load(std::memory_order_relaxed) != call) {
+        return AbortedError(what + "; its error was overwritten by a later call's before it "
+                                   "could be read");
+      }
+      return Status(static_cast<StatusCode>(code),
+                    what + ": " + std::string(text, strnlen(text, sizeof(text))));
     }
     if (only >= 0) {
       return AbortedError(RankName(peer) + " left shared-memory call " + std::to_string(call));
@@ -754,11 +800,20 @@ Status ShmAllReduce::PeerFailure(uint64_t call, int only) const {
 
 void ShmAllReduce::MarkFailed(uint64_t call, const Status& error) {
   Control& mine = control(options_.rank);
-  mine.failed_code = static_cast<int32_t>(error.code());
-  const std::string& message = error.message();
-  const size_t length = std::min(message.size(), sizeof(mine.failed_message) - 1);
-  std::memcpy(mine.failed_message, message.data(), length);
-  mine.failed_message[length] = '\0';
+  // A seqlock on `failed`: it leaves the earlier call before the code and
+  // message change, so that a peer still copying that call's error sees
+  // the change afterwards and drops the copy (PeerFailure).
+  mine.failed.store(kRewriting, std::memory_order_relaxed);
+  // Release stores: a reader whose acquire load sees one of them also sees
+  // `failed` left the earlier call.
+  mine.failed_code.store(static_cast<int32_t>(error.code()), std::memory_order_release);
+  char text[sizeof(mine.failed_message)] = {};
+  std::memcpy(text, error.message().data(), std::min(error.message().size(), sizeof(text) - 1));
+  for (size_t w = 0; w < std::size(mine.failed_message); ++w) {
+    uint64_t word;
+    std::memcpy(&word, text + w * sizeof(word), sizeof(word));
+    mine.failed_message[w].store(word, std::memory_order_release);
+  }
   mine.failed.store(call, std::memory_order_release);
   Publish(&Control::reduced, call);
   Publish(&Control::finished, call);

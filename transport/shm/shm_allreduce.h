@@ -101,6 +101,10 @@ struct SliceRange {
 };
 SliceRange SliceOf(size_t count, size_t elem, int size, int rank);
 
+/// staging_bytes, rooted_staging_bytes and chunk_bytes are rank 0's on
+/// every rank: ShmAllReduce::Create adopts them from rank 0, since every
+/// rank must take the same path (staged or direct) for a call and lay out
+/// the segment alike.
 struct ShmOptions {
   int rank = 0;             ///< Rank in the group (all ranks on this host).
   int size = 1;
@@ -128,8 +132,9 @@ struct ShmOptions {
 class ShmAllReduce {
  public:
   /// Collective over the group: maps the shared segment. Fails with
-  /// UNAVAILABLE when CMA is not permitted between the ranks (the caller
-  /// then uses UCX alone).
+  /// UNAVAILABLE, on every rank alike, when a rank cannot create or map
+  /// the segment or CMA is not permitted between the ranks (the caller then
+  /// uses UCX alone).
   static StatusOr<std::unique_ptr<ShmAllReduce>> Create(store::Store& store,
                                                         const std::string& key_prefix,
                                                         const ShmOptions& options,
@@ -229,6 +234,8 @@ class ShmAllReduce {
     return std::min(std::max(options_.rooted_staging_bytes, options_.staging_bytes),
                     staging_capacity_ / 2);
   }
+  /// The staging limit from the next call on (at most half a rank's
+  /// staging area). Every rank must set the same between the same calls.
   void set_staging_bytes(size_t bytes);
   void set_yield_when_idle(bool yield) { options_.yield_when_idle = yield; }
   size_t max_staging_bytes() const { return staging_capacity_; }

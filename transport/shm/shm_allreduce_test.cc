@@ -2,11 +2,16 @@
 
 #include "transport/shm/shareable.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -41,6 +46,14 @@ std::vector<std::unique_ptr<ShmAllReduce>> MakeGroup(int n, size_t staging_bytes
   }
   for (auto& t : threads) t.join();
   return group;
+}
+
+// Waits until `flag` is set, or 10 s (a late rank that must arrive only
+// after its peer's call returned; the bound keeps a hang from a peer that
+// never returns out of the test).
+void AwaitFlag(const std::atomic<bool>& flag) {
+  const Deadline until = DeadlineIn(milliseconds(10000));
+  while (!flag.load() && Clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
 }
 
 void RunRanks(int n, const std::function<void(int)>& body) {
@@ -513,8 +526,9 @@ TEST(ShmAllReduce, LatePeerLeavesTheBufferOfARankThatGaveUp) {
   std::vector<float> late(count, 2.0f);
   Status late_status;
   Clock::duration late_took{};
+  std::atomic<bool> gave_up{false};
   std::thread peer([&] {
-    std::this_thread::sleep_for(milliseconds(600));
+    AwaitFlag(gave_up);
     const auto start = Clock::now();
     late_status = group[1]->AllReduce(late.data(), late.data(), count, DataType::kF32,
                                       ReduceOp::kSum, DeadlineIn(milliseconds(10000)), nullptr);
@@ -523,6 +537,7 @@ TEST(ShmAllReduce, LatePeerLeavesTheBufferOfARankThatGaveUp) {
   Status s = group[0]->AllReduce(early.data(), early.data(), count, DataType::kF32, ReduceOp::kSum,
                                  DeadlineIn(milliseconds(200)), nullptr);
   std::fill(early.begin(), early.end(), 7.0f);  // the caller reuses its buffer
+  gave_up = true;
   peer.join();
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_EQ(std::count(early.begin(), early.end(), 7.0f), static_cast<ptrdiff_t>(count))
@@ -551,14 +566,16 @@ TEST(ShmAllReduce, LatePeerDoesNotFoldTheShareableInputOfARankThatGaveUp) {
   std::fill(late, late + count, 2.0f);
   const uint64_t late_mapped_before = group[1]->mapped_copies();
   Status late_status;
+  std::atomic<bool> gave_up{false};
   std::thread peer([&] {
-    std::this_thread::sleep_for(milliseconds(600));
+    AwaitFlag(gave_up);
     late_status = group[1]->AllReduce(late, late, count, DataType::kF32, ReduceOp::kSum,
                                       DeadlineIn(milliseconds(10000)), nullptr);
   });
   Status s = group[0]->AllReduce(early, early, count, DataType::kF32, ReduceOp::kSum,
                                  DeadlineIn(milliseconds(200)), nullptr);
   std::fill(early, early + count, 7.0f);
+  gave_up = true;
   peer.join();
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_EQ(std::count(early, early + count, 7.0f), static_cast<ptrdiff_t>(count))
@@ -581,11 +598,12 @@ TEST(ShmAllReduce, SlowSliceFunctionDoesNotWriteIntoARankThatGaveUp) {
   std::vector<float> fast(count, 1.0f);
   std::vector<float> slow(count, 2.0f);
   Status slow_status;
+  std::atomic<bool> gave_up{false};
   std::thread peer([&] {
     slow_status = group[1]->AllReduceThrough(
         slow.data(), slow.data(), count, DataType::kF32, ReduceOp::kSum,
-        [](void*, size_t, size_t) {
-          std::this_thread::sleep_for(milliseconds(800));
+        [&](void*, size_t, size_t) {
+          AwaitFlag(gave_up);  // slower than the other rank's deadline
           return Status::Ok();
         },
         DeadlineIn(milliseconds(10000)), nullptr);
@@ -595,6 +613,7 @@ TEST(ShmAllReduce, SlowSliceFunctionDoesNotWriteIntoARankThatGaveUp) {
                                         [](void*, size_t, size_t) { return Status::Ok(); },
                                         DeadlineIn(milliseconds(300)), nullptr);
   std::fill(fast.begin(), fast.end(), 7.0f);
+  gave_up = true;
   peer.join();
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_NE(s.message().find("waiting for rank 1 to finish"), std::string::npos) << s;
@@ -613,14 +632,16 @@ TEST(ShmAllReduce, LateRankFailsTheBroadcastOfARootThatGaveUp) {
   std::vector<float> root(count, 5.0f);
   std::vector<float> late(count, 0.0f);
   Status late_status;
+  std::atomic<bool> gave_up{false};
   std::thread peer([&] {
-    std::this_thread::sleep_for(milliseconds(600));
+    AwaitFlag(gave_up);
     late_status = group[1]->Broadcast(late.data(), count, DataType::kF32, 0,
                                       DeadlineIn(milliseconds(10000)), nullptr);
   });
   Status s = group[0]->Broadcast(root.data(), count, DataType::kF32, 0,
                                  DeadlineIn(milliseconds(200)), nullptr);
   std::fill(root.begin(), root.end(), 7.0f);
+  gave_up = true;
   peer.join();
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
@@ -629,12 +650,14 @@ TEST(ShmAllReduce, LateRankFailsTheBroadcastOfARootThatGaveUp) {
   // Small buffers go through the root's staging buffer: the late rank fails
   // the same way (the root returned an error for this call).
   float small = 1.0f, small_late = 0.0f;
+  gave_up = false;
   peer = std::thread([&] {
-    std::this_thread::sleep_for(milliseconds(600));
+    AwaitFlag(gave_up);
     late_status = group[1]->Broadcast(&small_late, 1, DataType::kF32, 0,
                                       DeadlineIn(milliseconds(10000)), nullptr);
   });
   s = group[0]->Broadcast(&small, 1, DataType::kF32, 0, DeadlineIn(milliseconds(200)), nullptr);
+  gave_up = true;
   peer.join();
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
@@ -657,6 +680,188 @@ TEST(ShmAllReduce, MessagesUseTheGivenRankNames) {
   EXPECT_NE(s.message().find("waiting for rank 7"), std::string::npos) << s;
 }
 
+// The store as rank `wrong_rank` sees it: the segment's name it reads is
+// one that does not exist, so that its shm_open fails as where that rank's
+// /dev/shm is another than rank 0's (a container of its own).
+class WrongSegmentNameStore final : public store::Store {
+ public:
+  explicit WrongSegmentNameStore(store::Store& store) : store_(store) {}
+  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
+    return store_.Set(key, value, deadline);
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
+    auto value = store_.Get(key, deadline);
+    if (value.ok() && key.ends_with("segment/name") && value->starts_with("/")) {
+      return std::string("/ddp-no-such-segment");
+    }
+    return value;
+  }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
+    return store_.TryGet(key, deadline);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
+    return store_.Add(key, delta, deadline);
+  }
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override {
+    return store_.Wait(keys, deadline);
+  }
+  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
+    return store_.Delete(key, deadline);
+  }
+
+ private:
+  store::Store& store_;
+};
+
+// Creates a group of `n` whose rank `wrong_rank` reads a wrong segment
+// name (see WrongSegmentNameStore); returns each rank's status.
+std::vector<Status> CreateWithWrongSegmentName(int n, int wrong_rank, Deadline deadline) {
+  testing::InMemoryStore store;
+  WrongSegmentNameStore wrong(store);
+  std::vector<Status> statuses(n);
+  RunRanks(n, [&](int r) {
+    ShmOptions options{.rank = r, .size = n, .pids = std::vector<int>(n, getpid())};
+    auto engine = ShmAllReduce::Create(r == wrong_rank ? static_cast<store::Store&>(wrong) : store,
+                                       "shm/", options, deadline);
+    statuses[r] = engine.status();
+  });
+  return statuses;
+}
+
+// A rank that cannot open the segment fails creation on every rank at once
+// with the same UNAVAILABLE, naming it and the cause, so that all of them
+// go without shared memory. (The others used to wait for it to map the
+// segment until the deadline, while it went on without.)
+TEST(ShmAllReduce, RankThatCannotOpenTheSegmentFailsCreationOnEveryRankAtOnce) {
+  for (int n : {2, 3, 4}) {
+    for (int wrong_rank = 1; wrong_rank < n; ++wrong_rank) {
+      const auto start = Clock::now();
+      const std::vector<Status> statuses =
+          CreateWithWrongSegmentName(n, wrong_rank, DeadlineIn(milliseconds(5000)));
+      EXPECT_LT(Clock::now() - start, milliseconds(2500)) << n << " ranks, rank " << wrong_rank;
+      for (int r = 0; r < n; ++r) {
+        EXPECT_EQ(statuses[r].code(), StatusCode::kUnavailable) << statuses[r];
+        EXPECT_EQ(statuses[r].message(), statuses[wrong_rank].message()) << "rank " << r;
+      }
+      EXPECT_NE(statuses[0].message().find("local rank " + std::to_string(wrong_rank) +
+                                           ": opening /dev/shm/ddp-no-such-segment"),
+                std::string::npos)
+          << statuses[0];
+      EXPECT_NE(statuses[0].message().find("No such file or directory"), std::string::npos)
+          << statuses[0];
+    }
+  }
+}
+
+// Rank 0 cannot create the segment (this process has no file descriptor
+// left): every rank fails creation at once with its reason. (The others
+// used to wait for the segment's name until the deadline.)
+TEST(ShmAllReduce, RankZeroThatCannotCreateTheSegmentFailsCreationOnEveryRankAtOnce) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // The lowest free descriptor becomes the limit: every open fails.
+  const int lowest_free = dup(0);
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  rlimit none = saved;
+  none.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &none), 0);
+  testing::InMemoryStore store;
+  std::vector<Status> statuses(3);
+  const auto start = Clock::now();
+  RunRanks(3, [&](int r) {
+    ShmOptions options{.rank = r, .size = 3, .pids = std::vector<int>(3, getpid())};
+    statuses[r] = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(5000)))
+                      .status();
+  });
+  const auto took = Clock::now() - start;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_LT(took, milliseconds(2500));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kUnavailable) << statuses[r];
+    EXPECT_EQ(statuses[r].message(), statuses[0].message()) << "rank " << r;
+  }
+  EXPECT_NE(statuses[0].message().find("local rank 0: creating /dev/shm/ddp-"), std::string::npos)
+      << statuses[0];
+  EXPECT_NE(statuses[0].message().find(std::strerror(EMFILE)), std::string::npos) << statuses[0];
+}
+
+// Staging limits and chunk sizes that differ between ranks (a rank with
+// another DDP_SHM_STAGING_BYTES or chunk_bytes): rank 0's are in force on
+// every rank, so that every call takes one path (staged or direct) on all
+// ranks and the segment has one layout. Each rank's own used to give wrong
+// results where one rank staged a call and another read it directly, and a
+// rank whose staging area was larger than rank 0's mapped past the end of
+// the segment (SIGBUS).
+TEST(ShmAllReduce, RankZerosStagingAndChunkSizesAreInForceOnEveryRank) {
+  struct Sizes {
+    size_t staging_bytes;
+    size_t chunk_bytes;
+  };
+  const std::vector<std::vector<Sizes>> groups = {
+      {{4096, 1024}, {65536, 4096}},                    // one layout, other limits
+      {{65536, 4096}, {4096, 1024}, {1024, 1024}},
+      {{4096, 1024}, {2 << 20, 1024}, {4096, 1024}},   // rank 1: a larger staging area
+      {{2 << 20, 64 << 10}, {4096, 1024}},              // rank 0: a larger staging area
+  };
+  for (const std::vector<Sizes>& sizes : groups) {
+    const int n = static_cast<int>(sizes.size());
+    testing::InMemoryStore store;
+    std::vector<std::unique_ptr<ShmAllReduce>> group(n);
+    RunRanks(n, [&](int r) {
+      ShmOptions options{.rank = r, .size = n, .pids = std::vector<int>(n, getpid()),
+                         .staging_bytes = sizes[r].staging_bytes,
+                         .rooted_staging_bytes = sizes[r].staging_bytes,
+                         .chunk_bytes = sizes[r].chunk_bytes, .yield_when_idle = true};
+      auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(10000)));
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      group[r] = std::move(*engine);
+    });
+    ASSERT_TRUE(std::all_of(group.begin(), group.end(), [](const auto& g) { return g != nullptr; }));
+    for (int r = 1; r < n; ++r) {
+      EXPECT_EQ(group[r]->options().staging_bytes, group[0]->options().staging_bytes);
+      EXPECT_EQ(group[r]->rooted_staging_bytes(), group[0]->rooted_staging_bytes());
+      EXPECT_EQ(group[r]->options().chunk_bytes, group[0]->options().chunk_bytes);
+      EXPECT_EQ(group[r]->max_staging_bytes(), group[0]->max_staging_bytes());
+    }
+    // Counts on either side of every rank's limits (floats).
+    for (size_t count : {size_t{1}, size_t{1024}, size_t{1025}, size_t{16384}, size_t{16385},
+                         size_t{262144}, size_t{262145}}) {
+      const std::string what = std::to_string(n) + " ranks, rank 0 staging " +
+                               std::to_string(sizes[0].staging_bytes) + ", count " +
+                               std::to_string(count);
+      RunRanks(n, [&](int r) {
+        const Deadline deadline = DeadlineIn(milliseconds(10000));
+        std::vector<float> data(count);
+        FillInput(DataType::kF32, data.data(), count, r, ReduceOp::kSum);
+        Status s = group[r]->AllReduce(data.data(), data.data(), count, DataType::kF32,
+                                       ReduceOp::kSum, deadline, nullptr);
+        ASSERT_TRUE(s.ok()) << what << ": " << s;
+        std::string first;
+        EXPECT_EQ(CountWrong(DataType::kF32, data.data(), count, n, ReduceOp::kSum, 0, &first), 0u)
+            << "all-reduce, " << what << ": " << first;
+        std::vector<float> root(count), out(count, -1.0f);
+        FillInput(DataType::kF32, root.data(), count, r, ReduceOp::kSum);
+        s = group[r]->Reduce(root.data(), out.data(), count, DataType::kF32, ReduceOp::kSum, 0,
+                             deadline, nullptr);
+        ASSERT_TRUE(s.ok()) << what << ": " << s;
+        if (r == 0) {
+          EXPECT_EQ(CountWrong(DataType::kF32, out.data(), count, n, ReduceOp::kSum, 0, &first), 0u)
+              << "reduce, " << what << ": " << first;
+        }
+        FillInput(DataType::kF32, root.data(), count, r == 0 ? 0 : 9, ReduceOp::kMax);
+        s = group[r]->Broadcast(root.data(), count, DataType::kF32, 0, deadline, nullptr);
+        ASSERT_TRUE(s.ok()) << what << ": " << s;
+        size_t wrong = 0;
+        for (size_t i = 0; i < count; ++i) {
+          wrong += root[i] != static_cast<float>(testing::InputValue(0, i, ReduceOp::kMax));
+        }
+        EXPECT_EQ(wrong, 0u) << "broadcast, " << what;
+      });
+    }
+  }
+}
+
 TEST(ShmAllReduce, WatchdogEndsTheWait) {
   auto group = MakeGroup(2, 4096, 1024);
   float x = 1;
@@ -677,16 +882,23 @@ TEST(ShmAllReduce, WaitCompletesWhenTheGonePeerHadPublished) {
   float x = 1;
   float y = 2;
   std::thread peer;
+  // Rank 1's own watchdog runs only while it waits for rank 0, so after it
+  // arrived (published its part).
+  std::atomic<bool> peer_arrived{false};
   Status s = group[0]->AllReduce(
       &x, &x, 1, DataType::kF32, ReduceOp::kSum, DeadlineIn(milliseconds(10000)),
       [&](Deadline, int) {
         if (!peer.joinable()) {
           peer = std::thread([&] {
             EXPECT_TRUE(group[1]->AllReduce(&y, &y, 1, DataType::kF32, ReduceOp::kSum,
-                                            DeadlineIn(milliseconds(10000)), nullptr)
+                                            DeadlineIn(milliseconds(10000)),
+                                            [&](Deadline, int) {
+                                              peer_arrived = true;
+                                              return Status::Ok();
+                                            })
                             .ok());
           });
-          std::this_thread::sleep_for(milliseconds(200));  // it arrives meanwhile
+          AwaitFlag(peer_arrived);  // it arrives meanwhile
         }
         return PeerLostError("rank 1 (pid 7) exited");
       });
@@ -807,6 +1019,25 @@ TEST(ShmAllReduce, ShareableMappingsAreEvictedAndRemapped) {
     ASSERT_TRUE(FreeShareable(*kept).ok());
   });
   for (int r = 0; r < 2; ++r) EXPECT_GE(group[r]->mapped_copies(), 160u);
+}
+
+// A size that does not fit in whole pages fails, naming it, instead of
+// wrapping around to a one-page region (it used to: SIZE_MAX rounded up to
+// a page is 0, and the minimum made that one page).
+TEST(Shareable, SizeThatOverflowsWholePagesFails) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  for (size_t bytes : {SIZE_MAX, SIZE_MAX - page + 2}) {
+    auto p = AllocateShareable(bytes);
+    EXPECT_FALSE(p.ok()) << bytes << " bytes gave a region";
+    if (p.ok()) {
+      EXPECT_TRUE(FreeShareable(*p).ok());
+      continue;
+    }
+    EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted) << p.status();
+    EXPECT_NE(p.status().message().find("shareable memory: " + std::to_string(bytes) + " bytes"),
+              std::string::npos)
+        << p.status();
+  }
 }
 
 TEST(Shareable, FindsTheRegionHoldingARangeAndFreesIt) {

@@ -74,6 +74,8 @@ using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 
 // How long ListenTcp may spend resolving its own address.
 constexpr auto kListenResolveTimeout = std::chrono::seconds(30);
+// One connect attempt to an address when more addresses follow it.
+constexpr auto kConnectAttemptTime = std::chrono::seconds(2);
 
 // Resolves `host` by the deadline. Numeric addresses are parsed at once.
 // A name is looked up on a thread of its own: with an unreachable name
@@ -195,8 +197,16 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
       if (connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
         err = errno;
         if (err == EINPROGRESS) {
+          // With more addresses to try, one that never answers (a
+          // black-holed IPv6 route ahead of a working IPv4 one) gets a
+          // slice of the time, not all of it.
+          const Deadline attempt_deadline =
+              ai->ai_next == nullptr ? deadline : std::min(deadline, DeadlineIn(kConnectAttemptTime));
           pollfd pfd{fd.get(), POLLOUT, 0};
-          const int n = poll(&pfd, 1, MillisecondsUntil(deadline));
+          int n;
+          do {
+            n = poll(&pfd, 1, MillisecondsUntil(attempt_deadline));
+          } while (n < 0 && errno == EINTR);
           if (n == 0) {
             last_error = "connection attempt timed out";
             continue;

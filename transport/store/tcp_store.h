@@ -81,6 +81,8 @@ struct TcpStoreServerStats {
   uint64_t refused_oversized = 0;     ///< Frames over the size bound.
   uint64_t open_connections = 0;      ///< Connections open now.
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
+  uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
+  uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
 };
 
 /// Serves the store on one background thread until Stop() or destruction.
@@ -153,8 +155,13 @@ class TcpStoreClient final : public Store {
   TcpStoreClient(int fd, std::string endpoint);
   struct Reply;
   // Sends one request (op, fields) and waits for its reply until `deadline`.
-  StatusOr<Reply> Call(uint8_t op, std::string_view fields, Deadline deadline,
-                       const std::string& what);
+  // With `carries_timeout` the request starts with the milliseconds left
+  // until `deadline`, counted once this call holds the connection (a call
+  // queued behind another thread's parked Get must not hand the server a
+  // wait that outlasts its own). A call whose deadline passed while it
+  // queued is not sent at all: TIMED_OUT then means nothing happened.
+  StatusOr<Reply> Call(uint8_t op, bool carries_timeout, std::string_view fields,
+                       Deadline deadline, const std::string& what);
 
   std::mutex mu_;
   const int fd_;                        // valid until destruction

@@ -154,28 +154,30 @@ void TcpStoreClient::Close() {
   shutdown(fd_, SHUT_RDWR);
 }
 
-StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, std::string_view fields,
-                                                     Deadline deadline,
+StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_timeout,
+                                                     std::string_view fields, Deadline deadline,
                                                      const std::string& what) {
-  std::lock_guard<std::mutex> lock(mu_);
   const Deadline start = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
   if (!broken_.ok()) return broken_;
   if (closed_.load()) {
     broken_ = UnavailableError("the connection to the store at " + endpoint_ +
                                " was closed by this process");
     return broken_;
   }
+  auto timed_out = [&] {
+    return TimedOutError("store " + what + " timed out after " + ElapsedMs(start) +
+                         " ms (store at " + endpoint_ + ")");
+  };
+  if (Clock::now() >= deadline) return timed_out();  // nothing sent
   const uint32_t request_id = next_request_id_++;
   if (next_request_id_ == 0) next_request_id_ = 1;
   wire::Writer w;
   w.U8(op);
   w.U32(request_id);
+  if (carries_timeout) w.U32(TimeoutMs(deadline));
   w.Bytes(fields);
   const std::string frame = w.Frame();
-  auto timed_out = [&] {
-    return TimedOutError("store " + what + " timed out after " + ElapsedMs(start) +
-                         " ms (store at " + endpoint_ + ")");
-  };
   auto lost = [&](const Status& why) {
     broken_ = closed_.load() ? UnavailableError("the connection to the store at " + endpoint_ +
                                                 " was closed by this process")
@@ -240,7 +242,7 @@ Status TcpStoreClient::Set(std::string_view key, std::string_view value, Deadlin
   wire::Writer w;
   w.String(key);
   w.String(value);
-  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kSet), w.body(),
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kSet), false, w.body(),
                                          deadline, "set of key " + Quote(key)));
   (void)reply;
   return Status::Ok();
@@ -249,9 +251,8 @@ Status TcpStoreClient::Set(std::string_view key, std::string_view value, Deadlin
 StatusOr<std::string> TcpStoreClient::Get(std::string_view key, Deadline deadline) {
   DDP_RETURN_IF_ERROR(CheckKey(key));
   wire::Writer w;
-  w.U32(TimeoutMs(deadline));
   w.String(key);
-  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kGet), w.body(),
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kGet), true, w.body(),
                                          deadline, "get of key " + Quote(key)));
   wire::Reader r(reply.body);
   std::string_view value;
@@ -266,7 +267,7 @@ StatusOr<std::optional<std::string>> TcpStoreClient::TryGet(std::string_view key
   DDP_RETURN_IF_ERROR(CheckKey(key));
   wire::Writer w;
   w.String(key);
-  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kTryGet), w.body(),
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kTryGet), false, w.body(),
                                          deadline, "try_get of key " + Quote(key)));
   wire::Reader r(reply.body);
   uint8_t found = 0;
@@ -283,7 +284,7 @@ StatusOr<int64_t> TcpStoreClient::Add(std::string_view key, int64_t delta, Deadl
   wire::Writer w;
   w.I64(delta);
   w.String(key);
-  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kAdd), w.body(),
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kAdd), false, w.body(),
                                          deadline, "add to key " + Quote(key)));
   wire::Reader r(reply.body);
   int64_t value = 0;
@@ -303,7 +304,6 @@ Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline
   }
   if (keys.empty()) return Status::Ok();
   wire::Writer w;
-  w.U32(TimeoutMs(deadline));
   w.U32(static_cast<uint32_t>(keys.size()));
   for (const std::string& key : keys) {
     DDP_RETURN_IF_ERROR(CheckKey(key));
@@ -312,7 +312,7 @@ Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline
   std::string what = "wait for key " + Quote(keys.front());
   if (keys.size() > 1) what += " and " + std::to_string(keys.size() - 1) + " more";
   DDP_ASSIGN_OR_RETURN(Reply reply,
-                       Call(static_cast<uint8_t>(wire::Op::kWait), w.body(), deadline, what));
+                       Call(static_cast<uint8_t>(wire::Op::kWait), true, w.body(), deadline, what));
   (void)reply;
   return Status::Ok();
 }
@@ -321,7 +321,7 @@ StatusOr<bool> TcpStoreClient::Delete(std::string_view key, Deadline deadline) {
   DDP_RETURN_IF_ERROR(CheckKey(key));
   wire::Writer w;
   w.String(key);
-  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kDelete), w.body(),
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kDelete), false, w.body(),
                                          deadline, "delete of key " + Quote(key)));
   wire::Reader r(reply.body);
   uint8_t existed = 0;

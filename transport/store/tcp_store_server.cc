@@ -154,6 +154,8 @@ class TcpStoreServer::Impl {
     s.refused_oversized = refused_oversized_.load();
     s.open_connections = open_connections_.load();
     s.stored_bytes = stored_bytes_.load();
+    s.buffered_bytes = buffered_bytes_.load();
+    s.parked_waits = parked_waits_.load();
     return s;
   }
 
@@ -181,8 +183,10 @@ class TcpStoreServer::Impl {
           OnConnectionEvent(id, events[i].events);
         }
       }
+      RetryDeferredWakes();
       FireTimers();
       FinishRound();
+      buffered_bytes_.store(buffered_);
     }
     Shutdown();
   }
@@ -738,6 +742,7 @@ class TcpStoreServer::Impl {
     for (const std::string& key : w.keys) key_waiters_[key].insert(waiter_id);
     waiter_deadlines_.emplace(w.deadline, waiter_id);
     c.waiters.insert(waiter_id);
+    parked_waits_ = waiters_.size();
     return Status::Ok();
   }
 
@@ -754,8 +759,14 @@ class TcpStoreServer::Impl {
     waiter_deadlines_.erase({w.deadline, waiter_id});
     if (Connection* c = Find(w.connection)) c->waiters.erase(waiter_id);
     waiters_.erase(it);
+    parked_waits_ = waiters_.size();
   }
 
+  // Answers the waits that `key` completes. Replies count against the
+  // total buffer bound like frames read: when the next one does not fit
+  // (thousands of ranks parked on one large value), the rest stay parked
+  // and are answered as replies drain (RetryDeferredWakes), instead of all
+  // being copied into memory at once.
   void WakeWaiters(const std::string& key) {
     auto kw = key_waiters_.find(key);
     if (kw == key_waiters_.end()) return;
@@ -764,6 +775,12 @@ class TcpStoreServer::Impl {
       auto it = waiters_.find(waiter_id);
       if (it == waiters_.end()) continue;
       if (!AllExist(it->second.keys)) continue;
+      const size_t reply_bytes =
+          64 + (it->second.op == wire::Op::kGet ? data_.at(it->second.keys.front()).size() : 0);
+      if (!Fits(reply_bytes)) {
+        deferred_wakes_.insert(key);
+        return;
+      }
       Waiter w = it->second;
       RemoveWaiter(waiter_id);
       Connection* c = Find(w.connection);
@@ -773,6 +790,13 @@ class TcpStoreServer::Impl {
       QueueReply(*c, reply.Frame());
       Touch(*c);
     }
+  }
+
+  void RetryDeferredWakes() {
+    if (deferred_wakes_.empty()) return;
+    std::unordered_set<std::string> keys;
+    keys.swap(deferred_wakes_);
+    for (const std::string& key : keys) WakeWaiters(key);
   }
 
   // ---- writing and closing ----
@@ -921,6 +945,7 @@ class TcpStoreServer::Impl {
   std::vector<uint64_t> touched_;
   // Bytes reserved for frames being received plus replies not yet sent.
   size_t buffered_ = 0;
+  std::unordered_set<std::string> deferred_wakes_;  // keys whose waits await room (WakeWaiters)
   // Connections whose next frame does not fit under the bound yet, oldest first.
   std::set<uint64_t> waiting_for_memory_;
   std::unordered_map<std::string, std::string> data_;
@@ -942,6 +967,8 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> refused_oversized_{0};
   std::atomic<uint64_t> open_connections_{0};
   std::atomic<uint64_t> stored_bytes_{0};
+  std::atomic<uint64_t> buffered_bytes_{0};  // buffered_ at the end of the last round, for stats()
+  std::atomic<uint64_t> parked_waits_{0};    // waiters_.size(), for stats()
 };
 
 StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOptions options) {

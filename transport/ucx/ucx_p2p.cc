@@ -2,7 +2,9 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <sstream>
 
 #include "transport/ucx/ucx_status.h"
@@ -19,6 +21,7 @@ struct UcxPointToPoint::Slot {
   bool done = false;
   bool abandoned = false;  // cancelled while UCX still owned the request
   bool is_send = false;
+  uint64_t listed_in = 0;  // the last WaitAll that listed it: repeats are errors
   int peer = 0;
   p2p::Tag tag = 0;
   size_t bytes = 0;
@@ -33,8 +36,42 @@ constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 
 constexpr ucp_tag_t kUserChannel = ucp_tag_t{1} << 63;
 
+// Progress passes a wait makes, at most, to take in what a peer sent before
+// the watchdog found it gone; each pass handles up to 16 shared-memory
+// messages or one socket read.
+constexpr int kDrainPolls = 1024;
+
+// UCX cancels only receives it has not matched yet. A matched receive (the
+// rest of a rendezvous or multi-fragment message still to come) and every
+// send keep using the caller's buffer: after a cancel they get this long to
+// complete, then their peer's endpoint is closed by force, which completes
+// them; the wait for that is bounded by kForceCloseTime.
+constexpr auto kRecallGrace = std::chrono::milliseconds(100);
+constexpr auto kForceCloseTime = std::chrono::milliseconds(1000);
+
 ucp_tag_t WireTag(bool user, int source, p2p::Tag tag) {
   return (user ? kUserChannel : 0) | (static_cast<ucp_tag_t>(source) << p2p::kTagBits) | tag;
+}
+
+// UCX cannot check a worker address: it has no length, and UCX 1.13 aborts
+// (an assertion) on one whose first byte names an address format it does
+// not know. That byte's low 4 bits are the format: 0 or 1 in UCX 1.13
+// (UCX_ADDRESS_VERSION=v1 or v2), and this worker's own in any UCX. Other
+// damage UCX reports as INVALID_PARAM.
+Status CheckWorkerAddress(const std::string& address, const std::string& own, int peer) {
+  if (address.empty()) {
+    return InvalidArgumentError("empty UCX worker address for rank " + std::to_string(peer));
+  }
+  constexpr unsigned kFormatMask = 0x0f;
+  constexpr unsigned kLastFormatOfUcx113 = 1;
+  const unsigned format = static_cast<unsigned char>(address[0]) & kFormatMask;
+  const unsigned own_format = static_cast<unsigned char>(own[0]) & kFormatMask;
+  if (format > kLastFormatOfUcx113 && format != own_format) {
+    return InvalidArgumentError("UCX worker address for rank " + std::to_string(peer) +
+                                " has format " + std::to_string(format) + ", unknown to this UCX" +
+                                " (not a worker address, or one from another UCX)");
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -82,19 +119,22 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
     return InvalidArgumentError("same_host has " + std::to_string(same_host.size()) +
                                 " entries for a world of size " + std::to_string(options_.size));
   }
-  peers_.resize(options_.size);
+  // Every address is checked before any endpoint exists, so that a bad one
+  // leaves nothing half-connected.
+  for (int peer = 0; peer < options_.size; ++peer) {
+    DDP_RETURN_IF_ERROR(CheckWorkerAddress(addresses[peer], worker_->address(), peer));
+  }
+  // Made once and kept: UCX's error callback of an endpoint that is still
+  // closing may hold a pointer to its peer's state.
+  if (peers_.empty()) {
+    for (int peer = 0; peer < options_.size; ++peer) peers_.push_back(std::make_unique<PeerState>());
+  }
   endpoints_.assign(options_.size, nullptr);
   for (int peer = 0; peer < options_.size; ++peer) {
-    peers_[peer] = std::make_unique<PeerState>();
-    peers_[peer]->owner = this;
-    peers_[peer]->rank = peer;
-    if (addresses[peer].empty()) {
-      return InvalidArgumentError("empty UCX worker address for rank " + std::to_string(peer));
-    }
+    const bool local = peer == options_.rank || same_host.empty() || same_host[peer];
+    *peers_[peer] = PeerState{.owner = this, .rank = peer, .peer_error_mode = !local};
     ucp_ep_params_t params;
     std::memset(&params, 0, sizeof(params));
-    const bool local = peer == options_.rank || same_host.empty() || same_host[peer];
-    peers_[peer]->peer_error_mode = !local;
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.address = reinterpret_cast<const ucp_address_t*>(addresses[peer].data());
@@ -105,8 +145,19 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
     params.err_mode = local ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &UcxPointToPoint::EndpointErrorCallback;
     params.err_handler.arg = peers_[peer].get();
-    DDP_RETURN_IF_ERROR(FromUcs(ucp_ep_create(worker_->get(), &params, &endpoints_[peer]),
-                                "connecting to rank " + std::to_string(peer)));
+    Status created = FromUcs(ucp_ep_create(worker_->get(), &params, &endpoints_[peer]),
+                             "connecting to rank " + std::to_string(peer));
+    if (!created.ok()) {
+      // Close the endpoints made so far (nothing was sent on them), so that
+      // later calls fail as before Connect() and Connect may be retried.
+      endpoints_[peer] = nullptr;
+      std::vector<int> made(peer);
+      std::iota(made.begin(), made.end(), 0);
+      CloseEndpoints(made, /*force_remote=*/true, DeadlineIn(std::chrono::milliseconds(1000)))
+          .IgnoreError();
+      endpoints_.clear();
+      return created;
+    }
   }
   return Status::Ok();
 }
@@ -132,13 +183,29 @@ void UcxPointToPoint::EndpointErrorCallback(void* arg, ucp_ep_h, ucs_status_t st
 Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
   if (closed_) return Status::Ok();
   closed_ = true;
-  // Requests first: abandon whatever is still pending.
+  // Requests first: abandon whatever is still pending, and get back from
+  // UCX what it does not give up by itself.
   for (auto& slot : slots_) {
     if (slot->in_use && !slot->abandoned) Abandon(slot.get());
   }
+  Recall(deadline);
   // Then endpoints: flush those whose peer is alive, force the others.
+  std::vector<int> all(endpoints_.size());
+  std::iota(all.begin(), all.end(), 0);
+  Status result = CloseEndpoints(all, force_remote, deadline);
+  // Abandoned requests complete with an error once their endpoints are gone;
+  // give them one last chance before the worker goes.
+  for (int i = 0; i < 100 && abandoned_ > 0; ++i) worker_->Progress();
+  // A request UCX still holds may use a registration: then the destructor
+  // unmaps them, after the worker is gone.
+  if (abandoned_ == 0) registrations_.Clear();
+  return result;
+}
+
+Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_remote,
+                                       Deadline deadline) {
   std::vector<void*> closing;
-  for (size_t peer = 0; peer < endpoints_.size(); ++peer) {
+  for (int peer : peers) {
     if (endpoints_[peer] == nullptr) continue;
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
@@ -148,7 +215,9 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
     // asserts when a worker is destroyed while a closing endpoint still
     // holds sends. UCX asks for peer error mode on both sides for a forced
     // close: remote endpoints have it on both sides, and a dead peer has no
-    // side left to disturb.
+    // side left to disturb. (UCX 1.13 refuses, INVALID_PARAM, to force an
+    // endpoint without it, to a lost rank on this host: that one is left
+    // open until the worker's destruction.)
     const bool force = !peers_[peer]->failure.ok() ||
                        (force_remote && peers_[peer]->peer_error_mode);
     param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
@@ -156,7 +225,6 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
     if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
     endpoints_[peer] = nullptr;
   }
-  Status result;
   while (true) {
     bool pending = false;
     for (void*& request : closing) {
@@ -168,27 +236,16 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
         request = nullptr;
       }
     }
-    if (!pending) break;
+    if (!pending) return Status::Ok();
     if (Clock::now() > deadline) {
       // The worker's destruction releases what is left.
       for (void* request : closing) {
         if (request != nullptr) ucp_request_free(request);
       }
-      result = TimedOutError("closing UCX endpoints: peers did not confirm in time");
-      break;
+      return TimedOutError("closing UCX endpoints: peers did not confirm in time");
     }
     worker_->Progress();
   }
-  // Abandoned requests complete with an error once their endpoints are gone;
-  // give them one last chance before the worker goes.
-  for (int i = 0; i < 100; ++i) {
-    bool any = false;
-    for (auto& slot : slots_) any |= slot->in_use;
-    if (!any) break;
-    worker_->Progress();
-  }
-  registrations_.Clear();
-  return result;
 }
 
 Status UcxPointToPoint::RegisterStagingBuffer(void* data, size_t bytes) {
@@ -251,6 +308,7 @@ void UcxPointToPoint::Release(Slot* slot) {
   if (slot->request != nullptr) ucp_request_free(slot->request);
   slot->request = nullptr;
   slot->in_use = false;
+  if (slot->abandoned) --abandoned_;
   slot->abandoned = false;
   ++slot->generation;
   free_slots_.push_back(slot->index);
@@ -262,10 +320,61 @@ void UcxPointToPoint::Abandon(Slot* slot) {
     return;
   }
   slot->abandoned = true;
-  // Receives are cancelled at once (the callback runs with CANCELED). A send
-  // cannot be recalled; it completes when the peer takes it or its endpoint
-  // closes, and the callback releases the slot then.
+  ++abandoned_;
+  // A receive that UCX has not matched yet completes at once (the callback
+  // runs with CANCELED and releases the slot); anything else keeps running
+  // until Recall gets it back.
   ucp_request_cancel(worker_->get(), slot->request);
+}
+
+void UcxPointToPoint::Recall(Deadline limit) {
+  if (abandoned_ == 0) return;
+  // Requests with a lost peer never complete by themselves.
+  CloseEndpointsOfAbandoned(/*lost_peers_only=*/true, limit);
+  const Deadline grace = std::min(DeadlineIn(kRecallGrace), limit);
+  auto live_peer_left = [this] {
+    for (const auto& slot : slots_) {
+      if (slot->in_use && slot->abandoned && peers_[slot->peer]->failure.ok()) return true;
+    }
+    return false;
+  };
+  while (live_peer_left() && Clock::now() < grace) worker_->Progress();
+  CloseEndpointsOfAbandoned(/*lost_peers_only=*/false, limit);
+}
+
+void UcxPointToPoint::CloseEndpointsOfAbandoned(bool lost_peers_only, Deadline limit) {
+  std::vector<int> owners;
+  for (const auto& slot : slots_) {
+    if (!slot->in_use || !slot->abandoned) continue;
+    const int peer = slot->peer;
+    if (lost_peers_only && peers_[peer]->failure.ok()) continue;
+    // Later operations with the peer fail with this. Its side may see
+    // errors once the endpoint is gone: the price of never writing into a
+    // buffer the caller got back.
+    MarkPeerLost(peer, PeerLostError("rank " + std::to_string(peer) + " given up: " +
+                                     Describe(slot.get()) +
+                                     " was still running after it was cancelled"));
+    // UCX 1.13 refuses to close an endpoint by force without peer error
+    // mode (those to ranks on this host): such a request stays with UCX
+    // until it completes, or the peer's process or this worker is gone.
+    if (!peers_[peer]->peer_error_mode || endpoints_[peer] == nullptr) continue;
+    if (std::find(owners.begin(), owners.end(), peer) == owners.end()) owners.push_back(peer);
+  }
+  if (owners.empty()) return;
+  const Deadline deadline = std::min(DeadlineIn(kForceCloseTime), limit);
+  CloseEndpoints(owners, /*force_remote=*/true, deadline).IgnoreError();
+  // The forced close completes their requests with CANCELED, and the
+  // callbacks release the slots.
+  auto owned_left = [&] {
+    for (const auto& slot : slots_) {
+      if (slot->in_use && slot->abandoned &&
+          std::find(owners.begin(), owners.end(), slot->peer) != owners.end()) {
+        return true;
+      }
+    }
+    return false;
+  };
+  while (owned_left() && Clock::now() < deadline) worker_->Progress();
 }
 
 void UcxPointToPoint::SendCallback(void* request, ucs_status_t status, void* user_data) {
@@ -399,22 +508,22 @@ Status UcxPointToPoint::PendingSlotStatus(const Slot* slot) const {
   return Status::Ok();
 }
 
-Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_point started,
+Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
                              const Slot* waiting_for) {
-  if (worker_->Progress() != 0) {
-    idle_polls = 0;
-    return Status::Ok();
-  }
-  ++idle_polls;
+  const bool busy = worker_->Progress() != 0;
+  polls.idle = busy ? 0 : polls.idle + 1;
   // Yielding waits give up the core at every idle poll once past the
   // threshold (with a threshold of 1, over TCP, the kernel's network stack
   // gets the core as soon as there is nothing to do).
-  if (options_.idle_mode == IdleMode::kYield && idle_polls >= options_.idle_polls_before_backoff) {
+  if (!busy && options_.idle_mode == IdleMode::kYield &&
+      polls.idle >= options_.idle_polls_before_backoff) {
     sched_yield();
   }
-  // Reading the clock costs ~20 ns; doing it every 16 idle polls keeps the
-  // deadline check well under a microsecond late.
-  if ((idle_polls & 15) != 0) return Status::Ok();
+  // Reading the clock costs ~20 ns; doing it every 16 polls keeps the
+  // deadline check well under a microsecond late while idle. Polls that
+  // found work count too: a peer that keeps this worker busy (a stream of
+  // messages on other tags) must not hold a wait past its deadline.
+  if ((++polls.total & 15) != 0) return Status::Ok();
   const Clock::time_point now = Clock::now();
   if (now >= deadline) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - started);
@@ -429,18 +538,22 @@ Status UcxPointToPoint::Idle(int& idle_polls, Deadline deadline, Clock::time_poi
     Status health = watchdog_(deadline, waiting_for != nullptr ? waiting_for->peer : -1);
     if (!health.ok()) {
       // What an exited peer sent before it left is already here: drain it
-      // before calling the wait lost.
-      while (worker_->Progress() != 0) {
+      // before calling the wait lost. Bounded, because a live peer may keep
+      // sending: a few shared-memory queues' or socket buffers' worth, and
+      // not past the deadline.
+      for (int i = 1; i <= kDrainPolls && worker_->Progress() != 0; ++i) {
+        if ((i & 15) == 0 && Clock::now() >= deadline) break;
       }
       if (waiting_for == nullptr || !waiting_for->done) return health;
     }
   }
-  if (idle_polls >= options_.idle_polls_before_backoff) {
+  if (busy) return Status::Ok();
+  if (polls.idle >= options_.idle_polls_before_backoff) {
     switch (options_.idle_mode) {
       case IdleMode::kSpin:
         // Even with a core per rank, a long idle stretch means the peer is
         // not running (a busy machine): let it have the core.
-        if (idle_polls >= 16 * options_.idle_polls_before_backoff) sched_yield();
+        if (polls.idle >= 16 * options_.idle_polls_before_backoff) sched_yield();
         break;
       case IdleMode::kYield:
         break;  // above, at every idle poll
@@ -465,6 +578,7 @@ StatusOr<bool> UcxPointToPoint::Test(p2p::RequestId id) {
     Status failure = PendingSlotStatus(slot);
     if (!failure.ok()) {
       Abandon(slot);
+      Recall(Deadline::max());
       return failure;
     }
     return false;
@@ -476,21 +590,33 @@ StatusOr<bool> UcxPointToPoint::Test(p2p::RequestId id) {
 }
 
 Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) {
-  // Resolve ids once; an unknown id is a caller bug reported before waiting.
+  // Resolve ids once; an unknown or repeated id is a caller bug reported
+  // before waiting. Handles are released also then, each once.
   std::vector<Slot*> slots;
   slots.reserve(requests.size());
+  const uint64_t wait = ++waits_;
+  Status invalid;
   for (p2p::RequestId id : requests) {
     Slot* slot = Lookup(id);
-    if (slot == nullptr) {
-      for (Slot* s : slots) Abandon(s);
-      return InvalidArgumentError("WaitAll: unknown or released request id");
+    if (slot == nullptr || slot->listed_in == wait) {
+      if (invalid.ok()) {
+        invalid = InvalidArgumentError("WaitAll: request id " + std::to_string(id) +
+                                       (slot == nullptr ? " unknown or released" : " listed twice"));
+      }
+      continue;
     }
+    slot->listed_in = wait;
     slots.push_back(slot);
+  }
+  if (!invalid.ok()) {
+    for (Slot* slot : slots) Abandon(slot);
+    Recall(Deadline::max());
+    return invalid;
   }
   const Clock::time_point started = Clock::now();
   Status result;
   size_t first_pending = 0;
-  int idle_polls = 0;
+  Polls polls;
   while (true) {
     while (first_pending < slots.size() && slots[first_pending]->done) ++first_pending;
     // Check every slot for errors, not only the first pending one, so a lost
@@ -506,7 +632,7 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
       all_done &= slot->done;
     }
     if (!result.ok() || all_done) break;
-    result = Idle(idle_polls, deadline, started, slots[first_pending]);
+    result = Idle(polls, deadline, started, slots[first_pending]);
     if (!result.ok()) break;
   }
   for (Slot* slot : slots) {
@@ -520,6 +646,8 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
       Abandon(slot);
     }
   }
+  // Nothing may write into the caller's buffers once it has the result.
+  Recall(Deadline::max());
   return result;
 }
 
@@ -534,7 +662,7 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
     slots.push_back(slot);
   }
   const Clock::time_point started = Clock::now();
-  int idle_polls = 0;
+  Polls polls;
   while (true) {
     for (size_t i = 0; i < slots.size(); ++i) {
       Slot* slot = slots[i];
@@ -546,13 +674,29 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
       }
       DDP_RETURN_IF_ERROR(PendingSlotStatus(slot));
     }
-    DDP_RETURN_IF_ERROR(Idle(idle_polls, deadline, started, slots[0]));
+    DDP_RETURN_IF_ERROR(Idle(polls, deadline, started, slots[0]));
   }
 }
 
 void UcxPointToPoint::Cancel(p2p::RequestId id) {
   Slot* slot = Lookup(id);
-  if (slot != nullptr) Abandon(slot);
+  if (slot == nullptr) return;
+  Abandon(slot);
+  Recall(Deadline::max());
+}
+
+void UcxPointToPoint::CancelAll(std::span<const p2p::RequestId> ids) {
+  // Everything is given up before anything is waited for, so that Recall's
+  // grace and forced closes cover every peer at once. Lookup rejects ids
+  // already abandoned, so a repeated id is skipped like a released one.
+  bool any = false;
+  for (p2p::RequestId id : ids) {
+    Slot* slot = Lookup(id);
+    if (slot == nullptr) continue;
+    Abandon(slot);
+    any = true;
+  }
+  if (any) Recall(Deadline::max());
 }
 
 }  // namespace ddp::transport::ucx

@@ -16,6 +16,20 @@
 // watchdog every `watchdog_period` (the communicator checks the store for an
 // abort reason and the liveness of peers on this host there).
 //
+// Cancelling: a wait that fails, Test that fails, Cancel and Close give up
+// their unfinished requests and return once UCX has let go of them, so that
+// nothing writes into (or sends from) the caller's buffers afterwards. UCX
+// cancels a receive it has not matched yet at once; a send or a matched
+// receive gets 100 ms to complete, then its peer's endpoint is closed by
+// force, which completes it, and the peer is lost (later operations with it
+// fail with PEER_LOST). The exception: UCX 1.13 cannot force an endpoint
+// without peer error mode, those to ranks on this host; such a peer is lost
+// too, but its request stays with UCX until it completes or the peer's
+// process is gone. CancelAll gives up all its requests first and then
+// waits once: one grace and one round of forced closes (at most 100 ms +
+// 1 s) however many peers they go to, where a loop of Cancel would wait
+// that long for each peer in turn.
+//
 // Threading: one thread at a time (the communicator serializes callers).
 
 #include <chrono>
@@ -70,7 +84,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// peer failure handler, so endpoints to ranks on this host use error mode
   /// NONE and their death is detected by the communicator's liveness check
   /// (MarkPeerLost); endpoints to other hosts use peer error mode, so a dead
-  /// peer completes requests with an error instead of hanging.
+  /// peer completes requests with an error instead of hanging. On error no
+  /// endpoint is left (later messages fail as before Connect) and Connect
+  /// may be called again.
   Status Connect(std::span<const std::string> addresses,
                  const std::vector<bool>& same_host = {});
 
@@ -116,6 +132,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests,
                            Deadline deadline) override;
   void Cancel(p2p::RequestId request) override;
+  void CancelAll(std::span<const p2p::RequestId> requests) override;
 
  private:
   struct Slot;
@@ -135,6 +152,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   static void EndpointErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   Status CheckPeer(int peer, const char* what) const;
+  // Closes the endpoints to `peers` (by force where the peer is lost, or is
+  // remote and `force_remote`) and waits for UCX to confirm until `deadline`.
+  Status CloseEndpoints(std::span<const int> peers, bool force_remote, Deadline deadline);
   StatusOr<p2p::RequestId> Send(bool user, int peer, p2p::Tag tag, const void* data, size_t bytes);
   StatusOr<p2p::RequestId> Recv(bool user, int peer, p2p::Tag tag, void* data, size_t bytes);
   StatusOr<Slot*> AllocateSlot(bool is_send, int peer, p2p::Tag tag, size_t bytes);
@@ -143,14 +163,25 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   // Releases a slot whose UCX request has completed (or never existed).
   void Release(Slot* slot);
   // Cancels a pending slot; UCX may still own its request, in which case the
-  // callback frees both later.
+  // callback frees both later. Recall must follow before the caller gets
+  // its buffers back.
   void Abandon(Slot* slot);
+  // Waits (bounded) until UCX has completed every abandoned request: a short
+  // grace for those it could not cancel, then their peers' endpoints are
+  // closed by force and the peers marked lost. Stops waiting at `limit`.
+  void Recall(Deadline limit);
+  void CloseEndpointsOfAbandoned(bool lost_peers_only, Deadline limit);
   // The status of a finished slot: OK, its UCX error or a size mismatch.
   Status SlotStatus(const Slot* slot) const;
   // A pending slot's error learned from outside the request (peer lost).
   Status PendingSlotStatus(const Slot* slot) const;
+  // A wait's poll counts.
+  struct Polls {
+    int idle = 0;         // consecutive polls that found nothing to do
+    unsigned total = 0;   // every poll; paces the clock reads
+  };
   // One poll of the worker plus back-off, deadline and watchdog handling.
-  Status Idle(int& idle_polls, Deadline deadline, Clock::time_point started,
+  Status Idle(Polls& polls, Deadline deadline, Clock::time_point started,
               const Slot* waiting_for);
   std::string Describe(const Slot* slot) const;
 
@@ -166,6 +197,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   P2pOptions options_;
   std::function<Status(Deadline, int)> watchdog_;
   Clock::time_point next_watchdog_{};
+  uint64_t waits_ = 0;  // WaitAll calls so far
+  int abandoned_ = 0;   // abandoned slots whose request UCX still holds
   bool closed_ = false;
 };
 

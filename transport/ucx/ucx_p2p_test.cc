@@ -2,11 +2,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <optional>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ddp::transport::ucx {
@@ -31,6 +36,31 @@ std::vector<std::unique_ptr<UcxPointToPoint>> MakeRanks(int n, IdleMode idle = I
   for (auto& rank : ranks) EXPECT_TRUE(rank->Connect(addresses).ok());
   return ranks;
 }
+
+// Sets environment variables while in scope (UCX reads its configuration
+// when a context and its worker are created), then restores them.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::vector<std::pair<std::string, std::string>>& vars) {
+    for (const auto& [name, value] : vars) {
+      const char* old = std::getenv(name.c_str());
+      saved_.emplace_back(name, old != nullptr ? std::optional<std::string>(old) : std::nullopt);
+      setenv(name.c_str(), value.c_str(), 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, old] : saved_) {
+      if (old.has_value()) {
+        setenv(name.c_str(), old->c_str(), 1);
+      } else {
+        unsetenv(name.c_str());
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
 
 void RunRanks(std::vector<std::unique_ptr<UcxPointToPoint>>& ranks,
               const std::function<void(UcxPointToPoint&)>& body) {
@@ -159,6 +189,124 @@ TEST(UcxPointToPoint, MissingSenderTimesOutNamingThePeer) {
   EXPECT_EQ(p2p.Test(*r).status().code(), StatusCode::kInvalidArgument);
 }
 
+// What rank 0's wait in WaitDuringAFlood returned.
+struct FloodedWait {
+  Status status;
+  Clock::duration waited{};
+  bool flood_ran_throughout = false;
+};
+
+// Rank 1 floods rank 0 with messages on a tag nobody receives while rank 0
+// waits, with a 1 s deadline and `watchdog`, for a message that never comes.
+// Every poll of rank 0's worker then finds work.
+//
+// The flood has to stay ahead of rank 0 for the whole wait, also while rank
+// 1 is off the core on a loaded machine, without piling up gigabytes of
+// unexpected messages at rank 0. So rank 0 first posts receives whose tags
+// share the flood's bucket in UCX's table of posted receives (UCX 1.13
+// hashes the tag's low and high 32 bits, each modulo 1021): each flood
+// message then costs rank 0 a scan of 20000 receives (~0.1-1 ms), and rank
+// 0's shared-memory queue, enlarged to 8192 messages, holds rank 1's
+// backlog of a second or more. The flood lasts until the wait ends, or
+// 10 s.
+FloodedWait WaitDuringAFlood(std::function<Status(Deadline, int)> watchdog) {
+  constexpr p2p::Tag kFlood = 7, kNeverSent = 3, kDone = 4;
+  constexpr int kDecoys = 20000;
+  std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
+  {
+    ScopedEnv fifo({{"UCX_POSIX_FIFO_SIZE", "8192"}, {"UCX_SYSV_FIFO_SIZE", "8192"}});
+    ranks = MakeRanks(2);
+  }
+  ranks[0]->SetWatchdog(std::move(watchdog));
+  FloodedWait result;
+  std::atomic<bool> flooding{false}, stop{false};
+  RunRanks(ranks, [&](UcxPointToPoint& p2p) {
+    const Deadline deadline = DeadlineIn(milliseconds(30000));
+    if (p2p.rank() == 0) {
+      uint64_t sink = 0;
+      std::vector<p2p::RequestId> decoys;
+      for (int i = 1; i <= kDecoys && decoys.size() == static_cast<size_t>(i - 1); ++i) {
+        auto r = p2p.PostRecv(1, kFlood + p2p::Tag{1021} * i, &sink, sizeof(sink));
+        EXPECT_TRUE(r.ok()) << r.status();
+        if (r.ok()) decoys.push_back(*r);
+      }
+      int value = 0;
+      auto r = p2p.PostRecv(1, kNeverSent, &value, sizeof(value));
+      EXPECT_TRUE(r.ok()) << r.status();
+      flooding = true;
+      if (r.ok()) {
+        p2p::RequestId ids[] = {*r};
+        const auto start = Clock::now();
+        result.status = p2p.WaitAll(ids, DeadlineIn(milliseconds(1000)));
+        result.waited = Clock::now() - start;
+        result.flood_ran_throughout = !stop.exchange(true);
+      }
+      stop = true;
+      p2p.SetWatchdog(nullptr);
+      // In posting order: UCX finds each at the head of its bucket.
+      for (p2p::RequestId id : decoys) p2p.Cancel(id);
+      // Takes in the rest of the flood until rank 1 is done.
+      int done = 0;
+      auto d = p2p.PostRecv(1, kDone, &done, sizeof(done));
+      ASSERT_TRUE(d.ok()) << d.status();
+      p2p::RequestId last[] = {*d};
+      EXPECT_TRUE(p2p.WaitAll(last, deadline).ok());
+    } else {
+      while (!flooding && Clock::now() < deadline) std::this_thread::yield();
+      const Deadline flood_until = DeadlineIn(milliseconds(10000));
+      uint64_t payload = 0;
+      std::vector<p2p::RequestId> in_flight;
+      Status s;
+      while (s.ok() && !stop && Clock::now() < flood_until) {
+        auto id = p2p.PostSend(0, kFlood, &payload, sizeof(payload));
+        s = id.status();
+        if (id.ok()) in_flight.push_back(*id);
+        if (in_flight.size() >= 512) {
+          s = p2p.WaitAll(std::span(in_flight).first(256), deadline);
+          in_flight.erase(in_flight.begin(), in_flight.begin() + 256);
+        }
+      }
+      stop = true;
+      EXPECT_TRUE(s.ok()) << s;
+      Status flushed = p2p.WaitAll(in_flight, deadline);
+      EXPECT_TRUE(flushed.ok()) << flushed;
+      int done = 1;
+      auto d = p2p.PostSend(0, kDone, &done, sizeof(done));
+      ASSERT_TRUE(d.ok()) << d.status();
+      p2p::RequestId last[] = {*d};
+      EXPECT_TRUE(p2p.WaitAll(last, deadline).ok());
+    }
+  });
+  return result;
+}
+
+TEST(UcxPointToPoint, DeadlinePassesWhileAPeerFloodsAnotherTag) {
+  std::atomic<int> watchdog_calls{0};
+  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, int) {
+    ++watchdog_calls;
+    return Status::Ok();
+  });
+  EXPECT_EQ(wait.status.code(), StatusCode::kTimedOut) << wait.status;
+  EXPECT_GE(wait.waited, milliseconds(1000));
+  EXPECT_LT(wait.waited, milliseconds(4000));
+  // Every 100 ms once the wait has lasted a millisecond.
+  EXPECT_GE(watchdog_calls.load(), 5);
+  EXPECT_TRUE(wait.flood_ran_throughout) << "the flood ended before the wait did";
+}
+
+TEST(UcxPointToPoint, WatchdogFailureEndsAWaitWhileAPeerFloodsAnotherTag) {
+  // The wait drains what already arrived before giving up, but not for as
+  // long as the flood goes on.
+  std::atomic<int> watchdog_calls{0};
+  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, int) -> Status {
+    if (++watchdog_calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
+    return Status::Ok();
+  });
+  EXPECT_EQ(wait.status.code(), StatusCode::kAborted) << wait.status;
+  EXPECT_LT(wait.waited, milliseconds(4000));
+  EXPECT_TRUE(wait.flood_ran_throughout) << "the flood ended before the wait did";
+}
+
 TEST(UcxPointToPoint, WatchdogEndsAWait) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
@@ -197,6 +345,114 @@ TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
   EXPECT_EQ(p2p.PostSend(1, 1, &value, 4).status().code(), StatusCode::kPeerLost);
+}
+
+TEST(UcxPointToPoint, SendStillRunningWhenItsWaitFailsGivesUpThePeer) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  // Rendezvous: the send waits for a receive that rank 1 never posts, and
+  // UCX cannot cancel it. Over shared memory its endpoint cannot be closed
+  // by force either (UCX 1.13 needs peer error mode for that), so rank 1 is
+  // given up after a 100 ms grace and nothing more is waited for.
+  std::vector<uint8_t> out(size_t{3} << 20, 1);
+  auto send = p2p.PostSend(1, 6, out.data(), out.size());
+  ASSERT_TRUE(send.ok()) << send.status();
+  p2p::RequestId ids[] = {*send};
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(200)));
+  const auto waited = Clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_LT(waited, milliseconds(1000));
+  int v = 0;
+  Status later = p2p.PostSend(1, 7, &v, sizeof(v)).status();
+  EXPECT_EQ(later.code(), StatusCode::kPeerLost) << later;
+  EXPECT_NE(later.message().find("rank 1 given up: send of 3145728 bytes to rank 1 (tag 6)"),
+            std::string::npos)
+      << later;
+  const auto close_start = Clock::now();
+  p2p.Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  EXPECT_LT(Clock::now() - close_start, milliseconds(3000));
+}
+
+// Rank 0 gives up a rendezvous send to, and a receive from, each of many
+// peers on this host that never run (hung ranks; their workers are never
+// progressed). A send UCX cannot cancel gets a 100 ms grace, once for all of
+// them; a loop of Cancel waited that long for each peer in turn (1.2 s
+// here). Endpoints to this host cannot be closed by force in UCX 1.13, so
+// the sends stay with UCX (their buffers must outlive the transport); the
+// receives, never matched, are cancelled at once.
+TEST(UcxPointToPoint, CancelAllGivesUpManyHungPeersInOneGrace) {
+  constexpr int kPeers = 12;
+  auto ranks = MakeRanks(kPeers + 1);
+  UcxPointToPoint& p2p = *ranks[0];
+  std::vector<std::vector<uint8_t>> out(kPeers, std::vector<uint8_t>(size_t{3} << 20, 1));
+  std::vector<int> in(kPeers, 0);
+  std::vector<p2p::RequestId> ids;
+  for (int peer = 1; peer <= kPeers; ++peer) {
+    auto send = p2p.PostSend(peer, 6, out[peer - 1].data(), out[peer - 1].size());
+    auto recv = p2p.PostRecv(peer, 7, &in[peer - 1], sizeof(int));
+    ASSERT_TRUE(send.ok() && recv.ok()) << send.status() << " " << recv.status();
+    ids.push_back(*send);
+    ids.push_back(*recv);
+  }
+  // The sends are under way (their rendezvous requests sent) before the
+  // cancel; none can complete.
+  for (int i = 0; i < 100; ++i) {
+    auto done = p2p.Test(ids[0]);
+    ASSERT_TRUE(done.ok() && !*done) << done.status();
+  }
+  // An id twice and one already released are skipped.
+  ids.push_back(ids[1]);
+  ids.push_back(12345);
+  const auto start = Clock::now();
+  p2p.CancelAll(ids);
+  const auto took = Clock::now() - start;
+  EXPECT_GE(took, milliseconds(100)) << "no grace for the sends?";
+  EXPECT_LT(took, milliseconds(600)) << "the peers were waited for one at a time";
+  for (p2p::RequestId id : ids) {
+    EXPECT_EQ(p2p.Test(id).status().code(), StatusCode::kInvalidArgument) << "not released";
+  }
+  for (int peer = 1; peer <= kPeers; ++peer) {
+    int v = 0;
+    Status later = p2p.PostSend(peer, 8, &v, sizeof(v)).status();
+    EXPECT_EQ(later.code(), StatusCode::kPeerLost) << later;
+    EXPECT_NE(later.message().find("rank " + std::to_string(peer) + " given up"),
+              std::string::npos)
+        << later;
+  }
+  EXPECT_EQ(std::count(in.begin(), in.end(), 0), kPeers);
+  const auto close_start = Clock::now();
+  p2p.Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  EXPECT_LT(Clock::now() - close_start, milliseconds(3000));
+}
+
+// Cancel alone still gives up a send to a hung peer (the grace, then the
+// peer is lost), and CancelAll of nothing, or of released ids, waits for
+// nothing.
+TEST(UcxPointToPoint, CancelOfOneSendAndCancelAllOfNothing) {
+  auto ranks = MakeRanks(3);
+  UcxPointToPoint& p2p = *ranks[0];
+  std::vector<uint8_t> out(size_t{3} << 20, 1);
+  auto send = p2p.PostSend(1, 6, out.data(), out.size());
+  ASSERT_TRUE(send.ok()) << send.status();
+  auto start = Clock::now();
+  p2p.Cancel(*send);
+  EXPECT_LT(Clock::now() - start, milliseconds(600));
+  EXPECT_EQ(p2p.Test(*send).status().code(), StatusCode::kInvalidArgument);
+  int v = 0;
+  EXPECT_EQ(p2p.PostSend(1, 8, &v, sizeof(v)).status().code(), StatusCode::kPeerLost);
+  // Rank 2 is untouched.
+  auto recv = p2p.PostRecv(2, 9, &v, sizeof(v));
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  start = Clock::now();
+  p2p.CancelAll({});
+  const p2p::RequestId released[] = {*send, *send};
+  p2p.CancelAll(released);
+  EXPECT_LT(Clock::now() - start, milliseconds(50));
+  const p2p::RequestId one[] = {*recv};
+  p2p.CancelAll(one);
+  EXPECT_EQ(p2p.Test(*recv).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(p2p.PostSend(2, 8, &v, sizeof(v)).ok());
 }
 
 TEST(UcxPointToPoint, WaitAnyReturnsTheCompletedOne) {
@@ -295,6 +551,130 @@ TEST(UcxPointToPoint, BadArgumentsAreRejected) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(p2p.Test(12345).status().code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(UcxPointToPoint::Create(*Context::Create({}), {.rank = 3, .size = 2}).ok());
+}
+
+TEST(UcxPointToPoint, WaitAllRejectsARequestListedTwice) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  int out = 5, in = 0;
+  auto send = p2p.PostSend(1, 1, &out, sizeof(out));  // eager: already complete
+  auto recv = p2p.PostRecv(1, 2, &in, sizeof(in));     // never sent
+  ASSERT_TRUE(send.ok() && recv.ok());
+  p2p::RequestId ids[] = {*send, *recv, *send};
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(200)));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("request id " + std::to_string(*send) + " listed twice"),
+            std::string::npos)
+      << s;
+  // Both were released, once: the next requests get distinct handles.
+  EXPECT_EQ(p2p.Test(*send).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p2p.Test(*recv).status().code(), StatusCode::kInvalidArgument);
+  int got[3] = {0, 0, 0};
+  std::vector<p2p::RequestId> next;
+  for (int i = 0; i < 3; ++i) {
+    auto r = p2p.PostRecv(1, 10 + i, &got[i], sizeof(int));
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (p2p::RequestId earlier : next) EXPECT_NE(*r, earlier);
+    next.push_back(*r);
+  }
+  for (int i = 0; i < 3; ++i) {
+    int value = 100 + i;  // eager sends complete before PostSend returns
+    auto sent = ranks[1]->PostSend(0, 10 + i, &value, sizeof(value));
+    ASSERT_TRUE(sent.ok()) << sent.status();
+    p2p::RequestId one[] = {*sent};
+    ASSERT_TRUE(ranks[1]->WaitAll(one, DeadlineIn(milliseconds(5000))).ok());
+  }
+  s = p2p.WaitAll(next, DeadlineIn(milliseconds(5000)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(got[0], 100);
+  EXPECT_EQ(got[1], 101);
+  EXPECT_EQ(got[2], 102);
+}
+
+TEST(UcxPointToPoint, WaitAllWithAnUnknownIdReleasesEveryValidOne) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  int before = 0, after = 0, fresh = 0;
+  auto r1 = p2p.PostRecv(1, 5, &before, sizeof(int));
+  auto r2 = p2p.PostRecv(1, 6, &after, sizeof(int));
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  const p2p::RequestId unknown = 12345;
+  p2p::RequestId ids[] = {*r1, unknown, *r2};
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(5000)));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("request id 12345"), std::string::npos) << s;
+  // The ids on both sides of the unknown one are released and cancelled:
+  // the message rank 1 sends on the second's tag goes to a new receive.
+  EXPECT_EQ(p2p.Test(*r1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p2p.Test(*r2).status().code(), StatusCode::kInvalidArgument);
+  auto r3 = p2p.PostRecv(1, 6, &fresh, sizeof(int));
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  int value = 66;
+  auto sent = ranks[1]->PostSend(0, 6, &value, sizeof(value));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  p2p::RequestId one[] = {*sent};
+  ASSERT_TRUE(ranks[1]->WaitAll(one, DeadlineIn(milliseconds(5000))).ok());
+  p2p::RequestId last[] = {*r3};
+  s = p2p.WaitAll(last, DeadlineIn(milliseconds(5000)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(fresh, 66);
+  EXPECT_EQ(after, 0);
+}
+
+TEST(UcxPointToPoint, ConnectWithABadAddressLeavesNothingHalfConnected) {
+  std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < 3; ++r) {
+    auto context = Context::Create({.default_tls = "sm,self"});
+    ASSERT_TRUE(context.ok()) << context.status();
+    auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = 3});
+    ASSERT_TRUE(p2p.ok()) << p2p.status();
+    addresses.push_back((*p2p)->address());
+    ranks.push_back(std::move(*p2p));
+  }
+  UcxPointToPoint& p2p = *ranks[0];
+  int v = 0;
+  // Rank 1's address empty, or not a UCX worker address at all (UCX 1.13
+  // aborts on the format version this one's first byte would name).
+  for (const std::string& bad : {std::string(), std::string("garbage")}) {
+    std::vector<std::string> wrong = addresses;
+    wrong[1] = bad;
+    Status s = p2p.Connect(wrong);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("address for rank 1"), std::string::npos) << s;
+    // No endpoint was left behind, nor a missing peer to dereference.
+    EXPECT_EQ(p2p.PostSend(0, 1, &v, 4).status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(p2p.PostSend(2, 1, &v, 4).status().code(), StatusCode::kFailedPrecondition);
+    p2p.MarkPeerLost(2, PeerLostError("rank 2 exited"));
+  }
+  // A well-formed address that no transport of rank 0 reaches (TCP only):
+  // UCX fails on it after the endpoints to ranks 0 and 1 exist, and those
+  // are closed again.
+  auto tcp_context = Context::Create({.default_tls = "tcp"});
+  ASSERT_TRUE(tcp_context.ok()) << tcp_context.status();
+  auto tcp_rank = UcxPointToPoint::Create(*tcp_context, {.rank = 2, .size = 3});
+  ASSERT_TRUE(tcp_rank.ok()) << tcp_rank.status();
+  std::vector<std::string> unreachable = addresses;
+  unreachable[2] = (*tcp_rank)->address();
+  Status s = p2p.Connect(unreachable);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
+  EXPECT_EQ(p2p.PostSend(1, 1, &v, 4).status().code(), StatusCode::kFailedPrecondition);
+  // Connecting again with the right addresses works.
+  for (auto& rank : ranks) {
+    Status connected = rank->Connect(addresses);
+    ASSERT_TRUE(connected.ok()) << connected;
+  }
+  int out = 42, in = 0;
+  auto recv = ranks[2]->PostRecv(0, 8, &in, sizeof(in));
+  auto send = p2p.PostSend(2, 8, &out, sizeof(out));
+  ASSERT_TRUE(recv.ok() && send.ok());
+  p2p::RequestId sent[] = {*send};
+  ASSERT_TRUE(p2p.WaitAll(sent, DeadlineIn(milliseconds(5000))).ok());
+  p2p::RequestId received[] = {*recv};
+  s = ranks[2]->WaitAll(received, DeadlineIn(milliseconds(5000)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(in, 42);
 }
 
 TEST(UcxPointToPoint, OperationsAfterCloseFail) {

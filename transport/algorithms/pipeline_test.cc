@@ -1,0 +1,129 @@
+#include "transport/algorithms/pipeline.h"
+
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <new>
+#include <span>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+// Array allocations fail on demand, as when memory runs out: Scratch's
+// arena allocates with new[]. (Replacing the global operator new[] is the
+// seam; it reaches the library too.)
+namespace {
+thread_local bool fail_next_array_new = false;
+}  // namespace
+
+void* operator new[](std::size_t bytes) {
+  if (fail_next_array_new) {
+    fail_next_array_new = false;
+    throw std::bad_alloc();
+  }
+  return ::operator new(bytes);
+}
+void operator delete[](void* p) noexcept { ::operator delete(p); }
+void operator delete[](void* p, std::size_t) noexcept { ::operator delete(p); }
+
+namespace ddp::transport::algorithms::internal {
+namespace {
+
+// The arena keeps its largest block and hands it out again; a nested
+// Scratch gets a block of its own.
+TEST(ScratchTest, ReusesTheArenaAndGivesANestedOneItsOwnBlock) {
+  unsigned char* first = nullptr;
+  {
+    Scratch a(4096);
+    first = a.data();
+    ASSERT_NE(first, nullptr);
+    std::memset(a.data(), 1, 4096);
+    Scratch nested(100);
+    ASSERT_NE(nested.data(), nullptr);
+    EXPECT_NE(nested.data(), first);
+  }
+  Scratch again(1000);
+  EXPECT_EQ(again.data(), first);
+}
+
+// When growing the arena throws, the next Scratch still gets memory. (The
+// arena used to keep its old size with no block, and a smaller Scratch
+// then got a null pointer.)
+TEST(ScratchTest, FailedGrowthLeavesNoBlocklessArena) {
+  { Scratch warm(1024); }
+  fail_next_array_new = true;
+  EXPECT_THROW(Scratch(1 << 20), std::bad_alloc);
+  fail_next_array_new = false;
+  Scratch small(512);
+  ASSERT_NE(small.data(), nullptr);
+  std::memset(small.data(), 7, 512);
+  EXPECT_EQ(small.data()[511], 7);
+}
+
+// A PointToPoint whose requests never complete, recording how they are
+// cancelled.
+class Recorder final : public p2p::PointToPoint {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 9; }
+  StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t) override {
+    return ++last_;
+  }
+  StatusOr<p2p::RequestId> PostRecv(int, p2p::Tag, void*, size_t) override { return ++last_; }
+  StatusOr<bool> Test(p2p::RequestId) override { return false; }
+  Status WaitAll(std::span<const p2p::RequestId>, Deadline) override {
+    return TimedOutError("never");
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId>, Deadline) override {
+    return TimedOutError("never");
+  }
+  void Cancel(p2p::RequestId id) override { cancelled_one_by_one.push_back(id); }
+  void CancelAll(std::span<const p2p::RequestId> ids) override {
+    cancelled_together.emplace_back(ids.begin(), ids.end());
+  }
+
+  std::vector<p2p::RequestId> cancelled_one_by_one;
+  std::vector<std::vector<p2p::RequestId>> cancelled_together;
+
+ private:
+  p2p::RequestId last_ = 0;
+};
+
+// A collective that gives up with requests to many peers outstanding
+// cancels them in one call, so that the transport waits for all of them
+// together (UCX: one grace and one round of forced closes, not one per peer).
+TEST(RequestsTest, DestructorCancelsEverythingOutstandingInOneCall) {
+  Recorder p2p;
+  std::vector<p2p::RequestId> expected;
+  {
+    Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000)));
+    int buffer[8] = {};
+    for (int peer = 1; peer < 9; ++peer) {
+      auto send = requests.Send(Where{"test", 0, 0, Where::kNoChunk, true, peer}, 1,
+                                &buffer[peer - 1], sizeof(int));
+      auto recv = requests.Recv(Where{"test", 0, 0, Where::kNoChunk, false, peer}, 2,
+                                &buffer[peer - 1], sizeof(int));
+      ASSERT_TRUE(send.ok() && recv.ok());
+      expected.push_back(*send);
+      expected.push_back(*recv);
+    }
+    // A request the collective waited for is released by the wait and not
+    // cancelled again.
+    EXPECT_FALSE(requests.Wait(expected.front(), Where{"test", 0, 0, Where::kNoChunk, true, 1})
+                     .ok());
+    expected.erase(expected.begin());
+  }
+  EXPECT_TRUE(p2p.cancelled_one_by_one.empty());
+  ASSERT_EQ(p2p.cancelled_together.size(), 1u);
+  EXPECT_EQ(p2p.cancelled_together[0], expected);
+}
+
+TEST(RequestsTest, DestructorWithNothingOutstandingCancelsNothing) {
+  Recorder p2p;
+  { Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000))); }
+  EXPECT_TRUE(p2p.cancelled_one_by_one.empty());
+  EXPECT_TRUE(p2p.cancelled_together.empty());
+}
+
+}  // namespace
+}  // namespace ddp::transport::algorithms::internal

@@ -1,0 +1,400 @@
+// UcxPointToPoint between this test and a copy of it spawned as rank 1
+// (DDP_TEST_SCENARIO names what the copy runs), over TCP with peer error
+// handling, the way ranks on different hosts talk. The test stops rank 1
+// with SIGSTOP in the middle of a large message, so that a wait gives up
+// while UCX still holds a request that uses the caller's buffer. One test
+// spawns several copies, all stopped, to give up sends to all at once.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/testing/process_group.h"
+#include "transport/ucx/resources.h"
+#include "transport/ucx/ucx_p2p.h"
+
+namespace ddp::transport::ucx {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::EnvOr;
+using testing::ProcessGroup;
+
+// Large enough that TCP's socket buffers (a few MiB) hold only a part.
+constexpr size_t kMessageBytes = size_t{64} << 20;
+constexpr p2p::Tag kTag = 1;
+constexpr uint8_t kPayload = 0xAB;   // what rank 1 sends, or rank 0 sends
+constexpr uint8_t kSentinel = 0x5A;  // what rank 0 writes after the wait failed
+
+std::string Hex(const std::string& bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += kDigits[c >> 4];
+    out += kDigits[c & 15];
+  }
+  return out;
+}
+
+std::string Unhex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+  }
+  return out;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Rank `rank` of two over TCP; the other rank is remote (peer error mode).
+std::unique_ptr<UcxPointToPoint> MakeRank(int rank) {
+  auto context = Context::Create({.default_tls = "tcp,self"});
+  if (!context.ok()) return nullptr;
+  auto p2p = UcxPointToPoint::Create(*context, {.rank = rank, .size = 2});
+  if (!p2p.ok()) return nullptr;
+  return std::move(*p2p);
+}
+
+std::vector<bool> SameHost(int rank) {
+  std::vector<bool> same_host(2, false);
+  same_host[rank] = true;
+  return same_host;
+}
+
+// ------------------------------------------------------------ rank 1 ----
+
+// Rank 1: connects to rank 0 (DDP_PEER_ADDRESS), posts its part of the
+// message (DDP_ROLE: "send" sends it, "receive" receives it; of
+// DDP_MESSAGE_BYTES bytes, kMessageBytes when unset), then
+// publishes its address in DDP_ADDRESS_FILE and waits until the message
+// completes or fails, or rank 0 creates DDP_DONE_FILE (the watchdog).
+int RunRank1(const std::string& role) {
+  std::unique_ptr<UcxPointToPoint> p2p = MakeRank(1);
+  WORKER_CHECK(p2p != nullptr, "creating rank 1");
+  if (p2p == nullptr) return 1;
+  const std::string addresses[] = {Unhex(EnvOr("DDP_PEER_ADDRESS")), p2p->address()};
+  Status connected = p2p->Connect(addresses, SameHost(1));
+  WORKER_CHECK(connected.ok(), "connect: " + connected.ToString());
+  if (!connected.ok()) return 1;
+  const std::string done_file = EnvOr("DDP_DONE_FILE");
+  p2p->SetWatchdog([done_file](Deadline, int) -> Status {
+    if (std::filesystem::exists(done_file)) return AbortedError("rank 0 is done");
+    return Status::Ok();
+  });
+  const size_t bytes =
+      std::stoull(EnvOr("DDP_MESSAGE_BYTES", std::to_string(kMessageBytes).c_str()));
+  std::vector<uint8_t> buffer(bytes, role == "send" ? kPayload : 0);
+  auto id = role == "send" ? p2p->PostSend(0, kTag, buffer.data(), buffer.size())
+                           : p2p->PostRecv(0, kTag, buffer.data(), buffer.size());
+  WORKER_CHECK(id.ok(), "post: " + id.status().ToString());
+  if (!id.ok()) return 1;
+  const std::string address_file = EnvOr("DDP_ADDRESS_FILE");
+  std::ofstream(address_file + ".tmp") << Hex(p2p->address());
+  std::filesystem::rename(address_file + ".tmp", address_file);
+  p2p::RequestId ids[] = {*id};
+  Status s = p2p->WaitAll(ids, DeadlineIn(milliseconds(30000)));
+  std::printf("rank 1 %s: %s\n", role.c_str(), s.ToString().c_str());
+  if (role == "receive" && s.ok()) {
+    // Whatever arrived must be what rank 0 sent, never what it wrote into
+    // its buffer after its wait had failed.
+    const size_t sentinels = std::count(buffer.begin(), buffer.end(), kSentinel);
+    WORKER_CHECK(sentinels == 0, "received " + std::to_string(sentinels) +
+                                     " bytes that rank 0 wrote after its send had failed");
+  }
+  p2p->Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+int RunScenario(const std::string& name) {
+  if (name == "rank1_send") return RunRank1("send");
+  if (name == "rank1_receive") return RunRank1("receive");
+  std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
+  return 2;
+}
+
+// ------------------------------------------------------------ rank 0 ----
+
+// Rank 0 in this process, rank 1 a spawned copy running `scenario`,
+// connected; the destructor kills rank 1 if it still runs.
+struct TwoRanks {
+  std::unique_ptr<UcxPointToPoint> p2p;
+  std::unique_ptr<ProcessGroup> group;
+  std::string address_file;
+  std::string done_file;
+
+  ~TwoRanks() {
+    std::filesystem::remove(address_file);
+    std::filesystem::remove(done_file);
+  }
+
+  // Lets rank 1 finish and returns its result.
+  testing::WorkerResult Finish() {
+    group->Kill(0, SIGCONT);
+    std::ofstream(done_file) << "done";
+    return group->Wait(DeadlineIn(milliseconds(20000)))[0];
+  }
+};
+
+void Connect(const std::string& scenario, TwoRanks& ranks) {
+  ranks.p2p = MakeRank(0);
+  ASSERT_NE(ranks.p2p, nullptr);
+  const std::string dir = EnvOr("TEST_TMPDIR", "/tmp");
+  const std::string stem = dir + "/" + scenario + "." + std::to_string(getpid());
+  ranks.address_file = stem + ".address";
+  ranks.done_file = stem + ".done";
+  const std::string& address_file = ranks.address_file;
+  std::filesystem::remove(address_file);
+  std::filesystem::remove(ranks.done_file);
+  auto group = ProcessGroup::Spawn(1, {},
+                                   {{"DDP_TEST_SCENARIO", scenario},
+                                    {"DDP_PEER_ADDRESS", Hex(ranks.p2p->address())},
+                                    {"DDP_ADDRESS_FILE", address_file},
+                                    {"DDP_DONE_FILE", ranks.done_file}},
+                                   testing::FreePort());
+  ASSERT_TRUE(group.ok()) << group.status();
+  ranks.group = std::move(*group);
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  while (!std::filesystem::exists(address_file) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE(std::filesystem::exists(address_file)) << "rank 1 did not start";
+  const std::string addresses[] = {ranks.p2p->address(), Unhex(ReadFile(address_file))};
+  Status connected = ranks.p2p->Connect(addresses, SameHost(0));
+  ASSERT_TRUE(connected.ok()) << connected;
+}
+
+// Keeps rank 0's worker busy for `time` (a wait for a message to itself
+// that never comes): whatever UCX still does with a request happens now.
+// Waits 300 ms for `id`, whose peer is stopped: the wait times out, and
+// returns within the deadline, the 100 ms grace and the forced close.
+void ExpectWaitTimesOut(UcxPointToPoint& p2p, p2p::RequestId id) {
+  p2p::RequestId ids[] = {id};
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(300)));
+  const auto waited = Clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_LT(waited, milliseconds(2000));
+}
+
+void Progress(UcxPointToPoint& p2p, milliseconds time) {
+  int unused = 0;
+  auto id = p2p.PostRecv(0, 99, &unused, sizeof(unused));
+  ASSERT_TRUE(id.ok()) << id.status();
+  p2p::RequestId ids[] = {*id};
+  EXPECT_EQ(p2p.WaitAll(ids, DeadlineIn(time)).code(), StatusCode::kTimedOut);
+}
+
+TEST(UcxPointToPointProcesses, ReceiveThatTimedOutMidMessageNeverWritesAfterwards) {
+  TwoRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(Connect("rank1_send", ranks));
+  UcxPointToPoint& p2p = *ranks.p2p;
+  std::vector<uint8_t> in(kMessageBytes, 0);
+  auto id = p2p.PostRecv(1, kTag, in.data(), in.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Stop rank 1 as soon as the message has begun to arrive: the receive is
+  // matched, and most of the message is still to come.
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  while (in[0] == 0 && Clock::now() < deadline) {
+    auto done = p2p.Test(*id);
+    ASSERT_TRUE(done.ok()) << done.status();
+    ASSERT_FALSE(*done) << "the whole message arrived before rank 1 could be stopped";
+  }
+  ASSERT_EQ(in[0], kPayload) << "nothing arrived from rank 1";
+  ranks.group->Kill(0, SIGSTOP);
+  ExpectWaitTimesOut(p2p, *id);
+  ASSERT_EQ(in.back(), 0) << "the message completed although rank 1 was stopped";
+  // The caller owns the buffer again: nothing may write into it now, also
+  // once rank 1 sends the rest.
+  std::fill(in.begin(), in.end(), kSentinel);
+  ranks.group->Kill(0, SIGCONT);
+  Progress(p2p, milliseconds(1000));
+  EXPECT_EQ(static_cast<size_t>(std::count(in.begin(), in.end(), kSentinel)), in.size())
+      << "the abandoned receive wrote into the buffer after WaitAll returned";
+  // Its endpoint was closed to get the receive back: rank 1 is lost.
+  int v = 0;
+  Status later = p2p.PostSend(1, 2, &v, sizeof(v)).status();
+  EXPECT_EQ(later.code(), StatusCode::kPeerLost) << later;
+  EXPECT_NE(later.message().find("rank 1"), std::string::npos) << later;
+  const auto close_start = Clock::now();
+  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(closed.ok()) << closed;
+  EXPECT_LT(Clock::now() - close_start, milliseconds(3000));
+  EXPECT_EQ(static_cast<size_t>(std::count(in.begin(), in.end(), kSentinel)), in.size());
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.signal, 0) << rank1.output;
+}
+
+TEST(UcxPointToPointProcesses, SendThatTimedOutNeverReadsAfterwards) {
+  TwoRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks));
+  UcxPointToPoint& p2p = *ranks.p2p;
+  // Rank 1 has posted its receive and is stopped before the message goes:
+  // the send waits for it, with the buffer in UCX's hands.
+  ranks.group->Kill(0, SIGSTOP);
+  std::vector<uint8_t> out(kMessageBytes, kPayload);
+  auto id = p2p.PostSend(1, kTag, out.data(), out.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  ExpectWaitTimesOut(p2p, *id);
+  // The caller reuses the buffer; rank 1 runs again and must never receive
+  // what was written into it after the send had failed.
+  std::fill(out.begin(), out.end(), kSentinel);
+  ranks.group->Kill(0, SIGCONT);
+  Progress(p2p, milliseconds(1000));
+  int v = 0;
+  Status later = p2p.PostSend(1, 2, &v, sizeof(v)).status();
+  EXPECT_EQ(later.code(), StatusCode::kPeerLost) << later;
+  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(closed.ok()) << closed;
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+  EXPECT_EQ(rank1.signal, 0) << rank1.output;
+}
+
+// Rank 0 of kPeers + 1 in this process; the others are spawned copies each
+// running RunRank1("receive") as rank 1 of its own pair with rank 0 (a
+// receive from rank 0 matches rank 0's send to it under any rank number:
+// the tag carries the sender's rank). Every one is remote to rank 0 (peer
+// error mode), as on other hosts.
+struct ManyRanks {
+  std::unique_ptr<UcxPointToPoint> p2p;
+  std::unique_ptr<ProcessGroup> group;
+  std::vector<std::string> address_files;
+  std::string done_file;
+  int peers = 0;
+
+  ~ManyRanks() {
+    for (const std::string& file : address_files) std::filesystem::remove(file);
+    std::filesystem::remove(done_file);
+  }
+
+  void Signal(int signal) {
+    for (int i = 0; i < peers; ++i) group->Kill(i, signal);
+  }
+
+  std::vector<testing::WorkerResult> Finish() {
+    Signal(SIGCONT);
+    std::ofstream(done_file) << "done";
+    return group->Wait(DeadlineIn(milliseconds(20000)));
+  }
+};
+
+void ConnectMany(int peers, size_t message_bytes, ManyRanks& ranks) {
+  const int size = peers + 1;
+  ranks.peers = peers;
+  auto context = Context::Create({.default_tls = "tcp,self"});
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto p2p = UcxPointToPoint::Create(*context, {.rank = 0, .size = size});
+  ASSERT_TRUE(p2p.ok()) << p2p.status();
+  ranks.p2p = std::move(*p2p);
+  const std::string dir = EnvOr("TEST_TMPDIR", "/tmp");
+  const std::string stem = dir + "/many." + std::to_string(getpid());
+  ranks.done_file = stem + ".done";
+  std::filesystem::remove(ranks.done_file);
+  std::map<int, ProcessGroup::Env> rank_env;
+  for (int i = 0; i < peers; ++i) {
+    ranks.address_files.push_back(stem + "." + std::to_string(i) + ".address");
+    std::filesystem::remove(ranks.address_files.back());
+    rank_env[i] = {{"DDP_ADDRESS_FILE", ranks.address_files.back()}};
+  }
+  auto group = ProcessGroup::Spawn(peers, {},
+                                   {{"DDP_TEST_SCENARIO", "rank1_receive"},
+                                    {"DDP_PEER_ADDRESS", Hex(ranks.p2p->address())},
+                                    {"DDP_DONE_FILE", ranks.done_file},
+                                    {"DDP_MESSAGE_BYTES", std::to_string(message_bytes)}},
+                                   testing::FreePort(), rank_env);
+  ASSERT_TRUE(group.ok()) << group.status();
+  ranks.group = std::move(*group);
+  std::vector<std::string> addresses = {ranks.p2p->address()};
+  const Deadline deadline = DeadlineIn(milliseconds(30000));
+  for (const std::string& file : ranks.address_files) {
+    while (!std::filesystem::exists(file) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    ASSERT_TRUE(std::filesystem::exists(file)) << "a peer did not start";
+    addresses.push_back(Unhex(ReadFile(file)));
+  }
+  std::vector<bool> same_host(size, false);
+  same_host[0] = true;
+  Status connected = ranks.p2p->Connect(addresses, same_host);
+  ASSERT_TRUE(connected.ok()) << connected;
+}
+
+// Several remote peers hang (stopped) with rank 0's rendezvous sends to
+// them under way. CancelAll gets every send back within one 100 ms grace
+// and one round of forced closes (bounded by 1 s, a few ms here), where a
+// loop of Cancel took a grace and a forced close per peer in turn (8 x
+// 100 ms at least); afterwards nothing reads the buffers.
+TEST(UcxPointToPointProcesses, CancelAllGetsSendsToHungPeersBackInOneRound) {
+  constexpr int kPeers = 8;
+  // Above UCX's rendezvous threshold: no data goes before the stopped peer
+  // answers.
+  constexpr size_t kBytes = size_t{4} << 20;
+  ManyRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(ConnectMany(kPeers, kBytes, ranks));
+  UcxPointToPoint& p2p = *ranks.p2p;
+  // Every peer has posted its receive; all are stopped before data goes.
+  ranks.Signal(SIGSTOP);
+  std::vector<std::vector<uint8_t>> out(kPeers, std::vector<uint8_t>(kBytes, kPayload));
+  std::vector<p2p::RequestId> ids;
+  for (int peer = 1; peer <= kPeers; ++peer) {
+    auto id = p2p.PostSend(peer, kTag, out[peer - 1].data(), kBytes);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  // Under way: what the sockets take is gone, the rest waits.
+  Progress(p2p, milliseconds(300));
+  for (p2p::RequestId id : ids) {
+    auto done = p2p.Test(id);
+    ASSERT_TRUE(done.ok() && !*done) << "a send completed to a stopped peer";
+  }
+  const auto start = Clock::now();
+  p2p.CancelAll(ids);
+  const auto took = Clock::now() - start;
+  std::printf("CancelAll of sends to %d hung peers: %lld ms\n", kPeers,
+              static_cast<long long>(
+                  std::chrono::duration_cast<milliseconds>(took).count()));
+  EXPECT_LT(took, milliseconds(600)) << "the peers were waited for one at a time";
+  // The buffers are the caller's again: rank 0 reuses them, the peers run
+  // again and must never receive what it wrote.
+  for (auto& buffer : out) std::fill(buffer.begin(), buffer.end(), kSentinel);
+  ranks.Signal(SIGCONT);
+  Progress(p2p, milliseconds(1000));
+  for (int peer = 1; peer <= kPeers; ++peer) {
+    int v = 0;
+    Status later = p2p.PostSend(peer, 2, &v, sizeof(v)).status();
+    EXPECT_EQ(later.code(), StatusCode::kPeerLost) << later;
+  }
+  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(closed.ok()) << closed;
+  std::vector<testing::WorkerResult> results = ranks.Finish();
+  for (const testing::WorkerResult& result : results) {
+    EXPECT_EQ(result.exit_code, 0) << result.output;
+    EXPECT_EQ(result.signal, 0) << result.output;
+  }
+}
+
+}  // namespace
+}  // namespace ddp::transport::ucx
+
+int main(int argc, char** argv) {
+  return ddp::transport::testing::WorkerOrTestsMain(argc, argv,
+                                                    ddp::transport::ucx::RunScenario);
+}
