@@ -48,7 +48,9 @@ DEFINE_uint64(seed, 0, "seed of initialization, shuffling and augmentation");
 // Schedule.
 DEFINE_int64(epochs, 2, "passes over the training set");
 DEFINE_int64(max_steps, 0, "stop after this many optimizer steps (0: no limit)");
-DEFINE_int64(batch_size, 64, "samples per rank per step (default for ResNets: 256 / ranks)");
+DEFINE_int64(batch_size, 64,
+             "samples per rank per micro-batch; a step takes --grad_accum_steps of them "
+             "(default for ResNets: 256 / ranks)");
 DEFINE_int64(grad_accum_steps, 1,
              "micro-batches per optimizer step; all but the last skip gradient "
              "synchronization (DDP's no_sync)");
@@ -65,12 +67,14 @@ DEFINE_string(scheduler, "cosine",
               "learning-rate schedule: none, step (x0.1 after each third of the run), cosine "
               "(to 0 at the last step)");
 DEFINE_string(amp, "off",
-              "mixed precision: off, bf16, fp16 (16-bit model and activations, f32 master "
-              "weights; fp16 adds loss scaling)");
+              "mixed precision: off, bf16, fp16; on the CPU a 16-bit model and activations "
+              "with f32 master weights, on CUDA an f32 model under autocast; fp16 adds loss "
+              "scaling");
 // Data parallelism.
 DEFINE_string(device, "cpu",
-              "cpu, or cuda (needs a --config=cuda build; rank r uses GPU LOCAL_RANK modulo "
-              "the visible GPUs, so ranks may share one)");
+              "cpu, or cuda (needs a --config=cuda build; each rank uses the GPU of its local "
+              "rank (LOCAL_RANK, SLURM_LOCALID or OMPI_COMM_WORLD_LOCAL_RANK) modulo the "
+              "visible GPUs, so ranks may share one)");
 DEFINE_bool(flush_denormal, true,
             "treat subnormal floats as zero on the CPU (x86 FTZ/DAZ): avoids a ~100x slow path "
             "in optimizer updates; false keeps IEEE subnormals (PyTorch's default)");
@@ -150,10 +154,12 @@ void OnStopSignal(int signo) {
 void WatchStopSignals() {
   std::signal(SIGINT, OnStopSignal);
   std::signal(SIGTERM, OnStopSignal);
+  std::signal(SIGHUP, OnStopSignal);  // a closed terminal or ssh session
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::thread([set] {
     for (;;) {
@@ -270,8 +276,9 @@ void PrintHelp() {
     for (const auto& [name, f] : mine) print(f);
   }
   std::printf(
-      "\nCtrl-C stops every rank within seconds; rank 0 saves a checkpoint at its last\n"
-      "complete step first. --helpfull lists the flags of the libraries too.\n");
+      "\nCtrl-C (or SIGTERM, SIGHUP) stops every rank at the same step, one step later;\n"
+      "rank 0 saves a checkpoint there first. --helpfull lists the flags of the libraries\n"
+      "too.\n");
 }
 
 bool IsDefault(const char* flag) { return gflags::GetCommandLineFlagInfoOrDie(flag).is_default; }
@@ -365,6 +372,7 @@ int main(int argc, char** argv) {
   int world_size = 1;
   int rank = 0;
   int restart = 0;
+  int local_rank = 0;  // LOCAL_RANK, or srun's and mpirun's own variable
   std::string job_token;
   if (is_worker) {
     auto env = launch::LaunchEnvFromProcess();
@@ -372,6 +380,7 @@ int main(int argc, char** argv) {
     world_size = env->world_size;
     rank = env->rank;
     restart = env->restart_count;
+    local_rank = env->local_rank;
     job_token = env->job_token;
   } else {
     // torchrun's forms, resolved as SelfLaunch resolves them (it reads the
@@ -395,6 +404,8 @@ int main(int argc, char** argv) {
       ddp::examples::trainer::CheckSetup(config, world_size);
     } catch (const UsageError& e) {
       Fail(2, 0, 1, e.what());
+    } catch (const std::exception& e) {
+      Fail(1, 0, 1, std::string("error: ") + e.what());
     }
     std::vector<char*> args;
     for (std::string& s : original) args.push_back(s.data());
@@ -406,6 +417,9 @@ int main(int argc, char** argv) {
     // Only rank 0 prints progress, and it needs the terminal itself (not a
     // pipe) to draw the live bar; other ranks print errors only, prefixed.
     options.prefix_output = false;
+    // After forwarding Ctrl-C or SIGTERM, time for the ranks to finish the
+    // step, agree to stop and save the checkpoint before SIGKILL.
+    options.grace = std::chrono::seconds(30);
     launch::SelfLaunchOrExit(args_count, args.data(), options);
     return 0;  // not reached: the launcher exits with the workers' status
   }
@@ -415,8 +429,11 @@ int main(int argc, char** argv) {
   WatchStopSignals();
   ddp::examples::trainer::RunOptions options;
   options.stop = &g_stop;
+  options.local_rank = local_rank;
   options.start_time = start;
   try {
+    // Before JoinJob, which takes --timeout_s as its deadline.
+    ddp::examples::trainer::ValidateConfig(config);
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
         ddp::examples::trainer::JoinJob(config.log_dir.empty()
                                             ? ddp::examples::trainer::UserWorkingDirectory()

@@ -71,11 +71,23 @@ void ValidateConfig(const TrainConfig& c) {
                        " must be a finite number >= 0");
     }
   };
+  // Upper bounds keep the step and sample counts (epochs times steps,
+  // batch times ranks times micro-batches) and the deadlines in nanoseconds
+  // far from overflowing 64 bits.
+  auto at_most = [](const char* flag, int64_t v, int64_t most, const char* unit) {
+    if (v > most) {
+      throw UsageError(std::string("--") + flag + "=" + std::to_string(v) + " is more than " +
+                       std::to_string(most) + unit);
+    }
+  };
   positive("epochs", c.epochs);
+  at_most("epochs", c.epochs, 1000000, "");
   positive("batch_size", c.batch_size);
   positive("grad_accum_steps", c.grad_accum_steps);
+  at_most("grad_accum_steps", c.grad_accum_steps, 65536, "");
   positive("log_every", c.log_every);
   positive("timeout_s", c.timeout_s);
+  at_most("timeout_s", c.timeout_s, 7 * 24 * 3600, " (7 days)");
   not_negative("max_steps", c.max_steps);
   not_negative("eval_every", c.eval_every);
   not_negative("checkpoint_every", c.checkpoint_every);

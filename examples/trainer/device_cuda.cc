@@ -20,7 +20,7 @@ nn::Device WorkerDevice(const std::string& device, int local_rank) {
   nn::cuda::Init();
   const int count = nn::cuda::DeviceCount();
   if (count < 1) {
-    throw UsageError("--device=cuda: no CUDA device is visible to rank with LOCAL_RANK=" +
+    throw UsageError("--device=cuda: no CUDA device is visible to the rank with local rank " +
                      std::to_string(local_rank) + " (check CUDA_VISIBLE_DEVICES and the driver)");
   }
   const nn::Device d(nn::DeviceType::kCUDA, local_rank % count);

@@ -205,6 +205,22 @@ class DdpParallel : public Parallel {
     return value;
   }
 
+  int VoteStop(int signal) override {
+    const int previous = FinishStopVote();
+    if (pg_->size() == 1) return previous != 0 ? previous : signal;
+    vote_ = nn::FromVectorOf(std::vector<int32_t>{signal}, {1});
+    vote_work_ = Guarded("stop vote", [&] { return pg_->AllReduce(vote_, transport::ReduceOp::kMax); });
+    return previous;
+  }
+
+  int FinishStopVote() override {
+    if (!vote_work_.valid()) return 0;
+    dist::Work work = std::move(vote_work_);
+    vote_work_ = dist::Work();
+    Guarded("stop vote", [&] { work.Wait(); });
+    return vote_.ToVector<int32_t>().at(0);
+  }
+
   std::string TakeStatsLine(bool every_rank) override {
     if (ddp_ == nullptr) return "";
     const dist::DdpStats s = ddp_->Stats();
@@ -259,6 +275,8 @@ class DdpParallel : public Parallel {
   std::unique_ptr<dist::DistributedDataParallel> ddp_;
   Overlapped* overlapped_ = nullptr;  // Shard's, until Attach binds it to ddp_
   CommTotals totals_;
+  nn::Tensor vote_;     // the stop vote in flight (VoteStop)
+  dist::Work vote_work_;
 };
 
 }  // namespace

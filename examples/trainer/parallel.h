@@ -120,6 +120,16 @@ class Parallel {
   /// Rank 0's `value` on every rank (what the others pass is ignored).
   /// Collective.
   virtual std::string ShareFromLead(std::string value) = 0;
+  /// Stopping together: a signal (Ctrl-C, SIGTERM) reaches the ranks at
+  /// different steps, so each rank votes at every step boundary and all of
+  /// them act on the same vote one step later. VoteStop(signal) returns the
+  /// outcome of the previous vote (the largest signal any rank voted, 0 for
+  /// none; 0 at the first call) and starts this one without waiting for it,
+  /// so its latency hides behind the next step. Collective: every rank
+  /// calls it at the same points. FinishStopVote() waits for a vote still
+  /// in flight and returns its outcome (0 when none).
+  virtual int VoteStop(int signal) = 0;
+  virtual int FinishStopVote() = 0;
 
   /// DDP's statistics since the last call, as one line ("" when none),
   /// adding them to Totals(). With `every_rank` the line ends with every

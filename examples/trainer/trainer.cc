@@ -194,6 +194,8 @@ void CheckOutputFolders(const TrainConfig& config) {
 struct Evaluation {
   double loss = 0;
   double accuracy = 0;
+  /// A rank stopped early on a signal: the figures cover part of the set.
+  bool interrupted = false;
 };
 
 class Run {
@@ -215,6 +217,19 @@ class Run {
   void Say(const std::string& line) {
     if (lead_ && !opt_.quiet) console_.Line(line);
   }
+  // Writes to the metrics log (rank 0's). A failure (a full disk) turns
+  // the log off with a warning instead of ending rank 0 alone while the
+  // others wait in their next collective.
+  template <typename F>
+  void Log(F&& write) {
+    if (log_ == nullptr) return;
+    try {
+      write(*log_);
+    } catch (const std::exception& e) {
+      log_.reset();
+      if (!opt_.quiet) console_.Line(std::string("warning: ") + e.what() + "; metrics are no longer logged");
+    }
+  }
   int StopSignal() const { return opt_.stop != nullptr ? opt_.stop->load() : 0; }
   // Whether a stop signal arrived by now or arrives within `grace`.
   bool AwaitStopSignal(std::chrono::milliseconds grace) const {
@@ -231,9 +246,14 @@ class Run {
   // the CSV row. Collective.
   void FlushMetrics();
   Evaluation Evaluate();
-  void RecordEvaluation(const Evaluation& e);
-  // every_rank: all ranks call it at the same step (not on an interrupt).
-  void SaveCheckpoint(bool every_rank = true);
+  // Keeps `e` unless it was interrupted (then returns false: the ranks
+  // stop, see StopNow).
+  bool RecordEvaluation(const Evaluation& e, int64_t epoch_number);
+  // A stop vote that every rank waits for (after an interrupted
+  // evaluation, which every rank learns of together): the agreed signal.
+  int StopNow();
+  // Collective: all ranks call it at the same step.
+  void SaveCheckpoint();
   double Lr() const { return sharded_ ? sharded_->lr() : optimizer_->lr(); }
   // What a checkpoint saves and restores (not a sharded optimizer's state).
   TrainComponents Components() const {
@@ -308,8 +328,7 @@ void Run::Setup() {
   CheckBatchFitsShard(c_, data_.train->Size(), world_);
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
   // In the worker only (never the launcher): CUDA is initialized here.
-  const char* local_rank = std::getenv("LOCAL_RANK");
-  device_ = WorkerDevice(c_.device, local_rank != nullptr ? std::atoi(local_rank) : 0);
+  device_ = WorkerDevice(c_.device, opt_.local_rank);
   if (!device_.is_cpu()) model_->To(device_);
   par_.Prepare(model_, c_);
   const int64_t num_params = CountParameters(*model_);
@@ -390,7 +409,14 @@ void Run::Setup() {
     try {
       CheckCheckpointIsAFile(c_);
       CheckOutputFolders(c_);
-    } catch (const UsageError& e) {
+      if (!c_.log_dir.empty()) {
+        log_ = std::make_unique<MetricsLog>(
+            c_.log_dir, c_.model + " on " + c_.dataset,
+            std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
+                FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
+            c_.resume ? pos_.step : -1);
+      }
+    } catch (const std::exception& e) {
       refused = e.what();
     }
   }
@@ -400,14 +426,6 @@ void Run::Setup() {
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.
   par_.Attach(model_, c_, pos_.step);
-
-  if (lead_ && !c_.log_dir.empty()) {
-    log_ = std::make_unique<MetricsLog>(
-        c_.log_dir, c_.model + " on " + c_.dataset,
-        std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
-            FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
-        c_.resume ? pos_.step : -1);
-  }
 
   const bool u = console_.options().unicode;
   const std::string dot = u ? " \u00b7 " : ", ";
@@ -527,7 +545,7 @@ void Run::FlushMetrics() {
     r.loss = v[0] / v[1];
     r.lr = Lr();
     r.samples_per_s = stretch_train_s_ > 0 ? stretch_samples_ / stretch_train_s_ : 0;
-    log_->AddStep(r);
+    Log([&](MetricsLog& log) { log.AddStep(r); });
   }
   stretch_loss_sum_ = 0;
   stretch_loss_count_ = 0;
@@ -546,12 +564,19 @@ Evaluation Run::Evaluate() {
   double loss_sum = 0;
   double correct = 0;
   double count = 0;
+  double interrupted = 0;
   {
     nn::NoGradGuard no_grad;
     nn::loss::CrossEntropyOptions sum;
     sum.reduction = nn::loss::Reduction::kSum;
     test_loader_->StartEpoch(0);
     while (std::optional<nn::data::Batch> batch = test_loader_->Next()) {
+      // The launcher kills a rank a few seconds after a signal; a long
+      // evaluation gives way (the checkpoint was saved before it).
+      if (StopSignal() != 0) {
+        interrupted = 1;
+        break;
+      }
       nn::Tensor x = batch->images;
       nn::Tensor labels = batch->labels;
       if (!device_.is_cpu()) {
@@ -572,34 +597,57 @@ Evaluation Run::Evaluate() {
     }
   }
   model_->Train();
-  std::vector<double> v = {loss_sum, correct, count};
+  // One sum whether or not this rank stopped early, so that the ranks'
+  // collectives still pair up.
+  std::vector<double> v = {loss_sum, correct, count, interrupted};
   par_.SumAcrossRanks(v);
   Evaluation e;
   e.loss = v[2] > 0 ? v[0] / v[2] : NAN;
   e.accuracy = v[2] > 0 ? v[1] / v[2] : NAN;
+  e.interrupted = v[3] > 0;
   return e;
 }
 
-void Run::RecordEvaluation(const Evaluation& e) {
+bool Run::RecordEvaluation(const Evaluation& e, int64_t epoch_number) {
+  if (e.interrupted) return false;
   last_eval_ = e;
   last_eval_step_ = pos_.step;
-  if (log_) log_->AddEval({pos_.step, pos_.epoch + 1, e.loss, e.accuracy});
+  Log([&](MetricsLog& log) { log.AddEval({pos_.step, epoch_number, e.loss, e.accuracy}); });
+  return true;
 }
 
-void Run::SaveCheckpoint(bool every_rank) {
+int Run::StopNow() {
+  par_.FinishStopVote();
+  par_.VoteStop(StopSignal());
+  return par_.FinishStopVote();
+}
+
+void Run::SaveCheckpoint() {
   if (c_.checkpoint.empty() || last_checkpoint_step_ == pos_.step) return;
-  // A sharded optimizer's state is gathered from every rank; stopped ranks
-  // cannot, so the last checkpoint stays.
-  if (sharded_ && !every_rank) return;
   nn::optim::NamedTensors whole;
   if (sharded_) whole = sharded_->Consolidate();
   last_checkpoint_step_ = pos_.step;
-  if (!lead_) return;
-  TrainComponents parts = Components();
-  if (sharded_) parts.optimizer_state = &whole;
-  SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
-  checkpoint_saved_ = c_.checkpoint;
-  checkpoint_saved_step_ = pos_.step;
+  // Rank 0 alone writes; the others learn its outcome, so that a failed
+  // save (a full disk) stops every rank with rank 0's reason instead of
+  // rank 0 alone while the others wait in their next collective.
+  std::string failure;
+  std::exception_ptr error;
+  if (lead_) {
+    try {
+      TrainComponents parts = Components();
+      if (sharded_) parts.optimizer_state = &whole;
+      SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
+      checkpoint_saved_ = c_.checkpoint;
+      checkpoint_saved_step_ = pos_.step;
+    } catch (const std::exception& e) {
+      error = std::current_exception();
+      failure = e.what();
+      if (failure.empty()) failure = "unknown error";
+    }
+  }
+  failure = par_.ShareFromLead(std::move(failure));
+  if (error) std::rethrow_exception(error);
+  if (!failure.empty()) throw std::runtime_error("rank 0 could not save the checkpoint: " + failure);
 }
 
 RunResult Run::Go() {
@@ -623,7 +671,8 @@ RunResult Run::Go() {
       rate_.Reset();
       bool epoch_complete = false;
       while (true) {
-        if ((signal = StopSignal()) != 0) break;
+        // Every rank stops at the same step (see Parallel::VoteStop).
+        if ((signal = par_.VoteStop(StopSignal())) != 0) break;
         if (StepLimitReached()) break;
         if (!TrainStep(*train_loader_)) {
           epoch_complete = true;
@@ -637,14 +686,14 @@ RunResult Run::Go() {
                               !epoch_end && !StepLimitReached();
         if (eval_now || save_now) {
           const Clock::time_point p0 = Clock::now();
-          if (eval_now) {
-            FlushMetrics();
-            if (lead_ && !opt_.quiet) console_.Status("evaluating");
-            RecordEvaluation(Evaluate());
-          }
           if (save_now) {
             FlushMetrics();
             SaveCheckpoint();
+          }
+          if (eval_now) {
+            FlushMetrics();
+            if (lead_ && !opt_.quiet) console_.Status("evaluating");
+            if (!RecordEvaluation(Evaluate(), epoch_number) && (signal = StopNow()) != 0) break;
           }
           paused_s += Seconds(Clock::now() - p0);
           rate_.Reset();
@@ -671,14 +720,9 @@ RunResult Run::Go() {
       const double train_s = Seconds(Clock::now() - epoch_start) - paused_s;
       last_epoch_train_loss_ =
           pos_.epoch_loss_count > 0 ? pos_.epoch_loss_sum / pos_.epoch_loss_count : NAN;
-      if (opt_.evaluate && last_eval_step_ != pos_.step) {
-        if (lead_ && !opt_.quiet) {
-          console_.Status("evaluating on " + FormatCount(data_.test->Size()) + " test images");
-        }
-        RecordEvaluation(Evaluate());
-      }
       // The ranks' waits are gathered only when the line is printed.
       const std::string stats = par_.TakeStatsLine(/*every_rank=*/c_.ddp_stats);
+      const bool evaluate_now = opt_.evaluate && last_eval_step_ != pos_.step;
       if (epoch_complete) {
         ++epochs_done;
         pos_.epoch += 1;
@@ -686,10 +730,19 @@ RunResult Run::Go() {
         pos_.epoch_loss_sum = 0;
         pos_.epoch_loss_count = 0;
       }
+      // Saved before the evaluation, which a signal may cut short.
       SaveCheckpoint();
+      if (evaluate_now) {
+        if (lead_ && !opt_.quiet) {
+          console_.Status("evaluating on " + FormatCount(data_.test->Size()) + " test images");
+        }
+        if (!RecordEvaluation(Evaluate(), epoch_number) && (signal = StopNow()) != 0) break;
+      }
       if (log_) {
-        if (epoch_complete) log_->AddEpochEnd(epoch_number, pos_.step);
-        log_->WriteChart();
+        Log([&](MetricsLog& log) {
+          if (epoch_complete) log.AddEpochEnd(epoch_number, pos_.step);
+          log.WriteChart();
+        });
       }
       std::string line =
           console_.Bold(StringPrintf("epoch %lld/%lld", static_cast<long long>(epoch_number),
@@ -705,25 +758,27 @@ RunResult Run::Go() {
       Say(line);
       if (c_.ddp_stats && !stats.empty()) Say(console_.Dim("  ddp: " + stats));
     }
+    // The vote still in flight: its outcome no longer matters, but every
+    // rank has it in flight and waits for it.
+    par_.FinishStopVote();
     if (opt_.evaluate && signal == 0 && !last_eval_) {
       // Nothing left to train (a resumed finished run): still report accuracy.
-      RecordEvaluation(Evaluate());
+      if (!RecordEvaluation(Evaluate(), pos_.epoch + 1)) signal = StopNow();
     }
   } catch (const JobError&) {
-    // Ranks stop one by one on Ctrl-C; a rank still inside a collective
-    // sees its peer leave, perhaps just before its own signal arrives (the
-    // launcher forwards it to one rank after the other; srun and mpirun may
-    // be slower). That is the interruption, not a new failure.
+    // The ranks agree to stop together, but a rank signalled twice, or
+    // killed when the launcher's grace ran out, leaves at once: a rank still
+    // inside a collective sees its peer leave, perhaps just before its own
+    // signal arrives. That is the interruption, not a new failure.
     if (!AwaitStopSignal(std::chrono::seconds(1))) throw;
     signal = StopSignal();
     last_checkpoint_step_ = pos_.step;  // the state may be mid-step: do not save it
   }
 
   if (signal != 0) {
-    // Rank 0's replica after its last complete step equals every rank's, so
-    // it alone can save a consistent checkpoint (not with --zero: its
-    // optimizer holds one shard).
-    SaveCheckpoint(/*every_rank=*/false);
+    // The ranks agreed to stop at this step boundary (after a JobError
+    // nothing is saved: see above).
+    SaveCheckpoint();
     if (lead_) {
       std::string where = StringPrintf("stopped by %s at epoch %lld, step %lld",
                                        signal == SIGINT ? "Ctrl-C" : sigabbrev_np(signal),

@@ -25,9 +25,14 @@ struct RunOptions {
   bool print_result = true;               ///< The final RESULT line.
   /// Evaluate on the test set (benchmarks turn it off; test_acc is then NaN).
   bool evaluate = true;
-  /// Set (to the signal number) by a SIGINT/SIGTERM handler: the run stops
-  /// at the next step boundary and rank 0 saves a checkpoint there.
+  /// Set (to the signal number) by a SIGINT/SIGTERM/SIGHUP handler: the
+  /// ranks agree to stop at the same step boundary, one step after the
+  /// signal reached one of them, and rank 0 saves a checkpoint there.
   const std::atomic<int>* stop = nullptr;
+  /// This rank's place among its node's ranks (LOCAL_RANK, SLURM_LOCALID,
+  /// OMPI_COMM_WORLD_LOCAL_RANK): --device=cuda uses GPU local_rank modulo
+  /// the visible GPUs.
+  int local_rank = 0;
   /// When the process started (wall_s counts from here); default: Train's start.
   std::optional<std::chrono::steady_clock::time_point> start_time;
 };

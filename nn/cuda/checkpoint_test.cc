@@ -10,11 +10,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "nn/cuda/cuda.h"
+#include "nn/cuda/stream.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/models.h"
 #include "nn/optim/adam.h"
@@ -112,6 +114,31 @@ TEST(CudaCheckpointTest, DeviceMapSendsEachSavedDeviceToItsTarget) {
     EXPECT_EQ(t.metadata.count(io::kDevicesKey), 0u);
   }
   std::remove(path.c_str());
+}
+
+// A device map or target past the visible GPUs fails before the file is
+// read, naming the entry.
+TEST(CudaCheckpointTest, DeviceThatDoesNotExistIsRefusedBeforeTheFileIsRead) {
+  Init();
+  const std::string missing = "cuda:" + std::to_string(DeviceCount());
+  const std::string path = TmpPath("never_written.safetensors");
+  auto error_of = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "(no std::invalid_argument)";
+  };
+  const std::string by_map =
+      error_of([&] { io::LoadTensors(path, {.device_map = {{"cuda:0", missing}}}); });
+  EXPECT_NE(by_map.find("device_map entry \"cuda:0\" -> \"" + missing + "\""), std::string::npos)
+      << by_map;
+  EXPECT_NE(by_map.find(missing + " does not exist"), std::string::npos) << by_map;
+  const std::string by_device =
+      error_of([&] { io::LoadTensors(path, {.device = Device::Parse(missing)}); });
+  EXPECT_NE(by_device.find("LoadOptions::device: " + missing + " does not exist"), std::string::npos)
+      << by_device;
 }
 
 TEST(CudaCheckpointTest, OptimizerStateSavedOnCuda0ResumesOnTheCpu) {

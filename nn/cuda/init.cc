@@ -19,6 +19,7 @@ void Init() {
     backend.copy_strided = &CopyStrided;
     backend.synchronize = &Synchronize;
     backend.fill = &Fill;
+    backend.device_count = &DeviceCount;
     RegisterDeviceBackend(DeviceType::kCUDA, backend);
     ops::RegisterKernels(DeviceType::kCUDA, CudaKernelTable());
     RegisterOptimKernels();

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace ddp::nn::io {
 namespace {
@@ -14,6 +15,20 @@ constexpr char kOptimPrefix[] = "optim.";
 
 bool StartsWith(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
+}
+
+// Throws (naming `what`) when `device`'s index is past the devices of its
+// type that this process sees.
+void CheckDeviceIndex(Device device, const std::string& what) {
+  if (device.is_cpu()) return;
+  const DeviceBackend& backend = GetDeviceBackend(device);
+  if (backend.device_count == nullptr) return;
+  const int count = backend.device_count();
+  if (device.index >= count) {
+    throw std::invalid_argument(what + ": " + device.ToString() + " does not exist; this process sees " +
+                                std::to_string(count) + (count == 1 ? " device" : " devices") +
+                                " of its type");
+  }
 }
 
 // The device map's entries parsed and checked, before any file is read.
@@ -32,6 +47,7 @@ std::vector<std::pair<Device, Device>> ParseDeviceMap(const std::map<std::string
       throw std::invalid_argument(entry + ": no backend for " + t.ToString() +
                                   " in this process (CUDA needs a build with --config=cuda and nn::cuda::Init())");
     }
+    CheckDeviceIndex(t, entry);
     for (const auto& [pf, pt] : out) {
       if (pf == f) {
         throw std::invalid_argument(entry + ": " + f.ToString() + " is mapped twice (also to " + pt.ToString() + ")");
@@ -57,10 +73,10 @@ std::unordered_map<std::string, Device> SavedDevices(const std::string& path, co
   } catch (const std::exception& e) {
     throw CheckpointError(path + ": metadata `" + kDevicesKey + "` is malformed: " + e.what());
   }
+  std::unordered_set<std::string_view> held;
+  for (const TensorEntry& e : file.tensors()) held.insert(e.name);
   for (const auto& [name, dev] : out) {
-    bool found = false;
-    for (const TensorEntry& e : file.tensors()) found = found || e.name == name;
-    if (!found) {
+    if (held.count(name) == 0) {
       throw CheckpointError(path + ": metadata `" + kDevicesKey + "` names tensor `" + name +
                             "`, which the file does not hold");
     }
@@ -132,8 +148,9 @@ namespace {
 std::vector<std::pair<Device, Device>> CheckOptions(const LoadOptions& options) {
   std::vector<std::pair<Device, Device>> map = ParseDeviceMap(options.device_map);
   if (!options.device.is_cpu()) {
-    // Fails here, before any work, when the device has no backend.
-    (void)GetDeviceBackend(options.device);
+    // Fails here, before any work, when the device has no backend or
+    // does not exist.
+    CheckDeviceIndex(options.device, "LoadOptions::device");
   }
   return map;
 }

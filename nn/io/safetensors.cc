@@ -378,7 +378,33 @@ std::string SafetensorsFile::ReadBytes(const std::string& path) {
     throw CheckpointError(path + ": cannot stat: " + std::strerror(errno));
   }
   if (!S_ISREG(st.st_mode)) throw CheckpointError(path + ": not a regular file");
-  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size >= 8) {
+    // The header's length first: a file that is no safetensors file at all
+    // (a dataset archive given by mistake) is refused before its whole size
+    // is allocated. Parse checks the rest.
+    unsigned char length[8];
+    if (std::fread(length, 1, 8, f.get()) != 8) {
+      throw CheckpointError(path + ": cannot read its first 8 bytes: " + std::strerror(errno));
+    }
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
+    if (n > size - 8 || n > kMaxHeaderBytes) {
+      throw CheckpointError(path + ": header length " + std::to_string(n) + " exceeds " +
+                            (n > size - 8 ? "the " + std::to_string(size - 8) +
+                                                " bytes after the length field"
+                                          : "the limit of " + std::to_string(kMaxHeaderBytes) +
+                                                " bytes") +
+                            " (truncated, or not a safetensors file)");
+    }
+    std::rewind(f.get());
+  }
+  std::string bytes;
+  try {
+    bytes.resize(static_cast<size_t>(size));
+  } catch (const std::bad_alloc&) {
+    throw CheckpointError(path + ": cannot hold its " + std::to_string(size) + " bytes in memory");
+  }
   const size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
   if (got != bytes.size()) {
     // A short read without an error is a file that shrank since fstat.

@@ -496,6 +496,35 @@ TEST(SafetensorsErrors, WriterRejectsReservedNames) {
   EXPECT_THROW(SerializeSafetensors({{"\xff", StDtype::kF32, {}, &a, 4}}), std::invalid_argument);
 }
 
+// A large file that is no safetensors file (a dataset archive given as the
+// checkpoint): refused from its first 8 bytes, before its size is allocated.
+// The file is sparse: 64 GiB on paper, a few bytes on disk.
+TEST(SafetensorsErrors, LargeFileThatIsNotSafetensorsIsRefusedBeforeItIsRead) {
+  const std::string path = TmpDir("st_large") + "/archive.tar";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    std::fputs("ustar\x7f\x7f\x7f", f);  // 8 bytes: a length of about 9e18
+    std::fclose(f);
+    ASSERT_EQ(::truncate(path.c_str(), int64_t{64} << 30), 0);
+  }
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }),
+              AllOf(HasSubstr(path), HasSubstr("header length"),
+                    HasSubstr("exceeds the 68719476728 bytes after the length field"),
+                    HasSubstr("not a safetensors file")));
+  // A plausible length past the header limit: refused as well.
+  {
+    std::FILE* f = std::fopen(path.c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    const uint64_t n = kMaxHeaderBytes + 1;
+    std::fwrite(&n, 8, 1, f);
+    std::fclose(f);
+  }
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }),
+              AllOf(HasSubstr("header length 100000001 exceeds the limit")));
+  std::remove(path.c_str());
+}
+
 TEST(SafetensorsErrors, MissingFile) {
   EXPECT_THAT(ErrorOf([] { SafetensorsFile::Read("/nonexistent_ddp.safetensors"); }),
               AllOf(HasSubstr("/nonexistent_ddp.safetensors"), HasSubstr("No such file")));

@@ -85,6 +85,9 @@ struct DeviceBackend {
   /// *value, one element of dst's dtype in host memory, stored bit for bit.
   /// Optional: without it, Fill copies from a host buffer.
   void (*fill)(const Tensor& dst, const void* value) = nullptr;
+  /// Devices of this type visible to the process. Optional: without it,
+  /// indices are checked when a device is first used.
+  int (*device_count)() = nullptr;
 };
 
 /// Installs the backend of a device type (replacing any previous one).
