@@ -2,7 +2,11 @@
 
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <map>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "ddp/distributed_data_parallel.h"
 
@@ -34,10 +38,17 @@ nn::modules::Module& Unwrap(nn::modules::Module& model) {
 }  // namespace
 
 nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
-                                  const nn::optim::Optimizer* optimizer, nn::io::Metadata metadata) {
+                                  const nn::optim::Optimizer* optimizer, nn::io::Metadata metadata,
+                                  const nn::optim::LrScheduler* scheduler,
+                                  const nn::optim::GradScaler* scaler) {
   nn::io::Checkpoint c;
   c.model = Unwrap(model).GetStateDict();
   if (optimizer != nullptr) c.optimizer = optimizer->StateDict();
+  auto append = [&c](const nn::optim::NamedTensors& part) {
+    c.optimizer.insert(c.optimizer.end(), part.begin(), part.end());
+  };
+  if (scheduler != nullptr) append(scheduler->StateDict());
+  if (scaler != nullptr) append(scaler->StateDict());
   c.metadata = std::move(metadata);
   return c;
 }
@@ -169,10 +180,87 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   return checkpoint;
 }
 
+namespace {
+
+// Which component of RestoreCheckpoint takes a key of checkpoint.optimizer.
+enum class Owner { kOptimizer, kScheduler, kScaler, kNone };
+
+Owner OwnerOf(const std::string& key) {
+  if (key == "lr" || key.rfind("state.", 0) == 0) return Owner::kOptimizer;
+  if (key.rfind("scheduler.", 0) == 0) return Owner::kScheduler;
+  if (key.rfind("scaler.", 0) == 0) return Owner::kScaler;
+  return Owner::kNone;
+}
+
+// "`a`, `b`, `c` and 4 more": a parameter-by-parameter optimizer state can
+// hold hundreds of keys; the first few say what it is.
+std::string KeyList(const std::vector<std::string>& keys) {
+  constexpr size_t kShown = 4;
+  std::string out;
+  for (size_t i = 0; i < keys.size() && i < kShown; ++i) out += (i ? ", `" : "`") + keys[i] + "`";
+  if (keys.size() > kShown) out += " and " + std::to_string(keys.size() - kShown) + " more";
+  return out;
+}
+
+}  // namespace
+
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer) {
-  Unwrap(model).LoadStateDict(checkpoint.model, /*strict=*/true);
+                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
+                       nn::optim::GradScaler* scaler) {
+  nn::modules::Module& target = Unwrap(model);
+  // Everything is checked before anything is copied: a failure on the
+  // optimizer's part must not leave the model's weights replaced.
+  std::vector<std::string> problems;
+  std::map<Owner, std::vector<std::string>> unused;
+  for (const auto& [key, t] : checkpoint.optimizer) {
+    const Owner owner = OwnerOf(key);
+    if ((owner == Owner::kOptimizer && optimizer == nullptr) || (owner == Owner::kScheduler && scheduler == nullptr) ||
+        (owner == Owner::kScaler && scaler == nullptr) || owner == Owner::kNone) {
+      unused[owner].push_back(key);
+    }
+  }
+  for (const auto& [owner, keys] : unused) {
+    switch (owner) {
+      case Owner::kOptimizer:
+        problems.push_back("the checkpoint holds optimizer state (" + KeyList(keys) +
+                           ") and no optimizer was given: pass `optimizer`");
+        break;
+      case Owner::kScheduler:
+        problems.push_back("the checkpoint holds learning-rate scheduler state (" + KeyList(keys) +
+                           ") and no scheduler was given: pass `scheduler`");
+        break;
+      case Owner::kScaler:
+        problems.push_back("the checkpoint holds GradScaler state (" + KeyList(keys) +
+                           ") and no scaler was given: pass `scaler`");
+        break;
+      case Owner::kNone:
+        problems.push_back("optimizer-list keys that no component takes (" + KeyList(keys) +
+                           "): the optimizer takes `lr` and `state.*`, the scheduler `scheduler.*`, "
+                           "the scaler `scaler.*`");
+        break;
+    }
+  }
+  auto check = [&problems](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      problems.push_back(e.what());
+    }
+  };
+  check([&] { target.CheckStateDict(checkpoint.model, /*strict=*/true); });
+  if (optimizer != nullptr) check([&] { optimizer->CheckStateDict(checkpoint.optimizer); });
+  if (scheduler != nullptr) check([&] { scheduler->CheckStateDict(checkpoint.optimizer); });
+  if (scaler != nullptr) check([&] { scaler->CheckStateDict(checkpoint.optimizer); });
+  if (!problems.empty()) {
+    std::string msg = "RestoreCheckpoint: nothing was restored, " + std::to_string(problems.size()) + " problem(s):";
+    for (const std::string& p : problems) msg += "\n  " + p;
+    throw std::invalid_argument(msg);
+  }
+  target.LoadStateDict(checkpoint.model, /*strict=*/true);
+  // The optimizer before the scheduler, which sets the lr for its step.
   if (optimizer != nullptr) optimizer->LoadStateDict(checkpoint.optimizer);
+  if (scheduler != nullptr) scheduler->LoadStateDict(checkpoint.optimizer);
+  if (scaler != nullptr) scaler->LoadStateDict(checkpoint.optimizer);
 }
 
 }  // namespace ddp::dist

@@ -6,30 +6,38 @@
 // rank reads. Both are collective so that a failure on one rank becomes the
 // same error on every rank instead of a hang at the next collective.
 //
-//   // save (every rank calls it; only rank 0 touches the disk)
-//   dist::SaveCheckpoint(pg, path, dist::MakeCheckpoint(*model, &opt, {{"step", "120"}}));
+//   // save (every rank calls it; only rank 0 touches the disk); the
+//   // scheduler and the scaler are optional
+//   dist::SaveCheckpoint(pg, path, dist::MakeCheckpoint(*model, &opt, {{"step", "120"}}, &sched, &scaler));
 //   // resume (every rank; LoadCheckpointFromRank when only rank 0 has the file)
 //   nn::io::Checkpoint c = dist::LoadCheckpoint(pg, path);
-//   dist::RestoreCheckpoint(c, *model, &opt);
+//   dist::RestoreCheckpoint(c, *model, &opt, &sched, &scaler);
 //
 // The model is the wrapped module (a DistributedDataParallel is unwrapped
 // automatically, so keys never carry its "module." prefix and a checkpoint
-// loads into a plain model too). Format: nn/io/checkpoint.h.
+// loads into a plain model too). The optimizer, scheduler and scaler share
+// the checkpoint's optimizer list ("lr" and "state.*", "scheduler.*",
+// "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
 
 #include <string>
 
 #include "ddp/process_group.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/module.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/lr_scheduler.h"
 #include "nn/optim/optimizer.h"
 
 namespace ddp::dist {
 
-/// The model's state dict and the optimizer's state (optimizer may be
-/// null), sharing the model's tensors (no copy).
+/// The model's state dict (sharing the model's tensors, no copy) and, in
+/// checkpoint.optimizer, the optimizer's state followed by the scheduler's
+/// and the scaler's (each may be null: nothing of it is saved).
 nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::Optimizer* optimizer,
-                                  nn::io::Metadata metadata = {});
+                                  nn::io::Metadata metadata = {},
+                                  const nn::optim::LrScheduler* scheduler = nullptr,
+                                  const nn::optim::GradScaler* scaler = nullptr);
 
 /// Collective. Rank 0 writes `checkpoint` to `path` atomically; the others
 /// wait for it. Every rank throws the same error when rank 0 failed. The
@@ -58,9 +66,19 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
                                           const nn::io::LoadOptions& options = {});
 
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
-/// must match, see Module::LoadStateDict) and the optimizer (may be null).
+/// must match, see Module::LoadStateDict), the optimizer, then the
+/// scheduler (which sets the optimizer's lr for its restored step) and the
+/// scaler; each of the last three may be null. All or nothing: every part
+/// is checked before anything changes, and one std::invalid_argument lists
+/// every problem. A key of checkpoint.optimizer that no given component
+/// takes is a problem too, naming the argument to pass: optimizer state
+/// ("lr", "state.*") without an optimizer, "scheduler.*" without a
+/// scheduler, "scaler.*" without a scaler, or keys none of them takes. (A
+/// sharded optimizer loads its own state: clear checkpoint.optimizer in a
+/// copy to restore the model alone.)
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer);
+                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
+                       nn::optim::GradScaler* scaler = nullptr);
 
 }  // namespace ddp::dist
 

@@ -11,17 +11,25 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/grad_scaler.h"
+#include "nn/optim/lr_scheduler.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::dist {
@@ -29,6 +37,8 @@ namespace {
 
 using nn::Tensor;
 using testing::RunWorkers;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 constexpr int64_t kBatch = 8;
 
@@ -220,6 +230,146 @@ TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
   const std::string dir = TempDir();
   auto run = RunWorkers("from_rank", 2, {{"DDP_TEST_CKPT", dir}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------ all or nothing ----
+
+// Every byte of the model's parameters and buffers.
+std::vector<std::string> StateBytes(const nn::modules::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : m.GetStateDict()) {
+    const Tensor c = t.Detach().Contiguous();
+    out.emplace_back(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  }
+  return out;
+}
+
+std::vector<std::string> StateBytes(const nn::optim::NamedTensors& state) {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : state) {
+    const Tensor c = t.Detach().Contiguous();
+    out.emplace_back(name + "=" + std::string(static_cast<const char*>(c.data_ptr()), c.nbytes()));
+  }
+  return out;
+}
+
+// One real training step of a plain model, the loss scaled by `scaler`.
+void ScaledStep(nn::modules::Module& model, nn::optim::Optimizer& opt, nn::optim::GradScaler& scaler, int step) {
+  auto [x, y] = testing::Batch(testing::FashionMnist(), step * kBatch, kBatch);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(model(x), y) * scaler.scale());
+  scaler.Step(opt);
+  scaler.Update();
+}
+
+std::string RestoreError(const std::function<void()>& restore) {
+  try {
+    restore();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Before, the model's weights were copied first and the optimizer's load
+// threw after them: a half-restored model.
+TEST(DdpCheckpointTest, MissingOrForeignOptimizerStateThrowsAndLeavesTheModelUnchanged) {
+  auto saved = Mlp(1);
+  nn::optim::Adam adam(saved->NamedParameters(), {.lr = 1e-3});
+  nn::optim::GradScaler unit({.init_scale = 1});
+  ScaledStep(*saved, adam, unit, 0);
+
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const std::vector<std::string> before = StateBytes(*model);
+  ASSERT_TRUE(before != StateBytes(*saved));  // a restore would change them
+
+  // Saved without optimizer state.
+  std::string err = RestoreError([&] { RestoreCheckpoint(MakeCheckpoint(*saved, nullptr), *model, &opt); });
+  EXPECT_THAT(err, AllOf(HasSubstr("nothing was restored"), HasSubstr("SGD.LoadStateDict"), HasSubstr("missing `lr`")));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  // Another optimizer's state (Adam's slots).
+  err = RestoreError([&] { RestoreCheckpoint(MakeCheckpoint(*saved, &adam), *model, &opt); });
+  EXPECT_THAT(err, HasSubstr("unexpected `state.1.weight.exp_avg`"));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_EQ(opt.lr(), 0.05);
+  EXPECT_EQ(opt.step_count(0), 0);
+}
+
+// Before, keys no argument took were dropped: a resumed run's scheduler
+// restarted at step 0.
+TEST(DdpCheckpointTest, StateThatNoArgumentTakesIsAnErrorNamingTheArgument) {
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::optim::LrScheduler sched(saved_opt, nn::optim::StepSchedule(1, 0.5));
+  nn::optim::GradScaler scaler({.init_scale = 1024});
+  for (int s = 0; s < 2; ++s) {
+    ScaledStep(*saved, saved_opt, scaler, s);
+    sched.Step();
+  }
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const std::vector<std::string> before = StateBytes(*model);
+
+  std::string err =
+      RestoreError([&] { RestoreCheckpoint(MakeCheckpoint(*saved, &saved_opt, {}, &sched), *model, &opt); });
+  EXPECT_THAT(err, AllOf(HasSubstr("`scheduler.step`"), HasSubstr("`scheduler.base_lr`"),
+                         HasSubstr("pass `scheduler`")));
+  err = RestoreError(
+      [&] { RestoreCheckpoint(MakeCheckpoint(*saved, &saved_opt, {}, nullptr, &scaler), *model, &opt); });
+  EXPECT_THAT(err, AllOf(HasSubstr("`scaler.scale`"), HasSubstr("pass `scaler`")));
+  err = RestoreError([&] { RestoreCheckpoint(MakeCheckpoint(*saved, &saved_opt), *model, nullptr); });
+  EXPECT_THAT(err, AllOf(HasSubstr("optimizer state (`lr`, `state.1.weight.step`"), HasSubstr("more)"),
+                         HasSubstr("pass `optimizer`")));
+  nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt);
+  c.optimizer.emplace_back("ema.decay", nn::Zeros({}));
+  err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt); });
+  EXPECT_THAT(err, HasSubstr("keys that no component takes (`ema.decay`)"));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_EQ(opt.lr(), 0.05);
+  EXPECT_EQ(opt.step_count(0), 0);
+}
+
+TEST(DdpCheckpointTest, SchedulerAndScalerRoundTripThroughAFile) {
+  auto model = Mlp(1);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  nn::optim::LrScheduler sched(opt, nn::optim::StepSchedule(2, 0.5));
+  nn::optim::GradScaler scaler({.init_scale = 1024, .growth_interval = 2});
+  for (int s = 0; s < 3; ++s) {
+    ScaledStep(*model, opt, scaler, s);
+    sched.Step();
+  }
+  // Not the defaults: the scale grew once, the lr decayed once.
+  ASSERT_EQ(scaler.scale(), 2048.0);
+  ASSERT_EQ(scaler.growth_tracker(), 1);
+  ASSERT_EQ(sched.step_count(), 3);
+  ASSERT_EQ(opt.lr(), 0.05);
+  const std::string path = TempDir() + "/c.safetensors";
+  nn::io::SaveCheckpoint(path, MakeCheckpoint(*model, &opt, {{"step", "3"}}, &sched, &scaler));
+
+  auto resumed = Mlp(99);
+  nn::optim::Sgd resumed_opt(resumed->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  nn::optim::LrScheduler resumed_sched(resumed_opt, nn::optim::StepSchedule(2, 0.5));
+  nn::optim::GradScaler resumed_scaler({.init_scale = 1024, .growth_interval = 2});
+  RestoreCheckpoint(nn::io::LoadCheckpoint(path), *resumed, &resumed_opt, &resumed_sched, &resumed_scaler);
+  EXPECT_EQ(resumed_sched.step_count(), 3);
+  EXPECT_EQ(resumed_sched.base_lr(), 0.1);
+  EXPECT_EQ(resumed_opt.lr(), 0.05);
+  EXPECT_EQ(resumed_scaler.scale(), 2048.0);
+  EXPECT_EQ(resumed_scaler.growth_tracker(), 1);
+  EXPECT_TRUE(StateBytes(*resumed) == StateBytes(*model)) << "the models differ";
+  EXPECT_TRUE(StateBytes(resumed_opt.StateDict()) == StateBytes(opt.StateDict())) << "the optimizer states differ";
+  // Both continue alike: the lr decays at step 4, the scale grows at the
+  // second good step.
+  for (int s = 3; s < 5; ++s) {
+    ScaledStep(*model, opt, scaler, s);
+    sched.Step();
+    ScaledStep(*resumed, resumed_opt, resumed_scaler, s);
+    resumed_sched.Step();
+  }
+  EXPECT_EQ(resumed_opt.lr(), 0.025);
+  EXPECT_EQ(resumed_scaler.scale(), 4096.0);
+  EXPECT_TRUE(StateBytes(*resumed) == StateBytes(*model)) << "the models differ";
 }
 
 // --------------------------------------------------------- killed rank ----

@@ -197,8 +197,12 @@ StateDict Module::GetStateDict() const {
   return out;
 }
 
-void Module::LoadStateDict(const StateDict& state, bool strict) {
-  const StateDict mine = GetStateDict();
+namespace {
+
+// LoadStateDict's checks: the (destination, source) pairs it copies, or
+// throws listing every offender.
+std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& state, bool strict) {
+  const StateDict mine = module.GetStateDict();
   std::vector<std::string> missing, unexpected, mismatched;
   std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, source)
   std::set<std::string> given_names;
@@ -234,7 +238,8 @@ void Module::LoadStateDict(const StateDict& state, bool strict) {
     }
   }
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
-    std::string msg = "LoadStateDict into " + (FullName().empty() ? ShortRepr() : Describe()) + " failed:";
+    std::string msg = "LoadStateDict into " + (module.FullName().empty() ? module.ShortRepr() : module.Describe()) +
+                      " failed:";
     auto list = [&msg](const char* what, const std::vector<std::string>& v) {
       if (v.empty()) return;
       msg += std::string("\n  ") + what + " (" + std::to_string(v.size()) + "):";
@@ -245,6 +250,15 @@ void Module::LoadStateDict(const StateDict& state, bool strict) {
     list("shape or dtype mismatches", mismatched);
     throw std::invalid_argument(msg);
   }
+  return copies;
+}
+
+}  // namespace
+
+void Module::CheckStateDict(const StateDict& state, bool strict) const { PlanLoad(*this, state, strict); }
+
+void Module::LoadStateDict(const StateDict& state, bool strict) {
+  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, state, strict);
   NoGradGuard guard;
   for (auto& [dst, src] : copies) dst.CopyFrom(src);
 }

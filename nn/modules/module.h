@@ -92,6 +92,10 @@ class Module {
   /// only matching names are copied, and shape or floating/integer
   /// mismatches are still errors.
   void LoadStateDict(const StateDict& state, bool strict = true);
+  /// The checks of LoadStateDict alone: throws its error for a state it
+  /// would refuse, and copies nothing (to check every part of a checkpoint
+  /// before loading any).
+  void CheckStateDict(const StateDict& state, bool strict = true) const;
 
   /// Sets training mode on this module and every descendant.
   void Train(bool on = true);

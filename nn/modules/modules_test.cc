@@ -140,6 +140,7 @@ TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   bad[2].second = Zeros({64}, {.dtype = DType::kInt64});   // integer values for 3.bias
   const std::vector<float> before = b->GetStateDict()[0].second.ToVector<float>();
   const std::string err = ErrorOf([&] { b->LoadStateDict(bad); });
+  EXPECT_EQ(ErrorOf([&] { b->CheckStateDict(bad); }), err);  // the same checks, alone
   EXPECT_NE(err.find("missing keys (1): `0.bias`"), std::string::npos) << err;
   EXPECT_NE(err.find("unexpected keys (1): `extra.weight`"), std::string::npos) << err;
   EXPECT_NE(err.find("`3.weight`: expected [64, 32, 3, 3] f32, got [64, 32, 3, 2] f32"), std::string::npos) << err;
@@ -148,6 +149,9 @@ TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
             std::string::npos)
       << err;
   EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>(), before);  // nothing half-loaded
+  ManualSeed(3);
+  EXPECT_EQ(ErrorOf([&] { b->CheckStateDict(MakeCnn()->GetStateDict()); }), "");  // checked, not copied
+  EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>(), before);
   // Not strict: missing and unexpected keys are skipped, the rest is loaded.
   StateDict partial = {{"0.weight", Zeros({32, 1, 3, 3})}, {"other", Zeros({1})}};
   b->LoadStateDict(partial, /*strict=*/false);

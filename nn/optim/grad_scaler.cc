@@ -174,7 +174,15 @@ NamedTensors GradScaler::StateDict() const {
           {"scaler.growth_tracker", FromVectorOf<int64_t>({growth_tracker_}, {})}};
 }
 
-void GradScaler::LoadStateDict(const NamedTensors& state) {
+namespace {
+
+struct ScalerState {
+  float scale;
+  int64_t growth_tracker;
+};
+
+// The checks of LoadStateDict: the state it would load, or throws.
+ScalerState ReadScalerState(const NamedTensors& state) {
   const Tensor* scale = nullptr;
   const Tensor* tracker = nullptr;
   for (const auto& [k, t] : state) {
@@ -192,8 +200,17 @@ void GradScaler::LoadStateDict(const NamedTensors& state) {
   if (!(s > 0) || !std::isfinite(s)) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");
   }
-  scale_ = s;
-  growth_tracker_ = tracker->To(kCPU).data<int64_t>()[0];
+  return {s, tracker->To(kCPU).data<int64_t>()[0]};
+}
+
+}  // namespace
+
+void GradScaler::CheckStateDict(const NamedTensors& state) const { ReadScalerState(state); }
+
+void GradScaler::LoadStateDict(const NamedTensors& state) {
+  const ScalerState s = ReadScalerState(state);
+  scale_ = s.scale;
+  growth_tracker_ = s.growth_tracker;
   found_inf_ = false;
   device_flag_pending_ = false;
   stage_ = Stage::kReady;

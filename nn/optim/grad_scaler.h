@@ -63,7 +63,11 @@ class GradScaler {
   /// "scaler.scale" (f32 scalar) and "scaler.growth_tracker" (i64 scalar).
   NamedTensors StateDict() const;
   /// Restores StateDict's keys from a list that may hold other keys.
+  /// Throws std::invalid_argument naming a missing or malformed key (or an
+  /// unexpected "scaler." one), changing nothing.
   void LoadStateDict(const NamedTensors& state);
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  void CheckStateDict(const NamedTensors& state) const;
 
  private:
   enum class Stage { kReady, kUnscaled, kStepped };

@@ -138,7 +138,15 @@ NamedTensors LrScheduler::StateDict() const {
           {"scheduler.base_lr", FromVector({base_lr_}, {}, {.dtype = DType::kFloat64})}};
 }
 
-void LrScheduler::LoadStateDict(const NamedTensors& state) {
+namespace {
+
+struct SchedulerState {
+  int64_t step;
+  double base_lr;
+};
+
+// The checks of LoadStateDict: the state it would load, or throws.
+SchedulerState ReadSchedulerState(const NamedTensors& state) {
   const Tensor* step = nullptr;
   const Tensor* base = nullptr;
   for (const auto& [k, t] : state) {
@@ -154,8 +162,17 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
   }
   const int64_t t = step->To(kCPU).data<int64_t>()[0];
   if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
-  t_ = t;
-  base_lr_ = base->Item();
+  return {t, base->Item()};
+}
+
+}  // namespace
+
+void LrScheduler::CheckStateDict(const NamedTensors& state) const { ReadSchedulerState(state); }
+
+void LrScheduler::LoadStateDict(const NamedTensors& state) {
+  const SchedulerState s = ReadSchedulerState(state);
+  t_ = s.step;
+  base_lr_ = s.base_lr;
   target_.set(schedule_->Lr(base_lr_, t_));
 }
 

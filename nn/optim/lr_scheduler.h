@@ -68,8 +68,10 @@ class LrScheduler {
   NamedTensors StateDict() const;
   /// Restores from a list that may hold other components' keys; sets the lr
   /// for the restored step. Throws std::invalid_argument naming a missing
-  /// or malformed key.
+  /// or malformed key; changes nothing then.
   void LoadStateDict(const NamedTensors& state);
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  void CheckStateDict(const NamedTensors& state) const;
 
  private:
   LrTarget target_;

@@ -364,8 +364,19 @@ NamedTensors Optimizer::StateDict() const {
   return out;
 }
 
-void Optimizer::LoadStateDict(const NamedTensors& state) {
+// What a checked state loads: its "lr" and "state." entries by key, each
+// parameter's step (0: no state) and the learning rate.
+struct Optimizer::LoadPlan {
   std::map<std::string, Tensor> given;
+  std::vector<int64_t> steps;
+  double lr = 0;
+};
+
+void Optimizer::CheckStateDict(const NamedTensors& state) const { PlanLoad(state); }
+
+Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
+  LoadPlan plan;
+  std::map<std::string, Tensor>& given = plan.given;
   for (const auto& [k, t] : state) {
     if (k == "lr" || k.rfind("state.", 0) == 0) given[k] = t;
   }
@@ -389,7 +400,8 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     check("lr", lr_it->second, {}, DType::kFloat64, false);
   }
   std::set<std::string> expected = {"lr"};
-  std::vector<int64_t> new_steps(params_.size(), 0);
+  std::vector<int64_t>& new_steps = plan.steps;
+  new_steps.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i].second;
     const std::string prefix = "state." + params_[i].first + ".";
@@ -446,8 +458,16 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
     for (size_t i = 0; i < problems.size(); ++i) os << (i ? "; " : "") << problems[i];
     throw std::invalid_argument(os.str());
   }
+  plan.lr = lr_it->second.Item();
+  return plan;
+}
+
+void Optimizer::LoadStateDict(const NamedTensors& state) {
+  const LoadPlan plan = PlanLoad(state);
+  const std::map<std::string, Tensor>& given = plan.given;
+  const std::vector<int64_t>& new_steps = plan.steps;
   // Everything checked: now replace the state.
-  lr_ = lr_it->second.Item();
+  lr_ = plan.lr;
   for (size_t i = 0; i < params_.size(); ++i) {
     steps_[i] = new_steps[i];
     state_[i] = State();

@@ -110,6 +110,10 @@ class Optimizer {
   /// buffer) take a state without them, and one with slots their options do
   /// not keep (see SlotRules).
   void LoadStateDict(const NamedTensors& state);
+  /// The checks of LoadStateDict alone: throws its std::invalid_argument
+  /// for a state it would refuse, and changes nothing (to check every part
+  /// of a checkpoint before loading any).
+  void CheckStateDict(const NamedTensors& state) const;
 
  protected:
   /// What LoadStateDict accepts beyond the slots an optimizer keeps.
@@ -172,6 +176,10 @@ class Optimizer {
     std::weak_ptr<Storage> synced_storage;
     uint64_t synced_version = 0;
   };
+
+  struct LoadPlan;
+  /// LoadStateDict's checks; what it loads, or throws listing every problem.
+  LoadPlan PlanLoad(const NamedTensors& state) const;
 
   DType ComputeDType(size_t i) const;
   /// The state of parameter i as its current device and dtype need it (a

@@ -170,6 +170,43 @@ TEST(OptimizerState, BadStateListsEveryProblemAndChangesNothing) {
   }
 }
 
+std::string ErrorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// CheckStateDict: LoadStateDict's checks alone, so that a caller restoring
+// several components can check them all before loading any.
+TEST(OptimizerState, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(p, {.lr = 0.1, .momentum = 0.9});
+  TrainSteps(p, opt, 0, 1);
+  NamedTensors bad = opt.StateDict();
+  bad.erase(bad.begin());                                     // "lr"
+  bad.emplace_back("state.fc.bias.momentum_buffer", Zeros({3}));  // repeated, wrong shape
+  const std::string checked = ErrorOf([&] { opt.CheckStateDict(bad); });
+  EXPECT_THAT(checked, AllOf(HasSubstr("SGD.LoadStateDict: "), HasSubstr("missing `lr`"),
+                             HasSubstr("`state.fc.bias.momentum_buffer` is f32 [3], expected f32 [8]")));
+  EXPECT_EQ(checked, ErrorOf([&] { opt.LoadStateDict(bad); }));
+  // A good state from elsewhere (two steps, another lr) is only checked.
+  NamedParameters q = MakeParams(DType::kFloat32, 2);
+  Sgd other(q, {.lr = 0.5, .momentum = 0.9});
+  TrainSteps(q, other, 0, 2);
+  const NamedTensors before = opt.StateDict();
+  EXPECT_EQ(ErrorOf([&] { opt.CheckStateDict(other.StateDict()); }), "");
+  EXPECT_EQ(opt.lr(), 0.1);
+  EXPECT_EQ(opt.step_count(0), 1);
+  const NamedTensors after = opt.StateDict();
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(before[i].second.ToVector<double>(), after[i].second.ToVector<double>()) << before[i].first;
+  }
+}
+
 TEST(Optimizer, SkipsParametersWithoutGradient) {
   NamedParameters p = MakeParams(DType::kFloat32, 1);
   Sgd opt(p, {.lr = 0.1, .momentum = 0.9});
@@ -631,6 +668,37 @@ TEST(LrScheduler, StepDecayAndStateErrors) {
   EXPECT_THROW(s.LoadStateDict({}), std::invalid_argument);
   EXPECT_THROW(StepSchedule(0), std::invalid_argument);
   EXPECT_THROW(WarmupCosineSchedule(10, 5), std::invalid_argument);
+}
+
+TEST(LrScheduler, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  LrScheduler s(opt, StepSchedule(1, 0.5));
+  s.Step();
+  const NamedTensors saved = s.StateDict();
+  NamedTensors bad = saved;
+  bad[0].second = FromVectorOf<int64_t>({-1}, {});
+  const std::string checked = ErrorOf([&] { s.CheckStateDict(bad); });
+  EXPECT_THAT(checked, HasSubstr("scheduler.step -1 < 0"));
+  EXPECT_EQ(checked, ErrorOf([&] { s.LoadStateDict(bad); }));
+  EXPECT_THAT(ErrorOf([&] { s.CheckStateDict({}); }), HasSubstr("`scheduler.step`"));
+  Sgd other({{"w", w}}, {.lr = 1.0});
+  LrScheduler fresh(other, StepSchedule(1, 0.5));
+  EXPECT_EQ(ErrorOf([&] { fresh.CheckStateDict(saved); }), "");
+  EXPECT_EQ(fresh.step_count(), 0);
+  EXPECT_EQ(other.lr(), 1.0);  // loading would set 0.5
+}
+
+TEST(GradScaler, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
+  GradScaler s({.init_scale = 8});
+  NamedTensors bad = s.StateDict();
+  bad[0].second = FromVector({0.0}, {}, {.dtype = DType::kFloat32});
+  const std::string checked = ErrorOf([&] { s.CheckStateDict(bad); });
+  EXPECT_THAT(checked, HasSubstr("scaler.scale 0.000000 must be finite and > 0"));
+  EXPECT_EQ(checked, ErrorOf([&] { s.LoadStateDict(bad); }));
+  GradScaler other({.init_scale = 2});
+  EXPECT_EQ(ErrorOf([&] { s.CheckStateDict(other.StateDict()); }), "");
+  EXPECT_EQ(s.scale(), 8.0);
 }
 
 // A target other than one optimizer: a rate several optimizers share.
