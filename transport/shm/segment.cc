@@ -1,14 +1,20 @@
 #include "transport/shm/segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <random>
+#include <string_view>
 
 namespace ddp::transport::shm {
 namespace {
@@ -26,7 +32,54 @@ Status GroupFailure(int rank, const std::string& reason) {
                           ": " + reason);
 }
 
+// A segment's name lives from its creation until every rank mapped it, a
+// moment in set-up; one older than this whose creator is dead was left by
+// a job killed meanwhile. The age guards against pid namespaces: a creator
+// in another one (a container sharing this /dev/shm) may look dead here
+// while its ranks still open the name.
+constexpr time_t kStaleAfterSeconds = 30;
+
+// The creator's pid in a segment name "ddp-<pid>-<number>" (as CreateShared
+// names them), else -1.
+pid_t CreatorOf(std::string_view name) {
+  auto digits = [](std::string_view s) {
+    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!name.starts_with("ddp-")) return -1;
+  name.remove_prefix(4);
+  const size_t dash = name.find('-');
+  if (dash == std::string_view::npos || dash > 9 || !digits(name.substr(0, dash)) ||
+      !digits(name.substr(dash + 1))) {
+    return -1;
+  }
+  pid_t pid = 0;
+  std::from_chars(name.data(), name.data() + dash, pid);
+  return pid > 0 ? pid : -1;
+}
+
 }  // namespace
+
+int RemoveStaleSegments(const std::string& dir) {
+  DIR* listing = opendir(dir.c_str());
+  if (listing == nullptr) return 0;
+  int removed = 0;
+  const time_t now = std::time(nullptr);
+  while (const dirent* entry = readdir(listing)) {
+    const pid_t pid = CreatorOf(entry->d_name);
+    if (pid < 0) continue;
+    struct stat st {};
+    if (fstatat(dirfd(listing), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+        now - st.st_mtime < kStaleAfterSeconds) {
+      continue;
+    }
+    // EPERM: alive, another user's.
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+    if (unlinkat(dirfd(listing), entry->d_name, 0) == 0) ++removed;
+  }
+  closedir(listing);
+  return removed;
+}
 
 // Every rank reports its outcome in the store, rank 0 under the name key
 // (the name, or kFailed and why), the others under mapped/<rank>, and every
@@ -42,6 +95,7 @@ StatusOr<std::unique_ptr<Segment>> Segment::CreateShared(store::Store& store,
   std::string failure;  // why this rank has no mapping
   void* data = MAP_FAILED;
   if (group_rank == 0) {
+    RemoveStaleSegments();
     std::random_device random;
     name = "/ddp-" + std::to_string(getpid()) + "-" + std::to_string(random());
     const std::string path = "/dev/shm" + name;

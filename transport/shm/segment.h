@@ -4,7 +4,9 @@
 // A POSIX shared-memory segment mapped by every rank of one host. Rank 0 of
 // the group creates it under a fresh name and posts the name in the store;
 // the others map it and say so; once all have mapped it the name is
-// unlinked, so a crash later leaves nothing behind in /dev/shm.
+// unlinked, so a crash later leaves nothing behind in /dev/shm. A name
+// left by a job killed during set-up goes when a later group creates its
+// segment (RemoveStaleSegments).
 
 #include <cstddef>
 #include <memory>
@@ -15,6 +17,11 @@
 #include "transport/types.h"
 
 namespace ddp::transport::shm {
+
+/// Removes the segment names in `dir` ("ddp-<pid>-<number>", this user's)
+/// whose creator is dead (kill says ESRCH) and that are at least 30 s old;
+/// returns how many. Rank 0 of a group calls it before creating a segment.
+int RemoveStaleSegments(const std::string& dir = "/dev/shm");
 
 class Segment {
  public:

@@ -25,6 +25,8 @@ Registry& registry() {
   return *r;
 }
 
+std::atomic<uint64_t> freed_count{0};
+
 }  // namespace
 
 StatusOr<void*> AllocateShareable(size_t bytes) {
@@ -76,8 +78,12 @@ Status FreeShareable(void* ptr) {
   }
   munmap(ptr, region.size);
   close(region.fd);
+  // After the close: a peer that sees the new count finds the fd gone.
+  freed_count.fetch_add(1, std::memory_order_release);
   return Status::Ok();
 }
+
+uint64_t ShareableFreedCount() { return freed_count.load(std::memory_order_acquire); }
 
 std::optional<ShareableRegion> FindShareable(const void* ptr, size_t bytes) {
   const uint64_t p = reinterpret_cast<uint64_t>(ptr);

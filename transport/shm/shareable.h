@@ -14,7 +14,9 @@
 //
 // Thread-safe. A region stays valid until FreeShareable; peers that mapped
 // it keep their mapping (and its pages) until they evict it, so memory
-// freed here is not reused under them.
+// freed here is not reused under them. ShmAllReduce publishes
+// ShareableFreedCount with each call, and peers drop their mappings of
+// freed regions when it changes.
 
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +42,10 @@ StatusOr<void*> AllocateShareable(size_t bytes);
 /// Frees memory from AllocateShareable; null is ignored. INVALID_ARGUMENT
 /// for a pointer that AllocateShareable did not return.
 Status FreeShareable(void* ptr);
+
+/// Regions FreeShareable freed in this process so far (each counted once
+/// its memfd is closed).
+uint64_t ShareableFreedCount();
 
 /// The shareable region holding all of [ptr, ptr + bytes), if any.
 std::optional<ShareableRegion> FindShareable(const void* ptr, size_t bytes);

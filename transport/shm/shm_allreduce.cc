@@ -63,6 +63,9 @@ struct alignas(128) ShmAllReduce::Control {
     // memory instead of by cross-memory attach.
     ShareableRegion src_region;
     ShareableRegion dst_region;
+    // ShareableFreedCount() in the owner when it arrived: a peer that sees
+    // it change drops its mappings of the regions the owner freed.
+    uint64_t freed;
   } args[2];
 };
 
@@ -91,9 +94,14 @@ constexpr auto kAbandonGrace = std::chrono::milliseconds(200);
 // Writes into a peer's memory go in pieces of at most this many bytes, each
 // checked against the peer having given up.
 constexpr size_t kWritePiece = 4 << 20;
-// Peers' shareable regions kept mapped at once (see MapPeerBuffer).
+// Each peer's shareable regions kept mapped at once (see MapPeerBuffer).
+// The mappings cost address space and page tables, not memory: the owner
+// holds the pages anyway, and mappings of regions it freed go at its next
+// call (ForgetFreedRegions).
 constexpr size_t kMaxPeerMappings = 64;
 constexpr uint64_t kMaxPeerMappedBytes = uint64_t{4} << 30;
+// A full cache makes room only by evicting a region unused for this many
+// calls; otherwise the new region goes through CMA.
 constexpr uint64_t kMappingIdleCalls = 1000;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -153,12 +161,28 @@ ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& o
                            size_t staging_capacity)
     : segment_(std::move(segment)), options_(options), staging_capacity_(staging_capacity) {
   chunk_.resize(std::max<size_t>(options_.chunk_bytes, kPage));
+  peer_mappings_.resize(static_cast<size_t>(options_.size));
 }
 
 ShmAllReduce::~ShmAllReduce() {
-  for (const PeerMapping& m : mappings_) {
-    if (m.local != nullptr) munmap(m.local, m.size);
+  for (const PeerMappings& cache : peer_mappings_) {
+    for (const PeerMapping& m : cache.lru) {
+      if (m.local != nullptr) munmap(m.local, m.size);
+    }
   }
+}
+
+ShmAllReduce::MappingStats ShmAllReduce::mapping_stats() const {
+  MappingStats stats;
+  for (const PeerMappings& cache : peer_mappings_) {
+    for (const PeerMapping& m : cache.lru) {
+      if (m.local == nullptr) continue;
+      ++stats.regions;
+      stats.bytes += m.size;
+    }
+  }
+  stats.maps = maps_made_;
+  return stats;
 }
 
 void ShmAllReduce::set_staging_bytes(size_t bytes) {
@@ -258,12 +282,17 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
   // The peer's buffer mapped here (shareable memory), else null: CMA.
   char* mapped = sequence_ > 0 ? MapPeerBuffer(peer, remote, bytes) : nullptr;
   if (mapped != nullptr) ++mapped_copies_;
+  // A copy that failed because the peer gave up meanwhile (and took its
+  // buffer back) fails with the peer's error, not as a bad buffer.
+  auto failed = [&](int error) {
+    return gone() ? PeerFailure(s, peer) : CopyError(write, peer, error);
+  };
   if (!write) {
     if (gone()) return PeerFailure(s, peer);
     if (mapped != nullptr) {
       std::memcpy(local, mapped, bytes);
-    } else {
-      DDP_RETURN_IF_ERROR(CopyBytes(false, peer, local, remote, bytes));
+    } else if (const int error = CopyBytes(false, peer, local, remote, bytes); error != 0) {
+      return failed(error);
     }
     return gone() ? PeerFailure(s, peer) : Status::Ok();
   }
@@ -272,16 +301,16 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
   for (size_t done = 0; done < bytes;) {
     const size_t n = std::min(kWritePiece, bytes - done);
     touching.store(Touching(s, peer), std::memory_order_seq_cst);
-    Status status = Status::Ok();
-    if (gone()) {
-      status = PeerFailure(s, peer);
-    } else if (mapped != nullptr) {
+    const bool left = gone();
+    int error = 0;
+    if (!left && mapped != nullptr) {
       std::memcpy(mapped + done, here + done, n);
-    } else {
-      status = CopyBytes(true, peer, here + done, remote + done, n);
+    } else if (!left) {
+      error = CopyBytes(true, peer, here + done, remote + done, n);
     }
     touching.store(0, std::memory_order_release);
-    DDP_RETURN_IF_ERROR(status);
+    if (left) return PeerFailure(s, peer);
+    if (error != 0) return failed(error);
     done += n;
   }
   return Status::Ok();
@@ -292,6 +321,13 @@ bool ShmAllReduce::Abandoned(int peer) const {
   return call != 0 && call >= sequence_;
 }
 
+// Each peer's mapped regions are an LRU list of at most kMaxPeerMappings
+// regions and kMaxPeerMappedBytes bytes. A full list makes room only by
+// evicting a region unused for kMappingIdleCalls calls: a working set
+// larger than the cap, visited in turn, then keeps the regions it has
+// mapped and copies with the rest through CMA, instead of mapping and
+// unmapping a region at every access (open, mmap, page faults, munmap and
+// its TLB shootdown: slower than CMA).
 char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const {
   const Control::Args& args = control(peer).args[sequence_ % 2];
   const ShareableRegion* region = nullptr;
@@ -302,59 +338,88 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
     }
   }
   if (region == nullptr) return nullptr;
-  PeerMapping* found = nullptr;
-  for (PeerMapping& m : mappings_) {
-    if (m.peer == peer && m.id == region->id) found = &m;
+  PeerMappings& cache = peer_mappings_[static_cast<size_t>(peer)];
+  std::vector<PeerMapping>& lru = cache.lru;
+  // Most recently used last: a call's lookups (one per chunk) hit at once.
+  auto hit = std::find_if(lru.rbegin(), lru.rend(),
+                          [&](const PeerMapping& m) { return m.id == region->id; });
+  if (hit != lru.rend()) {
+    auto it = std::prev(hit.base());
+    std::rotate(it, it + 1, lru.end());
+    PeerMapping& found = lru.back();
+    found.last_call = sequence_;
+    return found.local == nullptr ? nullptr : found.local + (remote - region->base);
   }
-  if (found == nullptr) {
-    // A region the peer freed stays mapped here, its pages alive, until it
-    // is evicted: regions unused for kMappingIdleCalls calls go first, then
-    // the oldest while more than kMaxPeerMappings regions or
-    // kMaxPeerMappedBytes bytes are mapped.
-    uint64_t mapped_bytes = region->size;
-    std::vector<PeerMapping> kept;
-    for (const PeerMapping& m : mappings_) {
-      if (m.last_call + kMappingIdleCalls < sequence_) {
-        if (m.local != nullptr) munmap(m.local, m.size);
-      } else {
-        kept.push_back(m);
-        mapped_bytes += m.size;
+  if (region->size > kMaxPeerMappedBytes) return nullptr;
+  while (!lru.empty() && (lru.size() >= kMaxPeerMappings ||
+                          cache.bytes + region->size > kMaxPeerMappedBytes)) {
+    const PeerMapping& oldest = lru.front();
+    if (oldest.last_call + kMappingIdleCalls >= sequence_) return nullptr;  // CMA
+    if (oldest.local != nullptr) {
+      munmap(oldest.local, oldest.size);
+      cache.bytes -= oldest.size;
+    }
+    lru.erase(lru.begin());
+  }
+  PeerMapping m{.id = region->id, .size = region->size, .fd = region->fd,
+                .last_call = sequence_};
+  // The owner's memfd, through its fd table: permitted where CMA is (the
+  // same ptrace check). Failing that, this region goes through CMA.
+  const std::string path = "/proc/" + std::to_string(options_.pids[peer]) + "/fd/" +
+                           std::to_string(region->fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd >= 0) {
+    struct stat st {};
+    // The fd number may have been reused for another file since the peer
+    // published it: the size must match, and the file be a memfd.
+    if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == region->size) {
+      m.device = st.st_dev;
+      m.inode = st.st_ino;
+      void* p = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        m.local = static_cast<char*>(p);
+        ++maps_made_;
       }
     }
-    mappings_ = std::move(kept);
-    while (!mappings_.empty() &&
-           (mappings_.size() >= kMaxPeerMappings || mapped_bytes > kMaxPeerMappedBytes)) {
-      if (mappings_.front().local != nullptr) munmap(mappings_.front().local, mappings_.front().size);
-      mapped_bytes -= mappings_.front().size;
-      mappings_.erase(mappings_.begin());
-    }
-    PeerMapping m{.peer = peer, .id = region->id, .size = region->size};
-    // The owner's memfd, through its fd table: permitted where CMA is (the
-    // same ptrace check). Failing that, this region goes through CMA.
-    const std::string path = "/proc/" + std::to_string(options_.pids[peer]) + "/fd/" +
-                             std::to_string(region->fd);
-    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd >= 0) {
+    close(fd);
+  }
+  lru.push_back(m);
+  if (m.local != nullptr) cache.bytes += m.size;
+  return m.local == nullptr ? nullptr : m.local + (remote - region->base);
+}
+
+// A peer's mapping keeps the pages of a region alive after the owner freed
+// it (DDP frees its old buckets when it rebuilds them), and a cache that
+// evicted only to make room would keep them for the rest of the job. So
+// each rank publishes how many regions it has freed with every call, and
+// when that changes the peers check each mapping of its regions: one whose
+// fd the owner closed (or reused for another file) is unmapped.
+void ShmAllReduce::ForgetFreedRegions(uint64_t call, int only) const {
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer == options_.rank || (only >= 0 && peer != only)) continue;
+    PeerMappings& cache = peer_mappings_[static_cast<size_t>(peer)];
+    if (cache.lru.empty()) continue;
+    const uint64_t freed = control(peer).args[call % 2].freed;
+    if (freed == cache.freed_seen) continue;
+    cache.freed_seen = freed;
+    const std::string dir = "/proc/" + std::to_string(options_.pids[peer]) + "/fd/";
+    std::erase_if(cache.lru, [&](const PeerMapping& m) {
       struct stat st {};
-      // The fd number may have been reused for another file since the peer
-      // published it: the size must match, and the file be a memfd.
-      if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == region->size) {
-        void* p = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED) m.local = static_cast<char*>(p);
+      const bool alive = m.inode != 0 && stat((dir + std::to_string(m.fd)).c_str(), &st) == 0 &&
+                         st.st_dev == m.device && st.st_ino == m.inode;
+      if (alive) return false;
+      if (m.local != nullptr) {
+        munmap(m.local, m.size);
+        cache.bytes -= m.size;
       }
-      close(fd);
-    }
-    mappings_.push_back(m);
-    found = &mappings_.back();
+      return true;
+    });
   }
-  found->last_call = sequence_;
-  if (found->local == nullptr) return nullptr;
-  return found->local + (remote - region->base);
 }
 
 // process_vm_readv / process_vm_writev, resuming after partial transfers.
-Status ShmAllReduce::CopyBytes(bool write, int peer, void* local, uint64_t remote,
-                               size_t bytes) const {
+int ShmAllReduce::CopyBytes(bool write, int peer, void* local, uint64_t remote,
+                            size_t bytes) const {
   char* here = static_cast<char*>(local);
   while (bytes > 0) {
     iovec local_iov{here, bytes};
@@ -363,24 +428,27 @@ Status ShmAllReduce::CopyBytes(bool write, int peer, void* local, uint64_t remot
                             : process_vm_readv(options_.pids[peer], &local_iov, 1, &remote_iov, 1, 0);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
-      const int error = n < 0 ? errno : EIO;
-      if (error == ESRCH ||
-          (error == EFAULT && ExitsWithin(options_.pids[peer], std::chrono::milliseconds(500)))) {
-        return PeerLostError(RankName(peer) + " (pid " +
-                             std::to_string(options_.pids[peer]) + ") exited");
-      }
-      if (error == EFAULT) {
-        return InvalidArgumentError(RankName(peer) + "'s buffer is not " +
-                                    (write ? "writable" : "readable") + " (freed during the call?)");
-      }
-      return UnavailableError(std::string(write ? "writing " : "reading ") + RankName(peer) +
-                              "'s memory: " + std::strerror(error));
+      return n < 0 ? errno : EIO;
     }
     here += n;
     remote += static_cast<uint64_t>(n);
     bytes -= static_cast<size_t>(n);
   }
-  return Status::Ok();
+  return 0;
+}
+
+Status ShmAllReduce::CopyError(bool write, int peer, int error) const {
+  if (error == ESRCH ||
+      (error == EFAULT && ExitsWithin(options_.pids[peer], std::chrono::milliseconds(500)))) {
+    return PeerLostError(RankName(peer) + " (pid " + std::to_string(options_.pids[peer]) +
+                         ") exited");
+  }
+  if (error == EFAULT) {
+    return InvalidArgumentError(RankName(peer) + "'s buffer is not " +
+                                (write ? "writable" : "readable") + " (freed during the call?)");
+  }
+  return UnavailableError(std::string(write ? "writing " : "reading ") + RankName(peer) +
+                          "'s memory: " + std::strerror(error));
 }
 
 void ShmAllReduce::Publish(std::atomic<uint64_t> Control::*field, uint64_t value) {
@@ -542,9 +610,11 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   const bool direct = bytes > options_.staging_bytes;
   args.src_region = direct ? FindShareable(send, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
   args.dst_region = direct ? FindShareable(recv, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
+  args.freed = ShareableFreedCount();
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
+  ForgetFreedRegions(s, wait_for);
   return s;
 }
 

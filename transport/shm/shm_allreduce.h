@@ -242,6 +242,13 @@ class ShmAllReduce {
   /// Copies with a peer's buffer that went through a mapping of its
   /// shareable memory instead of cross-memory attach, since creation.
   uint64_t mapped_copies() const { return mapped_copies_; }
+  /// Peers' shareable regions this rank has mapped (see MapPeerBuffer).
+  struct MappingStats {
+    uint64_t regions = 0;  ///< mapped now, all peers together
+    uint64_t bytes = 0;    ///< their size now
+    uint64_t maps = 0;     ///< regions mapped since creation (each an mmap)
+  };
+  MappingStats mapping_stats() const;
   /// Time this rank's calls spent waiting for other ranks (to arrive, to
   /// finish, to free a staging slot), summed since creation. Any thread.
   std::chrono::nanoseconds peer_wait() const {
@@ -290,11 +297,18 @@ class ShmAllReduce {
   // Whether `peer` gave up on the current call (returned before every rank
   // finished it): its buffers may have been reused since.
   bool Abandoned(int peer) const;
-  Status CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
+  // process_vm_readv/writev of all `bytes`: 0, or the errno that stopped it.
+  int CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
+  // The error for a failed CopyBytes with a peer that has not left the call.
+  Status CopyError(bool write, int peer, int error) const;
   // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
   // in shareable memory the peer published for the current call and the
   // mapping succeeds (cached per region); else null (use CMA).
   char* MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const;
+  // Unmaps the mapped regions of each peer (of `only`, if >= 0) that their
+  // owner freed, if it freed any since the last look (Args::freed of
+  // `call`, which every peer, or `only`, has arrived at).
+  void ForgetFreedRegions(uint64_t call, int only) const;
   Status ReadFromPeer(int peer, void* local, uint64_t remote, size_t bytes) const {
     return CopyWithPeer(false, peer, local, remote, bytes);
   }
@@ -353,14 +367,22 @@ class ShmAllReduce {
   std::vector<char> folded_;  // a reduce's folded chunk on its way to the root
   std::vector<char> applied_;  // AllReduceApply's reduced slice
   struct PeerMapping {
-    int peer = -1;
     uint64_t id = 0;        // the peer's ShareableRegion::id
     char* local = nullptr;  // null: mapping failed, use CMA
     uint64_t size = 0;
+    int32_t fd = -1;        // the memfd's number in the peer
+    uint64_t device = 0;    // and its identity, to tell when the peer closed
+    uint64_t inode = 0;     // it (inode 0: not opened)
     uint64_t last_call = 0;  // the last call that copied through it
   };
-  // Caches of the const copy functions.
-  mutable std::vector<PeerMapping> mappings_;  // oldest first
+  struct PeerMappings {
+    std::vector<PeerMapping> lru;  // least recently used first
+    uint64_t bytes = 0;            // sum of the sizes of lru's mapped regions
+    uint64_t freed_seen = 0;       // the peer's Args::freed when last checked
+  };
+  // Caches of the const copy functions; peer_mappings_ per rank.
+  mutable std::vector<PeerMappings> peer_mappings_;
+  mutable uint64_t maps_made_ = 0;
   mutable uint64_t mapped_copies_ = 0;
   std::atomic<uint64_t> peer_wait_ns_{0};
 };

@@ -2,7 +2,11 @@
 
 #include "transport/shm/shareable.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -11,7 +15,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <thread>
 #include <vector>
 
@@ -663,6 +669,42 @@ TEST(ShmAllReduce, LateRankFailsTheBroadcastOfARootThatGaveUp) {
   EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
 }
 
+// The root gives up while a rank reads its (large) buffer with CMA, and
+// the caller frees the buffer at once, so the read fails: the reader fails
+// the call with the root's error, at once. (It used to wait 500 ms for
+// the root to exit, then report the buffer as freed during the call.)
+TEST(ShmAllReduce, ReadThatFailsBecauseThePeerGaveUpReportsThePeersError) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t count = size_t{64} << 20;  // 256 MiB of f32: one CMA read of tens of ms
+  const size_t bytes = count * sizeof(float);
+  void* root = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* late = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(root, MAP_FAILED);
+  ASSERT_NE(late, MAP_FAILED);
+  std::memset(root, 1, bytes);
+  Status late_status;
+  Clock::time_point late_returned;
+  std::thread reader([&] {
+    late_status = group[1]->Broadcast(late, count, DataType::kF32, 0,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+    late_returned = Clock::now();
+  });
+  std::this_thread::sleep_for(milliseconds(50));  // the reader waits for the root
+  // The reader starts reading once the root arrives; the root gives up 5 ms
+  // later, long before the read of 256 MiB ends.
+  Status s = group[0]->Broadcast(root, count, DataType::kF32, 0, DeadlineIn(milliseconds(5)),
+                                 nullptr);
+  const Clock::time_point root_returned = Clock::now();
+  ASSERT_EQ(munmap(root, bytes), 0);
+  reader.join();
+  munmap(late, bytes);
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
+  EXPECT_NE(late_status.message().find("rank 0 failed in this shared-memory call"),
+            std::string::npos) << late_status;
+  EXPECT_LT(late_returned - root_returned, milliseconds(400));
+}
+
 // A group inside a larger job names its members by their job ranks.
 TEST(ShmAllReduce, MessagesUseTheGivenRankNames) {
   testing::InMemoryStore store;
@@ -784,6 +826,46 @@ TEST(ShmAllReduce, RankZeroThatCannotCreateTheSegmentFailsCreationOnEveryRankAtO
   EXPECT_NE(statuses[0].message().find("local rank 0: creating /dev/shm/ddp-"), std::string::npos)
       << statuses[0];
   EXPECT_NE(statuses[0].message().find(std::strerror(EMFILE)), std::string::npos) << statuses[0];
+}
+
+// A segment name left in /dev/shm by a job killed during set-up (its
+// creator is dead) is removed when a later group creates its segment; the
+// names of live creators, and fresh names (a creator in another pid
+// namespace may look dead here), stay.
+TEST(ShmAllReduce, CreatingASegmentRemovesStaleNamesOfDeadCreators) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  const pid_t dead = child;
+  auto make = [](pid_t pid, const char* suffix, bool old) {
+    const std::string path = "/dev/shm/ddp-" + std::to_string(pid) + "-" + suffix;
+    const int fd = open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << path << ": " << std::strerror(errno);
+    if (fd < 0) return path;
+    if (old) {
+      const timespec times[2] = {{.tv_sec = std::time(nullptr) - 3600, .tv_nsec = 0},
+                                 {.tv_sec = std::time(nullptr) - 3600, .tv_nsec = 0}};
+      EXPECT_EQ(futimens(fd, times), 0) << std::strerror(errno);
+    }
+    close(fd);
+    return path;
+  };
+  const std::string stale = make(dead, "4242", /*old=*/true);
+  const std::string fresh = make(dead, "4343", /*old=*/false);
+  const std::string live = make(getpid(), "4444", /*old=*/true);
+  const std::string other = "/dev/shm/ddp-" + std::to_string(dead) + "-x";  // not a segment name
+  const int fd = open(other.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  const timespec times[2] = {{.tv_sec = 1, .tv_nsec = 0}, {.tv_sec = 1, .tv_nsec = 0}};
+  futimens(fd, times);
+  close(fd);
+  auto group = MakeGroup(2, 4096, 1024);
+  EXPECT_NE(access(stale.c_str(), F_OK), 0) << stale << " is still there";
+  EXPECT_EQ(access(fresh.c_str(), F_OK), 0) << fresh << " was removed";
+  EXPECT_EQ(access(live.c_str(), F_OK), 0) << live << " was removed";
+  EXPECT_EQ(access(other.c_str(), F_OK), 0) << other << " was removed";
+  for (const std::string& path : {stale, fresh, live, other}) unlink(path.c_str());
 }
 
 // Staging limits and chunk sizes that differ between ranks (a rank with
@@ -992,8 +1074,8 @@ TEST(ShmAllReduce, ShareableBuffersAreCopiedThroughMappings) {
 }
 
 // More regions than the mapping cache holds (64), each used once and then
-// freed, while one long-lived region is used every call: the cache evicts
-// and remaps without wrong results.
+// freed, while one long-lived region is used every call: the freed ones
+// are unmapped at their owner's next call, without wrong results.
 TEST(ShmAllReduce, ShareableMappingsAreEvictedAndRemapped) {
   auto group = MakeGroup(2, 4096, 4096);
   const size_t count = 5000;  // 20 KB of f32: the direct path
@@ -1018,7 +1100,143 @@ TEST(ShmAllReduce, ShareableMappingsAreEvictedAndRemapped) {
     }
     ASSERT_TRUE(FreeShareable(*kept).ok());
   });
-  for (int r = 0; r < 2; ++r) EXPECT_GE(group[r]->mapped_copies(), 160u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(group[r]->mapped_copies(), 160u);
+    // The last round's two regions (freed, but no call since told it).
+    EXPECT_LE(group[r]->mapping_stats().regions, 2u);
+  }
+}
+
+// Mappings of this process's shareable memory (the owners' and the peers').
+int ShareableMappingsInThisProcess() {
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return -1;
+  int n = 0;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), maps) != nullptr) {
+    n += std::strstr(line, "/memfd:ddp-shareable") != nullptr;
+  }
+  std::fclose(maps);
+  return n;
+}
+
+// DDP's bucket rebuild: each rank frees the buffers it all-reduced so far
+// and all-reduces new ones. The peers' mappings of the old buffers go at
+// the owners' next call, so no rank keeps the dead buckets' pages alive.
+// (They used to stay mapped for the rest of the job: the cache evicted only
+// on a miss, and after the first calls on the new buffers every lookup hit.)
+TEST(ShmAllReduce, MappingsOfFreedBuffersGoAtTheOwnersNextCall) {
+  for (int n : {2, 3}) {
+    auto group = MakeGroup(n, 4096, 4096);
+    const size_t count = 5000;  // 20 KB of f32: the direct path
+    const size_t buckets = 4;
+    const int before = ShareableMappingsInThisProcess();
+    std::vector<std::vector<void*>> owned(n);
+    auto all_reduce_buckets = [&](int r) {
+      for (int round = 0; round < 3; ++round) {
+        for (void* bucket : owned[r]) {
+          FillInput(DataType::kF32, bucket, count, r, ReduceOp::kSum);
+          Status st = group[r]->AllReduce(bucket, bucket, count, DataType::kF32, ReduceOp::kSum,
+                                          DeadlineIn(milliseconds(10000)), nullptr);
+          ASSERT_TRUE(st.ok()) << st;
+          std::string first;
+          ASSERT_EQ(CountWrong(DataType::kF32, bucket, count, n, ReduceOp::kSum, 0, &first), 0u)
+              << first;
+        }
+      }
+    };
+    auto allocate = [&](int r) {
+      for (size_t b = 0; b < buckets; ++b) {
+        auto p = AllocateShareable(count * sizeof(float));
+        ASSERT_TRUE(p.ok()) << p.status();
+        owned[r].push_back(*p);
+      }
+    };
+    RunRanks(n, [&](int r) {
+      allocate(r);
+      all_reduce_buckets(r);
+    });
+    // Each rank: its own buckets, and every peer's.
+    const int expected = static_cast<int>(n * buckets + n * (n - 1) * buckets);
+    EXPECT_EQ(ShareableMappingsInThisProcess() - before, expected) << n << " ranks";
+    const uint64_t region_bytes = group[0]->mapping_stats().bytes / ((n - 1) * buckets);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(group[r]->mapping_stats().regions, (n - 1) * buckets) << "rank " << r;
+    }
+    // The rebuild.
+    RunRanks(n, [&](int r) {
+      for (void* bucket : owned[r]) ASSERT_TRUE(FreeShareable(bucket).ok());
+      owned[r].clear();
+      allocate(r);
+      all_reduce_buckets(r);
+    });
+    EXPECT_EQ(ShareableMappingsInThisProcess() - before, expected)
+        << n << " ranks: the old buckets are still mapped";
+    for (int r = 0; r < n; ++r) {
+      const ShmAllReduce::MappingStats stats = group[r]->mapping_stats();
+      EXPECT_EQ(stats.regions, (n - 1) * buckets) << "rank " << r;
+      EXPECT_EQ(stats.bytes, (n - 1) * buckets * region_bytes) << "rank " << r;
+      EXPECT_EQ(stats.maps, 2 * (n - 1) * buckets) << "rank " << r;
+    }
+    RunRanks(n, [&](int r) {
+      for (void* bucket : owned[r]) ASSERT_TRUE(FreeShareable(bucket).ok());
+    });
+  }
+}
+
+// Each rank all-reduces, in turn, more live buffers than the cache holds
+// per peer (64). The cache keeps the first 64 of each peer mapped and
+// copies with the rest through CMA, instead of mapping and unmapping a
+// region at every access (it used to, FIFO with 64 regions for all peers
+// together: every access missed). Regions unused for 1000 calls make room
+// for new ones.
+TEST(ShmAllReduce, WorkingSetOverTheMappingCapDoesNotThrash) {
+  const int n = 3;
+  auto group = MakeGroup(n, 4096, 4096);
+  const size_t count = 2048;  // 8 KB of f32: the direct path
+  const size_t buffers = 70;
+  std::vector<std::vector<void*>> owned(n);
+  auto all_reduce = [&](int r, void* buffer) {
+    FillInput(DataType::kF32, buffer, count, r, ReduceOp::kSum);
+    Status st = group[r]->AllReduce(buffer, buffer, count, DataType::kF32, ReduceOp::kSum,
+                                    DeadlineIn(milliseconds(10000)), nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    std::string first;
+    ASSERT_EQ(CountWrong(DataType::kF32, buffer, count, n, ReduceOp::kSum, 0, &first), 0u) << first;
+  };
+  RunRanks(n, [&](int r) {
+    for (size_t b = 0; b < buffers; ++b) {
+      auto p = AllocateShareable(count * sizeof(float));
+      ASSERT_TRUE(p.ok()) << p.status();
+      owned[r].push_back(*p);
+    }
+    for (int round = 0; round < 3; ++round) {
+      for (void* buffer : owned[r]) all_reduce(r, buffer);
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    const ShmAllReduce::MappingStats stats = group[r]->mapping_stats();
+    EXPECT_EQ(stats.regions, (n - 1) * 64u) << "rank " << r;
+    EXPECT_EQ(stats.maps, (n - 1) * 64u) << "rank " << r << ": regions were mapped again";
+  }
+  // 1000 calls later the mapped regions are idle: new ones take their place.
+  RunRanks(n, [&](int r) {
+    for (int i = 0; i < 1001; ++i) {
+      ASSERT_TRUE(group[r]->Barrier(DeadlineIn(milliseconds(10000)), nullptr).ok());
+    }
+    auto p = AllocateShareable(count * sizeof(float));
+    ASSERT_TRUE(p.ok()) << p.status();
+    all_reduce(r, *p);
+    owned[r].push_back(*p);
+  });
+  for (int r = 0; r < n; ++r) {
+    const ShmAllReduce::MappingStats stats = group[r]->mapping_stats();
+    EXPECT_EQ(stats.regions, (n - 1) * 64u) << "rank " << r;
+    EXPECT_EQ(stats.maps, (n - 1) * 65u) << "rank " << r;
+  }
+  RunRanks(n, [&](int r) {
+    for (void* buffer : owned[r]) ASSERT_TRUE(FreeShareable(buffer).ok());
+  });
 }
 
 // A size that does not fit in whole pages fails, naming it, instead of
