@@ -32,12 +32,13 @@ Status GroupFailure(int rank, const std::string& reason) {
                           ": " + reason);
 }
 
-// A segment's name lives from its creation until every rank mapped it, a
-// moment in set-up; one older than this whose creator is dead was left by
-// a job killed meanwhile. The age guards against pid namespaces: a creator
-// in another one (a container sharing this /dev/shm) may look dead here
-// while its ranks still open the name.
-constexpr time_t kStaleAfterSeconds = 30;
+// A segment's name lives from its creation until every rank mapped it,
+// within set-up's deadline (300 s by default); one older than this whose
+// creator is dead was left by a job killed meanwhile. The age guards
+// against pid namespaces: a creator in another one (a container sharing
+// this /dev/shm) may look dead here while its slow ranks still open the
+// name.
+constexpr time_t kStaleAfterSeconds = 600;
 
 // The creator's pid in a segment name "ddp-<pid>-<number>" (as CreateShared
 // names them), else -1.

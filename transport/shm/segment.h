@@ -19,7 +19,7 @@
 namespace ddp::transport::shm {
 
 /// Removes the segment names in `dir` ("ddp-<pid>-<number>", this user's)
-/// whose creator is dead (kill says ESRCH) and that are at least 30 s old;
+/// whose creator is dead (kill says ESRCH) and that are at least 10 minutes old;
 /// returns how many. Rank 0 of a group calls it before creating a segment.
 int RemoveStaleSegments(const std::string& dir = "/dev/shm");
 

@@ -702,7 +702,9 @@ TEST(ShmAllReduce, ReadThatFailsBecauseThePeerGaveUpReportsThePeersError) {
   EXPECT_EQ(late_status.code(), StatusCode::kTimedOut) << late_status;
   EXPECT_NE(late_status.message().find("rank 0 failed in this shared-memory call"),
             std::string::npos) << late_status;
-  EXPECT_LT(late_returned - root_returned, milliseconds(400));
+  // Well before its own deadline (10 s); the bound leaves room for a
+  // loaded machine (the message above tells the old path apart).
+  EXPECT_LT(late_returned - root_returned, milliseconds(3000));
 }
 
 // A group inside a larger job names its members by their job ranks.
