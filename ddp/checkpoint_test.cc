@@ -206,8 +206,11 @@ DDP_TEST_WORKER(from_rank) {
     const std::string m = e.what();
     WORKER_EXPECT(m.find("failed on rank 1: ") != std::string::npos && m.find("rank1/c.safetensors") != std::string::npos, m);
   }
-  // A file that is not a checkpoint: every rank fails the same way.
-  if (pg->rank() == 0) std::ofstream(own + "/bad.safetensors") << "not a safetensors file";
+  // A file that rank 0 reads whole but that is no checkpoint (a header of
+  // 2 bytes, not a JSON object): every rank parses it and fails the same way.
+  if (pg->rank() == 0) {
+    std::ofstream(own + "/bad.safetensors", std::ios::binary) << std::string("\x02\0\0\0\0\0\0\0[]", 10);
+  }
   try {
     LoadCheckpointFromRank(*pg, own + "/bad.safetensors");
     WORKER_EXPECT(false, "a broken file loaded");
