@@ -115,7 +115,8 @@ DEFINE_int64(checkpoint_every, 0, "also save every N steps (0: at epoch ends onl
 DEFINE_bool(resume, false,
             "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
             "the schedule as saved: the same --scheduler, --lr, and --epochs and --max_steps "
-            "that end it where it ended");
+            "that end it where it ended (--comm_hook=powersgd restarts its low-rank state, so "
+            "that run continues close to, not exactly as, an uninterrupted one)");
 DEFINE_string(log_dir, "",
               "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder");
 DEFINE_int64(log_every, 10, "steps per metrics.csv row");

@@ -48,7 +48,7 @@ std::string EvalRow(const EvalRecord& r) {
 const char* MetricsLog::CsvHeader() { return "step,epoch,loss,lr,samples_per_s,test_loss,test_acc"; }
 
 MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
-                       int64_t resume_step)
+                       int64_t resume_step, bool resume_at_epoch_end)
     : dir_(std::move(dir)), title_(std::move(title)), subtitle_(std::move(subtitle)) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
@@ -89,6 +89,8 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
         epoch_ends_.emplace_back(steps_[i - 1].epoch, steps_[i - 1].step);
       }
     }
+    // The last kept epoch's end has no row of the next epoch after it.
+    if (resume_at_epoch_end && !steps_.empty()) epoch_ends_.emplace_back(steps_.back().epoch, resume_step);
   }
   WriteFileAtomically(csv_path(), kept);
   csv_ = std::fopen(csv_path().c_str(), "a");

@@ -42,9 +42,12 @@ class MetricsLog {
  public:
   /// Creates `dir` (and parents). `title` and `subtitle` head the chart.
   /// With `resume_step` >= 0, keeps the rows of an existing metrics.csv up
-  /// to that step; otherwise starts a new file. Throws std::runtime_error
+  /// to that step; otherwise starts a new file. `resume_at_epoch_end`: the
+  /// checkpoint was saved where an epoch ended (the last kept epoch is
+  /// complete, and the chart marks its end). Throws std::runtime_error
   /// naming the path on I/O errors.
-  MetricsLog(std::string dir, std::string title, std::string subtitle, int64_t resume_step);
+  MetricsLog(std::string dir, std::string title, std::string subtitle, int64_t resume_step,
+             bool resume_at_epoch_end = false);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;

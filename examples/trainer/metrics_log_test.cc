@@ -78,5 +78,19 @@ TEST(MetricsLogTest, ResumeKeepsRowsUpToTheCheckpointStep) {
       << csv;
 }
 
+// Resumed from the checkpoint at the end of epoch 1 (step 30): the chart
+// still marks that epoch's end, though no row of epoch 2 follows it.
+TEST(MetricsLogTest, ResumeAtAnEpochEndKeepsThatEpochsMark) {
+  const std::string dir = TempDir("resume_epoch_end");
+  {
+    MetricsLog log(dir, "t", "s", -1);
+    for (int s = 10; s <= 60; s += 10) log.AddStep({s, s <= 30 ? 1 : 2, 1.0, 0.05, 100});
+  }
+  MetricsLog log(dir, "t", "s", 30, /*resume_at_epoch_end=*/true);
+  log.AddStep({40, 2, 0.7, 0.05, 100});
+  log.WriteChart();
+  EXPECT_NE(Read(dir + "/chart.svg").find(">epoch 1<"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace ddp::examples::trainer

@@ -414,7 +414,7 @@ void Run::Setup() {
             c_.log_dir, c_.model + " on " + c_.dataset,
             std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
-            c_.resume ? pos_.step : -1);
+            c_.resume ? pos_.step : -1, c_.resume && pos_.batch_in_epoch == 0);
       }
     } catch (const std::exception& e) {
       refused = e.what();
