@@ -16,7 +16,9 @@
 //
 // Both check each rank's arguments (count, dtype, op, root, algorithm)
 // against its ring predecessor's before the first wait, independent of the
-// root, so ranks that disagree on the root fail too.
+// root, so ranks that disagree on the root fail too. The tree also checks
+// each rank's children, whose data it folds: a leaf sends its data before
+// its own check can fail.
 
 #include <cstddef>
 

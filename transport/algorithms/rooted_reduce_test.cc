@@ -1,9 +1,11 @@
 #include "transport/algorithms/rooted_reduce.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -227,6 +229,51 @@ TEST(ReduceTest, RanksDisagreeingOnCountOrRootFailFast) {
       EXPECT_GT(named, 0) << what;
       EXPECT_FALSE(statuses[0].ok()) << what << ": the root returned " << statuses[0];
     }
+  }
+}
+
+// A leaf that passes another dtype of the same size (the tree's messages
+// fit) fails on every rank, the root included: the root checks each child
+// whose data it folds, not only its ring predecessor. 3 ranks, root 0:
+// rank 1 is a leaf under the root and rank 0's ring predecessor is rank 2,
+// so before the children were checked the root folded rank 1's bits as its
+// own dtype and returned OK. The root's fingerprint receives are posted
+// before it sends its own, which rank 1 (and through it rank 2) must see
+// before failing, so the root always gets both fingerprints (no rank is
+// killed on error: a killed rank 1 could fail rank 2 before rank 2 sent
+// its own; rank 2 may then wait for rank 1's until the short deadline).
+// Ranks 1 and 2 start with a head start for the root, not needed by the
+// check: it is what let their data reach the root before they failed.
+TEST(ReduceTest, ChildWithAnotherDtypeOfTheSameSizeFailsTheRoot) {
+  const std::pair<DataType, DataType> pairs[] = {{DataType::kF16, DataType::kBF16},
+                                                 {DataType::kF32, DataType::kI32}};
+  for (const auto& [agreed, odd] : pairs) {
+    const std::string what = std::string(DataTypeName(odd)) + " among " + DataTypeName(agreed);
+    const auto deadline = DeadlineIn(5s);
+    std::atomic<bool> root_started{false};
+    auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
+      const int r = p2p.rank();
+      if (r == 0) {
+        root_started = true;
+      } else {
+        while (!root_started && Clock::now() < deadline) std::this_thread::yield();
+        std::this_thread::sleep_for(100ms);
+      }
+      std::vector<float> send(16, 1.0f), recv(16, 0.0f);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = r == 0 ? recv.data() : nullptr;
+      args.count = 16 * sizeof(float) / DataTypeSize(agreed);
+      args.dtype = r == 1 ? odd : agreed;
+      args.op = ReduceOp::kSum;
+      args.root = 0;
+      args.deadline = deadline;
+      return Reduce(p2p, args, Algorithm::kTree);
+    }, {.kill_on_error = false});
+    for (int r = 0; r < 3; ++r) EXPECT_FALSE(statuses[r].ok()) << what << ": rank " << r;
+    EXPECT_EQ(statuses[0].code(), StatusCode::kInvalidArgument) << what << ": " << statuses[0];
+    EXPECT_THAT(statuses[0].message(), HasSubstr("rank 1 passed tree reduce")) << what;
+    EXPECT_THAT(statuses[0].message(), HasSubstr(DataTypeName(odd))) << what;
   }
 }
 
