@@ -1507,7 +1507,15 @@ Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, voi
 Status Communicator::Impl::StageCopy(int device, void* dst, const void* src, size_t bytes,
                                      bool to_device, Deadline deadline) {
   if (aborted()) return aborted_reason();
-  std::lock_guard run(run_mu_);
+  // As PostP2p: a collective on another thread holds the worker for as long
+  // as its own deadline allows; this copy waits only until its own.
+  std::unique_lock run(run_mu_, std::defer_lock);
+  if (!run.try_lock_until(deadline)) {
+    return TimedOutError(std::string("staging a copy ") + (to_device ? "to" : "from") +
+                         " device " + std::to_string(device) +
+                         " for a point-to-point message: the communicator was busy with a "
+                         "collective on another thread until the call's deadline");
+  }
   return StageCopyLocked(device, dst, src, bytes, to_device, deadline);
 }
 
@@ -1552,17 +1560,27 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
                                  const CallOptions& call) {
   if (aborted()) return Communicator::FinishedWork(aborted_reason());
   const Deadline deadline = DeadlineFor(call);
+  const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
+                           std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
   StatusOr<p2p::RequestId> id = InternalError("not posted");
   {
-    std::lock_guard run(run_mu_);
+    // Posting needs the worker, which a collective on another thread (the
+    // communicator's own, for async calls) may hold until its own deadline:
+    // wait for it only until this call's. Nothing was posted then, so no
+    // peer is paired with a message that never comes: the communicator is
+    // not aborted, and the call may be issued again.
+    std::unique_lock run(run_mu_, std::defer_lock);
+    if (!run.try_lock_until(deadline)) {
+      return Communicator::FinishedWork(TimedOutError(
+          what + " not posted: the communicator was busy with a collective on another thread "
+                 "until this call's deadline"));
+    }
     if (aborted()) return Communicator::FinishedWork(aborted_reason());
     id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
   }
   if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
   auto state = std::make_shared<Work::State>();
   std::weak_ptr<Work::State> weak = state;
-  const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
-                           std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
   // The first health check (a store round trip) only once the message has
   // waited a while: most complete within microseconds, and a check on the
   // first unfinished poll made small messages 20-50x slower.

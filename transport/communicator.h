@@ -322,6 +322,9 @@ class Communicator {
   Status Barrier(const CallOptions& call = {});
   /// Sends `count` elements to `peer`, matched by its Recv with the same tag.
   /// Returns when the buffer may be reused. Not ordered with collectives.
+  /// Posting (Send, Recv and their async forms) waits for a collective that
+  /// another thread is running only until this call's deadline: then
+  /// TIMED_OUT, nothing was posted, and the communicator stays usable.
   Status Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
               const CallOptions& call = {});
   /// Receives exactly `count` elements from `peer` (another count:
