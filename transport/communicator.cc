@@ -304,9 +304,14 @@ class Communicator::Impl {
   Status AllGather(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
   // Checks AllToAllV's arguments (every failure before anything moves);
   // returns the buffers' CUDA device, or -1 for host memory.
+  // The dtype is an agreed check; the rest (the counts may differ per rank)
+  // are local ones (Refuse), made through `call`.
   StatusOr<int> CheckAllToAll(const void* send, std::span<const size_t> send_counts,
                               const void* recv, std::span<const size_t> recv_counts,
-                              DataType dtype) const;
+                              DataType dtype, const CallOptions& call);
+  StatusOr<int> CheckAllToAllLocal(const void* send, std::span<const size_t> send_counts,
+                                   const void* recv, std::span<const size_t> recv_counts,
+                                   DataType dtype) const;
   Status AllToAllV(const void* send, const std::vector<size_t>& send_counts, void* recv,
                    const std::vector<size_t>& recv_counts, DataType dtype, Deadline deadline);
   // The host exchange (device < 0) or, on device buffers, the whole send
@@ -326,9 +331,11 @@ class Communicator::Impl {
 
   // The rooted collectives, checked on the caller's thread by CheckRooted,
   // which returns the CUDA device of the buffers this rank uses (-1: host).
+  // dtype, op, root, algorithm and the count's overflow are agreed checks;
+  // the buffers, which only the root uses in part, local ones (Refuse).
   enum class Rooted { kReduce, kGather, kScatter };
   StatusOr<int> CheckRooted(Rooted which, const void* send, const void* recv, size_t count,
-                            DataType dtype, ReduceOp op, int root, Algorithm algorithm) const;
+                            DataType dtype, ReduceOp op, int root, const CallOptions& call);
   // Runs one rooted collective: on host memory (device < 0) directly, on
   // device buffers through the staging slots (cuda::RunStaged), chunk by
   // chunk, with the host collective on each chunk.
@@ -426,6 +433,42 @@ class Communicator::Impl {
   }
   bool aborted() const { return is_aborted_.load(std::memory_order_acquire); }
 
+  // Argument checks come in two kinds (communicator.h, Error model). Those
+  // that depend only on what every rank passes alike (dtype, op, root,
+  // algorithm, count and what it overflows) fail identically on every rank
+  // of a well-formed program: they return INVALID_ARGUMENT and leave the
+  // communicator usable, as no rank takes part. Those that depend on this
+  // rank's own buffers, count lists or function go through Refuse: the
+  // others cannot tell that this rank will not take part, and would wait
+  // for it until their deadline and then pair their next call with its
+  // next one (one collective apart). So the refusal aborts the
+  // communicator as a failed collective does: the reason, naming this
+  // rank, is posted to the store, and the peers' waits, which look there
+  // about every 100 ms, fail with it. OK passes through.
+  Status Refuse(const Status& local, const CallOptions& call) {
+    if (local.ok()) return local;
+    return Abort(Status(local.code(), "rank " + std::to_string(options_.rank) +
+                                          " refused the call: " + local.message()),
+                 DeadlineFor(call));
+  }
+  template <typename T>
+  StatusOr<T> Refuse(StatusOr<T> local, const CallOptions& call) {
+    if (local.ok()) return local;
+    return Refuse(local.status(), call);
+  }
+
+  // An agreed check: `elems` elements of `dtype` (a valid one) fit the
+  // address space.
+  Status CheckCount(size_t elems, DataType dtype, const char* what) const {
+    if (elems > std::numeric_limits<size_t>::max() / DataTypeSize(dtype)) {
+      return InvalidArgumentError(std::string(what) + ": " + std::to_string(elems) +
+                                  " elements of " + DataTypeName(dtype) +
+                                  " overflow the address space");
+    }
+    return Status::Ok();
+  }
+
+  // A local check (Refuse): a buffer of `count` elements is not null.
   Status CheckBuffer(const void* p, size_t count, const char* name) const {
     if (p == nullptr && count > 0) {
       return InvalidArgumentError(std::string(name) + " is null with count " + std::to_string(count));
@@ -437,14 +480,11 @@ class Communicator::Impl {
   // where `recv` starts `in_place` bytes after `send` (negative: before),
   // as `rule` says.
   // Checked here, before any engine: the shared-memory one reads and writes
-  // both directly and cannot take a partial overlap either.
+  // both directly and cannot take a partial overlap either. A local check
+  // (Refuse), after CheckCount of the larger count.
   Status CheckLayout(const void* send, size_t send_elems, const void* recv, size_t recv_elems,
                      DataType dtype, std::ptrdiff_t in_place, const char* rule, const char* what) const {
     const size_t es = DataTypeSize(dtype);
-    if (std::max(send_elems, recv_elems) > std::numeric_limits<size_t>::max() / es) {
-      return InvalidArgumentError(std::string(what) + ": " + std::to_string(std::max(send_elems, recv_elems)) +
-                                  " elements of " + DataTypeName(dtype) + " overflow the address space");
-    }
     const auto s = reinterpret_cast<uintptr_t>(send), r = reinterpret_cast<uintptr_t>(recv);
     if ((send_elems > 0 && s % es != 0) || (recv_elems > 0 && r % es != 0)) {
       const char* which = s == r ? "" : send_elems > 0 && s % es != 0 ? "send " : "receive ";
@@ -459,7 +499,7 @@ class Communicator::Impl {
     }
     return Status::Ok();
   }
-  // count elements per rank times the ranks (saturating: CheckLayout then
+  // count elements per rank times the ranks (saturating: CheckCount then
   // reports the overflow).
   size_t AllBlocks(size_t count) const {
     const auto ranks = static_cast<size_t>(options_.world_size);
@@ -1217,7 +1257,8 @@ Status Communicator::Impl::Barrier(Deadline deadline) {
 
 StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, const void* recv,
                                               size_t count, DataType dtype, ReduceOp op, int root,
-                                              Algorithm algorithm) const {
+                                              const CallOptions& call) {
+  const Algorithm algorithm = call.algorithm;
   const std::string what = which == Rooted::kReduce   ? "reduce"
                            : which == Rooted::kGather ? "gather"
                                                       : "scatter";
@@ -1241,26 +1282,30 @@ StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, co
   const size_t whole = blocks * count;
   const size_t send_elems = which == Rooted::kScatter ? (is_root ? whole : 0) : count;
   const size_t recv_elems = which == Rooted::kScatter ? count : (is_root ? whole : 0);
-  DDP_RETURN_IF_ERROR(CheckBuffer(send, send_elems, (what + " send buffer").c_str()));
-  DDP_RETURN_IF_ERROR(CheckBuffer(recv, recv_elems, (what + " receive buffer").c_str()));
-  const auto* s = static_cast<const char*>(send);
-  const auto* r = static_cast<const char*>(recv);
-  if (send_elems > 0 && recv_elems > 0 && s < r + recv_elems * es && r < s + send_elems * es) {
-    // In place: the root's own block (reduce: the whole vector).
-    const size_t own = which == Rooted::kReduce ? 0 : static_cast<size_t>(root) * count * es;
-    const bool in_place = which == Rooted::kScatter ? r == s + own : s == r + own;
-    if (!in_place) {
-      return InvalidArgumentError(
-          what + ": the send and receive buffers overlap other than in place (" +
-          (which == Rooted::kReduce   ? "send == recv"
-           : which == Rooted::kGather ? "send == recv + root * count"
-                                      : "recv == send + root * count") +
-          ")");
+  // From here on, local checks: the root's buffers differ from the others'.
+  auto local = [&]() -> StatusOr<int> {
+    DDP_RETURN_IF_ERROR(CheckBuffer(send, send_elems, (what + " send buffer").c_str()));
+    DDP_RETURN_IF_ERROR(CheckBuffer(recv, recv_elems, (what + " receive buffer").c_str()));
+    const auto* s = static_cast<const char*>(send);
+    const auto* r = static_cast<const char*>(recv);
+    if (send_elems > 0 && recv_elems > 0 && s < r + recv_elems * es && r < s + send_elems * es) {
+      // In place: the root's own block (reduce: the whole vector).
+      const size_t own = which == Rooted::kReduce ? 0 : static_cast<size_t>(root) * count * es;
+      const bool in_place = which == Rooted::kScatter ? r == s + own : s == r + own;
+      if (!in_place) {
+        return InvalidArgumentError(
+            what + ": the send and receive buffers overlap other than in place (" +
+            (which == Rooted::kReduce   ? "send == recv"
+             : which == Rooted::kGather ? "send == recv + root * count"
+                                        : "recv == send + root * count") +
+            ")");
+      }
     }
-  }
-  // Only the buffers this rank uses: the others may be null or anything.
-  return DeviceOf({send_elems > 0 ? send : nullptr, recv_elems > 0 ? recv : nullptr},
-                  std::max(send_elems, recv_elems), what.c_str());
+    // Only the buffers this rank uses: the others may be null or anything.
+    return DeviceOf({send_elems > 0 ? send : nullptr, recv_elems > 0 ? recv : nullptr},
+                    std::max(send_elems, recv_elems), what.c_str());
+  };
+  return Refuse(local(), call);
 }
 
 Status Communicator::Impl::RunRooted(Rooted which, int device, const void* send, void* recv,
@@ -1681,15 +1726,20 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::CreateFromEnvironment(
 
 StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
                                                             const CallOptions& call) {
-  if (color < kNoColor) {
-    return InvalidArgumentError("split: color " + std::to_string(color) +
-                                " is negative (kNoColor, -1, joins no group)");
-  }
   // Every rank's color and key, in order with this communicator's other
-  // collectives.
+  // collectives. A bad color is this rank's own: it is checked after the
+  // exchange, so that every rank refuses the split alike (and the
+  // communicator stays usable) instead of leaving the others waiting.
   const int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * static_cast<size_t>(size()));
   DDP_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DataType::kI64, call));
+  for (int r = 0; r < size(); ++r) {
+    if (all[2 * r] < kNoColor) {
+      return InvalidArgumentError("split: rank " + std::to_string(r) + " passed color " +
+                                  std::to_string(all[2 * r]) +
+                                  ", negative (kNoColor, -1, joins no group)");
+    }
+  }
   const uint64_t split = impl_->splits_++;  // the same on every rank
   auto child_name = [&](int64_t c) {
     return impl_->options_.name + "/split" + std::to_string(split) + "/" + std::to_string(c);
@@ -1769,12 +1819,16 @@ Algorithm Communicator::SelectedReduceAlgorithm(size_t bytes, Algorithm requeste
 
 Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, const CallOptions& call) {
+  // Agreed checks, then local ones (Impl::Refuse: they abort).
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"));
-  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce"));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(send, count, "all-reduce send buffer"), call));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"), call));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(
+      impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"), call));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-reduce"), call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) {
       return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
@@ -1792,16 +1846,23 @@ Status Communicator::AllReduce(void* buffer, size_t count, DataType dtype, Reduc
 Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& apply, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce-through send buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce-through receive buffer"));
-  DDP_RETURN_IF_ERROR(
-      impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce-through"));
-  if (!apply) return InvalidArgumentError("all-reduce-through: no slice function");
-  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce-through"));
-  if (device >= 0) {
-    return InvalidArgumentError("all-reduce-through: send and recv must be host memory (got cuda:" +
-                                std::to_string(device) + " buffers)");
-  }
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce-through"));
+  auto local = [&]() -> Status {
+    DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce-through send buffer"));
+    DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-reduce-through receive buffer"));
+    DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv",
+                                           "all-reduce-through"));
+    if (!apply) return InvalidArgumentError("all-reduce-through: no slice function");
+    DDP_ASSIGN_OR_RETURN(const int device,
+                         impl_->DeviceOf({send, recv}, count, "all-reduce-through"));
+    if (device >= 0) {
+      return InvalidArgumentError(
+          "all-reduce-through: send and recv must be host memory (got cuda:" +
+          std::to_string(device) + " buffers)");
+    }
+    return Status::Ok();
+  };
+  DDP_RETURN_IF_ERROR(impl_->Refuse(local(), call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     return impl_->AllReduceThrough(send, recv, count, dtype, op, apply, call.algorithm, d);
   });
@@ -1821,10 +1882,13 @@ std::vector<std::pair<size_t, size_t>> Communicator::ThroughPieces(size_t count,
 Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int root,
                                const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckLayout(buffer, count, buffer, 0, dtype, 0, "", "broadcast"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(root, "broadcast root"));
-  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "broadcast"));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(buffer, count, "broadcast buffer"), call));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(
+      impl_->CheckLayout(buffer, count, buffer, 0, dtype, 0, "", "broadcast"), call));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->Refuse(impl_->DeviceOf({buffer}, count, "broadcast"), call));
   // A CUDA-enabled UCX takes the device buffer as it is: broadcast only
   // sends and receives whole buffers in place, the host never touches them.
   const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
@@ -1838,12 +1902,15 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
 Status Communicator::AllGather(const void* send, void* recv, size_t count, DataType dtype,
                                const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-gather send buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, count, recv, impl_->AllBlocks(count), dtype,
-                                         -impl_->OwnBlock(count, dtype), "send == recv + rank * count",
-                                     "all-gather"));
-  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "all-gather"));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-gather"));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(send, count, "all-gather send buffer"), call));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-gather receive buffer"), call));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(
+      impl_->CheckLayout(send, count, recv, impl_->AllBlocks(count), dtype,
+                         -impl_->OwnBlock(count, dtype), "send == recv + rank * count", "all-gather"),
+      call));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-gather"), call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
     return impl_->AllGather(send, recv, count, dtype, d);
@@ -1854,12 +1921,18 @@ Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, D
                                    ReduceOp op, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
-  DDP_RETURN_IF_ERROR(impl_->CheckLayout(send, impl_->AllBlocks(count), recv, count, dtype,
-                                         impl_->OwnBlock(count, dtype), "recv == send + rank * count",
-                                     "reduce-scatter"));
-  DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "reduce-scatter"));
+  DDP_RETURN_IF_ERROR(
+      impl_->Refuse(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"), call));
+  DDP_RETURN_IF_ERROR(
+      impl_->Refuse(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"), call));
+  DDP_RETURN_IF_ERROR(impl_->Refuse(
+      impl_->CheckLayout(send, impl_->AllBlocks(count), recv, count, dtype,
+                         impl_->OwnBlock(count, dtype), "recv == send + rank * count",
+                         "reduce-scatter"),
+      call));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->Refuse(impl_->DeviceOf({send, recv}, count, "reduce-scatter"), call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (device >= 0) {
       return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce,
@@ -1873,8 +1946,16 @@ StatusOr<int> Communicator::Impl::CheckAllToAll(const void* send,
                                                 std::span<const size_t> send_counts,
                                                 const void* recv,
                                                 std::span<const size_t> recv_counts,
-                                                DataType dtype) const {
+                                                DataType dtype, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(CheckTypes(dtype, ReduceOp::kSum, false));
+  return Refuse(CheckAllToAllLocal(send, send_counts, recv, recv_counts, dtype), call);
+}
+
+StatusOr<int> Communicator::Impl::CheckAllToAllLocal(const void* send,
+                                                     std::span<const size_t> send_counts,
+                                                     const void* recv,
+                                                     std::span<const size_t> recv_counts,
+                                                     DataType dtype) const {
   const size_t n = static_cast<size_t>(options_.world_size);
   if (send_counts.size() != n || recv_counts.size() != n) {
     return InvalidArgumentError("all-to-all: " + std::to_string(send_counts.size()) +
@@ -1963,8 +2044,11 @@ Status Communicator::Impl::AllToAll(const void* send, void* recv, size_t count, 
 
 Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                               const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-to-all"));
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  DDP_ASSIGN_OR_RETURN(const int device, impl_->CheckAllToAll(send, counts, recv, counts, dtype));
+  DDP_ASSIGN_OR_RETURN(const int device,
+                       impl_->CheckAllToAll(send, counts, recv, counts, dtype, call));
   return impl_->RunBlocking(call, [&, this](Deadline d) {
     return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
   });
@@ -1974,7 +2058,7 @@ Status Communicator::AllToAllV(const void* send, std::span<const size_t> send_co
                                std::span<const size_t> recv_counts, DataType dtype,
                                const CallOptions& call) {
   DDP_ASSIGN_OR_RETURN(const int device,
-                       impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
+                       impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype, call));
   std::vector<size_t> sends(send_counts.begin(), send_counts.end());
   std::vector<size_t> receives(recv_counts.begin(), recv_counts.end());
   return impl_->RunBlocking(call, [&, this](Deadline d) {
@@ -1986,7 +2070,7 @@ Status Communicator::Reduce(const void* send, void* recv, size_t count, DataType
                             ReduceOp op, int root, const CallOptions& call) {
   DDP_ASSIGN_OR_RETURN(const int device,
                        impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
-                                          call.algorithm));
+                                          call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
                             call.algorithm, d);
@@ -1997,7 +2081,7 @@ Status Communicator::Gather(const void* send, void* recv, size_t count, DataType
                             const CallOptions& call) {
   DDP_ASSIGN_OR_RETURN(const int device,
                        impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
-                                          ReduceOp::kSum, root, call.algorithm));
+                                          ReduceOp::kSum, root, call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
                             root, call.algorithm, d);
@@ -2008,7 +2092,7 @@ Status Communicator::Scatter(const void* send, void* recv, size_t count, DataTyp
                              const CallOptions& call) {
   DDP_ASSIGN_OR_RETURN(const int device,
                        impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
-                                          ReduceOp::kSum, root, call.algorithm));
+                                          ReduceOp::kSum, root, call));
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
                             ReduceOp::kSum, root, call.algorithm, d);
@@ -2057,7 +2141,8 @@ Work Communicator::FinishedWork(Status status) {
 
 Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std::move(state)); }
 
-// Argument errors of an async call come back in its Work, without aborting.
+// Argument errors of an async call come back in its Work; local ones abort
+// (Impl::Refuse), agreed ones do not.
 #define DDP_ASYNC_CHECK(expr)                      \
   do {                                             \
     Status ddp_check_ = (expr);                    \
@@ -2077,10 +2162,13 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
                                   ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-reduce send buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"));
-  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-reduce"));
+  DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "all-reduce"));
+  DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(send, count, "all-reduce send buffer"), call));
+  DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"), call));
+  DDP_ASYNC_CHECK(impl_->Refuse(
+      impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"), call));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-reduce"), call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) {
       return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
@@ -2093,10 +2181,13 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
 Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, int root,
                                   const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(buffer, count, "broadcast buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckLayout(buffer, count, buffer, 0, dtype, 0, "", "broadcast"));
   DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
-  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({buffer}, count, "broadcast"));
+  DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "broadcast"));
+  DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(buffer, count, "broadcast buffer"), call));
+  DDP_ASYNC_CHECK(impl_->Refuse(
+      impl_->CheckLayout(buffer, count, buffer, 0, dtype, 0, "", "broadcast"), call));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->Refuse(impl_->DeviceOf({buffer}, count, "broadcast"), call));
   const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->Enqueue(call, [=, this](Deadline d) {
@@ -2108,12 +2199,15 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
 Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "all-gather send buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "all-gather receive buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckLayout(send, count, recv, impl_->AllBlocks(count), dtype,
-                                     -impl_->OwnBlock(count, dtype), "send == recv + rank * count",
-                                     "all-gather"));
-  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "all-gather"));
+  DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-gather"));
+  DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(send, count, "all-gather send buffer"), call));
+  DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-gather receive buffer"), call));
+  DDP_ASYNC_CHECK(impl_->Refuse(
+      impl_->CheckLayout(send, count, recv, impl_->AllBlocks(count), dtype,
+                         -impl_->OwnBlock(count, dtype), "send == recv + rank * count", "all-gather"),
+      call));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-gather"), call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
     return impl_->AllGather(send, recv, count, dtype, d);
@@ -2124,12 +2218,18 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
                                       ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"));
-  DDP_ASYNC_CHECK(impl_->CheckLayout(send, impl_->AllBlocks(count), recv, count, dtype,
-                                     impl_->OwnBlock(count, dtype), "recv == send + rank * count",
-                                     "reduce-scatter"));
-  DDP_ASYNC_ASSIGN(const int device, impl_->DeviceOf({send, recv}, count, "reduce-scatter"));
+  DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "reduce-scatter"));
+  DDP_ASYNC_CHECK(
+      impl_->Refuse(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"), call));
+  DDP_ASYNC_CHECK(
+      impl_->Refuse(impl_->CheckBuffer(recv, count, "reduce-scatter receive buffer"), call));
+  DDP_ASYNC_CHECK(impl_->Refuse(
+      impl_->CheckLayout(send, impl_->AllBlocks(count), recv, count, dtype,
+                         impl_->OwnBlock(count, dtype), "recv == send + rank * count",
+                         "reduce-scatter"),
+      call));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->Refuse(impl_->DeviceOf({send, recv}, count, "reduce-scatter"), call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (device >= 0) {
       return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce,
@@ -2141,8 +2241,11 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
 
 Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, DataType dtype,
                                  const CallOptions& call) {
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-to-all"));
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  DDP_ASYNC_ASSIGN(const int device, impl_->CheckAllToAll(send, counts, recv, counts, dtype));
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckAllToAll(send, counts, recv, counts, dtype, call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
   });
@@ -2152,7 +2255,7 @@ Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send
                                   void* recv, std::span<const size_t> recv_counts, DataType dtype,
                                   const CallOptions& call) {
   DDP_ASYNC_ASSIGN(const int device,
-                   impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype));
+                   impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype, call));
   return impl_->Enqueue(call, [=, this, sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
                                receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](
                                   Deadline d) {
@@ -2164,7 +2267,7 @@ Work Communicator::ReduceAsync(const void* send, void* recv, size_t count, DataT
                                ReduceOp op, int root, const CallOptions& call) {
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
-                                      call.algorithm));
+                                      call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
                             call.algorithm, d);
@@ -2175,7 +2278,7 @@ Work Communicator::GatherAsync(const void* send, void* recv, size_t count, DataT
                                int root, const CallOptions& call) {
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
-                                      ReduceOp::kSum, root, call.algorithm));
+                                      ReduceOp::kSum, root, call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
                             root, call.algorithm, d);
@@ -2186,7 +2289,7 @@ Work Communicator::ScatterAsync(const void* send, void* recv, size_t count, Data
                                 int root, const CallOptions& call) {
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
-                                      ReduceOp::kSum, root, call.algorithm));
+                                      ReduceOp::kSum, root, call));
   return impl_->Enqueue(call, [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
                             ReduceOp::kSum, root, call.algorithm, d);

@@ -5,14 +5,33 @@
 // between the ranks of a job, over UCX between processes and hosts, with a
 // shared-memory fast path between ranks of one host.
 //
-// Error model: every call returns a Status. Argument errors found before any
-// message is exchanged (null buffer, bad root, bad peer) are
-// INVALID_ARGUMENT and leave the communicator usable. Any failure once
-// communication started (a peer died: PEER_LOST; a deadline passed:
-// TIMED_OUT; ranks passed different counts: INVALID_ARGUMENT) aborts the
-// communicator: the reason is posted to the job's store so that every rank
-// learns it within ~100 ms, and every later call fails at once with that
-// first reason. Create a new communicator (a new job) to continue.
+// Error model: every call returns a Status. A collective's arguments are
+// checked before any message is exchanged (INVALID_ARGUMENT), in two kinds:
+//  - what every rank passes alike (dtype, op, root, algorithm,
+//    staged_reduce, a count whose bytes overflow the address space): every
+//    rank of the call refuses it the same way, none takes part, and the
+//    communicator stays usable. Ranks that disagree on these are a program
+//    error the check cannot see: the others wait for the refusing rank
+//    until their deadline, and it must not go on to its next collective;
+//  - what only this rank has (its buffers: null with a count, misaligned,
+//    overlapping other than in place, on two CUDA devices; AllToAllV's
+//    count lists; AllReduceThrough's function): the other ranks cannot know
+//    that it will not take part, so the refusing rank aborts the
+//    communicator, as a failed collective does. Its message starts "rank R
+//    refused the call: "; the others fail within ~100 ms with "rank R
+//    aborted the job: rank R refused the call: ...", in that call or, a
+//    rank whose part was done before it could tell (a tree leaf whose data
+//    went out), in its next one. No rank pairs a later call with another's.
+//    The abort is immediate: this rank's earlier async calls that have not
+//    finished fail with it too.
+// Send and Recv refuse their own arguments without aborting: they are not
+// numbered with the collectives, and the peer's matching call times out.
+// Any failure once communication started (a peer died: PEER_LOST; a
+// deadline passed: TIMED_OUT; ranks passed different counts:
+// INVALID_ARGUMENT) aborts the communicator: the reason is posted to the
+// job's store so that every rank learns it within ~100 ms, and every later
+// call fails at once with that first reason. Create a new communicator (a
+// new job) to continue.
 //
 // Threading: see transport/README.md. In short: calls may come from any
 // thread but must be issued in the same order on every rank; blocking calls
@@ -292,7 +311,9 @@ class Communicator {
   /// Rooted collectives (MPI_Reduce, MPI_Gather, MPI_Scatter, ncclReduce).
   /// Every rank calls them with the same count, dtype, root (and op): a
   /// root outside [0, size()) is INVALID_ARGUMENT on the rank that passed
-  /// it; ranks that disagree fail (INVALID_ARGUMENT naming both values, or
+  /// it; a buffer only the root uses that it refuses (null, overlapping
+  /// other than in place) aborts the communicator (see the error model at
+  /// the top), so the other ranks fail too; ranks that disagree fail (INVALID_ARGUMENT naming both values, or
   /// the abort reason of the rank that found it) or time out at the call's
   /// deadline. Device buffers (those this rank uses) go through the pinned
   /// staging slots chunk by chunk, with the host collective on each chunk
@@ -372,7 +393,10 @@ class Communicator {
   /// communicator's timeout). When rank 0 of this communicator serves the
   /// store (host_store), the store stays up while any communicator split
   /// from it lives there, and the last to go waits (within its timeout) for
-  /// every rank of every communicator that uses the store to leave.
+  /// every rank of every communicator that uses the store to leave. A
+  /// color below kNoColor on any rank: INVALID_ARGUMENT on every rank,
+  /// naming that rank (the colors are exchanged first); no communicator is
+  /// formed and this one stays usable.
   StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, const CallOptions& call = {});
 
   /// Aborts the communicator with `reason` (posted to the store); later calls

@@ -380,11 +380,24 @@ int ScenarioAllToAll() {
     for (size_t i = 0; i < recv_counts[q]; ++i) wrong += recv[at++] != BlockValue(q, me, i);
   }
   WORKER_CHECK(wrong == 0, "all-to-all-v: " + std::to_string(wrong) + " wrong");
-  // Local mistakes fail before anything moves.
-  WORKER_CHECK(comm->AllToAllV(send.data(), std::vector<size_t>(n + 1), recv.data(), recv_counts,
-                               DataType::kI64).code() == StatusCode::kInvalidArgument, "count list length");
-  WORKER_CHECK(comm->AllToAll(send.data(), send.data(), 1, DataType::kI64).code() ==
-                   StatusCode::kInvalidArgument, "overlapping buffers");
+  // Local mistakes fail before anything moves, and abort the communicator
+  // (a rank's own count list or buffers: the others could not tell), so
+  // each is made on a communicator of its own, split off this one.
+  auto refused = [&](const std::function<Status(Communicator&)>& call, const std::string& text) {
+    auto child = comm->Split(0, me);
+    WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+    if (!child.ok() || *child == nullptr) return;
+    const Status s = call(**child);
+    WORKER_CHECK(s.code() == StatusCode::kInvalidArgument && s.message().find(text) != std::string::npos,
+                 text + ": " + s.ToString());
+    WORKER_CHECK(!(*child)->aborted_reason().ok(), text + ": the communicator was not aborted");
+  };
+  refused([&](Communicator& c) {
+    return c.AllToAllV(send.data(), std::vector<size_t>(n + 1), recv.data(), recv_counts, DataType::kI64);
+  }, std::to_string(n + 1) + " send counts and " + std::to_string(n) + " receive counts");
+  std::vector<int64_t> both(n);
+  refused([&](Communicator& c) { return c.AllToAll(both.data(), both.data(), 1, DataType::kI64); },
+          "all-to-all: the send and receive buffers overlap");
   // Rank 0 expects one element more from rank 1 than rank 1 sends.
   std::vector<size_t> mine(n, 1), theirs(n, 1);
   if (me == 0 && n > 1) theirs[1] = 2;  // (one rank: nobody to disagree with)
@@ -399,7 +412,15 @@ int ScenarioAllToAll() {
 int ScenarioSplit() {
   auto comm = MustCreate();
   const int me = comm->rank();
-  WORKER_CHECK(comm->Split(-2, 0).status().code() == StatusCode::kInvalidArgument, "color -2");
+  // A negative color other than kNoColor, on one rank: every rank refuses
+  // the split (the colors are exchanged first) and the parent stays usable.
+  {
+    auto bad = comm->Split(me == 1 ? -2 : 0, 0);
+    WORKER_CHECK(bad.status().code() == StatusCode::kInvalidArgument &&
+                     bad.status().message().find("rank 1 passed color -2") != std::string::npos,
+                 "color -2 on rank 1: " + bad.status().ToString());
+    WORKER_CHECK(comm->aborted_reason().ok(), "color -2 aborted: " + comm->aborted_reason().ToString());
+  }
   {
     auto half = comm->Split(me % 2, -me);
     WORKER_CHECK(half.ok() && *half != nullptr, "split: " + half.status().ToString());
@@ -527,11 +548,20 @@ int ScenarioThrough() {
       }
     }
   }
-  // Local mistakes.
+  // A local mistake (this rank's own function) is refused and aborts the
+  // communicator: on one split off this one.
   std::vector<float> data(4096, 1.0f);
-  WORKER_CHECK(comm->AllReduceThrough(data.data(), data.data(), data.size(), DataType::kF32,
-                                      ReduceOp::kSum, nullptr).code() == StatusCode::kInvalidArgument,
-               "a null slice function was accepted");
+  {
+    auto child = comm->Split(0, me);
+    WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+    if (!child.ok() || *child == nullptr) return 1;
+    const Status refused = (*child)->AllReduceThrough(data.data(), data.data(), data.size(),
+                                                      DataType::kF32, ReduceOp::kSum, nullptr);
+    WORKER_CHECK(refused.code() == StatusCode::kInvalidArgument &&
+                     refused.message().find("no slice function") != std::string::npos,
+                 "a null slice function: " + refused.ToString());
+    WORKER_CHECK(!(*child)->aborted_reason().ok(), "a null slice function did not abort");
+  }
   // A slice function that fails (last rank) or throws (rank 0) fails the
   // call everywhere (and aborts the communicator: one per run).
   const bool throws = EnvOr("DDP_TEST_THROUGH_FAILURE", "refuse") == "throw";

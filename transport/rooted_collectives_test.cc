@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -197,8 +198,9 @@ int ScenarioSweep() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
-// Arguments refused before anything moves: INVALID_ARGUMENT (or
-// FAILED_PRECONDITION) naming the value, and the communicator still works.
+// Arguments that every rank passes alike, refused before anything moves
+// (the same refusal on every rank): INVALID_ARGUMENT naming the value, and
+// the communicator still works.
 int ScenarioLocalErrors() {
   auto comm = MustCreate();
   const int n = comm->size();
@@ -223,43 +225,24 @@ int ScenarioLocalErrors() {
            StatusCode::kInvalidArgument, "gather root " + r + outside);
     expect(comm->ScatterAsync(a.data(), b.data(), 4, DataType::kF32, root).Wait(),
            StatusCode::kInvalidArgument, "scatter root " + r + outside);
+    expect(comm->Broadcast(a.data(), 4, DataType::kF32, root), StatusCode::kInvalidArgument,
+           "broadcast root " + r + outside);
   }
-  expect(comm->Reduce(nullptr, b.data(), 4, DataType::kF32, ReduceOp::kSum, 0),
-         StatusCode::kInvalidArgument, "reduce send buffer is null with count 4");
-  if (comm->rank() == 0) {
-    expect(comm->Reduce(a.data(), nullptr, 4, DataType::kF32, ReduceOp::kSum, 0),
-           StatusCode::kInvalidArgument, "reduce receive buffer is null");
-    expect(comm->Reduce(a.data(), a.data() + 1, 4, DataType::kF32, ReduceOp::kSum, 0),
-           StatusCode::kInvalidArgument, "overlap other than in place (send == recv)");
-    expect(comm->Gather(a.data() + 1, a.data(), 4, DataType::kF32, 0),
-           StatusCode::kInvalidArgument, "(send == recv + root * count)");
-    expect(comm->Scatter(nullptr, b.data(), 4, DataType::kF32, 0),
-           StatusCode::kInvalidArgument, "scatter send buffer is null with count " +
-                                             std::to_string(4 * n));
-  }
-  // The unrooted collectives' layouts, refused on every path (the shared-
-  // memory engine, which the default picks here, took a partial overlap).
-  expect(comm->AllReduce(a.data(), a.data() + 1, 4, DataType::kF32, ReduceOp::kSum),
-         StatusCode::kInvalidArgument, "all-reduce: the send and receive buffers overlap other than in place (send == recv)");
-  expect(comm->AllReduceAsync(a.data() + 1, a.data(), 4, DataType::kF32, ReduceOp::kSum).Wait(),
-         StatusCode::kInvalidArgument, "all-reduce: the send and receive buffers overlap");
-  expect(comm->AllGather(a.data() + 1, a.data(), 4, DataType::kF32),
-         StatusCode::kInvalidArgument, "all-gather: the send and receive buffers overlap other than in place (send == recv + rank * count)");
-  expect(comm->ReduceScatter(a.data(), a.data() + 1, 4, DataType::kF32, ReduceOp::kSum),
-         StatusCode::kInvalidArgument, "reduce-scatter: the send and receive buffers overlap other than in place (recv == send + rank * count)");
-  expect(comm->AllReduce(reinterpret_cast<char*>(a.data()) + 1, b.data(), 2, DataType::kF32, ReduceOp::kSum),
-         StatusCode::kInvalidArgument, "all-reduce: the send buffer is not aligned to the 4-byte size of f32");
-  expect(comm->Broadcast(reinterpret_cast<char*>(b.data()) + 2, 2, DataType::kF32, 0),
-         StatusCode::kInvalidArgument, "broadcast: the buffer is not aligned to the 4-byte size of f32");
   expect(comm->Reduce(a.data(), b.data(), 4, static_cast<DataType>(99), ReduceOp::kSum, 0),
          StatusCode::kInvalidArgument, "unknown dtype 99");
   expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, static_cast<ReduceOp>(42), 0),
+         StatusCode::kInvalidArgument, "unknown reduce op 42");
+  expect(comm->AllReduceAsync(a.data(), b.data(), 4, DataType::kF32, static_cast<ReduceOp>(42)).Wait(),
          StatusCode::kInvalidArgument, "unknown reduce op 42");
   expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, 0,
                       {.algorithm = Algorithm::kRhd}),
          StatusCode::kInvalidArgument, "reduce: algorithm rhd is not auto, tree, ring or shm");
   expect(comm->Gather(a.data(), b.data(), SIZE_MAX / 2, DataType::kF32, 0),
          StatusCode::kInvalidArgument, "overflows");
+  // Null buffers with such a count: the count is refused first, on every
+  // rank alike, not the buffers.
+  expect(comm->AllGather(nullptr, nullptr, SIZE_MAX / 2, DataType::kF32),
+         StatusCode::kInvalidArgument, "overflow the address space");
   // Still usable: a real reduce and gather.
   std::vector<float> x(8), y(8 * n);
   FillInput(DataType::kF32, x.data(), x.size(), comm->rank(), ReduceOp::kSum);
@@ -273,6 +256,133 @@ int ScenarioLocalErrors() {
                "gather after refused calls");
   WORKER_CHECK(comm->aborted_reason().ok(), "aborted: " + comm->aborted_reason().ToString());
   return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Buffers refused on some ranks only (each rank's own: null, overlapping,
+// misaligned), each case on a communicator of its own split off the job's:
+// the refusing rank gets INVALID_ARGUMENT naming itself and the buffer, and
+// aborts the communicator; every other rank fails the call, or at the
+// latest the barrier after it, with that reason, within seconds.
+int ScenarioRefusalTexts() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  std::vector<float> a(4 * n, 1.0f), b(4 * n, 0.0f);
+  float* af = a.data();
+  float* bf = b.data();
+  char* ab = reinterpret_cast<char*>(a.data());
+  struct Case {
+    bool root_only;  // refused on rank 0 (the root) only, else on every rank
+    std::string text;
+    std::function<Status(Communicator&, bool refuse)> call;
+  };
+  const std::vector<Case> cases = {
+      {false, "reduce send buffer is null with count 4",
+       [&](Communicator& c, bool) { return c.Reduce(nullptr, bf, 4, DataType::kF32, ReduceOp::kSum, 0); }},
+      {true, "reduce receive buffer is null",
+       [&](Communicator& c, bool refuse) {
+         return c.Reduce(af, refuse ? nullptr : bf, 4, DataType::kF32, ReduceOp::kSum, 0);
+       }},
+      {true, "overlap other than in place (send == recv)",
+       [&](Communicator& c, bool refuse) {
+         return c.Reduce(af, refuse ? af + 1 : bf, 4, DataType::kF32, ReduceOp::kSum, 0);
+       }},
+      {true, "(send == recv + root * count)",
+       [&](Communicator& c, bool refuse) {
+         return c.Gather(refuse ? af + 1 : af, refuse ? af : bf, 4, DataType::kF32, 0);
+       }},
+      {true, "scatter send buffer is null with count " + std::to_string(4 * n),
+       [&](Communicator& c, bool refuse) { return c.Scatter(refuse ? nullptr : af, bf, 4, DataType::kF32, 0); }},
+      {true, "gather receive buffer is null",
+       [&](Communicator& c, bool refuse) {
+         return c.GatherAsync(af, refuse ? nullptr : bf, 4, DataType::kF32, 0).Wait();
+       }},
+      {false, "all-reduce: the send and receive buffers overlap other than in place (send == recv)",
+       [&](Communicator& c, bool) { return c.AllReduce(af, af + 1, 4, DataType::kF32, ReduceOp::kSum); }},
+      {false, "all-reduce: the send and receive buffers overlap",
+       [&](Communicator& c, bool) {
+         return c.AllReduceAsync(af + 1, af, 4, DataType::kF32, ReduceOp::kSum).Wait();
+       }},
+      {false, "all-gather: the send and receive buffers overlap other than in place (send == recv + rank * count)",
+       [&](Communicator& c, bool) { return c.AllGather(af + 1, af, 4, DataType::kF32); }},
+      {false, "reduce-scatter: the send and receive buffers overlap other than in place (recv == send + rank * count)",
+       [&](Communicator& c, bool) { return c.ReduceScatter(af, af + 1, 4, DataType::kF32, ReduceOp::kSum); }},
+      {false, "all-reduce: the send buffer is not aligned to the 4-byte size of f32",
+       [&](Communicator& c, bool) { return c.AllReduce(ab + 1, bf, 2, DataType::kF32, ReduceOp::kSum); }},
+      {false, "broadcast: the buffer is not aligned to the 4-byte size of f32",
+       [&](Communicator& c, bool) { return c.Broadcast(reinterpret_cast<char*>(bf) + 2, 2, DataType::kF32, 0); }},
+  };
+  for (const Case& c : cases) {
+    auto child = comm->Split(0, me);
+    WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+    if (!child.ok() || *child == nullptr) return 1;
+    Communicator& sub = **child;
+    const bool refuse = !c.root_only || me == 0;
+    const auto start = Clock::now();
+    const Status called = c.call(sub, refuse);
+    const Status next = sub.Barrier();
+    const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    const Status& first = called.ok() ? next : called;
+    const std::string what = c.text + (refuse ? " (refused here)" : " (refused on rank 0)");
+    WORKER_CHECK(!next.ok(), what + ": the barrier after the refusal passed");
+    WORKER_CHECK(first.message().find(c.text) != std::string::npos,
+                 what + ": rank " + std::to_string(me) + " got " + first.ToString());
+    WORKER_CHECK(first.message().find(" refused the call: ") != std::string::npos,
+                 what + ": rank " + std::to_string(me) + " got " + first.ToString());
+    if (refuse) {
+      WORKER_CHECK(called.code() == StatusCode::kInvalidArgument, what + ": " + called.ToString());
+    }
+    WORKER_CHECK(ms < 10000, what + ": took " + std::to_string(ms) + " ms");
+    WORKER_CHECK(!sub.aborted_reason().ok(), what + ": the communicator was not aborted");
+  }
+  // The job's own communicator was never involved.
+  WORKER_CHECK(comm->Barrier().ok(), "barrier on the parent");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// DDP_TEST_REFUSAL names a call that rank DDP_TEST_REFUSING_RANK refuses
+// for its own buffers (or count list) while the others pass good ones;
+// every rank then runs a barrier, and prints how each ended and when.
+int ScenarioRefused() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  if (!comm->Barrier().ok()) return 2;
+  const std::string refusal = EnvOr("DDP_TEST_REFUSAL");
+  const int refusing = std::atoi(EnvOr("DDP_TEST_REFUSING_RANK", "0").c_str());
+  const bool refuse = me == refusing;
+  const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
+  std::vector<float> send(4 * n, 1.0f), recv(4 * n, 0.0f);
+  const auto start = Clock::now();
+  auto since = [&] {
+    return static_cast<long long>(std::chrono::duration_cast<milliseconds>(Clock::now() - start).count());
+  };
+  Status s;
+  if (refusal == "reduce_null_recv" || refusal == "reduce_null_recv_async") {
+    // The root (the refusing rank) passes a null recv; the others' recv is
+    // ignored anyway.
+    void* out = refuse ? nullptr : recv.data();
+    s = refusal == "reduce_null_recv"
+            ? comm->Reduce(send.data(), out, 4, DataType::kF32, ReduceOp::kSum, refusing,
+                           {.algorithm = algorithm})
+            : comm->ReduceAsync(send.data(), out, 4, DataType::kF32, ReduceOp::kSum, refusing,
+                                {.algorithm = algorithm})
+                  .Wait();
+  } else if (refusal == "allreduce_misaligned") {
+    const void* in = refuse ? static_cast<const void*>(reinterpret_cast<char*>(send.data()) + 1)
+                            : send.data();
+    s = comm->AllReduce(in, recv.data(), 2, DataType::kF32, ReduceOp::kSum, {.algorithm = algorithm});
+  } else if (refusal == "alltoallv_counts") {
+    std::vector<size_t> counts(static_cast<size_t>(n), 1);
+    std::vector<size_t> sends = counts;
+    if (refuse) sends.pop_back();
+    s = comm->AllToAllV(send.data(), sends, recv.data(), counts, DataType::kF32);
+  } else {
+    std::fprintf(stderr, "unknown refusal %s\n", refusal.c_str());
+    return 2;
+  }
+  std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), since());
+  const Status next = comm->Barrier();
+  std::printf("NEXT %s ms=%lld\n", next.ToString().c_str(), since());
+  return 0;
 }
 
 // DDP_TEST_DISAGREE=count|root on rank 1, for DDP_TEST_COLLECTIVE; every
@@ -352,6 +462,8 @@ int ScenarioGone() {
 int RunScenario(const std::string& name) {
   if (name == "sweep") return ScenarioSweep();
   if (name == "local_errors") return ScenarioLocalErrors();
+  if (name == "refusal_texts") return ScenarioRefusalTexts();
+  if (name == "refused") return ScenarioRefused();
   if (name == "disagree") return ScenarioDisagree();
   if (name == "gone") return ScenarioGone();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
@@ -394,9 +506,72 @@ INSTANTIATE_TEST_SUITE_P(Ranks, Sweep,
                                   (info.param.shared_memory ? "Shm" : "Ucx");
                          });
 
-TEST(RootedCollectives, LocalArgumentErrorsAreNamedAndLeaveTheCommunicatorUsable) {
+TEST(RootedCollectives, ArgumentErrorsOfEveryRankAreNamedAndLeaveTheCommunicatorUsable) {
   Job job = RunJob(3, "local_errors", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(RootedCollectives, BufferRefusalsAreNamedAndAbortTheCommunicator) {
+  Job job = RunJob(3, "refusal_texts", {{"DDP_TEST_TIMEOUT_MS", "60000"}}, milliseconds(240000));
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+// The text after `tag` ("RESULT ", "NEXT ") up to the end of its line.
+std::string Line(const std::string& output, const std::string& tag) {
+  const size_t at = output.find(tag);
+  if (at == std::string::npos) return "";
+  return output.substr(at, output.find('\n', at) - at);
+}
+
+// Rank `refusing` refuses a call for its own buffers (the others pass
+// good ones): with a 60 s deadline, every rank fails within a few seconds,
+// the call or (a rank whose part was done before it could tell: a
+// leaf whose data went out) the barrier after it, with INVALID_ARGUMENT
+// naming the refusing rank and the reason; no rank passes the barrier.
+void ExpectRefusalFailsEverywhere(const std::string& refusal, int refusing, bool shared_memory,
+                                  const std::string& reason, Algorithm algorithm = Algorithm::kAuto) {
+  SCOPED_TRACE(refusal + " on rank " + std::to_string(refusing) + (shared_memory ? " shm" : " ucx"));
+  Job job = RunJob(4, "refused",
+                   {{"DDP_TEST_TIMEOUT_MS", "60000"},
+                    {"DDP_TEST_REFUSAL", refusal},
+                    {"DDP_TEST_REFUSING_RANK", std::to_string(refusing)},
+                    {"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
+                    {"DDP_SHARED_MEMORY", shared_memory ? "1" : "0"}},
+                   milliseconds(120000));
+  const std::string named = "rank " + std::to_string(refusing) + " refused the call: ";
+  for (size_t r = 0; r < job.results.size(); ++r) {
+    const std::string& out = job.results[r].output;
+    ASSERT_EQ(job.results[r].exit_code, 0) << job.Describe();
+    const std::string result = Line(out, "RESULT "), next = Line(out, "NEXT ");
+    ASSERT_NE(next, "") << job.Describe();
+    EXPECT_EQ(next.find("NEXT OK"), std::string::npos) << job.Describe();
+    EXPECT_LT(ResultMs(next), 10000) << job.Describe();
+    const std::string& first = result.find("RESULT OK") == std::string::npos ? result : next;
+    EXPECT_NE(first.find("INVALID_ARGUMENT"), std::string::npos) << "rank " << r << "\n" << job.Describe();
+    EXPECT_NE(first.find(named + reason), std::string::npos) << "rank " << r << "\n" << job.Describe();
+    if (static_cast<int>(r) == refusing) {
+      EXPECT_EQ(result.find("RESULT OK"), std::string::npos) << job.Describe();
+      EXPECT_LT(ResultMs(result), 5000) << job.Describe();
+    }
+  }
+}
+
+TEST(RootedCollectives, RootOnlyRefusalFailsEveryRankSharedMemory) {
+  ExpectRefusalFailsEverywhere("reduce_null_recv", 0, true, "reduce receive buffer is null with count 4");
+  ExpectRefusalFailsEverywhere("reduce_null_recv_async", 2, true, "reduce receive buffer is null with count 4");
+}
+TEST(RootedCollectives, RootOnlyRefusalFailsEveryRankUcx) {
+  ExpectRefusalFailsEverywhere("reduce_null_recv", 0, false, "reduce receive buffer is null with count 4",
+                               Algorithm::kTree);
+  ExpectRefusalFailsEverywhere("reduce_null_recv_async", 2, false,
+                               "reduce receive buffer is null with count 4", Algorithm::kRing);
+}
+TEST(RootedCollectives, OneRanksRefusalOfAnUnrootedCallFailsEveryRank) {
+  ExpectRefusalFailsEverywhere("allreduce_misaligned", 1, true,
+                               "all-reduce: the send buffer is not aligned to the 4-byte size of f32");
+  ExpectRefusalFailsEverywhere("allreduce_misaligned", 3, false,
+                               "all-reduce: the send buffer is not aligned", Algorithm::kRing);
+  ExpectRefusalFailsEverywhere("alltoallv_counts", 1, false, "all-to-all: 3 send counts and 4 receive counts");
 }
 
 // Rank 1 passes another count or root: well before the 10 s deadline, a
