@@ -94,7 +94,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --master_port=PORT   port of the store (default 29500; 0: any free port)
   --rdzv_endpoint=HOST[:PORT]
                        torchrun's spelling of --master_addr and --master_port
-                       (default port 29400, as torchrun's)
+                       (default port 29400, as torchrun's; port 0, any free
+                       port, on one node only)
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
@@ -115,7 +116,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
   --tee                with --log_dir, also write it to the terminal
-                       (torchrun's --tee=3; --tee=0 and --redirects=3 accepted)
+                       (torchrun's --tee=3; --tee=0 and --redirects=3 accepted,
+                       and torchrun's -t CODE and -r CODE for them)
   --no_prefix          do not start terminal lines with "[rank] "
   --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
                        required with several nodes, generated otherwise
@@ -140,6 +142,8 @@ ignored, --local_addr, --logs_specs and --node_rank with c10d (as torchrun).
 namespace {
 
 // "HOST", "HOST:PORT", "[IPV6]" or "[IPV6]:PORT"; port -1 when not given.
+// Port 0 (any free port, torchrun's `localhost:0` for one node) is refused
+// with several nodes by the caller.
 StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
   auto bad = [&](const std::string& why) {
     return InvalidArgumentError(Flag("rdzv_endpoint", text) + ": " + why);
@@ -168,7 +172,7 @@ StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
   int port = -1;
   if (!port_text.empty()) {
     const std::optional<int64_t> v = ParseInt(port_text);
-    if (!v || *v < 1 || *v > 65535) return bad("the port must be in [1, 65535]");
+    if (!v || *v < 0 || *v > 65535) return bad("the port must be in [0, 65535]");
     port = static_cast<int>(*v);
   }
   return std::make_pair(host, port);
@@ -204,14 +208,28 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
           "-m runs a Python module under torchrun; ddprun starts programs: give the program "
           "(e.g. python3 -m MODULE)");
     }
-    if (arg.size() < 2 || arg.substr(0, 2) != "--") break;  // the program
-    std::string name(arg.substr(2));
+    if (arg.size() < 2 || arg[0] != '-') break;  // the program
+    std::string name;
     std::optional<std::string> value;
-    if (const size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name.resize(eq);
+    if (arg[1] != '-') {
+      // torchrun's short forms: -t CODE (--tee) and -r CODE (--redirects),
+      // also -t3 and -t=3. Any other "-X" before the program is a flag
+      // ddprun does not know, not a program (that would go after --).
+      if (arg[1] != 't' && arg[1] != 'r') {
+        return InvalidArgumentError("unknown flag " + std::string(arg) +
+                                    " (ddprun's short flags are torchrun's -t for --tee and -r for "
+                                    "--redirects; see ddprun --help)");
+      }
+      name = arg[1] == 't' ? "tee" : "redirects";
+      if (arg.size() > 2) value = std::string(arg.substr(arg[2] == '=' ? 3 : 2));
+    } else {
+      name = std::string(arg.substr(2));
+      if (const size_t eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name.resize(eq);
+      }
+      for (char& c : name) c = c == '-' ? '_' : c;
     }
-    for (char& c : name) c = c == '-' ? '_' : c;
 
     auto take_value = [&]() -> StatusOr<std::string> {
       if (value) return *value;
@@ -370,7 +388,7 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
       DDP_ASSIGN_OR_RETURN(std::string text, take_value());
       DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
       o.master_addr = endpoint.first;
-      o.master_port = endpoint.second > 0 ? endpoint.second : kDefaultRdzvPort;
+      o.master_port = endpoint.second >= 0 ? endpoint.second : kDefaultRdzvPort;
       endpoint_given = true;
     } else if (name == "rdzv_backend") {
       DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
@@ -509,7 +527,8 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
     }
     if (o.master_port == 0) {
       return InvalidArgumentError(
-          "--master_port=0 (any free port) works on one node only: every node must know the port");
+          std::string(endpoint_given ? "port 0 in --rdzv_endpoint" : "--master_port=0") +
+          " (any free port) works on one node only (--nnodes=1): every node must know the port");
     }
   }
   if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
@@ -558,18 +577,71 @@ std::optional<FailureNotice> DecodeFailure(const std::string& value) {
 
 // The first failure posted for an attempt wins; later ones are dropped so
 // that every launcher reports the same root cause.
-Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, NoticeKind kind,
-                   const std::string& reason) {
-  const Deadline deadline = DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout));
+Status PostFailure(store::Store& store, int attempt, NoticeKind kind, const std::string& reason,
+                   Deadline deadline) {
   DDP_ASSIGN_OR_RETURN(int64_t n, store.Add(Key(attempt, "failure_count"), 1, deadline));
   if (n != 1) return Status::Ok();
   return store.Set(Key(attempt, "failure"), static_cast<char>(kind) + reason, deadline);
+}
+
+Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, NoticeKind kind,
+                   const std::string& reason) {
+  return PostFailure(store, attempt, kind, reason,
+                     DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout)));
 }
 
 Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, bool restartable,
                    const std::string& reason) {
   return PostFailure(store, o, attempt, restartable ? NoticeKind::kRestartable : NoticeKind::kFinal,
                      reason);
+}
+
+// ---- stopping the job for good ----
+//
+// A launcher that ends the job (SIGINT, SIGTERM or SIGHUP; a fault of its
+// own, such as workers that cannot start) sets Key(attempt, "stop") to its
+// reason, and does so before its workers end, since their end makes the
+// workers of other nodes fail within milliseconds and those nodes post
+// restartable notices. The first failure notice of an attempt decides
+// whether it restarts; a stop overrides it: every launcher looks for one
+// before restarting, and the rendezvous of the next attempt (Rendezvous,
+// FormRound, JoinRound) gives up as soon as one appears, in that attempt
+// or the one before. The stop is also posted as a final failure notice,
+// which stops the workers of the others at once when it is the first.
+
+// Longest a stop notice may hold up an interrupted launcher's forwarding
+// of the signal to its workers (a store that does not answer).
+constexpr auto kStopNoticeTime = 2000ms;
+
+Status PostStop(store::Store& store, const DdprunOptions& o, int attempt, const std::string& reason) {
+  const Deadline deadline =
+      DeadlineIn(std::min<milliseconds>({o.store_call_time, o.node_timeout, kStopNoticeTime}));
+  DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "stop"), reason, deadline));
+  return PostFailure(store, attempt, NoticeKind::kFinal, reason, deadline);
+}
+
+// The reason of a stop posted for `attempt`, if any.
+std::optional<std::string> PostedStop(store::Store& store, const DdprunOptions& o, int attempt) {
+  if (attempt < 0) return std::nullopt;
+  auto stop = store.TryGet(Key(attempt, "stop"), DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout)));
+  if (!stop.ok() || !stop->has_value()) return std::nullopt;
+  return **stop;
+}
+
+// For the rendezvous of `attempt`: ABORTED when this launcher was
+// interrupted (InterruptSignal; the caller tells the others) or a stop was
+// posted for this attempt or the one before it.
+Status CheckStop(store::Store& store, const DdprunOptions& o, int attempt) {
+  if (const int signo = InterruptSignal(); signo != 0) {
+    return AbortedError("interrupted by " + SignalName(signo));
+  }
+  for (int a : {attempt - 1, attempt}) {
+    if (std::optional<std::string> stop = PostedStop(store, o, a)) {
+      return AbortedError(*stop + "; the job stops without " +
+                          (attempt == 0 ? std::string("starting") : "restart " + std::to_string(attempt)));
+    }
+  }
+  return Status::Ok();
 }
 
 // Watches one attempt from one node: waits on the failure key in slices,
@@ -737,7 +809,15 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + rank), Hostname(), DeadlineIn(o.store_call_time)));
   std::vector<std::string> keys;
   for (int node = 0; node < o.nnodes; ++node) keys.push_back(Key(attempt, "node/" + std::to_string(node)));
-  Status joined = store.Wait(keys, deadline);
+  // In slices, to give up as soon as a stop is posted or this launcher is
+  // interrupted (ABORTED; the caller says goodbye).
+  Status joined = CheckStop(store, o, attempt);
+  while (joined.ok()) {
+    joined = store.Wait(keys, std::min(deadline, DeadlineIn(MonitorSlice(o))));
+    if (joined.code() != StatusCode::kTimedOut || Clock::now() >= deadline) break;
+    joined = CheckStop(store, o, attempt);
+  }
+  if (joined.code() == StatusCode::kAborted) return joined;
   if (joined.ok() || joined.code() == StatusCode::kTimedOut) {
     if (std::optional<std::string> duplicate = DuplicateRank(store, o, attempt)) {
       (void)PostFailure(store, o, attempt, /*restartable=*/false, *duplicate);
@@ -858,6 +938,7 @@ StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nod
   int members = 1;
   while (true) {  // until a closed round is confirmed
     while (true) {  // until the round closes
+      DDP_RETURN_IF_ERROR(CheckStop(store, o, round));
       DDP_ASSIGN_OR_RETURN(int64_t joined, store.Add(Key(round, "joined"), 0, DeadlineIn(o.store_call_time)));
       for (int64_t slot = 1; slot <= joined; ++slot) {
         if (entries.count(slot)) continue;
@@ -994,6 +1075,12 @@ StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int 
       if (record.ok() || record.status().code() != StatusCode::kTimedOut) break;
       DDP_RETURN_IF_ERROR(
           store.Add(Key(round, "alive/" + std::to_string(slot)), 1, DeadlineIn(o.store_call_time)).status());
+      if (Status stop = CheckStop(store, o, round); !stop.ok()) {
+        // Node 0 ends the job too, and need not wait for this launcher to
+        // read that.
+        (void)store.Set(Key(round, "left/" + std::to_string(slot)), "1", DeadlineIn(o.store_call_time));
+        return stop;
+      }
       DDP_ASSIGN_OR_RETURN(std::optional<std::string> current, store.TryGet(kRoundKey, DeadlineIn(o.store_call_time)));
       const std::optional<int64_t> opened = current ? ParseInt(*current) : std::nullopt;
       if (opened && *opened < round) deadline = DeadlineIn(RoundFormingTime(o));
@@ -1170,6 +1257,43 @@ int RunDdprun(const DdprunOptions& options) {
     }
     if (!keys.empty()) (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
   };
+  // From here on, with several nodes, SIGINT, SIGTERM and SIGHUP while no
+  // workers run are recorded instead of ending this launcher at once (a
+  // second one still does): the waits below look for them, and the
+  // launcher tells the others before it leaves.
+  if (multi_node) CatchInterrupts(true);
+  bool stop_posted = false;
+  // Ends the job on every node (see PostStop); the first reason counts.
+  auto post_stop = [&](int attempt, const std::string& reason) {
+    if (!client || stop_posted) return;
+    stop_posted = true;
+    (void)PostStop(*client, o, attempt, reason);
+  };
+  // This launcher was interrupted while waiting for the nodes of `attempt`;
+  // as a member of the job (not a spare) it ends the job. Returns its exit
+  // status.
+  auto leave_interrupted = [&](int attempt, bool member, const std::string& name) {
+    const int signo = InterruptSignal();
+    const std::string reason = name + ": interrupted by " + SignalName(signo) + " while waiting for " +
+                               (attempt == 0 ? std::string("the other nodes") : "the nodes of restart " + std::to_string(attempt));
+    if (member) post_stop(attempt, reason);
+    Say(reason + (member ? "; the job stops" : ""));
+    return 128 + signo;
+  };
+  // Static backend, after a rendezvous that gave up on a stop: node 0 keeps
+  // the store up until the nodes that registered have read it.
+  auto leave_rendezvous = [&](int attempt) {
+    CatchInterrupts(false);
+    const Deadline deadline = DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout));
+    (void)client->Set(Key(attempt, "exit/" + std::to_string(o.node_rank)), "1", deadline);
+    if (o.node_rank != 0) return;
+    std::vector<std::string> keys;
+    for (int n = 1; n < o.nnodes; ++n) {
+      auto present = client->TryGet(Key(attempt, "node/" + std::to_string(n)), deadline);
+      if (present.ok() && present->has_value()) keys.push_back(Key(attempt, "exit/" + std::to_string(n)));
+    }
+    if (!keys.empty()) (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
+  };
   int exit_code = 1;
   int failures = 0;  // failure restarts so far (membership restarts are not counted)
   int previous_rank = -1;  // this launcher's node rank in the last round it ran
@@ -1180,9 +1304,17 @@ int RunDdprun(const DdprunOptions& options) {
       if (o.node_rank == 0) {
         StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures, returning);
         if (!members.ok()) {
-          Say("node 0: " + members.status().message());
-          publish_final(attempt, 1);
-          return 1;
+          int code = 1;
+          if (members.status().code() != StatusCode::kAborted) {
+            Say("node 0: " + members.status().message());
+          } else if (InterruptSignal() != 0) {
+            code = leave_interrupted(attempt, /*member=*/true, "node 0");
+          } else {
+            Say(members.status().message());  // a stop, which names its node
+          }
+          CatchInterrupts(false);
+          publish_final(attempt, code);
+          return code;
         }
         o.nnodes = *members;
         if (o.min_nodes > 0) {
@@ -1193,7 +1325,13 @@ int RunDdprun(const DdprunOptions& options) {
       } else {
         if (previous_rank < 0 && attempt == 0) {
           // A new launcher joins the round node 0 is forming or running.
-          StatusOr<std::string> current = client->Get(kRoundKey, DeadlineIn(o.rdzv_timeout));
+          const Deadline until = DeadlineIn(o.rdzv_timeout);
+          StatusOr<std::string> current = TimedOutError("");
+          while (true) {
+            current = client->Get(kRoundKey, std::min(until, DeadlineIn(MonitorSlice(o))));
+            if (current.ok() || current.status().code() != StatusCode::kTimedOut || Clock::now() >= until) break;
+            if (InterruptSignal() != 0) return leave_interrupted(attempt, /*member=*/false, node_name());
+          }
           const std::optional<int64_t> round = current.ok() ? ParseInt(*current) : std::nullopt;
           if (!round || *round < 0) {
             Say(node_name() + ": " +
@@ -1204,7 +1342,13 @@ int RunDdprun(const DdprunOptions& options) {
         }
         StatusOr<JoinResult> joined = JoinRound(*client, o, max_nodes, attempt, previous_rank, node_name());
         if (!joined.ok()) {
-          Say(node_name() + ": " + joined.status().message() + serve_note);
+          if (joined.status().code() != StatusCode::kAborted) {
+            Say(node_name() + ": " + joined.status().message() + serve_note);
+            return 1;
+          }
+          // A launcher of the last round ends the job; a spare just leaves.
+          if (InterruptSignal() != 0) return leave_interrupted(attempt, previous_rank > 0, node_name());
+          Say(joined.status().message());  // a stop, which names its node
           return 1;
         }
         if (!joined->seat) {
@@ -1227,6 +1371,16 @@ int RunDdprun(const DdprunOptions& options) {
       }
     } else if (multi_node) {
       Status joined = Rendezvous(*client, o, attempt);
+      if (joined.code() == StatusCode::kAborted) {
+        int code = 1;
+        if (InterruptSignal() != 0) {
+          code = leave_interrupted(attempt, /*member=*/true, "node " + std::to_string(o.node_rank));
+        } else {
+          Say(joined.message());  // a stop, which names its node
+        }
+        leave_rendezvous(attempt);
+        return code;
+      }
       if (!joined.ok()) {
         Say("node " + std::to_string(o.node_rank) + ": " + joined.message());
         // A node rank given twice is bad input, found before anything ran.
@@ -1244,7 +1398,9 @@ int RunDdprun(const DdprunOptions& options) {
       auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token,
                                                       DeadlineIn(o.store_call_time));
       if (!connected.ok()) {
-        Say("node " + std::to_string(o.node_rank) + ": " + connected.status().message());
+        const std::string reason = "node " + std::to_string(o.node_rank) + ": " + connected.status().message();
+        Say(reason);
+        post_stop(attempt, reason);  // if the main connection still works: do not wait for this node
         return 1;
       }
       watch_client = std::move(connected).value();
@@ -1284,13 +1440,23 @@ int RunDdprun(const DdprunOptions& options) {
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
     spawn.output.log_dir = o.log_dir;
     spawn.output.log_name_prefix = "attempt_" + std::to_string(attempt) + "/";
+    if (multi_node) {
+      // Before the signal reaches the workers: once they end, the workers of
+      // the other nodes fail within milliseconds, and the stop must already
+      // be there when their launchers decide whether to restart.
+      spawn.on_interrupt = [&post_stop, attempt, node = "node " + std::to_string(o.node_rank)](int signo) {
+        post_stop(attempt, node + ": interrupted by " + SignalName(signo));
+      };
+    }
+    // A signal caught since the last look (CatchInterrupts) would not reach
+    // the group, which forwards only those that come once it exists.
+    if (multi_node && InterruptSignal() != 0) {
+      return leave_interrupted(attempt, /*member=*/true, "node " + std::to_string(o.node_rank));
+    }
     StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), spawn);
     if (!group.ok()) {
       Say(group.status().message());
-      if (multi_node) {
-        (void)PostFailure(*client, o, attempt, false,
-                          "node " + std::to_string(o.node_rank) + ": " + group.status().message());
-      }
+      post_stop(attempt, "node " + std::to_string(o.node_rank) + ": " + group.status().message());
       return started ? 1 : 2;
     }
 
@@ -1358,6 +1524,8 @@ int RunDdprun(const DdprunOptions& options) {
                               result.outcome != GroupOutcome::kMonitorFailed;
         outcome.exit_code = result.ExitCode();
         outcome.reason = (multi_node ? node + ": " : "") + result.reason;
+        // Normally posted already, as the signal came (see on_interrupt).
+        if (store_reachable && !outcome.restartable) post_stop(attempt, outcome.reason);
         if (store_reachable) note(PostFailure(*client, o, attempt, outcome.restartable, outcome.reason));
         break;
       case GroupOutcome::kStopped: {
@@ -1396,6 +1564,16 @@ int RunDdprun(const DdprunOptions& options) {
           outcome = AttemptOutcome{false, notice->restartable, 1, notice->reason, notice->membership};
           break;
         }
+        if (const int signo = InterruptSignal(); signo != 0) {
+          // Caught (CatchInterrupts) while the other nodes still work.
+          result.outcome = GroupOutcome::kInterrupted;
+          result.signal = signo;
+          outcome = AttemptOutcome{false, false, 128 + signo,
+                                   node + ": interrupted by " + SignalName(signo) +
+                                       " while waiting for the other nodes to finish"};
+          post_stop(attempt, outcome.reason);
+          break;
+        }
       }
       if (!s.ok()) {
         note(s);
@@ -1405,10 +1583,13 @@ int RunDdprun(const DdprunOptions& options) {
 
     exit_code = outcome.exit_code;
     // Every launcher decides from the notice posted first, so that all
-    // agree (a worker stopped with the others may still exit non-zero);
-    // an interrupted launcher stops whatever the others do.
+    // agree (a worker stopped with the others may still exit non-zero),
+    // unless a launcher stopped the job (PostStop); an interrupted
+    // launcher stops whatever the others do.
     const bool interrupted = result.outcome == GroupOutcome::kInterrupted;
-    if (!outcome.succeeded && store_reachable && !interrupted) {
+    std::optional<std::string> stop;
+    if (!outcome.succeeded && store_reachable && !interrupted) stop = PostedStop(*client, o, attempt);
+    if (!outcome.succeeded && store_reachable && !interrupted && !stop) {
       auto posted = client->TryGet(Key(attempt, "failure"), DeadlineIn(call_time));
       note(posted.status());
       if (posted.ok() && posted->has_value()) {
@@ -1418,12 +1599,15 @@ int RunDdprun(const DdprunOptions& options) {
         }
       }
     }
-    const bool restart = !outcome.succeeded && outcome.restartable &&
+    const bool restart = !outcome.succeeded && outcome.restartable && !stop &&
                          (outcome.membership || failures < o.max_restarts) &&
                          (store_reachable || !multi_node);
     if (!outcome.succeeded) {
       std::string why = outcome.reason;
-      if (restart && outcome.membership) {
+      if (stop) {
+        why = (outcome.reason == *stop ? *stop : outcome.reason + "; " + *stop) +
+              " (the job stops without a restart)";
+      } else if (restart && outcome.membership) {
         why += "; restarting the workers to take them in (not counted against --max_restarts)";
       } else if (restart) {
         why += "; restarting the job (restart " + std::to_string(failures + 1) + " of " +
@@ -1443,6 +1627,7 @@ int RunDdprun(const DdprunOptions& options) {
       }
       continue;
     }
+    CatchInterrupts(false);  // the farewell below is bounded; Ctrl-C ends it at once
     if (store_reachable) publish_final(attempt + 1, exit_code);
     if (store_reachable) {
       // Node 0 keeps the store up until every launcher has its answer.

@@ -199,7 +199,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--standalone", "--rdzv_endpoint=h:1", "p"},
                 "--standalone picks its own endpoint; drop --rdzv_endpoint");
   ExpectRefused({"--rdzv_endpoint=h:", "p"}, "--rdzv_endpoint=h:: empty port");
-  ExpectRefused({"--rdzv_endpoint=h:99999", "p"}, "--rdzv_endpoint=h:99999: the port must be in [1, 65535]");
+  ExpectRefused({"--rdzv_endpoint=h:99999", "p"}, "--rdzv_endpoint=h:99999: the port must be in [0, 65535]");
   ExpectRefused({"--rdzv_endpoint=fe80::1", "p"},
                 "--rdzv_endpoint=fe80::1: an IPv6 address needs brackets: [ADDRESS]:PORT");
   ExpectRefused({"--rdzv_endpoint=[fe80::1", "p"}, "--rdzv_endpoint=[fe80::1: no ']' after the IPv6 address");
@@ -282,6 +282,61 @@ TEST(DdprunArgsTest, TorchrunsOtherFlagsAreAccepted) {
                 "seconds");
 }
 
+// torchrun's documented single-node line: --rdzv-endpoint=localhost:0, a
+// free port. Several nodes must agree on the port, so there it is refused.
+TEST(DdprunArgsTest, EndpointPortZeroMeansAFreePortOnOneNode) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1", "--nproc-per-node=2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "localhost");
+  EXPECT_EQ(o->master_port, 0);
+  EXPECT_EQ(o->nnodes, 1);
+  o = Parse({"--rdzv_endpoint=[::1]:0", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_port, 0);
+  const std::string several =
+      "port 0 in --rdzv_endpoint (any free port) works on one node only (--nnodes=1): every node must "
+      "know the port";
+  ExpectRefused({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "p"}, several,
+                {{"DDP_JOB_TOKEN", "t"}});
+  ExpectRefused({"--nnodes=1:2", "--rdzv_backend=c10d", "--rdzv_endpoint=h:0", "p"}, several,
+                {{"DDP_JOB_TOKEN", "t"}});
+  ExpectRefused({"--nnodes=2", "--node_rank=1", "--rdzv_endpoint=h:0", "p"}, several, {{"DDP_JOB_TOKEN", "t"}});
+}
+
+// torchrun's -t CODE and -r CODE are --tee and --redirects (they used to be
+// taken for the program "-t"); other short flags are refused by name.
+TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
+  StatusOr<DdprunOptions> o = Parse({"--log_dir=/tmp/x", "-r", "3", "-t", "3", "./prog", "-t", "3"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->command, (std::vector<std::string>{"./prog", "-t", "3"}));
+  o = Parse({"--log_dir=/tmp/x", "-r3", "-t3", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
+  o = Parse({"--log_dir=/tmp/x", "-t=0", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->tee);
+  o = Parse({"--log_dir=/tmp/x", "-t", "./prog"});  // bare, as --tee: 3
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
+  o = Parse({"--", "-t", "3"});  // after --, a program named -t
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->command, (std::vector<std::string>{"-t", "3"}));
+  const std::string codes =
+      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps together); "
+      "1, 2 and per-rank maps are not supported";
+  ExpectRefused({"--log_dir=/tmp/x", "-t", "1", "p"}, "--tee=1" + codes);
+  ExpectRefused({"--log_dir=/tmp/x", "-r2", "p"}, "--redirects=2" + codes);
+  ExpectRefused({"-t", "3", "p"}, "--tee needs --log_dir");
+  ExpectRefused({"-r", "p"}, "--redirects needs a value");
+  ExpectRefused({"-x", "p"},
+                "unknown flag -x (ddprun's short flags are torchrun's -t for --tee and -r for --redirects; "
+                "see ddprun --help)");
+}
+
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
   ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer, gpu, cpu or auto");
@@ -295,8 +350,8 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
                 "several nodes need a shared job token: set DDP_JOB_TOKEN (or --job_token) to "
                 "the same secret on every node");
   ExpectRefused({"--nnodes=2", "--master_addr=h", "--master_port=0", "p"},
-                "--master_port=0 (any free port) works on one node only: every node must know "
-                "the port",
+                "--master_port=0 (any free port) works on one node only (--nnodes=1): every node "
+                "must know the port",
                 {{"DDP_JOB_TOKEN", "t"}});
   ExpectRefused({"--nnodes=1:4", "--master_addr=h", "p"},
                 "--nnodes=1:4: a range of nodes needs --rdzv_backend=c10d (nodes numbered as they join)",

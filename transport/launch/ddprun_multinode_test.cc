@@ -69,6 +69,7 @@ class Job {
   }
 
   pid_t launcher_pid(int node) const { return launchers_.at(node)->pids()[0]; }
+  int port() const { return port_; }
 
   // Waits for every launcher; one result per node.
   std::vector<testing::ProgramRun> Wait(std::chrono::milliseconds timeout = 30s) {
@@ -183,6 +184,71 @@ TEST(DdprunMultinodeTest, InterruptedNodeStopsTheJobWithoutRestart) {
   EXPECT_THAT(runs[0].output, HasSubstr("node 1: interrupted by SIGTERM"));
   EXPECT_THAT(runs[0].output, ::testing::Not(HasSubstr("restarting")));
   ExpectAllGone(workers);
+}
+
+// Waits up to `timeout` until `key` is in the store of the job on `port`
+// and has the value `value` (any value when empty).
+bool StoreReaches(int port, const std::string& key, const std::string& value = "",
+                  std::chrono::milliseconds timeout = 30s) {
+  auto client = store::TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(timeout));
+  if (!client.ok()) return false;
+  const Deadline deadline = DeadlineIn(timeout);
+  while (Clock::now() < deadline) {
+    auto got = (*client)->TryGet(key, DeadlineIn(5s));
+    if (got.ok() && got->has_value() && (value.empty() || **got == value)) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+// As in a real job, the workers fail within milliseconds once a peer's
+// process is gone. Node 1's launcher is interrupted: the job must stop on
+// every node without a restart, although nodes 0 and 2 see their own
+// workers fail before node 1's are all gone (rank 3 ignores the signal and
+// is killed only after the grace period). Before the fix node 1 told the
+// others only then, too late: they had restarted and waited for it.
+TEST(DdprunMultinodeTest, InterruptedNodeStopsAJobWhoseWorkersFailFast) {
+  const std::string dir = testing::MakeTempDir("multinode_sigint_fail_fast");
+  Job job(3, {"--nproc_per_node=2", "--max_restarts=3", "--grace_period=3", "--rdzv_timeout=120"},
+          {"--exit_when_peer_gone", "--slow_to_stop=3", "--sleep_ms=60000", "--pid_dir=" + dir});
+  const std::vector<pid_t> workers = WorkerPids(dir, 6);
+  const auto start = Clock::now();
+  ASSERT_EQ(kill(job.launcher_pid(1), SIGINT), 0);
+  const auto runs = job.Wait(60s);
+  // Node 1 takes the grace period (3 s) to kill rank 3; the others leave
+  // with it, far sooner than --rdzv_timeout (120 s).
+  EXPECT_LT(Clock::now() - start, 30s);
+  std::string all;
+  for (const auto& run : runs) all += run.output;
+  EXPECT_EQ(runs[1].exit_code, 128 + SIGINT) << all;
+  for (int node : {0, 2}) {
+    EXPECT_THAT(runs[node].exit_code, ::testing::AnyOf(1, 3)) << all;
+    EXPECT_THAT(runs[node].output, HasSubstr("node 1: interrupted by SIGINT")) << all;
+    EXPECT_THAT(runs[node].output, HasSubstr("(the job stops without a restart)")) << all;
+  }
+  EXPECT_THAT(all, Not(HasSubstr("restarting"))) << all;
+  ExpectAllGone(workers);
+  for (int r = 0; r < 6; ++r) {
+    EXPECT_EQ(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart1.pid", 10ms), -1)
+        << "rank " << r << " was restarted";
+  }
+}
+
+// A launcher interrupted while the others wait for it at the rendezvous
+// ends the job there: node 0 does not wait out --rdzv_timeout for node 2.
+TEST(DdprunMultinodeTest, InterruptedNodeStopsTheRendezvous) {
+  Job job(2, {"--nproc_per_node=1", "--rdzv_timeout=120"}, {}, {{0, {"--nnodes=3"}}, {1, {"--nnodes=3"}}});
+  ASSERT_TRUE(StoreReaches(job.port(), "ddprun/a0/node/1"));
+  const auto start = Clock::now();
+  ASSERT_EQ(kill(job.launcher_pid(1), SIGINT), 0);
+  const auto runs = job.Wait(60s);
+  EXPECT_LT(Clock::now() - start, 20s);
+  EXPECT_EQ(runs[1].exit_code, 128 + SIGINT) << runs[1].output;
+  EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1: interrupted by SIGINT while waiting for the other "
+                                        "nodes; the job stops"));
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("ddprun: node 1: interrupted by SIGINT while waiting for the other "
+                                        "nodes; the job stops without starting"));
 }
 
 TEST(DdprunMultinodeTest, MissingNodeTimesOutTheRendezvous) {
@@ -309,6 +375,7 @@ class C10dJob {
   }
 
   pid_t launcher_pid(int launcher) const { return launchers_.at(launcher)->pids()[0]; }
+  int port() const { return port_; }
 
   // Starts the first launcher and waits until it serves the store (so it
   // is node 0, whatever starts next); store() then reads the store.
@@ -620,6 +687,57 @@ TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
   EXPECT_EQ(runs[1 - refused].exit_code, 1) << runs[1 - refused].output;
   EXPECT_THAT(runs[1 - refused].output,
               HasSubstr("ddprun: node 0: only 1 of 2 nodes joined within --rdzv_timeout (3000 ms)"));
+}
+
+// Node 0 already decided to restart (rank 0 failed) and waits for node 1
+// at the next rendezvous, while node 1 still stops a worker that ignores
+// SIGTERM (--grace_period=30). Node 1 is then interrupted: node 0 stops
+// waiting at once instead of for the grace period and --rdzv_timeout.
+void InterruptWhileTheOthersWaitForTheRestart(bool c10d) {
+  const std::string dir = testing::MakeTempDir(c10d ? "c10d_stop_restart" : "static_stop_restart");
+  const std::vector<std::string> flags = {"--nproc_per_node=1", "--max_restarts=1", "--grace_period=30",
+                                          "--rdzv_timeout=120"};
+  const std::vector<std::string> worker_flags = {"--store", "--exit_code=0:5", "--ignore_sigterm",
+                                                 "--sleep_ms=60000", "--pid_dir=" + dir};
+  std::unique_ptr<Job> static_job;
+  std::unique_ptr<C10dJob> c10d_job;
+  int port = 0;
+  pid_t node1 = -1;
+  if (c10d) {
+    c10d_job = std::make_unique<C10dJob>();
+    std::vector<std::string> all = flags;
+    all.push_back("--nnodes=2");
+    c10d_job->StartNodeZero(all, worker_flags);
+    node1 = c10d_job->launcher_pid(c10d_job->Start(all, worker_flags));
+    port = c10d_job->port();
+  } else {
+    static_job = std::make_unique<Job>(2, flags, worker_flags);
+    node1 = static_job->launcher_pid(1);
+    port = static_job->port();
+  }
+  // Node 1 began to stop its worker (SIGTERM, ignored) ...
+  ASSERT_GT(testing::ReadPidFile(dir + "/rank1.restart0.got_term", 30s), 0);
+  // ... and node 0 waits for it at the restart's rendezvous.
+  ASSERT_TRUE(c10d ? StoreReaches(port, "ddprun/round", "1") : StoreReaches(port, "ddprun/a1/node/0"));
+  const auto start = Clock::now();
+  ASSERT_EQ(kill(node1, SIGINT), 0);
+  std::vector<testing::ProgramRun> runs =
+      c10d ? c10d_job->WaitAll(60s) : static_job->Wait(60s);
+  EXPECT_LT(Clock::now() - start, 20s);
+  const std::string all = runs[0].output + runs[1].output;
+  EXPECT_EQ(runs[0].exit_code, 1) << all;
+  EXPECT_THAT(runs[0].output, HasSubstr("restarting the job (restart 1 of 1)")) << all;
+  EXPECT_THAT(runs[0].output, HasSubstr("node 1: interrupted by SIGINT; the job stops without restart 1")) << all;
+  EXPECT_EQ(runs[1].exit_code, 128 + SIGINT) << all;
+  EXPECT_EQ(testing::ReadPidFile(dir + "/rank0.restart1.pid", 10ms), -1) << all;
+}
+
+TEST(DdprunMultinodeTest, InterruptWhileTheOthersWaitForTheRestartStopsThem) {
+  InterruptWhileTheOthersWaitForTheRestart(/*c10d=*/false);
+}
+
+TEST(DdprunMultinodeTest, C10dInterruptWhileTheOthersWaitForTheRestartStopsThem) {
+  InterruptWhileTheOthersWaitForTheRestart(/*c10d=*/true);
 }
 
 TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {

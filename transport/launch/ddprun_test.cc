@@ -77,6 +77,18 @@ TEST(DdprunTest, StandaloneWorkersGetTheLaunchEnvironment) {
   EXPECT_EQ(CountLines(run.output, "store launcher token_len 32"), 4) << run.output;
 }
 
+// torchrun's single-node line with port 0: the store listens on a free port,
+// which the workers are given.
+TEST(DdprunTest, EndpointPortZeroPicksAFreePort) {
+  const auto run = RunProgram(Cmd({"--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",
+                                   "--nproc-per-node=2"},
+                                  {"--store", "--print_env"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(CountLines(run.output, "met 2 ranks"), 2) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("rank 0/2 local 0/2 group 0 restart 0 master localhost:[1-9][0-9]* "));
+  EXPECT_THAT(run.output, Not(HasSubstr("master localhost:0 ")));
+}
+
 // Programs written for torchrun find its other variables too, and several
 // workers per node get one OpenMP thread each unless OMP_NUM_THREADS is set.
 TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {

@@ -16,9 +16,15 @@
 namespace ddp::transport::launch {
 namespace {
 
+// --nproc_per_node as given and as resolved ("gpu": 3).
+struct NprocFlag {
+  std::string text;
+  int value = 0;
+};
+
 // Finds and removes the --nproc_per_node flag; nullopt when absent.
-StatusOr<std::optional<int>> TakeNprocFlag(int& argc, char** argv) {
-  std::optional<int> value;
+StatusOr<std::optional<NprocFlag>> TakeNprocFlag(int& argc, char** argv) {
+  std::optional<NprocFlag> flag;
   int out = 1;
   bool past_separator = false;
   for (int i = 1; i < argc; ++i) {
@@ -48,11 +54,55 @@ StatusOr<std::optional<int>> TakeNprocFlag(int& argc, char** argv) {
       argv[out++] = argv[i];
       continue;
     }
-    DDP_ASSIGN_OR_RETURN(value, ParseNprocPerNode(text, CurrentEnvironment()));
+    DDP_ASSIGN_OR_RETURN(int value, ParseNprocPerNode(text, CurrentEnvironment()));
+    flag = NprocFlag{std::string(text), value};
   }
   argc = out;
   argv[argc] = nullptr;
-  return value;
+  return flag;
+}
+
+// "NAME=VALUE" for a variable of `env` ("NAME unset" when absent).
+std::string Named(const EnvMap& env, const std::string& name) {
+  auto it = env.find(name);
+  return it == env.end() ? name + " unset" : name + "=" + it->second;
+}
+
+// The variables that say who this process is and how many workers share its
+// node (`parsed` came from them), for a message.
+std::string LaunchVariables(const EnvMap& env, const LaunchEnv& parsed) {
+  std::vector<std::string> names;
+  std::string prefix;
+  std::string suffix;
+  switch (parsed.source) {
+    case LaunchSource::kTorchrun:
+      names = {kEnvRank, kEnvWorldSize, kEnvLocalWorldSize};
+      if (!env.count(kEnvLocalWorldSize)) suffix = " (one node)";
+      break;
+    case LaunchSource::kSlurm:
+      names = {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"};
+      if (env.count(kEnvLocalWorldSize)) {
+        names.push_back(kEnvLocalWorldSize);
+      } else {
+        // The one FromSlurm (env.cc) took the node's task count from.
+        for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+          if (env.count(name)) {
+            names.push_back(name);
+            break;
+          }
+        }
+      }
+      prefix = "an srun step: ";
+      break;
+    case LaunchSource::kOpenMpi:
+      names = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+               env.count(kEnvLocalWorldSize) ? kEnvLocalWorldSize : "OMPI_COMM_WORLD_LOCAL_SIZE"};
+      prefix = "mpirun: ";
+      break;
+  }
+  std::string out = prefix;
+  for (size_t i = 0; i < names.size(); ++i) out += (i > 0 ? ", " : "") + Named(env, names[i]);
+  return out + suffix;
 }
 
 }  // namespace
@@ -76,16 +126,27 @@ StatusOr<std::string> GenerateJobToken() {
 }
 
 StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOptions& options) {
-  DDP_ASSIGN_OR_RETURN(std::optional<int> nproc, TakeNprocFlag(argc, argv));
+  DDP_ASSIGN_OR_RETURN(std::optional<NprocFlag> nproc, TakeNprocFlag(argc, argv));
   const EnvMap env = CurrentEnvironment();
   if (HasLaunchVariables(env)) {
     // Already one worker of a launched job; refuse a broken environment now
     // rather than deep inside the communicator.
     DDP_ASSIGN_OR_RETURN(LaunchEnv parsed, ParseLaunchEnv(env));
-    (void)parsed;
+    // An explicit --nproc_per_node that the environment contradicts (say,
+    // 4 inside `srun --pty bash`, a step of one task) would otherwise be
+    // dropped without a word, leaving a job of another size than asked for.
+    if (nproc && nproc->value != parsed.local_world_size) {
+      const std::string n = std::to_string(nproc->value);
+      return InvalidArgumentError(
+          "--nproc_per_node=" + nproc->text + " asks for " + n +
+          " workers on this node, but this process already is one worker of a launched job with " +
+          std::to_string(parsed.local_world_size) + " on this node (" + LaunchVariables(env, parsed) +
+          "); drop --nproc_per_node, or start the job with " + n +
+          " workers per node (e.g. ddprun --nproc_per_node=" + n + ")");
+    }
     return SelfLaunchResult{.run_as_worker = true, .exit_code = 0};
   }
-  const int n = nproc.value_or(options.default_nproc_per_node);
+  const int n = nproc ? nproc->value : options.default_nproc_per_node;
   if (n < 1) {
     return InvalidArgumentError("--nproc_per_node=" + std::to_string(n) + " must be at least 1");
   }

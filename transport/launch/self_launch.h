@@ -64,7 +64,9 @@ struct SelfLaunchResult {
 /// Parses and removes `--nproc_per_node=N` (also `--nproc_per_node N` and
 /// `--nproc-per-node`) from argc/argv, before any `--`, then either returns
 /// run_as_worker or runs the workers as described above. INVALID_ARGUMENT for
-/// a bad N or a malformed launch environment, before anything starts.
+/// a bad N, a malformed launch environment, or an N given under a launcher
+/// that differs from its local world size (naming both and the variables),
+/// before anything starts.
 StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
                                       const SelfLaunchOptions& options = {});
 

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -101,11 +103,53 @@ TEST(SelfLaunchTest, RestartsStopAtTheLimit) {
 }
 
 TEST(SelfLaunchTest, UnderALauncherItRunsAsThatWorker) {
-  const auto run = RunProgram({Worker(), "--nproc_per_node=4", "--print_env"},
-                              {{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"MASTER_PORT", "4567"}});
+  // --nproc_per_node agrees with the environment (3 workers on one node).
+  auto run = RunProgram({Worker(), "--nproc_per_node=3", "--print_env"},
+                        {{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"MASTER_PORT", "4567"}});
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("rank 1/3 local 1/3 group 0 restart 0 master 127.0.0.1:4567 store rank0"));
   EXPECT_EQ(CountLines(run.output, "rank 1/3"), 1) << run.output;
+  // Without the flag the environment alone counts.
+  run = RunProgram({Worker(), "--print_env"}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "1"},
+                                               {"MASTER_ADDR", "127.0.0.1"}});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("rank 0/2 local 0/1"));
+}
+
+// Inside `srun --pty bash` (an srun step of one task) an explicit
+// --nproc_per_node=4 cannot be met: refused, instead of one worker of a
+// job of 1 running without a word.
+TEST(SelfLaunchTest, ProcessCountTheLaunchEnvironmentContradictsIsRefused) {
+  const std::vector<std::pair<std::string, std::string>> srun_pty = {
+      {"SLURM_PROCID", "0"},   {"SLURM_NTASKS", "1"},  {"SLURM_STEP_ID", "0"},
+      {"SLURM_LOCALID", "0"},  {"SLURM_NODEID", "0"},  {"SLURM_STEP_TASKS_PER_NODE", "1"},
+      {"SLURM_JOB_NODELIST", "node01"}};
+  auto run = RunProgram({Worker(), "--nproc_per_node=4", "--print_env"}, srun_pty);
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output,
+              HasSubstr(": --nproc_per_node=4 asks for 4 workers on this node, but this process already is "
+                        "one worker of a launched job with 1 on this node (an srun step: SLURM_PROCID=0, "
+                        "SLURM_NTASKS=1, SLURM_STEP_ID=0, SLURM_STEP_TASKS_PER_NODE=1); drop "
+                        "--nproc_per_node, or start the job with 4 workers per node (e.g. ddprun "
+                        "--nproc_per_node=4)\n"));
+  EXPECT_EQ(CountLines(run.output, ""), 1) << "expected one line: " << run.output;
+  // The same step with the count it has runs as its one worker.
+  run = RunProgram({Worker(), "--nproc_per_node=1", "--print_env"}, srun_pty);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("rank 0/1 local 0/1"));
+  // torchrun's variables: one node of WORLD_SIZE workers unless
+  // LOCAL_WORLD_SIZE says otherwise.
+  run = RunProgram({Worker(), "--nproc_per_node=4"}, {{"RANK", "1"}, {"WORLD_SIZE", "3"}});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("with 3 on this node (RANK=1, WORLD_SIZE=3, LOCAL_WORLD_SIZE unset (one "
+                                    "node)); drop --nproc_per_node"));
+  run = RunProgram({Worker(), "--nproc_per_node", "gpu"},
+                   {{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
+                    {"CUDA_VISIBLE_DEVICES", "0,1,2"}});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--nproc_per_node=gpu asks for 3 workers on this node, but this process "
+                                    "already is one worker of a launched job with 2 on this node (RANK=1, "
+                                    "WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)"));
 }
 
 TEST(SelfLaunchTest, BrokenLaunchEnvironmentIsRefused) {

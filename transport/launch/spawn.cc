@@ -75,6 +75,23 @@ void RecordSignal(int signo) {
   errno = saved_errno;
 }
 
+}  // namespace
+
+void CatchInterrupts(bool catch_them) {
+  for (int signo : kForwardedSignals) {
+    struct sigaction current{};
+    if (sigaction(signo, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
+    struct sigaction action{};
+    action.sa_handler = catch_them ? RecordSignal : SIG_DFL;
+    sigemptyset(&action.sa_mask);
+    // SA_RESETHAND: a second signal ends the process, as it would have.
+    action.sa_flags = catch_them ? SA_RESTART | SA_RESETHAND : 0;
+    sigaction(signo, &action, nullptr);
+  }
+}
+
+namespace {
+
 // ---- the child side of vfork ----
 
 // Everything the child needs, prepared by the parent: between vfork and exec
@@ -454,6 +471,7 @@ class WorkerGroup::Impl {
     // Whether the interruption came first (then every worker should end by
     // the forwarded signal; see below).
     bool interrupted_while_running = false;
+    bool interrupt_reported = false;  // on_interrupt was called
 
     auto stop_workers = [&](int signal) {
       SignalRunning(signal);
@@ -526,6 +544,10 @@ class WorkerGroup::Impl {
           const ssize_t got = read(signal_read_.get(), signals, sizeof(signals));
           for (ssize_t j = 0; j < got; ++j) {
             const int signo = signals[j];
+            if (!interrupt_reported && options_.on_interrupt) {
+              interrupt_reported = true;
+              options_.on_interrupt(signo);
+            }
             if (phase == Phase::kRunning) {
               result.outcome = GroupOutcome::kInterrupted;
               result.signal = signo;

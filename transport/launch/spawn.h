@@ -34,6 +34,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,6 +82,13 @@ struct SpawnOptions {
   /// process ignores (SIGHUP under nohup) is left ignored, for the workers
   /// too.
   bool forward_signals = true;
+  /// With forward_signals: called on Wait's thread when the first SIGINT,
+  /// SIGTERM or SIGHUP reaches this group (also one that arrives while the
+  /// workers are being stopped for another reason), before it is passed on
+  /// to the workers. A multi-node launcher tells the other nodes here, so
+  /// that its word is out before any of its workers ends. It holds up the
+  /// forwarding: keep it short, with a deadline on anything that waits.
+  std::function<void(int signal)> on_interrupt;
 };
 
 /// How one worker ended.
@@ -165,6 +173,16 @@ class WorkerGroup {
 /// checks it before it restarts workers: a signal that arrives after Wait's
 /// last look, while the group is being destroyed, is recorded only here.
 int InterruptSignal();
+
+/// `true`: SIGINT, SIGTERM and SIGHUP (those this process does not ignore)
+/// no longer end this process while no WorkerGroup forwards them; the
+/// first one is recorded in InterruptSignal() instead, for a launcher that
+/// must tell others before it leaves (ddprun between two starts of its
+/// workers) and checks InterruptSignal() in its waits. One-shot: the handler
+/// resets itself, so a second signal has its default effect. A WorkerGroup
+/// takes the signals over while it exists and puts this back when
+/// destroyed. `false`: the default effect again.
+void CatchInterrupts(bool catch_them);
 
 /// Writes `text` to this process's stderr the way worker output is copied
 /// there: a reader that stopped reading (a full pipe nobody drains) holds it

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -516,6 +517,75 @@ TEST(SpawnTest, IgnoredSignalStaysIgnored) {
   sigaction(SIGHUP, nullptr, &hup);
   EXPECT_EQ(hup.sa_handler, SIG_IGN);
   sigaction(SIGHUP, &saved, nullptr);
+  ExpectNoChildrenLeft();
+}
+
+// on_interrupt runs once, for the first signal, before any worker got it
+// (a launcher tells the other nodes there, before its workers end).
+TEST(SpawnTest, OnInterruptRunsBeforeTheSignalIsForwarded) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  const std::string dir = TempDir("on_interrupt");
+  for (const char* name : {"/rank0", "/rank1"}) unlink((dir + name).c_str());
+  std::vector<pid_t> pids;
+  int calls = 0;
+  int seen = 0;
+  bool all_alive = false;
+  options.on_interrupt = [&](int signo) {
+    ++calls;
+    seen = signo;
+    all_alive = !pids.empty() && std::none_of(pids.begin(), pids.end(), ProcessGone);
+  };
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "sleeper", {{"IGNORING_RANK", "1"}, {"PID_DIR", dir}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  pids = (*group)->pids();
+  const pthread_t waiter = pthread_self();
+  std::thread sender([waiter, dir] {
+    ReadPid(dir + "/rank0", 20s);
+    ReadPid(dir + "/rank1", 20s);
+    pthread_kill(waiter, SIGINT);
+    // Rank 1 ignores SIGINT; a second signal ends the grace (SIGKILL).
+    std::this_thread::sleep_for(200ms);
+    pthread_kill(waiter, SIGTERM);
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  sender.join();
+  EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted) << result.reason;
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(seen, SIGINT);
+  EXPECT_TRUE(all_alive) << "a worker was gone when on_interrupt ran";
+  group->reset();
+  ExpectNoChildrenLeft();
+}
+
+// Between groups a launcher may catch the signals (recorded, not fatal)
+// once; a group takes them over and puts that back.
+TEST(SpawnTest, CatchInterruptsRecordsOneSignalBetweenGroups) {
+  auto handler = [](int signo) {
+    struct sigaction current{};
+    sigaction(signo, nullptr, &current);
+    return current.sa_handler;
+  };
+  CatchInterrupts(true);
+  const auto caught = handler(SIGHUP);
+  EXPECT_NE(caught, SIG_DFL);
+  EXPECT_NE(caught, SIG_IGN);
+  {
+    SpawnOptions options = Quiet();
+    options.forward_signals = true;
+    StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "hello"), options);
+    ASSERT_TRUE(group.ok()) << group.status();
+    (*group)->Wait(DeadlineIn(20s));
+  }
+  EXPECT_EQ(handler(SIGHUP), caught);  // put back
+  ASSERT_EQ(raise(SIGHUP), 0);         // recorded; this process goes on
+  EXPECT_NE(InterruptSignal(), 0);
+  EXPECT_EQ(handler(SIGHUP), SIG_DFL);  // a second one would end it
+  EXPECT_NE(handler(SIGTERM), SIG_DFL);
+  CatchInterrupts(false);
+  EXPECT_EQ(handler(SIGTERM), SIG_DFL);
+  EXPECT_EQ(handler(SIGINT), SIG_DFL);
   ExpectNoChildrenLeft();
 }
 

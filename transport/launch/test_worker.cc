@@ -12,15 +12,23 @@
 //   --ignore_sigterm      ignore SIGTERM; with --pid_dir, each one that arrives
 //                         (re)writes DIR/rank<R>.restart<C>.got_term with the pid
 //   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
+//   --exit_when_peer_gone with --pid_dir: once every rank of this attempt
+//                         wrote its pid, exit 3 as soon as another rank's
+//                         process is gone (what a real worker does when a
+//                         collective loses a peer); else finish after --sleep_ms
+//   --slow_to_stop=R      rank R ignores SIGINT and SIGTERM (its launcher's
+//                         SIGKILL after --grace_period ends it) and lost peers
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -51,6 +59,8 @@ struct Flags {
   int sleep_before_restart = -1;  // -1: at every restart
   std::string pid_dir;
   bool ignore_sigterm = false;
+  bool exit_when_peer_gone = false;
+  int slow_to_stop_rank = -1;
 };
 
 bool ParsePair(std::string_view text, int& a, int& b) {
@@ -75,6 +85,8 @@ Flags ParseFlags(int argc, char** argv) {
     if (arg == "--store") f.store = true;
     else if (arg == "--print_env") f.print_env = true;
     else if (arg == "--ignore_sigterm") f.ignore_sigterm = true;
+    else if (arg == "--exit_when_peer_gone") f.exit_when_peer_gone = true;
+    else if (auto v = value("--slow_to_stop")) f.slow_to_stop_rank = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--exit_code")) ParsePair(*v, f.exit_rank, f.exit_code);
     else if (auto v = value("--signal")) ParsePair(*v, f.signal_rank, f.signal);
     else if (auto v = value("--fail_before_restart")) f.fail_before_restart = std::atoi(std::string(*v).c_str());
@@ -147,6 +159,59 @@ int Rendezvous(const launch::LaunchEnv& env) {
   return 0;
 }
 
+// True when `pid` no longer runs: no such process, or a zombie not yet
+// reaped by its launcher.
+bool ProcessGone(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] == 'Z';
+}
+
+pid_t ReadPid(const std::string& path) {
+  std::ifstream in(path);
+  long pid = -1;
+  if (!(in >> pid)) return -1;
+  return static_cast<pid_t>(pid);
+}
+
+// --exit_when_peer_gone: the other ranks' pids from --pid_dir (waiting up
+// to 30 s for them), then a look every 10 ms until one is gone (exit 3) or
+// --sleep_ms passed.
+int WatchPeers(const Flags& flags, const launch::LaunchEnv& env) {
+  std::vector<std::pair<int, pid_t>> peers;
+  const Deadline deadline = DeadlineIn(30s);
+  for (int r = 0; r < env.world_size; ++r) {
+    if (r == env.rank) continue;
+    const std::string path =
+        flags.pid_dir + "/rank" + std::to_string(r) + ".restart" + std::to_string(env.restart_count) + ".pid";
+    pid_t pid = ReadPid(path);
+    for (; pid <= 0; pid = ReadPid(path)) {
+      if (Clock::now() >= deadline) {
+        std::fprintf(stderr, "test_worker: rank %d: no pid of rank %d in %s\n", env.rank, r, path.c_str());
+        return 21;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    peers.emplace_back(r, pid);
+  }
+  const Deadline end = DeadlineIn(std::chrono::milliseconds(flags.sleep_ms));
+  while (Clock::now() < end) {
+    for (const auto& [r, pid] : peers) {
+      if (ProcessGone(pid)) {
+        std::printf("rank %d: rank %d (pid %d) is gone\n", env.rank, r, static_cast<int>(pid));
+        std::fflush(stdout);
+        return 3;
+      }
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  std::printf("rank %d done\n", env.rank);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,6 +228,10 @@ int main(int argc, char** argv) {
   if (flags.ignore_sigterm) signal(SIGTERM, SIG_IGN);
   StatusOr<launch::LaunchEnv> env = launch::LaunchEnvFromProcess();
   if (!env.ok()) return Fail("launch env", env.status());
+  if (env->rank == flags.slow_to_stop_rank) {
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
+  }
   if (flags.ignore_sigterm && !flags.pid_dir.empty()) {
     // Still ignored, but a test can tell that the launcher began to stop
     // this worker.
@@ -202,6 +271,8 @@ int main(int argc, char** argv) {
   }
   if (env->rank == flags.signal_rank) raise(flags.signal);
   if (env->rank == flags.exit_rank) return flags.exit_code;
+  // A slow rank is stuck elsewhere (say, in a long kernel): it notices nothing.
+  if (flags.exit_when_peer_gone && env->rank != flags.slow_to_stop_rank) return WatchPeers(flags, *env);
   const bool sleeps = flags.sleep_before_restart < 0 || env->restart_count < flags.sleep_before_restart;
   for (int slept = 0; sleeps && slept < flags.sleep_ms; slept += 10) std::this_thread::sleep_for(10ms);
   std::printf("rank %d done\n", env->rank);
