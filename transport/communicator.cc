@@ -820,6 +820,15 @@ Status Communicator::Impl::Init() {
     DDP_RETURN_IF_ERROR(InitHostSharedMemory(real, exchanged.pids, deadline));
   }
   info_.host_shared_memory = host_shm_ != nullptr;
+
+  // 7. No rank leaves creation while another still connects to it: one that
+  // went on and destroyed the communicator at once (its first call refused,
+  // say) failed the other's connection (UCX's shared-memory transports
+  // attach to the peer's segments as they connect: "Shared memory error").
+  DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "connected/" + std::to_string(o.rank), "", deadline));
+  for (int r = 0; r < o.world_size; ++r) {
+    DDP_RETURN_IF_ERROR(setup_store_->Get(prefix_ + "connected/" + std::to_string(r), deadline).status());
+  }
   ApplyIdlePolicy();
   return Status::Ok();
 }
