@@ -5,6 +5,7 @@
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/kernels.h"
 #include "nn/cuda/optim_kernels.h"
+#include "nn/cuda/stream.h"
 #include "nn/ops/dispatch.h"
 #include "nn/tensor/tensor.h"
 
