@@ -82,11 +82,14 @@ Status FromSlurm(const EnvMap& env, LaunchEnv& out) {
   DDP_ASSIGN_OR_RETURN(out.rank, ReadInt(env, kSlurmProcId, 0, kIntMax));
   DDP_ASSIGN_OR_RETURN(out.local_rank, ReadIntOr(env, kSlurmLocalId, 0, kIntMax, 0));
   DDP_ASSIGN_OR_RETURN(out.group_rank, ReadIntOr(env, kSlurmNodeId, 0, kIntMax, 0));
-  if (Has(env, kSlurmNtasksPerNode)) {
+  // The step's own layout first: SLURM_NTASKS_PER_NODE may be the job's
+  // (inherited from sbatch --ntasks-per-node) while this srun step lays its
+  // tasks out otherwise.
+  const bool step_layout = Has(env, "SLURM_STEP_TASKS_PER_NODE");
+  if (!step_layout && Has(env, kSlurmNtasksPerNode)) {
     DDP_ASSIGN_OR_RETURN(out.local_world_size, ReadInt(env, kSlurmNtasksPerNode, 1, kIntMax));
   } else {
-    const char* name = Has(env, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
-                                                             : "SLURM_TASKS_PER_NODE";
+    const char* name = step_layout ? "SLURM_STEP_TASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
     const std::string* spec = Find(env, name);
     if (spec == nullptr) {
       return InvalidArgumentError(

@@ -16,8 +16,9 @@
 //     SLURM_STEP_ID set; the batch script itself has no step id and is not a
 //     rank): RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
 //     LOCAL_RANK=SLURM_LOCALID, GROUP_RANK=SLURM_NODEID, LOCAL_WORLD_SIZE from
-//     SLURM_NTASKS_PER_NODE, else this node's entry of SLURM_STEP_TASKS_PER_NODE
-//     or SLURM_TASKS_PER_NODE ("2(x3),1" form). MASTER_ADDR defaults to the
+//     this node's entry of the step's SLURM_STEP_TASKS_PER_NODE ("2(x3),1"
+//     form), else SLURM_NTASKS_PER_NODE (perhaps the job's), else
+//     SLURM_TASKS_PER_NODE. MASTER_ADDR defaults to the
 //     first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST
 //     ("node[01-04,7],gpu3" forms), MASTER_PORT to 20000 + SLURM_JOB_ID % 20000
 //     so that every task of the job agrees on it without talking.

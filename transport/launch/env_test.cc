@@ -181,6 +181,22 @@ TEST(ParseLaunchEnvTest, SlurmPrefersStepNodelistAndExplicitOverrides) {
   EXPECT_EQ(parsed->local_rank, 0);
 }
 
+// sbatch --ntasks-per-node=4 exports SLURM_NTASKS_PER_NODE=4 to every step;
+// a step run with another layout (srun --ntasks-per-node=1) says its own in
+// SLURM_STEP_TASKS_PER_NODE, which wins.
+TEST(ParseLaunchEnvTest, SlurmStepLayoutWinsOverTheJobs) {
+  EnvMap env = SlurmStep();
+  env["SLURM_NTASKS_PER_NODE"] = "4";
+  env["SLURM_NTASKS"] = "3";
+  env["SLURM_PROCID"] = "2";
+  env["SLURM_LOCALID"] = "0";
+  env["SLURM_STEP_TASKS_PER_NODE"] = "1(x3)";
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->local_world_size, 1);
+  EXPECT_EQ(parsed->world_size, 3);
+}
+
 TEST(ParseLaunchEnvTest, SlurmBatchScriptIsNotARank) {
   EnvMap env = SlurmStep();
   env.erase("SLURM_STEP_ID");
