@@ -1730,7 +1730,17 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::CreateFromEnvironment(
   defaults.job_token = env.job_token;
   // A restarted group must not read what the previous attempt wrote.
   defaults.name = env.StoreKeyPrefix() + defaults.name;
-  return Create(defaults);
+  StatusOr<std::unique_ptr<Communicator>> created = Create(defaults);
+  if (!created.ok() && env.store_port_beside_torch_agent) {
+    // The port was a guess (torchrun's agent holds MASTER_PORT): say so.
+    return Status(created.status().code(),
+                  created.status().message() + " (torchrun's agent serves MASTER_PORT=" +
+                      std::to_string(env.master_port - 1) +
+                      " itself, TORCHELASTIC_USE_AGENT_STORE=True, so rank 0 serves this job's store on " +
+                      std::to_string(env.master_port) +
+                      "; set DDP_STORE_PORT to a port that is free on MASTER_ADDR)");
+  }
+  return created;
 }
 
 StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,

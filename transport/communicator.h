@@ -64,7 +64,8 @@ enum class StagedReduce : int {
 
 /// How a communicator is formed. Fields left at their defaults are taken from
 /// the launch environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-/// MASTER_ADDR, MASTER_PORT, DDP_JOB_TOKEN, DDP_STORE_HOST; see
+/// MASTER_ADDR, MASTER_PORT, DDP_STORE_ADDR, DDP_STORE_PORT, DDP_JOB_TOKEN,
+/// DDP_STORE_HOST; see
 /// transport/launch/README.md) by Communicator::CreateFromEnvironment.
 struct CommunicatorOptions {
   int rank = 0;                 ///< This process's rank in [0, world_size).

@@ -709,6 +709,68 @@ int RunScenario(const std::string& name) {
 
 // ------------------------------------------------------------- parent ----
 
+// A socket listening on a free port whose next port is free too, as
+// torchrun's agent holds MASTER_PORT; -1 when none was found.
+int ListenWithFreeNextPort(int& port) {
+  for (int tries = 0; tries < 50; ++tries) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    socklen_t len = sizeof(addr);
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 8) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      close(fd);
+      continue;
+    }
+    const int p = ntohs(addr.sin_port);
+    const int probe = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in next = addr;
+    next.sin_port = htons(static_cast<uint16_t>(p + 1));
+    const bool next_free = p < 65535 && bind(probe, reinterpret_cast<sockaddr*>(&next), sizeof(next)) == 0;
+    close(probe);
+    if (next_free) {
+      port = p;
+      return fd;
+    }
+    close(fd);
+  }
+  return -1;
+}
+
+// Under a torchrun whose agent serves MASTER_PORT with PyTorch's own store
+// (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch 2's default), rank 0 serves
+// this job's store on the next port; when that one is taken as well, the
+// error says what happened and how to choose a port.
+TEST(CommunicatorCreate, UnderTorchrunsAgentStoreRankZeroServesOnTheNextPort) {
+  int agent_port = 0;
+  const int agent = ListenWithFreeNextPort(agent_port);
+  ASSERT_GE(agent, 0) << "no free pair of ports";
+  const testing::ProcessGroup::Env env = {{"MASTER_PORT", std::to_string(agent_port)},
+                                 {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                 {"DDP_TEST_TIMEOUT_MS", "10000"}};
+  Job job = RunJob(2, "create", env);
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+
+  // The next port taken too: rank 0 cannot serve, and says why.
+  const int taken = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in next{};
+  next.sin_family = AF_INET;
+  next.sin_addr.s_addr = htonl(INADDR_ANY);
+  next.sin_port = htons(static_cast<uint16_t>(agent_port + 1));
+  ASSERT_EQ(bind(taken, reinterpret_cast<sockaddr*>(&next), sizeof(next)), 0) << std::strerror(errno);
+  ASSERT_EQ(listen(taken, 8), 0);
+  job = RunJob(1, "create", env);
+  EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("torchrun's agent serves MASTER_PORT=" + std::to_string(agent_port) +
+                                       " itself"),
+            std::string::npos)
+      << job.Describe();
+  EXPECT_NE(job.results[0].output.find("set DDP_STORE_PORT"), std::string::npos) << job.Describe();
+  close(taken);
+  close(agent);
+}
+
 class Sweep : public ::testing::TestWithParam<int> {};
 
 TEST_P(Sweep, EveryCollectiveDtypeOpAndAlgorithm) {

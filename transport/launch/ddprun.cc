@@ -1,5 +1,8 @@
 #include "transport/launch/ddprun.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -76,9 +80,11 @@ std::string DdprunUsage() {
   return R"(usage: ddprun [flags] [--] PROGRAM [ARGS...]
 
 Starts PROGRAM as the workers of one node of a data-parallel job, with
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT, DDP_RESTART_COUNT, DDP_JOB_TOKEN and DDP_STORE_HOST=launcher set
-for each, and torchrun's GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK,
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, DDP_STORE_ADDR,
+DDP_STORE_PORT (the store ddprun serves), DDP_RESTART_COUNT, DDP_JOB_TOKEN and
+DDP_STORE_HOST=launcher set for each; MASTER_ADDR and MASTER_PORT (a free port
+on node 0) with TORCHELASTIC_USE_AGENT_STORE=False for a PyTorch program's own
+env:// rendezvous; and torchrun's GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK,
 ROLE_WORLD_SIZE and TORCHELASTIC_RESTART_COUNT, _MAX_RESTARTS and _RUN_ID;
 with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
 (as torchrun). Node 0's launcher serves the rendezvous store.
@@ -771,6 +777,28 @@ std::string ConfigLine(const DdprunOptions& o) {
   return line;
 }
 
+// A TCP port that nothing listens on now, for a PyTorch program's own
+// rendezvous (its rank 0 listens on MASTER_PORT). It is released at once, so
+// another process could take it before the workers do; torchrun picks its
+// MASTER_PORT the same way.
+StatusOr<int> FreeTcpPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return UnavailableError(std::string("looking for a free MASTER_PORT: socket: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int saved = errno;
+    close(fd);
+    return UnavailableError(std::string("looking for a free MASTER_PORT: ") + std::strerror(saved));
+  }
+  close(fd);
+  return static_cast<int>(ntohs(addr.sin_port));
+}
+
 std::string Hostname() {
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
@@ -1299,7 +1327,24 @@ int RunDdprun(const DdprunOptions& options) {
   int previous_rank = -1;  // this launcher's node rank in the last round it ran
   int returning = 0;       // node 0: nodes of the last round expected back
   bool started = false;    // this launcher has started workers before
+  int torch_port = 0;  // the workers' MASTER_PORT, for PyTorch's own rendezvous
   for (int attempt = 0;; ++attempt) {
+    // Node 0 picks it before it lets the others in, so that whoever gets
+    // into the attempt finds it.
+    if (!multi_node || o.node_rank == 0) {
+      StatusOr<int> free_port = FreeTcpPort();
+      Status s = free_port.status();
+      if (s.ok() && multi_node) {
+        s = client->Set(Key(attempt, "master_port"), std::to_string(*free_port), DeadlineIn(o.store_call_time));
+      }
+      if (!s.ok()) {
+        Say(node_name() + ": " + s.message());
+        post_stop(attempt, node_name() + ": " + s.message());
+        publish_final(attempt, 1);
+        return 1;
+      }
+      torch_port = *free_port;
+    }
     if (multi_node && o.assign_node_rank) {
       if (o.node_rank == 0) {
         StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures, returning);
@@ -1405,6 +1450,24 @@ int RunDdprun(const DdprunOptions& options) {
       }
       watch_client = std::move(connected).value();
     }
+    if (multi_node && o.node_rank != 0) {
+      // Node 0 wrote it before it formed this attempt.
+      StatusOr<std::optional<std::string>> written =
+          client->TryGet(Key(attempt, "master_port"), DeadlineIn(o.store_call_time));
+      std::optional<int64_t> value;
+      if (written.ok() && written->has_value()) value = ParseInt(**written);
+      if (!value || *value < 1 || *value > 65535) {
+        const std::string reason =
+            "node " + std::to_string(o.node_rank) + ": " +
+            (!written.ok() ? written.status().message()
+                           : written->has_value() ? "malformed MASTER_PORT '" + **written + "' in the store"
+                                                  : std::string("node 0 gave no MASTER_PORT for this attempt"));
+        Say(reason);
+        post_stop(attempt, reason);
+        return 1;
+      }
+      torch_port = static_cast<int>(*value);
+    }
     std::vector<WorkerSpec> specs;
     for (int local = 0; local < o.nproc_per_node; ++local) {
       LaunchEnv env;
@@ -1423,6 +1486,13 @@ int RunDdprun(const DdprunOptions& options) {
       spec.program = *program;
       spec.argv = o.command;
       spec.env = ToEnvironment(env);
+      // The store is at DDP_STORE_ADDR:DDP_STORE_PORT; MASTER_PORT is left to
+      // a PyTorch program, whose rank 0 listens there (as under torchrun with
+      // TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+      for (auto& [name, value] : spec.env) {
+        if (name == kEnvMasterPort) value = std::to_string(torch_port);
+      }
+      spec.env.emplace_back(kEnvTorchAgentStore, "False");
       // torchrun's other variables, for programs written against it.
       spec.env.emplace_back("GROUP_WORLD_SIZE", std::to_string(o.nnodes));
       spec.env.emplace_back("ROLE_NAME", o.role);

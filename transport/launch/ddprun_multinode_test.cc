@@ -115,6 +115,18 @@ TEST(DdprunMultinodeTest, TwoNodesFormOneJob) {
             4);
 }
 
+// Node 0 picks the workers' MASTER_PORT, free for a PyTorch program's rank 0
+// on node 0, and every node's workers reach it there; the restart gets one too.
+TEST(DdprunMultinodeTest, EveryNodesWorkersReachMasterPortOnNodeZero) {
+  Job job(2, {"--nproc_per_node=2", "--max_restarts=1"},
+          {"--store", "--meet_on_master_port", "--fail_before_restart=1"});
+  const auto runs = job.Wait();
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  EXPECT_EQ(CountLines(runs[0].output, "[0] rank 0 met 4 ranks on MASTER_PORT"), 1) << runs[0].output;
+}
+
 TEST(DdprunMultinodeTest, FailureOnOneNodeStopsEveryNode) {
   const std::string dir = testing::MakeTempDir("multinode_failure");
   Job job(2, {"--nproc_per_node=2"},

@@ -89,6 +89,23 @@ TEST(DdprunTest, EndpointPortZeroPicksAFreePort) {
   EXPECT_THAT(run.output, Not(HasSubstr("master localhost:0 ")));
 }
 
+// The workers' MASTER_ADDR:MASTER_PORT is left to a PyTorch program's own
+// rendezvous (its rank 0 listens there; TORCHELASTIC_USE_AGENT_STORE=False):
+// the store is at DDP_STORE_ADDR:DDP_STORE_PORT, and both work in one job.
+TEST(DdprunTest, MasterPortIsLeftToPyTorchsOwnRendezvous) {
+  auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=3"}, {"--store", "--meet_on_master_port"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  // Three through the store, then rank 0 on MASTER_PORT.
+  EXPECT_EQ(CountLines(run.output, "met 3 ranks"), 4) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0 met 3 ranks on MASTER_PORT\n"));
+  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+                    "echo ports $MASTER_ADDR $TORCHELASTIC_USE_AGENT_STORE $DDP_STORE_ADDR "
+                    "$((MASTER_PORT != DDP_STORE_PORT))"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] ports 127.0.0.1 False 127.0.0.1 1\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] ports 127.0.0.1 False 127.0.0.1 1\n"));
+}
+
 // Programs written for torchrun find its other variables too, and several
 // workers per node get one OpenMP thread each unless OMP_NUM_THREADS is set.
 TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {

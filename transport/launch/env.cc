@@ -220,6 +220,14 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
     if (addr->empty()) return InvalidArgumentError("MASTER_ADDR is set but empty");
     out.master_addr = *addr;
   }
+  // Where this job's own store is, when not at MASTER_ADDR:MASTER_PORT.
+  if (const std::string* addr = Find(env, kEnvStoreAddr)) {
+    if (addr->empty()) return InvalidArgumentError("DDP_STORE_ADDR is set but empty");
+    out.master_addr = *addr;
+  }
+  if (Has(env, kEnvStorePort)) {
+    DDP_ASSIGN_OR_RETURN(out.master_port, ReadInt(env, kEnvStorePort, 1, 65535));
+  }
 
   // Names of the variables that supplied each field, for the messages below.
   const char* rank_name = kEnvRank;
@@ -275,6 +283,18 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
       return BadValue(kEnvStoreHost, *host, "is neither `launcher` nor `rank0`");
     }
   }
+  // torchrun's agent already listens on MASTER_PORT (with PyTorch's store
+  // protocol); rank 0 serves ours next to it.
+  const std::string* agent = Find(env, kEnvTorchAgentStore);
+  if (agent != nullptr && *agent == "True" && !Has(env, kEnvStorePort) && !out.store_hosted_by_launcher) {
+    if (out.master_port == 65535) {
+      return InvalidArgumentError(
+          "torchrun's agent serves MASTER_PORT=65535 (TORCHELASTIC_USE_AGENT_STORE=True) and there is "
+          "no port after it for this job's store: set DDP_STORE_PORT to a free port on MASTER_ADDR");
+    }
+    out.master_port += 1;
+    out.store_port_beside_torch_agent = true;
+  }
   return out;
 }
 
@@ -291,6 +311,8 @@ std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& 
       {kEnvMasterPort, std::to_string(env.master_port)},
       {kEnvRestartCount, std::to_string(env.restart_count)},
       {kEnvStoreHost, env.store_hosted_by_launcher ? "launcher" : "rank0"},
+      {kEnvStoreAddr, env.master_addr},
+      {kEnvStorePort, std::to_string(env.master_port)},
   };
   if (!env.job_token.empty()) vars.emplace_back(kEnvJobToken, env.job_token);
   return vars;

@@ -35,6 +35,14 @@
 // anyone who can reach the store can join it); DDP_STORE_HOST=launcher means a
 // launcher process serves the store, otherwise (unset or `rank0`) rank 0 does.
 //
+// The store is this job's own (transport/store), not PyTorch's TCPStore, so it
+// can be kept off MASTER_ADDR:MASTER_PORT: DDP_STORE_ADDR and DDP_STORE_PORT,
+// when set, say where it is instead. ddprun sets them and leaves MASTER_PORT
+// free for a PyTorch program's own rendezvous. Under a torchrun whose agent
+// serves MASTER_PORT itself (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch 2's
+// default) and without DDP_STORE_PORT, rank 0 serves the store on
+// MASTER_PORT + 1.
+//
 // Every inconsistency is INVALID_ARGUMENT with a one-line message that names
 // the variable and its value.
 
@@ -65,11 +73,14 @@ struct LaunchEnv {
   int local_rank = 0;            ///< Rank among the workers of this node.
   int local_world_size = 1;      ///< Number of workers on this node.
   int group_rank = 0;            ///< Index of this node (torchrun's GROUP_RANK).
-  std::string master_addr;       ///< Host name or address of the store.
+  std::string master_addr;       ///< Host of the store (DDP_STORE_ADDR, else MASTER_ADDR).
   int master_port = 0;           ///< TCP port of the store, in [1, 65535].
   int restart_count = 0;         ///< How many times the group was restarted.
   std::string job_token;         ///< Shared secret of the job; empty: none.
   bool store_hosted_by_launcher = false;  ///< Else rank 0 serves the store.
+  /// torchrun's agent holds MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True)
+  /// and no DDP_STORE_PORT was given: the store is on MASTER_PORT + 1.
+  bool store_port_beside_torch_agent = false;
   LaunchSource source = LaunchSource::kTorchrun;
 
   /// True when the job spans more than this node.
@@ -94,6 +105,10 @@ inline constexpr char kEnvMasterPort[] = "MASTER_PORT";
 inline constexpr char kEnvRestartCount[] = "DDP_RESTART_COUNT";
 inline constexpr char kEnvJobToken[] = "DDP_JOB_TOKEN";
 inline constexpr char kEnvStoreHost[] = "DDP_STORE_HOST";
+inline constexpr char kEnvStoreAddr[] = "DDP_STORE_ADDR";
+inline constexpr char kEnvStorePort[] = "DDP_STORE_PORT";
+/// "True" when torchrun's agent serves MASTER_PORT (workers only connect).
+inline constexpr char kEnvTorchAgentStore[] = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// MASTER_PORT when nothing sets it (torchrun's default).
 inline constexpr int kDefaultMasterPort = 29500;
@@ -118,7 +133,10 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env);
 StatusOr<LaunchEnv> LaunchEnvFromProcess();
 
 /// The variables a launcher sets for a worker so that ParseLaunchEnv gives
-/// back `env` (source is always kTorchrun; an empty token is left out).
+/// back `env` (source is always kTorchrun; an empty token is left out). The
+/// store's address is given twice, as MASTER_ADDR/MASTER_PORT and as
+/// DDP_STORE_ADDR/DDP_STORE_PORT, so that a launcher may point MASTER_PORT
+/// elsewhere.
 std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& env);
 
 /// Most workers one node may run.

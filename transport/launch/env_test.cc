@@ -75,6 +75,59 @@ TEST(ParseLaunchEnvTest, RoundTripsThroughToEnvironment) {
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->ToString(), env.ToString());
   EXPECT_EQ(parsed->job_token, "abc");
+  // A launcher may point MASTER_PORT elsewhere: the store stays where it is.
+  map["MASTER_PORT"] = "41000";
+  map["MASTER_ADDR"] = "elsewhere";
+  parsed = ParseLaunchEnv(map);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->ToString(), env.ToString());
+}
+
+// DDP_STORE_ADDR and DDP_STORE_PORT place the store away from MASTER_ADDR and
+// MASTER_PORT, which a launcher leaves to a PyTorch program.
+TEST(ParseLaunchEnvTest, StoreAddressWinsOverMasterAddress) {
+  StatusOr<LaunchEnv> parsed =
+      ParseLaunchEnv({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"},
+                      {"MASTER_PORT", "29500"}, {"DDP_STORE_ADDR", "10.0.0.1"}, {"DDP_STORE_PORT", "40001"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_addr, "10.0.0.1");
+  EXPECT_EQ(parsed->master_port, 40001);
+  // Without MASTER_ADDR, the store's address is enough across nodes.
+  parsed = ParseLaunchEnv({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
+                           {"DDP_STORE_ADDR", "10.0.0.1"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_addr, "10.0.0.1");
+  EXPECT_EQ(parsed->master_port, kDefaultMasterPort);
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"DDP_STORE_PORT", "0"}},
+                "DDP_STORE_PORT=0 is out of range [1, 65535]");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"DDP_STORE_ADDR", ""}}, "DDP_STORE_ADDR is set but empty");
+}
+
+// torchrun's agent serving MASTER_PORT itself: rank 0 serves the store on the
+// next port, unless DDP_STORE_PORT says where or a launcher serves it.
+TEST(ParseLaunchEnvTest, TorchrunAgentStoreMovesTheStoreToTheNextPort) {
+  EnvMap env = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"},
+                {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_port, 29501);
+  EXPECT_TRUE(parsed->store_port_beside_torch_agent);
+  EXPECT_TRUE(parsed->hosts_store());
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_port, 29500);
+  EXPECT_FALSE(parsed->store_port_beside_torch_agent);
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env["DDP_STORE_PORT"] = "31000";
+  parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_port, 31000);
+  EXPECT_FALSE(parsed->store_port_beside_torch_agent);
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "65535"},
+                 {"TORCHELASTIC_USE_AGENT_STORE", "True"}},
+                "torchrun's agent serves MASTER_PORT=65535 (TORCHELASTIC_USE_AGENT_STORE=True) and there is "
+                "no port after it for this job's store: set DDP_STORE_PORT to a free port on MASTER_ADDR");
 }
 
 TEST(ParseLaunchEnvTest, NoVariablesIsNotFound) {

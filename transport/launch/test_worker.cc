@@ -18,9 +18,16 @@
 //                         collective loses a peer); else finish after --sleep_ms
 //   --slow_to_stop=R      rank R ignores SIGINT and SIGTERM (its launcher's
 //                         SIGKILL after --grace_period ends it) and lost peers
+//   --meet_on_master_port rank 0 listens on MASTER_PORT, as PyTorch's rank 0
+//                         does for its own store, and the others connect to
+//                         MASTER_ADDR:MASTER_PORT (after --store, if given)
 
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -28,6 +35,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <string_view>
@@ -60,6 +68,7 @@ struct Flags {
   std::string pid_dir;
   bool ignore_sigterm = false;
   bool exit_when_peer_gone = false;
+  bool meet_on_master_port = false;
   int slow_to_stop_rank = -1;
 };
 
@@ -86,6 +95,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (arg == "--print_env") f.print_env = true;
     else if (arg == "--ignore_sigterm") f.ignore_sigterm = true;
     else if (arg == "--exit_when_peer_gone") f.exit_when_peer_gone = true;
+    else if (arg == "--meet_on_master_port") f.meet_on_master_port = true;
     else if (auto v = value("--slow_to_stop")) f.slow_to_stop_rank = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--exit_code")) ParsePair(*v, f.exit_rank, f.exit_code);
     else if (auto v = value("--signal")) ParsePair(*v, f.signal_rank, f.signal);
@@ -155,6 +165,67 @@ int Rendezvous(const launch::LaunchEnv& env) {
     for (int r = 0; r < env.world_size; ++r) finished.push_back(prefix + "finished/" + std::to_string(r));
     s = (*client)->Wait(finished, deadline);
     if (!s.ok()) return Fail("wait finished", s);
+  }
+  return 0;
+}
+
+// --meet_on_master_port: what a PyTorch program's env:// rendezvous needs
+// from MASTER_ADDR:MASTER_PORT: rank 0 can listen there and the others
+// reach it. Each other rank sends one byte; rank 0 counts them.
+int MeetOnMasterPort(const launch::LaunchEnv& env) {
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  if (addr == nullptr || port == nullptr) {
+    std::fprintf(stderr, "test_worker: MASTER_ADDR or MASTER_PORT is not set\n");
+    return 22;
+  }
+  const Deadline deadline = DeadlineIn(30s);
+  if (env.rank == 0) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in any{};
+    any.sin_family = AF_INET;
+    any.sin_addr.s_addr = htonl(INADDR_ANY);
+    any.sin_port = htons(static_cast<uint16_t>(std::atoi(port)));
+    if (bind(fd, reinterpret_cast<sockaddr*>(&any), sizeof(any)) != 0 || listen(fd, 64) != 0) {
+      std::fprintf(stderr, "test_worker: rank 0 cannot listen on MASTER_PORT=%s: %s\n", port, std::strerror(errno));
+      return 23;
+    }
+    int met = 0;
+    while (met < env.world_size - 1) {
+      pollfd p = {fd, POLLIN, 0};
+      if (Clock::now() >= deadline || poll(&p, 1, 100) < 0) break;
+      if (!(p.revents & POLLIN)) continue;
+      const int peer = accept4(fd, nullptr, nullptr, SOCK_CLOEXEC);
+      char byte = 0;
+      if (peer >= 0 && read(peer, &byte, 1) == 1) ++met;
+      if (peer >= 0) close(peer);
+    }
+    close(fd);
+    std::printf("rank 0 met %d ranks on MASTER_PORT\n", met + 1);
+    std::fflush(stdout);
+    return met == env.world_size - 1 ? 0 : 24;
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(addr, port, &hints, &found) != 0 || found == nullptr) {
+    std::fprintf(stderr, "test_worker: cannot resolve MASTER_ADDR=%s\n", addr);
+    return 22;
+  }
+  bool sent = false;
+  while (!sent && Clock::now() < deadline) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (connect(fd, found->ai_addr, found->ai_addrlen) == 0) sent = write(fd, "x", 1) == 1;
+    close(fd);
+    if (!sent) std::this_thread::sleep_for(20ms);
+  }
+  freeaddrinfo(found);
+  if (!sent) {
+    std::fprintf(stderr, "test_worker: rank %d never reached MASTER_ADDR:MASTER_PORT=%s:%s\n", env.rank, addr, port);
+    return 25;
   }
   return 0;
 }
@@ -267,6 +338,10 @@ int main(int argc, char** argv) {
   }
   if (flags.store) {
     const int rc = Rendezvous(*env);
+    if (rc != 0) return rc;
+  }
+  if (flags.meet_on_master_port) {
+    const int rc = MeetOnMasterPort(*env);
     if (rc != 0) return rc;
   }
   if (env->rank == flags.signal_rank) raise(flags.signal);
