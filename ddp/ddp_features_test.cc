@@ -247,8 +247,38 @@ void CheckJoinWithBuffers(ProcessGroup& pg) {
                 "Join with buffers: replicas (parameters and running statistics) differ");
 }
 
+// Two Joins on one wrapper (one per epoch): rank 0 is active longest in the
+// first, the last rank in the second. The final parameters of the second
+// come from the last rank, whose step the others did not take: its own
+// parameters do not change in Wait (they did when the source was chosen by
+// forwards counted since construction, which made rank 0 the source).
+void CheckJoinTwice(ProcessGroup& pg) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  auto model = Mlp(13);
+  DistributedDataParallel ddp(model, {.process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto epoch = [&](int batches) {
+    Join join(ddp);
+    for (int s = 0; s < batches; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    const uint64_t before = testing::HashState(*model);
+    join.Wait();
+    return before == testing::HashState(*model);
+  };
+  epoch(rank == 0 ? 6 : 4);
+  const bool kept = epoch(rank == world - 1 ? 3 : 2);
+  if (rank == world - 1) WORKER_EXPECT(kept, "Join twice: the last active rank's parameters were overwritten");
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), "Join twice: replicas differ");
+}
+
 DDP_TEST_WORKER(join) {
   auto pg = testing::WorkerGroup();
+  CheckJoinTwice(*pg);
   CheckJoin(*pg, true, false);
   CheckJoin(*pg, false, false);
   CheckJoin(*pg, true, true);
@@ -431,15 +461,21 @@ DDP_TEST_WORKER(unused_error) {
   const double cap = which == "same" ? 25 : 1e-9;
   DistributedDataParallel ddp(model, {.bucket_cap_mb = cap, .first_bucket_mb = cap, .process_group = pg});
   std::string message;
+  const char* where = "nowhere";
   try {
     for (int s = 0; s < 3; ++s) {
       auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
-      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      where = "forward";
+      Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+      where = "backward";
+      nn::Backward(loss);
     }
   } catch (const std::exception& e) {
     message = e.what();
   }
-  std::fprintf(stderr, "error: %s\n", message.c_str());
+  std::fprintf(stderr, "error in %s: %s\n", where, message.c_str());
+  // From the backward itself: no optimizer step can take the gradients.
+  WORKER_EXPECT(std::string(where) == "backward", std::string("thrown by the ") + where);
   WORKER_EXPECT(message.find("received no gradient") != std::string::npos, message);
   WORKER_EXPECT(message.find("find_unused_parameters") != std::string::npos, message);
   if (which == "same") {
@@ -526,6 +562,70 @@ TEST(DdpFeaturesTest, AnIterationThatDidNotFinishFailsTheNextForward) {
                           30000);
     EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
   }
+}
+
+// Rank 1's backward throws after launching some buckets, the caller carries
+// on, and its next forward runs under NoSync on a model with buffers: that
+// forward synchronizes no gradients but broadcasts the buffers, which would
+// pair with the bucket reductions rank 0 still waits in. It is refused as
+// the next synchronizing forward is, and rank 0 fails within moments.
+DDP_TEST_WORKER(unfinished_then_buffers) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  nn::Generator gen(9);
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 32, true, gen),
+      std::make_shared<nn::modules::BatchNorm1d>(32), std::make_shared<nn::modules::ReLU>(),
+      std::make_shared<nn::modules::Linear>(32, 10, true, gen)});
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.01, .first_bucket_mb = 0.01, .process_group = pg});
+  bool throw_now = false;
+  if (rank == 1) {
+    // The first weight's gradient comes last: the buckets before it are out.
+    model->NamedParameters().front().second.RegisterPostAccumulateGradHook([&throw_now](const Tensor&) {
+      if (throw_now) throw std::runtime_error("a failure inside backward, on purpose");
+    });
+  }
+  std::string message;
+  int failed_at = -1;
+  double waited = 0;
+  for (int s = 0; s < 3 && failed_at < 0; ++s) {
+    auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+    const auto step_start = std::chrono::steady_clock::now();
+    try {
+      if (s == 2) {
+        auto no_sync = ddp.NoSync();
+        (void)ddp(x);
+        continue;
+      }
+      Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+      throw_now = s == 1;
+      try {
+        nn::Backward(loss);
+      } catch (const std::runtime_error& e) {
+        if (std::string(e.what()).find("on purpose") == std::string::npos) throw;
+      }
+    } catch (const std::exception& e) {
+      message = e.what();
+      failed_at = s;
+      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    }
+  }
+  std::fprintf(stderr, "rank %d, step %d, after %.2f s: %s\n", rank, failed_at, waited, message.c_str());
+  if (rank == 1) {
+    WORKER_EXPECT(failed_at == 2, "failed at step " + std::to_string(failed_at));
+    WORKER_EXPECT(message.find("stopped partway") != std::string::npos, message);
+  } else {
+    WORKER_EXPECT(failed_at == 1 || failed_at == 2, "failed at step " + std::to_string(failed_at));
+    WORKER_EXPECT(message.find("stopped partway") != std::string::npos, message);
+    WORKER_EXPECT(waited < 10, "waited " + std::to_string(waited) + " s for the rank that did not finish");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AForwardThatBroadcastsBuffersAfterAnUnfinishedBackwardIsRefused) {
+  auto run = RunWorkers("unfinished_then_buffers", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // Rank 1's backward throws partway (a hook, on purpose) and the caller

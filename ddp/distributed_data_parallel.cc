@@ -44,7 +44,8 @@ class DistributedDataParallel::Impl {
   // Join state.
   bool join_enabled = false;
   JoinOptions join_options;
-  int64_t forwards = 0;  // synchronizing forwards, for choosing Join's final source
+  int64_t forwards = 0;  // training forwards with grad outside NoSync: iterations()
+  int64_t forwards_at_join = 0;  // `forwards` when the current Join began
 
   // Statistics window.
   int64_t forward_count = 0;
@@ -124,35 +125,40 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     impl_->trace = std::make_shared<TraceRecorder>();
     pg_->set_trace(impl_->trace);
   }
+  try {
+    // 1. Same model on every rank, or the same error on every rank.
+    internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_));
 
-  // 1. Same model on every rank, or the same error on every rank.
-  internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_));
-
-  // 2. Rank 0's values everywhere.
-  std::vector<nn::Tensor> state;
-  for (const auto& [name, p] : module_->NamedParameters()) state.push_back(p);
-  for (const auto& [name, b] : module_->NamedBuffers()) {
-    state.push_back(b);
-    impl_->buffers.push_back(b);
-  }
-  internal::BroadcastCoalesced(*pg_, state, 0, "initial parameters and buffers");
-
-  // 3. Buckets and hooks.
-  if (pg_->size() > 1) {
-    std::vector<std::pair<std::string, nn::Tensor>> trainable;
-    for (const auto& [name, p] : module_->NamedParameters()) {
-      if (p.requires_grad()) trainable.emplace_back(name, p);
+    // 2. Rank 0's values everywhere.
+    std::vector<nn::Tensor> state;
+    for (const auto& [name, p] : module_->NamedParameters()) state.push_back(p);
+    for (const auto& [name, b] : module_->NamedBuffers()) {
+      state.push_back(b);
+      impl_->buffers.push_back(b);
     }
-    if (!trainable.empty()) {
-      impl_->reducer = std::make_unique<internal::Reducer>(std::move(trainable), pg_, reducer_options,
-                                                           impl_->trace);
+    internal::BroadcastCoalesced(*pg_, state, 0, "initial parameters and buffers");
+
+    // 3. Buckets and hooks.
+    if (pg_->size() > 1) {
+      std::vector<std::pair<std::string, nn::Tensor>> trainable;
+      for (const auto& [name, p] : module_->NamedParameters()) {
+        if (p.requires_grad()) trainable.emplace_back(name, p);
+      }
+      if (!trainable.empty()) {
+        impl_->reducer = std::make_unique<internal::Reducer>(std::move(trainable), pg_, reducer_options,
+                                                             impl_->trace);
+      }
     }
-  }
-  impl_->cpu_at_reset = pg_->CommThreadCpuTime();
-  impl_->wait_at_reset = pg_->PeerWaitTime();
-  if (level != DebugLevel::kOff && pg_->rank() == 0) {
-    std::fprintf(stderr, "[ddp] DistributedDataParallel over %d rank(s): %s\n", pg_->size(),
-                 Stats().ToString().c_str());
+    impl_->cpu_at_reset = pg_->CommThreadCpuTime();
+    impl_->wait_at_reset = pg_->PeerWaitTime();
+    if (level != DebugLevel::kOff && pg_->rank() == 0) {
+      std::fprintf(stderr, "[ddp] DistributedDataParallel over %d rank(s): %s\n", pg_->size(),
+                   Stats().ToString().c_str());
+    }
+  } catch (...) {
+    // The group outlives a wrapper that failed to construct.
+    if (impl_->trace != nullptr) pg_->StopTrace(impl_->trace.get());
+    throw;
   }
 }
 
@@ -164,7 +170,7 @@ DistributedDataParallel::~DistributedDataParallel() {
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[ddp] rank %d: writing the trace failed: %s\n", pg_->rank(), e.what());
     }
-    pg_->set_trace(nullptr);
+    pg_->StopTrace(impl_->trace.get());
   }
 }
 
@@ -186,7 +192,7 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync;
   const bool sync = grad_sync && (training || !s.join_enabled);
   const bool sync_buffers = training && options_.broadcast_buffers && size > 1 && !s.buffers.empty();
-  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration(sync);
+  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration(sync, sync_buffers || (s.join_enabled && size > 1));
   bool rebuild = sync && training && s.reducer->rebuild_pending();
 
   double divisor = size;
@@ -249,13 +255,13 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
 
   if (sync) {
     s.reducer->PrepareForBackward(outputs, divisor, /*backward_optional=*/!training);
-    if (training) ++s.forwards;
   } else if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
     // A forward under no-grad records no graph, so it leaves a prepared
     // iteration armed: an evaluation between a training forward and its
     // backward does not keep that backward from synchronizing.
     s.reducer->Disarm(/*reject_gradients=*/grad_sync);
   }
+  if (training && nn::GradMode::IsEnabled() && s.require_sync) ++s.forwards;
   const Clock::time_point end = Clock::now();
   if (training) {
     ++s.forward_count;
@@ -347,6 +353,7 @@ Join::Join(DistributedDataParallel& ddp, JoinOptions options) : ddp_(ddp), optio
   if (ddp_.impl_->join_enabled) throw std::logic_error("Join: this model is already in a Join");
   ddp_.impl_->join_enabled = true;
   ddp_.impl_->join_options = options_;
+  ddp_.impl_->forwards_at_join = ddp_.impl_->forwards;
 }
 
 Join::~Join() { ddp_.impl_->join_enabled = false; }
@@ -386,9 +393,12 @@ void Join::Wait() {
         if (options_.shadow_step) options_.shadow_step();
       }
     }
-    // Every rank is done. The ranks that ran the most iterations hold the
-    // final parameters (they are identical); the highest of them is the source.
-    nn::Tensor source = nn::FromVectorOf<int64_t>({s.forwards * size + pg.rank()}, {1});
+    // Every rank is done. The ranks that ran the most iterations in this Join
+    // were active last and hold the final parameters (they are identical);
+    // the highest of them is the source. (Counted from the Join's start: in
+    // an earlier epoch another rank may have run more.)
+    nn::Tensor source =
+        nn::FromVectorOf<int64_t>({(s.forwards - s.forwards_at_join) * size + pg.rank()}, {1});
     pg.AllReduce(source, transport::ReduceOp::kMax, "join source").Wait();
     const int root = static_cast<int>(source.data<int64_t>()[0] % size);
     std::vector<nn::Tensor> state;

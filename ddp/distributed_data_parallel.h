@@ -75,8 +75,8 @@ struct DdpOptions {
   /// unused on every rank keeps no gradient. A gradient accumulated under
   /// NoSync counts as a use in the next synchronizing backward, so it is
   /// averaged even where that backward does not reach the parameter.
-  /// Without the option an unused parameter is an error naming it at the
-  /// next forward.
+  /// Without the option an unused parameter is an error naming it, thrown
+  /// by that backward (and by every later forward).
   bool find_unused_parameters = false;
   /// .grad of every parameter is a view into its bucket: no copies in and
   /// out of the buckets, and no second copy of the gradients in memory.
@@ -183,7 +183,8 @@ class DistributedDataParallel : public nn::modules::Module {
 
   /// Buckets in launch order, as parameter names (for tests and logs).
   std::vector<std::vector<std::string>> BucketParameterNames() const;
-  /// Synchronizing iterations run so far.
+  /// Synchronizing iterations run so far (with no trainable parameter:
+  /// training forwards with grad enabled outside NoSync).
   int64_t iterations() const;
 
   class Impl;

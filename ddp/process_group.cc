@@ -369,7 +369,14 @@ class ProcessGroup::Impl {
       return work;
     }
     if (own_time == Clock::duration::zero()) own_time = options_.timeout;
-    state->wait_budget = (queue_.size() + running_) * options_.timeout + own_time + milliseconds(5000);
+    // Bounded (a century) so that a long timeout times thousands of queued
+    // calls cannot overflow the clock arithmetic of Wait.
+    constexpr Clock::duration kMostBudget = std::chrono::hours(24 * 365 * 100);
+    const auto ahead = static_cast<int64_t>(queue_.size() + running_);
+    const Clock::duration per_call = options_.timeout;
+    state->wait_budget = ahead > 0 && per_call > (kMostBudget - own_time) / ahead
+                             ? kMostBudget
+                             : ahead * per_call + own_time + milliseconds(5000);
     // Host messages with nothing queued or running ahead of them are posted
     // here, on the caller's thread, instead of waking the communication
     // thread for it (that hop was half of a small message's latency: 40-50
@@ -500,6 +507,10 @@ class ProcessGroup::Impl {
   void set_trace(std::shared_ptr<TraceRecorder> trace) {
     std::lock_guard lock(mu_);
     trace_ = std::move(trace);
+  }
+  void StopTrace(const TraceRecorder* trace) {
+    std::lock_guard lock(mu_);
+    if (trace_.get() == trace) trace_.reset();
   }
 
   std::chrono::nanoseconds CpuTime() const {
@@ -705,6 +716,12 @@ ProcessGroupOptions WithEnvironment(ProcessGroupOptions options) {
   if (options.timeout.count() <= 0) {
     throw std::invalid_argument("ProcessGroupOptions::timeout must be positive, got " +
                                 std::to_string(options.timeout.count()) + " ms");
+  }
+  if (options.timeout > kMostTimeout) {
+    throw std::invalid_argument("ProcessGroupOptions::timeout is at most 30 days (" +
+                                std::to_string(kMostTimeout.count()) + " ms), got " +
+                                std::to_string(options.timeout.count()) +
+                                " ms: every collective needs a deadline that can pass");
   }
   return options;
 }
@@ -1535,6 +1552,8 @@ Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTas
 void ProcessGroup::set_trace(std::shared_ptr<TraceRecorder> trace) {
   impl_->set_trace(std::move(trace));
 }
+
+void ProcessGroup::StopTrace(const TraceRecorder* trace) { impl_->StopTrace(trace); }
 
 std::chrono::nanoseconds ProcessGroup::CommThreadCpuTime() const { return impl_->CpuTime(); }
 

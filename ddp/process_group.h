@@ -182,8 +182,12 @@ enum class CollectiveThread {
   kCaller,
 };
 
+/// The longest ProcessGroupOptions::timeout (30 days).
+inline constexpr std::chrono::milliseconds kMostTimeout{30LL * 24 * 3600 * 1000};
+
 struct ProcessGroupOptions {
-  /// Deadline of each collective, counted from when it starts running.
+  /// Deadline of each collective, counted from when it starts running; at
+  /// most kMostTimeout.
   std::chrono::milliseconds timeout{300000};
   /// Fingerprint check before each collective (see the header comment).
   /// DDP_DEBUG=detail in the environment turns it on as well.
@@ -393,6 +397,9 @@ class ProcessGroup {
 
   /// Records each collective as a trace event (null: stop recording).
   void set_trace(std::shared_ptr<TraceRecorder> trace);
+  /// Stops recording into `trace` if that is still the recorder (another
+  /// user of the group may have installed its own since).
+  void StopTrace(const TraceRecorder* trace);
   /// CPU time the communication thread has used so far (zero before its
   /// first collective): what shows that it sleeps instead of spinning.
   std::chrono::nanoseconds CommThreadCpuTime() const;

@@ -388,6 +388,22 @@ TEST(ProcessGroupTest, BadArgumentsNameTheProblem) {
   }
 }
 
+// A timeout so long that its clock arithmetic would overflow (every
+// collective then timed out at once) is refused, naming the bound.
+TEST(ProcessGroupTest, TimeoutBeyondThirtyDaysIsRefused) {
+  try {
+    ProcessGroup::Single({.timeout = std::chrono::milliseconds::max()});
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("ProcessGroupOptions::timeout is at most 30 days"), std::string::npos)
+        << e.what();
+  }
+  auto pg = ProcessGroup::Single({.timeout = kMostTimeout});
+  Tensor t = nn::FromVector({1, 2}, {2});
+  pg->AllReduce(t).Wait();
+  EXPECT_EQ(t.ToVector<double>(), std::vector<double>({1, 2}));
+}
+
 TEST(ProcessGroupTest, DefaultGroupMustBeInitialized) {
   DestroyProcessGroup();
   EXPECT_THROW(DefaultProcessGroup(), std::logic_error);

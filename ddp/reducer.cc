@@ -244,9 +244,13 @@ std::vector<std::vector<std::string>> Reducer::BucketNames() const {
   return out;
 }
 
-void Reducer::CheckPreviousIteration(bool synchronizing) {
+void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates) {
   if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
-  if (!synchronizing || !unfinished_) return;
+  if (!unfinished_) return;
+  // A forward that does not synchronize gradients may still run collectives
+  // (buffers, Join's flags): once a backward launched buckets and stopped,
+  // those would pair with the peers' bucket reductions.
+  if (!synchronizing && !(communicates && finalize_queued_)) return;
   if (!finalize_queued_ && backward_optional_) {
     // An eval-mode forward that no backward followed (an evaluation with
     // grad enabled): nothing was launched, so nothing is left to pair.
@@ -277,9 +281,9 @@ void Reducer::CheckPreviousIteration(bool synchronizing) {
       "(training mode, grad enabled, outside NoSync) ran, but " + state +
       ". Every synchronizing forward must be followed by one backward through its outputs on "
       "every rank. This usually means that a rank skipped the backward of a batch after its "
-      "forward (on a NaN loss, say: every rank must skip the same batches, or run forwards whose "
-      "backward may be skipped under NoGradGuard, Eval() or NoSync), that no output of forward "
-      "took part in the loss (make every output contribute; set "
+      "forward (on a NaN loss, say: run the backward anyway and skip the optimizer step on every "
+      "rank, as GradScaler does, or run forwards whose backward may be skipped under NoGradGuard, "
+      "Eval() or NoSync), that no output of forward took part in the loss (make every output contribute; set "
       "DdpOptions::find_unused_parameters when some parameters really are unused), or that an "
       "exception was thrown during backward. The process group was aborted.";
   pg_->Abort(transport::FailedPreconditionError(pending_error_));
@@ -582,23 +586,35 @@ void Reducer::Finalize() {
       if (listed++ < 8) names += (names.empty() ? "`" : ", `") + names_[i] + "` (index " + std::to_string(i) + ")";
     }
     if (missing > listed) names += " and " + std::to_string(missing - listed) + " more";
+    std::string advice;
+    if (options_.static_graph) {
+      advice = "DdpOptions::static_graph is set, and these parameters had gradients in the first "
+               "iteration: every iteration must use the same parameters (use find_unused_parameters "
+               "where the set changes).";
+    } else if (options_.find_unused_parameters) {
+      advice = "find_unused_parameters is on, but these are reachable from the outputs of forward, "
+               "so an output that reaches them did not take part in the loss: make every output of "
+               "forward contribute to the loss (an unused head can be added times zero).";
+    } else {
+      advice = "If parts of the model are unused in some iterations, set "
+               "DdpOptions::find_unused_parameters = true; otherwise make every output of forward "
+               "contribute to the loss.";
+    }
     pending_error_ =
         "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": " +
-        std::to_string(missing) + " parameter(s) received no gradient in the previous iteration: " +
-        names + ". Their buckets could not be reduced, so gradients were not synchronized. If "
-        "parts of the model are unused in some iterations, set "
-        "DdpOptions::find_unused_parameters = true; otherwise make every output of forward "
-        "contribute to the loss.";
+        std::to_string(missing) + " parameter(s) received no gradient in this backward: " + names +
+        ". Their buckets could not be reduced, so gradients were not synchronized. " + advice;
     // Peers may wait in a bucket's all-reduce that this rank will never run,
     // and this rank's launched buckets may wait for peers: the abort ends
-    // both within ~100 ms, and peers report this message. The error itself
-    // surfaces at the next forward, as documented.
+    // both within ~100 ms, and peers report this message.
     pg_->Abort(transport::FailedPreconditionError(pending_error_));
     // Whether or not they all end, pending_error_ keeps the buckets from
     // being reused.
     (void)WaitInFlight();
     unfinished_ = false;
-    return;
+    // Out of this backward, so that no optimizer step takes the gradients
+    // that were not synchronized (and again at the next forward).
+    throw std::runtime_error(pending_error_);
   }
   if (handles_unused()) {
     used_work_ = pg_->AllReduce(used_, transport::ReduceOp::kSum, "unused parameter map");

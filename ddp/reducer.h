@@ -80,12 +80,14 @@ class Reducer {
   void SetCommHook(CommHook hook);
 
   /// Throws (after aborting the group, so that peers stop waiting for this
-  /// rank) when the previous backward ended with parameters that got no
-  /// gradient although find_unused_parameters is off, and, before a
+  /// rank) when a previous backward ended with parameters that got no
+  /// gradient (that backward threw first), and, before a
   /// `synchronizing` forward, when the last synchronizing forward's
   /// reduction never finished (no backward, none that reached a parameter,
-  /// or one that threw). Once thrown, every later forward throws the same.
-  void CheckPreviousIteration(bool synchronizing);
+  /// or one that threw); a forward that `communicates` otherwise (buffers,
+  /// Join's flags) is refused too when that backward launched buckets. Once
+  /// thrown, every later forward throws the same.
+  void CheckPreviousIteration(bool synchronizing, bool communicates = false);
 
   /// Whether the next synchronizing iteration starts with RebuildBuckets:
   /// after the group's first synchronizing iteration, the same on every
@@ -212,7 +214,7 @@ class Reducer {
   nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing
                                 // backward ended (NoSync backwards included)
   Work used_work_;
-  std::string pending_error_;   // thrown at the next forward
+  std::string pending_error_;   // thrown by every later forward
   int64_t iterations_ = 0;       // synchronizing backwards this rank ran
   int64_t group_iterations_ = 0; // the same, and those it shadowed (Join)
   bool comm_hook_locked_ = false;
