@@ -178,6 +178,43 @@ TEST(AutogradTest, RootErrors) {
             std::string::npos);
 }
 
+// A seed of another dtype is converted to its root's, as PyTorch's engine
+// does, so the nodes below (and a retained .grad) see the root's dtype; one
+// on another device is refused. Before, the f64 seed reached the retained
+// .grad as it was, and the device went unchecked.
+TEST(AutogradTest, SeedTakesItsRootsDtypeAndMustBeOnItsDevice) {
+  Tensor w = Param({2}, 3.0);
+  Tensor h = ops::MulScalar(w, 2.0);
+  h.RetainGrad();
+  Backward(h, FromVector({1, 2}, {2}, {.dtype = DType::kFloat64}));
+  EXPECT_EQ(h.grad().dtype(), DType::kFloat32);
+  EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{1, 2}));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 4}));
+  // A tensor that claims to live on cuda:0 (its memory is never read).
+  std::vector<float> backing(2);
+  const Tensor on_cuda = Tensor::FromBlob(backing.data(), {2}, DType::kFloat32, Device(DeviceType::kCUDA, 0));
+  Tensor v = Param({2}, 1.0);
+  const std::string err = ErrorOf([&] { Backward(ops::MulScalar(v, 2.0), on_cuda); });
+  EXPECT_NE(err.find("Backward: gradient on cuda:0 for root 0 on cpu"), std::string::npos) << err;
+  EXPECT_FALSE(v.grad().defined());
+}
+
+// A second backward adds into a new .grad of a retained non-leaf (PyTorch's
+// grad = grad + new_grad): a .grad the caller kept from the first is left as
+// it was. Before, the second pass added into it in place.
+TEST(AutogradTest, RetainedGradientOfASecondBackwardIsANewTensor) {
+  Tensor w = Param({2}, 3.0);
+  Tensor h = ops::MulScalar(w, 2.0);
+  h.RetainGrad();
+  Tensor loss = ops::Sum(ops::Square(h));
+  Backward(loss, Tensor(), /*retain_graph=*/true);
+  const Tensor kept = h.grad();
+  Backward(loss);
+  EXPECT_EQ(kept.ToVector<float>(), (std::vector<float>{12, 12}));
+  EXPECT_FALSE(h.grad().is_same(kept));
+  EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{24, 24}));
+}
+
 TEST(AutogradTest, ReachableLeavesFindsUsedParametersOnly) {
   Tensor used = Param({2}, 1.0), unused = Param({2}, 1.0), also = Param({2}, 2.0);
   Tensor y = ops::Sum(ops::Add(ops::Mul(used, also), FromVector({1, 2}, {2})));
@@ -252,6 +289,48 @@ struct WrongDerivative : Function<WrongDerivative> {
     return {ops::MulScalar(g[0], 3.0)};
   }
 };
+
+// Backward returns f64 gradients for an f32 input.
+struct TripleInF64 : Function<TripleInF64> {
+  static constexpr const char* kName = "TripleInF64Backward";
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {
+    return {ops::MulScalar(in[0], 3.0)};
+  }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) {
+    return {ops::MulScalar(g[0], 3.0).To(DType::kFloat64)};
+  }
+};
+
+// Backward returns a gradient that claims to live on cuda:0 for a CPU input
+// (its memory is never read).
+struct GradOnCuda : Function<GradOnCuda> {
+  static constexpr const char* kName = "GradOnCudaBackward";
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) { return {ops::Clone(in[0])}; }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) {
+    static std::vector<float> backing(16);
+    return {Tensor::FromBlob(backing.data(), g[0].shape(), DType::kFloat32, Device(DeviceType::kCUDA, 0))};
+  }
+};
+
+// As PyTorch's engine (validate_outputs): a gradient of another dtype is
+// converted to the input's, so the node below computes in its dtype (here
+// the retained .grad of the non-leaf input shows it); one on another device
+// is refused, naming the function. Before, only the shape was checked.
+TEST(CustomFunctionTest, GradientTakesTheInputsDtypeAndMustBeOnItsDevice) {
+  Tensor x = Param({2}, 1.0);
+  Tensor h = ops::MulScalar(x, 2.0);
+  h.RetainGrad();
+  Backward(ops::Sum(TripleInF64::Apply({h})[0]));
+  EXPECT_EQ(h.grad().dtype(), DType::kFloat32);
+  EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{3, 3}));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{6, 6}));
+  Tensor y = Param({2}, 1.0);
+  const std::string err = ErrorOf([&] { Backward(ops::Sum(GradOnCuda::Apply({y})[0])); });
+  EXPECT_NE(err.find("GradOnCudaBackward: Backward returned a gradient on cuda:0 for input 0 on cpu"),
+            std::string::npos)
+      << err;
+  EXPECT_FALSE(y.grad().defined());
+}
 
 TEST(CustomFunctionTest, BadBackwardsAreReported) {
   Tensor x = Param({2}, 1.0);

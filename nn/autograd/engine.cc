@@ -36,6 +36,14 @@ struct LaterFirst {
   }
 };
 
+// a + b in a new tensor of a's dtype (b converted to it), on a's device.
+Tensor SumOf(const Tensor& a, Tensor b) {
+  if (b.dtype() != a.dtype()) b = b.To(a.dtype());
+  Tensor sum = Empty(a.shape(), {.dtype = a.dtype(), .device = a.device()});
+  DDP_KERNEL(sum.device(), binary)(ops::BinaryOp::kAdd, a, b, sum);
+  return sum;
+}
+
 // Sums gradient contributions arriving at one input of a node. A new tensor
 // is made rather than adding in place: the first contribution may be shared
 // with another consumer.
@@ -46,10 +54,7 @@ void Accumulate(std::vector<Tensor>& buffer, uint32_t index, Tensor grad) {
     slot = std::move(grad);
     return;
   }
-  if (grad.dtype() != slot.dtype()) grad = grad.To(slot.dtype());
-  Tensor sum = Empty(slot.shape(), {.dtype = slot.dtype(), .device = slot.device()});
-  DDP_KERNEL(sum.device(), binary)(ops::BinaryOp::kAdd, slot, grad, sum);
-  slot = std::move(sum);
+  slot = SumOf(slot, std::move(grad));
 }
 
 void RunCallbacks(GraphTask& task) {
@@ -108,6 +113,13 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     } else if (g.shape() != root.shape()) {
       throw std::invalid_argument("Backward: gradient of shape " + ShapeToString(g.shape()) + " for root " +
                                   std::to_string(i) + " of shape " + ShapeToString(root.shape()));
+    } else if (g.device() != root.device()) {
+      throw std::invalid_argument("Backward: gradient on " + g.device().ToString() + " for root " +
+                                  std::to_string(i) + " on " + root.device().ToString());
+    } else if (g.dtype() != root.dtype()) {
+      // Converted, as PyTorch's engine converts a seed (validate_outputs):
+      // the nodes below compute in the root's dtype.
+      g = g.To(root.dtype());
     }
     seeds.emplace_back(GradientEdge(root), g);
   }
@@ -150,17 +162,15 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       buffers.erase(it);
     }
     in.resize(std::max<size_t>(in.size(), node->num_outputs()));
-    // Non-leaf tensors that asked to keep their gradient.
+    // Non-leaf tensors that asked to keep their gradient. A second pass sums
+    // into a new tensor (PyTorch's grad = grad + new_grad): the .grad of the
+    // first pass may be held by the caller and must not change.
     for (uint32_t i = 0; i < node->num_outputs(); ++i) {
       if (!in[i].defined()) continue;
       Tensor out = node->LiveOutput(i);
       if (out.defined() && out.retains_grad()) {
         AutogradMeta& meta = out.impl()->mutable_autograd();
-        if (meta.grad.defined()) {
-          DDP_KERNEL(meta.grad.device(), add_scaled_)(meta.grad, in[i], 1.0);
-        } else {
-          meta.grad = in[i].Clone();
-        }
+        meta.grad = meta.grad.defined() ? SumOf(meta.grad, in[i]) : in[i].Clone();
       }
     }
     bool any = false;

@@ -21,10 +21,11 @@ namespace ddp::nn::autograd {
 /// grad and is reachable, accumulating into .grad. grads[i] seeds root i; an
 /// empty or undefined entry means 1 and needs a one-element root. The graph's
 /// saved tensors are released unless retain_graph. Callbacks queued during
-/// the pass run before this returns. Throws on misuse (a root that does not
-/// require grad, a seed of the wrong shape, a second backward through a
-/// released graph, a saved tensor modified in place); an exception inside a
-/// node names the node.
+/// the pass run before this returns. A seed of another dtype than its root
+/// is converted to the root's (as PyTorch). Throws on misuse (a root that
+/// does not require grad, a seed of the wrong shape or on another device
+/// than its root, a second backward through a released graph, a saved
+/// tensor modified in place); an exception inside a node names the node.
 void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads = {},
               bool retain_graph = false);
 

@@ -64,11 +64,20 @@ std::vector<Tensor> CustomFunctionNode::Apply(std::vector<Tensor>&& grad_outputs
       result[i] = Tensor();
       continue;
     }
-    if (result[i].defined() && result[i].shape() != input_meta_[i].shape) {
+    if (!result[i].defined()) continue;
+    const Meta& m = input_meta_[i];
+    if (result[i].shape() != m.shape) {
       throw std::invalid_argument(name_ + ": Backward returned a gradient of shape " +
                                   ShapeToString(result[i].shape()) + " for input " + std::to_string(i) +
-                                  " of shape " + ShapeToString(input_meta_[i].shape));
+                                  " of shape " + ShapeToString(m.shape));
     }
+    if (result[i].device() != m.device) {
+      throw std::invalid_argument(name_ + ": Backward returned a gradient on " + result[i].device().ToString() +
+                                  " for input " + std::to_string(i) + " on " + m.device.ToString());
+    }
+    // As PyTorch's engine (validate_outputs): the nodes below compute in the
+    // input's dtype.
+    if (result[i].dtype() != m.dtype) result[i] = result[i].To(m.dtype);
   }
   return result;
 }

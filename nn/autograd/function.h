@@ -3,7 +3,8 @@
 // Function<T>::Apply. Forward runs with grad mode off and may save tensors
 // and values in the context; Backward receives one gradient per output
 // (zeros for outputs that got none) and returns one per input (undefined
-// for "no gradient").
+// for "no gradient") of the input's shape and on its device; one of another
+// dtype is converted to the input's.
 //
 //   struct Scale : ddp::nn::autograd::Function<Scale> {
 //     static constexpr const char* kName = "ScaleBackward";

@@ -395,6 +395,39 @@ TEST_F(DevicePathTest, GradScalerReadsOneFlagPerStep) {
   scaler.Update();
 }
 
+// Two optimizers on the device path: each has its own flag, so the Unscale
+// of the second does not reset the first's before its Step reads it, and
+// each Step reads its own. Before, one flag and one stage served both.
+TEST_F(DevicePathTest, GradScalerKeepsAFlagPerOptimizer) {
+  Tensor a = FromVector({1.0, 2.0}, {2}), b = FromVector({1.0, 2.0}, {2});
+  Sgd first({{"a", a}}, {.lr = 0.5}), second({{"b", b}}, {.lr = 0.5});
+  GradScaler scaler({.init_scale = 1024});
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    SCOPED_TRACE(iteration);
+    g_calls = Calls();
+    a.set_grad(FromVector({std::numeric_limits<double>::infinity(), 0.0}, {2}));
+    b.set_grad(FromVector({1024.0, 2048.0}, {2}));
+    scaler.Unscale(first);
+    scaler.Unscale(second);
+    EXPECT_FALSE(scaler.Step(first));
+    EXPECT_TRUE(scaler.Step(second));
+    EXPECT_EQ(g_calls.unscale, 2);
+    EXPECT_EQ(g_calls.sgd, 1);
+    scaler.Update();
+  }
+  EXPECT_EQ(a.ToVector<float>(), (std::vector<float>{1.0f, 2.0f}));
+  // Scales 1024 then 512 (the first's inf backs off): b stepped by 0.5 * {1, 2}, then 0.5 * {2, 4}.
+  EXPECT_EQ(b.ToVector<float>(), (std::vector<float>{-0.5f, -1.0f}));
+  EXPECT_EQ(scaler.scale(), 256.0);
+  // Fused: the second reads its own flag, not the first's.
+  a.set_grad(FromVector({0.0, 0.0}, {2}));
+  b.set_grad(FromVector({std::nan(""), 0.0}, {2}));
+  EXPECT_TRUE(scaler.Step(first));
+  EXPECT_FALSE(scaler.Step(second));
+  scaler.Update();
+  EXPECT_EQ(scaler.scale(), 128.0);
+}
+
 TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {
   for (double norm_type : {2.0, 1.0, 3.0}) {
     SCOPED_TRACE(norm_type);
@@ -637,6 +670,22 @@ TEST(DeviceErrors, GradientOnAnotherDeviceNamesTheParameter) {
   GradScaler scaler;
   EXPECT_THAT([&] { scaler.Step(opt); }, ::testing::ThrowsMessage<std::invalid_argument>(
                                              AllOf(HasSubstr("`fc.weight`"), HasSubstr("cuda:0"))));
+}
+
+// A parameter moved alone after construction, its gradient with it: the
+// scaler's message gives the parameter's device and the optimizer's apart.
+// Before, it printed the optimizer's device as the parameter's ("is on
+// cuda:0, the parameter on cpu").
+TEST(DeviceErrors, GradScalerNamesTheParametersDeviceAndTheOptimizers) {
+  std::vector<float> wb(4), gb(4);
+  Tensor w = Zeros({4}), b = Zeros({4});
+  Sgd opt({{"fc.weight", w}, {"fc.bias", b}}, {.lr = 0.1});
+  b.SetData(FakeCuda(wb, {4}));  // as Module::To would, for one parameter only
+  b.set_grad(FakeCuda(gb, {4}));
+  GradScaler scaler;
+  EXPECT_THAT([&] { scaler.Unscale(opt); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr(
+                  "GradScaler: gradient of `fc.bias` is on cuda:0, the parameter on cuda:0, the optimizer on cpu")));
 }
 
 TEST(DeviceErrors, NoRegisteredKernelNamesTheDevice) {

@@ -35,7 +35,8 @@ struct Grads {
       if (!g.defined()) continue;
       if (g.device() != opt.device()) {
         throw std::invalid_argument("GradScaler: gradient of `" + name + "` is on " + g.device().ToString() +
-                                    ", the parameter on " + opt.device().ToString());
+                                    ", the parameter on " + p.device().ToString() + ", the optimizer on " +
+                                    opt.device().ToString());
       }
       if (g.is_contiguous()) {
         dense.push_back(g);
@@ -100,23 +101,55 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   scale_ = static_cast<float>(options_.init_scale);
 }
 
+GradScaler::PerOptimizer& GradScaler::StateOf(const Optimizer& optimizer) {
+  auto [it, made] = optimizers_.try_emplace(&optimizer);
+  if (made) {
+    for (auto flag = spare_flags_.begin(); flag != spare_flags_.end(); ++flag) {
+      if (flag->device() == optimizer.device()) {
+        it->second.flag = std::move(*flag);
+        spare_flags_.erase(flag);
+        break;
+      }
+    }
+  }
+  return it->second;
+}
+
+void GradScaler::Reset() {
+  for (auto& [opt, state] : optimizers_) {
+    if (state.flag.defined()) spare_flags_.push_back(std::move(state.flag));
+  }
+  optimizers_.clear();
+}
+
+bool GradScaler::found_inf() const {
+  for (const auto& [opt, state] : optimizers_) {
+    if (state.found_inf) return true;
+  }
+  return false;
+}
+
 void GradScaler::Unscale(Optimizer& optimizer) {
   if (!options_.enabled) return;
-  if (stage_ != Stage::kReady) {
-    throw std::logic_error("GradScaler: Unscale called twice, or after Step, before Update");
+  PerOptimizer& state = StateOf(optimizer);
+  if (state.stage == Stage::kUnscaled) {
+    throw std::logic_error("GradScaler: Unscale called twice for this optimizer before Update");
+  }
+  if (state.stage == Stage::kStepped) {
+    throw std::logic_error("GradScaler: Unscale called after Step for this optimizer, before Update");
   }
   // PyTorch computes the reciprocal in f64 and rounds it to f32.
   const float inv = static_cast<float>(1.0 / static_cast<double>(scale_));
   if (internal::UsesDevicePath(optimizer.device())) {
     const Grads grads(optimizer);
-    DeviceScan(optimizer, grads.dense, inv, found_inf_flag_);  // read in Step
+    DeviceScan(optimizer, grads.dense, inv, state.flag);  // read in Step
     grads.WriteBack();  // queued after the unscale on the device
-    device_flag_pending_ = true;
-    found_inf_ = false;
+    state.flag_pending = true;
+    state.found_inf = false;
   } else {
-    found_inf_ = ScanGrads(optimizer, inv, true);
+    state.found_inf = ScanGrads(optimizer, inv, true);
   }
-  stage_ = Stage::kUnscaled;
+  state.stage = Stage::kUnscaled;
 }
 
 bool GradScaler::Step(Optimizer& optimizer) {
@@ -124,24 +157,28 @@ bool GradScaler::Step(Optimizer& optimizer) {
     optimizer.Step();
     return true;
   }
-  if (stage_ == Stage::kStepped) throw std::logic_error("GradScaler: Step called twice before Update");
-  const bool fused = stage_ == Stage::kReady;
+  PerOptimizer& state = StateOf(optimizer);
+  if (state.stage == Stage::kStepped) {
+    throw std::logic_error("GradScaler: Step called twice for this optimizer before Update");
+  }
+  // Not unscaled yet (by Unscale on it, whatever other optimizers had).
+  const bool fused = state.stage == Stage::kReady;
   if (internal::UsesDevicePath(optimizer.device())) {
     // Fused: check only (a multiply by 1 leaves the values as they are);
     // the optimizer unscales as it reads. Either way, one read of the flag.
     if (fused) {
-      DeviceScan(optimizer, Grads(optimizer).dense, 1.0f, found_inf_flag_);
-    } else if (!device_flag_pending_) {
+      DeviceScan(optimizer, Grads(optimizer).dense, 1.0f, state.flag);
+    } else if (!state.flag_pending) {
       throw std::logic_error("GradScaler: Unscale ran on the CPU but Step finds the parameters on " +
                              optimizer.device().ToString());
     }
-    device_flag_pending_ = false;
-    found_inf_ = found_inf_flag_.Item() != 0.0;
+    state.flag_pending = false;
+    state.found_inf = state.flag.Item() != 0.0;
   } else if (fused) {
-    found_inf_ = ScanGrads(optimizer, 1.0f, false);
+    state.found_inf = ScanGrads(optimizer, 1.0f, false);
   }
-  stage_ = Stage::kStepped;
-  if (found_inf_) return false;
+  state.stage = Stage::kStepped;
+  if (state.found_inf) return false;
   if (fused) optimizer.set_grad_scale(static_cast<float>(1.0 / static_cast<double>(scale_)));
   try {
     optimizer.Step();
@@ -155,18 +192,28 @@ bool GradScaler::Step(Optimizer& optimizer) {
 
 void GradScaler::Update() {
   if (!options_.enabled) return;
-  if (stage_ != Stage::kStepped) throw std::logic_error("GradScaler: Update called without Step");
-  if (found_inf_) {
+  bool stepped = false;
+  bool found = false;
+  for (auto& [opt, state] : optimizers_) {
+    stepped = stepped || state.stage == Stage::kStepped;
+    // Unscaled on the device but never stepped: its check counts too (as
+    // PyTorch's update takes every optimizer's found_inf).
+    if (state.flag_pending) {
+      state.found_inf = state.flag.Item() != 0.0;
+      state.flag_pending = false;
+    }
+    found = found || state.found_inf;
+  }
+  if (!stepped) throw std::logic_error("GradScaler: Update called without Step");
+  if (found) {
     scale_ = static_cast<float>(scale_ * options_.backoff_factor);
     growth_tracker_ = 0;
-  } else if (++growth_tracker_ == options_.growth_interval) {
+  } else if (++growth_tracker_ >= options_.growth_interval) {
     const float grown = static_cast<float>(scale_ * options_.growth_factor);
     if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
   }
-  found_inf_ = false;
-  device_flag_pending_ = false;
-  stage_ = Stage::kReady;
+  Reset();
 }
 
 NamedTensors GradScaler::StateDict() const {
@@ -182,7 +229,7 @@ struct ScalerState {
 };
 
 // The checks of LoadStateDict: the state it would load, or throws.
-ScalerState ReadScalerState(const NamedTensors& state) {
+ScalerState ReadScalerState(const NamedTensors& state, int64_t growth_interval) {
   const Tensor* scale = nullptr;
   const Tensor* tracker = nullptr;
   for (const auto& [k, t] : state) {
@@ -200,20 +247,28 @@ ScalerState ReadScalerState(const NamedTensors& state) {
   if (!(s > 0) || !std::isfinite(s)) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");
   }
-  return {s, tracker->To(kCPU).data<int64_t>()[0]};
+  // Update grows the scale when the tracker reaches growth_interval; one
+  // outside [0, growth_interval) was saved by a scaler with a longer
+  // interval, or is corrupt.
+  const int64_t t = tracker->To(kCPU).data<int64_t>()[0];
+  if (t < 0 || t >= growth_interval) {
+    throw std::invalid_argument("GradScaler.LoadStateDict: scaler.growth_tracker " + std::to_string(t) +
+                                " must be in [0, growth_interval = " + std::to_string(growth_interval) + ")");
+  }
+  return {s, t};
 }
 
 }  // namespace
 
-void GradScaler::CheckStateDict(const NamedTensors& state) const { ReadScalerState(state); }
+void GradScaler::CheckStateDict(const NamedTensors& state) const {
+  ReadScalerState(state, options_.growth_interval);
+}
 
 void GradScaler::LoadStateDict(const NamedTensors& state) {
-  const ScalerState s = ReadScalerState(state);
+  const ScalerState s = ReadScalerState(state, options_.growth_interval);
   scale_ = s.scale;
   growth_tracker_ = s.growth_tracker;
-  found_inf_ = false;
-  device_flag_pending_ = false;
-  stage_ = Stage::kReady;
+  Reset();
 }
 
 }  // namespace ddp::nn::optim

@@ -12,15 +12,23 @@
 //
 // Without Unscale, unscaling is fused into the optimizer's update (no extra
 // pass over the gradients) and .grad keeps the scaled values.
+//
+// Several optimizers may share one scaler (PyTorch keeps a state per
+// optimizer too): each is unscaled at most once per iteration, by Unscale or
+// by its own Step, and is skipped only when its own gradients hold an inf or
+// NaN; Update backs the scale off when any optimizer's did.
+//
 // Under DDP the gradients are identical on every rank after the all-reduce,
 // so every rank takes the same decision.
 //
 // Gradients on a device (CUDA) are checked and unscaled there by the
 // registered unscale_and_check kernel into a one-element found-inf flag on
 // the device; the flag is read once, in Step (one host synchronization per
-// iteration, none per tensor).
+// optimizer and iteration, none per tensor).
 
 #include <cstdint>
+#include <unordered_map>
+#include <vector>
 
 #include "nn/optim/optimizer.h"
 
@@ -44,19 +52,23 @@ class GradScaler {
   /// Factor to multiply the loss by before backward (1 when disabled).
   double scale() const { return options_.enabled ? scale_ : 1.0; }
   /// Divides the optimizer's gradients by the scale in place and records
-  /// whether any is inf or NaN. At most once between Update calls.
+  /// whether any is inf or NaN. At most once per optimizer between Update
+  /// calls, and not after that optimizer's Step.
   /// Gradients may have any strides (a non-contiguous one is scanned as a
   /// contiguous copy and the result written back through its strides).
   void Unscale(Optimizer& optimizer);
-  /// Steps the optimizer unless a gradient is inf or NaN (checked here if
-  /// Unscale was not called; unscaling is then fused into the step).
-  /// Returns whether it stepped.
+  /// Steps the optimizer unless one of its gradients is inf or NaN (checked
+  /// here if Unscale was not called for it; unscaling is then fused into the
+  /// step). At most once per optimizer between Update calls. Returns
+  /// whether it stepped.
   bool Step(Optimizer& optimizer);
-  /// Updates the scale from this iteration's outcome; call after Step.
+  /// Updates the scale from this iteration's outcome (lowered when any
+  /// optimizer's gradients held an inf or NaN) and starts the next
+  /// iteration for every optimizer; call after Step.
   void Update();
-  /// Whether this iteration found inf/NaN gradients (valid after Step; for
-  /// CPU gradients also after Unscale).
-  bool found_inf() const { return found_inf_; }
+  /// Whether this iteration found inf/NaN gradients in any optimizer's
+  /// (valid after Step; for CPU gradients also after Unscale).
+  bool found_inf() const;
   /// Good steps since the last change of scale.
   int64_t growth_tracker() const { return growth_tracker_; }
 
@@ -64,7 +76,8 @@ class GradScaler {
   NamedTensors StateDict() const;
   /// Restores StateDict's keys from a list that may hold other keys.
   /// Throws std::invalid_argument naming a missing or malformed key (or an
-  /// unexpected "scaler." one), changing nothing.
+  /// unexpected "scaler." one, or a growth tracker outside
+  /// [0, growth_interval)), changing nothing.
   void LoadStateDict(const NamedTensors& state);
   /// The checks of LoadStateDict alone: throws as it would, changes nothing.
   void CheckStateDict(const NamedTensors& state) const;
@@ -72,13 +85,28 @@ class GradScaler {
  private:
   enum class Stage { kReady, kUnscaled, kStepped };
 
+  // One optimizer's part of the iteration (PyTorch's per-optimizer state).
+  struct PerOptimizer {
+    Stage stage = Stage::kReady;
+    bool found_inf = false;
+    Tensor flag;                // device found-inf flag (one f32 element)
+    bool flag_pending = false;  // Unscale left a result in flag for Step to read
+  };
+
+  /// The optimizer's state in this iteration (made on its first use).
+  PerOptimizer& StateOf(const Optimizer& optimizer);
+  /// Starts a new iteration for every optimizer, keeping device flags for reuse.
+  void Reset();
+
   GradScalerOptions options_;
   float scale_;  // f32 like PyTorch's scale tensor
   int64_t growth_tracker_ = 0;
-  bool found_inf_ = false;
-  Stage stage_ = Stage::kReady;
-  Tensor found_inf_flag_;             // device found-inf flag, reused every iteration
-  bool device_flag_pending_ = false;  // Unscale left a result in it for Step to read
+  // Keyed by address, from an optimizer's first Unscale or Step in an
+  // iteration until Update.
+  std::unordered_map<const Optimizer*, PerOptimizer> optimizers_;
+  // Device flags of past iterations, reused, so that a steady state
+  // allocates none.
+  std::vector<Tensor> spare_flags_;
 };
 
 }  // namespace ddp::nn::optim

@@ -88,7 +88,11 @@ std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor,
 
 std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedule>> schedules,
                                              std::vector<int64_t> milestones) {
-  if (schedules.empty() || milestones.size() + 1 != schedules.size()) {
+  if (schedules.empty()) {
+    throw std::invalid_argument("SequentialLR: got no schedules (and " + std::to_string(milestones.size()) +
+                                " milestones), need at least one");
+  }
+  if (milestones.size() + 1 != schedules.size()) {
     throw std::invalid_argument("SequentialLR: " + std::to_string(schedules.size()) +
                                 " schedules need " + std::to_string(schedules.size() - 1) +
                                 " milestones, got " + std::to_string(milestones.size()));
@@ -162,7 +166,12 @@ SchedulerState ReadSchedulerState(const NamedTensors& state) {
   }
   const int64_t t = step->To(kCPU).data<int64_t>()[0];
   if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
-  return {t, base->Item()};
+  const double base_lr = base->Item();
+  if (!(base_lr >= 0) || !std::isfinite(base_lr)) {
+    throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.base_lr " + std::to_string(base_lr) +
+                                " must be finite and >= 0");
+  }
+  return {t, base_lr};
 }
 
 }  // namespace
@@ -171,9 +180,11 @@ void LrScheduler::CheckStateDict(const NamedTensors& state) const { ReadSchedule
 
 void LrScheduler::LoadStateDict(const NamedTensors& state) {
   const SchedulerState s = ReadSchedulerState(state);
+  // The rate is set first: if the target refuses it (a schedule may still
+  // compute a rate the optimizer takes as invalid), nothing has changed.
+  target_.set(schedule_->Lr(s.base_lr, s.step));
   t_ = s.step;
   base_lr_ = s.base_lr;
-  target_.set(schedule_->Lr(base_lr_, t_));
 }
 
 }  // namespace ddp::nn::optim

@@ -249,8 +249,9 @@ void Optimizer::Step() {
   const Device device = this->device();
   const bool device_path = internal::UsesDevicePath(device);
   if (device_path) CheckDeviceKernels(device);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& [name, p] = params_[i];
+  // Every gradient is checked before any parameter changes: a bad one at
+  // parameter k must not leave 0..k-1 updated and their steps counted.
+  for (const auto& [name, p] : params_) {
     const Tensor& grad = p.grad();
     if (!grad.defined()) continue;
     if (grad.shape() != p.shape()) {
@@ -262,6 +263,10 @@ void Optimizer::Step() {
       throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` is on " +
                                   grad.device().ToString() + ", the parameter on " + p.device().ToString());
     }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& grad = params_[i].second.grad();
+    if (!grad.defined()) continue;
     if (device_path) {
       DeviceStep(i, grad);
     } else {
@@ -397,7 +402,14 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
   if (lr_it == given.end()) {
     problems.push_back("missing `lr`");
   } else {
-    check("lr", lr_it->second, {}, DType::kFloat64, false);
+    const Tensor& t = lr_it->second;
+    check("lr", t, {}, DType::kFloat64, false);
+    if (t.defined() && t.dtype() == DType::kFloat64 && t.numel() == 1) {
+      const double lr = t.Item();
+      if (!(lr >= 0) || !std::isfinite(lr)) {
+        problems.push_back("`lr` is " + std::to_string(lr) + ", expected finite and >= 0");
+      }
+    }
   }
   std::set<std::string> expected = {"lr"};
   std::vector<int64_t>& new_steps = plan.steps;

@@ -71,6 +71,8 @@ class Optimizer {
 
   /// Updates every parameter that has a gradient; parameters whose .grad is
   /// undefined are skipped and their state is left as it is (as PyTorch).
+  /// A gradient of the wrong shape or device throws std::invalid_argument
+  /// naming its parameter, before any parameter is updated.
   void Step();
   /// Clears gradients: undefined (set_to_none, the default as in PyTorch 2.x;
   /// PyTorch 1.13's zero_grad() zeroes them instead) or zeros.
@@ -100,8 +102,9 @@ class Optimizer {
   /// Restores StateDict's output. Looks only at "lr" and "state." keys, so
   /// other components' state may share the list. Everything is checked
   /// before anything changes; one error lists every missing, unexpected or
-  /// mismatched key. State tensors may come from any device: they are copied
-  /// to the parameters' device. Slots of any floating dtype are converted to
+  /// mismatched key, and an "lr" that is negative or not finite. State
+  /// tensors may come from any device: they are copied to the parameters'
+  /// device. Slots of any floating dtype are converted to
   /// the parameter's compute dtype (a state saved before Module::To changed
   /// the parameter's dtype loads after it, as PyTorch casts its state); a
   /// "master" is optional: a 16-bit parameter without one gets one from its

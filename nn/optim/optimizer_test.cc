@@ -222,6 +222,47 @@ TEST(Optimizer, SkipsParametersWithoutGradient) {
   EXPECT_FALSE(p[0].second.grad().defined());
 }
 
+// Every gradient is checked before any parameter is updated. Before, the
+// check ran inside the update loop: `fc.weight` was updated and its step
+// counted before `fc.bias`'s gradient was refused.
+TEST(Optimizer, BadGradientOfALaterParameterChangesNothing) {
+  for (const auto& [name, make] : AllOptimizers()) {
+    SCOPED_TRACE(name);
+    NamedParameters p = MakeParams(DType::kFloat32, 1);
+    std::unique_ptr<Optimizer> opt = make(p);
+    SetGrads(p, 0);
+    p[1].second.grad().SetData(Zeros({3}));  // set_grad checks shapes; this reshapes the gradient after
+    const auto before = Bytes(p);
+    EXPECT_THAT(ErrorOf([&] { opt->Step(); }), HasSubstr("gradient of `fc.bias` has shape [3], the parameter [8]"));
+    EXPECT_EQ(Bytes(p), before);
+    EXPECT_EQ(opt->step_count(0), 0);
+    EXPECT_EQ(opt->StateDict().size(), 1u);  // "lr" alone: no state made
+  }
+}
+
+// A negative, NaN or infinite "lr" is refused with the other problems, as
+// set_lr refuses a negative one. Before, LoadStateDict took it.
+TEST(OptimizerState, LearningRateMustBeFiniteAndNonNegative) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(p, {.lr = 0.1, .momentum = 0.9});
+  TrainSteps(p, opt, 0, 1);
+  for (double lr : {-0.5, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(lr);
+    NamedTensors state = opt.StateDict();
+    ASSERT_EQ(state[0].first, "lr");
+    state[0].second = FromVector({lr}, {}, {.dtype = DType::kFloat64});
+    const std::string err = ErrorOf([&] { opt.LoadStateDict(state); });
+    EXPECT_THAT(err, AllOf(HasSubstr("SGD.LoadStateDict: 1 problem(s): `lr` is "),
+                           HasSubstr(", expected finite and >= 0")));
+    EXPECT_EQ(err, ErrorOf([&] { opt.CheckStateDict(state); }));
+    EXPECT_EQ(opt.lr(), 0.1);
+  }
+  NamedTensors zero = opt.StateDict();
+  zero[0].second = FromVector({0.0}, {}, {.dtype = DType::kFloat64});
+  opt.LoadStateDict(zero);
+  EXPECT_EQ(opt.lr(), 0.0);
+}
+
 // bf16 parameters: updates of 1e-4 on values near 1 are below bf16's
 // resolution (2^-7) but accumulate in the f32 master copy.
 TEST(Optimizer, MasterCopyKeepsSmallUpdatesOfBf16Parameters) {
@@ -639,6 +680,83 @@ TEST(GradScaler, StateRoundTripAndMisuse) {
   EXPECT_TRUE(off.Step(opt));
 }
 
+// Two optimizers, one scaler: each is unscaled once, by Unscale or by its
+// own Step, and skipped for its own inf; Update lowers the scale when any
+// had one. Before, one stage for all: after Unscale(first), Step(second)
+// stepped with the still-scaled gradients, and a second iteration's
+// Step(second) after Step(first) was refused as "Step called twice".
+TEST(GradScaler, EachOptimizerIsUnscaledOnceAndSkippedForItsOwnInf) {
+  Tensor a = FromVector({1.0, 2.0}, {2}), b = FromVector({1.0, 2.0}, {2});
+  Sgd first({{"a", a}}, {.lr = 0.5}), second({{"b", b}}, {.lr = 0.5});
+  GradScaler scaler({.init_scale = 1024});
+  a.set_grad(FromVector({1024.0, 2048.0}, {2}));
+  b.set_grad(FromVector({1024.0, 2048.0}, {2}));
+  scaler.Unscale(first);
+  EXPECT_THROW(scaler.Unscale(first), std::logic_error);
+  EXPECT_TRUE(scaler.Step(first));
+  EXPECT_TRUE(scaler.Step(second));  // unscaled as it reads, as a step of its own
+  EXPECT_THROW(scaler.Step(second), std::logic_error);
+  EXPECT_THROW(scaler.Unscale(second), std::logic_error);
+  scaler.Update();
+  EXPECT_EQ(a.ToVector<float>(), (std::vector<float>{0.5f, 1.0f}));
+  EXPECT_EQ(b.ToVector<float>(), (std::vector<float>{0.5f, 1.0f}));
+  EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{1.0f, 2.0f}));        // unscaled in place
+  EXPECT_EQ(b.grad().ToVector<float>(), (std::vector<float>{1024.0f, 2048.0f}));  // fused: kept scaled
+  EXPECT_EQ(scaler.scale(), 1024.0);
+  // An inf in the second's gradients skips the second only; the scale backs off.
+  a.set_grad(FromVector({1024.0, 1024.0}, {2}));
+  b.set_grad(FromVector({std::numeric_limits<double>::infinity(), 0.0}, {2}));
+  EXPECT_TRUE(scaler.Step(first));
+  EXPECT_FALSE(scaler.found_inf());
+  EXPECT_FALSE(scaler.Step(second));
+  EXPECT_TRUE(scaler.found_inf());
+  scaler.Update();
+  EXPECT_EQ(a.ToVector<float>(), (std::vector<float>{0.0f, 0.5f}));
+  EXPECT_EQ(b.ToVector<float>(), (std::vector<float>{0.5f, 1.0f}));
+  EXPECT_EQ(scaler.scale(), 512.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  // An inf found by the Unscale of an optimizer that is then not stepped
+  // counts too (PyTorch's update takes every optimizer's found_inf).
+  a.set_grad(FromVector({std::nan(""), 0.0}, {2}));
+  b.set_grad(FromVector({512.0, 512.0}, {2}));
+  scaler.Unscale(first);
+  EXPECT_TRUE(scaler.Step(second));
+  scaler.Update();
+  EXPECT_EQ(b.ToVector<float>(), (std::vector<float>{0.0f, 0.5f}));
+  EXPECT_EQ(scaler.scale(), 256.0);
+}
+
+// A growth tracker at or past growth_interval would never grow the scale
+// again (Update compared with ==); LoadStateDict refuses one outside
+// [0, growth_interval). Before, it loaded, and the scale stayed put.
+TEST(GradScaler, LoadedGrowthTrackerMustBeBelowTheGrowthInterval) {
+  GradScaler s({.init_scale = 8, .growth_interval = 10});
+  for (int64_t tracker : {int64_t{10}, int64_t{2000}, int64_t{-1}}) {
+    SCOPED_TRACE(tracker);
+    NamedTensors state = s.StateDict();
+    ASSERT_EQ(state[1].first, "scaler.growth_tracker");
+    state[1].second = FromVectorOf<int64_t>({tracker}, {});
+    state[0].second = FromVector({4.0}, {}, {.dtype = DType::kFloat32});
+    const std::string err = ErrorOf([&] { s.LoadStateDict(state); });
+    EXPECT_THAT(err, HasSubstr("scaler.growth_tracker " + std::to_string(tracker) +
+                               " must be in [0, growth_interval = 10)"));
+    EXPECT_EQ(err, ErrorOf([&] { s.CheckStateDict(state); }));
+    EXPECT_EQ(s.scale(), 8.0);
+    EXPECT_EQ(s.growth_tracker(), 0);
+  }
+  // The last value below the interval loads, and the next good step grows.
+  NamedTensors state = s.StateDict();
+  state[1].second = FromVectorOf<int64_t>({9}, {});
+  s.LoadStateDict(state);
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {});
+  w.set_grad(Zeros({1}));
+  EXPECT_TRUE(s.Step(opt));
+  s.Update();
+  EXPECT_EQ(s.scale(), 16.0);
+  EXPECT_EQ(s.growth_tracker(), 0);
+}
+
 // No gradient at all (backward never ran): Step and Unscale refuse, naming
 // a parameter, instead of stepping as if nothing were inf.
 TEST(GradScaler, NoGradientsIsAnError) {
@@ -687,6 +805,52 @@ TEST(LrScheduler, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
   EXPECT_EQ(ErrorOf([&] { fresh.CheckStateDict(saved); }), "");
   EXPECT_EQ(fresh.step_count(), 0);
   EXPECT_EQ(other.lr(), 1.0);  // loading would set 0.5
+}
+
+// A negative or non-finite base_lr is refused before anything changes.
+// Before, the step and base_lr were assigned first and the optimizer's
+// set_lr threw after (a negative or NaN rate), leaving them changed; an
+// infinite one loaded.
+TEST(LrScheduler, BaseLrMustBeFiniteAndNonNegative) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  LrScheduler s(opt, StepSchedule(1, 0.5));
+  s.Step();
+  for (double base : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(base);
+    const NamedTensors bad = {{"scheduler.step", FromVectorOf<int64_t>({3}, {})},
+                              {"scheduler.base_lr", FromVector({base}, {}, {.dtype = DType::kFloat64})}};
+    const std::string err = ErrorOf([&] { s.LoadStateDict(bad); });
+    EXPECT_THAT(err, AllOf(HasSubstr("LrScheduler.LoadStateDict: scheduler.base_lr "),
+                           HasSubstr(" must be finite and >= 0")));
+    EXPECT_EQ(err, ErrorOf([&] { s.CheckStateDict(bad); }));
+    EXPECT_EQ(s.step_count(), 1);
+    EXPECT_EQ(s.base_lr(), 1.0);
+    EXPECT_EQ(opt.lr(), 0.5);
+  }
+}
+
+// A rate the target refuses (here from a schedule whose gamma is negative)
+// leaves the scheduler as it was.
+TEST(LrScheduler, RateTheTargetRefusesChangesNothing) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  LrScheduler s(opt, StepSchedule(1, -0.5));
+  const NamedTensors odd_step = {{"scheduler.step", FromVectorOf<int64_t>({1}, {})},
+                                 {"scheduler.base_lr", FromVector({2.0}, {}, {.dtype = DType::kFloat64})}};
+  EXPECT_THAT(ErrorOf([&] { s.LoadStateDict(odd_step); }), HasSubstr("learning rate -1.000000 must be >= 0"));
+  EXPECT_EQ(s.step_count(), 0);
+  EXPECT_EQ(s.base_lr(), 1.0);
+  EXPECT_EQ(opt.lr(), 1.0);
+}
+
+// No schedules: a message of its own. Before, it printed size() - 1
+// underflowed ("0 schedules need 18446744073709551615 milestones").
+TEST(LrScheduler, SequentialScheduleWithoutSchedulesSaysSo) {
+  const std::string err = ErrorOf([] { SequentialSchedule({}, {}); });
+  EXPECT_EQ(err, "SequentialLR: got no schedules (and 0 milestones), need at least one");
+  EXPECT_THAT(ErrorOf([] { SequentialSchedule({StepSchedule(1)}, {5}); }),
+              HasSubstr("1 schedules need 0 milestones, got 1"));
 }
 
 TEST(GradScaler, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
