@@ -247,13 +247,14 @@ ScalerState ReadScalerState(const NamedTensors& state, int64_t growth_interval) 
   if (!(s > 0) || !std::isfinite(s)) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");
   }
-  // Update grows the scale when the tracker reaches growth_interval; one
-  // outside [0, growth_interval) was saved by a scaler with a longer
-  // interval, or is corrupt.
+  // One at or past growth_interval was saved by a scaler with a longer
+  // interval: Update grows the scale at its next clean step (it compares
+  // with >=). A negative one is corrupt.
+  (void)growth_interval;
   const int64_t t = tracker->To(kCPU).data<int64_t>()[0];
-  if (t < 0 || t >= growth_interval) {
+  if (t < 0) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.growth_tracker " + std::to_string(t) +
-                                " must be in [0, growth_interval = " + std::to_string(growth_interval) + ")");
+                                " must be at least 0");
   }
   return {s, t};
 }

@@ -76,8 +76,9 @@ class GradScaler {
   NamedTensors StateDict() const;
   /// Restores StateDict's keys from a list that may hold other keys.
   /// Throws std::invalid_argument naming a missing or malformed key (or an
-  /// unexpected "scaler." one, or a growth tracker outside
-  /// [0, growth_interval)), changing nothing.
+  /// unexpected "scaler." one, or a negative growth tracker), changing
+  /// nothing. A tracker at or past growth_interval (saved with a longer
+  /// interval) grows the scale at the next clean step.
   void LoadStateDict(const NamedTensors& state);
   /// The checks of LoadStateDict alone: throws as it would, changes nothing.
   void CheckStateDict(const NamedTensors& state) const;

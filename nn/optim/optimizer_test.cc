@@ -729,32 +729,33 @@ TEST(GradScaler, EachOptimizerIsUnscaledOnceAndSkippedForItsOwnInf) {
 // A growth tracker at or past growth_interval would never grow the scale
 // again (Update compared with ==); LoadStateDict refuses one outside
 // [0, growth_interval). Before, it loaded, and the scale stayed put.
-TEST(GradScaler, LoadedGrowthTrackerMustBeBelowTheGrowthInterval) {
-  GradScaler s({.init_scale = 8, .growth_interval = 10});
-  for (int64_t tracker : {int64_t{10}, int64_t{2000}, int64_t{-1}}) {
+// A tracker saved by a scaler with a longer growth_interval loads, and the
+// next clean step grows the scale (Update compares with >=; with == the
+// scale never grew again). A negative one is refused.
+TEST(GradScaler, LoadedGrowthTrackerAtOrPastTheIntervalGrowsAtTheNextStep) {
+  for (int64_t tracker : {int64_t{9}, int64_t{10}, int64_t{2000}}) {
     SCOPED_TRACE(tracker);
+    GradScaler s({.init_scale = 8, .growth_interval = 10});
     NamedTensors state = s.StateDict();
     ASSERT_EQ(state[1].first, "scaler.growth_tracker");
     state[1].second = FromVectorOf<int64_t>({tracker}, {});
-    state[0].second = FromVector({4.0}, {}, {.dtype = DType::kFloat32});
-    const std::string err = ErrorOf([&] { s.LoadStateDict(state); });
-    EXPECT_THAT(err, HasSubstr("scaler.growth_tracker " + std::to_string(tracker) +
-                               " must be in [0, growth_interval = 10)"));
-    EXPECT_EQ(err, ErrorOf([&] { s.CheckStateDict(state); }));
-    EXPECT_EQ(s.scale(), 8.0);
+    s.LoadStateDict(state);
+    Tensor w = Zeros({1});
+    Sgd opt({{"w", w}}, {});
+    w.set_grad(Zeros({1}));
+    EXPECT_TRUE(s.Step(opt));
+    s.Update();
+    EXPECT_EQ(s.scale(), 16.0);
     EXPECT_EQ(s.growth_tracker(), 0);
   }
-  // The last value below the interval loads, and the next good step grows.
+  GradScaler s({.init_scale = 8, .growth_interval = 10});
   NamedTensors state = s.StateDict();
-  state[1].second = FromVectorOf<int64_t>({9}, {});
-  s.LoadStateDict(state);
-  Tensor w = Zeros({1});
-  Sgd opt({{"w", w}}, {});
-  w.set_grad(Zeros({1}));
-  EXPECT_TRUE(s.Step(opt));
-  s.Update();
-  EXPECT_EQ(s.scale(), 16.0);
-  EXPECT_EQ(s.growth_tracker(), 0);
+  state[1].second = FromVectorOf<int64_t>({-1}, {});
+  state[0].second = FromVector({4.0}, {}, {.dtype = DType::kFloat32});
+  const std::string err = ErrorOf([&] { s.LoadStateDict(state); });
+  EXPECT_THAT(err, HasSubstr("scaler.growth_tracker -1 must be at least 0"));
+  EXPECT_EQ(err, ErrorOf([&] { s.CheckStateDict(state); }));
+  EXPECT_EQ(s.scale(), 8.0);
 }
 
 // No gradient at all (backward never ran): Step and Unscale refuse, naming
