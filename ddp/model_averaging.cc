@@ -69,7 +69,9 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group) {
   // Large contiguous tensors are averaged in place (no copy in and out);
   // the others through one flat buffer per dtype and device, in the order
-  // of first appearance.
+  // of first appearance. Both ways bump the tensors' versions (the
+  // all-reduce, or CopyFrom), so that an optimizer's f32 masters of 16-bit
+  // parameters take the averages at its next step.
   constexpr size_t kInPlaceBytes = size_t{256} << 10;
   std::vector<size_t> whole;
   std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;

@@ -2,7 +2,8 @@
 // every step equal DDP (2 and 3 ranks); the post-local-SGD hook is DDP
 // during its warm-up, then the replicas drift apart between averages and
 // agree after each; subgroups agree within themselves (4 ranks); the noop
-// hook sends nothing. In one process: option checks.
+// hook sends nothing; a bf16 model's f32 masters take the averages (large
+// weights, averaged in place, too). In one process: option checks.
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
+#include "nn/modules/layers.h"
 #include "nn/modules/models.h"
 #include "nn/optim/sgd.h"
 
@@ -197,6 +199,57 @@ DDP_TEST_WORKER(frozen) {
 
 TEST(ModelAveragingTest, PeriodicAveragesSkipFrozenParameters) {
   auto run = RunWorkers("frozen", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A bf16 model whose weight is averaged in place (131072 elements: 256
+// KiB, AverageParameters's in-place size) and whose bias goes through the
+// flat buffer. The optimizer keeps f32 masters of both; after an average
+// its next step must start from the averaged values, not write its own
+// pre-averaging masters back (then the replicas would never agree).
+DDP_TEST_WORKER(bf16_masters_take_the_average) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  nn::Generator gen(1);
+  auto layer = std::make_shared<nn::modules::Linear>(256, 512, true, gen);
+  layer->To(nn::DType::kBFloat16);
+  const auto params = layer->NamedParameters();
+  WORKER_EXPECT(layer->weight().nbytes() >= (size_t{256} << 10), "the weight is not averaged in place");
+  // Rank r holds r + 1 everywhere; the average (world + 1) / 2 and the
+  // step below are exact in bf16 for 2 ranks.
+  auto set_grads = [&](double g) {
+    for (const auto& [name, p] : params) p.set_grad(nn::Full(p.shape(), g, {.dtype = nn::DType::kBFloat16}));
+  };
+  {
+    nn::NoGradGuard no_grad;
+    for (const auto& [name, p] : params) p.Fill(rank + 1.0);
+  }
+  nn::optim::Sgd opt(params, {.lr = 0.5});
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  set_grads(0);
+  opt.Step();  // makes the masters: rank + 1
+  WORKER_EXPECT(averager.AverageParameters(layer->Parameters()), "not averaged");
+  const double average = (world + 1) / 2.0;
+  for (const auto& [name, p] : params) {
+    WORKER_EXPECT(p.ToVector<double>()[0] == average, "`" + name + "` is " + std::to_string(p.ToVector<double>()[0]) +
+                                                          " after averaging, expected " + std::to_string(average));
+  }
+  set_grads(1);
+  opt.Step();
+  for (const auto& [name, p] : params) {
+    const std::vector<double> v = p.ToVector<double>();
+    size_t wrong = 0;
+    for (double x : v) wrong += x != average - 0.5;
+    WORKER_EXPECT(wrong == 0, "rank " + std::to_string(rank) + ": " + std::to_string(wrong) + " elements of `" + name +
+                                  "` are not " + std::to_string(average - 0.5) + " after the step (first " +
+                                  std::to_string(v[0]) + "): the step started from the pre-averaging master");
+  }
+  WORKER_EXPECT(Identical(*pg, *layer), "replicas differ after averaging and a step");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, SixteenBitMastersTakeTheAverageOfLargeWeights) {
+  auto run = RunWorkers("bf16_masters_take_the_average", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

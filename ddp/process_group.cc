@@ -90,6 +90,17 @@ std::string DescribeHeader(const P2pHeader& h) {
   return s + " (" + std::to_string(h[1] * static_cast<int64_t>(nn::ElementSize(dtype))) + " bytes)";
 }
 
+// A collective or a receive wrote into the caller's `t` (undefined: nothing
+// was written). Its storage's version moves, as after an in-place op, so
+// that what keeps a copy made from it notices: autograd's saved tensors,
+// and an optimizer's f32 master of a 16-bit parameter, which would
+// otherwise write its stale value back at the next step (local SGD's
+// averaged weights lost). Bumped once the transport call has returned,
+// whatever its status: a failed one may have written part of the tensor.
+void MarkWritten(const nn::Tensor& t) {
+  if (t.defined()) t.storage()->BumpVersion();
+}
+
 }  // namespace
 
 transport::CallOptions internal::Within(Deadline deadline) {
@@ -184,6 +195,9 @@ class P2pTransfer {
     if (!finished_) {
       finished_ = true;
       status_ = std::move(result);
+      // A host receive landed in the tensor itself (a device one is copied
+      // in by Deliver, which bumps the version as every copy does).
+      if (!send_ && payload_work_.valid() && tensor_.device().is_cpu()) MarkWritten(tensor_);
     }
     *status = status_;
     return true;
@@ -848,8 +862,10 @@ Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
   return impl_->Enqueue(std::move(d), [tensor, op, type](transport::Communicator* comm,
                                                            Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
-    return comm->AllReduce(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, op,
-                           internal::Within(deadline));
+    Status status = comm->AllReduce(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
+                                    op, internal::Within(deadline));
+    MarkWritten(tensor);
+    return status;
   }, FenceFor({tensor}, "AllReduce"));
 }
 
@@ -865,8 +881,10 @@ Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::stri
   return impl_->Enqueue(std::move(d), [tensor, root, type](transport::Communicator* comm,
                                                              Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
-    return comm->Broadcast(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, root,
-                           internal::Within(deadline));
+    Status status = comm->Broadcast(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
+                                    root, internal::Within(deadline));
+    if (comm->rank() != root) MarkWritten(tensor);  // the root's is only read
+    return status;
   }, FenceFor({tensor}, "Broadcast"));
 }
 
@@ -888,9 +906,13 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
   return impl_->Enqueue(std::move(d), [output, input, type, local](
                                           transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
-    return comm->AllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                           type, internal::Within(deadline));
+    Status status =
+        comm == nullptr
+            ? LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes())
+            : comm->AllGather(input.data_ptr(), output.data_ptr(),
+                              static_cast<size_t>(input.numel()), type, internal::Within(deadline));
+    MarkWritten(output);
+    return status;
   }, std::move(fence));
 }
 
@@ -956,9 +978,12 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
   return impl_->Enqueue(std::move(d), [output, input, type, sends, receives, local](
                                           transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
-    return comm->AllToAllV(input.data_ptr(), sends, output.data_ptr(), receives, type,
-                           internal::Within(deadline));
+    Status status = comm == nullptr
+                        ? LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes())
+                        : comm->AllToAllV(input.data_ptr(), sends, output.data_ptr(), receives,
+                                          type, internal::Within(deadline));
+    MarkWritten(output);
+    return status;
   }, std::move(fence));
 }
 
@@ -981,10 +1006,13 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
   return impl_->Enqueue(std::move(d), [output, input, op, type, local](
                                           transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) return LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes());
-    return comm->ReduceScatter(input.data_ptr(), output.data_ptr(),
-                               static_cast<size_t>(output.numel()), type, op,
-                               internal::Within(deadline));
+    Status status = comm == nullptr
+                        ? LocalCopy(local, output.data_ptr(), input.data_ptr(), input.nbytes())
+                        : comm->ReduceScatter(input.data_ptr(), output.data_ptr(),
+                                              static_cast<size_t>(output.numel()), type, op,
+                                              internal::Within(deadline));
+    MarkWritten(output);
+    return status;
   }, std::move(fence));
 }
 
@@ -1000,8 +1028,10 @@ Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceO
                                           transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
     void* result = comm->rank() == root ? tensor.data_ptr() : nullptr;
-    return comm->Reduce(tensor.data_ptr(), result, static_cast<size_t>(tensor.numel()), type, op,
-                        root, internal::Within(deadline));
+    Status status = comm->Reduce(tensor.data_ptr(), result, static_cast<size_t>(tensor.numel()),
+                                 type, op, root, internal::Within(deadline));
+    if (result != nullptr) MarkWritten(tensor);  // the other ranks' are only read
+    return status;
   }, std::move(fence));
 }
 
@@ -1044,15 +1074,21 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
     if (!gather && host) host();  // packs the root's input
     const size_t count = static_cast<size_t>(local.numel());
     void* root_buffer = is_root ? rooted.data_ptr() : nullptr;
-    if (comm == nullptr) {
-      DDP_RETURN_IF_ERROR(LocalCopy(on_device, gather ? root_buffer : local.data_ptr(),
-                                    gather ? local.data_ptr() : root_buffer, local.nbytes()));
-    } else {
-      DDP_RETURN_IF_ERROR(gather ? comm->Gather(local.data_ptr(), root_buffer, count, type, root,
-                                                internal::Within(deadline))
-                                 : comm->Scatter(root_buffer, local.data_ptr(), count, type, root,
-                                                 internal::Within(deadline)));
+    Status status =
+        comm == nullptr
+            ? LocalCopy(on_device, gather ? root_buffer : local.data_ptr(),
+                        gather ? local.data_ptr() : root_buffer, local.nbytes())
+            : (gather ? comm->Gather(local.data_ptr(), root_buffer, count, type, root,
+                                     internal::Within(deadline))
+                      : comm->Scatter(root_buffer, local.data_ptr(), count, type, root,
+                                      internal::Within(deadline)));
+    // A gather writes the root's output, a scatter every rank's.
+    if (!gather) {
+      MarkWritten(local);
+    } else if (is_root) {
+      MarkWritten(rooted);
     }
+    DDP_RETURN_IF_ERROR(status);
     if (gather && host) host();  // copies the root's output into a list
     return Status::Ok();
   }, std::move(fence));

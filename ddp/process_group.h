@@ -29,6 +29,14 @@
 // a CUDA tensor is refused with a message saying to build with
 // --config=cuda.
 //
+// Versions. A collective or receive that writes into a caller's tensor
+// (AllReduce's, a non-root's Broadcast tensor, an output) bumps that
+// tensor's storage version (nn::Storage::version) once the transport call
+// has returned, as an in-place op does: an optimizer's f32 master of a
+// 16-bit parameter then takes the new values at its next step instead of
+// writing its own back, and autograd refuses a saved tensor that changed.
+// Tensors only read (a root's, a send's) keep their version.
+//
 // Errors. Argument errors (undefined or non-contiguous tensors, tensors on
 // two devices, mismatched sizes) throw std::invalid_argument at the call. A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its

@@ -1,6 +1,7 @@
 // ProcessGroup over real processes (UCX / shared memory): collectives on
 // tensors of every dtype, the communication thread's ordering and idleness,
-// argument errors, and the debug-mode desync report.
+// the versions of the tensors they write, argument errors, and the
+// debug-mode desync report.
 
 #include "ddp/process_group.h"
 
@@ -321,6 +322,55 @@ DDP_TEST_WORKER(pg_empty) {
 TEST(ProcessGroupTest, EmptyTensorsTakePartInCollectives) {
   for (int n : {2, 3}) {
     auto run = RunWorkers("pg_empty", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
+// A collective or receive that writes into a caller's tensor bumps its
+// storage version, as an in-place op does (what an optimizer's f32 master
+// of a 16-bit parameter watches for); tensors it only reads keep theirs.
+DDP_TEST_WORKER(pg_versions) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  auto version = [](const Tensor& t) { return t.storage()->version(); };
+  // Whether each tensor's version moved during `call`, against `want`.
+  auto expect = [&](const char* what, std::vector<std::pair<Tensor, bool>> tensors, auto call) {
+    std::vector<uint64_t> before;
+    for (const auto& [t, want] : tensors) before.push_back(version(t));
+    call();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const bool moved = version(tensors[i].first) != before[i];
+      WORKER_EXPECT(moved == tensors[i].second, std::string(what) + ": tensor " + std::to_string(i) + "'s version " +
+                                                    (moved ? "moved" : "did not move") + on);
+    }
+  };
+  const Tensor t = nn::Ones({8});
+  expect("AllReduce", {{t, true}}, [&] { pg->AllReduce(t).Wait(); });
+  expect("Broadcast", {{t, me != 0}}, [&] { pg->Broadcast(t, 0).Wait(); });
+  const Tensor in = nn::Ones({2 * n}), out = nn::Empty({2 * n * n}), part = nn::Empty({2});
+  expect("AllGather", {{out, true}, {in, false}}, [&] { pg->AllGather(out, in).Wait(); });
+  expect("ReduceScatter", {{part, true}, {in, false}}, [&] { pg->ReduceScatter(part, in).Wait(); });
+  const Tensor rows = nn::Empty({2 * n});
+  expect("AllToAll", {{rows, true}, {in, false}}, [&] { pg->AllToAll(rows, in).Wait(); });
+  expect("Reduce", {{t, me == 0}}, [&] { pg->Reduce(t, 0).Wait(); });
+  const Tensor gathered = me == 0 ? nn::Empty({2 * n}) : nn::Empty({1});
+  expect("Gather", {{gathered, me == 0}, {part, false}},
+         [&] { pg->Gather(me == 0 ? gathered : Tensor(), part, 0).Wait(); });
+  expect("Scatter", {{part, true}, {in, false}}, [&] { pg->Scatter(part, me == 0 ? in : Tensor(), 0).Wait(); });
+  // Rank 0 sends to rank 1.
+  const Tensor message = nn::Full({4}, me);
+  expect("Send/Recv", {{message, me == 1}}, [&] {
+    if (me == 0) pg->Send(message, 1).Wait();
+    if (me == 1) pg->Recv(message, 0).Wait();
+  });
+  WORKER_EXPECT(me != 1 || message.ToVector<double>() == std::vector<double>(4, 0), "received" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, WritesIntoATensorBumpItsVersion) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("pg_versions", n);
     EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
   }
 }

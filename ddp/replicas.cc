@@ -181,9 +181,9 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
     // fingerprint (DDP_DEBUG=detail), and rank r's replica is on cuda:r.
     if (device.is_cuda()) what += " on cuda";
     if (list.size() == 1 && list.front().is_contiguous()) {
-      // One contiguous tensor: broadcast in place, no flat copy.
+      // One contiguous tensor: broadcast in place, no flat copy (the
+      // broadcast bumps its version where it writes it).
       pg.Broadcast(list.front().Detach(), root, what).Wait();
-      if (pg.rank() != root) list.front().storage()->BumpVersion();
       continue;
     }
     int64_t total = 0;
