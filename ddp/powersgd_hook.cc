@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -114,6 +115,9 @@ uint64_t Mix(uint64_t h, uint64_t v) {
   return z ^ (z >> 31);
 }
 
+// Mixed last into the seed of a row of Q drawn again (RedrawZeroRows).
+constexpr uint64_t kRedrawStream = 0x7265647261770000ull;  // "redraw"
+
 // ------------------------------------------------------- bucket state ----
 
 // With error feedback, M and P Q^T are formed this many rows at a time and
@@ -181,6 +185,36 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
   b.shapes = std::move(shapes);
   b.offsets = std::move(offsets);
   b.dtype = dtype;
+}
+
+// A row of Q^T that came out all zero (its row of P^T was zeroed: the
+// gradient was zero, or of lower rank than r, this iteration) would stay
+// zero as a warm start forever: P^T = Q^T M^T and Q^T = P^T M keep a zero
+// row zero, so that direction never returned (a parameter unused once kept
+// a zero gradient, and with error feedback its residual grew without end).
+// Such rows are drawn again, from the seed, the bucket, the tensor and the
+// iteration (the same on every rank, as the summed Q is), and Q^T's rows
+// made orthonormal again. After the approximation of this iteration, which
+// they would not have changed (their rows of P^T are zero).
+template <typename T>
+void RedrawZeroRows(BucketState& b, size_t bucket_index, int64_t iteration, uint64_t seed) {
+  T* qs = b.qs.data<T>();
+  for (size_t t = 0; t < b.plans.size(); ++t) {
+    const TensorPlan& plan = b.plans[t];
+    if (!plan.compressed()) continue;
+    T* q = qs + plan.q_at;
+    bool redrawn = false;
+    for (int64_t j = 0; j < plan.rank; ++j) {
+      T* row = q + j * plan.cols;
+      if (std::any_of(row, row + plan.cols, [](T v) { return v != T(0); })) continue;
+      // Another stream than the initial draw's (which ends in 0, or in
+      // iteration + 1 without warm start).
+      nn::Generator gen(Mix(Mix(Mix(Mix(Mix(seed, bucket_index), t), iteration + 1), j), kRedrawStream));
+      for (int64_t i = 0; i < plan.cols; ++i) row[i] = static_cast<T>(gen.NextNormal());
+      redrawn = true;
+    }
+    if (redrawn) OrthonormalizeRows(q, plan.rank, plan.cols, T(0));
+  }
 }
 
 // (data, count, what) -> the sum over ranks, in place.
@@ -278,6 +312,7 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
       }
     }
   }
+  if (options.warm_start) RedrawZeroRows<T>(b, bucket_index, iteration, options.seed);
   return transport::Status::Ok();
 }
 
@@ -287,7 +322,10 @@ struct PowerSgdState {
   const PowerSgdOptions options;
   // Hook calls on the last bucket so far (the backward thread's).
   int64_t iteration = 0;
-  // By bucket index (the communication thread's).
+  // By bucket index. A BucketState is used by its bucket's task alone, on
+  // the communication thread; the map itself also by the hook, which drops
+  // the buckets that a rebuild into fewer left behind, so `mu` guards it.
+  std::mutex mu;
   std::map<size_t, BucketState> buckets;
 };
 
@@ -327,7 +365,14 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
   auto state = std::make_shared<PowerSgdState>(options);
   return [state](ProcessGroup& group, GradBucket& bucket) -> Work {
     const int64_t iteration = state->iteration;
-    if (bucket.is_last()) ++state->iteration;
+    if (bucket.is_last()) {
+      ++state->iteration;
+      // Buckets past the last one exist no more (rebuilt into fewer): their
+      // Q and residuals would be kept for good. The tasks still to run use
+      // this iteration's buckets, which stay (std::map keeps their places).
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->buckets.erase(state->buckets.upper_bound(bucket.index()), state->buckets.end());
+    }
     const nn::Tensor& buffer = bucket.buffer();
     const nn::DType dtype = buffer.dtype();
     const std::string label = "bucket " + std::to_string(bucket.index());
@@ -347,7 +392,12 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
                       iteration, world = group.size(), label](transport::Communicator* comm,
                                                               transport::Deadline deadline) mutable {
           const nn::DType dtype = buffer.dtype();
-          BucketState& b = state->buckets[index];
+          BucketState* found;
+          {
+            std::lock_guard<std::mutex> lock(state->mu);
+            found = &state->buckets[index];
+          }
+          BucketState& b = *found;
           if (b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
             BuildBucketState(b, std::move(shapes), std::move(offsets), dtype, state->options);
           }

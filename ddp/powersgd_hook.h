@@ -15,7 +15,10 @@
 //   gradient = P Q^T;  residual = M - P Q^T / world
 //
 // Q is kept for the next step (warm start), which is what makes a single
-// power-iteration step per training step enough. The residual carries what
+// power-iteration step per training step enough. A column of Q that comes
+// out zero (the gradient was zero, or of rank below r, this step) is drawn
+// again, the same on every rank, so that a gradient that was zero once (an
+// unused parameter) is compressed again when it is not. The residual carries what
 // the approximation dropped into the next step, so that nothing is lost in
 // the long run. 1-D tensors (biases, norms) and tensors whose compression
 // saves less than min_compression_rate are reduced exactly, in the same
@@ -32,7 +35,7 @@
 // residuals) across iterations: one hook object per DistributedDataParallel.
 // When the buckets are rebuilt (after the first iteration), a bucket whose
 // tensors changed starts over with a fresh Q and zero residuals, the same on
-// every rank.
+// every rank, and the state of buckets that no longer exist is dropped.
 
 #include <cstdint>
 #include <vector>

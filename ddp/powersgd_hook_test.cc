@@ -3,7 +3,8 @@
 // start_iteration it is the default all-reduce bit for bit; low-rank
 // training on Fashion-MNIST keeps up with uncompressed training and keeps
 // the replicas identical. In one process: error feedback on a fixed
-// gradient, the traffic formula, option checks.
+// gradient, a gradient (or a column of Q) that was zero once comes back,
+// the traffic formula, option checks.
 
 #include <gtest/gtest.h>
 
@@ -280,6 +281,78 @@ TEST(PowerSgdHookTest, ErrorFeedbackMakesTheOutputsSumToTheGradients) {
     std::printf("relative error after %d steps: %.4g with error feedback, %.4g without\n", kSteps, with.back(),
                 without.back());
   }
+}
+
+// One call of `hook` on a one-tensor bucket holding `gradient` (a
+// one-process group: the sum over ranks is this rank's); the output.
+Tensor Compress(CommHook& hook, ProcessGroup& pg, const Tensor& gradient) {
+  const Tensor buffer = gradient.Clone().View({gradient.numel()});
+  GradBucket bucket(0, 1, buffer, {gradient}, {0});
+  hook(pg, bucket).Wait();
+  return buffer.View(gradient.shape());
+}
+
+double Norm(const Tensor& t) {
+  double sq = 0;
+  for (double v : t.ToVector<double>()) sq += v * v;
+  return std::sqrt(sq);
+}
+
+// A gradient that is all zero once (an unused parameter) zeroes P and Q;
+// kept as the warm start, that Q gave zero for every later gradient. Later
+// gradients must be compressed again, and with error feedback the residual
+// must stay bounded instead of growing by the whole gradient each step.
+TEST(PowerSgdHookTest, GradientZeroOnceIsCompressedAgainLater) {
+  auto pg = ProcessGroup::Single();
+  for (nn::DType dtype : {nn::DType::kFloat32, nn::DType::kFloat64}) {
+    for (bool feedback : {false, true}) {
+      SCOPED_TRACE(std::string(nn::DTypeName(dtype)) + (feedback ? " with" : " without") + " error feedback");
+      const Tensor m = FixedGradient(dtype);
+      CommHook hook = hooks::PowerSgdHook(
+          {.matrix_approximation_rank = 1, .start_iteration = 0, .use_error_feedback = feedback});
+      EXPECT_EQ(Norm(Compress(hook, *pg, nn::Zeros(m.shape(), {.dtype = dtype}))), 0.0);
+      const std::vector<double> mv = m.ToVector<double>();
+      std::vector<double> sum(mv.size(), 0.0);
+      constexpr int kSteps = 20;
+      for (int k = 1; k <= kSteps; ++k) {
+        const Tensor out = Compress(hook, *pg, m);
+        // At least the line of M's first singular vector's share of a
+        // random direction at first; the top rank-1 part (about 0.8 ||M||)
+        // once power iteration has converged.
+        ASSERT_GT(Norm(out), (k == 1 ? 0.05 : 0.5) * Norm(m)) << "step " << k << ": compressed to (nearly) zero";
+        const std::vector<double> ov = out.ToVector<double>();
+        for (size_t i = 0; i < mv.size(); ++i) sum[i] += ov[i];
+      }
+      if (feedback) {
+        // The sum trails kSteps M by the last residual alone (bounded, as in
+        // ErrorFeedbackMakesTheOutputsSumToTheGradients).
+        double diff_sq = 0;
+        for (size_t i = 0; i < mv.size(); ++i) diff_sq += std::pow(kSteps * mv[i] - sum[i], 2);
+        EXPECT_LE(std::sqrt(diff_sq), 4.0 * Norm(m));
+      }
+    }
+  }
+}
+
+// A gradient whose only nonzero row is the first (one row of an embedding
+// used) has rank 1: at rank 2 Gram-Schmidt zeroes the second row of P^T,
+// and so of Q^T. Kept, that row stayed zero, and every later output was
+// rank 1 whatever the gradient's rank.
+TEST(PowerSgdHookTest, ColumnOfQZeroOnceComesBack) {
+  auto pg = ProcessGroup::Single();
+  const Tensor m = FixedGradient(nn::DType::kFloat64);  // rank 3
+  const int64_t n = m.size(0), cols = m.size(1);
+  std::vector<double> one_row(n * cols, 0.0);
+  for (int64_t j = 0; j < cols; ++j) one_row[j] = std::cos(0.3 * j);
+  CommHook hook = hooks::PowerSgdHook(
+      {.matrix_approximation_rank = 2, .start_iteration = 0, .use_error_feedback = false});
+  const Tensor first = Compress(hook, *pg, nn::FromVectorOf<double>(one_row, {n, cols}));
+  EXPECT_LE(RankOneError(first), 1e-6);
+  Tensor out;
+  for (int k = 0; k < 10; ++k) out = Compress(hook, *pg, m);
+  // Rank 2 now: far from a line (M's second term has two thirds of the
+  // first's size).
+  EXPECT_GT(RankOneError(out), 0.1) << "the output stayed rank 1";
 }
 
 TEST(PowerSgdHookTest, ElementsPerStepFollowTheCompressionRule) {
