@@ -115,11 +115,22 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
   }
   nn::optim::NamedParameters shard;
   const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
-  for (size_t k = 0; k < mine.size(); ++k) {
-    shard.emplace_back(params_[mine[k].param].first, pieces_[static_cast<size_t>(pg_->rank())][k]);
-  }
+  const std::vector<Tensor>& own = pieces_[static_cast<size_t>(pg_->rank())];
+  for (size_t k = 0; k < mine.size(); ++k) shard.emplace_back(params_[mine[k].param].first, own[k]);
   local_ = make(std::move(shard));
   if (local_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the factory returned null");
+  // Step hands the k-th piece's gradient to the optimizer's k-th parameter:
+  // it must hold exactly the pieces, in order.
+  const nn::optim::NamedParameters& got = local_->params();
+  bool same = got.size() == own.size();
+  for (size_t k = 0; same && k < got.size(); ++k) same = got[k].second.impl() == own[k].impl();
+  if (!same) {
+    throw std::invalid_argument("ZeroRedundancyOptimizer: the factory's optimizer on rank " +
+                                std::to_string(pg_->rank()) + " holds " + std::to_string(got.size()) +
+                                " parameter(s), not the " + std::to_string(own.size()) +
+                                " piece(s) of its shard that it was given, in order (the factory must build the "
+                                "optimizer from its argument, not from the model)");
+  }
 }
 
 void ZeroRedundancyOptimizer::Step() {
@@ -253,9 +264,13 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
 }
 
 void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
+  // Every rank checks its shard first and loads only once all passed: a
+  // state that only some shards refuse must leave every rank as it was.
   std::string error;
+  NamedTensors shard;
   try {
-    local_->LoadStateDict(ShardOf(state));
+    shard = ShardOf(state);
+    local_->CheckStateDict(shard);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -272,6 +287,7 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   if (!ranks.empty()) {
     throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict failed on rank " + ranks);
   }
+  local_->LoadStateDict(shard);
 }
 
 }  // namespace ddp::dist

@@ -69,8 +69,9 @@ class ZeroRedundancyOptimizer {
   /// Collective only in that every rank must construct it with the same
   /// parameters (same names, shapes and order) and the same kind of
   /// optimizer; nothing is sent. Throws std::invalid_argument for a list
-  /// that no optimizer would take (nn::optim::CheckParameters), or a null
-  /// group or factory.
+  /// that no optimizer would take (nn::optim::CheckParameters), a null
+  /// group or factory, or a factory whose optimizer does not hold exactly
+  /// the pieces it was given, in their order (one built from the model).
   ZeroRedundancyOptimizer(nn::optim::NamedParameters params, std::shared_ptr<ProcessGroup> pg,
                           const Factory& make);
 
@@ -111,7 +112,8 @@ class ZeroRedundancyOptimizer {
   /// optimizer's StateDict); each rank keeps the entries of the parameters
   /// it owns. A key naming no parameter, or an entry the shard's optimizer
   /// refuses, fails on every rank (std::invalid_argument naming it on the
-  /// rank that found it, naming that rank on the others).
+  /// rank that found it, naming that rank on the others), and then no rank
+  /// loads anything: every shard is checked before any is loaded.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   /// The entries of a whole state that this rank's shard holds: "lr", and

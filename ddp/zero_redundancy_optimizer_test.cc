@@ -2,7 +2,9 @@
 // as the unsharded optimizer (bit for bit, SGD with momentum and Adam, 2
 // and 3 ranks), each rank keeps state for its shard only, the consolidated
 // state equals the unsharded optimizer's, a run resumed from a checkpoint
-// holding it equals an uninterrupted one, and a bad state fails every rank.
+// holding it equals an uninterrupted one, and a bad state fails every rank
+// (one bad only for one rank's shard loads on none); a factory that does
+// not build from the pieces it is given is refused.
 
 #include "ddp/zero_redundancy_optimizer.h"
 
@@ -435,6 +437,111 @@ DDP_TEST_WORKER(bad_state) {
 TEST(ZeroRedundancyOptimizerTest, BadStateFailsEveryRank) {
   auto run = RunWorkers("bad_state", 2, {{"DDP_TEST_CKPT", TempPath("bad.safetensors")}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A state whose only fault lies in the last rank's shard (a "step" of 0
+// for the last parameter, which ShardOf passes on as it is) fails every
+// rank, and no rank loads its part: the others' state, learning rate
+// included, stays as it was.
+DDP_TEST_WORKER(load_all_or_nothing) {
+  auto pg = testing::WorkerGroup();
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, MakeOptimizer);
+  TrainStep(ddp, zero, *pg, 0);
+  nn::io::Checkpoint c;
+  c.optimizer = zero.ConsolidatedStateDict(0);
+  const std::string path = std::getenv("DDP_TEST_CKPT");
+  SaveCheckpoint(*pg, path, c);
+  const NamedTensors state = LoadCheckpoint(*pg, path).optimizer;
+  TrainStep(ddp, zero, *pg, 1);  // the state moves on from the saved one
+  const NamedTensors before = zero.local().StateDict();
+  const double lr = zero.lr();
+
+  const NamedParameters params = model->NamedParameters();
+  const int last = pg->size() - 1;
+  WORKER_EXPECT(zero.shard(last).back().param == params.size() - 1 &&
+                    zero.shard(last - 1).back().param != params.size() - 1,
+                "the last parameter is not the last rank's alone");
+  const std::string bad_key = "state." + params.back().first + ".step";
+  NamedTensors bad;
+  for (const auto& [key, t] : state) {
+    if (key == bad_key) {
+      bad.emplace_back(key, t.Clone().Fill(0));
+    } else if (key == "lr") {
+      bad.emplace_back(key, nn::FromVector({0.125}, {}, {.dtype = nn::DType::kFloat64}));
+    } else {
+      bad.emplace_back(key, t);
+    }
+  }
+  try {
+    zero.LoadStateDict(bad);
+    WORKER_EXPECT(false, "a step of 0 was accepted");
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(pg->rank() == last ? m.find("`" + bad_key + "` is 0") != std::string::npos
+                                     : m.find("failed on rank " + std::to_string(last)) != std::string::npos,
+                  m);
+  }
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(zero.lr() == lr, "the learning rate changed to " + std::to_string(zero.lr()) + on);
+  const NamedTensors after = zero.local().StateDict();
+  WORKER_EXPECT(after.size() == before.size(), "the state's entries changed" + on);
+  for (size_t i = 0; i < std::min(after.size(), before.size()); ++i) {
+    WORKER_EXPECT(after[i].first == before[i].first && SameBytes(after[i].second, before[i].second),
+                  "`" + before[i].first + "` changed" + on);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, StateBadForOneShardLoadsOnNoRank) {
+  auto run = RunWorkers("load_all_or_nothing", 2, {{"DDP_TEST_CKPT", TempPath("half.safetensors")}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Step hands the k-th piece's gradient to the local optimizer's k-th
+// parameter: a factory that builds from the model, or drops or reorders
+// the pieces, is refused at construction, naming the mistake.
+TEST(ZeroRedundancyOptimizerTest, FactoryMustHoldThePiecesItWasGiven) {
+  auto model = Mlp(1);
+  const NamedParameters params = model->NamedParameters();
+  auto refused = [&](const ZeroRedundancyOptimizer::Factory& make, const std::string& what) {
+    try {
+      ZeroRedundancyOptimizer zero(params, ProcessGroup::Single(), make);
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("build the optimizer from its argument, not from the model"),
+                std::string::npos)
+          << what << ": " << e.what();
+    }
+  };
+  refused([&](NamedParameters) { return MakeOptimizer(params); }, "from the model");
+  refused(
+      [](NamedParameters shard) {
+        shard.pop_back();
+        return MakeOptimizer(std::move(shard));
+      },
+      "a piece dropped");
+  refused(
+      [](NamedParameters shard) {
+        std::swap(shard.front(), shard.back());
+        return MakeOptimizer(std::move(shard));
+      },
+      "pieces reordered");
+  try {
+    ZeroRedundancyOptimizer zero(params, ProcessGroup::Single(),
+                                 [](NamedParameters shard) {
+                                   shard.pop_back();
+                                   return MakeOptimizer(std::move(shard));
+                                 });
+    ADD_FAILURE() << "a piece dropped: accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds " + std::to_string(params.size() - 1) + " parameter(s), not the " +
+                                         std::to_string(params.size()) + " piece(s)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(ZeroRedundancyOptimizer(params, ProcessGroup::Single(), MakeOptimizer));
 }
 
 }  // namespace
