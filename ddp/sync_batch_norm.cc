@@ -41,12 +41,18 @@ void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
       nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg.rank()) + ")");
 }
 
-// running = (1 - momentum) * running + momentum * batch statistic, the
-// variance unbiased over `total` values, in BatchNorm's order of operations;
-// nothing when the module tracks no running statistics.
-void UpdateRunningStats(const Tensor& running_mean, const Tensor& running_var,
-                        const std::vector<double>& mean, const std::vector<double>& var,
-                        double total, double momentum) {
+// Counts the batch in num_batches_tracked, then running = (1 - momentum) *
+// running + momentum * batch statistic, the variance unbiased over `total`
+// values, in BatchNorm's order of operations; nothing for the buffers the
+// module does not track. Called once the statistics are in and checked, so
+// that a forward that fails changes no buffer.
+void UpdateRunningStats(const Tensor& num_batches_tracked, const Tensor& running_mean,
+                        const Tensor& running_var, const std::vector<double>& mean,
+                        const std::vector<double>& var, double total, double momentum) {
+  if (num_batches_tracked.defined()) {
+    nn::NoGradGuard guard;
+    num_batches_tracked.Fill(num_batches_tracked.Item() + 1);
+  }
   if (!running_mean.defined() || !running_var.defined()) return;
   const double unbias = total / (total - 1);
   std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
@@ -60,7 +66,8 @@ void UpdateRunningStats(const Tensor& running_mean, const Tensor& running_var,
 
 // Backward of both SyncBatchNorm functions, from nn's building blocks on x's
 // device. Saved: x, weight, the global mean and invstd (f64 [C] on x's
-// device); saved_data: the global count ("total") and the group ("pg").
+// device); saved_data: the global count ("total") and the group ("pg", a
+// shared_ptr: the group lives until backward even if the module lets go).
 std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
   const std::vector<Tensor> saved = ctx->GetSavedTensors();
   const Tensor& x = saved[0];
@@ -69,7 +76,7 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
   const Tensor& invstd_t = saved[3];
   const Tensor dy = grad[0].Contiguous();
   const double total = std::any_cast<double>(ctx->saved_data["total"]);
-  ProcessGroup* pg = std::any_cast<ProcessGroup*>(ctx->saved_data["pg"]);
+  const auto pg = std::any_cast<std::shared_ptr<ProcessGroup>>(ctx->saved_data["pg"]);
   const Dims d = GetDims(x);
   const nn::Device device = x.device();
   nn::NoGradGuard guard;
@@ -110,8 +117,9 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   static constexpr const char* kName = "SyncBatchNormBackward";
 
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
-                                     ProcessGroup* pg, const Tensor& running_mean,
-                                     const Tensor& running_var, double momentum, double eps) {
+                                     const std::shared_ptr<ProcessGroup>& pg, const Tensor& num_batches_tracked,
+                                     const Tensor& running_mean, const Tensor& running_var, double momentum,
+                                     double eps) {
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
     const Tensor& bias = in[2];
@@ -171,7 +179,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
       var[c] = m2[c] / total;
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
-    UpdateRunningStats(running_mean, running_var, mean, var, total, momentum);
+    UpdateRunningStats(num_batches_tracked, running_mean, running_var, mean, var, total, momentum);
 
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64});
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64});
@@ -195,8 +203,9 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
   static constexpr const char* kName = "SyncBatchNormBackward";
 
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
-                                     ProcessGroup* pg, const Tensor& running_mean,
-                                     const Tensor& running_var, double momentum, double eps) {
+                                     const std::shared_ptr<ProcessGroup>& pg, const Tensor& num_batches_tracked,
+                                     const Tensor& running_mean, const Tensor& running_var, double momentum,
+                                     double eps) {
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
     const Tensor& bias = in[2];
@@ -227,7 +236,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
       var[c] = std::max(0.0, g[1 + d.c + c] / total - mean[c] * mean[c]);
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
-    UpdateRunningStats(running_mean, running_var, mean, var, total, momentum);
+    UpdateRunningStats(num_batches_tracked, running_mean, running_var, mean, var, total, momentum);
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     // An empty local batch still took part in both collectives above.
@@ -318,21 +327,27 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
                               options_.eps);
   }
   std::shared_ptr<ProcessGroup> pg = group_ != nullptr ? group_ : DefaultProcessGroup();
-  if (options_.track_running_stats) {
-    nn::NoGradGuard guard;
-    num_batches_tracked_.Fill(num_batches_tracked_.Item() + 1);
-  }
-  const double momentum = nn::modules::RunningAverageFactor(options_, num_batches_tracked_);
+  // The running average's factor counts this batch (BatchNorm's), but the
+  // count itself moves only once the batch's statistics are in: a forward
+  // that fails (a global batch of one value) leaves every buffer as it was.
+  const nn::Tensor tracked = options_.track_running_stats ? num_batches_tracked_ : nn::Tensor();
+  const double momentum = nn::modules::RunningAverageFactor(
+      options_, tracked.defined() ? nn::Full({}, tracked.Item() + 1, {.dtype = nn::DType::kInt64}) : tracked);
   if (pg->size() == 1) {
-    return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true,
-                              momentum, options_.eps);
+    nn::Tensor y = nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true,
+                                      momentum, options_.eps);
+    if (tracked.defined()) {
+      nn::NoGradGuard guard;
+      tracked.Fill(tracked.Item() + 1);
+    }
+    return y;
   }
   try {
     if (!x.device().is_cpu() || internal_use_blocks()) {
-      return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_,
+      return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg, tracked, running_mean_,
                                                 running_var_, momentum, options_.eps)[0];
     }
-    return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg.get(), running_mean_, running_var_,
+    return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg, tracked, running_mean_, running_var_,
                                         momentum, options_.eps)[0];
   } catch (const std::invalid_argument& e) {
     Fail(e.what());

@@ -3,7 +3,8 @@
 // running statistics, for equal, unequal and empty local batches; eval mode
 // runs locally and sends nothing; one rank is exactly BatchNorm; DDP with
 // SyncBatchNorm matches one process on the concatenated batch; under Join,
-// SyncBatchNorm stops every rank with one message.
+// SyncBatchNorm stops every rank with one message; a refused batch (one
+// value per channel in all) is not counted in num_batches_tracked.
 
 #include "ddp/sync_batch_norm.h"
 
@@ -244,6 +245,43 @@ TEST(SyncBatchNormTest, OneRankIsBatchNorm) {
   EXPECT_EQ(bn->weight().grad().ToVector<float>(), sync->weight().grad().ToVector<float>());
   EXPECT_EQ(bn->running_var().ToVector<float>(), sync->running_var().ToVector<float>());
   EXPECT_EQ(sync->num_batches_tracked().Item(), 1);
+}
+
+// A global batch of one value per channel is refused on every rank, and
+// leaves num_batches_tracked (and the running statistics) as they were:
+// the batch was not counted. Rank 0 holds the one sample, rank 1 none.
+DDP_TEST_WORKER(sync_bn_one_value) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  SyncBatchNorm sync(kC, {}, pg);
+  const Tensor x = nn::Ones({pg->rank() == 0 ? 1 : 0, kC});
+  try {
+    sync(x);
+    WORKER_EXPECT(false, "a global batch of one value was accepted on rank " + std::to_string(pg->rank()));
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("expected more than 1 value per channel") != std::string::npos, e.what());
+  }
+  WORKER_EXPECT(sync.num_batches_tracked().Item() == 0,
+                "num_batches_tracked is " + std::to_string(sync.num_batches_tracked().Item()) + " on rank " +
+                    std::to_string(pg->rank()));
+  WORKER_EXPECT(sync.running_mean().ToVector<double>() == std::vector<double>(kC, 0.0), "running mean moved");
+  // A good batch afterwards counts as the first.
+  sync(nn::Ones({2, kC}));
+  WORKER_EXPECT(sync.num_batches_tracked().Item() == 1, "the next batch was not counted once");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, RefusedBatchIsNotCounted) {
+  for (bool blocks : {false, true}) {
+    std::vector<std::pair<std::string, std::string>> env;
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_one_value", 2, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "building blocks\n" : "") << testing::AllOutput(run);
+  }
+  // One rank: BatchNorm's own check.
+  SyncBatchNorm sync(kC, {}, ProcessGroup::Single());
+  EXPECT_THROW(sync(nn::Ones({1, kC})), std::invalid_argument);
+  EXPECT_EQ(sync.num_batches_tracked().Item(), 0);
 }
 
 TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
