@@ -1,7 +1,12 @@
 #include "ddp/checkpoint.h"
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <thread>
 #include <functional>
 #include <map>
 #include <stdexcept>
@@ -16,6 +21,10 @@ namespace {
 // Outcome of one rank's part, in a fixed size so that it can be exchanged
 // with one collective whatever happened.
 constexpr int64_t kRecordBytes = 1024;
+
+// SaveCheckpoint's status record while rank 0 is still writing (Record's
+// first byte is 1 or 0 otherwise).
+constexpr char kStillWriting = 2;
 
 nn::Tensor Record(bool ok, const std::string& message) {
   nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
@@ -53,19 +62,115 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
   return c;
 }
 
-void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint) {
-  bool ok = true;
-  std::string error;
-  if (pg.rank() == 0) {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Rank 0's write, on a thread of its own, so that the caller's thread can
+// tell the others it is still going.
+class Writer {
+ public:
+  Writer(const std::string& path, const nn::io::Checkpoint& checkpoint)
+      : thread_([this, &path, &checkpoint] {
+          std::string error;
+          try {
+            nn::io::SaveCheckpoint(path, checkpoint);
+          } catch (const std::exception& e) {
+            error = e.what()[0] != '\0' ? e.what() : "an exception without a message";
+          }
+          std::lock_guard lock(mu_);
+          error_ = std::move(error);
+          done_ = true;
+          cv_.notify_all();
+        }) {}
+  // The write is never abandoned: it reads the caller's checkpoint.
+  ~Writer() { thread_.join(); }
+
+  // Waits until the write ends or `until`; true when it ended.
+  bool WaitUntil(Clock::time_point until) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_until(lock, until, [this] { return done_; });
+  }
+  // Once WaitUntil returned true: the write's error, empty when it worked.
+  std::string error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+  std::thread thread_;  // last: starts once the members it uses exist
+};
+
+}  // namespace
+
+void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
+                    const SaveOptions& options) {
+  if (options.timeout.count() <= 0 || options.timeout > kMostTimeout) {
+    throw std::invalid_argument("SaveOptions::timeout must be in (0 ms, 30 days], got " +
+                                std::to_string(options.timeout.count()) + " ms");
+  }
+  if (options.heartbeat.count() <= 0) {
+    throw std::invalid_argument("SaveOptions::heartbeat must be positive, got " +
+                                std::to_string(options.heartbeat.count()) + " ms");
+  }
+  const auto heartbeat = std::min(options.heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
+  nn::Tensor record;
+  if (pg.rank() != 0) {
+    // Status records until one is not "still writing": rank 0 sends a final
+    // one by options.timeout at the latest.
+    do {
+      record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+      pg.Broadcast(record, 0, "checkpoint save status").Wait();
+    } while (static_cast<const char*>(record.data_ptr())[0] == kStillWriting);
+  } else if (pg.size() == 1) {
+    std::string error;
     try {
       nn::io::SaveCheckpoint(path, checkpoint);
     } catch (const std::exception& e) {
-      ok = false;
       error = e.what();
     }
+    record = Record(error.empty(), error);
+  } else {
+    const Clock::time_point deadline = Clock::now() + options.timeout;
+    std::exception_ptr group_error;
+    bool timed_out = false;
+    {
+      Writer writer(path, checkpoint);
+      while (true) {
+        if (writer.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
+          const std::string error = writer.error();
+          record = Record(error.empty(), error);
+        } else if (Clock::now() >= deadline) {
+          record = Record(false, "the write did not finish within SaveOptions::timeout (" +
+                                     std::to_string(options.timeout.count()) + " ms)");
+          timed_out = true;
+        } else {
+          record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+          static_cast<char*>(record.data_ptr())[0] = kStillWriting;
+        }
+        try {
+          pg.Broadcast(record, 0, "checkpoint save status").Wait();
+        } catch (...) {
+          group_error = std::current_exception();
+          break;
+        }
+        if (static_cast<const char*>(record.data_ptr())[0] != kStillWriting) break;
+      }
+      if (timed_out) {
+        // This rank stays in its write for as long as that takes, and the
+        // others' next collective would wait for it past their deadline:
+        // end the group now, with the reason, as a timed-out collective does.
+        pg.Abort(transport::TimedOutError("SaveCheckpoint: rank 0 could not write " + path +
+                                                  " within SaveOptions::timeout (" +
+                                                  std::to_string(options.timeout.count()) + " ms)"));
+      }
+    }  // the write ends here
+    if (group_error) std::rethrow_exception(group_error);
   }
-  nn::Tensor record = Record(ok, error);
-  pg.Broadcast(record, 0, "checkpoint save status").Wait();
   const char* p = static_cast<const char*>(record.data_ptr());
   if (p[0] != 1) {
     throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " +

@@ -19,6 +19,7 @@
 // the checkpoint's optimizer list ("lr" and "state.*", "scheduler.*",
 // "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
 
+#include <chrono>
 #include <string>
 
 #include "ddp/process_group.h"
@@ -39,12 +40,25 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::LrScheduler* scheduler = nullptr,
                                   const nn::optim::GradScaler* scaler = nullptr);
 
+/// How long the others wait for rank 0's write in SaveCheckpoint.
+struct SaveOptions {
+  /// The write's deadline, which may be longer than the group's timeout
+  /// (many GB to slow storage). Past it, every rank throws and the group is
+  /// aborted (rank 0 is still writing: the file may yet appear, whole).
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  /// How often rank 0 tells the others that it is still writing (each
+  /// message is a collective bound by the group's timeout, and so is at
+  /// most a quarter of it).
+  std::chrono::milliseconds heartbeat{std::chrono::seconds(1)};
+};
+
 /// Collective. Rank 0 writes `checkpoint` to `path` atomically; the others
-/// wait for it. Every rank throws the same error when rank 0 failed. The
-/// others wait within the group's timeout (ProcessGroupOptions::timeout): a
-/// checkpoint that takes longer to write (many GB to slow storage) needs a
-/// group made with a longer one.
-void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint);
+/// wait for it, as long as it goes on writing, up to `options.timeout`.
+/// Every rank throws the same error when rank 0 failed or ran out of time.
+/// `checkpoint` is read on a thread of rank 0's while its caller's thread
+/// keeps the others informed.
+void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
+                    const SaveOptions& options = {});
 
 /// Collective. Every rank reads `path`. When any rank fails, every rank
 /// throws one error naming each failing rank and its reason; so it does

@@ -116,6 +116,61 @@ TEST(DdpCheckpointTest, ResumeEqualsUninterruptedRun) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ---------------------------------------------------------- slow write ----
+
+// A write that takes longer than the group's timeout (here 200 ms; in real
+// jobs, many GB to slow storage): rank 0 tells the others every quarter of
+// it that it is still writing, so they wait for it instead of timing out.
+// With SaveOptions::timeout shorter than the write, every rank throws the
+// same error and the group is aborted (rank 0 still finishes the file).
+DDP_TEST_WORKER(slow_write) {
+  // Made before the group, whose 200 ms would not wait for it.
+  nn::io::Checkpoint big;
+  if (std::string(std::getenv("RANK")) == "0") big.model.emplace_back("w", nn::Ones({int64_t{1} << 27}));  // 512 MiB
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(200);
+  transport::CommunicatorOptions comm_options;
+  comm_options.timeout = std::chrono::milliseconds(20000);  // creation
+  auto pg = ProcessGroup::CreateFromEnvironment(options, comm_options);
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  const auto start = std::chrono::steady_clock::now();
+  SaveCheckpoint(*pg, dir + "/slow.safetensors", big);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "rank %d: the save took %.2f s\n", pg->rank(), took);
+  // Not a test at all if the write was quicker than the group's timeout.
+  WORKER_EXPECT(took > 0.4, "the write took only " + std::to_string(took) + " s");
+  std::string error;
+  try {
+    SaveCheckpoint(*pg, dir + "/late.safetensors", big, {.timeout = std::chrono::milliseconds(50)});
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error.find("rank 0 could not write " + dir + "/late.safetensors: the write did not finish "
+                           "within SaveOptions::timeout (50 ms)") != std::string::npos,
+                error);
+  // Rank 0 is still writing, so the group was aborted with the reason: the
+  // next collective fails at once instead of waiting for it.
+  std::string next;
+  try {
+    nn::Tensor one = nn::Ones({1});
+    pg->AllReduce(one).Wait();
+  } catch (const std::exception& e) {
+    next = e.what();
+  }
+  WORKER_EXPECT(next.find("within SaveOptions::timeout (50 ms)") != std::string::npos, next);
+  // Read last: it takes longer than the group's timeout too.
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(nn::io::LoadCheckpoint(dir + "/slow.safetensors").model.size() == 1, "no checkpoint");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, RankZeroWritingLongerThanTheGroupTimeoutKeepsTheOthersWaiting) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("slow_write", 3, {{"DDP_TEST_CKPT", dir}}, 120000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------------- errors ----
 
 DDP_TEST_WORKER(checkpoint_errors) {

@@ -10,6 +10,7 @@
 // or Detach() first when no gradient is wanted.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
@@ -53,9 +54,10 @@ class Storage {
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
   /// Counts in-place writes through any tensor on this storage (autograd
-  /// uses it to detect a saved tensor modified before backward).
-  uint64_t version() const { return version_; }
-  void BumpVersion() { ++version_; }
+  /// uses it to detect a saved tensor modified before backward). Atomic: a
+  /// collective bumps it on the communication thread.
+  uint64_t version() const { return version_.load(std::memory_order_relaxed); }
+  void BumpVersion() { version_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   void* data_;
@@ -63,7 +65,7 @@ class Storage {
   Device device_;
   std::function<void(void*)> deleter_;
   bool from_allocator_;
-  uint64_t version_ = 0;
+  std::atomic<uint64_t> version_{0};
 };
 
 class Tensor;
