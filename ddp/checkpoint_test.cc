@@ -161,6 +161,8 @@ DDP_TEST_WORKER(slow_write) {
   // Read last: it takes longer than the group's timeout too.
   if (pg->rank() == 0) {
     WORKER_EXPECT(nn::io::LoadCheckpoint(dir + "/slow.safetensors").model.size() == 1, "no checkpoint");
+    std::remove((dir + "/slow.safetensors").c_str());  // 512 MiB each
+    std::remove((dir + "/late.safetensors").c_str());
   }
   return testing::WorkerExit();
 }
