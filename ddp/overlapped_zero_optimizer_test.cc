@@ -466,9 +466,9 @@ DDP_TEST_WORKER(misuse) {
 }
 
 // A layer forward never uses, without find_unused_parameters: its bucket
-// is never reduced, so DDP aborts the group at the end of backward (the
-// error itself shows at the next forward). Step() then reports that
-// failure instead of ending a step that did not happen.
+// is never reduced, so DDP aborts the group at the end of backward and the
+// backward throws. A caller that catches it and calls Step() anyway gets
+// that failure instead of ending a step that did not happen.
 class WithSpare : public Module {
  public:
   explicit WithSpare(uint64_t seed) {
@@ -491,7 +491,13 @@ DDP_TEST_WORKER(failed_backward) {
   DistributedDataParallel ddp(model, {.process_group = pg});
   OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
   auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
-  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  std::string from_backward;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::runtime_error& e) {
+    from_backward = e.what();
+  }
+  WORKER_EXPECT(from_backward.find("received no gradient") != std::string::npos, from_backward);
   std::string error;
   try {
     opt.Step();
