@@ -66,18 +66,25 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Writes the file; returns the error, empty when it worked.
+std::string WriteCheckpoint(const std::string& path, const nn::io::Checkpoint& checkpoint) {
+  try {
+    nn::io::SaveCheckpoint(path, checkpoint);
+    return "";
+  } catch (const std::exception& e) {
+    return e.what()[0] != '\0' ? e.what() : "an exception without a message";
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 // Rank 0's write, on a thread of its own, so that the caller's thread can
 // tell the others it is still going.
 class Writer {
  public:
   Writer(const std::string& path, const nn::io::Checkpoint& checkpoint)
       : thread_([this, &path, &checkpoint] {
-          std::string error;
-          try {
-            nn::io::SaveCheckpoint(path, checkpoint);
-          } catch (const std::exception& e) {
-            error = e.what()[0] != '\0' ? e.what() : "an exception without a message";
-          }
+          std::string error = WriteCheckpoint(path, checkpoint);
           std::lock_guard lock(mu_);
           error_ = std::move(error);
           done_ = true;
@@ -117,7 +124,8 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
     throw std::invalid_argument("SaveOptions::heartbeat must be positive, got " +
                                 std::to_string(options.heartbeat.count()) + " ms");
   }
-  const auto heartbeat = std::min(options.heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
+  const auto heartbeat =
+      std::min(options.heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   nn::Tensor record;
   if (pg.rank() != 0) {
     // Status records until one is not "still writing": rank 0 sends a final
@@ -127,12 +135,7 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
       pg.Broadcast(record, 0, "checkpoint save status").Wait();
     } while (static_cast<const char*>(record.data_ptr())[0] == kStillWriting);
   } else if (pg.size() == 1) {
-    std::string error;
-    try {
-      nn::io::SaveCheckpoint(path, checkpoint);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    const std::string error = WriteCheckpoint(path, checkpoint);
     record = Record(error.empty(), error);
   } else {
     const Clock::time_point deadline = Clock::now() + options.timeout;
@@ -165,8 +168,8 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
         // others' next collective would wait for it past their deadline:
         // end the group now, with the reason, as a timed-out collective does.
         pg.Abort(transport::TimedOutError("SaveCheckpoint: rank 0 could not write " + path +
-                                                  " within SaveOptions::timeout (" +
-                                                  std::to_string(options.timeout.count()) + " ms)"));
+                                          " within SaveOptions::timeout (" +
+                                          std::to_string(options.timeout.count()) + " ms)"));
       }
     }  // the write ends here
     if (group_error) std::rethrow_exception(group_error);

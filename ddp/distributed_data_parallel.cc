@@ -192,7 +192,9 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync;
   const bool sync = grad_sync && (training || !s.join_enabled);
   const bool sync_buffers = training && options_.broadcast_buffers && size > 1 && !s.buffers.empty();
-  if (s.reducer != nullptr) s.reducer->CheckPreviousIteration(sync, sync_buffers || (s.join_enabled && size > 1));
+  if (s.reducer != nullptr) {
+    s.reducer->CheckPreviousIteration(sync, /*communicates=*/sync_buffers || (s.join_enabled && size > 1));
+  }
   bool rebuild = sync && training && s.reducer->rebuild_pending();
 
   double divisor = size;

@@ -283,8 +283,9 @@ void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates) {
       "every rank. This usually means that a rank skipped the backward of a batch after its "
       "forward (on a NaN loss, say: run the backward anyway and skip the optimizer step on every "
       "rank, as GradScaler does, or run forwards whose backward may be skipped under NoGradGuard, "
-      "Eval() or NoSync), that no output of forward took part in the loss (make every output contribute; set "
-      "DdpOptions::find_unused_parameters when some parameters really are unused), or that an "
+      "Eval() or NoSync), that no output of forward took part in the loss (make every output "
+      "contribute; set DdpOptions::find_unused_parameters when some parameters really are unused), "
+      "or that an "
       "exception was thrown during backward. The process group was aborted.";
   pg_->Abort(transport::FailedPreconditionError(pending_error_));
   throw std::runtime_error(pending_error_);

@@ -783,7 +783,9 @@ std::string ConfigLine(const DdprunOptions& o) {
 // MASTER_PORT the same way.
 StatusOr<int> FreeTcpPort() {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return UnavailableError(std::string("looking for a free MASTER_PORT: socket: ") + std::strerror(errno));
+  if (fd < 0) {
+    return UnavailableError(std::string("looking for a free MASTER_PORT: socket: ") + std::strerror(errno));
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_ANY);
