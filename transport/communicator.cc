@@ -218,6 +218,9 @@ Status Work::Wait(Deadline deadline) {
     {
       std::unique_lock lock(state_->mu);
       if (state_->done) return state_->status;
+      // Neither the communicator's thread nor its UCX worker exist in a
+      // forked child: the call would never finish there.
+      DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("waiting for an asynchronous call"));
       if (!state_->poll) {
         if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
           return TimedOutError("asynchronous call not finished by the caller's deadline");
@@ -238,6 +241,9 @@ StatusOr<bool> Work::Test() {
   std::function<void()> poll;
   {
     std::lock_guard lock(state_->mu);
+    if (!state_->done) {
+      DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("testing an asynchronous call"));
+    }
     poll = state_->poll;
   }
   if (poll) poll();
@@ -1002,6 +1008,9 @@ void Communicator::Impl::Shutdown() {
 }
 
 Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> call_deadline) {
+  // A forked child must not post to the parent's job.
+  DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
+                                                ": aborting the communicator"));
   // The job's first reason wins: a failure seen here may only be the echo
   // of another rank's (it reported, left, and its endpoints reset ours).
   Status first = reason;
@@ -1058,6 +1067,8 @@ Status Communicator::Impl::WaitForQueue(Deadline deadline) {
 }
 
 Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body) {
+  DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
+                                                ": a collective call"));
   if (aborted()) return aborted_reason();
   const Deadline deadline = DeadlineFor(call);
   {
@@ -1088,6 +1099,12 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
 Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
   auto state = std::make_shared<Work::State>();
   Work work = Communicator::NewWork(state);
+  if (Status forked = fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
+                                                ": an asynchronous collective call");
+      !forked.ok()) {
+    state->Finish(forked);
+    return work;
+  }
   if (aborted()) {
     state->Finish(aborted_reason());
     return work;
@@ -1612,10 +1629,13 @@ Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* sr
 
 Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
                                  const CallOptions& call) {
-  if (aborted()) return Communicator::FinishedWork(aborted_reason());
-  const Deadline deadline = DeadlineFor(call);
   const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
                            std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
+  if (Status forked = fork::CheckNotForkedChild(what); !forked.ok()) {
+    return Communicator::FinishedWork(forked);
+  }
+  if (aborted()) return Communicator::FinishedWork(aborted_reason());
+  const Deadline deadline = DeadlineFor(call);
   StatusOr<p2p::RequestId> id = InternalError("not posted");
   {
     // Posting needs the worker, which a collective on another thread (the
@@ -1702,9 +1722,16 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
 // --------------------------------------------------------- Communicator ----
 
 Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // In a forked child the communicator's threads do not exist, and its UCX
+  // endpoints, shared memory and store connection are the parent's: shutting
+  // it down would hang or disturb the parent's job. It is left alone.
+  if (fork::InForkedChild()) static_cast<void>(impl_.release());
+}
 
 StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorOptions& options) {
+  DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options.rank) +
+                                                ": creating a communicator"));
   auto impl = std::make_unique<Impl>(options);
   Status status = impl->Init();
   if (!status.ok()) {
@@ -1820,6 +1847,9 @@ int Communicator::local_rank() const { return impl_->options_.local_rank; }
 int Communicator::local_size() const { return impl_->options_.local_world_size; }
 const CommunicatorInfo& Communicator::info() const { return impl_->info_; }
 void Communicator::SetBusyThreadsPerRank(int busy_threads_per_rank) {
+  // A forked child cannot run calls, and a thread of the parent may have held
+  // the mutex when it forked.
+  if (fork::InForkedChild()) return;
   std::lock_guard lock(impl_->run_mu_);
   impl_->options_.busy_threads_per_rank = busy_threads_per_rank;
   impl_->ApplyIdlePolicy();

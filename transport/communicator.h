@@ -209,7 +209,9 @@ struct CommunicatorInfo {
 class Communicator {
  public:
   /// Forms the communicator with every other rank. Collective: every rank
-  /// calls it. Installs the fork guard.
+  /// calls it. Installs the fork guard: in a child forked (without exec)
+  /// after this, every call into the transport fails with
+  /// FAILED_PRECONDITION, and destroying a communicator does nothing.
   static StatusOr<std::unique_ptr<Communicator>> Create(const CommunicatorOptions& options);
   /// Create() with the fields of `defaults` that the launch environment
   /// defines replaced by its values. NOT_FOUND when there is no launch

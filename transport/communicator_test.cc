@@ -262,13 +262,40 @@ int ScenarioCreateOnly() {
   return s.ok() && x == (*comm)->size() ? 0 : 1;
 }
 
+// Forks after creation: a child that execs runs its program; a child that
+// enters the transport (a collective, an asynchronous one, a point-to-point
+// message, a new communicator) is refused with the explanation, and the
+// parent's communicator is not disturbed.
 int ScenarioFork() {
   auto comm = MustCreate();
+  auto wait_for = [](pid_t child) {
+    int status = 0;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  std::fflush(nullptr);  // the children must not print the parent's buffered output
+  const pid_t execs = fork();
+  if (execs == 0) {
+    char* const argv[] = {const_cast<char*>("/bin/true"), nullptr};
+    execv("/bin/true", argv);
+    _exit(127);
+  }
+  std::printf("EXEC exit=%d\n", wait_for(execs));
+  std::fflush(nullptr);
   const pid_t child = fork();
-  if (child == 0) _exit(0);  // not reached: the guard exits first
-  int status = 0;
-  waitpid(child, &status, 0);
-  std::printf("CHILD exit=%d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  if (child == 0) {
+    int value = 0;
+    const Status calls[] = {
+        comm->Barrier(),
+        comm->BarrierAsync().Wait(),
+        comm->Send(&value, 1, DataType::kI32, 1 - comm->rank(), 5),
+        Communicator::Create(WorkerOptions()).status(),
+    };
+    for (const Status& s : calls) std::printf("CHILD %s\n", s.ToString().c_str());
+    std::fflush(nullptr);
+    _exit(0);  // the communicator is the parent's: nothing to close here
+  }
+  std::printf("CHILD exit=%d\n", wait_for(child));
   return comm->Barrier().ok() ? 0 : 1;
 }
 
@@ -1242,11 +1269,22 @@ TEST(Faults, MalformedStoreRequestDoesNotDisturbTheJob) {
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
-TEST(ForkGuard, ForkAfterCreateFailsTheChildAtOnce) {
+TEST(ForkGuard, ForkThenExecWorksAndAForkedChildCannotUseTheCommunicator) {
   Job job = RunJob(2, "fork");
   for (const auto& r : job.results) {
     EXPECT_EQ(r.exit_code, 0) << job.Describe();
-    EXPECT_NE(r.output.find("CHILD exit=86"), std::string::npos) << job.Describe();
+    EXPECT_NE(r.output.find("EXEC exit=0"), std::string::npos) << job.Describe();
+    EXPECT_NE(r.output.find("CHILD exit=0"), std::string::npos) << job.Describe();
+    // Each of the child's four calls was refused with the explanation.
+    size_t refused = 0;
+    for (size_t at = r.output.find("CHILD FAILED_PRECONDITION: "); at != std::string::npos;
+         at = r.output.find("CHILD FAILED_PRECONDITION: ", at + 1)) {
+      ++refused;
+    }
+    EXPECT_EQ(refused, 4u) << job.Describe();
+    EXPECT_NE(r.output.find("creating a communicator: this process (pid "), std::string::npos)
+        << job.Describe();
+    EXPECT_NE(r.output.find("send to rank "), std::string::npos) << job.Describe();
     EXPECT_NE(r.output.find("Spawn workers"), std::string::npos) << job.Describe();
   }
 }

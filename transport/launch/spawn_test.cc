@@ -622,8 +622,9 @@ TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
   ExpectNoChildrenLeft();
 }
 
-// A fork guard like the transport's exits the child of any fork(); workers
-// must start anyway, because spawning runs no pthread_atfork handler.
+// An atfork handler that exits the child of any fork() (as the transport's
+// fork guard once did); workers must start anyway, because spawning runs no
+// pthread_atfork handler.
 void ForkGuardLikeTheTransports() { _exit(99); }
 
 TEST(SpawnTest, AtforkHandlersDoNotRunWhenSpawning) {

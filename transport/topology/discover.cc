@@ -1,6 +1,7 @@
 #include "transport/topology/discover.h"
 
 #include <hwloc.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,6 +9,8 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -33,7 +36,11 @@ int ReadInt(const fs::path& path, int fallback) {
   }
 }
 
-// hwloc's view of NUMA nodes and where this process is bound.
+// hwloc's view of NUMA nodes and where the calling thread is bound (its own
+// binding: BindToCore binds only the thread that creates the communicator,
+// and the process's binding is the union of all its threads'). Nodes are
+// numbered as the OS numbers them (hwloc's os_index), as sysfs gives the
+// node of a device; `numa_nodes` is one more than the highest number.
 void DiscoverNuma(const DiscoverOptions& options, int& numa_nodes, int& my_node) {
   numa_nodes = 1;
   my_node = -1;
@@ -43,30 +50,66 @@ void DiscoverNuma(const DiscoverOptions& options, int& numa_nodes, int& my_node)
     hwloc_topology_destroy(topo);
     return;
   }
-  const int nodes = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
-  numa_nodes = std::max(nodes, 1);
+  struct Node {
+    int os;
+    hwloc_const_cpuset_t cpus;
+  };
+  std::vector<Node> all;
+  for (hwloc_obj_t obj = hwloc_get_next_obj_by_type(topo, HWLOC_OBJ_NUMANODE, nullptr);
+       obj != nullptr; obj = hwloc_get_next_obj_by_type(topo, HWLOC_OBJ_NUMANODE, obj)) {
+    const int os = static_cast<int>(obj->os_index == HWLOC_UNKNOWN_INDEX ? obj->logical_index
+                                                                         : obj->os_index);
+    numa_nodes = std::max(numa_nodes, os + 1);
+    if (obj->cpuset != nullptr && !hwloc_bitmap_iszero(obj->cpuset)) all.push_back({os, obj->cpuset});
+  }
+  // The nodes of cores: hwloc gives memory without cores of its own (CXL,
+  // HBM) the cpuset of the cores it is attached to, a whole package or
+  // machine, so a node whose cpuset strictly contains another's is left out,
+  // and of nodes with equal cpusets the first is kept.
+  std::vector<Node> nodes;
+  for (size_t i = 0; i < all.size(); ++i) {
+    bool memory_only = false;
+    for (size_t j = 0; j < all.size() && !memory_only; ++j) {
+      if (j == i || !hwloc_bitmap_isincluded(all[j].cpus, all[i].cpus)) continue;
+      memory_only = j < i || !hwloc_bitmap_isequal(all[j].cpus, all[i].cpus);
+    }
+    if (!memory_only) nodes.push_back(all[i]);
+  }
   hwloc_bitmap_t bound = hwloc_bitmap_alloc();
-  if (nodes > 1 && hwloc_get_cpubind(topo, bound, HWLOC_CPUBIND_PROCESS) == 0) {
-    for (int n = 0; n < nodes; ++n) {
-      hwloc_obj_t node = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, n);
-      if (node != nullptr && node->cpuset != nullptr &&
-          hwloc_bitmap_isincluded(bound, node->cpuset)) {
-        my_node = n;
+  if (nodes.size() > 1 && hwloc_get_cpubind(topo, bound, HWLOC_CPUBIND_THREAD) == 0 &&
+      !hwloc_bitmap_iszero(bound)) {
+    for (const Node& node : nodes) {
+      if (hwloc_bitmap_isincluded(bound, node.cpus)) {
+        my_node = node.os;
+        break;
       }
     }
   }
-  hwloc_bitmap_free(bound);
-  hwloc_topology_destroy(topo);
-  if (my_node < 0) {
+  if (my_node < 0 && !nodes.empty()) {
     // Not bound to one node: spread the local ranks evenly over the nodes,
     // which is what a binding launcher would have done.
-    my_node = options.local_world_size > 0
-                  ? options.local_rank * numa_nodes / options.local_world_size
-                  : 0;
+    const size_t spread = options.local_world_size > 0 && options.local_rank >= 0
+                              ? static_cast<size_t>(options.local_rank) * nodes.size() /
+                                    static_cast<size_t>(options.local_world_size)
+                              : 0;
+    my_node = nodes[std::min(spread, nodes.size() - 1)].os;
   }
+  hwloc_bitmap_free(bound);
+  hwloc_topology_destroy(topo);
+  if (my_node < 0) my_node = 0;
 }
 
 }  // namespace
+
+std::string NamespaceIds() {
+  std::string ids;
+  for (const char* ns : {"pid", "ipc"}) {
+    struct stat st {};
+    if (stat((std::string("/proc/self/ns/") + ns).c_str(), &st) != 0) continue;
+    ids += (ids.empty() ? "" : " ") + std::string(ns) + ":" + std::to_string(st.st_ino);
+  }
+  return ids;
+}
 
 std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
   std::vector<NetDevice> devices;
@@ -131,6 +174,7 @@ StatusOr<LocalView> DiscoverLocal(const DiscoverOptions& options) {
     if (gpu_numa >= 0) view.place.numa_node = gpu_numa;
   }
   view.pid = static_cast<int>(getpid());
+  view.namespaces = NamespaceIds();
   return view;
 }
 
@@ -185,13 +229,15 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
   mine.ranks.push_back(local.place);
   json posted = json::parse(TopologyToJson(mine));
   posted["pid"] = local.pid;
+  posted["namespaces"] = local.namespaces;
   posted["settings"] = local.settings;
   DDP_RETURN_IF_ERROR(store.Set(key_prefix + "topology/" + std::to_string(rank), posted.dump(),
                                 deadline));
 
   Exchanged out;
   out.pids.resize(size);
-  std::map<std::pair<std::string, std::string>, int> host_index;
+  // Host name, boot id and namespaces: what makes ranks one host.
+  std::map<std::tuple<std::string, std::string, std::string>, int> host_index;
   for (int r = 0; r < size; ++r) {
     const std::string key = key_prefix + "topology/" + std::to_string(r);
     StatusOr<std::string> text = store.Get(key, deadline);
@@ -206,6 +252,15 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
     }
     out.pids[r] = parsed["pid"].get<int>();
     parsed.erase("pid");
+    std::string namespaces;
+    if (parsed.contains("namespaces")) {
+      if (!parsed["namespaces"].is_string()) {
+        return InternalError("topology exchange: rank " + std::to_string(r) +
+                             " posted malformed namespaces under " + key);
+      }
+      namespaces = parsed["namespaces"].get<std::string>();
+      parsed.erase("namespaces");
+    }
     if (parsed.contains("settings")) {
       if (!parsed["settings"].is_string()) {
         return InternalError("topology exchange: rank " + std::to_string(r) +
@@ -220,7 +275,7 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
     DDP_ASSIGN_OR_RETURN(Topology theirs,
                          ParseTopologyJson(parsed.dump(), "topology of rank " + std::to_string(r)));
     const Host& host = theirs.hosts[0];
-    auto [it, inserted] = host_index.emplace(std::make_pair(host.name, host.boot_id),
+    auto [it, inserted] = host_index.emplace(std::make_tuple(host.name, host.boot_id, namespaces),
                                              out.topology.num_hosts());
     if (inserted) out.topology.hosts.push_back(host);
     RankPlace place = theirs.ranks[0];

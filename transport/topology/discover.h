@@ -26,11 +26,23 @@ struct LocalView {
   Host host;
   RankPlace place;
   int pid = 0;
+  /// This process's PID and IPC namespaces (NamespaceIds()).
+  std::string namespaces;
   /// Settings every rank must share, as "name=value" words separated by
   /// spaces; ExchangeTopology fails on every rank when two ranks differ.
   /// Empty: nothing to compare.
   std::string settings;
 };
+
+/// The identity of this process's PID and IPC namespaces, "pid:<inode>
+/// ipc:<inode>" (the inodes of /proc/self/ns/pid and /proc/self/ns/ipc);
+/// empty where /proc does not tell. Containers that share a machine's
+/// network (Kubernetes hostNetwork) share its host name and boot id, but each
+/// may have its own processes, System V IPC and /dev/shm (container runtimes
+/// give a container with its own IPC namespace its own /dev/shm): ranks in
+/// different namespaces cannot check each other's pids or share memory, so
+/// they are not one host.
+std::string NamespaceIds();
 
 /// RDMA ports under `<sysfs_root>/class/infiniband`, sorted by name and port;
 /// none when the folder does not exist.
@@ -50,16 +62,18 @@ struct Exchanged {
   std::vector<int> pids;
 };
 
-/// Posts `local` under `<key_prefix>topology/<rank>` and reads every rank's;
-/// ranks whose host name and boot id agree share a host. Must be called on
-/// every rank. INVALID_ARGUMENT, on every rank, naming the first setting
-/// and both values, when some rank's `settings` differ from this rank's.
 /// "setting staged_reduce differs between ranks: rank 0 has device, rank 1
 /// has host (it must be equal on every rank)", for the first setting (by
 /// name) whose values differ in two ranks' LocalView::settings.
 std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const std::string& theirs,
                                      int their_rank);
 
+/// Posts `local` under `<key_prefix>topology/<rank>` and reads every rank's;
+/// ranks whose host name, boot id and namespaces all agree share a host (its
+/// shared memory and pids; RanksSharingKernel still counts ranks by boot id
+/// alone). Must be called on every rank. INVALID_ARGUMENT, on every rank,
+/// naming the first setting and both values, when some rank's `settings`
+/// differ from this rank's.
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
                                      int rank, int size, const LocalView& local,
                                      Deadline deadline);

@@ -1,5 +1,8 @@
 #include "transport/topology/discover.h"
 
+#include <sched.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -58,6 +61,103 @@ TEST(DiscoverLocal, DescribesThisHost) {
   EXPECT_GE(view->place.numa_node, 0);
   EXPECT_LT(view->place.numa_node, view->host.numa_nodes);
   EXPECT_EQ(view->pid, getpid());
+  EXPECT_EQ(view->namespaces, NamespaceIds());
+}
+
+TEST(NamespaceIds, AreTheInodesOfThisProcesssNamespaces) {
+  struct stat pid_ns {}, ipc_ns {};
+  ASSERT_EQ(stat("/proc/self/ns/pid", &pid_ns), 0);
+  ASSERT_EQ(stat("/proc/self/ns/ipc", &ipc_ns), 0);
+  EXPECT_EQ(NamespaceIds(), "pid:" + std::to_string(pid_ns.st_ino) +
+                                " ipc:" + std::to_string(ipc_ns.st_ino));
+}
+
+// Exchanges `views` among as many ranks (threads); every rank's result.
+std::vector<StatusOr<Exchanged>> Exchange(const std::vector<LocalView>& views) {
+  testing::InMemoryStore store;
+  const int n = static_cast<int>(views.size());
+  std::vector<StatusOr<Exchanged>> results(n, InternalError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = ExchangeTopology(store, "job/", r, n, views[r],
+                                    DeadlineIn(std::chrono::milliseconds(5000)));
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+TEST(ExchangeTopology, RanksInOtherPidOrIpcNamespacesAreOtherHosts) {
+  // One machine's name and boot id (containers with the host's network):
+  // ranks 0 and 1 share their namespaces, rank 2 has its own PID namespace,
+  // rank 3 its own IPC namespace.
+  const char* namespaces[] = {"pid:10 ipc:20", "pid:10 ipc:20", "pid:11 ipc:20", "pid:10 ipc:21"};
+  std::vector<LocalView> views(4);
+  for (int r = 0; r < 4; ++r) {
+    views[r].host.name = "node";
+    views[r].host.boot_id = "1";
+    views[r].namespaces = namespaces[r];
+    views[r].pid = 1;  // each namespace's first process
+  }
+  std::vector<StatusOr<Exchanged>> results = Exchange(views);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    EXPECT_EQ(t.num_hosts(), 3);
+    EXPECT_TRUE(t.SameHost(0, 1));
+    EXPECT_FALSE(t.SameHost(0, 2));
+    EXPECT_FALSE(t.SameHost(0, 3));
+    EXPECT_FALSE(t.SameHost(2, 3));
+    // One kernel and one set of cores all the same.
+    EXPECT_EQ(RanksSharingKernel(t, r), 4);
+  }
+}
+
+// A process in PID and IPC namespaces of its own (as a container has) is
+// another host to this one, though it has this host's name and boot id.
+// Needs root (CAP_SYS_ADMIN), as CI runs it; skipped otherwise.
+TEST(ExchangeTopology, AProcessInItsOwnPidAndIpcNamespacesIsAnotherHost) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(fds[0]);
+    if (unshare(CLONE_NEWPID | CLONE_NEWIPC) != 0) _exit(2);
+    // A new PID namespace holds the caller's children, not the caller.
+    const pid_t inner = fork();
+    if (inner == 0) {
+      const std::string ids = NamespaceIds();
+      _exit(write(fds[1], ids.data(), ids.size()) == static_cast<ssize_t>(ids.size()) ? 0 : 4);
+    }
+    int status = 0;
+    if (inner < 0 || waitpid(inner, &status, 0) != inner) _exit(3);
+    _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 3);
+  }
+  close(fds[1]);
+  std::string theirs;
+  char buffer[256];
+  ssize_t n;
+  while ((n = read(fds[0], buffer, sizeof(buffer))) > 0) theirs.append(buffer, n);
+  close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 2) GTEST_SKIP() << "unshare(CLONE_NEWPID | CLONE_NEWIPC) not permitted";
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+
+  StatusOr<LocalView> mine = DiscoverLocal({});
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  ASSERT_NE(mine->namespaces, "");
+  ASSERT_NE(theirs, "");
+  EXPECT_NE(theirs, mine->namespaces);
+  std::vector<LocalView> views = {*mine, *mine};
+  views[1].namespaces = theirs;
+  std::vector<StatusOr<Exchanged>> results = Exchange(views);
+  ASSERT_TRUE(results[0].ok()) << results[0].status();
+  EXPECT_EQ(results[0]->topology.num_hosts(), 2);
+  EXPECT_FALSE(results[0]->topology.SameHost(0, 1));
 }
 
 TEST(ExchangeTopology, GroupsRanksByHostAndBootId) {

@@ -489,7 +489,10 @@ std::string PickNetDevice(const Topology& topology, int rank) {
     if (d->rate_gbps == best_rate) fastest.push_back(d);
   }
   // Spread the ranks that compete for the same devices: the i-th such rank
-  // on this host (same NUMA node) takes the i-th device, round robin.
+  // on this host takes the i-th device, round robin. Those are the ranks of
+  // this NUMA node when the pool is its ports; when no port is near, the
+  // pool is every port of the host, and so are the ranks counted (ranks of
+  // different nodes would otherwise each start at the first port).
   int index = 0;
   for (int r : topology.RanksOnHost(place.host)) {
     if (r == rank) break;
@@ -498,7 +501,7 @@ std::string PickNetDevice(const Topology& topology, int rank) {
     if (other.gpu >= 0 && host.gpus[other.gpu].numa_node >= 0) {
       other_numa = host.gpus[other.gpu].numa_node;
     }
-    if (other_numa == numa) ++index;
+    if (near.empty() || other_numa == numa) ++index;
   }
   return fastest[index % fastest.size()]->UcxName();
 }

@@ -257,6 +257,20 @@ TEST(PickNetDevice, ByNumaNodeWithoutGpusAndFallbacks) {
   EXPECT_EQ(PickNetDevice(t, 2), "");       // a host with no RDMA port
 }
 
+TEST(PickNetDevice, RanksWithNoNearPortSpreadOverEveryPortOfTheHost) {
+  // The ports' NUMA node is unknown, so no rank has a port near it: the
+  // ranks of both nodes share both ports, instead of each node's first rank
+  // taking ib0.
+  Topology t = MustParse(R"({"hosts": [{"numa_nodes": 2,
+      "net_devices": [{"name": "ib0", "rate_gbps": 100}, {"name": "ib1", "rate_gbps": 100}]}],
+      "ranks": [{"host": 0, "numa_node": 0}, {"host": 0, "numa_node": 1},
+                {"host": 0, "numa_node": 0}, {"host": 0, "numa_node": 1}]})");
+  EXPECT_EQ(PickNetDevice(t, 0), "ib0:1");
+  EXPECT_EQ(PickNetDevice(t, 1), "ib1:1");
+  EXPECT_EQ(PickNetDevice(t, 2), "ib0:1");
+  EXPECT_EQ(PickNetDevice(t, 3), "ib1:1");
+}
+
 // Two hosts of two ranks each, with the given boot ids.
 Topology TwoHosts(const std::string& boot_a, const std::string& boot_b) {
   Topology t;

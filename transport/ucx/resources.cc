@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "transport/fork/fork_guard.h"
 #include "transport/ucx/ucx_status.h"
 
 namespace ddp::transport::ucx {
@@ -20,6 +21,9 @@ bool EnvSet(const char* name) {
 }  // namespace
 
 StatusOr<std::shared_ptr<Context>> Context::Create(const ContextOptions& options) {
+  // UCX's global state in a forked child is the parent's (its threads and
+  // memory hooks); a context made there hangs or corrupts it.
+  DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("creating a UCX context"));
   ucp_config_t* config = nullptr;
   DDP_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "reading UCX configuration"));
   std::string tls = EnvSet("UCX_TLS") ? std::getenv("UCX_TLS") : "all";

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <sstream>
 
@@ -511,7 +512,11 @@ Status UcxPointToPoint::PendingSlotStatus(const Slot* slot) const {
 Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
                              const Slot* waiting_for) {
   const bool busy = worker_->Progress() != 0;
-  polls.idle = busy ? 0 : polls.idle + 1;
+  if (busy) {
+    polls.idle = 0;
+  } else if (polls.idle < std::numeric_limits<int>::max()) {
+    ++polls.idle;  // saturates: a wait of minutes would overflow it
+  }
   // Yielding waits give up the core at every idle poll once past the
   // threshold (with a threshold of 1, over TCP, the kernel's network stack
   // gets the core as soon as there is nothing to do).
@@ -618,7 +623,15 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
   size_t first_pending = 0;
   Polls polls;
   while (true) {
-    while (first_pending < slots.size() && slots[first_pending]->done) ++first_pending;
+    // A slot is checked as the wait moves past it: one that finished with an
+    // error (a truncated message) fails the wait at once, not at the
+    // deadline of a later slot still pending.
+    while (first_pending < slots.size() && slots[first_pending]->done) {
+      result = SlotStatus(slots[first_pending]);
+      if (!result.ok()) break;
+      ++first_pending;
+    }
+    if (!result.ok()) break;
     // Check every slot for errors, not only the first pending one, so a lost
     // peer fails the wait at once.
     bool all_done = true;

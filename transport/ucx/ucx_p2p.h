@@ -177,7 +177,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status PendingSlotStatus(const Slot* slot) const;
   // A wait's poll counts.
   struct Polls {
-    int idle = 0;         // consecutive polls that found nothing to do
+    int idle = 0;         // consecutive polls that found nothing to do (saturates)
     unsigned total = 0;   // every poll; paces the clock reads
   };
   // One poll of the worker plus back-off, deadline and watchdog handling.

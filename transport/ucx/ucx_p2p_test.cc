@@ -171,6 +171,34 @@ TEST(UcxPointToPoint, LongerMessageIsASizeMismatch) {
   });
 }
 
+// The first request finishes with an error while the second is still
+// pending: the wait fails with that error at once, not at the deadline with
+// the second one's time-out.
+TEST(UcxPointToPoint, WaitAllFailsAtOnceWhenItsFirstRequestFails) {
+  auto ranks = MakeRanks(3);
+  RunRanks(ranks, [](UcxPointToPoint& p2p) {
+    std::vector<float> buffer(100);
+    if (p2p.rank() == 0) {
+      int never_sent = 0;
+      auto truncated = p2p.PostRecv(1, 3, buffer.data(), 10 * sizeof(float));
+      auto pending = p2p.PostRecv(2, 4, &never_sent, sizeof(never_sent));
+      ASSERT_TRUE(truncated.ok() && pending.ok());
+      p2p::RequestId ids[] = {*truncated, *pending};
+      const auto start = Clock::now();
+      Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(10000)));
+      const auto waited = Clock::now() - start;
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find("from rank 1 (tag 3)"), std::string::npos) << s;
+      EXPECT_LT(waited, milliseconds(5000)) << s;
+    } else if (p2p.rank() == 1) {
+      auto r = p2p.PostSend(0, 3, buffer.data(), 100 * sizeof(float));
+      ASSERT_TRUE(r.ok());
+      p2p::RequestId ids[] = {*r};
+      p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).IgnoreError();  // eager
+    }
+  });
+}
+
 TEST(UcxPointToPoint, MissingSenderTimesOutNamingThePeer) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
