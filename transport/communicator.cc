@@ -702,6 +702,7 @@ Status Communicator::Impl::Init() {
     server_options.bind_address = o.store_host;
     server_options.port = o.store_port;
     server_options.job_token = o.job_token;
+    server_options.start_deadline = deadline;  // looking up store_host counts against creation
     server_ = std::make_shared<ServedStore>();
     DDP_ASSIGN_OR_RETURN(server_->server, store::TcpStoreServer::Start(server_options));
     server_->users.emplace_back(prefix_, o.world_size);

@@ -1197,6 +1197,10 @@ int RunDdprun(const DdprunOptions& options) {
     server_options.bind_address = o.master_addr;
     server_options.port = o.master_port;
     server_options.job_token = token;
+    // Looking up --master_addr takes at most the 30 s default, less when
+    // the whole rendezvous may take less.
+    server_options.start_deadline = DeadlineIn(
+        std::min<milliseconds>(o.rdzv_timeout, store::kDefaultServerStartTimeout));
     StatusOr<std::unique_ptr<store::TcpStoreServer>> started =
         store::TcpStoreServer::Start(server_options);
     if (started.ok()) {

@@ -72,10 +72,17 @@ struct AddrInfoDeleter {
 };
 using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 
-// How long ListenTcp may spend resolving its own address.
-constexpr auto kListenResolveTimeout = std::chrono::seconds(30);
 // One connect attempt to an address when more addresses follow it.
 constexpr auto kConnectAttemptTime = std::chrono::seconds(2);
+// Longest pause between connect rounds while nobody listens yet.
+constexpr auto kRefusedBackoffMax = std::chrono::milliseconds(200);
+// Longest pause between lookups of a name that does not resolve yet: a
+// thousand ranks waiting for one name ask the cluster's name server at most
+// a thousand times a second.
+constexpr auto kLookupBackoffMax = std::chrono::milliseconds(1000);
+// Ports ListenTcp picks (port 0) before giving up on finding one free at
+// every address.
+constexpr int kPickPortAttempts = 8;
 
 // Resolves `host` by the deadline. Numeric addresses are parsed at once.
 // A name is looked up on a thread of its own: with an unreachable name
@@ -134,37 +141,120 @@ StatusOr<AddrInfoPtr> Resolve(const std::string& host, int port, bool passive, D
   return AddrInfoPtr(lookup->result);
 }
 
-}  // namespace
-
-StatusOr<UniqueFd> ListenTcp(const std::string& host, int port, int backlog) {
-  if (port < 0 || port > 65535) {
-    return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
+// True for a connection whose two ends are one socket: TCP's simultaneous
+// open lets a connect to a port in the ephemeral range that nobody listens
+// on pick that very port as its own and connect to itself.
+bool ConnectedToItself(int fd) {
+  sockaddr_storage local{}, peer{};
+  socklen_t local_len = sizeof(local), peer_len = sizeof(peer);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+      getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
+    return false;
   }
-  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs,
-                       Resolve(host, port, /*passive=*/true, Clock::now() + kListenResolveTimeout));
-  std::string last_error = "no usable address";
-  for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
+  return FormatAddress(reinterpret_cast<sockaddr*>(&local), local_len) ==
+         FormatAddress(reinterpret_cast<sockaddr*>(&peer), peer_len);
+}
+
+void SetPort(sockaddr_storage& addr, int port) {
+  if (addr.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = htons(static_cast<uint16_t>(port));
+  } else {
+    reinterpret_cast<sockaddr_in*>(&addr)->sin_port = htons(static_cast<uint16_t>(port));
+  }
+}
+
+// One listening socket per address in `addrs`, all on `port`, or on the port
+// the first one picked when `port` is 0. `*port_taken` tells that a later
+// address had that picked port in use (another pick may do).
+StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
+                                            const std::vector<const addrinfo*>& addrs,
+                                            bool ipv6_only, int backlog, bool* port_taken) {
+  *port_taken = false;
+  std::vector<UniqueFd> fds;
+  std::string skipped;  // why the addresses this host cannot use were skipped
+  int chosen = port;
+  for (const addrinfo* ai : addrs) {
+    sockaddr_storage addr{};
+    std::memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
+    SetPort(addr, chosen);
+    const std::string where = FormatAddress(reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen);
+    auto failure = [&](const std::string& why) {
+      std::string at = HostPort(host, chosen);
+      if (at != where) at += " (" + where + ")";
+      return UnavailableError("cannot listen on " + at + ": " + why);
+    };
     UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                        ai->ai_protocol));
     if (!fd.valid()) {
-      last_error = "socket: " + ErrnoString(errno);
-      continue;
+      const int err = errno;
+      if (err == EAFNOSUPPORT || err == EPROTONOSUPPORT) {
+        skipped = where + ": " + ErrnoString(err);
+        continue;
+      }
+      return failure("socket: " + ErrnoString(err));
     }
     // Lets a restarted launcher reuse its port while old connections sit in
     // TIME_WAIT; it does not let two live listeners share a port.
     const int one = 1;
     setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
-      last_error = ErrnoString(errno);
-      continue;
+    // An IPv6 wildcard would take the IPv4 addresses too, and then the IPv4
+    // socket of the same name could not bind.
+    if (ai->ai_family == AF_INET6 && ipv6_only) {
+      setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
     }
-    if (listen(fd.get(), backlog) != 0) {
-      last_error = "listen: " + ErrnoString(errno);
-      continue;
+    if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen) != 0) {
+      const int err = errno;
+      if (err == EADDRNOTAVAIL) {
+        skipped = where + ": " + ErrnoString(err);
+        continue;
+      }
+      *port_taken = err == EADDRINUSE && port == 0 && !fds.empty();
+      return failure(ErrnoString(err));
     }
-    return fd;
+    if (listen(fd.get(), backlog) != 0) return failure("listen: " + ErrnoString(errno));
+    if (chosen == 0) {
+      DDP_ASSIGN_OR_RETURN(chosen, LocalPort(fd.get()));
+    }
+    fds.push_back(std::move(fd));
   }
-  return UnavailableError("cannot listen on " + HostPort(host, port) + ": " + last_error);
+  if (fds.empty()) {
+    return UnavailableError("cannot listen on " + HostPort(host, port) + ": " + skipped);
+  }
+  return fds;
+}
+
+}  // namespace
+
+StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
+                                          Deadline deadline) {
+  if (port < 0 || port > 65535) {
+    return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
+  }
+  DDP_ASSIGN_OR_RETURN(AddrInfoPtr found, Resolve(host, port, /*passive=*/true, deadline));
+  // Every address the name has, each once (a name listed twice in
+  // /etc/hosts comes back twice): clients try them in their own order, and
+  // one refused at an address we left out would never find the store.
+  std::vector<const addrinfo*> addrs;
+  std::vector<std::string> seen;
+  bool has_ipv4 = false;
+  for (const addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
+    if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6) continue;
+    std::string key = FormatAddress(ai->ai_addr, ai->ai_addrlen);
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+    seen.push_back(std::move(key));
+    addrs.push_back(ai);
+    has_ipv4 = has_ipv4 || ai->ai_family == AF_INET;
+  }
+  if (addrs.empty()) {
+    return UnavailableError("cannot listen on " + HostPort(host, port) +
+                            ": the name has no IPv4 or IPv6 address");
+  }
+  for (int attempt = 1;; ++attempt) {
+    bool port_taken = false;
+    StatusOr<std::vector<UniqueFd>> fds =
+        ListenOnAll(host, port, addrs, /*ipv6_only=*/has_ipv4, backlog, &port_taken);
+    if (fds.ok() || !port_taken || attempt == kPickPortAttempts) return fds;
+  }
 }
 
 StatusOr<int> LocalPort(int fd) {
@@ -182,11 +272,23 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
   if (port < 1 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");
   }
-  DDP_ASSIGN_OR_RETURN(AddrInfoPtr addrs, Resolve(host, port, /*passive=*/false, deadline));
   auto backoff = std::chrono::milliseconds(5);
   std::string last_error;
+  bool lookup_failed = false;  // the last round ended at the name lookup
   while (true) {
-    for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
+    // Looked up every round: the name may have no record yet (a headless
+    // service before its pod is up), or a new address once it has one.
+    StatusOr<AddrInfoPtr> addrs = Resolve(host, port, /*passive=*/false, deadline);
+    if (!addrs.ok() && addrs.status().code() == StatusCode::kTimedOut) {
+      // The deadline passed with the name service silent. An answer of the
+      // round before ("no such name") says more.
+      if (lookup_failed) break;
+      if (last_error.empty()) return addrs.status();
+      return TimedOutError(addrs.status().message() + " (the round before: " + last_error + ")");
+    }
+    lookup_failed = !addrs.ok();
+    if (lookup_failed) last_error = addrs.status().message();
+    for (addrinfo* ai = lookup_failed ? nullptr : addrs->get(); ai != nullptr; ai = ai->ai_next) {
       UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                          ai->ai_protocol));
       if (!fd.valid()) {
@@ -216,6 +318,10 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
           if (n < 0 || getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
         }
       }
+      if (err == 0 && ConnectedToItself(fd.get())) {
+        last_error = "nobody listens there (the connection reached itself)";
+        continue;
+      }
       if (err == 0) {
         const int one = 1;
         setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -224,11 +330,16 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
       last_error = ErrnoString(err);
     }
     if (Clock::now() >= deadline) break;
-    // Nobody listens yet (the store host may start after us): try again.
+    // Nobody listens yet (the store host may start after us), or the name
+    // has no address yet: try again.
     std::this_thread::sleep_for(
         std::min<Clock::duration>(backoff, deadline - Clock::now()));
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    backoff = std::min<std::chrono::milliseconds>(
+        backoff * 2, lookup_failed ? kLookupBackoffMax : kRefusedBackoffMax);
     if (Clock::now() >= deadline) break;
+  }
+  if (lookup_failed) {
+    return UnavailableError(last_error + " (looked up until the deadline)");
   }
   return UnavailableError("cannot connect to the store at " + HostPort(host, port) + ": " +
                           last_error);

@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "transport/status.h"
 #include "transport/types.h"
@@ -42,16 +43,25 @@ std::string FormatAddress(const sockaddr* addr, socklen_t len);
 /// The remote end of a connected socket, formatted as above.
 std::string PeerAddress(int fd);
 
-/// A non-blocking listening TCP socket bound to `host`:`port` (port 0 picks a
-/// free one). `host` may be a name or a numeric address; the socket binds to
-/// that address only. UNAVAILABLE names the address and the reason.
-StatusOr<UniqueFd> ListenTcp(const std::string& host, int port, int backlog);
+/// Non-blocking listening TCP sockets, one per address `host` resolves to
+/// (a name with an IPv4 and an IPv6 address gets both), all on `port` (0
+/// picks one free at every address). Binds those addresses only. An
+/// address this host does not have or cannot use (::1 with IPv6 off) is
+/// skipped; any other failure at any address fails the whole. The name is
+/// looked up once, by `deadline` (TIMED_OUT past it). UNAVAILABLE names the
+/// address and the reason.
+StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
+                                          Deadline deadline);
 
 /// The local port of a bound socket.
 StatusOr<int> LocalPort(int fd);
 
-/// Connects to `host`:`port`, retrying refused or unreachable attempts until
-/// `deadline` (the server may not be up yet). The socket is non-blocking.
+/// Connects to `host`:`port`, retrying until `deadline` (the server may not
+/// be up yet): refused or unreachable attempts, and names that do not
+/// resolve (yet: a Kubernetes headless service has no record until its pod
+/// is up), looked up again every round. Past the deadline, UNAVAILABLE with
+/// the last reason (naming the host), or TIMED_OUT when the name service
+/// had not answered. The socket is non-blocking.
 StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline);
 
 /// Sends all of `data` on a non-blocking socket before `deadline`.

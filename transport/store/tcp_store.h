@@ -13,8 +13,10 @@
 //
 // Bounds: keys up to kMaxKeyBytes, values up to kMaxValueBytes (store.h),
 // frames up to wire::kMaxFrameBytes; per connection, the input buffer holds at
-// most one frame, the output buffer and the number of parked waits are
-// capped; in total, stored bytes and buffered bytes are capped. Connections
+// most one frame (and lets go of a big one's memory once it is handled, as
+// the output buffer does once a big reply is out), the output buffer and the
+// number of parked waits are capped, and a request stalled mid-frame is
+// dropped; in total, stored bytes and buffered bytes are capped. Connections
 // that have not yet presented a token are few (the oldest is evicted when a
 // new one arrives) and short-lived (dropped after a deadline), so a flood of
 // idle connections cannot keep the job's ranks out. A malformed or oversized
@@ -38,17 +40,29 @@
 
 namespace ddp::transport::store {
 
+/// How long TcpStoreServer::Start may take to look up its bind address when
+/// the options give no deadline.
+inline constexpr std::chrono::seconds kDefaultServerStartTimeout{30};
+
 /// Settings of a TcpStoreServer. The defaults suit jobs of thousands of ranks.
 struct TcpStoreServerOptions {
-  /// Address (or host name) to bind; the server listens there only. Use
-  /// "0.0.0.0" or "::" to listen everywhere, only when that is intended.
+  /// Address (or host name) to bind; the server listens there only, at
+  /// every address a name resolves to (IPv4 and IPv6 alike). Use "0.0.0.0"
+  /// or "::" to listen everywhere, only when that is intended.
   std::string bind_address = "127.0.0.1";
+  /// Start gives up looking up bind_address at this time (TIMED_OUT).
+  /// Unset: kDefaultServerStartTimeout after Start is called.
+  std::optional<Deadline> start_deadline;
   /// TCP port; 0 picks a free one (read it back with port()).
   int port = 0;
   /// Every client must present exactly this token (may be empty).
   std::string job_token;
   /// A connection that has not completed its handshake by then is dropped.
   std::chrono::milliseconds handshake_timeout{10000};
+  /// A connection that sent part of a request and then nothing more for
+  /// this long is dropped, with the room held for the whole frame (a client
+  /// that hangs or dies mid-request without its socket closing).
+  std::chrono::milliseconds frame_stall_timeout{30000};
   /// Most connections that have not yet presented a token; when a new one
   /// arrives beyond this, the oldest is dropped.
   size_t max_unauthenticated = 64;
@@ -79,10 +93,14 @@ struct TcpStoreServerStats {
   uint64_t evicted = 0;               ///< Unauthenticated connections evicted by newer ones.
   uint64_t refused_malformed = 0;     ///< Malformed frames (bad magic, version, fields, op).
   uint64_t refused_oversized = 0;     ///< Frames over the size bound.
+  uint64_t dropped_stalled = 0;       ///< Dropped for stalling mid-request (frame_stall_timeout).
   uint64_t open_connections = 0;      ///< Connections open now.
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
   uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
+  /// Bytes of memory the connections' buffers hold now (their capacity; at
+  /// least buffered_bytes, and small once they are done with big frames).
+  uint64_t buffer_capacity_bytes = 0;
 };
 
 /// Serves the store on one background thread until Stop() or destruction.
@@ -91,7 +109,8 @@ struct TcpStoreServerStats {
 class TcpStoreServer {
  public:
   /// Binds and starts serving. UNAVAILABLE names the address when it cannot
-  /// bind (for instance "Address already in use").
+  /// bind (for instance "Address already in use"); TIMED_OUT when the name
+  /// service did not answer by options.start_deadline.
   static StatusOr<std::unique_ptr<TcpStoreServer>> Start(TcpStoreServerOptions options);
 
   ~TcpStoreServer();

@@ -118,11 +118,20 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
     std::string_view magic, message;
     uint16_t version = 0;
     uint8_t code = 0;
+    // All of it, to the last byte: a connection that reached itself (TCP's
+    // simultaneous open, nobody listening yet) reads back this process's
+    // own hello, which with an empty token is a well-formed "OK" with one
+    // byte left over.
     if (!r.Bytes(4, magic) || magic != std::string_view(wire::kMagic, 4) || !r.U16(version) ||
-        !r.U8(code) || !r.String(message, wire::kMaxFrameBytes)) {
+        !r.U8(code) || !r.String(message, wire::kMaxFrameBytes) || !r.at_end()) {
       return UnavailableError("the store at " + endpoint +
                               " answered the handshake with something else than the store "
                               "protocol");
+    }
+    if (version != wire::kVersion) {
+      return FailedPreconditionError("the store at " + endpoint + " speaks store protocol version " +
+                                     std::to_string(version) + ", this process speaks " +
+                                     std::to_string(wire::kVersion));
     }
     const auto status_code = static_cast<StatusCode>(code);
     if (status_code == StatusCode::kPermissionDenied) {
@@ -192,8 +201,11 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
     if (send_status.code() != StatusCode::kTimedOut) return lost(send_status);
     if (sent > 0) {
       // Half a frame is on the wire; the stream cannot be resynchronised.
+      // Shut down, so that the server, which would wait for the rest of
+      // the frame with room held for all of it, sees the end at once.
       broken_ = UnavailableError("the connection to the store at " + endpoint_ +
                                  " is unusable: a request timed out half-sent");
+      shutdown(fd_, SHUT_RDWR);
     }
     return timed_out();
   }

@@ -32,9 +32,10 @@
 namespace ddp::transport::store {
 namespace {
 
-constexpr uint64_t kListenId = 0;
-constexpr uint64_t kWakeId = 1;
-constexpr uint64_t kFirstConnectionId = 2;
+constexpr uint64_t kWakeId = 0;
+// Listening socket i (one per bound address) is kFirstListenId + i;
+// connections are numbered after the last one.
+constexpr uint64_t kFirstListenId = 1;
 // Reads per readable event before the loop moves on to other connections.
 constexpr int kReadsPerEvent = 16;
 // Connections accepted per round: small enough that a flood cannot evict a
@@ -50,6 +51,14 @@ constexpr auto kAcceptPause = std::chrono::milliseconds(100);
 // and Stop(), so this only bounds how stale a missed wake-up could leave it.
 constexpr int kMaxPollMs = 1000;
 constexpr size_t kLogLinesPerSecond = 20;
+// Most bytes one recv() takes, through a buffer of the server's (a frame's
+// buffer is reserved whole and appended to, never zero-filled).
+constexpr size_t kReadChunkBytes = 256 * 1024;
+// A connection keeps up to this much buffer memory between frames. A bigger
+// buffer (a large value came through) is let go once done with: thousands
+// of connections that once moved a 4 MiB value must not keep 4 MiB each,
+// which max_buffered_bytes does not count.
+constexpr size_t kKeepBufferBytes = 64 * 1024;
 
 struct Connection {
   uint64_t id = 0;
@@ -58,11 +67,15 @@ struct Connection {
   bool authenticated = false;
   bool closing = false;  // no more input; close once `out` drains
   bool dead = false;     // close at the end of this round
-  Deadline timer{};      // handshake deadline, or close deadline when closing
+  Deadline timer{};      // handshake deadline; when authenticated, when to check
+                         // a partly received frame for progress; when closing,
+                         // close deadline
   std::string in;        // the frame being received, header included
   size_t reserved = 0;   // bytes of the buffer bound held for that frame
+  Deadline last_read{};  // when bytes of the frame last arrived
   std::string out;
   size_t out_pos = 0;    // bytes of `out` already sent
+  size_t capacity = 0;   // in's and out's capacity, as last counted in buffer_capacity_
   uint32_t events = 0;   // current epoll interest
   std::unordered_set<uint64_t> waiters;
 
@@ -107,8 +120,12 @@ std::optional<int64_t> ParseInt64(std::string_view text) {
 
 class TcpStoreServer::Impl {
  public:
-  Impl(TcpStoreServerOptions options, UniqueFd listen_fd, int port)
-      : options_(std::move(options)), listen_fd_(std::move(listen_fd)), port_(port) {
+  Impl(TcpStoreServerOptions options, std::vector<UniqueFd> listen_fds, int port)
+      : options_(std::move(options)),
+        listen_fds_(std::move(listen_fds)),
+        port_(port),
+        next_id_(kFirstListenId + listen_fds_.size()),
+        read_chunk_(kReadChunkBytes) {
     if (!options_.log) {
       options_.log = [](const std::string& line) {
         std::fprintf(stderr, "ddp store: %s\n", line.c_str());
@@ -123,7 +140,7 @@ class TcpStoreServer::Impl {
     if (!epoll_fd_.valid()) return InternalError("epoll_create1: " + ErrnoString(errno));
     wake_fd_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_fd_.valid()) return InternalError("eventfd: " + ErrnoString(errno));
-    DDP_RETURN_IF_ERROR(AddToEpoll(listen_fd_.get(), kListenId, EPOLLIN));
+    DDP_RETURN_IF_ERROR(AddListeners());
     DDP_RETURN_IF_ERROR(AddToEpoll(wake_fd_.get(), kWakeId, EPOLLIN));
     listening_ = true;
     thread_ = std::thread([this] { Run(); });
@@ -152,10 +169,12 @@ class TcpStoreServer::Impl {
     s.evicted = evicted_.load();
     s.refused_malformed = refused_malformed_.load();
     s.refused_oversized = refused_oversized_.load();
+    s.dropped_stalled = dropped_stalled_.load();
     s.open_connections = open_connections_.load();
     s.stored_bytes = stored_bytes_.load();
     s.buffered_bytes = buffered_bytes_.load();
     s.parked_waits = parked_waits_.load();
+    s.buffer_capacity_bytes = buffer_capacity_bytes_.load();
     return s;
   }
 
@@ -177,8 +196,8 @@ class TcpStoreServer::Impl {
           uint64_t value;
           ssize_t r = read(wake_fd_.get(), &value, sizeof(value));
           (void)r;
-        } else if (id == kListenId) {
-          AcceptSome();
+        } else if (id < next_listen_id()) {
+          AcceptSome(listen_fds_[id - kFirstListenId].get());
         } else {
           OnConnectionEvent(id, events[i].events);
         }
@@ -187,6 +206,7 @@ class TcpStoreServer::Impl {
       FireTimers();
       FinishRound();
       buffered_bytes_.store(buffered_);
+      buffer_capacity_bytes_.store(buffer_capacity_);
     }
     Shutdown();
   }
@@ -207,6 +227,10 @@ class TcpStoreServer::Impl {
       Connection* c = Find(id);
       if (c == nullptr) continue;
       c->timer = Deadline{};
+      if (c->authenticated && !c->closing) {
+        CheckFrameProgress(*c, now);
+        continue;
+      }
       if (!c->authenticated && !c->closing) {
         ++dropped_silent_;
         Log("dropped connection from " + c->peer + ": no handshake within " +
@@ -229,8 +253,33 @@ class TcpStoreServer::Impl {
       }
     }
     if (!listening_ && now >= accept_resume_) {
-      if (AddToEpoll(listen_fd_.get(), kListenId, EPOLLIN).ok()) listening_ = true;
+      if (AddListeners().ok()) listening_ = true;
     }
+  }
+
+  // The timer of a connection part-way through a request: one whose client
+  // sent nothing more for frame_stall_timeout is dropped, releasing the
+  // room held for the whole frame (it would wait for the rest forever).
+  void CheckFrameProgress(Connection& c, Deadline now) {
+    if (c.in.empty()) return;
+    // While the frame waits for room, the server is the one not reading.
+    const Deadline due = waiting_for_memory_.count(c.id)
+                             ? now + options_.frame_stall_timeout
+                             : c.last_read + options_.frame_stall_timeout;
+    if (due > now) {
+      c.timer = due;
+      timers_.emplace(due, c.id);
+      return;
+    }
+    ++dropped_stalled_;
+    const std::optional<uint32_t> length = wire::PeekFrameLength(c.in);
+    Log("dropped connection from " + c.peer + ": it sent " + std::to_string(c.in.size()) +
+        " of the " +
+        (length ? std::to_string(wire::kFrameHeaderBytes + *length) + " bytes"
+                : std::string("header")) +
+        " of a request and then nothing for " +
+        std::to_string(options_.frame_stall_timeout.count()) + " ms");
+    MarkDead(c);
   }
 
   // Destroys dead and drained-closing connections; updates epoll interest;
@@ -248,6 +297,7 @@ class TcpStoreServer::Impl {
       if (!Fits(frame_bytes)) break;  // first come, first served
       c->reserved = frame_bytes;
       buffered_ += frame_bytes;
+      c->last_read = Clock::now();  // the client's stall clock starts again
       touched.push_back(*it);
       it = waiting_for_memory_.erase(it);
     }
@@ -259,6 +309,7 @@ class TcpStoreServer::Impl {
         continue;
       }
       UpdateInterest(*c);
+      CountCapacity(*c);
     }
   }
 
@@ -277,16 +328,33 @@ class TcpStoreServer::Impl {
     std::vector<uint64_t> conns;
     for (auto& [id, c] : connections_) conns.push_back(id);
     for (uint64_t id : conns) Destroy(id);
-    listen_fd_.Reset();
+    listen_fds_.clear();
   }
 
   // ---- accepting ----
 
-  void AcceptSome() {
+  uint64_t next_listen_id() const { return kFirstListenId + listen_fds_.size(); }
+
+  // Every listening socket into the epoll set (again, after a pause; one
+  // already there from a try that failed part-way is fine).
+  Status AddListeners() {
+    for (size_t i = 0; i < listen_fds_.size(); ++i) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = kFirstListenId + i;
+      if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fds_[i].get(), &ev) != 0 &&
+          errno != EEXIST) {
+        return InternalError("epoll_ctl(ADD) of a listening socket: " + ErrnoString(errno));
+      }
+    }
+    return Status::Ok();
+  }
+
+  void AcceptSome(int listen_fd) {
     for (int i = 0; i < kAcceptBatch; ++i) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
-      int fd = accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), &len,
+      int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         const int err = errno;
@@ -343,7 +411,7 @@ class TcpStoreServer::Impl {
   }
 
   void PauseAccepting() {
-    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+    for (const UniqueFd& fd : listen_fds_) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd.get(), nullptr);
     listening_ = false;
     accept_resume_ = Clock::now() + kAcceptPause;
   }
@@ -388,7 +456,16 @@ class TcpStoreServer::Impl {
   // Reads exactly up to the end of the current frame, never into the next:
   // a frame's whole size is reserved against the total bound when its header
   // arrives, and the connection waits (stops reading) while it does not fit.
+  // A request left part-way gets a timer (CheckFrameProgress).
   void OnReadable(Connection& c) {
+    ReadFrames(c);
+    if (c.authenticated && !c.dead && !c.closing && !c.in.empty() && c.timer == Deadline{}) {
+      c.timer = c.last_read + options_.frame_stall_timeout;
+      timers_.emplace(c.timer, c.id);
+    }
+  }
+
+  void ReadFrames(Connection& c) {
     for (int reads = 0;;) {
       if (c.dead || c.closing) return;
       size_t want = 0;
@@ -414,16 +491,19 @@ class TcpStoreServer::Impl {
           c.reserved = frame_bytes;
           buffered_ += frame_bytes;
         }
+        c.in.reserve(frame_bytes);  // once per frame
         want = frame_bytes - c.in.size();
       }
       // Level-triggered epoll reports the rest on the next round.
       if (reads == kReadsPerEvent) return;
       ++reads;
-      const size_t old_size = c.in.size();
-      c.in.resize(old_size + want);
-      const ssize_t n = recv(c.fd.get(), c.in.data() + old_size, want, 0);
-      c.in.resize(old_size + std::max<ssize_t>(n, 0));
-      if (n > 0 || (n < 0 && errno == EINTR)) continue;
+      const ssize_t n = recv(c.fd.get(), read_chunk_.data(), std::min(want, read_chunk_.size()), 0);
+      if (n > 0) {
+        c.in.append(read_chunk_.data(), static_cast<size_t>(n));
+        c.last_read = Clock::now();
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
       MarkDead(c);  // peer closed or reset: nothing to answer
       return;
@@ -441,14 +521,22 @@ class TcpStoreServer::Impl {
   }
 
   void HandleFrame(Connection& c) {
-    const std::string body = c.in.substr(wire::kFrameHeaderBytes);
-    c.in.clear();
+    if (c.authenticated) ClearTimer(c);  // the frame is whole: no stall to watch for
     buffered_ -= c.reserved;
     c.reserved = 0;
+    // The frame is handled where it lies, moved out of the connection; the
+    // buffer comes back empty, with its memory only when that is small.
+    std::string frame;
+    frame.swap(c.in);
+    const std::string_view body = std::string_view(frame).substr(wire::kFrameHeaderBytes);
     if (c.authenticated) {
       HandleRequest(c, body);
     } else {
       HandleHandshake(c, body);
+    }
+    if (frame.capacity() <= kKeepBufferBytes) {
+      frame.clear();
+      c.in.swap(frame);
     }
   }
 
@@ -810,13 +898,16 @@ class TcpStoreServer::Impl {
       MarkDead(c);
       return;
     }
-    if (c.out_pos > 0 && c.out_pos == c.out.size()) {
-      c.out.clear();
+    if (c.out_pos > 0 && c.out_pos >= c.pending_out()) {
+      // More of `out` is sent than waits: drop the sent part, or a client
+      // that never quite catches up would grow it without end.
+      c.out.erase(0, c.out_pos);
       c.out_pos = 0;
     }
     c.out += frame;
     buffered_ += frame.size();
     Flush(c);
+    Touch(c);  // for its epoll interest and its buffer's size
   }
 
   void Flush(Connection& c) {
@@ -834,7 +925,11 @@ class TcpStoreServer::Impl {
       return;
     }
     if (c.pending_out() == 0) {
-      c.out.clear();
+      if (c.out.capacity() > kKeepBufferBytes) {
+        std::string().swap(c.out);  // a big reply went out: let its memory go
+      } else {
+        c.out.clear();
+      }
       c.out_pos = 0;
     }
   }
@@ -872,6 +967,7 @@ class TcpStoreServer::Impl {
     ClearTimer(c);
     unauthenticated_.erase(id);
     buffered_ -= c.reserved + c.pending_out();
+    buffer_capacity_ -= c.capacity;
     waiting_for_memory_.erase(id);
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
     connections_.erase(it);
@@ -887,6 +983,13 @@ class TcpStoreServer::Impl {
     ev.events = want;
     ev.data.u64 = c.id;
     if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev) == 0) c.events = want;
+  }
+
+  // Brings buffer_capacity_ up to date with `c`'s buffers.
+  void CountCapacity(Connection& c) {
+    const size_t capacity = c.in.capacity() + c.out.capacity();
+    buffer_capacity_ = buffer_capacity_ - c.capacity + capacity;
+    c.capacity = capacity;
   }
 
   Status AddToEpoll(int fd, uint64_t id, uint32_t events) {
@@ -927,7 +1030,7 @@ class TcpStoreServer::Impl {
   }
 
   TcpStoreServerOptions options_;
-  UniqueFd listen_fd_;
+  std::vector<UniqueFd> listen_fds_;
   const int port_;
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;
@@ -938,13 +1041,16 @@ class TcpStoreServer::Impl {
   // Server-thread state.
   bool listening_ = false;
   Deadline accept_resume_{};
-  uint64_t next_id_ = kFirstConnectionId;
+  uint64_t next_id_;
+  std::vector<char> read_chunk_;  // what recv() takes, before it joins a frame
   std::unordered_map<uint64_t, Connection> connections_;
   std::set<uint64_t> unauthenticated_;  // ids grow with age: begin() is the oldest
   std::set<std::pair<Deadline, uint64_t>> timers_;
   std::vector<uint64_t> touched_;
   // Bytes reserved for frames being received plus replies not yet sent.
   size_t buffered_ = 0;
+  // Capacity of every connection's buffers, as of each one's last activity.
+  size_t buffer_capacity_ = 0;
   std::unordered_set<std::string> deferred_wakes_;  // keys whose waits await room (WakeWaiters)
   // Connections whose next frame does not fit under the bound yet, oldest first.
   std::set<uint64_t> waiting_for_memory_;
@@ -965,10 +1071,12 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> evicted_{0};
   std::atomic<uint64_t> refused_malformed_{0};
   std::atomic<uint64_t> refused_oversized_{0};
+  std::atomic<uint64_t> dropped_stalled_{0};
   std::atomic<uint64_t> open_connections_{0};
   std::atomic<uint64_t> stored_bytes_{0};
   std::atomic<uint64_t> buffered_bytes_{0};  // buffered_ at the end of the last round, for stats()
   std::atomic<uint64_t> parked_waits_{0};    // waiters_.size(), for stats()
+  std::atomic<uint64_t> buffer_capacity_bytes_{0};  // buffer_capacity_, for stats()
 };
 
 StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOptions options) {
@@ -976,10 +1084,12 @@ StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOp
     return InvalidArgumentError("job token of " + std::to_string(options.job_token.size()) +
                                 " bytes is too long");
   }
-  DDP_ASSIGN_OR_RETURN(UniqueFd listen_fd,
-                       ListenTcp(options.bind_address, options.port, kListenBacklog));
-  DDP_ASSIGN_OR_RETURN(int port, LocalPort(listen_fd.get()));
-  auto impl = std::make_unique<Impl>(std::move(options), std::move(listen_fd), port);
+  const Deadline start_deadline =
+      options.start_deadline.value_or(DeadlineIn(kDefaultServerStartTimeout));
+  DDP_ASSIGN_OR_RETURN(std::vector<UniqueFd> listen_fds,
+                       ListenTcp(options.bind_address, options.port, kListenBacklog, start_deadline));
+  DDP_ASSIGN_OR_RETURN(int port, LocalPort(listen_fds.front().get()));
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(listen_fds), port);
   DDP_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<TcpStoreServer>(new TcpStoreServer(std::move(impl)));
 }

@@ -1,5 +1,6 @@
 #include "transport/store/tcp_store.h"
 
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -8,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -703,9 +705,9 @@ class SilentServer {
   };
 
   SilentServer() {
-    StatusOr<UniqueFd> fd = ListenTcp("127.0.0.1", 0, 4);
-    EXPECT_TRUE(fd.ok()) << fd.status();
-    listen_fd_ = std::move(fd).value();
+    StatusOr<std::vector<UniqueFd>> fds = ListenTcp("127.0.0.1", 0, 4, DeadlineIn(5s));
+    EXPECT_TRUE(fds.ok()) << fds.status();
+    listen_fd_ = std::move(fds->front());
     StatusOr<int> port = LocalPort(listen_fd_.get());
     EXPECT_TRUE(port.ok()) << port.status();
     port_ = port.ok() ? *port : 0;
@@ -873,6 +875,255 @@ TEST(TcpStoreTest, ClientConnectsBeforeTheServerStarts) {
   starter.join();
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_TRUE((*client)->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
+// A name that does not resolve (yet: a Kubernetes headless service before
+// its pod is up) is looked up again until the deadline, as a refused
+// connection is tried again; the old client gave up at the first answer.
+// Whether this machine's name service answers "no such name" at once or
+// not at all, the connect ends at its deadline and names the host.
+// (resolve_deadline_test checks the answer in the message, and a name that
+// gets its address later, in a namespace where the test owns the names.)
+TEST(TcpStoreTest, NameThatDoesNotResolveIsLookedUpUntilTheDeadline) {
+  const Deadline start = Clock::now();
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("no-such-store.ddp-test.invalid", 29500, kToken, DeadlineIn(600ms));
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(client.ok());
+  EXPECT_THAT(client.status().code(),
+              ::testing::AnyOf(StatusCode::kUnavailable, StatusCode::kTimedOut))
+      << client.status();
+  EXPECT_THAT(client.status().message(),
+              HasSubstr("cannot resolve no-such-store.ddp-test.invalid:29500: "));
+  EXPECT_GE(took, 550ms) << client.status();
+  EXPECT_LT(took, 5s) << client.status();
+}
+
+// A server on "localhost" listens at every address the name has: clients
+// that try 127.0.0.1 and ::1 both find it.
+TEST(TcpStoreTest, ServerOnANameListensAtEachOfItsAddresses) {
+  TcpStoreServerOptions options;
+  options.bind_address = "localhost";
+  auto server = StartServer(options);
+  auto v4 = ConnectClient(*server);  // 127.0.0.1
+  EXPECT_TRUE(v4->Set("k", "v", DeadlineIn(5s)).ok());
+  addrinfo hints{};
+  hints.ai_family = AF_INET6;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const bool has_ipv6 = getaddrinfo("localhost", nullptr, &hints, &found) == 0;
+  if (found != nullptr) freeaddrinfo(found);
+  if (!has_ipv6) {
+    GTEST_SKIP() << "localhost has no IPv6 address here (see /etc/hosts); only 127.0.0.1 was "
+                    "checked (resolve_deadline_test checks a name with both)";
+  }
+  StatusOr<std::unique_ptr<TcpStoreClient>> v6 =
+      TcpStoreClient::Connect("::1", server->port(), kToken, DeadlineIn(2s));
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_EQ(*(*v6)->Get("k", DeadlineIn(5s)), "v");
+}
+
+// A listening socket that answers one handshake with `answer(hello body)`
+// and then holds the connection (reading nothing more) until destroyed.
+class HandshakeServer {
+ public:
+  explicit HandshakeServer(std::function<std::string(const std::string&)> answer,
+                           int receive_buffer = 0)
+      : answer_(std::move(answer)) {
+    StatusOr<std::vector<UniqueFd>> fds = ListenTcp("127.0.0.1", 0, 4, DeadlineIn(5s));
+    EXPECT_TRUE(fds.ok()) << fds.status();
+    listen_fd_ = std::move(fds->front());
+    // A small receive buffer (inherited by the accepted socket) fills fast.
+    if (receive_buffer > 0) {
+      setsockopt(listen_fd_.get(), SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
+    }
+    port_ = *LocalPort(listen_fd_.get());
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~HandshakeServer() { Join(); }
+  int port() const { return port_; }
+  // The accepted connection, once the handshake is answered.
+  int Join() {
+    if (thread_.joinable()) thread_.join();
+    return conn_.get();
+  }
+
+ private:
+  void Serve() {
+    pollfd pfd{listen_fd_.get(), POLLIN, 0};
+    if (poll(&pfd, 1, 5000) != 1) return;
+    conn_ = UniqueFd(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    std::string buffer;
+    const Deadline deadline = DeadlineIn(5s);
+    while (true) {
+      std::optional<uint32_t> length = wire::PeekFrameLength(buffer);
+      if (length && buffer.size() >= 4 + *length) break;
+      if (!RecvSome(conn_.get(), buffer, 1 << 20, deadline).ok()) return;
+    }
+    const std::string body = buffer.substr(4, *wire::PeekFrameLength(buffer));
+    EXPECT_TRUE(SendAll(conn_.get(), answer_(body), DeadlineIn(5s), nullptr).ok());
+  }
+
+  std::function<std::string(const std::string&)> answer_;
+  UniqueFd listen_fd_;
+  UniqueFd conn_;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+// A connection that reached itself (TCP's simultaneous open, when nobody
+// listens on a port in the ephemeral range) reads back the client's own
+// hello. With an empty token that parses as an OK reply with a byte left
+// over; the client must refuse it.
+TEST(TcpStoreTest, HandshakeEchoedBackIsRefused) {
+  HandshakeServer echo([](const std::string& hello) {
+    wire::Writer w;
+    w.Bytes(hello);
+    return w.Frame();
+  });
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", echo.port(), "", DeadlineIn(5s));
+  ASSERT_FALSE(client.ok()) << "the client took its own hello for the store's answer";
+  EXPECT_EQ(client.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(client.status().message(),
+              HasSubstr("answered the handshake with something else than the store protocol"));
+}
+
+TEST(TcpStoreTest, HandshakeReplyOfAnotherVersionIsRefused) {
+  HandshakeServer newer([](const std::string&) {
+    wire::Writer w;
+    w.Bytes(std::string_view(wire::kMagic, 4));
+    w.U16(wire::kVersion + 1);
+    w.U8(static_cast<uint8_t>(StatusCode::kOk));
+    w.String("");
+    return w.Frame();
+  });
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", newer.port(), kToken, DeadlineIn(5s));
+  ASSERT_FALSE(client.ok()) << "the client took a version 2 reply";
+  EXPECT_EQ(client.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(client.status().message(), HasSubstr("speaks store protocol version 2"));
+}
+
+std::string OkHandshakeReply(const std::string&) {
+  wire::Writer w;
+  w.Bytes(std::string_view(wire::kMagic, 4));
+  w.U16(wire::kVersion);
+  w.U8(static_cast<uint8_t>(StatusCode::kOk));
+  w.String("");
+  return w.Frame();
+}
+
+// A request that timed out half-sent leaves the stream unusable; the client
+// shuts the socket down, so the server sees the end at once instead of
+// waiting for the rest of the frame with room held for it.
+TEST(TcpStoreTest, RequestTimedOutHalfSentEndsTheConnection) {
+  HandshakeServer server(OkHandshakeReply, /*receive_buffer=*/4096);
+  auto client = ConnectClient(server.port());
+  const int conn = server.Join();
+  ASSERT_GE(conn, 0);
+  // The server reads nothing; a 4 MiB Set fills the socket buffers. When
+  // they took a whole frame, the server reads a little to make room for
+  // part of the next one.
+  const std::string value(kMaxValueBytes, 'v');
+  bool half_sent = false;
+  std::string drained;
+  for (int i = 0; i < 8 && !half_sent; ++i) {
+    Status s = client->Set("big/" + std::to_string(i), value, DeadlineIn(200ms));
+    half_sent = s.code() == StatusCode::kUnavailable &&
+                s.message().find("timed out half-sent") != std::string::npos;
+    if (!half_sent) {
+      ASSERT_EQ(s.code(), StatusCode::kTimedOut) << s;
+      (void)RecvSome(conn, drained, 256 << 10, DeadlineIn(10ms));
+    }
+  }
+  ASSERT_TRUE(half_sent) << "no Set timed out half-sent";
+  // Everything the client sent arrives, then the end of the stream.
+  const Deadline deadline = DeadlineIn(3s);
+  Status s;
+  do {
+    drained.clear();
+    s = RecvSome(conn, drained, 1 << 20, deadline);
+  } while (s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable)
+      << "the client kept the half-sent request's connection open: " << s;
+}
+
+// A client that sends part of a request and then nothing is dropped after
+// frame_stall_timeout, with the room held for its frame; one that sends a
+// request slowly but steadily, or idles between requests, is not.
+TEST(TcpStoreTest, RequestStalledMidFrameIsDropped) {
+  LogSink log;
+  TcpStoreServerOptions options;
+  options.frame_stall_timeout = 300ms;
+  options.log = log.Fn();
+  auto server = StartServer(options);
+  RawConnection stalled(server->port());
+  stalled.Handshake();
+  wire::Writer header;
+  header.U32(100);
+  const Deadline start = Clock::now();
+  stalled.Send(header.body() + std::string(10, 'x'));
+  EXPECT_TRUE(stalled.ClosedWithin(5s)) << "the stalled request's connection stayed open";
+  EXPECT_GE(Clock::now() - start, 250ms);
+  EXPECT_EQ(server->stats().dropped_stalled, 1u);
+  EXPECT_TRUE(log.Contains("it sent 14 of the 104 bytes of a request and then nothing for 300 ms"));
+  const Deadline released = DeadlineIn(5s);
+  while (server->stats().buffered_bytes > 0 && Clock::now() < released) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(server->stats().buffered_bytes, 0u);
+
+  // One byte every 50 ms: slow, but never 300 ms without progress.
+  RawConnection slow(server->port());
+  slow.Handshake();
+  std::this_thread::sleep_for(400ms);  // idle between requests is fine
+  wire::Writer w;
+  w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+  w.U32(9);
+  w.String("slow-key");
+  const std::string frame = w.Frame();
+  for (char byte : frame) {
+    slow.Send(std::string_view(&byte, 1));
+    std::this_thread::sleep_for(50ms);
+  }
+  std::optional<std::string> reply = slow.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value()) << "the slow request's connection was dropped";
+  uint32_t id = 0;
+  EXPECT_EQ(RawConnection::ParseReply(*reply, &id).first, StatusCode::kOk);
+  EXPECT_EQ(id, 9u);
+  EXPECT_EQ(server->stats().dropped_stalled, 1u);
+}
+
+// Connections that once moved a large value let go of the memory when
+// done: they must not keep 1 MiB each (input and output) for as long as
+// they live, outside the bound on buffered bytes.
+TEST(TcpStoreTest, ConnectionsLetGoOfBigBuffersOnceDone) {
+  auto server = StartServer();
+  constexpr int kClients = 8;
+  const std::string value(1 << 20, 'v');
+  std::vector<std::unique_ptr<TcpStoreClient>> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(ConnectClient(*server));
+    const std::string key = "big/" + std::to_string(i);
+    ASSERT_TRUE(clients.back()->Set(key, value, DeadlineIn(10s)).ok());
+    StatusOr<std::string> got = clients.back()->Get(key, DeadlineIn(10s));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->size(), value.size());
+    ASSERT_TRUE(clients.back()->Set("small/" + std::to_string(i), "v", DeadlineIn(5s)).ok());
+  }
+  // Every connection may keep a small buffer (64 KiB) each way.
+  constexpr uint64_t kBound = kClients * 2 * (64 << 10);
+  const Deadline deadline = DeadlineIn(5s);
+  while (server->stats().buffer_capacity_bytes > kBound && Clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_LE(server->stats().buffer_capacity_bytes, kBound)
+      << "the connections keep the memory of the large values they moved";
+  // And they still serve large values.
+  StatusOr<std::string> again = clients.front()->Get("big/3", DeadlineIn(10s));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, value);
 }
 
 }  // namespace
