@@ -1,8 +1,5 @@
 #include "transport/launch/ddprun.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +19,7 @@
 
 #include "transport/launch/self_launch.h"
 #include "transport/launch/spawn.h"
+#include "transport/store/socket.h"
 #include "transport/store/tcp_store.h"
 
 namespace ddp::transport::launch {
@@ -777,30 +775,6 @@ std::string ConfigLine(const DdprunOptions& o) {
   return line;
 }
 
-// A TCP port that nothing listens on now, for a PyTorch program's own
-// rendezvous (its rank 0 listens on MASTER_PORT). It is released at once, so
-// another process could take it before the workers do; torchrun picks its
-// MASTER_PORT the same way.
-StatusOr<int> FreeTcpPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    return UnavailableError(std::string("looking for a free MASTER_PORT: socket: ") + std::strerror(errno));
-  }
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int saved = errno;
-    close(fd);
-    return UnavailableError(std::string("looking for a free MASTER_PORT: ") + std::strerror(saved));
-  }
-  close(fd);
-  return static_cast<int>(ntohs(addr.sin_port));
-}
-
 std::string Hostname() {
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
@@ -1338,7 +1312,8 @@ int RunDdprun(const DdprunOptions& options) {
     // Node 0 picks it before it lets the others in, so that whoever gets
     // into the attempt finds it.
     if (!multi_node || o.node_rank == 0) {
-      StatusOr<int> free_port = FreeTcpPort();
+      // For a PyTorch program's own rendezvous: its rank 0 listens there.
+      StatusOr<int> free_port = store::FreeTcpPort();
       Status s = free_port.status();
       if (s.ok() && multi_node) {
         s = client->Set(Key(attempt, "master_port"), std::to_string(*free_port), DeadlineIn(o.store_call_time));

@@ -12,6 +12,7 @@
 
 #include "transport/launch/env.h"
 #include "transport/launch/self_launch.h"
+#include "transport/store/socket.h"
 #include "transport/store/tcp_store.h"
 
 namespace ddp::transport::launch::testing {
@@ -43,23 +44,7 @@ std::optional<int> RunTestWorkerIfRequested() {
   return code;
 }
 
-StatusOr<int> PickFreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return InternalError(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    close(fd);
-    return InternalError(std::string("bind: ") + std::strerror(err));
-  }
-  close(fd);
-  return static_cast<int>(ntohs(addr.sin_port));
-}
+StatusOr<int> PickFreePort() { return store::FreeTcpPort(); }
 
 int TestRunResult::ExitCode(int rank) const {
   const WorkerExit& w = group.workers.at(rank);

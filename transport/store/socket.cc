@@ -268,6 +268,19 @@ StatusOr<int> LocalPort(int fd) {
   return InternalError("socket is neither IPv4 nor IPv6");
 }
 
+StatusOr<int> FreeTcpPort() {
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) return UnavailableError("looking for a free port: socket: " + ErrnoString(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return UnavailableError("looking for a free port: bind: " + ErrnoString(errno));
+  }
+  return LocalPort(fd.get());
+}
+
 StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline) {
   if (port < 1 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");

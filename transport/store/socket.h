@@ -56,6 +56,12 @@ StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int
 /// The local port of a bound socket.
 StatusOr<int> LocalPort(int fd);
 
+/// A TCP port that nothing listens on now at any IPv4 address: bound to
+/// port 0 and released at once, so another process may take it before the
+/// caller does (torchrun picks its MASTER_PORT the same way).
+/// UNAVAILABLE with the reason when no socket can be bound.
+StatusOr<int> FreeTcpPort();
+
 /// Connects to `host`:`port`, retrying until `deadline` (the server may not
 /// be up yet): refused or unreachable attempts, and names that do not
 /// resolve (yet: a Kubernetes headless service has no record until its pod

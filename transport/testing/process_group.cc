@@ -17,24 +17,15 @@
 
 #include <gtest/gtest.h>
 
+#include "transport/store/socket.h"
+
 extern char** environ;
 
 namespace ddp::transport::testing {
 
 int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
+  StatusOr<int> port = store::FreeTcpPort();
+  return port.ok() ? *port : 0;
 }
 
 StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
