@@ -20,6 +20,7 @@
 
 #include "ddp/debug_mode.h"
 #include "ddp/device_ops.h"
+#include "transport/fork/fork_guard.h"
 #include "transport/shm/shareable.h"
 
 namespace ddp::dist {
@@ -758,7 +759,12 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   if (size_ > 1 && impl_->host_shared_memory()) ShareLargeCpuBlocks();
 }
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  // In a process forked from this one, the communication thread does not
+  // exist and the parent's may have held the locks: stopping it would hang.
+  // The child's copy is left as it is (the communicator does the same).
+  if (transport::fork::InForkedChild()) static_cast<void>(impl_.release());
+}
 
 bool ProcessGroup::collectives_on_caller() const { return impl_->on_caller(); }
 

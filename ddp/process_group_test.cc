@@ -5,8 +5,13 @@
 
 #include "ddp/process_group.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <thread>
 
@@ -143,6 +148,44 @@ DDP_TEST_WORKER(pg_collective_thread) {
   WORKER_EXPECT(in.data<float>()[7] == from, "message");
   WORKER_EXPECT(s.data<float>()[0] == n, "all-reduce after a message");
   return testing::WorkerExit();
+}
+
+// A process forked from a rank (a data worker that computes, then returns)
+// destroys its copy of the group without touching the communication thread,
+// which does not exist in it: the child ends at once (it hung in the join),
+// and the parent's group goes on.
+DDP_TEST_WORKER(pg_forked_child) {
+  auto pg = testing::WorkerGroup();
+  Tensor t = nn::Ones({1000});
+  pg->AllReduce(t).Wait();  // the communication thread runs
+  const pid_t child = fork();
+  if (child == 0) {
+    pg.reset();  // the last reference in the child
+    _exit(0);
+  }
+  int status = -1;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  pid_t done = 0;
+  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+  }
+  WORKER_EXPECT(done == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                "the forked child did not end by itself within 10 s");
+  pg->AllReduce(t).Wait();
+  WORKER_EXPECT(t.data<float>()[0] == pg->size() * pg->size(), "all-reduce after the fork");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, ForkedChildLeavesItsCopyOfTheGroupAlone) {
+  // With a communication thread (the case that hung), and without.
+  for (const char* where : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_forked_child", 2, {{"DDP_COLLECTIVE_THREAD", where}});
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
 }
 
 TEST(ProcessGroupTest, CollectivesRunOnTheChosenThread) {
