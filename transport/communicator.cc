@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -706,6 +707,14 @@ Status Communicator::Impl::Init() {
     server_ = std::make_shared<ServedStore>();
     DDP_ASSIGN_OR_RETURN(server_->server, store::TcpStoreServer::Start(server_options));
     server_->users.emplace_back(prefix_, o.world_size);
+    if (o.world_size > o.local_world_size && server_->server->loopback_only()) {
+      // The other hosts will only time out connecting; say why here.
+      std::fprintf(stderr,
+                   "[ddp] rank 0: warning: the job spans hosts, but the rendezvous store listens on "
+                   "loopback addresses only (what %s resolves to on this host), which other hosts "
+                   "cannot reach; set MASTER_ADDR to an address of this host that they can reach\n",
+                   o.store_host.c_str());
+    }
   }
   DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
                                                               o.job_token, deadline));

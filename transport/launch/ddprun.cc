@@ -1180,6 +1180,11 @@ int RunDdprun(const DdprunOptions& options) {
     if (started.ok()) {
       server = std::move(started).value();
       port = server->port();
+      if (o.nnodes > 1 && server->loopback_only()) {
+        Say("warning: the rendezvous store listens on loopback addresses only (what " + o.master_addr +
+            " resolves to on this host): launchers on other hosts cannot reach it; give --master_addr "
+            "(or --rdzv_endpoint) an address of this host that they can reach");
+      }
     } else if (o.assign_node_rank && !o.is_host.has_value()) {
       not_served = started.status().message();
       o.node_rank = -1;

@@ -56,6 +56,10 @@ StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int
 /// The local port of a bound socket.
 StatusOr<int> LocalPort(int fd);
 
+/// True when `fd` is bound to a loopback address (127.0.0.0/8, ::1, or an
+/// IPv4-mapped 127.x), which no other host can reach.
+bool BoundToLoopback(int fd);
+
 /// A TCP port that nothing listens on now at any IPv4 address: bound to
 /// port 0 and released at once, so another process may take it before the
 /// caller does (torchrun picks its MASTER_PORT the same way).

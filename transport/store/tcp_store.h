@@ -121,6 +121,11 @@ class TcpStoreServer {
   int port() const;
   /// The bind address as given.
   const std::string& address() const;
+  /// True when it listens on loopback addresses only (the bind address is
+  /// 127.0.0.1, localhost, or a host name that resolves to loopback here,
+  /// as Debian's /etc/hosts maps the machine's own name to 127.0.1.1):
+  /// clients on other hosts cannot reach it.
+  bool loopback_only() const { return loopback_only_; }
   /// Stops serving and closes every connection. Idempotent, thread-safe.
   void Stop();
   /// A snapshot of the counters.
@@ -129,8 +134,9 @@ class TcpStoreServer {
   class Impl;
 
  private:
-  explicit TcpStoreServer(std::unique_ptr<Impl> impl);
+  TcpStoreServer(std::unique_ptr<Impl> impl, bool loopback_only);
   std::unique_ptr<Impl> impl_;
+  bool loopback_only_ = false;
 };
 
 /// A connection to a TcpStoreServer.

@@ -1089,12 +1089,15 @@ StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOp
   DDP_ASSIGN_OR_RETURN(std::vector<UniqueFd> listen_fds,
                        ListenTcp(options.bind_address, options.port, kListenBacklog, start_deadline));
   DDP_ASSIGN_OR_RETURN(int port, LocalPort(listen_fds.front().get()));
+  const bool loopback_only = std::all_of(listen_fds.begin(), listen_fds.end(),
+                                         [](const UniqueFd& fd) { return BoundToLoopback(fd.get()); });
   auto impl = std::make_unique<Impl>(std::move(options), std::move(listen_fds), port);
   DDP_RETURN_IF_ERROR(impl->Init());
-  return std::unique_ptr<TcpStoreServer>(new TcpStoreServer(std::move(impl)));
+  return std::unique_ptr<TcpStoreServer>(new TcpStoreServer(std::move(impl), loopback_only));
 }
 
-TcpStoreServer::TcpStoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TcpStoreServer::TcpStoreServer(std::unique_ptr<Impl> impl, bool loopback_only)
+    : impl_(std::move(impl)), loopback_only_(loopback_only) {}
 TcpStoreServer::~TcpStoreServer() { Stop(); }
 int TcpStoreServer::port() const { return impl_->port(); }
 const std::string& TcpStoreServer::address() const { return impl_->address(); }

@@ -136,6 +136,17 @@ class RawConnection {
   std::string buffer_;
 };
 
+// Whether other hosts can reach the server: not on loopback addresses (what
+// the launchers warn about for a job across hosts), yes on the wildcard.
+TEST(TcpStoreTest, SaysWhetherItListensOnLoopbackOnly) {
+  for (const char* address : {"127.0.0.1", "127.0.1.1", "localhost"}) {
+    auto server = StartServer({.bind_address = address});
+    EXPECT_TRUE(server->loopback_only()) << address;
+  }
+  auto everywhere = StartServer({.bind_address = "0.0.0.0"});
+  EXPECT_FALSE(everywhere->loopback_only());
+}
+
 TEST(TcpStoreTest, SetGetAddWaitDeleteAcrossThreads) {
   auto server = StartServer();
   constexpr int kThreads = 8;
