@@ -31,16 +31,27 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
         dataset_->Name() + "; with drop_last no batch is left (lower the batch size)");
   }
   in_memory_ = dynamic_cast<const InMemoryImageDataset*>(dataset_.get());
-  for (int i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  try {
+    for (int i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  } catch (...) {
+    // A thread that could not start (out of threads): the destructor does
+    // not run for a constructor that throws, and a joinable std::thread
+    // destroyed would terminate the process.
+    StopWorkers();
+    throw;
+  }
 }
 
-DataLoader::~DataLoader() {
+DataLoader::~DataLoader() { StopWorkers(); }
+
+void DataLoader::StopWorkers() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
+  workers_.clear();
 }
 
 int64_t DataLoader::NumBatches() const {

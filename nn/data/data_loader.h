@@ -98,6 +98,8 @@ class DataLoader {
 
   Batch Build(const Epoch& epoch, int64_t k) const;
   void WorkerLoop();
+  // Stops and joins the worker threads (the destructor; a failed constructor).
+  void StopWorkers();
 
   std::shared_ptr<const Dataset> dataset_;
   // Set when the dataset keeps its pixels in memory: images are read in

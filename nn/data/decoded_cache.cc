@@ -56,10 +56,18 @@ uint32_t Crc(const uint8_t* data, size_t n) {
   return static_cast<uint32_t>(crc);
 }
 
-// The first source's file name and an FNV-1a hash of every source's
-// absolute path: the entry's file name.
+// The first source's file name and an FNV-1a hash of this host's name and
+// every source's absolute path: the entry's file name. The host is in it
+// because an entry is valid only for the source files it was decoded from
+// (device, inode, size, time), which differ between hosts: hosts sharing a
+// cache folder (a home directory on NFS) would otherwise replace each
+// other's entry on every load, under a rank that has it mapped.
 std::string EntryName(const std::vector<std::string>& sources) {
   uint64_t h = 1469598103934665603ull;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  for (const char* c = host; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  h = (h ^ 0xff) * 1099511628211ull;
   std::string first;
   for (const std::string& source : sources) {
     char* real = ::realpath(source.c_str(), nullptr);

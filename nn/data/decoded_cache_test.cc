@@ -5,6 +5,7 @@
 #include "nn/data/decoded_cache.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -232,6 +233,37 @@ TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
   CountingDecode decode{src};
   EXPECT_TRUE(Bytes(LoadDecoded(src, std::ref(decode), 0)) == want);
   EXPECT_EQ(decode.calls, 0);
+}
+
+// Another host sharing the cache folder (a home directory on NFS), played by
+// a child in a UTS namespace of its own with another host name: it writes an
+// entry of its own beside this host's instead of replacing it (an entry is
+// valid for the source files' inodes, which differ between hosts, so the
+// two replaced each other at every load, under ranks that had them mapped).
+TEST(DecodedCache, AnotherHostKeepsAnEntryOfItsOwn) {
+  const std::string dir = FreshDir("decoded_hosts");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images.gz";
+  WriteFile(src, Gzip(IdxBytes({5, 4, 3}, Pixels(60))));
+  CountingDecode decode{src};
+  LoadDecoded(src, std::ref(decode), 0);
+  ASSERT_EQ(Entries(dir + "/cache").size(), 1u);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Needs root (CAP_SYS_ADMIN), as the other namespace tests here.
+    if (::unshare(CLONE_NEWUTS) != 0 || ::sethostname("another-host", 12) != 0) ::_exit(2);
+    CountingDecode other{src};
+    ::_exit(LoadDecoded(src, std::ref(other), 0).size == 60 && other.calls == 1 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
+  ASSERT_NE(WEXITSTATUS(status), 2) << "unshare(CLONE_NEWUTS) or sethostname failed (this test needs root)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the other host did not decode its own copy";
+  EXPECT_EQ(Entries(dir + "/cache").size(), 2u) << "the other host's entry replaced this host's";
+  LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EQ(decode.calls, 1) << "this host's entry was replaced";
 }
 
 TEST(DecodedCache, UnwritableFolderAndOffDecodeEveryTime) {
