@@ -15,9 +15,12 @@ using detail::LambdaNode;
 
 int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode) {
   const int64_t span = dilation * (kernel - 1) + 1;
-  const int64_t num = in + 2 * pad - span;
+  // PyTorch's rule: floor((in + 2 pad - span [+ stride - 1 with ceil_mode]) /
+  // stride) + 1, so with ceil_mode an input shorter than the window by less
+  // than a stride still gives one window.
+  const int64_t num = in + 2 * pad - span + (ceil_mode ? stride - 1 : 0);
   if (num < 0) return 0;
-  int64_t out = (ceil_mode ? (num + stride - 1) / stride : num / stride) + 1;
+  int64_t out = num / stride + 1;
   // With ceil_mode the last window must start inside the input or its left padding.
   if (ceil_mode && (out - 1) * stride >= in + pad) --out;
   return out;

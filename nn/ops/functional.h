@@ -94,7 +94,8 @@ Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p);
 Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p);
 /// Averages x [N, C, H, W] into [N, C, out_h, out_w] windows.
 Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w);
-/// Output length of a convolution or pooling along one axis (throws when < 1).
+/// Output length of a convolution or pooling along one axis, by PyTorch's
+/// rule; 0 when no window fits (the ops then throw).
 int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation,
                        bool ceil_mode = false);
 

@@ -170,6 +170,25 @@ TEST(KernelsTest, MaxPool2x2CeilModeStaysInsideThePlane) {
   }
 }
 
+// ceil_mode on an input smaller than the window, as PyTorch takes it: one
+// window, hanging over the edge (GoogLeNet's MaxPool2d(3, 2, ceil_mode) on a
+// 2x2 map; a 2x2 window on 1x1). Without ceil_mode no window fits.
+TEST(KernelsTest, CeilModePoolsAnInputSmallerThanTheWindow) {
+  EXPECT_EQ(ConvOutputSize(2, 3, 2, 0, 1, true), 1);
+  EXPECT_EQ(ConvOutputSize(1, 2, 2, 0, 1, true), 1);
+  EXPECT_EQ(ConvOutputSize(1, 2, 2, 0, 1, false), 0);
+  EXPECT_EQ(ConvOutputSize(1, 4, 2, 0, 1, true), 0);  // short by more than a stride
+  const Pool2dParams p{.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2, .ceil_mode = true};
+  Tensor x = FromVector({1, 4, 3, 2}, Shape{1, 1, 2, 2});
+  Tensor y = MaxPool2d(x, p);
+  ASSERT_EQ(y.shape(), (Shape{1, 1, 1, 1}));
+  EXPECT_EQ(y.ToVector<double>(), (std::vector<double>{4}));
+  Tensor a = AvgPool2d(x, p);
+  ASSERT_EQ(a.shape(), (Shape{1, 1, 1, 1}));
+  EXPECT_EQ(a.ToVector<double>(), (std::vector<double>{2.5}));
+  EXPECT_THROW(MaxPool2d(x, {.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2}), std::invalid_argument);
+}
+
 // Overlapping windows add several terms into one input gradient. In bf16 the
 // sum is taken in f32 and rounded once (as the CUDA kernels do): the result
 // equals the f32 computation on the same values, rounded to bf16, bit for
@@ -270,6 +289,18 @@ TEST(KernelsTest, MeanOfNothingIsNaN) {
   for (double v : rows.ToVector<double>()) EXPECT_TRUE(std::isnan(v));
   EXPECT_EQ(Mean(Zeros({0, 3}), {1}).shape(), (Shape{0}));
   EXPECT_EQ(Sum(Zeros({0})).Item(), 0.0);
+}
+
+// An empty dimension has no largest element: the error names it (it was a
+// shape error of an internal View).
+TEST(KernelsTest, ArgmaxOverAnEmptyDimensionSaysSo) {
+  try {
+    Argmax(Zeros({3, 0}), 1);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("argmax: dimension 1 of [3, 0] has size 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(Argmax(Zeros({0, 3}), 1).shape(), (Shape{0}));  // nothing to reduce
 }
 
 // Argmax along every dimension of a 4-d tensor, against torch.argmax: the

@@ -101,6 +101,10 @@ Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 Tensor Argmax(const Tensor& x, int64_t dim) {
   dim = detail::WrapDimAllowingScalar(x, dim);
   if (x.dim() == 0) return Zeros({}, {.dtype = DType::kInt64, .device = x.device()});  // its only element
+  if (x.size(dim) == 0) {
+    throw std::invalid_argument("argmax: dimension " + std::to_string(dim) + " of " + ShapeToString(x.shape()) +
+                                " has size 0, so it has no largest element");
+  }
   Shape shape = x.shape();
   shape.erase(shape.begin() + dim);
   Tensor out = Empty(shape, {.dtype = DType::kInt64, .device = x.device()});
