@@ -132,6 +132,13 @@ TEST(AutocastTest, MatmulCastsBothOperandsAndLeavesF64Alone) {
   EXPECT_EQ(d.dtype(), DType::kFloat64);
   Backward(ops::Sum(c));
   EXPECT_EQ(a.grad().dtype(), DType::kFloat32);
+  // Two vectors: a dot product in the low dtype, summed in f32 before the
+  // one rounding (it gave f32, from 16-bit products).
+  const Tensor u = Full({300}, 1.0f + 1.0f / 128), v = Full({300}, 1.0f);
+  const Tensor dot = ops::Matmul(u, v);
+  EXPECT_EQ(dot.dtype(), DType::kBFloat16);
+  EXPECT_EQ(dot.dim(), 0);
+  EXPECT_EQ(dot.ToVector<double>()[0], Full({}, 300.0 * (1 + 1.0 / 128)).To(DType::kBFloat16).ToVector<double>()[0]);
 }
 
 TEST(AutocastTest, RangeSensitiveOpsComputeInF32) {

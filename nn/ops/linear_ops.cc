@@ -94,7 +94,10 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
       throw std::invalid_argument("matmul: vectors of length " + std::to_string(a_in.size(0)) + " and " +
                                   std::to_string(b_in.size(0)));
     }
-    return Sum(Mul(a_in, b_in));
+    // [1, K] @ [K, 1] through Mm: a dot product accumulated as a GEMM
+    // accumulates (f32 under autocast) with the operands' dtype out, as
+    // torch.dot; Sum(Mul) rounded every product to 16 bits and gave f32.
+    return Reshape(Mm(Unsqueeze(a_in, 0), Unsqueeze(b_in, 1)), {});
   }
   if (da == 1) return Squeeze(Matmul(Unsqueeze(a_in, 0), b_in), -2);
   if (db == 1) return Squeeze(Matmul(a_in, Unsqueeze(b_in, 1)), -1);
