@@ -152,9 +152,9 @@ bool SavesOutput(UnaryOp op) {
 }
 
 Tensor UnaryOpImpl(UnaryOp op, const Tensor& x) {
-  if (!x.defined()) throw std::invalid_argument(std::string(UnaryName(op)) + ": undefined input");
+  if (!x.defined()) throw std::invalid_argument(detail::ForwardName(UnaryName(op)) + ": undefined input");
   if (!IsFloating(x.dtype())) {
-    throw std::invalid_argument(std::string(UnaryName(op)) + ": needs a floating tensor, got " +
+    throw std::invalid_argument(detail::ForwardName(UnaryName(op)) + ": needs a floating tensor, got " +
                                 std::string(DTypeName(x.dtype())));
   }
   Tensor out = NewLike(x);
@@ -176,7 +176,8 @@ Tensor UnaryOpImpl(UnaryOp op, const Tensor& x) {
 
 Tensor AffineImpl(const Tensor& x, double alpha, double beta, const char* name) {
   if (!IsFloating(x.dtype())) {
-    throw std::invalid_argument(std::string(name) + ": needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
+    throw std::invalid_argument(detail::ForwardName(name) + ": needs a floating tensor, got " +
+                                std::string(DTypeName(x.dtype())));
   }
   Tensor out = NewLike(x);
   DDP_KERNEL(x.device(), affine)(x, alpha, beta, out);

@@ -5,6 +5,8 @@
 // in PyTorch.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <cmath>
 #include <limits>
 #include <thread>
@@ -289,6 +291,24 @@ TEST(KernelsTest, MeanOfNothingIsNaN) {
   for (double v : rows.ToVector<double>()) EXPECT_TRUE(std::isnan(v));
   EXPECT_EQ(Mean(Zeros({0, 3}), {1}).shape(), (Shape{0}));
   EXPECT_EQ(Sum(Zeros({0})).Item(), 0.0);
+}
+
+// A forward's error names the op that was called, not its backward node
+// ("SumBackward: ..." sent the reader to a backward never run).
+TEST(KernelsTest, ForwardErrorsNameTheOp) {
+  auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Tensor ints = Zeros({2, 3}, {.dtype = DType::kInt64});
+  EXPECT_EQ(error([&] { Sum(ints); }).rfind("Sum: needs a floating tensor", 0), 0u) << error([&] { Sum(ints); });
+  EXPECT_EQ(error([&] { Relu(ints); }).rfind("Relu: needs a floating tensor", 0), 0u) << error([&] { Relu(ints); });
+  const std::string repeated = error([&] { Sum(Zeros({2, 3}), {1, 1}); });
+  EXPECT_EQ(repeated.rfind("Sum: dimension 1 repeated", 0), 0u) << repeated;
 }
 
 // An empty dimension has no largest element: the error names it (it was a

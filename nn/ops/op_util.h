@@ -4,6 +4,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "nn/autograd/node.h"
@@ -21,6 +22,18 @@ using autograd::SavedTensor;
 inline Tensor NewLike(const Tensor& t) { return Empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}); }
 inline Tensor NewLike(const Tensor& t, const Shape& shape) {
   return Empty(shape, {.dtype = t.dtype(), .device = t.device()});
+}
+
+/// The op's name for an error in its forward: its backward node's name
+/// without "Backward" ("SumBackward" -> "Sum"), so that the message does not
+/// send the reader to a backward they never called.
+inline std::string ForwardName(const std::string& node_name) {
+  constexpr std::string_view kSuffix = "Backward";
+  const size_t stem = node_name.size() - kSuffix.size();
+  if (node_name.size() > kSuffix.size() && node_name.compare(stem, kSuffix.size(), kSuffix) == 0) {
+    return node_name.substr(0, stem);
+  }
+  return node_name;
 }
 
 /// g summed over the dimensions that broadcasting added or expanded, so

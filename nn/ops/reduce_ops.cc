@@ -18,7 +18,7 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
   // Autocast: sums of many 16-bit values lose precision and overflow f16.
   const Tensor x = autocast::ToFloat32(x_in);
   if (!IsFloating(x.dtype())) {
-    throw std::invalid_argument(std::string(name) + ": needs a floating tensor, got " +
+    throw std::invalid_argument(detail::ForwardName(name) + ": needs a floating tensor, got " +
                                 std::string(DTypeName(x.dtype())));
   }
   Shape kept = x.shape();
@@ -29,11 +29,15 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
       // A 0-d tensor takes dim 0 (or -1) once, as in PyTorch, and has
       // nothing to reduce.
       detail::WrapDimAllowingScalar(x, d);
-      if (i > 0) throw std::invalid_argument(std::string(name) + ": dimension " + std::to_string(d) + " repeated");
+      if (i > 0) {
+        throw std::invalid_argument(detail::ForwardName(name) + ": dimension " + std::to_string(d) + " repeated");
+      }
       continue;
     }
     const int64_t w = x.WrapDim(d);
-    if (reduced[w]) throw std::invalid_argument(std::string(name) + ": dimension " + std::to_string(d) + " repeated");
+    if (reduced[w]) {
+      throw std::invalid_argument(detail::ForwardName(name) + ": dimension " + std::to_string(d) + " repeated");
+    }
     reduced[w] = true;
     kept[w] = 1;
   }
