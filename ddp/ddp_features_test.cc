@@ -494,6 +494,42 @@ TEST(DdpFeaturesTest, UnusedParameterWithoutTheOptionIsNamed) {
 
 // ------------------------------------------------- unfinished iteration ----
 
+// The first step of `steps` that throws: its message, its index (-1: none
+// threw) and how long it ran before throwing.
+struct FirstFailure {
+  std::string message;
+  int step = -1;
+  double seconds = 0;
+};
+FirstFailure RunUntilAStepThrows(int steps, const std::function<void(int)>& step) {
+  FirstFailure f;
+  for (int s = 0; s < steps && f.step < 0; ++s) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      step(s);
+    } catch (const std::exception& e) {
+      f = {e.what(), s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+    }
+  }
+  std::fprintf(stderr, "step %d, after %.2f s: %s\n", f.step, f.seconds, f.message.c_str());
+  return f;
+}
+
+// A hook on `p` that throws "on purpose" while `*now` is set, and the
+// backward of callers that carry on past that failure (any other rethrown).
+void ThrowFromGradientHookWhile(const Tensor& p, const bool* now) {
+  p.RegisterPostAccumulateGradHook([now](const Tensor&) {
+    if (*now) throw std::runtime_error("a failure inside backward, on purpose");
+  });
+}
+void BackwardPastThePurposefulFailure(const Tensor& loss) {
+  try {
+    nn::Backward(loss);
+  } catch (const std::runtime_error& e) {
+    if (std::string(e.what()).find("on purpose") == std::string::npos) throw;
+  }
+}
+
 // A synchronizing forward whose backward never finished: the next
 // synchronizing forward on that rank throws, saying why, and aborts the
 // group, so that the ranks waiting for its gradients fail within moments
@@ -510,37 +546,20 @@ DDP_TEST_WORKER(unfinished_iteration) {
   auto model = Mlp(7);
   DistributedDataParallel ddp(model, {.process_group = pg});
   bool throw_now = false;
+  // The last layer's bias: among the first gradients of backward.
   if (which == "backward_threw" && rank == 1) {
-    // The last layer's bias: among the first gradients of backward.
-    model->NamedParameters().back().second.RegisterPostAccumulateGradHook([&throw_now](const Tensor&) {
-      if (throw_now) throw std::runtime_error("a failure inside backward, on purpose");
-    });
+    ThrowFromGradientHookWhile(model->NamedParameters().back().second, &throw_now);
   }
   const Tensor extra = nn::Zeros({1}).set_requires_grad(true);
-  std::string message;
-  int failed_at = -1;
-  double waited = 0;
-  for (int s = 0; s < 4 && failed_at < 0; ++s) {
+  const auto [message, failed_at, waited] = RunUntilAStepThrows(4, [&](int s) {
     auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
-    const auto step_start = std::chrono::steady_clock::now();
-    try {
-      Tensor out = ddp(x);
-      Tensor loss = nn::loss::CrossEntropy(out, y);
-      if (s == 1 && which == "no_backward" && rank == 1) continue;
-      if (s == 1 && which == "no_gradient") loss = nn::loss::CrossEntropy(out.Detach(), y) + nn::ops::Sum(extra);
-      throw_now = s == 1;
-      try {
-        nn::Backward(loss);
-      } catch (const std::runtime_error& e) {
-        if (std::string(e.what()).find("on purpose") == std::string::npos) throw;
-      }
-    } catch (const std::exception& e) {
-      message = e.what();
-      failed_at = s;
-      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-    }
-  }
-  std::fprintf(stderr, "rank %d, step %d, after %.2f s: %s\n", rank, failed_at, waited, message.c_str());
+    Tensor out = ddp(x);
+    Tensor loss = nn::loss::CrossEntropy(out, y);
+    if (s == 1 && which == "no_backward" && rank == 1) return;
+    if (s == 1 && which == "no_gradient") loss = nn::loss::CrossEntropy(out.Detach(), y) + nn::ops::Sum(extra);
+    throw_now = s == 1;
+    BackwardPastThePurposefulFailure(loss);
+  });
   WORKER_EXPECT(message.find("previous iteration's gradient reduction did not finish") != std::string::npos, message);
   const bool culprit = which == "no_gradient" || rank == 1;
   if (culprit) {
@@ -580,38 +599,19 @@ DDP_TEST_WORKER(unfinished_then_buffers) {
       std::make_shared<nn::modules::Linear>(32, 10, true, gen)});
   DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.01, .first_bucket_mb = 0.01, .process_group = pg});
   bool throw_now = false;
-  if (rank == 1) {
-    // The first weight's gradient comes last: the buckets before it are out.
-    model->NamedParameters().front().second.RegisterPostAccumulateGradHook([&throw_now](const Tensor&) {
-      if (throw_now) throw std::runtime_error("a failure inside backward, on purpose");
-    });
-  }
-  std::string message;
-  int failed_at = -1;
-  double waited = 0;
-  for (int s = 0; s < 3 && failed_at < 0; ++s) {
+  // The first weight's gradient comes last: the buckets before it are out.
+  if (rank == 1) ThrowFromGradientHookWhile(model->NamedParameters().front().second, &throw_now);
+  const auto [message, failed_at, waited] = RunUntilAStepThrows(3, [&](int s) {
     auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
-    const auto step_start = std::chrono::steady_clock::now();
-    try {
-      if (s == 2) {
-        auto no_sync = ddp.NoSync();
-        (void)ddp(x);
-        continue;
-      }
-      Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
-      throw_now = s == 1;
-      try {
-        nn::Backward(loss);
-      } catch (const std::runtime_error& e) {
-        if (std::string(e.what()).find("on purpose") == std::string::npos) throw;
-      }
-    } catch (const std::exception& e) {
-      message = e.what();
-      failed_at = s;
-      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    if (s == 2) {
+      auto no_sync = ddp.NoSync();
+      (void)ddp(x);
+      return;
     }
-  }
-  std::fprintf(stderr, "rank %d, step %d, after %.2f s: %s\n", rank, failed_at, waited, message.c_str());
+    Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+    throw_now = s == 1;
+    BackwardPastThePurposefulFailure(loss);
+  });
   if (rank == 1) {
     WORKER_EXPECT(failed_at == 2, "failed at step " + std::to_string(failed_at));
     WORKER_EXPECT(message.find("stopped partway") != std::string::npos, message);
