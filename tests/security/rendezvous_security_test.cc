@@ -338,35 +338,35 @@ using Compare = bool (*)(std::string_view, std::string_view);
   return true;
 }
 
-// Best time of 100 comparisons over many batches, in ns; the best of many
-// filters out the noise of a busy machine.
-double BestTimeNs(Compare compare, const std::string& expected, const std::string& given) {
-  // Called through a volatile pointer so that the loop cannot be hoisted.
+// Time of 100 comparisons, in ns. Called through a volatile pointer so that
+// the loop cannot be hoisted.
+double BatchTimeNs(Compare compare, const std::string& expected, const std::string& given) {
   Compare volatile fn = compare;
-  double best = 1e300;
   int equal = 0;
-  for (int batch = 0; batch < 60; ++batch) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < 100; ++i) equal += fn(expected, given);
-    best = std::min(best, std::chrono::duration<double, std::nano>(
-                              std::chrono::steady_clock::now() - start)
-                              .count());
-  }
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100; ++i) equal += fn(expected, given);
+  const double ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
   EXPECT_GE(equal, 0);
-  return best;
+  return ns;
 }
 
-// Time with a wrong first byte over time with a wrong last byte of a 4 KiB
-// token (interleaved rounds, so both see the same machine).
+// Best time with a wrong first byte over best time with a wrong last byte of
+// a 4 KiB token. Both wrong guesses are the same buffer with one byte
+// flipped, so that where the strings lie in memory cannot tell them apart,
+// and the two kinds of batch alternate, so a busy spell of the machine falls
+// on both; the best of hundreds filters the rest of the noise out.
 double FirstOverLast(Compare compare) {
   const std::string expected(4096, 'k');
-  std::string wrong_first = expected, wrong_last = expected;
-  wrong_first.front() ^= 1;
-  wrong_last.back() ^= 1;
+  std::string guess = expected;
   double first = 1e300, last = 1e300;
-  for (int round = 0; round < 3; ++round) {
-    first = std::min(first, BestTimeNs(compare, expected, wrong_first));
-    last = std::min(last, BestTimeNs(compare, expected, wrong_last));
+  for (int round = 0; round < 400; ++round) {
+    guess.front() ^= 1;
+    first = std::min(first, BatchTimeNs(compare, expected, guess));
+    guess.front() ^= 1;
+    guess.back() ^= 1;
+    last = std::min(last, BatchTimeNs(compare, expected, guess));
+    guess.back() ^= 1;
   }
   std::printf("first/last wrong byte: %.0f ns / %.0f ns per 100 comparisons\n", first, last);
   return first / last;
@@ -383,10 +383,12 @@ TEST(RendezvousSecurity, TokenComparisonTakesTheSameTimeWhereverAGuessIsWrong) {
   EXPECT_FALSE(wire::TokensEqual(expected, ""));
 
   const double control = FirstOverLast(&EarlyExitEqual);
-  EXPECT_LT(control, 0.2) << "the harness cannot see an early exit on this machine";
+  EXPECT_LT(control, 0.05) << "the harness cannot see an early exit on this machine";
+  // Constant time gives about 1, an early exit about 0.002; the band is wide
+  // because tests run four at a time on two cores.
   const double ratio = FirstOverLast(&wire::TokensEqual);
-  EXPECT_GT(ratio, 0.5);
-  EXPECT_LT(ratio, 2.0);
+  EXPECT_GT(ratio, 0.2);
+  EXPECT_LT(ratio, 5.0);
 }
 
 // The probe itself sees a server that listens everywhere.
