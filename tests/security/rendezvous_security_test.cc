@@ -574,9 +574,13 @@ TEST(RendezvousSecurity, ConnectionsInTotalAreBoundedAndStrangersMakeRoomForTheJ
   EXPECT_TRUE(ClosedBy(stranger.get(), DeadlineIn(5s)));
   EXPECT_EQ(server->stats().evicted, 1u);
   EXPECT_TRUE((*fourth)->Set("k", "v", DeadlineIn(5s)).ok());
-  // With every place held by the job, newcomers are refused.
+  // With every place held by the job, newcomers are refused, and told why.
   auto fifth = TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, DeadlineIn(1s));
-  EXPECT_FALSE(fifth.ok());
+  ASSERT_FALSE(fifth.ok());
+  EXPECT_EQ(fifth.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(fifth.status().message(),
+              HasSubstr("already holds 4 connections, its limit (TcpStoreServerOptions::"
+                        "max_connections)"));
   EXPECT_EQ(server->stats().open_connections, 4u);
   for (auto& c : job) EXPECT_TRUE(c->TryGet("k", DeadlineIn(5s)).ok());
 }

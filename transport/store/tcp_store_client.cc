@@ -97,13 +97,17 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
 
   std::string last_error;
   while (true) {
-    DDP_ASSIGN_OR_RETURN(UniqueFd fd, ConnectTcp(host, port, deadline));
+    StatusOr<UniqueFd> connected = ConnectTcp(host, port, deadline);
+    // Out of time after a refusal: the refusal is the news.
+    if (!connected.ok() && !last_error.empty()) break;
+    DDP_ASSIGN_OR_RETURN(UniqueFd fd, std::move(connected));
     std::string buffer;
     Status sent = SendAll(fd.get(), hello_frame, deadline, nullptr);
     StatusOr<std::string> reply = sent.ok() ? ReadFrame(fd.get(), buffer, deadline)
                                             : StatusOr<std::string>(sent);
     if (!reply.ok()) {
       if (reply.status().code() == StatusCode::kTimedOut) {
+        if (!last_error.empty()) break;
         return TimedOutError("the store at " + endpoint + " did not answer the handshake in time");
       }
       // Closed before answering: the server evicted us while flooded, or is
@@ -138,6 +142,14 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
       return PermissionDeniedError("the store at " + endpoint +
                                    " refused this process's job token: DDP_JOB_TOKEN must be "
                                    "the same in every process of the job");
+    }
+    if (status_code == StatusCode::kUnavailable) {
+      // Full for now (every place held by the job); a place may free up.
+      last_error = "it refused the connection: " + std::string(message);
+      if (Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50),
+                                                            deadline - Clock::now()));
+      continue;
     }
     if (status_code != StatusCode::kOk) {
       return Status(status_code, "the store at " + endpoint +

@@ -377,8 +377,9 @@ class TcpStoreServer::Impl {
       const std::string peer = FormatAddress(reinterpret_cast<sockaddr*>(&addr), len);
       if (connections_.size() >= options_.max_connections) {
         if (unauthenticated_.empty()) {
-          Log("refused connection from " + peer + ": already " +
-              std::to_string(connections_.size()) + " connections (the limit)");
+          RefuseForNow(owned.get(), peer,
+                       "the store already holds " + std::to_string(connections_.size()) +
+                           " connections, its limit (TcpStoreServerOptions::max_connections)");
           continue;
         }
         Evict("the connection limit was reached");
@@ -408,6 +409,25 @@ class TcpStoreServer::Impl {
       OnReadable(c);
       Touch(c);
     }
+  }
+
+  // Answers a connection that gets no place here, without giving it one: the
+  // reply goes straight into the fresh socket's send buffer, which takes a
+  // frame this small, and the client's hello is drained first, so that the
+  // close sends the reply and a FIN rather than a reset that could beat it.
+  // Clients retry, so only the 1st, 2nd, 4th, 8th... refusal is logged.
+  void RefuseForNow(int fd, const std::string& peer, const std::string& why) {
+    ++refused_for_now_;
+    if ((refused_for_now_ & (refused_for_now_ - 1)) == 0) {
+      Log("refused connection from " + peer + ": " + why + " (" +
+          std::to_string(refused_for_now_) + " refused so far)");
+    }
+    char sink[512];
+    while (recv(fd, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+    }
+    const std::string reply = HandshakeReply(UnavailableError(why));
+    (void)send(fd, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    shutdown(fd, SHUT_WR);
   }
 
   void PauseAccepting() {
@@ -1067,6 +1087,7 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> accepted_{0};
   std::atomic<uint64_t> authenticated_{0};
   std::atomic<uint64_t> refused_token_{0};
+  uint64_t refused_for_now_ = 0;  // server thread only
   std::atomic<uint64_t> dropped_silent_{0};
   std::atomic<uint64_t> evicted_{0};
   std::atomic<uint64_t> refused_malformed_{0};
