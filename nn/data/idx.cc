@@ -90,9 +90,11 @@ using ReadFn = std::function<size_t(void* dst, size_t n)>;
 
 // Parses an IDX file read through `read`, its data read straight into the
 // result. `size_hint` guesses the bytes left to read (what is reserved; a
-// wrong guess costs copies, never a large allocation for a forged header).
-IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, const std::string& source,
-                      int expected_dims) {
+// wrong guess costs copies, never a large allocation for a forged header);
+// when `size_is_exact`, it is the size, and a header asking for more fails
+// before any data is read.
+IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact,
+                      const std::string& source, int expected_dims) {
   uint8_t p[4] = {};
   const size_t magic = read(p, 4);
   if (magic < 4) {
@@ -139,10 +141,19 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, const std::string&
     if (dim != 0) nonzero *= dim;
     count *= dim;
   }
+  auto truncated = [&](uint64_t have) {
+    return DatasetError(source + ": IDX data truncated: dimensions " + DimsString(out.dims) +
+                        " need " +
+                        (overflow ? std::string("more than 2^62") : std::to_string(count)) +
+                        " bytes after the " + std::to_string(header) + "-byte header, found " +
+                        std::to_string(have));
+  };
+  const uint64_t after_header = size_hint > header ? size_hint - header : 0;
+  if (size_is_exact && (overflow || count > after_header)) throw truncated(after_header);
   // The data, in chunks that stay in cache between being zeroed by resize
   // and written by read; reserved up front when the guess allows.
   const uint64_t want = overflow ? UINT64_MAX : count;
-  out.data.reserve(static_cast<size_t>(std::min(want, size_hint > header ? size_hint - header : 0)));
+  out.data.reserve(static_cast<size_t>(std::min(want, after_header)));
   AdviseHugePages(out.data.data(), out.data.capacity());
   constexpr size_t kChunk = size_t{1} << 20;
   while (out.data.size() < want) {
@@ -154,12 +165,7 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, const std::string&
     if (got < step) break;
   }
   const uint64_t have = out.data.size();
-  if (overflow || count > have) {
-    throw DatasetError(source + ": IDX data truncated: dimensions " + DimsString(out.dims) +
-                       " need " + (overflow ? std::string("more than 2^62") : std::to_string(count)) +
-                       " bytes after the " + std::to_string(header) + "-byte header, found " +
-                       std::to_string(have));
-  }
+  if (overflow || count > have) throw truncated(have);
   // Read to the end: trailing bytes are an error, and a gzip stream checks
   // its trailer (CRC and size) only there.
   uint64_t extra = 0;
@@ -183,7 +189,7 @@ IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expecte
     at += got;
     return got;
   };
-  return ParseIdxFrom(read, bytes.size(), source, expected_dims);
+  return ParseIdxFrom(read, bytes.size(), /*size_is_exact=*/true, source, expected_dims);
 }
 
 IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& source,
@@ -191,7 +197,7 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
   if (internal::IsGzip(file_bytes)) {
     internal::GzipReader gzip(file_bytes, source, max_decompressed_bytes);
     const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
-    return ParseIdxFrom(read, gzip.SizeHint(), source, expected_dims);
+    return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, source, expected_dims);
   }
   return ParseIdx(file_bytes, source, expected_dims);
 }

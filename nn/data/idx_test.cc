@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <numeric>
 #include <string>
 
@@ -158,6 +159,28 @@ TEST(IdxErrors, HugeDimensionsAreTruncationNotAllocation) {
                 ParseIdx(IdxBytes({0xffffffffu, 0xffffffffu, 0xffffffffu}, "ab"), "f.idx");
               }),
               AllOf(HasSubstr("data truncated"), HasSubstr("more than 2^62")));
+}
+
+long PeakResidentKb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+
+// A header asking for more than the bytes there are fails before the data
+// is copied: 128 MiB of input under a header that wants 4 GiB costs no
+// 128 MiB copy.
+TEST(IdxErrors, HeaderAskingForMoreThanTheInputFailsBeforeCopying) {
+  const std::string bytes = IdxBytes({0xffffffffu}, std::string(size_t{128} << 20, 'x'));
+  std::ofstream("/proc/self/clear_refs") << "5";  // restart the peak count
+  const long before = PeakResidentKb();
+  ASSERT_GT(before, 0);
+  EXPECT_THAT(ErrorOf([&] { ParseIdx(bytes, "f.idx"); }),
+              AllOf(HasSubstr("data truncated"), HasSubstr("need 4294967295 bytes"),
+                    HasSubstr("found 134217728")));
+  EXPECT_LT(PeakResidentKb() - before, 16 << 10);
 }
 
 TEST(IdxErrors, NoItemsOfOverflowingSizeAreAnError) {
