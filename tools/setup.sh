@@ -21,8 +21,9 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # fuzzing (--config=fuzz): clang and its libFuzzer and sanitizer runtimes
   clang libclang-rt-14-dev
-  # multi-host tests (network namespaces), process tools used by tests
-  iproute2 procps
+  # multi-host tests (network namespaces), process tools used by tests;
+  # python3 runs //tools:ncu_summary_test and gpu_check.sh's table code
+  iproute2 procps python3
   # //examples:train_run_test renders the trainer's SVG chart to PNG
   chromium
   # the default example's dataset
