@@ -311,14 +311,17 @@ save_summary() {
   summary "$@" >"$OUT/summary.txt"
 }
 
-# Stopped from outside (the device's limit, ^C): stop the tests still
-# running (each under its own `timeout`, which passes the signal on), and
-# leave the summary so far.
+# Stopped from outside (the device's limit, ^C): stop the commands still
+# running (each under its own `timeout`, which passes the signal on to its
+# process group), and leave the summary so far.
 on_signal() {
   trap - TERM INT
   save_summary "stopped by a signal during: $CURRENT_PHASE"
   echo "gpu_check: stopped by a signal $(($(now) - START_S))s in, during: $CURRENT_PHASE" 2>/dev/null
   local pid
+  if [ -f "$WORK/running" ]; then
+    while read -r pid; do kill -TERM "$pid" 2>/dev/null; done <"$WORK/running"
+  fi
   for pid in $(jobs -p); do
     [ "$pid" = "${TEE_PID:-}" ] && continue
     pkill -TERM -P "$pid" 2>/dev/null
@@ -341,7 +344,22 @@ phase_limit() {
 # run_logged's status for a command it did not start (no time left).
 readonly NOT_STARTED=253
 
+# `limited SECONDS CMD...`: runs CMD under `timeout` and returns its status.
+# timeout puts itself and CMD in a process group of their own, which a
+# signal to this script's group (^C, the device's limit) never reaches, so
+# its pid goes into $WORK/running for on_signal to stop it.
+limited() {
+  local limit=$1
+  shift
+  timeout --kill-after=10 "$limit" "$@" &
+  local pid=$!
+  echo "$pid" >>"$WORK/running"
+  wait "$pid"
+}
+
 # Runs a command under a deadline; its output goes to the terminal and to a log.
+# The pipeline runs in the background and is waited for: bash runs a trap
+# only once the foreground command has ended, but interrupts a `wait`.
 run_logged() {
   local limit=$1 log=$2
   shift 2
@@ -350,8 +368,11 @@ run_logged() {
     return "$NOT_STARTED"
   fi
   echo "+ (limit ${limit}s) $*"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
-  return "${PIPESTATUS[0]}"
+  (
+    limited "$limit" "$@" 2>&1 | tee -a "$log"
+    exit "${PIPESTATUS[0]}"
+  ) &
+  wait "$!"
 }
 
 describe_rc() {
@@ -800,7 +821,7 @@ if [ "$PROFILE" = 1 ]; then
         break
       fi
       echo "+ (limit ${limit}s) $NCU ... $BENCH_BIN ${STEP_ARGS[*]} --modes=$m"
-      timeout --kill-after=10 "$limit" "${OUR_ENV[@]}" "$NCU" "${NCU_ARGS[@]}" "$BENCH_BIN" "${STEP_ARGS[@]}" \
+      limited "$limit" "${OUR_ENV[@]}" "$NCU" "${NCU_ARGS[@]}" "$BENCH_BIN" "${STEP_ARGS[@]}" \
         "--modes=$m" >"$WORK/ncu_$m.csv" 2>&1
       r=$?
       {
@@ -872,7 +893,7 @@ run_one_bundled_test() {
   [ -f "$BUNDLE_ROOT/args/$name" ] && mapfile -t args <"$BUNDLE_ROOT/args/$name"
   mkdir -p "$WORK/tmp/$name"
   TEST_TMPDIR="$WORK/tmp/$name" TEST_SRCDIR="$BUNDLE_ROOT/runfiles" TEST_WORKSPACE=ddp \
-    UCX_LOG_LEVEL=error timeout --kill-after=10 "$limit" \
+    UCX_LOG_LEVEL=error limited "$limit" \
     "${OUR_ENV[@]}" "$BUNDLE_ROOT/bin/$name" "${args[@]}" >"$WORK/testlogs/$name.log" 2>&1
   rc=$?
   case "$rc" in

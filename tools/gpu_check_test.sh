@@ -90,14 +90,22 @@ done
 check "summary file" "$(cat "$TEST_TMPDIR/out/summary.txt")" "==== summary"
 
 # Stopped from outside (as the device's time limit does, TERM to the whole
-# process group) in the middle of a benchmark: it exits at once and leaves
-# a summary that says where it stopped. A stand-in for python plays a
-# PyTorch that imports and a benchmark that prints a line per step.
+# process group) in the middle of a benchmark: it exits at once, stops the
+# benchmark and leaves a summary that says where it stopped. A stand-in for
+# python plays a PyTorch that imports and a benchmark that prints five
+# steps and then nothing for five minutes (the benchmark runs under
+# `timeout`, in a process group of its own, and would not see the signal,
+# nor die of a broken pipe, if the script did not stop it).
 fake_python="$TEST_TMPDIR/fake_python"
-cat >"$fake_python" <<'EOF_PY'
+fake_pid_file="$TEST_TMPDIR/fake_bench.pid"
+rm -f "$fake_pid_file"
+cat >"$fake_python" <<EOF_PY
 #!/bin/sh
-case "$*" in
-  *torch_train_step_bench.py*) for i in $(seq 300); do echo "step $i"; sleep 0.1; done ;;
+case "\$*" in
+  *torch_train_step_bench.py*)
+    echo \$\$ >"$fake_pid_file"
+    for i in 1 2 3 4 5; do echo "step \$i"; done
+    exec sleep 300 ;;
   *"import torch"*) echo "2.0 cuda None available False" ;;
   *) exit 1 ;;
 esac
@@ -125,6 +133,21 @@ wait "$pid"
 rc=$?
 [ "$rc" = 143 ] || { echo "FAIL: stopped run exited $rc, expected 143"; failures=$((failures + 1)); }
 check "summary of a stopped run" "$(cat "$stop_out/summary.txt")" "stopped by a signal during: benchmark: PyTorch eager"
+bench_pid="$(cat "$fake_pid_file" 2>/dev/null)"
+if [ -z "$bench_pid" ]; then
+  echo "FAIL: the stand-in benchmark never started"
+  failures=$((failures + 1))
+else
+  for _ in $(seq 150); do
+    kill -0 "$bench_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$bench_pid" 2>/dev/null; then
+    echo "FAIL: the benchmark (pid $bench_pid) still runs 15 s after the script was stopped"
+    kill -KILL "$bench_pid"
+    failures=$((failures + 1))
+  fi
+fi
 
 if [ "$failures" -gt 0 ]; then
   echo "$failures failures"
