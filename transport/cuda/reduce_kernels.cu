@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace ddp::transport::cuda {
 namespace {
@@ -43,6 +44,14 @@ template <> __device__ __nv_bfloat16 Narrow<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+template <typename A> __device__ bool IsNan(A x) {
+  if constexpr (std::is_floating_point_v<A>) {
+    return x != x;
+  } else {
+    return false;
+  }
+}
+
 // Matches transport/types.h ReduceOp.
 enum Op { kSum = 0, kAvg = 1, kMax = 2, kMin = 3, kProd = 4 };
 
@@ -61,8 +70,10 @@ __global__ void ReduceKernel(T* dst, Sources sources, int n, size_t count) {
     for (int k = 1; k < n; ++k) {
       const A v = Widen(static_cast<const T*>(sources.p[k])[i]);
       if constexpr (kOp == kSum || kOp == kAvg) acc = acc + v;
-      if constexpr (kOp == kMax) acc = v > acc ? v : acc;
-      if constexpr (kOp == kMin) acc = v < acc ? v : acc;
+      // A NaN from any source wins, as on the host (transport/reduce): a
+      // bare comparison keeps a NaN only where it came first.
+      if constexpr (kOp == kMax) acc = IsNan(acc) || acc >= v ? acc : v;
+      if constexpr (kOp == kMin) acc = IsNan(acc) || acc <= v ? acc : v;
       if constexpr (kOp == kProd) acc = acc * v;
     }
     if constexpr (kOp == kAvg) acc = static_cast<A>(acc / static_cast<A>(n));

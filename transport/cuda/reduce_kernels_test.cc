@@ -120,5 +120,39 @@ TEST(ReduceKernels, EveryDtypeAndOpOverSeveralSources) {
             cudaErrorInvalidValue);
 }
 
+// Max and min give NaN wherever any source holds one, whichever source it
+// is (the host kernels' rule): element k has its NaN in source k.
+TEST(ReduceKernels, MaxAndMinPropagateANanFromAnySource) {
+  constexpr int kSources = 3;
+  constexpr size_t kCount = kSources + 1;  // the last element has no NaN
+  const size_t sizes[] = {4, 8, 2, 2};
+  for (int dtype = 0; dtype < 4; ++dtype) {
+    for (int op : {2, 3}) {
+      const size_t e = sizes[dtype];
+      std::vector<void*> device(kSources);
+      for (int k = 0; k < kSources; ++k) {
+        std::vector<char> host(kCount * e);
+        for (size_t i = 0; i < kCount; ++i) {
+          StoreAs(dtype, host, i, i == static_cast<size_t>(k) ? std::nan("") : 1.0 + k);
+        }
+        ASSERT_EQ(cudaMalloc(&device[k], host.size()), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(device[k], host.data(), host.size(), cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
+      ASSERT_EQ(ReduceAsync(device[0], device.data(), kSources, kCount, dtype, op, nullptr), 0);
+      std::vector<char> out(kCount * e);
+      ASSERT_EQ(cudaMemcpy(out.data(), device[0], out.size(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      for (size_t i = 0; i < kSources; ++i) {
+        EXPECT_TRUE(std::isnan(LoadAs(dtype, out, i)))
+            << "dtype " << dtype << " op " << op << ": NaN in source " << i << " lost";
+      }
+      EXPECT_EQ(LoadAs(dtype, out, kSources), op == 2 ? kSources : 1.0)
+          << "dtype " << dtype << " op " << op;
+      for (void* p : device) cudaFree(p);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::cuda
