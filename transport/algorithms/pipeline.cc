@@ -312,16 +312,28 @@ Fingerprint* Requests::HoldFingerprints(size_t n) {
   return held_.emplace_back(n).data();
 }
 
+void Requests::Track(p2p::RequestId id) {
+  position_[id] = outstanding_.size();
+  outstanding_.push_back(id);
+}
+
 void Requests::Forget(p2p::RequestId id) {
-  auto it = std::find(outstanding_.begin(), outstanding_.end(), id);
-  if (it != outstanding_.end()) outstanding_.erase(it);
+  auto it = position_.find(id);
+  if (it == position_.end()) return;
+  const size_t i = it->second;
+  position_.erase(it);
+  if (i + 1 != outstanding_.size()) {
+    outstanding_[i] = outstanding_.back();
+    position_[outstanding_[i]] = i;
+  }
+  outstanding_.pop_back();
 }
 
 StatusOr<p2p::RequestId> Requests::Send(const Where& where, p2p::Tag tag, const void* data,
                                         size_t bytes) {
   auto id = p2p_.PostSend(where.peer, tag, data, bytes);
   if (!id.ok()) return Annotate(id.status(), Describe(p2p_, where));
-  outstanding_.push_back(*id);
+  Track(*id);
   return *id;
 }
 
@@ -329,7 +341,7 @@ StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* 
                                         size_t bytes) {
   auto id = p2p_.PostRecv(where.peer, tag, data, bytes);
   if (!id.ok()) return Annotate(id.status(), Describe(p2p_, where));
-  outstanding_.push_back(*id);
+  Track(*id);
   return *id;
 }
 
@@ -361,6 +373,7 @@ Status Requests::WaitAll(const char* what) {
   if (outstanding_.empty()) return Status();
   std::vector<p2p::RequestId> all;
   all.swap(outstanding_);
+  position_.clear();
   return Annotate(p2p_.WaitAll(all, deadline_), std::string(what) + ": completing sends");
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "transport/algorithms/collective.h"
@@ -267,6 +268,7 @@ class Requests {
 
  private:
   friend class PeerCheck;
+  void Track(p2p::RequestId id);
   void Forget(p2p::RequestId id);
   // `n` fingerprints that live as long as this object (a PeerCheck's
   // message buffers).
@@ -277,7 +279,11 @@ class Requests {
   PeerCheck* check_ = nullptr;
   p2p::PointToPoint& p2p_;
   const Deadline deadline_;
+  // Posted and not yet completed, and where each sits in that list: a
+  // collective of many chunks keeps thousands of sends outstanding until
+  // its end, and a search per wait made it quadratic in the chunks.
   std::vector<p2p::RequestId> outstanding_;
+  std::unordered_map<p2p::RequestId, size_t> position_;
   std::deque<std::vector<Fingerprint>> held_;  // HoldFingerprints
 };
 
