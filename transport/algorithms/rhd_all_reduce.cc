@@ -183,8 +183,10 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   }
 
   // The step index of the hand-back must agree on both sides of a pair,
-  // so it is fixed rather than counted.
-  const int unfold_step = (1 << 6) - 1;
+  // so it is fixed rather than counted: 62, past any step of 2^31 ranks,
+  // and not 63, whose last 16 chunk indices are the phase's fingerprint
+  // tags (kDataSteps).
+  const int unfold_step = 62;
   if (r < 2 * extra) {
     if (folded) {
       DDP_RETURN_IF_ERROR(exchange("rhd all-reduce, hand-back", unfold_step, r + 1, nullptr, 0,
