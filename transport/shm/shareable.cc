@@ -1,5 +1,6 @@
 #include "transport/shm/shareable.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -27,6 +28,30 @@ Registry& registry() {
 
 std::atomic<uint64_t> freed_count{0};
 
+// fork(): the child would write the parent's pages through the shared
+// mappings (a DDP bucket or parameter changing under the parent). The
+// registry is held across the fork, and the child maps every region
+// MAP_PRIVATE over itself: copy-on-write, like the rest of its memory (it
+// still sees the parent's later writes to a page until it writes that page
+// itself). Its copies of the memfds stay open: FreeShareable closes them.
+void LockBeforeFork() { registry().mu.lock(); }
+void UnlockInParent() { registry().mu.unlock(); }
+void PrivatizeInChild() {
+  Registry& r = registry();
+  for (const auto& [base, region] : r.by_base) {
+    // On failure (out of mappings) the region stays shared: nothing in a
+    // fork handler can report it.
+    mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
+         MAP_PRIVATE | MAP_FIXED, region.fd, 0);
+  }
+  r.mu.unlock();
+}
+
+void InstallForkHandlers() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(&LockBeforeFork, &UnlockInParent, &PrivatizeInChild); });
+}
+
 }  // namespace
 
 StatusOr<void*> AllocateShareable(size_t bytes) {
@@ -37,6 +62,7 @@ StatusOr<void*> AllocateShareable(size_t bytes) {
                                   " bytes is more than whole pages of the address space hold");
   }
   const size_t size = std::max<size_t>(page, (bytes + page - 1) / page * page);
+  InstallForkHandlers();
   // Close-on-exec: a worker the launcher execs must not inherit it.
   const int fd = memfd_create("ddp-shareable", MFD_CLOEXEC);
   if (fd < 0) {

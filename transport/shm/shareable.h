@@ -17,6 +17,10 @@
 // freed here is not reused under them. ShmAllReduce publishes
 // ShareableFreedCount with each call, and peers drop their mappings of
 // freed regions when it changes.
+//
+// A child made by fork() gets the regions copy-on-write, as the rest of its
+// memory: its writes never reach the parent (it does see the parent's later
+// writes to a page until it writes that page itself).
 
 #include <cstddef>
 #include <cstdint>
