@@ -82,6 +82,9 @@ namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kHeader = 128;  // sizeof(Shared), rounded to its alignment
 constexpr size_t kStagingCapacity = 1 << 20;
+constexpr size_t kMostStagingBytes = size_t{1} << 30;
+// A barrier's count: none other can have it.
+constexpr uint64_t kBarrierCount = ~uint64_t{0};
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
 // Control::failed while its owner rewrites the failure's code and message.
 constexpr uint64_t kRewriting = ~uint64_t{0};
@@ -199,6 +202,14 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
     return InvalidArgumentError("shared-memory group: rank " + std::to_string(options.rank) +
                                 " of " + std::to_string(options.size) + " with " +
                                 std::to_string(options.pids.size()) + " pids");
+  }
+  // Two areas of this per rank are mapped: a larger one would make the
+  // segment's size wrap around (2^62 gave one page, and the first staged
+  // call wrote past it).
+  if (options.staging_bytes > kMostStagingBytes) {
+    return InvalidArgumentError("shared-memory group: staging_bytes (DDP_SHM_STAGING_BYTES) of " +
+                                std::to_string(options.staging_bytes) +
+                                " is more than the most, " + std::to_string(kMostStagingBytes));
   }
   // The staging area's size (the segment's layout) and the limits that
   // choose each call's path must be the same on every rank: a call staged
@@ -557,6 +568,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
     const std::string what = "count " + std::to_string(n) + " " + DataTypeName(t);
     const std::string to_root = " to root " + std::to_string(from);
     if (k == static_cast<int32_t>(Kind::kBroadcast)) return "broadcast " + what + " from root " + std::to_string(o);
+    if (k == static_cast<int32_t>(Kind::kBarrier)) return std::string("barrier");
     if (k == static_cast<int32_t>(Kind::kAllToAll)) return "all-to-all " + what;
     if (k == static_cast<int32_t>(Kind::kGather)) return "gather " + what + to_root;
     if (k == static_cast<int32_t>(Kind::kScatter)) return "scatter " + what + " from root " + std::to_string(from);
@@ -574,6 +586,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
     if (theirs.count != count || theirs.dtype != static_cast<int32_t>(dtype) || theirs.op != op ||
         theirs.kind != static_cast<int32_t>(kind) || theirs.root != root) {
       const std::string collective = kind == Kind::kBroadcast  ? "broadcast"
+                                     : kind == Kind::kBarrier  ? "barrier"
                                      : kind == Kind::kAllToAll ? "all-to-all"
                                      : kind == Kind::kReduce   ? "reduce"
                                      : kind == Kind::kGather   ? "gather"
@@ -1157,21 +1170,26 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
 }
 
 Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog) {
-  DDP_RETURN_IF_ERROR(ClaimSlot(deadline, watchdog));
-  const uint64_t s = ++sequence_;
-  Control& mine = control(options_.rank);
-  // Arguments no all-reduce can have, so that a rank in an all-reduce while
-  // another is in a barrier reports the mismatch.
-  Control::Args& args = mine.args[s % 2];
-  args.count = ~uint64_t{0};
-  args.dtype = -1;
-  args.op = -1;
-  args.kind = static_cast<int32_t>(Kind::kBarrier);
-  args.root = -1;
-  Publish(&Control::reduced, s);
-  Publish(&Control::finished, s);
-  Publish(&Control::arrived, s);
-  return WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier");
+  return InCall(deadline, watchdog, [&]() -> Status {
+    const uint64_t s = ++sequence_;
+    Control& mine = control(options_.rank);
+    // Arguments no other collective can have, so that a rank in another
+    // collective while this one is in a barrier reports the mismatch, and
+    // this rank too.
+    Control::Args& args = mine.args[s % 2];
+    args.count = kBarrierCount;
+    args.dtype = -1;
+    args.op = -1;
+    args.kind = static_cast<int32_t>(Kind::kBarrier);
+    args.root = -1;
+    Publish(&Control::reduced, s);
+    Publish(&Control::finished, s);
+    Publish(&Control::arrived, s);
+    DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier"));
+    DDP_RETURN_IF_ERROR(CheckAgreement(s, kBarrierCount, static_cast<DataType>(-1), -1,
+                                       Kind::kBarrier, -1));
+    return PeerFailure(s);
+  });
 }
 
 }  // namespace ddp::transport::shm

@@ -1013,10 +1013,24 @@ TEST(ShmAllReduce, BarrierAgainstAllReduceIsAMismatch) {
     Status s = r == 0 ? group[r]->Barrier(DeadlineIn(milliseconds(300)), nullptr)
                       : group[r]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
                                             DeadlineIn(milliseconds(300)), nullptr);
-    if (r == 1) {
-      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
-    }
+    // Both ranks fail, the barrier too (it returned OK), naming both calls.
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << s;
+    EXPECT_NE(s.message().find("passed barrier"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("passed count 1 f32 sum"), std::string::npos) << s;
   });
+}
+
+// Rank 0 refuses a staging size that would wrap the segment's size around
+// (2^62 bytes gave a one-page segment that the first staged call overran).
+TEST(ShmAllReduce, StagingBytesBeyondTheMostIsRefused) {
+  testing::InMemoryStore store;
+  ShmOptions options{.rank = 0, .size = 2, .pids = std::vector<int>(2, getpid()),
+                     .staging_bytes = size_t{1} << 62};
+  auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(2000)));
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("DDP_SHM_STAGING_BYTES"), std::string::npos)
+      << engine.status();
 }
 
 // Buffers in shareable memory: peers copy with them through a mapping of
