@@ -42,6 +42,8 @@ void Scale(T* g, int64_t n, float coef) {
 // Device gradients: sum over all gradients of |g|^q (q finite) into one f64
 // element on the device, composed from the device's kernels, read back
 // once. |g|^q is exp(q log|g|) (0 for g = 0, inf and NaN carried through).
+// The powers are taken in f64, as on the CPU: in f32, an element of 3e19
+// squared is inf, and the clip then zeroed every gradient.
 double DeviceSum(const std::vector<Tensor>& grads, double q) {
   const Device dev = grads.front().device();
   const auto& k = ops::KernelsFor(dev.type);
@@ -51,7 +53,7 @@ double DeviceSum(const std::vector<Tensor>& grads, double q) {
   const Tensor total = Zeros({1}, {.dtype = DType::kFloat64, .device = dev});
   for (const Tensor& g : grads) {
     if (g.numel() == 0) continue;
-    const DType dt = g.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+    const DType dt = DType::kFloat64;
     const Tensor flat = g.View({g.numel()});
     const Tensor x = flat.dtype() == dt ? flat : flat.To(dt);
     const Tensor powered = Empty({g.numel()}, {.dtype = dt, .device = dev});

@@ -448,6 +448,26 @@ TEST_F(DevicePathTest, ClipGradNormMatchesTheHostPath) {
   EXPECT_GT(ClipGradNorm({p[0].second, p[1].second}, 1e9), 0.0);
 }
 
+// f32 gradients whose squares (or cubes) overflow f32: the norm is still
+// the host path's finite one, and the clip scales the gradients down
+// instead of zeroing them (the powers were taken in f32 on the device).
+TEST_F(DevicePathTest, ClipGradNormOfHugeF32GradientsIsFinite) {
+  auto make = [] {
+    Tensor w = Zeros({3});
+    w.set_grad(FromVector({3e19f, -4e19f, 1.0f}, {3}));
+    return w;
+  };
+  for (double norm_type : {2.0, 3.0}) {
+    SCOPED_TRACE(norm_type);
+    Tensor host = make(), dev = make();
+    double host_norm = 0;
+    OnHostPath([&] { host_norm = ClipGradNorm({host}, 1.0, norm_type); });
+    ASSERT_TRUE(std::isfinite(host_norm));
+    EXPECT_NEAR(ClipGradNorm({dev}, 1.0, norm_type), host_norm, 1e-6 * host_norm);
+    ExpectClose(dev.grad(), host.grad(), 1e-6, "w");
+  }
+}
+
 // Gradients held transposed (set_grad accepts any strides): the scaler and
 // clipping give the host path's results, written back through the strides,
 // and hand the kernels contiguous tensors only. Before, they threw.
