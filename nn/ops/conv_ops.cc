@@ -2,6 +2,7 @@
 //   conv2d: x [N, C, H, W], w [O, C/G, KH, KW], bias [O] -> y [N, O, OH, OW]
 //   pooling: x [N, C, H, W] -> y [N, C, OH, OW]
 //   OH = floor_or_ceil((H + 2*pad - dilation*(K-1) - 1) / stride) + 1
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -120,8 +121,15 @@ Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool di
 
 Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p) {
   const Shape out_shape = PoolOutput("max_pool2d", x, p, true);
-  Tensor y = detail::NewLike(x, out_shape);
   const bool grad = detail::AnyRequiresGrad({&x});
+  // Backward finds each maximum by its i32 offset within its plane.
+  if (grad && x.size(2) * x.size(3) > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("max_pool2d: an input plane of " + std::to_string(x.size(2)) + "x" +
+                                std::to_string(x.size(3)) +
+                                " elements is more than the i32 indices kept for backward address "
+                                "(2^31 - 1)");
+  }
+  Tensor y = detail::NewLike(x, out_shape);
   // Indices are only kept for backward.
   Tensor indices = grad ? Empty(out_shape, {.dtype = DType::kInt32, .device = x.device()}) : Tensor();
   DDP_KERNEL(x.device(), max_pool2d_forward)(x, y, indices, p);

@@ -172,6 +172,25 @@ TEST(KernelsTest, MaxPool2x2CeilModeStaysInsideThePlane) {
   }
 }
 
+// Backward finds each maximum by an i32 offset within its plane, so a plane
+// of 2^31 elements or more is refused when a gradient is wanted, before any
+// output is allocated (the GPU kernel wrapped the offsets, zeroing half the
+// gradient). A broadcast view makes the huge input without its memory.
+TEST(KernelsTest, MaxPoolRefusesPlanesBeyondItsI32Indices) {
+  Tensor leaf = Ones({1, 1, 1, 1});
+  leaf.set_requires_grad(true);
+  const Tensor x = Expand(leaf, {1, 1, 65536, 32769});
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2};
+  try {
+    MaxPool2d(x, p);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("65536x32769 elements is more than the i32 indices"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // ceil_mode on an input smaller than the window, as PyTorch takes it: one
 // window, hanging over the edge (GoogLeNet's MaxPool2d(3, 2, ceil_mode) on a
 // 2x2 map; a 2x2 window on 1x1). Without ceil_mode no window fits.
