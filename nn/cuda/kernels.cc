@@ -340,6 +340,12 @@ void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const T
     throw std::invalid_argument("cross_entropy_backward: target must be i64, got " +
                                 std::string(DTypeName(target.dtype())));
   }
+  if (log_probs.dim() != 2 || target.dim() != 1 || target.size(0) != log_probs.size(0) ||
+      dlogits.shape() != log_probs.shape()) {
+    throw std::invalid_argument("cross_entropy_backward: log_probs " + ShapeToString(log_probs.shape()) +
+                                ", target " + ShapeToString(target.shape()) + ", dlogits " +
+                                ShapeToString(dlogits.shape()) + " do not fit [N, C], [N], [N, C]");
+  }
   const int64_t n = log_probs.size(0), c = log_probs.size(1);
   if (grad_loss.numel() != 1 && grad_loss.numel() != n) {
     throw std::invalid_argument("cross_entropy_backward: grad_loss of shape " + ShapeToString(grad_loss.shape()) +
