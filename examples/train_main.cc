@@ -29,6 +29,7 @@
 #include "examples/trainer/parallel.h"
 #include "examples/trainer/train_state.h"
 #include "examples/trainer/trainer.h"
+#include "examples/user_path.h"
 #include "nn/ops/config.h"
 #include "transport/launch/env.h"
 #include "transport/launch/self_launch.h"
@@ -437,7 +438,7 @@ int main(int argc, char** argv) {
     ddp::examples::trainer::ValidateConfig(config);
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
         ddp::examples::trainer::JoinJob(config.log_dir.empty()
-                                            ? ddp::examples::trainer::UserWorkingDirectory()
+                                            ? ddp::examples::UserWorkingDirectory()
                                             : config.log_dir,
                                         std::chrono::seconds(config.timeout_s));
     if (restart > 0) {

@@ -5,18 +5,13 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "examples/user_path.h"
+
 namespace ddp::examples::trainer {
 namespace {
 
 bool Contains(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
-}
-
-std::string Absolute(const std::string& path) {
-  if (path.empty()) return path;
-  std::filesystem::path p(path);
-  if (p.is_relative()) p = std::filesystem::path(UserWorkingDirectory()) / p;
-  return p.lexically_normal().string();
 }
 
 }  // namespace
@@ -158,15 +153,6 @@ void ValidateConfig(const TrainConfig& c) {
   }
 }
 
-std::string UserWorkingDirectory() {
-  if (const char* dir = std::getenv("BUILD_WORKING_DIRECTORY"); dir != nullptr && *dir) {
-    return dir;
-  }
-  std::error_code ec;
-  std::filesystem::path cwd = std::filesystem::current_path(ec);
-  return ec ? std::string(".") : cwd.string();
-}
-
 std::string DefaultCheckpointPath(const TrainConfig& c) {
   std::filesystem::path base;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg == '/') {
@@ -185,9 +171,9 @@ void ResolvePaths(TrainConfig& c) {
   } else if (c.checkpoint == "none") {
     c.checkpoint.clear();
   }
-  c.checkpoint = Absolute(c.checkpoint);
-  c.data_dir = Absolute(c.data_dir);
-  c.log_dir = Absolute(c.log_dir);
+  c.checkpoint = UserPath(c.checkpoint);
+  c.data_dir = UserPath(c.data_dir);
+  c.log_dir = UserPath(c.log_dir);
 }
 
 }  // namespace ddp::examples::trainer

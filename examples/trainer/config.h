@@ -105,12 +105,8 @@ void ValidateConfig(const TrainConfig& config);
 /// /ddp/checkpoints/<model>_<dataset>.safetensors.
 std::string DefaultCheckpointPath(const TrainConfig& config);
 
-/// The directory relative paths on the command line are meant from: under
-/// `bazel run`, the user's ($BUILD_WORKING_DIRECTORY), else the current one.
-std::string UserWorkingDirectory();
-
-/// Makes data_dir, checkpoint and log_dir absolute (relative to
-/// UserWorkingDirectory()), replaces "auto" by DefaultCheckpointPath and
+/// Makes data_dir, checkpoint and log_dir absolute (relative to the user's
+/// directory: see examples/user_path.h), replaces "auto" by DefaultCheckpointPath and
 /// "none" by no checkpoint.
 void ResolvePaths(TrainConfig& config);
 
