@@ -11,15 +11,19 @@
 // itself (SelfLaunch; this process never touches UCX), the copies train for
 // --steps timed steps after 5 warm-up steps, and rank 0 hands its figures
 // back through a file. With --repeat, the median run (by samples/s) of each
-// rank count is shown.
+// rank count's successful runs is shown, and the failed ones are counted.
+// The rank counts are measured from the smallest, whose rate per rank is the
+// baseline of every speed-up and of the chart's linear line.
 
 #include <gflags/gflags.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -31,6 +35,7 @@
 #include "examples/trainer/parallel.h"
 #include "examples/trainer/svg_chart.h"
 #include "examples/trainer/trainer.h"
+#include "examples/user_path.h"
 #include "nn/io/atomic_file.h"
 #include "transport/launch/env.h"
 #include "transport/launch/self_launch.h"
@@ -39,13 +44,16 @@ DEFINE_string(model, "cnn", "model: cnn, mlp, resnet18, resnet34, resnet50");
 DEFINE_string(dataset, "synthetic",
               "synthetic (generated images the model's shape) or fashion_mnist");
 DEFINE_string(data_dir, "", "folder of the dataset's files (fashion_mnist)");
-DEFINE_string(ranks, "1,2,4", "rank counts to measure, comma-separated");
+DEFINE_string(ranks, "1,2,4",
+              "rank counts to measure, comma-separated; the smallest is the speed-ups' baseline");
 DEFINE_int64(steps, 200, "timed optimizer steps per run (after 5 warm-up steps)");
 DEFINE_int64(batch_size, 64, "samples per rank per step");
 DEFINE_double(bucket_cap_mb, 25, "DDP bucket size in MiB");
 DEFINE_int32(workers, 1, "data loader threads per rank");
-DEFINE_int32(repeat, 1, "runs per rank count; the median is reported");
-DEFINE_string(chart, "", "also write an SVG chart of samples/s and efficiency to this path");
+DEFINE_int32(repeat, 1, "runs per rank count; the median of those that succeed is reported");
+DEFINE_string(chart, "",
+              "also write an SVG chart of samples/s and efficiency to this path (relative: to "
+              "the directory `bazel run` was started in)");
 DEFINE_string(result_file, "", "internal: where rank 0 of a measured job writes its figures");
 
 namespace {
@@ -152,7 +160,25 @@ std::string Percent(double fraction) {
   return std::isfinite(fraction) ? StringPrintf("%.0f%%", 100 * fraction) : "-";
 }
 
-void WriteChart(const std::vector<Measurement>& rows, double base) {
+// Why `path` (--chart, resolved) cannot take the chart, or "": checked
+// before the runs, so that a typo costs nothing.
+std::string ChartPathProblem(const std::string& path) {
+  namespace fs = std::filesystem;
+  const std::string flag = "--chart=" + FLAGS_chart;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return flag + " is a folder; give the path of an .svg file";
+  const fs::path folder = fs::path(path).parent_path();
+  if (!fs::exists(folder, ec)) return flag + ": the folder " + folder.string() + " does not exist";
+  if (!fs::is_directory(folder, ec)) return flag + ": " + folder.string() + " is not a folder";
+  if (access(folder.c_str(), W_OK | X_OK) != 0) {
+    return flag + ": the folder " + folder.string() + " is not writable (" + std::strerror(errno) +
+           ")";
+  }
+  return "";
+}
+
+// `base`: samples/s per rank of the smallest rank count measured.
+void WriteChart(const std::vector<Measurement>& rows, double base, const std::string& path) {
   trainer::Chart chart;
   chart.title = "Scaling: " + FLAGS_model + " on " + FLAGS_dataset;
   chart.subtitle = StringPrintf("batch %lld per rank, %lld timed steps, %u cores",
@@ -181,7 +207,7 @@ void WriteChart(const std::vector<Measurement>& rows, double base) {
   chart.panels = {rate, eff};
   chart.panel_height = 220;
   const std::string svg = trainer::RenderSvgChart(chart);
-  ddp::nn::io::AtomicFileWriter out(FLAGS_chart);
+  ddp::nn::io::AtomicFileWriter out(path);
   out.Write(svg.data(), svg.size());
   out.Commit();
 }
@@ -208,9 +234,19 @@ int main(int argc, char** argv) {
     counts.push_back(n);
     pos = end + 1;
   }
+  // Smallest first: its result is the baseline of the rows printed after it.
+  std::sort(counts.begin(), counts.end());
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
   if (FLAGS_steps < 1 || FLAGS_repeat < 1) {
     std::fprintf(stderr, "scaling_bench: --steps and --repeat must be at least 1\n");
     return 2;
+  }
+  const std::string chart = ddp::examples::UserPath(FLAGS_chart);
+  if (!chart.empty()) {
+    if (const std::string problem = ChartPathProblem(chart); !problem.empty()) {
+      std::fprintf(stderr, "scaling_bench: %s\n", problem.c_str());
+      return 2;
+    }
   }
   try {
     trainer::TrainConfig c = Config();
@@ -244,35 +280,54 @@ int main(int argc, char** argv) {
               "comm", "overlap", "step_ms");
   std::fflush(stdout);
   std::vector<Measurement> rows;
+  // Samples/s per rank of the smallest rank count with a result: set once,
+  // so that every speed-up and the chart divide by the same figure.
   double base = NAN;
   int index = 0;
+  int failed_runs = 0;
   for (int n : counts) {
-    std::vector<Measurement> runs;
-    for (int r = 0; r < FLAGS_repeat; ++r) runs.push_back(Measure(n, base_args, dir, index++));
-    std::sort(runs.begin(), runs.end(), [](const Measurement& a, const Measurement& b) {
-      return a.ok != b.ok ? a.ok : a.samples_per_s < b.samples_per_s;
-    });
-    const Measurement m = runs[(runs.size() - 1) / 2];
-    rows.push_back(m);
-    if (!m.ok) {
-      std::printf("%5d %11s\n", n, "failed");
+    // The median of the runs that finished: a failed run has no rate, and
+    // counting it would shift the median towards the slowest success.
+    std::vector<Measurement> ok;
+    for (int r = 0; r < FLAGS_repeat; ++r) {
+      Measurement m = Measure(n, base_args, dir, index++);
+      if (m.ok) ok.push_back(m);
+    }
+    const int failed = FLAGS_repeat - static_cast<int>(ok.size());
+    failed_runs += failed;
+    if (ok.empty()) {
+      rows.push_back(Measurement{.ranks = n});
+      std::printf("%5d %11s\n", n, FLAGS_repeat == 1 ? "failed" : "all failed");
+      std::fflush(stdout);
       continue;
     }
-    if (n == 1 || !std::isfinite(base)) base = m.samples_per_s / n;
+    std::sort(ok.begin(), ok.end(), [](const Measurement& a, const Measurement& b) {
+      return a.samples_per_s < b.samples_per_s;
+    });
+    const Measurement m = ok[(ok.size() - 1) / 2];
+    rows.push_back(m);
+    if (!std::isfinite(base)) base = m.samples_per_s / n;
     const double speedup = m.samples_per_s / base;
+    std::string notes;
+    if (failed > 0) {
+      notes += StringPrintf("  (median of %zu; %d of %d runs failed)", ok.size(), failed,
+                            FLAGS_repeat);
+    }
+    if (static_cast<unsigned>(n) > cores) notes += "  (more ranks than cores)";
     std::printf("%5d %11s %7.2fx %10s %10s %8s %8.1f%s\n", n, FormatRate(m.samples_per_s).c_str(),
                 speedup, Percent(speedup / n).c_str(), n == 1 ? "-" : Percent(m.comm_share).c_str(),
-                n == 1 ? "-" : Percent(m.overlap).c_str(), m.step_ms,
-                static_cast<unsigned>(n) > cores ? "  (more ranks than cores)" : "");
+                n == 1 ? "-" : Percent(m.overlap).c_str(), m.step_ms, notes.c_str());
     std::fflush(stdout);
   }
   std::filesystem::remove_all(dir);
-  if (!FLAGS_chart.empty() && std::isfinite(base)) {
-    WriteChart(rows, base);
-    std::printf("# chart: %s\n", FLAGS_chart.c_str());
+  if (!chart.empty() && std::isfinite(base)) {
+    try {
+      WriteChart(rows, base, chart);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "scaling_bench: cannot write --chart=%s: %s\n", chart.c_str(), e.what());
+      return 1;
+    }
+    std::printf("# chart: %s\n", chart.c_str());
   }
-  for (const Measurement& m : rows) {
-    if (!m.ok) return 1;
-  }
-  return 0;
+  return failed_runs > 0 ? 1 : 0;
 }

@@ -1,9 +1,15 @@
 // //examples:scaling_bench runs its jobs and prints its table (a functional
 // check with tiny runs; the figures themselves are taken on a quiet machine,
-// see docs/benchmarks.md).
+// see docs/benchmarks.md), and checks its --chart path before the runs.
 
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
 #include <regex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
@@ -11,11 +17,17 @@
 namespace ddp::examples {
 namespace {
 
-TEST(ScalingBenchTest, PrintsOneRowPerRankCountAndTheChart) {
+// The counts given largest first: they are measured from the smallest,
+// whose rate is the baseline of every speed-up (before, the 2-rank row came
+// first as its own baseline, 2.00x, and the 1-rank row replaced it). A
+// relative --chart is the user's (under `bazel run`, from
+// $BUILD_WORKING_DIRECTORY), not the runfiles folder's.
+TEST(ScalingBenchTest, PrintsOneRowPerRankCountFromTheSmallestAndTheChart) {
   const std::string dir = testing::MakeTempDir("scaling");
   const testing::RunOutput r = testing::RunToEnd(
-      {testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1,2", "--steps=3",
-       "--batch_size=16", "--workers=0", "--chart=" + dir + "/scaling.svg"});
+      {testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=2,1", "--steps=3",
+       "--batch_size=16", "--workers=0", "--chart=charts/../scaling.svg"},
+      {{"BUILD_WORKING_DIRECTORY", dir}});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const std::vector<std::string> lines = testing::Lines(r.out);
   ASSERT_EQ(lines.size(), 5u) << r.out;
@@ -31,6 +43,75 @@ TEST(ScalingBenchTest, PrintsOneRowPerRankCountAndTheChart) {
   EXPECT_EQ(lines[4], "# chart: " + dir + "/scaling.svg");
   const std::string svg = testing::ReadFile(dir + "/scaling.svg");
   EXPECT_NE(svg.find("scaling efficiency"), std::string::npos);
+}
+
+// A chart that could not be written is found out before the runs, not
+// after them (before, the benchmark ran to the end and then died in
+// std::terminate).
+TEST(ScalingBenchTest, AChartPathThatCannotBeWrittenIsRefusedBeforeAnyRun) {
+  const std::string dir = testing::MakeTempDir("scaling_bad_chart");
+  const std::string bench = testing::Runfile("examples/scaling_bench");
+  const testing::RunOutput missing = testing::RunToEnd(
+      {bench, "--model=mlp", "--ranks=1", "--steps=1", "--chart=" + dir + "/no/such/s.svg"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.out << missing.err;
+  EXPECT_EQ(missing.err, "scaling_bench: --chart=" + dir + "/no/such/s.svg: the folder " + dir +
+                             "/no/such does not exist\n");
+  EXPECT_EQ(missing.out, "");
+  const testing::RunOutput folder =
+      testing::RunToEnd({bench, "--model=mlp", "--ranks=1", "--steps=1", "--chart=" + dir});
+  EXPECT_EQ(folder.exit_code, 2) << folder.out << folder.err;
+  EXPECT_EQ(folder.err, "scaling_bench: --chart=" + dir + " is a folder; give the path of an .svg file\n");
+  EXPECT_EQ(folder.out, "");
+}
+
+// The chart's folder vanishes while the runs go on: the write fails at the
+// end, and the benchmark says so with the table already printed (exit 1).
+TEST(ScalingBenchTest, AChartThatFailsToWriteAtTheEndIsReported) {
+  const std::string dir = testing::MakeTempDir("scaling_vanishing_chart") + "/charts";
+  std::filesystem::create_directories(dir);
+  testing::Subprocess run({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1",
+                           "--steps=200", "--batch_size=16", "--workers=0",
+                           "--chart=" + dir + "/s.svg"});
+  // The header is printed after the checks and before the first run.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (run.Stdout().find("ranks   samples/s") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    ASSERT_EQ(run.Wait(std::chrono::milliseconds(0)), -1) << run.Stdout() << run.Stderr();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(120)), 1) << run.Stdout() << run.Stderr();
+  const std::vector<std::string> lines = testing::Lines(run.Stdout());
+  ASSERT_EQ(lines.size(), 3u) << run.Stdout();
+  EXPECT_TRUE(std::regex_match(lines[2], std::regex(R"( +1 +[0-9,]+ +1\.00x +100% .*)"))) << lines[2];
+  EXPECT_EQ(run.Stderr().rfind("scaling_bench: cannot write --chart=" + dir + "/s.svg: ", 0), 0u)
+      << run.Stderr();
+}
+
+// One of three runs is killed: the row is the median of the two that
+// finished and says that one failed; the exit status is 1. (Before, the
+// failed run was sorted last and counted: the faster success was shown, as
+// if it were the median, and nothing said a run had failed.)
+TEST(ScalingBenchTest, TheMedianIsOverTheRunsThatFinishedAndFailedRunsAreCounted) {
+  testing::Subprocess run({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1",
+                           "--repeat=3", "--steps=300", "--batch_size=16", "--workers=0"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::vector<pid_t> workers;
+  while (workers.empty() && std::chrono::steady_clock::now() < deadline) {
+    ASSERT_EQ(run.Wait(std::chrono::milliseconds(0)), -1) << run.Stdout() << run.Stderr();
+    workers = run.Children();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(workers.size(), 1u) << run.Stdout() << run.Stderr();
+  ASSERT_EQ(kill(workers[0], SIGKILL), 0);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(120)), 1) << run.Stdout() << run.Stderr();
+  const std::vector<std::string> lines = testing::Lines(run.Stdout());
+  ASSERT_EQ(lines.size(), 3u) << run.Stdout();
+  EXPECT_TRUE(std::regex_match(
+      lines[2], std::regex(R"( +1 +[0-9,]+ +1\.00x +100% +- +- +[0-9.]+  \(median of 2; 1 of 3 runs failed\))")))
+      << lines[2];
+  EXPECT_NE(run.Stderr().find("scaling_bench: the 1-rank run failed"), std::string::npos)
+      << run.Stderr();
 }
 
 TEST(ScalingBenchTest, BadRankCountsAreRefused) {
