@@ -235,6 +235,48 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
       << run.Stdout() << run.Stderr();
 }
 
+// Ctrl-C between two metrics rows (--log_every=1000, a checkpoint every 7
+// steps): the losses of the steps since the last row still count. The
+// checkpoint's epoch loss covers every micro-batch of the epoch so far, and
+// metrics.csv ends with a row at the step the ranks stopped at. (Before, the
+// stop saved without gathering them: up to log_every - 1 steps of losses
+// were missing from both.)
+TEST(TrainResumeTest, CtrlCBetweenLogRowsKeepsTheLossesOfEveryStep) {
+  const std::string dir = testing::MakeTempDir("sigint_metrics");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  const std::string log_dir = dir + "/log";
+  std::vector<std::string> args = Args(ckpt);
+  *std::find(args.begin(), args.end(), "--checkpoint_every=4") = "--checkpoint_every=7";
+  args.push_back("--log_every=1000");
+  args.push_back("--log_dir=" + log_dir);
+  Subprocess run(args);
+  // Signalled just after the save of step 7: the ranks stop a step or more
+  // later, between two rows.
+  ASSERT_GT(WaitForCheckpoint(ckpt, 7, run), 0) << run.Stdout() << run.Stderr();
+  run.Signal(SIGINT);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(40)), 128 + SIGINT) << run.Stdout() << run.Stderr();
+
+  const nn::io::Checkpoint checkpoint = nn::io::LoadCheckpoint(ckpt);
+  const int64_t step = std::stoll(checkpoint.metadata.at("step"));
+  const int64_t batch_in_epoch = std::stoll(checkpoint.metadata.at("batch_in_epoch"));
+  ASSERT_GT(step, 7);
+  ASSERT_LT(step, 96) << "the run was not interrupted in the middle";
+  // One loss per rank and batch of the epoch (2 ranks, no accumulation).
+  EXPECT_EQ(std::stoll(checkpoint.metadata.at("epoch_loss_count")), 2 * batch_in_epoch)
+      << "stopped at step " << step;
+  // The last row with a training loss (evaluation rows leave it empty).
+  std::string last_step;
+  for (const std::string& line : testing::Lines(testing::ReadFile(log_dir + "/metrics.csv"))) {
+    const size_t first = line.find(',');
+    const size_t second = line.find(',', first + 1);
+    if (line.rfind("step,", 0) == 0 || first == std::string::npos || second == std::string::npos) {
+      continue;
+    }
+    const size_t third = line.find(',', second + 1);
+    if (third != std::string::npos && third > second + 1) last_step = line.substr(0, first);
+  }
+  EXPECT_EQ(last_step, std::to_string(step)) << testing::ReadFile(log_dir + "/metrics.csv");
+}
 
 // With --zero the ranks, which stop at the same step, gather the sharded
 // state there: the checkpoint holds the whole state at the stop, and an

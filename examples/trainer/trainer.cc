@@ -655,6 +655,7 @@ RunResult Run::Go() {
   RunResult result;
   result.world_size = world_;
   int signal = 0;
+  bool job_failed = false;  // a peer left mid-collective: no more collectives
   int64_t epochs_done = pos_.epoch;
   try {
     while (pos_.epoch < c_.epochs && !StepLimitReached() && signal == 0) {
@@ -772,12 +773,16 @@ RunResult Run::Go() {
     // signal arrives. That is the interruption, not a new failure.
     if (!AwaitStopSignal(std::chrono::seconds(1))) throw;
     signal = StopSignal();
+    job_failed = true;
     last_checkpoint_step_ = pos_.step;  // the state may be mid-step: do not save it
   }
 
   if (signal != 0) {
     // The ranks agreed to stop at this step boundary (after a JobError
-    // nothing is saved: see above).
+    // nothing is saved: see above). The losses of the steps since the last
+    // metrics row go into the epoch's loss and metrics.csv first, as at a
+    // row: the checkpoint's epoch loss then covers every step it holds.
+    if (!job_failed) FlushMetrics();
     SaveCheckpoint();
     if (lead_) {
       std::string where = StringPrintf("stopped by %s at epoch %lld, step %lld",
