@@ -58,6 +58,9 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
 
 TEST(TrainCliTest, DeviceIsCheckedBeforeAnythingStarts) {
   EXPECT_EQ(OneErrorLine(Train({"--device=tpu"})), "train: unknown --device=tpu; use cpu or cuda");
+  // Not an option that depends on the device: the device itself.
+  EXPECT_EQ(OneErrorLine(Train({"--device=gpu", "--zero", "--zero_overlap"})),
+            "train: unknown --device=gpu; use cpu or cuda");
 #ifndef DDP_TRAIN_BUILT_WITH_CUDA
   EXPECT_EQ(OneErrorLine(Train({"--device=cuda", "--dataset=synthetic", "--model=mlp"})),
             "train: --device=cuda: this trainer was built without CUDA; rebuild it with "

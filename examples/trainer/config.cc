@@ -48,6 +48,11 @@ void ValidateConfig(const TrainConfig& c) {
   if (!Contains(amps, c.amp)) {
     throw UsageError("unknown --amp=" + c.amp + "; use " + OneOf(amps));
   }
+  // The name before the combinations below, which compare it with "cpu"
+  // and "cuda"; whether this build has CUDA is CheckDeviceFlag's to say.
+  if (c.device != "cpu" && c.device != "cuda") {
+    throw UsageError("unknown --device=" + c.device + "; use cpu or cuda");
+  }
   auto positive = [](const char* flag, int64_t v) {
     if (v < 1) {
       throw UsageError(std::string("--") + flag + "=" + std::to_string(v) +

@@ -25,6 +25,25 @@ TEST(ConfigTest, UnknownModelListsTheKnownOnes) {
             "unknown --model=resnet152; use one of cnn, mlp, resnet18, resnet34, resnet50");
 }
 
+// An unknown device is named as such before any check that compares with
+// "cpu" or "cuda" (before, --device=gpu --zero --zero_overlap was told that
+// --zero_overlap steps in host memory).
+TEST(ConfigTest, UnknownDeviceIsReportedBeforeTheOptionsThatDependOnIt) {
+  TrainConfig c;
+  c.device = "gpu";
+  EXPECT_EQ(ErrorOf(c), "unknown --device=gpu; use cpu or cuda");
+  c.zero = true;
+  c.zero_overlap = true;
+  EXPECT_EQ(ErrorOf(c), "unknown --device=gpu; use cpu or cuda");
+  c = TrainConfig{};
+  c.device = "tpu";
+  c.comm_hook = "bf16";
+  c.amp = "bf16";
+  EXPECT_EQ(ErrorOf(c), "unknown --device=tpu; use cpu or cuda");
+  c.device = "cuda";
+  EXPECT_EQ(ErrorOf(c), "");  // whether this build has CUDA is device.h's to say
+}
+
 TEST(ConfigTest, BadValuesNameTheFlag) {
   TrainConfig c;
   c.batch_size = 0;
