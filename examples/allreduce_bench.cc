@@ -26,7 +26,8 @@
 // tree or ring). --collective=gather and --collective=scatter time Gather
 // and Scatter: bytes is the root's whole buffer (size() blocks, as
 // all-to-all), busbw = algbw * (n-1)/n (what the root's link carries);
-// algo is "-".
+// algo is "-". All-to-all, gather and scatter combine nothing: they refuse
+// an --op other than sum, and the header shows "op -".
 
 #include <gflags/gflags.h>
 
@@ -188,6 +189,13 @@ int main(int argc, char** argv) {
   const bool scatter = collective == "scatter";
   // Blocks of count / n elements, one per rank, in one rank's buffer.
   const bool blocked = alltoall || gather || scatter;
+  // They move data without combining it: an --op would be printed in the
+  // header and ignored. (Broadcast's --op chooses its input values, which
+  // --check then expects.)
+  if (blocked && op != ReduceOp::kSum) {
+    Fail("--op=" + FLAGS_op + " does not apply to --collective=" + collective +
+         ", which reduces nothing; drop --op");
+  }
   const int root = FLAGS_root;
   ddp::transport::CallOptions call_options;
   if (reduce) call_options.algorithm = algo;
@@ -229,7 +237,8 @@ int main(int argc, char** argv) {
   if (comm.rank() == 0) {
     std::printf("# allreduce_bench: %s, %d ranks, %d host(s), dtype %s, op %s, %s, shm path %s, "
                 "UCX_TLS=%s\n",
-                collective.c_str(), n, comm.info().num_hosts, FLAGS_dtype.c_str(), FLAGS_op.c_str(),
+                collective.c_str(), n, comm.info().num_hosts, FLAGS_dtype.c_str(),
+                blocked ? "-" : FLAGS_op.c_str(),
                 FLAGS_in_place ? "in place" : "out of place",
                 comm.info().shared_memory ? "on" : "off", comm.info().ucx_tls.c_str());
     std::printf("# %10s %12s %6s %10s %10s %10s %6s\n", "bytes", "count", "algo", "time_us",
@@ -312,10 +321,11 @@ int main(int argc, char** argv) {
           }
         }
       } else if (broadcast) {
-        // Every rank ends with rank 0's input: what a one-rank sum gives.
+        // Every rank ends with rank 0's input, filled for `op`: what a
+        // one-rank reduction with `op` gives.
         Check(comm.Broadcast(send.data(), count, dtype, 0), "checked broadcast");
         wrong = static_cast<int64_t>(
-            ddp::transport::testing::CountWrong(dtype, send.data(), count, 1, ReduceOp::kSum));
+            ddp::transport::testing::CountWrong(dtype, send.data(), count, 1, op));
       } else {
         Check(comm.AllReduce(send.data(), out, count, dtype, op), "checked all-reduce");
         wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));

@@ -133,5 +133,39 @@ TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {
   }
 }
 
+// Broadcast's input is filled for --op (prod uses 1s and 2s) and must be
+// checked for it too (before, it was checked as a sum: every element of
+// --op=prod counted wrong). Collectives that reduce nothing refuse an --op
+// rather than print it in the header and ignore it.
+TEST(AllreduceBenchTest, BroadcastChecksItsInputForTheOpAndMovingCollectivesRefuseAnOp) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  for (const char* op : {"--op=prod", "--op=max", "--op=avg"}) {
+    const testing::RunOutput r =
+        testing::RunToEnd({bench, "--nproc_per_node=2", "--collective=broadcast", op,
+                           "--min_bytes=4K", "--max_bytes=4K", "--check"});
+    ASSERT_EQ(r.exit_code, 0) << op << "\n" << r.out << r.err;
+    int rows = 0;
+    for (const std::string& line : testing::Lines(r.out)) {
+      if (line.empty() || line[0] == '#') continue;
+      const std::vector<std::string> f = Fields(line);
+      ASSERT_EQ(f.size(), 7u) << line;
+      EXPECT_EQ(f[6], "0") << op << ": wrong elements: " << line;
+      ++rows;
+    }
+    EXPECT_EQ(rows, 1) << r.out;
+  }
+  for (const char* collective : {"alltoall", "gather", "scatter"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=2", std::string("--collective=") + collective, "--op=max",
+         "--min_bytes=4K", "--max_bytes=4K"});
+    EXPECT_EQ(r.exit_code, 2) << collective << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(std::string("allreduce_bench: --op=max does not apply to --collective=") +
+                         collective + ", which reduces nothing; drop --op"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out, "") << collective;
+  }
+}
+
 }  // namespace
 }  // namespace ddp::examples
