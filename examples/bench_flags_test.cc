@@ -4,6 +4,8 @@
 // crash; a --max_bytes beyond the host's memory was left to the kernel's
 // out-of-memory killer).
 
+#include <cstdint>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -100,6 +102,72 @@ TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   const testing::RunOutput eval_batch = testing::RunToEnd({bench, "--eval_batch=0"});
   EXPECT_EQ(eval_batch.exit_code, 2) << eval_batch.out << eval_batch.err;
   EXPECT_EQ(eval_batch.err, "nn_bench: --eval_batch=0 must be at least 1\n");
+}
+
+// An IDX file of unsigned bytes: `dims`, then that many zero bytes.
+void WriteIdx(const std::string& path, const std::vector<uint32_t>& dims) {
+  std::string bytes = {0, 0, 8, static_cast<char>(dims.size())};
+  size_t count = 1;
+  for (uint32_t d : dims) {
+    for (int shift : {24, 16, 8, 0}) bytes.push_back(static_cast<char>((d >> shift) & 0xff));
+    count *= d;
+  }
+  bytes.append(count, '\0');
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// A Fashion-MNIST folder whose training and test images are `train` and
+// `test` pixels square (128 and 16 of them, all labels 0).
+std::string FolderOfImages(const std::string& name, uint32_t train, uint32_t test) {
+  const std::string dir = testing::MakeTempDir(name);
+  WriteIdx(dir + "/train-images-idx3-ubyte", {128, train, train});
+  WriteIdx(dir + "/train-labels-idx1-ubyte", {128});
+  WriteIdx(dir + "/t10k-images-idx3-ubyte", {16, test, test});
+  WriteIdx(dir + "/t10k-labels-idx1-ubyte", {16});
+  return dir;
+}
+
+// The models take 1x28x28 images into fixed [batch, 1, 28, 28] tensors:
+// other images are refused, naming the folder and their shape, before any
+// step (before, nn_bench copied 32x32 images past the tensor's end and
+// ddp_bench read the wrong pixels).
+TEST(BenchDataTest, ImagesOtherThan28x28AreRefused) {
+  const std::string wide = FolderOfImages("images_32", 32, 32);
+  const std::string wide_test = FolderOfImages("test_images_32", 28, 32);
+  for (const char* model : {"--model=mlp", "--model=cnn"}) {
+    const testing::RunOutput nn = testing::RunToEnd(
+        {testing::Runfile("examples/nn_bench"), model, "--steps=1", "--data=" + wide});
+    EXPECT_EQ(nn.exit_code, 2) << nn.out << nn.err;
+    EXPECT_EQ(nn.err, "nn_bench: --data=" + wide + ": the training images are [1, 32, 32]; " +
+                          model + " takes Fashion-MNIST's [1, 28, 28]\n");
+    EXPECT_EQ(nn.out, "");
+    const testing::RunOutput ddp =
+        testing::RunToEnd({testing::Runfile("examples/ddp_bench"), model, "--steps=1",
+                           "--batch=16", "--nproc_per_node=2", "--data=" + wide});
+    EXPECT_EQ(ddp.exit_code, 2) << ddp.out << ddp.err;
+    EXPECT_NE(ddp.err.find("ddp_bench: --data=" + wide + ": the training images are [1, 32, 32]; " +
+                           model + " takes Fashion-MNIST's [1, 28, 28]\n"),
+              std::string::npos)
+        << ddp.err;
+    EXPECT_EQ(ddp.out, "");
+  }
+  // Test images are checked before training too, unless there is no evaluation.
+  const testing::RunOutput nn = testing::RunToEnd(
+      {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--data=" + wide_test});
+  EXPECT_EQ(nn.exit_code, 2) << nn.out << nn.err;
+  EXPECT_EQ(nn.err, "nn_bench: --data=" + wide_test +
+                        ": the test images are [1, 32, 32]; --model=mlp takes Fashion-MNIST's [1, 28, 28]\n");
+  const testing::RunOutput ddp = testing::RunToEnd({testing::Runfile("examples/ddp_bench"),
+                                                    "--model=mlp", "--steps=1", "--batch=16",
+                                                    "--nproc_per_node=2", "--data=" + wide_test});
+  EXPECT_EQ(ddp.exit_code, 2) << ddp.out << ddp.err;
+  EXPECT_NE(ddp.err.find("ddp_bench: --data=" + wide_test + ": the test images are [1, 32, 32]"),
+            std::string::npos)
+      << ddp.err;
+  const testing::RunOutput no_eval = testing::RunToEnd(
+      {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--batch=16",
+       "--eval=false", "--data=" + wide_test});
+  EXPECT_EQ(no_eval.exit_code, 0) << no_eval.out << no_eval.err;
 }
 
 TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {

@@ -98,6 +98,18 @@ void Gather(const nn::data::InMemoryImageDataset& data, const int64_t* idx, int6
   }
 }
 
+// The mlp and cnn take Fashion-MNIST's images, copied into [batch, 1, 28,
+// 28] tensors: images of another shape would be copied past their end (or
+// read at the wrong offsets). Says so, naming the folder, and returns false.
+bool TakesTheImagesOf(const nn::data::InMemoryImageDataset& data, const char* split) {
+  if (data.Shape() == nn::data::ImageShape{1, 28, 28}) return true;
+  std::fprintf(stderr,
+               "ddp_bench: --data=%s: the %s images are %s; --model=%s takes Fashion-MNIST's "
+               "[1, 28, 28]\n",
+               FLAGS_data.c_str(), split, data.Shape().ToString().c_str(), FLAGS_model.c_str());
+  return false;
+}
+
 // CPU time of this process (every thread), in seconds.
 double ProcessCpuSeconds() {
   rusage u{};
@@ -215,6 +227,15 @@ int Run() {
   }
 
   const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
+  // Every rank loads the same files: all of them refuse, or none. The test
+  // set too (rank 0 evaluates after training): a shape found wrong there
+  // would leave the other ranks waiting at the last barrier.
+  if (!TakesTheImagesOf(*train, "training")) return 2;
+  std::shared_ptr<nn::data::InMemoryImageDataset> test;
+  if (FLAGS_eval) {
+    test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
+    if (!TakesTheImagesOf(*test, "test")) return 2;
+  }
   nn::Generator gen(1);
   const Tensor perm = nn::RandPerm(train->Size(), gen);
   std::vector<int64_t> shard;
@@ -257,7 +278,6 @@ int Run() {
 
   double acc = -1;
   if (FLAGS_eval && rank == 0) {
-    const auto test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
     model->Eval();
     nn::NoGradGuard no_grad;
     int64_t correct = 0;

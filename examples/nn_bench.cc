@@ -51,6 +51,18 @@ void Gather(const nn::data::InMemoryImageDataset& data, const int64_t* idx, int6
   }
 }
 
+// The mlp and cnn take Fashion-MNIST's images, copied into [batch, 1, 28,
+// 28] tensors: images of another shape would be copied past their end (or
+// read at the wrong offsets). Says so, naming the folder, and returns false.
+bool TakesTheImagesOf(const nn::data::InMemoryImageDataset& data, const char* split) {
+  if (data.Shape() == nn::data::ImageShape{1, 28, 28}) return true;
+  std::fprintf(stderr,
+               "nn_bench: --data=%s: the %s images are %s; --model=%s takes Fashion-MNIST's "
+               "[1, 28, 28]\n",
+               FLAGS_data.c_str(), split, data.Shape().ToString().c_str(), FLAGS_model.c_str());
+  return false;
+}
+
 double PeakRssMb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -84,6 +96,14 @@ int Run() {
   if (FLAGS_verbose) std::printf("peak RSS before loading data: %.1f MB\n", PeakRssMb());
   const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
   if (FLAGS_verbose) std::printf("peak RSS after loading the training set: %.1f MB\n", PeakRssMb());
+  if (!TakesTheImagesOf(*train, "training")) return 2;
+  // Loaded (and checked) before training, so that a wrong shape costs no
+  // training; it stays resident to the end either way.
+  std::shared_ptr<nn::data::InMemoryImageDataset> test;
+  if (FLAGS_eval) {
+    test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
+    if (!TakesTheImagesOf(*test, "test")) return 2;
+  }
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   nn::Generator gen(1);
   const Tensor perm = nn::RandPerm(train->Size(), gen);
@@ -114,7 +134,6 @@ int Run() {
   const double train_rss = PeakRssMb();
   double acc = -1;
   if (FLAGS_eval) {
-    const auto test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
     model->Eval();
     nn::NoGradGuard no_grad;
     int64_t correct = 0;
