@@ -97,7 +97,11 @@ void Optimizer::CheckOneDevice() const {
 }
 
 void Optimizer::set_lr(double lr) {
-  if (!(lr >= 0.0)) throw std::invalid_argument("optimizer: learning rate " + std::to_string(lr) + " must be >= 0");
+  // An infinite rate would make every updated parameter inf or NaN.
+  if (!(lr >= 0.0) || !std::isfinite(lr)) {
+    throw std::invalid_argument("optimizer: learning rate " + std::to_string(lr) +
+                                " must be finite and >= 0");
+  }
   lr_ = lr;
 }
 

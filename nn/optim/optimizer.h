@@ -80,6 +80,7 @@ class Optimizer {
 
   /// Learning rate of the next Step (schedulers set it).
   double lr() const { return lr_; }
+  /// Throws std::invalid_argument, changing nothing, unless `lr` is finite and >= 0.
   void set_lr(double lr);
   /// Factor every gradient is multiplied by as Step reads it (GradScaler
   /// sets 1/scale for one step, so unscaling costs no extra pass). 1 by default.

@@ -519,6 +519,25 @@ TEST(Optimizer, RejectsBadParametersAndOptions) {
   EXPECT_THROW(Adadelta({{"a", Zeros({2})}}, {.rho = 1.5}), std::invalid_argument);
 }
 
+// A rate that is not finite would turn every parameter into inf or NaN at
+// the first step: the constructor and set_lr refuse it as they refuse a
+// negative one, and a refused rate changes nothing. Before, inf was taken.
+TEST(Optimizer, SetLrRefusesANonFiniteRate) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double lr : {inf, -inf, std::nan(""), -1.0}) {
+    SCOPED_TRACE(lr);
+    Sgd opt({{"a", Zeros({2})}}, {.lr = 0.1});
+    EXPECT_THAT(ErrorOf([&] { opt.set_lr(lr); }),
+                AllOf(HasSubstr("optimizer: learning rate "), HasSubstr(" must be finite and >= 0")));
+    EXPECT_EQ(opt.lr(), 0.1);
+    EXPECT_THROW(Sgd({{"a", Zeros({2})}}, {.lr = lr}), std::invalid_argument);
+    EXPECT_THROW(Adam({{"a", Zeros({2})}}, {.lr = lr}), std::invalid_argument);
+  }
+  Sgd opt({{"a", Zeros({2})}}, {.lr = 0.1});
+  opt.set_lr(0.0);
+  EXPECT_EQ(opt.lr(), 0.0);
+}
+
 TEST(ClipGradNorm, ClipsOnlyAboveTheLimit) {
   Tensor a = Zeros({2}), b = Zeros({1});
   a.set_grad(FromVector({3, 0}, {2}));
@@ -839,7 +858,7 @@ TEST(LrScheduler, RateTheTargetRefusesChangesNothing) {
   LrScheduler s(opt, StepSchedule(1, -0.5));
   const NamedTensors odd_step = {{"scheduler.step", FromVectorOf<int64_t>({1}, {})},
                                  {"scheduler.base_lr", FromVector({2.0}, {}, {.dtype = DType::kFloat64})}};
-  EXPECT_THAT(ErrorOf([&] { s.LoadStateDict(odd_step); }), HasSubstr("learning rate -1.000000 must be >= 0"));
+  EXPECT_THAT(ErrorOf([&] { s.LoadStateDict(odd_step); }), HasSubstr("learning rate -1.000000 must be finite and >= 0"));
   EXPECT_EQ(s.step_count(), 0);
   EXPECT_EQ(s.base_lr(), 1.0);
   EXPECT_EQ(opt.lr(), 1.0);
