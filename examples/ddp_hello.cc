@@ -14,9 +14,11 @@
 
 #include <gflags/gflags.h>
 
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <string>
 
 #include "ddp/checkpoint.h"
 #include "ddp/distributed_data_parallel.h"
@@ -32,7 +34,6 @@
 #include "transport/launch/self_launch.h"
 
 DEFINE_int32(epochs, 1, "passes over the training set (0: evaluate and save the initial model)");
-DEFINE_validator(epochs, [](const char*, int32_t v) { return v >= 0; });  // gflags names the flag
 DEFINE_int32(batch_size, 64, "samples per rank and step");
 DEFINE_double(lr, 0.05, "SGD learning rate (momentum 0.9)");
 DEFINE_string(data_dir, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST's IDX files");
@@ -42,6 +43,22 @@ namespace {
 
 using namespace ddp;
 using nn::Tensor;
+
+// The flags' ranges, checked before the ranks connect or read data; "" when
+// they are fine, else what is wrong, naming the flag.
+std::string FlagProblem() {
+  if (FLAGS_epochs < 0) return "--epochs=" + std::to_string(FLAGS_epochs) + " must be at least 0";
+  if (FLAGS_batch_size < 1) {
+    return "--batch_size=" + std::to_string(FLAGS_batch_size) + " must be at least 1";
+  }
+  // An infinite rate trains to NaN; zero never changes the model.
+  if (!(FLAGS_lr > 0) || !std::isfinite(FLAGS_lr)) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "--lr=%g must be a finite number > 0", FLAGS_lr);
+    return text;
+  }
+  return "";
+}
 
 int Run() {
   // One process group for the job, from RANK, WORLD_SIZE, MASTER_ADDR, ...
@@ -129,6 +146,11 @@ int main(int argc, char** argv) {
   ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.default_nproc_per_node = 2});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach the launcher as they are printed
+  // Every rank checks (the launcher does not parse the flags): all refuse.
+  if (const std::string problem = FlagProblem(); !problem.empty()) {
+    std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());
+    return 2;
+  }
   try {
     return Run();
   } catch (const std::exception& e) {

@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
@@ -50,6 +52,29 @@ TEST(DdpHelloTest, CheckpointIntoAMissingFolderFailsTheRun) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("[0] checkpoint"), std::string::npos) << r.out;
+}
+
+// Flags out of range are refused by name before the process group is made
+// and before any data is read (exit 2, nothing trained). Before,
+// --batch_size=0 failed inside the DataLoader after the ranks had connected,
+// --lr=-1 got the optimizer's message and --lr=inf trained to NaN.
+TEST(DdpHelloTest, BadFlagsAreRefusedBeforeAnythingStarts) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--batch_size=0", "--batch_size=0 must be at least 1"},
+      {"--batch_size=-3", "--batch_size=-3 must be at least 1"},
+      {"--lr=-1", "--lr=-1 must be a finite number > 0"},
+      {"--lr=0", "--lr=0 must be a finite number > 0"},
+      {"--lr=inf", "--lr=inf must be a finite number > 0"},
+      {"--lr=nan", "--lr=nan must be a finite number > 0"},
+      {"--epochs=-1", "--epochs=-1 must be at least 0"},
+  };
+  for (const auto& [flag, message] : cases) {
+    const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), flag});
+    EXPECT_EQ(r.exit_code, 2) << flag << "\n" << r.out << r.err;
+    // Every rank checks; the launcher may stop one before it prints.
+    EXPECT_NE(r.err.find("] ddp_hello: " + message + "\n"), std::string::npos) << flag << "\n" << r.err;
+    EXPECT_EQ(r.out, "") << flag;
+  }
 }
 
 }  // namespace
