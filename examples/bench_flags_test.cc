@@ -5,13 +5,16 @@
 // out-of-memory killer).
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
+#include "nn/data/idx.h"
 
 namespace ddp::examples {
 namespace {
@@ -168,6 +171,27 @@ TEST(BenchDataTest, ImagesOtherThan28x28AreRefused) {
       {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--batch=16",
        "--eval=false", "--data=" + wide_test});
   EXPECT_EQ(no_eval.exit_code, 0) << no_eval.out << no_eval.err;
+}
+
+// Relative --data and --trace_prefix are the user's (under `bazel run`,
+// from $BUILD_WORKING_DIRECTORY), not the runfiles folder's the binary
+// starts in.
+TEST(BenchDataTest, RelativePathsAreFromTheUsersDirectory) {
+  const std::string dir = testing::MakeTempDir("bench_relative");
+  std::filesystem::create_directory_symlink(nn::data::kFashionMnistDebianDir, dir + "/fmnist");
+  std::filesystem::create_directory(dir + "/traces");
+  const std::vector<std::pair<std::string, std::string>> env = {{"BUILD_WORKING_DIRECTORY", dir}};
+  const testing::RunOutput nn = testing::RunToEnd(
+      {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--eval=false",
+       "--data=fmnist"},
+      env);
+  EXPECT_EQ(nn.exit_code, 0) << nn.out << nn.err;
+  const testing::RunOutput ddp = testing::RunToEnd(
+      {testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=1", "--eval=false",
+       "--nproc_per_node=1", "--data=./fmnist", "--trace_prefix=traces/run_"},
+      env);
+  EXPECT_EQ(ddp.exit_code, 0) << ddp.out << ddp.err;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/traces/run_rank0.json")) << ddp.out << ddp.err;
 }
 
 TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {

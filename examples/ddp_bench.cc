@@ -37,6 +37,7 @@
 #include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
+#include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
 #include "nn/loss/loss.h"
@@ -314,6 +315,9 @@ int main(int argc, char** argv) {
   ddp::transport::launch::SelfLaunchOrExit(argc, argv,
                                            {.default_nproc_per_node = 2, .prefix_output = false});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
+  // Relative: the user's directory, not the runfiles folder of `bazel run`.
+  FLAGS_data = ddp::examples::UserPath(FLAGS_data);
+  FLAGS_trace_prefix = ddp::examples::UserPath(FLAGS_trace_prefix);
   try {
     return Run();
   } catch (const std::exception& e) {

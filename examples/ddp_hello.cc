@@ -23,6 +23,7 @@
 #include "ddp/checkpoint.h"
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
+#include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/data_loader.h"
 #include "nn/data/idx.h"
@@ -151,6 +152,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());
     return 2;
   }
+  // Relative paths are the user's, not the runfiles folder `bazel run`
+  // starts the binary in.
+  FLAGS_data_dir = ddp::examples::UserPath(FLAGS_data_dir);
+  FLAGS_checkpoint = ddp::examples::UserPath(FLAGS_checkpoint);
   try {
     return Run();
   } catch (const std::exception& e) {

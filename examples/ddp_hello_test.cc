@@ -5,12 +5,14 @@
 // the run, and the ranks say which path.
 
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
+#include "nn/data/idx.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/models.h"
 
@@ -52,6 +54,21 @@ TEST(DdpHelloTest, CheckpointIntoAMissingFolderFailsTheRun) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("[0] checkpoint"), std::string::npos) << r.out;
+}
+
+// Relative --data_dir and --checkpoint are the user's (under `bazel run`,
+// from $BUILD_WORKING_DIRECTORY), not the runfiles folder's the binary
+// starts in.
+TEST(DdpHelloTest, RelativePathsAreFromTheUsersDirectory) {
+  const std::string dir = testing::MakeTempDir("hello_relative");
+  std::filesystem::create_directory_symlink(nn::data::kFashionMnistDebianDir, dir + "/fmnist");
+  const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--epochs=0", "--data_dir=fmnist",
+                                "--checkpoint=out/../hello.safetensors"},
+                               {{"BUILD_WORKING_DIRECTORY", dir}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[0] checkpoint " + dir + "/hello.safetensors\n"), std::string::npos) << r.out;
+  auto model = nn::modules::MakeMlp();
+  model->LoadStateDict(nn::io::LoadCheckpoint(dir + "/hello.safetensors").model);
 }
 
 // Flags out of range are refused by name before the process group is made

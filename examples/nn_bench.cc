@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
 #include "nn/loss/loss.h"
@@ -166,6 +167,8 @@ int Run() {
 
 int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
+  // Relative: the user's directory, not the runfiles folder of `bazel run`.
+  FLAGS_data = ddp::examples::UserPath(FLAGS_data);
   try {
     return Run();
   } catch (const std::exception& e) {
