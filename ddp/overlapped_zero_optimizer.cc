@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -329,7 +330,10 @@ double OverlappedZeroOptimizer::lr() const {
 }
 
 void OverlappedZeroOptimizer::set_lr(double lr) {
-  if (!(lr >= 0)) throw std::invalid_argument("OverlappedZeroOptimizer::set_lr: rate " + std::to_string(lr) + " is negative or NaN");
+  if (!(lr >= 0) || !std::isfinite(lr)) {
+    throw std::invalid_argument("OverlappedZeroOptimizer::set_lr: rate " + std::to_string(lr) +
+                                " must be finite and >= 0");
+  }
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->lr = lr;
   if (state_->whole != nullptr) state_->whole->set_lr(lr);

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,6 +77,15 @@ void CheckEqualsDdp(ProcessGroup& pg, DdpOptions options, bool adam, const std::
       opt.set_lr(ref_opt->lr() / 2);
       ref_opt->set_lr(ref_opt->lr() / 2);
       WORKER_EXPECT(opt.lr() == ref_opt->lr(), what + ": lr() is " + std::to_string(opt.lr()));
+      // A rate that is refused changes nothing.
+      bool refused = false;
+      try {
+        opt.set_lr(std::numeric_limits<double>::infinity());
+      } catch (const std::invalid_argument&) {
+        refused = true;
+      }
+      WORKER_EXPECT(refused && opt.lr() == ref_opt->lr(),
+                    what + ": set_lr(inf) left lr() at " + std::to_string(opt.lr()));
     }
     auto [x, y] = testing::Batch(data, (step * world + rank) * kBatch, kBatch);
     if (dtype != nn::DType::kFloat32) x = x.To(dtype);
