@@ -9,6 +9,20 @@
 
 namespace ddp::dist {
 
+namespace {
+
+// The mean over `group` of `t`, in place. f16 sums of the ranks' values may
+// pass 65504 where no value does (two ranks at 40000 summed to inf), so f16
+// is divided first and then summed, as DDP's reducer does; other dtypes are
+// averaged by the all-reduce.
+Work AverageInPlace(ProcessGroup& group, const nn::Tensor& t, const std::string& label) {
+  if (t.dtype() != nn::DType::kFloat16) return group.AllReduce(t, transport::ReduceOp::kAvg, label);
+  internal::ScaleTensor(t, t, 1.0 / group.size());
+  return group.AllReduce(t, transport::ReduceOp::kSum, label);
+}
+
+}  // namespace
+
 namespace hooks {
 
 CommHook PostLocalSgdHook(PostLocalSgdOptions options) {
@@ -27,13 +41,13 @@ CommHook PostLocalSgdHook(PostLocalSgdOptions options) {
     const std::string label = "bucket " + std::to_string(bucket.index());
     if (now < options.start_iteration) {
       if (bucket.divisor() == static_cast<double>(group.size())) {
-        return group.AllReduce(bucket.buffer(), transport::ReduceOp::kAvg, label);
+        return AverageInPlace(group, bucket.buffer(), label);
       }
       internal::ScaleTensor(bucket.buffer(), bucket.buffer(), 1.0 / bucket.divisor());
       return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
     }
     if (!options.subgroup) return noop(group, bucket);
-    return options.subgroup->AllReduce(bucket.buffer(), transport::ReduceOp::kAvg, "local " + label);
+    return AverageInPlace(*options.subgroup, bucket.buffer(), "local " + label);
   });
 }
 
@@ -97,8 +111,7 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   // Everything checked: now the collectives, the same on every rank.
   std::vector<Work> in_place;
   for (size_t i : whole) {
-    in_place.push_back(group.AllReduce(params[i].Detach().View({params[i].numel()}), transport::ReduceOp::kAvg,
-                                       "average parameters"));
+    in_place.push_back(AverageInPlace(group, params[i].Detach().View({params[i].numel()}), "average parameters"));
   }
   nn::NoGradGuard no_grad;
   for (const auto& key : order) {
@@ -115,7 +128,7 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
       views.back().CopyFrom(p);
       offset += p.numel();
     }
-    group.AllReduce(flat, transport::ReduceOp::kAvg, "average parameters").Wait();
+    AverageInPlace(group, flat, "average parameters").Wait();
     for (size_t k = 0; k < members.size(); ++k) params[members[k]].CopyFrom(views[k]);
   }
   for (Work& work : in_place) work.Wait();

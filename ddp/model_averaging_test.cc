@@ -3,7 +3,8 @@
 // during its warm-up, then the replicas drift apart between averages and
 // agree after each; subgroups agree within themselves (4 ranks); the noop
 // hook sends nothing; a bf16 model's f32 masters take the averages (large
-// weights, averaged in place, too). In one process: option checks.
+// weights, averaged in place, too); f16 values whose sum passes f16's
+// range average to themselves. In one process: option checks.
 
 #include <gtest/gtest.h>
 
@@ -18,6 +19,7 @@
 #include "nn/loss/loss.h"
 #include "nn/modules/layers.h"
 #include "nn/modules/models.h"
+#include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::dist {
@@ -119,6 +121,48 @@ DDP_TEST_WORKER(post_local_sgd) {
 
 TEST(ModelAveragingTest, PostLocalSgdIsDdpUntilItsStartThenAveragesEveryPeriod) {
   auto run = RunWorkers("post_local_sgd", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------- f16 past 65504 ----
+
+// Every rank holds 40000 in f16: the mean is 40000, though the sum of two
+// is past f16's largest value (an average by sum-then-divide gave inf).
+DDP_TEST_WORKER(f16_sums_past_f16_range) {
+  auto pg = testing::WorkerGroup();
+  constexpr double kValue = 40000;
+  const nn::TensorOptions f16{.dtype = nn::DType::kFloat16};
+  // One small tensor (averaged through a flat buffer), one of 512 KiB (in
+  // place).
+  const Tensor small = nn::Full({5}, kValue, f16), large = nn::Full({1 << 18}, kValue, f16);
+  AverageParameters({small, large}, *pg);
+  for (const Tensor& t : {small, large}) {
+    const std::vector<double> v = t.ToVector<double>();
+    size_t wrong = 0;
+    for (double x : v) wrong += x != kValue;
+    WORKER_EXPECT(wrong == 0, "AverageParameters: " + std::to_string(wrong) + " of " +
+                                  std::to_string(v.size()) + " elements are not 40000, e.g. " +
+                                  std::to_string(v.front()));
+  }
+  // The post-local-SGD hook in its warm-up (DDP's average) and with a
+  // subgroup: the gradient of w in sum(w * x) is x, 40000 on every rank.
+  for (const bool warm_up : {true, false}) {
+    auto model = std::make_shared<nn::modules::Linear>(1, 1, /*bias=*/false);
+    model->To(nn::DType::kFloat16);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    PostLocalSgdOptions options{.start_iteration = warm_up ? 10 : 0};
+    if (!warm_up) options.subgroup = pg;
+    ddp.RegisterCommHook(hooks::PostLocalSgdHook(options));
+    nn::Backward(nn::ops::Sum(ddp(nn::Full({1, 1}, kValue, f16))));
+    const double grad = model->weight().grad().ToVector<double>()[0];
+    WORKER_EXPECT(grad == kValue, std::string(warm_up ? "warm-up" : "subgroup") +
+                                      ": the averaged gradient is " + std::to_string(grad));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, F16ValuesWhoseSumPassesF16sRangeAverageToThemselves) {
+  auto run = RunWorkers("f16_sums_past_f16_range", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
