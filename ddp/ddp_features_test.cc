@@ -672,6 +672,60 @@ TEST(DdpFeaturesTest, DestroyedInTheMiddleOfABackwardAbortsTheGroup) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1's communication hook fails (throws, or returns an empty Work) and
+// its caller goes on holding the wrapper: rank 0, waiting in that bucket's
+// collective, is told within moments, not at the 60 s timeout.
+DDP_TEST_WORKER(hook_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  const bool empty = std::string(std::getenv("DDP_TEST_CASE")) == "empty";
+  auto model = Mlp(7);
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
+  const CommHook plain = hooks::AllReduceHook();
+  ddp.RegisterCommHook([&](ProcessGroup& group, GradBucket& bucket) -> Work {
+    if (rank == 1 && bucket.index() == 1) {
+      if (empty) return Work();
+      throw std::runtime_error("a hook failure, on purpose");
+    }
+    return plain(group, bucket);
+  });
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rank == 1) {
+    WORKER_EXPECT(message.find(empty ? "returned an empty Work" : "on purpose") != std::string::npos, message);
+    std::this_thread::sleep_for(std::chrono::seconds(10));  // alive, holding the wrapper
+  } else {
+    std::fprintf(stderr, "rank 0 after %.2f s: %s\n", seconds, message.c_str());
+    WORKER_EXPECT(message.find(empty ? "rank 1: DistributedDataParallel: the communication hook returned an "
+                                       "empty Work for bucket 1"
+                                     : "DistributedDataParallel on rank 1: the communication hook threw for "
+                                       "bucket 1: a hook failure, on purpose") != std::string::npos,
+                  message);
+    WORKER_EXPECT(seconds < 8, "rank 0 failed after " + std::to_string(seconds) + " s");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AHookThatThrowsOnOneRankAbortsTheGroup) {
+  auto run = RunWorkers("hook_fails_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", "throw"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, AHookThatReturnsNoWorkOnOneRankAbortsTheGroup) {
+  auto run = RunWorkers("hook_fails_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", "empty"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Forwards that do not synchronize are not unfinished iterations: no-grad
 // and eval-mode forwards, NoSync forwards without a backward, and a no-grad
 // evaluation between a training forward and its backward, which still
@@ -1140,6 +1194,29 @@ DDP_TEST_WORKER(ddp_desync) {
 
 TEST(DdpFeaturesTest, DebugModeReportsRanksThatDiverge) {
   auto run = RunWorkers("ddp_desync", 2, {{"DDP_DEBUG", "detail"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Debug mode on one rank only: its fingerprint all-gathers would pair with
+// the other rank's collectives; every rank fails when the group is made.
+DDP_TEST_WORKER(debug_mode_on_one_rank) {
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(20000);
+  options.debug_detail = std::getenv("RANK") != nullptr && std::string(std::getenv("RANK")) == "0";
+  std::string message;
+  try {
+    auto pg = ProcessGroup::CreateFromEnvironment(options);
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("DDP_DEBUG=detail (ProcessGroupOptions::debug_detail) is on in "
+                             "rank 0 of 2 and off in the others") != std::string::npos,
+                "reported: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, DebugModeOnSomeRanksOnlyFailsEveryRankAtTheStart) {
+  auto run = RunWorkers("debug_mode_on_one_rank", 2, {}, 30000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -82,4 +82,27 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
   return transport::InvalidArgumentError(message);
 }
 
+transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
+                                       transport::Deadline deadline) {
+  const uint8_t mine = detail ? 1 : 0;
+  std::vector<uint8_t> all(comm.size());
+  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - transport::Clock::now());
+  transport::Status s = comm.AllGather(&mine, all.data(), 1, transport::DataType::kU8,
+                                       {.timeout = std::max(timeout, std::chrono::milliseconds(1))});
+  if (!s.ok()) return s;
+  std::string on;
+  int count = 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (all[r] == 0) continue;
+    on += (count++ ? ", " : "") + std::to_string(r);
+  }
+  if (count == 0 || count == comm.size()) return transport::Status::Ok();
+  return transport::InvalidArgumentError(
+      "DDP_DEBUG=detail (ProcessGroupOptions::debug_detail) is on in rank" +
+      std::string(count == 1 ? " " : "s ") + on + " of " + std::to_string(comm.size()) +
+      " and off in the others: the fingerprint check is itself a collective, so every rank "
+      "must have it, or none");
+}
+
 }  // namespace ddp::dist

@@ -28,6 +28,13 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
                                     uint64_t sequence, const std::string& description,
                                     transport::Deadline deadline);
 
+/// Collective, when a group is made: OK when every rank has the fingerprint
+/// check (`detail`) on, or every rank off; else INVALID_ARGUMENT naming the
+/// ranks with it on (a rank that checks runs an all-gather before each
+/// collective that the others do not, which pairs with their collectives).
+transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
+                                       transport::Deadline deadline);
+
 }  // namespace ddp::dist
 
 #endif  // DDP_DDP_DEBUG_MODE_H_

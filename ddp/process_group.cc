@@ -755,6 +755,11 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   if (comm == nullptr) throw std::invalid_argument("ProcessGroup: communicator is null");
   rank_ = comm->rank();
   size_ = comm->size();
+  if (size_ > 1) {
+    const transport::Status agreed =
+        CheckDebugModeAgrees(*comm, options_.debug_detail, transport::Clock::now() + options_.timeout);
+    if (!agreed.ok()) throw DistributedError(agreed);
+  }
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
   if (size_ > 1 && impl_->host_shared_memory()) ShareLargeCpuBlocks();
 }

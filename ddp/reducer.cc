@@ -567,10 +567,22 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   params.reserve(bucket.params.size());
   for (size_t i : bucket.params) params.push_back(params_[i]);
   GradBucket grad_bucket(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_);
-  Work work = hook_(*pg_, grad_bucket);
+  // A hook that fails on this rank only leaves the peers in this bucket's
+  // collective: they are told at once, as for the reducer's own errors.
+  Work work;
+  try {
+    work = hook_(*pg_, grad_bucket);
+  } catch (const std::exception& e) {
+    pg_->Abort(transport::FailedPreconditionError(
+        "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+        ": the communication hook threw for bucket " + std::to_string(b) + ": " + e.what()));
+    throw;
+  }
   if (!work.valid()) {
-    throw std::logic_error("DistributedDataParallel: the communication hook returned an empty Work "
-                           "for bucket " + std::to_string(b));
+    const std::string message = "DistributedDataParallel: the communication hook returned an empty Work "
+                                "for bucket " + std::to_string(b);
+    pg_->Abort(transport::FailedPreconditionError("rank " + std::to_string(pg_->rank()) + ": " + message));
+    throw std::logic_error(message);
   }
   return work;
 }
