@@ -1575,9 +1575,11 @@ int RunDdprun(const DdprunOptions& options) {
       case GroupOutcome::kInterrupted:
       case GroupOutcome::kMonitorFailed:
         // An interrupted launcher stops the whole job: no restart. Nor does
-        // one that could not watch its workers (a fault of this launcher).
+        // one that could not watch its workers (a fault of this launcher),
+        // nor --max_run_time running out (a limit, not a failure).
         outcome.restartable = result.outcome != GroupOutcome::kInterrupted &&
-                              result.outcome != GroupOutcome::kMonitorFailed;
+                              result.outcome != GroupOutcome::kMonitorFailed &&
+                              result.outcome != GroupOutcome::kTimedOut;
         outcome.exit_code = result.ExitCode();
         outcome.reason = (multi_node ? node + ": " : "") + result.reason;
         // Normally posted already, as the signal came (see on_interrupt).

@@ -176,6 +176,19 @@ TEST(DdprunTest, RestartsRunOut) {
   EXPECT_THAT(run.output, HasSubstr("(restart 2 of 2)"));
 }
 
+// --max_run_time running out stops the job for good: a limit, not a
+// failure that a restart could mend (it restarted, each time for as long).
+TEST(DdprunTest, MaxRunTimeEndsTheJobWithoutRestart) {
+  const std::string dir = testing::MakeTempDir("ddprun_max_run_time");
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=2", "--max_run_time=2"},
+                                  {"--sleep_ms=30000", "--pid_dir=" + dir}));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("restarting the job"))) << run.output;
+  EXPECT_LT(seconds, 20) << run.output;
+}
+
 TEST(DdprunTest, SigtermAndSigintReachEveryWorker) {
   for (int signo : {SIGTERM, SIGINT}) {
     const std::string dir = testing::MakeTempDir("ddprun_forward_" + std::to_string(signo));
