@@ -75,6 +75,17 @@ StatusOr<int> ReadIntOr(const EnvMap& env, std::string_view name, int64_t lo, in
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 
+}  // namespace
+
+int SlurmMasterPort(int job_id, int step_id) {
+  // Steps of one allocation that run at once are separate jobs, often with
+  // the same first node; ports stay below Linux's ephemeral range (32768).
+  const int64_t mixed = static_cast<int64_t>(job_id) * 97 + step_id;
+  return 20000 + static_cast<int>(mixed % 12768);
+}
+
+namespace {
+
 // Fills rank, world size, local rank/size and group rank from Slurm's
 // variables; the torchrun-named overrides are applied by the caller.
 Status FromSlurm(const EnvMap& env, LaunchEnv& out) {
@@ -122,7 +133,8 @@ Status FromSlurm(const EnvMap& env, LaunchEnv& out) {
   }
   if (Has(env, kSlurmJobId)) {
     DDP_ASSIGN_OR_RETURN(int job_id, ReadInt(env, kSlurmJobId, 0, kIntMax));
-    out.master_port = 20000 + job_id % 20000;
+    DDP_ASSIGN_OR_RETURN(int step_id, ReadIntOr(env, kSlurmStepId, 0, kIntMax, 0));
+    out.master_port = SlurmMasterPort(job_id, step_id);
   }
   return Status::Ok();
 }
@@ -194,8 +206,16 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
     out.source = LaunchSource::kTorchrun;
     DDP_ASSIGN_OR_RETURN(out.world_size, ReadInt(env, kEnvWorldSize, 1, kIntMax));
     DDP_ASSIGN_OR_RETURN(out.rank, ReadInt(env, kEnvRank, 0, kIntMax));
-    out.local_rank = out.rank;
     out.local_world_size = out.world_size;
+    // Without LOCAL_RANK: the rank within its node, as torchrun lays ranks
+    // out (node by node, LOCAL_WORLD_SIZE each). RANK itself is the local
+    // rank only where one node holds the whole job.
+    if (Has(env, kEnvLocalWorldSize) && !Has(env, kEnvLocalRank)) {
+      DDP_ASSIGN_OR_RETURN(const int local_size, ReadInt(env, kEnvLocalWorldSize, 1, kIntMax));
+      out.local_rank = out.rank % local_size;
+    } else {
+      out.local_rank = out.rank;
+    }
   } else if (InSlurmStep(env)) {
     out.source = LaunchSource::kSlurm;
     DDP_RETURN_IF_ERROR(FromSlurm(env, out));
@@ -244,6 +264,12 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
   if (!Has(env, kEnvLocalRank) && out.source == LaunchSource::kSlurm) local_rank_name = kSlurmLocalId;
   if (!Has(env, kEnvLocalRank) && out.source == LaunchSource::kOpenMpi) local_rank_name = kOmpiLocalRank;
   if (!Has(env, kEnvLocalWorldSize) && out.source == LaunchSource::kOpenMpi) local_size_name = kOmpiLocalSize;
+  if (!Has(env, kEnvLocalWorldSize) && out.source == LaunchSource::kSlurm) {
+    // As FromSlurm took it.
+    local_size_name = Has(env, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
+                      : Has(env, kSlurmNtasksPerNode)       ? kSlurmNtasksPerNode
+                                                            : "SLURM_TASKS_PER_NODE";
+  }
 
   auto named = [](const char* name, int value) { return std::string(name) + "=" + std::to_string(value); };
   if (out.rank >= out.world_size) {

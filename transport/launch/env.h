@@ -10,8 +10,9 @@
 // Precedence (documented for users in transport/launch/README.md):
 //
 //  1. torchrun variables. When RANK or WORLD_SIZE is set, both must be, and
-//     the scheduler variables are ignored altogether. LOCAL_RANK defaults to
-//     RANK and LOCAL_WORLD_SIZE to WORLD_SIZE (one node), GROUP_RANK to 0.
+//     the scheduler variables are ignored altogether. LOCAL_WORLD_SIZE
+//     defaults to WORLD_SIZE (one node), LOCAL_RANK to RANK % LOCAL_WORLD_SIZE
+//     (ranks laid out node by node, as torchrun does), GROUP_RANK to 0.
 //  2. Slurm, inside an `srun` step (SLURM_PROCID, SLURM_NTASKS and
 //     SLURM_STEP_ID set; the batch script itself has no step id and is not a
 //     rank): RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
@@ -20,8 +21,9 @@
 //     form), else SLURM_NTASKS_PER_NODE (perhaps the job's), else
 //     SLURM_TASKS_PER_NODE. MASTER_ADDR defaults to the
 //     first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST
-//     ("node[01-04,7],gpu3" forms), MASTER_PORT to 20000 + SLURM_JOB_ID % 20000
-//     so that every task of the job agrees on it without talking.
+//     ("node[01-04,7],gpu3" forms), MASTER_PORT to SlurmMasterPort(
+//     SLURM_JOB_ID, SLURM_STEP_ID), so that every task of the step agrees on
+//     it without talking and steps running at once do not.
 //  3. Open MPI (OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE set):
 //     RANK, WORLD_SIZE, LOCAL_RANK=OMPI_COMM_WORLD_LOCAL_RANK,
 //     LOCAL_WORLD_SIZE=OMPI_COMM_WORLD_LOCAL_SIZE; GROUP_RANK defaults to
@@ -112,6 +114,9 @@ inline constexpr char kEnvTorchAgentStore[] = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// MASTER_PORT when nothing sets it (torchrun's default).
 inline constexpr int kDefaultMasterPort = 29500;
+/// MASTER_PORT under Slurm: 20000 + (job id * 97 + step id) % 12768, in
+/// [20000, 32768), below Linux's ephemeral ports.
+int SlurmMasterPort(int job_id, int step_id);
 /// Longest accepted DDP_JOB_TOKEN, in bytes.
 inline constexpr size_t kMaxJobTokenBytes = 256;
 

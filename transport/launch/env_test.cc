@@ -166,6 +166,22 @@ TEST(ParseLaunchEnvTest, LocalRankNotBelowLocalWorldSize) {
                 "LOCAL_WORLD_SIZE=3 is larger than WORLD_SIZE=2");
 }
 
+// LOCAL_WORLD_SIZE without LOCAL_RANK: the rank within its node, ranks laid
+// out node by node as torchrun does (it took RANK, which is past
+// LOCAL_WORLD_SIZE on every node but the first: "LOCAL_RANK=5 is not below
+// LOCAL_WORLD_SIZE=4", naming a variable nobody set).
+TEST(ParseLaunchEnvTest, LocalRankWithoutTheVariableIsTheRankWithinItsNode) {
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(
+      {{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "node0"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->local_rank, 1);
+  EXPECT_EQ(parsed->local_world_size, 4);
+  parsed = ParseLaunchEnv({{"RANK", "3"}, {"WORLD_SIZE", "4"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->local_rank, 3);
+  EXPECT_EQ(parsed->local_world_size, 4);
+}
+
 TEST(ParseLaunchEnvTest, MissingMasterAddrAcrossNodes) {
   ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}},
                 "MASTER_ADDR is not set but WORLD_SIZE=4 spans more than one node "
@@ -211,7 +227,20 @@ TEST(ParseLaunchEnvTest, SlurmStep) {
   EXPECT_EQ(parsed->local_world_size, 2);
   EXPECT_EQ(parsed->group_rank, 2);
   EXPECT_EQ(parsed->master_addr, "gpu07");
-  EXPECT_EQ(parsed->master_port, 20000 + 123456 % 20000);
+  EXPECT_EQ(parsed->master_port, SlurmMasterPort(123456, 0));
+  // Another step of the allocation, running at once: another port, and
+  // every port below the ephemeral range.
+  env["SLURM_STEP_ID"] = "1";
+  parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->master_port, SlurmMasterPort(123456, 1));
+  EXPECT_NE(SlurmMasterPort(123456, 1), SlurmMasterPort(123456, 0));
+  for (int job : {0, 1, 19999, 123456, 2147483647}) {
+    for (int step : {0, 1, 2147483647}) {
+      EXPECT_GE(SlurmMasterPort(job, step), 20000);
+      EXPECT_LT(SlurmMasterPort(job, step), 32768);
+    }
+  }
 }
 
 TEST(ParseLaunchEnvTest, SlurmPrefersStepNodelistAndExplicitOverrides) {
@@ -248,6 +277,15 @@ TEST(ParseLaunchEnvTest, SlurmStepLayoutWinsOverTheJobs) {
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->local_world_size, 1);
   EXPECT_EQ(parsed->world_size, 3);
+}
+
+// Slurm's layout variables are named when they disagree with the task id.
+TEST(ParseLaunchEnvTest, SlurmLayoutErrorsNameTheVariableUsed) {
+  EnvMap env = SlurmStep();
+  env["SLURM_LOCALID"] = "3";
+  ExpectInvalid(env, "SLURM_LOCALID=3 is not below SLURM_TASKS_PER_NODE=2");
+  env["SLURM_STEP_TASKS_PER_NODE"] = "2(x3)";
+  ExpectInvalid(env, "SLURM_LOCALID=3 is not below SLURM_STEP_TASKS_PER_NODE=2");
 }
 
 TEST(ParseLaunchEnvTest, SlurmBatchScriptIsNotARank) {
@@ -287,7 +325,7 @@ TEST(ParseLaunchEnvTest, SlurmErrorsNameTheVariable) {
   env.erase("SLURM_JOB_NODELIST");
   ExpectInvalid(env,
                 "MASTER_ADDR is not set but SLURM_NTASKS=6 spans more than one node "
-                "(LOCAL_WORLD_SIZE=2): set MASTER_ADDR to the host of the store");
+                "(SLURM_TASKS_PER_NODE=2): set MASTER_ADDR to the host of the store");
   env = SlurmStep();
   env.erase("SLURM_TASKS_PER_NODE");
   ExpectInvalid(env,
