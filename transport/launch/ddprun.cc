@@ -1,10 +1,12 @@
 #include "transport/launch/ddprun.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -783,6 +785,21 @@ std::string Hostname() {
 
 void Say(const std::string& line) { WriteLauncherLine("ddprun: " + line + "\n"); }
 
+// `holder` is "<host> <pid>" of the launcher that claimed a node rank: its
+// pid when that launcher ran on this host and is gone.
+std::optional<pid_t> GoneLauncherHere(const std::string& holder) {
+  const size_t space = holder.rfind(' ');
+  if (space == std::string::npos || holder.substr(0, space) != Hostname()) return std::nullopt;
+  const std::string_view text = std::string_view(holder).substr(space + 1);
+  pid_t pid = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), pid);
+  if (error != std::errc() || end != text.data() + text.size() || pid <= 0 || pid == getpid()) {
+    return std::nullopt;
+  }
+  if (kill(pid, 0) == 0 || errno != ESRCH) return std::nullopt;
+  return pid;
+}
+
 // A node rank claimed twice in `attempt`: the line every launcher prints.
 std::optional<std::string> DuplicateRank(store::Store& store, const DdprunOptions& o, int attempt) {
   auto duplicate = store.TryGet(Key(attempt, "duplicate"), DeadlineIn(o.store_call_time));
@@ -802,6 +819,19 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
   const std::string rank = std::to_string(o.node_rank);
   DDP_ASSIGN_OR_RETURN(int64_t claims,
                        store.Add(Key(attempt, "claims/" + rank), 1, DeadlineIn(o.store_call_time)));
+  const std::string holder_key = Key(attempt, "holder/" + rank);
+  if (claims > 1) {
+    // A launcher relaunched on the host of one that died (a scheduler's
+    // retry) takes its place instead of being taken for a duplicate.
+    auto holder = store.TryGet(holder_key, DeadlineIn(o.store_call_time));
+    if (holder.ok() && holder->has_value()) {
+      if (std::optional<pid_t> gone = GoneLauncherHere(**holder)) {
+        Say("node " + rank + ": takes --node_rank=" + rank + " over from launcher pid " +
+            std::to_string(*gone) + " on this host, which is gone");
+        claims = 1;
+      }
+    }
+  }
   if (claims > 1) {
     auto first = store.TryGet(Key(attempt, "node/" + rank), DeadlineIn(o.store_call_time));
     const std::string first_host = first.ok() && first->has_value() ? **first : "another host";
@@ -810,6 +840,8 @@ Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
     (void)store.Set(Key(attempt, "duplicate"), line, DeadlineIn(o.store_call_time));
     return InvalidArgumentError(line);
   }
+  DDP_RETURN_IF_ERROR(store.Set(holder_key, Hostname() + " " + std::to_string(getpid()),
+                                DeadlineIn(o.store_call_time)));
   DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + rank), Hostname(), DeadlineIn(o.store_call_time)));
   std::vector<std::string> keys;
   for (int node = 0; node < o.nnodes; ++node) keys.push_back(Key(attempt, "node/" + std::to_string(node)));

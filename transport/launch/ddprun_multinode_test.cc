@@ -322,6 +322,42 @@ TEST(DdprunMultinodeTest, DuplicateNodeRankIsRefusedOnEveryNode) {
   }
 }
 
+// A static launcher that dies while it waits in the rendezvous, relaunched
+// on the same host (a scheduler's retry), takes its node rank back instead
+// of being refused as a duplicate (which also made every other launcher
+// refuse the job).
+TEST(DdprunMultinodeTest, RelaunchedLauncherTakesItsDeadPredecessorsNodeRank) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  auto launch = [&](int node_rank) {
+    auto group = testing::StartProgram(
+        {Ddprun(), "--nnodes=3", "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
+         "--master_port=" + std::to_string(*port), "--rdzv_timeout=30", Worker(), "--store"},
+        {{"DDP_JOB_TOKEN", kToken}});
+    EXPECT_TRUE(group.ok()) << group.status();
+    return std::move(group).value();
+  };
+  auto node0 = launch(0);
+  auto first = launch(1);
+  auto store = store::TcpStoreClient::Connect("127.0.0.1", *port, kToken, DeadlineIn(20s));
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->Get("ddprun/a0/node/1", DeadlineIn(20s)).ok());  // the first has node 1
+  const pid_t first_pid = first->pids()[0];
+  ASSERT_EQ(kill(first_pid, SIGKILL), 0);
+  (void)testing::WaitProgram(*first, 10s);
+  auto relaunched = launch(1);
+  auto node2 = launch(2);
+  const auto relaunched_run = testing::WaitProgram(*relaunched, 30s);
+  EXPECT_EQ(relaunched_run.exit_code, 0) << relaunched_run.output;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("ddprun: node 1: takes --node_rank=1 over from launcher pid " +
+                                               std::to_string(first_pid) + " on this host, which is gone"));
+  for (auto* launcher : {node0.get(), node2.get()}) {
+    const auto run = testing::WaitProgram(*launcher, 30s);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("met 3 ranks")) << run.output;
+  }
+}
+
 TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   // Node 1 starts first and waits for node 0's store (up to 30 s); node 0
   // refuses it and times out 5 s later, missing it.
