@@ -15,6 +15,7 @@
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
 #include "nn/data/idx.h"
+#include "nn/data/test_files.h"
 
 namespace ddp::examples {
 namespace {
@@ -107,26 +108,14 @@ TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   EXPECT_EQ(eval_batch.err, "nn_bench: --eval_batch=0 must be at least 1\n");
 }
 
-// An IDX file of unsigned bytes: `dims`, then that many zero bytes.
-void WriteIdx(const std::string& path, const std::vector<uint32_t>& dims) {
-  std::string bytes = {0, 0, 8, static_cast<char>(dims.size())};
-  size_t count = 1;
-  for (uint32_t d : dims) {
-    for (int shift : {24, 16, 8, 0}) bytes.push_back(static_cast<char>((d >> shift) & 0xff));
-    count *= d;
-  }
-  bytes.append(count, '\0');
-  std::ofstream(path, std::ios::binary) << bytes;
-}
-
 // A Fashion-MNIST folder whose training and test images are `train` and
 // `test` pixels square (128 and 16 of them, all labels 0).
 std::string FolderOfImages(const std::string& name, uint32_t train, uint32_t test) {
   const std::string dir = testing::MakeTempDir(name);
-  WriteIdx(dir + "/train-images-idx3-ubyte", {128, train, train});
-  WriteIdx(dir + "/train-labels-idx1-ubyte", {128});
-  WriteIdx(dir + "/t10k-images-idx3-ubyte", {16, test, test});
-  WriteIdx(dir + "/t10k-labels-idx1-ubyte", {16});
+  nn::data::testing::WriteZeroIdx(dir + "/train-images-idx3-ubyte", {128, train, train});
+  nn::data::testing::WriteZeroIdx(dir + "/train-labels-idx1-ubyte", {128});
+  nn::data::testing::WriteZeroIdx(dir + "/t10k-images-idx3-ubyte", {16, test, test});
+  nn::data::testing::WriteZeroIdx(dir + "/t10k-labels-idx1-ubyte", {16});
   return dir;
 }
 

@@ -14,6 +14,7 @@
 
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
+#include "nn/data/test_files.h"
 
 namespace ddp::examples {
 namespace {
@@ -79,24 +80,12 @@ TEST(TrainCliTest, MissingDatasetNamesThePackageAndDataDir) {
   EXPECT_NE(line.find("--data_dir"), std::string::npos) << line;
 }
 
-// An IDX file of unsigned bytes: `dims`, then that many zero bytes.
-void WriteIdx(const std::string& path, const std::vector<uint32_t>& dims) {
-  std::string bytes = {0, 0, 8, static_cast<char>(dims.size())};
-  size_t count = 1;
-  for (uint32_t d : dims) {
-    for (int shift : {24, 16, 8, 0}) bytes.push_back(static_cast<char>((d >> shift) & 0xff));
-    count *= d;
-  }
-  bytes.append(count, '\0');
-  std::ofstream(path, std::ios::binary) << bytes;
-}
-
 TEST(TrainCliTest, TestImagesOfAnotherShapeAreRefusedAtTheStart) {
   const std::string dir = testing::MakeTempDir("mismatched_splits");
-  WriteIdx(dir + "/train-images-idx3-ubyte", {64, 28, 28});
-  WriteIdx(dir + "/train-labels-idx1-ubyte", {64});
-  WriteIdx(dir + "/t10k-images-idx3-ubyte", {8, 32, 32});
-  WriteIdx(dir + "/t10k-labels-idx1-ubyte", {8});
+  nn::data::testing::WriteZeroIdx(dir + "/train-images-idx3-ubyte", {64, 28, 28});
+  nn::data::testing::WriteZeroIdx(dir + "/train-labels-idx1-ubyte", {64});
+  nn::data::testing::WriteZeroIdx(dir + "/t10k-images-idx3-ubyte", {8, 32, 32});
+  nn::data::testing::WriteZeroIdx(dir + "/t10k-labels-idx1-ubyte", {8});
   const std::string line =
       OneErrorLine(Train({"--dataset=mnist", "--data_dir=" + dir, "--model=mlp", "--batch_size=8"}));
   EXPECT_NE(line.find("the test images"), std::string::npos) << line;

@@ -65,6 +65,13 @@ inline std::string IdxBytes(const std::vector<uint32_t>& dims, const std::string
   return s + data;
 }
 
+/// Writes an IDX file of unsigned bytes at `path`: `dims`, all zeros.
+inline void WriteZeroIdx(const std::string& path, const std::vector<uint32_t>& dims) {
+  size_t count = 1;
+  for (uint32_t d : dims) count *= d;
+  WriteFile(path, IdxBytes(dims, std::string(count, '\0')));
+}
+
 }  // namespace ddp::nn::data::testing
 
 #endif  // DDP_NN_DATA_TEST_FILES_H_

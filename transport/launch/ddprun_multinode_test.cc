@@ -287,17 +287,27 @@ TEST(DdprunMultinodeTest, RendezvousOfMoreThan1024Nodes) {
 // Two launchers given the same --node_rank (static backend): the second to
 // register is refused at once; the first, and every other node, refuse the
 // job when the rendezvous completes. Nobody starts a worker.
+// One static launcher of `nnodes`, node 0's store on 127.0.0.1:`port`.
+std::unique_ptr<WorkerGroup> StartStaticNode(int nnodes, int node_rank, int port,
+                                             const std::vector<std::string>& flags,
+                                             const std::vector<std::string>& worker_flags) {
+  std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nnodes),
+                                   "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
+                                   "--master_port=" + std::to_string(port)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(Worker());
+  argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+  auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
+  EXPECT_TRUE(group.ok()) << group.status();
+  return std::move(group).value();
+}
+
 TEST(DdprunMultinodeTest, DuplicateNodeRankIsRefusedOnEveryNode) {
   StatusOr<int> port = testing::PickFreePort();
   ASSERT_TRUE(port.ok()) << port.status();
   const std::string dir = testing::MakeTempDir("ddprun_duplicate_rank");
   auto launch = [&](int node_rank) {
-    auto group = testing::StartProgram(
-        {Ddprun(), "--nnodes=3", "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
-         "--master_port=" + std::to_string(*port), "--rdzv_timeout=20", Worker(), "--pid_dir=" + dir},
-        {{"DDP_JOB_TOKEN", kToken}});
-    EXPECT_TRUE(group.ok()) << group.status();
-    return std::move(group).value();
+    return StartStaticNode(3, node_rank, *port, {"--rdzv_timeout=20"}, {"--pid_dir=" + dir});
   };
   auto node0 = launch(0);
   auto first = launch(1);
@@ -330,12 +340,7 @@ TEST(DdprunMultinodeTest, RelaunchedLauncherTakesItsDeadPredecessorsNodeRank) {
   StatusOr<int> port = testing::PickFreePort();
   ASSERT_TRUE(port.ok()) << port.status();
   auto launch = [&](int node_rank) {
-    auto group = testing::StartProgram(
-        {Ddprun(), "--nnodes=3", "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
-         "--master_port=" + std::to_string(*port), "--rdzv_timeout=30", Worker(), "--store"},
-        {{"DDP_JOB_TOKEN", kToken}});
-    EXPECT_TRUE(group.ok()) << group.status();
-    return std::move(group).value();
+    return StartStaticNode(3, node_rank, *port, {"--rdzv_timeout=30"}, {"--store"});
   };
   auto node0 = launch(0);
   auto first = launch(1);
