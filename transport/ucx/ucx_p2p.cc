@@ -44,10 +44,10 @@ constexpr int kDrainPolls = 1024;
 
 // UCX cancels only receives it has not matched yet. A matched receive (the
 // rest of a rendezvous or multi-fragment message still to come) and every
-// send keep using the caller's buffer: after a cancel they get this long to
-// complete, then their peer's endpoint is closed by force, which completes
-// them; the wait for that is bounded by kForceCloseTime.
-constexpr auto kRecallGrace = std::chrono::milliseconds(100);
+// send keep using the caller's buffer: after a cancel they get
+// P2pOptions::recall_grace to complete, then their peer's endpoint is closed
+// by force, which completes them; the wait for that is bounded by
+// kForceCloseTime.
 constexpr auto kForceCloseTime = std::chrono::milliseconds(1000);
 
 ucp_tag_t WireTag(bool user, int source, p2p::Tag tag) {
@@ -332,7 +332,7 @@ void UcxPointToPoint::Recall(Deadline limit) {
   if (abandoned_ == 0) return;
   // Requests with a lost peer never complete by themselves.
   CloseEndpointsOfAbandoned(/*lost_peers_only=*/true, limit);
-  const Deadline grace = std::min(DeadlineIn(kRecallGrace), limit);
+  const Deadline grace = std::min(DeadlineIn(options_.recall_grace), limit);
   auto live_peer_left = [this] {
     for (const auto& slot : slots_) {
       if (slot->in_use && slot->abandoned && peers_[slot->peer]->failure.ok()) return true;

@@ -20,15 +20,16 @@
 // their unfinished requests and return once UCX has let go of them, so that
 // nothing writes into (or sends from) the caller's buffers afterwards. UCX
 // cancels a receive it has not matched yet at once; a send or a matched
-// receive gets 100 ms to complete, then its peer's endpoint is closed by
-// force, which completes it, and the peer is lost (later operations with it
-// fail with PEER_LOST). The exception: UCX 1.13 cannot force an endpoint
-// without peer error mode, those to ranks on this host; such a peer is lost
-// too, but its request stays with UCX until it completes or the peer's
-// process is gone. CancelAll gives up all its requests first and then
-// waits once: one grace and one round of forced closes (at most 100 ms +
-// 1 s) however many peers they go to, where a loop of Cancel would wait
-// that long for each peer in turn.
+// receive gets a grace (P2pOptions::recall_grace, 100 ms) to complete,
+// then its peer's endpoint is closed by force, which completes it, and the
+// peer is lost (later operations with it fail with PEER_LOST). The
+// exception: UCX 1.13 cannot force an endpoint without peer error mode,
+// those to ranks on this host; such a peer is lost too, but its request
+// stays with UCX until it completes or the peer's process is gone.
+// CancelAll gives up all its requests first and then waits once: one grace
+// and one round of forced closes (at most the grace + 1 s) however many
+// peers they go to, where a loop of Cancel would wait that long for each
+// peer in turn.
 //
 // Threading: one thread at a time (the communicator serializes callers).
 
@@ -66,6 +67,9 @@ struct P2pOptions {
   /// Messages at least this large are sent with the memory handle of a
   /// registered staging buffer when they lie inside one.
   size_t registered_threshold_bytes = 64 << 10;
+  /// How long a cancelled send (or matched receive) may still complete
+  /// before its peer's endpoint is closed by force (see Cancel).
+  std::chrono::milliseconds recall_grace{100};
 };
 
 class UcxPointToPoint final : public p2p::PointToPoint {
