@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "transport/testing/in_memory_store.h"
@@ -153,7 +154,9 @@ class DeadStore final : public store::Store {
 };
 
 // A store whose host was cut off: requests go out, no reply ever comes, so
-// every call runs to its deadline.
+// every call runs to its deadline. It records the latest deadline it was
+// given: a store call that ignored the caller's deadline shows there
+// whatever the machine's load, where its time alone is a matter of margins.
 class SilentStore final : public store::Store {
  public:
   Status Set(std::string_view, std::string_view, Deadline d) override { return Silent(d); }
@@ -165,15 +168,24 @@ class SilentStore final : public store::Store {
   Status Wait(std::span<const std::string>, Deadline d) override { return Silent(d); }
   StatusOr<bool> Delete(std::string_view, Deadline d) override { return Silent(d); }
   int calls() const { return calls_; }
+  Deadline latest_deadline() const { return latest_deadline_; }
 
  private:
   Status Silent(Deadline deadline) {
     ++calls_;
+    latest_deadline_ = std::max(latest_deadline_, deadline);
     std::this_thread::sleep_until(deadline);
     return TimedOutError("store request timed out");
   }
   int calls_ = 0;
+  Deadline latest_deadline_{};
 };
+
+// How far past its deadline a call may return on a loaded machine. What
+// catches a store call that ignores the caller's deadline is the deadline
+// the store was given (checked exactly), not this bound, so it can be
+// generous: it only catches a call that hangs.
+constexpr milliseconds kLoadedSlack(3000);
 
 TEST(PeerMonitor, SilentStoreEndsACheckAtTheCallsDeadline) {
   SilentStore store;
@@ -185,9 +197,10 @@ TEST(PeerMonitor, SilentStoreEndsACheckAtTheCallsDeadline) {
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   EXPECT_NE(s.message().find("deadline passed"), std::string::npos) << s;
   EXPECT_GE(took, milliseconds(300));
-  // Well past the deadline on a loaded machine, but short of the cap that
-  // a store call ignoring the deadline would run to.
-  EXPECT_LT(took, kStoreCallCap - milliseconds(200));
+  // The store was asked to answer by the call's deadline, not by the cap.
+  EXPECT_EQ(store.calls(), 1);
+  EXPECT_LE(store.latest_deadline() - start, milliseconds(300));
+  EXPECT_LT(took, milliseconds(300) + kLoadedSlack);
 }
 
 TEST(PeerMonitor, CheckWithNoTimeLeftDoesNotAskTheStore) {
@@ -195,8 +208,8 @@ TEST(PeerMonitor, CheckWithNoTimeLeftDoesNotAskTheStore) {
   PeerMonitor monitor({.rank = 2, .key_prefix = "j/"}, &store);
   const auto start = Clock::now();
   EXPECT_TRUE(monitor.Check(start - milliseconds(1)).ok());
-  EXPECT_LT(Clock::now() - start, milliseconds(2000));
   EXPECT_EQ(store.calls(), 0);
+  EXPECT_LT(Clock::now() - start, kLoadedSlack);
 }
 
 TEST(PeerMonitor, SilentStoreWithTimeToSpareIsPeerLostAfterTheCap) {
@@ -209,7 +222,8 @@ TEST(PeerMonitor, SilentStoreWithTimeToSpareIsPeerLostAfterTheCap) {
   EXPECT_NE(s.message().find("the launcher serves it"), std::string::npos) << s;
   EXPECT_GE(took, kStoreCallCap);
   // One capped call, not two.
-  EXPECT_LT(took, kStoreCallCap + milliseconds(1500));
+  EXPECT_EQ(store.calls(), 1);
+  EXPECT_LT(took, kStoreCallCap + kLoadedSlack);
 }
 
 TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
@@ -221,8 +235,9 @@ TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
   const auto start = Clock::now();
   Status s = monitor.Check(start + milliseconds(300));
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
-  // Short of the cap that a store call ignoring the deadline would run to.
-  EXPECT_LT(Clock::now() - start, kStoreCallCap - milliseconds(200));
+  // The store was asked to answer by the call's deadline, not by the cap.
+  EXPECT_LE(store.latest_deadline() - start, milliseconds(300));
+  EXPECT_LT(Clock::now() - start, milliseconds(300) + kLoadedSlack);
   // With no time left the local check still runs, without the store.
   const int calls = store.calls();
   EXPECT_EQ(monitor.Check(Clock::now()).code(), StatusCode::kPeerLost);
@@ -233,13 +248,16 @@ TEST(PeerMonitor, PostingToASilentStoreEndsAtTheDeadline) {
   SilentStore store;
   PeerMonitor monitor({.rank = 1, .key_prefix = "j/"}, &store);
   const auto start = Clock::now();
+  // Each call asks the store to answer by its own deadline.
   monitor.PostAbort(TimedOutError("t"), start + milliseconds(200));
+  EXPECT_LE(store.latest_deadline() - start, milliseconds(200));
   EXPECT_TRUE(monitor.PostedAbort(start + milliseconds(300)).ok());
+  EXPECT_LE(store.latest_deadline() - start, milliseconds(300));
   monitor.PostClosed(start + milliseconds(400));
+  EXPECT_LE(store.latest_deadline() - start, milliseconds(400));
   const auto took = Clock::now() - start;
   EXPECT_GE(took, milliseconds(400));
-  // Short of the cap that one call ignoring its deadline would run to.
-  EXPECT_LT(took, kStoreCallCap - milliseconds(200));
+  EXPECT_LT(took, milliseconds(400) + kLoadedSlack);
 }
 
 TEST(PeerMonitor, UnreachableStoreIsPeerLostOfItsServer) {
