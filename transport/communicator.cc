@@ -48,9 +48,6 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// How long posting or reading the job's abort reason may take outside a call
-// (an explicit Abort, a failed creation, the background post).
-constexpr milliseconds kAbortStoreTime{1000};
 // How long a rank that lost a connection looks for the failure's real cause
 // (see LocalCause), and how often.
 constexpr milliseconds kEchoGrace{100};
@@ -273,7 +270,7 @@ class Communicator::Impl {
       return;
     }
     if (store_ == nullptr) return;
-    const Deadline deadline = DeadlineIn(kAbortStoreTime);
+    const Deadline deadline = DeadlineIn(options_.abort_store_time);
     const std::string key = prefix_ + "abort";
     StatusOr<std::optional<std::string>> existing = store_->TryGet(key, deadline);
     if (!existing.ok() || existing->has_value()) return;
@@ -421,7 +418,7 @@ class Communicator::Impl {
   // any call. A failing call reads the job's reason only until its own
   // deadline and leaves posting its reason to a background thread, so that
   // it returns on time even when the store went silent (its host cut off);
-  // outside a call both happen here, for up to kAbortStoreTime.
+  // outside a call both happen here, for up to options_.abort_store_time.
   Status Abort(const Status& reason, std::optional<Deadline> call_deadline);
   // What to report for `reason` when no other rank has posted one yet: for
   // a lost peer, a rank on this host found dead or a reason posted within
@@ -670,6 +667,8 @@ Status Communicator::Impl::Init() {
     return InvalidArgumentError("store_port " + std::to_string(o.store_port) + " is not a TCP port");
   }
   if (o.timeout.count() <= 0) return InvalidArgumentError("timeout must be positive");
+  if (o.abort_store_time.count() <= 0) return InvalidArgumentError("abort_store_time must be positive");
+  if (o.store_call_cap.count() <= 0) return InvalidArgumentError("store_call_cap must be positive");
   const std::string env_algo = GetEnv("DDP_ALLREDUCE_ALGO");
   if (options_.algorithm == Algorithm::kAuto && !env_algo.empty()) {
     DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
@@ -804,7 +803,8 @@ Status Communicator::Impl::Init() {
   // 4. Fault detection inside waits.
   monitor_ = std::make_unique<fault::PeerMonitor>(
       fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,
-                                .store_rank = o.host_store ? 0 : -1},
+                                .store_rank = o.host_store ? 0 : -1,
+                                .store_call_cap = o.store_call_cap},
       store_.get());
   watchdog_ = [this](Deadline deadline, int awaited_peer) {
     return Watchdog(deadline, awaited_peer);
@@ -970,11 +970,13 @@ void Communicator::Impl::Shutdown() {
     p2p_works_.clear();
   }
   if (store_ != nullptr) {
-    if (!aborted() && monitor_ != nullptr) monitor_->PostClosed(DeadlineIn(kAbortStoreTime));
+    if (!aborted() && monitor_ != nullptr) {
+      monitor_->PostClosed(DeadlineIn(options_.abort_store_time));
+    }
     // The rank serving the store keeps it up until the others have left
     // (they may still post or read the abort key); bounded.
     auto left = store_->Add(prefix_ + "left", 1,
-                            DeadlineIn(aborted() ? kAbortStoreTime : milliseconds(2000)));
+                            DeadlineIn(aborted() ? options_.abort_store_time : milliseconds(2000)));
     if (server_ != nullptr && left.ok()) {
       // The last communicator here to hold the server waits for the ranks
       // of every communicator using it (those split off included).
@@ -1026,7 +1028,7 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
   Status first = reason;
   bool post = false;  // whether `first` is this rank's to post
   if (monitor_ != nullptr) {
-    const Deadline deadline = call_deadline.value_or(DeadlineIn(kAbortStoreTime));
+    const Deadline deadline = call_deadline.value_or(DeadlineIn(options_.abort_store_time));
     Status posted = monitor_->PostedAbort(deadline);
     post = posted.ok();
     first = post ? LocalCause(reason, deadline) : posted;
@@ -1039,13 +1041,14 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
     if (!post) return first;
     if (call_deadline) {
       // Only the rank that set aborted_ gets here, once.
-      abort_poster_ = std::thread([monitor = monitor_.get(), first] {
-        monitor->PostAbort(first, DeadlineIn(kAbortStoreTime));
+      abort_poster_ = std::thread([monitor = monitor_.get(), first,
+                                   time = options_.abort_store_time] {
+        monitor->PostAbort(first, DeadlineIn(time));
       });
       return first;
     }
   }
-  monitor_->PostAbort(first, DeadlineIn(kAbortStoreTime));
+  monitor_->PostAbort(first, DeadlineIn(options_.abort_store_time));
   return first;
 }
 

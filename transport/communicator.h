@@ -82,6 +82,16 @@ struct CommunicatorOptions {
 
   /// Deadline of every call that does not pass its own, and of creation.
   std::chrono::milliseconds timeout{300000};
+  /// How long posting or reading the job's abort reason may take outside a
+  /// call: an explicit Abort, a failed creation, a failed call's reason
+  /// (posted in the background: the call itself returns by its deadline),
+  /// and leaving (this rank's closed mark; after an abort, its count of the
+  /// ranks that left).
+  std::chrono::milliseconds abort_store_time{1000};
+  /// Longest a single store access inside a call may take before the store
+  /// counts as unreachable (the rank serving it lost), when the call's
+  /// deadline is further away.
+  std::chrono::milliseconds store_call_cap{2000};
   /// All-reduce algorithm; kAuto lets the selection table choose per size
   /// and topology. DDP_ALLREDUCE_ALGO overrides kAuto from the environment.
   Algorithm algorithm = Algorithm::kAuto;

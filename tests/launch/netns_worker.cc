@@ -7,6 +7,9 @@
 //                  then prints how long the failing call took and its code
 //   --call_timeout_ms=N  per-call deadline in loop mode
 //   --marker_dir=DIR     loop mode: DIR/rank<R>.looping once it is looping
+//   --store_wait_ms=N    the communicator's abort_store_time and
+//                        store_call_cap (how long a store access may take
+//                        when no call's deadline bounds it)
 
 #include <signal.h>
 
@@ -110,11 +113,13 @@ int Loop(Communicator& comm, milliseconds call_timeout, const std::string& marke
 int main(int argc, char** argv) {
   std::string mode = "check", marker_dir;
   milliseconds call_timeout{3000};
+  milliseconds store_wait{0};
   for (int i = 1; i < argc; ++i) {
     std::string_view arg(argv[i]);
     if (arg.rfind("--mode=", 0) == 0) mode = arg.substr(7);
     else if (arg.rfind("--marker_dir=", 0) == 0) marker_dir = arg.substr(13);
     else if (arg.rfind("--call_timeout_ms=", 0) == 0) call_timeout = milliseconds(std::atoi(argv[i] + 18));
+    else if (arg.rfind("--store_wait_ms=", 0) == 0) store_wait = milliseconds(std::atoi(argv[i] + 16));
     else {
       std::fprintf(stderr, "netns_worker: unknown argument %s\n", argv[i]);
       return 64;
@@ -122,6 +127,10 @@ int main(int argc, char** argv) {
   }
   CommunicatorOptions defaults;
   defaults.timeout = std::chrono::seconds(30);
+  if (store_wait.count() > 0) {
+    defaults.abort_store_time = store_wait;
+    defaults.store_call_cap = store_wait;
+  }
   auto comm = Communicator::CreateFromEnvironment(defaults);
   if (!comm.ok()) {
     std::printf("netns_worker: %s\n", comm.status().ToString().c_str());

@@ -16,12 +16,11 @@ int PidfdOpen(int pid) {
   return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
 }
 
-// When one store access on behalf of a call ending at `deadline` gives up.
-Deadline StoreDeadline(Deadline deadline) {
-  return std::min(deadline, Clock::now() + kStoreCallCap);
-}
-
 }  // namespace
+
+Deadline PeerMonitor::StoreDeadline(Deadline deadline) const {
+  return std::min(deadline, Clock::now() + options_.store_call_cap);
+}
 
 PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
     : options_(std::move(options)), store_(store) {
@@ -88,7 +87,7 @@ Status PeerMonitor::Check(Deadline deadline, int awaited_peer) {
   // waited for, which says more than a store read that could not start.
   const Clock::time_point now = Clock::now();
   if (store_ == nullptr || now >= deadline) return Status::Ok();
-  const Deadline until = std::min(deadline, now + kStoreCallCap);
+  const Deadline until = std::min(deadline, now + options_.store_call_cap);
   auto posted = store_->TryGet(options_.key_prefix + "abort", until);
   if (!posted.ok()) {
     if (posted.status().code() == StatusCode::kTimedOut && until == deadline) {

@@ -21,8 +21,9 @@
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
-// deadline. A store access is also capped at kStoreCallCap, after which the
-// store counts as unreachable.
+// deadline. A store access is also capped (PeerMonitorOptions::
+// store_call_cap, kStoreCallCap by default), after which the store counts as
+// unreachable.
 
 #include <atomic>
 #include <chrono>
@@ -34,6 +35,10 @@
 
 namespace ddp::transport::fault {
 
+/// Longest a single store access may take before the store counts as
+/// unreachable (when the caller's deadline is further away), by default.
+inline constexpr std::chrono::milliseconds kStoreCallCap{2000};
+
 struct PeerMonitorOptions {
   int rank = 0;
   /// Per rank: its pid when it runs on this host, else 0. This rank's own
@@ -43,11 +48,10 @@ struct PeerMonitorOptions {
   std::string key_prefix;
   /// Which rank serves the store (-1: a launcher does), for messages.
   int store_rank = 0;
+  /// Longest a single store access may take before the store counts as
+  /// unreachable (when the caller's deadline is further away).
+  std::chrono::milliseconds store_call_cap = kStoreCallCap;
 };
-
-/// Longest a single store access may take before the store counts as
-/// unreachable (when the caller's deadline is further away).
-inline constexpr std::chrono::milliseconds kStoreCallCap{2000};
 
 class PeerMonitor {
  public:
@@ -88,6 +92,8 @@ class PeerMonitor {
   static Status DecodeAbort(const std::string& value);
 
  private:
+  // When one store access on behalf of a call ending at `deadline` gives up.
+  Deadline StoreDeadline(Deadline deadline) const;
   bool PeerClosed(int peer, Deadline deadline);
   bool Exited(size_t rank) const;
 
