@@ -623,9 +623,10 @@ int ScenarioLate() {
 }
 
 // A point-to-point Wait with a short deadline returns at it while the
-// communicator's thread is inside a long collective (rank 1 comes 3 s late
-// to it); it used to wait for the worker the collective held, 3 s. The
-// receive then completes once rank 1 sends.
+// communicator's thread is inside a long collective (rank 1 comes
+// kBusyPollLate late to it); it used to wait for the worker the collective
+// held, until rank 1 came. The receive then completes once rank 1 sends.
+constexpr milliseconds kBusyPollLate(8000);
 int ScenarioBusyPoll() {
   auto comm = MustCreate();
   std::vector<float> big(1 << 16, 1.0f);
@@ -638,12 +639,15 @@ int ScenarioBusyPoll() {
     const Status early = recv.Wait(std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
     const double waited_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     WORKER_CHECK(early.code() == StatusCode::kTimedOut, "early wait: " + early.ToString());
-    WORKER_CHECK(waited_ms < 1500, "a 200 ms wait took " + std::to_string(waited_ms) + " ms");
+    // Half of what waiting for rank 1 would take: far beyond a loaded
+    // machine's delay of a 200 ms wait.
+    WORKER_CHECK(waited_ms < kBusyPollLate.count() / 2,
+                 "a 200 ms wait took " + std::to_string(waited_ms) + " ms");
     WORKER_CHECK(reduce.Wait().ok(), "all-reduce");
     const Status got = recv.Wait();
     WORKER_CHECK(got.ok() && in[0] == 7 && in[15] == 7, "receive: " + got.ToString());
   } else {
-    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+    std::this_thread::sleep_for(kBusyPollLate);
     WORKER_CHECK(comm->AllReduce(big.data(), big.size(), DataType::kF32, ReduceOp::kSum).ok(), "all-reduce");
     WORKER_CHECK(comm->Send(out.data(), out.size(), DataType::kI64, 0, 5).ok(), "send");
   }
@@ -892,13 +896,18 @@ TEST(Communicator, SplitFormsCommunicatorsOfEachColorOrderedByKey) {
 }
 
 TEST(Communicator, SplitCommunicatorOutlivesItsParent) {
+  // Leaving waits for no store that has gone: a rank that did would wait
+  // out its deadline (30 s here, the longest a leaving rank waits), while
+  // the whole job takes a second or two, so half of it is a bound that
+  // spawning and UCX set-up on a loaded machine do not reach.
+  constexpr milliseconds kTimeout(30000);
   const auto start = std::chrono::steady_clock::now();
-  Job job = RunJob(3, "split_outlives", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+  Job job = RunJob(3, "split_outlives", {{"DDP_TEST_TIMEOUT_MS", std::to_string(kTimeout.count())}},
+                   2 * kTimeout);
   const auto took = std::chrono::steady_clock::now() - start;
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("CHILD rank 0 -> 2/3"), std::string::npos) << job.Describe();
-  // Leaving waits for no store that has gone.
-  EXPECT_LT(took, std::chrono::seconds(4)) << job.Describe();
+  EXPECT_LT(took, kTimeout / 2) << job.Describe();
 }
 
 TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForSplitsWithoutIt) {
@@ -1218,16 +1227,27 @@ TEST(Faults, AverageOnOneHostAndSumOnTheOtherFailEverywhere) {
 
 TEST(Faults, WrongJobTokenIsRefused) {
   // Rank 1 presents another token: the store refuses it, it says why; rank 0
-  // gives up at its deadline instead of waiting for rank 1 forever.
+  // gives up at its deadline instead of waiting for rank 1 forever. Rank 1's
+  // deadline is long, so that a store that comes up late on a loaded
+  // machine is still reached (and refuses it) in time, and it must be
+  // refused well before that deadline (a refusal taken for a store not up
+  // yet would be retried until it). Rank 0 keeps its store up for its 5 s
+  // deadline (and as long again, waiting for rank 1 to leave): long enough
+  // for rank 1 to start and connect.
+  constexpr int kRank1TimeoutMs = 30000;
   const int port = testing::FreePort();
   auto group = testing::ProcessGroup::Spawn(
-      2, {}, {{"DDP_TEST_SCENARIO", "create"}, {"DDP_TEST_TIMEOUT_MS", "2000"},
+      2, {}, {{"DDP_TEST_SCENARIO", "create"}, {"DDP_TEST_TIMEOUT_MS", "5000"},
               {"DDP_JOB_TOKEN", "right"}},
-      port, {{1, {{"DDP_JOB_TOKEN", "wrong"}}}});
+      port,
+      {{1, {{"DDP_JOB_TOKEN", "wrong"}, {"DDP_TEST_TIMEOUT_MS", std::to_string(kRank1TimeoutMs)}}}});
   ASSERT_TRUE(group.ok()) << group.status();
-  Job job{(*group)->Wait(DeadlineIn(milliseconds(20000)))};
+  Job job{(*group)->Wait(DeadlineIn(milliseconds(2 * kRank1TimeoutMs)))};
   EXPECT_EQ(job.results[1].exit_code, 2) << job.Describe();
   EXPECT_NE(job.results[1].output.find("PERMISSION_DENIED"), std::string::npos) << job.Describe();
+  const size_t at = job.results[1].output.find("CREATE_MS ");
+  ASSERT_NE(at, std::string::npos) << job.Describe();
+  EXPECT_LT(std::atoi(job.results[1].output.c_str() + at + 10), kRank1TimeoutMs / 2) << job.Describe();
   EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
   EXPECT_NE(job.results[0].output.find("TIMED_OUT"), std::string::npos) << job.Describe();
 }
