@@ -797,9 +797,16 @@ TEST(DdprunMultinodeTest, C10dInterruptWhileTheOthersWaitForTheRestartStopsThem)
 }
 
 TEST(DdprunMultinodeTest, ElasticStartRunsOnTheNodesThatJoined) {
-  // --nnodes=1:3: node 0 waits 1 s after the first node for more; two come.
-  const auto runs = RunC10dJob(2, 0, {"--nnodes=1:3", "--rdzv_conf=last_call_timeout=1", "--nproc_per_node=2"},
-                               {"--store", "--print_env"});
+  // --nnodes=1:3: node 0 waits 5 s after the first node for more; two come
+  // (the second is started once node 0 serves the store, and has the 5 s
+  // to start and join: ample on a loaded machine).
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=1:3", "--rdzv_conf=last_call_timeout=5",
+                                          "--nproc_per_node=2"};
+  const std::vector<std::string> worker_flags = {"--store", "--print_env"};
+  job.StartNodeZero(flags, worker_flags);
+  job.Start(flags, worker_flags);
+  const auto runs = job.WaitAll();
   EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
   EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
   const std::string all = runs[0].output + runs[1].output;
