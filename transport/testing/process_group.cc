@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -97,6 +98,18 @@ bool Exited(pid_t pid) {
          info.si_pid == pid;
 }
 
+// 128 random bits in hex.
+std::string RandomToken() {
+  std::random_device random;
+  std::string token;
+  for (int i = 0; i < 4; ++i) {
+    char word[9];
+    std::snprintf(word, sizeof(word), "%08x", static_cast<unsigned>(random()));
+    token += word;
+  }
+  return "test-" + token;
+}
+
 }  // namespace
 
 bool ProcessGroup::WaitForOutput(const std::string& text, Deadline deadline) {
@@ -180,7 +193,10 @@ Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env,
            const std::function<void(ProcessGroup&, int port)>& during,
            const std::map<int, ProcessGroup::Env>& rank_env) {
   env["DDP_TEST_SCENARIO"] = scenario;
-  if (env.count("DDP_JOB_TOKEN") == 0) env["DDP_JOB_TOKEN"] = "secret-token";
+  // A token of this job's own: FreePort's port may be taken by another
+  // test's job before this one binds it, and a shared token would let the
+  // two jobs' ranks join each other's store instead of failing.
+  if (env.count("DDP_JOB_TOKEN") == 0) env["DDP_JOB_TOKEN"] = RandomToken();
   const int port = FreePort();
   auto group = ProcessGroup::Spawn(size, {}, env, port, rank_env);
   if (!group.ok()) {
