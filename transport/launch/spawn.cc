@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 extern char** environ;
 
@@ -222,6 +223,10 @@ std::string SignalName(int signal) {
     case SIGTERM: return "SIGTERM";
     case SIGXCPU: return "SIGXCPU";
     case SIGSYS: return "SIGSYS";
+    case SIGSTOP: return "SIGSTOP";
+    case SIGTSTP: return "SIGTSTP";
+    case SIGTTIN: return "SIGTTIN";
+    case SIGTTOU: return "SIGTTOU";
   }
   return "signal " + std::to_string(signal);
 }
@@ -588,6 +593,13 @@ class WorkerGroup::Impl {
         }
       }
 
+      if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded) {
+        if (std::optional<std::string> stopped = StoppedByTheTerminal()) {
+          result.outcome = GroupOutcome::kWorkerFailed;
+          result.reason = *stopped + "; stopping the workers";
+          stop_workers(SIGTERM);
+        }
+      }
       // Reap whoever exited (pidfd readable, or anyone in fallback mode).
       for (Worker& w : workers_) {
         if (!w.running || !Observe(w)) continue;
@@ -812,9 +824,33 @@ class WorkerGroup::Impl {
 
   void SignalRunning(int signal) {
     for (Worker& w : workers_) {
-      if (w.running) kill(w.pid, signal);
+      if (!w.running) continue;
+      kill(w.pid, signal);
+      // A stopped worker acts on the signal only once continued.
+      if (signal != SIGKILL) kill(w.pid, SIGCONT);
     }
     if (signal == SIGKILL && pgid_ > 0) kill(-pgid_, SIGKILL);
+  }
+
+  // A running worker stopped by SIGTTOU or SIGTTIN: it touched the terminal
+  // from its background process group, and would wait there forever (a
+  // stop wakes no pidfd). Stopped otherwise (SIGSTOP, a debugger), it is
+  // left to whoever stopped it.
+  std::optional<std::string> StoppedByTheTerminal() const {
+    for (const Worker& w : workers_) {
+      if (!w.running) continue;
+      siginfo_t info{};
+      if (waitid(P_PID, static_cast<id_t>(w.pid), &info, WSTOPPED | WNOHANG | WNOWAIT) != 0 ||
+          info.si_pid != w.pid || info.si_code != CLD_STOPPED) {
+        continue;
+      }
+      if (info.si_status != SIGTTOU && info.si_status != SIGTTIN) continue;
+      return "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ") was stopped by " +
+             SignalName(info.si_status) + ": it " +
+             (info.si_status == SIGTTOU ? "wrote to or changed" : "read from") +
+             " the terminal, which workers (in a process group of their own) may not do";
+    }
+    return std::nullopt;
   }
 
   void ReadStream(Worker& w, int s) {

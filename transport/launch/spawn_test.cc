@@ -299,6 +299,29 @@ TEST(SpawnTest, WorkerKilledBySignalStopsTheOthers) {
   ExpectNoChildrenLeft();
 }
 
+// A worker stopped by SIGTTOU (it wrote to the terminal from its background
+// process group with `stty tostop`) stops the job, named, instead of
+// leaving the launcher waiting for an exit that never comes; the stopped
+// worker takes its SIGTERM too (with a SIGCONT).
+TEST(SpawnTest, WorkerStoppedByTheTerminalStopsTheOthers) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(3, "fail_rank1", {{"HOW", std::to_string(SIGTTOU)}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") was stopped by SIGTTOU: it wrote to or changed the terminal, which "
+                               "workers (in a process group of their own) may not do; stopping the workers");
+  EXPECT_EQ(result.ExitCode(), 1);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(result.workers[r].signaled) << result.workers[r].Describe();
+    EXPECT_EQ(result.workers[r].code, SIGTERM) << result.workers[r].Describe();
+  }
+  for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, WithoutStopAllSurvivorsRunToTheirEnd) {
   SpawnOptions options = Quiet();
   options.stop_all_on_failure = false;
