@@ -318,6 +318,15 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                      " state and this run uses --optimizer=" + config.optimizer +
                      "; pass --optimizer=" + saved_optimizer + ", or another --checkpoint path");
   }
+  // On a GPU the model and optimizer state are f32 under every --amp, so
+  // the model check above cannot tell: another precision (or fp16's loss
+  // scaler state left behind) is refused here.
+  const std::string saved_amp = Get(m, "amp");
+  if (!saved_amp.empty() && saved_amp != config.amp) {
+    throw UsageError("checkpoint " + path + " was saved with --amp=" + saved_amp +
+                     " and this run has --amp=" + config.amp + "; pass --amp=" + saved_amp +
+                     " to continue that run, or another --checkpoint path to start afresh");
+  }
   CheckSameSchedule(path, m, config);
   TrainPosition pos;
   pos.epoch = MetaInt(m, "epoch", path);

@@ -247,6 +247,26 @@ TEST(TrainStateTest, AnotherSchedulerOrRateIsRefusedNamingBothValues) {
             std::string::npos);
 }
 
+// Another --amp is refused naming both values, though the model's tensors
+// match (on a GPU they are f32 under every --amp): fp16's loss scaler state
+// would be dropped, or the precision changed silently.
+TEST(TrainStateTest, AnotherAmpIsRefusedNamingBothValues) {
+  TrainConfig saved;
+  saved.amp = "fp16";
+  const std::string path = SaveCosineRun("amp", saved);
+  auto model = nn::modules::MakeMlp();
+  TrainConfig config = saved;
+  config.amp = "off";
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
+  EXPECT_EQ(UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr);
+            }),
+            "checkpoint " + path + " was saved with --amp=fp16 and this run has --amp=off; pass "
+            "--amp=fp16 to continue that run, or another --checkpoint path to start afresh");
+  EXPECT_EQ(cosine.step_count(), 0) << "a refused checkpoint was loaded";
+}
+
 // The same run resumed on 1 rank instead of 2 takes twice the steps per
 // epoch: the schedule ends where this run ends (step 4 + 8), not at the 16
 // steps this run's flags alone give, where it never reaches 0.
