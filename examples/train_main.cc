@@ -19,6 +19,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -398,7 +399,8 @@ int main(int argc, char** argv) {
 
   TrainConfig config = ConfigFromFlags(world_size);
   ddp::examples::trainer::ResolvePaths(config);
-  config.job = ddp::examples::trainer::JobFingerprint(job_token);
+  const char* run_id = std::getenv(launch::kEnvRunId);
+  config.job = ddp::examples::trainer::JobFingerprint(job_token, run_id != nullptr ? run_id : "");
 
   if (!is_worker) {
     // The launcher checks once, then starts the ranks; it never touches UCX.

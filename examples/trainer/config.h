@@ -82,7 +82,8 @@ struct TrainConfig {
   std::string checkpoint;          ///< Empty: no checkpoints.
   int64_t checkpoint_every = 0;    ///< Also save every N steps; 0: at epoch ends only.
   bool resume = false;             ///< Continue from `checkpoint`.
-  /// Identifies the job across its restarts (JobFingerprint of its token),
+  /// Identifies the job across its restarts (JobFingerprint of its token
+  /// and its launcher's run id),
   /// saved in checkpoints: a restarted job resumes only from its own.
   std::string job;
   std::string log_dir;             ///< Empty: no CSV or chart.

@@ -404,11 +404,11 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   return pos;
 }
 
-std::string JobFingerprint(const std::string& token) {
+std::string JobFingerprint(const std::string& token, const std::string& run_id) {
   if (token.empty()) return "";
-  // FNV-1a, 64 bits, over a fixed prefix and the token.
+  // FNV-1a, 64 bits, over a fixed prefix, the token and the run id.
   uint64_t h = 0xcbf29ce484222325ull;
-  for (const char ch : "ddp-job:" + token) {
+  for (const char ch : "ddp-job:" + token + (run_id.empty() ? "" : "\nrun:" + run_id)) {
     h ^= static_cast<unsigned char>(ch);
     h *= 0x100000001b3ull;
   }

@@ -122,10 +122,12 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
 /// missing or unreadable file.
 std::string ReadTrainCheckpoint(const std::string& path);
 
-/// A short, stable name of the job whose launch token is `token` (a hash:
-/// the token itself is a secret and stays out of checkpoint files); empty
-/// for an empty token.
-std::string JobFingerprint(const std::string& token);
+/// A short, stable name of the job whose launch token is `token` and whose
+/// launcher's run id (DDP_RUN_ID, ddprun's: one per run, kept through its
+/// restarts) is `run_id` (a hash: the token itself is a secret and stays out
+/// of checkpoint files); empty for an empty token. The run id tells apart
+/// runs that reuse a token, as scripts setting DDP_JOB_TOKEN do.
+std::string JobFingerprint(const std::string& token, const std::string& run_id = "");
 
 /// For restart `restart` (> 0) of a job: sets config.resume when
 /// config.checkpoint holds a checkpoint saved by this job (config.job), so

@@ -160,6 +160,11 @@ TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
   EXPECT_EQ(JobFingerprint("token-a"), JobFingerprint("token-a"));
   EXPECT_NE(JobFingerprint("token-a"), JobFingerprint("token-b"));
   EXPECT_EQ(JobFingerprint("token-a").find("token"), std::string::npos);
+  // The same token in two ddprun runs (a script's fixed DDP_JOB_TOKEN):
+  // two jobs, whose checkpoints a restart tells apart.
+  EXPECT_EQ(JobFingerprint("token-a", "run-1"), JobFingerprint("token-a", "run-1"));
+  EXPECT_NE(JobFingerprint("token-a", "run-1"), JobFingerprint("token-a", "run-2"));
+  EXPECT_NE(JobFingerprint("token-a", "run-1"), JobFingerprint("token-a"));
 
   TrainConfig config;
   config.model = "mlp";

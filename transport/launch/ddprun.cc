@@ -81,8 +81,8 @@ std::string DdprunUsage() {
 
 Starts PROGRAM as the workers of one node of a data-parallel job, with
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, DDP_STORE_ADDR,
-DDP_STORE_PORT (the store ddprun serves), DDP_RESTART_COUNT, DDP_JOB_TOKEN and
-DDP_STORE_HOST=launcher set for each; MASTER_ADDR and MASTER_PORT (a free port
+DDP_STORE_PORT (the store ddprun serves), DDP_RESTART_COUNT, DDP_JOB_TOKEN,
+DDP_RUN_ID (one per run of ddprun) and DDP_STORE_HOST=launcher set for each; MASTER_ADDR and MASTER_PORT (a free port
 on node 0) with TORCHELASTIC_USE_AGENT_STORE=False for a PyTorch program's own
 env:// rendezvous; and torchrun's GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK,
 ROLE_WORLD_SIZE and TORCHELASTIC_RESTART_COUNT, _MAX_RESTARTS and _RUN_ID;
@@ -1345,6 +1345,7 @@ int RunDdprun(const DdprunOptions& options) {
   int returning = 0;       // node 0: nodes of the last round expected back
   bool started = false;    // this launcher has started workers before
   int torch_port = 0;  // the workers' MASTER_PORT, for PyTorch's own rendezvous
+  std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
   for (int attempt = 0;; ++attempt) {
     // Node 0 picks it before it lets the others in, so that whoever gets
     // into the attempt finds it.
@@ -1352,8 +1353,16 @@ int RunDdprun(const DdprunOptions& options) {
       // For a PyTorch program's own rendezvous: its rank 0 listens there.
       StatusOr<int> free_port = store::FreeTcpPort();
       Status s = free_port.status();
+      if (s.ok() && run_id.empty()) {
+        StatusOr<std::string> fresh = GenerateJobToken();
+        s = fresh.status();
+        if (s.ok()) run_id = fresh->substr(0, 16);
+      }
       if (s.ok() && multi_node) {
         s = client->Set(Key(attempt, "master_port"), std::to_string(*free_port), DeadlineIn(o.store_call_time));
+      }
+      if (s.ok() && multi_node) {
+        s = client->Set(Key(attempt, "run_id"), run_id, DeadlineIn(o.store_call_time));
       }
       if (!s.ok()) {
         Say(node_name() + ": " + s.message());
@@ -1485,6 +1494,15 @@ int RunDdprun(const DdprunOptions& options) {
         return 1;
       }
       torch_port = static_cast<int>(*value);
+      StatusOr<std::optional<std::string>> run = client->TryGet(Key(attempt, "run_id"), DeadlineIn(o.store_call_time));
+      if (!run.ok() || !run->has_value() || (*run)->empty()) {
+        const std::string reason = "node " + std::to_string(o.node_rank) + ": " +
+                                   (!run.ok() ? run.status().message() : "node 0 gave no run id for this attempt");
+        Say(reason);
+        post_stop(attempt, reason);
+        return 1;
+      }
+      run_id = **run;
     }
     std::vector<WorkerSpec> specs;
     for (int local = 0; local < o.nproc_per_node; ++local) {
@@ -1519,6 +1537,7 @@ int RunDdprun(const DdprunOptions& options) {
       spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(failures));
       spec.env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
       spec.env.emplace_back("TORCHELASTIC_RUN_ID", o.rdzv_id.empty() ? "none" : o.rdzv_id);
+      spec.env.emplace_back(kEnvRunId, run_id);
       if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");
       specs.push_back(std::move(spec));
     }

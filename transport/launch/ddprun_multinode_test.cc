@@ -110,6 +110,11 @@ TEST(DdprunMultinodeTest, TwoNodesFormOneJob) {
   EXPECT_THAT(runs[1].output, HasSubstr("[3] rank 3/4 local 1/2 group 1 restart 0"));
   // Every worker met all four, through node 0's store.
   EXPECT_EQ(CountLines(runs[0].output + runs[1].output, "met 4 ranks"), 4);
+  // One run id, node 0's, on both nodes.
+  const size_t at = runs[0].output.find("rank 0 run_id ");
+  ASSERT_NE(at, std::string::npos) << runs[0].output;
+  const std::string id = runs[0].output.substr(at + 14, 16);
+  EXPECT_EQ(CountLines(runs[0].output + runs[1].output, " run_id " + id), 4) << runs[0].output << runs[1].output;
   // On 127.0.0.1, which other hosts could not reach: node 0 says so.
   EXPECT_THAT(runs[0].output, HasSubstr("ddprun: warning: the rendezvous store listens on loopback addresses "
                                         "only (what 127.0.0.1 resolves to on this host)"));

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -166,6 +167,33 @@ TEST(DdprunTest, MaxRestartsRestartsTheGroupThenSucceeds) {
   EXPECT_THAT(run.output, HasSubstr("[0] rank 0/2 local 0/2 group 0 restart 1"));
   EXPECT_THAT(run.output, HasSubstr("[1] rank 1/2 local 1/2 group 0 restart 1"));
   EXPECT_EQ(CountLines(run.output, "met 2 ranks"), 2) << run.output;
+}
+
+// DDP_RUN_ID: one value for every worker of a run, through its restarts,
+// and another for the next run with the same token (a program's checkpoint
+// names the run it belongs to: the token alone repeats across runs).
+TEST(DdprunTest, RunIdIsTheRunsThroughRestartsAndNotTheNextRuns) {
+  auto ids = [](const testing::ProgramRun& run) {
+    std::set<std::string> seen;
+    std::istringstream lines(run.output);
+    for (std::string line; std::getline(lines, line);) {
+      const size_t at = line.find("run_id ");
+      if (at != std::string::npos) seen.insert(line.substr(at + 7));
+    }
+    return seen;
+  };
+  const auto first = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=1"},
+                                    {"--store", "--print_env", "--fail_before_restart=1"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_EQ(CountLines(first.output, " run_id "), 4) << first.output;  // 2 ranks, 2 attempts
+  const std::set<std::string> first_ids = ids(first);
+  ASSERT_EQ(first_ids.size(), 1u) << first.output;
+  EXPECT_EQ(first_ids.begin()->size(), 16u) << first.output;
+  const auto second = RunProgram(Cmd({"--standalone", "--nproc_per_node=2"}, {"--store", "--print_env"}));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  const std::set<std::string> second_ids = ids(second);
+  ASSERT_EQ(second_ids.size(), 1u) << second.output;
+  EXPECT_NE(*first_ids.begin(), *second_ids.begin());
 }
 
 TEST(DdprunTest, RestartsRunOut) {

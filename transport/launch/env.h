@@ -106,6 +106,10 @@ inline constexpr char kEnvMasterAddr[] = "MASTER_ADDR";
 inline constexpr char kEnvMasterPort[] = "MASTER_PORT";
 inline constexpr char kEnvRestartCount[] = "DDP_RESTART_COUNT";
 inline constexpr char kEnvJobToken[] = "DDP_JOB_TOKEN";
+/// Set by ddprun: the same in every worker of one ddprun run (every node,
+/// every restart), different in the next run, whatever its token: what a
+/// program uses to tell its own checkpoints from an earlier run's.
+inline constexpr char kEnvRunId[] = "DDP_RUN_ID";
 inline constexpr char kEnvStoreHost[] = "DDP_STORE_HOST";
 inline constexpr char kEnvStoreAddr[] = "DDP_STORE_ADDR";
 inline constexpr char kEnvStorePort[] = "DDP_STORE_PORT";

@@ -330,6 +330,8 @@ int main(int argc, char** argv) {
                 env->rank, env->world_size, env->local_rank, env->local_world_size,
                 env->group_rank, env->restart_count, env->master_addr.c_str(), env->master_port,
                 env->store_hosted_by_launcher ? "launcher" : "rank0", env->job_token.size());
+    const char* run_id = std::getenv(launch::kEnvRunId);
+    std::printf("rank %d run_id %s\n", env->rank, run_id != nullptr ? run_id : "-");
     std::fflush(stdout);
   }
   if (env->rank == 1 && env->restart_count < flags.fail_before_restart) {
