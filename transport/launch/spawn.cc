@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <optional>
 
 extern char** environ;
@@ -405,6 +406,22 @@ struct Worker {
   bool capture_truncated = false;
 };
 
+// The pipe from the signal handler to the group that forwards signals: one
+// for the process, made once and never closed. A handler running on
+// another thread may load the write end just as a group ends; were it
+// closed, the handler's byte could land in whatever took the number next
+// (a store connection).
+StatusOr<std::pair<int, int>> ProcessSignalPipe() {
+  static std::mutex mu;
+  static int fds[2] = {-1, -1};
+  std::lock_guard<std::mutex> lock(mu);
+  if (fds[0] < 0 && pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    fds[0] = fds[1] = -1;
+    return InternalError("pipe2: " + ErrnoText(errno));
+  }
+  return std::make_pair(fds[0], fds[1]);
+}
+
 }  // namespace
 
 class WorkerGroup::Impl {
@@ -496,8 +513,8 @@ class WorkerGroup::Impl {
 
       std::vector<pollfd> fds;
       std::vector<std::pair<int, int>> owners;  // (worker index, stream index or -1 for pidfd)
-      if (signal_read_.valid()) {
-        fds.push_back({signal_read_.get(), POLLIN, 0});
+      if (signal_read_ >= 0) {
+        fds.push_back({signal_read_, POLLIN, 0});
         owners.emplace_back(-1, 0);
       }
       fds.push_back({stop_event_.get(), POLLIN, 0});
@@ -546,7 +563,7 @@ class WorkerGroup::Impl {
         const auto [owner, stream] = owners[k];
         if (owner == -1) {
           unsigned char signals[16];
-          const ssize_t got = read(signal_read_.get(), signals, sizeof(signals));
+          const ssize_t got = read(signal_read_, signals, sizeof(signals));
           for (ssize_t j = 0; j < got; ++j) {
             const int signo = signals[j];
             if (!interrupt_reported && options_.on_interrupt) {
@@ -666,14 +683,17 @@ class WorkerGroup::Impl {
     if (!g_forwarding.compare_exchange_strong(expected, true)) {
       return FailedPreconditionError("another WorkerGroup already forwards signals");
     }
-    int p[2];
-    if (pipe2(p, O_CLOEXEC | O_NONBLOCK) != 0) {
+    StatusOr<std::pair<int, int>> pipe = ProcessSignalPipe();
+    if (!pipe.ok()) {
       g_forwarding.store(false);
-      return InternalError("pipe2: " + ErrnoText(errno));
+      return pipe.status();
     }
-    signal_read_.Reset(p[0]);
-    signal_write_.Reset(p[1]);
-    g_signal_write_fd.store(p[1]);
+    // What an earlier group's handler wrote after that group ended.
+    char stale[64];
+    while (read(pipe->first, stale, sizeof(stale)) > 0) {
+    }
+    signal_read_ = pipe->first;
+    g_signal_write_fd.store(pipe->second);
     struct sigaction action{};
     action.sa_handler = RecordSignal;
     sigemptyset(&action.sa_mask);
@@ -1038,8 +1058,7 @@ class WorkerGroup::Impl {
   Fd watcher_write_;     // its pipe; closing it unannounced kills the group
   Fd stop_event_;
   Fd dev_null_;
-  Fd signal_read_;
-  Fd signal_write_;
+  int signal_read_ = -1;  // ProcessSignalPipe's read end, while forwarding
   bool forwarding_ = false;
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
   bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so
