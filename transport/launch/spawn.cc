@@ -17,8 +17,8 @@
 #include <climits>
 #include <cstring>
 #include <mutex>
-#include <utility>
 #include <optional>
+#include <utility>
 
 extern char** environ;
 
