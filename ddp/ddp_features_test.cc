@@ -1629,6 +1629,9 @@ DDP_TEST_WORKER(stats_trace) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_trace_" +
                              std::getenv("MASTER_PORT") + "_";
+  // Rank 1 makes its wrapper (and trace) a second later: the files still
+  // line up, as both count from the host's monotonic clock.
+  if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   {
     auto model = nn::modules::MakeCnn();
     DistributedDataParallel ddp(model, {.first_bucket_mb = 0.1, .process_group = pg,
@@ -1662,6 +1665,26 @@ DDP_TEST_WORKER(stats_trace) {
     if (name.rfind("all_reduce bucket 0(", 0) == 0) bucket0 += count;
   }
   WORKER_EXPECT(bucket0 == 4, "bucket 0 events: " + std::to_string(bucket0));
+  // The last bucket-0 all-reduce ends at about the same time on both ranks
+  // (they finish it together); with per-recorder origins, 1 s apart.
+  pg->AllReduce(nn::Ones({1})).Wait();  // both files written
+  if (pg->rank() == 0) {
+    auto last_end = [&](const std::string& file) {
+      std::ifstream trace_in(file);
+      const nlohmann::json t = nlohmann::json::parse(trace_in);
+      int64_t end = -1;
+      for (const auto& e : t["traceEvents"]) {
+        if (e["ph"] == "X" && e["name"].get<std::string>().rfind("all_reduce bucket 0(", 0) == 0) {
+          end = std::max(end, e["ts"].get<int64_t>() + e["dur"].get<int64_t>());
+        }
+      }
+      return end;
+    };
+    const int64_t end0 = last_end(prefix + "rank0.json"), end1 = last_end(prefix + "rank1.json");
+    WORKER_EXPECT(end0 > 0 && end1 > 0 && std::abs(end0 - end1) < 300000,
+                  "the last bucket-0 all-reduce ends at " + std::to_string(end0) + " us on rank 0, " +
+                      std::to_string(end1) + " us on rank 1");
+  }
   return testing::WorkerExit();
 }
 

@@ -34,7 +34,10 @@ std::string JsonEscape(std::string_view text) {
 
 }  // namespace
 
-TraceRecorder::TraceRecorder(size_t max_events) : origin_(Clock::now()), max_events_(max_events) {}
+// The clock's own epoch (CLOCK_MONOTONIC: boot), the same in every process
+// of a host, so that the ranks' files line up; each recorder's creation
+// time differed by however far apart the ranks started.
+TraceRecorder::TraceRecorder(size_t max_events) : origin_(Clock::time_point{}), max_events_(max_events) {}
 
 void TraceRecorder::Complete(std::string name, const char* lane, Clock::time_point start,
                              Clock::time_point end, std::string args_json) {

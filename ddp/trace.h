@@ -5,7 +5,8 @@
 // chrome://tracing and ui.perfetto.dev: one "complete" event per forward,
 // backward and collective, on a lane per thread ("compute", "comm"). Open
 // the files of several ranks together to see them side by side (the rank is
-// the trace's process id).
+// the trace's process id; times count from the host's monotonic clock's
+// epoch, so the ranks of one host line up).
 
 #include <chrono>
 #include <cstddef>
