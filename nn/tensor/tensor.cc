@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -171,6 +172,15 @@ template <typename D, typename S>
 inline D ConvertScalar(S s) {
   if constexpr (std::is_same_v<D, S>) {
     return s;
+  } else if constexpr (std::is_integral_v<D> && !std::is_same_v<D, bool> && !std::is_integral_v<S>) {
+    // A floating value an integer cannot hold (NaN, inf, out of range) is
+    // undefined behaviour for static_cast: NaN gives 0, the others the
+    // nearest end of the integer's range.
+    const double v = static_cast<double>(static_cast<acc_t<S>>(s));
+    if (v != v) return D{0};
+    if (v <= static_cast<double>(std::numeric_limits<D>::min())) return std::numeric_limits<D>::min();
+    if (v >= static_cast<double>(std::numeric_limits<D>::max())) return std::numeric_limits<D>::max();
+    return static_cast<D>(v);
   } else {
     return static_cast<D>(static_cast<acc_t<S>>(s));
   }
@@ -504,9 +514,17 @@ Tensor Tensor::Slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   start = std::clamp<int64_t>(start, 0, n);
   end = std::clamp<int64_t>(end, start, n);
   Shape sh = shape(), st = strides();
-  sh[d] = (end - start + step - 1) / step;
+  // Without end - start + step - 1, which overflows for a step near 2^63.
+  sh[d] = end == start ? 0 : 1 + (end - start - 1) / step;
   const int64_t offset = storage_offset() + start * st[d];
-  st[d] *= step;
+  // One element or none: its stride is never used (and stride * step may
+  // not fit).
+  if (sh[d] <= 1) {
+    st[d] = 1;
+  } else if (__builtin_mul_overflow(st[d], step, &st[d])) {
+    throw std::invalid_argument("Slice: step " + std::to_string(step) + " times the stride of dimension " +
+                                std::to_string(d) + " overflows");
+  }
   return Tensor(std::make_shared<TensorImpl>(storage(), offset, std::move(sh), std::move(st), dtype()));
 }
 
@@ -515,9 +533,9 @@ Tensor Tensor::Narrow(int64_t d, int64_t start, int64_t length) const {
   d = WrapDim(d);
   const int64_t n = shape()[d];
   if (start < 0 && start >= -n) start += n;  // counted from the end, as torch.narrow
-  if (start < 0 || length < 0 || start + length > n) {
-    throw std::out_of_range("Narrow: elements [" + std::to_string(start) + ", " +
-                            std::to_string(start + length) + ") of dimension " + std::to_string(d) +
+  if (start < 0 || start > n || length < 0 || length > n - start) {
+    throw std::out_of_range("Narrow: " + std::to_string(length) + " elements from " + std::to_string(start) +
+                            " of dimension " + std::to_string(d) +
                             " are outside shape " + ShapeToString(shape()));
   }
   Shape sh = shape();
@@ -583,6 +601,10 @@ Tensor Tensor::Expand(const Shape& target) const {
       continue;
     }
     const int64_t s = sh[i - lead];
+    if (target[i] < -1) {
+      throw std::invalid_argument("Expand: size " + std::to_string(target[i]) + " in " +
+                                  ShapeToString(target) + " is negative");
+    }
     if (target[i] == -1 || target[i] == s) {
       out[i] = s;
       st[i] = strides()[i - lead];

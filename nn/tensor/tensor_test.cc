@@ -2,9 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "nn/tensor/generator.h"
 
@@ -106,6 +108,35 @@ TEST(TensorTest, UnsqueezeSqueezeExpandFlatten) {
   EXPECT_EQ(e.Contiguous().ToVector<float>(), (std::vector<float>{0, 0, 1, 1, 2, 2}));
   EXPECT_NE(ErrorOf([&] { t.Expand({4}); }).find("cannot expand shape [3] to [4]"), std::string::npos);
   EXPECT_EQ(Iota({2, 3, 4}).Flatten(1).shape(), (Shape{2, 12}));
+}
+
+// Sizes and steps near the int64 range are refused or computed without
+// overflow: Narrow(0, 1, INT64_MAX) passed its check (start + length
+// wrapped) and viewed past the storage; a negative Expand size was kept.
+TEST(TensorTest, ViewsRefuseSizesThatOverflowOrAreNegative) {
+  const Tensor t = Zeros({4, 1});
+  EXPECT_THROW(t.Narrow(0, 1, std::numeric_limits<int64_t>::max()), std::out_of_range);
+  EXPECT_THROW(t.Narrow(0, 5, 0), std::out_of_range);
+  EXPECT_EQ(t.Narrow(0, 4, 0).shape(), (Shape{0, 1}));
+  EXPECT_THROW(t.Expand({4, -5}), std::invalid_argument);
+  EXPECT_EQ(t.Expand({4, 0}).numel(), 0);
+  const Tensor s = t.Slice(0, 0, 4, std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(s.shape(), (Shape{1, 1}));
+  EXPECT_EQ(t.Slice(0, 1, 4, 2).shape(), (Shape{2, 1}));
+  EXPECT_EQ(t.Slice(0, 1, 4, 2).strides(), (Shape{2, 1}));
+  EXPECT_EQ(t.Slice(0, 2, 2, 3).shape(), (Shape{0, 1}));
+}
+
+// Floating values an integer dtype cannot hold convert to the nearest end
+// of its range, NaN to 0 (a plain cast is undefined behaviour there).
+TEST(TensorTest, FloatsOutsideAnIntegerRangeSaturate) {
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(FromVector({300.0, -1.0, 7.9, std::nan("")}, {4}).To(DType::kUInt8).ToVector<int64_t>(),
+            (std::vector<int64_t>{255, 0, 7, 0}));
+  EXPECT_EQ(FromVector({inf, -inf, 1e30, -3.5}, {4}).To(DType::kInt32).ToVector<int64_t>(),
+            (std::vector<int64_t>{2147483647, -2147483648LL, 2147483647, -3}));
+  EXPECT_EQ(FromVector({inf, -inf}, {2}).To(DType::kInt64).ToVector<int64_t>(),
+            (std::vector<int64_t>{std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()}));
 }
 
 TEST(TensorTest, CopyFromBroadcastsConvertsAndHandlesStrides) {
