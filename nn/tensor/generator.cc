@@ -1,8 +1,11 @@
 #include "nn/tensor/generator.h"
 
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace ddp::nn {
@@ -76,11 +79,26 @@ void ManualSeed(uint64_t seed) { DefaultGenerator().Seed(seed); }
 
 namespace {
 
+// The next value of T below `v` (finite).
+template <typename T>
+T NextDown(T v) {
+  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+    const uint16_t magnitude = v.bits & 0x7fff;
+    if (magnitude == 0) return T::FromBits(0x8001);  // +-0: the smallest negative
+    return T::FromBits(v.bits & 0x8000 ? v.bits + 1 : v.bits - 1);
+  } else {
+    return std::nextafter(v, -std::numeric_limits<T>::infinity());
+  }
+}
+
+// Fills `t` with draw(), rounded to its dtype; with `below`, a value that
+// rounds up to `below` or past it (a draw just under 1.0 is 1.0 in bf16
+// about once in 500) is taken down to the largest value under it.
 template <typename Draw>
-void FillWith(const Tensor& t, const char* what, Draw draw) {
+void FillWith(const Tensor& t, const char* what, Draw draw, std::optional<double> below = std::nullopt) {
   if (!t.device().is_cpu()) {
     Tensor host = Empty(t.shape(), {.dtype = t.dtype()});
-    FillWith(host, what, draw);
+    FillWith(host, what, draw, below);
     NoGradGuard guard;
     t.CopyFrom(host);
     return;
@@ -88,7 +106,12 @@ void FillWith(const Tensor& t, const char* what, Draw draw) {
   Tensor c = t.is_contiguous() ? t : Empty(t.shape(), {.dtype = t.dtype()});
   DDP_DISPATCH_FLOATING(t.dtype(), what, {
     scalar_t* p = static_cast<scalar_t*>(c.data_ptr());
-    for (int64_t i = 0; i < c.numel(); ++i) p[i] = static_cast<scalar_t>(static_cast<acc_t<scalar_t>>(draw()));
+    for (int64_t i = 0; i < c.numel(); ++i) {
+      p[i] = static_cast<scalar_t>(static_cast<acc_t<scalar_t>>(draw()));
+      if (below) {
+        while (static_cast<double>(static_cast<acc_t<scalar_t>>(p[i])) >= *below) p[i] = NextDown(p[i]);
+      }
+    }
   });
   t.storage()->BumpVersion();
   if (!c.is_same(t)) {
@@ -100,7 +123,8 @@ void FillWith(const Tensor& t, const char* what, Draw draw) {
 }  // namespace
 
 void UniformFill(const Tensor& t, double low, double high, Generator& gen) {
-  FillWith(t, "UniformFill", [&] { return low + (high - low) * gen.NextDouble(); });
+  FillWith(t, "UniformFill", [&] { return low + (high - low) * gen.NextDouble(); },
+           high > low ? std::optional<double>(high) : std::nullopt);
 }
 
 void NormalFill(const Tensor& t, double mean, double std, Generator& gen) {
