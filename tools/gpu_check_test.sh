@@ -17,6 +17,14 @@ check() {  # check NAME HAYSTACK NEEDLE
   fi
 }
 
+gone_within() {  # gone_within TENTHS_OF_A_SECOND PID: whether PID ends in time
+  for _ in $(seq "$1"); do
+    kill -0 "$2" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  ! kill -0 "$2" 2>/dev/null
+}
+
 expect_error() {  # expect_error MESSAGE ARGS...
   local msg=$1 out rc
   shift
@@ -120,11 +128,7 @@ for _ in $(seq 600); do
   sleep 0.1
 done
 kill -TERM -- "-$pid"
-for _ in $(seq 300); do
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
-if kill -0 "$pid" 2>/dev/null; then
+if ! gone_within 300 "$pid"; then
   echo "FAIL: still running 30 s after SIGTERM"
   kill -KILL -- "-$pid"
   failures=$((failures + 1))
@@ -138,11 +142,7 @@ if [ -z "$bench_pid" ]; then
   echo "FAIL: the stand-in benchmark never started"
   failures=$((failures + 1))
 else
-  for _ in $(seq 150); do
-    kill -0 "$bench_pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  if kill -0 "$bench_pid" 2>/dev/null; then
+  if ! gone_within 150 "$bench_pid"; then
     echo "FAIL: the benchmark (pid $bench_pid) still runs 15 s after the script was stopped"
     kill -KILL "$bench_pid"
     failures=$((failures + 1))
