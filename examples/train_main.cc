@@ -377,6 +377,7 @@ int main(int argc, char** argv) {
   int restart = 0;
   int local_rank = 0;  // LOCAL_RANK, or srun's and mpirun's own variable
   std::string job_token;
+  std::string run_id;
   if (is_worker) {
     auto env = launch::LaunchEnvFromProcess();
     if (!env.ok()) Fail(2, 0, 1, env.status().message());
@@ -385,6 +386,7 @@ int main(int argc, char** argv) {
     restart = env->restart_count;
     local_rank = env->local_rank;
     job_token = env->job_token;
+    run_id = env->run_id;
   } else {
     // torchrun's forms, resolved as SelfLaunch resolves them (it reads the
     // flag again from the original arguments).
@@ -399,8 +401,7 @@ int main(int argc, char** argv) {
 
   TrainConfig config = ConfigFromFlags(world_size);
   ddp::examples::trainer::ResolvePaths(config);
-  const char* run_id = std::getenv(launch::kEnvRunId);
-  config.job = ddp::examples::trainer::JobFingerprint(job_token, run_id != nullptr ? run_id : "");
+  config.job = ddp::examples::trainer::JobFingerprint(job_token, run_id);
 
   if (!is_worker) {
     // The launcher checks once, then starts the ranks; it never touches UCX.

@@ -255,6 +255,53 @@ TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
   EXPECT_EQ(ranks[1]->Stdout(), "") << "only rank 0 talks";
 }
 
+// torchrun restarts a failed job with TORCHELASTIC_RESTART_COUNT raised and
+// the same TORCHELASTIC_RUN_ID: the trainer resumes from the checkpoint that
+// run saved, and starts over from another run's (another rendezvous id) or
+// where there is no id to tell runs apart (torchrun's "none").
+TEST(TrainRunTest, ResumesAfterATorchrunRestartOfTheSameRun) {
+  const std::string dir = testing::MakeTempDir("torchrun");
+  auto run = [&](const std::string& run_id, int restart, const std::string& extra_flag) {
+    const std::string port = std::to_string(FreePort());
+    std::vector<std::unique_ptr<testing::Subprocess>> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      std::vector<std::string> args = QuickRun(dir);
+      args.push_back("--epochs=2");
+      if (!extra_flag.empty()) args.push_back(extra_flag);
+      ranks.push_back(std::make_unique<testing::Subprocess>(
+          args, std::vector<std::pair<std::string, std::string>>{
+                    {"RANK", std::to_string(rank)},
+                    {"WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port},
+                    {"TORCHELASTIC_RUN_ID", run_id},
+                    {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)}}));
+    }
+    for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(120)), 0) << p->Stderr();
+    return ranks[0]->Stdout();
+  };
+  // The first attempt of run job-a trains and saves (and, say, a rank then
+  // fails on its way out).
+  std::string out = run("job-a", 0, "");
+  EXPECT_EQ(out.find("of the job"), std::string::npos) << out;
+  EXPECT_NE(out.find("epoch 2/2"), std::string::npos) << out;
+  // Its restart continues from the checkpoint: nothing is trained again.
+  out = run("job-a", 1, "");
+  EXPECT_NE(out.find("restart 1 of the job: resuming from this run's checkpoint " + dir +
+                     "/ckpt.safetensors"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find(", step 32 ("), std::string::npos) << out;
+  EXPECT_EQ(out.find("epoch 1/2"), std::string::npos) << "trained again: " << out;
+  // Another run's restart leaves job-a's checkpoint alone and starts over.
+  out = run("job-b", 1, "");
+  EXPECT_NE(out.find("is from another run; starting over"), std::string::npos) << out;
+  EXPECT_NE(out.find("epoch 1/2"), std::string::npos) << out;
+  out = run("none", 1, "");
+  EXPECT_NE(out.find("this job has no name"), std::string::npos) << out;
+  EXPECT_NE(out.find("epoch 1/2"), std::string::npos) << out;
+}
+
 // Under a launcher no CheckSetup runs before the ranks start: rank 0 checks
 // the paths it writes at setup, and every rank stops with its message
 // before training (not rank 0 alone at the first save, an epoch later).

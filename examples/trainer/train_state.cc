@@ -405,7 +405,9 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
 }
 
 std::string JobFingerprint(const std::string& token, const std::string& run_id) {
-  if (token.empty()) return "";
+  // Without a token, the run id alone names the job (torchrun gives no
+  // token, only its rendezvous id); without either, there is no name.
+  if (token.empty() && run_id.empty()) return "";
   // FNV-1a, 64 bits, over a fixed prefix, the token and the run id.
   uint64_t h = 0xcbf29ce484222325ull;
   for (const char ch : "ddp-job:" + token + (run_id.empty() ? "" : "\nrun:" + run_id)) {
@@ -430,7 +432,11 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
   } catch (const std::exception& e) {
     return attempt + "cannot read " + config.checkpoint + " (" + e.what() + "); starting over";
   }
-  if (config.job.empty() || saved_by != config.job) {
+  if (config.job.empty()) {
+    return attempt + "this job has no name (no DDP_JOB_TOKEN, DDP_RUN_ID or torchrun --rdzv_id), so the "
+           "checkpoint at " + config.checkpoint + " cannot be told from another run's; starting over";
+  }
+  if (saved_by != config.job) {
     return attempt + "the checkpoint at " + config.checkpoint +
            " is from another run; starting over (it is overwritten at the first save)";
   }

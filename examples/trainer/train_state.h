@@ -123,10 +123,13 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
 std::string ReadTrainCheckpoint(const std::string& path);
 
 /// A short, stable name of the job whose launch token is `token` and whose
-/// launcher's run id (DDP_RUN_ID, ddprun's: one per run, kept through its
-/// restarts) is `run_id` (a hash: the token itself is a secret and stays out
-/// of checkpoint files); empty for an empty token. The run id tells apart
-/// runs that reuse a token, as scripts setting DDP_JOB_TOKEN do.
+/// launcher's run id (LaunchEnv::run_id: ddprun's DDP_RUN_ID, one per run and
+/// kept through its restarts, or torchrun's rendezvous id) is `run_id` (a
+/// hash: the token itself is a secret and stays out of checkpoint files);
+/// empty when both are empty. The run id tells apart runs that reuse a
+/// token, as scripts setting DDP_JOB_TOKEN do; under torchrun, which gives
+/// no token, it alone names the job, so two torchrun jobs given the same
+/// --rdzv_id (or --rdzv-id) are one job to a restart.
 std::string JobFingerprint(const std::string& token, const std::string& run_id = "");
 
 /// For restart `restart` (> 0) of a job: sets config.resume when

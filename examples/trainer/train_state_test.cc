@@ -165,6 +165,10 @@ TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
   EXPECT_EQ(JobFingerprint("token-a", "run-1"), JobFingerprint("token-a", "run-1"));
   EXPECT_NE(JobFingerprint("token-a", "run-1"), JobFingerprint("token-a", "run-2"));
   EXPECT_NE(JobFingerprint("token-a", "run-1"), JobFingerprint("token-a"));
+  // torchrun gives no token: its run id alone names the job.
+  EXPECT_NE(JobFingerprint("", "run-1"), "");
+  EXPECT_NE(JobFingerprint("", "run-1"), JobFingerprint("", "run-2"));
+  EXPECT_NE(JobFingerprint("", "run-1"), JobFingerprint("token-a", "run-1"));
 
   TrainConfig config;
   config.model = "mlp";

@@ -235,7 +235,15 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
   DDP_ASSIGN_OR_RETURN(out.group_rank, ReadIntOr(env, kEnvGroupRank, 0, kIntMax, out.group_rank));
   DDP_ASSIGN_OR_RETURN(out.master_port,
                        ReadIntOr(env, kEnvMasterPort, 1, 65535, out.master_port));
-  DDP_ASSIGN_OR_RETURN(out.restart_count, ReadIntOr(env, kEnvRestartCount, 0, kIntMax, 0));
+  // torchrun's count where ddprun's is not set: a program run by torchrun
+  // with --max_restarts learns it was restarted (and may resume).
+  const char* restart_name = Has(env, kEnvRestartCount) ? kEnvRestartCount : kEnvTorchRestartCount;
+  DDP_ASSIGN_OR_RETURN(out.restart_count, ReadIntOr(env, restart_name, 0, kIntMax, 0));
+  if (const std::string* id = Find(env, kEnvRunId)) {
+    out.run_id = *id;
+  } else if (const std::string* torch_id = Find(env, kEnvTorchRunId); torch_id != nullptr && *torch_id != "none") {
+    out.run_id = *torch_id;
+  }
   if (const std::string* addr = Find(env, kEnvMasterAddr)) {
     if (addr->empty()) return InvalidArgumentError("MASTER_ADDR is set but empty");
     out.master_addr = *addr;
@@ -341,6 +349,7 @@ std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& 
       {kEnvStorePort, std::to_string(env.master_port)},
   };
   if (!env.job_token.empty()) vars.emplace_back(kEnvJobToken, env.job_token);
+  if (!env.run_id.empty()) vars.emplace_back(kEnvRunId, env.run_id);
   return vars;
 }
 

@@ -33,7 +33,10 @@
 // MASTER_PORT each override the scheduler's value when set. Everywhere:
 // MASTER_ADDR defaults to 127.0.0.1 on a single node and is required across
 // nodes; MASTER_PORT defaults to 29500 (torchrun's) outside Slurm;
-// DDP_RESTART_COUNT defaults to 0; DDP_JOB_TOKEN defaults to empty (no token:
+// DDP_RESTART_COUNT defaults to torchrun's TORCHELASTIC_RESTART_COUNT, else 0;
+// DDP_RUN_ID defaults to torchrun's TORCHELASTIC_RUN_ID (its rendezvous id;
+// "none", torchrun's default for a static rendezvous, counts as no id), else
+// empty; DDP_JOB_TOKEN defaults to empty (no token:
 // anyone who can reach the store can join it); DDP_STORE_HOST=launcher means a
 // launcher process serves the store, otherwise (unset or `rank0`) rank 0 does.
 //
@@ -79,6 +82,9 @@ struct LaunchEnv {
   int master_port = 0;           ///< TCP port of the store, in [1, 65535].
   int restart_count = 0;         ///< How many times the group was restarted.
   std::string job_token;         ///< Shared secret of the job; empty: none.
+  /// The same in every worker of one run of the job, through its restarts
+  /// (DDP_RUN_ID, else TORCHELASTIC_RUN_ID); empty: the launcher gave none.
+  std::string run_id;
   bool store_hosted_by_launcher = false;  ///< Else rank 0 serves the store.
   /// torchrun's agent holds MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True)
   /// and no DDP_STORE_PORT was given: the store is on MASTER_PORT + 1.
@@ -115,6 +121,10 @@ inline constexpr char kEnvStoreAddr[] = "DDP_STORE_ADDR";
 inline constexpr char kEnvStorePort[] = "DDP_STORE_PORT";
 /// "True" when torchrun's agent serves MASTER_PORT (workers only connect).
 inline constexpr char kEnvTorchAgentStore[] = "TORCHELASTIC_USE_AGENT_STORE";
+/// torchrun's restart count and run (rendezvous) id, read where ddprun's
+/// DDP_RESTART_COUNT and DDP_RUN_ID are not set.
+inline constexpr char kEnvTorchRestartCount[] = "TORCHELASTIC_RESTART_COUNT";
+inline constexpr char kEnvTorchRunId[] = "TORCHELASTIC_RUN_ID";
 
 /// MASTER_PORT when nothing sets it (torchrun's default).
 inline constexpr int kDefaultMasterPort = 29500;

@@ -43,6 +43,35 @@ TEST(ParseLaunchEnvTest, TorchrunVariables) {
   EXPECT_EQ(parsed->StoreKeyPrefix(), "r2/");
 }
 
+// Under torchrun: its restart count and rendezvous id, unless ddprun's own
+// variables say otherwise; torchrun's default id "none" is no id.
+TEST(ParseLaunchEnvTest, TorchrunRestartCountAndRunId) {
+  EnvMap env = {{"RANK", "0"},
+                {"WORLD_SIZE", "2"},
+                {"TORCHELASTIC_RESTART_COUNT", "3"},
+                {"TORCHELASTIC_RUN_ID", "job-7"}};
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->restart_count, 3);
+  EXPECT_EQ(parsed->run_id, "job-7");
+  EXPECT_EQ(parsed->StoreKeyPrefix(), "r3/");
+
+  env["DDP_RESTART_COUNT"] = "1";
+  env["DDP_RUN_ID"] = "0123abcd";
+  parsed = ParseLaunchEnv(env);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->restart_count, 1);
+  EXPECT_EQ(parsed->run_id, "0123abcd");
+
+  parsed = ParseLaunchEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_RUN_ID", "none"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->run_id, "");
+  EXPECT_EQ(parsed->restart_count, 0);
+
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"TORCHELASTIC_RESTART_COUNT", "x"}},
+                "TORCHELASTIC_RESTART_COUNT=x is not an integer");
+}
+
 TEST(ParseLaunchEnvTest, DefaultsForOneNode) {
   StatusOr<LaunchEnv> parsed = ParseLaunchEnv({{"RANK", "0"}, {"WORLD_SIZE", "3"}});
   ASSERT_TRUE(parsed.ok()) << parsed.status();
@@ -68,6 +97,7 @@ TEST(ParseLaunchEnvTest, RoundTripsThroughToEnvironment) {
   env.master_port = 40000;
   env.restart_count = 1;
   env.job_token = "abc";
+  env.run_id = "run-9";
   env.store_hosted_by_launcher = true;
   EnvMap map;
   for (auto& [name, value] : ToEnvironment(env)) map[name] = value;
@@ -75,6 +105,7 @@ TEST(ParseLaunchEnvTest, RoundTripsThroughToEnvironment) {
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->ToString(), env.ToString());
   EXPECT_EQ(parsed->job_token, "abc");
+  EXPECT_EQ(parsed->run_id, "run-9");
   // A launcher may point MASTER_PORT elsewhere: the store stays where it is.
   map["MASTER_PORT"] = "41000";
   map["MASTER_ADDR"] = "elsewhere";
