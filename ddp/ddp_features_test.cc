@@ -1688,6 +1688,42 @@ DDP_TEST_WORKER(stats_trace) {
   return testing::WorkerExit();
 }
 
+// Two DDPs on disjoint one-rank subgroups, one per process: both are rank 0
+// of their group, and each still writes its own trace file (named by the
+// rank in the job), not one file both overwrite.
+DDP_TEST_WORKER(subgroup_traces) {
+  auto pg = testing::WorkerGroup();
+  std::shared_ptr<ProcessGroup> mine;
+  for (int r = 0; r < pg->size(); ++r) {
+    auto g = pg->NewGroup({r});
+    if (g != nullptr) mine = g;
+  }
+  WORKER_EXPECT(mine != nullptr && mine->rank() == 0 && mine->root_rank() == pg->rank(),
+                "subgroup rank " + std::to_string(mine == nullptr ? -1 : mine->root_rank()));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_subtrace_" +
+                             std::getenv("MASTER_PORT") + "_";
+  {
+    nn::Generator g(1);
+    auto model = nn::modules::MakeMlp(g);
+    DistributedDataParallel ddp(model, {.process_group = mine, .trace_prefix = prefix});
+    const auto& data = testing::FashionMnist();
+    auto [x, y] = testing::Batch(data, 0, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  }
+  pg->AllReduce(nn::Ones({1})).Wait();  // both files written
+  for (int r = 0; r < pg->size(); ++r) {
+    const std::string path = prefix + "rank" + std::to_string(r) + ".json";
+    std::ifstream in(path);
+    WORKER_EXPECT(in.good(), "no trace at " + path);
+    const nlohmann::json trace = nlohmann::json::parse(in);
+    bool pid_is_rank = false;
+    for (const auto& e : trace["traceEvents"]) pid_is_rank |= e.contains("pid") && e["pid"] == r;
+    WORKER_EXPECT(pid_is_rank, path + " has no event of process " + std::to_string(r));
+  }
+  return testing::WorkerExit();
+}
+
 // A straggler shows in the statistics: rank 1 sleeps before each backward,
 // so rank 0's collectives wait for it and rank 1's hardly wait. The
 // lateness is large (a loaded machine delays either rank by tens of ms)
@@ -1730,6 +1766,11 @@ DDP_TEST_WORKER(peer_wait) {
 
 TEST(DdpFeaturesTest, StatisticsShowWhoWaitsForAStraggler) {
   auto run = RunWorkers("peer_wait", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, DdpsOfSubgroupsWriteOneTraceEach) {
+  auto run = RunWorkers("subgroup_traces", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

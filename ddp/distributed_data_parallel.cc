@@ -324,8 +324,9 @@ void DistributedDataParallel::WriteTrace() const {
   if (impl_->trace == nullptr) {
     throw std::logic_error("DistributedDataParallel::WriteTrace: DdpOptions::trace_prefix is empty");
   }
-  impl_->trace->Write(options_.trace_prefix + "rank" + std::to_string(pg_->rank()) + ".json",
-                      pg_->rank());
+  // Named by the rank in the job: two subgroups' DDPs share group ranks.
+  impl_->trace->Write(options_.trace_prefix + "rank" + std::to_string(pg_->root_rank()) + ".json",
+                      pg_->root_rank());
 }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::BucketParameterNames() const {

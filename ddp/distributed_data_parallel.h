@@ -93,7 +93,8 @@ struct DdpOptions {
   int64_t log_stats_every = 0;
   /// When set, each rank writes a Chrome-trace timeline to
   /// `<trace_prefix>rank<r>.json` when the wrapper is destroyed (and on
-  /// WriteTrace()).
+  /// WriteTrace()); r is the process's rank in the job
+  /// (ProcessGroup::root_rank), also for a DDP of a subgroup.
   std::string trace_prefix;
 };
 

@@ -745,7 +745,7 @@ ProcessGroupOptions WithEnvironment(ProcessGroupOptions options) {
 
 ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
                            ProcessGroupOptions options)
-    : rank_(rank), size_(size), options_(WithEnvironment(options)) {
+    : rank_(rank), size_(size), root_rank_(rank), options_(WithEnvironment(options)) {
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
 }
 
@@ -755,6 +755,7 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   if (comm == nullptr) throw std::invalid_argument("ProcessGroup: communicator is null");
   rank_ = comm->rank();
   size_ = comm->size();
+  root_rank_ = rank_;
   if (size_ > 1) {
     const transport::Status agreed =
         CheckDebugModeAgrees(*comm, options_.debug_detail, transport::Clock::now() + options_.timeout);
@@ -1565,6 +1566,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
   if (!member) return nullptr;
   std::shared_ptr<ProcessGroup> child =
       *made == nullptr ? Single(options_) : std::make_shared<ProcessGroup>(std::move(*made), options_);
+  child->root_rank_ = root_rank_;
   impl_->AddChild(child);
   return child;
 }

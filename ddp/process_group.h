@@ -238,6 +238,10 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// This process's rank in the group that NewGroup calls started from
+  /// (the job's, for a group made from the world); rank() elsewhere.
+  /// What names per-process files, which group ranks would make collide.
+  int root_rank() const { return root_rank_; }
   const ProcessGroupOptions& options() const { return options_; }
   /// Whether the debug-mode fingerprint check runs.
   bool debug_detail() const { return options_.debug_detail; }
@@ -442,6 +446,7 @@ class ProcessGroup {
 
   int rank_ = 0;
   int size_ = 1;
+  int root_rank_ = 0;
   ProcessGroupOptions options_;
   std::unique_ptr<Impl> impl_;
 };
