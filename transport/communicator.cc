@@ -949,7 +949,17 @@ void Communicator::Impl::Shutdown() {
   shut_down_ = true;
   const Deadline deadline = DeadlineIn(std::min<milliseconds>(options_.timeout, milliseconds(30000)));
   if (thread_.joinable()) {
-    WaitForQueue(deadline).IgnoreError();
+    if (Status queued = WaitForQueue(deadline); !queued.ok()) {
+      // Calls still queued or running would each run to their own deadline
+      // (a call's timeout may be far longer): the abort ends the running
+      // one within a watchdog tick and fails the others at once, so the
+      // join below keeps to this bound. The peers learn it as they would
+      // of any failure, instead of waiting for a rank that is leaving.
+      Abort(TimedOutError("the communicator was destroyed while calls were still queued or running "
+                          "(" + queued.message() + ")"),
+            std::nullopt)
+          .IgnoreError();
+    }
     {
       std::lock_guard lock(queue_mu_);
       stopping_ = true;

@@ -20,10 +20,12 @@
 #include <cstring>
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -719,6 +721,35 @@ int ScenarioBusyPost() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Rank 1 destroys its communicator with an asynchronous all-reduce that
+// rank 0 never joins and whose own timeout (60 s) is far past the
+// communicator's (2 s): destruction is bounded by the latter, as documented,
+// not by the queued call's deadline. Rank 0 stays alive meanwhile (a peer
+// that left would end the call early) and then destroys its own.
+int ScenarioDestroyWithPendingCall() {
+  auto comm = MustCreate();
+  const std::string done = EnvOr("TEST_TMPDIR", "/tmp") + "/destroyed_" + EnvOr("MASTER_PORT", "0");
+  if (comm->rank() == 1) {
+    std::vector<float> values(1000, 1.0f);
+    Work pending = comm->AllReduceAsync(values.data(), values.data(), values.size(), DataType::kF32,
+                                        ReduceOp::kSum, {.timeout = milliseconds(60000)});
+    const auto start = std::chrono::steady_clock::now();
+    comm.reset();
+    const auto ms = std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - start);
+    std::printf("DESTROYED in %lld ms\n", static_cast<long long>(ms.count()));
+    const Status s = pending.Wait(DeadlineIn(milliseconds(1000)));
+    WORKER_CHECK(!s.ok(), "the call nobody joined succeeded: " + s.ToString());
+    std::ofstream(done) << "done";
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  WORKER_CHECK(std::filesystem::exists(done), "rank 1 never finished destroying its communicator");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -734,6 +765,7 @@ int RunScenario(const std::string& name) {
   if (name == "late") return ScenarioLate();
   if (name == "busy_poll") return ScenarioBusyPoll();
   if (name == "busy_post") return ScenarioBusyPost();
+  if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -908,6 +940,17 @@ TEST(Communicator, SplitCommunicatorOutlivesItsParent) {
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[0].output.find("CHILD rank 0 -> 2/3"), std::string::npos) << job.Describe();
   EXPECT_LT(took, kTimeout / 2) << job.Describe();
+}
+
+// Destroying a communicator with a queued call takes at most the
+// communicator's timeout (here 2 s), not the call's own (60 s).
+TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
+  Job job = RunJob(2, "destroy_pending", {{"DDP_TEST_TIMEOUT_MS", "2000"}}, milliseconds(120000));
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  std::smatch m;
+  const std::string& out = job.results[1].output;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("DESTROYED in (\\d+) ms"))) << job.Describe();
+  EXPECT_LT(std::stoll(m[1]), 15000) << job.Describe();
 }
 
 TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForSplitsWithoutIt) {
