@@ -166,7 +166,10 @@ void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen) {
   Launch l(dev);
   // One draw from the generator per call seeds a counter-based hash, so a
   // seeded run is reproducible (its masks differ from the CPU's).
-  const uint64_t seed = gen.NextU64();
+  const uint64_t seed = [&] {
+    auto lock = gen.Lock();  // the generator may be the shared default one
+    return gen.NextU64();
+  }();
   CheckCuda(launch::BernoulliMask(static_cast<uint8_t*>(mask.data_ptr()), mask.numel(), keep_prob, seed, l.stream),
             "kernel `bernoulli_mask`");
 }

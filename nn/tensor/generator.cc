@@ -75,7 +75,11 @@ Generator& DefaultGenerator() {
   return *gen;
 }
 
-void ManualSeed(uint64_t seed) { DefaultGenerator().Seed(seed); }
+void ManualSeed(uint64_t seed) {
+  Generator& gen = DefaultGenerator();
+  auto lock = gen.Lock();
+  gen.Seed(seed);
+}
 
 namespace {
 
@@ -94,16 +98,20 @@ T NextDown(T v) {
 // Fills `t` with draw(), rounded to its dtype; with `below`, a value that
 // rounds up to `below` or past it (a draw just under 1.0 is 1.0 in bf16
 // about once in 500) is taken down to the largest value under it.
+// `draw` reads `gen`, which is held for the whole tensor: the tensor gets
+// consecutive draws even when other threads share the generator.
 template <typename Draw>
-void FillWith(const Tensor& t, const char* what, Draw draw, std::optional<double> below = std::nullopt) {
+void FillWith(const Tensor& t, const char* what, Generator& gen, Draw draw,
+              std::optional<double> below = std::nullopt) {
   if (!t.device().is_cpu()) {
     Tensor host = Empty(t.shape(), {.dtype = t.dtype()});
-    FillWith(host, what, draw, below);
+    FillWith(host, what, gen, draw, below);
     NoGradGuard guard;
     t.CopyFrom(host);
     return;
   }
   Tensor c = t.is_contiguous() ? t : Empty(t.shape(), {.dtype = t.dtype()});
+  auto lock = gen.Lock();
   DDP_DISPATCH_FLOATING(t.dtype(), what, {
     scalar_t* p = static_cast<scalar_t*>(c.data_ptr());
     for (int64_t i = 0; i < c.numel(); ++i) {
@@ -113,6 +121,7 @@ void FillWith(const Tensor& t, const char* what, Draw draw, std::optional<double
       }
     }
   });
+  lock.unlock();
   t.storage()->BumpVersion();
   if (!c.is_same(t)) {
     NoGradGuard guard;
@@ -123,12 +132,12 @@ void FillWith(const Tensor& t, const char* what, Draw draw, std::optional<double
 }  // namespace
 
 void UniformFill(const Tensor& t, double low, double high, Generator& gen) {
-  FillWith(t, "UniformFill", [&] { return low + (high - low) * gen.NextDouble(); },
+  FillWith(t, "UniformFill", gen, [&] { return low + (high - low) * gen.NextDouble(); },
            high > low ? std::optional<double>(high) : std::nullopt);
 }
 
 void NormalFill(const Tensor& t, double mean, double std, Generator& gen) {
-  FillWith(t, "NormalFill", [&] { return mean + std * gen.NextNormal(); });
+  FillWith(t, "NormalFill", gen, [&] { return mean + std * gen.NextNormal(); });
 }
 
 Tensor Rand(const Shape& shape, TensorOptions options, Generator& gen) {
@@ -153,6 +162,7 @@ Tensor RandPerm(int64_t n, Generator& gen) {
   Tensor t = Empty({n}, {.dtype = DType::kInt64});
   int64_t* p = t.data<int64_t>();
   std::iota(p, p + n, int64_t{0});
+  auto lock = gen.Lock();
   for (int64_t i = n - 1; i > 0; --i) {  // Fisher-Yates
     const int64_t j = static_cast<int64_t>(gen.NextBelow(static_cast<uint64_t>(i + 1)));
     std::swap(p[i], p[j]);

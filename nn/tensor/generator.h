@@ -1,8 +1,11 @@
-// Seeded random numbers for initialization, dropout and tests. A Generator
-// is not thread-safe: give each thread its own.
+// Seeded random numbers for initialization, dropout and tests. The draws
+// themselves (Next*) are not synchronized; the tensor fills below hold the
+// generator's lock for a whole tensor, so threads may share a generator
+// (the default one) through them. Give a thread its own for speed.
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 
 #include "nn/tensor/tensor.h"
 
@@ -26,8 +29,13 @@ class Generator {
   double NextNormal();
   /// Uniform integer in [0, n).
   uint64_t NextBelow(uint64_t n);
+  /// Holds the generator for a run of draws that other threads may share it
+  /// for. Taken once per tensor, not per draw: a lock per element would cost
+  /// more than the draw itself.
+  [[nodiscard]] std::unique_lock<std::mutex> Lock() { return std::unique_lock<std::mutex>(mutex_); }
 
  private:
+  std::mutex mutex_;
   uint64_t state_[4];
   uint64_t seed_ = 0;
   bool has_spare_ = false;
@@ -35,8 +43,9 @@ class Generator {
 };
 
 /// The process-wide generator used when none is passed (seed 0 at start).
+/// Shared by every thread: draw from it directly only under its Lock().
 Generator& DefaultGenerator();
-/// Reseeds the default generator.
+/// Reseeds the default generator (under its lock).
 void ManualSeed(uint64_t seed);
 
 /// Fills t (any floating dtype, CPU) in place with U[low, high).

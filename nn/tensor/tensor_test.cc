@@ -2,10 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <map>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nn/tensor/generator.h"
@@ -399,6 +404,64 @@ TEST(GeneratorTest, RandStaysBelowOneInEveryDtype) {
   for (double x : u.ToVector<double>()) {
     EXPECT_GE(x, -1.0);
     EXPECT_LT(x, 1.0);
+  }
+}
+
+// The default generator is shared by every thread (a loader worker drawing
+// while the main thread initializes a layer). Each fill holds it for its
+// whole tensor, so the threads together draw exactly what one thread draws
+// from the same seed, each tensor a run of consecutive draws. Unlocked, the
+// threads' updates of the state interleave: values repeat, go missing or
+// come from no seeded sequence, and TSan reports the race.
+TEST(GeneratorTest, DefaultGeneratorIsSafeAcrossThreads) {
+  constexpr int kThreads = 4, kFills = 300;
+  constexpr int64_t kSize = 257;  // odd: a normal fill leaves a spare value for the next one
+  const std::pair<const char*, std::function<Tensor(Generator&)>> kinds[] = {
+      {"Rand", [](Generator& g) { return Rand({kSize}, {.dtype = DType::kFloat64}, g); }},
+      {"Randn", [](Generator& g) { return Randn({kSize}, {.dtype = DType::kFloat64}, g); }},
+  };
+  for (const auto& [name, draw] : kinds) {
+    SCOPED_TRACE(name);
+    ManualSeed(5);
+    std::vector<std::vector<std::vector<double>>> fills(kThreads);
+    std::atomic<int> ready{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        ++ready;
+        while (ready.load() < kThreads) {  // start together, to overlap the draws
+        }
+        for (int i = 0; i < kFills; ++i) fills[t].push_back(draw(DefaultGenerator()).ToVector<double>());
+      });
+    }
+    for (std::thread& th : threads) th.join();
+
+    // The reference: the same number of fills, one after another on one thread.
+    std::map<double, int64_t> index_of;  // value -> its position in the reference sequence
+    Generator reference(5);
+    for (int i = 0; i < kThreads * kFills; ++i) {
+      const std::vector<double> v = draw(reference).ToVector<double>();
+      for (int64_t j = 0; j < kSize; ++j) index_of.emplace(v[j], i * kSize + j);
+    }
+    ASSERT_EQ(index_of.size(), static_cast<size_t>(kThreads * kFills * kSize)) << "reference values repeat";
+    std::vector<bool> seen(kThreads * kFills * kSize, false);
+    int bad_fills = 0;
+    for (int t = 0; t < kThreads; ++t) {
+      for (const std::vector<double>& v : fills[t]) {
+        bool ok = true;
+        const auto first = index_of.find(v[0]);
+        for (int64_t j = 0; ok && j < kSize; ++j) {
+          const auto it = index_of.find(v[j]);
+          ok = first != index_of.end() && it != index_of.end() && it->second == first->second + j &&
+               !seen[it->second];
+          if (ok) seen[it->second] = true;
+        }
+        bad_fills += !ok;
+      }
+    }
+    EXPECT_EQ(bad_fills, 0) << "of " << kThreads * kFills
+                            << " fills, these were not a run of consecutive draws of the seeded sequence";
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), true), kThreads * kFills * kSize);
   }
 }
 

@@ -231,6 +231,7 @@ void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen) {
   uint8_t* m = mask.data<uint8_t>();
   // 24-bit uniform draws are plenty for a keep probability.
   const uint64_t threshold = static_cast<uint64_t>(keep_prob * 16777216.0);
+  auto lock = gen.Lock();  // once per mask: the generator may be the shared default one
   for (int64_t i = 0; i < mask.numel(); ++i) m[i] = (gen.NextU64() >> 40) < threshold ? 1 : 0;
 }
 
