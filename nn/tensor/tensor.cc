@@ -692,7 +692,9 @@ void Tensor::CopyFrom(const Tensor& src) const {
     }
   }
   const Device dd = device(), sd = s.device();
-  if (dd == sd && s.storage() == storage()) {
+  // Compared by address, not by storage: two FromBlob tensors over one
+  // buffer have storages of their own but share memory all the same.
+  if (dd == sd) {
     if (s.data_ptr() == data_ptr() && s.strides() == strides() && s.dtype() == dtype()) {
       storage()->BumpVersion();  // the same elements: nothing to copy
       return;
@@ -700,10 +702,10 @@ void Tensor::CopyFrom(const Tensor& src) const {
     // Overlapping memory (x.CopyFrom(x.Transpose(0, 1))): an element may be
     // overwritten before it is read, so the source is read from a copy.
     auto range = [](const Tensor& t) {
-      const char* lo = static_cast<const char*>(t.data_ptr());
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
       int64_t span = 0;
       for (int64_t d = 0; d < t.dim(); ++d) span += (t.shape()[d] - 1) * t.strides()[d];
-      return std::make_pair(lo, lo + (span + 1) * static_cast<int64_t>(ElementSize(t.dtype())));
+      return std::make_pair(lo, lo + static_cast<uintptr_t>((span + 1) * ElementSize(t.dtype())));
     };
     const auto [dst_lo, dst_hi] = range(*this);
     const auto [src_lo, src_hi] = range(s);
