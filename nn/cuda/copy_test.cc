@@ -70,6 +70,14 @@ TEST_F(CudaCopyTest, DtypeConversionsOnTheDeviceMatchTheCpu) {
   }
   const Tensor half = host.To(DType::kFloat16);
   ExpectSameBytes(half.To(kGpu).To(DType::kBFloat16).To(kCPU), half.To(DType::kBFloat16));
+  // f64 rounds to 16 bits in one step on both sides: a hair above a midpoint
+  // goes up, a hair under 65520 stays finite (through f32: down, and inf).
+  const Tensor wide = FromVector({1.0 + 0x1p-11 + 0x1p-30, 1.0 + 0x1p-8 + 0x1p-40, 65520.0 - 0x1p-20}, {3},
+                                 {.dtype = DType::kFloat64});
+  for (DType dt : {DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    ExpectSameBytes(wide.To(kGpu).To(dt).To(kCPU), wide.To(dt));
+  }
 }
 
 TEST_F(CudaCopyTest, FillAndBroadcastCopy) {

@@ -23,8 +23,9 @@ template <> struct Acc<__half> { using type = float; };
 template <> struct Acc<__nv_bfloat16> { using type = float; };
 template <typename T> using acc_t = typename Acc<T>::type;
 
-/// Value conversion with the CPU's semantics: 16-bit floats go through f32
-/// (round to nearest even), everything else is a static_cast.
+/// Value conversion with the CPU's semantics: 16-bit floats are made by
+/// rounding to nearest even, from f64 in one step (through f32 would round
+/// twice), from the other types through f32; everything else is a static_cast.
 template <typename To, typename From>
 __device__ __forceinline__ To Cast(From v) {
   if constexpr (std::is_same_v<To, From>) {
@@ -33,6 +34,10 @@ __device__ __forceinline__ To Cast(From v) {
     return Cast<To>(__half2float(v));
   } else if constexpr (std::is_same_v<From, __nv_bfloat16>) {
     return Cast<To>(__bfloat162float(v));
+  } else if constexpr (std::is_same_v<To, __half> && std::is_same_v<From, double>) {
+    return __double2half(v);  // cvt.rn.f16.f64
+  } else if constexpr (std::is_same_v<To, __nv_bfloat16> && std::is_same_v<From, double>) {
+    return __double2bfloat16(v);
   } else if constexpr (std::is_same_v<To, __half>) {
     return __float2half_rn(static_cast<float>(v));
   } else if constexpr (std::is_same_v<To, __nv_bfloat16>) {

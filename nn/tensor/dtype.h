@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace ddp::nn {
 
@@ -113,6 +114,42 @@ inline uint16_t FloatToBFloat16Bits(float value) {
 
 inline float BFloat16BitsToFloat(uint16_t b) { return BitsFloat(static_cast<uint32_t>(b) << 16); }
 
+// binary64 straight to a 16-bit format with kMant fraction bits and exponent
+// bias kBias (binary16: 10, 15; bfloat16: 7, 127), rounding to nearest even,
+// subnormals included; overflow gives inf, NaN stays NaN (quiet, sign kept).
+// Not through float: that rounds twice, and a double a hair above the
+// midpoint of two neighbours becomes the midpoint in float, whose tie then
+// goes to the even neighbour (1 + 2^-11 + 2^-30 gave 1.0 in f16, not 1 + 2^-10).
+template <int kMant, int kBias>
+inline uint16_t DoubleTo16Bits(double value) {
+  uint64_t x;
+  std::memcpy(&x, &value, 8);
+  const uint16_t sign = static_cast<uint16_t>((x >> 48) & 0x8000u);
+  x &= ~(uint64_t{1} << 63);
+  const uint64_t inf = uint64_t{2 * kBias + 1} << kMant;
+  if (x > 0x7ff0000000000000ull) return static_cast<uint16_t>(sign | inf | (1u << (kMant - 1)));
+  constexpr uint64_t kFraction = (uint64_t{1} << 52) - 1;
+  const int exponent = static_cast<int>(x >> 52) - 1023;
+  uint64_t bits;  // the result's bits followed by `shift` bits to round away
+  int shift;
+  if (exponent >= 1 - kBias) {
+    // Normal: the rebiased exponent above the fraction, so that a carry out
+    // of the rounded fraction steps the exponent (past the largest: inf).
+    bits = (static_cast<uint64_t>(exponent + kBias) << 52) | (x & kFraction);
+    shift = 52 - kMant;
+  } else {
+    // Subnormal: the significand with its leading 1, in units of the
+    // smallest subnormal, 2^(1 - kBias - kMant), once shifted.
+    bits = (x & kFraction) | (uint64_t{1} << 52);
+    shift = 52 - kMant + (1 - kBias - exponent);
+    if (shift > 53) return sign;  // under half the smallest subnormal: +-0
+  }
+  const uint64_t rest = bits & ((uint64_t{1} << shift) - 1), half = uint64_t{1} << (shift - 1);
+  uint64_t out = bits >> shift;
+  if (rest > half || (rest == half && (out & 1))) ++out;
+  return static_cast<uint16_t>(sign | (out < inf ? out : inf));
+}
+
 }  // namespace detail
 
 /// IEEE binary16. Converts implicitly to and from float (round to nearest even).
@@ -120,6 +157,10 @@ struct Half {
   uint16_t bits = 0;
   Half() = default;
   Half(float f) : bits(detail::FloatToHalfBits(f)) {}  // NOLINT: implicit by design
+  /// From a double in one rounding (through float it would round twice).
+  template <typename D>
+    requires std::is_same_v<D, double>
+  Half(D d) : bits(detail::DoubleTo16Bits<10, 15>(d)) {}  // NOLINT: implicit, as from float
   operator float() const { return detail::HalfBitsToFloat(bits); }
   static Half FromBits(uint16_t b) {
     Half h;
@@ -133,6 +174,10 @@ struct BFloat16 {
   uint16_t bits = 0;
   BFloat16() = default;
   BFloat16(float f) : bits(detail::FloatToBFloat16Bits(f)) {}  // NOLINT: implicit by design
+  /// From a double in one rounding (through float it would round twice).
+  template <typename D>
+    requires std::is_same_v<D, double>
+  BFloat16(D d) : bits(detail::DoubleTo16Bits<7, 127>(d)) {}  // NOLINT: implicit, as from float
   operator float() const { return detail::BFloat16BitsToFloat(bits); }
   static BFloat16 FromBits(uint16_t b) {
     BFloat16 h;

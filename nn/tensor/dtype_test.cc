@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
+#include <string>
 
 namespace ddp::nn {
 namespace {
@@ -41,6 +43,71 @@ TEST(BFloat16Test, RoundsToNearestEven) {
   EXPECT_EQ(BFloat16(1.0f + 1.5f / 256).bits, 0x3f81);
   EXPECT_TRUE(std::isnan(static_cast<float>(BFloat16(std::numeric_limits<float>::quiet_NaN()))));
   EXPECT_EQ(static_cast<float>(BFloat16(-3.5f)), -3.5f);
+}
+
+// A double converts to f16 and bf16 in one rounding. Through f32 it rounded
+// twice: a double a hair above the midpoint of two neighbours became the
+// midpoint in f32, whose tie then went to the even neighbour, below.
+TEST(HalfTest, DoubleRoundsOnceToNearestEven) {
+  EXPECT_EQ(Half(1.0 + 0x1p-11 + 0x1p-30).bits, 0x3c01);      // above the tie: up (through f32: 0x3c00)
+  EXPECT_EQ(Half(1.0 + 3 * 0x1p-11 - 0x1p-30).bits, 0x3c01);  // below the tie: down (through f32: 0x3c02)
+  EXPECT_EQ(Half(1.0 + 0x1p-11).bits, 0x3c00);                // the tie itself: even
+  EXPECT_EQ(Half(65520.0 - 0x1p-20).bits, 0x7bff);            // largest finite (through f32: inf)
+  EXPECT_EQ(Half(65520.0).bits, 0x7c00);                      // tie with 2^16: inf
+  EXPECT_EQ(Half(-1e300).bits, 0xfc00);
+  EXPECT_EQ(Half(std::numeric_limits<double>::infinity()).bits, 0x7c00);
+  EXPECT_EQ(Half(0x1p-25 + 0x1p-70).bits, 0x0001);            // subnormal (through f32: 0)
+  EXPECT_EQ(Half(0x1p-25).bits, 0x0000);                      // half the smallest: even, 0
+  EXPECT_EQ(Half(2.5 * 0x1p-24 + 0x1p-70).bits, 0x0003);      // (through f32: 0x0002)
+  EXPECT_EQ(Half(0x1p-14 - 0x1p-40).bits, 0x0400);            // up into the normals
+  EXPECT_EQ(Half(-1e-300).bits, 0x8000);
+  EXPECT_EQ(Half(-0.0).bits, 0x8000);
+  const Half nan(-std::numeric_limits<double>::quiet_NaN());
+  EXPECT_TRUE(std::isnan(static_cast<float>(nan))) << nan.bits;
+  EXPECT_EQ(nan.bits & 0x8000, 0x8000);
+
+  EXPECT_EQ(BFloat16(1.0 + 0x1p-8 + 0x1p-40).bits, 0x3f81);   // (through f32: 0x3f80)
+  EXPECT_EQ(BFloat16(1.0 + 3 * 0x1p-8 - 0x1p-40).bits, 0x3f81);
+  EXPECT_EQ(BFloat16(0x1p127 * (2 - 0x1p-8) - 0x1p90).bits, 0x7f7f);  // largest finite (through f32: inf)
+  EXPECT_EQ(BFloat16(0x1p127 * (2 - 0x1p-8)).bits, 0x7f80);
+  EXPECT_EQ(BFloat16(0x1p-134 + 0x1p-180).bits, 0x0001);      // subnormal (through f32: 0)
+  EXPECT_EQ(BFloat16(1e-300).bits, 0x0000);
+  EXPECT_EQ(BFloat16(-std::numeric_limits<double>::infinity()).bits, 0xff80);
+  EXPECT_TRUE(std::isnan(static_cast<float>(BFloat16(std::numeric_limits<double>::quiet_NaN()))));
+}
+
+// For every pair of neighbours of either sign, up to the largest finite
+// value and 2^16 (2^128 for bf16): each value itself, the midpoint (to
+// even) and a hair either side of it.
+template <typename T>
+int CountDoubleRoundingErrors(uint16_t inf_bits, double past_largest, std::string* first) {
+  int wrong = 0;
+  for (uint32_t b = 0; b < inf_bits; ++b) {
+    const double lo = static_cast<float>(T::FromBits(static_cast<uint16_t>(b)));
+    const double hi = b + 1 == inf_bits ? past_largest : static_cast<float>(T::FromBits(static_cast<uint16_t>(b + 1)));
+    const double mid = (lo + hi) / 2, hair = (hi - lo) * 0x1p-30;
+    const uint32_t even = b % 2 == 0 ? b : b + 1;
+    const std::pair<double, uint32_t> cases[] = {{lo, b}, {mid - hair, b}, {mid, even}, {mid + hair, b + 1}};
+    for (const auto& [value, expected] : cases) {
+      for (const uint32_t sign : {0u, 0x8000u}) {
+        const uint16_t got = T(sign ? -value : value).bits;
+        if (got == (expected | sign)) continue;
+        if (wrong++ == 0) {
+          char text[128];
+          std::snprintf(text, sizeof text, "%a gave 0x%04x, expected 0x%04x", sign ? -value : value, got,
+                        expected | sign);
+          *first = text;
+        }
+      }
+    }
+  }
+  return wrong;
+}
+
+TEST(HalfTest, EveryMidpointFromDoubleRoundsToNearestEven) {
+  std::string first;
+  EXPECT_EQ(CountDoubleRoundingErrors<Half>(0x7c00, 0x1p16, &first), 0) << "first: " << first;
+  EXPECT_EQ(CountDoubleRoundingErrors<BFloat16>(0x7f80, 0x1p128, &first), 0) << "first: " << first;
 }
 
 TEST(DTypeTest, NamesSizesAndPromotion) {

@@ -115,7 +115,7 @@ void FillWith(const Tensor& t, const char* what, Generator& gen, Draw draw,
   DDP_DISPATCH_FLOATING(t.dtype(), what, {
     scalar_t* p = static_cast<scalar_t*>(c.data_ptr());
     for (int64_t i = 0; i < c.numel(); ++i) {
-      p[i] = static_cast<scalar_t>(static_cast<acc_t<scalar_t>>(draw()));
+      p[i] = static_cast<scalar_t>(draw());  // one rounding from the f64 draw
       if (below) {
         while (static_cast<double>(static_cast<acc_t<scalar_t>>(p[i])) >= *below) p[i] = NextDown(p[i]);
       }

@@ -213,6 +213,20 @@ TEST(TensorTest, DtypeConversionsRoundTrip) {
   EXPECT_EQ(t.To(DType::kInt64).ToVector<int64_t>(), (std::vector<int64_t>{1, -2, 1000}));
 }
 
+// f64 tensors convert to f16 and bf16 in one rounding (To, Fill, sums
+// accumulated in f64): a value a hair above the midpoint of two neighbours
+// rounds up. Through f32 it became the midpoint and went to the even one.
+TEST(TensorTest, F64ToSixteenBitsRoundsOnce) {
+  const double above_tie_h = 1.0 + 0x1p-11 + 0x1p-30, above_tie_b = 1.0 + 0x1p-8 + 0x1p-40;
+  const Tensor h = FromVector({above_tie_h, 65520.0 - 0x1p-20}, {2}, {.dtype = DType::kFloat64}).To(DType::kFloat16);
+  EXPECT_EQ(h.data<Half>()[0].bits, 0x3c01);
+  EXPECT_EQ(h.data<Half>()[1].bits, 0x7bff);  // the largest finite, not inf
+  EXPECT_EQ(Full({1}, above_tie_h, {.dtype = DType::kFloat16}).data<Half>()[0].bits, 0x3c01);
+  const Tensor b = FromVector({above_tie_b}, {1}, {.dtype = DType::kFloat64}).To(DType::kBFloat16);
+  EXPECT_EQ(b.data<BFloat16>()[0].bits, 0x3f81);
+  EXPECT_EQ(Full({1}, above_tie_b, {.dtype = DType::kBFloat16}).data<BFloat16>()[0].bits, 0x3f81);
+}
+
 TEST(TensorTest, FromStorageSharesMemoryAndChecksBounds) {
   Tensor flat = Zeros({10});
   Tensor view = Tensor::FromStorage(flat.storage(), 4, {2, 3}, {3, 1}, DType::kFloat32);
