@@ -1,6 +1,8 @@
 #include "nn/optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <map>
 #include <set>
 #include <sstream>
@@ -71,6 +73,47 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
     if (!p.is_contiguous()) {
       throw std::invalid_argument(who + ": parameter `" + name + "` is not contiguous");
     }
+  }
+  // A tensor listed twice (or two views sharing elements) would get two
+  // states and be updated twice per step, and GradScaler would unscale its
+  // gradient twice. Disjoint views of one buffer (ZeRO's pieces) are fine.
+  // Sorted by storage and first byte, a piece overlaps an earlier one iff it
+  // starts before the furthest end seen so far in its storage.
+  struct Range {
+    const Storage* storage;
+    size_t begin, end;  // bytes, contiguous (checked above)
+    const TensorImpl* impl;
+    size_t index;
+  };
+  std::vector<Range> ranges;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& p = params[i].second;
+    const size_t begin = static_cast<size_t>(p.storage_offset()) * p.element_size();
+    ranges.push_back({p.storage().get(), begin, begin + p.nbytes(), p.impl(), i});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return std::tie(a.storage, a.begin, a.end, a.impl) < std::tie(b.storage, b.begin, b.end, b.impl);
+  });
+  const auto refuse = [&](const Range& x, const Range& y) {
+    const Range& a = x.index < y.index ? x : y;
+    const Range& b = x.index < y.index ? y : x;
+    const auto bytes = [](const Range& r) { return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")"; };
+    throw std::invalid_argument(who + ": parameters `" + params[a.index].first + "` and `" + params[b.index].first +
+                                "` share memory (bytes " + bytes(a) + " and " + bytes(b) +
+                                " of one storage): elements listed twice would be updated twice per step");
+  };
+  for (size_t k = 1, furthest = 0; k < ranges.size(); ++k) {
+    const Range& r = ranges[k];
+    const Range& prev = ranges[k - 1];
+    if (r.storage != prev.storage) {
+      furthest = k;
+      continue;
+    }
+    // An empty tensor shares no element, but listed twice it would still
+    // get two states (the same tensor sorts next to itself).
+    if (prev.impl == r.impl) refuse(prev, r);
+    if (r.begin < r.end && r.begin < ranges[furthest].end) refuse(ranges[furthest], r);
+    if (r.end > ranges[furthest].end) furthest = k;
   }
 }
 

@@ -53,8 +53,9 @@ int ParameterOfStateKey(const std::string& key, const NamedParameters& params,
 
 /// Base of SGD, Adam, AdamW and Adadelta: one parameter group.
 /// Throws std::invalid_argument, its message starting with `who`, for an
-/// empty or repeated name, or an undefined, non-floating or non-contiguous
-/// parameter. Every optimizer checks its list so; wrappers that split a
+/// empty or repeated name, an undefined, non-floating or non-contiguous
+/// parameter, or two parameters that share memory (the same tensor under two
+/// names, or overlapping views; disjoint views of one buffer are allowed). Every optimizer checks its list so; wrappers that split a
 /// list among optimizers check the whole list.
 void CheckParameters(const NamedParameters& params, const std::string& who);
 
@@ -132,9 +133,8 @@ class Optimizer {
     std::vector<std::string> dropped;
   };
 
-  /// Throws std::invalid_argument for an empty or repeated name, an
-  /// undefined, non-contiguous or non-floating parameter, or parameters on
-  /// two devices (naming one of each).
+  /// Throws std::invalid_argument for what CheckParameters refuses, or
+  /// parameters on two devices (naming one of each).
   Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names, SlotRules rules);
   Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names);
   /// `maximize` (PyTorch's option): the gradient is negated as Step reads

@@ -519,6 +519,32 @@ TEST(Optimizer, RejectsBadParametersAndOptions) {
   EXPECT_THROW(Adadelta({{"a", Zeros({2})}}, {.rho = 1.5}), std::invalid_argument);
 }
 
+// A tensor under two names (or two views sharing elements) is refused,
+// naming both: it would get two states and two updates per step. Before,
+// only repeated names were refused, and `b` moved twice as far as `a` alone.
+TEST(Optimizer, RefusesATensorListedTwiceOrOverlappingViews) {
+  const Tensor w = Zeros({4});
+  EXPECT_EQ(ErrorOf([&] { Sgd({{"a", w}, {"x", Zeros({2})}, {"b", w}}, {}); }),
+            "optimizer: parameters `a` and `b` share memory (bytes [0, 16) and [0, 16) of one storage): "
+            "elements listed twice would be updated twice per step");
+  const Tensor flat = Zeros({8});
+  EXPECT_THAT(ErrorOf([&] { Adam({{"hi", flat.Narrow(0, 4, 4)}, {"lo", flat.Narrow(0, 0, 5)}}, {}); }),
+              HasSubstr("parameters `hi` and `lo` share memory (bytes [16, 32) and [0, 20)"));
+  // Overlapping a piece that is not the one just before it in memory (an
+  // empty view lies between them).
+  EXPECT_THAT(ErrorOf([&] { Sgd({{"all", flat}, {"e", flat.Narrow(0, 2, 0)}, {"q", flat.Narrow(0, 6, 2)}}, {}); }),
+              HasSubstr("parameters `all` and `q` share memory (bytes [0, 32) and [24, 32)"));
+  const Tensor none = Zeros({0});
+  EXPECT_THAT(ErrorOf([&] { Sgd({{"e", none}, {"f", none}}, {}); }), HasSubstr("parameters `e` and `f` share memory"));
+  // Disjoint and empty views of one buffer are allowed (ZeRO's pieces).
+  EXPECT_EQ(ErrorOf([&] {
+              Sgd({{"c", flat.Narrow(0, 4, 4)}, {"d", flat.Narrow(0, 0, 4)}, {"z", flat.Narrow(0, 2, 0)}}, {});
+            }),
+            "");
+  EXPECT_THAT(ErrorOf([&] { CheckParameters({{"a", w}, {"b", w}}, "ZeroRedundancyOptimizer"); }),
+              HasSubstr("ZeroRedundancyOptimizer: parameters `a` and `b` share memory"));
+}
+
 // A rate that is not finite would turn every parameter into inf or NaN at
 // the first step: the constructor and set_lr refuse it as they refuse a
 // negative one, and a refused rate changes nothing. Before, inf was taken.
