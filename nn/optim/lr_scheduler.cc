@@ -68,11 +68,20 @@ class SequentialImpl : public Schedule {
 
 std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma) {
   if (step_size < 1) throw std::invalid_argument("StepLR: step_size " + std::to_string(step_size) + " must be >= 1");
+  // A negative gamma gives negative rates every other period, and a NaN or
+  // infinite one rates the optimizer refuses only when they come.
+  if (!(gamma >= 0) || !std::isfinite(gamma)) {
+    throw std::invalid_argument("StepLR: gamma " + std::to_string(gamma) + " must be finite and >= 0");
+  }
   return std::make_shared<StepImpl>(step_size, gamma);
 }
 
 std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min) {
   if (t_max < 1) throw std::invalid_argument("CosineAnnealingLR: t_max " + std::to_string(t_max) + " must be >= 1");
+  // eta_min is the rate reached at t_max: it must be one the optimizer takes.
+  if (!(eta_min >= 0) || !std::isfinite(eta_min)) {
+    throw std::invalid_argument("CosineAnnealingLR: eta_min " + std::to_string(eta_min) + " must be finite and >= 0");
+  }
   return std::make_shared<CosineImpl>(t_max, eta_min);
 }
 
@@ -82,7 +91,9 @@ std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor,
                                 " must be in (0, 1] and end_factor " + std::to_string(end_factor) +
                                 " in [0, 1]");
   }
-  if (total_iters < 1) throw std::invalid_argument("LinearLR: total_iters must be >= 1");
+  if (total_iters < 1) {
+    throw std::invalid_argument("LinearLR: total_iters " + std::to_string(total_iters) + " must be >= 1");
+  }
   return std::make_shared<LinearImpl>(start_factor, end_factor, total_iters);
 }
 
@@ -99,7 +110,9 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
   }
   for (size_t i = 0; i < milestones.size(); ++i) {
     if (milestones[i] < 0 || (i > 0 && milestones[i] < milestones[i - 1])) {
-      throw std::invalid_argument("SequentialLR: milestones must be ascending and >= 0");
+      throw std::invalid_argument("SequentialLR: milestones must be ascending and >= 0, milestone " +
+                                  std::to_string(i) + " is " + std::to_string(milestones[i]) +
+                                  (i > 0 ? " after " + std::to_string(milestones[i - 1]) : std::string()));
     }
   }
   for (const auto& s : schedules) {
@@ -133,8 +146,9 @@ LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule)
 }
 
 void LrScheduler::Step() {
+  // Counted only once the target took the rate: a refused one changes nothing.
+  target_.set(schedule_->Lr(base_lr_, t_ + 1));
   ++t_;
-  target_.set(schedule_->Lr(base_lr_, t_));
 }
 
 NamedTensors LrScheduler::StateDict() const {

@@ -23,10 +23,12 @@ class Schedule {
   virtual double Lr(double base_lr, int64_t t) const = 0;
 };
 
-/// base_lr * gamma^(t / step_size)  (StepLR).
+/// base_lr * gamma^(t / step_size)  (StepLR). Throws std::invalid_argument
+/// unless step_size >= 1 and gamma is finite and >= 0.
 std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma = 0.1);
 /// eta_min + (base_lr - eta_min) * (1 + cos(pi * t / t_max)) / 2
-/// (CosineAnnealingLR).
+/// (CosineAnnealingLR). Throws std::invalid_argument unless t_max >= 1 and
+/// eta_min is finite and >= 0.
 std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min = 0.0);
 /// base_lr * (start + (end - start) * min(t, total_iters) / total_iters)
 /// (LinearLR; a linear warm-up with end_factor 1).
@@ -56,7 +58,8 @@ class LrScheduler {
   /// Throws std::invalid_argument when `target` lacks get or set.
   LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule);
 
-  /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the lr.
+  /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the
+  /// lr. When the target refuses the rate, throws and changes nothing.
   void Step();
   /// Steps taken.
   int64_t step_count() const { return t_; }

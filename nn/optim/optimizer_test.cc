@@ -876,18 +876,55 @@ TEST(LrScheduler, BaseLrMustBeFiniteAndNonNegative) {
   }
 }
 
-// A rate the target refuses (here from a schedule whose gamma is negative)
-// leaves the scheduler as it was.
+// A schedule of its own that gives a rate the optimizer refuses at odd steps
+// (the library's schedules refuse parameters that would).
+class NegativeAtOddSteps : public Schedule {
+ public:
+  double Lr(double base, int64_t t) const override { return t % 2 == 1 ? -base / 2 : base; }
+};
+
+// A rate the target refuses leaves the scheduler as it was, from
+// LoadStateDict and from Step. Before, Step counted the step first, so a
+// refused rate left step_count advanced.
 TEST(LrScheduler, RateTheTargetRefusesChangesNothing) {
   Tensor w = Zeros({1});
   Sgd opt({{"w", w}}, {.lr = 1.0});
-  LrScheduler s(opt, StepSchedule(1, -0.5));
+  LrScheduler s(opt, std::make_shared<NegativeAtOddSteps>());
   const NamedTensors odd_step = {{"scheduler.step", FromVectorOf<int64_t>({1}, {})},
                                  {"scheduler.base_lr", FromVector({2.0}, {}, {.dtype = DType::kFloat64})}};
   EXPECT_THAT(ErrorOf([&] { s.LoadStateDict(odd_step); }), HasSubstr("learning rate -1.000000 must be finite and >= 0"));
   EXPECT_EQ(s.step_count(), 0);
   EXPECT_EQ(s.base_lr(), 1.0);
   EXPECT_EQ(opt.lr(), 1.0);
+  EXPECT_THAT(ErrorOf([&] { s.Step(); }), HasSubstr("learning rate -0.500000 must be finite and >= 0"));
+  EXPECT_EQ(s.step_count(), 0);
+  EXPECT_EQ(opt.lr(), 1.0);
+}
+
+// Schedule parameters that would give rates the optimizer refuses (negative,
+// NaN or infinite) are refused when the schedule is made, naming the
+// parameter and its value. Before, StepLR's gamma and CosineAnnealingLR's
+// eta_min were taken, and the optimizer refused a rate steps later.
+TEST(LrScheduler, ScheduleParametersAreCheckedAtConstruction) {
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(ErrorOf([] { StepSchedule(2, -0.5); }), "StepLR: gamma -0.500000 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([] { CosineSchedule(10, -0.1); }),
+            "CosineAnnealingLR: eta_min -0.100000 must be finite and >= 0");
+  for (double bad : {std::nan(""), inf}) {
+    SCOPED_TRACE(bad);
+    EXPECT_THAT(ErrorOf([&] { StepSchedule(2, bad); }), HasSubstr("StepLR: gamma "));
+    EXPECT_THAT(ErrorOf([&] { CosineSchedule(10, bad); }), HasSubstr("CosineAnnealingLR: eta_min "));
+    EXPECT_THAT(ErrorOf([&] { WarmupCosineSchedule(2, 10, 0.1, bad); }), HasSubstr("CosineAnnealingLR: eta_min "));
+    EXPECT_THAT(ErrorOf([&] { LinearSchedule(bad, 1.0, 5); }), HasSubstr("LinearLR: start_factor "));
+    EXPECT_THAT(ErrorOf([&] { LinearSchedule(0.5, bad, 5); }), HasSubstr("LinearLR: start_factor "));
+  }
+  EXPECT_EQ(ErrorOf([] { LinearSchedule(0.5, 1.0, 0); }), "LinearLR: total_iters 0 must be >= 1");
+  EXPECT_EQ(ErrorOf([] { SequentialSchedule({StepSchedule(1), StepSchedule(1), StepSchedule(1)}, {5, 3}); }),
+            "SequentialLR: milestones must be ascending and >= 0, milestone 1 is 3 after 5");
+  // The edges stay allowed: a rate that drops to 0, and eta_min 0.
+  EXPECT_EQ(ErrorOf([] { StepSchedule(1, 0.0); }), "");
+  EXPECT_EQ(ErrorOf([] { StepSchedule(1, 2.0); }), "");
+  EXPECT_EQ(ErrorOf([] { CosineSchedule(1, 0.0); }), "");
 }
 
 // No schedules: a message of its own. Before, it printed size() - 1
