@@ -65,7 +65,8 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
     throw std::invalid_argument("cross_entropy: target is on " + target_in.device().ToString() +
                                 ", logits on " + logits.device().ToString() + " (expected one device)");
   }
-  if (options.label_smoothing < 0.0 || options.label_smoothing > 1.0) {
+  // Written so that NaN fails it too.
+  if (!(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0)) {
     throw std::invalid_argument("cross_entropy: label_smoothing must be in [0, 1], got " +
                                 std::to_string(options.label_smoothing));
   }

@@ -69,6 +69,18 @@ TEST(CrossEntropyTest, BadInputsAreNamed) {
   EXPECT_NE(err.find("expected logits [N, C]"), std::string::npos) << err;
 }
 
+// label_smoothing outside [0, 1] is refused, NaN included. Before, NaN
+// passed the check (x < 0 || x > 1) and made every loss NaN.
+TEST(CrossEntropyTest, LabelSmoothingOutsideZeroToOneIsRefused) {
+  const Tensor logits = Zeros({2, 3});
+  const Tensor target = FromVectorOf<int64_t>({0, 2}, {2});
+  EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = std::nan("")}); }),
+            "cross_entropy: label_smoothing must be in [0, 1], got nan");
+  EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = 1.5}); }),
+            "cross_entropy: label_smoothing must be in [0, 1], got 1.500000");
+  EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = 1.0}); }), "");
+}
+
 TEST(CrossEntropyTest, SixteenBitLogitsComputeInF32) {
   Tensor logits = FromVector({1, 2, 3, 1, 0, -1}, {2, 3}, {.dtype = DType::kBFloat16, .requires_grad = true});
   Tensor loss = CrossEntropy(logits, FromVectorOf<int64_t>({2, 0}, {2}));

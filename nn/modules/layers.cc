@@ -227,7 +227,8 @@ Tensor AdaptiveAvgPool2d::Forward(const Tensor& x) {
 // ---------------------------------------------------------------- misc
 
 Dropout::Dropout(double p, Generator& gen) : p_(p), gen_(&gen) {
-  if (p < 0.0 || p > 1.0) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + PyFloat(p));
+  // Written so that NaN fails it too.
+  if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + PyFloat(p));
 }
 
 std::string Dropout::ExtraRepr() const { return "p=" + PyFloat(p_) + ", inplace=False"; }

@@ -72,6 +72,14 @@ TEST(ModuleTest, PrintsLikePyTorch) {
             "Conv2d(4, 8, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), groups=2, bias=False)");
 }
 
+// Dropout refuses a probability outside [0, 1] at construction, NaN
+// included. Before, NaN passed the check (p < 0 || p > 1).
+TEST(ModuleTest, DropoutRefusesAProbabilityOutsideZeroToOne) {
+  EXPECT_EQ(ErrorOf([] { Dropout(std::nan("")); }), "Dropout: probability must be in [0, 1], got nan");
+  EXPECT_EQ(ErrorOf([] { Dropout(-0.5); }), "Dropout: probability must be in [0, 1], got -0.5");
+  EXPECT_EQ(ErrorOf([] { Dropout(1.0); }), "");
+}
+
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {
   auto r18 = MakeResNet18();
   EXPECT_EQ(Count(*r18), 11689512);

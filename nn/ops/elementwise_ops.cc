@@ -235,7 +235,8 @@ Tensor Square(const Tensor& x) { return UnaryOpImpl(UnaryOp::kSquare, x); }
 Tensor Abs(const Tensor& x) { return UnaryOpImpl(UnaryOp::kAbs, x); }
 
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
-  if (p < 0.0 || p > 1.0) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + std::to_string(p));
+  // Written so that NaN fails it too.
+  if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + std::to_string(p));
   if (!training || p == 0.0) return x;
   if (p == 1.0) return MulScalar(x, 0.0);
   Tensor mask = Empty(x.shape(), {.dtype = DType::kUInt8, .device = x.device()});

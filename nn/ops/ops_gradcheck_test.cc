@@ -16,6 +16,17 @@ using testing::GradCheck;
 using testing::RandomLeaf;
 using V = std::vector<Tensor>;
 
+// The message of the std::invalid_argument fn throws, or "" when none.
+template <typename Fn>
+std::string ErrorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // A non-contiguous leaf: the transpose of a random [cols, rows] tensor.
 Tensor TransposedLeaf(int64_t rows, int64_t cols, uint64_t seed) {
   Tensor t = RandomLeaf({cols, rows}, seed, false).Transpose(0, 1);
@@ -303,6 +314,16 @@ TEST(GradCheckTest, DropoutUsesItsMask) {
   EXPECT_GT(kept, 110);
   EXPECT_LT(kept, 170);
   EXPECT_TRUE(Dropout(x, 0.3, false).is_same(x));  // eval: identity
+}
+
+// A probability outside [0, 1] is refused, NaN included. Before, NaN passed
+// the check (p < 0 || p > 1) and scaled the kept elements by NaN.
+TEST(GradCheckTest, DropoutRefusesAProbabilityOutsideZeroToOne) {
+  const Tensor x = Ones({8});
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, std::nan(""), true); }), "Dropout: probability must be in [0, 1], got nan");
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, -0.1, true); }), "Dropout: probability must be in [0, 1], got -0.100000");
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.5, false); }), "Dropout: probability must be in [0, 1], got 1.500000");
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.0, true); }), "");
 }
 
 TEST(GradCheckTest, MixedPrecisionCastFlowsGradientBack) {

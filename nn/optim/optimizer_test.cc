@@ -545,6 +545,18 @@ TEST(Optimizer, RefusesATensorListedTwiceOrOverlappingViews) {
               HasSubstr("ZeroRedundancyOptimizer: parameters `a` and `b` share memory"));
 }
 
+// NaN momentum, dampening or weight_decay is refused as a negative one is.
+// Before, NaN passed the check (x < 0) and made every updated parameter NaN.
+TEST(Optimizer, SgdRefusesNanOptions) {
+  const std::string expected = " must be >= 0";
+  for (SgdOptions o : {SgdOptions{.momentum = std::nan("")}, SgdOptions{.dampening = std::nan("")},
+                       SgdOptions{.weight_decay = std::nan("")}, SgdOptions{.weight_decay = -1}}) {
+    EXPECT_THAT(ErrorOf([&] { Sgd({{"a", Zeros({2})}}, o); }), AllOf(HasSubstr("SGD: momentum "), HasSubstr(expected)));
+  }
+  EXPECT_EQ(ErrorOf([] { Sgd({{"a", Zeros({2})}}, {.momentum = std::nan("")}); }),
+            "SGD: momentum nan, dampening 0.000000 and weight_decay 0.000000 must be >= 0");
+}
+
 // A rate that is not finite would turn every parameter into inf or NaN at
 // the first step: the constructor and set_lr refuse it as they refuse a
 // negative one, and a refused rate changes nothing. Before, inf was taken.

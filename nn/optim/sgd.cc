@@ -25,7 +25,8 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
     : Optimizer(std::move(params), options.lr, BufferIf(options.momentum != 0),
                 {.may_be_absent = true, .dropped = BufferIf(options.momentum == 0)}),
       options_(options) {
-  if (options_.momentum < 0 || options_.weight_decay < 0 || options_.dampening < 0) {
+  // Written so that NaN fails it too.
+  if (!(options_.momentum >= 0 && options_.weight_decay >= 0 && options_.dampening >= 0)) {
     throw std::invalid_argument("SGD: momentum " + std::to_string(options_.momentum) +
                                 ", dampening " + std::to_string(options_.dampening) +
                                 " and weight_decay " + std::to_string(options_.weight_decay) +

@@ -26,7 +26,7 @@ struct SgdOptions {
 /// (states saved by earlier versions hold a zero one) and is dropped.
 class Sgd : public Optimizer {
  public:
-  /// Throws std::invalid_argument for negative values or nesterov without
+  /// Throws std::invalid_argument for negative or NaN values, or nesterov without
   /// momentum or with dampening.
   Sgd(NamedParameters params, SgdOptions options);
   const SgdOptions& options() const { return options_; }
