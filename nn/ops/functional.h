@@ -102,7 +102,8 @@ int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, 
 // --- normalization ---
 /// Batch norm over x [N, C, *]. Training: batch statistics, and running_mean
 /// / running_var (if defined) are updated in place with momentum. Eval: the
-/// running statistics. weight and bias may be undefined (no affine).
+/// running statistics. weight and bias may be undefined (no affine); the
+/// running statistics both or neither (one alone throws).
 Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                  const Tensor& bias, bool training, double momentum, double eps);
 

@@ -25,6 +25,14 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
   check(bias, "bias");
   check(running_mean, "running_mean");
   check(running_var, "running_var");
+  // The kernels update the running statistics as a pair (cuDNN takes both or
+  // neither): one alone would silently never be updated.
+  if (running_mean.defined() != running_var.defined()) {
+    const bool mean = running_mean.defined();
+    throw std::invalid_argument(std::string("batch_norm: ") + (mean ? "running_mean " : "running_var ") +
+                                ShapeToString((mean ? running_mean : running_var).shape()) + " is given without " +
+                                (mean ? "running_var" : "running_mean") + ": pass both running statistics or neither");
+  }
   if (!training && (!running_mean.defined() || !running_var.defined())) {
     throw std::invalid_argument("batch_norm: eval mode needs running statistics");
   }

@@ -231,6 +231,23 @@ TEST(GradCheckTest, BatchNormTrainingAndEval) {
                         {x}));
 }
 
+// One running statistic without the other is refused, in training and in
+// eval, and the given one is left as it was. Before, training took it and
+// updated neither.
+TEST(GradCheckTest, BatchNormRefusesOneRunningStatisticWithoutTheOther) {
+  const Tensor x = RandomLeaf({4, 3}, 1, false);
+  const Tensor rm = Zeros({3}, {.dtype = DType::kFloat64}), rv = Ones({3}, {.dtype = DType::kFloat64});
+  for (bool training : {true, false}) {
+    SCOPED_TRACE(training);
+    EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, Tensor(), Tensor(), Tensor(), training, 0.1, 1e-5); }),
+              "batch_norm: running_mean [3] is given without running_var: pass both running statistics or neither");
+    EXPECT_EQ(ErrorOf([&] { BatchNorm(x, Tensor(), rv, Tensor(), Tensor(), training, 0.1, 1e-5); }),
+              "batch_norm: running_var [3] is given without running_mean: pass both running statistics or neither");
+  }
+  EXPECT_EQ(rm.ToVector<double>(), std::vector<double>(3, 0.0));
+  EXPECT_EQ(rv.ToVector<double>(), std::vector<double>(3, 1.0));
+}
+
 // SyncBatchNorm's recipe on two simulated ranks (halves of the batch):
 // local sums, combined; elementwise parts with the global statistics. It
 // must equal BatchNorm on the whole batch, forward and backward.
