@@ -121,7 +121,8 @@ BatchNormSums BatchNormStats(const Tensor& x);
 /// (x - mean) * invstd * weight + bias per channel (weight/bias may be undefined).
 Tensor BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
                             const Tensor& bias);
-/// Per-channel sum(dy) and sum(dy * (x - mean) * invstd).
+/// Per-channel sum(dy) and sum(dy * (x - mean) * invstd). dy must have x's
+/// shape, dtype and device (both backward blocks throw otherwise).
 BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd);
 /// dx = weight * invstd * (dy - mean_dy - (x - mean) * invstd * mean_dy_xhat).
 Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,

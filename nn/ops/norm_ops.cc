@@ -105,6 +105,21 @@ void CheckChannels(const char* op, const Tensor& x, std::initializer_list<const 
     }
   }
 }
+// The kernels read dy as x's dtype and shape: another would read past its end.
+void CheckDy(const char* op, const Tensor& dy, const Tensor& x) {
+  if (dy.shape() != x.shape()) {
+    throw std::invalid_argument(std::string(op) + ": dy " + ShapeToString(dy.shape()) + " vs x " +
+                                ShapeToString(x.shape()) + " (expected the same shape)");
+  }
+  if (dy.dtype() != x.dtype()) {
+    throw std::invalid_argument(std::string(op) + ": dy has dtype " + std::string(DTypeName(dy.dtype())) + ", x " +
+                                std::string(DTypeName(x.dtype())) + " (expected the same dtype)");
+  }
+  if (dy.device() != x.device()) {
+    throw std::invalid_argument(std::string(op) + ": dy is on " + dy.device().ToString() + ", x on " +
+                                x.device().ToString() + " (expected one device)");
+  }
+}
 Tensor Sums(const Tensor& x) { return Empty({x.size(1)}, {.dtype = DType::kFloat64, .device = x.device()}); }
 }  // namespace
 
@@ -125,10 +140,7 @@ Tensor BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& i
 
 BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd) {
   CheckChannels("batch_norm_backward_reduce", x, {&mean, &invstd});
-  if (dy.shape() != x.shape()) {
-    throw std::invalid_argument("batch_norm_backward_reduce: dy " + ShapeToString(dy.shape()) + " vs x " +
-                                ShapeToString(x.shape()));
-  }
+  CheckDy("batch_norm_backward_reduce", dy, x);
   BatchNormSums r{Sums(x), Sums(x)};
   DDP_KERNEL(x.device(), batch_norm_backward_reduce)(dy, x, mean, invstd, r.sum, r.sum_sq);
   return r;
@@ -137,6 +149,7 @@ BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const T
 Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
                                     const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat) {
   CheckChannels("batch_norm_backward_elementwise", x, {&mean, &invstd, &weight, &mean_dy, &mean_dy_xhat});
+  CheckDy("batch_norm_backward_elementwise", dy, x);
   Tensor dx = detail::NewLike(x);
   DDP_KERNEL(x.device(), batch_norm_backward_elementwise)(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, dx);
   return dx;

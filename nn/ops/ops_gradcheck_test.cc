@@ -248,6 +248,24 @@ TEST(GradCheckTest, BatchNormRefusesOneRunningStatisticWithoutTheOther) {
   EXPECT_EQ(rv.ToVector<double>(), std::vector<double>(3, 1.0));
 }
 
+// dy of another dtype or shape than x is refused by both backward blocks,
+// naming both. Before, only the reduce checked the shape: a smaller dy or an
+// f32 dy for f64 x was read past its end.
+TEST(BatchNormPartsTest, BackwardBlocksRefuseADyUnlikeX) {
+  const Tensor x = RandomLeaf({4, 3, 2}, 1, false);
+  const Tensor stat = Ones({3}, {.dtype = DType::kFloat64});
+  const Tensor f32_dy = Ones({4, 3, 2}, {.dtype = DType::kFloat32});
+  const Tensor short_dy = Ones({2, 3, 2}, {.dtype = DType::kFloat64});
+  EXPECT_EQ(ErrorOf([&] { BatchNormBackwardReduce(f32_dy, x, stat, stat); }),
+            "batch_norm_backward_reduce: dy has dtype f32, x f64 (expected the same dtype)");
+  EXPECT_EQ(ErrorOf([&] { BatchNormBackwardElementwise(f32_dy, x, stat, stat, stat, stat, stat); }),
+            "batch_norm_backward_elementwise: dy has dtype f32, x f64 (expected the same dtype)");
+  EXPECT_EQ(ErrorOf([&] { BatchNormBackwardElementwise(short_dy, x, stat, stat, stat, stat, stat); }),
+            "batch_norm_backward_elementwise: dy [2, 3, 2] vs x [4, 3, 2] (expected the same shape)");
+  EXPECT_EQ(ErrorOf([&] { BatchNormBackwardReduce(short_dy, x, stat, stat); }),
+            "batch_norm_backward_reduce: dy [2, 3, 2] vs x [4, 3, 2] (expected the same shape)");
+}
+
 // SyncBatchNorm's recipe on two simulated ranks (halves of the batch):
 // local sums, combined; elementwise parts with the global statistics. It
 // must equal BatchNorm on the whole batch, forward and backward.
