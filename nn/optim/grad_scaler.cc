@@ -13,13 +13,15 @@ namespace ddp::nn::optim {
 namespace {
 
 // True if any element is inf or NaN; with `unscale`, also multiplies in place.
+// Checked in the element's own precision: an f64 gradient above f32's
+// range (3.4e38) is finite, and rounded to float it would read as inf.
 template <typename T>
 bool CheckAndMaybeUnscale(T* g, int64_t n, float inv_scale, bool unscale) {
   bool bad = false;
   for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(static_cast<acc_t<T>>(g[i]));
+    const acc_t<T> v = static_cast<acc_t<T>>(g[i]);
     bad |= !std::isfinite(v);
-    if (unscale) g[i] = static_cast<T>(static_cast<acc_t<T>>(g[i]) * inv_scale);
+    if (unscale) g[i] = static_cast<T>(v * inv_scale);
   }
   return bad;
 }

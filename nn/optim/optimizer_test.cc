@@ -660,6 +660,24 @@ TEST(GradScaler, UnscalesAndChecksANonContiguousGradient) {
   EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{-2, -6, -10, -4, -8, -12}));
 }
 
+// An f64 gradient beyond f32's range (3.4e38) is finite: the step is taken
+// and the scale kept, on the explicit and the fused path. Before, each
+// element was rounded to float before the check and read as inf.
+TEST(GradScaler, AnF64GradientBeyondF32RangeIsFinite) {
+  for (bool explicit_unscale : {true, false}) {
+    SCOPED_TRACE(explicit_unscale);
+    Tensor w = Zeros({2}, {.dtype = DType::kFloat64});
+    Sgd opt({{"w", w}}, {.lr = 1.0});
+    GradScaler scaler({.init_scale = 4});
+    w.set_grad(FromVector({4e300, -8.0}, {2}, {.dtype = DType::kFloat64}));
+    if (explicit_unscale) scaler.Unscale(opt);
+    EXPECT_TRUE(scaler.Step(opt));
+    scaler.Update();
+    EXPECT_EQ(scaler.scale(), 4.0);
+    EXPECT_EQ(w.ToVector<double>(), (std::vector<double>{-1e300, 2.0}));
+  }
+}
+
 TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
   Tensor w = FromVector({1.0, 2.0}, {2});
   Sgd opt({{"w", w}}, {.lr = 0.5});
