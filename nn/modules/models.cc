@@ -1,5 +1,8 @@
 #include "nn/modules/models.h"
 
+#include <algorithm>
+#include <stdexcept>
+
 #include "nn/modules/init.h"
 #include "nn/ops/functional.h"
 
@@ -77,6 +80,13 @@ Tensor Bottleneck::Forward(const Tensor& x) {
 
 ResNet::ResNet(bool bottleneck, const std::vector<int64_t>& blocks, ResNetOptions options, Generator& gen)
     : options_(options) {
+  // The four widths and fc's input are fixed: another number of stages, or an
+  // empty one, builds a model whose fc does not fit its last stage. Checked
+  // before anything is drawn from `gen`.
+  if (blocks.size() != 4 || std::any_of(blocks.begin(), blocks.end(), [](int64_t b) { return b < 1; })) {
+    throw std::invalid_argument("ResNet: blocks " + ShapeToString(blocks) +
+                                " must give 4 stages of at least 1 block each");
+  }
   const int64_t expansion = bottleneck ? Bottleneck::kExpansion : BasicBlock::kExpansion;
   if (options.stem == ResNetStem::kImageNet) {
     RegisterModule("conv1", Conv(options.in_channels, 64, 7, 2, gen));
@@ -88,7 +98,7 @@ ResNet::ResNet(bool bottleneck, const std::vector<int64_t>& blocks, ResNetOption
   if (options.stem == ResNetStem::kImageNet) RegisterModule("maxpool", std::make_shared<MaxPool2d>(3, 2, 1));
   int64_t in_planes = 64;
   const int64_t widths[4] = {64, 128, 256, 512};
-  for (size_t stage = 0; stage < blocks.size() && stage < 4; ++stage) {
+  for (size_t stage = 0; stage < 4; ++stage) {
     auto layer = std::make_shared<Sequential>();
     for (int64_t b = 0; b < blocks[stage]; ++b) {
       const int64_t stride = (stage > 0 && b == 0) ? 2 : 1;

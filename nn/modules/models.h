@@ -54,6 +54,7 @@ struct ResNetOptions {
 class ResNet : public Module {
  public:
   /// blocks: BasicBlock or Bottleneck counts per stage, e.g. {2, 2, 2, 2}.
+  /// Throws std::invalid_argument unless it gives 4 stages of >= 1 block.
   ResNet(bool bottleneck, const std::vector<int64_t>& blocks, ResNetOptions options, Generator& gen);
   Tensor Forward(const Tensor& x) override;
   using Module::Forward;

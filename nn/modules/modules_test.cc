@@ -111,6 +111,23 @@ TEST(ModuleTest, ResNetNamesCountsAndShapes) {
   EXPECT_EQ(r50->Forward(Rand({1, 3, 64, 64})).shape(), (Shape{1, 5}));
 }
 
+// A block list that cannot make a working ResNet (not 4 stages, or an empty
+// stage) is refused at construction, naming it, before anything is drawn
+// from the generator. Before, it was taken, and Forward failed at fc (or
+// extra stages were dropped).
+TEST(ModuleTest, ResNetRefusesABadBlockList) {
+  for (const std::vector<int64_t>& blocks :
+       {std::vector<int64_t>{2, 2, 2}, std::vector<int64_t>{2, 2, 2, 2, 2}, std::vector<int64_t>{2, 0, 2, 2},
+        std::vector<int64_t>{}, std::vector<int64_t>{1, 1, 1, -1}}) {
+    Generator gen(3);
+    EXPECT_EQ(ErrorOf([&] { ResNet(false, blocks, {}, gen); }),
+              "ResNet: blocks " + ShapeToString(blocks) + " must give 4 stages of at least 1 block each");
+    EXPECT_EQ(gen.NextU64(), Generator(3).NextU64());
+  }
+  Generator gen(3);
+  EXPECT_EQ(ErrorOf([&] { ResNet(true, {1, 1, 1, 1}, {.num_classes = 3, .stem = ResNetStem::kCifar}, gen); }), "");
+}
+
 TEST(ModuleTest, BadInputShapesNameTheLayer) {
   auto mlp = MakeMlp();
   std::string err = ErrorOf([&] { mlp->Forward(Zeros({64, 785})); });
