@@ -1,6 +1,7 @@
 // Batch normalization. Shapes: x [N, C, *]; weight, bias, running_mean,
 // running_var [C]. Saved statistics are in the dtype the device's kernels
 // compute them in (KernelTable::batch_norm_saved_dtype; f64 by default).
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -21,6 +22,15 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
                                   " for an input with " + std::to_string(c) + " channels " + ShapeToString(x.shape()));
     }
   };
+  // eps keeps the variance's inverse square root finite; momentum weighs
+  // the running statistics' update (PyTorch leaves both unchecked and
+  // returns NaN or drifting statistics).
+  if (!(eps > 0) || !std::isfinite(eps)) {
+    throw std::invalid_argument("batch_norm: eps must be finite and > 0, got " + std::to_string(eps));
+  }
+  if (!(momentum >= 0 && momentum <= 1)) {
+    throw std::invalid_argument("batch_norm: momentum must be in [0, 1], got " + std::to_string(momentum));
+  }
   check(weight, "weight");
   check(bias, "bias");
   check(running_mean, "running_mean");

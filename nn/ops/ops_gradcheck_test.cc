@@ -248,6 +248,25 @@ TEST(GradCheckTest, BatchNormRefusesOneRunningStatisticWithoutTheOther) {
   EXPECT_EQ(rv.ToVector<double>(), std::vector<double>(3, 1.0));
 }
 
+// eps must keep 1/sqrt(var + eps) finite, and momentum weigh an update:
+// NaN, zero or negative eps and momentum outside [0, 1] are refused, naming
+// the value, before the running statistics change.
+TEST(GradCheckTest, BatchNormRefusesABadEpsOrMomentum) {
+  const Tensor x = RandomLeaf({4, 3}, 1, false);
+  const Tensor rm = Zeros({3}, {.dtype = DType::kFloat64}), rv = Ones({3}, {.dtype = DType::kFloat64});
+  for (double eps : {0.0, -1e-5, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    const std::string error = ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 0.1, eps); });
+    EXPECT_EQ(error.rfind("batch_norm: eps must be finite and > 0, got ", 0), 0u) << eps << ": " << error;
+  }
+  for (double momentum : {-0.1, 1.5, std::nan("")}) {
+    const std::string error = ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, momentum, 1e-5); });
+    EXPECT_EQ(error.rfind("batch_norm: momentum must be in [0, 1], got ", 0), 0u) << momentum << ": " << error;
+  }
+  EXPECT_EQ(rm.ToVector<double>(), std::vector<double>(3, 0.0));
+  EXPECT_EQ(rv.ToVector<double>(), std::vector<double>(3, 1.0));
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 1.0, 1e-5); }), "");
+}
+
 // dy of another dtype or shape than x is refused by both backward blocks,
 // naming both. Before, only the reduce checked the shape: a smaller dy or an
 // f32 dy for f64 x was read past its end.

@@ -94,6 +94,11 @@ double DeviceMaxAbs(const std::vector<Tensor>& grads) {
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
                     bool error_if_nonfinite) {
   if (!(norm_type > 0)) throw std::invalid_argument("ClipGradNorm: norm_type must be > 0");
+  // A NaN max_norm would turn every gradient into NaN; a negative one would
+  // flip their signs.
+  if (!(max_norm >= 0)) {
+    throw std::invalid_argument("ClipGradNorm: max_norm must be >= 0, got " + std::to_string(max_norm));
+  }
   // The gradients as the loops and kernels read them: contiguous. One of
   // other strides (set_grad accepts any, as PyTorch) is read as a
   // contiguous copy, and the clipped values are written back through its

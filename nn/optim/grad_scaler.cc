@@ -94,11 +94,17 @@ bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
-  if (!(options_.init_scale > 0) || !(options_.growth_factor > 1) ||
+  // The scale is kept in f32: an init_scale past its range would start as inf.
+  const bool finite_scale = std::isfinite(static_cast<float>(options_.init_scale));
+  if (!(options_.init_scale > 0) || !finite_scale || !(options_.growth_factor > 1) ||
+      !std::isfinite(options_.growth_factor) ||
       !(options_.backoff_factor > 0 && options_.backoff_factor < 1) || options_.growth_interval < 1) {
     throw std::invalid_argument(
-        "GradScaler: need init_scale > 0, growth_factor > 1, backoff_factor in (0, 1) and "
-        "growth_interval >= 1");
+        "GradScaler: need a finite init_scale > 0 (f32), a finite growth_factor > 1, backoff_factor in "
+        "(0, 1) and growth_interval >= 1; got init_scale " + std::to_string(options_.init_scale) +
+        ", growth_factor " + std::to_string(options_.growth_factor) + ", backoff_factor " +
+        std::to_string(options_.backoff_factor) + ", growth_interval " +
+        std::to_string(options_.growth_interval));
   }
   scale_ = static_cast<float>(options_.init_scale);
 }

@@ -589,6 +589,36 @@ TEST(ClipGradNorm, ClipsOnlyAboveTheLimit) {
   EXPECT_THROW(ClipGradNorm({a, b}, 1.0, 2.0, true), std::runtime_error);
 }
 
+// A NaN max_norm made every gradient NaN, a negative one flipped them.
+TEST(ClipGradNorm, RefusesANanOrNegativeMaxNorm) {
+  Tensor a = Zeros({2});
+  a.set_grad(FromVector({3, 4}, {2}));
+  for (double max_norm : {std::nan(""), -1.0}) {
+    try {
+      ClipGradNorm({a}, max_norm);
+      ADD_FAILURE() << "max_norm " << max_norm << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("ClipGradNorm: max_norm must be >= 0, got ", 0), 0u) << e.what();
+    }
+  }
+  EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{3, 4}));
+}
+
+// The scale lives in f32: an init_scale past its range (or an infinite
+// growth factor) would make every step's scale inf.
+TEST(GradScaler, RefusesAScaleOrGrowthBeyondF32) {
+  for (GradScalerOptions o : {GradScalerOptions{.init_scale = 1e39}, GradScalerOptions{.init_scale = INFINITY},
+                              GradScalerOptions{.growth_factor = INFINITY}}) {
+    try {
+      GradScaler scaler(o);
+      ADD_FAILURE() << "init_scale " << o.init_scale << " growth_factor " << o.growth_factor << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("; got init_scale "), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_NO_THROW(GradScaler(GradScalerOptions{.init_scale = 3e38}));
+}
+
 // torch.max propagates NaN; so does the infinity norm, wherever the NaN sits.
 TEST(ClipGradNorm, InfinityNormIsNanWhenAnyGradientIsNan) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
