@@ -66,7 +66,10 @@ struct TcpStoreServerOptions {
   /// Most connections that have not yet presented a token; when a new one
   /// arrives beyond this, the oldest is dropped.
   size_t max_unauthenticated = 64;
-  /// Most connections in total (a job needs one or two per rank).
+  /// Most connections in total (a job needs one or two per rank). Start
+  /// raises the process's soft RLIMIT_NOFILE (within the hard limit, never
+  /// lowering it) to this plus 1024, so that connections are not refused
+  /// for want of descriptors first.
   size_t max_connections = 16384;
   /// Most bytes of keys and values held.
   size_t max_stored_bytes = size_t{1} << 30;

@@ -10,6 +10,7 @@
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -1100,11 +1101,35 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> buffer_capacity_bytes_{0};  // buffer_capacity_, for stats()
 };
 
+namespace {
+
+// Descriptors the server's process keeps besides its connections (UCX,
+// shared memory, files, the listening sockets).
+constexpr rlim_t kOtherDescriptors = 1024;
+
+// Each connection holds a descriptor, and a job of thousands of ranks (one
+// or two connections each, more with split communicators) needs more than
+// the soft limit many systems start processes with (1024): past it, accept
+// fails and ranks wait out their deadline at the handshake. The soft limit
+// is raised, never lowered, towards what max_connections needs, within the
+// hard limit (as Go's runtime and Python's multiprocessing users do).
+void RaiseDescriptorLimit(size_t max_connections) {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t want = static_cast<rlim_t>(max_connections) + kOtherDescriptors;
+  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= want) return;
+  limit.rlim_cur = limit.rlim_max == RLIM_INFINITY ? want : std::min(want, limit.rlim_max);
+  setrlimit(RLIMIT_NOFILE, &limit);  // best effort: a refusal leaves the old limit
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOptions options) {
   if (options.job_token.size() > wire::kMaxHandshakeBytes - 12) {
     return InvalidArgumentError("job token of " + std::to_string(options.job_token.size()) +
                                 " bytes is too long");
   }
+  RaiseDescriptorLimit(options.max_connections);
   const Deadline start_deadline =
       options.start_deadline.value_or(DeadlineIn(kDefaultServerStartTimeout));
   DDP_ASSIGN_OR_RETURN(std::vector<UniqueFd> listen_fds,

@@ -3,6 +3,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -650,6 +651,41 @@ TEST(TcpStoreTest, ConnectionFloodDoesNotStopTheJobFromForming) {
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r];
   EXPECT_GT(server->stats().evicted, 0u);
   EXPECT_EQ(server->stats().authenticated, static_cast<uint64_t>(kRanks));
+}
+
+// A process started with a low soft descriptor limit (1024 is common; 64
+// here) still serves many ranks: the server raises the soft limit within
+// the hard one. Before, accept failed with EMFILE and clients waited out
+// their deadline at the handshake.
+TEST(TcpStoreTest, ServesMoreConnectionsThanALowSoftDescriptorLimit) {
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  ASSERT_TRUE(before.rlim_max == RLIM_INFINITY || before.rlim_max >= 2048) << before.rlim_max;
+  rlimit low = before;
+  low.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  TcpStoreServerOptions options;
+  options.max_connections = 300;
+  auto server = StartServer(options);
+  rlimit raised{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &raised), 0);
+  EXPECT_GE(raised.rlim_cur, rlim_t{300 + 1024});
+  std::vector<std::unique_ptr<TcpStoreClient>> clients;
+  Status failed;
+  for (int i = 0; i < 100 && failed.ok(); ++i) {
+    auto client = TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, DeadlineIn(5s));
+    if (!client.ok()) {
+      failed = Status(client.status().code(), "client " + std::to_string(i) + ": " + client.status().message());
+      break;
+    }
+    failed = (*client)->Set("k" + std::to_string(i), "v", DeadlineIn(5s));
+    clients.push_back(std::move(*client));
+  }
+  EXPECT_TRUE(failed.ok()) << failed;
+  EXPECT_EQ(clients.size(), 100u);
+  clients.clear();
+  server.reset();
+  setrlimit(RLIMIT_NOFILE, &before);
 }
 
 // Waits until the server holds `n` parked Get/Wait calls; false if it did
