@@ -650,8 +650,18 @@ class Communicator::Impl {
   std::thread abort_poster_;  // posts a failed call's reason; joined in Shutdown()
   bool shut_down_ = false;
 
-  std::mutex p2p_works_mu_;
-  std::vector<std::weak_ptr<Work::State>> p2p_works_;  // posted, maybe pending
+  // A posted SendAsync/RecvAsync, kept so that Shutdown can fail its
+  // handles and SweepDroppedP2p can settle it once its handles are gone.
+  struct PostedP2p {
+    std::weak_ptr<Work::State> work;
+    p2p::RequestId id = 0;
+    bool send = false;
+    Deadline deadline;
+  };
+  // With run_mu_ held.
+  void SweepDroppedP2p();
+  std::mutex p2p_works_mu_;  // after run_mu_ where both are held
+  std::vector<PostedP2p> p2p_works_;  // posted, maybe pending
 };
 
 Status Communicator::Impl::Init() {
@@ -972,8 +982,8 @@ void Communicator::Impl::Shutdown() {
     // Point-to-point calls nobody waited for: their handles must not poll a
     // communicator that is going away.
     std::lock_guard lock(p2p_works_mu_);
-    for (auto& weak : p2p_works_) {
-      if (auto state = weak.lock()) {
+    for (auto& posted : p2p_works_) {
+      if (auto state = posted.work.lock()) {
         state->Finish(FailedPreconditionError("communicator destroyed before the call finished"));
       }
     }
@@ -1673,6 +1683,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
                  "until this call's deadline"));
     }
     if (aborted()) return Communicator::FinishedWork(aborted_reason());
+    SweepDroppedP2p();
     id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
   }
   if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
@@ -1736,10 +1747,30 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   };
   {
     std::lock_guard lock(p2p_works_mu_);
-    std::erase_if(p2p_works_, [](const std::weak_ptr<Work::State>& w) { return w.expired(); });
-    p2p_works_.push_back(weak);
+    p2p_works_.push_back({weak, *id, send, deadline});
   }
   return Communicator::NewWork(std::move(state));
+}
+
+void Communicator::Impl::SweepDroppedP2p() {
+  // Requests whose every Work handle is gone: nobody polls them any more.
+  // A finished one (already released by its poll, or complete now) is let
+  // go, and with it its slot and UCX request. A send still running keeps
+  // running (its buffer is the caller's promise, as for MPI_Request_free)
+  // until it completes or its deadline passes. A receive is cancelled at
+  // once: it would take a message meant for a later receive with the same
+  // tag, into a buffer its caller may have freed.
+  std::lock_guard lock(p2p_works_mu_);
+  const Clock::time_point now = Clock::now();
+  std::erase_if(p2p_works_, [&](const PostedP2p& posted) {
+    if (!posted.work.expired()) return false;
+    if (!posted.send || now >= posted.deadline) {
+      p2p_->Cancel(posted.id);  // a no-op for a released id
+      return true;
+    }
+    const StatusOr<bool> done = p2p_->Test(posted.id);
+    return !done.ok() || *done;  // a failure is nobody's to report
+  });
 }
 
 // --------------------------------------------------------- Communicator ----

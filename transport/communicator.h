@@ -369,6 +369,11 @@ class Communicator {
   /// Asynchronous variants. Collectives run in issue order on the
   /// communicator's thread; SendAsync/RecvAsync post at once and complete as
   /// Work::Wait/Test drive them (they are never queued behind collectives).
+  /// Once every copy of a SendAsync/RecvAsync Work is dropped, the next
+  /// SendAsync/RecvAsync settles it: a receive is cancelled (it takes no
+  /// later message, and writes into no buffer its caller may have freed); a
+  /// send keeps going until it completes or its deadline passes, and is
+  /// then released.
   Work AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                       const CallOptions& call = {});
   Work BroadcastAsync(void* buffer, size_t count, DataType dtype, int root,

@@ -750,6 +750,32 @@ int ScenarioDestroyWithPendingCall() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A receive whose every handle was dropped takes no message: rank 1 posts
+// a receive with tag 7 and drops its Work, then posts another with tag 7
+// and waits on it; rank 0 sends one message with tag 7 once both are
+// posted. The second receive gets it (before, the dropped one stayed posted
+// and took it, and the second waited until its deadline).
+int ScenarioDroppedRecv() {
+  auto comm = MustCreate();
+  std::vector<int64_t> dropped(4, -1), kept(4, -1);
+  if (comm->rank() == 1) {
+    comm->RecvAsync(dropped.data(), dropped.size(), DataType::kI64, 0, 7);
+    Work recv = comm->RecvAsync(kept.data(), kept.size(), DataType::kI64, 0, 7);
+    WORKER_CHECK(comm->Barrier().ok(), "barrier");
+    const Status s = recv.Wait(DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(s.ok(), "the kept receive: " + s.ToString());
+    WORKER_CHECK(kept == std::vector<int64_t>(4, 42), "the kept receive got " + std::to_string(kept[0]));
+    WORKER_CHECK(dropped == std::vector<int64_t>(4, -1), "the dropped receive got " + std::to_string(dropped[0]));
+  } else {
+    WORKER_CHECK(comm->Barrier().ok(), "barrier");
+    const std::vector<int64_t> out(4, 42);
+    const Status s = comm->Send(out.data(), out.size(), DataType::kI64, 1, 7);
+    WORKER_CHECK(s.ok(), "send: " + s.ToString());
+  }
+  WORKER_CHECK(comm->Barrier().ok(), "last barrier");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -766,6 +792,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_poll") return ScenarioBusyPoll();
   if (name == "busy_post") return ScenarioBusyPost();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
+  if (name == "dropped_recv") return ScenarioDroppedRecv();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -951,6 +978,11 @@ TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
   const std::string& out = job.results[1].output;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("DESTROYED in (\\d+) ms"))) << job.Describe();
   EXPECT_LT(std::stoll(m[1]), 15000) << job.Describe();
+}
+
+TEST(Communicator, AReceiveWhoseHandlesWereDroppedTakesNoMessage) {
+  Job job = RunJob(2, "dropped_recv", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForSplitsWithoutIt) {
