@@ -256,6 +256,8 @@ StatusOr<bool> Work::Test() {
 class Communicator::Impl {
  public:
   using Body = std::function<Status(Deadline)>;
+  // body(deadline), with an exception turned into an INTERNAL status.
+  static Status RunGuarded(const Body& body, Deadline deadline);
 
   explicit Impl(const CommunicatorOptions& options) : options_(options) {}
   ~Impl();
@@ -1091,6 +1093,21 @@ Status Communicator::Impl::LocalCause(const Status& reason, Deadline deadline) {
   return Status(seen.code(), seen.message() + "; this rank saw it as: " + reason.message());
 }
 
+Status Communicator::Impl::RunGuarded(const Body& body, Deadline deadline) {
+  // An exception (a scratch allocation that fails) becomes the call's
+  // error and so aborts the communicator: escaping the communicator's
+  // thread it would end the process, and escaping a blocking call it would
+  // leave this rank a collective behind its peers, which wait until their
+  // deadline.
+  try {
+    return body(deadline);
+  } catch (const std::exception& e) {
+    return InternalError(std::string("the call threw ") + e.what());
+  } catch (...) {
+    return InternalError("the call threw an exception");
+  }
+}
+
 Status Communicator::Impl::WaitForQueue(Deadline deadline) {
   std::unique_lock lock(queue_mu_);
   if (!queue_cv_.wait_until(lock, deadline, [&] { return unfinished_ == 0; })) {
@@ -1124,7 +1141,7 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
                  deadline);
   }
   if (aborted()) return aborted_reason();
-  Status status = body(deadline);
+  Status status = RunGuarded(body, deadline);
   if (!status.ok()) return Abort(status, deadline);
   return status;
 }
@@ -1155,7 +1172,7 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
       } else {
         std::lock_guard run(run_mu_);
         const Deadline deadline = DeadlineIn(timeout);
-        status = aborted() ? aborted_reason() : body(deadline);
+        status = aborted() ? aborted_reason() : RunGuarded(body, deadline);
         if (!status.ok()) status = Abort(status, deadline);
       }
       state->Finish(status);

@@ -776,6 +776,29 @@ int ScenarioDroppedRecv() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A call whose scratch allocation fails (an all-reduce-through of 2^40
+// elements off shared memory, whose padded copy cannot be had) returns an
+// error naming the exception on every rank and aborts the communicator;
+// before, the exception escaped the blocking call, leaving the
+// communicator live and a collective behind.
+int ScenarioCallThatThrows() {
+  auto comm = MustCreate();
+  std::vector<float> small(16, 1.0f);
+  Status s;
+  try {
+    s = comm->AllReduceThrough(small.data(), small.data(), size_t{1} << 40, DataType::kF32,
+                               ReduceOp::kSum,
+                               [](const void*, void*, size_t, size_t) { return Status::Ok(); });
+  } catch (const std::exception& e) {
+    WORKER_CHECK(false, std::string("the call threw ") + e.what());
+    return 1;
+  }
+  WORKER_CHECK(s.code() == StatusCode::kInternal && s.message().find("the call threw") != std::string::npos,
+               "a call whose allocation fails: " + s.ToString());
+  WORKER_CHECK(!comm->aborted_reason().ok(), "the communicator was not aborted");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -793,6 +816,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_post") return ScenarioBusyPost();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
+  if (name == "throws") return ScenarioCallThatThrows();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -982,6 +1006,11 @@ TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
 
 TEST(Communicator, AReceiveWhoseHandlesWereDroppedTakesNoMessage) {
   Job job = RunJob(2, "dropped_recv", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, ACallThatThrowsFailsAndAbortsInsteadOfEscaping) {
+  Job job = RunJob(2, "throws", {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", "0"}});
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
