@@ -87,6 +87,20 @@ StatusOr<StagedReduce> ParseStagedReduce(const std::string& text) {
   return InvalidArgumentError("DDP_STAGED_REDUCE=" + text + ": expected device or host");
 }
 
+// What decides the ring order and the hosts the algorithm choice sees, as
+// a setting every rank must share: "discovered" (the exchanged topology,
+// the same on every rank) or "described:" and a digest (FNV-1a) of the
+// description as parsed, so that the same description at another path or
+// spaced otherwise is the same setting.
+std::string TopologySource(const std::optional<topology::Topology>& described) {
+  if (!described) return "discovered";
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : topology::TopologyToJson(*described)) h = (h ^ c) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return std::string("described:") + hex;
+}
+
 bool ValidDataType(DataType d) {
   return static_cast<int>(d) >= 0 && static_cast<int>(d) <= static_cast<int>(DataType::kU8);
 }
@@ -736,12 +750,26 @@ Status Communicator::Impl::Init() {
   DDP_ASSIGN_OR_RETURN(topology::LocalView local,
                        topology::DiscoverLocal({.local_rank = o.local_rank,
                                                 .local_world_size = o.local_world_size}));
+  // A described topology (Split's cut of the parent's, or a file) replaces
+  // the discovered one for the algorithm choice and the ring order. Read
+  // before the exchange, which compares it.
+  std::optional<topology::Topology> described = described_;
+  if (!described && !options_.topology_file.empty()) {
+    DDP_ASSIGN_OR_RETURN(described, topology::LoadTopologyFile(options_.topology_file));
+    if (described->size() != o.world_size) {
+      return InvalidArgumentError("topology file " + options_.topology_file + " describes " +
+                                  std::to_string(described->size()) + " ranks, the job has " +
+                                  std::to_string(o.world_size));
+    }
+  }
   // Settings that must agree across ranks, compared in the exchange: a
   // difference fails creation on every rank, naming the setting, where it
   // would otherwise show as a collective waiting for messages its peers
-  // never send (different chunkings, device reduction on one rank and host
-  // reduction on another). The algorithm is not here: the collectives'
-  // argument check names a different one.
+  // never send: different chunkings, device reduction on one rank and host
+  // reduction on another, a forced algorithm on some ranks only (a rank
+  // running the UCX ring waits for its predecessor's arguments while the
+  // others wait for it in shared memory, and nobody compares), or another
+  // topology (other ring neighbours, other hosts).
   local.settings =
       std::string("staged_reduce=") +
       (options_.staged_reduce == StagedReduce::kHost ? "host" : "device") +
@@ -750,24 +778,16 @@ Status Communicator::Impl::Init() {
       " chunk_bytes=" + std::to_string(o.chunk_bytes) +
       " device_chunk_bytes=" + std::to_string(o.device_chunk_bytes) +
       " DDP_SHM_STAGING_BYTES=" + GetEnv("DDP_SHM_STAGING_BYTES") +
-      " DDP_SHM_CHUNK_BYTES=" + GetEnv("DDP_SHM_CHUNK_BYTES");
+      " DDP_SHM_CHUNK_BYTES=" + GetEnv("DDP_SHM_CHUNK_BYTES") +
+      " algorithm=" + AlgorithmName(options_.algorithm) +
+      " topology=" + TopologySource(described);
   DDP_ASSIGN_OR_RETURN(topology::Exchanged exchanged,
                        topology::ExchangeTopology(*setup_store_, prefix_, o.rank, o.world_size, local,
                                                   deadline));
   const topology::Topology& real = exchanged.topology;
   single_host_ = real.num_hosts() == 1;
-  topology_ = real;
   real_topology_ = real;
-  if (described_) {
-    topology_ = *described_;
-  } else if (!options_.topology_file.empty()) {
-    DDP_ASSIGN_OR_RETURN(topology_, topology::LoadTopologyFile(options_.topology_file));
-    if (topology_.size() != o.world_size) {
-      return InvalidArgumentError("topology file " + options_.topology_file + " describes " +
-                                  std::to_string(topology_.size()) + " ranks, the job has " +
-                                  std::to_string(o.world_size));
-    }
-  }
+  topology_ = described ? *described : real;
   info_.num_hosts = topology_.num_hosts();
   ring_order_ = topology::RingOrder(topology_);
   {
@@ -799,12 +819,24 @@ Status Communicator::Impl::Init() {
   p2p_options.size = o.world_size;
   DDP_ASSIGN_OR_RETURN(p2p_, ucx::UcxPointToPoint::Create(context, p2p_options));
   ApplyIdlePolicy();  // for the connection set-up; again once shm engines exist
-  DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "ucx/" + std::to_string(o.rank), p2p_->address(), deadline));
+  // Whether UCX moves device memory is a setting every rank must share
+  // too: it decides whether a broadcast or all-gather of device buffers
+  // goes to UCX as it is or through the host collectives (shared memory on
+  // one host). Known only now, it leads the worker address.
+  const std::string cuda_memory = info_.ucx_cuda_memory ? "1" : "0";
+  DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "ucx/" + std::to_string(o.rank),
+                                  cuda_memory + p2p_->address(), deadline));
   std::vector<std::string> addresses(o.world_size);
   std::vector<bool> same_host(o.world_size);
   std::vector<int> local_pids(o.world_size, 0);
   for (int r = 0; r < o.world_size; ++r) {
     DDP_ASSIGN_OR_RETURN(addresses[r], setup_store_->Get(prefix_ + "ucx/" + std::to_string(r), deadline));
+    const std::string theirs = addresses[r].substr(0, 1);
+    if (theirs != cuda_memory) {
+      return InvalidArgumentError(topology::DescribeSettingsMismatch(
+          "ucx_cuda_memory=" + cuda_memory, o.rank, "ucx_cuda_memory=" + theirs, r));
+    }
+    addresses[r].erase(0, 1);
     same_host[r] = real.SameHost(r, o.rank);
     if (same_host[r]) local_pids[r] = exchanged.pids[r];
   }

@@ -94,8 +94,10 @@ struct CommunicatorOptions {
   std::chrono::milliseconds store_call_cap{2000};
   /// All-reduce algorithm; kAuto lets the selection table choose per size
   /// and topology. DDP_ALLREDUCE_ALGO overrides kAuto from the environment.
+  /// Equal on every rank.
   Algorithm algorithm = Algorithm::kAuto;
   /// Topology description to use instead of discovery (DDP_TOPOLOGY_FILE).
+  /// The same description on every rank (the path may differ).
   std::string topology_file;
   /// Use the shared-memory path between ranks of one host when possible:
   /// for every all-reduce when all ranks are on one host, for the

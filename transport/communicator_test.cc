@@ -1165,6 +1165,65 @@ TEST(Communicator, SettingThatDiffersBetweenRanksFailsCreationOnEveryRank) {
       << job.Describe();
 }
 
+// Runs the "create" scenario on `n` ranks with `rank_env` and expects every
+// rank to fail creation, well before the 30 s deadline, naming `setting`;
+// returns the job.
+Job ExpectCreationFailsNaming(int n, const std::string& setting,
+                              const std::map<int, testing::ProcessGroup::Env>& rank_env) {
+  const auto start = Clock::now();
+  Job job = RunJob(n, "create", {{"DDP_TEST_TIMEOUT_MS", "30000"}}, milliseconds(60000), nullptr,
+                   rank_env);
+  EXPECT_LT(Clock::now() - start, milliseconds(15000)) << job.Describe();
+  EXPECT_EQ(job.results.size(), static_cast<size_t>(n));
+  for (const auto& result : job.results) {
+    EXPECT_EQ(result.exit_code, 2) << job.Describe();
+    EXPECT_NE(result.output.find("setting " + setting + " differs between ranks"),
+              std::string::npos)
+        << job.Describe();
+  }
+  return job;
+}
+
+// DDP_ALLREDUCE_ALGO on one rank only: rank 0 would run the UCX ring and
+// wait for its predecessor's arguments, while the others wait for rank 0 in
+// shared memory, and nobody would compare anything until the deadline.
+TEST(Communicator, AlgorithmThatDiffersBetweenRanksFailsCreationOnEveryRank) {
+  Job job = ExpectCreationFailsNaming(4, "algorithm", {{0, {{"DDP_ALLREDUCE_ALGO", "ring"}}}});
+  ASSERT_EQ(job.results.size(), 4u);
+  EXPECT_NE(job.results[0].output.find("rank 0 has ring, rank 1 has auto"), std::string::npos)
+      << job.Describe();
+  EXPECT_NE(job.results[2].output.find("rank 2 has auto, rank 0 has ring"), std::string::npos)
+      << job.Describe();
+}
+
+// A topology file decides the ring order and the number of hosts the
+// algorithms see: on some ranks only, or a different one, creation fails
+// on every rank. The same description at another path is the same setting.
+TEST(Communicator, TopologyThatDiffersBetweenRanksFailsCreationOnEveryRank) {
+  const std::string two_hosts = TwoHostTopologyFile();
+  Job job = ExpectCreationFailsNaming(4, "topology", {{1, {{"DDP_TOPOLOGY_FILE", two_hosts}}}});
+  ASSERT_EQ(job.results.size(), 4u);
+  EXPECT_NE(job.results[0].output.find("rank 0 has discovered, rank 1 has described:"),
+            std::string::npos)
+      << job.Describe();
+
+  // Hosts a and b swapped: the same grouping, another ring order (1 3 0 2).
+  const std::string swapped = ::testing::TempDir() + "/two_hosts_swapped.json";
+  std::ofstream(swapped) << R"({"hosts": [{"name": "b"}, {"name": "a"}],
+      "ranks": [{"host": 1}, {"host": 0}, {"host": 1}, {"host": 0}]})";
+  ExpectCreationFailsNaming(4, "topology", {{0, {{"DDP_TOPOLOGY_FILE", two_hosts}}},
+                                            {1, {{"DDP_TOPOLOGY_FILE", two_hosts}}},
+                                            {2, {{"DDP_TOPOLOGY_FILE", two_hosts}}},
+                                            {3, {{"DDP_TOPOLOGY_FILE", swapped}}}});
+
+  const std::string copy = ::testing::TempDir() + "/two_hosts_copy.json";
+  std::ofstream(copy) << R"({"ranks": [{"host": 0}, {"host": 1}, {"host": 0}, {"host": 1}],
+                             "hosts": [{"name": "a"}, {"name": "b"}]})";
+  Job same = RunJob(4, "create", {{"DDP_TEST_TIMEOUT_MS", "30000"}, {"DDP_TOPOLOGY_FILE", two_hosts}},
+                    milliseconds(60000), nullptr, {{3, {{"DDP_TOPOLOGY_FILE", copy}}}});
+  for (const auto& result : same.results) EXPECT_EQ(result.exit_code, 0) << same.Describe();
+}
+
 TEST(Communicator, BadStagedReduceIsNamed) {
   Job job = RunJob(1, "create", {{"DDP_STAGED_REDUCE", "gpu"}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
   ASSERT_EQ(job.results.size(), 1u);

@@ -115,7 +115,8 @@ struct Fingerprint {
 };
 
 /// Fingerprint::kind values: a rank running another collective or another
-/// algorithm is a mismatch too (say, DDP_ALLREDUCE_ALGO set on one rank).
+/// algorithm is a mismatch too (say, CallOptions::algorithm forced on one
+/// rank, or a count on the other side of the selection table's threshold).
 enum FingerprintKind : int32_t {
   kRingAllReduceKind = 1,
   kTreeAllReduceKind = 2,
