@@ -1454,11 +1454,14 @@ Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, Da
   }
   const Algorithm algorithm = ChooseReduce(count * DataTypeSize(dtype), requested);
   algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, root, deadline);
-  if (algorithm == Algorithm::kTree) return algorithms::TreeReduce(*p2p_, args);
-  // The ring in topology order, as the all-reduce's: the root by its place
-  // in it.
+  // Both in topology order, as the all-reduce's, the root by its place in
+  // it (errors name its rank): each checks its ring predecessor's
+  // arguments, so a rank running the other (another CallOptions::algorithm,
+  // or a count past the tree's size) is met only when both take one ring.
   args.root = static_cast<int>(std::find(ring_order_.begin(), ring_order_.end(), root) -
                                ring_order_.begin());
+  args.tuning.checked_root = root;
+  if (algorithm == Algorithm::kTree) return algorithms::TreeReduce(*ring_view_, args);
   return algorithms::RingReduce(*ring_view_, args);
 }
 

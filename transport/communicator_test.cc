@@ -220,11 +220,13 @@ int ScenarioLoop() {
 int ScenarioMismatch() {
   auto comm = MustCreate();
   const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
-  std::vector<float> data(1000, 1.0f);
   // DDP_TEST_EMPTY_RANK: that rank passes 0 instead (default: rank 0 1000).
   const int empty_rank = std::atoi(EnvOr("DDP_TEST_EMPTY_RANK", "-1").c_str());
   size_t count = comm->rank() == 0 ? 1000 : 500;
   if (empty_rank >= 0) count = comm->rank() == empty_rank ? 0 : 500;
+  // DDP_TEST_COUNT: this count instead (set per rank to disagree).
+  if (const std::string c = EnvOr("DDP_TEST_COUNT"); !c.empty()) count = std::strtoull(c.c_str(), nullptr, 10);
+  std::vector<float> data(std::max<size_t>(count, 1000), 1.0f);
   // DDP_TEST_AVG_ODD=1: equal counts, odd ranks average, even ranks sum.
   ReduceOp op = ReduceOp::kSum;
   if (EnvOr("DDP_TEST_AVG_ODD") == "1") {
@@ -1349,11 +1351,12 @@ TEST(Faults, StoppedStoreServerTimesOutOnTime) {
 // Every rank fails, well before the 10 s deadline: the arguments are
 // compared, not waited out.
 void ExpectMismatchFailsEverywhere(int n, Algorithm algorithm, int empty_rank = -1,
-                                   std::map<std::string, std::string> env = {}) {
+                                   std::map<std::string, std::string> env = {},
+                                   const std::map<int, testing::ProcessGroup::Env>& rank_env = {}) {
   env["DDP_TEST_ALGO"] = std::to_string(static_cast<int>(algorithm));
   env["DDP_TEST_TIMEOUT_MS"] = "10000";
   env["DDP_TEST_EMPTY_RANK"] = std::to_string(empty_rank);
-  Job job = RunJob(n, "mismatch", env);
+  Job job = RunJob(n, "mismatch", env, milliseconds(60000), nullptr, rank_env);
   for (const auto& r : job.results) {
     ASSERT_EQ(r.exit_code, 0) << job.Describe();
     const size_t at = r.output.find("ms=");
@@ -1373,6 +1376,29 @@ TEST(Faults, MismatchedCountsUcxRing) { ExpectMismatchFailsEverywhere(3, Algorit
 TEST(Faults, EmptyCallAgainstDataUcxTree) { ExpectMismatchFailsEverywhere(4, Algorithm::kTree, 1); }
 TEST(Faults, EmptyCallAgainstDataSharedMemory) {
   ExpectMismatchFailsEverywhere(2, Algorithm::kSharedMemory, 0);
+}
+
+// Over UCX, one rank runs another all-reduce algorithm than the others
+// (forced per call, or chosen for its count): the tree checks its ring
+// neighbours' arguments besides its tree parent's, so a rank running the
+// ring (which checks its predecessor only) is met whichever its place.
+// With the tree parent alone, ring ranks 2 and 3 of 4 waited out the
+// deadline.
+TEST(Faults, OneRankRunningTheRingAgainstTheTreeFailsEverywhere) {
+  for (int ring_rank = 0; ring_rank < 4; ++ring_rank) {
+    SCOPED_TRACE("rank " + std::to_string(ring_rank) + " runs the ring");
+    ExpectMismatchFailsEverywhere(
+        4, Algorithm::kTree, -1, {{"DDP_SHARED_MEMORY", "0"}, {"DDP_TEST_COUNT", "1000"}},
+        {{ring_rank, {{"DDP_TEST_ALGO", std::to_string(static_cast<int>(Algorithm::kRing))}}}});
+  }
+}
+
+// 8 ranks on one host over UCX take the tree up to 2 MiB and the ring
+// above: rank 2 passes 4 bytes more than that, the others 2 MiB.
+TEST(Faults, CountAcrossTheTreeRingThresholdOnOneRankFailsEverywhere) {
+  ExpectMismatchFailsEverywhere(8, Algorithm::kAuto, -1,
+                                {{"DDP_SHARED_MEMORY", "0"}, {"DDP_TEST_COUNT", "524288"}},
+                                {{2, {{"DDP_TEST_COUNT", "524289"}}}});
 }
 
 // Two described hosts, ranks 0 and 2 on one and 1 and 3 on the other: one

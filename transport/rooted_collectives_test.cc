@@ -9,10 +9,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <string>
@@ -410,13 +412,16 @@ int ScenarioDisagree() {
   const std::string collective = EnvOr("DDP_TEST_COLLECTIVE");
   size_t count = 5000;
   int root = 0;
+  Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
   if (me == 1 && disagree == "count") count = 4000;
   if (me == 1 && disagree == "root") root = 2;
-  std::vector<float> send(n * 5000, 1.0f), recv(n * 5000);
+  // Past the tree's 256 KiB over UCX: the ring reduce for the default choice.
+  if (me == 1 && disagree == "size") count = 70000;
+  if (me == 1 && disagree == "algorithm") algorithm = Algorithm::kRing;
+  std::vector<float> send(std::max(n * 5000, 70000), 1.0f), recv(send.size());
   const auto start = Clock::now();
   Status s;
   if (collective == "reduce") {
-    const Algorithm algorithm = static_cast<Algorithm>(std::atoi(EnvOr("DDP_TEST_ALGO", "0").c_str()));
     s = comm->Reduce(send.data(), recv.data(), count, DataType::kF32, ReduceOp::kSum, root,
                      {.algorithm = algorithm});
   } else if (collective == "gather") {
@@ -593,14 +598,16 @@ TEST(RootedCollectives, OneRanksRefusalOfAnUnrootedCallFailsEveryRank) {
 // done before anyone could tell (a scatter's root whose blocks went out):
 // that one fails its next call.
 void ExpectDisagreementFailsEverywhere(const std::string& collective, const std::string& what,
-                                       bool shared_memory, Algorithm algorithm = Algorithm::kAuto) {
+                                       bool shared_memory, Algorithm algorithm = Algorithm::kAuto,
+                                       int ranks = 3, const std::string& topology_file = "") {
   SCOPED_TRACE(collective + " " + what + (shared_memory ? " shm" : " ucx"));
-  Job job = RunJob(3, "disagree",
+  Job job = RunJob(ranks, "disagree",
                    {{"DDP_TEST_TIMEOUT_MS", "10000"},
                     {"DDP_TEST_DISAGREE", what},
                     {"DDP_TEST_COLLECTIVE", collective},
                     {"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
-                    {"DDP_SHARED_MEMORY", shared_memory ? "1" : "0"}},
+                    {"DDP_SHARED_MEMORY", shared_memory ? "1" : "0"},
+                    {"DDP_TOPOLOGY_FILE", topology_file}},
                    milliseconds(30000));
   int named = 0, call_failed = 0;
   for (const auto& r : job.results) {
@@ -632,6 +639,19 @@ TEST(RootedCollectives, DisagreeingRootFailsEverywhereUcx) {
   ExpectDisagreementFailsEverywhere("reduce", "root", false, Algorithm::kRing);
   ExpectDisagreementFailsEverywhere("gather", "root", false);
   ExpectDisagreementFailsEverywhere("scatter", "root", false);
+}
+
+// Rank 1 runs the ring reduce (forced, or chosen for a count past the
+// tree's 256 KiB), the others the tree, in a ring order other than the
+// ranks' (two described hosts: 0 2 1 3). Both check their ring
+// predecessor's arguments in that order; with the tree's ring taken in rank
+// order instead, nobody met rank 1's and every rank waited out the deadline.
+TEST(RootedCollectives, OneRankRunningTheRingReduceAgainstTheTreeFailsEverywhereUcx) {
+  const std::string path = ::testing::TempDir() + "/two_hosts.json";
+  std::ofstream(path) << R"({"hosts": [{"name": "a"}, {"name": "b"}],
+      "ranks": [{"host": 0}, {"host": 1}, {"host": 0}, {"host": 1}]})";
+  ExpectDisagreementFailsEverywhere("reduce", "algorithm", false, Algorithm::kTree, 4, path);
+  ExpectDisagreementFailsEverywhere("reduce", "size", false, Algorithm::kAuto, 4, path);
 }
 
 // How far past their deadline survivors of a late peer may report (as

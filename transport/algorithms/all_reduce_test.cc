@@ -97,26 +97,39 @@ TEST(AllReduceTest, AutoUsesTheTable) {
   if (old) setenv(kAllReduceAlgoEnv, saved.c_str(), 1);
 }
 
-// A rank that runs another algorithm (the variable set on one host only,
-// say) makes every rank fail, quickly, naming the disagreement.
+// A rank that runs another algorithm than the others (another per-call
+// algorithm, or a count on the other side of the table's threshold) makes
+// every rank fail, quickly, naming the disagreement, whichever rank it is:
+// the tree checks its ring neighbours as well as its tree parent, so it
+// meets a ring rank's check of its predecessor.
 TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
-  const auto deadline = DeadlineIn(10s);
-  auto statuses = ::ddp::transport::testing::RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
-    std::vector<float> data(64, 1.0f);
-    CollectiveArgs args;
-    args.send = data.data();
-    args.recv = data.data();
-    args.count = data.size();
-    args.deadline = deadline;
-    return AllReduce(p2p, args, p2p.rank() == 0 ? Algorithm::kTree : Algorithm::kRing);
-  });
-  EXPECT_LT(Clock::now() + 8s, deadline);
-  int named = 0;
-  for (const Status& s : statuses) {
-    EXPECT_FALSE(s.ok());
-    named += s.message().find("tree all-reduce, count 64") != std::string::npos;
+  const std::pair<Algorithm, Algorithm> pairs[] = {{Algorithm::kTree, Algorithm::kRing},
+                                                   {Algorithm::kRing, Algorithm::kTree}};
+  for (int world : {3, 4, 5, 8}) {
+    for (int odd = 0; odd < world; ++odd) {
+      for (const auto& [its, theirs] : pairs) {
+        SCOPED_TRACE(std::to_string(world) + " ranks, rank " + std::to_string(odd) + " runs " +
+                     AlgorithmName(its) + ", the others " + AlgorithmName(theirs));
+        const auto deadline = DeadlineIn(5s);
+        auto statuses = ::ddp::transport::testing::RunRanks(world, [&](p2p::PointToPoint& p2p) {
+          std::vector<float> data(64, 1.0f);
+          CollectiveArgs args;
+          args.send = data.data();
+          args.recv = data.data();
+          args.count = data.size();
+          args.deadline = deadline;
+          return AllReduce(p2p, args, p2p.rank() == odd ? its : theirs);
+        });
+        EXPECT_LT(Clock::now() + 3s, deadline);
+        int named = 0;
+        for (const Status& s : statuses) {
+          EXPECT_FALSE(s.ok());
+          named += s.message().find("tree all-reduce, count 64") != std::string::npos;
+        }
+        EXPECT_GT(named, 0);
+      }
+    }
   }
-  EXPECT_GT(named, 0);
 }
 
 }  // namespace

@@ -74,6 +74,10 @@ struct Tuning {
   /// hierarchical all-reduce's step between hosts sums for avg (it divides
   /// by the whole world afterwards), and must still tell avg from sum.
   std::optional<ReduceOp> checked_op;
+  /// The root the ranks' argument check compares and names, when it is not
+  /// `root`: the communicator runs the rooted reduce on its ring's order,
+  /// where `root` is the root's place, and errors should name its rank.
+  std::optional<int> checked_root;
 };
 
 /// Arguments of one collective. `count` is in elements of `dtype`; its

@@ -145,7 +145,7 @@ Fingerprint MakeFingerprint(const CollectiveArgs& args, FingerprintKind kind, bo
   f.count = args.count;
   f.dtype = static_cast<int32_t>(args.dtype);
   f.op = uses_op ? static_cast<int32_t>(args.tuning.checked_op.value_or(args.op)) : -1;
-  f.root = uses_root ? args.root : -1;
+  f.root = uses_root ? args.tuning.checked_root.value_or(args.root) : -1;
   f.kind = kind;
   return f;
 }

@@ -99,11 +99,26 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   internal::Requests requests(p2p, args.deadline);
   // Children prove their arguments to their tree-0 parent before any data:
-  // a mismatch stops tree 0 at that parent, so no rank completes.
+  // a mismatch stops tree 0 at that parent, so no rank completes. Each rank
+  // also sends its arguments to its ring successor and checks its ring
+  // predecessor's, the check of the ring, halving-doubling, broadcast and
+  // reduce: ranks that chose different algorithms (another
+  // CallOptions::algorithm, a count on the other side of the selection
+  // table's threshold) meet in it and fail, where they all waited for the
+  // deadline. It costs one more small message each way where the parent is
+  // not the successor: on 4 ranks sharing 2 cores, a forced tree of 4 KiB
+  // took about 10 us more (45 -> 55 us in the quietest runs); no change was
+  // seen at 256 KiB and 4 MiB (the table takes the tree from 64 KiB).
   internal::PeerCheck check("tree all-reduce", fingerprint);
   {
-    std::vector<int> to, from = trees[0].node.children;
-    if (trees[0].node.parent >= 0) to.push_back(trees[0].node.parent);
+    const int next = (r + 1) % p, prev = (r + p - 1) % p;
+    std::vector<int> to = {next}, from = {prev};
+    if (trees[0].node.parent >= 0 && trees[0].node.parent != next) {
+      to.push_back(trees[0].node.parent);
+    }
+    for (int child : trees[0].node.children) {
+      if (child != prev) from.push_back(child);
+    }
     DDP_RETURN_IF_ERROR(check.Post(requests, PhaseTag(args.tag, 0), to, from));
   }
 
