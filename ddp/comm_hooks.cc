@@ -158,37 +158,33 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
                                                       transport::Deadline deadline) {
     const int64_t n = buffer.numel();
     if (comm == nullptr || n == 0) return transport::Status::Ok();
-    // f64 buckets go through f32 first; the wire format is what matters.
-    std::vector<float> wide;
-    const float* values = nullptr;
-    if (dtype == nn::DType::kFloat64) {
-      wide.resize(n);
-      const double* d = static_cast<const double*>(buffer.data_ptr());
-      for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(d[i]);
-      values = wide.data();
-    } else {
-      values = static_cast<const float*>(buffer.data_ptr());
-    }
     std::vector<uint16_t> packed(n);
-    if (wire == Wire::kF16) {
-      internal::FloatToHalf(values, packed.data(), n);
+    if (dtype == nn::DType::kFloat64) {
+      // In one rounding: through f32 a value just past the midpoint of two
+      // 16-bit neighbours can land on it, and then round the wrong way.
+      const double* d = static_cast<const double*>(buffer.data_ptr());
+      for (int64_t i = 0; i < n; ++i) {
+        packed[i] = wire == Wire::kF16 ? nn::Half(d[i]).bits : nn::BFloat16(d[i]).bits;
+      }
+    } else if (wire == Wire::kF16) {
+      internal::FloatToHalf(static_cast<const float*>(buffer.data_ptr()), packed.data(), n);
     } else {
-      internal::FloatToBFloat16(values, packed.data(), n);
+      internal::FloatToBFloat16(static_cast<const float*>(buffer.data_ptr()), packed.data(), n);
     }
     transport::Status s = comm->AllReduce(
         packed.data(), static_cast<size_t>(n),
         wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16,
         transport::ReduceOp::kSum, internal::Within(deadline));
     if (!s.ok()) return s;
-    float* out = dtype == nn::DType::kFloat64 ? wide.data() : static_cast<float*>(buffer.data_ptr());
-    if (wire == Wire::kF16) {
-      internal::HalfToFloat(packed.data(), out, n);
-    } else {
-      internal::BFloat16ToFloat(packed.data(), out, n);
-    }
     if (dtype == nn::DType::kFloat64) {
       double* d = static_cast<double*>(buffer.data_ptr());
-      for (int64_t i = 0; i < n; ++i) d[i] = wide[i];
+      for (int64_t i = 0; i < n; ++i) {
+        d[i] = wire == Wire::kF16 ? float(nn::Half::FromBits(packed[i])) : float(nn::BFloat16::FromBits(packed[i]));
+      }
+    } else if (wire == Wire::kF16) {
+      internal::HalfToFloat(packed.data(), static_cast<float*>(buffer.data_ptr()), n);
+    } else {
+      internal::BFloat16ToFloat(packed.data(), static_cast<float*>(buffer.data_ptr()), n);
     }
     return transport::Status::Ok();
   });

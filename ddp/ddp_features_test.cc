@@ -1467,6 +1467,34 @@ DDP_TEST_WORKER(hooks) {
   return testing::WorkerExit();
 }
 
+// An f64 bucket goes onto the 16-bit wire in one rounding. Each rank's
+// value lies just past the midpoint of two f16 (bf16) neighbours; through
+// f32 the excess was lost, the value sat on the midpoint and rounded down
+// to the even neighbour, so the two ranks' sum came back as 1.0.
+DDP_TEST_WORKER(hook_f64_rounding) {
+  auto pg = testing::WorkerGroup();
+  for (const std::string kind : {"fp16", "bf16"}) {
+    const int mantissa_bits = kind == "fp16" ? 10 : 7;
+    const double step = std::ldexp(1.0, -1 - mantissa_bits);  // between neighbours at 0.5
+    const double value = 0.5 + step / 2 + std::ldexp(1.0, -31);
+    nn::Tensor buffer = nn::Full({4}, value, {.dtype = nn::DType::kFloat64});
+    GradBucket bucket(0, 1, buffer, {}, {});
+    const CommHook hook = kind == "fp16" ? hooks::Fp16CompressHook() : hooks::Bf16CompressHook();
+    hook(*pg, bucket).Wait();
+    const double want = 2 * (0.5 + step);
+    for (double got : buffer.ToVector<double>()) {
+      WORKER_EXPECT(got == want, kind + " hook on an f64 bucket: " + std::to_string(got) + " instead of " +
+                                     std::to_string(want));
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, CompressionHooksRoundAnF64BucketOnce) {
+  auto run = RunWorkers("hook_f64_rounding", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(DdpFeaturesTest, CommunicationHooks) {
   auto run = RunWorkers("hooks", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
