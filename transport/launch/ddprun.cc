@@ -582,21 +582,23 @@ std::optional<FailureNotice> DecodeFailure(const std::string& value) {
 }
 
 // The first failure posted for an attempt wins; later ones are dropped so
-// that every launcher reports the same root cause.
-Status PostFailure(store::Store& store, int attempt, NoticeKind kind, const std::string& reason,
+// that every launcher reports the same root cause. It is one call, a write
+// only where no notice is yet: with a count bumped first and the notice
+// written after, a launcher could see the count without the notice, and one
+// that died in between left the count and never a notice.
+Status PostFailure(store::TcpStoreClient& store, int attempt, NoticeKind kind, const std::string& reason,
                    Deadline deadline) {
-  DDP_ASSIGN_OR_RETURN(int64_t n, store.Add(Key(attempt, "failure_count"), 1, deadline));
-  if (n != 1) return Status::Ok();
-  return store.Set(Key(attempt, "failure"), static_cast<char>(kind) + reason, deadline);
+  return store.CompareSet(Key(attempt, "failure"), std::nullopt, static_cast<char>(kind) + reason, deadline)
+      .status();
 }
 
-Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, NoticeKind kind,
+Status PostFailure(store::TcpStoreClient& store, const DdprunOptions& o, int attempt, NoticeKind kind,
                    const std::string& reason) {
   return PostFailure(store, attempt, kind, reason,
                      DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout)));
 }
 
-Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, bool restartable,
+Status PostFailure(store::TcpStoreClient& store, const DdprunOptions& o, int attempt, bool restartable,
                    const std::string& reason) {
   return PostFailure(store, o, attempt, restartable ? NoticeKind::kRestartable : NoticeKind::kFinal,
                      reason);
@@ -619,7 +621,7 @@ Status PostFailure(store::Store& store, const DdprunOptions& o, int attempt, boo
 // of the signal to its workers (a store that does not answer).
 constexpr auto kStopNoticeTime = 2000ms;
 
-Status PostStop(store::Store& store, const DdprunOptions& o, int attempt, const std::string& reason) {
+Status PostStop(store::TcpStoreClient& store, const DdprunOptions& o, int attempt, const std::string& reason) {
   const Deadline deadline =
       DeadlineIn(std::min<milliseconds>({o.store_call_time, o.node_timeout, kStopNoticeTime}));
   DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "stop"), reason, deadline));
@@ -627,7 +629,7 @@ Status PostStop(store::Store& store, const DdprunOptions& o, int attempt, const 
 }
 
 // The reason of a stop posted for `attempt`, if any.
-std::optional<std::string> PostedStop(store::Store& store, const DdprunOptions& o, int attempt) {
+std::optional<std::string> PostedStop(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
   if (attempt < 0) return std::nullopt;
   auto stop = store.TryGet(Key(attempt, "stop"), DeadlineIn(std::min<milliseconds>(o.store_call_time, o.node_timeout)));
   if (!stop.ok() || !stop->has_value()) return std::nullopt;
@@ -637,7 +639,7 @@ std::optional<std::string> PostedStop(store::Store& store, const DdprunOptions& 
 // For the rendezvous of `attempt`: ABORTED when this launcher was
 // interrupted (InterruptSignal; the caller tells the others) or a stop was
 // posted for this attempt or the one before it.
-Status CheckStop(store::Store& store, const DdprunOptions& o, int attempt) {
+Status CheckStop(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
   if (const int signo = InterruptSignal(); signo != 0) {
     return AbortedError("interrupted by " + SignalName(signo));
   }
@@ -657,7 +659,7 @@ class NodeMonitor {
  public:
   // `admit_waiting` (node 0 of an elastic job with room for more nodes):
   // launchers waiting to join end the attempt with a membership notice.
-  NodeMonitor(store::Store& store, const DdprunOptions& options, int attempt,
+  NodeMonitor(store::TcpStoreClient& store, const DdprunOptions& options, int attempt,
               bool admit_waiting = false)
       : store_(store), options_(options), attempt_(attempt), admit_waiting_(admit_waiting) {
     const Deadline now = Clock::now();
@@ -757,7 +759,7 @@ class NodeMonitor {
     return std::nullopt;
   }
 
-  store::Store& store_;
+  store::TcpStoreClient& store_;
   const DdprunOptions& options_;
   const int attempt_;
   const bool admit_waiting_;
@@ -801,7 +803,7 @@ std::optional<pid_t> GoneLauncherHere(const std::string& holder) {
 }
 
 // A node rank claimed twice in `attempt`: the line every launcher prints.
-std::optional<std::string> DuplicateRank(store::Store& store, const DdprunOptions& o, int attempt) {
+std::optional<std::string> DuplicateRank(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
   auto duplicate = store.TryGet(Key(attempt, "duplicate"), DeadlineIn(o.store_call_time));
   if (!duplicate.ok() || !duplicate->has_value()) return std::nullopt;
   return **duplicate;
@@ -814,7 +816,7 @@ std::optional<std::string> DuplicateRank(store::Store& store, const DdprunOption
 // the refusal, which stops any launcher that already started its workers).
 // A duplicate that comes after everyone looked is refused alone; the job
 // it did not join goes on.
-Status Rendezvous(store::Store& store, const DdprunOptions& o, int attempt) {
+Status Rendezvous(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
   const Deadline deadline = DeadlineIn(o.rdzv_timeout);
   const std::string rank = std::to_string(o.node_rank);
   DDP_ASSIGN_OR_RETURN(int64_t claims,
@@ -932,7 +934,7 @@ milliseconds RoundFormingTime(const DdprunOptions& o) {
 // waited for up to RejoinTime (they may still be stopping their workers)
 // before anyone else takes a place or the last call starts, so that a
 // restart keeps its nodes and their ranks.
-StatusOr<int> FormRound(store::Store& store, const DdprunOptions& o, int max_nodes, int round,
+StatusOr<int> FormRound(store::TcpStoreClient& store, const DdprunOptions& o, int max_nodes, int round,
                         int failures, int returning) {
   const Deadline start = Clock::now();
   const Deadline deadline = start + o.rdzv_timeout;
@@ -1093,7 +1095,7 @@ struct JoinResult {
 // later one. `previous` is this launcher's node rank of round - 1 (-1:
 // none). Waits for each round it tries up to RoundFormingTime from when
 // node 0 opens it (as long as the job runs, for a spare).
-StatusOr<JoinResult> JoinRound(store::Store& store, const DdprunOptions& o, int max_nodes,
+StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions& o, int max_nodes,
                                int round, int previous, const std::string& name) {
   while (true) {
     DDP_ASSIGN_OR_RETURN(int64_t slot, store.Add(Key(round, "joined"), 1, DeadlineIn(o.store_call_time)));

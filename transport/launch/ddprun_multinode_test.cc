@@ -368,6 +368,41 @@ TEST(DdprunMultinodeTest, RelaunchedLauncherTakesItsDeadPredecessorsNodeRank) {
   }
 }
 
+// The failure notice used to be two writes: a count of notices, then the
+// first one's text. A launcher that died between them left the count
+// without the notice, and every later notice of the attempt was dropped as
+// not the first: node 1's failure never reached node 0 (which ran on), and
+// node 1 restarted alone. The test leaves such a count in the store before
+// node 1 starts; the notice is now one write, and both nodes report node
+// 1's failure and restart together, long before rank 0 gives up waiting
+// for rank 1 in the store (30 s).
+TEST(DdprunMultinodeTest, FailureNoticeReachesEveryNodeDespiteAHalfPostedOne) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::vector<std::string> flags = {"--max_restarts=1", "--rdzv_timeout=30"};
+  const std::vector<std::string> worker_flags = {"--store", "--fail_before_restart=1"};
+  auto node0 = StartStaticNode(2, 0, *port, flags, worker_flags);
+  {
+    auto store = store::TcpStoreClient::Connect("127.0.0.1", *port, kToken, DeadlineIn(20s));
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Get("ddprun/a0/node/0", DeadlineIn(20s)).ok());
+    ASSERT_TRUE((*store)->Add("ddprun/a0/failure_count", 1, DeadlineIn(5s)).ok());
+  }
+  const auto start = Clock::now();
+  auto node1 = StartStaticNode(2, 1, *port, flags, worker_flags);
+  const testing::ProgramRun run1 = testing::WaitProgram(*node1, 60s);
+  const testing::ProgramRun run0 = testing::WaitProgram(*node0, 60s);
+  EXPECT_LT(Clock::now() - start, 20s);
+  const std::string all = run0.output + run1.output;
+  EXPECT_EQ(run0.exit_code, 0) << all;
+  EXPECT_EQ(run1.exit_code, 0) << all;
+  const std::string reason =
+      "ddprun: node 1: rank 1 \\(pid [0-9]+\\) exited with code 1; restarting the job \\(restart 1 of 1\\)";
+  EXPECT_THAT(run0.output, ContainsRegex(reason)) << all;
+  EXPECT_THAT(run1.output, ContainsRegex(reason)) << all;
+  EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
+}
+
 TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   // Node 1 starts first and waits for node 0's store (up to 30 s); node 0
   // refuses it and times out 5 s later, missing it.

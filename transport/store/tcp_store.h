@@ -170,6 +170,14 @@ class TcpStoreClient final : public Store {
   /// are waited for in turn, against the one deadline.
   Status Wait(std::span<const std::string> keys, Deadline deadline) override;
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override;
+  /// Sets `key` to `desired` if it holds `expected` (nullopt: if it does not
+  /// exist), in one step of the server that no other call comes between.
+  /// Returns what `key` holds afterwards: `desired` when it was set, else
+  /// the value found (nullopt: none). `expected` and `desired` are at most
+  /// kMaxValueBytes together (one request carries both).
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key,
+                                                  std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline deadline);
 
   /// "host:port" of the server.
   const std::string& endpoint() const { return endpoint_; }

@@ -355,4 +355,32 @@ StatusOr<bool> TcpStoreClient::Delete(std::string_view key, Deadline deadline) {
   return existed != 0;
 }
 
+StatusOr<std::optional<std::string>> TcpStoreClient::CompareSet(std::string_view key,
+                                                                std::optional<std::string_view> expected,
+                                                                std::string_view desired,
+                                                                Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKey(key));
+  const size_t bytes = desired.size() + (expected ? expected->size() : 0);
+  if (bytes > kMaxValueBytes) {
+    return ResourceExhaustedError("store compare_set of key " + Quote(key) + " carries " +
+                                  std::to_string(bytes) + " bytes of values, more than the limit of " +
+                                  std::to_string(kMaxValueBytes));
+  }
+  wire::Writer w;
+  w.String(key);
+  w.U8(expected ? 1 : 0);
+  if (expected) w.String(*expected);
+  w.String(desired);
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kCompareSet), false, w.body(),
+                                         deadline, "compare_set of key " + Quote(key)));
+  wire::Reader r(reply.body);
+  uint8_t found = 0;
+  std::string_view value;
+  if (!r.U8(found) || (found && !r.String(value, kMaxValueBytes)) || !r.at_end()) {
+    return InternalError("malformed compare_set reply from the store at " + endpoint_);
+  }
+  if (!found) return std::optional<std::string>();
+  return std::optional<std::string>(std::string(value));
+}
+
 }  // namespace ddp::transport::store

@@ -671,6 +671,7 @@ class TcpStoreServer::Impl {
       case wire::Op::kAdd: status = DoAdd(c, request_id, r); break;
       case wire::Op::kWait: status = DoWait(c, request_id, r); break;
       case wire::Op::kDelete: status = DoDelete(c, request_id, r); break;
+      case wire::Op::kCompareSet: status = DoCompareSet(c, request_id, r); break;
       default:
         status = InvalidArgumentError("unknown operation " + std::to_string(op));
         break;
@@ -797,6 +798,37 @@ class TcpStoreServer::Impl {
     }
     wire::Writer w = OkReply(request_id);
     w.U8(existed ? 1 : 0);
+    QueueReply(c, w.Frame());
+    return Status::Ok();
+  }
+
+  // One step of the server's single thread, so no other request comes
+  // between the comparison and the write.
+  Status DoCompareSet(Connection& c, uint32_t request_id, wire::Reader& r) {
+    std::string_view key, expected, desired;
+    uint8_t has_expected = 0;
+    DDP_RETURN_IF_ERROR(ReadKey(r, key));
+    if (!r.U8(has_expected)) return InvalidArgumentError("truncated compare_set");
+    if (has_expected > 1) {
+      return InvalidArgumentError("compare_set's has_expected is " + std::to_string(has_expected) +
+                                  ", not 0 or 1");
+    }
+    if (has_expected) {
+      DDP_RETURN_IF_ERROR(ReadBounded(r, expected, kMaxValueBytes, "value", /*allow_empty=*/true));
+    }
+    DDP_RETURN_IF_ERROR(ReadBounded(r, desired, kMaxValueBytes, "value", /*allow_empty=*/true));
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after compare_set");
+    auto it = data_.find(std::string(key));
+    const bool matches = has_expected ? it != data_.end() && it->second == expected : it == data_.end();
+    if (matches) DDP_RETURN_IF_ERROR(Put(key, desired));
+    wire::Writer w = OkReply(request_id);
+    if (matches) {
+      w.U8(1);
+      w.String(desired);
+    } else {
+      w.U8(it != data_.end() ? 1 : 0);
+      if (it != data_.end()) w.String(it->second);
+    }
     QueueReply(c, w.Frame());
     return Status::Ok();
   }

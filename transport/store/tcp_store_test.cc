@@ -379,6 +379,52 @@ TEST(TcpStoreTest, AddToNonIntegerIsRefused) {
   EXPECT_EQ(*client->Add("m", 5, DeadlineIn(5s)), 5);
 }
 
+TEST(TcpStoreTest, CompareSetWritesOnlyOverTheExpectedValue) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  auto waiter = ConnectClient(*server);
+  const Deadline deadline = DeadlineIn(10s);
+  // A Get parked on the key is answered by the compare_set that creates it.
+  StatusOr<std::string> parked = InternalError("not run");
+  std::thread get([&] { parked = waiter->Get("k", deadline); });
+  EXPECT_EQ(*client->CompareSet("k", std::nullopt, "first", deadline), "first");
+  get.join();
+  EXPECT_EQ(*parked, "first");
+  // Not absent any more, nor "other": left as it is, and returned.
+  EXPECT_EQ(*client->CompareSet("k", std::nullopt, "second", deadline), "first");
+  EXPECT_EQ(*client->CompareSet("k", "other", "second", deadline), "first");
+  EXPECT_EQ(*client->CompareSet("k", "first", "second", deadline), "second");
+  EXPECT_EQ(*client->Get("k", deadline), "second");
+  // An expected value where there is none: nothing is set.
+  EXPECT_EQ(*client->CompareSet("absent", "x", "y", deadline), std::nullopt);
+  EXPECT_FALSE(client->TryGet("absent", deadline)->has_value());
+  EXPECT_EQ(*client->CompareSet("empty", std::nullopt, "", deadline), "");
+  EXPECT_EQ(*client->CompareSet("empty", "", "full", deadline), "full");
+  const std::string big(kMaxValueBytes / 2 + 1, 'v');
+  EXPECT_EQ(client->CompareSet("k", big, big, deadline).status().code(), StatusCode::kResourceExhausted);
+}
+
+// Many clients post to one absent key at once: exactly one value is
+// written, and every client is told that one.
+TEST(TcpStoreTest, CompareSetOfAnAbsentKeyHasOneWinner) {
+  auto server = StartServer();
+  constexpr int kClients = 16;
+  std::vector<std::unique_ptr<TcpStoreClient>> clients;
+  for (int i = 0; i < kClients; ++i) clients.push_back(ConnectClient(*server));
+  std::vector<std::optional<std::string>> seen(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      auto posted = clients[i]->CompareSet("failure", std::nullopt, "notice " + std::to_string(i), DeadlineIn(10s));
+      if (posted.ok()) seen[i] = *posted;
+    });
+  }
+  for (auto& t : threads) t.join();
+  auto stored = clients[0]->TryGet("failure", DeadlineIn(5s));
+  ASSERT_TRUE(stored.ok() && stored->has_value());
+  for (int i = 0; i < kClients; ++i) EXPECT_EQ(seen[i], **stored) << "client " << i;
+}
+
 TEST(TcpStoreTest, MalformedRequestsAreRefusedAndTheServerKeepsServing) {
   LogSink log;
   TcpStoreServerOptions options;

@@ -10,6 +10,7 @@ const char* OpName(uint8_t op) {
     case Op::kAdd: return "add";
     case Op::kWait: return "wait";
     case Op::kDelete: return "delete";
+    case Op::kCompareSet: return "compare_set";
   }
   return "unknown";
 }

@@ -16,10 +16,12 @@
 //     kAdd      i64 delta, string key
 //     kWait     u32 timeout_ms, u32 n, n x string key
 //     kDelete   string key
+//     kCompareSet  string key, u8 has_expected, [string expected], string desired
 //   reply:                     u32 request_id u8 status, then
 //     on error: string message; on success per op:
 //     kSet -, kGet string value, kTryGet u8 found [string value],
-//     kAdd i64 new_value, kWait -, kDelete u8 existed
+//     kAdd i64 new_value, kWait -, kDelete u8 existed,
+//     kCompareSet u8 found [string value] (what the key holds afterwards)
 //
 // The request id lets a client drop the late reply of a call that it already
 // gave up on locally, without closing the connection. The server answers
@@ -46,6 +48,7 @@ enum class Op : uint8_t {
   kAdd = 4,
   kWait = 5,
   kDelete = 6,
+  kCompareSet = 7,
 };
 
 /// Most keys one Wait may name.
