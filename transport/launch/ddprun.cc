@@ -1091,19 +1091,47 @@ struct JoinResult {
   int job_exit = 1;          // then: node 0's exit status
 };
 
+const Status& StatusOf(const Status& status) { return status; }
+template <typename T>
+const Status& StatusOf(const StatusOr<T>& result) { return result.status(); }
+
 // Other launchers: takes a seat in round `round` or, when left out, in a
 // later one. `previous` is this launcher's node rank of round - 1 (-1:
 // none). Waits for each round it tries up to RoundFormingTime from when
 // node 0 opens it (as long as the job runs, for a spare).
 StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions& o, int max_nodes,
                                int round, int previous, const std::string& name) {
+  Deadline deadline{};  // of the round tried, set below
+  auto too_late = [&](const std::string& store_said) {
+    return TimedOutError("node 0 did not form the job's " +
+                         (round == 0 ? std::string("first round") : "restart " + std::to_string(round)) +
+                         " within " + std::to_string(RoundFormingTime(o).count()) +
+                         " ms (--rdzv_timeout, the last call and --grace_period + 5 s for the "
+                         "previous round's nodes)" +
+                         (store_said.empty() ? "" : "; the last call to the store got no answer: " + store_said));
+  };
+  // A call that times out (a store slow to answer, or out of reach for a
+  // while) is made again until the deadline, as a running node rides out a
+  // store that misses --rdzv_conf=read_timeout for up to --node_timeout: a
+  // spare waits as long as the job runs, and one late answer must not end
+  // it. Calls that are made again take another slot or beat once more,
+  // which node 0 copes with (a slot without a join entry never counts).
+  auto answered = [&](const auto& call) {
+    while (true) {
+      auto result = call(std::min(deadline, DeadlineIn(o.store_call_time)));
+      if (StatusOf(result).code() != StatusCode::kTimedOut) return result;
+      if (Clock::now() >= deadline) return decltype(result)(too_late(StatusOf(result).message()));
+    }
+  };
   while (true) {
-    DDP_ASSIGN_OR_RETURN(int64_t slot, store.Add(Key(round, "joined"), 1, DeadlineIn(o.store_call_time)));
-    DDP_RETURN_IF_ERROR(store.Set(Key(round, "join/" + std::to_string(slot)), std::to_string(previous),
-                                  DeadlineIn(o.store_call_time)));
     // Node 0 may still be running an earlier round (this launcher is a
     // spare, or came late): the clock starts once it opens this one.
-    Deadline deadline = DeadlineIn(RoundFormingTime(o));
+    deadline = DeadlineIn(RoundFormingTime(o));
+    DDP_ASSIGN_OR_RETURN(int64_t slot,
+                         answered([&](Deadline d) { return store.Add(Key(round, "joined"), 1, d); }));
+    DDP_RETURN_IF_ERROR(answered([&](Deadline d) {
+      return store.Set(Key(round, "join/" + std::to_string(slot)), std::to_string(previous), d);
+    }));
     StatusOr<std::string> record = TimedOutError("");
     while (true) {
       // Beats under the slot once per monitor slice (a quarter of
@@ -1111,24 +1139,19 @@ StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions
       // in the round it forms.
       record = store.Get(Key(round, "members"), std::min(deadline, DeadlineIn(MonitorSlice(o))));
       if (record.ok() || record.status().code() != StatusCode::kTimedOut) break;
-      DDP_RETURN_IF_ERROR(
-          store.Add(Key(round, "alive/" + std::to_string(slot)), 1, DeadlineIn(o.store_call_time)).status());
+      DDP_RETURN_IF_ERROR(answered(
+          [&](Deadline d) { return store.Add(Key(round, "alive/" + std::to_string(slot)), 1, d).status(); }));
       if (Status stop = CheckStop(store, o, round); !stop.ok()) {
         // Node 0 ends the job too, and need not wait for this launcher to
         // read that.
         (void)store.Set(Key(round, "left/" + std::to_string(slot)), "1", DeadlineIn(o.store_call_time));
         return stop;
       }
-      DDP_ASSIGN_OR_RETURN(std::optional<std::string> current, store.TryGet(kRoundKey, DeadlineIn(o.store_call_time)));
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> current,
+                           answered([&](Deadline d) { return store.TryGet(kRoundKey, d); }));
       const std::optional<int64_t> opened = current ? ParseInt(*current) : std::nullopt;
       if (opened && *opened < round) deadline = DeadlineIn(RoundFormingTime(o));
-      if (Clock::now() >= deadline) {
-        return TimedOutError("node 0 did not form the job's " +
-                             (round == 0 ? std::string("first round") : "restart " + std::to_string(round)) +
-                             " within " + std::to_string(RoundFormingTime(o).count()) +
-                             " ms (--rdzv_timeout, the last call and --grace_period + 5 s for the "
-                             "previous round's nodes)");
-      }
+      if (Clock::now() >= deadline) return too_late("");
     }
     if (!record.ok()) return record.status();
     if (record->rfind(kEndRecord, 0) == 0) {
@@ -1152,7 +1175,8 @@ StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions
     }
     // Left out: wait for the next round.
     if (nnodes < max_nodes) {
-      DDP_RETURN_IF_ERROR(store.Add(Key(round, "waiting"), 1, DeadlineIn(o.store_call_time)).status());
+      DDP_RETURN_IF_ERROR(
+          answered([&](Deadline d) { return store.Add(Key(round, "waiting"), 1, d).status(); }));
       Say(name + ": the job runs on " + std::to_string(nnodes) + (nnodes == 1 ? " node" : " nodes") +
           " (--nnodes=" + o.nnodes_spec + "); this launcher joins when node 0 restarts the workers");
     } else {

@@ -557,6 +557,76 @@ TEST(DdprunMultinodeTest, C10dLauncherBeyondNnodesWaitsAsASpare) {
   EXPECT_EQ(spare, 1) << runs[0].output << runs[1].output << runs[2].output;
 }
 
+// A spare rides out a store that does not answer for a while: node 0's
+// launcher, which serves the store, is stopped (SIGSTOP) for 3 s, six times
+// --rdzv_conf=read_timeout, while the spare waits for a restart. The spare
+// used to give up on the first call that timed out (exit 1, "store try_get
+// of key 'ddprun/round' timed out after 500 ms"); it now calls again until
+// its deadline, and leaves with the job's status when the job ends. The
+// nodes that run the job ride it out too (--node_timeout=10).
+TEST(DdprunMultinodeTest, C10dSpareRidesOutAStoreThatIsSlowToAnswer) {
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--rdzv_conf=read_timeout=0.5",
+                                          "--node_timeout=10", "--rdzv_timeout=20"};
+  // Workers that outlast the steps below on a loaded machine.
+  const std::vector<std::string> worker_flags = {"--store", "--sleep_ms=10000"};
+  const int first = job.StartNodeZero(flags, worker_flags);
+  const int second = job.Start(flags, worker_flags);
+  ASSERT_TRUE(job.Reached("ddprun/a0/members"));
+  const int spare = job.Start(flags, worker_flags);
+  // The spare was left out of round 0 and beats in its slot of round 1.
+  ASSERT_TRUE(job.Reached("ddprun/a1/alive/1"));
+  ASSERT_EQ(kill(job.launcher_pid(first), SIGSTOP), 0);
+  std::this_thread::sleep_for(3s);  // the length of the fault, not a wait for anything
+  ASSERT_EQ(kill(job.launcher_pid(first), SIGCONT), 0);
+  const std::vector<testing::ProgramRun> runs = job.WaitAll(60s);
+  std::string all;
+  for (const auto& run : runs) all += run.output;
+  EXPECT_EQ(runs[first].exit_code, 0) << all;
+  EXPECT_EQ(runs[second].exit_code, 0) << all;
+  EXPECT_EQ(runs[spare].exit_code, 0) << all;
+  EXPECT_THAT(runs[spare].output, HasSubstr("ddprun: launcher: the job already runs on 2 nodes (--nnodes=2); "
+                                            "this launcher waits as a spare for a restart"));
+  EXPECT_THAT(runs[spare].output, HasSubstr("ddprun: launcher: the job ended (exit status 0 on node 0) before "
+                                            "this launcher got a place in it"));
+  EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
+}
+
+// A store that stays silent: the spare gives up only at its deadline, 7 s
+// (--rdzv_timeout=2, no last call, --grace_period=0, + 5 s) after it last
+// saw the job running, naming the store and the call it got no answer to.
+TEST(DdprunMultinodeTest, C10dSpareGivesUpOnASilentStoreAtItsDeadline) {
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1",
+                                          "--rdzv_conf=read_timeout=0.5,last_call_timeout=0", "--node_timeout=10",
+                                          "--rdzv_timeout=2", "--grace_period=0"};
+  const std::vector<std::string> worker_flags = {"--store", "--sleep_ms=60000"};
+  const int first = job.StartNodeZero(flags, worker_flags);
+  const int second = job.Start(flags, worker_flags);
+  ASSERT_TRUE(job.Reached("ddprun/a0/members"));
+  const int spare = job.Start(flags, worker_flags);
+  ASSERT_TRUE(job.Reached("ddprun/a1/alive/1"));
+  ASSERT_EQ(kill(job.launcher_pid(first), SIGSTOP), 0);
+  const auto stopped = Clock::now();
+  const testing::ProgramRun spare_run = job.Wait(spare, 60s);
+  const auto waited = Clock::now() - stopped;
+  // Node 0 and its worker go; node 1 then finds the store gone.
+  ASSERT_EQ(kill(job.launcher_pid(first), SIGKILL), 0);
+  const testing::ProgramRun second_run = job.Wait(second, 60s);
+  EXPECT_EQ(job.Wait(first, 10s).exit_code, 128 + SIGKILL);
+  EXPECT_EQ(spare_run.exit_code, 1) << spare_run.output;
+  // The deadline is 7 s after its last look at the running job, about a
+  // monitor slice (1 s) before the stop (the old code gave up within 1.5 s).
+  EXPECT_GE(waited, 4s) << spare_run.output;
+  EXPECT_THAT(spare_run.output,
+              ContainsRegex("ddprun: launcher: node 0 did not form the job's restart 1 within 7000 ms "
+                            "\\(--rdzv_timeout, the last call and --grace_period \\+ 5 s for the previous "
+                            "round's nodes\\); the last call to the store got no answer: store [a-z_]+ (of|to) "
+                            "key '[a-z0-9/]+' timed out after [0-9]+ ms \\(store at 127.0.0.1:" +
+                            std::to_string(job.port()) + "\\)"));
+  EXPECT_EQ(second_run.exit_code, 1) << second_run.output;
+}
+
 TEST(DdprunMultinodeTest, C10dRestartKeepsItsNodesBeforeASpare) {
   // Rank 1 fails at once; at the restart node 0 waits for node 1 to come
   // back before it would give the place to the spare.
