@@ -768,15 +768,57 @@ class NodeMonitor {
   std::map<int, std::pair<std::string, Deadline>> last_seen_;
 };
 
+// "30", "0.5": milliseconds as the seconds a flag takes.
+std::string SecondsText(milliseconds ms) {
+  std::string text = std::to_string(ms.count() / 1000);
+  if (const int64_t rest = ms.count() % 1000; rest != 0) {
+    const std::string digits = std::to_string(1000 + rest);  // 50 ms: "1050", ".05"
+    text += "." + digits.substr(1, digits.find_last_not_of('0'));
+  }
+  return text;
+}
+
 // Every launcher checks that it was started like node 0, since WORLD_SIZE and
-// the restart count follow from these flags.
+// the restart count follow from these flags, and a launcher that gives up on
+// the rendezvous at another time than node 0 leaves the others waiting for
+// it, or gives up on them while node 0 still waits.
 std::string ConfigLine(const DdprunOptions& o) {
   const std::string nnodes = o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec;
   std::string line = "--nnodes=" + nnodes + " --nproc_per_node=" +
                      std::to_string(o.nproc_per_node) + " --max_restarts=" +
                      std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
   if (!o.rdzv_id.empty()) line += " --rdzv_id=" + o.rdzv_id;
+  line += " --rdzv_timeout=" + SecondsText(o.rdzv_timeout);
   return line;
+}
+
+// The flags in which two ConfigLines differ: "--a=1 --b=2 but node 0 with
+// --a=3 no --b" for this launcher's `mine` and node 0's `node0`.
+std::string ConfigDifference(const std::string& mine, const std::string& node0) {
+  std::vector<std::string> names;                // in the order they come
+  std::map<std::string, std::string> values[2];  // name -> value, mine and node 0's
+  for (int i = 0; i < 2; ++i) {
+    const std::string& line = i == 0 ? mine : node0;
+    for (size_t at = 0; at < line.size();) {
+      const size_t end = std::min(line.find(' ', at), line.size());
+      const std::string flag = line.substr(at, end - at);
+      const size_t eq = std::min(flag.find('='), flag.size());
+      const std::string name = flag.substr(0, eq);
+      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+      values[i][name] = flag.substr(std::min(eq + 1, flag.size()));
+      at = end + 1;
+    }
+  }
+  std::string text[2];
+  for (const std::string& name : names) {
+    auto shown = [&](int i) {
+      const auto it = values[i].find(name);
+      return it == values[i].end() ? "no " + name : name + "=" + it->second;
+    };
+    if (shown(0) == shown(1)) continue;
+    for (int i : {0, 1}) text[i] += (text[i].empty() ? "" : " ") + shown(i);
+  }
+  return text[0] + " but node 0 with " + text[1];
 }
 
 std::string Hostname() {
@@ -1291,7 +1333,7 @@ int RunDdprun(const DdprunOptions& options) {
         return 1;
       }
       if (*config != ConfigLine(o)) {
-        Say(node_name() + " was started with " + ConfigLine(o) + " but node 0 with " + *config +
+        Say(node_name() + " was started with " + ConfigDifference(ConfigLine(o), *config) +
             "; every node needs the same flags (gpu, cpu and auto are counted on each node)" +
             serve_note);
         return 2;

@@ -405,15 +405,28 @@ TEST(DdprunMultinodeTest, FailureNoticeReachesEveryNodeDespiteAHalfPostedOne) {
 
 TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   // Node 1 starts first and waits for node 0's store (up to 30 s); node 0
-  // refuses it and times out 5 s later, missing it.
+  // refuses it and times out 5 s later, missing it. The refusal names the
+  // flags that differ, and only those.
   Job job(2, {}, {}, {{0, {"--nproc_per_node=2", "--rdzv_timeout=5"}}, {1, {"--nproc_per_node=3", "--rdzv_timeout=30"}}},
           {}, /*node0_last=*/true);
   const auto runs = job.Wait();
   EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
   EXPECT_THAT(runs[1].output,
-              HasSubstr("node 1 was started with --nnodes=2 --nproc_per_node=3 --max_restarts=0 "
-                        "--rdzv_backend=static but node 0 with --nnodes=2 --nproc_per_node=2 "
-                        "--max_restarts=0 --rdzv_backend=static"));
+              HasSubstr("ddprun: node 1 was started with --nproc_per_node=3 --rdzv_timeout=30 but node 0 with "
+                        "--nproc_per_node=2 --rdzv_timeout=5; every node needs the same flags"));
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+  EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
+}
+
+// --rdzv_timeout differs alone: refused as the other flags are (it was not
+// compared, and the launchers gave up on each other at different times).
+TEST(DdprunMultinodeTest, DifferentRdzvTimeoutIsRefused) {
+  Job job(2, {"--nproc_per_node=1"}, {}, {{0, {"--rdzv_timeout=5"}}, {1, {"--rdzv_timeout=30.25"}}}, {},
+          /*node0_last=*/true);
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
+  EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1 was started with --rdzv_timeout=30.25 but node 0 with "
+                                        "--rdzv_timeout=5; every node needs the same flags"));
   EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
   EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
 }
@@ -848,7 +861,7 @@ TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
   const int refused = runs[0].exit_code == 2 ? 0 : 1;
   EXPECT_EQ(runs[refused].exit_code, 2) << runs[refused].output;
   EXPECT_THAT(runs[refused].output,
-              ContainsRegex("ddprun: launcher was started with .* --rdzv_id=[ab] but node 0 with .* "
+              ContainsRegex("ddprun: launcher was started with --rdzv_id=[ab] but node 0 with "
                             "--rdzv_id=[ab]; every node needs the same flags"));
   EXPECT_EQ(runs[1 - refused].exit_code, 1) << runs[1 - refused].output;
   EXPECT_THAT(runs[1 - refused].output,
