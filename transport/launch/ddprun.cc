@@ -829,6 +829,27 @@ std::string Hostname() {
 
 void Say(const std::string& line) { WriteLauncherLine("ddprun: " + line + "\n"); }
 
+// ---- static rendezvous: who holds a node rank ----
+//
+// The launcher holding node rank R in an attempt ("holder/R": "<host>
+// <pid>", claimed with a compare-and-set, so that of two claims one wins)
+// beats "heartbeat/R" from its claim to the attempt's end: while it waits
+// for the other nodes, and while its workers run (NodeMonitor). Another
+// launcher given R takes it over only from a holder that is gone: at once
+// when it ran on this host and its pid is gone; else (another host, whose
+// pids mean nothing here, or a pid that runs on but is stopped or cut off
+// from the store) once its heartbeat stood still for --node_timeout (node
+// 0's), as node 0 declares a running node dead. A holder that was only
+// silent finds the rank taken at its next beat and leaves before it starts
+// workers; and a launcher takes over only while some node has not
+// registered yet: once all have, the attempt runs (or ran) with the gone
+// holder, node 0 ends it when the heartbeat stays missing, and the
+// newcomer joins the restart instead. Node 0 publishes the attempt it is
+// in (kAttemptKey), so that a launcher relaunched while the job is at
+// restart K meets the others there and not in attempt 0.
+
+constexpr char kAttemptKey[] = "ddprun/attempt";
+
 // `holder` is "<host> <pid>" of the launcher that claimed a node rank: its
 // pid when that launcher ran on this host and is gone.
 std::optional<pid_t> GoneLauncherHere(const std::string& holder) {
@@ -844,6 +865,71 @@ std::optional<pid_t> GoneLauncherHere(const std::string& holder) {
   return pid;
 }
 
+// "the launcher on HOST (pid PID)" for a holder "<host> <pid>".
+std::string HolderName(const std::string& holder) {
+  const size_t space = holder.rfind(' ');
+  if (space == std::string::npos) return "the launcher '" + holder + "'";
+  return "the launcher on " + holder.substr(0, space) + " (pid " + holder.substr(space + 1) + ")";
+}
+
+// How the launcher `holder` that holds --node_rank in `attempt` is gone
+// ("launcher pid P on this host, which is gone"); nullopt when it lives:
+// its heartbeat moved within --node_timeout.
+StatusOr<std::optional<std::string>> GoneHolder(store::TcpStoreClient& store, const DdprunOptions& o, int attempt,
+                                                const std::string& holder) {
+  if (std::optional<pid_t> pid = GoneLauncherHere(holder)) {
+    return std::optional<std::string>("launcher pid " + std::to_string(*pid) + " on this host, which is gone");
+  }
+  // The holder beats by node 0's --node_timeout (or a shorter one of its
+  // own), whatever this launcher was given.
+  DDP_ASSIGN_OR_RETURN(std::optional<std::string> node0_ms,
+                       store.TryGet(kNodeTimeoutKey, DeadlineIn(o.store_call_time)));
+  const std::optional<int64_t> parsed = node0_ms ? ParseInt(*node0_ms) : std::nullopt;
+  const milliseconds silence = parsed && *parsed > 0 ? milliseconds(*parsed) : o.node_timeout;
+  const std::string key = Key(attempt, "heartbeat/" + std::to_string(o.node_rank));
+  DDP_ASSIGN_OR_RETURN(std::optional<std::string> first, store.TryGet(key, DeadlineIn(o.store_call_time)));
+  const Deadline start = Clock::now();
+  // The store cannot wait for a value to change: a look every 50 ms, as
+  // FormRound's, against a beat every monitor slice.
+  while (Clock::now() - start < silence) {
+    if (const int signo = InterruptSignal(); signo != 0) return AbortedError("interrupted by " + SignalName(signo));
+    std::this_thread::sleep_for(50ms);
+    DDP_ASSIGN_OR_RETURN(std::optional<std::string> now, store.TryGet(key, DeadlineIn(o.store_call_time)));
+    if (now != first) return std::optional<std::string>();
+  }
+  return std::optional<std::string>(
+      HolderName(holder) + ", which sent no heartbeat for " +
+      std::to_string(std::chrono::duration_cast<milliseconds>(Clock::now() - start).count()) +
+      " ms (--node_timeout)");
+}
+
+// `attempt` ran (or runs) without this launcher, whose node rank a launcher
+// now gone held in it: waits for it to fail, as it does once node 0 misses
+// that launcher's heartbeat. OK when the job restarts; FAILED_PRECONDITION
+// when it stops instead.
+Status AwaitRestart(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
+  const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+  while (true) {
+    if (const int signo = InterruptSignal(); signo != 0) return AbortedError("interrupted by " + SignalName(signo));
+    StatusOr<std::string> posted =
+        store.Get(Key(attempt, "failure"), std::min(deadline, DeadlineIn(MonitorSlice(o))));
+    if (posted.ok()) {
+      const std::optional<FailureNotice> notice = DecodeFailure(*posted);
+      std::optional<std::string> stop = PostedStop(store, o, attempt);
+      // Static restarts are all failure restarts: `attempt` of them so far.
+      if (!stop && notice && notice->restartable && attempt < o.max_restarts) return Status::Ok();
+      return FailedPreconditionError("the job stops (" + stop.value_or(notice ? notice->reason : *posted) +
+                                     ") without a restart that this launcher could join");
+    }
+    if (posted.status().code() != StatusCode::kTimedOut) return posted.status();
+    if (Clock::now() >= deadline) {
+      return TimedOutError("attempt " + std::to_string(attempt) +
+                           ", which runs without this launcher, did not end within --rdzv_timeout (" +
+                           std::to_string(o.rdzv_timeout.count()) + " ms)");
+    }
+  }
+}
+
 // A node rank claimed twice in `attempt`: the line every launcher prints.
 std::optional<std::string> DuplicateRank(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
   auto duplicate = store.TryGet(Key(attempt, "duplicate"), DeadlineIn(o.store_call_time));
@@ -851,52 +937,96 @@ std::optional<std::string> DuplicateRank(store::TcpStoreClient& store, const Ddp
   return **duplicate;
 }
 
-// Waits for every node to register for `attempt`; names the missing ones.
-// INVALID_ARGUMENT when two launchers were given the same --node_rank:
-// the second to claim it is refused at once and records the fact; every
-// launcher that was waiting refuses the job when the wait ends (and posts
-// the refusal, which stops any launcher that already started its workers).
-// A duplicate that comes after everyone looked is refused alone; the job
-// it did not join goes on.
-Status Rendezvous(store::TcpStoreClient& store, const DdprunOptions& o, int attempt) {
-  const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+// Claims --node_rank in `attempt` (see above) and waits for every node to
+// register; names the missing ones. Moves `attempt` on past attempts that
+// run without this launcher. INVALID_ARGUMENT when two live launchers were
+// given the same --node_rank: the second to claim it is refused at once
+// and records the fact; every launcher that was waiting refuses the job
+// when the wait ends (and posts the refusal, which stops any launcher that
+// already started its workers). A duplicate that comes after everyone
+// looked is refused alone; the job it did not join goes on.
+Status Rendezvous(store::TcpStoreClient& store, const DdprunOptions& o, int& attempt) {
   const std::string rank = std::to_string(o.node_rank);
-  DDP_ASSIGN_OR_RETURN(int64_t claims,
-                       store.Add(Key(attempt, "claims/" + rank), 1, DeadlineIn(o.store_call_time)));
-  const std::string holder_key = Key(attempt, "holder/" + rank);
-  if (claims > 1) {
-    // A launcher relaunched on the host of one that died (a scheduler's
-    // retry) takes its place instead of being taken for a duplicate.
-    auto holder = store.TryGet(holder_key, DeadlineIn(o.store_call_time));
-    if (holder.ok() && holder->has_value()) {
-      if (std::optional<pid_t> gone = GoneLauncherHere(**holder)) {
-        Say("node " + rank + ": takes --node_rank=" + rank + " over from launcher pid " +
-            std::to_string(*gone) + " on this host, which is gone");
-        claims = 1;
-      }
+  const std::string me = Hostname() + " " + std::to_string(getpid());
+  auto call = [&] { return DeadlineIn(o.store_call_time); };
+  auto all_registered = [&]() -> StatusOr<bool> {
+    for (int node = 0; node < o.nnodes; ++node) {
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> present,
+                           store.TryGet(Key(attempt, "node/" + std::to_string(node)), call()));
+      if (!present) return false;
     }
+    return true;
+  };
+  while (true) {
+    const std::string holder_key = Key(attempt, "holder/" + rank);
+    DDP_ASSIGN_OR_RETURN(std::optional<std::string> holder, store.CompareSet(holder_key, std::nullopt, me, call()));
+    if (holder == me) break;
+    std::optional<std::string> gone;
+    if (holder) {
+      DDP_ASSIGN_OR_RETURN(gone, GoneHolder(store, o, attempt, *holder));
+    }
+    if (gone) {
+      // In one step, so that of two launchers relaunched at once one takes
+      // the rank over and the other is a duplicate.
+      DDP_ASSIGN_OR_RETURN(holder, store.CompareSet(holder_key, holder, me, call()));
+    }
+    if (holder != me) {
+      const std::string first = holder ? holder->substr(0, holder->rfind(' ')) : "another host";
+      const std::string line = "--node_rank=" + rank + " was given to two launchers (one on " + first +
+                               ", one on " + Hostname() + "); every node needs its own --node_rank";
+      (void)store.Set(Key(attempt, "duplicate"), line, call());
+      return InvalidArgumentError(line);
+    }
+    // Looked at after the takeover: a holder that saw every node register
+    // before it may have gone on to start its workers.
+    DDP_ASSIGN_OR_RETURN(bool registered, all_registered());
+    if (!registered) {
+      Say("node " + rank + ": takes --node_rank=" + rank + " over from " + *gone);
+      break;
+    }
+    Say("node " + rank + ": --node_rank=" + rank + " was held by " + *gone + ", in " +
+        (attempt == 0 ? std::string("the job's first attempt") : "restart " + std::to_string(attempt)) +
+        ", which every node had joined; this launcher joins the restart that follows");
+    DDP_RETURN_IF_ERROR(AwaitRestart(store, o, attempt));
+    ++attempt;
   }
-  if (claims > 1) {
-    auto first = store.TryGet(Key(attempt, "node/" + rank), DeadlineIn(o.store_call_time));
-    const std::string first_host = first.ok() && first->has_value() ? **first : "another host";
-    const std::string line = "--node_rank=" + rank + " was given to two launchers (one on " + first_host +
-                             ", one on " + Hostname() + "); every node needs its own --node_rank";
-    (void)store.Set(Key(attempt, "duplicate"), line, DeadlineIn(o.store_call_time));
-    return InvalidArgumentError(line);
-  }
-  DDP_RETURN_IF_ERROR(store.Set(holder_key, Hostname() + " " + std::to_string(getpid()),
-                                DeadlineIn(o.store_call_time)));
-  DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + rank), Hostname(), DeadlineIn(o.store_call_time)));
+  const std::string holder_key = Key(attempt, "holder/" + rank);
+  DDP_RETURN_IF_ERROR(store.Set(Key(attempt, "node/" + rank), Hostname(), call()));
+  // Beats while it waits, and leaves once another launcher took the rank
+  // over. A beat whose store call times out is let pass, except the last
+  // one, before the workers start, which must know who holds the rank.
+  int64_t beats = 0;
+  auto beat = [&](bool must_answer) -> Status {
+    StatusOr<std::optional<std::string>> holder = store.TryGet(holder_key, call());
+    if (holder.ok() && *holder != me) {
+      return FailedPreconditionError("--node_rank=" + rank + " was taken over by " +
+                                     HolderName(holder->value_or("?")) +
+                                     " while this launcher sent no heartbeat for --node_timeout (stopped, or cut "
+                                     "off from the store); it leaves the job to that one");
+    }
+    Status status = holder.status();
+    if (status.ok()) {
+      status = store.Set(Key(attempt, "heartbeat/" + rank), "rendezvous " + std::to_string(++beats), call());
+    }
+    if (status.code() != StatusCode::kTimedOut) return status;
+    if (!must_answer) return Status::Ok();
+    return UnavailableError("cannot tell whether this launcher still holds --node_rank=" + rank + ": " +
+                            status.message());
+  };
   std::vector<std::string> keys;
   for (int node = 0; node < o.nnodes; ++node) keys.push_back(Key(attempt, "node/" + std::to_string(node)));
   // In slices, to give up as soon as a stop is posted or this launcher is
   // interrupted (ABORTED; the caller says goodbye).
-  Status joined = CheckStop(store, o, attempt);
-  while (joined.ok()) {
-    joined = store.Wait(keys, std::min(deadline, DeadlineIn(MonitorSlice(o))));
+  const Deadline deadline = DeadlineIn(o.rdzv_timeout);
+  Status joined;
+  while (true) {
+    joined = beat(/*must_answer=*/false);
+    if (joined.ok()) joined = CheckStop(store, o, attempt);
+    if (joined.ok()) joined = store.Wait(keys, std::min(deadline, DeadlineIn(MonitorSlice(o))));
     if (joined.code() != StatusCode::kTimedOut || Clock::now() >= deadline) break;
-    joined = CheckStop(store, o, attempt);
   }
+  // The last look at who holds the rank, before the workers start.
+  if (joined.ok()) joined = beat(/*must_answer=*/true);
   if (joined.code() == StatusCode::kAborted) return joined;
   if (joined.ok() || joined.code() == StatusCode::kTimedOut) {
     if (std::optional<std::string> duplicate = DuplicateRank(store, o, attempt)) {
@@ -1305,6 +1435,7 @@ int RunDdprun(const DdprunOptions& options) {
   const std::string serve_note =
       not_served.empty() ? "" : " (this launcher could not serve the store itself: " + not_served + ")";
   std::unique_ptr<store::TcpStoreClient> client;
+  int first_attempt = 0;  // static: the attempt node 0 is in, for a launcher started late
   if (multi_node) {
     const Deadline deadline = DeadlineIn(o.rdzv_timeout);
     auto connected = store::TcpStoreClient::Connect(o.master_addr, port, token, deadline);
@@ -1348,6 +1479,20 @@ int RunDdprun(const DdprunOptions& options) {
         Say(node_name() + ": beating by node 0's --node_timeout of " + std::to_string(*node0_ms) +
             " ms instead of this launcher's " + std::to_string(o.node_timeout.count()) + " ms");
         o.node_timeout = milliseconds(*node0_ms);
+      }
+      if (!o.assign_node_rank) {
+        // Relaunched while the job is at restart K: the others wait there.
+        StatusOr<std::optional<std::string>> at = client->TryGet(kAttemptKey, DeadlineIn(o.store_call_time));
+        if (!at.ok()) {
+          Say(node_name() + ": " + at.status().message());
+          return 1;
+        }
+        const std::optional<int64_t> k = at->has_value() ? ParseInt(**at) : std::nullopt;
+        if (k && *k > 0) {
+          first_attempt = static_cast<int>(*k);
+          Say(node_name() + ": the job is at restart " + std::to_string(first_attempt) +
+              "; this launcher joins it there");
+        }
       }
     }
   }
@@ -1414,7 +1559,7 @@ int RunDdprun(const DdprunOptions& options) {
   bool started = false;    // this launcher has started workers before
   int torch_port = 0;  // the workers' MASTER_PORT, for PyTorch's own rendezvous
   std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
-  for (int attempt = 0;; ++attempt) {
+  for (int attempt = first_attempt;; ++attempt) {
     // Node 0 picks it before it lets the others in, so that whoever gets
     // into the attempt finds it.
     if (!multi_node || o.node_rank == 0) {
@@ -1431,6 +1576,9 @@ int RunDdprun(const DdprunOptions& options) {
       }
       if (s.ok() && multi_node) {
         s = client->Set(Key(attempt, "run_id"), run_id, DeadlineIn(o.store_call_time));
+      }
+      if (s.ok() && multi_node && !o.assign_node_rank) {
+        s = client->Set(kAttemptKey, std::to_string(attempt), DeadlineIn(o.store_call_time));
       }
       if (!s.ok()) {
         Say(node_name() + ": " + s.message());
@@ -1511,6 +1659,7 @@ int RunDdprun(const DdprunOptions& options) {
       }
     } else if (multi_node) {
       Status joined = Rendezvous(*client, o, attempt);
+      failures = attempt;  // static restarts are all failure restarts
       if (joined.code() == StatusCode::kAborted) {
         int code = 1;
         if (InterruptSignal() != 0) {

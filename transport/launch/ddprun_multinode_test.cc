@@ -368,6 +368,130 @@ TEST(DdprunMultinodeTest, RelaunchedLauncherTakesItsDeadPredecessorsNodeRank) {
   }
 }
 
+// A launcher whose pid tells this host nothing (one on another host; here,
+// one stopped by SIGSTOP, whose pid still runs) holds node 1 and goes
+// silent while the others wait for node 2. A launcher relaunched with
+// --node_rank=1 was refused as a duplicate (and every node then refused the
+// job); it now takes the rank over once the holder's heartbeat stood still
+// for --node_timeout (3 s). The holder, resumed, finds the rank taken and
+// leaves without starting a worker.
+TEST(DdprunMultinodeTest, RelaunchedLauncherTakesOverFromAHolderSilentForNodeTimeout) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  auto launch = [&](int node_rank) {
+    return StartStaticNode(3, node_rank, *port, {"--rdzv_timeout=60", "--node_timeout=3"}, {"--store"});
+  };
+  auto node0 = launch(0);
+  auto first = launch(1);
+  const pid_t first_pid = first->pids()[0];
+  ASSERT_TRUE(StoreReaches(*port, "ddprun/a0/heartbeat/1"));  // it holds node 1 and beats
+  ASSERT_EQ(kill(first_pid, SIGSTOP), 0);
+  auto relaunched = launch(1);
+  const pid_t relaunched_pid = relaunched->pids()[0];
+  ASSERT_TRUE(StoreReaches(*port, "ddprun/a0/holder/1", Hostname() + " " + std::to_string(relaunched_pid)));
+  ASSERT_EQ(kill(first_pid, SIGCONT), 0);
+  const testing::ProgramRun first_run = testing::WaitProgram(*first, 30s);
+  EXPECT_EQ(first_run.exit_code, 1) << first_run.output;
+  EXPECT_THAT(first_run.output, HasSubstr("ddprun: node 1: --node_rank=1 was taken over by the launcher on " +
+                                          Hostname() + " (pid " + std::to_string(relaunched_pid) +
+                                          ") while this launcher sent no heartbeat for --node_timeout"));
+  EXPECT_THAT(first_run.output, Not(HasSubstr("met 3 ranks")));
+  auto node2 = launch(2);
+  const testing::ProgramRun relaunched_run = testing::WaitProgram(*relaunched, 30s);
+  EXPECT_EQ(relaunched_run.exit_code, 0) << relaunched_run.output;
+  EXPECT_THAT(relaunched_run.output,
+              ContainsRegex("ddprun: node 1: takes --node_rank=1 over from the launcher on " + Hostname() +
+                            " \\(pid " + std::to_string(first_pid) +
+                            "\\), which sent no heartbeat for [0-9]+ ms \\(--node_timeout\\)"));
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1 met 3 ranks"));
+  for (auto* launcher : {node0.get(), node2.get()}) {
+    const testing::ProgramRun run = testing::WaitProgram(*launcher, 30s);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("met 3 ranks")) << run.output;
+  }
+}
+
+// Two nodes, one restart, dead after 3 s of silence; workers that run 30 s
+// at attempt 0 only, writing their pids into `dir`.
+std::unique_ptr<WorkerGroup> StartRestartableNode(int node_rank, int port, const std::string& dir,
+                                                  std::vector<std::string> extra_worker_flags = {}) {
+  std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
+                                           "--sleep_before_restart=1", "--pid_dir=" + dir};
+  worker_flags.insert(worker_flags.end(), extra_worker_flags.begin(), extra_worker_flags.end());
+  return StartStaticNode(2, node_rank, port, {"--max_restarts=1", "--node_timeout=3", "--rdzv_timeout=30"},
+                         worker_flags);
+}
+
+// Node 1's launcher goes silent while the workers run (SIGSTOP: to the
+// others, what a launcher on another host that died looks like); node 0
+// declares it dead and waits for node 1 at restart 1. A launcher relaunched
+// with --node_rank=1 went to attempt 0, found the rank held there by a pid
+// that still runs, and was refused as a duplicate; it now joins the job at
+// restart 1, where nobody holds the rank.
+TEST(DdprunMultinodeTest, LauncherRelaunchedDuringARestartJoinsIt) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string dir = testing::MakeTempDir("static_relaunch_at_restart");
+  auto node0 = StartRestartableNode(0, *port, dir);
+  auto first = StartRestartableNode(1, *port, dir);
+  const pid_t stale_worker = testing::ReadPidFile(dir + "/rank1.restart0.pid", 30s);
+  ASSERT_GT(stale_worker, 0);  // the job runs
+  ASSERT_EQ(kill(first->pids()[0], SIGSTOP), 0);
+  ASSERT_TRUE(StoreReaches(*port, "ddprun/a1/node/0"));  // node 0 waits at restart 1
+  auto relaunched = StartRestartableNode(1, *port, dir);
+  const testing::ProgramRun relaunched_run = testing::WaitProgram(*relaunched, 30s);
+  const testing::ProgramRun node0_run = testing::WaitProgram(*node0, 30s);
+  ASSERT_EQ(kill(first->pids()[0], SIGKILL), 0);
+  EXPECT_EQ(testing::WaitProgram(*first, 10s).exit_code, 128 + SIGKILL);
+  const std::string all = node0_run.output + relaunched_run.output;
+  EXPECT_EQ(relaunched_run.exit_code, 0) << all;
+  EXPECT_EQ(node0_run.exit_code, 0) << all;
+  EXPECT_THAT(relaunched_run.output,
+              HasSubstr("ddprun: node 1: the job is at restart 1; this launcher joins it there"));
+  EXPECT_THAT(relaunched_run.output, Not(HasSubstr("takes --node_rank=1 over"))) << all;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1 met 2 ranks"));
+  EXPECT_THAT(node0_run.output, HasSubstr("node 1's launcher sent no heartbeat for"));
+  EXPECT_THAT(node0_run.output, HasSubstr("restarting the job (restart 1 of 1)"));
+  EXPECT_TRUE(testing::GoneWithin(stale_worker, 5s));
+}
+
+// As above, but relaunched at once, while node 0 has yet to notice: the
+// attempt it finds node 1 held in already runs (every node had joined), so
+// it does not take the rank over there; it waits for that attempt to fail,
+// which it does once node 0 misses the heartbeat, and joins restart 1.
+// Rank 0 ignores SIGTERM (--grace_period=5): node 0 opens restart 1 only
+// 5 s after it declared node 1 dead, well after the relaunched launcher
+// looked at which attempt the job is in.
+TEST(DdprunMultinodeTest, LauncherRelaunchedWhileTheJobRunsJoinsTheRestart) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string dir = testing::MakeTempDir("static_relaunch_while_running");
+  auto node0 = StartRestartableNode(0, *port, dir, {"--ignore_sigterm"});
+  auto first = StartRestartableNode(1, *port, dir);
+  const pid_t stale_worker = testing::ReadPidFile(dir + "/rank1.restart0.pid", 30s);
+  ASSERT_GT(stale_worker, 0);  // the job runs
+  ASSERT_EQ(kill(first->pids()[0], SIGSTOP), 0);
+  auto relaunched = StartRestartableNode(1, *port, dir);
+  const testing::ProgramRun relaunched_run = testing::WaitProgram(*relaunched, 60s);
+  const testing::ProgramRun node0_run = testing::WaitProgram(*node0, 60s);
+  ASSERT_EQ(kill(first->pids()[0], SIGKILL), 0);
+  EXPECT_EQ(testing::WaitProgram(*first, 10s).exit_code, 128 + SIGKILL);
+  const std::string all = node0_run.output + relaunched_run.output;
+  EXPECT_EQ(relaunched_run.exit_code, 0) << all;
+  EXPECT_EQ(node0_run.exit_code, 0) << all;
+  EXPECT_THAT(relaunched_run.output,
+              ContainsRegex("ddprun: node 1: --node_rank=1 was held by the launcher on .* \\(pid " +
+                            std::to_string(first->pids()[0]) +
+                            "\\), which sent no heartbeat for [0-9]+ ms \\(--node_timeout\\), in the job's first "
+                            "attempt, which every node had joined; this launcher joins the restart that follows"))
+      << all;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1/2 local 0/1 group 1 restart 1"));
+  EXPECT_THAT(relaunched_run.output, HasSubstr("rank 1 met 2 ranks"));
+  EXPECT_THAT(node0_run.output, HasSubstr("restarting the job (restart 1 of 1)"));
+  EXPECT_TRUE(testing::GoneWithin(stale_worker, 5s));
+}
+
 // The failure notice used to be two writes: a count of notices, then the
 // first one's text. A launcher that died between them left the count
 // without the notice, and every later notice of the attempt was dropped as
