@@ -23,6 +23,7 @@
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
+#include "nn/modules/layers.h"
 #include "nn/modules/models.h"
 #include "nn/optim/adam.h"
 #include "nn/ops/functional.h"
@@ -139,6 +140,37 @@ DDP_TEST_WORKER(equals_ddp) {
                    nn::DType::kBFloat16);
   }
   return testing::WorkerExit();
+}
+
+// f16 gradients of 40000 on each rank average to 40000, but their sum
+// passes f16's largest value (65504): they are divided before the sum, as
+// DDP divides f16 buckets, and the step moves each weight by lr * 40000
+// instead of writing inf.
+DDP_TEST_WORKER(f16_large_gradients) {
+  auto pg = testing::WorkerGroup();
+  nn::Generator gen(5);
+  auto model = std::make_shared<nn::modules::Linear>(1, 4, /*bias=*/false, gen);
+  model->To(nn::DType::kFloat16);
+  const std::vector<float> before = nn::ops::Cast(model->weight(), nn::DType::kFloat32).ToVector<float>();
+  DistributedDataParallel ddp(model, {.process_group = Borrow(*pg)});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+    return std::make_unique<nn::optim::Sgd>(std::move(shard), nn::optim::SgdOptions{.lr = 1.0 / 1024});
+  });
+  const Tensor x = nn::Full({1, 1}, 40000.0, {.dtype = nn::DType::kFloat16});
+  nn::Backward(nn::ops::Sum(nn::ops::Cast(ddp(x), nn::DType::kFloat32)));  // d/dw = 40000
+  opt.Step();
+  const std::vector<float> after = nn::ops::Cast(model->weight(), nn::DType::kFloat32).ToVector<float>();
+  for (size_t i = 0; i < after.size(); ++i) {
+    const float want = static_cast<float>(nn::Half(before[i] - 40000.0f / 1024));
+    WORKER_EXPECT(after[i] == want, "weight " + std::to_string(i) + " is " + std::to_string(after[i]) +
+                                        " after the step, not " + std::to_string(want));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, F16GradientsWhoseSumPassesF16sRangeStillAverage) {
+  auto run = RunWorkers("f16_large_gradients", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(OverlappedZeroOptimizerTest, EqualsDdpAndTheUnshardedOptimizerOnTwoRanks) {
