@@ -175,6 +175,10 @@ class WatchfulStore : public store::Store {
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
     return inner_.Delete(key, deadline);
   }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline deadline) override {
+    return inner_.CompareSet(key, expected, desired, deadline);
+  }
 
  private:
   static constexpr milliseconds kSlice{200};

@@ -115,11 +115,13 @@ Status PeerMonitor::PostedAbort(Deadline deadline) {
 
 void PeerMonitor::PostAbort(const Status& reason, Deadline deadline) {
   if (store_ == nullptr || reason.ok() || Clock::now() >= deadline) return;
-  const std::string key = options_.key_prefix + "abort";
-  auto existing = store_->TryGet(key, StoreDeadline(deadline));
-  if (existing.ok() && existing->has_value()) return;
-  if (Clock::now() >= deadline) return;
-  store_->Set(key, EncodeAbort(options_.rank, reason), StoreDeadline(deadline)).IgnoreError();
+  // Written only where no reason is yet, in one store call: with a look
+  // and then a write, two ranks failing at once both found none and the
+  // second overwrote the first, so ranks reported different first causes.
+  store_->CompareSet(options_.key_prefix + "abort", std::nullopt, EncodeAbort(options_.rank, reason),
+                     StoreDeadline(deadline))
+      .status()
+      .IgnoreError();
 }
 
 void PeerMonitor::PostClosed(Deadline deadline) {

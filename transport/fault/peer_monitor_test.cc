@@ -131,6 +131,42 @@ TEST(PeerMonitor, PostedAbortReachesEveryRankWithItsCode) {
   EXPECT_TRUE(stranger.Check(Soon()).ok());
 }
 
+// The store as two ranks that fail at the same moment see it: neither finds
+// the other's reason when it looks. The first to post still wins: before,
+// each looked, found none and set its own, and the second overwrote the
+// first, so ranks that read the key at different times reported different
+// first causes.
+class RacingStore final : public store::Store {
+ public:
+  Status Set(std::string_view key, std::string_view value, Deadline d) override { return inner_.Set(key, value, d); }
+  StatusOr<std::string> Get(std::string_view key, Deadline d) override { return inner_.Get(key, d); }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    if (key.ends_with("abort")) return std::optional<std::string>();  // not yet there when it looked
+    return inner_.TryGet(key, d);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline d) override { return inner_.Add(key, delta, d); }
+  Status Wait(std::span<const std::string> keys, Deadline d) override { return inner_.Wait(keys, d); }
+  StatusOr<bool> Delete(std::string_view key, Deadline d) override { return inner_.Delete(key, d); }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline d) override {
+    return inner_.CompareSet(key, expected, desired, d);
+  }
+  testing::InMemoryStore inner_;
+};
+
+TEST(PeerMonitor, OfTwoRanksPostingAtOnceTheFirstReasonStays) {
+  RacingStore store;
+  PeerMonitor rank1({.rank = 1, .key_prefix = "j/"}, &store);
+  PeerMonitor rank2({.rank = 2, .key_prefix = "j/"}, &store);
+  rank1.PostAbort(TimedOutError("rank 1's reason"), Soon());
+  rank2.PostAbort(PeerLostError("rank 2's reason"), Soon());
+  auto posted = store.inner_.TryGet("j/abort", Soon());
+  ASSERT_TRUE(posted.ok() && posted->has_value());
+  const Status s = PeerMonitor::DecodeAbort(**posted);
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(s.message(), "rank 1 aborted the job: rank 1's reason");
+}
+
 TEST(PeerMonitor, GarbledAbortValueIsStillAnError) {
   EXPECT_EQ(PeerMonitor::DecodeAbort("garbage").code(), StatusCode::kInternal);
   EXPECT_EQ(PeerMonitor::DecodeAbort("99\n1\nx").code(), StatusCode::kInternal);
@@ -148,6 +184,10 @@ class DeadStore final : public store::Store {
   StatusOr<int64_t> Add(std::string_view, int64_t, Deadline) override { return Down(); }
   Status Wait(std::span<const std::string>, Deadline) override { return Down(); }
   StatusOr<bool> Delete(std::string_view, Deadline) override { return Down(); }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view, std::optional<std::string_view>,
+                                                  std::string_view, Deadline) override {
+    return Down();
+  }
 
  private:
   static Status Down() { return UnavailableError("connection reset"); }
@@ -167,6 +207,10 @@ class SilentStore final : public store::Store {
   StatusOr<int64_t> Add(std::string_view, int64_t, Deadline d) override { return Silent(d); }
   Status Wait(std::span<const std::string>, Deadline d) override { return Silent(d); }
   StatusOr<bool> Delete(std::string_view, Deadline d) override { return Silent(d); }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view, std::optional<std::string_view>,
+                                                  std::string_view, Deadline d) override {
+    return Silent(d);
+  }
   int calls() const { return calls_; }
   Deadline latest_deadline() const { return latest_deadline_; }
 

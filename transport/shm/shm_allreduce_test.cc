@@ -752,6 +752,10 @@ class WrongSegmentNameStore final : public store::Store {
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
     return store_.Delete(key, deadline);
   }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline deadline) override {
+    return store_.CompareSet(key, expected, desired, deadline);
+  }
 
  private:
   store::Store& store_;

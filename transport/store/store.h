@@ -48,6 +48,14 @@ class Store {
 
   /// Deletes `key`; returns whether it existed.
   virtual StatusOr<bool> Delete(std::string_view key, Deadline deadline) = 0;
+
+  /// Sets `key` to `desired` if it holds `expected` (nullopt: if it does not
+  /// exist), in one step that no other call comes between. Returns what
+  /// `key` holds afterwards: `desired` when it was set, else the value
+  /// found (nullopt: none). "The first to post wins" without a race.
+  virtual StatusOr<std::optional<std::string>> CompareSet(std::string_view key,
+                                                          std::optional<std::string_view> expected,
+                                                          std::string_view desired, Deadline deadline) = 0;
 };
 
 }  // namespace ddp::transport::store

@@ -177,7 +177,7 @@ class TcpStoreClient final : public Store {
   /// kMaxValueBytes together (one request carries both).
   StatusOr<std::optional<std::string>> CompareSet(std::string_view key,
                                                   std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline deadline);
+                                                  std::string_view desired, Deadline deadline) override;
 
   /// "host:port" of the server.
   const std::string& endpoint() const { return endpoint_; }

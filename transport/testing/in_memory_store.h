@@ -55,6 +55,19 @@ class InMemoryStore final : public store::Store {
     std::lock_guard lock(mu_);
     return data_.erase(std::string(key)) > 0;
   }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline) override {
+    std::lock_guard lock(mu_);
+    auto it = data_.find(std::string(key));
+    const bool matches = it == data_.end() ? !expected.has_value()
+                                           : expected.has_value() && it->second == *expected;
+    if (!matches) {
+      return it == data_.end() ? std::optional<std::string>() : std::optional<std::string>(it->second);
+    }
+    data_[std::string(key)] = std::string(desired);
+    cv_.notify_all();
+    return std::optional<std::string>(std::string(desired));
+  }
 
  private:
   std::mutex mu_;
