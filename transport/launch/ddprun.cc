@@ -1760,6 +1760,7 @@ int RunDdprun(const DdprunOptions& options) {
     }
     SpawnOptions spawn;
     spawn.grace = o.grace;
+    spawn.on_notice = [&o](const std::string& line) { Say("node " + std::to_string(o.node_rank) + ": " + line); };
     spawn.output.to_terminal = o.log_dir.empty() || o.tee;
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
     spawn.output.log_dir = o.log_dir;

@@ -193,6 +193,9 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     SpawnOptions spawn;
     spawn.grace = options.grace;
     spawn.output.prefix = n > 1 && options.prefix_output;
+    spawn.on_notice = [program](const std::string& line) {
+      WriteLauncherLine(std::string(program) + ": " + line + "\n");
+    };
     DDP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerGroup> group,
                          WorkerGroup::Start(std::move(specs), spawn));
     result = group->Wait(deadline);

@@ -404,6 +404,7 @@ struct Worker {
   Fd log;
   std::string captured;
   bool capture_truncated = false;
+  bool stop_told = false;  // a stop was reported through on_notice
 };
 
 // The pipe from the signal handler to the group that forwards signals: one
@@ -615,6 +616,8 @@ class WorkerGroup::Impl {
           result.outcome = GroupOutcome::kWorkerFailed;
           result.reason = *stopped + "; stopping the workers";
           stop_workers(SIGTERM);
+        } else {
+          TellStops();
         }
       }
       // Reap whoever exited (pidfd readable, or anyone in fallback mode).
@@ -852,6 +855,36 @@ class WorkerGroup::Impl {
     if (signal == SIGKILL && pgid_ > 0) kill(-pgid_, SIGKILL);
   }
 
+  // The signal that stopped running worker `w`, or 0 when it is not stopped.
+  static int StopSignalOf(const Worker& w) {
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(w.pid), &info, WSTOPPED | WNOHANG | WNOWAIT) != 0 ||
+        info.si_pid != w.pid || info.si_code != CLD_STOPPED) {
+      return 0;
+    }
+    return info.si_status;
+  }
+
+  // Tells on_notice of workers stopped otherwise than by the terminal, once
+  // per stop, and of their continuing: the launcher says nothing else
+  // while the peers wait for a stopped rank until their timeout.
+  void TellStops() {
+    if (!options_.on_notice) return;
+    for (Worker& w : workers_) {
+      if (!w.running) continue;
+      const int signal = StopSignalOf(w);
+      const std::string who = "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ")";
+      if (signal != 0 && !w.stop_told) {
+        w.stop_told = true;
+        options_.on_notice(who + " is stopped (" + SignalName(signal) +
+                           "); the other ranks wait for it until their timeout; SIGCONT continues it");
+      } else if (signal == 0 && w.stop_told) {
+        w.stop_told = false;
+        options_.on_notice(who + " continues");
+      }
+    }
+  }
+
   // A running worker stopped by SIGTTOU or SIGTTIN: it touched the terminal
   // from its background process group, and would wait there forever (a
   // stop wakes no pidfd). Stopped otherwise (SIGSTOP, a debugger), it is
@@ -859,15 +892,10 @@ class WorkerGroup::Impl {
   std::optional<std::string> StoppedByTheTerminal() const {
     for (const Worker& w : workers_) {
       if (!w.running) continue;
-      siginfo_t info{};
-      if (waitid(P_PID, static_cast<id_t>(w.pid), &info, WSTOPPED | WNOHANG | WNOWAIT) != 0 ||
-          info.si_pid != w.pid || info.si_code != CLD_STOPPED) {
-        continue;
-      }
-      if (info.si_status != SIGTTOU && info.si_status != SIGTTIN) continue;
+      const int signal = StopSignalOf(w);
+      if (signal != SIGTTOU && signal != SIGTTIN) continue;
       return "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ") was stopped by " +
-             SignalName(info.si_status) + ": it " +
-             (info.si_status == SIGTTOU ? "wrote to or changed" : "read from") +
+             SignalName(signal) + ": it " + (signal == SIGTTOU ? "wrote to or changed" : "read from") +
              " the terminal, which workers (in a process group of their own) may not do";
     }
     return std::nullopt;

@@ -89,6 +89,12 @@ struct SpawnOptions {
   /// that its word is out before any of its workers ends. It holds up the
   /// forwarding: keep it short, with a deadline on anything that waits.
   std::function<void(int signal)> on_interrupt;
+  /// Called on Wait's thread with a line for the user while the workers
+  /// run: a worker stopped by a signal other than the terminal's (SIGSTOP,
+  /// SIGTSTP, a debugger), which the group leaves to whoever stopped it
+  /// while its peers wait for it, and again when it continues. Empty:
+  /// nothing is said.
+  std::function<void(const std::string& line)> on_notice;
 };
 
 /// How one worker ended.

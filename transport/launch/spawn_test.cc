@@ -360,6 +360,51 @@ TEST(SpawnTest, WorkerIgnoringSigtermIsKilledAfterTheGrace) {
   ExpectNoChildrenLeft();
 }
 
+// A worker stopped by SIGSTOP (or a debugger) is left stopped, and its
+// peers wait for it: the group says so once, and again when it continues,
+// instead of nothing at all.
+TEST(SpawnTest, AWorkerStoppedBySigstopIsToldOfAndLeftStopped) {
+  const std::string dir = TempDir("sigstop");
+  std::mutex mu;
+  std::vector<std::string> notices;
+  SpawnOptions options = Quiet();
+  options.on_notice = [&](const std::string& line) {
+    std::lock_guard lock(mu);
+    notices.push_back(line);
+  };
+  auto told = [&](size_t n, std::chrono::milliseconds timeout) {
+    const auto until = Clock::now() + timeout;
+    while (Clock::now() < until) {
+      {
+        std::lock_guard lock(mu);
+        if (notices.size() >= n) return true;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  };
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "sleeper", {{"PID_DIR", dir}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const pid_t pid = ReadPid(dir + "/rank1", 20s);
+  ASSERT_GT(pid, 0);
+  std::thread driver([&] {
+    kill(pid, SIGSTOP);
+    if (told(1, 10s)) kill(pid, SIGCONT);
+    if (told(2, 10s)) (*group)->RequestStop("test done");
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(30s));
+  driver.join();
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped) << result.reason;
+  std::lock_guard lock(mu);
+  ASSERT_EQ(notices.size(), 2u);
+  const std::string who = "rank 1 (pid " + std::to_string(pid) + ")";
+  EXPECT_EQ(notices[0], who + " is stopped (SIGSTOP); the other ranks wait for it until their timeout; "
+                              "SIGCONT continues it");
+  EXPECT_EQ(notices[1], who + " continues");
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, DeadlineStopsTheWorkers) {
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper"), Quiet());
   ASSERT_TRUE(group.ok()) << group.status();
