@@ -356,6 +356,18 @@ TEST(DdprunMultinodeTest, RelaunchedLauncherTakesItsDeadPredecessorsNodeRank) {
   ASSERT_EQ(kill(first_pid, SIGKILL), 0);
   (void)testing::WaitProgram(*first, 10s);
   auto relaunched = launch(1);
+  // Node 2 comes once the rank is taken over: had every node registered
+  // first (the dead launcher's registration counts), the newcomer would
+  // rightly wait for the restart of an attempt that runs without it.
+  const std::string gone_holder = Hostname() + " " + std::to_string(first_pid);
+  const Deadline until = DeadlineIn(20s);
+  StatusOr<std::optional<std::string>> holder = std::optional<std::string>(gone_holder);
+  while (holder.ok() && *holder == gone_holder && Clock::now() < until) {
+    std::this_thread::sleep_for(10ms);
+    holder = (*store)->TryGet("ddprun/a0/holder/1", DeadlineIn(5s));
+  }
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  ASSERT_NE(*holder, gone_holder) << "the relaunched launcher never took node rank 1 over";
   auto node2 = launch(2);
   const auto relaunched_run = testing::WaitProgram(*relaunched, 30s);
   EXPECT_EQ(relaunched_run.exit_code, 0) << relaunched_run.output;
