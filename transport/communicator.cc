@@ -290,11 +290,12 @@ class Communicator::Impl {
       return;
     }
     if (store_ == nullptr) return;
-    const Deadline deadline = DeadlineIn(options_.abort_store_time);
-    const std::string key = prefix_ + "abort";
-    StatusOr<std::optional<std::string>> existing = store_->TryGet(key, deadline);
-    if (!existing.ok() || existing->has_value()) return;
-    store_->Set(key, fault::PeerMonitor::EncodeAbort(options_.rank, reason), deadline).IgnoreError();
+    // Only where no reason is yet, in one call (as PeerMonitor::PostAbort):
+    // ranks that fail creation together must not overwrite each other's.
+    store_->CompareSet(prefix_ + "abort", std::nullopt, fault::PeerMonitor::EncodeAbort(options_.rank, reason),
+                       DeadlineIn(options_.abort_store_time))
+        .status()
+        .IgnoreError();
   }
 
   // Runs `body` on the caller's thread after earlier async calls finished.

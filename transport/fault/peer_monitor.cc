@@ -25,9 +25,13 @@ Deadline PeerMonitor::StoreDeadline(Deadline deadline) const {
 PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
     : options_(std::move(options)), store_(store) {
   pidfds_.assign(options_.local_pids.size(), -1);
+  gone_at_start_.assign(options_.local_pids.size(), false);
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     if (static_cast<int>(r) == options_.rank || options_.local_pids[r] <= 0) continue;
     pidfds_[r] = PidfdOpen(options_.local_pids[r]);
+    // ESRCH: the peer died between the exchange of pids and now. It stays
+    // dead: kill(pid, 0) would take a process that reused the pid for it.
+    if (pidfds_[r] < 0 && errno == ESRCH) gone_at_start_[r] = true;
     // Without pidfd support (old kernel, seccomp) fall back to kill(pid, 0)
     // in Check(); it only errs after the pid is reused.
   }
@@ -49,6 +53,7 @@ bool PeerMonitor::PeerClosed(int peer, Deadline deadline) {
 bool PeerMonitor::Exited(size_t rank) const {
   const int pid = options_.local_pids[rank];
   if (static_cast<int>(rank) == options_.rank || pid <= 0) return false;
+  if (gone_at_start_[rank]) return true;
   if (pidfds_[rank] >= 0) {
     pollfd p{pidfds_[rank], POLLIN, 0};
     return poll(&p, 1, 0) > 0;

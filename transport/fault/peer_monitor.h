@@ -100,6 +100,7 @@ class PeerMonitor {
   PeerMonitorOptions options_;
   store::Store* store_;
   std::vector<int> pidfds_;  // per rank; -1: not watched
+  std::vector<bool> gone_at_start_;  // per rank: no process when the monitor started
   std::atomic<int> lost_peer_{-1};  // Check() may run on two threads
 };
 

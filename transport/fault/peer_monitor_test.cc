@@ -51,6 +51,22 @@ TEST(PeerMonitor, DeadLocalPeerIsPeerLostNamingIt) {
   EXPECT_EQ(monitor.lost_peer(), 2);
 }
 
+// A peer that died between the exchange of pids and the monitor's start
+// (pidfd_open finds no process) is lost from then on, whatever process
+// takes its pid later (not reproducible here: the kernel picks pids).
+TEST(PeerMonitor, PeerDeadBeforeTheMonitorStartsStaysLost) {
+  testing::InMemoryStore store;
+  const pid_t child = SpawnSleeper();
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  for (int i = 0; i < 2; ++i) {
+    const Status s = monitor.Check(Soon());
+    EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  }
+  EXPECT_EQ(monitor.ExitedPeers(), std::vector<int>{1});
+}
+
 // Exited peers are listed whether or not they closed cleanly; this rank,
 // live peers and peers on other hosts (pid 0) are not.
 TEST(PeerMonitor, ExitedPeersListsEveryLocalRankThatExited) {
