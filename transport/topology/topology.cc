@@ -464,6 +464,19 @@ std::vector<int> RingOrder(const Topology& topology) {
   return order;
 }
 
+namespace {
+
+// Ranks `a` and `b` run on one kernel: their hosts have the same boot id, or,
+// where either has none, they are one host.
+bool ShareKernel(const Topology& topology, int a, int b) {
+  const Host& ha = topology.hosts[topology.ranks[a].host];
+  const Host& hb = topology.hosts[topology.ranks[b].host];
+  if (ha.boot_id.empty() || hb.boot_id.empty()) return topology.SameHost(a, b);
+  return ha.boot_id == hb.boot_id;
+}
+
+}  // namespace
+
 std::string PickNetDevice(const Topology& topology, int rank) {
   const RankPlace& place = topology.ranks[rank];
   const Host& host = topology.hosts[place.host];
@@ -489,17 +502,20 @@ std::string PickNetDevice(const Topology& topology, int rank) {
     if (d->rate_gbps == best_rate) fastest.push_back(d);
   }
   // Spread the ranks that compete for the same devices: the i-th such rank
-  // on this host takes the i-th device, round robin. Those are the ranks of
+  // on this kernel takes the i-th device, round robin. Those are the ranks of
   // this NUMA node when the pool is its ports; when no port is near, the
   // pool is every port of the host, and so are the ranks counted (ranks of
-  // different nodes would otherwise each start at the first port).
+  // different nodes would otherwise each start at the first port). Ranks
+  // are counted by kernel, not by host: pods with the machine's network but
+  // their own namespaces are separate hosts that share its ports.
   int index = 0;
-  for (int r : topology.RanksOnHost(place.host)) {
-    if (r == rank) break;
+  for (int r = 0; r < rank; ++r) {
+    if (!ShareKernel(topology, r, rank)) continue;
     const RankPlace& other = topology.ranks[r];
+    const Host& other_host = topology.hosts[other.host];
     int other_numa = other.numa_node;
-    if (other.gpu >= 0 && host.gpus[other.gpu].numa_node >= 0) {
-      other_numa = host.gpus[other.gpu].numa_node;
+    if (other.gpu >= 0 && other_host.gpus[other.gpu].numa_node >= 0) {
+      other_numa = other_host.gpus[other.gpu].numa_node;
     }
     if (near.empty() || other_numa == numa) ++index;
   }
@@ -507,14 +523,8 @@ std::string PickNetDevice(const Topology& topology, int rank) {
 }
 
 int RanksSharingKernel(const Topology& topology, int rank) {
-  const Host& mine = topology.hosts[topology.ranks[rank].host];
   int n = 0;
-  for (int r = 0; r < topology.size(); ++r) {
-    const Host& theirs = topology.hosts[topology.ranks[r].host];
-    const bool same = mine.boot_id.empty() || theirs.boot_id.empty() ? topology.SameHost(r, rank)
-                                                                     : theirs.boot_id == mine.boot_id;
-    n += same ? 1 : 0;
-  }
+  for (int r = 0; r < topology.size(); ++r) n += ShareKernel(topology, r, rank) ? 1 : 0;
   return n;
 }
 

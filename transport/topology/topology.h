@@ -124,9 +124,9 @@ int RingHopCost(const Host& host, int gpu_a, int gpu_b);
 
 /// The RDMA port `rank` should use: an active port on the NUMA node of its
 /// GPU (or, without a GPU, of its own NUMA node), the fastest such, spread
-/// over the ranks that share that node. Falls back to the fastest of any
-/// active port, spread over all the host's ranks. Empty when the host has
-/// none.
+/// over the ranks on its kernel (see RanksSharingKernel) that share that
+/// node. Falls back to the fastest of any active port, spread over all the
+/// kernel's ranks. Empty when the host has none.
 std::string PickNetDevice(const Topology& topology, int rank);
 
 /// Ranks that share `rank`'s kernel, itself included: those whose host has

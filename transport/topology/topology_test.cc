@@ -271,6 +271,25 @@ TEST(PickNetDevice, RanksWithNoNearPortSpreadOverEveryPortOfTheHost) {
   EXPECT_EQ(PickNetDevice(t, 3), "ib1:1");
 }
 
+TEST(PickNetDevice, HostsSharingABootIdSpreadOverItsPorts) {
+  // Two pods with the machine's network (Kubernetes hostNetwork), one per
+  // GPU: other PID and IPC namespaces make them two hosts, but they share
+  // the machine's kernel and its two ports, so they take one port each.
+  Topology t = MustParse(R"({"hosts": [
+      {"name": "node", "boot_id": "k", "numa_nodes": 1,
+       "net_devices": [{"name": "mlx5_0", "numa_node": 0, "rate_gbps": 200},
+                       {"name": "mlx5_1", "numa_node": 0, "rate_gbps": 200}]},
+      {"name": "node", "boot_id": "k", "numa_nodes": 1,
+       "net_devices": [{"name": "mlx5_0", "numa_node": 0, "rate_gbps": 200},
+                       {"name": "mlx5_1", "numa_node": 0, "rate_gbps": 200}]}],
+      "ranks": [{"host": 0, "numa_node": 0}, {"host": 1, "numa_node": 0}]})");
+  EXPECT_EQ(PickNetDevice(t, 0), "mlx5_0:1");
+  EXPECT_EQ(PickNetDevice(t, 1), "mlx5_1:1");
+  // Without a boot id, hosts stay apart: each has its own ports.
+  t.hosts[0].boot_id = t.hosts[1].boot_id = "";
+  EXPECT_EQ(PickNetDevice(t, 1), "mlx5_0:1");
+}
+
 // Two hosts of two ranks each, with the given boot ids.
 Topology TwoHosts(const std::string& boot_a, const std::string& boot_b) {
   Topology t;
