@@ -192,6 +192,61 @@ std::map<std::string, std::string> ParseSettings(const std::string& text) {
   return out;
 }
 
+
+bool AllHaveBusIds(const std::vector<Gpu>& gpus) {
+  return std::all_of(gpus.begin(), gpus.end(), [](const Gpu& g) { return !g.pci_bus_id.empty(); });
+}
+
+// Adds a peer link to `gpu` unless it has one to `peer` already; `perf` is
+// the link's performance rank, -1 when not given (counts as 0).
+void AddPeer(Gpu& gpu, int peer, int perf) {
+  if (std::find(gpu.nvlink_peers.begin(), gpu.nvlink_peers.end(), peer) != gpu.nvlink_peers.end()) {
+    return;
+  }
+  if (perf >= 0 || !gpu.peer_perf_ranks.empty()) {
+    // Keep one rank per peer; the peers listed without one count as 0.
+    gpu.peer_perf_ranks.resize(gpu.nvlink_peers.size(), 0);
+    gpu.peer_perf_ranks.push_back(std::max(perf, 0));
+  }
+  gpu.nvlink_peers.push_back(peer);
+}
+
+// Merges one rank's GPUs (`theirs`, numbered by its CUDA_VISIBLE_DEVICES)
+// into its host's (`merged`): ranks of one host may each see other GPUs
+// (Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES=$LOCAL_RANK), and each
+// place.gpu counts its own. The host gets the union by bus id, in first-seen
+// order; `gpu` (the rank's place.gpu) and the peer links are renumbered
+// into it. Where a GPU on either side has no bus id (no CUDA build, an older
+// record) the GPUs cannot be matched, and the first rank's list stands.
+void MergeGpus(const std::vector<Gpu>& theirs, std::vector<Gpu>& merged, int& gpu) {
+  if (!AllHaveBusIds(theirs) || !AllHaveBusIds(merged)) return;
+  std::vector<int> to_merged(theirs.size());
+  for (size_t g = 0; g < theirs.size(); ++g) {
+    auto found = std::find_if(merged.begin(), merged.end(), [&](const Gpu& m) {
+      return m.pci_bus_id == theirs[g].pci_bus_id;
+    });
+    if (found == merged.end()) {
+      Gpu added = theirs[g];
+      added.nvlink_peers.clear();  // added below, renumbered
+      added.peer_perf_ranks.clear();
+      merged.push_back(std::move(added));
+      found = merged.end() - 1;
+    }
+    to_merged[g] = static_cast<int>(found - merged.begin());
+  }
+  for (size_t g = 0; g < theirs.size(); ++g) {
+    const Gpu& own = theirs[g];
+    for (size_t k = 0; k < own.nvlink_peers.size(); ++k) {
+      const int peer = own.nvlink_peers[k];
+      // ParseTopologyJson validated the record, so `peer` is one of its GPUs.
+      if (to_merged[peer] == to_merged[g]) continue;
+      AddPeer(merged[to_merged[g]], to_merged[peer],
+              k < own.peer_perf_ranks.size() ? own.peer_perf_ranks[k] : -1);
+    }
+  }
+  if (gpu >= 0 && gpu < static_cast<int>(theirs.size())) gpu = to_merged[gpu];
+}
+
 }  // namespace
 
 std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const std::string& theirs,
@@ -277,8 +332,15 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
     const Host& host = theirs.hosts[0];
     auto [it, inserted] = host_index.emplace(std::make_tuple(host.name, host.boot_id, namespaces),
                                              out.topology.num_hosts());
-    if (inserted) out.topology.hosts.push_back(host);
     RankPlace place = theirs.ranks[0];
+    if (inserted) {
+      out.topology.hosts.push_back(host);
+    } else {
+      Host& merged = out.topology.hosts[it->second];
+      // A cgroup cpuset can hide NUMA nodes from some of a host's ranks.
+      merged.numa_nodes = std::max(merged.numa_nodes, host.numa_nodes);
+      MergeGpus(host.gpus, merged.gpus, place.gpu);
+    }
     place.host = it->second;
     out.topology.ranks.push_back(place);
   }

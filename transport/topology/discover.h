@@ -71,7 +71,12 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 /// Posts `local` under `<key_prefix>topology/<rank>` and reads every rank's;
 /// ranks whose host name, boot id and namespaces all agree share a host (its
 /// shared memory and pids; RanksSharingKernel still counts ranks by boot id
-/// alone). Must be called on every rank. INVALID_ARGUMENT, on every rank,
+/// alone). A host's GPUs are the union of its ranks' by PCI bus id, in
+/// first-seen order, and each rank's place.gpu and the peer links are
+/// renumbered into it (ranks may see different GPUs through
+/// CUDA_VISIBLE_DEVICES); where bus ids are missing, its first rank's GPUs.
+/// Its NUMA node count is the most any of its ranks sees. Must be called on
+/// every rank. INVALID_ARGUMENT, on every rank,
 /// naming the first setting and both values, when some rank's `settings`
 /// differ from this rank's.
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,

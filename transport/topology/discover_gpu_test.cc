@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
+#include <string>
 
 #include "transport/topology/discover.h"
 
@@ -19,6 +21,13 @@ TEST(DiscoverGpus, ReportsEveryDeviceWithItsPeers) {
   ASSERT_EQ(gpus.size(), static_cast<size_t>(count));
   for (size_t d = 0; d < gpus.size(); ++d) {
     EXPECT_GE(gpus[d].numa_node, -1) << "GPU " << d;
+    // The runtime's bus id in lower case: ExchangeTopology matches GPUs by it.
+    char bus_id[32] = {};
+    ASSERT_EQ(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), static_cast<int>(d)), cudaSuccess);
+    std::string expected = bus_id;
+    std::transform(expected.begin(), expected.end(), expected.begin(),
+                   [](unsigned char c) { return std::tolower(c); });
+    EXPECT_EQ(gpus[d].pci_bus_id, expected) << "GPU " << d;
     for (int peer : gpus[d].nvlink_peers) {
       EXPECT_NE(peer, static_cast<int>(d)) << "GPU " << d << " lists itself as a peer";
       EXPECT_GE(peer, 0);

@@ -192,6 +192,111 @@ TEST(ExchangeTopology, GroupsRanksByHostAndBootId) {
   }
 }
 
+// A view of host "node" (boot id "k") seeing `gpus` (its CUDA numbering),
+// placed on its GPU `gpu`.
+LocalView ViewOnNode(std::vector<Gpu> gpus, int gpu) {
+  LocalView view;
+  view.host.name = "node";
+  view.host.boot_id = "k";
+  view.host.gpus = std::move(gpus);
+  view.place.gpu = gpu;
+  view.pid = 100 + gpu;
+  return view;
+}
+
+Gpu GpuAt(const std::string& bus_id, std::vector<int> peers = {}, std::vector<int> perf = {}) {
+  Gpu gpu;
+  gpu.pci_bus_id = bus_id;
+  gpu.nvlink_peers = std::move(peers);
+  gpu.peer_perf_ranks = std::move(perf);
+  return gpu;
+}
+
+TEST(ExchangeTopology, RanksSeeingDifferentGpusOfAHostGetTheUnionOfThem) {
+  // CUDA_VISIBLE_DEVICES=$LOCAL_RANK: each rank sees one GPU, its device 0.
+  std::vector<StatusOr<Exchanged>> results =
+      Exchange({ViewOnNode({GpuAt("0000:3b:00.0")}, 0), ViewOnNode({GpuAt("0000:5e:00.0")}, 0)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    ASSERT_EQ(t.num_hosts(), 1);
+    ASSERT_EQ(t.hosts[0].gpus.size(), 2u);
+    EXPECT_EQ(t.hosts[0].gpus[t.ranks[0].gpu].pci_bus_id, "0000:3b:00.0");
+    EXPECT_EQ(t.hosts[0].gpus[t.ranks[1].gpu].pci_bus_id, "0000:5e:00.0");
+  }
+}
+
+TEST(ExchangeTopology, ARankWithoutAGpuDoesNotHideAnotherRanksGpu) {
+  std::vector<StatusOr<Exchanged>> results =
+      Exchange({ViewOnNode({}, -1), ViewOnNode({GpuAt("0000:3b:00.0")}, 0)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    ASSERT_EQ(t.hosts[0].gpus.size(), 1u);
+    EXPECT_EQ(t.ranks[0].gpu, -1);
+    EXPECT_EQ(t.ranks[1].gpu, 0);
+  }
+}
+
+TEST(ExchangeTopology, RanksSeeingTheSameGpusKeepTheirNumberingAndLinks) {
+  const std::vector<Gpu> both = {GpuAt("0000:3b:00.0", {1}, {0}), GpuAt("0000:5e:00.0", {0}, {0})};
+  std::vector<StatusOr<Exchanged>> results = Exchange({ViewOnNode(both, 0), ViewOnNode(both, 1)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    ASSERT_EQ(t.hosts[0].gpus.size(), 2u);
+    EXPECT_EQ(t.ranks[0].gpu, 0);
+    EXPECT_EQ(t.ranks[1].gpu, 1);
+    EXPECT_EQ(t.hosts[0].gpus[0].nvlink_peers, std::vector<int>{1});
+    EXPECT_EQ(t.hosts[0].gpus[1].nvlink_peers, std::vector<int>{0});
+    EXPECT_EQ(t.hosts[0].gpus[0].peer_perf_ranks, std::vector<int>{0});
+  }
+}
+
+TEST(ExchangeTopology, PeerLinksAreRenumberedIntoTheUnion) {
+  // Rank 0 sees GPU A; rank 1 sees B and A (in that order), linked with
+  // performance rank 2: the link joins A (0) and B (1) of the union.
+  std::vector<StatusOr<Exchanged>> results =
+      Exchange({ViewOnNode({GpuAt("a")}, 0),
+                ViewOnNode({GpuAt("b", {1}, {2}), GpuAt("a", {0}, {2})}, 0)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    ASSERT_EQ(t.hosts[0].gpus.size(), 2u);
+    EXPECT_EQ(t.hosts[0].gpus[1].pci_bus_id, "b");
+    EXPECT_EQ(t.ranks[1].gpu, 1);
+    EXPECT_EQ(t.hosts[0].gpus[0].LinkRank(1), 2);
+    EXPECT_EQ(t.hosts[0].gpus[1].LinkRank(0), 2);
+  }
+}
+
+TEST(ExchangeTopology, WithoutBusIdsTheFirstRanksGpusStand) {
+  // Records without bus ids (no CUDA build, an older record): as before,
+  // the host's GPUs are its first rank's and each place.gpu is kept.
+  std::vector<StatusOr<Exchanged>> results =
+      Exchange({ViewOnNode({GpuAt(""), GpuAt("")}, 0), ViewOnNode({GpuAt("")}, 0)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    EXPECT_EQ(t.hosts[0].gpus.size(), 2u);
+    EXPECT_EQ(t.ranks[0].gpu, 0);
+    EXPECT_EQ(t.ranks[1].gpu, 0);
+  }
+}
+
+TEST(ExchangeTopology, AHostHasTheMostNumaNodesAnyOfItsRanksSees) {
+  // A cgroup cpuset hides node 1 from rank 0, not from rank 1 (bound there).
+  std::vector<LocalView> views = {ViewOnNode({}, -1), ViewOnNode({}, -1)};
+  views[1].host.numa_nodes = 2;
+  views[1].place.numa_node = 1;
+  std::vector<StatusOr<Exchanged>> results = Exchange(views);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    EXPECT_EQ(results[r]->topology.hosts[0].numa_nodes, 2);
+    EXPECT_EQ(results[r]->topology.ranks[1].numa_node, 1);
+  }
+}
+
 TEST(ExchangeTopology, DifferentSettingsFailEveryRankNamingTheSetting) {
   testing::InMemoryStore store;
   std::vector<LocalView> views(3);

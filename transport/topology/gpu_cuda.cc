@@ -22,6 +22,7 @@ std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root) {
     if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), d) == cudaSuccess) {
       std::string id = bus_id;
       std::transform(id.begin(), id.end(), id.begin(), [](unsigned char c) { return std::tolower(c); });
+      gpus[d].pci_bus_id = id;
       std::ifstream in(std::filesystem::path(sysfs_root) / "bus" / "pci" / "devices" / id / "numa_node");
       int numa = -1;
       if (in >> numa) gpus[d].numa_node = numa;

@@ -273,9 +273,11 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
       const std::string gpath = Indexed(path + ".gpus", g);
       DDP_RETURN_IF_ERROR(ExpectObject((*gpus)[g], gpath, origin));
       FieldReader gpu_in((*gpus)[g], gpath, origin);
-      DDP_RETURN_IF_ERROR(gpu_in.CheckKnown({"numa_node", "nvlink_peers", "peer_perf_ranks"}));
+      DDP_RETURN_IF_ERROR(
+          gpu_in.CheckKnown({"numa_node", "pci_bus_id", "nvlink_peers", "peer_perf_ranks"}));
       Gpu gpu;
       DDP_RETURN_IF_ERROR(gpu_in.Int("numa_node", false, gpu.numa_node, -1));
+      DDP_RETURN_IF_ERROR(gpu_in.String("pci_bus_id", false, gpu.pci_bus_id));
       DDP_ASSIGN_OR_RETURN(const json* peers, gpu_in.Array("nvlink_peers", false));
       for (size_t p = 0; peers != nullptr && p < peers->size(); ++p) {
         if (!(*peers)[p].is_number_integer()) {
@@ -340,6 +342,7 @@ std::string TopologyToJson(const Topology& topology) {
     h["gpus"] = json::array();
     for (const Gpu& g : host.gpus) {
       json gpu = {{"numa_node", g.numa_node}, {"nvlink_peers", g.nvlink_peers}};
+      if (!g.pci_bus_id.empty()) gpu["pci_bus_id"] = g.pci_bus_id;
       if (!g.peer_perf_ranks.empty()) gpu["peer_perf_ranks"] = g.peer_perf_ranks;
       h["gpus"].push_back(std::move(gpu));
     }

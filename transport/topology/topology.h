@@ -21,6 +21,9 @@
 //               {"host": 0, "numa_node": 0, "gpu": 1}]
 //   }
 //
+// "pci_bus_id" (optional) names a GPU ("0000:3b:00.0"), so that ranks that
+// see different GPUs of one host can be told apart when views are merged.
+//
 // "peer_perf_ranks" (optional) has one entry per "nvlink_peers" entry: the
 // CUDA P2P performance rank of that link (cudaDevP2PAttrPerformanceRank;
 // 0 is the best link, larger is slower). Without it every peer link counts
@@ -46,9 +49,14 @@ struct NetDevice {
   std::string UcxName() const { return name + ":" + std::to_string(port); }
 };
 
-/// One GPU of a host, numbered as the CUDA runtime numbers them.
+/// One GPU of a host. A rank's own view numbers them as its CUDA runtime
+/// does (after CUDA_VISIBLE_DEVICES); the exchanged topology numbers the
+/// union of its ranks' GPUs (see ExchangeTopology).
 struct Gpu {
   int numa_node = -1;
+  /// "0000:3b:00.0" (lower case): which GPU this is, whatever a rank's
+  /// CUDA_VISIBLE_DEVICES numbering; empty where unknown (no CUDA build).
+  std::string pci_bus_id;
   std::vector<int> nvlink_peers;  ///< GPUs of the same host it reaches by peer access.
   /// Empty, or one P2P performance rank per nvlink_peers entry (0: best link).
   std::vector<int> peer_perf_ranks;

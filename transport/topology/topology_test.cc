@@ -81,6 +81,21 @@ TEST(LoadTopologyFile, RoundTripsThroughJson) {
   EXPECT_EQ(back->hosts[0].gpus[1].nvlink_peers, std::vector<int>{0});
 }
 
+TEST(ParseTopologyJson, PciBusIdIsOptionalAndRoundTrips) {
+  Topology t = MustParse(R"({"hosts": [{"gpus": [{"pci_bus_id": "0000:3b:00.0"}, {}]}],
+      "ranks": [{"host": 0, "gpu": 0}]})");
+  EXPECT_EQ(t.hosts[0].gpus[0].pci_bus_id, "0000:3b:00.0");
+  EXPECT_EQ(t.hosts[0].gpus[1].pci_bus_id, "");
+  const std::string json = TopologyToJson(t);
+  EXPECT_EQ(json.find("pci_bus_id", json.find("pci_bus_id") + 1), std::string::npos)
+      << "an unknown bus id is written: " << json;
+  auto back = ParseTopologyJson(json, "round trip");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->hosts[0].gpus[0].pci_bus_id, "0000:3b:00.0");
+  ExpectError(R"({"hosts": [{"gpus": [{"pci_bus_id": 3}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].pci_bus_id: expected a string");
+}
+
 TEST(Subset, KeepsTheChosenRanksInTheirNewOrderAndTheirHosts) {
   Topology t;
   t.hosts.resize(3);
