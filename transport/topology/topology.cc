@@ -1,6 +1,7 @@
 #include "transport/topology/topology.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <set>
@@ -164,12 +165,19 @@ Status Topology::Validate() const {
     const Host& host = hosts[h];
     const int gpus = static_cast<int>(host.gpus.size());
     for (size_t g = 0; g < host.gpus.size(); ++g) {
-      for (int peer : host.gpus[g].nvlink_peers) {
+      const std::vector<int>& peers = host.gpus[g].nvlink_peers;
+      for (size_t k = 0; k < peers.size(); ++k) {
+        const int peer = peers[k];
         if (peer < 0 || peer >= gpus || peer == static_cast<int>(g)) {
           return InvalidArgumentError(Indexed(Indexed("hosts", h) + ".gpus", g) +
                                       ".nvlink_peers: " + std::to_string(peer) +
                                       " is not another GPU of this host (" +
                                       std::to_string(gpus) + " GPUs)");
+        }
+        if (std::find(peers.begin(), peers.begin() + static_cast<std::ptrdiff_t>(k), peer) !=
+            peers.begin() + static_cast<std::ptrdiff_t>(k)) {
+          return InvalidArgumentError(Indexed(Indexed("hosts", h) + ".gpus", g) + ".nvlink_peers: " +
+                                      std::to_string(peer) + " is listed twice");
         }
       }
       const Gpu& gpu = host.gpus[g];
@@ -278,23 +286,30 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
       Gpu gpu;
       DDP_RETURN_IF_ERROR(gpu_in.Int("numa_node", false, gpu.numa_node, -1));
       DDP_RETURN_IF_ERROR(gpu_in.String("pci_bus_id", false, gpu.pci_bus_id));
-      DDP_ASSIGN_OR_RETURN(const json* peers, gpu_in.Array("nvlink_peers", false));
-      for (size_t p = 0; peers != nullptr && p < peers->size(); ++p) {
-        if (!(*peers)[p].is_number_integer()) {
-          return InvalidArgumentError(std::string(origin) + ": " + Indexed(gpath + ".nvlink_peers", p) +
-                                      ": expected an integer, got " + TypeName((*peers)[p]));
+      // Integers up to 2^24, as the other fields: a larger one would wrap
+      // in the conversion to int (4294967297 read as 1) or overflow the
+      // ring search's sums of performance ranks.
+      auto read_ints = [&](const char* field, std::vector<int>& out) -> Status {
+        DDP_ASSIGN_OR_RETURN(const json* list, gpu_in.Array(field, false));
+        for (size_t p = 0; list != nullptr && p < list->size(); ++p) {
+          const json& item = (*list)[p];
+          const std::string where = std::string(origin) + ": " + Indexed(gpath + "." + field, p);
+          if (!item.is_number_integer()) {
+            return InvalidArgumentError(where + ": expected an integer, got " + TypeName(item));
+          }
+          // (Negative ones are named by Validate.)
+          const bool huge = item.is_number_unsigned() ? item.get<uint64_t>() > (uint64_t{1} << 24)
+                                                      : std::abs(item.get<int64_t>()) > (int64_t{1} << 24);
+          if (huge) {
+            return InvalidArgumentError(where + ": " + item.dump() + " is out of range [0, " +
+                                        std::to_string(1 << 24) + "]");
+          }
+          out.push_back(static_cast<int>(item.get<int64_t>()));
         }
-        gpu.nvlink_peers.push_back((*peers)[p].get<int>());
-      }
-      DDP_ASSIGN_OR_RETURN(const json* ranks, gpu_in.Array("peer_perf_ranks", false));
-      for (size_t p = 0; ranks != nullptr && p < ranks->size(); ++p) {
-        if (!(*ranks)[p].is_number_integer()) {
-          return InvalidArgumentError(std::string(origin) + ": " +
-                                      Indexed(gpath + ".peer_perf_ranks", p) +
-                                      ": expected an integer, got " + TypeName((*ranks)[p]));
-        }
-        gpu.peer_perf_ranks.push_back((*ranks)[p].get<int>());
-      }
+        return Status::Ok();
+      };
+      DDP_RETURN_IF_ERROR(read_ints("nvlink_peers", gpu.nvlink_peers));
+      DDP_RETURN_IF_ERROR(read_ints("peer_perf_ranks", gpu.peer_perf_ranks));
       host.gpus.push_back(std::move(gpu));
     }
     topology.hosts.push_back(std::move(host));

@@ -238,6 +238,15 @@ TEST(ParseTopologyJson, PeerPerfRanksAreCheckedAndRoundTrip) {
   ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1], "peer_perf_ranks": ["fast"]}, {}]}],
       "ranks": [{"host": 0}]})",
               "hosts[0].gpus[0].peer_perf_ranks[0]: expected an integer");
+  // Past int's range they wrapped: 4294967297 was peer 1, and huge
+  // performance ranks overflowed the ring search's sums.
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [4294967297]}, {}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].nvlink_peers[0]: 4294967297 is out of range [0, 16777216]");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1], "peer_perf_ranks": [2147483647]}, {}]}],
+      "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].peer_perf_ranks[0]: 2147483647 is out of range [0, 16777216]");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1, 1]}, {}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].nvlink_peers: 1 is listed twice");
   Topology t = MustParse(R"({"hosts": [{"gpus": [
       {"nvlink_peers": [1], "peer_perf_ranks": [3]}, {"nvlink_peers": [0]}]}],
       "ranks": [{"host": 0, "gpu": 0}]})");
