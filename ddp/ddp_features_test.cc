@@ -1548,6 +1548,98 @@ TEST(DdpFeaturesTest, HooksWithoutGradWriteBackLeaveTheLocalGradients) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// max |a - b| / max |b| over one pair of tensors.
+double RelativeDifference(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.ToVector<double>(), y = b.ToVector<double>();
+  double diff = 0, scale = 0;
+  for (size_t k = 0; k < x.size(); ++k) {
+    diff = std::max(diff, std::abs(x[k] - y[k]));
+    scale = std::max(scale, std::abs(y[k]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+// A post-accumulate-grad hook registered after the wrapper runs after
+// DDP's: it sees this rank's own gradient, and what it writes into .grad
+// is local (the reduced gradient replaces it at the end of backward), as
+// for a gradient copied into a bucket. The MLP's two large weights (1.5
+// MiB and 512 KiB) are buckets of their own under the default
+// inplace_gradient_mb, which were reduced in place in .grad: a hook that
+// scaled .grad by a rank-dependent factor (per-parameter clipping) then
+// scaled the reduced gradient (or, run while the collective was, one
+// rank's input to it), and the replicas drifted apart. Every parameter
+// gets a hook that records .grad and one that scales it by rank + 2;
+// three steps must equal three steps on the combined batch, and the
+// recorded gradients this rank's own. DDP_TEST_CASE=view: with
+// gradient_as_bucket_view, where .grad of a small parameter is its bucket.
+DDP_TEST_WORKER(user_hooks_after_ddp) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  const char* which = std::getenv("DDP_TEST_CASE");
+  const bool view = which != nullptr && std::string(which) == "view";
+  auto model = Mlp(31);
+  DistributedDataParallel ddp(model, {.gradient_as_bucket_view = view, .process_group = pg});
+  const auto params = model->NamedParameters();
+  std::vector<Tensor> seen(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].second.RegisterPostAccumulateGradHook([&seen, i](const Tensor& p) { seen[i] = p.grad().Clone(); });
+    params[i].second.RegisterPostAccumulateGradHook([rank](const Tensor& p) {
+      float* g = p.grad().data<float>();
+      for (int64_t k = 0; k < p.grad().numel(); ++k) g[k] *= static_cast<float>(rank + 2);
+    });
+  }
+  nn::optim::Sgd opt(params, {.lr = 0.05, .momentum = 0.9});
+  auto reference = Mlp(31);  // one process on the combined batch
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto local = Mlp(31);      // this rank's batch alone, from the model's parameters
+  try {
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      {
+        nn::NoGradGuard no_grad;
+        const auto local_params = local->NamedParameters();
+        for (size_t i = 0; i < params.size(); ++i) local_params[i].second.CopyFrom(params[i].second);
+      }
+      nn::optim::ZeroGrad(local->NamedParameters());
+      nn::Backward(nn::loss::CrossEntropy((*local)(x), y));
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      ref_opt.ZeroGrad();
+      auto [xa, ya] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+      const auto local_params = local->NamedParameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const double d = RelativeDifference(seen[i], local_params[i].second.grad());
+        WORKER_EXPECT(d <= 1e-6, "step " + std::to_string(s) + ": the hook saw a gradient of `" + params[i].first +
+                                     "` off this rank's own by " + std::to_string(d));
+      }
+      const auto [diff, worst] = testing::MaxRelativeGradDifference(*model, *reference);
+      WORKER_EXPECT(diff <= 1e-5, "step " + std::to_string(s) + ": gradient of `" + worst +
+                                      "` off the combined batch's by " + std::to_string(diff));
+      opt.Step();
+      ref_opt.Step();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+// Collectives on the training thread (inside DDP's hook, before the user's)
+// and on the communication thread (while the user's hooks run).
+TEST(DdpFeaturesTest, HooksRegisteredAfterTheWrapperActOnTheLocalGradient) {
+  for (const char* thread : {"caller", "comm"}) {
+    for (const char* which : {"copy", "view"}) {
+      auto run = RunWorkers("user_hooks_after_ddp", 2, {{"DDP_COLLECTIVE_THREAD", thread}, {"DDP_TEST_CASE", which}});
+      EXPECT_TRUE(run.AllSucceeded()) << thread << " " << which << "\n" << testing::AllOutput(run);
+    }
+  }
+}
+
 // --------------------------------------------------------- subgroups ----
 
 // Four ranks in two groups, {0, 1} and {3, 2}, each training its own DDP

@@ -42,6 +42,17 @@ void ZeroTensor(const nn::Tensor& t) {
   t.Zero();
 }
 
+// Copies the reduced gradient `reduced` into .grad `grad` (same shape).
+void WriteBack(const nn::Tensor& grad, const nn::Tensor& reduced) {
+  if (grad.is_contiguous() && grad.dtype() == reduced.dtype() && HostLoops(grad) && HostLoops(reduced)) {
+    std::memcpy(grad.data_ptr(), reduced.data_ptr(), reduced.nbytes());
+    grad.storage()->BumpVersion();
+  } else {
+    nn::NoGradGuard guard;
+    grad.CopyFrom(reduced);
+  }
+}
+
 }  // namespace
 
 void SetReducerDeviceCopiesForTesting(bool on) {
@@ -512,18 +523,30 @@ void Reducer::MarkReady(size_t index) {
   // Same dtype and contiguous: used as it is (any device).
   const bool plain = grad.defined() && grad.is_contiguous() && grad.dtype() == bucket.dtype &&
                      grad.device() == bucket.device;
+  // .grad may be the memory being reduced (a solo bucket, or a bucket view)
+  // only when no post-accumulate hook runs after this one: a user's hook
+  // registered after the wrapper would read a half-reduced gradient, or
+  // change this rank's input while the collective reads it. Otherwise
+  // .grad stays this rank's own for those hooks, and the reduced gradient
+  // replaces it at the end of backward, as for a gradient copied into a
+  // bucket.
+  const bool last_hook = hook_handles_[index].IsLast();
   if (bucket.is_solo) {
-    // Reduced in place: .grad itself is the bucket.
+    bucket.solo_copied = false;
     if (!grad.defined()) {
       // Unused here: contribute zeros (kept in case another rank used it).
       bucket.solo = nn::Zeros(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
-    } else if (plain) {
-      bucket.solo = grad;
+    } else if (plain && last_hook) {
+      bucket.solo = grad;  // reduced in place: .grad itself is the bucket
     } else {
       bucket.solo = nn::Empty(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
       nn::NoGradGuard guard;
       bucket.solo.CopyFrom(grad);
-      params_[index].set_grad(bucket.solo);
+      if (last_hook) {
+        params_[index].set_grad(bucket.solo);
+      } else {
+        bucket.solo_copied = true;  // Finalize writes it back
+      }
     }
     if (factor != 1.0) ScaleInto(bucket.solo, bucket.solo, factor);
   } else {
@@ -532,6 +555,10 @@ void Reducer::MarkReady(size_t index) {
       ZeroTensor(view);
     } else if (IsView(index, grad)) {
       // Accumulated straight into the bucket (gradient_as_bucket_view).
+      if (!last_hook) {
+        params_[index].set_grad(grad.Clone());
+        detached_[index] = 1;
+      }
       if (factor != 1.0) ScaleInto(view, view, factor);
     } else {
       if (plain) {
@@ -541,8 +568,15 @@ void Reducer::MarkReady(size_t index) {
         view.CopyFrom(grad);
         if (factor != 1.0) ScaleInto(view, view, factor);
       }
-      // The fresh gradient tensor is dropped: from now on the bucket is .grad.
-      if (options_.gradient_as_bucket_view) params_[index].set_grad(view);
+      // The fresh gradient tensor is dropped: from now on the bucket is .grad
+      // (after the later hooks, in Finalize).
+      if (options_.gradient_as_bucket_view) {
+        if (last_hook) {
+          params_[index].set_grad(view);
+        } else {
+          detached_[index] = 1;
+        }
+      }
     }
   }
   if (--bucket.pending == 0) LaunchReadyBuckets();
@@ -668,11 +702,17 @@ void Reducer::Finalize() {
       params_[i].set_grad(b.is_solo ? b.solo : slots_[i].view);
     }
     if (b.is_solo) {
-      // Reduced in place; a gradient this rank lacked arrives now, unless
-      // no rank had one.
+      // Reduced in place (or copied, then written back as below); a
+      // gradient this rank lacked arrives now, unless no rank had one.
       const size_t i = b.params[0];
-      if (globally_used[i] && !params_[i].grad().defined()) params_[i].set_grad(b.solo);
+      const nn::Tensor& grad = params_[i].grad();
+      if (globally_used[i] && !grad.defined()) {
+        params_[i].set_grad(b.solo);
+      } else if (globally_used[i] && b.solo_copied && grad_write_back_) {
+        WriteBack(grad, b.solo);
+      }
       b.solo = nn::Tensor();
+      b.solo_copied = false;
       continue;
     }
     for (size_t i : b.params) {
@@ -687,13 +727,8 @@ void Reducer::Finalize() {
       if (!grad_write_back_) continue;  // the hook consumed the bucket
       if (!grad.defined()) {
         params_[i].set_grad(view.Clone());
-      } else if (grad.is_contiguous() && grad.dtype() == view.dtype() && HostLoops(grad) &&
-                 HostLoops(view)) {
-        std::memcpy(grad.data_ptr(), view.data_ptr(), view.nbytes());
-        grad.storage()->BumpVersion();
       } else {
-        nn::NoGradGuard guard;
-        grad.CopyFrom(view);
+        WriteBack(grad, view);
       }
     }
   }

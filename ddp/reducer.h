@@ -140,10 +140,12 @@ class Reducer {
     nn::Device device;
     int64_t numel = 0;
     // One parameter: reduced in place in its .grad (buffer stays undefined
-    // and `solo` holds the tensor being reduced this iteration).
+    // and `solo` holds the tensor being reduced this iteration), or in a
+    // copy when another post-accumulate hook runs after DDP's on it.
     bool is_solo = false;
     nn::Tensor buffer;            // flat [numel], several parameters
     nn::Tensor solo;
+    bool solo_copied = false;     // `solo` is a copy, written back into .grad by Finalize
     std::vector<size_t> params;   // indices into params_
     std::vector<int64_t> offsets; // element offset of each parameter
     size_t pending = 0;           // gradients still missing this iteration
@@ -208,7 +210,8 @@ class Reducer {
   std::vector<size_t> unused_;  // found unused by this iteration's forward
   std::vector<char> is_unused_; // the same, per parameter
   bool unused_from_walk_ = false; // found by this forward's graph walk (not static_graph's)
-  std::vector<char> detached_;  // unused, and .grad was the memory being reduced: Finalize sets it back
+  std::vector<char> detached_;  // .grad was moved off the memory being reduced (the parameter is
+                                // unused, or a hook runs after DDP's): Finalize sets it back
   size_t ready_count_ = 0;
   size_t next_launch_ = 0;
   nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing

@@ -320,6 +320,13 @@ void HookHandle::Remove() {
   owner_.reset();
 }
 
+bool HookHandle::IsLast() const {
+  std::shared_ptr<TensorImpl> impl = owner_.lock();
+  if (!impl || impl->autograd() == nullptr) return false;
+  const auto& hooks = impl->autograd()->post_accumulate_hooks;
+  return !hooks.empty() && hooks.back().first == id_;
+}
+
 // ---------------------------------------------------------------- tensor
 
 Tensor Tensor::FromBlob(void* data, const Shape& shape, DType dtype, Device device,

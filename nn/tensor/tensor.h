@@ -144,6 +144,9 @@ class HookHandle {
   HookHandle(std::weak_ptr<TensorImpl> owner, uint64_t id) : owner_(std::move(owner)), id_(id) {}
   /// Unregisters the hook; idempotent, and harmless once the tensor is gone.
   void Remove();
+  /// Whether this hook is registered and is its tensor's last post-accumulate
+  /// hook, so that no other runs after it (hooks run in registration order).
+  bool IsLast() const;
 
  private:
   std::weak_ptr<TensorImpl> owner_;

@@ -346,6 +346,19 @@ TEST(TensorTest, HooksRegisterAndRemove) {
             std::string::npos);
 }
 
+TEST(TensorTest, HookHandleKnowsWhetherItsHookRunsLast) {
+  Tensor w = Zeros({2}, {.requires_grad = true});
+  HookHandle first = w.RegisterPostAccumulateGradHook([](const Tensor&) {});
+  EXPECT_TRUE(first.IsLast());
+  HookHandle second = w.RegisterPostAccumulateGradHook([](const Tensor&) {});
+  EXPECT_FALSE(first.IsLast());
+  EXPECT_TRUE(second.IsLast());
+  second.Remove();
+  EXPECT_FALSE(second.IsLast());
+  EXPECT_TRUE(first.IsLast());
+  EXPECT_FALSE(HookHandle().IsLast());
+}
+
 TEST(TensorTest, SetDataKeepsTheObject) {
   Tensor w = Zeros({2}, {.requires_grad = true});
   Tensor alias = w;
