@@ -352,6 +352,95 @@ DDP_TEST_WORKER(join_after_no_sync) {
   return testing::WorkerExit();
 }
 
+// Uneven inputs under Join (the last rank holds 3 more batches), with an
+// evaluation between each training forward and its backward when
+// `evaluate`: no-grad forwards in eval and in training mode, as
+// non_sync_forwards runs them without Join. A rank that ran out starts
+// shadowing the backward (its bucket all-reduces) once the training
+// forward's flags say so; an evaluation that sent Join's flags all-reduce,
+// or in training mode the buffer broadcast, paired them with those.
+void TrainUnderJoin(ProcessGroup& pg, const std::shared_ptr<Module>& model, bool evaluate) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  const int mine = 4 + (rank == world - 1 ? 3 : 0);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  Join join(ddp);
+  for (int s = 0; s < mine; ++s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    const Tensor out = ddp(x);
+    if (evaluate) {
+      nn::NoGradGuard no_grad;
+      ddp.Eval();
+      ddp(held_out);
+      ddp.Train();
+      ddp(held_out);
+    }
+    nn::Backward(nn::loss::CrossEntropy(out, y));
+    opt.Step();
+  }
+  join.Wait();
+}
+
+// The MLP equals one process on the combined batches (CheckJoin's
+// reference); a model with BatchNorm, whose buffers the training-mode
+// evaluation would broadcast, has the parameters of the same training
+// without the evaluations (they only move running statistics, which a
+// training forward does not read), and identical replicas.
+DDP_TEST_WORKER(join_evaluation_before_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size();
+  try {
+    auto model = Mlp(17);
+    TrainUnderJoin(*pg, model, true);
+    auto reference = Mlp(17);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 7; ++s) {
+      ref_opt.ZeroGrad();
+      Tensor loss;
+      if (s < 4) {
+        auto [x, y] = testing::Batch(data, s * world * kBatch, world * kBatch);
+        loss = nn::loss::CrossEntropy((*reference)(x), y);
+      } else {
+        auto [x, y] = testing::Batch(data, (s * world + world - 1) * kBatch, kBatch);
+        loss = nn::loss::CrossEntropy((*reference)(x), y) * (1.0 / world);
+      }
+      nn::Backward(loss);
+      ref_opt.Step();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "MLP: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "MLP: replicas differ");
+
+    auto with_batch_norm = [] {
+      nn::Generator gen(5);
+      return std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+          std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 32, true, gen),
+          std::make_shared<nn::modules::BatchNorm1d>(32), std::make_shared<nn::modules::ReLU>(),
+          std::make_shared<nn::modules::Linear>(32, 10, true, gen)});
+    };
+    auto evaluated = with_batch_norm(), plain = with_batch_norm();
+    TrainUnderJoin(*pg, evaluated, true);
+    TrainUnderJoin(*pg, plain, false);
+    const auto [bn_diff, bn_worst] = testing::MaxRelativeDifference(*evaluated, *plain);
+    WORKER_EXPECT(bn_diff <= 1e-6, "BatchNorm: `" + bn_worst + "` off by " + std::to_string(bn_diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*evaluated)), "BatchNorm: replicas differ");
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinWithAnEvaluationBetweenForwardAndBackward) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("join_evaluation_before_backward", n, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks\n" << testing::AllOutput(run);
+  }
+}
+
 TEST(DdpFeaturesTest, RankThatRanOutDuringNoSyncStartsAfresh) {
   auto run = RunWorkers("join_after_no_sync", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

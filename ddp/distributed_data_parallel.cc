@@ -191,15 +191,25 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // and a backward through it is refused.
   const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync;
   const bool sync = grad_sync && (training || !s.join_enabled);
-  const bool sync_buffers = training && options_.broadcast_buffers && size > 1 && !s.buffers.empty();
+  // Under Join, a forward that does not synchronize between a training
+  // forward and its backward (an evaluation) sends neither Join's flags nor
+  // the buffers: the ranks that ran out of inputs shadow that backward from
+  // the training forward's flags on, and its bucket all-reduces would pair
+  // with these. Nothing in it needs shadowing (its buffers stay local until
+  // the next training forward broadcasts them).
+  const bool before_backward =
+      s.join_enabled && !sync && s.reducer != nullptr && s.reducer->awaiting_backward();
+  const bool sync_buffers =
+      training && options_.broadcast_buffers && size > 1 && !s.buffers.empty() && !before_backward;
+  const bool join_flags = s.join_enabled && size > 1 && !before_backward;
   if (s.reducer != nullptr) {
-    s.reducer->CheckPreviousIteration(sync, /*communicates=*/sync_buffers || (s.join_enabled && size > 1));
+    s.reducer->CheckPreviousIteration(sync, /*communicates=*/sync_buffers || join_flags);
   }
   bool rebuild = sync && training && s.reducer->rebuild_pending();
 
   double divisor = size;
   int buffer_root = 0;
-  if (s.join_enabled && size > 1) {
+  if (join_flags) {
     // flags[r]: rank r is active; then: this iteration synchronizes
     // gradients, rebuilds buckets, broadcasts buffers. Joined ranks read
     // them to shadow exactly what the active ranks do.

@@ -226,7 +226,9 @@ struct JoinOptions {
 ///   join.Wait();  // this rank is out of data: shadow the others until all are
 ///
 /// While a Join exists, every training forward tells the other ranks that
-/// this rank is still active (one small all-reduce). Wait() runs on a rank
+/// this rank is still active (one small all-reduce); a forward that does not
+/// synchronize between a training forward and its backward (an evaluation)
+/// sends nothing, not even its buffers. Wait() runs on a rank
 /// that has no more inputs: it performs the collectives the active ranks
 /// run (buffer broadcasts, all-reduces of zero gradients) until every rank
 /// has called Wait(); then the parameters and buffers of the rank that ran

@@ -89,6 +89,10 @@ class Reducer {
   /// thrown, every later forward throws the same.
   void CheckPreviousIteration(bool synchronizing, bool communicates = false);
 
+  /// Whether a synchronizing training forward prepared an iteration whose
+  /// backward has not started (no gradient hook fired since).
+  bool awaiting_backward() const { return unfinished_ && !finalize_queued_ && !backward_optional_; }
+
   /// Whether the next synchronizing iteration starts with RebuildBuckets:
   /// after the group's first synchronizing iteration, the same on every
   /// rank (an iteration shadowed under Join counts).
