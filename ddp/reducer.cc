@@ -795,7 +795,13 @@ void Reducer::ShadowBackward(double divisor, bool write_gradients) {
       const Bucket& bucket = buckets_[b];
       for (size_t k = 0; k < bucket.params.size(); ++k) {
         const size_t i = bucket.params[k];
-        if (u != nullptr && u[i] == 0) continue;  // unused on every rank: no gradient
+        if (u != nullptr && u[i] == 0) {
+          // Unused on every rank: no gradient, as an active rank has after
+          // ZeroGrad (set_to_none, the default). The one left from this
+          // rank's own last iteration would be stepped by its shard.
+          params_[i].set_grad(nn::Tensor());
+          continue;
+        }
         const nn::Tensor average =
             results[b].Narrow(0, bucket.offsets[k], params_[i].numel()).View(params_[i].shape());
         const nn::Tensor& grad = params_[i].grad();

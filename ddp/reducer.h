@@ -125,8 +125,9 @@ class Reducer {
   /// the active ranks use. With `write_gradients` the reduced result (the
   /// active ranks' average) becomes this rank's .grad, as after a backward
   /// of its own, for an optimizer step that must be shadowed too (a
-  /// sharded optimizer updating this rank's shard); otherwise .grad is left
-  /// alone. Nothing is written when the hook consumes the buckets.
+  /// sharded optimizer updating this rank's shard), and a parameter unused
+  /// on every rank (find_unused_parameters) has none; otherwise .grad is
+  /// left alone. Nothing is written when the hook consumes the buckets.
   void ShadowBackward(double divisor, bool write_gradients = false);
 
   /// Whether an unused-parameter map is all-reduced after each backward.

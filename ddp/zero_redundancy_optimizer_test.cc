@@ -1,6 +1,7 @@
 // ZeroRedundancyOptimizer over real processes: with DDP it trains exactly
 // as the unsharded optimizer (bit for bit, SGD with momentum and Adam, 2
-// and 3 ranks), each rank keeps state for its shard only, the consolidated
+// and 3 ranks; also under Join, with a parameter that no rank uses in the
+// shadowed iterations), each rank keeps state for its shard only, the consolidated
 // state equals the unsharded optimizer's, a run resumed from a checkpoint
 // holding it equals an uninterrupted one, and a bad state fails every rank
 // (one bad only for one rank's shard loads on none); a factory that does
@@ -301,6 +302,66 @@ TEST(ZeroRedundancyOptimizerTest, JoinWithOneRankHoldingThreeMoreBatches) {
   for (const char* optim : {"sgd", "adam"}) {
     auto run = RunWorkers("join", 3, {{"DDP_TEST_OPTIM", optim}});
     EXPECT_TRUE(run.AllSucceeded()) << optim << "\n" << testing::AllOutput(run);
+  }
+}
+
+// find_unused_parameters under Join with shadow_step: every rank trains
+// head b for 3 iterations, then rank 0 alone 3 more through head a, so that
+// b is unused on every rank in the iterations the others shadow. There
+// rank 0's b has no gradient (ZeroGrad) and is not stepped; a rank that ran
+// out kept b's gradient from its own last iteration and stepped its pieces
+// of b with it, then broadcast them. Sharded training must equal the
+// unsharded optimizer's under Join, parameter for parameter.
+DDP_TEST_WORKER(join_unused_everywhere) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  constexpr int kCommon = 3, kExtra = 3;
+  const int mine = kCommon + (rank == 0 ? kExtra : 0);
+  auto sharded = std::make_shared<testing::Branchy>(43, false);
+  auto plain = std::make_shared<testing::Branchy>(43, false);
+  try {
+    {
+      DistributedDataParallel ddp(sharded, {.find_unused_parameters = true, .process_group = pg});
+      ZeroRedundancyOptimizer zero(sharded->NamedParameters(), pg, MakeOptimizer);
+      // The test needs a rank that runs out to own pieces of b.
+      const NamedParameters params = sharded->NamedParameters();
+      bool joined_owns_b = false;
+      for (int r = 1; r < world; ++r) {
+        for (const Slice& s : zero.shard(r)) joined_owns_b |= params[s.param].first.rfind("b.", 0) == 0;
+      }
+      WORKER_EXPECT(joined_owns_b, "no rank that runs out owns a piece of head b");
+      Join join(ddp, {.shadow_step = [&] { zero.Step(); }});
+      for (int s = 0; s < mine; ++s) {
+        sharded->use_a_ = s >= kCommon;
+        TrainStep(ddp, zero, *pg, s);
+      }
+      join.Wait();
+    }
+    {
+      DistributedDataParallel ddp(plain, {.find_unused_parameters = true, .process_group = pg});
+      auto opt = MakeOptimizer(plain->NamedParameters());
+      Join join(ddp);
+      for (int s = 0; s < mine; ++s) {
+        plain->use_a_ = s >= kCommon;
+        TrainStep(ddp, *opt, *pg, s);
+      }
+      join.Wait();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*sharded, *plain);
+  WORKER_EXPECT(testing::HashState(*sharded) == testing::HashState(*plain),
+                "sharded and unsharded training under Join differ, most in `" + worst + "` (by " +
+                    std::to_string(diff) + ")");
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*sharded)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, JoinLeavesAParameterUnusedOnEveryRankWithoutAStep) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("join_unused_everywhere", n);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks\n" << testing::AllOutput(run);
   }
 }
 
