@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <string>
 #include <vector>
@@ -218,6 +219,65 @@ TEST(TrainRunTest, ResumedOnFewerRanksTheScheduleEndsWithTheRun) {
   EXPECT_EQ(last_step_row.rfind("12,2,", 0), 0u) << last_step_row;
   EXPECT_NE(last_step_row.find(",0,"), std::string::npos)
       << "the learning rate did not reach 0 at the run's end: " << last_step_row;
+}
+
+// A signal during the evaluation at an epoch end (or at a multiple of
+// --eval_every) stops the run after the checkpoint of that step was saved
+// and before the evaluation's row was written. The resumed run starts past
+// that step; it evaluates there first, so metrics.csv holds every
+// evaluation once. The interrupted evaluation is made here by dropping its
+// row, as a signal there leaves the files.
+TEST(TrainRunTest, ResumeMakesTheEvaluationASignalCutShort) {
+  const std::string dir = testing::MakeTempDir("missed_eval");
+  // 8 steps per epoch on 2 ranks; evaluations at the epoch ends only.
+  std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp", "--train_samples=512",
+      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--log_every=4",
+      "--scheduler=none",  // a schedule would tie the checkpoint to --epochs=1
+      "--checkpoint=" + dir + "/ckpt.safetensors", "--log_dir=" + dir + "/logs"};
+  std::vector<std::string> first = args;
+  first.push_back("--epochs=1");
+  const RunOutput one = RunToEnd(first);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  const std::string csv_path = dir + "/logs/metrics.csv";
+  std::string kept;
+  int dropped = 0;
+  for (const std::string& row : Lines(ReadFile(csv_path))) {
+    if (row.rfind("8,1,,,,", 0) == 0) {
+      ++dropped;
+      continue;
+    }
+    kept += row + "\n";
+  }
+  ASSERT_EQ(dropped, 1) << ReadFile(csv_path);
+  {
+    std::ofstream out(csv_path, std::ios::trunc);
+    out << kept;
+  }
+
+  std::vector<std::string> resumed = args;
+  resumed.insert(resumed.end(), {"--epochs=2", "--resume"});
+  const RunOutput r = RunToEnd(resumed);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(std::regex_search(
+      r.out, std::regex(R"(  evaluated at step 8 \(epoch 1\), missing from the metrics: test loss \d+\.\d{4}  test acc \d+\.\d\d%)")))
+      << r.out;
+  std::vector<std::string> evals;
+  for (const std::string& row : Lines(ReadFile(csv_path))) {
+    if (std::regex_match(row, std::regex(R"(\d+,\d+,,,,[^,]+,[^,]+)"))) evals.push_back(row.substr(0, row.find(",,")));
+  }
+  EXPECT_EQ(evals, (std::vector<std::string>{"8,1", "16,2"})) << ReadFile(csv_path);
+
+  // Resumed again at the end: the evaluation at step 16 is logged, so it is
+  // reported but not written twice.
+  const RunOutput again = RunToEnd(resumed);
+  ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
+  EXPECT_EQ(again.out.find("missing from the metrics"), std::string::npos) << again.out;
+  evals.clear();
+  for (const std::string& row : Lines(ReadFile(csv_path))) {
+    if (std::regex_match(row, std::regex(R"(\d+,\d+,,,,[^,]+,[^,]+)"))) evals.push_back(row.substr(0, row.find(",,")));
+  }
+  EXPECT_EQ(evals, (std::vector<std::string>{"8,1", "16,2"})) << ReadFile(csv_path);
 }
 
 int FreePort() {

@@ -121,6 +121,13 @@ void MetricsLog::AddEval(const EvalRecord& r) {
   Append(EvalRow(r));
 }
 
+bool MetricsLog::HasEvalAt(int64_t step) const {
+  for (const EvalRecord& e : evals_) {
+    if (e.step == step) return true;
+  }
+  return false;
+}
+
 void MetricsLog::AddEpochEnd(int64_t epoch, int64_t step) {
   if (!epoch_ends_.empty() && epoch_ends_.back().first == epoch) return;
   epoch_ends_.emplace_back(epoch, step);

@@ -63,6 +63,9 @@ class MetricsLog {
   std::string chart_path() const { return dir_ + "/chart.svg"; }
   const std::vector<StepRecord>& steps() const { return steps_; }
   const std::vector<EvalRecord>& evals() const { return evals_; }
+  /// Whether an evaluation at `step` is logged (kept from before a resume
+  /// or added since).
+  bool HasEvalAt(int64_t step) const;
 
   /// The CSV's header line (without newline).
   static const char* CsvHeader();

@@ -249,6 +249,12 @@ class Run {
   // Keeps `e` unless it was interrupted (then returns false: the ranks
   // stop, see StopNow).
   bool RecordEvaluation(const Evaluation& e, int64_t epoch_number);
+  // On --resume: the evaluation the run before was to make at the
+  // checkpoint's step (an epoch end, a multiple of --eval_every), made now
+  // if metrics.csv lacks it. The checkpoint is saved before that evaluation,
+  // which a signal cuts short; the resumed run then starts past it. Returns
+  // the agreed stop signal if this evaluation is interrupted in turn.
+  int EvaluateMissedAtResume();
   // A stop vote that every rank waits for (after an interrupted
   // evaluation, which every rank learns of together): the agreed signal.
   int StopNow();
@@ -612,8 +618,28 @@ bool Run::RecordEvaluation(const Evaluation& e, int64_t epoch_number) {
   if (e.interrupted) return false;
   last_eval_ = e;
   last_eval_step_ = pos_.step;
-  Log([&](MetricsLog& log) { log.AddEval({pos_.step, epoch_number, e.loss, e.accuracy}); });
+  // A resumed finished run evaluates again at the step the log may hold.
+  Log([&](MetricsLog& log) {
+    if (!log.HasEvalAt(pos_.step)) log.AddEval({pos_.step, epoch_number, e.loss, e.accuracy});
+  });
   return true;
+}
+
+int Run::EvaluateMissedAtResume() {
+  if (!c_.resume || !opt_.evaluate || pos_.step == 0) return 0;
+  const bool epoch_end = pos_.batch_in_epoch == 0 && pos_.epoch > 0;
+  const bool scheduled = c_.eval_every > 0 && pos_.step % c_.eval_every == 0;
+  if (!epoch_end && !scheduled) return 0;
+  // Rank 0 keeps the log; every rank evaluates (a collective) or none.
+  std::string missed = lead_ && log_ != nullptr && !log_->HasEvalAt(pos_.step) ? "1" : "";
+  if (par_.ShareFromLead(std::move(missed)).empty()) return 0;
+  const int64_t epoch_number = epoch_end ? pos_.epoch : pos_.epoch + 1;
+  if (!RecordEvaluation(Evaluate(), epoch_number)) return StopNow();
+  Say(StringPrintf("  evaluated at step %lld (epoch %lld), missing from the metrics: test loss %.4f  "
+                   "test acc %.2f%%",
+                   static_cast<long long>(pos_.step), static_cast<long long>(epoch_number),
+                   last_eval_->loss, last_eval_->accuracy * 100));
+  return 0;
 }
 
 int Run::StopNow() {
@@ -658,6 +684,7 @@ RunResult Run::Go() {
   bool job_failed = false;  // a peer left mid-collective: no more collectives
   int64_t epochs_done = pos_.epoch;
   try {
+    signal = EvaluateMissedAtResume();
     while (pos_.epoch < c_.epochs && !StepLimitReached() && signal == 0) {
       const Clock::time_point epoch_start = Clock::now();
       double paused_s = 0;  // evaluation and checkpoints inside the epoch
