@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,51 @@ TEST(AutogradTest, HooksFireInReadinessOrderAfterAccumulation) {
   order.clear();
   Backward(ops::Sum(ops::Mul(w3, ops::Mul(w2, ops::Mul(w1, x)))));
   EXPECT_EQ(order, (std::vector<std::string>{"w2", "w1"}));
+}
+
+// A hook that removes a later hook of the same gradient (say, it tears down
+// the object that hook captured) keeps that hook from running in the same
+// accumulation. Before, the loop ran a copy of the list and called it.
+TEST(AutogradTest, AHookRemovedByAnEarlierHookDoesNotRun) {
+  Tensor w = Param({2}, 1.0);
+  int second_ran = 0;
+  HookHandle second;
+  w.RegisterPostAccumulateGradHook([&](const Tensor&) { second.Remove(); });
+  second = w.RegisterPostAccumulateGradHook([&](const Tensor&) { ++second_ran; });
+  Backward(ops::Sum(ops::MulScalar(w, 2.0)));
+  EXPECT_EQ(second_ran, 0);
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+}
+
+// An error from inside backward names the node it came from. A standard
+// exception keeps its type; any other type (a collective's DistributedError
+// from a hook that waited on it) arrives unchanged, so that callers can
+// catch it by type. Before, every error became a std::runtime_error.
+struct CustomError : std::runtime_error {
+  explicit CustomError(int c) : std::runtime_error("custom " + std::to_string(c)), code(c) {}
+  int code;
+};
+
+TEST(AutogradTest, ErrorsFromBackwardKeepTheirType) {
+  Tensor w = Param({2}, 1.0);
+  HookHandle h = w.RegisterPostAccumulateGradHook([](const Tensor&) { throw CustomError(7); });
+  try {
+    Backward(ops::Sum(w));
+    FAIL() << "no error";
+  } catch (const CustomError& e) {
+    EXPECT_EQ(e.code, 7);
+    EXPECT_EQ(std::string(e.what()), "custom 7");
+  }
+  h.Remove();
+  h = w.RegisterPostAccumulateGradHook([](const Tensor&) { throw std::invalid_argument("bad"); });
+  try {
+    Backward(ops::Sum(w));
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("in backward of ", 0), 0u) << what;
+    EXPECT_NE(what.find(": bad"), std::string::npos) << what;
+  }
 }
 
 // Freezing a parameter between forward and backward: as PyTorch's

@@ -5,6 +5,7 @@
 #include <queue>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -67,6 +68,25 @@ void RunCallbacks(GraphTask& task) {
     if (batch.empty()) return;
     for (auto& fn : batch) fn();
   }
+}
+
+// An error raised inside a node (its backward, or a hook on a gradient it
+// accumulated) names the node. The standard exception types are thrown
+// again, with the same type, with the name in front; any other type (a
+// DistributedError from a collective a hook waited on, bad_alloc) goes
+// through unchanged, so that the caller can still catch it by its type.
+[[noreturn]] void RethrowWithNodeName(const std::exception& e, const Node& node) {
+  const std::type_info& type = typeid(e);
+  const std::string what = "in backward of " + node.name() + ": " + e.what();
+  if (type == typeid(std::runtime_error)) throw std::runtime_error(what);
+  if (type == typeid(std::logic_error)) throw std::logic_error(what);
+  if (type == typeid(std::invalid_argument)) throw std::invalid_argument(what);
+  if (type == typeid(std::out_of_range)) throw std::out_of_range(what);
+  if (type == typeid(std::domain_error)) throw std::domain_error(what);
+  if (type == typeid(std::length_error)) throw std::length_error(what);
+  if (type == typeid(std::overflow_error)) throw std::overflow_error(what);
+  if (type == typeid(std::range_error)) throw std::range_error(what);
+  throw;
 }
 
 }  // namespace
@@ -186,7 +206,7 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
           out_grads = node->Apply(std::move(in));
         }
       } catch (const std::exception& e) {
-        throw std::runtime_error("in backward of " + node->name() + ": " + e.what());
+        RethrowWithNodeName(e, *node);
       }
     }
     if (!retain_graph) node->ReleaseSaved();

@@ -1,5 +1,6 @@
 #include "nn/autograd/node.h"
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <stdexcept>
@@ -57,9 +58,16 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
     DDP_KERNEL(meta.grad.device(), add_scaled_)(meta.grad, g, 1.0);
     meta.grad.storage()->BumpVersion();
   }
-  // Copy: a hook may remove itself (or others) while running.
+  // Copy: a hook may remove itself (or others) while running. One removed
+  // by an earlier hook in this loop does not run (what it captured may be
+  // gone with its owner).
   const auto hooks = meta.post_accumulate_hooks;
-  for (const auto& [id, hook] : hooks) hook(var);
+  for (const auto& [id, hook] : hooks) {
+    const auto& live = meta.post_accumulate_hooks;
+    const bool removed =
+        std::none_of(live.begin(), live.end(), [id = id](const auto& h) { return h.first == id; });
+    if (!removed) hook(var);
+  }
   return {};
 }
 
