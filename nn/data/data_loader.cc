@@ -1,38 +1,71 @@
 #include "nn/data/data_loader.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 namespace ddp::nn::data {
 
+namespace {
+
+// Longest wait a DataLoader accepts: longer ones would overflow the clock's
+// nanoseconds in a timed wait (milliseconds::max(), "never", fails at once).
+constexpr std::chrono::milliseconds kLongestTimeout = std::chrono::hours(24 * 365);
+
+}  // namespace
+
+DataLoader::Shared::Shared(std::shared_ptr<const Dataset> d, TransformOptions t, DataLoaderOptions o)
+    : dataset(std::move(d)),
+      transform(dataset ? dataset->Shape() : ImageShape{1, 1, 1}, std::move(t)),
+      options(o) {}
+
 DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
                        TransformOptions transform, DataLoaderOptions options)
-    : dataset_(std::move(dataset)),
-      sampler_(std::move(sampler)),
-      transform_(dataset_ ? dataset_->Shape() : ImageShape{1, 1, 1}, std::move(transform)),
-      options_(options) {
-  if (!dataset_) throw std::invalid_argument("DataLoader: no dataset");
-  if (!sampler_) sampler_ = std::make_shared<SequentialSampler>(dataset_->Size());
-  if (options_.batch_size < 1) {
-    throw std::invalid_argument("DataLoader: batch_size " + std::to_string(options_.batch_size) +
+    : sampler_(std::move(sampler)),
+      s_(std::make_shared<Shared>(std::move(dataset), std::move(transform), options)) {
+  const Dataset* data = s_->dataset.get();
+  DataLoaderOptions& o = s_->options;
+  if (data == nullptr) throw std::invalid_argument("DataLoader: no dataset");
+  if (!sampler_) sampler_ = std::make_shared<SequentialSampler>(data->Size());
+  if (o.batch_size < 1) {
+    throw std::invalid_argument("DataLoader: batch_size " + std::to_string(o.batch_size) +
                                 " must be >= 1");
   }
-  if (options_.num_workers < 0 || options_.prefetch_factor < 1) {
-    throw std::invalid_argument("DataLoader: num_workers " + std::to_string(options_.num_workers) +
+  if (o.num_workers < 0 || o.prefetch_factor < 1) {
+    throw std::invalid_argument("DataLoader: num_workers " + std::to_string(o.num_workers) +
                                 " must be >= 0 and prefetch_factor " +
-                                std::to_string(options_.prefetch_factor) + " >= 1");
+                                std::to_string(o.prefetch_factor) + " >= 1");
   }
-  if (options_.drop_last && options_.batch_size > sampler_->Size()) {
+  if (o.timeout.count() <= 0) {
+    throw std::invalid_argument("DataLoader: timeout " + std::to_string(o.timeout.count()) +
+                                " ms must be positive");
+  }
+  o.timeout = std::min(o.timeout, kLongestTimeout);
+  if (o.drop_last && o.batch_size > sampler_->Size()) {
     // Every batch would be dropped: an epoch with no step at all.
     throw std::invalid_argument(
-        "DataLoader: batch size " + std::to_string(options_.batch_size) + " is larger than the " +
+        "DataLoader: batch size " + std::to_string(o.batch_size) + " is larger than the " +
         std::to_string(sampler_->Size()) + " samples this sampler yields per epoch from " +
-        dataset_->Name() + "; with drop_last no batch is left (lower the batch size)");
+        data->Name() + "; with drop_last no batch is left (lower the batch size)");
   }
-  in_memory_ = dynamic_cast<const InMemoryImageDataset*>(dataset_.get());
+  s_->in_memory = dynamic_cast<const InMemoryImageDataset*>(data);
+  s_->exited.assign(static_cast<size_t>(o.num_workers), false);
   try {
-    for (int i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+    for (int i = 0; i < o.num_workers; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(s_->mu);
+        ++s_->running;
+      }
+      try {
+        workers_.emplace_back([s = s_, id = static_cast<size_t>(i)] { WorkerLoop(s, id); });
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(s_->mu);
+        --s_->running;
+        throw;
+      }
+    }
   } catch (...) {
     // A thread that could not start (out of threads): the destructor does
     // not run for a constructor that throws, and a joinable std::thread
@@ -44,20 +77,46 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
 
 DataLoader::~DataLoader() { StopWorkers(); }
 
+ImageShape DataLoader::OutputShape() const { return s_->transform.OutputShape(); }
+
+const Dataset& DataLoader::dataset() const { return *s_->dataset; }
+
 void DataLoader::StopWorkers() {
+  std::vector<bool> exited;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::unique_lock<std::mutex> lock(s_->mu);
+    s_->stop = true;
+    s_->work_cv.notify_all();
+    // A worker that made Next() time out has had its chance already; the
+    // idle ones return at once.
+    const std::chrono::milliseconds grace =
+        s_->timed_out ? std::min(s_->options.timeout, std::chrono::milliseconds(100)) : s_->options.timeout;
+    s_->exit_cv.wait_for(lock, grace, [&] { return s_->running == 0; });
+    exited = s_->exited;
   }
-  work_cv_.notify_all();
-  for (std::thread& t : workers_) t.join();
+  size_t left = 0;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (exited[i]) {
+      workers_[i].join();  // returning now
+    } else {
+      workers_[i].detach();  // it holds what it uses (Shared)
+      ++left;
+    }
+  }
   workers_.clear();
+  if (left > 0) {
+    std::fprintf(stderr,
+                 "[ddp] warning: DataLoader: %zu of its workers are still building a batch from %s "
+                 "(stuck in the dataset?); left running in the background\n",
+                 left, s_->dataset->Name().c_str());
+  }
 }
 
 int64_t DataLoader::NumBatches() const {
   const int64_t n = sampler_->Size();
-  return options_.drop_last ? n / options_.batch_size
-                            : (n + options_.batch_size - 1) / options_.batch_size;
+  const int64_t bs = s_->options.batch_size;
+  // Not (n + bs - 1) / bs: a batch size near INT64_MAX ("all in one") overflows.
+  return s_->options.drop_last ? n / bs : n / bs + (n % bs != 0);
 }
 
 void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
@@ -76,33 +135,35 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
                                 " batches of an epoch that has " + std::to_string(num_batches));
   }
   for (int64_t i : *indices) {
-    if (i < 0 || i >= dataset_->Size()) {
+    if (i < 0 || i >= s_->dataset->Size()) {
       throw std::out_of_range("DataLoader: sampler index " + std::to_string(i) +
-                              " is outside the dataset " + dataset_->Name());
+                              " is outside the dataset " + s_->dataset->Name());
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    epoch_.number = epoch;
-    ++epoch_.generation;
-    epoch_.indices = std::move(indices);
-    epoch_.num_batches = num_batches;
-    next_claim_ = next_deliver_ = skip_batches;
+    std::lock_guard<std::mutex> lock(s_->mu);
+    Epoch& e = s_->epoch;
+    e.number = epoch;
+    ++e.generation;
+    e.indices = std::move(indices);
+    e.num_batches = num_batches;
+    s_->next_claim = s_->next_deliver = skip_batches;
     // Batches of an abandoned epoch are dropped; workers still building one
     // see the generation change and discard it.
-    ready_.clear();
-    started_ = true;
+    s_->ready.clear();
+    s_->started = true;
   }
-  work_cv_.notify_all();
+  s_->work_cv.notify_all();
 }
 
-Batch DataLoader::Build(const Epoch& epoch, int64_t k) const {
-  const int64_t begin = k * options_.batch_size;
-  const int64_t end = std::min<int64_t>(begin + options_.batch_size,
-                                        static_cast<int64_t>(epoch.indices->size()));
+Batch DataLoader::Build(const Shared& s, const Epoch& epoch, int64_t k) {
+  const int64_t batch_size = s.options.batch_size;
+  const int64_t begin = k * batch_size;
+  const int64_t size = static_cast<int64_t>(epoch.indices->size());
+  const int64_t end = batch_size >= size - begin ? size : begin + batch_size;
   const int64_t n = end - begin;
-  const ImageShape in = dataset_->Shape();
-  const ImageShape out = transform_.OutputShape();
+  const ImageShape in = s.dataset->Shape();
+  const ImageShape out = s.transform.OutputShape();
   Batch b;
   b.epoch = epoch.number;
   b.index = k;
@@ -110,71 +171,78 @@ Batch DataLoader::Build(const Epoch& epoch, int64_t k) const {
   b.labels = Empty({n}, {.dtype = DType::kInt64});
   float* images = b.images.data<float>();
   int64_t* labels = b.labels.data<int64_t>();
-  std::vector<uint8_t> scratch(in_memory_ ? 0 : in.NumPixels());
+  std::vector<uint8_t> scratch(s.in_memory ? 0 : in.NumPixels());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t index = (*epoch.indices)[begin + i];
     const uint8_t* pixels;
-    if (in_memory_) {
-      pixels = in_memory_->Pixels(index);
+    if (s.in_memory) {
+      pixels = s.in_memory->Pixels(index);
     } else {
-      dataset_->Get(index, scratch.data());
+      s.dataset->Get(index, scratch.data());
       pixels = scratch.data();
     }
-    transform_.Apply(pixels, images + i * out.NumPixels(), epoch.number, index);
-    labels[i] = dataset_->Label(index);
+    s.transform.Apply(pixels, images + i * out.NumPixels(), epoch.number, index);
+    labels[i] = s.dataset->Label(index);
   }
   return b;
 }
 
-void DataLoader::WorkerLoop() {
-  const int64_t window = static_cast<int64_t>(options_.num_workers) * options_.prefetch_factor;
-  std::unique_lock<std::mutex> lock(mu_);
+void DataLoader::WorkerLoop(const std::shared_ptr<Shared>& shared, size_t id) {
+  Shared& s = *shared;
+  const int64_t window = static_cast<int64_t>(s.options.num_workers) * s.options.prefetch_factor;
+  std::unique_lock<std::mutex> lock(s.mu);
   while (true) {
-    work_cv_.wait(lock, [&] {
-      return stop_ || (started_ && next_claim_ < epoch_.num_batches &&
-                       next_claim_ < next_deliver_ + window);
+    s.work_cv.wait(lock, [&] {
+      return s.stop || (s.started && s.next_claim < s.epoch.num_batches &&
+                        s.next_claim < s.next_deliver + window);
     });
-    if (stop_) return;
-    const int64_t k = next_claim_++;
-    const Epoch epoch = epoch_;
+    if (s.stop) break;
+    const int64_t k = s.next_claim++;
+    const Epoch epoch = s.epoch;
     lock.unlock();
     Result r;
     try {
-      r.batch = Build(epoch, k);
+      r.batch = Build(s, epoch, k);
     } catch (...) {
       r.error = std::current_exception();
     }
     lock.lock();
-    if (epoch.generation == epoch_.generation) {
-      ready_[k] = std::move(r);
-      ready_cv_.notify_all();
+    if (epoch.generation == s.epoch.generation) {
+      s.ready[k] = std::move(r);
+      s.ready_cv.notify_all();
     }
   }
+  s.exited[id] = true;
+  --s.running;
+  s.exit_cv.notify_all();
 }
 
 std::optional<Batch> DataLoader::Next() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!started_) throw std::logic_error("DataLoader: Next() before StartEpoch()");
-  if (next_deliver_ >= epoch_.num_batches) return std::nullopt;
-  const int64_t k = next_deliver_;
+  Shared& s = *s_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (!s.started) throw std::logic_error("DataLoader: Next() before StartEpoch()");
+  if (s.next_deliver >= s.epoch.num_batches) return std::nullopt;
+  const int64_t k = s.next_deliver;
   if (workers_.empty()) {
-    ++next_deliver_;
-    next_claim_ = next_deliver_;
-    const Epoch epoch = epoch_;
+    ++s.next_deliver;
+    s.next_claim = s.next_deliver;
+    const Epoch epoch = s.epoch;
     lock.unlock();
-    return Build(epoch, k);
+    return Build(s, epoch, k);
   }
-  if (!ready_cv_.wait_for(lock, options_.timeout, [&] { return ready_.count(k) > 0; })) {
+  if (!s.ready_cv.wait_for(lock, s.options.timeout, [&] { return s.ready.count(k) > 0; })) {
+    s.timed_out = true;
     throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " +
-                             std::to_string(epoch_.number) + " not ready after " +
-                             std::to_string(options_.timeout.count()) + " ms (" +
+                             std::to_string(s.epoch.number) + " not ready after " +
+                             std::to_string(s.options.timeout.count()) + " ms (" +
                              std::to_string(workers_.size()) + " workers)");
   }
-  Result r = std::move(ready_[k]);
-  ready_.erase(k);
-  ++next_deliver_;
+  s.timed_out = false;
+  Result r = std::move(s.ready[k]);
+  s.ready.erase(k);
+  ++s.next_deliver;
   lock.unlock();
-  work_cv_.notify_all();  // the prefetch window moved
+  s.work_cv.notify_all();  // the prefetch window moved
   if (r.error) std::rethrow_exception(r.error);
   return std::move(r.batch);
 }

@@ -42,7 +42,9 @@ struct DataLoaderOptions {
   bool drop_last = false;        ///< Skip a last, smaller batch.
   int num_workers = 0;           ///< Loader threads; 0 builds batches on the caller's thread.
   int prefetch_factor = 2;       ///< Batches built ahead per worker.
-  /// Longest Next() waits for one batch before it throws.
+  /// Longest Next() waits for one batch before it throws, and the longest
+  /// the destructor waits for a worker still building one. Must be
+  /// positive; longer than a year counts as a year.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
 };
 
@@ -58,11 +60,16 @@ class DataLoader {
  public:
   /// `sampler` (SequentialSampler when null) must index `dataset`; the
   /// transform is built for the dataset's image shape. Throws
-  /// std::invalid_argument for a batch size < 1, negative workers, or, with
-  /// drop_last, a batch larger than the sampler's epoch (no batch at all).
+  /// std::invalid_argument for a batch size < 1, negative workers, a
+  /// timeout that is not positive, or, with drop_last, a batch larger than
+  /// the sampler's epoch (no batch at all).
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
-  /// Stops and joins the workers (a batch being built is finished first).
+  /// Stops and joins the workers. A batch being built is finished first,
+  /// for at most options.timeout (not at all once Next() timed out on it):
+  /// a worker still inside the dataset then (a read from a hung network
+  /// mount) is left running detached, with a warning, so that the error
+  /// that brought the caller here gets out instead of a hang.
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -70,8 +77,8 @@ class DataLoader {
   /// Batches per epoch.
   int64_t NumBatches() const;
   /// Shape of one output image.
-  ImageShape OutputShape() const { return transform_.OutputShape(); }
-  const Dataset& dataset() const { return *dataset_; }
+  ImageShape OutputShape() const;
+  const Dataset& dataset() const;
   Sampler& sampler() const { return *sampler_; }
 
   /// Starts `epoch` (calls the sampler's SetEpoch) at batch `skip_batches`,
@@ -95,29 +102,40 @@ class DataLoader {
     Batch batch;
     std::exception_ptr error;
   };
+  // What the workers use: each holds it, so that one left behind by the
+  // destructor (see there) outlives the loader safely.
+  struct Shared {
+    Shared(std::shared_ptr<const Dataset> d, TransformOptions t, DataLoaderOptions o);
 
-  Batch Build(const Epoch& epoch, int64_t k) const;
-  void WorkerLoop();
-  // Stops and joins the worker threads (the destructor; a failed constructor).
+    std::shared_ptr<const Dataset> dataset;
+    // Set when the dataset keeps its pixels in memory: images are read in
+    // place instead of through Dataset::Get's copy.
+    const InMemoryImageDataset* in_memory = nullptr;
+    SampleTransform transform;
+    DataLoaderOptions options;
+
+    std::mutex mu;
+    std::condition_variable work_cv;   // workers wait for claimable batches
+    std::condition_variable ready_cv;  // Next() waits for its batch
+    std::condition_variable exit_cv;   // the destructor waits for the workers
+    bool stop = false;
+    bool started = false;
+    bool timed_out = false;     // Next() gave up on a batch
+    Epoch epoch;
+    int64_t next_claim = 0;     // next batch a worker may take
+    int64_t next_deliver = 0;   // next batch Next() returns
+    std::map<int64_t, Result> ready;
+    int running = 0;            // workers not yet returned
+    std::vector<bool> exited;   // by worker
+  };
+
+  static Batch Build(const Shared& s, const Epoch& epoch, int64_t k);
+  static void WorkerLoop(const std::shared_ptr<Shared>& s, size_t id);
+  // Stops the worker threads (the destructor; a failed constructor).
   void StopWorkers();
 
-  std::shared_ptr<const Dataset> dataset_;
-  // Set when the dataset keeps its pixels in memory: images are read in
-  // place instead of through Dataset::Get's copy.
-  const InMemoryImageDataset* in_memory_ = nullptr;
   std::shared_ptr<Sampler> sampler_;
-  SampleTransform transform_;
-  DataLoaderOptions options_;
-
-  std::mutex mu_;
-  std::condition_variable work_cv_;   // workers wait for claimable batches
-  std::condition_variable ready_cv_;  // Next() waits for its batch
-  bool stop_ = false;
-  bool started_ = false;
-  Epoch epoch_;
-  int64_t next_claim_ = 0;    // next batch a worker may take
-  int64_t next_deliver_ = 0;  // next batch Next() returns
-  std::map<int64_t, Result> ready_;
+  std::shared_ptr<Shared> s_;
   std::vector<std::thread> workers_;
 };
 

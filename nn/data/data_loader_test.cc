@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <set>
 #include <thread>
 
@@ -220,7 +222,67 @@ TEST(DataLoader, StalledWorkerTimesOut) {
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("batch 0 of epoch 0 not ready after 200 ms"));
   }
-  // Destruction waits for the stalled batch to finish, then joins.
+  // The stalled worker is not waited for again (see the next test).
+}
+
+// A worker stuck in the dataset for good (a read from a hung network
+// mount): Next() times out, and the loader's destruction, on the way out
+// with that error, leaves the worker behind instead of waiting for it.
+TEST(DataLoader, DestructionAfterATimeoutLeavesAStuckWorkerBehind) {
+  const auto start = std::chrono::steady_clock::now();
+  {
+    DataLoader loader(std::make_shared<FaultyDataset>(5, std::chrono::milliseconds(30000)), nullptr, {},
+                      {.batch_size = 10, .num_workers = 2, .timeout = std::chrono::milliseconds(200)});
+    loader.StartEpoch(0);
+    EXPECT_THROW(loader.Next(), std::runtime_error);
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 10.0) << "the destructor waited for the stuck worker";
+}
+
+// Without a timeout on Next(), the destructor waits for a batch being built
+// (up to options.timeout) and joins every worker.
+TEST(DataLoader, DestructionWaitsForABatchBeingBuilt) {
+  auto slow = std::make_shared<FaultyDataset>(0, std::chrono::milliseconds(500));
+  const auto start = std::chrono::steady_clock::now();
+  {
+    DataLoader loader(slow, nullptr, {}, {.batch_size = 10, .num_workers = 1});
+    loader.StartEpoch(0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the worker is in sample 0
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(took, 0.45);
+  EXPECT_EQ(slow.use_count(), 1) << "a worker still holds the dataset: it was not joined";
+}
+
+TEST(DataLoader, TimeoutMustBePositiveAndMaxMeansVeryLong) {
+  auto ds = std::make_shared<FaultyDataset>(5, std::chrono::milliseconds(300));
+  for (int64_t bad : {0, -1}) {
+    try {
+      DataLoader loader(ds, nullptr, {}, {.num_workers = 1, .timeout = std::chrono::milliseconds(bad)});
+      FAIL() << "timeout " << bad << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("timeout " + std::to_string(bad) + " ms must be positive"));
+    }
+  }
+  // milliseconds::max() overflowed the timed wait, which then failed at once.
+  DataLoader loader(ds, nullptr, {},
+                    {.batch_size = 10, .num_workers = 1, .timeout = std::chrono::milliseconds::max()});
+  loader.StartEpoch(0);
+  int batches = 0;
+  while (loader.Next()) ++batches;
+  EXPECT_EQ(batches, 10);
+}
+
+TEST(DataLoader, AHugeBatchSizeMakesOneBatch) {
+  auto ds = std::make_shared<FaultyDataset>(-1, std::chrono::milliseconds(0));
+  DataLoader loader(ds, nullptr, {}, {.batch_size = INT64_MAX});
+  EXPECT_EQ(loader.NumBatches(), 1);
+  loader.StartEpoch(0);
+  auto b = loader.Next();
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->labels.numel(), 100);
+  EXPECT_FALSE(loader.Next().has_value());
 }
 
 TEST(DataLoader, DestroyedMidEpochWithoutHanging) {
