@@ -160,21 +160,32 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries) 
   throw std::invalid_argument(Explain(ranks));
 }
 
+std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors) {
+  using Key = std::tuple<nn::DType, int, int>;  // dtype, device type, device index
+  std::map<Key, size_t> place;                   // the key's group in `groups`
+  std::vector<std::vector<size_t>> groups;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const nn::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    const auto [it, added] =
+        place.try_emplace({t.dtype(), static_cast<int>(t.device().type), t.device().index}, groups.size());
+    if (added) groups.emplace_back();
+    groups[it->second].push_back(i);
+  }
+  return groups;
+}
+
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label) {
   if (pg.size() == 1) return;
   // One flat buffer per (dtype, device): parameters of a model spread over
   // a CPU and a GPU part, or mixing f32 and bf16, broadcast in one go each.
-  using Key = std::tuple<nn::DType, int, int>;  // dtype, device type, device index
-  std::map<Key, std::vector<nn::Tensor>> groups;
-  for (const nn::Tensor& t : tensors) {
-    if (t.numel() > 0) {
-      groups[{t.dtype(), static_cast<int>(t.device().type), t.device().index}].push_back(t);
-    }
-  }
   nn::NoGradGuard guard;
-  for (auto& [key, list] : groups) {
-    const nn::DType dtype = std::get<0>(key);
+  for (const std::vector<size_t>& members : GroupByDtypeAndDevice(tensors)) {
+    std::vector<nn::Tensor> list;
+    list.reserve(members.size());
+    for (size_t i : members) list.push_back(tensors[i]);
+    const nn::DType dtype = list.front().dtype();
     const nn::Device device = list.front().device();
     std::string what = label + " " + std::string(nn::DTypeName(dtype));
     // The device type alone: the label is part of the collective's

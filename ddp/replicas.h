@@ -5,6 +5,7 @@
 // construction-time check that every rank built the same model, and
 // coalesced broadcasts of parameters and buffers.
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,15 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
 /// naming the first differing entry and each rank's value of it. Two
 /// fixed-size all-gathers at most, so differing ranks cannot hang.
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries);
+
+/// Indices of the tensors with elements, one group per dtype and device
+/// (type and index), the groups in the order of their first tensor in
+/// `tensors`: BroadcastCoalesced's groups. In that order, not by device
+/// index, because ranks pair the groups by position and a model may sit on
+/// different GPU indices on different ranks (VerifyReplicas compares devices
+/// without their index): rank 0's cuda:0 part and rank 1's cuda:3 part
+/// must both come first.
+std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors);
 
 /// Collective: copies rank `root`'s values of `tensors` into every rank's,
 /// one broadcast per dtype and device (through a flat buffer, except for a
