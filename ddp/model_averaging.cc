@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cstdint>
+#include <exception>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -72,11 +74,25 @@ PeriodicModelAverager::PeriodicModelAverager(ModelAveragerOptions options) : opt
 bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& params) {
   const int64_t step = step_++;
   if (step < options_.warmup_steps || (step - options_.warmup_steps) % options_.period != 0) return false;
+  if (params.empty()) return true;
+  // Which tensors have a gradient may differ between ranks (a branch one
+  // rank took alone, with ZeroGrad setting gradients to none); decided on
+  // each rank by itself, the ranks then averaged different sets and their
+  // all-reduces did not pair (a timeout, or values of different tensors
+  // averaged together). One all-reduce of a flag per tensor, the largest
+  // over the ranks, makes the set the same everywhere: the tensors with a
+  // gradient on any rank.
+  ProcessGroup& group = *options_.process_group;
+  const int64_t count = static_cast<int64_t>(params.size());
+  nn::Tensor has_grad = nn::Zeros({count}, {.dtype = nn::DType::kUInt8});
+  uint8_t* flags = has_grad.data<uint8_t>();
+  for (int64_t i = 0; i < count; ++i) flags[i] = params[i].defined() && params[i].grad().defined();
+  group.AllReduce(has_grad, transport::ReduceOp::kMax, "parameters with a gradient").Wait();
   std::vector<nn::Tensor> trained;
-  for (const nn::Tensor& p : params) {
-    if (p.defined() && p.grad().defined()) trained.push_back(p);
+  for (int64_t i = 0; i < count; ++i) {
+    if (flags[i] != 0) trained.push_back(params[i]);
   }
-  dist::AverageParameters(trained, *options_.process_group);
+  dist::AverageParameters(trained, group);
   return true;
 }
 
@@ -110,28 +126,44 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   }
   // Everything checked: now the collectives, the same on every rank.
   std::vector<Work> in_place;
-  for (size_t i : whole) {
-    in_place.push_back(AverageInPlace(group, params[i].Detach().View({params[i].numel()}), "average parameters"));
-  }
-  nn::NoGradGuard no_grad;
-  for (const auto& key : order) {
-    const std::vector<size_t>& members = groups[key];
-    const nn::Tensor& first = params[members[0]];
-    int64_t total = 0;
-    for (size_t i : members) total += params[i].numel();
-    nn::Tensor flat = nn::Empty({total}, {.dtype = first.dtype(), .device = first.device()});
-    std::vector<nn::Tensor> views;
-    int64_t offset = 0;
-    for (size_t i : members) {
-      const nn::Tensor& p = params[i];
-      views.push_back(flat.Narrow(0, offset, p.numel()).View(p.shape()));
-      views.back().CopyFrom(p);
-      offset += p.numel();
+  std::exception_ptr error;
+  try {
+    for (size_t i : whole) {
+      in_place.push_back(AverageInPlace(group, params[i].Detach().View({params[i].numel()}), "average parameters"));
     }
-    AverageInPlace(group, flat, "average parameters").Wait();
-    for (size_t k = 0; k < members.size(); ++k) params[members[k]].CopyFrom(views[k]);
+    nn::NoGradGuard no_grad;
+    for (const auto& key : order) {
+      const std::vector<size_t>& members = groups[key];
+      const nn::Tensor& first = params[members[0]];
+      int64_t total = 0;
+      for (size_t i : members) total += params[i].numel();
+      nn::Tensor flat = nn::Empty({total}, {.dtype = first.dtype(), .device = first.device()});
+      std::vector<nn::Tensor> views;
+      int64_t offset = 0;
+      for (size_t i : members) {
+        const nn::Tensor& p = params[i];
+        views.push_back(flat.Narrow(0, offset, p.numel()).View(p.shape()));
+        views.back().CopyFrom(p);
+        offset += p.numel();
+      }
+      AverageInPlace(group, flat, "average parameters").Wait();
+      for (size_t k = 0; k < members.size(); ++k) params[members[k]].CopyFrom(views[k]);
+    }
+  } catch (...) {
+    error = std::current_exception();
   }
-  for (Work& work : in_place) work.Wait();
+  // An in-place all-reduce writes into its parameter until it completes:
+  // every one issued is waited for, even after an error, so that none
+  // writes after this function has returned or thrown. The first error is
+  // thrown.
+  for (Work& work : in_place) {
+    try {
+      work.Wait();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 std::shared_ptr<ProcessGroup> NewSubgroupsByHost(ProcessGroup& group) {

@@ -78,11 +78,16 @@ class PeriodicModelAverager {
   explicit PeriodicModelAverager(ModelAveragerOptions options);
 
   /// Call once per optimizer step, after it, with the same tensors on
-  /// every rank. Averages those that have a gradient (as PyTorch: frozen
-  /// and unused parameters keep their values) when this step is due, then
-  /// counts the step; returns whether it averaged. Collective on due steps,
-  /// so not for use under Join (a rank that joined would not take part).
-  /// Throws DistributedError when the all-reduce fails.
+  /// every rank. Averages those that have a gradient on any rank when this
+  /// step is due, then counts the step; returns whether it averaged. As in
+  /// PyTorch, frozen parameters and ones unused on every rank keep their
+  /// values; unlike PyTorch, which decides on each rank alone, one small
+  /// all-reduce agrees on the set, so a parameter with a gradient on some
+  /// ranks only (a branch they alone took, gradients set to none) is
+  /// averaged on all of them and the ranks' collectives pair up.
+  /// Collective on due steps, so not for use under Join (a rank that
+  /// joined would not take part). Throws DistributedError when an
+  /// all-reduce fails.
   bool AverageParameters(const std::vector<nn::Tensor>& params);
 
   /// Steps counted so far.
@@ -94,7 +99,9 @@ class PeriodicModelAverager {
 };
 
 /// Replaces each tensor by its mean over the ranks of `group` (collective):
-/// one all-reduce per dtype and device, through a flat copy.
+/// one all-reduce per dtype and device, through a flat copy. When an
+/// all-reduce fails, waits for the ones already issued (they write into the
+/// tensors) before throwing the first error.
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group);
 
 /// Groups of the ranks on each host (by host name), as

@@ -4,7 +4,8 @@
 // agree after each; subgroups agree within themselves (4 ranks); the noop
 // hook sends nothing; a bf16 model's f32 masters take the averages (large
 // weights, averaged in place, too); f16 values whose sum passes f16's
-// range average to themselves. In one process: option checks.
+// range average to themselves; a parameter with a gradient on one rank only
+// is averaged on every rank. In one process: option checks.
 
 #include <gtest/gtest.h>
 
@@ -243,6 +244,50 @@ DDP_TEST_WORKER(frozen) {
 
 TEST(ModelAveragingTest, PeriodicAveragesSkipFrozenParameters) {
   auto run = RunWorkers("frozen", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Gradients on some ranks only: a parameter of a branch that rank 0 alone
+// took, gradients set to none on the others. Deciding by its own
+// gradients, rank 0 averaged four tensors and rank 1 two, and their
+// all-reduces did not pair (an error or a timeout). Now every rank averages
+// each tensor that has a gradient on any rank; one without a gradient
+// anywhere keeps its value.
+DDP_TEST_WORKER(gradient_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  // Small ones go through the flat buffer; `large` (512 KiB) is averaged in
+  // place.
+  const std::vector<std::string> names = {"shared", "branch", "large", "other", "unused"};
+  const std::vector<int64_t> sizes = {3, 4, 1 << 17, 2, 3};
+  std::vector<Tensor> params;
+  for (size_t i = 0; i < names.size(); ++i) {
+    // Rank r holds (r + 1) (i + 1): the mean is (world + 1) / 2 (i + 1).
+    params.push_back(nn::Full({sizes[i]}, (rank + 1.0) * (i + 1.0)));
+    const bool has_grad = names[i] == "shared" || names[i] == "other" || (rank == 0 && names[i] != "unused");
+    if (has_grad) params.back().set_grad(nn::Zeros({sizes[i]}));
+  }
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  WORKER_EXPECT(averager.AverageParameters(params), "not averaged");
+  for (size_t i = 0; i < names.size(); ++i) {
+    const double expected = names[i] == "unused" ? (rank + 1.0) * (i + 1.0) : (world + 1) / 2.0 * (i + 1.0);
+    size_t wrong = 0;
+    const std::vector<double> v = params[i].ToVector<double>();
+    for (double x : v) wrong += x != expected;
+    WORKER_EXPECT(wrong == 0, "`" + names[i] + "`: " + std::to_string(wrong) + " of " + std::to_string(v.size()) +
+                                  " elements are not " + std::to_string(expected) + " (first " +
+                                  std::to_string(v[0]) + ")");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PeriodicAveragesParametersWithAGradientOnSomeRanksOnly) {
+  auto run = RunWorkers("gradient_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ModelAveragingTest, PeriodicAveragesParametersWithAGradientOnSomeRanksOnlyOnThreeRanks) {
+  auto run = RunWorkers("gradient_on_one_rank", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
