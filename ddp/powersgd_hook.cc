@@ -52,6 +52,14 @@ TensorPlan PlanTensor(const nn::Shape& shape, const PowerSgdOptions& options) {
   return plan;
 }
 
+// Whether every one of x[0, n) is finite (no inf, no NaN).
+template <typename T>
+bool AllFinite(const T* x, int64_t n) {
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(x[i]);
+  return finite;
+}
+
 // ---------------------------------------------------------------- BLAS ----
 // Row-major, no scaling of C (beta = 0): C = op(A) op(B).
 
@@ -86,7 +94,9 @@ void Scale(int64_t n, double a, double* x) { cblas_dscal(static_cast<blasint>(n)
 // zero rows) leaves rows of pure rounding noise inside the earlier rows'
 // span, and normalizing them makes P far from orthonormal: full-rank
 // settings on a real MLP gave gradients wrong by 90%. A zero row costs
-// nothing: its column of Q is zero too.
+// nothing: its column of Q is zero too. A row whose norm is not finite
+// (NaN or inf in it) is zeroed as well: normalized, it would make every
+// later product with it NaN.
 template <typename T>
 void OrthonormalizeRows(T* a, int64_t rows, int64_t len, T epsilon) {
   for (int64_t j = 0; j < rows; ++j) {
@@ -99,7 +109,9 @@ void OrthonormalizeRows(T* a, int64_t rows, int64_t len, T epsilon) {
       }
       norm[pass] = Norm(len, row);
     }
-    if (norm[1] == 0 || norm[1] < T(0.5) * norm[0]) {
+    // Written so that a NaN norm fails it (NaN compares false).
+    const bool independent = std::isfinite(norm[1]) && norm[1] > 0 && norm[1] >= T(0.5) * norm[0];
+    if (!independent) {
       std::fill(row, row + len, T(0));
       continue;
     }
@@ -136,7 +148,9 @@ struct BucketState {
   std::vector<TensorPlan> plans;
   bool any_compressed = false;
   bool q_ready = false;
-  nn::Tensor wire;       // [exact tensors..., P^T of each compressed tensor]
+  int64_t ps_at = 0;     // into wire: where the P^T's begin
+  int64_t flag_at = 0;   // into wire: 1 where this rank's M is not all finite
+  nn::Tensor wire;       // [exact tensors..., P^T of each compressed tensor, flag]
   nn::Tensor qs;         // Q^T of each compressed tensor
   nn::Tensor residuals;  // error feedback: [n, m] per compressed tensor
   nn::Tensor scratch;    // error feedback: kRowBlock rows of P Q^T
@@ -176,7 +190,10 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
   }
   // A bucket with nothing to compress is all-reduced in place.
   if (!b.any_compressed) exact = 0;
-  b.wire = Buffer(exact + p, dtype, false);
+  // One element more: the finiteness flag (SendUncompressed).
+  b.ps_at = exact;
+  b.flag_at = exact + p;
+  b.wire = Buffer(exact + p + 1, dtype, false);
   b.qs = Buffer(q, dtype, false);
   if (options.use_error_feedback) {
     b.residuals = Buffer(residual, dtype, true);
@@ -195,7 +212,9 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
 // Such rows are drawn again, from the seed, the bucket, the tensor and the
 // iteration (the same on every rank, as the summed Q is), and Q^T's rows
 // made orthonormal again. After the approximation of this iteration, which
-// they would not have changed (their rows of P^T are zero).
+// they would not have changed (their rows of P^T are zero). A row with a
+// value that is not finite is drawn again too (CompressBucket does not
+// keep such a Q; this is the last line of defence for the warm start).
 template <typename T>
 void RedrawZeroRows(BucketState& b, size_t bucket_index, int64_t iteration, uint64_t seed) {
   T* qs = b.qs.data<T>();
@@ -206,7 +225,7 @@ void RedrawZeroRows(BucketState& b, size_t bucket_index, int64_t iteration, uint
     bool redrawn = false;
     for (int64_t j = 0; j < plan.rank; ++j) {
       T* row = q + j * plan.cols;
-      if (std::any_of(row, row + plan.cols, [](T v) { return v != T(0); })) continue;
+      if (AllFinite(row, plan.cols) && std::any_of(row, row + plan.cols, [](T v) { return v != T(0); })) continue;
       // Another stream than the initial draw's (which ends in 0, or in
       // iteration + 1 without warm start).
       nn::Generator gen(Mix(Mix(Mix(Mix(Mix(seed, bucket_index), t), iteration + 1), j), kRedrawStream));
@@ -219,6 +238,27 @@ void RedrawZeroRows(BucketState& b, size_t bucket_index, int64_t iteration, uint
 
 // (data, count, what) -> the sum over ranks, in place.
 using AllReduceFn = std::function<transport::Status(void* data, int64_t count, const char* what)>;
+
+// A bucket in which some rank's M (gradient plus residual) of a compressed
+// tensor, or the summed P or Q, holds an inf or a NaN: compressed, the NaN
+// would spread into Q and the residuals, which are kept, and every later
+// gradient of the bucket would be NaN, even after a GradScaler skipped the
+// step. Every rank decides this from all-reduced values alone, so all take
+// this path together. The bucket is all-reduced as it is: the exact tensors
+// as the local gradients, the compressed ones as M, so the inf or NaN reaches
+// .grad (a GradScaler sees it and skips the step) and what the residuals
+// held is delivered in full; the residuals are then zero and Q is drawn
+// afresh at the next call, the state of a bucket the hook has not seen.
+template <typename T>
+transport::Status SendUncompressed(BucketState& b, T* grads, int64_t grads_numel, const PowerSgdOptions& options,
+                                   const AllReduceFn& all_reduce) {
+  if (options.use_error_feedback) {
+    T* residuals = b.residuals.data<T>();
+    std::fill(residuals, residuals + b.residuals.numel(), T(0));
+  }
+  b.q_ready = false;
+  return all_reduce(grads, grads_numel, "the bucket uncompressed (a value was not finite)");
+}
 
 // One PowerSGD step on one bucket. grads: the bucket, this rank's already
 // divided gradients in, the sum over ranks (approximated) out.
@@ -246,6 +286,7 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
   }
 
   // M: grads [n, m];  P^T [r, n] = Q^T [r, m] . M^T.
+  bool finite = true;
   for (const TensorPlan& plan : b.plans) {
     T* g = grads + plan.offset;
     if (!plan.compressed()) {
@@ -253,6 +294,7 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
       continue;
     }
     if (!feedback) {
+      finite &= AllFinite(g, plan.numel);
       Gemm(false, true, plan.rank, plan.rows, plan.cols, qs + plan.q_at, plan.cols, g, plan.cols, wire + plan.p_at,
            plan.rows);
       continue;
@@ -264,21 +306,27 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
       const int64_t block = std::min(kRowBlock, plan.rows - row);
       const int64_t at = row * plan.cols;
       Axpy(block * plan.cols, T(1), residual + at, g + at);
+      finite &= AllFinite(g + at, block * plan.cols);
       Gemm(false, true, plan.rank, block, plan.cols, qs + plan.q_at, plan.cols, g + at, plan.cols,
            wire + plan.p_at + row, plan.rows);
     }
   }
   // sum_ranks(M_i Q) = (sum_ranks M_i) Q: the P of the summed gradient.
+  // The flags' sum counts the ranks whose M is not all finite (a NaN or
+  // inf in M need not reach P: BLAS may skip a zero of Q).
+  wire[b.flag_at] = finite ? T(0) : T(1);
   transport::Status s = all_reduce(wire, b.wire.numel(), "P and the exact tensors");
   if (!s.ok()) return s;
+  if (wire[b.flag_at] != T(0) || !AllFinite(wire + b.ps_at, b.flag_at - b.ps_at)) {
+    return SendUncompressed(b, grads, grads_numel, options, all_reduce);
+  }
 
-  // Q^T [r, m] = P^T [r, n] . M [n, m], with P orthonormal.
+  // Q^T [r, m] = P^T [r, n] . M [n, m], with P orthonormal. The exact
+  // tensors' sums stay in the wire until Q is known to be finite: until
+  // then the bucket must still hold what SendUncompressed sends.
   for (const TensorPlan& plan : b.plans) {
+    if (!plan.compressed()) continue;
     T* g = grads + plan.offset;
-    if (!plan.compressed()) {
-      std::memcpy(g, wire + plan.exact_at, static_cast<size_t>(plan.numel) * sizeof(T));
-      continue;
-    }
     T* pt = wire + plan.p_at;
     OrthonormalizeRows(pt, plan.rank, plan.rows, static_cast<T>(options.orthogonalization_epsilon));
     Gemm(false, false, plan.rank, plan.cols, plan.rows, pt, plan.rows, g, plan.cols, qs + plan.q_at, plan.cols);
@@ -286,12 +334,17 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
   // sum_ranks(M_i^T P) = (sum_ranks M_i)^T P; kept as the next warm start.
   s = all_reduce(qs, b.qs.numel(), "Q");
   if (!s.ok()) return s;
+  // Finite M's can still sum past the largest float.
+  if (!AllFinite(qs, b.qs.numel())) return SendUncompressed(b, grads, grads_numel, options, all_reduce);
 
   // The sum's approximation: P Q^T [n, m] = (P^T)^T [n, r] . Q^T [r, m].
   const T inv_world = T(1) / static_cast<T>(world);
   for (const TensorPlan& plan : b.plans) {
-    if (!plan.compressed()) continue;
     T* g = grads + plan.offset;
+    if (!plan.compressed()) {
+      std::memcpy(g, wire + plan.exact_at, static_cast<size_t>(plan.numel) * sizeof(T));
+      continue;
+    }
     const T* pt = wire + plan.p_at;
     const T* qt = qs + plan.q_at;
     if (!feedback) {

@@ -24,6 +24,17 @@
 // saves less than min_compression_rate are reduced exactly, in the same
 // all-reduce as the P's.
 //
+// An inf or NaN (an overflow under mixed precision) is not compressed: a
+// bucket where some rank's gradient plus residual of a compressed tensor
+// holds one (a flag summed in the P all-reduce says so), or where the summed
+// P or Q does, is all-reduced uncompressed that iteration, so the value
+// reaches .grad on every rank and a GradScaler skips the step. That bucket's
+// residuals (sent in that all-reduce) become zero and its Q is drawn afresh,
+// so from the next iteration it is compressed as by a new hook. Compressed,
+// the NaN would have stayed in Q and the residuals and made every later
+// gradient of the bucket NaN. Every rank decides from all-reduced values,
+// so all take the same path.
+//
 // Usage, before the first backward:
 //
 //   ddp_model.RegisterCommHook(ddp::dist::hooks::PowerSgdHook(
@@ -76,7 +87,8 @@ void ValidatePowerSgdOptions(const PowerSgdOptions& options);
 
 /// Elements one rank all-reduces per iteration once compression runs, for
 /// gradients of `shapes`: exact tensors plus (n + m) r per compressed one.
-/// Bucketing does not change it (each tensor is judged on its own).
+/// Bucketing changes it only by one element per bucket that compresses a
+/// tensor (the finiteness flag), not counted here.
 int64_t PowerSgdElementsPerStep(const std::vector<nn::Shape>& shapes, const PowerSgdOptions& options);
 
 namespace hooks {

@@ -2,14 +2,17 @@
 // average and low rank gives rank-r gradients (2 and 3 ranks); before
 // start_iteration it is the default all-reduce bit for bit; low-rank
 // training on Fashion-MNIST keeps up with uncompressed training and keeps
-// the replicas identical. In one process: error feedback on a fixed
-// gradient, a gradient (or a column of Q) that was zero once comes back,
-// the traffic formula, option checks.
+// the replicas identical; a gradient with an inf on one rank once reaches
+// .grad on every rank and leaves the later iterations finite and identical.
+// In one process: error feedback on a fixed gradient, a gradient (or a
+// column of Q) that was zero once comes back, the traffic formula, option
+// checks.
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -216,6 +219,119 @@ TEST(PowerSgdHookTest, LowRankTrainingKeepsUpAndReplicasStayIdentical) {
   // About 3 s in an optimized build; the sanitizer builds take minutes
   // (hangs still end after DDP_TEST_TIMEOUT_MS, at the first collective).
   auto run = RunWorkers("training", 2, {}, 300000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------- a gradient not finite ----
+
+// Whether every element of `t` is finite.
+bool AllFinite(const Tensor& t) {
+  for (double v : t.ToVector<double>()) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+// This rank's gradient of step `k` for the hook-level check: a random
+// [16, 12] matrix (compressed at rank 1) and a random [5] (sent exactly),
+// as one bucket.
+Tensor RankGradients(int rank, int k) {
+  nn::Generator gen(1000 + 10 * k + rank);
+  return nn::Randn({16 * 12 + 5}, {}, gen);
+}
+
+// One call of `hook` on the two-tensor bucket holding `flat`; the output.
+Tensor CompressTwo(CommHook& hook, ProcessGroup& pg, const Tensor& flat) {
+  const Tensor buffer = flat.Clone();
+  const Tensor matrix = buffer.Narrow(0, 0, 16 * 12).View({16, 12}), vector = buffer.Narrow(0, 16 * 12, 5);
+  GradBucket bucket(0, 1, buffer, {matrix, vector}, {0, 16 * 12});
+  hook(pg, bucket).Wait();
+  return buffer;
+}
+
+// One rank's gradient holds an inf once. Compressed, P's row norm was NaN,
+// Q and the residual became NaN and were kept, and every later gradient of
+// the bucket was NaN, even though a GradScaler would have skipped the step.
+// Now that iteration is all-reduced uncompressed (the inf reaches .grad on
+// every rank), and the next ones are finite and identical on every rank.
+DDP_TEST_WORKER(not_finite_once) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  constexpr int kBad = 3, kSteps = 7;
+
+  // Through DDP: an inf in rank 1's input at step kBad makes its loss and
+  // every gradient of it NaN; the step is skipped, as a GradScaler would.
+  {
+    const auto& data = testing::FashionMnist();
+    auto model = Mlp(13);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    ddp.RegisterCommHook(hooks::PowerSgdHook({.matrix_approximation_rank = 1, .start_iteration = 1}));
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * 8, 8);
+      if (s == kBad && rank == 1) x.data<float>()[0] = INFINITY;
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      const std::string step = "DDP step " + std::to_string(s) + ": ";
+      uint64_t grads = 1469598103934665603ull;
+      bool finite = true;
+      for (const auto& [name, p] : model->NamedParameters()) {
+        const bool all_finite = AllFinite(p.grad());
+        finite = finite && all_finite;
+        if (s == kBad) WORKER_EXPECT(!all_finite, step + "`" + name + "`'s gradient is all finite");
+        for (double v : p.grad().ToVector<double>()) grads = grads * 1099511628211ull ^ std::hash<double>{}(v);
+      }
+      if (s == kBad) continue;  // skipped, as by a GradScaler
+      WORKER_EXPECT(finite, step + "a gradient is not finite");
+      WORKER_EXPECT(testing::SameOnAllRanks(*pg, grads), step + "the ranks' gradients differ");
+      opt.Step();
+    }
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "the replicas differ");
+  }
+
+  // The hook alone: after the bad step it gives, bit for bit, what a new
+  // hook gives (zero residuals, the initial Q), and the bad step itself is
+  // the plain sum (the exact tensor summed once, not twice).
+  {
+    const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0};
+    CommHook hook = hooks::PowerSgdHook(options), fresh;
+    for (int k = 0; k < kSteps; ++k) {
+      Tensor mine = RankGradients(rank, k);
+      if (k == kBad && rank == 1) mine.data<float>()[7] = INFINITY;
+      const Tensor out = CompressTwo(hook, *pg, mine);
+      const std::string step = "hook step " + std::to_string(k) + ": ";
+      const std::vector<float> o = out.ToVector<float>();
+      if (k == kBad) {
+        // The plain sum of the ranks' gradients (the residuals of steps
+        // 0 .. kBad-1 come in too, so only the exact tensor and the inf are
+        // checked exactly).
+        WORKER_EXPECT(std::isinf(o[7]), step + "element 7 is " + std::to_string(o[7]) + ", not inf");
+        size_t other = 0;
+        for (size_t i = 0; i < o.size(); ++i) other += i != 7 && !std::isfinite(o[i]);
+        WORKER_EXPECT(other == 0, step + std::to_string(other) + " other elements are not finite");
+        const std::vector<float> a = RankGradients(0, k).ToVector<float>(), b = RankGradients(1, k).ToVector<float>();
+        for (size_t i = 16 * 12; i < o.size(); ++i) {
+          WORKER_EXPECT(o[i] == a[i] + b[i], step + "exact element " + std::to_string(i) + " is " +
+                                                  std::to_string(o[i]) + ", not the sum " +
+                                                  std::to_string(a[i] + b[i]));
+        }
+        fresh = hooks::PowerSgdHook(options);
+        continue;
+      }
+      WORKER_EXPECT(AllFinite(out), step + "the output is not finite");
+      if (k > kBad) {
+        const Tensor expected = CompressTwo(fresh, *pg, mine);
+        const std::vector<float> e = expected.ToVector<float>();
+        WORKER_EXPECT(o == e, step + "differs from a new hook's output (first element " + std::to_string(o[0]) +
+                                  " vs " + std::to_string(e[0]) + ")");
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, AGradientNotFiniteOnceReachesGradAndLeavesNoNaNBehind) {
+  auto run = RunWorkers("not_finite_once", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
