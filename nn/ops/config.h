@@ -29,6 +29,12 @@ GemmBackend GetGemmBackend();
 enum class ConvAlgorithm : int8_t { kAuto = 0, kIm2col = 1, kOneDnn = 2 };
 void SetConvAlgorithm(ConvAlgorithm algorithm);
 ConvAlgorithm GetConvAlgorithm();
+/// Geometries (input shape, kernel, stride, ...) whose oneDNN primitives
+/// are cached now. At most kOneDnnConvCacheEntries: each holds a forward and
+/// two backward primitives, and a run that meets many shapes (images of
+/// varying sizes) evicts the least recently used.
+inline constexpr int64_t kOneDnnConvCacheEntries = 64;
+int64_t OneDnnConvCacheSize();
 
 /// Whether f32/f64 arithmetic on the calling thread treats subnormal
 /// numbers (below 1.2e-38 in f32) as zero, as torch.set_flush_denormal

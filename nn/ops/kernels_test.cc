@@ -86,6 +86,29 @@ TEST(KernelsTest, ConvAlgorithmsAgree) {
   }
 }
 
+// Every input shape gets its own oneDNN primitives; a run meeting many
+// (images of varying sizes) keeps at most kOneDnnConvCacheEntries of them,
+// and a shape evicted and met again is built anew and still right. Before,
+// the cache grew with every shape for the life of the process.
+TEST(KernelsTest, OneDnnConvCacheIsBounded) {
+  Generator gen(5);
+  const Tensor w = Rand({4, 2, 3, 3}, {}, gen);
+  const Tensor first = Rand({1, 2, 8, 8}, {}, gen);
+  SetConvAlgorithm(ConvAlgorithm::kOneDnn);
+  const Tensor y_first = Conv2d(first, w, Tensor(), {});
+  for (int64_t size = 9; size < 9 + kOneDnnConvCacheEntries + 8; ++size) {
+    Conv2d(Rand({1, 2, size, size}, {}, gen), w, Tensor(), {});
+    EXPECT_LE(OneDnnConvCacheSize(), kOneDnnConvCacheEntries) << size;
+  }
+  EXPECT_EQ(OneDnnConvCacheSize(), kOneDnnConvCacheEntries);
+  const Tensor again = Conv2d(first, w, Tensor(), {});  // evicted: built again
+  SetConvAlgorithm(ConvAlgorithm::kIm2col);
+  const Tensor reference = Conv2d(first, w, Tensor(), {});
+  SetConvAlgorithm(ConvAlgorithm::kAuto);
+  EXPECT_EQ(MaxAbsDiff(again, y_first), 0.0);
+  EXPECT_LT(MaxAbsDiff(again, reference), 1e-4);
+}
+
 // The vectorized f32 path for 2x2/2 max pooling against the generic path
 // (f64), with odd sizes (an uncovered last row and column) and a NaN.
 TEST(KernelsTest, MaxPool2x2FastPathMatchesGenericPath) {

@@ -3,6 +3,7 @@
 #include "nn/ops/cpu/conv_onednn.h"
 
 #include <array>
+#include <cstdint>
 #include <dnnl.hpp>
 #include <map>
 #include <memory>
@@ -60,9 +61,16 @@ Key MakeKey(const Tensor& x, const Tensor& w, bool bias, const Conv2dParams& p) 
           p.pad_h,   p.pad_w,   p.dilation_h, p.dilation_w, p.groups, bias ? 1 : 0};
 }
 
+// Entries are shared: one evicted while another thread runs it lives on
+// until that run ends.
+struct Cached {
+  std::shared_ptr<Entry> entry;
+  uint64_t last_use = 0;
+};
 std::mutex g_cache_mu;
-std::map<Key, std::unique_ptr<Entry>>& Cache() {
-  static auto* cache = new std::map<Key, std::unique_ptr<Entry>>();
+uint64_t g_cache_clock = 0;  // under g_cache_mu
+std::map<Key, Cached>& Cache() {
+  static auto* cache = new std::map<Key, Cached>();
   return *cache;
 }
 
@@ -73,20 +81,33 @@ memory::dims WeightDims(const Tensor& w, int64_t groups) {
 
 void Build(Entry* e, const Tensor& x, const Tensor& w, bool bias, const Conv2dParams& p, const Shape& y_shape);
 
-// The cached primitives for this geometry, or null when oneDNN has no implementation for it.
-Entry* GetEntry(const Tensor& x, const Tensor& w, bool bias, const Conv2dParams& p, const Shape& y_shape) {
+// The cached primitives for this geometry, or null when oneDNN has no
+// implementation for it. A new geometry past kOneDnnConvCacheEntries
+// evicts the least recently used one.
+std::shared_ptr<Entry> GetEntry(const Tensor& x, const Tensor& w, bool bias, const Conv2dParams& p,
+                                const Shape& y_shape) {
   const Key key = MakeKey(x, w, bias, p);
   std::lock_guard<std::mutex> lock(g_cache_mu);
-  auto& slot = Cache()[key];
-  if (!slot) {
-    slot = std::make_unique<Entry>();
-    try {
-      Build(slot.get(), x, w, bias, p, y_shape);
-    } catch (const dnnl::error&) {
-      slot->supported = false;
+  std::map<Key, Cached>& cache = Cache();
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (static_cast<int64_t>(cache.size()) >= kOneDnnConvCacheEntries) {
+      auto oldest = cache.begin();
+      for (auto c = cache.begin(); c != cache.end(); ++c) {
+        if (c->second.last_use < oldest->second.last_use) oldest = c;
+      }
+      cache.erase(oldest);
     }
+    auto entry = std::make_shared<Entry>();
+    try {
+      Build(entry.get(), x, w, bias, p, y_shape);
+    } catch (const dnnl::error&) {
+      entry->supported = false;
+    }
+    it = cache.emplace(key, Cached{std::move(entry), 0}).first;
   }
-  return slot->supported ? slot.get() : nullptr;
+  it->second.last_use = ++g_cache_clock;
+  return it->second.entry->supported ? it->second.entry : nullptr;
 }
 
 void Build(Entry* e, const Tensor& x, const Tensor& w, bool bias, const Conv2dParams& p, const Shape& y_shape) {
@@ -208,7 +229,7 @@ bool Conv2dForward(const Tensor& x, const Tensor& w, const Tensor& bias, const T
 bool Conv2dForwardWhole(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
                         const Conv2dParams& p) {
   EnsureThreadSettings();
-  Entry* entry = GetEntry(x, w, bias.defined(), p, y.shape());
+  const std::shared_ptr<Entry> entry = GetEntry(x, w, bias.defined(), p, y.shape());
   if (entry == nullptr) return false;
   Entry& e = *entry;
   std::lock_guard<std::mutex> lock(e.mu);
@@ -229,7 +250,7 @@ bool Conv2dForwardWhole(const Tensor& x, const Tensor& w, const Tensor& bias, co
 bool Conv2dBackward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                     const Tensor& db, const Conv2dParams& p) {
   EnsureThreadSettings();
-  Entry* entry = GetEntry(x, w, db.defined(), p, dy.shape());
+  const std::shared_ptr<Entry> entry = GetEntry(x, w, db.defined(), p, dy.shape());
   if (entry == nullptr) return false;
   Entry& e = *entry;
   std::lock_guard<std::mutex> lock(e.mu);
@@ -268,3 +289,12 @@ bool Conv2dBackward(const Tensor& x, const Tensor& w, const Tensor& dy, const Te
 }
 
 }  // namespace ddp::nn::ops::cpu::onednn
+
+namespace ddp::nn::ops {
+
+int64_t OneDnnConvCacheSize() {
+  std::lock_guard<std::mutex> lock(cpu::onednn::g_cache_mu);
+  return static_cast<int64_t>(cpu::onednn::Cache().size());
+}
+
+}  // namespace ddp::nn::ops
