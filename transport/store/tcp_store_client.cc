@@ -71,6 +71,22 @@ StatusOr<std::string> ReadFrame(int fd, std::string& buffer, Deadline deadline) 
   }
 }
 
+// `bytes` with anything but printable ASCII as \xNN.
+std::string Printable(std::string_view bytes) {
+  std::string out;
+  for (unsigned char c : bytes) {
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '"') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      static const char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
+}
+
 std::string ElapsedMs(Deadline start) {
   return std::to_string(
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count());
@@ -105,6 +121,15 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
     Status sent = SendAll(fd.get(), hello_frame, deadline, nullptr);
     StatusOr<std::string> reply = sent.ok() ? ReadFrame(fd.get(), buffer, deadline)
                                             : StatusOr<std::string>(sent);
+    if (!reply.ok() && reply.status().code() == StatusCode::kInternal) {
+      // A frame longer than the protocol allows: another service's greeting
+      // or error page ("SSH-2.0-..." reads as a frame of 1.4 GB). Trying
+      // again only gets the same answer until the deadline.
+      return UnavailableError("the store at " + endpoint +
+                              " answered the handshake with something else than the store "
+                              "protocol (it began \"" + Printable(buffer.substr(0, 24)) +
+                              "\"): is MASTER_PORT another service's port?");
+    }
     if (!reply.ok()) {
       if (reply.status().code() == StatusCode::kTimedOut) {
         if (!last_error.empty()) break;

@@ -1085,6 +1085,24 @@ TEST(TcpStoreTest, HandshakeEchoedBackIsRefused) {
               HasSubstr("answered the handshake with something else than the store protocol"));
 }
 
+// MASTER_PORT pointing at another service: its answer (here an HTTP error
+// page; an SSH server's greeting alike) reads as a frame of a gigabyte. The
+// client says so at once, quoting it. Before, it took that for a closed
+// connection and reconnected until its deadline, then reported the frame's
+// size.
+TEST(TcpStoreTest, AnotherServicesAnswerIsNamedAtOnce) {
+  HandshakeServer http([](const std::string&) { return std::string("HTTP/1.1 400 Bad Request\r\n\r\n"); });
+  const auto start = Clock::now();
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", http.port(), kToken, DeadlineIn(5s));
+  ASSERT_FALSE(client.ok());
+  EXPECT_LT(Clock::now() - start, 2s) << "retried until the deadline";
+  EXPECT_EQ(client.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(client.status().message(),
+              HasSubstr("answered the handshake with something else than the store protocol (it began "
+                        "\"HTTP/1.1 400 Bad Request\"): is MASTER_PORT another service's port?"));
+}
+
 TEST(TcpStoreTest, HandshakeReplyOfAnotherVersionIsRefused) {
   HandshakeServer newer([](const std::string&) {
     wire::Writer w;
