@@ -212,6 +212,9 @@ class AdaptiveAvgPool2d : public Module {
 };
 
 /// Zeroes elements with probability p in training (scaling the rest by 1/(1-p)).
+/// Unlike Linear's and Conv2d's, which draw only the initial weights, its
+/// generator is drawn from at every training forward: it must outlive the
+/// module (the default, the process's generator, does).
 class Dropout : public Module {
  public:
   explicit Dropout(double p = 0.5, Generator& gen = DefaultGenerator());
