@@ -27,9 +27,10 @@
 // those to ranks on this host; such a peer is lost too, but its request
 // stays with UCX until it completes or the peer's process is gone.
 // CancelAll gives up all its requests first and then waits once: one grace
-// and one round of forced closes (at most the grace + 1 s) however many
-// peers they go to, where a loop of Cancel would wait that long for each
-// peer in turn.
+// and one round of forced closes (at most the grace + 1 s; + 2 s when some
+// of the peers had already failed, whose endpoints are closed by force
+// first, before the grace) however many peers they go to, where a loop of
+// Cancel would wait that long for each peer in turn.
 //
 // Threading: one thread at a time (the communicator serializes callers).
 
