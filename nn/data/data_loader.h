@@ -66,7 +66,7 @@ class DataLoader {
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
   /// Stops and joins the workers. A batch being built is finished first,
-  /// for at most options.timeout (not at all once Next() timed out on it):
+  /// for at most options.timeout (100 ms once Next() timed out on it):
   /// a worker still inside the dataset then (a read from a hung network
   /// mount) is left running detached, with a warning, so that the error
   /// that brought the caller here gets out instead of a hang.

@@ -181,6 +181,7 @@ class FaultyDataset : public Dataset {
   void Get(int64_t index, uint8_t* pixels) const override {
     if (index == bad_) {
       if (stall_.count() > 0) {
+        stalling_ = true;
         std::this_thread::sleep_for(stall_);
       } else {
         throw DatasetError("faulty: cannot decode sample " + std::to_string(index));
@@ -190,10 +191,13 @@ class FaultyDataset : public Dataset {
   }
   int64_t Label(int64_t index) const override { return index % 2; }
   std::string Name() const override { return "faulty"; }
+  // Whether a worker has reached the stalling sample.
+  bool stalling() const { return stalling_; }
 
  private:
   int64_t bad_;
   std::chrono::milliseconds stall_;
+  mutable std::atomic<bool> stalling_{false};
 };
 
 TEST(DataLoader, ErrorInAWorkerReachesTheCaller) {
@@ -241,17 +245,19 @@ TEST(DataLoader, DestructionAfterATimeoutLeavesAStuckWorkerBehind) {
 }
 
 // Without a timeout on Next(), the destructor waits for a batch being built
-// (up to options.timeout) and joins every worker.
+// (up to options.timeout) and joins every worker: none is left holding the
+// dataset.
 TEST(DataLoader, DestructionWaitsForABatchBeingBuilt) {
   auto slow = std::make_shared<FaultyDataset>(0, std::chrono::milliseconds(500));
-  const auto start = std::chrono::steady_clock::now();
   {
     DataLoader loader(slow, nullptr, {}, {.batch_size = 10, .num_workers = 1});
     loader.StartEpoch(0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the worker is in sample 0
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!slow->stalling() && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(slow->stalling()) << "the worker never reached sample 0";
   }
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_GE(took, 0.45);
   EXPECT_EQ(slow.use_count(), 1) << "a worker still holds the dataset: it was not joined";
 }
 

@@ -29,11 +29,13 @@ GemmBackend GetGemmBackend();
 enum class ConvAlgorithm : int8_t { kAuto = 0, kIm2col = 1, kOneDnn = 2 };
 void SetConvAlgorithm(ConvAlgorithm algorithm);
 ConvAlgorithm GetConvAlgorithm();
-/// Geometries (input shape, kernel, stride, ...) whose oneDNN primitives
-/// are cached now. At most kOneDnnConvCacheEntries: each holds a forward and
-/// two backward primitives, and a run that meets many shapes (images of
-/// varying sizes) evicts the least recently used.
-inline constexpr int64_t kOneDnnConvCacheEntries = 64;
+/// Geometries (input shape with its batch size, kernel, stride, ...) whose
+/// oneDNN primitives are cached now. At most kOneDnnConvCacheEntries: each
+/// holds a forward and two backward primitives, and a run that meets many
+/// shapes (images of varying sizes) evicts the least recently used. Room
+/// for a ResNet-50's layers at four batch sizes (training, its last partial
+/// batch, evaluation, its last) with no eviction.
+inline constexpr int64_t kOneDnnConvCacheEntries = 256;
 int64_t OneDnnConvCacheSize();
 
 /// Whether f32/f64 arithmetic on the calling thread treats subnormal
