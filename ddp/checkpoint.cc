@@ -22,9 +22,9 @@ namespace {
 // with one collective whatever happened.
 constexpr int64_t kRecordBytes = 1024;
 
-// SaveCheckpoint's status record while rank 0 is still writing (Record's
+// The status record while the root is still writing or reading (Record's
 // first byte is 1 or 0 otherwise).
-constexpr char kStillWriting = 2;
+constexpr char kStillGoing = 2;
 
 nn::Tensor Record(bool ok, const std::string& message) {
   nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
@@ -66,10 +66,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Writes the file; returns the error, empty when it worked.
-std::string WriteCheckpoint(const std::string& path, const nn::io::Checkpoint& checkpoint) {
+// Runs `work`, turning what it throws into its error; empty when it worked.
+std::string ErrorOf(const std::function<void()>& work) {
   try {
-    nn::io::SaveCheckpoint(path, checkpoint);
+    work();
     return "";
   } catch (const std::exception& e) {
     return e.what()[0] != '\0' ? e.what() : "an exception without a message";
@@ -78,27 +78,27 @@ std::string WriteCheckpoint(const std::string& path, const nn::io::Checkpoint& c
   }
 }
 
-// Rank 0's write, on a thread of its own, so that the caller's thread can
-// tell the others it is still going.
-class Writer {
+// The root's part (a write, a read), on a thread of its own, so that the
+// caller's thread can tell the others it is still going.
+class Background {
  public:
-  Writer(const std::string& path, const nn::io::Checkpoint& checkpoint)
-      : thread_([this, &path, &checkpoint] {
-          std::string error = WriteCheckpoint(path, checkpoint);
+  explicit Background(const std::function<void()>& work)
+      : thread_([this, &work] {
+          std::string error = ErrorOf(work);
           std::lock_guard lock(mu_);
           error_ = std::move(error);
           done_ = true;
           cv_.notify_all();
         }) {}
-  // The write is never abandoned: it reads the caller's checkpoint.
-  ~Writer() { thread_.join(); }
+  // Never abandoned: the work uses the caller's objects.
+  ~Background() { thread_.join(); }
 
-  // Waits until the write ends or `until`; true when it ended.
+  // Waits until the work ends or `until`; true when it ended.
   bool WaitUntil(Clock::time_point until) {
     std::unique_lock lock(mu_);
     return cv_.wait_until(lock, until, [this] { return done_; });
   }
-  // Once WaitUntil returned true: the write's error, empty when it worked.
+  // Once WaitUntil returned true: the work's error, empty when it worked.
   std::string error() {
     std::lock_guard lock(mu_);
     return error_;
@@ -112,73 +112,91 @@ class Writer {
   std::thread thread_;  // last: starts once the members it uses exist
 };
 
+void CheckWait(const char* name, std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat) {
+  if (timeout.count() <= 0 || timeout > kMostTimeout) {
+    throw std::invalid_argument(std::string(name) + "::timeout must be in (0 ms, 30 days], got " +
+                                std::to_string(timeout.count()) + " ms");
+  }
+  if (heartbeat.count() <= 0) {
+    throw std::invalid_argument(std::string(name) + "::heartbeat must be positive, got " +
+                                std::to_string(heartbeat.count()) + " ms");
+  }
+}
+
 }  // namespace
 
-void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
-                    const SaveOptions& options) {
-  if (options.timeout.count() <= 0 || options.timeout > kMostTimeout) {
-    throw std::invalid_argument("SaveOptions::timeout must be in (0 ms, 30 days], got " +
-                                std::to_string(options.timeout.count()) + " ms");
-  }
-  if (options.heartbeat.count() <= 0) {
-    throw std::invalid_argument("SaveOptions::heartbeat must be positive, got " +
-                                std::to_string(options.heartbeat.count()) + " ms");
-  }
-  const auto heartbeat =
-      std::min(options.heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
+namespace internal {
+
+// What `root` does alone while the others wait: a write or read that may
+// take longer than the group's timeout. `root` runs `work` on a thread and
+// broadcasts a status record every `heartbeat` ("still going", then the
+// outcome), so the others wait as long as it goes on, up to `timeout`.
+// Returns the outcome on every rank: empty, or root's error. Past the
+// timeout every rank gets "<task> did not finish within <option> (N ms)"
+// and the group is aborted with `abort_reason` and that limit (root stays
+// in `work` until it ends; the others' next collective would wait for it
+// past their deadline).
+std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::function<void()>& work,
+                                     std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                                     const std::string& task, const std::string& option,
+                                     const std::string& abort_reason) {
+  // Each record is a collective bound by the group's timeout.
+  heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
+  const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
+  const char* what = "checkpoint status";
   nn::Tensor record;
-  if (pg.rank() != 0) {
-    // Status records until one is not "still writing": rank 0 sends a final
-    // one by options.timeout at the latest.
+  if (pg.rank() != root) {
+    // Records until one is not "still going": root sends a final one by
+    // `timeout` at the latest.
     do {
       record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-      pg.Broadcast(record, 0, "checkpoint save status").Wait();
-    } while (static_cast<const char*>(record.data_ptr())[0] == kStillWriting);
+      pg.Broadcast(record, root, what).Wait();
+    } while (static_cast<const char*>(record.data_ptr())[0] == kStillGoing);
   } else if (pg.size() == 1) {
-    const std::string error = WriteCheckpoint(path, checkpoint);
+    const std::string error = ErrorOf(work);
     record = Record(error.empty(), error);
   } else {
-    const Clock::time_point deadline = Clock::now() + options.timeout;
+    const Clock::time_point deadline = Clock::now() + timeout;
     std::exception_ptr group_error;
     bool timed_out = false;
     {
-      Writer writer(path, checkpoint);
+      Background background(work);
       while (true) {
-        if (writer.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
-          const std::string error = writer.error();
+        if (background.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
+          const std::string error = background.error();
           record = Record(error.empty(), error);
         } else if (Clock::now() >= deadline) {
-          record = Record(false, "the write did not finish within SaveOptions::timeout (" +
-                                     std::to_string(options.timeout.count()) + " ms)");
+          record = Record(false, task + " did not finish within " + limit);
           timed_out = true;
         } else {
           record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-          static_cast<char*>(record.data_ptr())[0] = kStillWriting;
+          static_cast<char*>(record.data_ptr())[0] = kStillGoing;
         }
         try {
-          pg.Broadcast(record, 0, "checkpoint save status").Wait();
+          pg.Broadcast(record, root, what).Wait();
         } catch (...) {
           group_error = std::current_exception();
           break;
         }
-        if (static_cast<const char*>(record.data_ptr())[0] != kStillWriting) break;
+        if (static_cast<const char*>(record.data_ptr())[0] != kStillGoing) break;
       }
-      if (timed_out) {
-        // This rank stays in its write for as long as that takes, and the
-        // others' next collective would wait for it past their deadline:
-        // end the group now, with the reason, as a timed-out collective does.
-        pg.Abort(transport::TimedOutError("SaveCheckpoint: rank 0 could not write " + path +
-                                          " within SaveOptions::timeout (" +
-                                          std::to_string(options.timeout.count()) + " ms)"));
-      }
-    }  // the write ends here
+      if (timed_out) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+    }  // the work ends here
     if (group_error) std::rethrow_exception(group_error);
   }
   const char* p = static_cast<const char*>(record.data_ptr());
-  if (p[0] != 1) {
-    throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " +
-                             std::string(p + 1, strnlen(p + 1, kRecordBytes - 1)));
-  }
+  return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
+}
+
+}  // namespace internal
+
+void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
+                    const SaveOptions& options) {
+  CheckWait("SaveOptions", options.timeout, options.heartbeat);
+  const std::string error = internal::RunOnRootWhileOthersWait(
+      pg, 0, [&] { nn::io::SaveCheckpoint(path, checkpoint); }, options.timeout, options.heartbeat,
+      "the write", "SaveOptions::timeout", "SaveCheckpoint: rank 0 could not write " + path);
+  if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
 
 namespace {
@@ -250,33 +268,28 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 }
 
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root,
-                                          const nn::io::LoadOptions& options) {
+                                          const nn::io::LoadOptions& options, const LoadFromRankOptions& wait) {
   if (root < 0 || root >= pg.size()) {
     throw std::invalid_argument("LoadCheckpointFromRank: root " + std::to_string(root) +
                                 " is not a rank of the group (size " + std::to_string(pg.size()) +
                                 ")");
   }
-  // What travels: "1" and the file's bytes, or "0" and why root could not
-  // read them.
+  CheckWait("LoadFromRankOptions", wait.timeout, wait.heartbeat);
+  // Root reads (for as long as it takes, within wait.timeout, while the
+  // others hear that it is still reading), then sends the bytes.
   std::string shared;
-  if (pg.rank() == root) {
-    try {
-      shared = "1" + nn::io::SafetensorsFile::ReadBytes(path);
-    } catch (const std::exception& e) {
-      shared = std::string("0") + e.what();
-    }
+  const std::string error = internal::RunOnRootWhileOthersWait(
+      pg, root, [&] { shared = nn::io::SafetensorsFile::ReadBytes(path); }, wait.timeout, wait.heartbeat,
+      "the read", "LoadFromRankOptions::timeout",
+      "LoadCheckpoint: rank " + std::to_string(root) + " could not read " + path);
+  if (!error.empty()) {
+    throw std::runtime_error("LoadCheckpoint " + path + " failed on rank " + std::to_string(root) + ": " + error);
   }
   pg.BroadcastObject(&shared, root);
-  if (shared.empty() || shared[0] != '1') {
-    const std::string why = shared.empty() ? std::string("nothing was sent") : shared.substr(1);
-    throw std::runtime_error("LoadCheckpoint " + path + " failed on rank " + std::to_string(root) +
-                             ": " + why);
-  }
   nn::io::Checkpoint checkpoint;
   bool ok = true;
   std::string what;  // the error, or what was read
   try {
-    shared.erase(0, 1);
     checkpoint = nn::io::LoadCheckpointFromBytes(
         std::move(shared), path + " (read by rank " + std::to_string(root) + ")", options);
     what = Fingerprint(checkpoint);

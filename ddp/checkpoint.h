@@ -20,6 +20,7 @@
 // "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "ddp/process_group.h"
@@ -69,15 +70,29 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {});
 
+/// How long the others wait for the root's read in LoadCheckpointFromRank.
+struct LoadFromRankOptions {
+  /// The read's deadline, which may be longer than the group's timeout
+  /// (many GB from slow storage). Past it, every rank throws and the group
+  /// is aborted.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  /// How often the root tells the others that it is still reading (at most
+  /// a quarter of the group's timeout).
+  std::chrono::milliseconds heartbeat{std::chrono::seconds(1)};
+};
+
 /// Collective. Rank `root` reads `path` and sends its bytes to the others,
 /// which parse the same bytes: the file need only be where `root` can read
 /// it (a checkpoint SaveCheckpoint wrote on rank 0's own disk, with no
 /// filesystem shared between hosts), and it is read once, not once per
-/// rank. When `root` cannot read it, or any rank cannot load it, every rank
+/// rank. The others wait for the read as long as it goes on, up to
+/// `wait.timeout` (the group's timeout then bounds sending the bytes).
+/// When `root` cannot read it, or any rank cannot load it, every rank
 /// throws one error naming each failing rank and its reason. Throws
 /// std::invalid_argument for a root outside the group.
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root = 0,
-                                          const nn::io::LoadOptions& options = {});
+                                          const nn::io::LoadOptions& options = {},
+                                          const LoadFromRankOptions& wait = {});
 
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
 /// must match, see Module::LoadStateDict), the optimizer, then the
@@ -93,6 +108,23 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr);
+
+namespace internal {
+
+/// What SaveCheckpoint's writer and LoadCheckpointFromRank's reader share
+/// (exposed for tests): collective; `root` runs `work` on a thread of its
+/// own and tells the others every `heartbeat` (at most a quarter of the
+/// group's timeout) that it is still going, so they wait as long as it
+/// does, up to `timeout`. Returns root's outcome on every rank: empty, or
+/// what `work` threw. Past `timeout`, every rank gets "<task> did not
+/// finish within <option> (N ms)" and the group is aborted with
+/// `abort_reason` and that limit (root returns only once `work` ends).
+std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::function<void()>& work,
+                                     std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                                     const std::string& task, const std::string& option,
+                                     const std::string& abort_reason);
+
+}  // namespace internal
 
 }  // namespace ddp::dist
 

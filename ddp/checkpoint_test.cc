@@ -18,7 +18,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ddp/distributed_data_parallel.h"
@@ -283,7 +285,59 @@ DDP_TEST_WORKER(from_rank) {
   } catch (const std::invalid_argument& e) {
     WORKER_EXPECT(std::string(e.what()).find("root 2") != std::string::npos, e.what());
   }
+  try {
+    LoadCheckpointFromRank(*pg, own + "/c.safetensors", 0, {}, {.timeout = std::chrono::milliseconds(0)});
+    WORKER_EXPECT(false, "a zero timeout was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("LoadFromRankOptions::timeout must be in (0 ms, 30 days], got 0 ms") !=
+                      std::string::npos,
+                  e.what());
+  }
   return testing::WorkerExit();
+}
+
+// What the root does alone, a write (SaveCheckpoint) or a read
+// (LoadCheckpointFromRank) longer than the group's timeout (here 200 ms):
+// the others wait for it as long as it goes on, whichever rank is the root,
+// and learn its outcome; past the work's own timeout every rank fails with
+// it and the group is aborted.
+DDP_TEST_WORKER(root_works_alone) {
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(200);
+  transport::CommunicatorOptions comm_options;
+  comm_options.timeout = std::chrono::milliseconds(20000);  // creation
+  auto pg = ProcessGroup::CreateFromEnvironment(options, comm_options);
+  using std::chrono::milliseconds;
+  auto nap = [] { std::this_thread::sleep_for(milliseconds(1000)); };
+  for (int root : {0, 1}) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string outcome = internal::RunOnRootWhileOthersWait(
+        *pg, root, nap, milliseconds(20000), milliseconds(1000), "the nap", "Nap::timeout", "the nap failed");
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(outcome.empty(), "root " + std::to_string(root) + ": " + outcome);
+    WORKER_EXPECT(took > 0.9, "root " + std::to_string(root) + " took only " + std::to_string(took) + " s");
+  }
+  const std::string failed = internal::RunOnRootWhileOthersWait(
+      *pg, 1, [] { throw std::runtime_error("no luck"); }, milliseconds(20000), milliseconds(1000), "the nap",
+      "Nap::timeout", "the nap failed");
+  WORKER_EXPECT(failed == "no luck", failed);
+  const std::string late = internal::RunOnRootWhileOthersWait(*pg, 1, nap, milliseconds(300), milliseconds(1000),
+                                                              "the nap", "Nap::timeout", "the nap failed");
+  WORKER_EXPECT(late == "the nap did not finish within Nap::timeout (300 ms)", late);
+  std::string next;
+  try {
+    nn::Tensor one = nn::Ones({1});
+    pg->AllReduce(one).Wait();
+  } catch (const std::exception& e) {
+    next = e.what();
+  }
+  WORKER_EXPECT(next.find("the nap failed within Nap::timeout (300 ms)") != std::string::npos, next);
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, TheOthersWaitForTheRootsLongWorkAndLearnItsOutcome) {
+  auto run = RunWorkers("root_works_alone", 3, {}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
