@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -188,6 +189,48 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::func
   return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
 }
 
+std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const std::function<void()>& work,
+                                          std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                                          const std::string& task, const std::string& option,
+                                          const std::string& abort_reason) {
+  if (pg.size() == 1) return ErrorOf(work);
+  heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
+  const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
+  // Each round's flag, the largest over the ranks: 0 done, 1 still going,
+  // 2 out of time.
+  constexpr int32_t kDone = 0, kGoing = 1, kOutOfTime = 2;
+  const Clock::time_point deadline = Clock::now() + timeout;
+  std::string error;
+  int32_t outcome = kGoing;
+  bool out_of_time = false;
+  std::exception_ptr group_error;
+  {
+    Background background(work);
+    bool done = false;
+    while (outcome == kGoing) {
+      if (!done) done = background.WaitUntil(std::min(deadline, Clock::now() + heartbeat));
+      if (done) error = background.error();
+      out_of_time = !done && Clock::now() >= deadline;
+      nn::Tensor flag = nn::Full({1}, done ? kDone : out_of_time ? kOutOfTime : kGoing, {.dtype = nn::DType::kInt32});
+      try {
+        pg.AllReduce(flag, transport::ReduceOp::kMax, "checkpoint read status").Wait();
+      } catch (...) {
+        group_error = std::current_exception();
+        break;
+      }
+      // Done here and others still going: the next round's all-reduce
+      // waits for theirs, at most a heartbeat away.
+      outcome = static_cast<int32_t>(flag.Item());
+    }
+    // A rank still in its work: the others' next collective would wait for
+    // it past their deadline; end the group now, with the reason.
+    if (out_of_time) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+  }  // the work ends here
+  if (group_error) std::rethrow_exception(group_error);
+  if (outcome == kOutOfTime) throw std::runtime_error(task + " did not finish on every rank within " + limit);
+  return error;
+}
+
 }  // namespace internal
 
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
@@ -252,35 +295,42 @@ void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::
 }  // namespace
 
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
-                                  const nn::io::LoadOptions& options) {
+                                  const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
+  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat);
   nn::io::Checkpoint checkpoint;
-  bool ok = true;
-  std::string what;  // the error, or what was read
+  // The reads take as long as each rank's storage does (the host that
+  // wrote the file has it in memory): the ranks done first wait for the
+  // others, hearing that they are still reading.
+  std::string what;
   try {
-    checkpoint = nn::io::LoadCheckpoint(path, options);
-    what = Fingerprint(checkpoint);
-  } catch (const std::exception& e) {
-    ok = false;
-    what = e.what();
+    what = internal::RunOnEveryRankWhileOthersWait(
+        pg, [&] { checkpoint = nn::io::LoadCheckpoint(path, options); }, wait.timeout, wait.heartbeat, "the read",
+        "LoadWaitOptions::timeout", "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path);
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("LoadCheckpoint " + path + ": " + e.what());
   }
+  const bool ok = what.empty();
+  if (ok) what = Fingerprint(checkpoint);
   AgreeOnLoad(pg, path, ok, what);
   return checkpoint;
 }
 
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root,
-                                          const nn::io::LoadOptions& options, const LoadFromRankOptions& wait) {
+                                          const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
   if (root < 0 || root >= pg.size()) {
     throw std::invalid_argument("LoadCheckpointFromRank: root " + std::to_string(root) +
                                 " is not a rank of the group (size " + std::to_string(pg.size()) +
                                 ")");
   }
-  CheckWait("LoadFromRankOptions", wait.timeout, wait.heartbeat);
+  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat);
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
   std::string shared;
   const std::string error = internal::RunOnRootWhileOthersWait(
       pg, root, [&] { shared = nn::io::SafetensorsFile::ReadBytes(path); }, wait.timeout, wait.heartbeat,
-      "the read", "LoadFromRankOptions::timeout",
+      "the read", "LoadWaitOptions::timeout",
       "LoadCheckpoint: rank " + std::to_string(root) + " could not read " + path);
   if (!error.empty()) {
     throw std::runtime_error("LoadCheckpoint " + path + " failed on rank " + std::to_string(root) + ": " + error);

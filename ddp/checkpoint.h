@@ -61,25 +61,29 @@ struct SaveOptions {
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 
+/// How long ranks wait for the others' reads in LoadCheckpoint (every rank
+/// reads: one whose host just wrote the file has it in memory, the others
+/// read it from slow storage) and for the root's in LoadCheckpointFromRank.
+struct LoadWaitOptions {
+  /// The reads' deadline, which may be longer than the group's timeout
+  /// (many GB from slow storage). Past it, every rank throws and the group
+  /// is aborted.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  /// How often ranks still reading tell the others so (at most a quarter
+  /// of the group's timeout).
+  std::chrono::milliseconds heartbeat{std::chrono::seconds(1)};
+};
+
 /// Collective. Every rank reads `path`. When any rank fails, every rank
 /// throws one error naming each failing rank and its reason; so it does
 /// when the ranks read different contents (the data checksum, the tensors'
 /// count and bytes, the "step" entry differ: a stale copy on a node's own
 /// disk, a network filesystem's client cache just after rank 0 replaced
 /// the file), naming what each rank read.
+/// The ranks wait for each other's reads up to `wait.timeout`.
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
-                                  const nn::io::LoadOptions& options = {});
+                                  const nn::io::LoadOptions& options = {}, const LoadWaitOptions& wait = {});
 
-/// How long the others wait for the root's read in LoadCheckpointFromRank.
-struct LoadFromRankOptions {
-  /// The read's deadline, which may be longer than the group's timeout
-  /// (many GB from slow storage). Past it, every rank throws and the group
-  /// is aborted.
-  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  /// How often the root tells the others that it is still reading (at most
-  /// a quarter of the group's timeout).
-  std::chrono::milliseconds heartbeat{std::chrono::seconds(1)};
-};
 
 /// Collective. Rank `root` reads `path` and sends its bytes to the others,
 /// which parse the same bytes: the file need only be where `root` can read
@@ -92,7 +96,7 @@ struct LoadFromRankOptions {
 /// std::invalid_argument for a root outside the group.
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root = 0,
                                           const nn::io::LoadOptions& options = {},
-                                          const LoadFromRankOptions& wait = {});
+                                          const LoadWaitOptions& wait = {});
 
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
 /// must match, see Module::LoadStateDict), the optimizer, then the
@@ -123,6 +127,19 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::func
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
                                      const std::string& abort_reason);
+
+/// LoadCheckpoint's wait (exposed for tests): collective; every rank runs
+/// `work` on a thread of its own, and the ranks tell each other every
+/// `heartbeat` whether any is still going, so that those done first wait
+/// for the last, up to `timeout`. Returns this rank's outcome: empty, or
+/// what its `work` threw. Past `timeout`, every rank throws
+/// std::runtime_error "<task> did not finish on every rank within <option>
+/// (N ms)" and the ranks still in `work` abort the group with
+/// `abort_reason` and that limit (they throw once `work` ends).
+std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const std::function<void()>& work,
+                                          std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                                          const std::string& task, const std::string& option,
+                                          const std::string& abort_reason);
 
 }  // namespace internal
 

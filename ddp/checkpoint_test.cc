@@ -289,7 +289,7 @@ DDP_TEST_WORKER(from_rank) {
     LoadCheckpointFromRank(*pg, own + "/c.safetensors", 0, {}, {.timeout = std::chrono::milliseconds(0)});
     WORKER_EXPECT(false, "a zero timeout was accepted");
   } catch (const std::invalid_argument& e) {
-    WORKER_EXPECT(std::string(e.what()).find("LoadFromRankOptions::timeout must be in (0 ms, 30 days], got 0 ms") !=
+    WORKER_EXPECT(std::string(e.what()).find("LoadWaitOptions::timeout must be in (0 ms, 30 days], got 0 ms") !=
                       std::string::npos,
                   e.what());
   }
@@ -337,6 +337,59 @@ DDP_TEST_WORKER(root_works_alone) {
 
 TEST(DdpCheckpointTest, TheOthersWaitForTheRootsLongWorkAndLearnItsOutcome) {
   auto run = RunWorkers("root_works_alone", 3, {}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// LoadCheckpoint's reads, one per rank, take as long as each rank's storage
+// does (the host that wrote the file has it in memory): the ranks done first
+// wait for the last as long as it goes on, past the group's timeout (here
+// 200 ms); each learns its own outcome; past the reads' own timeout every
+// rank fails with it and the group is aborted.
+DDP_TEST_WORKER(every_rank_reads) {
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(200);
+  transport::CommunicatorOptions comm_options;
+  comm_options.timeout = std::chrono::milliseconds(20000);  // creation
+  auto pg = ProcessGroup::CreateFromEnvironment(options, comm_options);
+  using std::chrono::milliseconds;
+  const bool slow = pg->rank() == 2;
+  auto read = [slow] {
+    if (slow) std::this_thread::sleep_for(milliseconds(1000));
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const std::string outcome = internal::RunOnEveryRankWhileOthersWait(
+      *pg, read, milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(outcome.empty(), outcome);
+  WORKER_EXPECT(took > 0.9, "returned after " + std::to_string(took) + " s, before rank 2's read ended");
+  const std::string mine = internal::RunOnEveryRankWhileOthersWait(
+      *pg,
+      [&] {
+        if (pg->rank() == 1) throw std::runtime_error("no luck");
+      },
+      milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
+  WORKER_EXPECT(mine == (pg->rank() == 1 ? "no luck" : ""), mine);
+  std::string late;
+  try {
+    internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(300), milliseconds(1000), "the read",
+                                            "Read::timeout", "the read failed");
+  } catch (const std::runtime_error& e) {
+    late = e.what();
+  }
+  WORKER_EXPECT(late == "the read did not finish on every rank within Read::timeout (300 ms)", late);
+  std::string next;
+  try {
+    nn::Tensor one = nn::Ones({1});
+    pg->AllReduce(one).Wait();
+  } catch (const std::exception& e) {
+    next = e.what();
+  }
+  WORKER_EXPECT(next.find("the read failed within Read::timeout (300 ms)") != std::string::npos, next);
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, RanksDoneReadingWaitForTheSlowestAndLearnTheirOwnOutcome) {
+  auto run = RunWorkers("every_rank_reads", 3, {}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
