@@ -120,6 +120,28 @@ TEST(DdpCheckpointTest, ResumeEqualsUninterruptedRun) {
 
 // ---------------------------------------------------------- slow write ----
 
+// A group whose collectives time out after 200 ms (its creation after 20 s),
+// for work that outlasts that timeout.
+std::shared_ptr<ProcessGroup> GroupWithAShortTimeout() {
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(200);
+  transport::CommunicatorOptions comm_options;
+  comm_options.timeout = std::chrono::milliseconds(20000);
+  return ProcessGroup::CreateFromEnvironment(options, comm_options);
+}
+
+// The error of the next collective (empty if it works): after an abort, the
+// abort's reason.
+std::string NextCollectivesError(ProcessGroup& pg) {
+  try {
+    nn::Tensor one = nn::Ones({1});
+    pg.AllReduce(one).Wait();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // A write that takes longer than the group's timeout (here 200 ms; in real
 // jobs, many GB to slow storage): rank 0 tells the others every quarter of
 // it that it is still writing, so they wait for it instead of timing out.
@@ -129,11 +151,7 @@ DDP_TEST_WORKER(slow_write) {
   // Made before the group, whose 200 ms would not wait for it.
   nn::io::Checkpoint big;
   if (std::string(std::getenv("RANK")) == "0") big.model.emplace_back("w", nn::Ones({int64_t{1} << 27}));  // 512 MiB
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::milliseconds(200);
-  transport::CommunicatorOptions comm_options;
-  comm_options.timeout = std::chrono::milliseconds(20000);  // creation
-  auto pg = ProcessGroup::CreateFromEnvironment(options, comm_options);
+  auto pg = GroupWithAShortTimeout();
   const std::string dir = std::getenv("DDP_TEST_CKPT");
   const auto start = std::chrono::steady_clock::now();
   SaveCheckpoint(*pg, dir + "/slow.safetensors", big);
@@ -152,13 +170,7 @@ DDP_TEST_WORKER(slow_write) {
                 error);
   // Rank 0 is still writing, so the group was aborted with the reason: the
   // next collective fails at once instead of waiting for it.
-  std::string next;
-  try {
-    nn::Tensor one = nn::Ones({1});
-    pg->AllReduce(one).Wait();
-  } catch (const std::exception& e) {
-    next = e.what();
-  }
+  const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("within SaveOptions::timeout (50 ms)") != std::string::npos, next);
   // Read last: it takes longer than the group's timeout too.
   if (pg->rank() == 0) {
@@ -302,11 +314,7 @@ DDP_TEST_WORKER(from_rank) {
 // and learn its outcome; past the work's own timeout every rank fails with
 // it and the group is aborted.
 DDP_TEST_WORKER(root_works_alone) {
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::milliseconds(200);
-  transport::CommunicatorOptions comm_options;
-  comm_options.timeout = std::chrono::milliseconds(20000);  // creation
-  auto pg = ProcessGroup::CreateFromEnvironment(options, comm_options);
+  auto pg = GroupWithAShortTimeout();
   using std::chrono::milliseconds;
   auto nap = [] { std::this_thread::sleep_for(milliseconds(1000)); };
   for (int root : {0, 1}) {
@@ -324,13 +332,7 @@ DDP_TEST_WORKER(root_works_alone) {
   const std::string late = internal::RunOnRootWhileOthersWait(*pg, 1, nap, milliseconds(300), milliseconds(1000),
                                                               "the nap", "Nap::timeout", "the nap failed");
   WORKER_EXPECT(late == "the nap did not finish within Nap::timeout (300 ms)", late);
-  std::string next;
-  try {
-    nn::Tensor one = nn::Ones({1});
-    pg->AllReduce(one).Wait();
-  } catch (const std::exception& e) {
-    next = e.what();
-  }
+  const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("the nap failed within Nap::timeout (300 ms)") != std::string::npos, next);
   return testing::WorkerExit();
 }
@@ -346,11 +348,7 @@ TEST(DdpCheckpointTest, TheOthersWaitForTheRootsLongWorkAndLearnItsOutcome) {
 // 200 ms); each learns its own outcome; past the reads' own timeout every
 // rank fails with it and the group is aborted.
 DDP_TEST_WORKER(every_rank_reads) {
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::milliseconds(200);
-  transport::CommunicatorOptions comm_options;
-  comm_options.timeout = std::chrono::milliseconds(20000);  // creation
-  auto pg = ProcessGroup::CreateFromEnvironment(options, comm_options);
+  auto pg = GroupWithAShortTimeout();
   using std::chrono::milliseconds;
   const bool slow = pg->rank() == 2;
   auto read = [slow] {
@@ -377,13 +375,7 @@ DDP_TEST_WORKER(every_rank_reads) {
     late = e.what();
   }
   WORKER_EXPECT(late == "the read did not finish on every rank within Read::timeout (300 ms)", late);
-  std::string next;
-  try {
-    nn::Tensor one = nn::Ones({1});
-    pg->AllReduce(one).Wait();
-  } catch (const std::exception& e) {
-    next = e.what();
-  }
+  const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("the read failed within Read::timeout (300 ms)") != std::string::npos, next);
   return testing::WorkerExit();
 }
