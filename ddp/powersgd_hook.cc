@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -34,6 +35,15 @@ struct TensorPlan {
   bool compressed() const { return rank > 0; }
 };
 
+// With error feedback, M and P Q^T are formed this many rows at a time and
+// each block used while it is in cache: whole-tensor steps would read or
+// write every gradient once more each (the hook is memory-bound at small r).
+constexpr int64_t kRowBlock = 32;
+
+// The longest vector or matrix side the BLAS takes: Debian's OpenBLAS counts
+// in 32-bit ints, and a longer one would wrap.
+constexpr int64_t kBlasMost = sizeof(blasint) >= 8 ? INT64_MAX : INT32_MAX;
+
 TensorPlan PlanTensor(const nn::Shape& shape, const PowerSgdOptions& options) {
   TensorPlan plan;
   plan.numel = 1;
@@ -43,6 +53,9 @@ TensorPlan PlanTensor(const nn::Shape& shape, const PowerSgdOptions& options) {
   const int64_t r = std::min<int64_t>({options.matrix_approximation_rank, n, m});
   // In doubles: n m and (n + m) r overflow nothing here, and the rate is
   // fractional.
+  // Sent exactly: a matrix whose rows, or blocks of kRowBlock rows, pass
+  // what the BLAS can count (it would compute on a wrapped size).
+  if (n > kBlasMost || m > kBlasMost / kRowBlock) return plan;
   if (static_cast<double>(n) * static_cast<double>(m) >
       options.min_compression_rate * static_cast<double>(n + m) * static_cast<double>(r)) {
     plan.rows = n;
@@ -131,11 +144,6 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 constexpr uint64_t kRedrawStream = 0x7265647261770000ull;  // "redraw"
 
 // ------------------------------------------------------- bucket state ----
-
-// With error feedback, M and P Q^T are formed this many rows at a time and
-// each block used while it is in cache: whole-tensor steps would read or
-// write every gradient once more each (the hook is memory-bound at small r).
-constexpr int64_t kRowBlock = 32;
 
 // What the hook keeps for one bucket between iterations; touched only on
 // the communication thread.

@@ -8,6 +8,7 @@
 // column of Q) that was zero once comes back, the traffic formula, option
 // checks.
 
+#include <cblas.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -483,6 +484,13 @@ TEST(PowerSgdHookTest, ElementsPerStepFollowTheCompressionRule) {
   // A convolution [32, 1, 3, 3] is a [32, 9] matrix: 288 vs 2 * 41 at rank 1.
   EXPECT_EQ(PowerSgdElementsPerStep({{32, 1, 3, 3}}, {}), 41);
   EXPECT_EQ(PowerSgdElementsPerStep({{32, 1, 3, 3}}, {.matrix_approximation_rank = 4}), 288);
+  // A matrix whose row blocks (32 rows at a time) pass 2^31 elements is sent
+  // exactly: Debian's OpenBLAS counts lengths in 32-bit ints, which wrapped.
+  if (sizeof(blasint) < 8) {
+    const int64_t wide = int64_t{INT32_MAX} / 32 + 1;  // 32 rows of it: 2^31 elements
+    EXPECT_EQ(PowerSgdElementsPerStep({{64, wide}}, {}), 64 * wide);
+    EXPECT_EQ(PowerSgdElementsPerStep({{64, wide - 1}}, {}), 64 + (wide - 1));
+  }
 }
 
 void ExpectRefused(const PowerSgdOptions& options, const std::string& option) {
