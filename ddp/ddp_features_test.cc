@@ -352,6 +352,16 @@ DDP_TEST_WORKER(join_after_no_sync) {
   return testing::WorkerExit();
 }
 
+// An evaluation as a training loop may run one between a forward and its
+// backward: a no-grad forward in eval mode, then one in training mode.
+void NoGradForwardsInBothModes(DistributedDataParallel& ddp, const Tensor& x) {
+  nn::NoGradGuard no_grad;
+  ddp.Eval();
+  ddp(x);
+  ddp.Train();
+  ddp(x);
+}
+
 // Uneven inputs under Join (the last rank holds 3 more batches), with an
 // evaluation between each training forward and its backward when
 // `evaluate`: no-grad forwards in eval and in training mode, as
@@ -371,13 +381,7 @@ void TrainUnderJoin(ProcessGroup& pg, const std::shared_ptr<Module>& model, bool
     auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
     opt.ZeroGrad();
     const Tensor out = ddp(x);
-    if (evaluate) {
-      nn::NoGradGuard no_grad;
-      ddp.Eval();
-      ddp(held_out);
-      ddp.Train();
-      ddp(held_out);
-    }
+    if (evaluate) NoGradForwardsInBothModes(ddp, held_out);
     nn::Backward(nn::loss::CrossEntropy(out, y));
     opt.Step();
   }
@@ -834,13 +838,7 @@ DDP_TEST_WORKER(non_sync_forwards) {
       auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
       opt.ZeroGrad();
       const Tensor out = ddp(x);
-      {
-        nn::NoGradGuard no_grad;
-        ddp.Eval();
-        ddp(held_out);
-        ddp.Train();
-        ddp(held_out);
-      }
+      NoGradForwardsInBothModes(ddp, held_out);
       nn::Backward(nn::loss::CrossEntropy(out, y));
       opt.Step();
       ddp.Eval();
@@ -1637,17 +1635,6 @@ TEST(DdpFeaturesTest, HooksWithoutGradWriteBackLeaveTheLocalGradients) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
-// max |a - b| / max |b| over one pair of tensors.
-double RelativeDifference(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.ToVector<double>(), y = b.ToVector<double>();
-  double diff = 0, scale = 0;
-  for (size_t k = 0; k < x.size(); ++k) {
-    diff = std::max(diff, std::abs(x[k] - y[k]));
-    scale = std::max(scale, std::abs(y[k]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
-
 // A post-accumulate-grad hook registered after the wrapper runs after
 // DDP's: it sees this rank's own gradient, and what it writes into .grad
 // is local (the reduced gradient replaces it at the end of backward), as
@@ -1699,7 +1686,7 @@ DDP_TEST_WORKER(user_hooks_after_ddp) {
       nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
       const auto local_params = local->NamedParameters();
       for (size_t i = 0; i < params.size(); ++i) {
-        const double d = RelativeDifference(seen[i], local_params[i].second.grad());
+        const double d = testing::RelativeDifference(seen[i], local_params[i].second.grad());
         WORKER_EXPECT(d <= 1e-6, "step " + std::to_string(s) + ": the hook saw a gradient of `" + params[i].first +
                                      "` off this rank's own by " + std::to_string(d));
       }

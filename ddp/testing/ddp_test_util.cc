@@ -71,13 +71,7 @@ std::pair<double, std::string> MaxRelativeDifferenceOf(const nn::modules::NamedT
   double worst = 0;
   std::string name;
   for (size_t i = 0; i < a.size(); ++i) {
-    const std::vector<double> x = a[i].second.ToVector<double>(), y = b[i].second.ToVector<double>();
-    double diff = 0, scale = 0;
-    for (size_t k = 0; k < x.size(); ++k) {
-      diff = std::max(diff, std::abs(x[k] - y[k]));
-      scale = std::max(scale, std::abs(y[k]));
-    }
-    const double rel = scale > 0 ? diff / scale : diff;
+    const double rel = RelativeDifference(a[i].second, b[i].second);
     if (rel >= worst) {
       worst = rel;
       name = a[i].first;
@@ -96,6 +90,16 @@ nn::modules::NamedTensors Gradients(const nn::modules::Module& m) {
 }
 
 }  // namespace
+
+double RelativeDifference(const nn::Tensor& a, const nn::Tensor& b) {
+  const std::vector<double> x = a.ToVector<double>(), y = b.ToVector<double>();
+  double diff = 0, scale = 0;
+  for (size_t k = 0; k < x.size(); ++k) {
+    diff = std::max(diff, std::abs(x[k] - y[k]));
+    scale = std::max(scale, std::abs(y[k]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
 
 std::pair<double, std::string> MaxRelativeDifference(const nn::modules::Module& a,
                                                      const nn::modules::Module& b) {

@@ -54,6 +54,10 @@ const Data& FashionMnist(int64_t n = 2048);
 /// Samples [start, start + count) (wrapping around), as new tensors.
 std::pair<nn::Tensor, nn::Tensor> Batch(const Data& data, int64_t start, int64_t count);
 
+/// Largest |a - b| divided by the largest |b| (|a - b| when b is all 0),
+/// over two CPU tensors of one shape.
+double RelativeDifference(const nn::Tensor& a, const nn::Tensor& b);
+
 /// Largest |a - b| over every parameter, divided by the largest |b| of that
 /// parameter (per tensor), maximized over tensors; also returns the name of
 /// the worst tensor.
