@@ -1,6 +1,7 @@
 #include "ddp/checkpoint.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -68,9 +69,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Runs `work`, turning what it throws into its error; empty when it worked.
-std::string ErrorOf(const std::function<void()>& work) {
+std::string ErrorOf(const internal::StoppableWork& work, const std::atomic<bool>& stop) {
   try {
-    work();
+    work(stop);
     return "";
   } catch (const std::exception& e) {
     return e.what()[0] != '\0' ? e.what() : "an exception without a message";
@@ -79,25 +80,30 @@ std::string ErrorOf(const std::function<void()>& work) {
   }
 }
 
-// The root's part (a write, a read), on a thread of its own, so that the
+// A rank's part (a write, a read), on a thread of its own, so that the
 // caller's thread can tell the others it is still going.
 class Background {
  public:
-  explicit Background(const std::function<void()>& work)
+  explicit Background(const internal::StoppableWork& work)
       : thread_([this, &work] {
-          std::string error = ErrorOf(work);
+          std::string error = ErrorOf(work, stop_);
           std::lock_guard lock(mu_);
           error_ = std::move(error);
           done_ = true;
           cv_.notify_all();
         }) {}
-  // Never abandoned: the work uses the caller's objects.
+  // Never abandoned, since the work uses the caller's objects; a work past
+  // its deadline was asked to stop (Finish), and ends within a piece.
   ~Background() { thread_.join(); }
 
   // Waits until the work ends or `until`; true when it ended.
   bool WaitUntil(Clock::time_point until) {
     std::unique_lock lock(mu_);
     return cv_.wait_until(lock, until, [this] { return done_; });
+  }
+  // Lets the work go on until `deadline`, then asks it to stop.
+  void Finish(Clock::time_point deadline) {
+    if (!WaitUntil(deadline)) stop_.store(true, std::memory_order_relaxed);
   }
   // Once WaitUntil returned true: the work's error, empty when it worked.
   std::string error() {
@@ -110,6 +116,7 @@ class Background {
   std::condition_variable cv_;
   bool done_ = false;
   std::string error_;
+  std::atomic<bool> stop_{false};
   std::thread thread_;  // last: starts once the members it uses exist
 };
 
@@ -133,11 +140,12 @@ namespace internal {
 // broadcasts a status record every `heartbeat` ("still going", then the
 // outcome), so the others wait as long as it goes on, up to `timeout`.
 // Returns the outcome on every rank: empty, or root's error. Past the
-// timeout every rank gets "<task> did not finish within <option> (N ms)"
-// and the group is aborted with `abort_reason` and that limit (root stays
-// in `work` until it ends; the others' next collective would wait for it
-// past their deadline).
-std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::function<void()>& work,
+// timeout every rank gets "<task> did not finish within <option> (N ms)",
+// `work` is asked to stop, and the group is aborted with `abort_reason` and
+// that limit (the others' next collective would wait for root past their
+// deadline). A group that fails meanwhile leaves `work` going until the
+// timeout: a checkpoint half written is worth finishing.
+std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
                                      const std::string& abort_reason) {
@@ -153,9 +161,6 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::func
       record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
       pg.Broadcast(record, root, what).Wait();
     } while (static_cast<const char*>(record.data_ptr())[0] == kStillGoing);
-  } else if (pg.size() == 1) {
-    const std::string error = ErrorOf(work);
-    record = Record(error.empty(), error);
   } else {
     const Clock::time_point deadline = Clock::now() + timeout;
     std::exception_ptr group_error;
@@ -174,14 +179,16 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::func
           static_cast<char*>(record.data_ptr())[0] = kStillGoing;
         }
         try {
-          pg.Broadcast(record, root, what).Wait();
+          // Alone, nobody waits: only the outcome matters.
+          if (pg.size() > 1) pg.Broadcast(record, root, what).Wait();
         } catch (...) {
           group_error = std::current_exception();
           break;
         }
         if (static_cast<const char*>(record.data_ptr())[0] != kStillGoing) break;
       }
-      if (timed_out) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+      if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+      background.Finish(deadline);
     }  // the work ends here
     if (group_error) std::rethrow_exception(group_error);
   }
@@ -189,11 +196,10 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::func
   return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
 }
 
-std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const std::function<void()>& work,
+std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
                                           const std::string& abort_reason) {
-  if (pg.size() == 1) return ErrorOf(work);
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   // Each round's flag, the largest over the ranks: 0 done, 1 still going,
@@ -213,7 +219,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const std::function<
       out_of_time = !done && Clock::now() >= deadline;
       nn::Tensor flag = nn::Full({1}, done ? kDone : out_of_time ? kOutOfTime : kGoing, {.dtype = nn::DType::kInt32});
       try {
-        pg.AllReduce(flag, transport::ReduceOp::kMax, "checkpoint read status").Wait();
+        if (pg.size() > 1) pg.AllReduce(flag, transport::ReduceOp::kMax, "checkpoint read status").Wait();
       } catch (...) {
         group_error = std::current_exception();
         break;
@@ -224,7 +230,8 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const std::function<
     }
     // A rank still in its work: the others' next collective would wait for
     // it past their deadline; end the group now, with the reason.
-    if (out_of_time) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+    if (out_of_time && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+    background.Finish(deadline);
   }  // the work ends here
   if (group_error) std::rethrow_exception(group_error);
   if (outcome == kOutOfTime) throw std::runtime_error(task + " did not finish on every rank within " + limit);
@@ -237,7 +244,7 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
                     const SaveOptions& options) {
   CheckWait("SaveOptions", options.timeout, options.heartbeat);
   const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, 0, [&] { nn::io::SaveCheckpoint(path, checkpoint); }, options.timeout, options.heartbeat,
+      pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, checkpoint, &stop); }, options.timeout, options.heartbeat,
       "the write", "SaveOptions::timeout", "SaveCheckpoint: rank 0 could not write " + path);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
@@ -304,7 +311,13 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   std::string what;
   try {
     what = internal::RunOnEveryRankWhileOthersWait(
-        pg, [&] { checkpoint = nn::io::LoadCheckpoint(path, options); }, wait.timeout, wait.heartbeat, "the read",
+        pg,
+        [&](const std::atomic<bool>& stop) {
+          nn::io::LoadOptions stoppable = options;
+          stoppable.stop = &stop;
+          checkpoint = nn::io::LoadCheckpoint(path, stoppable);
+        },
+        wait.timeout, wait.heartbeat, "the read",
         "LoadWaitOptions::timeout", "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path);
   } catch (const DistributedError&) {
     throw;
@@ -329,7 +342,8 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   // others hear that it is still reading), then sends the bytes.
   std::string shared;
   const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, root, [&] { shared = nn::io::SafetensorsFile::ReadBytes(path); }, wait.timeout, wait.heartbeat,
+      pg, root, [&](const std::atomic<bool>& stop) { shared = nn::io::SafetensorsFile::ReadBytes(path, &stop); },
+      wait.timeout, wait.heartbeat,
       "the read", "LoadWaitOptions::timeout",
       "LoadCheckpoint: rank " + std::to_string(root) + " could not read " + path);
   if (!error.empty()) {

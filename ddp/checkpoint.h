@@ -19,6 +19,7 @@
 // the checkpoint's optimizer list ("lr" and "state.*", "scheduler.*",
 // "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -44,8 +45,9 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
 /// How long the others wait for rank 0's write in SaveCheckpoint.
 struct SaveOptions {
   /// The write's deadline, which may be longer than the group's timeout
-  /// (many GB to slow storage). Past it, every rank throws and the group is
-  /// aborted (rank 0 is still writing: the file may yet appear, whole).
+  /// (many GB to slow storage). Past it, every rank throws, the group is
+  /// aborted, and rank 0 stops writing within 64 MiB (kStopCheckBytes),
+  /// leaving the file at `path` as it was.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// How often rank 0 tells the others that it is still writing (each
   /// message is a collective bound by the group's timeout, and so is at
@@ -66,8 +68,8 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
 /// read it from slow storage) and for the root's in LoadCheckpointFromRank.
 struct LoadWaitOptions {
   /// The reads' deadline, which may be longer than the group's timeout
-  /// (many GB from slow storage). Past it, every rank throws and the group
-  /// is aborted.
+  /// (many GB from slow storage). Past it, every rank throws, the group is
+  /// aborted, and the ranks still reading stop within 64 MiB.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// How often ranks still reading tell the others so (at most a quarter
   /// of the group's timeout).
@@ -115,15 +117,22 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 
 namespace internal {
 
+/// A rank's long part of a collective (a write, a read): it should end
+/// soon after `stop` turns true (nn/io's writers and readers do, within a
+/// piece of kStopCheckBytes).
+using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
+
 /// What SaveCheckpoint's writer and LoadCheckpointFromRank's reader share
 /// (exposed for tests): collective; `root` runs `work` on a thread of its
 /// own and tells the others every `heartbeat` (at most a quarter of the
 /// group's timeout) that it is still going, so they wait as long as it
 /// does, up to `timeout`. Returns root's outcome on every rank: empty, or
 /// what `work` threw. Past `timeout`, every rank gets "<task> did not
-/// finish within <option> (N ms)" and the group is aborted with
-/// `abort_reason` and that limit (root returns only once `work` ends).
-std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::function<void()>& work,
+/// finish within <option> (N ms)", root asks `work` to stop and returns
+/// once it ends, and the group is aborted with `abort_reason` and that
+/// limit. When the group fails while `work` goes on, root lets it go on
+/// until `timeout` before it rethrows.
+std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
                                      const std::string& abort_reason);
@@ -135,8 +144,9 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const std::func
 /// what its `work` threw. Past `timeout`, every rank throws
 /// std::runtime_error "<task> did not finish on every rank within <option>
 /// (N ms)" and the ranks still in `work` abort the group with
-/// `abort_reason` and that limit (they throw once `work` ends).
-std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const std::function<void()>& work,
+/// `abort_reason` and that limit, ask `work` to stop and throw once it
+/// ends.
+std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
                                           const std::string& abort_reason);

@@ -14,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -146,7 +147,8 @@ std::string NextCollectivesError(ProcessGroup& pg) {
 // jobs, many GB to slow storage): rank 0 tells the others every quarter of
 // it that it is still writing, so they wait for it instead of timing out.
 // With SaveOptions::timeout shorter than the write, every rank throws the
-// same error and the group is aborted (rank 0 still finishes the file).
+// same error, the group is aborted, and rank 0 stops writing (within a
+// 64 MiB piece), leaving no file behind.
 DDP_TEST_WORKER(slow_write) {
   // Made before the group, whose 200 ms would not wait for it.
   nn::io::Checkpoint big;
@@ -160,11 +162,15 @@ DDP_TEST_WORKER(slow_write) {
   // Not a test at all if the write was quicker than the group's timeout.
   WORKER_EXPECT(took > 0.4, "the write took only " + std::to_string(took) + " s");
   std::string error;
+  const auto late_start = std::chrono::steady_clock::now();
   try {
     SaveCheckpoint(*pg, dir + "/late.safetensors", big, {.timeout = std::chrono::milliseconds(50)});
   } catch (const std::exception& e) {
     error = e.what();
   }
+  const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
+  WORKER_EXPECT(late_took < took / 2, "the stopped save took " + std::to_string(late_took) + " s, the whole one " +
+                                          std::to_string(took) + " s");
   WORKER_EXPECT(error.find("rank 0 could not write " + dir + "/late.safetensors: the write did not finish "
                            "within SaveOptions::timeout (50 ms)") != std::string::npos,
                 error);
@@ -175,8 +181,9 @@ DDP_TEST_WORKER(slow_write) {
   // Read last: it takes longer than the group's timeout too.
   if (pg->rank() == 0) {
     WORKER_EXPECT(nn::io::LoadCheckpoint(dir + "/slow.safetensors").model.size() == 1, "no checkpoint");
-    std::remove((dir + "/slow.safetensors").c_str());  // 512 MiB each
-    std::remove((dir + "/late.safetensors").c_str());
+    std::remove((dir + "/slow.safetensors").c_str());  // 512 MiB
+    const std::vector<std::string> left = ListDir(dir);
+    WORKER_EXPECT(left.empty(), "the stopped write left " + left.front());
   }
   return testing::WorkerExit();
 }
@@ -316,7 +323,11 @@ DDP_TEST_WORKER(from_rank) {
 DDP_TEST_WORKER(root_works_alone) {
   auto pg = GroupWithAShortTimeout();
   using std::chrono::milliseconds;
-  auto nap = [] { std::this_thread::sleep_for(milliseconds(1000)); };
+  auto nap = [](const std::atomic<bool>&) { std::this_thread::sleep_for(milliseconds(1000)); };
+  // 1 s unless asked to stop.
+  auto stoppable_nap = [](const std::atomic<bool>& stop) {
+    for (int i = 0; i < 100 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+  };
   for (int root : {0, 1}) {
     const auto start = std::chrono::steady_clock::now();
     const std::string outcome = internal::RunOnRootWhileOthersWait(
@@ -326,12 +337,17 @@ DDP_TEST_WORKER(root_works_alone) {
     WORKER_EXPECT(took > 0.9, "root " + std::to_string(root) + " took only " + std::to_string(took) + " s");
   }
   const std::string failed = internal::RunOnRootWhileOthersWait(
-      *pg, 1, [] { throw std::runtime_error("no luck"); }, milliseconds(20000), milliseconds(1000), "the nap",
+      *pg, 1, [](const std::atomic<bool>&) { throw std::runtime_error("no luck"); }, milliseconds(20000), milliseconds(1000), "the nap",
       "Nap::timeout", "the nap failed");
   WORKER_EXPECT(failed == "no luck", failed);
-  const std::string late = internal::RunOnRootWhileOthersWait(*pg, 1, nap, milliseconds(300), milliseconds(1000),
-                                                              "the nap", "Nap::timeout", "the nap failed");
+  const auto late_start = std::chrono::steady_clock::now();
+  const std::string late = internal::RunOnRootWhileOthersWait(*pg, 1, stoppable_nap, milliseconds(300),
+                                                              milliseconds(1000), "the nap", "Nap::timeout",
+                                                              "the nap failed");
+  const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
   WORKER_EXPECT(late == "the nap did not finish within Nap::timeout (300 ms)", late);
+  // Root asked its work to stop at the timeout instead of waiting it out.
+  WORKER_EXPECT(late_took < 0.8, "returned after " + std::to_string(late_took) + " s");
   const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("the nap failed within Nap::timeout (300 ms)") != std::string::npos, next);
   return testing::WorkerExit();
@@ -351,8 +367,9 @@ DDP_TEST_WORKER(every_rank_reads) {
   auto pg = GroupWithAShortTimeout();
   using std::chrono::milliseconds;
   const bool slow = pg->rank() == 2;
-  auto read = [slow] {
-    if (slow) std::this_thread::sleep_for(milliseconds(1000));
+  // 1 s on rank 2 unless asked to stop.
+  auto read = [slow](const std::atomic<bool>& stop) {
+    for (int i = 0; slow && i < 100 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
   };
   const auto start = std::chrono::steady_clock::now();
   const std::string outcome = internal::RunOnEveryRankWhileOthersWait(
@@ -362,19 +379,23 @@ DDP_TEST_WORKER(every_rank_reads) {
   WORKER_EXPECT(took > 0.9, "returned after " + std::to_string(took) + " s, before rank 2's read ended");
   const std::string mine = internal::RunOnEveryRankWhileOthersWait(
       *pg,
-      [&] {
+      [&](const std::atomic<bool>&) {
         if (pg->rank() == 1) throw std::runtime_error("no luck");
       },
       milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
   WORKER_EXPECT(mine == (pg->rank() == 1 ? "no luck" : ""), mine);
   std::string late;
+  const auto late_start = std::chrono::steady_clock::now();
   try {
     internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(300), milliseconds(1000), "the read",
                                             "Read::timeout", "the read failed");
   } catch (const std::runtime_error& e) {
     late = e.what();
   }
+  const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
   WORKER_EXPECT(late == "the read did not finish on every rank within Read::timeout (300 ms)", late);
+  // Rank 2 asked its read to stop at the timeout instead of waiting it out.
+  WORKER_EXPECT(late_took < 0.8, "returned after " + std::to_string(late_took) + " s");
   const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("the read failed within Read::timeout (300 ms)") != std::string::npos, next);
   return testing::WorkerExit();
@@ -383,6 +404,33 @@ DDP_TEST_WORKER(every_rank_reads) {
 TEST(DdpCheckpointTest, RanksDoneReadingWaitForTheSlowestAndLearnTheirOwnOutcome) {
   auto run = RunWorkers("every_rank_reads", 3, {}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A group of one waits for nobody, but its work keeps its deadline: it is
+// asked to stop, and the group, which nobody else waits on, stays usable.
+TEST(DdpCheckpointTest, AloneTheWorkKeepsItsDeadline) {
+  using std::chrono::milliseconds;
+  auto pg = ProcessGroup::Single();
+  auto stoppable_nap = [](const std::atomic<bool>& stop) {
+    for (int i = 0; i < 500 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+  };
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(internal::RunOnRootWhileOthersWait(*pg, 0, stoppable_nap, milliseconds(200), milliseconds(1000),
+                                               "the nap", "Nap::timeout", "the nap failed"),
+            "the nap did not finish within Nap::timeout (200 ms)");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3.0);
+  start = std::chrono::steady_clock::now();
+  try {
+    internal::RunOnEveryRankWhileOthersWait(*pg, stoppable_nap, milliseconds(200), milliseconds(1000), "the read",
+                                            "Read::timeout", "the read failed");
+    ADD_FAILURE() << "no error past the timeout";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "the read did not finish on every rank within Read::timeout (200 ms)");
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3.0);
+  nn::Tensor t = nn::Ones({1});
+  pg->AllReduce(t).Wait();
+  EXPECT_EQ(t.Item(), 1.0);
 }
 
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {

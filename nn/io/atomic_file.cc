@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -91,7 +92,8 @@ void RemoveStaleTemporaries(const std::string& path) {
 
 }  // namespace
 
-AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* stop)
+    : path_(std::move(path)), stop_(stop) {
   static std::atomic<uint64_t> counter{0};
   if (path_.empty() || path_.back() == '/') {
     throw CheckpointError("cannot write a file at '" + path_ + "': not a file name");
@@ -114,11 +116,18 @@ AtomicFileWriter::~AtomicFileWriter() {
   if (!committed_) ::unlink(temp_path_.c_str());
 }
 
+void AtomicFileWriter::CheckStop() const {
+  if (stop_ != nullptr && stop_->load(std::memory_order_relaxed)) {
+    throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
+  }
+}
+
 void AtomicFileWriter::Write(const void* data, size_t nbytes) {
   if (committed_ || fd_ < 0) throw CheckpointError(path_ + ": write after commit");
   const char* p = static_cast<const char*>(data);
   while (nbytes > 0) {
-    const ssize_t n = ::write(fd_, p, nbytes);
+    CheckStop();
+    const ssize_t n = ::write(fd_, p, std::min(nbytes, kStopCheckBytes));
     if (n < 0) {
       if (errno == EINTR) continue;
       Fail(temp_path_, "write failed", errno);
@@ -130,6 +139,7 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
 
 void AtomicFileWriter::Commit() {
   if (committed_ || fd_ < 0) throw CheckpointError(path_ + ": committed twice");
+  CheckStop();
   // The data must be on disk before the rename makes it visible under the
   // final name, or a crash could expose a renamed but empty file.
   if (::fsync(fd_) != 0) Fail(temp_path_, "fsync failed", errno);

@@ -4,10 +4,16 @@
 // Crash-safe replacement of a file: readers of `path` see the old content or
 // the new one, never a mix or a prefix.
 
+#include <atomic>
 #include <cstddef>
 #include <string>
 
 namespace ddp::nn::io {
+
+/// Long writes and reads check their stop flag (when given one) before each
+/// piece of this size, so that a caller past its deadline gets its thread
+/// back within one piece's time.
+inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 
 /// Writes a new version of a file beside it and swaps it in on Commit().
 /// Destroying the writer without Commit() removes the temporary file and
@@ -15,13 +21,15 @@ namespace ddp::nn::io {
 class AtomicFileWriter {
  public:
   /// Creates `<path>.tmp.<pid>.<n>` in the folder of `path`, first removing
-  /// such files of processes that no longer exist (killed writers).
-  explicit AtomicFileWriter(std::string path);
+  /// such files of processes that no longer exist (killed writers). Once
+  /// `*stop` (when given) is true, Write and Commit throw CheckpointError
+  /// ("stopped") before their next piece, leaving `path` as it was.
+  explicit AtomicFileWriter(std::string path, const std::atomic<bool>* stop = nullptr);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
 
-  /// Appends bytes to the temporary file.
+  /// Appends bytes to the temporary file, kStopCheckBytes at a time.
   void Write(const void* data, size_t nbytes);
   /// fsync, rename over the target, fsync the folder. Call at most once.
   void Commit();
@@ -31,8 +39,12 @@ class AtomicFileWriter {
  private:
   std::string path_;
   std::string temp_path_;
+  const std::atomic<bool>* stop_;
   int fd_ = -1;
   bool committed_ = false;
+
+  // Throws when asked to stop.
+  void CheckStop() const;
 };
 
 }  // namespace ddp::nn::io

@@ -112,7 +112,8 @@ DType FromStDtype(StDtype dtype) {
   throw std::invalid_argument("unknown safetensors dtype");
 }
 
-void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
+void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata,
+                 const std::atomic<bool>* stop) {
   if (metadata.count(kDevicesKey)) {
     throw CheckpointError(path + ": metadata key `" + kDevicesKey +
                           "` is reserved (SaveTensors records devices there)");
@@ -133,11 +134,11 @@ void SaveTensors(const std::string& path, const NamedTensors& tensors, const Met
     views.push_back({name, ToStDtype(c.dtype()), c.shape(), c.data_ptr(), c.nbytes()});
   }
   if (devices.empty()) {
-    WriteSafetensorsFile(path, views, metadata);  // CPU-only saves: no record, as before
+    WriteSafetensorsFile(path, views, metadata, stop);  // CPU-only saves: no record, as before
   } else {
     Metadata with_devices = metadata;
     with_devices[kDevicesKey] = devices.dump();
-    WriteSafetensorsFile(path, views, with_devices);
+    WriteSafetensorsFile(path, views, with_devices, stop);
   }
 }
 
@@ -212,7 +213,7 @@ Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
 
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
   const std::vector<std::pair<Device, Device>> map = CheckOptions(options);
-  return MakeTensors(SafetensorsFile::Read(path), path, options, map);
+  return MakeTensors(SafetensorsFile::Read(path, options.stop), path, options, map);
 }
 
 LoadedTensors LoadTensorsFromBytes(std::string bytes, const std::string& source,
@@ -221,14 +222,14 @@ LoadedTensors LoadTensorsFromBytes(std::string bytes, const std::string& source,
   return MakeTensors(SafetensorsFile::Parse(std::move(bytes), source), source, options, map);
 }
 
-void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint) {
+void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint, const std::atomic<bool>* stop) {
   NamedTensors all;
   all.reserve(checkpoint.model.size() + checkpoint.optimizer.size());
   for (const auto& [name, t] : checkpoint.model) all.emplace_back(kModelPrefix + name, t);
   for (const auto& [name, t] : checkpoint.optimizer) all.emplace_back(kOptimPrefix + name, t);
   Metadata metadata = checkpoint.metadata;
   metadata[kCheckpointMarkerKey] = "1";
-  SaveTensors(path, all, metadata);
+  SaveTensors(path, all, metadata, stop);
 }
 
 Checkpoint LoadCheckpoint(const std::string& path, const LoadOptions& options) {

@@ -13,6 +13,7 @@
 // Python reads it with safetensors.torch.load_file; stripping "model."
 // gives a plain state dict.
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -50,6 +51,9 @@ struct LoadOptions {
   /// not parse, or a target without a backend, is an std::invalid_argument
   /// naming the entry.
   std::map<std::string, std::string> device_map;
+  /// When set: once `*stop` is true, the file's read ends at its next piece
+  /// (kStopCheckBytes) with a CheckpointError (a caller past its deadline).
+  const std::atomic<bool>* stop = nullptr;
 };
 
 /// The format's dtype of a tensor dtype (every nn::DType has one).
@@ -59,8 +63,10 @@ DType FromStDtype(StDtype dtype);
 
 /// Writes tensors (any device, any strides: copied to contiguous CPU memory
 /// as needed) and metadata to `path` atomically; the device of each non-CPU
-/// tensor is recorded under kDevicesKey. Throws CheckpointError.
-void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata = {});
+/// tensor is recorded under kDevicesKey. Throws CheckpointError. `stop`:
+/// as for WriteSafetensorsFile.
+void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata = {},
+                 const std::atomic<bool>* stop = nullptr);
 
 /// A loaded safetensors file.
 struct LoadedTensors {
@@ -88,8 +94,9 @@ struct Checkpoint {
   std::string data_checksum;
 };
 
-/// Saves a checkpoint atomically (call on one rank only).
-void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint);
+/// Saves a checkpoint atomically (call on one rank only). `stop`: as for
+/// WriteSafetensorsFile.
+void SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint, const std::atomic<bool>* stop = nullptr);
 
 /// Loads a checkpoint written by SaveCheckpoint. Never touches a model: the
 /// caller hands `model` to Module::LoadStateDict, which checks the keys.

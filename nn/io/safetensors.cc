@@ -258,14 +258,14 @@ std::string SerializeSafetensors(const std::vector<TensorView>& tensors, const M
 }
 
 void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
-                          const Metadata& metadata) {
+                          const Metadata& metadata, const std::atomic<bool>* stop) {
   std::string header;
   try {
     header = BuildHeader(tensors, metadata);
   } catch (const std::invalid_argument& e) {
     throw CheckpointError(path + ": " + e.what());
   }
-  AtomicFileWriter out(path);
+  AtomicFileWriter out(path, stop);
   const std::string prefix = LengthPrefix(header.size());
   out.Write(prefix.data(), prefix.size());
   out.Write(header.data(), header.size());
@@ -370,7 +370,7 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
   return f;
 }
 
-std::string SafetensorsFile::ReadBytes(const std::string& path) {
+std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
   std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!f) throw CheckpointError(path + ": cannot open: " + std::strerror(errno));
   struct stat st;
@@ -405,7 +405,17 @@ std::string SafetensorsFile::ReadBytes(const std::string& path) {
   } catch (const std::bad_alloc&) {
     throw CheckpointError(path + ": cannot hold its " + std::to_string(size) + " bytes in memory");
   }
-  const size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
+  size_t got = 0;
+  while (got < bytes.size()) {
+    if (stop != nullptr && stop->load(std::memory_order_relaxed)) {
+      throw CheckpointError(path + ": the read was stopped after " + std::to_string(got) + " of " +
+                            std::to_string(bytes.size()) + " bytes");
+    }
+    const size_t want = std::min(bytes.size() - got, kStopCheckBytes);
+    const size_t n = std::fread(bytes.data() + got, 1, want, f.get());
+    got += n;
+    if (n != want) break;
+  }
   if (got != bytes.size()) {
     // A short read without an error is a file that shrank since fstat.
     throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
@@ -416,7 +426,9 @@ std::string SafetensorsFile::ReadBytes(const std::string& path) {
   return bytes;
 }
 
-SafetensorsFile SafetensorsFile::Read(const std::string& path) { return Parse(ReadBytes(path), path); }
+SafetensorsFile SafetensorsFile::Read(const std::string& path, const std::atomic<bool>* stop) {
+  return Parse(ReadBytes(path, stop), path);
+}
 
 const TensorEntry* SafetensorsFile::Find(std::string_view name) const {
   for (const TensorEntry& e : tensors_) {

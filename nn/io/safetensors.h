@@ -13,6 +13,7 @@
 // spaces to a multiple of 8 bytes, so the data region starts 8-aligned, as
 // the Python `safetensors` package writes them.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -88,9 +89,11 @@ std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
 /// Writes `tensors` and `metadata` to `path` so that a crash never leaves a
 /// broken file there: write to a temporary file in the same folder, fsync,
 /// rename over `path`, fsync the folder. Throws CheckpointError naming the
-/// path and the OS error; the temporary file is removed on failure.
+/// path and the OS error; the temporary file is removed on failure. Once
+/// `*stop` (when given) is true, the write ends at the next piece of
+/// kStopCheckBytes with a CheckpointError, leaving `path` as it was.
 void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
-                          const Metadata& metadata = {});
+                          const Metadata& metadata = {}, const std::atomic<bool>* stop = nullptr);
 
 /// A fully validated safetensors file held in memory.
 class SafetensorsFile {
@@ -101,10 +104,12 @@ class SafetensorsFile {
   /// `source` and the first problem found.
   static SafetensorsFile Parse(std::string bytes, const std::string& source);
   /// Reads and parses a file.
-  static SafetensorsFile Read(const std::string& path);
+  static SafetensorsFile Read(const std::string& path, const std::atomic<bool>* stop = nullptr);
   /// A file's bytes, unparsed (to hand to Parse here or on another rank).
-  /// Throws CheckpointError naming the path and the OS error.
-  static std::string ReadBytes(const std::string& path);
+  /// Throws CheckpointError naming the path and the OS error. Once `*stop`
+  /// (when given) is true, the read ends at the next piece of
+  /// kStopCheckBytes with a CheckpointError.
+  static std::string ReadBytes(const std::string& path, const std::atomic<bool>* stop = nullptr);
 
   /// Entries in data-region order.
   const std::vector<TensorEntry>& tensors() const { return tensors_; }

@@ -10,12 +10,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
+
+#include "nn/io/atomic_file.h"
 
 namespace ddp::nn::io {
 namespace {
@@ -220,6 +223,45 @@ TEST(Safetensors, FailedWriteLeavesTheOldFileAndNoTemporary) {
               HasSubstr("`x` appears twice"));
   EXPECT_EQ(ReadAll(path), before);
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// A caller past its deadline (ddp's SaveCheckpoint) sets the stop flag:
+// the write ends before its next piece and the old file stays, alone.
+TEST(Safetensors, StoppedWriteLeavesTheOldFileAndNoTemporary) {
+  const std::string dir = TmpDir("st_stop");
+  const std::string path = dir + "/c.safetensors";
+  const float a = 1, b = 2;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}});
+  const std::string before = ReadAll(path);
+  std::atomic<bool> stop{true};
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &b, 4}}, {}, &stop); }),
+              AllOf(HasSubstr(path), HasSubstr("the write was stopped before it ended")));
+  EXPECT_EQ(ReadAll(path), before);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+  // Stopped between pieces, or just before the commit.
+  stop = false;
+  {
+    AtomicFileWriter out(path, &stop);
+    out.Write(&b, 4);
+    stop = true;
+    EXPECT_THAT(ErrorOf([&] { out.Write(&b, 4); }), HasSubstr("the write was stopped"));
+    EXPECT_THAT(ErrorOf([&] { out.Commit(); }), HasSubstr("the write was stopped"));
+  }
+  EXPECT_EQ(ReadAll(path), before);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+TEST(Safetensors, StoppedReadSaysHowFarItGot) {
+  const std::string dir = TmpDir("st_stop_read");
+  const std::string path = dir + "/c.safetensors";
+  const float a = 1;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}});
+  std::atomic<bool> stop{true};
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadBytes(path, &stop); }),
+              AllOf(HasSubstr(path), HasSubstr("the read was stopped after 0 of " +
+                                               std::to_string(ReadAll(path).size()) + " bytes")));
+  stop = false;
+  EXPECT_EQ(SafetensorsFile::Read(path, &stop).tensors().size(), 1u);
 }
 
 TEST(Safetensors, UnwritableFolderNamesThePath) {
