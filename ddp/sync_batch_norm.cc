@@ -275,6 +275,7 @@ SyncBatchNorm::SyncBatchNorm(int64_t num_features, nn::modules::BatchNormOptions
                              std::shared_ptr<ProcessGroup> group)
     : num_features_(num_features), options_(options), group_(std::move(group)) {
   if (num_features < 1) throw std::invalid_argument("SyncBatchNorm: num_features must be positive");
+  nn::modules::CheckBatchNormOptions(options, "SyncBatchNorm");
   if (options.affine) {
     weight_ = RegisterParameter("weight", nn::Ones({num_features}));
     bias_ = RegisterParameter("bias", nn::Zeros({num_features}));

@@ -314,6 +314,23 @@ TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
   EXPECT_NE(dynamic_cast<SyncBatchNorm*>(root.get()), nullptr);
 }
 
+// Its own running-statistics update takes the momentum unchecked: a bad
+// one fails at construction, as BatchNorm's does.
+TEST(SyncBatchNormTest, BadEpsOrMomentumIsNamedAtConstruction) {
+  auto error = [](const nn::modules::BatchNormOptions& options) {
+    try {
+      SyncBatchNorm sync(4, options, ProcessGroup::Single());
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error({.momentum = 2.0}),
+            "SyncBatchNorm: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 2");
+  EXPECT_EQ(error({.eps = -1e-5}), "SyncBatchNorm: BatchNormOptions::eps must be finite and > 0, got -1e-05");
+  EXPECT_EQ(error({.momentum = std::nullopt}), "");
+}
+
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   SyncBatchNorm sync(4, {}, ProcessGroup::Single());
   try {

@@ -104,6 +104,17 @@ Tensor Conv2d::Forward(const Tensor& x) {
 
 // ---------------------------------------------------------------- BatchNorm
 
+void CheckBatchNormOptions(const BatchNormOptions& options, const std::string& module) {
+  if (!(options.eps > 0) || !std::isfinite(options.eps)) {
+    throw std::invalid_argument(module + ": BatchNormOptions::eps must be finite and > 0, got " +
+                                PyFloat(options.eps));
+  }
+  if (options.momentum.has_value() && !(*options.momentum >= 0 && *options.momentum <= 1)) {
+    throw std::invalid_argument(module + ": BatchNormOptions::momentum must be in [0, 1] (or nullopt), got " +
+                                PyFloat(*options.momentum));
+  }
+}
+
 double RunningAverageFactor(const BatchNormOptions& options, const Tensor& num_batches_tracked) {
   if (options.momentum.has_value()) return *options.momentum;
   if (!num_batches_tracked.defined()) return 0.0;  // no running statistics to update
@@ -117,6 +128,7 @@ std::string MomentumRepr(const std::optional<double>& momentum) {
 
 BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_features_(num_features), options_(options) {
   if (num_features < 1) throw std::invalid_argument("BatchNorm: num_features must be positive");
+  CheckBatchNormOptions(options, "BatchNorm");
   if (options.affine) {
     weight_ = RegisterParameter("weight", Ones({num_features}));
     bias_ = RegisterParameter("bias", Zeros({num_features}));

@@ -78,6 +78,10 @@ struct BatchNormOptions {
   bool track_running_stats = true;  ///< running_mean / running_var / num_batches_tracked buffers
 };
 
+/// Throws std::invalid_argument naming `module` and the option when eps is
+/// not finite and > 0, or a momentum is outside [0, 1]. Shared with ddp's
+/// SyncBatchNorm.
+void CheckBatchNormOptions(const BatchNormOptions& options, const std::string& module);
 /// The running statistics' update factor for a training batch, once
 /// `num_batches_tracked` counts it: the momentum, or 1 / num_batches_tracked
 /// without one. Shared with ddp's SyncBatchNorm.

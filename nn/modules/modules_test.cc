@@ -356,6 +356,26 @@ TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   EXPECT_EQ(y.shape(), x.shape());
 }
 
+// Bad options fail at construction, naming the module and the option,
+// before any batch (the functional op checks momentum only when training
+// updates running statistics).
+TEST(ModuleTest, BatchNormRefusesABadEpsOrMomentumAtConstruction) {
+  auto error = [](const BatchNormOptions& options) {
+    try {
+      BatchNorm2d bn(3, options);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error({.momentum = 1.5}), "BatchNorm: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 1.5");
+  EXPECT_EQ(error({.momentum = -0.1}), "BatchNorm: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got -0.1");
+  EXPECT_EQ(error({.eps = 0}), "BatchNorm: BatchNormOptions::eps must be finite and > 0, got 0");
+  EXPECT_EQ(error({.eps = std::nan("")}), "BatchNorm: BatchNormOptions::eps must be finite and > 0, got nan");
+  EXPECT_EQ(error({.eps = 1e-3, .momentum = std::nullopt}), "");
+  EXPECT_EQ(error({.momentum = 1.0}), "");
+}
+
 // momentum = nullopt (PyTorch's None): the running statistics are the
 // cumulative average of the batches' (1 / num_batches_tracked each time).
 TEST(ModuleTest, BatchNormWithoutMomentumKeepsTheCumulativeAverage) {

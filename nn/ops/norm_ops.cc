@@ -23,12 +23,13 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
     }
   };
   // eps keeps the variance's inverse square root finite; momentum weighs
-  // the running statistics' update (PyTorch leaves both unchecked and
-  // returns NaN or drifting statistics).
+  // the running statistics' update, so it matters only when training
+  // updates them (PyTorch leaves both unchecked and returns NaN or drifting
+  // statistics).
   if (!(eps > 0) || !std::isfinite(eps)) {
     throw std::invalid_argument("batch_norm: eps must be finite and > 0, got " + std::to_string(eps));
   }
-  if (!(momentum >= 0 && momentum <= 1)) {
+  if (training && running_mean.defined() && !(momentum >= 0 && momentum <= 1)) {
     throw std::invalid_argument("batch_norm: momentum must be in [0, 1], got " + std::to_string(momentum));
   }
   check(weight, "weight");

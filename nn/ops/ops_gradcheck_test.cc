@@ -265,6 +265,10 @@ TEST(GradCheckTest, BatchNormRefusesABadEpsOrMomentum) {
   EXPECT_EQ(rm.ToVector<double>(), std::vector<double>(3, 0.0));
   EXPECT_EQ(rv.ToVector<double>(), std::vector<double>(3, 1.0));
   EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 1.0, 1e-5); }), "");
+  // Nothing weighs an update in eval, or without running statistics: the
+  // momentum is unused there, and not checked.
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), false, std::nan(""), 1e-5); }), "");
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 2.0, 1e-5); }), "");
 }
 
 // dy of another dtype or shape than x is refused by both backward blocks,
