@@ -13,6 +13,7 @@
 
 #include "nn/autograd/engine.h"
 #include "nn/ops/config.h"
+#include "nn/ops/cpu/cpu_kernels.h"
 #include "nn/ops/dispatch.h"
 #include "nn/ops/functional.h"
 
@@ -38,6 +39,34 @@ TEST(KernelsTest, GemmBackendsAgreeIncludingTransposedOperands) {
     EXPECT_LT(MaxAbsDiff(c2, ref), 1e-4);
   }
   SetGemmBackend(GemmBackend::kOneDnn);
+}
+
+// OpenBLAS takes 32-bit sizes: one past 2^31 - 1 is refused, named, before
+// any memory is read (the pointers here point at nothing that large).
+TEST(KernelsTest, GemmSizesPastOpenBlasLimitAreNamed) {
+  const int64_t big = int64_t{1} << 31;
+  float f = 0;
+  double d = 0;
+  auto error = [](const std::function<void()>& gemm) {
+    try {
+      gemm();
+    } catch (const std::length_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error([&] { cpu::Dgemm(false, false, 1, 1, big, 1, &d, big, &d, 1, 0, &d, 1); }),
+            "dgemm: k = 2147483648 exceeds OpenBLAS's limit of 2147483647");
+  EXPECT_EQ(error([&] { cpu::Dgemm(false, false, 1, 1, 1, 1, &d, 1, &d, 1, 0, &d, big + 5); }),
+            "dgemm: ldc = 2147483653 exceeds OpenBLAS's limit of 2147483647");
+  SetGemmBackend(GemmBackend::kOpenBlas);
+  EXPECT_EQ(error([&] { cpu::Sgemm(false, false, big, 1, 1, 1, &f, 1, &f, 1, 0, &f, 1); }),
+            "sgemm: m = 2147483648 exceeds OpenBLAS's limit of 2147483647");
+  SetGemmBackend(GemmBackend::kOneDnn);
+  // Within the limit, both still compute.
+  const double a = 3, b = 4;
+  cpu::Dgemm(false, false, 1, 1, 1, 2, &a, 1, &b, 1, 0, &d, 1);
+  EXPECT_EQ(d, 24);
 }
 
 TEST(KernelsTest, SixteenBitLinearComputesInF32) {

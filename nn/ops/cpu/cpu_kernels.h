@@ -1,4 +1,5 @@
-// CPU kernels behind the kernel table (private to nn/ops).
+// CPU kernels behind the kernel table (nn/ops' own; tests call the raw
+// GEMMs).
 #pragma once
 
 #include "nn/ops/dispatch.h"
@@ -24,9 +25,14 @@ void Argmax(const Tensor& x, int64_t dim, const Tensor& out);
 // gemm.cc
 void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, double beta);
 /// Row-major f32 GEMM on raw pointers through the selected backend:
-/// C[M,N] = alpha * op(A) op(B) + beta * C.
+/// C[M,N] = alpha * op(A) op(B) + beta * C. OpenBLAS takes 32-bit sizes: a
+/// size or leading dimension past 2^31 - 1 is an std::length_error naming
+/// it (oneDNN takes 64-bit ones).
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// The same in f64, always through OpenBLAS (with its 32-bit limit).
+void Dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+           int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc);
 /// Makes the calling thread use the configured thread count in BLAS/oneDNN.
 void EnsureThreadSettings();
 

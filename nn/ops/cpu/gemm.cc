@@ -7,8 +7,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "nn/ops/config.h"
 #include "nn/ops/cpu/cpu_kernels.h"
@@ -59,6 +61,23 @@ void EnsureThreadSettings() {
   tls_generation = gen;
 }
 
+namespace {
+
+// OpenBLAS's sizes are blasint (32 bits in Debian's build): a larger one
+// would wrap into a wrong or negative size.
+void CheckBlasSizes(const char* gemm, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc) {
+  const std::pair<const char*, int64_t> sizes[] = {{"m", m},     {"n", n},     {"k", k},
+                                                   {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}};
+  for (const auto& [name, size] : sizes) {
+    if (size > std::numeric_limits<blasint>::max()) {
+      throw std::length_error(std::string(gemm) + ": " + name + " = " + std::to_string(size) +
+                              " exceeds OpenBLAS's limit of " + std::to_string(std::numeric_limits<blasint>::max()));
+    }
+  }
+}
+
+}  // namespace
+
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
@@ -68,10 +87,21 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
                                         beta, c, ldc);
     if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(st));
   } else {
+    CheckBlasSizes("sgemm", m, n, k, lda, ldb, ldc);
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                 static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
                 static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
   }
+}
+
+void Dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+           int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  CheckBlasSizes("dgemm", m, n, k, lda, ldb, ldc);
+  EnsureThreadSettings();
+  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 
 namespace {
@@ -131,12 +161,8 @@ void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, doubl
             static_cast<const float*>(ob.data), ob.ld, static_cast<float>(beta), static_cast<float*>(cc.data_ptr()),
             ldc);
     } else {
-      EnsureThreadSettings();
-      cblas_dgemm(CblasRowMajor, oa.trans ? CblasTrans : CblasNoTrans, ob.trans ? CblasTrans : CblasNoTrans,
-                  static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha,
-                  static_cast<const double*>(oa.data), static_cast<blasint>(oa.ld),
-                  static_cast<const double*>(ob.data), static_cast<blasint>(ob.ld), beta,
-                  static_cast<double*>(cc.data_ptr()), static_cast<blasint>(ldc));
+      Dgemm(oa.trans, ob.trans, m, n, k, alpha, static_cast<const double*>(oa.data), oa.ld,
+            static_cast<const double*>(ob.data), ob.ld, beta, static_cast<double*>(cc.data_ptr()), ldc);
     }
   }
   c.storage()->BumpVersion();
