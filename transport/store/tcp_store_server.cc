@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <set>
 #include <thread>
@@ -288,10 +289,12 @@ class TcpStoreServer::Impl {
   void FinishRound() {
     std::vector<uint64_t> touched;
     touched.swap(touched_);
-    for (auto it = waiting_for_memory_.begin(); it != waiting_for_memory_.end();) {
-      Connection* c = Find(*it);
-      if (c == nullptr || c->dead || c->closing) {
-        it = waiting_for_memory_.erase(it);
+    while (!memory_queue_.empty()) {
+      const uint64_t id = memory_queue_.front();
+      Connection* c = Find(id);
+      if (!waiting_for_memory_.count(id) || c == nullptr || c->dead || c->closing) {
+        waiting_for_memory_.erase(id);
+        memory_queue_.pop_front();
         continue;
       }
       const size_t frame_bytes = wire::kFrameHeaderBytes + *wire::PeekFrameLength(c->in);
@@ -299,8 +302,9 @@ class TcpStoreServer::Impl {
       c->reserved = frame_bytes;
       buffered_ += frame_bytes;
       c->last_read = Clock::now();  // the client's stall clock starts again
-      touched.push_back(*it);
-      it = waiting_for_memory_.erase(it);
+      touched.push_back(id);
+      waiting_for_memory_.erase(id);
+      memory_queue_.pop_front();
     }
     for (uint64_t id : touched) {
       Connection* c = Find(id);
@@ -505,7 +509,7 @@ class TcpStoreServer::Impl {
         }
         if (c.reserved == 0) {
           if (!Fits(frame_bytes)) {
-            waiting_for_memory_.insert(c.id);
+            if (waiting_for_memory_.insert(c.id).second) memory_queue_.push_back(c.id);
             Touch(c);
             return;
           }
@@ -1105,8 +1109,11 @@ class TcpStoreServer::Impl {
   // Capacity of every connection's buffers, as of each one's last activity.
   size_t buffer_capacity_ = 0;
   std::unordered_set<std::string> deferred_wakes_;  // keys whose waits await room (WakeWaiters)
-  // Connections whose next frame does not fit under the bound yet, oldest first.
+  // Connections whose next frame does not fit under the bound yet, and the
+  // same in the order they began to wait (ids of connections gone since are
+  // dropped when they reach the front): room goes to the longest waiting.
   std::set<uint64_t> waiting_for_memory_;
+  std::deque<uint64_t> memory_queue_;
   std::unordered_map<std::string, std::string> data_;
   uint64_t next_waiter_id_ = 1;
   std::unordered_map<uint64_t, Waiter> waiters_;

@@ -616,6 +616,54 @@ TEST(TcpStoreTest, TotalBufferBoundQueuesFramesWithoutDeadlock) {
   for (int t = 0; t < kClients; ++t) EXPECT_TRUE(results[t].ok()) << results[t];
 }
 
+// Frames waiting for room get it in the order they began to wait, whatever
+// their connections' age (it used to go by connection id, so a young
+// connection's frame could wait behind older ones that kept coming).
+TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 5 << 20;  // one 3 MiB frame at a time
+  auto server = StartServer(options);
+  // A 3 MiB Set whose first bytes hold room for the whole frame until the
+  // rest is sent.
+  auto set_frame = [](uint32_t id, const std::string& key) {
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kSet));
+    w.U32(id);
+    w.String(key);
+    w.String(std::string(3 << 20, 'x'));
+    return w.Frame();
+  };
+  auto older = ConnectClient(*server);  // connected first, waits second
+  RawConnection holder(server->port()), newer(server->port());
+  holder.Handshake();
+  newer.Handshake();
+  const std::string held = set_frame(1, "held"), waits_first = set_frame(2, "newer");
+  holder.Send(std::string_view(held).substr(0, 1000));
+  std::this_thread::sleep_for(300ms);
+  newer.Send(std::string_view(waits_first).substr(0, 1000));
+  std::this_thread::sleep_for(300ms);
+  std::atomic<bool> older_done{false};
+  Status older_status;
+  std::thread older_set([&] {
+    older_status = older->Set("older", std::string(3 << 20, 'o'), DeadlineIn(20s));
+    older_done = true;
+  });
+  std::this_thread::sleep_for(300ms);
+  holder.Send(std::string_view(held).substr(1000));
+  ASSERT_TRUE(holder.ReadFrame(5s).has_value());
+  // The room went to the newer connection's frame, which stops half-way:
+  // the older one's keeps waiting.
+  std::this_thread::sleep_for(500ms);
+  EXPECT_FALSE(older_done.load()) << "the older connection's frame got the room first";
+  newer.Send(std::string_view(waits_first).substr(1000));
+  std::optional<std::string> reply = newer.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  uint32_t id = 0;
+  EXPECT_EQ(RawConnection::ParseReply(*reply, &id).first, StatusCode::kOk);
+  older_set.join();
+  EXPECT_TRUE(older_status.ok()) << older_status;
+}
+
 // Many waits parked on one large value, by a client that does not read
 // yet: setting it must not copy a reply per waiter into memory at once. The
 // replies count against the total bound and the rest are answered as the
