@@ -1182,12 +1182,14 @@ Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadl
     args.op = -1;
     args.kind = static_cast<int32_t>(Kind::kBarrier);
     args.root = -1;
-    Publish(&Control::reduced, s);
-    Publish(&Control::finished, s);
     Publish(&Control::arrived, s);
     DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier"));
     DDP_RETURN_IF_ERROR(CheckAgreement(s, kBarrierCount, static_cast<DataType>(-1), -1,
                                        Kind::kBarrier, -1));
+    // Finished only once the peers' arguments were read: a peer two calls
+    // on (ClaimSlot) overwrites them.
+    Publish(&Control::reduced, s);
+    Publish(&Control::finished, s);
     return PeerFailure(s);
   });
 }

@@ -1016,6 +1016,36 @@ TEST(ShmAllReduce, BarrierThenAllReduce) {
   });
 }
 
+// A rank slow to leave the barrier (here it naps in its watchdog while the
+// others pass) still reads its peers' barrier arguments: a peer two calls
+// on must wait for it before reusing that slot. It used to count as
+// finished on entry, so rank 2's second reduce overwrote its arguments and
+// rank 1 reported a barrier against a reduce.
+TEST(ShmAllReduce, PeersTwoCallsOnWaitForARankStillLeavingTheBarrier) {
+  auto group = MakeGroup(3, 4096, 1024);
+  RunRanks(3, [&](int r) {
+    const Deadline deadline = DeadlineIn(milliseconds(10000));
+    if (r != 1) std::this_thread::sleep_for(milliseconds(20));  // rank 1 arrives first
+    bool napped = false;
+    Status s = group[r]->Barrier(deadline, [&](Deadline, int) {
+      if (r == 1 && !napped) {
+        napped = true;
+        std::this_thread::sleep_for(milliseconds(300));
+      }
+      return Status::Ok();
+    });
+    EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
+    for (int call = 0; call < 2; ++call) {
+      float x = 1, y = 0;
+      s = group[r]->Reduce(&x, &y, 1, DataType::kF32, ReduceOp::kSum, 0, deadline, nullptr);
+      EXPECT_TRUE(s.ok()) << "rank " << r << ", reduce " << call << ": " << s;
+      if (r == 0) {
+        EXPECT_EQ(y, 3.0f);
+      }
+    }
+  });
+}
+
 TEST(ShmAllReduce, BarrierAgainstAllReduceIsAMismatch) {
   auto group = MakeGroup(2, 4096, 1024);
   RunRanks(2, [&](int r) {
