@@ -606,7 +606,7 @@ Status PostFailure(store::TcpStoreClient& store, const DdprunOptions& o, int att
 
 // ---- stopping the job for good ----
 //
-// A launcher that ends the job (SIGINT, SIGTERM or SIGHUP; a fault of its
+// A launcher that ends the job (SIGINT, SIGTERM, SIGHUP or SIGQUIT; a fault of its
 // own, such as workers that cannot start) sets Key(attempt, "stop") to its
 // reason, and does so before its workers end, since their end makes the
 // workers of other nodes fail within milliseconds and those nodes post
@@ -1515,7 +1515,7 @@ int RunDdprun(const DdprunOptions& options) {
     }
     if (!keys.empty()) (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
   };
-  // From here on, with several nodes, SIGINT, SIGTERM and SIGHUP while no
+  // From here on, with several nodes, SIGINT, SIGTERM, SIGHUP and SIGQUIT while no
   // workers run are recorded instead of ending this launcher at once (a
   // second one still does): the waits below look for them, and the
   // launcher tells the others before it leaves.

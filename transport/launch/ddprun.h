@@ -36,7 +36,7 @@
 // With --max_restarts=K the whole job (every node) restarts up to K times
 // after failures, DDP_RESTART_COUNT counting every start of the workers
 // (TORCHELASTIC_RESTART_COUNT only the failures); an interrupted launcher
-// (SIGINT, SIGTERM, SIGHUP) stops the job without a restart: before it
+// (SIGINT, SIGTERM, SIGHUP, SIGQUIT) stops the job without a restart: before it
 // passes the signal to its workers it posts a stop for the attempt, which
 // overrides the restartable notices of the nodes whose workers then fail,
 // and which a rendezvous for a restart already under way honours at once.

@@ -62,7 +62,7 @@ std::atomic<bool> g_forwarding{false};
 // The first forwarded signal this process received (0: none); see
 // InterruptSignal. Never cleared: a launcher that was told to stop stays told.
 std::atomic<int> g_interrupt_signal{0};
-constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
 void RecordSignal(int signo) {
   const int saved_errno = errno;
@@ -149,7 +149,7 @@ RunChild(const ChildArgs* a) {
   // SIG_DFL with no flags on every layout.
   unsigned long default_action[8] = {};
   for (int s = 1; s < _NSIG; ++s) {
-    if (!a->ignored[s] || s == SIGPIPE) {
+    if (!a->ignored[s] || s == SIGPIPE || s == SIGCHLD) {
       syscall(SYS_rt_sigaction, s, default_action, nullptr, _NSIG / 8);
     }
   }
@@ -321,6 +321,31 @@ struct Stream {
   std::string partial;  // an incomplete line waiting for its newline
 };
 
+// write(2) without SIGPIPE: to a pipe whose reader is gone (`ddprun ... |
+// tee log` after a Ctrl-C ended tee, `| head`) it raises SIGPIPE, which would
+// end the launcher and, by PR_SET_PDEATHSIG, its workers mid-checkpoint.
+// The signal is held blocked over the write and the one it raised is
+// taken back, leaving the process's handling of SIGPIPE as it was; EPIPE
+// is returned as the error.
+ssize_t WriteWithoutSigpipe(int fd, std::string_view data) {
+  sigset_t pipe_only, old_mask, pending;
+  sigemptyset(&pipe_only);
+  sigaddset(&pipe_only, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_only, &old_mask);
+  sigpending(&pending);
+  const bool already_pending = sigismember(&pending, SIGPIPE) == 1;
+  const ssize_t n = write(fd, data.data(), data.size());
+  const int err = errno;
+  if (n < 0 && err == EPIPE && !already_pending) {
+    const timespec now{};
+    while (sigtimedwait(&pipe_only, nullptr, &now) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+  errno = err;
+  return n;
+}
+
 // The launcher's own stdout or stderr, to which worker output is copied.
 // The loop that watches the workers writes there, so a reader that stops
 // reading (a pipe nobody drains, a terminal on hold) must not stop it:
@@ -355,7 +380,7 @@ struct Terminal {
     Deadline give_up = stalled ? Clock::now() : Clock::now() + kTerminalStallTime;
     while (!data.empty()) {
       const ssize_t n = socket ? send(fd, data.data(), data.size(), MSG_DONTWAIT | MSG_NOSIGNAL)
-                               : write(fd, data.data(), data.size());
+                               : WriteWithoutSigpipe(fd, data);
       if (n > 0) {
         data.remove_prefix(static_cast<size_t>(n));
         give_up = Clock::now() + kTerminalStallTime;
@@ -449,6 +474,7 @@ class WorkerGroup::Impl {
     dev_null_.Reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
     if (!dev_null_.valid()) return InternalError("open /dev/null: " + ErrnoText(errno));
     if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
+    WaitForChildren();
     if (use_pipes_ && out.to_terminal) {
       terminals_[0].Open(STDOUT_FILENO);
       terminals_[1].Open(STDERR_FILENO);
@@ -681,6 +707,21 @@ class WorkerGroup::Impl {
   }
 
  private:
+  // With SIGCHLD ignored (SIG_IGN or SA_NOCLDWAIT, inherited from a parent
+  // that set it) the kernel reaps exited children itself, so waitid cannot
+  // observe the workers' exits and the group would wait for them forever.
+  // A launcher must see them: back to the default, which also ignores the
+  // signal but keeps exited children to be waited for.
+  static void WaitForChildren() {
+    struct sigaction current{};
+    if (sigaction(SIGCHLD, nullptr, &current) != 0) return;
+    if (current.sa_handler != SIG_IGN && (current.sa_flags & SA_NOCLDWAIT) == 0) return;
+    struct sigaction action{};
+    action.sa_handler = SIG_DFL;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGCHLD, &action, nullptr);
+  }
+
   Status InstallSignalForwarding() {
     bool expected = false;
     if (!g_forwarding.compare_exchange_strong(expected, true)) {
@@ -845,14 +886,23 @@ class WorkerGroup::Impl {
     return n;
   }
 
+  // To the whole process group, as torchrun's killpg: a worker that is a
+  // script (`sh run.sh` running python without exec) or has children of its
+  // own (data loaders) gets the signal in every process, so each may end
+  // cleanly within the grace period. The group id cannot be reused until
+  // the leader is reaped (ReapLeader, last). A worker that moved to a group
+  // of its own (setsid) gets the signal by pid; no process gets it twice.
   void SignalRunning(int signal) {
+    if (pgid_ > 0) {
+      kill(-pgid_, signal);
+      // A stopped process acts on the signal only once continued.
+      if (signal != SIGKILL) kill(-pgid_, SIGCONT);
+    }
     for (Worker& w : workers_) {
-      if (!w.running) continue;
+      if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
       kill(w.pid, signal);
-      // A stopped worker acts on the signal only once continued.
       if (signal != SIGKILL) kill(w.pid, SIGCONT);
     }
-    if (signal == SIGKILL && pgid_ > 0) kill(-pgid_, SIGKILL);
   }
 
   // The signal that stopped running worker `w`, or 0 when it is not stopped.

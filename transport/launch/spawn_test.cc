@@ -109,10 +109,37 @@ DDP_TEST_WORKER(fail_rank1) {
 
 DDP_TEST_WORKER(sleeper) {
   const int rank = EnvInt("RANK", -1);
+  // SIGQUIT's default action dumps core: not in a test's folder.
+  const rlimit no_core{0, 0};
+  setrlimit(RLIMIT_CORE, &no_core);
   if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
   if (EnvInt("IGNORING_RANK", -1) == rank) signal(SIGINT, SIG_IGN);
   WritePid("rank" + std::to_string(rank));  // after the signal setup: "ready"
   SleepForever();
+  return 0;
+}
+
+// A worker that is a script waiting for the program it started (`sh -c
+// 'python train.py; true'`): it leaves SIGTERM to its child, which marks
+// $PID_DIR/child.term when the signal reaches it, and ends.
+DDP_TEST_WORKER(script) {
+  std::snprintf(g_term_mark, sizeof(g_term_mark), "%s/child.term", std::getenv("PID_DIR"));
+  const pid_t child = fork();
+  if (child == 0) {
+    struct sigaction action = {};
+    action.sa_handler = [](int) {
+      MarkTerm(0);
+      _exit(0);
+    };
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, nullptr);
+    for (int i = 0; i < 300; ++i) usleep(100000);
+    _exit(1);
+  }
+  signal(SIGTERM, SIG_IGN);
+  WritePid("child", child);
+  int status = 0;
+  waitpid(child, &status, 0);
   return 0;
 }
 
@@ -431,7 +458,7 @@ TEST(SpawnTest, RequestStopFromAnotherThread) {
 }
 
 TEST(SpawnTest, SignalsToTheLauncherReachEveryWorker) {
-  for (int signo : {SIGTERM, SIGINT}) {
+  for (int signo : {SIGTERM, SIGINT, SIGQUIT}) {
     SpawnOptions options = Quiet();
     options.forward_signals = true;
     StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(3, "sleeper"), options);
@@ -665,6 +692,87 @@ TEST(SpawnTest, OnlyOneGroupForwardsSignals) {
   StatusOr<std::unique_ptr<WorkerGroup>> second = WorkerGroup::Start(Specs(1, "hello"), options);
   EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
   (*first)->Wait(DeadlineIn(20s));
+}
+
+// A forwarded signal reaches the worker's whole process group, as torchrun's
+// killpg: the program a script worker runs gets it too, and can end
+// cleanly, instead of being killed with the group once the grace is over.
+TEST(SpawnTest, ForwardedSignalsReachTheChildrenOfWorkers) {
+  const std::string dir = TempDir("script_child");
+  unlink((dir + "/child.term").c_str());
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  options.grace = 10000ms;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "script", {{"PID_DIR", dir}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const pthread_t waiter = pthread_self();
+  std::thread sender([waiter, dir] {
+    ReadPid(dir + "/child", 20s);
+    pthread_kill(waiter, SIGTERM);
+  });
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(30s));
+  sender.join();
+  EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted) << result.reason;
+  EXPECT_EQ(access((dir + "/child.term").c_str(), F_OK), 0) << "SIGTERM never reached the script's child";
+  EXPECT_LT(Clock::now() - start, 8s) << "the group waited for the grace";
+  group->reset();
+  ExpectNoChildrenLeft();
+}
+
+// A launcher started with SIGCHLD ignored (a parent that set it, inherited
+// through exec) would never see its workers end: the kernel reaps them
+// itself. The group sets it back to the default.
+TEST(SpawnTest, WorkersEndAlsoWhenTheLauncherStartedWithSigchldIgnored) {
+  struct sigaction ignore{}, saved{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &saved), 0);
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(10s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  EXPECT_LT(Clock::now() - start, 5s);
+  group->reset();
+  struct sigaction now{};
+  sigaction(SIGCHLD, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
+  sigaction(SIGCHLD, &saved, nullptr);
+  ExpectNoChildrenLeft();
+}
+
+// The launcher's stdout is a pipe whose reader is gone (`ddprun ... | head`,
+// or `| tee` ended by the same Ctrl-C): copying the workers' output there
+// must not kill it with SIGPIPE (and its workers with it). What cannot be
+// written is dropped; the process's SIGPIPE handling stays as it was.
+TEST(SpawnTest, OutputToAPipeNobodyReadsDoesNotKillTheLauncher) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  close(fds[0]);
+  std::fflush(stdout);
+  const int saved_stdout = dup(STDOUT_FILENO);
+  ASSERT_GE(saved_stdout, 0);
+  ASSERT_EQ(dup2(fds[1], STDOUT_FILENO), STDOUT_FILENO);
+  close(fds[1]);
+  SpawnOptions options = Quiet();
+  options.output.to_terminal = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), options);
+  GroupResult result;
+  if (group.ok()) result = (*group)->Wait(DeadlineIn(20s));
+  dup2(saved_stdout, STDOUT_FILENO);
+  close(saved_stdout);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  EXPECT_THAT(result.output[0], HasSubstr("hello from rank 0"));
+  struct sigaction now{};
+  sigaction(SIGPIPE, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
+  sigset_t pending;
+  sigpending(&pending);
+  EXPECT_EQ(sigismember(&pending, SIGPIPE), 0);
+  group->reset();
+  ExpectNoChildrenLeft();
 }
 
 TEST(SpawnTest, ChildrenOfWorkersDoNotOutliveTheGroup) {
