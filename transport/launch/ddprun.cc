@@ -781,7 +781,9 @@ std::string SecondsText(milliseconds ms) {
 // Every launcher checks that it was started like node 0, since WORLD_SIZE and
 // the restart count follow from these flags, and a launcher that gives up on
 // the rendezvous at another time than node 0 leaves the others waiting for
-// it, or gives up on them while node 0 still waits.
+// it, or gives up on them while node 0 still waits (the last call and the
+// grace period count in how long node 0 may take to form a round,
+// RoundFormingTime).
 std::string ConfigLine(const DdprunOptions& o) {
   const std::string nnodes = o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec;
   std::string line = "--nnodes=" + nnodes + " --nproc_per_node=" +
@@ -789,6 +791,8 @@ std::string ConfigLine(const DdprunOptions& o) {
                      std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
   if (!o.rdzv_id.empty()) line += " --rdzv_id=" + o.rdzv_id;
   line += " --rdzv_timeout=" + SecondsText(o.rdzv_timeout);
+  line += " --rdzv_conf=last_call_timeout=" + SecondsText(o.last_call);
+  line += " --grace_period=" + SecondsText(o.grace);
   return line;
 }
 

@@ -567,6 +567,22 @@ TEST(DdprunMultinodeTest, DifferentRdzvTimeoutIsRefused) {
   EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
 }
 
+// The last call and the grace period count in how long node 0 may take to
+// form a round, which the others wait for: a node started with other
+// values is refused, naming them.
+TEST(DdprunMultinodeTest, DifferentLastCallOrGracePeriodIsRefused) {
+  Job job(2, {"--nproc_per_node=1"}, {},
+          {{0, {"--rdzv_timeout=5", "--rdzv_conf=last_call_timeout=0.5"}},
+           {1, {"--rdzv_timeout=5", "--grace_period=7"}}},
+          {}, /*node0_last=*/true);
+  const auto runs = job.Wait();
+  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
+  EXPECT_THAT(runs[1].output,
+              HasSubstr("ddprun: node 1 was started with --rdzv_conf=last_call_timeout=30 --grace_period=7 but node 0 "
+                        "with --rdzv_conf=last_call_timeout=0.5 --grace_period=5; every node needs the same flags"));
+  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+}
+
 TEST(DdprunMultinodeTest, ANodeBeatsByNodeZerosShorterTimeout) {
   // Node 0 declares a node dead after 3 s of silence; node 1 was given the
   // default 30 s: it takes node 0's timeout, and the job (5 s of work)
