@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -196,12 +197,17 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
                                                              const std::string& key_prefix,
                                                              const ShmOptions& options,
                                                              Deadline deadline) {
-  if (options.size < 1 || options.size >= (1 << 16) - 1 || options.rank < 0 ||
-      options.rank >= options.size ||
-      static_cast<int>(options.pids.size()) != options.size) {
+  if (options.size < 1 || options.size >= (1 << 16) - 1) {
+    return InvalidArgumentError("shared-memory group: size " + std::to_string(options.size) +
+                                " is outside [1, " + std::to_string((1 << 16) - 2) + "]");
+  }
+  if (options.rank < 0 || options.rank >= options.size) {
     return InvalidArgumentError("shared-memory group: rank " + std::to_string(options.rank) +
-                                " of " + std::to_string(options.size) + " with " +
-                                std::to_string(options.pids.size()) + " pids");
+                                " is outside a group of " + std::to_string(options.size));
+  }
+  if (static_cast<int>(options.pids.size()) != options.size) {
+    return InvalidArgumentError("shared-memory group: " + std::to_string(options.pids.size()) +
+                                " pids for a group of " + std::to_string(options.size));
   }
   // Two areas of this per rank are mapped: a larger one would make the
   // segment's size wrap around (2^62 gave one page, and the first staged
@@ -296,7 +302,7 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
   // A copy that failed because the peer gave up meanwhile (and took its
   // buffer back) fails with the peer's error, not as a bad buffer.
   auto failed = [&](int error) {
-    return gone() ? PeerFailure(s, peer) : CopyError(write, peer, error);
+    return gone() ? PeerFailure(s, peer) : CopyError(write, peer, error, local, bytes);
   };
   if (!write) {
     if (gone()) return PeerFailure(s, peer);
@@ -448,7 +454,38 @@ int ShmAllReduce::CopyBytes(bool write, int peer, void* local, uint64_t remote,
   return 0;
 }
 
-Status ShmAllReduce::CopyError(bool write, int peer, int error) const {
+namespace {
+
+// Whether this process can read [local, local + bytes) (`need_write`:
+// write it). CMA's EFAULT does not say whose range was bad; this one is
+// probed by copying it within this process (onto itself to test writing,
+// into a scratch buffer to test reading), which faults where it is bad.
+bool LocalRangeUsable(void* local, size_t bytes, bool need_write) {
+  const pid_t self = getpid();
+  char* p = static_cast<char*>(local);
+  std::vector<char> scratch(need_write ? 0 : std::min<size_t>(bytes, 64 << 10));
+  for (size_t done = 0; done < bytes;) {
+    const size_t n = need_write ? bytes - done : std::min(scratch.size(), bytes - done);
+    iovec range{p + done, n};
+    iovec into = need_write ? range : iovec{scratch.data(), n};
+    const ssize_t moved = process_vm_readv(self, &into, 1, &range, 1, 0);
+    if (moved < 0 && errno == EINTR) continue;
+    if (moved <= 0) return false;
+    done += static_cast<size_t>(moved);
+  }
+  return true;
+}
+
+}  // namespace
+
+Status ShmAllReduce::CopyError(bool write, int peer, int error, void* local, size_t bytes) const {
+  // This rank's own buffer first: a short or read-only one is this rank's
+  // error, not the peer's (and needs no wait for the peer's exit).
+  if (error == EFAULT && !LocalRangeUsable(local, bytes, /*need_write=*/!write)) {
+    return InvalidArgumentError(RankName(options_.rank) + "'s own buffer is not " +
+                                (write ? "readable" : "writable") + " for the call's " + std::to_string(bytes) +
+                                " bytes (shorter than the count, or " + (write ? "unmapped" : "read-only") + "?)");
+  }
   if (error == ESRCH ||
       (error == EFAULT && ExitsWithin(options_.pids[peer], std::chrono::milliseconds(500)))) {
     return PeerLostError(RankName(peer) + " (pid " + std::to_string(options_.pids[peer]) +

@@ -299,8 +299,9 @@ class ShmAllReduce {
   bool Abandoned(int peer) const;
   // process_vm_readv/writev of all `bytes`: 0, or the errno that stopped it.
   int CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
-  // The error for a failed CopyBytes with a peer that has not left the call.
-  Status CopyError(bool write, int peer, int error) const;
+  // The error for a failed CopyBytes of [local, local + bytes) with a peer
+  // that has not left the call.
+  Status CopyError(bool write, int peer, int error, void* local, size_t bytes) const;
   // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
   // in shareable memory the peer published for the current call and the
   // mapping succeeds (cached per region); else null (use CMA).

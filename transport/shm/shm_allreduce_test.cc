@@ -271,6 +271,31 @@ TEST(ShmAllReduce, BroadcastFromEveryRoot) {
   }
 }
 
+// A rank whose own buffer is too short for the count (here its second page
+// is read-only) is told so, instead of being told that the root's buffer
+// is bad after a wait for the root's exit.
+TEST(ShmAllReduce, ABadBufferOfThisRankIsNamedAsItsOwn) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t count = 2 * page / sizeof(float);  // past the staging: copied directly
+  void* mapped = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  ASSERT_EQ(mprotect(static_cast<char*>(mapped) + page, page, PROT_READ), 0);
+  std::vector<float> root_data(count, 1.0f);
+  Status status[2];
+  RunRanks(2, [&](int r) {
+    status[r] = group[r]->Broadcast(r == 0 ? root_data.data() : mapped, count, DataType::kF32, 0,
+                                    DeadlineIn(milliseconds(5000)), nullptr);
+  });
+  munmap(mapped, 2 * page);
+  EXPECT_EQ(status[1].code(), StatusCode::kInvalidArgument) << status[1];
+  EXPECT_NE(status[1].message().find("rank 1's own buffer is not writable for the call's " +
+                                     std::to_string(count * sizeof(float)) + " bytes"),
+            std::string::npos)
+      << status[1];
+  EXPECT_EQ(status[1].message().find("rank 0"), std::string::npos) << status[1];
+}
+
 // Counts on both sides of the 4 KiB staging limit (staged: 1 and 200
 // elements per block; CMA: 1001).
 TEST(ShmAllReduce, AllToAllEveryBlockToItsRank) {
@@ -1071,6 +1096,20 @@ TEST(ShmAllReduce, StagingBytesBeyondTheMostIsRefused) {
   EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(engine.status().message().find("DDP_SHM_STAGING_BYTES"), std::string::npos)
       << engine.status();
+}
+
+// Each bad group shape is named for what is wrong with it.
+TEST(ShmAllReduce, BadGroupShapesAreNamed) {
+  testing::InMemoryStore store;
+  auto error = [&](int rank, int size, size_t pids) {
+    ShmOptions options{.rank = rank, .size = size, .pids = std::vector<int>(pids, getpid())};
+    auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(2000)));
+    return engine.ok() ? std::string("created") : engine.status().message();
+  };
+  EXPECT_EQ(error(0, 70000, 70000), "shared-memory group: size 70000 is outside [1, 65534]");
+  EXPECT_EQ(error(0, 0, 0), "shared-memory group: size 0 is outside [1, 65534]");
+  EXPECT_EQ(error(2, 2, 2), "shared-memory group: rank 2 is outside a group of 2");
+  EXPECT_EQ(error(0, 2, 3), "shared-memory group: 3 pids for a group of 2");
 }
 
 // Buffers in shareable memory: peers copy with them through a mapping of
