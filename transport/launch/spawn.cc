@@ -62,6 +62,11 @@ std::atomic<bool> g_forwarding{false};
 // The first forwarded signal this process received (0: none); see
 // InterruptSignal. Never cleared: a launcher that was told to stop stays told.
 std::atomic<int> g_interrupt_signal{0};
+// A signal caught while no group forwarded (CatchInterrupts) that no group
+// has seen yet: the next group starts with it (0: none). A launcher checks
+// InterruptSignal() before it starts its workers, but one that comes just
+// after that look would otherwise reach no worker.
+std::atomic<int> g_unforwarded_signal{0};
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
 void RecordSignal(int signo) {
@@ -73,6 +78,8 @@ void RecordSignal(int signo) {
     const unsigned char byte = static_cast<unsigned char>(signo);
     ssize_t n = write(fd, &byte, 1);
     (void)n;
+  } else {
+    g_unforwarded_signal.store(signo, std::memory_order_relaxed);
   }
   errno = saved_errno;
 }
@@ -80,6 +87,9 @@ void RecordSignal(int signo) {
 }  // namespace
 
 void CatchInterrupts(bool catch_them) {
+  // Whatever was caught before is the caller's to act on, not a later
+  // group's.
+  if (!catch_them) g_unforwarded_signal.store(0, std::memory_order_relaxed);
   for (int signo : kForwardedSignals) {
     struct sigaction current{};
     if (sigaction(signo, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
@@ -738,6 +748,13 @@ class WorkerGroup::Impl {
     }
     signal_read_ = pipe->first;
     g_signal_write_fd.store(pipe->second);
+    // One caught since the launcher last looked, before this group could
+    // forward it: the group acts on it as if it came now.
+    if (const int signo = g_unforwarded_signal.exchange(0, std::memory_order_relaxed); signo != 0) {
+      const unsigned char byte = static_cast<unsigned char>(signo);
+      ssize_t n = write(pipe->second, &byte, 1);
+      (void)n;
+    }
     struct sigaction action{};
     action.sa_handler = RecordSignal;
     sigemptyset(&action.sa_mask);

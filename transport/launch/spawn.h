@@ -180,14 +180,17 @@ class WorkerGroup {
 /// last look, while the group is being destroyed, is recorded only here.
 int InterruptSignal();
 
-/// `true`: SIGINT, SIGTERM and SIGHUP (those this process does not ignore)
+/// `true`: SIGINT, SIGTERM, SIGHUP and SIGQUIT (those this process does not ignore)
 /// no longer end this process while no WorkerGroup forwards them; the
 /// first one is recorded in InterruptSignal() instead, for a launcher that
 /// must tell others before it leaves (ddprun between two starts of its
 /// workers) and checks InterruptSignal() in its waits. One-shot: the handler
 /// resets itself, so a second signal has its default effect. A WorkerGroup
 /// takes the signals over while it exists and puts this back when
-/// destroyed. `false`: the default effect again.
+/// destroyed; a signal caught here that no group has seen yet reaches the
+/// next group that forwards signals as soon as it starts (one that came
+/// after the launcher's last look at InterruptSignal()). `false`: the
+/// default effect again, and a caught signal no longer reaches a group.
 void CatchInterrupts(bool catch_them);
 
 /// Writes `text` to this process's stderr the way worker output is copied

@@ -684,6 +684,34 @@ TEST(SpawnTest, CatchInterruptsRecordsOneSignalBetweenGroups) {
   ExpectNoChildrenLeft();
 }
 
+// A signal caught between groups after the launcher's last look (ddprun
+// checks InterruptSignal() just before it starts its workers) reaches the
+// next group at once, instead of no worker at all.
+TEST(SpawnTest, ASignalCaughtJustBeforeTheGroupStartsReachesIt) {
+  CatchInterrupts(true);
+  ASSERT_EQ(raise(SIGTERM), 0);  // recorded; no group forwards yet
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted) << result.reason;
+  EXPECT_EQ(result.signal, SIGTERM);
+  EXPECT_LT(Clock::now() - start, 10s);
+  group->reset();
+  CatchInterrupts(false);
+  // Once the launcher stops catching, nothing caught reaches a later group.
+  CatchInterrupts(true);
+  ASSERT_EQ(raise(SIGINT), 0);
+  CatchInterrupts(false);
+  group = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ((*group)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+  group->reset();
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, OnlyOneGroupForwardsSignals) {
   SpawnOptions options = Quiet();
   options.forward_signals = true;
