@@ -445,6 +445,60 @@ TEST(DdpFeaturesTest, JoinWithAnEvaluationBetweenForwardAndBackward) {
   }
 }
 
+// join_evaluation_before_backward's evaluation without its NoGradGuard:
+// an eval-mode forward with grad enabled between rank 0's training forward
+// and its backward, while rank 1 has run out and shadows that backward in
+// Join::Wait. Outside Join that forward is a second synchronizing forward
+// and is refused; under Join it is refused too, at the forward, and the
+// group is aborted, so rank 1 fails within moments (the deadline is 60 s;
+// rank 0 stays alive meanwhile, so its exit cannot be what rank 1 notices).
+DDP_TEST_WORKER(join_eval_with_grad_before_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = Mlp(17);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  Join join(ddp);
+  if (rank == 1) {
+    std::string message;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      join.Wait();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "rank 1 after %.2f s: %s\n", seconds, message.c_str());
+    WORKER_EXPECT(message.find("eval-mode forward with grad enabled ran inside Join") != std::string::npos, message);
+    WORKER_EXPECT(seconds < 5, "rank 1's Join::Wait failed after " + std::to_string(seconds) + " s");
+    return testing::WorkerExit();
+  }
+  auto [x, y] = testing::Batch(data, 0, kBatch);
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  const Tensor out = ddp(x);
+  std::string message = "no error";
+  ddp.Eval();
+  try {
+    (void)ddp(held_out);
+    ddp.Train();
+    nn::Backward(nn::loss::CrossEntropy(out, y));
+  } catch (const std::exception& e) {
+    message = std::string(ddp.is_training() ? "backward" : "eval forward") + " threw: " + e.what();
+  }
+  std::fprintf(stderr, "rank 0: %s\n", message.c_str());
+  WORKER_EXPECT(message.rfind("eval forward threw: DistributedDataParallel on rank 0", 0) == 0 &&
+                    message.find("eval-mode forward with grad enabled ran inside Join") != std::string::npos &&
+                    message.find("The process group was aborted") != std::string::npos,
+                message);
+  std::this_thread::sleep_for(std::chrono::seconds(10));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AnEvalForwardWithGradBeforeTheBackwardUnderJoinAbortsTheGroupAtThatForward) {
+  auto run = RunWorkers("join_eval_with_grad_before_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 40000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(DdpFeaturesTest, RankThatRanOutDuringNoSyncStartsAfresh) {
   auto run = RunWorkers("join_after_no_sync", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

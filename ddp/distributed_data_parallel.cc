@@ -202,8 +202,18 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   const bool sync_buffers =
       training && options_.broadcast_buffers && size > 1 && !s.buffers.empty() && !before_backward;
   const bool join_flags = s.join_enabled && size > 1 && !before_backward;
+  // An eval-mode forward with grad enabled there is refused as it is outside
+  // Join, where it synchronizes and so is a second synchronizing forward
+  // before the first one's backward: the group is aborted and this forward
+  // throws. Run, it would leave the training forward's backward unable to
+  // synchronize, which then throws on this rank alone while the peers (in
+  // that backward, or shadowing it in Join::Wait) wait for its buckets
+  // until the group's timeout.
+  const bool eval_before_backward = before_backward && grad_sync;
   if (s.reducer != nullptr) {
-    s.reducer->CheckPreviousIteration(sync, /*communicates=*/sync_buffers || join_flags);
+    s.reducer->CheckPreviousIteration(sync || eval_before_backward,
+                                      /*communicates=*/sync_buffers || join_flags,
+                                      /*eval_forward_in_join=*/eval_before_backward);
   }
   bool rebuild = sync && training && s.reducer->rebuild_pending();
 

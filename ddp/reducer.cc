@@ -255,7 +255,7 @@ std::vector<std::vector<std::string>> Reducer::BucketNames() const {
   return out;
 }
 
-void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates) {
+void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool eval_forward_in_join) {
   if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
   if (!unfinished_) return;
   // A forward that does not synchronize gradients may still run collectives
@@ -272,7 +272,13 @@ void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates) {
   // pair them with the next one's): the group is aborted, so that they fail
   // within moments with this message rather than at their deadline.
   std::string state;
-  if (!finalize_queued_) {
+  if (!finalize_queued_ && eval_forward_in_join) {
+    state = "an eval-mode forward with grad enabled ran inside Join before that backward (outside Join "
+            "such a forward synchronizes gradients, so this is a second synchronizing forward before "
+            "the first one's backward; inside Join it cannot synchronize, and after it the training "
+            "forward's backward could not either: run the evaluation under NoGradGuard, or after the "
+            "backward)";
+  } else if (!finalize_queued_) {
     state = "no parameter received a gradient after it (no backward ran, or its loss did not depend "
             "on the forward's outputs, or a second synchronizing forward ran before the first one's "
             "backward: for two forwards and one backward, such as a GAN discriminator's real and fake "

@@ -86,8 +86,10 @@ class Reducer {
   /// reduction never finished (no backward, none that reached a parameter,
   /// or one that threw); a forward that `communicates` otherwise (buffers,
   /// Join's flags) is refused too when that backward launched buckets. Once
-  /// thrown, every later forward throws the same.
-  void CheckPreviousIteration(bool synchronizing, bool communicates = false);
+  /// thrown, every later forward throws the same. `eval_forward_in_join`:
+  /// the forward is an eval-mode one with grad enabled under Join (pass
+  /// `synchronizing` too), and the message says so.
+  void CheckPreviousIteration(bool synchronizing, bool communicates = false, bool eval_forward_in_join = false);
 
   /// Whether a synchronizing training forward prepared an iteration whose
   /// backward has not started (no gradient hook fired since).
