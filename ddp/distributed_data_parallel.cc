@@ -127,7 +127,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   }
   try {
     // 1. Same model on every rank, or the same error on every rank.
-    internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_));
+    internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_),
+                             "DistributedDataParallel: the ranks' models differ (every rank must register the "
+                             "same parameters and buffers, in the same order, with the same shapes, dtypes and "
+                             "strides, and pass the same options).");
 
     // 2. Rank 0's values everywhere.
     std::vector<nn::Tensor> state;

@@ -58,9 +58,10 @@ std::string Plural(const std::string& kind, size_t n) {
   return std::to_string(n) + " " + kind + (n == 1 ? "" : "s");
 }
 
-// The message every rank throws: the first differing entry of the first
-// kind that differs, each rank's value, and the counts when they differ.
-std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks) {
+// The message every rank throws: `heading`, then the first differing entry
+// of the first kind that differs, each rank's value, and the counts when
+// they differ.
+std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks, const std::string& heading) {
   const int size = static_cast<int>(ranks.size());
   for (const std::string kind : {"parameter", "buffer", "option"}) {
     std::vector<std::vector<const ReplicaEntry*>> lists;
@@ -78,10 +79,7 @@ std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks) {
                  (a != nullptr && (a->name != b->name || a->value != b->value));
       }
       if (!differ) continue;
-      std::string m =
-          "DistributedDataParallel: the ranks' models differ (every rank must register the same "
-          "parameters and buffers, in the same order, with the same shapes, dtypes and strides, "
-          "and pass the same options). First difference at " + kind + " #" + std::to_string(k) + ": ";
+      std::string m = heading + " First difference at " + kind + " #" + std::to_string(k) + ": ";
       for (int r = 0; r < size; ++r) {
         m += (r ? "; rank " : "rank ") + std::to_string(r);
         if (k < lists[r].size()) {
@@ -117,8 +115,7 @@ std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks) {
       return m;
     }
   }
-  return "DistributedDataParallel: the ranks' model descriptions differ in a way that could not "
-         "be located";
+  return heading + " The difference could not be located.";
 }
 
 }  // namespace
@@ -133,7 +130,7 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter) {
   return s;
 }
 
-void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries) {
+void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& heading) {
   if (pg.size() == 1) return;
   const std::string text = Serialize(entries);
   nn::Tensor mine = nn::FromVectorOf<int64_t>(
@@ -157,7 +154,7 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries) 
   for (int r = 0; r < pg.size(); ++r) {
     ranks.push_back(Parse(std::string(base + r * longest, static_cast<size_t>(a[2 * r + 1]))));
   }
-  throw std::invalid_argument(Explain(ranks));
+  throw std::invalid_argument(Explain(ranks, heading));
 }
 
 std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors) {

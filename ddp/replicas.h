@@ -26,10 +26,12 @@ struct ReplicaEntry {
 std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
 
 /// Collective: returns when every rank passed the same entries; otherwise
-/// throws std::invalid_argument, with the same message on every rank,
-/// naming the first differing entry and each rank's value of it. Two
-/// fixed-size all-gathers at most, so differing ranks cannot hang.
-void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries);
+/// throws std::invalid_argument, with the same message on every rank:
+/// `heading` (who checked, and what must match: "DistributedDataParallel:
+/// the ranks' models differ (...)."), then the first differing entry and
+/// each rank's value of it. Two fixed-size all-gathers at most, so
+/// differing ranks cannot hang.
+void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& heading);
 
 /// Indices of the tensors with elements, one group per dtype and device
 /// (type and index), the groups in the order of their first tensor in

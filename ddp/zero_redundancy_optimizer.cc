@@ -107,6 +107,20 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
     : params_(std::move(params)), pg_(std::move(pg)) {
   if (pg_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the process group is null");
   if (!make) throw std::invalid_argument("ZeroRedundancyOptimizer: the optimizer factory is empty");
+  // The partition, and so which rank steps and broadcasts which elements,
+  // is computed from each rank's own list: lists that differ (two
+  // same-shaped parameters swapped, say) would write one parameter's update
+  // into another on the other ranks. Compared before the local checks, so
+  // that a list only some ranks refuse fails every rank here alike.
+  std::vector<internal::ReplicaEntry> entries;
+  for (const auto& [name, p] : params_) {
+    entries.push_back({"parameter", name,
+                       p.defined() ? std::string(nn::DTypeName(p.dtype())) + " " + nn::ShapeToString(p.shape())
+                                   : std::string("undefined")});
+  }
+  internal::VerifyReplicas(*pg_, entries,
+                           "ZeroRedundancyOptimizer: the ranks' parameter lists differ (every rank must pass the "
+                           "same parameters, in the same order, with the same names, dtypes and shapes).");
   nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer");
   shards_ = Partition(params_, pg_->size());
   pieces_.resize(shards_.size());

@@ -66,12 +66,14 @@ class ZeroRedundancyOptimizer {
   using Factory =
       std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters shard)>;
 
-  /// Collective only in that every rank must construct it with the same
-  /// parameters (same names, shapes and order) and the same kind of
-  /// optimizer; nothing is sent. Throws std::invalid_argument for a list
-  /// that no optimizer would take (nn::optim::CheckParameters), a null
-  /// group or factory, or a factory whose optimizer does not hold exactly
-  /// the pieces it was given, in their order (one built from the model).
+  /// Collective: every rank must construct it with the same parameters
+  /// (same names, dtypes, shapes and order; compared across ranks by a
+  /// small all-gather) and the same kind of optimizer. Throws
+  /// std::invalid_argument on every rank, naming the first parameter that
+  /// differs and each rank's, when the lists differ; and for a list that no
+  /// optimizer would take (nn::optim::CheckParameters), a null group or
+  /// factory, or a factory whose optimizer does not hold exactly the pieces
+  /// it was given, in their order (one built from the model).
   ZeroRedundancyOptimizer(nn::optim::NamedParameters params, std::shared_ptr<ProcessGroup> pg,
                           const Factory& make);
 

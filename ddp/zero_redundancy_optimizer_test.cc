@@ -5,7 +5,8 @@
 // state equals the unsharded optimizer's, a run resumed from a checkpoint
 // holding it equals an uninterrupted one, and a bad state fails every rank
 // (one bad only for one rank's shard loads on none); a factory that does
-// not build from the pieces it is given is refused.
+// not build from the pieces it is given is refused, and so are parameter
+// lists that differ across ranks.
 
 #include "ddp/zero_redundancy_optimizer.h"
 
@@ -557,6 +558,32 @@ DDP_TEST_WORKER(load_all_or_nothing) {
 
 TEST(ZeroRedundancyOptimizerTest, StateBadForOneShardLoadsOnNoRank) {
   auto run = RunWorkers("load_all_or_nothing", 2, {{"DDP_TEST_CKPT", TempPath("half.safetensors")}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The partition comes from each rank's own list: rank 1 passing two
+// same-shaped parameters swapped would have every rank step and broadcast
+// the other's elements into them. Refused on both ranks at construction,
+// naming the first difference.
+DDP_TEST_WORKER(swapped_parameters) {
+  auto pg = testing::WorkerGroup();
+  NamedParameters params = {{"first.weight", nn::Zeros({4, 4})}, {"second.weight", nn::Zeros({4, 4})}};
+  if (pg->rank() == 1) std::swap(params[0], params[1]);
+  std::string message = "accepted";
+  try {
+    ZeroRedundancyOptimizer zero(params, pg, MakeOptimizer);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("ZeroRedundancyOptimizer: the ranks' parameter lists differ") != std::string::npos &&
+                    message.find("First difference at parameter #0: rank 0 has `first.weight` f32 [4, 4]; rank 1 "
+                                 "has `second.weight` f32 [4, 4].") != std::string::npos,
+                "rank " + std::to_string(pg->rank()) + ": " + message);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, ParametersInADifferentOrderOnOneRankAreRefusedOnEveryRank) {
+  auto run = RunWorkers("swapped_parameters", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
