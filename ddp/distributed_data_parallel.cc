@@ -44,8 +44,13 @@ class DistributedDataParallel::Impl {
   // Join state.
   bool join_enabled = false;
   JoinOptions join_options;
-  int64_t forwards = 0;  // training forwards with grad outside NoSync: iterations()
+  int64_t forwards = 0;  // training forwards with grad outside NoSync
   int64_t forwards_at_join = 0;  // `forwards` when the current Join began
+  // Without a reducer (one rank, or nothing to train) no backward is seen:
+  // iterations() counts the forwards that synchronize on several ranks
+  // (eval-mode ones outside Join too), so that what it counts (the check of
+  // OverlappedZeroOptimizer::Step, say) is the same on one rank as on N.
+  int64_t sync_forwards = 0;
 
   // Statistics window.
   int64_t forward_count = 0;
@@ -287,6 +292,7 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     s.reducer->Disarm(/*reject_gradients=*/grad_sync);
   }
   if (training && nn::GradMode::IsEnabled() && s.require_sync) ++s.forwards;
+  if (nn::GradMode::IsEnabled() && s.require_sync && (training || !s.join_enabled)) ++s.sync_forwards;
   const Clock::time_point end = Clock::now();
   if (training) {
     ++s.forward_count;
@@ -358,7 +364,7 @@ std::vector<std::vector<std::string>> DistributedDataParallel::BucketParameterNa
 }
 
 int64_t DistributedDataParallel::iterations() const {
-  return impl_->reducer != nullptr ? impl_->reducer->iterations() : impl_->forwards;
+  return impl_->reducer != nullptr ? impl_->reducer->iterations() : impl_->sync_forwards;
 }
 
 // ------------------------------------------------------------- NoSync ----

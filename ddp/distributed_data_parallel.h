@@ -184,8 +184,9 @@ class DistributedDataParallel : public nn::modules::Module {
 
   /// Buckets in launch order, as parameter names (for tests and logs).
   std::vector<std::vector<std::string>> BucketParameterNames() const;
-  /// Synchronizing iterations run so far (with no trainable parameter:
-  /// training forwards with grad enabled outside NoSync).
+  /// Synchronizing iterations run so far (on one rank, or with no
+  /// trainable parameter: forwards with grad enabled outside NoSync, in
+  /// training mode or outside Join, whether a backward followed or not).
   int64_t iterations() const;
 
   class Impl;

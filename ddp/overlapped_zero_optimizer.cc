@@ -314,11 +314,9 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
 OverlappedZeroOptimizer::~OverlappedZeroOptimizer() = default;
 
 void OverlappedZeroOptimizer::Step() {
-  if (state_->whole != nullptr) {
-    state_->whole->Step();
-    std::lock_guard<std::mutex> lock(state_->mu);
-    ++state_->steps;
-  } else if (state_->ddp->iterations() == state_->iterations_ended) {
+  // Checked on one rank too (where DDP counts synchronizing forwards), so
+  // that a loop this refuses on N ranks is refused on one, and the reverse.
+  if (state_->ddp->iterations() == state_->iterations_ended) {
     // A backward that failed (the group aborted; say why) or ran under
     // NoSync, or none: clearing the gradients now would drop what NoSync
     // accumulated.
@@ -329,6 +327,11 @@ void OverlappedZeroOptimizer::Step() {
         "OverlappedZeroOptimizer::Step: no synchronizing backward ran since the last Step() (the update "
         "runs inside that backward; after a backward under NoSync, run the synchronizing one first); the "
         "gradients are left as they are");
+  }
+  if (state_->whole != nullptr) {
+    state_->whole->Step();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->steps;
   }
   ZeroGrad();
   state_->iterations_ended = state_->ddp->iterations();

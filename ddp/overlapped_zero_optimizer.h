@@ -98,7 +98,9 @@ class OverlappedZeroOptimizer {
   /// (none ran, or only under NoSync) it keeps the gradients and throws
   /// std::logic_error, or DistributedError with the reason when the group
   /// was aborted (a failed backward). On one rank it steps every
-  /// parameter, as a plain optimizer.
+  /// parameter, as a plain optimizer, after the same check (there, with
+  /// nothing reduced, a forward that synchronizes on N ranks counts, as
+  /// DistributedDataParallel::iterations() does).
   void Step();
   /// Clears every gradient (for loops that call it before backward).
   void ZeroGrad();

@@ -434,44 +434,75 @@ TEST(OverlappedZeroOptimizerTest, KeepsItsFirstBucketsWhereDdpWouldRebuildThem) 
 
 // ------------------------------------------------------------- misuse ----
 
+// `f` throws a message containing `needle`.
+void ExpectThrow(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(std::string(e.what()).find(needle) != std::string::npos,
+                  "message `" + std::string(e.what()) + "` lacks `" + needle + "`");
+    return;
+  }
+  WORKER_EXPECT(false, "no error for `" + needle + "`");
+}
+
+// Step() with no step to end: before any backward, and after one under
+// NoSync, whose accumulated gradients it keeps. An eval-mode forward with
+// grad enabled synchronizes, so its backward's step ends normally. The
+// same on one rank as on several.
+void CheckStepWithNoStepToEndIsRefused(const std::shared_ptr<ProcessGroup>& pg) {
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  ExpectThrow([&] { opt.Step(); }, "no synchronizing backward");
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  {
+    auto guard = ddp.NoSync();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  }
+  ExpectThrow([&] { opt.Step(); }, "no synchronizing backward");
+  const Tensor first = model->NamedParameters().front().second;
+  WORKER_EXPECT(first.grad().defined(), "Step() dropped the gradients accumulated under NoSync");
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt.Step();
+  WORKER_EXPECT(opt.steps() == 1, "counted " + std::to_string(opt.steps()) + " steps");
+  ExpectThrow([&] { opt.Step(); }, "no synchronizing backward");
+  ddp.Eval();
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt.Step();
+  ddp.Train();
+  WORKER_EXPECT(opt.steps() == 2, "eval mode: counted " + std::to_string(opt.steps()) + " steps");
+}
+
 DDP_TEST_WORKER(misuse) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
   auto factory = [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); };
-  auto expect_throw = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      WORKER_EXPECT(std::string(e.what()).find(needle) != std::string::npos,
-                    "message `" + std::string(e.what()) + "` lacks `" + needle + "`");
-      return;
-    }
-    WORKER_EXPECT(false, "no error for `" + needle + "`");
-  };
   {
     DistributedDataParallel ddp(Mlp(1), {.find_unused_parameters = true, .process_group = pg});
-    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "find_unused_parameters");
-    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, nullptr); }, "null factory");
+    ExpectThrow([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "find_unused_parameters");
+    ExpectThrow([&] { OverlappedZeroOptimizer opt(ddp, nullptr); }, "null factory");
   }
   {
     DistributedDataParallel ddp(Mlp(1), {.static_graph = true, .process_group = pg});
-    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "static_graph");
-    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters) { return nullptr; }); },
+    ExpectThrow([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "static_graph");
+    ExpectThrow([&] { OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters) { return nullptr; }); },
                  "static_graph");
   }
   {
     DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
-    expect_throw([&] {
+    ExpectThrow([&] {
       OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters) { return std::unique_ptr<nn::optim::Optimizer>(); });
     }, "returned null");
     // A factory that builds from the model instead of its argument.
     auto model = Mlp(1);
-    expect_throw([&] {
+    ExpectThrow([&] {
       OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters) { return MakeOptimizer(false, model->NamedParameters()); });
     }, "does not hold the pieces");
     // A factory that fails on the last rank only fails every rank alike.
     const bool last = pg->rank() == pg->size() - 1;
-    expect_throw([&] {
+    ExpectThrow([&] {
       OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters shard) {
         if (last) throw std::runtime_error("no optimizer here");
         return MakeOptimizer(false, std::move(shard));
@@ -482,28 +513,9 @@ DDP_TEST_WORKER(misuse) {
     DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
     auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
     nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-    expect_throw([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "before the first backward");
+    ExpectThrow([&] { OverlappedZeroOptimizer opt(ddp, factory); }, "before the first backward");
   }
-  {
-    // Step() with no step to end: before any backward, and after one under
-    // NoSync, whose accumulated gradients it keeps.
-    auto model = Mlp(1);
-    DistributedDataParallel ddp(model, {.process_group = pg});
-    OverlappedZeroOptimizer opt(ddp, factory);
-    expect_throw([&] { opt.Step(); }, "no synchronizing backward");
-    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
-    {
-      auto guard = ddp.NoSync();
-      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-    }
-    expect_throw([&] { opt.Step(); }, "no synchronizing backward");
-    const Tensor first = model->NamedParameters().front().second;
-    WORKER_EXPECT(first.grad().defined(), "Step() dropped the gradients accumulated under NoSync");
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-    opt.Step();
-    WORKER_EXPECT(opt.steps() == 1, "counted " + std::to_string(opt.steps()) + " steps");
-    expect_throw([&] { opt.Step(); }, "no synchronizing backward");
-  }
+  CheckStepWithNoStepToEndIsRefused(pg);
   return testing::WorkerExit();
 }
 
@@ -595,6 +607,15 @@ TEST(OverlappedZeroOptimizerTest, ParameterMovedAfterConstructionFailsEveryRank)
 TEST(OverlappedZeroOptimizerTest, MisuseIsRefusedWithAMessage) {
   auto run = RunWorkers("misuse", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// On one rank Step() steps every parameter itself; it skipped the check,
+// so a loop that stepped after a NoSync backward worked there and failed
+// on N ranks.
+TEST(OverlappedZeroOptimizerTest, StepWithNoSynchronizingBackwardIsRefusedOnOneRankToo) {
+  const int failures = testing::WorkerFailures();
+  CheckStepWithNoStepToEndIsRefused(ProcessGroup::Single());
+  EXPECT_EQ(testing::WorkerFailures(), failures) << "see the FAIL lines above";
 }
 
 }  // namespace
