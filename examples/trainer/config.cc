@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
@@ -102,9 +103,13 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--workers=" + std::to_string(c.workers) +
                      " loader threads per rank is too many; use at most 64");
   }
-  if (!(c.bucket_cap_mb > 0) || !std::isfinite(c.bucket_cap_mb)) {
-    throw UsageError("--bucket_cap_mb=" + std::to_string(c.bucket_cap_mb) +
-                     " must be a positive number of MiB");
+  // Past 1 TiB no model has a bucket to fill; DDP's own bound (2^40 MiB)
+  // would be met only after the data is loaded, naming its option.
+  if (!(c.bucket_cap_mb > 0) || !(c.bucket_cap_mb <= 1048576)) {
+    char given[32];
+    std::snprintf(given, sizeof(given), "%g", c.bucket_cap_mb);
+    throw UsageError("--bucket_cap_mb=" + std::string(given) +
+                     " must be a positive number of MiB, at most 1048576 (1 TiB)");
   }
   if (c.momentum > 0 && c.optimizer != "sgd") {
     // Adam's betas play momentum's part; a silently ignored flag misleads.

@@ -1,5 +1,6 @@
 #include "examples/trainer/config.h"
 
+#include <cmath>
 #include <cstdlib>
 
 #include "gtest/gtest.h"
@@ -58,6 +59,12 @@ TEST(ConfigTest, BadValuesNameTheFlag) {
   c = TrainConfig{};
   c.workers = -1;
   EXPECT_EQ(ErrorOf(c), "--workers=-1 must be at least 0");
+  for (double mb : {0.0, -1.0, 1e13, std::nan("")}) {
+    c = TrainConfig{};
+    c.bucket_cap_mb = mb;
+    EXPECT_NE(ErrorOf(c).find("must be a positive number of MiB, at most 1048576 (1 TiB)"), std::string::npos) << mb;
+    EXPECT_EQ(ErrorOf(c).rfind("--bucket_cap_mb=", 0), 0u) << ErrorOf(c);
+  }
   c = TrainConfig{};
   c.amp = "fp8";
   EXPECT_EQ(ErrorOf(c), "unknown --amp=fp8; use one of off, bf16, fp16");

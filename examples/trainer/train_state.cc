@@ -119,8 +119,9 @@ double RateIn(const NamedTensors& state, const std::string& key) {
   return NAN;
 }
 
-// The learning-rate schedule of the saved run continues unchanged, or not
-// at all: throws UsageError for another --scheduler or --lr.
+// The learning-rate schedule and the optimizer's settings of the saved run
+// continue unchanged, or not at all: throws UsageError for another
+// --scheduler, --lr, --momentum or --weight_decay.
 void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainConfig& config) {
   const std::string restart = " to continue that run, or another --checkpoint path to start afresh";
   const std::string saved_scheduler = Get(m, "scheduler");
@@ -141,6 +142,26 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
     throw UsageError("checkpoint " + path + " was saved with --lr=" + FlagDouble(saved_lr) +
                      " and this run has --lr=" + FlagDouble(config.lr) + "; pass --lr=" +
                      FlagDouble(saved_lr) + restart);
+  }
+  // The optimizer's other settings: another momentum would drop the saved
+  // buffers (0) or start new ones, another weight decay change the update;
+  // either way not a continuation. (Absent: an older trainer's file.)
+  const std::pair<const char*, double> settings[] = {{"momentum", config.momentum},
+                                                     {"weight_decay", config.weight_decay}};
+  for (const auto& [flag, value] : settings) {
+    if (Get(m, flag).empty()) continue;
+    double saved = 0;
+    try {
+      saved = ParseExactDouble(Get(m, flag));
+    } catch (const std::invalid_argument&) {
+      throw UsageError("--resume: checkpoint " + path + " has no valid " + flag +
+                       "; the file was not written by this trainer");
+    }
+    if (saved != value) {
+      throw UsageError("checkpoint " + path + " was saved with --" + flag + "=" + FlagDouble(saved) +
+                       " and this run has --" + flag + "=" + FlagDouble(value) + "; pass --" + flag + "=" +
+                       FlagDouble(saved) + restart);
+    }
   }
 }
 
@@ -262,6 +283,8 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   const double rate = parts.scheduler != nullptr ? parts.scheduler->base_lr()
                                                  : RateIn(ckpt.optimizer, "lr");
   if (!std::isnan(rate)) m["lr"] = ExactDouble(rate);
+  m["momentum"] = ExactDouble(config.momentum);
+  m["weight_decay"] = ExactDouble(config.weight_decay);
   if (parts.schedule != nullptr) m["schedule_steps"] = std::to_string(parts.schedule->steps());
   m["epochs"] = std::to_string(config.epochs);
   m["max_steps"] = std::to_string(config.max_steps);

@@ -256,6 +256,32 @@ TEST(TrainStateTest, AnotherSchedulerOrRateIsRefusedNamingBothValues) {
             std::string::npos);
 }
 
+// Another --momentum or --weight_decay is refused the same way: the saved
+// momentum buffers would be dropped (0) or new ones started, the update
+// changed; the run would silently not continue the saved one.
+TEST(TrainStateTest, AnotherMomentumOrWeightDecayIsRefusedNamingBothValues) {
+  TrainConfig saved;
+  saved.momentum = 0.9;
+  saved.weight_decay = 1e-4;
+  const std::string path = SaveCosineRun("optimizer_settings", saved);
+  auto model = nn::modules::MakeMlp();
+  auto error = [&](const TrainConfig& config) {
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+    nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
+    return UsageErrorOf([&] { LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr); });
+  };
+  TrainConfig config = saved;
+  config.momentum = 0.5;
+  EXPECT_EQ(error(config), "checkpoint " + path + " was saved with --momentum=0.9 and this run has --momentum=0.5; "
+                           "pass --momentum=0.9 to continue that run, or another --checkpoint path to start afresh");
+  config = saved;
+  config.weight_decay = 0;
+  EXPECT_EQ(error(config), "checkpoint " + path + " was saved with --weight_decay=0.0001 and this run has "
+                           "--weight_decay=0; pass --weight_decay=0.0001 to continue that run, or another "
+                           "--checkpoint path to start afresh");
+  EXPECT_EQ(error(saved), "");
+}
+
 // Another --amp is refused naming both values, though the model's tensors
 // match (on a GPU they are f32 under every --amp): fp16's loss scaler state
 // would be dropped, or the precision changed silently.
