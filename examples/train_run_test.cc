@@ -315,6 +315,34 @@ TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
   EXPECT_EQ(ranks[1]->Stdout(), "") << "only rank 0 talks";
 }
 
+// Under a launcher each rank parses its own command line: one started with
+// another flag (a wrapper script adding --train_samples=$((1000 + RANK)))
+// stops every rank at once, itself naming the flag and both values,
+// instead of training apart or waiting in mismatched collectives.
+TEST(TrainRunTest, RanksStartedWithOtherFlagsStopNamingTheFlag) {
+  const std::string dir = testing::MakeTempDir("disagree");
+  const std::string port = std::to_string(FreePort());
+  std::vector<std::unique_ptr<testing::Subprocess>> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::string> args = QuickRun(dir);
+    args.push_back("--timeout_s=600");  // a hang would show as the test's timeout
+    if (rank == 1) args.push_back("--train_samples=1100");
+    ranks.push_back(std::make_unique<testing::Subprocess>(
+        args, std::vector<std::pair<std::string, std::string>>{{"RANK", std::to_string(rank)},
+                                                               {"WORLD_SIZE", "2"},
+                                                               {"MASTER_ADDR", "127.0.0.1"},
+                                                               {"MASTER_PORT", port}}));
+  }
+  for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(60)), 2) << p->Stderr();
+  EXPECT_NE(ranks[1]->Stderr().find("rank 1 was started with --train_samples=1100 but rank 0 with "
+                                    "--train_samples=1024; every rank needs the same flags and data"),
+            std::string::npos)
+      << ranks[1]->Stderr();
+  EXPECT_NE(ranks[0]->Stderr().find("1 rank(s) were started with other flags or data than rank 0"),
+            std::string::npos)
+      << ranks[0]->Stderr();
+}
+
 // torchrun restarts a failed job with TORCHELASTIC_RESTART_COUNT raised and
 // the same TORCHELASTIC_RUN_ID: the trainer resumes from the checkpoint that
 // run saved, and starts over from another run's (another rendezvous id) or

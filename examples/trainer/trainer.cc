@@ -329,8 +329,102 @@ class Run {
   int64_t last_checkpoint_step_ = -1;
 };
 
+// What every rank must share: the flags that shape the run, and the data
+// each rank loaded. Under ddprun, srun or mpirun each rank parses its own
+// command line and reads its own copy of the data (another folder, another
+// --train_samples in a wrapper script); ranks that differ would train on
+// different things silently, or run different collectives and wait for
+// each other until --timeout_s. "name\tvalue" lines, in a fixed order.
+std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
+  auto flag = [](bool v) { return std::string(v ? "true" : "false"); };
+  auto data = [](const nn::data::Dataset& set) {
+    // The labels' FNV-1a hash: a copy of another dataset, or one cut at
+    // another place, with the same counts and shape still differs.
+    uint64_t hash = 1469598103934665603ull;
+    for (int64_t i = 0; i < set.Size(); ++i) hash = (hash ^ static_cast<uint64_t>(set.Label(i))) * 1099511628211ull;
+    return set.Name() + ", " + std::to_string(set.Size()) + " samples of " + set.Shape().ToString() + ", " +
+           std::to_string(set.NumClasses()) + " classes, labels hash " + StringPrintf("%016llx", static_cast<unsigned long long>(hash));
+  };
+  const std::pair<std::string, std::string> settings[] = {
+      {"--model", c.model},
+      {"--dataset", c.dataset},
+      {"--train_samples", std::to_string(c.train_samples)},
+      {"--test_samples", std::to_string(c.test_samples)},
+      {"--seed", std::to_string(c.seed)},
+      {"--epochs", std::to_string(c.epochs)},
+      {"--max_steps", std::to_string(c.max_steps)},
+      {"--batch_size", std::to_string(c.batch_size)},
+      {"--grad_accum_steps", std::to_string(c.grad_accum_steps)},
+      {"--eval_every", std::to_string(c.eval_every)},
+      {"--log_every", std::to_string(c.log_every)},
+      {"--optimizer", c.optimizer},
+      {"--lr", ExactDouble(c.lr)},
+      {"--momentum", ExactDouble(c.momentum)},
+      {"--weight_decay", ExactDouble(c.weight_decay)},
+      {"--scheduler", c.scheduler},
+      {"--amp", c.amp},
+      {"--device", c.device},
+      {"--sync_bn", flag(c.sync_bn)},
+      {"--zero", flag(c.zero)},
+      {"--zero_overlap", flag(c.zero_overlap)},
+      {"--bucket_cap_mb", ExactDouble(c.bucket_cap_mb)},
+      {"--comm_hook", c.comm_hook},
+      {"--timeout_s", std::to_string(c.timeout_s)},
+      {"--find_unused_parameters", flag(c.find_unused_parameters)},
+      {"--ddp_stats", flag(c.ddp_stats)},
+      {"--trace", flag(c.trace)},
+      {"--checkpoint_every", std::to_string(c.checkpoint_every)},
+      {"--resume", flag(c.resume)},
+      {"training data", data(*d.train)},
+      {"test data", data(*d.test)},
+  };
+  std::string lines;
+  for (const auto& [name, value] : settings) lines += name + "\t" + value + "\n";
+  return lines;
+}
+
+// The first setting in which `mine` differs from rank 0's `lead`, as
+// "--batch_size=32 but rank 0 with --batch_size=64"; empty when none.
+std::string FirstDifference(const std::string& mine, const std::string& lead) {
+  auto lines = [](const std::string& text) {
+    std::vector<std::pair<std::string, std::string>> out;
+    size_t start = 0;
+    for (size_t end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+      const std::string line = text.substr(start, end - start);
+      const size_t tab = line.find('\t');
+      out.emplace_back(line.substr(0, tab), tab == std::string::npos ? "" : line.substr(tab + 1));
+    }
+    return out;
+  };
+  auto shown = [](const std::pair<std::string, std::string>& s) {
+    return s.first.rfind("--", 0) == 0 ? s.first + "=" + s.second : s.first + " " + s.second;
+  };
+  const auto a = lines(mine), b = lines(lead);
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i >= a.size() || i >= b.size()) return "another trainer version than rank 0";
+    if (a[i] != b[i]) return shown(a[i]) + " but rank 0 with " + shown(b[i]);
+  }
+  return "";
+}
+
 void Run::Setup() {
   data_ = LoadDatasets(c_);
+  // The first collective: before anything the ranks could disagree on.
+  if (world_ > 1) {
+    const std::string mine = SharedSettings(c_, data_);
+    const std::string difference = FirstDifference(mine, par_.ShareFromLead(mine));
+    std::vector<double> differing = {difference.empty() ? 0.0 : 1.0};
+    par_.SumAcrossRanks(differing);
+    if (!difference.empty()) {
+      throw UsageError("rank " + std::to_string(rank_) + " was started with " + difference +
+                       "; every rank needs the same flags and data");
+    }
+    if (differing[0] > 0) {
+      throw UsageError(StringPrintf("%.0f rank(s) were started with other flags or data than rank 0 (each "
+                                    "names what differs); every rank needs the same flags and data",
+                                    differing[0]));
+    }
+  }
   CheckBatchFitsShard(c_, data_.train->Size(), world_);
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
   // In the worker only (never the launcher): CUDA is initialized here.
