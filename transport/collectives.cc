@@ -21,10 +21,15 @@ Algorithm SelectAllReduce(size_t bytes, const topology::Topology& topology) {
 }
 
 Algorithm ChooseAllReduce(const AllReduceChoice& c, const topology::Topology& topology) {
-  Algorithm a = c.requested != Algorithm::kAuto ? c.requested : c.configured;
-  if (a == Algorithm::kSharedMemory && !c.shared_memory) a = Algorithm::kAuto;
-  if (a == Algorithm::kHierarchical && topology.num_hosts() < 2) a = Algorithm::kAuto;
-  if (a != Algorithm::kAuto) return a;
+  // The call's request, else the configured one (DDP_ALLREDUCE_ALGO), each
+  // only where it can run: shared memory needs the engine up, hierarchical
+  // more than one host.
+  auto runs_here = [&](Algorithm a) {
+    return a != Algorithm::kAuto && !(a == Algorithm::kSharedMemory && !c.shared_memory) &&
+           !(a == Algorithm::kHierarchical && topology.num_hosts() < 2);
+  };
+  if (runs_here(c.requested)) return c.requested;
+  if (runs_here(c.configured)) return c.configured;
   if (c.shared_memory) return Algorithm::kSharedMemory;
   if (c.host_shared_memory && topology.num_hosts() > 1 && topology.Uniform()) {
     return Algorithm::kHierarchical;

@@ -122,6 +122,13 @@ TEST(Choice, ExplicitRequestsWin) {
   // shm requested but not up: the table decides.
   EXPECT_EQ(ChooseAllReduce({.bytes = 64 << 20, .requested = Algorithm::kSharedMemory}, t),
             Algorithm::kRing);
+  // ... unless an algorithm is configured (DDP_ALLREDUCE_ALGO): that one.
+  EXPECT_EQ(ChooseAllReduce({.bytes = 4 << 10, .requested = Algorithm::kSharedMemory, .configured = Algorithm::kTree},
+                            t),
+            Algorithm::kTree);
+  EXPECT_EQ(ChooseAllReduce({.bytes = 4 << 10, .requested = Algorithm::kHierarchical, .configured = Algorithm::kRing},
+                            t),
+            Algorithm::kRing);
 }
 
 }  // namespace

@@ -213,9 +213,8 @@ Status PeerCheck::Compare(const p2p::PointToPoint& p2p, size_t i) const {
   if (theirs_[i] == mine_) return Status();
   return InvalidArgumentError(what_ + ": ranks disagree on the arguments: " +
                               DescribePeer(p2p, from_[i]) + " passed " +
-                              theirs_[i].ToString() + " but rank " +
-                              std::to_string(p2p.rank()) + " passed " +
-                              mine_.ToString());
+                              theirs_[i].ToString() + " but " + DescribePeer(p2p, p2p.rank()) +
+                              " passed " + mine_.ToString());
 }
 
 Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,

@@ -1,8 +1,14 @@
 #include "transport/algorithms/ring_all_reduce.h"
 
+#include <chrono>
+#include <string>
+#include <vector>
+
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
 #include "transport/algorithms/tree_all_reduce.h"
+#include "transport/p2p/group_view.h"
+#include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
 namespace {
@@ -40,6 +46,38 @@ TEST(RingAllReduceTest, HugeChunkBytesStillReduce) {
 
 TEST(RingAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(RingAllReduce, world);
+}
+
+// Inside a sub-group (a ring in topology order, a host's ranks) group and
+// real ranks differ: a mismatch names both sides by both, this rank too
+// (it used to give this rank's group rank as if it were its real one).
+TEST(RingAllReduceTest, MismatchInAGroupNamesEachRankByItsRealRank) {
+  const std::vector<int> members = {2, 0, 1};  // group rank g is real rank members[g]
+  auto statuses = ::ddp::transport::testing::RunRanks(3, [&](p2p::PointToPoint& parent) -> Status {
+    StatusOr<p2p::GroupView> view = p2p::GroupView::Create(parent, members);
+    if (!view.ok()) return view.status();
+    const size_t count = parent.rank() == 1 ? 121 : 120;
+    std::vector<float> send(count, 1.0f), recv(count);
+    CollectiveArgs args;
+    args.send = send.data();
+    args.recv = recv.data();
+    args.count = count;
+    args.tag = CollectiveTag(0);
+    args.deadline = DeadlineIn(std::chrono::seconds(10));
+    return RingAllReduce(*view, args);
+  });
+  int reported = 0;
+  for (int real = 0; real < 3; ++real) {
+    const std::string& m = statuses[real].message();
+    EXPECT_FALSE(statuses[real].ok()) << "rank " << real;
+    if (m.find("disagree on the arguments") == std::string::npos) continue;  // may see a peer's failure instead
+    ++reported;
+    const int group = real == 2 ? 0 : real + 1;
+    EXPECT_NE(m.find("but group rank " + std::to_string(group) + " (rank " + std::to_string(real) + ") passed"),
+              std::string::npos)
+        << "rank " << real << ": " << m;
+  }
+  EXPECT_GT(reported, 0) << "no rank reported the mismatch";
 }
 
 TEST(RingAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {

@@ -134,8 +134,10 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // Off the root, this rank's block is kept here between the two phases.
   // Not the per-thread Scratch arena: the reduce-scatter takes that one.
   thread_local std::vector<unsigned char> block_buffer;
-  unsigned char* block = recv + layout.offset(r) * es;
-  if (!is_root) {
+  unsigned char* block = nullptr;  // recv is null off the root
+  if (is_root) {
+    block = recv + layout.offset(r) * es;
+  } else {
     if (block_buffer.size() < layout.size(r) * es) block_buffer.resize(layout.size(r) * es);
     block = block_buffer.data();
   }
