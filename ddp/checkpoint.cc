@@ -244,8 +244,8 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
                     const SaveOptions& options) {
   CheckWait("SaveOptions", options.timeout, options.heartbeat);
   const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, checkpoint, &stop); }, options.timeout, options.heartbeat,
-      "the write", "SaveOptions::timeout", "SaveCheckpoint: rank 0 could not write " + path);
+      pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, checkpoint, &stop); },
+      options.timeout, options.heartbeat, "the write", "SaveOptions::timeout", "SaveCheckpoint: rank 0 could not write " + path);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
 

@@ -341,9 +341,12 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
     // The labels' FNV-1a hash: a copy of another dataset, or one cut at
     // another place, with the same counts and shape still differs.
     uint64_t hash = 1469598103934665603ull;
-    for (int64_t i = 0; i < set.Size(); ++i) hash = (hash ^ static_cast<uint64_t>(set.Label(i))) * 1099511628211ull;
+    for (int64_t i = 0; i < set.Size(); ++i) {
+      hash = (hash ^ static_cast<uint64_t>(set.Label(i))) * 1099511628211ull;
+    }
     return set.Name() + ", " + std::to_string(set.Size()) + " samples of " + set.Shape().ToString() + ", " +
-           std::to_string(set.NumClasses()) + " classes, labels hash " + StringPrintf("%016llx", static_cast<unsigned long long>(hash));
+           std::to_string(set.NumClasses()) + " classes, labels hash " +
+           StringPrintf("%016llx", static_cast<unsigned long long>(hash));
   };
   const std::pair<std::string, std::string> settings[] = {
       {"--model", c.model},
