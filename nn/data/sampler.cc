@@ -54,13 +54,22 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerO
                                 " is outside [0, " + std::to_string(options_.num_replicas - 1) +
                                 "]");
   }
+  set_start(0);
+}
+
+void DistributedSampler::set_start(int64_t start) {
+  if (start < 0) {
+    throw std::invalid_argument("DistributedSampler: start " + std::to_string(start) + " < 0");
+  }
+  start_ = start;
+  const int64_t left = start_ < n_ ? n_ - start_ : 0;
   const int64_t r = options_.num_replicas;
-  if (options_.drop_last && n_ % r != 0) {
-    // ceil((n - r) / r): the largest per-rank count that needs no padding.
-    num_samples_ = (n_ - r + r - 1) / r;
+  if (options_.drop_last && left % r != 0) {
+    // ceil((left - r) / r): the largest per-rank count that needs no padding.
+    num_samples_ = (left - r + r - 1) / r;
     if (num_samples_ < 0) num_samples_ = 0;
   } else {
-    num_samples_ = (n_ + r - 1) / r;
+    num_samples_ = (left + r - 1) / r;
   }
 }
 
@@ -72,22 +81,14 @@ std::vector<int64_t> DistributedSampler::Indices() const {
     all.resize(n_);
     std::iota(all.begin(), all.end(), int64_t{0});
   }
+  // Position p of the padded list is all[p % n]: past the end, the padding
+  // repeats the list from its start (more than once if the dataset is
+  // smaller than the padding). With drop_last no position reaches the end.
   const int64_t total = TotalSize();
-  if (!options_.drop_last) {
-    // Pad by repeating the list from its start (more than once if the
-    // dataset is smaller than the padding).
-    const int64_t base = static_cast<int64_t>(all.size());
-    for (int64_t i = 0; base > 0 && static_cast<int64_t>(all.size()) < total; ++i) {
-      all.push_back(all[i % base]);
-    }
-  } else {
-    all.resize(total);
-  }
   std::vector<int64_t> mine;
   mine.reserve(num_samples_);
-  for (int64_t i = options_.rank; i < total && i < static_cast<int64_t>(all.size());
-       i += options_.num_replicas) {
-    mine.push_back(all[i]);
+  for (int64_t i = options_.rank; n_ > 0 && i < total; i += options_.num_replicas) {
+    mine.push_back(all[(start_ + i) % n_]);
   }
   return mine;
 }

@@ -67,6 +67,15 @@ struct DistributedSamplerOptions {
 /// padded by repeating its start until it divides evenly; with drop_last the
 /// tail that does not divide evenly is dropped. Rank r takes positions
 /// r, r + num_replicas, ... of the (shuffled) list.
+///
+/// set_start(s) makes the epochs begin after the list's first s positions
+/// (not in PyTorch): a job that trained part of an epoch on another number
+/// of ranks or another batch size took exactly those positions (each of its
+/// ranks the first b * batch_size of its own), so the rest of that epoch is
+/// split across the new ranks with no sample trained twice or left out.
+/// Rank r then takes positions s + r, s + r + num_replicas, ...; the
+/// padding still repeats the list's start (samples trained early in the
+/// epoch, as in every epoch).
 class DistributedSampler : public Sampler {
  public:
   /// Throws std::invalid_argument for num_replicas < 1 or rank outside
@@ -80,10 +89,18 @@ class DistributedSampler : public Sampler {
   /// Indices per epoch summed over all ranks (num_replicas * Size()).
   int64_t TotalSize() const { return num_samples_ * options_.num_replicas; }
   const DistributedSamplerOptions& options() const { return options_; }
+  /// Positions of each epoch's list skipped before rank 0's first (0 by
+  /// default; see above); Size() counts what is left. Set it to the same
+  /// value on every rank, or the ranks' shards overlap. Throws
+  /// std::invalid_argument for a negative start; one past the dataset
+  /// leaves nothing.
+  void set_start(int64_t start);
+  int64_t start() const { return start_; }
 
  private:
   int64_t n_;
   DistributedSamplerOptions options_;
+  int64_t start_ = 0;
   int64_t num_samples_;
   int64_t epoch_ = 0;
 };

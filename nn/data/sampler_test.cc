@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <stdexcept>
+#include <vector>
 
 namespace ddp::nn::data {
 namespace {
@@ -78,6 +80,60 @@ TEST(DistributedSampler, RanksPartitionThePaddedEpoch) {
     }
     EXPECT_EQ(static_cast<int64_t>(all.size()), (n + replicas - 1) / replicas * replicas);
     for (int64_t i = 0; i < n; ++i) EXPECT_GE(all.count(i), 1u) << i;
+  }
+}
+
+// 4 ranks trained 3 batches of 5 each of epoch 2, positions [0, 60) of its
+// list; starting at 60 on 1 to 5 ranks trains every other sample once, and
+// repeats only the epoch's first samples as padding, in shards of one size.
+TEST(DistributedSampler, StartContinuesAnEpochPartlyTrainedOnOtherRanks) {
+  const int64_t n = 103, batch = 5, batches = 3, old_world = 4;
+  std::vector<std::vector<int64_t>> old_shards;
+  std::multiset<int64_t> trained;
+  for (int64_t r = 0; r < old_world; ++r) {
+    DistributedSampler s(n, {old_world, r, true, 11, false});
+    s.SetEpoch(2);
+    old_shards.push_back(s.Indices());
+    trained.insert(old_shards[r].begin(), old_shards[r].begin() + batches * batch);
+  }
+  const int64_t start = batches * batch * old_world;
+  const std::vector<int64_t> order = TorchRandperm(n, 11 + 2);
+  EXPECT_EQ(trained, std::multiset<int64_t>(order.begin(), order.begin() + start));
+  for (int64_t world : {1, 2, 3, 4, 5}) {
+    std::multiset<int64_t> rest;
+    const int64_t size = (n - start + world - 1) / world;
+    for (int64_t r = 0; r < world; ++r) {
+      DistributedSampler s(n, {world, r, true, 11, false});
+      s.set_start(start);
+      s.SetEpoch(2);
+      const std::vector<int64_t> mine = s.Indices();
+      EXPECT_EQ(s.Size(), size) << "rank " << r << " of " << world;
+      EXPECT_EQ(static_cast<int64_t>(mine.size()), size) << "rank " << r << " of " << world;
+      rest.insert(mine.begin(), mine.end());
+      if (world == old_world) {
+        // The same ranks: each continues its own shard where it stopped.
+        EXPECT_EQ(mine, std::vector<int64_t>(old_shards[r].begin() + batches * batch,
+                                             old_shards[r].end()));
+      }
+    }
+    std::multiset<int64_t> expected(order.begin() + start, order.end());
+    for (int64_t i = 0; i < size * world - (n - start); ++i) expected.insert(order[i]);
+    EXPECT_EQ(rest, expected) << world << " ranks";
+  }
+}
+
+TEST(DistributedSampler, StartPastTheEndLeavesNothingAndNegativeIsRefused) {
+  DistributedSampler s(10, {2, 1, true, 0, false});
+  s.set_start(10);
+  EXPECT_EQ(s.Size(), 0);
+  EXPECT_TRUE(s.Indices().empty());
+  s.set_start(0);
+  EXPECT_EQ(s.Size(), 5);
+  try {
+    s.set_start(-1);
+    FAIL() << "a negative start was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "DistributedSampler: start -1 < 0");
   }
 }
 
