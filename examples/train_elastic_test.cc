@@ -1,8 +1,8 @@
 // The trainer as an elastic job: two ddprun launchers (torchrun's c10d
 // rendezvous, --nnodes=1:2) on this host train together; one is killed
-// (SIGKILL) after the first checkpoints, and the other restarts the job on
-// its own node, resumes from the job's last checkpoint with one rank and
-// finishes.
+// (SIGKILL) after a checkpoint in the middle of an epoch, and the other
+// restarts the job on its own node, resumes from the job's last checkpoint
+// with one rank, trains the rest of that epoch and finishes.
 
 #include <netinet/in.h>
 #include <signal.h>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -61,19 +62,27 @@ TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {
         "--grace_period=1", "--rdzv_conf=last_call_timeout=5",
         std::string("--rdzv_conf=is_host=") + (host ? "true" : "false"), Runfile("examples/train"),
         "--dataset=synthetic", "--model=mlp", "--train_samples=1024", "--test_samples=128",
-        "--batch_size=16", "--epochs=40", "--workers=0", "--checkpoint_every=32",
+        "--batch_size=16", "--epochs=40", "--workers=0", "--checkpoint_every=40",
         "--checkpoint=" + checkpoint};
   };
   const std::vector<std::pair<std::string, std::string>> env = {{"DDP_JOB_TOKEN", "elastic-test-token"}};
   Subprocess first(launcher(true), env);
   Subprocess second(launcher(false), env);
 
+  // 32 steps per epoch on 2 ranks; --checkpoint_every=40 saves in the
+  // middle of epochs too (step 80: 16 steps into epoch 3). The node is
+  // killed after one of those.
   const auto deadline = Clock::now() + std::chrono::seconds(120);
-  while (CheckpointStep(checkpoint) < 64 && Clock::now() < deadline &&
+  const auto mid_epoch = [&] {
+    const int64_t step = CheckpointStep(checkpoint);
+    return step >= 64 && step % 32 != 0;
+  };
+  while (!mid_epoch() && Clock::now() < deadline &&
          second.Wait(std::chrono::milliseconds(0)) == -1) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  ASSERT_GE(CheckpointStep(checkpoint), 64) << first.Stdout() << first.Stderr() << second.Stderr();
+  ASSERT_TRUE(mid_epoch()) << CheckpointStep(checkpoint) << first.Stdout() << first.Stderr()
+                           << second.Stderr();
   ASSERT_EQ(kill(second.pid(), SIGKILL), 0);
 
   EXPECT_EQ(second.Wait(std::chrono::seconds(30)), 128 + SIGKILL) << second.Stderr();
@@ -85,8 +94,22 @@ TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {
       << err;
   // The trainer picked up the job's checkpoint with the world it now has.
   EXPECT_NE(out.find("resuming from this run's checkpoint " + checkpoint), std::string::npos) << out;
-  EXPECT_NE(out.find("RESULT model=mlp ranks=1 "), std::string::npos) << out;
-  EXPECT_GT(CheckpointStep(checkpoint), 64);
+  EXPECT_NE(out.find("RESULT model=mlp ranks=1 epochs=40 "), std::string::npos) << out;
+  // Resumed at step s of 2 ranks, k = s % 32 steps into epoch e = s / 32
+  // (k is 0 only when the job got to an epoch end before it stopped): one
+  // rank trains the rest of epoch e, 64 - 2k steps, then 64 per epoch.
+  // Jumping to the next epoch instead ended 64 - 2k steps short.
+  const std::string resumed_at = "resumed at epoch ";
+  const size_t at = out.find(resumed_at);
+  ASSERT_NE(at, std::string::npos) << out;
+  const size_t step_at = out.find(", step ", at);
+  ASSERT_NE(step_at, std::string::npos) << out;
+  const int64_t s = std::atoll(out.c_str() + step_at + 7);
+  const int64_t e = s / 32, k = s % 32;
+  if (k != 0) {
+    EXPECT_NE(out.find("this run trains the rest of that epoch"), std::string::npos) << out;
+  }
+  EXPECT_EQ(CheckpointStep(checkpoint), s + (64 - 2 * k) + (40 - e - 1) * 64) << out;
 }
 
 // Hosts without a shared filesystem: rank 0 saves the checkpoint on its own

@@ -344,5 +344,40 @@ TEST(TrainResumeTest, SignalToOneRankStopsEveryRankAtTheSameStep) {
   ExpectSameModel(reference, ckpt);
 }
 
+// The elastic case: a run on 2 ranks stops in the middle of its last
+// epoch (step 5 of 16: 160 of its 512 samples trained) and is resumed on 1
+// rank. That rank trains the other 352 samples, 22 steps of 16, and the
+// run ends at step 27 with the epoch done; it used to skip to "epoch 2",
+// train nothing, and still report the epoch done.
+TEST(TrainResumeTest, MidEpochCheckpointResumedOnOneRankTrainsTheRestOfTheEpoch) {
+  const std::string ckpt = testing::MakeTempDir("other_ranks") + "/ckpt.safetensors";
+  const std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=cnn", "--train_samples=512",
+      "--test_samples=64",       "--batch_size=16",     "--epochs=1",  "--scheduler=none",
+      "--workers=1",             "--checkpoint=" + ckpt};
+  std::vector<std::string> first = args;
+  first.push_back("--nproc_per_node=2");
+  first.push_back("--max_steps=5");
+  const RunOutput stopped = testing::RunToEnd(first);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
+  ASSERT_EQ(CheckpointStep(ckpt), 5);
+
+  std::vector<std::string> second = args;
+  second.push_back("--nproc_per_node=1");
+  second.push_back("--resume");
+  const RunOutput resumed = testing::RunToEnd(second);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_NE(resumed.out.find("by a run on 2 ranks, batch 16, after 160 samples of the epoch's "
+                             "order; this run trains the rest of that epoch"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed at epoch 1, step 5 (10 of the epoch's 32 steps done)"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(CheckpointStep(ckpt), 5 + 22) << resumed.out;
+  EXPECT_NE(resumed.out.find("RESULT model=cnn ranks=1 epochs=1 "), std::string::npos)
+      << resumed.out;
+}
+
 }  // namespace
 }  // namespace ddp::examples

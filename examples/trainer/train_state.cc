@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "examples/trainer/format.h"
+#include "nn/data/sampler.h"
 #include "nn/io/checkpoint.h"
 #include "nn/io/safetensors.h"
 
@@ -170,7 +171,7 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
 // when this run's --epochs or --max_steps would move it: the rate would
 // jump back up (cosine) or drop late (step).
 int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainConfig& config,
-                       const TrainComponents& parts, const TrainPosition& pos,
+                       const TrainComponents& parts, const TrainPosition& pos, int world_size,
                        std::vector<std::string>& notes) {
   const std::string& kind = parts.schedule->kind();
   if (Get(m, "schedule_steps").empty()) {
@@ -184,7 +185,11 @@ int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainCo
   }
   const int64_t saved = MetaInt(m, "schedule_steps", path);
   if (parts.batches_per_epoch < 0) return saved;
-  const int64_t run_end = RunEndStep(config, parts.batches_per_epoch, pos);
+  const int64_t this_epoch =
+      pos.epoch_start > 0 && parts.train_size >= 0
+          ? BatchesInEpoch(parts.train_size, world_size, config.batch_size, pos.epoch_start)
+          : -1;
+  const int64_t run_end = RunEndStep(config, parts.batches_per_epoch, pos, this_epoch);
   if (run_end == saved) return saved;
   std::string then, now;
   for (const auto& [flag, value] :
@@ -233,17 +238,27 @@ void RunSchedule::set_steps(int64_t steps) {
 }
 
 int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
-                   const TrainPosition& position) {
+                   const TrainPosition& position, int64_t batches_this_epoch) {
   const int64_t accum = config.grad_accum_steps;
+  const int64_t this_epoch = batches_this_epoch >= 0 ? batches_this_epoch : batches_per_epoch;
   int64_t end = position.step;
   if (position.epoch < config.epochs) {
     // The last step of an epoch takes the micro-batches left, even fewer.
-    const int64_t left = std::max<int64_t>(0, batches_per_epoch - position.batch_in_epoch);
+    const int64_t left = std::max<int64_t>(0, this_epoch - position.batch_in_epoch);
     end += (left + accum - 1) / accum +
            (config.epochs - position.epoch - 1) * ((batches_per_epoch + accum - 1) / accum);
   }
   if (config.max_steps > 0) end = std::min(end, config.max_steps);
   return end;
+}
+
+int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
+                       int64_t epoch_start) {
+  // The sampler itself counts: its padding decides how many are left.
+  nn::data::DistributedSampler sampler(train_size, {.num_replicas = world_size, .rank = 0});
+  sampler.set_start(epoch_start);
+  const int64_t n = sampler.Size();
+  return n / batch_size + (n % batch_size != 0);
 }
 
 std::string ReadTrainCheckpoint(const std::string& path) {
@@ -290,6 +305,12 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["max_steps"] = std::to_string(config.max_steps);
   m["epoch"] = std::to_string(pos.epoch);
   m["batch_in_epoch"] = std::to_string(pos.batch_in_epoch);
+  m["epoch_start"] = std::to_string(pos.epoch_start);
+  // Rank r trained positions epoch_start + r, + world_size, ... of the
+  // epoch's order, batch_in_epoch * batch_size of them on every rank: the
+  // order's positions up to here, which a run on other ranks continues from.
+  m["samples_in_epoch"] =
+      std::to_string(pos.epoch_start + pos.batch_in_epoch * config.batch_size * world_size);
   m["step"] = std::to_string(pos.step);
   m["epoch_loss_sum"] = ExactDouble(pos.epoch_loss_sum);
   m["epoch_loss_count"] = std::to_string(pos.epoch_loss_count);
@@ -363,31 +384,75 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                      " has no valid epoch_loss_sum; the file was not written by this trainer");
   }
 
+  pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);
+
   std::vector<std::string> notes;
-  const bool same_order = MetaInt(m, "world_size", path) == world_size &&
-                          MetaInt(m, "batch_size", path) == config.batch_size &&
-                          MetaInt(m, "grad_accum_steps", path) == config.grad_accum_steps &&
-                          Get(m, "seed") == std::to_string(config.seed) &&
-                          Get(m, "dataset") == config.dataset &&
-                          Get(m, "train_samples") == std::to_string(config.train_samples) &&
-                          // Another --data_dir of the same dataset name: other samples.
-                          (parts.train_size < 0 || Get(m, "train_size").empty() ||
-                           Get(m, "train_size") == std::to_string(parts.train_size));
-  if (!same_order && pos.batch_in_epoch > 0) {
+  // The epoch's sample order is a function of the seed and the training
+  // set; how it is cut into batches, of the ranks, batch size and
+  // accumulation.
+  std::string saved_samples, these_samples;
+  // (`optional`: absent from files of older trainers, which still load.)
+  const auto compare = [&](const std::string& what, const std::string& saved,
+                           const std::string& now, bool optional = false) {
+    if (saved == now || (optional && saved.empty())) return;
+    saved_samples +=
+        (saved_samples.empty() ? "" : ", ") + what + " " + (saved.empty() ? "unknown" : saved);
+    these_samples += (these_samples.empty() ? "" : ", ") + what + " " + now;
+  };
+  compare("seed", Get(m, "seed"), std::to_string(config.seed));
+  compare("dataset", Get(m, "dataset"), config.dataset);
+  compare("--train_samples", Get(m, "train_samples"), std::to_string(config.train_samples));
+  // Another --data_dir of the same dataset name: other samples.
+  if (parts.train_size >= 0) {
+    compare("training samples", Get(m, "train_size"), std::to_string(parts.train_size), true);
+  }
+  const bool same_samples = saved_samples.empty();
+  const int64_t saved_world = MetaInt(m, "world_size", path);
+  const int64_t saved_batch = MetaInt(m, "batch_size", path);
+  const int64_t saved_accum = MetaInt(m, "grad_accum_steps", path);
+  const bool same_order = same_samples && saved_world == world_size &&
+                          saved_batch == config.batch_size &&
+                          saved_accum == config.grad_accum_steps;
+  const bool mid_epoch = pos.batch_in_epoch > 0 || pos.epoch_start > 0;
+  if (!same_order && mid_epoch && same_samples) {
+    // The same order cut otherwise: train the positions not yet trained.
+    const int64_t trained =
+        Get(m, "samples_in_epoch").empty()
+            ? pos.epoch_start + pos.batch_in_epoch * saved_batch * saved_world
+            : MetaInt(m, "samples_in_epoch", path);
     notes.push_back("the checkpoint was saved in the middle of epoch " +
-                    std::to_string(pos.epoch + 1) + " by a run with another data order (" +
-                    Get(m, "world_size") + " ranks, batch " + Get(m, "batch_size") + ", seed " +
-                    Get(m, "seed") +
-                    (Get(m, "train_size").empty() ? ""
-                                                  : ", " + Get(m, "train_size") + " training samples") +
-                    "); continuing with epoch " + std::to_string(pos.epoch + 2));
+                    std::to_string(pos.epoch + 1) + " by a run on " + std::to_string(saved_world) +
+                    " ranks, batch " + std::to_string(saved_batch) +
+                    (saved_accum > 1 ? " x " + std::to_string(saved_accum) + " accumulated" : "") +
+                    ", after " + FormatCount(trained) +
+                    " samples of the epoch's order; this run trains the rest of that epoch");
+    pos.epoch_start = trained;
+    pos.batch_in_epoch = 0;
+  } else if (!same_order && mid_epoch) {
+    // Another order: the samples not yet trained are not known.
+    const int64_t left = pos.epoch;
+    std::string note = "the checkpoint was saved in the middle of epoch " +
+                       std::to_string(left + 1) + " by a run with another sample order (" +
+                       saved_samples + "; this run has " + these_samples + "): ";
+    if (left + 1 >= config.epochs) {
+      note += "it was the last of --epochs=" + std::to_string(config.epochs) +
+              ", so nothing is left to train, and it does not count as done; resume with the "
+              "settings it was saved with to finish it";
+    } else {
+      note += "continuing with epoch " + std::to_string(left + 2) + "; epoch " +
+              std::to_string(left + 1) + " does not count as done";
+    }
+    notes.push_back(note);
     pos.epoch += 1;
     pos.batch_in_epoch = 0;
+    pos.epoch_start = 0;
     pos.epoch_loss_sum = 0;
     pos.epoch_loss_count = 0;
+    pos.untrained_epochs = 1;
   }
-  const int64_t horizon =
-      parts.schedule != nullptr ? ResumedHorizon(path, m, config, parts, pos, notes) : 0;
+  const int64_t horizon = parts.schedule != nullptr
+                              ? ResumedHorizon(path, m, config, parts, pos, world_size, notes)
+                              : 0;
 
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.

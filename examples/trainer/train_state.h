@@ -7,7 +7,9 @@
 //   model.*   the model's state dict (parameters and buffers)
 //   optim.*   optimizer state (step counts, momentum or Adam moments, f32
 //             master copies), LR scheduler step, loss-scaler state
-//   metadata  position (epoch, micro-batch in the epoch, optimizer step), the
+//   metadata  position (epoch, micro-batch in the epoch, optimizer step, and
+//             the samples of the epoch's order trained, which another number
+//             of ranks or batch size continues from), the
 //             running loss sums of the epoch (exact, as hex floats), the
 //             settings that decide the data order (model, dataset, ranks,
 //             batch size, accumulation, seed), and the learning-rate
@@ -15,7 +17,9 @@
 //             --epochs and --max_steps that set that step)
 //
 // The data loader's order is a pure function of (seed, epoch, position), so
-// the position is all a resumed run needs to see the same batches.
+// the position is all a resumed run needs to see the same batches. On other
+// ranks, batch size or accumulation the batches differ, but the epoch's
+// sample order does not: the run trains the rest of it (see epoch_start).
 
 #include <cstdint>
 #include <functional>
@@ -33,13 +37,25 @@ namespace ddp::examples::trainer {
 /// Where a run is.
 struct TrainPosition {
   int64_t epoch = 0;           ///< 0-based epoch in progress.
-  int64_t batch_in_epoch = 0;  ///< Micro-batches of that epoch already trained on.
+  /// Micro-batches of that epoch already trained on by each rank, counted
+  /// from epoch_start.
+  int64_t batch_in_epoch = 0;
+  /// Positions of the epoch's sample order (DistributedSampler's padded
+  /// list) trained before this data order's first batch: 0, except after a
+  /// resume in the middle of an epoch on another number of ranks, batch
+  /// size or accumulation, which trains the positions from here on
+  /// (DistributedSampler::set_start).
+  int64_t epoch_start = 0;
   int64_t step = 0;            ///< Optimizer steps done since the run began.
   /// Micro-batch losses of the epoch summed over every rank, and their
   /// count, as of the last metrics flush (a checkpoint taken on Ctrl-C may
   /// miss the few steps since then; scheduled ones flush first).
   double epoch_loss_sum = 0;
   int64_t epoch_loss_count = 0;
+  /// Not saved: set by LoadTrainCheckpoint to 1 when it moved past an epoch
+  /// of which part was never trained (the saved run had another seed or
+  /// training set), which then does not count as done.
+  int64_t untrained_epochs = 0;
 };
 
 /// --scheduler's learning-rate schedule over a horizon, the optimizer step
@@ -65,8 +81,17 @@ class RunSchedule : public nn::optim::Schedule {
 /// The optimizer step where a run that is at `position` ends: after
 /// config.epochs epochs of `batches_per_epoch` micro-batches per rank
 /// (config.grad_accum_steps to a step), or at config.max_steps if sooner.
+/// `batches_this_epoch`: the micro-batches per rank of the position's epoch
+/// when it starts past its beginning (position.epoch_start > 0; see
+/// BatchesInEpoch); -1: batches_per_epoch.
 int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
-                   const TrainPosition& position = {});
+                   const TrainPosition& position = {}, int64_t batches_this_epoch = -1);
+
+/// Micro-batches of `batch_size` per rank in an epoch of `train_size`
+/// samples on `world_size` ranks that starts at position `epoch_start` of
+/// its order, as the trainer's DistributedSampler and DataLoader make them.
+int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
+                       int64_t epoch_start = 0);
 
 /// What gets saved and restored.
 struct TrainComponents {
@@ -103,12 +128,16 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 /// the differing keys and the fix; so does one of another --scheduler or
 /// --lr, and one whose schedule this run's --epochs or --max_steps would end
 /// elsewhere (naming the flags and both values). When the saved run had
-/// another data order (ranks, batch size, accumulation, seed), a mid-epoch
-/// position cannot be continued exactly: the position moves to the start of
-/// the next epoch and `note` says so. The schedule keeps its horizon unless
-/// this run, with the same --epochs and --max_steps, ends at another step
-/// (another number of steps per epoch): then it ends where this run ends,
-/// and `note` says so. A checkpoint from before schedules were recorded
+/// another number of ranks, batch size or accumulation, a mid-epoch
+/// position continues with the samples of the epoch's order it had not
+/// trained (epoch_start), split across this run's ranks, and `note` says
+/// so. When it had another seed or training set, that order is another
+/// one: the position moves to the start of the next epoch, the epoch left
+/// is not counted as done (untrained_epochs), and `note` says so (and that
+/// nothing is left to train when it was the last). The schedule keeps its
+/// horizon unless this run, with the same --epochs and --max_steps, ends at
+/// another step (another number of steps per epoch, or fewer left in a
+/// resumed epoch): then it ends where this run ends, and `note` says so. A checkpoint from before schedules were recorded
 /// takes the horizon from this run's flags and the rate from the file, with
 /// a note.
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,

@@ -3,9 +3,11 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <set>
 
 #include "gtest/gtest.h"
 #include "nn/autograd/engine.h"
+#include "nn/data/sampler.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
@@ -106,22 +108,128 @@ TEST(TrainStateTest, MissingFileSaysHowToCreateIt) {
   EXPECT_NE(msg.find("run once without --resume"), std::string::npos) << msg;
 }
 
-TEST(TrainStateTest, AnotherDataOrderContinuesAtTheNextEpoch) {
+// An elastic job on 4 ranks saved in the middle of epoch 2, after 3
+// batches of 8 per rank, and lost a node: on 2 ranks it trains the rest of
+// epoch 2, each sample the 4 ranks had not trained once and none they had,
+// in the same number of batches on both ranks; the run ends that many
+// steps later, and the schedule with it.
+TEST(TrainStateTest, MidEpochCheckpointOnOtherRanksTrainsTheRestOfTheEpoch) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.epochs = 2;
+  config.batch_size = 8;
+  config.seed = 3;
+  const int64_t n = 300;  // 75 per rank on 4 ranks, 10 batches
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 10));
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 13; ++i) scheduler.Step();
+  TrainComponents four{model.get(), &opt, &scheduler, nullptr};
+  four.train_size = n;
+  four.schedule = schedule.get();
+  four.batches_per_epoch = 10;
+  const std::string path = Path("other_ranks");
+  SaveTrainCheckpoint(path, four, {.epoch = 1, .batch_in_epoch = 3, .step = 13}, config, 4);
+
+  TrainComponents two = four;
+  two.batches_per_epoch = BatchesInEpoch(n, 2, config.batch_size);
+  EXPECT_EQ(two.batches_per_epoch, 19);
+  std::string note;
+  const TrainPosition pos = LoadTrainCheckpoint(path, two, config, 2, &note);
+  EXPECT_EQ(pos.epoch, 1) << note;
+  EXPECT_EQ(pos.epoch_start, 3 * 8 * 4);
+  EXPECT_EQ(pos.batch_in_epoch, 0);
+  EXPECT_EQ(pos.step, 13);
+  EXPECT_EQ(pos.untrained_epochs, 0);
+  EXPECT_EQ(note, "the checkpoint was saved in the middle of epoch 2 by a run on 4 ranks, batch 8, "
+                  "after 96 samples of the epoch's order; this run trains the rest of that epoch; "
+                  "the cosine schedule now ends at step 26, where this run ends (after --epochs=2 "
+                  "at 19 steps per epoch), instead of the checkpoint's step 20");
+
+  std::multiset<int64_t> untrained;
+  for (int64_t r = 0; r < 4; ++r) {
+    nn::data::DistributedSampler s(n, {.num_replicas = 4, .rank = r, .seed = config.seed});
+    s.SetEpoch(pos.epoch);
+    const std::vector<int64_t> mine = s.Indices();
+    untrained.insert(mine.begin() + 3 * 8, mine.end());
+  }
+  std::multiset<int64_t> rest;
+  for (int64_t r = 0; r < 2; ++r) {
+    nn::data::DistributedSampler s(n, {.num_replicas = 2, .rank = r, .seed = config.seed});
+    s.set_start(pos.epoch_start);
+    s.SetEpoch(pos.epoch);
+    const std::vector<int64_t> mine = s.Indices();
+    EXPECT_EQ(mine.size(), 102u) << "rank " << r;
+    rest.insert(mine.begin(), mine.end());
+  }
+  EXPECT_EQ(rest, untrained);
+  // 102 samples per rank: 13 batches of 8 to the end of the run.
+  EXPECT_EQ(BatchesInEpoch(n, 2, config.batch_size, pos.epoch_start), 13);
+  EXPECT_EQ(schedule->steps(), 13 + 13);
+}
+
+// A run resumed past an epoch's start saves that start, and continues from
+// it: on the same ranks exactly where it was, on others after every
+// sample trained so far.
+TEST(TrainStateTest, EpochStartCarriesOverToTheNextResume) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.batch_size = 8;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.train_size = 300;
+  const std::string path = Path("epoch_start");
+  SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = 4, .epoch_start = 96, .step = 17},
+                      config, 2);
+  std::string note;
+  TrainPosition pos = LoadTrainCheckpoint(path, parts, config, 2, &note);
+  EXPECT_EQ(note, "");
+  EXPECT_EQ(pos.epoch_start, 96);
+  EXPECT_EQ(pos.batch_in_epoch, 4);
+  pos = LoadTrainCheckpoint(path, parts, config, 3, &note);
+  EXPECT_EQ(pos.epoch, 1);
+  EXPECT_EQ(pos.epoch_start, 96 + 4 * 8 * 2);
+  EXPECT_EQ(pos.batch_in_epoch, 0);
+}
+
+// Another seed is another sample order: the samples not yet trained are
+// unknown, so the run continues at the next epoch, and the one left does
+// not count as done; when it was the last, the note says nothing is left.
+TEST(TrainStateTest, AnotherSeedContinuesAtTheNextEpochNotCountedAsDone) {
   TrainConfig config;
   config.model = "mlp";
   config.lr = 0.1;
+  config.epochs = 2;
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
   const std::string path = Path("order");
   SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr},
                       {.epoch = 0, .batch_in_epoch = 5, .step = 5}, config, 2);
+  TrainConfig other_seed = config;
+  other_seed.seed = 1;
   std::string note;
-  const TrainPosition pos =
-      LoadTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, config, 4, &note);
+  TrainPosition pos =
+      LoadTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, other_seed, 4, &note);
   EXPECT_EQ(pos.epoch, 1);
   EXPECT_EQ(pos.batch_in_epoch, 0);
+  EXPECT_EQ(pos.epoch_start, 0);
   EXPECT_EQ(pos.step, 5);
-  EXPECT_NE(note.find("another data order (2 ranks"), std::string::npos) << note;
+  EXPECT_EQ(pos.untrained_epochs, 1);
+  EXPECT_EQ(note, "the checkpoint was saved in the middle of epoch 1 by a run with another sample "
+                  "order (seed 0; this run has seed 1): continuing with epoch 2; epoch 1 does not "
+                  "count as done");
+
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr},
+                      {.epoch = 1, .batch_in_epoch = 5, .step = 13}, config, 2);
+  pos = LoadTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, other_seed, 2, &note);
+  EXPECT_EQ(pos.epoch, 2);
+  EXPECT_EQ(pos.untrained_epochs, 1);
+  EXPECT_EQ(note, "the checkpoint was saved in the middle of epoch 2 by a run with another sample "
+                  "order (seed 0; this run has seed 1): it was the last of --epochs=2, so nothing "
+                  "is left to train, and it does not count as done; resume with the settings it "
+                  "was saved with to finish it");
 }
 
 // The same flags over another training set (another --data_dir of the same
@@ -148,7 +256,10 @@ TEST(TrainStateTest, AnotherTrainingSetSizeContinuesAtTheNextEpoch) {
     } else {
       EXPECT_EQ(pos.epoch, 1);
       EXPECT_EQ(pos.batch_in_epoch, 0);
-      EXPECT_NE(note.find("60000 training samples"), std::string::npos) << note;
+      EXPECT_NE(note.find("(training samples 60000; this run has training samples 10000)"),
+                std::string::npos)
+          << note;
+      EXPECT_EQ(pos.untrained_epochs, 1);
     }
   }
 }

@@ -266,10 +266,21 @@ class Run {
     TrainComponents parts{model_.get(), optimizer_.get(), scheduler_.get(), scaler_.get()};
     parts.train_size = data_.train->Size();
     parts.schedule = schedule_.get();
-    parts.batches_per_epoch = train_loader_->NumBatches();
+    parts.batches_per_epoch = batches_per_epoch_;
     return parts;
   }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
+  bool AtEpochStart() const { return pos_.batch_in_epoch == 0 && pos_.epoch_start == 0; }
+  // Steps of the current epoch trained before its first batch in this data
+  // order (a resume past its start on other ranks): the whole epoch's
+  // steps less those left in it, so that progress counts up to
+  // steps_per_epoch_. Call after the sampler's start is set.
+  int64_t StepsBeforeStart() const {
+    if (pos_.epoch_start == 0) return 0;
+    const int64_t accum = c_.grad_accum_steps;
+    const int64_t left = (train_loader_->NumBatches() + accum - 1) / accum;
+    return std::max<int64_t>(0, steps_per_epoch_ - left);
+  }
 
   const TrainConfig& c_;
   Parallel& par_;
@@ -299,6 +310,10 @@ class Run {
 
   TrainPosition pos_;
   int64_t steps_per_epoch_ = 0;
+  // Micro-batches per rank of a whole epoch; the loader's NumBatches() is
+  // fewer in an epoch resumed past its start (pos_.epoch_start).
+  int64_t batches_per_epoch_ = 0;
+  nn::data::DistributedSampler* train_sampler_ = nullptr;  // train_loader_'s
   int64_t steps_this_process_ = 0;
 
   // Logging stretch (this rank): losses since the last flush.
@@ -465,7 +480,10 @@ void Run::Setup() {
       data_.test, std::make_shared<StridedSampler>(data_.test->Size(), rank_, world_),
       data_.test_transform, test_options);
 
+  // MakeTrainLoader's sampler, whose start a resumed epoch sets.
+  train_sampler_ = &dynamic_cast<nn::data::DistributedSampler&>(train_loader_->sampler());
   const int64_t batches = train_loader_->NumBatches();
+  batches_per_epoch_ = batches;
   steps_per_epoch_ = (batches + c_.grad_accum_steps - 1) / c_.grad_accum_steps;
   nn::optim::LrTarget lr_target{[this] { return Lr(); }, [this](double lr) {
                                   if (sharded_) {
@@ -517,7 +535,7 @@ void Run::Setup() {
             c_.log_dir, c_.model + " on " + c_.dataset,
             std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
-            c_.resume ? pos_.step : -1, c_.resume && pos_.batch_in_epoch == 0);
+            c_.resume ? pos_.step : -1, c_.resume && AtEpochStart());
       }
     } catch (const std::exception& e) {
       refused = e.what();
@@ -559,9 +577,11 @@ void Run::Setup() {
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
   if (c_.resume) {
     if (!resume_note.empty()) Say("  note: " + resume_note);
+    train_sampler_->set_start(pos_.epoch_start);
     Say(StringPrintf("  resumed at epoch %lld, step %lld (%lld of the epoch's %lld steps done)",
                      static_cast<long long>(pos_.epoch + 1), static_cast<long long>(pos_.step),
-                     static_cast<long long>(pos_.batch_in_epoch / c_.grad_accum_steps),
+                     static_cast<long long>(StepsBeforeStart() +
+                                            pos_.batch_in_epoch / c_.grad_accum_steps),
                      static_cast<long long>(steps_per_epoch_)));
   }
 }
@@ -724,7 +744,7 @@ bool Run::RecordEvaluation(const Evaluation& e, int64_t epoch_number) {
 
 int Run::EvaluateMissedAtResume() {
   if (!c_.resume || !opt_.evaluate || pos_.step == 0) return 0;
-  const bool epoch_end = pos_.batch_in_epoch == 0 && pos_.epoch > 0;
+  const bool epoch_end = AtEpochStart() && pos_.epoch > 0;
   const bool scheduled = c_.eval_every > 0 && pos_.step % c_.eval_every == 0;
   if (!epoch_end && !scheduled) return 0;
   // Rank 0 keeps the log; every rank evaluates (a collective) or none.
@@ -779,15 +799,19 @@ RunResult Run::Go() {
   result.world_size = world_;
   int signal = 0;
   bool job_failed = false;  // a peer left mid-collective: no more collectives
-  int64_t epochs_done = pos_.epoch;
+  int64_t epochs_done = pos_.epoch - pos_.untrained_epochs;
   try {
     signal = EvaluateMissedAtResume();
     while (pos_.epoch < c_.epochs && !StepLimitReached() && signal == 0) {
       const Clock::time_point epoch_start = Clock::now();
       double paused_s = 0;  // evaluation and checkpoints inside the epoch
       const int64_t epoch_number = pos_.epoch + 1;
+      // Every rank sets the same start: the ranks' shards stay disjoint and
+      // equal in length, so every rank takes the same number of steps.
+      train_sampler_->set_start(pos_.epoch_start);
       train_loader_->StartEpoch(pos_.epoch, pos_.batch_in_epoch);
-      const int64_t done_at_start = pos_.batch_in_epoch / c_.grad_accum_steps;
+      const int64_t steps_before = StepsBeforeStart();
+      const int64_t done_at_start = steps_before + pos_.batch_in_epoch / c_.grad_accum_steps;
       if (lead_ && !opt_.quiet) {
         console_.StartEpoch(epoch_number, c_.epochs, steps_per_epoch_, done_at_start);
       }
@@ -824,7 +848,7 @@ RunResult Run::Go() {
           rate_.Reset();
         }
         if (lead_ && !opt_.quiet) {
-          const int64_t done = pos_.batch_in_epoch / c_.grad_accum_steps +
+          const int64_t done = steps_before + pos_.batch_in_epoch / c_.grad_accum_steps +
                                (pos_.batch_in_epoch % c_.grad_accum_steps != 0);
           const double eta = rate_.StepTime() * static_cast<double>(steps_per_epoch_ - done);
           console_.Progress(done, rate_.Rate(),
@@ -852,6 +876,7 @@ RunResult Run::Go() {
         ++epochs_done;
         pos_.epoch += 1;
         pos_.batch_in_epoch = 0;
+        pos_.epoch_start = 0;
         pos_.epoch_loss_sum = 0;
         pos_.epoch_loss_count = 0;
       }
@@ -931,9 +956,15 @@ RunResult Run::Go() {
   result.epochs_done = epochs_done;
   // Not steps over this run's steps per epoch: those of a resumed run's
   // first part may have been others (another number of ranks).
-  result.epochs = static_cast<double>(pos_.epoch) +
-                  static_cast<double>(pos_.batch_in_epoch) /
-                      static_cast<double>(std::max<int64_t>(1, train_loader_->NumBatches()));
+  // An epoch resumed past its start: the share of its order trained.
+  const double part =
+      pos_.epoch_start == 0
+          ? static_cast<double>(pos_.batch_in_epoch) /
+                static_cast<double>(std::max<int64_t>(1, train_loader_->NumBatches()))
+          : std::min(1.0, static_cast<double>(pos_.epoch_start + pos_.batch_in_epoch *
+                                                                   c_.batch_size * world_) /
+                              static_cast<double>(std::max<int64_t>(1, data_.train->Size())));
+  result.epochs = static_cast<double>(pos_.epoch - pos_.untrained_epochs) + part;
   result.measured_steps = measured_steps_;
   result.samples_per_s = measured_s_ > 0 ? measured_samples_ / measured_s_ : NAN;
   if (measured_steps_ == 0 && all_steps_s_ > 0) {
