@@ -235,6 +235,27 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
       << run.Stdout() << run.Stderr();
 }
 
+// Slow steps (ResNet-18 on the CPU, a second or so each): a stop vote one
+// step behind would make the ranks train a whole further step after
+// Ctrl-C, and with the save that can outlast a launcher's grace (ddprun's
+// is 5 s) before its SIGKILL. Past 0.25 s per step every vote is finished
+// at once, so the ranks stop at the end of the step the signal came in.
+TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
+  const std::string dir = testing::MakeTempDir("sigint_slow");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=2048",
+                  "--test_samples=64", "--batch_size=32", "--epochs=1", "--workers=1", "--checkpoint_every=1",
+                  "--checkpoint=" + ckpt});
+  // From the third step on, the votes are finished at once.
+  const int64_t saved = WaitForCheckpoint(ckpt, 3, run);
+  ASSERT_GT(saved, 0) << run.Stdout() << run.Stderr();
+  // Inside the next step, well after its vote.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  run.Signal(SIGINT);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGINT) << run.Stdout() << run.Stderr();
+  EXPECT_EQ(CheckpointStep(ckpt), saved + 1) << run.Stdout() << run.Stderr();
+}
+
 // Ctrl-C between two metrics rows (--log_every=1000, a checkpoint every 7
 // steps): the losses of the steps since the last row still count. The
 // checkpoint's epoch loss covers every micro-batch of the epoch so far, and

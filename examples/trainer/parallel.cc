@@ -205,10 +205,14 @@ class DdpParallel : public Parallel {
     return value;
   }
 
-  int VoteStop(int signal) override {
+  int VoteStop(int signal, bool slow) override {
     const int previous = FinishStopVote();
-    if (pg_->size() == 1) return previous != 0 ? previous : signal;
-    vote_ = nn::FromVectorOf(std::vector<int32_t>{signal}, {1});
+    if (pg_->size() == 1) {
+      slow_ = slow;
+      return previous != 0 ? previous : signal;
+    }
+    // [signal, rank 0's slow]: the largest of each over the ranks.
+    vote_ = nn::FromVectorOf(std::vector<int32_t>{signal, rank() == 0 && slow ? 1 : 0}, {2});
     vote_work_ = Guarded("stop vote", [&] { return pg_->AllReduce(vote_, transport::ReduceOp::kMax); });
     return previous;
   }
@@ -218,8 +222,12 @@ class DdpParallel : public Parallel {
     dist::Work work = std::move(vote_work_);
     vote_work_ = dist::Work();
     Guarded("stop vote", [&] { work.Wait(); });
-    return vote_.ToVector<int32_t>().at(0);
+    const std::vector<int32_t> outcome = vote_.ToVector<int32_t>();
+    slow_ = outcome.at(1) != 0;
+    return outcome.at(0);
   }
+
+  bool SlowSteps() const override { return slow_; }
 
   std::string TakeStatsLine(bool every_rank) override {
     if (ddp_ == nullptr) return "";
@@ -277,6 +285,7 @@ class DdpParallel : public Parallel {
   CommTotals totals_;
   nn::Tensor vote_;     // the stop vote in flight (VoteStop)
   dist::Work vote_work_;
+  bool slow_ = false;   // rank 0's `slow` in the last vote that finished
 };
 
 }  // namespace

@@ -128,8 +128,14 @@ class Parallel {
   /// so its latency hides behind the next step. Collective: every rank
   /// calls it at the same points. FinishStopVote() waits for a vote still
   /// in flight and returns its outcome (0 when none).
-  virtual int VoteStop(int signal) = 0;
+  /// `slow` (rank 0's say; ignored elsewhere) rides along with the vote:
+  /// SlowSteps() is its value in the last vote that finished, the same on
+  /// every rank, so that all of them can switch to finishing each vote at
+  /// once (where a step takes so long that the vote's latency does not
+  /// matter, and acting a step late would outlast the launcher's grace).
+  virtual int VoteStop(int signal, bool slow = false) = 0;
   virtual int FinishStopVote() = 0;
+  virtual bool SlowSteps() const = 0;
 
   /// DDP's statistics since the last call, as one line ("" when none),
   /// adding them to Totals(). With `every_rank` the line ends with every

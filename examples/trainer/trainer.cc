@@ -36,6 +36,9 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// Steps at least this long finish each stop vote at once (see Go).
+constexpr double kSlowStepS = 0.25;
+
 // Rank r of W evaluates samples r, r + W, ...: every test sample exactly once
 // over all ranks (DistributedSampler would pad and count some twice).
 class StridedSampler : public nn::data::Sampler {
@@ -310,6 +313,9 @@ class Run {
 
   TrainPosition pos_;
   int64_t steps_per_epoch_ = 0;
+  // The last training step's wall time on this rank (rank 0's decides
+  // whether stop votes are finished at once; see Go).
+  double last_step_s_ = 0;
   // Micro-batches per rank of a whole epoch; the loader's NumBatches() is
   // fewer in an epoch resumed past its start (pos_.epoch_start).
   int64_t batches_per_epoch_ = 0;
@@ -820,13 +826,22 @@ RunResult Run::Go() {
       rate_.Reset();
       bool epoch_complete = false;
       while (true) {
-        // Every rank stops at the same step (see Parallel::VoteStop).
-        if ((signal = par_.VoteStop(StopSignal())) != 0) break;
+        // Every rank stops at the same step (see Parallel::VoteStop). With
+        // steps of kSlowStepS or more (rank 0's last, shared through the
+        // vote), each vote is finished here: a signal is then acted on at
+        // the end of the step it came in, not one step later, which with
+        // such steps could outlast the launcher's grace before its SIGKILL.
+        // The vote's latency (tens of microseconds) is nothing next to them.
+        signal = par_.VoteStop(StopSignal(), last_step_s_ >= kSlowStepS);
+        if (signal == 0 && par_.SlowSteps()) signal = par_.FinishStopVote();
+        if (signal != 0) break;
         if (StepLimitReached()) break;
+        const Clock::time_point step_start = Clock::now();
         if (!TrainStep(*train_loader_)) {
           epoch_complete = true;
           break;
         }
+        last_step_s_ = Seconds(Clock::now() - step_start);
         const bool epoch_end = pos_.batch_in_epoch >= train_loader_->NumBatches();
         if (pos_.step % c_.log_every == 0 || epoch_end || StepLimitReached()) FlushMetrics();
         const bool eval_now = opt_.evaluate && c_.eval_every > 0 &&
