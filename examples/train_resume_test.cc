@@ -256,6 +256,38 @@ TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   EXPECT_EQ(CheckpointStep(ckpt), saved + 1) << run.Stdout() << run.Stderr();
 }
 
+// A fresh run at another run's checkpoint path (the default path, without
+// --resume), stopped before its first save: that checkpoint is left as it
+// was, not replaced by a few steps of the new run.
+TEST(TrainResumeTest, CtrlCBeforeAFreshRunsFirstSaveKeepsAnotherRunsCheckpoint) {
+  const std::string dir = testing::MakeTempDir("sigint_keep");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  const std::vector<std::string> args = {Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18",
+                                         "--train_samples=2048",    "--test_samples=64",   "--batch_size=32",
+                                         "--epochs=1",              "--workers=1",         "--checkpoint=" + ckpt};
+  std::vector<std::string> first = args;
+  first.push_back("--max_steps=1");
+  const RunOutput saved = testing::RunToEnd(first);
+  ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
+  ASSERT_EQ(CheckpointStep(ckpt), 1);
+  const std::string before = testing::ReadFile(ckpt);
+
+  Subprocess run(args);
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (run.Stdout().find("global batch") == std::string::npos && Clock::now() < deadline &&
+         run.Wait(std::chrono::milliseconds(0)) == -1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // training, far from the epoch's end
+  run.Signal(SIGINT);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGINT) << run.Stdout() << run.Stderr();
+  EXPECT_NE(run.Stdout().find("the checkpoint at " + ckpt +
+                              ", another run's, was left as it was (this run had saved nothing yet)"),
+            std::string::npos)
+      << run.Stdout() << run.Stderr();
+  EXPECT_TRUE(testing::ReadFile(ckpt) == before) << "the other run's checkpoint was replaced";
+}
+
 // Ctrl-C between two metrics rows (--log_every=1000, a checkpoint every 7
 // steps): the losses of the steps since the last row still count. The
 // checkpoint's epoch loss covers every micro-batch of the epoch so far, and

@@ -505,6 +505,18 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id) 
   return StringPrintf("%016llx", static_cast<unsigned long long>(h));
 }
 
+bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  try {
+    const Metadata m = nn::io::SafetensorsFile::Read(path).metadata();
+    if (Get(m, "format").empty()) return false;  // not a trainer checkpoint: nothing to keep
+    return job.empty() || Get(m, "job") != job;
+  } catch (const std::exception&) {
+    return false;  // unreadable: nothing worth keeping
+  }
+}
+
 std::string ResumeAfterRestart(TrainConfig& config, int restart) {
   const std::string attempt = "restart " + std::to_string(restart) + " of the job: ";
   if (config.resume) return attempt + "resuming from " + config.checkpoint + " as asked";

@@ -170,6 +170,11 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id =
 /// disk that only its host sees.
 std::string ResumeAfterRestart(TrainConfig& config, int restart);
 
+/// Whether `path` holds a readable checkpoint that another run saved (its
+/// job is not `job`, or either is unnamed). A stop before a fresh run's
+/// first save leaves such a file alone.
+bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job);
+
 /// Throws the UsageError LoadTrainCheckpoint would for a model mismatch,
 /// reading only the model part of `path` (used before starting ranks).
 void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Module& model,

@@ -261,6 +261,9 @@ class Run {
   // A stop vote that every rank waits for (after an interrupted
   // evaluation, which every rank learns of together): the agreed signal.
   int StopNow();
+  // Collective: whether a stop should leave the checkpoint file alone (see
+  // Go); rank 0 decides.
+  bool KeepAnotherRunsCheckpoint();
   // Collective: all ranks call it at the same step.
   void SaveCheckpoint();
   double Lr() const { return sharded_ ? sharded_->lr() : optimizer_->lr(); }
@@ -771,6 +774,14 @@ int Run::StopNow() {
   return par_.FinishStopVote();
 }
 
+bool Run::KeepAnotherRunsCheckpoint() {
+  // This run saved before (or resumes one): the file is its own.
+  if (c_.checkpoint.empty() || c_.resume || last_checkpoint_step_ >= 0) return false;
+  std::string keep;
+  if (lead_ && IsAnotherRunsCheckpoint(c_.checkpoint, c_.job)) keep = "1";
+  return !par_.ShareFromLead(std::move(keep)).empty();
+}
+
 void Run::SaveCheckpoint() {
   if (c_.checkpoint.empty() || last_checkpoint_step_ == pos_.step) return;
   nn::optim::NamedTensors whole;
@@ -947,7 +958,11 @@ RunResult Run::Go() {
     // metrics row go into the epoch's loss and metrics.csv first, as at a
     // row: the checkpoint's epoch loss then covers every step it holds.
     if (!job_failed) FlushMetrics();
-    SaveCheckpoint();
+    // A fresh run stopped before its first save (started at the default
+    // path without --resume, and Ctrl-C at once) would replace another
+    // run's checkpoint with a few steps of its own: that one is kept.
+    const bool kept = !job_failed && KeepAnotherRunsCheckpoint();
+    if (!kept) SaveCheckpoint();
     if (lead_) {
       std::string where = StringPrintf("stopped by %s at epoch %lld, step %lld",
                                        signal == SIGINT ? "Ctrl-C" : sigabbrev_np(signal),
@@ -957,6 +972,10 @@ RunResult Run::Go() {
         where += StringPrintf("; checkpoint of step %lld in %s (continue with --resume)",
                               static_cast<long long>(checkpoint_saved_step_),
                               checkpoint_saved_.c_str());
+      }
+      if (kept) {
+        where += "; the checkpoint at " + c_.checkpoint +
+                 ", another run's, was left as it was (this run had saved nothing yet)";
       }
       if (!opt_.quiet) console_.Line(where);
     }
