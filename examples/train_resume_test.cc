@@ -235,7 +235,7 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
       << run.Stdout() << run.Stderr();
 }
 
-// Slow steps (ResNet-18 on the CPU, a second or so each): a stop vote one
+// Slow steps (ResNet-18 on the CPU, seconds each): a stop vote one
 // step behind would make the ranks train a whole further step after
 // Ctrl-C, and with the save that can outlast a launcher's grace (ddprun's
 // is 5 s) before its SIGKILL. Past 0.25 s per step every vote is finished
@@ -243,8 +243,10 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
 TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   const std::string dir = testing::MakeTempDir("sigint_slow");
   const std::string ckpt = dir + "/ckpt.safetensors";
-  Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=2048",
-                  "--test_samples=64", "--batch_size=32", "--epochs=1", "--workers=1", "--checkpoint_every=1",
+  // Batches of 128: steps well over the 0.25 s (and over the test's own
+  // latency in signalling), also on a fast host.
+  Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=4096",
+                  "--test_samples=64", "--batch_size=128", "--epochs=1", "--workers=1", "--checkpoint_every=1",
                   "--checkpoint=" + ckpt});
   // From the third step on, the votes are finished at once.
   const int64_t saved = WaitForCheckpoint(ckpt, 3, run);
