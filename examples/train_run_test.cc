@@ -10,6 +10,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <regex>
 #include <string>
 #include <vector>
@@ -293,22 +295,33 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
+// Two ranks started as ddprun (or a torchrun-style script) starts them: one
+// process each with the launch variables set (and `env`), on a free port;
+// `args(rank)` is each rank's command line.
+std::vector<std::unique_ptr<testing::Subprocess>> LaunchTwoRanks(
+    const std::function<std::vector<std::string>(int)>& args,
+    const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  const std::string port = std::to_string(FreePort());
+  std::vector<std::unique_ptr<testing::Subprocess>> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::pair<std::string, std::string>> rank_env = {
+        {"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+    rank_env.insert(rank_env.end(), env.begin(), env.end());
+    ranks.push_back(std::make_unique<testing::Subprocess>(args(rank), rank_env));
+  }
+  return ranks;
+}
+
 TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
   // What ddprun (or torchrun-style scripts) do: one process per rank with
   // the launch variables set; the trainer then starts nothing itself.
   const std::string dir = testing::MakeTempDir("launched");
-  const std::string port = std::to_string(FreePort());
-  std::vector<std::unique_ptr<testing::Subprocess>> ranks;
-  for (int rank = 0; rank < 2; ++rank) {
+  auto ranks = LaunchTwoRanks([&](int) {
     std::vector<std::string> args = QuickRun(dir);
     args.push_back("--epochs=1");
     args.push_back("--nproc_per_node=7");  // ignored under a launcher
-    ranks.push_back(std::make_unique<testing::Subprocess>(
-        args, std::vector<std::pair<std::string, std::string>>{{"RANK", std::to_string(rank)},
-                                                               {"WORLD_SIZE", "2"},
-                                                               {"MASTER_ADDR", "127.0.0.1"},
-                                                               {"MASTER_PORT", port}}));
-  }
+    return args;
+  });
   for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(120)), 0) << p->Stderr();
   EXPECT_NE(ranks[0]->Stdout().find("RESULT model=mlp ranks=2 epochs=1 "), std::string::npos)
       << ranks[0]->Stdout();
@@ -321,18 +334,12 @@ TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
 // instead of training apart or waiting in mismatched collectives.
 TEST(TrainRunTest, RanksStartedWithOtherFlagsStopNamingTheFlag) {
   const std::string dir = testing::MakeTempDir("disagree");
-  const std::string port = std::to_string(FreePort());
-  std::vector<std::unique_ptr<testing::Subprocess>> ranks;
-  for (int rank = 0; rank < 2; ++rank) {
+  auto ranks = LaunchTwoRanks([&](int rank) {
     std::vector<std::string> args = QuickRun(dir);
     args.push_back("--timeout_s=600");  // a hang would show as the test's timeout
     if (rank == 1) args.push_back("--train_samples=1100");
-    ranks.push_back(std::make_unique<testing::Subprocess>(
-        args, std::vector<std::pair<std::string, std::string>>{{"RANK", std::to_string(rank)},
-                                                               {"WORLD_SIZE", "2"},
-                                                               {"MASTER_ADDR", "127.0.0.1"},
-                                                               {"MASTER_PORT", port}}));
-  }
+    return args;
+  });
   for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(60)), 2) << p->Stderr();
   EXPECT_NE(ranks[1]->Stderr().find("rank 1 was started with --train_samples=1100 but rank 0 with "
                                     "--train_samples=1024; every rank needs the same flags and data"),
@@ -350,21 +357,14 @@ TEST(TrainRunTest, RanksStartedWithOtherFlagsStopNamingTheFlag) {
 TEST(TrainRunTest, ResumesAfterATorchrunRestartOfTheSameRun) {
   const std::string dir = testing::MakeTempDir("torchrun");
   auto run = [&](const std::string& run_id, int restart, const std::string& extra_flag) {
-    const std::string port = std::to_string(FreePort());
-    std::vector<std::unique_ptr<testing::Subprocess>> ranks;
-    for (int rank = 0; rank < 2; ++rank) {
-      std::vector<std::string> args = QuickRun(dir);
-      args.push_back("--epochs=2");
-      if (!extra_flag.empty()) args.push_back(extra_flag);
-      ranks.push_back(std::make_unique<testing::Subprocess>(
-          args, std::vector<std::pair<std::string, std::string>>{
-                    {"RANK", std::to_string(rank)},
-                    {"WORLD_SIZE", "2"},
-                    {"MASTER_ADDR", "127.0.0.1"},
-                    {"MASTER_PORT", port},
-                    {"TORCHELASTIC_RUN_ID", run_id},
-                    {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)}}));
-    }
+    auto ranks = LaunchTwoRanks(
+        [&](int) {
+          std::vector<std::string> args = QuickRun(dir);
+          args.push_back("--epochs=2");
+          if (!extra_flag.empty()) args.push_back(extra_flag);
+          return args;
+        },
+        {{"TORCHELASTIC_RUN_ID", run_id}, {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)}});
     for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(120)), 0) << p->Stderr();
     return ranks[0]->Stdout();
   };

@@ -69,15 +69,20 @@ std::atomic<int> g_interrupt_signal{0};
 std::atomic<int> g_unforwarded_signal{0};
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
+// Tells the forwarding group's loop of `signo` (async-signal-safe).
+void WriteSignalByte(int fd, int signo) {
+  const unsigned char byte = static_cast<unsigned char>(signo);
+  ssize_t n = write(fd, &byte, 1);
+  (void)n;
+}
+
 void RecordSignal(int signo) {
   const int saved_errno = errno;
   int none = 0;
   g_interrupt_signal.compare_exchange_strong(none, signo, std::memory_order_relaxed);
   const int fd = g_signal_write_fd.load(std::memory_order_relaxed);
   if (fd >= 0) {
-    const unsigned char byte = static_cast<unsigned char>(signo);
-    ssize_t n = write(fd, &byte, 1);
-    (void)n;
+    WriteSignalByte(fd, signo);
   } else {
     g_unforwarded_signal.store(signo, std::memory_order_relaxed);
   }
@@ -751,9 +756,7 @@ class WorkerGroup::Impl {
     // One caught since the launcher last looked, before this group could
     // forward it: the group acts on it as if it came now.
     if (const int signo = g_unforwarded_signal.exchange(0, std::memory_order_relaxed); signo != 0) {
-      const unsigned char byte = static_cast<unsigned char>(signo);
-      ssize_t n = write(pipe->second, &byte, 1);
-      (void)n;
+      WriteSignalByte(pipe->second, signo);
     }
     struct sigaction action{};
     action.sa_handler = RecordSignal;
