@@ -1240,6 +1240,78 @@ TEST(DdpFeaturesTest, AGradientForAParameterForwardDidNotUseIsNamed) {
   }
 }
 
+// trunk -> (main, aux): two outputs; a loss of `main` alone leaves `aux`
+// reachable from the outputs yet without a gradient.
+class TwoHeads : public Module {
+ public:
+  explicit TwoHeads(uint64_t seed) {
+    nn::Generator gen(seed);
+    trunk_ = RegisterModule("trunk", std::make_shared<nn::modules::Linear>(784, 16, true, gen));
+    aux_ = RegisterModule("aux", std::make_shared<nn::modules::Linear>(16, 10, true, gen));
+    main_ = RegisterModule("main", std::make_shared<nn::modules::Linear>(16, 10, true, gen));
+  }
+  std::vector<Tensor> Forward(const std::vector<Tensor>& inputs) override {
+    const Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(inputs.at(0), 1)));
+    return {(*main_)(h), (*aux_)(h)};
+  }
+  Tensor Forward(const Tensor& x) override { return Forward(std::vector<Tensor>{x}).at(0); }
+  std::string TypeName() const override { return "TwoHeads"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> trunk_, aux_, main_;
+};
+
+// static_graph learns the used set in the first iteration, as PyTorch's
+// does, from the gradients that came: an output left out of the loss makes
+// its head unused for good instead of failing that iteration (the walk from
+// the outputs counts it used). The result matches one process on the whole
+// batch, and `aux` never gets a gradient. DDP_TEST_CASE: copy, view.
+DDP_TEST_WORKER(static_graph_unused_output) {
+  auto pg = testing::WorkerGroup();
+  const bool view = std::string(std::getenv("DDP_TEST_CASE")) == "view";
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = std::make_shared<TwoHeads>(31);
+  auto reference = std::make_shared<TwoHeads>(31);
+  DistributedDataParallel ddp(model, {.gradient_as_bucket_view = view, .static_graph = true,
+                                      .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < 4; ++s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ddp.Forward(std::vector<Tensor>{x}).at(0), y));
+    for (const auto& [name, p] : model->NamedParameters()) {
+      const bool aux = name.rfind("aux.", 0) == 0;
+      WORKER_EXPECT(p.grad().defined() != aux, "step " + std::to_string(s) + ": `" + name + "` " +
+                                                   (aux ? "has" : "lacks") + " a gradient");
+    }
+    opt.Step();
+    ref_opt.ZeroGrad();
+    Tensor total;
+    for (int r = 0; r < world; ++r) {
+      auto [xr, yr] = testing::Batch(data, (s * world + r) * kBatch, kBatch);
+      Tensor l = nn::loss::CrossEntropy((*reference)(xr), yr) * (1.0 / world);
+      total = total.defined() ? total + l : l;
+    }
+    nn::Backward(total);
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, StaticGraphLearnsAnOutputLeftOutOfTheLossAsUnused) {
+  for (const char* which : {"copy", "view"}) {
+    auto run = RunWorkers("static_graph_unused_output", 2,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
+  }
+}
+
+
 // --------------------------------------------------- broadcast_buffers ----
 
 // Records a hash of its BatchNorm's running mean as forward reaches it, that

@@ -82,8 +82,10 @@ struct DdpOptions {
   /// out of the buckets, and no second copy of the gradients in memory.
   bool gradient_as_bucket_view = false;
   /// The set of used parameters and their order never change: unused ones
-  /// are learned in the first iteration (no graph walk afterwards) and the
-  /// buckets are rebuilt even with find_unused_parameters.
+  /// are learned in the first iteration (no graph walk afterwards; those
+  /// the walk counted as reachable but that got no gradient, such as the
+  /// head of an output left out of the loss, are unused too, as in
+  /// PyTorch) and the buckets are rebuilt even with find_unused_parameters.
   bool static_graph = false;
   /// Null: the default process group (InitProcessGroup).
   std::shared_ptr<ProcessGroup> process_group;

@@ -394,6 +394,7 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // An eval-mode forward may take another path than training (an
   // auxiliary head used only in training): walked, and not learned from.
   unused_from_walk_ = !(options_.static_graph && static_known_) || backward_optional;
+  static_learning_ = options_.static_graph && unused_from_walk_ && !backward_optional;
   if (!unused_from_walk_) {
     unused_ = static_unused_;
   } else {
@@ -630,6 +631,23 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
 void Reducer::Finalize() {
   armed_ = false;
   const Clock::time_point compute_end = Clock::now();
+  if (static_learning_ && ready_count_ < params_.size()) {
+    // static_graph learns the used set from its first iteration. The walk
+    // from the outputs cannot see an output left out of the loss (an
+    // auxiliary head): its parameters are reachable yet get no gradient.
+    // As PyTorch's static graph, they are unused from now on, contributing
+    // zeros here (a rank that did use them still counts, through the used
+    // map); their buckets launch now, in index order as always.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) continue;
+      is_unused_[i] = 1;
+      unused_.push_back(i);
+      static_unused_.push_back(i);
+      MarkReady(i);
+    }
+    std::sort(static_unused_.begin(), static_unused_.end());
+  }
+  static_learning_ = false;
   if (ready_count_ < params_.size()) {
     std::string names;
     size_t listed = 0, missing = 0;

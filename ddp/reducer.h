@@ -235,6 +235,7 @@ class Reducer {
   bool rebuilt_ = false;
   std::vector<size_t> static_unused_;  // static graph: learned in iteration 1
   bool static_known_ = false;
+  bool static_learning_ = false;  // this backward's forward set static_unused_
 
   // Timing of the current iteration.
   using Clock = std::chrono::steady_clock;
