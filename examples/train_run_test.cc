@@ -282,6 +282,29 @@ TEST(TrainRunTest, ResumeMakesTheEvaluationASignalCutShort) {
   EXPECT_EQ(evals, (std::vector<std::string>{"8,1", "16,2"})) << ReadFile(csv_path);
 }
 
+// Without --log_dir nothing says whether the run before finished the
+// evaluation at its checkpoint's step: the resumed run makes it again
+// rather than perhaps never, and says why.
+TEST(TrainRunTest, ResumeWithoutALogMakesTheEvaluationAtTheCheckpointAgain) {
+  const std::string dir = testing::MakeTempDir("missed_eval_no_log");
+  std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp", "--train_samples=512",
+      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--log_every=4",
+      "--scheduler=none", "--checkpoint=" + dir + "/ckpt.safetensors"};
+  std::vector<std::string> first = args;
+  first.push_back("--epochs=1");
+  const RunOutput one = RunToEnd(first);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  std::vector<std::string> resumed = args;
+  resumed.insert(resumed.end(), {"--epochs=2", "--resume"});
+  const RunOutput r = RunToEnd(resumed);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(std::regex_search(
+      r.out, std::regex(R"(  evaluated at step 8 \(epoch 1\), where the run before was to evaluate \(no --log_dir says whether it did\): test loss \d+\.\d{4}  test acc \d+\.\d\d%)")))
+      << r.out;
+  EXPECT_NE(r.out.find("epoch 2/2"), std::string::npos) << r.out;
+}
+
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};

@@ -254,7 +254,7 @@ class Run {
   bool RecordEvaluation(const Evaluation& e, int64_t epoch_number);
   // On --resume: the evaluation the run before was to make at the
   // checkpoint's step (an epoch end, a multiple of --eval_every), made now
-  // if metrics.csv lacks it. The checkpoint is saved before that evaluation,
+  // if metrics.csv lacks it, or with no --log_dir at all. The checkpoint is saved before that evaluation,
   // which a signal cuts short; the resumed run then starts past it. Returns
   // the agreed stop signal if this evaluation is interrupted in turn.
   int EvaluateMissedAtResume();
@@ -757,13 +757,16 @@ int Run::EvaluateMissedAtResume() {
   const bool scheduled = c_.eval_every > 0 && pos_.step % c_.eval_every == 0;
   if (!epoch_end && !scheduled) return 0;
   // Rank 0 keeps the log; every rank evaluates (a collective) or none.
-  std::string missed = lead_ && log_ != nullptr && !log_->HasEvalAt(pos_.step) ? "1" : "";
+  // Without a log nothing tells whether the run before finished that
+  // evaluation: it is made again rather than perhaps never.
+  std::string missed = lead_ && (log_ == nullptr || !log_->HasEvalAt(pos_.step)) ? "1" : "";
   if (par_.ShareFromLead(std::move(missed)).empty()) return 0;
   const int64_t epoch_number = epoch_end ? pos_.epoch : pos_.epoch + 1;
   if (!RecordEvaluation(Evaluate(), epoch_number)) return StopNow();
-  Say(StringPrintf("  evaluated at step %lld (epoch %lld), missing from the metrics: test loss %.4f  "
-                   "test acc %.2f%%",
+  Say(StringPrintf("  evaluated at step %lld (epoch %lld), %s: test loss %.4f  test acc %.2f%%",
                    static_cast<long long>(pos_.step), static_cast<long long>(epoch_number),
+                   log_ != nullptr ? "missing from the metrics"
+                                   : "where the run before was to evaluate (no --log_dir says whether it did)",
                    last_eval_->loss, last_eval_->accuracy * 100));
   return 0;
 }
