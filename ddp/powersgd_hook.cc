@@ -148,9 +148,13 @@ constexpr uint64_t kRedrawStream = 0x7265647261770000ull;  // "redraw"
 // What the hook keeps for one bucket between iterations; touched only on
 // the communication thread.
 struct BucketState {
-  // The bucket the state was built for; another one resets it.
+  // The bucket the state was built for; another one rebuilds it
+  // (RebuildBucketState). `params` are the parameters' tensor objects: two
+  // parameters of one shape that trade places leave shapes and offsets as
+  // they were.
   std::vector<nn::Shape> shapes;
   std::vector<int64_t> offsets;
+  std::vector<const nn::TensorImpl*> params;
   nn::DType dtype = nn::DType::kFloat32;
 
   std::vector<TensorPlan> plans;
@@ -210,6 +214,48 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
   b.shapes = std::move(shapes);
   b.offsets = std::move(offsets);
   b.dtype = dtype;
+}
+
+// Builds b for another bucket (DDP rebuilds its buckets once, in the order
+// the gradients arrived, so parameters move). Each compressed tensor's Q and
+// residual follow its parameter to its new place when every compressed
+// tensor of the new bucket was compressed in the old one, with the same
+// plan; otherwise the bucket starts over (a fresh Q, zero residuals). Kept
+// by place alone, two parameters of one shape that traded places got each
+// other's residual and Q. Every rank has the same buckets, so every rank
+// takes the same branch.
+void RebuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector<int64_t> offsets,
+                        std::vector<const nn::TensorImpl*> params, nn::DType dtype, const PowerSgdOptions& options) {
+  BucketState old = std::move(b);
+  BuildBucketState(b, std::move(shapes), std::move(offsets), dtype, options);
+  b.params = std::move(params);
+  if (old.dtype != dtype || !old.any_compressed) return;
+  // from[t]: the old place of the new bucket's compressed tensor t.
+  std::vector<size_t> from(b.plans.size(), 0);
+  for (size_t t = 0; t < b.plans.size(); ++t) {
+    if (!b.plans[t].compressed()) continue;
+    const auto it = std::find(old.params.begin(), old.params.end(), b.params[t]);
+    if (it == old.params.end()) return;
+    from[t] = static_cast<size_t>(it - old.params.begin());
+    const TensorPlan& was = old.plans[from[t]];
+    const TensorPlan& now = b.plans[t];
+    if (!was.compressed() || was.rows != now.rows || was.cols != now.cols || was.rank != now.rank) return;
+  }
+  const size_t elem = nn::ElementSize(dtype);
+  for (size_t t = 0; t < b.plans.size(); ++t) {
+    const TensorPlan& now = b.plans[t];
+    if (!now.compressed()) continue;
+    const TensorPlan& was = old.plans[from[t]];
+    std::memcpy(static_cast<char*>(b.qs.data_ptr()) + now.q_at * elem,
+                static_cast<const char*>(old.qs.data_ptr()) + was.q_at * elem,
+                static_cast<size_t>(now.rank * now.cols) * elem);
+    if (options.use_error_feedback) {
+      std::memcpy(static_cast<char*>(b.residuals.data_ptr()) + now.residual_at * elem,
+                  static_cast<const char*>(old.residuals.data_ptr()) + was.residual_at * elem,
+                  static_cast<size_t>(now.numel) * elem);
+    }
+  }
+  b.q_ready = old.q_ready;
 }
 
 // A row of Q^T that came out all zero (its row of P^T was zeroed: the
@@ -444,12 +490,18 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
       return group.AllReduce(buffer, transport::ReduceOp::kSum, label);
     }
     std::vector<nn::Shape> shapes;
+    std::vector<const nn::TensorImpl*> params;
     shapes.reserve(bucket.parameters().size());
-    for (const nn::Tensor& p : bucket.parameters()) shapes.push_back(p.shape());
+    params.reserve(bucket.parameters().size());
+    for (const nn::Tensor& p : bucket.parameters()) {
+      shapes.push_back(p.shape());
+      params.push_back(p.impl());
+    }
     const CollectiveDescription description{"powersgd " + label, dtype, buffer.shape(), -1,
                                             transport::ReduceOp::kSum, true};
     return group.Run(
-        description, [state, buffer, shapes = std::move(shapes), offsets = bucket.offsets(), index = bucket.index(),
+        description, [state, buffer, shapes = std::move(shapes), params = std::move(params), offsets = bucket.offsets(),
+                      index = bucket.index(),
                       iteration, world = group.size(), label](transport::Communicator* comm,
                                                               transport::Deadline deadline) mutable {
           const nn::DType dtype = buffer.dtype();
@@ -459,8 +511,8 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
             found = &state->buckets[index];
           }
           BucketState& b = *found;
-          if (b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
-            BuildBucketState(b, std::move(shapes), std::move(offsets), dtype, state->options);
+          if (b.params != params || b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
+            RebuildBucketState(b, std::move(shapes), std::move(offsets), std::move(params), dtype, state->options);
           }
           const transport::DataType type = ToTransportType(dtype);
           // Both all-reduces share the task's deadline.

@@ -44,9 +44,13 @@
 // and buckets on a CUDA device go through the default all-reduce
 // unchanged (AllReduceHook). The hook keeps state per bucket (Q, the
 // residuals) across iterations: one hook object per DistributedDataParallel.
-// When the buckets are rebuilt (after the first iteration), a bucket whose
-// tensors changed starts over with a fresh Q and zero residuals, the same on
-// every rank, and the state of buckets that no longer exist is dropped.
+// When the buckets are rebuilt (after the first iteration), each
+// parameter's Q and residual follow it to its new place in its bucket, as
+// long as every compressed parameter of the new bucket was compressed in
+// the old one; otherwise the bucket starts over with a fresh Q and zero
+// residuals, the same on every rank. Parameters are told apart by their
+// tensor objects, so a GradBucket must pass the same parameter tensors at
+// every call. The state of buckets that no longer exist is dropped.
 
 #include <cstdint>
 #include <vector>

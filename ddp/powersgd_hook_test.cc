@@ -5,7 +5,8 @@
 // the replicas identical; a gradient with an inf on one rank once reaches
 // .grad on every rank and leaves the later iterations finite and identical.
 // In one process: error feedback on a fixed gradient, a gradient (or a
-// column of Q) that was zero once comes back, the traffic formula, option
+// column of Q) that was zero once comes back, Q and residuals follow
+// parameters that trade places in a bucket, the traffic formula, option
 // checks.
 
 #include <cblas.h>
@@ -241,11 +242,17 @@ Tensor RankGradients(int rank, int k) {
   return nn::Randn({16 * 12 + 5}, {}, gen);
 }
 
+// The parameters of RankGradients' bucket: the hook tells parameters apart
+// by their tensor objects, so every call passes these same two.
+const std::vector<Tensor>& TwoParameters() {
+  static const std::vector<Tensor> params = {nn::Zeros({16, 12}), nn::Zeros({5})};
+  return params;
+}
+
 // One call of `hook` on the two-tensor bucket holding `flat`; the output.
 Tensor CompressTwo(CommHook& hook, ProcessGroup& pg, const Tensor& flat) {
   const Tensor buffer = flat.Clone();
-  const Tensor matrix = buffer.Narrow(0, 0, 16 * 12).View({16, 12}), vector = buffer.Narrow(0, 16 * 12, 5);
-  GradBucket bucket(0, 1, buffer, {matrix, vector}, {0, 16 * 12});
+  GradBucket bucket(0, 1, buffer, TwoParameters(), {0, 16 * 12});
   hook(pg, bucket).Wait();
   return buffer;
 }
@@ -400,11 +407,12 @@ TEST(PowerSgdHookTest, ErrorFeedbackMakesTheOutputsSumToTheGradients) {
   }
 }
 
-// One call of `hook` on a one-tensor bucket holding `gradient` (a
-// one-process group: the sum over ranks is this rank's); the output.
-Tensor Compress(CommHook& hook, ProcessGroup& pg, const Tensor& gradient) {
+// One call of `hook` on a one-tensor bucket holding `gradient` of
+// `parameter` (a one-process group: the sum over ranks is this rank's); the
+// output.
+Tensor Compress(CommHook& hook, ProcessGroup& pg, const Tensor& parameter, const Tensor& gradient) {
   const Tensor buffer = gradient.Clone().View({gradient.numel()});
-  GradBucket bucket(0, 1, buffer, {gradient}, {0});
+  GradBucket bucket(0, 1, buffer, {parameter}, {0});
   hook(pg, bucket).Wait();
   return buffer.View(gradient.shape());
 }
@@ -427,12 +435,12 @@ TEST(PowerSgdHookTest, GradientZeroOnceIsCompressedAgainLater) {
       const Tensor m = FixedGradient(dtype);
       CommHook hook = hooks::PowerSgdHook(
           {.matrix_approximation_rank = 1, .start_iteration = 0, .use_error_feedback = feedback});
-      EXPECT_EQ(Norm(Compress(hook, *pg, nn::Zeros(m.shape(), {.dtype = dtype}))), 0.0);
+      EXPECT_EQ(Norm(Compress(hook, *pg, m, nn::Zeros(m.shape(), {.dtype = dtype}))), 0.0);
       const std::vector<double> mv = m.ToVector<double>();
       std::vector<double> sum(mv.size(), 0.0);
       constexpr int kSteps = 20;
       for (int k = 1; k <= kSteps; ++k) {
-        const Tensor out = Compress(hook, *pg, m);
+        const Tensor out = Compress(hook, *pg, m, m);
         // At least the line of M's first singular vector's share of a
         // random direction at first; the top rank-1 part (about 0.8 ||M||)
         // once power iteration has converged.
@@ -463,13 +471,72 @@ TEST(PowerSgdHookTest, ColumnOfQZeroOnceComesBack) {
   for (int64_t j = 0; j < cols; ++j) one_row[j] = std::cos(0.3 * j);
   CommHook hook = hooks::PowerSgdHook(
       {.matrix_approximation_rank = 2, .start_iteration = 0, .use_error_feedback = false});
-  const Tensor first = Compress(hook, *pg, nn::FromVectorOf<double>(one_row, {n, cols}));
+  const Tensor first = Compress(hook, *pg, m, nn::FromVectorOf<double>(one_row, {n, cols}));
   EXPECT_LE(RankOneError(first), 1e-6);
   Tensor out;
-  for (int k = 0; k < 10; ++k) out = Compress(hook, *pg, m);
+  for (int k = 0; k < 10; ++k) out = Compress(hook, *pg, m, m);
   // Rank 2 now: far from a line (M's second term has two thirds of the
   // first's size).
   EXPECT_GT(RankOneError(out), 0.1) << "the output stayed rank 1";
+}
+
+// One call of `hook` on a bucket of two [16, 12] parameters, `first` then
+// `second`, with gradients `g_first` and `g_second`; the outputs in that
+// order.
+std::pair<Tensor, Tensor> CompressPair(CommHook& hook, ProcessGroup& pg, const Tensor& first, const Tensor& second,
+                                       const Tensor& g_first, const Tensor& g_second) {
+  const Tensor buffer = nn::Empty({2 * 16 * 12});
+  buffer.Narrow(0, 0, 16 * 12).CopyFrom(g_first.View({16 * 12}));
+  buffer.Narrow(0, 16 * 12, 16 * 12).CopyFrom(g_second.View({16 * 12}));
+  GradBucket bucket(0, 1, buffer, {first, second}, {0, 16 * 12});
+  hook(pg, bucket).Wait();
+  return {buffer.Narrow(0, 0, 16 * 12).View({16, 12}).Clone(),
+          buffer.Narrow(0, 16 * 12, 16 * 12).View({16, 12}).Clone()};
+}
+
+// DDP rebuilds its buckets once, in the order the gradients arrived: two
+// parameters of one shape can trade places, which leaves the bucket's
+// shapes and offsets as they were. Their residuals and Qs must follow them:
+// kept by place, each got the other's, and its gradient came out wrong.
+// A hook that sees the pair swapped after some steps gives, bit for bit,
+// what a hook that never saw them swapped gives.
+TEST(PowerSgdHookTest, StateFollowsParametersThatTradePlacesInTheBucket) {
+  auto pg = ProcessGroup::Single();
+  const Tensor a = nn::Zeros({16, 12}), b = nn::Zeros({16, 12});
+  for (bool feedback : {false, true}) {
+    SCOPED_TRACE(feedback ? "with error feedback" : "without error feedback");
+    const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0,
+                                  .use_error_feedback = feedback};
+    CommHook swapped = hooks::PowerSgdHook(options), kept = hooks::PowerSgdHook(options);
+    for (int k = 0; k < 6; ++k) {
+      nn::Generator gen(77 + k);
+      const Tensor ga = nn::Randn({16, 12}, {}, gen), gb = nn::Randn({16, 12}, {}, gen);
+      const auto [ka, kb] = CompressPair(kept, *pg, a, b, ga, gb);
+      // From step 3 on, b comes first.
+      const bool swap = k >= 3;
+      const auto [s1, s2] = swap ? CompressPair(swapped, *pg, b, a, gb, ga) : CompressPair(swapped, *pg, a, b, ga, gb);
+      const Tensor& sa = swap ? s2 : s1;
+      const Tensor& sb = swap ? s1 : s2;
+      EXPECT_EQ(sa.ToVector<float>(), ka.ToVector<float>()) << "step " << k << ": parameter a's output differs";
+      EXPECT_EQ(sb.ToVector<float>(), kb.ToVector<float>()) << "step " << k << ": parameter b's output differs";
+    }
+  }
+}
+
+// A parameter the old bucket did not hold makes the bucket start over: the
+// same output as a new hook's.
+TEST(PowerSgdHookTest, NewParameterInTheBucketStartsItOver) {
+  auto pg = ProcessGroup::Single();
+  const Tensor a = nn::Zeros({16, 12}), b = nn::Zeros({16, 12}), c = nn::Zeros({16, 12});
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0};
+  CommHook hook = hooks::PowerSgdHook(options), fresh = hooks::PowerSgdHook(options);
+  nn::Generator gen(5);
+  for (int k = 0; k < 3; ++k) CompressPair(hook, *pg, a, b, nn::Randn({16, 12}, {}, gen), nn::Randn({16, 12}, {}, gen));
+  const Tensor ga = nn::Randn({16, 12}, {}, gen), gc = nn::Randn({16, 12}, {}, gen);
+  const auto [oa, oc] = CompressPair(hook, *pg, a, c, ga, gc);
+  const auto [fa, fc] = CompressPair(fresh, *pg, a, c, ga, gc);
+  EXPECT_EQ(oa.ToVector<float>(), fa.ToVector<float>());
+  EXPECT_EQ(oc.ToVector<float>(), fc.ToVector<float>());
 }
 
 TEST(PowerSgdHookTest, ElementsPerStepFollowTheCompressionRule) {
