@@ -128,7 +128,20 @@ void OrthonormalizeRows(T* a, int64_t rows, int64_t len, T epsilon) {
       std::fill(row, row + len, T(0));
       continue;
     }
-    Scale(len, T(1) / (norm[1] + epsilon), row);
+    T inverse = T(1) / (norm[1] + epsilon);
+    if (!std::isfinite(inverse)) {
+      // A norm below 1 / max (about 2.9e-39 in f32: tiny gradients, or a
+      // warm-start Q of a small gradient times that gradient) has no finite
+      // reciprocal; scaled by it the row was inf and NaN, and the bucket
+      // went uncompressed at every step. Bring the norm into [0.5, 1) by a
+      // power of two first, which is exact; the result is the same
+      // row / (norm + epsilon).
+      int exponent = 0;
+      std::frexp(norm[1], &exponent);
+      for (int64_t i = 0; i < len; ++i) row[i] = std::ldexp(row[i], -exponent);
+      inverse = T(1) / (std::ldexp(norm[1], -exponent) + std::ldexp(epsilon, -exponent));
+    }
+    Scale(len, inverse, row);
   }
 }
 

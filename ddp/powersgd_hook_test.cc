@@ -6,8 +6,8 @@
 // .grad on every rank and leaves the later iterations finite and identical.
 // In one process: error feedback on a fixed gradient, a gradient (or a
 // column of Q) that was zero once comes back, Q and residuals follow
-// parameters that trade places in a bucket, the traffic formula, option
-// checks.
+// parameters that trade places in a bucket, a subnormal gradient is
+// compressed, the traffic formula, option checks.
 
 #include <cblas.h>
 #include <gtest/gtest.h>
@@ -537,6 +537,39 @@ TEST(PowerSgdHookTest, NewParameterInTheBucketStartsItOver) {
   const auto [fa, fc] = CompressPair(fresh, *pg, a, c, ga, gc);
   EXPECT_EQ(oa.ToVector<float>(), fa.ToVector<float>());
   EXPECT_EQ(oc.ToVector<float>(), fc.ToVector<float>());
+}
+
+// A gradient of subnormal size (1e-40 in f32): the norm of P's row is
+// below 1 / FLT_MAX, and 1 / norm overflowed to inf. P became inf and NaN,
+// and the bucket was sent uncompressed at every step (the output was the
+// gradient itself). It is compressed as the same gradient at normal size
+// is, scaled down.
+TEST(PowerSgdHookTest, SubnormalGradientIsCompressed) {
+  auto pg = ProcessGroup::Single();
+  constexpr double kTiny = 1e-40;
+  const Tensor m = FixedGradient(nn::DType::kFloat32);
+  const Tensor tiny = nn::FromVectorOf<double>([&] {
+    std::vector<double> v = m.ToVector<double>();
+    for (double& x : v) x *= kTiny;
+    return v;
+  }(), m.shape()).To(nn::DType::kFloat32);
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0, .use_error_feedback = false};
+  CommHook normal_hook = hooks::PowerSgdHook(options), tiny_hook = hooks::PowerSgdHook(options);
+  const std::vector<double> expected = Compress(normal_hook, *pg, m, m).ToVector<double>();
+  const Tensor out = Compress(tiny_hook, *pg, m, tiny);
+  const std::vector<double> got = out.ToVector<double>(), input = tiny.ToVector<double>();
+  ASSERT_NE(got, input) << "sent uncompressed";
+  double diff_sq = 0, norm_sq = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    diff_sq += std::pow(got[i] / kTiny - expected[i], 2);
+    norm_sq += expected[i] * expected[i];
+  }
+  // Subnormal floats keep about 5 digits at 1e-40.
+  EXPECT_LE(std::sqrt(diff_sq / norm_sq), 1e-3) << "not the scaled rank-1 approximation";
+  // Later steps are compressed too (never the gradient itself).
+  for (int k = 1; k < 6; ++k) {
+    EXPECT_NE(Compress(tiny_hook, *pg, m, tiny).ToVector<double>(), input) << "step " << k << ": sent uncompressed";
+  }
 }
 
 TEST(PowerSgdHookTest, ElementsPerStepFollowTheCompressionRule) {
