@@ -315,10 +315,30 @@ std::string SyncBatchNorm::ShortRepr() const {
   return TypeName() + "(" + std::to_string(num_features_) + ")";
 }
 
+void SyncBatchNorm::Refuse(const std::string& message) const {
+  if (is_training()) {
+    std::shared_ptr<ProcessGroup> pg = group_;
+    if (pg == nullptr) {
+      try {
+        pg = DefaultProcessGroup();
+      } catch (const std::logic_error&) {
+        // No group: nobody waits for this rank.
+      }
+    }
+    if (pg != nullptr && pg->size() > 1) {
+      pg->Abort(transport::FailedPreconditionError(Describe() + " on rank " + std::to_string(pg->rank()) +
+                                                   ": " + message));
+    }
+  }
+  Fail(message);
+}
+
 nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
   if (x.dim() < 2 || x.size(1) != num_features_) {
-    Fail("expected input [N, " + std::to_string(num_features_) + ", ...], got " +
-         nn::ShapeToString(x.shape()));
+    Refuse("expected input [N, " + std::to_string(num_features_) + ", ...], got " + nn::ShapeToString(x.shape()));
+  }
+  if (!nn::IsFloating(x.dtype())) {
+    Refuse("expected a floating-point input, got dtype " + std::string(nn::DTypeName(x.dtype())));
   }
   const bool batch_stats = is_training() || !options_.track_running_stats;
   if (!is_training()) {

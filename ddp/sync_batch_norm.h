@@ -46,7 +46,11 @@ class SyncBatchNorm : public nn::modules::Module {
   static std::shared_ptr<SyncBatchNorm> FromBatchNorm(const nn::modules::BatchNorm& bn,
                                                       std::shared_ptr<ProcessGroup> group = nullptr);
 
-  /// x [N, C, *] -> same shape. Throws when C differs from num_features.
+  /// x [N, C, *] -> same shape. Throws std::invalid_argument naming the
+  /// module when C differs from num_features or x is not floating-point; in
+  /// training with more than one rank it aborts the group first, so that
+  /// the peers, already in the statistics' collective, stop at once with
+  /// that reason instead of at the group's timeout.
   nn::Tensor Forward(const nn::Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "SyncBatchNorm"; }
@@ -64,6 +68,9 @@ class SyncBatchNorm : public nn::modules::Module {
  private:
   struct Adopt {};
   SyncBatchNorm(Adopt, const nn::modules::BatchNorm& bn, std::shared_ptr<ProcessGroup> group);
+  // Fail(message), after aborting the group in training with more than one
+  // rank: for an input refused on this rank alone, before any collective.
+  [[noreturn]] void Refuse(const std::string& message) const;
 
   int64_t num_features_;
   nn::modules::BatchNormOptions options_;

@@ -4,16 +4,22 @@
 // runs locally and sends nothing; one rank is exactly BatchNorm; DDP with
 // SyncBatchNorm matches one process on the concatenated batch; under Join,
 // SyncBatchNorm stops every rank with one message; a refused batch (one
-// value per channel in all) is not counted in num_batches_tracked.
+// value per channel in all) is not counted in num_batches_tracked; an input
+// refused on one rank stops its peers at once with that rank's reason.
 
 #include "ddp/sync_batch_norm.h"
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/testing/ddp_test_util.h"
@@ -329,6 +335,67 @@ TEST(SyncBatchNormTest, BadEpsOrMomentumIsNamedAtConstruction) {
             "SyncBatchNorm: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 2");
   EXPECT_EQ(error({.eps = -1e-5}), "SyncBatchNorm: BatchNormOptions::eps must be finite and > 0, got -1e-05");
   EXPECT_EQ(error({.momentum = std::nullopt}), "");
+}
+
+// Rank 1's input is refused (DDP_TEST_SBN_BAD: "channels", a wrong channel
+// count; "dtype", an integer input) before the statistics' collective,
+// which rank 0 has already entered. Rank 1 throws naming the problem, and
+// rank 0 stops at once with rank 1's reason instead of waiting out the
+// group's timeout (20 s here). Rank 1 stays up after its error until rank
+// 0 has its own (it writes DDP_TEST_SBN_DONE_FILE), at most 15 s, as a
+// trainer that catches the error would: its exit alone would have told
+// rank 0 (PEER_LOST), without the reason.
+DDP_TEST_WORKER(sync_bn_refused_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const std::string bad = std::getenv("DDP_TEST_SBN_BAD");
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const int rank = pg->rank();
+  SyncBatchNorm sync(kC, {}, pg);
+  Tensor x = nn::Ones({4, kC, kH});
+  if (rank == 1) x = bad == "channels" ? nn::Ones({4, kC + 1, kH}) : nn::Ones({4, kC, kH}, {.dtype = nn::DType::kInt64});
+  const std::string problem = bad == "channels" ? "expected input [N, 3, ...], got [4, 4, 4]"
+                                                : "expected a floating-point input, got dtype i64";
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    sync(x);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string done_file = std::getenv("DDP_TEST_SBN_DONE_FILE");
+  if (rank == 0) {
+    std::ofstream(done_file) << "done\n";
+  } else {
+    for (int i = 0; i < 150 && !std::ifstream(done_file).good(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  const std::string what = bad + ", rank " + std::to_string(rank) + ": ";
+  WORKER_EXPECT(!message.empty(), what + "no error");
+  WORKER_EXPECT(message.find(problem) != std::string::npos, what + message);
+  WORKER_EXPECT(message.find("SyncBatchNorm") != std::string::npos, what + "the module is not named: " + message);
+  if (rank == 0) {
+    WORKER_EXPECT(message.find("on rank 1") != std::string::npos, what + "rank 1 is not named: " + message);
+  }
+  WORKER_EXPECT(seconds < 10, what + "took " + std::to_string(seconds) + " s");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, InputRefusedOnOneRankStopsThePeersAtOnce) {
+  for (const char* bad : {"channels", "dtype"}) {
+    for (bool blocks : {false, true}) {
+      const char* tmp = std::getenv("TEST_TMPDIR");
+      const std::string done_file = std::string(tmp != nullptr ? tmp : "/tmp") + "/sync_bn_refused_" + bad +
+                                    (blocks ? "_blocks" : "") + "_" + std::to_string(::getpid());
+      std::remove(done_file.c_str());
+      std::vector<std::pair<std::string, std::string>> env = {
+          {"DDP_TEST_SBN_BAD", bad}, {"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_SBN_DONE_FILE", done_file}};
+      if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+      auto run = RunWorkers("sync_bn_refused_on_one_rank", 2, env);
+      EXPECT_TRUE(run.AllSucceeded()) << bad << (blocks ? ", building blocks" : "") << "\n" << testing::AllOutput(run);
+    }
+  }
 }
 
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
