@@ -343,9 +343,13 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
   const bool batch_stats = is_training() || !options_.track_running_stats;
   if (!is_training()) {
     // Eval: local and silent.
-    return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, batch_stats,
-                              nn::modules::RunningAverageFactor(options_, num_batches_tracked_),
-                              options_.eps);
+    try {
+      return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, batch_stats,
+                                nn::modules::RunningAverageFactor(options_, num_batches_tracked_),
+                                options_.eps);
+    } catch (const std::invalid_argument& e) {
+      Fail(e.what());
+    }
   }
   std::shared_ptr<ProcessGroup> pg = group_ != nullptr ? group_ : DefaultProcessGroup();
   // The running average's factor counts this batch (BatchNorm's), but the
@@ -355,8 +359,12 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
   const double momentum = nn::modules::RunningAverageFactor(
       options_, tracked.defined() ? nn::Full({}, tracked.Item() + 1, {.dtype = nn::DType::kInt64}) : tracked);
   if (pg->size() == 1) {
-    nn::Tensor y = nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true,
-                                      momentum, options_.eps);
+    nn::Tensor y;
+    try {
+      y = nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true, momentum, options_.eps);
+    } catch (const std::invalid_argument& e) {
+      Fail(e.what());
+    }
     if (tracked.defined()) {
       nn::NoGradGuard guard;
       tracked.Fill(tracked.Item() + 1);

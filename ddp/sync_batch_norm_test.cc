@@ -5,7 +5,8 @@
 // SyncBatchNorm matches one process on the concatenated batch; under Join,
 // SyncBatchNorm stops every rank with one message; a refused batch (one
 // value per channel in all) is not counted in num_batches_tracked; an input
-// refused on one rank stops its peers at once with that rank's reason.
+// refused on one rank stops its peers at once with that rank's reason;
+// BatchNorm's own errors name the module.
 
 #include "ddp/sync_batch_norm.h"
 
@@ -396,6 +397,29 @@ TEST(SyncBatchNormTest, InputRefusedOnOneRankStopsThePeersAtOnce) {
       EXPECT_TRUE(run.AllSucceeded()) << bad << (blocks ? ", building blocks" : "") << "\n" << testing::AllOutput(run);
     }
   }
+}
+
+// Outside the collective path (eval, and training on one rank) BatchNorm's
+// own errors name the module too.
+TEST(SyncBatchNormTest, BatchNormErrorsNameTheModule) {
+  auto error = [](SyncBatchNorm& sync, const Tensor& x) {
+    try {
+      sync(x);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  SyncBatchNorm training(kC, {}, ProcessGroup::Single());
+  const std::string one_value = error(training, nn::Ones({1, kC}));
+  EXPECT_EQ(one_value.rfind("SyncBatchNorm(3): ", 0), 0u) << one_value;
+  EXPECT_NE(one_value.find("expected more than 1 value per channel"), std::string::npos) << one_value;
+  // Eval without running statistics normalizes with the batch's own.
+  SyncBatchNorm eval(kC, {.track_running_stats = false}, ProcessGroup::Single());
+  eval.Eval();
+  const std::string eval_one_value = error(eval, nn::Ones({1, kC}));
+  EXPECT_EQ(eval_one_value.rfind("SyncBatchNorm(3): ", 0), 0u) << eval_one_value;
+  EXPECT_NE(eval_one_value.find("expected more than 1 value per channel"), std::string::npos) << eval_one_value;
 }
 
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
