@@ -87,20 +87,28 @@ size_t CachingCpuAllocator::RoundSize(size_t nbytes) {
 void* CachingCpuAllocator::Allocate(size_t nbytes, Device device) {
   (void)device;
   const size_t size = RoundSize(nbytes);
+  // What this request changed, for undoing it if the system refuses the block.
+  uint64_t request = 0;
+  ClassUse use_before;
+  size_t peak_before = 0, peak_raised = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.requests;
     // The class's last request before the blocks of it now in use were
     // requested (0: none), for the trim below.
     uint64_t previous = 0;
+    request = stats_.requests;
     if (size >= kTrimThreshold) {
       ClassUse& use = use_[size];
+      use_before = use;
       if (use.in_use++ == 0) use.before_burst = use.last;
-      use.last = stats_.requests;
+      use.last = request;
       previous = use.before_burst;
     }
+    peak_before = stats_.peak_in_use_bytes;
     stats_.in_use_bytes += size;
     if (stats_.in_use_bytes > stats_.peak_in_use_bytes) stats_.peak_in_use_bytes = stats_.in_use_bytes;
+    peak_raised = stats_.peak_in_use_bytes;
     auto it = free_.find(size);
     if (it != free_.end() && !it->second.empty()) {
       void* p = it->second.back();
@@ -139,6 +147,23 @@ void* CachingCpuAllocator::Allocate(size_t nbytes, Device device) {
     if (p == nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.in_use_bytes -= size;
+      // A block that never existed must not stay in the peak (it would lift
+      // the trim limit below for good) nor count as in use in its class (the
+      // class's next burst would never start).
+      if (stats_.peak_in_use_bytes == peak_raised) {
+        stats_.peak_in_use_bytes = std::max(peak_before, stats_.in_use_bytes);
+      }
+      if (size >= kTrimThreshold) {
+        ClassUse& use = use_[size];
+        --use.in_use;
+        // Unless another request of the class came in meanwhile, the class
+        // looks as if this one had never been made.
+        if (use.last == request) {
+          use.last = use_before.last;
+          use.before_burst = use_before.before_burst;
+        }
+        if (use.in_use == 0 && use.last == 0) use_.erase(size);
+      }
       throw std::bad_alloc();
     }
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -245,6 +246,26 @@ TEST(CachingCpuAllocatorTest, LargeMissBorrowsALargerCachedBlock) {
   EXPECT_EQ(a.Stats().system_allocations, b2 + 1);
   a.Deallocate(smaller, 32 * 1024, kCPU);
   a.EmptyCache();
+}
+
+// A request the system refuses leaves the statistics as they were: a peak
+// holding the refused size would keep every later large miss from trimming.
+TEST(CachingCpuAllocatorTest, RefusedRequestLeavesPeakAndInUseAsBefore) {
+  CachingCpuAllocator a;
+  a.set_caching_enabled(true);
+  const size_t mb = size_t{1} << 20;
+  void* p = a.Allocate(20 * mb, kCPU);
+  const AllocatorStats before = a.Stats();
+  EXPECT_THROW(a.Allocate(size_t{1} << 60, kCPU), std::bad_alloc);
+  const AllocatorStats after = a.Stats();
+  EXPECT_EQ(after.in_use_bytes, before.in_use_bytes);
+  EXPECT_EQ(after.peak_in_use_bytes, before.peak_in_use_bytes);
+  a.Deallocate(p, 20 * mb, kCPU);
+  // Trimming still works: a new large size beyond peak + slack sends the
+  // cached 20 MiB block back first.
+  void* q = a.Allocate(48 * mb, kCPU);
+  EXPECT_EQ(a.Stats().cached_bytes, 0u);
+  a.Deallocate(q, 48 * mb, kCPU);
 }
 
 TEST(CachingCpuAllocatorTest, ThreadsAllocateConcurrently) {
