@@ -22,16 +22,12 @@ constexpr int kLineWidth = 80;
 std::string (*g_grad_fn_namer)(const autograd::Node&) = nullptr;
 
 struct Formatter {
-  bool integer_dtype = false;
   bool int_mode = false;
   bool sci_mode = false;
-  size_t width = 1;
 
   std::string Format(double v) const {
     char buf[64];
-    if (integer_dtype) {
-      std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
-    } else if (std::isnan(v)) {
+    if (std::isnan(v)) {
       std::snprintf(buf, sizeof(buf), "nan");
     } else if (std::isinf(v)) {
       std::snprintf(buf, sizeof(buf), v > 0 ? "inf" : "-inf");
@@ -43,11 +39,6 @@ struct Formatter {
       std::snprintf(buf, sizeof(buf), "%.4f", v);
     }
     return buf;
-  }
-  std::string Padded(double v) const {
-    std::string s = Format(v);
-    if (s.size() < width) s.insert(0, width - s.size(), ' ');
-    return s;
   }
 };
 
@@ -64,10 +55,13 @@ std::vector<int64_t> ShownIndices(int64_t n, bool summarize) {
   return idx;
 }
 
-void CollectShown(const std::vector<double>& data, const Shape& shape, const Shape& strides, size_t d,
-                  int64_t offset, bool summarize, std::vector<double>* out) {
+// Appends the shown elements of data (element strides), in printing order,
+// as V: only these are read, so a summarized tensor costs a few dozen reads.
+template <typename T, typename V>
+void CollectShown(const T* data, const Shape& shape, const Shape& strides, size_t d, int64_t offset,
+                  bool summarize, std::vector<V>* out) {
   if (d == shape.size()) {
-    out->push_back(data[offset]);
+    out->push_back(static_cast<V>(static_cast<acc_t<T>>(data[offset])));
     return;
   }
   for (int64_t i : ShownIndices(shape[d], summarize)) {
@@ -75,17 +69,21 @@ void CollectShown(const std::vector<double>& data, const Shape& shape, const Sha
   }
 }
 
-void Render(const std::vector<double>& data, const Shape& shape, const Shape& strides, size_t d,
-            int64_t offset, size_t indent, bool summarize, const Formatter& f, std::string* out) {
+// Writes the elements text[*next], text[*next + 1], ... (each padded to
+// width) in the nested brackets of shape.
+void Render(const std::vector<std::string>& text, size_t* next, const Shape& shape, size_t d, size_t indent,
+            bool summarize, size_t width, std::string* out) {
   if (d == shape.size()) {
-    *out += f.Padded(data[offset]);
+    const std::string& s = text[(*next)++];
+    if (s.size() < width) out->append(width - s.size(), ' ');
+    *out += s;
     return;
   }
   *out += "[";
   const std::vector<int64_t> idx = ShownIndices(shape[d], summarize);
   const bool last_dim = d + 1 == shape.size();
   // Elements of the last dimension wrap at the line width, like PyTorch.
-  const size_t per_line = std::max<size_t>(1, (kLineWidth - indent) / (f.width + 2));
+  const size_t per_line = std::max<size_t>(1, (kLineWidth - indent) / (width + 2));
   size_t on_line = 0;
   for (size_t k = 0; k < idx.size(); ++k) {
     if (k > 0) {
@@ -107,7 +105,7 @@ void Render(const std::vector<double>& data, const Shape& shape, const Shape& st
       *out += last_dim ? " ..." : "...";
       continue;
     }
-    Render(data, shape, strides, d + 1, offset + idx[k] * strides[d], indent + 1, summarize, f, out);
+    Render(text, next, shape, d + 1, indent + 1, summarize, width, out);
   }
   *out += "]";
 }
@@ -118,16 +116,24 @@ std::string Tensor::ToString() const {
   if (!defined()) return "tensor(undefined)";
   Tensor cpu = Detach();
   if (!cpu.device().is_cpu()) cpu = cpu.To(kCPU);
-  const std::vector<double> data = cpu.ToVector<double>();
   const Shape& sh = shape();
-  const Shape st = ContiguousStrides(sh);
   const bool summarize = numel() > kSummarizeThreshold;
 
-  Formatter f;
-  f.integer_dtype = !IsFloating(dtype());
-  std::vector<double> shown;
-  CollectShown(data, sh, st, 0, 0, summarize, &shown);
-  if (!f.integer_dtype) {
+  // Integers are read as int64 (through double, values past 2^53 would
+  // round and INT64_MAX would wrap to INT64_MIN).
+  std::vector<std::string> text;
+  if (!IsFloating(dtype())) {
+    std::vector<int64_t> shown;
+    DDP_DISPATCH_ALL(dtype(), "ToString", {
+      CollectShown(static_cast<const scalar_t*>(cpu.data_ptr()), sh, cpu.strides(), 0, 0, summarize, &shown);
+    });
+    for (int64_t v : shown) text.push_back(std::to_string(v));
+  } else {
+    std::vector<double> shown;
+    DDP_DISPATCH_ALL(dtype(), "ToString", {
+      CollectShown(static_cast<const scalar_t*>(cpu.data_ptr()), sh, cpu.strides(), 0, 0, summarize, &shown);
+    });
+    Formatter f;
     double max_abs = 0, min_abs = INFINITY;
     bool all_int = true;
     for (double v : shown) {
@@ -144,16 +150,19 @@ std::string Tensor::ToString() const {
       f.sci_mode = all_int ? (ratio > 1000 || max_abs > 1e8)
                            : (ratio > 1000 || max_abs > 1e8 || min_abs < 1e-4);
     }
+    for (double v : shown) text.push_back(f.Format(v));
   }
-  for (double v : shown) f.width = std::max(f.width, f.Format(v).size());
+  size_t width = 1;
+  for (const std::string& s : text) width = std::max(width, s.size());
 
   std::string out = "tensor(";
   if (numel() == 0) {
     out += "[]";
   } else if (sh.empty()) {
-    out += f.Format(data[0]);
+    out += text[0];
   } else {
-    Render(data, sh, st, 0, 0, 7, summarize, f, &out);
+    size_t next = 0;
+    Render(text, &next, sh, 0, 7, summarize, width, &out);
   }
   if (numel() == 0 && sh.size() != 1) {
     std::string size = ShapeToString(sh);

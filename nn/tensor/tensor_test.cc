@@ -397,6 +397,26 @@ TEST(TensorPrintTest, MatchesPyTorch) {
   EXPECT_EQ(FromVector({1, 2}, {2}, {.dtype = DType::kBFloat16}).ToString(), "tensor([1., 2.], dtype=bf16)");
 }
 
+// Integer tensors print their exact values: through double, 2^53 + 1 would
+// round to 2^53 and INT64_MAX would wrap to INT64_MIN.
+TEST(TensorPrintTest, Int64PrintsExactValues) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  const int64_t min = std::numeric_limits<int64_t>::min();
+  EXPECT_EQ(FromVectorOf<int64_t>({max, min, (int64_t{1} << 53) + 1}, {3}).ToString(),
+            "tensor([ 9223372036854775807, -9223372036854775808,     9007199254740993])");
+  EXPECT_EQ(FromVectorOf<int64_t>({max}, {}).ToString(), "tensor(9223372036854775807)");
+}
+
+// Views print their own elements (read through their strides), and a
+// summarized view the same edges as its contiguous copy.
+TEST(TensorPrintTest, ViewsPrintTheirElements) {
+  Tensor t = Iota({2, 3}).Transpose(0, 1);
+  EXPECT_EQ(t.ToString(), "tensor([[0., 3.],\n        [1., 4.],\n        [2., 5.]])");
+  Tensor big = Iota({40, 50}).Transpose(0, 1).Narrow(0, 5, 30);
+  EXPECT_EQ(big.ToString(), big.Contiguous().ToString());
+  EXPECT_NE(big.ToString().find("...,\n"), std::string::npos);
+}
+
 TEST(GeneratorTest, SeededSequencesRepeatAndDiffer) {
   Generator a(42), b(42), c(43);
   for (int i = 0; i < 10; ++i) {
