@@ -49,20 +49,45 @@ SampleTransform::SampleTransform(ImageShape input, TransformOptions options)
                                   " must be > 0");
     }
   }
+  // 0 leaves a crop size unset (the input's); the crop fields mean nothing
+  // with the crop off, so setting them there is a mistake, not a no-op.
+  if (!options_.random_crop) {
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"crop_height", options_.crop_height},
+                                      {"crop_width", options_.crop_width},
+                                      {"crop_padding", options_.crop_padding}}) {
+      if (value != 0) {
+        throw std::invalid_argument(std::string("SampleTransform: ") + name + " " + std::to_string(value) +
+                                    " is set but random_crop is off");
+      }
+    }
+  }
   if (options_.random_crop) {
     if (options_.crop_padding < 0) {
-      throw std::invalid_argument("SampleTransform: crop padding " +
+      throw std::invalid_argument("SampleTransform: crop_padding " +
                                   std::to_string(options_.crop_padding) + " must be >= 0");
+    }
+    if (options_.crop_height < 0 || options_.crop_width < 0) {
+      throw std::invalid_argument(std::string("SampleTransform: ") +
+                                  (options_.crop_height < 0 ? "crop_height " : "crop_width ") +
+                                  std::to_string(options_.crop_height < 0 ? options_.crop_height
+                                                                          : options_.crop_width) +
+                                  " must be >= 0 (0 keeps the input's size)");
+    }
+    // The padded image's sides; Apply indexes rows and columns of it in int64.
+    int64_t both_sides = 0, padded_height = 0, padded_width = 0;
+    if (__builtin_mul_overflow(options_.crop_padding, int64_t{2}, &both_sides) ||
+        __builtin_add_overflow(input_.height, both_sides, &padded_height) ||
+        __builtin_add_overflow(input_.width, both_sides, &padded_width)) {
+      throw std::invalid_argument("SampleTransform: crop_padding " + std::to_string(options_.crop_padding) +
+                                  " around the input " + input_.ToString() + " overflows int64");
     }
     if (options_.crop_height > 0) output_.height = options_.crop_height;
     if (options_.crop_width > 0) output_.width = options_.crop_width;
-    if (output_.height > input_.height + 2 * options_.crop_padding ||
-        output_.width > input_.width + 2 * options_.crop_padding) {
+    if (output_.height > padded_height || output_.width > padded_width) {
       throw std::invalid_argument(
           "SampleTransform: crop " + std::to_string(output_.height) + "x" +
           std::to_string(output_.width) + " is larger than the padded image " +
-          std::to_string(input_.height + 2 * options_.crop_padding) + "x" +
-          std::to_string(input_.width + 2 * options_.crop_padding));
+          std::to_string(padded_height) + "x" + std::to_string(padded_width));
     }
   }
   lut_.resize(input_.channels);

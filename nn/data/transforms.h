@@ -48,7 +48,8 @@ TransformOptions Cifar10TrainAugment(uint64_t seed);
 class SampleTransform {
  public:
   /// Throws std::invalid_argument for mismatched mean/std sizes, a std of
-  /// 0, or a crop larger than the padded image.
+  /// 0, a crop larger than the padded image, negative crop fields, a padding
+  /// that overflows, or crop fields set with random_crop off.
   SampleTransform(ImageShape input, TransformOptions options);
 
   /// Shape of the f32 output.

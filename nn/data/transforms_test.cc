@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -125,6 +127,46 @@ TEST(SampleTransform, RejectsBadOptions) {
   crop.crop_height = 9;
   crop.crop_padding = 1;
   EXPECT_THROW(SampleTransform({1, 6, 6}, crop), std::invalid_argument);
+}
+
+// Each crop field is checked on its own, and the error names it.
+TEST(SampleTransform, RejectsBadCropFieldsNamingThem) {
+  auto error_of = [](const TransformOptions& o) -> std::string {
+    try {
+      SampleTransform({1, 6, 6}, o);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  // Set with the crop off: ignored before, now an error.
+  TransformOptions off;
+  off.crop_height = 4;
+  EXPECT_NE(error_of(off).find("crop_height 4 is set but random_crop is off"), std::string::npos)
+      << error_of(off);
+  off = {};
+  off.crop_width = 4;
+  EXPECT_NE(error_of(off).find("crop_width 4"), std::string::npos) << error_of(off);
+  off = {};
+  off.crop_padding = 2;
+  EXPECT_NE(error_of(off).find("crop_padding 2"), std::string::npos) << error_of(off);
+  // Negative sizes used to mean "the input's".
+  TransformOptions crop;
+  crop.random_crop = true;
+  crop.crop_height = -3;
+  EXPECT_NE(error_of(crop).find("crop_height -3 must be >= 0"), std::string::npos) << error_of(crop);
+  crop.crop_height = 0;
+  crop.crop_width = -1;
+  EXPECT_NE(error_of(crop).find("crop_width -1 must be >= 0"), std::string::npos) << error_of(crop);
+  crop.crop_width = 0;
+  crop.crop_padding = std::numeric_limits<int64_t>::max() / 2 + 1;
+  EXPECT_NE(error_of(crop).find("crop_padding 4611686018427387904"), std::string::npos) << error_of(crop);
+  crop.crop_padding = std::numeric_limits<int64_t>::max() / 2 - 2;
+  EXPECT_NE(error_of(crop).find("overflows"), std::string::npos) << error_of(crop);
+  // 0 still means unset, with the crop on or off.
+  crop.crop_padding = 1;
+  EXPECT_EQ(SampleTransform({1, 6, 6}, crop).OutputShape().height, 6);
+  EXPECT_EQ(SampleTransform({1, 6, 6}, TransformOptions{}).OutputShape().width, 6);
 }
 
 TEST(SampleTransform, PresetsMatchTheImages) {
