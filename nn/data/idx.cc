@@ -92,9 +92,11 @@ using ReadFn = std::function<size_t(void* dst, size_t n)>;
 // result. `size_hint` guesses the bytes left to read (what is reserved; a
 // wrong guess costs copies, never a large allocation for a forged header);
 // when `size_is_exact`, it is the size, and a header asking for more fails
-// before any data is read.
+// before any data is read. So does one asking for more than `max_bytes` in
+// all, the bound on a gzip stream's output (which would otherwise fail only
+// after decompressing up to the bound).
 IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact,
-                      const std::string& source, int expected_dims) {
+                      uint64_t max_bytes, const std::string& source, int expected_dims) {
   uint8_t p[4] = {};
   const size_t magic = read(p, 4);
   if (magic < 4) {
@@ -150,6 +152,12 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   };
   const uint64_t after_header = size_hint > header ? size_hint - header : 0;
   if (size_is_exact && (overflow || count > after_header)) throw truncated(after_header);
+  if (overflow || max_bytes < header || count > max_bytes - header) {
+    throw DatasetError(source + ": IDX dimensions " + DimsString(out.dims) + " need " +
+                       (overflow ? std::string("more than 2^62") : std::to_string(header + count)) +
+                       " bytes with the " + std::to_string(header) + "-byte header, more than " +
+                       std::to_string(max_bytes) + " bytes (the bound on decompressed data)");
+  }
   // The data, in chunks that stay in cache between being zeroed by resize
   // and written by read; reserved up front when the guess allows.
   const uint64_t want = overflow ? UINT64_MAX : count;
@@ -189,7 +197,8 @@ IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expecte
     at += got;
     return got;
   };
-  return ParseIdxFrom(read, bytes.size(), /*size_is_exact=*/true, source, expected_dims);
+  return ParseIdxFrom(read, bytes.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, source,
+                      expected_dims);
 }
 
 IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& source,
@@ -197,7 +206,8 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
   if (internal::IsGzip(file_bytes)) {
     internal::GzipReader gzip(file_bytes, source, max_decompressed_bytes);
     const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
-    return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, source, expected_dims);
+    return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, max_decompressed_bytes, source,
+                        expected_dims);
   }
   return ParseIdx(file_bytes, source, expected_dims);
 }

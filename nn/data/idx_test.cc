@@ -236,6 +236,22 @@ TEST(IdxErrors, DecompressedSizeIsBounded) {
               AllOf(HasSubstr("big.gz"), HasSubstr("more than 4096 bytes")));
 }
 
+// A gzip stream whose header asks for more than the bound fails at the
+// header, naming the dimensions, instead of after decompressing up to the
+// bound (here 16 MiB of zeros behind a header wanting 4 GiB).
+TEST(IdxErrors, GzipHeaderOverTheBoundFailsBeforeDecompressing) {
+  const std::string gz = Gzip(IdxBytes({0xffffffffu}, std::string(size_t{16} << 20, '\0')));
+  EXPECT_THAT(ErrorOf([&] { ParseIdxFileBytes(gz, "big.gz"); }),
+              AllOf(HasSubstr("big.gz"), HasSubstr("dimensions [4294967295] need 4294967303 bytes"),
+                    HasSubstr("more than 4294967296 bytes (the bound on decompressed data)")));
+  const std::string overflowing = Gzip(IdxBytes({0xffffffffu, 0xffffffffu, 0xffffffffu}, "ab"));
+  EXPECT_THAT(ErrorOf([&] { ParseIdxFileBytes(overflowing, "o.gz"); }),
+              AllOf(HasSubstr("[4294967295, 4294967295, 4294967295] need more than 2^62 bytes"),
+                    HasSubstr("the bound on decompressed data")));
+  // A header within the bound still reads.
+  EXPECT_EQ(ParseIdxFileBytes(Gzip(IdxBytes({3}, "abc")), "ok.gz", 0, 11).data.size(), 3u);
+}
+
 // The trailer's size field only sizes the first allocation: one that
 // claims 4 GiB for a few hundred compressed bytes neither allocates that
 // (capped by deflate's largest ratio) nor goes unnoticed (zlib checks it).
