@@ -44,11 +44,17 @@ void InMemoryImageDataset::Check() const {
     throw DatasetError(name_ + ": image shape " + shape_.ToString() +
                        " must be positive in every dimension");
   }
+  uint64_t expected = 0;
+  if (!shape_.PixelsFit() ||
+      __builtin_mul_overflow(static_cast<uint64_t>(labels_.size()), static_cast<uint64_t>(shape_.NumPixels()),
+                             &expected)) {
+    throw DatasetError(name_ + ": image shape " + shape_.ToString() + " times " +
+                       std::to_string(labels_.size()) + " labels overflows the pixel count");
+  }
   if (num_classes_ <= 0 || num_classes_ > 256) {
     throw DatasetError(name_ + ": number of classes " + std::to_string(num_classes_) +
                        " must be in [1, 256] for u8 labels");
   }
-  const uint64_t expected = static_cast<uint64_t>(labels_.size()) * shape_.NumPixels();
   if (pixel_bytes_ != expected) {
     throw DatasetError(name_ + ": " + std::to_string(labels_.size()) + " labels need " +
                        std::to_string(expected) + " pixel bytes of shape " +
@@ -93,6 +99,10 @@ SyntheticDataset::SyntheticDataset(SyntheticOptions options) : options_(options)
   if (s.channels <= 0 || s.height <= 0 || s.width <= 0) {
     throw std::invalid_argument("synthetic dataset: image shape " + s.ToString() +
                                 " must be positive in every dimension");
+  }
+  if (!s.PixelsFit()) {
+    throw std::invalid_argument("synthetic dataset: image shape " + s.ToString() +
+                                " has more pixels than int64 holds");
   }
   if (options_.size < 0) {
     throw std::invalid_argument("synthetic dataset: size " + std::to_string(options_.size) +

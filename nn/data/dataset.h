@@ -27,8 +27,14 @@ struct ImageShape {
   int64_t height = 0;
   int64_t width = 0;
 
-  /// Pixels per image (C*H*W).
+  /// Pixels per image (C*H*W). Unchecked: the datasets reject shapes whose
+  /// product overflows int64 (see PixelsFit).
   int64_t NumPixels() const { return channels * height * width; }
+  /// True if C*H*W fits in int64.
+  bool PixelsFit() const {
+    int64_t n = 0;
+    return !__builtin_mul_overflow(channels, height, &n) && !__builtin_mul_overflow(n, width, &n);
+  }
   /// "[1, 28, 28]".
   std::string ToString() const;
   friend bool operator==(const ImageShape&, const ImageShape&) = default;

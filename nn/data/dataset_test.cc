@@ -31,6 +31,25 @@ TEST(InMemoryImageDataset, RejectsMismatchedSizes) {
   }
 }
 
+// C*H*W past int64 wrapped (2^63 became INT64_MIN, and 0 labels then
+// "needed" 0 bytes); the shape is now rejected by name.
+TEST(InMemoryImageDataset, RejectsShapeWhosePixelCountOverflows) {
+  const int64_t big = int64_t{1} << 21;
+  try {
+    InMemoryImageDataset ds("huge", {big, big, big}, 3, {}, {});
+    FAIL() << "accepted " << ds.Name();
+  } catch (const DatasetError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("image shape [2097152, 2097152, 2097152]"));
+  }
+  // The count fits, the bytes of all samples do not.
+  try {
+    InMemoryImageDataset ds("many", {1, int64_t{1} << 31, int64_t{1} << 31}, 3, {}, std::vector<uint8_t>(4));
+    FAIL() << "accepted " << ds.Name();
+  } catch (const DatasetError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[1, 2147483648, 2147483648] times 4 labels overflows"));
+  }
+}
+
 TEST(InMemoryImageDataset, RejectsLabelOutOfRange) {
   try {
     InMemoryImageDataset ds("tiny", {1, 1, 1}, 3, {1, 2}, {2, 3});
@@ -97,6 +116,13 @@ TEST(SyntheticDataset, RejectsBadOptions) {
   EXPECT_THROW(SyntheticDataset({10, {0, 2, 2}, 3, 0}), std::invalid_argument);
   EXPECT_THROW(SyntheticDataset({10, {1, 2, 2}, 0, 0}), std::invalid_argument);
   EXPECT_THROW(SyntheticDataset({-1, {1, 2, 2}, 2, 0}), std::invalid_argument);
+  const int64_t big = int64_t{1} << 21;
+  try {
+    SyntheticDataset huge({10, {big, big, big}, 3, 0});
+    FAIL() << "accepted " << huge.Name();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("image shape [2097152, 2097152, 2097152] has more pixels"));
+  }
   SyntheticDataset ds({10, {1, 2, 2}, 2, 0});
   EXPECT_THROW(ds.Label(10), std::out_of_range);
 }
