@@ -1,10 +1,12 @@
 #include "nn/tensor/generator.h"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -129,14 +131,37 @@ void FillWith(const Tensor& t, const char* what, Generator& gen, Draw draw,
   }
 }
 
+// A bound as messages show it (printf's %g: "0.5", "-inf", "nan").
+std::string BoundString(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
 }  // namespace
 
 void UniformFill(const Tensor& t, double low, double high, Generator& gen) {
+  // As torch's uniform_: finite bounds, low <= high (low == high fills low).
+  if (!std::isfinite(low) || !std::isfinite(high)) {
+    throw std::invalid_argument("UniformFill: bounds must be finite, got low " + BoundString(low) + " and high " +
+                                BoundString(high));
+  }
+  if (low > high) {
+    throw std::invalid_argument("UniformFill: low " + BoundString(low) + " is greater than high " +
+                                BoundString(high));
+  }
   FillWith(t, "UniformFill", gen, [&] { return low + (high - low) * gen.NextDouble(); },
            high > low ? std::optional<double>(high) : std::nullopt);
 }
 
 void NormalFill(const Tensor& t, double mean, double std, Generator& gen) {
+  // As torch's normal_: std >= 0 (0 fills the mean); NaN and inf are refused too.
+  if (!std::isfinite(mean)) {
+    throw std::invalid_argument("NormalFill: mean " + BoundString(mean) + " must be finite");
+  }
+  if (!(std >= 0) || !std::isfinite(std)) {
+    throw std::invalid_argument("NormalFill: std " + BoundString(std) + " must be finite and >= 0");
+  }
   FillWith(t, "NormalFill", gen, [&] { return mean + std * gen.NextNormal(); });
 }
 

@@ -885,6 +885,7 @@ Tensor Zeros(const Shape& shape, TensorOptions options) { return Full(shape, 0.0
 Tensor Ones(const Shape& shape, TensorOptions options) { return Full(shape, 1.0, options); }
 
 Tensor Arange(int64_t n, TensorOptions options) {
+  if (n < 0) throw std::invalid_argument("Arange: n " + std::to_string(n) + " must be >= 0");
   std::vector<double> v(n);
   for (int64_t i = 0; i < n; ++i) v[i] = static_cast<double>(i);
   return FromVector(v, {n}, options);

@@ -417,6 +417,35 @@ TEST(TensorPrintTest, ViewsPrintTheirElements) {
   EXPECT_NE(big.ToString().find("...,\n"), std::string::npos);
 }
 
+// Arguments torch refuses are refused here too, naming the value.
+TEST(GeneratorTest, FillsRejectBadBoundsNamingThem) {
+  auto error_of = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  Tensor t = Empty({4});
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(error_of([&] { UniformFill(t, 2.0, 1.0); }), "UniformFill: low 2 is greater than high 1");
+  EXPECT_EQ(error_of([&] { UniformFill(t, -inf, 1.0); }), "UniformFill: bounds must be finite, got low -inf and high 1");
+  EXPECT_EQ(error_of([&] { UniformFill(t, 0.0, nan); }), "UniformFill: bounds must be finite, got low 0 and high nan");
+  EXPECT_EQ(error_of([&] { NormalFill(t, 0.0, -0.5); }), "NormalFill: std -0.5 must be finite and >= 0");
+  EXPECT_EQ(error_of([&] { NormalFill(t, 0.0, nan); }), "NormalFill: std nan must be finite and >= 0");
+  EXPECT_EQ(error_of([&] { NormalFill(t, 0.0, inf); }), "NormalFill: std inf must be finite and >= 0");
+  EXPECT_EQ(error_of([&] { NormalFill(t, nan, 1.0); }), "NormalFill: mean nan must be finite");
+  EXPECT_EQ(error_of([&] { Arange(-1); }), "Arange: n -1 must be >= 0");
+  // The edges torch accepts: equal bounds and std 0 fill a constant.
+  UniformFill(t, 3.0, 3.0);
+  EXPECT_EQ(t.ToVector<double>(), std::vector<double>(4, 3.0));
+  NormalFill(t, 1.5, 0.0);
+  EXPECT_EQ(t.ToVector<double>(), std::vector<double>(4, 1.5));
+  EXPECT_EQ(Arange(0).numel(), 0);
+}
+
 TEST(GeneratorTest, SeededSequencesRepeatAndDiffer) {
   Generator a(42), b(42), c(43);
   for (int i = 0; i < 10; ++i) {
