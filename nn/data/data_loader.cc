@@ -129,6 +129,14 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
                            " hold " + std::to_string(indices->size()) + " indices but its Size() is " +
                            std::to_string(sampler_->Size()));
   }
+  // The constructor's check again: a sampler can shrink since then
+  // (DistributedSampler::set_start when resuming late in an epoch).
+  if (s_->options.drop_last && s_->options.batch_size > sampler_->Size()) {
+    throw std::invalid_argument("DataLoader: epoch " + std::to_string(epoch) + ": batch_size " +
+                                std::to_string(s_->options.batch_size) + " is larger than the " +
+                                std::to_string(sampler_->Size()) +
+                                " samples the sampler now yields; with drop_last no batch is left");
+  }
   const int64_t num_batches = NumBatches();
   if (skip_batches < 0 || skip_batches > num_batches) {
     throw std::invalid_argument("DataLoader: cannot skip " + std::to_string(skip_batches) +

@@ -84,7 +84,8 @@ class DataLoader {
   /// Starts `epoch` (calls the sampler's SetEpoch) at batch `skip_batches`,
   /// which resumes an interrupted epoch exactly; abandons the previous one.
   /// Throws std::out_of_range if the sampler yields an index outside the
-  /// dataset.
+  /// dataset, and std::invalid_argument if, with drop_last, the sampler has
+  /// shrunk below one batch since the constructor checked it.
   void StartEpoch(int64_t epoch, int64_t skip_batches = 0);
   /// The next batch of the epoch, or nullopt at its end. Rethrows an error
   /// raised while building the batch; throws std::runtime_error after

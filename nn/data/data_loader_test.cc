@@ -330,6 +330,28 @@ TEST(DataLoader, RejectsBadOptionsAndIndices) {
   EXPECT_THROW(loader.Next(), std::logic_error);
 }
 
+// A sampler moved past most of its epoch (resuming) leaves fewer samples
+// than a batch: with drop_last, StartEpoch says so instead of running an
+// epoch of no batches.
+TEST(DataLoader, DropLastEpochOfNoBatchAfterSetStartIsRefused) {
+  auto ds = FashionTest();
+  auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{2, 0, false, 0, false});
+  DataLoader loader(ds, sampler, {}, {.batch_size = 100, .drop_last = true});
+  loader.StartEpoch(0);
+  EXPECT_EQ(loader.NumBatches(), ds->Size() / 2 / 100);
+  sampler->set_start(ds->Size() - 20);
+  try {
+    loader.StartEpoch(1);
+    FAIL() << "no error; " << loader.NumBatches() << " batches";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("batch_size 100 is larger than the 10 samples"));
+  }
+  // Without drop_last the short epoch is one small batch, as before.
+  DataLoader keep(ds, sampler, {}, {.batch_size = 100});
+  keep.StartEpoch(1);
+  EXPECT_EQ(keep.NumBatches(), 1);
+}
+
 // A user sampler whose Indices() hold fewer than its Size() says.
 class ShortSampler : public Sampler {
  public:
