@@ -33,11 +33,15 @@ int64_t Fan(const Tensor& w, std::string_view mode) {
 }  // namespace
 
 void KaimingUniform(const Tensor& w, double a, std::string_view mode, std::string_view nonlinearity, Generator& gen) {
+  // A tensor with no elements (a layer with 0 inputs: fan 0, an infinite
+  // bound) is left as it is, as PyTorch does.
+  if (w.numel() == 0) return;
   const double bound = Gain(nonlinearity, a) * std::sqrt(3.0 / static_cast<double>(Fan(w, mode)));
   Uniform(w, -bound, bound, gen);
 }
 
 void KaimingNormal(const Tensor& w, double a, std::string_view mode, std::string_view nonlinearity, Generator& gen) {
+  if (w.numel() == 0) return;  // as KaimingUniform
   const double std = Gain(nonlinearity, a) / std::sqrt(static_cast<double>(Fan(w, mode)));
   NoGradGuard guard;
   NormalFill(w, 0.0, std, gen);

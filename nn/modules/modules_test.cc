@@ -445,6 +445,15 @@ TEST(ModuleTest, EmptyBatchRunsForwardAndBackward) {
   }
 }
 
+TEST(InitTest, LayersWithoutInputsConstructAsInPyTorch) {
+  // Fan 0 gives Kaiming an infinite bound; an empty weight is left alone
+  // and the bias bound is 0, as PyTorch does.
+  Linear empty_in(0, 3);
+  EXPECT_EQ(empty_in.weight().numel(), 0);
+  for (float v : empty_in.bias().ToVector<float>()) EXPECT_EQ(v, 0.0f);
+  EXPECT_EQ(empty_in.Forward(Zeros({2, 0})).shape(), (Shape{2, 3}));
+}
+
 TEST(InitTest, PyTorchBoundsAndSeededReproducibility) {
   Generator g1(7), g2(7);
   Linear a(100, 50, true, g1), b(100, 50, true, g2);
