@@ -1,7 +1,6 @@
 #include "transport/topology/topology.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <set>
@@ -38,12 +37,16 @@ class FieldReader {
     if (!it->is_number_integer()) {
       return Error(field, std::string("expected an integer, got ") + TypeName(*it));
     }
-    const int64_t value = it->get<int64_t>();
-    if (value < min_value || value > (1 << 24)) {
-      return Error(field, std::to_string(value) + " is out of range [" +
-                              std::to_string(min_value) + ", " + std::to_string(1 << 24) + "]");
+    // An unsigned value of 2^63 or more would wrap negative in get<int64_t>
+    // (18446744073709551615 read as -1), so it is range-checked as unsigned.
+    const bool too_big = it->is_number_unsigned()
+                             ? it->get<uint64_t>() > (uint64_t{1} << 24)
+                             : it->get<int64_t>() > (int64_t{1} << 24);
+    if (too_big || it->get<int64_t>() < min_value) {
+      return Error(field, it->dump() + " is out of range [" + std::to_string(min_value) + ", " +
+                              std::to_string(1 << 24) + "]");
     }
-    out = static_cast<int>(value);
+    out = static_cast<int>(it->get<int64_t>());
     return Status::Ok();
   }
   Status Number(const char* field, double& out) const {
@@ -298,8 +301,12 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
             return InvalidArgumentError(where + ": expected an integer, got " + TypeName(item));
           }
           // (Negative ones are named by Validate.)
-          const bool huge = item.is_number_unsigned() ? item.get<uint64_t>() > (uint64_t{1} << 24)
-                                                      : std::abs(item.get<int64_t>()) > (int64_t{1} << 24);
+          // Both bounds compared directly: std::abs of INT64_MIN is undefined
+          // (it read -9223372036854775808 as peer 0).
+          const int64_t limit = int64_t{1} << 24;
+          const bool huge = item.is_number_unsigned()
+                                ? item.get<uint64_t>() > static_cast<uint64_t>(limit)
+                                : item.get<int64_t>() > limit || item.get<int64_t>() < -limit;
           if (huge) {
             return InvalidArgumentError(where + ": " + item.dump() + " is out of range [0, " +
                                         std::to_string(1 << 24) + "]");

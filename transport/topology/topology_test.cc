@@ -228,6 +228,24 @@ TEST(RingOrder, ManyGpusFallBackToAWalkThatVisitsEachOnce) {
   }
 }
 
+// Integers past int64's range used to wrap: an unsigned 2^64 - 1 read as -1
+// (so "gpu" meant no GPU), and the most negative int64 went through
+// std::abs, which is undefined for it, and came out as peer 0.
+TEST(ParseTopologyJson, IntegersAtTheEdgesOf64BitsAreOutOfRange) {
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": 0, "gpu": 18446744073709551615}]})",
+              "ranks[0].gpu: 18446744073709551615 is out of range [-1, 16777216]");
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": 18446744073709551615}]})",
+              "ranks[0].host: 18446744073709551615 is out of range [0, 16777216]");
+  ExpectError(R"({"hosts": [{}], "ranks": [{"host": -9223372036854775808}]})",
+              "ranks[0].host: -9223372036854775808 is out of range [0, 16777216]");
+  ExpectError(R"({"hosts": [{"gpus": [{}, {"nvlink_peers": [-9223372036854775808]}]}],
+      "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[1].nvlink_peers[0]: -9223372036854775808 is out of range [0, 16777216]");
+  ExpectError(R"({"hosts": [{"gpus": [{}, {"nvlink_peers": [18446744073709551615]}]}],
+      "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[1].nvlink_peers[0]: 18446744073709551615 is out of range [0, 16777216]");
+}
+
 TEST(ParseTopologyJson, PeerPerfRanksAreCheckedAndRoundTrip) {
   ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1], "peer_perf_ranks": [0, 1]}, {}]}],
       "ranks": [{"host": 0}]})",
