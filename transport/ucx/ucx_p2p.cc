@@ -550,6 +550,10 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
         if ((i & 15) == 0 && Clock::now() >= deadline) break;
       }
       if (waiting_for == nullptr || !waiting_for->done) return health;
+      // The request waited for finished in the drain, but the report is
+      // about the job, not that request: check again at the next clock
+      // read, for what the wait needs next, not a whole period later.
+      next_watchdog_ = Clock::time_point{};
     }
   }
   if (busy) return Status::Ok();

@@ -22,7 +22,8 @@ using std::chrono::milliseconds;
 // N ranks in this process, each with its own context and worker, connected
 // all-to-all over shared memory. Each rank is driven by its own thread.
 std::vector<std::unique_ptr<UcxPointToPoint>> MakeRanks(int n, IdleMode idle = IdleMode::kSpin,
-                                                        milliseconds recall_grace = P2pOptions{}.recall_grace) {
+                                                        milliseconds recall_grace = P2pOptions{}.recall_grace,
+                                                        milliseconds watchdog_period = P2pOptions{}.watchdog_period) {
   std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
   std::vector<std::string> addresses;
   for (int r = 0; r < n; ++r) {
@@ -30,6 +31,7 @@ std::vector<std::unique_ptr<UcxPointToPoint>> MakeRanks(int n, IdleMode idle = I
     EXPECT_TRUE(context.ok()) << context.status();
     auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = n, .idle_mode = idle,
                                                   .idle_polls_before_backoff = 64,
+                                                  .watchdog_period = watchdog_period,
                                                   .recall_grace = recall_grace});
     EXPECT_TRUE(p2p.ok()) << p2p.status();
     addresses.push_back((*p2p)->address());
@@ -357,6 +359,44 @@ TEST(UcxPointToPoint, WatchdogEndsAWait) {
   EXPECT_GE(calls.load(), 2);
   // The watchdog is told the wait's deadline, so that it returns by then.
   EXPECT_EQ(seen, deadline);
+}
+
+// The watchdog's first failure comes while the drain takes in the request
+// waited for; the wait then needs another. It used to drop the report and
+// run the watchdog again only a period later, past this wait's deadline.
+TEST(UcxPointToPoint, WatchdogFailureIsCheckedAgainWhenTheDrainFinishesTheAwaitedRequest) {
+  auto ranks = MakeRanks(2, IdleMode::kSpin, P2pOptions{}.recall_grace, milliseconds(5000));
+  UcxPointToPoint& p2p = *ranks[0];
+  UcxPointToPoint& peer = *ranks[1];
+  int first = 0, second = 0, sent = 5;
+  std::atomic<int> calls{0};
+  Status send_status;
+  p2p.SetWatchdog([&](Deadline deadline, int) -> Status {
+    if (++calls == 1) {
+      // Rank 1 sends the first message now (on this thread: nothing else
+      // drives it), so that it reaches rank 0 in the drain.
+      auto id = peer.PostSend(0, 1, &sent, sizeof(sent));
+      send_status = id.status();
+      if (id.ok()) {
+        p2p::RequestId ids[] = {*id};
+        send_status = peer.WaitAll(ids, deadline);
+      }
+    }
+    return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
+  });
+  auto r1 = p2p.PostRecv(1, 1, &first, sizeof(first));
+  auto r2 = p2p.PostRecv(1, 2, &second, sizeof(second));
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  p2p::RequestId ids[] = {*r1, *r2};
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(2000)));
+  const auto waited = Clock::now() - start;
+  ASSERT_TRUE(send_status.ok()) << send_status;
+  EXPECT_EQ(first, 5);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+  EXPECT_GE(calls.load(), 2);
+  EXPECT_LT(waited, milliseconds(2000));
+  p2p.SetWatchdog(nullptr);
 }
 
 TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
