@@ -226,6 +226,7 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
     endpoints_[peer] = nullptr;
   }
+  Polls polls;
   while (true) {
     bool pending = false;
     for (void*& request : closing) {
@@ -245,7 +246,7 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
       }
       return TimedOutError("closing UCX endpoints: peers did not confirm in time");
     }
-    worker_->Progress();
+    PollUntil(polls, deadline);
   }
 }
 
@@ -339,7 +340,8 @@ void UcxPointToPoint::Recall(Deadline limit) {
     }
     return false;
   };
-  while (live_peer_left() && Clock::now() < grace) worker_->Progress();
+  Polls polls;
+  while (live_peer_left() && Clock::now() < grace) PollUntil(polls, grace);
   CloseEndpointsOfAbandoned(/*lost_peers_only=*/false, limit);
 }
 
@@ -375,7 +377,8 @@ void UcxPointToPoint::CloseEndpointsOfAbandoned(bool lost_peers_only, Deadline l
     }
     return false;
   };
-  while (owned_left() && Clock::now() < deadline) worker_->Progress();
+  Polls polls;
+  while (owned_left() && Clock::now() < deadline) PollUntil(polls, deadline);
 }
 
 void UcxPointToPoint::SendCallback(void* request, ucs_status_t status, void* user_data) {
@@ -509,8 +512,7 @@ Status UcxPointToPoint::PendingSlotStatus(const Slot* slot) const {
   return Status::Ok();
 }
 
-Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
-                             const Slot* waiting_for) {
+bool UcxPointToPoint::Poll(Polls& polls) {
   const bool busy = worker_->Progress() != 0;
   if (busy) {
     polls.idle = 0;
@@ -524,6 +526,12 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
       polls.idle >= options_.idle_polls_before_backoff) {
     sched_yield();
   }
+  return busy;
+}
+
+Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
+                             const Slot* waiting_for) {
+  const bool busy = Poll(polls);
   // Reading the clock costs ~20 ns; doing it every 16 polls keeps the
   // deadline check well under a microsecond late while idle. Polls that
   // found work count too: a peer that keeps this worker busy (a stream of
@@ -557,26 +565,37 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
     }
   }
   if (busy) return Status::Ok();
-  if (polls.idle >= options_.idle_polls_before_backoff) {
-    switch (options_.idle_mode) {
-      case IdleMode::kSpin:
-        // Even with a core per rank, a long idle stretch means the peer is
-        // not running (a busy machine): let it have the core.
-        if (polls.idle >= 16 * options_.idle_polls_before_backoff) sched_yield();
-        break;
-      case IdleMode::kYield:
-        break;  // above, at every idle poll
-      case IdleMode::kSleep: {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-        const int timeout_ms =
-            static_cast<int>(std::min<int64_t>(std::max<int64_t>(left.count(), 0),
-                                               options_.watchdog_period.count()));
-        DDP_RETURN_IF_ERROR(worker_->WaitForEvents(timeout_ms));
-        break;
-      }
+  return BackOff(polls, now, deadline, options_.watchdog_period);
+}
+
+Status UcxPointToPoint::BackOff(const Polls& polls, Clock::time_point now, Deadline deadline,
+                                std::chrono::milliseconds max_sleep) {
+  if (polls.idle < options_.idle_polls_before_backoff) return Status::Ok();
+  switch (options_.idle_mode) {
+    case IdleMode::kSpin:
+      // Even with a core per rank, a long idle stretch means the peer is
+      // not running (a busy machine): let it have the core.
+      if (polls.idle >= 16 * options_.idle_polls_before_backoff) sched_yield();
+      break;
+    case IdleMode::kYield:
+      break;  // in Poll, at every idle poll
+    case IdleMode::kSleep: {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+      const int timeout_ms = static_cast<int>(
+          std::min<int64_t>(std::max<int64_t>(left.count(), 0), max_sleep.count()));
+      DDP_RETURN_IF_ERROR(worker_->WaitForEvents(timeout_ms));
+      break;
     }
   }
   return Status::Ok();
+}
+
+void UcxPointToPoint::PollUntil(Polls& polls, Deadline until) {
+  if (Poll(polls)) return;
+  // A close or a forced cancel may complete in a progress callback that
+  // signals no event, so sleeps are short; an error from the sleep only
+  // makes this loop spin until `until`.
+  BackOff(polls, Clock::now(), until, std::chrono::milliseconds(1)).IgnoreError();
 }
 
 StatusOr<bool> UcxPointToPoint::Test(p2p::RequestId id) {

@@ -185,9 +185,19 @@ class UcxPointToPoint final : public p2p::PointToPoint {
     int idle = 0;         // consecutive polls that found nothing to do (saturates)
     unsigned total = 0;   // every poll; paces the clock reads
   };
+  // One poll of the worker; in yield mode, past the threshold, an idle poll
+  // yields. Returns whether the poll found work.
+  bool Poll(Polls& polls);
+  // After an idle poll: yields or sleeps on the event fd as the idle mode
+  // asks, sleeping at most `max_sleep` and not past `deadline`.
+  Status BackOff(const Polls& polls, Clock::time_point now, Deadline deadline,
+                 std::chrono::milliseconds max_sleep);
   // One poll of the worker plus back-off, deadline and watchdog handling.
   Status Idle(Polls& polls, Deadline deadline, Clock::time_point started,
               const Slot* waiting_for);
+  // One poll plus back-off, for loops that wait on UCX alone until `until`
+  // (closes, recalls): a same-host peer sharing the core still gets to run.
+  void PollUntil(Polls& polls, Deadline until);
   std::string Describe(const Slot* slot) const;
 
   // Members are destroyed bottom-up: requests, then endpoints, then the
