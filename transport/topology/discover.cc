@@ -271,6 +271,13 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
       }
     }
   }
+  if (name == "?") {
+    // The texts differ but no setting does (spacing, or a setting given
+    // twice): the texts themselves, quoted so that spacing shows.
+    return "settings differ between ranks: rank " + std::to_string(my_rank) + " has \"" + mine +
+           "\", rank " + std::to_string(their_rank) + " has \"" + theirs +
+           "\" (they must be equal on every rank)";
+  }
   return "setting " + name + " differs between ranks: rank " + std::to_string(my_rank) + " has " +
          va + ", rank " + std::to_string(their_rank) + " has " + vb +
          " (it must be equal on every rank)";

@@ -64,7 +64,9 @@ struct Exchanged {
 
 /// "setting staged_reduce differs between ranks: rank 0 has device, rank 1
 /// has host (it must be equal on every rank)", for the first setting (by
-/// name) whose values differ in two ranks' LocalView::settings.
+/// name) whose values differ in two ranks' LocalView::settings. When the
+/// texts differ but no setting does (spacing, a setting given twice), both
+/// texts, quoted.
 std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const std::string& theirs,
                                      int their_rank);
 

@@ -341,6 +341,18 @@ TEST(ExchangeTopology, SettingsMismatchNamesTheFirstDifferenceOrAMissingSetting)
             std::string::npos);
 }
 
+// The exchange compares the texts; where they differ only in spacing, or in
+// a setting given twice, no setting differs, and the message showed
+// "setting ? ... (unset) ... (unset)".
+TEST(ExchangeTopology, SettingsMismatchWithNoSettingDifferentQuotesBothTexts) {
+  EXPECT_EQ(DescribeSettingsMismatch("a=1  b=2", 0, "a=1 b=2", 1),
+            "settings differ between ranks: rank 0 has \"a=1  b=2\", rank 1 has \"a=1 b=2\" "
+            "(they must be equal on every rank)");
+  EXPECT_EQ(DescribeSettingsMismatch("a=2", 1, "a=1 a=2", 2),
+            "settings differ between ranks: rank 1 has \"a=2\", rank 2 has \"a=1 a=2\" "
+            "(they must be equal on every rank)");
+}
+
 TEST(ExchangeTopology, MissingRankTimesOutNamingIt) {
   testing::InMemoryStore store;
   LocalView view;
