@@ -206,6 +206,7 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
 Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_remote,
                                        Deadline deadline) {
   std::vector<void*> closing;
+  std::vector<int> closing_peers;  // closing[i] is the endpoint to closing_peers[i]
   for (int peer : peers) {
     if (endpoints_[peer] == nullptr) continue;
     ucp_request_param_t param;
@@ -223,7 +224,10 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
                        (force_remote && peers_[peer]->peer_error_mode);
     param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* request = ucp_ep_close_nbx(endpoints_[peer], &param);
-    if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
+    if (UCS_PTR_IS_PTR(request)) {
+      closing.push_back(request);
+      closing_peers.push_back(peer);
+    }
     endpoints_[peer] = nullptr;
   }
   Polls polls;
@@ -241,10 +245,14 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     if (!pending) return Status::Ok();
     if (Clock::now() > deadline) {
       // The worker's destruction releases what is left.
-      for (void* request : closing) {
-        if (request != nullptr) ucp_request_free(request);
+      std::string ranks;
+      for (size_t i = 0; i < closing.size(); ++i) {
+        if (closing[i] == nullptr) continue;
+        ucp_request_free(closing[i]);
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(closing_peers[i]);
       }
-      return TimedOutError("closing UCX endpoints: peers did not confirm in time");
+      return TimedOutError("closing UCX endpoints: rank(s) " + ranks +
+                           " did not confirm the close in time");
     }
     PollUntil(polls, deadline);
   }
@@ -487,6 +495,16 @@ std::string UcxPointToPoint::Describe(const Slot* slot) const {
   return out.str();
 }
 
+std::string UcxPointToPoint::DescribeAny(std::span<Slot* const> slots) const {
+  constexpr size_t kNamed = 4;
+  std::string out = "WaitAny: each of " + std::to_string(slots.size()) + " requests (";
+  for (size_t i = 0; i < slots.size() && i < kNamed; ++i) {
+    out += (i == 0 ? "" : "; ") + Describe(slots[i]);
+  }
+  if (slots.size() > kNamed) out += "; and " + std::to_string(slots.size() - kNamed) + " more";
+  return out + ")";
+}
+
 Status UcxPointToPoint::SlotStatus(const Slot* slot) const {
   if (slot->ucs == UCS_ERR_MESSAGE_TRUNCATED) {
     return InvalidArgumentError(Describe(slot) + ": rank " + std::to_string(slot->peer) +
@@ -530,7 +548,7 @@ bool UcxPointToPoint::Poll(Polls& polls) {
 }
 
 Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
-                             const Slot* waiting_for) {
+                             const Slot* waiting_for, std::span<Slot* const> any_of) {
   const bool busy = Poll(polls);
   // Reading the clock costs ~20 ns; doing it every 16 polls keeps the
   // deadline check well under a microsecond late while idle. Polls that
@@ -540,7 +558,8 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
   const Clock::time_point now = Clock::now();
   if (now >= deadline) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - started);
-    return TimedOutError(Describe(waiting_for) + " still pending after " +
+    return TimedOutError((any_of.size() > 1 ? DescribeAny(any_of) : Describe(waiting_for)) +
+                         " still pending after " +
                          std::to_string(waited.count()) + " ms (deadline passed)");
   }
   // Only in waits that already lasted a millisecond: the watchdog's store
@@ -600,7 +619,9 @@ void UcxPointToPoint::PollUntil(Polls& polls, Deadline until) {
 
 StatusOr<bool> UcxPointToPoint::Test(p2p::RequestId id) {
   Slot* slot = Lookup(id);
-  if (slot == nullptr) return InvalidArgumentError("unknown or released request id");
+  if (slot == nullptr) {
+    return InvalidArgumentError("Test: request id " + std::to_string(id) + " unknown or released");
+  }
   if (!slot->done) worker_->Progress();
   if (!slot->done) {
     Status failure = PendingSlotStatus(slot);
@@ -694,7 +715,10 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
   slots.reserve(requests.size());
   for (p2p::RequestId id : requests) {
     Slot* slot = Lookup(id);
-    if (slot == nullptr) return InvalidArgumentError("WaitAny: unknown or released request id");
+    if (slot == nullptr) {
+      return InvalidArgumentError("WaitAny: request id " + std::to_string(id) +
+                                  " unknown or released");
+    }
     slots.push_back(slot);
   }
   const Clock::time_point started = Clock::now();
@@ -710,7 +734,7 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
       }
       DDP_RETURN_IF_ERROR(PendingSlotStatus(slot));
     }
-    DDP_RETURN_IF_ERROR(Idle(polls, deadline, started, slots[0]));
+    DDP_RETURN_IF_ERROR(Idle(polls, deadline, started, slots[0], slots));
   }
 }
 

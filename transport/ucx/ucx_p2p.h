@@ -193,12 +193,16 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status BackOff(const Polls& polls, Clock::time_point now, Deadline deadline,
                  std::chrono::milliseconds max_sleep);
   // One poll of the worker plus back-off, deadline and watchdog handling.
+  // A timeout names `waiting_for`, or every one of `any_of` (WaitAny) when
+  // it holds more than one.
   Status Idle(Polls& polls, Deadline deadline, Clock::time_point started,
-              const Slot* waiting_for);
+              const Slot* waiting_for, std::span<Slot* const> any_of = {});
   // One poll plus back-off, for loops that wait on UCX alone until `until`
   // (closes, recalls): a same-host peer sharing the core still gets to run.
   void PollUntil(Polls& polls, Deadline until);
   std::string Describe(const Slot* slot) const;
+  // The first few of a WaitAny's requests, and how many more.
+  std::string DescribeAny(std::span<Slot* const> slots) const;
 
   // Members are destroyed bottom-up: requests, then endpoints, then the
   // worker, then the context, which is the order UCX requires.

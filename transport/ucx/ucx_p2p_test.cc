@@ -568,6 +568,30 @@ TEST(UcxPointToPoint, WaitAnyReturnsTheCompletedOne) {
   });
 }
 
+// A WaitAny that times out names each request it waited on (it named only
+// the first), up to four, and counts the rest.
+TEST(UcxPointToPoint, WaitAnyTimeoutNamesEveryRequest) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  int in[6] = {};
+  std::vector<p2p::RequestId> ids;
+  for (int i = 0; i < 6; ++i) {
+    auto r = p2p.PostRecv(1, 20 + i, &in[i], sizeof(in[i]));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ids.push_back(*r);
+  }
+  Status s = p2p.WaitAny(std::span(ids).first(2), DeadlineIn(milliseconds(100))).status();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("each of 2 requests"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("(tag 20)"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("(tag 21)"), std::string::npos) << s;
+  s = p2p.WaitAny(ids, DeadlineIn(milliseconds(100))).status();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("each of 6 requests"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("(tag 23); and 2 more)"), std::string::npos) << s;
+  p2p.CancelAll(ids);
+}
+
 TEST(UcxPointToPoint, CancelledReceiveDoesNotTakeALaterMessage) {
   auto ranks = MakeRanks(2);
   RunRanks(ranks, [](UcxPointToPoint& p2p) {
@@ -626,7 +650,13 @@ TEST(UcxPointToPoint, BadArgumentsAreRejected) {
   EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
   EXPECT_EQ(p2p.PostSend(1, p2p::kMaxTag + 1, &v, 4).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(p2p.Test(12345).status().code(), StatusCode::kInvalidArgument);
+  s = p2p.Test(12345).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("request id 12345 unknown or released"), std::string::npos) << s;
+  p2p::RequestId unknown[] = {12346};
+  s = p2p.WaitAny(unknown, DeadlineIn(milliseconds(1000))).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("request id 12346 unknown or released"), std::string::npos) << s;
   EXPECT_FALSE(UcxPointToPoint::Create(*Context::Create({}), {.rank = 3, .size = 2}).ok());
 }
 
