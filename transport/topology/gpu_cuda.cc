@@ -26,10 +26,17 @@ std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root) {
       std::ifstream in(std::filesystem::path(sysfs_root) / "bus" / "pci" / "devices" / id / "numa_node");
       int numa = -1;
       if (in >> numa) gpus[d].numa_node = numa;
+    } else {
+      cudaGetLastError();  // left without a bus id; later CUDA calls must not see it
     }
     for (int peer = 0; peer < count; ++peer) {
+      if (peer == d) continue;
       int can = 0;
-      if (peer != d && cudaDeviceCanAccessPeer(&can, d, peer) == cudaSuccess && can) {
+      if (cudaDeviceCanAccessPeer(&can, d, peer) != cudaSuccess) {
+        cudaGetLastError();  // counted as no peer link
+        continue;
+      }
+      if (can) {
         gpus[d].nvlink_peers.push_back(peer);
         // 0 is the best link (NVLink/NVSwitch ahead of PCIe); unknown
         // counts as a slow peer link.
