@@ -298,9 +298,31 @@ void Optimizer::Step() {
   if (device_path) CheckDeviceKernels(device);
   // Every gradient is checked before any parameter changes: a bad one at
   // parameter k must not leave 0..k-1 updated and their steps counted.
-  for (const auto& [name, p] : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
     const Tensor& grad = p.grad();
     if (!grad.defined()) continue;
+    // SetData (p.data = ... in PyTorch) may have given the parameter other
+    // strides or another shape since construction or its last step: the
+    // loops below read it, its slots and its master as `numel` elements in
+    // a row, so a strided parameter would update the wrong elements and a
+    // larger one run past the end of its state.
+    if (!p.is_contiguous()) {
+      throw std::invalid_argument(std::string(Name()) + ": parameter `" + name + "` of shape " +
+                                  ShapeToString(p.shape()) + " is not contiguous (its data was replaced "
+                                  "since the optimizer took it)");
+    }
+    const State& s = state_[i];
+    std::vector<std::pair<std::string, const Tensor*>> saved;
+    for (size_t k = 0; k < s.slots.size(); ++k) saved.emplace_back(slot_names_[k], &s.slots[k]);
+    if (s.master.defined()) saved.emplace_back("master", &s.master);
+    for (const auto& [what, t] : saved) {
+      if (t->shape() != p.shape()) {
+        throw std::invalid_argument(std::string(Name()) + ": state `" + what + "` of parameter `" + name +
+                                    "` has shape " + ShapeToString(t->shape()) + ", the parameter now " +
+                                    ShapeToString(p.shape()) + " (its data was replaced with another shape)");
+      }
+    }
     if (grad.shape() != p.shape()) {
       throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` has shape " +
                                   ShapeToString(grad.shape()) + ", the parameter " +

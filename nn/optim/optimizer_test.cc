@@ -240,6 +240,67 @@ TEST(Optimizer, BadGradientOfALaterParameterChangesNothing) {
   }
 }
 
+// SetData may give a parameter another shape after its state was made: the
+// step refuses it, naming the parameter and both shapes, and changes
+// nothing. Before, only the gradient was checked against the parameter, and
+// the update ran over the parameter's elements through the old state (past
+// its end when the parameter grew).
+TEST(Optimizer, StateOfAnotherShapeIsRefused) {
+  for (const auto& [name, make] : AllOptimizers()) {
+    SCOPED_TRACE(name);
+    for (int64_t n : {1, 1000}) {
+      SCOPED_TRACE(n);
+      Tensor w = Zeros({2});
+      std::unique_ptr<Optimizer> opt = make({{"w", w}});
+      w.set_grad(Ones({2}));
+      opt->Step();
+      w.SetData(Zeros({n}));
+      w.set_grad(Ones({n}));
+      EXPECT_THAT(ErrorOf([&] { opt->Step(); }),
+                  AllOf(HasSubstr("of parameter `w` has shape [2], the parameter now [" + std::to_string(n) + "]"),
+                        HasSubstr(": state `")));
+      EXPECT_EQ(w.ToVector<float>(), std::vector<float>(n, 0.0f));
+      EXPECT_EQ(opt->step_count(0), 1);
+    }
+  }
+  // A 16-bit parameter's f32 master, here its only state (SGD without momentum).
+  Tensor h = Zeros({2}, {.dtype = DType::kBFloat16});
+  Sgd sgd({{"h", h}}, {.lr = 0.1});
+  h.set_grad(Ones({2}, {.dtype = DType::kBFloat16}));
+  sgd.Step();
+  h.SetData(Zeros({3}, {.dtype = DType::kBFloat16}));
+  h.set_grad(Ones({3}, {.dtype = DType::kBFloat16}));
+  EXPECT_EQ(ErrorOf([&] { sgd.Step(); }),
+            "SGD: state `master` of parameter `h` has shape [2], the parameter now [3] (its data was replaced "
+            "with another shape)");
+}
+
+// A parameter made strided by SetData (a view of a wider buffer) is refused
+// at the step, with state or without. Before, only the constructor checked,
+// and the step updated the buffer's first elements in a row instead of the
+// view's.
+TEST(Optimizer, ParameterMadeNonContiguousIsRefused) {
+  for (const auto& [name, make] : AllOptimizers()) {
+    SCOPED_TRACE(name);
+    for (bool stepped_before : {false, true}) {
+      SCOPED_TRACE(stepped_before);
+      Tensor w = Zeros({2, 2});
+      std::unique_ptr<Optimizer> opt = make({{"w", w}});
+      if (stepped_before) {
+        w.set_grad(Ones({2, 2}));
+        opt->Step();
+      }
+      const Tensor wide = Zeros({2, 4});
+      w.SetData(wide.Narrow(1, 0, 2));
+      w.set_grad(Ones({2, 2}));
+      EXPECT_THAT(ErrorOf([&] { opt->Step(); }),
+                  HasSubstr(": parameter `w` of shape [2, 2] is not contiguous (its data was replaced since the "
+                            "optimizer took it)"));
+      EXPECT_EQ(wide.ToVector<float>(), std::vector<float>(8, 0.0f));
+    }
+  }
+}
+
 // A negative, NaN or infinite "lr" is refused with the other problems, as
 // set_lr refuses a negative one. Before, LoadStateDict took it.
 TEST(OptimizerState, LearningRateMustBeFiniteAndNonNegative) {
