@@ -146,6 +146,20 @@ void GradScaler::Unscale(Optimizer& optimizer) {
   if (state.stage == Stage::kStepped) {
     throw std::logic_error("GradScaler: Unscale called after Step for this optimizer, before Update");
   }
+  // An unscaled f16 gradient is written back in f16, where g / scale drops
+  // below the smallest subnormal (6e-8) for many gradients that were fine
+  // scaled: they would become 0. PyTorch's unscale_ refuses f16 gradients
+  // too. Step without Unscale reads them in f32 and unscales there. (bf16
+  // has f32's exponent range, so unscaling it loses nothing of that sort.)
+  for (const auto& [name, p] : optimizer.params()) {
+    const Tensor& g = p.grad();
+    if (g.defined() && g.dtype() == DType::kFloat16) {
+      throw std::invalid_argument("GradScaler: gradient of `" + name +
+                                  "` is f16, which Unscale would flush towards zero (g / scale rounded "
+                                  "to f16); keep f32 gradients, or call Step without Unscale (it unscales "
+                                  "in f32 as the optimizer reads)");
+    }
+  }
   // PyTorch computes the reciprocal in f64 and rounds it to f32.
   const float inv = static_cast<float>(1.0 / static_cast<double>(scale_));
   if (internal::UsesDevicePath(optimizer.device())) {

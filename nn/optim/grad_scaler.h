@@ -56,6 +56,9 @@ class GradScaler {
   /// calls, and not after that optimizer's Step.
   /// Gradients may have any strides (a non-contiguous one is scanned as a
   /// contiguous copy and the result written back through its strides).
+  /// Throws std::invalid_argument for an f16 gradient (as PyTorch's
+  /// unscale_): g / scale in f16 flushes small gradients to zero; Step
+  /// without Unscale unscales those in f32.
   void Unscale(Optimizer& optimizer);
   /// Steps the optimizer unless one of its gradients is inf or NaN (checked
   /// here if Unscale was not called for it; unscaling is then fused into the

@@ -769,6 +769,30 @@ TEST(GradScaler, AnF64GradientBeyondF32RangeIsFinite) {
   }
 }
 
+// An f16 gradient is refused by Unscale, naming the parameter, and left as
+// it was; Step without Unscale takes it and unscales in f32. Before, Unscale
+// wrote g / scale back in f16: 2^-10 scaled by 2^16 became 0.
+TEST(GradScaler, UnscaleRefusesF16GradientsAndTheFusedStepTakesThem) {
+  Tensor w = Zeros({2}, {.dtype = DType::kFloat16});
+  Sgd opt({{"w", w}}, {.lr = 16384});  // 2^14: the step moves w by amounts f16 can hold
+  GradScaler scaler({.init_scale = 65536});
+  const std::vector<double> scaled = {std::ldexp(1.0, -14), 64.0};  // 2^-30 and 2^-10 unscaled
+  w.set_grad(FromVector(scaled, {2}, {.dtype = DType::kFloat16}));
+  EXPECT_EQ(ErrorOf([&] { scaler.Unscale(opt); }),
+            "GradScaler: gradient of `w` is f16, which Unscale would flush towards zero (g / scale rounded to "
+            "f16); keep f32 gradients, or call Step without Unscale (it unscales in f32 as the optimizer reads)");
+  EXPECT_EQ(w.grad().ToVector<double>(), scaled);
+  EXPECT_TRUE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(w.ToVector<double>(), (std::vector<double>{-std::ldexp(1.0, -16), -16.0}));
+  // bf16 keeps f32's exponent range: its Unscale stays allowed.
+  Tensor b = Zeros({2}, {.dtype = DType::kBFloat16});
+  Sgd bopt({{"b", b}}, {.lr = 1.0});
+  b.set_grad(FromVector(scaled, {2}, {.dtype = DType::kBFloat16}));
+  scaler.Unscale(bopt);
+  EXPECT_EQ(b.grad().ToVector<double>(), (std::vector<double>{std::ldexp(1.0, -30), std::ldexp(1.0, -10)}));
+}
+
 TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
   Tensor w = FromVector({1.0, 2.0}, {2});
   Sgd opt({{"w", w}}, {.lr = 0.5});
