@@ -214,10 +214,12 @@ bool GradScaler::Step(Optimizer& optimizer) {
 
 void GradScaler::Update() {
   if (!options_.enabled) return;
-  bool stepped = false;
+  // An iteration that only unscaled (found an inf, and so skipped the step)
+  // is one too: PyTorch's update takes it, and the scale must back off.
+  bool started = false;
   bool found = false;
   for (auto& [opt, state] : optimizers_) {
-    stepped = stepped || state.stage == Stage::kStepped;
+    started = started || state.stage != Stage::kReady;
     // Unscaled on the device but never stepped: its check counts too (as
     // PyTorch's update takes every optimizer's found_inf).
     if (state.flag_pending) {
@@ -226,7 +228,7 @@ void GradScaler::Update() {
     }
     found = found || state.found_inf;
   }
-  if (!stepped) throw std::logic_error("GradScaler: Update called without Step");
+  if (!started) throw std::logic_error("GradScaler: Update called without Unscale or Step");
   if (found) {
     scale_ = static_cast<float>(scale_ * options_.backoff_factor);
     growth_tracker_ = 0;

@@ -67,7 +67,9 @@ class GradScaler {
   bool Step(Optimizer& optimizer);
   /// Updates the scale from this iteration's outcome (lowered when any
   /// optimizer's gradients held an inf or NaN) and starts the next
-  /// iteration for every optimizer; call after Step.
+  /// iteration for every optimizer; call after Step, or after Unscale alone
+  /// (an iteration whose step the caller skipped). Throws std::logic_error
+  /// when no optimizer was unscaled or stepped since the last Update.
   void Update();
   /// Whether this iteration found inf/NaN gradients in any optimizer's
   /// (valid after Step; for CPU gradients also after Unscale).

@@ -793,6 +793,32 @@ TEST(GradScaler, UnscaleRefusesF16GradientsAndTheFusedStepTakesThem) {
   EXPECT_EQ(b.grad().ToVector<double>(), (std::vector<double>{std::ldexp(1.0, -30), std::ldexp(1.0, -10)}));
 }
 
+// An iteration that Unscale found an inf in and that then skipped its step
+// is updated: the scale backs off (PyTorch's update accepts it). Before,
+// Update threw "called without Step" and the scale never came down.
+TEST(GradScaler, UpdateAfterUnscaleAloneBacksOff) {
+  Tensor w = Zeros({2});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  GradScaler scaler({.init_scale = 1024});
+  w.set_grad(FromVector({std::numeric_limits<double>::infinity(), 1.0}, {2}));
+  scaler.Unscale(opt);
+  ASSERT_TRUE(scaler.found_inf());
+  EXPECT_NO_THROW(scaler.Update());
+  EXPECT_EQ(scaler.scale(), 512.0);
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{0, 0}));
+  // The next iteration starts afresh; nothing at all is still refused.
+  w.set_grad(FromVector({512.0, 1024.0}, {2}));
+  EXPECT_TRUE(scaler.Step(opt));
+  scaler.Update();
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{-1, -2}));
+  try {
+    scaler.Update();
+    ADD_FAILURE() << "Update with nothing done was accepted";
+  } catch (const std::logic_error& e) {
+    EXPECT_STREQ(e.what(), "GradScaler: Update called without Unscale or Step");
+  }
+}
+
 TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
   Tensor w = FromVector({1.0, 2.0}, {2});
   Sgd opt({{"w", w}}, {.lr = 0.5});
