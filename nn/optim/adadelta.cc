@@ -33,11 +33,13 @@ void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq
 Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
     : Optimizer(std::move(params), options.lr, {"square_avg", "acc_delta"}), options_(options) {
   set_maximize(options_.maximize);
-  if (!(options_.rho >= 0 && options_.rho <= 1 && options_.eps >= 0 && options_.weight_decay >= 0)) {
+  // eps and weight_decay also finite: either inf makes the update NaN.
+  if (!(options_.rho >= 0 && options_.rho <= 1 && options_.eps >= 0 && options_.weight_decay >= 0 &&
+        std::isfinite(options_.eps) && std::isfinite(options_.weight_decay))) {
     throw std::invalid_argument("Adadelta: rho " + std::to_string(options_.rho) +
                                 " must be in [0, 1], eps " + std::to_string(options_.eps) +
                                 " and weight_decay " + std::to_string(options_.weight_decay) +
-                                " >= 0");
+                                " finite and >= 0");
   }
 }
 

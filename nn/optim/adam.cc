@@ -59,10 +59,13 @@ Adam::Adam(NamedParameters params, AdamOptions options, bool decoupled)
     throw std::invalid_argument(std::string(name) + ": betas (" + std::to_string(options_.beta1) +
                                 ", " + std::to_string(options_.beta2) + ") must be in [0, 1)");
   }
-  if (!(options_.eps >= 0 && options_.weight_decay >= 0)) {
+  // Infinite ones are refused too: an infinite eps stalls every update at
+  // 0, an infinite weight_decay makes it inf or NaN.
+  if (!(options_.eps >= 0 && options_.weight_decay >= 0 && std::isfinite(options_.eps) &&
+        std::isfinite(options_.weight_decay))) {
     throw std::invalid_argument(std::string(name) + ": eps " + std::to_string(options_.eps) +
                                 " and weight_decay " + std::to_string(options_.weight_decay) +
-                                " must be >= 0");
+                                " must be finite and >= 0");
   }
 }
 

@@ -609,13 +609,31 @@ TEST(Optimizer, RefusesATensorListedTwiceOrOverlappingViews) {
 // NaN momentum, dampening or weight_decay is refused as a negative one is.
 // Before, NaN passed the check (x < 0) and made every updated parameter NaN.
 TEST(Optimizer, SgdRefusesNanOptions) {
-  const std::string expected = " must be >= 0";
+  const std::string expected = " must be finite and >= 0";
   for (SgdOptions o : {SgdOptions{.momentum = std::nan("")}, SgdOptions{.dampening = std::nan("")},
                        SgdOptions{.weight_decay = std::nan("")}, SgdOptions{.weight_decay = -1}}) {
     EXPECT_THAT(ErrorOf([&] { Sgd({{"a", Zeros({2})}}, o); }), AllOf(HasSubstr("SGD: momentum "), HasSubstr(expected)));
   }
   EXPECT_EQ(ErrorOf([] { Sgd({{"a", Zeros({2})}}, {.momentum = std::nan("")}); }),
-            "SGD: momentum nan, dampening 0.000000 and weight_decay 0.000000 must be >= 0");
+            "SGD: momentum nan, dampening 0.000000 and weight_decay 0.000000 must be finite and >= 0");
+}
+
+// Infinite options are refused like negative ones, naming the option and
+// its value: momentum, dampening or weight_decay inf made SGD's update inf
+// or NaN, eps inf stalled Adam at 0, Adadelta's eps inf made it NaN. Before,
+// the checks (x >= 0) took infinity.
+TEST(Optimizer, InfiniteOptionsAreRefused) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const NamedParameters p = {{"a", Zeros({2})}};
+  EXPECT_EQ(ErrorOf([&] { Sgd(p, {.momentum = inf}); }),
+            "SGD: momentum inf, dampening 0.000000 and weight_decay 0.000000 must be finite and >= 0");
+  EXPECT_THAT(ErrorOf([&] { Sgd(p, {.momentum = 0.9, .dampening = inf}); }), HasSubstr("dampening inf"));
+  EXPECT_THAT(ErrorOf([&] { Sgd(p, {.weight_decay = inf}); }), HasSubstr("weight_decay inf"));
+  EXPECT_EQ(ErrorOf([&] { Adam(p, {.eps = inf}); }), "Adam: eps inf and weight_decay 0.000000 must be finite and >= 0");
+  EXPECT_THAT(ErrorOf([&] { AdamW(p, {.weight_decay = inf}); }), HasSubstr("AdamW: eps 0.000000 and weight_decay inf"));
+  EXPECT_EQ(ErrorOf([&] { Adadelta(p, {.eps = inf}); }),
+            "Adadelta: rho 0.900000 must be in [0, 1], eps inf and weight_decay 0.000000 finite and >= 0");
+  EXPECT_THAT(ErrorOf([&] { Adadelta(p, {.weight_decay = inf}); }), HasSubstr("weight_decay inf finite and >= 0"));
 }
 
 // A rate that is not finite would turn every parameter into inf or NaN at

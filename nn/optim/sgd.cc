@@ -3,6 +3,7 @@
 #include "nn/optim/device_kernels.h"
 #include "nn/optim/kernel_util.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,12 +26,14 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
     : Optimizer(std::move(params), options.lr, BufferIf(options.momentum != 0),
                 {.may_be_absent = true, .dropped = BufferIf(options.momentum == 0)}),
       options_(options) {
-  // Written so that NaN fails it too.
-  if (!(options_.momentum >= 0 && options_.weight_decay >= 0 && options_.dampening >= 0)) {
+  // Written so that NaN fails it too; an infinite one makes the update inf
+  // or NaN.
+  const auto ok = [](double x) { return x >= 0 && std::isfinite(x); };
+  if (!(ok(options_.momentum) && ok(options_.weight_decay) && ok(options_.dampening))) {
     throw std::invalid_argument("SGD: momentum " + std::to_string(options_.momentum) +
                                 ", dampening " + std::to_string(options_.dampening) +
                                 " and weight_decay " + std::to_string(options_.weight_decay) +
-                                " must be >= 0");
+                                " must be finite and >= 0");
   }
   if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
     throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0");
