@@ -93,7 +93,9 @@ double DeviceMaxAbs(const std::vector<Tensor>& grads) {
 
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
                     bool error_if_nonfinite) {
-  if (!(norm_type > 0)) throw std::invalid_argument("ClipGradNorm: norm_type must be > 0");
+  if (!(norm_type > 0)) {
+    throw std::invalid_argument("ClipGradNorm: norm_type must be > 0, got " + std::to_string(norm_type));
+  }
   // A NaN max_norm would turn every gradient into NaN; a negative one would
   // flip their signs.
   if (!(max_norm >= 0)) {

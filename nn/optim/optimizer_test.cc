@@ -1023,6 +1023,49 @@ TEST(LrScheduler, StepDecayAndStateErrors) {
   EXPECT_THROW(WarmupCosineSchedule(10, 5), std::invalid_argument);
 }
 
+// A state entry of the wrong dtype or shape is named with what was found.
+// Before, the message said "missing" for a key that was there.
+TEST(LrScheduler, MalformedStateEntrySaysWhatItHolds) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  LrScheduler s(opt, StepSchedule(2, 0.5));
+  NamedTensors state = s.StateDict();
+  ASSERT_EQ(state[1].first, "scheduler.base_lr");
+  state[1].second = FromVector({1.0, 2.0}, {2}, {.dtype = DType::kFloat32});
+  EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+            "LrScheduler.LoadStateDict: `scheduler.base_lr` is f32 [2], expected an f64 scalar");
+  state[1].second = Tensor();
+  EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+            "LrScheduler.LoadStateDict: `scheduler.base_lr` is undefined, expected an f64 scalar");
+  state.pop_back();
+  EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }), "LrScheduler.LoadStateDict: missing f64 scalar `scheduler.base_lr`");
+  state = s.StateDict();
+  ASSERT_EQ(state[0].first, "scheduler.step");
+  state[0].second = FromVector({3.0}, {}, {.dtype = DType::kFloat64});
+  EXPECT_EQ(ErrorOf([&] { s.CheckStateDict(state); }),
+            "LrScheduler.LoadStateDict: `scheduler.step` is f64 [], expected an i64 scalar");
+}
+
+// The scaler's, likewise; and the clip's norm_type and SGD's nesterov
+// options are refused with their values. Before, neither gave them.
+TEST(GradScaler, MalformedStateEntrySaysWhatItHolds) {
+  GradScaler s;
+  NamedTensors state = s.StateDict();
+  state[0].second = FromVector({8.0}, {}, {.dtype = DType::kFloat64});
+  EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+            "GradScaler.LoadStateDict: `scaler.scale` is f64 [], expected an f32 scalar");
+  state = s.StateDict();
+  state[1].second = FromVectorOf<int64_t>({1, 2}, {2});
+  EXPECT_EQ(ErrorOf([&] { s.CheckStateDict(state); }),
+            "GradScaler.LoadStateDict: `scaler.growth_tracker` is i64 [2], expected an i64 scalar");
+  EXPECT_EQ(ErrorOf([] { GradScaler().LoadStateDict({}); }), "GradScaler.LoadStateDict: missing f32 scalar `scaler.scale`");
+  Tensor a = Zeros({2});
+  a.set_grad(FromVector({3, 4}, {2}));
+  EXPECT_EQ(ErrorOf([&] { ClipGradNorm({a}, 1.0, -1.0); }), "ClipGradNorm: norm_type must be > 0, got -1.000000");
+  EXPECT_EQ(ErrorOf([] { Sgd({{"a", Zeros({2})}}, {.momentum = 0.9, .dampening = 0.5, .nesterov = true}); }),
+            "SGD: nesterov needs momentum > 0 and dampening 0, got momentum 0.900000 and dampening 0.500000");
+}
+
 TEST(LrScheduler, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
   Tensor w = Zeros({1});
   Sgd opt({{"w", w}}, {.lr = 1.0});

@@ -36,7 +36,9 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
                                 " must be finite and >= 0");
   }
   if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
-    throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0");
+    throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0, got momentum " +
+                                std::to_string(options_.momentum) + " and dampening " +
+                                std::to_string(options_.dampening));
   }
   set_maximize(options_.maximize);
 }
