@@ -34,9 +34,12 @@ double Accumulate(const T* g, int64_t n, double q) {
   return acc;
 }
 
+// Multiplies by the coefficient rounded to the type g is computed in (f64
+// for f64 gradients, f32 for the others), as PyTorch's mul_ does.
 template <typename T>
-void Scale(T* g, int64_t n, float coef) {
-  for (int64_t i = 0; i < n; ++i) g[i] = static_cast<T>(static_cast<acc_t<T>>(g[i]) * coef);
+void Scale(T* g, int64_t n, double coef) {
+  const acc_t<T> c = static_cast<acc_t<T>>(coef);
+  for (int64_t i = 0; i < n; ++i) g[i] = static_cast<T>(static_cast<acc_t<T>>(g[i]) * c);
 }
 
 // Device gradients: sum over all gradients of |g|^q (q finite) into one f64
@@ -139,13 +142,15 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
     throw std::runtime_error("ClipGradNorm: the total norm of order " + std::to_string(norm_type) +
                              " of the gradients is " + std::to_string(total));
   }
-  // PyTorch rounds the coefficient to f32 and clamps it at 1.
-  const float coef = static_cast<float>(max_norm / (total + 1e-6));
-  if (coef < 1.0f || std::isnan(coef)) {
+  // Clamped at 1 as PyTorch does, and rounded per gradient to the type it
+  // is scaled in (only f64 gradients take the f64 coefficient).
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0 || std::isnan(coef)) {
     for (const Tensor& g : grads) {
       if (device_path) {
-        // Rounded to f32 first, as on the CPU; queued on the device's stream.
-        ops::KernelsFor(g.device().type).affine(g, static_cast<double>(coef), 0.0, g);
+        // Rounded as on the CPU; queued on the device's stream.
+        const double c = g.dtype() == DType::kFloat64 ? coef : static_cast<double>(static_cast<float>(coef));
+        ops::KernelsFor(g.device().type).affine(g, c, 0.0, g);
       } else {
         DDP_DISPATCH_FLOATING(g.dtype(), "ClipGradNorm", Scale(g.data<scalar_t>(), g.numel(), coef));
       }

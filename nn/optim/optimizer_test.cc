@@ -668,6 +668,22 @@ TEST(ClipGradNorm, ClipsOnlyAboveTheLimit) {
   EXPECT_THROW(ClipGradNorm({a, b}, 1.0, 2.0, true), std::runtime_error);
 }
 
+// The clip coefficient is rounded to the gradient's own compute type: f64
+// gradients are scaled by the f64 coefficient, f32 ones by its f32
+// rounding. Before, every gradient took the f32 rounding.
+TEST(ClipGradNorm, CoefficientIsRoundedPerGradientDtype) {
+  Tensor d = Zeros({2}, {.dtype = DType::kFloat64}), f = Zeros({2});
+  d.set_grad(FromVector({3, 4}, {2}, {.dtype = DType::kFloat64}));
+  f.set_grad(FromVector({3, 4}, {2}));
+  const double coef = 1.0 / (5.0 + 1e-6);
+  ASSERT_NE(coef, static_cast<double>(static_cast<float>(coef)));
+  EXPECT_EQ(ClipGradNorm({d}, 1.0), 5.0);
+  EXPECT_EQ(d.grad().ToVector<double>(), (std::vector<double>{3 * coef, 4 * coef}));
+  EXPECT_EQ(ClipGradNorm({f}, 1.0), 5.0);
+  const float fc = static_cast<float>(coef);
+  EXPECT_EQ(f.grad().ToVector<float>(), (std::vector<float>{3 * fc, 4 * fc}));
+}
+
 // A NaN max_norm made every gradient NaN, a negative one flipped them.
 TEST(ClipGradNorm, RefusesANanOrNegativeMaxNorm) {
   Tensor a = Zeros({2});
