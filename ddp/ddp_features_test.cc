@@ -1480,6 +1480,29 @@ TEST(DdpFeaturesTest, SizesOutOfRangeAreRefusedBeforeAnyCommunication) {
             "DdpOptions::inplace_gradient_mb must be at least 0 and finite, got nan");
 }
 
+// A bucket order that is not a permutation of the 4 parameters' indices is
+// refused before any communication too, naming the option and the entry.
+TEST(DdpFeaturesTest, ABucketOrderThatIsNotAPermutationIsRefused) {
+  auto error = [](std::vector<int64_t> order) {
+    try {
+      DistributedDataParallel ddp(std::make_shared<TwoLayers>(false, 32, true), {.bucket_order = std::move(order)});
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(error({3, 2, 1}),
+            "DdpOptions::bucket_order must list each of the 4 parameters that require grad once, got 3 entries");
+  EXPECT_EQ(error({3, 2, 1, 0, 4}),
+            "DdpOptions::bucket_order must list each of the 4 parameters that require grad once, got 5 entries");
+  EXPECT_EQ(error({3, 2, 4, 0}),
+            "DdpOptions::bucket_order must be a permutation of [0, 4): entry 2 is 4, out of range");
+  EXPECT_EQ(error({3, -1, 1, 0}),
+            "DdpOptions::bucket_order must be a permutation of [0, 4): entry 1 is -1, out of range");
+  EXPECT_EQ(error({3, 2, 3, 0}),
+            "DdpOptions::bucket_order must be a permutation of [0, 4): entry 2 is 3, which appears before it");
+}
+
 std::string ConstructionError(ProcessGroup& pg, std::shared_ptr<Module> model) {
   try {
     DistributedDataParallel ddp(model, {.process_group = Borrow(pg)});
@@ -1554,6 +1577,93 @@ DDP_TEST_WORKER(rebuild) {
 
 TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
   auto run = RunWorkers("rebuild", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// On 3 ranks, where an element's sum depends on its place in the bucket:
+// A rebuilds its buckets after its first iteration; B, given A's
+// BucketOrder(), starts with A's rebuilt buckets and keeps them, and its
+// first iteration's gradients are A's second's bit for bit (same
+// parameters, same batches). A third wrapper in registration order (the
+// default, which reduces the one bucket in another order) is the premise:
+// its gradients differ from A's second in some bit. Ranks whose orders
+// differ are refused, naming the option.
+DDP_TEST_WORKER(bucket_order) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto [x0, y0] = testing::Batch(data, rank * kBatch, kBatch);
+  auto [x1, y1] = testing::Batch(data, (3 + rank) * kBatch, kBatch);
+  auto model_a = std::make_shared<TwoLayers>(true, 32, true);
+  auto grads = [](Module& m) {
+    std::vector<Tensor> out;
+    for (const auto& [name, p] : m.NamedParameters()) {
+      out.push_back(p.grad().Clone());
+      p.set_grad(Tensor());
+    }
+    return out;
+  };
+  auto same_bits = [](const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i].nbytes() != b[i].nbytes() || std::memcmp(a[i].data_ptr(), b[i].data_ptr(), a[i].nbytes()) != 0) {
+        return false;
+      }
+    }
+    return true;
+  };
+  std::vector<int64_t> order;
+  std::vector<std::vector<std::string>> rebuilt;
+  std::vector<Tensor> second;
+  {
+    DistributedDataParallel a(model_a, {.process_group = pg});
+    WORKER_EXPECT(a.BucketOrder().empty(), "an order before the rebuild");
+    nn::Backward(nn::loss::CrossEntropy(a(x0), y0));
+    grads(*model_a);
+    nn::Backward(nn::loss::CrossEntropy(a(x1), y1));
+    second = grads(*model_a);
+    order = a.BucketOrder();
+    rebuilt = a.BucketParameterNames();
+  }
+  std::string listed;
+  for (int64_t i : order) listed += std::to_string(i) + " ";
+  WORKER_EXPECT(order.size() == 4, "order of " + std::to_string(order.size()) + " entries: " + listed);
+  WORKER_EXPECT(rebuilt.size() == 1 && rebuilt[0].size() == 4 && rebuilt[0][0] != "first.bias",
+                "premise: one bucket, rebuilt out of registration order; order " + listed);
+
+  auto model_b = std::make_shared<TwoLayers>(true, 32, true);
+  model_b->LoadStateDict(model_a->GetStateDict());
+  {
+    DistributedDataParallel b(model_b, {.bucket_order = order, .process_group = pg});
+    WORKER_EXPECT(b.BucketParameterNames() == rebuilt, "B's first buckets are not A's rebuilt ones");
+    WORKER_EXPECT(b.BucketOrder() == order, "B's order is not the one given");
+    nn::Backward(nn::loss::CrossEntropy(b(x1), y1));
+    WORKER_EXPECT(same_bits(grads(*model_b), second), "B's first gradients differ from A's second");
+    nn::Backward(nn::loss::CrossEntropy(b(x1), y1));
+    WORKER_EXPECT(b.BucketParameterNames() == rebuilt, "B's buckets were rebuilt");
+    WORKER_EXPECT(b.BucketOrder() == order, "B's order changed");
+    grads(*model_b);
+  }
+  {
+    DistributedDataParallel c(model_b, {.process_group = pg});
+    nn::Backward(nn::loss::CrossEntropy(c(x1), y1));
+    WORKER_EXPECT(!same_bits(grads(*model_b), second),
+                  "premise: the default buckets sum the gradients as the rebuilt ones do");
+  }
+
+  std::vector<int64_t> other = order;
+  if (rank == 2) std::swap(other[0], other[1]);
+  try {
+    DistributedDataParallel d(model_b, {.bucket_order = other, .process_group = pg});
+    WORKER_EXPECT(false, "different bucket orders accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("`bucket_order`") != std::string::npos, e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ABucketOrderFromAnEarlierWrapperGivesItsRebuiltBucketsAndSums) {
+  auto run = RunWorkers("bucket_order", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

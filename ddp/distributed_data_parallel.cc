@@ -88,6 +88,11 @@ std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& m
   option("find_unused_parameters", o.find_unused_parameters ? "true" : "false");
   option("gradient_as_bucket_view", o.gradient_as_bucket_view ? "true" : "false");
   option("static_graph", o.static_graph ? "true" : "false");
+  std::string order;
+  for (size_t i = 0; i < o.bucket_order.size(); ++i) {
+    order += (i ? "," : "") + std::to_string(o.bucket_order[i]);
+  }
+  option("bucket_order", order.empty() ? "none" : order);
   return entries;
 }
 
@@ -101,6 +106,32 @@ size_t MiB(double mb, const char* what, bool zero_allowed) {
                                 std::to_string(mb));
   }
   return static_cast<size_t>(mb * 1048576.0);
+}
+
+// DdpOptions::bucket_order as the reducer's indices; empty when none was
+// given. Throws unless it is a permutation of [0, n), naming the first
+// entry that is out of range or repeated.
+std::vector<size_t> CheckedBucketOrder(const std::vector<int64_t>& order, size_t n) {
+  if (order.empty()) return {};
+  if (order.size() != n) {
+    throw std::invalid_argument("DdpOptions::bucket_order must list each of the " + std::to_string(n) +
+                                " parameters that require grad once, got " +
+                                std::to_string(order.size()) + " entries");
+  }
+  std::vector<size_t> out(n);
+  std::vector<char> seen(n, 0);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t v = order[k];
+    if (v < 0 || static_cast<uint64_t>(v) >= n || seen[static_cast<size_t>(v)]) {
+      throw std::invalid_argument(
+          "DdpOptions::bucket_order must be a permutation of [0, " + std::to_string(n) + "): entry " +
+          std::to_string(k) + " is " + std::to_string(v) +
+          (v >= 0 && static_cast<uint64_t>(v) < n ? ", which appears before it" : ", out of range"));
+    }
+    seen[static_cast<size_t>(v)] = 1;
+    out[k] = static_cast<size_t>(v);
+  }
+  return out;
 }
 
 }  // namespace
@@ -117,6 +148,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb", false);
   reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb", false);
   reducer_options.inplace_bytes = MiB(options_.inplace_gradient_mb, "inplace_gradient_mb", true);
+  {
+    size_t trainable = 0;
+    for (const auto& [name, p] : module_->NamedParameters()) trainable += p.requires_grad() ? 1 : 0;
+    reducer_options.bucket_order = CheckedBucketOrder(options_.bucket_order, trainable);
+  }
   pg_ = options_.process_group != nullptr ? options_.process_group : DefaultProcessGroup();
   RegisterModule("module", module_);
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
@@ -361,6 +397,12 @@ void DistributedDataParallel::WriteTrace() const {
 std::vector<std::vector<std::string>> DistributedDataParallel::BucketParameterNames() const {
   if (impl_->reducer == nullptr) return {};
   return impl_->reducer->BucketNames();
+}
+
+std::vector<int64_t> DistributedDataParallel::BucketOrder() const {
+  if (impl_->reducer == nullptr) return {};
+  const std::vector<size_t>& order = impl_->reducer->agreed_order();
+  return std::vector<int64_t>(order.begin(), order.end());
 }
 
 int64_t DistributedDataParallel::iterations() const {

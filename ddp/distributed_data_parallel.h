@@ -87,6 +87,17 @@ struct DdpOptions {
   /// head of an output left out of the loss, are unused too, as in
   /// PyTorch) and the buckets are rebuilt even with find_unused_parameters.
   bool static_graph = false;
+  /// The order to fill the buckets in from the start, as indices into the
+  /// parameters that require grad (registration order): an earlier
+  /// wrapper's BucketOrder(), saved with a checkpoint, so that a resumed run
+  /// reduces its first gradients in the buckets the interrupted run had
+  /// reached (on 3 or more ranks a gradient's sum depends on its place in
+  /// the bucket, in the last bit). Must be a permutation of
+  /// [0, parameters that require grad), the same on every rank. The buckets
+  /// are not rebuilt after the first iteration; a hook with fixed buckets
+  /// (CommHook::WithFixedBuckets) keeps the ones built from this order.
+  /// Empty: reverse registration order, rebuilt once as described above.
+  std::vector<int64_t> bucket_order;
   /// Null: the default process group (InitProcessGroup).
   std::shared_ptr<ProcessGroup> process_group;
 
@@ -186,6 +197,14 @@ class DistributedDataParallel : public nn::modules::Module {
 
   /// Buckets in launch order, as parameter names (for tests and logs).
   std::vector<std::vector<std::string>> BucketParameterNames() const;
+  /// The order the buckets are filled in, as indices into the parameters
+  /// that require grad (registration order), once it is agreed: after the
+  /// one-time rebuild (rank 0's observed gradient order), or from the start
+  /// when DdpOptions::bucket_order gave it. Empty before that, on one rank,
+  /// and when no rebuild happens (find_unused_parameters without
+  /// static_graph, a hook with fixed buckets). Pass it as bucket_order to a
+  /// later wrapper of the same model to start from the same buckets.
+  std::vector<int64_t> BucketOrder() const;
   /// Synchronizing iterations run so far (on one rank, or with no
   /// trainable parameter: forwards with grad enabled outside NoSync, in
   /// training mode or outside Join, whether a backward followed or not).

@@ -115,9 +115,16 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   is_unused_.assign(n, 0);
   detached_.assign(n, 0);
   used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
-  std::vector<size_t> reverse(n);
-  for (size_t i = 0; i < n; ++i) reverse[i] = n - 1 - i;
-  BuildBuckets(reverse);
+  if (!options_.bucket_order.empty()) {
+    // An order agreed before (a resumed run's): as if already rebuilt.
+    agreed_order_ = options_.bucket_order;
+    rebuilt_ = true;
+    BuildBuckets(agreed_order_);
+  } else {
+    std::vector<size_t> reverse(n);
+    for (size_t i = 0; i < n; ++i) reverse[i] = n - 1 - i;
+    BuildBuckets(reverse);
+  }
   for (size_t i = 0; i < n; ++i) {
     hook_handles_.push_back(
         params_[i].RegisterPostAccumulateGradHook([this, i](const nn::Tensor&) { OnGradReady(i); }));
@@ -188,8 +195,9 @@ void Reducer::SetCommHook(CommHook hook) {
   local_gradients_ = hook.on_local_gradients();
   grad_write_back_ = hook.grad_write_back();
   // Before the first backward no rebuild ran: whether one will is the
-  // hook's to say.
-  rebuilt_ = hook.fixed_buckets();
+  // hook's to say, unless the buckets were built from a given order, which
+  // a hook with fixed buckets keeps as well.
+  rebuilt_ = hook.fixed_buckets() || !options_.bucket_order.empty();
   hook_ = std::move(hook);
   default_hook_ = false;
 }
@@ -339,6 +347,7 @@ void Reducer::RebuildBuckets() {
   }
   rebuild_pending_ = false;
   rebuilt_ = true;
+  agreed_order_ = agreed;
   const std::vector<std::vector<size_t>> next =
       AssignBuckets(params_, agreed, options_.first_bucket_bytes, options_.bucket_bytes,
                     options_.inplace_bytes);

@@ -53,6 +53,10 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
+  /// Parameter indices in the order the initial buckets are filled (a
+  /// permutation, the same on every rank): the buckets are built from it
+  /// and never rebuilt. Empty: reverse registration order, rebuilt once.
+  std::vector<size_t> bucket_order;
 };
 
 /// Sums of per-iteration timings (seconds), reset by the owner.
@@ -101,6 +105,9 @@ class Reducer {
   bool rebuild_pending() const { return rebuild_pending_; }
   /// Collective: rebuilds the buckets from rank 0's observed gradient order.
   void RebuildBuckets();
+  /// The order the buckets were last built from when it was agreed (by the
+  /// rebuild, or given as ReducerOptions::bucket_order); empty before.
+  const std::vector<size_t>& agreed_order() const { return agreed_order_; }
 
   /// End of a synchronizing forward: arms the hooks for one backward, with
   /// gradients divided by `divisor`; with find_unused_parameters, walks the
@@ -233,6 +240,7 @@ class Reducer {
   std::vector<size_t> ready_order_;  // group's first iteration, as hooks fired
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
+  std::vector<size_t> agreed_order_;  // see agreed_order()
   std::vector<size_t> static_unused_;  // static graph: learned in iteration 1
   bool static_known_ = false;
   bool static_learning_ = false;  // this backward's forward set static_unused_

@@ -128,9 +128,22 @@ class DdpParallel : public Parallel {
   }
 
   void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config,
-              int64_t step) override {
+              int64_t step, const std::vector<int64_t>& bucket_order) override {
     dist::DdpOptions o;
     o.bucket_cap_mb = config.bucket_cap_mb;
+    // The resumed run's buckets, so that its first steps sum the gradients
+    // as the interrupted run's did; an order for another model is dropped
+    // (the checkpoint's model check reports a real mismatch).
+    size_t trainable = 0;
+    for (const auto& [name, p] : model->NamedParameters()) trainable += p.requires_grad() ? 1 : 0;
+    std::vector<char> seen(trainable, 0);
+    bool usable = bucket_order.size() == trainable;
+    for (size_t k = 0; usable && k < bucket_order.size(); ++k) {
+      const int64_t i = bucket_order[k];
+      usable = i >= 0 && static_cast<uint64_t>(i) < trainable && !seen[static_cast<size_t>(i)];
+      if (usable) seen[static_cast<size_t>(i)] = 1;
+    }
+    if (usable) o.bucket_order = bucket_order;
     o.find_unused_parameters = config.find_unused_parameters;
     o.process_group = pg_;
     if (config.trace) {
@@ -155,6 +168,10 @@ class DdpParallel : public Parallel {
       Guarded("the overlapped optimizer", [&] { overlapped_->Bind(*ddp_); });
       overlapped_ = nullptr;  // bound; Shard's caller owns it
     }
+  }
+
+  std::vector<int64_t> BucketOrder() const override {
+    return ddp_ != nullptr ? ddp_->BucketOrder() : std::vector<int64_t>{};
   }
 
   nn::Tensor Forward(const nn::Tensor& input) override {

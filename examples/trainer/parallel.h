@@ -93,8 +93,14 @@ class Parallel {
   /// Every rank must hold the same architecture; rank 0's values win.
   /// `step`: optimizer steps already taken (a resumed run), so that
   /// --comm_hook=powersgd still starts compressing at step 1,000.
+  /// `bucket_order`: BucketOrder() of the run being resumed (empty for
+  /// none); used when it is a permutation of the model's trainable
+  /// parameters, ignored otherwise.
   virtual void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config,
-                      int64_t step) = 0;
+                      int64_t step, const std::vector<int64_t>& bucket_order = {}) = 0;
+  /// DDP's agreed bucket order (DistributedDataParallel::BucketOrder), to
+  /// save with a checkpoint; empty before it is agreed, or with one rank.
+  virtual std::vector<int64_t> BucketOrder() const = 0;
   /// Forward through the wrapper (training).
   virtual nn::Tensor Forward(const nn::Tensor& input) = 0;
   /// Backward from `loss`; unless inside a NoSyncScope, every rank holds the

@@ -92,6 +92,23 @@ nn::io::Checkpoint Parse(const std::string& path, std::string bytes) {
 
 nn::io::Checkpoint Read(const std::string& path) { return Parse(path, ReadTrainCheckpoint(path)); }
 
+// The saved "bucket_order": comma-separated indices. Empty when absent or
+// not such a list: it only keeps a resumed DDP run bit-exact on 3 or more
+// ranks, so a bad one is dropped rather than refused.
+std::vector<int64_t> ParseBucketOrder(const std::string& text) {
+  std::vector<int64_t> order;
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 18) return {};
+    order.push_back(std::stoll(item));
+    at = end + 1;
+  }
+  if (!text.empty() && text.back() == ',') return {};
+  return order;
+}
+
 int64_t MetaInt(const Metadata& m, const std::string& key, const std::string& path) {
   try {
     return nn::io::MetadataInt(m, key, path);
@@ -321,6 +338,13 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["train_samples"] = std::to_string(config.train_samples);
   if (parts.train_size >= 0) m["train_size"] = std::to_string(parts.train_size);
   if (!config.job.empty()) m["job"] = config.job;
+  if (!parts.bucket_order.empty()) {
+    std::string order;
+    for (size_t i = 0; i < parts.bucket_order.size(); ++i) {
+      order += (i ? "," : "") + std::to_string(parts.bucket_order[i]);
+    }
+    m["bucket_order"] = order;
+  }
   std::error_code ec;
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
@@ -385,6 +409,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   }
 
   pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);
+  pos.bucket_order = ParseBucketOrder(Get(m, "bucket_order"));
 
   std::vector<std::string> notes;
   // The epoch's sample order is a function of the seed and the training

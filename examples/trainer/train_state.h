@@ -56,6 +56,11 @@ struct TrainPosition {
   /// of which part was never trained (the saved run had another seed or
   /// training set), which then does not count as done.
   int64_t untrained_epochs = 0;
+  /// DDP's bucket order (DistributedDataParallel::BucketOrder) when the run
+  /// was saved: empty when it had none, or the checkpoint did not record a
+  /// well-formed one. Not checked against the model here; the caller uses it
+  /// only for a model with as many trainable parameters.
+  std::vector<int64_t> bucket_order;
 };
 
 /// --scheduler's learning-rate schedule over a horizon, the optimizer step
@@ -115,6 +120,8 @@ struct TrainComponents {
   /// Micro-batches per epoch on each rank of this run, from which a resumed
   /// schedule's horizon follows (-1: not known; the saved horizon stays).
   int64_t batches_per_epoch = -1;
+  /// DDP's agreed bucket order, saved when not empty (Parallel::BucketOrder).
+  std::vector<int64_t> bucket_order;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on

@@ -273,6 +273,7 @@ class Run {
     parts.train_size = data_.train->Size();
     parts.schedule = schedule_.get();
     parts.batches_per_epoch = batches_per_epoch_;
+    parts.bucket_order = par_.BucketOrder();
     return parts;
   }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
@@ -555,7 +556,7 @@ void Run::Setup() {
 
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.
-  par_.Attach(model_, c_, pos_.step);
+  par_.Attach(model_, c_, pos_.step, pos_.bucket_order);
 
   const bool u = console_.options().unicode;
   const std::string dot = u ? " \u00b7 " : ", ";
