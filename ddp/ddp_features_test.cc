@@ -1586,7 +1586,8 @@ TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
 // first iteration's gradients are A's second's bit for bit (same
 // parameters, same batches). A third wrapper in registration order (the
 // default, which reduces the one bucket in another order) is the premise:
-// its gradients differ from A's second in some bit. Ranks whose orders
+// its gradients differ from A's second in some bit. A registered hook,
+// plain or with fixed buckets, keeps a given order too. Ranks whose orders
 // differ are refused, naming the option.
 DDP_TEST_WORKER(bucket_order) {
   auto pg = testing::WorkerGroup();
@@ -1649,6 +1650,21 @@ DDP_TEST_WORKER(bucket_order) {
     nn::Backward(nn::loss::CrossEntropy(c(x1), y1));
     WORKER_EXPECT(!same_bits(grads(*model_b), second),
                   "premise: the default buckets sum the gradients as the rebuilt ones do");
+  }
+
+  // A hook registered later keeps the given order: a plain one does not
+  // bring the rebuild back, and one with fixed buckets keeps these.
+  const std::vector<int64_t> reversed(order.rbegin(), order.rend());
+  for (const bool fixed : {false, true}) {
+    DistributedDataParallel e(model_b, {.bucket_order = reversed, .process_group = pg});
+    e.RegisterCommHook(fixed ? hooks::AllReduceHook().WithFixedBuckets() : hooks::AllReduceHook());
+    const auto first = e.BucketParameterNames();
+    WORKER_EXPECT(first != rebuilt, "premise: the reversed order gives other buckets");
+    for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(e(x1), y1));
+    grads(*model_b);
+    const std::string what = fixed ? "with fixed buckets" : "with a hook";
+    WORKER_EXPECT(e.BucketParameterNames() == first, what + ": the given order's buckets were rebuilt");
+    WORKER_EXPECT(e.BucketOrder() == reversed, what + ": the order is not the one given");
   }
 
   std::vector<int64_t> other = order;
