@@ -76,6 +76,35 @@ TEST(TrainStateTest, RoundTripsModelOptimizerAndPosition) {
   }
 }
 
+// DDP's bucket order is saved when the run had one and read back as it
+// was; none saved, or a malformed one, reads as none.
+TEST(TrainStateTest, BucketOrderRoundTripsAndAMalformedOneReadsAsNone) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.lr = 0.1;
+  nn::Generator gen(1);
+  auto model = nn::modules::MakeMlp(gen);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  const std::string path = Path("bucket_order");
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  SaveTrainCheckpoint(path, parts, {.step = 3}, config, 3);
+  EXPECT_EQ(nn::io::LoadCheckpoint(path).metadata.count("bucket_order"), 0u);
+  EXPECT_TRUE(LoadTrainCheckpoint(path, parts, config, 3, nullptr).bucket_order.empty());
+
+  parts.bucket_order = {2, 3, 0, 1};
+  SaveTrainCheckpoint(path, parts, {.step = 3}, config, 3);
+  EXPECT_EQ(nn::io::LoadCheckpoint(path).metadata.at("bucket_order"), "2,3,0,1");
+  EXPECT_EQ(LoadTrainCheckpoint(path, parts, config, 3, nullptr).bucket_order,
+            (std::vector<int64_t>{2, 3, 0, 1}));
+
+  for (const std::string bad : {"2,,0", "2,3,", "-1,0", "a", "2, 3"}) {
+    nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+    ckpt.metadata["bucket_order"] = bad;
+    nn::io::SaveCheckpoint(path, ckpt);
+    EXPECT_TRUE(LoadTrainCheckpoint(path, parts, config, 3, nullptr).bucket_order.empty()) << bad;
+  }
+}
+
 TEST(TrainStateTest, AnotherModelGetsTheKeysAndTheFix) {
   TrainConfig mlp_config;
   mlp_config.model = "mlp";
