@@ -537,6 +537,47 @@ TEST(DdpCheckpointTest, StateThatNoArgumentTakesIsAnErrorNamingTheArgument) {
   EXPECT_EQ(opt.step_count(0), 0);
 }
 
+// Before, the scheduler's state was checked for step >= 0 and a finite
+// base_lr only: the rate its schedule gives for that step could still be
+// infinite, and the optimizer refused it after the model and the optimizer
+// had been replaced.
+TEST(DdpCheckpointTest, ScheduleRateTheOptimizerRefusesThrowsAndLeavesModelAndOptimizerUnchanged) {
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  // gamma 1 keeps the rate; restored with gamma 2 it is 0.05 * 2^2000 = inf.
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::StepSchedule(1, 1.0));
+  nn::optim::GradScaler unit({.init_scale = 1});
+  ScaledStep(*saved, saved_opt, unit, 0);
+  for (int s = 0; s < 2000; ++s) saved_sched.Step();
+
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  nn::optim::LrScheduler sched(opt, nn::optim::StepSchedule(1, 2.0));
+  const std::vector<std::string> before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  ASSERT_TRUE(before != StateBytes(*saved));  // a restore would change them
+  ASSERT_TRUE(opt_before != StateBytes(saved_opt.StateDict()));
+
+  std::string err = RestoreError(
+      [&] { RestoreCheckpoint(MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched), *model, &opt, &sched); });
+  EXPECT_THAT(err, AllOf(HasSubstr("nothing was restored"), HasSubstr("learning rate inf"),
+                         HasSubstr("scheduler.step 2000"), HasSubstr("scheduler.base_lr 0.05")));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_TRUE(StateBytes(opt.StateDict()) == opt_before) << "the optimizer was changed";
+  EXPECT_EQ(opt.lr(), 0.1);
+  EXPECT_EQ(sched.step_count(), 0);
+
+  // A base_lr so large that one period's gamma overflows it.
+  nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt);
+  c.optimizer.emplace_back("scheduler.step", nn::FromVectorOf<int64_t>({1}, {}));
+  c.optimizer.emplace_back("scheduler.base_lr", nn::FromVector({1e308}, {}, {.dtype = nn::DType::kFloat64}));
+  err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt, &sched); });
+  EXPECT_THAT(err, AllOf(HasSubstr("learning rate inf"), HasSubstr("scheduler.step 1 ")));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_TRUE(StateBytes(opt.StateDict()) == opt_before) << "the optimizer was changed";
+  EXPECT_EQ(opt.lr(), 0.1);
+}
+
 TEST(DdpCheckpointTest, SchedulerAndScalerRoundTripThroughAFile) {
   auto model = Mlp(1);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});

@@ -174,8 +174,11 @@ struct SchedulerState {
   double base_lr;
 };
 
-// The checks of LoadStateDict: the state it would load, or throws.
-SchedulerState ReadSchedulerState(const NamedTensors& state) {
+// The checks of LoadStateDict: the state it would load, or throws. The
+// rate `schedule` gives for the loaded step is checked too, so that a
+// restore which would end in a refused rate (StepLR's gamma^k overflowing
+// after many periods, say) fails here, before any component was changed.
+SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& schedule) {
   const Tensor* step = nullptr;
   const Tensor* base = nullptr;
   for (const auto& [k, t] : state) {
@@ -192,15 +195,22 @@ SchedulerState ReadSchedulerState(const NamedTensors& state) {
     throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.base_lr " + std::to_string(base_lr) +
                                 " must be finite and >= 0");
   }
+  const double lr = schedule.Lr(base_lr, t);
+  if (!(lr >= 0) || !std::isfinite(lr)) {
+    throw std::invalid_argument("LrScheduler.LoadStateDict: the schedule gives learning rate " +
+                                std::to_string(lr) + " at scheduler.step " + std::to_string(t) +
+                                " from scheduler.base_lr " + std::to_string(base_lr) +
+                                ", expected a finite rate >= 0");
+  }
   return {t, base_lr};
 }
 
 }  // namespace
 
-void LrScheduler::CheckStateDict(const NamedTensors& state) const { ReadSchedulerState(state); }
+void LrScheduler::CheckStateDict(const NamedTensors& state) const { ReadSchedulerState(state, *schedule_); }
 
 void LrScheduler::LoadStateDict(const NamedTensors& state) {
-  const SchedulerState s = ReadSchedulerState(state);
+  const SchedulerState s = ReadSchedulerState(state, *schedule_);
   // The rate is set first: if the target refuses it (a schedule may still
   // compute a rate the optimizer takes as invalid), nothing has changed.
   target_.set(schedule_->Lr(s.base_lr, s.step));

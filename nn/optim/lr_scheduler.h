@@ -71,7 +71,8 @@ class LrScheduler {
   NamedTensors StateDict() const;
   /// Restores from a list that may hold other components' keys; sets the lr
   /// for the restored step. Throws std::invalid_argument naming a missing
-  /// or malformed key (a negative or non-finite base_lr too); changes
+  /// or malformed key (a negative or non-finite base_lr too, or a step and
+  /// base_lr for which the schedule gives such a rate); changes
   /// nothing then, nor when the target refuses the restored rate.
   void LoadStateDict(const NamedTensors& state);
   /// The checks of LoadStateDict alone: throws as it would, changes nothing.
