@@ -146,6 +146,13 @@ void AtomicFileWriter::Commit() {
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) Fail(temp_path_, "close failed", errno);
+  // Most of the disk work happens in fsync: a caller whose deadline passed
+  // meanwhile has already told every rank that the save failed, so the new
+  // file must not appear under the final name after all.
+  if (stop_ != nullptr && stop_->load(std::memory_order_relaxed)) {
+    ::unlink(temp_path_.c_str());
+    throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
+  }
   if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
     Fail(path_, "cannot rename " + temp_path_ + " to it", errno);
   }

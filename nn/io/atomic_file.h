@@ -23,7 +23,8 @@ class AtomicFileWriter {
   /// Creates `<path>.tmp.<pid>.<n>` in the folder of `path`, first removing
   /// such files of processes that no longer exist (killed writers). Once
   /// `*stop` (when given) is true, Write and Commit throw CheckpointError
-  /// ("stopped") before their next piece, leaving `path` as it was.
+  /// ("stopped") before their next piece, leaving `path` as it was; Commit
+  /// looks again after its fsync, before the rename.
   explicit AtomicFileWriter(std::string path, const std::atomic<bool>* stop = nullptr);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;

@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "nn/io/atomic_file.h"
 
@@ -248,6 +250,57 @@ TEST(Safetensors, StoppedWriteLeavesTheOldFileAndNoTemporary) {
     EXPECT_THAT(ErrorOf([&] { out.Commit(); }), HasSubstr("the write was stopped"));
   }
   EXPECT_EQ(ReadAll(path), before);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// The number of the system call thread `tid` of this process is in, or -1
+// when it is in none (or /proc cannot tell).
+long SyscallOf(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/syscall");
+  long nr = -1;
+  if (!(in >> nr)) return -1;
+  return nr;
+}
+
+// Before, Commit looked at the stop flag only before its fsync, where most
+// of the disk work happens: a deadline passing during the fsync still let
+// the new file replace the old one after every rank had been told the save
+// failed. Here the flag is raised while the committing thread is inside
+// fsync (seen in /proc), as a deadline passing there would.
+TEST(Safetensors, StopRaisedDuringTheCommitsFsyncLeavesTheOldFileAndNoTemporary) {
+  const std::string dir = TmpDir("st_stop_fsync");
+  const std::string path = dir + "/c.safetensors";
+  const float a = 1;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}});
+  const std::string before = ReadAll(path);
+  // Enough fresh data that the fsync takes long enough to be seen.
+  const std::string data(size_t{64} << 20, 'x');
+  std::atomic<bool> stop{false};
+  std::atomic<bool> done{false};
+  std::atomic<bool> seen{false};
+  const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  std::string error;
+  {
+    AtomicFileWriter out(path, &stop);
+    out.Write(data.data(), data.size());
+    std::thread watcher([&] {
+      while (!done.load()) {
+        if (SyscallOf(tid) == SYS_fsync) {
+          seen = true;
+          stop = true;
+          return;
+        }
+      }
+    });
+    error = ErrorOf([&] { out.Commit(); });
+    done = true;
+    watcher.join();
+  }
+  ASSERT_TRUE(seen.load()) << "the committing thread was never seen inside fsync";
+  EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("the write was stopped")));
+  // Not EXPECT_EQ: a failure would print the whole new file.
+  const std::string after = ReadAll(path);
+  EXPECT_TRUE(after == before) << "the old file was replaced by " << after.size() << " new bytes";
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
