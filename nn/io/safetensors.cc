@@ -10,7 +10,9 @@
 #include <set>
 #include <utility>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <zlib.h>
 
@@ -225,6 +227,16 @@ class Parser {
   const std::string& source_;
 };
 
+// What a file that is not a regular one is, for the message refusing it.
+std::string FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "of file type " + std::to_string(mode & S_IFMT);
+}
+
 }  // namespace
 
 const char* StDtypeName(StDtype dtype) {
@@ -371,13 +383,36 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
 }
 
 std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!f) throw CheckpointError(path + ": cannot open: " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fileno(f.get()), &st) != 0) {
-    throw CheckpointError(path + ": cannot stat: " + std::strerror(errno));
+  // Opened without blocking: a FIFO at the path would otherwise wait in
+  // open for a writer forever, with no deadline to end it. Only once the
+  // file is known to be a regular one are its reads made blocking again.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    throw CheckpointError(path + ": cannot open: " + std::strerror(err));
   }
-  if (!S_ISREG(st.st_mode)) throw CheckpointError(path + ": not a regular file");
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw CheckpointError(path + ": cannot stat: " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw CheckpointError(path + ": not a regular file but " + FileKind(st.st_mode));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw CheckpointError(path + ": cannot make its reads blocking: " + std::strerror(err));
+  }
+  std::unique_ptr<FILE, int (*)(FILE*)> f(::fdopen(fd, "rb"), &std::fclose);
+  if (!f) {
+    const int err = errno;
+    ::close(fd);
+    throw CheckpointError(path + ": cannot open as a stream: " + std::strerror(err));
+  }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size >= 8) {
     // The header's length first: a file that is no safetensors file at all

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -12,10 +13,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -302,6 +305,23 @@ TEST(Safetensors, StopRaisedDuringTheCommitsFsyncLeavesTheOldFileAndNoTemporary)
   const std::string after = ReadAll(path);
   EXPECT_TRUE(after == before) << "the old file was replaced by " << after.size() << " new bytes";
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// Before, the file was opened before its type was looked at: opening a
+// FIFO for reading waits for a writer, so the read hung without end.
+TEST(Safetensors, ReadingAFifoFailsAtOnceNamingThePath) {
+  const std::string dir = TmpDir("st_fifo");
+  const std::string path = dir + "/c.safetensors";
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  auto read = std::async(std::launch::async, [&] { return ErrorOf([&] { SafetensorsFile::Read(path); }); });
+  if (read.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    // Open the write end so that the hung open returns and the test ends.
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) ::close(fd);
+    read.wait();
+    FAIL() << "reading the FIFO " << path << " was still blocked after 5 s";
+  }
+  EXPECT_THAT(read.get(), AllOf(HasSubstr(path), HasSubstr("not a regular file but a FIFO")));
 }
 
 TEST(Safetensors, StoppedReadSaysHowFarItGot) {
