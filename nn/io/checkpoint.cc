@@ -64,6 +64,7 @@ std::unordered_map<std::string, Device> SavedDevices(const std::string& path, co
   auto it = file.metadata().find(kDevicesKey);
   if (it == file.metadata().end()) return out;
   try {
+    CheckJsonKeysUnique(it->second);  // a tensor's device given twice: which one holds?
     const nlohmann::json j = nlohmann::json::parse(it->second);
     if (!j.is_object()) throw std::invalid_argument("not a JSON object");
     for (const auto& [name, dev] : j.items()) {

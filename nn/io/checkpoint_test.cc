@@ -230,6 +230,11 @@ TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
   EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), AllOf(HasSubstr(path), HasSubstr("malformed")));
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, R"({"v": "cuda:0"})"}});
   EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }), HasSubstr("names tensor `v`, which the file does not hold"));
+  // Before, the parser kept the last device given for `w` silently.
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}},
+                       {{kDevicesKey, R"({"w": "cuda:0", "w": "cpu"})"}});
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }),
+              AllOf(HasSubstr(path), HasSubstr("malformed"), HasSubstr("key `w` appears twice")));
 }
 
 }  // namespace

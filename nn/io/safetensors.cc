@@ -143,6 +143,50 @@ std::string LengthPrefix(uint64_t n) {
   return s;
 }
 
+// A key that appears twice in one JSON object, with the key of that object
+// when it is nested ("" at the top level).
+struct DuplicateKey {
+  std::string key;
+  std::string in;
+};
+
+// Parses `text` as nlohmann::json::parse does, but throws DuplicateKey when
+// an object at any level holds a key twice: the parser would keep the last
+// one silently (a second `__metadata__` could drop the data checksum).
+nlohmann::json ParseWithUniqueKeys(std::string_view text) {
+  struct Object {
+    std::string name;
+    std::set<std::string> keys;
+  };
+  std::vector<Object> open;
+  std::string last_key;  // names the object or array that starts next
+  auto callback = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    switch (event) {
+      case nlohmann::json::parse_event_t::object_start:
+        open.push_back({last_key, {}});
+        break;
+      case nlohmann::json::parse_event_t::object_end:
+        if (!open.empty()) open.pop_back();
+        break;
+      case nlohmann::json::parse_event_t::key: {
+        last_key = parsed.get<std::string>();
+        if (!open.empty() && !open.back().keys.insert(last_key).second) {
+          throw DuplicateKey{last_key, open.size() > 1 ? open.back().name : std::string()};
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
+  return nlohmann::json::parse(text.begin(), text.end(), callback);
+}
+
+std::string DuplicateKeyMessage(const DuplicateKey& d) {
+  return "key `" + d.key + "` appears twice" + (d.in.empty() ? std::string() : " in `" + d.in + "`");
+}
+
 // Deepest nesting of arrays and objects in `json`, outside strings. A valid
 // header nests 3 deep; checking first keeps hostile input from driving the
 // JSON parser into deep recursion.
@@ -260,6 +304,16 @@ std::optional<StDtype> StDtypeFromName(std::string_view name) {
   return std::nullopt;
 }
 
+void CheckJsonKeysUnique(std::string_view json) {
+  try {
+    ParseWithUniqueKeys(json);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("not valid JSON: ") + e.what());
+  } catch (const DuplicateKey& d) {
+    throw std::invalid_argument(DuplicateKeyMessage(d));
+  }
+}
+
 std::string SerializeSafetensors(const std::vector<TensorView>& tensors, const Metadata& metadata) {
   const std::string header = BuildHeader(tensors, metadata);
   std::string out = LengthPrefix(header.size()) + header;
@@ -311,9 +365,11 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
   if (NestingDepth(text) > 3) p.Fail("header JSON nests deeper than 3 levels");
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text.begin(), text.end());
+    header = ParseWithUniqueKeys(text);
   } catch (const nlohmann::json::exception& e) {
     p.Fail(std::string("header is not valid JSON: ") + e.what());
+  } catch (const DuplicateKey& d) {
+    p.Fail("header " + DuplicateKeyMessage(d));
   }
   if (!header.is_object()) p.Fail("header is not a JSON object");
 

@@ -95,6 +95,11 @@ std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
 void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
                           const Metadata& metadata = {}, const std::atomic<bool>* stop = nullptr);
 
+/// Throws std::invalid_argument when `json` is not JSON, or when an object
+/// in it, at any level, holds a key twice ("key `w` appears twice"): JSON
+/// parsers keep the last silently. For JSON kept in metadata values.
+void CheckJsonKeysUnique(std::string_view json);
+
 /// A fully validated safetensors file held in memory.
 class SafetensorsFile {
  public:

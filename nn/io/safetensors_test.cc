@@ -449,6 +449,24 @@ std::string ParseError(const std::string& bytes) {
   return ErrorOf([&] { SafetensorsFile::Parse(bytes, "bad.safetensors"); });
 }
 
+// Before, the JSON parser kept the last of two equal keys silently: a
+// second entry for a tensor replaced the first, and a second __metadata__
+// without the checksum turned the data's CRC check off.
+TEST(SafetensorsErrors, KeyTwiceInAnObjectIsRefused) {
+  const std::string x = R"("x":{"dtype":"F32","shape":[],"data_offsets":[0,4]})";
+  const std::string data(4, '\0');
+  EXPECT_THAT(ParseError(Build("{" + x + "," + x + "}", data)),
+              AllOf(HasSubstr("bad.safetensors"), HasSubstr("key `x` appears twice")));
+  EXPECT_THAT(ParseError(Build(R"({"__metadata__":{"ddp.data_crc32":"00000000"},"__metadata__":{},)" + x + "}", data)),
+              AllOf(HasSubstr("bad.safetensors"), HasSubstr("key `__metadata__` appears twice")));
+  EXPECT_THAT(ParseError(Build(R"({"__metadata__":{"k":"a","k":"b"},)" + x + "}", data)),
+              AllOf(HasSubstr("bad.safetensors"), HasSubstr("key `k` appears twice in `__metadata__`")));
+  EXPECT_THAT(ParseError(Build(R"({"x":{"dtype":"F32","dtype":"F32","shape":[],"data_offsets":[0,4]}})", data)),
+              AllOf(HasSubstr("bad.safetensors"), HasSubstr("key `dtype` appears twice in `x`")));
+  // The same keys in different objects are fine.
+  EXPECT_NO_THROW(SafetensorsFile::Parse(Build(R"({"__metadata__":{"x":"v"},)" + x + "}", data), "ok"));
+}
+
 TEST(SafetensorsErrors, TruncatedAtEveryOffset) {
   const Sample s = EveryDtype();
   const std::string bytes = SerializeSafetensors(s.Views(), {{"k", "v"}});
