@@ -102,7 +102,10 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." +
                HostTag();
   fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd_ < 0) Fail(temp_path_, "cannot create temporary file", errno);
+  if (fd_ < 0) {
+    const int err = errno;  // before any string is built
+    Fail(temp_path_, "cannot create temporary file", err);
+  }
   // A file replaced keeps its permissions (a private checkpoint stays
   // private), as an editor's save would.
   struct stat old{};
@@ -129,8 +132,9 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
     CheckStop();
     const ssize_t n = ::write(fd_, p, std::min(nbytes, kStopCheckBytes));
     if (n < 0) {
-      if (errno == EINTR) continue;
-      Fail(temp_path_, "write failed", errno);
+      const int err = errno;
+      if (err == EINTR) continue;
+      Fail(temp_path_, "write failed", err);
     }
     p += n;
     nbytes -= static_cast<size_t>(n);
@@ -142,10 +146,16 @@ void AtomicFileWriter::Commit() {
   CheckStop();
   // The data must be on disk before the rename makes it visible under the
   // final name, or a crash could expose a renamed but empty file.
-  if (::fsync(fd_) != 0) Fail(temp_path_, "fsync failed", errno);
+  if (::fsync(fd_) != 0) {
+    const int err = errno;
+    Fail(temp_path_, "fsync failed", err);
+  }
   const int fd = fd_;
   fd_ = -1;
-  if (::close(fd) != 0) Fail(temp_path_, "close failed", errno);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    Fail(temp_path_, "close failed", err);
+  }
   // Most of the disk work happens in fsync: a caller whose deadline passed
   // meanwhile has already told every rank that the save failed, so the new
   // file must not appear under the final name after all.
@@ -154,13 +164,17 @@ void AtomicFileWriter::Commit() {
     throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
   }
   if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    Fail(path_, "cannot rename " + temp_path_ + " to it", errno);
+    const int err = errno;  // building the message may change errno
+    Fail(path_, "cannot rename " + temp_path_ + " to it", err);
   }
   committed_ = true;
   // The rename itself lives in the folder's entry table.
   const std::string folder = Folder(path_);
   const int dfd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) Fail(folder, "cannot open folder to fsync it", errno);
+  if (dfd < 0) {
+    const int err = errno;
+    Fail(folder, "cannot open folder to fsync it", err);
+  }
   const int rc = ::fsync(dfd);
   const int err = errno;
   ::close(dfd);

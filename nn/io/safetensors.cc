@@ -476,7 +476,11 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     // is allocated. Parse checks the rest.
     unsigned char length[8];
     if (std::fread(length, 1, 8, f.get()) != 8) {
-      throw CheckpointError(path + ": cannot read its first 8 bytes: " + std::strerror(errno));
+      // errno says something only when the stream has its error flag set.
+      const int err = errno;
+      throw CheckpointError(path + ": cannot read its first 8 bytes: " +
+                            (std::ferror(f.get()) ? std::string(std::strerror(err))
+                                                  : std::string("the file got shorter while being read")));
     }
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
@@ -497,6 +501,7 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     throw CheckpointError(path + ": cannot hold its " + std::to_string(size) + " bytes in memory");
   }
   size_t got = 0;
+  int read_errno = 0;
   while (got < bytes.size()) {
     if (stop != nullptr && stop->load(std::memory_order_relaxed)) {
       throw CheckpointError(path + ": the read was stopped after " + std::to_string(got) + " of " +
@@ -505,13 +510,16 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     const size_t want = std::min(bytes.size() - got, kStopCheckBytes);
     const size_t n = std::fread(bytes.data() + got, 1, want, f.get());
     got += n;
-    if (n != want) break;
+    if (n != want) {
+      read_errno = errno;
+      break;
+    }
   }
   if (got != bytes.size()) {
     // A short read without an error is a file that shrank since fstat.
     throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
                           std::to_string(bytes.size()) + " bytes" +
-                          (std::ferror(f.get()) ? std::string(": ") + std::strerror(errno)
+                          (std::ferror(f.get()) ? std::string(": ") + std::strerror(read_errno)
                                                 : std::string(": the file got shorter while read")));
   }
   return bytes;

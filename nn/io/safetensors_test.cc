@@ -324,6 +324,19 @@ TEST(Safetensors, ReadingAFifoFailsAtOnceNamingThePath) {
   EXPECT_THAT(read.get(), AllOf(HasSubstr(path), HasSubstr("not a regular file but a FIFO")));
 }
 
+// Before, a short read of the length field gave strerror of whatever errno
+// held from earlier. A sysfs attribute is a regular file whose size (4096)
+// is more than it holds ("0-1\n"): a file shorter than its size said.
+TEST(Safetensors, ShortReadOfTheLengthFieldSaysTheFileGotShorter) {
+  const std::string path = "/sys/devices/system/cpu/online";
+  struct stat st{};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0) << path << ": " << std::strerror(errno);
+  ASSERT_TRUE(S_ISREG(st.st_mode) && st.st_size >= 8) << path << " is not a sysfs attribute of size >= 8";
+  errno = EAGAIN;  // a stale value the old message reported
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadBytes(path); }),
+              AllOf(HasSubstr(path), HasSubstr("cannot read its first 8 bytes: the file got shorter while being read")));
+}
+
 TEST(Safetensors, StoppedReadSaysHowFarItGot) {
   const std::string dir = TmpDir("st_stop_read");
   const std::string path = dir + "/c.safetensors";
