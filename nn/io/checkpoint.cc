@@ -138,7 +138,22 @@ void SaveTensors(const std::string& path, const NamedTensors& tensors, const Met
     WriteSafetensorsFile(path, views, metadata, stop);  // CPU-only saves: no record, as before
   } else {
     Metadata with_devices = metadata;
-    with_devices[kDevicesKey] = devices.dump();
+    try {
+      with_devices[kDevicesKey] = devices.dump();
+    } catch (const nlohmann::json::exception& e) {
+      // A name that is not valid UTF-8: say which tensor, by its place, as
+      // the name itself would not print.
+      std::string which;
+      for (size_t i = 0; i < tensors.size() && which.empty(); ++i) {
+        try {
+          (void)nlohmann::json(tensors[i].first).dump();
+        } catch (const nlohmann::json::exception&) {
+          which = "tensor #" + std::to_string(i) + "'s name: ";
+        }
+      }
+      throw CheckpointError(path + ": cannot record the tensors' devices in `" + kDevicesKey + "`: " + which +
+                            e.what());
+    }
     WriteSafetensorsFile(path, views, with_devices, stop);
   }
 }

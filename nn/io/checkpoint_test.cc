@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -218,6 +220,44 @@ TEST(DeviceMap, CpuSavesRecordNoDevicesAndTheKeyIsReserved) {
               AllOf(HasSubstr(path), HasSubstr("reserved")));
   // The failed save left the earlier file as it was.
   EXPECT_EQ(LoadTensors(path).metadata, (Metadata{{"k", "v"}}));
+}
+
+// Host memory posing as cuda memory, so that tensors "on cuda:0" reach the
+// device record without a GPU.
+class HostPosingAsDevice : public Allocator {
+ public:
+  void* Allocate(size_t nbytes, Device) override { return std::malloc(nbytes == 0 ? 1 : nbytes); }
+  void Deallocate(void* ptr, size_t, Device) override { std::free(ptr); }
+};
+
+void CopyHostBytes(void* dst, Device, const void* src, Device, size_t nbytes) { std::memcpy(dst, src, nbytes); }
+void NoSync(Device) {}
+
+// Before, a device tensor whose name is not valid UTF-8 made the device
+// record's encoding throw nlohmann's error, naming neither file nor tensor.
+// Run in a child process: the fake cuda backend must not reach the tests
+// above, which count on there being none.
+TEST(DeviceMap, DeviceRecordThatCannotBeEncodedNamesTheFileAndTensor) {
+  const std::string path = TmpPath("bad_utf8_device.safetensors");
+  EXPECT_EXIT(
+      {
+        static HostPosingAsDevice allocator;
+        RegisterDeviceBackend(DeviceType::kCUDA,
+                              {.allocator = &allocator, .copy_bytes = &CopyHostBytes, .synchronize = &NoSync});
+        const Tensor w = Ones({2}).To(Device(DeviceType::kCUDA, 0));
+        int code = 1;
+        try {
+          SaveTensors(path, {{"ok", Ones({1})}, {std::string("w\xff"), w}});
+          std::fprintf(stderr, "saved\n");
+        } catch (const CheckpointError& e) {
+          std::fprintf(stderr, "CheckpointError: %s\n", e.what());
+          code = std::string(e.what()).find(path) != std::string::npos ? 0 : 2;
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "other error: %s\n", e.what());
+        }
+        std::_Exit(code);
+      },
+      ::testing::ExitedWithCode(0), "CheckpointError: .*bad_utf8_device.safetensors: .*tensor #1's name");
 }
 
 TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
