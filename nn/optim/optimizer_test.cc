@@ -1140,7 +1140,12 @@ TEST(LrScheduler, RateTheTargetRefusesChangesNothing) {
   LrScheduler s(opt, std::make_shared<NegativeAtOddSteps>());
   const NamedTensors odd_step = {{"scheduler.step", FromVectorOf<int64_t>({1}, {})},
                                  {"scheduler.base_lr", FromVector({2.0}, {}, {.dtype = DType::kFloat64})}};
-  EXPECT_THAT(ErrorOf([&] { s.LoadStateDict(odd_step); }), HasSubstr("learning rate -1.000000 must be finite and >= 0"));
+  // Refused by the state's checks, so that CheckStateDict (RestoreCheckpoint's
+  // look before it loads anything) refuses it too, naming step and base_lr.
+  const std::string refused =
+      "the schedule gives learning rate -1.000000 at scheduler.step 1 from scheduler.base_lr 2.000000";
+  EXPECT_THAT(ErrorOf([&] { s.CheckStateDict(odd_step); }), HasSubstr(refused));
+  EXPECT_THAT(ErrorOf([&] { s.LoadStateDict(odd_step); }), HasSubstr(refused));
   EXPECT_EQ(s.step_count(), 0);
   EXPECT_EQ(s.base_lr(), 1.0);
   EXPECT_EQ(opt.lr(), 1.0);
