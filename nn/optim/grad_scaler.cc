@@ -247,17 +247,6 @@ NamedTensors GradScaler::StateDict() const {
 
 namespace {
 
-// Throws unless `t` (null: the key is absent) is one element of `dtype`,
-// saying what was found instead.
-void CheckScalar(const char* who, const std::string& key, const Tensor* t, DType dtype) {
-  if (t != nullptr && t->defined() && t->dtype() == dtype && t->numel() == 1) return;
-  const std::string type(DTypeName(dtype));
-  if (t == nullptr) throw std::invalid_argument(std::string(who) + ": missing " + type + " scalar `" + key + "`");
-  const std::string found = t->defined() ? std::string(DTypeName(t->dtype())) + " " + ShapeToString(t->shape())
-                                         : std::string("undefined");
-  throw std::invalid_argument(std::string(who) + ": `" + key + "` is " + found + ", expected an " + type + " scalar");
-}
-
 struct ScalerState {
   float scale;
   int64_t growth_tracker;
@@ -272,8 +261,8 @@ ScalerState ReadScalerState(const NamedTensors& state, int64_t growth_interval) 
     else if (k == "scaler.growth_tracker") tracker = &t;
     else if (k.rfind("scaler.", 0) == 0) throw std::invalid_argument("GradScaler.LoadStateDict: unexpected `" + k + "`");
   }
-  CheckScalar("GradScaler.LoadStateDict", "scaler.scale", scale, DType::kFloat32);
-  CheckScalar("GradScaler.LoadStateDict", "scaler.growth_tracker", tracker, DType::kInt64);
+  internal::CheckStateScalar("GradScaler.LoadStateDict", "scaler.scale", scale, DType::kFloat32);
+  internal::CheckStateScalar("GradScaler.LoadStateDict", "scaler.growth_tracker", tracker, DType::kInt64);
   const float s = scale->To(kCPU).data<float>()[0];
   if (!(s > 0) || !std::isfinite(s)) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");

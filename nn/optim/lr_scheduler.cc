@@ -158,17 +158,6 @@ NamedTensors LrScheduler::StateDict() const {
 
 namespace {
 
-// Throws unless `t` (null: the key is absent) is one element of `dtype`,
-// saying what was found instead.
-void CheckScalar(const char* who, const std::string& key, const Tensor* t, DType dtype) {
-  if (t != nullptr && t->defined() && t->dtype() == dtype && t->numel() == 1) return;
-  const std::string type(DTypeName(dtype));
-  if (t == nullptr) throw std::invalid_argument(std::string(who) + ": missing " + type + " scalar `" + key + "`");
-  const std::string found = t->defined() ? std::string(DTypeName(t->dtype())) + " " + ShapeToString(t->shape())
-                                         : std::string("undefined");
-  throw std::invalid_argument(std::string(who) + ": `" + key + "` is " + found + ", expected an " + type + " scalar");
-}
-
 struct SchedulerState {
   int64_t step;
   double base_lr;
@@ -186,8 +175,8 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     else if (k == "scheduler.base_lr") base = &t;
     else if (k.rfind("scheduler.", 0) == 0) throw std::invalid_argument("LrScheduler.LoadStateDict: unexpected `" + k + "`");
   }
-  CheckScalar("LrScheduler.LoadStateDict", "scheduler.step", step, DType::kInt64);
-  CheckScalar("LrScheduler.LoadStateDict", "scheduler.base_lr", base, DType::kFloat64);
+  internal::CheckStateScalar("LrScheduler.LoadStateDict", "scheduler.step", step, DType::kInt64);
+  internal::CheckStateScalar("LrScheduler.LoadStateDict", "scheduler.base_lr", base, DType::kFloat64);
   const int64_t t = step->To(kCPU).data<int64_t>()[0];
   if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
   const double base_lr = base->Item();

@@ -574,4 +574,17 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
   }
 }
 
+namespace internal {
+
+void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype) {
+  if (t != nullptr && t->defined() && t->dtype() == dtype && t->numel() == 1) return;
+  const std::string type(DTypeName(dtype));
+  if (t == nullptr) throw std::invalid_argument(std::string(who) + ": missing " + type + " scalar `" + key + "`");
+  const std::string found = t->defined() ? std::string(DTypeName(t->dtype())) + " " + ShapeToString(t->shape())
+                                         : std::string("undefined");
+  throw std::invalid_argument(std::string(who) + ": `" + key + "` is " + found + ", expected an " + type + " scalar");
+}
+
+}  // namespace internal
+
 }  // namespace ddp::nn::optim

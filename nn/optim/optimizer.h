@@ -217,6 +217,15 @@ class Optimizer {
   std::vector<State> state_;
 };
 
+namespace internal {
+
+/// Throws std::invalid_argument unless `t` (null: the key is absent from
+/// the state dict) is one element of `dtype`, naming `who` and `key` and
+/// saying what was found instead. For the scaler's and schedulers' states.
+void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype);
+
+}  // namespace internal
+
 }  // namespace ddp::nn::optim
 
 #endif  // DDP_NN_OPTIM_OPTIMIZER_H_
