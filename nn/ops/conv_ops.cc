@@ -80,13 +80,18 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   const Tensor b = bias.defined() && bias.dtype() != w.dtype() ? bias.Detach().To(w.dtype()) : bias;
   DDP_KERNEL(x.device(), conv2d_forward)(x, w, b, y, p);
   if (!detail::AnyRequiresGrad({&x, &w, &bias})) return y;
-  auto node = std::make_shared<LambdaNode>("Conv2dBackward", [p](LambdaNode& n, std::vector<Tensor>& g) {
+  // The kernel fills the bias gradient in w's dtype (the forward read the
+  // bias through an unrecorded cast); it goes back in the bias's own dtype,
+  // which is what the node that made the bias expects.
+  const DType bias_dtype = bias.defined() ? bias.dtype() : w.dtype();
+  auto node = std::make_shared<LambdaNode>("Conv2dBackward", [p, bias_dtype](LambdaNode& n, std::vector<Tensor>& g) {
     const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
     Tensor gx, gw, gb;
     if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
     if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
     if (n.needs_input_grad(2)) gb = Empty({wv.size(0)}, {.dtype = wv.dtype(), .device = wv.device()});
     DDP_KERNEL(xv.device(), conv2d_backward)(xv, wv, g[0], gx, gw, gb, p);
+    if (gb.defined() && gb.dtype() != bias_dtype) gb = gb.To(bias_dtype);
     return std::vector<Tensor>{gx, gw, gb};
   });
   node->saved.emplace_back(x);

@@ -180,13 +180,20 @@ Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   Tensor y = y2.View(out_shape);
   if (!detail::AnyRequiresGrad({&x, &w, &bias})) return y;
   const Shape x_shape = x.shape();
-  auto node = std::make_shared<LambdaNode>("LinearBackward", [x_shape, m, in, out_features](
+  // The forward read the bias through an unrecorded cast to w's dtype, so its
+  // gradient is turned back into the bias's own dtype here: the node that
+  // made a bias of another dtype expects a gradient like its output.
+  const DType bias_dtype = bias.defined() ? bias.dtype() : w.dtype();
+  auto node = std::make_shared<LambdaNode>("LinearBackward", [x_shape, m, in, out_features, bias_dtype](
                                                                  LambdaNode& n, std::vector<Tensor>& g) {
     const Tensor g2 = g[0].Reshape({m, out_features});
     Tensor gx, gw, gb;
     if (n.needs_input_grad(0)) gx = MmRaw(g2, n.saved[1].Get()).View(x_shape);
     if (n.needs_input_grad(1)) gw = MmRaw(g2.Transpose(0, 1), n.saved[0].Get().Reshape({m, in}));
-    if (n.needs_input_grad(2)) gb = detail::SumToShape(g2, {out_features});
+    if (n.needs_input_grad(2)) {
+      gb = detail::SumToShape(g2, {out_features});
+      if (gb.dtype() != bias_dtype) gb = gb.To(bias_dtype);
+    }
     return std::vector<Tensor>{gx, gw, gb};
   });
   node->saved.emplace_back(x);

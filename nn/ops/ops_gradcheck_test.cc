@@ -384,6 +384,29 @@ TEST(GradCheckTest, DropoutRefusesAProbabilityOutsideZeroToOne) {
   EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.0, true); }), "");
 }
 
+// A bias of another dtype than the weight, made by an op (a bf16 product for
+// an f32 layer), gets its gradient in its own dtype. Before, Linear and
+// Conv2d handed back an f32 gradient and MulBackward refused it
+// ("binary: dtypes bf16 and f32 differ").
+TEST(GradCheckTest, BiasOfAnotherDtypeGetsItsGradientInThatDtype) {
+  const TensorOptions bf16 = {.dtype = DType::kBFloat16};
+  Tensor b16 = Ones({3}, {.dtype = DType::kBFloat16, .requires_grad = true});
+  const Tensor s16 = FromVector({1, 2, 3}, {3}, bf16);
+  Tensor w = Ones({3, 4}, {.requires_grad = true});
+  Backward(Sum(Linear(Ones({2, 4}), w, Mul(b16, s16))));
+  ASSERT_TRUE(b16.grad().defined());
+  EXPECT_EQ(b16.grad().dtype(), DType::kBFloat16);
+  EXPECT_EQ(b16.grad().ToVector<float>(), (std::vector<float>{2, 4, 6}));  // two rows, times s16
+  EXPECT_EQ(w.grad().dtype(), DType::kFloat32);
+
+  Tensor c16 = Ones({3}, {.dtype = DType::kBFloat16, .requires_grad = true});
+  Tensor cw = Ones({3, 2, 1, 1}, {.requires_grad = true});
+  Backward(Sum(Conv2d(Ones({1, 2, 2, 2}), cw, Mul(c16, s16))));
+  ASSERT_TRUE(c16.grad().defined());
+  EXPECT_EQ(c16.grad().dtype(), DType::kBFloat16);
+  EXPECT_EQ(c16.grad().ToVector<float>(), (std::vector<float>{4, 8, 12}));  // four positions, times s16
+}
+
 TEST(GradCheckTest, MixedPrecisionCastFlowsGradientBack) {
   Tensor w = Ones({4}, {.dtype = DType::kBFloat16, .requires_grad = true});
   Tensor x = FromVector({1, 2, 3, 4}, {4});
