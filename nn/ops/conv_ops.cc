@@ -45,6 +45,11 @@ void CheckPositive(const char* op, const char* what, int64_t a, int64_t b) {
 }  // namespace
 
 Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_orig, const Conv2dParams& p) {
+  // Integer operands are refused before anything is cast (an integer weight
+  // gave an integer output; an integer input was converted silently).
+  detail::CheckFloatingOperand("conv2d", "input", x_orig);
+  detail::CheckFloatingOperand("conv2d", "weight", w_orig);
+  if (bias_orig.defined()) detail::CheckFloatingOperand("conv2d", "bias", bias_orig);
   // Autocast: input, weight and bias in the low dtype (a no-op when it is off).
   const Tensor x_in = autocast::ToLowPrecision(x_orig);
   const Tensor w = autocast::ToLowPrecision(w_orig);

@@ -31,6 +31,13 @@ void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b) {
   }
 }
 
+void CheckFloatingOperand(const char* op, const char* what, const Tensor& t) {
+  if (!IsFloating(t.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " must be floating, got " +
+                                std::string(DTypeName(t.dtype())));
+  }
+}
+
 }  // namespace detail
 
 using detail::LambdaNode;

@@ -145,6 +145,11 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
 }
 
 Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_orig) {
+  // Integer operands are refused before anything is cast: an integer input
+  // would otherwise be converted to the weight's dtype without a word.
+  detail::CheckFloatingOperand("linear", "input", x_orig);
+  detail::CheckFloatingOperand("linear", "weight", w_orig);
+  if (bias_orig.defined()) detail::CheckFloatingOperand("linear", "bias", bias_orig);
   // Autocast: input, weight and bias in the low dtype (a no-op when it is off).
   const Tensor x_in = autocast::ToLowPrecision(x_orig);
   const Tensor w = autocast::ToLowPrecision(w_orig);
@@ -157,6 +162,10 @@ Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   if (bias.defined() && (bias.dim() != 1 || bias.size(0) != w.size(0))) {
     throw std::invalid_argument("linear: bias of shape " + ShapeToString(bias.shape()) + " for " +
                                 std::to_string(w.size(0)) + " outputs");
+  }
+  if (bias.defined() && bias.device() != w.device()) {
+    throw std::invalid_argument("linear: bias is on " + bias.device().ToString() + ", weight on " +
+                                w.device().ToString() + " (expected one device)");
   }
   // Inputs follow the layer's dtype (mixed precision: a bf16 layer after an f32 one).
   const Tensor x = x_in.dtype() == w.dtype() ? x_in : Cast(x_in, w.dtype());

@@ -59,6 +59,8 @@ inline int64_t WrapDimAllowingScalar(const Tensor& x, int64_t dim) {
 
 /// Throws when tensors live on different devices, naming the op.
 void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b);
+/// Throws "<op>: <what> must be floating, got <dtype>" for an integer t.
+void CheckFloatingOperand(const char* op, const char* what, const Tensor& t);
 
 /// A node whose backward is a lambda; for simple ops.
 class LambdaNode final : public Node {

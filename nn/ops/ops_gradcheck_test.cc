@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "nn/autograd/engine.h"
 
@@ -405,6 +408,53 @@ TEST(GradCheckTest, BiasOfAnotherDtypeGetsItsGradientInThatDtype) {
   ASSERT_TRUE(c16.grad().defined());
   EXPECT_EQ(c16.grad().dtype(), DType::kBFloat16);
   EXPECT_EQ(c16.grad().ToVector<float>(), (std::vector<float>{4, 8, 12}));  // four positions, times s16
+}
+
+// Integer operands are refused by name. Before, Conv2d with an i64 weight
+// returned an i64 output, and Linear converted an i64 input or bias to the
+// weight's dtype without a word.
+TEST(GradCheckTest, LinearAndConv2dRefuseIntegerOperands) {
+  const TensorOptions i64 = {.dtype = DType::kInt64};
+  EXPECT_EQ(ErrorOf([&] { Linear(Ones({2, 4}, i64), Ones({3, 4}), Tensor()); }),
+            "linear: input must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { Linear(Ones({2, 4}), Ones({3, 4}, i64), Tensor()); }),
+            "linear: weight must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { Linear(Ones({2, 4}), Ones({3, 4}), Ones({3}, i64)); }),
+            "linear: bias must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Ones({1, 2, 3, 3}, i64), Ones({3, 2, 1, 1}), Tensor()); }),
+            "conv2d: input must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Ones({1, 2, 3, 3}), Ones({3, 2, 1, 1}, i64), Tensor()); }),
+            "conv2d: weight must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Ones({1, 2, 3, 3}), Ones({3, 2, 1, 1}), Ones({3}, i64)); }),
+            "conv2d: bias must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { Linear(Ones({2, 4}), Ones({3, 4}), Ones({3}, {.dtype = DType::kBFloat16})); }), "");
+}
+
+// Host memory posing as cuda memory, so that a bias "on cuda:0" reaches
+// Linear without a GPU.
+class HostPosingAsDevice : public Allocator {
+ public:
+  void* Allocate(size_t nbytes, Device) override { return std::malloc(nbytes == 0 ? 1 : nbytes); }
+  void Deallocate(void* ptr, size_t, Device) override { std::free(ptr); }
+};
+
+void CopyHostBytes(void* dst, Device, const void* src, Device, size_t nbytes) { std::memcpy(dst, src, nbytes); }
+void NoSync(Device) {}
+
+// A bias on another device than the weight is refused, naming the bias.
+// Before, Linear copied it into the output across devices. Run in a child
+// process, so that the fake cuda backend reaches no other test.
+TEST(GradCheckTest, LinearRefusesABiasOnAnotherDevice) {
+  EXPECT_EXIT(
+      {
+        static HostPosingAsDevice allocator;
+        RegisterDeviceBackend(DeviceType::kCUDA,
+                              {.allocator = &allocator, .copy_bytes = &CopyHostBytes, .synchronize = &NoSync});
+        const Tensor bias = Ones({3}).To(Device(DeviceType::kCUDA, 0));
+        std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { Linear(Ones({2, 4}), Ones({3, 4}), bias); }).c_str());
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "error: \\[linear: bias is on cuda:0, weight on cpu \\(expected one device\\)\\]");
 }
 
 TEST(GradCheckTest, MixedPrecisionCastFlowsGradientBack) {
