@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "nn/autograd/node.h"
 #include "nn/ops/autocast.h"
@@ -51,7 +52,10 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   if (logits.dim() != 2) {
     throw std::invalid_argument("cross_entropy: expected logits [N, C], got " + ShapeToString(logits.shape()));
   }
-  if (!IsFloating(logits.dtype())) throw std::invalid_argument("cross_entropy: logits must be floating");
+  if (!IsFloating(logits.dtype())) {
+    throw std::invalid_argument("cross_entropy: logits must be floating, got " +
+                                std::string(DTypeName(logits.dtype())));
+  }
   if (target_in.dim() != 1 || target_in.size(0) != logits.size(0)) {
     throw std::invalid_argument("cross_entropy: target of shape " + ShapeToString(target_in.shape()) +
                                 " does not match logits " + ShapeToString(logits.shape()) + " (expected [" +
@@ -98,6 +102,13 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
 }
 
 Tensor MseLoss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  // Named here: an integer operand otherwise fails deep inside Sub or Square.
+  for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"input", &input_in}, {"target", &target_in}}) {
+    if (!IsFloating(t->dtype())) {
+      throw std::invalid_argument(std::string("mse_loss: ") + what + " must be floating, got " +
+                                  std::string(DTypeName(t->dtype())));
+    }
+  }
   // Autocast: squared differences in f32 (16-bit squares overflow or underflow).
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
   if (input.shape() != target.shape()) {

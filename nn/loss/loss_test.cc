@@ -98,6 +98,16 @@ TEST(MseTest, ValueGradientAndShapeCheck) {
   EXPECT_NE(ErrorOf([] { MseLoss(Zeros({3}), Zeros({4})); }).find("differ in shape"), std::string::npos);
 }
 
+// Integer operands are refused naming mse_loss and the dtype, not by the
+// Sub or Square inside it.
+TEST(MseTest, IntegerOperandsAreNamed) {
+  const Tensor i = Ones({3}, {.dtype = DType::kInt64});
+  EXPECT_EQ(ErrorOf([&] { MseLoss(i, Ones({3})); }), "mse_loss: input must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { MseLoss(Ones({3}), i); }), "mse_loss: target must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { CrossEntropy(Zeros({2, 3}, {.dtype = DType::kInt32}), FromVectorOf<int64_t>({0, 1}, {2})); }),
+            "cross_entropy: logits must be floating, got i32");
+}
+
 // As PyTorch: the mean over no elements is NaN (the sum is 0), and a 16-bit
 // mean is finite where the 16-bit sum is not (100000 * 4 > f16's 65504).
 TEST(MseTest, EmptyIsNaNAndSixteenBitMeanDoesNotOverflow) {

@@ -244,6 +244,8 @@ Tensor Abs(const Tensor& x) { return UnaryOpImpl(UnaryOp::kAbs, x); }
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
   // Written so that NaN fails it too.
   if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + std::to_string(p));
+  // Checked here, before a mask is drawn, rather than left to masked_scale.
+  detail::CheckFloatingOperand("Dropout", "input", x);
   if (!training || p == 0.0) return x;
   if (p == 1.0) return MulScalar(x, 0.0);
   Tensor mask = Empty(x.shape(), {.dtype = DType::kUInt8, .device = x.device()});

@@ -457,6 +457,18 @@ TEST(GradCheckTest, LinearRefusesABiasOnAnotherDevice) {
       ::testing::ExitedWithCode(0), "error: \\[linear: bias is on cuda:0, weight on cpu \\(expected one device\\)\\]");
 }
 
+// An integer tensor is refused with its dtype named, by Dropout before any
+// mask is drawn. Before, log_softmax gave no dtype and Dropout drew a mask
+// (advancing the generator) before masked_scale refused the tensor.
+TEST(GradCheckTest, IntegerTensorsAreRefusedWithTheirDtype) {
+  const Tensor x = Ones({2, 3}, {.dtype = DType::kInt64});
+  EXPECT_EQ(ErrorOf([&] { LogSoftmax(x, 1); }), "log_softmax: needs a floating tensor, got i64");
+  Generator gen(5), fresh(5);
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, 0.5, true, gen); }), "Dropout: input must be floating, got i64");
+  EXPECT_EQ(Dropout(Ones({64}), 0.5, true, gen).ToVector<double>(),
+            Dropout(Ones({64}), 0.5, true, fresh).ToVector<double>());  // gen was not advanced
+}
+
 TEST(GradCheckTest, MixedPrecisionCastFlowsGradientBack) {
   Tensor w = Ones({4}, {.dtype = DType::kBFloat16, .requires_grad = true});
   Tensor x = FromVector({1, 2, 3, 4}, {4});

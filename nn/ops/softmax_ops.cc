@@ -18,7 +18,9 @@ Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
   }
   // Autocast: exponentials need f32's range.
   const Tensor x = autocast::ToFloat32(x_in);
-  if (!IsFloating(x.dtype())) throw std::invalid_argument("log_softmax: needs a floating tensor");
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument("log_softmax: needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
+  }
   dim = x.WrapDim(dim);
   Tensor y = detail::NewLike(x);
   DDP_KERNEL(x.device(), log_softmax_forward)(x, dim, y);
