@@ -244,9 +244,10 @@ Tensor Abs(const Tensor& x) { return UnaryOpImpl(UnaryOp::kAbs, x); }
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
   // Written so that NaN fails it too.
   if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + std::to_string(p));
+  // Outside training it is the identity for any tensor, as in PyTorch.
+  if (!training || p == 0.0) return x;
   // Checked here, before a mask is drawn, rather than left to masked_scale.
   detail::CheckFloatingOperand("Dropout", "input", x);
-  if (!training || p == 0.0) return x;
   if (p == 1.0) return MulScalar(x, 0.0);
   Tensor mask = Empty(x.shape(), {.dtype = DType::kUInt8, .device = x.device()});
   DDP_KERNEL(x.device(), bernoulli_mask)(mask, 1.0 - p, gen);

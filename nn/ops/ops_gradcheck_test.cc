@@ -465,6 +465,7 @@ TEST(GradCheckTest, IntegerTensorsAreRefusedWithTheirDtype) {
   EXPECT_EQ(ErrorOf([&] { LogSoftmax(x, 1); }), "log_softmax: needs a floating tensor, got i64");
   Generator gen(5), fresh(5);
   EXPECT_EQ(ErrorOf([&] { Dropout(x, 0.5, true, gen); }), "Dropout: input must be floating, got i64");
+  EXPECT_TRUE(Dropout(x, 0.5, false, gen).is_same(x));  // eval: the identity, any dtype
   EXPECT_EQ(Dropout(Ones({64}), 0.5, true, gen).ToVector<double>(),
             Dropout(Ones({64}), 0.5, true, fresh).ToVector<double>());  // gen was not advanced
 }
