@@ -143,10 +143,11 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
 // On 3 ranks, where the all-reduce's sum depends on where a gradient sits
 // in its bucket: a run stopped after 5 of its 20 steps and resumed ends
 // with the parameters and optimizer state of the uninterrupted run, bit for
-// bit (no schedule: --max_steps would set its horizon). The resumed run's DDP starts from the bucket order the checkpoint
-// saved; built in registration order instead, its first step summed the
-// gradients in another order than the uninterrupted run's sixth, and the
-// momentum buffers differed in their last bit.
+// bit (no schedule: --max_steps would set its horizon). The resumed run's
+// DDP starts from the bucket order the checkpoint saved; built in
+// registration order instead, its first step summed the gradients in
+// another order than the uninterrupted run's sixth, and the momentum
+// buffers differed in their last bit.
 TEST(TrainResumeTest, StoppedAndResumedOnThreeRanksEqualsUninterrupted) {
   const std::string dir = testing::MakeTempDir("resume3");
   auto args = [](const std::string& checkpoint) {

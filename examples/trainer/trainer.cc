@@ -254,9 +254,10 @@ class Run {
   bool RecordEvaluation(const Evaluation& e, int64_t epoch_number);
   // On --resume: the evaluation the run before was to make at the
   // checkpoint's step (an epoch end, a multiple of --eval_every), made now
-  // if metrics.csv lacks it, or with no --log_dir at all. The checkpoint is saved before that evaluation,
-  // which a signal cuts short; the resumed run then starts past it. Returns
-  // the agreed stop signal if this evaluation is interrupted in turn.
+  // if metrics.csv lacks it, or with no --log_dir at all. The checkpoint is
+  // saved before that evaluation, which a signal cuts short; the resumed run
+  // then starts past it. Returns the agreed stop signal if this evaluation
+  // is interrupted in turn.
   int EvaluateMissedAtResume();
   // A stop vote that every rank waits for (after an interrupted
   // evaluation, which every rank learns of together): the agreed signal.
