@@ -13,6 +13,8 @@
 #include <random>
 #include <sstream>
 
+#include "nn/tensor/testing/host_as_device.h"
+
 namespace ddp::nn::io {
 namespace {
 
@@ -222,17 +224,6 @@ TEST(DeviceMap, CpuSavesRecordNoDevicesAndTheKeyIsReserved) {
   EXPECT_EQ(LoadTensors(path).metadata, (Metadata{{"k", "v"}}));
 }
 
-// Host memory posing as cuda memory, so that tensors "on cuda:0" reach the
-// device record without a GPU.
-class HostPosingAsDevice : public Allocator {
- public:
-  void* Allocate(size_t nbytes, Device) override { return std::malloc(nbytes == 0 ? 1 : nbytes); }
-  void Deallocate(void* ptr, size_t, Device) override { std::free(ptr); }
-};
-
-void CopyHostBytes(void* dst, Device, const void* src, Device, size_t nbytes) { std::memcpy(dst, src, nbytes); }
-void NoSync(Device) {}
-
 // Before, a device tensor whose name is not valid UTF-8 made the device
 // record's encoding throw nlohmann's error, naming neither file nor tensor.
 // Run in a child process: the fake cuda backend must not reach the tests
@@ -241,9 +232,7 @@ TEST(DeviceMap, DeviceRecordThatCannotBeEncodedNamesTheFileAndTensor) {
   const std::string path = TmpPath("bad_utf8_device.safetensors");
   EXPECT_EXIT(
       {
-        static HostPosingAsDevice allocator;
-        RegisterDeviceBackend(DeviceType::kCUDA,
-                              {.allocator = &allocator, .copy_bytes = &CopyHostBytes, .synchronize = &NoSync});
+        nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
         const Tensor w = Ones({2}).To(Device(DeviceType::kCUDA, 0));
         int code = 1;
         try {

@@ -11,6 +11,7 @@
 
 #include "nn/ops/functional.h"
 #include "nn/ops/gradcheck.h"
+#include "nn/tensor/testing/host_as_device.h"
 
 namespace ddp::nn::ops {
 namespace {
@@ -430,26 +431,13 @@ TEST(GradCheckTest, LinearAndConv2dRefuseIntegerOperands) {
   EXPECT_EQ(ErrorOf([&] { Linear(Ones({2, 4}), Ones({3, 4}), Ones({3}, {.dtype = DType::kBFloat16})); }), "");
 }
 
-// Host memory posing as cuda memory, so that a bias "on cuda:0" reaches
-// Linear without a GPU.
-class HostPosingAsDevice : public Allocator {
- public:
-  void* Allocate(size_t nbytes, Device) override { return std::malloc(nbytes == 0 ? 1 : nbytes); }
-  void Deallocate(void* ptr, size_t, Device) override { std::free(ptr); }
-};
-
-void CopyHostBytes(void* dst, Device, const void* src, Device, size_t nbytes) { std::memcpy(dst, src, nbytes); }
-void NoSync(Device) {}
-
 // A bias on another device than the weight is refused, naming the bias.
 // Before, Linear copied it into the output across devices. Run in a child
 // process, so that the fake cuda backend reaches no other test.
 TEST(GradCheckTest, LinearRefusesABiasOnAnotherDevice) {
   EXPECT_EXIT(
       {
-        static HostPosingAsDevice allocator;
-        RegisterDeviceBackend(DeviceType::kCUDA,
-                              {.allocator = &allocator, .copy_bytes = &CopyHostBytes, .synchronize = &NoSync});
+        nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
         const Tensor bias = Ones({3}).To(Device(DeviceType::kCUDA, 0));
         std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { Linear(Ones({2, 4}), Ones({3, 4}), bias); }).c_str());
         std::_Exit(0);
