@@ -302,10 +302,11 @@ DDP_TEST_WORKER(equivalence) {
   auto pg = GroupWithSmallChunks();
   const std::string kind = std::getenv("DDP_TEST_MODEL");
   auto reference = TrainReference(kind, pg->size(), device);
+  const double tolerance = kind == "cnn" ? 5e-5 : 1e-5;  // see CnnTwoRanksMatchesOneProcess
   const std::vector<Config> configs = {
-      {"default buckets", false, 25, 0.5, "", 1e-5},
-      {"gradient_as_bucket_view", true, 25, 0, "", 1e-5},
-      {"one bucket per parameter", false, 1e-9, 0, "", 1e-5},
+      {"default buckets", false, 25, 0.5, "", tolerance},
+      {"gradient_as_bucket_view", true, 25, 0, "", tolerance},
+      {"one bucket per parameter", false, 1e-9, 0, "", tolerance},
   };
   for (const Config& c : configs) CheckConfig(*pg, kind, c, *reference, device);
   return testing::WorkerExit();
@@ -528,11 +529,14 @@ TEST(DdpGpuTest, MlpTwoRanksMatchesOneProcess) {
 }
 
 // cuDNN's searched algorithms are chosen by timing (so two processes on one
-// GPU may pick different ones) and some backward ones add with atomics: the
-// single-process reference then differed between the two ranks by up to
-// 1.4e-5 relative in one run of three. The plain algorithms
-// (DDP_NN_CUDA_CONV_SEARCH=0) are fixed and deterministic, so what is left
-// to compare is DDP's split of the batch.
+// GPU may pick different ones) and some backward ones add with atomics. The
+// plain algorithms (DDP_NN_CUDA_CONV_SEARCH=0) are fixed and deterministic,
+// so what is left is DDP's split of the batch: on an H200 (2026-12-04) every
+// config on both ranks ended 1.45e-5 (relative) from the single-process run,
+// in 3.weight, the same figure each time, with the replicas bitwise equal.
+// The convolutions' f32 sums over 8 images instead of 16 round differently,
+// and 20 steps of momentum SGD carry that further than on the CPU (1e-5
+// there), so the CNN is held to 5e-5 on the GPU.
 TEST(DdpGpuTest, CnnTwoRanksMatchesOneProcess) {
   auto run =
       RunWorkers("equivalence", 2, {{"DDP_TEST_MODEL", "cnn"}, {"DDP_NN_CUDA_CONV_SEARCH", "0"}}, 90000);

@@ -7,9 +7,10 @@
 #      cuda:0, ours: //nn/cuda:train_step_bench, one BENCH line per mode;
 #   4. the same in PyTorch eager (tools/bench/torch_train_step_bench.py) when
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
-#   4b. ours again with the split BatchNorm path (DDP_NN_CUDA_BN_SPLIT=1),
-#      fp32 and bf16, and their ratio to the default;
-#   4c. the same with cuDNN's batch norm (DDP_NN_CUDA_BN=cudnn);
+#   4b. ours again with our own BatchNorm kernels (DDP_NN_CUDA_BN=own; the
+#      default is cuDNN's), every mode, and their ratio to the default;
+#   4c. the same with cuDNN's persistent batch norm
+#      (DDP_NN_CUDA_BN=cudnn_persistent);
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
 #   6. with --profile, every kernel's time in one training step per mode
@@ -736,10 +737,10 @@ print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
 copy_out "$BENCH_LOG"
 
 # Ours again with one BatchNorm variant switched on by an environment
-# assignment ($3), fp32 and bf16, against the default run above: images/s
-# and their ratio per mode, into $4. $1 names the variant in the table, $2
-# in the phase and the table's heading.
-SPLIT_MODES="$(tr ',' '\n' <<<"$MODES" | grep -vx fp16 | paste -sd,)"
+# assignment ($3), every mode, against the default run above: images/s and
+# their ratio per mode, into $4. $1 names the variant in the table, $2 in
+# the phase and the table's heading.
+SPLIT_MODES="$MODES"
 run_bn_variant() {
   local name=$1 what=$2 assignment=$3 log=$4
   : >"$log"
@@ -764,11 +765,12 @@ run_bn_variant() {
   copy_out "$log"
 }
 
-# The split BatchNorm path (reductions over several blocks per channel,
-# per-channel tensors read in place) and cuDNN's training-mode batch norm
-# (PyTorch's kernels for NCHW): both off by default until measured here.
-run_bn_variant split "split batch-norm reductions" DDP_NN_CUDA_BN_SPLIT=1 "$WORK/bench_bn_split.log"
-run_bn_variant cudnn "cuDNN batch norm" DDP_NN_CUDA_BN=cudnn "$WORK/bench_bn_cudnn.log"
+# Training-mode BatchNorm runs cuDNN's spatial kernels by default (PyTorch's
+# for NCHW), measured here against our own (split reductions, the default
+# where cuDNN does not run) and cuDNN's persistent mode.
+run_bn_variant own "our batch-norm kernels" DDP_NN_CUDA_BN=own "$WORK/bench_bn_own.log"
+run_bn_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persistent \
+  "$WORK/bench_bn_persistent.log"
 
 # ------------------------------------------------- collectives on the device
 

@@ -314,7 +314,14 @@ bool BatchNormSplitReductions() {
   int on = split_reductions.load(std::memory_order_relaxed);
   if (on < 0) {
     const char* env = std::getenv("DDP_NN_CUDA_BN_SPLIT");
-    on = env != nullptr && std::strcmp(env, "1") == 0 ? 1 : 0;
+    const std::string value = env != nullptr ? env : "";
+    if (value.empty() || value == "1") {
+      on = 1;
+    } else if (value == "0") {
+      on = 0;
+    } else {
+      throw std::invalid_argument("DDP_NN_CUDA_BN_SPLIT=" + value + " is not 0 or 1");
+    }
     split_reductions.store(on, std::memory_order_relaxed);
   }
   return on == 1;
@@ -327,9 +334,9 @@ BatchNormKernels BatchNormKernelChoice() {
   if (choice < 0) {
     const char* env = std::getenv("DDP_NN_CUDA_BN");
     const std::string value = env != nullptr ? env : "";
-    if (value.empty() || value == "own") {
+    if (value == "own") {
       choice = static_cast<int>(BatchNormKernels::kOwn);
-    } else if (value == "cudnn") {
+    } else if (value.empty() || value == "cudnn") {
       choice = static_cast<int>(BatchNormKernels::kCudnn);
     } else if (value == "cudnn_persistent") {
       choice = static_cast<int>(BatchNormKernels::kCudnnPersistent);

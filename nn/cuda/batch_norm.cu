@@ -124,11 +124,13 @@ __global__ void ElementwiseKernel(const T* x, T* y, int64_t total, ChannelOf cha
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t ch = channel_of(idx);
-    const double w = Load(weight, ch, 1.0), b = Load(bias, ch), is = Load(invstd, ch);
-    // The scale and shift are formed in f64 and rounded once, as on the CPU.
+    const double w = Load(weight, ch, 1.0), is = Load(invstd, ch);
+    // (x - mean) * scale + b with the mean as hi + lo, as on the CPU
+    // (nn/ops/cpu/batch_norm.cc): a channel of tiny variance stays exact.
     const A scale = static_cast<A>(w * is);
-    const A shift = static_cast<A>(b - Load(mean, ch) * w * is);
-    y[idx] = Cast<T>(Cast<A>(x[idx]) * scale + shift);
+    const double mu = Load(mean, ch);
+    const A hi = static_cast<A>(mu), lo = static_cast<A>(mu - static_cast<double>(hi));
+    y[idx] = Cast<T>(((Cast<A>(x[idx]) - hi) - lo) * scale + static_cast<A>(Load(bias, ch)));
   }
 }
 

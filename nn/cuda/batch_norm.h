@@ -13,9 +13,11 @@ namespace ddp::nn::cuda {
 /// GPU (launch::BatchNormSplitParts), instead of one block per channel; with
 /// them on, the kernels also read weight, bias, running statistics and saved
 /// statistics in their own dtype, in place, instead of through f64 copies
-/// (seven small kernels fewer per BatchNorm layer and step). Off by default
-/// until it has been measured on a GPU; DDP_NN_CUDA_BN_SPLIT=1 turns it on
-/// for a process, and tests switch it with the setter.
+/// (seven small kernels fewer per BatchNorm layer and step). On by default:
+/// on an H200 (2026-12-04) it made a ResNet-50 training step on our kernels
+/// 1.19x (f32) and 1.35x (bf16) as fast. DDP_NN_CUDA_BN_SPLIT=0 turns it off
+/// for a process (any value but 0 or 1 is an error naming it), and tests
+/// switch it with the setter.
 bool BatchNormSplitReductions();
 void SetBatchNormSplitReductions(bool on);
 
@@ -29,9 +31,12 @@ enum class BatchNormKernels : int {
 /// With cuDNN, statistics come from its f32 arithmetic; per-channel tensors
 /// of another dtype than f32 go through f32 copies; an activation dtype that
 /// cuDNN declines (not supported, bad parameter) runs on ours from then on,
-/// with one line on stderr. kOwn by default until measured on a GPU;
-/// DDP_NN_CUDA_BN=cudnn or cudnn_persistent chooses for a process (any other
-/// value is an error naming it), tests switch with the setter.
+/// with one line on stderr. kCudnn by default: on an H200 (2026-12-04) a
+/// ResNet-50 training step was 1.20x (f32) and 1.41x (bf16) as fast as on
+/// our kernels with one block per channel, and about 1.01-1.05x as fast as on
+/// our split ones. DDP_NN_CUDA_BN=own, cudnn or cudnn_persistent chooses for
+/// a process (any other value is an error naming it), tests switch with the
+/// setter.
 BatchNormKernels BatchNormKernelChoice();
 void SetBatchNormKernels(BatchNormKernels kernels);
 /// Whether cuDNN has declined activations of `dt` in the chosen mode in

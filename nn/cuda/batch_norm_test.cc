@@ -47,12 +47,27 @@ const Tol kStatTol{1e-6, 1e-7};
 
 Tensor G(const Tensor& t) { return t.defined() ? t.To(kGpu) : Tensor(); }
 
+// Each test starts on our kernels with one block per channel (the defaults
+// are cuDNN's training kernels and split reductions): the tests that are
+// about cuDNN or the split path switch to them themselves.
 class CudaBatchNormTest : public ::testing::Test {
  protected:
   void SetUp() override {
     Init();
     ManualSeed(5);
+    was_kernels_ = BatchNormKernelChoice();
+    was_split_ = BatchNormSplitReductions();
+    SetBatchNormKernels(BatchNormKernels::kOwn);
+    SetBatchNormSplitReductions(false);
   }
+  void TearDown() override {
+    SetBatchNormKernels(was_kernels_);
+    SetBatchNormSplitReductions(was_split_);
+  }
+
+ private:
+  BatchNormKernels was_kernels_ = BatchNormKernels::kOwn;
+  bool was_split_ = false;
 };
 
 // Forward (batch statistics or running ones) and backward of one

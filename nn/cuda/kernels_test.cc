@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,17 @@ Tensor UniformOf(const Shape& shape, DType dt, double lo, double hi) {
 }
 
 std::string Name(DType dt) { return std::string(DTypeName(dt)); }
+
+// The message of the std::invalid_argument that `f` throws; "" if none.
+template <typename F>
+std::string InvalidArgumentOf(F f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
 
 const DType kFloats[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
 
@@ -145,8 +157,16 @@ TEST_F(CudaKernelsTest, BinaryWithBroadcastingMatchesCpu) {
       const Tensor a = is_int ? UniformOf({4, 1, 5}, DType::kFloat64, -50, 50).To(dt) : RandnOf({4, 1, 5}, dt);
       const Tensor b = is_int ? UniformOf({3, 1}, DType::kFloat64, 1, 9).To(dt) : UniformOf({3, 1}, dt, 0.5, 3.0);
       const Tensor out_cpu = Empty({4, 3, 5}, {.dtype = dt});
-      Cpu().binary(op, a, b, out_cpu);
       const Tensor out_gpu = Empty({4, 3, 5}, {.dtype = dt, .device = kGpu});
+      if (is_int && op == ops::BinaryOp::kDiv) {
+        // Both refuse to divide in an integer type (ops::Div divides
+        // integers as f32), naming the dtype.
+        const std::string want = "binary: division needs a floating dtype, got " + Name(dt);
+        EXPECT_EQ(InvalidArgumentOf([&] { Cpu().binary(op, a, b, out_cpu); }), want);
+        EXPECT_EQ(InvalidArgumentOf([&] { Gpu().binary(op, a.To(kGpu), b.To(kGpu), out_gpu); }), want);
+        continue;
+      }
+      Cpu().binary(op, a, b, out_cpu);
       Gpu().binary(op, a.To(kGpu), b.To(kGpu), out_gpu);
       ExpectClose(out_cpu, out_gpu, is_int ? Tol{0, 0} : ElementwiseTol(dt), what);
     }

@@ -125,16 +125,21 @@ TEST(CudaModelsTest, CnnForwardAndBackwardMatchTheCpu) {
   CompareModels([](Generator& g) { return modules::MakeCnn(g); }, {16, 1, 28, 28}, 10, 1e-3, 1e-4);
 }
 
+// f64 runs our BatchNorm kernels (cuDNN's take f32 and 16-bit only), here
+// with one block per channel (DDP_NN_CUDA_BN_SPLIT=0).
 TEST(CudaModelsTest, ResNet18CifarForwardAndBackwardMatchTheCpu) {
+  const bool was = BatchNormSplitReductions();
+  SetBatchNormSplitReductions(false);
   CompareModels(
       [](Generator& g) {
         return modules::MakeResNet18({.num_classes = 10, .stem = modules::ResNetStem::kCifar}, g);
       },
       {4, 3, 32, 32}, 10, 1e-7, 1e-9, DType::kFloat64);
+  SetBatchNormSplitReductions(was);
 }
 
-// The same with BatchNorm's split path (DDP_NN_CUDA_BN_SPLIT): its kernels
-// and in-place per-channel reads through a whole model. At batch 4 every
+// The same with BatchNorm's split path (the default): its kernels and
+// in-place per-channel reads through a whole model. At batch 4 every
 // channel fits one block (batch_norm_test covers several; a larger batch
 // would double the CPU reference's time in f64).
 TEST(CudaModelsTest, ResNet18WithSplitBatchNormPathMatchesTheCpu) {

@@ -2,10 +2,12 @@
 // f64, including broadcast, strided and non-contiguous inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "nn/autograd/engine.h"
 
@@ -233,6 +235,38 @@ TEST(GradCheckTest, BatchNormTrainingAndEval) {
   x.set_requires_grad(true);
   EXPECT_TRUE(GradCheck([](const V& in) { return BatchNorm(in[0], Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5); },
                         {x}));
+}
+
+// A channel of tiny variance (invstd near 1/sqrt(eps), about 316) in f32:
+// y is (x - mean) * scale + b, so f32 stays within a few f32 ulps of the
+// same inputs in f64. The form x * scale + (b - mean * scale) added two terms
+// hundreds of times larger than y and was off by up to 7e-5 here; at a
+// variance of 0 it did not even return the bias.
+TEST(BatchNormPartsTest, F32StaysExactWhenAChannelsVarianceIsTiny) {
+  const int64_t c = 4096;
+  const Tensor x64 = Empty({2, c}, {.dtype = DType::kFloat64});
+  NormalFill(x64, 1.5, 2.0);
+  const Tensor x = x64.To(DType::kFloat32);
+  Tensor w = Empty({c}, {.dtype = DType::kFloat64}), b = Empty({c}, {.dtype = DType::kFloat64});
+  NormalFill(w, 0.0, 1.0);
+  NormalFill(b, 0.0, 1.0);
+  w = w.To(DType::kFloat32);
+  b = b.To(DType::kFloat32);
+  const std::vector<double> y32 = BatchNorm(x, Tensor(), Tensor(), w, b, true, 0.1, 1e-5).ToVector<double>();
+  const std::vector<double> y64 =
+      BatchNorm(x.To(DType::kFloat64), Tensor(), Tensor(), w.To(DType::kFloat64), b.To(DType::kFloat64), true, 0.1,
+                1e-5)
+          .ToVector<double>();
+  double worst = 0;
+  for (size_t i = 0; i < y32.size(); ++i) worst = std::max(worst, std::abs(y32[i] - y64[i]) / (1 + std::abs(y64[i])));
+  EXPECT_LT(worst, 2e-6);
+
+  // Each channel at its own mean (variance 0, as one sample per channel on
+  // one rank of SyncBatchNorm): y is the bias exactly.
+  const Tensor row = x.Narrow(0, 0, 1);
+  const Tensor mean = row.Reshape({c}).To(DType::kFloat64);
+  const Tensor invstd = Full({c}, 1 / std::sqrt(1e-5), {.dtype = DType::kFloat64});
+  EXPECT_EQ(BatchNormElementwise(row, mean, invstd, w, b).ToVector<double>(), b.ToVector<double>());
 }
 
 // One running statistic without the other is refused, in training and in
