@@ -7,6 +7,7 @@
 #      cuda:0, ours: //nn/cuda:train_step_bench, one BENCH line per mode;
 #   4. the same in PyTorch eager (tools/bench/torch_train_step_bench.py) when
 #      python3 imports torch, and the table of images/s with ours/PyTorch;
+#   4a. ours again with the same settings (another process: the noise);
 #   4b. ours again with our own BatchNorm kernels (DDP_NN_CUDA_BN=own; the
 #      default is cuDNN's), every mode, and their ratio to the default;
 #   4c. the same with cuDNN's persistent batch norm
@@ -762,12 +763,15 @@ run_bn_variant() {
     # cuDNN may decline a dtype; our kernels then run it under its label.
     grep -h 'declined' "$log" | sort -u | sed 's/^/  note: /' | tee -a "$WORK/table.txt"
   fi
-  copy_out "$log"
 }
 
-# Training-mode BatchNorm runs cuDNN's spatial kernels by default (PyTorch's
-# for NCHW), measured here against our own (split reductions, the default
-# where cuDNN does not run) and cuDNN's persistent mode.
+# First the default settings again in a new process: how far two processes
+# differ (each picks its convolution algorithms by timing) is the noise the
+# other ratios are read against. Training-mode BatchNorm runs cuDNN's
+# spatial kernels by default (PyTorch's for NCHW), measured against our own
+# (split reductions, the default where cuDNN does not run) and cuDNN's
+# persistent mode. The variants' BENCH lines are in gpu_check.log.
+run_bn_variant again "the default again" DDP_NN_CUDA_BN=cudnn "$WORK/bench_again.log"
 run_bn_variant own "our batch-norm kernels" DDP_NN_CUDA_BN=own "$WORK/bench_bn_own.log"
 run_bn_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persistent \
   "$WORK/bench_bn_persistent.log"
