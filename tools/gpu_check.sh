@@ -11,7 +11,9 @@
 #   4b. ours again with our own BatchNorm kernels (DDP_NN_CUDA_BN=own; the
 #      default is cuDNN's), every mode, and their ratio to the default;
 #   4c. the same with cuDNN's persistent batch norm
-#      (DDP_NN_CUDA_BN=cudnn_persistent);
+#      (DDP_NN_CUDA_BN=cudnn_persistent) and with the vectorized elementwise
+#      kernels (DDP_NN_CUDA_VEC=1);
+#   4d. which algorithm each convolution got, per mode (conv_search.log);
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
 #   6. with --profile, every kernel's time in one training step per mode
@@ -248,7 +250,7 @@ fi
 
 # The default run and the tests must run the default kernels: the variants
 # set their own switch.
-for v in DDP_NN_CUDA_BN DDP_NN_CUDA_BN_SPLIT; do
+for v in DDP_NN_CUDA_BN DDP_NN_CUDA_BN_SPLIT DDP_NN_CUDA_VEC DDP_NN_CUDA_CONV_LOG; do
   if [ -n "${!v:-}" ]; then
     echo "gpu_check: ignoring $v=${!v} from the environment (the variants set it themselves)" >&2
     unset "$v"
@@ -754,12 +756,12 @@ echo "ResNet-50 (CIFAR stem), batch $BATCH, $STEPS timed steps after $WARMUP, SG
 print_table <"$BENCH_LOG" | tee "$WORK/table.txt"
 copy_out "$BENCH_LOG"
 
-# Ours again with one BatchNorm variant switched on by an environment
-# assignment ($3), every mode, against the default run above: images/s and
+# Ours again with one setting switched by an environment assignment ($3),
+# every mode, against the default run above: images/s and
 # their ratio per mode, into $4. $1 names the variant in the table, $2 in
 # the phase and the table's heading.
 SPLIT_MODES="$MODES"
-run_bn_variant() {
+run_variant() {
   local name=$1 what=$2 assignment=$3 log=$4
   : >"$log"
   begin_phase "benchmark: ours with $what, modes $SPLIT_MODES"
@@ -788,10 +790,40 @@ run_bn_variant() {
 # spatial kernels by default (PyTorch's for NCHW), measured against our own
 # (split reductions, the default where cuDNN does not run) and cuDNN's
 # persistent mode. The variants' BENCH lines are in gpu_check.log.
-run_bn_variant again "the default again" DDP_NN_CUDA_BN=cudnn "$WORK/bench_again.log"
-run_bn_variant own "our batch-norm kernels" DDP_NN_CUDA_BN=own "$WORK/bench_bn_own.log"
-run_bn_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persistent \
+run_variant again "the default again" DDP_NN_CUDA_BN=cudnn "$WORK/bench_again.log"
+run_variant own "our batch-norm kernels" DDP_NN_CUDA_BN=own "$WORK/bench_bn_own.log"
+run_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persistent \
   "$WORK/bench_bn_persistent.log"
+# The elementwise kernels on whole 16-byte packs (off by default until
+# measured here; kernels_test checks them against the CPU).
+run_variant vec "vectorized elementwise kernels" DDP_NN_CUDA_VEC=1 "$WORK/bench_vec.log"
+
+# Which algorithm each convolution got (DDP_NN_CUDA_CONV_LOG=1: every
+# search's candidates and times), one untimed-enough step per mode, into
+# conv_search.log; the summary counts the picks per direction and algorithm.
+CONV_LOG="$WORK/conv_search.log"
+: >"$CONV_LOG"
+begin_phase "convolution algorithms picked, modes $MODES"
+if [ "$DRY_RUN" = 1 ]; then
+  echo "dry run: would run: DDP_NN_CUDA_CONV_LOG=1 ${BENCH_BIN:-(no binary)} --warmup=0 --steps=1"
+  end_phase "skipped (dry run)"
+elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
+  end_phase "FAILED (not built)"
+else
+  conv_rc=0
+  for mode in ${MODES//,/ }; do
+    echo "== $mode" >>"$CONV_LOG"
+    limited "$(phase_limit 60 30)" "${OUR_ENV[@]}" env DDP_NN_CUDA_CONV_LOG=1 "$BENCH_BIN" \
+      "${BENCH_ARGS[@]/#--modes=*/--modes=$mode}" --warmup=0 --steps=1 >>"$CONV_LOG" 2>&1 || conv_rc=$?
+  done
+  end_phase "$(describe_rc "$conv_rc")"
+  # "conv search: conv2d backward (data) [key] picked algo 1 math 1; ..."
+  awk '/^== / { mode = $2 } /^conv search: / {
+         dir = ($5 ~ /^\(/) ? $4 " " $5 : $4
+         match($0, /picked algo [0-9]+ math [0-9]+/); n[mode " " dir ": " substr($0, RSTART + 7, RLENGTH - 7)]++ }
+       END { for (k in n) printf "  %s: %d shapes\n", k, n[k] }' "$CONV_LOG" | sort
+fi
+copy_out "$CONV_LOG"
 
 # ------------------------------------------------- collectives on the device
 

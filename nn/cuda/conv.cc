@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -150,8 +151,18 @@ Choice Pick(const Perf* perfs, int count, DType dt, const char* what) {
 // ms where others took 36-41 ms).
 constexpr int kSearchRounds = 2;
 
+// DDP_NN_CUDA_CONV_LOG=1 prints every search's candidates to stderr: which
+// algorithm (and math) each convolution shape got, and what the others took.
+bool SearchLogged() {
+  static const bool logged = [] {
+    const char* env = std::getenv("DDP_NN_CUDA_CONV_LOG");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return logged;
+}
+
 template <typename Perf, int kCount, typename Find>
-Choice Search(Device dev, DType dt, const char* what, Find find) {
+Choice Search(Device dev, DType dt, const char* what, const std::string& key, Find find) {
   SynchronizeDevice(dev);
   Tensor ws = SearchWorkspace(dev);
   Perf perfs[kCount];
@@ -162,6 +173,16 @@ Choice Search(Device dev, DType dt, const char* what, Find find) {
   }
   const Choice c = Pick(perfs, count, dt, what);
   ++g_searches;
+  if (SearchLogged()) {
+    std::string line = std::string("conv search: ") + what + " [" + key + "] picked algo " + std::to_string(c.algo) +
+                       " math " + std::to_string(static_cast<int>(c.math)) + "; candidates:";
+    for (int i = 0; i < count; ++i) {
+      if (perfs[i].status != CUDNN_STATUS_SUCCESS) continue;
+      line += " " + std::to_string(static_cast<int>(perfs[i].algo)) + "/" +
+              std::to_string(static_cast<int>(perfs[i].mathType)) + "=" + std::to_string(perfs[i].time) + "ms";
+    }
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
   return c;
 }
 
@@ -181,7 +202,7 @@ Choice ChooseForward(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Te
     return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
   const Choice c = Search<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
-      x.device(), x.dtype(), "conv2d forward", [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
+      x.device(), x.dtype(), "conv2d forward", key, [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
         CheckCudnn(cudnnFindConvolutionForwardAlgorithmEx(h, xd.d, x.data_ptr(), wd.d, w.data_ptr(), cd.d, yd.d,
                                                           y.data_ptr(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, count, perfs,
                                                           ws, ws_bytes),
@@ -209,7 +230,7 @@ Choice ChooseBackwardData(cudnnHandle_t h, const Tensor& x, const Tensor& w, con
     return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
   const Choice c = Search<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
-      x.device(), x.dtype(), "conv2d backward (data)", [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
+      x.device(), x.dtype(), "conv2d backward (data)", key, [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
         CheckCudnn(cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.d, w.data_ptr(), dyd.d, dy.data_ptr(), cd.d,
                                                                dxd.d, dx.data_ptr(),
                                                                CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, count, perfs,
@@ -238,7 +259,7 @@ Choice ChooseBackwardFilter(cudnnHandle_t h, const Tensor& x, const Tensor& w, c
     return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
   const Choice c = Search<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
-      x.device(), x.dtype(), "conv2d backward (filter)", [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
+      x.device(), x.dtype(), "conv2d backward (filter)", key, [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
         CheckCudnn(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.d, x.data_ptr(), dyd.d, dy.data_ptr(), cd.d,
                                                                  dwd.d, dw.data_ptr(),
                                                                  CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, count,

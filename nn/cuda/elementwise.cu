@@ -2,8 +2,12 @@
 // space of n elements (the output's shape); inputs that broadcast have
 // stride 0 in the dimensions they repeat. Grid-stride loops over 256-thread
 // blocks; 16-bit floats compute in f32, f64 in f64, integers in their type.
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "nn/cuda/device_util.cuh"
 #include "nn/cuda/launch.h"
@@ -79,6 +83,17 @@ __device__ __forceinline__ A UnaryGradFn(OpCode op, A d, A s) {
   }
 }
 
+// The op codes are ops::BinaryOp's values.
+template <typename A>
+__device__ __forceinline__ A BinaryFn(OpCode op, A x, A y) {
+  switch (op) {
+    case 0: return x + y;
+    case 1: return x - y;
+    case 2: return x * y;
+    default: return x / y;
+  }
+}
+
 template <int N, typename F>
 __global__ void ElementwiseKernel(Indexing ix, int64_t n, F f) {
   const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
@@ -94,6 +109,64 @@ cudaError_t LaunchElementwise(const Indexing& ix, int64_t n, cudaStream_t stream
   if (n <= 0) return cudaSuccess;
   ElementwiseKernel<N><<<device::GridFor(n), 256, 0, stream>>>(ix, n, f);
   return cudaGetLastError();
+}
+
+// ---- the vectorized path (VectorizedElementwise(): contiguous operands of
+// one dtype, each 16-byte aligned) ----
+
+// -1 until read from DDP_NN_CUDA_VEC, then 0 or 1.
+std::atomic<int> vectorized{-1};
+
+// 16 bytes of T: one 128-bit load or store per operand and pack.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+template <typename T>
+bool Aligned16(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// out[i] = f(in[0][i], ..., in[K-1][i]) over n contiguous elements: each
+// thread moves whole packs, then the last n % kSize elements one by one.
+template <typename T, int K, typename F>
+__global__ void PackedKernel(T* out, const T* in0, const T* in1, int64_t n, F f) {
+  using P = Pack<T>;
+  constexpr int kV = P::kSize;
+  const int64_t packs = n / kV;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t p = first; p < packs; p += step) {
+    const P a = reinterpret_cast<const P*>(in0)[p];
+    P b;
+    if constexpr (K == 2) b = reinterpret_cast<const P*>(in1)[p];
+    P r;
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      if constexpr (K == 2) {
+        r.v[k] = f(a.v[k], b.v[k]);
+      } else {
+        r.v[k] = f(a.v[k], a.v[k]);
+      }
+    }
+    reinterpret_cast<P*>(out)[p] = r;
+  }
+  for (int64_t i = packs * kV + first; i < n; i += step) out[i] = f(in0[i], K == 2 ? in1[i] : in0[i]);
+}
+
+// Launches PackedKernel when the setting is on and the operands qualify;
+// false (nothing launched) otherwise, and the caller runs the indexed path.
+template <typename T, int K, typename F>
+bool LaunchPacked(const Indexing& ix, int64_t n, T* out, const T* in0, const T* in1, cudaStream_t stream,
+                  cudaError_t* err, F f) {
+  if (!VectorizedElementwise() || !ix.contiguous || n <= 0) return false;
+  if (!Aligned16(out) || !Aligned16(in0) || (K == 2 && !Aligned16(in1))) return false;
+  const int64_t packs = n / Pack<T>::kSize;
+  PackedKernel<T, K><<<device::GridFor(packs > 0 ? packs : n), 256, 0, stream>>>(out, in0, in1, n, f);
+  *err = cudaGetLastError();
+  return true;
 }
 
 // splitmix64: a bijective 64-bit mixer; its outputs for consecutive inputs
@@ -113,6 +186,25 @@ __global__ void BernoulliKernel(uint8_t* mask, int64_t n, uint64_t threshold, ui
 }
 
 }  // namespace
+
+bool VectorizedElementwise() {
+  int on = vectorized.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("DDP_NN_CUDA_VEC");
+    const std::string value = env != nullptr ? env : "";
+    if (value.empty() || value == "0") {
+      on = 0;
+    } else if (value == "1") {
+      on = 1;
+    } else {
+      throw std::invalid_argument("DDP_NN_CUDA_VEC=" + value + " is not 0 or 1");
+    }
+    vectorized.store(on, std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+
+void SetVectorizedElementwise(bool on) { vectorized.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 cudaError_t Copy(const Indexing& ix, int64_t n, void* dst, Dt dst_dt, const void* src, Dt src_dt,
                  cudaStream_t stream) {
@@ -138,9 +230,12 @@ cudaError_t Unary(OpCode op, const Indexing& ix, int64_t n, void* out, const voi
     using A = acc_t<T>;
     T* o = static_cast<T*>(out);
     const T* xp = static_cast<const T*>(x);
-    err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
-      o[off[0]] = Cast<T>(UnaryFn<A>(op, Cast<A>(xp[off[1]])));
-    });
+    if (!LaunchPacked<T, 1>(ix, n, o, xp, nullptr, stream, &err,
+                            [=] __device__(T v, T) { return Cast<T>(UnaryFn<A>(op, Cast<A>(v))); })) {
+      err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+        o[off[0]] = Cast<T>(UnaryFn<A>(op, Cast<A>(xp[off[1]])));
+      });
+    }
   });
   return err;
 }
@@ -154,9 +249,13 @@ cudaError_t UnaryBackward(OpCode op, const Indexing& ix, int64_t n, void* grad_i
     T* gi = static_cast<T*>(grad_in);
     const T* go = static_cast<const T*>(grad_out);
     const T* sv = static_cast<const T*>(saved);
-    err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
-      gi[off[0]] = Cast<T>(UnaryGradFn<A>(op, Cast<A>(go[off[1]]), Cast<A>(sv[off[2]])));
-    });
+    if (!LaunchPacked<T, 2>(ix, n, gi, go, sv, stream, &err, [=] __device__(T g, T v) {
+          return Cast<T>(UnaryGradFn<A>(op, Cast<A>(g), Cast<A>(v)));
+        })) {
+      err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
+        gi[off[0]] = Cast<T>(UnaryGradFn<A>(op, Cast<A>(go[off[1]]), Cast<A>(sv[off[2]])));
+      });
+    }
   });
   return err;
 }
@@ -170,17 +269,13 @@ cudaError_t Binary(OpCode op, const Indexing& ix, int64_t n, void* out, const vo
     T* o = static_cast<T*>(out);
     const T* ap = static_cast<const T*>(a);
     const T* bp = static_cast<const T*>(b);
-    err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
-      const A x = Cast<A>(ap[off[1]]), y = Cast<A>(bp[off[2]]);
-      A r;
-      switch (op) {  // ops::BinaryOp values
-        case 0: r = x + y; break;
-        case 1: r = x - y; break;
-        case 2: r = x * y; break;
-        default: r = x / y; break;
-      }
-      o[off[0]] = Cast<T>(r);
-    });
+    if (!LaunchPacked<T, 2>(ix, n, o, ap, bp, stream, &err, [=] __device__(T x, T y) {
+          return Cast<T>(BinaryFn<A>(op, Cast<A>(x), Cast<A>(y)));
+        })) {
+      err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
+        o[off[0]] = Cast<T>(BinaryFn<A>(op, Cast<A>(ap[off[1]]), Cast<A>(bp[off[2]])));
+      });
+    }
   });
   return err;
 }

@@ -545,4 +545,8 @@ ops::KernelTable CudaKernelTable() {
   return t;
 }
 
+bool VectorizedElementwise() { return launch::VectorizedElementwise(); }
+
+void SetVectorizedElementwise(bool on) { launch::SetVectorizedElementwise(on); }
+
 }  // namespace ddp::nn::cuda

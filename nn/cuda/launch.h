@@ -56,6 +56,12 @@ DDP_HOST_DEVICE void OffsetsOf(const Indexing& ix, int64_t linear, int64_t (&off
 using OpCode = int;
 
 // ---- elementwise (n = product of ix.sizes) ----
+/// The setting behind cuda::VectorizedElementwise (kernels.h): Unary,
+/// UnaryBackward and Binary take whole 16-byte packs where it is on and the
+/// operands are contiguous and 16-byte aligned.
+bool VectorizedElementwise();
+void SetVectorizedElementwise(bool on);
+
 /// dst[i] = convert(src[i]): operand 0 is dst, 1 is src; any dtypes.
 cudaError_t Copy(const Indexing& ix, int64_t n, void* dst, Dt dst_dt, const void* src, Dt src_dt, cudaStream_t stream);
 /// out[i] = op(x[i]); operands 0 out, 1 x; floating dt.
