@@ -14,6 +14,7 @@
 
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/cudnn_util.h"
+#include "nn/cuda/env_flag.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
 #include "nn/cuda/stream.h"
@@ -313,15 +314,7 @@ bool CudnnBackward(const Tensor& x, const Tensor& dy, const Dims& d, const Tenso
 bool BatchNormSplitReductions() {
   int on = split_reductions.load(std::memory_order_relaxed);
   if (on < 0) {
-    const char* env = std::getenv("DDP_NN_CUDA_BN_SPLIT");
-    const std::string value = env != nullptr ? env : "";
-    if (value.empty() || value == "1") {
-      on = 1;
-    } else if (value == "0") {
-      on = 0;
-    } else {
-      throw std::invalid_argument("DDP_NN_CUDA_BN_SPLIT=" + value + " is not 0 or 1");
-    }
+    on = EnvFlag("DDP_NN_CUDA_BN_SPLIT", true) ? 1 : 0;
     split_reductions.store(on, std::memory_order_relaxed);
   }
   return on == 1;

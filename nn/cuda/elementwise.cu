@@ -4,12 +4,10 @@
 // blocks; 16-bit floats compute in f32, f64 in f64, integers in their type.
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 
 #include "nn/cuda/device_util.cuh"
+#include "nn/cuda/env_flag.h"
 #include "nn/cuda/launch.h"
 
 namespace ddp::nn::cuda::launch {
@@ -190,15 +188,7 @@ __global__ void BernoulliKernel(uint8_t* mask, int64_t n, uint64_t threshold, ui
 bool VectorizedElementwise() {
   int on = vectorized.load(std::memory_order_relaxed);
   if (on < 0) {
-    const char* env = std::getenv("DDP_NN_CUDA_VEC");
-    const std::string value = env != nullptr ? env : "";
-    if (value.empty() || value == "0") {
-      on = 0;
-    } else if (value == "1") {
-      on = 1;
-    } else {
-      throw std::invalid_argument("DDP_NN_CUDA_VEC=" + value + " is not 0 or 1");
-    }
+    on = EnvFlag("DDP_NN_CUDA_VEC", false) ? 1 : 0;
     vectorized.store(on, std::memory_order_relaxed);
   }
   return on == 1;
