@@ -13,7 +13,8 @@
 #   4c. the same with cuDNN's persistent batch norm
 #      (DDP_NN_CUDA_BN=cudnn_persistent) and with the vectorized elementwise
 #      kernels (DDP_NN_CUDA_VEC=1);
-#   4d. which algorithm each convolution got, per mode (conv_search.log);
+#   4d. which algorithm each convolution got (logged by 4a's run, which
+#      also measures the noise: conv_search.log);
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
 #      reduction on the device and on the host (device_allreduce_bench);
 #   6. with --profile, every kernel's time in one training step per mode
@@ -790,7 +791,7 @@ run_variant() {
 # spatial kernels by default (PyTorch's for NCHW), measured against our own
 # (split reductions, the default where cuDNN does not run) and cuDNN's
 # persistent mode. The variants' BENCH lines are in gpu_check.log.
-run_variant again "the default again" DDP_NN_CUDA_BN=cudnn "$WORK/bench_again.log"
+run_variant again "the default again" DDP_NN_CUDA_CONV_LOG=1 "$WORK/bench_again.log"
 run_variant own "our batch-norm kernels" DDP_NN_CUDA_BN=own "$WORK/bench_bn_own.log"
 run_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persistent \
   "$WORK/bench_bn_persistent.log"
@@ -798,30 +799,24 @@ run_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persis
 # measured here; kernels_test checks them against the CPU).
 run_variant vec "vectorized elementwise kernels" DDP_NN_CUDA_VEC=1 "$WORK/bench_vec.log"
 
-# Which algorithm each convolution got (DDP_NN_CUDA_CONV_LOG=1: every
-# search's candidates and times), one untimed-enough step per mode, into
-# conv_search.log; the summary counts the picks per direction and algorithm.
+# Which algorithm each convolution got: the "again" run above logged every
+# search (DDP_NN_CUDA_CONV_LOG=1: candidates and times, during the warm-up
+# steps, so the timed steps are as in the default run) into
+# conv_search.log; count the shapes per dtype, direction and pick.
 CONV_LOG="$WORK/conv_search.log"
-: >"$CONV_LOG"
-begin_phase "convolution algorithms picked, modes $MODES"
-if [ "$DRY_RUN" = 1 ]; then
-  echo "dry run: would run: DDP_NN_CUDA_CONV_LOG=1 ${BENCH_BIN:-(no binary)} --warmup=0 --steps=1"
-  end_phase "skipped (dry run)"
-elif [ -z "$BENCH_BIN" ] || [ ! -x "$BENCH_BIN" ]; then
-  end_phase "FAILED (not built)"
-else
-  conv_rc=0
-  for mode in ${MODES//,/ }; do
-    echo "== $mode" >>"$CONV_LOG"
-    limited "$(phase_limit 60 30)" "${OUR_ENV[@]}" env DDP_NN_CUDA_CONV_LOG=1 "$BENCH_BIN" \
-      "${BENCH_ARGS[@]/#--modes=*/--modes=$mode}" --warmup=0 --steps=1 >>"$CONV_LOG" 2>&1 || conv_rc=$?
-  done
-  end_phase "$(describe_rc "$conv_rc")"
-  # "conv search: conv2d backward (data) [key] picked algo 1 math 1; ..."
-  awk '/^== / { mode = $2 } /^conv search: / {
+grep -h '^conv search: ' "$WORK/bench_again.log" >"$CONV_LOG" 2>/dev/null
+if [ -s "$CONV_LOG" ]; then
+  echo "convolution algorithms picked (shapes per dtype, direction and algorithm; conv_search.log):" |
+    tee -a "$WORK/table.txt"
+  # "conv search: conv2d backward (data) [1|0|3|fma,...] picked algo 1 math 1; ..."
+  awk 'BEGIN { split("f32 f64 f16 bf16", names, " ") }
+       {
          dir = ($5 ~ /^\(/) ? $4 " " $5 : $4
-         match($0, /picked algo [0-9]+ math [0-9]+/); n[mode " " dir ": " substr($0, RSTART + 7, RLENGTH - 7)]++ }
-       END { for (k in n) printf "  %s: %d shapes\n", k, n[k] }' "$CONV_LOG" | sort
+         match($0, /\[[0-9]+\|[0-9]+\|[0-9]+\|/); split(substr($0, RSTART + 1, RLENGTH - 2), key, "|")
+         dt = names[key[3] + 1]
+         match($0, /picked algo [0-9]+ math [0-9]+/); n[dt " " dir ": " substr($0, RSTART + 7, RLENGTH - 7)]++
+       }
+       END { for (k in n) printf "  %s: %d shapes\n", k, n[k] }' "$CONV_LOG" | sort | tee -a "$WORK/table.txt"
 fi
 copy_out "$CONV_LOG"
 

@@ -129,7 +129,7 @@ __global__ void ElementwiseKernel(const T* x, T* y, int64_t total, ChannelOf cha
     // (nn/ops/cpu/batch_norm.cc): a channel of tiny variance stays exact.
     const A scale = static_cast<A>(w * is);
     const double mu = Load(mean, ch);
-    const A hi = static_cast<A>(mu), lo = static_cast<A>(mu - static_cast<double>(hi));
+    const A hi = static_cast<A>(mu), lo = isfinite(hi) ? static_cast<A>(mu - static_cast<double>(hi)) : A(0);
     y[idx] = Cast<T>(((Cast<A>(x[idx]) - hi) - lo) * scale + static_cast<A>(Load(bias, ch)));
   }
 }

@@ -114,6 +114,8 @@ cudaError_t LaunchElementwise(const Indexing& ix, int64_t n, cudaStream_t stream
 
 // -1 until read from DDP_NN_CUDA_VEC, then 0 or 1.
 std::atomic<int> vectorized{-1};
+// Launches of PackedKernel so far (PackedElementwiseLaunches).
+std::atomic<uint64_t> packed_launches{0};
 
 // 16 bytes of T: one 128-bit load or store per operand and pack.
 template <typename T>
@@ -164,6 +166,7 @@ bool LaunchPacked(const Indexing& ix, int64_t n, T* out, const T* in0, const T* 
   const int64_t packs = n / Pack<T>::kSize;
   PackedKernel<T, K><<<device::GridFor(packs > 0 ? packs : n), 256, 0, stream>>>(out, in0, in1, n, f);
   *err = cudaGetLastError();
+  packed_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -195,6 +198,8 @@ bool VectorizedElementwise() {
 }
 
 void SetVectorizedElementwise(bool on) { vectorized.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+uint64_t PackedElementwiseLaunches() { return packed_launches.load(std::memory_order_relaxed); }
 
 cudaError_t Copy(const Indexing& ix, int64_t n, void* dst, Dt dst_dt, const void* src, Dt src_dt,
                  cudaStream_t stream) {

@@ -549,4 +549,6 @@ bool VectorizedElementwise() { return launch::VectorizedElementwise(); }
 
 void SetVectorizedElementwise(bool on) { launch::SetVectorizedElementwise(on); }
 
+uint64_t PackedElementwiseLaunches() { return launch::PackedElementwiseLaunches(); }
+
 }  // namespace ddp::nn::cuda

@@ -3,6 +3,8 @@
 // kernel for device cuda:0 yet").
 #pragma once
 
+#include <cstdint>
+
 #include "nn/ops/dispatch.h"
 
 namespace ddp::nn::cuda {
@@ -18,5 +20,7 @@ ops::KernelTable CudaKernelTable();
 /// is an error naming it), tests switch it with the setter.
 bool VectorizedElementwise();
 void SetVectorizedElementwise(bool on);
+/// Launches that took that path so far in this process (for tests).
+uint64_t PackedElementwiseLaunches();
 
 }  // namespace ddp::nn::cuda

@@ -153,12 +153,26 @@ TEST_F(CudaKernelsTest, UnaryReadsTransposedInputAndWritesInPlace) {
 // below, at and above one pack, with a tail, and over a million elements;
 // relu, gelu and sigmoid forward and backward, the four binary ops
 // (integers without division), and relu and add in place.
+// Sets the vectorized path for a scope, then restores the setting.
+class Vectorized {
+ public:
+  explicit Vectorized(bool on) : was_(VectorizedElementwise()) { SetVectorizedElementwise(on); }
+  ~Vectorized() { SetVectorizedElementwise(was_); }
+  Vectorized(const Vectorized&) = delete;
+  Vectorized& operator=(const Vectorized&) = delete;
+
+ private:
+  bool was_;
+};
+
 TEST_F(CudaKernelsTest, VectorizedElementwiseMatchesCpu) {
-  const bool was = VectorizedElementwise();
-  SetVectorizedElementwise(true);
+  const Vectorized setting(true);
   const int64_t sizes[] = {1, 3, 8, 4099, (int64_t{1} << 20) + 5};
   for (int64_t n : sizes) {
     for (int offset : {0, 1}) {
+      // Aligned operands take the packed path for every launch below; an
+      // operand one element in never does.
+      const uint64_t launches_before = PackedElementwiseLaunches();
       for (DType dt : kFloats) {
         const std::string where = " n " + std::to_string(n) + " offset " + std::to_string(offset) + " " + Name(dt);
         // Operands start `offset` elements into a larger buffer.
@@ -216,9 +230,20 @@ TEST_F(CudaKernelsTest, VectorizedElementwiseMatchesCpu) {
                                                     " offset " + std::to_string(offset) + " " + Name(dt));
         }
       }
+      const uint64_t packed = PackedElementwiseLaunches() - launches_before;
+      if (offset == 0) {
+        EXPECT_GT(packed, 0u) << "n " << n << ": aligned operands never took the packed path";
+      } else {
+        EXPECT_EQ(packed, 0u) << "n " << n << ": an operand one element in took the packed path";
+      }
     }
   }
-  SetVectorizedElementwise(was);
+  // Off: nothing takes it.
+  const Vectorized off(false);
+  const uint64_t before = PackedElementwiseLaunches();
+  const Tensor x = RandnOf({4096}, DType::kFloat32).To(kGpu), y = Empty({4096}, {.device = kGpu});
+  Gpu().unary(ops::UnaryOp::kRelu, x, y);
+  EXPECT_EQ(PackedElementwiseLaunches(), before);
 }
 
 TEST_F(CudaKernelsTest, BinaryWithBroadcastingMatchesCpu) {

@@ -61,6 +61,8 @@ using OpCode = int;
 /// operands are contiguous and 16-byte aligned.
 bool VectorizedElementwise();
 void SetVectorizedElementwise(bool on);
+/// How many launches took the packed path in this process.
+uint64_t PackedElementwiseLaunches();
 
 /// dst[i] = convert(src[i]): operand 0 is dst, 1 is src; any dtypes.
 cudaError_t Copy(const Indexing& ix, int64_t n, void* dst, Dt dst_dt, const void* src, Dt src_dt, cudaStream_t stream);

@@ -267,6 +267,16 @@ TEST(BatchNormPartsTest, F32StaysExactWhenAChannelsVarianceIsTiny) {
   const Tensor mean = row.Reshape({c}).To(DType::kFloat64);
   const Tensor invstd = Full({c}, 1 / std::sqrt(1e-5), {.dtype = DType::kFloat64});
   EXPECT_EQ(BatchNormElementwise(row, mean, invstd, w, b).ToVector<double>(), b.ToVector<double>());
+
+  // An infinite mean (eval mode with an infinite running mean) gives
+  // -inf * scale + b, as before the mean was split into hi + lo, not NaN.
+  const Tensor rm = Full({c}, HUGE_VAL), rv = Full({c}, 1.0);
+  const std::vector<double> y = BatchNorm(x, rm, rv, w, b, false, 0.1, 1e-5).ToVector<double>();
+  const std::vector<double> wv = w.ToVector<double>();
+  for (int64_t i = 0; i < c; ++i) {
+    if (wv[i] == 0) continue;
+    ASSERT_EQ(y[i], wv[i] > 0 ? -HUGE_VAL : HUGE_VAL) << "channel " << i;
+  }
 }
 
 // One running statistic without the other is refused, in training and in

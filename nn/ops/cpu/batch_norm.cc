@@ -48,7 +48,10 @@ void Normalize(const scalar_t* xp, scalar_t* yp, const Dims& d, const std::vecto
   for (int64_t n = 0; n < d.n; ++n) {
     for (int64_t c = 0; c < d.c; ++c) {
       const A scale = static_cast<A>(w[c] * invstd[c]);
-      const A hi = static_cast<A>(mean[c]), lo = static_cast<A>(mean[c] - hi), shift = static_cast<A>(b[c]);
+      // lo is 0 where hi is infinite (a mean beyond A's range, or an
+      // infinite running mean): y is then -inf * scale + b, not NaN.
+      const A hi = static_cast<A>(mean[c]), shift = static_cast<A>(b[c]);
+      const A lo = std::isfinite(hi) ? static_cast<A>(mean[c] - hi) : A(0);
       const scalar_t* row = xp + (n * d.c + c) * d.s;
       scalar_t* out = yp + (n * d.c + c) * d.s;
       for (int64_t i = 0; i < d.s; ++i) {
