@@ -23,8 +23,10 @@ class StepImpl : public Schedule {
 
 class CosineImpl : public Schedule {
  public:
-  CosineImpl(int64_t t_max, double eta_min) : t_max_(t_max), eta_min_(eta_min) {}
+  CosineImpl(int64_t t_max, double eta_min, CosineTail tail) : t_max_(t_max), eta_min_(eta_min), tail_(tail) {}
   double Lr(double base, int64_t t) const override {
+    // Exactly eta_min, not the closed form's eta_min + rounding at t_max.
+    if (tail_ == CosineTail::kHold && t >= t_max_) return eta_min_;
     return eta_min_ + (base - eta_min_) *
                           (1.0 + std::cos(std::numbers::pi * static_cast<double>(t) /
                                           static_cast<double>(t_max_))) / 2.0;
@@ -33,6 +35,7 @@ class CosineImpl : public Schedule {
  private:
   int64_t t_max_;
   double eta_min_;
+  CosineTail tail_;
 };
 
 class LinearImpl : public Schedule {
@@ -76,13 +79,16 @@ std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma) {
   return std::make_shared<StepImpl>(step_size, gamma);
 }
 
-std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min) {
+std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min, CosineTail tail) {
   if (t_max < 1) throw std::invalid_argument("CosineAnnealingLR: t_max " + std::to_string(t_max) + " must be >= 1");
   // eta_min is the rate reached at t_max: it must be one the optimizer takes.
   if (!(eta_min >= 0) || !std::isfinite(eta_min)) {
     throw std::invalid_argument("CosineAnnealingLR: eta_min " + std::to_string(eta_min) + " must be finite and >= 0");
   }
-  return std::make_shared<CosineImpl>(t_max, eta_min);
+  if (tail != CosineTail::kPeriodic && tail != CosineTail::kHold) {
+    throw std::invalid_argument("CosineAnnealingLR: unknown tail " + std::to_string(static_cast<int>(tail)));
+  }
+  return std::make_shared<CosineImpl>(t_max, eta_min, tail);
 }
 
 std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters) {
@@ -122,13 +128,13 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
 }
 
 std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
-                                               double start_factor, double eta_min) {
+                                               double start_factor, double eta_min, CosineTail tail) {
   if (warmup_steps < 1 || total_steps <= warmup_steps) {
     throw std::invalid_argument("warm-up cosine: need 1 <= warmup_steps (" + std::to_string(warmup_steps) +
                                 ") < total_steps (" + std::to_string(total_steps) + ")");
   }
   return SequentialSchedule({LinearSchedule(start_factor, 1.0, warmup_steps),
-                             CosineSchedule(total_steps - warmup_steps, eta_min)},
+                             CosineSchedule(total_steps - warmup_steps, eta_min, tail)},
                             {warmup_steps});
 }
 

@@ -23,13 +23,26 @@ class Schedule {
   virtual double Lr(double base_lr, int64_t t) const = 0;
 };
 
+/// What a cosine schedule does once t passes its end. Values are stable.
+enum class CosineTail : int8_t {
+  /// The closed form keeps going: the rate climbs back to base_lr at 2 t_max
+  /// and falls again, as PyTorch's CosineAnnealingLR (and SequentialLR over
+  /// it) does when stepped past T_max.
+  kPeriodic = 0,
+  /// The rate stays at eta_min from the end on: a decay over a fixed number
+  /// of steps that a longer run (or a resumed one) must not undo.
+  kHold = 1,
+};
+
 /// base_lr * gamma^(t / step_size)  (StepLR). Throws std::invalid_argument
 /// unless step_size >= 1 and gamma is finite and >= 0.
 std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma = 0.1);
 /// eta_min + (base_lr - eta_min) * (1 + cos(pi * t / t_max)) / 2
-/// (CosineAnnealingLR). Throws std::invalid_argument unless t_max >= 1 and
-/// eta_min is finite and >= 0.
-std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min = 0.0);
+/// (CosineAnnealingLR). By default periodic past t_max, as PyTorch's; with
+/// CosineTail::kHold, eta_min for every t >= t_max. Throws
+/// std::invalid_argument unless t_max >= 1 and eta_min is finite and >= 0.
+std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min = 0.0,
+                                         CosineTail tail = CosineTail::kPeriodic);
 /// base_lr * (start + (end - start) * min(t, total_iters) / total_iters)
 /// (LinearLR; a linear warm-up with end_factor 1).
 std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters);
@@ -38,9 +51,12 @@ std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor,
 std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedule>> schedules,
                                              std::vector<int64_t> milestones);
 /// Linear warm-up from start_factor * base_lr over warmup_steps, then cosine
-/// annealing to eta_min at total_steps.
+/// annealing to eta_min at total_steps. Past total_steps the default
+/// (kPeriodic) follows PyTorch's SequentialLR(LinearLR, CosineAnnealingLR)
+/// and climbs back up; pass CosineTail::kHold to stay at eta_min.
 std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
-                                               double start_factor = 0.01, double eta_min = 0.0);
+                                               double start_factor = 0.01, double eta_min = 0.0,
+                                               CosineTail tail = CosineTail::kPeriodic);
 
 /// A learning rate a scheduler drives: an Optimizer's, or one shared by
 /// several (the slices of a sharded optimizer).

@@ -1227,5 +1227,65 @@ TEST(LrScheduler, DrivesASharedRateThroughATarget) {
   EXPECT_THROW(LrScheduler(LrTarget{}, StepSchedule(1)), std::invalid_argument);
 }
 
+// The default cosine tail is PyTorch's (periodic, pinned by the golden
+// test); kHold keeps eta_min from the end on: at the boundary step, the step
+// after it, and steps where the periodic form is back at base_lr.
+TEST(LrScheduler, CosineHoldStaysAtEtaMinPastTheEnd) {
+  const double base = 0.1, eta_min = 0.001;
+  auto periodic = CosineSchedule(10, eta_min);
+  auto hold = CosineSchedule(10, eta_min, CosineTail::kHold);
+  for (int64_t t = 0; t < 10; ++t) EXPECT_EQ(hold->Lr(base, t), periodic->Lr(base, t)) << "t=" << t;
+  EXPECT_NEAR(periodic->Lr(base, 10), eta_min, 1e-15);
+  EXPECT_GT(periodic->Lr(base, 11), eta_min + 1e-3);
+  EXPECT_NEAR(periodic->Lr(base, 20), base, 1e-15);
+  for (int64_t t : {10, 11, 15, 20, 35, 1000003}) EXPECT_EQ(hold->Lr(base, t), eta_min) << "t=" << t;
+
+  auto warm_periodic = WarmupCosineSchedule(5, 20, 0.1, eta_min);
+  auto warm_hold = WarmupCosineSchedule(5, 20, 0.1, eta_min, CosineTail::kHold);
+  for (int64_t t = 0; t < 20; ++t) EXPECT_EQ(warm_hold->Lr(base, t), warm_periodic->Lr(base, t)) << "t=" << t;
+  EXPECT_GT(warm_periodic->Lr(base, 21), eta_min + 1e-4);
+  for (int64_t t : {20, 21, 35, 100}) EXPECT_EQ(warm_hold->Lr(base, t), eta_min) << "t=" << t;
+
+  // Driven step by step through an optimizer, the rate never rises after it
+  // reached eta_min.
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = base});
+  LrScheduler s(opt, WarmupCosineSchedule(2, 6, 0.5, eta_min, CosineTail::kHold));
+  for (int i = 0; i < 6; ++i) s.Step();
+  EXPECT_EQ(opt.lr(), eta_min);
+  for (int i = 0; i < 20; ++i) {
+    s.Step();
+    ASSERT_EQ(opt.lr(), eta_min) << "step " << s.step_count();
+  }
+}
+
+// A checkpoint taken past the end of a held schedule restores the step count
+// and eta_min, and further steps stay there.
+TEST(LrScheduler, CosineHoldStateRoundTripsPastTheEnd) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 0.2});
+  LrScheduler s(opt, CosineSchedule(4, 0.01, CosineTail::kHold));
+  for (int i = 0; i < 9; ++i) s.Step();
+  const NamedTensors state = s.StateDict();
+
+  Tensor w2 = Zeros({1});
+  Sgd opt2({{"w", w2}}, {.lr = 0.2});
+  LrScheduler restored(opt2, CosineSchedule(4, 0.01, CosineTail::kHold));
+  EXPECT_EQ(opt2.lr(), 0.2);
+  restored.LoadStateDict(state);
+  EXPECT_EQ(restored.step_count(), 9);
+  EXPECT_EQ(restored.base_lr(), 0.2);
+  EXPECT_EQ(opt2.lr(), 0.01);
+  restored.Step();
+  EXPECT_EQ(opt2.lr(), 0.01);
+  // The same state in a periodic schedule gives the periodic rate at step 9.
+  Tensor w3 = Zeros({1});
+  Sgd opt3({{"w", w3}}, {.lr = 0.2});
+  LrScheduler periodic(opt3, CosineSchedule(4, 0.01));
+  periodic.LoadStateDict(state);
+  EXPECT_NEAR(opt3.lr(), CosineSchedule(4, 0.01)->Lr(0.2, 9), 1e-15);
+  EXPECT_GT(opt3.lr(), 0.01 + 1e-3);
+}
+
 }  // namespace
 }  // namespace ddp::nn::optim
