@@ -42,7 +42,8 @@ __global__ void MaxPoolForwardKernel(PoolGeometry g, const T* x, T* y, int32_t* 
       }
     }
     y[idx] = Cast<T>(best);
-    if (ind != nullptr) ind[idx] = static_cast<int32_t>(bi < 0 ? 0 : bi);
+    // -1 for a window whose taps all miss the input (as the CPU kernel).
+    if (ind != nullptr) ind[idx] = static_cast<int32_t>(bi);
   }
 }
 

@@ -105,7 +105,8 @@ struct KernelTable {
   /// no gradient is wanted) = argmax within the input plane.
   void (*max_pool2d_forward)(const Tensor& x, const Tensor& y, const Tensor& indices,
                              const Pool2dParams& p) = nullptr;
-  /// dx (zeroed here) receives dy at the recorded indices.
+  /// dx (zeroed here) receives dy at the recorded indices; index -1 (a
+  /// window with no tap inside the input, whose output is -inf) sends nothing.
   void (*max_pool2d_backward)(const Tensor& dy, const Tensor& indices, const Tensor& dx,
                               const Pool2dParams& p) = nullptr;
   void (*avg_pool2d_forward)(const Tensor& x, const Tensor& y, const Pool2dParams& p) = nullptr;

@@ -243,6 +243,27 @@ TEST(KernelsTest, MaxPoolRefusesPlanesBeyondItsI32Indices) {
   }
 }
 
+// The argument checks (padding at most half the kernel, ceil_mode's last
+// window starting inside) do not rule out a window with no tap inside the
+// input: a 2-tap window with dilation 2 and padding 1 on a single row reads
+// rows -1 and 1. PyTorch accepts these arguments too. Such a window gives
+// -inf and sends its gradient nowhere; before, every one of them sent it to
+// cell (0, 0) of its plane.
+TEST(KernelsTest, MaxPoolWindowWithNoInputCellGetsMinusInfAndNoGradient) {
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .stride_h = 1, .stride_w = 1, .pad_h = 1, .pad_w = 1,
+                       .dilation_h = 2, .dilation_w = 1};
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    Tensor x = FromVector({1, 2, 3, -4, -5, -6}, Shape{1, 2, 1, 3}).To(dtype);
+    x.set_requires_grad(true);
+    Tensor y = MaxPool2d(x, p);
+    ASSERT_EQ(y.shape(), (Shape{1, 2, 1, 4})) << DTypeName(dtype);
+    for (double v : y.ToVector<double>()) EXPECT_EQ(v, -inf) << DTypeName(dtype);
+    Backward(Sum(y));
+    EXPECT_EQ(x.grad().ToVector<double>(), std::vector<double>(6, 0.0)) << DTypeName(dtype);
+  }
+}
+
 // ceil_mode on an input smaller than the window, as PyTorch takes it: one
 // window, hanging over the edge (GoogLeNet's MaxPool2d(3, 2, ceil_mode) on a
 // 2x2 map; a 2x2 window on 1x1). Without ceil_mode no window fits.

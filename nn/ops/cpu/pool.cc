@@ -186,8 +186,13 @@ void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, c
               }
             }
           }
+          // The argument checks leave windows whose taps all miss the input:
+          // padding 1 with a dilation that steps over a short input (a 2-tap
+          // window with dilation 2 on one row reads rows -1 and 1). As in
+          // PyTorch the output is -inf; index -1 tells backward that no
+          // input cell gets its gradient.
           ypl[i * ow + j] = static_cast<scalar_t>(best);
-          ipl[i * ow + j] = static_cast<int32_t>(bi < 0 ? 0 : bi);
+          ipl[i * ow + j] = static_cast<int32_t>(bi);
         }
       }
     }
@@ -248,7 +253,9 @@ void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx
     AccumulatePlanes(static_cast<scalar_t*>(dxb.data_ptr()), planes, h * w, [&](int64_t pl, A* dpl) {
       const scalar_t* gpl = g + pl * oh * ow;
       const int32_t* ipl = ind + pl * oh * ow;
-      for (int64_t k = 0; k < oh * ow; ++k) dpl[ipl[k]] += static_cast<A>(gpl[k]);
+      for (int64_t k = 0; k < oh * ow; ++k) {
+        if (ipl[k] >= 0) dpl[ipl[k]] += static_cast<A>(gpl[k]);  // -1: a window with no input cell
+      }
     });
   });
   WriteBack(dx, dxb);
