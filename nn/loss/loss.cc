@@ -1,9 +1,12 @@
-// Shapes: logits [N, C], target [N], per-sample losses [N].
+// Shapes: cross-entropy on logits [N, C] with target [N] and per-sample
+// losses [N]; NLL on log_probs [N, C, d...] with target and per-element
+// losses [N, d...]; class weights [C].
 #include "nn/loss/loss.h"
 
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "nn/autograd/node.h"
 #include "nn/ops/autocast.h"
@@ -46,7 +49,167 @@ class CrossEntropyBackward final : public autograd::Node {
   DType logits_dtype_;
 };
 
+// Backward of NllLoss. The input is not saved: the gradient depends only on
+// the target, the weights and the incoming gradient.
+class NllLossBackward final : public autograd::Node {
+ public:
+  NllLossBackward(const Tensor& target, Tensor weight, int64_t ignore_index, double scale, Shape input_shape,
+                  DType dtype)
+      : target_(target),
+        weight_(std::move(weight)),
+        ignore_index_(ignore_index),
+        scale_(scale),
+        input_shape_(std::move(input_shape)),
+        dtype_(dtype) {}
+
+  std::vector<Tensor> Apply(std::vector<Tensor>&& grads) override {
+    Tensor g = grads[0];
+    if (scale_ != 1.0) {
+      Tensor scaled = Empty(g.shape(), {.dtype = g.dtype(), .device = g.device()});
+      DDP_KERNEL(g.device(), affine)(g, scale_, 0.0, scaled);
+      g = scaled;
+    }
+    Tensor dlp = Empty(input_shape_, {.dtype = dtype_, .device = g.device()});
+    DDP_KERNEL(g.device(), nll_loss_backward)(target_.Get(), weight_, g, ignore_index_, dlp);
+    return {dlp};
+  }
+  std::string name() const override { return "NllLossBackward"; }
+  void ReleaseSaved() override { target_.Release(); }
+
+ private:
+  autograd::SavedTensor target_;
+  Tensor weight_;  // a detached copy in the compute dtype, or undefined
+  int64_t ignore_index_;
+  double scale_;   // 1 / (sum of the kept weights) for kMean, else 1
+  Shape input_shape_;
+  DType dtype_;
+};
+
+// Class weights: [C], floating, on `device`, and given no gradient.
+void CheckWeight(const char* op, const Tensor& weight, int64_t classes, Device device) {
+  if (!weight.defined()) return;
+  if (weight.dim() != 1 || weight.size(0) != classes) {
+    throw std::invalid_argument(std::string(op) + ": weight of shape " + ShapeToString(weight.shape()) +
+                                " does not match " + std::to_string(classes) + " classes (expected [" +
+                                std::to_string(classes) + "])");
+  }
+  if (!IsFloating(weight.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": weight must be floating, got " +
+                                std::string(DTypeName(weight.dtype())));
+  }
+  if (weight.device() != device) {
+    throw std::invalid_argument(std::string(op) + ": weight is on " + weight.device().ToString() + ", input on " +
+                                device.ToString() + " (expected one device)");
+  }
+  if (autograd::AnyRequiresGrad({&weight})) {
+    throw std::invalid_argument(std::string(op) +
+                                ": weight requires grad, but no gradient flows to class weights (detach it)");
+  }
+}
+
+// What kMean divides by: the sum of weight[t] over the targets t that are not
+// ignore_index (their count without weights). Targets must be in range.
+double KeptWeight(const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+  const Tensor ht = target.Detach().To(kCPU).Contiguous();
+  const int64_t* t = ht.data<int64_t>();
+  std::vector<double> w;
+  if (weight.defined()) w = weight.Detach().To(kCPU).ToVector<double>();
+  double total = 0;
+  for (int64_t i = 0; i < ht.numel(); ++i) {
+    if (t[i] != ignore_index) total += w.empty() ? 1.0 : w[static_cast<size_t>(t[i])];
+  }
+  return total;
+}
+
+// Cross-entropy with class weights, composed of differentiable ops: log-softmax,
+// the weighted NLL, and with label smoothing the weighted uniform part.
+Tensor WeightedCrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options,
+                            DType compute) {
+  const int64_t c = logits.size(1);
+  const Tensor lp = ops::LogSoftmax(logits.dtype() == compute ? logits : ops::Cast(logits, compute), 1);
+  const Tensor w = options.weight.Detach().To(compute);
+  // Checked here so that the error names cross_entropy, as without weights.
+  const Tensor ht = target.Detach().To(kCPU).Contiguous();
+  const int64_t* t = ht.data<int64_t>();
+  std::vector<double> kept(static_cast<size_t>(ht.numel()));
+  for (int64_t i = 0; i < ht.numel(); ++i) {
+    kept[i] = t[i] != options.ignore_index ? 1.0 : 0.0;
+    if (t[i] != options.ignore_index && (t[i] < 0 || t[i] >= c)) {
+      throw std::out_of_range("cross_entropy: target " + std::to_string(t[i]) + " (sample " + std::to_string(i) +
+                              ") is out of range for " + std::to_string(c) + " classes [0, " +
+                              std::to_string(c - 1) + "]");
+    }
+  }
+  Tensor per = NllLoss(lp, target, {.reduction = Reduction::kNone, .weight = w, .ignore_index = options.ignore_index});
+  const double eps = options.label_smoothing;
+  if (eps > 0.0) {
+    // -sum_k weight[k] * log_probs[i, k], 0 for ignored samples.
+    const Tensor mask = FromVector(kept, {ht.numel()}, {.dtype = compute}).To(logits.device());
+    const Tensor uniform = ops::Mul(ops::Neg(ops::Sum(ops::Mul(lp, w.View({1, c})), {1})), mask);
+    per = ops::Add(ops::MulScalar(per, 1.0 - eps), ops::MulScalar(uniform, eps / static_cast<double>(c)));
+  }
+  switch (options.reduction) {
+    case Reduction::kNone: return per;
+    case Reduction::kSum: return ops::Sum(per);
+    case Reduction::kMean: return ops::MulScalar(ops::Sum(per), 1.0 / KeptWeight(target, w, options.ignore_index));
+  }
+  return per;
+}
+
 }  // namespace
+
+Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOptions& options) {
+  if (input.dim() < 2) {
+    throw std::invalid_argument("nll_loss: expected log-probabilities [N, C] or [N, C, d1, ...], got " +
+                                ShapeToString(input.shape()));
+  }
+  if (!IsFloating(input.dtype())) {
+    throw std::invalid_argument("nll_loss: log-probabilities must be floating, got " +
+                                std::string(DTypeName(input.dtype())));
+  }
+  Shape expected = input.shape();
+  expected.erase(expected.begin() + 1);
+  if (target_in.shape() != expected) {
+    throw std::invalid_argument("nll_loss: target of shape " + ShapeToString(target_in.shape()) +
+                                " does not match log-probabilities " + ShapeToString(input.shape()) +
+                                " (expected " + ShapeToString(expected) + ")");
+  }
+  if (IsFloating(target_in.dtype())) {
+    throw std::invalid_argument("nll_loss: target must hold class indices (i64, i32 or u8), got " +
+                                std::string(DTypeName(target_in.dtype())));
+  }
+  if (target_in.device() != input.device()) {
+    throw std::invalid_argument("nll_loss: target is on " + target_in.device().ToString() +
+                                ", log-probabilities on " + input.device().ToString() + " (expected one device)");
+  }
+  CheckWeight("nll_loss", options.weight, input.size(1), input.device());
+  const DType compute = input.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  const Tensor lp = input.dtype() == compute ? input : ops::Cast(input, compute);
+  const Tensor target = target_in.dtype() == DType::kInt64 ? target_in.Detach() : target_in.Detach().To(DType::kInt64);
+  const Tensor weight = !options.weight.defined()                ? Tensor()
+                        : options.weight.dtype() == compute      ? options.weight.Detach()
+                                                                  : options.weight.Detach().To(compute);
+  Tensor losses = Empty(expected, {.dtype = compute, .device = input.device()});
+  // Also checks every target is a class or ignore_index.
+  DDP_KERNEL(input.device(), nll_loss_forward)(lp, target, weight, options.ignore_index, losses);
+  double scale = 1.0;
+  Tensor out;
+  if (options.reduction == Reduction::kNone) {
+    out = losses;
+  } else {
+    out = Empty({}, {.dtype = compute, .device = input.device()});
+    DDP_KERNEL(input.device(), sum_to)(losses.View({losses.numel()}), out.View({1}), 1.0);
+    if (options.reduction == Reduction::kMean) {
+      // 0 / 0 = NaN when nothing is kept, as PyTorch.
+      scale = 1.0 / KeptWeight(target, weight, options.ignore_index);
+      DDP_KERNEL(out.device(), affine)(out, scale, 0.0, out);
+    }
+  }
+  if (!autograd::AnyRequiresGrad({&lp})) return out;
+  auto node = std::make_shared<NllLossBackward>(target, weight, options.ignore_index, scale, lp.shape(), compute);
+  autograd::ConnectNode(node, {&lp}, {&out});
+  return out;
+}
 
 Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEntropyOptions& options) {
   if (logits.dim() != 2) {
@@ -77,6 +240,10 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   const Tensor target = target_in.dtype() == DType::kInt64 ? target_in : target_in.Detach().To(DType::kInt64);
   const int64_t n = logits.size(0);
   const DType compute = logits.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  if (options.weight.defined()) {
+    CheckWeight("cross_entropy", options.weight, logits.size(1), logits.device());
+    return WeightedCrossEntropy(logits, target, options, compute);
+  }
   Tensor log_probs = Empty(logits.shape(), {.dtype = compute, .device = logits.device()});
   Tensor losses = Empty({n}, {.dtype = compute, .device = logits.device()});
   DDP_KERNEL(logits.device(), cross_entropy_forward)(logits, target, options.label_smoothing, options.ignore_index,

@@ -165,6 +165,18 @@ struct KernelTable {
   void (*cross_entropy_backward)(const Tensor& log_probs, const Tensor& target, const Tensor& grad_loss,
                                  double label_smoothing, int64_t ignore_index,
                                  const Tensor& dlogits) = nullptr;
+  /// Negative log-likelihood per element, for log_probs[N,C,S] (S: the
+  /// product of any trailing dims, 1 for [N,C]) and target[N,S] (i64):
+  /// loss[N,S] = -weight[t] * log_probs[n,t,s] with t = target[n,s], in
+  /// log_probs' dtype; weight [C] in that dtype, or undefined for all ones;
+  /// 0 where t == ignore_index. Throws naming the target, its position and
+  /// the class count when a target is out of range. No CUDA kernel yet.
+  void (*nll_loss_forward)(const Tensor& log_probs, const Tensor& target, const Tensor& weight,
+                           int64_t ignore_index, const Tensor& loss) = nullptr;
+  /// dlog_probs[N,C,S] = -weight[t] * grad_loss[n,s] at c == t, 0 elsewhere
+  /// and on ignored elements; a one-element grad_loss applies to every one.
+  void (*nll_loss_backward)(const Tensor& target, const Tensor& weight, const Tensor& grad_loss,
+                            int64_t ignore_index, const Tensor& dlog_probs) = nullptr;
 };
 
 /// Installs the table of a device type (the CPU's is installed at startup).

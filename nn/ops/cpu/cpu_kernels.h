@@ -75,6 +75,10 @@ void CrossEntropyForward(const Tensor& logits, const Tensor& target, double labe
                          int64_t ignore_index, const Tensor& log_probs, const Tensor& loss);
 void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const Tensor& grad_loss,
                           double label_smoothing, int64_t ignore_index, const Tensor& dlogits);
+void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor& weight, int64_t ignore_index,
+                    const Tensor& loss);
+void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
+                     const Tensor& dlog_probs);
 
 /// Strides of t when broadcast to `shape` (0 along broadcast dimensions).
 Shape BroadcastStrides(const Tensor& t, const Shape& shape);

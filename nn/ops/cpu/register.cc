@@ -32,6 +32,8 @@ KernelTable CpuKernelTable() {
   t.log_softmax_backward = &LogSoftmaxBackward;
   t.cross_entropy_forward = &CrossEntropyForward;
   t.cross_entropy_backward = &CrossEntropyBackward;
+  t.nll_loss_forward = &NllLossForward;
+  t.nll_loss_backward = &NllLossBackward;
   return t;
 }
 

@@ -1,6 +1,8 @@
-// log-softmax and cross-entropy. Shapes: log_softmax over dimension `dim` of
-// x viewed as [outer, D, inner]; cross-entropy on logits [N, C] with class
-// indices target [N].
+// log-softmax, cross-entropy and negative log-likelihood. Shapes:
+// log_softmax over dimension `dim` of x viewed as [outer, D, inner];
+// cross-entropy on logits [N, C] with class indices target [N]; NLL on
+// log_probs [N, C, S] (S: trailing positions, 1 for [N, C]) with target
+// [N, S] and class weights [C].
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -144,6 +146,91 @@ void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const T
     NoGradGuard guard;
     dlogits.CopyFrom(out);
   }
+}
+
+namespace {
+
+// The weights as a contiguous tensor of log_probs' dtype, or undefined.
+Tensor WeightIn(const Tensor& weight, DType dtype) {
+  if (!weight.defined()) return Tensor();
+  return ContiguousData(weight.dtype() == dtype ? weight : weight.Detach().To(dtype));
+}
+
+// A contiguous buffer to write `t` through, and the copy back when it is not t.
+Tensor ContiguousOut(const Tensor& t) { return t.is_contiguous() ? t : Empty(t.shape(), {.dtype = t.dtype()}); }
+
+void CopyBack(const Tensor& dst, const Tensor& buf) {
+  if (buf.is_same(dst)) return;
+  NoGradGuard guard;
+  dst.CopyFrom(buf);
+}
+
+void CheckNllTargets(const int64_t* t, int64_t n, int64_t c, int64_t s, int64_t ignore_index) {
+  for (int64_t i = 0; i < n * s; ++i) {
+    if (t[i] == ignore_index || (t[i] >= 0 && t[i] < c)) continue;
+    const std::string where = s == 1 ? "sample " + std::to_string(i)
+                                     : "sample " + std::to_string(i / s) + ", position " + std::to_string(i % s);
+    throw std::out_of_range("nll_loss: target " + std::to_string(t[i]) + " (" + where + ") is out of range for " +
+                            std::to_string(c) + " classes [0, " + std::to_string(c - 1) + "]");
+  }
+}
+
+}  // namespace
+
+void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor& weight, int64_t ignore_index,
+                    const Tensor& loss) {
+  const int64_t n = log_probs.size(0), c = log_probs.size(1);
+  const int64_t s = n * c == 0 ? 0 : log_probs.numel() / (n * c);
+  const Tensor tc = ContiguousData(target);
+  const int64_t* t = tc.data<int64_t>();
+  CheckNllTargets(t, n, c, s, ignore_index);
+  const Tensor lpc = ContiguousData(log_probs);
+  const Tensor wc = WeightIn(weight, log_probs.dtype());
+  Tensor out = ContiguousOut(loss);
+  DDP_DISPATCH_FLOATING(log_probs.dtype(), "nll_loss", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* lp = static_cast<const scalar_t*>(lpc.data_ptr());
+    const scalar_t* w = wc.defined() ? static_cast<const scalar_t*>(wc.data_ptr()) : nullptr;
+    scalar_t* l = static_cast<scalar_t*>(out.data_ptr());
+    for (int64_t i = 0; i < n * s; ++i) {
+      const int64_t k = t[i];
+      if (k == ignore_index) {
+        l[i] = scalar_t(0);
+        continue;
+      }
+      const A wk = w != nullptr ? static_cast<A>(w[k]) : A(1);
+      l[i] = static_cast<scalar_t>(-wk * static_cast<A>(lp[((i / s) * c + k) * s + i % s]));
+    }
+  });
+  CopyBack(loss, out);
+}
+
+void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
+                     const Tensor& dlog_probs) {
+  const int64_t n = dlog_probs.size(0), c = dlog_probs.size(1);
+  const int64_t s = n * c == 0 ? 0 : dlog_probs.numel() / (n * c);
+  const Tensor tc = ContiguousData(target);
+  const int64_t* t = tc.data<int64_t>();
+  CheckNllTargets(t, n, c, s, ignore_index);
+  const DType dt = dlog_probs.dtype();
+  const Tensor g = ContiguousData(grad_loss.dtype() == dt ? grad_loss : grad_loss.Detach().To(dt));
+  const Tensor wc = WeightIn(weight, dt);
+  Tensor out = ContiguousOut(dlog_probs);
+  DDP_DISPATCH_FLOATING(dt, "nll_loss_backward", {
+    using A = acc_t<scalar_t>;
+    const scalar_t* gp = static_cast<const scalar_t*>(g.data_ptr());
+    const int64_t gstride = g.numel() == 1 ? 0 : 1;
+    const scalar_t* w = wc.defined() ? static_cast<const scalar_t*>(wc.data_ptr()) : nullptr;
+    scalar_t* d = static_cast<scalar_t*>(out.data_ptr());
+    std::fill(d, d + out.numel(), scalar_t(0));
+    for (int64_t i = 0; i < n * s; ++i) {
+      const int64_t k = t[i];
+      if (k == ignore_index) continue;
+      const A wk = w != nullptr ? static_cast<A>(w[k]) : A(1);
+      d[((i / s) * c + k) * s + i % s] = static_cast<scalar_t>(-wk * static_cast<A>(gp[i * gstride]));
+    }
+  });
+  CopyBack(dlog_probs, out);
 }
 
 }  // namespace ddp::nn::ops::cpu
