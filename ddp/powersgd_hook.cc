@@ -436,18 +436,66 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
   return transport::Status::Ok();
 }
 
+// A parameter's state loaded by LoadStateDict, not yet placed in its
+// bucket (contiguous CPU tensors of the parameter's dtype; either may be
+// undefined).
+struct SavedTensorState {
+  nn::Tensor q;         // Q^T [r, m]
+  nn::Tensor residual;  // [n, m] as the parameter's shape
+};
+using SavedStates = std::map<const nn::TensorImpl*, SavedTensorState>;
+
+// Puts the loaded state of b's parameters into b, which was just built
+// for its bucket, and forgets it (a later rebuild carries it by parameter,
+// as any state). Q only when every compressed tensor of the bucket has
+// one: the others' Q would be drawn, and drawing overwrites the bucket's
+// whole Q. Every rank loaded the same Q's, so every rank decides alike.
+void ApplySaved(BucketState& b, SavedStates& pending, const PowerSgdOptions& options) {
+  if (pending.empty() || !b.any_compressed) return;
+  bool every_q = options.warm_start;
+  for (size_t t = 0; t < b.plans.size(); ++t) {
+    if (!b.plans[t].compressed()) continue;
+    const auto it = pending.find(b.params[t]);
+    if (it == pending.end() || !it->second.q.defined()) every_q = false;
+  }
+  const size_t elem = nn::ElementSize(b.dtype);
+  for (size_t t = 0; t < b.plans.size(); ++t) {
+    const TensorPlan& plan = b.plans[t];
+    if (!plan.compressed()) continue;
+    const auto it = pending.find(b.params[t]);
+    if (it == pending.end()) continue;
+    const SavedTensorState& saved = it->second;
+    if (every_q) {
+      std::memcpy(static_cast<char*>(b.qs.data_ptr()) + plan.q_at * elem, saved.q.data_ptr(),
+                  static_cast<size_t>(plan.rank * plan.cols) * elem);
+    }
+    if (options.use_error_feedback && saved.residual.defined()) {
+      std::memcpy(static_cast<char*>(b.residuals.data_ptr()) + plan.residual_at * elem, saved.residual.data_ptr(),
+                  static_cast<size_t>(plan.numel) * elem);
+    }
+    pending.erase(it);
+  }
+  if (every_q) b.q_ready = true;
+}
+
+}  // namespace
+
 // The hook's state, shared by the copies of the std::function.
-struct PowerSgdState {
-  explicit PowerSgdState(PowerSgdOptions o) : options(o) {}
+struct PowerSgdState::Impl {
+  explicit Impl(PowerSgdOptions o) : options(o) {}
   const PowerSgdOptions options;
   // Hook calls on the last bucket so far (the backward thread's).
   int64_t iteration = 0;
   // By bucket index. A BucketState is used by its bucket's task alone, on
   // the communication thread; the map itself also by the hook, which drops
-  // the buckets that a rebuild into fewer left behind, so `mu` guards it.
-  std::mutex mu;
+  // the buckets that a rebuild into fewer left behind, so `mu` guards it,
+  // and `pending`, which the tasks take from.
+  mutable std::mutex mu;
   std::map<size_t, BucketState> buckets;
+  SavedStates pending;
 };
+
+namespace {
 
 void Require(bool ok, const char* option, const std::string& rule, double value) {
   if (ok) return;
@@ -478,12 +526,195 @@ int64_t PowerSgdElementsPerStep(const std::vector<nn::Shape>& shapes, const Powe
   return total;
 }
 
+
+namespace {
+
+constexpr char kIterationKey[] = "powersgd.iteration";
+constexpr char kQPrefix[] = "powersgd.q.";
+constexpr char kResidualPrefix[] = "powersgd.residual.";
+
+[[noreturn]] void Refuse(const std::string& what) {
+  throw std::invalid_argument("PowerSgdState.LoadStateDict: " + what);
+}
+
+bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// A contiguous CPU copy of `t`, whose values must all be finite.
+nn::Tensor FiniteCopy(const nn::Tensor& t, const std::string& key) {
+  nn::Tensor c = t.To(nn::kCPU).Contiguous().Clone();
+  const bool finite = c.dtype() == nn::DType::kFloat32 ? AllFinite(c.data<float>(), c.numel())
+                                                       : AllFinite(c.data<double>(), c.numel());
+  if (!finite) Refuse("`" + key + "` holds a value that is not finite");
+  return c;
+}
+
+struct ParsedState {
+  int64_t iteration = 0;
+  SavedStates saved;
+};
+
+// LoadStateDict's checks: what it would load, or throws naming the key and
+// what is wrong with it.
+ParsedState ParseState(const PowerSgdState::NamedTensors& state, const PowerSgdState::NamedTensors& params,
+                       const PowerSgdOptions& options) {
+  std::map<std::string, const nn::Tensor*> by_name;
+  for (const auto& [name, p] : params) by_name[name] = &p;
+  ParsedState parsed;
+  const nn::Tensor* iteration = nullptr;
+  std::map<std::string, bool> seen;
+  for (const auto& [key, t] : state) {
+    if (!StartsWith(key, "powersgd.")) continue;
+    if (seen[key]) Refuse("`" + key + "` appears twice");
+    seen[key] = true;
+    if (key == kIterationKey) {
+      iteration = &t;
+      continue;
+    }
+    const bool is_q = StartsWith(key, kQPrefix);
+    const bool is_residual = StartsWith(key, kResidualPrefix);
+    if (!is_q && !is_residual) {
+      Refuse("unexpected `" + key + "` (PowerSGD's keys are `" + kIterationKey + "`, `" + kQPrefix + "<parameter>` and `" +
+             kResidualPrefix + "<parameter>`)");
+    }
+    const std::string name = key.substr(std::string(is_q ? kQPrefix : kResidualPrefix).size());
+    const auto found = by_name.find(name);
+    if (found == by_name.end()) Refuse("`" + key + "` is for parameter `" + name + "`, which this model does not have");
+    const nn::Tensor& p = *found->second;
+    if (!p.defined() || !p.device().is_cpu() ||
+        (p.dtype() != nn::DType::kFloat32 && p.dtype() != nn::DType::kFloat64)) {
+      Refuse("`" + key + "`: parameter `" + name + "` is not compressed by the hook (only f32 and f64 parameters in " +
+             "host memory are)");
+    }
+    const TensorPlan plan = PlanTensor(p.shape(), options);
+    if (!plan.compressed()) {
+      Refuse("`" + key + "`: parameter `" + name + "` " + nn::ShapeToString(p.shape()) +
+             " is not compressed under these options (matrix_approximation_rank " +
+             std::to_string(options.matrix_approximation_rank) + ", min_compression_rate " +
+             std::to_string(options.min_compression_rate) + ")");
+    }
+    if (!t.defined()) Refuse("`" + key + "` is undefined");
+    if (t.dtype() != p.dtype()) {
+      Refuse("`" + key + "` is " + std::string(nn::DTypeName(t.dtype())) + ", parameter `" + name + "` is " +
+             std::string(nn::DTypeName(p.dtype())));
+    }
+    SavedTensorState& entry = parsed.saved[p.impl()];
+    if (is_q) {
+      if (!options.warm_start) Refuse("`" + key + "` holds a warm-start Q, and these options have warm_start off");
+      const nn::Shape want{plan.rank, plan.cols};
+      if (t.shape() != want) {
+        Refuse("`" + key + "` is " + nn::ShapeToString(t.shape()) + ", parameter `" + name + "` " +
+               nn::ShapeToString(p.shape()) + " needs Q^T " + nn::ShapeToString(want) +
+               " under matrix_approximation_rank " + std::to_string(options.matrix_approximation_rank));
+      }
+      entry.q = FiniteCopy(t, key);
+    } else {
+      if (!options.use_error_feedback) {
+        Refuse("`" + key + "` holds a residual, and these options have use_error_feedback off");
+      }
+      if (t.shape() != p.shape()) {
+        Refuse("`" + key + "` is " + nn::ShapeToString(t.shape()) + ", parameter `" + name + "` is " +
+               nn::ShapeToString(p.shape()));
+      }
+      entry.residual = FiniteCopy(t, key);
+    }
+  }
+  if (iteration == nullptr) Refuse(std::string("missing i64 scalar `") + kIterationKey + "`");
+  if (!iteration->defined() || iteration->dtype() != nn::DType::kInt64 || iteration->numel() != 1) {
+    Refuse(std::string("`") + kIterationKey + "` is " +
+           (iteration->defined() ? std::string(nn::DTypeName(iteration->dtype())) + " " +
+                                       nn::ShapeToString(iteration->shape())
+                                 : std::string("undefined")) +
+           ", expected an i64 scalar");
+  }
+  parsed.iteration = iteration->To(nn::kCPU).data<int64_t>()[0];
+  if (parsed.iteration < 0) Refuse(std::string("`") + kIterationKey + "` is " + std::to_string(parsed.iteration) + ", below 0");
+  return parsed;
+}
+
+// A [shape] copy of n elements of `elem` bytes at `from`.
+nn::Tensor CopyOut(const void* from, const nn::Shape& shape, nn::DType dtype) {
+  nn::Tensor t = nn::Empty(shape, {.dtype = dtype});
+  std::memcpy(t.data_ptr(), from, static_cast<size_t>(t.numel()) * nn::ElementSize(dtype));
+  return t;
+}
+
+}  // namespace
+
+PowerSgdState::PowerSgdState(PowerSgdOptions options) {
+  ValidatePowerSgdOptions(options);
+  impl_ = std::make_unique<Impl>(options);
+}
+
+PowerSgdState::~PowerSgdState() = default;
+
+const PowerSgdOptions& PowerSgdState::options() const { return impl_->options; }
+
+int64_t PowerSgdState::iteration() const { return impl_->iteration; }
+
+PowerSgdState::NamedTensors PowerSgdState::StateDict(const NamedTensors& params, bool with_residuals) const {
+  std::map<const nn::TensorImpl*, std::string> names;
+  for (const auto& [name, p] : params) names[p.impl()] = name;
+  auto name_of = [&](const nn::TensorImpl* p) -> const std::string& {
+    const auto it = names.find(p);
+    if (it == names.end()) {
+      throw std::invalid_argument(
+          "PowerSgdState.StateDict: a bucket holds a parameter that is not among `params` (pass the model's "
+          "NamedParameters())");
+    }
+    return it->second;
+  };
+  const PowerSgdOptions& o = impl_->options;
+  NamedTensors out;
+  out.emplace_back(kIterationKey, nn::FromVectorOf<int64_t>({impl_->iteration}, {}));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  for (const auto& [index, b] : impl_->buckets) {
+    const size_t elem = nn::ElementSize(b.dtype);
+    for (size_t t = 0; t < b.plans.size(); ++t) {
+      const TensorPlan& plan = b.plans[t];
+      if (!plan.compressed()) continue;
+      const std::string& name = name_of(b.params[t]);
+      if (o.warm_start && b.q_ready) {
+        out.emplace_back(kQPrefix + name, CopyOut(static_cast<const char*>(b.qs.data_ptr()) + plan.q_at * elem,
+                                                  {plan.rank, plan.cols}, b.dtype));
+      }
+      if (with_residuals && o.use_error_feedback) {
+        out.emplace_back(kResidualPrefix + name,
+                         CopyOut(static_cast<const char*>(b.residuals.data_ptr()) + plan.residual_at * elem,
+                                 b.shapes[t], b.dtype));
+      }
+    }
+  }
+  // Loaded and not yet placed in a bucket (no backward since the load).
+  for (const auto& [p, saved] : impl_->pending) {
+    const std::string& name = name_of(p);
+    if (saved.q.defined()) out.emplace_back(kQPrefix + name, saved.q.Clone());
+    if (with_residuals && saved.residual.defined()) out.emplace_back(kResidualPrefix + name, saved.residual.Clone());
+  }
+  return out;
+}
+
+void PowerSgdState::CheckStateDict(const NamedTensors& state, const NamedTensors& params) const {
+  ParseState(state, params, impl_->options);
+}
+
+void PowerSgdState::LoadStateDict(const NamedTensors& state, const NamedTensors& params) {
+  ParsedState parsed = ParseState(state, params, impl_->options);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  // Every bucket is built anew at its next call, from the loaded state.
+  impl_->buckets.clear();
+  impl_->pending = std::move(parsed.saved);
+  impl_->iteration = parsed.iteration;
+}
+
 namespace hooks {
 
-CommHook PowerSgdHook(PowerSgdOptions options) {
-  ValidatePowerSgdOptions(options);
-  auto state = std::make_shared<PowerSgdState>(options);
-  return [state](ProcessGroup& group, GradBucket& bucket) -> Work {
+CommHook PowerSgdHook(PowerSgdOptions options) { return PowerSgdHook(std::make_shared<PowerSgdState>(options)); }
+
+CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
+  if (shared == nullptr) throw std::invalid_argument("hooks::PowerSgdHook: the state is null");
+  // The closure keeps `shared` alive; `state` is its Impl.
+  PowerSgdState::Impl* state = shared->impl_.get();
+  return [shared, state](ProcessGroup& group, GradBucket& bucket) -> Work {
     const int64_t iteration = state->iteration;
     if (bucket.is_last()) {
       ++state->iteration;
@@ -513,7 +744,7 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
     const CollectiveDescription description{"powersgd " + label, dtype, buffer.shape(), -1,
                                             transport::ReduceOp::kSum, true};
     return group.Run(
-        description, [state, buffer, shapes = std::move(shapes), params = std::move(params), offsets = bucket.offsets(),
+        description, [shared, state, buffer, shapes = std::move(shapes), params = std::move(params), offsets = bucket.offsets(),
                       index = bucket.index(),
                       iteration, world = group.size(), label](transport::Communicator* comm,
                                                               transport::Deadline deadline) mutable {
@@ -526,6 +757,8 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
           BucketState& b = *found;
           if (b.params != params || b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
             RebuildBucketState(b, std::move(shapes), std::move(offsets), std::move(params), dtype, state->options);
+            std::lock_guard<std::mutex> lock(state->mu);
+            ApplySaved(b, state->pending, state->options);
           }
           const transport::DataType type = ToTransportType(dtype);
           // Both all-reduces share the task's deadline.

@@ -51,9 +51,33 @@
 // residuals, the same on every rank. Parameters are told apart by their
 // tensor objects, so a GradBucket must pass the same parameter tensors at
 // every call. The state of buckets that no longer exist is dropped.
+//
+// Checkpoints. PowerSgdState is the hook's state; a hook built from a
+// shared PowerSgdState exports it with StateDict and takes it back with
+// LoadStateDict, as PyTorch pickles its PowerSGDState:
+//
+//   auto state = std::make_shared<PowerSgdState>(options);
+//   ddp_model.RegisterCommHook(hooks::PowerSgdHook(state));
+//   ... save: state->StateDict(model->NamedParameters())
+//   ... resume: state->LoadStateDict(saved, model->NamedParameters())
+//
+// The iteration counter and each compressed parameter's Q (keyed by the
+// parameter's name, so they survive a restart in which the tensors are new
+// objects) are the same on every rank: rank 0's copy in a shared checkpoint
+// restores every rank exactly. The residuals are not: each rank's error
+// feedback is its own. A shared checkpoint leaves them out, and a resumed
+// run starts them at zero; what they still held (at most one step's
+// approximation error per rank) is lost once, the cost of one
+// uncompressed-and-restarted bucket. Gathering them would store world-size
+// copies of the model. StateDict(params, true) adds this rank's residuals
+// for per-rank files, as PyTorch's per-process pickle holds them.
 
 #include <cstdint>
 #include <vector>
+
+#include <memory>
+#include <string>
+#include <utility>
 
 #include "ddp/comm_hooks.h"
 #include "nn/tensor/tensor.h"
@@ -95,13 +119,68 @@ void ValidatePowerSgdOptions(const PowerSgdOptions& options);
 /// tensor (the finiteness flag), not counted here.
 int64_t PowerSgdElementsPerStep(const std::vector<nn::Shape>& shapes, const PowerSgdOptions& options);
 
+class PowerSgdState;
+
 namespace hooks {
 
 /// The PowerSGD hook (see the header comment). Throws std::invalid_argument
 /// for options out of range.
 CommHook PowerSgdHook(PowerSgdOptions options = {});
+/// The same hook keeping its state in `state`, which the caller keeps to
+/// save and restore it. One DistributedDataParallel per state. Throws
+/// std::invalid_argument for a null state.
+CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> state);
 
 }  // namespace hooks
+
+/// What the PowerSGD hook keeps across iterations: the iteration counter,
+/// and per compressed parameter the warm-start Q and the error-feedback
+/// residual. StateDict and LoadStateDict must not run while a backward (or
+/// its bucket tasks) is in flight: call them between iterations.
+class PowerSgdState {
+ public:
+  using NamedTensors = std::vector<std::pair<std::string, nn::Tensor>>;
+
+  /// Throws std::invalid_argument for options out of range.
+  explicit PowerSgdState(PowerSgdOptions options = {});
+  ~PowerSgdState();
+  PowerSgdState(const PowerSgdState&) = delete;
+  PowerSgdState& operator=(const PowerSgdState&) = delete;
+
+  const PowerSgdOptions& options() const;
+  /// Hook calls on the last bucket so far (iterations; compression runs
+  /// from iteration options().start_iteration on).
+  int64_t iteration() const;
+
+  /// "powersgd.iteration" (i64 scalar); "powersgd.q.<name>" (Q^T, [r, m],
+  /// the parameter's dtype) for each compressed parameter whose bucket has
+  /// a warm-start Q (none without warm_start); with `with_residuals`,
+  /// "powersgd.residual.<name>" (this rank's residual, the parameter's
+  /// shape) for each one that has error feedback. `params` names the
+  /// parameters (model->NamedParameters()); throws std::invalid_argument
+  /// when a bucket holds a parameter that is not among them. Q is the same
+  /// on every rank; the residuals are this rank's (see the header comment).
+  NamedTensors StateDict(const NamedTensors& params, bool with_residuals = false) const;
+  /// Restores StateDict's keys from a list that may hold other components'
+  /// keys; `params` are this run's parameters by name (new objects are
+  /// fine). Residuals not in `state` start at zero; a bucket gets the saved
+  /// Q only when every compressed parameter in it has one (otherwise it
+  /// draws a fresh Q, as a new hook does). Throws std::invalid_argument,
+  /// changing nothing, for a missing or malformed iteration, an unexpected
+  /// "powersgd." key, a Q or residual of a parameter `params` lacks or that
+  /// these options do not compress, one of another shape (another
+  /// matrix_approximation_rank) or dtype, a Q under warm_start = false, a
+  /// residual under use_error_feedback = false, or a value not finite.
+  void LoadStateDict(const NamedTensors& state, const NamedTensors& params);
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  void CheckStateDict(const NamedTensors& state, const NamedTensors& params) const;
+
+  struct Impl;
+
+ private:
+  friend CommHook hooks::PowerSgdHook(std::shared_ptr<PowerSgdState> state);
+  std::unique_ptr<Impl> impl_;
+};
 }  // namespace ddp::dist
 
 #endif  // DDP_DDP_POWERSGD_HOOK_H_

@@ -617,5 +617,170 @@ TEST(PowerSgdHookTest, OptionsOutOfRangeAreRefusedNamingTheOption) {
   EXPECT_NO_THROW(hooks::PowerSgdHook({.min_compression_rate = 0, .orthogonalization_epsilon = 1e-8}));
 }
 
+// ---------------------------------------------------------- state dict ----
+
+using Named = PowerSgdState::NamedTensors;
+
+// The tensor under `key`, or an undefined one.
+Tensor Find(const Named& state, const std::string& key) {
+  for (const auto& [k, t] : state) {
+    if (k == key) return t;
+  }
+  return Tensor();
+}
+
+// Saved after five steps and loaded into a new state for new parameter
+// objects (a restarted process), the state continues bit for bit as the
+// one that was never interrupted.
+TEST(PowerSgdHookTest, StateRoundTripsAndAResumedHookContinuesBitForBit) {
+  auto pg = ProcessGroup::Single();
+  for (bool feedback : {false, true}) {
+    SCOPED_TRACE(feedback ? "with error feedback" : "without error feedback");
+    const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 2,
+                                  .use_error_feedback = feedback};
+    const Tensor a = nn::Zeros({16, 12}), restarted = nn::Zeros({16, 12});
+    auto state = std::make_shared<PowerSgdState>(options);
+    CommHook hook = hooks::PowerSgdHook(state);
+    nn::Generator gen(11);
+    for (int k = 0; k < 5; ++k) Compress(hook, *pg, a, nn::Randn({16, 12}, {}, gen));
+    const Named saved = state->StateDict({{"w", a}}, /*with_residuals=*/true);
+    ASSERT_EQ(saved.size(), feedback ? 3u : 2u);
+    EXPECT_EQ(Find(saved, "powersgd.iteration").ToVector<int64_t>(), std::vector<int64_t>{5});
+    ASSERT_TRUE(Find(saved, "powersgd.q.w").defined());
+    EXPECT_EQ(Find(saved, "powersgd.q.w").shape(), (nn::Shape{1, 12}));
+    EXPECT_EQ(Find(saved, "powersgd.residual.w").defined(), feedback);
+    // Without residuals: the iteration and Q alone.
+    EXPECT_EQ(state->StateDict({{"w", a}}).size(), 2u);
+
+    auto resumed_state = std::make_shared<PowerSgdState>(options);
+    resumed_state->LoadStateDict(saved, {{"w", restarted}});
+    EXPECT_EQ(resumed_state->iteration(), 5);
+    // Saved again before any step: the same state.
+    const Named again = resumed_state->StateDict({{"w", restarted}}, true);
+    ASSERT_EQ(again.size(), saved.size());
+    for (const auto& [key, t] : saved) {
+      ASSERT_TRUE(Find(again, key).defined()) << key;
+      EXPECT_EQ(Find(again, key).ToVector<float>(), t.ToVector<float>()) << key;
+    }
+    CommHook resumed = hooks::PowerSgdHook(resumed_state);
+    for (int k = 0; k < 3; ++k) {
+      const Tensor g = nn::Randn({16, 12}, {}, gen);
+      EXPECT_EQ(Compress(resumed, *pg, restarted, g).ToVector<float>(), Compress(hook, *pg, a, g).ToVector<float>())
+          << "step " << k << " after the resume";
+    }
+    EXPECT_EQ(resumed_state->iteration(), 8);
+  }
+}
+
+// A state loaded at an iteration past start_iteration compresses at its
+// first call; a new hook with the same options would still be warming up
+// (the all-reduce, here on one process the gradient itself).
+TEST(PowerSgdHookTest, ResumedPastTheStartCompressesFromTheFirstStep) {
+  auto pg = ProcessGroup::Single();
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 1000};
+  const Tensor w = nn::Zeros({16, 12});
+  const Tensor m = FixedGradient(nn::DType::kFloat32);
+  auto fresh_state = std::make_shared<PowerSgdState>(options);
+  CommHook fresh = hooks::PowerSgdHook(fresh_state);
+  EXPECT_EQ(Compress(fresh, *pg, w, m).ToVector<float>(), m.ToVector<float>());
+
+  auto state = std::make_shared<PowerSgdState>(options);
+  state->LoadStateDict({{"powersgd.iteration", nn::FromVectorOf<int64_t>({1005}, {})}}, {{"w", w}});
+  CommHook hook = hooks::PowerSgdHook(state);
+  const Tensor out = Compress(hook, *pg, w, m);
+  EXPECT_LE(RankOneError(out), 1e-5) << "not compressed at the first step after the resume";
+  EXPECT_GT(RankOneError(m), 0.1);
+  EXPECT_EQ(state->iteration(), 1006);
+}
+
+// Each bad input names what is wrong, and a refused load leaves the state
+// as it was (its iteration, Q and residuals).
+TEST(PowerSgdHookTest, LoadRefusesMismatchesNamingThemAndChangesNothing) {
+  auto pg = ProcessGroup::Single();
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0};
+  const Tensor w = nn::Zeros({16, 12}), b = nn::Zeros({16});
+  const Named params{{"w", w}, {"b", b}};
+  auto state = std::make_shared<PowerSgdState>(options);
+  CommHook hook = hooks::PowerSgdHook(state);
+  nn::Generator gen(3);
+  for (int k = 0; k < 3; ++k) Compress(hook, *pg, w, nn::Randn({16, 12}, {}, gen));
+  const Named good = state->StateDict(params, true);
+  auto with = [&](const std::string& key, const Tensor& t) {
+    Named changed;
+    bool replaced = false;
+    for (const auto& [k, v] : good) {
+      changed.emplace_back(k, k == key ? t : v);
+      replaced |= k == key;
+    }
+    if (!replaced) changed.emplace_back(key, t);
+    return changed;
+  };
+  auto without = [&](const std::string& key) {
+    Named changed;
+    for (const auto& [k, v] : good) {
+      if (k != key) changed.emplace_back(k, v);
+    }
+    return changed;
+  };
+  std::vector<double> nan_q(12, 0.1);
+  nan_q[4] = std::nan("");
+  const std::vector<std::pair<Named, std::string>> cases = {
+      {without("powersgd.iteration"), "missing i64 scalar `powersgd.iteration`"},
+      {with("powersgd.iteration", nn::FromVector({3.0}, {})), "`powersgd.iteration` is f32 [], expected an i64 scalar"},
+      {with("powersgd.iteration", nn::FromVectorOf<int64_t>({-1}, {})), "`powersgd.iteration` is -1, below 0"},
+      {with("powersgd.q.fc.weight", nn::Zeros({1, 12})), "parameter `fc.weight`, which this model does not have"},
+      {with("powersgd.q.w", nn::Zeros({2, 12})), "`powersgd.q.w` is [2, 12], parameter `w` [16, 12] needs Q^T [1, 12]"},
+      {with("powersgd.q.w", nn::Zeros({1, 12}, {.dtype = nn::DType::kFloat64})), "`powersgd.q.w` is f64, parameter `w` is f32"},
+      {with("powersgd.q.w", nn::FromVector(nan_q, {1, 12})), "`powersgd.q.w` holds a value that is not finite"},
+      {with("powersgd.q.b", nn::Zeros({1, 1})), "parameter `b` [16] is not compressed under these options"},
+      {with("powersgd.residual.w", nn::Zeros({12, 16})), "`powersgd.residual.w` is [12, 16], parameter `w` is [16, 12]"},
+      {with("powersgd.p.w", nn::Zeros({1, 16})), "unexpected `powersgd.p.w`"},
+  };
+  const Named before = state->StateDict(params, true);
+  for (const auto& [bad, expected] : cases) {
+    try {
+      state->LoadStateDict(bad, params);
+      ADD_FAILURE() << "accepted; expected: " << expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(state->CheckStateDict(bad, params), std::invalid_argument) << expected;
+    EXPECT_EQ(state->iteration(), 3) << expected;
+    const Named after = state->StateDict(params, true);
+    ASSERT_EQ(after.size(), before.size()) << expected;
+    for (size_t i = 0; i < before.size(); ++i) {
+      EXPECT_EQ(after[i].first, before[i].first) << expected;
+      EXPECT_EQ(after[i].second.ToVector<double>(), before[i].second.ToVector<double>()) << expected;
+    }
+  }
+  // Settings that keep no Q or no residual refuse them.
+  PowerSgdState cold({.matrix_approximation_rank = 1, .warm_start = false});
+  EXPECT_THROW(
+      {
+        try {
+          cold.LoadStateDict(good, params);
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("warm_start off"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      std::invalid_argument);
+  PowerSgdState plain({.matrix_approximation_rank = 1, .use_error_feedback = false});
+  EXPECT_THROW(
+      {
+        try {
+          plain.LoadStateDict(good, params);
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("use_error_feedback off"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      std::invalid_argument);
+  EXPECT_EQ(plain.iteration(), 0);
+  // A bucket whose parameter the caller does not name cannot be saved.
+  EXPECT_THROW(state->StateDict({{"b", b}}), std::invalid_argument);
+  EXPECT_THROW(hooks::PowerSgdHook(std::shared_ptr<PowerSgdState>()), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace ddp::dist
