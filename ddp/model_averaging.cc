@@ -96,6 +96,47 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
   return true;
 }
 
+namespace {
+
+constexpr char kAveragerStepKey[] = "averager.step";
+
+// LoadStateDict's checks: the step it would load, or throws.
+int64_t ReadAveragerStep(const PeriodicModelAverager::NamedTensors& state) {
+  const std::string who = "PeriodicModelAverager.LoadStateDict: ";
+  const nn::Tensor* step = nullptr;
+  for (const auto& [key, t] : state) {
+    if (key == kAveragerStepKey) {
+      if (step != nullptr) throw std::invalid_argument(who + "`" + key + "` appears twice");
+      step = &t;
+    } else if (key.rfind("averager.", 0) == 0) {
+      throw std::invalid_argument(who + "unexpected `" + key + "` (the averager's key is `" + kAveragerStepKey + "`)");
+    }
+  }
+  if (step == nullptr) throw std::invalid_argument(who + "missing i64 scalar `" + kAveragerStepKey + "`");
+  if (!step->defined() || step->dtype() != nn::DType::kInt64 || step->numel() != 1) {
+    throw std::invalid_argument(who + "`" + kAveragerStepKey + "` is " +
+                                (step->defined() ? std::string(nn::DTypeName(step->dtype())) + " " +
+                                                       nn::ShapeToString(step->shape())
+                                                 : std::string("undefined")) +
+                                ", expected an i64 scalar");
+  }
+  const int64_t value = step->To(nn::kCPU).data<int64_t>()[0];
+  if (value < 0) {
+    throw std::invalid_argument(who + "`" + kAveragerStepKey + "` is " + std::to_string(value) + ", below 0");
+  }
+  return value;
+}
+
+}  // namespace
+
+PeriodicModelAverager::NamedTensors PeriodicModelAverager::StateDict() const {
+  return {{kAveragerStepKey, nn::FromVectorOf<int64_t>({step_}, {})}};
+}
+
+void PeriodicModelAverager::CheckStateDict(const NamedTensors& state) const { ReadAveragerStep(state); }
+
+void PeriodicModelAverager::LoadStateDict(const NamedTensors& state) { step_ = ReadAveragerStep(state); }
+
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group) {
   // Large contiguous tensors are averaged in place (no copy in and out);
   // the others through one flat buffer per dtype and device, in the order

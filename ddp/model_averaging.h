@@ -25,6 +25,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "ddp/comm_hooks.h"
@@ -92,6 +94,19 @@ class PeriodicModelAverager {
 
   /// Steps counted so far.
   int64_t step() const { return step_; }
+
+  using NamedTensors = std::vector<std::pair<std::string, nn::Tensor>>;
+  /// "averager.step" (i64 scalar): the step counter, the same on every
+  /// rank, so rank 0's checkpoint restores every rank's. The options are
+  /// the caller's to pass again.
+  NamedTensors StateDict() const;
+  /// Restores StateDict's key from a list that may hold other components'
+  /// keys. Throws std::invalid_argument naming a missing or malformed
+  /// "averager.step" (not an i64 scalar, negative) or an unexpected
+  /// "averager." key, changing nothing.
+  void LoadStateDict(const NamedTensors& state);
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  void CheckStateDict(const NamedTensors& state) const;
 
  private:
   ModelAveragerOptions options_;

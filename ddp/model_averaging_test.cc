@@ -362,5 +362,56 @@ TEST(ModelAveragingTest, OptionsOutOfRangeAreRefusedNamingTheOption) {
   EXPECT_THROW(PeriodicModelAverager({}), std::logic_error);
 }
 
+// ---------------------------------------------------- state dict ----
+
+// Saved after four steps and loaded into a new averager (a resumed run),
+// the step count goes on: the averages fall on the same steps as in the
+// averager that was never interrupted.
+TEST(ModelAveragingTest, AveragerStepCountSurvivesAStateDictRoundTrip) {
+  auto pg = ProcessGroup::Single();
+  const ModelAveragerOptions options{.period = 3, .warmup_steps = 2, .process_group = pg};
+  PeriodicModelAverager original(options);
+  std::vector<bool> due;
+  for (int k = 0; k < 4; ++k) due.push_back(original.AverageParameters({}));
+  EXPECT_EQ(due, (std::vector<bool>{false, false, true, false}));
+  const PeriodicModelAverager::NamedTensors saved = original.StateDict();
+  ASSERT_EQ(saved.size(), 1u);
+  EXPECT_EQ(saved[0].first, "averager.step");
+  EXPECT_EQ(saved[0].second.ToVector<int64_t>(), std::vector<int64_t>{4});
+
+  PeriodicModelAverager resumed(options);
+  resumed.LoadStateDict(saved);
+  EXPECT_EQ(resumed.step(), 4);
+  for (int k = 4; k < 9; ++k) {
+    // Due at steps 5 and 8.
+    EXPECT_EQ(resumed.AverageParameters({}), original.AverageParameters({})) << "step " << k;
+  }
+  EXPECT_EQ(resumed.step(), 9);
+}
+
+TEST(ModelAveragingTest, AveragerLoadRefusesBadStateNamingItAndChangesNothing) {
+  auto pg = ProcessGroup::Single();
+  PeriodicModelAverager averager({.period = 2, .process_group = pg});
+  averager.AverageParameters({});
+  const std::vector<std::pair<PeriodicModelAverager::NamedTensors, std::string>> cases = {
+      {{}, "missing i64 scalar `averager.step`"},
+      {{{"averager.step", nn::FromVector({3.0}, {})}}, "`averager.step` is f32 [], expected an i64 scalar"},
+      {{{"averager.step", nn::FromVectorOf<int64_t>({1, 2}, {2})}}, "`averager.step` is i64 [2], expected an i64 scalar"},
+      {{{"averager.step", nn::FromVectorOf<int64_t>({-3}, {})}}, "`averager.step` is -3, below 0"},
+      {{{"averager.step", nn::FromVectorOf<int64_t>({3}, {})}, {"averager.period", nn::FromVectorOf<int64_t>({2}, {})}},
+       "unexpected `averager.period`"},
+  };
+  for (const auto& [bad, expected] : cases) {
+    try {
+      averager.LoadStateDict(bad);
+      ADD_FAILURE() << "accepted; expected: " << expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(averager.CheckStateDict(bad), std::invalid_argument) << expected;
+    EXPECT_EQ(averager.step(), 1) << expected;
+  }
+}
+
 }  // namespace
 }  // namespace ddp::dist
