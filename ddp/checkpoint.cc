@@ -51,7 +51,8 @@ nn::modules::Module& Unwrap(nn::modules::Module& model) {
 nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::Optimizer* optimizer, nn::io::Metadata metadata,
                                   const nn::optim::LrScheduler* scheduler,
-                                  const nn::optim::GradScaler* scaler) {
+                                  const nn::optim::GradScaler* scaler, const PowerSgdState* powersgd,
+                                  const PeriodicModelAverager* averager) {
   nn::io::Checkpoint c;
   c.model = Unwrap(model).GetStateDict();
   if (optimizer != nullptr) c.optimizer = optimizer->StateDict();
@@ -60,6 +61,8 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
   };
   if (scheduler != nullptr) append(scheduler->StateDict());
   if (scaler != nullptr) append(scaler->StateDict());
+  if (powersgd != nullptr) append(powersgd->StateDict(Unwrap(model).NamedParameters()));
+  if (averager != nullptr) append(averager->StateDict());
   c.metadata = std::move(metadata);
   return c;
 }
@@ -368,12 +371,14 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 namespace {
 
 // Which component of RestoreCheckpoint takes a key of checkpoint.optimizer.
-enum class Owner { kOptimizer, kScheduler, kScaler, kNone };
+enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kNone };
 
 Owner OwnerOf(const std::string& key) {
   if (key == "lr" || key.rfind("state.", 0) == 0) return Owner::kOptimizer;
   if (key.rfind("scheduler.", 0) == 0) return Owner::kScheduler;
   if (key.rfind("scaler.", 0) == 0) return Owner::kScaler;
+  if (key.rfind("powersgd.", 0) == 0) return Owner::kPowerSgd;
+  if (key.rfind("averager.", 0) == 0) return Owner::kAverager;
   return Owner::kNone;
 }
 
@@ -391,7 +396,7 @@ std::string KeyList(const std::vector<std::string>& keys) {
 
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
-                       nn::optim::GradScaler* scaler) {
+                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager) {
   nn::modules::Module& target = Unwrap(model);
   // Everything is checked before anything is copied: a failure on the
   // optimizer's part must not leave the model's weights replaced.
@@ -400,7 +405,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   for (const auto& [key, t] : checkpoint.optimizer) {
     const Owner owner = OwnerOf(key);
     if ((owner == Owner::kOptimizer && optimizer == nullptr) || (owner == Owner::kScheduler && scheduler == nullptr) ||
-        (owner == Owner::kScaler && scaler == nullptr) || owner == Owner::kNone) {
+        (owner == Owner::kScaler && scaler == nullptr) || (owner == Owner::kPowerSgd && powersgd == nullptr) ||
+        (owner == Owner::kAverager && averager == nullptr) || owner == Owner::kNone) {
       unused[owner].push_back(key);
     }
   }
@@ -418,10 +424,18 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
         problems.push_back("the checkpoint holds GradScaler state (" + KeyList(keys) +
                            ") and no scaler was given: pass `scaler`");
         break;
+      case Owner::kPowerSgd:
+        problems.push_back("the checkpoint holds PowerSGD state (" + KeyList(keys) +
+                           ") and no PowerSGD state was given: pass `powersgd`");
+        break;
+      case Owner::kAverager:
+        problems.push_back("the checkpoint holds PeriodicModelAverager state (" + KeyList(keys) +
+                           ") and no averager was given: pass `averager`");
+        break;
       case Owner::kNone:
         problems.push_back("optimizer-list keys that no component takes (" + KeyList(keys) +
                            "): the optimizer takes `lr` and `state.*`, the scheduler `scheduler.*`, "
-                           "the scaler `scaler.*`");
+                           "the scaler `scaler.*`, PowerSGD `powersgd.*`, the averager `averager.*`");
         break;
     }
   }
@@ -436,6 +450,9 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   if (optimizer != nullptr) check([&] { optimizer->CheckStateDict(checkpoint.optimizer); });
   if (scheduler != nullptr) check([&] { scheduler->CheckStateDict(checkpoint.optimizer); });
   if (scaler != nullptr) check([&] { scaler->CheckStateDict(checkpoint.optimizer); });
+  const nn::modules::NamedTensors params = target.NamedParameters();
+  if (powersgd != nullptr) check([&] { powersgd->CheckStateDict(checkpoint.optimizer, params); });
+  if (averager != nullptr) check([&] { averager->CheckStateDict(checkpoint.optimizer); });
   if (!problems.empty()) {
     std::string msg = "RestoreCheckpoint: nothing was restored, " + std::to_string(problems.size()) + " problem(s):";
     for (const std::string& p : problems) msg += "\n  " + p;
@@ -446,6 +463,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   if (optimizer != nullptr) optimizer->LoadStateDict(checkpoint.optimizer);
   if (scheduler != nullptr) scheduler->LoadStateDict(checkpoint.optimizer);
   if (scaler != nullptr) scaler->LoadStateDict(checkpoint.optimizer);
+  if (powersgd != nullptr) powersgd->LoadStateDict(checkpoint.optimizer, params);
+  if (averager != nullptr) averager->LoadStateDict(checkpoint.optimizer);
 }
 
 }  // namespace ddp::dist

@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/model_averaging.h"
+#include "ddp/powersgd_hook.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
@@ -679,6 +681,123 @@ TEST(DdpCheckpointTest, KilledRankFailsTheOthersAndTheLastCheckpointLoads) {
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   RestoreCheckpoint(c, *model, &opt);
   EXPECT_EQ(ListDir(dir), std::vector<std::string>{"train.safetensors"});
+}
+
+// ------------------------------------------- PowerSGD and averaging ----
+
+// Rank 1 from iteration 2, without error feedback: the iteration and Q
+// are then the whole state, and they are the same on every rank.
+constexpr PowerSgdOptions kPowerSgd{.matrix_approximation_rank = 1, .start_iteration = 2, .use_error_feedback = false};
+
+// Trains steps [from, to) of the MLP with PowerSGD and a step-counting
+// averager (every step past warm-up 4; DDP's replicas are identical, so it
+// counts without changing them).
+void TrainPowerSgd(DistributedDataParallel& ddp, nn::optim::Sgd& opt, PeriodicModelAverager& averager,
+                   ProcessGroup& pg, int from, int to) {
+  for (int s = from; s < to; ++s) {
+    TrainStep(ddp, opt, pg, s);
+    averager.AverageParameters(ddp.module()->Parameters());
+  }
+}
+
+DDP_TEST_WORKER(resume_powersgd) {
+  auto pg = testing::WorkerGroup();
+  const std::string path = std::getenv("DDP_TEST_CKPT");
+  const ModelAveragerOptions averaging{.period = 1, .warmup_steps = 4, .process_group = pg};
+  uint64_t uninterrupted = 0;
+  std::vector<int64_t> order;
+  {
+    auto model = Mlp(1);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    auto state = std::make_shared<PowerSgdState>(kPowerSgd);
+    ddp.RegisterCommHook(hooks::PowerSgdHook(state));
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    PeriodicModelAverager averager(averaging);
+    TrainPowerSgd(ddp, opt, averager, *pg, 0, 3);
+    order = ddp.BucketOrder();
+    SaveCheckpoint(*pg, path, MakeCheckpoint(ddp, &opt, {{"step", "3"}}, nullptr, nullptr, state.get(), &averager));
+    TrainPowerSgd(ddp, opt, averager, *pg, 3, 6);
+    uninterrupted = testing::HashState(*model);
+  }
+  // The restored run, and one whose hook restarts with the warm-up already
+  // counted as done (the trainer's way before PowerSGD's state was saved).
+  for (bool restore_powersgd : {true, false}) {
+    auto model = Mlp(99);
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    PowerSgdOptions options = kPowerSgd;
+    if (!restore_powersgd) options.start_iteration = 0;
+    auto state = std::make_shared<PowerSgdState>(options);
+    PeriodicModelAverager averager(averaging);
+    nn::io::Checkpoint c = LoadCheckpoint(*pg, path);
+    if (!restore_powersgd) {
+      std::erase_if(c.optimizer, [](const auto& e) { return e.first.rfind("powersgd.", 0) == 0; });
+    }
+    RestoreCheckpoint(c, *model, &opt, nullptr, nullptr, restore_powersgd ? state.get() : nullptr, &averager);
+    WORKER_EXPECT(averager.step() == 3, "the averager resumed at step " + std::to_string(averager.step()));
+    DdpOptions o;
+    o.process_group = pg;
+    o.bucket_order = order;
+    DistributedDataParallel ddp(model, o);
+    ddp.RegisterCommHook(hooks::PowerSgdHook(state));
+    if (restore_powersgd) {
+      WORKER_EXPECT(state->iteration() == 3, "PowerSGD resumed at iteration " + std::to_string(state->iteration()));
+    }
+    TrainPowerSgd(ddp, opt, averager, *pg, 3, 6);
+    WORKER_EXPECT(averager.step() == 6, "the averager ended at step " + std::to_string(averager.step()));
+    const bool same = testing::HashState(*model) == uninterrupted;
+    // Without the saved Q, the first step after the resume starts from a
+    // freshly drawn one and the trajectories part.
+    WORKER_EXPECT(same == restore_powersgd, std::string("PowerSGD ") + (restore_powersgd ? "restored" : "restarted") +
+                                                ": the resumed run " + (same ? "equals" : "differs from") +
+                                                " the uninterrupted one");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ResumedPowerSgdAndAveragerContinueTheUninterruptedRun) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("resume_powersgd", 2, {{"DDP_TEST_CKPT", dir + "/model.safetensors"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// PowerSGD or averager state with no argument to take it, and PowerSGD
+// state for other settings: refused naming the argument or the parameter,
+// and nothing restored.
+TEST(DdpCheckpointTest, PowerSgdAndAveragerStateIsRefusedWhenNothingTakesItOrItDoesNotFit) {
+  auto pg = ProcessGroup::Single();
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
+  auto saved_state = std::make_shared<PowerSgdState>(kPowerSgd);
+  PeriodicModelAverager saved_averager({.period = 2, .process_group = pg});
+  // One process: DDP would not call the hook, so it is called here on a
+  // bucket of the first weight alone, past the start.
+  const Tensor weight = saved->NamedParameters().at(0).second;
+  CommHook hook = hooks::PowerSgdHook(saved_state);
+  nn::Generator gen(4);
+  for (int s = 0; s < 3; ++s) {
+    GradBucket bucket(0, 1, nn::Randn({weight.numel()}, {}, gen), {weight}, {0});
+    hook(*pg, bucket).Wait();
+    saved_averager.AverageParameters(saved->Parameters());
+  }
+  const nn::io::Checkpoint c =
+      MakeCheckpoint(*saved, &saved_opt, {}, nullptr, nullptr, saved_state.get(), &saved_averager);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  const std::vector<std::string> before = StateBytes(*model);
+  std::string err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt); });
+  EXPECT_THAT(err, AllOf(HasSubstr("PowerSGD state (`powersgd.iteration`, `powersgd.q."), HasSubstr("pass `powersgd`"),
+                         HasSubstr("PeriodicModelAverager state (`averager.step`)"), HasSubstr("pass `averager`")));
+  // Rank 2 needs Q's of two rows.
+  PowerSgdOptions rank_two = kPowerSgd;
+  rank_two.matrix_approximation_rank = 2;
+  PowerSgdState other(rank_two);
+  PeriodicModelAverager averager({.period = 2, .process_group = pg});
+  err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt, nullptr, nullptr, &other, &averager); });
+  EXPECT_THAT(err, AllOf(HasSubstr("PowerSgdState.LoadStateDict"), HasSubstr("parameter `1.weight`"),
+                         HasSubstr("matrix_approximation_rank 2")));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_EQ(other.iteration(), 0);
+  EXPECT_EQ(averager.step(), 0);
 }
 
 }  // namespace
