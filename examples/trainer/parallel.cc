@@ -125,6 +125,8 @@ class DdpParallel : public Parallel {
 
   void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) override {
     if (config.sync_bn) model = dist::ConvertSyncBatchNorm(model, pg_);
+    // PyTorch's defaults (rank 1, warm-up of 1000 iterations).
+    if (config.comm_hook == "powersgd") powersgd_ = std::make_shared<dist::PowerSgdState>();
   }
 
   void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config,
@@ -157,12 +159,15 @@ class DdpParallel : public Parallel {
     });
     if (config.comm_hook == "fp16") ddp_->RegisterCommHook(dist::hooks::Fp16CompressHook());
     if (config.comm_hook == "bf16") ddp_->RegisterCommHook(dist::hooks::Bf16CompressHook());
-    if (config.comm_hook == "powersgd") {
-      // PyTorch's default warm-up, counted from the run's first step; the
-      // approximation itself (Q, residuals) starts afresh on a resume.
-      const dist::PowerSgdOptions defaults;
-      ddp_->RegisterCommHook(dist::hooks::PowerSgdHook(
-          {.start_iteration = std::max<int64_t>(0, defaults.start_iteration - step)}));
+    if (powersgd_ != nullptr) {
+      // A resumed run's checkpoint gave the state its iteration and Q's;
+      // one without them (saved under another hook) leaves the iteration at
+      // 0, and the warm-up is then counted from the run's first step.
+      if (powersgd_->iteration() == 0 && step > 0) {
+        powersgd_->LoadStateDict({{"powersgd.iteration", nn::FromVectorOf<int64_t>({step}, {})}},
+                                 ddp_->module()->NamedParameters());
+      }
+      ddp_->RegisterCommHook(dist::hooks::PowerSgdHook(powersgd_));
     }
     if (overlapped_ != nullptr) {
       Guarded("the overlapped optimizer", [&] { overlapped_->Bind(*ddp_); });
@@ -173,6 +178,8 @@ class DdpParallel : public Parallel {
   std::vector<int64_t> BucketOrder() const override {
     return ddp_ != nullptr ? ddp_->BucketOrder() : std::vector<int64_t>{};
   }
+
+  dist::PowerSgdState* PowerSgd() const override { return powersgd_.get(); }
 
   nn::Tensor Forward(const nn::Tensor& input) override {
     return Guarded("forward", [&] { return ddp_->Forward(input); });
@@ -298,6 +305,7 @@ class DdpParallel : public Parallel {
   std::string trace_dir_;
   bool trace_ = false;
   std::unique_ptr<dist::DistributedDataParallel> ddp_;
+  std::shared_ptr<dist::PowerSgdState> powersgd_;  // --comm_hook=powersgd
   Overlapped* overlapped_ = nullptr;  // Shard's, until Attach binds it to ddp_
   CommTotals totals_;
   nn::Tensor vote_;     // the stop vote in flight (VoteStop)

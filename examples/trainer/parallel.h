@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "ddp/powersgd_hook.h"
 #include "examples/trainer/config.h"
 #include "nn/modules/module.h"
 #include "nn/optim/optimizer.h"
@@ -91,8 +92,9 @@ class Parallel {
   virtual void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) = 0;
   /// Wraps `model` for training. Collective; once, before the first Forward.
   /// Every rank must hold the same architecture; rank 0's values win.
-  /// `step`: optimizer steps already taken (a resumed run), so that
-  /// --comm_hook=powersgd still starts compressing at step 1,000.
+  /// `step`: optimizer steps already taken (a resumed run): when the
+  /// checkpoint held no PowerSGD state, --comm_hook=powersgd counts its
+  /// warm-up from there, so that it still starts compressing at step 1,000.
   /// `bucket_order`: BucketOrder() of the run being resumed (empty for
   /// none); used when it is a permutation of the model's trainable
   /// parameters, ignored otherwise.
@@ -101,6 +103,10 @@ class Parallel {
   /// DDP's agreed bucket order (DistributedDataParallel::BucketOrder), to
   /// save with a checkpoint; empty before it is agreed, or with one rank.
   virtual std::vector<int64_t> BucketOrder() const = 0;
+  /// The PowerSGD hook's state under --comm_hook=powersgd (null otherwise),
+  /// from Prepare on, so that a checkpoint can be loaded into it before
+  /// Attach registers the hook.
+  virtual dist::PowerSgdState* PowerSgd() const { return nullptr; }
   /// Forward through the wrapper (training).
   virtual nn::Tensor Forward(const nn::Tensor& input) = 0;
   /// Backward from `loss`; unless inside a NoSyncScope, every rank holds the

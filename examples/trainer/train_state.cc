@@ -303,6 +303,9 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   if (parts.scaler != nullptr) {
     for (auto& e : parts.scaler->StateDict()) ckpt.optimizer.push_back(std::move(e));
   }
+  if (parts.powersgd != nullptr) {
+    for (auto& e : parts.powersgd->StateDict(parts.model->NamedParameters())) ckpt.optimizer.push_back(std::move(e));
+  }
   Metadata& m = ckpt.metadata;
   m["format"] = "ddp-examples-train/1";
   m["model"] = config.model;
@@ -479,6 +482,19 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                               ? ResumedHorizon(path, m, config, parts, pos, world_size, notes)
                               : 0;
 
+  // PowerSGD's state is checked before anything is loaded, and loaded last.
+  const bool has_powersgd = std::any_of(ckpt.optimizer.begin(), ckpt.optimizer.end(), [](const auto& e) {
+    return e.first.rfind("powersgd.", 0) == 0;
+  });
+  const bool load_powersgd = parts.powersgd != nullptr && has_powersgd;
+  if (load_powersgd) {
+    try {
+      parts.powersgd->CheckStateDict(ckpt.optimizer, parts.model->NamedParameters());
+    } catch (const std::exception& e) {
+      throw UsageError("checkpoint " + path + " has PowerSGD state this run cannot use (" + e.what() +
+                       "); resume with the settings it was saved with");
+    }
+  }
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.
   try {
@@ -490,6 +506,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     if (parts.schedule != nullptr) parts.schedule->set_steps(horizon);
     if (parts.scheduler != nullptr) parts.scheduler->LoadStateDict(ckpt.optimizer);
     if (parts.scaler != nullptr) parts.scaler->LoadStateDict(ckpt.optimizer);
+    if (load_powersgd) parts.powersgd->LoadStateDict(ckpt.optimizer, parts.model->NamedParameters());
   } catch (const std::exception& e) {
     std::string what = e.what();
     for (char& c : what) {

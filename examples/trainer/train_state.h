@@ -6,7 +6,9 @@
 //
 //   model.*   the model's state dict (parameters and buffers)
 //   optim.*   optimizer state (step counts, momentum or Adam moments, f32
-//             master copies), LR scheduler step, loss-scaler state
+//             master copies), LR scheduler step, loss-scaler state, and
+//             with --comm_hook=powersgd PowerSGD's iteration and Q's (not
+//             the per-rank residuals: they restart at zero)
 //   metadata  position (epoch, micro-batch in the epoch, optimizer step, and
 //             the samples of the epoch's order trained, which another number
 //             of ranks or batch size continues from), the
@@ -26,6 +28,7 @@
 #include <memory>
 #include <string>
 
+#include "ddp/powersgd_hook.h"
 #include "examples/trainer/config.h"
 #include "nn/modules/module.h"
 #include "nn/optim/grad_scaler.h"
@@ -122,6 +125,13 @@ struct TrainComponents {
   int64_t batches_per_epoch = -1;
   /// DDP's agreed bucket order, saved when not empty (Parallel::BucketOrder).
   std::vector<int64_t> bucket_order;
+  /// The PowerSGD hook's state (--comm_hook=powersgd; null otherwise): its
+  /// iteration and Q's are saved ("powersgd.*", the same on every rank) and
+  /// restored, so that a resumed run goes on compressing where the saved
+  /// one was instead of warming up again. A checkpoint without them (saved
+  /// with another hook) leaves it as it is; one with them is ignored by a
+  /// run without PowerSGD.
+  dist::PowerSgdState* powersgd = nullptr;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on

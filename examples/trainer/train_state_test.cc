@@ -5,6 +5,9 @@
 #include <memory>
 #include <set>
 
+#include "ddp/comm_hooks.h"
+#include "ddp/powersgd_hook.h"
+#include "ddp/process_group.h"
 #include "gtest/gtest.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/sampler.h"
@@ -74,6 +77,87 @@ TEST(TrainStateTest, RoundTripsModelOptimizerAndPosition) {
   for (size_t i = 0; i < sa.size(); ++i) {
     EXPECT_EQ(sa[i].second.ToVector<double>(), sb[i].second.ToVector<double>()) << sa[i].first;
   }
+}
+
+// --comm_hook=powersgd: the hook's iteration and Q are saved (not this
+// rank's residuals) and restored, so a resumed run compresses from its
+// first step instead of warming up again; a state for other settings is
+// refused naming PowerSGD, and nothing is loaded.
+TEST(TrainStateTest, PowerSgdIterationAndQRoundTripAndAMismatchIsRefused) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.lr = 0.1;
+  nn::Generator g1(1), g2(2), g3(3);
+  auto model = nn::modules::MakeMlp(g1);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  TrainOneStep(*model, opt);
+  const dist::PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 2};
+  auto state = std::make_shared<dist::PowerSgdState>(options);
+  {
+    // One process: the hook called directly on a bucket of the first
+    // weight, past its start.
+    auto pg = dist::ProcessGroup::Single();
+    dist::CommHook hook = dist::hooks::PowerSgdHook(state);
+    const nn::Tensor w = model->NamedParameters().at(0).second;
+    nn::Generator gen(9);
+    for (int k = 0; k < 3; ++k) {
+      dist::GradBucket bucket(0, 1, nn::Randn({w.numel()}, {}, gen), {w}, {0});
+      hook(*pg, bucket).Wait();
+    }
+  }
+  const std::string path = Path("powersgd");
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.powersgd = state.get();
+  SaveTrainCheckpoint(path, parts, {.step = 3}, config, 2);
+  const std::string q_key = "powersgd.q." + model->NamedParameters().at(0).first;
+  std::set<std::string> saved_keys;
+  for (const auto& [key, t] : nn::io::LoadCheckpoint(path).optimizer) {
+    if (key.rfind("powersgd.", 0) == 0) saved_keys.insert(key);
+  }
+  EXPECT_EQ(saved_keys, (std::set<std::string>{"powersgd.iteration", q_key}));
+
+  auto other = nn::modules::MakeMlp(g2);
+  nn::optim::Sgd other_opt(other->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  auto resumed = std::make_shared<dist::PowerSgdState>(options);
+  TrainComponents back{other.get(), &other_opt, nullptr, nullptr};
+  back.powersgd = resumed.get();
+  std::string note;
+  LoadTrainCheckpoint(path, back, config, 2, &note);
+  EXPECT_EQ(resumed->iteration(), 3);
+  const auto want = state->StateDict(model->NamedParameters());
+  const auto got = resumed->StateDict(other->NamedParameters());
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first);
+    EXPECT_EQ(got[i].second.ToVector<double>(), want[i].second.ToVector<double>()) << want[i].first;
+  }
+
+  // Rank 2 needs another Q: refused, naming PowerSGD and the setting.
+  auto third = nn::modules::MakeMlp(g3);
+  nn::optim::Sgd third_opt(third->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  const auto before = third->GetStateDict()[0].second.ToVector<float>();
+  dist::PowerSgdOptions rank_two = options;
+  rank_two.matrix_approximation_rank = 2;
+  dist::PowerSgdState refusing(rank_two);
+  TrainComponents mismatched{third.get(), &third_opt, nullptr, nullptr};
+  mismatched.powersgd = &refusing;
+  const std::string err = UsageErrorOf([&] { LoadTrainCheckpoint(path, mismatched, config, 2, &note); });
+  EXPECT_NE(err.find("PowerSGD state this run cannot use"), std::string::npos) << err;
+  EXPECT_NE(err.find("matrix_approximation_rank 2"), std::string::npos) << err;
+  EXPECT_EQ(refusing.iteration(), 0);
+  EXPECT_EQ(third->GetStateDict()[0].second.ToVector<float>(), before) << "the model was loaded";
+  EXPECT_EQ(third_opt.StateDict().size(), nn::optim::Sgd(third->NamedParameters(), {.lr = 0.1, .momentum = 0.9})
+                                              .StateDict()
+                                              .size())
+      << "the optimizer was loaded";
+
+  // Saved without PowerSGD (another hook): the state is left as it is.
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {.step = 3}, config, 2);
+  dist::PowerSgdState untouched(options);
+  TrainComponents plain{other.get(), &other_opt, nullptr, nullptr};
+  plain.powersgd = &untouched;
+  LoadTrainCheckpoint(path, plain, config, 2, &note);
+  EXPECT_EQ(untouched.iteration(), 0);
 }
 
 // DDP's bucket order is saved when the run had one and read back as it

@@ -275,6 +275,7 @@ class Run {
     parts.schedule = schedule_.get();
     parts.batches_per_epoch = batches_per_epoch_;
     parts.bucket_order = par_.BucketOrder();
+    parts.powersgd = par_.PowerSgd();
     return parts;
   }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }

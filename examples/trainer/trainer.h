@@ -4,7 +4,8 @@
 // The training loop behind //examples:train and //examples:scaling_bench:
 // data-parallel training of an image classifier, with evaluation, metrics,
 // checkpoints and exact resume (bit for bit, except that --comm_hook=powersgd
-// restarts its low-rank approximation and error feedback, and that on a GPU
+// restarts its error feedback at zero: its iteration and warm-start Q are
+// saved, its per-rank residuals are not; and that on a GPU
 // it takes DDP_NN_CUDA_CONV_SEARCH=0: cuDNN's searched algorithms differ per
 // process). Every rank calls Train; rank 0 talks to the
 // person watching (see console.h) and writes files.
