@@ -66,11 +66,11 @@
 // objects) are the same on every rank: rank 0's copy in a shared checkpoint
 // restores every rank exactly. The residuals are not: each rank's error
 // feedback is its own. A shared checkpoint leaves them out, and a resumed
-// run starts them at zero; what they still held (at most one step's
-// approximation error per rank) is lost once, the cost of one
-// uncompressed-and-restarted bucket. Gathering them would store world-size
-// copies of the model. StateDict(params, true) adds this rank's residuals
-// for per-rank files, as PyTorch's per-process pickle holds them.
+// run starts them at zero: the part of past gradients that the
+// approximations had not yet delivered is dropped, once. Gathering them
+// instead would store a copy of the compressed weights per rank in rank
+// 0's file. StateDict(params, true) adds this rank's residuals for a
+// per-rank file, as PyTorch's per-process pickle of its state holds them.
 
 #include <cstdint>
 #include <vector>
