@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <regex>
 #include <string>
@@ -85,6 +86,52 @@ TEST(TrainRunTest, CompressedGradientsTrainAndSaySo) {
   ASSERT_GE(lines.size(), 2u) << r.out;
   EXPECT_NE(lines[1].find(", bf16-compressed gradients"), std::string::npos) << lines[1];
   EXPECT_NE(lines.back().find("RESULT model=mlp ranks=2 epochs=1"), std::string::npos) << lines.back();
+}
+
+// --comm_hook=powersgd saves its iteration and Q's with the checkpoint, and
+// a resumed run loads them: it counts on from the saved iteration (past the
+// warm-up of 1,000, so it compresses from its first step) and saves the
+// Q's it went on with. Before, the checkpoint held neither.
+TEST(TrainRunTest, PowerSgdStateIsSavedAndAResumeContinuesIt) {
+  const std::string dir = testing::MakeTempDir("powersgd_resume");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",  "--train_samples=8192",
+      "--test_samples=64",       "--batch_size=4",      "--workers=0",  "--epochs=1",
+      "--scheduler=none",        "--comm_hook=powersgd", "--checkpoint=" + ckpt};
+  // The PowerSGD part of the checkpoint: its iteration and the Q's by key.
+  auto powersgd_state = [&ckpt](int64_t* iteration) {
+    std::map<std::string, std::vector<float>> qs;
+    *iteration = -1;
+    for (const auto& [key, t] : nn::io::LoadCheckpoint(ckpt).optimizer) {
+      if (key == "powersgd.iteration") *iteration = t.ToVector<int64_t>().at(0);
+      if (key.rfind("powersgd.q.", 0) == 0) qs[key] = t.ToVector<float>();
+    }
+    return qs;
+  };
+  std::vector<std::string> first = args;
+  first.push_back("--max_steps=1002");
+  const RunOutput r1 = RunToEnd(first);
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  int64_t iteration = 0;
+  const auto saved = powersgd_state(&iteration);
+  EXPECT_EQ(iteration, 1002);
+  std::vector<std::string> keys;
+  for (const auto& [key, q] : saved) keys.push_back(key);
+  // The MLP's three weights; its biases are not compressed.
+  EXPECT_EQ(keys, (std::vector<std::string>{"powersgd.q.1.weight", "powersgd.q.3.weight", "powersgd.q.5.weight"}));
+
+  std::vector<std::string> resumed = args;
+  resumed.insert(resumed.end(), {"--max_steps=1004", "--resume"});
+  const RunOutput r2 = RunToEnd(resumed);
+  ASSERT_EQ(r2.exit_code, 0) << r2.out << r2.err;
+  const auto after = powersgd_state(&iteration);
+  EXPECT_EQ(iteration, 1004);
+  ASSERT_EQ(after.size(), saved.size());
+  for (const auto& [key, q] : saved) {
+    ASSERT_EQ(after.at(key).size(), q.size()) << key;
+    EXPECT_NE(after.at(key), q) << key << ": the resumed run did not compress";
+  }
 }
 
 TEST(TrainRunTest, DdpStatisticsNameEachRanksWait) {
