@@ -73,11 +73,10 @@
 // per-rank file, as PyTorch's per-process pickle of its state holds them.
 
 #include <cstdint>
-#include <vector>
-
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ddp/comm_hooks.h"
 #include "nn/tensor/tensor.h"
