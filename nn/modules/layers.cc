@@ -118,8 +118,12 @@ void CheckBatchNormOptions(const BatchNormOptions& options, const std::string& m
 double RunningAverageFactor(const BatchNormOptions& options, const Tensor& num_batches_tracked) {
   if (options.momentum.has_value()) return *options.momentum;
   if (!num_batches_tracked.defined()) return 0.0;  // no running statistics to update
-  const double tracked = num_batches_tracked.Item();
-  return tracked > 0 ? 1.0 / tracked : 1.0;
+  return RunningAverageFactor(options, static_cast<int64_t>(num_batches_tracked.Item()));
+}
+
+double RunningAverageFactor(const BatchNormOptions& options, int64_t num_batches_tracked) {
+  if (options.momentum.has_value()) return *options.momentum;
+  return num_batches_tracked > 0 ? 1.0 / static_cast<double>(num_batches_tracked) : 1.0;
 }
 
 std::string MomentumRepr(const std::optional<double>& momentum) {
@@ -148,16 +152,35 @@ std::string BatchNorm::ExtraRepr() const {
 
 std::string BatchNorm::ShortRepr() const { return TypeName() + "(" + std::to_string(num_features_) + ")"; }
 
+int64_t BatchNorm::TrackedBatches() {
+  const std::shared_ptr<Storage> storage = num_batches_tracked_.storage();
+  if (storage == nullptr) throw std::logic_error(Describe() + ": num_batches_tracked has no storage");
+  const uint64_t version = storage->version();
+  if (tracked_storage_.lock() != storage || version != tracked_version_) {
+    tracked_ = static_cast<int64_t>(num_batches_tracked_.Item());
+    tracked_storage_ = storage;
+    tracked_version_ = version;
+  }
+  return tracked_;
+}
+
 Tensor BatchNorm::Forward(const Tensor& x) {
   CheckInput(x);
   const bool use_batch_stats = is_training() || !options_.track_running_stats;
+  // Only a training batch with running statistics updates them, so only it
+  // needs the factor (and, without a momentum, the count).
+  double factor = RunningAverageFactor(options_, int64_t{0});
   if (is_training() && options_.track_running_stats) {
     NoGradGuard guard;
-    num_batches_tracked_.Fill(num_batches_tracked_.Item() + 1);
+    const int64_t tracked = TrackedBatches() + 1;
+    num_batches_tracked_.Fill(static_cast<double>(tracked));
+    tracked_ = tracked;
+    const std::shared_ptr<Storage> storage = num_batches_tracked_.storage();
+    tracked_version_ = storage != nullptr ? storage->version() : 0;
+    factor = RunningAverageFactor(options_, tracked);
   }
   try {
-    return ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats,
-                          RunningAverageFactor(options_, num_batches_tracked_), options_.eps);
+    return ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats, factor, options_.eps);
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }

@@ -86,6 +86,8 @@ void CheckBatchNormOptions(const BatchNormOptions& options, const std::string& m
 /// `num_batches_tracked` counts it: the momentum, or 1 / num_batches_tracked
 /// without one. Shared with ddp's SyncBatchNorm.
 double RunningAverageFactor(const BatchNormOptions& options, const Tensor& num_batches_tracked);
+/// The same for a count already on the host.
+double RunningAverageFactor(const BatchNormOptions& options, int64_t num_batches_tracked);
 /// "0.1", or "None" without a momentum, as PyTorch prints it.
 std::string MomentumRepr(const std::optional<double>& momentum);
 
@@ -114,9 +116,19 @@ class BatchNorm : public Module {
   virtual void CheckInput(const Tensor& x) const = 0;
 
  private:
+  /// num_batches_tracked's value. The forward keeps a host copy of what it
+  /// last wrote and reads the buffer (on a GPU, a copy to the host that
+  /// waits for all queued work) only when it changed since: another
+  /// storage (To(), a new buffer) or an in-place write (LoadStateDict,
+  /// CopyFrom, Fill), which bumps the storage's version.
+  int64_t TrackedBatches();
+
   int64_t num_features_;
   BatchNormOptions options_;
   Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
+  int64_t tracked_ = 0;
+  std::weak_ptr<Storage> tracked_storage_;
+  uint64_t tracked_version_ = 0;
 };
 
 /// Input [N, C] or [N, C, L].

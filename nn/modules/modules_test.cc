@@ -387,6 +387,42 @@ TEST(ModuleTest, BatchNormWithoutMomentumKeepsTheCumulativeAverage) {
   for (float v : bn.running_var().ToVector<float>()) EXPECT_NEAR(v, 0.0, 1e-6);
 }
 
+// The forward counts batches from a host copy of what it last wrote (on a
+// GPU, reading the buffer waits for all queued work) and reads the buffer
+// again only when it changed: an in-place write (Fill, LoadStateDict) or
+// another storage (To()). A write that bypasses the version counter (raw
+// memory) is not seen, which shows the copy is used; before, every training
+// forward read the buffer.
+TEST(ModuleTest, BatchNormCountsBatchesWithoutReadingTheBufferBack) {
+  BatchNorm2d bn(3, {.momentum = std::nullopt});
+  const Tensor x = Full({2, 3, 2, 2}, 1.0);
+  bn.Forward(x);
+  bn.Forward(x);
+  *static_cast<int64_t*>(bn.num_batches_tracked().data_ptr()) = 100;  // no version bump
+  bn.Forward(x);
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 3.0) << "the forward read the buffer back";
+
+  {
+    NoGradGuard guard;
+    bn.num_batches_tracked().Fill(10.0);  // bumps the version
+  }
+  bn.Forward(Full({2, 3, 2, 2}, 12.0));
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 11.0);
+  // Without a momentum the factor is 1/11: 1 + (12 - 1) / 11 = 2.
+  for (float m : bn.running_mean().ToVector<float>()) EXPECT_NEAR(m, 2.0, 1e-6);
+
+  StateDict state = bn.GetStateDict();
+  for (auto& [name, t] : state) {
+    if (name == "num_batches_tracked") t = Full({}, 40.0, {.dtype = DType::kInt64});
+  }
+  bn.LoadStateDict(state);
+  bn.Forward(x);
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 41.0);
+  bn.Eval();
+  bn.Forward(x);
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 41.0) << "eval counted a batch";
+}
+
 // An empty batch in training, as PyTorch: an empty output, the running
 // statistics unchanged, zero gradients for weight and bias. One value per
 // channel is still refused.
