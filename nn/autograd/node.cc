@@ -46,6 +46,15 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
     throw std::logic_error("gradient of shape " + ShapeToString(g.shape()) + " for a leaf of shape " +
                            ShapeToString(var.shape()));
   }
+  // A graph recorded on one device and a leaf moved to another since (To()
+  // after the forward): PyTorch refuses this in its engine's output checks.
+  // Taking the gradient would put .grad on the wrong device, and adding it
+  // to an existing .grad would read device memory on the host.
+  if (g.device() != var.device()) {
+    throw std::invalid_argument("gradient " + ShapeToString(g.shape()) + " on " + g.device().ToString() +
+                                " for a leaf on " + var.device().ToString() +
+                                " (was the leaf moved with To() after the forward that recorded this graph?)");
+  }
   if (g.dtype() != var.dtype()) g = g.To(var.dtype());
   AutogradMeta& meta = variable_->mutable_autograd();
   if (!meta.grad.defined()) {

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "nn/autograd/engine.h"
@@ -10,6 +12,7 @@
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/gradcheck.h"
+#include "nn/tensor/testing/host_as_device.h"
 
 namespace ddp::nn::modules {
 namespace {
@@ -385,6 +388,27 @@ TEST(ModuleTest, BatchNormWithoutMomentumKeepsTheCumulativeAverage) {
   EXPECT_EQ(bn.num_batches_tracked().Item(), 3.0);
   for (float m : bn.running_mean().ToVector<float>()) EXPECT_NEAR(m, 4.0, 1e-6);
   for (float v : bn.running_var().ToVector<float>()) EXPECT_NEAR(v, 0.0, 1e-6);
+}
+
+// A graph recorded on the CPU, the module moved to another device before
+// backward: the gradient reaching each leaf is refused naming both devices
+// (before, it became .grad on the wrong device, or a later accumulation read
+// device memory on the host).
+TEST(ModuleTest, BackwardAfterMovingTheModuleNamesBothDevices) {
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
+        Linear lin(4, 3);
+        const Tensor loss = ops::Sum(lin.Forward(Ones({2, 4})));
+        lin.To(Device(DeviceType::kCUDA, 0));
+        std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { Backward(loss); }).c_str());
+        std::fprintf(stderr, "grad defined: %d\n", lin.weight().grad().defined() ? 1 : 0);
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      "error: \\[in backward of AccumulateGrad: gradient \\[[0-9, ]+\\] on cpu for a leaf on cuda:0 "
+      "\\(was the leaf moved with To\\(\\) after the forward that recorded this graph\\?\\)\\]\n"
+      "grad defined: 0");
 }
 
 // The forward counts batches from a host copy of what it last wrote (on a

@@ -822,6 +822,15 @@ void Tensor::set_grad(const Tensor& grad) const {
                                   " does not match tensor " + ShapeToString(shape()) + " " +
                                   std::string(DTypeName(dtype())) + " on " + device().ToString());
     }
+    // Backward adds into .grad in place: several elements at one memory
+    // location would each receive every one's gradient (as CopyFrom refuses).
+    for (int64_t d = 0; d < grad.dim(); ++d) {
+      if (grad.strides()[d] == 0 && grad.shape()[d] > 1) {
+        throw std::invalid_argument("set_grad: the gradient " + ShapeToString(grad.shape()) +
+                                    " has several elements at one memory location (stride 0 in dimension " +
+                                    std::to_string(d) + ", an expanded view); give it a tensor of its own");
+      }
+    }
   }
   if (!grad.defined() && impl_->autograd() == nullptr) return;
   impl_->mutable_autograd().grad = grad;

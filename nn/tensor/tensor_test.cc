@@ -328,6 +328,12 @@ TEST(TensorTest, AutogradMetadataRules) {
   EXPECT_EQ(w.grad().storage().get(), bucket.storage().get());
   err = ErrorOf([&] { w.set_grad(Zeros({3, 2})); });
   EXPECT_NE(err.find("does not match tensor [2, 3]"), std::string::npos) << err;
+  // An expanded view would take every element's gradient at each location.
+  err = ErrorOf([&] { w.set_grad(Zeros({1, 3}).Expand({2, 3})); });
+  EXPECT_NE(err.find("set_grad: the gradient [2, 3] has several elements at one memory location (stride 0 in "
+                     "dimension 0"),
+            std::string::npos)
+      << err;
   EXPECT_NE(ErrorOf([] { Zeros({2}, {.dtype = DType::kInt64}).set_requires_grad(true); })
                 .find("only floating-point"),
             std::string::npos);
