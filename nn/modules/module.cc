@@ -59,7 +59,12 @@ void Module::CheckNewName(const std::string& name, const char* kind) const {
 Tensor Module::RegisterParameter(std::string name, Tensor value, bool requires_grad) {
   CheckNewName(name, "parameter");
   if (!value.defined()) throw std::invalid_argument(Describe() + ": parameter `" + name + "` is undefined");
-  value.set_requires_grad(requires_grad);
+  try {
+    value.set_requires_grad(requires_grad);
+  } catch (const std::exception& e) {
+    // An integer tensor, or the output of an op (not a leaf: Detach() it).
+    throw std::invalid_argument(Describe() + ": parameter `" + name + "`: " + e.what());
+  }
   params_.emplace_back(std::move(name), value);
   return value;
 }

@@ -247,6 +247,19 @@ class Holder : public Module {
   std::string TypeName() const override { return "Holder"; }
 };
 
+// A tensor that cannot be a parameter is refused naming the module and the
+// parameter (before, the tensor layer's message named neither).
+TEST(ModuleTest, ParameterThatCannotRequireGradIsNamed) {
+  const std::string integer = ErrorOf([] { Holder h(Zeros({2}, {.dtype = DType::kInt64})); });
+  EXPECT_EQ(integer.rfind("Holder: parameter `weight`: ", 0), 0u) << integer;
+  EXPECT_NE(integer.find("i64"), std::string::npos) << integer;
+  Tensor leaf = Ones({2});
+  leaf.set_requires_grad(true);
+  const std::string non_leaf = ErrorOf([&] { Holder h(ops::MulScalar(leaf, 2.0)); });
+  EXPECT_EQ(non_leaf.rfind("Holder: parameter `weight`: ", 0), 0u) << non_leaf;
+  EXPECT_NE(non_leaf.find("non-leaf"), std::string::npos) << non_leaf;
+}
+
 // An embedding and an output layer with one weight (weight tying).
 class Tied : public Module {
  public:
