@@ -1816,6 +1816,7 @@ int RunDdprun(const DdprunOptions& options) {
           " bytes of worker output: this launcher's stdout or stderr took nothing for 2 s" +
           (o.log_dir.empty() ? "" : " (the log files have it all)"));
     }
+    for (const std::string& line : result.log_failures) Say(line);
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
       // The signal came after Wait's last look, while the group was being
       // destroyed: it ends this launcher all the same.

@@ -204,6 +204,7 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
       WriteLauncherLine(std::string(program) + ": dropped " + std::to_string(result.output_dropped) +
                         " bytes of worker output: stdout or stderr took nothing for 2 s\n");
     }
+    for (const std::string& line : result.log_failures) WriteLauncherLine(std::string(program) + ": " + line + "\n");
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {
       // Arrived after Wait's last look: still no restart.
       result.reason = (result.reason.empty() ? "" : result.reason + "; ") + "interrupted by " +

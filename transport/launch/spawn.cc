@@ -442,6 +442,9 @@ struct Worker {
   WorkerExit exit;
   Stream streams[2];
   Fd log;
+  std::string log_path;
+  uint64_t log_bytes = 0;   // written to the log so far
+  std::string log_failure;  // set when a write to it failed; it is closed then
   std::string captured;
   bool capture_truncated = false;
   bool stop_told = false;  // a stop was reported through on_notice
@@ -708,6 +711,9 @@ class WorkerGroup::Impl {
       }
     }
     result.output_dropped = terminals_[0].dropped + terminals_[1].dropped;
+    for (const Worker& w : workers_) {
+      if (!w.log_failure.empty()) result.log_failures.push_back(w.log_failure);
+    }
     if (interrupted_while_running) {
       // A worker ends as asked by dying of the forwarded signal, or by
       // handling it and exiting 0 or 128 + it; any other end (killed after
@@ -790,6 +796,7 @@ class WorkerGroup::Impl {
       if (!w.log.valid()) {
         return InvalidArgumentError("cannot write log file '" + path + "': " + ErrnoText(errno));
       }
+      w.log_path = path;
     }
     Fd child_out, child_err;
     if (use_pipes_) {
@@ -971,6 +978,18 @@ class WorkerGroup::Impl {
     return std::nullopt;
   }
 
+  // Appends to the worker's log file; the first write that fails (a full
+  // disk) closes it and is reported in the result, naming the file.
+  static void WriteLog(Worker& w, std::string_view data) {
+    if (WriteAll(w.log.get(), data)) {
+      w.log_bytes += data.size();
+      return;
+    }
+    w.log_failure = "rank " + std::to_string(w.rank) + "'s log file '" + w.log_path + "' stopped after " +
+                    std::to_string(w.log_bytes) + " bytes: " + ErrnoText(errno);
+    w.log.Reset();
+  }
+
   void ReadStream(Worker& w, int s) {
     Stream& stream = w.streams[s];
     char buf[kReadChunk];
@@ -982,7 +1001,7 @@ class WorkerGroup::Impl {
       return;
     }
     const std::string_view data(buf, static_cast<size_t>(n));
-    if (w.log.valid()) WriteAll(w.log.get(), data);
+    if (w.log.valid()) WriteLog(w, data);
     if (options_.output.capture) {
       const size_t room = options_.output.capture_limit - std::min(options_.output.capture_limit,
                                                                   w.captured.size());

@@ -133,6 +133,11 @@ struct GroupResult {
   /// take (nothing written for 2 s: a reader that stopped reading), dropped
   /// so that the launcher kept watching the workers. Log files get it all.
   uint64_t output_dropped = 0;
+  /// One line per worker whose log file stopped taking output (a full disk,
+  /// an I/O error): "rank 3's log file '<path>' stopped after N bytes: <why>".
+  /// Nothing more is written to that file; the terminal and the capture
+  /// still get the output.
+  std::vector<std::string> log_failures;
 
   /// 0 on success; the failed worker's exit code, or 128 + its signal; 128 +
   /// the signal when interrupted; 1 when stopped, timed out or unwatchable.

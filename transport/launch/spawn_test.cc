@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <mutex>
@@ -287,6 +288,27 @@ TEST(SpawnTest, PerRankLogFiles) {
     EXPECT_THAT(log.str(), HasSubstr("warning from rank " + std::to_string(r) + "\n"));
     EXPECT_THAT(log.str(), ::testing::Not(HasSubstr("[" + std::to_string(r) + "]")));
   }
+}
+
+// A log file that stops taking output (here /dev/full: every write fails
+// with ENOSPC, as on a full disk) is named in the result with the reason;
+// the other rank's log is whole. Before, the failed writes were dropped
+// without a word.
+TEST(SpawnTest, LogFileThatStopsTakingOutputIsReported) {
+  const std::string dir = TempDir("fulllogs");
+  ASSERT_EQ(symlink("/dev/full", (dir + "/rank_1.log").c_str()), 0) << std::strerror(errno);
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  ASSERT_EQ(result.log_failures.size(), 1u);
+  EXPECT_EQ(result.log_failures[0],
+            "rank 1's log file '" + dir + "/rank_1.log' stopped after 0 bytes: " + std::string(std::strerror(ENOSPC)));
+  std::stringstream log;
+  log << std::ifstream(dir + "/rank_0.log").rdbuf();
+  EXPECT_THAT(log.str(), HasSubstr("hello from rank 0\n"));
 }
 
 TEST(SpawnTest, WorkerExitCodeStopsTheOthers) {
