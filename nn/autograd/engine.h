@@ -7,7 +7,10 @@
 // Threading: backward, the accumulation into .grad and every hook run on the
 // thread that called Backward. Code that shares gradient memory with other
 // threads (DDP's communication thread reading buckets) must synchronize on
-// its own; the engine takes no locks around .grad.
+// its own; the engine takes no locks around .grad. Recording a forward is
+// not synchronized either: the first op that uses a leaf creates its
+// accumulation node unlocked, so two threads must not record forwards on
+// the same parameters at once (each DDP rank owns its model).
 #pragma once
 
 #include <functional>
