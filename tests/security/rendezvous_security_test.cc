@@ -435,6 +435,7 @@ long PeakGrowthUnderLargeFrames(size_t max_buffered_bytes, size_t max_stored_byt
   const long baseline_kb = StatusField("VmRSS:");
   EXPECT_GT(baseline_kb, 0);
 
+  size_t total_sent = 0;
   for (UniqueFd& fd : ranks) {
     size_t sent = 0;
     while (sent < frame.size()) {
@@ -443,6 +444,7 @@ long PeakGrowthUnderLargeFrames(size_t max_buffered_bytes, size_t max_stored_byt
       if (n <= 0) break;
       sent += static_cast<size_t>(n);
     }
+    total_sent += sent;
   }
   std::vector<UniqueFd> strangers;
   for (int i = 0; i < 60; ++i) {
@@ -452,8 +454,25 @@ long PeakGrowthUnderLargeFrames(size_t max_buffered_bytes, size_t max_stored_byt
     EXPECT_TRUE(store::SendAll(strangers.back().get(), header.body(), DeadlineIn(5s), nullptr)
                     .ok());
   }
-  // Let the server read whatever it is willing to.
-  std::this_thread::sleep_for(1500ms);
+  // Let the server read whatever it is willing to: until it has refused the
+  // strangers and buffered most of what the ranks sent (loose bounds) or a
+  // quarter of its bound (which it may fill only with whole frames), then a
+  // little longer for anything in flight. A fixed sleep measured nothing
+  // when the machine was busy and the server thread had not run yet.
+  const uint64_t target = max_buffered_bytes >= total_sent ? total_sent * 3 / 4 : max_buffered_bytes / 4;
+  const Deadline deadline = DeadlineIn(20s);
+  for (;;) {
+    const store::TcpStoreServerStats stats = server->stats();
+    if (stats.refused_oversized >= 60 && stats.buffered_bytes >= target) break;
+    if (Clock::now() > deadline) {
+      ADD_FAILURE() << "the server buffered " << stats.buffered_bytes << " bytes of " << total_sent
+                    << " sent (bound " << max_buffered_bytes << ") and refused " << stats.refused_oversized
+                    << " strangers in 20 s";
+      break;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  std::this_thread::sleep_for(300ms);
   const long growth_kb = StatusField("VmHWM:") - baseline_kb;
   for (UniqueFd& fd : strangers) EXPECT_TRUE(ClosedBy(fd.get(), DeadlineIn(5s)));
   EXPECT_GE(server->stats().refused_oversized, 60u);
