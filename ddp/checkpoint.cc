@@ -52,7 +52,8 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::Optimizer* optimizer, nn::io::Metadata metadata,
                                   const nn::optim::LrScheduler* scheduler,
                                   const nn::optim::GradScaler* scaler, const PowerSgdState* powersgd,
-                                  const PeriodicModelAverager* averager) {
+                                  const PeriodicModelAverager* averager,
+                                  const PostLocalSgdState* post_local_sgd) {
   nn::io::Checkpoint c;
   c.model = Unwrap(model).GetStateDict();
   if (optimizer != nullptr) c.optimizer = optimizer->StateDict();
@@ -63,6 +64,7 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
   if (scaler != nullptr) append(scaler->StateDict());
   if (powersgd != nullptr) append(powersgd->StateDict(Unwrap(model).NamedParameters()));
   if (averager != nullptr) append(averager->StateDict());
+  if (post_local_sgd != nullptr) append(post_local_sgd->StateDict());
   c.metadata = std::move(metadata);
   return c;
 }
@@ -371,7 +373,7 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 namespace {
 
 // Which component of RestoreCheckpoint takes a key of checkpoint.optimizer.
-enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kNone };
+enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kPostLocalSgd, kNone };
 
 Owner OwnerOf(const std::string& key) {
   if (key == "lr" || key.rfind("state.", 0) == 0) return Owner::kOptimizer;
@@ -379,6 +381,7 @@ Owner OwnerOf(const std::string& key) {
   if (key.rfind("scaler.", 0) == 0) return Owner::kScaler;
   if (key.rfind("powersgd.", 0) == 0) return Owner::kPowerSgd;
   if (key.rfind("averager.", 0) == 0) return Owner::kAverager;
+  if (key.rfind("post_local_sgd.", 0) == 0) return Owner::kPostLocalSgd;
   return Owner::kNone;
 }
 
@@ -396,7 +399,8 @@ std::string KeyList(const std::vector<std::string>& keys) {
 
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
-                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager) {
+                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
+                       PostLocalSgdState* post_local_sgd) {
   nn::modules::Module& target = Unwrap(model);
   // Everything is checked before anything is copied: a failure on the
   // optimizer's part must not leave the model's weights replaced.
@@ -406,7 +410,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
     const Owner owner = OwnerOf(key);
     if ((owner == Owner::kOptimizer && optimizer == nullptr) || (owner == Owner::kScheduler && scheduler == nullptr) ||
         (owner == Owner::kScaler && scaler == nullptr) || (owner == Owner::kPowerSgd && powersgd == nullptr) ||
-        (owner == Owner::kAverager && averager == nullptr) || owner == Owner::kNone) {
+        (owner == Owner::kAverager && averager == nullptr) ||
+        (owner == Owner::kPostLocalSgd && post_local_sgd == nullptr) || owner == Owner::kNone) {
       unused[owner].push_back(key);
     }
   }
@@ -432,10 +437,15 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
         problems.push_back("the checkpoint holds PeriodicModelAverager state (" + KeyList(keys) +
                            ") and no averager was given: pass `averager`");
         break;
+      case Owner::kPostLocalSgd:
+        problems.push_back("the checkpoint holds post-local-SGD hook state (" + KeyList(keys) +
+                           ") and no PostLocalSgdState was given: pass `post_local_sgd`");
+        break;
       case Owner::kNone:
         problems.push_back("optimizer-list keys that no component takes (" + KeyList(keys) +
                            "): the optimizer takes `lr` and `state.*`, the scheduler `scheduler.*`, "
-                           "the scaler `scaler.*`, PowerSGD `powersgd.*`, the averager `averager.*`");
+                           "the scaler `scaler.*`, PowerSGD `powersgd.*`, the averager `averager.*`, "
+                           "the post-local-SGD hook `post_local_sgd.*`");
         break;
     }
   }
@@ -453,6 +463,7 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   const nn::modules::NamedTensors params = target.NamedParameters();
   if (powersgd != nullptr) check([&] { powersgd->CheckStateDict(checkpoint.optimizer, params); });
   if (averager != nullptr) check([&] { averager->CheckStateDict(checkpoint.optimizer); });
+  if (post_local_sgd != nullptr) check([&] { post_local_sgd->CheckStateDict(checkpoint.optimizer); });
   if (!problems.empty()) {
     std::string msg = "RestoreCheckpoint: nothing was restored, " + std::to_string(problems.size()) + " problem(s):";
     for (const std::string& p : problems) msg += "\n  " + p;
@@ -465,6 +476,7 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   if (scaler != nullptr) scaler->LoadStateDict(checkpoint.optimizer);
   if (powersgd != nullptr) powersgd->LoadStateDict(checkpoint.optimizer, params);
   if (averager != nullptr) averager->LoadStateDict(checkpoint.optimizer);
+  if (post_local_sgd != nullptr) post_local_sgd->LoadStateDict(checkpoint.optimizer);
 }
 
 }  // namespace ddp::dist

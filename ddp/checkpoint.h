@@ -20,9 +20,10 @@
 // "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
 // So do PowerSGD's state ("powersgd.*": its iteration and Q's, not the
 // per-rank residuals, which a resumed run starts at zero; see
-// powersgd_hook.h) and a PeriodicModelAverager's step ("averager.*"), so
-// that a resumed run keeps compressing past PowerSGD's warm-up and keeps
-// its averaging period.
+// powersgd_hook.h), a PeriodicModelAverager's step ("averager.*") and the
+// post-local-SGD hook's iteration ("post_local_sgd.*", PostLocalSgdState),
+// so that a resumed run keeps compressing past PowerSGD's warm-up, keeps
+// its averaging period and stays in the local phase once it has begun.
 
 #include <atomic>
 #include <chrono>
@@ -43,16 +44,18 @@ namespace ddp::dist {
 /// The model's state dict (sharing the model's tensors, no copy) and, in
 /// checkpoint.optimizer, the optimizer's state followed by the scheduler's,
 /// the scaler's, PowerSGD's (without residuals; its parameters named as
-/// the model names them) and the averager's (each may be null: nothing of
-/// it is saved). Called on rank 0 for SaveCheckpoint: what it saves of
-/// PowerSGD and the averager is the same on every rank.
+/// the model names them), the averager's and the post-local-SGD hook's
+/// (each may be null: nothing of it is saved). Called on rank 0 for
+/// SaveCheckpoint: what it saves of PowerSGD, the averager and the hook is
+/// the same on every rank.
 nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::Optimizer* optimizer,
                                   nn::io::Metadata metadata = {},
                                   const nn::optim::LrScheduler* scheduler = nullptr,
                                   const nn::optim::GradScaler* scaler = nullptr,
                                   const PowerSgdState* powersgd = nullptr,
-                                  const PeriodicModelAverager* averager = nullptr);
+                                  const PeriodicModelAverager* averager = nullptr,
+                                  const PostLocalSgdState* post_local_sgd = nullptr);
 
 /// How long the others wait for rank 0's write in SaveCheckpoint.
 struct SaveOptions {
@@ -115,20 +118,21 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
 /// must match, see Module::LoadStateDict), the optimizer, then the
 /// scheduler (which sets the optimizer's lr for its restored step), the
-/// scaler, PowerSGD's state and the averager's; each of the last five may
-/// be null. All or nothing: every part is checked before anything changes,
+/// scaler, PowerSGD's state, the averager's and the post-local-SGD hook's;
+/// each of the last six may be null. All or nothing: every part is checked before anything changes,
 /// and one std::invalid_argument lists every problem. A key of
 /// checkpoint.optimizer that no given component takes is a problem too,
 /// naming the argument to pass: optimizer state ("lr", "state.*") without
 /// an optimizer, "scheduler.*" without a scheduler, "scaler.*" without a
 /// scaler, "powersgd.*" without `powersgd`, "averager.*" without
-/// `averager`, or keys none of them takes. (A sharded optimizer loads its
+/// `averager`, "post_local_sgd.*" without `post_local_sgd`, or keys none of
+/// them takes. (A sharded optimizer loads its
 /// own state: clear checkpoint.optimizer in a copy to restore the model
 /// alone.) Call before the first backward of the resumed run.
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
-                       PeriodicModelAverager* averager = nullptr);
+                       PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr);
 
 namespace internal {
 

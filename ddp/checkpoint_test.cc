@@ -2,7 +2,8 @@
 // every rank loads, a resumed run equals an uninterrupted one bit for bit,
 // failures on one rank become errors on every rank, and a rank killed in
 // the middle of training makes the others fail within the deadline while
-// the last checkpoint on disk stays intact.
+// the last checkpoint on disk stays intact; PowerSGD's, the averager's and
+// the post-local-SGD hook's state resume with the rest.
 
 #include "ddp/checkpoint.h"
 
@@ -798,6 +799,105 @@ TEST(DdpCheckpointTest, PowerSgdAndAveragerStateIsRefusedWhenNothingTakesItOrItD
   EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
   EXPECT_EQ(other.iteration(), 0);
   EXPECT_EQ(averager.step(), 0);
+}
+
+// ------------------------------------------------- post-local SGD ----
+
+// Two ranks with the post-local-SGD hook (local from iteration 3, no
+// subgroup) save after 3 steps, the last global one; the resumed run takes
+// the hook's iteration from the checkpoint, so its first step is local (the
+// replicas part, as in the uninterrupted run) and each rank ends where the
+// uninterrupted run did, bit for bit.
+constexpr int64_t kLocalFrom = 3;
+
+DDP_TEST_WORKER(resume_post_local_sgd) {
+  auto pg = testing::WorkerGroup();
+  const std::string path = std::getenv("DDP_TEST_CKPT");
+  uint64_t uninterrupted = 0;
+  {
+    auto model = Mlp(2);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = kLocalFrom});
+    ddp.RegisterCommHook(hooks::PostLocalSgdHook(state));
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < kLocalFrom; ++s) TrainStep(ddp, opt, *pg, s);
+    SaveCheckpoint(*pg, path, MakeCheckpoint(ddp, &opt, {{"step", "3"}}, nullptr, nullptr, nullptr, nullptr, state.get()));
+    TrainStep(ddp, opt, *pg, kLocalFrom);
+    uninterrupted = testing::HashState(*model);
+    WORKER_EXPECT(!testing::SameOnAllRanks(*pg, uninterrupted), "the uninterrupted run's local step kept the replicas equal");
+  }
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = kLocalFrom});
+  RestoreCheckpoint(LoadCheckpoint(*pg, path), *model, &opt, nullptr, nullptr, nullptr, nullptr, state.get());
+  WORKER_EXPECT(state->iteration() == kLocalFrom, "the hook resumed at iteration " + std::to_string(state->iteration()));
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ddp.RegisterCommHook(hooks::PostLocalSgdHook(state));
+  TrainStep(ddp, opt, *pg, kLocalFrom);
+  WORKER_EXPECT(testing::HashState(*model) == uninterrupted,
+                "the resumed run differs from the uninterrupted one after its first step (iteration now " +
+                    std::to_string(state->iteration()) + ")");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ResumedPostLocalSgdHookStaysLocalLikeTheUninterruptedRun) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("resume_post_local_sgd", 2, {{"DDP_TEST_CKPT", dir + "/model.safetensors"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The hook's state with no argument to take it, or malformed, is refused
+// naming the argument or the key; it is checked with everything else, so
+// nothing is restored when any part is wrong, the hook's state included.
+TEST(DdpCheckpointTest, PostLocalSgdStateIsRefusedWhenNothingTakesItOrItIsMalformed) {
+  auto pg = ProcessGroup::Single();
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
+  PeriodicModelAverager saved_averager({.period = 2, .process_group = pg});
+  saved_averager.AverageParameters(saved->Parameters());
+  // One process: DDP would not call the hook, so it is called here on a
+  // bucket of the first weight alone.
+  auto shared = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 1});
+  CommHook hook = hooks::PostLocalSgdHook(shared);
+  const Tensor weight = saved->NamedParameters().at(0).second;
+  for (int s = 0; s < 2; ++s) {
+    GradBucket bucket(0, 1, nn::Zeros({weight.numel()}), {weight}, {0});
+    hook(*pg, bucket).Wait();
+  }
+  ASSERT_EQ(shared->iteration(), 2);
+  const nn::io::Checkpoint c =
+      MakeCheckpoint(*saved, &saved_opt, {}, nullptr, nullptr, nullptr, &saved_averager, shared.get());
+
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  const std::vector<std::string> before = StateBytes(*model);
+  PeriodicModelAverager averager({.period = 2, .process_group = pg});
+  PostLocalSgdState state({.start_iteration = 1});
+  std::string err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt, nullptr, nullptr, nullptr, &averager); });
+  EXPECT_THAT(err, AllOf(HasSubstr("nothing was restored"), HasSubstr("post-local-SGD hook state (`post_local_sgd.iteration`)"),
+                         HasSubstr("pass `post_local_sgd`")));
+  // Malformed: negative.
+  nn::io::Checkpoint negative = c;
+  for (auto& [key, t] : negative.optimizer) {
+    if (key == "post_local_sgd.iteration") t = nn::FromVectorOf<int64_t>({-1}, {});
+  }
+  err = RestoreError(
+      [&] { RestoreCheckpoint(negative, *model, &opt, nullptr, nullptr, nullptr, &averager, &state); });
+  EXPECT_THAT(err, AllOf(HasSubstr("PostLocalSgdState.LoadStateDict"), HasSubstr("`post_local_sgd.iteration` is -1, below 0")));
+  // The hook's state is fine and the averager's is missing: the hook's
+  // iteration is not restored either.
+  nn::io::Checkpoint no_step = c;
+  std::erase_if(no_step.optimizer, [](const auto& e) { return e.first == "averager.step"; });
+  err = RestoreError([&] { RestoreCheckpoint(no_step, *model, &opt, nullptr, nullptr, nullptr, &averager, &state); });
+  EXPECT_THAT(err, HasSubstr("missing i64 scalar `averager.step`"));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_EQ(averager.step(), 0);
+  EXPECT_EQ(state.iteration(), 0);
+  // The whole checkpoint, with every argument: restored.
+  RestoreCheckpoint(c, *model, &opt, nullptr, nullptr, nullptr, &averager, &state);
+  EXPECT_EQ(state.iteration(), 2);
+  EXPECT_EQ(averager.step(), 1);
+  EXPECT_TRUE(StateBytes(*model) == StateBytes(*saved));
 }
 
 }  // namespace

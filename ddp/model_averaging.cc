@@ -23,33 +23,92 @@ Work AverageInPlace(ProcessGroup& group, const nn::Tensor& t, const std::string&
   return group.AllReduce(t, transport::ReduceOp::kSum, label);
 }
 
-}  // namespace
-
-namespace hooks {
-
-CommHook PostLocalSgdHook(PostLocalSgdOptions options) {
+void CheckPostLocalSgdOptions(const PostLocalSgdOptions& options) {
   if (options.start_iteration < 0) {
     throw std::invalid_argument("PostLocalSgdOptions::start_iteration must be at least 0, got " +
                                 std::to_string(options.start_iteration));
   }
-  auto iteration = std::make_shared<int64_t>(0);
+}
+
+// Reads a checkpoint's i64 scalar counter `key` (the only key under
+// `prefix`) for `who`'s LoadStateDict: the value it would load, or throws
+// naming the key and what is wrong with it.
+int64_t ReadCounter(const std::vector<std::pair<std::string, nn::Tensor>>& state, const std::string& who,
+                    const std::string& prefix, const std::string& key) {
+  const std::string where = who + ".LoadStateDict: ";
+  const nn::Tensor* found = nullptr;
+  for (const auto& [name, t] : state) {
+    if (name == key) {
+      if (found != nullptr) throw std::invalid_argument(where + "`" + name + "` appears twice");
+      found = &t;
+    } else if (name.rfind(prefix, 0) == 0) {
+      throw std::invalid_argument(where + "unexpected `" + name + "` (the only key under `" + prefix + "` is `" +
+                                  key + "`)");
+    }
+  }
+  if (found == nullptr) throw std::invalid_argument(where + "missing i64 scalar `" + key + "`");
+  if (!found->defined() || found->dtype() != nn::DType::kInt64 || found->numel() != 1) {
+    throw std::invalid_argument(where + "`" + key + "` is " +
+                                (found->defined() ? std::string(nn::DTypeName(found->dtype())) + " " +
+                                                        nn::ShapeToString(found->shape())
+                                                  : std::string("undefined")) +
+                                ", expected an i64 scalar");
+  }
+  const int64_t value = found->To(nn::kCPU).data<int64_t>()[0];
+  if (value < 0) throw std::invalid_argument(where + "`" + key + "` is " + std::to_string(value) + ", below 0");
+  return value;
+}
+
+constexpr char kPostLocalSgdPrefix[] = "post_local_sgd.";
+constexpr char kPostLocalSgdIterationKey[] = "post_local_sgd.iteration";
+
+}  // namespace
+
+PostLocalSgdState::PostLocalSgdState(PostLocalSgdOptions options) : options_(std::move(options)) {
+  CheckPostLocalSgdOptions(options_);
+}
+
+PostLocalSgdState::NamedTensors PostLocalSgdState::StateDict() const {
+  return {{kPostLocalSgdIterationKey, nn::FromVectorOf<int64_t>({iteration_}, {})}};
+}
+
+void PostLocalSgdState::CheckStateDict(const NamedTensors& state) const {
+  ReadCounter(state, "PostLocalSgdState", kPostLocalSgdPrefix, kPostLocalSgdIterationKey);
+}
+
+void PostLocalSgdState::LoadStateDict(const NamedTensors& state) {
+  iteration_ = ReadCounter(state, "PostLocalSgdState", kPostLocalSgdPrefix, kPostLocalSgdIterationKey);
+}
+
+namespace hooks {
+
+CommHook PostLocalSgdHook(PostLocalSgdOptions options) {
+  return PostLocalSgdHook(std::make_shared<PostLocalSgdState>(std::move(options)));
+}
+
+CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state) {
+  if (state == nullptr) throw std::invalid_argument("hooks::PostLocalSgdHook: the state is null");
   const CommHook noop = NoopHook();
   // On local gradients: the global phase averages as DDP's default does
   // (bit for bit, unless Join's divisor differs from the group's size).
-  return CommHook::OnLocalGradients([options = std::move(options), iteration, noop](
+  // The closure keeps `state` alive; `options` and `iteration` are its
+  // members, taken here where the friend declaration grants access.
+  const PostLocalSgdOptions* options = &state->options_;
+  int64_t* iteration = &state->iteration_;
+  return CommHook::OnLocalGradients([state = std::move(state), options, iteration, noop](
                                         ProcessGroup& group, GradBucket& bucket) -> Work {
     const int64_t now = *iteration;
     if (bucket.is_last()) ++*iteration;
     const std::string label = "bucket " + std::to_string(bucket.index());
-    if (now < options.start_iteration) {
+    if (now < options->start_iteration) {
       if (bucket.divisor() == static_cast<double>(group.size())) {
         return AverageInPlace(group, bucket.buffer(), label);
       }
       internal::ScaleTensor(bucket.buffer(), bucket.buffer(), 1.0 / bucket.divisor());
       return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
     }
-    if (!options.subgroup) return noop(group, bucket);
-    return AverageInPlace(*options.subgroup, bucket.buffer(), "local " + label);
+    if (!options->subgroup) return noop(group, bucket);
+    return AverageInPlace(*options->subgroup, bucket.buffer(), "local " + label);
   });
 }
 
@@ -102,29 +161,7 @@ constexpr char kAveragerStepKey[] = "averager.step";
 
 // LoadStateDict's checks: the step it would load, or throws.
 int64_t ReadAveragerStep(const PeriodicModelAverager::NamedTensors& state) {
-  const std::string who = "PeriodicModelAverager.LoadStateDict: ";
-  const nn::Tensor* step = nullptr;
-  for (const auto& [key, t] : state) {
-    if (key == kAveragerStepKey) {
-      if (step != nullptr) throw std::invalid_argument(who + "`" + key + "` appears twice");
-      step = &t;
-    } else if (key.rfind("averager.", 0) == 0) {
-      throw std::invalid_argument(who + "unexpected `" + key + "` (the averager's key is `" + kAveragerStepKey + "`)");
-    }
-  }
-  if (step == nullptr) throw std::invalid_argument(who + "missing i64 scalar `" + kAveragerStepKey + "`");
-  if (!step->defined() || step->dtype() != nn::DType::kInt64 || step->numel() != 1) {
-    throw std::invalid_argument(who + "`" + kAveragerStepKey + "` is " +
-                                (step->defined() ? std::string(nn::DTypeName(step->dtype())) + " " +
-                                                       nn::ShapeToString(step->shape())
-                                                 : std::string("undefined")) +
-                                ", expected an i64 scalar");
-  }
-  const int64_t value = step->To(nn::kCPU).data<int64_t>()[0];
-  if (value < 0) {
-    throw std::invalid_argument(who + "`" + kAveragerStepKey + "` is " + std::to_string(value) + ", below 0");
-  }
-  return value;
+  return ReadCounter(state, "PeriodicModelAverager", "averager.", kAveragerStepKey);
 }
 
 }  // namespace

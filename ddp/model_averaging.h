@@ -52,14 +52,64 @@ struct PostLocalSgdOptions {
   std::shared_ptr<ProcessGroup> subgroup;
 };
 
+class PostLocalSgdState;
+
 namespace hooks {
 
 /// Global all-reduce for start_iteration iterations, then the subgroup's
 /// (or none). Throws std::invalid_argument for a negative start_iteration.
 /// One hook object per DistributedDataParallel: it counts its iterations.
 CommHook PostLocalSgdHook(PostLocalSgdOptions options);
+/// The same hook counting its iterations in `state`, which the caller keeps
+/// to save and restore the count (see PostLocalSgdState). One
+/// DistributedDataParallel per state. Throws std::invalid_argument for a
+/// null state.
+CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state);
 
 }  // namespace hooks
+
+/// What the post-local-SGD hook keeps across iterations: its options and
+/// the count of its calls on the last bucket, which decides when the local
+/// phase begins (PyTorch's PostLocalSGDState and its `iter`). Without it a
+/// resumed run counted from 0 again and redid start_iteration global
+/// all-reduces. The count is the same on every rank, so rank 0's
+/// checkpoint restores every rank:
+///
+///   auto local_sgd = std::make_shared<PostLocalSgdState>(options);
+///   ddp_model.RegisterCommHook(hooks::PostLocalSgdHook(local_sgd));
+///   ... save: local_sgd->StateDict(); resume: local_sgd->LoadStateDict(saved)
+///
+/// The hook updates the count on the thread running backward, unlocked:
+/// iteration(), StateDict and LoadStateDict must not run while a backward
+/// (or its bucket hooks) is in flight; call them between iterations.
+class PostLocalSgdState {
+ public:
+  using NamedTensors = std::vector<std::pair<std::string, nn::Tensor>>;
+
+  /// Throws std::invalid_argument for a negative start_iteration.
+  explicit PostLocalSgdState(PostLocalSgdOptions options = {});
+
+  const PostLocalSgdOptions& options() const { return options_; }
+  /// Hook calls on the last bucket so far; the local phase runs from
+  /// iteration options().start_iteration on.
+  int64_t iteration() const { return iteration_; }
+
+  /// "post_local_sgd.iteration" (i64 scalar): the iteration counter. The
+  /// options (the subgroup among them) are the caller's to pass again.
+  NamedTensors StateDict() const;
+  /// Restores StateDict's key from a list that may hold other components'
+  /// keys. Throws std::invalid_argument naming a missing or malformed
+  /// "post_local_sgd.iteration" (not an i64 scalar, negative, given twice)
+  /// or an unexpected "post_local_sgd." key, changing nothing.
+  void LoadStateDict(const NamedTensors& state);
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  void CheckStateDict(const NamedTensors& state) const;
+
+ private:
+  friend CommHook hooks::PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state);
+  PostLocalSgdOptions options_;
+  int64_t iteration_ = 0;
+};
 
 struct ModelAveragerOptions {
   /// Average every this many steps (>= 1).

@@ -5,7 +5,9 @@
 // hook sends nothing; a bf16 model's f32 masters take the averages (large
 // weights, averaged in place, too); f16 values whose sum passes f16's
 // range average to themselves; a parameter with a gradient on one rank only
-// is averaged on every rank. In one process: option checks.
+// is averaged on every rank; a post-local-SGD hook resumed past its start
+// steps locally at once. In one process: option checks, the averager's and
+// the hook's state dicts.
 
 #include <gtest/gtest.h>
 
@@ -122,6 +124,53 @@ DDP_TEST_WORKER(post_local_sgd) {
 
 TEST(ModelAveragingTest, PostLocalSgdIsDdpUntilItsStartThenAveragesEveryPeriod) {
   auto run = RunWorkers("post_local_sgd", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A run resumed past start_iteration: the hook's state, loaded from the
+// saved iteration count, goes local from its first call. Seen from outside:
+// after one step the replicas differ (each rank stepped on its own
+// gradient), where a hook counting from 0 again all-reduces and keeps them
+// identical. The fresh hook is run too, so that the observation is shown to
+// tell the two paths apart.
+DDP_TEST_WORKER(post_local_sgd_resumed) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  constexpr int64_t kStart = 3;
+  PostLocalSgdState::NamedTensors saved;
+  {
+    auto model = Mlp(5);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = kStart});
+    ddp.RegisterCommHook(hooks::PostLocalSgdHook(state));
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    for (int64_t step = 0; step < kStart; ++step) {
+      Step(ddp, opt, step, rank, world);
+      WORKER_EXPECT(Identical(*pg, *model), "warm-up step " + std::to_string(step) + ": replicas differ");
+    }
+    WORKER_EXPECT(state->iteration() == kStart, "counted " + std::to_string(state->iteration()) + " iterations");
+    saved = state->StateDict();
+  }
+  for (const bool resumed : {true, false}) {
+    auto model = Mlp(5);  // DDP broadcasts rank 0's values: the same start everywhere
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = kStart});
+    if (resumed) state->LoadStateDict(saved);
+    ddp.RegisterCommHook(hooks::PostLocalSgdHook(state));
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    Step(ddp, opt, kStart, rank, world);
+    const std::string which = resumed ? "resumed hook" : "fresh hook";
+    WORKER_EXPECT(Identical(*pg, *model) != resumed,
+                  which + ": replicas " + (resumed ? "agree (the gradients were all-reduced globally)" : "differ"));
+    const int64_t expected = resumed ? kStart + 1 : 1;
+    WORKER_EXPECT(state->iteration() == expected,
+                  which + " counted " + std::to_string(state->iteration()) + ", expected " + std::to_string(expected));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PostLocalSgdResumedPastItsStartStepsLocallyFromItsFirstCall) {
+  auto run = RunWorkers("post_local_sgd_resumed", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
@@ -358,6 +407,10 @@ TEST(ModelAveragingTest, OptionsOutOfRangeAreRefusedNamingTheOption) {
           "ModelAveragerOptions::warmup_steps must be at least 0, got -1");
   refused([] { hooks::PostLocalSgdHook({.start_iteration = -2}); },
           "PostLocalSgdOptions::start_iteration must be at least 0, got -2");
+  refused([] { PostLocalSgdState({.start_iteration = -1}); },
+          "PostLocalSgdOptions::start_iteration must be at least 0, got -1");
+  refused([] { hooks::PostLocalSgdHook(std::shared_ptr<PostLocalSgdState>()); },
+          "hooks::PostLocalSgdHook: the state is null");
   // No group given and none by default.
   EXPECT_THROW(PeriodicModelAverager({}), std::logic_error);
 }
@@ -410,6 +463,80 @@ TEST(ModelAveragingTest, AveragerLoadRefusesBadStateNamingItAndChangesNothing) {
     }
     EXPECT_THROW(averager.CheckStateDict(bad), std::invalid_argument) << expected;
     EXPECT_EQ(averager.step(), 1) << expected;
+  }
+}
+
+// One process: the hook is called here on buckets of a made-up gradient.
+// Only calls on the last bucket count as iterations.
+void CallHook(CommHook& hook, ProcessGroup& pg, size_t index, size_t count) {
+  const Tensor param = nn::Zeros({4});
+  GradBucket bucket(index, count, nn::Full({4}, 1.0), {param}, {0});
+  hook(pg, bucket).Wait();
+}
+
+// Saved after five iterations and loaded into a new state (a resumed run),
+// the count goes on from five.
+TEST(ModelAveragingTest, PostLocalSgdIterationSurvivesAStateDictRoundTrip) {
+  auto pg = ProcessGroup::Single();
+  auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 2});
+  CommHook hook = hooks::PostLocalSgdHook(state);
+  for (int k = 0; k < 5; ++k) {
+    CallHook(hook, *pg, 0, 2);
+    CallHook(hook, *pg, 1, 2);
+  }
+  EXPECT_EQ(state->iteration(), 5);
+  const PostLocalSgdState::NamedTensors saved = state->StateDict();
+  ASSERT_EQ(saved.size(), 1u);
+  EXPECT_EQ(saved[0].first, "post_local_sgd.iteration");
+  EXPECT_EQ(saved[0].second.dtype(), nn::DType::kInt64);
+  EXPECT_EQ(saved[0].second.ToVector<int64_t>(), std::vector<int64_t>{5});
+
+  auto resumed = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 2});
+  // Among other components' keys, as in a checkpoint's list.
+  PostLocalSgdState::NamedTensors mixed = {{"averager.step", nn::FromVectorOf<int64_t>({7}, {})}};
+  mixed.insert(mixed.end(), saved.begin(), saved.end());
+  resumed->CheckStateDict(mixed);
+  resumed->LoadStateDict(mixed);
+  EXPECT_EQ(resumed->iteration(), 5);
+  CommHook resumed_hook = hooks::PostLocalSgdHook(resumed);
+  CallHook(resumed_hook, *pg, 0, 1);
+  EXPECT_EQ(resumed->iteration(), 6);
+  EXPECT_EQ(resumed->StateDict()[0].second.ToVector<int64_t>(), std::vector<int64_t>{6});
+}
+
+TEST(ModelAveragingTest, PostLocalSgdLoadRefusesBadStateNamingItAndChangesNothing) {
+  auto pg = ProcessGroup::Single();
+  auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 4});
+  CommHook hook = hooks::PostLocalSgdHook(state);
+  CallHook(hook, *pg, 0, 1);
+  const Tensor two = nn::FromVectorOf<int64_t>({2}, {});
+  const std::vector<std::pair<PostLocalSgdState::NamedTensors, std::string>> cases = {
+      {{}, "PostLocalSgdState.LoadStateDict: missing i64 scalar `post_local_sgd.iteration`"},
+      {{{"averager.step", two}}, "missing i64 scalar `post_local_sgd.iteration`"},
+      {{{"post_local_sgd.iteration", nn::FromVector({3.0}, {})}},
+       "`post_local_sgd.iteration` is f32 [], expected an i64 scalar"},
+      {{{"post_local_sgd.iteration", nn::FromVectorOf<int64_t>({1, 2}, {2})}},
+       "`post_local_sgd.iteration` is i64 [2], expected an i64 scalar"},
+      {{{"post_local_sgd.iteration", nn::FromVectorOf<int64_t>({-3}, {})}}, "`post_local_sgd.iteration` is -3, below 0"},
+      {{{"post_local_sgd.iteration", two}, {"post_local_sgd.start_iteration", two}},
+       "unexpected `post_local_sgd.start_iteration`"},
+      {{{"post_local_sgd.iteration", two}, {"post_local_sgd.iteration", two}},
+       "`post_local_sgd.iteration` appears twice"},
+  };
+  for (const auto& [bad, expected] : cases) {
+    try {
+      state->LoadStateDict(bad);
+      ADD_FAILURE() << "accepted; expected: " << expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    try {
+      state->CheckStateDict(bad);
+      ADD_FAILURE() << "CheckStateDict accepted; expected: " << expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(state->iteration(), 1) << expected;
   }
 }
 
