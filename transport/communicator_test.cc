@@ -868,8 +868,12 @@ TEST(CommunicatorCreate, UnderTorchrunsAgentStoreRankZeroServesOnTheNextPort) {
   Job job = RunJob(2, "create", env);
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 
-  // The next port taken too: rank 0 cannot serve, and says why.
+  // The next port taken too: rank 0 cannot serve, and says why. The job
+  // above served on it, and its closed connections may hold it in
+  // TIME_WAIT: SO_REUSEADDR binds past those (a listener still refuses).
   const int taken = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  ASSERT_EQ(setsockopt(taken, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)), 0) << std::strerror(errno);
   sockaddr_in next{};
   next.sin_family = AF_INET;
   next.sin_addr.s_addr = htonl(INADDR_ANY);
