@@ -210,7 +210,12 @@ Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env,
 
 int WorkerOrTestsMain(int argc, char** argv, int (*run_scenario)(const std::string& name)) {
   const char* scenario = std::getenv("DDP_TEST_SCENARIO");
-  if (scenario != nullptr) return run_scenario(scenario);
+  if (scenario != nullptr) {
+    // A failed WORKER_CHECK fails the worker even when its scenario forgot
+    // to fold worker_failures into what it returns.
+    const int rc = run_scenario(scenario);
+    return rc != 0 ? rc : (worker_failures != 0 ? 1 : 0);
+  }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

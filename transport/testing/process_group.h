@@ -90,7 +90,8 @@ inline int worker_failures = 0;
 
 /// The main() of a multi-process test binary: a copy spawned by RunJob
 /// (DDP_TEST_SCENARIO set) runs `run_scenario` with the scenario's name and
-/// exits with its result; otherwise the gtest tests run.
+/// exits with its result (1 where it returned 0 but a WORKER_CHECK failed);
+/// otherwise the gtest tests run.
 int WorkerOrTestsMain(int argc, char** argv, int (*run_scenario)(const std::string& name));
 
 }  // namespace ddp::transport::testing
