@@ -494,6 +494,67 @@ DDP_TEST_WORKER(join_eval_with_grad_before_backward) {
   return testing::WorkerExit();
 }
 
+// A module whose forward throws on one rank (say, out of memory there):
+// that rank gets the module's own exception, and the group is aborted with
+// the reason, so the peer's backward fails within moments instead of
+// waiting out the group timeout (60 s here) for buckets that never come.
+// Before, nothing recorded the failed forward: the peer waited, and the
+// failing rank's next collectives paired with the peer's buckets.
+class ThrowsOnRankOne : public Module {
+ public:
+  ThrowsOnRankOne(std::shared_ptr<Module> inner, int rank) : rank_(rank) {
+    inner_ = RegisterModule("inner", std::move(inner));
+  }
+  Tensor Forward(const Tensor& x) override {
+    if (rank_ == 1) throw std::runtime_error("injected: out of memory on rank 1");
+    return (*inner_)(x);
+  }
+  std::string TypeName() const override { return "ThrowsOnRankOne"; }
+
+ private:
+  std::shared_ptr<Module> inner_;
+  int rank_;
+};
+
+DDP_TEST_WORKER(forward_throws_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = std::make_shared<ThrowsOnRankOne>(Mlp(17), rank);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  std::string message = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    const Tensor out = ddp(x);
+    nn::Backward(nn::loss::CrossEntropy(out, y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "rank %d after %.2f s: %s\n", rank, seconds, message.c_str());
+  if (rank == 1) {
+    WORKER_EXPECT(message == "injected: out of memory on rank 1", message);
+    WORKER_EXPECT(!pg->aborted_reason().ok(), "the group was not aborted");
+    // Alive past rank 0's bound, as a training loop that caught the error
+    // would be: rank 0 cannot learn of it from this process exiting.
+    std::this_thread::sleep_for(std::chrono::seconds(12));
+    return testing::WorkerExit();
+  } else {
+    WORKER_EXPECT(message.find("DistributedDataParallel on rank 1: the module's forward threw (injected: out of "
+                               "memory on rank 1)") != std::string::npos,
+                  message);
+    WORKER_EXPECT(seconds < 10, "rank 0's backward failed after " + std::to_string(seconds) + " s");
+  }
+  WORKER_EXPECT(!pg->aborted_reason().ok(), "the group was not aborted");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ForwardThatThrowsOnOneRankAbortsTheGroup) {
+  auto run = RunWorkers("forward_throws_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 40000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(DdpFeaturesTest, AnEvalForwardWithGradBeforeTheBackwardUnderJoinAbortsTheGroupAtThatForward) {
   auto run = RunWorkers("join_eval_with_grad_before_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 40000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

@@ -317,7 +317,21 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   if (rebuild) s.reducer->RebuildBuckets();
   if (sync_buffers) internal::BroadcastCoalesced(*pg_, s.buffers, buffer_root, "buffers");
 
-  std::vector<nn::Tensor> outputs = module_->Forward(inputs);
+  std::vector<nn::Tensor> outputs;
+  try {
+    outputs = module_->Forward(inputs);
+  } catch (const std::exception& e) {
+    if (sync) {
+      // The peers go on to this iteration's backward and wait for this
+      // rank's buckets, and this rank's next collectives would pair with
+      // theirs: stop the group with the reason instead. The caller gets
+      // the module's own exception.
+      pg_->Abort(transport::FailedPreconditionError(
+          "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": the module's forward threw (" +
+          e.what() + "); the other ranks would wait for this rank's gradients. The process group was aborted."));
+    }
+    throw;
+  }
 
   if (sync) {
     s.reducer->PrepareForBackward(outputs, divisor, /*backward_optional=*/!training);

@@ -173,7 +173,11 @@ class DistributedDataParallel : public nn::modules::Module {
   /// A synchronizing forward (training mode, grad enabled, outside NoSync)
   /// throws std::runtime_error, after aborting the group, when the previous
   /// one's backward did not finish on this rank (none ran, none reached a
-  /// parameter, or it threw).
+  /// parameter, or it threw). When the wrapped module's forward throws in a
+  /// synchronizing forward, the group is aborted with that reason (the
+  /// peers would wait for this rank's gradients) and the module's exception
+  /// is rethrown: a batch that one rank cannot run is skipped by every rank
+  /// deciding so before calling forward, not by catching its exception.
   nn::Tensor Forward(const nn::Tensor& input) override;
   std::vector<nn::Tensor> Forward(const std::vector<nn::Tensor>& inputs) override;
   using Module::operator();

@@ -472,8 +472,13 @@ void Reducer::OnGradReady(size_t index) {
   // first gradient of backward no bucket has been touched.
   if (is_unused_[index]) FailUnusedParameterGradient(index);
   if (ready_[index]) {
-    throw std::logic_error("DistributedDataParallel: parameter `" + names_[index] +
-                           "` received its gradient twice in one backward");
+    // Its first gradient is in a bucket that may be in flight (and the
+    // engine has already added this one into .grad, which may be that
+    // memory): this iteration cannot finish, so the peers are stopped too.
+    pending_error_ = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" +
+                     names_[index] + "` received its gradient twice in one backward. The process group was aborted.";
+    pg_->Abort(transport::FailedPreconditionError(pending_error_));
+    throw std::logic_error(pending_error_);
   }
   if (!finalize_queued_) {
     // The first gradient of backward.
