@@ -555,6 +555,45 @@ TEST(DdpFeaturesTest, ForwardThatThrowsOnOneRankAbortsTheGroup) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Gradual unfreezing after wrapping: a parameter that did not require grad
+// at construction has no bucket, so its gradient would stay local and the
+// replicas would drift apart silently. The next synchronizing forward
+// refuses it on every rank, naming it. DDP_TEST_FREEZE=all freezes every
+// parameter first (no reducer at all), =some only the first layer.
+DDP_TEST_WORKER(unfrozen_after_wrap) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const bool all = std::string(std::getenv("DDP_TEST_FREEZE")) == "all";
+  auto model = Mlp(17);
+  const auto params = model->NamedParameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (all || i < 2) params[i].second.set_requires_grad(false);
+  }
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  if (!all) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));  // fine while frozen
+  params[0].second.set_requires_grad(true);
+  std::string message = "no error";
+  try {
+    (void)ddp(x);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("parameter `" + params[0].first +
+                             "` did not require grad when the model was wrapped and requires it now") !=
+                    std::string::npos,
+                message);
+  WORKER_EXPECT(!pg->aborted_reason().ok(), "the group was not aborted");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ParameterUnfrozenAfterWrappingIsRefused) {
+  for (const char* freeze : {"some", "all"}) {
+    auto run = RunWorkers("unfrozen_after_wrap", 2, {{"DDP_TEST_FREEZE", freeze}});
+    EXPECT_TRUE(run.AllSucceeded()) << freeze << "\n" << testing::AllOutput(run);
+  }
+}
+
 TEST(DdpFeaturesTest, AnEvalForwardWithGradBeforeTheBackwardUnderJoinAbortsTheGroupAtThatForward) {
   auto run = RunWorkers("join_eval_with_grad_before_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 40000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

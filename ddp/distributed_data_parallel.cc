@@ -38,6 +38,9 @@ class DistributedDataParallel::Impl {
  public:
   std::unique_ptr<internal::Reducer> reducer;  // null with one rank
   std::vector<nn::Tensor> buffers;
+  // Parameters that did not require grad when the model was wrapped: no
+  // bucket has them, so one that starts requiring grad later is refused.
+  std::vector<std::pair<std::string, nn::Tensor>> left_out;
   std::shared_ptr<TraceRecorder> trace;
   bool require_sync = true;
 
@@ -186,7 +189,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     if (pg_->size() > 1) {
       std::vector<std::pair<std::string, nn::Tensor>> trainable;
       for (const auto& [name, p] : module_->NamedParameters()) {
-        if (p.requires_grad()) trainable.emplace_back(name, p);
+        if (p.requires_grad()) {
+          trainable.emplace_back(name, p);
+        } else {
+          impl_->left_out.emplace_back(name, p);
+        }
       }
       if (!trainable.empty()) {
         impl_->reducer = std::make_unique<internal::Reducer>(std::move(trainable), pg_, reducer_options,
@@ -254,6 +261,21 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // that backward, or shadowing it in Join::Wait) wait for its buckets
   // until the group's timeout.
   const bool eval_before_backward = before_backward && grad_sync;
+  if (size > 1 && nn::GradMode::IsEnabled() && s.require_sync) {
+    // Unfrozen after wrapping: its gradient would stay local on every rank
+    // and the replicas would drift apart without a word.
+    for (const auto& [name, p] : s.left_out) {
+      if (!p.requires_grad()) continue;
+      const std::string error = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" +
+                                name + "` did not require grad when the model was wrapped and requires it now; "
+                                "only the parameters that required grad then are synchronized (the buckets are "
+                                "fixed at construction), so its gradient would stay local and the replicas would "
+                                "drift apart. Wrap the model again after changing requires_grad. The process group "
+                                "was aborted.";
+      pg_->Abort(transport::FailedPreconditionError(error));
+      throw std::invalid_argument(error);
+    }
+  }
   if (s.reducer != nullptr) {
     s.reducer->CheckPreviousIteration(sync || eval_before_backward,
                                       /*communicates=*/sync_buffers || join_flags,

@@ -163,6 +163,9 @@ class DistributedDataParallel : public nn::modules::Module {
   /// "module." prefix in this wrapper's state dict, as in PyTorch).
   /// Collective. Throws std::invalid_argument when the replicas differ
   /// (every rank, same message), DistributedError when communication fails.
+  /// The parameters that require grad now are the ones synchronized; one
+  /// that starts requiring grad later (unfreezing) is refused, naming it and
+  /// aborting the group, at the next synchronizing forward: wrap again.
   explicit DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
                                    DdpOptions options = {});
   /// Writes the trace (when asked for) and waits, bounded, for collectives
