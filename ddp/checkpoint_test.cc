@@ -30,6 +30,7 @@
 #include "ddp/powersgd_hook.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
+#include "nn/io/atomic_file.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
@@ -151,18 +152,23 @@ std::string NextCollectivesError(ProcessGroup& pg) {
 // it that it is still writing, so they wait for it instead of timing out.
 // With SaveOptions::timeout shorter than the write, every rank throws the
 // same error, the group is aborted, and rank 0 stops writing (within a
-// 64 MiB piece), leaving no file behind.
+// 64 MiB piece), leaving no file behind. The write is made slow on purpose
+// (every piece waits kPiecePause first), not left to the disk: on NVMe,
+// tmpfs or the page cache 512 MiB can take less than the group's timeout.
 DDP_TEST_WORKER(slow_write) {
+  constexpr auto kPiecePause = std::chrono::milliseconds(100);
   // Made before the group, whose 200 ms would not wait for it.
   nn::io::Checkpoint big;
   if (std::string(std::getenv("RANK")) == "0") big.model.emplace_back("w", nn::Ones({int64_t{1} << 27}));  // 512 MiB
+  nn::io::internal::SetWritePausePerPiece(kPiecePause);  // 8 pieces: at least 0.8 s
   auto pg = GroupWithAShortTimeout();
   const std::string dir = std::getenv("DDP_TEST_CKPT");
   const auto start = std::chrono::steady_clock::now();
   SaveCheckpoint(*pg, dir + "/slow.safetensors", big);
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "rank %d: the save took %.2f s\n", pg->rank(), took);
-  // Not a test at all if the write was quicker than the group's timeout.
+  // Not a test at all if the write was quicker than the group's timeout
+  // (the pauses alone make it 0.8 s).
   WORKER_EXPECT(took > 0.4, "the write took only " + std::to_string(took) + " s");
   std::string error;
   const auto late_start = std::chrono::steady_clock::now();
@@ -172,6 +178,8 @@ DDP_TEST_WORKER(slow_write) {
     error = e.what();
   }
   const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
+  // The stop, asked for during the first piece's pause, ends the write
+  // before that piece (0.1 s); the whole save took at least 0.8 s.
   WORKER_EXPECT(late_took < took / 2, "the stopped save took " + std::to_string(late_took) + " s, the whole one " +
                                           std::to_string(took) + " s");
   WORKER_EXPECT(error.find("rank 0 could not write " + dir + "/late.safetensors: the write did not finish "

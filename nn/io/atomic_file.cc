@@ -9,14 +9,19 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "nn/io/safetensors.h"
 
 namespace ddp::nn::io {
 namespace {
+
+// internal::SetWritePausePerPiece's pause, in milliseconds.
+std::atomic<int64_t> write_pause_per_piece_ms{0};
 
 std::string Folder(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -92,6 +97,12 @@ void RemoveStaleTemporaries(const std::string& path) {
 
 }  // namespace
 
+namespace internal {
+void SetWritePausePerPiece(std::chrono::milliseconds pause) {
+  write_pause_per_piece_ms.store(pause.count(), std::memory_order_relaxed);
+}
+}  // namespace internal
+
 AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* stop)
     : path_(std::move(path)), stop_(stop) {
   static std::atomic<uint64_t> counter{0};
@@ -129,6 +140,11 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
   if (committed_ || fd_ < 0) throw CheckpointError(path_ + ": write after commit");
   const char* p = static_cast<const char*>(data);
   while (nbytes > 0) {
+    // Before the stop check, so that a stop asked for during the pause
+    // spares the piece, as it would a piece not yet begun on a slow disk.
+    if (const int64_t ms = write_pause_per_piece_ms.load(std::memory_order_relaxed); ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    }
     CheckStop();
     const ssize_t n = ::write(fd_, p, std::min(nbytes, kStopCheckBytes));
     if (n < 0) {

@@ -5,6 +5,7 @@
 // the new one, never a mix or a prefix.
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <string>
 
@@ -47,6 +48,17 @@ class AtomicFileWriter {
   // Throws when asked to stop.
   void CheckStop() const;
 };
+
+namespace internal {
+
+/// Makes every AtomicFileWriter::Write sleep `pause` before each piece of
+/// kStopCheckBytes (before its stop check), as a slow disk would, so that
+/// tests of deadlines and heartbeats around long writes do not depend on how
+/// fast the disk or the page cache is. Process-wide; zero (the default)
+/// turns it off. For tests only.
+void SetWritePausePerPiece(std::chrono::milliseconds pause);
+
+}  // namespace internal
 
 }  // namespace ddp::nn::io
 

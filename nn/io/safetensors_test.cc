@@ -256,6 +256,44 @@ TEST(Safetensors, StoppedWriteLeavesTheOldFileAndNoTemporary) {
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
+// internal::SetWritePausePerPiece (tests of deadlines around long writes
+// rely on it): each piece waits the pause, and a stop asked for during the
+// pause spares the piece that was about to be written.
+TEST(Safetensors, WritePausePerPieceSlowsEveryPieceAndAStopDuringItSparesThePiece) {
+  const std::string dir = TmpDir("st_pause");
+  const std::string path = dir + "/c.safetensors";
+  const std::string data(kStopCheckBytes + 1, 'x');  // two pieces
+  internal::SetWritePausePerPiece(std::chrono::milliseconds(100));
+  {
+    AtomicFileWriter out(path);
+    const auto start = std::chrono::steady_clock::now();
+    out.Write(data.data(), data.size());
+    EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
+    out.Commit();
+  }
+  EXPECT_EQ(ReadAll(path).size(), data.size());
+  // Long enough that the stopper thread runs well inside it on a loaded host.
+  internal::SetWritePausePerPiece(std::chrono::milliseconds(500));
+  std::atomic<bool> stop{false};
+  std::string error;
+  {
+    AtomicFileWriter out(path, &stop);
+    std::thread stopper([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      stop = true;
+    });
+    error = ErrorOf([&] { out.Write(data.data(), data.size()); });
+    stopper.join();
+    struct stat st{};
+    ASSERT_EQ(::stat(out.temp_path().c_str(), &st), 0);
+    EXPECT_EQ(st.st_size, 0) << "a piece was written after the stop";
+  }
+  internal::SetWritePausePerPiece(std::chrono::milliseconds(0));
+  EXPECT_THAT(error, HasSubstr("the write was stopped"));
+  EXPECT_EQ(ReadAll(path).size(), data.size());
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
 // The number of the system call thread `tid` of this process is in, or -1
 // when it is in none (or /proc cannot tell).
 long SyscallOf(pid_t tid) {
