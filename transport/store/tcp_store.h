@@ -101,6 +101,9 @@ struct TcpStoreServerStats {
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
   uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
+  /// Frames waiting now for room under max_buffered_bytes (their
+  /// connections are not read meanwhile); room goes to them in arrival order.
+  uint64_t frames_waiting_for_room = 0;
   /// Bytes of memory the connections' buffers hold now (their capacity; at
   /// least buffered_bytes, and small once they are done with big frames).
   uint64_t buffer_capacity_bytes = 0;

@@ -176,6 +176,7 @@ class TcpStoreServer::Impl {
     s.stored_bytes = stored_bytes_.load();
     s.buffered_bytes = buffered_bytes_.load();
     s.parked_waits = parked_waits_.load();
+    s.frames_waiting_for_room = frames_waiting_for_room_.load();
     s.buffer_capacity_bytes = buffer_capacity_bytes_.load();
     return s;
   }
@@ -208,6 +209,7 @@ class TcpStoreServer::Impl {
       FireTimers();
       FinishRound();
       buffered_bytes_.store(buffered_);
+      frames_waiting_for_room_.store(waiting_for_memory_.size());
       buffer_capacity_bytes_.store(buffer_capacity_);
     }
     Shutdown();
@@ -1137,6 +1139,7 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> stored_bytes_{0};
   std::atomic<uint64_t> buffered_bytes_{0};  // buffered_ at the end of the last round, for stats()
   std::atomic<uint64_t> parked_waits_{0};    // waiters_.size(), for stats()
+  std::atomic<uint64_t> frames_waiting_for_room_{0};  // waiting_for_memory_.size(), for stats()
   std::atomic<uint64_t> buffer_capacity_bytes_{0};  // buffer_capacity_, for stats()
 };
 

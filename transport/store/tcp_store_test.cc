@@ -57,6 +57,20 @@ std::unique_ptr<TcpStoreServer> StartServer(TcpStoreServerOptions options = {}) 
   return std::move(server).value();
 }
 
+// Polls the server's counters until `reached` holds for them; false when
+// `timeout` passes first. Tests order their steps by what the server has
+// seen, not by sleeps, which a loaded machine outlasts.
+bool StatsReach(const TcpStoreServer& server,
+                const std::function<bool(const TcpStoreServerStats&)>& reached,
+                std::chrono::milliseconds timeout = std::chrono::seconds(15)) {
+  const Deadline deadline = DeadlineIn(timeout);
+  while (!reached(server.stats())) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 std::unique_ptr<TcpStoreClient> ConnectClient(int port, std::string_view token = kToken) {
   StatusOr<std::unique_ptr<TcpStoreClient>> client =
       TcpStoreClient::Connect("127.0.0.1", port, token, DeadlineIn(5s));
@@ -638,21 +652,39 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
   holder.Handshake();
   newer.Handshake();
   const std::string held = set_frame(1, "held"), waits_first = set_frame(2, "newer");
+  // Each step waits until the server has seen the one before, so the order
+  // in which the frames began to wait is the order written here.
   holder.Send(std::string_view(held).substr(0, 1000));
-  std::this_thread::sleep_for(300ms);
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes >= held.size();
+  })) << "the holder's frame never got its room: " << server->stats().buffered_bytes
+      << " bytes buffered";
   newer.Send(std::string_view(waits_first).substr(0, 1000));
-  std::this_thread::sleep_for(300ms);
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 1;
+  })) << "the newer connection's frame never began to wait for room: "
+      << server->stats().frames_waiting_for_room << " frames waiting";
   std::atomic<bool> older_done{false};
   Status older_status;
   std::thread older_set([&] {
     older_status = older->Set("older", std::string(3 << 20, 'o'), DeadlineIn(20s));
     older_done = true;
   });
-  std::this_thread::sleep_for(300ms);
+  // EXPECT, not ASSERT, from here on: the steps below let older_set end.
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 2;
+  })) << "the older connection's frame never began to wait for room: "
+      << server->stats().frames_waiting_for_room << " frames waiting";
   holder.Send(std::string_view(held).substr(1000));
   ASSERT_TRUE(holder.ReadFrame(5s).has_value());
   // The room went to the newer connection's frame, which stops half-way:
   // the older one's keeps waiting.
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 1;
+  })) << "the held room was not handed on: " << server->stats().frames_waiting_for_room
+      << " frames waiting";
+  // Time for a wrongly ordered handover to show (the older Set would
+  // finish); with the right order nothing changes here.
   std::this_thread::sleep_for(500ms);
   EXPECT_FALSE(older_done.load()) << "the older connection's frame got the room first";
   newer.Send(std::string_view(waits_first).substr(1000));
@@ -685,9 +717,13 @@ TEST(TcpStoreTest, ManyWaitersOnALargeValueStayWithinTheBufferBound) {
     w.String("large");
     waiter.Send(w.Frame());
   }
-  std::this_thread::sleep_for(300ms);  // all parked
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.parked_waits == kWaits;
+  })) << "only " << server->stats().parked_waits << " of " << kWaits << " waits parked";
   auto setter = ConnectClient(*server);
   ASSERT_TRUE(setter->Set("large", value, DeadlineIn(10s)).ok());
+  // Time for the server to copy replies, were it to copy one per waiter;
+  // the bound below holds at every moment when it is right.
   std::this_thread::sleep_for(300ms);
   // Nobody has read: what is held stays near the bound (one reply may
   // exceed it), not 24 replies of 4 MiB less what the sockets took.
