@@ -758,6 +758,11 @@ TEST(TcpStoreTest, ConnectionFloodDoesNotStopTheJobFromForming) {
     }
   });
   while (opened.load() < 200) std::this_thread::sleep_for(1ms);
+  // The ranks start once the flood presses on the server's limit (it has
+  // evicted a stranger), not merely once the strangers have connected: on
+  // a busy machine the server may not have accepted them yet.
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.evicted > 0; }))
+      << "the flood never made the server evict a connection";
 
   constexpr int kRanks = 4;
   std::vector<std::thread> ranks;
