@@ -185,7 +185,11 @@ TEST(DdprunTest, RunIdIsTheRunsThroughRestartsAndNotTheNextRuns) {
   const auto first = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=1"},
                                     {"--store", "--print_env", "--fail_before_restart=1"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  EXPECT_EQ(CountLines(first.output, " run_id "), 4) << first.output;  // 2 ranks, 2 attempts
+  // Rank 1 on both attempts and rank 0 on the second at least: rank 1's
+  // failure can stop rank 0's first attempt before it prints (seen on a
+  // busy machine).
+  EXPECT_GE(CountLines(first.output, " run_id "), 3) << first.output;
+  EXPECT_EQ(CountLines(first.output, "[1] rank 1 run_id "), 2) << first.output;
   const std::set<std::string> first_ids = ids(first);
   ASSERT_EQ(first_ids.size(), 1u) << first.output;
   EXPECT_EQ(first_ids.begin()->size(), 16u) << first.output;
