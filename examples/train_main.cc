@@ -33,6 +33,7 @@
 #include "examples/user_path.h"
 #include "nn/ops/config.h"
 #include "transport/launch/env.h"
+#include "transport/launch/error_file.h"
 #include "transport/launch/self_launch.h"
 
 // Model and data.
@@ -345,6 +346,9 @@ TrainConfig ConfigFromFlags(int world_size) {
     std::fprintf(stderr, "%s: %s\n", kProgram, message.c_str());
   }
   std::fflush(stderr);
+  // For the launcher's report (ddprun, torchrun, this program's own): a
+  // worker's reason is then there even when its output went to a log file.
+  (void)ddp::transport::launch::RecordWorkerError(message);
   std::exit(status);
 }
 

@@ -395,6 +395,27 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
   EXPECT_THAT(ReadFile(tee_dir + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
 }
 
+// torchrun's TORCHELASTIC_ERROR_FILE: what a failed worker wrote there (here
+// in the layout of torch.distributed.elastic's @record) is in ddprun's
+// report, and each attempt's file stays beside its logs.
+TEST(DdprunTest, AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs) {
+  const std::string dir = testing::MakeTempDir("ddprun_error_file");
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then printf '{\"message\": {\"message\": \"ValueError: shard %s missing\", "
+      "\"extraInfo\": {\"timestamp\": \"1700000000\"}}}' \"$TORCHELASTIC_RESTART_COUNT\" "
+      "> \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; sleep 30";
+  const auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+                               "--log_dir=" + dir, "/bin/sh", "-c", script});
+  EXPECT_EQ(run.exit_code, 3) << run.output;
+  for (const char* attempt : {"0", "1"}) {
+    EXPECT_THAT(run.output, ContainsRegex(std::string("rank 1 \\(pid [0-9]+\\) exited with code 3; stopping the "
+                                                      "other workers; rank 1 reported: ValueError: shard ") +
+                                          attempt + " missing"));
+    EXPECT_THAT(ReadFile(dir + "/attempt_" + attempt + "/rank_1.error.json"),
+                HasSubstr(std::string("shard ") + attempt + " missing"));
+  }
+}
+
 TEST(DdprunTest, NoPrefix) {
   const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--no_prefix"}, {}));
   EXPECT_EQ(run.exit_code, 0) << run.output;

@@ -15,10 +15,13 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <utility>
+
+#include "transport/launch/error_file.h"
 
 extern char** environ;
 
@@ -31,6 +34,8 @@ constexpr size_t kMaxLineBytes = 64 * 1024;
 // How long output may keep flowing after the last worker exited (a worker's
 // child could hold the pipe open forever).
 constexpr auto kDrainTime = std::chrono::milliseconds(1000);
+// The most of a worker's error message that goes into a reason line.
+constexpr size_t kMaxReportedError = 400;
 // How long Wait and the destructor wait for SIGKILLed workers to be reaped.
 constexpr auto kReapTime = std::chrono::milliseconds(5000);
 // Poll period when the kernel has no pidfd_open (before Linux 5.3).
@@ -443,6 +448,7 @@ struct Worker {
   Stream streams[2];
   Fd log;
   std::string log_path;
+  std::string error_path;   // its TORCHELASTIC_ERROR_FILE; empty: none
   uint64_t log_bytes = 0;   // written to the log so far
   std::string log_failure;  // set when a write to it failed; it is closed then
   std::string captured;
@@ -474,6 +480,12 @@ class WorkerGroup::Impl {
 
   ~Impl() {
     KillAndReap();
+    if (!error_dir_.empty()) {
+      for (const Worker& w : workers_) {
+        if (!w.error_path.empty()) unlink(w.error_path.c_str());
+      }
+      rmdir(error_dir_.c_str());
+    }
     if (forwarding_) {
       for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
         if (installed_[i]) sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
@@ -493,6 +505,16 @@ class WorkerGroup::Impl {
     if (!dev_null_.valid()) return InternalError("open /dev/null: " + ErrnoText(errno));
     if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
     WaitForChildren();
+    if (options_.error_files && out.log_dir.empty()) {
+      const char* tmp = getenv("TMPDIR");
+      std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
+                            "/ddp_worker_errors_XXXXXX";
+      if (mkdtemp(pattern.data()) == nullptr) {
+        return InternalError("cannot make a directory for the workers' error files ('" + pattern +
+                             "'): " + ErrnoText(errno));
+      }
+      error_dir_ = pattern;
+    }
     if (use_pipes_ && out.to_terminal) {
       terminals_[0].Open(STDOUT_FILENO);
       terminals_[1].Open(STDERR_FILENO);
@@ -702,6 +724,7 @@ class WorkerGroup::Impl {
     // group id, is reaped and that id becomes free).
     if (RunningCount() == 0) StopWatcher();
     ReapLeader();
+    ReadErrorFiles(result);
     for (Worker& w : workers_) {
       for (int s = 0; s < 2; ++s) FlushPartial(w, s);
       result.workers.push_back(w.exit);
@@ -728,6 +751,52 @@ class WorkerGroup::Impl {
   }
 
  private:
+  // What the failed workers wrote to their error files: into their exits,
+  // and the earliest (the root cause, as torchrun has it; the first
+  // failure on a tie) into the reason, on one line.
+  void ReadErrorFiles(GroupResult& result) {
+    Worker* earliest = nullptr;
+    for (Worker& w : workers_) {
+      if (w.error_path.empty() || !w.exit.exited || w.exit.ok()) continue;
+      StatusOr<WorkerError> error = ReadErrorFile(w.error_path);
+      if (!error.ok()) {
+        // A file the worker got wrong is worth saying; one this launcher
+        // could not read (no descriptors left) is not the worker's word.
+        if (error.status().code() == StatusCode::kInvalidArgument) {
+          result.reason += "; rank " + std::to_string(w.rank) + "'s " + error.status().message();
+        }
+        continue;
+      }
+      w.exit.error = std::move(error->message);
+      w.exit.error_timestamp_us = error->timestamp_us;
+      if (result.first_failure && result.first_failure->pid == w.exit.pid) {
+        result.first_failure->error = w.exit.error;
+        result.first_failure->error_timestamp_us = w.exit.error_timestamp_us;
+      }
+      const bool first = result.first_failure && result.first_failure->pid == w.exit.pid;
+      if (earliest == nullptr || w.exit.error_timestamp_us < earliest->exit.error_timestamp_us ||
+          (w.exit.error_timestamp_us == earliest->exit.error_timestamp_us && first)) {
+        earliest = &w;
+      }
+    }
+    if (earliest == nullptr) return;
+    result.first_error = earliest->exit;
+    std::string line;
+    for (char c : earliest->exit.error) {
+      if (line.size() >= kMaxReportedError) {
+        line += "...";
+        break;
+      }
+      if (c == '\n' || c == '\r') {
+        if (!line.empty() && line.back() != ' ') line += " | ";
+        continue;
+      }
+      line += c;
+    }
+    while (!line.empty() && (line.back() == ' ' || line.back() == '|')) line.pop_back();
+    result.reason += "; rank " + std::to_string(earliest->rank) + " reported: " + line;
+  }
+
   // With SIGCHLD ignored (SIG_IGN or SA_NOCLDWAIT, inherited from a parent
   // that set it) the kernel reaps exited children itself, so waitid cannot
   // observe the workers' exits and the group would wait for them forever.
@@ -798,6 +867,18 @@ class WorkerGroup::Impl {
       }
       w.log_path = path;
     }
+    if (options_.error_files) {
+      w.error_path = (out.log_dir.empty() ? error_dir_ + "/" : out.log_dir + "/" + out.log_name_prefix) +
+                     "rank_" + std::to_string(spec.rank) + ".error.json";
+      if (!out.log_dir.empty()) {
+        DDP_RETURN_IF_ERROR(MakeDirectories(w.error_path.substr(0, w.error_path.rfind('/'))));
+      }
+      // One left by an earlier run would be taken for this worker's.
+      if (unlink(w.error_path.c_str()) != 0 && errno != ENOENT) {
+        return InvalidArgumentError("cannot remove the old error file '" + w.error_path +
+                                    "': " + ErrnoText(errno));
+      }
+    }
     Fd child_out, child_err;
     if (use_pipes_) {
       for (int s = 0; s < 2; ++s) {
@@ -814,18 +895,21 @@ class WorkerGroup::Impl {
     std::vector<char*> argv;
     for (const std::string& arg : spec.argv) argv.push_back(const_cast<char*>(arg.c_str()));
     argv.push_back(nullptr);
+    std::vector<std::pair<std::string, std::string>> spec_env;
+    if (!w.error_path.empty()) spec_env.emplace_back(kEnvErrorFile, w.error_path);
+    spec_env.insert(spec_env.end(), spec.env.begin(), spec.env.end());
     std::vector<std::string> env_strings;
     for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
       std::string_view entry(*e);
       const std::string_view name = entry.substr(0, entry.find('='));
       bool overridden = false;
-      for (const auto& [key, value] : spec.env) overridden = overridden || key == name;
+      for (const auto& [key, value] : spec_env) overridden = overridden || key == name;
       if (!overridden) env_strings.emplace_back(entry);
     }
-    for (size_t i = 0; i < spec.env.size(); ++i) {
+    for (size_t i = 0; i < spec_env.size(); ++i) {
       bool later = false;  // a later entry with the same name wins
-      for (size_t j = i + 1; j < spec.env.size(); ++j) later = later || spec.env[j].first == spec.env[i].first;
-      if (!later) env_strings.push_back(spec.env[i].first + "=" + spec.env[i].second);
+      for (size_t j = i + 1; j < spec_env.size(); ++j) later = later || spec_env[j].first == spec_env[i].first;
+      if (!later) env_strings.push_back(spec_env[i].first + "=" + spec_env[i].second);
     }
     std::vector<char*> envp;
     for (std::string& entry : env_strings) envp.push_back(entry.data());
@@ -1168,6 +1252,7 @@ class WorkerGroup::Impl {
 
   SpawnOptions options_;
   bool use_pipes_ = false;
+  std::string error_dir_;  // made by Start when there is no log_dir; removed at the end
   std::vector<Worker> workers_;
   Terminal terminals_[2];  // the launcher's stdout and stderr
   pid_t pgid_ = 0;

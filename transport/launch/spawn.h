@@ -95,6 +95,14 @@ struct SpawnOptions {
   /// while its peers wait for it, and again when it continues. Empty:
   /// nothing is said.
   std::function<void(const std::string& line)> on_notice;
+  /// Give every worker an error file of its own in TORCHELASTIC_ERROR_FILE
+  /// (see error_file.h): <log_dir>/<log_name_prefix>rank_<r>.error.json
+  /// with a log_dir, else a file in a directory the group makes under
+  /// $TMPDIR (or /tmp) and removes when destroyed. A file left there by an
+  /// earlier run is removed before the worker starts. What a failed worker
+  /// wrote goes into its WorkerExit::error, and the earliest such message
+  /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins.
+  bool error_files = true;
 };
 
 /// How one worker ended.
@@ -104,6 +112,10 @@ struct WorkerExit {
   bool exited = false;    ///< Reaped (false if it could not be reaped in time).
   bool signaled = false;  ///< Killed by a signal (else exited normally).
   int code = 0;           ///< Exit status, or the signal number when signaled.
+  /// What it wrote to its error file before failing (SpawnOptions::
+  /// error_files); empty when it succeeded or wrote none.
+  std::string error;
+  int64_t error_timestamp_us = 0;  ///< When it wrote it (unix time), 0 unknown.
 
   bool ok() const { return exited && !signaled && code == 0; }
   /// "rank 1 (pid 4242) exited with code 3" / "... was killed by signal 9 (SIGKILL)".
@@ -138,6 +150,11 @@ struct GroupResult {
   /// Nothing more is written to that file; the terminal and the capture
   /// still get the output.
   std::vector<std::string> log_failures;
+
+  /// The failed worker whose error file was written first (see
+  /// SpawnOptions::error_files): the root cause, as torchrun reports it.
+  /// Its message is also in `reason` ("...; rank 1 reported: <message>").
+  std::optional<WorkerExit> first_error;
 
   /// 0 on success; the failed worker's exit code, or 128 + its signal; 128 +
   /// the signal when interrupted; 1 when stopped, timed out or unwatchable.

@@ -20,6 +20,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "transport/launch/error_file.h"
 #include "transport/launch/test_spawn.h"
 
 namespace ddp::transport::launch {
@@ -104,6 +105,32 @@ DDP_TEST_WORKER(fail_rank1) {
     std::this_thread::sleep_for(300ms);
     return 0;
   }
+  SleepForever();
+  return 0;
+}
+
+// Rank R prints its error file's path, waits $DELAY<R> ms, writes $MSG<R>
+// there (stamped $AT<R> unix seconds when given; "{" when $GARBAGE<R>) and
+// exits 5; a rank without $MSG<R> or $GARBAGE<R> sleeps ($FAIL<R>: exits 4
+// without a word).
+DDP_TEST_WORKER(reports_error) {
+  const std::string r = std::to_string(EnvInt("RANK", -1));
+  const char* path = std::getenv(kEnvErrorFile);
+  std::printf("error file: %s\n", path != nullptr ? path : "(none)");
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::milliseconds(EnvInt(("DELAY" + r).c_str(), 0)));
+  if (EnvInt(("GARBAGE" + r).c_str(), 0)) {
+    std::ofstream(path) << "{";
+    return 5;
+  }
+  if (const char* message = std::getenv(("MSG" + r).c_str())) {
+    const int at = EnvInt(("AT" + r).c_str(), 0);
+    const Status written = at > 0 ? WriteErrorFile(path, message,
+                                                   std::chrono::system_clock::time_point(std::chrono::seconds(at)))
+                                  : RecordWorkerError(message);
+    return written.ok() ? 5 : 6;
+  }
+  if (EnvInt(("FAIL" + r).c_str(), 0)) return 4;
   SleepForever();
   return 0;
 }
@@ -346,6 +373,117 @@ TEST(SpawnTest, WorkerKilledBySignalStopsTheOthers) {
   EXPECT_EQ(result.ExitCode(), 128 + SIGKILL);
   for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
   ExpectNoChildrenLeft();
+}
+
+// What a failed worker wrote to TORCHELASTIC_ERROR_FILE (its own, in a
+// directory the group removes at the end) is in the reason, on one line.
+TEST(SpawnTest, AFailedWorkersErrorFileIsInTheReason) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(2, "reports_error", {{"MSG1", "dataset '/data/x' is missing\nsee --data_dir"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") exited with code 5; stopping the other workers; rank 1 reported: "
+                               "dataset '/data/x' is missing | see --data_dir");
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->error, "dataset '/data/x' is missing\nsee --data_dir");
+  ASSERT_TRUE(result.first_error.has_value());
+  EXPECT_EQ(result.first_error->rank, 1);
+  EXPECT_GT(result.first_error->error_timestamp_us, int64_t{1600000000} * 1000000);
+  EXPECT_EQ(result.workers[0].error, "");  // stopped by the group: nothing read
+  EXPECT_EQ(result.ExitCode(), 5);
+
+  // The file was in a directory of the group's, gone with the group.
+  const size_t at = result.output[1].find("error file: ");
+  ASSERT_NE(at, std::string::npos) << result.output[1];
+  const std::string path = result.output[1].substr(at + 12, result.output[1].find('\n', at) - at - 12);
+  EXPECT_THAT(path, ::testing::EndsWith("/rank_1.error.json"));
+  const std::string dir = path.substr(0, path.rfind('/'));
+  EXPECT_THAT(dir, HasSubstr("/ddp_worker_errors_"));
+  EXPECT_EQ(access(dir.c_str(), F_OK), 0);
+  group->reset();
+  EXPECT_EQ(access(dir.c_str(), F_OK), -1) << dir << " outlived the group";
+  ExpectNoChildrenLeft();
+}
+
+// As torchrun: of the failed workers' messages, the earliest written is the
+// root cause, whichever worker exited first.
+TEST(SpawnTest, TheEarliestErrorWrittenIsTheRootCause) {
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(3, "reports_error",
+            {{"MSG0", "lost the connection to rank 1"}, {"AT0", "1700000900"},
+             {"MSG1", "CUDA out of memory"}, {"AT1", "1700000100"}, {"DELAY1", "300"},
+             {"FAIL2", "1"}, {"DELAY2", "100"}}),
+      options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->rank, 0);
+  ASSERT_TRUE(result.first_error.has_value());
+  EXPECT_EQ(result.first_error->rank, 1);
+  EXPECT_THAT(result.reason, ::testing::EndsWith("; rank 1 reported: CUDA out of memory"));
+  EXPECT_EQ(result.workers[0].error, "lost the connection to rank 1");
+  EXPECT_EQ(result.workers[0].error_timestamp_us, int64_t{1700000900} * 1000000);
+  EXPECT_EQ(result.workers[2].error, "");
+  ExpectNoChildrenLeft();
+}
+
+// Under a log_dir the error files sit beside the logs and stay; one left
+// there by an earlier run is removed before the worker starts, and a file
+// that is not JSON is named.
+TEST(SpawnTest, ErrorFilesBesideTheLogsStayAndStaleOnesGo) {
+  const std::string dir = TempDir("errorfiles");
+  mkdir((dir + "/attempt_0").c_str(), 0755);
+  ASSERT_TRUE(WriteErrorFile(dir + "/attempt_0/rank_0.error.json", "from an earlier run").ok());
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  options.output.log_dir = dir;
+  options.output.log_name_prefix = "attempt_0/";
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(3, "reports_error", {{"FAIL0", "1"}, {"MSG1", "bad flag"}, {"DELAY1", "100"},
+                                 {"GARBAGE2", "1"}, {"DELAY2", "200"}}),
+      options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  group->reset();
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->rank, 0);
+  EXPECT_EQ(result.workers[0].error, "");
+  ASSERT_TRUE(result.first_error.has_value());
+  EXPECT_EQ(result.first_error->rank, 1);
+  EXPECT_THAT(result.reason, HasSubstr("; rank 2's error file '" + dir +
+                                       "/attempt_0/rank_2.error.json' is malformed: not JSON"));
+  EXPECT_THAT(result.reason, HasSubstr("; rank 1 reported: bad flag"));
+  EXPECT_THAT(result.reason, ::testing::Not(HasSubstr("earlier run")));
+  StatusOr<WorkerError> kept = ReadErrorFile(dir + "/attempt_0/rank_1.error.json");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->message, "bad flag");
+  EXPECT_EQ(access((dir + "/attempt_0/rank_0.error.json").c_str(), F_OK), -1);
+}
+
+// A spec's own TORCHELASTIC_ERROR_FILE wins; error_files=false gives none.
+TEST(SpawnTest, ErrorFilesCanBeNamedByTheSpecOrTurnedOff) {
+  const std::string dir = TempDir("ownerrorfile");
+  std::vector<WorkerSpec> specs = Specs(1, "reports_error", {{"MSG0", "mine"}});
+  specs[0].env.emplace_back(kEnvErrorFile, dir + "/mine.json");
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_THAT(result.output[0], HasSubstr("error file: " + dir + "/mine.json\n"));
+  EXPECT_TRUE(ReadErrorFile(dir + "/mine.json").ok());
+
+  SpawnOptions off = Quiet();
+  off.error_files = false;
+  unsetenv(kEnvErrorFile);
+  group = WorkerGroup::Start(Specs(1, "reports_error", {{"FAIL0", "1"}}), off);
+  ASSERT_TRUE(group.ok()) << group.status();
+  result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_THAT(result.output[0], HasSubstr("error file: (none)\n"));
+  EXPECT_EQ(result.ExitCode(), 4);
 }
 
 // A worker stopped by SIGTTOU (it wrote to the terminal from its background

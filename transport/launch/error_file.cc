@@ -1,0 +1,146 @@
+#include "transport/launch/error_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+namespace ddp::transport::launch {
+namespace {
+
+constexpr size_t kMaxErrorFileBytes = size_t{1} << 20;
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+// A timestamp as torchrun writes it (a string of digits) or as a number.
+bool ParseTimestamp(const nlohmann::json& value, int64_t& out) {
+  if (value.is_number_integer()) {
+    out = value.get<int64_t>();
+    return true;
+  }
+  if (!value.is_string()) return false;
+  const std::string& text = value.get_ref<const std::string&>();
+  if (text.empty() || text.size() > 18) return false;
+  int64_t parsed = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    parsed = parsed * 10 + (c - '0');
+  }
+  out = parsed;
+  return true;
+}
+
+}  // namespace
+
+Status WriteErrorFile(const std::string& path, std::string_view message,
+                      std::chrono::system_clock::time_point when) {
+  if (path.empty()) return InvalidArgumentError("no error file path given");
+  const int64_t us =
+      std::chrono::duration_cast<std::chrono::microseconds>(when.time_since_epoch()).count();
+  nlohmann::json doc;
+  // Invalid UTF-8 in the message would make dump() throw: replace it.
+  doc["message"]["message"] = std::string(message);
+  doc["message"]["extraInfo"]["timestamp"] = std::to_string(us / 1000000);
+  doc["message"]["extraInfo"]["timestamp_us"] = std::to_string(us);
+  const std::string text =
+      doc.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace) + "\n";
+
+  const std::string temp = path + ".tmp." + std::to_string(getpid());
+  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return InternalError("cannot write error file '" + temp + "': " + ErrnoText(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      close(fd);
+      unlink(temp.c_str());
+      return InternalError("cannot write error file '" + temp + "': " + ErrnoText(err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (close(fd) != 0) {
+    const int err = errno;
+    unlink(temp.c_str());
+    return InternalError("cannot write error file '" + temp + "': " + ErrnoText(err));
+  }
+  if (rename(temp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    unlink(temp.c_str());
+    return InternalError("cannot move error file '" + temp + "' to '" + path + "': " + ErrnoText(err));
+  }
+  return Status::Ok();
+}
+
+Status RecordWorkerError(std::string_view message) {
+  const char* path = std::getenv(kEnvErrorFile);
+  if (path == nullptr || *path == '\0') return Status::Ok();
+  return WriteErrorFile(path, message);
+}
+
+StatusOr<WorkerError> ReadErrorFile(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFoundError("no error file '" + path + "'");
+    return InternalError("cannot read error file '" + path + "': " + ErrnoText(err));
+  }
+  std::string text;
+  char buffer[8192];
+  while (true) {
+    const ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      close(fd);
+      return InternalError("cannot read error file '" + path + "': " + ErrnoText(err));
+    }
+    if (n == 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    if (text.size() > kMaxErrorFileBytes) {
+      close(fd);
+      return InvalidArgumentError("error file '" + path + "' is over " +
+                                  std::to_string(kMaxErrorFileBytes) + " bytes");
+    }
+  }
+  close(fd);
+
+  const nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  auto malformed = [&path](const std::string& why) {
+    return InvalidArgumentError("error file '" + path + "' is malformed: " + why);
+  };
+  if (doc.is_discarded()) return malformed("not JSON");
+  if (!doc.is_object() || !doc.contains("message")) return malformed("no \"message\"");
+  const nlohmann::json& message = doc["message"];
+  WorkerError out;
+  int64_t seconds = 0;
+  if (message.is_string()) {
+    // {"message": "...", "timestamp": N}
+    out.message = message.get<std::string>();
+    if (doc.contains("timestamp") && ParseTimestamp(doc["timestamp"], seconds)) {
+      out.timestamp_us = seconds * 1000000;
+    }
+    return out;
+  }
+  if (!message.is_object() || !message.contains("message") || !message["message"].is_string()) {
+    return malformed("\"message\" is neither a string nor an object with a string \"message\"");
+  }
+  out.message = message["message"].get<std::string>();
+  if (message.contains("extraInfo") && message["extraInfo"].is_object()) {
+    const nlohmann::json& info = message["extraInfo"];
+    int64_t us = 0;
+    if (info.contains("timestamp_us") && ParseTimestamp(info["timestamp_us"], us)) {
+      out.timestamp_us = us;
+    } else if (info.contains("timestamp") && ParseTimestamp(info["timestamp"], seconds)) {
+      out.timestamp_us = seconds * 1000000;
+    }
+  }
+  return out;
+}
+
+}  // namespace ddp::transport::launch

@@ -1,0 +1,124 @@
+#include "transport/launch/error_file.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace ddp::transport::launch {
+namespace {
+
+class ErrorFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = ::testing::TempDir() + "/error_file_XXXXXX";
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void Write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ + "/" + name) << text;
+  }
+  std::string Read(const std::string& name) {
+    std::ifstream in(dir_ + "/" + name);
+    std::stringstream out;
+    out << in.rdbuf();
+    return out.str();
+  }
+  std::string dir_;
+};
+
+TEST_F(ErrorFileTest, WhatIsWrittenReadsBackWithItsTime) {
+  const std::string path = dir_ + "/error.json";
+  const auto when = std::chrono::system_clock::time_point(std::chrono::microseconds(1700000000123456));
+  ASSERT_TRUE(WriteErrorFile(path, "loss is NaN at step 12\n\"quoted\" \xc3\xa9", when).ok());
+  StatusOr<WorkerError> read = ReadErrorFile(path);
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->message, "loss is NaN at step 12\n\"quoted\" \xc3\xa9");
+  EXPECT_EQ(read->timestamp_us, 1700000000123456);
+  // torchrun's reader takes extraInfo.timestamp, whole seconds as a string.
+  EXPECT_NE(Read("error.json").find("\"timestamp\":\"1700000000\""), std::string::npos) << Read("error.json");
+  // Written whole: no temporary is left beside it.
+  EXPECT_EQ(access((path + ".tmp." + std::to_string(getpid())).c_str(), F_OK), -1);
+}
+
+TEST_F(ErrorFileTest, InvalidUtf8IsReplacedNotRefused) {
+  const std::string path = dir_ + "/error.json";
+  ASSERT_TRUE(WriteErrorFile(path, "bad byte \xff here").ok());
+  StatusOr<WorkerError> read = ReadErrorFile(path);
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->message.rfind("bad byte ", 0), 0u);
+  EXPECT_NE(read->message.find(" here"), std::string::npos);
+}
+
+TEST_F(ErrorFileTest, ReadsWhatTorchElasticsRecordWrites) {
+  // The layout of torch.distributed.elastic's @record, and the older one.
+  Write("record.json",
+        R"({"message": {"message": "ValueError: bad batch", "extraInfo": )"
+        R"({"py_callstack": "Traceback ...", "timestamp": "1700000001"}}})");
+  StatusOr<WorkerError> read = ReadErrorFile(dir_ + "/record.json");
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->message, "ValueError: bad batch");
+  EXPECT_EQ(read->timestamp_us, int64_t{1700000001} * 1000000);
+
+  Write("old.json", R"({"message": "RuntimeError: x", "timestamp": 1700000002})");
+  read = ReadErrorFile(dir_ + "/old.json");
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->message, "RuntimeError: x");
+  EXPECT_EQ(read->timestamp_us, int64_t{1700000002} * 1000000);
+
+  Write("no_time.json", R"({"message": {"message": "no time"}})");
+  read = ReadErrorFile(dir_ + "/no_time.json");
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->timestamp_us, 0);
+}
+
+TEST_F(ErrorFileTest, MissingAndMalformedFilesAreNamed) {
+  StatusOr<WorkerError> read = ReadErrorFile(dir_ + "/none.json");
+  EXPECT_EQ(read.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(read.status().message().find("none.json"), std::string::npos);
+
+  const std::pair<const char*, const char*> cases[] = {
+      {"{\"message\": ", "not JSON"},
+      {"[1, 2]", "no \"message\""},
+      {"{\"other\": 1}", "no \"message\""},
+      {"{\"message\": 7}", "neither a string nor an object"},
+      {"{\"message\": {\"text\": \"x\"}}", "neither a string nor an object"},
+  };
+  for (const auto& [text, why] : cases) {
+    Write("bad.json", text);
+    read = ReadErrorFile(dir_ + "/bad.json");
+    ASSERT_FALSE(read.ok()) << text;
+    EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(read.status().message().find(dir_ + "/bad.json"), std::string::npos) << read.status().message();
+    EXPECT_NE(read.status().message().find(why), std::string::npos) << read.status().message();
+  }
+  Write("huge.json", std::string((size_t{1} << 20) + 10, ' '));
+  read = ReadErrorFile(dir_ + "/huge.json");
+  EXPECT_NE(read.status().message().find("is over 1048576 bytes"), std::string::npos) << read.status().message();
+}
+
+TEST_F(ErrorFileTest, RecordWorkerErrorWritesWhereTheLauncherSaid) {
+  unsetenv(kEnvErrorFile);
+  EXPECT_TRUE(RecordWorkerError("nobody asked").ok());
+  const std::string path = dir_ + "/rank_3.error.json";
+  setenv(kEnvErrorFile, path.c_str(), 1);
+  ASSERT_TRUE(RecordWorkerError("rank 3: dataset missing").ok());
+  unsetenv(kEnvErrorFile);
+  StatusOr<WorkerError> read = ReadErrorFile(path);
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->message, "rank 3: dataset missing");
+  EXPECT_GT(read->timestamp_us, int64_t{1600000000} * 1000000);
+
+  setenv(kEnvErrorFile, (dir_ + "/no/such/dir/e.json").c_str(), 1);
+  Status status = RecordWorkerError("x");
+  unsetenv(kEnvErrorFile);
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("no/such/dir"), std::string::npos) << status.message();
+}
+
+}  // namespace
+}  // namespace ddp::transport::launch
