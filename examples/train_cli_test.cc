@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -106,6 +107,19 @@ TEST(TrainCliTest, UnknownCommHookListsTheHooks) {
 TEST(TrainCliTest, UnknownModelListsTheModels) {
   EXPECT_EQ(OneErrorLine(Train({"--model=vgg16"})),
             "train: unknown --model=vgg16; use one of cnn, mlp, resnet18, resnet34, resnet50");
+}
+
+// Under a launcher that names an error file (torchrun, ddprun), the
+// failure's message goes there too, for the launcher's report.
+TEST(TrainCliTest, FailuresAreWrittenToTheLaunchersErrorFile) {
+  const std::string path = testing::MakeTempDir("train_error_file") + "/error.json";
+  const RunOutput r = RunToEnd({Runfile("examples/train"), "--model=vgg16"},
+                               {{"TORCHELASTIC_ERROR_FILE", path}}, std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  EXPECT_NE(text.str().find("\"message\":\"unknown --model=vgg16; use one of cnn,"), std::string::npos)
+      << text.str();
 }
 
 TEST(TrainCliTest, BatchLargerThanTheShardSaysTheLimit) {
