@@ -125,6 +125,9 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
                        (torchrun's --tee=3; --tee=0 and --redirects=3 accepted,
                        and torchrun's -t CODE and -r CODE for them)
   --no_prefix          do not start terminal lines with "[rank] "
+  --local_ranks_filter=R[,R...]
+                       show only these local ranks' output on the terminal
+                       (log files still get every rank's)
   --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
                        required with several nodes, generated otherwise
   --rdzv_timeout=SEC   how long to wait for every node to join (default 300)
@@ -434,6 +437,26 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
       }
       if (name == "tee") o.tee = code != "0";
       if (name == "redirects") redirects = code == "3";
+    } else if (name == "local_ranks_filter") {
+      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+      o.local_ranks_filter.clear();
+      size_t start = 0;
+      while (true) {
+        const size_t comma = text.find(',', start);
+        const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos
+                                                                              : comma - start);
+        const std::optional<int64_t> v = ParseInt(item);
+        if (!v || *v < 0 || *v >= 1000000) {
+          return InvalidArgumentError(Flag(name, text) + ": '" + item +
+                                      "' is not a local rank (a comma-separated list such as 0,1)");
+        }
+        o.local_ranks_filter.push_back(static_cast<int>(*v));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+      std::sort(o.local_ranks_filter.begin(), o.local_ranks_filter.end());
+      o.local_ranks_filter.erase(std::unique(o.local_ranks_filter.begin(), o.local_ranks_filter.end()),
+                                 o.local_ranks_filter.end());
     } else if (name == "no_prefix") {
       DDP_RETURN_IF_ERROR(no_value());
       o.prefix = false;
@@ -552,6 +575,12 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
         "secret on every node");
   }
   if (o.tee && o.log_dir.empty()) return InvalidArgumentError("--tee needs --log_dir");
+  if (!o.local_ranks_filter.empty() && o.local_ranks_filter.back() >= o.nproc_per_node) {
+    return InvalidArgumentError("--local_ranks_filter names local rank " +
+                                std::to_string(o.local_ranks_filter.back()) + ", but --nproc_per_node=" +
+                                std::to_string(o.nproc_per_node) + " gives local ranks 0 to " +
+                                std::to_string(o.nproc_per_node - 1));
+  }
   if (redirects && o.log_dir.empty()) return InvalidArgumentError("--redirects needs --log_dir");
   return o;
 }
@@ -1767,6 +1796,9 @@ int RunDdprun(const DdprunOptions& options) {
     spawn.on_notice = [&o](const std::string& line) { Say("node " + std::to_string(o.node_rank) + ": " + line); };
     spawn.output.to_terminal = o.log_dir.empty() || o.tee;
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
+    for (int local : o.local_ranks_filter) {
+      spawn.output.terminal_ranks.push_back(o.node_rank * o.nproc_per_node + local);
+    }
     spawn.output.log_dir = o.log_dir;
     spawn.output.log_name_prefix = "attempt_" + std::to_string(attempt) + "/";
     if (multi_node) {

@@ -80,6 +80,9 @@ struct DdprunOptions {
   std::string log_dir;           ///< Per-rank log files under attempt_<k>/.
   bool tee = false;              ///< With log_dir: also write to the terminal.
   bool prefix = true;            ///< "[rank] " on terminal lines (when >1 worker).
+  /// --local_ranks_filter: only these local ranks' output reaches the
+  /// terminal (log files get all); empty: every rank's. Sorted, unique.
+  std::vector<int> local_ranks_filter;
   std::string job_token;         ///< From --job_token or DDP_JOB_TOKEN.
   std::chrono::milliseconds rdzv_timeout{300000};  ///< Waiting for all nodes.
   std::chrono::milliseconds node_timeout{30000};   ///< Heartbeat silence = dead node.

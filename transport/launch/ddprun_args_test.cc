@@ -337,6 +337,22 @@ TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
                 "see ddprun --help)");
 }
 
+TEST(DdprunArgsTest, LocalRanksFilter) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=4", "--local-ranks-filter", "2,0", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->local_ranks_filter, (std::vector<int>{0, 2}));
+  o = Parse({"--local_ranks_filter=1,1,0", "--nproc_per_node=2", "./prog"});  // order of flags free
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->local_ranks_filter, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(Parse({"./prog"})->local_ranks_filter.empty());
+  const std::string list = "' is not a local rank (a comma-separated list such as 0,1)";
+  ExpectRefused({"--local_ranks_filter=0,", "p"}, "--local_ranks_filter=0,: '" + list);
+  ExpectRefused({"--local_ranks_filter=a", "p"}, "--local_ranks_filter=a: 'a" + list);
+  ExpectRefused({"--local_ranks_filter=-1", "p"}, "--local_ranks_filter=-1: '-1" + list);
+  ExpectRefused({"--nproc_per_node=2", "--local_ranks_filter=0,2", "p"},
+                "--local_ranks_filter names local rank 2, but --nproc_per_node=2 gives local ranks 0 to 1");
+}
+
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
   ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer, gpu, cpu or auto");

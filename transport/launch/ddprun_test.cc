@@ -416,6 +416,23 @@ TEST(DdprunTest, AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs) {
   }
 }
 
+// torchrun's --local_ranks_filter: the terminal shows the chosen ranks,
+// the log files (with --tee) still get every rank's output.
+TEST(DdprunTest, LocalRanksFilterChoosesWhoseOutputReachesTheTerminal) {
+  const std::string dir = testing::MakeTempDir("ddprun_filter");
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=3", "--local_ranks_filter=1",
+                                   "--log_dir=" + dir, "--tee"},
+                                  {"--print_env"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
+  EXPECT_THAT(run.output, Not(HasSubstr("[0] ")));
+  EXPECT_THAT(run.output, Not(HasSubstr("[2] ")));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(ReadFile(dir + "/attempt_0/rank_" + std::to_string(r) + ".log"),
+                HasSubstr("rank " + std::to_string(r) + " done\n"));
+  }
+}
+
 TEST(DdprunTest, NoPrefix) {
   const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--no_prefix"}, {}));
   EXPECT_EQ(run.exit_code, 0) << run.output;

@@ -449,6 +449,7 @@ struct Worker {
   Fd log;
   std::string log_path;
   std::string error_path;   // its TORCHELASTIC_ERROR_FILE; empty: none
+  bool to_terminal = false;  // its output is copied to the launcher's
   uint64_t log_bytes = 0;   // written to the log so far
   std::string log_failure;  // set when a write to it failed; it is closed then
   std::string captured;
@@ -498,7 +499,8 @@ class WorkerGroup::Impl {
   Status Start(std::vector<WorkerSpec> specs) {
     if (specs.empty()) return InvalidArgumentError("no workers to start");
     const OutputOptions& out = options_.output;
-    use_pipes_ = out.prefix || out.capture || !out.log_dir.empty() || !out.to_terminal;
+    use_pipes_ = out.prefix || out.capture || !out.log_dir.empty() || !out.to_terminal ||
+                 !out.terminal_ranks.empty();
     stop_event_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!stop_event_.valid()) return InternalError("eventfd: " + ErrnoText(errno));
     dev_null_.Reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
@@ -854,6 +856,10 @@ class WorkerGroup::Impl {
   Status StartOne(const WorkerSpec& spec, Worker& w) {
     w.rank = spec.rank;
     const OutputOptions& out = options_.output;
+    w.to_terminal = out.to_terminal &&
+                    (out.terminal_ranks.empty() ||
+                     std::find(out.terminal_ranks.begin(), out.terminal_ranks.end(), spec.rank) !=
+                         out.terminal_ranks.end());
     if (spec.program.empty() || spec.argv.empty()) {
       return InvalidArgumentError("rank " + std::to_string(spec.rank) + ": no program given");
     }
@@ -1092,7 +1098,7 @@ class WorkerGroup::Impl {
       w.captured.append(data.substr(0, room));
       if (data.size() > room) w.capture_truncated = true;
     }
-    if (!options_.output.to_terminal) return;
+    if (!w.to_terminal) return;
     if (!options_.output.prefix) {
       terminals_[s].Write(data);
       return;
@@ -1115,7 +1121,7 @@ class WorkerGroup::Impl {
   void FlushPartial(Worker& w, int s) {
     Stream& stream = w.streams[s];
     if (stream.partial.empty()) return;
-    if (options_.output.to_terminal && options_.output.prefix) WriteLine(w, s, stream.partial + "\n");
+    if (w.to_terminal && options_.output.prefix) WriteLine(w, s, stream.partial + "\n");
     stream.partial.clear();
   }
 

@@ -64,6 +64,10 @@ struct OutputOptions {
   bool prefix = true;         ///< Start every terminal line with "[rank] ".
   std::string log_dir;        ///< When set: <log_dir>/<log_name_prefix>rank_<r>.log per worker.
   std::string log_name_prefix;  ///< For instance "attempt_1/"; directories are created.
+  /// With to_terminal: only these ranks' output reaches the terminal
+  /// (torchrun's --local_ranks_filter); empty: every rank's. Log files and
+  /// the capture still get everything.
+  std::vector<int> terminal_ranks;
   bool capture = false;       ///< Keep each worker's output in GroupResult::output.
   size_t capture_limit = size_t{1} << 20;  ///< Bytes kept per worker; the rest is dropped.
 };
