@@ -141,15 +141,31 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
   // averaged together). One all-reduce of a flag per tensor, the largest
   // over the ranks, makes the set the same everywhere: the tensors with a
   // gradient on any rank.
+  // The same all-reduce carries which tensors are undefined on each rank:
+  // one with a gradient elsewhere cannot be averaged here, and every rank
+  // must learn that together rather than this one alone failing while the
+  // others wait in their averages.
   ProcessGroup& group = *options_.process_group;
   const int64_t count = static_cast<int64_t>(params.size());
-  nn::Tensor has_grad = nn::Zeros({count}, {.dtype = nn::DType::kUInt8});
-  uint8_t* flags = has_grad.data<uint8_t>();
-  for (int64_t i = 0; i < count; ++i) flags[i] = params[i].defined() && params[i].grad().defined();
-  group.AllReduce(has_grad, transport::ReduceOp::kMax, "parameters with a gradient").Wait();
+  nn::Tensor marks = nn::Zeros({2 * count}, {.dtype = nn::DType::kUInt8});
+  uint8_t* flags = marks.data<uint8_t>();
+  uint8_t* undefined = flags + count;
+  for (int64_t i = 0; i < count; ++i) {
+    flags[i] = params[i].defined() && params[i].grad().defined();
+    undefined[i] = !params[i].defined();
+  }
+  group.AllReduce(marks, transport::ReduceOp::kMax, "parameters with a gradient").Wait();
   std::vector<nn::Tensor> trained;
   for (int64_t i = 0; i < count; ++i) {
-    if (flags[i] != 0) trained.push_back(params[i]);
+    if (flags[i] == 0) continue;
+    if (undefined[i] != 0) {
+      throw std::invalid_argument("PeriodicModelAverager: tensor " + std::to_string(i) +
+                                  " has a gradient on some rank but is undefined on " +
+                                  (params[i].defined() ? std::string("another rank")
+                                                       : "rank " + std::to_string(group.rank())) +
+                                  "; every rank must pass the same tensors");
+    }
+    trained.push_back(params[i]);
   }
   dist::AverageParameters(trained, group);
   return true;

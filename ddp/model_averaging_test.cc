@@ -340,6 +340,38 @@ TEST(ModelAveragingTest, PeriodicAveragesParametersWithAGradientOnSomeRanksOnlyO
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A tensor undefined on rank 1 while rank 0 has its gradient: before, rank
+// 1 alone threw (AverageParameters refuses undefined tensors) and rank 0
+// waited in its average until the group's timeout. Now both throw at once,
+// naming the tensor.
+DDP_TEST_WORKER(undefined_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  std::vector<Tensor> params = {nn::Full({3}, 1.0), rank == 1 ? Tensor() : nn::Full({2}, 2.0)};
+  for (const Tensor& p : params) {
+    if (p.defined()) p.set_grad(nn::Zeros(p.shape()));
+  }
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    averager.AverageParameters(params);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+  const std::string where = rank == 1 ? "rank 1" : "another rank";
+  WORKER_EXPECT(error == "PeriodicModelAverager: tensor 1 has a gradient on some rank but is undefined on " +
+                             where + "; every rank must pass the same tensors",
+                "error: '" + error + "'");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, ATensorUndefinedOnOneRankFailsEveryRankAtOnce) {
+  auto run = RunWorkers("undefined_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A bf16 model whose weight is averaged in place (131072 elements: 256
 // KiB, AverageParameters's in-place size) and whose bias goes through the
 // flat buffer. The optimizer keeps f32 masters of both; after an average

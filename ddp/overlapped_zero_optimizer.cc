@@ -235,8 +235,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   }
 
   std::shared_ptr<State> state = state_;
-  const std::chrono::milliseconds timeout = group.options().timeout;
-  CommHook hook = CommHook::OnLocalGradients([state, timeout](ProcessGroup& pg, GradBucket& grad_bucket) {
+  CommHook hook = CommHook::OnLocalGradients([state](ProcessGroup& pg, GradBucket& grad_bucket) {
     const size_t index = grad_bucket.index();
     const std::vector<Tensor>& params = grad_bucket.parameters();
     // The flat buffer must still be the parameters' memory.
@@ -279,8 +278,8 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
     const double divisor = divide_first ? grad_bucket.divisor() : 1.0;
     CollectiveDescription d{"zero_step bucket " + std::to_string(index), grads.dtype(),
                             grads.shape(), -1, op, true};
-    return pg.Run(d, [state, grads, out, params, index, last = grad_bucket.is_last(), op, scale, divisor,
-                      timeout](transport::Communicator* comm, transport::Deadline) {
+    return pg.Run(d, [state, grads, out, params, index, last = grad_bucket.is_last(), op, scale,
+                      divisor](transport::Communicator* comm, transport::Deadline deadline) {
       Tensor send = grads;
       if (divisor != 1.0) {
         // A copy: the bucket may be .grad itself, which keeps this rank's
@@ -298,7 +297,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
       // The group has more than one rank here (one rank runs no hook).
       const transport::Status status = comm->AllReduceThrough(
           send.data_ptr(), out.data_ptr(), static_cast<size_t>(grads.numel()),
-          ToTransportType(grads.dtype()), op, apply, {.timeout = timeout});
+          ToTransportType(grads.dtype()), op, apply, internal::Within(deadline));
       if (!status.ok()) return status;
       for (const Tensor& p : params) p.storage()->BumpVersion();
       if (last) {
