@@ -131,46 +131,71 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
   const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
   const std::vector<Tensor>& own = pieces_[static_cast<size_t>(pg_->rank())];
   for (size_t k = 0; k < mine.size(); ++k) shard.emplace_back(params_[mine[k].param].first, own[k]);
-  local_ = make(std::move(shard));
-  if (local_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the factory returned null");
-  // Step hands the k-th piece's gradient to the optimizer's k-th parameter:
-  // it must hold exactly the pieces, in order.
-  const nn::optim::NamedParameters& got = local_->params();
-  bool same = got.size() == own.size();
-  for (size_t k = 0; same && k < got.size(); ++k) same = got[k].second.impl() == own[k].impl();
-  if (!same) {
-    throw std::invalid_argument("ZeroRedundancyOptimizer: the factory's optimizer on rank " +
-                                std::to_string(pg_->rank()) + " holds " + std::to_string(got.size()) +
-                                " parameter(s), not the " + std::to_string(own.size()) +
-                                " piece(s) of its shard that it was given, in order (the factory must build the "
-                                "optimizer from its argument, not from the model)");
+  // Built and checked on every rank, then agreed: a factory that fails on
+  // one rank (one refusing an empty shard, say) fails them all here,
+  // instead of leaving the others to wait in Step's broadcasts.
+  std::string failure;
+  try {
+    local_ = make(std::move(shard));
+    if (local_ == nullptr) throw std::invalid_argument("the factory returned null");
+    // Step hands the k-th piece's gradient to the optimizer's k-th
+    // parameter: it must hold exactly the pieces, in order.
+    const nn::optim::NamedParameters& got = local_->params();
+    bool same = got.size() == own.size();
+    for (size_t k = 0; same && k < got.size(); ++k) same = got[k].second.impl() == own[k].impl();
+    if (!same) {
+      throw std::invalid_argument("the factory's optimizer holds " + std::to_string(got.size()) +
+                                  " parameter(s), not the " + std::to_string(own.size()) +
+                                  " piece(s) of its shard that it was given, in order (the factory must build the "
+                                  "optimizer from its argument, not from the model)");
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    if (!outcomes[r].empty()) {
+      throw std::invalid_argument("ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(r) +
+                                  "'s shard failed: " + outcomes[r]);
+    }
   }
 }
 
 void ZeroRedundancyOptimizer::Step() {
-  // The pieces are views of the parameters' memory as it was at
-  // construction; Module::To gives a parameter new memory, and the pieces
-  // would then update and broadcast memory the model no longer uses.
-  for (size_t r = 0; r < shards_.size(); ++r) {
-    for (size_t k = 0; k < shards_[r].size(); ++k) {
-      const auto& [name, param] = params_[shards_[r][k].param];
-      if (pieces_[r][k].storage() != param.storage()) {
-        throw std::logic_error("ZeroRedundancyOptimizer::Step: parameter `" + name +
-                               "` has new memory since the optimizer was built (Module::To after it?); "
-                               "build the optimizer after moving or converting the model");
+  const nn::optim::NamedParameters& local = local_->params();
+  // A failure here is this rank's alone (its gradients, its memory, its
+  // optimizer), while the others are about to broadcast their shards and
+  // wait for this one's: end the group so that they fail now, with the
+  // reason, rather than at the timeout.
+  try {
+    // The pieces are views of the parameters' memory as it was at
+    // construction; Module::To gives a parameter new memory, and the pieces
+    // would then update and broadcast memory the model no longer uses.
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      for (size_t k = 0; k < shards_[r].size(); ++k) {
+        const auto& [name, param] = params_[shards_[r][k].param];
+        if (pieces_[r][k].storage() != param.storage()) {
+          throw std::logic_error("ZeroRedundancyOptimizer::Step: parameter `" + name +
+                                 "` has new memory since the optimizer was built (Module::To after it?); "
+                                 "build the optimizer after moving or converting the model");
+        }
       }
     }
+    // The local optimizer's pieces take the matching pieces of the gradients
+    // for this step only: holding them would keep the gradients' memory alive
+    // after ZeroGrad lets go of it.
+    const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const Tensor& grad = params_[mine[k].param].second.grad();
+      local[k].second.set_grad(grad.defined() ? PieceOf(grad, mine[k]) : Tensor());
+    }
+    local_->Step();
+  } catch (const std::exception& e) {
+    for (const auto& [name, piece] : local) piece.set_grad(Tensor());
+    pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::Step failed on rank " +
+                                       std::to_string(pg_->rank()) + ": " + e.what()));
+    throw;
   }
-  // The local optimizer's pieces take the matching pieces of the gradients
-  // for this step only: holding them would keep the gradients' memory alive
-  // after ZeroGrad lets go of it.
-  const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
-  const nn::optim::NamedParameters& local = local_->params();
-  for (size_t k = 0; k < mine.size(); ++k) {
-    const Tensor& grad = params_[mine[k].param].second.grad();
-    local[k].second.set_grad(grad.defined() ? PieceOf(grad, mine[k]) : Tensor());
-  }
-  local_->Step();
   for (const auto& [name, piece] : local) piece.set_grad(Tensor());
   // Each rank's pieces in one broadcast per dtype and device (in place when
   // they are one piece).

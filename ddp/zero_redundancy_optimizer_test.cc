@@ -587,6 +587,67 @@ TEST(ZeroRedundancyOptimizerTest, ParametersInADifferentOrderOnOneRankAreRefused
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A factory that fails on one rank only (here rank 1's) fails every rank
+// at construction, naming the rank; before, rank 0 went on to Step and
+// waited there for the timeout.
+DDP_TEST_WORKER(factory_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  auto model = Mlp(1);
+  const int rank = pg->rank();
+  const auto start = std::chrono::steady_clock::now();
+  std::string message = "accepted";
+  try {
+    ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, [rank](NamedParameters shard) {
+      if (rank == 1) throw std::runtime_error("no optimizer for this shard");
+      return MakeOptimizer(std::move(shard));
+    });
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message == "ZeroRedundancyOptimizer: building the optimizer of rank 1's shard failed: no "
+                           "optimizer for this shard",
+                "rank " + std::to_string(rank) + ": " + message);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AFactoryFailingOnOneRankFailsEveryRank) {
+  auto run = RunWorkers("factory_fails_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A Step that fails on one rank (rank 1 gave a parameter new memory) ends
+// the group, so that rank 0 fails at once with the reason instead of
+// waiting in the broadcast of rank 1's shard until the timeout.
+DDP_TEST_WORKER(step_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, MakeOptimizer);
+  TrainStep(ddp, zero, *pg, 0);
+  if (pg->rank() == 1) {
+    const Tensor& first = model->NamedParameters()[0].second;
+    first.SetData(nn::Zeros(first.shape()));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string message = "no error";
+  try {
+    TrainStep(ddp, zero, *pg, 1);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+  WORKER_EXPECT(message.find(pg->rank() == 1 ? "has new memory since the optimizer was built"
+                                             : "ZeroRedundancyOptimizer::Step failed on rank 1") != std::string::npos,
+                "rank " + std::to_string(pg->rank()) + ": " + message);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
+  auto run = RunWorkers("step_fails_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Step hands the k-th piece's gradient to the local optimizer's k-th
 // parameter: a factory that builds from the model, or drops or reorders
 // the pieces, is refused at construction, naming the mistake.
