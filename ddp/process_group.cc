@@ -65,6 +65,11 @@ namespace {
 constexpr uint32_t kHeaderChannel = 1u << 30;  // a Send's header
 constexpr uint32_t kMonitoredBarrierTag = 2u << 30;
 
+// Work::WaitFor on a point-to-point message: polls without a pause, then
+// polls yielding the core, then sleeps of 50 us between polls.
+constexpr int kSpinPolls = 2000;
+constexpr int kYieldPolls = 2000;
+
 // A Send's header: dtype, element count, rank, and up to kHeaderDims sizes.
 constexpr int kHeaderDims = 8;
 constexpr size_t kHeaderWords = 3 + kHeaderDims;
@@ -302,10 +307,17 @@ Status Work::WaitFor(Deadline deadline) {
     if (state_->done) return state_->status;
   }
   // Posted messages: this thread drives them (the communication thread
-  // polls them only every millisecond or so).
-  while (!state_->Drive()) {
+  // polls them only every millisecond or so). Polled flat out at first, for
+  // latency; a peer that is late (seconds, perhaps, on a host whose cores
+  // are all busy, this one included) is then waited for in short sleeps.
+  for (int polls = 0; !state_->Drive(); ++polls) {
     if (Clock::now() >= deadline) {
       return transport::TimedOutError("point-to-point message not finished by the waiter's deadline");
+    }
+    if (polls >= kSpinPolls + kYieldPolls) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    } else if (polls >= kSpinPolls) {
+      std::this_thread::yield();
     }
   }
   std::lock_guard lock(state_->mu);

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <ctime>
 #include <cstdlib>
 #include <functional>
 #include <set>
@@ -217,6 +218,30 @@ DDP_TEST_WORKER(pg_p2p_tag) {
 }
 
 TEST(ProcessGroupP2pTest, ReservedTagsAreRefused) { ExpectWorkersPass("pg_p2p_tag", {2}); }
+
+// A Recv whose sender comes 1.5 s late: the waiting thread used to poll
+// flat out all that time, taking a core the late rank may need. It now
+// sleeps between polls once the message is not there at once.
+DDP_TEST_WORKER(pg_p2p_late_sender) {
+  auto pg = testing::WorkerGroup();
+  Tensor t = nn::Zeros({4});
+  if (pg->rank() == 1) {
+    std::this_thread::sleep_for(milliseconds(1500));
+    pg->Send(nn::Full({4}, 7.0), 0).Wait();
+    return testing::WorkerExit();
+  }
+  Work received = pg->Recv(t, 1);
+  timespec before{}, after{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &before);
+  received.Wait();
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &after);
+  const double cpu_s = (after.tv_sec - before.tv_sec) + (after.tv_nsec - before.tv_nsec) * 1e-9;
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(4, 7.0), "wrong values received");
+  WORKER_EXPECT(cpu_s < 0.3, "the wait took " + std::to_string(cpu_s) + " s of CPU");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupP2pTest, WaitingForALateSenderLeavesTheCoreAlone) { ExpectWorkersPass("pg_p2p_late_sender", {2}); }
 
 // ------------------------------------------------------------------ rooted ----
 
