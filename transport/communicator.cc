@@ -36,6 +36,7 @@
 #include "transport/fork/fork_guard.h"
 #include "transport/launch/env.h"
 #include "transport/p2p/group_view.h"
+#include "transport/reduce/reduce.h"
 #include "transport/shm/shm_allreduce.h"
 #include "transport/store/tcp_store.h"
 #include "transport/topology/discover.h"
@@ -350,6 +351,13 @@ class Communicator::Impl {
                      Deadline deadline, bool equal_blocks = false);
   // Equal blocks: through shared memory when every rank is on this host.
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline);
+  // An f16 average is taken as the sum of each rank's value divided by
+  // the ranks first (NCCL's order for floating types): summed first, the
+  // ranks' values overflow f16's 65504 where their mean does not (two
+  // ranks at 40000). Host memory; the device paths divide on the device.
+  bool DividesFirst(DataType dtype, ReduceOp op) const {
+    return dtype == DataType::kF16 && op == ReduceOp::kAvg && options_.world_size > 1;
+  }
   Status ReduceScatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                        Deadline deadline);
   Status Barrier(Deadline deadline);
@@ -1251,6 +1259,12 @@ Algorithm Communicator::Impl::Choose(size_t bytes, Algorithm requested) const {
 
 Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                      ReduceOp op, Algorithm requested, Deadline deadline) {
+  if (DividesFirst(dtype, op)) {
+    if (recv != send) std::memcpy(recv, send, count * DataTypeSize(dtype));
+    reduce::DivideInPlace(dtype, recv, count, options_.world_size);
+    send = recv;
+    op = ReduceOp::kSum;
+  }
   const Algorithm algorithm = Choose(count * DataTypeSize(dtype), requested);
   if (algorithm == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
@@ -1356,6 +1370,12 @@ Status Communicator::Impl::AllGather(const void* send, void* recv, size_t count,
 
 Status Communicator::Impl::ReduceScatter(const void* send, void* recv, size_t count,
                                          DataType dtype, ReduceOp op, Deadline deadline) {
+  if (DividesFirst(dtype, op)) {
+    const size_t total = count * static_cast<size_t>(options_.world_size);
+    std::vector<uint16_t> divided(static_cast<const uint16_t*>(send), static_cast<const uint16_t*>(send) + total);
+    reduce::DivideInPlace(dtype, divided.data(), total, options_.world_size);
+    return internal::RunReduceScatter(*p2p_, Args(divided.data(), recv, count, dtype, ReduceOp::kSum, 0, deadline));
+  }
   return internal::RunReduceScatter(*p2p_, Args(send, recv, count, dtype, op, 0, deadline));
 }
 
@@ -1453,6 +1473,13 @@ Status Communicator::Impl::RunRooted(Rooted which, int device, const void* send,
 Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, int root, Algorithm requested, Deadline deadline) {
   if (options_.rank != root) recv = nullptr;
+  std::vector<uint16_t> divided;
+  if (DividesFirst(dtype, op)) {
+    divided.assign(static_cast<const uint16_t*>(send), static_cast<const uint16_t*>(send) + count);
+    reduce::DivideInPlace(dtype, divided.data(), count, options_.world_size);
+    send = divided.data();
+    op = ReduceOp::kSum;
+  }
   if (ChooseReduce(count * DataTypeSize(dtype), requested) == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
     return shm_->Reduce(send, recv, count, dtype, op, root, deadline, watchdog_);

@@ -801,6 +801,57 @@ int ScenarioCallThatThrows() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// f16 averages of values near the top of f16's range: every rank holds
+// 40000 (f16's largest is 65504), so a sum before the division overflowed to
+// inf (inf / n stays inf) on every path. The ranks now divide their own
+// values first, as NCCL does; the send buffer is left as it was.
+int ScenarioF16Average() {
+  auto comm = MustCreate();
+  const int n = comm->size();
+  const size_t count = 1000;
+  auto filled = [&](size_t elements) {
+    std::vector<uint16_t> v(elements);
+    for (size_t i = 0; i < elements; ++i) testing::Store(DataType::kF16, v.data(), i, 40000.0);
+    return v;
+  };
+  auto check = [&](const std::vector<uint16_t>& v, size_t elements, const std::string& what) {
+    size_t wrong = 0;
+    double first = 0;
+    for (size_t i = 0; i < elements; ++i) {
+      const double got = testing::Load(DataType::kF16, v.data(), i);
+      if (!(std::fabs(got - 40000.0) <= 64.0)) {
+        if (wrong++ == 0) first = got;
+      }
+    }
+    WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " elements are not 40000 (first " +
+                                 std::to_string(first) + ")");
+  };
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd}) {
+    const std::string name = std::string("all-reduce ") + AlgorithmName(a);
+    std::vector<uint16_t> send = filled(count), recv(count);
+    Status s = comm->AllReduce(send.data(), recv.data(), count, DataType::kF16, ReduceOp::kAvg, {.algorithm = a});
+    WORKER_CHECK(s.ok(), name + ": " + s.ToString());
+    check(recv, count, name);
+    check(send, count, name + " (its send buffer)");
+    std::vector<uint16_t> in_place = filled(count);
+    s = comm->AllReduce(in_place.data(), count, DataType::kF16, ReduceOp::kAvg, {.algorithm = a});
+    WORKER_CHECK(s.ok(), name + " in place: " + s.ToString());
+    check(in_place, count, name + " in place");
+  }
+  std::vector<uint16_t> send = filled(count * n), block(count);
+  Status s = comm->ReduceScatter(send.data(), block.data(), count, DataType::kF16, ReduceOp::kAvg);
+  WORKER_CHECK(s.ok(), "reduce-scatter: " + s.ToString());
+  check(block, count, "reduce-scatter");
+  check(send, count * n, "reduce-scatter (its send buffer)");
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree}) {
+    std::vector<uint16_t> mine = filled(count), out(count);
+    s = comm->Reduce(mine.data(), out.data(), count, DataType::kF16, ReduceOp::kAvg, n - 1, {.algorithm = a});
+    WORKER_CHECK(s.ok(), std::string("reduce ") + AlgorithmName(a) + ": " + s.ToString());
+    if (comm->rank() == n - 1) check(out, count, std::string("reduce ") + AlgorithmName(a));
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -819,6 +870,7 @@ int RunScenario(const std::string& name) {
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "throws") return ScenarioCallThatThrows();
+  if (name == "f16_avg") return ScenarioF16Average();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -903,6 +955,13 @@ TEST_P(Sweep, EveryCollectiveDtypeOpAndAlgorithm) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Sweep, ::testing::Values(1, 2, 3, 4));
+
+TEST(Communicator, F16AveragesNearTheTopOfItsRangeDoNotOverflow) {
+  for (int n : {2, 3}) {
+    Job job = RunJob(n, "f16_avg", {{"DDP_TEST_CHUNK_BYTES", "512"}});
+    for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  }
+}
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
   // DDP_ALLREDUCE_ALGO forces the UCX ring for kAuto calls.

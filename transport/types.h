@@ -29,7 +29,10 @@ const char* DataTypeName(DataType dtype);
 /// Reductions. kAvg is a sum divided by the number of contributing ranks
 /// (integers: truncated toward zero). Integers are summed in their own type
 /// before the division, as NCCL does, so a sum that overflows it (u8: above
-/// 255) wraps first: average small integers or widen them.
+/// 255) wraps first: average small integers or widen them. f16 in host
+/// memory is the exception: each rank's value is divided first, then the
+/// ranks sum (NCCL's order for floats), since f16 sums pass its 65504
+/// where the mean does not.
 enum class ReduceOp : int {
   kSum = 0,
   kAvg = 1,
