@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <utility>
 
 namespace ddp::nn::data {
@@ -50,7 +51,11 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
         std::to_string(sampler_->Size()) + " samples this sampler yields per epoch from " +
         data->Name() + "; with drop_last no batch is left (lower the batch size)");
   }
-  s_->in_memory = dynamic_cast<const InMemoryImageDataset*>(data);
+  // Only the class itself: a subclass may override Get (remapped indices,
+  // altered pixels), and reading Pixels() in place would bypass it.
+  if (typeid(*data) == typeid(InMemoryImageDataset)) {
+    s_->in_memory = static_cast<const InMemoryImageDataset*>(data);
+  }
   s_->exited.assign(static_cast<size_t>(o.num_workers), false);
   try {
     for (int i = 0; i < o.num_workers; ++i) {

@@ -109,8 +109,9 @@ class DataLoader {
     Shared(std::shared_ptr<const Dataset> d, TransformOptions t, DataLoaderOptions o);
 
     std::shared_ptr<const Dataset> dataset;
-    // Set when the dataset keeps its pixels in memory: images are read in
-    // place instead of through Dataset::Get's copy.
+    // Set when the dataset is exactly an InMemoryImageDataset (not a
+    // subclass, whose Get may differ): images are read in place instead of
+    // through Dataset::Get's copy.
     const InMemoryImageDataset* in_memory = nullptr;
     SampleTransform transform;
     DataLoaderOptions options;

@@ -314,6 +314,43 @@ TEST(DataLoader, SyntheticDataWithCifarShapes) {
   }
 }
 
+// An in-memory dataset that serves its samples in reverse order through Get
+// and Label, the way an index remap or a subset view would.
+class ReversedDataset : public InMemoryImageDataset {
+ public:
+  using InMemoryImageDataset::InMemoryImageDataset;
+  void Get(int64_t index, uint8_t* pixels) const override {
+    InMemoryImageDataset::Get(Size() - 1 - index, pixels);
+  }
+  int64_t Label(int64_t index) const override { return InMemoryImageDataset::Label(Size() - 1 - index); }
+};
+
+TEST(DataLoader, SubclassOfInMemoryDatasetIsReadThroughGet) {
+  constexpr int64_t kSamples = 6, kPixels = 4;
+  std::vector<uint8_t> pixels(kSamples * kPixels), labels(kSamples);
+  for (int64_t i = 0; i < kSamples; ++i) {
+    for (int64_t p = 0; p < kPixels; ++p) pixels[i * kPixels + p] = static_cast<uint8_t>(40 * i + p);
+    labels[i] = static_cast<uint8_t>(i);
+  }
+  auto ds = std::make_shared<ReversedDataset>("reversed", ImageShape{1, 2, 2}, kSamples, pixels, labels);
+  for (int workers : {0, 2}) {
+    DataLoader loader(ds, nullptr, {}, {.batch_size = kSamples, .num_workers = workers});
+    loader.StartEpoch(0);
+    auto b = loader.Next();
+    ASSERT_TRUE(b.has_value());
+    const auto px = Floats(b->images);
+    const auto lb = Ints(b->labels);
+    for (int64_t i = 0; i < kSamples; ++i) {
+      const int64_t source = kSamples - 1 - i;
+      EXPECT_EQ(lb[i], source) << "sample " << i;
+      for (int64_t p = 0; p < kPixels; ++p) {
+        EXPECT_EQ(px[i * kPixels + p], static_cast<float>(40 * source + p) / 255.0f)
+            << "sample " << i << " pixel " << p << " with " << workers << " workers";
+      }
+    }
+  }
+}
+
 TEST(DataLoader, RejectsBadOptionsAndIndices) {
   auto ds = FashionTest();
   EXPECT_THROW(DataLoader(ds, nullptr, {}, {.batch_size = 0}), std::invalid_argument);
