@@ -1,5 +1,6 @@
 #include "nn/data/transforms.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -43,10 +44,17 @@ SampleTransform::SampleTransform(ImageShape input, TransformOptions options)
                                 " values per statistic, the images have " +
                                 std::to_string(input_.channels) + " channels");
   }
-  for (float s : stdv) {
-    if (!(s > 0.0f)) {
-      throw std::invalid_argument("SampleTransform: normalize std " + std::to_string(s) +
-                                  " must be > 0");
+  // A NaN or infinite statistic turns every pixel of its channel into NaN or
+  // 0 without a word, so each is checked; a single value covers all channels.
+  for (size_t c = 0; c < mean.size(); ++c) {
+    const std::string channel = mean.size() == 1 ? "all channels" : "channel " + std::to_string(c);
+    if (!std::isfinite(mean[c])) {
+      throw std::invalid_argument("SampleTransform: normalize mean " + std::to_string(mean[c]) +
+                                  " for " + channel + " must be finite");
+    }
+    if (!std::isfinite(stdv[c]) || !(stdv[c] > 0.0f)) {
+      throw std::invalid_argument("SampleTransform: normalize std " + std::to_string(stdv[c]) +
+                                  " for " + channel + " must be finite and > 0");
     }
   }
   // 0 leaves a crop size unset (the input's); the crop fields mean nothing

@@ -47,8 +47,8 @@ TransformOptions Cifar10TrainAugment(uint64_t seed);
 /// Converts u8 images of one shape to normalized, augmented f32 images.
 class SampleTransform {
  public:
-  /// Throws std::invalid_argument for mismatched mean/std sizes, a std of
-  /// 0, a crop larger than the padded image, negative crop fields, a padding
+  /// Throws std::invalid_argument for mismatched mean/std sizes, a mean
+  /// that is not finite, a std that is not finite and > 0, a crop larger than the padded image, negative crop fields, a padding
   /// that overflows, or crop fields set with random_crop off.
   SampleTransform(ImageShape input, TransformOptions options);
 

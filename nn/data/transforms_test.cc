@@ -112,6 +112,33 @@ TEST(SampleTransform, SmallerCropWindow) {
   }
 }
 
+// Each bad statistic is refused with its channel and value; before, an
+// infinite std or a NaN mean passed and every pixel came out 0 or NaN.
+TEST(SampleTransform, RejectsNormalizeStatisticsThatAreNotFinite) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<std::tuple<std::vector<float>, std::vector<float>, std::string>> cases = {
+      {{0.5f, kNan}, {0.5f, 0.5f}, "normalize mean nan for channel 1 must be finite"},
+      {{0.5f, -kInf}, {0.5f, 0.5f}, "normalize mean -inf for channel 1 must be finite"},
+      {{0.5f, 0.5f}, {kInf, 0.5f}, "normalize std inf for channel 0 must be finite and > 0"},
+      {{0.5f, 0.5f}, {0.5f, kNan}, "normalize std nan for channel 1 must be finite and > 0"},
+      {{0.5f, 0.5f}, {0.5f, -0.5f}, "normalize std -0.500000 for channel 1 must be finite and > 0"},
+      {{kNan}, {0.5f}, "normalize mean nan for all channels must be finite"},
+      {{0.5f}, {0.0f}, "normalize std 0.000000 for all channels must be finite and > 0"},
+  };
+  for (const auto& [mean, stdv, message] : cases) {
+    TransformOptions o;
+    o.mean = mean;
+    o.std = stdv;
+    try {
+      SampleTransform t({2, 2, 2}, o);
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(SampleTransform, RejectsBadOptions) {
   TransformOptions o;
   o.mean = {0.5f, 0.5f};
