@@ -395,6 +395,23 @@ TEST_F(DevicePathTest, GradScalerReadsOneFlagPerStep) {
   scaler.Update();
 }
 
+// Unscale on the device path leaves its verdict in the device flag; a Step
+// that then finds the parameters on the host path must not step as if no
+// inf had been found. Before, it stepped with the inf gradient.
+TEST_F(DevicePathTest, GradScalerRefusesAStepOnTheHostAfterADeviceUnscale) {
+  Tensor a = FromVector({1.0, 2.0}, {2});
+  Sgd opt({{"a", a}}, {.lr = 0.5});
+  GradScaler scaler({.init_scale = 1024});
+  a.set_grad(FromVector({std::numeric_limits<double>::infinity(), 0.0}, {2}));
+  scaler.Unscale(opt);
+  OnHostPath([&] {
+    EXPECT_THAT([&] { scaler.Step(opt); },
+                ::testing::ThrowsMessage<std::logic_error>(
+                    HasSubstr("Unscale ran on the device but Step finds the parameters on cpu")));
+  });
+  EXPECT_EQ(a.ToVector<float>(), (std::vector<float>{1.0f, 2.0f}));
+}
+
 // Two optimizers on the device path: each has its own flag, so the Unscale
 // of the second does not reset the first's before its Step reads it, and
 // each Step reads its own. Before, one flag and one stage served both.

@@ -196,6 +196,11 @@ bool GradScaler::Step(Optimizer& optimizer) {
     }
     state.flag_pending = false;
     state.found_inf = state.flag.Item() != 0.0;
+  } else if (state.flag_pending) {
+    // Unscale left its verdict in the device flag and found_inf false;
+    // stepping here would ignore an inf it found.
+    throw std::logic_error("GradScaler: Unscale ran on the device but Step finds the parameters on " +
+                           optimizer.device().ToString());
   } else if (fused) {
     state.found_inf = ScanGrads(optimizer, 1.0f, false);
   }
