@@ -376,7 +376,7 @@ namespace {
 enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kPostLocalSgd, kNone };
 
 Owner OwnerOf(const std::string& key) {
-  if (key == "lr" || key.rfind("state.", 0) == 0) return Owner::kOptimizer;
+  if (key == "lr" || key.rfind("state.", 0) == 0 || key.rfind("group.", 0) == 0) return Owner::kOptimizer;
   if (key.rfind("scheduler.", 0) == 0) return Owner::kScheduler;
   if (key.rfind("scaler.", 0) == 0) return Owner::kScaler;
   if (key.rfind("powersgd.", 0) == 0) return Owner::kPowerSgd;
@@ -443,7 +443,7 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
         break;
       case Owner::kNone:
         problems.push_back("optimizer-list keys that no component takes (" + KeyList(keys) +
-                           "): the optimizer takes `lr` and `state.*`, the scheduler `scheduler.*`, "
+                           "): the optimizer takes `lr`, `group.*` and `state.*`, the scheduler `scheduler.*`, "
                            "the scaler `scaler.*`, PowerSGD `powersgd.*`, the averager `averager.*`, "
                            "the post-local-SGD hook `post_local_sgd.*`");
         break;

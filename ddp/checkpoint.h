@@ -16,7 +16,7 @@
 // The model is the wrapped module (a DistributedDataParallel is unwrapped
 // automatically, so keys never carry its "module." prefix and a checkpoint
 // loads into a plain model too). The optimizer, scheduler and scaler share
-// the checkpoint's optimizer list ("lr" and "state.*", "scheduler.*",
+// the checkpoint's optimizer list ("lr", "group.*" and "state.*", "scheduler.*",
 // "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
 // So do PowerSGD's state ("powersgd.*": its iteration and Q's, not the
 // per-rank residuals, which a resumed run starts at zero; see
@@ -122,7 +122,7 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// each of the last six may be null. All or nothing: every part is checked before anything changes,
 /// and one std::invalid_argument lists every problem. A key of
 /// checkpoint.optimizer that no given component takes is a problem too,
-/// naming the argument to pass: optimizer state ("lr", "state.*") without
+/// naming the argument to pass: optimizer state ("lr", "group.*", "state.*") without
 /// an optimizer, "scheduler.*" without a scheduler, "scaler.*" without a
 /// scaler, "powersgd.*" without `powersgd`, "averager.*" without
 /// `averager`, "post_local_sgd.*" without `post_local_sgd`, or keys none of

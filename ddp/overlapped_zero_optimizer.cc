@@ -55,6 +55,9 @@ struct OverlappedZeroOptimizer::State {
 
   mutable std::mutex mu;
   double lr = 0;
+  // The optimizers' options ("group.*" entries of their StateDict, the same
+  // in every one), for ConsolidatedStateDict on a rank that may own none.
+  nn::optim::NamedTensors options;
   int64_t steps = 0;
   // The wrapper (which outlives this), and its count of synchronizing
   // backwards when Step() last returned: Step() ends one step per such
@@ -95,6 +98,19 @@ struct OverlappedZeroOptimizer::State {
     for (size_t j = first; j < end; ++j) bucket.views[j].second.set_grad(Tensor());
   }
 };
+
+namespace {
+
+// The "group.*" entries (the options) of an optimizer's StateDict.
+nn::optim::NamedTensors OptionsOf(const nn::optim::Optimizer& optimizer) {
+  nn::optim::NamedTensors out;
+  for (auto& [key, value] : optimizer.StateDict()) {
+    if (key.rfind("group.", 0) == 0) out.emplace_back(key, value);
+  }
+  return out;
+}
+
+}  // namespace
 
 OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make)
     : state_(std::make_shared<State>()) {
@@ -213,7 +229,10 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
         throw std::invalid_argument("the factory's optimizer does not hold the pieces it was given (it must "
                                     "build the optimizer from its argument, not from the model)");
       }
-      if (!have_lr) state_->lr = bucket.optimizer->lr();
+      if (!have_lr) {
+        state_->lr = bucket.optimizer->lr();
+        state_->options = OptionsOf(*bucket.optimizer);
+      }
       have_lr = true;
     }
     if (!have_lr) {
@@ -222,6 +241,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
       auto probe = make(std::move(all));
       if (probe == nullptr) throw std::invalid_argument("the factory returned null");
       state_->lr = probe->lr();
+      state_->options = OptionsOf(*probe);
     }
   } catch (const std::exception& e) {
     failure = e.what();
@@ -486,6 +506,10 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
   }
   nn::optim::NamedTensors out;
   out.emplace_back("lr", nn::FromVector({lr()}, {}, {.dtype = nn::DType::kFloat64}));
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const auto& [key, value] : s.options) out.emplace_back(key, value.Clone());
+  }
   for (size_t i = 0; i < s.params.size(); ++i) {
     for (const auto& [slot, whole, filled] : entries[i]) {
       if (slot != "step" && filled != s.params[i].numel()) {
@@ -559,6 +583,10 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     if (bucket.optimizer == nullptr) continue;
     nn::optim::NamedTensors pieces;
     if (lr != nullptr) pieces.emplace_back("lr", *lr);
+    // The options ("group.*"), checked above with the probes.
+    for (const auto& [key, value] : shared_entries) {
+      if (key.rfind("group.", 0) == 0) pieces.emplace_back(key, value);
+    }
     for (size_t j = 0; j < bucket.views.size(); ++j) {
       for (const auto& [slot, value] : by_param[bucket.view_param[j]]) {
         const std::string key = "state." + bucket.views[j].first + "." + slot;
@@ -573,6 +601,11 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     bucket.optimizer->LoadStateDict(pieces);
   }
   if (lr != nullptr) s.lr = lr->Item();
+  nn::optim::NamedTensors options;
+  for (const auto& [key, value] : shared_entries) {
+    if (key.rfind("group.", 0) == 0) options.emplace_back(key, value.To(nn::kCPU).Clone());
+  }
+  if (!options.empty()) s.options = std::move(options);
 }
 
 }  // namespace ddp::dist

@@ -115,7 +115,8 @@ class OverlappedZeroOptimizer {
   /// Elements of the parameters this rank updates (its slices).
   int64_t owned_elements() const;
 
-  /// Collective: the whole state on rank `to` ("lr", and per parameter
+  /// Collective: the whole state on rank `to` ("lr", the options
+  /// ("group.*"), and per parameter
   /// "state.<name>.step" and its elementwise entries in the parameter's
   /// shape, as the unsharded optimizer's StateDict), empty elsewhere.
   /// Throws std::invalid_argument for a rank outside the group.

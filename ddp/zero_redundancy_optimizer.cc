@@ -215,8 +215,15 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
                                 " is not in a group of " + std::to_string(pg_->size()));
   }
   NamedTensors mine;
+  // The options ("group.*", the same on every rank) come from this rank's
+  // optimizer below; only the per-parameter state is gathered.
+  NamedTensors options;
   for (auto& [name, t] : local_->StateDict()) {
-    if (name != "lr") mine.emplace_back(name, t.To(nn::kCPU).Contiguous());
+    if (name.rfind("state.", 0) == 0) {
+      mine.emplace_back(name, t.To(nn::kCPU).Contiguous());
+    } else if (name != "lr") {
+      options.emplace_back(name, t);
+    }
   }
   // Each rank in turn describes its shard's state and sends it.
   std::vector<NamedTensors> by_rank(static_cast<size_t>(pg_->size()));
@@ -232,7 +239,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
     if (pg_->rank() == to) by_rank[static_cast<size_t>(r)] = std::move(tensors);
   }
   if (pg_->rank() != to) return {};
-  // The unsharded optimizer's order: "lr", then parameter by parameter,
+  // The unsharded optimizer's order: "lr", the options, then parameter by parameter,
   // each parameter's entries in its first piece's order; the pieces of an
   // elementwise entry are put back in place in a tensor of the parameter's
   // shape, and "step" (the same in every piece) is taken from the first.
@@ -242,6 +249,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   }
   NamedTensors out;
   out.emplace_back("lr", nn::FromVector({local_->lr()}, {}, {.dtype = nn::DType::kFloat64}));
+  for (auto& entry : options) out.push_back(std::move(entry));
   for (size_t i = 0; i < params_.size(); ++i) {
     std::vector<std::pair<size_t, Slice>> holders;  // (rank, piece) of parameter i
     for (size_t r = 0; r < shards_.size(); ++r) {
@@ -277,7 +285,7 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
   const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
   NamedTensors shard;
   for (const auto& [key, t] : state) {
-    if (key == "lr") {
+    if (key == "lr" || key.rfind("group.", 0) == 0) {
       shard.emplace_back(key, t);
       continue;
     }

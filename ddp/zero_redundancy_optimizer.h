@@ -118,7 +118,8 @@ class ZeroRedundancyOptimizer {
   /// loads anything: every shard is checked before any is loaded.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
-  /// The entries of a whole state that this rank's shard holds: "lr", and
+  /// The entries of a whole state that this rank's shard holds: "lr", the
+  /// options ("group.*"), and
   /// for each parameter it owns a piece of, the "state." entries cut to that
   /// piece ("step" counts as they are; the others, which have the
   /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not

@@ -106,14 +106,15 @@ TEST(OptimDeviceTest, EveryOptimizerOnCudaFollowsTheCpu) {
         gpu_opt->Step();
       }
       ExpectParamsClose(cpu, gpu, dtype);
-      // State stays on the device; "lr" and the step counts are host scalars.
+      // State stays on the device; "lr", the options and the step counts are
+      // host tensors.
       const optim::NamedTensors cs = cpu_opt->StateDict(), gs = gpu_opt->StateDict();
       ASSERT_EQ(cs.size(), gs.size());
       for (size_t i = 0; i < cs.size(); ++i) {
         ASSERT_EQ(gs[i].first, cs[i].first);
         const std::string& key = gs[i].first;
         const bool host_scalar =
-            key == "lr" || (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0);
+            key.rfind("state.", 0) != 0 || (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0);
         EXPECT_EQ(gs[i].second.device(), host_scalar ? kCPU : kGpu) << gs[i].first;
         EXPECT_EQ(gs[i].second.dtype(), cs[i].second.dtype()) << gs[i].first;
         ExpectClose(cs[i].second, gs[i].second, Tol{1e-5, 1e-6}, gs[i].first);

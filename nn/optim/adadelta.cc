@@ -33,14 +33,41 @@ void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq
 Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
     : Optimizer(std::move(params), options.lr, {"square_avg", "acc_delta"}), options_(options) {
   set_maximize(options_.maximize);
+  CheckOptions(options_);
+}
+
+void Adadelta::CheckOptions(const AdadeltaOptions& o) {
   // eps and weight_decay also finite: either inf makes the update NaN.
-  if (!(options_.rho >= 0 && options_.rho <= 1 && options_.eps >= 0 && options_.weight_decay >= 0 &&
-        std::isfinite(options_.eps) && std::isfinite(options_.weight_decay))) {
-    throw std::invalid_argument("Adadelta: rho " + std::to_string(options_.rho) +
-                                " must be in [0, 1], eps " + std::to_string(options_.eps) +
-                                " and weight_decay " + std::to_string(options_.weight_decay) +
+  if (!(o.rho >= 0 && o.rho <= 1 && o.eps >= 0 && o.weight_decay >= 0 && std::isfinite(o.eps) &&
+        std::isfinite(o.weight_decay))) {
+    throw std::invalid_argument("Adadelta: rho " + std::to_string(o.rho) + " must be in [0, 1], eps " +
+                                std::to_string(o.eps) + " and weight_decay " + std::to_string(o.weight_decay) +
                                 " finite and >= 0");
   }
+}
+
+std::vector<Optimizer::Hyperparameter> Adadelta::Hyperparameters() const {
+  return {{.name = "rho", .value = options_.rho},
+          {.name = "eps", .value = options_.eps},
+          {.name = "weight_decay", .value = options_.weight_decay},
+          {.name = "maximize", .value = options_.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+AdadeltaOptions Adadelta::WithSaved(const std::map<std::string, double>& values) const {
+  AdadeltaOptions o = options_;
+  o.rho = values.at("rho");
+  o.eps = values.at("eps");
+  o.weight_decay = values.at("weight_decay");
+  o.maximize = values.at("maximize") != 0;
+  CheckOptions(o);
+  return o;
+}
+
+void Adadelta::CheckHyperparameters(const std::map<std::string, double>& values) const { WithSaved(values); }
+
+void Adadelta::SetHyperparameters(const std::map<std::string, double>& values) {
+  options_ = WithSaved(values);
+  set_maximize(options_.maximize);
 }
 
 template <typename T>

@@ -33,10 +33,20 @@ class Adadelta : public Optimizer {
                     double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "Adadelta"; }
+  std::vector<Hyperparameter> Hyperparameters() const override;
+  void CheckHyperparameters(const std::map<std::string, double>& values) const override;
+  void SetHyperparameters(const std::map<std::string, double>& values) override;
 
  private:
   template <typename T>
   void Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const;
+
+  /// The constructor's checks of everything but lr (the base checks that).
+  static void CheckOptions(const AdadeltaOptions& o);
+
+  /// These options with the saved values of `values` (see
+  /// CheckHyperparameters); throws as the constructor does.
+  AdadeltaOptions WithSaved(const std::map<std::string, double>& values) const;
 
   AdadeltaOptions options_;
 };

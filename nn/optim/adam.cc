@@ -54,19 +54,49 @@ Adam::Adam(NamedParameters params, AdamOptions options, bool decoupled)
       options_(options),
       decoupled_(decoupled) {
   set_maximize(options_.maximize);
-  const char* name = decoupled ? "AdamW" : "Adam";
-  if (!(options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 && options_.beta2 < 1)) {
-    throw std::invalid_argument(std::string(name) + ": betas (" + std::to_string(options_.beta1) +
-                                ", " + std::to_string(options_.beta2) + ") must be in [0, 1)");
+  CheckOptions(options_);
+}
+
+void Adam::CheckOptions(const AdamOptions& o) const {
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
+    throw std::invalid_argument(std::string(Name()) + ": betas (" + std::to_string(o.beta1) + ", " +
+                                std::to_string(o.beta2) + ") must be in [0, 1)");
   }
   // Infinite ones are refused too: an infinite eps stalls every update at
   // 0, an infinite weight_decay makes it inf or NaN.
-  if (!(options_.eps >= 0 && options_.weight_decay >= 0 && std::isfinite(options_.eps) &&
-        std::isfinite(options_.weight_decay))) {
-    throw std::invalid_argument(std::string(name) + ": eps " + std::to_string(options_.eps) +
-                                " and weight_decay " + std::to_string(options_.weight_decay) +
-                                " must be finite and >= 0");
+  if (!(o.eps >= 0 && o.weight_decay >= 0 && std::isfinite(o.eps) && std::isfinite(o.weight_decay))) {
+    throw std::invalid_argument(std::string(Name()) + ": eps " + std::to_string(o.eps) + " and weight_decay " +
+                                std::to_string(o.weight_decay) + " must be finite and >= 0");
   }
+}
+
+std::vector<Optimizer::Hyperparameter> Adam::Hyperparameters() const {
+  // amsgrad decides whether max_exp_avg_sq is kept.
+  return {{.name = "beta1", .value = options_.beta1},
+          {.name = "beta2", .value = options_.beta2},
+          {.name = "eps", .value = options_.eps},
+          {.name = "weight_decay", .value = options_.weight_decay},
+          {.name = "amsgrad", .value = options_.amsgrad ? 1.0 : 0.0, .flag = true, .structural = true},
+          {.name = "maximize", .value = options_.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+AdamOptions Adam::WithSaved(const std::map<std::string, double>& values) const {
+  AdamOptions o = options_;
+  o.beta1 = values.at("beta1");
+  o.beta2 = values.at("beta2");
+  o.eps = values.at("eps");
+  o.weight_decay = values.at("weight_decay");
+  o.amsgrad = values.at("amsgrad") != 0;
+  o.maximize = values.at("maximize") != 0;
+  CheckOptions(o);
+  return o;
+}
+
+void Adam::CheckHyperparameters(const std::map<std::string, double>& values) const { WithSaved(values); }
+
+void Adam::SetHyperparameters(const std::map<std::string, double>& values) {
+  options_ = WithSaved(values);
+  set_maximize(options_.maximize);
 }
 
 AdamW::AdamW(NamedParameters params, AdamWOptions o)

@@ -50,10 +50,19 @@ class Adam : public Optimizer {
                     double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return decoupled_ ? "AdamW" : "Adam"; }
+  std::vector<Hyperparameter> Hyperparameters() const override;
+  void CheckHyperparameters(const std::map<std::string, double>& values) const override;
+  void SetHyperparameters(const std::map<std::string, double>& values) override;
 
  private:
   template <typename T>
   void Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const;
+  /// The constructor's checks of everything but lr (the base checks that).
+  void CheckOptions(const AdamOptions& o) const;
+
+  /// These options with the saved values of `values` (see
+  /// CheckHyperparameters); throws as the constructor does.
+  AdamOptions WithSaved(const std::map<std::string, double>& values) const;
 
   AdamOptions options_;
   bool decoupled_;

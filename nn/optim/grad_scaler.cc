@@ -247,7 +247,10 @@ void GradScaler::Update() {
 
 NamedTensors GradScaler::StateDict() const {
   return {{"scaler.scale", FromVector({scale_}, {}, {.dtype = DType::kFloat32})},
-          {"scaler.growth_tracker", FromVectorOf<int64_t>({growth_tracker_}, {})}};
+          {"scaler.growth_tracker", FromVectorOf<int64_t>({growth_tracker_}, {})},
+          {"scaler.growth_factor", FromVector({options_.growth_factor}, {}, {.dtype = DType::kFloat64})},
+          {"scaler.backoff_factor", FromVector({options_.backoff_factor}, {}, {.dtype = DType::kFloat64})},
+          {"scaler.growth_interval", FromVectorOf<int64_t>({options_.growth_interval}, {})}};
 }
 
 namespace {
@@ -255,16 +258,51 @@ namespace {
 struct ScalerState {
   float scale;
   int64_t growth_tracker;
+  GradScalerOptions options;
 };
 
-// The checks of LoadStateDict: the state it would load, or throws.
-ScalerState ReadScalerState(const NamedTensors& state, int64_t growth_interval) {
+// The checks of LoadStateDict: the state it would load (with `options`
+// where the state has none of its own), or throws.
+ScalerState ReadScalerState(const NamedTensors& state, GradScalerOptions options) {
   const Tensor* scale = nullptr;
   const Tensor* tracker = nullptr;
+  const Tensor* growth_factor = nullptr;
+  const Tensor* backoff_factor = nullptr;
+  const Tensor* growth_interval = nullptr;
   for (const auto& [k, t] : state) {
     if (k == "scaler.scale") scale = &t;
     else if (k == "scaler.growth_tracker") tracker = &t;
+    else if (k == "scaler.growth_factor") growth_factor = &t;
+    else if (k == "scaler.backoff_factor") backoff_factor = &t;
+    else if (k == "scaler.growth_interval") growth_interval = &t;
     else if (k.rfind("scaler.", 0) == 0) throw std::invalid_argument("GradScaler.LoadStateDict: unexpected `" + k + "`");
+  }
+  // The options: all three or none (a state saved before they were).
+  const int given = (growth_factor != nullptr) + (backoff_factor != nullptr) + (growth_interval != nullptr);
+  if (given != 0) {
+    constexpr const char* kWho = "GradScaler.LoadStateDict";
+    internal::CheckStateScalar(kWho, "scaler.growth_factor", growth_factor, DType::kFloat64);
+    internal::CheckStateScalar(kWho, "scaler.backoff_factor", backoff_factor, DType::kFloat64);
+    internal::CheckStateScalar(kWho, "scaler.growth_interval", growth_interval, DType::kInt64);
+    const double growth = growth_factor->To(kCPU).data<double>()[0];
+    const double backoff = backoff_factor->To(kCPU).data<double>()[0];
+    const int64_t interval = growth_interval->To(kCPU).data<int64_t>()[0];
+    // The constructor's conditions, one key at a time.
+    if (!(growth > 1) || !std::isfinite(growth)) {
+      throw std::invalid_argument(std::string(kWho) + ": scaler.growth_factor " + std::to_string(growth) +
+                                  " must be finite and > 1");
+    }
+    if (!(backoff > 0 && backoff < 1)) {
+      throw std::invalid_argument(std::string(kWho) + ": scaler.backoff_factor " + std::to_string(backoff) +
+                                  " must be in (0, 1)");
+    }
+    if (interval < 1) {
+      throw std::invalid_argument(std::string(kWho) + ": scaler.growth_interval " + std::to_string(interval) +
+                                  " must be at least 1");
+    }
+    options.growth_factor = growth;
+    options.backoff_factor = backoff;
+    options.growth_interval = interval;
   }
   internal::CheckStateScalar("GradScaler.LoadStateDict", "scaler.scale", scale, DType::kFloat32);
   internal::CheckStateScalar("GradScaler.LoadStateDict", "scaler.growth_tracker", tracker, DType::kInt64);
@@ -272,26 +310,28 @@ ScalerState ReadScalerState(const NamedTensors& state, int64_t growth_interval) 
   if (!(s > 0) || !std::isfinite(s)) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");
   }
-  // One at or past growth_interval was saved by a scaler with a longer
-  // interval: Update grows the scale at its next clean step (it compares
-  // with >=). A negative one is corrupt.
-  (void)growth_interval;
+  // One at or past growth_interval (a state saved by a scaler with a longer
+  // interval, without its options): Update grows the scale at its next
+  // clean step (it compares with >=). A negative one is corrupt.
   const int64_t t = tracker->To(kCPU).data<int64_t>()[0];
   if (t < 0) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.growth_tracker " + std::to_string(t) +
                                 " must be at least 0");
   }
-  return {s, t};
+  return {s, t, options};
 }
 
 }  // namespace
 
 void GradScaler::CheckStateDict(const NamedTensors& state) const {
-  ReadScalerState(state, options_.growth_interval);
+  ReadScalerState(state, options_);
 }
 
 void GradScaler::LoadStateDict(const NamedTensors& state) {
-  const ScalerState s = ReadScalerState(state, options_.growth_interval);
+  const ScalerState s = ReadScalerState(state, options_);
+  options_.growth_factor = s.options.growth_factor;
+  options_.backoff_factor = s.options.backoff_factor;
+  options_.growth_interval = s.options.growth_interval;
   scale_ = s.scale;
   growth_tracker_ = s.growth_tracker;
   Reset();

@@ -74,16 +74,23 @@ class GradScaler {
   /// Whether this iteration found inf/NaN gradients in any optimizer's
   /// (valid after Step; for CPU gradients also after Unscale).
   bool found_inf() const;
+  /// The options (growth and backoff ones as LoadStateDict last set them).
+  const GradScalerOptions& options() const { return options_; }
   /// Good steps since the last change of scale.
   int64_t growth_tracker() const { return growth_tracker_; }
 
-  /// "scaler.scale" (f32 scalar) and "scaler.growth_tracker" (i64 scalar).
+  /// "scaler.scale" (f32 scalar) and "scaler.growth_tracker" (i64 scalar),
+  /// and the options PyTorch's state_dict saves with them:
+  /// "scaler.growth_factor", "scaler.backoff_factor" (f64 scalars) and
+  /// "scaler.growth_interval" (i64 scalar).
   NamedTensors StateDict() const;
-  /// Restores StateDict's keys from a list that may hold other keys.
-  /// Throws std::invalid_argument naming a missing or malformed key (or an
-  /// unexpected "scaler." one, or a negative growth tracker), changing
-  /// nothing. A tracker at or past growth_interval (saved with a longer
-  /// interval) grows the scale at the next clean step.
+  /// Restores StateDict's keys from a list that may hold other keys; the
+  /// saved growth_factor, backoff_factor and growth_interval replace this
+  /// scaler's, as in PyTorch (a state saved without them keeps this
+  /// scaler's). Throws std::invalid_argument naming a missing or malformed
+  /// key (or an unexpected "scaler." one, a negative growth tracker, or an
+  /// option the constructor would refuse), changing nothing. A tracker at or
+  /// past growth_interval grows the scale at the next clean step.
   void LoadStateDict(const NamedTensors& state);
   /// The checks of LoadStateDict alone: throws as it would, changes nothing.
   void CheckStateDict(const NamedTensors& state) const;

@@ -425,6 +425,13 @@ void Optimizer::ZeroGrad(bool set_to_none) { optim::ZeroGrad(params_, set_to_non
 NamedTensors Optimizer::StateDict() const {
   NamedTensors out;
   out.emplace_back("lr", FromVector({lr_}, {}, {.dtype = DType::kFloat64}));
+  const std::string kind = Name();
+  out.emplace_back("group.optimizer", FromVectorOf<uint8_t>(std::vector<uint8_t>(kind.begin(), kind.end()),
+                                                            {static_cast<int64_t>(kind.size())}));
+  for (const Hyperparameter& h : Hyperparameters()) {
+    out.emplace_back("group." + h.name, h.flag ? FromVectorOf<int64_t>({h.value != 0 ? 1 : 0}, {})
+                                               : FromVector({h.value}, {}, {.dtype = DType::kFloat64}));
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (steps_[i] == 0) continue;
     const std::string prefix = "state." + params_[i].first + ".";
@@ -438,13 +445,27 @@ NamedTensors Optimizer::StateDict() const {
   return out;
 }
 
-// What a checked state loads: its "lr" and "state." entries by key, each
-// parameter's step (0: no state) and the learning rate.
+// What a checked state loads: its "lr", "group." and "state." entries by
+// key, each parameter's step (0: no state), the learning rate and the saved
+// options (empty for a state saved without them).
 struct Optimizer::LoadPlan {
   std::map<std::string, Tensor> given;
   std::vector<int64_t> steps;
   double lr = 0;
+  std::map<std::string, double> options;
 };
+
+namespace {
+
+// An option's value for messages: "true"/"false" for flags, else as %g.
+std::string OptionText(double value, bool flag) {
+  if (flag) return value != 0 ? "true" : "false";
+  std::ostringstream os;
+  os << value;
+  return os.str();
+}
+
+}  // namespace
 
 void Optimizer::CheckStateDict(const NamedTensors& state) const { PlanLoad(state); }
 
@@ -452,7 +473,7 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
   LoadPlan plan;
   std::map<std::string, Tensor>& given = plan.given;
   for (const auto& [k, t] : state) {
-    if (k == "lr" || k.rfind("state.", 0) == 0) given[k] = t;
+    if (k == "lr" || k.rfind("state.", 0) == 0 || k.rfind("group.", 0) == 0) given[k] = t;
   }
   std::vector<std::string> problems;
   // `convertible`: any floating dtype is taken and converted to `dtype` (as
@@ -481,6 +502,74 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
     }
   }
   std::set<std::string> expected = {"lr"};
+  // The options, all or none ("group." keys absent: a state saved before
+  // they were, which keeps this optimizer's options).
+  bool has_options = false;
+  for (const auto& [k, t] : given) has_options = has_options || k.rfind("group.", 0) == 0;
+  if (has_options) {
+    expected.insert("group.optimizer");
+    std::string saved_kind;
+    auto kind = given.find("group.optimizer");
+    if (kind == given.end()) {
+      problems.push_back("missing `group.optimizer`");
+    } else if (!kind->second.defined() || kind->second.dtype() != DType::kUInt8 || kind->second.dim() != 1) {
+      const Tensor& t = kind->second;
+      problems.push_back("`group.optimizer` is " +
+                         (t.defined() ? std::string(DTypeName(t.dtype())) + " " + ShapeToString(t.shape())
+                                      : std::string("undefined")) +
+                         ", expected u8 text");
+    } else {
+      const Tensor text = kind->second.To(kCPU).Contiguous();
+      saved_kind.assign(text.data<uint8_t>(), text.data<uint8_t>() + text.numel());
+    }
+    if (!saved_kind.empty() && saved_kind != Name()) {
+      // Its options are another optimizer's: one problem says it all.
+      problems.push_back("the state was saved by " + saved_kind + ", this optimizer is " + Name());
+      for (const auto& [k, t] : given) {
+        if (k.rfind("group.", 0) == 0) expected.insert(k);
+      }
+    } else {
+      const std::vector<Hyperparameter> options = Hyperparameters();
+      bool usable = !saved_kind.empty();
+      for (const Hyperparameter& h : options) {
+        const std::string key = "group." + h.name;
+        expected.insert(key);
+        auto it = given.find(key);
+        const DType dtype = h.flag ? DType::kInt64 : DType::kFloat64;
+        if (it == given.end()) {
+          problems.push_back("missing `" + key + "`");
+          usable = false;
+          continue;
+        }
+        const Tensor& t = it->second;
+        if (!t.defined() || t.dtype() != dtype || t.shape() != Shape{}) {
+          check(key, t, {}, dtype, false);
+          usable = false;
+          continue;
+        }
+        const Tensor host = t.To(kCPU);
+        const double v = h.flag ? static_cast<double>(host.data<int64_t>()[0]) : host.data<double>()[0];
+        if (h.flag && v != 0 && v != 1) {
+          problems.push_back("`" + key + "` is " + std::to_string(host.data<int64_t>()[0]) + ", expected 0 or 1");
+          usable = false;
+        } else if (h.structural && (v != 0) != (h.value != 0)) {
+          problems.push_back(h.name + " is " + OptionText(v, h.flag) + " in the state and " +
+                             OptionText(h.value, h.flag) + " in this optimizer" +
+                             (h.flag ? "" : " (zero and non-zero keep different state)") +
+                             ": construct it with the saved " + h.name);
+          usable = false;
+        }
+        plan.options[h.name] = v;
+      }
+      if (usable) {
+        try {
+          CheckHyperparameters(plan.options);
+        } catch (const std::invalid_argument& e) {
+          problems.push_back(std::string("the state's options are refused: ") + e.what());
+        }
+      }
+    }
+  }
   std::vector<int64_t>& new_steps = plan.steps;
   new_steps.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -547,7 +636,8 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
   const LoadPlan plan = PlanLoad(state);
   const std::map<std::string, Tensor>& given = plan.given;
   const std::vector<int64_t>& new_steps = plan.steps;
-  // Everything checked: now replace the state.
+  // Everything checked: now replace the options and the state.
+  if (!plan.options.empty()) SetHyperparameters(plan.options);
   lr_ = plan.lr;
   for (size_t i = 0; i < params_.size(); ++i) {
     steps_[i] = new_steps[i];

@@ -27,6 +27,7 @@
 // queued on the current stream with no host synchronization.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -95,14 +96,31 @@ class Optimizer {
   /// an empty list). Step checks that every parameter is still there.
   Device device() const { return params_.empty() ? kCPU : params_.front().second.device(); }
 
-  /// The state: "lr" (f64 scalar), and per updated parameter
-  /// "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
+  /// The state: "lr" (f64 scalar); the options PyTorch keeps in its
+  /// param_groups as "group.<option>" ("group.momentum", "group.beta1", ...:
+  /// f64 scalars, i64 0 or 1 for flags such as "group.nesterov") and the
+  /// optimizer's Name() as "group.optimizer" (u8 text); and per updated
+  /// parameter "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
   /// parameter's shape, f32 or f64; "master" for 16-bit parameters). Slots
   /// a loaded state did not have are not saved until the next step makes them.
-  /// Tensors are copies, on the parameters' device ("lr" and steps on the CPU).
+  /// Tensors are copies, on the parameters' device ("lr", "group." keys and
+  /// steps on the CPU).
   NamedTensors StateDict() const;
-  /// Restores StateDict's output. Looks only at "lr" and "state." keys, so
-  /// other components' state may share the list. Everything is checked
+  /// Restores StateDict's output. Looks only at "lr", "group." and "state."
+  /// keys, so other components' state may share the list.
+  ///
+  /// The options, as PyTorch's load_state_dict restores param_groups: the
+  /// saved lr and plain values (weight decay, dampening, betas, eps, rho,
+  /// maximize, and momentum's value) replace this optimizer's, checked as
+  /// its constructor checks them. Options that decide which state is kept
+  /// must match, or the load is refused naming the option and both values:
+  /// the optimizer kind, momentum zero or not (SGD's buffer), nesterov and
+  /// amsgrad. A state without "group." keys (saved before they existed)
+  /// keeps this optimizer's options and takes only "lr". Callers that want
+  /// another rate than the saved one call set_lr after loading (the example
+  /// trainer instead refuses a resume with another --lr before loading).
+  ///
+  /// Everything is checked
   /// before anything changes; one error lists every missing, unexpected or
   /// mismatched key, and an "lr" that is negative or not finite. State
   /// tensors may come from any device: they are copied to the parameters'
@@ -163,8 +181,27 @@ class Optimizer {
   /// (called once per Step, before anything is allocated or changed).
   virtual void CheckDeviceKernels(Device device) const = 0;
 
-  /// Name of the optimizer for messages ("SGD").
+  /// Name of the optimizer for messages ("SGD"); saved as "group.optimizer".
   virtual const char* Name() const = 0;
+
+  /// An option saved under "group.<name>" (see StateDict).
+  struct Hyperparameter {
+    std::string name;
+    double value = 0;
+    /// Saved as i64 0 or 1 instead of f64.
+    bool flag = false;
+    /// Decides the state kept: a flag must match the saved one, a value
+    /// must be zero or non-zero as the saved one is (and then takes it).
+    bool structural = false;
+  };
+  /// The options to save, in a fixed order (lr is saved apart, as "lr").
+  virtual std::vector<Hyperparameter> Hyperparameters() const = 0;
+  /// Throws std::invalid_argument for saved values, one per
+  /// Hyperparameters() name (flags 0 or 1), that the constructor would
+  /// refuse.
+  virtual void CheckHyperparameters(const std::map<std::string, double>& values) const = 0;
+  /// Takes saved values that CheckHyperparameters accepted.
+  virtual void SetHyperparameters(const std::map<std::string, double>& values) = 0;
 
  private:
   struct State {

@@ -74,6 +74,19 @@ std::vector<std::vector<uint8_t>> Bytes(const NamedParameters& params) {
   return out;
 }
 
+// Entries of a state dict under `prefix` ("state." for the per-parameter ones).
+size_t EntriesUnder(const NamedTensors& state, const std::string& prefix) {
+  size_t n = 0;
+  for (const auto& [k, t] : state) n += k.rfind(prefix, 0) == 0;
+  return n;
+}
+
+// `state` as saved before the options were: without its "group." keys.
+NamedTensors WithoutOptions(NamedTensors state) {
+  std::erase_if(state, [](const auto& e) { return e.first.rfind("group.", 0) == 0; });
+  return state;
+}
+
 // Save after 5 steps (through a real checkpoint file), restore into a new
 // optimizer and new parameters, continue: bit-identical to never stopping.
 TEST(OptimizerState, RoundTripGivesIdenticalContinuedTrajectories) {
@@ -126,12 +139,14 @@ TEST(OptimizerState, RoundTripGivesIdenticalContinuedTrajectories) {
 TEST(OptimizerState, KeysAndShapes) {
   NamedParameters p = MakeParams(DType::kBFloat16, 1);
   Adam opt(p, {});
-  EXPECT_EQ(opt.StateDict().size(), 1u);  // only lr before the first step
+  EXPECT_EQ(EntriesUnder(opt.StateDict(), "state."), 0u);  // only lr and options before the first step
   SetGrads(p, 0);
   opt.Step();
   std::vector<std::string> keys;
   for (const auto& [k, t] : opt.StateDict()) keys.push_back(k);
-  EXPECT_EQ(keys, (std::vector<std::string>{"lr", "state.fc.weight.step", "state.fc.weight.exp_avg",
+  EXPECT_EQ(keys, (std::vector<std::string>{"lr", "group.optimizer", "group.beta1", "group.beta2", "group.eps",
+                                            "group.weight_decay", "group.amsgrad", "group.maximize",
+                                            "state.fc.weight.step", "state.fc.weight.exp_avg",
                                             "state.fc.weight.exp_avg_sq", "state.fc.weight.master",
                                             "state.fc.bias.step", "state.fc.bias.exp_avg",
                                             "state.fc.bias.exp_avg_sq", "state.fc.bias.master"}));
@@ -236,7 +251,7 @@ TEST(Optimizer, BadGradientOfALaterParameterChangesNothing) {
     EXPECT_THAT(ErrorOf([&] { opt->Step(); }), HasSubstr("gradient of `fc.bias` has shape [3], the parameter [8]"));
     EXPECT_EQ(Bytes(p), before);
     EXPECT_EQ(opt->step_count(0), 0);
-    EXPECT_EQ(opt->StateDict().size(), 1u);  // "lr" alone: no state made
+    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), 0u);  // no state made
   }
 }
 
@@ -539,11 +554,15 @@ TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {
   plain.Step();  // w = 0.9
   std::vector<std::string> keys;
   for (const auto& [k, t] : plain.StateDict()) keys.push_back(k);
-  EXPECT_EQ(keys, (std::vector<std::string>{"lr", "state.w.step"}));
+  EXPECT_EQ(EntriesUnder(plain.StateDict(), "state."), 1u);
+  EXPECT_THAT(keys, ::testing::Contains("state.w.step"));
 
+  // Saved with its options, the state is refused (momentum zero or not
+  // differs); saved without them, as by earlier versions, it loads.
   Tensor v = w.Detach().Clone();
   Sgd with_momentum({{"w", v}}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.1});
-  ASSERT_NO_THROW(with_momentum.LoadStateDict(plain.StateDict()));
+  EXPECT_THAT(ErrorOf([&] { with_momentum.LoadStateDict(plain.StateDict()); }), HasSubstr("momentum is 0 in the state"));
+  ASSERT_NO_THROW(with_momentum.LoadStateDict(WithoutOptions(plain.StateDict())));
   EXPECT_EQ(with_momentum.step_count(0), 1);
   v.set_grad(Full({4}, 1.0));
   with_momentum.Step();  // buf = 1, v = 0.9 - 0.1
@@ -560,7 +579,7 @@ TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {
   Tensor u = w.Detach().Clone();
   Sgd again({{"w", u}}, {.lr = 0.1});
   ASSERT_NO_THROW(again.LoadStateDict(older));
-  EXPECT_EQ(again.StateDict().size(), 2u);
+  EXPECT_EQ(EntriesUnder(again.StateDict(), "state."), 1u);
   u.set_grad(Full({4}, 1.0));
   again.Step();
   for (float x : u.ToVector<float>()) EXPECT_FLOAT_EQ(x, 0.8f);
@@ -928,6 +947,124 @@ TEST(GradScaler, StateRoundTripAndMisuse) {
   GradScaler off({.enabled = false});
   EXPECT_EQ(off.scale(), 1.0);
   EXPECT_TRUE(off.Step(opt));
+}
+
+void ExpectSameEntries(const NamedTensors& a, const NamedTensors& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_EQ(a[i].second.ToVector<double>(), b[i].second.ToVector<double>()) << a[i].first;
+  }
+}
+
+// The options travel with the state, as in PyTorch's param_groups and
+// GradScaler.state_dict. Before, only lr was saved: a resumed optimizer
+// kept whatever options it was built with, and a scaler its own factors.
+TEST(OptimizerState, OptionsRoundTripAndReplaceTheLoadersPlainOnes) {
+  Tensor w = Ones({3});
+  Sgd saved({{"w", w}}, {.lr = 0.05, .momentum = 0.9, .dampening = 0.25, .weight_decay = 1e-3, .maximize = true});
+  Sgd loaded({{"w", w.Detach().Clone()}}, {.lr = 0.1, .momentum = 0.5});
+  loaded.LoadStateDict(saved.StateDict());
+  EXPECT_EQ(loaded.lr(), 0.05);
+  EXPECT_EQ(loaded.options().momentum, 0.9);
+  EXPECT_EQ(loaded.options().dampening, 0.25);
+  EXPECT_EQ(loaded.options().weight_decay, 1e-3);
+  EXPECT_TRUE(loaded.maximize());
+  EXPECT_FALSE(loaded.options().nesterov);
+
+  Adam adam({{"w", w}}, {.beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.5, .amsgrad = true});
+  Adam adam_loaded({{"w", w.Detach().Clone()}}, {.amsgrad = true});
+  adam_loaded.LoadStateDict(adam.StateDict());
+  ExpectSameEntries(adam_loaded.StateDict(), adam.StateDict());
+
+  Adadelta delta({{"w", w}}, {.rho = 0.5, .eps = 1e-4, .weight_decay = 0.25});
+  Adadelta delta_loaded({{"w", w.Detach().Clone()}}, {});
+  delta_loaded.LoadStateDict(delta.StateDict());
+  ExpectSameEntries(delta_loaded.StateDict(), delta.StateDict());
+
+  GradScaler scaler({.init_scale = 8, .growth_factor = 4, .backoff_factor = 0.25, .growth_interval = 3});
+  GradScaler scaler_loaded;
+  scaler_loaded.LoadStateDict(scaler.StateDict());
+  EXPECT_EQ(scaler_loaded.scale(), 8.0);
+  EXPECT_EQ(scaler_loaded.options().growth_factor, 4.0);
+  EXPECT_EQ(scaler_loaded.options().backoff_factor, 0.25);
+  EXPECT_EQ(scaler_loaded.options().growth_interval, 3);
+}
+
+// Options that decide which state is kept must match; the message names the
+// option and both values. Before, a momentum 0.9 state loaded into
+// momentum 0 and its buffers were dropped without a word.
+TEST(OptimizerState, StructuralOptionMismatchIsRefusedNamingBothValues) {
+  Tensor w = Ones({3});
+  Sgd momentum({{"w", w}}, {.momentum = 0.9});
+  w.set_grad(Ones({3}));
+  momentum.Step();
+  Tensor u = Ones({3});
+  Sgd plain({{"w", u}}, {});
+  const std::string error = ErrorOf([&] { plain.LoadStateDict(momentum.StateDict()); });
+  EXPECT_THAT(error, HasSubstr("momentum is 0.9 in the state and 0 in this optimizer"));
+  EXPECT_THAT(ErrorOf([&] { plain.CheckStateDict(momentum.StateDict()); }), HasSubstr("momentum is 0.9"));
+  EXPECT_EQ(plain.step_count(0), 0);  // nothing changed
+
+  Sgd nesterov({{"w", w}}, {.momentum = 0.9, .nesterov = true});
+  EXPECT_THAT(ErrorOf([&] { momentum.LoadStateDict(nesterov.StateDict()); }),
+              HasSubstr("nesterov is true in the state and false in this optimizer"));
+
+  Adam amsgrad({{"w", w}}, {.amsgrad = true});
+  Adam adam({{"w", u}}, {});
+  EXPECT_THAT(ErrorOf([&] { adam.LoadStateDict(amsgrad.StateDict()); }),
+              HasSubstr("amsgrad is true in the state and false in this optimizer"));
+  AdamW adamw({{"w", u}}, {});
+  EXPECT_THAT(ErrorOf([&] { adamw.LoadStateDict(adam.StateDict()); }),
+              HasSubstr("the state was saved by Adam, this optimizer is AdamW"));
+  EXPECT_THAT(ErrorOf([&] { plain.LoadStateDict(adam.StateDict()); }),
+              HasSubstr("the state was saved by Adam, this optimizer is SGD"));
+
+  // Plain values are checked as the constructor checks them.
+  NamedTensors bad = adam.StateDict();
+  for (auto& [k, t] : bad) {
+    if (k == "group.beta1") t = FromVector({1.5}, {}, {.dtype = DType::kFloat64});
+  }
+  EXPECT_THAT(ErrorOf([&] { adam.LoadStateDict(bad); }), HasSubstr("betas (1.500000, 0.999000) must be in [0, 1)"));
+  NamedTensors partial = momentum.StateDict();
+  std::erase_if(partial, [](const auto& e) { return e.first == "group.dampening"; });
+  EXPECT_THAT(ErrorOf([&] { momentum.LoadStateDict(partial); }), HasSubstr("missing `group.dampening`"));
+
+  NamedTensors scaler_state = GradScaler({.growth_factor = 4}).StateDict();
+  for (auto& [k, t] : scaler_state) {
+    if (k == "scaler.backoff_factor") t = FromVector({1.0}, {}, {.dtype = DType::kFloat64});
+  }
+  GradScaler scaler;
+  EXPECT_THAT(ErrorOf([&] { scaler.LoadStateDict(scaler_state); }),
+              HasSubstr("scaler.backoff_factor 1.000000 must be in (0, 1)"));
+  EXPECT_EQ(scaler.options().growth_factor, 2.0);  // nothing changed
+}
+
+// A state saved before the options were (no "group." or scaler option
+// keys) still loads and keeps the loader's options.
+TEST(OptimizerState, StateWithoutOptionsKeepsTheLoadersOptions) {
+  Tensor w = Ones({3});
+  Sgd saved({{"w", w}}, {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3});
+  w.set_grad(Ones({3}));
+  saved.Step();
+  Sgd loaded({{"w", w.Detach().Clone()}}, {.lr = 0.1, .momentum = 0.5});
+  const NamedTensors old = WithoutOptions(saved.StateDict());
+  ASSERT_EQ(EntriesUnder(old, "group."), 0u);
+  ASSERT_NO_THROW(loaded.LoadStateDict(old));
+  EXPECT_EQ(loaded.lr(), 0.05);
+  EXPECT_EQ(loaded.step_count(0), 1);
+  EXPECT_EQ(loaded.options().momentum, 0.5);
+  EXPECT_EQ(loaded.options().weight_decay, 0.0);
+
+  NamedTensors scaler_state = GradScaler({.init_scale = 8, .growth_factor = 4}).StateDict();
+  std::erase_if(scaler_state, [](const auto& e) {
+    return e.first != "scaler.scale" && e.first != "scaler.growth_tracker";
+  });
+  GradScaler scaler({.growth_interval = 7});
+  ASSERT_NO_THROW(scaler.LoadStateDict(scaler_state));
+  EXPECT_EQ(scaler.scale(), 8.0);
+  EXPECT_EQ(scaler.options().growth_factor, 2.0);
+  EXPECT_EQ(scaler.options().growth_interval, 7);
 }
 
 // Two optimizers, one scaler: each is unscaled once, by Unscale or by its

@@ -16,6 +16,22 @@ std::vector<std::string> BufferIf(bool wanted) {
   return wanted ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
 }
 
+// The constructor's checks of everything but lr (the base checks that).
+void CheckOptions(const SgdOptions& o) {
+  // Written so that NaN fails it too; an infinite one makes the update inf
+  // or NaN.
+  const auto ok = [](double x) { return x >= 0 && std::isfinite(x); };
+  if (!(ok(o.momentum) && ok(o.weight_decay) && ok(o.dampening))) {
+    throw std::invalid_argument("SGD: momentum " + std::to_string(o.momentum) + ", dampening " +
+                                std::to_string(o.dampening) + " and weight_decay " +
+                                std::to_string(o.weight_decay) + " must be finite and >= 0");
+  }
+  if (o.nesterov && (o.momentum <= 0 || o.dampening != 0)) {
+    throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0, got momentum " +
+                                std::to_string(o.momentum) + " and dampening " + std::to_string(o.dampening));
+  }
+}
+
 }  // namespace
 
 // As PyTorch: no momentum buffer (None) at momentum 0, and one started as
@@ -26,20 +42,34 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
     : Optimizer(std::move(params), options.lr, BufferIf(options.momentum != 0),
                 {.may_be_absent = true, .dropped = BufferIf(options.momentum == 0)}),
       options_(options) {
-  // Written so that NaN fails it too; an infinite one makes the update inf
-  // or NaN.
-  const auto ok = [](double x) { return x >= 0 && std::isfinite(x); };
-  if (!(ok(options_.momentum) && ok(options_.weight_decay) && ok(options_.dampening))) {
-    throw std::invalid_argument("SGD: momentum " + std::to_string(options_.momentum) +
-                                ", dampening " + std::to_string(options_.dampening) +
-                                " and weight_decay " + std::to_string(options_.weight_decay) +
-                                " must be finite and >= 0");
-  }
-  if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
-    throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0, got momentum " +
-                                std::to_string(options_.momentum) + " and dampening " +
-                                std::to_string(options_.dampening));
-  }
+  CheckOptions(options_);
+  set_maximize(options_.maximize);
+}
+
+std::vector<Optimizer::Hyperparameter> Sgd::Hyperparameters() const {
+  // Momentum zero or not decides whether a buffer is kept.
+  return {{.name = "momentum", .value = options_.momentum, .structural = true},
+          {.name = "dampening", .value = options_.dampening},
+          {.name = "weight_decay", .value = options_.weight_decay},
+          {.name = "nesterov", .value = options_.nesterov ? 1.0 : 0.0, .flag = true, .structural = true},
+          {.name = "maximize", .value = options_.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+SgdOptions Sgd::WithSaved(const std::map<std::string, double>& values) const {
+  SgdOptions o = options_;
+  o.momentum = values.at("momentum");
+  o.dampening = values.at("dampening");
+  o.weight_decay = values.at("weight_decay");
+  o.nesterov = values.at("nesterov") != 0;
+  o.maximize = values.at("maximize") != 0;
+  CheckOptions(o);
+  return o;
+}
+
+void Sgd::CheckHyperparameters(const std::map<std::string, double>& values) const { WithSaved(values); }
+
+void Sgd::SetHyperparameters(const std::map<std::string, double>& values) {
+  options_ = WithSaved(values);
   set_maximize(options_.maximize);
 }
 

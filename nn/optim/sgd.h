@@ -40,10 +40,17 @@ class Sgd : public Optimizer {
                     double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
+  std::vector<Hyperparameter> Hyperparameters() const override;
+  void CheckHyperparameters(const std::map<std::string, double>& values) const override;
+  void SetHyperparameters(const std::map<std::string, double>& values) override;
 
  private:
   template <typename T>
   void Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
+
+  /// These options with the saved values of `values` (see
+  /// CheckHyperparameters); throws as the constructor does.
+  SgdOptions WithSaved(const std::map<std::string, double>& values) const;
 
   SgdOptions options_;
 };
