@@ -13,11 +13,14 @@
 #include <gflags/gflags.h>
 #include <pthread.h>
 #include <signal.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -136,15 +139,49 @@ using ddp::examples::trainer::UsageError;
 constexpr char kProgram[] = "train";
 
 std::atomic<int> g_stop{0};
+// CLOCK_MONOTONIC of the first stop signal in nanoseconds (0: none yet).
+std::atomic<int64_t> g_stop_at_ns{0};
 
-void OnStopSignal(int signo) {
-  if (g_stop.load() != 0) {
-    // Asked twice: stop now.
-    std::signal(signo, SIG_DFL);
-    std::raise(signo);
-    return;
+// A repeat of the first stop signal this soon after it is the same request
+// delivered twice, not a second one: SLURM's scancel and systemd's stop send
+// SIGTERM to every process of the job, and the launcher forwards its own.
+constexpr int64_t kRepeatWindowNs = 2'000'000'000;
+
+int64_t MonotonicNs() {  // async-signal-safe
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+// Records stop signal `signo` sent by `sender` (0: by the kernel, a
+// terminal's Ctrl-C); true when it asks to end the process now instead.
+// The first signal asks for a stop at the next step and a checkpoint. Not a
+// second request, so no reason to end at once: anything from the parent (a
+// launcher forwards what it gets, and answers a second Ctrl-C itself with
+// SIGKILL), and the same signal again within kRepeatWindowNs. A second
+// Ctrl-C pressed after that ends the process. Async-signal-safe.
+bool EndsNow(int signo, pid_t sender) {
+  const int64_t now = MonotonicNs();
+  int none = 0;
+  if (g_stop.compare_exchange_strong(none, signo)) {
+    g_stop_at_ns.store(now);
+    return false;
   }
-  g_stop.store(signo);
+  if (sender != 0 && sender == getppid()) return false;
+  const int64_t first_at = g_stop_at_ns.load();
+  // 0: the first one's time is being stored by another thread just now.
+  if (signo == g_stop.load() && (first_at == 0 || now - first_at < kRepeatWindowNs)) return false;
+  return true;
+}
+
+// The sender of a signal: its pid when a process sent it (kill, sigqueue),
+// 0 when the kernel did.
+pid_t Sender(const siginfo_t& info) { return info.si_code <= 0 ? info.si_pid : 0; }
+
+void OnStopSignal(int signo, siginfo_t* info, void*) {
+  if (!EndsNow(signo, info != nullptr ? Sender(*info) : 0)) return;
+  std::signal(signo, SIG_DFL);
+  std::raise(signo);
 }
 
 // SIGINT and SIGTERM must not interrupt the training thread: a handler
@@ -152,13 +189,17 @@ void OnStopSignal(int signo) {
 // corruption in about 1 of 20 interrupted runs ("corrupted size vs.
 // prev_size" at the next free inside dnnl_sgemm; 0 of 180 runs once the
 // thread blocked the signals). So this thread, and every thread it starts
-// later, blocks them; a thread of its own takes them with sigwait. Threads
-// that libraries started before main (OpenBLAS's pool, idle) may still
-// take one, hence the handler as well.
+// later, blocks them; a thread of its own takes them with sigwaitinfo.
+// Threads that libraries started before main (OpenBLAS's pool, idle) may
+// still take one, hence the handler as well.
 void WatchStopSignals() {
-  std::signal(SIGINT, OnStopSignal);
-  std::signal(SIGTERM, OnStopSignal);
-  std::signal(SIGHUP, OnStopSignal);  // a closed terminal or ssh session
+  struct sigaction action{};
+  action.sa_sigaction = OnStopSignal;
+  action.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGHUP, &action, nullptr);  // a closed terminal or ssh session
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
@@ -167,13 +208,10 @@ void WatchStopSignals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::thread([set] {
     for (;;) {
-      int signo = 0;
-      if (sigwait(&set, &signo) != 0) continue;
-      if (g_stop.load() == 0) {
-        g_stop.store(signo);
-        continue;
-      }
-      // Asked twice: the default action, now.
+      siginfo_t info{};
+      const int signo = sigwaitinfo(&set, &info);
+      if (signo < 0 || !EndsNow(signo, Sender(info))) continue;
+      // Asked again: the default action, now.
       std::signal(signo, SIG_DFL);
       sigset_t one;
       sigemptyset(&one);

@@ -437,6 +437,56 @@ TEST(TrainResumeTest, SignalToOneRankStopsEveryRankAtTheSameStep) {
   ExpectSameModel(reference, ckpt);
 }
 
+// Waits until process `pid` has taken pending `signo` (its shared pending
+// set, /proc/<pid>/status ShdPnd, no longer has it), so that the same
+// signal sent next is a second delivery rather than merged with the first.
+bool WaitUntilTaken(pid_t pid, int signo) {
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < deadline) {
+    std::string pending;
+    for (const std::string& line :
+         testing::Lines(testing::ReadFile("/proc/" + std::to_string(pid) + "/status"))) {
+      if (line.rfind("ShdPnd:", 0) == 0) pending = line.substr(7);
+    }
+    if (pending.empty()) return false;  // gone
+    if ((std::stoull(pending, nullptr, 16) & (1ull << (signo - 1))) == 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+// SLURM's scancel and systemd's stop send SIGTERM to every process of the
+// job, and the launcher forwards the one it gets: each rank has it twice
+// within milliseconds, here three times (once more straight from another
+// process). That is one request to stop, not a second one that ends the
+// rank at once: rank 0 saves the step the ranks stopped at, and the run
+// ends with 128 + SIGTERM. (Each repeat used to kill its rank unsaved.)
+TEST(TrainResumeTest, SigtermToEveryProcessTwiceAtOnceStillSaves) {
+  const std::string ckpt = testing::MakeTempDir("sigterm_twice") + "/ckpt.safetensors";
+  std::vector<std::string> args = Args(ckpt);
+  args.erase(std::find(args.begin(), args.end(), "--checkpoint_every=4"));
+  Subprocess run(args);
+  // The end of the first epoch saves one; the stop's comes later.
+  ASSERT_EQ(WaitForCheckpoint(ckpt, 32, run), 32) << run.Stdout() << run.Stderr();
+  const std::vector<pid_t> workers = run.Children();
+  ASSERT_EQ(workers.size(), 2u) << run.Stdout() << run.Stderr();
+  for (pid_t w : workers) {
+    ASSERT_EQ(kill(w, SIGTERM), 0);
+    ASSERT_TRUE(WaitUntilTaken(w, SIGTERM)) << "rank process " << w;
+  }
+  run.Signal(SIGTERM);
+  for (pid_t w : workers) kill(w, SIGTERM);
+  EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGTERM) << run.Stdout() << run.Stderr();
+
+  const int64_t step = CheckpointStep(ckpt);
+  ASSERT_GT(step, 32) << "no checkpoint of the stop: " << run.Stdout() << run.Stderr();
+  ASSERT_LT(step, 96) << "the run was not interrupted in the middle";
+  EXPECT_NE(run.Stdout().find("stopped by TERM at epoch " + std::to_string(step / 32 + 1) + ", step " +
+                              std::to_string(step) + "; checkpoint of step " + std::to_string(step)),
+            std::string::npos)
+      << run.Stdout() << run.Stderr();
+}
+
 // The elastic case: a run on 2 ranks stops in the middle of its last
 // epoch (step 5 of 16: 160 of its 512 samples trained) and is resumed on 1
 // rank. That rank trains the other 352 samples, 22 steps of 16, and the
