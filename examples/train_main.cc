@@ -407,6 +407,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   gflags::HandleCommandLineHelpFlags();  // --helpfull, --version, ...
+  // Output into a pipe whose reader is gone (`train ... | tee log`, and
+  // Ctrl-C ends tee as well) must not end a rank before it saves, nor the
+  // launcher, whose end ends the ranks: a write fails with EPIPE instead,
+  // and the console stops printing. (Workers start with the default
+  // action, see spawn.cc, and set this again.)
+  std::signal(SIGPIPE, SIG_IGN);
   if (argc > 1) {
     Fail(2, 0, 1, std::string("unexpected argument '") + argv[1] +
                       "'; flags are written --name=value (see --help)");

@@ -3,10 +3,15 @@
 // chart.svg to PNG; both curves must be visible). Also the trainer started
 // the way ddprun starts it (RANK, WORLD_SIZE, ... set per process).
 
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +20,7 @@
 #include <memory>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "examples/testing/png.h"
@@ -458,6 +464,63 @@ TEST(TrainRunTest, ResumesAfterATorchrunRestartOfTheSameRun) {
   out = run("none", 1, "");
   EXPECT_NE(out.find("this job has no name"), std::string::npos) << out;
   EXPECT_NE(out.find("epoch 1/2"), std::string::npos) << out;
+}
+
+// Runs `args` with stdout into a pipe whose read end is closed before it
+// starts (a `| tee log` that Ctrl-C ended) and stderr into `err_path`, with
+// SIGPIPE's default action, as a shell starts it. Returns the exit status
+// (128 + signal when killed by one), or -1 when it ran past 120 s.
+int RunIntoClosedPipe(const std::vector<std::string>& args, const std::string& err_path) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return -2;
+  close(fds[0]);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGPIPE);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF);
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  const int started = posix_spawn(&pid, argv[0], &actions, &attr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close(fds[1]);
+  if (started != 0) return -2;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);  // its ranks die with it (PR_SET_PDEATHSIG)
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+// `train ... | tee log`, and Ctrl-C ended tee too: rank 0's output has no
+// reader. It used to die of SIGPIPE at its first line, before any save;
+// now its writes fail, it stops printing, and it trains, saves and ends
+// as without the pipe.
+TEST(TrainRunTest, OutputIntoAPipeWithoutAReaderStillTrainsAndSaves) {
+  const std::string dir = testing::MakeTempDir("closed_pipe");
+  std::vector<std::string> args = QuickRun(dir);
+  args.push_back("--epochs=1");
+  const std::string err_path = dir + "/stderr.txt";
+  const int code = RunIntoClosedPipe(args, err_path);
+  EXPECT_EQ(code, 0) << ReadFile(err_path);
+  const nn::io::Checkpoint saved = nn::io::LoadCheckpoint(dir + "/ckpt.safetensors");
+  EXPECT_EQ(saved.metadata.at("step"), "16");
 }
 
 // Under a launcher no CheckSetup runs before the ranks start: rank 0 checks

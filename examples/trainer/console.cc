@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -75,18 +76,25 @@ std::string Console::Dim(const std::string& t) const {
   return options_.color ? "\033[2m" + t + "\033[0m" : t;
 }
 
+void Console::Write(const std::string& text) {
+  if (closed_) return;
+  if (std::fputs(text.c_str(), out_) >= 0 && std::fflush(out_) == 0) return;
+  // The reader is gone (`train | tee log` after a Ctrl-C ended tee). The run
+  // goes on to its checkpoint; what it would print has nowhere to go.
+  // (Other errors, a full disk under a redirect, may pass: try again.)
+  if (errno == EPIPE) closed_ = true;
+  std::clearerr(out_);
+}
+
 void Console::ClearBar() {
   if (!bar_shown_) return;
-  std::fputs("\r\033[2K", out_);
-  std::fflush(out_);
+  Write("\r\033[2K");
   bar_shown_ = false;
 }
 
 void Console::Line(const std::string& text) {
   ClearBar();
-  std::fputs(text.c_str(), out_);
-  std::fputc('\n', out_);
-  std::fflush(out_);
+  Write(text + "\n");
 }
 
 void Console::StartEpoch(int64_t epoch, int64_t epochs, int64_t total_steps, int64_t done_steps) {
@@ -136,8 +144,7 @@ void Console::Progress(int64_t done, double rate, double loss, double eta_s) {
     if (done < total_steps_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
     last_draw_ = now;
     std::string text = RenderBar(done, rate, loss, eta_s, options_.width);
-    std::fputs(("\r\033[2K" + text).c_str(), out_);
-    std::fflush(out_);
+    Write("\r\033[2K" + text);
     bar_shown_ = true;
     return;
   }
@@ -161,8 +168,7 @@ void Console::EndEpoch() { ClearBar(); }
 
 void Console::Status(const std::string& text) {
   if (!options_.interactive) return;
-  std::fputs(("\r\033[2K" + Dim(text + "...")).c_str(), out_);
-  std::fflush(out_);
+  Write("\r\033[2K" + Dim(text + "..."));
   bar_shown_ = true;
 }
 

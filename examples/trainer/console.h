@@ -67,6 +67,10 @@ class Console {
   std::string Dim(const std::string& text) const;
 
   const ConsoleOptions& options() const { return options_; }
+  /// True once a write failed with EPIPE (the reader of the output is
+  /// gone); nothing more is written then. SIGPIPE must be ignored for a
+  /// write to fail so rather than end the process.
+  bool closed() const { return closed_; }
 
   /// The bar's text for the given state, `width` columns wide (for tests).
   std::string RenderBar(int64_t done_steps, double samples_per_s, double loss, double eta_s,
@@ -74,6 +78,8 @@ class Console {
 
  private:
   void ClearBar();
+  // Writes and flushes `text`, unless closed.
+  void Write(const std::string& text);
 
   std::FILE* out_;
   ConsoleOptions options_;
@@ -82,6 +88,7 @@ class Console {
   int64_t total_steps_ = 0;
   int64_t last_plain_step_ = -1;
   bool bar_shown_ = false;
+  bool closed_ = false;
   std::chrono::steady_clock::time_point last_draw_{};
 };
 

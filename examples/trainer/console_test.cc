@@ -1,5 +1,8 @@
 #include "examples/trainer/console.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <string>
 
@@ -32,6 +35,31 @@ int CountOf(const std::string& text, const std::string& needle) {
   int n = 0;
   for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
   return n;
+}
+
+// Output into a pipe whose reader is gone (`train | tee log` after Ctrl-C
+// ended tee): with SIGPIPE ignored the first write fails with EPIPE, and
+// the console writes nothing more.
+TEST(ConsoleTest, StopsWritingOnceTheReaderIsGone) {
+  struct sigaction ignore{}, old{};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGPIPE, &ignore, &old), 0);
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  close(fds[0]);
+  std::FILE* out = fdopen(fds[1], "w");
+  ASSERT_NE(out, nullptr);
+  {
+    Console console(out, ConsoleOptions{});
+    EXPECT_FALSE(console.closed());
+    console.Line("header");
+    EXPECT_TRUE(console.closed());
+    console.StartEpoch(1, 1, 10, 0);
+    console.Line("epoch 1/1 done");
+    EXPECT_TRUE(console.closed());
+  }
+  std::fclose(out);
+  sigaction(SIGPIPE, &old, nullptr);
 }
 
 TEST(ConsoleTest, BarShowsStepRateLossAndEta) {

@@ -1034,7 +1034,7 @@ RunResult Run::Go() {
     if (!checkpoint_saved_.empty()) done += ", checkpoint " + checkpoint_saved_;
     Say(done);
   }
-  if (lead_ && signal == 0 && opt_.print_result) {
+  if (lead_ && signal == 0 && opt_.print_result && !console_.closed()) {
     std::fprintf(opt_.out, "%s\n", ResultLine(c_, result).c_str());
     std::fflush(opt_.out);
   }
