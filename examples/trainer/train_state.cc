@@ -549,13 +549,15 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id) 
 
 bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  if (!std::filesystem::exists(path, ec) && !ec) return false;
   try {
     const Metadata m = nn::io::SafetensorsFile::Read(path).metadata();
     if (Get(m, "format").empty()) return false;  // not a trainer checkpoint: nothing to keep
     return job.empty() || Get(m, "job") != job;
   } catch (const std::exception&) {
-    return false;  // unreadable: nothing worth keeping
+    // Unreadable now (EIO, ESTALE, memory, a bad checksum) says nothing of
+    // whose it is: it may be a good checkpoint a retry could read.
+    return true;
   }
 }
 
@@ -563,16 +565,29 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
   const std::string attempt = "restart " + std::to_string(restart) + " of the job: ";
   if (config.resume) return attempt + "resuming from " + config.checkpoint + " as asked";
   if (config.checkpoint.empty()) return attempt + "no checkpoints (--checkpoint=none); starting over";
-  if (!std::filesystem::exists(config.checkpoint)) {
+  std::error_code ec;
+  const bool exists = std::filesystem::exists(config.checkpoint, ec);
+  if (!exists && !ec) {
     return attempt + "no checkpoint at " + config.checkpoint + " yet; starting over";
   }
+  // Whose it is cannot be told from a file that cannot be read. Starting
+  // over would replace it at the first save, and it may be this job's own
+  // good checkpoint, unreadable for a moment (EIO, ESTALE, out of memory):
+  // the restart stops instead and leaves the file as it is.
+  const auto unreadable = [&](const std::string& why) {
+    return UsageError(attempt + "cannot read the checkpoint at " + config.checkpoint + " (" + why +
+                      "), so it cannot tell whether it is this job's; it is left as it is rather "
+                      "than replaced at the first save. Delete it or pass another --checkpoint to "
+                      "start afresh, or --resume to continue from it once it reads");
+  };
+  if (ec) throw unreadable(ec.message());
   std::string saved_by;
   try {
     const Metadata m = nn::io::SafetensorsFile::Read(config.checkpoint).metadata();
     const auto job = m.find("job");
     if (job != m.end()) saved_by = job->second;
   } catch (const std::exception& e) {
-    return attempt + "cannot read " + config.checkpoint + " (" + e.what() + "); starting over";
+    throw unreadable(e.what());
   }
   if (config.job.empty()) {
     return attempt + "this job has no name (no DDP_JOB_TOKEN, DDP_RUN_ID or torchrun --rdzv_id), so the "
