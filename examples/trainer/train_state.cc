@@ -238,6 +238,63 @@ int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainCo
   return run_end;
 }
 
+// Throws UsageError when a value of the checkpoint's position is out of
+// range: the load would go wrong with it (a negative epoch_start fails in
+// the data sampler, far from the file; a negative epoch trains extra
+// epochs). `position` holds what was read from `m`; `saved_size` is the
+// saved training-set size (-1 when not recorded: an older trainer's file).
+void CheckPositionInRange(const std::string& path, const Metadata& m, const NamedTensors& optimizer,
+                          const TrainPosition& position, int64_t saved_world, int64_t saved_batch,
+                          int64_t saved_accum, int64_t saved_size) {
+  const auto refuse = [&](const std::string& key, int64_t value, const std::string& range) {
+    throw UsageError("--resume: checkpoint " + path + " has " + key + "=" + std::to_string(value) +
+                     ", out of range (" + range +
+                     "); the file was not written by this trainer, or changed since; delete it or "
+                     "pass another --checkpoint to start afresh");
+  };
+  for (const auto& [key, value] :
+       {std::pair<const char*, int64_t>{"epoch", position.epoch}, {"step", position.step},
+        {"epoch_loss_count", position.epoch_loss_count}, {"epoch_start", position.epoch_start},
+        {"batch_in_epoch", position.batch_in_epoch}}) {
+    if (value < 0) refuse(key, value, "0 or more");
+  }
+  if (!Get(m, "train_size").empty() && saved_size < 0) refuse("train_size", saved_size, "0 or more");
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"world_size", saved_world},
+                                   {"batch_size", saved_batch},
+                                   {"grad_accum_steps", saved_accum}}) {
+    if (value < 1) refuse(key, value, "1 or more");
+  }
+  if (!Get(m, "samples_in_epoch").empty()) {
+    const int64_t trained = MetaInt(m, "samples_in_epoch", path);
+    if (trained < 0) refuse("samples_in_epoch", trained, "0 or more");
+  }
+  if (saved_size >= 0) {
+    if (position.epoch_start > saved_size) {
+      refuse("epoch_start", position.epoch_start,
+             "0 to " + std::to_string(saved_size) + ", its train_size");
+    }
+    const int64_t batches =
+        BatchesInEpoch(saved_size, static_cast<int>(saved_world), saved_batch, position.epoch_start);
+    if (position.batch_in_epoch > batches) {
+      refuse("batch_in_epoch", position.batch_in_epoch,
+             "0 to " + std::to_string(batches) + ", the batches of its epoch on " +
+                 std::to_string(saved_world) + " ranks");
+    }
+  }
+  // The scheduler counts the optimizer steps as well: the two disagree only
+  // in a file put together from two runs.
+  for (const auto& [name, t] : optimizer) {
+    if (name != "scheduler.step" || !t.defined() || t.numel() != 1 ||
+        t.dtype() != nn::DType::kInt64) {
+      continue;
+    }
+    const int64_t scheduler_step = t.To(nn::kCPU).data<int64_t>()[0];
+    if (scheduler_step != position.step) {
+      refuse("scheduler.step", scheduler_step, "the step, " + std::to_string(position.step));
+    }
+  }
+}
+
 }  // namespace
 
 RunSchedule::RunSchedule(std::string kind, int64_t steps) : kind_(std::move(kind)) {
@@ -413,6 +470,12 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
 
   pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);
   pos.bucket_order = ParseBucketOrder(Get(m, "bucket_order"));
+  const int64_t saved_world = MetaInt(m, "world_size", path);
+  const int64_t saved_batch = MetaInt(m, "batch_size", path);
+  const int64_t saved_accum = MetaInt(m, "grad_accum_steps", path);
+  // The training-set size of the saved run (-1: an older trainer's file).
+  const int64_t saved_size = Get(m, "train_size").empty() ? -1 : MetaInt(m, "train_size", path);
+  CheckPositionInRange(path, m, ckpt.optimizer, pos, saved_world, saved_batch, saved_accum, saved_size);
 
   std::vector<std::string> notes;
   // The epoch's sample order is a function of the seed and the training
@@ -435,9 +498,6 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     compare("training samples", Get(m, "train_size"), std::to_string(parts.train_size), true);
   }
   const bool same_samples = saved_samples.empty();
-  const int64_t saved_world = MetaInt(m, "world_size", path);
-  const int64_t saved_batch = MetaInt(m, "batch_size", path);
-  const int64_t saved_accum = MetaInt(m, "grad_accum_steps", path);
   const bool same_order = same_samples && saved_world == world_size &&
                           saved_batch == config.batch_size &&
                           saved_accum == config.grad_accum_steps;

@@ -377,6 +377,73 @@ TEST(TrainStateTest, AnotherTrainingSetSizeContinuesAtTheNextEpoch) {
   }
 }
 
+// Rewrites metadata `key` of the checkpoint at `path` to `value`.
+void SetMetadata(const std::string& path, const std::string& key, const std::string& value) {
+  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  ckpt.metadata[key] = value;
+  nn::io::SaveCheckpoint(path, ckpt);
+}
+
+// Position values out of range (a file edited by hand, or put together from
+// two) are refused in one line that names the key, the value and the file,
+// before anything is loaded. A negative epoch_start used to fail in the data
+// sampler, without naming the file; a negative epoch trained extra epochs.
+TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.batch_size = 8;
+  config.epochs = 2;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  // 300 samples on 2 ranks: 150 per rank, 19 batches of 8.
+  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 19));
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 3; ++i) scheduler.Step();
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.train_size = 300;
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 19;
+  const std::string path = Path("out_of_range");
+  const TrainPosition saved{.epoch = 0, .batch_in_epoch = 3, .step = 3};
+  SaveTrainCheckpoint(path, parts, saved, config, 2);
+  std::string note;
+  EXPECT_EQ(LoadTrainCheckpoint(path, parts, config, 2, &note).step, 3) << note;
+
+  const std::string tail =
+      "; the file was not written by this trainer, or changed since; delete it or pass another "
+      "--checkpoint to start afresh";
+  const struct {
+    const char* key;
+    const char* value;
+    std::string range;
+  } cases[] = {
+      {"epoch", "-1", "0 or more"},
+      {"step", "-2", "0 or more"},
+      {"batch_in_epoch", "-1", "0 or more"},
+      {"batch_in_epoch", "20", "0 to 19, the batches of its epoch on 2 ranks"},
+      {"epoch_start", "-5", "0 or more"},
+      {"epoch_start", "301", "0 to 300, its train_size"},
+      {"epoch_loss_count", "-1", "0 or more"},
+      {"train_size", "-300", "0 or more"},
+      {"world_size", "0", "1 or more"},
+      {"samples_in_epoch", "-1", "0 or more"},
+      // The scheduler's own count of steps says 3.
+      {"step", "4", ""},
+  };
+  for (const auto& c : cases) {
+    SaveTrainCheckpoint(path, parts, saved, config, 2);
+    SetMetadata(path, c.key, c.value);
+    const std::string expected =
+        std::string(c.range.empty() ? "--resume: checkpoint " + path + " has scheduler.step=3, "
+                                      "out of range (the step, 4)"
+                                    : "--resume: checkpoint " + path + " has " + c.key + "=" +
+                                          c.value + ", out of range (" + c.range + ")") +
+        tail;
+    EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 2, nullptr); }), expected)
+        << c.key << "=" << c.value;
+  }
+}
+
 // A restarted job resumes from a checkpoint only when this job saved it
 // (the default path is shared by every run of a model and dataset).
 TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
@@ -582,6 +649,7 @@ TEST(TrainStateTest, RunLengthThatMovesTheScheduleIsRefused) {
   auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
   EXPECT_EQ(schedule->steps(), 6);
   nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 6; ++i) scheduler.Step();  // at step 6, as the position
   TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
   parts.schedule = schedule.get();
   parts.batches_per_epoch = 4;
