@@ -455,6 +455,15 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                      " and this run has --amp=" + config.amp + "; pass --amp=" + saved_amp +
                      " to continue that run, or another --checkpoint path to start afresh");
   }
+  // Another dataset of the same image shape (mnist for fashion_mnist) fits
+  // the model, yet training it on would not continue that run.
+  const std::string saved_dataset = Get(m, "dataset");
+  if (!saved_dataset.empty() && saved_dataset != config.dataset) {
+    throw UsageError("checkpoint " + path + " was saved with --dataset=" + saved_dataset +
+                     " and this run has --dataset=" + config.dataset + "; pass --dataset=" +
+                     saved_dataset +
+                     " to continue that run, or another --checkpoint path to start afresh");
+  }
   CheckSameSchedule(path, m, config);
   TrainPosition pos;
   pos.epoch = MetaInt(m, "epoch", path);
@@ -491,11 +500,14 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     these_samples += (these_samples.empty() ? "" : ", ") + what + " " + now;
   };
   compare("seed", Get(m, "seed"), std::to_string(config.seed));
-  compare("dataset", Get(m, "dataset"), config.dataset);
-  compare("--train_samples", Get(m, "train_samples"), std::to_string(config.train_samples));
-  // Another --data_dir of the same dataset name: other samples.
-  if (parts.train_size >= 0) {
-    compare("training samples", Get(m, "train_size"), std::to_string(parts.train_size), true);
+  if (saved_size >= 0 && parts.train_size >= 0) {
+    // The training set's size, not the flag that cut it: --train_samples=0
+    // and --train_samples=60000 are the same 60,000 samples. (Another
+    // --data_dir of the same dataset name may hold another number.)
+    compare("training samples", std::to_string(saved_size), std::to_string(parts.train_size));
+  } else {
+    // An older trainer's file, or a size not known here: the flag.
+    compare("--train_samples", Get(m, "train_samples"), std::to_string(config.train_samples));
   }
   const bool same_samples = saved_samples.empty();
   const bool same_order = same_samples && saved_world == world_size &&

@@ -444,6 +444,57 @@ TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
   }
 }
 
+// The data order depends on the training set, not on the flag that cut it:
+// --train_samples=0 and --train_samples=N over a set of N samples are the
+// same samples, and a resume in the middle of an epoch continues it. (The
+// flags' text was compared: the epoch was skipped as "another order".)
+TEST(TrainStateTest, TrainSamplesFlagOfTheSameSizeContinuesTheEpoch) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.lr = 0.1;
+  config.train_samples = 0;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.train_size = 600;
+  const std::string path = Path("train_samples");
+  SaveTrainCheckpoint(path, parts, {.epoch = 0, .batch_in_epoch = 5, .step = 5}, config, 2);
+  TrainConfig all = config;
+  all.train_samples = 600;
+  std::string note;
+  const TrainPosition pos = LoadTrainCheckpoint(path, parts, all, 2, &note);
+  EXPECT_EQ(note, "");
+  EXPECT_EQ(pos.epoch, 0);
+  EXPECT_EQ(pos.batch_in_epoch, 5);
+  EXPECT_EQ(pos.untrained_epochs, 0);
+}
+
+// Another dataset of the same image shape fits the model, and used to be
+// taken silently at an epoch's end (in the middle of one, as another sample
+// order): it is refused, naming both.
+TEST(TrainStateTest, AnotherDatasetIsRefusedNamingBoth) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.lr = 0.1;
+  config.dataset = "fashion_mnist";
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.train_size = 600;
+  const std::string path = Path("dataset");
+  TrainConfig mnist = config;
+  mnist.dataset = "mnist";
+  for (const int64_t batch_in_epoch : {int64_t{0}, int64_t{5}}) {
+    SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = batch_in_epoch, .step = 20},
+                        config, 2);
+    EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, mnist, 2, nullptr); }),
+              "checkpoint " + path + " was saved with --dataset=fashion_mnist and this run has "
+              "--dataset=mnist; pass --dataset=fashion_mnist to continue that run, or another "
+              "--checkpoint path to start afresh")
+        << "batch_in_epoch " << batch_in_epoch;
+  }
+}
+
 // A restarted job resumes from a checkpoint only when this job saved it
 // (the default path is shared by every run of a model and dataset).
 TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
