@@ -11,6 +11,7 @@
 
 #include "examples/trainer/format.h"
 #include "nn/data/sampler.h"
+#include "nn/io/atomic_file.h"
 #include "nn/io/checkpoint.h"
 #include "nn/io/safetensors.h"
 
@@ -407,12 +408,26 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   }
   std::error_code ec;
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  // The folders made here, deepest first: each one's entry is in its
+  // parent's table, which must reach the disk too, or a crash soon after
+  // the save could lose the folder with the checkpoint in it.
+  std::vector<std::filesystem::path> made;
+  for (std::filesystem::path p = parent; !p.empty() && !std::filesystem::exists(p, ec) && !ec;
+       p = p.parent_path()) {
+    made.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  ec.clear();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
   if (ec) {
     throw UsageError("cannot create the checkpoint folder " + parent.string() + ": " +
                      ec.message() + "; pass --checkpoint=PATH somewhere writable, or none");
   }
   try {
+    for (const std::filesystem::path& folder : made) {
+      const std::filesystem::path above = folder.parent_path();
+      nn::io::SyncFolder(above.empty() ? "." : above.string());
+    }
     nn::io::SaveCheckpoint(path, ckpt);
   } catch (const nn::io::CheckpointError& e) {
     throw UsageError(std::string("cannot save the checkpoint: ") + e.what() +

@@ -185,7 +185,10 @@ void AtomicFileWriter::Commit() {
   }
   committed_ = true;
   // The rename itself lives in the folder's entry table.
-  const std::string folder = Folder(path_);
+  SyncFolder(Folder(path_));
+}
+
+void SyncFolder(const std::string& folder) {
   const int dfd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) {
     const int err = errno;
@@ -194,7 +197,19 @@ void AtomicFileWriter::Commit() {
   const int rc = ::fsync(dfd);
   const int err = errno;
   ::close(dfd);
-  if (rc != 0) Fail(folder, "fsync of folder failed", err);
+  if (rc != 0 && !internal::FolderFsyncUnsupported(err)) Fail(folder, "fsync of folder failed", err);
 }
+
+namespace internal {
+
+bool FolderFsyncUnsupported(int err) {
+  // fsync(2): EINVAL or EROFS for a file that does not support
+  // synchronization; some FUSE and network filesystems answer a folder's
+  // with ENOTSUP or EBADF instead. The entry is in place either
+  // way; the filesystem makes no promise to keep it.
+  return err == EINVAL || err == ENOTSUP || err == EOPNOTSUPP || err == EBADF || err == EROFS;
+}
+
+}  // namespace internal
 
 }  // namespace ddp::nn::io

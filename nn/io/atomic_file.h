@@ -49,7 +49,17 @@ class AtomicFileWriter {
   void CheckStop() const;
 };
 
+/// fsyncs `folder`, so that entries made in it (a rename, a new folder)
+/// outlast a crash. A filesystem that cannot fsync a folder (see
+/// internal::FolderFsyncUnsupported) is no error: there is nothing more to
+/// do. Throws CheckpointError naming the folder for other failures.
+void SyncFolder(const std::string& folder);
+
 namespace internal {
+
+/// Whether errno `err` from fsync of a folder says the filesystem does not
+/// do that (EINVAL, EROFS, ENOTSUP, EBADF), rather than that it failed.
+bool FolderFsyncUnsupported(int err);
 
 /// Makes every AtomicFileWriter::Write sleep `pause` before each piece of
 /// kStopCheckBytes (before its stop check), as a slow disk would, so that

@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <random>
@@ -254,6 +256,27 @@ TEST(Safetensors, StoppedWriteLeavesTheOldFileAndNoTemporary) {
   }
   EXPECT_EQ(ReadAll(path), before);
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// A folder's fsync that the filesystem does not do (after the rename put
+// the file in place) is no failed save; other errors still are.
+TEST(AtomicFileTest, FolderFsyncTheFilesystemDoesNotDoIsNoError) {
+  for (const int err : {EINVAL, ENOTSUP, EOPNOTSUPP, EBADF, EROFS}) {
+    EXPECT_TRUE(internal::FolderFsyncUnsupported(err)) << std::strerror(err);
+  }
+  for (const int err : {EIO, ENOSPC, EDQUOT, EINTR, 0}) {
+    EXPECT_FALSE(internal::FolderFsyncUnsupported(err)) << std::strerror(err);
+  }
+  // An ordinary folder syncs; a missing one is an error naming it.
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/sync_folder";
+  std::filesystem::create_directories(dir);
+  EXPECT_NO_THROW(SyncFolder(dir));
+  try {
+    SyncFolder(dir + "/absent");
+    ADD_FAILURE() << "no error for a missing folder";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()), dir + "/absent: cannot open folder to fsync it: " + std::strerror(ENOENT));
+  }
 }
 
 // internal::SetWritePausePerPiece (tests of deadlines around long writes
