@@ -46,7 +46,7 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
         "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "max_restarts",
         "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "find_unused_parameters", "ddp_stats", "trace",
-        "checkpoint", "checkpoint_every", "resume", "log_dir", "log_every", "timeout_s"}) {
+        "checkpoint", "checkpoint_every", "save_timeout_s", "resume", "log_dir", "log_every", "timeout_s"}) {
     EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
   }
   // Flags of linked libraries (gflags' own) stay out of the way.

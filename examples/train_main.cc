@@ -118,6 +118,9 @@ DEFINE_string(checkpoint, "auto",
               "checkpoint path, saved by rank 0 at each epoch end; auto: "
               "~/.cache/ddp/checkpoints/<model>_<dataset>.safetensors; none: no checkpoints");
 DEFINE_int64(checkpoint_every, 0, "also save every N steps (0: at epoch ends only)");
+DEFINE_int64(save_timeout_s, 1800,
+             "deadline of a checkpoint save in seconds: the other ranks wait this long for rank "
+             "0's write (a large model, a slow disk), not --timeout_s");
 DEFINE_bool(resume, false,
             "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
             "the schedule as saved: the same --scheduler, --lr, and --epochs and --max_steps "
@@ -234,7 +237,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
        {"nproc_per_node", "max_restarts", "sync_bn", "zero", "zero_overlap", "bucket_cap_mb",
         "comm_hook", "find_unused_parameters", "ddp_stats", "trace", "timeout_s"}},
       {"Checkpoints and logs",
-       {"checkpoint", "checkpoint_every", "resume", "log_dir", "log_every"}},
+       {"checkpoint", "checkpoint_every", "save_timeout_s", "resume", "log_dir", "log_every"}},
   };
   return kSections;
 }
@@ -357,6 +360,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.trace = FLAGS_trace;
   c.checkpoint = FLAGS_checkpoint;
   c.checkpoint_every = FLAGS_checkpoint_every;
+  c.save_timeout_s = FLAGS_save_timeout_s;
   c.resume = FLAGS_resume;
   c.log_dir = FLAGS_log_dir;
   c.log_every = FLAGS_log_every;

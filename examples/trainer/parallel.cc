@@ -7,6 +7,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "ddp/checkpoint.h"
 #include "ddp/comm_hooks.h"
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/overlapped_zero_optimizer.h"
@@ -227,6 +228,21 @@ class DdpParallel : public Parallel {
   std::string ShareFromLead(std::string value) override {
     if (pg_->size() > 1) Guarded("sharing rank 0's data", [&] { pg_->BroadcastObject(&value, 0); });
     return value;
+  }
+
+  std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
+                        std::chrono::milliseconds timeout, const std::string& late) override {
+    // The library words the deadline's outcome as "<task> did not finish
+    // within <option> (N ms)"; `task` is this one's own, so that outcome
+    // is told from an error of `work`.
+    static const std::string kTask = "rank 0's part";
+    const std::string outcome = Guarded("waiting for rank 0", [&] {
+      return dist::internal::RunOnRootWhileOthersWait(*pg_, 0, work, timeout, std::chrono::seconds(1),
+                                                      kTask, "its deadline",
+                                                      "rank 0 did not finish its part");
+    });
+    if (outcome.rfind(kTask + " did not finish within its deadline", 0) == 0) throw JobError(late);
+    return outcome;
   }
 
   int VoteStop(int signal, bool slow) override {

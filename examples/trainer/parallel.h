@@ -8,6 +8,7 @@
 // never names ddp/, which keeps its loop readable and lets a failure of the
 // job reach it as one exception type.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -132,6 +133,16 @@ class Parallel {
   /// Rank 0's `value` on every rank (what the others pass is ignored).
   /// Collective.
   virtual std::string ShareFromLead(std::string value) = 0;
+  /// Runs `work` on rank 0, on a thread of its own, while the others wait
+  /// for it (a checkpoint's write): rank 0 tells them every second, or
+  /// every quarter of --timeout_s when shorter, that it is still going, so
+  /// they wait as long as it does, up to `timeout`, instead of failing at
+  /// the collectives' deadline. `work` should end soon after its `stop`
+  /// turns true. Returns rank 0's outcome on every rank: "" or what `work`
+  /// threw. Past `timeout` every rank throws JobError `late`, and the job's
+  /// group is aborted. Collective.
+  virtual std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
+                                std::chrono::milliseconds timeout, const std::string& late) = 0;
   /// Stopping together: a signal (Ctrl-C, SIGTERM) reaches the ranks at
   /// different steps, so each rank votes at every step boundary and all of
   /// them act on the same vote one step later. VoteStop(signal) returns the

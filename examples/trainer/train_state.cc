@@ -351,7 +351,8 @@ std::string ReadTrainCheckpoint(const std::string& path) {
 }
 
 void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
-                         const TrainPosition& pos, const TrainConfig& config, int world_size) {
+                         const TrainPosition& pos, const TrainConfig& config, int world_size,
+                         const std::atomic<bool>* stop) {
   nn::io::Checkpoint ckpt;
   ckpt.model = parts.model->GetStateDict();
   ckpt.optimizer = parts.optimizer_state != nullptr ? *parts.optimizer_state : parts.optimizer->StateDict();
@@ -428,7 +429,7 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
       const std::filesystem::path above = folder.parent_path();
       nn::io::SyncFolder(above.empty() ? "." : above.string());
     }
-    nn::io::SaveCheckpoint(path, ckpt);
+    nn::io::SaveCheckpoint(path, ckpt, stop);
   } catch (const nn::io::CheckpointError& e) {
     throw UsageError(std::string("cannot save the checkpoint: ") + e.what() +
                      "; pass --checkpoint=PATH somewhere writable, or none");

@@ -23,6 +23,7 @@
 // ranks, batch size or accumulation the batches differ, but the epoch's
 // sample order does not: the run trains the rest of it (see epoch_start).
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -136,8 +137,11 @@ struct TrainComponents {
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on
 /// rank 0 only. Throws UsageError naming the path when it cannot be written.
+/// Once `*stop` (when given) is true, the write ends within a piece of
+/// kStopCheckBytes with that UsageError, leaving `path` as it was.
 void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
-                         const TrainPosition& position, const TrainConfig& config, int world_size);
+                         const TrainPosition& position, const TrainConfig& config, int world_size,
+                         const std::atomic<bool>* stop = nullptr);
 
 /// Loads `path` into `parts` (all or nothing) and returns the position to
 /// continue from. A missing or unreadable file, or a checkpoint of another

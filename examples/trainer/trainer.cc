@@ -795,25 +795,35 @@ void Run::SaveCheckpoint() {
   last_checkpoint_step_ = pos_.step;
   // Rank 0 alone writes; the others learn its outcome, so that a failed
   // save (a full disk) stops every rank with rank 0's reason instead of
-  // rank 0 alone while the others wait in their next collective.
-  std::string failure;
-  std::exception_ptr error;
+  // rank 0 alone while the others wait in their next collective. They wait
+  // up to --save_timeout_s, told that rank 0 is still writing: a large
+  // model on a slow disk may take longer than --timeout_s.
+  TrainComponents parts;
   if (lead_) {
-    try {
-      TrainComponents parts = Components();
-      if (sharded_) parts.optimizer_state = &whole;
-      SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_);
-      checkpoint_saved_ = c_.checkpoint;
-      checkpoint_saved_step_ = pos_.step;
-    } catch (const std::exception& e) {
-      error = std::current_exception();
-      failure = e.what();
-      if (failure.empty()) failure = "unknown error";
-    }
+    parts = Components();
+    if (sharded_) parts.optimizer_state = &whole;
   }
-  failure = par_.ShareFromLead(std::move(failure));
+  std::exception_ptr error;
+  const std::string late = StringPrintf(
+      "rank 0 was still writing %s after %lld s (--save_timeout_s); the file there is the one "
+      "before, if any: pass a longer --save_timeout_s, or a --checkpoint on a faster disk",
+      c_.checkpoint.c_str(), static_cast<long long>(c_.save_timeout_s));
+  const std::string failure = par_.RunOnLead(
+      [&](const std::atomic<bool>& stop) {
+        try {
+          SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
+        } catch (...) {
+          error = std::current_exception();
+          throw;
+        }
+      },
+      std::chrono::seconds(c_.save_timeout_s), late);
   if (error) std::rethrow_exception(error);
   if (!failure.empty()) throw std::runtime_error("rank 0 could not save the checkpoint: " + failure);
+  if (lead_) {
+    checkpoint_saved_ = c_.checkpoint;
+    checkpoint_saved_step_ = pos_.step;
+  }
 }
 
 RunResult Run::Go() {

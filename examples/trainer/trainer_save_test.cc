@@ -1,0 +1,105 @@
+// The trainer's checkpoint save on 2 ranks (worker processes of this test,
+// RunTestWorkers): a write that outlasts the collectives' deadline
+// (--timeout_s) keeps the other rank waiting, as long as
+// --save_timeout_s allows. The write is made slow on purpose
+// (nn::io::internal::SetWritePausePerPiece: each write of a piece of up to
+// 64 MiB waits first), not left to the disk, as in ddp/checkpoint_test.cc.
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "examples/trainer/config.h"
+#include "examples/trainer/parallel.h"
+#include "examples/trainer/trainer.h"
+#include "gtest/gtest.h"
+#include "nn/io/atomic_file.h"
+#include "transport/launch/test_spawn.h"
+
+namespace ddp::examples::trainer {
+namespace {
+
+namespace launch = transport::launch;
+
+// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks), every
+// collective bounded by 2 s, and a checkpoint at the epoch's end (at
+// SLOW_SAVE_CKPT) each of whose writes (the length, the header, each
+// tensor: at least 3) waits SLOW_SAVE_PAUSE_MS first. Exit status 0, or 1
+// after printing the error.
+DDP_TEST_WORKER(slow_save) {
+  nn::io::internal::SetWritePausePerPiece(
+      std::chrono::milliseconds(std::atoll(std::getenv("SLOW_SAVE_PAUSE_MS"))));
+  TrainConfig c;
+  c.model = "mlp";
+  c.dataset = "synthetic";
+  c.train_samples = 64;
+  c.test_samples = 32;
+  c.batch_size = 16;
+  c.epochs = 1;
+  c.workers = 0;
+  c.timeout_s = 2;
+  c.save_timeout_s = std::atoll(std::getenv("SLOW_SAVE_TIMEOUT_S"));
+  c.checkpoint = std::getenv("SLOW_SAVE_CKPT");
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    Train(c, *parallel, options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
+                                           int save_timeout_s) {
+  auto run = launch::testing::RunTestWorkers(
+      "slow_save", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    // Rank 0 ends later, once its stopped write ends:
+                    // each rank's own outcome is the test's.
+                    .stop_all_on_failure = false,
+                    .env = {{"SLOW_SAVE_CKPT", checkpoint},
+                            {"SLOW_SAVE_PAUSE_MS", std::to_string(pause_ms)},
+                            {"SLOW_SAVE_TIMEOUT_S", std::to_string(save_timeout_s)}}});
+  EXPECT_TRUE(run.ok()) << run.status();
+  return run.ok() ? *run : launch::testing::TestRunResult{};
+}
+
+std::string TempDir(const std::string& name) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// A save of 3 s or more, longer than the collectives' 2 s: rank 1 waits for it
+// (rank 0 tells it every half second that it is still writing) and the run
+// ends well. It used to wait in a broadcast bounded by --timeout_s and fail
+// the job at the first epoch's end.
+TEST(TrainerSaveTest, SaveLongerThanTheCollectiveTimeoutKeepsTheOthersWaiting) {
+  const std::string checkpoint = TempDir("slow") + "/ckpt.safetensors";
+  const launch::testing::TestRunResult run = RunSlowSave(checkpoint, 1000, 60);
+  EXPECT_TRUE(run.AllSucceeded()) << run.Summary() << run.Output(0) << run.Output(1);
+  EXPECT_TRUE(std::filesystem::is_regular_file(checkpoint)) << "no checkpoint";
+}
+
+// Past --save_timeout_s every rank fails with a line that names the file
+// and the flag, and the stopped write leaves nothing at the path.
+TEST(TrainerSaveTest, SaveLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
+  const std::string checkpoint = TempDir("late") + "/ckpt.safetensors";
+  const launch::testing::TestRunResult run = RunSlowSave(checkpoint, 1000, 1);
+  const std::string message = "rank 0 was still writing " + checkpoint + " after 1 s (--save_timeout_s)";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run.ExitCode(rank), 1) << run.Summary();
+    EXPECT_NE(run.Output(rank).find(message), std::string::npos) << run.Output(rank);
+  }
+  EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+}  // namespace
+}  // namespace ddp::examples::trainer
