@@ -639,12 +639,13 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec) && !ec) return false;
   try {
-    const Metadata m = nn::io::SafetensorsFile::Read(path).metadata();
+    // The header says whose it is; the tensors need not be read.
+    const Metadata m = nn::io::SafetensorsFile::ReadMetadata(path);
     if (Get(m, "format").empty()) return false;  // not a trainer checkpoint: nothing to keep
     return job.empty() || Get(m, "job") != job;
   } catch (const std::exception&) {
-    // Unreadable now (EIO, ESTALE, memory, a bad checksum) says nothing of
-    // whose it is: it may be a good checkpoint a retry could read.
+    // Unreadable now (EIO, ESTALE, a damaged header) says nothing of whose
+    // it is: it may be a good checkpoint a retry could read.
     return true;
   }
 }
@@ -658,10 +659,10 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
   if (!exists && !ec) {
     return attempt + "no checkpoint at " + config.checkpoint + " yet; starting over";
   }
-  // Whose it is cannot be told from a file that cannot be read. Starting
-  // over would replace it at the first save, and it may be this job's own
-  // good checkpoint, unreadable for a moment (EIO, ESTALE, out of memory):
-  // the restart stops instead and leaves the file as it is.
+  // Whose it is cannot be told from a file whose header cannot be read.
+  // Starting over would replace it at the first save, and it may be this
+  // job's own good checkpoint, unreadable for a moment (EIO, ESTALE): the
+  // restart stops instead and leaves the file as it is.
   const auto unreadable = [&](const std::string& why) {
     return UsageError(attempt + "cannot read the checkpoint at " + config.checkpoint + " (" + why +
                       "), so it cannot tell whether it is this job's; it is left as it is rather "
@@ -671,7 +672,9 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
   if (ec) throw unreadable(ec.message());
   std::string saved_by;
   try {
-    const Metadata m = nn::io::SafetensorsFile::Read(config.checkpoint).metadata();
+    // The header alone: the resume reads the rest, and refuses a file
+    // whose data is damaged without replacing it either.
+    const Metadata m = nn::io::SafetensorsFile::ReadMetadata(config.checkpoint);
     const auto job = m.find("job");
     if (job != m.end()) saved_by = job->second;
   } catch (const std::exception& e) {

@@ -186,16 +186,17 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id =
 /// config.checkpoint holds a checkpoint saved by this job (config.job), so
 /// that the ranks continue where the failed attempt's last checkpoint left
 /// off instead of starting over; a checkpoint of another run is left alone.
-/// Returns a line saying which it did. Throws UsageError naming the path
-/// and the reason when a file is there but cannot be read: it may be this
-/// job's, and starting over would replace it. Called on rank 0 only, whose
+/// Returns a line saying which it did. Reads only the file's header; throws
+/// UsageError naming the path and the reason when a file is there but its
+/// header cannot be read: it may be this job's, and starting over would
+/// replace it. Called on rank 0 only, whose
 /// decision the others follow: rank 0 saved the checkpoint, perhaps on a
 /// disk that only its host sees.
 std::string ResumeAfterRestart(TrainConfig& config, int restart);
 
 /// Whether `path` holds a checkpoint that another run saved (its job is
-/// not `job`, or either is unnamed), or a file that cannot be read, whose
-/// run is unknown. A stop before a fresh run's first save leaves such a
+/// not `job`, or either is unnamed; from the header alone), or a file whose
+/// header cannot be read, whose run is unknown. A stop before a fresh run's first save leaves such a
 /// file alone.
 bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job);
 

@@ -339,6 +339,45 @@ void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>
   out.Commit();
 }
 
+namespace {
+
+// The JSON header `text` (the n bytes after the length), checked as Parse
+// checks it: an object, without NUL bytes, nesting or repeated keys.
+nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
+  if (text.size() < 2 || text[0] != '{') p.Fail("header does not start with '{'");
+  // nlohmann's parser stops at a NUL as if the input ended there, which
+  // would let anything after it pass unread.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    p.Fail("header has a NUL byte at offset " + std::to_string(nul));
+  }
+  if (NestingDepth(text) > 3) p.Fail("header JSON nests deeper than 3 levels");
+  nlohmann::json header;
+  try {
+    header = ParseWithUniqueKeys(text);
+  } catch (const nlohmann::json::exception& e) {
+    p.Fail(std::string("header is not valid JSON: ") + e.what());
+  } catch (const DuplicateKey& d) {
+    p.Fail("header " + DuplicateKeyMessage(d));
+  }
+  if (!header.is_object()) p.Fail("header is not a JSON object");
+  return header;
+}
+
+// The header's "__metadata__" entry `value` as strings.
+Metadata MetadataOf(const nlohmann::json& value, const Parser& p) {
+  if (!value.is_object()) p.Fail("__metadata__ is not an object of strings");
+  Metadata out;
+  for (auto m = value.begin(); m != value.end(); ++m) {
+    if (!m->is_string()) {
+      p.Fail("__metadata__ value for `" + m.key() + "` is " + m->dump() + ", expected a string");
+    }
+    out[m.key()] = m->get<std::string>();
+  }
+  return out;
+}
+
+}  // namespace
+
 SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& source) {
   Parser p(source);
   if (bytes.size() < 8) {
@@ -355,36 +394,13 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
     p.Fail("header length " + std::to_string(n) + " exceeds the limit of " +
            std::to_string(kMaxHeaderBytes) + " bytes");
   }
-  const std::string_view text(bytes.data() + 8, n);
-  if (n < 2 || text[0] != '{') p.Fail("header does not start with '{'");
-  // nlohmann's parser stops at a NUL as if the input ended there, which
-  // would let anything after it pass unread.
-  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
-    p.Fail("header has a NUL byte at offset " + std::to_string(nul));
-  }
-  if (NestingDepth(text) > 3) p.Fail("header JSON nests deeper than 3 levels");
-  nlohmann::json header;
-  try {
-    header = ParseWithUniqueKeys(text);
-  } catch (const nlohmann::json::exception& e) {
-    p.Fail(std::string("header is not valid JSON: ") + e.what());
-  } catch (const DuplicateKey& d) {
-    p.Fail("header " + DuplicateKeyMessage(d));
-  }
-  if (!header.is_object()) p.Fail("header is not a JSON object");
+  const nlohmann::json header = ParseHeader(std::string_view(bytes.data() + 8, n), p);
 
   SafetensorsFile f;
   f.source_ = source;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == kMetadataKey) {
-      if (!it->is_object()) p.Fail("__metadata__ is not an object of strings");
-      for (auto m = it->begin(); m != it->end(); ++m) {
-        if (!m->is_string()) {
-          p.Fail("__metadata__ value for `" + m.key() + "` is " + m->dump() +
-                 ", expected a string");
-        }
-        f.metadata_[m.key()] = m->get<std::string>();
-      }
+      f.metadata_ = MetadataOf(*it, p);
       continue;
     }
     f.tensors_.push_back(p.Entry(it.key(), *it));
@@ -438,7 +454,13 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
   return f;
 }
 
-std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
+namespace {
+
+using FilePtr = std::unique_ptr<FILE, int (*)(FILE*)>;
+
+// `path` opened for reading, and its size. Throws CheckpointError naming
+// the path unless it is a regular file that opens.
+std::pair<FilePtr, uint64_t> OpenRegularFile(const std::string& path) {
   // Opened without blocking: a FIFO at the path would otherwise wait in
   // open for a writer forever, with no deadline to end it. Only once the
   // file is known to be a regular one are its reads made blocking again.
@@ -463,13 +485,55 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     ::close(fd);
     throw CheckpointError(path + ": cannot make its reads blocking: " + std::strerror(err));
   }
-  std::unique_ptr<FILE, int (*)(FILE*)> f(::fdopen(fd, "rb"), &std::fclose);
+  FilePtr f(::fdopen(fd, "rb"), &std::fclose);
   if (!f) {
     const int err = errno;
     ::close(fd);
     throw CheckpointError(path + ": cannot open as a stream: " + std::strerror(err));
   }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  return {std::move(f), static_cast<uint64_t>(st.st_size)};
+}
+
+}  // namespace
+
+Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
+  auto [f, size] = OpenRegularFile(path);
+  Parser p(path);
+  unsigned char length[8];
+  if (size < 8 || std::fread(length, 1, 8, f.get()) != 8) {
+    const int err = errno;
+    if (size >= 8 && std::ferror(f.get())) {
+      throw CheckpointError(path + ": cannot read its first 8 bytes: " + std::strerror(err));
+    }
+    p.Fail("file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
+  if (n > size - 8) {
+    p.Fail("header length " + std::to_string(n) + " exceeds the " + std::to_string(size - 8) +
+           " bytes after the length field (truncated file?)");
+  }
+  if (n > kMaxHeaderBytes) {
+    p.Fail("header length " + std::to_string(n) + " exceeds the limit of " +
+           std::to_string(kMaxHeaderBytes) + " bytes");
+  }
+  std::string text(static_cast<size_t>(n), '\0');
+  if (std::fread(text.data(), 1, text.size(), f.get()) != text.size()) {
+    const int err = errno;
+    throw CheckpointError(path + ": cannot read its header: " +
+                          (std::ferror(f.get()) ? std::string(std::strerror(err))
+                                                : std::string("the file got shorter while being read")));
+  }
+  const nlohmann::json header = ParseHeader(text, p);
+  const auto it = header.find(kMetadataKey);
+  if (it == header.end()) return {};
+  Metadata metadata = MetadataOf(*it, p);
+  metadata.erase(kChecksumKey);
+  return metadata;
+}
+
+std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
+  auto [f, size] = OpenRegularFile(path);
   if (size >= 8) {
     // The header's length first: a file that is no safetensors file at all
     // (a dataset archive given by mistake) is refused before its whole size

@@ -115,6 +115,11 @@ class SafetensorsFile {
   /// (when given) is true, the read ends at the next piece of
   /// kStopCheckBytes with a CheckpointError.
   static std::string ReadBytes(const std::string& path, const std::atomic<bool>* stop = nullptr);
+  /// A file's metadata (as metadata() has it) from its header alone: the
+  /// tensors and their data are neither read nor checked. Throws
+  /// CheckpointError naming the path and the problem, as Read would for
+  /// the header.
+  static Metadata ReadMetadata(const std::string& path);
 
   /// Entries in data-region order.
   const std::vector<TensorEntry>& tensors() const { return tensors_; }

@@ -258,6 +258,34 @@ TEST(Safetensors, StoppedWriteLeavesTheOldFileAndNoTemporary) {
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
+// ReadMetadata reads the header alone: a file whose data region is damaged
+// (which Read refuses) still gives its metadata, as Read gives it for an
+// intact one; a damaged header is an error naming the file.
+TEST(SafetensorsTest, ReadMetadataReadsTheHeaderAlone) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/metadata_only.safetensors";
+  const std::vector<float> w(1000, 1.5f);
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1000}, w.data(), w.size() * sizeof(float)}},
+                       {{"step", "7"}, {"job", "a"}});
+  const Metadata whole = SafetensorsFile::Read(path).metadata();
+  EXPECT_EQ(SafetensorsFile::ReadMetadata(path), whole);
+  EXPECT_EQ(whole, (Metadata{{"step", "7"}, {"job", "a"}}));
+
+  std::string bytes = SafetensorsFile::ReadBytes(path);
+  bytes[bytes.size() - 1] ^= 0x55;  // the data region's last byte
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_THROW(SafetensorsFile::Read(path), CheckpointError);
+  EXPECT_EQ(SafetensorsFile::ReadMetadata(path), whole);
+
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes.substr(0, 20);
+  try {
+    SafetensorsFile::ReadMetadata(path);
+    ADD_FAILURE() << "no error for a cut header";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(path + ": invalid safetensors file: header length ", 0), 0u)
+        << e.what();
+  }
+}
+
 // A folder's fsync that the filesystem does not do (after the rename put
 // the file in place) is no failed save; other errors still are.
 TEST(AtomicFileTest, FolderFsyncTheFilesystemDoesNotDoIsNoError) {
