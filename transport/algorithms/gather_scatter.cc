@@ -3,6 +3,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "transport/algorithms/pipeline.h"
 
@@ -53,6 +54,35 @@ internal::CollectiveStart StartRooted(p2p::PointToPoint& p2p, const CollectiveAr
                                    shape);
 }
 
+// Whom rank r sends its fingerprint to, and whom it takes one from: its
+// ring neighbours, and besides the root and the ranks whose data it takes
+// or gives (gather: every rank sends one to the root; scatter: the root
+// sends one to every rank). Each rank's data then comes from, or goes to,
+// a rank whose arguments it has seen.
+std::vector<int> RootedCheckTo(int p, int r, int root, bool gather) {
+  const int next = (r + 1) % p;
+  std::vector<int> to = {next};
+  if (gather && r != root && next != root) to.push_back(root);
+  if (!gather && r == root) {
+    for (int q = 0; q < p; ++q) {
+      if (q != r && q != next) to.push_back(q);
+    }
+  }
+  return to;
+}
+
+std::vector<int> RootedCheckFrom(int p, int r, int root, bool gather) {
+  const int prev = (r + p - 1) % p;
+  std::vector<int> from = {prev};
+  if (gather && r == root) {
+    for (int q = 0; q < p; ++q) {
+      if (q != r && q != prev) from.push_back(q);
+    }
+  }
+  if (!gather && r != root && prev != root) from.push_back(root);
+  return from;
+}
+
 }  // namespace
 
 Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
@@ -66,7 +96,11 @@ Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   internal::Requests requests(p2p, args.deadline);
   internal::PeerCheck check(kWhat, start.fingerprint);
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  // The ring check, and every sender's fingerprint to the root: checking
+  // only its predecessor, the root took the blocks of a rank further round
+  // the ring that passed another dtype of the same size and returned OK.
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, RootedCheckTo(p, r, args.root, /*gather=*/true),
+                                 RootedCheckFrom(p, r, args.root, /*gather=*/true)));
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
     DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), args.send, bytes).status());
@@ -102,7 +136,11 @@ Status Scatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   internal::Requests requests(p2p, args.deadline);
   internal::PeerCheck check(kWhat, start.fingerprint);
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  // The ring check, and the root's fingerprint to every rank: checking only
+  // their predecessors, the ranks took blocks from a root that passed
+  // another dtype of the same size and returned OK.
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, RootedCheckTo(p, r, args.root, /*gather=*/false),
+                                 RootedCheckFrom(p, r, args.root, /*gather=*/false)));
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, args.root};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,

@@ -204,6 +204,42 @@ TEST(GatherScatterTest, RanksDisagreeingOnCountOrRootFailFast) {
   }
 }
 
+// A rank passing another dtype of the same size (bf16 where the others
+// pass f16), not next to the root on the ring: the root of a gather (and,
+// in a scatter whose root is the odd one, every rank) took its bytes and
+// returned OK. Now no rank that takes data from it returns OK.
+TEST(GatherScatterTest, ADtypeOfTheSameSizeOnOneRankFailsEveryRankThatTakesItsData) {
+  for (bool gather : {true, false}) {
+    const int odd = gather ? 2 : 0;  // root 0; rank 2 is not the root's ring neighbour
+    const auto deadline = DeadlineIn(10s);
+    auto statuses = RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<uint16_t> send(4 * 16, 1), recv(4 * 16);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = recv.data();
+      args.count = 16;
+      args.root = 0;
+      args.dtype = p2p.rank() == odd ? DataType::kBF16 : DataType::kF16;
+      args.deadline = deadline;
+      return gather ? Gather(p2p, args) : Scatter(p2p, args);
+    });
+    const std::string what = gather ? "gather" : "scatter";
+    EXPECT_LT(Clock::now() + 8s, deadline) << what;
+    // Gather: the root takes rank 2's block; scatter: every rank takes the
+    // root's. Each fails: with the difference, or because the rank that
+    // saw it first left the call.
+    int named = 0;
+    for (int r = 0; r < 4; ++r) {
+      const bool takes_odd_data = gather ? r == 0 : r != 0;
+      if (takes_odd_data) {
+        EXPECT_FALSE(statuses[r].ok()) << what << ": rank " << r << " returned OK";
+      }
+      named += statuses[r].message().find("disagree") != std::string::npos;
+    }
+    EXPECT_GT(named, 0) << what;
+  }
+}
+
 TEST(GatherScatterTest, KilledRankFailsTheRoot) {
   for (bool gather : {true, false}) {
     p2p::LoopbackHub hub(4);
