@@ -27,6 +27,9 @@ constexpr int64_t kRecordBytes = 1024;
 // The status record while the root is still writing or reading (Record's
 // first byte is 1 or 0 otherwise).
 constexpr char kStillGoing = 2;
+// A final record: root's work ran past the timeout (a failure; every rank
+// aborts the group).
+constexpr char kOutOfTime = 3;
 
 nn::Tensor Record(bool ok, const std::string& message) {
   nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
@@ -166,6 +169,12 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
       record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
       pg.Broadcast(record, root, what).Wait();
     } while (static_cast<const char*>(record.data_ptr())[0] == kStillGoing);
+    // Root aborts the group too, but it may be slow to get there (a busy
+    // host): a next collective here must not wait for it and time out
+    // with another reason.
+    if (static_cast<const char*>(record.data_ptr())[0] == kOutOfTime) {
+      pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+    }
   } else {
     const Clock::time_point deadline = Clock::now() + timeout;
     std::exception_ptr group_error;
@@ -178,6 +187,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
           record = Record(error.empty(), error);
         } else if (Clock::now() >= deadline) {
           record = Record(false, task + " did not finish within " + limit);
+          static_cast<char*>(record.data_ptr())[0] = kOutOfTime;
           timed_out = true;
         } else {
           record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
