@@ -399,11 +399,14 @@ class ProcessGroup::Impl {
     // Bounded (a century) so that a long timeout times thousands of queued
     // calls cannot overflow the clock arithmetic of Wait.
     constexpr Clock::duration kMostBudget = std::chrono::hours(24 * 365 * 100);
-    const auto ahead = static_cast<int64_t>(queue_.size() + running_);
-    const Clock::duration per_call = options_.timeout;
-    state->wait_budget = ahead > 0 && per_call > (kMostBudget - own_time) / ahead
+    // What is queued or running ahead may take as long as each item's own
+    // time (a monitored barrier's is twice the timeout and more), then
+    // this one its own.
+    const int64_t own_ms = std::chrono::ceil<milliseconds>(own_time).count();
+    const int64_t budget_ms = ahead_ms_ + own_ms + 5000;
+    state->wait_budget = budget_ms > std::chrono::duration_cast<milliseconds>(kMostBudget).count()
                              ? kMostBudget
-                             : ahead * per_call + own_time + milliseconds(5000);
+                             : Clock::duration(milliseconds(budget_ms));
     // Host messages with nothing queued or running ahead of them are posted
     // here, on the caller's thread, instead of waking the communication
     // thread for it (that hop was half of a small message's latency: 40-50
@@ -424,19 +427,22 @@ class ProcessGroup::Impl {
                queue_.empty() && running_ == 0) {
       // Run here (collectives_on_caller): nothing is ahead of it, and
       // running_ keeps the thread from starting anything issued meanwhile.
-      Item item{std::move(description), std::move(task), state, mode};
+      Item item{std::move(description), std::move(task), state, mode, own_ms};
       ++running_;
+      ahead_ms_ += own_ms;
       std::shared_ptr<TraceRecorder> trace = trace_;
       lock.unlock();
       Run(item, trace);
       lock.lock();
       --running_;
+      ahead_ms_ -= own_ms;
       if (Idle()) idle_cv_.notify_all();
       lock.unlock();
       cv_.notify_one();  // items issued meanwhile, or Stop, may wait for it
       return work;
     } else {
-      queue_.push_back(Item{std::move(description), std::move(task), state, mode});
+      queue_.push_back(Item{std::move(description), std::move(task), state, mode, own_ms});
+      ahead_ms_ += own_ms;
     }
     if (!thread_.joinable()) {
       thread_ = std::thread([this] { Loop(); });
@@ -557,6 +563,7 @@ class ProcessGroup::Impl {
     Task task;
     std::shared_ptr<Work::State> state;
     Mode mode = Mode::kCollective;
+    int64_t own_ms = 0;  // how long it may run (Enqueue)
   };
 
   // Runs a point-to-point item's `task` (posting its messages) on the
@@ -686,6 +693,7 @@ class ProcessGroup::Impl {
       const bool posted = Run(item, trace);
       lock.lock();
       --running_;
+      ahead_ms_ -= item.own_ms;
       if (posted) in_flight_.push_back(item.state);
       if (Idle()) idle_cv_.notify_all();
     }
@@ -707,6 +715,10 @@ class ProcessGroup::Impl {
   // Point-to-point Works posted and not yet finished.
   std::vector<std::shared_ptr<Work::State>> in_flight_;
   size_t running_ = 0;  // items running, on the thread or on a caller's
+  // The sum of the own times of the items queued and running, in ms (int64:
+  // no overflow even for many calls of a 30-day timeout): how long a new
+  // item may wait before it starts.
+  int64_t ahead_ms_ = 0;
   const bool on_caller_;
   bool stopping_ = false;
   std::thread thread_;
