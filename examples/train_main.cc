@@ -475,8 +475,10 @@ int main(int argc, char** argv) {
     // pipe) to draw the live bar; other ranks print errors only, prefixed.
     options.prefix_output = false;
     // After forwarding Ctrl-C or SIGTERM, time for the ranks to finish the
-    // step, agree to stop and save the checkpoint before SIGKILL.
-    options.grace = std::chrono::seconds(30);
+    // step, agree to stop and save the checkpoint before SIGKILL: the save
+    // may take up to --save_timeout_s (the ranks end it there themselves).
+    // A second Ctrl-C does not wait.
+    options.grace = std::chrono::seconds(30 + config.save_timeout_s);
     launch::SelfLaunchOrExit(args_count, args.data(), options);
     return 0;  // not reached: the launcher exits with the workers' status
   }
