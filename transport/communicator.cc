@@ -1993,7 +1993,12 @@ void Communicator::SetBusyThreadsPerRank(int busy_threads_per_rank) {
   impl_->ApplyIdlePolicy();
 }
 void Communicator::Abort(const Status& reason) {
-  impl_->Abort(reason, std::nullopt).IgnoreError();
+  // An OK reason would mark the communicator aborted with an OK status:
+  // every later call would return OK without moving data, and nothing would
+  // reach the peers.
+  impl_->Abort(reason.ok() ? AbortedError("Abort was called with an OK status (no reason given)") : reason,
+               std::nullopt)
+      .IgnoreError();
 }
 Status Communicator::aborted_reason() const { return impl_->aborted_reason(); }
 std::chrono::nanoseconds Communicator::PeerWaitTime() const { return impl_->PeerWaitTime(); }

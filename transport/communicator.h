@@ -420,7 +420,7 @@ class Communicator {
   StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, const CallOptions& call = {});
 
   /// Aborts the communicator with `reason` (posted to the store); later calls
-  /// fail with it.
+  /// fail with it. An OK `reason` aborts with ABORTED "no reason given".
   void Abort(const Status& reason);
   /// OK, or the reason the communicator was aborted.
   Status aborted_reason() const;

@@ -852,6 +852,28 @@ int ScenarioF16Average() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Abort with an OK status: before, the communicator counted as aborted
+// with OK, so every later call here returned OK without moving data, and
+// nothing reached rank 1, which waited out its deadline.
+int ScenarioAbortWithOk() {
+  auto comm = MustCreate();
+  std::vector<float> data(16, 1.0f);
+  if (comm->rank() == 0) {
+    comm->Abort(Status::Ok());
+    WORKER_CHECK(comm->aborted_reason().code() == StatusCode::kAborted,
+                 "aborted_reason: " + comm->aborted_reason().ToString());
+    const Status s = comm->AllReduce(data.data(), data.size(), DataType::kF32, ReduceOp::kSum);
+    WORKER_CHECK(!s.ok() && s.message().find("no reason given") != std::string::npos, "rank 0's call: " + s.ToString());
+  } else {
+    const auto start = Clock::now();
+    const Status s = comm->AllReduce(data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+                                     {.timeout = std::chrono::seconds(20)});
+    WORKER_CHECK(!s.ok() && s.message().find("no reason given") != std::string::npos, "rank 1's call: " + s.ToString());
+    WORKER_CHECK(Clock::now() - start < std::chrono::seconds(10), "rank 1 waited for its deadline");
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -871,6 +893,7 @@ int RunScenario(const std::string& name) {
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
+  if (name == "abort_ok") return ScenarioAbortWithOk();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -961,6 +984,11 @@ TEST(Communicator, F16AveragesNearTheTopOfItsRangeDoNotOverflow) {
     Job job = RunJob(n, "f16_avg", {{"DDP_TEST_CHUNK_BYTES", "512"}});
     for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   }
+}
+
+TEST(Communicator, AbortWithAnOkStatusStillAborts) {
+  Job job = RunJob(2, "abort_ok", {});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
