@@ -336,6 +336,34 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
   }
   Status valid = topology.Validate();
   if (!valid.ok()) return InvalidArgumentError(std::string(origin) + ": " + valid.message());
+  // What a hand-written file gets wrong and Validate lets pass (discovery
+  // cannot make these): a link listed from one end only costs differently
+  // each way round the ring, and two GPUs with one bus id would be merged
+  // into one when ranks' views of a host are joined.
+  for (size_t h = 0; h < topology.hosts.size(); ++h) {
+    const std::vector<Gpu>& gpus = topology.hosts[h].gpus;
+    for (size_t g = 0; g < gpus.size(); ++g) {
+      const std::string path = Indexed(Indexed("hosts", h) + ".gpus", g);
+      for (const int peer : gpus[g].nvlink_peers) {
+        const std::vector<int>& back = gpus[static_cast<size_t>(peer)].nvlink_peers;
+        if (std::find(back.begin(), back.end(), static_cast<int>(g)) == back.end()) {
+          return InvalidArgumentError(std::string(origin) + ": " + path + ".nvlink_peers lists " +
+                                      std::to_string(peer) + ", but " +
+                                      Indexed(Indexed("hosts", h) + ".gpus", static_cast<size_t>(peer)) +
+                                      ".nvlink_peers does not list " + std::to_string(g) +
+                                      ": list each link from both ends");
+        }
+      }
+      if (gpus[g].pci_bus_id.empty()) continue;
+      for (size_t k = 0; k < g; ++k) {
+        if (gpus[k].pci_bus_id == gpus[g].pci_bus_id) {
+          return InvalidArgumentError(std::string(origin) + ": " + path + ".pci_bus_id: " +
+                                      gpus[g].pci_bus_id + " is GPU " + std::to_string(k) +
+                                      "'s too");
+        }
+      }
+    }
+  }
   return topology;
 }
 

@@ -49,6 +49,12 @@ TEST(ParseTopologyJson, ErrorsNameTheField) {
               "hosts[0].net_devices[0].rate_gbps: expected a number");
   ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [0]}]}], "ranks": [{"host": 0}]})",
               "hosts[0].gpus[0].nvlink_peers: 0 is not another GPU");
+  ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": [1]}, {}]}], "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[0].nvlink_peers lists 1, but hosts[0].gpus[1].nvlink_peers does not list 0: "
+              "list each link from both ends");
+  ExpectError(R"({"hosts": [{"gpus": [{"pci_bus_id": "0000:3b:00.0"}, {"pci_bus_id": "0000:3b:00.0"}]}],
+                  "ranks": [{"host": 0}]})",
+              "hosts[0].gpus[1].pci_bus_id: 0000:3b:00.0 is GPU 0's too");
   ExpectError(R"({"hosts": [{"gpus": [{"nvlink_peers": ["x"]}]}], "ranks": [{"host": 0}]})",
               "hosts[0].gpus[0].nvlink_peers[0]: expected an integer");
   ExpectError(R"({"hosts": [{}], "ranks": [{"host": 0, "gpu": 0}]})",
