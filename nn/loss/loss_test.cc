@@ -119,6 +119,25 @@ TEST(NllLossTest, WeightedAndIgnoredMatchTheHandComputedValues) {
   EXPECT_NEAR(NLLLoss({.weight = w})(lp, FromVectorOf<int32_t>({0, 1, 2, -100}, {4})).Item(), 2.325 / 3.5, 1e-15);
 }
 
+// No classes at all ([2, 0]): a target that is not ignore_index is out of
+// range, as in PyTorch (before, no target was checked and the loss was
+// whatever memory held); ignored ones give a loss of 0 each.
+TEST(NllLossTest, NoClassesRefusesEveryTargetButIgnoredOnes) {
+  const Tensor lp = Empty({2, 0}, {.dtype = DType::kFloat64});
+  try {
+    NllLoss(lp, FromVectorOf<int64_t>({0, 0}, {2}), {.reduction = Reduction::kNone});
+    ADD_FAILURE() << "a target of 0 classes was accepted";
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("target 0 (sample 0) is out of range for 0 classes"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(NllLoss(Empty({2, 0, 3}, {.dtype = DType::kFloat64}), FromVectorOf<int64_t>({0, 0, 0, 0, 0, 0}, {2, 3})),
+               std::out_of_range);
+  const Tensor ignored = FromVectorOf<int64_t>({-100, -100}, {2});
+  EXPECT_EQ(NllLoss(lp, ignored, {.reduction = Reduction::kNone}).ToVector<double>(), (std::vector<double>{0.0, 0.0}));
+  EXPECT_EQ(NllLoss(lp, ignored, {.reduction = Reduction::kSum}).Item(), 0.0);
+}
+
 // PyTorch's mean over nothing kept is 0 / 0 = NaN; the sum is 0 and the
 // gradient zeros.
 TEST(NllLossTest, EveryTargetIgnoredGivesNaNMean) {

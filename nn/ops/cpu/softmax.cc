@@ -180,7 +180,10 @@ void CheckNllTargets(const int64_t* t, int64_t n, int64_t c, int64_t s, int64_t 
 void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor& weight, int64_t ignore_index,
                     const Tensor& loss) {
   const int64_t n = log_probs.size(0), c = log_probs.size(1);
-  const int64_t s = n * c == 0 ? 0 : log_probs.numel() / (n * c);
+  // Positions per sample: the sizes after the class dim (not numel / (n * c),
+  // which is 0 when there are no classes and then checked no target).
+  int64_t s = 1;
+  for (size_t d = 2; d < log_probs.shape().size(); ++d) s *= log_probs.shape()[d];
   const Tensor tc = ContiguousData(target);
   const int64_t* t = tc.data<int64_t>();
   CheckNllTargets(t, n, c, s, ignore_index);
@@ -208,7 +211,10 @@ void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor&
 void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
                      const Tensor& dlog_probs) {
   const int64_t n = dlog_probs.size(0), c = dlog_probs.size(1);
-  const int64_t s = n * c == 0 ? 0 : dlog_probs.numel() / (n * c);
+  // Positions per sample: the sizes after the class dim (not numel / (n * c),
+  // which is 0 when there are no classes and then checked no target).
+  int64_t s = 1;
+  for (size_t d = 2; d < dlog_probs.shape().size(); ++d) s *= dlog_probs.shape()[d];
   const Tensor tc = ContiguousData(target);
   const int64_t* t = tc.data<int64_t>();
   CheckNllTargets(t, n, c, s, ignore_index);
