@@ -1971,6 +1971,10 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   }
   Status status = impl->Init();
   if (!status.ok()) {
+    // Posted where the other members' creation waits look (as Create does):
+    // before its monitor exists, Abort alone told nobody, and they waited
+    // for this rank until the split's timeout.
+    impl->PostCreationFailure(status);
     impl->Abort(status, std::nullopt).IgnoreError();
     return Status(status.code(), "rank " + std::to_string(rank()) + ": split (color " +
                                      std::to_string(color) + "): " + status.message());

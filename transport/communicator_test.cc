@@ -874,6 +874,24 @@ int ScenarioAbortWithOk() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A split whose creation fails on rank 1 alone (its UCX is given a
+// transport that does not exist): rank 0 learns it at once, with rank 1's
+// reason, instead of waiting for rank 1 until the split's timeout.
+int ScenarioSplitFailsOnOneRank() {
+  auto comm = MustCreate();
+  if (comm->rank() == 1) setenv("UCX_TLS", "no_such_transport", 1);
+  const auto start = Clock::now();
+  auto child = comm->Split(0, 0, {.timeout = std::chrono::seconds(20)});
+  const auto took = Clock::now() - start;
+  WORKER_CHECK(!child.ok(), "the split was made");
+  if (comm->rank() == 0) {
+    WORKER_CHECK(took < std::chrono::seconds(10), "rank 0 waited for the split's timeout: " + child.status().ToString());
+    WORKER_CHECK(child.status().message().find("rank 1") != std::string::npos, "rank 0: " + child.status().ToString());
+  }
+  std::printf("SPLIT rank %d: %s\n", comm->rank(), child.status().ToString().c_str());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -894,6 +912,7 @@ int RunScenario(const std::string& name) {
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
   if (name == "abort_ok") return ScenarioAbortWithOk();
+  if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -988,6 +1007,11 @@ TEST(Communicator, F16AveragesNearTheTopOfItsRangeDoNotOverflow) {
 
 TEST(Communicator, AbortWithAnOkStatusStillAborts) {
   Job job = RunJob(2, "abort_ok", {});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
+  Job job = RunJob(2, "split_fails", {});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
