@@ -633,6 +633,13 @@ class Communicator::Impl {
   // new communicator's ranks (it replaces the file, which describes the
   // parent's ranks).
   std::optional<topology::Topology> described_;
+  // This process's place among the processes of its host, for discovering
+  // its GPU, NUMA node and network port: the creating communicator's local
+  // rank and size, kept by every split (a child's own local rank counts
+  // only its members: a child holding one rank per host would put every
+  // process on GPU 0 and its port). -1: take the options'.
+  int place_local_rank_ = -1;
+  int place_local_world_size_ = -1;
   uint64_t splits_ = 0;          // Split calls so far (names the children)
   bool single_host_ = true;      // as discovered, whatever the file says
   // What the idle policy is chosen from (ApplyIdlePolicy).
@@ -760,9 +767,13 @@ Status Communicator::Impl::Init() {
 
   // 2. Topology: discovered and exchanged (hosts, pids), or from a file for
   // the algorithm choice.
+  if (place_local_rank_ < 0) {
+    place_local_rank_ = o.local_rank;
+    place_local_world_size_ = o.local_world_size;
+  }
   DDP_ASSIGN_OR_RETURN(topology::LocalView local,
-                       topology::DiscoverLocal({.local_rank = o.local_rank,
-                                                .local_world_size = o.local_world_size}));
+                       topology::DiscoverLocal({.local_rank = place_local_rank_,
+                                                .local_world_size = place_local_world_size_}));
   // A described topology (Split's cut of the parent's, or a file) replaces
   // the discovered one for the algorithm choice and the ring order. Read
   // before the exchange, which compares it.
@@ -1966,6 +1977,8 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   if (call.timeout.count() > 0) o.timeout = call.timeout;
   auto impl = std::make_unique<Impl>(o);
   impl->server_ = parent.server_;  // its rendezvous store, if this rank serves it
+  impl->place_local_rank_ = parent.place_local_rank_;
+  impl->place_local_world_size_ = parent.place_local_world_size_;
   if (!parent.options_.topology_file.empty()) {
     DDP_ASSIGN_OR_RETURN(impl->described_, topology::Subset(parent.topology_, members));
   }
