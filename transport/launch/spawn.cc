@@ -511,11 +511,9 @@ class WorkerGroup::Impl {
       const char* tmp = getenv("TMPDIR");
       std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
                             "/ddp_worker_errors_XXXXXX";
-      if (mkdtemp(pattern.data()) == nullptr) {
-        return InternalError("cannot make a directory for the workers' error files ('" + pattern +
-                             "'): " + ErrnoText(errno));
-      }
-      error_dir_ = pattern;
+      // Without a writable temporary folder the workers run all the same,
+      // without error files (their reasons are in their output).
+      if (mkdtemp(pattern.data()) != nullptr) error_dir_ = pattern;
     }
     if (use_pipes_ && out.to_terminal) {
       terminals_[0].Open(STDOUT_FILENO);
@@ -873,7 +871,7 @@ class WorkerGroup::Impl {
       }
       w.log_path = path;
     }
-    if (options_.error_files) {
+    if (options_.error_files && (!out.log_dir.empty() || !error_dir_.empty())) {
       w.error_path = (out.log_dir.empty() ? error_dir_ + "/" : out.log_dir + "/" + out.log_name_prefix) +
                      "rank_" + std::to_string(spec.rank) + ".error.json";
       if (!out.log_dir.empty()) {

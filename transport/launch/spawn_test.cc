@@ -432,6 +432,24 @@ TEST(SpawnTest, TheEarliestErrorWrittenIsTheRootCause) {
   ExpectNoChildrenLeft();
 }
 
+// No writable temporary folder: the workers start all the same, without an
+// error file (before this, the group refused to start).
+TEST(SpawnTest, WorkersStartWithoutErrorFilesWhenNoTemporaryFolderCanBeMade) {
+  const char* saved = std::getenv("TMPDIR");
+  const std::string before = saved != nullptr ? saved : "";
+  setenv("TMPDIR", "/proc/no_such_folder", 1);
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "reports_error", {{"FAIL0", "1"}}), Quiet());
+  if (saved != nullptr) {
+    setenv("TMPDIR", before.c_str(), 1);
+  } else {
+    unsetenv("TMPDIR");
+  }
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_THAT(result.output[0], HasSubstr("error file: (none)\n"));
+  EXPECT_EQ(result.ExitCode(), 4);
+}
+
 // Under a log_dir the error files sit beside the logs and stay; one left
 // there by an earlier run is removed before the worker starts, and a file
 // that is not JSON is named.
