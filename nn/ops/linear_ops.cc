@@ -99,6 +99,14 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
     // torch.dot; Sum(Mul) rounded every product to 16 bits and gave f32.
     return Reshape(Mm(Unsqueeze(a_in, 0), Unsqueeze(b_in, 1)), {});
   }
+  // A vector against a matrix or batch: checked here, so that the error
+  // names the shapes as given, not the vector with its added dimension.
+  if ((da == 1 && a_in.size(0) != b_in.size(-2)) || (db == 1 && a_in.size(-1) != b_in.size(0))) {
+    throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
+                                ShapeToString(b_in.shape()) + " do not match (" +
+                                std::to_string(da == 1 ? a_in.size(0) : a_in.size(-1)) + " against " +
+                                std::to_string(db == 1 ? b_in.size(0) : b_in.size(-2)) + ")");
+  }
   if (da == 1) return Squeeze(Matmul(Unsqueeze(a_in, 0), b_in), -2);
   if (db == 1) return Squeeze(Matmul(a_in, Unsqueeze(b_in, 1)), -1);
   if (da == 2 && db == 2) return Mm(a_in, b_in);

@@ -157,6 +157,18 @@ TEST(MatmulTest, BroadcastBatchesGiveEachPairsProduct) {
   EXPECT_EQ(Matmul(Randn({4}, {}, gen), Randn({2, 4, 5}, {}, gen)).shape(), (Shape{2, 5}));
   EXPECT_THROW(Matmul(Randn({2, 3, 4}), Randn({3, 4, 5})), std::invalid_argument);
   EXPECT_THROW(Matmul(Randn({2, 3, 4}), Randn({2, 3, 5})), std::invalid_argument);
+  // A vector operand is named as given, not with the dimension matmul adds.
+  auto message = [](const Tensor& x, const Tensor& y) -> std::string {
+    try {
+      Matmul(x, y);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(message(Randn({3}), Randn({2, 4, 5})), "matmul: shapes [3] and [2, 4, 5] do not match (3 against 4)");
+  EXPECT_EQ(message(Randn({2, 4, 5}), Randn({3})), "matmul: shapes [2, 4, 5] and [3] do not match (5 against 3)");
+  EXPECT_EQ(message(Randn({3}), Randn({4, 5})), "matmul: shapes [3] and [4, 5] do not match (3 against 4)");
 }
 
 struct ConvCase {
