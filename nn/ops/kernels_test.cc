@@ -567,6 +567,23 @@ TEST(KernelsTest, EmptyDimsListReducesEverything) {
   EXPECT_EQ(Sum(Full({}, 3.0), {}).Item(), 3.0);
 }
 
+// A dim out of range names the op that was given it.
+TEST(KernelsTest, DimOutOfRangeNamesTheOp) {
+  const Tensor x = Zeros({2, 3});
+  auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const std::out_of_range& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(message([&] { Sum(x, {2}); }), "Sum: dimension 2 out of range for a 2-d tensor of shape [2, 3]");
+  EXPECT_EQ(message([&] { Mean(x, {-3}); }).rfind("Mean: dimension -3 out of range", 0), 0u);
+  EXPECT_EQ(message([&] { LogSoftmax(x, 5); }).rfind("log_softmax: dimension 5 out of range", 0), 0u);
+  EXPECT_EQ(message([&] { LogSoftmax(Full({}, 1.0), 1); }).rfind("log_softmax: dimension 1 out of range", 0), 0u);
+}
+
 // Division is true division, as torch.div: integer operands give f32, so
 // 7 / 2 = 3.5 and an integer divisor of 0 gives inf or NaN instead of a trap.
 TEST(KernelsTest, IntegerDivisionIsTrueDivisionInF32) {

@@ -57,6 +57,16 @@ inline int64_t WrapDimAllowingScalar(const Tensor& x, int64_t dim) {
   return 0;
 }
 
+/// WrapDimAllowingScalar, with `op` at the head of the error
+/// ("log_softmax: dimension 5 out of range for a 2-d tensor ...").
+inline int64_t WrapDimOf(const std::string& op, const Tensor& x, int64_t dim) {
+  try {
+    return WrapDimAllowingScalar(x, dim);
+  } catch (const std::out_of_range& e) {
+    throw std::out_of_range(op + ": " + e.what());
+  }
+}
+
 /// Throws when tensors live on different devices, naming the op.
 void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b);
 /// Throws "<op>: <what> must be floating, got <dtype>" for an integer t.

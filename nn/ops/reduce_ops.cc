@@ -28,13 +28,13 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
     if (x.dim() == 0) {
       // A 0-d tensor takes dim 0 (or -1) once, as in PyTorch, and has
       // nothing to reduce.
-      detail::WrapDimAllowingScalar(x, d);
+      detail::WrapDimOf(detail::ForwardName(name), x, d);
       if (i > 0) {
         throw std::invalid_argument(detail::ForwardName(name) + ": dimension " + std::to_string(d) + " repeated");
       }
       continue;
     }
-    const int64_t w = x.WrapDim(d);
+    const int64_t w = detail::WrapDimOf(detail::ForwardName(name), x, d);
     if (reduced[w]) {
       throw std::invalid_argument(detail::ForwardName(name) + ": dimension " + std::to_string(d) + " repeated");
     }
@@ -72,7 +72,7 @@ std::vector<int64_t> AllDims(const Tensor& x) {
 double Count(const Tensor& x, const std::vector<int64_t>& dims) {
   double n = 1;
   if (x.dim() == 0) return n;  // Reduce checks the dims
-  for (int64_t d : dims) n *= static_cast<double>(x.size(d));
+  for (int64_t d : dims) n *= static_cast<double>(x.size(detail::WrapDimOf("Mean", x, d)));
   return n;
 }
 

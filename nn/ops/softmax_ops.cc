@@ -13,7 +13,7 @@ Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
   if (x_in.dim() == 0) {
     // PyTorch takes a scalar as one element along dim 0 (or -1): log-softmax
     // of it is 0 for a finite value (and softmax 1).
-    detail::WrapDimAllowingScalar(x_in, dim);
+    detail::WrapDimOf("log_softmax", x_in, dim);
     return Reshape(LogSoftmax(Reshape(x_in, {1}), 0), {});
   }
   // Autocast: exponentials need f32's range.
@@ -21,7 +21,7 @@ Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
   if (!IsFloating(x.dtype())) {
     throw std::invalid_argument("log_softmax: needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
   }
-  dim = x.WrapDim(dim);
+  dim = detail::WrapDimOf("log_softmax", x, dim);
   Tensor y = detail::NewLike(x);
   DDP_KERNEL(x.device(), log_softmax_forward)(x, dim, y);
   if (!detail::AnyRequiresGrad({&x})) return y;
