@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -698,6 +699,16 @@ class Communicator::Impl {
   void SweepDroppedP2p();
   std::mutex p2p_works_mu_;  // after run_mu_ where both are held
   std::vector<PostedP2p> p2p_works_;  // posted, maybe pending
+  // What a point-to-point handle's poll reaches this communicator through.
+  // The handle may outlive it, and another thread may be inside a poll
+  // while this one destroys it: a poll holds `mu` shared for its whole
+  // run and does nothing once `closed`; Shutdown closes it exclusively,
+  // so no poll is running, or will run, once Shutdown goes on.
+  struct PollGate {
+    std::shared_mutex mu;
+    bool closed = false;
+  };
+  std::shared_ptr<PollGate> poll_gate_ = std::make_shared<PollGate>();
 };
 
 Status Communicator::Impl::Init() {
@@ -1037,8 +1048,14 @@ void Communicator::Impl::Shutdown() {
   }
   if (abort_poster_.joinable()) abort_poster_.join();
   {
-    // Point-to-point calls nobody waited for: their handles must not poll a
-    // communicator that is going away.
+    // Point-to-point calls not finished yet: their handles must not poll a
+    // communicator that is going away. A poll running on another thread
+    // finishes first (it is short: one try of the worker and one health
+    // check); later ones see the gate closed.
+    {
+      std::unique_lock close(poll_gate_->mu);
+      poll_gate_->closed = true;
+    }
     std::lock_guard lock(p2p_works_mu_);
     for (auto& posted : p2p_works_) {
       if (auto state = posted.work.lock()) {
@@ -1791,9 +1808,14 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   // One poll: a short hold of the worker, so that the communicator's thread
   // can run queued collectives between polls (the peer may need them done
   // before it sends what this request waits for).
-  state->poll = [this, weak, id = *id, deadline, what, next_watchdog, peer] {
+  state->poll = [this, gate = poll_gate_, weak, id = *id, deadline, what, next_watchdog, peer] {
     std::shared_ptr<Work::State> state = weak.lock();
     if (state == nullptr) return;
+    std::shared_lock open(gate->mu);
+    if (gate->closed) {
+      state->Finish(FailedPreconditionError("communicator destroyed before the call finished"));
+      return;
+    }
     Status failure;
     {
       // Briefly: the communicator's thread may be inside a collective, and
