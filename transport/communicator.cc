@@ -627,6 +627,10 @@ class Communicator::Impl {
   std::shared_ptr<ServedStore> server_;
   std::unique_ptr<store::TcpStoreClient> store_;
   std::unique_ptr<WatchfulStore> setup_store_;  // store_ as Init waits on it
+  // The name of this communicator's store keys: its options' name, and for
+  // the second and later communicators of that name made by this process
+  // on one store, "#n" after it (see Create).
+  std::string key_name_;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
   topology::Topology real_topology_;  // as discovered
@@ -751,7 +755,7 @@ Status Communicator::Impl::Init() {
   // Count the cores before pinning narrows the view to one.
   const int available_cpus = AvailableCpus();
   if (o.bind_to_core) BindToCore(o.local_rank);
-  prefix_ = o.name + "/";
+  prefix_ = (key_name_.empty() ? o.name : key_name_) + "/";
 
   // 1. Rendezvous store.
   if (o.host_store && o.rank == 0) {
@@ -1900,10 +1904,31 @@ Communicator::~Communicator() {
   if (fork::InForkedChild()) static_cast<void>(impl_.release());
 }
 
+namespace {
+
+// The store keys of a communicator made again with the same name on the
+// same store (InitProcessGroup after DestroyProcessGroup, or a retry) must
+// not meet the previous one's: a store the launcher serves keeps them, and
+// the new one would read its peers' old addresses, their "connected" and
+// "closed" marks and an old abort reason. Every rank makes its
+// communicators in the same order (creation is collective), so counting
+// them per process gives each one the same number on every rank.
+std::string InstanceKeyName(const CommunicatorOptions& options) {
+  static std::mutex mu;
+  static auto* made = new std::map<std::string, uint64_t>();
+  const std::string store = options.store_host + ":" + std::to_string(options.store_port);
+  std::lock_guard lock(mu);
+  const uint64_t n = (*made)[store + "/" + options.name]++;
+  return n == 0 ? options.name : options.name + "#" + std::to_string(n);
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorOptions& options) {
   DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options.rank) +
                                                 ": creating a communicator"));
   auto impl = std::make_unique<Impl>(options);
+  impl->key_name_ = InstanceKeyName(options);
   Status status = impl->Init();
   if (!status.ok()) {
     // Tell the ranks still forming the job instead of letting them time out
@@ -1959,7 +1984,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   }
   const uint64_t split = impl_->splits_++;  // the same on every rank
   auto child_name = [&](int64_t c) {
-    return impl_->options_.name + "/split" + std::to_string(split) + "/" + std::to_string(c);
+    return impl_->key_name_ + "/split" + std::to_string(split) + "/" + std::to_string(c);
   };
   if (impl_->server_ != nullptr) {
     // The store must stay up until every new communicator is done with it,
@@ -1998,6 +2023,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   o.name = child_name(color);
   if (call.timeout.count() > 0) o.timeout = call.timeout;
   auto impl = std::make_unique<Impl>(o);
+  impl->key_name_ = o.name;
   impl->server_ = parent.server_;  // its rendezvous store, if this rank serves it
   impl->place_local_rank_ = parent.place_local_rank_;
   impl->place_local_world_size_ = parent.place_local_world_size_;

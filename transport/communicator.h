@@ -76,8 +76,11 @@ struct CommunicatorOptions {
   int store_port = 0;           ///< Its TCP port.
   bool host_store = true;       ///< Rank 0 serves the store (else a launcher does).
   std::string job_token;        ///< Shared secret every rank presents to the store.
-  /// Prefix of this communicator's store keys; two communicators of one job
-  /// need different names.
+  /// Prefix of this communicator's store keys. A process that makes a
+  /// second communicator of the same name on the same store (after
+  /// destroying the first, say) gets fresh keys for it ("name#1", then
+  /// "name#2", ...): every rank must make its communicators in the same
+  /// order, as creation is collective anyway.
   std::string name = "default";
 
   /// Deadline of every call that does not pass its own, and of creation.

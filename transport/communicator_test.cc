@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/store/tcp_store.h"
 #include "transport/testing/expected_values.h"
 #include "transport/testing/process_group.h"
 
@@ -822,6 +823,42 @@ int ScenarioDestroyWhileWaiting() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A communicator made again with the same name on a store that outlives it
+// (a launcher's; here rank 0 serves one itself, apart from its
+// communicators), as InitProcessGroup after DestroyProcessGroup does. Rank
+// 1 comes late to the second one: before, rank 0 read rank 1's first
+// address and "connected" and "closed" marks from the store and failed
+// ("left the job early") or timed out; now every instance has its keys.
+int ScenarioRecreateOnALastingStore() {
+  const char* token = std::getenv("DDP_JOB_TOKEN");
+  const int port = std::atoi(EnvOr("MASTER_PORT", "0").c_str());
+  const int rank = std::atoi(EnvOr("RANK", "-1").c_str());
+  std::unique_ptr<store::TcpStoreServer> server;
+  if (rank == 0) {
+    store::TcpStoreServerOptions options;
+    options.bind_address = "127.0.0.1";
+    options.port = port;
+    options.job_token = token == nullptr ? "" : token;
+    auto started = store::TcpStoreServer::Start(options);
+    WORKER_CHECK(started.ok(), "starting the store: " + started.status().ToString());
+    if (!started.ok()) return 1;
+    server = std::move(started).value();
+  }
+  for (int round = 0; round < 3; ++round) {
+    if (rank == 1 && round > 0) std::this_thread::sleep_for(milliseconds(500));
+    auto comm = MustCreate();
+    std::vector<int64_t> x(4, comm->rank() + 1 + 10 * round);
+    const Status s = comm->AllReduce(x.data(), x.data(), x.size(), DataType::kI64, ReduceOp::kSum);
+    WORKER_CHECK(s.ok(), "round " + std::to_string(round) + ": " + s.ToString());
+    WORKER_CHECK(x[0] == 3 + 20 * round, "round " + std::to_string(round) + ": sum " + std::to_string(x[0]));
+    std::printf("ROUND %d rank %d: %s\n", round, comm->rank(), s.ToString().c_str());
+    std::fflush(stdout);
+  }
+  // Rank 1 leaves its last communicator through the store (bounded).
+  if (rank == 0) std::this_thread::sleep_for(milliseconds(1500));
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A call whose scratch allocation fails (an all-reduce-through of 2^40
 // elements off shared memory, whose padded copy cannot be had) returns an
 // error naming the exception on every rank and aborts the communicator;
@@ -954,6 +991,7 @@ int RunScenario(const std::string& name) {
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
+  if (name == "recreate") return ScenarioRecreateOnALastingStore();
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
   if (name == "abort_ok") return ScenarioAbortWithOk();
@@ -1173,6 +1211,12 @@ TEST(Communicator, AReceiveWhoseHandlesWereDroppedTakesNoMessage) {
 
 TEST(Communicator, DestroyingItWhileAnotherThreadWaitsOnAReceiveEndsTheWait) {
   Job job = RunJob(2, "destroy_while_waiting", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, MadeAgainWithTheSameNameOnALastingStoreUsesFreshKeys) {
+  Job job = RunJob(2, "recreate", {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_STORE_HOST", "launcher"}},
+                   milliseconds(90000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
