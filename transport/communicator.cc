@@ -155,9 +155,11 @@ class WatchfulStore : public store::Store {
     return inner_.Set(key, value, deadline);
   }
   StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
+    const Clock::time_point start = Clock::now();
     while (true) {
       StatusOr<std::string> got = inner_.Get(key, Slice(deadline));
-      if (got.ok() || got.status().code() != StatusCode::kTimedOut || Clock::now() >= deadline) return got;
+      if (got.ok() || got.status().code() != StatusCode::kTimedOut) return got;
+      if (Clock::now() >= deadline) return WholeWait(got.status(), start);
       DDP_RETURN_IF_ERROR(Posted(deadline));
     }
   }
@@ -168,9 +170,11 @@ class WatchfulStore : public store::Store {
     return inner_.Add(key, delta, deadline);
   }
   Status Wait(std::span<const std::string> keys, Deadline deadline) override {
+    const Clock::time_point start = Clock::now();
     while (true) {
       Status waited = inner_.Wait(keys, Slice(deadline));
-      if (waited.ok() || waited.code() != StatusCode::kTimedOut || Clock::now() >= deadline) return waited;
+      if (waited.ok() || waited.code() != StatusCode::kTimedOut) return waited;
+      if (Clock::now() >= deadline) return WholeWait(waited, start);
       DDP_RETURN_IF_ERROR(Posted(deadline));
     }
   }
@@ -185,6 +189,18 @@ class WatchfulStore : public store::Store {
  private:
   static constexpr milliseconds kSlice{200};
   static Deadline Slice(Deadline deadline) { return std::min(deadline, Clock::now() + kSlice); }
+  // The last slice's timeout ("... timed out after 187 ms ...") told as the
+  // whole wait's, which is what ran out.
+  static Status WholeWait(const Status& last, Clock::time_point start) {
+    std::string message = last.message();
+    const std::string mark = " timed out after ";
+    const size_t at = message.find(mark);
+    const size_t end = at == std::string::npos ? at : message.find(" ms", at + mark.size());
+    if (end == std::string::npos) return last;
+    const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    message.replace(at + mark.size(), end - at - mark.size(), std::to_string(waited));
+    return TimedOutError(message);
+  }
   // The reason another rank posted, as an error; OK when none.
   Status Posted(Deadline deadline) {
     StatusOr<std::optional<std::string>> posted = inner_.TryGet(abort_key_, deadline);

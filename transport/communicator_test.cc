@@ -859,6 +859,29 @@ int ScenarioRecreateOnALastingStore() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A creation that times out waiting for a rank that never comes says how
+// long it waited in all (its waits run in 200 ms slices, and the message
+// was the last slice's: "timed out after 187 ms" after seconds).
+int ScenarioCreationTimeoutMessage() {
+  if (std::atoi(EnvOr("RANK", "-1").c_str()) == 1) {
+    std::this_thread::sleep_for(milliseconds(4000));  // never creates
+    return 0;
+  }
+  CommunicatorOptions options = WorkerOptions();
+  options.timeout = milliseconds(1500);
+  auto comm = Communicator::CreateFromEnvironment(options);
+  WORKER_CHECK(!comm.ok(), "created without rank 1");
+  if (comm.ok()) return 1;
+  std::printf("CREATE %s\n", comm.status().ToString().c_str());
+  std::smatch m;
+  const std::string message = comm.status().message();
+  WORKER_CHECK(comm.status().code() == StatusCode::kTimedOut, "not a timeout: " + message);
+  WORKER_CHECK(std::regex_search(message, m, std::regex("timed out after (\\d+) ms")) &&
+                   std::stoll(m[1]) >= 1000,
+               "the message does not tell the whole wait: " + message);
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A call whose scratch allocation fails (an all-reduce-through of 2^40
 // elements off shared memory, whose padded copy cannot be had) returns an
 // error naming the exception on every rank and aborts the communicator;
@@ -992,6 +1015,7 @@ int RunScenario(const std::string& name) {
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
   if (name == "recreate") return ScenarioRecreateOnALastingStore();
+  if (name == "creation_timeout") return ScenarioCreationTimeoutMessage();
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
   if (name == "abort_ok") return ScenarioAbortWithOk();
@@ -1217,6 +1241,11 @@ TEST(Communicator, DestroyingItWhileAnotherThreadWaitsOnAReceiveEndsTheWait) {
 TEST(Communicator, MadeAgainWithTheSameNameOnALastingStoreUsesFreshKeys) {
   Job job = RunJob(2, "recreate", {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_STORE_HOST", "launcher"}},
                    milliseconds(90000));
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(CommunicatorCreate, ATimeoutWaitingForARankTellsTheWholeWait) {
+  Job job = RunJob(2, "creation_timeout", {}, milliseconds(60000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
