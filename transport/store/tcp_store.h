@@ -69,7 +69,10 @@ struct TcpStoreServerOptions {
   /// Most connections in total (a job needs one or two per rank). Start
   /// raises the process's soft RLIMIT_NOFILE (within the hard limit, never
   /// lowering it) to this plus 1024, so that connections are not refused
-  /// for want of descriptors first.
+  /// for want of descriptors first; where the hard limit stops it short,
+  /// the limit is lowered to what fits (the soft limit less a quarter of
+  /// it, at most 1024, for the process's other files), so that a newcomer
+  /// over it is told so instead of waiting out its handshake.
   size_t max_connections = 16384;
   /// Most bytes of keys and values held.
   size_t max_stored_bytes = size_t{1} << 30;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <cerrno>
 #include <charconv>
@@ -1155,13 +1156,26 @@ constexpr rlim_t kOtherDescriptors = 1024;
 // fails and ranks wait out their deadline at the handshake. The soft limit
 // is raised, never lowered, towards what max_connections needs, within the
 // hard limit (as Go's runtime and Python's multiprocessing users do).
-void RaiseDescriptorLimit(size_t max_connections) {
+// Returns the soft limit in force afterwards (RLIM_INFINITY when unknown).
+rlim_t RaiseDescriptorLimit(size_t max_connections) {
   rlimit limit{};
-  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return RLIM_INFINITY;
   const rlim_t want = static_cast<rlim_t>(max_connections) + kOtherDescriptors;
-  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= want) return;
-  limit.rlim_cur = limit.rlim_max == RLIM_INFINITY ? want : std::min(want, limit.rlim_max);
-  setrlimit(RLIMIT_NOFILE, &limit);  // best effort: a refusal leaves the old limit
+  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= want) return limit.rlim_cur;
+  rlimit raised = limit;
+  raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? want : std::min(want, limit.rlim_max);
+  // Best effort: a refusal leaves the old limit.
+  return setrlimit(RLIMIT_NOFILE, &raised) == 0 ? raised.rlim_cur : limit.rlim_cur;
+}
+
+// The connections that fit under a soft descriptor limit of `soft`, leaving
+// the process a share for its other files. Past the limit accept fails
+// before the server can say why, and the newcomers wait out their deadline
+// at the handshake; within it, one over max_connections is told the limit.
+size_t ConnectionsThatFit(rlim_t soft) {
+  if (soft == RLIM_INFINITY) return std::numeric_limits<size_t>::max();
+  const rlim_t reserve = std::clamp<rlim_t>(soft / 4, 16, kOtherDescriptors);
+  return soft > reserve + 1 ? static_cast<size_t>(soft - reserve) : 1;
 }
 
 }  // namespace
@@ -1171,7 +1185,8 @@ StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOp
     return InvalidArgumentError("job token of " + std::to_string(options.job_token.size()) +
                                 " bytes is too long");
   }
-  RaiseDescriptorLimit(options.max_connections);
+  options.max_connections =
+      std::min(options.max_connections, ConnectionsThatFit(RaiseDescriptorLimit(options.max_connections)));
   const Deadline start_deadline =
       options.start_deadline.value_or(DeadlineIn(kDefaultServerStartTimeout));
   DDP_ASSIGN_OR_RETURN(std::vector<UniqueFd> listen_fds,

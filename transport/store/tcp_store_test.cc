@@ -3,7 +3,10 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -821,6 +824,70 @@ TEST(TcpStoreTest, ServesMoreConnectionsThanALowSoftDescriptorLimit) {
   clients.clear();
   server.reset();
   setrlimit(RLIMIT_NOFILE, &before);
+}
+
+// A server whose hard descriptor limit is too low for max_connections
+// (here 160, in a process of its own) tells a newcomer past what fits that
+// the store is full (the newcomer retries until its deadline, as a place
+// may come free); before, accept failed with EMFILE, the server paused
+// accepting, and the newcomer's deadline passed at the handshake without a
+// word of why.
+TEST(TcpStoreTest, AHardDescriptorLimitBelowTheConnectionLimitIsToldNotTimedOut) {
+  int port_pipe[2], hold_pipe[2];
+  ASSERT_EQ(pipe(port_pipe), 0);
+  ASSERT_EQ(pipe(hold_pipe), 0);
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    close(port_pipe[0]);
+    close(hold_pipe[1]);
+    rlimit low{160, 160};
+    if (setrlimit(RLIMIT_NOFILE, &low) != 0) _exit(2);
+    TcpStoreServerOptions options;
+    options.bind_address = "127.0.0.1";
+    options.job_token = kToken;
+    auto server = TcpStoreServer::Start(options);
+    if (!server.ok()) _exit(3);
+    const int port = (*server)->port();
+    if (write(port_pipe[1], &port, sizeof(port)) != sizeof(port)) _exit(4);
+    char byte;
+    while (read(hold_pipe[0], &byte, 1) < 0 && errno == EINTR) {
+    }
+    _exit(0);
+  }
+  close(port_pipe[1]);
+  close(hold_pipe[0]);
+  int port = 0;
+  ASSERT_EQ(read(port_pipe[0], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  close(port_pipe[0]);
+  std::vector<std::unique_ptr<TcpStoreClient>> clients;
+  Status failed;
+  for (int i = 0; i < 200 && failed.ok(); ++i) {
+    auto client = TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(2s));
+    if (!client.ok()) {
+      failed = client.status();
+      break;
+    }
+    clients.push_back(std::move(*client));
+  }
+  EXPECT_GE(clients.size(), 100u);
+  EXPECT_FALSE(failed.ok()) << "200 connections under a limit of 160 descriptors";
+  EXPECT_NE(failed.message().find("its limit"), std::string::npos) << failed;
+  clients.clear();
+  close(hold_pipe[1]);
+  int status = 0;
+  const Deadline reap_by = DeadlineIn(10s);
+  while (waitpid(child, &status, WNOHANG) == 0) {
+    if (Clock::now() >= reap_by) {
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
 }
 
 // Waits until the server holds `n` parked Get/Wait calls; false if it did
