@@ -253,8 +253,15 @@ class TcpStoreServer::Impl {
       Waiter waiter = it->second;
       RemoveWaiter(waiter_id);
       if (Connection* c = Find(waiter.connection)) {
+        // A wait whose keys exist was held back for room (WakeWaiters):
+        // "not set" would send its caller looking for a rank that never
+        // wrote the key.
         QueueReply(*c, ErrorReply(waiter.request_id,
-                                  TimedOutError("not set before the deadline")));
+                                  TimedOutError(AllExist(waiter.keys)
+                                                    ? "set, but the reply waited for room in the "
+                                                      "store's buffers (max_buffered_bytes) until "
+                                                      "the deadline: the store is overloaded"
+                                                    : "not set before the deadline")));
       }
     }
     if (!listening_ && now >= accept_resume_) {

@@ -703,6 +703,46 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
 // yet: setting it must not copy a reply per waiter into memory at once. The
 // replies count against the total bound and the rest are answered as the
 // reader drains them; every wait gets the value.
+// A wait held back for room until its deadline is told that the key was
+// set and the store had no room, not that the key was never set (which
+// sends the caller looking for a rank that did write it).
+TEST(TcpStoreTest, AWaitHeldBackForRoomUntilItsDeadlineSaysTheKeyWasSet) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 8 << 20;
+  options.max_connection_output_bytes = 256 << 20;
+  auto server = StartServer(options);
+  constexpr int kWaits = 24;
+  RawConnection waiter(server->port());
+  waiter.Handshake();
+  for (uint32_t i = 0; i < kWaits; ++i) {
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kGet));
+    w.U32(i + 1);
+    w.U32(1000);  // the server-side deadline, ms
+    w.String("large");
+    waiter.Send(w.Frame());
+  }
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.parked_waits == kWaits;
+  }));
+  auto setter = ConnectClient(*server);
+  ASSERT_TRUE(setter->Set("large", std::string(4 << 20, 'v'), DeadlineIn(10s)).ok());
+  // Nobody reads until every deadline has passed.
+  std::this_thread::sleep_for(1500ms);
+  int values = 0, held_back = 0, not_set = 0;
+  for (int i = 0; i < kWaits; ++i) {
+    std::optional<std::string> reply = waiter.ReadFrame(20s);
+    ASSERT_TRUE(reply.has_value()) << "reply " << i;
+    if (reply->size() > (4 << 20)) ++values;
+    if (reply->find("waited for room") != std::string::npos) ++held_back;
+    if (reply->find("not set before") != std::string::npos) ++not_set;
+  }
+  EXPECT_GT(values, 0);
+  EXPECT_GT(held_back, 0);
+  EXPECT_EQ(not_set, 0);
+  EXPECT_EQ(values + held_back, kWaits);
+}
+
 TEST(TcpStoreTest, ManyWaitersOnALargeValueStayWithinTheBufferBound) {
   TcpStoreServerOptions options;
   options.max_buffered_bytes = 8 << 20;
