@@ -29,6 +29,18 @@ constexpr char kMetadataKey[] = "__metadata__";
 
 // The format itself has no checksum, and a flipped bit in a weight would
 // otherwise load silently.
+std::string Crc32Hex(const std::vector<TensorView>& tensors);
+
+// The header checksum's entry as the writer puts it in the JSON text; its
+// value is computed over the text with the value as kNoHeaderCrc.
+constexpr char kNoHeaderCrc[] = "00000000";
+std::string HeaderCrcMark() { return std::string("\"") + kHeaderChecksumKey + "\":\""; }
+
+std::string HeaderCrc32Hex(std::string_view text_with_zero_value) {
+  return Crc32Hex({TensorView{"", StDtype::kU8, {static_cast<int64_t>(text_with_zero_value.size())},
+                              text_with_zero_value.data(), text_with_zero_value.size()}});
+}
+
 std::string Crc32Hex(const std::vector<TensorView>& tensors) {
   uLong crc = crc32(0L, Z_NULL, 0);
   for (const TensorView& t : tensors) {
@@ -83,9 +95,11 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 // spaces to a multiple of 8 bytes.
 std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (metadata.count(kChecksumKey)) {
-    throw std::invalid_argument(std::string("safetensors: metadata key ") + kChecksumKey +
-                                " is reserved");
+  for (const char* reserved : {kChecksumKey, kHeaderChecksumKey}) {
+    if (metadata.count(reserved)) {
+      throw std::invalid_argument(std::string("safetensors: metadata key ") + reserved +
+                                  " is reserved");
+    }
   }
   std::set<std::string_view> names;
   uint64_t offset = 0;
@@ -122,6 +136,7 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
   nlohmann::ordered_json m = nlohmann::ordered_json::object();
   for (const auto& [k, v] : metadata) m[k] = v;
   m[kChecksumKey] = Crc32Hex(tensors);
+  m[kHeaderChecksumKey] = kNoHeaderCrc;  // filled in below, over the text
   nlohmann::ordered_json full = nlohmann::ordered_json::object();
   full[kMetadataKey] = std::move(m);
   for (auto it = header.begin(); it != header.end(); ++it) full[it.key()] = std::move(it.value());
@@ -134,6 +149,11 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
     throw std::invalid_argument(std::string("safetensors: cannot encode header: ") + e.what());
   }
   json.append((8 - json.size() % 8) % 8, ' ');
+  // The mark cannot occur inside a string (its quotes would be escaped),
+  // and the metadata object comes first.
+  const size_t at = json.find(HeaderCrcMark());
+  if (at == std::string::npos) throw std::logic_error("safetensors: header checksum entry not written");
+  json.replace(at + HeaderCrcMark().size(), 8, HeaderCrc32Hex(json));
   return json;
 }
 
@@ -345,6 +365,21 @@ namespace {
 // checks it: an object, without NUL bytes, nesting or repeated keys.
 nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
   if (text.size() < 2 || text[0] != '{') p.Fail("header does not start with '{'");
+  // Checked first: a corrupt header is reported as such, not as whatever
+  // JSON error or wrong offset the corruption happens to make.
+  if (const size_t at = text.find(HeaderCrcMark()); at != std::string_view::npos) {
+    const size_t value = at + HeaderCrcMark().size();
+    if (value + 9 > text.size() || text[value + 8] != '"') {
+      p.Fail("header checksum entry is cut short or malformed");
+    }
+    const std::string said(text.substr(value, 8));
+    std::string zeroed(text);
+    zeroed.replace(value, 8, kNoHeaderCrc);
+    const std::string got = HeaderCrc32Hex(zeroed);
+    if (got != said) {
+      p.Fail("header checksum is " + got + ", the header says " + said + " (the header is corrupt)");
+    }
+  }
   // nlohmann's parser stops at a NUL as if the input ended there, which
   // would let anything after it pass unread.
   if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
@@ -450,6 +485,7 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
     f.data_checksum_ = crc->second;
     f.metadata_.erase(crc);
   }
+  f.metadata_.erase(kHeaderChecksumKey);
   f.bytes_ = std::move(bytes);
   return f;
 }
@@ -529,6 +565,7 @@ Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
   if (it == header.end()) return {};
   Metadata metadata = MetadataOf(*it, p);
   metadata.erase(kChecksumKey);
+  metadata.erase(kHeaderChecksumKey);
   return metadata;
 }
 

@@ -75,6 +75,12 @@ struct TensorEntry {
 /// added by the writers, checked and removed from metadata() by the reader
 /// when present (files from elsewhere may lack it).
 inline constexpr char kChecksumKey[] = "ddp.data_crc32";
+/// Metadata key of the CRC-32 of the header itself (the JSON text as
+/// written, with this value read as "00000000"): added by the writers,
+/// checked before the header is parsed and removed from metadata() by the
+/// readers when present. Without it a flipped digit in a position or shape
+/// would load silently.
+inline constexpr char kHeaderChecksumKey[] = "ddp.header_crc32";
 
 /// Largest header accepted (100 MB, as the Python implementation).
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;

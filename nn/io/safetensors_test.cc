@@ -599,6 +599,11 @@ TEST(SafetensorsErrors, FlippedHeaderBytes) {
   const std::string bytes = SerializeSafetensors(s.Views(), {{"epoch", "1"}});
   uint64_t n;
   std::memcpy(&n, bytes.data(), 8);
+  // Only a flip in the header checksum's own key can hide it (a file
+  // without one is read unchecked, as files from elsewhere are).
+  const std::string mark = std::string("\"") + kHeaderChecksumKey + "\":";
+  const size_t mark_at = 8 + bytes.find(mark, 8);
+  ASSERT_NE(mark_at, std::string::npos + 8);
   int rejected = 0, renamed = 0;
   for (uint64_t pos = 0; pos < 8 + n; ++pos) {
     for (uint8_t mask : {0x01, 0x20, 0x80}) {
@@ -607,6 +612,8 @@ TEST(SafetensorsErrors, FlippedHeaderBytes) {
       try {
         SafetensorsFile f = SafetensorsFile::Parse(bad, "bad.safetensors");
         ++renamed;
+        ASSERT_TRUE(pos >= mark_at - 8 && pos < mark_at - 8 + mark.size())
+            << "a flip at " << pos << ", outside the header checksum's key, was read";
         ASSERT_EQ(f.tensors().size(), s.names.size());
         bool name_or_meta_changed = f.metadata() != Metadata{{"epoch", "1"}};
         for (size_t i = 0; i < s.names.size(); ++i) {
@@ -629,6 +636,23 @@ TEST(SafetensorsErrors, FlippedHeaderBytes) {
     }
   }
   EXPECT_GT(rejected, renamed);
+  EXPECT_LE(renamed, static_cast<int>(3 * mark.size()));
+}
+
+// The header checksum is checked before the header is read: a changed
+// digit in a shape or an offset (which may still parse) is refused as a
+// corrupt header.
+TEST(SafetensorsErrors, ChangedDigitInTheHeaderFailsItsChecksum) {
+  const float w[4] = {1, 2, 3, 4};
+  std::string bytes = SerializeSafetensors({{"w", StDtype::kF32, {4}, w, sizeof(w)}}, {{"step", "1000"}});
+  const size_t at = bytes.find("\"1000\"");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 4] = '9';  // "1009": still valid JSON, the data CRC still matches
+  EXPECT_THAT(ParseError(bytes), AllOf(HasSubstr("header checksum is"), HasSubstr("the header is corrupt")));
+  const std::string path = TmpDir("st_header_crc") + "/c.safetensors";
+  WriteAll(path, bytes);
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadMetadata(path); }),
+              AllOf(HasSubstr(path), HasSubstr("the header is corrupt")));
 }
 
 TEST(SafetensorsErrors, FlippedDataBytesFailTheChecksum) {
@@ -730,6 +754,7 @@ TEST(SafetensorsErrors, WriterRejectsReservedNames) {
   const float a = 1;
   EXPECT_THROW(SerializeSafetensors({{"__metadata__", StDtype::kF32, {}, &a, 4}}), std::invalid_argument);
   EXPECT_THROW(SerializeSafetensors({}, {{kChecksumKey, "x"}}), std::invalid_argument);
+  EXPECT_THROW(SerializeSafetensors({}, {{kHeaderChecksumKey, "x"}}), std::invalid_argument);
   EXPECT_THROW(SerializeSafetensors({{"x", StDtype::kF32, {-1}, &a, 4}}), std::invalid_argument);
   EXPECT_THROW(SerializeSafetensors({{"\xff", StDtype::kF32, {}, &a, 4}}), std::invalid_argument);
 }

@@ -29,6 +29,15 @@ def check(path):
         import zlib
         assert "%08x" % zlib.crc32(body) == metadata["ddp.data_crc32"], "checksum"
         print("checksum OK")
+    if "ddp.header_crc32" in metadata:
+        import zlib
+        text = data[8:8 + n]
+        said = metadata["ddp.header_crc32"].encode()
+        mark = b'"ddp.header_crc32":"' + said + b'"'
+        assert text.count(mark) == 1, "header checksum entry"
+        zeroed = text.replace(mark, b'"ddp.header_crc32":"00000000"')
+        assert ("%08x" % zlib.crc32(zeroed)).encode() == said, "header checksum"
+        print("header checksum OK")
     spans = []
     for name, info in header.items():
         begin, end = info["data_offsets"]
