@@ -647,6 +647,9 @@ class Communicator::Impl {
   // the second and later communicators of that name made by this process
   // on one store, "#n" after it (see Create).
   std::string key_name_;
+  // When creation must be done by (Create's, across its attempts); else
+  // options_.timeout from Init's start.
+  std::optional<Deadline> creation_deadline_;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
   topology::Topology real_topology_;  // as discovered
@@ -767,7 +770,7 @@ Status Communicator::Impl::Init() {
   info_.staged_reduce = options_.staged_reduce;
 
   fork::InstallForkGuard();
-  const Deadline deadline = DeadlineIn(o.timeout);
+  const Deadline deadline = creation_deadline_.value_or(DeadlineIn(o.timeout));
   // Count the cores before pinning narrows the view to one.
   const int available_cpus = AvailableCpus();
   if (o.bind_to_core) BindToCore(o.local_rank);
@@ -1943,17 +1946,35 @@ std::string InstanceKeyName(const CommunicatorOptions& options) {
 StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorOptions& options) {
   DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options.rank) +
                                                 ": creating a communicator"));
-  auto impl = std::make_unique<Impl>(options);
-  impl->key_name_ = InstanceKeyName(options);
-  Status status = impl->Init();
-  if (!status.ok()) {
+  const std::string key_name = InstanceKeyName(options);
+  const Deadline deadline = DeadlineIn(options.timeout);
+  // A communicator made again where rank 0 serves the store: this rank may
+  // have reached rank 0's previous server, which stops once every rank has
+  // left the previous communicator, before rank 0 starts the new one on the
+  // same port. Losing the store during creation then means "connect again",
+  // until the creation deadline (a first creation still fails at once: the
+  // store's owner is gone).
+  const bool may_meet_a_stopping_server =
+      key_name != options.name && options.host_store && options.rank != 0;
+  while (true) {
+    auto impl = std::make_unique<Impl>(options);
+    impl->key_name_ = key_name;
+    impl->creation_deadline_ = deadline;
+    Status status = impl->Init();
+    if (status.ok()) return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
+    const bool store_lost = status.code() == StatusCode::kUnavailable &&
+                            status.message().find("connection to the store") != std::string::npos;
+    if (may_meet_a_stopping_server && store_lost && Clock::now() + milliseconds(50) < deadline) {
+      impl.reset();
+      std::this_thread::sleep_for(milliseconds(20));
+      continue;
+    }
     // Tell the ranks still forming the job instead of letting them time out
     // (their creation waits watch the abort key; see WatchfulStore).
     impl->PostCreationFailure(status);
     return Status(status.code(), "rank " + std::to_string(options.rank) +
                                      ": creating the communicator: " + status.message());
   }
-  return std::unique_ptr<Communicator>(new Communicator(std::move(impl)));
 }
 
 StatusOr<std::unique_ptr<Communicator>> Communicator::CreateFromEnvironment(

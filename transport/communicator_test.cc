@@ -834,7 +834,8 @@ int ScenarioRecreateOnALastingStore() {
   const int port = std::atoi(EnvOr("MASTER_PORT", "0").c_str());
   const int rank = std::atoi(EnvOr("RANK", "-1").c_str());
   std::unique_ptr<store::TcpStoreServer> server;
-  if (rank == 0) {
+  const int late = std::atoi(EnvOr("DDP_TEST_LATE_RANK", "1").c_str());
+  if (rank == 0 && EnvOr("DDP_STORE_HOST", "") == "launcher") {
     store::TcpStoreServerOptions options;
     options.bind_address = "127.0.0.1";
     options.port = port;
@@ -845,7 +846,7 @@ int ScenarioRecreateOnALastingStore() {
     server = std::move(started).value();
   }
   for (int round = 0; round < 3; ++round) {
-    if (rank == 1 && round > 0) std::this_thread::sleep_for(milliseconds(500));
+    if (rank == late && round > 0) std::this_thread::sleep_for(milliseconds(500));
     auto comm = MustCreate();
     std::vector<int64_t> x(4, comm->rank() + 1 + 10 * round);
     const Status s = comm->AllReduce(x.data(), x.data(), x.size(), DataType::kI64, ReduceOp::kSum);
@@ -855,7 +856,7 @@ int ScenarioRecreateOnALastingStore() {
     std::fflush(stdout);
   }
   // Rank 1 leaves its last communicator through the store (bounded).
-  if (rank == 0) std::this_thread::sleep_for(milliseconds(1500));
+  if (server != nullptr) std::this_thread::sleep_for(milliseconds(1500));
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -1247,6 +1248,16 @@ TEST(Communicator, MadeAgainWithTheSameNameOnALastingStoreUsesFreshKeys) {
 TEST(CommunicatorCreate, ATimeoutWaitingForARankTellsTheWholeWait) {
   Job job = RunJob(2, "creation_timeout", {}, milliseconds(60000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+// The same with rank 0 serving the store in its communicators (each one
+// a new server on the same port): whichever rank comes late.
+TEST(Communicator, MadeAgainWithTheSameNameOnRankZerosStore) {
+  for (const char* late : {"0", "1"}) {
+    Job job = RunJob(2, "recreate", {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_TEST_LATE_RANK", late}},
+                     milliseconds(90000));
+    for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << "late rank " << late << "\n" << job.Describe();
+  }
 }
 
 TEST(Communicator, ACallThatThrowsFailsAndAbortsInsteadOfEscaping) {
