@@ -9,10 +9,31 @@
 namespace ddp::fuzz {
 namespace {
 
+// A binary entry, NUL bytes included (a const char* would end at the first).
+const std::string kBinary("\x00\x01\x02\x03", 4);
+
 TEST(MutatorTest, SameSeedGivesTheSameMutants) {
-  Mutator a({"hello world", "\x00\x01\x02\x03"}, 42);
-  Mutator b({"hello world", "\x00\x01\x02\x03"}, 42);
+  ASSERT_EQ(kBinary.size(), 4u);
+  Mutator a({"hello world", kBinary}, 42);
+  Mutator b({"hello world", kBinary}, 42);
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(a.Next(), b.Next()) << "mutant " << i;
+}
+
+// The binary entry is a base of its own: with the same seed, a corpus whose
+// second entry is those four bytes gives other mutants than one whose second
+// entry is empty (what the bytes would be through a const char*), and some
+// of its mutants keep NUL bytes.
+TEST(MutatorTest, BinaryEntryIsMutatedAsItsBytes) {
+  Mutator with_bytes({"hello world", kBinary}, 42);
+  Mutator with_empty({"hello world", std::string()}, 42);
+  int differ = 0, with_nul = 0;
+  for (int i = 0; i < 1000; ++i) {
+    const std::string s = with_bytes.Next();
+    differ += s != with_empty.Next();
+    with_nul += i % 2 == 1 && s.find('\0') != std::string::npos;
+  }
+  EXPECT_GT(differ, 100);
+  EXPECT_GT(with_nul, 100);
 }
 
 TEST(MutatorTest, MutantsDifferFromTheirBasesAndFromEachOther) {
