@@ -9,10 +9,12 @@
 //
 //   KillAtEvenlySpacedPointsOfOneSave: one process saves (nn/io), killed
 //     at 24 instants spread over the save's duration (data written, fsync,
-//     rename, folder fsync), and at 3 later ones.
+//     rename, folder fsync), at 3 later ones, and at 7 points of the data
+//     (once the temporary file holds 1/8 ... 7/8 of it).
 //   KillRanksInALoopDuringDdpSaves: two ranks save through ddp's rank-0
 //     path in a loop; a rank (the writer or the other) is killed with
-//     SIGKILL at a random moment, round after round.
+//     SIGKILL at a random moment (the writer: in the middle of writing its
+//     temporary file), round after round.
 
 #include <dirent.h>
 #include <signal.h>
@@ -25,6 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -92,6 +95,44 @@ std::vector<std::string> ListDir(const std::string& dir) {
   return names;
 }
 
+// The size of the temporary file (nn/io's `<name>.tmp.<pid>.<n>.<host>`)
+// that process `pid` is writing, or left, beside `path`; -1 when there is
+// none.
+int64_t TemporarySizeOf(const std::string& path, pid_t pid) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = path.substr(0, slash);
+  const std::string prefix = path.substr(slash + 1) + ".tmp." + std::to_string(pid) + ".";
+  for (const std::string& name : ListDir(dir)) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    struct stat st{};
+    if (stat((dir + "/" + name).c_str(), &st) == 0) return st.st_size;
+  }
+  return -1;
+}
+
+// Waits for `child` to end, up to `timeout`; past it, kills it, waits for
+// that and fails the test. Returns its wait status.
+int WaitChild(pid_t child, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  int status = 0;
+  for (;;) {
+    const pid_t r = waitpid(child, &status, WNOHANG);
+    if (r == child) return status;
+    if (r < 0) {
+      ADD_FAILURE() << "waitpid(" << child << "): " << std::strerror(errno);
+      return status;
+    }
+    if (std::chrono::steady_clock::now() >= until) {
+      ADD_FAILURE() << "child " << child << " did not end within " << timeout.count()
+                    << " ms; killed";
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);  // SIGKILL ends it
+      return status;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+}
+
 // Loads `path` and checks that it is exactly one generation: the one its
 // metadata names. Returns that generation; fails the test otherwise.
 int64_t LoadAndCheck(const std::string& path) {
@@ -136,12 +177,17 @@ TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
 
   // Runs a save of generation `gen` in a forked child that starts when
   // told, kills it `at` after that (never, when negative), and returns
-  // whether it was killed before it finished, and how long it ran.
+  // whether it was killed before it finished, how long it ran, and the
+  // size of the temporary file it left (-1 when none: killed before it
+  // made one or after the rename, or not killed).
   struct Outcome {
     bool killed;
     double seconds;
+    int64_t temporary_size;
   };
-  const auto save_in_child = [&](int64_t gen, double at) -> Outcome {
+  // With `kill_at_bytes` > 0 (and `at` negative), the kill comes once the
+  // writer's temporary file holds that many bytes.
+  const auto save_in_child = [&](int64_t gen, double at, int64_t kill_at_bytes = 0) -> Outcome {
     const nn::io::Checkpoint c = MakeGeneration(*model, gen);  // built before the fork
     int go[2];
     EXPECT_EQ(pipe(go), 0);
@@ -168,10 +214,26 @@ TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
       }
       if (!reaped) kill(child, SIGKILL);
     }
-    if (!reaped) waitpid(child, &status, 0);
+    if (at < 0 && kill_at_bytes > 0) {
+      // Watches the temporary file and kills the writer once it holds
+      // `kill_at_bytes` (or it ends first).
+      const auto until = start + 120s;
+      while (std::chrono::steady_clock::now() < until) {
+        if (waitpid(child, &status, WNOHANG) == child) {
+          reaped = true;
+          break;
+        }
+        if (TemporarySizeOf(path, child) >= kill_at_bytes) break;
+      }
+      if (!reaped) kill(child, SIGKILL);
+    }
+    if (!reaped) status = WaitChild(child, 120s);
     close(go[1]);
+    // A writer killed by SIGKILL leaves its temporary file as it was at the
+    // kill (the next save removes it); one that finished renamed it.
     return {WIFSIGNALED(status),
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+            TemporarySizeOf(path, child)};
   };
 
   // How long a save takes in a child (page faults of the copied address
@@ -184,6 +246,8 @@ TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
   }
   std::sort(times.begin(), times.end());
   const double save_s = times[1];
+  struct stat full{};
+  ASSERT_EQ(stat(path.c_str(), &full), 0);
 
   // Kills spread from the start of the save to well past its end (three
   // median saves: one save can take twice the median on a busy machine or
@@ -195,27 +259,56 @@ TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
   // save that ends before its kill time ends the wait for it.
   constexpr int kPoints = 24;
   const std::vector<double> late_points = {save_s * 5, save_s * 10, std::max(save_s * 20, 10.0)};
-  const int points = kPoints + static_cast<int>(late_points.size());
+  // Then kills aimed at the data itself, wherever the save's timing puts it:
+  // once the temporary file holds 1/8, 2/8, ... 7/8 of the bytes.
+  constexpr int kDataPoints = 7;
+  const int points = kPoints + static_cast<int>(late_points.size()) + kDataPoints;
   int old_kept = 0, new_kept = 0, killed_in_save = 0;
+  // Kills that found the writer with its temporary file begun (data
+  // written, not yet renamed), and of those, with part of the data only.
+  int mid_write = 0, mid_data = 0;
   for (int point = 0; point < points; ++point) {
     const int64_t next = last + 1;
-    const double at =
-        point < kPoints ? save_s * 3.0 * point / (kPoints - 1) : late_points[point - kPoints];
-    const Outcome outcome = save_in_child(next, at);
+    const int data_point = point - kPoints - static_cast<int>(late_points.size());
+    const double at = point < kPoints                 ? save_s * 3.0 * point / (kPoints - 1)
+                      : data_point < 0                ? late_points[point - kPoints]
+                                                      : -1;
+    const int64_t kill_at_bytes =
+        data_point < 0 ? 0 : std::max<int64_t>(1, full.st_size * (data_point + 1) / (kDataPoints + 1));
+    const Outcome outcome = save_in_child(next, at, kill_at_bytes);
     killed_in_save += outcome.killed;
+    const bool writing = outcome.killed && outcome.temporary_size > 0;
+    if (writing) {
+      ++mid_write;
+      mid_data += outcome.temporary_size < full.st_size;
+    }
     const int64_t gen = LoadAndCheck(path);
+    const std::string where = data_point < 0
+                                  ? "kill at " + std::to_string(at * 1e3) + " ms"
+                                  : "kill at " + std::to_string(kill_at_bytes) + " bytes written";
     ASSERT_TRUE(gen == last || gen == next)
-        << "kill at " << at * 1e3 << " ms: generation " << gen << ", expected " << last << " or "
-        << next;
+        << where << ": generation " << gen << ", expected " << last << " or " << next;
+    // Killed with the new file not yet renamed: the previous one stays.
+    if (writing) {
+      EXPECT_EQ(gen, last) << where << ", with " << outcome.temporary_size
+                           << " bytes in the temporary file";
+    }
     (gen == last ? old_kept : new_kept) += 1;
     last = gen;
   }
   std::printf("a save takes %.1f ms in a child; of %d kills, %d landed before the writer "
-              "finished; the previous checkpoint was left %d times, the new one %d times\n",
-              save_s * 1e3, points, killed_in_save, old_kept, new_kept);
-  // The kills spanned the save: some came before it finished, some after.
+              "finished, %d of them with its temporary file begun (%d with part of the %lld "
+              "bytes written); the previous checkpoint was left %d times, the new one %d "
+              "times\n",
+              save_s * 1e3, points, killed_in_save, mid_write, mid_data,
+              static_cast<long long>(full.st_size), old_kept, new_kept);
+  // The kills spanned the save: some came before it finished, some after,
+  // and some while the new file was being written (not only before the
+  // writer began or after it renamed).
   EXPECT_GT(old_kept, 0);
   EXPECT_GT(new_kept, 0);
+  EXPECT_GT(mid_write, 0) << "no kill landed while the temporary file was being written";
+  EXPECT_GT(mid_data, 0) << "no kill landed with part of the data written";
   // Killed writers leave temporaries beside the checkpoint, never in its
   // place; the next successful save removes them.
   for (const std::string& name : ListDir(dir)) {
@@ -281,12 +374,14 @@ TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
   }
   std::mt19937 rng(7);
   int64_t last = 1;
-  int advanced = 0;
+  int advanced = 0, writer_rounds = 0, killed_writing = 0;
   constexpr int kRounds = 6;
   for (int round = 0; round < kRounds; ++round) {
     const int victim = round % 2;  // the writer, then the other rank
     for (int r = 0; r < 2; ++r) std::remove((dir + "/rank" + std::to_string(r) + ".pid").c_str());
     std::atomic<bool> killed{false};
+    // Size of the temporary file the killed writer was writing, or -1.
+    std::atomic<int64_t> temporary_size{-1};
     std::thread killer([&] {
       const pid_t pid = WaitForPid(dir + "/rank" + std::to_string(victim) + ".pid", 30s);
       if (pid <= 0) return;
@@ -298,7 +393,15 @@ TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
         std::this_thread::sleep_for(5ms);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 300));
+      // The writer is killed in the middle of writing a file: once its
+      // next temporary file has data (bounded: past that, wherever it is).
+      if (victim == 0) {
+        const auto write_until = std::chrono::steady_clock::now() + 10s;
+        while (std::chrono::steady_clock::now() < write_until && TemporarySizeOf(path, pid) <= 0) {
+        }
+      }
       killed = kill(pid, SIGKILL) == 0;
+      if (victim == 0) temporary_size = TemporarySizeOf(path, pid);
     });
     lt::TestRunOptions options;
     options.world_size = 2;
@@ -314,12 +417,21 @@ TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
     const int64_t gen = LoadAndCheck(path);
     ASSERT_GE(gen, last) << "round " << round << ": an older checkpoint came back";
     advanced += gen > last;
-    std::printf("round %d: killed rank %d; checkpoint at generation %lld\n", round, victim,
-                static_cast<long long>(gen));
+    if (victim == 0) {
+      ++writer_rounds;
+      killed_writing += temporary_size.load() > 0;
+    }
+    std::printf("round %d: killed rank %d; checkpoint at generation %lld; temporary file %lld "
+                "bytes\n",
+                round, victim, static_cast<long long>(gen),
+                static_cast<long long>(temporary_size.load()));
     last = gen;
   }
   // Every round saved before its kill (the test exercised the save path).
   EXPECT_EQ(advanced, kRounds);
+  // The writer's kills came while it wrote a temporary file (it may have
+  // renamed it in the instant between the look and the kill, rarely).
+  EXPECT_GT(killed_writing, 0) << "of " << writer_rounds << " kills of the writer";
   for (const std::string& name : ListDir(dir)) {
     EXPECT_TRUE(name == "ddp.safetensors" || name.rfind("ddp.safetensors.tmp.", 0) == 0 ||
                 name.rfind("rank", 0) == 0)
