@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,9 +33,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -124,8 +127,15 @@ class Launcher {
                     std::vector<std::pair<std::string, std::string>> env = {}) {
     int out[2];
     EXPECT_EQ(pipe2(out, O_CLOEXEC), 0);
+    const pid_t parent = getpid();
     pid_ = fork();
     if (pid_ == 0) {
+      // Dies with the test (killed by its timeout, say) rather than running
+      // on as an orphan; a test that died before this line is caught by
+      // the parent check. (The signal follows the death of the thread that
+      // forked: the test's main thread.)
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(126);
       setpgid(0, 0);
       dup2(out[1], 1);
       dup2(out[1], 2);
@@ -141,11 +151,16 @@ class Launcher {
     reader_ = std::thread([this, fd = out[0]] { Read(fd); });
   }
 
+  // Bounded: a process of the job that outlives its launcher (in a process
+  // group of its own) may hold the output pipe open for ever; the reader
+  // then gives up on it, told to stop.
   ~Launcher() {
     if (!exited_) {
       kill(-pid_, SIGKILL);
       Wait(10s);
     }
+    WaitForOutputEnd(5s);
+    stop_ = true;
     if (reader_.joinable()) reader_.join();
   }
 
@@ -179,6 +194,16 @@ class Launcher {
     return std::nullopt;
   }
 
+  // The first line matching `pattern` (ECMAScript) and when it arrived.
+  std::optional<std::pair<Clock::time_point, std::string>> FindLineMatching(
+      const std::regex& pattern) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [t, line] : lines_) {
+      if (std::regex_search(line, pattern)) return std::make_pair(t, line);
+    }
+    return std::nullopt;
+  }
+
   std::string Output() {
     std::lock_guard<std::mutex> lock(mu_);
     std::string all;
@@ -206,10 +231,17 @@ class Launcher {
   }
 
  private:
+  // Reads until the end of the output or, waiting for more, until told to
+  // stop.
   void Read(int fd) {
     std::string partial;
     char buf[4096];
-    for (;;) {
+    while (!stop_.load()) {
+      pollfd p{fd, POLLIN, 0};
+      const int ready = poll(&p, 1, 50);
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready < 0) break;
+      if (ready == 0) continue;
       const ssize_t n = read(fd, buf, sizeof(buf));
       if (n <= 0) break;
       const auto now = Clock::now();
@@ -234,6 +266,7 @@ class Launcher {
 
  private:
   std::atomic<bool> eof_{false};
+  std::atomic<bool> stop_{false};
   pid_t pid_ = -1;
   bool exited_ = false;
   int code_ = -1;
@@ -356,7 +389,37 @@ struct RowResult {
   int64_t checkpoint_step = -1;
   std::string checkpoint_error;
   bool crashed = false;            // a survivor aborted or crashed instead of failing cleanly
+  // The temporary checkpoint file (nn/io's `<name>.tmp.<pid>.<n>.<host>`)
+  // the victim left: its size, the length its safetensors prefix gives the
+  // header, and the size of the checkpoint on disk; -1 when none.
+  int64_t victim_temporary_size = -1;
+  int64_t victim_temporary_header = -1;
+  int64_t checkpoint_size = -1;
 };
+
+// The size of the temporary file process `pid` left beside `path`, and the
+// header length in its first 8 bytes (-1 when shorter); {-1, -1} when none.
+std::pair<int64_t, int64_t> TemporaryOf(const std::string& path, pid_t pid) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = path.substr(0, slash);
+  const std::string prefix = path.substr(slash + 1) + ".tmp." + std::to_string(pid) + ".";
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return {-1, -1};
+  std::string found;
+  while (dirent* e = readdir(d)) {
+    if (std::string(e->d_name).rfind(prefix, 0) == 0) found = dir + "/" + e->d_name;
+  }
+  closedir(d);
+  if (found.empty()) return {-1, -1};
+  const std::string bytes = ReadFile(found);
+  int64_t header = -1;
+  if (bytes.size() >= 8) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+    header = static_cast<int64_t>(n);
+  }
+  return {static_cast<int64_t>(bytes.size()), header};
+}
 
 void PrintRow(const RowResult& r) {
   std::printf(
@@ -391,9 +454,10 @@ bool ShowsACrash(const std::string& output) {
 }
 
 // One row on one host: ddprun with 2 ranks; the fault is `action` at
-// `function` in rank `victim`, once the job has saved step 10.
+// `function` in rank `victim` (the `hit_number`th call), once the job has
+// saved step 10.
 RowResult RunRow(const std::string& fault, int victim, const std::string& function,
-                 FaultAction action, const std::string& launcher_line) {
+                 FaultAction action, const std::string& launcher_line, int hit_number = 1) {
   RowResult row;
   row.fault = fault;
   std::string slug;
@@ -411,7 +475,7 @@ RowResult RunRow(const std::string& fault, int victim, const std::string& functi
 
   std::vector<pid_t> pids = {ranks[0], ranks[1]};
   EndWatch watch(pids);
-  auto injected = InjectAtFunction(ranks[victim], function, action, 20s);
+  auto injected = InjectAtFunction(ranks[victim], function, action, 20s, hit_number);
   EXPECT_TRUE(injected.ok()) << injected.status() << "\n" << launcher.Output();
   if (!injected.ok()) return row;
   const Clock::time_point t0 = injected->at;
@@ -452,8 +516,15 @@ RowResult RunRow(const std::string& fault, int victim, const std::string& functi
   if (first) row.first_report_s = Seconds(*first - t0);
   row.checkpoint_step = LoadCheckpointStep(checkpoint, &row.checkpoint_error);
   row.crashed = ShowsACrash(output);
+  std::tie(row.victim_temporary_size, row.victim_temporary_header) =
+      TemporaryOf(checkpoint, pids[victim]);
+  struct stat st{};
+  if (stat(checkpoint.c_str(), &st) == 0) row.checkpoint_size = st.st_size;
   PrintRow(row);
-  std::printf("%s\n", output.c_str());
+  std::printf("victim's temporary file: %lld bytes (header %lld); checkpoint %lld bytes\n%s\n",
+              static_cast<long long>(row.victim_temporary_size),
+              static_cast<long long>(row.victim_temporary_header),
+              static_cast<long long>(row.checkpoint_size), output.c_str());
   return row;
 }
 
@@ -585,6 +656,10 @@ constexpr char kForward[] = "ddp::dist::DistributedDataParallel::Forward(ddp::nn
 constexpr char kBackward[] = "ddp::nn::Backward(";
 constexpr char kOptimizerStep[] = "ddp::nn::optim::Optimizer::Step(";
 constexpr char kCheckpointWrite[] = "ddp::nn::io::AtomicFileWriter::Write(";
+// A save writes the 8-byte length prefix, the JSON header, then one tensor
+// per call (nn/io/safetensors.cc, WriteSafetensorsFile): the 4th call
+// starts the second tensor, with the first one's data already written.
+constexpr int kCheckpointWriteHit = 4;
 
 TEST(FaultMatrix, KillDuringForward) {
   ExpectBounds(RunRow("kill -9 rank 1 in forward", 1, kForward, FaultAction::kKill,
@@ -605,9 +680,17 @@ TEST(FaultMatrix, KillDuringOptimizerStep) {
 }
 
 TEST(FaultMatrix, KillDuringCheckpointWrite) {
-  ExpectBounds(RunRow("kill -9 rank 0 while writing a checkpoint", 0, kCheckpointWrite,
-                      FaultAction::kKill, "rank 0 (pid"),
-               kDeathBoundS);
+  const RowResult row = RunRow("kill -9 rank 0 while writing a checkpoint", 0, kCheckpointWrite,
+                               FaultAction::kKill, "rank 0 (pid", kCheckpointWriteHit);
+  ExpectBounds(row, kDeathBoundS);
+  // The kill came in the middle of the data: the writer's temporary file
+  // holds the prefix, the header and some tensor data, not all of it; the
+  // previous checkpoint (step 10 or later, checked above) loads strictly.
+  EXPECT_GT(row.victim_temporary_header, 0) << "no temporary file with a header was left";
+  EXPECT_GT(row.victim_temporary_size, 8 + row.victim_temporary_header)
+      << "no tensor data in the temporary file";
+  EXPECT_LT(row.victim_temporary_size, row.checkpoint_size)
+      << "the temporary file was complete: the kill came after the data";
 }
 
 TEST(FaultMatrix, StoppedRankIsAHang) {
@@ -624,8 +707,9 @@ TEST(FaultMatrix, RankExitsZeroEarly) {
 }
 
 // Two hosts, one rank each; the link between them goes down mid-training.
-// Nobody dies: both ranks must give up at their collective deadline, and
-// both launchers must exit non-zero.
+// Nobody dies: each rank gives up, reporting the cut itself or stopped by
+// its launcher, which names it (a missed heartbeat); both launchers must
+// exit non-zero.
 TEST(FaultMatrix, NetworkLinkCutBetweenTwoHosts) {
   TwoHosts hosts;
   ASSERT_EQ(hosts.error(), "");
@@ -660,17 +744,38 @@ TEST(FaultMatrix, NetworkLinkCutBetweenTwoHosts) {
       if (!first || line->first < *first) first = line->first;
     }
   }
+  // Each rank's own report of the failure, on its own node's output: the
+  // trainer's failure line (train_main.cc's Fail: "train: " for rank 0,
+  // "train: rank 1: " for the others) naming PEER_LOST or TIMED_OUT; not
+  // the launcher's lines, which quote a rank's error too. A rank without
+  // one must have been stopped by its launcher for the cut, which says so
+  // (the heartbeat of the other node's launcher is missed after
+  // --node_timeout=5, before the 10 s collective deadline: node 0's rank,
+  // which serves nothing itself, is stopped so).
+  const std::regex launcher_stopped("^ddprun: .*(sent no heartbeat|PEER_LOST|TIMED_OUT)");
   for (int r = 0; r < 2; ++r) {
     ++row.survivors;
-    if (auto report = RankReport(r == 0 ? *node0 : *node1, r, /*prefixed=*/false)) {
+    Launcher& node = r == 0 ? *node0 : *node1;
+    const std::regex own_line(r == 0 ? "^train: (?!rank [0-9]+: ).*\\b(PEER_LOST|TIMED_OUT)\\b"
+                                     : "^train: rank " + std::to_string(r) +
+                                           ": .*\\b(PEER_LOST|TIMED_OUT)\\b");
+    auto report = node.FindLineMatching(own_line);
+    if (!report) {
+      EXPECT_TRUE(node.FindLineMatching(launcher_stopped).has_value())
+          << "rank " << r << " neither reported the cut itself nor was stopped by its launcher "
+          << "for it:\n" << node.Output();
+    }
+    if (report) {
       ++row.survivors_reporting;
-      if (!first || *report < *first) first = report;
+      if (!first || report->first < *first) first = report->first;
     }
   }
   if (first) row.first_report_s = Seconds(*first - t0);
   Clock::time_point last_end = t0;
-  for (pid_t pid : pids) {
-    if (auto end = watch.EndOf(pid)) last_end = std::max(last_end, *end);
+  for (int r = 0; r < 2; ++r) {
+    auto end = watch.EndOf(pids[r]);
+    EXPECT_TRUE(end.has_value()) << "rank " << r << " did not end";
+    if (end) last_end = std::max(last_end, *end);
   }
   row.all_ranks_ended_s = Seconds(last_end - t0);
   row.checkpoint_step = LoadCheckpointStep(checkpoint, &row.checkpoint_error);
@@ -682,6 +787,10 @@ TEST(FaultMatrix, NetworkLinkCutBetweenTwoHosts) {
   EXPECT_NE(exit1, 0);
   EXPECT_NE(exit0, -1);
   EXPECT_NE(exit1, -1);
+  // Nobody died: a rank cut off from the store (served on node 0) reports
+  // PEER_LOST itself (docs/reliability.md: 1 of 2; the other is stopped by
+  // its launcher, checked above).
+  EXPECT_GE(row.survivors_reporting, 1) << row.fault;
   ExpectBounds(row, kPartitionBoundS);
 }
 

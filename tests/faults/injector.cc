@@ -156,8 +156,10 @@ class Tracer {
     return word;
   }
 
-  Status Poke(uint64_t address, long word) {
-    if (ptrace(PTRACE_POKETEXT, pid_, reinterpret_cast<void*>(address),
+  // Through thread `via` (stopped; by default the main thread): ptrace
+  // reaches memory only through a tracee in a ptrace stop.
+  Status Poke(uint64_t address, long word, pid_t via = 0) {
+    if (ptrace(PTRACE_POKETEXT, via > 0 ? via : pid_, reinterpret_cast<void*>(address),
                reinterpret_cast<void*>(word)) != 0) {
       return InternalError(Errno("POKETEXT"));
     }
@@ -198,6 +200,61 @@ class Tracer {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     attached_.clear();
+  }
+
+  // Lets `tid`, stopped by the breakpoint at `address` (its pc one past
+  // it), run the instruction the breakpoint replaced and go on, the
+  // breakpoint set again behind it. Meanwhile (one instruction) other
+  // threads pass the function without stopping.
+  Status StepOver(pid_t tid, uint64_t address, long original) {
+    DDP_RETURN_IF_ERROR(Poke(address, original, tid));
+    DDP_RETURN_IF_ERROR(SetRegisters(tid, [&](user_regs_struct& r) { r.rip = address; }));
+    stopped_.erase(tid);
+    int pass_on = 0;  // a signal that arrived meanwhile, delivered after
+    for (bool stepped = false; !stepped;) {
+      if (ptrace(PTRACE_SINGLESTEP, tid, nullptr, nullptr) != 0) {
+        if (errno == ESRCH) {
+          attached_.erase(tid);
+          return Rearm(address, original);
+        }
+        return InternalError(Errno("SINGLESTEP"));
+      }
+      for (;;) {
+        int status = 0;
+        const pid_t r = waitpid(tid, &status, __WALL);
+        if (r < 0 || WIFEXITED(status) || WIFSIGNALED(status)) {
+          attached_.erase(tid);
+          return Rearm(address, original);
+        }
+        if (!WIFSTOPPED(status)) continue;
+        const int event = status >> 16;
+        if (event == PTRACE_EVENT_CLONE) AdoptClone(tid);
+        const int sig = WSTOPSIG(status);
+        if (event == 0 && sig == SIGTRAP && ProgramCounter(tid) != address) {
+          stepped = true;
+        } else if (event == 0 && sig != SIGTRAP && sig != SIGSTOP) {
+          pass_on = sig;
+        }
+        break;
+      }
+    }
+    DDP_RETURN_IF_ERROR(Poke(address, (original & ~0xffL) | kInt3, tid));
+    if (ptrace(PTRACE_CONT, tid, nullptr, reinterpret_cast<void*>(static_cast<long>(pass_on))) != 0 &&
+        errno != ESRCH) {
+      return InternalError(Errno("CONT"));
+    }
+    return Status::Ok();
+  }
+
+  // Sets the breakpoint again once the thread that stepped over it ended
+  // meanwhile: through the others, stopped for it.
+  Status Rearm(uint64_t address, long original) {
+    if (attached_.empty()) return Status::Ok();
+    DDP_RETURN_IF_ERROR(StopAll());
+    const pid_t via = *attached_.begin();
+    DDP_RETURN_IF_ERROR(Poke(address, (original & ~0xffL) | kInt3, via));
+    ContinueAll();
+    return Status::Ok();
   }
 
   const std::set<pid_t>& threads() const { return attached_; }
@@ -364,7 +421,7 @@ StatusOr<FunctionAddress> FindFunction(pid_t pid, const std::string& prefix) {
 }
 
 StatusOr<Injection> InjectAtFunction(pid_t pid, const std::string& prefix, FaultAction action,
-                                     std::chrono::milliseconds timeout) {
+                                     std::chrono::milliseconds timeout, int hit_number) {
   {
     // A tracer that is also the parent would reap the target's exit status
     // while waiting for its threads, and its own wait would never see it.
@@ -393,9 +450,14 @@ StatusOr<Injection> InjectAtFunction(pid_t pid, const std::string& prefix, Fault
 
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   pid_t hit = 0;
+  int hits = 0;
   while (hit == 0) {
     hit = tracer.Poll(address);
     if (hit < 0) return UnavailableError("process " + std::to_string(pid) + " ended first");
+    if (hit > 0 && ++hits < hit_number) {
+      DDP_RETURN_IF_ERROR(tracer.StepOver(hit, address, original));
+      hit = 0;
+    }
     if (hit == 0) {
       if (std::chrono::steady_clock::now() >= deadline) {
         // Put the code back and let it go unharmed.
@@ -409,12 +471,15 @@ StatusOr<Injection> InjectAtFunction(pid_t pid, const std::string& prefix, Fault
         DDP_RETURN_IF_ERROR(tracer.DrainPendingTraps());
         tracer.DetachAll();
         return TimedOutError("no thread of process " + std::to_string(pid) + " reached " +
-                             function.name + " within " + std::to_string(timeout.count()) + " ms");
+                             function.name + (hit_number > 1 ? " for the " + std::to_string(hit_number) +
+                                                                   "th time (" + std::to_string(hits) + " hits)"
+                                                             : std::string()) +
+                             " within " + std::to_string(timeout.count()) + " ms");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
-  Injection injection{function, std::chrono::steady_clock::now(), hit};
+  Injection injection{function, std::chrono::steady_clock::now(), hit, hits};
 
   switch (action) {
     case FaultAction::kKill:

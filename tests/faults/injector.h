@@ -52,16 +52,22 @@ struct Injection {
   /// When the breakpoint was hit and the action taken.
   std::chrono::steady_clock::time_point at;
   pid_t thread = 0;  ///< The thread that hit it.
+  int hits = 0;      ///< Times the breakpoint was reached, this one included.
 };
 
 /// Attaches to every thread of `pid`, sets a breakpoint at the function
 /// named by `prefix` (see FindFunction), lets the process run until a thread
 /// reaches it, then applies `action` and detaches. TIMED_OUT when no thread
 /// reached it by `timeout` (the process is then left running, unharmed);
-/// UNAVAILABLE when the process ended first.
+/// UNAVAILABLE when the process ended first. With `hit_number` > 1, the
+/// action comes at the `hit_number`th time a thread reaches the function
+/// (counted from the attach); the earlier calls run on (the breakpoint is
+/// stepped over; while one thread steps over it, another may pass the
+/// function uncounted).
 transport::StatusOr<Injection> InjectAtFunction(pid_t pid, const std::string& prefix,
                                                 FaultAction action,
-                                                std::chrono::milliseconds timeout);
+                                                std::chrono::milliseconds timeout,
+                                                int hit_number = 1);
 
 }  // namespace ddp::faults
 

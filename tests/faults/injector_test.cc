@@ -125,6 +125,22 @@ TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
   EXPECT_THAT(run.output, HasSubstr("finished"));
 }
 
+// The action at a later call: the 50 calls before it step over the
+// breakpoint and run as they should (the program, continued, finishes).
+TEST(InjectorTest, StopAtTheFiftiethCallThenContinueRunsCorrectly) {
+  Target t = Start(8000);
+  auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kStop, 5s,
+                                   /*hit_number=*/50);
+  ASSERT_TRUE(injected.ok()) << injected.status();
+  EXPECT_EQ(injected->hits, 50);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(ProcessState(t.pid), 'T');
+  kill(t.pid, SIGCONT);
+  const auto run = lt::WaitProgram(*t.group, 30s);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("finished"));
+}
+
 TEST(InjectorTest, ExitZeroAtAFunction) {
   Target t = Start(20000);
   auto injected =
