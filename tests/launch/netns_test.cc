@@ -110,7 +110,7 @@ class TwoHosts {
     RemoveNamespace(a_);
     RemoveNamespace(b_);
     if (reaper_pipe_ >= 0) close(reaper_pipe_);  // the reaper finds nothing left and exits
-    if (reaper_ > 0) waitpid(reaper_, nullptr, 0);
+    if (reaper_ > 0) WaitForReaper(60s);
   }
 
   const std::string& error() const { return error_; }
@@ -199,6 +199,23 @@ class TwoHosts {
     posix_spawnattr_destroy(&attr);
     close(fds[0]);
     reaper_pipe_ = fds[1];
+  }
+
+  // Waits for the reaper to end, up to `timeout` (its `ip` commands could
+  // hang); past it, kills its session and fails the test.
+  void WaitForReaper(std::chrono::milliseconds timeout) {
+    const auto until = Clock::now() + timeout;
+    for (;;) {
+      const pid_t r = waitpid(reaper_, nullptr, WNOHANG);
+      if (r == reaper_ || r < 0) return;
+      if (Clock::now() >= until) break;
+      std::this_thread::sleep_for(5ms);
+    }
+    ADD_FAILURE() << "the namespace reaper (pid " << reaper_ << ") did not end within "
+                  << timeout.count() << " ms; killed";
+    kill(-reaper_, SIGKILL);  // its session's group: the shell and what it runs
+    kill(reaper_, SIGKILL);
+    waitpid(reaper_, nullptr, 0);  // SIGKILL ends it
   }
 
   std::string a_, b_, error_;

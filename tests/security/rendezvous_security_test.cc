@@ -640,7 +640,16 @@ TEST(RendezvousSecurity, FloodBeyondTheServersFileDescriptorsDoesNotKeepTheJobOu
       std::this_thread::sleep_for(200us);
     }
   });
-  while (opened.load() < 300) std::this_thread::sleep_for(1ms);
+  // Bounded: should the flood stall (connect or socket blocking), the test
+  // fails instead of waiting for ever.
+  for (const Deadline until = DeadlineIn(30s); opened.load() < 300 && Clock::now() < until;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  if (opened.load() < 300) {
+    stop = true;
+    flood.join();
+    FAIL() << "the flood opened only " << opened.load() << " connections in 30 s";
+  }
 
   constexpr int kRanks = 4;
   std::vector<Status> results(kRanks);
