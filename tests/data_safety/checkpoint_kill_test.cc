@@ -39,6 +39,7 @@
 
 #include "ddp/checkpoint.h"
 #include "ddp/process_group.h"
+#include "nn/io/atomic_file.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/layers.h"
 #include "nn/tensor/tensor.h"
@@ -195,6 +196,10 @@ TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
     if (child == 0) {
       char byte;
       if (read(go[0], &byte, 1) != 1) _exit(3);
+      // Aimed at the data: each piece (one per tensor) waits a little
+      // first, so that the kill, once the file holds enough, finds the
+      // rest still to come rather than written in the same instant.
+      if (kill_at_bytes > 0) nn::io::internal::SetWritePausePerPiece(10ms);
       nn::io::SaveCheckpoint(path, c);
       _exit(0);
     }
@@ -260,7 +265,8 @@ TEST(CheckpointKill, KillAtEvenlySpacedPointsOfOneSave) {
   constexpr int kPoints = 24;
   const std::vector<double> late_points = {save_s * 5, save_s * 10, std::max(save_s * 20, 10.0)};
   // Then kills aimed at the data itself, wherever the save's timing puts it:
-  // once the temporary file holds 1/8, 2/8, ... 7/8 of the bytes.
+  // once the temporary file holds 1/8, 2/8, ... 7/8 of the bytes (with a
+  // 10 ms pause before each tensor's write, in these saves only).
   constexpr int kDataPoints = 7;
   const int points = kPoints + static_cast<int>(late_points.size()) + kDataPoints;
   int old_kept = 0, new_kept = 0, killed_in_save = 0;
