@@ -311,7 +311,9 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
       throw DistributedError(transport::AbortedError(
           "rank(s) " + joined + " ran out of inputs (Join with throw_on_early_termination)"));
     }
-    if (active < size && training) {
+    if (active < size) {
+      // (Whatever the wrapper's mode: a SyncBatchNorm put back in training
+      // mode under an eval-mode wrapper gathers too.)
       // SyncBatchNorm gathers statistics inside forward, a collective the
       // joined ranks cannot shadow (PyTorch's Join does not support it
       // either): stop every rank with that, rather than let the gather pair
@@ -491,9 +493,12 @@ void Join::Wait() {
       }
       if (active == 0) break;
       if (options_.throw_on_early_termination) {
+        std::string joined;
+        for (int r = 0; r < size; ++r) {
+          if (f[r] == 0) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+        }
         throw DistributedError(transport::AbortedError(
-            "rank " + std::to_string(pg.rank()) +
-            " ran out of inputs first (Join with throw_on_early_termination)"));
+            "rank(s) " + joined + " ran out of inputs (Join with throw_on_early_termination)"));
       }
       if (f[size + 1] > 0 && s.reducer != nullptr) s.reducer->RebuildBuckets();
       if (f[size + 2] > 0) internal::BroadcastCoalesced(pg, s.buffers, buffer_root, "buffers");

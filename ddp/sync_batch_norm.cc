@@ -81,13 +81,25 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
   const nn::Device device = x.device();
   nn::NoGradGuard guard;
   // [sum(dy) per channel, sum(dy * xhat) per channel], f64 on the device.
-  Tensor sums = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
-  if (d.n * d.s > 0) {
-    const nn::ops::BatchNormSums local = nn::ops::BatchNormBackwardReduce(dy, x, mean_t, invstd_t);
-    sums.Narrow(0, 0, d.c).CopyFrom(local.sum);
-    sums.Narrow(0, d.c, d.c).CopyFrom(local.sum_sq);
-  } else {
-    sums.Zero();
+  Tensor sums;
+  try {
+    sums = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
+    if (d.n * d.s > 0) {
+      const nn::ops::BatchNormSums local = nn::ops::BatchNormBackwardReduce(dy, x, mean_t, invstd_t);
+      sums.Narrow(0, 0, d.c).CopyFrom(local.sum);
+      sums.Narrow(0, d.c, d.c).CopyFrom(local.sum_sq);
+    } else {
+      sums.Zero();
+    }
+  } catch (const std::exception& e) {
+    // This rank will not join the all-reduce below, which its peers are
+    // in or about to be: stop them now (as a refused forward does) rather
+    // than at the group's timeout.
+    if (ctx->NeedsInputGrad(0) && pg->size() > 1) {
+      pg->Abort(transport::InternalError("SyncBatchNorm backward on rank " + std::to_string(pg->rank()) +
+                                         " failed before its all-reduce: " + e.what()));
+    }
+    throw;
   }
   Tensor dweight, dbias;
   const nn::DType param_dtype = weight.defined() ? weight.dtype() : x.dtype();

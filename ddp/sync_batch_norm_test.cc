@@ -211,13 +211,29 @@ DDP_TEST_WORKER(sync_bn_join) {
   constexpr int64_t kB = 6;
   auto model = ConvertSyncBatchNorm(BnCnn(), pg);
   DistributedDataParallel ddp(model, {.process_group = pg});
+  // DDP_TEST_CASE=eval_wrapper: the wrapper in eval mode (forwards without
+  // grad) while the SyncBatchNorm modules are put back in training mode;
+  // they still gather in forward.
+  const char* which = std::getenv("DDP_TEST_CASE");
+  const bool eval_wrapper = which != nullptr && std::string(which) == "eval_wrapper";
+  if (eval_wrapper) {
+    ddp.Eval();
+    model->Apply([](nn::modules::Module& m) {
+      if (m.TypeName() == "SyncBatchNorm") m.Train();
+    });
+  }
   std::string message;
   const auto start = std::chrono::steady_clock::now();
   try {
     Join join(ddp);
     for (int s = 0; s < 2 + 2 * rank; ++s) {
       auto [x, y] = testing::Batch(data, (s * world + rank) * kB, kB);
-      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      if (eval_wrapper) {
+        nn::NoGradGuard no_grad;
+        ddp(x);
+      } else {
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      }
     }
     join.Wait();
   } catch (const std::exception& e) {
@@ -232,8 +248,10 @@ DDP_TEST_WORKER(sync_bn_join) {
 }
 
 TEST(SyncBatchNormTest, JoinStopsEveryRankNamingTheModule) {
-  auto run = RunWorkers("sync_bn_join", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}});
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  for (const char* which : {"train", "eval_wrapper"}) {
+    auto run = RunWorkers("sync_bn_join", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", which}});
+    EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
+  }
 }
 
 TEST(SyncBatchNormTest, OneRankIsBatchNorm) {
