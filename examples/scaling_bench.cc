@@ -21,8 +21,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -219,19 +221,38 @@ int main(int argc, char** argv) {
   std::vector<std::string> original(argv, argv + argc);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
 
-  if (launch::HasLaunchVariables(launch::CurrentEnvironment())) return RunWorker();
+  // A worker of a measured job: started by Measure (through SelfLaunch),
+  // always with --result_file. Launch variables without it mean the user
+  // started this coordinator under a launcher, which would make it one
+  // silent worker.
+  if (launch::HasLaunchVariables(launch::CurrentEnvironment())) {
+    if (!FLAGS_result_file.empty()) return RunWorker();
+    std::fprintf(stderr,
+                 "scaling_bench: launch variables are set (RANK, WORLD_SIZE, an srun step or "
+                 "mpirun); scaling_bench starts its own jobs: run it outside "
+                 "srun/mpirun/torchrun/ddprun\n");
+    return 2;
+  }
 
   std::vector<int> counts;
   for (size_t pos = 0; pos <= FLAGS_ranks.size();) {
     size_t end = FLAGS_ranks.find(',', pos);
     if (end == std::string::npos) end = FLAGS_ranks.size();
-    const int n = std::atoi(FLAGS_ranks.substr(pos, end - pos).c_str());
-    if (n < 1 || n > 256) {
-      std::fprintf(stderr, "scaling_bench: --ranks=%s: each count must be in [1, 256]\n",
+    // Strictly a whole decimal number: atoi read "1 2 4" as 1 and "2x" as 2.
+    const std::string item = FLAGS_ranks.substr(pos, end - pos);
+    char* item_end = nullptr;
+    errno = 0;
+    const long n = item.empty() || !std::isdigit(static_cast<unsigned char>(item[0]))
+                       ? 0
+                       : std::strtol(item.c_str(), &item_end, 10);
+    if (item_end == nullptr || *item_end != '\0' || errno != 0 || n < 1 || n > 256) {
+      std::fprintf(stderr,
+                   "scaling_bench: --ranks=%s: each count must be a whole number in [1, 256], "
+                   "comma-separated\n",
                    FLAGS_ranks.c_str());
       return 2;
     }
-    counts.push_back(n);
+    counts.push_back(static_cast<int>(n));
     pos = end + 1;
   }
   // Smallest first: its result is the baseline of the rows printed after it.

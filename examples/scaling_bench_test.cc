@@ -9,6 +9,7 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "examples/testing/subprocess.h"
@@ -114,11 +115,43 @@ TEST(ScalingBenchTest, TheMedianIsOverTheRunsThatFinishedAndFailedRunsAreCounted
       << run.Stderr();
 }
 
+// Each count is a whole number on its own (before, atoi read "1 2 4" as 1,
+// "1;2;4" as 1 and "2x" as 2, and the run went on).
 TEST(ScalingBenchTest, BadRankCountsAreRefused) {
-  const testing::RunOutput r =
-      testing::RunToEnd({testing::Runfile("examples/scaling_bench"), "--ranks=1,0"});
-  EXPECT_EQ(r.exit_code, 2);
-  EXPECT_EQ(r.err, "scaling_bench: --ranks=1,0: each count must be in [1, 256]\n");
+  for (const char* ranks : {"1,0", "1 2 4", "1;2;4", "2x", "1,,2", "", "+2", " 2", "1,257",
+                            "99999999999999999999"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {testing::Runfile("examples/scaling_bench"), std::string("--ranks=") + ranks});
+    EXPECT_EQ(r.exit_code, 2) << ranks << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err, std::string("scaling_bench: --ranks=") + ranks +
+                         ": each count must be a whole number in [1, 256], comma-separated\n");
+    EXPECT_EQ(r.out, "") << ranks;
+  }
+}
+
+// Started under a launcher (srun, mpirun, torchrun, or RANK exported) the
+// coordinator refuses (before, it ran as one worker of that job, printed
+// nothing and exited 0). Its own workers still run: they get --result_file
+// (the first test).
+TEST(ScalingBenchTest, RunningUnderALauncherIsRefused) {
+  const std::vector<std::vector<std::pair<std::string, std::string>>> envs = {
+      {{"RANK", "0"}, {"WORLD_SIZE", "1"}},
+      {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_STEP_ID", "0"}},
+      {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}},
+  };
+  for (const auto& env : envs) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1", "--steps=1",
+         "--batch_size=16", "--workers=0"},
+        env, std::chrono::seconds(60));
+    EXPECT_EQ(r.exit_code, 2) << env[0].first << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err,
+              "scaling_bench: launch variables are set (RANK, WORLD_SIZE, an srun step or "
+              "mpirun); scaling_bench starts its own jobs: run it outside "
+              "srun/mpirun/torchrun/ddprun\n")
+        << env[0].first;
+    EXPECT_EQ(r.out, "") << env[0].first;
+  }
 }
 
 }  // namespace
