@@ -14,7 +14,7 @@
 // makes figures comparable across rank counts; wrong counts mismatched
 // elements over all ranks with --check (else 0).
 //
-// --collective=broadcast times broadcasts from rank 0 instead (in place;
+// --collective=broadcast times broadcasts from --root instead (in place;
 // busbw = algbw, as nccl-tests counts it; algo is "-"). --collective=alltoall
 // times AllToAll: bytes is each rank's whole send buffer (size() blocks),
 // busbw = algbw * (n-1)/n as nccl-tests counts it; algo is "-".
@@ -27,12 +27,17 @@
 // and Scatter: bytes is the root's whole buffer (size() blocks, as
 // all-to-all), busbw = algbw * (n-1)/n (what the root's link carries);
 // algo is "-". All-to-all, gather and scatter combine nothing: they refuse
-// an --op other than sum, and the header shows "op -".
+// an --op other than sum, and the header shows "op -". The header's buffer
+// mode is the one used: broadcast is always in place, all-to-all, gather and
+// scatter never are. --algo applies to allreduce and reduce only, --root to
+// broadcast, reduce, gather and scatter: elsewhere they are refused rather
+// than printed and ignored.
 
 #include <gflags/gflags.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -45,11 +50,11 @@
 #include "transport/testing/expected_values.h"
 
 DEFINE_string(collective, "allreduce",
-              "allreduce, broadcast (from rank 0), alltoall, reduce, gather or scatter");
+              "allreduce, broadcast (from --root), alltoall, reduce, gather or scatter");
 DEFINE_string(algo, "auto",
               "all-reduce algorithm: auto, ring, tree, rhd, hierarchical, shm; reduce: auto, tree, "
-              "ring, shm");
-DEFINE_int32(root, 0, "root of reduce, gather and scatter");
+              "ring, shm; other collectives: auto only");
+DEFINE_int32(root, 0, "root of broadcast, reduce, gather and scatter");
 DEFINE_string(min_bytes, "4", "smallest message (suffixes K, M, G: powers of 1024)");
 DEFINE_string(max_bytes, "64M", "largest message");
 DEFINE_double(step_factor, 2, "multiply the size by this between lines");
@@ -174,7 +179,11 @@ int main(int argc, char** argv) {
   const size_t min_bytes = ParseBytes("min_bytes", FLAGS_min_bytes);
   const size_t max_bytes = ParseBytes("max_bytes", FLAGS_max_bytes);
   if (max_bytes < min_bytes) Fail("--max_bytes is smaller than --min_bytes");
-  if (FLAGS_step_factor <= 1) Fail("--step_factor must be greater than 1");
+  if (!std::isfinite(FLAGS_step_factor) || !(FLAGS_step_factor > 1)) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%g", FLAGS_step_factor);
+    Fail(std::string("--step_factor=") + text + " must be a finite number greater than 1");
+  }
   if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
   const std::string& collective = FLAGS_collective;
   if (collective != "allreduce" && collective != "broadcast" && collective != "alltoall" &&
@@ -196,7 +205,24 @@ int main(int argc, char** argv) {
     Fail("--op=" + FLAGS_op + " does not apply to --collective=" + collective +
          ", which reduces nothing; drop --op");
   }
+  // --algo chooses all-reduce's and reduce's algorithm only; --root is
+  // the root of the rooted collectives only.
+  if (reduce && algo != Algorithm::kAuto && algo != Algorithm::kTree && algo != Algorithm::kRing &&
+      algo != Algorithm::kSharedMemory) {
+    Fail("--algo=" + FLAGS_algo +
+         " does not apply to --collective=reduce, which runs auto, tree, ring or shm");
+  }
+  if (algo != Algorithm::kAuto && collective != "allreduce" && !reduce) {
+    Fail("--algo=" + FLAGS_algo + " does not apply to --collective=" + collective +
+         ", which has one algorithm; drop --algo");
+  }
+  if (FLAGS_root != 0 && (collective == "allreduce" || alltoall)) {
+    Fail("--root=" + std::to_string(FLAGS_root) + " does not apply to --collective=" + collective +
+         ", which has no root; drop --root");
+  }
   const int root = FLAGS_root;
+  // Broadcast always runs in place; all-to-all, gather and scatter never do.
+  const bool separate = blocked || (!FLAGS_in_place && !broadcast);
   ddp::transport::CallOptions call_options;
   if (reduce) call_options.algorithm = algo;
 
@@ -208,7 +234,7 @@ int main(int argc, char** argv) {
   if (!created.ok()) Fail(created.status().ToString());
   Communicator& comm = **created;
   const int n = comm.size();
-  if ((reduce || gather || scatter) && (root < 0 || root >= n)) {
+  if ((broadcast || reduce || gather || scatter) && (root < 0 || root >= n)) {
     // Returning (not exiting) closes the communicator on the way out.
     std::fprintf(stderr, "allreduce_bench: --root=%d is outside [0, %d)\n", root, n);
     return 2;
@@ -239,7 +265,7 @@ int main(int argc, char** argv) {
                 "UCX_TLS=%s\n",
                 collective.c_str(), n, comm.info().num_hosts, FLAGS_dtype.c_str(),
                 blocked ? "-" : FLAGS_op.c_str(),
-                FLAGS_in_place ? "in place" : "out of place",
+                separate ? "out of place" : "in place",
                 comm.info().shared_memory ? "on" : "off", comm.info().ucx_tls.c_str());
     std::printf("# %10s %12s %6s %10s %10s %10s %6s\n", "bytes", "count", "algo", "time_us",
                 "algbw_GBps", "busbw_GBps", "wrong");
@@ -250,8 +276,6 @@ int main(int argc, char** argv) {
     const size_t block = std::max<size_t>(1, static_cast<size_t>(size) / elem / n);
     const size_t count = blocked ? block * n : static_cast<size_t>(size) / elem;
     const size_t bytes = count * elem;
-    // All-to-all, gather and scatter are never in place.
-    const bool separate = !FLAGS_in_place || blocked;
     HostBuffer send(std::max<size_t>(bytes, 1)), recv(separate ? std::max<size_t>(bytes, 1) : 1);
     void* out = separate ? recv.data() : send.data();
     ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);
@@ -264,7 +288,7 @@ int main(int argc, char** argv) {
       if (reduce) return comm.Reduce(send.data(), out, count, dtype, op, root, call_options);
       if (gather) return comm.Gather(send.data(), out, block, dtype, root);
       if (scatter) return comm.Scatter(send.data(), out, block, dtype, root);
-      return broadcast ? comm.Broadcast(send.data(), count, dtype, 0)
+      return broadcast ? comm.Broadcast(send.data(), count, dtype, root)
                        : comm.AllReduce(send.data(), out, count, dtype, op);
     };
     for (int i = 0; i < FLAGS_warmup_iters; ++i) Check(call(), "warm-up call");
@@ -321,11 +345,12 @@ int main(int argc, char** argv) {
           }
         }
       } else if (broadcast) {
-        // Every rank ends with rank 0's input, filled for `op`: what a
-        // one-rank reduction with `op` gives.
-        Check(comm.Broadcast(send.data(), count, dtype, 0), "checked broadcast");
-        wrong = static_cast<int64_t>(
-            ddp::transport::testing::CountWrong(dtype, send.data(), count, 1, op));
+        // Every rank ends with the root's input, filled for `op`.
+        Check(comm.Broadcast(send.data(), count, dtype, root), "checked broadcast");
+        for (size_t i = 0; i < count; ++i) {
+          wrong += ddp::transport::testing::Load(dtype, send.data(), i) !=
+                   ddp::transport::testing::InputValue(root, i, op);
+        }
       } else {
         Check(comm.AllReduce(send.data(), out, count, dtype, op), "checked all-reduce");
         wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));

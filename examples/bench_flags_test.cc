@@ -248,5 +248,101 @@ TEST(AllreduceBenchTest, BroadcastChecksItsInputForTheOpAndMovingCollectivesRefu
   }
 }
 
+// A --step_factor that does not grow the size finitely is refused, naming
+// it (before, nan and inf passed the "<= 1" check and ran one size).
+TEST(AllreduceBenchTest, AStepFactorThatIsNotFiniteAndAboveOneIsRefused) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  for (const std::string value : {"nan", "inf", "-inf", "1", "0.5"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=1", "--min_bytes=4K", "--max_bytes=4K", "--step_factor=" + value});
+    EXPECT_EQ(r.exit_code, 2) << value << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("allreduce_bench: --step_factor=" + value +
+                         " must be a finite number greater than 1\n"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out, "") << value;
+  }
+}
+
+// The header's buffer mode is the one used (before, it followed --in_place:
+// "in place" for all-to-all, gather and scatter, which never are, and "out
+// of place" for broadcast, which always is).
+TEST(AllreduceBenchTest, TheHeaderShowsTheBufferModeUsed) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--collective=allreduce"}, ", in place,"},
+      {{"--collective=allreduce", "--in_place=false"}, ", out of place,"},
+      {{"--collective=reduce", "--in_place=false"}, ", out of place,"},
+      {{"--collective=broadcast", "--in_place=false"}, ", in place,"},
+      {{"--collective=alltoall"}, ", out of place,"},
+      {{"--collective=gather"}, ", out of place,"},
+      {{"--collective=scatter", "--in_place=true"}, ", out of place,"},
+  };
+  for (const auto& [flags, mode] : cases) {
+    std::vector<std::string> argv = {bench, "--nproc_per_node=2", "--min_bytes=4K",
+                                     "--max_bytes=4K", "--check"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const testing::RunOutput r = testing::RunToEnd(argv);
+    ASSERT_EQ(r.exit_code, 0) << flags[0] << "\n" << r.out << r.err;
+    const std::vector<std::string> lines = testing::Lines(r.out);
+    ASSERT_EQ(lines.size(), 3u) << r.out;
+    EXPECT_NE(lines[0].find(mode), std::string::npos) << flags.back() << ": " << lines[0];
+    EXPECT_EQ(Fields(lines[2]).at(6), "0") << flags[0] << ": wrong elements: " << lines[2];
+  }
+}
+
+// --algo chooses all-reduce's and reduce's algorithm; --root is the root of
+// broadcast, reduce, gather and scatter. Elsewhere they are refused, naming
+// the flag (before, they were accepted and ignored). Broadcast goes from
+// --root (before, always from rank 0), and --check expects the root's input.
+TEST(AllreduceBenchTest, AlgoAndRootAreRefusedWhereTheyDoNotApplyAndBroadcastHonoursRoot) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  for (const char* collective : {"broadcast", "alltoall", "gather", "scatter"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=2", std::string("--collective=") + collective, "--algo=ring",
+         "--min_bytes=4K", "--max_bytes=4K"});
+    EXPECT_EQ(r.exit_code, 2) << collective << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(std::string("allreduce_bench: --algo=ring does not apply to --collective=") +
+                         collective + ", which has one algorithm; drop --algo\n"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out, "") << collective;
+  }
+  const testing::RunOutput rhd = testing::RunToEnd(
+      {bench, "--nproc_per_node=2", "--collective=reduce", "--algo=rhd", "--min_bytes=4K",
+       "--max_bytes=4K"});
+  EXPECT_EQ(rhd.exit_code, 2) << rhd.out << rhd.err;
+  EXPECT_NE(rhd.err.find("allreduce_bench: --algo=rhd does not apply to --collective=reduce, which "
+                         "runs auto, tree, ring or shm\n"),
+            std::string::npos)
+      << rhd.err;
+  for (const char* collective : {"allreduce", "alltoall"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=2", std::string("--collective=") + collective, "--root=1",
+         "--min_bytes=4K", "--max_bytes=4K"});
+    EXPECT_EQ(r.exit_code, 2) << collective << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(std::string("allreduce_bench: --root=1 does not apply to --collective=") +
+                         collective + ", which has no root; drop --root\n"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out, "") << collective;
+  }
+  for (const char* op : {"--op=sum", "--op=prod"}) {
+    const testing::RunOutput r =
+        testing::RunToEnd({bench, "--nproc_per_node=2", "--collective=broadcast", "--root=1", op,
+                           "--min_bytes=4K", "--max_bytes=4K", "--check"});
+    ASSERT_EQ(r.exit_code, 0) << op << "\n" << r.out << r.err;
+    const std::vector<std::string> lines = testing::Lines(r.out);
+    ASSERT_EQ(lines.size(), 3u) << r.out;
+    EXPECT_EQ(Fields(lines[2]).at(6), "0") << op << ": wrong elements: " << lines[2];
+  }
+  const testing::RunOutput outside = testing::RunToEnd(
+      {bench, "--nproc_per_node=2", "--collective=broadcast", "--root=2", "--min_bytes=4K",
+       "--max_bytes=4K"});
+  EXPECT_EQ(outside.exit_code, 2) << outside.out << outside.err;
+  EXPECT_NE(outside.err.find("allreduce_bench: --root=2 is outside [0, 2)\n"), std::string::npos)
+      << outside.err;
+}
+
 }  // namespace
 }  // namespace ddp::examples
