@@ -19,12 +19,25 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPS=${1:-3}
 STEPS=${2:-300}
-shift 2 || true
+# Only the arguments given (`shift 2` with one argument shifts nothing, and
+# REPS became a ddp_bench flag).
+shift $(($# < 2 ? $# : 2))
 [ "${1:-}" = "--" ] && shift
 EXTRA=("$@")
+# A count that is not a positive whole number used to give a table of NaN
+# (REPS=0) or a failure deep in the runs; refuse it up front, naming it.
+positive_int() {
+  [[ $2 =~ ^[1-9][0-9]*$ ]] && return 0
+  echo "compare_peers: $1=$2: expected a positive whole number" \
+    "(usage: compare_peers.sh [REPS] [STEPS] [-- ddp_bench flags])" >&2
+  exit 2
+}
+positive_int REPS "$REPS"
+positive_int STEPS "$STEPS"
+[ -z "${MLP_STEPS+set}" ] || positive_int MLP_STEPS "$MLP_STEPS"
 PEER=/work/shared/peers/torch_ddp_train.py
 BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
-# The peer runs with its stderr hidden (PyTorch's warnings); say up front
+# The peer runs with its stderr hidden (PyTorch's warnings; shown if it fails); say up front
 # what is missing instead of ending silently at its first run.
 if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   echo "compare_peers: /usr/bin/python3 cannot import torch; install the peers with" \
@@ -33,7 +46,23 @@ if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
 fi
 [ -x "$BENCH" ] || { echo "compare_peers: no ddp_bench at $BENCH; bazel build //examples:ddp_bench" >&2; exit 1; }
 OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
+PEER_LOG=$(mktemp)
+# The pair's background run (bg) and its files (pair) while they exist: a
+# failing foreground run, a failed peer or Ctrl-C must not leave the run
+# behind (a background job of a script ignores Ctrl-C) nor its files.
+bg=
+pair=
+cleanup() {
+  if [ -n "$bg" ] && kill -0 "$bg" 2>/dev/null; then
+    kill "$bg" 2>/dev/null || true
+    wait "$bg" 2>/dev/null || true
+  fi
+  rm -f "$OUT" "$PEER_LOG"
+  [ -z "$pair" ] || rm -f "$pair" "$pair.a" "$pair.b"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}; variant: ${VARIANT:-none}"
 # 2 ranks in lockstep on 2 cores pay for any other work on either core (an
 # idle Bazel server takes about 2% of one; docs/benchmarks.md).
@@ -53,15 +82,28 @@ for rep in $(seq "$REPS"); do
           awk '{print "var", $0}' >>"$OUT"
       fi
     done
-    /usr/bin/python3 "$PEER" 2 "$model" "$steps" 2>/dev/null | awk '{print "torch", $0}' >>"$OUT"
+    # Its stderr (PyTorch's warnings) is shown only when it fails.
+    if ! /usr/bin/python3 "$PEER" 2 "$model" "$steps" 2>"$PEER_LOG" | awk '{print "torch", $0}' >>"$OUT"; then
+      echo "compare_peers: the PyTorch peer failed ($PEER 2 $model $steps, rep $rep of $REPS); its stderr:" >&2
+      cat "$PEER_LOG" >&2
+      exit 1
+    fi
     # The machine's own ceiling for 2 ranks: two independent 1-rank runs at
     # once (no communication at all); their summed samples/s.
     pair=$(mktemp)
     "$BENCH" --model="$model" --steps="$steps" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.a" &
+    bg=$!
     "$BENCH" --model="$model" --steps="$steps" --nproc_per_node=1 --eval=false "${EXTRA[@]}" >"$pair.b"
-    wait
+    status=0
+    wait "$bg" || status=$?
+    bg=
+    if [ "$status" -ne 0 ]; then
+      echo "compare_peers: the background 1-rank $model run of the pair failed (exit $status, rep $rep of $REPS)" >&2
+      exit 1
+    fi
     cat "$pair.a" "$pair.b" | grep -v "^#" | awk -v m="$model" '{s += $3} END {print "pair", m, 2, s}' >>"$OUT"
     rm -f "$pair" "$pair.a" "$pair.b"
+    pair=
   done
 done
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"
