@@ -24,7 +24,17 @@
 //
 // Every rank must run forward and backward through the layer the same
 // number of times (a rank with an empty batch too), since each is a
-// collective.
+// collective. Its backward all-reduce runs on the backward thread between
+// DDP's bucket all-reduces, so it must come at the same point among them
+// on every rank: with find_unused_parameters, a parameter used on some
+// ranks only and registered before the layer but bucketed with parameters
+// after it launches its bucket at different points on different ranks,
+// and the collectives pair wrongly (PyTorch has the same limit). Keep such
+// parameters after the SyncBatchNorm layers, or use the same graph on
+// every rank.
+// The device path's variance is E[x^2] - E[x]^2 from plain sums in f64: a
+// channel whose mean is ~1e6 times its spread loses the variance (the host
+// path merges per-rank deviations and does not).
 
 #include <memory>
 #include <string>
