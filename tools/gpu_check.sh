@@ -11,8 +11,10 @@
 #   4b. ours again with our own BatchNorm kernels (DDP_NN_CUDA_BN=own; the
 #      default is cuDNN's), every mode, and their ratio to the default;
 #   4c. the same with cuDNN's persistent batch norm
-#      (DDP_NN_CUDA_BN=cudnn_persistent) and with the vectorized elementwise
-#      kernels (DDP_NN_CUDA_VEC=1);
+#      (DDP_NN_CUDA_BN=cudnn_persistent), with the vectorized elementwise
+#      kernels (DDP_NN_CUDA_VEC=1) and with cuDNN's heuristic convolution
+#      picks instead of timed ones (DDP_NN_CUDA_CONV_SEARCH=heuristic, as
+#      PyTorch with cudnn.benchmark off);
 #   4d. which algorithm each convolution got (logged by 4a's run, which
 #      also measures the noise: conv_search.log);
 #   5. all-reduce on device buffers, 2 ranks on the GPU, with the staged
@@ -251,7 +253,7 @@ fi
 
 # The default run and the tests must run the default kernels: the variants
 # set their own switch.
-for v in DDP_NN_CUDA_BN DDP_NN_CUDA_BN_SPLIT DDP_NN_CUDA_VEC DDP_NN_CUDA_CONV_LOG; do
+for v in DDP_NN_CUDA_BN DDP_NN_CUDA_BN_SPLIT DDP_NN_CUDA_VEC DDP_NN_CUDA_CONV_LOG DDP_NN_CUDA_CONV_SEARCH; do
   if [ -n "${!v:-}" ]; then
     echo "gpu_check: ignoring $v=${!v} from the environment (the variants set it themselves)" >&2
     unset "$v"
@@ -798,6 +800,10 @@ run_variant persistent "cuDNN persistent batch norm" DDP_NN_CUDA_BN=cudnn_persis
 # The elementwise kernels on whole 16-byte packs (off by default until
 # measured here; kernels_test checks them against the CPU).
 run_variant vec "vectorized elementwise kernels" DDP_NN_CUDA_VEC=1 "$WORK/bench_vec.log"
+# The fp16 step spent 9 ms in a non-tensor-core convolution kernel that the
+# timed search picked: cuDNN's heuristics (PyTorch's eager default) against it.
+run_variant heuristic "cuDNN's heuristic convolution picks" DDP_NN_CUDA_CONV_SEARCH=heuristic \
+  "$WORK/bench_conv_heuristic.log"
 
 # Which algorithm each convolution got: the "again" run above logged every
 # search (DDP_NN_CUDA_CONV_LOG=1: candidates and times, during the warm-up

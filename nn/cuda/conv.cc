@@ -96,17 +96,32 @@ std::string CacheKey(Direction dir, Device dev, const Tensor& x, const Tensor& w
   return k;
 }
 
-// DDP_NN_CUDA_CONV_SEARCH=0 turns the search off: every convolution then runs
-// cuDNN's plain implicit-GEMM algorithms, which are fixed (not chosen by
-// timing) and deterministic: for runs that must repeat bit for bit, and for
-// telling a suspect searched algorithm from a bug elsewhere.
-bool SearchEnabled() {
-  static const bool enabled = [] {
+// How each convolution shape gets its algorithm, from DDP_NN_CUDA_CONV_SEARCH:
+// unset or "1": timed by cuDNN's Find calls (the fastest usable one);
+// "0": cuDNN's plain implicit-GEMM algorithms, fixed (not chosen by timing)
+// and deterministic, for runs that must repeat bit for bit and for telling a
+// suspect searched algorithm from a bug elsewhere; "heuristic": the first
+// usable one of cuDNN's heuristics (cudnnGet*Algorithm_v7, no timing), as
+// PyTorch picks with torch.backends.cudnn.benchmark off. Anything else is
+// refused naming the variable.
+enum class SearchMode { kFind, kFixed, kHeuristic };
+
+SearchMode Mode() {
+  static const SearchMode mode = [] {
     const char* env = std::getenv("DDP_NN_CUDA_CONV_SEARCH");
-    return env == nullptr || std::string(env) != "0";
+    const std::string value = env == nullptr ? "1" : env;
+    if (value == "1" || value.empty()) return SearchMode::kFind;
+    if (value == "0") return SearchMode::kFixed;
+    if (value == "heuristic") return SearchMode::kHeuristic;
+    throw std::invalid_argument("DDP_NN_CUDA_CONV_SEARCH=" + value + ": expected 1 (time the algorithms, the "
+                                "default), 0 (fixed implicit-GEMM algorithms) or heuristic");
   }();
-  return enabled;
+  return mode;
 }
+bool SearchEnabled() { return Mode() != SearchMode::kFixed; }
+
+// The most workspace a heuristic pick may need (as the timed search's).
+constexpr size_t kHeuristicWorkspaceLimit = size_t{1} << 30;
 
 // Device scratch from the caching allocator (a u8 tensor keeps it alive).
 Tensor Workspace(Device dev, size_t bytes) {
@@ -186,6 +201,25 @@ Choice Search(Device dev, DType dt, const char* what, const std::string& key, Fi
   return c;
 }
 
+// The first usable algorithm of cuDNN's heuristics `get(perfs, &count)`,
+// leaving out those that need more than kHeuristicWorkspaceLimit.
+template <typename Perf, int kCount, typename Get>
+Choice Heuristic(DType dt, const char* what, const std::string& key, Get get) {
+  Perf perfs[kCount];
+  int count = 0;
+  get(perfs, &count);
+  for (int i = 0; i < count; ++i) {
+    if (perfs[i].memory > kHeuristicWorkspaceLimit) perfs[i].status = CUDNN_STATUS_NOT_SUPPORTED;
+  }
+  const Choice c = Pick(perfs, count, dt, what);
+  ++g_searches;
+  if (SearchLogged()) {
+    std::fprintf(stderr, "conv search: %s [%s] picked algo %d math %d; heuristic\n", what, key.c_str(), c.algo,
+                 static_cast<int>(c.math));
+  }
+  return c;
+}
+
 Choice ChooseForward(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Tensor& y, const ops::Conv2dParams& p,
                      const TensorDesc& xd, const FilterDesc& wd, const ConvDesc& cd, const TensorDesc& yd) {
   const std::string key = CacheKey(Direction::kForward, x.device(), x, w, p);
@@ -201,7 +235,16 @@ Choice ChooseForward(cudnnHandle_t h, const Tensor& x, const Tensor& w, const Te
                "cudnnGetConvolutionForwardWorkspaceSize");
     return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
-  const Choice c = Search<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
+  const Choice c =
+      Mode() == SearchMode::kHeuristic
+          ? Heuristic<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
+                x.dtype(), "conv2d forward", key,
+                [&](auto* perfs, int* count) {
+                  CheckCudnn(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.d, wd.d, cd.d, yd.d,
+                                                                    CUDNN_CONVOLUTION_FWD_ALGO_COUNT, count, perfs),
+                             "cudnnGetConvolutionForwardAlgorithm_v7");
+                })
+          : Search<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
       x.device(), x.dtype(), "conv2d forward", key, [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
         CheckCudnn(cudnnFindConvolutionForwardAlgorithmEx(h, xd.d, x.data_ptr(), wd.d, w.data_ptr(), cd.d, yd.d,
                                                           y.data_ptr(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, count, perfs,
@@ -229,7 +272,16 @@ Choice ChooseBackwardData(cudnnHandle_t h, const Tensor& x, const Tensor& w, con
                "cudnnGetConvolutionBackwardDataWorkspaceSize");
     return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
-  const Choice c = Search<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
+  const Choice c =
+      Mode() == SearchMode::kHeuristic
+          ? Heuristic<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
+                x.dtype(), "conv2d backward (data)", key,
+                [&](auto* perfs, int* count) {
+                  CheckCudnn(cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                                 h, wd.d, dyd.d, cd.d, dxd.d, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, count, perfs),
+                             "cudnnGetConvolutionBackwardDataAlgorithm_v7");
+                })
+          : Search<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
       x.device(), x.dtype(), "conv2d backward (data)", key, [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
         CheckCudnn(cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.d, w.data_ptr(), dyd.d, dy.data_ptr(), cd.d,
                                                                dxd.d, dx.data_ptr(),
@@ -258,7 +310,16 @@ Choice ChooseBackwardFilter(cudnnHandle_t h, const Tensor& x, const Tensor& w, c
                "cudnnGetConvolutionBackwardFilterWorkspaceSize");
     return {algo, ConvDesc::DefaultMath(x.dtype()), bytes};
   }
-  const Choice c = Search<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
+  const Choice c =
+      Mode() == SearchMode::kHeuristic
+          ? Heuristic<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
+                x.dtype(), "conv2d backward (filter)", key,
+                [&](auto* perfs, int* count) {
+                  CheckCudnn(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                                 h, xd.d, dyd.d, cd.d, dwd.d, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, count, perfs),
+                             "cudnnGetConvolutionBackwardFilterAlgorithm_v7");
+                })
+          : Search<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
       x.device(), x.dtype(), "conv2d backward (filter)", key, [&](auto* perfs, int* count, void* ws, size_t ws_bytes) {
         CheckCudnn(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.d, x.data_ptr(), dyd.d, dy.data_ptr(), cd.d,
                                                                  dwd.d, dw.data_ptr(),
