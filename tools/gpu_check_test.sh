@@ -76,7 +76,7 @@ rc=$?
 # The phases in order (the build phase shows up only where bazel is installed):
 # the benchmarks come before the tests.
 order="$(grep -E '^==== ' <<<"$out" | grep -v '^==== build' | sed -E 's/^==== //; s/ \(.*//; s/,.*//' | paste -sd'|')"
-expected="environment|benchmark: ours|benchmark: PyTorch eager|benchmark: ours with the default again|benchmark: ours with our batch-norm kernels|benchmark: ours with cuDNN persistent batch norm|benchmark: ours with vectorized elementwise kernels|benchmark: all-reduce on device buffers|gpu tests|summary"
+expected="environment|benchmark: ours|benchmark: PyTorch eager|benchmark: ours with the default again|benchmark: ours with our batch-norm kernels|benchmark: ours with cuDNN persistent batch norm|benchmark: ours with vectorized elementwise kernels|benchmark: ours with cuDNN's heuristic convolution picks|benchmark: all-reduce on device buffers|gpu tests|summary"
 if [ "$order" != "$expected" ]; then
   echo "FAIL: phase order: $order, expected $expected"
   failures=$((failures + 1))
@@ -84,7 +84,7 @@ fi
 # --profile adds the kernel profile after the benchmarks, before the tests.
 out="$("$SCRIPT" --dry-run --skip-torch --profile=bf16 2>&1)"
 order="$(grep -E '^==== ' <<<"$out" | grep -v '^==== build' | sed -E 's/^==== //; s/ \(.*//; s/,.*//; s/:.*//' | paste -sd'|')"
-expected="environment|benchmark|benchmark|benchmark|benchmark|benchmark|benchmark|benchmark|profile|gpu tests|summary"
+expected="environment|benchmark|benchmark|benchmark|benchmark|benchmark|benchmark|benchmark|benchmark|profile|gpu tests|summary"
 if [ "$order" != "$expected" ]; then
   echo "FAIL: phase order with --profile: $order, expected $expected"
   failures=$((failures + 1))
