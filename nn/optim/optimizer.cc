@@ -170,15 +170,19 @@ bool SameStorage(const std::weak_ptr<Storage>& a, const std::shared_ptr<Storage>
 
 // p [n] (P: Half or BFloat16) against its master m [n]: an element whose
 // master does not round to p's bits was written from outside and takes p's
-// value. Rounded through the other 16-bit type first also counts as
-// agreeing: that is what a parameter converted between the two (Module::To)
-// holds, and a checkpoint of the state does not say which type it had.
+// value. With `via_other`, rounded through the other 16-bit type first also
+// counts as agreeing: that is what a parameter converted between the two
+// (Module::To) holds, and a checkpoint of the state does not say which type
+// it had. Not otherwise: a write that happens to land on that rounding (an
+// average within half a bf16 step of an f16 master) is a write, and a
+// replica that kept its master would drift from the others.
 template <typename P, typename Other>
-void MergeElements(const Tensor& p, const Tensor& m) {
+void MergeElements(const Tensor& p, const Tensor& m, bool via_other) {
   const P* pp = static_cast<const P*>(p.data_ptr());
   float* mp = m.data<float>();
   for (int64_t k = 0; k < p.numel(); ++k) {
-    if (P(mp[k]).bits == pp[k].bits || P(static_cast<float>(Other(mp[k]))).bits == pp[k].bits) continue;
+    if (P(mp[k]).bits == pp[k].bits) continue;
+    if (via_other && P(static_cast<float>(Other(mp[k]))).bits == pp[k].bits) continue;
     mp[k] = static_cast<float>(pp[k]);
   }
 }
@@ -187,14 +191,14 @@ void MergeElements(const Tensor& p, const Tensor& m) {
 // its f32 master (contiguous, p's shape and device) into the master, in
 // place. Only after such a write: on a device, p and the master make a trip
 // through host memory, which waits for the device.
-void MergeOutsideWrites(const Tensor& p, const Tensor& master) {
+void MergeOutsideWrites(const Tensor& p, const Tensor& master, bool via_other) {
   const bool host = p.device().is_cpu();
   const Tensor pc = host ? p : p.Detach().To(kCPU);
   const Tensor mc = host ? master : master.To(kCPU);
   if (p.dtype() == DType::kFloat16) {
-    MergeElements<Half, BFloat16>(pc, mc);
+    MergeElements<Half, BFloat16>(pc, mc, via_other);
   } else {
-    MergeElements<BFloat16, Half>(pc, mc);
+    MergeElements<BFloat16, Half>(pc, mc, via_other);
   }
   if (!host) {
     NoGradGuard guard;
@@ -211,6 +215,11 @@ bool Optimizer::MasterSynced(const State& s, const Tensor& p) {
 void Optimizer::MarkSynced(State& s, const Tensor& p) {
   s.synced_storage = p.storage();
   s.synced_version = p.storage()->version();
+  s.synced_dtype = p.dtype();
+}
+
+bool Optimizer::MayHaveChangedType(const State& s, const Tensor& p) {
+  return !SameStorage(s.synced_storage, p.storage()) || s.synced_dtype != p.dtype();
 }
 
 void Optimizer::NoteOwnWrite(size_t i, uint64_t before) {
@@ -255,7 +264,7 @@ Optimizer::State Optimizer::CurrentState(size_t i) const {
     // Written from outside since the master last agreed with it: merged
     // into a copy (the stored master changes only when a step takes this).
     s.master = s.master.device() == p.device() ? s.master.Clone() : s.master.To(p.device());
-    MergeOutsideWrites(p, s.master);
+    MergeOutsideWrites(p, s.master, MayHaveChangedType(s, p));
     MarkSynced(s, p);
   } else if (s.master.device() != p.device()) {
     s.master = s.master.To(p.device());
@@ -277,7 +286,7 @@ bool Optimizer::InitState(size_t i) {
   if (!current) {
     s = CurrentState(i);
   } else if (s.master.defined() && !MasterSynced(s, p)) {
-    MergeOutsideWrites(p, s.master);
+    MergeOutsideWrites(p, s.master, MayHaveChangedType(s, p));
     MarkSynced(s, p);
   }
   if (s.slots.size() == slot_names_.size()) return false;

@@ -216,6 +216,10 @@ class Optimizer {
     // LoadStateDict: the first step merges.
     std::weak_ptr<Storage> synced_storage;
     uint64_t synced_version = 0;
+    // The parameter's dtype then: a merge into a master synced with the
+    // same memory and dtype takes every element that differs from the
+    // master's rounding (see MergeElements).
+    DType synced_dtype = DType::kFloat32;
   };
 
   struct LoadPlan;
@@ -232,6 +236,9 @@ class Optimizer {
   /// True when nothing but this optimizer wrote p since s's master last agreed with it.
   static bool MasterSynced(const State& s, const Tensor& p);
   static void MarkSynced(State& s, const Tensor& p);
+  // Whether p may have been converted between 16-bit types since the master
+  // last agreed with it (other memory, or another dtype).
+  static bool MayHaveChangedType(const State& s, const Tensor& p);
   /// After this optimizer wrote parameter i (its memory's version went from
   /// `before` to now): every master that agreed with that memory at `before`
   /// still does, parameter i's and those of other views of the same memory.

@@ -390,6 +390,31 @@ TEST(Optimizer, OutsideWriteToA16BitParameterIsWhatTheNextStepUpdates) {
   EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{1.0234375f, 1.0234375f, 3.015625f, 1.0234375f}));
 }
 
+// An outside write that lands where the master would round through the
+// other 16-bit type (an average of 1.0 over an f16 master of 1 + 3 * 2^-10,
+// which bf16 rounds to 1.0) is a write: it used to count as "agreeing", the
+// master kept 1.0029296875, and the next step wrote that back, so a replica
+// averaged to 1.0 drifted from the others. A parameter converted between
+// the two types in place still keeps its master's precision.
+TEST(Optimizer, AnOutsideWriteNearTheOtherTypesRoundingIsStillTaken) {
+  Tensor w = Full({2}, 1.0029296875, {.dtype = DType::kFloat16});
+  Sgd opt({{"w", w}}, {.lr = 0.1});
+  w.set_grad(Zeros({2}, {.dtype = DType::kFloat16}));
+  opt.Step();  // master 1.0029296875
+  {
+    NoGradGuard guard;
+    w.CopyFrom(Ones({2}, {.dtype = DType::kFloat16}));  // as AverageParameters writes
+  }
+  w.set_grad(Zeros({2}, {.dtype = DType::kFloat16}));
+  opt.Step();
+  EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{1.0f, 1.0f}));
+  for (const auto& [k, st] : opt.StateDict()) {
+    if (k == "state.w.master") {
+      EXPECT_EQ(st.ToVector<float>(), (std::vector<float>{1.0f, 1.0f}));
+    }
+  }
+}
+
 // The trainer's resume order: the optimizer's state first, then the model's
 // values written into the parameters. The loaded master keeps its precision
 // where the parameters hold its rounding, so the run continues exactly.
