@@ -43,7 +43,12 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
     throw std::invalid_argument("DataLoader: timeout " + std::to_string(o.timeout.count()) +
                                 " ms must be positive");
   }
+  if (o.shutdown_grace.count() <= 0) {
+    throw std::invalid_argument("DataLoader: shutdown_grace " + std::to_string(o.shutdown_grace.count()) +
+                                " ms must be positive");
+  }
   o.timeout = std::min(o.timeout, kLongestTimeout);
+  o.shutdown_grace = std::min(o.shutdown_grace, o.timeout);
   if (o.drop_last && o.batch_size > sampler_->Size()) {
     // Every batch would be dropped: an epoch with no step at all.
     throw std::invalid_argument(
@@ -94,8 +99,9 @@ void DataLoader::StopWorkers() {
     s_->work_cv.notify_all();
     // A worker that made Next() time out has had its chance already; the
     // idle ones return at once.
-    const std::chrono::milliseconds grace =
-        s_->timed_out ? std::min(s_->options.timeout, std::chrono::milliseconds(100)) : s_->options.timeout;
+    const std::chrono::milliseconds grace = s_->timed_out
+                                                ? std::min(s_->options.timeout, std::chrono::milliseconds(100))
+                                                : s_->options.shutdown_grace;
     s_->exit_cv.wait_for(lock, grace, [&] { return s_->running == 0; });
     exited = s_->exited;
   }
@@ -187,15 +193,23 @@ Batch DataLoader::Build(const Shared& s, const Epoch& epoch, int64_t k) {
   std::vector<uint8_t> scratch(s.in_memory ? 0 : in.NumPixels());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t index = (*epoch.indices)[begin + i];
-    const uint8_t* pixels;
-    if (s.in_memory) {
-      pixels = s.in_memory->Pixels(index);
-    } else {
-      s.dataset->Get(index, scratch.data());
-      pixels = scratch.data();
+    try {
+      const uint8_t* pixels;
+      if (s.in_memory) {
+        pixels = s.in_memory->Pixels(index);
+      } else {
+        s.dataset->Get(index, scratch.data());
+        pixels = scratch.data();
+      }
+      s.transform.Apply(pixels, images + i * out.NumPixels(), epoch.number, index);
+      labels[i] = s.dataset->Label(index);
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      // Which sample of which batch: the dataset's own message may not say.
+      throw DatasetError("DataLoader: " + s.dataset->Name() + " sample " + std::to_string(index) + " (batch " +
+                         std::to_string(k) + " of epoch " + std::to_string(epoch.number) + "): " + e.what());
     }
-    s.transform.Apply(pixels, images + i * out.NumPixels(), epoch.number, index);
-    labels[i] = s.dataset->Label(index);
   }
   return b;
 }

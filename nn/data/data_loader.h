@@ -42,10 +42,14 @@ struct DataLoaderOptions {
   bool drop_last = false;        ///< Skip a last, smaller batch.
   int num_workers = 0;           ///< Loader threads; 0 builds batches on the caller's thread.
   int prefetch_factor = 2;       ///< Batches built ahead per worker.
-  /// Longest Next() waits for one batch before it throws, and the longest
-  /// the destructor waits for a worker still building one. Must be
+  /// Longest Next() waits for one batch before it throws. Must be
   /// positive; longer than a year counts as a year.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  /// Longest the destructor waits for a worker still building a batch
+  /// (at most `timeout`). The destructor often runs on the way out with
+  /// another error (a peer lost), which must not wait minutes behind a read
+  /// from a hung mount. Must be positive.
+  std::chrono::milliseconds shutdown_grace{std::chrono::seconds(30)};
 };
 
 /// Iterates a dataset in batches, epoch by epoch:
@@ -61,12 +65,12 @@ class DataLoader {
   /// `sampler` (SequentialSampler when null) must index `dataset`; the
   /// transform is built for the dataset's image shape. Throws
   /// std::invalid_argument for a batch size < 1, negative workers, a
-  /// timeout that is not positive, or, with drop_last, a batch larger than
+  /// timeout or shutdown grace that is not positive, or, with drop_last, a batch larger than
   /// the sampler's epoch (no batch at all).
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
   /// Stops and joins the workers. A batch being built is finished first,
-  /// for at most options.timeout (100 ms once Next() timed out on it):
+  /// for at most options.shutdown_grace (100 ms once Next() timed out on it):
   /// a worker still inside the dataset then (a read from a hung network
   /// mount) is left running detached, with a warning, so that the error
   /// that brought the caller here gets out instead of a hang.

@@ -211,6 +211,8 @@ TEST(DataLoader, ErrorInAWorkerReachesTheCaller) {
       FAIL() << "no error";
     } catch (const DatasetError& e) {
       EXPECT_THAT(e.what(), HasSubstr("cannot decode sample 37"));
+      // Where the loader met it, whatever the dataset's message says.
+      EXPECT_THAT(e.what(), HasSubstr("faulty sample 37 (batch 3 of epoch 0)"));
     }
     EXPECT_TRUE(loader.Next().has_value());  // batch 4 is fine
   }
@@ -259,6 +261,29 @@ TEST(DataLoader, DestructionWaitsForABatchBeingBuilt) {
     ASSERT_TRUE(slow->stalling()) << "the worker never reached sample 0";
   }
   EXPECT_EQ(slow.use_count(), 1) << "a worker still holds the dataset: it was not joined";
+}
+
+// A worker inside a batch that never ends while the loader is destroyed
+// for another reason (Next() did not time out): the destructor waits for
+// it only options.shutdown_grace, not the batch timeout (10 minutes by
+// default), and leaves it running detached.
+TEST(DataLoader, DestructionWaitsForABatchBeingBuiltOnlyTheShutdownGrace) {
+  auto stuck = std::make_shared<FaultyDataset>(0, std::chrono::milliseconds(30000));
+  const auto start = std::chrono::steady_clock::now();
+  {
+    DataLoader loader(stuck, nullptr, {},
+                      {.batch_size = 10, .num_workers = 1, .shutdown_grace = std::chrono::milliseconds(300)});
+    loader.StartEpoch(0);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!stuck->stalling() && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(stuck->stalling()) << "the worker never reached sample 0";
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 10.0) << "the destructor waited for the stuck worker";
+  EXPECT_THROW(DataLoader(stuck, nullptr, {}, {.shutdown_grace = std::chrono::milliseconds(0)}),
+               std::invalid_argument);
 }
 
 TEST(DataLoader, TimeoutMustBePositiveAndMaxMeansVeryLong) {
