@@ -4,6 +4,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <thread>
 #include <vector>
 
 #include <immintrin.h>
@@ -117,14 +119,7 @@ uint64_t Touching(uint64_t call, int peer) { return (call << 16) | static_cast<u
 // True when process `pid` exits within `within`. A process being killed
 // tears down its memory before it is reported as exited, and cross-memory
 // attach in that window fails with EFAULT, as if the buffer were freed.
-bool ExitsWithin(int pid, std::chrono::milliseconds within) {
-  const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-  if (fd < 0) return errno == ESRCH;
-  pollfd p{fd, POLLIN, 0};
-  const bool exited = poll(&p, 1, static_cast<int>(within.count())) > 0;
-  close(fd);
-  return exited;
-}
+bool ExitsWithin(int pid, std::chrono::milliseconds within) { return internal::ProcessExitsWithin(pid, within); }
 
 void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t& end) {
   const SliceRange range = SliceOf(count, elem, size, rank);
@@ -133,6 +128,47 @@ void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t&
 }
 
 }  // namespace
+
+namespace internal {
+
+namespace {
+
+// Without a pidfd: whether `pid` is gone, a zombie (exited, not yet reaped
+// by its parent, which for a peer is the launcher) or past releasing its
+// memory on the way out. Needs no descriptor (the caller may have none
+// left): a process without memory has no /proc/PID/exe to read.
+bool ExitedNow(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/exe", pid);
+  char target[16];
+  return readlink(path, target, sizeof(target)) < 0 && errno == ENOENT;
+}
+
+}  // namespace
+
+bool ProcessExitsWithin(int pid, std::chrono::milliseconds within) {
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd >= 0) {
+    pollfd p{fd, POLLIN, 0};
+    const bool exited = poll(&p, 1, static_cast<int>(within.count())) > 0;
+    close(fd);
+    return exited;
+  }
+  if (errno == ESRCH) return true;
+  // No pidfd to be had (ENOSYS before Linux 5.3, EMFILE with every
+  // descriptor in use): look at the process itself, every millisecond.
+  // Taking it for alive would report a peer killed mid-copy as a bad
+  // buffer, and make Abandon spin until its grace ran out.
+  const auto until = std::chrono::steady_clock::now() + within;
+  while (true) {
+    if (ExitedNow(pid)) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace internal
 
 SliceRange SliceOf(size_t count, size_t elem, int size, int rank) {
   const size_t per_line = std::max<size_t>(1, 64 / std::max<size_t>(1, elem));

@@ -101,6 +101,13 @@ struct SliceRange {
 };
 SliceRange SliceOf(size_t count, size_t elem, int size, int rank);
 
+namespace internal {
+/// True when process `pid` (not necessarily a child) exits within `within`:
+/// through a pidfd, or, where none can be had (old kernels, no descriptor
+/// left), by looking at the process every millisecond.
+bool ProcessExitsWithin(int pid, std::chrono::milliseconds within);
+}  // namespace internal
+
 /// staging_bytes, rooted_staging_bytes and chunk_bytes are rank 0's on
 /// every rank: ShmAllReduce::Create adopts them from rank 0, since every
 /// rank must take the same path (staged or direct) for a call and lay out

@@ -3,6 +3,7 @@
 #include "transport/shm/shareable.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -66,6 +68,53 @@ void RunRanks(int n, const std::function<void(int)>& body) {
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
   for (auto& t : threads) t.join();
+}
+
+// Whether a peer has exited, also when no pidfd can be had (here: every
+// descriptor in use, EMFILE): a killed, not yet reaped process is seen as
+// exited (it was taken for alive, so a peer killed mid-copy was reported
+// as a bad buffer), and a live one is not.
+TEST(ProcessExitsWithin, SeesAnExitWithoutAPidfd) {
+  const pid_t dead = fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) {
+    pause();
+    _exit(0);
+  }
+  const pid_t alive = fork();
+  ASSERT_GE(alive, 0);
+  if (alive == 0) {
+    pause();
+    _exit(0);
+  }
+  ASSERT_EQ(kill(dead, SIGKILL), 0);
+  // A zombie now (not reaped): give the kernel a moment to finish its exit.
+  EXPECT_TRUE(internal::ProcessExitsWithin(dead, std::chrono::milliseconds(2000)));
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> fds;
+  while (true) {
+    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) break;
+    fds.push_back(fd);
+  }
+  const int exhausted = errno;
+  const bool dead_seen = internal::ProcessExitsWithin(dead, std::chrono::milliseconds(200));
+  const auto start = std::chrono::steady_clock::now();
+  const bool alive_seen = internal::ProcessExitsWithin(alive, std::chrono::milliseconds(50));
+  const auto took = std::chrono::steady_clock::now() - start;
+  for (int fd : fds) close(fd);
+  setrlimit(RLIMIT_NOFILE, &before);
+  kill(alive, SIGKILL);
+  waitpid(alive, nullptr, 0);
+  waitpid(dead, nullptr, 0);
+  ASSERT_EQ(exhausted, EMFILE);
+  EXPECT_TRUE(dead_seen) << "a killed peer was taken for alive without a pidfd";
+  EXPECT_FALSE(alive_seen);
+  EXPECT_GE(took, std::chrono::milliseconds(40)) << "the wait for a live peer did not last";
 }
 
 TEST(ShmAllReduce, SweepOfSizesDtypesOpsAndPlacement) {
