@@ -1303,9 +1303,15 @@ const Status& StatusOf(const StatusOr<T>& result) { return result.status(); }
 // Other launchers: takes a seat in round `round` or, when left out, in a
 // later one. `previous` is this launcher's node rank of round - 1 (-1:
 // none). Waits for each round it tries up to RoundFormingTime from when
-// node 0 opens it (as long as the job runs, for a spare).
+// node 0 opens it (as long as the job runs, for a spare). Both are the
+// caller's and kept up to date, also when it returns an error: once left
+// out of a round (node 0 closed it without this launcher, say after
+// declaring it dead, or when it missed the confirmation beat), `round` is
+// the next one, in which it waits as a spare, and `previous` is -1. Such a
+// launcher is no longer a member of the running job: interrupted, it must
+// leave without stopping it.
 StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions& o, int max_nodes,
-                               int round, int previous, const std::string& name) {
+                               int& round, int& previous, const std::string& name) {
   Deadline deadline{};  // of the round tried, set below
   auto too_late = [&](const std::string& store_said) {
     return TimedOutError("node 0 did not form the job's " +
@@ -1378,7 +1384,8 @@ StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions
     for (int node = 1; node < nnodes; ++node) {
       if (fields[node] == slot) return JoinResult{Seat{round, node, nnodes, static_cast<int>(fields[0])}};
     }
-    // Left out: wait for the next round.
+    // Left out: no longer a member of the job; wait for the next round.
+    previous = -1;
     if (nnodes < max_nodes) {
       DDP_RETURN_IF_ERROR(
           answered([&](Deadline d) { return store.Add(Key(round, "waiting"), 1, d).status(); }));
@@ -1391,7 +1398,6 @@ StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions
           "); this launcher waits as a spare for a restart");
     }
     ++round;
-    previous = -1;
   }
 }
 
@@ -1661,13 +1667,15 @@ int RunDdprun(const DdprunOptions& options) {
           }
           attempt = static_cast<int>(*round);
         }
+        // Moves `attempt` on and resets `previous_rank` to -1 when left out.
         StatusOr<JoinResult> joined = JoinRound(*client, o, max_nodes, attempt, previous_rank, node_name());
         if (!joined.ok()) {
           if (joined.status().code() != StatusCode::kAborted) {
             Say(node_name() + ": " + joined.status().message() + serve_note);
             return 1;
           }
-          // A launcher of the last round ends the job; a spare just leaves.
+          // A launcher of the last round ends the job; a spare (also one
+          // left out of the round that runs now) just leaves.
           if (InterruptSignal() != 0) return leave_interrupted(attempt, previous_rank > 0, node_name());
           Say(joined.status().message());  // a stop, which names its node
           return 1;

@@ -1004,6 +1004,52 @@ TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
   EXPECT_TRUE(testing::GoneWithin(worker, 5s));
 }
 
+// Node 1's launcher is stopped (SIGSTOP) while the job runs; node 0
+// declares it dead and restarts the job with the spare as node 1. The old
+// launcher, continued, joins restart 1, finds itself left out and waits as
+// a spare for restart 2; then it is interrupted (SIGTERM). It is no longer
+// a member of the job and leaves alone: it used to count itself one still
+// (its node rank of the first round) and stopped the running restart 1,
+// whose nodes then exited 1.
+TEST(DdprunMultinodeTest, C10dInterruptedLauncherLeftOutOfTheRestartLeavesTheJobRunning) {
+  const std::string dir = testing::MakeTempDir("c10d_left_out_interrupted");
+  C10dJob job;
+  const std::vector<std::string>& flags = kRestartableTwoNodes;
+  // Long enough for the steps below, at every restart.
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=8000",
+                                                 "--pid_dir=" + dir};
+  const int first = job.StartNodeZero(flags, worker_flags);
+  const int second = job.Start(flags, worker_flags);
+  ASSERT_GT(testing::ReadPidFile(dir + "/rank1.restart0.pid", 20s), 0);  // the job runs
+  const int spare = job.Start(flags, worker_flags);
+  ASSERT_TRUE(job.Reached("ddprun/a1/join/1"));  // left out of the first round
+  ASSERT_EQ(kill(job.launcher_pid(second), SIGSTOP), 0);
+  // Restart 1 runs with the spare as node 1.
+  const pid_t restarted = testing::ReadPidFile(dir + "/rank1.restart1.pid", 30s);
+  ASSERT_EQ(kill(job.launcher_pid(second), SIGCONT), 0);
+  ASSERT_GT(restarted, 0);
+  // The old node 1 found itself left out of restart 1 and waits in restart 2.
+  ASSERT_TRUE(job.Reached("ddprun/a2/join/1"));
+  ASSERT_EQ(kill(job.launcher_pid(second), SIGTERM), 0);
+  const testing::ProgramRun left = job.Wait(second, 30s);
+  const testing::ProgramRun first_run = job.Wait(first, 60s);
+  const testing::ProgramRun spare_run = job.Wait(spare, 60s);
+  const std::string all = first_run.output + left.output + spare_run.output;
+  EXPECT_EQ(left.exit_code, 128 + SIGTERM) << all;
+  EXPECT_THAT(left.output, HasSubstr("ddprun: node 1: the job already runs on 2 nodes (--nnodes=2); this "
+                                     "launcher waits as a spare for a restart"))
+      << all;
+  EXPECT_THAT(left.output, HasSubstr("interrupted by SIGTERM while waiting for the nodes of restart 2\n"))
+      << all;
+  EXPECT_THAT(all, Not(HasSubstr("the job stops"))) << all;
+  EXPECT_EQ(first_run.exit_code, 0) << all;
+  EXPECT_EQ(spare_run.exit_code, 0) << all;
+  EXPECT_THAT(first_run.output, HasSubstr("node 1's launcher sent no heartbeat for"));
+  EXPECT_THAT(spare_run.output, HasSubstr("ddprun: restart 1: joined as node 1 of 2"));
+  EXPECT_THAT(spare_run.output, HasSubstr("rank 1 done"));
+  EXPECT_THAT(first_run.output, HasSubstr("rank 0 done"));
+}
+
 TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
   // 3 s: node 0 must still wait when the other launcher arrives.
   const auto runs = RunC10dJob(2, 2, {"--nproc_per_node=1", "--rdzv_timeout=3"}, {},
