@@ -1591,6 +1591,26 @@ int RunDdprun(const DdprunOptions& options) {
     }
     if (!keys.empty()) (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
   };
+  // This launcher leaves the job after `attempt`, with exit status `code`:
+  // node 0 of a c10d job tells the launchers waiting for the next round
+  // (publish_final); every launcher says it has its answer ("exit/<node>"),
+  // and node 0 keeps the store up until the other nodes of `attempt` (those
+  // not declared dead) have said so too, at most kFarewellTime.
+  auto farewell = [&](int attempt, int code) {
+    CatchInterrupts(false);  // the farewell is bounded; Ctrl-C ends it at once
+    if (!client) return;
+    publish_final(attempt + 1, code);
+    const milliseconds call_time = std::min<milliseconds>(o.store_call_time, o.node_timeout);
+    (void)client->Set(Key(attempt, "exit/" + std::to_string(o.node_rank)), "1", DeadlineIn(call_time));
+    if (o.node_rank != 0) return;
+    // Nodes declared dead will not answer.
+    std::vector<std::string> keys;
+    for (int n = 0; n < o.nnodes; ++n) {
+      auto dead = client->TryGet(Key(attempt, "dead/" + std::to_string(n)), DeadlineIn(call_time));
+      if (dead.ok() && !dead->has_value()) keys.push_back(Key(attempt, "exit/" + std::to_string(n)));
+    }
+    (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
+  };
   int exit_code = 1;
   int failures = 0;  // failure restarts so far (membership restarts are not counted)
   int previous_rank = -1;  // this launcher's node rank in the last round it ran
@@ -1819,14 +1839,20 @@ int RunDdprun(const DdprunOptions& options) {
     }
     // A signal caught since the last look (CatchInterrupts) would not reach
     // the group, which forwards only those that come once it exists.
+    // The round is formed: leaving here, node 0 still tells the launchers
+    // waiting for the next round how the job ended, as after the workers.
     if (multi_node && InterruptSignal() != 0) {
-      return leave_interrupted(attempt, /*member=*/true, "node " + std::to_string(o.node_rank));
+      const int code = leave_interrupted(attempt, /*member=*/true, "node " + std::to_string(o.node_rank));
+      farewell(attempt, code);
+      return code;
     }
     StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), spawn);
     if (!group.ok()) {
       Say(group.status().message());
       post_stop(attempt, "node " + std::to_string(o.node_rank) + ": " + group.status().message());
-      return started ? 1 : 2;
+      const int code = started ? 1 : 2;
+      if (multi_node) farewell(attempt, code);
+      return code;
     }
 
     const bool admit_waiting = o.assign_node_rank && o.min_nodes > 0 && o.nnodes < max_nodes;
@@ -1999,23 +2025,8 @@ int RunDdprun(const DdprunOptions& options) {
       }
       continue;
     }
-    CatchInterrupts(false);  // the farewell below is bounded; Ctrl-C ends it at once
-    if (store_reachable) publish_final(attempt + 1, exit_code);
-    if (store_reachable) {
-      // Node 0 keeps the store up until every launcher has its answer.
-      (void)client->Set(Key(attempt, "exit/" + std::to_string(o.node_rank)), "1",
-                        DeadlineIn(call_time));
-      if (o.node_rank == 0) {
-        // Nodes declared dead will not answer.
-        std::vector<std::string> keys;
-        for (int n = 0; n < o.nnodes; ++n) {
-          auto dead = client->TryGet(Key(attempt, "dead/" + std::to_string(n)),
-                                     DeadlineIn(call_time));
-          if (dead.ok() && !dead->has_value()) keys.push_back(Key(attempt, "exit/" + std::to_string(n)));
-        }
-        (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
-      }
-    }
+    CatchInterrupts(false);
+    if (store_reachable) farewell(attempt, exit_code);
     break;
   }
   if (server) server->Stop();

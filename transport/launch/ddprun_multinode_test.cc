@@ -1050,6 +1050,58 @@ TEST(DdprunMultinodeTest, C10dInterruptedLauncherLeftOutOfTheRestartLeavesTheJob
   EXPECT_THAT(first_run.output, HasSubstr("rank 0 done"));
 }
 
+// Node 0 is interrupted after it formed the first round but before its
+// workers start: here while it waits for the beat that confirms node 1's
+// place (node 1 and a spare are played by the test, through the store). It
+// used to leave at once and take the store with it: the spare, waiting for
+// the next round, got no answer (and exited 1). It now tells the spare that
+// the job ended (exit status 130), and waits for node 1 to say goodbye, as
+// when it is interrupted while its workers run.
+TEST(DdprunMultinodeTest, C10dNodeZeroInterruptedBeforeItsWorkersStartTellsTheSpares) {
+  C10dJob job;
+  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--node_timeout=4",
+                                          "--rdzv_timeout=20"};
+  const int first = job.StartNodeZero(flags, {"--sleep_ms=30000"});
+  ASSERT_TRUE(job.Reached("ddprun/round"));  // node 0 forms the first round
+  // Past node 0's first look, after which a slot counts as soon as it is seen.
+  std::this_thread::sleep_for(300ms);
+  store::TcpStoreClient& store = *job.store();
+  // A spare waits in the next round.
+  StatusOr<int64_t> slot = store.Add("ddprun/a1/joined", 1, DeadlineIn(5s));
+  ASSERT_TRUE(slot.ok() && *slot == 1) << slot.status();
+  ASSERT_TRUE(store.Set("ddprun/a1/join/1", "-1", DeadlineIn(5s)).ok());
+  // Node 1 takes slot 1 and beats, then counts (its entry written): the
+  // round closes.
+  slot = store.Add("ddprun/a0/joined", 1, DeadlineIn(5s));
+  ASSERT_TRUE(slot.ok() && *slot == 1) << slot.status();
+  ASSERT_TRUE(store.Add("ddprun/a0/alive/1", 1, DeadlineIn(5s)).ok());
+  ASSERT_TRUE(store.Set("ddprun/a0/join/1", "-1", DeadlineIn(5s)).ok());
+  // Node 0 now waits up to 2.5 s (two monitor slices and a half second)
+  // for node 1's confirming beat; it is interrupted meanwhile, and the beat
+  // comes after the signal.
+  std::this_thread::sleep_for(1s);
+  ASSERT_EQ(kill(job.launcher_pid(first), SIGINT), 0);
+  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(store.Add("ddprun/a0/alive/1", 1, DeadlineIn(5s)).ok());
+  StatusOr<std::string> members = store.Get("ddprun/a0/members", DeadlineIn(10s));
+  ASSERT_TRUE(members.ok()) << members.status();
+  ASSERT_EQ(*members, "0 1") << "the signal came before the round closed; too slow a machine";
+  // The spare learns how the job ended.
+  StatusOr<std::string> next = store.Get("ddprun/a1/members", DeadlineIn(10s));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, "end 130");
+  EXPECT_TRUE(store.Set("ddprun/a1/left/1", "1", DeadlineIn(5s)).ok());
+  // Node 1 (it would have seen the stop) says goodbye.
+  StatusOr<std::string> stop = store.Get("ddprun/a0/stop", DeadlineIn(5s));
+  EXPECT_TRUE(stop.ok()) << stop.status();
+  EXPECT_TRUE(store.Set("ddprun/a0/exit/1", "1", DeadlineIn(5s)).ok());
+  const testing::ProgramRun run = job.Wait(first, 30s);
+  EXPECT_EQ(run.exit_code, 128 + SIGINT) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("ddprun: node 0: interrupted by SIGINT while waiting for the other nodes; "
+                                    "the job stops\n"));
+  EXPECT_THAT(run.output, Not(HasSubstr("rank 0"))) << "its workers started";
+}
+
 TEST(DdprunMultinodeTest, C10dRefusesADifferentRdzvId) {
   // 3 s: node 0 must still wait when the other launcher arrives.
   const auto runs = RunC10dJob(2, 2, {"--nproc_per_node=1", "--rdzv_timeout=3"}, {},
