@@ -86,7 +86,8 @@ DDP_RUN_ID (one per run of ddprun) and DDP_STORE_HOST=launcher set for each; MAS
 on node 0) with TORCHELASTIC_USE_AGENT_STORE=False for a PyTorch program's own
 env:// rendezvous; and torchrun's GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK,
 ROLE_WORLD_SIZE and TORCHELASTIC_RESTART_COUNT, _MAX_RESTARTS and _RUN_ID;
-with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1
+with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1,
+and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 (as torchrun). Node 0's launcher serves the rendezvous store.
 
   --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
@@ -1539,6 +1540,10 @@ int RunDdprun(const DdprunOptions& options) {
   // As torchrun: several workers on a node get one OpenMP thread each
   // unless the launcher's environment says otherwise.
   const bool omp_default = o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+  // As torchrun: NCCL's watchdog tears a process down on a collective that
+  // failed or timed out, unless the launcher's environment says otherwise
+  // (which the workers inherit).
+  const bool nccl_async_default = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr;
   const int max_nodes = o.nnodes;
   // Node 0 ends a c10d job instead of forming round `round`: the launchers
   // waiting for it learn the exit status; those seen so far are given up to
@@ -1817,6 +1822,7 @@ int RunDdprun(const DdprunOptions& options) {
       spec.env.emplace_back("TORCHELASTIC_RUN_ID", o.rdzv_id.empty() ? "none" : o.rdzv_id);
       spec.env.emplace_back(kEnvRunId, run_id);
       if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");
+      if (nccl_async_default) spec.env.emplace_back("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
       specs.push_back(std::move(spec));
     }
     SpawnOptions spawn;

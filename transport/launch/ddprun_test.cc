@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -105,6 +106,22 @@ TEST(DdprunTest, MasterPortIsLeftToPyTorchsOwnRendezvous) {
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("[0] ports 127.0.0.1 False 127.0.0.1 1\n"));
   EXPECT_THAT(run.output, HasSubstr("[1] ports 127.0.0.1 False 127.0.0.1 1\n"));
+}
+
+// As torchrun: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless the launcher's
+// environment sets it, which then reaches the workers as it is.
+TEST(DdprunTest, WorkersGetTorchNcclAsyncErrorHandlingAsUnderTorchrun) {
+  const std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+                                         "echo nccl=${TORCH_NCCL_ASYNC_ERROR_HANDLING-unset}"};
+  unsetenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");  // the test's own environment, which the launcher gets
+  auto run = RunProgram(argv);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] nccl=1\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] nccl=1\n"));
+  run = RunProgram(argv, {{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] nccl=3\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] nccl=3\n"));
 }
 
 // Programs written for torchrun find its other variables too, and several
