@@ -625,6 +625,7 @@ class WorkerGroup::Impl {
         break;
       }
 
+      bool stop_requested = false;  // RequestStop was called (the stop event is readable)
       for (size_t k = 0; n > 0 && k < fds.size(); ++k) {
         if (fds[k].revents == 0) continue;
         const auto [owner, stream] = owners[k];
@@ -666,15 +667,48 @@ class WorkerGroup::Impl {
           uint64_t value;
           ssize_t got = read(stop_event_.get(), &value, sizeof(value));
           (void)got;
-          if (phase == Phase::kRunning) {
-            result.outcome = GroupOutcome::kStopped;
-            std::lock_guard<std::mutex> lock(mu_);
-            result.reason = stop_reason_;
-            stop_workers(SIGTERM);
-          }
+          stop_requested = true;  // acted on once the exits are in, below
         } else if (stream >= 0) {
           ReadStream(workers_[owner], stream);
         }
+      }
+
+      // Reap whoever exited (pidfd readable, or anyone in fallback mode),
+      // before a stop request seen in the same round: a worker that had
+      // already failed by then is this group's failure, with its exit
+      // status, not a worker stopped on request. (A signal to the launcher
+      // is acted on first, above: it stops the job whatever the workers
+      // did, and must be passed on, on_interrupt first, at once.)
+      //
+      // Workers found dead in one pass died in an order that nothing here
+      // tells: neither waitid nor a pidfd gives the time of a death (error
+      // files do, when written: see ReadErrorFiles, which names the
+      // earliest). The first failure is then one killed by a signal (a
+      // crash, the OOM killer: most likely the cause), over one that
+      // exited with a code (often a peer that noticed the crash and gave
+      // up), and among those alike, the first in the group's order.
+      Worker* failed = nullptr;
+      for (Worker& w : workers_) {
+        if (!w.running || !Observe(w)) continue;
+        if (w.exit.ok() || phase != Phase::kRunning || result.first_failure) continue;
+        if (failed == nullptr || (w.exit.signaled && !failed->exit.signaled)) failed = &w;
+      }
+      if (failed != nullptr) {
+        result.first_failure = failed->exit;
+        result.outcome = GroupOutcome::kWorkerFailed;
+        result.reason = failed->exit.Describe();
+        if (options_.stop_all_on_failure && RunningCount() > 0) {
+          result.reason += "; stopping the other workers";
+          stop_workers(SIGTERM);
+        }
+      }
+      if (stop_requested && phase == Phase::kRunning) {
+        result.outcome = GroupOutcome::kStopped;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          result.reason = stop_reason_;
+        }
+        stop_workers(SIGTERM);
       }
 
       if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded) {
@@ -684,19 +718,6 @@ class WorkerGroup::Impl {
           stop_workers(SIGTERM);
         } else {
           TellStops();
-        }
-      }
-      // Reap whoever exited (pidfd readable, or anyone in fallback mode).
-      for (Worker& w : workers_) {
-        if (!w.running || !Observe(w)) continue;
-        if (!w.exit.ok() && phase == Phase::kRunning && !result.first_failure) {
-          result.first_failure = w.exit;
-          result.outcome = GroupOutcome::kWorkerFailed;
-          result.reason = w.exit.Describe();
-          if (options_.stop_all_on_failure && RunningCount() > 0) {
-            result.reason += "; stopping the other workers";
-            stop_workers(SIGTERM);
-          }
         }
       }
 

@@ -141,7 +141,11 @@ enum class GroupOutcome : int {
 struct GroupResult {
   GroupOutcome outcome = GroupOutcome::kSucceeded;
   std::vector<WorkerExit> workers;           ///< In the order of the specs.
-  std::optional<WorkerExit> first_failure;   ///< The first worker seen failing.
+  /// The first worker seen failing while the group ran (before a stop was
+  /// requested, the launcher was interrupted or the deadline passed). Of
+  /// several found dead at one look, one killed by a signal, else the first
+  /// in the order of the specs: their order of death is not known.
+  std::optional<WorkerExit> first_failure;
   int signal = 0;                            ///< The signal, for kInterrupted.
   std::string reason;                        ///< One line; empty on success.
   std::vector<std::string> output;           ///< Captured output per worker.
@@ -189,7 +193,10 @@ class WorkerGroup {
   /// returning. Call once.
   GroupResult Wait(Deadline deadline);
 
-  /// Makes Wait stop the workers and return kStopped with `reason`.
+  /// Makes Wait stop the workers and return kStopped with `reason`. A
+  /// worker that had failed by the time Wait sees the request still counts
+  /// (first_failure); with SpawnOptions::stop_all_on_failure Wait then
+  /// stops the others for that failure and returns kWorkerFailed.
   /// Thread-safe and callable before or during Wait.
   void RequestStop(std::string reason);
 

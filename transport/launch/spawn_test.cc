@@ -109,6 +109,16 @@ DDP_TEST_WORKER(fail_rank1) {
   return 0;
 }
 
+// Rank 1 is killed by SIGKILL at once; rank 0 exits with code 1 once
+// $PID_DIR/go is there.
+DDP_TEST_WORKER(killed_then_exits) {
+  const int rank = EnvInt("RANK", -1);
+  if (rank == 1) raise(SIGKILL);
+  const std::string go = std::string(std::getenv("PID_DIR")) + "/go";
+  for (int i = 0; i < 2000 && access(go.c_str(), F_OK) != 0; ++i) std::this_thread::sleep_for(10ms);
+  return 1;
+}
+
 // Rank R prints its error file's path, waits $DELAY<R> ms, writes $MSG<R>
 // there (stamped $AT<R> unix seconds when given; "{" when $GARBAGE<R>) and
 // exits 5; a rank without $MSG<R> or $GARBAGE<R> sleeps ($FAIL<R>: exits 4
@@ -633,6 +643,51 @@ TEST(SpawnTest, RequestStopFromAnotherThread) {
   EXPECT_EQ(result.outcome, GroupOutcome::kStopped);
   EXPECT_EQ(result.reason, "node 1 failed");
   for (const WorkerExit& w : result.workers) EXPECT_EQ(w.code, SIGTERM) << w.Describe();
+}
+
+// A stop requested (another node failed) when a worker of this group had
+// already failed: that worker is the group's failure, with its exit code.
+// Wait used to act on the stop first and never record the failure (kStopped,
+// exit status 1).
+TEST(SpawnTest, AFailureThatCameBeforeAStopRequestCounts) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"FAIL_AFTER_MS", "0"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  ASSERT_TRUE(GoneWithin(pids[1], 10s));  // exited with code 3, not yet reaped
+  (*group)->RequestStop("node 1 failed");
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value()) << result.reason;
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") exited with code 3; stopping the other workers");
+  EXPECT_EQ(result.ExitCode(), 3);
+  EXPECT_EQ(result.workers[0].code, SIGTERM) << result.workers[0].Describe();
+  ExpectNoChildrenLeft();
+}
+
+// Two workers found dead at one look: rank 1 was killed by a signal, then
+// rank 0 exited with code 1. The one killed by the signal is the first
+// failure (it used to be the first in rank order: rank 0, exit status 1).
+TEST(SpawnTest, OfWorkersFoundDeadTogetherOneKilledByASignalFailedFirst) {
+  const std::string dir = TempDir("killed_then_exits");
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "killed_then_exits", {{"PID_DIR", dir}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  ASSERT_TRUE(GoneWithin(pids[1], 10s));
+  std::ofstream(dir + "/go").put('\n');
+  ASSERT_TRUE(GoneWithin(pids[0], 10s));
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value()) << result.reason;
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) + ") was killed by signal 9 (SIGKILL)");
+  EXPECT_EQ(result.ExitCode(), 128 + SIGKILL);
+  EXPECT_FALSE(result.workers[0].signaled);
+  EXPECT_EQ(result.workers[0].code, 1);
+  ExpectNoChildrenLeft();
 }
 
 TEST(SpawnTest, SignalsToTheLauncherReachEveryWorker) {
