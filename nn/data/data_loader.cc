@@ -48,7 +48,7 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
                                 " ms must be positive");
   }
   o.timeout = std::min(o.timeout, kLongestTimeout);
-  o.shutdown_grace = std::min(o.shutdown_grace, o.timeout);
+  o.shutdown_grace = std::min(o.shutdown_grace, kLongestTimeout);
   if (o.drop_last && o.batch_size > sampler_->Size()) {
     // Every batch would be dropped: an epoch with no step at all.
     throw std::invalid_argument(
@@ -62,6 +62,8 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
     s_->in_memory = static_cast<const InMemoryImageDataset*>(data);
   }
   s_->exited.assign(static_cast<size_t>(o.num_workers), false);
+  s_->building.assign(static_cast<size_t>(o.num_workers), -1);
+  s_->building_generation.assign(static_cast<size_t>(o.num_workers), 0);
   try {
     for (int i = 0; i < o.num_workers; ++i) {
       {
@@ -97,13 +99,24 @@ void DataLoader::StopWorkers() {
     std::unique_lock<std::mutex> lock(s_->mu);
     s_->stop = true;
     s_->work_cv.notify_all();
-    // A worker that made Next() time out has had its chance already; the
-    // idle ones return at once.
-    const std::chrono::milliseconds grace = s_->timed_out
-                                                ? std::min(s_->options.timeout, std::chrono::milliseconds(100))
-                                                : s_->options.shutdown_grace;
-    s_->exit_cv.wait_for(lock, grace, [&] { return s_->running == 0; });
-    exited = s_->exited;
+    // The idle workers return at once; one building a batch has the
+    // shutdown grace to finish it, except one on the batch that made
+    // Next() time out, which has had its chance already: 100 ms.
+    Shared& s = *s_;
+    auto on_overdue = [&](size_t i) {
+      return s.timed_out && s.building[i] == s.overdue && s.building_generation[i] == s.overdue_generation;
+    };
+    s.exit_cv.wait_for(lock, s.options.shutdown_grace, [&] {
+      for (size_t i = 0; i < s.exited.size(); ++i) {
+        if (!s.exited[i] && !on_overdue(i)) return false;
+      }
+      return true;
+    });
+    if (s.running > 0) {
+      s.exit_cv.wait_for(lock, std::min(s.options.shutdown_grace, std::chrono::milliseconds(100)),
+                         [&] { return s.running == 0; });
+    }
+    exited = s.exited;
   }
   size_t left = 0;
   for (size_t i = 0; i < workers_.size(); ++i) {
@@ -226,6 +239,8 @@ void DataLoader::WorkerLoop(const std::shared_ptr<Shared>& shared, size_t id) {
     if (s.stop) break;
     const int64_t k = s.next_claim++;
     const Epoch epoch = s.epoch;
+    s.building[id] = k;
+    s.building_generation[id] = epoch.generation;
     lock.unlock();
     Result r;
     try {
@@ -234,6 +249,7 @@ void DataLoader::WorkerLoop(const std::shared_ptr<Shared>& shared, size_t id) {
       r.error = std::current_exception();
     }
     lock.lock();
+    s.building[id] = -1;
     if (epoch.generation == s.epoch.generation) {
       s.ready[k] = std::move(r);
       s.ready_cv.notify_all();
@@ -259,6 +275,8 @@ std::optional<Batch> DataLoader::Next() {
   }
   if (!s.ready_cv.wait_for(lock, s.options.timeout, [&] { return s.ready.count(k) > 0; })) {
     s.timed_out = true;
+    s.overdue = k;
+    s.overdue_generation = s.epoch.generation;
     throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " +
                              std::to_string(s.epoch.number) + " not ready after " +
                              std::to_string(s.options.timeout.count()) + " ms (" +

@@ -46,7 +46,7 @@ struct DataLoaderOptions {
   /// positive; longer than a year counts as a year.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   /// Longest the destructor waits for a worker still building a batch
-  /// (at most `timeout`). The destructor often runs on the way out with
+  /// (100 ms for one on a batch that made Next() time out). The destructor often runs on the way out with
   /// another error (a peer lost), which must not wait minutes behind a read
   /// from a hung mount. Must be positive.
   std::chrono::milliseconds shutdown_grace{std::chrono::seconds(30)};
@@ -133,6 +133,13 @@ class DataLoader {
     std::map<int64_t, Result> ready;
     int running = 0;            // workers not yet returned
     std::vector<bool> exited;   // by worker
+    // By worker: the batch it is building (-1: none) and its epoch's
+    // generation; and the batch Next() gave up on. The destructor gives a
+    // worker on the overdue batch 100 ms, the others their full grace.
+    std::vector<int64_t> building;
+    std::vector<int64_t> building_generation;
+    int64_t overdue = -1;
+    int64_t overdue_generation = 0;
   };
 
   static Batch Build(const Shared& s, const Epoch& epoch, int64_t k);

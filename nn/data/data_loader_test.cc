@@ -246,6 +246,43 @@ TEST(DataLoader, DestructionAfterATimeoutLeavesAStuckWorkerBehind) {
   EXPECT_LT(took, 10.0) << "the destructor waited for the stuck worker";
 }
 
+// After Next() timed out on a batch stuck in the dataset, the destructor
+// gives 100 ms only to the worker on that batch: another worker in the
+// middle of a slow but healthy batch is waited for and joined, not left
+// detached and counted as stuck (the warning named both before).
+class StuckAndSlowDataset : public Dataset {
+ public:
+  int64_t Size() const override { return 40; }
+  ImageShape Shape() const override { return {1, 2, 2}; }
+  int64_t NumClasses() const override { return 2; }
+  void Get(int64_t index, uint8_t* pixels) const override {
+    if (index == 5) std::this_thread::sleep_for(std::chrono::seconds(30));  // batch 0: stuck
+    if (index == 15) {  // batch 1: slow, finishes
+      slow_started = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    }
+    for (int i = 0; i < 4; ++i) pixels[i] = static_cast<uint8_t>(index);
+  }
+  int64_t Label(int64_t index) const override { return index % 2; }
+  std::string Name() const override { return "stuck-and-slow"; }
+  mutable std::atomic<bool> slow_started{false};
+};
+
+TEST(DataLoader, DestructionAfterATimeoutWaitsForTheHealthyWorkers) {
+  auto ds = std::make_shared<StuckAndSlowDataset>();
+  ::testing::internal::CaptureStderr();
+  {
+    DataLoader loader(ds, nullptr, {},
+                      {.batch_size = 10, .num_workers = 2, .prefetch_factor = 1,
+                       .timeout = std::chrono::milliseconds(300)});
+    loader.StartEpoch(0);
+    EXPECT_THROW(loader.Next(), std::runtime_error);
+    ASSERT_TRUE(ds->slow_started) << "premise: the second worker is in batch 1";
+  }
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(warned, HasSubstr("1 of its workers are still building a batch")) << warned;
+}
+
 // Without a timeout on Next(), the destructor waits for a batch being built
 // (up to options.timeout) and joins every worker: none is left holding the
 // dataset.
