@@ -293,6 +293,57 @@ TEST(DdpFeaturesTest, JoinWithOneRankHoldingThreeMoreBatches) {
   }
 }
 
+// A parameter of its own bucket (reduced in place), unused on every rank,
+// with a stale .grad that differs between ranks: with find_unused_parameters
+// its .grad stays as it was, as for a parameter of a shared bucket and as
+// in PyTorch; the in-place reduction used to leave the ranks' average
+// there. And a rank whose only backwards were shadowed under Join refuses
+// a communication hook afterwards, as the ranks that ran backward do.
+DDP_TEST_WORKER(unused_solo_stale_grad) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = std::make_shared<Branchy>(5, /*use_a=*/false);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = 1e-6, .find_unused_parameters = true,
+                                      .process_group = pg});
+  Tensor a_weight;
+  for (const auto& [name, p] : model->NamedParameters()) {
+    if (name == "a.weight") a_weight = p;
+  }
+  WORKER_EXPECT(a_weight.defined(), "no a.weight");
+  a_weight.set_grad(nn::Full(a_weight.shape(), rank + 1.0));
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  const std::vector<float> g = a_weight.grad().ToVector<float>();
+  WORKER_EXPECT(g.front() == rank + 1.0f && g.back() == rank + 1.0f,
+                "a.weight's stale .grad became " + std::to_string(g.front()));
+
+  // Join, a new wrapper: rank 0 has no batch at all, rank 1 one.
+  auto model2 = std::make_shared<Branchy>(6, /*use_a=*/true);
+  DistributedDataParallel ddp2(model2, {.find_unused_parameters = true, .process_group = pg});
+  bool refused = false;
+  {
+    Join join(ddp2);
+    if (rank == 1) {
+      auto [x1, y1] = testing::Batch(data, 0, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp2(x1), y1));
+    }
+    join.Wait();
+  }
+  try {
+    ddp2.RegisterCommHook(hooks::AllReduceHook());
+  } catch (const std::logic_error&) {
+    refused = true;
+  }
+  WORKER_EXPECT(refused, "a communication hook was accepted after backwards");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AnUnusedParameterOfItsOwnBucketKeepsItsStaleGradient) {
+  auto run = RunWorkers("unused_solo_stale_grad", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 DDP_TEST_WORKER(join_throw) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -1267,17 +1318,18 @@ TEST(DdpFeaturesTest, ASecondBackwardOfOneForwardIsAnError) {
 // iteration cannot finish) and the next forward repeats the error.
 // DDP_TEST_CASE=copy, view (gradient_as_bucket_view: never.weight's .grad,
 // zeros before, is its part of the shared bucket), per_parameter (one
-// bucket per parameter: its .grad is its bucket, launched when backward
-// starts), static (static_graph: `b`, unused in the first iteration, is
-// used in the second). The penalty is computed before forward, so its
-// gradient arrives last, after the unused parameters were marked ready; in
-// view and per_parameter the memory being reduced must not receive it.
+// bucket per parameter, launched when backward starts: an unused one's
+// .grad is reduced from a copy, so that it stays as it was), static
+// (static_graph: `b`, unused in the first iteration, is used in the
+// second). The penalty is computed before forward, so its gradient arrives
+// last, after the unused parameters were marked ready; in view mode the
+// memory being reduced must not receive it.
 DDP_TEST_WORKER(unreachable_in_loss) {
   auto pg = testing::WorkerGroup();
   const std::string which = std::getenv("DDP_TEST_CASE");
   const auto& data = testing::FashionMnist();
   const bool is_static = which == "static";
-  const bool reduced_in_grad = which == "view" || which == "per_parameter";
+  const bool reduced_in_grad = which == "view";
   const double cap = which == "per_parameter" ? 1e-9 : 25;
   auto model = std::make_shared<Branchy>(23, true);
   Tensor never_weight;

@@ -486,7 +486,7 @@ void Reducer::OnGradReady(size_t index) {
     comm_hook_locked_ = true;
     nn::autograd::QueueCallback([this] { Finalize(); });
     for (size_t i : unused_) {
-      MarkReady(i);
+      MarkReady(i, /*used_here=*/false);
       // Should this parameter get a gradient later in this backward (an
       // error), the engine adds it to .grad before the hook can object:
       // when .grad is the memory being reduced (its solo bucket, or its
@@ -532,7 +532,7 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
   throw std::logic_error(pending_error_);
 }
 
-void Reducer::MarkReady(size_t index) {
+void Reducer::MarkReady(size_t index, bool used_here) {
   ready_[index] = 1;
   ++ready_count_;
   const Slot& slot = slots_[index];
@@ -557,8 +557,16 @@ void Reducer::MarkReady(size_t index) {
     if (!grad.defined()) {
       // Unused here: contribute zeros (kept in case another rank used it).
       bucket.solo = nn::Zeros(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
-    } else if (plain && last_hook) {
+    } else if (plain && last_hook && used_here) {
       bucket.solo = grad;  // reduced in place: .grad itself is the bucket
+    } else if (!used_here) {
+      // A stale .grad of a parameter unused here: contributed as PyTorch
+      // does, but from a copy, so that .grad stays as it was when no rank
+      // used the parameter (Finalize writes the result back otherwise).
+      bucket.solo = nn::Empty(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
+      nn::NoGradGuard guard;
+      bucket.solo.CopyFrom(grad);
+      bucket.solo_copied = true;
     } else {
       bucket.solo = nn::Empty(params_[index].shape(), {.dtype = bucket.dtype, .device = bucket.device});
       nn::NoGradGuard guard;
@@ -657,7 +665,7 @@ void Reducer::Finalize() {
       is_unused_[i] = 1;
       unused_.push_back(i);
       static_unused_.push_back(i);
-      MarkReady(i);
+      MarkReady(i, /*used_here=*/false);
     }
     std::sort(static_unused_.begin(), static_unused_.end());
   }
@@ -805,7 +813,10 @@ void Reducer::CountGroupIteration() {
 }
 
 void Reducer::ShadowBackward(double divisor, bool write_gradients) {
-  // The same collectives as the active ranks: same hook, same reduction.
+  // The same collectives as the active ranks: same hook, same reduction;
+  // and a hook registered now would differ from theirs, which refuse one
+  // after their first backward.
+  comm_hook_locked_ = true;
   divisor_ = divisor;
   std::vector<Work> works;
   std::vector<nn::Tensor> results;

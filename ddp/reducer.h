@@ -172,7 +172,10 @@ class Reducer {
 
   void BuildBuckets(const std::vector<size_t>& order);
   void OnGradReady(size_t index);
-  void MarkReady(size_t index);
+  // `used_here`: this rank's backward produced the gradient (else the
+  // parameter is unused here, and a .grad it holds is stale: contributed,
+  // but never reduced in place).
+  void MarkReady(size_t index, bool used_here = true);
   // A gradient for a parameter this iteration took as unused: records the
   // error for the next forward, aborts the group and throws.
   [[noreturn]] void FailUnusedParameterGradient(size_t index);
