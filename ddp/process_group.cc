@@ -1490,7 +1490,9 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
         if (w.Wait(deadline).ok()) continue;
         // Past the deadline Wait no longer polls: Test does, once.
         StatusOr<bool> done = w.Test();
-        if (!done.ok()) return done.status();  // the group failed (rank 0's verdict, a lost peer)
+        // The group failed (rank 0's verdict, a lost peer): the posted
+        // transfers point into this frame, so abort before it goes.
+        if (!done.ok()) return fail(done.status(), works);
         if (*done) continue;
         return fail(transport::TimedOutError(what + ": rank " + std::to_string(comm->rank()) +
                                              " was not released by rank 0 within " +
@@ -1522,7 +1524,7 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
       bool came = works[r].Wait(deadline).ok();
       if (!came) {
         StatusOr<bool> done = works[r].Test();
-        if (!done.ok()) return done.status();  // a lost peer, an abort
+        if (!done.ok()) return fail(done.status(), works);  // a lost peer, an abort
         came = *done;
       }
       if (came) {
@@ -1553,7 +1555,7 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
           comm->SendAsync(&arrived[r], 1, transport::DataType::kI64, r, kMonitoredBarrierTag, call));
     }
     for (transport::Work& w : releases) {
-      DDP_RETURN_IF_ERROR(w.Wait(Clock::now() + call.timeout));
+      if (Status sent = w.Wait(Clock::now() + call.timeout); !sent.ok()) return fail(sent, releases);
     }
     return Status::Ok();
   }, nullptr, Impl::Mode::kUnchecked, {}, others_wait + milliseconds(2000)).Wait();
