@@ -29,18 +29,6 @@ constexpr char kMetadataKey[] = "__metadata__";
 
 // The format itself has no checksum, and a flipped bit in a weight would
 // otherwise load silently.
-std::string Crc32Hex(const std::vector<TensorView>& tensors);
-
-// The header checksum's entry as the writer puts it in the JSON text; its
-// value is computed over the text with the value as kNoHeaderCrc.
-constexpr char kNoHeaderCrc[] = "00000000";
-std::string HeaderCrcMark() { return std::string("\"") + kHeaderChecksumKey + "\":\""; }
-
-std::string HeaderCrc32Hex(std::string_view text_with_zero_value) {
-  return Crc32Hex({TensorView{"", StDtype::kU8, {static_cast<int64_t>(text_with_zero_value.size())},
-                              text_with_zero_value.data(), text_with_zero_value.size()}});
-}
-
 std::string Crc32Hex(const std::vector<TensorView>& tensors) {
   uLong crc = crc32(0L, Z_NULL, 0);
   for (const TensorView& t : tensors) {
@@ -56,6 +44,16 @@ std::string Crc32Hex(const std::vector<TensorView>& tensors) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
   return buf;
+}
+
+// The header checksum's entry as the writer puts it in the JSON text; its
+// value is computed over the text with the value as kNoHeaderCrc.
+constexpr char kNoHeaderCrc[] = "00000000";
+std::string HeaderCrcMark() { return std::string("\"") + kHeaderChecksumKey + "\":\""; }
+
+std::string HeaderCrc32Hex(std::string_view text_with_zero_value) {
+  return Crc32Hex({TensorView{"", StDtype::kU8, {static_cast<int64_t>(text_with_zero_value.size())},
+                              text_with_zero_value.data(), text_with_zero_value.size()}});
 }
 
 struct DtypeInfo {

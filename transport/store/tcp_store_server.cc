@@ -15,12 +15,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <limits>
 #include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <deque>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
