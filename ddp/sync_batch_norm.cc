@@ -119,6 +119,37 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
   return {dx, dweight, dbias};
 }
 
+// The global count, mean and sum of squared deviations per channel, from
+// every rank's row [count, mean per channel, sum of squared deviations per
+// channel] (`mine`, f64 in host memory): one all-gather, then Chan et al.'s
+// pairwise formula, so that large means do not cancel and counts weight
+// each rank (an empty rank adds nothing).
+struct GlobalStats {
+  std::vector<double> mean, m2;
+  double total = 0;
+};
+
+GlobalStats GatherStats(ProcessGroup& pg, const Tensor& mine, int64_t channels) {
+  const int64_t row = 1 + 2 * channels;
+  Tensor all = nn::Empty({row * pg.size()}, {.dtype = nn::DType::kFloat64});
+  pg.AllGather(all, mine, "sync_batch_norm stats").Wait();
+  const double* a = all.data<double>();
+  GlobalStats g{std::vector<double>(channels, 0.0), std::vector<double>(channels, 0.0), 0.0};
+  for (int r = 0; r < pg.size(); ++r) {
+    const double* s = a + r * row;
+    const double nr = s[0];
+    if (nr == 0) continue;
+    const double next = g.total + nr;
+    for (int64_t c = 0; c < channels; ++c) {
+      const double delta = s[1 + c] - g.mean[c];
+      g.mean[c] += delta * nr / next;
+      g.m2[c] += s[1 + channels + c] + delta * delta * g.total * nr / next;
+    }
+    g.total = next;
+  }
+  return g;
+}
+
 // The global-statistics batch norm on the CPU, as an autograd function.
 // Inputs: x [N, C, *], weight [C] and bias [C] (both may be undefined). The
 // statistics travel as each rank's count, mean and sum of squared
@@ -166,25 +197,10 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
       }
     });
 
-    // Every rank's triple; combined with Chan et al.'s pairwise formula so
-    // that large means do not cancel and counts weight each rank.
-    Tensor all = nn::Empty({row * pg->size()}, {.dtype = nn::DType::kFloat64});
-    pg->AllGather(all, mine, "sync_batch_norm stats").Wait();
-    const double* a = all.data<double>();
-    std::vector<double> mean(d.c, 0.0), m2(d.c, 0.0);
-    double total = 0;
-    for (int r = 0; r < pg->size(); ++r) {
-      const double* s = a + r * row;
-      const double nr = s[0];
-      if (nr == 0) continue;
-      const double next = total + nr;
-      for (int64_t c = 0; c < d.c; ++c) {
-        const double delta = s[1 + c] - mean[c];
-        mean[c] += delta * nr / next;
-        m2[c] += s[1 + d.c + c] + delta * delta * total * nr / next;
-      }
-      total = next;
-    }
+    const GlobalStats g = GatherStats(*pg, mine, d.c);
+    const std::vector<double>& mean = g.mean;
+    const std::vector<double>& m2 = g.m2;
+    const double total = g.total;
     CheckGlobalCount(total, x, *pg);
     std::vector<double> var(d.c), invstd(d.c);
     for (int64_t c = 0; c < d.c; ++c) {
@@ -223,29 +239,35 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     const Tensor& bias = in[2];
     const Dims d = GetDims(x);
     const nn::Device device = x.device();
-    // [count, sum(x) per channel, sum(x^2) per channel], f64 on x's device.
-    Tensor mine = nn::Empty({1 + 2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
-    {
+    // This rank's [count, mean per channel, sum of squared deviations per
+    // channel], computed on x's device in two passes: the sums give a mean,
+    // and the sums of x less that mean give the deviations (sums of x and
+    // x^2 alone lose the variance of a channel whose mean is large against
+    // its spread: E[x^2] - E[x]^2 cancels). One small copy to the host,
+    // then the rows are gathered and merged there, as on the CPU path.
+    const int64_t m = d.n * d.s;
+    Tensor mine = nn::Zeros({1 + 2 * d.c}, {.dtype = nn::DType::kFloat64});
+    mine.data<double>()[0] = static_cast<double>(m);
+    if (m > 0) {
       nn::NoGradGuard guard;
-      mine.Narrow(0, 0, 1).Fill(static_cast<double>(d.n * d.s));
-      if (d.n * d.s > 0) {
-        const nn::ops::BatchNormSums sums = nn::ops::BatchNormStats(x);
-        mine.Narrow(0, 1, d.c).CopyFrom(sums.sum);
-        mine.Narrow(0, 1 + d.c, d.c).CopyFrom(sums.sum_sq);
-      } else {
-        mine.Narrow(0, 1, 2 * d.c).Zero();
-      }
+      const Tensor shift = nn::ops::MulScalar(nn::ops::BatchNormStats(x).sum, 1.0 / static_cast<double>(m));
+      const Tensor ones = nn::Ones({d.c}, {.dtype = nn::DType::kFloat64, .device = device});
+      const Tensor centered = nn::ops::BatchNormElementwise(x, shift, ones, Tensor(), Tensor());
+      const nn::ops::BatchNormSums c = nn::ops::BatchNormStats(centered);
+      // mean = shift + sum(x - shift) / m; M2 = sum((x - shift)^2) - sum(x - shift)^2 / m.
+      Tensor row = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});
+      row.Narrow(0, 0, d.c).CopyFrom(nn::ops::Add(shift, nn::ops::MulScalar(c.sum, 1.0 / static_cast<double>(m))));
+      row.Narrow(0, d.c, d.c)
+          .CopyFrom(nn::ops::Sub(c.sum_sq, nn::ops::MulScalar(nn::ops::Square(c.sum), 1.0 / static_cast<double>(m))));
+      mine.Narrow(0, 1, 2 * d.c).CopyFrom(row.To(nn::kCPU));
     }
-    pg->AllReduce(mine, transport::ReduceOp::kSum, "sync_batch_norm stats").Wait();
-    // C + 1 values to the host: the statistics decide the running buffers
-    // and the error for a too small global batch.
-    const std::vector<double> g = mine.To(nn::kCPU).ToVector<double>();
-    const double total = g[0];
+    const GlobalStats g = GatherStats(*pg, mine, d.c);
+    const double total = g.total;
     CheckGlobalCount(total, x, *pg);
-    std::vector<double> mean(d.c), var(d.c), invstd(d.c);
+    const std::vector<double>& mean = g.mean;
+    std::vector<double> var(d.c), invstd(d.c);
     for (int64_t c = 0; c < d.c; ++c) {
-      mean[c] = g[1 + c] / total;
-      var[c] = std::max(0.0, g[1 + d.c + c] / total - mean[c] * mean[c]);
+      var[c] = std::max(0.0, g.m2[c] / total);
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
     UpdateRunningStats(num_batches_tracked, running_mean, running_var, mean, var, total, momentum);

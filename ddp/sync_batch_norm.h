@@ -15,11 +15,13 @@
 // gives the global terms of dx; weight and bias get this rank's own terms,
 // which DistributedDataParallel then averages like every other gradient.
 // Eval: the running statistics, locally, with no communication.
-// On a CUDA input (CUDA build) the same sums come from nn's batch-norm
-// building blocks on the device: per-channel sum and sum of squares, one
-// all-reduce of [count, sums] on the device, the global mean and invstd
-// derived on the host from that one small copy, the normalization on the
-// device; backward all-reduces sum(dy) and sum(dy * xhat) on the device.
+// On a CUDA input (CUDA build) the same statistics come from nn's
+// batch-norm building blocks on the device: per-channel sums give a mean,
+// sums of x less that mean give the count, mean and squared deviations
+// (two passes, so a large mean does not cancel); one small copy to the
+// host, where the ranks' rows are gathered and merged as above; the
+// normalization on the device; backward all-reduces sum(dy) and
+// sum(dy * xhat) on the device.
 // With one rank it computes exactly what BatchNorm computes.
 //
 // Every rank must run forward and backward through the layer the same
@@ -32,9 +34,6 @@
 // and the collectives pair wrongly (PyTorch has the same limit). Keep such
 // parameters after the SyncBatchNorm layers, or use the same graph on
 // every rank.
-// The device path's variance is E[x^2] - E[x]^2 from plain sums in f64: a
-// channel whose mean is ~1e6 times its spread loses the variance (the host
-// path merges per-rank deviations and does not).
 
 #include <memory>
 #include <string>

@@ -63,8 +63,8 @@ Tensor Rows(const Tensor& t, int64_t start, int64_t n) { return t.Narrow(0, star
 
 DDP_TEST_WORKER(sync_bn) {
   auto pg = testing::WorkerGroup();
-  // The formulation CUDA inputs take (nn's building blocks, an all-reduce
-  // of the sums), here on CPU tensors.
+  // The formulation CUDA inputs take (nn's building blocks), here on CPU
+  // tensors.
   if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
   const std::vector<int64_t> sizes = ParseSizes(std::getenv("DDP_TEST_SIZES"));
   const int rank = pg->rank();
@@ -91,7 +91,11 @@ DDP_TEST_WORKER(sync_bn) {
   }
   for (int iteration = 0; iteration < 2; ++iteration) {
     // The whole batch, the same on every rank; each rank takes its rows.
-    Tensor x_all = nn::Randn({total, kC, kH, kW}, {}, gen) * 3.0 + 5.0;
+    // DDP_TEST_SBN_OFFSET: the channels' mean (5 unless given), against a
+    // spread of 3; 1e7 makes sum(x^2) / n - mean^2 cancel.
+    const char* offset_env = std::getenv("DDP_TEST_SBN_OFFSET");
+    const double shift = offset_env != nullptr ? std::atof(offset_env) : 5.0;
+    Tensor x_all = nn::Randn({total, kC, kH, kW}, {}, gen) * 3.0 + shift;
     Tensor g_all = nn::Randn({total, kC, kH, kW}, {}, gen);
     Tensor x = Rows(x_all, offset, sizes[rank]).Detach().set_requires_grad(true);
     Tensor y = (*sync)(x);
@@ -148,6 +152,19 @@ TEST(SyncBatchNormTest, DeviceFormulationMatchesBatchNormOnTheWholeBatch) {
     const int world = static_cast<int>(ParseSizes(sizes).size());
     auto run = RunWorkers("sync_bn", world, {{"DDP_TEST_SIZES", sizes}, {"DDP_TEST_SBN_BLOCKS", "1"}});
     EXPECT_TRUE(run.AllSucceeded()) << sizes << "\n" << testing::AllOutput(run);
+  }
+}
+
+// Channels whose mean is millions of times their spread: the statistics
+// must not come from sums of x and x^2 (E[x^2] - E[x]^2 cancels), on the
+// host path and on the device formulation alike.
+TEST(SyncBatchNormTest, ALargeMeanDoesNotCancelTheVariance) {
+  for (const char* blocks : {"", "1"}) {
+    std::vector<std::pair<std::string, std::string>> env = {{"DDP_TEST_SIZES", "3,6,1"},
+                                                             {"DDP_TEST_SBN_OFFSET", "1e7"}};
+    if (*blocks != '\0') env.emplace_back("DDP_TEST_SBN_BLOCKS", blocks);
+    auto run = RunWorkers("sync_bn", 3, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (*blocks ? "device formulation" : "host") << "\n" << testing::AllOutput(run);
   }
 }
 
