@@ -39,23 +39,6 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 // Steps at least this long finish each stop vote at once (see Go).
 constexpr double kSlowStepS = 0.25;
 
-// Rank r of W evaluates samples r, r + W, ...: every test sample exactly once
-// over all ranks (DistributedSampler would pad and count some twice).
-class StridedSampler : public nn::data::Sampler {
- public:
-  StridedSampler(int64_t n, int64_t rank, int64_t world) : n_(n), rank_(rank), world_(world) {}
-  int64_t Size() const override { return n_ > rank_ ? (n_ - rank_ + world_ - 1) / world_ : 0; }
-  void SetEpoch(int64_t) override {}
-  std::vector<int64_t> Indices() const override {
-    std::vector<int64_t> out;
-    for (int64_t i = rank_; i < n_; i += world_) out.push_back(i);
-    return out;
-  }
-
- private:
-  int64_t n_, rank_, world_;
-};
-
 // --amp on the CPU: the whole model in 16 bits. On CUDA: f32 master
 // weights, and autocast runs GEMMs and convolutions in 16 bits
 // (AutocastDTypeOf).
@@ -489,7 +472,7 @@ void Run::Setup() {
       c_.model.rfind("resnet", 0) == 0 ? std::max<int64_t>(c_.batch_size, 64) : 256;
   test_options.num_workers = c_.workers;
   test_loader_ = std::make_unique<nn::data::DataLoader>(
-      data_.test, std::make_shared<StridedSampler>(data_.test->Size(), rank_, world_),
+      data_.test, std::make_shared<nn::data::StridedSampler>(data_.test->Size(), world_, rank_),
       data_.test_transform, test_options);
 
   // MakeTrainLoader's sampler, whose start a resumed epoch sets.

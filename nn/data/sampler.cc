@@ -40,6 +40,27 @@ std::vector<int64_t> RandomSampler::Indices() const {
   return TorchRandperm(n_, seed_ + static_cast<uint64_t>(epoch_));
 }
 
+StridedSampler::StridedSampler(int64_t dataset_size, int64_t num_replicas, int64_t rank)
+    : n_(dataset_size), num_replicas_(num_replicas), rank_(rank) {
+  if (n_ < 0) throw std::invalid_argument("StridedSampler: dataset size " + std::to_string(n_) + " < 0");
+  if (num_replicas_ < 1) {
+    throw std::invalid_argument("StridedSampler: num_replicas " + std::to_string(num_replicas_) + " must be >= 1");
+  }
+  if (rank_ < 0 || rank_ >= num_replicas_) {
+    throw std::invalid_argument("StridedSampler: rank " + std::to_string(rank_) + " is outside [0, " +
+                                std::to_string(num_replicas_ - 1) + "]");
+  }
+}
+
+int64_t StridedSampler::Size() const { return n_ > rank_ ? (n_ - rank_ + num_replicas_ - 1) / num_replicas_ : 0; }
+
+std::vector<int64_t> StridedSampler::Indices() const {
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(Size()));
+  for (int64_t i = rank_; i < n_; i += num_replicas_) out.push_back(i);
+  return out;
+}
+
 DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options)
     : n_(dataset_size), options_(options) {
   if (n_ < 0) {

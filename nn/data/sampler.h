@@ -53,6 +53,24 @@ class RandomSampler : public Sampler {
   int64_t epoch_ = 0;
 };
 
+/// For evaluation across ranks: rank r takes r, r + num_replicas, ... of
+/// 0..n-1, so every sample is seen exactly once over all ranks (no padding,
+/// nothing dropped; DistributedSampler does one or the other). Ranks' sizes
+/// differ by at most one, so it is for loops without per-batch collectives:
+/// sum the counts across ranks at the end.
+class StridedSampler : public Sampler {
+ public:
+  /// Throws std::invalid_argument for a negative size, num_replicas < 1 or
+  /// rank outside [0, num_replicas).
+  StridedSampler(int64_t dataset_size, int64_t num_replicas, int64_t rank);
+  int64_t Size() const override;
+  void SetEpoch(int64_t) override {}
+  std::vector<int64_t> Indices() const override;
+
+ private:
+  int64_t n_, num_replicas_, rank_;
+};
+
 /// Options of DistributedSampler, named and defaulted as in PyTorch.
 struct DistributedSamplerOptions {
   int64_t num_replicas = 1;  ///< Number of ranks sharing the dataset.

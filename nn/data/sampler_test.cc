@@ -169,5 +169,30 @@ TEST(SequentialSampler, InOrder) {
   EXPECT_EQ(s.Indices(), (std::vector<int64_t>{0, 1, 2, 3}));
 }
 
+// Every sample exactly once over the ranks, in stride order, sizes within
+// one of each other; bad arguments named.
+TEST(StridedSampler, CoversEverySampleOnceOverTheRanks) {
+  for (int64_t n : {0, 1, 7, 10000}) {
+    for (int64_t world : {1, 3, 8}) {
+      std::vector<int> seen(static_cast<size_t>(n), 0);
+      for (int64_t rank = 0; rank < world; ++rank) {
+        StridedSampler s(n, world, rank);
+        const std::vector<int64_t> indices = s.Indices();
+        EXPECT_EQ(static_cast<int64_t>(indices.size()), s.Size());
+        EXPECT_LE(s.Size(), (n + world - 1) / world);
+        EXPECT_GE(s.Size(), n / world);
+        for (size_t k = 0; k < indices.size(); ++k) {
+          EXPECT_EQ(indices[k], rank + static_cast<int64_t>(k) * world);
+          ++seen[static_cast<size_t>(indices[k])];
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], 1) << "n " << n << " world " << world;
+    }
+  }
+  EXPECT_THROW(StridedSampler(-1, 1, 0), std::invalid_argument);
+  EXPECT_THROW(StridedSampler(5, 0, 0), std::invalid_argument);
+  EXPECT_THROW(StridedSampler(5, 2, 2), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace ddp::nn::data
