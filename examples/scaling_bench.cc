@@ -19,9 +19,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <csignal>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

@@ -703,8 +703,10 @@ class WorkerGroup::Impl {
         }
       }
       if (stop_requested && phase == Phase::kRunning) {
-        result.outcome = GroupOutcome::kStopped;
-        {
+        // (A failure recorded above, with the others left running, stays
+        // the outcome; the stop still stops them.)
+        if (!result.first_failure) {
+          result.outcome = GroupOutcome::kStopped;
           std::lock_guard<std::mutex> lock(mu_);
           result.reason = stop_reason_;
         }

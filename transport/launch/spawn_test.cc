@@ -667,6 +667,32 @@ TEST(SpawnTest, AFailureThatCameBeforeAStopRequestCounts) {
   ExpectNoChildrenLeft();
 }
 
+// Without stop_all_on_failure a failed worker leaves the others running; a
+// stop requested afterwards stops them, and the group's outcome is still
+// that failure (the stop used to replace it: kStopped, exit status 1).
+TEST(SpawnTest, AStopAfterAFailureThatLeftTheOthersRunningKeepsTheFailure) {
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"FAIL_AFTER_MS", "0"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  ASSERT_TRUE(GoneWithin(pids[1], 10s));
+  // Wait sees the failure first, then the stop (a later round).
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(500ms);
+    (*group)->RequestStop("node 1 failed");
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  stopper.join();
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value()) << result.reason;
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_EQ(result.ExitCode(), 3);
+  EXPECT_EQ(result.workers[0].code, SIGTERM) << result.workers[0].Describe();
+  ExpectNoChildrenLeft();
+}
+
 // Two workers found dead at one look: rank 1 was killed by a signal, then
 // rank 0 exited with code 1. The one killed by the signal is the first
 // failure (it used to be the first in rank order: rank 0, exit status 1).
