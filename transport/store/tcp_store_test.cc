@@ -699,10 +699,19 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
   EXPECT_TRUE(older_status.ok()) << older_status;
 }
 
-// Many waits parked on one large value, by a client that does not read
-// yet: setting it must not copy a reply per waiter into memory at once. The
-// replies count against the total bound and the rest are answered as the
-// reader drains them; every wait gets the value.
+// Sends `n` Gets of `key` on `c` (request ids 1..n), each with a
+// server-side deadline of `timeout_ms`, without reading the replies.
+void SendGets(RawConnection& c, int n, uint32_t timeout_ms, const std::string& key) {
+  for (uint32_t i = 0; i < static_cast<uint32_t>(n); ++i) {
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kGet));
+    w.U32(i + 1);
+    w.U32(timeout_ms);
+    w.String(key);
+    c.Send(w.Frame());
+  }
+}
+
 // A wait held back for room until its deadline is told that the key was
 // set and the store had no room, not that the key was never set (which
 // sends the caller looking for a rank that did write it).
@@ -714,14 +723,7 @@ TEST(TcpStoreTest, AWaitHeldBackForRoomUntilItsDeadlineSaysTheKeyWasSet) {
   constexpr int kWaits = 24;
   RawConnection waiter(server->port());
   waiter.Handshake();
-  for (uint32_t i = 0; i < kWaits; ++i) {
-    wire::Writer w;
-    w.U8(static_cast<uint8_t>(wire::Op::kGet));
-    w.U32(i + 1);
-    w.U32(1000);  // the server-side deadline, ms
-    w.String("large");
-    waiter.Send(w.Frame());
-  }
+  SendGets(waiter, kWaits, 1000, "large");
   ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
     return s.parked_waits == kWaits;
   }));
@@ -743,6 +745,10 @@ TEST(TcpStoreTest, AWaitHeldBackForRoomUntilItsDeadlineSaysTheKeyWasSet) {
   EXPECT_EQ(values + held_back, kWaits);
 }
 
+// Many waits parked on one large value, by a client that does not read
+// yet: setting it must not copy a reply per waiter into memory at once. The
+// replies count against the total bound and the rest are answered as the
+// reader drains them; every wait gets the value.
 TEST(TcpStoreTest, ManyWaitersOnALargeValueStayWithinTheBufferBound) {
   TcpStoreServerOptions options;
   options.max_buffered_bytes = 8 << 20;
@@ -752,14 +758,7 @@ TEST(TcpStoreTest, ManyWaitersOnALargeValueStayWithinTheBufferBound) {
   const std::string value(4 << 20, 'v');
   RawConnection waiter(server->port());
   waiter.Handshake();
-  for (uint32_t i = 0; i < kWaits; ++i) {
-    wire::Writer w;
-    w.U8(static_cast<uint8_t>(wire::Op::kGet));
-    w.U32(i + 1);
-    w.U32(30000);
-    w.String("large");
-    waiter.Send(w.Frame());
-  }
+  SendGets(waiter, kWaits, 30000, "large");
   ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
     return s.parked_waits == kWaits;
   })) << "only " << server->stats().parked_waits << " of " << kWaits << " waits parked";
