@@ -690,6 +690,7 @@ class Communicator::Impl {
   // (1 + 1/size) times the largest vector it was given); under run_mu_.
   std::vector<char> through_whole_;
   std::vector<char> through_slice_;
+  std::vector<char> through_divided_;  // an f16 average's divided input
 
   // Held by whichever thread drives UCX / shm. Timed: a blocking call
   // gives up at its deadline, and a point-to-point poll does not sit out
@@ -1357,6 +1358,15 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
     std::vector<char> reduced(static_cast<const char*>(send),
                               static_cast<const char*>(send) + count * elem);
     return apply(reduced.data(), out, 0, count);
+  }
+  if (DividesFirst(dtype, op)) {
+    // As AllReduce: the f16 sum of the divided values, not the mean of
+    // their sum, which passes 65504 first. On a copy: recv must keep its
+    // values for the slice function, and send may be recv.
+    through_divided_.assign(static_cast<const char*>(send), static_cast<const char*>(send) + count * elem);
+    reduce::DivideInPlace(dtype, through_divided_.data(), count, size);
+    send = through_divided_.data();
+    op = ReduceOp::kSum;
   }
   if (Choose(count * elem, requested) == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path

@@ -954,6 +954,26 @@ int ScenarioF16Average() {
     WORKER_CHECK(s.ok(), std::string("reduce ") + AlgorithmName(a) + ": " + s.ToString());
     if (comm->rank() == n - 1) check(out, count, std::string("reduce ") + AlgorithmName(a));
   }
+  // AllReduceThrough hands each slice's average to its function, which
+  // copies it; in place, the function must still see recv's own values.
+  for (bool in_place : {false, true}) {
+    const std::string name = std::string("all-reduce-through") + (in_place ? " in place" : "");
+    std::vector<uint16_t> mine = filled(count), out = in_place ? filled(count) : std::vector<uint16_t>(count, 0);
+    const std::vector<uint16_t> held = out;
+    size_t overwritten = 0;
+    s = comm->AllReduceThrough(in_place ? out.data() : mine.data(), out.data(), count, DataType::kF16,
+                               ReduceOp::kAvg, [&](const void* reduced, void* o, size_t offset, size_t len) {
+                                 for (size_t i = 0; i < len; ++i) {
+                                   overwritten += static_cast<uint16_t*>(o)[i] != held[offset + i];
+                                 }
+                                 std::memcpy(o, reduced, len * sizeof(uint16_t));
+                                 return Status::Ok();
+                               });
+    WORKER_CHECK(s.ok(), name + ": " + s.ToString());
+    WORKER_CHECK(overwritten == 0, name + ": recv was changed before the slice function ran");
+    check(out, count, name);
+    if (!in_place) check(mine, count, name + " (its send buffer)");
+  }
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -1108,8 +1128,11 @@ INSTANTIATE_TEST_SUITE_P(Ranks, Sweep, ::testing::Values(1, 2, 3, 4));
 
 TEST(Communicator, F16AveragesNearTheTopOfItsRangeDoNotOverflow) {
   for (int n : {2, 3}) {
-    Job job = RunJob(n, "f16_avg", {{"DDP_TEST_CHUNK_BYTES", "512"}});
-    for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    for (const char* shm : {"1", "0"}) {
+      SCOPED_TRACE(std::to_string(n) + " ranks, DDP_SHARED_MEMORY=" + shm);
+      Job job = RunJob(n, "f16_avg", {{"DDP_TEST_CHUNK_BYTES", "512"}, {"DDP_SHARED_MEMORY", shm}});
+      for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    }
   }
 }
 
