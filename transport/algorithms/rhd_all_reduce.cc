@@ -85,7 +85,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
                       size_t send_n, unsigned char* in, size_t recv_n, bool combine) -> Status {
     const size_t ks = internal::ChunkCount(send_n, ce), kr = internal::ChunkCount(recv_n, ce);
     const p2p::Tag step_tag = tag + (static_cast<p2p::Tag>(step) << kChunkBits);
-    std::vector<p2p::RequestId> recv_ids(depth, 0);
+    std::vector<p2p::RequestId> recv_ids(depth, 0), send_ids(depth, 0);
     auto chunk_tag = [&](size_t c) { return step_tag + (c & ((size_t{1} << kChunkBits) - 1)); };
     size_t next_send = 0, next_recv = 0;
     for (size_t m = 0; m < std::max(ks, kr); ++m) {
@@ -101,10 +101,17 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         const size_t c = next_send++;
         const size_t n = std::min(ce, send_n - c * ce);
         internal::Where where{what, step, 0, c, true, peer};
-        DDP_RETURN_IF_ERROR(
-            requests.Send(where, chunk_tag(c), out + c * ce * es, n * es).status());
+        DDP_ASSIGN_OR_RETURN(send_ids[c % depth], requests.Send(where, chunk_tag(c), out + c * ce * es, n * es));
       }
-      if (m >= kr) continue;
+      if (m >= kr) {
+        // Only sending (the fold's hand-off, the result handed back): no
+        // receive paces the loop, so wait for this send before posting
+        // beyond `depth` of them, or every chunk would be in flight at
+        // once, held by the receiver as unexpected messages.
+        internal::Where where{what, step, 0, m, true, peer};
+        DDP_RETURN_IF_ERROR(requests.Wait(send_ids[m % depth], where));
+        continue;
+      }
       internal::Where where{what, step, 0, m, false, peer};
       DDP_RETURN_IF_ERROR(requests.Wait(recv_ids[m % depth], where));
       if (combine) {

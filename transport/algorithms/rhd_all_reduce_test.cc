@@ -90,6 +90,38 @@ TEST(RhdAllReduceTest, DoublingGivesEveryRankTheSameBits) {
   }
 }
 
+// A world that is not a power of two folds: one rank of a pair only sends
+// its vector, and got no receive to pace it, so it posted every chunk at
+// once and its partner held them all as unexpected messages (4096 here).
+// Now no rank has more than a pipeline's depth of them queued, plus the
+// argument check's fingerprints.
+TEST(RhdAllReduceTest, TheFoldsSendsAreFlowControlled) {
+  constexpr size_t kCount = size_t{1} << 20;
+  constexpr int kDepth = 4;
+  p2p::LoopbackHub hub(3);
+  const std::vector<float> in(kCount, 1.0f);
+  std::vector<std::vector<float>> out(3, std::vector<float>(kCount));
+  auto statuses = transport::testing::RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+    CollectiveArgs args;
+    args.send = in.data();
+    args.recv = out[p2p.rank()].data();
+    args.count = kCount;
+    args.dtype = DataType::kF32;
+    args.op = ReduceOp::kSum;
+    args.tag = CollectiveTag(5);
+    args.deadline = DeadlineIn(std::chrono::seconds(60));
+    args.tuning.chunk_bytes = 1024;
+    args.tuning.pipeline_depth = kDepth;
+    return kHalving(p2p, args);
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+    EXPECT_EQ(out[r][0], 3.0f);
+    EXPECT_EQ(out[r][kCount - 1], 3.0f);
+    EXPECT_LE(hub.Stats(r).peak_unexpected_sends, uint64_t{2 * kDepth + 2}) << "rank " << r;
+  }
+}
+
 TEST(RhdAllReduceTest, LargeVectorWithDefaultChunks) {
   CheckAllReduce(RhdAllReduce, {6, (1 << 20) + 3, DataType::kF32, ReduceOp::kSum, false});
 }

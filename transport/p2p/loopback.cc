@@ -189,7 +189,10 @@ StatusOr<RequestId> LoopbackHub::Post(int rank, bool is_send, int peer, Tag tag,
     auto it = std::find_if(queue.begin(), queue.end(),
                            [&](Op* r) { return r->peer == rank && r->tag == tag; });
     if (it == queue.end()) {
-      ranks_[peer]->unexpected_sends.push_back(op);
+      RankState& to = *ranks_[peer];
+      to.unexpected_sends.push_back(op);
+      to.stats.peak_unexpected_sends =
+          std::max<uint64_t>(to.stats.peak_unexpected_sends, to.unexpected_sends.size());
       return id;
     }
     Op* recv = *it;

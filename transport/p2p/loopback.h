@@ -44,6 +44,9 @@ struct LoopbackStats {
   uint64_t bytes_sent = 0;
   uint64_t messages_received = 0;
   uint64_t bytes_received = 0;
+  /// The most sends to this rank queued at once before it posted their
+  /// receive (what a real transport would buffer as unexpected messages).
+  uint64_t peak_unexpected_sends = 0;
 };
 
 class LoopbackHub {
