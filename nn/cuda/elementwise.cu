@@ -88,7 +88,11 @@ __device__ __forceinline__ A BinaryFn(OpCode op, A x, A y) {
     case 0: return x + y;
     case 1: return x - y;
     case 2: return x * y;
-    default: return x / y;
+    case 3: return x / y;
+    default: {  // 4: add, then relu as UnaryFn's case 1 (NaN kept)
+      const A s = x + y;
+      return s < A(0) ? A(0) : s;
+    }
   }
 }
 

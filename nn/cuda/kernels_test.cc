@@ -249,7 +249,8 @@ TEST_F(CudaKernelsTest, VectorizedElementwiseMatchesCpu) {
 TEST_F(CudaKernelsTest, BinaryWithBroadcastingMatchesCpu) {
   const DType types[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt64,
                          DType::kInt32};
-  for (int code = 0; code <= 3; ++code) {
+  // add, sub, mul, div, add-relu.
+  for (int code = 0; code <= 4; ++code) {
     const auto op = static_cast<ops::BinaryOp>(code);
     for (DType dt : types) {
       const std::string what = "binary op " + std::to_string(code) + " " + Name(dt);
@@ -270,6 +271,12 @@ TEST_F(CudaKernelsTest, BinaryWithBroadcastingMatchesCpu) {
       Cpu().binary(op, a, b, out_cpu);
       Gpu().binary(op, a.To(kGpu), b.To(kGpu), out_gpu);
       ExpectClose(out_cpu, out_gpu, is_int ? Tol{0, 0} : ElementwiseTol(dt), what);
+      // Same shapes, contiguous: the packed (vectorized) path where it applies.
+      const Tensor c = is_int ? UniformOf({4, 3, 5}, DType::kFloat64, 1, 9).To(dt) : UniformOf({4, 3, 5}, dt, 0.5, 3.0);
+      const Tensor whole = a.Expand({4, 3, 5}).Contiguous();
+      Cpu().binary(op, whole, c, out_cpu);
+      Gpu().binary(op, whole.To(kGpu), c.To(kGpu), out_gpu);
+      ExpectClose(out_cpu, out_gpu, is_int ? Tol{0, 0} : ElementwiseTol(dt), what + " (same shapes)");
     }
   }
 }

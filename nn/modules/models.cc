@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <typeinfo>
 
 #include "nn/modules/init.h"
 #include "nn/ops/functional.h"
@@ -39,6 +40,14 @@ std::shared_ptr<Sequential> Downsample(int64_t in, int64_t out, int64_t stride, 
       std::initializer_list<std::shared_ptr<Module>>{Conv(in, out, 1, stride, gen), std::make_shared<BatchNorm2d>(out)});
 }
 
+// A residual block's end, activation(out + identity): with a plain ReLU
+// (not one swapped for another module) in one pass over memory, where Add
+// and then ReLU would read and write the activation twice.
+Tensor AddThenActivate(Module& activation, const Tensor& out, const Tensor& identity) {
+  if (typeid(activation) == typeid(ReLU)) return ops::AddRelu(out, identity);
+  return activation.Forward(ops::Add(out, identity));
+}
+
 }  // namespace
 
 BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen) {
@@ -55,7 +64,7 @@ Tensor BasicBlock::Forward(const Tensor& x) {
   Tensor out = Child("relu")->Forward(Child("bn1")->Forward(Child("conv1")->Forward(x)));
   out = Child("bn2")->Forward(Child("conv2")->Forward(out));
   const Tensor identity = HasChild("downsample") ? Child("downsample")->Forward(x) : x;
-  return Child("relu")->Forward(ops::Add(out, identity));
+  return AddThenActivate(*Child("relu"), out, identity);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen) {
@@ -75,7 +84,7 @@ Tensor Bottleneck::Forward(const Tensor& x) {
   out = relu->Forward(Child("bn2")->Forward(Child("conv2")->Forward(out)));
   out = Child("bn3")->Forward(Child("conv3")->Forward(out));
   const Tensor identity = HasChild("downsample") ? Child("downsample")->Forward(x) : x;
-  return relu->Forward(ops::Add(out, identity));
+  return AddThenActivate(*relu, out, identity);
 }
 
 ResNet::ResNet(bool bottleneck, const std::vector<int64_t>& blocks, ResNetOptions options, Generator& gen)

@@ -342,6 +342,31 @@ TEST(ModuleTest, MixedPrecisionModel) {
   EXPECT_TRUE(params[0].second.grad().defined());
 }
 
+// A residual block ends with its "relu" child applied to out + identity:
+// fused (AddRelu) for a plain ReLU, with the same values as the child's
+// Forward on the sum, and through the child when it was swapped for
+// another activation.
+TEST(ModuleTest, ResidualBlocksEndWithTheirActivationChild) {
+  Generator gen(5);
+  const Tensor x = Randn({2, 16, 6, 6});
+  for (std::shared_ptr<Module> block : std::vector<std::shared_ptr<Module>>{
+           std::make_shared<BasicBlock>(16, 16, 1, gen), std::make_shared<Bottleneck>(16, 4, 1, gen)}) {
+    SCOPED_TRACE(block->TypeName());
+    const std::string last = block->TypeName() == "BasicBlock" ? "2" : "3";
+    auto before_end = [&](const Tensor& in) {
+      Tensor out = in;
+      for (const std::string& i : block->TypeName() == "BasicBlock" ? std::vector<std::string>{"1"}
+                                                                    : std::vector<std::string>{"1", "2"}) {
+        out = block->Child("relu")->Forward(block->Child("bn" + i)->Forward(block->Child("conv" + i)->Forward(out)));
+      }
+      return ops::Add(block->Child("bn" + last)->Forward(block->Child("conv" + last)->Forward(out)), in);
+    };
+    EXPECT_EQ(block->Forward(x).ToVector<float>(), ops::Relu(before_end(x)).ToVector<float>());
+    block->ReplaceChild("relu", std::make_shared<GELU>());
+    EXPECT_EQ(block->Forward(x).ToVector<float>(), ops::Gelu(before_end(x)).ToVector<float>());
+  }
+}
+
 TEST(ModuleTest, ReplaceChildTakesEffectInForward) {
   Sequential seq{std::make_shared<Linear>(4, 4), std::make_shared<ReLU>()};
   class Doubler : public Module {

@@ -37,6 +37,7 @@ enum class BinaryOp : int8_t {
   kSub = 1,
   kMul = 2,
   kDiv = 3,
+  kAddRelu = 4,  ///< max(a + b, 0) in one pass (NaN kept, as kRelu keeps it)
 };
 
 /// Convolution geometry (NCHW input, OIHW weight).

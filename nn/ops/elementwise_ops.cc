@@ -52,6 +52,7 @@ const char* BinaryName(BinaryOp op) {
     case BinaryOp::kSub: return "SubBackward";
     case BinaryOp::kMul: return "MulBackward";
     case BinaryOp::kDiv: return "DivBackward";
+    case BinaryOp::kAddRelu: return "AddReluBackward";
   }
   return "BinaryBackward";
 }
@@ -124,6 +125,16 @@ Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
         }
         break;
       }
+      case BinaryOp::kAddRelu: {
+        // ReLU's derivative from the output (y > 0 exactly where a + b > 0),
+        // shared by both operands as Add's gradient is.
+        const Tensor y = n.saved[0].Get();
+        Tensor t = detail::Exclusive(go, y) ? go : NewLike(y);
+        DDP_KERNEL(dev, unary_backward)(UnaryOp::kRelu, go, y, t);
+        if (n.needs_input_grad(0)) ga = detail::SumToShape(t, as);
+        if (n.needs_input_grad(1)) gb = detail::SumToShape(t, bs);
+        break;
+      }
     }
     return std::vector<Tensor>{ga, gb};
   });
@@ -131,6 +142,7 @@ Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
     node->saved.emplace_back(a);
     node->saved.emplace_back(b);
   }
+  if (op == BinaryOp::kAddRelu) node->saved.emplace_back(out);
   detail::ConnectNode(node, {&a, &b}, {&out});
   return out;
 }
@@ -205,6 +217,13 @@ Tensor Add(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kAd
 Tensor Sub(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kSub, a, b); }
 Tensor Mul(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kMul, a, b); }
 Tensor Div(const Tensor& a, const Tensor& b) { return BinaryOpImpl(BinaryOp::kDiv, a, b); }
+Tensor AddRelu(const Tensor& a, const Tensor& b) {
+  if (a.defined() && b.defined() && !IsFloating(ResultType(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0))) {
+    throw std::invalid_argument("AddRelu: needs floating tensors, got " + std::string(DTypeName(a.dtype())) +
+                                " and " + std::string(DTypeName(b.dtype())));
+  }
+  return BinaryOpImpl(BinaryOp::kAddRelu, a, b);
+}
 Tensor AddScalar(const Tensor& x, double s) { return AffineImpl(x, 1.0, s, "AddScalarBackward"); }
 Tensor MulScalar(const Tensor& x, double s) { return AffineImpl(x, s, 0.0, "MulScalarBackward"); }
 Tensor Neg(const Tensor& x) { return UnaryOpImpl(UnaryOp::kNeg, x); }

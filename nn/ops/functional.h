@@ -29,6 +29,10 @@ Tensor AddScalar(const Tensor& x, double s);
 Tensor MulScalar(const Tensor& x, double s);
 Tensor Neg(const Tensor& x);
 Tensor Relu(const Tensor& x);
+/// Relu(Add(a, b)) in one pass over memory, as a residual block ends; its
+/// backward is ReLU's, from the output, shared by a and b (each summed to
+/// its shape). Floating tensors.
+Tensor AddRelu(const Tensor& a, const Tensor& b);
 /// Relu that writes into x's memory when x is the only reference to it
 /// (its storage is shared with no view and no saved tensor) and x is not a
 /// leaf that requires grad; otherwise the same as Relu. Saves one

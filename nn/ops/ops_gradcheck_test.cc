@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "nn/autograd/engine.h"
@@ -75,6 +76,51 @@ TEST(GradCheckTest, BinaryOpsWithBroadcasting) {
     EXPECT_TRUE(GradCheck(f, {TransposedLeaf(3, 4, 7), Positive({3, 4}, 8)}));
     EXPECT_TRUE(GradCheck(f, {StridedLeaf({2, 3}, 9), Positive({2, 3}, 10)}));
   }
+}
+
+// AddRelu's sums are kept away from 0, where ReLU has no derivative.
+TEST(GradCheckTest, AddReluWithBroadcasting) {
+  auto f = [](const V& in) { return AddRelu(in[0], in[1]); };
+  auto small = [](const Shape& shape, uint64_t seed) {
+    Tensor t = RandomLeaf(shape, seed, false);
+    double* p = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i) p[i] *= 0.01;
+    t.set_requires_grad(true);
+    return t;
+  };
+  EXPECT_TRUE(GradCheck(f, {AwayFromZero({3, 4}, 21), small({3, 4}, 22)}));
+  EXPECT_TRUE(GradCheck(f, {AwayFromZero({3, 4}, 23), small({4}, 24)}));
+  EXPECT_TRUE(GradCheck(f, {small({2, 1, 4}, 25), AwayFromZero({3, 4}, 26)}));
+}
+
+// AddRelu is Relu(Add) bit for bit, forward and backward, in every
+// floating dtype (NaN kept, ties at 0 cut), and refuses integers.
+TEST(GradCheckTest, AddReluMatchesReluOfAdd) {
+  for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    const std::vector<double> av = {1.5, -2.0, 0.25, -0.25, NAN, 3.0, -1.0, 0.0};
+    const std::vector<double> bv = {-0.5, 1.0, -0.25, 0.5, 1.0, -4.0, 1.0, -0.0};
+    auto leaf = [&](const std::vector<double>& v) {
+      Tensor t = FromVector(v, {2, 4}).To(dt);
+      t.set_requires_grad(true);
+      return t;
+    };
+    const Tensor a1 = leaf(av), b1 = leaf(bv), a2 = leaf(av), b2 = leaf(bv);
+    const Tensor fused = AddRelu(a1, b1), plain = Relu(Add(a2, b2));
+    const Tensor g = FromVector({1, 2, 3, 4, 5, 6, 7, 8}, {2, 4}).To(dt);
+    Backward(Sum(Mul(fused, g)));
+    Backward(Sum(Mul(plain, g)));
+    for (const auto& [x, y, what] : {std::tuple{fused, plain, "output"}, std::tuple{a1.grad(), a2.grad(), "a.grad"},
+                                     std::tuple{b1.grad(), b2.grad(), "b.grad"}}) {
+      const Tensor xf = x.Detach().To(DType::kFloat64), yf = y.Detach().To(DType::kFloat64);
+      for (int64_t i = 0; i < 8; ++i) {
+        const double u = xf.data<double>()[i], v = yf.data<double>()[i];
+        EXPECT_TRUE(u == v || (std::isnan(u) && std::isnan(v))) << what << "[" << i << "]: " << u << " vs " << v;
+      }
+    }
+  }
+  const Tensor i = FromVector({1, 2}, {2}).To(DType::kInt32);
+  EXPECT_EQ(ErrorOf([&] { AddRelu(i, i); }), "AddRelu: needs floating tensors, got i32 and i32");
 }
 
 TEST(GradCheckTest, ScalarAndUnaryOps) {

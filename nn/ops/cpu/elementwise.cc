@@ -181,6 +181,12 @@ void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
       case BinaryOp::kSub: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x - y; }); break;
       case BinaryOp::kMul: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x * y; }); break;
       case BinaryOp::kDiv: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x / y; }); break;
+      case BinaryOp::kAddRelu:
+        Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) {
+          const A s = x + y;
+          return s < A(0) ? A(0) : s;
+        });
+        break;
     }
   });
 }
