@@ -483,6 +483,30 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
   ExpectBadInput({Ddprun(), "--standalone"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
 }
 
+// `bazel run //:ddprun -- ... ./train` runs ddprun in its runfiles folder
+// with the user's folder in BUILD_WORKING_DIRECTORY: a relative program,
+// --log_dir and program argument are the user's, and the workers run there.
+TEST(DdprunTest, UnderBazelRunRelativePathsAreTheUsersFolder) {
+  const std::string user = testing::MakeTempDir("ddprun_user_folder");
+  const std::string script = user + "/hello.sh";
+  std::ofstream(script) << "#!/bin/sh\necho \"rank $RANK\" > \"$1.$RANK\"\necho hello $RANK\n";
+  chmod(script.c_str(), 0755);
+  // This test runs in its runfiles folder, where there is no hello.sh.
+  ASSERT_NE(access("hello.sh", F_OK), 0);
+  const auto run = RunProgram(
+      {Ddprun(), "--standalone", "--nproc_per_node=2", "--log_dir=logs", "./hello.sh", "ran"},
+      {{"BUILD_WORKING_DIRECTORY", user}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (int r = 0; r < 2; ++r) {
+    const std::string rs = std::to_string(r);
+    EXPECT_EQ(ReadFile(user + "/ran." + rs), "rank " + rs + "\n");
+    EXPECT_THAT(ReadFile(user + "/logs/attempt_0/rank_" + rs + ".log"), HasSubstr("hello " + rs + "\n"));
+  }
+  ExpectBadInput({Ddprun(), "--standalone", "./hello.sh"},
+                 "cannot enter BUILD_WORKING_DIRECTORY='" + user + "/missing': No such file or directory",
+                 {{"BUILD_WORKING_DIRECTORY", user + "/missing"}});
+}
+
 TEST(DdprunTest, PortInUseIsReported) {
   // Hold a listening socket on a port, then ask ddprun for that port.
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
