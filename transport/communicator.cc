@@ -33,6 +33,7 @@
 #include "transport/cuda/device_staging.h"
 #include "transport/cuda/ipc_collectives.h"
 #include "transport/cuda/staging_pipeline.h"
+#include "transport/env_value.h"
 #include "transport/fault/peer_monitor.h"
 #include "transport/fork/fork_guard.h"
 #include "transport/launch/env.h"
@@ -68,9 +69,18 @@ constexpr milliseconds kP2pPollHold{5};
 // last one out (not overlapped) costs little.
 constexpr size_t kDefaultDeviceChunkBytes = size_t{4} << 20;
 
-std::string GetEnv(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr ? "" : value;
+// Bounds of the shared-memory tuning variables. Staging: ShmAllReduce
+// refuses more (its segment holds twice this per rank). Chunk: one buffer of
+// this size per rank; more than 1 GiB per CMA read gains nothing. Spin: a
+// minute keeps the microseconds far from overflowing a clock duration.
+constexpr uint64_t kMostShmStagingBytes = uint64_t{1} << 30;
+constexpr uint64_t kMostShmChunkBytes = uint64_t{1} << 30;
+constexpr uint64_t kMostShmSpinUs = 60'000'000;
+
+// A parsed environment value as the settings compared between ranks show
+// it: "" when unset, so that "1M" and "1048576" agree.
+std::string OptionalText(const std::optional<uint64_t>& value) {
+  return value ? std::to_string(*value) : "";
 }
 
 StatusOr<Algorithm> ParseAlgorithm(const std::string& text, const char* origin) {
@@ -592,6 +602,14 @@ class Communicator::Impl {
   }
 
   CommunicatorOptions options_;
+  // DDP_SHM_STAGING_BYTES, DDP_SHM_CHUNK_BYTES, DDP_SHM_SPIN_US as Init
+  // parsed them; nullopt when unset.
+  struct ShmEnvironment {
+    std::optional<uint64_t> staging_bytes;
+    std::optional<uint64_t> chunk_bytes;
+    std::optional<uint64_t> spin_us;
+  };
+  ShmEnvironment shm_env_;
   CommunicatorInfo info_;
 
  private:
@@ -755,8 +773,15 @@ Status Communicator::Impl::Init() {
     DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
   }
   if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
-  if (GetEnv("DDP_CUDA_IPC") == "1") options_.cuda_ipc = true;
-  if (GetEnv("DDP_SHARED_MEMORY") == "0") options_.shared_memory = false;
+  // A true DDP_CUDA_IPC turns the option on and a false DDP_SHARED_MEMORY
+  // turns it off; the other value leaves the program's choice.
+  DDP_ASSIGN_OR_RETURN(const std::optional<bool> env_ipc, EnvBool("DDP_CUDA_IPC"));
+  if (env_ipc.value_or(false)) options_.cuda_ipc = true;
+  DDP_ASSIGN_OR_RETURN(const std::optional<bool> env_shm, EnvBool("DDP_SHARED_MEMORY"));
+  if (!env_shm.value_or(true)) options_.shared_memory = false;
+  DDP_ASSIGN_OR_RETURN(shm_env_.staging_bytes, EnvBytes("DDP_SHM_STAGING_BYTES", kMostShmStagingBytes));
+  DDP_ASSIGN_OR_RETURN(shm_env_.chunk_bytes, EnvBytes("DDP_SHM_CHUNK_BYTES", kMostShmChunkBytes));
+  DDP_ASSIGN_OR_RETURN(shm_env_.spin_us, EnvCount("DDP_SHM_SPIN_US", kMostShmSpinUs));
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
   if (options_.staged_reduce == StagedReduce::kAuto) {
     const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
@@ -836,8 +861,8 @@ Status Communicator::Impl::Init() {
       " shared_memory=" + (o.shared_memory ? "1" : "0") +
       " chunk_bytes=" + std::to_string(o.chunk_bytes) +
       " device_chunk_bytes=" + std::to_string(o.device_chunk_bytes) +
-      " DDP_SHM_STAGING_BYTES=" + GetEnv("DDP_SHM_STAGING_BYTES") +
-      " DDP_SHM_CHUNK_BYTES=" + GetEnv("DDP_SHM_CHUNK_BYTES") +
+      " DDP_SHM_STAGING_BYTES=" + OptionalText(shm_env_.staging_bytes) +
+      " DDP_SHM_CHUNK_BYTES=" + OptionalText(shm_env_.chunk_bytes) +
       " algorithm=" + AlgorithmName(options_.algorithm) +
       " topology=" + TopologySource(described);
   DDP_ASSIGN_OR_RETURN(topology::Exchanged exchanged,
@@ -976,16 +1001,11 @@ shm::ShmOptions Communicator::Impl::SharedMemoryOptions() const {
     shm_options.rooted_staging_bytes =
         std::min(shm_options.rooted_staging_bytes, 16 * options_.chunk_bytes);
   }
-  // Tuning knobs for benchmarks (docs/benchmarks.md); equal on every rank.
-  if (const std::string v = GetEnv("DDP_SHM_STAGING_BYTES"); !v.empty()) {
-    shm_options.staging_bytes = std::strtoull(v.c_str(), nullptr, 10);
-  }
-  if (const std::string v = GetEnv("DDP_SHM_SPIN_US"); !v.empty()) {
-    shm_options.spin_time = std::chrono::microseconds(std::strtoul(v.c_str(), nullptr, 10));
-  }
-  if (const std::string v = GetEnv("DDP_SHM_CHUNK_BYTES"); !v.empty()) {
-    shm_options.chunk_bytes = std::max<size_t>(4096, std::strtoull(v.c_str(), nullptr, 10));
-  }
+  // Tuning knobs for benchmarks (docs/benchmarks.md), read in Init; equal
+  // on every rank.
+  if (shm_env_.staging_bytes) shm_options.staging_bytes = *shm_env_.staging_bytes;
+  if (shm_env_.spin_us) shm_options.spin_time = std::chrono::microseconds(*shm_env_.spin_us);
+  if (shm_env_.chunk_bytes) shm_options.chunk_bytes = std::max<size_t>(4096, *shm_env_.chunk_bytes);
   return shm_options;
 }
 

@@ -105,7 +105,7 @@ struct CommunicatorOptions {
   /// Use the shared-memory path between ranks of one host when possible:
   /// for every all-reduce when all ranks are on one host, for the
   /// hierarchical all-reduce's steps inside each host otherwise.
-  /// DDP_SHARED_MEMORY=0 in the environment turns it off.
+  /// DDP_SHARED_MEMORY=0 (or false, off, no) in the environment turns it off.
   bool shared_memory = true;
   /// Tuning for tests: bytes per pipelined chunk (0: algorithm default), so
   /// that small inputs reach the multi-chunk paths.
@@ -133,7 +133,8 @@ struct CommunicatorOptions {
   /// Device buffers of ranks on one host: exchange CUDA IPC handles and
   /// copy and reduce GPU to GPU instead of staging through host memory,
   /// when every rank reaches every peer's GPU (the same GPU or peer access).
-  /// Off by default until measured on a GPU; DDP_CUDA_IPC=1 turns it on.
+  /// Off by default until measured on a GPU; DDP_CUDA_IPC=1 (or true, on,
+  /// yes) turns it on.
   /// Equal on every rank.
   bool cuda_ipc = false;
   /// Where staged all-reduces and reduce-scatters on device buffers reduce.

@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "transport/store/tcp_store.h"
@@ -1505,6 +1506,39 @@ TEST(Communicator, BadStagedReduceIsNamed) {
   EXPECT_NE(job.results[0].output.find("DDP_STAGED_REDUCE=gpu: expected device or host"),
             std::string::npos)
       << job.Describe();
+}
+
+// The transport's switches and sizes in the environment are parsed whole:
+// a typo fails creation naming the variable, the value and what is
+// accepted, instead of meaning 0 or nothing (env_value_test has the
+// spellings).
+TEST(Communicator, BadEnvironmentValueFailsCreationNamingTheVariable) {
+  const std::tuple<const char*, const char*, const char*> cases[] = {
+      {"DDP_SHM_STAGING_BYTES", "1X",
+       "DDP_SHM_STAGING_BYTES=1X: expected a byte count: digits, optionally followed by K, M or G"},
+      {"DDP_SHM_STAGING_BYTES", "2G", "DDP_SHM_STAGING_BYTES=2G: expected at most 1073741824 (1G) bytes"},
+      {"DDP_SHM_SPIN_US", "abc", "DDP_SHM_SPIN_US=abc: expected digits"},
+      {"DDP_SHARED_MEMORY", "maybe", "DDP_SHARED_MEMORY=maybe: expected 1, true, on, yes or 0, false, off, no"},
+      {"DDP_CUDA_IPC", "enabled", "DDP_CUDA_IPC=enabled: expected 1, true, on, yes or 0, false, off, no"},
+  };
+  for (const auto& [name, value, message] : cases) {
+    Job job = RunJob(1, "create", {{name, value}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+    ASSERT_EQ(job.results.size(), 1u);
+    EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
+    EXPECT_NE(job.results[0].output.find("RESULT INVALID_ARGUMENT: rank 0: creating the communicator: " +
+                                         std::string(message)),
+              std::string::npos)
+        << job.Describe();
+  }
+}
+
+// Ranks compare the sizes they parsed, not how they were spelled.
+TEST(Communicator, StagingBytesSpelledDifferentlyAgreeBetweenRanks) {
+  Job job = RunJob(2, "create", {{"DDP_TEST_TIMEOUT_MS", "30000"}, {"DDP_SHARED_MEMORY", "On"}},
+                   milliseconds(60000), nullptr,
+                   {{0, {{"DDP_SHM_STAGING_BYTES", "1M"}}}, {1, {{"DDP_SHM_STAGING_BYTES", "1048576"}}}});
+  ASSERT_EQ(job.results.size(), 2u);
+  for (const auto& result : job.results) EXPECT_EQ(result.exit_code, 0) << job.Describe();
 }
 
 // How far past their deadline survivors of a stopped (SIGSTOP) peer may
