@@ -359,6 +359,16 @@ void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>
 
 namespace {
 
+// Why a checksum recorded in __metadata__ may not match other than damage:
+// another tool (Python's safetensors with metadata=f.metadata()) rewrote
+// the file and carried the ddp.* keys over to bytes they do not describe.
+std::string ForeignEditNote() {
+  return std::string("it no longer matches the checksum recorded when the file was written; a file "
+                     "edited by another tool that kept the metadata (Python's safetensors with "
+                     "metadata=f.metadata()) must drop the ") +
+         kChecksumKey + " and " + kHeaderChecksumKey + " keys";
+}
+
 // The JSON header `text` (the n bytes after the length), checked as Parse
 // checks it: an object, without NUL bytes, nesting or repeated keys.
 nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
@@ -375,7 +385,8 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
     zeroed.replace(value, 8, kNoHeaderCrc);
     const std::string got = HeaderCrc32Hex(zeroed);
     if (got != said) {
-      p.Fail("header checksum is " + got + ", the header says " + said + " (the header is corrupt)");
+      p.Fail("header checksum is " + got + ", the header says " + said +
+             " (the header is corrupt: " + ForeignEditNote() + ")");
     }
   }
   // nlohmann's parser stops at a NUL as if the input ended there, which
@@ -478,7 +489,7 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
     const std::string got = Crc32Hex({all});
     if (got != crc->second) {
       p.Fail("data region checksum is " + got + ", the header says " + crc->second +
-             " (the tensor data is corrupt)");
+             " (the tensor data is corrupt: " + ForeignEditNote() + ")");
     }
     f.data_checksum_ = crc->second;
     f.metadata_.erase(crc);

@@ -639,16 +639,25 @@ TEST(SafetensorsErrors, FlippedHeaderBytes) {
   EXPECT_LE(renamed, static_cast<int>(3 * mark.size()));
 }
 
+// What a checksum mismatch adds for a file another tool rewrote keeping the
+// metadata (Python's safetensors with metadata=f.metadata()).
+const auto kSaysKeysToDrop = AllOf(
+    HasSubstr("no longer matches the checksum recorded when the file was written"),
+    HasSubstr("edited by another tool that kept the metadata"),
+    HasSubstr("must drop the ddp.data_crc32 and ddp.header_crc32 keys"));
+
 // The header checksum is checked before the header is read: a changed
 // digit in a shape or an offset (which may still parse) is refused as a
-// corrupt header.
+// corrupt header, or one another tool edited.
 TEST(SafetensorsErrors, ChangedDigitInTheHeaderFailsItsChecksum) {
   const float w[4] = {1, 2, 3, 4};
   std::string bytes = SerializeSafetensors({{"w", StDtype::kF32, {4}, w, sizeof(w)}}, {{"step", "1000"}});
   const size_t at = bytes.find("\"1000\"");
   ASSERT_NE(at, std::string::npos);
   bytes[at + 4] = '9';  // "1009": still valid JSON, the data CRC still matches
-  EXPECT_THAT(ParseError(bytes), AllOf(HasSubstr("header checksum is"), HasSubstr("the header is corrupt")));
+  EXPECT_THAT(ParseError(bytes),
+              AllOf(HasSubstr("header checksum is"), HasSubstr("the header is corrupt"),
+                    kSaysKeysToDrop));
   const std::string path = TmpDir("st_header_crc") + "/c.safetensors";
   WriteAll(path, bytes);
   EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadMetadata(path); }),
@@ -747,7 +756,8 @@ TEST(SafetensorsErrors, MetadataMustBeStrings) {
 TEST(SafetensorsErrors, ChecksumMismatchIsReported) {
   EXPECT_THAT(ParseError(Build(R"({"__metadata__":{"ddp.data_crc32":"00000000"},)"
                                R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "a")),
-              AllOf(HasSubstr("checksum is e8b7be43"), HasSubstr("the header says 00000000")));
+              AllOf(HasSubstr("checksum is e8b7be43"), HasSubstr("the header says 00000000"),
+                    HasSubstr("the tensor data is corrupt"), kSaysKeysToDrop));
 }
 
 TEST(SafetensorsErrors, WriterRejectsReservedNames) {
