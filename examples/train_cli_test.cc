@@ -45,8 +45,9 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
         "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "max_restarts",
-        "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "find_unused_parameters", "ddp_stats", "trace",
-        "checkpoint", "checkpoint_every", "save_timeout_s", "resume", "log_dir", "log_every", "timeout_s"}) {
+        "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "powersgd_start_step",
+        "find_unused_parameters", "ddp_stats", "trace", "checkpoint", "checkpoint_every",
+        "save_timeout_s", "resume", "log_dir", "log_every", "timeout_s"}) {
     EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
   }
   // Flags of linked libraries (gflags' own) stay out of the way.
@@ -168,6 +169,55 @@ TEST(TrainCliTest, NprocPerNodeTakesGpuCpuAndAuto) {
   EXPECT_TRUE(std::regex_match(cpu, std::regex(R"(train: --batch_size=100000 is larger than the .* )"
                                                R"(training samples each of the \d+ ranks? gets .*)")))
       << cpu;
+}
+
+// The default run (2 epochs) ended before PowerSGD's default start of 1,000
+// steps and printed a plan of compressed gradients anyway.
+TEST(TrainCliTest, PowerSgdThatWouldCompressNothingIsRefused) {
+  const std::vector<std::string> quick = {"--comm_hook=powersgd", "--dataset=synthetic", "--model=mlp",
+                                          "--train_samples=6400",  "--test_samples=64",    "--workers=0",
+                                          "--checkpoint=none"};
+  // 2 ranks, batch 64: 50 steps per epoch.
+  EXPECT_EQ(OneErrorLine(Train(quick)),
+            "train: --comm_hook=powersgd would compress nothing: it starts after "
+            "--powersgd_start_step=1000 steps of full all-reduce, and this run ends at step 100 "
+            "(2 epochs of 50 steps); pass --powersgd_start_step=99 or less, or another --comm_hook");
+  std::vector<std::string> args = quick;
+  args.push_back("--powersgd_start_step=95");
+  const RunOutput r = Train(args);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("PowerSGD gradients (rank 1 after step 95)"), std::string::npos) << r.out;
+}
+
+// Under a launcher (ddprun, torchrun, srun, mpirun) the trainer is one rank
+// and starts nothing: a --nproc_per_node that contradicts the launcher, or is
+// no number at all, was dropped without a word, and a negative
+// --max_restarts was accepted. Refused as every self-launching binary
+// refuses them (transport/launch/README.md), before anything starts.
+TEST(TrainCliTest, LaunchedRankRefusesAContradictingNprocPerNode) {
+  const std::vector<std::pair<std::string, std::string>> one_of_one = {
+      {"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_WORLD_SIZE", "1"},
+      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}};
+  auto launched = [&](std::vector<std::string> args) {
+    const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=64",
+                                            "--test_samples=32",   "--max_steps=1", "--workers=0",
+                                            "--checkpoint=none",   "--timeout_s=5"};
+    args.insert(args.begin(), Runfile("examples/train"));
+    args.insert(args.end(), quick.begin(), quick.end());
+    return RunToEnd(args, one_of_one, std::chrono::seconds(60));
+  };
+  EXPECT_EQ(OneErrorLine(launched({"--nproc_per_node=4"})),
+            "train: --nproc_per_node=4 asks for 4 workers on this node, but this process already "
+            "is one worker of a launched job with 1 on this node (RANK=0, WORLD_SIZE=1, "
+            "LOCAL_WORLD_SIZE=1); drop --nproc_per_node, or start the job with 4 workers per node "
+            "(e.g. ddprun --nproc_per_node=4)");
+  EXPECT_EQ(OneErrorLine(launched({"--nproc_per_node=abc"})),
+            "train: --nproc_per_node=abc is not an integer, gpu, cpu or auto");
+  EXPECT_EQ(OneErrorLine(launched({"--max_restarts=-1"})),
+            "train: --max_restarts=-1 must not be negative");
+  // One that agrees passes: the next mistake is the one reported.
+  EXPECT_EQ(OneErrorLine(launched({"--nproc_per_node=1", "--epochs=0"})),
+            "train: --epochs=0 must be at least 1");
 }
 
 // A refused run creates no folder (the checkpoint's folder is made only

@@ -86,10 +86,11 @@ DEFINE_bool(flush_denormal, true,
             "in optimizer updates; false keeps IEEE subnormals (PyTorch's default)");
 DEFINE_string(nproc_per_node, "2",
               "ranks to start on this machine: a number, gpu (one per visible GPU), cpu (one per "
-              "CPU) or auto (gpu if any, else cpu); ignored under ddprun, srun or mpirun");
+              "CPU) or auto (gpu if any, else cpu); under ddprun, srun or mpirun, if given, it "
+              "must match the launcher's ranks per node");
 DEFINE_int32(max_restarts, 0,
              "when a rank fails, restart every rank up to N times; restarted ranks resume "
-             "from this run's last checkpoint (ignored under ddprun: use its --max_restarts)");
+             "from this run's last checkpoint (not used under ddprun: use its --max_restarts)");
 DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
 DEFINE_bool(zero, false,
             "shard the optimizer state across ranks (ZeRO stage 1); results are the same, each "
@@ -101,7 +102,11 @@ DEFINE_bool(zero_overlap, false,
 DEFINE_double(bucket_cap_mb, 25, "gradient bucket size in MiB for the overlapped all-reduce");
 DEFINE_string(comm_hook, "allreduce",
               "how gradient buckets are reduced: allreduce, fp16 or bf16 (half the bytes on the "
-              "wire), powersgd (rank-1 PowerSGD from step 1000)");
+              "wire), powersgd (rank-1 PowerSGD after --powersgd_start_step)");
+DEFINE_int64(powersgd_start_step, 1000,
+             "with --comm_hook=powersgd: optimizer steps all-reduced in full before compression "
+             "starts (PyTorch's start_powerSGD_iter; 0: compress from the first step); must be "
+             "below the run's last step");
 DEFINE_int64(timeout_s, 300,
              "deadline of every collective in seconds: a rank that stops responding (hung, "
              "stopped, cut off) fails the job after this long");
@@ -235,7 +240,8 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
        {"nproc_per_node", "max_restarts", "sync_bn", "zero", "zero_overlap", "bucket_cap_mb",
-        "comm_hook", "find_unused_parameters", "ddp_stats", "trace", "timeout_s"}},
+        "comm_hook", "powersgd_start_step", "find_unused_parameters", "ddp_stats", "trace",
+        "timeout_s"}},
       {"Checkpoints and logs",
        {"checkpoint", "checkpoint_every", "save_timeout_s", "resume", "log_dir", "log_every"}},
   };
@@ -354,6 +360,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.zero_overlap = FLAGS_zero_overlap;
   c.bucket_cap_mb = FLAGS_bucket_cap_mb;
   c.comm_hook = FLAGS_comm_hook;
+  c.powersgd_start_step = FLAGS_powersgd_start_step;
   c.timeout_s = FLAGS_timeout_s;
   c.find_unused_parameters = FLAGS_find_unused_parameters;
   c.ddp_stats = FLAGS_ddp_stats;
@@ -378,6 +385,24 @@ TrainConfig ConfigFromFlags(int world_size) {
     if (IsDefault("lr")) c.lr = c.optimizer == "adadelta" ? 1.0 : 1e-3;
   }
   return c;
+}
+
+// Under a launcher (launch variables set; call only there): refuses a
+// --nproc_per_node that is not one of torchrun's forms, or that asks for
+// another number of ranks per node than the launcher started, as every
+// self-launching binary does. SelfLaunch under a launcher starts nothing; it
+// checks the flag and words the refusal, naming the launch variables.
+// Dropped, the flag would leave a job of another size than asked for
+// without a word.
+ddp::transport::Status CheckNprocPerNodeUnderLauncher(const std::string& program,
+                                                      const std::string& nproc_per_node) {
+  std::string arg0 = program;
+  std::string flag = "--nproc_per_node=" + nproc_per_node;
+  char* argv[] = {arg0.data(), flag.data(), nullptr};
+  int argc = 2;
+  auto launched = ddp::transport::launch::SelfLaunch(argc, argv);
+  if (!launched.ok()) return launched.status();
+  return ddp::transport::Status::Ok();
 }
 
 [[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
@@ -423,6 +448,9 @@ int main(int argc, char** argv) {
   }
 
   namespace launch = ddp::transport::launch;
+  if (FLAGS_max_restarts < 0) {
+    Fail(2, 0, 1, "--max_restarts=" + std::to_string(FLAGS_max_restarts) + " must not be negative");
+  }
   const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
   int world_size = 1;
   int rank = 0;
@@ -439,16 +467,17 @@ int main(int argc, char** argv) {
     local_rank = env->local_rank;
     job_token = env->job_token;
     run_id = env->run_id;
+    if (!IsDefault("nproc_per_node")) {
+      const ddp::transport::Status refused =
+          CheckNprocPerNodeUnderLauncher(original[0], FLAGS_nproc_per_node);
+      if (!refused.ok()) Fail(2, rank, world_size, refused.message());
+    }
   } else {
     // torchrun's forms, resolved as SelfLaunch resolves them (it reads the
     // flag again from the original arguments).
     auto nproc = launch::ParseNprocPerNode(FLAGS_nproc_per_node, launch::CurrentEnvironment());
     if (!nproc.ok()) Fail(2, 0, 1, nproc.status().message());
     world_size = *nproc;
-    if (FLAGS_max_restarts < 0) {
-      Fail(2, 0, 1, "--max_restarts=" + std::to_string(FLAGS_max_restarts) +
-                        " must not be negative");
-    }
   }
 
   TrainConfig config = ConfigFromFlags(world_size);

@@ -395,7 +395,9 @@ TEST(TrainRunTest, RunsAsOneRankOfALaunchedJob) {
   auto ranks = LaunchTwoRanks([&](int) {
     std::vector<std::string> args = QuickRun(dir);
     args.push_back("--epochs=1");
-    args.push_back("--nproc_per_node=7");  // ignored under a launcher
+    // Under a launcher it must agree with the launch (2 ranks on one node);
+    // one that does not is refused (train_cli_test).
+    args.push_back("--nproc_per_node=2");
     return args;
   });
   for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(120)), 0) << p->Stderr();

@@ -97,6 +97,7 @@ void ValidateConfig(const TrainConfig& c) {
   not_negative("train_samples", c.train_samples);
   not_negative("test_samples", c.test_samples);
   not_negative("workers", c.workers);
+  not_negative("powersgd_start_step", c.powersgd_start_step);
   non_negative("lr", c.lr);
   non_negative("momentum", c.momentum);
   non_negative("weight_decay", c.weight_decay);
@@ -158,6 +159,19 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--amp=" + c.amp + " on the CPU makes the whole model " + c.amp +
                      ", so its gradients already travel in 16 bits and --comm_hook=" + c.comm_hook +
                      " would leave them as they are; drop one of the two");
+  }
+  // (Whether the run reaches the start step depends on the dataset's size:
+  // CheckPowerSgdStarts, train_state.h.)
+  if (c.comm_hook != "powersgd" && c.powersgd_start_step != TrainConfig{}.powersgd_start_step) {
+    throw UsageError("--powersgd_start_step applies to --comm_hook=powersgd only; drop it for "
+                     "--comm_hook=" + c.comm_hook);
+  }
+  // Generated images read no files; a folder given for them would be
+  // dropped without a word (perhaps meant for --dataset=cifar10).
+  if (c.dataset == "synthetic" && !c.data_dir.empty()) {
+    throw UsageError("--data_dir=" + c.data_dir + " would not be read: --dataset=synthetic "
+                     "generates its images; drop --data_dir, or pass the --dataset whose files it "
+                     "holds (fashion_mnist, mnist or cifar10)");
   }
   if (c.sync_bn && c.model.rfind("resnet", 0) != 0) {
     throw UsageError("--sync_bn converts BatchNorm layers, and --model=" + c.model +

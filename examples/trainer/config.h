@@ -69,8 +69,12 @@ struct TrainConfig {
   bool zero_overlap = false;
   double bucket_cap_mb = 25.0;
   /// How DDP reduces gradient buckets: allreduce (f32), fp16 or bf16
-  /// (compressed on the wire), powersgd (rank 1 from step 1000).
+  /// (compressed on the wire), powersgd (rank 1 after powersgd_start_step).
   std::string comm_hook = "allreduce";
+  /// With powersgd: optimizer steps all-reduced in full before compression
+  /// starts (>= 0; PowerSgdOptions::start_iteration, PyTorch's
+  /// start_powerSGD_iter). Compression starts at step N + 1.
+  int64_t powersgd_start_step = 1000;
   /// Deadline of every collective, in seconds: a rank that stops
   /// responding (hung, stopped, cut off) fails the job after this long.
   int64_t timeout_s = 300;
@@ -103,7 +107,8 @@ struct TrainConfig {
 inline constexpr char kDefaultCheckpoint[] = "auto";
 
 /// Checks values and combinations that need no files: names, ranges,
-/// options that contradict each other. Throws UsageError.
+/// options that contradict each other, values that would do nothing (a
+/// --data_dir for synthetic data). Throws UsageError.
 void ValidateConfig(const TrainConfig& config);
 
 /// Where "--checkpoint=auto" saves: $XDG_CACHE_HOME (or $HOME/.cache)

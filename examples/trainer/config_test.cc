@@ -100,6 +100,37 @@ TEST(ConfigTest, BadValuesNameTheFlag) {
   EXPECT_NE(ErrorOf(c).find("--resume needs a checkpoint"), std::string::npos);
 }
 
+// --powersgd_start_step mirrors PowerSgdOptions::start_iteration (>= 0), and
+// like other flags that would do nothing it is refused without the hook.
+TEST(ConfigTest, PowerSgdStartStepIsCheckedAndNeedsThePowerSgdHook) {
+  TrainConfig c;
+  c.comm_hook = "powersgd";
+  c.powersgd_start_step = -1;
+  EXPECT_EQ(ErrorOf(c), "--powersgd_start_step=-1 must be at least 0");
+  c.powersgd_start_step = 0;
+  EXPECT_EQ(ErrorOf(c), "");
+  c.comm_hook = "bf16";
+  EXPECT_EQ(ErrorOf(c),
+            "--powersgd_start_step applies to --comm_hook=powersgd only; drop it for --comm_hook=bf16");
+  c.powersgd_start_step = TrainConfig{}.powersgd_start_step;
+  EXPECT_EQ(ErrorOf(c), "");
+}
+
+// Synthetic images read no folder: a --data_dir given with them was dropped
+// without a word (perhaps meant for --dataset=cifar10).
+TEST(ConfigTest, DataDirWithSyntheticDataIsRefused) {
+  TrainConfig c;
+  c.dataset = "synthetic";
+  EXPECT_EQ(ErrorOf(c), "");
+  c.data_dir = "/data/cifar-10-batches-bin";
+  EXPECT_EQ(ErrorOf(c),
+            "--data_dir=/data/cifar-10-batches-bin would not be read: --dataset=synthetic generates "
+            "its images; drop --data_dir, or pass the --dataset whose files it holds "
+            "(fashion_mnist, mnist or cifar10)");
+  c.dataset = "cifar10";
+  EXPECT_EQ(ErrorOf(c), "");
+}
+
 TEST(ConfigTest, PathsAreRelativeToTheUsersDirectory) {
   setenv("BUILD_WORKING_DIRECTORY", "/home/someone/project", 1);
   setenv("XDG_CACHE_HOME", "/cache", 1);

@@ -126,8 +126,12 @@ class DdpParallel : public Parallel {
 
   void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) override {
     if (config.sync_bn) model = dist::ConvertSyncBatchNorm(model, pg_);
-    // PyTorch's defaults (rank 1, warm-up of 1000 iterations).
-    if (config.comm_hook == "powersgd") powersgd_ = std::make_shared<dist::PowerSgdState>();
+    // PyTorch's defaults (rank 1, warm-up of 1000 iterations unless
+    // --powersgd_start_step says otherwise).
+    if (config.comm_hook == "powersgd") {
+      powersgd_ = std::make_shared<dist::PowerSgdState>(
+          dist::PowerSgdOptions{.start_iteration = config.powersgd_start_step});
+    }
   }
 
   void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config,

@@ -95,7 +95,8 @@ class Parallel {
   /// Every rank must hold the same architecture; rank 0's values win.
   /// `step`: optimizer steps already taken (a resumed run): when the
   /// checkpoint held no PowerSGD state, --comm_hook=powersgd counts its
-  /// warm-up from there, so that it still starts compressing at step 1,000.
+  /// warm-up from there, so that it still starts compressing after
+  /// --powersgd_start_step.
   /// `bucket_order`: BucketOrder() of the run being resumed (empty for
   /// none); used when it is a permutation of the model's trainable
   /// parameters, ignored otherwise.

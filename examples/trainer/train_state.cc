@@ -327,6 +327,26 @@ int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
   return end;
 }
 
+void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch) {
+  if (config.comm_hook != "powersgd") return;
+  // The hook counts its iterations over the whole run, a resumed one's
+  // included (they are saved with the checkpoint).
+  const int64_t end = RunEndStep(config, batches_per_epoch);
+  if (config.powersgd_start_step < end) return;
+  const int64_t per_epoch =
+      (batches_per_epoch + config.grad_accum_steps - 1) / config.grad_accum_steps;
+  const std::string how =
+      config.max_steps > 0 && end == config.max_steps
+          ? "--max_steps=" + std::to_string(config.max_steps)
+          : std::to_string(config.epochs) + (config.epochs == 1 ? " epoch" : " epochs") + " of " +
+                FormatCount(per_epoch) + " steps";
+  throw UsageError("--comm_hook=powersgd would compress nothing: it starts after "
+                   "--powersgd_start_step=" + std::to_string(config.powersgd_start_step) +
+                   " steps of full all-reduce, and this run ends at step " + FormatCount(end) +
+                   " (" + how + "); pass --powersgd_start_step=" + std::to_string(end - 1) +
+                   " or less, or another --comm_hook");
+}
+
 int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
                        int64_t epoch_start) {
   // The sampler itself counts: its padding decides how many are left.
@@ -648,6 +668,31 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
     // it is: it may be a good checkpoint a retry could read.
     return true;
   }
+}
+
+std::string PreviousCheckpointPath(const std::string& path) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / (p.stem().string() + ".prev" + p.extension().string())).string();
+}
+
+std::string KeepAsPreviousCheckpoint(const std::string& path) {
+  const std::string previous = PreviousCheckpointPath(path);
+  // rename(2) replaces an older .prev and moves the file in one step: a
+  // crash leaves it under one name or the other.
+  std::error_code ec;
+  std::filesystem::rename(path, previous, ec);
+  if (ec) {
+    throw UsageError("cannot keep another run's checkpoint " + path + " as " + previous + ": " +
+                     ec.message() + "; move it yourself, or pass another --checkpoint path");
+  }
+  const std::string folder = std::filesystem::path(previous).parent_path().string();
+  try {
+    nn::io::SyncFolder(folder.empty() ? "." : folder);
+  } catch (const nn::io::CheckpointError&) {
+    // The rename is done; only its durability across a crash is not
+    // certain, and the save that follows syncs the folder again.
+  }
+  return previous;
 }
 
 std::string ResumeAfterRestart(TrainConfig& config, int restart) {

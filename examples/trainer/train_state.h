@@ -96,6 +96,12 @@ class RunSchedule : public nn::optim::Schedule {
 int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
                    const TrainPosition& position = {}, int64_t batches_this_epoch = -1);
 
+/// Throws UsageError when --comm_hook=powersgd would compress no step: the
+/// run (RunEndStep with `batches_per_epoch`, from its start) ends at or
+/// before config.powersgd_start_step, the steps all-reduced in full first.
+/// Names both flags and the run's steps. Nothing to check for other hooks.
+void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch);
+
 /// Micro-batches of `batch_size` per rank in an epoch of `train_size`
 /// samples on `world_size` ranks that starts at position `epoch_start` of
 /// its order, as the trainer's DistributedSampler and DataLoader make them.
@@ -199,6 +205,18 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart);
 /// header cannot be read, whose run is unknown. A stop before a fresh run's first save leaves such a
 /// file alone.
 bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job);
+
+/// Where a fresh run keeps another run's checkpoint at `path` instead of
+/// replacing it: `<stem>.prev<extension>` beside it
+/// (".../cnn_fashion_mnist.prev.safetensors").
+std::string PreviousCheckpointPath(const std::string& path);
+
+/// Renames the file at `path` to PreviousCheckpointPath(path), replacing an
+/// older one there in the same atomic step, and syncs the folder; returns
+/// the new path. Call on rank 0 only, before a fresh run's first save over
+/// another run's checkpoint (IsAnotherRunsCheckpoint). Throws UsageError
+/// naming both paths when the rename fails; `path` is then as it was.
+std::string KeepAsPreviousCheckpoint(const std::string& path);
 
 /// Throws the UsageError LoadTrainCheckpoint would for a model mismatch,
 /// reading only the model part of `path` (used before starting ranks).

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <set>
 
@@ -538,6 +540,59 @@ TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
   config.checkpoint.clear();
   EXPECT_NE(ResumeAfterRestart(config, 1).find("starting over"), std::string::npos);
   EXPECT_FALSE(config.resume);
+}
+
+// The default run (2 epochs of 469 steps, 938 in all) never reached
+// PowerSGD's default start of 1,000 steps and said it compressed anyway.
+TEST(TrainStateTest, PowerSgdThatWouldCompressNothingIsRefused) {
+  TrainConfig config;
+  config.comm_hook = "powersgd";
+  EXPECT_EQ(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }),
+            "--comm_hook=powersgd would compress nothing: it starts after --powersgd_start_step=1000 "
+            "steps of full all-reduce, and this run ends at step 938 (2 epochs of 469 steps); pass "
+            "--powersgd_start_step=937 or less, or another --comm_hook");
+  // At 937 the last step (the hook's iteration 937) compresses; at 938 none.
+  config.powersgd_start_step = 937;
+  EXPECT_EQ(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }), "");
+  config.powersgd_start_step = 938;
+  EXPECT_NE(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }), "");
+  config.powersgd_start_step = 0;
+  EXPECT_EQ(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }), "");
+  // --max_steps ends the run first; accumulation makes fewer steps.
+  config.powersgd_start_step = 1000;
+  config.epochs = 5;
+  config.max_steps = 1000;
+  EXPECT_NE(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); })
+                .find("this run ends at step 1,000 (--max_steps=1000)"),
+            std::string::npos);
+  config.max_steps = 0;
+  config.grad_accum_steps = 4;  // 118 steps per epoch, 590 in all
+  EXPECT_NE(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); })
+                .find("ends at step 590 (5 epochs of 118 steps)"),
+            std::string::npos);
+  config.comm_hook = "allreduce";
+  EXPECT_EQ(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }), "");
+}
+
+// Another run's checkpoint at a fresh run's path is moved aside, replacing
+// an older one moved there before, not overwritten.
+TEST(TrainStateTest, AnotherRunsCheckpointIsKeptAsPrev) {
+  EXPECT_EQ(PreviousCheckpointPath("/c/cnn_fashion_mnist.safetensors"),
+            "/c/cnn_fashion_mnist.prev.safetensors");
+  EXPECT_EQ(PreviousCheckpointPath("/c/ckpt"), "/c/ckpt.prev");
+  const std::string path = Path("keep_prev");
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  const std::string previous = PreviousCheckpointPath(path);
+  std::ofstream(previous) << "older";
+  std::ofstream(path) << "another run's";
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), previous);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  std::ifstream in(previous);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "another run's");
+  const std::string msg = UsageErrorOf([&] { KeepAsPreviousCheckpoint(path); });
+  EXPECT_EQ(msg.rfind("cannot keep another run's checkpoint " + path + " as " + previous + ": ", 0),
+            0u)
+      << msg;
 }
 
 // A checkpoint of a cosine schedule from lr 0.05, saved at the end of the

@@ -337,6 +337,10 @@ class Run {
   std::string checkpoint_saved_;
   int64_t checkpoint_saved_step_ = -1;
   int64_t last_checkpoint_step_ = -1;
+  // Rank 0, a fresh run: --checkpoint held another run's checkpoint at the
+  // start, to be kept as PreviousCheckpointPath at this run's first save
+  // (the default path is the same for every run of a model and dataset).
+  bool keep_previous_ = false;
 };
 
 // What every rank must share: the flags that shape the run, and the data
@@ -382,6 +386,7 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       {"--zero_overlap", flag(c.zero_overlap)},
       {"--bucket_cap_mb", ExactDouble(c.bucket_cap_mb)},
       {"--comm_hook", c.comm_hook},
+      {"--powersgd_start_step", std::to_string(c.powersgd_start_step)},
       {"--timeout_s", std::to_string(c.timeout_s)},
       {"--find_unused_parameters", flag(c.find_unused_parameters)},
       {"--ddp_stats", flag(c.ddp_stats)},
@@ -439,6 +444,8 @@ void Run::Setup() {
     }
   }
   CheckBatchFitsShard(c_, data_.train->Size(), world_);
+  // Under a launcher no CheckSetup ran; every rank finds the same answer.
+  CheckPowerSgdStarts(c_, BatchesInEpoch(data_.train->Size(), world_, c_.batch_size));
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
   // In the worker only (never the launcher): CUDA is initialized here.
   device_ = WorkerDevice(c_.device, opt_.local_rank);
@@ -557,8 +564,10 @@ void Run::Setup() {
                      FormatCount(steps_per_epoch_) + " steps";
   if (c_.max_steps > 0) plan += " (at most " + FormatCount(c_.max_steps) + " steps)";
   if (world_ > 1 && c_.comm_hook != "allreduce") {
-    plan += dot + (c_.comm_hook == "powersgd" ? std::string("PowerSGD gradients (rank 1 from step 1,000)")
-                                              : c_.comm_hook + "-compressed gradients");
+    plan += dot + (c_.comm_hook == "powersgd"
+                       ? "PowerSGD gradients (rank 1 after step " +
+                             FormatCount(c_.powersgd_start_step) + ")"
+                       : c_.comm_hook + "-compressed gradients");
   }
   if (world_ > 1 && c_.zero) {
     plan += dot + std::string(c_.zero_overlap ? "optimizer state sharded, stepped inside backward"
@@ -568,6 +577,13 @@ void Run::Setup() {
   if (!c_.checkpoint.empty()) {
     Say(console_.Dim("  checkpoint " + c_.checkpoint +
                      (c_.resume ? " (resuming)" : "")));
+  }
+  keep_previous_ = lead_ && !c_.resume && !c_.checkpoint.empty() &&
+                   IsAnotherRunsCheckpoint(c_.checkpoint, c_.job);
+  if (keep_previous_) {
+    Say("  note: " + c_.checkpoint + " holds another run's checkpoint; this run's first save " +
+        "keeps it as " + PreviousCheckpointPath(c_.checkpoint) +
+        " (--resume continues it instead)");
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
   if (c_.resume) {
@@ -787,6 +803,7 @@ void Run::SaveCheckpoint() {
     if (sharded_) parts.optimizer_state = &whole;
   }
   std::exception_ptr error;
+  std::string kept;  // where another run's checkpoint went, if it was there
   const std::string late = StringPrintf(
       "rank 0 was still writing %s after %lld s (--save_timeout_s); the file there is the one "
       "before, if any: pass a longer --save_timeout_s, or a --checkpoint on a faster disk",
@@ -794,7 +811,19 @@ void Run::SaveCheckpoint() {
   const std::string failure = par_.RunOnLead(
       [&](const std::atomic<bool>& stop) {
         try {
-          SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
+          // Checked again: the file may have gone (or become this job's)
+          // since the start.
+          if (keep_previous_ && IsAnotherRunsCheckpoint(c_.checkpoint, c_.job)) {
+            kept = KeepAsPreviousCheckpoint(c_.checkpoint);
+          }
+          keep_previous_ = false;
+          try {
+            SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
+          } catch (const UsageError& e) {
+            if (kept.empty()) throw;
+            throw UsageError(std::string(e.what()) +
+                             " (another run's checkpoint that was there is " + kept + ")");
+          }
         } catch (...) {
           error = std::current_exception();
           throw;
@@ -806,6 +835,9 @@ void Run::SaveCheckpoint() {
   if (lead_) {
     checkpoint_saved_ = c_.checkpoint;
     checkpoint_saved_step_ = pos_.step;
+    if (!kept.empty()) {
+      Say("  another run's checkpoint, which was at " + c_.checkpoint + ", is now " + kept);
+    }
   }
 }
 
@@ -1042,6 +1074,7 @@ void CheckSetup(const TrainConfig& config, int world_size) {
   CheckCheckpointIsAFile(config);
   const Datasets data = LoadDatasets(config);
   CheckBatchFitsShard(config, data.train->Size(), world_size);
+  CheckPowerSgdStarts(config, BatchesInEpoch(data.train->Size(), world_size, config.batch_size));
   const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
   if (config.resume) {
     // What the ranks would refuse (another model, optimizer, precision or

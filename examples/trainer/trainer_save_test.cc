@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "examples/trainer/config.h"
@@ -56,6 +58,35 @@ DDP_TEST_WORKER(slow_save) {
   return 0;
 }
 
+// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks) as job
+// FRESH_RUN_JOB, without --resume, saving to FRESH_RUN_CKPT at its end;
+// rank 0 prints its lines. Exit status 0, or 1 after printing the error.
+DDP_TEST_WORKER(fresh_run) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.dataset = "synthetic";
+  c.train_samples = 64;
+  c.test_samples = 32;
+  c.batch_size = 16;
+  c.epochs = 1;
+  c.workers = 0;
+  c.timeout_s = 30;
+  c.checkpoint = std::getenv("FRESH_RUN_CKPT");
+  c.job = std::getenv("FRESH_RUN_JOB");
+  RunOptions options;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    Train(c, *parallel, options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
                                            int save_timeout_s) {
   auto run = launch::testing::RunTestWorkers(
@@ -99,6 +130,53 @@ TEST(TrainerSaveTest, SaveLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
     EXPECT_NE(run.Output(rank).find(message), std::string::npos) << run.Output(rank);
   }
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+// The default --checkpoint is the same path for every run of a model and
+// dataset: a fresh run (no --resume) used to replace the earlier run's
+// trained model at its first save without a word. It says so at the start,
+// and its first save keeps the other run's file as <stem>.prev.safetensors
+// (replacing an older one); its own later saves replace only its own.
+TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointAsPrev) {
+  const std::string dir = TempDir("fresh");
+  const std::string checkpoint = dir + "/mlp_synthetic.safetensors";
+  const std::string previous = dir + "/mlp_synthetic.prev.safetensors";
+  auto run = [&](const std::string& job) {
+    auto result = launch::testing::RunTestWorkers(
+        "fresh_run", {.world_size = 2,
+                      .timeout = std::chrono::seconds(90),
+                      .env = {{"FRESH_RUN_CKPT", checkpoint}, {"FRESH_RUN_JOB", job}}});
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : launch::testing::TestRunResult{};
+  };
+  auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  launch::testing::TestRunResult first = run("job-a");
+  ASSERT_TRUE(first.AllSucceeded()) << first.Summary() << first.Output(0) << first.Output(1);
+  EXPECT_EQ(first.Output(0).find("another run's"), std::string::npos) << first.Output(0);
+  EXPECT_FALSE(std::filesystem::exists(previous));
+  const std::string job_a = read(checkpoint);
+  ASSERT_FALSE(job_a.empty());
+  {
+    std::ofstream older(previous, std::ios::binary);
+    older << "an older .prev";
+  }
+
+  launch::testing::TestRunResult second = run("job-b");
+  ASSERT_TRUE(second.AllSucceeded()) << second.Summary() << second.Output(0) << second.Output(1);
+  const std::string out = second.Output(0);
+  EXPECT_NE(out.find("note: " + checkpoint + " holds another run's checkpoint; this run's first "
+                     "save keeps it as " + previous),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("another run's checkpoint, which was at " + checkpoint + ", is now " + previous),
+            std::string::npos)
+      << out;
+  EXPECT_TRUE(read(previous) == job_a) << "the other run's checkpoint was not kept";
+  EXPECT_FALSE(read(checkpoint).empty());
+  EXPECT_FALSE(read(checkpoint) == job_a);
 }
 
 }  // namespace

@@ -36,10 +36,20 @@ class RangeDataset : public Dataset {
   std::string name_;
 };
 
-// The first `limit` samples (all when limit is 0 or larger than the set).
-// In-memory sets are copied so that the loader keeps reading them in place.
-std::shared_ptr<const Dataset> Head(std::shared_ptr<const Dataset> set, int64_t limit) {
-  if (limit <= 0 || limit >= set->Size()) return set;
+// The first `limit` samples (all when limit is 0) of `set`: the `split`
+// ("training" or "test") of `dataset` that the flag `flag` limits. A limit
+// past the set's size is refused: it would quietly train or evaluate on
+// fewer samples than asked for. In-memory sets are copied so that the
+// loader keeps reading them in place.
+std::shared_ptr<const Dataset> Head(std::shared_ptr<const Dataset> set, int64_t limit,
+                                    const char* flag, const char* split,
+                                    const std::string& dataset) {
+  if (limit > set->Size()) {
+    throw UsageError("--" + std::string(flag) + "=" + std::to_string(limit) + " is more than the " +
+                     FormatCount(set->Size()) + " " + split + " samples " + dataset + " has; use " +
+                     std::to_string(set->Size()) + " or less, or 0 for all");
+  }
+  if (limit <= 0 || limit == set->Size()) return set;
   if (auto in_memory = std::dynamic_pointer_cast<const InMemoryImageDataset>(set)) {
     const int64_t pixels = set->Shape().NumPixels();
     std::vector<uint8_t> data(in_memory->Pixels(0), in_memory->Pixels(0) + limit * pixels);
@@ -116,8 +126,8 @@ Datasets LoadDatasets(const TrainConfig& c) {
                        " classes)");
     }
   }
-  d.train = Head(d.train, c.train_samples);
-  d.test = Head(d.test, c.test_samples);
+  d.train = Head(d.train, c.train_samples, "train_samples", "training", c.dataset);
+  d.test = Head(d.test, c.test_samples, "test_samples", "test", c.dataset);
 
   const ImageShape shape = d.train->Shape();
   if (shape.channels == 3 && shape.height == 32 && shape.width == 32) {

@@ -51,6 +51,27 @@ TEST(ZooTest, SyntheticDataTakesTheModelsShape) {
   EXPECT_EQ(d.train->Size(), 100);
 }
 
+// More samples than the set has were quietly the whole set: a run asked
+// for 100,000 trained on 50,000.
+TEST(ZooTest, MoreSamplesThanTheDatasetHasAreRefused) {
+  TrainConfig c;
+  c.dataset = "synthetic";
+  c.model = "mlp";
+  c.train_samples = 50001;
+  EXPECT_EQ(UsageErrorOf([&] { LoadDatasets(c); }),
+            "--train_samples=50001 is more than the 50,000 training samples synthetic has; use "
+            "50000 or less, or 0 for all");
+  c.train_samples = 50000;
+  c.test_samples = 20000;
+  EXPECT_EQ(UsageErrorOf([&] { LoadDatasets(c); }),
+            "--test_samples=20000 is more than the 10,000 test samples synthetic has; use 10000 or "
+            "less, or 0 for all");
+  c.test_samples = 10000;
+  const Datasets d = LoadDatasets(c);
+  EXPECT_EQ(d.train->Size(), 50000);
+  EXPECT_EQ(d.test->Size(), 10000);
+}
+
 TEST(ZooTest, MlpCannotTakeCifarImages) {
   TrainConfig c;
   c.model = "mlp";
