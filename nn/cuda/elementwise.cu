@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "nn/cuda/device_util.cuh"
 #include "nn/cuda/env_flag.h"
@@ -91,7 +92,11 @@ __device__ __forceinline__ A BinaryFn(OpCode op, A x, A y) {
     case 3: return x / y;
     default: {  // 4: add, then relu as UnaryFn's case 1 (NaN kept)
       const A s = x + y;
-      return s < A(0) ? A(0) : s;
+      if constexpr (std::is_unsigned_v<A>) {
+        return s;
+      } else {
+        return s < A(0) ? A(0) : s;
+      }
     }
   }
 }
