@@ -1,8 +1,8 @@
 // Host side of the CUDA kernel table: checks operands, builds the index
 // geometry and launches the .cu kernels on the current stream of the
 // operands' device. Inputs may have any strides (elementwise kernels index
-// them directly; softmax and cross-entropy first make them contiguous on
-// the device). Outputs are written through their strides unless a kernel
+// them directly; softmax, cross-entropy and NLL first make them contiguous
+// on the device). Outputs are written through their strides unless a kernel
 // says otherwise.
 #include "nn/cuda/kernels.h"
 
@@ -372,6 +372,124 @@ void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const T
   });
 }
 
+// N, C and S (the positions per sample: the sizes after the class dim, 1 for
+// [N, C]; not numel / (N * C), which is 0 without classes) of an NLL on
+// `input` [N, C, S...] (log_probs or dlog_probs), after checking target
+// [N, S...] (i64) and weight [C] (floating) or undefined.
+struct NllSizes {
+  int64_t n, c, s;
+};
+
+NllSizes CheckNllOperands(const char* op, const char* input_name, const Tensor& input, const Tensor& target,
+                          const Tensor& weight) {
+  if (target.dtype() != DType::kInt64) {
+    throw std::invalid_argument(std::string(op) + ": target must be i64, got " +
+                                std::string(DTypeName(target.dtype())));
+  }
+  Shape expected = input.shape();
+  if (input.dim() >= 2) expected.erase(expected.begin() + 1);
+  if (input.dim() < 2 || target.shape() != expected) {
+    throw std::invalid_argument(std::string(op) + ": " + input_name + " " + ShapeToString(input.shape()) +
+                                ", target " + ShapeToString(target.shape()) + " do not fit [N, C, d...], [N, d...]");
+  }
+  NllSizes z{input.size(0), input.size(1), 1};
+  for (int64_t d = 2; d < input.dim(); ++d) z.s *= input.size(d);
+  if (weight.defined()) {
+    if (weight.dim() != 1 || weight.size(0) != z.c) {
+      throw std::invalid_argument(std::string(op) + ": weight of shape " + ShapeToString(weight.shape()) +
+                                  " does not match " + std::to_string(z.c) + " classes (expected [" +
+                                  std::to_string(z.c) + "])");
+    }
+    CheckFloating(op, weight);
+  }
+  return z;
+}
+
+// Names the first target that is neither a class in [0, c) nor ignore_index,
+// in the words of the CPU's CheckNllTargets (nn/ops/cpu/softmax.cc). The
+// targets are copied to the host (N * S integers; the copy waits for the
+// device) so that a bad one is named instead of read out of bounds.
+void CheckNllTargets(const Tensor& target, int64_t c, int64_t s, int64_t ignore_index) {
+  if (target.numel() == 0) return;
+  const Tensor host_target = target.Detach().To(kCPU).Contiguous();
+  const int64_t* t = host_target.data<int64_t>();
+  for (int64_t i = 0; i < host_target.numel(); ++i) {
+    if (t[i] == ignore_index || (t[i] >= 0 && t[i] < c)) continue;
+    const std::string where = s == 1 ? "sample " + std::to_string(i)
+                                     : "sample " + std::to_string(i / s) + ", position " + std::to_string(i % s);
+    throw std::out_of_range("nll_loss: target " + std::to_string(t[i]) + " (" + where + ") is out of range for " +
+                            std::to_string(c) + " classes [0, " + std::to_string(c - 1) + "]");
+  }
+}
+
+// The class weights as a contiguous tensor of `dtype` on their device (as the
+// CPU's, which converts them to log_probs' dtype), or undefined.
+Tensor WeightOnDevice(const Tensor& weight, DType dtype) {
+  if (!weight.defined()) return Tensor();
+  NoGradGuard guard;
+  return ContiguousOnDevice(weight.dtype() == dtype ? weight : weight.Detach().To(dtype));
+}
+
+// log_probs [N, C, S...], target [N, S...] (i64), weight [C] or undefined,
+// loss [N, S...] (any shape of N * S elements), computed in log_probs' dtype.
+void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor& weight, int64_t ignore_index,
+                    const Tensor& loss) {
+  const Device dev = CommonDevice("nll_loss", {&log_probs, &target, &weight, &loss});
+  CheckFloating("nll_loss", log_probs);
+  CheckFloating("nll_loss", loss);
+  const NllSizes z = CheckNllOperands("nll_loss", "log_probs", log_probs, target, weight);
+  if (loss.numel() != z.n * z.s) {
+    throw std::invalid_argument("nll_loss: loss of shape " + ShapeToString(loss.shape()) + " for " +
+                                std::to_string(z.n * z.s) + " elements of target " + ShapeToString(target.shape()));
+  }
+  CheckNllTargets(target, z.c, z.s, ignore_index);
+  if (z.n * z.s == 0) return;
+  const Tensor lp = ContiguousOnDevice(log_probs);
+  const Tensor tc = ContiguousOnDevice(target);
+  const Tensor w = WeightOnDevice(weight, lp.dtype());
+  IntoContiguous(loss, lp.dtype(), [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::NllLoss(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()),
+                              w.defined() ? w.data_ptr() : nullptr, dst.data_ptr(), z.n, z.c, z.s, ignore_index,
+                              ToDt(lp.dtype()), l.stream),
+              "kernel `nll_loss_forward`");
+  });
+}
+
+// target [N, S...] (i64), weight [C] or undefined, grad_loss [N, S...] (any
+// shape of N * S elements) or one element, dlog_probs [N, C, S...]; computed
+// in dlog_probs' dtype, to which grad_loss and weight are converted as on the
+// CPU. Targets are checked as in the forward (the CPU checks them in both).
+void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
+                     const Tensor& dlog_probs) {
+  const Device dev = CommonDevice("nll_loss_backward", {&target, &weight, &grad_loss, &dlog_probs});
+  CheckFloating("nll_loss_backward", dlog_probs);
+  const NllSizes z = CheckNllOperands("nll_loss_backward", "dlog_probs", dlog_probs, target, weight);
+  if (grad_loss.numel() != 1 && grad_loss.numel() != z.n * z.s) {
+    throw std::invalid_argument("nll_loss_backward: grad_loss of shape " + ShapeToString(grad_loss.shape()) +
+                                " for " + std::to_string(z.n * z.s) + " elements of target " +
+                                ShapeToString(target.shape()));
+  }
+  CheckNllTargets(target, z.c, z.s, ignore_index);
+  if (dlog_probs.numel() == 0) return;
+  const DType dt = dlog_probs.dtype();
+  Tensor g = grad_loss;
+  if (g.dtype() != dt) {
+    NoGradGuard guard;
+    g = grad_loss.Detach().To(dt);
+  }
+  g = ContiguousOnDevice(g);
+  const Tensor tc = ContiguousOnDevice(target);
+  const Tensor w = WeightOnDevice(weight, dt);
+  IntoContiguous(dlog_probs, dt, [&](const Tensor& dst) {
+    Launch l(dev);
+    CheckCuda(launch::NllLossBackward(static_cast<const int64_t*>(tc.data_ptr()),
+                                      w.defined() ? w.data_ptr() : nullptr, g.data_ptr(), g.numel() == 1 ? 0 : 1,
+                                      dst.data_ptr(), z.n, z.c, z.s, ignore_index, ToDt(dt), l.stream),
+              "kernel `nll_loss_backward`");
+  });
+}
+
 
 // ---- pooling: x, dx [N, C, H, W]; y, dy, indices [N, C, OH, OW] ----
 
@@ -542,6 +660,8 @@ ops::KernelTable CudaKernelTable() {
   t.log_softmax_backward = &LogSoftmaxBackward;
   t.cross_entropy_forward = &CrossEntropyForward;
   t.cross_entropy_backward = &CrossEntropyBackward;
+  t.nll_loss_forward = &NllLossForward;
+  t.nll_loss_backward = &NllLossBackward;
   return t;
 }
 

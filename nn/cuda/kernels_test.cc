@@ -490,6 +490,130 @@ TEST_F(CudaKernelsTest, CrossEntropyNamesAnOutOfRangeTargetLikeTheCpu) {
   EXPECT_EQ(gpu_msg, cpu_msg);
 }
 
+// Targets for log_probs of `shape` [N, C, S...]: classes (i * 3 + 1) % C,
+// with elements 1 and numel - 2 ignored (-100).
+Tensor NllTargets(const Shape& shape) {
+  Shape target_shape = shape;
+  target_shape.erase(target_shape.begin() + 1);
+  const int64_t c = shape[1];
+  std::vector<double> t(static_cast<size_t>(NumElements(target_shape)));
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<double>((static_cast<int64_t>(i) * 3 + 1) % c);
+  t[1] = -100;
+  t[t.size() - 2] = -100;
+  return FromVector(t, target_shape, {.dtype = DType::kInt64});
+}
+
+// One gather and one product per element, in f32 for 16-bit (exact there)
+// and in the dtype otherwise, on both devices: ElementwiseTol is ample.
+TEST_F(CudaKernelsTest, NllLossForwardAndBackwardMatchCpu) {
+  for (const Shape& shape : {Shape{8, 5}, Shape{3, 5, 4}}) {
+    Shape target_shape = shape;
+    target_shape.erase(target_shape.begin() + 1);
+    const Tensor target = NllTargets(shape);
+    const Tensor target_gpu = target.To(kGpu);
+    for (DType dt : kFloats) {
+      for (bool weighted : {false, true}) {
+        for (bool scalar_grad : {false, true}) {
+          const std::string what = "nll_loss " + ShapeToString(shape) + " " + Name(dt) +
+                                   (weighted ? " weighted" : "") + (scalar_grad ? " scalar grad" : " per-element grad");
+          // f32 weights and gradients: both sides convert them to dt.
+          const Tensor weight = weighted ? UniformOf({shape[1]}, DType::kFloat32, 0.5, 2.0) : Tensor();
+          const Tensor weight_gpu = weighted ? weight.To(kGpu) : Tensor();
+          const Tensor lp = RandnOf(shape, dt, 2.0);
+          const Tensor loss_cpu = Empty(target_shape, {.dtype = dt});
+          Cpu().nll_loss_forward(lp, target, weight, -100, loss_cpu);
+          // NaN first: an element the kernel does not write fails the comparison.
+          const Tensor loss_gpu = Full(target_shape, std::nan(""), {.dtype = dt}).To(kGpu);
+          Gpu().nll_loss_forward(lp.To(kGpu), target_gpu, weight_gpu, -100, loss_gpu);
+          ExpectClose(loss_cpu, loss_gpu, ElementwiseTol(dt), what + " loss");
+
+          const Tensor grad = scalar_grad ? FromVector({0.25}, {}) : RandnOf(target_shape, DType::kFloat32);
+          const Tensor d_cpu = Empty(shape, {.dtype = dt});
+          Cpu().nll_loss_backward(target, weight, grad, -100, d_cpu);
+          const Tensor d_gpu = Full(shape, std::nan(""), {.dtype = dt}).To(kGpu);
+          Gpu().nll_loss_backward(target_gpu, weight_gpu, grad.To(kGpu), -100, d_gpu);
+          ExpectClose(d_cpu, d_gpu, ElementwiseTol(dt), what + " dlog_probs");
+        }
+      }
+    }
+  }
+  // Strided operands: log_probs and dlog_probs as transposed views.
+  const Tensor target = NllTargets({8, 5});
+  const Tensor weight = UniformOf({5}, DType::kFloat32, 0.5, 2.0);
+  const Tensor lp_t = RandnOf({5, 8}, DType::kFloat32);
+  const Tensor loss_cpu = Empty({8});
+  Cpu().nll_loss_forward(lp_t.Transpose(0, 1), target, weight, -100, loss_cpu);
+  const Tensor loss_gpu = Empty({8}, {.device = kGpu});
+  Gpu().nll_loss_forward(lp_t.To(kGpu).Transpose(0, 1), target.To(kGpu), weight.To(kGpu), -100, loss_gpu);
+  ExpectClose(loss_cpu, loss_gpu, ElementwiseTol(DType::kFloat32), "nll_loss of a transposed view");
+  const Tensor grad = RandnOf({8}, DType::kFloat32);
+  const Tensor d_cpu = Empty({5, 8});
+  Cpu().nll_loss_backward(target, weight, grad, -100, d_cpu.Transpose(0, 1));
+  const Tensor d_gpu = Full({5, 8}, std::nan("")).To(kGpu);
+  Gpu().nll_loss_backward(target.To(kGpu), weight.To(kGpu), grad.To(kGpu), -100, d_gpu.Transpose(0, 1));
+  ExpectClose(d_cpu, d_gpu, ElementwiseTol(DType::kFloat32), "nll_loss_backward into a transposed view");
+}
+
+// No samples, and no classes with every target ignored: nothing to read.
+TEST_F(CudaKernelsTest, NllLossOnEmptyTensorsMatchesCpu) {
+  Gpu().nll_loss_forward(Empty({0, 5}, {.device = kGpu}), Empty({0}, {.dtype = DType::kInt64, .device = kGpu}),
+                         Tensor(), -100, Empty({0}, {.device = kGpu}));
+  Gpu().nll_loss_backward(Empty({0}, {.dtype = DType::kInt64, .device = kGpu}), Tensor(),
+                          FromVector({1.0}, {}).To(kGpu), -100, Empty({0, 5}, {.device = kGpu}));
+  const Tensor ignored = Full({2, 3}, -100, {.dtype = DType::kInt64});
+  const Tensor loss_cpu = Empty({2, 3});
+  Cpu().nll_loss_forward(Empty({2, 0, 3}), ignored, Tensor(), -100, loss_cpu);
+  const Tensor loss_gpu = Full({2, 3}, std::nan("")).To(kGpu);
+  Gpu().nll_loss_forward(Empty({2, 0, 3}, {.device = kGpu}), ignored.To(kGpu), Tensor(), -100, loss_gpu);
+  ExpectClose(loss_cpu, loss_gpu, {0.0, 0.0}, "nll_loss with no classes");
+  Gpu().nll_loss_backward(ignored.To(kGpu), Tensor(), FromVector({1.0}, {}).To(kGpu), -100,
+                          Empty({2, 0, 3}, {.device = kGpu}));
+}
+
+// The message of the std::out_of_range that `f` throws; "" if none.
+template <typename F>
+std::string OutOfRangeOf(F f) {
+  try {
+    f();
+  } catch (const std::out_of_range& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST_F(CudaKernelsTest, NllLossNamesAnOutOfRangeTargetLikeTheCpu) {
+  struct Case {
+    Shape shape;
+    std::vector<double> target;
+    std::string named;
+  };
+  const Case cases[] = {
+      {{3, 5}, {1, 4, -1}, "nll_loss: target -1 (sample 2) is out of range for 5 classes [0, 4]"},
+      {{3, 5, 4}, {0, 1, 2, 3, 4, -100, 0, 1, 2, 5, 0, 1}, "nll_loss: target 5 (sample 2, position 1) is out of range"},
+  };
+  for (const Case& c : cases) {
+    Shape target_shape = c.shape;
+    target_shape.erase(target_shape.begin() + 1);
+    const Tensor target = FromVector(c.target, target_shape, {.dtype = DType::kInt64});
+    const Tensor lp = RandnOf(c.shape, DType::kFloat32);
+    const Tensor grad = FromVector({1.0}, {});
+    const std::string cpu_fwd = OutOfRangeOf(
+        [&] { Cpu().nll_loss_forward(lp, target, Tensor(), -100, Empty(target_shape)); });
+    const std::string gpu_fwd = OutOfRangeOf([&] {
+      Gpu().nll_loss_forward(lp.To(kGpu), target.To(kGpu), Tensor(), -100, Empty(target_shape, {.device = kGpu}));
+    });
+    EXPECT_NE(cpu_fwd.find(c.named), std::string::npos) << cpu_fwd;
+    EXPECT_EQ(gpu_fwd, cpu_fwd);
+    const std::string cpu_bwd =
+        OutOfRangeOf([&] { Cpu().nll_loss_backward(target, Tensor(), grad, -100, Empty(c.shape)); });
+    const std::string gpu_bwd = OutOfRangeOf([&] {
+      Gpu().nll_loss_backward(target.To(kGpu), Tensor(), grad.To(kGpu), -100, Empty(c.shape, {.device = kGpu}));
+    });
+    EXPECT_EQ(cpu_bwd, cpu_fwd);
+    EXPECT_EQ(gpu_bwd, cpu_bwd);
+  }
+}
+
 struct GemmCase {
   int64_t m, k, n;
   bool trans_a, trans_b, strided_c;

@@ -109,7 +109,7 @@ cudaError_t SumTo(const ReduceIndexing& rx, void* out, Dt out_dt, const void* x,
 cudaError_t Argmax(const Indexing& kept, int64_t num_kept, int64_t d, int64_t dim_stride, int64_t* out,
                    const void* x, Dt dt, cudaStream_t stream);
 
-// ---- softmax and cross-entropy (contiguous operands) ----
+// ---- softmax, cross-entropy and NLL (contiguous operands) ----
 /// x, y: [outer, d, inner]; y = log_softmax(x) along d.
 cudaError_t LogSoftmaxForward(const void* x, void* y, int64_t outer, int64_t d, int64_t inner, Dt dt,
                               cudaStream_t stream);
@@ -124,6 +124,16 @@ cudaError_t CrossEntropyLoss(const void* log_probs, const int64_t* target, void*
 cudaError_t CrossEntropyBackward(const void* log_probs, const int64_t* target, const void* grad, int64_t g_stride,
                                  void* dlogits, int64_t n, int64_t c, double eps, int64_t ignore_index, Dt dt,
                                  cudaStream_t stream);
+/// log_probs [n, c, s], target [n, s] (i64, already range-checked), weight
+/// [c] in dt or null for all ones, loss [n, s]: loss = -w[t] * lp[i, t, p]
+/// with t = target[i, p], 0 where t == ignore.
+cudaError_t NllLoss(const void* log_probs, const int64_t* target, const void* weight, void* loss, int64_t n,
+                    int64_t c, int64_t s, int64_t ignore_index, Dt dt, cudaStream_t stream);
+/// dlog_probs [n, c, s]: -w[t] * g[(i * s + p) * g_stride] at [i, t, p] with t = target[i, p], 0 elsewhere
+/// and where t == ignore; every element is written.
+cudaError_t NllLossBackward(const int64_t* target, const void* weight, const void* grad, int64_t g_stride,
+                            void* dlog_probs, int64_t n, int64_t c, int64_t s, int64_t ignore_index, Dt dt,
+                            cudaStream_t stream);
 
 // ---- pooling (contiguous NCHW operands; planes = N * C) ----
 /// Window geometry of a pooling op, as ops::Pool2dParams plus the sizes.

@@ -19,12 +19,16 @@
 // way). Each flipped element moves its channel's bias gradient, and the
 // error then spreads to every earlier layer: a few percent of a tensor's
 // scale, measured on the CPU alone. In f64 no mask flips.
+//
+// Also the losses that run through the NLL kernels (class-weighted
+// cross-entropy, NllLoss) on one input tensor: rtol 1e-5, atol 1e-5.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/autograd/engine.h"
@@ -197,6 +201,68 @@ TEST(CudaModelsTest, CnnTrainingStepsWithDeviceSgdFollowTheCpu) {
   for (size_t k = 0; k < cpu_losses.size(); ++k) {
     EXPECT_NEAR(gpu_losses[k], cpu_losses[k], 1e-3 * std::abs(cpu_losses[k])) << "step " << k + 1;
   }
+}
+
+// The loss and the input's gradient (on the CPU) of loss_of(x), x a leaf
+// holding `input` on `device`.
+std::pair<double, Tensor> LossAndGrad(const Tensor& input, Device device,
+                                      const std::function<Tensor(const Tensor&)>& loss_of) {
+  Tensor x = input.To(device).Detach();
+  x.set_requires_grad(true);
+  const Tensor loss = loss_of(x);
+  Backward(loss);
+  return {loss.Item(), x.grad().To(kCPU)};
+}
+
+// Class-weighted cross-entropy (log-softmax, then the nll_loss kernels; with
+// label smoothing also the weighted uniform part) and NllLoss on spatial
+// targets, each with one ignored target.
+TEST(CudaModelsTest, WeightedCrossEntropyAndNllLossMatchTheCpu) {
+  Init();
+  Generator data(11);
+  Tensor logits = Empty({16, 10});
+  UniformFill(logits, -3.0, 3.0, data);
+  Tensor label_values = Empty({16});
+  UniformFill(label_values, 0.0, 10.0, data);
+  Tensor labels = label_values.To(DType::kInt64);
+  labels.Narrow(0, 3, 1).Fill(-100);
+  Tensor weight = Empty({10});
+  UniformFill(weight, 0.5, 2.0, data);
+  for (double smoothing : {0.0, 0.1}) {
+    for (loss::Reduction reduction : {loss::Reduction::kMean, loss::Reduction::kSum}) {
+      const std::string what = "cross_entropy with weights, smoothing " + std::to_string(smoothing) +
+                               (reduction == loss::Reduction::kMean ? ", mean" : ", sum");
+      auto on = [&](Device device) {
+        return LossAndGrad(logits, device, [&](const Tensor& x) {
+          const loss::CrossEntropyOptions options{
+              .reduction = reduction, .label_smoothing = smoothing, .weight = weight.To(device)};
+          return loss::CrossEntropy(x, labels.To(device), options);
+        });
+      };
+      const auto [cpu_loss, cpu_grad] = on(kCPU);
+      const auto [gpu_loss, gpu_grad] = on(kGpu);
+      EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss)) << what;
+      ExpectTensorClose(what + ": dlogits", cpu_grad, gpu_grad, 1e-5, 1e-5);
+    }
+  }
+
+  Tensor log_probs = Empty({4, 5, 3});
+  UniformFill(log_probs, -4.0, 0.0, data);
+  Tensor target_values = Empty({4, 3});
+  UniformFill(target_values, 0.0, 5.0, data);
+  Tensor target = target_values.To(DType::kInt64);
+  target.Narrow(0, 1, 1).Narrow(1, 2, 1).Fill(-100);
+  Tensor class_weight = Empty({5});
+  UniformFill(class_weight, 0.5, 2.0, data);
+  auto on = [&](Device device) {
+    return LossAndGrad(log_probs, device, [&](const Tensor& x) {
+      return loss::NllLoss(x, target.To(device), {.weight = class_weight.To(device)});
+    });
+  };
+  const auto [cpu_loss, cpu_grad] = on(kCPU);
+  const auto [gpu_loss, gpu_grad] = on(kGpu);
+  EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss)) << "nll_loss [4, 5, 3] with weights";
+  ExpectTensorClose("nll_loss [4, 5, 3] with weights: dlog_probs", cpu_grad, gpu_grad, 1e-5, 1e-5);
 }
 
 TEST(CudaModelsTest, SecondStepAllocatesNoNewDeviceMemory) {

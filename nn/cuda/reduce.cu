@@ -1,9 +1,11 @@
-// Reductions, log-softmax and cross-entropy.
+// Reductions, log-softmax, cross-entropy and negative log-likelihood.
 //
 // sum_to:      x indexed as [kept j, reduced r] -> out[j] = scale * sum_r x[j, r] (f64 accumulator)
 // argmax:      x[j, 0..d) with element stride dim_stride -> out[j] (i64)
 // log_softmax: x, y [outer, d, inner] contiguous; one block per (outer, inner) row
 // cross-entropy: log_probs [n, c], target [n] (i64), loss [n], dlogits [n, c]
+// nll:         log_probs, dlog_probs [n, c, s], target, loss [n, s] (i64 / log_probs' dtype), weight [c];
+//              s: the positions per sample, 1 for [n, c]
 #include <cstdint>
 
 #include "nn/cuda/device_util.cuh"
@@ -166,6 +168,45 @@ __global__ void CrossEntropyBackwardKernel(const T* lp, const int64_t* target, c
   }
 }
 
+// One thread per element (sample, position): a gather of one log-probability.
+template <typename T>
+__global__ void NllLossKernel(const T* lp, const int64_t* target, const T* weight, T* loss, int64_t n, int64_t c,
+                              int64_t s, int64_t ignore_index) {
+  using A = acc_t<T>;
+  const int64_t total = n * s;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+    const int64_t t = target[i];
+    if (t == ignore_index) {
+      loss[i] = Cast<T>(A(0));
+      continue;
+    }
+    const A w = weight != nullptr ? Cast<A>(weight[t]) : A(1);
+    loss[i] = Cast<T>(-w * Cast<A>(lp[((i / s) * c + t) * s + i % s]));
+  }
+}
+
+// One thread per element of dlog_probs, so every element is written once
+// (no zero fill, no scatter): the target's class gets -w[t] * g, others 0.
+template <typename T>
+__global__ void NllLossBackwardKernel(const int64_t* target, const T* weight, const T* grad, int64_t g_stride,
+                                      T* dlp, int64_t n, int64_t c, int64_t s, int64_t ignore_index) {
+  using A = acc_t<T>;
+  const int64_t total = n * c * s;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+    const int64_t p = idx % s, k = (idx / s) % c;
+    const int64_t i = (idx / (c * s)) * s + p;  // the element's (sample, position)
+    const int64_t t = target[i];
+    if (t == ignore_index || k != t) {
+      dlp[idx] = Cast<T>(A(0));
+      continue;
+    }
+    const A w = weight != nullptr ? Cast<A>(weight[t]) : A(1);
+    dlp[idx] = Cast<T>(-w * Cast<A>(grad[i * g_stride]));
+  }
+}
+
 unsigned BlocksFor(int64_t rows) { return static_cast<unsigned>(rows < 65536 ? (rows < 1 ? 1 : rows) : 65536); }
 
 }  // namespace
@@ -251,6 +292,33 @@ cudaError_t CrossEntropyBackward(const void* log_probs, const int64_t* target, c
     CrossEntropyBackwardKernel<scalar_t><<<device::GridFor(n * c), 256, 0, stream>>>(
         static_cast<const scalar_t*>(log_probs), target, static_cast<const scalar_t*>(grad), g_stride,
         static_cast<scalar_t*>(dlogits), n, c, eps, ignore_index);
+    err = cudaGetLastError();
+  });
+  return err;
+}
+
+cudaError_t NllLoss(const void* log_probs, const int64_t* target, const void* weight, void* loss, int64_t n,
+                    int64_t c, int64_t s, int64_t ignore_index, Dt dt, cudaStream_t stream) {
+  if (n <= 0 || s <= 0) return cudaSuccess;
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    NllLossKernel<scalar_t><<<device::GridFor(n * s), 256, 0, stream>>>(
+        static_cast<const scalar_t*>(log_probs), target, static_cast<const scalar_t*>(weight),
+        static_cast<scalar_t*>(loss), n, c, s, ignore_index);
+    err = cudaGetLastError();
+  });
+  return err;
+}
+
+cudaError_t NllLossBackward(const int64_t* target, const void* weight, const void* grad, int64_t g_stride,
+                            void* dlog_probs, int64_t n, int64_t c, int64_t s, int64_t ignore_index, Dt dt,
+                            cudaStream_t stream) {
+  if (n <= 0 || c <= 0 || s <= 0) return cudaSuccess;
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    NllLossBackwardKernel<scalar_t><<<device::GridFor(n * c * s), 256, 0, stream>>>(
+        target, static_cast<const scalar_t*>(weight), static_cast<const scalar_t*>(grad), g_stride,
+        static_cast<scalar_t*>(dlog_probs), n, c, s, ignore_index);
     err = cudaGetLastError();
   });
   return err;

@@ -21,7 +21,7 @@ struct CrossEntropyOptions {
   /// for all ones. Sample i's loss is scaled by weight[target_i] (with label
   /// smoothing, the uniform part by the weights of every class), and kMean
   /// divides by the sum of weight[target_i] over non-ignored samples, as
-  /// PyTorch. Weighted cross-entropy runs through NllLoss (CPU only so far).
+  /// PyTorch. Weighted cross-entropy runs through NllLoss.
   Tensor weight;
 };
 
@@ -50,7 +50,6 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntro
 /// (NaN when that is 0, e.g. every target ignored). 16-bit input computes
 /// in f32. Errors name the bad target and its position, a weight of the
 /// wrong shape or dtype, or a target that does not hold class indices.
-/// CPU kernels only: on CUDA it fails naming `nll_loss_forward`.
 Tensor NllLoss(const Tensor& log_probs, const Tensor& target, const NllLossOptions& options = {});
 
 /// Mean (or sum, or per element) of (input - target)^2; shapes must match.

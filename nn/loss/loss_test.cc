@@ -309,10 +309,10 @@ TEST(CrossEntropyTest, ClassWeightGradientsAndErrors) {
   EXPECT_EQ(l16.grad().dtype(), DType::kBFloat16);
 }
 
-// The CUDA table has no NLL kernels: NllLoss, and cross-entropy with weights,
-// fail naming the op and the device. Simulated in a child process with host
-// memory as cuda:0 and the CPU kernels as its table, less the NLL entries,
-// which is what nn/cuda registers.
+// A device whose table has no NLL kernels (as nn/cuda's had before it gained
+// them): NllLoss, and cross-entropy with weights, fail naming the op and the
+// device. Simulated in a child process with host memory as cuda:0 and the CPU
+// kernels as its table, less the NLL entries.
 TEST(NllLossTest, DeviceWithoutNllKernelIsNamed) {
   EXPECT_EXIT(
       {

@@ -171,7 +171,7 @@ struct KernelTable {
   /// loss[N,S] = -weight[t] * log_probs[n,t,s] with t = target[n,s], in
   /// log_probs' dtype; weight [C] in that dtype, or undefined for all ones;
   /// 0 where t == ignore_index. Throws naming the target, its position and
-  /// the class count when a target is out of range. No CUDA kernel yet.
+  /// the class count when a target is out of range.
   void (*nll_loss_forward)(const Tensor& log_probs, const Tensor& target, const Tensor& weight,
                            int64_t ignore_index, const Tensor& loss) = nullptr;
   /// dlog_probs[N,C,S] = -weight[t] * grad_loss[n,s] at c == t, 0 elsewhere
