@@ -78,15 +78,19 @@ Tensor UniformOf(const Shape& shape, DType dt, double lo, double hi) {
 
 std::string Name(DType dt) { return std::string(DTypeName(dt)); }
 
-// The message of the std::invalid_argument that `f` throws; "" if none.
-template <typename F>
-std::string InvalidArgumentOf(F f) {
+// The message of the exception of type E that `f` throws; "" if none.
+template <typename E, typename F>
+std::string MessageOf(F f) {
   try {
     f();
-  } catch (const std::invalid_argument& e) {
+  } catch (const E& e) {
     return e.what();
   }
   return "";
+}
+template <typename F>
+std::string InvalidArgumentOf(F f) {
+  return MessageOf<std::invalid_argument>(f);
 }
 
 const DType kFloats[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
@@ -570,15 +574,9 @@ TEST_F(CudaKernelsTest, NllLossOnEmptyTensorsMatchesCpu) {
                           Empty({2, 0, 3}, {.device = kGpu}));
 }
 
-// The message of the std::out_of_range that `f` throws; "" if none.
 template <typename F>
 std::string OutOfRangeOf(F f) {
-  try {
-    f();
-  } catch (const std::out_of_range& e) {
-    return e.what();
-  }
-  return "";
+  return MessageOf<std::out_of_range>(f);
 }
 
 TEST_F(CudaKernelsTest, NllLossNamesAnOutOfRangeTargetLikeTheCpu) {
