@@ -173,6 +173,15 @@ class WatchfulStore : public store::Store {
       DDP_RETURN_IF_ERROR(Posted(deadline));
     }
   }
+  StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline) override {
+    const Clock::time_point start = Clock::now();
+    while (true) {
+      StatusOr<std::vector<std::string>> got = inner_.MultiGet(keys, Slice(deadline));
+      if (got.ok() || got.status().code() != StatusCode::kTimedOut) return got;
+      if (Clock::now() >= deadline) return NameMissing(WholeWait(got.status(), start), keys);
+      DDP_RETURN_IF_ERROR(Posted(deadline));
+    }
+  }
   StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
     return inner_.TryGet(key, deadline);
   }
@@ -184,7 +193,7 @@ class WatchfulStore : public store::Store {
     while (true) {
       Status waited = inner_.Wait(keys, Slice(deadline));
       if (waited.ok() || waited.code() != StatusCode::kTimedOut) return waited;
-      if (Clock::now() >= deadline) return WholeWait(waited, start);
+      if (Clock::now() >= deadline) return NameMissing(WholeWait(waited, start), keys);
       DDP_RETURN_IF_ERROR(Posted(deadline));
     }
   }
@@ -210,6 +219,17 @@ class WatchfulStore : public store::Store {
     const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
     message.replace(at + mark.size(), end - at - mark.size(), std::to_string(waited));
     return TimedOutError(message);
+  }
+  // A wait for several keys that timed out, naming the first key still
+  // missing (its rank, in creation's keys), found by one look at each.
+  Status NameMissing(const Status& timed_out, std::span<const std::string> keys) {
+    if (keys.size() < 2) return timed_out;
+    for (const std::string& key : keys) {
+      StatusOr<std::optional<std::string>> there = inner_.TryGet(key, DeadlineIn(milliseconds(1000)));
+      if (!there.ok()) break;
+      if (!there->has_value()) return TimedOutError(timed_out.message() + "; key '" + key + "' is not set");
+    }
+    return timed_out;
   }
   // The reason another rank posted, as an error; OK when none.
   Status Posted(Deadline deadline) {
@@ -910,11 +930,14 @@ Status Communicator::Impl::Init() {
   const std::string cuda_memory = info_.ucx_cuda_memory ? "1" : "0";
   DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "ucx/" + std::to_string(o.rank),
                                   cuda_memory + p2p_->address(), deadline));
-  std::vector<std::string> addresses(o.world_size);
+  // Every rank's address in a round trip per few hundred ranks (a Get per
+  // rank made creation O(world) round trips per rank, O(world^2) in all).
+  std::vector<std::string> address_keys;
+  for (int r = 0; r < o.world_size; ++r) address_keys.push_back(prefix_ + "ucx/" + std::to_string(r));
+  DDP_ASSIGN_OR_RETURN(std::vector<std::string> addresses, setup_store_->MultiGet(address_keys, deadline));
   std::vector<bool> same_host(o.world_size);
   std::vector<int> local_pids(o.world_size, 0);
   for (int r = 0; r < o.world_size; ++r) {
-    DDP_ASSIGN_OR_RETURN(addresses[r], setup_store_->Get(prefix_ + "ucx/" + std::to_string(r), deadline));
     const std::string theirs = addresses[r].substr(0, 1);
     if (theirs != cuda_memory) {
       return InvalidArgumentError(topology::DescribeSettingsMismatch(
@@ -970,9 +993,9 @@ Status Communicator::Impl::Init() {
   // say) failed the other's connection (UCX's shared-memory transports
   // attach to the peer's segments as they connect: "Shared memory error").
   DDP_RETURN_IF_ERROR(store_->Set(prefix_ + "connected/" + std::to_string(o.rank), "", deadline));
-  for (int r = 0; r < o.world_size; ++r) {
-    DDP_RETURN_IF_ERROR(setup_store_->Get(prefix_ + "connected/" + std::to_string(r), deadline).status());
-  }
+  std::vector<std::string> connected_keys;
+  for (int r = 0; r < o.world_size; ++r) connected_keys.push_back(prefix_ + "connected/" + std::to_string(r));
+  DDP_RETURN_IF_ERROR(setup_store_->Wait(connected_keys, deadline));
   ApplyIdlePolicy();
   return Status::Ok();
 }

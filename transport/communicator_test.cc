@@ -881,6 +881,9 @@ int ScenarioCreationTimeoutMessage() {
   WORKER_CHECK(std::regex_search(message, m, std::regex("timed out after (\\d+) ms")) &&
                    std::stoll(m[1]) >= 1000,
                "the message does not tell the whole wait: " + message);
+  // Every rank's record is read at once; the message names the missing rank.
+  WORKER_CHECK(std::regex_search(message, std::regex("rank 1 has not posted")),
+               "the message does not name rank 1's missing key: " + message);
   return testing::worker_failures == 0 ? 0 : 1;
 }
 

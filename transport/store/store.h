@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "transport/status.h"
 #include "transport/types.h"
@@ -45,6 +46,12 @@ class Store {
 
   /// Waits until every key in `keys` exists.
   virtual Status Wait(std::span<const std::string> keys, Deadline deadline) = 0;
+
+  /// Waits until every key in `keys` exists, then returns their values in
+  /// that order. The TCP store answers many keys per round trip (ranks
+  /// exchanging one key each: a round trip per rank otherwise); this
+  /// default Gets them one by one. TIMED_OUT names a key still missing.
+  virtual StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline);
 
   /// Deletes `key`; returns whether it existed.
   virtual StatusOr<bool> Delete(std::string_view key, Deadline deadline) = 0;

@@ -104,6 +104,7 @@ struct TcpStoreServerStats {
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
   uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
+  uint64_t requests = 0;              ///< Requests received so far (every op, after the handshake).
   /// Frames waiting now for room under max_buffered_bytes (their
   /// connections are not read meanwhile); room goes to them in arrival order.
   uint64_t frames_waiting_for_room = 0;
@@ -175,6 +176,9 @@ class TcpStoreClient final : public Store {
   /// Any number of keys: more than one request carries (wire::kMaxWaitKeys)
   /// are waited for in turn, against the one deadline.
   Status Wait(std::span<const std::string> keys, Deadline deadline) override;
+  /// One round trip per kMaxMultiGetKeys keys, against the one deadline.
+  StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline) override;
+  static constexpr size_t kMaxMultiGetKeys = 256;
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override;
   /// Sets `key` to `desired` if it holds `expected` (nullopt: if it does not
   /// exist), in one step of the server that no other call comes between.

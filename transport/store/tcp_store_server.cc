@@ -177,6 +177,7 @@ class TcpStoreServer::Impl {
     s.stored_bytes = stored_bytes_.load();
     s.buffered_bytes = buffered_bytes_.load();
     s.parked_waits = parked_waits_.load();
+    s.requests = requests_.load();
     s.frames_waiting_for_room = frames_waiting_for_room_.load();
     s.buffer_capacity_bytes = buffer_capacity_bytes_.load();
     return s;
@@ -677,6 +678,7 @@ class TcpStoreServer::Impl {
       RefuseRequest(c, 0, op, InvalidArgumentError("truncated request header"));
       return;
     }
+    ++requests_;  // before any reply to it can reach the client
     Status status;
     switch (static_cast<wire::Op>(op)) {
       case wire::Op::kSet: status = DoSet(c, request_id, r); break;
@@ -686,6 +688,7 @@ class TcpStoreServer::Impl {
       case wire::Op::kWait: status = DoWait(c, request_id, r); break;
       case wire::Op::kDelete: status = DoDelete(c, request_id, r); break;
       case wire::Op::kCompareSet: status = DoCompareSet(c, request_id, r); break;
+      case wire::Op::kMultiGet: status = DoMultiGet(c, request_id, r); break;
       default:
         status = InvalidArgumentError("unknown operation " + std::to_string(op));
         break;
@@ -776,28 +779,68 @@ class TcpStoreServer::Impl {
     return Status::Ok();
   }
 
-  Status DoWait(Connection& c, uint32_t request_id, wire::Reader& r) {
-    uint32_t timeout_ms = 0;
+  // A wait's or multi-get's timeout and key list.
+  Status ReadKeyList(wire::Reader& r, const char* what, uint32_t& timeout_ms, std::vector<std::string>& keys) {
     uint32_t count = 0;
-    if (!r.U32(timeout_ms) || !r.U32(count)) return InvalidArgumentError("truncated wait");
+    if (!r.U32(timeout_ms) || !r.U32(count)) return InvalidArgumentError(std::string("truncated ") + what);
     if (count > wire::kMaxWaitKeys) {
-      return ResourceExhaustedError("wait on " + std::to_string(count) +
-                                    " keys exceeds the limit of " +
-                                    std::to_string(wire::kMaxWaitKeys));
+      return ResourceExhaustedError(std::string(what) + " on " + std::to_string(count) +
+                                    " keys exceeds the limit of " + std::to_string(wire::kMaxWaitKeys));
     }
-    std::vector<std::string> keys;
     keys.reserve(count);
     for (uint32_t i = 0; i < count; ++i) {
       std::string_view key;
       DDP_RETURN_IF_ERROR(ReadKey(r, key));
       keys.emplace_back(key);
     }
-    if (!r.at_end()) return InvalidArgumentError("trailing bytes after wait");
+    if (!r.at_end()) return InvalidArgumentError(std::string("trailing bytes after ") + what);
+    return Status::Ok();
+  }
+
+  Status DoWait(Connection& c, uint32_t request_id, wire::Reader& r) {
+    uint32_t timeout_ms = 0;
+    std::vector<std::string> keys;
+    DDP_RETURN_IF_ERROR(ReadKeyList(r, "wait", timeout_ms, keys));
     if (AllExist(keys)) {
       QueueReply(c, OkReply(request_id).Frame());
       return Status::Ok();
     }
     return Park(c, request_id, wire::Op::kWait, std::move(keys), timeout_ms);
+  }
+
+  Status DoMultiGet(Connection& c, uint32_t request_id, wire::Reader& r) {
+    uint32_t timeout_ms = 0;
+    std::vector<std::string> keys;
+    DDP_RETURN_IF_ERROR(ReadKeyList(r, "multi_get", timeout_ms, keys));
+    if (AllExist(keys)) {
+      StatusOr<std::string> reply = ValuesReply(request_id, keys);
+      DDP_RETURN_IF_ERROR(reply.status());
+      QueueReply(c, *reply);
+      return Status::Ok();
+    }
+    return Park(c, request_id, wire::Op::kMultiGet, std::move(keys), timeout_ms);
+  }
+
+  // The bytes of a multi-get's reply to `keys` (all set).
+  size_t ValuesReplyBytes(const std::vector<std::string>& keys) const {
+    size_t bytes = 64;
+    for (const std::string& key : keys) bytes += 4 + data_.at(key).size();
+    return bytes;
+  }
+
+  // A multi-get's reply frame: the keys' values in order, or
+  // RESOURCE_EXHAUSTED when they are more than one frame carries.
+  StatusOr<std::string> ValuesReply(uint32_t request_id, const std::vector<std::string>& keys) const {
+    const size_t bytes = ValuesReplyBytes(keys);
+    if (bytes > wire::kMaxFrameBytes) {
+      return ResourceExhaustedError("the values of the " + std::to_string(keys.size()) + " keys from '" +
+                                    Printable(keys.front()) + "' total " + std::to_string(bytes) +
+                                    " bytes, more than one reply carries (" +
+                                    std::to_string(wire::kMaxFrameBytes) + "): ask for fewer keys at once");
+    }
+    wire::Writer w = OkReply(request_id);
+    for (const std::string& key : keys) w.String(data_.at(key));
+    return w.Frame();
   }
 
   Status DoDelete(Connection& c, uint32_t request_id, wire::Reader& r) {
@@ -931,7 +974,9 @@ class TcpStoreServer::Impl {
       if (it == waiters_.end()) continue;
       if (!AllExist(it->second.keys)) continue;
       const size_t reply_bytes =
-          64 + (it->second.op == wire::Op::kGet ? data_.at(it->second.keys.front()).size() : 0);
+          it->second.op == wire::Op::kGet        ? 64 + data_.at(it->second.keys.front()).size()
+          : it->second.op == wire::Op::kMultiGet ? std::min<size_t>(ValuesReplyBytes(it->second.keys), wire::kMaxFrameBytes)
+                                                 : 64;
       if (!Fits(reply_bytes)) {
         deferred_wakes_.insert(key);
         return;
@@ -940,6 +985,12 @@ class TcpStoreServer::Impl {
       RemoveWaiter(waiter_id);
       Connection* c = Find(w.connection);
       if (c == nullptr) continue;
+      if (w.op == wire::Op::kMultiGet) {
+        StatusOr<std::string> values = ValuesReply(w.request_id, w.keys);
+        QueueReply(*c, values.ok() ? *values : ErrorReply(w.request_id, values.status()));
+        Touch(*c);
+        continue;
+      }
       wire::Writer reply = OkReply(w.request_id);
       if (w.op == wire::Op::kGet) reply.String(data_.at(w.keys.front()));
       QueueReply(*c, reply.Frame());
@@ -1147,6 +1198,7 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> stored_bytes_{0};
   std::atomic<uint64_t> buffered_bytes_{0};  // buffered_ at the end of the last round, for stats()
   std::atomic<uint64_t> parked_waits_{0};    // waiters_.size(), for stats()
+  std::atomic<uint64_t> requests_{0};        // requests received, for stats()
   std::atomic<uint64_t> frames_waiting_for_room_{0};  // waiting_for_memory_.size(), for stats()
   std::atomic<uint64_t> buffer_capacity_bytes_{0};  // buffer_capacity_, for stats()
 };

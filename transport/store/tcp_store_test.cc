@@ -284,6 +284,62 @@ TEST(TcpStoreTest, WaitOnMoreKeysThanOneRequestCarries) {
   EXPECT_TRUE(result.ok()) << result;
 }
 
+// MultiGet waits for every key, then answers their values in the order
+// named, in one request per TcpStoreClient::kMaxMultiGetKeys keys.
+TEST(TcpStoreTest, MultiGetParksUntilEveryKeyIsSetAndKeepsTheOrder) {
+  auto server = StartServer();
+  auto waiter = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  ASSERT_TRUE(setter->Set("b", "2", DeadlineIn(5s)).ok());
+  std::atomic<bool> done{false};
+  StatusOr<std::vector<std::string>> got = InternalError("not run");
+  std::thread thread([&] {
+    const std::vector<std::string> keys = {"a", "b", "c", "b"};
+    got = waiter->MultiGet(keys, DeadlineIn(10s));
+    done = true;
+  });
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 1; }));
+  ASSERT_TRUE(setter->Set("c", "", DeadlineIn(5s)).ok());
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(done.load());
+  ASSERT_TRUE(setter->Set("a", "1", DeadlineIn(5s)).ok());
+  thread.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, (std::vector<std::string>{"1", "2", "", "2"}));
+
+  // 600 keys: three requests (256 + 256 + 88).
+  std::vector<std::string> many;
+  for (int i = 0; i < 600; ++i) {
+    many.push_back("k/" + std::to_string(i));
+    ASSERT_TRUE(setter->Set(many.back(), std::to_string(i * 7), DeadlineIn(5s)).ok());
+  }
+  const uint64_t before = server->stats().requests;
+  StatusOr<std::vector<std::string>> values = waiter->MultiGet(many, DeadlineIn(10s));
+  ASSERT_TRUE(values.ok()) << values.status();
+  ASSERT_EQ(values->size(), 600u);
+  for (int i = 0; i < 600; ++i) EXPECT_EQ((*values)[i], std::to_string(i * 7)) << i;
+  EXPECT_EQ(server->stats().requests - before, 3u);
+  EXPECT_TRUE(waiter->MultiGet({}, DeadlineIn(1s))->empty());
+
+  // A key never set: TIMED_OUT, and the connection still serves.
+  const std::vector<std::string> missing = {"a", "never"};
+  StatusOr<std::vector<std::string>> late = waiter->MultiGet(missing, DeadlineIn(300ms));
+  EXPECT_EQ(late.status().code(), StatusCode::kTimedOut) << late.status();
+  EXPECT_NE(late.status().message().find("get of 2 keys from 'a'"), std::string::npos) << late.status();
+  EXPECT_EQ(*waiter->Get("a", DeadlineIn(5s)), "1");
+
+  // Values that one reply cannot carry are refused, naming the way out.
+  const std::string big(3 << 20, 'x');
+  ASSERT_TRUE(setter->Set("big1", big, DeadlineIn(5s)).ok());
+  ASSERT_TRUE(setter->Set("big2", big, DeadlineIn(5s)).ok());
+  const std::vector<std::string> bigs = {"big1", "big2"};
+  StatusOr<std::vector<std::string>> too_much = waiter->MultiGet(bigs, DeadlineIn(5s));
+  EXPECT_EQ(too_much.status().code(), StatusCode::kResourceExhausted) << too_much.status();
+  EXPECT_NE(too_much.status().message().find("ask for fewer keys at once"), std::string::npos)
+      << too_much.status();
+  EXPECT_EQ(waiter->MultiGet(std::vector<std::string>{"big1"}, DeadlineIn(5s))->front().size(), big.size());
+}
+
 TEST(TcpStoreTest, DeadlinesAreHonouredAndTheConnectionSurvives) {
   auto server = StartServer();
   auto client = ConnectClient(*server);

@@ -11,6 +11,7 @@ const char* OpName(uint8_t op) {
     case Op::kWait: return "wait";
     case Op::kDelete: return "delete";
     case Op::kCompareSet: return "compare_set";
+    case Op::kMultiGet: return "multi_get";
   }
   return "unknown";
 }

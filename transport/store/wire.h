@@ -17,11 +17,13 @@
 //     kWait     u32 timeout_ms, u32 n, n x string key
 //     kDelete   string key
 //     kCompareSet  string key, u8 has_expected, [string expected], string desired
+//     kMultiGet u32 timeout_ms, u32 n, n x string key  (waits for all of them)
 //   reply:                     u32 request_id u8 status, then
 //     on error: string message; on success per op:
 //     kSet -, kGet string value, kTryGet u8 found [string value],
 //     kAdd i64 new_value, kWait -, kDelete u8 existed,
-//     kCompareSet u8 found [string value] (what the key holds afterwards)
+//     kCompareSet u8 found [string value] (what the key holds afterwards),
+//     kMultiGet n x string value (in the order the keys were named)
 //
 // The request id lets a client drop the late reply of a call that it already
 // gave up on locally, without closing the connection. The server answers
@@ -49,9 +51,10 @@ enum class Op : uint8_t {
   kWait = 5,
   kDelete = 6,
   kCompareSet = 7,
+  kMultiGet = 8,
 };
 
-/// Most keys one Wait may name.
+/// Most keys one Wait or MultiGet may name.
 inline constexpr uint32_t kMaxWaitKeys = 1024;
 /// Largest handshake body: magic, version, padding, token (with its length).
 inline constexpr uint32_t kMaxHandshakeBytes = 4 + 2 + 2 + 4 + 1024;

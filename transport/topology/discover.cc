@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 #include <vector>
@@ -300,14 +302,29 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
   out.pids.resize(size);
   // Host name, boot id and namespaces: what makes ranks one host.
   std::map<std::tuple<std::string, std::string, std::string>, int> host_index;
-  for (int r = 0; r < size; ++r) {
-    const std::string key = key_prefix + "topology/" + std::to_string(r);
-    StatusOr<std::string> text = store.Get(key, deadline);
-    if (!text.ok()) {
-      return Status(text.status().code(),
-                    "topology exchange: rank " + std::to_string(r) + ": " + text.status().message());
+  // Every rank's record at once (a round trip per few hundred ranks).
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key_prefix + "topology/" + std::to_string(r));
+  StatusOr<std::vector<std::string>> texts = store.MultiGet(keys, deadline);
+  if (!texts.ok()) {
+    // Name the first rank that has not posted (one look at each, on this
+    // path only), as the ranks' keys name only their numbers.
+    if (texts.status().code() == StatusCode::kTimedOut) {
+      for (int r = 0; r < size; ++r) {
+        StatusOr<std::optional<std::string>> there =
+            store.TryGet(keys[r], DeadlineIn(std::chrono::milliseconds(1000)));
+        if (!there.ok()) break;
+        if (!there->has_value()) {
+          return TimedOutError("topology exchange: rank " + std::to_string(r) + " has not posted its record: " +
+                               texts.status().message());
+        }
+      }
     }
-    json parsed = json::parse(*text, nullptr, false);
+    return Status(texts.status().code(), "topology exchange: " + texts.status().message());
+  }
+  for (int r = 0; r < size; ++r) {
+    const std::string& key = keys[r];
+    json parsed = json::parse((*texts)[r], nullptr, false);
     if (parsed.is_discarded() || !parsed.contains("pid") || !parsed["pid"].is_number_integer()) {
       return InternalError("topology exchange: rank " + std::to_string(r) +
                            " posted a malformed record under " + key);

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <thread>
 
+#include "transport/store/tcp_store.h"
 #include "transport/testing/in_memory_store.h"
 
 namespace ddp::transport::topology {
@@ -86,6 +87,38 @@ std::vector<StatusOr<Exchanged>> Exchange(const std::vector<LocalView>& views) {
   }
   for (auto& t : threads) t.join();
   return results;
+}
+
+// Each rank posts its record and reads everyone's in one round trip (per
+// few hundred ranks): a Get per rank made the exchange world^2 requests.
+TEST(ExchangeTopology, TakesARoundTripPerRankNotPerPair) {
+  constexpr int kRanks = 16;
+  StatusOr<std::unique_ptr<store::TcpStoreServer>> server =
+      store::TcpStoreServer::Start({.bind_address = "127.0.0.1", .job_token = "t"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<StatusOr<Exchanged>> results(kRanks, InternalError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      const Deadline deadline = DeadlineIn(std::chrono::milliseconds(10000));
+      auto client = store::TcpStoreClient::Connect("127.0.0.1", (*server)->port(), "t", deadline);
+      if (!client.ok()) {
+        results[r] = client.status();
+        return;
+      }
+      LocalView view;
+      view.host.name = "node";
+      view.host.boot_id = "1";
+      view.pid = 100 + r;
+      results[r] = ExchangeTopology(**client, "job/", r, kRanks, view, deadline);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    EXPECT_EQ(results[r]->pids[kRanks - 1], 100 + kRanks - 1);
+  }
+  EXPECT_LE((*server)->stats().requests, uint64_t{2 * kRanks});
 }
 
 TEST(ExchangeTopology, RanksInOtherPidOrIpcNamespacesAreOtherHosts) {
