@@ -3,6 +3,7 @@
 // machine (no "gpu" tag).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
@@ -20,6 +21,7 @@
 #include "nn/cuda/gemm.h"
 #include "nn/cuda/indexing.h"
 #include "nn/cuda/launch.h"
+#include "nn/cuda/multi_tensor.h"
 #include "nn/cuda/optim_kernels.h"
 #include "nn/optim/device_kernels.h"
 #include "nn/cuda/pool_math.h"
@@ -374,6 +376,107 @@ TEST(CudaBatchNormSplit, PartsFillTheGpuWithoutTinyBlocks) {
   EXPECT_EQ(launch::BatchNormSplitParts(1 << 24, 1, 1), 1024);
 }
 
+// What one table of a multi-tensor launch held: (tensor, chunk) per block,
+// tensors named by their index in the list packed.
+struct PackedTable {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  int tensors = 0;
+};
+
+// Packs tensors of these sizes with fake operand addresses that encode the
+// tensor's index and the operand, checking each table as it is launched.
+template <int kDepth>
+std::vector<PackedTable> Pack(const std::vector<int64_t>& numels) {
+  std::vector<launch::MultiTensorEntry> entries(numels.size());
+  for (size_t k = 0; k < numels.size(); ++k) {
+    entries[k].numel = numels[k];
+    for (int d = 0; d < launch::kMultiTensorMaxOperands; ++d) {
+      entries[k].operands[d] = reinterpret_cast<void*>(static_cast<uintptr_t>((k + 1) * 16 + d));
+    }
+  }
+  std::vector<PackedTable> tables;
+  const cudaError_t err = launch::ForEachMultiTensorTable<kDepth>(
+      entries.data(), static_cast<int64_t>(entries.size()),
+      [&](const launch::MultiTensorTable<kDepth>& table, int blocks) {
+        EXPECT_GT(blocks, 0);
+        EXPECT_LE(blocks, launch::kMultiTensorMaxBlocks);
+        PackedTable packed;
+        for (int b = 0; b < blocks; ++b) {
+          const int t = table.block_tensor[b];
+          EXPECT_LT(t, launch::MultiTensorMaxTensors(kDepth));
+          packed.tensors = std::max(packed.tensors, t + 1);
+          const uintptr_t address = reinterpret_cast<uintptr_t>(table.ptrs[0][t]);
+          const int64_t k = static_cast<int64_t>(address / 16) - 1;
+          for (int d = 0; d < kDepth; ++d) {
+            EXPECT_EQ(reinterpret_cast<uintptr_t>(table.ptrs[d][t]), address + d) << "operand " << d;
+          }
+          EXPECT_EQ(table.numels[t], numels[k]);
+          packed.blocks.emplace_back(k, table.block_chunk[b]);
+        }
+        tables.push_back(packed);
+        return cudaSuccess;
+      });
+  EXPECT_EQ(err, cudaSuccess);
+  return tables;
+}
+
+template <int kDepth>
+void ExpectEveryChunkOnceWithinTheLimits(const std::vector<int64_t>& numels) {
+  SCOPED_TRACE("depth " + std::to_string(kDepth));
+  const std::vector<PackedTable> tables = Pack<kDepth>(numels);
+  std::vector<std::pair<int64_t, int64_t>> got, want;
+  for (size_t k = 0; k < numels.size(); ++k) {
+    for (int64_t c = 0; c * launch::kMultiTensorChunk < numels[k]; ++c) want.emplace_back(k, c);
+  }
+  for (size_t i = 0; i < tables.size(); ++i) {
+    got.insert(got.end(), tables[i].blocks.begin(), tables[i].blocks.end());
+    // Every table but the last is full, of chunks or of tensors.
+    if (i + 1 < tables.size()) {
+      EXPECT_TRUE(static_cast<int>(tables[i].blocks.size()) == launch::kMultiTensorMaxBlocks ||
+                  tables[i].tensors == launch::MultiTensorMaxTensors(kDepth))
+          << "table " << i << ": " << tables[i].blocks.size() << " blocks, " << tables[i].tensors << " tensors";
+    }
+  }
+  EXPECT_EQ(got, want);
+}
+
+TEST(CudaMultiTensor, TablesCoverEveryChunkOnceInOrderWithinTheLimits) {
+  std::vector<int64_t> numels = {0, 1, launch::kMultiTensorChunk, launch::kMultiTensorChunk + 1, 0, 3};
+  for (int i = 0; i < 300; ++i) numels.push_back(1 + (i * 7919) % 150000);
+  numels.push_back(launch::kMultiTensorChunk * 700 + 5);  // spans three tables
+  numels.push_back(17);
+  numels.push_back(0);
+  ExpectEveryChunkOnceWithinTheLimits<1>(numels);
+  ExpectEveryChunkOnceWithinTheLimits<2>(numels);
+  ExpectEveryChunkOnceWithinTheLimits<3>(numels);
+  ExpectEveryChunkOnceWithinTheLimits<3>({});
+  ExpectEveryChunkOnceWithinTheLimits<1>({0, 0});
+}
+
+TEST(CudaMultiTensor, LaunchCountsForFullTables) {
+  // ResNet-50's 161 parameters, were they all small: 4 launches of 48 tensors with momentum, 2 of 110 without.
+  EXPECT_EQ(Pack<3>(std::vector<int64_t>(161, 1000)).size(), 4u);
+  EXPECT_EQ(Pack<1>(std::vector<int64_t>(161, 1000)).size(), 2u);
+  // One tensor of 321 chunks: 320 in the first launch, 1 in the second.
+  const std::vector<PackedTable> tables = Pack<1>({launch::kMultiTensorChunk * 320 + 1});
+  ASSERT_EQ(tables.size(), 2u);
+  EXPECT_EQ(tables[0].blocks.size(), 320u);
+  EXPECT_EQ(tables[1].blocks, (std::vector<std::pair<int64_t, int64_t>>{{0, 320}}));
+  EXPECT_EQ(Pack<2>({0, 0, 0}).size(), 0u);
+}
+
+TEST(CudaMultiTensor, StopsAtTheFirstFailedLaunch) {
+  std::vector<launch::MultiTensorEntry> entries(200);
+  for (auto& e : entries) e.numel = 10;
+  int launches = 0;
+  const cudaError_t err = launch::ForEachMultiTensorTable<3>(
+      entries.data(), static_cast<int64_t>(entries.size()), [&](const launch::MultiTensorTable<3>&, int) {
+        return ++launches == 2 ? cudaErrorInvalidValue : cudaSuccess;
+      });
+  EXPECT_EQ(err, cudaErrorInvalidValue);
+  EXPECT_EQ(launches, 2);
+}
+
 TEST(CudaErrors, MessageNamesTheCallAndTheCudaError) {
   try {
     CheckCuda(cudaErrorInvalidValue, "cudaMemcpyAsync(host to device)");
@@ -462,6 +565,22 @@ TEST_F(CudaMisuseTest, OptimizerStepsNameMismatchedState) {
   ExpectMessage([&] { SgdStep(On(0, {4}), On(0, {4}), Tensor(), {.momentum = 0.9}); }, "momentum_buffer");
   ExpectMessage([&] { AdamStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {3}), Tensor(), {}); }, "exp_avg_sq [3]");
   ExpectMessage([&] { UnscaleAndCheck({On(0, {4})}, 0.5, On(0, {1}, DType::kFloat64)); }, "one-element f32");
+  // Every tensor is checked before the first launch: nothing is queued here.
+  ExpectMessage([&] { UnscaleAndCheck({On(0, {4}), Tensor(), On(1, {4})}, 0.5, On(0, {1})); },
+                "tensor 2 ([4] f32 on cuda:1)");
+  ExpectMessage([&] { UnscaleAndCheck({On(0, {4}), On(0, {4}, DType::kInt64)}, 0.5, On(0, {1})); },
+                "must be a contiguous floating tensor on cuda:0");
+  ExpectMessage([&] { SgdStepMulti({On(0, {4})}, {On(0, {4}), On(0, {4})}, {Tensor()}, {}); },
+                "1 parameters, 2 gradients and 1 momentum buffers");
+  ExpectMessage([&] { SgdStepMulti({On(0, {4}), On(1, {4})}, {On(0, {4}), On(1, {4})}, {Tensor(), Tensor()}, {}); },
+                "parameter 1 is on cuda:1, parameter 0 on cuda:0");
+  ExpectMessage([&] { SgdStepMulti({On(0, {4}), On(0, {4})}, {On(0, {4}), On(0, {5})}, {Tensor(), Tensor()}, {}); },
+                "parameter 1: grad [5]");
+  ExpectMessage(
+      [&] { SgdStepMulti({On(0, {4})}, {On(0, {4})}, {Tensor()}, {.momentum = 0.9}); }, "parameter 0: momentum_buffer");
+  ExpectMessage([&] { SgdStepMulti({On(0, {4})}, {On(0, {4})}, {Tensor()}, {.step = 0}); }, "step counts from 1");
+  ExpectMessage([&] { SgdStepMulti({On(0, {4}, DType::kFloat16)}, {On(0, {4}, DType::kFloat16)}, {Tensor()}, {}); },
+                "contiguous f32 or f64 CUDA tensor");
   ExpectMessage([&] { AdadeltaStep(On(0, {4}), On(0, {4}), On(0, {4}), On(0, {2, 2}), {}); }, "acc_delta [2, 2]");
   ExpectMessage([&] { AdadeltaStep(On(0, {4}), On(0, {4}), On(0, {4}, DType::kFloat64), On(0, {4}), {}); },
                 "square_avg [4] f64");
@@ -509,6 +628,7 @@ TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
   EXPECT_EQ(k.unscale_and_check, &UnscaleAndCheck);
   EXPECT_EQ(k.adadelta_step, &AdadeltaStep);
   EXPECT_EQ(k.max_abs, &MaxAbs);
+  EXPECT_EQ(k.sgd_step_multi, &SgdStepMulti);
   EXPECT_TRUE(optim::internal::UsesDevicePath(Device(DeviceType::kCUDA, 0)));
   EXPECT_FALSE(optim::internal::UsesDevicePath(kCPU));
 }

@@ -244,4 +244,21 @@ cudaError_t AdadeltaStep(void* p, const void* g, void* square_avg, void* acc_del
 /// is NaN (or *out already is). x: [n], any floating dtype; *out >= 0.
 cudaError_t MaxAbs(const void* x, int64_t n, double* out, Dt dt, cudaStream_t stream);
 
+// ---- multi-tensor launches (multi_tensor.h): many tensors of one dtype per
+// launch, each a contiguous [numel] array per operand; empty ones skipped ----
+inline constexpr int kMultiTensorMaxOperands = 3;
+/// One tensor of a multi-tensor launch: its operands, numel elements each
+/// (the kernel says which operands it reads; the others are ignored).
+struct MultiTensorEntry {
+  void* operands[kMultiTensorMaxOperands] = {};
+  int64_t numel = 0;
+};
+/// UnscaleAndCheck over tensors[0, count) (operand 0: t), any floating dt.
+cudaError_t UnscaleAndCheckMulti(const MultiTensorEntry* tensors, int64_t count, double inv_scale, float* found_inf,
+                                 Dt dt, cudaStream_t stream);
+/// SgdStep over tensors[0, count) (operands p, g and, when c.momentum != 0,
+/// the momentum buffer), f32 or f64; the same arithmetic as SgdStep, element for element.
+cudaError_t SgdStepMulti(const MultiTensorEntry* tensors, int64_t count, const SgdCoefficients& c, Dt dt,
+                         cudaStream_t stream);
+
 }  // namespace ddp::nn::cuda::launch

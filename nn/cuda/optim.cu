@@ -6,10 +6,16 @@
 // SGD and Adam nvcc may still fuse a multiply and an add into one FMA, which
 // rounds once instead of twice; Adadelta rounds every product and sum on its
 // own (the _rn intrinsics are never contracted), as the x86-64 CPU loop does.
+//
+// SGD and the unscale also come as multi-tensor kernels (multi_tensor.h):
+// one launch for many tensors, block b on one chunk of one tensor. They
+// call the same element functions as the one-tensor kernels, so both give
+// the same bits.
 #include <cstdint>
 
 #include "nn/cuda/device_util.cuh"
 #include "nn/cuda/launch.h"
+#include "nn/cuda/multi_tensor.h"
 
 namespace ddp::nn::cuda::launch {
 
@@ -25,19 +31,36 @@ namespace {
 __device__ __forceinline__ float Sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double Sqrt(double x) { return sqrt(x); }
 
+// SgdCoefficients rounded to T, as PyTorch passes Python floats to kernels of the tensor's type.
+template <typename T>
+struct SgdConstants {
+  T wd, mom, keep, neg_lr, scale;
+  __device__ explicit SgdConstants(const SgdCoefficients& c)
+      : wd(static_cast<T>(c.weight_decay)), mom(static_cast<T>(c.momentum)), keep(static_cast<T>(c.keep)),
+        neg_lr(static_cast<T>(c.neg_lr)), scale(static_cast<T>(c.grad_scale)) {}
+};
+
+// One element's SGD update: returns the new p. `b` is the momentum buffer's
+// element, read unless c.first_step and written when c.momentum != 0.
+template <typename T>
+__device__ __forceinline__ T SgdUpdate(T p, T g, T& b, const SgdCoefficients& c, const SgdConstants<T>& k) {
+  T d = g * k.scale;
+  if (c.weight_decay != 0) d = d + k.wd * p;
+  if (c.momentum != 0) {
+    b = c.first_step ? d : b * k.mom + k.keep * d;
+    d = c.nesterov ? d + k.mom * b : b;
+  }
+  return p + k.neg_lr * d;
+}
+
 template <typename T>
 __global__ void SgdKernel(T* p, const T* g, T* buf, int64_t n, SgdCoefficients c) {
-  const T wd = static_cast<T>(c.weight_decay), mom = static_cast<T>(c.momentum), keep = static_cast<T>(c.keep);
-  const T neg_lr = static_cast<T>(c.neg_lr), scale = static_cast<T>(c.grad_scale);
+  const SgdConstants<T> k(c);
+  const bool reads_buf = c.momentum != 0 && !c.first_step;
   DDP_GRID_LOOP(i, n) {
-    T d = g[i] * scale;
-    if (c.weight_decay != 0) d = d + wd * p[i];
-    if (c.momentum != 0) {
-      const T b = c.first_step ? d : buf[i] * mom + keep * d;
-      buf[i] = b;
-      d = c.nesterov ? d + mom * b : b;
-    }
-    p[i] = p[i] + neg_lr * d;
+    T b = reads_buf ? buf[i] : T(0);
+    p[i] = SgdUpdate(p[i], g[i], b, c, k);
+    if (c.momentum != 0) buf[i] = b;
   }
 }
 
@@ -121,18 +144,107 @@ __global__ void MaxAbsKernel(const T* x, int64_t n, Bits* out) {
   }
 }
 
+// One element unscaled: x * s in the accumulation type, rounded back to T;
+// `bad` is set when x is inf or NaN.
+template <typename T>
+__device__ __forceinline__ T Unscaled(T x, acc_t<T> s, bool& bad) {
+  const acc_t<T> v = Cast<acc_t<T>>(x);
+  bad = bad || !isfinite(v);
+  return Cast<T>(v * s);
+}
+
+// One store per warp that saw a bad value; every writer stores the same 1.
+// Every thread of the block must call it.
+__device__ __forceinline__ void FlagIfAny(bool bad, float* found_inf) {
+  if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) *found_inf = 1.0f;
+}
+
 template <typename T>
 __global__ void UnscaleKernel(T* t, int64_t n, double inv_scale, float* found_inf) {
-  using A = acc_t<T>;
-  const A s = static_cast<A>(inv_scale);
+  const acc_t<T> s = static_cast<acc_t<T>>(inv_scale);
   bool bad = false;
-  DDP_GRID_LOOP(i, n) {
-    const A v = Cast<A>(t[i]);
-    bad = bad || !isfinite(v);
-    t[i] = Cast<T>(v * s);
+  DDP_GRID_LOOP(i, n) t[i] = Unscaled(t[i], s, bad);
+  FlagIfAny(bad, found_inf);
+}
+
+// ---- multi-tensor kernels ----
+// 512 threads, each with kIlp elements in flight (loads issued before any
+// store, which the compiler may not reorder across possibly aliasing
+// pointers): a chunk of 64 Ki elements is 32 rounds of 2048.
+constexpr int kMultiThreads = 512;
+constexpr int kIlp = 4;
+
+// The part of table entry blockIdx.x this block handles: elements
+// [start, start + n) of tensor `tensor`.
+struct BlockChunk {
+  int tensor;
+  int64_t start, n;
+};
+
+template <int kDepth>
+__device__ __forceinline__ BlockChunk ChunkOfBlock(const MultiTensorTable<kDepth>& table) {
+  BlockChunk b;
+  b.tensor = table.block_tensor[blockIdx.x];
+  b.start = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kMultiTensorChunk;
+  const int64_t left = table.numels[b.tensor] - b.start;
+  b.n = left < kMultiTensorChunk ? left : kMultiTensorChunk;
+  return b;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMultiThreads) UnscaleMultiKernel(MultiTensorTable<1> table, double inv_scale,
+                                                                    float* found_inf) {
+  const BlockChunk b = ChunkOfBlock(table);
+  T* t = static_cast<T*>(table.ptrs[0][b.tensor]) + b.start;
+  const acc_t<T> s = static_cast<acc_t<T>>(inv_scale);
+  bool bad = false;
+  for (int64_t base = threadIdx.x; base < b.n; base += int64_t{kIlp} * kMultiThreads) {
+    T v[kIlp];
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      const int64_t i = base + u * kMultiThreads;
+      if (i < b.n) v[u] = t[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      const int64_t i = base + u * kMultiThreads;
+      if (i < b.n) t[i] = Unscaled(v[u], s, bad);
+    }
   }
-  // One store per warp that saw a bad value; every writer stores the same 1.
-  if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) *found_inf = 1.0f;
+  FlagIfAny(bad, found_inf);
+}
+
+// Operands p, g and (kDepth 3, with momentum) the momentum buffer.
+template <typename T, int kDepth>
+__global__ void __launch_bounds__(kMultiThreads) SgdMultiKernel(MultiTensorTable<kDepth> table, SgdCoefficients c) {
+  static_assert(kDepth == 2 || kDepth == 3);
+  const BlockChunk b = ChunkOfBlock(table);
+  T* p = static_cast<T*>(table.ptrs[0][b.tensor]) + b.start;
+  const T* g = static_cast<const T*>(table.ptrs[1][b.tensor]) + b.start;
+  T* buf = kDepth == 3 ? static_cast<T*>(table.ptrs[kDepth - 1][b.tensor]) + b.start : nullptr;
+  const SgdConstants<T> k(c);
+  const bool reads_buf = kDepth == 3 && !c.first_step;
+  for (int64_t base = threadIdx.x; base < b.n; base += int64_t{kIlp} * kMultiThreads) {
+    T pv[kIlp], gv[kIlp], bv[kIlp];
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      const int64_t i = base + u * kMultiThreads;
+      bv[u] = T(0);
+      if (i < b.n) {
+        pv[u] = p[i];
+        gv[u] = g[i];
+        if (reads_buf) bv[u] = buf[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      const int64_t i = base + u * kMultiThreads;
+      if (i < b.n) {
+        p[i] = SgdUpdate(pv[u], gv[u], bv[u], c, k);
+        if (kDepth == 3) buf[i] = bv[u];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -207,6 +319,43 @@ cudaError_t MaxAbs(const void* x, int64_t n, double* out, Dt dt, cudaStream_t st
     err = cudaGetLastError();
   });
   return err;
+}
+
+cudaError_t UnscaleAndCheckMulti(const MultiTensorEntry* tensors, int64_t count, double inv_scale, float* found_inf,
+                                 Dt dt, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    err = ForEachMultiTensorTable<1>(tensors, count, [&](const MultiTensorTable<1>& table, int blocks) {
+      UnscaleMultiKernel<scalar_t><<<blocks, kMultiThreads, 0, stream>>>(table, inv_scale, found_inf);
+      return cudaGetLastError();
+    });
+  });
+  return err;
+}
+
+namespace {
+
+template <typename T>
+cudaError_t SgdMulti(const MultiTensorEntry* tensors, int64_t count, const SgdCoefficients& c, cudaStream_t stream) {
+  if (c.momentum == 0) {
+    return ForEachMultiTensorTable<2>(tensors, count, [&](const MultiTensorTable<2>& table, int blocks) {
+      SgdMultiKernel<T, 2><<<blocks, kMultiThreads, 0, stream>>>(table, c);
+      return cudaGetLastError();
+    });
+  }
+  return ForEachMultiTensorTable<3>(tensors, count, [&](const MultiTensorTable<3>& table, int blocks) {
+    SgdMultiKernel<T, 3><<<blocks, kMultiThreads, 0, stream>>>(table, c);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace
+
+cudaError_t SgdStepMulti(const MultiTensorEntry* tensors, int64_t count, const SgdCoefficients& c, Dt dt,
+                         cudaStream_t stream) {
+  if (dt == Dt::kF32) return SgdMulti<float>(tensors, count, c, stream);
+  if (dt == Dt::kF64) return SgdMulti<double>(tensors, count, c, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace ddp::nn::cuda::launch

@@ -31,6 +31,7 @@
 
 #include "nn/cuda/cuda.h"
 #include "nn/cuda/gpu_test_util.h"
+#include "nn/cuda/optim_kernels.h"
 #include "nn/ops/autocast_training.h"
 #include "nn/optim/adadelta.h"
 #include "nn/optim/adam.h"
@@ -291,6 +292,109 @@ TEST(OptimDeviceTest, ClipGradNormInfinityNormOnCudaMatchesTheCpu) {
     for (int64_t where : {0, 1000, 2111}) {
       SCOPED_TRACE(std::to_string(bad) + " at " + std::to_string(where));
       ClipCase(1.0, bad, where);
+    }
+  }
+}
+
+// Sizes for the multi-tensor launches: empty, one element, a chunk and one
+// more, odd sizes, and last one tensor longer than a launch's 320 chunks,
+// so that it continues in a second table.
+std::vector<int64_t> ManySizes(int count) {
+  std::vector<int64_t> sizes = {0, 1, 65537, 65536, 3, 0, 131071};
+  for (int i = static_cast<int>(sizes.size()); i < count - 1; ++i) sizes.push_back(1 + (i * 7919) % 5000);
+  sizes.push_back(65536 * 320 + 4099);
+  return sizes;
+}
+
+// x * inv_scale as the kernel computes it: in f32 for f32, f16 and bf16
+// (rounded back to the dtype), in f64 for f64.
+Tensor UnscaledOnCpu(const Tensor& t, double inv_scale) {
+  std::vector<double> v = t.ToVector<double>();
+  for (double& x : v) {
+    x = t.dtype() == DType::kFloat64 ? x * inv_scale
+                                     : static_cast<double>(static_cast<float>(x) * static_cast<float>(inv_scale));
+  }
+  return FromVector(v, t.shape(), {.dtype = t.dtype()});
+}
+
+// 100 tensors of mixed dtypes (an undefined one among them) in one call:
+// every element as the CPU computes it, and found_inf set exactly when one
+// tensor holds an inf or NaN (the last tensor, past its first table; a
+// middle one; none).
+TEST(OptimDeviceTest, UnscaleAndCheckOverManyTensorsMatchesTheCpu) {
+  Init();
+  const DType dtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
+  const std::vector<int64_t> sizes = ManySizes(100);
+  std::vector<Tensor> cpu;
+  for (size_t i = 0; i < sizes.size(); ++i) cpu.push_back(RandnOf({sizes[i]}, dtypes[i % 4], 0.0, 100.0));
+  constexpr double kInvScale = 0.37;  // not a power of two: every product rounds
+  auto on_gpu = [&](int bad_tensor, double bad) {
+    std::vector<Tensor> gpu;
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      Tensor t = cpu[i];
+      if (static_cast<int>(i) == bad_tensor) {
+        std::vector<double> v = t.ToVector<double>();
+        v[v.size() - 1] = bad;
+        t = FromVector(v, t.shape(), {.dtype = t.dtype()});
+      }
+      gpu.push_back(t.To(kGpu));
+    }
+    gpu.insert(gpu.begin() + 40, Tensor());  // skipped
+    return gpu;
+  };
+  auto flag_after = [&](const std::vector<Tensor>& gpu) {
+    const Tensor flag = Zeros({1}, {.dtype = DType::kFloat32, .device = kGpu});
+    UnscaleAndCheck(gpu, kInvScale, flag);
+    return flag.To(kCPU).data<float>()[0];
+  };
+
+  const std::vector<Tensor> gpu = on_gpu(-1, 0.0);
+  EXPECT_EQ(flag_after(gpu), 0.0f);
+  for (size_t i = 0, k = 0; i < gpu.size(); ++i) {
+    if (!gpu[i].defined()) continue;
+    ExpectClose(UnscaledOnCpu(cpu[k], kInvScale), gpu[i], Tol{0, 0},
+                "tensor " + std::to_string(k) + " " + std::string(DTypeName(cpu[k].dtype())));
+    ++k;
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(flag_after(on_gpu(99, inf)), 1.0f) << "inf at the end of the last tensor";
+  EXPECT_EQ(flag_after(on_gpu(49, std::nan(""))), 1.0f) << "NaN in a middle (f16) tensor";
+  EXPECT_EQ(flag_after(on_gpu(2, -inf)), 1.0f) << "-inf at the end of the first multi-chunk tensor";
+}
+
+// sgd_step_multi over many tensors (f32 and f64, odd sizes, one spanning two
+// tables) gives bit for bit what SgdStep per tensor gives, on a first step
+// (the buffer starts as d) and a later one.
+TEST(OptimDeviceTest, SgdStepMultiEqualsPerTensorSgdStep) {
+  Init();
+  const std::vector<int64_t> sizes = ManySizes(60);
+  const optim::SgdStepArgs configs[] = {{.lr = 0.1, .grad_scale = 0.5},
+                                        {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true},
+                                        {.lr = 0.02, .momentum = 0.8, .dampening = 0.25, .weight_decay = 1e-2}};
+  for (const optim::SgdStepArgs& config : configs) {
+    SCOPED_TRACE("momentum " + std::to_string(config.momentum) + " dampening " + std::to_string(config.dampening) +
+                 (config.nesterov ? " nesterov" : ""));
+    const bool momentum = config.momentum != 0;
+    std::vector<Tensor> p_one, g_one, buf_one, p_multi, g_multi, buf_multi;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const DType dtype = i % 3 == 1 ? DType::kFloat64 : DType::kFloat32;
+      const Tensor p = RandnOf({sizes[i]}, dtype), g = RandnOf({sizes[i]}, dtype), buf = RandnOf({sizes[i]}, dtype);
+      p_one.push_back(p.To(kGpu));
+      p_multi.push_back(p.To(kGpu));
+      g_one.push_back(g.To(kGpu));
+      g_multi.push_back(g.To(kGpu));
+      buf_one.push_back(momentum ? buf.To(kGpu) : Tensor());
+      buf_multi.push_back(momentum ? buf.To(kGpu) : Tensor());
+    }
+    for (int64_t step : {1, 2}) {
+      optim::SgdStepArgs args = config;
+      args.step = step;
+      for (size_t i = 0; i < sizes.size(); ++i) SgdStep(p_one[i], g_one[i], buf_one[i], args);
+      SgdStepMulti(p_multi, g_multi, buf_multi, args);
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      ExpectClose(p_one[i].To(kCPU), p_multi[i], Tol{0, 0}, "parameter " + std::to_string(i));
+      if (momentum) ExpectClose(buf_one[i].To(kCPU), buf_multi[i], Tol{0, 0}, "buffer " + std::to_string(i));
     }
   }
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/cuda/cuda_error.h"
@@ -37,27 +38,88 @@ void CheckStep(const char* op, int64_t step) {
   if (step < 1) throw std::invalid_argument(std::string(op) + ": step counts from 1, got " + std::to_string(step));
 }
 
-}  // namespace
-
-void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& o) {
-  const int64_t step = o.step;
-  CheckParam("SgdStep", p);
-  CheckStep("SgdStep", step);
-  CheckState("SgdStep", p, "grad", grad);
-  if (o.momentum != 0) CheckState("SgdStep", p, "momentum_buffer", momentum_buffer);
+launch::SgdCoefficients SgdCoefficientsOf(const optim::SgdStepArgs& o) {
   launch::SgdCoefficients c;
   c.weight_decay = o.weight_decay;
   c.momentum = o.momentum;
   c.keep = 1.0 - o.dampening;
   c.neg_lr = -o.lr;
   c.grad_scale = o.grad_scale;
-  c.first_step = step == 1;
+  c.first_step = o.step == 1;
   c.nesterov = o.nesterov;
+  return c;
+}
+
+// The entries of a multi-tensor launch, split by dtype: for each dtype in
+// order of first appearance, its tensors in the order given.
+class EntriesByDType {
+ public:
+  void Add(DType dtype, const launch::MultiTensorEntry& entry) {
+    for (auto& [d, entries] : groups_) {
+      if (d == dtype) {
+        entries.push_back(entry);
+        return;
+      }
+    }
+    groups_.push_back({dtype, {entry}});
+  }
+  const std::vector<std::pair<DType, std::vector<launch::MultiTensorEntry>>>& groups() const { return groups_; }
+
+ private:
+  std::vector<std::pair<DType, std::vector<launch::MultiTensorEntry>>> groups_;
+};
+
+}  // namespace
+
+void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& o) {
+  CheckParam("SgdStep", p);
+  CheckStep("SgdStep", o.step);
+  CheckState("SgdStep", p, "grad", grad);
+  if (o.momentum != 0) CheckState("SgdStep", p, "momentum_buffer", momentum_buffer);
   DeviceGuard guard(p.device().index);
   CheckCuda(launch::SgdStep(p.data_ptr(), grad.data_ptr(), o.momentum != 0 ? momentum_buffer.data_ptr() : nullptr,
-                            p.numel(), c, ToDt(p.dtype()), CurrentStream(p.device())),
+                            p.numel(), SgdCoefficientsOf(o), ToDt(p.dtype()), CurrentStream(p.device())),
             "kernel `sgd_step`");
   p.storage()->BumpVersion();
+}
+
+void SgdStepMulti(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  const std::vector<Tensor>& momentum_buffers, const optim::SgdStepArgs& o) {
+  if (grads.size() != params.size() || momentum_buffers.size() != params.size()) {
+    throw std::invalid_argument("SgdStepMulti: " + std::to_string(params.size()) + " parameters, " +
+                                std::to_string(grads.size()) + " gradients and " +
+                                std::to_string(momentum_buffers.size()) + " momentum buffers");
+  }
+  if (params.empty()) return;
+  CheckStep("SgdStepMulti", o.step);
+  // Every tensor is checked before the first launch, so a bad one leaves
+  // every parameter untouched.
+  const Device device = params.front().device();
+  EntriesByDType entries;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string op = "SgdStepMulti: parameter " + std::to_string(i);
+    const Tensor& p = params[i];
+    CheckParam(op.c_str(), p);
+    if (p.device() != device) {
+      throw std::invalid_argument(op + " is on " + p.device().ToString() + ", parameter 0 on " + device.ToString());
+    }
+    CheckState(op.c_str(), p, "grad", grads[i]);
+    if (o.momentum != 0) CheckState(op.c_str(), p, "momentum_buffer", momentum_buffers[i]);
+    launch::MultiTensorEntry e;
+    e.operands[0] = p.data_ptr();
+    e.operands[1] = grads[i].data_ptr();
+    e.operands[2] = o.momentum != 0 ? momentum_buffers[i].data_ptr() : nullptr;
+    e.numel = p.numel();
+    entries.Add(p.dtype(), e);
+  }
+  DeviceGuard guard(device.index);
+  const cudaStream_t stream = CurrentStream(device);
+  const launch::SgdCoefficients c = SgdCoefficientsOf(o);
+  for (const auto& [dtype, list] : entries.groups()) {
+    CheckCuda(launch::SgdStepMulti(list.data(), static_cast<int64_t>(list.size()), c, ToDt(dtype), stream),
+              "kernel `sgd_step_multi`");
+  }
+  for (const Tensor& p : params) p.storage()->BumpVersion();
 }
 
 void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
@@ -98,8 +160,11 @@ void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const
       !found_inf.device().is_cuda()) {
     throw std::invalid_argument("UnscaleAndCheck: found_inf must be a one-element f32 CUDA tensor");
   }
-  DeviceGuard guard(found_inf.device().index);
-  const cudaStream_t stream = CurrentStream(found_inf.device());
+  // Every tensor is checked before the first launch, so a bad one leaves
+  // every tensor untouched. One launch per dtype and table of tensors
+  // (multi_tensor.h) rather than one per tensor: ResNet-50's 161 gradients
+  // took 0.5 ms a step in 161 launches.
+  EntriesByDType entries;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
     if (!t.defined()) continue;
@@ -108,10 +173,20 @@ void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const
                                   " " + std::string(DTypeName(t.dtype())) + " on " + t.device().ToString() +
                                   ") must be a contiguous floating tensor on " + found_inf.device().ToString());
     }
-    CheckCuda(launch::UnscaleAndCheck(t.data_ptr(), t.numel(), inv_scale, static_cast<float*>(found_inf.data_ptr()),
-                                      ToDt(t.dtype()), stream),
+    launch::MultiTensorEntry e;
+    e.operands[0] = t.data_ptr();
+    e.numel = t.numel();
+    entries.Add(t.dtype(), e);
+  }
+  DeviceGuard guard(found_inf.device().index);
+  const cudaStream_t stream = CurrentStream(found_inf.device());
+  for (const auto& [dtype, list] : entries.groups()) {
+    CheckCuda(launch::UnscaleAndCheckMulti(list.data(), static_cast<int64_t>(list.size()), inv_scale,
+                                           static_cast<float*>(found_inf.data_ptr()), ToDt(dtype), stream),
               "kernel `unscale_and_check`");
-    t.storage()->BumpVersion();
+  }
+  for (const Tensor& t : tensors) {
+    if (t.defined()) t.storage()->BumpVersion();
   }
 }
 
@@ -170,6 +245,7 @@ void RegisterOptimKernels() {
                                                            .unscale_and_check = &UnscaleAndCheck,
                                                            .adadelta_step = &AdadeltaStep,
                                                            .max_abs = &MaxAbs,
+                                                           .sgd_step_multi = &SgdStepMulti,
                                                        });
 }
 

@@ -1,6 +1,7 @@
 // Optimizer updates and the loss scaler's unscale/inf-check on the device:
-// one fused kernel per parameter and step, the same arithmetic as nn/optim's
-// CPU kernels (PyTorch's rules). These are the device halves of nn/optim:
+// fused kernels, one per parameter and step, or, for SGD and the unscale,
+// one per group of tensors (multi-tensor launches, as PyTorch's _foreach
+// kernels); the same arithmetic as nn/optim's CPU kernels (PyTorch's rules). These are the device halves of nn/optim:
 // Init() registers them with nn/optim's registry (nn/optim/device_kernels.h),
 // through which Sgd, Adam, AdamW, Adadelta, GradScaler and ClipGradNorm's
 // infinity norm reach them for CUDA tensors; nn/optim itself never depends
@@ -22,6 +23,16 @@ namespace ddp::nn::cuda {
 /// f64). Registered with nn/optim as its CUDA `sgd_step`.
 void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer, const optim::SgdStepArgs& args);
 
+/// SgdStep on params[i], grads[i], momentum_buffers[i] (undefined when
+/// momentum is 0) for every i, with the same args, in a few launches (one
+/// per dtype and table of up to 48 tensors and 320 chunks of 64 Ki
+/// elements), bit for bit as SgdStep would give. The three vectors have one
+/// length; the parameters may differ in shape and dtype (f32 or f64), not
+/// in device. Every tensor is checked before anything is queued. Registered
+/// as nn/optim's CUDA `sgd_step_multi`.
+void SgdStepMulti(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  const std::vector<Tensor>& momentum_buffers, const optim::SgdStepArgs& args);
+
 /// One Adam (args.decoupled false) or AdamW step in place; exp_avg,
 /// exp_avg_sq (and max_exp_avg_sq with amsgrad, else undefined) hold the
 /// state. Same layout rules as SgdStep.
@@ -32,6 +43,9 @@ void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const 
 /// and sets found_inf (an f32 tensor of one element on the same device) to 1
 /// when any element was inf or NaN. Never reads found_inf back: no host
 /// synchronization; the caller zeroes it before the first call of a step.
+/// Tensors: contiguous, floating, any mix of dtypes (undefined ones
+/// skipped), all checked before anything is queued; one launch per dtype
+/// and table of up to 110 tensors and 320 chunks.
 void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const Tensor& found_inf);
 
 /// One Adadelta step in place: square_avg and acc_delta hold the state
@@ -47,8 +61,8 @@ void AdadeltaStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg,
 /// as nn/optim's CUDA `max_abs`.
 void MaxAbs(const std::vector<Tensor>& tensors, const Tensor& out);
 
-/// Registers SgdStep, AdamStep, UnscaleAndCheck, AdadeltaStep and MaxAbs
-/// with nn/optim for CUDA devices (Init() calls it).
+/// Registers SgdStep, AdamStep, UnscaleAndCheck, AdadeltaStep, MaxAbs and
+/// SgdStepMulti with nn/optim for CUDA devices (Init() calls it).
 void RegisterOptimKernels();
 
 }  // namespace ddp::nn::cuda

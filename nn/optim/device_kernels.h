@@ -33,6 +33,8 @@ struct SgdStepArgs {
   /// loaded. Used for nothing else.
   int64_t step = 1;
   double grad_scale = 1.0;   ///< Multiplies the gradient as it is read.
+
+  friend bool operator==(const SgdStepArgs&, const SgdStepArgs&) = default;
 };
 
 /// One Adam/AdamW step's coefficients (PyTorch's rule, see adam.h).
@@ -78,6 +80,14 @@ struct DeviceOptimKernels {
   /// to the largest |element| of the tensors (any floating dtype, undefined
   /// ones skipped); a NaN anywhere makes out NaN. Never reads it back.
   void (*max_abs)(const std::vector<Tensor>& tensors, const Tensor& out) = nullptr;
+  /// sgd_step on params[i], grads[i] and momentum_buffers[i] (undefined
+  /// when momentum is 0) for every i, all with `args` (so with one step
+  /// count); the vectors have one length, the parameters one device, maybe
+  /// several shapes and dtypes. Optional: SGD calls it once per group of
+  /// parameters with equal args where it is registered, sgd_step per
+  /// parameter where not.
+  void (*sgd_step_multi)(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                         const std::vector<Tensor>& momentum_buffers, const SgdStepArgs& args) = nullptr;
 };
 
 /// Installs the kernels of a device type (replacing any previous ones).

@@ -15,7 +15,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -37,10 +39,18 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
+// One call of `sgd_step_multi`: its parameters' dtype, numels and args.
+struct SgdMultiCall {
+  DType dtype;
+  std::vector<int64_t> numels;
+  SgdStepArgs args;
+};
+
 struct Calls {
   int sgd = 0, adam = 0, adadelta = 0, unscale = 0, max_abs = 0;
   size_t unscale_tensors = 0, max_abs_tensors = 0;
   AdadeltaStepArgs last_adadelta;
+  std::vector<SgdMultiCall> sgd_multi;
 };
 Calls g_calls;
 
@@ -70,6 +80,37 @@ void TestSgdStep(const Tensor& p, const Tensor& g, const Tensor& buf, const SgdS
   } else {
     SgdLoop<float>(p, g, buf, a);
   }
+}
+
+// The per-parameter stand-in applied to each parameter in turn, after
+// checking what the CUDA kernel requires of a group: one length, one
+// device, one dtype per call (the CUDA kernel would take several, but SGD's
+// grouping promises one), buffers exactly when momentum is on.
+void TestSgdStepMulti(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      const std::vector<Tensor>& buffers, const SgdStepArgs& a) {
+  ASSERT_FALSE(params.empty());
+  ASSERT_EQ(grads.size(), params.size());
+  ASSERT_EQ(buffers.size(), params.size());
+  SgdMultiCall call{.dtype = params.front().dtype(), .args = a};
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& p = params[i];
+    ASSERT_EQ(p.dtype(), call.dtype);
+    ASSERT_EQ(p.device(), params.front().device());
+    ASSERT_EQ(grads[i].dtype(), p.dtype());
+    ASSERT_EQ(grads[i].shape(), p.shape());
+    ASSERT_TRUE(p.is_contiguous() && grads[i].is_contiguous());
+    ASSERT_EQ(buffers[i].defined(), a.momentum != 0);
+    if (a.momentum != 0) {
+      ASSERT_EQ(buffers[i].shape(), p.shape());
+    }
+    call.numels.push_back(p.numel());
+    if (p.dtype() == DType::kFloat64) {
+      SgdLoop<double>(p, grads[i], buffers[i], a);
+    } else {
+      SgdLoop<float>(p, grads[i], buffers[i], a);
+    }
+  }
+  g_calls.sgd_multi.push_back(call);
 }
 
 template <typename T>
@@ -652,11 +693,139 @@ TEST_F(DevicePathTest, ClipGradNormInfinityNormMatchesTheHostPath) {
   EXPECT_EQ(g_calls.max_abs, 0);
 }
 
+// Parameters of several shapes (numels all different, so a call's numels
+// name its parameters) and dtypes: f32, f64 and bf16 (updated through its
+// f32 master, so grouped with the f32 ones).
+NamedParameters MixedParams() {
+  Generator gen(11);
+  const std::pair<Shape, DType> specs[] = {
+      {{3, 5}, DType::kFloat32}, {{7}, DType::kFloat64},     {{2, 2}, DType::kBFloat16}, {{1}, DType::kFloat32},
+      {{4, 3}, DType::kFloat64}, {{33}, DType::kFloat32},    {{9}, DType::kBFloat16},    {{2, 3, 3}, DType::kFloat32},
+      {{6}, DType::kFloat64},    {{257}, DType::kFloat32}};
+  NamedParameters params;
+  for (const auto& [shape, dtype] : specs) {
+    params.emplace_back("p" + std::to_string(params.size()), Randn(shape, {}, gen).To(dtype));
+  }
+  return params;
+}
+
+// Which parameters get a gradient at step s: all, but p1 and p3 skip step
+// 0 and p6 skips step 2, so their step counts fall behind the others'.
+bool HasGradAt(size_t i, int s) { return !((s == 0 && (i == 1 || i == 3)) || (s == 2 && i == 6)); }
+
+// `sgd_step_multi` is called once per group of parameters with one dtype
+// and equal args (with their step counts, which differ after skipped
+// steps), each group in parameter order, and gives bit for bit what
+// `sgd_step` per parameter gives, for SGD with and without momentum,
+// dampening, nesterov, weight decay, maximize and a loss-scaler factor.
+TEST_F(DevicePathTest, SgdStepMultiGroupsParametersAndMatchesPerParameterSteps) {
+  const SgdOptions cases[] = {{.lr = 0.1},
+                              {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true},
+                              {.lr = 0.02, .momentum = 0.8, .dampening = 0.25, .weight_decay = 1e-2},
+                              {.lr = 0.03, .momentum = 0.5, .maximize = true}};
+  constexpr int kSteps = 4;
+  for (const SgdOptions& o : cases) {
+    SCOPED_TRACE("momentum " + std::to_string(o.momentum) + " dampening " + std::to_string(o.dampening) +
+                 " weight_decay " + std::to_string(o.weight_decay) + (o.nesterov ? " nesterov" : "") +
+                 (o.maximize ? " maximize" : ""));
+    auto run = [&](const DeviceOptimKernels& kernels, NamedParameters& params) {
+      RegisterDeviceOptimKernels(DeviceType::kCPU, kernels);
+      Sgd opt(params, o);
+      opt.set_grad_scale(0.5);
+      for (int s = 0; s < kSteps; ++s) {
+        SetGrads(params, s, 2.0);
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (!HasGradAt(i, s)) params[i].second.set_grad(Tensor());
+        }
+        opt.Step();
+      }
+      return opt.StateDict();
+    };
+    NamedParameters single = MixedParams(), grouped = MixedParams();
+    g_calls = Calls();
+    const NamedTensors single_state = run({.sgd_step = &TestSgdStep}, single);
+    EXPECT_EQ(g_calls.sgd, 37);  // 10 parameters, 4 steps, 3 updates skipped
+    EXPECT_TRUE(g_calls.sgd_multi.empty());
+    g_calls = Calls();
+    const NamedTensors grouped_state =
+        run({.sgd_step = &TestSgdStep, .sgd_step_multi = &TestSgdStepMulti}, grouped);
+    EXPECT_EQ(g_calls.sgd, 0);
+
+    // The expected groups: by compute dtype and step count, in order of
+    // first appearance, parameters in order.
+    std::vector<SgdMultiCall> want;
+    std::vector<int64_t> steps(single.size(), 0);
+    for (int s = 0; s < kSteps; ++s) {
+      const size_t first_of_step = want.size();
+      for (size_t i = 0; i < single.size(); ++i) {
+        if (!HasGradAt(i, s)) continue;
+        const DType compute = single[i].second.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+        const int64_t step = ++steps[i];
+        auto it = std::find_if(want.begin() + first_of_step, want.end(), [&](const SgdMultiCall& c) {
+          return c.dtype == compute && c.args.step == step;
+        });
+        if (it == want.end()) {
+          want.push_back({.dtype = compute, .args = {.step = step}});
+          it = std::prev(want.end());
+        }
+        it->numels.push_back(single[i].second.numel());
+      }
+    }
+    ASSERT_EQ(g_calls.sgd_multi.size(), want.size());
+    for (size_t c = 0; c < want.size(); ++c) {
+      SCOPED_TRACE("call " + std::to_string(c));
+      const SgdMultiCall& got = g_calls.sgd_multi[c];
+      EXPECT_EQ(got.dtype, want[c].dtype);
+      EXPECT_EQ(got.numels, want[c].numels);
+      EXPECT_EQ(got.args.step, want[c].args.step);
+      EXPECT_EQ(got.args.lr, o.lr);
+      EXPECT_EQ(got.args.momentum, o.momentum);
+      EXPECT_EQ(got.args.dampening, o.dampening);
+      EXPECT_EQ(got.args.weight_decay, o.weight_decay);
+      EXPECT_EQ(got.args.nesterov, o.nesterov);
+      EXPECT_EQ(got.args.grad_scale, o.maximize ? -0.5 : 0.5);
+    }
+
+    for (size_t i = 0; i < single.size(); ++i) {
+      EXPECT_EQ(grouped[i].second.dtype(), single[i].second.dtype());
+      EXPECT_EQ(grouped[i].second.ToVector<double>(), single[i].second.ToVector<double>()) << single[i].first;
+    }
+    ASSERT_EQ(grouped_state.size(), single_state.size());
+    for (size_t k = 0; k < single_state.size(); ++k) {
+      EXPECT_EQ(grouped_state[k].first, single_state[k].first);
+      EXPECT_EQ(grouped_state[k].second.ToVector<double>(), single_state[k].second.ToVector<double>())
+          << single_state[k].first;
+    }
+  }
+}
+
+// Without `sgd_step_multi`, or with it alone, SGD still steps.
+TEST_F(DevicePathTest, SgdTakesEitherKernelAlone) {
+  for (bool multi : {false, true}) {
+    SCOPED_TRACE(multi ? "sgd_step_multi alone" : "sgd_step alone");
+    RegisterDeviceOptimKernels(DeviceType::kCPU, multi ? DeviceOptimKernels{.sgd_step_multi = &TestSgdStepMulti}
+                                                       : DeviceOptimKernels{.sgd_step = &TestSgdStep});
+    ASSERT_TRUE(internal::UsesDevicePath(kCPU));
+    g_calls = Calls();
+    Tensor w = Ones({4}), b = Ones({2});
+    Sgd opt({{"w", w}, {"b", b}}, {.lr = 0.5, .momentum = 0.9});
+    w.set_grad(Full({4}, 1.0));
+    b.set_grad(Full({2}, 2.0));
+    opt.Step();
+    EXPECT_EQ(g_calls.sgd, multi ? 0 : 2);
+    EXPECT_EQ(g_calls.sgd_multi.size(), multi ? 1u : 0u);
+    EXPECT_EQ(w.ToVector<float>(), std::vector<float>(4, 0.5f));
+    EXPECT_EQ(b.ToVector<float>(), std::vector<float>(2, 0.0f));
+  }
+}
+
 TEST(DeviceKernelRegistry, AnyCpuEntryTurnsTheDevicePathOn) {
   EXPECT_FALSE(internal::UsesDevicePath(kCPU));
   RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.adadelta_step = &TestAdadeltaStep});
   EXPECT_TRUE(internal::UsesDevicePath(kCPU));
   RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.max_abs = &TestMaxAbs});
+  EXPECT_TRUE(internal::UsesDevicePath(kCPU));
+  RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.sgd_step_multi = &TestSgdStepMulti});
   EXPECT_TRUE(internal::UsesDevicePath(kCPU));
   EXPECT_EQ(DeviceOptimKernelsFor(DeviceType::kCPU).adadelta_step, nullptr);
   RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{});

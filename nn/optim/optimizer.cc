@@ -342,29 +342,57 @@ void Optimizer::Step() {
                                   grad.device().ToString() + ", the parameter on " + p.device().ToString());
     }
   }
+  if (!device_path) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Tensor& grad = params_[i].second.grad();
+      if (grad.defined()) HostStep(i, grad, scratch_f, scratch_d);
+    }
+    return;
+  }
+  // Every update of the step goes to DeviceUpdateAll at once, so that an
+  // optimizer with a multi-tensor kernel can launch it once per group
+  // instead of once per parameter. Converted gradients (of 16-bit or strided
+  // ones) are all alive until then.
+  std::vector<size_t> updated;
+  std::vector<DeviceUpdateItem> items;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& grad = params_[i].second.grad();
     if (!grad.defined()) continue;
-    if (device_path) {
-      DeviceStep(i, grad);
-    } else {
-      HostStep(i, grad, scratch_f, scratch_d);
-    }
+    updated.push_back(i);
+    items.push_back(PrepareDeviceStep(i, grad));
+  }
+  if (items.empty()) return;
+  DeviceUpdateAll(items, StepScale());
+  for (size_t i : updated) FinishDeviceStep(i);
+}
+
+void Optimizer::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) {
+  for (const DeviceUpdateItem& item : items) {
+    DeviceUpdate(item.p, item.g, item.slots, item.step, item.fresh, grad_scale);
   }
 }
 
-void Optimizer::DeviceStep(size_t i, const Tensor& grad) {
+Optimizer::DeviceUpdateItem Optimizer::PrepareDeviceStep(size_t i, const Tensor& grad) {
   const Tensor& p = params_[i].second;
   const DType compute = ComputeDType(i);
+  DeviceUpdateItem item;
   // A 16-bit or strided gradient becomes a contiguous one of the compute
   // dtype on the device (one conversion kernel; no host copy).
-  const Tensor g = grad.dtype() == compute && grad.is_contiguous() ? grad : grad.Detach().To(compute).Contiguous();
-  const bool fresh = InitState(i);
-  State& s = state_[i];
-  const int64_t step = ++steps_[i];
+  item.g = grad.dtype() == compute && grad.is_contiguous() ? grad : grad.Detach().To(compute).Contiguous();
+  item.fresh = InitState(i);
+  const State& s = state_[i];
+  item.step = ++steps_[i];
+  item.p = s.master.defined() ? s.master : p;
+  item.slots = s.slots;
+  return item;
+}
+
+void Optimizer::FinishDeviceStep(size_t i) {
+  const Tensor& p = params_[i].second;
+  const State& s = state_[i];
+  // Taken here, not before the update: only the master was written since,
+  // and the steps of other views of p's memory finished before this one.
   const uint64_t before = p.storage()->version();
-  const Tensor target = s.master.defined() ? s.master : p;
-  DeviceUpdate(target, g, s.slots, step, fresh, StepScale());
   if (s.master.defined()) {
     NoGradGuard guard;
     p.CopyFrom(s.master);  // rounds the f32 master into the 16-bit parameter on the device

@@ -177,6 +177,20 @@ class Optimizer {
   virtual void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
                             bool fresh, double grad_scale) = 0;
 
+  /// One parameter's device update, DeviceUpdate's arguments but grad_scale.
+  struct DeviceUpdateItem {
+    Tensor p;
+    Tensor g;
+    std::vector<Tensor> slots;
+    int64_t step = 0;
+    bool fresh = false;
+  };
+  /// The device path's updates of one Step, in parameter order (parameters
+  /// with a gradient only; all on one device); called once per Step. By
+  /// default DeviceUpdate for each; an optimizer with a multi-tensor kernel
+  /// overrides it to update many parameters per launch.
+  virtual void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale);
+
   /// Throws naming the device when the device path has no kernel for it
   /// (called once per Step, before anything is allocated or changed).
   virtual void CheckDeviceKernels(Device device) const = 0;
@@ -244,7 +258,12 @@ class Optimizer {
   /// still does, parameter i's and those of other views of the same memory.
   void NoteOwnWrite(size_t i, uint64_t before);
   void HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d);
-  void DeviceStep(size_t i, const Tensor& grad);
+  /// Parameter i's device step, in two halves around DeviceUpdateAll: the
+  /// update's arguments (state made or brought up to date, the step
+  /// counted), then the master rounded into a 16-bit parameter and the
+  /// version bookkeeping.
+  DeviceUpdateItem PrepareDeviceStep(size_t i, const Tensor& grad);
+  void FinishDeviceStep(size_t i);
 
   void CheckOneDevice() const;
 

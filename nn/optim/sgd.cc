@@ -3,7 +3,9 @@
 #include "nn/optim/device_kernels.h"
 #include "nn/optim/kernel_util.h"
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -138,22 +140,61 @@ void Sgd::Update(double* p, const double* g, double* const* slots, int64_t n, in
 }
 
 void Sgd::CheckDeviceKernels(Device device) const {
-  if (DeviceOptimKernelsFor(device.type).sgd_step == nullptr) {
+  const DeviceOptimKernels& k = DeviceOptimKernelsFor(device.type);
+  if (k.sgd_step == nullptr && k.sgd_step_multi == nullptr) {
     internal::ThrowNoDeviceKernel(Name(), "sgd_step", device);
   }
 }
 
+// The kernel starts the buffer (buf = d) at step 1, its only use of the step.
+SgdStepArgs Sgd::StepArgs(int64_t step, bool fresh, double grad_scale) const {
+  return SgdStepArgs{.lr = lr(),
+                     .momentum = options_.momentum,
+                     .dampening = options_.dampening,
+                     .weight_decay = options_.weight_decay,
+                     .nesterov = options_.nesterov,
+                     .step = fresh ? 1 : step,
+                     .grad_scale = grad_scale};
+}
+
 void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
                        double grad_scale) {
-  // The kernel starts the buffer (buf = d) at step 1, its only use of the step.
   DeviceOptimKernelsFor(p.device().type).sgd_step(p, g, options_.momentum != 0 ? slots[0] : Tensor(),
-     SgdStepArgs{.lr = lr(),
-                 .momentum = options_.momentum,
-                 .dampening = options_.dampening,
-                 .weight_decay = options_.weight_decay,
-                 .nesterov = options_.nesterov,
-                 .step = fresh ? 1 : step,
-                 .grad_scale = grad_scale});
+                                                  StepArgs(step, fresh, grad_scale));
+}
+
+// With `sgd_step_multi`, one call per group of parameters that share device,
+// dtype and arguments; the arguments differ only in the step, which
+// parameters share unless some skipped steps (no gradient) or a loaded state
+// started them apart. Each group keeps the parameters' order.
+void Sgd::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) {
+  if (items.empty()) return;
+  const DeviceOptimKernels& k = DeviceOptimKernelsFor(items.front().p.device().type);
+  if (k.sgd_step_multi == nullptr) {
+    Optimizer::DeviceUpdateAll(items, grad_scale);
+    return;
+  }
+  struct Group {
+    Device device;
+    DType dtype;
+    SgdStepArgs args;
+    std::vector<Tensor> params, grads, buffers;
+  };
+  std::vector<Group> groups;
+  for (const DeviceUpdateItem& item : items) {
+    const SgdStepArgs args = StepArgs(item.step, item.fresh, grad_scale);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
+      return g.device == item.p.device() && g.dtype == item.p.dtype() && g.args == args;
+    });
+    if (it == groups.end()) {
+      groups.push_back({.device = item.p.device(), .dtype = item.p.dtype(), .args = args});
+      it = std::prev(groups.end());
+    }
+    it->params.push_back(item.p);
+    it->grads.push_back(item.g);
+    it->buffers.push_back(options_.momentum != 0 ? item.slots[0] : Tensor());
+  }
+  for (const Group& g : groups) k.sgd_step_multi(g.params, g.grads, g.buffers, g.args);
 }
 
 }  // namespace ddp::nn::optim

@@ -1,6 +1,7 @@
 #ifndef DDP_NN_OPTIM_SGD_H_
 #define DDP_NN_OPTIM_SGD_H_
 
+#include "nn/optim/device_kernels.h"
 #include "nn/optim/optimizer.h"
 
 namespace ddp::nn::optim {
@@ -38,6 +39,7 @@ class Sgd : public Optimizer {
               double grad_scale) override;
   void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
                     double grad_scale) override;
+  void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
   std::vector<Hyperparameter> Hyperparameters() const override;
@@ -47,6 +49,8 @@ class Sgd : public Optimizer {
  private:
   template <typename T>
   void Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
+  /// The device kernels' arguments for an update with these step, fresh and grad_scale.
+  SgdStepArgs StepArgs(int64_t step, bool fresh, double grad_scale) const;
 
   /// These options with the saved values of `values` (see
   /// CheckHyperparameters); throws as the constructor does.
