@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <chrono>
 
+#include "transport/fault/process.h"
+
 namespace ddp::transport::fault {
 namespace {
 
@@ -32,8 +34,9 @@ PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
     // ESRCH: the peer died between the exchange of pids and now. It stays
     // dead: kill(pid, 0) would take a process that reused the pid for it.
     if (pidfds_[r] < 0 && errno == ESRCH) gone_at_start_[r] = true;
-    // Without pidfd support (old kernel, seccomp) fall back to kill(pid, 0)
-    // in Check(); it only errs after the pid is reused.
+    // Without pidfd support (old kernel, seccomp, no descriptor left) fall
+    // back to looking at the process in Check() (ProcessGoneNow); that only
+    // errs after the pid is reused.
   }
 }
 
@@ -58,7 +61,7 @@ bool PeerMonitor::Exited(size_t rank) const {
     pollfd p{pidfds_[rank], POLLIN, 0};
     return poll(&p, 1, 0) > 0;
   }
-  return kill(pid, 0) != 0 && errno == ESRCH;
+  return ProcessGoneNow(pid);  // a zombie too, which kill(pid, 0) takes for alive
 }
 
 std::vector<int> PeerMonitor::ExitedPeers() const {

@@ -1,13 +1,17 @@
 #include "transport/fault/peer_monitor.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <thread>
+#include <vector>
 
 #include "transport/testing/in_memory_store.h"
 
@@ -99,6 +103,46 @@ TEST(PeerMonitor, ZombieCountsAsDead) {
   EXPECT_EQ(info.si_pid, child);
   EXPECT_EQ(monitor.Check(Soon()).code(), StatusCode::kPeerLost);
   waitpid(child, nullptr, 0);
+}
+
+// The same without a pidfd (here: every descriptor in use when the monitor
+// starts, EMFILE): the fallback took a zombie for alive (kill(pid, 0)
+// succeeds on it), so a crashed peer whose launcher had not reaped it yet
+// was never reported and every wait ran to its deadline.
+TEST(PeerMonitor, ZombieCountsAsDeadWithoutAPidfd) {
+  testing::InMemoryStore store;
+  const pid_t zombie = SpawnSleeper();
+  const pid_t alive = SpawnSleeper();
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> fds;
+  while (true) {
+    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) break;
+    fds.push_back(fd);
+  }
+  const int exhausted = errno;
+  auto monitor = std::make_unique<PeerMonitor>(
+      PeerMonitorOptions{.rank = 1, .local_pids = {zombie, getpid(), alive}, .key_prefix = "j/"}, &store);
+  for (int fd : fds) close(fd);
+  setrlimit(RLIMIT_NOFILE, &before);
+  ASSERT_EQ(exhausted, EMFILE);
+  EXPECT_TRUE(monitor->ExitedPeers().empty());
+  kill(zombie, SIGKILL);
+  siginfo_t info{};
+  ASSERT_EQ(waitid(P_PID, static_cast<id_t>(zombie), &info, WEXITED | WNOWAIT), 0);
+  // The kernel may still be releasing its memory for a moment.
+  const Deadline until = DeadlineIn(milliseconds(2000));
+  while (monitor->ExitedPeers().empty() && Clock::now() < until) std::this_thread::sleep_for(milliseconds(5));
+  EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
+  EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
+  for (pid_t pid : {zombie, alive}) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
 }
 
 TEST(PeerMonitor, CleanlyClosedPeerMayExit) {

@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 
+#include "transport/fault/process.h"
 #include "transport/reduce/reduce.h"
 
 namespace ddp::transport::shm {
@@ -131,22 +132,6 @@ void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t&
 
 namespace internal {
 
-namespace {
-
-// Without a pidfd: whether `pid` is gone, a zombie (exited, not yet reaped
-// by its parent, which for a peer is the launcher) or past releasing its
-// memory on the way out. Needs no descriptor (the caller may have none
-// left): a process without memory has no /proc/PID/exe to read.
-bool ExitedNow(int pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/exe", pid);
-  char target[16];
-  return readlink(path, target, sizeof(target)) < 0 && errno == ENOENT;
-}
-
-}  // namespace
-
 bool ProcessExitsWithin(int pid, std::chrono::milliseconds within) {
   const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
   if (fd >= 0) {
@@ -162,7 +147,7 @@ bool ProcessExitsWithin(int pid, std::chrono::milliseconds within) {
   // buffer, and make Abandon spin until its grace ran out.
   const auto until = std::chrono::steady_clock::now() + within;
   while (true) {
-    if (ExitedNow(pid)) return true;
+    if (fault::ProcessGoneNow(pid)) return true;
     if (std::chrono::steady_clock::now() >= until) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
