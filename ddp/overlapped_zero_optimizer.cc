@@ -446,7 +446,7 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
                                 " is not in a group of " + std::to_string(pg.size()));
   }
   std::string mine;
-  {
+  try {
     std::lock_guard<std::mutex> lock(s.mu);
     for (const State::Bucket& bucket : s.buckets) {
       if (bucket.optimizer == nullptr) continue;
@@ -464,6 +464,12 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
         }
       }
     }
+  } catch (const std::exception& e) {
+    // The peers are about to wait for this rank's record in the gather:
+    // tell them instead of letting them wait out the timeout.
+    pg.Abort(transport::AbortedError("OverlappedZeroOptimizer::ConsolidatedStateDict failed on rank " +
+                                     std::to_string(pg.rank()) + ": " + e.what()));
+    throw;
   }
   const std::vector<std::string> all = pg.GatherObject(mine, to);
   if (pg.rank() != to) return {};

@@ -218,12 +218,20 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   // The options ("group.*", the same on every rank) come from this rank's
   // optimizer below; only the per-parameter state is gathered.
   NamedTensors options;
-  for (auto& [name, t] : local_->StateDict()) {
-    if (name.rfind("state.", 0) == 0) {
-      mine.emplace_back(name, t.To(nn::kCPU).Contiguous());
-    } else if (name != "lr") {
-      options.emplace_back(name, t);
+  try {
+    for (auto& [name, t] : local_->StateDict()) {
+      if (name.rfind("state.", 0) == 0) {
+        mine.emplace_back(name, t.To(nn::kCPU).Contiguous());
+      } else if (name != "lr") {
+        options.emplace_back(name, t);
+      }
     }
+  } catch (const std::exception& e) {
+    // The peers are about to wait for this rank's state list: tell them
+    // (as Step does) instead of letting them wait out the timeout.
+    pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank " +
+                                       std::to_string(pg_->rank()) + ": " + e.what()));
+    throw;
   }
   // Each rank in turn describes its shard's state and sends it.
   std::vector<NamedTensors> by_rank(static_cast<size_t>(pg_->size()));

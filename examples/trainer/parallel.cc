@@ -54,7 +54,12 @@ class Zero : public Parallel::ShardedOptimizer {
   nn::optim::NamedTensors Consolidate() override {
     return Guarded("gathering the optimizer state", [&] { return zero_.ConsolidatedStateDict(0); });
   }
-  void Load(const nn::optim::NamedTensors& whole) override { zero_.local().LoadStateDict(zero_.ShardOf(whole)); }
+  // Collective: every shard is checked before any is loaded, so a state
+  // that some rank's shard refuses fails every rank, naming it, instead of
+  // leaving the others loaded and waiting in their next collective.
+  void Load(const nn::optim::NamedTensors& whole) override {
+    Guarded("loading the optimizer state", [&] { zero_.LoadStateDict(whole); });
+  }
 
  private:
   dist::ZeroRedundancyOptimizer zero_;
