@@ -46,7 +46,9 @@
 //   fails, naming the bucket).
 // - NoSync works (the step runs at the synchronizing backward); Join works
 //   (ranks that ran out of data still step their slices with the others'
-//   gradients).
+//   gradients, at the rate they hold: a per-iteration learning-rate
+//   scheduler must be stepped on joined ranks too, in Join's shadow_step,
+//   or their slices keep the rate they had when they joined).
 // - The optimizer's update must be elementwise (every nn::optim optimizer
 //   is; one that looks at whole tensors, as LAMB's norms, would see only a
 //   piece). It runs where

@@ -37,11 +37,15 @@
 // DistributedDataParallel's Join the ranks that ran out of data must take
 // the step too. Hand it to the Join, as PyTorch's Join([model, zero]):
 //
-//   Join join(ddp, {.shadow_step = [&] { zero.Step(); }});
+//   Join join(ddp, {.shadow_step = [&] { zero.Step(); sched.Step(); }});
 //
 // A joined rank then gets the active ranks' averaged gradients in its
 // .grad at each shadowed backward and steps its shard with them, so the
-// result equals the unsharded optimizer's under Join. Without it, the
+// result equals the unsharded optimizer's under Join. A learning-rate
+// scheduler the active ranks step each iteration must be stepped there
+// too (as above): the joined rank's shard otherwise keeps the rate it had
+// when it joined, broadcasts parameters stepped with it, and its schedule
+// stays behind the others' afterwards. Without the shadow step, the
 // active ranks' broadcasts meet a joined rank's Join all-reduce, which
 // every rank reports as a desync.
 
