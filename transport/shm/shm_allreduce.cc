@@ -950,6 +950,9 @@ void ShmAllReduce::MarkFailed(uint64_t call, const Status& error) {
   mine.failed_code.store(static_cast<int32_t>(error.code()), std::memory_order_release);
   char text[sizeof(mine.failed_message)] = {};
   std::memcpy(text, error.message().data(), std::min(error.message().size(), sizeof(text) - 1));
+  // A message the mailbox cannot hold whole ends in "..." (the peers would
+  // otherwise read a cut one as complete).
+  if (error.message().size() > sizeof(text) - 1) std::memcpy(text + sizeof(text) - 4, "...", 3);
   for (size_t w = 0; w < std::size(mine.failed_message); ++w) {
     uint64_t word;
     std::memcpy(&word, text + w * sizeof(word), sizeof(word));

@@ -247,6 +247,25 @@ TEST(ShmAllReduce, ThroughFailsEveryRankWhenOneSliceFunctionFails) {
   }
 }
 
+// A failure message longer than a rank's mailbox holds reaches the peers
+// cut, ending in "..." (it read as complete).
+TEST(ShmAllReduce, ACutFailureMessageSaysSo) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const std::string long_reason = "host 1 unreachable: " + std::string(400, 'x');
+  RunRanks(2, [&](int r) {
+    std::vector<float> data(20000, 1.0f);
+    Status s = group[r]->AllReduceThrough(
+        data.data(), data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+        [&](void*, size_t, size_t) { return r == 1 ? UnavailableError(long_reason) : Status::Ok(); },
+        DeadlineIn(milliseconds(10000)), nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+    if (r == 0) {
+      EXPECT_NE(s.message().find("host 1 unreachable: xxx"), std::string::npos) << s;
+      EXPECT_EQ(s.message().substr(s.message().size() - 4), "x...") << s;
+    }
+  });
+}
+
 // Avg reduces as sum and the slice function divides; ranks passing avg and
 // sum fail the argument check.
 TEST(ShmAllReduce, ThroughAverageLeavesTheDivisionToTheSliceFunction) {
