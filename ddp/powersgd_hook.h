@@ -71,6 +71,17 @@
 // instead would store a copy of the compressed weights per rank in rank
 // 0's file. StateDict(params, true) adds this rank's residuals for a
 // per-rank file, as PyTorch's per-process pickle of its state holds them.
+// The restored Q's apply to the buckets as they were saved: save the DDP
+// wrapper's BucketOrder() with them and pass it back as
+// DdpOptions::bucket_order on resume (the example trainer does). Without
+// it, a bucket that the first iteration's rebuild lays out otherwise
+// starts over with a fresh Q, as above, so the resumed run differs from
+// an uninterrupted one.
+//
+// Under a GradScaler the residuals are kept in the scaled units of the
+// step that left them: when the scale changes, the carried-over part of
+// the gradient is off by the ratio for one step (PyTorch's hook has the
+// same limit).
 
 #include <cstdint>
 #include <memory>
