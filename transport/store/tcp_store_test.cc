@@ -340,6 +340,33 @@ TEST(TcpStoreTest, MultiGetParksUntilEveryKeyIsSetAndKeepsTheOrder) {
   EXPECT_EQ(waiter->MultiGet(std::vector<std::string>{"big1"}, DeadlineIn(5s))->front().size(), big.size());
 }
 
+// A parked wait counts the keys it still misses: a key deleted after it
+// was set is missing again, and the wait ends only once every key exists.
+TEST(TcpStoreTest, AKeyDeletedWhileAWaitIsParkedIsMissingAgain) {
+  auto server = StartServer();
+  auto waiter = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  std::atomic<bool> done{false};
+  StatusOr<std::vector<std::string>> got = InternalError("not run");
+  std::thread thread([&] {
+    const std::vector<std::string> keys = {"x", "y", "x"};
+    got = waiter->MultiGet(keys, DeadlineIn(10s));
+    done = true;
+  });
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 1; }));
+  ASSERT_TRUE(setter->Set("x", "1", DeadlineIn(5s)).ok());
+  ASSERT_TRUE(*setter->Delete("x", DeadlineIn(5s)));
+  ASSERT_TRUE(setter->Set("y", "2", DeadlineIn(5s)).ok());
+  ASSERT_TRUE(setter->Set("y", "3", DeadlineIn(5s)).ok());  // set again: still one key
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(done.load());
+  EXPECT_EQ(server->stats().parked_waits, 1u);
+  ASSERT_TRUE(setter->Set("x", "4", DeadlineIn(5s)).ok());
+  thread.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, (std::vector<std::string>{"4", "3", "4"}));
+}
+
 TEST(TcpStoreTest, DeadlinesAreHonouredAndTheConnectionSurvives) {
   auto server = StartServer();
   auto client = ConnectClient(*server);
