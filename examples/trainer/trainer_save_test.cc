@@ -25,14 +25,9 @@ namespace {
 
 namespace launch = transport::launch;
 
-// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks), every
-// collective bounded by 2 s, and a checkpoint at the epoch's end (at
-// SLOW_SAVE_CKPT) each of whose writes (the length, the header, each
-// tensor: at least 3) waits SLOW_SAVE_PAUSE_MS first. Exit status 0, or 1
-// after printing the error.
-DDP_TEST_WORKER(slow_save) {
-  nn::io::internal::SetWritePausePerPiece(
-      std::chrono::milliseconds(std::atoll(std::getenv("SLOW_SAVE_PAUSE_MS"))));
+// One epoch of the MLP on 64 generated samples, 16 per batch, saving to
+// `checkpoint`.
+TrainConfig TinyRun(const char* checkpoint, int64_t timeout_s) {
   TrainConfig c;
   c.model = "mlp";
   c.dataset = "synthetic";
@@ -41,40 +36,14 @@ DDP_TEST_WORKER(slow_save) {
   c.batch_size = 16;
   c.epochs = 1;
   c.workers = 0;
-  c.timeout_s = 2;
-  c.save_timeout_s = std::atoll(std::getenv("SLOW_SAVE_TIMEOUT_S"));
-  c.checkpoint = std::getenv("SLOW_SAVE_CKPT");
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
-    Train(c, *parallel, options);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  c.timeout_s = timeout_s;
+  c.checkpoint = checkpoint;
+  return c;
 }
 
-// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks) as job
-// FRESH_RUN_JOB, without --resume, saving to FRESH_RUN_CKPT at its end;
-// rank 0 prints its lines. Exit status 0, or 1 after printing the error.
-DDP_TEST_WORKER(fresh_run) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.dataset = "synthetic";
-  c.train_samples = 64;
-  c.test_samples = 32;
-  c.batch_size = 16;
-  c.epochs = 1;
-  c.workers = 0;
-  c.timeout_s = 30;
-  c.checkpoint = std::getenv("FRESH_RUN_CKPT");
-  c.job = std::getenv("FRESH_RUN_JOB");
-  RunOptions options;
-  options.print_result = false;
+// Trains `c` as this worker's rank: exit status 0, or 1 after printing the
+// error.
+int TrainAsWorker(const TrainConfig& c, const RunOptions& options) {
   try {
     ValidateConfig(c);
     std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
@@ -85,6 +54,33 @@ DDP_TEST_WORKER(fresh_run) {
   }
   std::fflush(stdout);
   return 0;
+}
+
+// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks), every
+// collective bounded by 2 s, and a checkpoint at the epoch's end (at
+// SLOW_SAVE_CKPT) each of whose writes (the length, the header, each
+// tensor: at least 3) waits SLOW_SAVE_PAUSE_MS first. Exit status 0, or 1
+// after printing the error.
+DDP_TEST_WORKER(slow_save) {
+  nn::io::internal::SetWritePausePerPiece(
+      std::chrono::milliseconds(std::atoll(std::getenv("SLOW_SAVE_PAUSE_MS"))));
+  TrainConfig c = TinyRun(std::getenv("SLOW_SAVE_CKPT"), 2);
+  c.save_timeout_s = std::atoll(std::getenv("SLOW_SAVE_TIMEOUT_S"));
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  return TrainAsWorker(c, options);
+}
+
+// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks) as job
+// FRESH_RUN_JOB, without --resume, saving to FRESH_RUN_CKPT at its end;
+// rank 0 prints its lines. Exit status 0, or 1 after printing the error.
+DDP_TEST_WORKER(fresh_run) {
+  TrainConfig c = TinyRun(std::getenv("FRESH_RUN_CKPT"), 30);
+  c.job = std::getenv("FRESH_RUN_JOB");
+  RunOptions options;
+  options.print_result = false;
+  return TrainAsWorker(c, options);
 }
 
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,

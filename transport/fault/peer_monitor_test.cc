@@ -1,8 +1,6 @@
 #include "transport/fault/peer_monitor.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/testing/descriptors_exhausted.h"
 #include "transport/testing/in_memory_store.h"
 
 namespace ddp::transport::fault {
@@ -113,22 +112,14 @@ TEST(PeerMonitor, ZombieCountsAsDeadWithoutAPidfd) {
   testing::InMemoryStore store;
   const pid_t zombie = SpawnSleeper();
   const pid_t alive = SpawnSleeper();
-  rlimit before{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
-  rlimit low = before;
-  low.rlim_cur = 64;
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> fds;
-  while (true) {
-    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) break;
-    fds.push_back(fd);
+  std::unique_ptr<PeerMonitor> monitor;
+  int exhausted = 0;
+  {
+    testing::DescriptorsExhausted none_left;
+    exhausted = none_left.error();
+    monitor = std::make_unique<PeerMonitor>(
+        PeerMonitorOptions{.rank = 1, .local_pids = {zombie, getpid(), alive}, .key_prefix = "j/"}, &store);
   }
-  const int exhausted = errno;
-  auto monitor = std::make_unique<PeerMonitor>(
-      PeerMonitorOptions{.rank = 1, .local_pids = {zombie, getpid(), alive}, .key_prefix = "j/"}, &store);
-  for (int fd : fds) close(fd);
-  setrlimit(RLIMIT_NOFILE, &before);
   ASSERT_EQ(exhausted, EMFILE);
   EXPECT_TRUE(monitor->ExitedPeers().empty());
   kill(zombie, SIGKILL);

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/testing/descriptors_exhausted.h"
 #include "transport/testing/expected_values.h"
 #include "transport/testing/in_memory_store.h"
 
@@ -90,24 +91,17 @@ TEST(ProcessExitsWithin, SeesAnExitWithoutAPidfd) {
   ASSERT_EQ(kill(dead, SIGKILL), 0);
   // A zombie now (not reaped): give the kernel a moment to finish its exit.
   EXPECT_TRUE(internal::ProcessExitsWithin(dead, std::chrono::milliseconds(2000)));
-  rlimit before{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
-  rlimit low = before;
-  low.rlim_cur = 64;
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> fds;
-  while (true) {
-    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) break;
-    fds.push_back(fd);
+  int exhausted = 0;
+  bool dead_seen = false, alive_seen = false;
+  std::chrono::steady_clock::duration took{};
+  {
+    testing::DescriptorsExhausted none_left;
+    exhausted = none_left.error();
+    dead_seen = internal::ProcessExitsWithin(dead, std::chrono::milliseconds(200));
+    const auto start = std::chrono::steady_clock::now();
+    alive_seen = internal::ProcessExitsWithin(alive, std::chrono::milliseconds(50));
+    took = std::chrono::steady_clock::now() - start;
   }
-  const int exhausted = errno;
-  const bool dead_seen = internal::ProcessExitsWithin(dead, std::chrono::milliseconds(200));
-  const auto start = std::chrono::steady_clock::now();
-  const bool alive_seen = internal::ProcessExitsWithin(alive, std::chrono::milliseconds(50));
-  const auto took = std::chrono::steady_clock::now() - start;
-  for (int fd : fds) close(fd);
-  setrlimit(RLIMIT_NOFILE, &before);
   kill(alive, SIGKILL);
   waitpid(alive, nullptr, 0);
   waitpid(dead, nullptr, 0);
