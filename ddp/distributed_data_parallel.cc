@@ -9,6 +9,7 @@
 #include "ddp/debug_mode.h"
 #include "ddp/reducer.h"
 #include "ddp/replicas.h"
+#include "ddp/sync_batch_norm.h"
 
 namespace ddp::dist {
 
@@ -320,6 +321,11 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
       // with a joined rank's shadowed bucket reduction.
       for (const auto& [name, m] : module_->NamedModules()) {
         if (m->TypeName() != "SyncBatchNorm" || !m->is_training()) continue;
+        // Over a group of one rank it gathers nothing: plain BatchNorm.
+        if (const auto* sync = dynamic_cast<const SyncBatchNorm*>(m);
+            sync != nullptr && sync->group() != nullptr && sync->group()->size() == 1) {
+          continue;
+        }
         std::string joined;
         for (int r = 0; r < size; ++r) {
           if (f[r] == 0) joined += (joined.empty() ? "" : ", ") + std::to_string(r);

@@ -67,6 +67,8 @@ class SyncBatchNorm : public nn::modules::Module {
   std::string ShortRepr() const override;
 
   int64_t num_features() const { return num_features_; }
+  /// The group it was given; null: the default group, looked up at each forward.
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
   const nn::modules::BatchNormOptions& options() const { return options_; }
   const nn::Tensor& weight() const { return weight_; }
   const nn::Tensor& bias() const { return bias_; }

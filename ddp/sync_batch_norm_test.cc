@@ -226,13 +226,22 @@ DDP_TEST_WORKER(sync_bn_join) {
   const auto& data = testing::FashionMnist();
   const int world = pg->size(), rank = pg->rank();
   constexpr int64_t kB = 6;
-  auto model = ConvertSyncBatchNorm(BnCnn(), pg);
-  DistributedDataParallel ddp(model, {.process_group = pg});
   // DDP_TEST_CASE=eval_wrapper: the wrapper in eval mode (forwards without
   // grad) while the SyncBatchNorm modules are put back in training mode;
-  // they still gather in forward.
+  // they still gather in forward. solo_groups: each rank's SyncBatchNorm
+  // layers have a group of that rank alone, so they gather nothing and
+  // Join runs to its end.
   const char* which = std::getenv("DDP_TEST_CASE");
   const bool eval_wrapper = which != nullptr && std::string(which) == "eval_wrapper";
+  const bool solo_groups = which != nullptr && std::string(which) == "solo_groups";
+  std::shared_ptr<ProcessGroup> mine = pg;
+  if (solo_groups) {
+    for (int r = 0; r < world; ++r) {
+      if (auto group = pg->NewGroup({r})) mine = group;
+    }
+  }
+  auto model = ConvertSyncBatchNorm(BnCnn(), mine);
+  DistributedDataParallel ddp(model, {.process_group = pg});
   if (eval_wrapper) {
     ddp.Eval();
     model->Apply([](nn::modules::Module& m) {
@@ -257,9 +266,13 @@ DDP_TEST_WORKER(sync_bn_join) {
     message = e.what();
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  WORKER_EXPECT(message.find("Join: rank(s) 0 ran out of inputs, and module `") != std::string::npos &&
-                    message.find("(SyncBatchNorm, in training mode)") != std::string::npos,
-                "rank " + std::to_string(rank) + ": " + message);
+  if (solo_groups) {
+    WORKER_EXPECT(message.empty(), "rank " + std::to_string(rank) + ": " + message);
+  } else {
+    WORKER_EXPECT(message.find("Join: rank(s) 0 ran out of inputs, and module `") != std::string::npos &&
+                      message.find("(SyncBatchNorm, in training mode)") != std::string::npos,
+                  "rank " + std::to_string(rank) + ": " + message);
+  }
   WORKER_EXPECT(seconds < 20, "took " + std::to_string(seconds) + " s");
   return testing::WorkerExit();
 }
@@ -269,6 +282,13 @@ TEST(SyncBatchNormTest, JoinStopsEveryRankNamingTheModule) {
     auto run = RunWorkers("sync_bn_join", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", which}});
     EXPECT_TRUE(run.AllSucceeded()) << which << "\n" << testing::AllOutput(run);
   }
+}
+
+// SyncBatchNorm layers over a group of one rank gather nothing, so Join
+// does not stop for them (it did: the guard looked at the type only).
+TEST(SyncBatchNormTest, JoinRunsToItsEndWhenTheLayersHaveOneRankGroups) {
+  auto run = RunWorkers("sync_bn_join", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", "solo_groups"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(SyncBatchNormTest, OneRankIsBatchNorm) {
