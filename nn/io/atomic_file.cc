@@ -184,8 +184,14 @@ void AtomicFileWriter::Commit() {
     Fail(path_, "cannot rename " + temp_path_ + " to it", err);
   }
   committed_ = true;
-  // The rename itself lives in the folder's entry table.
-  SyncFolder(Folder(path_));
+  // The rename itself lives in the folder's entry table. Failing here, the
+  // new file is already in place (readers see it); only its surviving a
+  // crash is in doubt, which the error must say rather than "not saved".
+  try {
+    SyncFolder(Folder(path_));
+  } catch (const CheckpointError& e) {
+    throw CheckpointError(path_ + ": written and renamed into place, but it may not survive a crash: " + e.what());
+  }
 }
 
 void SyncFolder(const std::string& folder) {
