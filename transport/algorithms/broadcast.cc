@@ -1,6 +1,8 @@
 #include "transport/algorithms/broadcast.h"
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "transport/algorithms/binary_tree.h"
@@ -64,20 +66,32 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::PeerCheck check(what, fingerprint);
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
 
+  // At most a pipeline's depth of chunks in flight to each child: a child
+  // holds any more as unexpected messages (the root used to post every
+  // chunk at once), so chunk c waits for the sends of chunk c - depth.
+  std::vector<std::vector<std::pair<int, p2p::RequestId>>> in_flight(depth);
   auto forward = [&](const unsigned char* data, size_t c) -> Status {
+    auto& slot = in_flight[c % depth];
+    for (const auto& [child, id] : slot) {
+      internal::Where where{what, 0, 0, c - depth, true, child};
+      DDP_RETURN_IF_ERROR(requests.Wait(id, where));
+    }
+    slot.clear();
     for (int child : node.children) {
       internal::Where where{what, 0, 0, c, true, child};
-      DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, c), data + c * ce * es,
-                                        chunk_n(c) * es)
-                              .status());
+      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id, requests.Send(where, internal::StepTag(tag, c),
+                                                                  data + c * ce * es, chunk_n(c) * es));
+      slot.emplace_back(child, id);
     }
     return Status();
   };
 
   if (is_root) {
-    for (size_t c = 0; c < k; ++c) DDP_RETURN_IF_ERROR(forward(send, c));
+    const size_t first = std::min(k, depth);
+    for (size_t c = 0; c < first; ++c) DDP_RETURN_IF_ERROR(forward(send, c));
     // Copy while the first chunks travel.
     if (recv != send) std::memcpy(recv, send, args.count * es);
+    for (size_t c = first; c < k; ++c) DDP_RETURN_IF_ERROR(forward(send, c));
     return requests.WaitAll(what);
   }
 

@@ -84,6 +84,39 @@ TEST(BroadcastTest, LargeVector) {
   Check(5, 0, 1 << 20, DataType::kBF16, true, 0);
 }
 
+// No rank holds more than a pipeline's depth of chunks as unexpected
+// messages (plus the argument check's fingerprints): the root posted every
+// chunk at once, and a rank forwarded each as it came, whatever its
+// children had taken. A chain (4 ranks, 1024 chunks) and a tree (many
+// ranks, few chunks is a tree; 9 ranks and 8 chunks).
+TEST(BroadcastTest, ChunksInFlightAreBoundedByThePipelineDepth) {
+  constexpr int kDepth = 4;
+  for (const auto& [world, count] : {std::pair{4, size_t{1} << 18}, std::pair{9, size_t{2048}}}) {
+    SCOPED_TRACE(std::to_string(world) + " ranks, " + std::to_string(count) + " floats");
+    p2p::LoopbackHub hub(world);
+    std::vector<std::vector<float>> data(world, std::vector<float>(count));
+    for (size_t i = 0; i < count; ++i) data[1][i] = static_cast<float>(i % 1000);
+    auto statuses = RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+      CollectiveArgs args;
+      args.send = data[p2p.rank()].data();
+      args.recv = data[p2p.rank()].data();
+      args.count = count;
+      args.dtype = DataType::kF32;
+      args.root = 1;
+      args.tag = CollectiveTag(7);
+      args.deadline = DeadlineIn(60s);
+      args.tuning.chunk_bytes = 1024;
+      args.tuning.pipeline_depth = kDepth;
+      return Broadcast(p2p, args);
+    });
+    for (int r = 0; r < world; ++r) {
+      ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+      EXPECT_EQ(data[r][count - 1], static_cast<float>((count - 1) % 1000)) << "rank " << r;
+      EXPECT_LE(hub.Stats(r).peak_unexpected_sends, uint64_t{kDepth + 4}) << "rank " << r;
+    }
+  }
+}
+
 // chunk_bytes near SIZE_MAX with u8: the chunk count used to be
 // (n + ce - 1) / ce, which wraps to 0, so the call returned OK having moved
 // nothing.
