@@ -95,6 +95,12 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     return Status();
   };
   for (size_t c = 0; c < depth; ++c) DDP_RETURN_IF_ERROR(post(c));
+  // At most 2 * depth chunks in flight to the parent (the parent's `depth`
+  // receives, and as many queued behind them, so that a send rarely waits):
+  // a leaf, which waits for no child, posted every chunk at once, and its
+  // parent held the rest as unexpected messages.
+  const size_t window = 2 * depth;
+  std::vector<p2p::RequestId> sent(window, 0);
   for (size_t c = 0; c < k; ++c) {
     const size_t n = chunk_n(c);
     const unsigned char* mine = send + c * ce * es;
@@ -108,9 +114,12 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     }
     DDP_RETURN_IF_ERROR(post(c + depth));  // the slots of chunk c are free again
     if (node.parent >= 0) {
+      if (c >= window) {
+        internal::Where where{kWhat, 0, 0, c - window, true, node.parent};
+        DDP_RETURN_IF_ERROR(requests.Wait(sent[c % window], where));
+      }
       internal::Where where{kWhat, 0, 0, c, true, node.parent};
-      DDP_RETURN_IF_ERROR(
-          requests.Send(where, internal::StepTag(tag, c), result, n * es).status());
+      DDP_ASSIGN_OR_RETURN(sent[c % window], requests.Send(where, internal::StepTag(tag, c), result, n * es));
     } else if (args.op == ReduceOp::kAvg) {
       reduce::DivideInPlace(args.dtype, out, n, p);
     }

@@ -131,6 +131,38 @@ TEST(ReduceTest, TheTreeTakesShortVectorsTheRingLongOnes) {
   EXPECT_EQ(ChooseReduce(kTreeReduceMaxBytes + 1), Algorithm::kRing);
 }
 
+// No rank holds more than twice a pipeline's depth of chunks per child as
+// unexpected messages (plus the argument check's fingerprints): a leaf of
+// the tree posted every chunk at once.
+TEST(ReduceTest, TheTreesChunksInFlightAreBoundedByThePipelineDepth) {
+  constexpr int kDepth = 4, kWorld = 5;
+  constexpr size_t kCount = size_t{1} << 18;
+  p2p::LoopbackHub hub(kWorld);
+  const std::vector<float> in(kCount, 1.0f);
+  std::vector<float> out(kCount);
+  auto statuses = RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+    CollectiveArgs args;
+    args.send = in.data();
+    args.recv = p2p.rank() == 0 ? out.data() : nullptr;
+    args.count = kCount;
+    args.dtype = DataType::kF32;
+    args.op = ReduceOp::kSum;
+    args.root = 0;
+    args.tag = CollectiveTag(9);
+    args.deadline = DeadlineIn(60s);
+    args.tuning.chunk_bytes = 1024;
+    args.tuning.pipeline_depth = kDepth;
+    return TreeReduce(p2p, args);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+    // A binomial tree of 5: the root has 3 children.
+    EXPECT_LE(hub.Stats(r).peak_unexpected_sends, uint64_t{3 * 2 * kDepth + 4}) << "rank " << r;
+  }
+  EXPECT_EQ(out[0], 5.0f);
+  EXPECT_EQ(out[kCount - 1], 5.0f);
+}
+
 TEST(ReduceTest, LargeVectors) {
   // Across the automatic switch point, both sides.
   const size_t just_over = kTreeReduceMaxBytes / 4 + 1;
