@@ -674,6 +674,11 @@ class Communicator::Impl {
   void AsyncLoop();
   Status WaitForQueue(Deadline deadline);
   void Shutdown();
+  // Notes `users` ("<key prefix> <ranks>" lines) under served_root_prefix_.
+  Status RegisterSplit(const std::string& users, const CallOptions& call);
+  // Appends the communicators registered since the first `read` to `users`.
+  void ReadRegisteredSplits(int64_t& read, std::vector<std::pair<std::string, int>>& users,
+                            Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
   // engines, then UCX (requests, endpoints, worker, context), then the store
@@ -703,6 +708,14 @@ class Communicator::Impl {
   int place_local_rank_ = -1;
   int place_local_world_size_ = -1;
   uint64_t splits_ = 0;          // Split calls so far (names the children)
+  // Which rank of this communicator serves the store: -1 a launcher (or
+  // another outside store), -2 a process outside this communicator (rank 0
+  // of the one it was split from, at some depth). For messages.
+  int store_rank_ = -1;
+  // When a rank serves the store: the key prefix of the communicator that
+  // started the server, under which splits made without that rank register
+  // (RegisterSplit), so that it stays up for them. Empty otherwise.
+  std::string served_root_prefix_;
   bool single_host_ = true;      // as discovered, whatever the file says
   // What the idle policy is chosen from (ApplyIdlePolicy).
   int available_cpus_ = 1;
@@ -841,6 +854,10 @@ Status Communicator::Impl::Init() {
                    o.store_host.c_str());
     }
   }
+  if (o.host_store) {  // a Split's child has it off and these set already
+    store_rank_ = 0;
+    served_root_prefix_ = prefix_;
+  }
   DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
                                                               o.job_token, deadline));
   setup_store_ = std::make_unique<WatchfulStore>(*store_, prefix_ + "abort");
@@ -954,7 +971,7 @@ Status Communicator::Impl::Init() {
   // 4. Fault detection inside waits.
   monitor_ = std::make_unique<fault::PeerMonitor>(
       fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,
-                                .store_rank = o.host_store ? 0 : -1,
+                                .store_rank = store_rank_,
                                 .store_call_cap = o.store_call_cap},
       store_.get());
   watchdog_ = [this](Deadline deadline, int awaited_peer) {
@@ -1090,6 +1107,42 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
 
 Communicator::Impl::~Impl() { Shutdown(); }
 
+Status Communicator::Impl::RegisterSplit(const std::string& users, const CallOptions& call) {
+  const Deadline deadline = DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
+  DDP_ASSIGN_OR_RETURN(const int64_t n, store_->Add(served_root_prefix_ + "splits", 1, deadline));
+  Status set = store_->Set(served_root_prefix_ + "splits/" + std::to_string(n - 1), users, deadline);
+  if (!set.ok()) {
+    return Status(set.code(), "split: registering the new communicators with the rendezvous store: " +
+                                  set.message());
+  }
+  return Status::Ok();
+}
+
+void Communicator::Impl::ReadRegisteredSplits(int64_t& read,
+                                              std::vector<std::pair<std::string, int>>& users,
+                                              Deadline deadline) {
+  const Deadline call = std::min(deadline, DeadlineIn(milliseconds(1000)));
+  auto count = store_->Add(served_root_prefix_ + "splits", 0, call);
+  if (!count.ok() || *count <= read) return;
+  std::vector<std::string> keys;
+  for (int64_t i = read; i < *count; ++i) keys.push_back(served_root_prefix_ + "splits/" + std::to_string(i));
+  auto values = store_->MultiGet(keys, call);
+  if (!values.ok()) return;
+  read = *count;
+  for (const std::string& value : *values) {
+    size_t at = 0;
+    while (at < value.size()) {
+      // The prefix is a communicator's name, which may hold spaces.
+      const size_t end = value.find('\n', at);
+      if (end == std::string::npos) break;
+      const size_t space = value.rfind(' ', end);
+      if (space == std::string::npos || space < at) break;
+      users.emplace_back(value.substr(at, space - at), std::atoi(value.c_str() + space + 1));
+      at = end + 1;
+    }
+  }
+}
+
 void Communicator::Impl::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
@@ -1143,17 +1196,26 @@ void Communicator::Impl::Shutdown() {
       // The last communicator here to hold the server waits for the ranks
       // of every communicator using it (those split off included).
       std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
-      if (server_.use_count() == 1) {
+      const bool last = server_.use_count() == 1;
+      if (last) {
         std::lock_guard lock(server_->mu);
         awaited = server_->users;
       }
       const Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
-      for (const auto& [prefix, ranks] : awaited) {
-        while (Clock::now() < wait_until) {
-          auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
-          if (!count.ok() || *count >= ranks) break;
-          std::this_thread::sleep_for(milliseconds(5));
+      // Splits registered in the store (made without this rank) are read
+      // after the waits: each was registered before its parent's ranks had
+      // all left, and one may have split again meanwhile.
+      int64_t registered = 0;
+      for (size_t next = 0; next < awaited.size() && Clock::now() < wait_until;) {
+        for (; next < awaited.size(); ++next) {
+          const auto& [prefix, ranks] = awaited[next];
+          while (Clock::now() < wait_until) {
+            auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
+            if (!count.ok() || *count >= ranks) break;
+            std::this_thread::sleep_for(milliseconds(5));
+          }
         }
+        if (last) ReadRegisteredSplits(registered, awaited, wait_until);
       }
     }
   }
@@ -2076,17 +2138,27 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   auto child_name = [&](int64_t c) {
     return impl_->key_name_ + "/split" + std::to_string(split) + "/" + std::to_string(c);
   };
+  // The store must stay up until every new communicator is done with it,
+  // those without the rank serving it too: that rank notes them itself, and
+  // where it is not a member (a split of a split it has left), the first
+  // rank registers them in the store, where it reads them before leaving.
+  // This rank's own children are registered before it can post that it left
+  // this communicator, so the serving rank, which waits for that, sees them.
+  std::map<int64_t, int> ranks_of_color;
+  for (int r = 0; r < size(); ++r) {
+    if (all[2 * r] != kNoColor) ++ranks_of_color[all[2 * r]];
+  }
   if (impl_->server_ != nullptr) {
-    // The store must stay up until every new communicator is done with it,
-    // those without this rank too.
-    std::map<int64_t, int> ranks_of_color;
-    for (int r = 0; r < size(); ++r) {
-      if (all[2 * r] != kNoColor) ++ranks_of_color[all[2 * r]];
-    }
     std::lock_guard lock(impl_->server_->mu);
     for (const auto& [c, ranks] : ranks_of_color) {
       impl_->server_->users.emplace_back(child_name(c) + "/", ranks);
     }
+  } else if (impl_->store_rank_ == -2 && rank() == 0 && !ranks_of_color.empty()) {
+    std::string users;
+    for (const auto& [c, ranks] : ranks_of_color) {
+      users += child_name(c) + "/ " + std::to_string(ranks) + "\n";
+    }
+    DDP_RETURN_IF_ERROR(impl_->RegisterSplit(users, call));
   }
   if (color == kNoColor) return std::unique_ptr<Communicator>();
   std::vector<int> members;  // ranks of this communicator with this color
@@ -2115,6 +2187,12 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   auto impl = std::make_unique<Impl>(o);
   impl->key_name_ = o.name;
   impl->server_ = parent.server_;  // its rendezvous store, if this rank serves it
+  impl->served_root_prefix_ = parent.served_root_prefix_;
+  impl->store_rank_ = parent.store_rank_;
+  if (parent.store_rank_ >= 0) {
+    const auto it = std::find(members.begin(), members.end(), parent.store_rank_);
+    impl->store_rank_ = it == members.end() ? -2 : static_cast<int>(it - members.begin());
+  }
   impl->place_local_rank_ = parent.place_local_rank_;
   impl->place_local_world_size_ = parent.place_local_world_size_;
   if (!parent.options_.topology_file.empty()) {

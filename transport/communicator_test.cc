@@ -523,6 +523,65 @@ int ScenarioSplitWithoutStoreRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A split of a split, neither with rank 0 (which serves the store): rank 0
+// leaves once the first split is made; ranks 1-3 split their communicator
+// again, destroy both parents, and the grandchild then splits once more
+// (creation reads the store) and reduces.
+int ScenarioNestedSplitWithoutStoreRank() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  if (me == 0) {
+    comm.reset();
+    return *child == nullptr && testing::worker_failures == 0 ? 0 : 1;
+  }
+  std::unique_ptr<Communicator> kept = std::move(*child);
+  auto grandchild = kept->Split(0, -me);
+  WORKER_CHECK(grandchild.ok() && *grandchild != nullptr, "nested split: " + grandchild.status().ToString());
+  if (!grandchild.ok() || *grandchild == nullptr) return 1;
+  std::unique_ptr<Communicator> nested = std::move(*grandchild);
+  kept.reset();
+  comm.reset();
+  // Rank 0's process has had its chance to leave.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto again = nested->Split(0, me);
+  WORKER_CHECK(again.ok() && *again != nullptr, "split of the nested split: " + again.status().ToString());
+  if (!again.ok() || *again == nullptr) return 1;
+  std::vector<float> all(5000, 1.0f);
+  Status s = (*again)->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(s.ok() && all[0] == 3.0f, "nested split without rank 0: " + s.ToString());
+  std::printf("NESTED rank %d -> %d/%d\n", me, (*again)->rank(), (*again)->size());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Rank 0, which serves the store, dies (no teardown) after a split without
+// it; rank 1 comes late to the child's all-reduce, so rank 2's wait looks at
+// the store and finds it gone. The failure names who served it: rank 0 of
+// the parent, not a launcher (what every split's child said).
+int ScenarioStoreRankDiesUnderASplitWithoutIt() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  // The child is made on ranks 1 and 2 once they are here.
+  Status made = comm->Barrier();
+  WORKER_CHECK(made.ok(), "barrier after the split: " + made.ToString());
+  if (me == 0) _exit(0);
+  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  std::vector<float> all(5000, 1.0f);
+  Status s = (*child)->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  if (me == 2) {
+    WORKER_CHECK(!s.ok() && s.message().find("rank 0 of the communicator this one was split from") !=
+                                std::string::npos,
+                 "all-reduce after the store's rank died: " + s.ToString());
+  }
+  std::printf("RANK %d: %s\n", me, s.ToString().c_str());
+  _exit(testing::worker_failures == 0 ? 0 : 1);  // the communicators' teardown would wait for the dead store
+}
+
 // AllReduceThrough: each piece of each rank's slice (as ThroughPieces
 // says) arrives reduced, the function writes out = 3 * reduced + rank + what recv held
 // there (so every slice shows which rank applied it, and that recv was
@@ -1025,6 +1084,8 @@ int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
   if (name == "split_without_store_rank") return ScenarioSplitWithoutStoreRank();
+  if (name == "nested_split_without_store_rank") return ScenarioNestedSplitWithoutStoreRank();
+  if (name == "store_rank_dies_under_split") return ScenarioStoreRankDiesUnderASplitWithoutIt();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
   if (name == "sweep") return ScenarioSweep();
@@ -1296,6 +1357,19 @@ TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForSplitsWithoutIt) {
   Job job = RunJob(3, "split_without_store_rank", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
   EXPECT_NE(job.results[2].output.find("CHILD rank 2 -> 1/2"), std::string::npos) << job.Describe();
+}
+
+// The same for a split of such a split: rank 0 never saw it made, and its
+// store went away with it while the grandchild still used it.
+TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForNestedSplitsWithoutIt) {
+  Job job = RunJob(4, "nested_split_without_store_rank", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[3].output.find("NESTED rank 3 -> 2/3"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, ALostStoreUnderASplitWithoutItsRankNamesThatRank) {
+  Job job = RunJob(3, "store_rank_dies_under_split", {{"DDP_TEST_TIMEOUT_MS", "20000"}}, milliseconds(60000));
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 // A described topology is cut to the new communicator's ranks: evens are

@@ -104,9 +104,11 @@ Status PeerMonitor::Check(Deadline deadline, int awaited_peer) {
       return TimedOutError("deadline passed while reading the job's abort state from the "
                            "rendezvous store: " + posted.status().message());
     }
-    const std::string server = options_.store_rank >= 0
-                                   ? "rank " + std::to_string(options_.store_rank)
-                                   : std::string("the launcher");
+    const std::string server =
+        options_.store_rank >= 0 ? "rank " + std::to_string(options_.store_rank)
+        : options_.store_rank == -2
+            ? std::string("rank 0 of the communicator this one was split from (not a member here)")
+            : std::string("the launcher");
     return PeerLostError("the rendezvous store cannot be reached (" + server +
                          " serves it and may have died): " + posted.status().ToString());
   }

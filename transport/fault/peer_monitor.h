@@ -46,7 +46,9 @@ struct PeerMonitorOptions {
   std::vector<int> local_pids;
   /// Store keys: "<prefix>abort" and "<prefix>closed/<rank>".
   std::string key_prefix;
-  /// Which rank serves the store (-1: a launcher does), for messages.
+  /// Which rank serves the store (-1: a launcher does; -2: a process
+  /// outside this group, rank 0 of the group it was split from), for
+  /// messages.
   int store_rank = 0;
   /// Longest a single store access may take before the store counts as
   /// unreachable (when the caller's deadline is further away).

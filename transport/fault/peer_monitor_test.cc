@@ -382,5 +382,16 @@ TEST(PeerMonitor, PostedReasonWinsOverAReporterThatExited) {
   EXPECT_NE(s.message().find("rank 3 died"), std::string::npos) << s;
 }
 
+TEST(PeerMonitor, UnreachableStoreServedOutsideTheGroupOrByALauncherSaysWho) {
+  DeadStore store;
+  PeerMonitor split_off({.rank = 1, .key_prefix = "j/", .store_rank = -2}, &store);
+  Status s = split_off.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 0 of the communicator this one was split from"), std::string::npos) << s;
+  PeerMonitor launched({.rank = 1, .key_prefix = "j/", .store_rank = -1}, &store);
+  s = launched.Check(Soon());
+  EXPECT_NE(s.message().find("the launcher serves it"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace ddp::transport::fault
