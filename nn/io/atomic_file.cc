@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -64,12 +65,26 @@ bool AllDigits(const std::string& text) {
   return true;
 }
 
+// Whether a writer still holds `file`'s lock (the writer takes it as it
+// creates the file, and the kernel drops it when the writer dies). A file
+// that cannot be opened counts as held: it is left alone.
+bool WriterHoldsLock(const std::string& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return true;
+  const bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+  ::close(fd);
+  return held;
+}
+
 // Removes `<name>.tmp.<pid>.<n>.<host>` files that writers on this host
 // left when they were killed (SIGKILL leaves no chance to clean up): each
 // could be as large as a whole checkpoint. Files of live processes, of other
 // hosts and of other targets (`<name>.tmp.5`'s own temporaries) are kept;
 // so is anything not named exactly so. Names without a host (`.<pid>.<n>`,
-// from before hosts were named) are taken as this host's.
+// from before hosts were named) are taken as this host's. A pid that names
+// no process here may be a live writer's in another PID namespace (a
+// container with this host name and the same folder): the lock each writer
+// holds on its file tells, and such a file is kept.
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
   const std::string prefix = BaseName(path) + ".tmp.";
@@ -88,7 +103,8 @@ void RemoveStaleTemporaries(const std::string& path) {
     if (!AllDigits(pid_text) || !AllDigits(counter) || host != HostTag() || pid_text.size() > 9) continue;
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
     if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) {
+    if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH &&
+        !WriterHoldsLock(folder + "/" + name)) {
       ::unlink((folder + "/" + name).c_str());
     }
   }
@@ -117,6 +133,10 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
     const int err = errno;  // before any string is built
     Fail(temp_path_, "cannot create temporary file", err);
   }
+  // Held until the descriptor closes: another PID namespace's cleanup sees
+  // that this writer lives (RemoveStaleTemporaries). A filesystem without
+  // locks only loses that.
+  (void)::flock(fd_, LOCK_EX | LOCK_NB);
   // A file replaced keeps its permissions (a private checkpoint stays
   // private), as an editor's save would.
   struct stat old{};
@@ -168,6 +188,15 @@ void AtomicFileWriter::Commit() {
   }
   const int fd = fd_;
   fd_ = -1;
+  // A second handle on the open file keeps its lock (the writer lives)
+  // until the rename is done; close's own checks still run on the first
+  // (a flush on close happens at every close).
+  struct LockKeeper {
+    int fd;
+    ~LockKeeper() {
+      if (fd >= 0) ::close(fd);
+    }
+  } lock_keeper{::fcntl(fd, F_DUPFD_CLOEXEC, 0)};
   if (::close(fd) != 0) {
     const int err = errno;
     Fail(temp_path_, "close failed", err);

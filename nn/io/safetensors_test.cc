@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -527,6 +528,46 @@ TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
   expected.push_back("c.safetensors");
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(left, expected);
+}
+
+// A temporary whose pid names no process here but whose writer holds its
+// lock (a live writer in another PID namespace: a container with this host
+// name writing to the same folder) is kept; once the lock is gone, removed.
+TEST(Safetensors, ALockedTemporaryOfAnUnknownPidIsKept) {
+  const std::string dir = TmpDir("st_pidns");
+  const std::string path = dir + "/c.safetensors";
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  waitpid(gone, nullptr, 0);
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
+  const std::string other = "c.safetensors.tmp." + std::to_string(gone) + ".0." + std::string(host);
+  WriteAll(dir + "/" + other, "x");
+  const int fd = open((dir + "/" + other).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);
+  float value = 1;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  std::vector<std::string> left = FilesIn(dir);
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"c.safetensors", other}));
+  close(fd);
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// A writer holds its temporary's lock while it writes, so that another
+// namespace's cleanup can tell it lives.
+TEST(Safetensors, AWriterLocksItsTemporary) {
+  const std::string dir = TmpDir("st_lock");
+  AtomicFileWriter writer(dir + "/c.bin");
+  std::vector<std::string> files = FilesIn(dir);
+  ASSERT_EQ(files.size(), 1u);
+  const int fd = open((dir + "/" + files[0]).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_NE(flock(fd, LOCK_EX | LOCK_NB), 0);
+  EXPECT_EQ(errno, EWOULDBLOCK);
+  close(fd);
 }
 
 TEST(Safetensors, ReplacedFileKeepsItsPermissions) {
