@@ -1,9 +1,11 @@
 #include "nn/data/data_loader.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <typeinfo>
 #include <utility>
 
@@ -15,7 +17,12 @@ namespace {
 // nanoseconds in a timed wait (milliseconds::max(), "never", fails at once).
 constexpr std::chrono::milliseconds kLongestTimeout = std::chrono::hours(24 * 365);
 
+// The worker whose start fails on purpose (tests); -1: none.
+std::atomic<int> fail_worker_start{-1};
+
 }  // namespace
+
+void internal::FailWorkerStartForTesting(int worker) { fail_worker_start = worker; }
 
 DataLoader::Shared::Shared(std::shared_ptr<const Dataset> d, TransformOptions t, DataLoaderOptions o)
     : dataset(std::move(d)),
@@ -71,6 +78,11 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
         ++s_->running;
       }
       try {
+        if (i == fail_worker_start.load()) {
+          throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                                  "DataLoader: worker " + std::to_string(i) +
+                                      " not started (a failure injected by a test)");
+        }
         workers_.emplace_back([s = s_, id = static_cast<size_t>(i)] { WorkerLoop(s, id); });
       } catch (...) {
         std::lock_guard<std::mutex> lock(s_->mu);
@@ -81,7 +93,12 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
   } catch (...) {
     // A thread that could not start (out of threads): the destructor does
     // not run for a constructor that throws, and a joinable std::thread
-    // destroyed would terminate the process.
+    // destroyed would terminate the process. The workers never started
+    // count as exited, or StopWorkers would wait its whole grace for them.
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      for (size_t i = workers_.size(); i < s_->exited.size(); ++i) s_->exited[i] = true;
+    }
     StopWorkers();
     throw;
   }

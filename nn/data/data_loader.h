@@ -152,6 +152,13 @@ class DataLoader {
   std::vector<std::thread> workers_;
 };
 
+namespace internal {
+/// For tests only: makes the DataLoader constructors that follow fail to
+/// start worker number `worker` (from 0) the way std::thread fails when the
+/// system is out of threads. -1 (the default) turns it off.
+void FailWorkerStartForTesting(int worker);
+}  // namespace internal
+
 }  // namespace ddp::nn::data
 
 #endif  // DDP_NN_DATA_DATA_LOADER_H_

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "nn/data/idx.h"
@@ -467,6 +468,28 @@ TEST(DataLoader, SamplerWhoseIndicesDisagreeWithItsSizeIsRefused) {
   } catch (const std::logic_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("Indices() for epoch 3 hold 40 indices but its Size() is 100"));
   }
+}
+
+// Out of threads after two of four workers started: the constructor stops
+// the two and throws the error at once; the two never started are not
+// waited for (it waited the whole shutdown grace for them).
+TEST(DataLoader, AWorkerThatCannotStartFailsTheConstructorAtOnce) {
+  internal::FailWorkerStartForTesting(2);
+  struct Reset {
+    ~Reset() { internal::FailWorkerStartForTesting(-1); }
+  } reset;
+  auto ds = std::make_shared<FaultyDataset>(-1, std::chrono::milliseconds(0));
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    DataLoader loader(ds, nullptr, {}, {.num_workers = 4, .shutdown_grace = std::chrono::seconds(5)});
+    FAIL() << "no error";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code(), std::errc::resource_unavailable_try_again);
+    EXPECT_THAT(e.what(), HasSubstr("worker 2 not started"));
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 2.0) << "the constructor waited for workers that never started";
+  EXPECT_EQ(ds.use_count(), 1) << "a started worker still holds the dataset: it was not joined";
 }
 
 }  // namespace
