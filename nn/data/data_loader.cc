@@ -121,7 +121,7 @@ void DataLoader::StopWorkers() {
     // Next() time out, which has had its chance already: 100 ms.
     Shared& s = *s_;
     auto on_overdue = [&](size_t i) {
-      return s.timed_out && s.building[i] == s.overdue && s.building_generation[i] == s.overdue_generation;
+      return s.building[i] >= 0 && s.overdue.count({s.building_generation[i], s.building[i]}) > 0;
     };
     s.exit_cv.wait_for(lock, s.options.shutdown_grace, [&] {
       for (size_t i = 0; i < s.exited.size(); ++i) {
@@ -200,6 +200,15 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
     // Batches of an abandoned epoch are dropped; workers still building one
     // see the generation change and discard it.
     s_->ready.clear();
+    // An overdue batch of the epoch left behind that no worker took (Next()
+    // gave up while every worker was busy elsewhere) will never be built.
+    for (auto it = s_->overdue.begin(); it != s_->overdue.end();) {
+      bool taken = false;
+      for (size_t i = 0; i < s_->building.size(); ++i) {
+        taken = taken || (s_->building[i] == it->second && s_->building_generation[i] == it->first);
+      }
+      it = taken ? std::next(it) : s_->overdue.erase(it);
+    }
     s_->started = true;
   }
   s_->work_cv.notify_all();
@@ -267,6 +276,7 @@ void DataLoader::WorkerLoop(const std::shared_ptr<Shared>& shared, size_t id) {
     }
     lock.lock();
     s.building[id] = -1;
+    s.overdue.erase({epoch.generation, k});
     if (epoch.generation == s.epoch.generation) {
       s.ready[k] = std::move(r);
       s.ready_cv.notify_all();
@@ -291,15 +301,12 @@ std::optional<Batch> DataLoader::Next() {
     return Build(s, epoch, k);
   }
   if (!s.ready_cv.wait_for(lock, s.options.timeout, [&] { return s.ready.count(k) > 0; })) {
-    s.timed_out = true;
-    s.overdue = k;
-    s.overdue_generation = s.epoch.generation;
+    s.overdue.insert({s.epoch.generation, k});
     throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " +
                              std::to_string(s.epoch.number) + " not ready after " +
                              std::to_string(s.options.timeout.count()) + " ms (" +
                              std::to_string(workers_.size()) + " workers)");
   }
-  s.timed_out = false;
   Result r = std::move(s.ready[k]);
   s.ready.erase(k);
   ++s.next_deliver;

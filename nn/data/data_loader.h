@@ -18,7 +18,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "nn/data/dataset.h"
@@ -126,7 +128,6 @@ class DataLoader {
     std::condition_variable exit_cv;   // the destructor waits for the workers
     bool stop = false;
     bool started = false;
-    bool timed_out = false;     // Next() gave up on a batch
     Epoch epoch;
     int64_t next_claim = 0;     // next batch a worker may take
     int64_t next_deliver = 0;   // next batch Next() returns
@@ -134,12 +135,13 @@ class DataLoader {
     int running = 0;            // workers not yet returned
     std::vector<bool> exited;   // by worker
     // By worker: the batch it is building (-1: none) and its epoch's
-    // generation; and the batch Next() gave up on. The destructor gives a
-    // worker on the overdue batch 100 ms, the others their full grace.
+    // generation. Then the batches Next() gave up on, as (generation,
+    // batch): one stays listed until a worker returns from building it,
+    // whatever Next() delivers meanwhile. The destructor gives a worker on
+    // an overdue batch 100 ms, the others their full grace.
     std::vector<int64_t> building;
     std::vector<int64_t> building_generation;
-    int64_t overdue = -1;
-    int64_t overdue_generation = 0;
+    std::set<std::pair<int64_t, int64_t>> overdue;
   };
 
   static Batch Build(const Shared& s, const Epoch& epoch, int64_t k);

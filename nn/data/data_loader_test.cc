@@ -284,6 +284,31 @@ TEST(DataLoader, DestructionAfterATimeoutWaitsForTheHealthyWorkers) {
   EXPECT_THAT(warned, HasSubstr("1 of its workers are still building a batch")) << warned;
 }
 
+// A batch delivered after a timeout does not make the stuck worker look
+// healthy again: it is still on the batch Next() gave up on, and the
+// destructor gives it 100 ms, not the shutdown grace (the successful Next()
+// made the loader forget the overdue batch, and it waited 10 s).
+TEST(DataLoader, ABatchDeliveredAfterATimeoutDoesNotRestoreTheStuckWorkersGrace) {
+  auto ds = std::make_shared<FaultyDataset>(5, std::chrono::milliseconds(30000));
+  ::testing::internal::CaptureStderr();
+  const auto start = std::chrono::steady_clock::now();
+  {
+    DataLoader loader(ds, nullptr, {},
+                      {.batch_size = 10, .num_workers = 2, .timeout = std::chrono::milliseconds(300),
+                       .shutdown_grace = std::chrono::seconds(10)});
+    loader.StartEpoch(0);
+    EXPECT_THROW(loader.Next(), std::runtime_error);  // batch 0 holds sample 5
+    loader.StartEpoch(1, 1);
+    auto b = loader.Next();  // from the other worker
+    ASSERT_TRUE(b.has_value());
+    EXPECT_EQ(b->index, 1);
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_LT(took, 2.0) << "the destructor gave the stuck worker its full shutdown grace";
+  EXPECT_THAT(warned, HasSubstr("1 of its workers are still building a batch from faulty")) << warned;
+}
+
 // Without a timeout on Next(), the destructor waits for a batch being built
 // (up to options.timeout) and joins every worker: none is left holding the
 // dataset.
