@@ -161,33 +161,54 @@ int64_t DataLoader::NumBatches() const {
 }
 
 void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
+  std::optional<int64_t> serving;  // the epoch served now, if any
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->started) serving = s_->epoch.number;
+  }
   sampler_->SetEpoch(epoch);
-  auto indices = std::make_shared<const std::vector<int64_t>>(sampler_->Indices());
-  // The batch count comes from Size(); a sampler whose Indices() disagree
-  // would make a batch of negative size or leave indices out.
-  if (static_cast<int64_t>(indices->size()) != sampler_->Size()) {
-    throw std::logic_error("DataLoader: the sampler's Indices() for epoch " + std::to_string(epoch) +
-                           " hold " + std::to_string(indices->size()) + " indices but its Size() is " +
-                           std::to_string(sampler_->Size()));
-  }
-  // The constructor's check again: a sampler can shrink since then
-  // (DistributedSampler::set_start when resuming late in an epoch).
-  if (s_->options.drop_last && s_->options.batch_size > sampler_->Size()) {
-    throw std::invalid_argument("DataLoader: epoch " + std::to_string(epoch) + ": batch_size " +
-                                std::to_string(s_->options.batch_size) + " is larger than the " +
-                                std::to_string(sampler_->Size()) +
-                                " samples the sampler now yields; with drop_last no batch is left");
-  }
-  const int64_t num_batches = NumBatches();
-  if (skip_batches < 0 || skip_batches > num_batches) {
-    throw std::invalid_argument("DataLoader: cannot skip " + std::to_string(skip_batches) +
-                                " batches of an epoch that has " + std::to_string(num_batches));
-  }
-  for (int64_t i : *indices) {
-    if (i < 0 || i >= s_->dataset->Size()) {
-      throw std::out_of_range("DataLoader: sampler index " + std::to_string(i) +
-                              " is outside the dataset " + s_->dataset->Name());
+  std::shared_ptr<const std::vector<int64_t>> indices;
+  int64_t num_batches = 0;
+  try {
+    indices = std::make_shared<const std::vector<int64_t>>(sampler_->Indices());
+    // The batch count comes from Size(); a sampler whose Indices() disagree
+    // would make a batch of negative size or leave indices out.
+    if (static_cast<int64_t>(indices->size()) != sampler_->Size()) {
+      throw std::logic_error("DataLoader: the sampler's Indices() for epoch " + std::to_string(epoch) +
+                             " hold " + std::to_string(indices->size()) + " indices but its Size() is " +
+                             std::to_string(sampler_->Size()));
     }
+    // The constructor's check again: a sampler can shrink since then
+    // (DistributedSampler::set_start when resuming late in an epoch).
+    if (s_->options.drop_last && s_->options.batch_size > sampler_->Size()) {
+      throw std::invalid_argument("DataLoader: epoch " + std::to_string(epoch) + ": batch_size " +
+                                  std::to_string(s_->options.batch_size) + " is larger than the " +
+                                  std::to_string(sampler_->Size()) +
+                                  " samples the sampler now yields; with drop_last no batch is left");
+    }
+    num_batches = NumBatches();
+    if (skip_batches < 0 || skip_batches > num_batches) {
+      throw std::invalid_argument("DataLoader: cannot skip " + std::to_string(skip_batches) +
+                                  " batches of an epoch that has " + std::to_string(num_batches));
+    }
+    for (int64_t i : *indices) {
+      if (i < 0 || i >= s_->dataset->Size()) {
+        throw std::out_of_range("DataLoader: sampler index " + std::to_string(i) +
+                                " is outside the dataset " + s_->dataset->Name());
+      }
+    }
+  } catch (...) {
+    // The loader keeps serving the epoch it had: so must the sampler, or
+    // whoever reads it next (a retried StartEpoch, the caller) sees an
+    // epoch that never started. A sampler that fails to go back leaves
+    // the first error to report.
+    if (serving) {
+      try {
+        sampler_->SetEpoch(*serving);
+      } catch (...) {
+      }
+    }
+    throw;
   }
   {
     std::lock_guard<std::mutex> lock(s_->mu);

@@ -91,7 +91,9 @@ class DataLoader {
   /// which resumes an interrupted epoch exactly; abandons the previous one.
   /// Throws std::out_of_range if the sampler yields an index outside the
   /// dataset, and std::invalid_argument if, with drop_last, the sampler has
-  /// shrunk below one batch since the constructor checked it.
+  /// shrunk below one batch since the constructor checked it. After a
+  /// throw the loader still serves the epoch it had, and the sampler is
+  /// set back to that epoch.
   void StartEpoch(int64_t epoch, int64_t skip_batches = 0);
   /// The next batch of the epoch, or nullopt at its end. Rethrows an error
   /// raised while building the batch; throws std::runtime_error after

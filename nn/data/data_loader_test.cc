@@ -477,6 +477,29 @@ TEST(DataLoader, DropLastEpochOfNoBatchAfterSetStartIsRefused) {
   EXPECT_EQ(keep.NumBatches(), 1);
 }
 
+// A StartEpoch that fails leaves the sampler on the epoch the loader still
+// serves (it had moved on to the refused one).
+TEST(DataLoader, ARefusedStartEpochLeavesTheSamplerOnTheServedEpoch) {
+  auto ds = FashionTest();
+  auto sampler = std::make_shared<RandomSampler>(ds->Size(), 4);
+  DataLoader loader(ds, sampler, {}, {.batch_size = 100, .num_workers = 1});
+  loader.StartEpoch(0);
+  const std::vector<int64_t> epoch0 = sampler->Indices();
+  try {
+    loader.StartEpoch(1, 999);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cannot skip 999 batches of an epoch that has 100"));
+  }
+  EXPECT_TRUE(sampler->Indices() == epoch0) << "the sampler moved on to epoch 1";
+  // The loader still serves epoch 0, in the sampler's order.
+  auto b = loader.Next();
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->epoch, 0);
+  const auto labels = Ints(b->labels);
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(labels[i], ds->Label(epoch0[i])) << "sample " << i;
+}
+
 // A user sampler whose Indices() hold fewer than its Size() says.
 class ShortSampler : public Sampler {
  public:
