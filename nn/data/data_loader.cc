@@ -326,7 +326,8 @@ std::optional<Batch> DataLoader::Next() {
     throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " +
                              std::to_string(s.epoch.number) + " not ready after " +
                              std::to_string(s.options.timeout.count()) + " ms (" +
-                             std::to_string(workers_.size()) + " workers)");
+                             std::to_string(workers_.size()) + " workers reading " + s.dataset->Name() +
+                             ")");
   }
   Result r = std::move(s.ready[k]);
   s.ready.erase(k);

@@ -228,6 +228,7 @@ TEST(DataLoader, StalledWorkerTimesOut) {
     FAIL() << "no timeout";
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("batch 0 of epoch 0 not ready after 200 ms"));
+    EXPECT_THAT(e.what(), HasSubstr("(1 workers reading faulty)"));
   }
   // The stalled worker is not waited for again (see the next test).
 }
