@@ -221,6 +221,7 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
     // Batches of an abandoned epoch are dropped; workers still building one
     // see the generation change and discard it.
     s_->ready.clear();
+    s_->unstored = nullptr;
     // An overdue batch of the epoch left behind that no worker took (Next()
     // gave up while every worker was busy elsewhere) will never be built.
     for (auto it = s_->overdue.begin(); it != s_->overdue.end();) {
@@ -299,7 +300,19 @@ void DataLoader::WorkerLoop(const std::shared_ptr<Shared>& shared, size_t id) {
     s.building[id] = -1;
     s.overdue.erase({epoch.generation, k});
     if (epoch.generation == s.epoch.generation) {
-      s.ready[k] = std::move(r);
+      try {
+        s.ready[k] = std::move(r);
+      } catch (...) {
+        // No memory for the map's entry: the batch cannot be handed over.
+        // Escaping this thread would end the process; Next() reports it
+        // instead, when it reaches batch k. Only the first such failure
+        // has a slot: a second batch lost before Next() reads the first
+        // makes Next() time out on it.
+        if (!s.unstored) {
+          s.unstored = std::current_exception();
+          s.unstored_batch = k;
+        }
+      }
       s.ready_cv.notify_all();
     }
   }
@@ -321,7 +334,26 @@ std::optional<Batch> DataLoader::Next() {
     lock.unlock();
     return Build(s, epoch, k);
   }
-  if (!s.ready_cv.wait_for(lock, s.options.timeout, [&] { return s.ready.count(k) > 0; })) {
+  const bool arrived = s.ready_cv.wait_for(lock, s.options.timeout, [&] {
+    return s.ready.count(k) > 0 || (s.unstored && s.unstored_batch == k);
+  });
+  if (arrived && s.ready.count(k) == 0) {
+    // Built but never stored (see WorkerLoop): an error in its place, as
+    // for a batch whose build failed, and the epoch goes on after it.
+    const std::exception_ptr error = std::exchange(s.unstored, nullptr);
+    const int64_t epoch = s.epoch.number;
+    ++s.next_deliver;
+    lock.unlock();
+    s.work_cv.notify_all();
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " + std::to_string(epoch) +
+                               " from " + s.dataset->Name() + " was built but could not be handed to Next(): " +
+                               e.what());
+    }
+  }
+  if (!arrived) {
     s.overdue.insert({s.epoch.generation, k});
     throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " +
                              std::to_string(s.epoch.number) + " not ready after " +

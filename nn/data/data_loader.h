@@ -134,6 +134,10 @@ class DataLoader {
     int64_t next_claim = 0;     // next batch a worker may take
     int64_t next_deliver = 0;   // next batch Next() returns
     std::map<int64_t, Result> ready;
+    // The error of a batch of this epoch built but not stored in `ready`
+    // (out of memory), and which batch; Next() throws it in its place.
+    std::exception_ptr unstored;
+    int64_t unstored_batch = -1;
     int running = 0;            // workers not yet returned
     std::vector<bool> exited;   // by worker
     // By worker: the batch it is building (-1: none) and its epoch's
