@@ -44,8 +44,10 @@ struct DataLoaderOptions {
   bool drop_last = false;        ///< Skip a last, smaller batch.
   int num_workers = 0;           ///< Loader threads; 0 builds batches on the caller's thread.
   int prefetch_factor = 2;       ///< Batches built ahead per worker.
-  /// Longest Next() waits for one batch before it throws. Must be
-  /// positive; longer than a year counts as a year.
+  /// Longest Next() waits for a worker's batch before it throws. Must be
+  /// positive; longer than a year counts as a year. With num_workers = 0
+  /// there is no deadline: Next() builds the batch itself and returns
+  /// when the dataset does, however long that takes.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   /// Longest the destructor waits for a worker still building a batch
   /// (100 ms for one on a batch that made Next() time out). The destructor often runs on the way out with
@@ -96,8 +98,9 @@ class DataLoader {
   /// set back to that epoch.
   void StartEpoch(int64_t epoch, int64_t skip_batches = 0);
   /// The next batch of the epoch, or nullopt at its end. Rethrows an error
-  /// raised while building the batch; throws std::runtime_error after
-  /// options.timeout without a batch.
+  /// raised while building the batch; with workers, throws
+  /// std::runtime_error after options.timeout without a batch (without
+  /// workers it builds the batch itself, with no deadline).
   std::optional<Batch> Next();
 
  private:
