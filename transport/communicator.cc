@@ -45,6 +45,7 @@
 #include "transport/topology/topology.h"
 #include "transport/ucx/resources.h"
 #include "transport/ucx/ucx_p2p.h"
+#include "transport/watchful_store.h"
 
 namespace ddp::transport {
 namespace {
@@ -152,95 +153,6 @@ struct ServedStore {
   std::vector<std::pair<std::string, int>> users;  // under mu
 };
 
-// The store as creation uses it: a wait for another rank's key also watches
-// the job's abort key, which a rank whose creation failed posts (Create),
-// so the others fail within moments with its reason instead of waiting out
-// the creation deadline for a key it will never write.
-class WatchfulStore : public store::Store {
- public:
-  WatchfulStore(store::Store& inner, std::string abort_key)
-      : inner_(inner), abort_key_(std::move(abort_key)) {}
-
-  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
-    return inner_.Set(key, value, deadline);
-  }
-  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
-    const Clock::time_point start = Clock::now();
-    while (true) {
-      StatusOr<std::string> got = inner_.Get(key, Slice(deadline));
-      if (got.ok() || got.status().code() != StatusCode::kTimedOut) return got;
-      if (Clock::now() >= deadline) return WholeWait(got.status(), start);
-      DDP_RETURN_IF_ERROR(Posted(deadline));
-    }
-  }
-  StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline) override {
-    const Clock::time_point start = Clock::now();
-    while (true) {
-      StatusOr<std::vector<std::string>> got = inner_.MultiGet(keys, Slice(deadline));
-      if (got.ok() || got.status().code() != StatusCode::kTimedOut) return got;
-      if (Clock::now() >= deadline) return NameMissing(WholeWait(got.status(), start), keys);
-      DDP_RETURN_IF_ERROR(Posted(deadline));
-    }
-  }
-  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
-    return inner_.TryGet(key, deadline);
-  }
-  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
-    return inner_.Add(key, delta, deadline);
-  }
-  Status Wait(std::span<const std::string> keys, Deadline deadline) override {
-    const Clock::time_point start = Clock::now();
-    while (true) {
-      Status waited = inner_.Wait(keys, Slice(deadline));
-      if (waited.ok() || waited.code() != StatusCode::kTimedOut) return waited;
-      if (Clock::now() >= deadline) return NameMissing(WholeWait(waited, start), keys);
-      DDP_RETURN_IF_ERROR(Posted(deadline));
-    }
-  }
-  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
-    return inner_.Delete(key, deadline);
-  }
-  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline deadline) override {
-    return inner_.CompareSet(key, expected, desired, deadline);
-  }
-
- private:
-  static constexpr milliseconds kSlice{200};
-  static Deadline Slice(Deadline deadline) { return std::min(deadline, Clock::now() + kSlice); }
-  // The last slice's timeout ("... timed out after 187 ms ...") told as the
-  // whole wait's, which is what ran out.
-  static Status WholeWait(const Status& last, Clock::time_point start) {
-    std::string message = last.message();
-    const std::string mark = " timed out after ";
-    const size_t at = message.find(mark);
-    const size_t end = at == std::string::npos ? at : message.find(" ms", at + mark.size());
-    if (end == std::string::npos) return last;
-    const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
-    message.replace(at + mark.size(), end - at - mark.size(), std::to_string(waited));
-    return TimedOutError(message);
-  }
-  // A wait for several keys that timed out, naming the first key still
-  // missing (its rank, in creation's keys), found by one look at each.
-  Status NameMissing(const Status& timed_out, std::span<const std::string> keys) {
-    if (keys.size() < 2) return timed_out;
-    for (const std::string& key : keys) {
-      StatusOr<std::optional<std::string>> there = inner_.TryGet(key, DeadlineIn(milliseconds(1000)));
-      if (!there.ok()) break;
-      if (!there->has_value()) return TimedOutError(timed_out.message() + "; key '" + key + "' is not set");
-    }
-    return timed_out;
-  }
-  // The reason another rank posted, as an error; OK when none.
-  Status Posted(Deadline deadline) {
-    StatusOr<std::optional<std::string>> posted = inner_.TryGet(abort_key_, deadline);
-    if (posted.ok() && posted->has_value()) return fault::PeerMonitor::DecodeAbort(**posted);
-    return Status::Ok();
-  }
-
-  store::Store& inner_;
-  std::string abort_key_;
-};
 
 }  // namespace
 
@@ -685,7 +597,7 @@ class Communicator::Impl {
   // client, then the server.
   std::shared_ptr<ServedStore> server_;
   std::unique_ptr<store::TcpStoreClient> store_;
-  std::unique_ptr<WatchfulStore> setup_store_;  // store_ as Init waits on it
+  std::unique_ptr<internal::WatchfulStore> setup_store_;  // store_ as Init waits on it
   // The name of this communicator's store keys: its options' name, and for
   // the second and later communicators of that name made by this process
   // on one store, "#n" after it (see Create).
@@ -860,7 +772,7 @@ Status Communicator::Impl::Init() {
   }
   DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
                                                               o.job_token, deadline));
-  setup_store_ = std::make_unique<WatchfulStore>(*store_, prefix_ + "abort");
+  setup_store_ = std::make_unique<internal::WatchfulStore>(*store_, prefix_ + "abort");
 
   // 2. Topology: discovered and exchanged (hosts, pids), or from a file for
   // the algorithm choice.

@@ -1,0 +1,72 @@
+#include "transport/watchful_store.h"
+
+#include "transport/fault/peer_monitor.h"
+
+namespace ddp::transport::internal {
+namespace {
+
+using std::chrono::milliseconds;
+
+// The last slice's timeout ("... timed out after 187 ms ...") told as the
+// whole wait's, which is what ran out.
+Status WholeWait(const Status& last, Clock::time_point start) {
+  std::string message = last.message();
+  const std::string mark = " timed out after ";
+  const size_t at = message.find(mark);
+  const size_t end = at == std::string::npos ? at : message.find(" ms", at + mark.size());
+  if (end == std::string::npos) return last;
+  const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  message.replace(at + mark.size(), end - at - mark.size(), std::to_string(waited));
+  return TimedOutError(message);
+}
+
+}  // namespace
+
+StatusOr<std::string> WatchfulStore::Get(std::string_view key, Deadline deadline) {
+  const Clock::time_point start = Clock::now();
+  while (true) {
+    StatusOr<std::string> got = inner_.Get(key, Slice(deadline));
+    if (got.ok() || got.status().code() != StatusCode::kTimedOut) return got;
+    if (Clock::now() >= deadline) return WholeWait(got.status(), start);
+    DDP_RETURN_IF_ERROR(Posted(deadline));
+  }
+}
+
+StatusOr<std::vector<std::string>> WatchfulStore::MultiGet(std::span<const std::string> keys,
+                                                           Deadline deadline) {
+  const Clock::time_point start = Clock::now();
+  DDP_RETURN_IF_ERROR(Wait(keys, deadline));
+  StatusOr<std::vector<std::string>> got = inner_.MultiGet(keys, deadline);
+  if (!got.ok() && got.status().code() == StatusCode::kTimedOut) {
+    return NameMissing(WholeWait(got.status(), start), keys);
+  }
+  return got;
+}
+
+Status WatchfulStore::Wait(std::span<const std::string> keys, Deadline deadline) {
+  const Clock::time_point start = Clock::now();
+  while (true) {
+    Status waited = inner_.Wait(keys, Slice(deadline));
+    if (waited.ok() || waited.code() != StatusCode::kTimedOut) return waited;
+    if (Clock::now() >= deadline) return NameMissing(WholeWait(waited, start), keys);
+    DDP_RETURN_IF_ERROR(Posted(deadline));
+  }
+}
+
+Status WatchfulStore::NameMissing(const Status& timed_out, std::span<const std::string> keys) {
+  if (keys.size() < 2) return timed_out;
+  for (const std::string& key : keys) {
+    StatusOr<std::optional<std::string>> there = inner_.TryGet(key, DeadlineIn(milliseconds(1000)));
+    if (!there.ok()) break;
+    if (!there->has_value()) return TimedOutError(timed_out.message() + "; key '" + key + "' is not set");
+  }
+  return timed_out;
+}
+
+Status WatchfulStore::Posted(Deadline deadline) {
+  StatusOr<std::optional<std::string>> posted = inner_.TryGet(abort_key_, deadline);
+  if (posted.ok() && posted->has_value()) return fault::PeerMonitor::DecodeAbort(**posted);
+  return Status::Ok();
+}
+
+}  // namespace ddp::transport::internal

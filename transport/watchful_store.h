@@ -1,0 +1,70 @@
+#ifndef DDP_TRANSPORT_WATCHFUL_STORE_H_
+#define DDP_TRANSPORT_WATCHFUL_STORE_H_
+
+// The store as a communicator's creation uses it: a wait for another rank's
+// key also watches the job's abort key, which a rank whose creation failed
+// posts, so the others fail within moments with its reason instead of
+// waiting out the creation deadline for a key that will never be written.
+
+#include <chrono>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "transport/status.h"
+#include "transport/store/store.h"
+#include "transport/types.h"
+
+namespace ddp::transport::internal {
+
+class WatchfulStore final : public store::Store {
+ public:
+  /// Waits in slices of `slice`, looking at `abort_key` between them.
+  WatchfulStore(store::Store& inner, std::string abort_key,
+                std::chrono::milliseconds slice = std::chrono::milliseconds(200))
+      : inner_(inner), abort_key_(std::move(abort_key)), slice_(slice) {}
+
+  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
+    return inner_.Set(key, value, deadline);
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override;
+  /// Waits (sliced) until every key is set, then reads them all with one
+  /// call given the whole deadline: a read of many keys may take longer
+  /// than a slice (a thousand ranks' records from a busy store), and a
+  /// sliced read would start over at each slice and never finish.
+  StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys,
+                                              Deadline deadline) override;
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
+    return inner_.TryGet(key, deadline);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
+    return inner_.Add(key, delta, deadline);
+  }
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override;
+  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
+    return inner_.Delete(key, deadline);
+  }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key,
+                                                  std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline deadline) override {
+    return inner_.CompareSet(key, expected, desired, deadline);
+  }
+
+ private:
+  Deadline Slice(Deadline deadline) const { return std::min(deadline, Clock::now() + slice_); }
+  // A wait for several keys that timed out, naming the first key still
+  // missing (its rank, in creation's keys), found by one look at each.
+  Status NameMissing(const Status& timed_out, std::span<const std::string> keys);
+  // The reason another rank posted, as an error; OK when none.
+  Status Posted(Deadline deadline);
+
+  store::Store& inner_;
+  std::string abort_key_;
+  std::chrono::milliseconds slice_;
+};
+
+}  // namespace ddp::transport::internal
+
+#endif  // DDP_TRANSPORT_WATCHFUL_STORE_H_
