@@ -588,8 +588,9 @@ class Communicator::Impl {
   void Shutdown();
   // Notes `users` ("<key prefix> <ranks>" lines) under served_root_prefix_.
   Status RegisterSplit(const std::string& users, const CallOptions& call);
-  // Appends the communicators registered since the first `read` to `users`.
-  void ReadRegisteredSplits(int64_t& read, std::vector<std::pair<std::string, int>>& users,
+  // Appends the communicators registered past byte `read` of the list
+  // to `users`, and moves `read` past them.
+  void ReadRegisteredSplits(size_t& read, std::vector<std::pair<std::string, int>>& users,
                             Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
@@ -1020,38 +1021,39 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
 Communicator::Impl::~Impl() { Shutdown(); }
 
 Status Communicator::Impl::RegisterSplit(const std::string& users, const CallOptions& call) {
+  // Appended to one key in one step (CompareSet), so that a registration
+  // cut short leaves no gap that would hide the later ones.
   const Deadline deadline = DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
-  DDP_ASSIGN_OR_RETURN(const int64_t n, store_->Add(served_root_prefix_ + "splits", 1, deadline));
-  Status set = store_->Set(served_root_prefix_ + "splits/" + std::to_string(n - 1), users, deadline);
-  if (!set.ok()) {
-    return Status(set.code(), "split: registering the new communicators with the rendezvous store: " +
-                                  set.message());
+  const std::string key = served_root_prefix_ + "splits";
+  std::optional<std::string> held;  // what the key holds, as last seen
+  while (true) {
+    const std::string desired = held.value_or("") + users;
+    StatusOr<std::optional<std::string>> now =
+        store_->CompareSet(key, held ? std::optional<std::string_view>(*held) : std::nullopt, desired, deadline);
+    if (!now.ok()) {
+      return Status(now.status().code(), "split: registering the new communicators with the rendezvous store: " +
+                                             now.status().message());
+    }
+    if (*now == desired) return Status::Ok();
+    held = std::move(*now);
   }
-  return Status::Ok();
 }
 
-void Communicator::Impl::ReadRegisteredSplits(int64_t& read,
-                                              std::vector<std::pair<std::string, int>>& users,
+void Communicator::Impl::ReadRegisteredSplits(size_t& read, std::vector<std::pair<std::string, int>>& users,
                                               Deadline deadline) {
-  const Deadline call = std::min(deadline, DeadlineIn(milliseconds(1000)));
-  auto count = store_->Add(served_root_prefix_ + "splits", 0, call);
-  if (!count.ok() || *count <= read) return;
-  std::vector<std::string> keys;
-  for (int64_t i = read; i < *count; ++i) keys.push_back(served_root_prefix_ + "splits/" + std::to_string(i));
-  auto values = store_->MultiGet(keys, call);
-  if (!values.ok()) return;
-  read = *count;
-  for (const std::string& value : *values) {
-    size_t at = 0;
-    while (at < value.size()) {
-      // The prefix is a communicator's name, which may hold spaces.
-      const size_t end = value.find('\n', at);
-      if (end == std::string::npos) break;
-      const size_t space = value.rfind(' ', end);
-      if (space == std::string::npos || space < at) break;
-      users.emplace_back(value.substr(at, space - at), std::atoi(value.c_str() + space + 1));
-      at = end + 1;
+  auto value = store_->TryGet(served_root_prefix_ + "splits", std::min(deadline, DeadlineIn(milliseconds(1000))));
+  if (!value.ok() || !value->has_value() || (*value)->size() <= read) return;
+  const std::string& all = **value;
+  while (read < all.size()) {
+    // "<key prefix> <ranks>\n"; the prefix is a communicator's name, which
+    // may hold spaces.
+    const size_t end = all.find('\n', read);
+    if (end == std::string::npos) break;
+    const size_t space = all.rfind(' ', end);
+    if (space != std::string::npos && space >= read) {
+      users.emplace_back(all.substr(read, space - read), std::atoi(all.c_str() + space + 1));
     }
+    read = end + 1;
   }
 }
 
@@ -1117,7 +1119,7 @@ void Communicator::Impl::Shutdown() {
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
       // all left, and one may have split again meanwhile.
-      int64_t registered = 0;
+      size_t registered = 0;
       for (size_t next = 0; next < awaited.size() && Clock::now() < wait_until;) {
         for (; next < awaited.size(); ++next) {
           const auto& [prefix, ranks] = awaited[next];
