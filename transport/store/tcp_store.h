@@ -176,7 +176,9 @@ class TcpStoreClient final : public Store {
   /// Any number of keys: more than one request carries (wire::kMaxWaitKeys)
   /// are waited for in turn, against the one deadline.
   Status Wait(std::span<const std::string> keys, Deadline deadline) override;
-  /// One round trip per kMaxMultiGetKeys keys, against the one deadline.
+  /// One round trip per kMaxMultiGetKeys keys, against the one deadline;
+  /// keys whose values together are more than one reply carries are read
+  /// in halves.
   StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline) override;
   static constexpr size_t kMaxMultiGetKeys = 256;
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override;
@@ -208,6 +210,9 @@ class TcpStoreClient final : public Store {
   // queued is not sent at all: TIMED_OUT then means nothing happened.
   StatusOr<Reply> Call(uint8_t op, bool carries_timeout, std::string_view fields,
                        Deadline deadline, const std::string& what);
+  // One MultiGet request for `part` (in halves if the server cannot reply
+  // to it whole), its values appended to `values`.
+  Status MultiGetPart(std::span<const std::string> part, Deadline deadline, std::vector<std::string>& values);
 
   std::mutex mu_;
   const int fd_;                        // valid until destruction

@@ -371,28 +371,41 @@ StatusOr<std::vector<std::string>> TcpStoreClient::MultiGet(std::span<const std:
   std::vector<std::string> values;
   values.reserve(keys.size());
   for (size_t first = 0; first < keys.size(); first += kMaxMultiGetKeys) {
-    const std::span<const std::string> part = keys.subspan(first, std::min(kMaxMultiGetKeys, keys.size() - first));
-    wire::Writer w;
-    w.U32(static_cast<uint32_t>(part.size()));
-    for (const std::string& key : part) {
-      DDP_RETURN_IF_ERROR(CheckKey(key));
-      w.String(key);
-    }
-    std::string what = "get of key " + Quote(part.front());
-    if (part.size() > 1) what = "get of " + std::to_string(part.size()) + " keys from " + Quote(part.front());
-    DDP_ASSIGN_OR_RETURN(const Reply reply,
-                         Call(static_cast<uint8_t>(wire::Op::kMultiGet), true, w.body(), deadline, what));
-    wire::Reader r(reply.body);
-    for (size_t i = 0; i < part.size(); ++i) {
-      std::string_view value;
-      if (!r.String(value, kMaxValueBytes)) {
-        return InternalError("malformed multi_get reply from the store at " + endpoint_);
-      }
-      values.emplace_back(value);
-    }
-    if (!r.at_end()) return InternalError("malformed multi_get reply from the store at " + endpoint_);
+    DDP_RETURN_IF_ERROR(
+        MultiGetPart(keys.subspan(first, std::min(kMaxMultiGetKeys, keys.size() - first)), deadline, values));
   }
   return values;
+}
+
+Status TcpStoreClient::MultiGetPart(std::span<const std::string> part, Deadline deadline,
+                                    std::vector<std::string>& values) {
+  wire::Writer w;
+  w.U32(static_cast<uint32_t>(part.size()));
+  for (const std::string& key : part) {
+    DDP_RETURN_IF_ERROR(CheckKey(key));
+    w.String(key);
+  }
+  std::string what = "get of key " + Quote(part.front());
+  if (part.size() > 1) what = "get of " + std::to_string(part.size()) + " keys from " + Quote(part.front());
+  StatusOr<Reply> reply = Call(static_cast<uint8_t>(wire::Op::kMultiGet), true, w.body(), deadline, what);
+  if (!reply.ok() && reply.status().code() == StatusCode::kResourceExhausted && part.size() > 1) {
+    // Values too large together for one reply (each fits one): half the
+    // keys at a time. Reads repeat safely.
+    const size_t half = part.size() / 2;
+    DDP_RETURN_IF_ERROR(MultiGetPart(part.first(half), deadline, values));
+    return MultiGetPart(part.subspan(half), deadline, values);
+  }
+  DDP_RETURN_IF_ERROR(reply.status());
+  wire::Reader r(reply->body);
+  for (size_t i = 0; i < part.size(); ++i) {
+    std::string_view value;
+    if (!r.String(value, kMaxValueBytes)) {
+      return InternalError("malformed multi_get reply from the store at " + endpoint_ + " (" + what + ")");
+    }
+    values.emplace_back(value);
+  }
+  if (!r.at_end()) return InternalError("malformed multi_get reply from the store at " + endpoint_ + " (" + what + ")");
+  return Status::Ok();
 }
 
 StatusOr<bool> TcpStoreClient::Delete(std::string_view key, Deadline deadline) {
