@@ -229,7 +229,8 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
                                                 " was closed by this process")
                              : UnavailableError("lost the connection to the store at " +
                                                 endpoint_ + ": " + why.message());
-    return broken_;
+    // This call's request named too; later calls get broken_ alone.
+    return UnavailableError(broken_.message() + " (during the " + what + ")");
   };
 
   size_t sent = 0;

@@ -1050,6 +1050,8 @@ TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
   Status s = idle->Set("k", "v", DeadlineIn(30s));
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
   EXPECT_THAT(s.message(), HasSubstr("lost the connection to the store at 127.0.0.1:"));
+  EXPECT_THAT(s.message(), HasSubstr("(during the set of key 'k')"));
+  EXPECT_THAT(got.status().message(), HasSubstr("get of key 'never'"));
   // Later calls fail at once with the same reason.
   EXPECT_EQ(idle->TryGet("k", DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(parked->Add("k", 1, DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
