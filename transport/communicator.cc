@@ -149,9 +149,41 @@ int AvailableCpus() {
 // here keeps it up until their ranks have left.
 struct ServedStore {
   std::unique_ptr<store::TcpStoreServer> server;
+  std::string job_token;
   std::mutex mu;
   std::vector<std::pair<std::string, int>> users;  // under mu
+  // Key prefixes of the communicators that started or shared it as rank 0,
+  // under which splits made without this process register; under mu.
+  std::vector<std::string> roots;
 };
+
+// The stores this process serves, by "host:port": a communicator made again
+// on rank 0's store while a split of the previous one still holds that
+// server (it stays up for the split) shares it, where starting another on
+// the same port would fail ("address in use") and leave the other ranks,
+// connected to the live one, waiting out their deadline.
+std::shared_ptr<ServedStore> ServedStoreFor(const std::string& endpoint, const std::string& token,
+                                            const std::function<StatusOr<std::shared_ptr<ServedStore>>()>& start,
+                                            Status& error) {
+  static std::mutex mu;
+  static auto* served = new std::map<std::string, std::weak_ptr<ServedStore>>();
+  std::lock_guard lock(mu);
+  // Port 0 (any free port) names no particular server.
+  const bool any_port = endpoint.ends_with(":0");
+  if (std::shared_ptr<ServedStore> live = any_port ? nullptr : (*served)[endpoint].lock()) {
+    if (live->job_token == token) return live;
+    error = FailedPreconditionError("this process already serves a store on " + endpoint +
+                                    " for another job token (DDP_JOB_TOKEN differs)");
+    return nullptr;
+  }
+  StatusOr<std::shared_ptr<ServedStore>> started = start();
+  if (!started.ok()) {
+    error = started.status();
+    return nullptr;
+  }
+  if (!any_port) (*served)[endpoint] = *started;
+  return *started;
+}
 
 
 }  // namespace
@@ -590,8 +622,9 @@ class Communicator::Impl {
   Status RegisterSplit(const std::string& users, const CallOptions& call);
   // Appends the communicators registered past byte `read` of the list
   // to `users`, and moves `read` past them.
-  void ReadRegisteredSplits(size_t& read, std::vector<std::pair<std::string, int>>& users,
-                            Deadline deadline);
+  // (`read`: by root prefix, the bytes of its list read so far.)
+  void ReadRegisteredSplits(std::map<std::string, size_t>& read,
+                            std::vector<std::pair<std::string, int>>& users, Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
   // engines, then UCX (requests, endpoints, worker, context), then the store
@@ -625,9 +658,10 @@ class Communicator::Impl {
   // another outside store), -2 a process outside this communicator (rank 0
   // of the one it was split from, at some depth). For messages.
   int store_rank_ = -1;
-  // When a rank serves the store: the key prefix of the communicator that
-  // started the server, under which splits made without that rank register
-  // (RegisterSplit), so that it stays up for them. Empty otherwise.
+  // When a rank serves the store: the key prefix of the first communicator
+  // of this family (Create's, which Splits descend from), under which splits
+  // made without that rank register (RegisterSplit), so that it stays up
+  // for them (ServedStore::roots lists each family's). Empty otherwise.
   std::string served_root_prefix_;
   bool single_host_ = true;      // as discovered, whatever the file says
   // What the idle policy is chosen from (ApplyIdlePolicy).
@@ -755,9 +789,22 @@ Status Communicator::Impl::Init() {
     server_options.port = o.store_port;
     server_options.job_token = o.job_token;
     server_options.start_deadline = deadline;  // looking up store_host counts against creation
-    server_ = std::make_shared<ServedStore>();
-    DDP_ASSIGN_OR_RETURN(server_->server, store::TcpStoreServer::Start(server_options));
-    server_->users.emplace_back(prefix_, o.world_size);
+    Status error;
+    server_ = ServedStoreFor(
+        o.store_host + ":" + std::to_string(o.store_port), o.job_token,
+        [&]() -> StatusOr<std::shared_ptr<ServedStore>> {
+          auto fresh = std::make_shared<ServedStore>();
+          DDP_ASSIGN_OR_RETURN(fresh->server, store::TcpStoreServer::Start(server_options));
+          fresh->job_token = o.job_token;
+          return fresh;
+        },
+        error);
+    if (server_ == nullptr) return error;
+    {
+      std::lock_guard lock(server_->mu);
+      server_->users.emplace_back(prefix_, o.world_size);
+      server_->roots.push_back(prefix_);
+    }
     if (o.world_size > o.local_world_size && server_->server->loopback_only()) {
       // The other hosts will only time out connecting; say why here.
       std::fprintf(stderr,
@@ -1039,21 +1086,30 @@ Status Communicator::Impl::RegisterSplit(const std::string& users, const CallOpt
   }
 }
 
-void Communicator::Impl::ReadRegisteredSplits(size_t& read, std::vector<std::pair<std::string, int>>& users,
+void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, size_t>& read,
+                                              std::vector<std::pair<std::string, int>>& users,
                                               Deadline deadline) {
-  auto value = store_->TryGet(served_root_prefix_ + "splits", std::min(deadline, DeadlineIn(milliseconds(1000))));
-  if (!value.ok() || !value->has_value() || (*value)->size() <= read) return;
-  const std::string& all = **value;
-  while (read < all.size()) {
-    // "<key prefix> <ranks>\n"; the prefix is a communicator's name, which
-    // may hold spaces.
-    const size_t end = all.find('\n', read);
-    if (end == std::string::npos) break;
-    const size_t space = all.rfind(' ', end);
-    if (space != std::string::npos && space >= read) {
-      users.emplace_back(all.substr(read, space - read), std::atoi(all.c_str() + space + 1));
+  std::vector<std::string> roots;
+  {
+    std::lock_guard lock(server_->mu);
+    roots = server_->roots;
+  }
+  for (const std::string& root : roots) {
+    auto value = store_->TryGet(root + "splits", std::min(deadline, DeadlineIn(milliseconds(1000))));
+    size_t& at = read[root];
+    if (!value.ok() || !value->has_value() || (*value)->size() <= at) continue;
+    const std::string& all = **value;
+    while (at < all.size()) {
+      // "<key prefix> <ranks>\n"; the prefix is a communicator's name,
+      // which may hold spaces.
+      const size_t end = all.find('\n', at);
+      if (end == std::string::npos) break;
+      const size_t space = all.rfind(' ', end);
+      if (space != std::string::npos && space >= at) {
+        users.emplace_back(all.substr(at, space - at), std::atoi(all.c_str() + space + 1));
+      }
+      at = end + 1;
     }
-    read = end + 1;
   }
 }
 
@@ -1119,7 +1175,7 @@ void Communicator::Impl::Shutdown() {
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
       // all left, and one may have split again meanwhile.
-      size_t registered = 0;
+      std::map<std::string, size_t> registered;
       for (size_t next = 0; next < awaited.size() && Clock::now() < wait_until;) {
         for (; next < awaited.size(); ++next) {
           const auto& [prefix, ranks] = awaited[next];

@@ -920,6 +920,30 @@ int ScenarioRecreateOnALastingStore() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A communicator made again on rank 0's store while a split of the first
+// one lives: the first one's server is still up (the split holds it), on
+// the port the new one needs. Rank 0 failed to bind it ("address in use")
+// while rank 1 reached the old server and waited out its deadline.
+int ScenarioRecreateWhileASplitHoldsTheStore() {
+  auto first = MustCreate();
+  auto child = first->Split(0, first->rank());
+  WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+  if (!child.ok() || *child == nullptr) return 1;
+  first.reset();
+  CommunicatorOptions options = WorkerOptions();
+  options.timeout = milliseconds(8000);
+  auto again = Communicator::CreateFromEnvironment(options);
+  WORKER_CHECK(again.ok(), "made again: " + again.status().ToString());
+  if (!again.ok()) return 1;
+  for (Communicator* comm : {again->get(), child->get()}) {
+    std::vector<int64_t> x(4, comm->rank() + 1);
+    const Status s = comm->AllReduce(x.data(), x.data(), x.size(), DataType::kI64, ReduceOp::kSum);
+    WORKER_CHECK(s.ok() && x[0] == 3, "all-reduce: " + s.ToString());
+  }
+  std::printf("BOTH rank %d\n", (*again)->rank());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A creation that times out waiting for a rank that never comes says how
 // long it waited in all (its waits run in 200 ms slices, and the message
 // was the last slice's: "timed out after 187 ms" after seconds).
@@ -1085,6 +1109,7 @@ int RunScenario(const std::string& name) {
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
   if (name == "split_without_store_rank") return ScenarioSplitWithoutStoreRank();
   if (name == "nested_split_without_store_rank") return ScenarioNestedSplitWithoutStoreRank();
+  if (name == "recreate_while_split_holds_store") return ScenarioRecreateWhileASplitHoldsTheStore();
   if (name == "store_rank_dies_under_split") return ScenarioStoreRankDiesUnderASplitWithoutIt();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
@@ -1331,6 +1356,13 @@ TEST(Communicator, MadeAgainWithTheSameNameOnALastingStoreUsesFreshKeys) {
   Job job = RunJob(2, "recreate", {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_STORE_HOST", "launcher"}},
                    milliseconds(90000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, MadeAgainWhileASplitHoldsRankZerosStore) {
+  Job job = RunJob(2, "recreate_while_split_holds_store", {{"DDP_TEST_TIMEOUT_MS", "10000"}},
+                   milliseconds(60000));
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[1].output.find("BOTH rank 1"), std::string::npos) << job.Describe();
 }
 
 TEST(CommunicatorCreate, ATimeoutWaitingForARankTellsTheWholeWait) {
