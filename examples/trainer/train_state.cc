@@ -358,7 +358,15 @@ int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
 
 std::string ReadTrainCheckpoint(const std::string& path) {
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
+  const bool exists = std::filesystem::exists(path, ec);
+  if (ec) {
+    // Not the same as absent (EACCES on a folder above it, ENAMETOOLONG,
+    // ELOOP): a checkpoint may well be there, and a run started afresh
+    // would replace it.
+    throw UsageError("--resume: cannot look at the checkpoint " + path + ": " + ec.message() +
+                     "; fix the path or its folders' permissions, or pass another --checkpoint");
+  }
+  if (!exists) {
     throw UsageError("--resume: no checkpoint at " + path +
                      "; run once without --resume to create it, or pass --checkpoint=PATH");
   }

@@ -223,6 +223,23 @@ TEST(TrainStateTest, MissingFileSaysHowToCreateIt) {
   EXPECT_NE(msg.find("run once without --resume"), std::string::npos) << msg;
 }
 
+// A path that cannot be looked at (here a name past NAME_MAX, which stat
+// refuses with ENAMETOOLONG; a folder the user may not enter does the same
+// with EACCES, but the tests run as root) is not "no checkpoint": the
+// message names the path and the system's reason, and does not suggest
+// starting afresh, which would replace a checkpoint that may be there.
+TEST(TrainStateTest, PathThatCannotBeLookedAtIsNotCalledMissing) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/" + std::string(300, 'x');
+  std::error_code ec;
+  EXPECT_FALSE(std::filesystem::exists(path, ec));
+  ASSERT_TRUE(ec) << "expected stat to fail on a 300-byte name";
+  const std::string msg = UsageErrorOf([&] { ReadTrainCheckpoint(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find(ec.message()), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("no checkpoint at"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("run once without --resume"), std::string::npos) << msg;
+}
+
 // An elastic job on 4 ranks saved in the middle of epoch 2, after 3
 // batches of 8 per rank, and lost a node: on 2 ranks it trains the rest of
 // epoch 2, each sample the 4 ranks had not trained once and none they had,
