@@ -391,6 +391,10 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       {"--find_unused_parameters", flag(c.find_unused_parameters)},
       {"--ddp_stats", flag(c.ddp_stats)},
       {"--trace", flag(c.trace)},
+      // Whether checkpoints are saved, not where: only rank 0 writes, and
+      // the others' paths may differ. A rank without one skips the saves'
+      // collectives that the others wait in.
+      {"--checkpoint", c.checkpoint.empty() ? "none" : "PATH"},
       {"--checkpoint_every", std::to_string(c.checkpoint_every)},
       {"--resume", flag(c.resume)},
       {"training data", data(*d.train)},

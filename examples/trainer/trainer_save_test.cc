@@ -83,6 +83,17 @@ DDP_TEST_WORKER(fresh_run) {
   return TrainAsWorker(c, options);
 }
 
+// One epoch of the MLP on 64 generated samples (2 steps on 2 ranks), every
+// collective bounded by 20 s, saving to MIXED_CKPT: a path, or "" for
+// --checkpoint=none. Exit status 0, or 1 after printing the error.
+DDP_TEST_WORKER(mixed_checkpoint) {
+  TrainConfig c = TinyRun(std::getenv("MIXED_CKPT"), 20);
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  return TrainAsWorker(c, options);
+}
+
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
                                            int save_timeout_s) {
   auto run = launch::testing::RunTestWorkers(
@@ -125,6 +136,35 @@ TEST(TrainerSaveTest, SaveLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
     EXPECT_EQ(run.ExitCode(rank), 1) << run.Summary();
     EXPECT_NE(run.Output(rank).find(message), std::string::npos) << run.Output(rank);
   }
+  EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+// Ranks of which some save checkpoints and some do not (--checkpoint=none
+// on one rank's command line) used to part ways at the first save: rank 0
+// entered the save's collective and the other the evaluation's, and the job
+// failed there ("all-reduce arguments differ across ranks"), or waited
+// until --timeout_s where the mismatch is not caught, with no word of
+// --checkpoint. They are refused at the start, naming it, as other
+// differing flags are.
+TEST(TrainerSaveTest, RanksThatDisagreeOnCheckpointingAreRefusedNamingTheFlag) {
+  const std::string checkpoint = TempDir("mixed") + "/ckpt.safetensors";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "mixed_checkpoint", {.world_size = 2,
+                           .timeout = std::chrono::seconds(90),
+                           .stop_all_on_failure = false,
+                           .rank_env = {{0, {{"MIXED_CKPT", checkpoint}}}, {1, {{"MIXED_CKPT", ""}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(run->Output(1).find("rank 1 was started with --checkpoint=none but rank 0 with --checkpoint="),
+            std::string::npos)
+      << run->Output(1);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find("every rank needs the same flags and data"), std::string::npos)
+        << run->Output(rank);
+  }
+  EXPECT_LT(seconds, 15) << "the ranks waited for the collectives' deadline";
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
 }
 
