@@ -124,8 +124,9 @@ DEFINE_string(checkpoint, "auto",
               "~/.cache/ddp/checkpoints/<model>_<dataset>.safetensors; none: no checkpoints");
 DEFINE_int64(checkpoint_every, 0, "also save every N steps (0: at epoch ends only)");
 DEFINE_int64(save_timeout_s, 1800,
-             "deadline of a checkpoint save in seconds: the other ranks wait this long for rank "
-             "0's write (a large model, a slow disk), not --timeout_s");
+             "deadline of a checkpoint save, and of --resume's read, in seconds: the other ranks "
+             "wait this long for rank 0's write or read (a large model, a slow disk), not "
+             "--timeout_s");
 DEFINE_bool(resume, false,
             "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
             "the schedule as saved: the same --scheduler, --lr, and --epochs and --max_steps "

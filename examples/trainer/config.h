@@ -85,9 +85,9 @@ struct TrainConfig {
   // Files. Paths are absolute once ResolvePaths ran.
   std::string checkpoint;          ///< Empty: no checkpoints.
   int64_t checkpoint_every = 0;    ///< Also save every N steps; 0: at epoch ends only.
-  /// Deadline of one checkpoint save, in seconds: the other ranks wait for
-  /// rank 0's write this long (it tells them it is still writing), not
-  /// --timeout_s.
+  /// Deadline of one checkpoint save, and of --resume's read, in seconds:
+  /// the other ranks wait for rank 0's write or read this long (it tells
+  /// them it is still going), not --timeout_s.
   int64_t save_timeout_s = 1800;
   bool resume = false;             ///< Continue from `checkpoint`.
   /// Identifies the job across its restarts (JobFingerprint of its token

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "examples/trainer/format.h"
@@ -356,7 +357,16 @@ int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
   return n / batch_size + (n % batch_size != 0);
 }
 
-std::string ReadTrainCheckpoint(const std::string& path) {
+namespace internal {
+namespace {
+std::atomic<int64_t> read_pause_ms{0};
+}  // namespace
+
+void SetReadPause(std::chrono::milliseconds pause) { read_pause_ms.store(pause.count()); }
+
+}  // namespace internal
+
+std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop) {
   std::error_code ec;
   const bool exists = std::filesystem::exists(path, ec);
   if (ec) {
@@ -370,8 +380,17 @@ std::string ReadTrainCheckpoint(const std::string& path) {
     throw UsageError("--resume: no checkpoint at " + path +
                      "; run once without --resume to create it, or pass --checkpoint=PATH");
   }
+  if (const int64_t pause = internal::read_pause_ms.load(); pause > 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(pause);
+    while (std::chrono::steady_clock::now() < until && (stop == nullptr || !stop->load())) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  if (stop != nullptr && stop->load()) {
+    throw UsageError("--resume: the read of the checkpoint " + path + " was stopped");
+  }
   try {
-    return nn::io::SafetensorsFile::ReadBytes(path);
+    return nn::io::SafetensorsFile::ReadBytes(path, stop);
   } catch (const nn::io::CheckpointError& e) {
     throw UsageError(std::string("--resume: ") + e.what() +
                      "; delete the file or pass another --checkpoint to start afresh");

@@ -24,6 +24,7 @@
 // sample order does not: the run trains the rest of it (see epoch_start).
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -175,8 +176,19 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                                   const TrainComponents& parts, const TrainConfig& config,
                                   int world_size, std::string* note);
 /// The bytes of the checkpoint at `path`; throws the UsageError of a
-/// missing or unreadable file.
-std::string ReadTrainCheckpoint(const std::string& path);
+/// missing or unreadable file. Once `*stop` (when given) is true, the read
+/// ends within a piece of kStopCheckBytes with a UsageError.
+std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop = nullptr);
+
+namespace internal {
+
+/// Makes ReadTrainCheckpoint wait `pause` before it reads a file that is
+/// there, as a slow disk would, giving way to its stop within 10 ms; for
+/// tests of the deadlines around a resume's read. Process-wide; zero (the
+/// default) turns it off. For tests only.
+void SetReadPause(std::chrono::milliseconds pause);
+
+}  // namespace internal
 
 /// A short, stable name of the job whose launch token is `token` and whose
 /// launcher's run id (LaunchEnv::run_id: ddprun's DDP_RUN_ID, one per run and

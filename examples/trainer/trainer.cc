@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -512,21 +513,29 @@ void Run::Setup() {
     }
     // Rank 0 reads the file and sends its bytes to the others: it saved
     // it, perhaps on a disk only its host sees, and its failure to read it
-    // is every rank's. The last byte says which: 1, the file; 0, the error.
-    std::string shared;
-    if (lead_) {
-      try {
-        shared = ReadTrainCheckpoint(c_.checkpoint);
-        shared.push_back('1');
-      } catch (const UsageError& e) {
-        shared = std::string(e.what()) + '0';
-      }
-    }
-    shared = par_.ShareFromLead(std::move(shared));
-    const bool read = !shared.empty() && shared.back() == '1';
-    if (!shared.empty()) shared.pop_back();
-    if (!read) throw UsageError(shared);
-    pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(shared), parts, c_, world_, &resume_note);
+    // is every rank's. The read may take as long as the save did, longer
+    // than --timeout_s: the others wait for it as they wait for a save,
+    // told that rank 0 is still going, up to --save_timeout_s.
+    std::string bytes;
+    std::exception_ptr error;  // rank 0's own, rethrown as it was
+    const std::string late = StringPrintf(
+        "rank 0 was still reading %s after %lld s (--save_timeout_s bounds a resume's read as "
+        "well as a save): pass a longer --save_timeout_s, or a --checkpoint on a faster disk",
+        c_.checkpoint.c_str(), static_cast<long long>(c_.save_timeout_s));
+    const std::string failure = par_.RunOnLead(
+        [&](const std::atomic<bool>& stop) {
+          try {
+            bytes = ReadTrainCheckpoint(c_.checkpoint, &stop);
+          } catch (...) {
+            error = std::current_exception();
+            throw;
+          }
+        },
+        std::chrono::seconds(c_.save_timeout_s), late);
+    if (error) std::rethrow_exception(error);
+    if (!failure.empty()) throw UsageError(failure);
+    bytes = par_.ShareFromLead(std::move(bytes));
+    pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);
   }
   // Under ddprun, srun or mpirun no launcher ran CheckSetup: rank 0, which
   // writes the checkpoint and the metrics, checks their paths here and every

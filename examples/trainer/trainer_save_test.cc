@@ -15,6 +15,7 @@
 
 #include "examples/trainer/config.h"
 #include "examples/trainer/parallel.h"
+#include "examples/trainer/train_state.h"
 #include "examples/trainer/trainer.h"
 #include "gtest/gtest.h"
 #include "nn/io/atomic_file.h"
@@ -66,6 +67,21 @@ DDP_TEST_WORKER(slow_save) {
       std::chrono::milliseconds(std::atoll(std::getenv("SLOW_SAVE_PAUSE_MS"))));
   TrainConfig c = TinyRun(std::getenv("SLOW_SAVE_CKPT"), 2);
   c.save_timeout_s = std::atoll(std::getenv("SLOW_SAVE_TIMEOUT_S"));
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  return TrainAsWorker(c, options);
+}
+
+// slow_save's run resumed from its checkpoint at SLOW_READ_CKPT (finished:
+// the resumed run only evaluates), every collective bounded by 2 s; rank 0's read of the checkpoint waits SLOW_READ_PAUSE_MS
+// first (internal::SetReadPause). Exit status 0, or 1 after printing the
+// error.
+DDP_TEST_WORKER(slow_resume) {
+  internal::SetReadPause(std::chrono::milliseconds(std::atoll(std::getenv("SLOW_READ_PAUSE_MS"))));
+  TrainConfig c = TinyRun(std::getenv("SLOW_READ_CKPT"), 2);
+  c.resume = true;
+  c.save_timeout_s = std::atoll(std::getenv("SLOW_READ_TIMEOUT_S"));
   RunOptions options;
   options.quiet = true;
   options.print_result = false;
@@ -137,6 +153,45 @@ TEST(TrainerSaveTest, SaveLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
     EXPECT_NE(run.Output(rank).find(message), std::string::npos) << run.Output(rank);
   }
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+launch::testing::TestRunResult RunSlowResume(const std::string& checkpoint, int pause_ms,
+                                             int save_timeout_s) {
+  auto run = launch::testing::RunTestWorkers(
+      "slow_resume", {.world_size = 2,
+                      .timeout = std::chrono::seconds(90),
+                      .stop_all_on_failure = false,
+                      .env = {{"SLOW_READ_CKPT", checkpoint},
+                              {"SLOW_READ_PAUSE_MS", std::to_string(pause_ms)},
+                              {"SLOW_READ_TIMEOUT_S", std::to_string(save_timeout_s)}}});
+  EXPECT_TRUE(run.ok()) << run.status();
+  return run.ok() ? *run : launch::testing::TestRunResult{};
+}
+
+// A checkpoint that took longer than --timeout_s to save may take as long
+// to read back. Rank 1 used to wait for rank 0's read in a broadcast bounded
+// by --timeout_s (2 s here) and fail the resume; it waits as for a save,
+// up to --save_timeout_s, and the resumed run ends well.
+TEST(TrainerSaveTest, ResumeReadLongerThanTheCollectiveTimeoutKeepsTheOthersWaiting) {
+  const std::string checkpoint = TempDir("slow_read") + "/ckpt.safetensors";
+  const launch::testing::TestRunResult saved = RunSlowSave(checkpoint, 0, 60);
+  ASSERT_TRUE(saved.AllSucceeded()) << saved.Summary() << saved.Output(0) << saved.Output(1);
+  const launch::testing::TestRunResult run = RunSlowResume(checkpoint, 3000, 60);
+  EXPECT_TRUE(run.AllSucceeded()) << run.Summary() << run.Output(0) << run.Output(1);
+}
+
+// Past --save_timeout_s the resume fails on every rank with a line that
+// names the file and the flag.
+TEST(TrainerSaveTest, ResumeReadLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
+  const std::string checkpoint = TempDir("late_read") + "/ckpt.safetensors";
+  const launch::testing::TestRunResult saved = RunSlowSave(checkpoint, 0, 60);
+  ASSERT_TRUE(saved.AllSucceeded()) << saved.Summary() << saved.Output(0) << saved.Output(1);
+  const launch::testing::TestRunResult run = RunSlowResume(checkpoint, 5000, 1);
+  const std::string message = "rank 0 was still reading " + checkpoint + " after 1 s (--save_timeout_s";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run.ExitCode(rank), 1) << run.Summary();
+    EXPECT_NE(run.Output(rank).find(message), std::string::npos) << run.Output(rank);
+  }
 }
 
 // Ranks of which some save checkpoints and some do not (--checkpoint=none
