@@ -817,32 +817,50 @@ void Run::SaveCheckpoint() {
   }
   std::exception_ptr error;
   std::string kept;  // where another run's checkpoint went, if it was there
-  const std::string late = StringPrintf(
-      "rank 0 was still writing %s after %lld s (--save_timeout_s); the file there is the one "
-      "before, if any: pass a longer --save_timeout_s, or a --checkpoint on a faster disk",
-      c_.checkpoint.c_str(), static_cast<long long>(c_.save_timeout_s));
-  const std::string failure = par_.RunOnLead(
-      [&](const std::atomic<bool>& stop) {
-        try {
-          // Checked again: the file may have gone (or become this job's)
-          // since the start.
-          if (keep_previous_ && IsAnotherRunsCheckpoint(c_.checkpoint, c_.job)) {
-            kept = KeepAsPreviousCheckpoint(c_.checkpoint);
-          }
-          keep_previous_ = false;
+  // `moved`: where another run's checkpoint went before the write (rank 0
+  // knows once the write has ended); then nothing is left at the path.
+  const auto late_message = [&](const std::string& moved) {
+    const std::string left =
+        moved.empty() ? "the file there is the one before, if any"
+                      : "another run's checkpoint that was there is now " + moved +
+                            ", and nothing is left at " + c_.checkpoint;
+    return StringPrintf("rank 0 was still writing %s after %lld s (--save_timeout_s); %s: pass a "
+                        "longer --save_timeout_s, or a --checkpoint on a faster disk",
+                        c_.checkpoint.c_str(), static_cast<long long>(c_.save_timeout_s),
+                        left.c_str());
+  };
+  const std::string late = late_message("");
+  std::string failure;
+  try {
+    failure = par_.RunOnLead(
+        [&](const std::atomic<bool>& stop) {
           try {
-            SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
-          } catch (const UsageError& e) {
-            if (kept.empty()) throw;
-            throw UsageError(std::string(e.what()) +
-                             " (another run's checkpoint that was there is " + kept + ")");
+            // Checked again: the file may have gone (or become this job's)
+            // since the start.
+            if (keep_previous_ && IsAnotherRunsCheckpoint(c_.checkpoint, c_.job)) {
+              kept = KeepAsPreviousCheckpoint(c_.checkpoint);
+            }
+            keep_previous_ = false;
+            try {
+              SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
+            } catch (const UsageError& e) {
+              if (kept.empty()) throw;
+              throw UsageError(std::string(e.what()) +
+                               " (another run's checkpoint that was there is " + kept + ")");
+            }
+          } catch (...) {
+            error = std::current_exception();
+            throw;
           }
-        } catch (...) {
-          error = std::current_exception();
-          throw;
-        }
-      },
-      std::chrono::seconds(c_.save_timeout_s), late);
+        },
+        std::chrono::seconds(c_.save_timeout_s), late);
+  } catch (const JobError& e) {
+    // On rank 0 the write has ended by now (RunOnLead waits for it), so
+    // `kept` is final: say where the other run's checkpoint went.
+    if (kept.empty()) throw;
+    if (e.what() == late) throw JobError(late_message(kept));
+    throw JobError(std::string(e.what()) + " (another run's checkpoint that was there is " + kept + ")");
+  }
   if (error) std::rethrow_exception(error);
   if (!failure.empty()) throw std::runtime_error("rank 0 could not save the checkpoint: " + failure);
   if (lead_) {

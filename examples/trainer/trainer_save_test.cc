@@ -99,6 +99,19 @@ DDP_TEST_WORKER(fresh_run) {
   return TrainAsWorker(c, options);
 }
 
+// fresh_run, with each write of its save waiting FRESH_RUN_PAUSE_MS first
+// and --save_timeout_s=1.
+DDP_TEST_WORKER(fresh_slow_save) {
+  nn::io::internal::SetWritePausePerPiece(
+      std::chrono::milliseconds(std::atoll(std::getenv("FRESH_RUN_PAUSE_MS"))));
+  TrainConfig c = TinyRun(std::getenv("FRESH_RUN_CKPT"), 30);
+  c.job = std::getenv("FRESH_RUN_JOB");
+  c.save_timeout_s = 1;
+  RunOptions options;
+  options.print_result = false;
+  return TrainAsWorker(c, options);
+}
+
 // One epoch of the MLP on 64 generated samples (2 steps on 2 ranks), every
 // collective bounded by 20 s, saving to MIXED_CKPT: a path, or "" for
 // --checkpoint=none. Exit status 0, or 1 after printing the error.
@@ -268,6 +281,43 @@ TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointAsPrev) {
   EXPECT_TRUE(read(previous) == job_a) << "the other run's checkpoint was not kept";
   EXPECT_FALSE(read(checkpoint).empty());
   EXPECT_FALSE(read(checkpoint) == job_a);
+}
+
+// A fresh run's first save moves another run's checkpoint aside to
+// <stem>.prev.safetensors before it writes. When that write runs past
+// --save_timeout_s, rank 0's message used to say that the file at the path
+// was the one before; nothing is there, and it says where the other run's
+// checkpoint went.
+TEST(TrainerSaveTest, LateFirstSaveOfAFreshRunSaysWhereAnotherRunsCheckpointWent) {
+  const std::string dir = TempDir("fresh_late");
+  const std::string checkpoint = dir + "/mlp_synthetic.safetensors";
+  const std::string previous = dir + "/mlp_synthetic.prev.safetensors";
+  auto run = [&](const char* worker, const std::string& job) {
+    auto result = launch::testing::RunTestWorkers(
+        worker, {.world_size = 2,
+                 .timeout = std::chrono::seconds(90),
+                 .stop_all_on_failure = false,
+                 .env = {{"FRESH_RUN_CKPT", checkpoint},
+                         {"FRESH_RUN_JOB", job},
+                         {"FRESH_RUN_PAUSE_MS", "1000"}}});
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : launch::testing::TestRunResult{};
+  };
+  const launch::testing::TestRunResult first = run("fresh_run", "job-a");
+  ASSERT_TRUE(first.AllSucceeded()) << first.Summary() << first.Output(0) << first.Output(1);
+  ASSERT_TRUE(std::filesystem::exists(checkpoint));
+
+  const launch::testing::TestRunResult second = run("fresh_slow_save", "job-b");
+  EXPECT_EQ(second.ExitCode(0), 1) << second.Summary();
+  const std::string out = second.Output(0);
+  EXPECT_NE(out.find("rank 0 was still writing " + checkpoint + " after 1 s (--save_timeout_s); "
+                     "another run's checkpoint that was there is now " + previous +
+                     ", and nothing is left at " + checkpoint),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("the file there is the one before"), std::string::npos) << out;
+  EXPECT_TRUE(std::filesystem::exists(previous));
+  EXPECT_FALSE(std::filesystem::exists(checkpoint));
 }
 
 }  // namespace
