@@ -424,6 +424,8 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   const double rate = parts.scheduler != nullptr ? parts.scheduler->base_lr()
                                                  : RateIn(ckpt.optimizer, "lr");
   if (!std::isnan(rate)) m["lr"] = ExactDouble(rate);
+  m["comm_hook"] = config.comm_hook;
+  m["sync_bn"] = config.sync_bn ? "true" : "false";
   m["momentum"] = ExactDouble(config.momentum);
   m["weight_decay"] = ExactDouble(config.weight_decay);
   if (parts.schedule != nullptr) m["schedule_steps"] = std::to_string(parts.schedule->steps());
@@ -661,6 +663,18 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                       "continues from its rate " + FlagDouble(rate) + ", not --lr=" +
                       FlagDouble(config.lr));
     }
+  }
+  // How gradients travel and whether BatchNorm statistics are shared
+  // change the training from here on, not what it continues from: a run
+  // may switch them (to save bandwidth, say), but not without a word.
+  // (Absent: an older trainer's file.)
+  const std::pair<const char*, std::string> comm_settings[] = {
+      {"comm_hook", config.comm_hook}, {"sync_bn", config.sync_bn ? "true" : "false"}};
+  for (const auto& [flag, value] : comm_settings) {
+    const std::string was = Get(m, flag);
+    if (was.empty() || was == value) continue;
+    notes.push_back("checkpoint " + path + " was saved with --" + flag + "=" + was +
+                    " and this run has --" + flag + "=" + value + ", which it goes on with");
   }
   if (note != nullptr) {
     note->clear();

@@ -16,7 +16,8 @@
 //             settings that decide the data order (model, dataset, ranks,
 //             batch size, accumulation, seed), and the learning-rate
 //             schedule (--scheduler, --lr, the step it ends at, and the
-//             --epochs and --max_steps that set that step)
+//             --epochs and --max_steps that set that step), and
+//             --comm_hook and --sync_bn (another value on resume: a note)
 //
 // The data loader's order is a pure function of (seed, epoch, position), so
 // the position is all a resumed run needs to see the same batches. On other
@@ -165,7 +166,9 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 /// nothing is left to train when it was the last). The schedule keeps its
 /// horizon unless this run, with the same --epochs and --max_steps, ends at
 /// another step (another number of steps per epoch, or fewer left in a
-/// resumed epoch): then it ends where this run ends, and `note` says so. A checkpoint from before schedules were recorded
+/// resumed epoch): then it ends where this run ends, and `note` says so.
+/// Another --comm_hook or --sync_bn loads, with a note naming both values.
+/// A checkpoint from before schedules were recorded
 /// takes the horizon from this run's flags and the rate from the file, with
 /// a note.
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,

@@ -696,6 +696,37 @@ TEST(TrainStateTest, AnotherMomentumOrWeightDecayIsRefusedNamingBothValues) {
   EXPECT_EQ(error(saved), "");
 }
 
+// Another --comm_hook or --sync_bn changes how the run goes on (gradient
+// compression; BatchNorm statistics per rank or across ranks) but not what
+// it continues from: the resume goes ahead, with a note naming both values
+// (it used to be silent). A checkpoint from before they were recorded loads
+// without one.
+TEST(TrainStateTest, AnotherCommHookOrSyncBnLoadsWithANoteNamingBothValues) {
+  TrainConfig saved;
+  const std::string path = SaveCosineRun("comm_settings", saved);
+  auto model = nn::modules::MakeMlp();
+  auto note_of = [&](const TrainConfig& config) {
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+    nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
+    std::string note = "unset";
+    LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, &note);
+    return note;
+  };
+  EXPECT_EQ(note_of(saved), "");
+  TrainConfig config = saved;
+  config.comm_hook = "fp16";
+  config.sync_bn = true;
+  EXPECT_EQ(note_of(config),
+            "checkpoint " + path + " was saved with --comm_hook=allreduce and this run has "
+            "--comm_hook=fp16, which it goes on with; checkpoint " + path + " was saved with "
+            "--sync_bn=false and this run has --sync_bn=true, which it goes on with");
+  nn::io::Checkpoint older = nn::io::LoadCheckpoint(path);
+  older.metadata.erase("comm_hook");
+  older.metadata.erase("sync_bn");
+  nn::io::SaveCheckpoint(path, older);
+  EXPECT_EQ(note_of(config), "");
+}
+
 // Another --amp is refused naming both values, though the model's tensors
 // match (on a GPU they are f32 under every --amp): fp16's loss scaler state
 // would be dropped, or the precision changed silently.
