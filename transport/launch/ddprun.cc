@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -139,7 +140,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
 
   --role=NAME          the workers' ROLE_NAME (default: default)
 
-Dashes and underscores in flag names are interchangeable. torchrun's
+Dashes and underscores in flag names are interchangeable. As under torchrun,
+a torchrun flag missing from the command line is taken from PET_<FLAG> in the
+environment (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...). torchrun's
 --no_python is accepted (ddprun always runs PROGRAM itself); for Python,
 give the interpreter as PROGRAM: ddprun ... python3 train.py. Also accepted:
 --monitor_interval=SEC (ddprun sees a worker exit at once, without polling),
@@ -188,9 +191,78 @@ StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
   return std::make_pair(host, port);
 }
 
-}  // namespace
+// torchrun's flags, which take their default from PET_<FLAG> (torchrun's
+// `env` action: the name upper-cased) when not on the command line. The
+// switches (torchrun's `check_env`) take 0 or 1. ddprun's own flags
+// (--rdzv_timeout, --grace_period, ...) have no such variable.
+struct PetFlag {
+  const char* name;
+  bool is_switch;
+};
+constexpr PetFlag kPetFlags[] = {
+    {"nproc_per_node", false}, {"nnodes", false},      {"node_rank", false},
+    {"master_addr", false},    {"master_port", false}, {"rdzv_endpoint", false},
+    {"rdzv_backend", false},   {"rdzv_id", false},     {"rdzv_conf", false},
+    {"standalone", true},      {"max_restarts", false}, {"monitor_interval", false},
+    {"start_method", false},   {"role", false},        {"log_dir", false},
+    {"redirects", false},      {"tee", false},         {"local_ranks_filter", false},
+    {"local_addr", false},     {"logs_specs", false},  {"no_python", true},
+    {"module", true},          {"run_path", true},
+};
 
-StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const EnvMap& env) {
+using FlagNames = std::set<std::string, std::less<>>;
+
+// Hands `parse` one "--flag=VALUE" (or "--switch") for each PET_ variable of
+// `env` whose flag is not in `given`, and notes each variable used in
+// `used` ("PET_NNODES='4'"). An empty variable counts as unset. As under
+// torchrun, an endpoint (--rdzv_endpoint or PET_RDZV_ENDPOINT) is used
+// over PET_MASTER_ADDR and PET_MASTER_PORT, --master_addr or --master_port
+// over PET_RDZV_ENDPOINT, and --standalone over all three. A bad value is
+// refused naming the variable.
+Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<std::string>& used,
+                        const std::function<Status(const std::string&)>& parse) {
+  auto variable = [&](std::string_view flag) {
+    std::string name = "PET_";
+    for (char c : flag) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return name;
+  };
+  auto value_of = [&](std::string_view flag) -> std::string {
+    auto it = env.find(variable(flag));
+    return it == env.end() ? "" : it->second;
+  };
+  const bool standalone = given.count("standalone") > 0 || value_of("standalone") == "1";
+  const bool endpoint_from_env = !standalone && !value_of("rdzv_endpoint").empty() &&
+                                 given.count("rdzv_endpoint") == 0 && given.count("master_addr") == 0 &&
+                                 given.count("master_port") == 0;
+  for (const PetFlag& flag : kPetFlags) {
+    const std::string name = flag.name;
+    const std::string value = value_of(name);
+    if (value.empty() || given.count(name) > 0) continue;
+    if (name == "rdzv_endpoint" && !endpoint_from_env) continue;
+    if ((name == "master_addr" || name == "master_port") &&
+        (standalone || endpoint_from_env || given.count("rdzv_endpoint") > 0)) {
+      continue;
+    }
+    const std::string shown = variable(name) + "='" + value + "'";
+    std::string arg = "--" + name + "=" + value;
+    if (flag.is_switch) {
+      if (value != "0" && value != "1") {
+        return InvalidArgumentError(shown + " (from the environment): expected 0 or 1");
+      }
+      if (value == "0") continue;
+      arg = "--" + name;
+    }
+    used.push_back(shown);
+    if (Status s = parse(arg); !s.ok()) {
+      return Status(s.code(), shown + " (from the environment): " + s.message());
+    }
+  }
+  return Status::Ok();
+}
+
+// ParseDdprunArgs, noting in `from_env` the PET_ variables it used.
+StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, const EnvMap& env,
+                                             std::vector<std::string>& from_env) {
   DdprunOptions o;
   bool port_given = false;
   bool addr_given = false;
@@ -202,290 +274,305 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   std::optional<int> keep_alive_attempts;
   bool token_given = false;
   bool redirects = false;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string_view arg(argv[i]);
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg == "-h" || arg == "--help") {
-      o.help = true;
-      return o;
-    }
-    if (arg == "-m") {
-      return InvalidArgumentError(
-          "-m runs a Python module under torchrun; ddprun starts programs: give the program "
-          "(e.g. python3 -m MODULE)");
-    }
-    if (arg.size() < 2 || arg[0] != '-') break;  // the program
-    std::string name;
-    std::optional<std::string> value;
-    if (arg[1] != '-') {
-      // torchrun's short forms: -t CODE (--tee) and -r CODE (--redirects),
-      // also -t3 and -t=3. Any other "-X" before the program is a flag
-      // ddprun does not know, not a program (that would go after --).
-      if (arg[1] != 't' && arg[1] != 'r') {
-        return InvalidArgumentError("unknown flag " + std::string(arg) +
-                                    " (ddprun's short flags are torchrun's -t for --tee and -r for "
-                                    "--redirects; see ddprun --help)");
+  // The flags on the command line, by name (dashes as underscores): a
+  // PET_ variable stands in only for the others.
+  std::set<std::string, std::less<>> given;
+  // Reads the flags in argv[1..argc) up to the program; returns where the
+  // program starts, or -1 for --help.
+  auto parse_flags = [&](int argc, const char* const* argv, bool on_command_line) -> StatusOr<int> {
+    int i = 1;
+    for (; i < argc; ++i) {
+      std::string_view arg(argv[i]);
+      if (arg == "--") {
+        ++i;
+        break;
       }
-      name = arg[1] == 't' ? "tee" : "redirects";
-      if (arg.size() > 2) value = std::string(arg.substr(arg[2] == '=' ? 3 : 2));
-    } else {
-      name = std::string(arg.substr(2));
-      if (const size_t eq = name.find('='); eq != std::string::npos) {
-        value = name.substr(eq + 1);
-        name.resize(eq);
+      if (arg == "-h" || arg == "--help") {
+        o.help = true;
+        return -1;
       }
-      for (char& c : name) c = c == '-' ? '_' : c;
-    }
-
-    auto take_value = [&]() -> StatusOr<std::string> {
-      if (value) return *value;
-      if (i + 1 >= argc) return InvalidArgumentError("--" + name + " needs a value");
-      return std::string(argv[++i]);
-    };
-    auto take_int = [&](int64_t lo, int64_t hi, int& out) -> Status {
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      std::optional<int64_t> v = ParseInt(text);
-      if (!v) return InvalidArgumentError(Flag(name, text) + " is not an integer");
-      if (*v < lo || *v > hi) {
-        return InvalidArgumentError(Flag(name, text) + " must be in [" + std::to_string(lo) +
-                                    ", " + std::to_string(hi) + "]");
+      if (arg == "-m") {
+        return InvalidArgumentError(
+            "-m runs a Python module under torchrun; ddprun starts programs: give the program "
+            "(e.g. python3 -m MODULE)");
       }
-      out = static_cast<int>(*v);
-      return Status::Ok();
-    };
-    auto take_seconds = [&](milliseconds& out, bool positive) -> Status {
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      std::optional<milliseconds> v = ParseSeconds(text);
-      if (!v || (positive && v->count() == 0)) {
-        return InvalidArgumentError(Flag(name, text) + " is not a" +
-                                    (positive ? " positive" : "") + " number of seconds");
-      }
-      out = *v;
-      return Status::Ok();
-    };
-    auto no_value = [&]() -> Status {
-      if (value) return InvalidArgumentError("--" + name + " takes no value");
-      return Status::Ok();
-    };
-
-    if (name == "nproc_per_node") {
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      DDP_ASSIGN_OR_RETURN(o.nproc_per_node, ParseNprocPerNode(text, env));
-    } else if (name == "nnodes") {
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      o.nnodes_spec = text;
-      o.min_nodes = 0;
-      if (const size_t colon = text.find(':'); colon != std::string::npos) {
-        const std::optional<int64_t> lo = ParseInt(std::string_view(text).substr(0, colon));
-        const std::optional<int64_t> hi = ParseInt(std::string_view(text).substr(colon + 1));
-        if (!lo || !hi || *lo < 1 || *hi < *lo || *hi > kMaxNodes) {
-          return InvalidArgumentError(Flag(name, text) + ": expected MIN:MAX with 1 <= MIN <= MAX <= " +
-                                      std::to_string(kMaxNodes));
+      if (arg.size() < 2 || arg[0] != '-') break;  // the program
+      std::string name;
+      std::optional<std::string> value;
+      if (arg[1] != '-') {
+        // torchrun's short forms: -t CODE (--tee) and -r CODE (--redirects),
+        // also -t3 and -t=3. Any other "-X" before the program is a flag
+        // ddprun does not know, not a program (that would go after --).
+        if (arg[1] != 't' && arg[1] != 'r') {
+          return InvalidArgumentError("unknown flag " + std::string(arg) +
+                                      " (ddprun's short flags are torchrun's -t for --tee and -r for "
+                                      "--redirects; see ddprun --help)");
         }
-        o.nnodes = static_cast<int>(*hi);
-        if (*lo < *hi) o.min_nodes = static_cast<int>(*lo);
+        name = arg[1] == 't' ? "tee" : "redirects";
+        if (arg.size() > 2) value = std::string(arg.substr(arg[2] == '=' ? 3 : 2));
       } else {
-        value = text;
-        DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
+        name = std::string(arg.substr(2));
+        if (const size_t eq = name.find('='); eq != std::string::npos) {
+          value = name.substr(eq + 1);
+          name.resize(eq);
+        }
+        for (char& c : name) c = c == '-' ? '_' : c;
       }
-    } else if (name == "rdzv_conf") {
-      // torchrun's KEY=VALUE,... rendezvous settings. Its keep-alives (a
-      // beat every keep_alive_interval, dead after keep_alive_max_attempt
-      // missed ones) are --node_timeout; its other keys map to ddprun's
-      // settings where they mean the same, and are noted as ignored where
-      // nothing here matches.
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      auto bad_item = [&](const std::string& item, const std::string& why) {
-        return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
+      if (on_command_line) given.insert(name);
+
+      auto take_value = [&]() -> StatusOr<std::string> {
+        if (value) return *value;
+        if (i + 1 >= argc) return InvalidArgumentError("--" + name + " needs a value");
+        return std::string(argv[++i]);
       };
-      size_t start = 0;
-      while (start < text.size()) {
-        size_t end = text.find(',', start);
-        if (end == std::string::npos) end = text.size();
-        const std::string item = text.substr(start, end - start);
-        start = end + 1;
-        const size_t eq = item.find('=');
-        const std::string key = item.substr(0, eq);
-        const std::string raw = eq == std::string::npos ? "" : item.substr(eq + 1);
-        const std::optional<milliseconds> parsed = eq == std::string::npos ? std::nullopt : ParseSeconds(raw);
-        const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
-        const bool positive = seconds.count() > 0;
-        if (key == "keep_alive_max_attempt") {
-          const std::optional<int64_t> attempts = ParseInt(raw);
-          if (!attempts || *attempts < 1 || *attempts > 1000) {
-            return bad_item(item, "keep_alive_max_attempt takes a count from 1 to 1000");
+      auto take_int = [&](int64_t lo, int64_t hi, int& out) -> Status {
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        std::optional<int64_t> v = ParseInt(text);
+        if (!v) return InvalidArgumentError(Flag(name, text) + " is not an integer");
+        if (*v < lo || *v > hi) {
+          return InvalidArgumentError(Flag(name, text) + " must be in [" + std::to_string(lo) +
+                                      ", " + std::to_string(hi) + "]");
+        }
+        out = static_cast<int>(*v);
+        return Status::Ok();
+      };
+      auto take_seconds = [&](milliseconds& out, bool positive) -> Status {
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        std::optional<milliseconds> v = ParseSeconds(text);
+        if (!v || (positive && v->count() == 0)) {
+          return InvalidArgumentError(Flag(name, text) + " is not a" +
+                                      (positive ? " positive" : "") + " number of seconds");
+        }
+        out = *v;
+        return Status::Ok();
+      };
+      auto no_value = [&]() -> Status {
+        if (value) return InvalidArgumentError("--" + name + " takes no value");
+        return Status::Ok();
+      };
+
+      if (name == "nproc_per_node") {
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        DDP_ASSIGN_OR_RETURN(o.nproc_per_node, ParseNprocPerNode(text, env));
+      } else if (name == "nnodes") {
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        o.nnodes_spec = text;
+        o.min_nodes = 0;
+        if (const size_t colon = text.find(':'); colon != std::string::npos) {
+          const std::optional<int64_t> lo = ParseInt(std::string_view(text).substr(0, colon));
+          const std::optional<int64_t> hi = ParseInt(std::string_view(text).substr(colon + 1));
+          if (!lo || !hi || *lo < 1 || *hi < *lo || *hi > kMaxNodes) {
+            return InvalidArgumentError(Flag(name, text) + ": expected MIN:MAX with 1 <= MIN <= MAX <= " +
+                                        std::to_string(kMaxNodes));
           }
-          keep_alive_attempts = static_cast<int>(*attempts);
-        } else if (key == "is_host") {
-          // c10d: whether this launcher serves the store, instead of
-          // finding out by trying to listen on the endpoint.
-          std::string lower = raw;
-          for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-          if (lower == "1" || lower == "true" || lower == "t" || lower == "yes" || lower == "y") {
-            o.is_host = true;
-          } else if (lower == "0" || lower == "false" || lower == "f" || lower == "no" || lower == "n") {
-            o.is_host = false;
-          } else {
-            return bad_item(item, "is_host takes true or false (1/0, yes/no)");
-          }
-        } else if (key == "last_call_timeout") {
-          if (seconds.count() < 0) return bad_item(item, "last_call_timeout takes a number of seconds");
-          o.last_call = seconds;
-        } else if (key == "join_timeout" || key == "timeout") {
-          // timeout: the static and etcd backends' name for the same wait.
-          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-          o.rdzv_timeout = seconds;
-        } else if (key == "keep_alive_interval") {
-          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-          keep_alive_interval = seconds;
-        } else if (key == "read_timeout") {
-          // torchrun's deadline of one call on the store.
-          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-          o.store_call_time = seconds;
-        } else if (key == "close_timeout") {
-          if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-          o.notes.push_back(Flag(name, item) +
-                            " is ignored: when the job ends, node 0 tells the waiting launchers "
-                            "and keeps the store up for them for up to 10 s");
+          o.nnodes = static_cast<int>(*hi);
+          if (*lo < *hi) o.min_nodes = static_cast<int>(*lo);
         } else {
-          return bad_item(item,
-                          "not one of last_call_timeout, join_timeout (or timeout), read_timeout, "
-                          "close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
-                          "is_host=BOOL");
+          value = text;
+          DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
         }
-      }
-    } else if (name == "node_rank") {
-      DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
-      node_rank_given = true;
-    } else if (name == "monitor_interval") {
-      // torchrun looks at its workers every so often; ddprun learns of a
-      // worker's exit at once (pidfd), so there is nothing to set.
-      milliseconds unused{};
-      DDP_RETURN_IF_ERROR(take_seconds(unused, /*positive=*/true));
-    } else if (name == "start_method") {
-      // Python's ways of starting a worker; ddprun starts every worker with
-      // vfork + exec, a fresh process image, so they all come to the same.
-      DDP_ASSIGN_OR_RETURN(std::string method, take_value());
-      if (method != "spawn" && method != "fork" && method != "forkserver") {
-        return InvalidArgumentError(Flag(name, method) + ": expected spawn, fork or forkserver");
-      }
-    } else if (name == "role") {
-      DDP_ASSIGN_OR_RETURN(o.role, take_value());
-      if (o.role.empty() || o.role.find_first_of(" \t\n=") != std::string::npos) {
-        return InvalidArgumentError(Flag(name, o.role) + " must be non-empty without spaces or '='");
-      }
-    } else if (name == "local_addr") {
-      DDP_ASSIGN_OR_RETURN(std::string addr, take_value());
-      o.notes.push_back(Flag(name, addr) +
-                        " is ignored: launchers other than node 0 need no address of their own "
-                        "(they connect to node 0's store)");
-    } else if (name == "logs_specs") {
-      DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
-      o.notes.push_back(Flag(name, specs) +
-                        " is ignored: ddprun writes --log_dir/attempt_K/rank_R.log");
-    } else if (name == "master_addr") {
-      DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
-      if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
-      addr_given = true;
-    } else if (name == "master_port") {
-      DDP_RETURN_IF_ERROR(take_int(0, 65535, o.master_port));
-      port_given = true;
-    } else if (name == "rdzv_endpoint") {
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
-      o.master_addr = endpoint.first;
-      o.master_port = endpoint.second >= 0 ? endpoint.second : kDefaultRdzvPort;
-      endpoint_given = true;
-    } else if (name == "rdzv_backend") {
-      DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
-      if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d") {
-        return InvalidArgumentError(Flag(name, o.rdzv_backend) +
-                                    " is not supported; use static or c10d");
-      }
-    } else if (name == "rdzv_id") {
-      DDP_ASSIGN_OR_RETURN(o.rdzv_id, take_value());
-      if (o.rdzv_id.empty() || o.rdzv_id.find_first_of(" \t\n") != std::string::npos) {
-        return InvalidArgumentError(Flag(name, o.rdzv_id) + " must be non-empty without spaces");
-      }
-    } else if (name == "standalone") {
-      DDP_RETURN_IF_ERROR(no_value());
-      o.standalone = true;
-    } else if (name == "max_restarts") {
-      DDP_RETURN_IF_ERROR(take_int(0, 1000000, o.max_restarts));
-    } else if (name == "log_dir") {
-      DDP_ASSIGN_OR_RETURN(o.log_dir, take_value());
-      if (o.log_dir.empty()) return InvalidArgumentError("--log_dir is empty");
-    } else if (name == "tee" || name == "redirects") {
-      // torchrun's stream codes: 0 none, 1 stdout, 2 stderr, 3 both, as
-      // --tee=3 or --tee 3. ddprun keeps a worker's two streams together,
-      // so only 0 and 3 mean anything here. A bare --tee is --tee=3;
-      // --redirects=3 is what --log_dir does anyway.
-      std::string code = value.value_or("");
-      if (!value && i + 1 < argc && std::string_view(argv[i + 1]).size() == 1 &&
-          argv[i + 1][0] >= '0' && argv[i + 1][0] <= '3') {
-        code = argv[++i];
-      }
-      if (code.empty() && name == "redirects") return InvalidArgumentError("--redirects needs a value");
-      if (!code.empty() && code != "0" && code != "3") {
-        return InvalidArgumentError(Flag(name, code) +
-                                    ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout "
-                                    "and stderr, which it keeps together); 1, 2 and per-rank maps "
-                                    "are not supported");
-      }
-      if (name == "tee") o.tee = code != "0";
-      if (name == "redirects") redirects = code == "3";
-    } else if (name == "local_ranks_filter") {
-      DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-      o.local_ranks_filter.clear();
-      size_t start = 0;
-      while (true) {
-        const size_t comma = text.find(',', start);
-        const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos
-                                                                              : comma - start);
-        const std::optional<int64_t> v = ParseInt(item);
-        if (!v || *v < 0 || *v >= 1000000) {
-          return InvalidArgumentError(Flag(name, text) + ": '" + item +
-                                      "' is not a local rank (a comma-separated list such as 0,1)");
+      } else if (name == "rdzv_conf") {
+        // torchrun's KEY=VALUE,... rendezvous settings. Its keep-alives (a
+        // beat every keep_alive_interval, dead after keep_alive_max_attempt
+        // missed ones) are --node_timeout; its other keys map to ddprun's
+        // settings where they mean the same, and are noted as ignored where
+        // nothing here matches.
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        auto bad_item = [&](const std::string& item, const std::string& why) {
+          return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
+        };
+        size_t start = 0;
+        while (start < text.size()) {
+          size_t end = text.find(',', start);
+          if (end == std::string::npos) end = text.size();
+          const std::string item = text.substr(start, end - start);
+          start = end + 1;
+          const size_t eq = item.find('=');
+          const std::string key = item.substr(0, eq);
+          const std::string raw = eq == std::string::npos ? "" : item.substr(eq + 1);
+          const std::optional<milliseconds> parsed = eq == std::string::npos ? std::nullopt : ParseSeconds(raw);
+          const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
+          const bool positive = seconds.count() > 0;
+          if (key == "keep_alive_max_attempt") {
+            const std::optional<int64_t> attempts = ParseInt(raw);
+            if (!attempts || *attempts < 1 || *attempts > 1000) {
+              return bad_item(item, "keep_alive_max_attempt takes a count from 1 to 1000");
+            }
+            keep_alive_attempts = static_cast<int>(*attempts);
+          } else if (key == "is_host") {
+            // c10d: whether this launcher serves the store, instead of
+            // finding out by trying to listen on the endpoint.
+            std::string lower = raw;
+            for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            if (lower == "1" || lower == "true" || lower == "t" || lower == "yes" || lower == "y") {
+              o.is_host = true;
+            } else if (lower == "0" || lower == "false" || lower == "f" || lower == "no" || lower == "n") {
+              o.is_host = false;
+            } else {
+              return bad_item(item, "is_host takes true or false (1/0, yes/no)");
+            }
+          } else if (key == "last_call_timeout") {
+            if (seconds.count() < 0) return bad_item(item, "last_call_timeout takes a number of seconds");
+            o.last_call = seconds;
+          } else if (key == "join_timeout" || key == "timeout") {
+            // timeout: the static and etcd backends' name for the same wait.
+            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+            o.rdzv_timeout = seconds;
+          } else if (key == "keep_alive_interval") {
+            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+            keep_alive_interval = seconds;
+          } else if (key == "read_timeout") {
+            // torchrun's deadline of one call on the store.
+            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+            o.store_call_time = seconds;
+          } else if (key == "close_timeout") {
+            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+            o.notes.push_back(Flag(name, item) +
+                              " is ignored: when the job ends, node 0 tells the waiting launchers "
+                              "and keeps the store up for them for up to 10 s");
+          } else {
+            return bad_item(item,
+                            "not one of last_call_timeout, join_timeout (or timeout), read_timeout, "
+                            "close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
+                            "is_host=BOOL");
+          }
         }
-        o.local_ranks_filter.push_back(static_cast<int>(*v));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
+      } else if (name == "node_rank") {
+        DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
+        node_rank_given = true;
+      } else if (name == "monitor_interval") {
+        // torchrun looks at its workers every so often; ddprun learns of a
+        // worker's exit at once (pidfd), so there is nothing to set.
+        milliseconds unused{};
+        DDP_RETURN_IF_ERROR(take_seconds(unused, /*positive=*/true));
+      } else if (name == "start_method") {
+        // Python's ways of starting a worker; ddprun starts every worker with
+        // vfork + exec, a fresh process image, so they all come to the same.
+        DDP_ASSIGN_OR_RETURN(std::string method, take_value());
+        if (method != "spawn" && method != "fork" && method != "forkserver") {
+          return InvalidArgumentError(Flag(name, method) + ": expected spawn, fork or forkserver");
+        }
+      } else if (name == "role") {
+        DDP_ASSIGN_OR_RETURN(o.role, take_value());
+        if (o.role.empty() || o.role.find_first_of(" \t\n=") != std::string::npos) {
+          return InvalidArgumentError(Flag(name, o.role) + " must be non-empty without spaces or '='");
+        }
+      } else if (name == "local_addr") {
+        DDP_ASSIGN_OR_RETURN(std::string addr, take_value());
+        o.notes.push_back(Flag(name, addr) +
+                          " is ignored: launchers other than node 0 need no address of their own "
+                          "(they connect to node 0's store)");
+      } else if (name == "logs_specs") {
+        DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
+        o.notes.push_back(Flag(name, specs) +
+                          " is ignored: ddprun writes --log_dir/attempt_K/rank_R.log");
+      } else if (name == "master_addr") {
+        DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
+        if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
+        addr_given = true;
+      } else if (name == "master_port") {
+        DDP_RETURN_IF_ERROR(take_int(0, 65535, o.master_port));
+        port_given = true;
+      } else if (name == "rdzv_endpoint") {
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
+        o.master_addr = endpoint.first;
+        o.master_port = endpoint.second >= 0 ? endpoint.second : kDefaultRdzvPort;
+        endpoint_given = true;
+      } else if (name == "rdzv_backend") {
+        DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
+        if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d") {
+          return InvalidArgumentError(Flag(name, o.rdzv_backend) +
+                                      " is not supported; use static or c10d");
+        }
+      } else if (name == "rdzv_id") {
+        DDP_ASSIGN_OR_RETURN(o.rdzv_id, take_value());
+        if (o.rdzv_id.empty() || o.rdzv_id.find_first_of(" \t\n") != std::string::npos) {
+          return InvalidArgumentError(Flag(name, o.rdzv_id) + " must be non-empty without spaces");
+        }
+      } else if (name == "standalone") {
+        DDP_RETURN_IF_ERROR(no_value());
+        o.standalone = true;
+      } else if (name == "max_restarts") {
+        DDP_RETURN_IF_ERROR(take_int(0, 1000000, o.max_restarts));
+      } else if (name == "log_dir") {
+        DDP_ASSIGN_OR_RETURN(o.log_dir, take_value());
+        if (o.log_dir.empty()) return InvalidArgumentError("--log_dir is empty");
+      } else if (name == "tee" || name == "redirects") {
+        // torchrun's stream codes: 0 none, 1 stdout, 2 stderr, 3 both, as
+        // --tee=3 or --tee 3. ddprun keeps a worker's two streams together,
+        // so only 0 and 3 mean anything here. A bare --tee is --tee=3;
+        // --redirects=3 is what --log_dir does anyway.
+        std::string code = value.value_or("");
+        if (!value && i + 1 < argc && std::string_view(argv[i + 1]).size() == 1 &&
+            argv[i + 1][0] >= '0' && argv[i + 1][0] <= '3') {
+          code = argv[++i];
+        }
+        if (code.empty() && name == "redirects") return InvalidArgumentError("--redirects needs a value");
+        if (!code.empty() && code != "0" && code != "3") {
+          return InvalidArgumentError(Flag(name, code) +
+                                      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout "
+                                      "and stderr, which it keeps together); 1, 2 and per-rank maps "
+                                      "are not supported");
+        }
+        if (name == "tee") o.tee = code != "0";
+        if (name == "redirects") redirects = code == "3";
+      } else if (name == "local_ranks_filter") {
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        o.local_ranks_filter.clear();
+        size_t start = 0;
+        while (true) {
+          const size_t comma = text.find(',', start);
+          const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos
+                                                                                : comma - start);
+          const std::optional<int64_t> v = ParseInt(item);
+          if (!v || *v < 0 || *v >= 1000000) {
+            return InvalidArgumentError(Flag(name, text) + ": '" + item +
+                                        "' is not a local rank (a comma-separated list such as 0,1)");
+          }
+          o.local_ranks_filter.push_back(static_cast<int>(*v));
+          if (comma == std::string::npos) break;
+          start = comma + 1;
+        }
+        std::sort(o.local_ranks_filter.begin(), o.local_ranks_filter.end());
+        o.local_ranks_filter.erase(std::unique(o.local_ranks_filter.begin(), o.local_ranks_filter.end()),
+                                   o.local_ranks_filter.end());
+      } else if (name == "no_prefix") {
+        DDP_RETURN_IF_ERROR(no_value());
+        o.prefix = false;
+      } else if (name == "job_token") {
+        DDP_ASSIGN_OR_RETURN(o.job_token, take_value());
+        token_given = true;
+      } else if (name == "no_python") {
+        // torchrun's way of saying "PROGRAM is not a Python script": ddprun
+        // always runs PROGRAM itself.
+        DDP_RETURN_IF_ERROR(no_value());
+      } else if (name == "module" || name == "run_path") {
+        return InvalidArgumentError("--" + name +
+                                    " is torchrun's way of running Python; ddprun starts programs: "
+                                    "give the program (e.g. python3 -m MODULE)");
+      } else if (name == "rdzv_timeout") {
+        DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
+      } else if (name == "node_timeout") {
+        DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
+        node_timeout_given = true;
+      } else if (name == "grace_period") {
+        DDP_RETURN_IF_ERROR(take_seconds(o.grace, /*positive=*/false));
+      } else if (name == "max_run_time") {
+        DDP_RETURN_IF_ERROR(take_seconds(o.max_run_time, /*positive=*/false));
+      } else {
+        return InvalidArgumentError("unknown flag --" + name + " (see ddprun --help)");
       }
-      std::sort(o.local_ranks_filter.begin(), o.local_ranks_filter.end());
-      o.local_ranks_filter.erase(std::unique(o.local_ranks_filter.begin(), o.local_ranks_filter.end()),
-                                 o.local_ranks_filter.end());
-    } else if (name == "no_prefix") {
-      DDP_RETURN_IF_ERROR(no_value());
-      o.prefix = false;
-    } else if (name == "job_token") {
-      DDP_ASSIGN_OR_RETURN(o.job_token, take_value());
-      token_given = true;
-    } else if (name == "no_python") {
-      // torchrun's way of saying "PROGRAM is not a Python script": ddprun
-      // always runs PROGRAM itself.
-      DDP_RETURN_IF_ERROR(no_value());
-    } else if (name == "module" || name == "run_path") {
-      return InvalidArgumentError("--" + name +
-                                  " is torchrun's way of running Python; ddprun starts programs: "
-                                  "give the program (e.g. python3 -m MODULE)");
-    } else if (name == "rdzv_timeout") {
-      DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
-    } else if (name == "node_timeout") {
-      DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
-      node_timeout_given = true;
-    } else if (name == "grace_period") {
-      DDP_RETURN_IF_ERROR(take_seconds(o.grace, /*positive=*/false));
-    } else if (name == "max_run_time") {
-      DDP_RETURN_IF_ERROR(take_seconds(o.max_run_time, /*positive=*/false));
-    } else {
-      return InvalidArgumentError("unknown flag --" + name + " (see ddprun --help)");
     }
-  }
-  for (; i < argc; ++i) o.command.emplace_back(argv[i]);
+    return i;
+  };
+  DDP_ASSIGN_OR_RETURN(const int program_at, parse_flags(argc, argv, /*on_command_line=*/true));
+  if (program_at < 0) return o;
+  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, from_env, [&](const std::string& flag) {
+    const char* const args[] = {"ddprun", flag.c_str()};
+    return parse_flags(2, args, /*on_command_line=*/false).status();
+  }));
+  for (int i = program_at; i < argc; ++i) o.command.emplace_back(argv[i]);
 
   if (o.command.empty()) {
     return InvalidArgumentError("no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
@@ -584,6 +671,18 @@ StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const
   }
   if (redirects && o.log_dir.empty()) return InvalidArgumentError("--redirects needs --log_dir");
   return o;
+}
+
+}  // namespace
+
+StatusOr<DdprunOptions> ParseDdprunArgs(int argc, const char* const* argv, const EnvMap& env) {
+  std::vector<std::string> from_env;
+  StatusOr<DdprunOptions> o = ParseWithPetDefaults(argc, argv, env, from_env);
+  if (o.ok() || from_env.empty() || o.status().message().rfind("PET_", 0) == 0) return o;
+  // A setting that clashes with another may have come from the environment.
+  std::string names;
+  for (const std::string& used : from_env) names += (names.empty() ? "" : ", ") + used;
+  return Status(o.status().code(), o.status().message() + " (taken from the environment: " + names + ")");
 }
 
 namespace {

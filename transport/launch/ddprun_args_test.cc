@@ -353,6 +353,90 @@ TEST(DdprunArgsTest, LocalRanksFilter) {
                 "--local_ranks_filter names local rank 2, but --nproc_per_node=2 gives local ranks 0 to 1");
 }
 
+// torchrun reads a flag that is not on the command line from PET_<FLAG>
+// (Kubeflow's PyTorchJob sets only these); the command line wins.
+TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
+  const EnvMap kubeflow = {{"PET_NNODES", "4"},         {"PET_NODE_RANK", "2"},
+                           {"PET_MASTER_ADDR", "head"}, {"PET_MASTER_PORT", "23456"},
+                           {"PET_NPROC_PER_NODE", "3"}, {"PET_MAX_RESTARTS", "5"},
+                           {"PET_RDZV_ID", "job7"},     {"DDP_JOB_TOKEN", "t"}};
+  StatusOr<DdprunOptions> o = Parse({"train"}, kubeflow);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nnodes, 4);
+  EXPECT_EQ(o->node_rank, 2);
+  EXPECT_EQ(o->master_addr, "head");
+  EXPECT_EQ(o->master_port, 23456);
+  EXPECT_EQ(o->nproc_per_node, 3);
+  EXPECT_EQ(o->max_restarts, 5);
+  EXPECT_EQ(o->rdzv_id, "job7");
+
+  // The command line wins, in any spelling.
+  o = Parse({"--nnodes", "2", "--node-rank=1", "--nproc_per_node=1", "train"}, kubeflow);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nnodes, 2);
+  EXPECT_EQ(o->node_rank, 1);
+  EXPECT_EQ(o->nproc_per_node, 1);
+  EXPECT_EQ(o->master_addr, "head");
+
+  // The endpoint, from either place, takes the place of PET_MASTER_ADDR and
+  // PET_MASTER_PORT (as torchrun: the endpoint, when given, is used).
+  EnvMap elastic = kubeflow;
+  elastic["PET_RDZV_ENDPOINT"] = "rdzv:29400";
+  elastic["PET_RDZV_BACKEND"] = "c10d";
+  elastic["PET_NNODES"] = "2:4";
+  o = Parse({"train"}, elastic);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "rdzv");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_EQ(o->rdzv_backend, "c10d");
+  EXPECT_EQ(o->min_nodes, 2);
+  EXPECT_EQ(o->nnodes, 4);
+  o = Parse({"--rdzv_endpoint=other:1", "train"}, kubeflow);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "other");
+  EXPECT_EQ(o->master_port, 1);
+  o = Parse({"--master_addr=mine", "train"}, elastic);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "mine");
+  EXPECT_EQ(o->master_port, 23456);
+
+  // torchrun's switches take 0 or 1.
+  o = Parse({"train"}, {{"PET_STANDALONE", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->standalone);
+  EXPECT_EQ(o->master_port, 0);
+  o = Parse({"train"}, {{"PET_STANDALONE", "0"}, {"PET_NO_PYTHON", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->standalone);
+  // --standalone picks its own endpoint over the environment's.
+  o = Parse({"--standalone", "train"}, {{"PET_MASTER_ADDR", "head"}, {"PET_RDZV_ENDPOINT", "h:1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  // An empty variable counts as unset.
+  o = Parse({"train"}, {{"PET_NNODES", ""}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nnodes, 1);
+  // ddprun's own flags have no PET_ variable.
+  o = Parse({"train"}, {{"PET_RDZV_TIMEOUT", "1"}, {"PET_GRACE_PERIOD", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 5000ms);
+
+  // A bad value names the variable.
+  ExpectRefused({"train"}, "PET_NNODES='two' (from the environment): --nnodes=two is not an integer",
+                {{"PET_NNODES", "two"}});
+  ExpectRefused({"train"}, "PET_STANDALONE='yes' (from the environment): expected 0 or 1",
+                {{"PET_STANDALONE", "yes"}});
+  ExpectRefused({"train"},
+                "PET_RDZV_BACKEND='etcd' (from the environment): --rdzv_backend=etcd is not supported; use "
+                "static or c10d",
+                {{"PET_RDZV_BACKEND", "etcd"}});
+  // So does one that only clashes with another setting.
+  ExpectRefused({"train"},
+                "--node_rank=4 is not below --nnodes=4 (taken from the environment: PET_NNODES='4', "
+                "PET_NODE_RANK='4', PET_MASTER_ADDR='h')",
+                {{"PET_NNODES", "4"}, {"PET_NODE_RANK", "4"}, {"PET_MASTER_ADDR", "h"}, {"DDP_JOB_TOKEN", "t"}});
+}
+
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
   ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer, gpu, cpu or auto");
