@@ -43,8 +43,10 @@
 //
 // Exit status: 0 when every worker of every node succeeded; the failed
 // worker's exit code (or 128 + its signal) on the node where it failed; 1 on
-// the other nodes and for rendezvous failures; 128 + signal when interrupted;
-// 2 for bad input, reported on one line before anything starts.
+// the other nodes and for rendezvous failures; 128 + signal when interrupted
+// (ddprun's main then dies of SIGINT, SIGTERM or SIGHUP instead: see
+// DieOfInterruptSignal); 2 for bad input, reported on one line before
+// anything starts.
 
 #include <chrono>
 #include <optional>

@@ -9,6 +9,7 @@
 
 #include "transport/launch/ddprun.h"
 #include "transport/launch/env.h"
+#include "transport/launch/spawn.h"
 
 int main(int argc, char** argv) {
   using namespace ddp::transport::launch;
@@ -32,5 +33,9 @@ int main(int argc, char** argv) {
     std::fputs(DdprunUsage().c_str(), stdout);
     return 0;
   }
-  return RunDdprun(*options);
+  const int code = RunDdprun(*options);
+  // Interrupted (Ctrl-C, SIGTERM, SIGHUP): die of the signal, as the shell
+  // that started us expects.
+  DieOfInterruptSignal(code);
+  return code;
 }

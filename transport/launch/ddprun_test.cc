@@ -254,6 +254,48 @@ TEST(DdprunTest, SigtermAndSigintReachEveryWorker) {
   }
 }
 
+// After passing it on and stopping the workers, an interrupted launcher
+// dies of the signal itself (default action) rather than exiting 128 + it,
+// so that a shell loop over ddprun stops at Ctrl-C.
+TEST(DdprunTest, InterruptedLauncherDiesOfTheSignal) {
+  for (int signo : {SIGINT, SIGTERM, SIGHUP}) {
+    const std::string dir = testing::MakeTempDir("ddprun_dies_of_" + std::to_string(signo));
+    auto group = testing::StartProgram(
+        Cmd({"--standalone", "--nproc_per_node=2"}, {"--sleep_ms=30000", "--pid_dir=" + dir}));
+    ASSERT_TRUE(group.ok()) << group.status();
+    const std::vector<pid_t> workers = WorkerPids(dir, 2);
+    kill((*group)->pids()[0], signo);
+    const auto run = testing::WaitProgram(**group, 20s);
+    const WorkerExit& launcher = run.group.workers.at(0);
+    EXPECT_TRUE(launcher.signaled) << SignalName(signo) << ": " << launcher.Describe() << "\n" << run.output;
+    EXPECT_EQ(launcher.code, signo) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("interrupted by " + SignalName(signo)));
+    ExpectAllGone(workers);
+  }
+  // A shell loop over two launches ends with the first.
+  // bash, as a user's: it goes on after a child that exited 130 and stops
+  // after one that died of SIGINT.
+  const std::string dir = testing::MakeTempDir("ddprun_loop");
+  testing::MakeTempDir("ddprun_loop/0");
+  testing::MakeTempDir("ddprun_loop/1");
+  auto group = testing::StartProgram(
+      {"/bin/bash", "-c",
+       "for c in 0 1; do \"$0\" --standalone --nproc_per_node=1 \"$1\" --sleep_ms=30000 --pid_dir=\"$2/$c\"; "
+       "done; exit 0",
+       Ddprun(), Worker(), dir});
+  ASSERT_TRUE(group.ok()) << group.status();
+  const pid_t first = testing::ReadPidFile(dir + "/0/rank0.restart0.pid", 10s);
+  ASSERT_GT(first, 0);
+  // The shell's child, the launcher, as Ctrl-C reaches the foreground group.
+  pid_t launcher = testing::ParentPid(first);
+  ASSERT_GT(launcher, 0);
+  kill(launcher, SIGINT);
+  kill((*group)->pids()[0], SIGINT);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(testing::ReadPidFile(dir + "/1/rank0.restart0.pid", 100ms), -1) << "the loop went on\n" << run.output;
+  EXPECT_TRUE(testing::GoneWithin(first, 5s));
+}
+
 // SIGTERM while the launcher stops the workers after a failure (here: for
 // the grace period, as rank 0 ignores SIGTERM) ends the launcher with 128 +
 // the signal; no restart, though restarts are left.

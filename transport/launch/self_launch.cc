@@ -239,6 +239,8 @@ void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options) 
   if (result->run_as_worker) return;
   std::fflush(stdout);
   std::fflush(stderr);
+  // An interrupted launcher dies of the signal, as ddprun's does.
+  DieOfInterruptSignal(result->exit_code);
   std::exit(result->exit_code);
 }
 

@@ -71,8 +71,10 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
                                       const SelfLaunchOptions& options = {});
 
 /// SelfLaunch, then: returns when this process is a worker; otherwise exits
-/// the process with the workers' status, or with 2 after printing a one-line
-/// error for bad input.
+/// the process with the workers' status (a launcher interrupted by SIGINT,
+/// SIGTERM or SIGHUP dies of that signal once its workers are gone, see
+/// DieOfInterruptSignal), or with 2 after printing a one-line error for bad
+/// input.
 void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options = {});
 
 /// 32 hex characters from the kernel's random source; a fresh job token.

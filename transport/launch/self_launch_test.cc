@@ -178,6 +178,28 @@ TEST(SelfLaunchTest, SigtermToTheLauncherReachesEveryWorker) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/rank0.restart1.pid"));
 }
 
+// A self-launching program's launcher, interrupted, dies of the signal
+// after stopping its workers, as ddprun does.
+TEST(SelfLaunchTest, InterruptedLauncherDiesOfTheSignal) {
+  for (int signo : {SIGINT, SIGTERM}) {
+    const std::string dir = testing::MakeTempDir("self_launch_dies_of_" + std::to_string(signo));
+    auto group = testing::StartProgram({Worker(), "--nproc_per_node=2", "--sleep_ms=30000", "--pid_dir=" + dir});
+    ASSERT_TRUE(group.ok()) << group.status();
+    std::vector<pid_t> workers;
+    for (int r = 0; r < 2; ++r) {
+      workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
+      ASSERT_GT(workers.back(), 0);
+    }
+    kill((*group)->pids()[0], signo);
+    const auto run = testing::WaitProgram(**group, 20s);
+    const WorkerExit& launcher = run.group.workers.at(0);
+    EXPECT_TRUE(launcher.signaled) << launcher.Describe() << "\n" << run.output;
+    EXPECT_EQ(launcher.code, signo) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("interrupted by " + SignalName(signo) + "; forwarded it to every worker"));
+    for (pid_t pid : workers) EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << pid;
+  }
+}
+
 TEST(SelfLaunchTest, LauncherKilledBySigkillTakesItsWorkers) {
   const std::string dir = testing::MakeTempDir("self_launch_sigkill");
   auto group = testing::StartProgram(

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -253,6 +254,23 @@ std::string SignalName(int signal) {
 }
 
 int InterruptSignal() { return g_interrupt_signal.load(std::memory_order_relaxed); }
+
+void DieOfInterruptSignal(int exit_code) {
+  const int signo = InterruptSignal();
+  if ((signo != SIGINT && signo != SIGTERM && signo != SIGHUP) || exit_code != 128 + signo) return;
+  std::fflush(nullptr);
+  struct sigaction action{};
+  action.sa_handler = SIG_DFL;
+  sigemptyset(&action.sa_mask);
+  if (sigaction(signo, &action, nullptr) != 0) return;
+  sigset_t only;
+  sigemptyset(&only);
+  sigaddset(&only, signo);
+  pthread_sigmask(SIG_UNBLOCK, &only, nullptr);
+  // Sent to this thread, in which it is unblocked: delivered before raise
+  // returns.
+  raise(signo);
+}
 
 std::string WorkerExit::Describe() const {
   std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";

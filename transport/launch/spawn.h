@@ -226,6 +226,16 @@ int InterruptSignal();
 /// default effect again, and a caught signal no longer reaches a group.
 void CatchInterrupts(bool catch_them);
 
+/// For a launcher about to exit with `exit_code`: when a SIGINT, SIGTERM or
+/// SIGHUP interrupted it (InterruptSignal) and `exit_code` is 128 + that
+/// signal, flushes stdio and dies of the signal itself (its default action,
+/// unblocked), so that its parent sees it killed by the signal, as a shell
+/// expects of a program that was interrupted (a loop over launches stops at
+/// Ctrl-C). Returns otherwise: no such signal, another exit status (a
+/// failure the launcher reports as such), or SIGQUIT (whose default action
+/// would dump core), and, should the signal not end the process, then too.
+void DieOfInterruptSignal(int exit_code);
+
 /// Writes `text` to this process's stderr the way worker output is copied
 /// there: a reader that stopped reading (a full pipe nobody drains) holds it
 /// up for at most 2 s without progress, and once it has, text that cannot
