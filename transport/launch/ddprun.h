@@ -40,6 +40,8 @@
 // passes the signal to its workers it posts a stop for the attempt, which
 // overrides the restartable notices of the nodes whose workers then fail,
 // and which a rendezvous for a restart already under way honours at once.
+// SIGUSR1 and SIGUSR2 while the workers run are passed on to them (a
+// checkpoint hook, such as Slurm's --signal=USR1@T) and stop nothing.
 //
 // Exit status: 0 when every worker of every node succeeded; the failed
 // worker's exit code (or 128 + its signal) on the node where it failed; 1 on

@@ -296,6 +296,33 @@ TEST(DdprunTest, InterruptedLauncherDiesOfTheSignal) {
   EXPECT_TRUE(testing::GoneWithin(first, 5s));
 }
 
+// Slurm's --signal=USR1@T, a checkpoint hook: SIGUSR1 and SIGUSR2 to the
+// launcher reach every worker's process group and leave the launcher
+// running; workers that checkpoint and exit 0 end the job with 0.
+TEST(DdprunTest, SigusrReachesTheWorkersWithoutStoppingTheLauncher) {
+  for (int signo : {SIGUSR1, SIGUSR2}) {
+    const std::string name = signo == SIGUSR1 ? "USR1" : "USR2";
+    const std::string dir = testing::MakeTempDir("ddprun_forward_" + name);
+    auto group = testing::StartProgram(
+        {Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+         "trap 'echo saved > \"$0/rank$RANK.saved\"; exit 0' " + name +
+             "; echo $$ > \"$0/rank$RANK.pid\"; while :; do sleep 0.05; done",
+         dir});
+    ASSERT_TRUE(group.ok()) << group.status();
+    const pid_t rank0 = testing::ReadPidFile(dir + "/rank0.pid", 10s);
+    const pid_t rank1 = testing::ReadPidFile(dir + "/rank1.pid", 10s);
+    ASSERT_GT(rank0, 0);
+    ASSERT_GT(rank1, 0);
+    kill((*group)->pids()[0], signo);
+    const auto run = testing::WaitProgram(**group, 20s);
+    EXPECT_FALSE(run.group.workers.at(0).signaled) << run.group.workers.at(0).Describe() << "\n" << run.output;
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_EQ(ReadFile(dir + "/rank0.saved"), "saved\n") << run.output;
+    EXPECT_EQ(ReadFile(dir + "/rank1.saved"), "saved\n") << run.output;
+    EXPECT_THAT(run.output, HasSubstr("passed " + SignalName(signo) + " on to the workers")) << run.output;
+  }
+}
+
 // SIGTERM while the launcher stops the workers after a failure (here: for
 // the grace period, as rank 0 ignores SIGTERM) ends the launcher with 128 +
 // the signal; no restart, though restarts are left.

@@ -74,6 +74,11 @@ std::atomic<int> g_interrupt_signal{0};
 // after that look would otherwise reach no worker.
 std::atomic<int> g_unforwarded_signal{0};
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+// Passed on to the workers while a group forwards signals, without stopping
+// them or the launcher: Slurm's `--signal=USR1@T`, a checkpoint hook. (By
+// their default action they would end the launcher, and its workers with
+// it.)
+constexpr int kPassedOnSignals[] = {SIGUSR1, SIGUSR2};
 
 // Tells the forwarding group's loop of `signo` (async-signal-safe).
 void WriteSignalByte(int fd, int signo) {
@@ -93,6 +98,19 @@ void RecordSignal(int signo) {
     g_unforwarded_signal.store(signo, std::memory_order_relaxed);
   }
   errno = saved_errno;
+}
+
+// The handler of kPassedOnSignals: tells the forwarding group's loop, and
+// records nothing (async-signal-safe).
+void PassOnSignal(int signo) {
+  const int saved_errno = errno;
+  const int fd = g_signal_write_fd.load(std::memory_order_relaxed);
+  if (fd >= 0) WriteSignalByte(fd, signo);
+  errno = saved_errno;
+}
+
+bool IsPassedOn(int signo) {
+  return std::find(std::begin(kPassedOnSignals), std::end(kPassedOnSignals), signo) != std::end(kPassedOnSignals);
 }
 
 }  // namespace
@@ -509,6 +527,9 @@ class WorkerGroup::Impl {
       for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
         if (installed_[i]) sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
       }
+      for (size_t i = 0; i < std::size(kPassedOnSignals); ++i) {
+        if (passed_on_installed_[i]) sigaction(kPassedOnSignals[i], &passed_on_old_[i], nullptr);
+      }
       g_signal_write_fd.store(-1);
       g_forwarding.store(false);
     }
@@ -652,6 +673,15 @@ class WorkerGroup::Impl {
           const ssize_t got = read(signal_read_, signals, sizeof(signals));
           for (ssize_t j = 0; j < got; ++j) {
             const int signo = signals[j];
+            if (IsPassedOn(signo)) {
+              // A checkpoint request, say: to whoever still runs; nothing
+              // else changes.
+              if (RunningCount() > 0) {
+                PassOnToRunning(signo);
+                if (options_.on_notice) options_.on_notice("passed " + SignalName(signo) + " on to the workers");
+              }
+              continue;
+            }
             if (!interrupt_reported && options_.on_interrupt) {
               interrupt_reported = true;
               options_.on_interrupt(signo);
@@ -888,6 +918,18 @@ class WorkerGroup::Impl {
       sigaction(kForwardedSignals[i], &action, &old_actions_[i]);
       installed_[i] = true;
     }
+    struct sigaction pass_on{};
+    pass_on.sa_handler = PassOnSignal;
+    sigemptyset(&pass_on.sa_mask);
+    pass_on.sa_flags = SA_RESTART;
+    for (size_t i = 0; i < std::size(kPassedOnSignals); ++i) {
+      // Ignored stays ignored, as above.
+      struct sigaction current{};
+      sigaction(kPassedOnSignals[i], nullptr, &current);
+      if (current.sa_handler == SIG_IGN) continue;
+      sigaction(kPassedOnSignals[i], &pass_on, &passed_on_old_[i]);
+      passed_on_installed_[i] = true;
+    }
     forwarding_ = true;
     return Status::Ok();
   }
@@ -1058,6 +1100,16 @@ class WorkerGroup::Impl {
       if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
       kill(w.pid, signal);
       if (signal != SIGKILL) kill(w.pid, SIGCONT);
+    }
+  }
+
+  // As SignalRunning, for a signal that asks the workers for something
+  // (kPassedOnSignals) rather than to end: a stopped worker is left stopped.
+  void PassOnToRunning(int signal) {
+    if (pgid_ > 0) kill(-pgid_, signal);
+    for (Worker& w : workers_) {
+      if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
+      kill(w.pid, signal);
     }
   }
 
@@ -1309,6 +1361,8 @@ class WorkerGroup::Impl {
   bool forwarding_ = false;
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
   bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so
+  struct sigaction passed_on_old_[std::size(kPassedOnSignals)] = {};
+  bool passed_on_installed_[std::size(kPassedOnSignals)] = {};
   std::mutex mu_;
   std::string stop_reason_;
 };

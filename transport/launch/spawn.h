@@ -84,7 +84,10 @@ struct SpawnOptions {
   /// Forward SIGINT / SIGTERM / SIGHUP received by this process to the
   /// workers during Wait. One group at a time may do so. A signal this
   /// process ignores (SIGHUP under nohup) is left ignored, for the workers
-  /// too.
+  /// too. SIGUSR1 and SIGUSR2 (Slurm's `--signal=USR1@T` checkpoint hook)
+  /// are caught while the group exists and passed on to the running
+  /// workers during Wait, which goes on: they stop neither the workers
+  /// nor this process (on_notice is told).
   bool forward_signals = true;
   /// With forward_signals: called on Wait's thread when the first SIGINT,
   /// SIGTERM or SIGHUP reaches this group (also one that arrives while the
@@ -94,7 +97,7 @@ struct SpawnOptions {
   /// forwarding: keep it short, with a deadline on anything that waits.
   std::function<void(int signal)> on_interrupt;
   /// Called on Wait's thread with a line for the user while the workers
-  /// run: a worker stopped by a signal other than the terminal's (SIGSTOP,
+  /// run: SIGUSR1 or SIGUSR2 passed on to them; a worker stopped by a signal other than the terminal's (SIGSTOP,
   /// SIGTSTP, a debugger), which the group leaves to whoever stopped it
   /// while its peers wait for it, and again when it continues. Empty:
   /// nothing is said.
