@@ -1,6 +1,7 @@
 #include "transport/launch/ddprun.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -954,6 +955,27 @@ std::string ConfigDifference(const std::string& mine, const std::string& node0) 
   return text[0] + " but node 0 with " + text[1];
 }
 
+// For a program that could not be found or run: what the user may have
+// meant, as "; ..." (empty when nothing comes to mind). torchrun takes a
+// Python script as its program; ddprun takes the interpreter.
+std::string ProgramHint(const std::string& program) {
+  std::string hint;
+  bool script = program.size() > 3 && program.compare(program.size() - 3, 3, ".py") == 0;
+  if (program.find('/') == std::string::npos) {
+    struct stat st{};
+    if (stat(program.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      if (access(program.c_str(), X_OK) == 0) {
+        if (!script) return "; for the one in the current folder give its path: ./" + program;
+      } else {
+        hint += "; '" + program + "' in the current folder is not executable";
+      }
+      script = true;
+    }
+  }
+  if (script) hint += "; for a Python script give the interpreter: ddprun ... python3 " + program;
+  return hint;
+}
+
 std::string Hostname() {
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
@@ -1516,7 +1538,7 @@ int RunDdprun(const DdprunOptions& options) {
   // ---- checks that need the system, still before anything starts ----
   StatusOr<std::string> program = ResolveProgram(o.command[0]);
   if (!program.ok()) {
-    Say(program.status().message());
+    Say(program.status().message() + ProgramHint(o.command[0]));
     return 2;
   }
   std::string token = o.job_token;

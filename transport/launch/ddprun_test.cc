@@ -323,6 +323,28 @@ TEST(DdprunTest, SigusrReachesTheWorkersWithoutStoppingTheLauncher) {
   }
 }
 
+// A Python script given as the program (torchrun's habit) gets a hint.
+TEST(DdprunTest, PythonScriptAsProgramGetsAHint) {
+  auto run = RunProgram({Ddprun(), "--standalone", "no_such_train.py", "--lr=1"});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("program 'no_such_train.py' not found in PATH; for a Python script give "
+                                    "the interpreter: ddprun ... python3 no_such_train.py"));
+  // A script in the current folder, without a .py, and another program
+  // there: each named as it was given.
+  const std::string dir = testing::MakeTempDir("ddprun_python_hint");
+  std::ofstream(dir + "/train") << "import sys\n";
+  run = RunProgram({"/bin/sh", "-c", "cd \"$1\" && PATH=/usr/bin:/bin exec \"$0\" train", Ddprun(), dir});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("program 'train' not found in PATH; 'train' in the current folder is "
+                                    "not executable; for a Python script give the interpreter: ddprun ... "
+                                    "python3 train"));
+  chmod((dir + "/train").c_str(), 0755);
+  run = RunProgram({"/bin/sh", "-c", "cd \"$1\" && PATH=/usr/bin:/bin exec \"$0\" train", Ddprun(), dir});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("program 'train' not found in PATH; for the one in the current folder "
+                                    "give its path: ./train"));
+}
+
 // SIGTERM while the launcher stops the workers after a failure (here: for
 // the grace period, as rank 0 ignores SIGTERM) ends the launcher with 128 +
 // the signal; no restart, though restarts are left.
