@@ -133,7 +133,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        (log files still get every rank's)
   --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
                        required with several nodes, generated otherwise
-  --rdzv_timeout=SEC   how long to wait for every node to join (default 300)
+  --rdzv_timeout=SEC   how long to wait for every node to join (default 600,
+                       torchrun's join_timeout)
   --node_timeout=SEC   heartbeat silence after which a node is dead (default 30;
                        node 0's counts: a node given a longer one beats by it)
   --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5)

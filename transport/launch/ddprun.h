@@ -88,7 +88,8 @@ struct DdprunOptions {
   /// terminal (log files get all); empty: every rank's. Sorted, unique.
   std::vector<int> local_ranks_filter;
   std::string job_token;         ///< From --job_token or DDP_JOB_TOKEN.
-  std::chrono::milliseconds rdzv_timeout{300000};  ///< Waiting for all nodes.
+  /// Waiting for all nodes; 600 s, torchrun's join timeout.
+  std::chrono::milliseconds rdzv_timeout{600000};
   std::chrono::milliseconds node_timeout{30000};   ///< Heartbeat silence = dead node.
   std::chrono::milliseconds grace{5000};           ///< SIGTERM -> SIGKILL.
   std::chrono::milliseconds max_run_time{0};       ///< Per attempt; 0: no limit.

@@ -67,6 +67,9 @@ TEST(DdprunArgsTest, Defaults) {
   EXPECT_EQ(o->master_addr, "127.0.0.1");
   EXPECT_EQ(o->master_port, 29500);
   EXPECT_EQ(o->job_token, "");
+  // torchrun's join timeout (rdzv_conf join_timeout, or timeout for the
+  // static backend), which --rdzv_timeout stands for.
+  EXPECT_EQ(o->rdzv_timeout, 600000ms);
   o = Parse({"--standalone", "--master_port=1234", "prog"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_port, 0);
