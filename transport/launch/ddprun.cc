@@ -59,17 +59,29 @@ std::optional<int64_t> ParseInt(std::string_view text) {
   return v;
 }
 
-// Seconds, possibly fractional ("0.5"), as milliseconds.
+// Seconds as digits with an optional fraction ("30", "0.5", ".25", "3."),
+// as milliseconds, to the nearest one; a value above zero is at least 1 ms
+// (0.0004 is not zero). No sign, spaces, exponent or hex: strtod took
+// "0x10" and " 5".
 std::optional<milliseconds> ParseSeconds(std::string_view text) {
-  if (text.empty()) return std::nullopt;
-  std::string copy(text);
-  char* end = nullptr;
-  const double seconds = std::strtod(copy.c_str(), &end);
-  if (end != copy.c_str() + copy.size() || !std::isfinite(seconds) || seconds < 0 ||
-      seconds > 1e9) {
-    return std::nullopt;
-  }
-  return milliseconds(static_cast<int64_t>(std::llround(seconds * 1000)));
+  const size_t dot = text.find('.');
+  const std::string_view whole = text.substr(0, dot);
+  const std::string_view fraction = dot == std::string_view::npos ? std::string_view() : text.substr(dot + 1);
+  auto digits = [](std::string_view part) {
+    return std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (whole.size() + fraction.size() == 0 || !digits(whole) || !digits(fraction)) return std::nullopt;
+  const size_t first = std::min(whole.find_first_not_of('0'), whole.size());
+  if (whole.size() - first > 10) return std::nullopt;  // beyond the limit below
+  int64_t ms = 0;
+  for (char c : whole) ms = ms * 10 + (c - '0');
+  if (ms > 1000000000) return std::nullopt;
+  ms *= 1000;
+  int64_t scale = 100;
+  for (size_t k = 0; k < fraction.size() && k < 3; ++k, scale /= 10) ms += (fraction[k] - '0') * scale;
+  if (fraction.size() > 3 && fraction[3] >= '5') ++ms;
+  if (ms == 0 && fraction.find_first_not_of('0') != std::string_view::npos) ms = 1;
+  return milliseconds(ms);
 }
 
 std::string Flag(std::string_view name, std::string_view value) {
@@ -142,6 +154,7 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
 
   --role=NAME          the workers' ROLE_NAME (default: default)
 
+SEC is a number of seconds, digits with an optional fraction (30, 0.5).
 Dashes and underscores in flag names are interchangeable. As under torchrun,
 a torchrun flag missing from the command line is taken from PET_<FLAG> in the
 environment (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...). torchrun's
@@ -325,6 +338,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       auto take_value = [&]() -> StatusOr<std::string> {
         if (value) return *value;
         if (i + 1 >= argc) return InvalidArgumentError("--" + name + " needs a value");
+        // `--log_dir --tee`: a value left out, not a folder named --tee.
+        if (std::string_view(argv[i + 1]).rfind("--", 0) == 0) {
+          return InvalidArgumentError("--" + name + " needs a value, not the flag '" + argv[i + 1] +
+                                      "' after it (a value that starts with -- is given as --" + name +
+                                      "=VALUE)");
+        }
         return std::string(argv[++i]);
       };
       auto take_int = [&](int64_t lo, int64_t hi, int& out) -> Status {

@@ -440,6 +440,46 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
                 {{"PET_NNODES", "4"}, {"PET_NODE_RANK", "4"}, {"PET_MASTER_ADDR", "h"}, {"DDP_JOB_TOKEN", "t"}});
 }
 
+// Seconds are digits with an optional fraction; a positive value too small
+// for a millisecond counts as one rather than as zero.
+TEST(DdprunArgsTest, SecondsAreDigitsWithAnOptionalFraction) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--rdzv_timeout=0.0004", "--node_timeout=.25", "--grace_period=3.", "--max_run_time=0.0015", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->rdzv_timeout, 1ms);
+  EXPECT_EQ(o->node_timeout, 250ms);
+  EXPECT_EQ(o->grace, 3000ms);
+  EXPECT_EQ(o->max_run_time, 2ms);
+  o = Parse({"--grace_period=0.000", "--rdzv_conf=last_call_timeout=0.0001", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 0ms);
+  EXPECT_EQ(o->last_call, 1ms);
+  for (const std::string bad : {"0x10", " 5", "5 ", "1e2", "+5", "-1", "inf", "nan", ".", "1.2.3", "5s", ""}) {
+    ExpectRefused({"--grace_period=" + bad, "p"}, "--grace_period=" + bad + " is not a number of seconds");
+  }
+  ExpectRefused({"--rdzv_timeout=0.0", "p"}, "--rdzv_timeout=0.0 is not a positive number of seconds");
+  ExpectRefused({"--rdzv_conf=join_timeout=1e3", "p"},
+                "--rdzv_conf=join_timeout=1e3: 'join_timeout=1e3': join_timeout takes a positive number of "
+                "seconds");
+}
+
+// A flag's value given as the next argument is not another flag.
+TEST(DdprunArgsTest, NextFlagIsNotAValue) {
+  ExpectRefused({"--log_dir", "--tee", "p"},
+                "--log_dir needs a value, not the flag '--tee' after it (a value that starts with -- is "
+                "given as --log_dir=VALUE)");
+  ExpectRefused({"--master_addr", "--nnodes=2", "p"},
+                "--master_addr needs a value, not the flag '--nnodes=2' after it (a value that starts with "
+                "-- is given as --master_addr=VALUE)");
+  ExpectRefused({"--rdzv_timeout", "--", "p"},
+                "--rdzv_timeout needs a value, not the flag '--' after it (a value that starts with -- is "
+                "given as --rdzv_timeout=VALUE)");
+  StatusOr<DdprunOptions> o = Parse({"--log_dir=--odd", "--role", "-x", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->log_dir, "--odd");
+  EXPECT_EQ(o->role, "-x");
+}
+
 TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--nproc_per_node=0", "p"}, "--nproc_per_node=0 must be in [1, 4096]");
   ExpectRefused({"--nproc_per_node=x", "p"}, "--nproc_per_node=x is not an integer, gpu, cpu or auto");
