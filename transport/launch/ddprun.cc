@@ -291,7 +291,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   bool redirects = false;
   // The flags on the command line, by name (dashes as underscores): a
   // PET_ variable stands in only for the others.
-  std::set<std::string, std::less<>> given;
+  FlagNames given;
   // Reads the flags in argv[1..argc) up to the program; returns where the
   // program starts, or -1 for --help.
   auto parse_flags = [&](int argc, const char* const* argv, bool on_command_line) -> StatusOr<int> {
