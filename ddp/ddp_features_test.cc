@@ -930,28 +930,53 @@ TEST(DdpFeaturesTest, AForwardThatBroadcastsBuffersAfterAnUnfinishedBackwardIsRe
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
-// Rank 1's backward throws partway (a hook, on purpose) and the caller
-// unwinds, destroying its DistributedDataParallel while rank 0 waits for
-// the buckets rank 1 never launched. The destruction aborts the group, so
-// rank 0 fails within moments naming it, not at the 60 s timeout (rank 1
+// Rank 1 leaves a synchronizing iteration unfinished and the caller
+// unwinds, destroying its DistributedDataParallel while rank 0 waits for it
+// in that iteration's collectives. The destruction aborts the group, so
+// rank 0 fails within moments naming it, not at the group's timeout (rank 1
 // stays alive meanwhile, so its exit cannot be what rank 0 notices).
+// DDP_TEST_CASE says how rank 1 leaves the iteration:
+//   backward_stopped (the default): a hook throws partway through backward,
+//     and rank 0 waits for the buckets rank 1 never launched;
+//   no_backward: the loss computation throws after forward, before
+//     backward, and rank 0 waits for every bucket;
+//   end_never_ran: with find_unused_parameters, a hook that runs after the
+//     last gradient throws, so every bucket is launched but the end of
+//     backward is not reached, and rank 0 waits in the all-reduce of the
+//     unused-parameter map.
 DDP_TEST_WORKER(destroyed_mid_backward) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
   const int rank = pg->rank();
+  const char* which_env = std::getenv("DDP_TEST_CASE");
+  const std::string which = which_env != nullptr ? which_env : "backward_stopped";
   auto model = Mlp(7);
   auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
   std::string message;
   const auto start = std::chrono::steady_clock::now();
   try {
-    DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
-    if (rank == 1) {
+    DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05,
+                                        .find_unused_parameters = which == "end_never_ran", .process_group = pg});
+    if (rank == 1 && which == "backward_stopped") {
       // The first weight's gradient comes last: the buckets before it are
       // launched, the ones after it never are.
       model->NamedParameters().front().second.RegisterPostAccumulateGradHook(
           [](const Tensor&) { throw std::runtime_error("a failure inside backward, on purpose"); });
     }
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    if (rank == 1 && which == "end_never_ran") {
+      // Registered after the wrapper's hooks: the wrapper has taken every
+      // gradient when the last of these throws.
+      const auto params = model->NamedParameters();
+      auto seen = std::make_shared<size_t>(0);
+      for (const auto& [name, p] : params) {
+        p.RegisterPostAccumulateGradHook([seen, n = params.size()](const Tensor&) {
+          if (++*seen == n) throw std::runtime_error("a failure after the last gradient, on purpose");
+        });
+      }
+    }
+    const Tensor out = ddp(x);
+    if (rank == 1 && which == "no_backward") throw std::runtime_error("a failure computing the loss, on purpose");
+    nn::Backward(nn::loss::CrossEntropy(out, y));
   } catch (const std::exception& e) {
     message = e.what();
   }
@@ -960,10 +985,14 @@ DDP_TEST_WORKER(destroyed_mid_backward) {
     WORKER_EXPECT(message.find("on purpose") != std::string::npos, message);
     std::this_thread::sleep_for(std::chrono::seconds(10));
   } else {
-    std::fprintf(stderr, "rank 0 after %.2f s: %s\n", seconds, message.c_str());
+    std::fprintf(stderr, "%s: rank 0 after %.2f s: %s\n", which.c_str(), seconds, message.c_str());
     WORKER_EXPECT(message.find("DistributedDataParallel on rank 1 was destroyed in the middle of an iteration") !=
                       std::string::npos,
                   message);
+    const char* state = which == "no_backward"   ? "its backward never started"
+                        : which == "end_never_ran" ? "the end of its backward never ran"
+                                                   : "its backward stopped partway";
+    WORKER_EXPECT(message.find(state) != std::string::npos, message);
     WORKER_EXPECT(seconds < 8, "rank 0 failed after " + std::to_string(seconds) + " s");
   }
   return testing::WorkerExit();
@@ -971,6 +1000,71 @@ DDP_TEST_WORKER(destroyed_mid_backward) {
 
 TEST(DdpFeaturesTest, DestroyedInTheMiddleOfABackwardAbortsTheGroup) {
   auto run = RunWorkers("destroyed_mid_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The peers' deadline is 20 s: without the abort, rank 0 would wait past
+// the 8 s it is given.
+TEST(DdpFeaturesTest, DestroyedAfterForwardBeforeBackwardAbortsTheGroup) {
+  auto run = RunWorkers("destroyed_mid_backward", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "no_backward"}}, 40000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, DestroyedBeforeTheEndOfBackwardWithUnusedParametersAbortsTheGroup) {
+  auto run = RunWorkers("destroyed_mid_backward", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "end_never_ran"}}, 40000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Forwards that need no backward leave nothing for the peers to wait on:
+// a wrapper destroyed after them (an eval-mode forward with grad enabled,
+// a no-grad forward, a NoSync forward, an evaluation after a finished
+// training iteration) aborts nothing, and the group goes on working.
+DDP_TEST_WORKER(destroyed_after_forwards_that_need_no_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = Mlp(7);
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  for (const bool unused : {false, true}) {
+    for (const std::string which : {"eval", "no_grad", "no_sync", "eval_after_training"}) {
+      const std::string what = which + (unused ? " (find_unused_parameters)" : "");
+      try {
+        {
+          DistributedDataParallel ddp(model, {.find_unused_parameters = unused, .process_group = pg});
+          ddp.Train();
+          if (which == "eval") {
+            ddp.Eval();
+            (void)ddp(x);
+          } else if (which == "no_grad") {
+            nn::NoGradGuard no_grad;
+            (void)ddp(x);
+          } else if (which == "no_sync") {
+            auto no_sync = ddp.NoSync();
+            (void)ddp(x);
+          } else {
+            nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+            ddp.Eval();
+            (void)ddp(x);
+          }
+        }
+        Tensor one = nn::Ones({1});
+        pg->AllReduce(one, transport::ReduceOp::kSum, "after " + what).Wait();
+        WORKER_EXPECT(one.data<float>()[0] == static_cast<float>(pg->size()),
+                      what + ": the all-reduce after the wrapper summed to " + std::to_string(one.data<float>()[0]));
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, what + ": " + e.what());
+        return testing::WorkerExit();
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, DestroyedAfterForwardsThatNeedNoBackwardLeavesTheGroupWorking) {
+  auto run = RunWorkers("destroyed_after_forwards_that_need_no_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}},
+                        40000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -169,7 +169,10 @@ class DistributedDataParallel : public nn::modules::Module {
   explicit DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
                                    DdpOptions options = {});
   /// Writes the trace (when asked for) and waits, bounded, for collectives
-  /// still in flight.
+  /// still in flight. Destroyed in the middle of a synchronizing iteration
+  /// (after its forward, before its backward finished), it aborts the group
+  /// first, so that the peers waiting for this rank fail within moments;
+  /// not after a forward that needs no backward (no-grad, NoSync, eval mode).
   ~DistributedDataParallel() override;
 
   /// Runs the wrapped module, with the synchronization described above.

@@ -133,15 +133,40 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
 
 Reducer::~Reducer() {
   for (nn::HookHandle& h : hook_handles_) h.Remove();
-  if (unfinished_ && finalize_queued_ && ready_count_ < params_.size() && pending_error_.empty()) {
-    // Destroyed after a backward stopped partway (an exception left it, and
-    // the caller unwound): the peers wait for buckets that will never come,
-    // so they are told now rather than at the group's timeout.
-    pg_->Abort(transport::FailedPreconditionError(
-        "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
-        " was destroyed in the middle of an iteration: its backward stopped partway (" +
-        std::to_string(ready_count_) + " of " + std::to_string(params_.size()) +
-        " parameters had their gradients), so the gradient buckets its peers wait for will not come"));
+  // A synchronizing forward prepared an iteration that this rank will not
+  // finish, and the peers may be waiting in its collectives: they are told
+  // now rather than at the group's timeout. Not when an error was already
+  // recorded (the group was aborted with it), nor after an eval-mode
+  // forward that no backward followed, whose backward is optional (nothing
+  // was launched, and the peers expect nothing). Forwards under no-grad or
+  // NoSync never prepare an iteration.
+  const bool optional_and_skipped = backward_optional_ && !finalize_queued_;
+  if (unfinished_ && pending_error_.empty() && !optional_and_skipped) {
+    std::string state;
+    if (!finalize_queued_) {
+      // Forward ran, backward never started (the loss computation threw, or
+      // the caller skipped it): the peers wait in their bucket reductions.
+      state = "a synchronizing forward ran but its backward never started (no parameter received a "
+              "gradient), so none of the gradient buckets its peers wait for will come";
+    } else if (ready_count_ < params_.size()) {
+      state = "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
+              std::to_string(params_.size()) +
+              " parameters had their gradients), so the gradient buckets its peers wait for will not come";
+    } else if (handles_unused() && !used_work_.valid()) {
+      // Every bucket was launched, but the end of backward (Finalize) never
+      // ran, as when a later hook on the last gradient threw: the peers wait
+      // in the all-reduce of the unused-parameter map.
+      state = "every parameter had its gradient but the end of its backward never ran (did an exception "
+              "leave backward after the last gradient?), so the unused-parameter map its peers wait to "
+              "all-reduce will not come";
+    }
+    // Otherwise every collective of the iteration was launched (a wait
+    // that failed in Finalize): the peers are not left waiting for this rank.
+    if (!state.empty()) {
+      pg_->Abort(transport::FailedPreconditionError("DistributedDataParallel on rank " +
+                                                    std::to_string(pg_->rank()) +
+                                                    " was destroyed in the middle of an iteration: " + state));
+    }
   }
   if (!WaitInFlight()) {
     std::fprintf(stderr,

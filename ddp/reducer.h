@@ -74,7 +74,11 @@ class Reducer {
   /// with their names. Registers a post-accumulate-grad hook on each.
   Reducer(std::vector<std::pair<std::string, nn::Tensor>> params, std::shared_ptr<ProcessGroup> pg,
           ReducerOptions options, std::shared_ptr<TraceRecorder> trace);
-  /// Removes the hooks; waits (bounded) for buckets still in flight,
+  /// Removes the hooks; aborts the group when a synchronizing iteration is
+  /// left unfinished in a way the peers would wait on (backward never
+  /// started, stopped partway, or its end never ran while they all-reduce
+  /// the unused-parameter map), but not after an eval-mode forward that no
+  /// backward followed; then waits (bounded) for buckets still in flight,
   /// aborting the group for one that outlives the wait.
   ~Reducer();
   Reducer(const Reducer&) = delete;
