@@ -1705,8 +1705,10 @@ class TwoLayers : public Module {
   std::shared_ptr<nn::modules::Linear> first_, second_;
 };
 
-// Checked before any communication: no process group is needed to see them.
-TEST(DdpFeaturesTest, SizesOutOfRangeAreRefusedBeforeAnyCommunication) {
+// Without a process group (none passed, none initialized) a bad value is
+// still the error reported. With one, it is reported after the replicas are
+// compared (options_wrong_on_one_rank below).
+TEST(DdpFeaturesTest, SizesOutOfRangeAreRefusedWithoutAProcessGroup) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   auto error = [](DdpOptions options) {
@@ -1731,7 +1733,7 @@ TEST(DdpFeaturesTest, SizesOutOfRangeAreRefusedBeforeAnyCommunication) {
 }
 
 // A bucket order that is not a permutation of the 4 parameters' indices is
-// refused before any communication too, naming the option and the entry.
+// refused likewise, naming the option and the entry.
 TEST(DdpFeaturesTest, ABucketOrderThatIsNotAPermutationIsRefused) {
   auto error = [](std::vector<int64_t> order) {
     try {
@@ -1801,6 +1803,75 @@ DDP_TEST_WORKER(mismatch) {
 
 TEST(DdpFeaturesTest, MismatchedModelsFailOnEveryRankWithTheDifference) {
   auto run = RunWorkers("mismatch", 2, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Options that one rank alone gets wrong for its own model are checked
+// after the replicas are compared, so that every rank throws the same
+// message naming the difference instead of that rank throwing alone while
+// the others wait in the comparison until the group's timeout (20 s here).
+// DDP_TEST_CASE=frozen: rank 1 froze `first.bias`, and both pass the bucket
+// order of the 4 trainable parameters (from a checkpoint, say), which is
+// one too many for rank 1; =bad_size: rank 1 alone passes bucket_cap_mb 0;
+// =bad_everywhere: both pass a bucket order one entry short, and both throw
+// that. Then the group still works.
+DDP_TEST_WORKER(options_wrong_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const bool frozen = which == "frozen";
+  const bool odd = pg->rank() == 1;
+  auto model = std::make_shared<TwoLayers>(false, 32, true);
+  DdpOptions options{.process_group = pg};
+  if (frozen) {
+    options.bucket_order = {3, 2, 1, 0};
+    if (odd) model->NamedParameters().at(1).second.set_requires_grad(false);
+  } else if (which == "bad_size") {
+    options.bucket_cap_mb = odd ? 0.0 : 25.0;
+  } else {
+    options.bucket_order = {3, 2, 1};
+  }
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    DistributedDataParallel ddp(model, options);
+    message = "accepted";
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "rank %d after %.2f s: %s\n", pg->rank(), seconds, message.c_str());
+  const std::string expected =
+      frozen ? "First difference at parameter #1: rank 0 has `first.bias` f32 [32] strides [1]; rank 1 has "
+               "`first.bias` f32 [32] strides [1] no-grad."
+      : which == "bad_size"
+          ? "First difference at option #0: rank 0 has `bucket_cap_mb` 25; rank 1 has `bucket_cap_mb` 0."
+          : "DdpOptions::bucket_order must list each of the 4 parameters that require grad once, got 3 entries";
+  if (which != "bad_everywhere") {
+    WORKER_EXPECT(message.find("the ranks' models differ") != std::string::npos, message);
+  }
+  WORKER_EXPECT(message.find(expected) != std::string::npos, message);
+  WORKER_EXPECT(seconds < 8, "construction failed after " + std::to_string(seconds) + " s");
+  Tensor one = nn::Ones({1});
+  pg->AllReduce(one, transport::ReduceOp::kSum, "after the failed construction").Wait();
+  WORKER_EXPECT(one.data<float>()[0] == 2.0f, "the group's all-reduce summed to " + std::to_string(one.data<float>()[0]));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AParameterFrozenOnOneRankWithABucketOrderIsNamedOnEveryRank) {
+  auto run = RunWorkers("options_wrong_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "frozen"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, ABucketSizeOutOfRangeOnOneRankIsNamedOnEveryRank) {
+  auto run = RunWorkers("options_wrong_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "bad_size"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, ABucketOrderBadOnEveryRankIsNamedOnEveryRank) {
+  auto run = RunWorkers("options_wrong_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "bad_everywhere"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -147,17 +147,37 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   if (dynamic_cast<DistributedDataParallel*>(module_.get()) != nullptr) {
     throw std::invalid_argument("DistributedDataParallel: the module is already wrapped");
   }
-  // The options first: a bad value fails here, before any communication.
+  // The options are checked here, but a bad value is reported only after
+  // the replicas are compared (below): a rank whose options or trainable
+  // parameters differ from the others' (one parameter frozen on it alone,
+  // with a bucket_order saved from a run where it was not) would otherwise
+  // throw alone, with a message about its own options, while the others
+  // wait in the comparison until the group's timeout. After it, every rank
+  // throws the same message naming the difference, or, when every rank
+  // passed the same values, the same message about the bad value.
   internal::ReducerOptions reducer_options;
-  reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb", false);
-  reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb", false);
-  reducer_options.inplace_bytes = MiB(options_.inplace_gradient_mb, "inplace_gradient_mb", true);
-  {
+  std::string option_error;
+  try {
+    reducer_options.first_bucket_bytes = MiB(options_.first_bucket_mb, "first_bucket_mb", false);
+    reducer_options.bucket_bytes = MiB(options_.bucket_cap_mb, "bucket_cap_mb", false);
+    reducer_options.inplace_bytes = MiB(options_.inplace_gradient_mb, "inplace_gradient_mb", true);
     size_t trainable = 0;
     for (const auto& [name, p] : module_->NamedParameters()) trainable += p.requires_grad() ? 1 : 0;
     reducer_options.bucket_order = CheckedBucketOrder(options_.bucket_order, trainable);
+  } catch (const std::invalid_argument& e) {
+    option_error = e.what();
   }
-  pg_ = options_.process_group != nullptr ? options_.process_group : DefaultProcessGroup();
+  if (options_.process_group != nullptr) {
+    pg_ = options_.process_group;
+  } else {
+    try {
+      pg_ = DefaultProcessGroup();
+    } catch (const std::logic_error&) {
+      // No group to compare with: the bad value is the error to report.
+      if (!option_error.empty()) throw std::invalid_argument(option_error);
+      throw;
+    }
+  }
   RegisterModule("module", module_);
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view;
@@ -176,6 +196,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
                              "DistributedDataParallel: the ranks' models differ (every rank must register the "
                              "same parameters and buffers, in the same order, with the same shapes, dtypes and "
                              "strides, and pass the same options).");
+    // Past the comparison every rank has the same options and the same
+    // trainable parameters, so a bad value is bad on all of them, and they
+    // all throw this.
+    if (!option_error.empty()) throw std::invalid_argument(option_error);
 
     // 2. Rank 0's values everywhere.
     std::vector<nn::Tensor> state;

@@ -163,6 +163,10 @@ class DistributedDataParallel : public nn::modules::Module {
   /// "module." prefix in this wrapper's state dict, as in PyTorch).
   /// Collective. Throws std::invalid_argument when the replicas differ
   /// (every rank, same message), DistributedError when communication fails.
+  /// Out-of-range options (bucket sizes, bucket_order) throw
+  /// std::invalid_argument too, after the replicas are compared, so that a
+  /// rank whose options or trainable parameters differ makes every rank
+  /// throw the comparison's message instead of failing alone.
   /// The parameters that require grad now are the ones synchronized; one
   /// that starts requiring grad later (unfreezing) is refused, naming it and
   /// aborting the group, at the next synchronizing forward: wrap again.
