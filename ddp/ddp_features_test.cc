@@ -1814,7 +1814,8 @@ TEST(DdpFeaturesTest, MismatchedModelsFailOnEveryRankWithTheDifference) {
 // order of the 4 trainable parameters (from a checkpoint, say), which is
 // one too many for rank 1; =bad_size: rank 1 alone passes bucket_cap_mb 0;
 // =bad_everywhere: both pass a bucket order one entry short, and both throw
-// that. Then the group still works.
+// that; =close_sizes: bucket_cap_mb 25 and 25.00001, which six digits would
+// show alike though their byte limits differ. Then the group still works.
 DDP_TEST_WORKER(options_wrong_on_one_rank) {
   auto pg = testing::WorkerGroup();
   const std::string which = std::getenv("DDP_TEST_CASE");
@@ -1827,6 +1828,8 @@ DDP_TEST_WORKER(options_wrong_on_one_rank) {
     if (odd) model->NamedParameters().at(1).second.set_requires_grad(false);
   } else if (which == "bad_size") {
     options.bucket_cap_mb = odd ? 0.0 : 25.0;
+  } else if (which == "close_sizes") {
+    options.bucket_cap_mb = odd ? 25.00001 : 25.0;
   } else {
     options.bucket_order = {3, 2, 1};
   }
@@ -1845,6 +1848,8 @@ DDP_TEST_WORKER(options_wrong_on_one_rank) {
                "`first.bias` f32 [32] strides [1] no-grad."
       : which == "bad_size"
           ? "First difference at option #0: rank 0 has `bucket_cap_mb` 25; rank 1 has `bucket_cap_mb` 0."
+      : which == "close_sizes"
+          ? "First difference at option #0: rank 0 has `bucket_cap_mb` 25; rank 1 has `bucket_cap_mb` 25.00001."
           : "DdpOptions::bucket_order must list each of the 4 parameters that require grad once, got 3 entries";
   if (which != "bad_everywhere") {
     WORKER_EXPECT(message.find("the ranks' models differ") != std::string::npos, message);
@@ -1866,6 +1871,12 @@ TEST(DdpFeaturesTest, AParameterFrozenOnOneRankWithABucketOrderIsNamedOnEveryRan
 TEST(DdpFeaturesTest, ABucketSizeOutOfRangeOnOneRankIsNamedOnEveryRank) {
   auto run = RunWorkers("options_wrong_on_one_rank", 2,
                         {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "bad_size"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, BucketSizesThatDifferInTheSeventhDigitAreNamedOnEveryRank) {
+  auto run = RunWorkers("options_wrong_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "close_sizes"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -1,9 +1,9 @@
 #include "ddp/distributed_data_parallel.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cinttypes>
 #include <cstdio>
-#include <sstream>
 #include <stdexcept>
 
 #include "ddp/debug_mode.h"
@@ -80,10 +80,13 @@ std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& m
   auto option = [&](const char* name, const std::string& value) {
     entries.push_back({"option", name, value});
   };
+  // The shortest text that reads back as the same double: a stream's six
+  // digits would show 25 and 25.00001 alike, yet their byte limits differ,
+  // and so may the buckets built from them.
   auto number = [](double v) {
-    std::ostringstream s;
-    s << v;
-    return s.str();
+    char text[64];
+    const auto [end, error] = std::to_chars(text, text + sizeof(text), v);
+    return error == std::errc() ? std::string(text, end) : std::to_string(v);
   };
   option("bucket_cap_mb", number(o.bucket_cap_mb));
   option("first_bucket_mb", number(o.first_bucket_mb));
