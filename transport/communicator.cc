@@ -185,7 +185,6 @@ std::shared_ptr<ServedStore> ServedStoreFor(const std::string& endpoint, const s
   return *started;
 }
 
-
 }  // namespace
 
 // ---------------------------------------------------------------- Work ----
@@ -620,9 +619,9 @@ class Communicator::Impl {
   void Shutdown();
   // Notes `users` ("<key prefix> <ranks>" lines) under served_root_prefix_.
   Status RegisterSplit(const std::string& users, const CallOptions& call);
-  // Appends the communicators registered past byte `read` of the list
-  // to `users`, and moves `read` past them.
-  // (`read`: by root prefix, the bytes of its list read so far.)
+  // Appends to `users` the communicators registered under each family
+  // this process serves (ServedStore::roots) past `read[root]`, the bytes
+  // of that family's list already read, and moves it past them.
   void ReadRegisteredSplits(std::map<std::string, size_t>& read,
                             std::vector<std::pair<std::string, int>>& users, Deadline deadline);
 
