@@ -247,6 +247,45 @@ void MergeGpus(const std::vector<Gpu>& theirs, std::vector<Gpu>& merged, int& gp
     }
   }
   if (gpu >= 0 && gpu < static_cast<int>(theirs.size())) gpu = to_merged[gpu];
+  // A node a rank could not see (its cpuset hides it) is -1 in its record;
+  // another rank may know it.
+  for (size_t g = 0; g < theirs.size(); ++g) {
+    if (merged[to_merged[g]].numa_node < 0) merged[to_merged[g]].numa_node = theirs[g].numa_node;
+  }
+}
+
+// As MergeGpus for the NUMA nodes of a host's network ports (the same ports
+// on every rank, by name and port number): where the host's record says
+// -1, another rank's known node is taken.
+void MergeNetDeviceNodes(const std::vector<NetDevice>& theirs, std::vector<NetDevice>& merged) {
+  for (const NetDevice& d : theirs) {
+    if (d.numa_node < 0) continue;
+    for (NetDevice& m : merged) {
+      if (m.name == d.name && m.port == d.port && m.numa_node < 0) m.numa_node = d.numa_node;
+    }
+  }
+}
+
+// Keeps the peer links that both GPUs report: CUDA can answer peer access
+// one way only, and a record, read as a file is, must list every link from
+// both ends (a one-way link failed every rank's creation, naming a file).
+void KeepMutualPeerLinks(std::vector<Gpu>& gpus) {
+  const std::vector<Gpu> seen = gpus;
+  for (size_t g = 0; g < gpus.size(); ++g) {
+    gpus[g].nvlink_peers.clear();
+    gpus[g].peer_perf_ranks.clear();
+    const Gpu& own = seen[g];
+    for (size_t k = 0; k < own.nvlink_peers.size(); ++k) {
+      const int peer = own.nvlink_peers[k];
+      if (peer < 0 || peer >= static_cast<int>(seen.size()) || peer == static_cast<int>(g)) continue;
+      const auto& back = seen[peer].nvlink_peers;
+      if (std::find(back.begin(), back.end(), static_cast<int>(g)) == back.end()) continue;
+      gpus[g].nvlink_peers.push_back(peer);
+      if (k < own.peer_perf_ranks.size()) gpus[g].peer_perf_ranks.push_back(own.peer_perf_ranks[k]);
+    }
+    // Performance ranks go with every link or with none.
+    if (gpus[g].peer_perf_ranks.size() != gpus[g].nvlink_peers.size()) gpus[g].peer_perf_ranks.clear();
+  }
 }
 
 }  // namespace
@@ -290,6 +329,7 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
   using nlohmann::json;
   Topology mine;
   mine.hosts.push_back(local.host);
+  KeepMutualPeerLinks(mine.hosts[0].gpus);
   mine.ranks.push_back(local.place);
   json posted = json::parse(TopologyToJson(mine));
   posted["pid"] = local.pid;
@@ -364,6 +404,7 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
       // A cgroup cpuset can hide NUMA nodes from some of a host's ranks.
       merged.numa_nodes = std::max(merged.numa_nodes, host.numa_nodes);
       MergeGpus(host.gpus, merged.gpus, place.gpu);
+      MergeNetDeviceNodes(host.net_devices, merged.net_devices);
     }
     place.host = it->second;
     out.topology.ranks.push_back(place);

@@ -330,6 +330,47 @@ TEST(ExchangeTopology, AHostHasTheMostNumaNodesAnyOfItsRanksSees) {
   }
 }
 
+// A cpuset that hides node 1 from rank 0 also hid where the node-1 port
+// and GPU are (rank 0 reports them at -1): the host keeps what another of
+// its ranks knows, and rank 2, on node 1, gets the port of its node.
+TEST(ExchangeTopology, ADeviceLocatedByAnyRankOfTheHostKeepsItsNode) {
+  auto view = [](int nodes, int numa_node, int node_of_second) {
+    LocalView v = ViewOnNode({GpuAt("0000:3b:00.0"), GpuAt("0000:5e:00.0")}, numa_node == 1 ? 1 : 0);
+    v.host.numa_nodes = nodes;
+    v.host.gpus[0].numa_node = 0;
+    v.host.gpus[1].numa_node = node_of_second;
+    v.host.net_devices = {NetDevice{.name = "mlx5_0", .numa_node = 0},
+                          NetDevice{.name = "mlx5_1", .numa_node = node_of_second}};
+    v.place.numa_node = numa_node;
+    return v;
+  };
+  std::vector<StatusOr<Exchanged>> results =
+      Exchange({view(1, 0, -1), view(2, 0, 1), view(2, 1, 1), view(2, 1, 1)});
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    ASSERT_EQ(t.hosts[0].net_devices.size(), 2u);
+    EXPECT_EQ(t.hosts[0].net_devices[1].numa_node, 1);
+    EXPECT_EQ(t.hosts[0].gpus[1].numa_node, 1);
+    EXPECT_EQ(PickNetDevice(t, 2), "mlx5_1:1");
+  }
+}
+
+// CUDA may report peer access one way only; a record is read as a file is,
+// where a link must be listed from both ends, so such a link failed every
+// rank's creation telling it to fix a file. Only links both ends report
+// are posted.
+TEST(ExchangeTopology, APeerLinkReportedOneWayIsDropped) {
+  const std::vector<Gpu> gpus = {GpuAt("0000:3b:00.0", {1}, {0}), GpuAt("0000:5e:00.0")};
+  std::vector<StatusOr<Exchanged>> results = Exchange({ViewOnNode(gpus, 0), ViewOnNode(gpus, 1)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    EXPECT_TRUE(t.hosts[0].gpus[0].nvlink_peers.empty());
+    EXPECT_EQ(t.hosts[0].gpus[0].LinkRank(1), -1);
+  }
+}
+
 TEST(ExchangeTopology, DifferentSettingsFailEveryRankNamingTheSetting) {
   testing::InMemoryStore store;
   std::vector<LocalView> views(3);
