@@ -865,6 +865,10 @@ Status Communicator::Impl::Init() {
                        topology::ExchangeTopology(*setup_store_, prefix_, o.rank, o.world_size, local,
                                                   deadline));
   const topology::Topology& real = exchanged.topology;
+  if (described) {
+    DDP_RETURN_IF_ERROR(topology::CheckDescribedHostsSplitReal(
+        *described, real, described_ ? "the topology its parent was given" : "topology file " + options_.topology_file));
+  }
   single_host_ = real.num_hosts() == 1;
   real_topology_ = real;
   topology_ = described ? *described : real;

@@ -121,6 +121,27 @@ std::vector<int> Topology::RanksOnHost(int host) const {
   return out;
 }
 
+Status CheckDescribedHostsSplitReal(const Topology& described, const Topology& real, std::string_view origin) {
+  // The first rank seen on each described host, whose real host the others
+  // of that described host must share.
+  std::vector<int> first(described.hosts.size(), -1);
+  const int n = std::min(described.size(), real.size());
+  for (int r = 0; r < n; ++r) {
+    int& f = first[described.ranks[r].host];
+    if (f < 0) {
+      f = r;
+    } else if (!real.SameHost(f, r)) {
+      return InvalidArgumentError(
+          std::string(origin) + ": ranks " + std::to_string(f) + " and " + std::to_string(r) +
+          " are on one described host (\"" + described.hosts[described.ranks[r].host].name +
+          "\") but run on different hosts (\"" + real.hosts[real.ranks[f].host].name + "\" and \"" +
+          real.hosts[real.ranks[r].host].name +
+          "\"): a topology may split a host into several, not join hosts into one");
+    }
+  }
+  return Status::Ok();
+}
+
 StatusOr<Topology> Subset(const Topology& topology, const std::vector<int>& ranks) {
   std::vector<int> new_host(topology.hosts.size(), -1);
   std::vector<bool> taken(topology.ranks.size(), false);

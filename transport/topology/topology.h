@@ -102,6 +102,14 @@ struct Topology {
 /// index out of range or given twice.
 StatusOr<Topology> Subset(const Topology& topology, const std::vector<int>& ranks);
 
+/// Checks that a described topology (a file's, for `origin` in messages)
+/// puts ranks of different real hosts on different described hosts: it may
+/// split a machine into several hosts (to run multi-host algorithms on
+/// one), not join machines into one, whose "shared" memory and ring order
+/// would be wrong. INVALID_ARGUMENT naming two such ranks and their hosts.
+/// Both topologies must have the same ranks.
+Status CheckDescribedHostsSplitReal(const Topology& described, const Topology& real, std::string_view origin);
+
 /// Parses the file format above. `origin` (a path) leads error messages,
 /// which name the offending field: "t.json: ranks[2].host: 5 is not a host
 /// index (2 hosts)".

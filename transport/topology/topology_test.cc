@@ -66,6 +66,29 @@ TEST(ParseTopologyJson, ErrorsNameTheField) {
               "ranks[0].numa_node: 1 but host 0 has 1 NUMA nodes");
 }
 
+// A host per rank pair, as ranks[r].host gives.
+Topology HostsOf(const std::vector<int>& host_of_rank, const std::string& prefix) {
+  Topology t;
+  for (int h : host_of_rank) {
+    while (t.num_hosts() <= h) t.hosts.push_back(Host{.name = prefix + std::to_string(t.num_hosts())});
+    t.ranks.push_back(RankPlace{.host = h});
+  }
+  return t;
+}
+
+TEST(CheckDescribedHostsSplitReal, ADescribedHostMaySplitARealOneButNotJoinTwo) {
+  const Topology one_machine = HostsOf({0, 0, 0, 0}, "real");
+  EXPECT_TRUE(CheckDescribedHostsSplitReal(HostsOf({0, 0, 1, 1}, "file"), one_machine, "t.json").ok());
+  const Topology two_machines = HostsOf({0, 1, 0, 1}, "real");  // cyclic placement
+  EXPECT_TRUE(CheckDescribedHostsSplitReal(HostsOf({0, 1, 2, 3}, "file"), two_machines, "t.json").ok());
+  const Status joined = CheckDescribedHostsSplitReal(HostsOf({0, 0, 1, 1}, "file"), two_machines, "t.json");
+  EXPECT_EQ(joined.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(joined.message().find("t.json: ranks 0 and 1 are on one described host (\"file0\") but run on "
+                                  "different hosts (\"real0\" and \"real1\")"),
+            std::string::npos)
+      << joined;
+}
+
 TEST(LoadTopologyFile, MissingFileIsNotFound) {
   auto t = LoadTopologyFile("/nonexistent/topology.json");
   EXPECT_EQ(t.status().code(), StatusCode::kNotFound);
