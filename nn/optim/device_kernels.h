@@ -30,7 +30,9 @@ struct SgdStepArgs {
   bool nesterov = false;
   /// 1 when the update starts the momentum buffer (buf = d): the
   /// parameter's first, or its first after a state without a buffer was
-  /// loaded. Used for nothing else.
+  /// loaded. Used for nothing else: SGD passes 2 for every later update,
+  /// not the parameter's step count, so that parameters whose counts
+  /// differ share one sgd_step_multi call.
   int64_t step = 1;
   double grad_scale = 1.0;   ///< Multiplies the gradient as it is read.
 
@@ -81,8 +83,8 @@ struct DeviceOptimKernels {
   /// ones skipped); a NaN anywhere makes out NaN. Never reads it back.
   void (*max_abs)(const std::vector<Tensor>& tensors, const Tensor& out) = nullptr;
   /// sgd_step on params[i], grads[i] and momentum_buffers[i] (undefined
-  /// when momentum is 0) for every i, all with `args` (so with one step
-  /// count); the vectors have one length, the parameters one device, maybe
+  /// when momentum is 0) for every i, all with `args` (so all starting
+  /// their buffer or none); the vectors have one length, the parameters one device, maybe
   /// several shapes and dtypes. Optional: SGD calls it once per group of
   /// parameters with equal args where it is registered, sgd_step per
   /// parameter where not.

@@ -714,8 +714,9 @@ NamedParameters MixedParams() {
 bool HasGradAt(size_t i, int s) { return !((s == 0 && (i == 1 || i == 3)) || (s == 2 && i == 6)); }
 
 // `sgd_step_multi` is called once per group of parameters with one dtype
-// and equal args (with their step counts, which differ after skipped
-// steps), each group in parameter order, and gives bit for bit what
+// and equal args (args.step is 1 where the momentum buffer starts, else 2
+// whatever the step count, so counts that drifted apart after skipped steps
+// split no group), each group in parameter order, and gives bit for bit what
 // `sgd_step` per parameter gives, for SGD with and without momentum,
 // dampening, nesterov, weight decay, maximize and a loss-scaler factor.
 TEST_F(DevicePathTest, SgdStepMultiGroupsParametersAndMatchesPerParameterSteps) {
@@ -751,8 +752,8 @@ TEST_F(DevicePathTest, SgdStepMultiGroupsParametersAndMatchesPerParameterSteps) 
         run({.sgd_step = &TestSgdStep, .sgd_step_multi = &TestSgdStepMulti}, grouped);
     EXPECT_EQ(g_calls.sgd, 0);
 
-    // The expected groups: by compute dtype and step count, in order of
-    // first appearance, parameters in order.
+    // The expected groups: by compute dtype and whether the buffer starts
+    // (step 1), in order of first appearance, parameters in order.
     std::vector<SgdMultiCall> want;
     std::vector<int64_t> steps(single.size(), 0);
     for (int s = 0; s < kSteps; ++s) {
@@ -760,7 +761,9 @@ TEST_F(DevicePathTest, SgdStepMultiGroupsParametersAndMatchesPerParameterSteps) 
       for (size_t i = 0; i < single.size(); ++i) {
         if (!HasGradAt(i, s)) continue;
         const DType compute = single[i].second.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-        const int64_t step = ++steps[i];
+        // Without momentum no buffer starts, so every update passes 2.
+        const bool first = ++steps[i] == 1;
+        const int64_t step = first && o.momentum != 0 ? 1 : 2;
         auto it = std::find_if(want.begin() + first_of_step, want.end(), [&](const SgdMultiCall& c) {
           return c.dtype == compute && c.args.step == step;
         });
@@ -797,6 +800,39 @@ TEST_F(DevicePathTest, SgdStepMultiGroupsParametersAndMatchesPerParameterSteps) 
           << single_state[k].first;
     }
   }
+}
+
+// Before, SGD grouped parameters by their step counts although the kernel
+// reads only whether the step is the first: one parameter that got no
+// gradient once fell a count behind and took a launch of its own from then
+// on. Its buffer started at its own first step, so it groups with the
+// others again; the real counts are still kept and saved.
+TEST_F(DevicePathTest, SgdGroupsParametersWhoseStepCountsDrifted) {
+  RegisterDeviceOptimKernels(DeviceType::kCPU,
+                             DeviceOptimKernels{.sgd_step = &TestSgdStep, .sgd_step_multi = &TestSgdStepMulti});
+  Tensor a = Ones({4}), b = Ones({3}), c = Ones({2});
+  Sgd opt({{"a", a}, {"b", b}, {"c", c}}, {.lr = 0.5, .momentum = 0.9});
+  const NamedParameters params = opt.params();
+  SetGrads(params, 0);
+  b.set_grad(Tensor());  // b skips the first step
+  opt.Step();
+  SetGrads(params, 1);
+  opt.Step();  // b's buffer starts here, the others' continue: two calls
+  ASSERT_EQ(g_calls.sgd_multi.size(), 3u);
+  g_calls = Calls();
+  SetGrads(params, 2);
+  opt.Step();
+  EXPECT_EQ(opt.step_count(0), 3);
+  EXPECT_EQ(opt.step_count(1), 2);
+  EXPECT_EQ(opt.step_count(2), 3);
+  ASSERT_EQ(g_calls.sgd_multi.size(), 1u) << "parameters at steps 3, 2 and 3 were split";
+  EXPECT_EQ(g_calls.sgd_multi[0].numels, (std::vector<int64_t>{4, 3, 2}));
+  EXPECT_EQ(g_calls.sgd_multi[0].args.step, 2);
+  EXPECT_EQ(g_calls.sgd, 0);
+  const NamedTensors state = opt.StateDict();
+  const auto b_step = std::find_if(state.begin(), state.end(), [](const auto& e) { return e.first == "state.b.step"; });
+  ASSERT_NE(b_step, state.end());
+  EXPECT_EQ(b_step->second.ToVector<int64_t>(), std::vector<int64_t>{2});
 }
 
 // Without `sgd_step_multi`, or with it alone, SGD still steps.

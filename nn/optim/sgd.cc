@@ -146,27 +146,34 @@ void Sgd::CheckDeviceKernels(Device device) const {
   }
 }
 
-// The kernel starts the buffer (buf = d) at step 1, its only use of the step.
-SgdStepArgs Sgd::StepArgs(int64_t step, bool fresh, double grad_scale) const {
+// The kernel reads the step only to start the buffer (buf = d) at step 1,
+// so every other update (all of them without momentum, which keeps no
+// buffer) is passed as 2: the arguments then differ between
+// parameters only in whether their buffer starts now, and parameters whose
+// counts drifted apart (one skipped a step without a gradient) still share
+// one sgd_step_multi call. SGD itself keeps the real counts (step_count,
+// the saved state); nothing reads them from these arguments.
+SgdStepArgs Sgd::StepArgs(bool fresh, double grad_scale) const {
   return SgdStepArgs{.lr = lr(),
                      .momentum = options_.momentum,
                      .dampening = options_.dampening,
                      .weight_decay = options_.weight_decay,
                      .nesterov = options_.nesterov,
-                     .step = fresh ? 1 : step,
+                     .step = fresh ? 1 : 2,
                      .grad_scale = grad_scale};
 }
 
-void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
+void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t, bool fresh,
                        double grad_scale) {
   DeviceOptimKernelsFor(p.device().type).sgd_step(p, g, options_.momentum != 0 ? slots[0] : Tensor(),
-                                                  StepArgs(step, fresh, grad_scale));
+                                                  StepArgs(fresh, grad_scale));
 }
 
 // With `sgd_step_multi`, one call per group of parameters that share device,
-// dtype and arguments; the arguments differ only in the step, which
-// parameters share unless some skipped steps (no gradient) or a loaded state
-// started them apart. Each group keeps the parameters' order.
+// dtype and arguments; the arguments differ only in whether the update
+// starts the momentum buffer (see StepArgs), so parameters whose step counts
+// drifted apart are still updated together. Each group keeps the
+// parameters' order.
 void Sgd::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) {
   if (items.empty()) return;
   const DeviceOptimKernels& k = DeviceOptimKernelsFor(items.front().p.device().type);
@@ -182,7 +189,7 @@ void Sgd::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double gra
   };
   std::vector<Group> groups;
   for (const DeviceUpdateItem& item : items) {
-    const SgdStepArgs args = StepArgs(item.step, item.fresh, grad_scale);
+    const SgdStepArgs args = StepArgs(item.fresh, grad_scale);
     auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
       return g.device == item.p.device() && g.dtype == item.p.dtype() && g.args == args;
     });

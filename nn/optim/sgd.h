@@ -49,8 +49,9 @@ class Sgd : public Optimizer {
  private:
   template <typename T>
   void Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
-  /// The device kernels' arguments for an update with these step, fresh and grad_scale.
-  SgdStepArgs StepArgs(int64_t step, bool fresh, double grad_scale) const;
+  /// The device kernels' arguments for an update with these fresh and
+  /// grad_scale; `step` is 1 when fresh, else 2 (the kernels need no more).
+  SgdStepArgs StepArgs(bool fresh, double grad_scale) const;
 
   /// These options with the saved values of `values` (see
   /// CheckHyperparameters); throws as the constructor does.
