@@ -341,6 +341,14 @@ void Optimizer::Step() {
       throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` is on " +
                                   grad.device().ToString() + ", the parameter on " + p.device().ToString());
     }
+    // set_grad takes only the parameter's dtype, but SetData on the
+    // gradient may give it any; an integer one would otherwise fail in the
+    // host conversion after earlier parameters were updated, or be
+    // converted silently on the device path.
+    if (!IsFloating(grad.dtype())) {
+      throw std::invalid_argument(std::string(Name()) + ": gradient of `" + name + "` has dtype " +
+                                  std::string(DTypeName(grad.dtype())) + ", expected a floating type");
+    }
   }
   if (!device_path) {
     for (size_t i = 0; i < params_.size(); ++i) {

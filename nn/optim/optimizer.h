@@ -73,8 +73,9 @@ class Optimizer {
 
   /// Updates every parameter that has a gradient; parameters whose .grad is
   /// undefined are skipped and their state is left as it is (as PyTorch).
-  /// A gradient of the wrong shape or device throws std::invalid_argument
-  /// naming its parameter, before any parameter is updated.
+  /// A gradient of the wrong shape or device, or of a non-floating dtype,
+  /// throws std::invalid_argument naming its parameter, before any
+  /// parameter is updated.
   void Step();
   /// Clears gradients: undefined (set_to_none, the default as in PyTorch 2.x;
   /// PyTorch 1.13's zero_grad() zeroes them instead) or zeros.

@@ -255,6 +255,26 @@ TEST(Optimizer, BadGradientOfALaterParameterChangesNothing) {
   }
 }
 
+// A gradient of an integer dtype (SetData can give one) is refused with the
+// other checks, naming its parameter. Before, the host path threw from its
+// conversion only after the parameters before it had been updated, with a
+// message naming none; the device path converted it silently.
+TEST(Optimizer, IntegerGradientIsRefusedNamingItsParameterBeforeAnyUpdate) {
+  for (const auto& [name, make] : AllOptimizers()) {
+    SCOPED_TRACE(name);
+    NamedParameters p = MakeParams(DType::kFloat32, 1);
+    std::unique_ptr<Optimizer> opt = make(p);
+    SetGrads(p, 0);
+    p[1].second.grad().SetData(Zeros({8}, {.dtype = DType::kInt64}));
+    const auto before = Bytes(p);
+    EXPECT_THAT(ErrorOf([&] { opt->Step(); }),
+                HasSubstr("gradient of `fc.bias` has dtype i64, expected a floating type"));
+    EXPECT_EQ(Bytes(p), before);
+    EXPECT_EQ(opt->step_count(0), 0);
+    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), 0u);  // no state made
+  }
+}
+
 // SetData may give a parameter another shape after its state was made: the
 // step refuses it, naming the parameter and both shapes, and changes
 // nothing. Before, only the gradient was checked against the parameter, and
