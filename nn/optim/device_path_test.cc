@@ -456,6 +456,30 @@ TEST_F(DevicePathTest, GradScalerRefusesAStepOnTheHostAfterADeviceUnscale) {
   EXPECT_EQ(a.ToVector<float>(), (std::vector<float>{1.0f, 2.0f}));
 }
 
+// A Step whose optimizer throws can be retried on the device path too:
+// after an explicit Unscale, the retry reads Unscale's verdict from the
+// device flag again; fused, it checks again. Before, the retry was refused
+// as a second Step.
+TEST_F(DevicePathTest, GradScalerStepRetriedAfterAThrowSteps) {
+  for (bool unscale_first : {false, true}) {
+    SCOPED_TRACE(unscale_first ? "after Unscale" : "fused");
+    Tensor a = Zeros({2});
+    Sgd opt({{"a", a}}, {.lr = 1.0});
+    GradScaler scaler({.init_scale = 1024});
+    a.set_grad(FromVector({1024.0, 2048.0}, {2}));
+    if (unscale_first) scaler.Unscale(opt);
+    const Tensor good = a.grad().Clone();
+    a.grad().SetData(Zeros({3}));  // set_grad checks shapes; this reshapes the gradient after
+    EXPECT_THROW(scaler.Step(opt), std::invalid_argument);
+    a.grad().SetData(good);
+    EXPECT_TRUE(scaler.Step(opt));
+    EXPECT_FALSE(scaler.found_inf());
+    EXPECT_EQ(a.ToVector<float>(), (std::vector<float>{-1, -2}));
+    scaler.Update();
+    EXPECT_EQ(scaler.growth_tracker(), 1);
+  }
+}
+
 // Two optimizers on the device path: each has its own flag, so the Unscale
 // of the second does not reset the first's before its Step reads it, and
 // each Step reads its own. Before, one flag and one stage served both.

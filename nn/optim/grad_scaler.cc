@@ -185,6 +185,9 @@ bool GradScaler::Step(Optimizer& optimizer) {
   }
   // Not unscaled yet (by Unscale on it, whatever other optimizers had).
   const bool fused = state.stage == Stage::kReady;
+  // What a throwing optimizer.Step restores (see below); the stage is only
+  // changed once the step is taken.
+  const bool flag_pending_before = state.flag_pending;
   if (internal::UsesDevicePath(optimizer.device())) {
     // Fused: check only (a multiply by 1 leaves the values as they are);
     // the optimizer unscales as it reads. Either way, one read of the flag.
@@ -204,16 +207,28 @@ bool GradScaler::Step(Optimizer& optimizer) {
   } else if (fused) {
     state.found_inf = ScanGrads(optimizer, 1.0f, false);
   }
-  state.stage = Stage::kStepped;
-  if (state.found_inf) return false;
+  if (state.found_inf) {
+    state.stage = Stage::kStepped;
+    state.step_failed = false;
+    return false;
+  }
   if (fused) optimizer.set_grad_scale(static_cast<float>(1.0 / static_cast<double>(scale_)));
   try {
     optimizer.Step();
   } catch (...) {
+    // The optimizer checks its gradients before updating any parameter, so
+    // a throw leaves it as it was: this optimizer goes back to where it was
+    // before this call (not unscaled when fused; unscaled, with the device
+    // flag still holding Unscale's verdict, after Unscale), so that Step may
+    // be called again, and Update does not count the iteration as clean.
     optimizer.set_grad_scale(1.0);
+    state.flag_pending = flag_pending_before;
+    state.step_failed = true;
     throw;
   }
   optimizer.set_grad_scale(1.0);
+  state.stage = Stage::kStepped;
+  state.step_failed = false;
   return true;
 }
 
@@ -223,8 +238,12 @@ void GradScaler::Update() {
   // is one too: PyTorch's update takes it, and the scale must back off.
   bool started = false;
   bool found = false;
+  // A Step that threw and was not retried: the iteration applied no update
+  // for that optimizer, and is not counted as a clean step.
+  bool failed = false;
   for (auto& [opt, state] : optimizers_) {
-    started = started || state.stage != Stage::kReady;
+    started = started || state.stage != Stage::kReady || state.step_failed;
+    failed = failed || state.step_failed;
     // Unscaled on the device but never stepped: its check counts too (as
     // PyTorch's update takes every optimizer's found_inf).
     if (state.flag_pending) {
@@ -237,6 +256,8 @@ void GradScaler::Update() {
   if (found) {
     scale_ = static_cast<float>(scale_ * options_.backoff_factor);
     growth_tracker_ = 0;
+  } else if (failed) {
+    // Neither grown nor backed off: the tracker keeps its count.
   } else if (++growth_tracker_ >= options_.growth_interval) {
     const float grown = static_cast<float>(scale_ * options_.growth_factor);
     if (std::isfinite(grown)) scale_ = grown;

@@ -63,7 +63,11 @@ class GradScaler {
   /// Steps the optimizer unless one of its gradients is inf or NaN (checked
   /// here if Unscale was not called for it; unscaling is then fused into the
   /// step). At most once per optimizer between Update calls. Returns
-  /// whether it stepped.
+  /// whether it stepped. When the optimizer's Step throws (a gradient of
+  /// the wrong shape, say), the exception propagates and this optimizer is
+  /// left as before the call: Step may be called again once the cause is
+  /// fixed, and an Update without that retry counts the iteration neither
+  /// as clean (the growth tracker keeps its count) nor as an inf.
   bool Step(Optimizer& optimizer);
   /// Updates the scale from this iteration's outcome (lowered when any
   /// optimizer's gradients held an inf or NaN) and starts the next
@@ -104,6 +108,7 @@ class GradScaler {
     bool found_inf = false;
     Tensor flag;                // device found-inf flag (one f32 element)
     bool flag_pending = false;  // Unscale left a result in flag for Step to read
+    bool step_failed = false;   // the optimizer's Step threw, and was not retried since
   };
 
   /// The optimizer's state in this iteration (made on its first use).

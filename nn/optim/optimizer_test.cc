@@ -917,6 +917,41 @@ TEST(GradScaler, UpdateAfterUnscaleAloneBacksOff) {
   }
 }
 
+// Before, Step marked the optimizer as stepped before calling its Step:
+// when that threw (here a gradient of the wrong shape), a retry was refused
+// as "Step called twice", and Update counted the iteration as a clean step
+// (the growth tracker advanced). Fused or after Unscale, the gradient is
+// unscaled once either way.
+TEST(GradScaler, StepThatThrowsCanBeRetriedAndIsNotCountedAsClean) {
+  for (bool unscale_first : {false, true}) {
+    SCOPED_TRACE(unscale_first ? "after Unscale" : "fused");
+    Tensor w = Zeros({2});
+    Sgd opt({{"w", w}}, {.lr = 1.0});
+    GradScaler scaler({.init_scale = 1024, .growth_interval = 2});
+    auto failed_step = [&] {
+      w.set_grad(FromVector({1024.0, 2048.0}, {2}));
+      if (unscale_first) scaler.Unscale(opt);
+      const Tensor good = w.grad().Clone();
+      w.grad().SetData(Zeros({3}));
+      EXPECT_THAT(ErrorOf([&] { scaler.Step(opt); }), HasSubstr("gradient of `w` has shape [3]"));
+      w.grad().SetData(good);
+    };
+    // Given up: Update neither counts a clean step nor changes the scale.
+    failed_step();
+    EXPECT_NO_THROW(scaler.Update());
+    EXPECT_EQ(scaler.growth_tracker(), 0);
+    EXPECT_EQ(scaler.scale(), 1024.0);
+    EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{0, 0}));
+    // Retried once the gradient is fixed: it steps, and Update counts it.
+    failed_step();
+    EXPECT_TRUE(scaler.Step(opt));
+    EXPECT_EQ(w.ToVector<float>(), (std::vector<float>{-1, -2}));
+    scaler.Update();
+    EXPECT_EQ(scaler.growth_tracker(), 1);
+    EXPECT_EQ(scaler.scale(), 1024.0);
+  }
+}
+
 TEST(GradScaler, SkipsBadStepsLowersAndRaisesTheScale) {
   Tensor w = FromVector({1.0, 2.0}, {2});
   Sgd opt({{"w", w}}, {.lr = 0.5});
