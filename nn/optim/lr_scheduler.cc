@@ -1,6 +1,7 @@
 #include "nn/optim/lr_scheduler.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <numbers>
 #include <stdexcept>
@@ -9,11 +10,23 @@
 namespace ddp::nn::optim {
 namespace {
 
+// A parameter for a schedule's description: the shortest text that reads
+// back as the same double, so that equal parameters describe alike and
+// different ones differently.
+std::string Number(double x) {
+  char buf[64];
+  const auto result = std::to_chars(buf, buf + sizeof(buf), x);
+  return std::string(buf, result.ptr);
+}
+
 class StepImpl : public Schedule {
  public:
   StepImpl(int64_t step_size, double gamma) : step_size_(step_size), gamma_(gamma) {}
   double Lr(double base, int64_t t) const override {
     return base * std::pow(gamma_, static_cast<double>(t / step_size_));
+  }
+  std::string Describe() const override {
+    return "StepLR(step_size=" + std::to_string(step_size_) + ", gamma=" + Number(gamma_) + ")";
   }
 
  private:
@@ -31,6 +44,10 @@ class CosineImpl : public Schedule {
                           (1.0 + std::cos(std::numbers::pi * static_cast<double>(t) /
                                           static_cast<double>(t_max_))) / 2.0;
   }
+  std::string Describe() const override {
+    return "CosineAnnealingLR(T_max=" + std::to_string(t_max_) + ", eta_min=" + Number(eta_min_) +
+           ", tail=" + (tail_ == CosineTail::kHold ? "hold" : "periodic") + ")";
+  }
 
  private:
   int64_t t_max_;
@@ -44,6 +61,10 @@ class LinearImpl : public Schedule {
   double Lr(double base, int64_t t) const override {
     const double frac = static_cast<double>(std::min(t, total_)) / static_cast<double>(total_);
     return base * (start_ + (end_ - start_) * frac);
+  }
+  std::string Describe() const override {
+    return "LinearLR(start_factor=" + Number(start_) + ", end_factor=" + Number(end_) +
+           ", total_iters=" + std::to_string(total_) + ")";
   }
 
  private:
@@ -60,6 +81,17 @@ class SequentialImpl : public Schedule {
     int64_t start = 0;
     while (k < milestones_.size() && t >= milestones_[k]) start = milestones_[k++];
     return schedules_[k]->Lr(base, t - start);
+  }
+  // Unknown when any part is.
+  std::string Describe() const override {
+    std::string parts, milestones;
+    for (size_t k = 0; k < schedules_.size(); ++k) {
+      const std::string part = schedules_[k]->Describe();
+      if (part.empty()) return "";
+      parts += (k ? ", " : "") + part;
+    }
+    for (size_t k = 0; k < milestones_.size(); ++k) milestones += (k ? ", " : "") + std::to_string(milestones_[k]);
+    return "SequentialLR([" + parts + "], milestones=[" + milestones + "])";
   }
 
  private:
@@ -158,8 +190,14 @@ void LrScheduler::Step() {
 }
 
 NamedTensors LrScheduler::StateDict() const {
-  return {{"scheduler.step", FromVectorOf<int64_t>({t_}, {})},
-          {"scheduler.base_lr", FromVector({base_lr_}, {}, {.dtype = DType::kFloat64})}};
+  NamedTensors out = {{"scheduler.step", FromVectorOf<int64_t>({t_}, {})},
+                      {"scheduler.base_lr", FromVector({base_lr_}, {}, {.dtype = DType::kFloat64})}};
+  const std::string schedule = schedule_->Describe();
+  if (!schedule.empty()) {
+    out.emplace_back("scheduler.schedule", FromVectorOf<uint8_t>(std::vector<uint8_t>(schedule.begin(), schedule.end()),
+                                                                 {static_cast<int64_t>(schedule.size())}));
+  }
+  return out;
 }
 
 namespace {
@@ -169,6 +207,20 @@ struct SchedulerState {
   double base_lr;
 };
 
+// The saved schedule description ("scheduler.schedule", null: absent);
+// empty when absent. Throws for one that is not u8 text.
+std::string SavedScheduleOf(const Tensor* t) {
+  if (t == nullptr) return "";
+  if (!t->defined() || t->dtype() != DType::kUInt8 || t->dim() != 1) {
+    const std::string found = t->defined() ? std::string(DTypeName(t->dtype())) + " " + ShapeToString(t->shape())
+                                           : std::string("undefined");
+    throw std::invalid_argument("LrScheduler.LoadStateDict: `scheduler.schedule` is " + found +
+                                ", expected u8 text");
+  }
+  const Tensor text = t->To(kCPU).Contiguous();
+  return std::string(text.data<uint8_t>(), text.data<uint8_t>() + text.numel());
+}
+
 // The checks of LoadStateDict: the state it would load, or throws. The
 // rate `schedule` gives for the loaded step is checked too, so that a
 // restore which would end in a refused rate (StepLR's gamma^k overflowing
@@ -176,9 +228,11 @@ struct SchedulerState {
 SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& schedule) {
   const Tensor* step = nullptr;
   const Tensor* base = nullptr;
+  const Tensor* described = nullptr;
   for (const auto& [k, t] : state) {
     if (k == "scheduler.step") step = &t;
     else if (k == "scheduler.base_lr") base = &t;
+    else if (k == "scheduler.schedule") described = &t;
     else if (k.rfind("scheduler.", 0) == 0) throw std::invalid_argument("LrScheduler.LoadStateDict: unexpected `" + k + "`");
   }
   internal::CheckStateScalar("LrScheduler.LoadStateDict", "scheduler.step", step, DType::kInt64);
@@ -190,12 +244,25 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.base_lr " + std::to_string(base_lr) +
                                 " must be finite and >= 0");
   }
+  // Both problems are reported when both occur: the rate is the one this
+  // scheduler would set, whichever schedule the state came from.
+  std::vector<std::string> problems;
+  const std::string saved = SavedScheduleOf(described);
+  const std::string current = schedule.Describe();
+  if (!saved.empty() && !current.empty() && saved != current) {
+    problems.push_back("the state was saved with schedule " + saved + ", this scheduler's is " + current +
+                       " (its step count would give another rate): make the scheduler with the saved schedule");
+  }
   const double lr = schedule.Lr(base_lr, t);
   if (!(lr >= 0) || !std::isfinite(lr)) {
-    throw std::invalid_argument("LrScheduler.LoadStateDict: the schedule gives learning rate " +
-                                std::to_string(lr) + " at scheduler.step " + std::to_string(t) +
-                                " from scheduler.base_lr " + std::to_string(base_lr) +
-                                ", expected a finite rate >= 0");
+    problems.push_back("the schedule gives learning rate " + std::to_string(lr) + " at scheduler.step " +
+                       std::to_string(t) + " from scheduler.base_lr " + std::to_string(base_lr) +
+                       ", expected a finite rate >= 0");
+  }
+  if (!problems.empty()) {
+    std::string message = "LrScheduler.LoadStateDict: ";
+    for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
+    throw std::invalid_argument(message);
   }
   return {t, base_lr};
 }

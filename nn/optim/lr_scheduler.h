@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "nn/optim/optimizer.h"
@@ -21,6 +22,13 @@ class Schedule {
  public:
   virtual ~Schedule() = default;
   virtual double Lr(double base_lr, int64_t t) const = 0;
+  /// The schedule's kind and parameters as text, e.g.
+  /// "CosineAnnealingLR(T_max=100, eta_min=0, tail=periodic)": saved with
+  /// LrScheduler's state, and compared when a state is loaded, so that a
+  /// state saved with another schedule is refused instead of making the
+  /// rate jump. Empty (the default, for schedules defined elsewhere) means
+  /// unknown: nothing is saved, and nothing compared.
+  virtual std::string Describe() const { return ""; }
 };
 
 /// What a cosine schedule does once t passes its end. Values are stable.
@@ -83,13 +91,19 @@ class LrScheduler {
   double lr() const { return target_.get(); }
   double base_lr() const { return base_lr_; }
 
-  /// "scheduler.step" (i64) and "scheduler.base_lr" (f64) scalars.
+  /// "scheduler.step" (i64) and "scheduler.base_lr" (f64) scalars, and
+  /// "scheduler.schedule" (u8 text, the schedule's Describe()) unless the
+  /// schedule does not describe itself.
   NamedTensors StateDict() const;
   /// Restores from a list that may hold other components' keys; sets the lr
   /// for the restored step. Throws std::invalid_argument naming a missing
   /// or malformed key (a negative or non-finite base_lr too, or a step and
-  /// base_lr for which the schedule gives such a rate); changes
-  /// nothing then, nor when the target refuses the restored rate.
+  /// base_lr for which the schedule gives such a rate), or a saved schedule
+  /// description that differs from this schedule's (naming both); changes
+  /// nothing then, nor when the target refuses the restored rate. A state
+  /// without "scheduler.schedule" (saved before it existed, or from a
+  /// schedule that does not describe itself) is taken as from an unknown
+  /// schedule and not compared.
   void LoadStateDict(const NamedTensors& state);
   /// The checks of LoadStateDict alone: throws as it would, changes nothing.
   void CheckStateDict(const NamedTensors& state) const;

@@ -1270,7 +1270,7 @@ TEST(LrScheduler, MalformedStateEntrySaysWhatItHolds) {
   state[1].second = Tensor();
   EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
             "LrScheduler.LoadStateDict: `scheduler.base_lr` is undefined, expected an f64 scalar");
-  state.pop_back();
+  state.erase(state.begin() + 1);
   EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }), "LrScheduler.LoadStateDict: missing f64 scalar `scheduler.base_lr`");
   state = s.StateDict();
   ASSERT_EQ(state[0].first, "scheduler.step");
@@ -1495,13 +1495,92 @@ TEST(LrScheduler, CosineHoldStateRoundTripsPastTheEnd) {
   EXPECT_EQ(opt2.lr(), 0.01);
   restored.Step();
   EXPECT_EQ(opt2.lr(), 0.01);
-  // The same state in a periodic schedule gives the periodic rate at step 9.
+  // A periodic schedule refuses it: the tail is part of the schedule, and
+  // the rate would jump from eta_min. A state saved before schedules were
+  // described loads, with the periodic rate at step 9.
   Tensor w3 = Zeros({1});
   Sgd opt3({{"w", w3}}, {.lr = 0.2});
   LrScheduler periodic(opt3, CosineSchedule(4, 0.01));
-  periodic.LoadStateDict(state);
+  EXPECT_THAT(ErrorOf([&] { periodic.LoadStateDict(state); }),
+              AllOf(HasSubstr("saved with schedule CosineAnnealingLR(T_max=4, eta_min=0.01, tail=hold)"),
+                    HasSubstr("this scheduler's is CosineAnnealingLR(T_max=4, eta_min=0.01, tail=periodic)")));
+  EXPECT_EQ(periodic.step_count(), 0);
+  NamedTensors undescribed = state;
+  ASSERT_EQ(undescribed.back().first, "scheduler.schedule");
+  undescribed.pop_back();
+  periodic.LoadStateDict(undescribed);
   EXPECT_NEAR(opt3.lr(), CosineSchedule(4, 0.01)->Lr(0.2, 9), 1e-15);
   EXPECT_GT(opt3.lr(), 0.01 + 1e-3);
+}
+
+// Before, the state held only the step count and base_lr: loaded into a
+// scheduler with another schedule, it was taken silently and the rate
+// jumped to the other schedule's value at that step. The schedule's
+// description is saved now and compared; a state without one (saved
+// before, or by a schedule that does not describe itself) still loads.
+TEST(LrScheduler, StateOfAnotherScheduleIsRefusedNamingBoth) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 0.1});
+  LrScheduler s(opt, CosineSchedule(100));
+  for (int i = 0; i < 10; ++i) s.Step();
+  const NamedTensors saved = s.StateDict();
+  ASSERT_EQ(saved.size(), 3u);
+  EXPECT_EQ(saved[2].first, "scheduler.schedule");
+
+  Tensor w2 = Zeros({1});
+  Sgd opt2({{"w", w2}}, {.lr = 0.1});
+  LrScheduler longer(opt2, CosineSchedule(200));
+  const std::string err = ErrorOf([&] { longer.LoadStateDict(saved); });
+  EXPECT_EQ(err,
+            "LrScheduler.LoadStateDict: the state was saved with schedule "
+            "CosineAnnealingLR(T_max=100, eta_min=0, tail=periodic), this scheduler's is "
+            "CosineAnnealingLR(T_max=200, eta_min=0, tail=periodic) (its step count would give another "
+            "rate): make the scheduler with the saved schedule");
+  EXPECT_EQ(ErrorOf([&] { longer.CheckStateDict(saved); }), err);
+  EXPECT_EQ(longer.step_count(), 0);
+  EXPECT_EQ(opt2.lr(), 0.1);
+
+  // The old format: no description, taken as from an unknown schedule.
+  NamedTensors old_format = saved;
+  old_format.pop_back();
+  longer.LoadStateDict(old_format);
+  EXPECT_EQ(longer.step_count(), 10);
+  EXPECT_EQ(opt2.lr(), CosineSchedule(200)->Lr(0.1, 10));
+
+  // The same schedule loads.
+  Tensor w3 = Zeros({1});
+  Sgd opt3({{"w", w3}}, {.lr = 0.1});
+  LrScheduler same(opt3, CosineSchedule(100));
+  same.LoadStateDict(saved);
+  EXPECT_EQ(same.step_count(), 10);
+  EXPECT_EQ(opt3.lr(), opt.lr());
+
+  // Every parameter is part of the description, composites' parts too.
+  EXPECT_EQ(StepSchedule(2, 0.5)->Describe(), "StepLR(step_size=2, gamma=0.5)");
+  EXPECT_EQ(WarmupCosineSchedule(5, 20, 0.1, 0.001, CosineTail::kHold)->Describe(),
+            "SequentialLR([LinearLR(start_factor=0.1, end_factor=1, total_iters=5), "
+            "CosineAnnealingLR(T_max=15, eta_min=0.001, tail=hold)], milestones=[5])");
+  EXPECT_NE(WarmupCosineSchedule(5, 20)->Describe(), WarmupCosineSchedule(5, 21)->Describe());
+  EXPECT_NE(StepSchedule(2, 0.1)->Describe(), StepSchedule(2, 0.1 + 1e-17 * 8)->Describe());
+
+  // A schedule that does not describe itself saves none and compares none.
+  class Constant : public Schedule {
+   public:
+    double Lr(double base, int64_t) const override { return base; }
+  };
+  Tensor w4 = Zeros({1});
+  Sgd opt4({{"w", w4}}, {.lr = 0.1});
+  LrScheduler constant(opt4, std::make_shared<Constant>());
+  EXPECT_EQ(constant.StateDict().size(), 2u);
+  constant.LoadStateDict(saved);
+  EXPECT_EQ(constant.step_count(), 10);
+  EXPECT_EQ(SequentialSchedule({CosineSchedule(4), std::make_shared<Constant>()}, {4})->Describe(), "");
+
+  // A malformed description is named with what it holds.
+  NamedTensors bad = saved;
+  bad[2].second = Zeros({2});
+  EXPECT_EQ(ErrorOf([&] { same.LoadStateDict(bad); }),
+            "LrScheduler.LoadStateDict: `scheduler.schedule` is f32 [2], expected u8 text");
 }
 
 }  // namespace
