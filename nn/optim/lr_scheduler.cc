@@ -173,14 +173,32 @@ std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t tot
 LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule)
     : LrScheduler(LrTarget{[&optimizer] { return optimizer.lr(); },
                            [&optimizer](double lr) { optimizer.set_lr(lr); }},
-                  std::move(schedule)) {}
+                  std::move(schedule), &optimizer) {}
 
 LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule)
+    : LrScheduler(std::move(target), std::move(schedule), nullptr) {}
+
+LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule, Optimizer* optimizer)
     : target_(std::move(target)), schedule_(std::move(schedule)) {
   if (!target_.get || !target_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
+  if (optimizer != nullptr) {
+    // Each scheduler sets the rate outright: a second one would overwrite
+    // the first's at every step (PyTorch's chained schedulers multiply
+    // instead, which closed forms of one step count cannot).
+    if (!optimizer->scheduler_.expired()) {
+      throw std::invalid_argument(std::string("LrScheduler: this ") + optimizer->Name() +
+                                  " optimizer already has a scheduler, and two would overwrite each other's "
+                                  "learning rate; make one schedule of both (SequentialSchedule runs "
+                                  "schedules one after another, as WarmupCosineSchedule does), or destroy "
+                                  "the first scheduler before making another");
+    }
+    claim_ = std::make_shared<char>(0);
+  }
   base_lr_ = target_.get();
   target_.set(schedule_->Lr(base_lr_, 0));
+  // Claimed once nothing can throw: a refused rate leaves the optimizer free.
+  if (optimizer != nullptr) optimizer->scheduler_ = claim_;
 }
 
 void LrScheduler::Step() {

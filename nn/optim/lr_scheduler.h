@@ -76,11 +76,26 @@ struct LrTarget {
 /// Drives an optimizer's learning rate along a schedule. Construction sets
 /// lr to Lr(base_lr, 0) where base_lr is the optimizer's lr at that time.
 /// The optimizer (or the target's owner) must outlive the scheduler.
+///
+/// One scheduler per optimizer: each sets the rate outright (closed forms
+/// of its own step count), so two would overwrite each other, the last to
+/// step winning, where PyTorch's chained schedulers multiply their factors.
+/// Phases one after another are one SequentialSchedule (a warm-up, then
+/// cosine: WarmupCosineSchedule).
 class LrScheduler {
  public:
+  /// Throws std::invalid_argument, changing nothing, when another
+  /// LrScheduler made this way drives `optimizer` (one destroyed since
+  /// frees it).
   LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule);
-  /// Throws std::invalid_argument when `target` lacks get or set.
+  /// Throws std::invalid_argument when `target` lacks get or set. Nothing
+  /// tracks what a target drives: the caller keeps to one scheduler per rate.
   LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule);
+  /// Not copyable: a copy would be a second scheduler of the same rate.
+  LrScheduler(const LrScheduler&) = delete;
+  LrScheduler& operator=(const LrScheduler&) = delete;
+  LrScheduler(LrScheduler&&) = default;
+  LrScheduler& operator=(LrScheduler&&) = default;
 
   /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the
   /// lr. When the target refuses the rate, throws and changes nothing.
@@ -109,8 +124,15 @@ class LrScheduler {
   void CheckStateDict(const NamedTensors& state) const;
 
  private:
+  /// `optimizer`: the optimizer behind `target`, claimed for this scheduler
+  /// (null for a bare target).
+  LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule, Optimizer* optimizer);
+
   LrTarget target_;
   std::shared_ptr<Schedule> schedule_;
+  // Held while this scheduler drives an optimizer; the optimizer keeps a
+  // weak reference, which expires with this scheduler.
+  std::shared_ptr<const void> claim_;
   double base_lr_ = 0;
   int64_t t_ = 0;
 };

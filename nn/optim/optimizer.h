@@ -37,6 +37,8 @@
 
 namespace ddp::nn::optim {
 
+class LrScheduler;
+
 /// Parameters with the names their state is saved under (Module's
 /// NamedParameters order).
 using NamedParameters = std::vector<std::pair<std::string, Tensor>>;
@@ -267,6 +269,11 @@ class Optimizer {
   void FinishDeviceStep(size_t i);
 
   void CheckOneDevice() const;
+
+  // The LrScheduler that drives this optimizer's lr (expired: none); it
+  // refuses a second one, which would fight the first over the rate.
+  friend class LrScheduler;
+  std::weak_ptr<const void> scheduler_;
 
   NamedParameters params_;
   double lr_;

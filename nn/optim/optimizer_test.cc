@@ -1513,6 +1513,43 @@ TEST(LrScheduler, CosineHoldStateRoundTripsPastTheEnd) {
   EXPECT_GT(opt3.lr(), 0.01 + 1e-3);
 }
 
+// Before, a second scheduler of one optimizer was accepted, and the two
+// overwrote each other's rate at every step (the last to step won).
+TEST(LrScheduler, SecondSchedulerOfAnOptimizerIsRefused) {
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  auto first = std::make_unique<LrScheduler>(opt, LinearSchedule(0.5, 1.0, 4));
+  EXPECT_EQ(opt.lr(), 0.5);
+  EXPECT_THAT(ErrorOf([&] { LrScheduler second(opt, StepSchedule(1, 0.1)); }),
+              AllOf(HasSubstr("LrScheduler: this SGD optimizer already has a scheduler"),
+                    HasSubstr("SequentialSchedule")));
+  EXPECT_EQ(opt.lr(), 0.5) << "the refused scheduler set the rate";
+  first->Step();
+  EXPECT_EQ(opt.lr(), 0.625);
+  {
+    // Moved, the scheduler still holds the optimizer.
+    LrScheduler moved = std::move(*first);
+    first.reset();
+    EXPECT_THAT(ErrorOf([&] { LrScheduler second(opt, StepSchedule(1, 0.1)); }),
+                HasSubstr("already has a scheduler"));
+    moved.Step();
+    EXPECT_EQ(opt.lr(), 0.75);
+  }
+  // Once it is gone, another may take over, from the rate it left.
+  LrScheduler next(opt, StepSchedule(1, 0.5));
+  EXPECT_EQ(next.base_lr(), 0.75);
+  // A scheduler whose first rate the optimizer refuses leaves it free.
+  Tensor v = Zeros({1});
+  Sgd other({{"v", v}}, {.lr = 1.0});
+  class Negative : public Schedule {
+   public:
+    double Lr(double, int64_t) const override { return -1.0; }
+  };
+  EXPECT_THROW(LrScheduler(other, std::make_shared<Negative>()), std::invalid_argument);
+  LrScheduler after_refusal(other, StepSchedule(1, 0.5));
+  EXPECT_EQ(other.lr(), 1.0);
+}
+
 // Before, the state held only the step count and base_lr: loaded into a
 // scheduler with another schedule, it was taken silently and the rate
 // jumped to the other schedule's value at that step. The schedule's
