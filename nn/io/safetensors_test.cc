@@ -504,22 +504,31 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
 // Only this host's dead writers' temporaries go: on a shared folder another
 // host's pid says nothing here, and `c.safetensors.tmp.5` is a target of
 // its own whose temporaries start with `c.safetensors.tmp.`.
-TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
-  const std::string dir = TmpDir("st_hosts");
-  const std::string path = dir + "/c.safetensors";
+// The pid of a process that has exited (reaped), and this host's name.
+pid_t ExitedPid() {
   const pid_t gone = fork();
   if (gone == 0) _exit(0);
   waitpid(gone, nullptr, 0);
+  return gone;
+}
+std::string HostName() {
   char host[256] = {};
-  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
-  const std::string dead = std::to_string(gone);
+  return gethostname(host, sizeof(host) - 1) == 0 ? std::string(host) : std::string();
+}
+
+TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
+  const std::string dir = TmpDir("st_hosts");
+  const std::string path = dir + "/c.safetensors";
+  const std::string host = HostName();
+  ASSERT_FALSE(host.empty());
+  const std::string dead = std::to_string(ExitedPid());
   const std::vector<std::string> kept = {
       "c.safetensors.tmp." + dead + ".0.some-other-host",            // another host's writer
-      "c.safetensors.tmp.5.tmp." + dead + ".0." + std::string(host),  // another target's
-      "c.safetensors.tmp." + dead + ".x." + std::string(host),        // not a temporary's name
+      "c.safetensors.tmp.5.tmp." + dead + ".0." + host,  // another target's
+      "c.safetensors.tmp." + dead + ".x." + host,        // not a temporary's name
   };
   for (const std::string& name : kept) WriteAll(dir + "/" + name, "x");
-  WriteAll(path + ".tmp." + dead + ".7." + std::string(host), "x");  // this host's, writer gone
+  WriteAll(path + ".tmp." + dead + ".7." + host, "x");  // this host's, writer gone
   float value = 1;
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
   std::vector<std::string> left = FilesIn(dir);
@@ -536,12 +545,9 @@ TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
 TEST(Safetensors, ALockedTemporaryOfAnUnknownPidIsKept) {
   const std::string dir = TmpDir("st_pidns");
   const std::string path = dir + "/c.safetensors";
-  const pid_t gone = fork();
-  if (gone == 0) _exit(0);
-  waitpid(gone, nullptr, 0);
-  char host[256] = {};
-  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
-  const std::string other = "c.safetensors.tmp." + std::to_string(gone) + ".0." + std::string(host);
+  const std::string host = HostName();
+  ASSERT_FALSE(host.empty());
+  const std::string other = "c.safetensors.tmp." + std::to_string(ExitedPid()) + ".0." + host;
   WriteAll(dir + "/" + other, "x");
   const int fd = open((dir + "/" + other).c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
