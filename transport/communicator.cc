@@ -667,6 +667,15 @@ class Communicator::Impl {
   int available_cpus_ = 1;
   bool kernel_network_ = false;
   std::vector<int> ring_order_;
+  bool ring_is_rank_order_ = true;
+  // All-gather and reduce-scatter go around the ring's order, which leaves
+  // each host once (in rank order, ranks of hosts placed cyclically cross
+  // the network at every hop), their blocks kept at the job's ranks' places.
+  std::pair<p2p::PointToPoint&, algorithms::CollectiveArgs> OnRing(algorithms::CollectiveArgs args) {
+    if (ring_is_rank_order_) return {*p2p_, args};
+    args.tuning.block_owner = &ring_order_;
+    return {*ring_view_, args};
+  }
   std::unique_ptr<ucx::UcxPointToPoint> p2p_;
   std::unique_ptr<p2p::GroupView> ring_view_;
   std::unique_ptr<fault::PeerMonitor> monitor_;
@@ -874,6 +883,8 @@ Status Communicator::Impl::Init() {
   topology_ = described ? *described : real;
   info_.num_hosts = topology_.num_hosts();
   ring_order_ = topology::RingOrder(topology_);
+  ring_is_rank_order_ = true;
+  for (size_t i = 0; i < ring_order_.size(); ++i) ring_is_rank_order_ &= ring_order_[i] == static_cast<int>(i);
   {
     std::ostringstream order;
     for (size_t i = 0; i < ring_order_.size(); ++i) order << (i ? " " : "") << ring_order_[i];
@@ -1504,7 +1515,8 @@ Status Communicator::Impl::Broadcast(void* buffer, size_t count, DataType dtype,
 
 Status Communicator::Impl::AllGather(const void* send, void* recv, size_t count, DataType dtype,
                                      Deadline deadline) {
-  return internal::RunAllGather(*p2p_, Args(send, recv, count, dtype, ReduceOp::kSum, 0, deadline));
+  auto [p2p, args] = OnRing(Args(send, recv, count, dtype, ReduceOp::kSum, 0, deadline));
+  return internal::RunAllGather(p2p, args);
 }
 
 Status Communicator::Impl::ReduceScatter(const void* send, void* recv, size_t count,
@@ -1513,9 +1525,11 @@ Status Communicator::Impl::ReduceScatter(const void* send, void* recv, size_t co
     const size_t total = count * static_cast<size_t>(options_.world_size);
     std::vector<uint16_t> divided(static_cast<const uint16_t*>(send), static_cast<const uint16_t*>(send) + total);
     reduce::DivideInPlace(dtype, divided.data(), total, options_.world_size);
-    return internal::RunReduceScatter(*p2p_, Args(divided.data(), recv, count, dtype, ReduceOp::kSum, 0, deadline));
+    auto [p2p, args] = OnRing(Args(divided.data(), recv, count, dtype, ReduceOp::kSum, 0, deadline));
+    return internal::RunReduceScatter(p2p, args);
   }
-  return internal::RunReduceScatter(*p2p_, Args(send, recv, count, dtype, op, 0, deadline));
+  auto [p2p, args] = OnRing(Args(send, recv, count, dtype, op, 0, deadline));
+  return internal::RunReduceScatter(p2p, args);
 }
 
 Status Communicator::Impl::Barrier(Deadline deadline) {

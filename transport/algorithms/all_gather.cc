@@ -27,7 +27,8 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   }
 
   const size_t es = DataTypeSize(args.dtype);
-  auto* own = static_cast<unsigned char*>(args.recv) + r * args.count * es;
+  const internal::BlockLayout layout{args.count * p, p, args.tuning.block_owner};
+  auto* own = static_cast<unsigned char*>(args.recv) + layout.offset(r) * es;
   if (own != args.send) std::memmove(own, args.send, args.count * es);
 
   internal::RingParams params;
@@ -38,8 +39,7 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);
   params.what = "ring all-gather";
-  return internal::RingAllGatherBlocks(p2p, args.recv, internal::BlockLayout{args.count * p, p},
-                                       params);
+  return internal::RingAllGatherBlocks(p2p, args.recv, layout, params);
 }
 
 }  // namespace ddp::transport::algorithms

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "transport/p2p/group_view.h"
+#include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
 #include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
@@ -107,6 +109,53 @@ TEST(RingAllGatherTest, MismatchedCountsFailOnEveryRank) {
     EXPECT_LT(Clock::now() + 8s, deadline) << "odd count " << odd;
     for (const Status& s : statuses) EXPECT_FALSE(s.ok()) << "odd count " << odd;
   }
+}
+
+// On a ring view in another order than the ranks' (hosts {0, 1, 0, 1}, as a
+// cyclic placement gives: the ring 0, 2, 1, 3 leaves each host once), every
+// block keeps its rank's place in the buffers, and half as many bytes cross
+// between hosts as on the ring in rank order.
+TEST(RingAllGatherTest, OnARingViewBlocksKeepTheirRanksPlaces) {
+  constexpr int kWorld = 4;
+  constexpr size_t kCount = 1000;
+  const std::vector<int> order = {0, 2, 1, 3};
+  const std::vector<int> host = {0, 1, 0, 1};
+  uint64_t crossing[2] = {0, 0};
+  for (bool on_view : {false, true}) {
+    SCOPED_TRACE(on_view ? "on the ring view" : "in rank order");
+    p2p::LoopbackHub hub(kWorld);
+    std::vector<std::vector<float>> out(kWorld);
+    auto statuses = RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+      const int r = p2p.rank();
+      const std::vector<float> in(kCount, static_cast<float>(r + 1));
+      out[r].assign(kCount * kWorld, 0.0f);
+      CollectiveArgs args;
+      args.send = in.data();
+      args.recv = out[r].data();
+      args.count = kCount;
+      args.dtype = DataType::kF32;
+      args.tag = CollectiveTag(3);
+      args.deadline = DeadlineIn(30s);
+      if (!on_view) return RingAllGather(p2p, args);
+      DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(p2p, order));
+      args.tuning.block_owner = &order;
+      return RingAllGather(view, args);
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+      for (int q = 0; q < kWorld; ++q) {
+        EXPECT_EQ(out[r][q * kCount], static_cast<float>(q + 1)) << "rank " << r << " block " << q;
+        EXPECT_EQ(out[r][q * kCount + kCount - 1], static_cast<float>(q + 1)) << "rank " << r << " block " << q;
+      }
+    }
+    for (int a = 0; a < kWorld; ++a) {
+      for (int b = 0; b < kWorld; ++b) {
+        if (host[a] != host[b]) crossing[on_view] += hub.BytesBetween(a, b);
+      }
+    }
+  }
+  EXPECT_GT(crossing[0], 0u);
+  EXPECT_EQ(2 * crossing[1], crossing[0]);
 }
 
 }  // namespace

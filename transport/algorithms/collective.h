@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "transport/p2p/point_to_point.h"
 #include "transport/types.h"
@@ -78,6 +79,10 @@ struct Tuning {
   /// `root`: the communicator runs the rooted reduce on its ring's order,
   /// where `root` is the root's place, and errors should name its rank.
   std::optional<int> checked_root;
+  /// All-gather and reduce-scatter on a ring's order (a GroupView): the
+  /// block of p2p rank b is the job's rank (*block_owner)[b]'s, in the
+  /// buffers' layout. nullptr: b's own. Equal-sized blocks only.
+  const std::vector<int>* block_owner = nullptr;
 };
 
 /// Arguments of one collective. `count` is in elements of `dtype`; its

@@ -40,16 +40,21 @@ Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
 
 /// `count` split into `blocks` nearly equal parts (the first count % blocks
 /// parts one element longer), as every ring and tree algorithm splits data.
+/// With `place`, block b is the part numbered place[b] (a ring view's rank
+/// b holding the block of the job's rank place[b]).
 struct BlockLayout {
   size_t count = 0;
   int blocks = 1;
+  const std::vector<int>* place = nullptr;
   size_t offset(int b) const {
+    const int at = place != nullptr ? (*place)[b] : b;
     const size_t base = count / blocks, rem = count % blocks;
-    return b * base + std::min<size_t>(b, rem);
+    return at * base + std::min<size_t>(at, rem);
   }
   size_t size(int b) const {
+    const int at = place != nullptr ? (*place)[b] : b;
     const size_t base = count / blocks, rem = count % blocks;
-    return base + (static_cast<size_t>(b) < rem ? 1 : 0);
+    return base + (static_cast<size_t>(at) < rem ? 1 : 0);
   }
 };
 

@@ -19,7 +19,8 @@ Status RingReduceScatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.send_elems = args.count * p;
   shape.recv_elems = args.count;
   shape.uses_op = true;
-  shape.recv_alias_offset = static_cast<int64_t>(r * args.count * es);
+  const internal::BlockLayout layout{args.count * p, p, args.tuning.block_owner};
+  shape.recv_alias_offset = static_cast<int64_t>(layout.offset(r) * es);
   DDP_RETURN_IF_ERROR(internal::CheckArgs("ring reduce-scatter", p2p, args, shape));
   const internal::Fingerprint fingerprint =
       internal::MakeFingerprint(args, internal::kReduceScatterKind, /*uses_op=*/true, /*uses_root=*/false);
@@ -38,7 +39,7 @@ Status RingReduceScatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);
   params.what = "ring reduce-scatter";
   DDP_RETURN_IF_ERROR(internal::RingReduceScatterBlocks(
-      p2p, args.send, args.recv, internal::BlockLayout{args.count * p, p}, params));
+      p2p, args.send, args.recv, layout, params));
   if (args.op == ReduceOp::kAvg) reduce::DivideInPlace(args.dtype, args.recv, args.count, p);
   return Status();
 }

@@ -7,6 +7,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/p2p/group_view.h"
+#include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
 #include "transport/testing/data_types.h"
 #include "transport/testing/thread_harness.h"
@@ -126,6 +128,56 @@ TEST(RingReduceScatterTest, RecvOverlappingAnotherBlockIsRejected) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(s.message(), HasSubstr("ring reduce-scatter: recv overlaps send"));
   }
+}
+
+// On a ring view in another order than the ranks' (hosts {0, 1, 0, 1}, as a
+// cyclic placement gives: the ring 0, 2, 1, 3 leaves each host once), every
+// block keeps its rank's place in the buffers, and half as many bytes cross
+// between hosts as on the ring in rank order.
+TEST(RingReduceScatterTest, OnARingViewBlocksKeepTheirRanksPlaces) {
+  constexpr int kWorld = 4;
+  constexpr size_t kCount = 1000;
+  const std::vector<int> order = {0, 2, 1, 3};
+  const std::vector<int> host = {0, 1, 0, 1};
+  uint64_t crossing[2] = {0, 0};
+  for (bool on_view : {false, true}) {
+    SCOPED_TRACE(on_view ? "on the ring view" : "in rank order");
+    p2p::LoopbackHub hub(kWorld);
+    std::vector<std::vector<float>> out(kWorld);
+    auto statuses = RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+      const int r = p2p.rank();
+      // Element i of block q is 100 * q + i on every rank: block q sums to
+      // 4 * (100 * q + i) and must reach rank q.
+      std::vector<float> in(kCount * kWorld);
+      for (int q = 0; q < kWorld; ++q) {
+        for (size_t i = 0; i < kCount; ++i) in[q * kCount + i] = static_cast<float>(100 * q + i % 7);
+      }
+      out[r].assign(kCount, 0.0f);
+      CollectiveArgs args;
+      args.send = in.data();
+      args.recv = out[r].data();
+      args.count = kCount;
+      args.dtype = DataType::kF32;
+      args.tag = CollectiveTag(3);
+      args.deadline = DeadlineIn(30s);
+      if (!on_view) return RingReduceScatter(p2p, args);
+      DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(p2p, order));
+      args.tuning.block_owner = &order;
+      return RingReduceScatter(view, args);
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+      EXPECT_EQ(out[r][0], static_cast<float>(kWorld * 100 * r)) << "rank " << r;
+      EXPECT_EQ(out[r][kCount - 1], static_cast<float>(kWorld * (100 * r + (kCount - 1) % 7))) << "rank " << r;
+    }
+    for (int a = 0; a < kWorld; ++a) {
+      for (int b = 0; b < kWorld; ++b) {
+        if (host[a] != host[b]) crossing[on_view] += hub.BytesBetween(a, b);
+      }
+    }
+  }
+  EXPECT_GT(crossing[0], 0u);
+  EXPECT_EQ(2 * crossing[1], crossing[0]);
 }
 
 }  // namespace
