@@ -5,13 +5,18 @@
 # of medians with ratios (samples/s: nn / torch; peak RSS: nn / torch).
 #
 # Usage: examples/nn_bench_vs_torch.sh [STEPS=300] [REPEATS=3] [MODELS="mlp cnn"]
-# PEERS_DIR overrides the peers' directory (default /work/shared/peers).
+# PEERS_DIR overrides the peers' directory (default ../shared/peers next to
+# the checkout, else /work/shared/peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-300}
 repeats=${2:-3}
 models=${3:-"mlp cnn"}
-peers=${PEERS_DIR:-/work/shared/peers}
+peers=${PEERS_DIR:-}
+if [ -z "$peers" ]; then
+  peers=$(pwd)/../shared/peers
+  [ -d "$peers" ] || peers=/work/shared/peers
+fi
 bazel build -c opt //examples:nn_bench >/dev/null 2>&1 || bazel build -c opt //examples:nn_bench
 bench=bazel-bin/examples/nn_bench
 tmp=$(mktemp -d)

@@ -37,7 +37,21 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
+# The build is written for Debian's Bazel 4 (bazel-bootstrap: WORKSPACE,
+# no Bzlmod, offline); another `bazel` first on PATH (bazelisk, Bazel 7/8)
+# fails later with errors that never name the version.
+check_bazel() {
+  local found
+  found=$(command -v bazel || true)
+  if [ -z "$found" ] || [ "$(readlink -f "$found")" != "$(readlink -f /usr/bin/bazel)" ]; then
+    echo "setup.sh: the build needs Debian's Bazel 4 (package bazel-bootstrap, /usr/bin/bazel), but" \
+      "'bazel' on PATH is ${found:-missing}; put /usr/bin first on PATH" >&2
+    exit 1
+  fi
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
+  check_bazel
   exit 0
 fi
 
@@ -50,7 +64,9 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 echo "setup.sh: installing ${missing[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# Through env: sudo resets the environment, and a debconf question asked
+# with its output hidden would wait for ever.
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+check_bazel
 echo "setup.sh: done" >&2

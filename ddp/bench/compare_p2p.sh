@@ -16,6 +16,12 @@ BENCH=${P2P_BENCH:-bazel-bin/ddp/p2p_bench}
 OUT=$(mktemp)
 MPI=$(mktemp)
 trap 'rm -f "$OUT" "$MPI"' EXIT
+# What is missing, said before the first run.
+[ -x "$BENCH" ] || { echo "compare_p2p: no $BENCH; bazel build //ddp:p2p_bench" >&2; exit 1; }
+/usr/bin/python3 -c 'import torch' 2>/dev/null ||
+  { echo "compare_p2p: /usr/bin/python3 cannot import torch (apt-get install python3-torch)" >&2; exit 1; }
+command -v mpicc >/dev/null && command -v mpirun >/dev/null ||
+  { echo "compare_p2p: needs mpicc and mpirun (apt-get install openmpi-bin libopenmpi-dev)" >&2; exit 1; }
 mpicc -O2 -o "$MPI" ddp/bench/mpi_p2p.c
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); $REPS runs each"
 for _ in $(seq "$REPS"); do

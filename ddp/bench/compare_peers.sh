@@ -35,7 +35,15 @@ positive_int() {
 positive_int REPS "$REPS"
 positive_int STEPS "$STEPS"
 [ -z "${MLP_STEPS+set}" ] || positive_int MLP_STEPS "$MLP_STEPS"
-PEER=/work/shared/peers/torch_ddp_train.py
+# PEERS_DIR overrides where the peers are (../shared/peers next to the
+# checkout, else /work/shared/peers).
+PEERS=${PEERS_DIR:-}
+if [ -z "$PEERS" ]; then
+  PEERS=$(pwd)/../shared/peers
+  [ -d "$PEERS" ] || PEERS=/work/shared/peers
+fi
+PEER=$PEERS/torch_ddp_train.py
+[ -r "$PEER" ] || { echo "compare_peers: no $PEER; set PEERS_DIR to the peers' folder" >&2; exit 2; }
 BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
 # The peer runs with its stderr hidden (PyTorch's warnings; shown if it fails); say up front
 # what is missing instead of ending silently at its first run.
@@ -101,7 +109,8 @@ for rep in $(seq "$REPS"); do
       echo "compare_peers: the background 1-rank $model run of the pair failed (exit $status, rep $rep of $REPS)" >&2
       exit 1
     fi
-    cat "$pair.a" "$pair.b" | grep -v "^#" | awk -v m="$model" '{s += $3} END {print "pair", m, 2, s}' >>"$OUT"
+    # (grep finding no line must not end the script under pipefail)
+    { grep -hv "^#" "$pair.a" "$pair.b" || true; } | awk -v m="$model" '{s += $3} END {print "pair", m, 2, s}' >>"$OUT"
     rm -f "$pair" "$pair.a" "$pair.b"
     pair=
   done

@@ -13,8 +13,16 @@ REPS=${1:-5}
 shift || true
 if [ $# -gt 0 ]; then NPROCS=("$@"); else NPROCS=(2 4); fi
 SIZES="4096 65536 1048576 16777216 67108864"
-PEERS=/work/shared/peers
+# PEERS_DIR overrides where the peers are (../shared/peers next to the
+# checkout, else /work/shared/peers).
+PEERS=${PEERS_DIR:-}
+if [ -z "$PEERS" ]; then
+  PEERS=$(pwd)/../shared/peers
+  [ -d "$PEERS" ] || PEERS=/work/shared/peers
+fi
+[ -r "$PEERS/mpi_allreduce.c" ] || { echo "compare_peers: no $PEERS/mpi_allreduce.c; set PEERS_DIR to the peers' folder" >&2; exit 2; }
 BENCH=bazel-bin/examples/allreduce_bench
+[ -x "$BENCH" ] || { echo "compare_peers: no $BENCH; bazel build //examples:allreduce_bench" >&2; exit 1; }
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 mpicc -O2 -o /tmp/mpi_allreduce "$PEERS/mpi_allreduce.c"
@@ -28,7 +36,7 @@ for rep in $(seq "$REPS"); do
     for range in "4096 16M" "64M 64M"; do
       set -- $range
       "$BENCH" --nproc_per_node="$np" --min_bytes="$1" --max_bytes="$2" --step_factor=16 2>/dev/null |
-        grep -v '^#' | awk -v np="$np" '{print np, "ddp_" $3, $1, $4}' >>"$OUT"
+        { grep -v '^#' || true; } | awk -v np="$np" '{print np, "ddp_" $3, $1, $4}' >>"$OUT"
     done
     if [ "$np" = 2 ]; then
       /usr/bin/python3 "$PEERS/torch_gloo_allreduce.py" "$np" $SIZES 2>/dev/null |
