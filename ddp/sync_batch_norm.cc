@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
+#include <unordered_set>
 #include <vector>
 
 #include "nn/autograd/function.h"
@@ -423,15 +424,60 @@ std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::mo
   if (auto* bn = dynamic_cast<nn::modules::BatchNorm*>(module.get())) {
     return SyncBatchNorm::FromBatchNorm(*bn, group);
   }
-  // Collect first: replacing children while walking the tree would
-  // invalidate the walk.
-  std::vector<std::pair<std::string, const nn::modules::BatchNorm*>> found;
+  // Every registry slot that holds a BatchNorm: (parent, child name). A
+  // module registered under several parents (or a parent reached by two
+  // paths) is visited once, so each slot is counted once.
+  struct Slot {
+    nn::modules::Module* parent;
+    std::string name;
+    std::string path;  // one dotted path that reaches the slot, for messages
+  };
+  struct Found {
+    const nn::modules::BatchNorm* bn;
+    long registry_refs = 0;   // slots holding it
+    long use_count = 0;       // the owning pointer's count, read from a slot
+    std::vector<Slot> slots;
+  };
+  std::vector<Found> found;
+  std::unordered_set<const nn::modules::Module*> visited;
   for (const auto& [path, m] : module->NamedModules()) {
-    if (path.empty()) continue;
-    if (auto* bn = dynamic_cast<const nn::modules::BatchNorm*>(m)) found.emplace_back(path, bn);
+    if (!visited.insert(m).second) continue;
+    for (const auto& [name, child] : m->NamedChildren()) {
+      auto* bn = dynamic_cast<const nn::modules::BatchNorm*>(child.get());
+      if (bn == nullptr) continue;
+      auto it = std::find_if(found.begin(), found.end(), [&](const Found& f) { return f.bn == bn; });
+      if (it == found.end()) it = found.insert(found.end(), Found{bn});
+      ++it->registry_refs;
+      it->use_count = child.use_count();
+      it->slots.push_back({m, name, path.empty() ? name : path + "." + name});
+    }
   }
-  for (const auto& [path, bn] : found) {
-    module->ReplaceChild(path, SyncBatchNorm::FromBatchNorm(*bn, group));
+  // A layer owned outside the registry as well (typically a member the
+  // parent kept from RegisterModule and calls in its Forward) would go on
+  // running the old, local BatchNorm after its slot is replaced: nothing
+  // would synchronize, and nothing would say so. nn's rule is that a
+  // module's Forward looks its children up by name (nn/README.md, Modules:
+  // ReplaceChild), so such an owner is refused before anything changes.
+  std::string held;
+  for (const Found& f : found) {
+    if (f.use_count <= f.registry_refs) continue;
+    held += std::string(held.empty() ? "" : ", ") + "`" + f.slots.front().path + "` (" +
+            std::to_string(f.use_count - f.registry_refs) + " other owner" +
+            (f.use_count - f.registry_refs == 1 ? "" : "s") + ")";
+  }
+  if (!held.empty()) {
+    throw std::invalid_argument(
+        "ConvertSyncBatchNorm: BatchNorm " + held +
+        " is also held outside the module registry (a member kept from RegisterModule, or a variable), so "
+        "replacing it in the registry would leave that owner running the local BatchNorm with nothing "
+        "synchronized. The parent's Forward must look the child up by name (Child(\"...\")), as nn's modules "
+        "do, and other references must be dropped before converting; nothing was replaced");
+  }
+  // One SyncBatchNorm per BatchNorm, placed in each of its slots, so a
+  // layer shared between paths stays shared.
+  for (const Found& f : found) {
+    std::shared_ptr<SyncBatchNorm> sync = SyncBatchNorm::FromBatchNorm(*f.bn, group);
+    for (const Slot& slot : f.slots) slot.parent->ReplaceChild(slot.name, sync);
   }
   return module;
 }

@@ -93,6 +93,11 @@ class SyncBatchNorm : public nn::modules::Module {
 /// that takes over its parameters, buffers and mode; returns the module
 /// (or the new layer when `module` itself is a BatchNorm). Call it before
 /// wrapping in DistributedDataParallel and before creating the optimizer.
+/// A BatchNorm registered at several paths becomes one SyncBatchNorm at
+/// all of them. Throws std::invalid_argument naming the path, and replaces
+/// nothing, when a BatchNorm is also owned outside the registry (e.g. a
+/// member its parent kept from RegisterModule): that owner would go on
+/// running the local layer. Forwards must look children up by name.
 std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::modules::Module> module,
                                                           std::shared_ptr<ProcessGroup> group = nullptr);
 

@@ -376,6 +376,67 @@ TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
   EXPECT_NE(dynamic_cast<SyncBatchNorm*>(root.get()), nullptr);
 }
 
+// A parent that keeps the BatchNorm RegisterModule returned and calls it
+// from a member would keep running the local layer after conversion: the
+// conversion refuses it, naming the path, and changes nothing.
+class HoldsItsBatchNorm : public nn::modules::Module {
+ public:
+  HoldsItsBatchNorm() { bn_ = RegisterModule("bn", std::make_shared<nn::modules::BatchNorm1d>(kC)); }
+  Tensor Forward(const Tensor& x) override { return bn_->Forward(x); }
+  using Module::Forward;
+  std::string TypeName() const override { return "HoldsItsBatchNorm"; }
+
+ private:
+  std::shared_ptr<nn::modules::BatchNorm1d> bn_;
+};
+
+// The same layer, looked up by name at each forward.
+class LooksItsBatchNormUp : public nn::modules::Module {
+ public:
+  LooksItsBatchNormUp() { RegisterModule("bn", std::make_shared<nn::modules::BatchNorm1d>(kC)); }
+  Tensor Forward(const Tensor& x) override { return Child("bn")->Forward(x); }
+  using Module::Forward;
+  std::string TypeName() const override { return "LooksItsBatchNormUp"; }
+};
+
+TEST(SyncBatchNormTest, ConvertRefusesABatchNormHeldOutsideTheRegistry) {
+  auto model = std::make_shared<nn::modules::Sequential>(
+      std::initializer_list<std::shared_ptr<nn::modules::Module>>{
+          std::make_shared<LooksItsBatchNormUp>(), std::make_shared<HoldsItsBatchNorm>()});
+  try {
+    ConvertSyncBatchNorm(model, ProcessGroup::Single());
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("`1.bn`"), std::string::npos) << message;
+    EXPECT_EQ(message.find("`0.bn`"), std::string::npos) << message;
+    EXPECT_NE(message.find("look the child up by name"), std::string::npos) << message;
+  }
+  // Nothing was replaced, the by-name layer included.
+  for (auto& [path, m] : model->NamedModules()) {
+    EXPECT_EQ(dynamic_cast<SyncBatchNorm*>(m), nullptr) << path;
+  }
+
+  // The by-name module alone converts, and its forward uses the new layer.
+  auto by_name = std::make_shared<LooksItsBatchNormUp>();
+  ConvertSyncBatchNorm(by_name, ProcessGroup::Single());
+  EXPECT_NE(dynamic_cast<SyncBatchNorm*>(by_name->Child("bn").get()), nullptr);
+  EXPECT_EQ(by_name->Forward(nn::Ones({4, kC})).shape(), (std::vector<int64_t>{4, kC}));
+}
+
+// A BatchNorm registered at two paths (shared) becomes one SyncBatchNorm
+// registered at both.
+TEST(SyncBatchNormTest, ConvertKeepsASharedBatchNormShared) {
+  auto bn = std::make_shared<nn::modules::BatchNorm1d>(kC);
+  auto model = std::make_shared<nn::modules::Sequential>(
+      std::initializer_list<std::shared_ptr<nn::modules::Module>>{bn, std::make_shared<nn::modules::ReLU>(), bn});
+  bn.reset();
+  ConvertSyncBatchNorm(model, ProcessGroup::Single());
+  auto first = model->at(0), last = model->at(2);
+  EXPECT_NE(dynamic_cast<SyncBatchNorm*>(first.get()), nullptr);
+  EXPECT_EQ(first.get(), last.get());
+}
+
 // Its own running-statistics update takes the momentum unchecked: a bad
 // one fails at construction, as BatchNorm's does.
 TEST(SyncBatchNormTest, BadEpsOrMomentumIsNamedAtConstruction) {
