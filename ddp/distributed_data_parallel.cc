@@ -56,11 +56,21 @@ class DistributedDataParallel::Impl {
   // OverlappedZeroOptimizer::Step, say) is the same on one rank as on N.
   int64_t sync_forwards = 0;
 
-  // Statistics window.
-  int64_t forward_count = 0;
+  // Statistics. The totals only grow; a window is the difference from a
+  // snapshot of them. The user's window (Stats, ResetStats) and the
+  // logger's (log_stats_every) have a snapshot each, so that logging does
+  // not restart the window the user reads.
+  struct StatsSnapshot {
+    int64_t forward_count = 0;
+    double forward_seconds = 0;
+    internal::ReducerTimes times;    // the reducer's totals then
+    std::chrono::nanoseconds cpu{0};   // pg's CommThreadCpuTime then
+    std::chrono::nanoseconds wait{0};  // pg's PeerWaitTime then
+  };
+  int64_t forward_count = 0;  // training forwards, ever
   double forward_seconds = 0;
-  std::chrono::nanoseconds cpu_at_reset{0};
-  std::chrono::nanoseconds wait_at_reset{0};  // pg's PeerWaitTime then
+  StatsSnapshot user_since;
+  StatsSnapshot log_since;
   int64_t log_every = 0;
   int64_t logged_at = 0;
 };
@@ -68,6 +78,42 @@ class DistributedDataParallel::Impl {
 // ------------------------------------------------------------ wrapper ----
 
 namespace {
+
+using StatsSnapshot = DistributedDataParallel::Impl::StatsSnapshot;
+
+StatsSnapshot TakeStatsSnapshot(const DistributedDataParallel::Impl& s, const ProcessGroup& pg) {
+  StatsSnapshot snap;
+  snap.forward_count = s.forward_count;
+  snap.forward_seconds = s.forward_seconds;
+  if (s.reducer != nullptr) snap.times = s.reducer->times();
+  snap.cpu = pg.CommThreadCpuTime();
+  snap.wait = pg.PeerWaitTime();
+  return snap;
+}
+
+DdpStats StatsSince(const DistributedDataParallel::Impl& s, const ProcessGroup& pg, const StatsSnapshot& since) {
+  DdpStats stats;
+  const int64_t forwards = s.forward_count - since.forward_count;
+  if (forwards > 0) stats.forward_ms = 1e3 * (s.forward_seconds - since.forward_seconds) / forwards;
+  if (s.reducer != nullptr) {
+    const internal::ReducerTimes& t = s.reducer->times();
+    const int64_t iterations = t.iterations - since.times.iterations;
+    stats.iterations = iterations;
+    stats.bucket_bytes = s.reducer->BucketBytes();
+    if (iterations > 0) {
+      const double k = 1e3 / iterations;
+      stats.backward_compute_ms = (t.backward_compute - since.times.backward_compute) * k;
+      stats.backward_comm_ms = (t.backward_comm - since.times.backward_comm) * k;
+      stats.overlap_ms = (t.overlap - since.times.overlap) * k;
+      stats.exposed_ms = (t.exposed - since.times.exposed) * k;
+      stats.comm_thread_cpu_ms =
+          std::chrono::duration<double, std::milli>(pg.CommThreadCpuTime() - since.cpu).count() / iterations;
+      stats.peer_wait_ms =
+          std::chrono::duration<double, std::milli>(pg.PeerWaitTime() - since.wait).count() / iterations;
+    }
+  }
+  return stats;
+}
 
 std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& module, const DdpOptions& o) {
   std::vector<internal::ReplicaEntry> entries;
@@ -228,8 +274,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
                                                              impl_->trace);
       }
     }
-    impl_->cpu_at_reset = pg_->CommThreadCpuTime();
-    impl_->wait_at_reset = pg_->PeerWaitTime();
+    impl_->user_since = TakeStatsSnapshot(*impl_, *pg_);
+    impl_->log_since = impl_->user_since;
     if (level != DebugLevel::kOff && pg_->rank() == 0) {
       std::fprintf(stderr, "[ddp] DistributedDataParallel over %d rank(s): %s\n", pg_->size(),
                    Stats().ToString().c_str());
@@ -408,10 +454,11 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   if (s.trace != nullptr) s.trace->Complete("forward", "compute", start, end);
   if (s.log_every > 0 && pg_->rank() == 0 && s.reducer != nullptr &&
       s.reducer->iterations() >= s.logged_at + s.log_every) {
+    // The logger's own window: the user's (Stats) is left as it is.
     std::fprintf(stderr, "[ddp] iterations %" PRId64 "-%" PRId64 ": %s\n", s.logged_at,
-                 s.reducer->iterations() - 1, Stats().ToString().c_str());
+                 s.reducer->iterations() - 1, StatsSince(s, *pg_, s.log_since).ToString().c_str());
     s.logged_at = s.reducer->iterations();
-    ResetStats();
+    s.log_since = TakeStatsSnapshot(s, *pg_);
   }
   return outputs;
 }
@@ -424,37 +471,9 @@ void DistributedDataParallel::RegisterCommHook(CommHook hook) {
   }
 }
 
-DdpStats DistributedDataParallel::Stats() const {
-  const Impl& s = *impl_;
-  DdpStats stats;
-  if (s.forward_count > 0) stats.forward_ms = 1e3 * s.forward_seconds / s.forward_count;
-  if (s.reducer != nullptr) {
-    const internal::ReducerTimes& t = s.reducer->times();
-    stats.iterations = t.iterations;
-    stats.bucket_bytes = s.reducer->BucketBytes();
-    if (t.iterations > 0) {
-      const double k = 1e3 / t.iterations;
-      stats.backward_compute_ms = t.backward_compute * k;
-      stats.backward_comm_ms = t.backward_comm * k;
-      stats.overlap_ms = t.overlap * k;
-      stats.exposed_ms = t.exposed * k;
-      stats.comm_thread_cpu_ms =
-          std::chrono::duration<double, std::milli>(pg_->CommThreadCpuTime() - s.cpu_at_reset).count() /
-          t.iterations;
-      stats.peer_wait_ms =
-          std::chrono::duration<double, std::milli>(pg_->PeerWaitTime() - s.wait_at_reset).count() / t.iterations;
-    }
-  }
-  return stats;
-}
+DdpStats DistributedDataParallel::Stats() const { return StatsSince(*impl_, *pg_, impl_->user_since); }
 
-void DistributedDataParallel::ResetStats() {
-  impl_->forward_count = 0;
-  impl_->forward_seconds = 0;
-  impl_->cpu_at_reset = pg_->CommThreadCpuTime();
-  impl_->wait_at_reset = pg_->PeerWaitTime();
-  if (impl_->reducer != nullptr) impl_->reducer->ResetTimes();
-}
+void DistributedDataParallel::ResetStats() { impl_->user_since = TakeStatsSnapshot(*impl_, *pg_); }
 
 void DistributedDataParallel::WriteTrace() const {
   if (impl_->trace == nullptr) {
