@@ -67,8 +67,9 @@ void UpdateRunningStats(const Tensor& num_batches_tracked, const Tensor& running
 
 // Backward of both SyncBatchNorm functions, from nn's building blocks on x's
 // device. Saved: x, weight, the global mean and invstd (f64 [C] on x's
-// device); saved_data: the global count ("total") and the group ("pg", a
-// shared_ptr: the group lives until backward even if the module lets go).
+// device); saved_data: the global count ("total"), the group ("pg", a
+// shared_ptr: the group lives until backward even if the module lets go)
+// and the layer's Describe() ("layer"), which labels the all-reduce.
 std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
   const std::vector<Tensor> saved = ctx->GetSavedTensors();
   const Tensor& x = saved[0];
@@ -78,6 +79,7 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
   const Tensor dy = grad[0].Contiguous();
   const double total = std::any_cast<double>(ctx->saved_data["total"]);
   const auto pg = std::any_cast<std::shared_ptr<ProcessGroup>>(ctx->saved_data["pg"]);
+  const auto layer = std::any_cast<std::string>(ctx->saved_data["layer"]);
   const Dims d = GetDims(x);
   const nn::Device device = x.device();
   nn::NoGradGuard guard;
@@ -97,7 +99,7 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
     // in or about to be: stop them now (as a refused forward does) rather
     // than at the group's timeout.
     if (ctx->NeedsInputGrad(0) && pg->size() > 1) {
-      pg->Abort(transport::InternalError("SyncBatchNorm backward on rank " + std::to_string(pg->rank()) +
+      pg->Abort(transport::InternalError(layer + " backward on rank " + std::to_string(pg->rank()) +
                                          " failed before its all-reduce: " + e.what()));
     }
     throw;
@@ -110,7 +112,9 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
   if (ctx->NeedsInputGrad(0)) {
     // The global sums: every rank's x shaped the statistics.
     Tensor global = sums.Clone();
-    pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad").Wait();
+    // Labelled with the layer: DDP_DEBUG=detail then tells apart two
+    // layers of one width, and a timeout names the layer.
+    pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad of " + layer).Wait();
     const Tensor means = nn::ops::MulScalar(global, 1.0 / total);
     dx = x.numel() == 0
              ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
@@ -130,10 +134,10 @@ struct GlobalStats {
   double total = 0;
 };
 
-GlobalStats GatherStats(ProcessGroup& pg, const Tensor& mine, int64_t channels) {
+GlobalStats GatherStats(ProcessGroup& pg, const Tensor& mine, int64_t channels, const std::string& layer) {
   const int64_t row = 1 + 2 * channels;
   Tensor all = nn::Empty({row * pg.size()}, {.dtype = nn::DType::kFloat64});
-  pg.AllGather(all, mine, "sync_batch_norm stats").Wait();
+  pg.AllGather(all, mine, "sync_batch_norm stats of " + layer).Wait();
   const double* a = all.data<double>();
   GlobalStats g{std::vector<double>(channels, 0.0), std::vector<double>(channels, 0.0), 0.0};
   for (int r = 0; r < pg.size(); ++r) {
@@ -163,7 +167,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
                                      const std::shared_ptr<ProcessGroup>& pg, const Tensor& num_batches_tracked,
                                      const Tensor& running_mean, const Tensor& running_var, double momentum,
-                                     double eps) {
+                                     double eps, const std::string& layer) {
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
     const Tensor& bias = in[2];
@@ -198,7 +202,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
       }
     });
 
-    const GlobalStats g = GatherStats(*pg, mine, d.c);
+    const GlobalStats g = GatherStats(*pg, mine, d.c, layer);
     const std::vector<double>& mean = g.mean;
     const std::vector<double>& m2 = g.m2;
     const double total = g.total;
@@ -217,6 +221,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
     ctx->SaveForBackward({x, weight, mean_t, invstd_t});
     ctx->saved_data["total"] = total;
     ctx->saved_data["pg"] = pg;
+    ctx->saved_data["layer"] = layer;
     return {y};
   }
 
@@ -234,7 +239,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
                                      const std::shared_ptr<ProcessGroup>& pg, const Tensor& num_batches_tracked,
                                      const Tensor& running_mean, const Tensor& running_var, double momentum,
-                                     double eps) {
+                                     double eps, const std::string& layer) {
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
     const Tensor& bias = in[2];
@@ -262,7 +267,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
           .CopyFrom(nn::ops::Sub(c.sum_sq, nn::ops::MulScalar(nn::ops::Square(c.sum), 1.0 / static_cast<double>(m))));
       mine.Narrow(0, 1, 2 * d.c).CopyFrom(row.To(nn::kCPU));
     }
-    const GlobalStats g = GatherStats(*pg, mine, d.c);
+    const GlobalStats g = GatherStats(*pg, mine, d.c, layer);
     const double total = g.total;
     CheckGlobalCount(total, x, *pg);
     const std::vector<double>& mean = g.mean;
@@ -280,6 +285,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     ctx->SaveForBackward({x, weight, mean_t, invstd_t});
     ctx->saved_data["total"] = total;
     ctx->saved_data["pg"] = pg;
+    ctx->saved_data["layer"] = layer;
     return {y};
   }
 
@@ -406,13 +412,15 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
     }
     return y;
   }
+  // "SyncBatchNorm(3) `layer1.0.bn1`": labels this layer's collectives.
+  const std::string layer = Describe();
   try {
     if (!x.device().is_cpu() || internal_use_blocks()) {
       return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg, tracked, running_mean_,
-                                                running_var_, momentum, options_.eps)[0];
+                                                running_var_, momentum, options_.eps, layer)[0];
     }
     return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg, tracked, running_mean_, running_var_,
-                                        momentum, options_.eps)[0];
+                                        momentum, options_.eps, layer)[0];
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }

@@ -376,6 +376,32 @@ TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
   EXPECT_NE(dynamic_cast<SyncBatchNorm*>(root.get()), nullptr);
 }
 
+// Two layers of one width, rank r running layer r: their collectives have
+// the same shapes, so only their labels tell them apart. With
+// DDP_DEBUG=detail both ranks stop with a desync naming both layers
+// (unlabelled, the two all-gathers paired and both ranks went on).
+DDP_TEST_WORKER(sync_bn_layers_desync) {
+  auto pg = testing::WorkerGroup();
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<nn::modules::Module>>{
+      std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, pg),
+      std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, pg)});
+  std::string message = "no error";
+  try {
+    model->at(pg->rank())->Forward(nn::Randn({4, kC}));
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("desync") != std::string::npos, message);
+  WORKER_EXPECT(message.find("SyncBatchNorm(3) `0`") != std::string::npos, message);
+  WORKER_EXPECT(message.find("SyncBatchNorm(3) `1`") != std::string::npos, message);
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, DetailModeTellsLayersOfOneWidthApart) {
+  auto run = RunWorkers("sync_bn_layers_desync", 2, {{"DDP_DEBUG", "detail"}, {"DDP_TEST_TIMEOUT_MS", "10000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A parent that keeps the BatchNorm RegisterModule returned and calls it
 // from a member would keep running the local layer after conversion: the
 // conversion refuses it, naming the path, and changes nothing.
