@@ -123,6 +123,13 @@ std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& m
   for (const auto& [name, b] : module.NamedBuffers()) {
     entries.push_back({"buffer", name, internal::DescribeTensor(b, false)});
   }
+  // Every module's path and type: a rank that skipped ConvertSyncBatchNorm
+  // has the same parameters and buffers, but its BatchNorm runs no
+  // collective while the others' SyncBatchNorm waits in one. TypeName is a
+  // fixed string per class, the same on every rank.
+  for (const auto& [path, m] : const_cast<nn::modules::Module&>(module).NamedModules()) {
+    entries.push_back({"module", path.empty() ? "(root)" : path, m->TypeName()});
+  }
   auto option = [&](const char* name, const std::string& value) {
     entries.push_back({"option", name, value});
   };
@@ -244,7 +251,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_),
                              "DistributedDataParallel: the ranks' models differ (every rank must register the "
                              "same parameters and buffers, in the same order, with the same shapes, dtypes and "
-                             "strides, and pass the same options).");
+                             "strides, the same modules (paths and types), and pass the same options).");
     // Past the comparison every rank has the same options and the same
     // trainable parameters, so a bad value is bad on all of them, and they
     // all throw this.

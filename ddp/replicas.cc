@@ -63,7 +63,7 @@ std::string Plural(const std::string& kind, size_t n) {
 // they differ.
 std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks, const std::string& heading) {
   const int size = static_cast<int>(ranks.size());
-  for (const std::string kind : {"parameter", "buffer", "option"}) {
+  for (const std::string kind : {"parameter", "buffer", "module", "option"}) {
     std::vector<std::vector<const ReplicaEntry*>> lists;
     size_t longest = 0;
     for (const auto& r : ranks) {

@@ -16,9 +16,9 @@ namespace ddp::dist::internal {
 
 /// One line of a rank's model description.
 struct ReplicaEntry {
-  std::string kind;   ///< "parameter", "buffer" or "option".
-  std::string name;   ///< "1.weight", "bucket_cap_mb".
-  std::string value;  ///< "f32 [512, 784] strides [784, 1]", "25".
+  std::string kind;   ///< "parameter", "buffer", "module" or "option".
+  std::string name;   ///< "1.weight", "layer1.0.bn1", "bucket_cap_mb".
+  std::string value;  ///< "f32 [512, 784] strides [784, 1]", "SyncBatchNorm", "25".
 };
 
 /// "f32 [512, 784] strides [784, 1]" (plus " on cuda" for a tensor on any

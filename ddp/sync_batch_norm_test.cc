@@ -376,6 +376,34 @@ TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
   EXPECT_NE(dynamic_cast<SyncBatchNorm*>(root.get()), nullptr);
 }
 
+// Rank 0 converts and rank 1 does not: the parameters and buffers agree,
+// so only the modules' types tell the replicas apart. Both ranks refuse at
+// construction naming the layer (unchecked, rank 0's all-gather waited for
+// rank 1 until the group's timeout).
+DDP_TEST_WORKER(sync_bn_converted_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  std::shared_ptr<nn::modules::Module> model = BnCnn();
+  if (pg->rank() == 0) model = ConvertSyncBatchNorm(model, pg);
+  std::string message = "no error";
+  try {
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    const auto& data = testing::FashionMnist();
+    auto [x, y] = testing::Batch(data, 0, 8);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("the ranks' models differ") != std::string::npos, message);
+  WORKER_EXPECT(message.find("rank 0 has `1` SyncBatchNorm; rank 1 has `1` BatchNorm2d") != std::string::npos,
+                message);
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, ConvertingOnOneRankIsRefusedAtConstruction) {
+  auto run = RunWorkers("sync_bn_converted_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Two layers of one width, rank r running layer r: their collectives have
 // the same shapes, so only their labels tell them apart. With
 // DDP_DEBUG=detail both ranks stop with a desync naming both layers
