@@ -65,8 +65,10 @@ size_t TraceRecorder::dropped() const {
 
 void TraceRecorder::Write(const std::string& path, int rank) const {
   std::string json = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+  size_t dropped = 0;
   {
     std::lock_guard lock(mu_);
+    dropped = dropped_;  // read with the events it goes with
     // Lanes become numbered threads, named by metadata events.
     std::map<std::string, int> lanes;
     for (const Event& e : events_) lanes.emplace(e.lane, 0);
@@ -96,7 +98,11 @@ void TraceRecorder::Write(const std::string& path, int rank) const {
       json += "}";
     }
   }
-  json += "\n]}\n";
+  // The events past max_events_ were not kept: say how many, in the file's
+  // metadata (otherData, shown by chrome://tracing and Perfetto), so that a
+  // timeline that stops early is not read as a run that did.
+  json += "\n], \"otherData\": {\"max_events\": " + std::to_string(max_events_) +
+          ", \"dropped_events\": " + std::to_string(dropped) + "}}\n";
   nn::io::AtomicFileWriter writer(path);
   writer.Write(json.data(), json.size());
   writer.Commit();

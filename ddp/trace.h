@@ -30,7 +30,9 @@ class TraceRecorder {
                 Clock::time_point end, std::string args_json = "");
 
   /// Writes every event as a JSON document to `path` (replacing it
-  /// atomically), with `rank` as the process id. Throws on I/O errors.
+  /// atomically), with `rank` as the process id, and in its "otherData"
+  /// the capacity ("max_events") and the events dropped past it
+  /// ("dropped_events"). Throws on I/O errors.
   void Write(const std::string& path, int rank) const;
 
   /// Events recorded so far, and events dropped for lack of room.
