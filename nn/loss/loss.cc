@@ -131,9 +131,13 @@ Tensor WeightedCrossEntropy(const Tensor& logits, const Tensor& target, const Cr
   // Checked here so that the error names cross_entropy, as without weights.
   const Tensor ht = target.Detach().To(kCPU).Contiguous();
   const int64_t* t = ht.data<int64_t>();
-  std::vector<double> kept(static_cast<size_t>(ht.numel()));
-  for (int64_t i = 0; i < ht.numel(); ++i) {
-    kept[i] = t[i] != options.ignore_index ? 1.0 : 0.0;
+  const int64_t n = ht.numel();
+  // Per sample: 0 when its uniform term counts, 1 when it is ignored.
+  std::vector<int64_t> skip(static_cast<size_t>(n));
+  bool any_ignored = false;
+  for (int64_t i = 0; i < n; ++i) {
+    skip[i] = t[i] == options.ignore_index ? 1 : 0;
+    any_ignored |= skip[i] != 0;
     if (t[i] != options.ignore_index && (t[i] < 0 || t[i] >= c)) {
       throw std::out_of_range("cross_entropy: target " + std::to_string(t[i]) + " (sample " + std::to_string(i) +
                               ") is out of range for " + std::to_string(c) + " classes [0, " +
@@ -144,8 +148,23 @@ Tensor WeightedCrossEntropy(const Tensor& logits, const Tensor& target, const Cr
   const double eps = options.label_smoothing;
   if (eps > 0.0) {
     // -sum_k weight[k] * log_probs[i, k], 0 for ignored samples.
-    const Tensor mask = FromVector(kept, {ht.numel()}, {.dtype = compute}).To(logits.device());
-    const Tensor uniform = ops::Mul(ops::Neg(ops::Sum(ops::Mul(lp, w.View({1, c})), {1})), mask);
+    const Tensor weighted = ops::Mul(lp, w.View({1, c}));
+    Tensor uniform;
+    if (!any_ignored) {
+      uniform = ops::Neg(ops::Sum(weighted, {1}));
+    } else {
+      // An ignored row must give 0 by selection, in the forward and the
+      // backward: multiplying by a 0 mask makes inf * 0 = NaN for a row with
+      // a -inf log-probability, and for the inf gradient scale of a mean
+      // over nothing kept. NLL with one class does the selection: viewed as
+      // [N, 1, C], element (i, k) is class 0 at position k, and target[i, k]
+      // is 0 for a kept row, 1 (passed as the ignore index) for an ignored
+      // one; its loss is -weighted[i, k] or 0, its gradient likewise 0.
+      const Tensor sel = FromVectorOf<int64_t>(skip, {n, 1}).To(logits.device()).Expand({n, c});
+      uniform = ops::Sum(NllLoss(ops::View(weighted, {n, 1, c}), sel,
+                                 {.reduction = Reduction::kNone, .ignore_index = 1}),
+                         {1});
+    }
     per = ops::Add(ops::MulScalar(per, 1.0 - eps), ops::MulScalar(uniform, eps / static_cast<double>(c)));
   }
   switch (options.reduction) {

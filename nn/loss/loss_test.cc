@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 #include "nn/autograd/engine.h"
 #include "nn/ops/dispatch.h"
@@ -282,6 +283,62 @@ TEST(CrossEntropyTest, ClassWeightsMatchTheFormula) {
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-12) << i;
     }
+  }
+}
+
+// With class weights and label smoothing, an ignored row's uniform term is
+// left out by selection, not by multiplying with 0: a row of logits holding
+// -inf (log-probability -inf) that is ignored does not turn the loss into
+// inf * 0 = NaN. The loss is the kept row's alone, as PyTorch's.
+TEST(CrossEntropyTest, WeightedSmoothingIgnoredRowWithInfiniteLogitStaysFinite) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::kFloat64, DType::kFloat32}) {
+    Tensor logits = FromVector({1, 2, 3, -inf, 0, 0}, {2, 3}, {.dtype = dt, .requires_grad = true});
+    const Tensor target = FromVectorOf<int64_t>({2, -100}, {2});
+    const Tensor weight = Ones({3}, {.dtype = dt});
+    const double eps = 0.1;
+    // Row 0 by hand: (1 - eps) * -lp[2] + eps / 3 * -sum_k lp[k].
+    const double lse = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0));
+    const double row0 = (1 - eps) * (lse - 3) + eps / 3 * ((lse - 1) + (lse - 2) + (lse - 3));
+    const double tol = dt == DType::kFloat64 ? 1e-12 : 1e-5;
+    const std::vector<double> none =
+        CrossEntropy(logits, target, {.reduction = Reduction::kNone, .label_smoothing = eps, .weight = weight})
+            .ToVector<double>();
+    ASSERT_EQ(none.size(), 2u);
+    EXPECT_NEAR(none[0], row0, tol);
+    EXPECT_EQ(none[1], 0.0);
+    EXPECT_NEAR(
+        CrossEntropy(logits, target, {.reduction = Reduction::kSum, .label_smoothing = eps, .weight = weight}).Item(),
+        row0, tol);
+    Tensor mean = CrossEntropy(logits, target, {.label_smoothing = eps, .weight = weight});
+    EXPECT_NEAR(mean.Item(), row0, tol) << DTypeName(dt);
+    Backward(mean);
+    const std::vector<double> g = logits.grad().ToVector<double>();
+    ASSERT_EQ(g.size(), 6u);
+    for (int k = 0; k < 3; ++k) {
+      const double p = std::exp(k + 1 - lse);
+      const double smoothed = (k == 2 ? 1 - eps : 0.0) + eps / 3;
+      EXPECT_NEAR(g[k], p - smoothed, tol) << k;
+      EXPECT_EQ(g[3 + k], 0.0) << k;
+    }
+  }
+}
+
+// Every target ignored with kMean: the loss is 0 / 0 = NaN (as PyTorch), but
+// the gradient is 0 everywhere. Before, the backward multiplied the 1/0 = inf
+// scale by the 0 mask of the ignored rows and NaN reached logits.grad.
+TEST(CrossEntropyTest, WeightedSmoothingEveryTargetIgnoredGivesZeroGradient) {
+  for (double eps : {0.0, 0.1, 1.0}) {
+    Tensor logits = FromVector({1, 2, 3, 0.5, 0, -1}, {2, 3}, {.dtype = DType::kFloat64, .requires_grad = true});
+    const Tensor target = FromVectorOf<int64_t>({-100, -100}, {2});
+    const Tensor weight = FromVector({0.5, 1.0, 2.0}, {3}, {.dtype = DType::kFloat64});
+    Tensor mean = CrossEntropy(logits, target, {.label_smoothing = eps, .weight = weight});
+    EXPECT_TRUE(std::isnan(mean.Item())) << eps;
+    EXPECT_EQ(CrossEntropy(logits, target, {.reduction = Reduction::kSum, .label_smoothing = eps, .weight = weight})
+                  .Item(),
+              0.0);
+    Backward(mean);
+    EXPECT_EQ(logits.grad().ToVector<double>(), std::vector<double>(6, 0.0)) << eps;
   }
 }
 
