@@ -58,8 +58,17 @@ const char* BinaryName(BinaryOp op) {
 }
 
 Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
-  if (!a_in.defined() || !b_in.defined()) throw std::invalid_argument("binary op on an undefined tensor");
-  detail::CheckSameDevice(BinaryName(op), a_in, b_in);
+  // The op's own name ("AddRelu", not a prefix of the node's name) in errors.
+  const std::string name = detail::ForwardName(BinaryName(op));
+  if (!a_in.defined() || !b_in.defined()) {
+    const auto describe = [](const Tensor& t) { return t.defined() ? ShapeToString(t.shape()) : "undefined"; };
+    const std::string which = !a_in.defined() && !b_in.defined() ? "operands a and b are"
+                              : !a_in.defined()                  ? "operand a is"
+                                                                 : "operand b is";
+    throw std::invalid_argument(name + ": " + which + " undefined (a: " + describe(a_in) +
+                                ", b: " + describe(b_in) + ")");
+  }
+  detail::CheckSameDevice(name.c_str(), a_in, b_in);
   // torch.result_type: a 0-d operand (a loss, a scale) gives way to the
   // other's dtype unless it is floating and the other is not.
   DType dtype = ResultType(a_in.dtype(), a_in.dim() == 0, b_in.dtype(), b_in.dim() == 0);
@@ -72,7 +81,7 @@ Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
   try {
     shape = BroadcastShapes(a.shape(), b.shape());
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(std::string(BinaryName(op)).substr(0, 3) + ": " + e.what());
+    throw std::invalid_argument(name + ": " + e.what());
   }
   Tensor out = Empty(shape, {.dtype = dtype, .device = a.device()});
   DDP_KERNEL(out.device(), binary)(op, a, b, out);

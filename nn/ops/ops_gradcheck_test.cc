@@ -123,6 +123,23 @@ TEST(GradCheckTest, AddReluMatchesReluOfAdd) {
   EXPECT_EQ(ErrorOf([&] { AddRelu(i, i); }), "AddRelu: needs floating tensors, got i32 and i32");
 }
 
+// Binary ops' errors name the op in full and the operands' shapes. Before,
+// AddRelu's broadcast error said "Add:" and an undefined operand gave
+// "binary op on an undefined tensor".
+TEST(GradCheckTest, BinaryOpErrorsNameTheOpAndShapes) {
+  const Tensor a = Ones({2, 3}), b = Ones({4});
+  EXPECT_EQ(ErrorOf([&] { AddRelu(a, b); }),
+            "AddRelu: shapes [2, 3] and [4] cannot be broadcast together (dimension 1: 3 vs 4)");
+  EXPECT_EQ(ErrorOf([&] { Add(a, b); }),
+            "Add: shapes [2, 3] and [4] cannot be broadcast together (dimension 1: 3 vs 4)");
+  EXPECT_EQ(ErrorOf([&] { Div(b, a); }),
+            "Div: shapes [4] and [2, 3] cannot be broadcast together (dimension 1: 4 vs 3)");
+  EXPECT_EQ(ErrorOf([&] { AddRelu(Tensor(), a); }), "AddRelu: operand a is undefined (a: undefined, b: [2, 3])");
+  EXPECT_EQ(ErrorOf([&] { Mul(a, Tensor()); }), "Mul: operand b is undefined (a: [2, 3], b: undefined)");
+  EXPECT_EQ(ErrorOf([&] { Sub(Tensor(), Tensor()); }),
+            "Sub: operands a and b are undefined (a: undefined, b: undefined)");
+}
+
 TEST(GradCheckTest, ScalarAndUnaryOps) {
   EXPECT_TRUE(GradCheck([](const V& in) { return AddScalar(in[0], 2.5); }, {RandomLeaf({5}, 1)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return MulScalar(in[0], -1.5); }, {TransposedLeaf(2, 3, 2)}));
