@@ -1,12 +1,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nn/autograd/engine.h"
 #include "nn/autograd/function.h"
+#include "nn/autograd/node.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/gradcheck.h"
 
@@ -384,6 +387,62 @@ TEST(CustomFunctionTest, BadBackwardsAreReported) {
   EXPECT_NE(err.find("returned 2 gradients, expected 1"), std::string::npos) << err;
   EXPECT_FALSE(testing::GradCheck([](const std::vector<Tensor>& in) { return WrongDerivative::Apply({in[0]})[0]; },
                                   {testing::RandomLeaf({3}, 1)}));
+}
+
+// Two threads run forwards and backwards on one shared weight. Every graph
+// must end in the same AccumulateGrad node for the weight (the one its
+// AutogradMeta points to while a graph holds it), and no gradient may be
+// lost when both accumulate at once. Before, both threads could create and
+// store the accumulator unsynchronized (a data race; two nodes for one
+// leaf), and accumulation into .grad was unsynchronized. Run under
+// --config=tsan to catch the race itself.
+TEST(AutogradTest, ThreadsSharingALeafShareItsAccumulator) {
+  constexpr int kIters = 1000;
+  Tensor w = Param({3, 4}, 0.5);
+  std::atomic<int> ready{0};
+  std::atomic<int> mismatches{0};
+  auto run = [&](double value) {
+    const Tensor x = Full({2, 4}, value);
+    ready.fetch_add(1);
+    while (ready.load() < 2) {
+    }
+    for (int i = 0; i < kIters; ++i) {
+      Tensor y = ops::Linear(x, w, Tensor());
+      std::shared_ptr<Node> acc;
+      for (const Edge& e : y.grad_fn()->next_edges()) {
+        if (dynamic_cast<AccumulateGrad*>(e.fn.get()) != nullptr) acc = e.fn;
+      }
+      // While y holds its accumulator, the weight's edge is that same node.
+      if (acc == nullptr || GradientEdge(w).fn != acc) mismatches.fetch_add(1);
+      Backward(ops::Sum(y));
+    }
+  };
+  std::thread a(run, 1.0), b(run, 2.0);
+  a.join();
+  b.join();
+  EXPECT_EQ(mismatches.load(), 0);
+  // d sum(x w^T) / dw[o, i] = sum_n x[n, i]: 2 * 1 and 2 * 2 per iteration (exact in f32).
+  EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(12, kIters * (2.0f * 1 + 2.0f * 2)));
+}
+
+// The node observer may be set and cleared while another thread runs
+// backward: the engine reads it safely (before, the std::function was read
+// and replaced unsynchronized).
+TEST(AutogradTest, NodeObserverCanBeSetDuringBackward) {
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> observed{0};
+  std::thread setter([&] {
+    while (!done.load()) {
+      SetNodeObserver([&](const Node&, double) { observed.fetch_add(1); });
+      SetNodeObserver(nullptr);
+    }
+  });
+  Tensor w = Param({8}, 1.0);
+  for (int i = 0; i < 1000; ++i) Backward(ops::Sum(ops::Mul(ops::Square(w), w)));
+  done.store(true);
+  setter.join();
+  SetNodeObserver(nullptr);
+  EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(8, 3000.0f));
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "nn/autograd/engine.h"
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <queue>
 #include <stdexcept>
@@ -23,7 +25,18 @@ struct GraphTask {
 };
 
 thread_local GraphTask* current_task = nullptr;
-NodeObserver g_observer;
+// The node observer: replaced under g_observer_mu, read by backward threads
+// as a shared copy (so a replacement cannot destroy it mid-call). The flag
+// keeps the unset case to one atomic load per node.
+std::mutex g_observer_mu;
+std::shared_ptr<const NodeObserver> g_observer;
+std::atomic<bool> g_has_observer{false};
+
+std::shared_ptr<const NodeObserver> CurrentObserver() {
+  if (!g_has_observer.load(std::memory_order_acquire)) return nullptr;
+  std::lock_guard<std::mutex> lock(g_observer_mu);
+  return g_observer;
+}
 
 class TaskScope {
  public:
@@ -93,7 +106,15 @@ void RunCallbacks(GraphTask& task) {
 
 bool InBackward() { return current_task != nullptr; }
 
-void SetNodeObserver(NodeObserver observer) { g_observer = std::move(observer); }
+void SetNodeObserver(NodeObserver observer) {
+  std::shared_ptr<const NodeObserver> next =
+      observer ? std::make_shared<const NodeObserver>(std::move(observer)) : nullptr;
+  std::shared_ptr<const NodeObserver> old;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(g_observer_mu);
+  old = std::move(g_observer);
+  g_observer = std::move(next);
+  g_has_observer.store(g_observer != nullptr, std::memory_order_release);
+}
 
 void QueueCallback(std::function<void()> fn) {
   if (current_task == nullptr) {
@@ -198,10 +219,10 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     std::vector<Tensor> out_grads;
     if (any) {
       try {
-        if (g_observer) {
+        if (const std::shared_ptr<const NodeObserver> observer = CurrentObserver()) {
           const auto t0 = std::chrono::steady_clock::now();
           out_grads = node->Apply(std::move(in));
-          g_observer(*node, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          (*observer)(*node, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         } else {
           out_grads = node->Apply(std::move(in));
         }

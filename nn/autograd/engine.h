@@ -43,7 +43,8 @@ bool InBackward();
 class Node;
 /// Observes each node the engine runs (profiling): the node and the wall
 /// time its Apply took, on the backward thread. Empty by default; costs one
-/// branch per node when unset. Not thread-safe to change during a backward.
+/// atomic load per node when unset. May be changed while backward passes
+/// run: a pass already inside a node finishes with the observer it read.
 using NodeObserver = std::function<void(const Node& node, double seconds)>;
 void SetNodeObserver(NodeObserver observer);
 

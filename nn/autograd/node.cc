@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -37,6 +38,9 @@ AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable) : variable_
 std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
   Tensor g = std::move(grad_outputs[0]);
   if (!g.defined()) return {};
+  // Backward passes on two threads may reach one leaf's node at once; the
+  // update of .grad and its hooks run one at a time, as PyTorch's.
+  std::lock_guard<std::mutex> lock(mu_);
   const Tensor var(variable_);
   // Frozen after the forward (requires_grad turned off before backward):
   // no gradient and no post-accumulate hooks, so DDP does not reduce it, as
@@ -110,7 +114,10 @@ Edge GradientEdge(const Tensor& t) {
   if (!t.defined()) return {};
   if (t.grad_fn()) return {t.grad_fn(), t.output_nr()};
   if (!t.requires_grad()) return {};
+  // A leaf that requires grad has its metadata already (set_requires_grad
+  // made it), so only the accumulator needs guarding here.
   AutogradMeta& meta = t.impl()->mutable_autograd();
+  std::lock_guard<std::mutex> lock(meta.grad_accumulator_mu);
   std::shared_ptr<Node> acc = meta.grad_accumulator.lock();
   if (!acc) {
     acc = std::make_shared<AccumulateGrad>(t.impl_ptr());

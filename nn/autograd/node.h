@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,7 @@ class AccumulateGrad final : public Node {
 
  private:
   std::shared_ptr<TensorImpl> variable_;
+  std::mutex mu_;  // serializes Apply across concurrent backward passes
 };
 
 /// A tensor kept for backward: an alias with no autograd history (so a node

@@ -15,6 +15,7 @@
 #include <functional>
 #include <iosfwd>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -307,7 +308,11 @@ struct AutogradMeta {
   std::shared_ptr<autograd::Node> grad_fn;
   uint32_t output_nr = 0;
   /// The leaf's accumulation node, shared by every graph that uses the leaf.
+  /// Read and written under grad_accumulator_mu: threads running forwards on
+  /// shared parameters (grad mode on) reach it at once, and each must find
+  /// the node another made rather than make a second one.
   std::weak_ptr<autograd::Node> grad_accumulator;
+  std::mutex grad_accumulator_mu;
   std::vector<std::pair<uint64_t, PostAccumulateGradHook>> post_accumulate_hooks;
   uint64_t next_hook_id = 1;
 };
