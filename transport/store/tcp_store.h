@@ -85,6 +85,11 @@ struct TcpStoreServerOptions {
   size_t max_buffered_bytes = size_t{256} << 20;
   /// Most Get/Wait calls parked at once on one connection.
   size_t max_waits_per_connection = 256;
+  /// Most bytes of keys named by the calls parked at once, on all
+  /// connections (each parked key is held twice, and counts so): a wait
+  /// beyond it is refused with RESOURCE_EXHAUSTED. 256 waits of 1,024 keys
+  /// of 1 KiB on one connection would hold half a GiB otherwise.
+  size_t max_parked_key_bytes = size_t{256} << 20;
   /// Receives one line per refused connection or request (why, and from
   /// whom). Default: stderr, prefixed "ddp store: ", at most 20 lines a second.
   std::function<void(const std::string&)> log;
@@ -104,6 +109,7 @@ struct TcpStoreServerStats {
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
   uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
+  uint64_t parked_key_bytes = 0;      ///< What the parked calls' keys count against max_parked_key_bytes.
   uint64_t requests = 0;              ///< Requests received so far (every op, after the handshake).
   /// Frames waiting now for room under max_buffered_bytes (their
   /// connections are not read meanwhile); room goes to them in arrival order.

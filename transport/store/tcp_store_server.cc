@@ -182,6 +182,7 @@ class TcpStoreServer::Impl {
     s.stored_bytes = stored_bytes_.load();
     s.buffered_bytes = buffered_bytes_.load();
     s.parked_waits = parked_waits_.load();
+    s.parked_key_bytes = parked_key_bytes_.load();
     s.requests = requests_.load();
     s.frames_waiting_for_room = frames_waiting_for_room_.load();
     s.buffer_capacity_bytes = buffer_capacity_bytes_.load();
@@ -927,6 +928,14 @@ class TcpStoreServer::Impl {
     return true;
   }
 
+  // What a waiter's keys hold: each key in the waiter and in key_waiters_,
+  // with some bookkeeping per key.
+  static size_t ParkedKeyBytes(const std::vector<std::string>& keys) {
+    size_t bytes = 0;
+    for (const std::string& key : keys) bytes += 2 * key.size() + 64;
+    return bytes;
+  }
+
   Status Park(Connection& c, uint32_t request_id, wire::Op op, std::vector<std::string> keys,
               uint32_t timeout_ms) {
     if (timeout_ms == 0) {
@@ -937,6 +946,16 @@ class TcpStoreServer::Impl {
       return ResourceExhaustedError("already " + std::to_string(c.waiters.size()) +
                                     " waits parked on this connection (the limit)");
     }
+    const size_t key_bytes = ParkedKeyBytes(keys);
+    if (parked_key_bytes_ + key_bytes > options_.max_parked_key_bytes) {
+      return ResourceExhaustedError("a wait on " + std::to_string(keys.size()) + " keys (" +
+                                    std::to_string(key_bytes) + " bytes parked) over the " +
+                                    std::to_string(parked_key_bytes_.load()) +
+                                    " bytes of keys parked now exceeds the store's limit of " +
+                                    std::to_string(options_.max_parked_key_bytes) +
+                                    " (TcpStoreServerOptions::max_parked_key_bytes)");
+    }
+    parked_key_bytes_ += key_bytes;
     const uint64_t waiter_id = next_waiter_id_++;
     Waiter& w = waiters_[waiter_id];
     w.connection = c.id;
@@ -965,6 +984,7 @@ class TcpStoreServer::Impl {
     }
     waiter_deadlines_.erase({w.deadline, waiter_id});
     if (Connection* c = Find(w.connection)) c->waiters.erase(waiter_id);
+    parked_key_bytes_ -= ParkedKeyBytes(w.keys);
     waiters_.erase(it);
     parked_waits_ = waiters_.size();
   }
@@ -1226,6 +1246,7 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> stored_bytes_{0};
   std::atomic<uint64_t> buffered_bytes_{0};  // buffered_ at the end of the last round, for stats()
   std::atomic<uint64_t> parked_waits_{0};    // waiters_.size(), for stats()
+  std::atomic<uint64_t> parked_key_bytes_{0};  // ParkedKeyBytes of every waiter's keys
   std::atomic<uint64_t> requests_{0};        // requests received, for stats()
   std::atomic<uint64_t> frames_waiting_for_room_{0};  // waiting_for_memory_.size(), for stats()
   std::atomic<uint64_t> buffer_capacity_bytes_{0};  // buffer_capacity_, for stats()

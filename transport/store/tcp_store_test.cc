@@ -345,6 +345,42 @@ TEST(TcpStoreTest, MultiGetParksUntilEveryKeyIsSetAndKeepsTheOrder) {
   EXPECT_EQ(server->stats().requests - refused_before, 5u);
 }
 
+// The keys of parked waits count against one limit for the whole server: a
+// wait past it is refused naming the option, and the room comes back when a
+// wait ends. (256 waits of 1,024 keys of 1 KiB on one connection held half
+// a GiB that no limit counted.)
+TEST(TcpStoreTest, ParkedWaitsKeysAreBounded) {
+  TcpStoreServerOptions options;
+  options.max_parked_key_bytes = 4096;
+  auto server = StartServer(options);
+  auto first = ConnectClient(*server);
+  auto second = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  auto keys_named = [](const std::string& stem) {
+    std::vector<std::string> keys;
+    for (int i = 0; i < 10; ++i) keys.push_back(stem + std::string(90, 'k') + std::to_string(i));
+    return keys;
+  };
+  const std::vector<std::string> a = keys_named("a"), b = keys_named("b");
+  Status waited = InternalError("not run");
+  std::thread thread([&] { waited = first->Wait(a, DeadlineIn(20s)); });
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 1; }));
+  EXPECT_GT(server->stats().parked_key_bytes, 0u);
+  Status refused = second->Wait(b, DeadlineIn(5s));
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("max_parked_key_bytes"), std::string::npos) << refused;
+  for (const std::string& key : a) ASSERT_TRUE(setter->Set(key, "v", DeadlineIn(5s)).ok());
+  thread.join();
+  EXPECT_TRUE(waited.ok()) << waited;
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_key_bytes == 0; }));
+  // The room is back: the refused wait parks now, and ends.
+  std::thread again([&] { waited = second->Wait(b, DeadlineIn(20s)); });
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 1; }));
+  for (const std::string& key : b) ASSERT_TRUE(setter->Set(key, "v", DeadlineIn(5s)).ok());
+  again.join();
+  EXPECT_TRUE(waited.ok()) << waited;
+}
+
 // A parked wait counts the keys it still misses: a key deleted after it
 // was set is missing again, and the wait ends only once every key exists.
 TEST(TcpStoreTest, AKeyDeletedWhileAWaitIsParkedIsMissingAgain) {
