@@ -12,7 +12,8 @@
 // time_us is the slowest rank's mean time per call; algbw = bytes / time;
 // busbw = algbw * 2(n-1)/n, the bytes each rank's links must carry, which
 // makes figures comparable across rank counts; wrong counts mismatched
-// elements over all ranks with --check (else 0).
+// elements over all ranks with --check (else 0). With --check, a run that
+// found any wrong element says so on stderr and exits 1.
 //
 // --collective=broadcast times broadcasts from --root instead (in place;
 // busbw = algbw, as nccl-tests counts it; algo is "-"). --collective=alltoall
@@ -272,6 +273,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  // Every wrong element --check found, over all sizes and ranks.
+  int64_t total_wrong = 0;
   for (double size = std::max<size_t>(min_bytes, elem); size <= max_bytes; size *= FLAGS_step_factor) {
     const size_t block = std::max<size_t>(1, static_cast<size_t>(size) / elem / n);
     const size_t count = blocked ? block * n : static_cast<size_t>(size) / elem;
@@ -353,9 +356,16 @@ int main(int argc, char** argv) {
         }
       } else {
         Check(comm.AllReduce(send.data(), out, count, dtype, op), "checked all-reduce");
+        // For tests of the failure path only: rank 0 spoils one element of
+        // its result, as a broken algorithm would.
+        if (comm.rank() == 0 && count > 0 && std::getenv("ALLREDUCE_BENCH_TEST_CORRUPT") != nullptr) {
+          ddp::transport::testing::Store(dtype, out, 0,
+                                         ddp::transport::testing::Load(dtype, out, 0) + 1);
+        }
         wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));
       }
       Check(comm.AllReduce(&wrong, 1, DataType::kI64, ReduceOp::kSum), "collecting errors");
+      total_wrong += wrong;
     }
     if (comm.rank() == 0) {
       const double algbw = bytes / seconds / 1e9;
@@ -372,6 +382,14 @@ int main(int argc, char** argv) {
                   algbw, busbw, static_cast<long long>(wrong));
       std::fflush(stdout);
     }
+  }
+  // Every rank holds the same total (each size's count was all-reduced).
+  if (total_wrong > 0) {
+    if (comm.rank() == 0) {
+      std::fprintf(stderr, "allreduce_bench: --check found %lld wrong element(s) in all\n",
+                   static_cast<long long>(total_wrong));
+    }
+    return 1;
   }
   return 0;
 }

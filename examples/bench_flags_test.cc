@@ -214,6 +214,26 @@ TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {
   }
 }
 
+// With --check, a run with any wrong element fails (before, the count was
+// printed and the exit status was 0, so a broken algorithm passed CI). The
+// environment variable spoils one element of rank 0's all-reduce result.
+TEST(AllreduceBenchTest, AWrongResultFailsTheRun) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  const testing::RunOutput r = testing::RunToEnd(
+      {bench, "--nproc_per_node=2", "--min_bytes=4K", "--max_bytes=16K", "--step_factor=4", "--check"},
+      {{"ALLREDUCE_BENCH_TEST_CORRUPT", "1"}});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  int rows = 0;
+  for (const std::string& line : testing::Lines(r.out)) {
+    if (line.empty() || line[0] == '#') continue;
+    EXPECT_EQ(Fields(line).at(6), "1") << "wrong elements: " << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 2) << r.out;
+  EXPECT_NE(r.err.find("allreduce_bench: --check found 2 wrong element(s) in all\n"), std::string::npos)
+      << r.err;
+}
+
 // Broadcast's input is filled for --op (prod uses 1s and 2s) and must be
 // checked for it too (before, it was checked as a sum: every element of
 // --op=prod counted wrong). Collectives that reduce nothing refuse an --op
