@@ -242,6 +242,24 @@ int main(int argc, char** argv) {
   }
   const bool is_root = comm.rank() == root;
   const size_t elem = ddp::transport::DataTypeSize(dtype);
+  // The smallest message measured is one element (one per rank for the
+  // blocked collectives): a --max_bytes below it would time nothing and
+  // exit 0 with an empty table.
+  {
+    const size_t smallest = blocked ? elem * n : elem;
+    if (max_bytes < smallest) {
+      if (comm.rank() == 0) {
+        const std::string what =
+            blocked ? "one --dtype=" + FLAGS_dtype + " element per rank, which --collective=" +
+                          collective + " moves at least (" + std::to_string(n) + " ranks, " +
+                          std::to_string(smallest) + " bytes)"
+                    : "one --dtype=" + FLAGS_dtype + " element (" + std::to_string(smallest) + " bytes)";
+        std::fprintf(stderr, "allreduce_bench: --max_bytes=%s is less than %s: nothing would be measured\n",
+                     FLAGS_max_bytes.c_str(), what.c_str());
+      }
+      return 2;
+    }
+  }
   // Each rank holds a send and a receive buffer of up to --max_bytes. Refused
   // up front rather than left to the kernel's out-of-memory killer; rank 0's
   // reading decides for everyone, so that all ranks agree.
@@ -275,10 +293,16 @@ int main(int argc, char** argv) {
 
   // Every wrong element --check found, over all sizes and ranks.
   int64_t total_wrong = 0;
+  // Sizes that round to the message of the previous row are skipped rather
+  // than printed again (small sizes of the blocked collectives, which move at
+  // least one element per rank, or a --step_factor below 2 on small sizes).
+  size_t previous_bytes = 0;
   for (double size = std::max<size_t>(min_bytes, elem); size <= max_bytes; size *= FLAGS_step_factor) {
     const size_t block = std::max<size_t>(1, static_cast<size_t>(size) / elem / n);
     const size_t count = blocked ? block * n : static_cast<size_t>(size) / elem;
     const size_t bytes = count * elem;
+    if (bytes == previous_bytes) continue;
+    previous_bytes = bytes;
     HostBuffer send(std::max<size_t>(bytes, 1)), recv(separate ? std::max<size_t>(bytes, 1) : 1);
     void* out = separate ? recv.data() : send.data();
     ddp::transport::testing::FillInput(dtype, send.data(), count, comm.rank(), op);

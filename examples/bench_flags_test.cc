@@ -234,6 +234,46 @@ TEST(AllreduceBenchTest, AWrongResultFailsTheRun) {
       << r.err;
 }
 
+// A --max_bytes below the smallest message (one element; one per rank for
+// all-to-all, gather and scatter) is refused, naming it (before, nothing
+// was measured and the run exited 0). Sizes that round to the previous
+// row's message are not printed twice.
+TEST(AllreduceBenchTest, AMaxBytesBelowOneElementIsRefusedAndNoSizeIsPrintedTwice) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--nproc_per_node=1", "--dtype=f64", "--max_bytes=4"},
+       "allreduce_bench: --max_bytes=4 is less than one --dtype=f64 element (8 bytes): nothing "
+       "would be measured\n"},
+      {{"--nproc_per_node=1", "--min_bytes=0", "--max_bytes=2"},
+       "allreduce_bench: --max_bytes=2 is less than one --dtype=f32 element (4 bytes): nothing "
+       "would be measured\n"},
+      {{"--nproc_per_node=2", "--collective=alltoall", "--max_bytes=4"},
+       "allreduce_bench: --max_bytes=4 is less than one --dtype=f32 element per rank, which "
+       "--collective=alltoall moves at least (2 ranks, 8 bytes): nothing would be measured\n"},
+  };
+  for (const auto& [flags, message] : refused) {
+    std::vector<std::string> argv = {bench};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const testing::RunOutput r = testing::RunToEnd(argv);
+    EXPECT_EQ(r.exit_code, 2) << flags.back() << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_EQ(testing::Lines(r.out).size(), 0u) << r.out;
+  }
+  // 4, 8, 16, 32 and 64 bytes over 2 ranks: blocks of 1, 1, 2, 4 and 8 f32s.
+  for (const char* collective : {"alltoall", "gather", "scatter"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=2", std::string("--collective=") + collective, "--min_bytes=4",
+         "--max_bytes=64", "--step_factor=2", "--check"});
+    ASSERT_EQ(r.exit_code, 0) << collective << "\n" << r.out << r.err;
+    std::vector<std::string> bytes;
+    for (const std::string& line : testing::Lines(r.out)) {
+      if (line.empty() || line[0] == '#') continue;
+      bytes.push_back(Fields(line).at(0));
+    }
+    EXPECT_EQ(bytes, (std::vector<std::string>{"8", "16", "32", "64"})) << collective << "\n" << r.out;
+  }
+}
+
 // Broadcast's input is filled for --op (prod uses 1s and 2s) and must be
 // checked for it too (before, it was checked as a sum: every element of
 // --op=prod counted wrong). Collectives that reduce nothing refuse an --op
