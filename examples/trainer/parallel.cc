@@ -301,11 +301,11 @@ class DdpParallel : public Parallel {
   }
 
   CommTotals Totals() override {
-    if (ddp_ != nullptr) {
-      Add(ddp_->Stats());
-      ddp_->ResetStats();
-    }
-    return totals_;
+    // Leaves DDP's window alone, so that asking mid-run (the trainer does at
+    // the end of its warm-up) does not cut the next stats line short.
+    CommTotals totals = totals_;
+    if (ddp_ != nullptr) AddTo(totals, ddp_->Stats());
+    return totals;
   }
 
   std::string WriteTrace() override {
@@ -316,14 +316,15 @@ class DdpParallel : public Parallel {
 
  private:
   // Stats are averages over a window; totals are sums.
-  void Add(const dist::DdpStats& s) {
+  void Add(const dist::DdpStats& s) { AddTo(totals_, s); }
+  static void AddTo(CommTotals& totals, const dist::DdpStats& s) {
     const double n = static_cast<double>(s.iterations);
-    totals_.iterations += s.iterations;
-    totals_.forward_ms += s.forward_ms * n;
-    totals_.backward_compute_ms += s.backward_compute_ms * n;
-    totals_.backward_comm_ms += s.backward_comm_ms * n;
-    totals_.overlap_ms += s.overlap_ms * n;
-    totals_.exposed_ms += s.exposed_ms * n;
+    totals.iterations += s.iterations;
+    totals.forward_ms += s.forward_ms * n;
+    totals.backward_compute_ms += s.backward_compute_ms * n;
+    totals.backward_comm_ms += s.backward_comm_ms * n;
+    totals.overlap_ms += s.overlap_ms * n;
+    totals.exposed_ms += s.exposed_ms * n;
   }
 
   std::shared_ptr<dist::ProcessGroup> pg_;

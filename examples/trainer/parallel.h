@@ -167,7 +167,8 @@ class Parallel {
   /// collective, and every rank calls it at the same point (the end of an
   /// epoch) with the same value.
   virtual std::string TakeStatsLine(bool every_rank) = 0;
-  /// Totals over the run so far.
+  /// Totals over the run so far (asking changes nothing: TakeStatsLine's
+  /// next line is the same).
   virtual CommTotals Totals() = 0;
   /// Writes this rank's Chrome trace now (when config.trace); returns its path.
   virtual std::string WriteTrace() = 0;

@@ -329,6 +329,7 @@ class Run {
   double measured_s_ = 0;
   double measured_samples_ = 0;
   int64_t measured_steps_ = 0;
+  CommTotals warmup_comm_;  // DDP's totals at the end of the warm-up steps
   double all_steps_s_ = 0;
   double all_samples_ = 0;
 
@@ -674,6 +675,8 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
     measured_s_ += dt;
     measured_samples_ += samples;
     measured_steps_ += 1;
+  } else if (steps_this_process_ == kWarmupSteps) {
+    warmup_comm_ = par_.Totals();
   }
   rate_.Add(t1, samples);
   return true;
@@ -1075,7 +1078,18 @@ RunResult Run::Go() {
     result.test_loss = NAN;
     result.test_acc = NAN;
   }
-  const CommTotals totals = par_.Totals();
+  CommTotals totals = par_.Totals();
+  if (measured_steps_ > 0) {
+    // Over the steps samples_per_s counts (a run of warm-up steps only
+    // reports them all, as samples_per_s does).
+    totals.iterations -= warmup_comm_.iterations;
+    totals.forward_ms -= warmup_comm_.forward_ms;
+    totals.backward_compute_ms -= warmup_comm_.backward_compute_ms;
+    totals.backward_comm_ms -= warmup_comm_.backward_comm_ms;
+    totals.overlap_ms -= warmup_comm_.overlap_ms;
+    totals.exposed_ms -= warmup_comm_.exposed_ms;
+  }
+  result.comm_iterations = totals.iterations;
   result.comm_share = totals.CommShare();
   result.comm_overlap = totals.Overlap();
   result.stopped_by_signal = signal;

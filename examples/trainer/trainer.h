@@ -57,8 +57,11 @@ struct RunResult {
   double test_loss = 0;          ///< Last evaluation.
   double test_acc = 0;           ///< Last evaluation, fraction in [0, 1].
   double wall_s = 0;
+  /// The communication figures cover the same steps as samples_per_s
+  /// (before, they included the warm-up steps).
   double comm_share = 0;         ///< See CommTotals::CommShare (NaN: no data).
   double comm_overlap = 0;       ///< See CommTotals::Overlap.
+  int64_t comm_iterations = 0;   ///< DDP's synchronizing iterations in them.
   int stopped_by_signal = 0;     ///< Non-zero: interrupted by this signal.
   std::string checkpoint_saved;  ///< Path of the last checkpoint written ("" none).
 };
