@@ -2,7 +2,9 @@
 // same model with the same per-rank batch on 1, 2 and 4 ranks of this
 // machine; global samples per second, speed-up over one rank, scaling
 // efficiency (speed-up / ranks), and DDP's view of communication (its
-// share of forward + backward time, and how much of it backward hid).
+// share of forward + backward time, and how much of it backward hid; the
+// overlap column reads "caller" where the ranks ran their collectives on
+// the training thread, which backward cannot hide anything behind).
 //
 //   bazel run -c opt //examples:scaling_bench -- --model=cnn --steps=200 --repeat=3
 //       --chart=/tmp/scaling.svg
@@ -73,6 +75,7 @@ struct Measurement {
   double step_ms = NAN;      ///< Wall time per step (global batch).
   double comm_share = NAN;   ///< DDP communication / (forward + backward).
   double overlap = NAN;      ///< Share of communication hidden behind backward.
+  bool on_caller = false;    ///< Rank 0 ran its collectives on the calling thread.
   bool ok = false;
 };
 
@@ -104,8 +107,9 @@ int RunWorker() {
     if (parallel->rank() == 0 && !FLAGS_result_file.empty()) {
       const double step_ms =
           1000.0 * FLAGS_batch_size * r.world_size / r.samples_per_s;
-      const std::string text = StringPrintf("%.17g %.17g %.17g %.17g\n", r.samples_per_s, step_ms,
-                                            r.comm_share, r.comm_overlap);
+      const std::string text =
+          StringPrintf("%.17g %.17g %.17g %.17g %d\n", r.samples_per_s, step_ms, r.comm_share,
+                       r.comm_overlap, parallel->CollectivesOnCaller() ? 1 : 0);
       ddp::nn::io::AtomicFileWriter out(FLAGS_result_file);
       out.Write(text.data(), text.size());
       out.Commit();
@@ -145,8 +149,8 @@ Measurement Measure(int ranks, const std::vector<std::string>& base_args, const 
   }
   // strtod reads "nan" (no communication with one rank); operator>> does not.
   std::ifstream in(result);
-  std::string f[4];
-  if (!(in >> f[0] >> f[1] >> f[2] >> f[3])) {
+  std::string f[5];
+  if (!(in >> f[0] >> f[1] >> f[2] >> f[3] >> f[4])) {
     std::fprintf(stderr, "scaling_bench: the %d-rank run left no figures\n", ranks);
     return m;
   }
@@ -154,6 +158,7 @@ Measurement Measure(int ranks, const std::vector<std::string>& base_args, const 
   m.step_ms = std::strtod(f[1].c_str(), nullptr);
   m.comm_share = std::strtod(f[2].c_str(), nullptr);
   m.overlap = std::strtod(f[3].c_str(), nullptr);
+  m.on_caller = f[4] == "1";
   m.ok = std::isfinite(m.samples_per_s) && m.samples_per_s > 0;
   return m;
 }
@@ -293,7 +298,8 @@ int main(int argc, char** argv) {
 
   const unsigned cores = std::thread::hardware_concurrency();
   std::printf("# scaling_bench: %s on %s, batch %lld per rank, %lld timed steps after %lld "
-              "warm-up, median of %d, %u cores\n",
+              "warm-up, median of %d, %u cores; overlap \"caller\": collectives ran on the "
+              "training thread, so none of them hid behind backward\n",
               FLAGS_model.c_str(), FLAGS_dataset.c_str(), static_cast<long long>(FLAGS_batch_size),
               static_cast<long long>(FLAGS_steps), static_cast<long long>(kWarmupSteps),
               FLAGS_repeat, cores);
@@ -337,7 +343,10 @@ int main(int argc, char** argv) {
     if (static_cast<unsigned>(n) > cores) notes += "  (more ranks than cores)";
     std::printf("%5d %11s %7.2fx %10s %10s %8s %8.1f%s\n", n, FormatRate(m.samples_per_s).c_str(),
                 speedup, Percent(speedup / n).c_str(), n == 1 ? "-" : Percent(m.comm_share).c_str(),
-                n == 1 ? "-" : Percent(m.overlap).c_str(), m.step_ms, notes.c_str());
+                n == 1        ? "-"
+                : m.on_caller ? "caller"
+                              : Percent(m.overlap).c_str(),
+                m.step_ms, notes.c_str());
     std::fflush(stdout);
   }
   std::filesystem::remove_all(dir);

@@ -28,7 +28,9 @@ TEST(ScalingBenchTest, PrintsOneRowPerRankCountFromTheSmallestAndTheChart) {
   const testing::RunOutput r = testing::RunToEnd(
       {testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=2,1", "--steps=3",
        "--batch_size=16", "--workers=0", "--chart=charts/../scaling.svg"},
-      {{"BUILD_WORKING_DIRECTORY", dir}});
+      // A communication thread, so that the overlap column is a percentage
+      // on any number of cores (see the next test for the other case).
+      {{"BUILD_WORKING_DIRECTORY", dir}, {"DDP_COLLECTIVE_THREAD", "comm"}});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const std::vector<std::string> lines = testing::Lines(r.out);
   ASSERT_EQ(lines.size(), 5u) << r.out;
@@ -44,6 +46,27 @@ TEST(ScalingBenchTest, PrintsOneRowPerRankCountFromTheSmallestAndTheChart) {
   EXPECT_EQ(lines[4], "# chart: " + dir + "/scaling.svg");
   const std::string svg = testing::ReadFile(dir + "/scaling.svg");
   EXPECT_NE(svg.find("scaling efficiency"), std::string::npos);
+}
+
+// With the collectives on the training thread (DDP_COLLECTIVE_THREAD=caller;
+// kAuto picks it on few cores) backward hides none of them: the overlap
+// column says "caller" (before, it read 0%, as if overlap had failed), and
+// the header says what that means.
+TEST(ScalingBenchTest, OverlapReadsCallerWhenCollectivesRunOnTheTrainingThread) {
+  const testing::RunOutput r = testing::RunToEnd(
+      {testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=2", "--steps=3",
+       "--batch_size=16", "--workers=0"},
+      {{"DDP_COLLECTIVE_THREAD", "caller"}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> lines = testing::Lines(r.out);
+  ASSERT_EQ(lines.size(), 3u) << r.out;
+  EXPECT_NE(lines[0].find("; overlap \"caller\": collectives ran on the training thread, so none "
+                          "of them hid behind backward"),
+            std::string::npos)
+      << lines[0];
+  EXPECT_TRUE(std::regex_match(
+      lines[2], std::regex(R"( +2 +[0-9,]+ +[0-9.]+x +\d+% +\d+% +caller +[0-9.]+)")))
+      << lines[2];
 }
 
 // A chart that could not be written is found out before the runs, not

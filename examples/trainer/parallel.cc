@@ -300,6 +300,8 @@ class DdpParallel : public Parallel {
     return line;
   }
 
+  bool CollectivesOnCaller() const override { return pg_ != nullptr && pg_->collectives_on_caller(); }
+
   CommTotals Totals() override {
     // Leaves DDP's window alone, so that asking mid-run (the trainer does at
     // the end of its warm-up) does not cut the next stats line short.

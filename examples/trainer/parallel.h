@@ -167,6 +167,10 @@ class Parallel {
   /// collective, and every rank calls it at the same point (the end of an
   /// epoch) with the same value.
   virtual std::string TakeStatsLine(bool every_rank) = 0;
+  /// Whether this rank runs its collectives on the calling thread
+  /// (ProcessGroup::collectives_on_caller): then backward hides none of the
+  /// gradient communication, and CommTotals::Overlap is not a measure of it.
+  virtual bool CollectivesOnCaller() const = 0;
   /// Totals over the run so far (asking changes nothing: TakeStatsLine's
   /// next line is the same).
   virtual CommTotals Totals() = 0;
