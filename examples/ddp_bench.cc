@@ -273,9 +273,13 @@ int Run() {
   const double cpu0 = ProcessCpuSeconds();
   for (int i = 0; i < FLAGS_steps; ++i) step(i + 5);
   const double cpu_ms = 1e3 * (ProcessCpuSeconds() - cpu0) / FLAGS_steps;
+  // The timed steps' statistics, taken before the barrier below: its wait
+  // for the slowest rank would otherwise count as peer wait and
+  // communication-thread CPU time. The barrier still ends dt, so that the
+  // rate is the slowest rank's.
+  const dist::DdpStats stats = ddp_model.Stats();
   pg->Barrier().Wait();
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const dist::DdpStats stats = ddp_model.Stats();
 
   double acc = -1;
   if (FLAGS_eval && rank == 0) {
