@@ -118,7 +118,30 @@ double ProcessCpuSeconds() {
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
+// "" when the hook-specific flags given on the command line fit --hook;
+// else a message naming the first that does not (a flag of another hook
+// was accepted and silently ignored).
+std::string HookFlagProblem() {
+  struct HookFlag {
+    const char* flag;
+    const char* hook;
+  };
+  for (const HookFlag& f : {HookFlag{"local_sgd_start", "local_sgd"}, HookFlag{"average_period", "local_sgd"},
+                            HookFlag{"powersgd_rank", "powersgd"}, HookFlag{"powersgd_start", "powersgd"}}) {
+    const gflags::CommandLineFlagInfo info = gflags::GetCommandLineFlagInfoOrDie(f.flag);
+    if (!info.is_default && FLAGS_hook != f.hook) {
+      return std::string("--") + f.flag + "=" + info.current_value + " applies to --hook=" + f.hook +
+             " only, not --hook=" + FLAGS_hook + "; drop it";
+    }
+  }
+  return "";
+}
+
 int Run() {
+  if (const std::string problem = HookFlagProblem(); !problem.empty()) {
+    std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
+    return 2;
+  }
   if (FLAGS_steps < 1) {
     std::fprintf(stderr, "ddp_bench: --steps=%d must be at least 1\n", FLAGS_steps);
     return 2;
