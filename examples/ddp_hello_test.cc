@@ -1,8 +1,8 @@
 // //examples:ddp_hello, run as a user runs it: 2 ranks, one epoch of the
 // real Fashion-MNIST, a checkpoint. It must learn (test accuracy well above
 // chance), count the whole test set once, and leave a checkpoint that loads
-// with the MLP's parameters; a checkpoint folder that does not exist fails
-// the run, and the ranks say which path.
+// with the MLP's parameters; a checkpoint path that cannot be written is
+// refused before training, and the ranks say which path.
 
 #include <cstdio>
 #include <filesystem>
@@ -43,17 +43,32 @@ TEST(DdpHelloTest, TrainsEvaluatesAndCheckpoints) {
   model->LoadStateDict(checkpoint.model);  // throws on a missing or misshapen tensor
 }
 
-TEST(DdpHelloTest, CheckpointIntoAMissingFolderFailsTheRun) {
-  const std::string path = testing::MakeTempDir("hello_missing") + "/no/such/folder/h.safetensors";
-  const RunOutput r =
-      RunToEnd({Runfile("examples/ddp_hello"), "--epochs=0", "--checkpoint=" + path});
-  EXPECT_NE(r.exit_code, 0);
-  // Both ranks learn of rank 0's failure; whichever exits first has said
-  // so, and the launcher may stop the other before it prints.
-  EXPECT_NE(r.err.find("] ddp_hello: SaveCheckpoint: rank 0 could not write " + path),
-            std::string::npos)
-      << r.err;
-  EXPECT_EQ(r.out.find("[0] checkpoint"), std::string::npos) << r.out;
+// A --checkpoint that rank 0 cannot write is refused before training,
+// naming the flag and the path (before, the run trained to the end and
+// then failed in SaveCheckpoint).
+TEST(DdpHelloTest, ACheckpointPathThatCannotBeWrittenIsRefusedBeforeTraining) {
+  const std::string dir = testing::MakeTempDir("hello_missing");
+  {
+    std::FILE* f = std::fopen((dir + "/file").c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fclose(f);
+  }
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {dir + "/no/such/folder/h.safetensors",
+       "--checkpoint=" + dir + "/no/such/folder/h.safetensors: the folder " + dir +
+           "/no/such/folder does not exist"},
+      {dir + "/file/h.safetensors",
+       "--checkpoint=" + dir + "/file/h.safetensors: " + dir + "/file is not a folder"},
+      {dir, "--checkpoint=" + dir + " is a folder; give the path of a file"},
+  };
+  for (const auto& [path, message] : cases) {
+    const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--checkpoint=" + path});
+    EXPECT_EQ(r.exit_code, 2) << path << "\n" << r.out << r.err;
+    // Every rank refuses; the launcher may stop one before it prints.
+    EXPECT_NE(r.err.find("] ddp_hello: " + message + "\n"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("epoch 1"), std::string::npos) << "trained first: " << r.out;
+    EXPECT_EQ(r.out.find("[0] checkpoint"), std::string::npos) << r.out;
+  }
 }
 
 // Relative --data_dir and --checkpoint are the user's (under `bazel run`,
