@@ -130,9 +130,10 @@ class P2pTransfer {
     comm_ = comm;
     call_ = {.timeout = timeout};
     // CUDA tensors go through host memory: the copy to the host runs here,
-    // after the fence made sure the producers of the tensor have finished.
+    // after the fence made sure the producers of the tensor have finished
+    // (of the data only: a parameter that requires grad is sent as well).
     host_ = tensor_.device().is_cpu() ? tensor_
-                                      : (send_ ? tensor_.To(nn::kCPU)
+                                      : (send_ ? tensor_.Detach().To(nn::kCPU)
                                                : nn::Empty(tensor_.shape(), {.dtype = tensor_.dtype()}));
     if (send_) {
       header_ = HeaderOf(tensor_);
@@ -193,6 +194,9 @@ class P2pTransfer {
   // through host memory gets its data, on the caller's current stream.
   void Deliver() {
     std::lock_guard lock(mu_);
+    // The receiving tensor may require grad (a parameter): the copy is a
+    // data transfer, not an op to record.
+    nn::NoGradGuard no_grad;
     if (!send_ && !tensor_.device().is_cpu()) tensor_.CopyFrom(host_);
   }
 
@@ -1192,12 +1196,16 @@ Work ProcessGroup::ListExchange(bool gather, const nn::Tensor& local,
   const int64_t n = local.numel();
   const nn::Tensor staged = nn::Empty({size_ * n}, {.dtype = local.dtype()});
   return RootedExchange(gather, local, staged, root, "", [gather, staged, list, n] {
+    // The list may hold parameters (requires_grad): these copies move data
+    // and are no part of any graph, whatever the grad mode of the thread
+    // that runs them (on by default on the communication thread).
+    nn::NoGradGuard no_grad;
     for (size_t r = 0; r < list.size(); ++r) {
       const nn::Tensor block = staged.Narrow(0, static_cast<int64_t>(r) * n, n);
       if (gather) {
         list[r].CopyFrom(block.View(list[r].shape()));
       } else {
-        block.CopyFrom(list[r].Reshape({n}));
+        block.CopyFrom(list[r].Detach().Reshape({n}));
       }
     }
   });

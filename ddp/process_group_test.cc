@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <thread>
 
 #include "ddp/testing/ddp_test_util.h"
@@ -503,6 +504,45 @@ TEST(ProcessGroupTest, DefaultGroupMustBeInitialized) {
   SetDefaultProcessGroup(ProcessGroup::Single());
   EXPECT_EQ(DefaultProcessGroup()->size(), 1);
   DestroyProcessGroup();
+}
+
+// The list forms stage through a buffer of their own on the communication
+// thread, where grad mode is on: tensors that require grad (parameters) are
+// scattered from and gathered into all the same.
+DDP_TEST_WORKER(pg_list_forms_with_grad) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  std::vector<Tensor> inputs, outputs;
+  if (me == 0) {
+    for (int r = 0; r < n; ++r) {
+      inputs.push_back(nn::Full({3}, 10.0 * (r + 1)));
+      inputs.back().set_requires_grad(true);
+      outputs.push_back(nn::Zeros({3}));
+      outputs.back().set_requires_grad(true);
+    }
+  }
+  const Tensor out = nn::Zeros({3});
+  try {
+    pg->ScatterList(out, inputs, 0).Wait();
+    WORKER_EXPECT(out.ToVector<double>() == std::vector<double>(3, 10.0 * (me + 1)),
+                  "ScatterList delivered the wrong values on rank " + std::to_string(me));
+    const Tensor mine = nn::Full({3}, 5.0 + me);
+    pg->GatherList(outputs, mine, 0).Wait();
+    for (int r = 0; me == 0 && r < n; ++r) {
+      WORKER_EXPECT(outputs[r].ToVector<double>() == std::vector<double>(3, 5.0 + r),
+                    "GatherList: rank " + std::to_string(r) + "'s block is wrong");
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("rank ") + std::to_string(me) + ": " + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, ListFormsTakeTensorsThatRequireGrad) {
+  for (const char* where : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_list_forms_with_grad", 2, {{"DDP_COLLECTIVE_THREAD", where}}, 30000);
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
 }
 
 }  // namespace
