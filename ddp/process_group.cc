@@ -1572,7 +1572,9 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
 std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {
   if (ranks.empty()) throw std::invalid_argument("ProcessGroup::NewGroup: the rank list is empty");
   std::vector<bool> seen(static_cast<size_t>(size_), false);
-  uint64_t digest = 0;  // of the list, so that DDP_DEBUG=detail compares lists
+  // FNV-1a over the ranks in order: what the ranks compare before forming
+  // the group (an order that differs is a different list).
+  uint64_t digest = 14695981039346656037ull;
   for (int r : ranks) {
     if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
       throw std::invalid_argument("ProcessGroup::NewGroup: rank " + std::to_string(r) +
@@ -1580,23 +1582,50 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
                                                                               std::to_string(size_) + ")"));
     }
     seen[static_cast<size_t>(r)] = true;
-    digest = digest * 31 + static_cast<uint64_t>(r) + 1;
+    digest = (digest ^ static_cast<uint64_t>(r)) * 1099511628211ull;
   }
   const auto it = std::find(ranks.begin(), ranks.end(), rank_);
   const bool member = it != ranks.end();
   const int color = member ? 0 : transport::Communicator::kNoColor;
   const int key = static_cast<int>(it - ranks.begin());
   auto made = std::make_shared<std::unique_ptr<transport::Communicator>>();
-  CollectiveDescription d{"new_group", nn::DType::kInt64, {static_cast<int64_t>(ranks.size()), static_cast<int64_t>(digest)},
-                          -1, transport::ReduceOp::kSum, false};
-  impl_->Enqueue(std::move(d), [color, key, made](transport::Communicator* comm, Deadline deadline) {
+  // The first rank whose list differs from rank 0's (-1: none), and both
+  // lists' lengths; the same on every rank, since all see the same data.
+  auto differs = std::make_shared<std::array<int64_t, 3>>(std::array<int64_t, 3>{-1, 0, 0});
+  const int64_t count = static_cast<int64_t>(ranks.size());
+  // The lists are compared by the task itself (below), also in debug mode,
+  // where a fingerprint of the list would fail first, as a desync.
+  CollectiveDescription d{"new_group", nn::DType::kInt64, {}, -1, transport::ReduceOp::kSum, false};
+  impl_->Enqueue(std::move(d), [color, key, made, differs, count, digest](
+                                   transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();  // one process: the list is {0}
+    // Every rank's (length, digest), always (not only in debug mode): ranks
+    // that pass different lists would otherwise form wrong groups silently.
+    const std::array<int64_t, 2> mine = {count, static_cast<int64_t>(digest)};
+    std::vector<int64_t> all(2 * static_cast<size_t>(comm->size()));
+    DDP_RETURN_IF_ERROR(comm->AllGather(mine.data(), all.data(), 2, transport::DataType::kI64,
+                                        internal::Within(deadline)));
+    for (int r = 1; r < comm->size(); ++r) {
+      if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+        *differs = {r, all[0], all[2 * r]};
+        return Status::Ok();  // refused after the Work, on every rank alike
+      }
+    }
     const auto left = std::chrono::duration_cast<milliseconds>(deadline - transport::Clock::now());
     auto child = comm->Split(color, key, {.timeout = std::max(left, milliseconds(1))});
     if (!child.ok()) return child.status();
     *made = std::move(*child);
     return Status::Ok();
   }, nullptr).Wait();
+  if ((*differs)[0] >= 0) {
+    const int64_t r = (*differs)[0];
+    throw std::invalid_argument(
+        "ProcessGroup::NewGroup: rank " + std::to_string(r) + " passed a different rank list (" +
+        std::to_string((*differs)[2]) + " ranks) from rank 0's (" + std::to_string((*differs)[1]) +
+        " ranks" + ((*differs)[1] == (*differs)[2] ? ", another order or other ranks" : "") +
+        "); every rank must pass the same list. No group was formed (this rank passed " +
+        std::to_string(count) + " ranks)");
+  }
   if (!member) return nullptr;
   std::shared_ptr<ProcessGroup> child =
       *made == nullptr ? Single(options_) : std::make_shared<ProcessGroup>(std::move(*made), options_);

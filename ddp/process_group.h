@@ -387,7 +387,11 @@ class ProcessGroup {
   /// group's options, its own communicator (Communicator::Split) and
   /// communication thread, and may outlive this group. Throws
   /// std::invalid_argument for an empty list, a rank out of range or given
-  /// twice, DistributedError when forming it fails.
+  /// twice, DistributedError when forming it fails. The ranks always compare
+  /// their lists (length and a digest, one small all-gather) before forming
+  /// the group: when a rank's list differs from rank 0's (other ranks, or
+  /// another order), every rank throws std::invalid_argument naming that
+  /// rank, no group is formed and this group stays usable.
   std::shared_ptr<ProcessGroup> NewGroup(const std::vector<int>& ranks);
 
   /// Runs `task` on the communication thread (or the caller's: see

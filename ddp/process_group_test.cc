@@ -545,5 +545,41 @@ TEST(ProcessGroupTest, ListFormsTakeTensorsThatRequireGrad) {
   }
 }
 
+// Ranks that pass NewGroup different lists all throw, naming the rank
+// whose list differs from rank 0's, and the parent group stays usable.
+DDP_TEST_WORKER(pg_new_group_lists_differ) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  const std::vector<std::vector<int>> rank2_lists = {{0, 1, 2}, {1, 0}};
+  for (const std::vector<int>& other : rank2_lists) {
+    const std::vector<int> list = me == 2 ? other : std::vector<int>{0, 1};
+    try {
+      auto group = pg->NewGroup(list);
+      WORKER_EXPECT(false, "rank " + std::to_string(me) + ": NewGroup with differing lists did not throw");
+    } catch (const std::invalid_argument& e) {
+      WORKER_EXPECT(std::string(e.what()).find("rank 2") != std::string::npos,
+                    std::string("the error does not name rank 2: ") + e.what());
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, std::string("not invalid_argument: ") + e.what());
+    }
+  }
+  Tensor t = nn::Ones({4});
+  pg->AllReduce(t).Wait();
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(4, 3.0), "the group is not usable after");
+  auto pair = pg->NewGroup({0, 1});
+  WORKER_EXPECT((pair != nullptr) == (me != 2), "NewGroup({0, 1}) after the refusal");
+  if (pair != nullptr) {
+    Tensor u = nn::Ones({2});
+    pair->AllReduce(u).Wait();
+    WORKER_EXPECT(u.ToVector<double>() == std::vector<double>(2, 2.0), "the pair's all-reduce");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NewGroupRefusesDifferingLists) {
+  auto run = RunWorkers("pg_new_group_lists_differ", 3, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
