@@ -1462,6 +1462,10 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
                                 std::to_string(timeout.count()) + " ms is negative");
   }
   if (timeout.count() == 0) timeout = options_.timeout;
+  // Past the cap of ProcessGroupOptions::timeout the waits below (twice the
+  // timeout, then in nanoseconds on the clock) would overflow; 30 days is
+  // "forever" for a barrier all the same.
+  timeout = std::min(timeout, kMostTimeout);
   const int64_t number = static_cast<int64_t>(impl_->NextMonitoredBarrier());
   // Ranks other than 0 wait for rank 0's verdict this long: rank 0 may
   // enter up to `timeout` after them and then wait `timeout` itself.

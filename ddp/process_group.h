@@ -371,7 +371,8 @@ class ProcessGroup {
 
   /// A barrier that names the ranks that did not come
   /// (torch.distributed.monitored_barrier). Rank 0 waits up to `timeout`
-  /// (0: the group's timeout) for every other rank's message, then releases
+  /// (0: the group's timeout; above kMostTimeout, kMostTimeout) for every
+  /// other rank's message, then releases
   /// them. When some are missing it throws a DistributedError naming the
   /// first missing rank, or all of them when `wait_all_ranks`, and aborts the
   /// group so that every other rank throws the same reason instead of

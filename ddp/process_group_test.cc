@@ -581,5 +581,25 @@ TEST(ProcessGroupTest, NewGroupRefusesDifferingLists) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A monitored barrier with the longest timeout there is (its doubled wait
+// overflowed) completes when every rank arrives.
+DDP_TEST_WORKER(pg_monitored_barrier_longest) {
+  auto pg = testing::WorkerGroup();
+  try {
+    pg->MonitoredBarrier(std::chrono::milliseconds::max());
+    Tensor t = nn::Ones({2});
+    pg->AllReduce(t).Wait();
+    WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(2, 2.0), "all-reduce after");
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("rank ") + std::to_string(pg->rank()) + ": " + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, MonitoredBarrierWithTheLongestTimeout) {
+  auto run = RunWorkers("pg_monitored_barrier_longest", 2, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
