@@ -473,6 +473,10 @@ class ProcessGroup::Impl {
   void Stop() {
     std::unique_lock lock(mu_);
     if (!thread_.joinable()) return;
+    if (std::this_thread::get_id() == thread_.get_id()) {
+      StopFromOwnThread(lock);
+      return;
+    }
     // Let queued collectives finish (a normal program waited for them
     // anyway); if they cannot, the job is broken: abort, so that the peers
     // fail at once instead of at their deadline.
@@ -492,6 +496,37 @@ class ProcessGroup::Impl {
     cv_.notify_all();
     has_clock_.store(false, std::memory_order_release);
     thread_.join();
+  }
+
+  // Stop, when the last reference to the group was dropped by a task on the
+  // communication thread itself (a task that captured the group): the
+  // thread cannot be joined from itself, nor wait for the item it is
+  // running. What is still queued or in flight fails (the communicator is
+  // aborted, so that peers do not wait for it); the thread is detached and
+  // told through `gone_` to return without touching this object again.
+  void StopFromOwnThread(std::unique_lock<std::mutex>& lock) {
+    std::deque<Item> queued = std::move(queue_);
+    queue_.clear();
+    std::vector<std::shared_ptr<Work::State>> flying = std::move(in_flight_);
+    in_flight_.clear();
+    stopping_ = true;
+    lock.unlock();
+    if (!queued.empty() || !flying.empty()) {
+      Abort(transport::AbortedError(
+                "process group of rank " + std::to_string(rank_) +
+                " destroyed by a task on its own communication thread with " +
+                std::to_string(queued.size() + flying.size()) + " collective(s) unfinished"),
+            /*cascade=*/false);
+    }
+    Status reason = aborted_reason();
+    if (reason.ok()) reason = transport::FailedPreconditionError("process group destroyed");
+    for (Item& item : queued) item.state->Finish(reason, Clock::now());
+    for (const std::shared_ptr<Work::State>& state : flying) {
+      if (!state->Drive()) state->Finish(reason, Clock::now());
+    }
+    has_clock_.store(false, std::memory_order_release);
+    gone_->store(true, std::memory_order_release);
+    thread_.detach();
   }
 
   // `cascade`: also abort the live groups made from this one (NewGroup),
@@ -672,6 +707,8 @@ class ProcessGroup::Impl {
       setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)),
                   current + options_.comm_thread_nice);
     }
+    // Outlives `this`: set when the group was destroyed on this thread.
+    const std::shared_ptr<std::atomic<bool>> gone = gone_;
     std::unique_lock lock(mu_);
     while (true) {
       // An item running on a caller's thread (running_) goes first.
@@ -695,6 +732,12 @@ class ProcessGroup::Impl {
       std::shared_ptr<TraceRecorder> trace = trace_;
       lock.unlock();
       const bool posted = Run(item, trace);
+      // The task goes before mu_ is taken again: it may hold the last
+      // reference to this group, whose destructor then runs here, on this
+      // very thread (Stop sees that, takes mu_ itself and sets `gone`
+      // instead of joining), after which nothing of `this` may be touched.
+      item.task = nullptr;
+      if (gone->load(std::memory_order_acquire)) return;
       lock.lock();
       --running_;
       ahead_ms_ -= item.own_ms;
@@ -731,6 +774,9 @@ class ProcessGroup::Impl {
   std::atomic<bool> has_clock_{false};
   std::atomic<uint64_t> run_count_{0};
   std::atomic<uint64_t> monitored_barriers_{0};
+  // Shared with the communication thread: set once this object is destroyed
+  // on that thread (StopFromOwnThread), which must then return at once.
+  const std::shared_ptr<std::atomic<bool>> gone_ = std::make_shared<std::atomic<bool>>(false);
 
   mutable std::mutex abort_mu_;
   Status aborted_;  // one-process groups only; otherwise the communicator's

@@ -601,5 +601,39 @@ TEST(ProcessGroupTest, MonitoredBarrierWithTheLongestTimeout) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A task that holds the last reference to its group: the group is
+// destroyed on its own communication thread once the task is dropped.
+TEST(ProcessGroupTest, TaskHoldingTheLastReferenceDestroysTheGroup) {
+  auto destroyed = std::make_shared<std::promise<void>>();
+  std::future<void> done = destroyed->get_future();
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  struct Holder {
+    std::shared_ptr<ProcessGroup> pg;
+    std::shared_ptr<std::promise<void>> destroyed;
+    ~Holder() {
+      pg.reset();
+      if (destroyed != nullptr) destroyed->set_value();
+    }
+  };
+  auto pg = ProcessGroup::Single();
+  auto holder = std::make_shared<Holder>();
+  holder->pg = pg;
+  holder->destroyed = std::move(destroyed);
+  CollectiveDescription d{"holds_its_group", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  Work w = pg->Run(d, [holder, released](transport::Communicator*, transport::Deadline) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!released->load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return transport::Status::Ok();
+  });
+  holder.reset();
+  pg.reset();
+  released->store(true);
+  w.Wait();
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(15)), std::future_status::ready)
+      << "the group was not destroyed on its communication thread";
+}
+
 }  // namespace
 }  // namespace ddp::dist
