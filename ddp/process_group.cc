@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -929,6 +930,27 @@ std::string TypeAndShape(const nn::Tensor& t) {
   return std::string(nn::DTypeName(t.dtype())) + " " + nn::ShapeToString(t.shape());
 }
 
+// Throws std::invalid_argument when `written` and `read` (contiguous, as
+// CheckTensor made sure) share memory, unless `written` starts exactly
+// `in_place` bytes after `read` (the transport's in-place layout for this
+// collective, which `rule` states; no `in_place`: they must not overlap at
+// all). The transport would refuse the layout too, but by aborting the
+// communicator for every rank; the layout is this rank's own argument error.
+void CheckOverlap(const char* call, const nn::Tensor& written, const char* written_name,
+                  const nn::Tensor& read, const char* read_name,
+                  std::optional<std::ptrdiff_t> in_place, const char* rule) {
+  if (written.nbytes() == 0 || read.nbytes() == 0) return;
+  const auto w = reinterpret_cast<uintptr_t>(written.data_ptr());
+  const auto r = reinterpret_cast<uintptr_t>(read.data_ptr());
+  if (!(w < r + read.nbytes() && r < w + written.nbytes())) return;
+  if (in_place.has_value() && static_cast<std::ptrdiff_t>(w - r) == *in_place) return;
+  throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " + written_name + " (" +
+                              TypeAndShape(written) + ") and " + read_name + " (" +
+                              TypeAndShape(read) + ") share memory " +
+                              (in_place.has_value() ? "other than in place (" + std::string(rule) + ")"
+                                                    : std::string("(") + rule + ")"));
+}
+
 // dst = src for a one-process group (the same device for both).
 Status LocalCopy(internal::DeviceFence* fence, void* dst, const void* src, size_t bytes) {
   if (fence != nullptr) return fence->CopyOnCommStream(dst, src, bytes);
@@ -985,6 +1007,9 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
         ", output " + std::string(nn::DTypeName(output.dtype())) + " " +
         nn::ShapeToString(output.shape()) + ", size() " + std::to_string(size_));
   }
+  CheckOverlap("AllGather", output, "output", input, "input",
+               -static_cast<std::ptrdiff_t>(rank_) * static_cast<std::ptrdiff_t>(input.nbytes()),
+               "input may only be output's block rank()");
   CollectiveDescription d{label.empty() ? "all_gather" : "all_gather " + label, input.dtype(),
                           input.shape(), -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
@@ -1057,6 +1082,8 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                                 std::to_string(output_splits[static_cast<size_t>(rank_)]) +
                                 " (output split " + std::to_string(rank_) + ")");
   }
+  CheckOverlap("AllToAll", output, "output", input, "input", std::nullopt,
+               "AllToAll has no in-place form");
   CollectiveDescription d{label.empty() ? "all_to_all" : "all_to_all " + label, input.dtype(),
                           {static_cast<int64_t>(size_)}, -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
@@ -1085,6 +1112,9 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
         std::string(nn::DTypeName(output.dtype())) + " " + nn::ShapeToString(output.shape()) +
         ", size() " + std::to_string(size_));
   }
+  CheckOverlap("ReduceScatter", output, "output", input, "input",
+               static_cast<std::ptrdiff_t>(rank_) * static_cast<std::ptrdiff_t>(output.nbytes()),
+               "output may only be input's block rank()");
   CollectiveDescription d{label.empty() ? "reduce_scatter" : "reduce_scatter " + label,
                           input.dtype(), input.shape(), -1, op, true};
   const transport::DataType type = ToTransportType(input.dtype());
@@ -1146,6 +1176,15 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
                                   " elements of " + local_name + "'s dtype: input " +
                                   TypeAndShape(input) + ", output " + TypeAndShape(output) +
                                   ", size() " + std::to_string(size_));
+    }
+    // In place on the root only: the root's own block of the rooted buffer.
+    const auto own = static_cast<std::ptrdiff_t>(root) * static_cast<std::ptrdiff_t>(local.nbytes());
+    if (gather) {
+      CheckOverlap(call, rooted, "the root's output", local, "input", -own,
+                   "input may only be output's block root");
+    } else {
+      CheckOverlap(call, local, "output", rooted, "the root's input", own,
+                   "output may only be input's block root");
     }
   }
   const std::string kind = gather ? "gather" : "scatter";

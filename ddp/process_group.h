@@ -38,7 +38,13 @@
 // Tensors only read (a root's, a send's) keep their version.
 //
 // Errors. Argument errors (undefined or non-contiguous tensors, tensors on
-// two devices, mismatched sizes) throw std::invalid_argument at the call. A collective
+// two devices, mismatched sizes, an output that shares memory with an input
+// other than in the collective's in-place layout: AllGather's input as
+// output's block rank(), ReduceScatter's output as input's block rank(), on
+// the root Gather's input / Scatter's output as the rooted buffer's block
+// root; AllToAll has none) throw std::invalid_argument at the call. Such a
+// rank does not take part; for a collective the other ranks do call, they
+// wait for it until their deadline unless the program stops them. A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its
 // Work with the transport's Status; Work::Wait throws it as a
 // DistributedError. After such a failure the communicator is aborted: every

@@ -635,5 +635,64 @@ TEST(ProcessGroupTest, TaskHoldingTheLastReferenceDestroysTheGroup) {
       << "the group was not destroyed on its communication thread";
 }
 
+// Buffers that overlap other than in a collective's in-place layout are
+// this rank's argument error: std::invalid_argument at the call (the
+// transport would abort the communicator for every rank), and the group
+// stays usable. The in-place layouts still work.
+DDP_TEST_WORKER(pg_overlapping_buffers) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  auto refused = [&](const char* what, const std::string& want, auto call) {
+    try {
+      call();
+      WORKER_EXPECT(false, std::string(what) + " was not refused on rank " + std::to_string(me));
+    } catch (const std::invalid_argument& e) {
+      WORKER_EXPECT(std::string(e.what()).find(want) != std::string::npos,
+                    std::string(what) + ": the error does not say '" + want + "': " + e.what());
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, std::string(what) + " failed otherwise: " + e.what());
+    }
+  };
+  try {
+    const Tensor x = nn::Ones({2 * n});
+    refused("AllToAll(x, x)", "ProcessGroup::AllToAll: output (f32 [" + std::to_string(2 * n) +
+                                  "]) and input", [&] { pg->AllToAll(x, x).Wait(); });
+    const Tensor whole = nn::Zeros({2 * n + 1});
+    refused("AllGather into a shifted block", "ProcessGroup::AllGather", [&] {
+      pg->AllGather(whole.Narrow(0, 0, 2 * n), whole.Narrow(0, 2 * me + 1, 2)).Wait();
+    });
+    refused("ReduceScatter from a shifted block", "ProcessGroup::ReduceScatter", [&] {
+      pg->ReduceScatter(whole.Narrow(0, 2 * me + 1, 2), whole.Narrow(0, 0, 2 * n)).Wait();
+    });
+    // Only the root of a rooted collective has both buffers; the other
+    // ranks would wait for it in the collective, so a one-rank group here.
+    auto single = ProcessGroup::Single();
+    refused("Scatter on the root", "other than in place (output may only be input's block root)", [&] {
+      single->Scatter(whole.Narrow(0, 1, 2), whole.Narrow(0, 0, 2), 0).Wait();
+    });
+    refused("Gather on the root", "ProcessGroup::Gather: the root's output", [&] {
+      single->Gather(whole.Narrow(0, 0, 2), whole.Narrow(0, 1, 2), 0).Wait();
+    });
+    // The group is usable, and the in-place layouts are taken.
+    Tensor t = nn::Ones({3});
+    pg->AllReduce(t, ReduceOp::kSum, "after the refusals").Wait();
+    WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(3, n), "all-reduce after the refusals");
+    const Tensor gathered = nn::Full({2 * n}, -1);
+    gathered.Narrow(0, 2 * me, 2).Fill(me);
+    pg->AllGather(gathered, gathered.Narrow(0, 2 * me, 2)).Wait();
+    std::vector<double> want;
+    for (int r = 0; r < n; ++r) want.insert(want.end(), 2, r);
+    WORKER_EXPECT(gathered.ToVector<double>() == want, "in-place all-gather");
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("rank ") + std::to_string(me) + ": " + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, OverlappingBuffersAreArgumentErrors) {
+  auto run = RunWorkers("pg_overlapping_buffers", 2, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
