@@ -238,6 +238,9 @@ struct Work::State {
   std::condition_variable cv;
   bool done = false;
   Status status;
+  // The collective and this rank ("all_reduce bucket 3(sum, f32 [4]) on
+  // rank 0"), for the waiter's own timeout.
+  std::string what;
   Clock::time_point started{};
   Clock::time_point finished{};
   // How long Wait() may block: this call's timeout plus that of every
@@ -307,7 +310,9 @@ Status Work::WaitFor(Deadline deadline) {
   {
     std::unique_lock lock(state_->mu);
     if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done || state_->posted; })) {
-      return transport::TimedOutError("collective not finished by the waiter's deadline");
+      return transport::TimedOutError(
+          (state_->what.empty() ? std::string("collective") : state_->what) +
+          ": not finished by the waiter's deadline (the collective keeps its own)");
     }
     if (state_->done) return state_->status;
   }
@@ -317,7 +322,9 @@ Status Work::WaitFor(Deadline deadline) {
   // are all busy, this one included) is then waited for in short sleeps.
   for (int polls = 0; !state_->Drive(); ++polls) {
     if (Clock::now() >= deadline) {
-      return transport::TimedOutError("point-to-point message not finished by the waiter's deadline");
+      return transport::TimedOutError(
+          (state_->what.empty() ? std::string("point-to-point message") : state_->what) +
+          ": not finished by the waiter's deadline");
     }
     if (polls >= kSpinPolls + kYieldPolls) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -392,11 +399,13 @@ class ProcessGroup::Impl {
     auto state = std::make_shared<Work::State>();
     state->fence = std::move(fence);
     state->transfers = std::move(transfers);
+    state->what = description.ToString() + " on rank " + std::to_string(rank_);
     Work work(state);
     std::unique_lock lock(mu_);
     if (stopping_) {
       lock.unlock();
-      state->Finish(transport::FailedPreconditionError("process group is shutting down"),
+      state->Finish(transport::FailedPreconditionError(state->what +
+                                                       ": not run: the process group is shutting down"),
                     Clock::now());
       return work;
     }
@@ -465,7 +474,7 @@ class ProcessGroup::Impl {
       }
       if (!posted.ok()) {
         if (aborted_reason().ok()) Abort(posted);
-        state->Finish(std::move(posted), end);
+        state->Finish(transport::Status(posted.code(), state->what + ": " + posted.message()), end);
       }
     }
     return work;
@@ -665,8 +674,17 @@ class ProcessGroup::Impl {
     }
     const uint64_t sequence =
         item.mode == Mode::kPointToPoint ? 0 : run_count_.fetch_add(1, std::memory_order_relaxed);
+    // What a failure of this item says first: the collective, its number
+    // and this rank (the transport's status names neither).
+    const std::string named =
+        item.description.ToString() +
+        (item.mode == Mode::kPointToPoint ? std::string(" on rank ")
+                                          : " (collective #" + std::to_string(sequence) + " on rank ") +
+        std::to_string(rank_) + (item.mode == Mode::kPointToPoint ? ": " : "): ");
     Status status = aborted_reason();
-    if (status.ok()) {
+    if (!status.ok()) {
+      status = Status(status.code(), named + "not run: the group was aborted: " + status.message());
+    } else {
       const Deadline deadline = start + options_.timeout;
       try {
         if (options_.debug_detail && comm_ != nullptr && size_ > 1 &&
@@ -681,7 +699,12 @@ class ProcessGroup::Impl {
       } catch (const std::exception& e) {
         status = transport::InternalError(item.description.ToString() + " threw: " + e.what());
       }
-      if (!status.ok()) Abort(status);
+      if (!status.ok()) {
+        // The peers learn the transport's reason; this rank's Work says
+        // which of its collectives failed.
+        Abort(status);
+        status = Status(status.code(), named + status.message());
+      }
     }
     const Clock::time_point end = Clock::now();
     if (trace != nullptr) {

@@ -46,9 +46,14 @@
 // rank does not take part; for a collective the other ranks do call, they
 // wait for it until their deadline unless the program stops them. A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its
-// Work with the transport's Status; Work::Wait throws it as a
-// DistributedError. After such a failure the communicator is aborted: every
-// later collective fails at once with the first reason, on every rank.
+// Work with the transport's Status code, its message prefixed with the
+// collective ("all_reduce bucket 3(sum, f32 [4]) (collective #5 on rank 0):
+// "); Work::Wait throws it as a DistributedError. A collective that never
+// ran because the group was aborted before says "not run: the group was
+// aborted: <reason>" after that prefix. After such a failure the
+// communicator is aborted: every later collective fails at once with the
+// first reason, on every rank (peers are told the transport's reason,
+// without this rank's prefix).
 //
 // Debug mode (DDP_DEBUG=detail, or ProcessGroupOptions::debug_detail):
 // before each collective the ranks exchange a fixed-size fingerprint (the

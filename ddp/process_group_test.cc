@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <future>
 #include <thread>
 
@@ -691,6 +692,40 @@ DDP_TEST_WORKER(pg_overlapping_buffers) {
 
 TEST(ProcessGroupTest, OverlappingBuffersAreArgumentErrors) {
   auto run = RunWorkers("pg_overlapping_buffers", 2, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A failed collective's error names it (kind, label, dtype and shape), its
+// number and the rank; collectives after the abort say that they did not run.
+DDP_TEST_WORKER(pg_errors_name_the_collective) {
+  auto pg = testing::WorkerGroup();
+  pg->Barrier().Wait();
+  if (pg->rank() == 1) std::_Exit(0);  // gone before the all-reduce
+  const Tensor t = nn::Ones({4});
+  try {
+    pg->AllReduce(t, ReduceOp::kSum, "bucket 3").Wait();
+    WORKER_EXPECT(false, "the all-reduce without rank 1 succeeded");
+  } catch (const DistributedError& e) {
+    const std::string what = e.what();
+    WORKER_EXPECT(what.find("all_reduce bucket 3(sum, f32 [4]) (collective #1 on rank 0): ") !=
+                      std::string::npos,
+                  "the error does not name the collective: " + what);
+  }
+  try {
+    pg->Broadcast(t, 0, "after").Wait();
+    WORKER_EXPECT(false, "the broadcast after the abort succeeded");
+  } catch (const DistributedError& e) {
+    const std::string what = e.what();
+    WORKER_EXPECT(what.find("broadcast after(root 0, f32 [4]) (collective #2 on rank 0): not run: "
+                            "the group was aborted: ") != std::string::npos,
+                  "the error does not say the broadcast did not run: " + what);
+  }
+  std::_Exit(testing::WorkerExit());
+}
+
+TEST(ProcessGroupTest, ErrorsNameTheCollective) {
+  auto run = RunWorkers("pg_errors_name_the_collective", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000,
+                        /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
