@@ -116,8 +116,14 @@ class Work {
   void Wait();
   /// Waits until done or `deadline`; the collective's status, or TIMED_OUT
   /// for the wait itself (the collective then keeps its own deadline).
+  /// Device tensors: only Wait delivers results. WaitFor does not order the
+  /// caller's stream after the collective, nor copy a CUDA Recv's data out
+  /// of its host staging buffer: after an OK here, call Wait (it returns at
+  /// once) before reading device results. Host tensors hold their results
+  /// once it returned OK.
   transport::Status WaitFor(transport::Deadline deadline);
-  /// True once finished (successfully or not); never blocks.
+  /// True once finished (successfully or not); never blocks. Like WaitFor,
+  /// it delivers nothing to device tensors: Wait does.
   bool IsCompleted() const;
   /// False for a default-constructed handle.
   bool valid() const { return state_ != nullptr; }
