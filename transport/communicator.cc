@@ -199,6 +199,15 @@ struct Work::State {
   // request completes). Collectives leave it empty; the communicator's
   // thread finishes them.
   std::function<void()> poll;
+  // A point-to-point receive's: cancels its request when the last handle
+  // goes while the call is unfinished (see PostP2p). Set before the state
+  // is shared, never changed.
+  std::function<void()> release_unfinished;
+
+  ~State() {
+    // No lock: nobody else holds this state any more.
+    if (!done && release_unfinished) release_unfinished();
+  }
 
   void Finish(Status s) {
     {
@@ -1279,6 +1288,28 @@ Status Communicator::Impl::LocalCause(const Status& reason, Deadline deadline) {
   return Status(seen.code(), seen.message() + "; this rank saw it as: " + reason.message());
 }
 
+namespace {
+// The communicator whose call this thread is running with its run_mu_ held
+// (a collective's body, which may run user code: AllReduceThrough's slice
+// function): a receive handle dropped there is cancelled without locking
+// run_mu_ again.
+thread_local const void* running_under_run_mu = nullptr;
+
+// Marks the calling thread as holding `impl`'s run_mu_ for its scope.
+class RunningUnderRunMu {
+ public:
+  explicit RunningUnderRunMu(const void* impl) : previous_(running_under_run_mu) {
+    running_under_run_mu = impl;
+  }
+  ~RunningUnderRunMu() { running_under_run_mu = previous_; }
+  RunningUnderRunMu(const RunningUnderRunMu&) = delete;
+  RunningUnderRunMu& operator=(const RunningUnderRunMu&) = delete;
+
+ private:
+  const void* previous_;
+};
+}  // namespace
+
 Status Communicator::Impl::RunGuarded(const Body& body, Deadline deadline) {
   // An exception (a scratch allocation that fails) becomes the call's
   // error and so aborts the communicator: escaping the communicator's
@@ -1327,7 +1358,11 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
                  deadline);
   }
   if (aborted()) return aborted_reason();
-  Status status = RunGuarded(body, deadline);
+  Status status;
+  {
+    RunningUnderRunMu holding(this);
+    status = RunGuarded(body, deadline);
+  }
   if (!status.ok()) return Abort(status, deadline);
   return status;
 }
@@ -1357,6 +1392,7 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
         status = aborted_reason();
       } else {
         std::lock_guard run(run_mu_);
+        RunningUnderRunMu holding(this);
         const Deadline deadline = DeadlineIn(timeout);
         status = aborted() ? aborted_reason() : RunGuarded(body, deadline);
         if (!status.ok()) status = Abort(status, deadline);
@@ -1926,6 +1962,27 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
   auto state = std::make_shared<Work::State>();
   std::weak_ptr<Work::State> weak = state;
+  if (!send) {
+    // The last handle of an unfinished receive is gone: nobody will use
+    // what it receives, and its caller may free the buffer as soon as the
+    // handle's destructor returns. So the request is cancelled there and
+    // then, before any other progress of the worker (a collective, another
+    // handle's poll, the communicator's thread) can match a message into
+    // that buffer. This takes the worker, and so waits for a collective
+    // that another thread is running (bounded by that call's deadline). A
+    // communicator already destroyed has cancelled everything itself.
+    state->release_unfinished = [this, gate = poll_gate_, id = *id] {
+      if (fork::InForkedChild()) return;  // the parent's worker: not ours to touch
+      std::shared_lock open(gate->mu);
+      if (gate->closed) return;
+      if (running_under_run_mu == this) {
+        p2p_->Cancel(id);
+        return;
+      }
+      std::lock_guard run(run_mu_);
+      p2p_->Cancel(id);  // a no-op when a poll has released it meanwhile
+    };
+  }
   // The first health check (a store round trip) only once the message has
   // waited a while: most complete within microseconds, and a check on the
   // first unfinished poll made small messages 20-50x slower.

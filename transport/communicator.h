@@ -375,11 +375,14 @@ class Communicator {
   /// Asynchronous variants. Collectives run in issue order on the
   /// communicator's thread; SendAsync/RecvAsync post at once and complete as
   /// Work::Wait/Test drive them (they are never queued behind collectives).
-  /// Once every copy of a SendAsync/RecvAsync Work is dropped, the next
-  /// SendAsync/RecvAsync settles it: a receive is cancelled (it takes no
-  /// later message, and writes into no buffer its caller may have freed); a
-  /// send keeps going until it completes or its deadline passes, and is
-  /// then released.
+  /// Dropping the last copy of an unfinished RecvAsync's Work cancels the
+  /// receive before the destructor returns: it takes no later message and
+  /// never writes into its buffer afterwards, so the buffer may be freed
+  /// then. The cancel needs the UCX worker, so the drop waits for a
+  /// collective that another thread is running (at most until that call's
+  /// deadline). A dropped SendAsync keeps going until it completes or its
+  /// deadline passes (its buffer must stay valid until then) and is
+  /// released by a later SendAsync/RecvAsync.
   Work AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                       const CallOptions& call = {});
   Work BroadcastAsync(void* buffer, size_t count, DataType dtype, int root,

@@ -841,6 +841,44 @@ int ScenarioDroppedRecv() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A receive whose handles were dropped is cancelled at once, not when the
+// next point-to-point call is posted: rank 1 posts a receive with tag 7,
+// drops its Work and runs all-gathers (which progress UCX); rank 0 sends
+// its tag-7 message between two of them. A receive rank 1 posts afterwards
+// gets it, and the dropped one's buffer is untouched (before, the
+// all-gather's progress matched the message into the dropped receive's
+// buffer, and the new receive waited until its deadline).
+int ScenarioDroppedRecvThenCollective() {
+  auto comm = MustCreate();
+  std::vector<int64_t> dropped(4, -1), kept(4, -1);
+  std::vector<int64_t> mine(2, comm->rank()), all(4, -1);
+  auto all_gather = [&](const char* what) {
+    const Status s = comm->AllGather(mine.data(), all.data(), mine.size(), DataType::kI64);
+    WORKER_CHECK(s.ok(), std::string(what) + ": " + s.ToString());
+  };
+  if (comm->rank() == 1) {
+    comm->RecvAsync(dropped.data(), dropped.size(), DataType::kI64, 0, 7);
+    all_gather("first all-gather");
+    all_gather("second all-gather");
+    all_gather("third all-gather");
+    const Status s = comm->Recv(kept.data(), kept.size(), DataType::kI64, 0, 7,
+                                {.timeout = milliseconds(3000)});
+    WORKER_CHECK(s.ok(), "the receive posted after the all-gathers: " + s.ToString());
+    WORKER_CHECK(kept == std::vector<int64_t>(4, 42), "the new receive got " + std::to_string(kept[0]));
+    WORKER_CHECK(dropped == std::vector<int64_t>(4, -1),
+                 "the dropped receive's buffer was written: " + std::to_string(dropped[0]));
+  } else {
+    all_gather("first all-gather");
+    const std::vector<int64_t> out(4, 42);
+    const Status s = comm->Send(out.data(), out.size(), DataType::kI64, 1, 7);
+    WORKER_CHECK(s.ok(), "send: " + s.ToString());
+    all_gather("second all-gather");
+    all_gather("third all-gather");
+  }
+  WORKER_CHECK(comm->Barrier().ok(), "last barrier");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Destroying a communicator while another thread waits on one of its
 // point-to-point calls: the waiting thread's handle polls the communicator,
 // and must learn that it is gone instead of reaching into freed memory (an
@@ -1124,6 +1162,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_post") return ScenarioBusyPost();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
+  if (name == "dropped_recv_collective") return ScenarioDroppedRecvThenCollective();
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
   if (name == "recreate") return ScenarioRecreateOnALastingStore();
   if (name == "creation_timeout") return ScenarioCreationTimeoutMessage();
@@ -1344,6 +1383,11 @@ TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
 
 TEST(Communicator, AReceiveWhoseHandlesWereDroppedTakesNoMessage) {
   Job job = RunJob(2, "dropped_recv", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, AReceiveWhoseHandlesWereDroppedIsCancelledBeforeTheNextCollective) {
+  Job job = RunJob(2, "dropped_recv_collective", {{"DDP_TEST_TIMEOUT_MS", "10000"}}, milliseconds(40000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
