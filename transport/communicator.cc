@@ -723,7 +723,10 @@ class Communicator::Impl {
   mutable std::mutex abort_mu_;
   Status aborted_;
   std::atomic<bool> is_aborted_{false};
-  std::thread abort_poster_;  // posts a failed call's reason; joined in Shutdown()
+  // Posts a failed call's reason; under abort_mu_. Shutdown sets
+  // posters_closed_ (under abort_mu_) once no poll can run, then joins it.
+  std::thread abort_poster_;
+  bool posters_closed_ = false;
   bool shut_down_ = false;
 
   // A posted SendAsync/RecvAsync, kept so that Shutdown can fail its
@@ -1159,7 +1162,6 @@ void Communicator::Impl::Shutdown() {
     queue_cv_.notify_all();
     thread_.join();
   }
-  if (abort_poster_.joinable()) abort_poster_.join();
   {
     // Point-to-point calls not finished yet: their handles must not poll a
     // communicator that is going away. A poll running on another thread
@@ -1169,6 +1171,16 @@ void Communicator::Impl::Shutdown() {
       std::unique_lock close(poll_gate_->mu);
       poll_gate_->closed = true;
     }
+    // Only now is the poster joined: a poll that failed just before the
+    // gate closed may have started it, and no thread can start another
+    // once posters_closed_ is set (a later Abort posts on its own thread).
+    std::thread poster;
+    {
+      std::lock_guard lock(abort_mu_);
+      posters_closed_ = true;
+      poster = std::move(abort_poster_);
+    }
+    if (poster.joinable()) poster.join();
     std::lock_guard lock(p2p_works_mu_);
     for (auto& posted : p2p_works_) {
       if (auto state = posted.work.lock()) {
@@ -1256,7 +1268,7 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
     aborted_ = first;
     is_aborted_.store(true, std::memory_order_release);
     if (!post) return first;
-    if (call_deadline) {
+    if (call_deadline && !posters_closed_) {
       // Only the rank that set aborted_ gets here, once.
       abort_poster_ = std::thread([monitor = monitor_.get(), first,
                                    time = options_.abort_store_time] {
