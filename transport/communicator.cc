@@ -227,16 +227,28 @@ Status Work::Wait() {
   return Wait(Clock::time_point::max());
 }
 
+namespace {
+// A handle used in a forked child: neither the communicator's thread nor
+// its UCX worker exist there, so an unfinished call never finishes. The
+// state's mutex is only tried: a parent thread may have held it at the
+// fork (polling or finishing the call), and in the child it stays locked
+// for good. A call that had finished before the fork still reports its
+// status.
+Status InForkedChildStatus(Work::State& state, const char* what) {
+  std::unique_lock lock(state.mu, std::try_to_lock);
+  if (lock.owns_lock() && state.done) return state.status;
+  return fork::CheckNotForkedChild(what);
+}
+}  // namespace
+
 Status Work::Wait(Deadline deadline) {
   if (state_ == nullptr) return FailedPreconditionError("Wait on an empty Work handle");
+  if (fork::InForkedChild()) return InForkedChildStatus(*state_, "waiting for an asynchronous call");
   while (true) {
     std::function<void()> poll;
     {
       std::unique_lock lock(state_->mu);
       if (state_->done) return state_->status;
-      // Neither the communicator's thread nor its UCX worker exist in a
-      // forked child: the call would never finish there.
-      DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("waiting for an asynchronous call"));
       if (!state_->poll) {
         if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
           return TimedOutError("asynchronous call not finished by the caller's deadline");
@@ -254,12 +266,14 @@ Status Work::Wait(Deadline deadline) {
 
 StatusOr<bool> Work::Test() {
   if (state_ == nullptr) return FailedPreconditionError("Test on an empty Work handle");
+  if (fork::InForkedChild()) {
+    const Status status = InForkedChildStatus(*state_, "testing an asynchronous call");
+    if (status.ok()) return true;  // finished before the fork
+    return status;
+  }
   std::function<void()> poll;
   {
     std::lock_guard lock(state_->mu);
-    if (!state_->done) {
-      DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("testing an asynchronous call"));
-    }
     poll = state_->poll;
   }
   if (poll) poll();
@@ -453,6 +467,13 @@ class Communicator::Impl {
   // kEchoGrace, followed by `reason` as what this rank saw; else `reason`.
   Status LocalCause(const Status& reason, Deadline deadline);
   Status aborted_reason() const {
+    if (fork::InForkedChild()) {
+      // A parent thread may have held abort_mu_ at the fork (it stays
+      // locked in the child): only try it.
+      std::unique_lock lock(abort_mu_, std::try_to_lock);
+      if (lock.owns_lock()) return aborted_;
+      return fork::CheckNotForkedChild("reading the abort reason");
+    }
     std::lock_guard lock(abort_mu_);
     return aborted_;
   }

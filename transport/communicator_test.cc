@@ -307,6 +307,68 @@ int ScenarioFork() {
   return comm->Barrier().ok() ? 0 : 1;
 }
 
+// A forked child's Wait, Test and aborted_reason fail at once even when a
+// parent thread held the handle's mutex at the fork (in the child it stays
+// locked for good): rank 1's threads call Test on a pending receive and on
+// a finished handle in tight loops while its main thread forks again and
+// again; each child, under a 2 s alarm, uses both handles and exits. A
+// child that hangs dies of the alarm (before, Wait and Test locked the
+// state first and hung there).
+int ScenarioForkWhileTesting() {
+  auto comm = MustCreate();
+  if (comm->rank() == 0) {
+    WORKER_CHECK(comm->Barrier().ok(), "barrier");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  std::vector<int64_t> in(4, -1);
+  Work pending = comm->RecvAsync(in.data(), in.size(), DataType::kI64, 0, 3);
+  int64_t one = 1;
+  Work finished = comm->SendAsync(&one, 1, DataType::kI64, 99, 3);  // refused at once
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> testers;
+  for (Work* w : {&pending, &finished, &finished}) {
+    testers.emplace_back([&, w] {
+      while (!stop.load(std::memory_order_relaxed)) w->Test().status().IgnoreError();
+    });
+  }
+  int hung = 0, wrong = 0, forks = 0;
+  std::string first_wrong;
+  std::fflush(nullptr);
+  const auto until = Clock::now() + std::chrono::seconds(4);
+  for (; forks < 300 && hung == 0 && Clock::now() < until; ++forks) {
+    const pid_t child = fork();
+    if (child == 0) {
+      alarm(2);
+      const Status waited = pending.Wait();
+      const StatusOr<bool> tested = pending.Test();
+      const Status other = finished.Wait();
+      const Status reason = comm->aborted_reason();
+      const bool ok = waited.code() == StatusCode::kFailedPrecondition &&
+                      waited.message().find("was forked from pid") != std::string::npos &&
+                      !tested.ok() && tested.status().code() == StatusCode::kFailedPrecondition &&
+                      !other.ok() && (reason.ok() || reason.code() == StatusCode::kFailedPrecondition);
+      if (!ok) {
+        std::printf("CHILD wait: %s; test: %s; finished: %s; reason: %s\n", waited.ToString().c_str(),
+                    tested.status().ToString().c_str(), other.ToString().c_str(),
+                    reason.ToString().c_str());
+        std::fflush(stdout);
+      }
+      _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    if (WIFSIGNALED(status)) ++hung;
+    else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++wrong;
+  }
+  stop = true;
+  for (auto& t : testers) t.join();
+  std::printf("FORKS %d hung %d wrong %d\n", forks, hung, wrong);
+  WORKER_CHECK(hung == 0, "a forked child hung in Wait/Test/aborted_reason");
+  WORKER_CHECK(wrong == 0, "a forked child's call did not fail with the forked-child error");
+  WORKER_CHECK(comm->Barrier().ok(), "barrier");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Hierarchical all-reduces where the ranks listed in DDP_TEST_EARLY_RANKS
 // ("2,3") stop after 3 calls and close their communicators; the others go
 // on and report how their next call failed.
@@ -1156,6 +1218,7 @@ int RunScenario(const std::string& name) {
   if (name == "mismatch") return ScenarioMismatch();
   if (name == "create") return ScenarioCreateOnly();
   if (name == "fork") return ScenarioFork();
+  if (name == "fork_while_testing") return ScenarioForkWhileTesting();
   if (name == "early") return ScenarioEarly();
   if (name == "late") return ScenarioLate();
   if (name == "busy_poll") return ScenarioBusyPoll();
@@ -1934,6 +1997,11 @@ TEST(Faults, MalformedStoreRequestDoesNotDisturbTheJob) {
                      sent = SendGarbageToStore(port, milliseconds(10000));
                    });
   EXPECT_TRUE(sent);
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(ForkGuard, AForkedChildsWaitFailsAtOnceWhileAParentThreadTestsTheHandle) {
+  Job job = RunJob(2, "fork_while_testing", {{"DDP_TEST_TIMEOUT_MS", "20000"}}, milliseconds(40000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
