@@ -28,6 +28,7 @@ PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
     : options_(std::move(options)), store_(store) {
   pidfds_.assign(options_.local_pids.size(), -1);
   gone_at_start_.assign(options_.local_pids.size(), false);
+  unread_marks_ = std::make_unique<std::atomic<int>[]>(options_.local_pids.size());
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     if (static_cast<int>(r) == options_.rank || options_.local_pids[r] <= 0) continue;
     pidfds_[r] = PidfdOpen(options_.local_pids[r]);
@@ -46,11 +47,13 @@ PeerMonitor::~PeerMonitor() {
   }
 }
 
-bool PeerMonitor::PeerClosed(int peer, Deadline deadline) {
-  if (store_ == nullptr || Clock::now() >= deadline) return false;
+PeerMonitor::Closed PeerMonitor::PeerClosed(int peer, Deadline deadline) {
+  // No store, or no time to ask it: nothing says the peer closed cleanly.
+  if (store_ == nullptr || Clock::now() >= deadline) return Closed::kNo;
   auto value = store_->TryGet(options_.key_prefix + "closed/" + std::to_string(peer),
                               StoreDeadline(deadline));
-  return value.ok() && value->has_value();
+  if (!value.ok()) return Closed::kUnknown;
+  return value->has_value() ? Closed::kYes : Closed::kNo;
 }
 
 bool PeerMonitor::Exited(size_t rank) const {
@@ -76,8 +79,20 @@ Status PeerMonitor::Check(Deadline deadline, int awaited_peer) {
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     const int pid = options_.local_pids[r];
     if (!Exited(r)) continue;
-    const bool closed = PeerClosed(static_cast<int>(r), deadline);
-    if (closed && static_cast<int>(r) != awaited_peer) continue;
+    const bool awaited = static_cast<int>(r) == awaited_peer;
+    const Closed mark = PeerClosed(static_cast<int>(r), deadline);
+    if (mark == Closed::kUnknown && !awaited && Clock::now() < deadline &&
+        unread_marks_[r].fetch_add(1, std::memory_order_relaxed) == 0) {
+      // The store could not be read this round (a hiccup): the peer may
+      // have closed cleanly, so it is not declared lost on that alone. The
+      // next round asks again; a second failure in a row counts as "not
+      // closed", so a peer that died while the store stays unreadable is
+      // still reported, one round later.
+      continue;
+    }
+    if (mark != Closed::kUnknown) unread_marks_[r].store(0, std::memory_order_relaxed);
+    const bool closed = mark == Closed::kYes;
+    if (closed && !awaited) continue;
     // A rank that exits after reporting a failure is not the cause: the
     // reason it posted names the rank that really failed.
     Status posted = PostedAbort(deadline);

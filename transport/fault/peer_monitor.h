@@ -17,7 +17,9 @@
 // A peer that closed its communicator cleanly (posted under `closed/`) may
 // exit without being reported, unless the wait is for that very peer: it
 // left the job early (ranks stopping at different points, e.g. on a signal)
-// and what the wait needs from it will never come.
+// and what the wait needs from it will never come. When its mark cannot be
+// read (the store hiccups), that round skips the peer rather than calling
+// it lost; a second unreadable round in a row reports it.
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
@@ -27,6 +29,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -96,7 +99,11 @@ class PeerMonitor {
  private:
   // When one store access on behalf of a call ending at `deadline` gives up.
   Deadline StoreDeadline(Deadline deadline) const;
-  bool PeerClosed(int peer, Deadline deadline);
+  // Whether `peer` posted its clean close: kUnknown when the store could
+  // not be read (an error or a timeout), kNo also when there is no store or
+  // no time left to ask it.
+  enum class Closed { kYes, kNo, kUnknown };
+  Closed PeerClosed(int peer, Deadline deadline);
   bool Exited(size_t rank) const;
 
   PeerMonitorOptions options_;
@@ -104,6 +111,9 @@ class PeerMonitor {
   std::vector<int> pidfds_;  // per rank; -1: not watched
   std::vector<bool> gone_at_start_;  // per rank: no process when the monitor started
   std::atomic<int> lost_peer_{-1};  // Check() may run on two threads
+  // Per rank: Check rounds in a row that found it exited and could not read
+  // its "closed" mark.
+  std::unique_ptr<std::atomic<int>[]> unread_marks_;
 };
 
 }  // namespace ddp::transport::fault

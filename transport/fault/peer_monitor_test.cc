@@ -166,6 +166,72 @@ TEST(PeerMonitor, CleanlyClosedPeerThatAWaitNeedsIsLost) {
   EXPECT_EQ(monitor.lost_peer(), 1);
 }
 
+// A store whose reads of the "closed/" keys fail `failures` times (a
+// connection that hiccups) before they go through.
+class FlakyClosedStore final : public store::Store {
+ public:
+  explicit FlakyClosedStore(int failures) : failures_(failures) {}
+  Status Set(std::string_view key, std::string_view value, Deadline d) override { return inner_.Set(key, value, d); }
+  StatusOr<std::string> Get(std::string_view key, Deadline d) override { return inner_.Get(key, d); }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    if (key.find("closed/") != std::string_view::npos && failures_ > 0) {
+      --failures_;
+      return UnavailableError("connection reset while reading " + std::string(key));
+    }
+    return inner_.TryGet(key, d);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline d) override { return inner_.Add(key, delta, d); }
+  Status Wait(std::span<const std::string> keys, Deadline d) override { return inner_.Wait(keys, d); }
+  StatusOr<bool> Delete(std::string_view key, Deadline d) override { return inner_.Delete(key, d); }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline d) override {
+    return inner_.CompareSet(key, expected, desired, d);
+  }
+
+ private:
+  testing::InMemoryStore inner_;
+  int failures_;
+};
+
+// A peer that closed cleanly and exited is not lost because one read of
+// its "closed" mark failed: that round skips it, and the next one reads
+// the mark (before, the failed read counted as "not closed": PEER_LOST).
+TEST(PeerMonitor, CleanlyClosedPeerIsNotLostWhenReadingItsMarkFailsOnce) {
+  FlakyClosedStore store(1);
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
+  other.PostClosed(Soon());
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  Status first = monitor.Check(Soon());
+  EXPECT_TRUE(first.ok()) << first;
+  Status second = monitor.Check(Soon());
+  EXPECT_TRUE(second.ok()) << second;
+  EXPECT_EQ(monitor.lost_peer(), -1);
+}
+
+// A mark that cannot be read round after round is no proof of a clean
+// close: the exited peer is lost at the second round.
+TEST(PeerMonitor, ExitedPeerWhoseMarkCannotBeReadTwiceIsLost) {
+  FlakyClosedStore store(1000);
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_TRUE(monitor.Check(Soon()).ok());
+  Status s = monitor.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
+  // A wait that needs the peer does not skip it.
+  FlakyClosedStore store2(1000);
+  const pid_t child2 = SpawnSleeper();
+  PeerMonitor awaiting({.rank = 0, .local_pids = {getpid(), child2}, .key_prefix = "j/"}, &store2);
+  kill(child2, SIGKILL);
+  waitpid(child2, nullptr, 0);
+  EXPECT_EQ(awaiting.Check(Soon(), /*awaited_peer=*/1).code(), StatusCode::kPeerLost);
+}
+
 TEST(PeerMonitor, PostedAbortReachesEveryRankWithItsCode) {
   testing::InMemoryStore store;
   PeerMonitor rank0({.rank = 0, .key_prefix = "j/"}, &store);
