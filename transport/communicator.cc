@@ -63,6 +63,10 @@ constexpr milliseconds kP2pWatchdogPeriod{100};
 // How long one poll of a point-to-point request waits for the worker while
 // another thread's call holds it.
 constexpr milliseconds kP2pPollHold{5};
+// How long past its deadline a blocking Send/Recv waits for the worker that
+// another thread's collective holds, to settle its request, and then (the
+// cancel handed to that thread) for the cancel to be done.
+constexpr milliseconds kBlockingP2pAllowance{250};
 
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
@@ -450,8 +454,24 @@ class Communicator::Impl {
   }
 
   // Posts a user Send/Recv at once (not queued) and returns its Work.
+  // `blocking`: the caller waits and settles the request itself
+  // (BlockingP2p), so dropping its handle does not cancel it.
+  // For a posted request, `posted` (when given) gets its state and id.
+  struct Posted {
+    std::shared_ptr<Work::State> state;
+    p2p::RequestId id = 0;
+  };
   Work PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
-               const CallOptions& call);
+               const CallOptions& call, bool blocking = false, Posted* posted = nullptr);
+  // Send/Recv on host memory: PostP2p and a wait bounded by the call's
+  // deadline (plus kBlockingP2pAllowance), even while a collective on
+  // another thread holds the worker.
+  // `keep` (a staging copy) lives until the request is settled.
+  Status BlockingP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
+                     const CallOptions& call, std::shared_ptr<void> keep = nullptr);
+  // Cancels the requests handed over by BlockingP2p calls that timed out
+  // while another thread held the worker. With run_mu_ held.
+  void CancelDeferred();
 
   Algorithm Choose(size_t bytes, Algorithm requested) const;
   // Aborts with `reason`, unless the job or this communicator was aborted
@@ -760,6 +780,18 @@ class Communicator::Impl {
   };
   // With run_mu_ held.
   void SweepDroppedP2p();
+  // Requests whose blocking Send/Recv gave up at its deadline while the
+  // worker was held elsewhere: whoever holds run_mu_ next (or the holder's
+  // next watchdog tick inside its wait) cancels them and sets `cancelled`.
+  struct DeferredCancel {
+    p2p::RequestId id = 0;
+    bool cancelled = false;  // under deferred_mu_
+    std::shared_ptr<void> keep;  // a staging copy the request uses
+  };
+  std::mutex deferred_mu_;
+  std::condition_variable deferred_cv_;
+  std::vector<std::shared_ptr<DeferredCancel>> deferred_;  // under deferred_mu_
+  std::atomic<bool> any_deferred_{false};
   std::mutex p2p_works_mu_;  // after run_mu_ where both are held
   std::vector<PostedP2p> p2p_works_;  // posted, maybe pending
   // What a point-to-point handle's poll reaches this communicator through.
@@ -982,6 +1014,8 @@ Status Communicator::Impl::Init() {
                                 .store_call_cap = o.store_call_cap},
       store_.get());
   watchdog_ = [this](Deadline deadline, int awaited_peer) {
+    // Called inside waits, by the thread holding run_mu_.
+    CancelDeferred();
     return Watchdog(deadline, awaited_peer);
   };
   p2p_->SetWatchdog(watchdog_);
@@ -1107,6 +1141,7 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
   host_inter_ = std::make_unique<p2p::GroupView>(std::move(inter));
   host_shm_ = std::move(engine);
   host_watchdog_ = [this, members = groups.intra](Deadline deadline, int peer) {
+    CancelDeferred();
     return Watchdog(deadline, peer >= 0 ? members[static_cast<size_t>(peer)] : -1);
   };
   return Status::Ok();
@@ -1390,6 +1425,7 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
                                "call's deadline"),
                  deadline);
   }
+  CancelDeferred();
   if (aborted()) return aborted_reason();
   Status status;
   {
@@ -1425,6 +1461,7 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
         status = aborted_reason();
       } else {
         std::lock_guard run(run_mu_);
+        CancelDeferred();
         RunningUnderRunMu holding(this);
         const Deadline deadline = DeadlineIn(timeout);
         status = aborted() ? aborted_reason() : RunGuarded(body, deadline);
@@ -1926,6 +1963,7 @@ Status Communicator::Impl::StageCopy(int device, void* dst, const void* src, siz
                          " for a point-to-point message: the communicator was busy with a "
                          "collective on another thread until the call's deadline");
   }
+  CancelDeferred();
   return StageCopyLocked(device, dst, src, bytes, to_device, deadline);
 }
 
@@ -1967,9 +2005,10 @@ Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* sr
 }
 
 Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
-                                 const CallOptions& call) {
+                                 const CallOptions& call, bool blocking, Posted* posted) {
   const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
-                           std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
+                           std::to_string(peer) + " (tag " + std::to_string(tag) + ", " +
+                           std::to_string(bytes) + " bytes)";
   if (Status forked = fork::CheckNotForkedChild(what); !forked.ok()) {
     return Communicator::FinishedWork(forked);
   }
@@ -1988,6 +2027,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
           what + " not posted: the communicator was busy with a collective on another thread "
                  "until this call's deadline"));
     }
+    CancelDeferred();
     if (aborted()) return Communicator::FinishedWork(aborted_reason());
     SweepDroppedP2p();
     id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
@@ -1995,7 +2035,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
   auto state = std::make_shared<Work::State>();
   std::weak_ptr<Work::State> weak = state;
-  if (!send) {
+  if (!send && !blocking) {
     // The last handle of an unfinished receive is gone: nobody will use
     // what it receives, and its caller may free the buffer as soon as the
     // handle's destructor returns. So the request is cancelled there and
@@ -2037,6 +2077,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
       // the caller's Work::Wait checks its own deadline between polls.
       std::unique_lock run(run_mu_, std::defer_lock);
       if (!run.try_lock_for(kP2pPollHold)) return;
+      CancelDeferred();
       if (state->done) return;
       if (aborted()) {
         p2p_->Cancel(id);
@@ -2081,6 +2122,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
     std::lock_guard lock(p2p_works_mu_);
     p2p_works_.push_back({weak, *id, send, deadline});
   }
+  if (posted != nullptr) *posted = {state, *id};
   return Communicator::NewWork(std::move(state));
 }
 
@@ -2103,6 +2145,74 @@ void Communicator::Impl::SweepDroppedP2p() {
     const StatusOr<bool> done = p2p_->Test(posted.id);
     return !done.ok() || *done;  // a failure is nobody's to report
   });
+}
+
+void Communicator::Impl::CancelDeferred() {
+  if (!any_deferred_.load(std::memory_order_acquire)) return;
+  std::vector<std::shared_ptr<DeferredCancel>> handed;
+  {
+    std::lock_guard lock(deferred_mu_);
+    handed.swap(deferred_);
+    any_deferred_.store(false, std::memory_order_release);
+  }
+  for (const auto& d : handed) p2p_->Cancel(d->id);  // a no-op once released
+  {
+    std::lock_guard lock(deferred_mu_);
+    for (const auto& d : handed) d->cancelled = true;
+  }
+  deferred_cv_.notify_all();
+}
+
+Status Communicator::Impl::BlockingP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
+                                       const CallOptions& call, std::shared_ptr<void> keep) {
+  const Deadline deadline = DeadlineFor(call);
+  Posted posted;
+  {
+    Work work = PostP2p(send, data, bytes, peer, tag, call, /*blocking=*/true, &posted);
+    // Polls give up the worker at once while another thread's collective
+    // holds it, so this wait keeps to the call's deadline (the allowance
+    // lets a poll that has the worker finish its round).
+    const Status waited = work.Wait(deadline + kBlockingP2pAllowance);
+    if (posted.state == nullptr) return waited;  // refused before posting
+    std::lock_guard lock(posted.state->mu);
+    if (posted.state->done) return posted.state->status;
+    if (waited.code() != StatusCode::kTimedOut) return waited;
+  }
+  // Still posted, with the caller's buffer, and only the thread holding the
+  // worker may touch UCX: take it briefly to cancel, else hand the cancel
+  // to its holder (its next watchdog tick inside a wait, or whoever takes
+  // the worker next) and wait for that, bounded too.
+  const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
+                           std::to_string(peer) + " (tag " + std::to_string(tag) + ", " +
+                           std::to_string(bytes) + " bytes)";
+  std::string released;
+  {
+    std::unique_lock run(run_mu_, std::defer_lock);
+    if (run.try_lock_for(kP2pPollHold)) {
+      CancelDeferred();
+      p2p_->Cancel(posted.id);  // a no-op when it completed meanwhile
+      released = "cancelled; the buffer is the caller's again";
+    }
+  }
+  if (released.empty()) {
+    auto handed = std::make_shared<DeferredCancel>();
+    handed->id = posted.id;
+    handed->keep = std::move(keep);
+    std::unique_lock lock(deferred_mu_);
+    deferred_.push_back(handed);
+    any_deferred_.store(true, std::memory_order_release);
+    if (deferred_cv_.wait_for(lock, kBlockingP2pAllowance, [&] { return handed->cancelled; })) {
+      released = "cancelled by the thread holding the communicator; the buffer is the caller's again";
+    } else {
+      released = std::string("its cancel is left to the collective holding the communicator on "
+                             "another thread, which does it at its next health check (about every "
+                             "100 ms while it waits for messages) or when it ends; until then the ") +
+                 (send ? "buffer may still be read" : "buffer may still be written");
+    }
+  }
+  return Abort(TimedOutError(what + " not finished by its deadline: the communicator was busy with "
+                             "a collective on another thread; " + released),
+               deadline);
 }
 
 // --------------------------------------------------------- Communicator ----
@@ -2608,31 +2718,36 @@ Status Communicator::Barrier(const CallOptions& call) {
 Status Communicator::Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "send buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "send to rank"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({data}, count, "send"));
+  const size_t bytes = count * DataTypeSize(dtype);
   if (device >= 0 && !impl_->ucx_cuda_memory()) {
     // One host copy of the whole message: the receiver matches one message
-    // per Send, so it cannot be chunked.
-    const size_t bytes = count * DataTypeSize(dtype);
-    std::vector<std::byte> host(bytes);
+    // per Send, so it cannot be chunked. Shared: a send whose cancel is left
+    // to another thread (BlockingP2p) keeps it until then.
+    auto host = std::make_shared<std::vector<std::byte>>(bytes);
     DDP_RETURN_IF_ERROR(
-        impl_->StageCopy(device, host.data(), data, bytes, false, impl_->DeadlineFor(call)));
-    return SendAsync(host.data(), count, dtype, peer, tag, call).Wait();
+        impl_->StageCopy(device, host->data(), data, bytes, false, impl_->DeadlineFor(call)));
+    return impl_->BlockingP2p(true, host->data(), bytes, peer, tag, call, host);
   }
-  return SendAsync(data, count, dtype, peer, tag, call).Wait();
+  return impl_->BlockingP2p(true, const_cast<void*>(data), bytes, peer, tag, call);
 }
 
 Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "receive buffer"));
+  DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "receive from rank"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({data}, count, "receive"));
+  const size_t bytes = count * DataTypeSize(dtype);
   if (device >= 0 && !impl_->ucx_cuda_memory()) {
     const Deadline deadline = impl_->DeadlineFor(call);
-    const size_t bytes = count * DataTypeSize(dtype);
-    std::vector<std::byte> host(bytes);
-    DDP_RETURN_IF_ERROR(RecvAsync(host.data(), count, dtype, peer, tag, call).Wait());
-    return impl_->StageCopy(device, data, host.data(), bytes, true, deadline);
+    auto host = std::make_shared<std::vector<std::byte>>(bytes);
+    DDP_RETURN_IF_ERROR(impl_->BlockingP2p(false, host->data(), bytes, peer, tag, call, host));
+    return impl_->StageCopy(device, data, host->data(), bytes, true, deadline);
   }
-  return RecvAsync(data, count, dtype, peer, tag, call).Wait();
+  return impl_->BlockingP2p(false, data, bytes, peer, tag, call);
 }
 
 Work Communicator::FinishedWork(Status status) {

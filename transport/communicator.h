@@ -369,6 +369,18 @@ class Communicator {
               const CallOptions& call = {});
   /// Receives exactly `count` elements from `peer` (another count:
   /// INVALID_ARGUMENT).
+  ///
+  /// A posted Send/Recv keeps to its deadline even when a collective on
+  /// another thread takes the communicator while it waits: about 250 ms
+  /// after the deadline it returns TIMED_OUT naming peer, tag and size, and
+  /// aborts the communicator. Its request is cancelled before it returns
+  /// (by this thread, or by the collective's thread at its next health
+  /// check, about every 100 ms inside a wait) and the message then says
+  /// "the buffer is the caller's again". Only when that thread does not
+  /// check in within another 250 ms (it is computing, not waiting) does the
+  /// message say so instead: the cancel happens at its next check or when it
+  /// ends, and until then the buffer may still be read (Send) or written
+  /// (Recv), so it must stay valid until that call ends.
   Status Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
               const CallOptions& call = {});
 

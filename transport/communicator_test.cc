@@ -783,6 +783,41 @@ int ScenarioBusyPoll() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A blocking Recv with a 1 s timeout returns TIMED_OUT by about then while
+// another thread's Barrier, begun after the receive was posted, holds the
+// communicator waiting for a late peer (rank 1 comes 4 s late); it used to wait for the worker until the
+// barrier ended. The message names the peer, tag and size, and the buffer
+// is left alone.
+int ScenarioBusyRecv() {
+  auto comm = MustCreate();
+  if (comm->rank() == 1) {
+    std::this_thread::sleep_for(milliseconds(4000));
+    comm->Barrier().IgnoreError();  // fails once rank 0's timeout aborted the job
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  // The receive is posted first; the barrier then takes the communicator
+  // between two of its polls and keeps it.
+  std::thread barrier([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    comm->Barrier({.timeout = milliseconds(20000)}).IgnoreError();
+  });
+  std::vector<int64_t> in(4, -1);
+  const auto start = Clock::now();
+  const Status s = comm->Recv(in.data(), in.size(), DataType::kI64, 1, 11, {.timeout = milliseconds(1000)});
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RECV after %lld ms: %s\n", static_cast<long long>(ms), s.ToString().c_str());
+  WORKER_CHECK(ms < 2500, "a receive with a 1 s timeout took " + std::to_string(ms) + " ms");
+  WORKER_CHECK(s.code() == StatusCode::kTimedOut &&
+                   s.message().find("receive from rank 1 (tag 11, 32 bytes)") != std::string::npos,
+               "the receive: " + s.ToString());
+  // The barrier's health checks cancel it: the buffer is released on return.
+  WORKER_CHECK(s.message().find("the buffer is the caller's again") != std::string::npos,
+               "the receive was not cancelled before it returned: " + s.ToString());
+  barrier.join();
+  WORKER_CHECK(in == std::vector<int64_t>(4, -1), "the timed-out receive's buffer was written");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A Send with a 1 s timeout while another thread's collective holds the
 // communicator returns TIMED_OUT at its own deadline, posting nothing, and
 // leaves the communicator usable; it used to wait for the collective (here
@@ -838,7 +873,7 @@ int ScenarioBusyPost() {
   cv.notify_all();
   other.join();
   WORKER_CHECK(sent.code() == StatusCode::kTimedOut &&
-                   sent.message().find("send to rank 1 (tag 5) not posted") != std::string::npos &&
+                   sent.message().find("send to rank 1 (tag 5, 128 bytes) not posted") != std::string::npos &&
                    sent.message().find("busy with a collective on another thread") != std::string::npos,
                "send while the communicator was busy: " + sent.ToString());
   WORKER_CHECK(ms < 5000, "a send with a 1 s timeout took " + std::to_string(ms) + " ms");
@@ -1223,6 +1258,7 @@ int RunScenario(const std::string& name) {
   if (name == "late") return ScenarioLate();
   if (name == "busy_poll") return ScenarioBusyPoll();
   if (name == "busy_post") return ScenarioBusyPost();
+  if (name == "busy_recv") return ScenarioBusyRecv();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "dropped_recv_collective") return ScenarioDroppedRecvThenCollective();
@@ -1573,6 +1609,11 @@ TEST(Communicator, PointToPointWaitKeepsItsDeadlineWhileACollectiveRuns) {
 TEST(Communicator, PointToPointPostKeepsItsDeadlineWhileACollectiveRuns) {
   Job job = RunJob(2, "busy_post", {{"DDP_TEST_TIMEOUT_MS", "60000"}}, milliseconds(120000));
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, BlockingRecvKeepsItsDeadlineWhileABarrierHoldsTheCommunicator) {
+  Job job = RunJob(2, "busy_recv", {{"DDP_TEST_TIMEOUT_MS", "20000"}}, milliseconds(60000));
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 TEST(Communicator, PeerWaitTimeCountsTheWaitForALateRank) {
