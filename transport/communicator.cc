@@ -191,6 +191,21 @@ std::shared_ptr<ServedStore> ServedStoreFor(const std::string& endpoint, const s
 
 }  // namespace
 
+namespace internal {
+namespace {
+// Run by Shutdown just before it closes the poll gate; tests only.
+std::function<void()>& BeforePollGateCloses() {
+  static auto* hook = new std::function<void()>();
+  return *hook;
+}
+}  // namespace
+// For tests (declared where used): lets a test poll a handle at the moment
+// Shutdown has joined its threads and not yet closed the poll gate.
+void SetBeforePollGateClosesForTesting(std::function<void()> hook) {
+  BeforePollGateCloses() = std::move(hook);
+}
+}  // namespace internal
+
 // ---------------------------------------------------------------- Work ----
 
 struct Work::State {
@@ -1223,6 +1238,7 @@ void Communicator::Impl::Shutdown() {
     // communicator that is going away. A poll running on another thread
     // finishes first (it is short: one try of the worker and one health
     // check); later ones see the gate closed.
+    if (internal::BeforePollGateCloses()) internal::BeforePollGateCloses()();
     {
       std::unique_lock close(poll_gate_->mu);
       poll_gate_->closed = true;

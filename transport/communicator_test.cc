@@ -39,6 +39,9 @@
 #include "transport/testing/process_group.h"
 
 namespace ddp::transport {
+namespace internal {
+void SetBeforePollGateClosesForTesting(std::function<void()> hook);
+}  // namespace internal
 namespace {
 
 using std::chrono::milliseconds;
@@ -938,6 +941,41 @@ int ScenarioDroppedRecv() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A poll that fails while the communicator is being destroyed, after its
+// threads were joined and before its poll gate closed, starts the thread
+// that posts the abort reason; destruction must join that thread too
+// (before, it had joined it already, and destroying the joinable thread
+// called std::terminate). Rank 1 leaves; rank 0 waits on a receive from it
+// at that moment of its destruction (a test hook), until the poll finds
+// rank 1 gone.
+int ScenarioPollFailsDuringShutdown() {
+  auto comm = MustCreate();
+  WORKER_CHECK(comm->Barrier().ok(), "barrier");
+  if (comm->rank() == 1) return testing::worker_failures == 0 ? 0 : 1;
+  std::vector<int64_t> in(4, -1);
+  Work recv = comm->RecvAsync(in.data(), in.size(), DataType::kI64, 1, 13);
+  Status seen;
+  internal::SetBeforePollGateClosesForTesting([&] {
+    std::thread poller([&] {
+      const auto until = Clock::now() + std::chrono::seconds(8);
+      while (Clock::now() < until) {
+        StatusOr<bool> done = recv.Test();
+        if (!done.ok()) {
+          seen = done.status();
+          return;
+        }
+        std::this_thread::sleep_for(milliseconds(5));
+      }
+    });
+    poller.join();
+  });
+  comm.reset();
+  internal::SetBeforePollGateClosesForTesting(nullptr);
+  std::printf("POLL %s\n", seen.ToString().c_str());
+  WORKER_CHECK(seen.code() == StatusCode::kPeerLost, "the poll during destruction: " + seen.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A receive whose handles were dropped is cancelled at once, not when the
 // next point-to-point call is posted: rank 1 posts a receive with tag 7,
 // drops its Work and runs all-gathers (which progress UCX); rank 0 sends
@@ -1261,6 +1299,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_recv") return ScenarioBusyRecv();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
+  if (name == "poll_fails_during_shutdown") return ScenarioPollFailsDuringShutdown();
   if (name == "dropped_recv_collective") return ScenarioDroppedRecvThenCollective();
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
   if (name == "recreate") return ScenarioRecreateOnALastingStore();
@@ -1487,6 +1526,11 @@ TEST(Communicator, AReceiveWhoseHandlesWereDroppedTakesNoMessage) {
 
 TEST(Communicator, AReceiveWhoseHandlesWereDroppedIsCancelledBeforeTheNextCollective) {
   Job job = RunJob(2, "dropped_recv_collective", {{"DDP_TEST_TIMEOUT_MS", "10000"}}, milliseconds(40000));
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, APollFailingWhileItIsDestroyedHasItsAbortPosterJoined) {
+  Job job = RunJob(2, "poll_fails_during_shutdown", {{"DDP_TEST_TIMEOUT_MS", "10000"}}, milliseconds(40000));
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
