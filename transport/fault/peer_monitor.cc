@@ -28,6 +28,7 @@ PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
     : options_(std::move(options)), store_(store) {
   pidfds_.assign(options_.local_pids.size(), -1);
   gone_at_start_.assign(options_.local_pids.size(), false);
+  start_times_ = std::make_unique<std::atomic<uint64_t>[]>(options_.local_pids.size());
   unread_marks_ = std::make_unique<std::atomic<int>[]>(options_.local_pids.size());
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     if (static_cast<int>(r) == options_.rank || options_.local_pids[r] <= 0) continue;
@@ -36,8 +37,9 @@ PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
     // dead: kill(pid, 0) would take a process that reused the pid for it.
     if (pidfds_[r] < 0 && errno == ESRCH) gone_at_start_[r] = true;
     // Without pidfd support (old kernel, seccomp, no descriptor left) fall
-    // back to looking at the process in Check() (ProcessGoneNow); that only
-    // errs after the pid is reused.
+    // back to looking at the process in Check() (ProcessGoneNow), knowing
+    // when it started: a process that reused the pid started later.
+    if (pidfds_[r] < 0 && !gone_at_start_[r]) start_times_[r] = ProcessStartTime(options_.local_pids[r]);
   }
 }
 
@@ -64,7 +66,14 @@ bool PeerMonitor::Exited(size_t rank) const {
     pollfd p{pidfds_[rank], POLLIN, 0};
     return poll(&p, 1, 0) > 0;
   }
-  return ProcessGoneNow(pid);  // a zombie too, which kill(pid, 0) takes for alive
+  // A zombie too, which kill(pid, 0) takes for alive; and another process
+  // under the pid.
+  uint64_t started = start_times_[rank].load(std::memory_order_relaxed);
+  if (started == 0 && !ProcessGoneNow(pid)) {
+    started = ProcessStartTime(pid);
+    start_times_[rank].store(started, std::memory_order_relaxed);
+  }
+  return ProcessGoneNow(pid, started);
 }
 
 std::vector<int> PeerMonitor::ExitedPeers() const {

@@ -110,6 +110,10 @@ class PeerMonitor {
   store::Store* store_;
   std::vector<int> pidfds_;  // per rank; -1: not watched
   std::vector<bool> gone_at_start_;  // per rank: no process when the monitor started
+  // Per rank without a pidfd: its process's start time (ProcessStartTime),
+  // read when the monitor starts or, where that failed (no descriptor left
+  // to open /proc with), at the first look after; 0 unknown.
+  std::unique_ptr<std::atomic<uint64_t>[]> start_times_;
   std::atomic<int> lost_peer_{-1};  // Check() may run on two threads
   // Per rank: Check rounds in a row that found it exited and could not read
   // its "closed" mark.

@@ -1,16 +1,21 @@
 #include "transport/fault/peer_monitor.h"
 
+#include <linux/sched.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "transport/fault/process.h"
 #include "transport/testing/descriptors_exhausted.h"
 #include "transport/testing/in_memory_store.h"
 
@@ -134,6 +139,62 @@ TEST(PeerMonitor, ZombieCountsAsDeadWithoutAPidfd) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
   }
+}
+
+// A child that sleeps, made with the pid `pid` (clone3's set_tid; root
+// may choose a free pid): -1 when that pid is taken meanwhile.
+pid_t SpawnSleeperAs(pid_t pid) {
+  clone_args args{};
+  args.exit_signal = SIGCHLD;
+  args.set_tid = reinterpret_cast<uint64_t>(&pid);
+  args.set_tid_size = 1;
+  const long got = syscall(SYS_clone3, &args, sizeof(args));
+  if (got == 0) {
+    execlp("sleep", "sleep", "30", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return static_cast<pid_t>(got);
+}
+
+TEST(ProcessStartTime, TellsAProcessFromAnotherUnderItsPid) {
+  const uint64_t mine = ProcessStartTime(getpid());
+  ASSERT_GT(mine, 0u);
+  EXPECT_FALSE(ProcessGoneNow(getpid(), mine));
+  EXPECT_FALSE(ProcessGoneNow(getpid()));
+  EXPECT_TRUE(ProcessGoneNow(getpid(), mine + 1));
+}
+
+// Without a pidfd the monitor looked at the pid alone: once the dead peer's
+// launcher reaped it and another process took its pid, the peer looked
+// alive again and every wait on it ran to its deadline.
+TEST(PeerMonitor, APeerWhosePidWasReusedIsDeadWithoutAPidfd) {
+  testing::InMemoryStore store;
+  pid_t peer = -1, reuser = -1;
+  std::unique_ptr<PeerMonitor> monitor;
+  for (int attempt = 0; attempt < 5 && reuser < 0; ++attempt) {
+    peer = SpawnSleeper();
+    // The child has started sleep once its start is what /proc says for it.
+    std::this_thread::sleep_for(milliseconds(50));
+    {
+      testing::DescriptorsExhausted none_left;
+      ASSERT_EQ(none_left.error(), EMFILE);
+      monitor = std::make_unique<PeerMonitor>(
+          PeerMonitorOptions{.rank = 1, .local_pids = {peer, getpid()}, .key_prefix = "j/"}, &store);
+    }
+    ASSERT_TRUE(monitor->ExitedPeers().empty());
+    kill(peer, SIGKILL);
+    waitpid(peer, nullptr, 0);
+    // Start times count clock ticks: the new process must start in a later one.
+    std::this_thread::sleep_for(milliseconds(30));
+    reuser = SpawnSleeperAs(peer);
+    ASSERT_TRUE(reuser >= 0 || errno == EEXIST) << "clone3 with set_tid: " << std::strerror(errno);
+  }
+  ASSERT_EQ(reuser, peer);
+  EXPECT_EQ(kill(reuser, 0), 0);  // a live process has the peer's pid
+  EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
+  EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
+  kill(reuser, SIGKILL);
+  waitpid(reuser, nullptr, 0);
 }
 
 TEST(PeerMonitor, CleanlyClosedPeerMayExit) {

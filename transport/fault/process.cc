@@ -5,11 +5,35 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 namespace ddp::transport::fault {
 
-bool ProcessGoneNow(int pid) {
+uint64_t ProcessStartTime(int pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "re");
+  if (f == nullptr) return 0;
+  char line[1024];
+  const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
+  std::fclose(f);
+  line[n] = '\0';
+  // The name (field 2) is in parentheses and may hold spaces and ')': the
+  // fields after it follow the last ')'. Field 22 is the 20th after it.
+  const char* p = std::strrchr(line, ')');
+  if (p == nullptr) return 0;
+  for (int field = 2; field < 22 && p != nullptr; ++field) p = std::strchr(p + 1, ' ');
+  if (p == nullptr) return 0;
+  unsigned long long ticks = 0;
+  return std::sscanf(p + 1, "%llu", &ticks) == 1 ? ticks : 0;
+}
+
+bool ProcessGoneNow(int pid, uint64_t start_time) {
   if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  if (start_time != 0) {
+    const uint64_t now = ProcessStartTime(pid);
+    if (now != 0 && now != start_time) return true;  // another process has the pid
+  }
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/exe", pid);
   char target[16];

@@ -1,7 +1,14 @@
 #ifndef DDP_TRANSPORT_FAULT_PROCESS_H_
 #define DDP_TRANSPORT_FAULT_PROCESS_H_
 
+#include <cstdint>
+
 namespace ddp::transport::fault {
+
+/// When process `pid` of this host started, in clock ticks since boot
+/// (field 22 of /proc/PID/stat); 0 when it cannot be read (no such
+/// process). A pid names one process for as long as this stays the same.
+uint64_t ProcessStartTime(int pid);
 
 /// Whether process `pid` of this host is gone for a peer's purposes: no
 /// such process, a zombie (exited, not yet reaped by its parent, which for
@@ -10,7 +17,10 @@ namespace ddp::transport::fault {
 /// descriptor in use): it needs no descriptor, since a process without
 /// memory has no /proc/PID/exe to read. kill(pid, 0) alone takes a zombie
 /// for alive.
-bool ProcessGoneNow(int pid);
+/// With `start_time` (ProcessStartTime when the process was first seen;
+/// 0: unknown), a process now under `pid` that started at another time is
+/// another process (the pid was reused), and the one watched is gone.
+bool ProcessGoneNow(int pid, uint64_t start_time = 0);
 
 }  // namespace ddp::transport::fault
 
