@@ -1631,8 +1631,14 @@ Status Communicator::Impl::Broadcast(void* buffer, size_t count, DataType dtype,
     ++sequence_;  // keeps collective numbering equal on every path
     return shm_->Broadcast(buffer, count, dtype, root, deadline, watchdog_);
   }
-  return internal::RunBroadcast(*p2p_, Args(buffer, buffer, count, dtype, ReduceOp::kSum, root,
-                                              deadline));
+  // In topology order, as the reduce's: the chain then leaves each host
+  // once, and the argument check meets the other collectives' (a rank
+  // running another collective fails at once rather than at the deadline).
+  algorithms::CollectiveArgs args = Args(buffer, buffer, count, dtype, ReduceOp::kSum, root, deadline);
+  if (ring_is_rank_order_) return internal::RunBroadcast(*p2p_, args);
+  args.root = static_cast<int>(std::find(ring_order_.begin(), ring_order_.end(), root) - ring_order_.begin());
+  args.tuning.checked_root = root;
+  return internal::RunBroadcast(*ring_view_, args);
 }
 
 Status Communicator::Impl::AllGather(const void* send, void* recv, size_t count, DataType dtype,
@@ -1659,8 +1665,10 @@ Status Communicator::Impl::Barrier(Deadline deadline) {
     ++sequence_;
     return shm_->Barrier(deadline, watchdog_);
   }
-  return internal::RunBarrier(*p2p_, Args(nullptr, nullptr, 0, DataType::kU8, ReduceOp::kSum, 0,
-                                            deadline));
+  // On the ring's order, where the other collectives check their
+  // neighbours' arguments.
+  return internal::RunBarrier(ring_is_rank_order_ ? static_cast<p2p::PointToPoint&>(*p2p_) : *ring_view_,
+                              Args(nullptr, nullptr, 0, DataType::kU8, ReduceOp::kSum, 0, deadline));
 }
 
 StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, const void* recv,
