@@ -208,10 +208,17 @@ namespace {
 // throws listing every offender.
 std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& state, bool strict) {
   const StateDict mine = module.GetStateDict();
-  std::vector<std::string> missing, unexpected, mismatched;
+  std::vector<std::string> missing, unexpected, mismatched, duplicated;
   std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, source)
+  // A key given twice is an error in either mode: only one of its values
+  // could be loaded, and which one the caller meant cannot be known.
   std::set<std::string> given_names;
-  for (const auto& [name, t] : state) given_names.insert(name);
+  for (const auto& [name, t] : state) {
+    if (!given_names.insert(name).second &&
+        std::find(duplicated.begin(), duplicated.end(), name) == duplicated.end()) {
+      duplicated.push_back(name);
+    }
+  }
   for (const auto& [name, dst] : mine) {
     auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
     if (it == state.end()) {
@@ -242,7 +249,7 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
       if (!mine_names.count(name)) unexpected.push_back(name);
     }
   }
-  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty() || !duplicated.empty()) {
     std::string msg = "LoadStateDict into " + (module.FullName().empty() ? module.ShortRepr() : module.Describe()) +
                       " failed:";
     auto list = [&msg](const char* what, const std::vector<std::string>& v) {
@@ -253,6 +260,7 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
     list("missing keys", missing);
     list("unexpected keys", unexpected);
     list("shape or dtype mismatches", mismatched);
+    list("duplicate keys", duplicated);
     throw std::invalid_argument(msg);
   }
   return copies;

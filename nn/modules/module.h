@@ -90,7 +90,8 @@ class Module {
   /// integer types, which is an error. All offenders are listed in one
   /// error, and nothing is changed unless everything matches. Not strict:
   /// only matching names are copied, and shape or floating/integer
-  /// mismatches are still errors.
+  /// mismatches are still errors. A key given more than once is an error in
+  /// both modes.
   void LoadStateDict(const StateDict& state, bool strict = true);
   /// The checks of LoadStateDict alone: throws its error for a state it
   /// would refuse, and copies nothing (to check every part of a checkpoint

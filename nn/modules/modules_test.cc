@@ -186,6 +186,22 @@ TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>()[0], 0.0f);
 }
 
+// A key given twice is refused in both modes, naming it, and nothing is
+// loaded (before, the first value was loaded and the second ignored).
+TEST(ModuleTest, LoadStateDictRefusesADuplicateKey) {
+  auto mlp = MakeMlp();
+  StateDict sd = mlp->GetStateDict();
+  ASSERT_EQ(sd[0].first, "1.weight");
+  const std::vector<float> before = sd[0].second.ToVector<float>();
+  sd.emplace_back("1.weight", Zeros({512, 784}));
+  for (bool strict : {true, false}) {
+    const std::string err = ErrorOf([&] { mlp->LoadStateDict(sd, strict); });
+    EXPECT_NE(err.find("duplicate keys (1): `1.weight`"), std::string::npos) << strict << ": " << err;
+    EXPECT_EQ(ErrorOf([&] { mlp->CheckStateDict(sd, strict); }), err);
+  }
+  EXPECT_EQ(mlp->GetStateDict()[0].second.ToVector<float>(), before);
+}
+
 // As PyTorch's load_state_dict (which checks shapes only and copies with
 // copy_), a floating value is converted to the parameter's floating dtype:
 // an f32 checkpoint loads into a model converted to bf16, and an f64 one
