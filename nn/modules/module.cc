@@ -205,8 +205,10 @@ StateDict Module::GetStateDict() const {
 namespace {
 
 // LoadStateDict's checks: the (destination, source) pairs it copies, or
-// throws listing every offender.
-std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& state, bool strict) {
+// throws listing every offender. `keys` receives the missing and unexpected
+// names in either mode (in strict mode they are also errors).
+std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& state, bool strict,
+                                                IncompatibleKeys& keys) {
   const StateDict mine = module.GetStateDict();
   std::vector<std::string> missing, unexpected, mismatched, duplicated;
   std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, source)
@@ -222,7 +224,7 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
   for (const auto& [name, dst] : mine) {
     auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
     if (it == state.end()) {
-      if (strict) missing.push_back(name);
+      keys.missing.push_back(name);
       continue;
     }
     const Tensor& src = it->second;
@@ -242,12 +244,15 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
     }
     copies.emplace_back(dst, src);
   }
+  std::set<std::string> mine_names;
+  for (const auto& [name, t] : mine) mine_names.insert(name);
+  for (const auto& [name, t] : state) {
+    const bool listed = std::find(keys.unexpected.begin(), keys.unexpected.end(), name) != keys.unexpected.end();
+    if (!mine_names.count(name) && !listed) keys.unexpected.push_back(name);
+  }
   if (strict) {
-    std::set<std::string> mine_names;
-    for (const auto& [name, t] : mine) mine_names.insert(name);
-    for (const auto& [name, t] : state) {
-      if (!mine_names.count(name)) unexpected.push_back(name);
-    }
+    missing = keys.missing;
+    unexpected = keys.unexpected;
   }
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty() || !duplicated.empty()) {
     std::string msg = "LoadStateDict into " + (module.FullName().empty() ? module.ShortRepr() : module.Describe()) +
@@ -268,12 +273,18 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
 
 }  // namespace
 
-void Module::CheckStateDict(const StateDict& state, bool strict) const { PlanLoad(*this, state, strict); }
+IncompatibleKeys Module::CheckStateDict(const StateDict& state, bool strict) const {
+  IncompatibleKeys keys;
+  PlanLoad(*this, state, strict, keys);
+  return keys;
+}
 
-void Module::LoadStateDict(const StateDict& state, bool strict) {
-  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, state, strict);
+IncompatibleKeys Module::LoadStateDict(const StateDict& state, bool strict) {
+  IncompatibleKeys keys;
+  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, state, strict, keys);
   NoGradGuard guard;
   for (auto& [dst, src] : copies) dst.CopyFrom(src);
+  return keys;
 }
 
 void Module::Train(bool on) {

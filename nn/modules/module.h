@@ -23,6 +23,16 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 /// Parameters then buffers of each module, pre-order, dotted names.
 using StateDict = NamedTensors;
 
+/// What LoadStateDict and CheckStateDict report, as PyTorch's
+/// load_state_dict returns them: the module's keys absent from the state
+/// (`missing`) and the state's keys the module lacks (`unexpected`), each in
+/// order and once. Filled in both modes; after a strict call that returned
+/// (rather than threw), both are empty.
+struct IncompatibleKeys {
+  std::vector<std::string> missing;
+  std::vector<std::string> unexpected;
+};
+
 class Module {
  public:
   Module() = default;
@@ -91,12 +101,14 @@ class Module {
   /// error, and nothing is changed unless everything matches. Not strict:
   /// only matching names are copied, and shape or floating/integer
   /// mismatches are still errors. A key given more than once is an error in
-  /// both modes.
-  void LoadStateDict(const StateDict& state, bool strict = true);
+  /// both modes. Returns the missing and unexpected keys (skipped when not
+  /// strict).
+  IncompatibleKeys LoadStateDict(const StateDict& state, bool strict = true);
   /// The checks of LoadStateDict alone: throws its error for a state it
   /// would refuse, and copies nothing (to check every part of a checkpoint
   /// before loading any).
-  void CheckStateDict(const StateDict& state, bool strict = true) const;
+  /// Returns what LoadStateDict would return.
+  IncompatibleKeys CheckStateDict(const StateDict& state, bool strict = true) const;
 
   /// Sets training mode on this module and every descendant.
   void Train(bool on = true);

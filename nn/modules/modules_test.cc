@@ -202,6 +202,29 @@ TEST(ModuleTest, LoadStateDictRefusesADuplicateKey) {
   EXPECT_EQ(mlp->GetStateDict()[0].second.ToVector<float>(), before);
 }
 
+// As PyTorch's load_state_dict, the missing and unexpected keys are returned
+// (a checkpoint saved from a wrapper, every key prefixed with "module.",
+// matches nothing here).
+TEST(ModuleTest, LoadStateDictReturnsMissingAndUnexpectedKeys) {
+  auto mlp = MakeMlp();
+  StateDict prefixed;
+  std::vector<std::string> mine, given;
+  for (const auto& [name, t] : mlp->GetStateDict()) {
+    mine.push_back(name);
+    given.push_back("module." + name);
+    prefixed.emplace_back("module." + name, t);
+  }
+  const IncompatibleKeys keys = mlp->LoadStateDict(prefixed, /*strict=*/false);
+  EXPECT_EQ(keys.missing, mine);
+  EXPECT_EQ(keys.unexpected, given);
+  const IncompatibleKeys checked = mlp->CheckStateDict(prefixed, /*strict=*/false);
+  EXPECT_EQ(checked.missing, mine);
+  EXPECT_EQ(checked.unexpected, given);
+  const IncompatibleKeys strict_ok = mlp->LoadStateDict(mlp->GetStateDict());
+  EXPECT_TRUE(strict_ok.missing.empty());
+  EXPECT_TRUE(strict_ok.unexpected.empty());
+}
+
 // As PyTorch's load_state_dict (which checks shapes only and copies with
 // copy_), a floating value is converted to the parameter's floating dtype:
 // an f32 checkpoint loads into a model converted to bf16, and an f64 one
