@@ -55,7 +55,11 @@ Tensor Linear::Forward(const Tensor& x) {
   if (x.dim() < 1 || x.size(-1) != in_) {
     Fail("expected input [..., " + std::to_string(in_) + "], got " + ShapeToString(x.shape()));
   }
-  return ops::Linear(x, weight_, bias_);
+  try {
+    return ops::Linear(x, weight_, bias_);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());  // e.g. an integer input: named with the layer and its path
+  }
 }
 
 // ---------------------------------------------------------------- Conv2d
@@ -268,7 +272,13 @@ Dropout::Dropout(double p, Generator& gen) : p_(p), gen_(&gen) {
 
 std::string Dropout::ExtraRepr() const { return "p=" + PyFloat(p_) + ", inplace=False"; }
 
-Tensor Dropout::Forward(const Tensor& x) { return ops::Dropout(x, p_, is_training(), *gen_); }
+Tensor Dropout::Forward(const Tensor& x) {
+  try {
+    return ops::Dropout(x, p_, is_training(), *gen_);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
+}
 
 std::string Flatten::ExtraRepr() const {
   return "start_dim=" + std::to_string(start_) + ", end_dim=" + std::to_string(end_);

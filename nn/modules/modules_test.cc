@@ -151,6 +151,19 @@ TEST(ModuleTest, BadInputShapesNameTheLayer) {
             "BatchNorm1d(4): expected input [N, 4] or [N, 4, L], got [2, 5]");
 }
 
+// An error from the op inside Linear or Dropout is rethrown naming the layer
+// and its path, as Conv2d, BatchNorm and the pooling layers do.
+TEST(ModuleTest, OpErrorsInLinearAndDropoutNameTheLayer) {
+  auto mlp = MakeMlp();
+  const Tensor ints = Zeros({2, 784}, {.dtype = DType::kInt64});
+  std::string err = ErrorOf([&] { mlp->Forward(ints); });
+  EXPECT_EQ(err, "Linear(784->512) `1`: linear: input must be floating, got i64");
+  Sequential seq{std::make_shared<Identity>(), std::make_shared<Dropout>(0.5)};
+  seq.Train();
+  err = ErrorOf([&] { seq.Forward(ints); });
+  EXPECT_EQ(err, "Dropout `1`: Dropout: input must be floating, got i64");
+}
+
 TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   ManualSeed(1);
   auto a = MakeCnn();
