@@ -66,13 +66,29 @@ Tensor Linear::Forward(const Tensor& x) {
 
 Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options, Generator& gen)
     : in_(in_channels), out_(out_channels), kernel_(kernel_size), options_(options) {
-  if (options.groups < 1 || in_channels % options.groups != 0 || out_channels % options.groups != 0) {
-    throw std::invalid_argument("Conv2d(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) +
-                                "): channels must be divisible by groups (" + std::to_string(options.groups) + ")");
+  // As PyTorch's _ConvNd: groups must be positive and divide both channel
+  // counts; zero channels are allowed (an empty weight), negative ones not.
+  const std::string where = "Conv2d(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) + "): ";
+  auto at_least = [&where](const char* what, int64_t v, int64_t lowest) {
+    if (v < lowest) {
+      throw std::invalid_argument(where + what + " must be >= " + std::to_string(lowest) + ", got " +
+                                  std::to_string(v));
+    }
+  };
+  at_least("in_channels", in_channels, 0);
+  at_least("out_channels", out_channels, 0);
+  at_least("groups", options.groups, 1);
+  for (const auto& [what, count] : {std::pair<const char*, int64_t>{"in_channels", in_channels},
+                                    std::pair<const char*, int64_t>{"out_channels", out_channels}}) {
+    if (count % options.groups != 0) {
+      throw std::invalid_argument(where + what + " (" + std::to_string(count) + ") must be divisible by groups (" +
+                                  std::to_string(options.groups) + ")");
+    }
   }
-  if (kernel_size < 1 || options.stride < 1 || options.dilation < 1 || options.padding < 0) {
-    throw std::invalid_argument("Conv2d: kernel size, stride and dilation must be positive, padding non-negative");
-  }
+  at_least("kernel_size", kernel_size, 1);
+  at_least("stride", options.stride, 1);
+  at_least("dilation", options.dilation, 1);
+  at_least("padding", options.padding, 0);
   weight_ = RegisterParameter("weight", Empty({out_channels, in_channels / options.groups, kernel_size, kernel_size}));
   if (options.bias) bias_ = RegisterParameter("bias", Empty({out_channels}));
   ResetLikePyTorch(weight_, bias_, gen);

@@ -83,6 +83,22 @@ TEST(ModuleTest, DropoutRefusesAProbabilityOutsideZeroToOne) {
   EXPECT_EQ(ErrorOf([] { Dropout(1.0); }), "");
 }
 
+// Each bad Conv2d argument is named on its own, with its value.
+TEST(ModuleTest, Conv2dNamesEachBadArgument) {
+  EXPECT_EQ(ErrorOf([] { Conv2d(-1, 8, 3); }), "Conv2d(-1, 8): in_channels must be >= 0, got -1");
+  EXPECT_EQ(ErrorOf([] { Conv2d(4, -8, 3); }), "Conv2d(4, -8): out_channels must be >= 0, got -8");
+  EXPECT_EQ(ErrorOf([] { Conv2d(4, 8, 3, {.groups = 0}); }), "Conv2d(4, 8): groups must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { Conv2d(4, 6, 3, {.groups = 3}); }),
+            "Conv2d(4, 6): in_channels (4) must be divisible by groups (3)");
+  EXPECT_EQ(ErrorOf([] { Conv2d(6, 4, 3, {.groups = 3}); }),
+            "Conv2d(6, 4): out_channels (4) must be divisible by groups (3)");
+  EXPECT_EQ(ErrorOf([] { Conv2d(4, 8, 0); }), "Conv2d(4, 8): kernel_size must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { Conv2d(4, 8, 3, {.stride = 0}); }), "Conv2d(4, 8): stride must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { Conv2d(4, 8, 3, {.padding = -1}); }), "Conv2d(4, 8): padding must be >= 0, got -1");
+  // Zero channels are allowed, as in PyTorch.
+  EXPECT_EQ(ErrorOf([] { Conv2d(0, 0, 3); }), "");
+}
+
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {
   auto r18 = MakeResNet18();
   EXPECT_EQ(Count(*r18), 11689512);
