@@ -15,12 +15,19 @@ std::pair<int64_t, int64_t> FanInOut(const Tensor& w) {
   return {w.size(1) * receptive, w.size(0) * receptive};
 }
 
-double Gain(std::string_view nonlinearity, double a) {
-  if (nonlinearity == "linear" || nonlinearity == "sigmoid" || nonlinearity == "conv2d") return 1.0;
+double Gain(std::string_view nonlinearity, std::optional<double> param) {
+  for (std::string_view one : {"linear", "sigmoid", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                               "conv_transpose2d", "conv_transpose3d"}) {
+    if (nonlinearity == one) return 1.0;
+  }
   if (nonlinearity == "tanh") return 5.0 / 3.0;
   if (nonlinearity == "relu") return std::sqrt(2.0);
-  if (nonlinearity == "leaky_relu") return std::sqrt(2.0 / (1.0 + a * a));
-  throw std::invalid_argument("unknown nonlinearity `" + std::string(nonlinearity) + "`");
+  if (nonlinearity == "selu") return 3.0 / 4.0;
+  if (nonlinearity == "leaky_relu") {
+    const double slope = param.value_or(0.01);  // PyTorch's default negative slope
+    return std::sqrt(2.0 / (1.0 + slope * slope));
+  }
+  throw std::invalid_argument("Gain: unknown nonlinearity `" + std::string(nonlinearity) + "`");
 }
 
 namespace {

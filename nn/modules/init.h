@@ -2,6 +2,7 @@
 // streams): a seeded Generator makes runs reproducible.
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 #include "nn/tensor/generator.h"
@@ -11,8 +12,13 @@ namespace ddp::nn::modules {
 
 /// (fan_in, fan_out) of a weight: [out, in] for linear, [out, in/groups, kh, kw] for conv.
 std::pair<int64_t, int64_t> FanInOut(const Tensor& weight);
-/// Recommended gain for a nonlinearity ("relu", "leaky_relu" with slope a, "linear", "tanh", "sigmoid").
-double Gain(std::string_view nonlinearity, double a = 0.0);
+/// Recommended gain for a nonlinearity, as PyTorch's calculate_gain: 1 for
+/// "linear", "sigmoid", "conv1d/2d/3d" and "conv_transpose1d/2d/3d"; 5/3 for
+/// "tanh"; sqrt(2) for "relu"; 3/4 for "selu"; sqrt(2 / (1 + slope^2)) for
+/// "leaky_relu", where the slope is `param`, 0.01 when not given (an explicit
+/// 0 gives sqrt(2), as the Kaiming functions pass their `a`). `param` is
+/// ignored for the others.
+double Gain(std::string_view nonlinearity, std::optional<double> param = std::nullopt);
 /// U(-bound, bound) with bound = gain * sqrt(3 / fan); fan is fan_in or fan_out (mode).
 void KaimingUniform(const Tensor& w, double a, std::string_view mode = "fan_in",
                     std::string_view nonlinearity = "leaky_relu", Generator& gen = DefaultGenerator());

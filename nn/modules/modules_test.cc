@@ -611,6 +611,21 @@ TEST(ModuleTest, EmptyBatchRunsForwardAndBackward) {
   }
 }
 
+// Values from PyTorch's torch.nn.init.calculate_gain.
+TEST(InitTest, GainMatchesPyTorch) {
+  EXPECT_DOUBLE_EQ(Gain("leaky_relu"), std::sqrt(2.0 / (1.0 + 0.01 * 0.01)));  // default slope 0.01
+  EXPECT_DOUBLE_EQ(Gain("leaky_relu", 0.0), std::sqrt(2.0));
+  EXPECT_DOUBLE_EQ(Gain("leaky_relu", std::sqrt(5.0)), std::sqrt(2.0 / 6.0));
+  EXPECT_DOUBLE_EQ(Gain("selu"), 0.75);
+  EXPECT_DOUBLE_EQ(Gain("tanh"), 5.0 / 3.0);
+  EXPECT_DOUBLE_EQ(Gain("relu"), std::sqrt(2.0));
+  for (const char* one : {"linear", "sigmoid", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                          "conv_transpose3d"}) {
+    EXPECT_EQ(ErrorOf([&] { EXPECT_DOUBLE_EQ(Gain(one), 1.0) << one; }), "") << one;
+  }
+  EXPECT_EQ(ErrorOf([] { Gain("softmax"); }), "Gain: unknown nonlinearity `softmax`");
+}
+
 TEST(InitTest, LayersWithoutInputsConstructAsInPyTorch) {
   // Fan 0 gives Kaiming an infinite bound; an empty weight is left alone
   // and the bias bound is 0, as PyTorch does.
