@@ -51,6 +51,28 @@ std::string Crc32Hex(const std::vector<TensorView>& tensors) {
 constexpr char kNoHeaderCrc[] = "00000000";
 std::string HeaderCrcMark() { return std::string("\"") + kHeaderChecksumKey + "\":\""; }
 
+// Where the header checksum's entry begins in `json`, or npos: the first
+// place the mark starts a string token, so that the same characters inside
+// a user's key or value (`a\"ddp.header_crc32":"`, with the quote escaped)
+// are passed over. A string directly followed by ':' is a key.
+size_t FindHeaderCrcKey(std::string_view json) {
+  const std::string mark = HeaderCrcMark();
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < json.size(); ++i) {
+    const char c = json[i];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c != '"') continue;
+    if (json.substr(i, mark.size()) == mark) return i;
+    in_string = true;
+  }
+  return std::string_view::npos;
+}
+
 std::string HeaderCrc32Hex(std::string_view text_with_zero_value) {
   return Crc32Hex({TensorView{"", StDtype::kU8, {static_cast<int64_t>(text_with_zero_value.size())},
                               text_with_zero_value.data(), text_with_zero_value.size()}});
@@ -147,9 +169,9 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
     throw std::invalid_argument(std::string("safetensors: cannot encode header: ") + e.what());
   }
   json.append((8 - json.size() % 8) % 8, ' ');
-  // The mark cannot occur inside a string (its quotes would be escaped),
-  // and the metadata object comes first.
-  const size_t at = json.find(HeaderCrcMark());
+  // The metadata object comes first, and the scan skips the mark's text
+  // inside the user's own keys and values.
+  const size_t at = FindHeaderCrcKey(json);
   if (at == std::string::npos) throw std::logic_error("safetensors: header checksum entry not written");
   json.replace(at + HeaderCrcMark().size(), 8, HeaderCrc32Hex(json));
   return json;
@@ -375,12 +397,15 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
   if (text.size() < 2 || text[0] != '{') p.Fail("header does not start with '{'");
   // Checked first: a corrupt header is reported as such, not as whatever
   // JSON error or wrong offset the corruption happens to make.
-  if (const size_t at = text.find(HeaderCrcMark()); at != std::string_view::npos) {
+  const size_t crc_at = FindHeaderCrcKey(text);
+  std::string crc_said;
+  if (const size_t at = crc_at; at != std::string_view::npos) {
     const size_t value = at + HeaderCrcMark().size();
     if (value + 9 > text.size() || text[value + 8] != '"') {
       p.Fail("header checksum entry is cut short or malformed");
     }
     const std::string said(text.substr(value, 8));
+    crc_said = said;
     std::string zeroed(text);
     zeroed.replace(value, 8, kNoHeaderCrc);
     const std::string got = HeaderCrc32Hex(zeroed);
@@ -404,6 +429,17 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
     p.Fail("header " + DuplicateKeyMessage(d));
   }
   if (!header.is_object()) p.Fail("header is not a JSON object");
+  // The entry checked above must be the one in __metadata__: a header whose
+  // metadata holds the key where the scan did not find it (or with another
+  // value) went unchecked.
+  if (const auto m = header.find(kMetadataKey); m != header.end() && m->is_object()) {
+    if (const auto h = m->find(kHeaderChecksumKey); h != m->end()) {
+      if (crc_at == std::string_view::npos || !h->is_string() || h->get<std::string>() != crc_said) {
+        p.Fail(std::string("__metadata__ holds ") + kHeaderChecksumKey +
+               " but not as the header checksum entry the header was checked by");
+      }
+    }
+  }
   return header;
 }
 

@@ -152,6 +152,34 @@ TEST(Safetensors, EmptyFileHoldsOnlyMetadata) {
   EXPECT_TRUE(f.metadata().empty());
 }
 
+// The checksum key's text inside a user's metadata key (its quote escaped)
+// is not the checksum entry: the writer must not overwrite it.
+TEST(Safetensors, ChecksumKeyTextInsideAUserKeyIsLeftAlone) {
+  const Metadata user{{"a\"ddp.header_crc32", "v"}, {"b", "x\"ddp.header_crc32\":\"12345678"}};
+  const std::string bytes = SerializeSafetensors({}, user);
+  SafetensorsFile f = SafetensorsFile::Parse(bytes, "mem");
+  EXPECT_EQ(f.metadata(), user);
+}
+
+// A header whose metadata holds the checksum key that the scan never found
+// at a key position was not checked: refused.
+TEST(Safetensors, ChecksumKeyInMetadataOnlyUnderAnEscapeIsRefused) {
+  // Written by hand: the key spelled with a \u escape, so the text scan
+  // cannot see it, though the parsed metadata holds it.
+  std::string header = R"({"__metadata__":{"ddp.header\u005fcrc32":"00000000"}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(bytes.data(), &n, 8);
+  bytes += header;
+  try {
+    SafetensorsFile::Parse(bytes, "mem");
+    FAIL() << "parsed";
+  } catch (const CheckpointError& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("mem"), HasSubstr("ddp.header_crc32")));
+  }
+}
+
 // A file made with Python's json and struct modules the way other writers
 // make them: header keys out of data order, unaligned data, no checksum.
 TEST(Safetensors, ReadsAFileWrittenByPython) {
