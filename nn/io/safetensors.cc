@@ -169,6 +169,13 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
     throw std::invalid_argument(std::string("safetensors: cannot encode header: ") + e.what());
   }
   json.append((8 - json.size() % 8) % 8, ' ');
+  // Checked here, before any file is opened: a longer header would be
+  // committed, then refused by our reader and by Python's.
+  if (json.size() > kMaxHeaderBytes) {
+    throw std::invalid_argument("safetensors: header is " + std::to_string(json.size()) +
+                                " bytes, over the limit of " + std::to_string(kMaxHeaderBytes) +
+                                " bytes that readers accept (metadata too large?)");
+  }
   // The metadata object comes first, and the scan skips the mark's text
   // inside the user's own keys and values.
   const size_t at = FindHeaderCrcKey(json);

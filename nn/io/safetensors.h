@@ -88,7 +88,8 @@ inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 /// The bytes of a safetensors file holding `tensors` (in this order) and
 /// `metadata` (plus the checksum). Throws std::invalid_argument for a
 /// duplicate or reserved name or metadata key,
-/// a negative size or a byte count that does not match dtype and shape.
+/// a negative size, a byte count that does not match dtype and shape, or a
+/// header longer than kMaxHeaderBytes.
 std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
                                  const Metadata& metadata = {});
 

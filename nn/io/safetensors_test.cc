@@ -180,6 +180,22 @@ TEST(Safetensors, ChecksumKeyInMetadataOnlyUnderAnEscapeIsRefused) {
   }
 }
 
+// A header over kMaxHeaderBytes would be refused by every reader: the
+// writer refuses it before creating anything at the path.
+TEST(Safetensors, HeaderOverTheLimitIsRefusedBeforeWriting) {
+  const std::string dir = TmpDir("st_big_header");
+  const Metadata big{{"blob", std::string(100'000'001, 'x')}};
+  try {
+    WriteSafetensorsFile(dir + "/m.safetensors", {}, big);
+    FAIL() << "written";
+  } catch (const CheckpointError& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr(dir + "/m.safetensors"), HasSubstr("100000000"),
+                                HasSubstr("header is 1000")));
+  }
+  EXPECT_TRUE(FilesIn(dir).empty());
+  EXPECT_THROW(SerializeSafetensors({}, big), std::invalid_argument);
+}
+
 // A file made with Python's json and struct modules the way other writers
 // make them: header keys out of data order, unaligned data, no checksum.
 TEST(Safetensors, ReadsAFileWrittenByPython) {
