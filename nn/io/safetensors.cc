@@ -623,6 +623,14 @@ Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
 
 std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
   auto [f, size] = OpenRegularFile(path);
+  auto stopped = [&, size = size](uint64_t got) {
+    if (stop != nullptr && stop->load(std::memory_order_relaxed)) {
+      throw CheckpointError(path + ": the read was stopped after " + std::to_string(got) + " of " +
+                            std::to_string(size) + " bytes");
+    }
+  };
+  stopped(0);
+  std::string header_text;  // the n bytes after the length, once read
   if (size >= 8) {
     // The header's length first: a file that is no safetensors file at all
     // (a dataset archive given by mistake) is refused before its whole size
@@ -645,7 +653,41 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
                                                 " bytes") +
                             " (truncated, or not a safetensors file)");
     }
-    std::rewind(f.get());
+    // Then the header itself, and the data region's size it implies: a file
+    // whose size differs (a huge tail after the last tensor, or a truncated
+    // one) is refused before its data is allocated or read.
+    header_text.assign(reinterpret_cast<const char*>(length), 8);
+    header_text.resize(8 + static_cast<size_t>(n));
+    if (std::fread(header_text.data() + 8, 1, n, f.get()) != n) {
+      const int err = errno;
+      throw CheckpointError(path + ": cannot read its header: " +
+                            (std::ferror(f.get()) ? std::string(std::strerror(err))
+                                                  : std::string("the file got shorter while being read")));
+    }
+    Parser p(path);
+    const nlohmann::json header =
+        ParseHeader(std::string_view(header_text).substr(8), p);
+    const uint64_t data_size = size - 8 - n;
+    uint64_t data_end = 0;
+    std::optional<TensorEntry> last;
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      if (it.key() == kMetadataKey) continue;
+      TensorEntry e = p.Entry(it.key(), *it);
+      if (e.offset + e.nbytes >= data_end) {
+        data_end = e.offset + e.nbytes;
+        last = std::move(e);
+      }
+    }
+    if (data_end > data_size) {
+      p.Fail("tensor `" + last->name + "`: data_offsets [" + std::to_string(last->offset) + ", " +
+             std::to_string(data_end) + "] extend past the " + std::to_string(data_size) +
+             "-byte data region (truncated file?)");
+    }
+    if (data_end < data_size) {
+      p.Fail("bytes [" + std::to_string(data_end) + ", " + std::to_string(data_size) +
+             ") of the data region belong to no tensor (" + std::to_string(data_size - data_end) +
+             " trailing bytes after the last tensor's end)");
+    }
   }
   std::string bytes;
   try {
@@ -653,13 +695,13 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
   } catch (const std::bad_alloc&) {
     throw CheckpointError(path + ": cannot hold its " + std::to_string(size) + " bytes in memory");
   }
-  size_t got = 0;
+  // The length and header already read are not read again.
+  size_t got = header_text.size();
+  std::memcpy(bytes.data(), header_text.data(), got);
+  std::string().swap(header_text);
   int read_errno = 0;
   while (got < bytes.size()) {
-    if (stop != nullptr && stop->load(std::memory_order_relaxed)) {
-      throw CheckpointError(path + ": the read was stopped after " + std::to_string(got) + " of " +
-                            std::to_string(bytes.size()) + " bytes");
-    }
+    stopped(got);
     const size_t want = std::min(bytes.size() - got, kStopCheckBytes);
     const size_t n = std::fread(bytes.data() + got, 1, want, f.get());
     got += n;

@@ -117,8 +117,11 @@ class SafetensorsFile {
   static SafetensorsFile Parse(std::string bytes, const std::string& source);
   /// Reads and parses a file.
   static SafetensorsFile Read(const std::string& path, const std::atomic<bool>* stop = nullptr);
-  /// A file's bytes, unparsed (to hand to Parse here or on another rank).
-  /// Throws CheckpointError naming the path and the OS error. Once `*stop`
+  /// A file's bytes (to hand to Parse here or on another rank). The header
+  /// is read and checked first, and the file's size must be the one it
+  /// implies, so a file with bytes after its last tensor is refused without
+  /// reading them. Throws CheckpointError naming the path and the OS error
+  /// or the problem. Once `*stop`
   /// (when given) is true, the read ends at the next piece of
   /// kStopCheckBytes with a CheckpointError.
   static std::string ReadBytes(const std::string& path, const std::atomic<bool>* stop = nullptr);

@@ -196,6 +196,55 @@ TEST(Safetensors, HeaderOverTheLimitIsRefusedBeforeWriting) {
   EXPECT_THROW(SerializeSafetensors({}, big), std::invalid_argument);
 }
 
+// Bytes this process has read through read(2) and the like, or -1.
+int64_t BytesReadSoFar() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value;
+  while (io >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  return -1;
+}
+
+// A valid file followed by a 1 GiB tail (sparse, so cheap to make) is
+// refused from its header and size alone: the tail is neither allocated
+// nor read.
+TEST(Safetensors, HugeTailAfterTheLastTensorIsRefusedWithoutReadingIt) {
+  const std::string dir = TmpDir("st_tail");
+  const std::string path = dir + "/t.safetensors";
+  const float a = 1;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {1}, &a, 4}});
+  const uint64_t good = ReadAll(path).size();
+  const uint64_t tail = uint64_t{1} << 30;
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(good + tail)), 0) << std::strerror(errno);
+  const int64_t read_before = BytesReadSoFar();
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string error = ErrorOf([&] { SafetensorsFile::Read(path); });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t read_after = BytesReadSoFar();
+  EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("bytes [4, " + std::to_string(4 + tail) + ")"),
+                           HasSubstr(std::to_string(tail) + " trailing bytes")));
+  EXPECT_LT(seconds, 1.0);
+  if (read_before >= 0 && read_after >= 0) {
+    EXPECT_LT(read_after - read_before, 1 << 20);
+  }
+  // The same file without its tail reads.
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(good)), 0);
+  EXPECT_EQ(SafetensorsFile::Read(path).tensors().size(), 1u);
+}
+
+// A header whose tensors end past the file's end is refused the same way.
+TEST(Safetensors, TruncatedDataIsRefusedNamingTheLastTensor) {
+  const std::string dir = TmpDir("st_cut");
+  const std::string path = dir + "/t.safetensors";
+  const float a[2] = {1, 2};
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {1}, a, 4}, {"y", StDtype::kF32, {1}, a + 1, 4}});
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(ReadAll(path).size() - 2)), 0);
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }),
+              AllOf(HasSubstr(path), HasSubstr("tensor `y`"), HasSubstr("truncated file?")));
+}
+
 // A file made with Python's json and struct modules the way other writers
 // make them: header keys out of data order, unaligned data, no checksum.
 TEST(Safetensors, ReadsAFileWrittenByPython) {
