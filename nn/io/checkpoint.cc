@@ -124,15 +124,22 @@ void SaveTensors(const std::string& path, const NamedTensors& tensors, const Met
   nlohmann::json devices = nlohmann::json::object();
   host.reserve(tensors.size());
   views.reserve(tensors.size());
-  for (const auto& [name, t] : tensors) {
-    if (!t.defined()) throw CheckpointError(path + ": tensor `" + name + "` is undefined");
-    if (!t.device().is_cpu()) devices[name] = t.device().ToString();
-    // Detach: saving reads values and must not trip the autograd checks.
-    Tensor c = t.Detach();
-    if (!c.device().is_cpu()) c = c.To(kCPU);
-    c = c.Contiguous();
-    host.push_back(c);
-    views.push_back({name, ToStDtype(c.dtype()), c.shape(), c.data_ptr(), c.nbytes()});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, t] = tensors[i];
+    const std::string which = "tensor `" + NameForMessage(name) + "` (#" + std::to_string(i) + ")";
+    if (!t.defined()) throw CheckpointError(path + ": " + which + " is undefined");
+    try {
+      if (!t.device().is_cpu()) devices[name] = t.device().ToString();
+      // Detach: saving reads values and must not trip the autograd checks.
+      Tensor c = t.Detach();
+      if (!c.device().is_cpu()) c = c.To(kCPU);
+      c = c.Contiguous();
+      host.push_back(c);
+      views.push_back({name, ToStDtype(c.dtype()), c.shape(), c.data_ptr(), c.nbytes()});
+    } catch (const std::exception& e) {
+      // A failed device copy or allocation, or a dtype the format lacks.
+      throw CheckpointError(path + ": " + which + ": cannot take it for saving: " + e.what());
+    }
   }
   if (devices.empty()) {
     WriteSafetensorsFile(path, views, metadata, stop);  // CPU-only saves: no record, as before
@@ -189,9 +196,17 @@ LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source
     for (const auto& [f, t] : map) {
       if (f == from) target = t;
     }
-    Tensor t = Empty(e.shape, {.dtype = FromStDtype(e.dtype)});
-    if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.Data(e), e.nbytes);
-    if (!target.is_cpu()) t = t.To(target);
+    Tensor t;
+    try {
+      t = Empty(e.shape, {.dtype = FromStDtype(e.dtype)});
+      if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.Data(e), e.nbytes);
+      if (!target.is_cpu()) t = t.To(target);
+    } catch (const std::exception& x) {
+      // An allocation or device copy that failed.
+      throw CheckpointError(source + ": tensor `" + NameForMessage(e.name) + "` (" +
+                            std::to_string(e.nbytes) + " bytes, for " + target.ToString() +
+                            "): cannot load it: " + x.what());
+    }
     out.tensors.emplace_back(e.name, std::move(t));
   }
   return out;
@@ -218,7 +233,7 @@ Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
     } else if (StartsWith(name, kOptimPrefix)) {
       c.optimizer.emplace_back(name.substr(std::strlen(kOptimPrefix)), std::move(t));
     } else {
-      throw CheckpointError(source + ": tensor `" + name +
+      throw CheckpointError(source + ": tensor `" + NameForMessage(name) +
                             "` belongs to neither the model (model.) nor the optimizer (optim.)");
     }
   }

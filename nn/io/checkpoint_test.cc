@@ -249,6 +249,15 @@ TEST(DeviceMap, DeviceRecordThatCannotBeEncodedNamesTheFileAndTensor) {
       ::testing::ExitedWithCode(0), "CheckpointError: .*bad_utf8_device.safetensors: .*tensor #1's name");
 }
 
+// On the CPU path too, a name that is not valid UTF-8 is named by its place.
+TEST(CheckpointErrors, NameThatCannotBeEncodedNamesTheFileAndTensor) {
+  const std::string path = TmpPath("bad_utf8_cpu.safetensors");
+  EXPECT_THAT(ErrorOf([&] { SaveTensors(path, {{"ok", Ones({1})}, {std::string("w\xff"), Ones({2})}}); }),
+              AllOf(HasSubstr(path), HasSubstr("tensor #1's name")));
+  struct stat st;
+  EXPECT_NE(::stat(path.c_str(), &st), 0);
+}
+
 TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
   const float v = 1.0f;
   const std::string path = TmpPath("bad_devices.safetensors");

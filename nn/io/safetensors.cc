@@ -128,21 +128,21 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
       throw std::invalid_argument("safetensors: tensor name __metadata__ is reserved");
     }
     if (!names.insert(t.name).second) {
-      throw std::invalid_argument("safetensors: tensor name `" + t.name + "` appears twice");
+      throw std::invalid_argument("safetensors: tensor name `" + NameForMessage(t.name) + "` appears twice");
     }
     const std::optional<uint64_t> expected = ByteCount(t.shape, t.dtype);
     if (!expected) {
-      throw std::invalid_argument("safetensors: tensor `" + t.name + "` has invalid shape " +
+      throw std::invalid_argument("safetensors: tensor `" + NameForMessage(t.name) + "` has invalid shape " +
                                   ShapeString(t.shape));
     }
     if (*expected != t.nbytes) {
-      throw std::invalid_argument("safetensors: tensor `" + t.name + "` of dtype " +
+      throw std::invalid_argument("safetensors: tensor `" + NameForMessage(t.name) + "` of dtype " +
                                   StDtypeName(t.dtype) + " and shape " + ShapeString(t.shape) +
                                   " needs " + std::to_string(*expected) + " bytes, got " +
                                   std::to_string(t.nbytes));
     }
     if (t.nbytes > 0 && t.data == nullptr) {
-      throw std::invalid_argument("safetensors: tensor `" + t.name + "` has no data pointer");
+      throw std::invalid_argument("safetensors: tensor `" + NameForMessage(t.name) + "` has no data pointer");
     }
     nlohmann::ordered_json e = nlohmann::ordered_json::object();
     e["dtype"] = StDtypeName(t.dtype);
@@ -165,8 +165,26 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
   try {
     json = header.dump();
   } catch (const nlohmann::json::exception& e) {
-    // Invalid UTF-8 in a name or a metadata value.
-    throw std::invalid_argument(std::string("safetensors: cannot encode header: ") + e.what());
+    // Invalid UTF-8 in a name or a metadata key or value: say which, by its
+    // place, as the text itself would not print.
+    auto encodes = [](const std::string& text) {
+      try {
+        (void)nlohmann::json(text).dump();
+        return true;
+      } catch (const nlohmann::json::exception&) {
+        return false;
+      }
+    };
+    std::string which;
+    for (size_t i = 0; i < tensors.size() && which.empty(); ++i) {
+      if (!encodes(tensors[i].name)) which = "tensor #" + std::to_string(i) + "'s name: ";
+    }
+    size_t i = 0;
+    for (auto m = metadata.begin(); m != metadata.end() && which.empty(); ++m, ++i) {
+      if (!encodes(m->first)) which = "metadata key #" + std::to_string(i) + ": ";
+      else if (!encodes(m->second)) which = "metadata value of `" + NameForMessage(m->first) + "`: ";
+    }
+    throw std::invalid_argument("safetensors: cannot encode header: " + which + e.what());
   }
   json.append((8 - json.size() % 8) % 8, ' ');
   // Checked here, before any file is opened: a longer header would be
@@ -264,46 +282,46 @@ class Parser {
 
   uint64_t Offset(const nlohmann::json& v, const std::string& name, int which) const {
     if (!v.is_number_unsigned()) {
-      Fail("tensor `" + name + "`: data_offsets[" + std::to_string(which) + "] is " + v.dump() +
+      Fail("tensor `" + NameForMessage(name) + "`: data_offsets[" + std::to_string(which) + "] is " + v.dump() +
            ", expected a non-negative integer");
     }
     return v.get<uint64_t>();
   }
 
   TensorEntry Entry(const std::string& name, const nlohmann::json& info) const {
-    if (!info.is_object()) Fail("tensor `" + name + "`: entry is " + std::string(info.type_name()) + ", expected an object");
+    if (!info.is_object()) Fail("tensor `" + NameForMessage(name) + "`: entry is " + std::string(info.type_name()) + ", expected an object");
     TensorEntry e;
     e.name = name;
     auto dt = info.find("dtype");
-    if (dt == info.end() || !dt->is_string()) Fail("tensor `" + name + "`: missing dtype string");
+    if (dt == info.end() || !dt->is_string()) Fail("tensor `" + NameForMessage(name) + "`: missing dtype string");
     const std::optional<StDtype> dtype = StDtypeFromName(dt->get_ref<const std::string&>());
     if (!dtype) {
-      Fail("tensor `" + name + "`: dtype " + dt->dump() +
+      Fail("tensor `" + NameForMessage(name) + "`: dtype " + dt->dump() +
            " is not supported (F32, F64, F16, BF16, I64, I32, U8 are)");
     }
     e.dtype = *dtype;
     auto shape = info.find("shape");
-    if (shape == info.end() || !shape->is_array()) Fail("tensor `" + name + "`: missing shape array");
+    if (shape == info.end() || !shape->is_array()) Fail("tensor `" + NameForMessage(name) + "`: missing shape array");
     for (const auto& d : *shape) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62)) {
-        Fail("tensor `" + name + "`: shape " + shape->dump() +
+        Fail("tensor `" + NameForMessage(name) + "`: shape " + shape->dump() +
              " must hold non-negative integers");
       }
       e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
     }
     auto offsets = info.find("data_offsets");
     if (offsets == info.end() || !offsets->is_array() || offsets->size() != 2) {
-      Fail("tensor `" + name + "`: missing data_offsets [begin, end]");
+      Fail("tensor `" + NameForMessage(name) + "`: missing data_offsets [begin, end]");
     }
     const uint64_t begin = Offset((*offsets)[0], name, 0);
     const uint64_t end = Offset((*offsets)[1], name, 1);
     if (end < begin) {
-      Fail("tensor `" + name + "`: data_offsets [" + std::to_string(begin) + ", " +
+      Fail("tensor `" + NameForMessage(name) + "`: data_offsets [" + std::to_string(begin) + ", " +
            std::to_string(end) + "] end before they begin");
     }
     const std::optional<uint64_t> expected = ByteCount(e.shape, e.dtype);
     if (!expected || *expected != end - begin) {
-      Fail("tensor `" + name + "`: dtype " + StDtypeName(e.dtype) + " and shape " +
+      Fail("tensor `" + NameForMessage(name) + "`: dtype " + StDtypeName(e.dtype) + " and shape " +
            ShapeString(e.shape) + " need " +
            (expected ? std::to_string(*expected) : std::string("more than 2^62")) +
            " bytes, data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
@@ -329,6 +347,15 @@ std::string FileKind(mode_t mode) {
 }
 
 }  // namespace
+
+std::string NameForMessage(std::string_view name) {
+  constexpr size_t kMax = 200;
+  if (name.size() <= kMax) return std::string(name);
+  size_t cut = kMax;
+  // Not inside a UTF-8 sequence: back up over its continuation bytes.
+  while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(name.substr(0, cut)) + "... (" + std::to_string(name.size()) + " bytes)";
+}
 
 const char* StDtypeName(StDtype dtype) {
   for (const DtypeInfo& d : kDtypes) {
@@ -506,12 +533,12 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
   };
   for (const TensorEntry& e : f.tensors_) {
     if (e.offset + e.nbytes > data_size) {
-      p.Fail("tensor `" + e.name + "`: data_offsets " + range(e) + " extend past the " +
+      p.Fail("tensor `" + NameForMessage(e.name) + "`: data_offsets " + range(e) + " extend past the " +
              std::to_string(data_size) + "-byte data region (truncated file?)");
     }
     if (e.offset < pos) {
-      p.Fail("tensor `" + e.name + "`: data_offsets " + range(e) + " overlap tensor `" +
-             prev->name + "` " + range(*prev));
+      p.Fail("tensor `" + NameForMessage(e.name) + "`: data_offsets " + range(e) + " overlap tensor `" +
+             NameForMessage(prev->name) + "` " + range(*prev));
     }
     if (e.offset > pos) {
       p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(e.offset) +
@@ -679,7 +706,7 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
       }
     }
     if (data_end > data_size) {
-      p.Fail("tensor `" + last->name + "`: data_offsets [" + std::to_string(last->offset) + ", " +
+      p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" + std::to_string(last->offset) + ", " +
              std::to_string(data_end) + "] extend past the " + std::to_string(data_size) +
              "-byte data region (truncated file?)");
     }

@@ -82,6 +82,10 @@ inline constexpr char kChecksumKey[] = "ddp.data_crc32";
 /// would load silently.
 inline constexpr char kHeaderChecksumKey[] = "ddp.header_crc32";
 
+/// `name` as error messages quote it: names longer than 200 bytes are cut
+/// (at a UTF-8 character boundary) and their length given.
+std::string NameForMessage(std::string_view name);
+
 /// Largest header accepted (100 MB, as the Python implementation).
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 

@@ -245,6 +245,37 @@ TEST(Safetensors, TruncatedDataIsRefusedNamingTheLastTensor) {
               AllOf(HasSubstr(path), HasSubstr("tensor `y`"), HasSubstr("truncated file?")));
 }
 
+// A name that is not valid UTF-8 cannot be written or printed: the error
+// gives the file and the tensor's place.
+TEST(Safetensors, NameThatCannotBeEncodedIsNamedByItsPlace) {
+  const std::string dir = TmpDir("st_utf8");
+  const float a = 1;
+  EXPECT_THAT(ErrorOf([&] {
+                WriteSafetensorsFile(dir + "/m.safetensors", {{"ok", StDtype::kF32, {}, &a, 4},
+                                                              {"w\xff", StDtype::kF32, {}, &a, 4}});
+              }),
+              AllOf(HasSubstr(dir + "/m.safetensors"), HasSubstr("tensor #1's name")));
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(dir + "/m.safetensors", {}, {{"k", "v\xff"}}); }),
+              HasSubstr("metadata value of `k`"));
+  EXPECT_TRUE(FilesIn(dir).empty());
+}
+
+// A very long name is cut in messages, its length given.
+TEST(Safetensors, LongNamesAreCutInMessages) {
+  const std::string name(100'000, 'n');
+  const float a = 1;
+  const std::string error = ErrorOf([&] {
+    WriteSafetensorsFile(TmpDir("st_long") + "/m.safetensors",
+                         {{name, StDtype::kF32, {}, &a, 4}, {name, StDtype::kF32, {}, &a, 4}});
+  });
+  EXPECT_THAT(error, AllOf(HasSubstr("appears twice"), HasSubstr("... (100000 bytes)")));
+  EXPECT_LT(error.size(), 1000u);
+  EXPECT_EQ(NameForMessage("short"), "short");
+  // Cut before a character, not inside it.
+  const std::string wide = std::string(199, 'x') + "\xc3\xa9" + "tail";
+  EXPECT_EQ(NameForMessage(wide), std::string(199, 'x') + "... (205 bytes)");
+}
+
 // A file made with Python's json and struct modules the way other writers
 // make them: header keys out of data order, unaligned data, no checksum.
 TEST(Safetensors, ReadsAFileWrittenByPython) {
