@@ -691,28 +691,34 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
                             (std::ferror(f.get()) ? std::string(std::strerror(err))
                                                   : std::string("the file got shorter while being read")));
     }
+    // A header that does not parse is left for Parse to report (as it is on
+    // every rank that gets these bytes); only a valid one decides the size.
     Parser p(path);
-    const nlohmann::json header =
-        ParseHeader(std::string_view(header_text).substr(8), p);
-    const uint64_t data_size = size - 8 - n;
-    uint64_t data_end = 0;
+    std::optional<uint64_t> data_end;
     std::optional<TensorEntry> last;
-    for (auto it = header.begin(); it != header.end(); ++it) {
-      if (it.key() == kMetadataKey) continue;
-      TensorEntry e = p.Entry(it.key(), *it);
-      if (e.offset + e.nbytes >= data_end) {
-        data_end = e.offset + e.nbytes;
-        last = std::move(e);
+    try {
+      const nlohmann::json header = ParseHeader(std::string_view(header_text).substr(8), p);
+      uint64_t end = 0;
+      for (auto it = header.begin(); it != header.end(); ++it) {
+        if (it.key() == kMetadataKey) continue;
+        TensorEntry e = p.Entry(it.key(), *it);
+        if (e.offset + e.nbytes >= end) {
+          end = e.offset + e.nbytes;
+          last = std::move(e);
+        }
       }
+      data_end = end;
+    } catch (const CheckpointError&) {
     }
-    if (data_end > data_size) {
-      p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" + std::to_string(last->offset) + ", " +
-             std::to_string(data_end) + "] extend past the " + std::to_string(data_size) +
-             "-byte data region (truncated file?)");
+    const uint64_t data_size = size - 8 - n;
+    if (data_end && *data_end > data_size) {
+      p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" +
+             std::to_string(last->offset) + ", " + std::to_string(*data_end) + "] extend past the " +
+             std::to_string(data_size) + "-byte data region (truncated file?)");
     }
-    if (data_end < data_size) {
-      p.Fail("bytes [" + std::to_string(data_end) + ", " + std::to_string(data_size) +
-             ") of the data region belong to no tensor (" + std::to_string(data_size - data_end) +
+    if (data_end && *data_end < data_size) {
+      p.Fail("bytes [" + std::to_string(*data_end) + ", " + std::to_string(data_size) +
+             ") of the data region belong to no tensor (" + std::to_string(data_size - *data_end) +
              " trailing bytes after the last tensor's end)");
     }
   }

@@ -234,6 +234,16 @@ TEST(Safetensors, HugeTailAfterTheLastTensorIsRefusedWithoutReadingIt) {
   EXPECT_EQ(SafetensorsFile::Read(path).tensors().size(), 1u);
 }
 
+// ReadBytes leaves a header that is not valid to Parse, so that every rank
+// handed the bytes reports it the same way (ddp's LoadCheckpointFromRank).
+TEST(Safetensors, ReadBytesLeavesAnInvalidHeaderToParse) {
+  const std::string path = TmpDir("st_bad_header") + "/b.safetensors";
+  const std::string bad("\x02\0\0\0\0\0\0\0[]", 10);
+  WriteAll(path, bad);
+  EXPECT_EQ(SafetensorsFile::ReadBytes(path), bad);
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Parse(bad, path); }), HasSubstr("does not start with"));
+}
+
 // A header whose tensors end past the file's end is refused the same way.
 TEST(Safetensors, TruncatedDataIsRefusedNamingTheLastTensor) {
   const std::string dir = TmpDir("st_cut");
