@@ -5,6 +5,7 @@
 
 #include "gtest/gtest.h"
 #include "transport/fault/peer_monitor.h"
+#include "transport/testing/forwarding_store.h"
 #include "transport/testing/in_memory_store.h"
 
 namespace ddp::transport::internal {
@@ -15,16 +16,9 @@ using testing::InMemoryStore;
 
 // An in-memory store whose MultiGet takes `delay` to answer however soon
 // the keys are there, as a busy server's reply to a read of many keys.
-class SlowReadStore final : public store::Store {
+class SlowReadStore final : public testing::ForwardingStore {
  public:
   explicit SlowReadStore(std::chrono::milliseconds delay) : delay_(delay) {}
-  Status Set(std::string_view key, std::string_view value, Deadline d) override { return inner_.Set(key, value, d); }
-  StatusOr<std::string> Get(std::string_view key, Deadline d) override { return inner_.Get(key, d); }
-  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
-    return inner_.TryGet(key, d);
-  }
-  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline d) override { return inner_.Add(key, delta, d); }
-  Status Wait(std::span<const std::string> keys, Deadline d) override { return inner_.Wait(keys, d); }
   StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline d) override {
     if (Clock::now() + delay_ > d) {
       std::this_thread::sleep_until(d);
@@ -33,14 +27,8 @@ class SlowReadStore final : public store::Store {
     std::this_thread::sleep_for(delay_);
     return inner_.MultiGet(keys, d);
   }
-  StatusOr<bool> Delete(std::string_view key, Deadline d) override { return inner_.Delete(key, d); }
-  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline d) override {
-    return inner_.CompareSet(key, expected, desired, d);
-  }
 
  private:
-  InMemoryStore inner_;
   std::chrono::milliseconds delay_;
 };
 

@@ -17,6 +17,7 @@
 
 #include "transport/fault/process.h"
 #include "transport/testing/descriptors_exhausted.h"
+#include "transport/testing/forwarding_store.h"
 #include "transport/testing/in_memory_store.h"
 
 namespace ddp::transport::fault {
@@ -229,11 +230,9 @@ TEST(PeerMonitor, CleanlyClosedPeerThatAWaitNeedsIsLost) {
 
 // A store whose reads of the "closed/" keys fail `failures` times (a
 // connection that hiccups) before they go through.
-class FlakyClosedStore final : public store::Store {
+class FlakyClosedStore final : public testing::ForwardingStore {
  public:
   explicit FlakyClosedStore(int failures) : failures_(failures) {}
-  Status Set(std::string_view key, std::string_view value, Deadline d) override { return inner_.Set(key, value, d); }
-  StatusOr<std::string> Get(std::string_view key, Deadline d) override { return inner_.Get(key, d); }
   StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
     if (key.find("closed/") != std::string_view::npos && failures_ > 0) {
       --failures_;
@@ -241,16 +240,8 @@ class FlakyClosedStore final : public store::Store {
     }
     return inner_.TryGet(key, d);
   }
-  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline d) override { return inner_.Add(key, delta, d); }
-  Status Wait(std::span<const std::string> keys, Deadline d) override { return inner_.Wait(keys, d); }
-  StatusOr<bool> Delete(std::string_view key, Deadline d) override { return inner_.Delete(key, d); }
-  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline d) override {
-    return inner_.CompareSet(key, expected, desired, d);
-  }
 
  private:
-  testing::InMemoryStore inner_;
   int failures_;
 };
 
@@ -314,22 +305,12 @@ TEST(PeerMonitor, PostedAbortReachesEveryRankWithItsCode) {
 // each looked, found none and set its own, and the second overwrote the
 // first, so ranks that read the key at different times reported different
 // first causes.
-class RacingStore final : public store::Store {
+class RacingStore final : public testing::ForwardingStore {
  public:
-  Status Set(std::string_view key, std::string_view value, Deadline d) override { return inner_.Set(key, value, d); }
-  StatusOr<std::string> Get(std::string_view key, Deadline d) override { return inner_.Get(key, d); }
   StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
     if (key.ends_with("abort")) return std::optional<std::string>();  // not yet there when it looked
     return inner_.TryGet(key, d);
   }
-  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline d) override { return inner_.Add(key, delta, d); }
-  Status Wait(std::span<const std::string> keys, Deadline d) override { return inner_.Wait(keys, d); }
-  StatusOr<bool> Delete(std::string_view key, Deadline d) override { return inner_.Delete(key, d); }
-  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline d) override {
-    return inner_.CompareSet(key, expected, desired, d);
-  }
-  testing::InMemoryStore inner_;
 };
 
 TEST(PeerMonitor, OfTwoRanksPostingAtOnceTheFirstReasonStays) {
@@ -338,7 +319,7 @@ TEST(PeerMonitor, OfTwoRanksPostingAtOnceTheFirstReasonStays) {
   PeerMonitor rank2({.rank = 2, .key_prefix = "j/"}, &store);
   rank1.PostAbort(TimedOutError("rank 1's reason"), Soon());
   rank2.PostAbort(PeerLostError("rank 2's reason"), Soon());
-  auto posted = store.inner_.TryGet("j/abort", Soon());
+  auto posted = store.inner().TryGet("j/abort", Soon());
   ASSERT_TRUE(posted.ok() && posted->has_value());
   const Status s = PeerMonitor::DecodeAbort(**posted);
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;

@@ -134,6 +134,18 @@ bool LoopbackHub::IsKilled(int rank) const {
   return rank >= 0 && rank < size_ && ranks_[rank]->killed;
 }
 
+uint64_t LoopbackHub::BytesBetweenGroups(const std::vector<int>& group_of_rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t bytes = 0;
+  const int n = std::min(size_, static_cast<int>(group_of_rank.size()));
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      if (group_of_rank[a] != group_of_rank[b]) bytes += pair_bytes_[static_cast<size_t>(a) * size_ + b];
+    }
+  }
+  return bytes;
+}
+
 uint64_t LoopbackHub::BytesBetween(int from, int to) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (from < 0 || from >= size_ || to < 0 || to >= size_) return 0;

@@ -78,6 +78,9 @@ class LoopbackHub {
 
   /// Bytes delivered from rank `from` to rank `to` so far.
   uint64_t BytesBetween(int from, int to) const;
+  /// Bytes delivered so far between ranks of different groups, rank r being
+  /// in group group_of_rank[r] (hosts, say): what would cross a network.
+  uint64_t BytesBetweenGroups(const std::vector<int>& group_of_rank) const;
 
  private:
   friend class LoopbackEndpoint;
