@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -1033,7 +1034,11 @@ Status Communicator::Impl::Init() {
     CancelDeferred();
     return Watchdog(deadline, awaited_peer);
   };
-  p2p_->SetWatchdog(watchdog_);
+  p2p_->SetWatchdog([this](Deadline deadline, std::span<const int> awaited_peers) {
+    // As watchdog_, for a UCX wait on requests with several peers.
+    CancelDeferred();
+    return monitor_ ? monitor_->Check(deadline, awaited_peers) : Status::Ok();
+  });
 
   // 5. The shared-memory path, when every rank is on this host.
   if (single_host_ && o.world_size > 1 && o.shared_memory) {

@@ -85,10 +85,16 @@ std::vector<int> PeerMonitor::ExitedPeers() const {
 }
 
 Status PeerMonitor::Check(Deadline deadline, int awaited_peer) {
+  if (awaited_peer < 0) return Check(deadline, std::span<const int>());
+  return Check(deadline, std::span<const int>(&awaited_peer, 1));
+}
+
+Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers) {
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     const int pid = options_.local_pids[r];
     if (!Exited(r)) continue;
-    const bool awaited = static_cast<int>(r) == awaited_peer;
+    const bool awaited = std::find(awaited_peers.begin(), awaited_peers.end(),
+                                   static_cast<int>(r)) != awaited_peers.end();
     const Closed mark = PeerClosed(static_cast<int>(r), deadline);
     if (mark == Closed::kUnknown && !awaited && Clock::now() < deadline &&
         unread_marks_[r].fetch_add(1, std::memory_order_relaxed) == 0) {

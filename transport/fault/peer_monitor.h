@@ -30,6 +30,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -71,8 +72,10 @@ class PeerMonitor {
   /// `deadline` (the calling operation's): TIMED_OUT when the store did not
   /// answer before it; with no time left, only the local peers are checked.
   /// `awaited_peer` is the rank the calling wait needs something from (-1:
-  /// unknown or several): its exit is a failure even after a clean close.
+  /// unknown): its exit is a failure even after a clean close.
   Status Check(Deadline deadline, int awaited_peer = -1);
+  /// As above, for a wait that needs something from each of `awaited_peers`.
+  Status Check(Deadline deadline, std::span<const int> awaited_peers);
 
   /// The ranks on this host whose process has exited, cleanly or not.
   std::vector<int> ExitedPeers() const;

@@ -228,6 +228,25 @@ TEST(PeerMonitor, CleanlyClosedPeerThatAWaitNeedsIsLost) {
   EXPECT_EQ(monitor.lost_peer(), 1);
 }
 
+// A wait that needs several peers (WaitAny) names them all: a cleanly
+// closed one that exited is lost to it wherever it is in the list.
+TEST(PeerMonitor, CleanlyClosedPeerAmongSeveralAwaitedIsLost) {
+  testing::InMemoryStore store;
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), 0, child}, .key_prefix = "j/"},
+                      &store);
+  PeerMonitor other({.rank = 2, .local_pids = {}, .key_prefix = "j/"}, &store);
+  other.PostClosed(Soon());
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  const std::vector<int> others = {1}, both = {1, 2};
+  EXPECT_TRUE(monitor.Check(Soon(), others).ok());
+  Status s = monitor.Check(Soon(), both);
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
+  EXPECT_EQ(monitor.lost_peer(), 2);
+}
+
 // A store whose reads of the "closed/" keys fail `failures` times (a
 // connection that hiccups) before they go through.
 class FlakyClosedStore final : public testing::ForwardingStore {

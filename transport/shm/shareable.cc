@@ -64,7 +64,7 @@ StatusOr<void*> AllocateShareable(size_t bytes) {
   const size_t size = std::max<size_t>(page, (bytes + page - 1) / page * page);
   InstallForkHandlers();
   // Close-on-exec: a worker the launcher execs must not inherit it.
-  const int fd = memfd_create("ddp-shareable", MFD_CLOEXEC);
+  const int fd = memfd_create(kShareableMemfdName, MFD_CLOEXEC);
   if (fd < 0) {
     return ResourceExhaustedError(std::string("shareable memory: memfd_create: ") + std::strerror(errno));
   }

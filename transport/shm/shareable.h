@@ -38,6 +38,10 @@ struct ShareableRegion {
   int32_t fd = -1;    ///< The memfd in the owner's process.
 };
 
+/// The name of every memfd AllocateShareable makes (a peer checks it,
+/// through /proc, before it maps one).
+inline constexpr char kShareableMemfdName[] = "ddp-shareable";
+
 /// `bytes` (rounded up to whole pages) of zero-filled shareable memory.
 /// RESOURCE_EXHAUSTED when the system refuses a memfd or the mapping, or
 /// when `bytes` rounded up to whole pages exceeds SIZE_MAX.

@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -42,6 +44,10 @@ struct alignas(128) ShmAllReduce::Control {
   // it (set after `failed`): peers no longer copy from or into its buffers
   // for that call, and fail it with its recorded error.
   std::atomic<uint64_t> abandoned;
+  // The call this rank failed before it began (it could not claim its
+  // slot; see FailUnclaimed): it published `arrived` for it with its
+  // failure alone, its args[] slot still holding an earlier call's.
+  std::atomic<uint64_t> unclaimed;
   // Touching(call, peer) while this rank writes into that peer's memory
   // for that call, else 0 (see CopyWithPeer and Abandon).
   std::atomic<uint64_t> touching;
@@ -359,6 +365,22 @@ bool ShmAllReduce::Abandoned(int peer) const {
   return call != 0 && call >= sequence_;
 }
 
+namespace {
+
+// Whether `fd` is a memfd that AllocateShareable made: its link in
+// /proc/self/fd reads "/memfd:<name> (deleted)".
+bool IsShareableMemfd(int fd) {
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  char target[128];
+  const ssize_t n = readlink(link.c_str(), target, sizeof(target));
+  if (n <= 0) return false;
+  const std::string name = std::string("/memfd:") + kShareableMemfdName;
+  const std::string_view found(target, static_cast<size_t>(n));
+  return found == name || found.starts_with(name + " ");
+}
+
+}  // namespace
+
 // Each peer's mapped regions are an LRU list of at most kMaxPeerMappings
 // regions and kMaxPeerMappedBytes bytes. A full list makes room only by
 // evicting a region unused for kMappingIdleCalls calls: a working set
@@ -409,8 +431,11 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
   if (fd >= 0) {
     struct stat st {};
     // The fd number may have been reused for another file since the peer
-    // published it: the size must match, and the file be a memfd.
-    if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == region->size) {
+    // published it: the size must match, and the file be a memfd of
+    // AllocateShareable's (named so by its link here: what this process
+    // opened, whatever the peer's fd holds by now).
+    if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == region->size &&
+        IsShareableMemfd(fd)) {
       m.device = st.st_dev;
       m.inode = st.st_ino;
       void* p = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -684,6 +709,11 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.freed = ShareableFreedCount();
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer == options_.rank || (wait_for >= 0 && peer != wait_for)) continue;
+    // Its arrival was its failure: its arguments are an earlier call's.
+    if (control(peer).unclaimed.load(std::memory_order_acquire) == s) return PeerFailure(s, peer);
+  }
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
   ForgetFreedRegions(s, wait_for);
   return s;
@@ -702,10 +732,34 @@ Status ShmAllReduce::ClaimSlot(Deadline deadline,
                  "finish an earlier call");
 }
 
+// A call that cannot claim its slot fails before it arrives, but its peers
+// may be in it already, waiting for this rank. So it takes its number all
+// the same, marks it failed and abandoned, and publishes its arrival with
+// that failure alone (`unclaimed`): the peers fail the call at once with its
+// error instead of at their deadline. Its staging buffer and arguments stay
+// untouched (a peer may still read them for the call before the last), so
+// this engine cannot take part in later calls: they fail, naming this error,
+// where the next one would otherwise take this call's number and pair with
+// the peers' call, shifting every later call by one.
+Status ShmAllReduce::FailUnclaimed(Status error) {
+  const uint64_t s = ++sequence_;
+  unusable_ = Status(error.code(), "shared-memory call " + std::to_string(s) +
+                                       " failed before it began: " + error.message());
+  Status result = Abandon(std::move(error));
+  control(options_.rank).unclaimed.store(s, std::memory_order_release);
+  Publish(&Control::arrived, s);
+  return result;
+}
+
 template <typename Body>
 Status ShmAllReduce::InCall(Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog, Body body) {
-  DDP_RETURN_IF_ERROR(ClaimSlot(deadline, watchdog));
+  if (!unusable_.ok()) {
+    return FailedPreconditionError("the shared-memory engine is unusable: " + unusable_.message());
+  }
+  if (Status claimed = ClaimSlot(deadline, watchdog); !claimed.ok()) {
+    return FailUnclaimed(std::move(claimed));
+  }
   const uint64_t before = sequence_;
   Status status = body();
   if (status.ok() || sequence_ == before) return status;

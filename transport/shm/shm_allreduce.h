@@ -53,6 +53,13 @@
 // see the mark once they have waited for it and fail the call as well,
 // with that rank's error code and message (which name the cause).
 //
+// A rank that cannot begin a call (its wait for every rank to be done with
+// the call before the last failed) takes the call's number all the same,
+// marks it failed and abandoned and publishes its arrival with that
+// failure alone; the peers fail the call at once with its error. Its later
+// calls fail with FAILED_PRECONDITION naming that error: it could not keep
+// its numbering in step with the peers'.
+//
 // Reduce, gather and scatter: the root waits for every rank to arrive and
 // compares all arguments; the other ranks wait for the root alone and
 // compare theirs with its own. Up to ShmOptions::rooted_staging_bytes they
@@ -350,6 +357,9 @@ class ShmAllReduce {
   // Waits until every rank is done with the call before the last (whose
   // staging buffer and arguments the next call reuses).
   Status ClaimSlot(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+  // Fails the call that could not claim its slot (ClaimSlot's `error`) so
+  // that its peers fail it at once, and this engine's later calls too.
+  Status FailUnclaimed(Status error);
   // Runs a call's body after ClaimSlot; when it fails after the call began,
   // abandons the call.
   template <typename Body>
@@ -370,6 +380,9 @@ class ShmAllReduce {
   ShmOptions options_;
   size_t staging_capacity_;
   uint64_t sequence_ = 0;
+  // Set once a call failed before it began (FailUnclaimed): later calls
+  // fail with FAILED_PRECONDITION naming it.
+  Status unusable_;
   Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
   std::vector<char> folded_;  // a reduce's folded chunk on its way to the root

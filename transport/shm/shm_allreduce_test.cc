@@ -18,8 +18,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <functional>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -539,6 +543,53 @@ TEST(ShmAllReduce, StagedRootedCallsRunAtMostOneCallAheadOfTheRoot) {
       }
     }
   });
+}
+
+// Rank 2 runs a call ahead of the root of call 1 (rank 0, napping in its
+// watchdog), and its call 3 times out waiting for rank 0 to finish call 1.
+// It used to return without a trace: ranks 0 and 1 then waited for it in
+// call 3 until their own deadline, and its next call took number 3 and
+// paired with theirs. Now they fail call 3 at once with its error, and its
+// later calls fail naming it.
+TEST(ShmAllReduce, ACallThatCannotClaimItsSlotFailsThePeersAtOnceAndLaterCalls) {
+  auto group = MakeGroup(3, 4096, 1024);
+  std::atomic<bool> napping{false}, claim_failed{false};
+  std::vector<Status> third(3), later(3);
+  std::vector<Clock::duration> third_took(3);
+  RunRanks(3, [&](int r) {
+    const Deadline deadline = DeadlineIn(milliseconds(10000));
+    std::vector<float> send(100, 1.0f), recv(300);
+    std::function<Status(Deadline, int)> nap = [&](Deadline, int) {
+      if (!napping.exchange(true)) AwaitFlag(claim_failed);
+      return Status::Ok();
+    };
+    if (r != 0) AwaitFlag(napping);
+    ASSERT_TRUE(group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                 ReduceOp::kSum, 0, deadline,
+                                 r == 0 ? nap : std::function<Status(Deadline, int)>()).ok());
+    ASSERT_TRUE(group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                 ReduceOp::kSum, 1, deadline, nullptr).ok());
+    const auto start = Clock::now();
+    third[r] = group[r]->AllReduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                   ReduceOp::kSum,
+                                   r == 2 ? DeadlineIn(milliseconds(200)) : DeadlineIn(milliseconds(5000)),
+                                   nullptr);
+    third_took[r] = Clock::now() - start;
+    if (r != 2) return;
+    claim_failed = true;
+    later[r] = group[r]->AllReduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                   ReduceOp::kSum, DeadlineIn(milliseconds(1000)), nullptr);
+  });
+  EXPECT_EQ(third[2].code(), StatusCode::kTimedOut) << third[2];
+  EXPECT_NE(third[2].message().find("finish an earlier call"), std::string::npos) << third[2];
+  EXPECT_EQ(later[2].code(), StatusCode::kFailedPrecondition) << later[2];
+  EXPECT_NE(later[2].message().find("finish an earlier call"), std::string::npos) << later[2];
+  for (int r : {0, 1}) {
+    EXPECT_EQ(third[r].code(), StatusCode::kTimedOut) << r << ": " << third[r];
+    EXPECT_NE(third[r].message().find("rank 2 failed in this shared-memory call"),
+              std::string::npos) << r << ": " << third[r];
+    EXPECT_LT(third_took[r], milliseconds(2000)) << r;
+  }
 }
 
 // A rank that never comes: the others time out at their deadline naming
@@ -1228,6 +1279,45 @@ TEST(ShmAllReduce, ShareableBuffersAreCopiedThroughMappings) {
       }
     }
   }
+}
+
+// Rank 1's input lies in shareable memory, but the fd number it publishes
+// for it now holds a regular file of the same size (the owner closed the
+// memfd and the number was reused). Rank 0 must not map that file as rank
+// 1's input: it reads the input with CMA, and the sum is right.
+TEST(ShmAllReduce, APublishedFdThatIsNoLongerAMemfdIsNotMapped) {
+  auto group = MakeGroup(2, 4096, 4096);
+  const size_t count = 5000;  // 20 KB of f32: the direct path
+  const size_t bytes = count * sizeof(float);
+  auto shareable = AllocateShareable(bytes);
+  ASSERT_TRUE(shareable.ok()) << shareable.status();
+  std::optional<ShareableRegion> region = FindShareable(*shareable, bytes);
+  ASSERT_TRUE(region.has_value());
+  const std::string path = std::string(std::getenv("TEST_TMPDIR") != nullptr
+                                           ? std::getenv("TEST_TMPDIR") : "/tmp") +
+                           "/not_a_memfd." + std::to_string(getpid());
+  const int file = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(file, 0) << std::strerror(errno);
+  unlink(path.c_str());
+  ASSERT_EQ(ftruncate(file, static_cast<off_t>(region->size)), 0);
+  // The memfd's number now names the file; the mapping keeps the memory.
+  ASSERT_EQ(dup2(file, region->fd), region->fd) << std::strerror(errno);
+  close(file);
+  const uint64_t before = group[0]->mapped_copies();
+  RunRanks(2, [&](int r) {
+    std::vector<float> private_send(count);
+    float* send = r == 1 ? static_cast<float*>(*shareable) : private_send.data();
+    std::vector<float> recv(count);
+    FillInput(DataType::kF32, send, count, r, ReduceOp::kSum);
+    Status st = group[r]->AllReduce(send, recv.data(), count, DataType::kF32, ReduceOp::kSum,
+                                    DeadlineIn(milliseconds(10000)), nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    std::string first;
+    EXPECT_EQ(CountWrong(DataType::kF32, recv.data(), count, 2, ReduceOp::kSum, 0, &first), 0u)
+        << "rank " << r << ": " << first;
+  });
+  EXPECT_EQ(group[0]->mapped_copies(), before) << "rank 0 mapped a file that is not a memfd";
+  EXPECT_TRUE(FreeShareable(*shareable).ok());
 }
 
 // More regions than the mapping cache holds (64), each used once and then

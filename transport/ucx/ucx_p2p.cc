@@ -163,7 +163,7 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
   return Status::Ok();
 }
 
-void UcxPointToPoint::SetWatchdog(std::function<Status(Deadline, int)> check) {
+void UcxPointToPoint::SetWatchdog(std::function<Status(Deadline, std::span<const int>)> check) {
   watchdog_ = std::move(check);
 }
 
@@ -548,7 +548,7 @@ bool UcxPointToPoint::Poll(Polls& polls) {
 }
 
 Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
-                             const Slot* waiting_for, std::span<Slot* const> any_of) {
+                             std::span<Slot* const> pending, bool any) {
   const bool busy = Poll(polls);
   // Reading the clock costs ~20 ns; doing it every 16 polls keeps the
   // deadline check well under a microsecond late while idle. Polls that
@@ -558,7 +558,7 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
   const Clock::time_point now = Clock::now();
   if (now >= deadline) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - started);
-    return TimedOutError((any_of.size() > 1 ? DescribeAny(any_of) : Describe(waiting_for)) +
+    return TimedOutError((any && pending.size() > 1 ? DescribeAny(pending) : Describe(pending[0])) +
                          " still pending after " +
                          std::to_string(waited.count()) + " ms (deadline passed)");
   }
@@ -567,7 +567,18 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
   // back for another task's whole time slice (see transport/shm).
   if (watchdog_ && now - started >= std::chrono::milliseconds(1) && now >= next_watchdog_) {
     next_watchdog_ = now + options_.watchdog_period;
-    Status health = watchdog_(deadline, waiting_for != nullptr ? waiting_for->peer : -1);
+    // Every peer the wait still needs something from: one that closed
+    // cleanly and exited is lost to this wait wherever it is in the list.
+    std::vector<int> awaited;
+    size_t done_before = 0;
+    for (const Slot* slot : pending) {
+      if (slot->done) {
+        ++done_before;
+      } else if (std::find(awaited.begin(), awaited.end(), slot->peer) == awaited.end()) {
+        awaited.push_back(slot->peer);
+      }
+    }
+    Status health = watchdog_(deadline, awaited);
     if (!health.ok()) {
       // What an exited peer sent before it left is already here: drain it
       // before calling the wait lost. Bounded, because a live peer may keep
@@ -576,10 +587,13 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
       for (int i = 1; i <= kDrainPolls && worker_->Progress() != 0; ++i) {
         if ((i & 15) == 0 && Clock::now() >= deadline) break;
       }
-      if (waiting_for == nullptr || !waiting_for->done) return health;
-      // The request waited for finished in the drain, but the report is
-      // about the job, not that request: check again at the next clock
-      // read, for what the wait needs next, not a whole period later.
+      const size_t done_after = static_cast<size_t>(
+          std::count_if(pending.begin(), pending.end(), [](const Slot* slot) { return slot->done; }));
+      if (done_after == done_before) return health;
+      // A request the wait needs finished in the drain (WaitAny may return
+      // it), but the report is about the job, not that request: check
+      // again at the next clock read, for what the wait needs next, not a
+      // whole period later.
       next_watchdog_ = Clock::time_point{};
     }
   }
@@ -689,7 +703,7 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
       all_done &= slot->done;
     }
     if (!result.ok() || all_done) break;
-    result = Idle(polls, deadline, started, slots[first_pending]);
+    result = Idle(polls, deadline, started, std::span(slots).subspan(first_pending), /*any=*/false);
     if (!result.ok()) break;
   }
   for (Slot* slot : slots) {
@@ -734,7 +748,7 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
       }
       DDP_RETURN_IF_ERROR(PendingSlotStatus(slot));
     }
-    DDP_RETURN_IF_ERROR(Idle(polls, deadline, started, slots[0], slots));
+    DDP_RETURN_IF_ERROR(Idle(polls, deadline, started, slots, /*any=*/true));
   }
 }
 

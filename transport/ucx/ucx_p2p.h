@@ -96,11 +96,12 @@ class UcxPointToPoint final : public p2p::PointToPoint {
                  const std::vector<bool>& same_host = {});
 
   /// Runs `check` about every `period` inside waits, passing the wait's
-  /// deadline (it must return by then) and the rank of the first pending
-  /// request; a non-OK result ends the wait with that status, unless a last
-  /// progress pass completes what the wait needed. Used to learn about
-  /// aborts posted by other ranks and peers on this host that exited.
-  void SetWatchdog(std::function<Status(Deadline, int)> check);
+  /// deadline (it must return by then) and the ranks of its pending
+  /// requests, each once; a non-OK result ends the wait with that status,
+  /// unless a last progress pass completes one of the wait's requests.
+  /// Used to learn about aborts posted by other ranks and peers on this
+  /// host that exited.
+  void SetWatchdog(std::function<Status(Deadline, std::span<const int>)> check);
 
   /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);
   /// pending and later operations with it fail with `reason`.
@@ -192,11 +193,13 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   // asks, sleeping at most `max_sleep` and not past `deadline`.
   Status BackOff(const Polls& polls, Clock::time_point now, Deadline deadline,
                  std::chrono::milliseconds max_sleep);
-  // One poll of the worker plus back-off, deadline and watchdog handling.
-  // A timeout names `waiting_for`, or every one of `any_of` (WaitAny) when
-  // it holds more than one.
+  // One poll of the worker plus back-off, deadline and watchdog handling,
+  // for a wait on `pending` (the first not done yet). A timeout names the
+  // first, or every one when `any` (WaitAny) and there are several. The
+  // watchdog hears of every pending request's peer, and its failure ends
+  // the wait unless the drain after it completes one of `pending`.
   Status Idle(Polls& polls, Deadline deadline, Clock::time_point started,
-              const Slot* waiting_for, std::span<Slot* const> any_of = {});
+              std::span<Slot* const> pending, bool any);
   // One poll plus back-off, for loops that wait on UCX alone until `until`
   // (closes, recalls): a same-host peer sharing the core still gets to run.
   void PollUntil(Polls& polls, Deadline until);
@@ -214,7 +217,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<uint32_t> free_slots_;
   P2pOptions options_;
-  std::function<Status(Deadline, int)> watchdog_;
+  std::function<Status(Deadline, std::span<const int>)> watchdog_;
   Clock::time_point next_watchdog_{};
   uint64_t waits_ = 0;  // WaitAll calls so far
   int abandoned_ = 0;   // abandoned slots whose request UCX still holds

@@ -17,11 +17,14 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "transport/fault/peer_monitor.h"
+#include "transport/testing/in_memory_store.h"
 #include "transport/testing/process_group.h"
 #include "transport/ucx/resources.h"
 #include "transport/ucx/ucx_p2p.h"
@@ -95,7 +98,7 @@ int RunRank1(const std::string& role) {
   WORKER_CHECK(connected.ok(), "connect: " + connected.ToString());
   if (!connected.ok()) return 1;
   const std::string done_file = EnvOr("DDP_DONE_FILE");
-  p2p->SetWatchdog([done_file](Deadline, int) -> Status {
+  p2p->SetWatchdog([done_file](Deadline, std::span<const int>) -> Status {
     if (std::filesystem::exists(done_file)) return AbortedError("rank 0 is done");
     return Status::Ok();
   });
@@ -123,9 +126,53 @@ int RunRank1(const std::string& role) {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Waits (up to 20 s) until DDP_GO_FILE exists.
+void AwaitGoFile() {
+  const std::string go_file = EnvOr("DDP_GO_FILE");
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  while (!std::filesystem::exists(go_file) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+}
+
+// Rank 2 of three on this host (over shared memory; it talks to rank 0
+// alone): publishes its address in DDP_ADDRESS_FILE, and once DDP_GO_FILE
+// exists sends kPayload to rank 0 and exits.
+int RunRank2SendThenExit() {
+  auto context = Context::Create({.default_tls = "sm,self"});
+  WORKER_CHECK(context.ok(), "context: " + context.status().ToString());
+  if (!context.ok()) return 1;
+  auto p2p = UcxPointToPoint::Create(*context, {.rank = 2, .size = 3});
+  WORKER_CHECK(p2p.ok(), "create: " + p2p.status().ToString());
+  if (!p2p.ok()) return 1;
+  const std::string own = (*p2p)->address();
+  const std::string addresses[] = {Unhex(EnvOr("DDP_PEER_ADDRESS")), own, own};
+  Status connected = (*p2p)->Connect(addresses);
+  WORKER_CHECK(connected.ok(), "connect: " + connected.ToString());
+  if (!connected.ok()) return 1;
+  const std::string address_file = EnvOr("DDP_ADDRESS_FILE");
+  std::ofstream(address_file + ".tmp") << Hex(own);
+  std::filesystem::rename(address_file + ".tmp", address_file);
+  AwaitGoFile();
+  uint8_t payload = kPayload;
+  auto id = (*p2p)->PostSend(0, kTag, &payload, sizeof(payload));
+  WORKER_CHECK(id.ok(), "post: " + id.status().ToString());
+  if (!id.ok()) return 1;
+  p2p::RequestId ids[] = {*id};
+  Status sent = (*p2p)->WaitAll(ids, DeadlineIn(milliseconds(10000)));
+  WORKER_CHECK(sent.ok(), "send: " + sent.ToString());
+  (*p2p)->Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "rank1_send") return RunRank1("send");
   if (name == "rank1_receive") return RunRank1("receive");
+  if (name == "rank2_send_then_exit") return RunRank2SendThenExit();
+  if (name == "exit_when_told") {
+    AwaitGoFile();
+    return 0;
+  }
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -392,6 +439,117 @@ TEST(UcxPointToPointProcesses, CancelAllGetsSendsToHungPeersBackInOneRound) {
     EXPECT_EQ(result.exit_code, 0) << result.output;
     EXPECT_EQ(result.signal, 0) << result.output;
   }
+}
+
+
+// Rank 0 of three on this host, over shared memory, waits for a message
+// from rank 1 or rank 2 (WaitAny). Rank 2, a spawned copy, sends and exits
+// while rank 0 is inside its watchdog, which then reports rank 2 gone: the
+// drain after the report takes in rank 2's message, and the wait returns
+// it. (It returned PEER_LOST: the drain only counted when it completed the
+// first request listed.) The watchdog hears of both peers waited for.
+TEST(UcxPointToPointProcesses, WaitAnyReturnsWhatAPeerSentBeforeTheWatchdogFoundItGone) {
+  auto context = Context::Create({.default_tls = "sm,self"});
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto created = UcxPointToPoint::Create(*context, {.rank = 0, .size = 3});
+  ASSERT_TRUE(created.ok()) << created.status();
+  UcxPointToPoint& p2p = **created;
+  const std::string stem = EnvOr("TEST_TMPDIR", "/tmp") + "/wait_any." + std::to_string(getpid());
+  const std::string address_file = stem + ".address", go_file = stem + ".go";
+  std::filesystem::remove(address_file);
+  std::filesystem::remove(go_file);
+  auto group = ProcessGroup::Spawn(1, {},
+                                   {{"DDP_TEST_SCENARIO", "rank2_send_then_exit"},
+                                    {"DDP_PEER_ADDRESS", Hex(p2p.address())},
+                                    {"DDP_ADDRESS_FILE", address_file},
+                                    {"DDP_GO_FILE", go_file}},
+                                   testing::FreePort());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const Deadline started = DeadlineIn(milliseconds(20000));
+  while (!std::filesystem::exists(address_file) && Clock::now() < started) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE(std::filesystem::exists(address_file)) << "rank 2 did not start";
+  // Rank 1 is this process again: nothing ever comes from it.
+  const std::string addresses[] = {p2p.address(), p2p.address(), Unhex(ReadFile(address_file))};
+  ASSERT_TRUE(p2p.Connect(addresses).ok());
+  uint8_t from1 = 0, from2 = 0;
+  auto r1 = p2p.PostRecv(1, kTag, &from1, sizeof(from1));
+  auto r2 = p2p.PostRecv(2, kTag, &from2, sizeof(from2));
+  ASSERT_TRUE(r1.ok() && r2.ok()) << r1.status() << r2.status();
+  int calls = 0;
+  std::vector<int> awaited;
+  testing::WorkerResult rank2;
+  p2p.SetWatchdog([&](Deadline, std::span<const int> peers) -> Status {
+    if (++calls == 1) {
+      awaited.assign(peers.begin(), peers.end());
+      // Rank 2 sends and exits while this rank makes no progress.
+      std::ofstream(go_file) << "go";
+      rank2 = (*group)->Wait(DeadlineIn(milliseconds(20000)))[0];
+    }
+    return PeerLostError("rank 2 exited");
+  });
+  p2p::RequestId ids[] = {*r1, *r2};
+  StatusOr<size_t> index = p2p.WaitAny(ids, DeadlineIn(milliseconds(10000)));
+  p2p.SetWatchdog(nullptr);
+  EXPECT_EQ(rank2.exit_code, 0) << rank2.output;
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(*index, 1u);
+  EXPECT_EQ(from2, kPayload);
+  EXPECT_EQ(awaited, (std::vector<int>{1, 2}));
+  p2p.Cancel(*r1);
+  EXPECT_TRUE(p2p.Close(DeadlineIn(milliseconds(2000))).ok());
+  std::filesystem::remove(address_file);
+  std::filesystem::remove(go_file);
+}
+
+// A peer on this host that closed cleanly and exited is lost to a wait
+// that needs something from it, also when another request is listed first:
+// WaitAny on receives from ranks 1 and 2, with the job's PeerMonitor as the
+// watchdog, fails within a watchdog period once rank 2 (a spawned process,
+// marked closed) exits. The monitor used to hear only of rank 1 and skip
+// rank 2 as closed, so the wait ran until its deadline.
+TEST(UcxPointToPointProcesses, WaitAnyFailsWhenALaterListedPeerClosedAndExited) {
+  auto context = Context::Create({.default_tls = "sm,self"});
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto created = UcxPointToPoint::Create(*context, {.rank = 0, .size = 3});
+  ASSERT_TRUE(created.ok()) << created.status();
+  UcxPointToPoint& p2p = **created;
+  const std::string addresses[] = {p2p.address(), p2p.address(), p2p.address()};
+  ASSERT_TRUE(p2p.Connect(addresses).ok());
+  const std::string go_file =
+      EnvOr("TEST_TMPDIR", "/tmp") + "/closed_peer." + std::to_string(getpid()) + ".go";
+  std::filesystem::remove(go_file);
+  auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit_when_told"},
+                                           {"DDP_GO_FILE", go_file}},
+                                   testing::FreePort());
+  ASSERT_TRUE(group.ok()) << group.status();
+  testing::InMemoryStore store;
+  ASSERT_TRUE(store.Set("job/closed/2", "1", DeadlineIn(milliseconds(1000))).ok());
+  fault::PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), 0, (*group)->pid(0)},
+                              .key_prefix = "job/"},
+                             &store);
+  std::ofstream(go_file) << "go";
+  testing::WorkerResult rank2 = (*group)->Wait(DeadlineIn(milliseconds(20000)))[0];
+  ASSERT_EQ(rank2.exit_code, 0) << rank2.output;
+  p2p.SetWatchdog([&monitor](Deadline deadline, std::span<const int> peers) {
+    return monitor.Check(deadline, peers);
+  });
+  int from1 = 0, from2 = 0;
+  auto r1 = p2p.PostRecv(1, kTag, &from1, sizeof(from1));
+  auto r2 = p2p.PostRecv(2, kTag, &from2, sizeof(from2));
+  ASSERT_TRUE(r1.ok() && r2.ok()) << r1.status() << r2.status();
+  p2p::RequestId ids[] = {*r1, *r2};
+  const auto start = Clock::now();
+  StatusOr<size_t> index = p2p.WaitAny(ids, DeadlineIn(milliseconds(3000)));
+  const auto waited = Clock::now() - start;
+  p2p.SetWatchdog(nullptr);
+  EXPECT_EQ(index.status().code(), StatusCode::kPeerLost) << index.status();
+  EXPECT_NE(index.status().message().find("rank 2"), std::string::npos) << index.status();
+  EXPECT_LT(waited, milliseconds(2000));
+  p2p.CancelAll(ids);
+  EXPECT_TRUE(p2p.Close(DeadlineIn(milliseconds(2000))).ok());
+  std::filesystem::remove(go_file);
 }
 
 }  // namespace

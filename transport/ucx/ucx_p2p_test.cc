@@ -9,6 +9,7 @@
 #include <functional>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -241,7 +242,7 @@ struct FloodedWait {
 // 0's shared-memory queue, enlarged to 8192 messages, holds rank 1's
 // backlog of a second or more. The flood lasts until the wait ends, or
 // 10 s.
-FloodedWait WaitDuringAFlood(std::function<Status(Deadline, int)> watchdog) {
+FloodedWait WaitDuringAFlood(std::function<Status(Deadline, std::span<const int>)> watchdog) {
   constexpr p2p::Tag kFlood = 7, kNeverSent = 3, kDone = 4;
   constexpr int kDecoys = 20000;
   std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
@@ -314,7 +315,7 @@ FloodedWait WaitDuringAFlood(std::function<Status(Deadline, int)> watchdog) {
 
 TEST(UcxPointToPoint, DeadlinePassesWhileAPeerFloodsAnotherTag) {
   std::atomic<int> watchdog_calls{0};
-  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, int) {
+  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, std::span<const int>) {
     ++watchdog_calls;
     return Status::Ok();
   });
@@ -330,7 +331,7 @@ TEST(UcxPointToPoint, WatchdogFailureEndsAWaitWhileAPeerFloodsAnotherTag) {
   // The wait drains what already arrived before giving up, but not for as
   // long as the flood goes on.
   std::atomic<int> watchdog_calls{0};
-  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, int) -> Status {
+  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, std::span<const int>) -> Status {
     if (++watchdog_calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
     return Status::Ok();
   });
@@ -344,7 +345,7 @@ TEST(UcxPointToPoint, WatchdogEndsAWait) {
   UcxPointToPoint& p2p = *ranks[0];
   std::atomic<int> calls{0};
   Deadline seen{};
-  p2p.SetWatchdog([&calls, &seen](Deadline deadline, int) -> Status {
+  p2p.SetWatchdog([&calls, &seen](Deadline deadline, std::span<const int>) -> Status {
     seen = deadline;
     if (++calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
     return Status::Ok();
@@ -371,7 +372,7 @@ TEST(UcxPointToPoint, WatchdogFailureIsCheckedAgainWhenTheDrainFinishesTheAwaite
   int first = 0, second = 0, sent = 5;
   std::atomic<int> calls{0};
   Status send_status;
-  p2p.SetWatchdog([&](Deadline deadline, int) -> Status {
+  p2p.SetWatchdog([&](Deadline deadline, std::span<const int>) -> Status {
     if (++calls == 1) {
       // Rank 1 sends the first message now (on this thread: nothing else
       // drives it), so that it reaches rank 0 in the drain.
