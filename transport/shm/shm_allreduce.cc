@@ -709,11 +709,7 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.freed = ShareableFreedCount();
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
-  for (int peer = 0; peer < options_.size; ++peer) {
-    if (peer == options_.rank || (wait_for >= 0 && peer != wait_for)) continue;
-    // Its arrival was its failure: its arguments are an earlier call's.
-    if (control(peer).unclaimed.load(std::memory_order_acquire) == s) return PeerFailure(s, peer);
-  }
+  DDP_RETURN_IF_ERROR(UnclaimedFailure(s, wait_for));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
   ForgetFreedRegions(s, wait_for);
   return s;
@@ -730,6 +726,16 @@ Status ShmAllReduce::ClaimSlot(Deadline deadline,
   if (sequence_ < 2) return Status::Ok();
   return WaitFor(&Control::finished, sequence_ - 1, -1, deadline, watchdog,
                  "finish an earlier call");
+}
+
+Status ShmAllReduce::UnclaimedFailure(uint64_t call, int only) const {
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer == options_.rank || (only >= 0 && peer != only)) continue;
+    if (control(peer).unclaimed.load(std::memory_order_acquire) == call) {
+      return PeerFailure(call, peer);
+    }
+  }
+  return Status::Ok();
 }
 
 // A call that cannot claim its slot fails before it arrives, but its peers
@@ -1299,6 +1305,7 @@ Status ShmAllReduce::Barrier(Deadline deadline, const std::function<Status(Deadl
     args.root = -1;
     Publish(&Control::arrived, s);
     DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, -1, deadline, watchdog, "reach the barrier"));
+    DDP_RETURN_IF_ERROR(UnclaimedFailure(s, -1));
     DDP_RETURN_IF_ERROR(CheckAgreement(s, kBarrierCount, static_cast<DataType>(-1), -1,
                                        Kind::kBarrier, -1));
     // Finished only once the peers' arguments were read: a peer two calls

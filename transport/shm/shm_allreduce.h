@@ -360,6 +360,10 @@ class ShmAllReduce {
   // Fails the call that could not claim its slot (ClaimSlot's `error`) so
   // that its peers fail it at once, and this engine's later calls too.
   Status FailUnclaimed(Status error);
+  // The error of a peer (of `only`, if >= 0) whose arrival at `call` was
+  // its failure alone (FailUnclaimed: its arguments are an earlier call's),
+  // else OK. Checked after the wait for arrivals, before the arguments.
+  Status UnclaimedFailure(uint64_t call, int only) const;
   // Runs a call's body after ClaimSlot; when it fails after the call began,
   // abandons the call.
   template <typename Body>

@@ -552,43 +552,48 @@ TEST(ShmAllReduce, StagedRootedCallsRunAtMostOneCallAheadOfTheRoot) {
 // paired with theirs. Now they fail call 3 at once with its error, and its
 // later calls fail naming it.
 TEST(ShmAllReduce, ACallThatCannotClaimItsSlotFailsThePeersAtOnceAndLaterCalls) {
-  auto group = MakeGroup(3, 4096, 1024);
-  std::atomic<bool> napping{false}, claim_failed{false};
-  std::vector<Status> third(3), later(3);
-  std::vector<Clock::duration> third_took(3);
-  RunRanks(3, [&](int r) {
-    const Deadline deadline = DeadlineIn(milliseconds(10000));
-    std::vector<float> send(100, 1.0f), recv(300);
-    std::function<Status(Deadline, int)> nap = [&](Deadline, int) {
-      if (!napping.exchange(true)) AwaitFlag(claim_failed);
-      return Status::Ok();
-    };
-    if (r != 0) AwaitFlag(napping);
-    ASSERT_TRUE(group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kF32,
-                                 ReduceOp::kSum, 0, deadline,
-                                 r == 0 ? nap : std::function<Status(Deadline, int)>()).ok());
-    ASSERT_TRUE(group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kF32,
-                                 ReduceOp::kSum, 1, deadline, nullptr).ok());
-    const auto start = Clock::now();
-    third[r] = group[r]->AllReduce(send.data(), recv.data(), send.size(), DataType::kF32,
-                                   ReduceOp::kSum,
-                                   r == 2 ? DeadlineIn(milliseconds(200)) : DeadlineIn(milliseconds(5000)),
-                                   nullptr);
-    third_took[r] = Clock::now() - start;
-    if (r != 2) return;
-    claim_failed = true;
-    later[r] = group[r]->AllReduce(send.data(), recv.data(), send.size(), DataType::kF32,
-                                   ReduceOp::kSum, DeadlineIn(milliseconds(1000)), nullptr);
-  });
-  EXPECT_EQ(third[2].code(), StatusCode::kTimedOut) << third[2];
-  EXPECT_NE(third[2].message().find("finish an earlier call"), std::string::npos) << third[2];
-  EXPECT_EQ(later[2].code(), StatusCode::kFailedPrecondition) << later[2];
-  EXPECT_NE(later[2].message().find("finish an earlier call"), std::string::npos) << later[2];
-  for (int r : {0, 1}) {
-    EXPECT_EQ(third[r].code(), StatusCode::kTimedOut) << r << ": " << third[r];
-    EXPECT_NE(third[r].message().find("rank 2 failed in this shared-memory call"),
-              std::string::npos) << r << ": " << third[r];
-    EXPECT_LT(third_took[r], milliseconds(2000)) << r;
+  // Call 3 an all-reduce, or a barrier (which publishes its own arrival).
+  for (bool barrier : {false, true}) {
+    auto group = MakeGroup(3, 4096, 1024);
+    std::atomic<bool> napping{false}, claim_failed{false};
+    std::vector<Status> third(3), later(3);
+    std::vector<Clock::duration> third_took(3);
+    RunRanks(3, [&](int r) {
+      const Deadline deadline = DeadlineIn(milliseconds(10000));
+      std::vector<float> send(100, 1.0f), recv(300);
+      std::function<Status(Deadline, int)> nap = [&](Deadline, int) {
+        if (!napping.exchange(true)) AwaitFlag(claim_failed);
+        return Status::Ok();
+      };
+      auto call = [&](Deadline until) {
+        return barrier ? group[r]->Barrier(until, nullptr)
+                       : group[r]->AllReduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                             ReduceOp::kSum, until, nullptr);
+      };
+      if (r != 0) AwaitFlag(napping);
+      ASSERT_TRUE(group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                   ReduceOp::kSum, 0, deadline,
+                                   r == 0 ? nap : std::function<Status(Deadline, int)>()).ok());
+      ASSERT_TRUE(group[r]->Reduce(send.data(), recv.data(), send.size(), DataType::kF32,
+                                   ReduceOp::kSum, 1, deadline, nullptr).ok());
+      const auto start = Clock::now();
+      third[r] = call(r == 2 ? DeadlineIn(milliseconds(200)) : DeadlineIn(milliseconds(5000)));
+      third_took[r] = Clock::now() - start;
+      if (r != 2) return;
+      claim_failed = true;
+      later[r] = call(DeadlineIn(milliseconds(1000)));
+    });
+    const std::string what = barrier ? "barrier" : "all-reduce";
+    EXPECT_EQ(third[2].code(), StatusCode::kTimedOut) << what << ": " << third[2];
+    EXPECT_NE(third[2].message().find("finish an earlier call"), std::string::npos) << third[2];
+    EXPECT_EQ(later[2].code(), StatusCode::kFailedPrecondition) << what << ": " << later[2];
+    EXPECT_NE(later[2].message().find("finish an earlier call"), std::string::npos) << later[2];
+    for (int r : {0, 1}) {
+      EXPECT_EQ(third[r].code(), StatusCode::kTimedOut) << what << ", rank " << r << ": " << third[r];
+      EXPECT_NE(third[r].message().find("rank 2 failed in this shared-memory call"),
+                std::string::npos) << what << ", rank " << r << ": " << third[r];
+      EXPECT_LT(third_took[r], milliseconds(2000)) << what << ", rank " << r;
+    }
   }
 }
 
