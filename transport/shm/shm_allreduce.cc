@@ -688,7 +688,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
 
 StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t count,
                                         DataType dtype, int32_t op, Kind kind, int32_t root,
-                                        Deadline deadline,
+                                        bool direct, Deadline deadline,
                                         const std::function<Status(Deadline, int)>& watchdog,
                                         int wait_for) {
   const uint64_t s = ++sequence_;
@@ -703,7 +703,6 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   // Staged calls never copy with a peer's buffers: no lookup (a lock) for
   // them. Without a region peers use CMA, so skipping is always safe.
   const size_t bytes = count * DataTypeSize(dtype);
-  const bool direct = bytes > options_.staging_bytes;
   args.src_region = direct ? FindShareable(send, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
   args.dst_region = direct ? FindShareable(recv, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
   args.freed = ShareableFreedCount();
@@ -781,7 +780,7 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
     // The staging buffer of call s is written before the call is announced.
     if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
     DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
-                               Kind::kAllReduce, -1, deadline, watchdog)
+                               Kind::kAllReduce, -1, /*direct=*/!staged, deadline, watchdog)
                             .status());
     if (staged) return StagedAllReduce(recv, count, dtype, op);
     size_t begin, end;
@@ -799,7 +798,7 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
     // The ranks compare the op they were given; avg reduces as sum here,
     // and the slice function divides (only it knows by how many).
     DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
-                               Kind::kThrough, -1, deadline, watchdog)
+                               Kind::kThrough, -1, /*direct=*/true, deadline, watchdog)
                             .status());
     const ReduceOp fold = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     const size_t elem = DataTypeSize(dtype);
@@ -818,7 +817,7 @@ Status ShmAllReduce::AllReduceApply(const void* send, void* recv, size_t count, 
                                     const std::function<Status(Deadline, int)>& watchdog) {
   return InCall(deadline, watchdog, [&]() -> Status {
     DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kApply,
-                               -1, deadline, watchdog)
+                               -1, /*direct=*/true, deadline, watchdog)
                             .status());
     const size_t elem = DataTypeSize(dtype);
     size_t begin, end;
@@ -1094,7 +1093,8 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
     const bool is_root = options_.rank == root;
     if (staged && is_root && bytes > 0) std::memcpy(staging(root, sequence_ + 1), buffer, bytes);
     DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(buffer, buffer, count, dtype, root,
-                                                  Kind::kBroadcast, -1, deadline, watchdog));
+                                                  Kind::kBroadcast, -1, /*direct=*/!staged,
+                                                  deadline, watchdog));
     if (!is_root && bytes > 0) {
       if (staged) {
         std::memcpy(buffer, staging(root, s), bytes);
@@ -1133,7 +1133,7 @@ Status ShmAllReduce::AllToAll(const void* send, void* recv, size_t count, DataTy
       std::memcpy(staging(options_.rank, sequence_ + 1), send, block * options_.size);
     }
     DDP_ASSIGN_OR_RETURN(const uint64_t s, Arrive(send, recv, count, dtype, 0, Kind::kAllToAll,
-                                                  -1, deadline, watchdog));
+                                                  -1, /*direct=*/!staged, deadline, watchdog));
     const int me = options_.rank;
     if (block > 0) {
       std::memcpy(static_cast<char*>(recv) + me * block,
@@ -1190,7 +1190,8 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
     // input is in its staging buffer, and it need only know that the root
     // agrees (the root compares everyone).
     DDP_RETURN_IF_ERROR(Arrive(send, is_root ? recv : nullptr, count, dtype,
-                               static_cast<int32_t>(op), Kind::kReduce, root, deadline, watchdog,
+                               static_cast<int32_t>(op), Kind::kReduce, root, /*direct=*/!staged,
+                               deadline, watchdog,
                                staged && !is_root ? root : -1)
                             .status());
     if (staged) return StagedAllReduce(is_root ? recv : nullptr, count, dtype, op, send);
@@ -1221,7 +1222,8 @@ Status ShmAllReduce::Gather(const void* send, void* recv, size_t count, DataType
     // Staged, as the reduce: the others wait for the root alone.
     DDP_ASSIGN_OR_RETURN(const uint64_t s,
                          Arrive(send, is_root ? recv : nullptr, count, dtype, 0, Kind::kGather,
-                                root, deadline, watchdog, staged && !is_root ? root : -1));
+                                root, /*direct=*/!staged, deadline, watchdog,
+                                staged && !is_root ? root : -1));
     char* out = static_cast<char*>(recv);
     if (is_root && block > 0 && out + me * block != send) {
       std::memcpy(out + me * block, send, block);
@@ -1270,7 +1272,7 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
     // everyone.
     DDP_ASSIGN_OR_RETURN(const uint64_t s,
                          Arrive(is_root ? send : nullptr, recv, count, dtype, 0, Kind::kScatter,
-                                root, deadline, watchdog, is_root ? -1 : root));
+                                root, /*direct=*/!staged, deadline, watchdog, is_root ? -1 : root));
     const char* in = static_cast<const char*>(send);
     if (block > 0) {
       if (is_root) {

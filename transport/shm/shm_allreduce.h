@@ -299,9 +299,11 @@ class ShmAllReduce {
   // `op` is the ReduceOp of an all-reduce, the root of a broadcast.
   // INVALID_ARGUMENT naming `root` when it is not a rank of the group.
   Status CheckRoot(const char* what, int root) const;
-  // `root`: of a reduce, gather or scatter, else -1.
+  // `root`: of a reduce, gather or scatter, else -1. `direct`: the call
+  // copies with peers' buffers (not staged), so publish the shareable
+  // regions holding send and recv.
   StatusOr<uint64_t> Arrive(const void* send, void* recv, size_t count, DataType dtype, int32_t op,
-                            Kind kind, int32_t root, Deadline deadline,
+                            Kind kind, int32_t root, bool direct, Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog,
                             int wait_for = -1);
   // With `only` >= 0, against that rank alone.

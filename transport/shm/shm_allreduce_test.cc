@@ -396,6 +396,38 @@ TEST(ShmAllReduce, AllToAllEveryBlockToItsRank) {
   });
 }
 
+// An all-to-all goes direct by its whole buffer (size blocks), not by one
+// block: with blocks under the staging limit but a buffer over it, the
+// ranks publish their shareable buffers, and peers copy through mappings.
+TEST(ShmAllReduce, DirectAllToAllOfBlocksUnderTheStagingLimitUsesMappings) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t count = 1000;  // 4000-byte blocks, 8000 bytes in all
+  std::vector<uint64_t> before = {group[0]->mapped_copies(), group[1]->mapped_copies()};
+  RunRanks(2, [&](int r) {
+    auto a = AllocateShareable(2 * count * sizeof(int32_t));
+    auto b = AllocateShareable(2 * count * sizeof(int32_t));
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    auto* send = static_cast<int32_t*>(*a);
+    auto* recv = static_cast<int32_t*>(*b);
+    for (int d = 0; d < 2; ++d) {
+      for (size_t i = 0; i < count; ++i) send[d * count + i] = r * 100000 + d * 1000 + static_cast<int32_t>(i);
+    }
+    Status s = group[r]->AllToAll(send, recv, count, DataType::kI32,
+                                  DeadlineIn(milliseconds(10000)), nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    size_t wrong = 0;
+    for (int q = 0; q < 2; ++q) {
+      for (size_t i = 0; i < count; ++i) wrong += recv[q * count + i] != q * 100000 + r * 1000 + static_cast<int32_t>(i);
+    }
+    EXPECT_EQ(wrong, 0u);
+    EXPECT_TRUE(FreeShareable(send).ok());
+    EXPECT_TRUE(FreeShareable(recv).ok());
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GT(group[r]->mapped_copies(), before[r]) << "rank " << r << " copied with CMA";
+  }
+}
+
 // Reduce, gather and scatter to and from every root, on both sides of the
 // 4 KiB staging limit (the direct path with 1 KiB chunks, several per
 // slice), in place on the root, with a null output (reduce, gather) or
