@@ -35,8 +35,9 @@ struct alignas(128) ShmAllReduce::Control {
   std::atomic<uint64_t> arrived;
   std::atomic<uint64_t> reduced;
   std::atomic<uint64_t> finished;
-  // The last call this rank failed after arriving (set after the code and
-  // message, before it publishes finished): peers then fail that call too,
+  // The last call this rank failed after arriving, or before it (see
+  // `unclaimed`) (set after the code and message, before it publishes
+  // finished): peers then fail that call too,
   // with its code and the start of its message, which name the cause.
   // kRewriting while it rewrites them for a later call (see MarkFailed).
   std::atomic<uint64_t> failed;
