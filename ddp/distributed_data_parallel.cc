@@ -506,6 +506,10 @@ int64_t DistributedDataParallel::iterations() const {
   return impl_->reducer != nullptr ? impl_->reducer->iterations() : impl_->sync_forwards;
 }
 
+int64_t DistributedDataParallel::group_iterations() const {
+  return impl_->reducer != nullptr ? impl_->reducer->group_iterations() : impl_->sync_forwards;
+}
+
 // ------------------------------------------------------------- NoSync ----
 
 NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.impl_->require_sync) {

@@ -224,6 +224,9 @@ class DistributedDataParallel : public nn::modules::Module {
   /// trainable parameter: forwards with grad enabled outside NoSync, in
   /// training mode or outside Join, whether a backward followed or not).
   int64_t iterations() const;
+  /// iterations() plus the synchronizing backwards this rank shadowed in
+  /// Join::Wait (what a sharded optimizer's step follows).
+  int64_t group_iterations() const;
 
   class Impl;
 

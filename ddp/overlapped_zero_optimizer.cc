@@ -60,8 +60,11 @@ struct OverlappedZeroOptimizer::State {
   nn::optim::NamedTensors options;
   int64_t steps = 0;
   // The wrapper (which outlives this), and its count of synchronizing
-  // backwards when Step() last returned: Step() ends one step per such
-  // backward, read on the training thread that runs them.
+  // backwards, run or shadowed under Join, when Step() last returned:
+  // Step() ends one step per such backward, read on the training thread
+  // that runs them. A shadowed backward runs this rank's slices' steps in
+  // the reduction as a backward of its own does, so the Step() a joined
+  // rank runs in Join's shadow_step ends it alike.
   const DistributedDataParallel* ddp = nullptr;
   int64_t iterations_ended = 0;
 
@@ -141,7 +144,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   state_->group = &group;
   state_->make = make;
   state_->ddp = &ddp;
-  state_->iterations_ended = ddp.iterations();
+  state_->iterations_ended = ddp.group_iterations();
   if (group.size() == 1) {
     state_->whole = make(std::move(all));
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
@@ -335,7 +338,7 @@ OverlappedZeroOptimizer::~OverlappedZeroOptimizer() = default;
 void OverlappedZeroOptimizer::Step() {
   // Checked on one rank too (where DDP counts synchronizing forwards), so
   // that a loop this refuses on N ranks is refused on one, and the reverse.
-  if (state_->ddp->iterations() == state_->iterations_ended) {
+  if (state_->ddp->group_iterations() == state_->iterations_ended) {
     // A backward that failed (the group aborted; say why) or ran under
     // NoSync, or none: clearing the gradients now would drop what NoSync
     // accumulated.
@@ -353,7 +356,7 @@ void OverlappedZeroOptimizer::Step() {
     ++state_->steps;
   }
   ZeroGrad();
-  state_->iterations_ended = state_->ddp->iterations();
+  state_->iterations_ended = state_->ddp->group_iterations();
 }
 
 void OverlappedZeroOptimizer::ZeroGrad() {

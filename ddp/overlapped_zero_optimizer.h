@@ -46,9 +46,12 @@
 //   fails, naming the bucket).
 // - NoSync works (the step runs at the synchronizing backward); Join works
 //   (ranks that ran out of data still step their slices with the others'
-//   gradients, at the rate they hold: a per-iteration learning-rate
-//   scheduler must be stepped on joined ranks too, in Join's shadow_step,
-//   or their slices keep the rate they had when they joined).
+//   gradients, inside each shadowed backward, at the rate they hold: a
+//   per-iteration learning-rate scheduler must be stepped on joined ranks
+//   too, in Join's shadow_step, or their slices keep the rate they had
+//   when they joined). The pattern of ZeroRedundancyOptimizer works here
+//   as well: `{.shadow_step = [&] { opt.Step(); sched.Step(); }}`, where
+//   Step() ends the shadowed step as it ends one of this rank's own.
 // - The optimizer's update must be elementwise (every nn::optim optimizer
 //   is; one that looks at whole tensors, as LAMB's norms, would see only a
 //   piece). It runs where
@@ -97,7 +100,8 @@ class OverlappedZeroOptimizer {
 
   /// Ends the step the backward ran: clears every gradient. When no
   /// synchronizing backward of this rank completed since the last Step()
-  /// (none ran, or only under NoSync) it keeps the gradients and throws
+  /// (none ran, or only under NoSync; one shadowed in Join::Wait counts,
+  /// for Join's shadow_step) it keeps the gradients and throws
   /// std::logic_error, or DistributedError with the reason when the group
   /// was aborted (a failed backward). On one rank it steps every
   /// parameter, as a plain optimizer, after the same check (there, with
@@ -112,7 +116,7 @@ class OverlappedZeroOptimizer {
   /// factory's.
   double lr() const;
   void set_lr(double lr);
-  /// Steps run so far (synchronizing backwards).
+  /// Steps run so far (synchronizing backwards, shadowed ones included).
   int64_t steps() const;
   /// Elements of the parameters this rank updates (its slices).
   int64_t owned_elements() const;

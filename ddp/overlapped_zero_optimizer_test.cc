@@ -379,6 +379,80 @@ TEST(OverlappedZeroOptimizerTest, NoSyncAccumulatesAndJoinedRanksStillStepTheirS
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Join's shadow_step with the pattern ZeroRedundancyOptimizer documents,
+// `[&] { opt.Step(); sched.Step(); }`, on uneven inputs (rank r runs 2 + 2r
+// batches; the rate decays every step). Step() refused the shadowed step
+// ("no synchronizing backward ran"): the exception left Join::Wait on the
+// joined ranks while the active ones waited in the next join-flags
+// all-reduce until the timeout. Now the joined ranks end each shadowed step
+// and keep the schedule, and the model equals DDP with the unsharded
+// optimizer on the last rank's schedule.
+DDP_TEST_WORKER(join_shadow_step) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  const int mine = 2 + 2 * rank, most = 2 + 2 * (world - 1);
+  constexpr double kDecay = 0.8;
+  const DdpOptions options{.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg};
+  auto model = Mlp(13), reference = Mlp(13);
+  DistributedDataParallel ddp(model, options);
+  DistributedDataParallel ref_ddp(reference, options);
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+  const auto step_and_schedule = [&] {
+    opt.Step();
+    opt.set_lr(opt.lr() * kDecay);
+  };
+  {
+    Join join(ddp, {.shadow_step = step_and_schedule});
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      step_and_schedule();
+    }
+    try {
+      join.Wait();
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, std::string("Join::Wait threw: ") + e.what());
+      return testing::WorkerExit();
+    }
+  }
+  {
+    Join join(ref_ddp);
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ref_ddp(x), y));
+      ref_opt->Step();
+      ref_opt->ZeroGrad();
+      ref_opt->set_lr(ref_opt->lr() * kDecay);
+    }
+    join.Wait();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "Join: `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "Join: replicas differ");
+  WORKER_EXPECT(opt.steps() == most, "counted " + std::to_string(opt.steps()) + " steps");
+  // Every slice followed the schedule of the most steps.
+  const double want = 0.05 * std::pow(kDecay, most);
+  WORKER_EXPECT(std::abs(opt.lr() - want) <= 1e-12 * want,
+                "lr() is " + std::to_string(opt.lr()) + ", the schedule's " + std::to_string(want));
+  for (const auto& [name, p] : model->NamedParameters()) {
+    WORKER_EXPECT(!p.grad().defined(), "`" + name + "` keeps a gradient after the shadowed Step");
+  }
+  // After the Join, training goes on alike on every rank.
+  auto [x, y] = testing::Batch(data, (most * world + rank) * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt.Step();
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "after Join: replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, JoinedRanksStepInShadowStepAsZeroRedundancyOptimizersDo) {
+  // The old failure left the active ranks waiting for the group's timeout.
+  auto run = RunWorkers("join_shadow_step", 3, {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------ fixed buckets ----
 
 // Registers its output layer first, so that gradients arrive in

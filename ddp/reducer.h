@@ -151,6 +151,8 @@ class Reducer {
   std::vector<size_t> BucketBytes() const;
   std::vector<std::vector<std::string>> BucketNames() const;
   int64_t iterations() const { return iterations_; }
+  /// iterations() and the ones this rank shadowed in Join::Wait.
+  int64_t group_iterations() const { return group_iterations_; }
 
  private:
   struct Bucket {
