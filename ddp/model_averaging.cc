@@ -197,19 +197,40 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   // all-reduce, or CopyFrom), so that an optimizer's f32 masters of 16-bit
   // parameters take the averages at its next step.
   constexpr size_t kInPlaceBytes = size_t{256} << 10;
+  // A bad tensor on one rank is every rank's error, found before any
+  // collective: one all-reduce of each rank's first bad tensor (index + 1,
+  // 0 for none) and what is wrong with it (0: undefined, else its dtype +
+  // 1), so that the peers do not wait in averages this rank will not run
+  // until the group's timeout.
+  const int size = group.size();
+  nn::Tensor bad = nn::Zeros({2 * size}, {.dtype = nn::DType::kInt64});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const nn::Tensor& p = params[i];
+    if (p.defined() && nn::IsFloating(p.dtype())) continue;
+    bad.data<int64_t>()[group.rank()] = static_cast<int64_t>(i) + 1;
+    bad.data<int64_t>()[size + group.rank()] = p.defined() ? static_cast<int64_t>(p.dtype()) + 1 : 0;
+    break;
+  }
+  group.AllReduce(bad, transport::ReduceOp::kSum, "tensors to average").Wait();
+  for (int r = 0; r < size; ++r) {
+    const int64_t index = bad.data<int64_t>()[r] - 1, what = bad.data<int64_t>()[size + r];
+    if (index < 0) continue;
+    const std::string where = "AverageParameters: tensor " + std::to_string(index) + " on rank " + std::to_string(r);
+    if (what == 0) throw std::invalid_argument(where + " is undefined");
+    throw std::invalid_argument(where + " has dtype " +
+                                std::string(nn::DTypeName(static_cast<nn::DType>(what - 1))) +
+                                "; only floating tensors can be averaged");
+  }
   std::vector<size_t> whole;
   std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;
   std::vector<std::tuple<int, int, int>> order;
   for (size_t i = 0; i < params.size(); ++i) {
     const nn::Tensor& p = params[i];
-    if (!p.defined()) {
-      throw std::invalid_argument("AverageParameters: tensor " + std::to_string(i) + " is undefined");
-    }
-    if (!nn::IsFloating(p.dtype())) {
-      throw std::invalid_argument("AverageParameters: tensor " + std::to_string(i) + " has dtype " +
-                                  std::string(nn::DTypeName(p.dtype())) + "; only floating tensors can be averaged");
-    }
-    if (p.is_contiguous() && p.nbytes() >= kInPlaceBytes) {
+    // Not f16, at any size: it is divided before the sum (AverageInPlace),
+    // and divided in place it would stay divided by the group's size when
+    // the all-reduce fails; the flat copy reaches the parameters only once
+    // the average succeeded.
+    if (p.is_contiguous() && p.nbytes() >= kInPlaceBytes && p.dtype() != nn::DType::kFloat16) {
       whole.push_back(i);
       continue;
     }

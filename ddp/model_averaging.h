@@ -164,9 +164,15 @@ class PeriodicModelAverager {
 };
 
 /// Replaces each tensor by its mean over the ranks of `group` (collective):
-/// one all-reduce per dtype and device, through a flat copy. When an
-/// all-reduce fails, waits for the ones already issued (they write into the
-/// tensors) before throwing the first error.
+/// one all-reduce per dtype and device, through a flat copy (tensors of 256
+/// KiB and more, contiguous and not f16, in place). The ranks first agree,
+/// in one small all-reduce, that every one passed only defined floating
+/// tensors: an undefined or integer tensor on one rank throws
+/// std::invalid_argument on every rank, naming the tensor's index and the
+/// rank, before any average. When an all-reduce fails, waits for the ones
+/// already issued before throwing the first error (DistributedError): the
+/// tensors averaged through a flat copy keep their values, those averaged
+/// in place may hold partial sums.
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group);
 
 /// Groups of the ranks on each host (by host name), as

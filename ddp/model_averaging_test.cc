@@ -6,12 +6,16 @@
 // weights, averaged in place, too); f16 values whose sum passes f16's
 // range average to themselves; a parameter with a gradient on one rank only
 // is averaged on every rank; a post-local-SGD hook resumed past its start
-// steps locally at once. In one process: option checks, the averager's and
+// steps locally at once; AverageParameters fails every rank at once for a
+// bad tensor on one, and leaves f16 parameters as they were when its
+// all-reduce fails. In one process: option checks, the averager's and
 // the hook's state dicts.
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -182,8 +186,8 @@ DDP_TEST_WORKER(f16_sums_past_f16_range) {
   auto pg = testing::WorkerGroup();
   constexpr double kValue = 40000;
   const nn::TensorOptions f16{.dtype = nn::DType::kFloat16};
-  // One small tensor (averaged through a flat buffer), one of 512 KiB (in
-  // place).
+  // One small tensor and one of 512 KiB (both through a flat buffer: f16
+  // is not averaged in place).
   const Tensor small = nn::Full({5}, kValue, f16), large = nn::Full({1 << 18}, kValue, f16);
   AverageParameters({small, large}, *pg);
   for (const Tensor& t : {small, large}) {
@@ -252,7 +256,8 @@ DDP_TEST_WORKER(subgroups) {
     AverageParameters({nn::Zeros({3}, {.dtype = nn::DType::kInt64})}, *pg);
     WORKER_EXPECT(false, "an integer tensor was averaged");
   } catch (const std::invalid_argument& e) {
-    WORKER_EXPECT(std::string(e.what()).find("tensor 0 has dtype") != std::string::npos, e.what());
+    // Every rank passed it: named on the first.
+    WORKER_EXPECT(std::string(e.what()).find("tensor 0 on rank 0 has dtype i64") != std::string::npos, e.what());
   }
   return testing::WorkerExit();
 }
@@ -369,6 +374,79 @@ DDP_TEST_WORKER(undefined_on_one_rank) {
 
 TEST(ModelAveragingTest, ATensorUndefinedOnOneRankFailsEveryRankAtOnce) {
   auto run = RunWorkers("undefined_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// AverageParameters called directly with a tensor that cannot be averaged
+// on rank 1 only (undefined, then an integer one): before, rank 1 threw
+// before any collective and rank 0 waited in its average until the group's
+// timeout. Now every rank throws at once, naming the tensor and the rank,
+// and the group stays usable.
+DDP_TEST_WORKER(average_parameters_bad_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  const std::vector<std::pair<Tensor, std::string>> cases = {
+      {Tensor(), "AverageParameters: tensor 1 on rank 1 is undefined"},
+      {nn::Full({2}, 2.0, {.dtype = nn::DType::kInt64}),
+       "AverageParameters: tensor 1 on rank 1 has dtype i64; only floating tensors can be averaged"}};
+  for (const auto& [bad, want] : cases) {
+    const std::vector<Tensor> params = {nn::Full({3}, 1.0), rank == 1 ? bad : nn::Full({2}, 2.0)};
+    const auto start = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+      AverageParameters(params, *pg);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      error = std::string("not invalid_argument: ") + e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(seconds < 5, "failed after " + std::to_string(seconds) + " s");
+    WORKER_EXPECT(error == want, "error: '" + error + "'");
+    WORKER_EXPECT(params[0].ToVector<double>() == std::vector<double>(3, 1.0), "tensor 0 changed");
+  }
+  // Nothing was left half-done: the next average pairs up.
+  const Tensor t = nn::Full({3}, static_cast<double>(rank));
+  AverageParameters({t}, *pg);
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(3, 0.5), "the next average is off");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, AverageParametersWithABadTensorOnOneRankFailsEveryRankAtOnce) {
+  auto run = RunWorkers("average_parameters_bad_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// f16 is divided by the group's size before its sum. When the all-reduce
+// fails (here the ranks pass different element counts, which the transport
+// refuses before any data moves), the parameters keep their values: before,
+// a large f16 tensor, divided in place, was left halved, and a caller that
+// caught the error and saved a checkpoint saved that.
+DDP_TEST_WORKER(f16_kept_when_the_average_fails) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  const nn::TensorOptions f16{.dtype = nn::DType::kFloat16};
+  // 512 KiB and more (once in place) and a small one (a flat buffer).
+  const Tensor large = nn::Full({(1 << 18) + 8 * rank}, 3.0, f16), small = nn::Full({5 + rank}, 3.0, f16);
+  bool failed = false;
+  try {
+    AverageParameters({large, small}, *pg);
+  } catch (const DistributedError&) {
+    failed = true;
+  }
+  WORKER_EXPECT(failed, "the average of different counts did not fail (test premise)");
+  for (const Tensor& t : {large, small}) {
+    const std::vector<double> v = t.ToVector<double>();
+    size_t wrong = 0;
+    for (double x : v) wrong += x != 3.0;
+    WORKER_EXPECT(wrong == 0, std::to_string(wrong) + " of " + std::to_string(v.size()) +
+                                  " elements changed, e.g. to " + std::to_string(v.front()));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, F16ParametersKeepTheirValuesWhenTheAverageFails) {
+  auto run = RunWorkers("f16_kept_when_the_average_fails", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
