@@ -3,9 +3,11 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -493,6 +495,9 @@ struct PowerSgdState::Impl {
   mutable std::mutex mu;
   std::map<size_t, BucketState> buckets;
   SavedStates pending;
+  // Whether a bucket past start_iteration was sent uncompressed (not f32
+  // or f64, or not in host memory) and the note about it printed.
+  std::atomic<bool> warned_uncompressed{false};
 };
 
 namespace {
@@ -729,8 +734,18 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
     const std::string label = "bucket " + std::to_string(bucket.index());
     // Exactly the default hook's collective before the start, and for what
     // is not compressed here (16-bit and integer buckets, device memory).
-    if (iteration < state->options.start_iteration || !buffer.device().is_cpu() ||
-        (dtype != nn::DType::kFloat32 && dtype != nn::DType::kFloat64)) {
+    if (iteration < state->options.start_iteration) return group.AllReduce(buffer, transport::ReduceOp::kSum, label);
+    if (!buffer.device().is_cpu() || (dtype != nn::DType::kFloat32 && dtype != nn::DType::kFloat64)) {
+      // Said once per hook: a model converted to f16 or moved to a GPU
+      // would otherwise train at full traffic with no sign of it.
+      if (!state->warned_uncompressed.exchange(true)) {
+        std::fprintf(stderr,
+                     "[ddp] rank %d: PowerSgdHook: %s, a bucket of %s gradients on %s, is all-reduced "
+                     "uncompressed (PowerSGD compresses f32 and f64 buckets in host memory only); said once "
+                     "per hook\n",
+                     group.rank(), label.c_str(), std::string(nn::DTypeName(dtype)).c_str(),
+                     buffer.device().ToString().c_str());
+      }
       return group.AllReduce(buffer, transport::ReduceOp::kSum, label);
     }
     std::vector<nn::Shape> shapes;

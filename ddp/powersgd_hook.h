@@ -20,7 +20,11 @@
 // again, the same on every rank, so that a gradient that was zero once (an
 // unused parameter) is compressed again when it is not. The residual carries what
 // the approximation dropped into the next step, so that nothing is lost in
-// the long run. 1-D tensors (biases, norms) and tensors whose compression
+// the long run, with one exception: under find_unused_parameters, in an
+// iteration where no rank used a parameter, M is its residual alone, and
+// the new residual keeps only what the approximation of M missed, while
+// the reducer leaves that parameter's .grad alone, so the part counted as
+// delivered is dropped: the residual of a parameter no rank uses decays. 1-D tensors (biases, norms) and tensors whose compression
 // saves less than min_compression_rate are reduced exactly, in the same
 // all-reduce as the P's.
 //
@@ -42,7 +46,9 @@
 //
 // Compresses f32 and f64 buckets in host memory. Buckets of other dtypes
 // and buckets on a CUDA device go through the default all-reduce
-// unchanged (AllReduceHook). The hook keeps state per bucket (Q, the
+// unchanged (AllReduceHook); the first such bucket from start_iteration
+// on prints a note on stderr naming its dtype and device (once per hook).
+// The hook keeps state per bucket (Q, the
 // residuals) across iterations: one hook object per DistributedDataParallel.
 // When the buckets are rebuilt (after the first iteration), each
 // parameter's Q and residual follow it to its new place in its bucket, as
@@ -124,7 +130,9 @@ struct PowerSgdOptions {
 void ValidatePowerSgdOptions(const PowerSgdOptions& options);
 
 /// Elements one rank all-reduces per iteration once compression runs, for
-/// gradients of `shapes`: exact tensors plus (n + m) r per compressed one.
+/// gradients of `shapes` in f32 or f64 buckets in host memory: exact
+/// tensors plus (n + m) r per compressed one. Buckets of other dtypes or on
+/// a device are sent whole (all their elements), which this does not count.
 /// Bucketing changes it only by one element per bucket that compresses a
 /// tensor (the finiteness flag), not counted here.
 int64_t PowerSgdElementsPerStep(const std::vector<nn::Shape>& shapes, const PowerSgdOptions& options);

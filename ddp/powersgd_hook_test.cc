@@ -7,7 +7,8 @@
 // In one process: error feedback on a fixed gradient, a gradient (or a
 // column of Q) that was zero once comes back, Q and residuals follow
 // parameters that trade places in a bucket, a subnormal gradient is
-// compressed, the traffic formula, option checks.
+// compressed, an uncompressed (f16) bucket is noted once per hook, the
+// traffic formula, option checks.
 
 #include <cblas.h>
 #include <gtest/gtest.h>
@@ -570,6 +571,44 @@ TEST(PowerSgdHookTest, SubnormalGradientIsCompressed) {
   for (int k = 1; k < 6; ++k) {
     EXPECT_NE(Compress(tiny_hook, *pg, m, tiny).ToVector<double>(), input) << "step " << k << ": sent uncompressed";
   }
+}
+
+// An f16 bucket is sent uncompressed: from start_iteration on, the hook
+// says so on stderr, naming the dtype and device, once per hook (it was
+// silent, and a model converted to f16 trained at full traffic unnoticed).
+TEST(PowerSgdHookTest, UncompressedBucketPastTheStartIsNotedOncePerHook) {
+  auto pg = ProcessGroup::Single();
+  const Tensor weight = nn::Full({4, 4}, 1.0), half = nn::Full({4, 4}, 1.0, {.dtype = nn::DType::kFloat16});
+  // One iteration: an f32 bucket, then the last, f16 one.
+  const auto iteration = [&](CommHook& hook) {
+    GradBucket f32(0, 2, weight.Clone().View({16}), {weight}, {0});
+    hook(*pg, f32).Wait();
+    const Tensor buffer = half.Clone().View({16});
+    GradBucket f16(1, 2, buffer, {half}, {0});
+    hook(*pg, f16).Wait();
+    EXPECT_EQ(buffer.ToVector<double>(), std::vector<double>(16, 1.0)) << "the f16 bucket changed";
+  };
+  const std::string note = "bucket 1, a bucket of f16 gradients on cpu, is all-reduced uncompressed";
+  const auto count = [](const std::string& text, const std::string& needle) {
+    size_t n = 0;
+    for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+    return n;
+  };
+  CommHook hook = hooks::PowerSgdHook({.start_iteration = 1});
+  ::testing::internal::CaptureStderr();
+  iteration(hook);
+  const std::string before = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(before, "PowerSgdHook"), 0u) << "before start_iteration: " << before;
+  ::testing::internal::CaptureStderr();
+  for (int k = 0; k < 3; ++k) iteration(hook);
+  const std::string after = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(after, note), 1u) << after;
+  EXPECT_EQ(count(after, "PowerSgdHook"), 1u) << after;
+  // Another hook says it again.
+  CommHook other = hooks::PowerSgdHook({.start_iteration = 0});
+  ::testing::internal::CaptureStderr();
+  iteration(other);
+  EXPECT_EQ(count(::testing::internal::GetCapturedStderr(), note), 1u);
 }
 
 TEST(PowerSgdHookTest, ElementsPerStepFollowTheCompressionRule) {
