@@ -28,6 +28,19 @@
 // Checkpoints: ConsolidatedStateDict gathers the whole state on one rank in
 // the unsharded optimizer's format (so a plain optimizer loads it too), and
 // LoadStateDict takes such a state on every rank and keeps its own shard.
+// A parameter with no elements belongs to no shard, so the consolidated
+// state has no entries for it (the unsharded optimizer's may hold its
+// "step"): an optimizer that loads it starts that parameter's count
+// afresh, which changes no value.
+//
+// Adding parameters: there is no add_param_group (the partition is fixed
+// at construction, and every rank's shard would move). Gather the whole
+// state with ConsolidatedStateDict (on rank 0, saved to a checkpoint that
+// every rank reads, or ConsolidatedStateDict(r) for each rank r in turn),
+// build a new ZeroRedundancyOptimizer over the longer parameter list on
+// every rank, and LoadStateDict that state into it on every rank: the old
+// parameters keep their state (keyed by name), the new ones start without
+// any, as never stepped.
 //
 // Loss scaling: GradScaler checks only the gradients its optimizer holds,
 // which here are one rank's shard, so ranks could disagree on skipping a
