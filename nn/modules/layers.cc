@@ -172,16 +172,27 @@ std::string BatchNorm::ExtraRepr() const {
 
 std::string BatchNorm::ShortRepr() const { return TypeName() + "(" + std::to_string(num_features_) + ")"; }
 
-int64_t BatchNorm::TrackedBatches() {
-  const std::shared_ptr<Storage> storage = num_batches_tracked_.storage();
-  if (storage == nullptr) throw std::logic_error(Describe() + ": num_batches_tracked has no storage");
+int64_t TrackedBatchCount::Get(const Tensor& num_batches_tracked, const Module& layer) {
+  const std::shared_ptr<Storage> storage = num_batches_tracked.storage();
+  if (storage == nullptr) throw std::logic_error(layer.Describe() + ": num_batches_tracked has no storage");
   const uint64_t version = storage->version();
-  if (tracked_storage_.lock() != storage || version != tracked_version_) {
-    tracked_ = static_cast<int64_t>(num_batches_tracked_.Item());
-    tracked_storage_ = storage;
-    tracked_version_ = version;
+  if (storage_.lock() != storage || version != version_) {
+    count_ = static_cast<int64_t>(num_batches_tracked.Item());
+    storage_ = storage;
+    version_ = version;
   }
-  return tracked_;
+  return count_;
+}
+
+void TrackedBatchCount::Set(const Tensor& num_batches_tracked, int64_t count) {
+  {
+    NoGradGuard guard;
+    num_batches_tracked.Fill(static_cast<double>(count));
+  }
+  const std::shared_ptr<Storage> storage = num_batches_tracked.storage();
+  count_ = count;
+  storage_ = storage;
+  version_ = storage != nullptr ? storage->version() : 0;
 }
 
 Tensor BatchNorm::Forward(const Tensor& x) {
@@ -191,12 +202,8 @@ Tensor BatchNorm::Forward(const Tensor& x) {
   // needs the factor (and, without a momentum, the count).
   double factor = RunningAverageFactor(options_, int64_t{0});
   if (is_training() && options_.track_running_stats) {
-    NoGradGuard guard;
-    const int64_t tracked = TrackedBatches() + 1;
-    num_batches_tracked_.Fill(static_cast<double>(tracked));
-    tracked_ = tracked;
-    const std::shared_ptr<Storage> storage = num_batches_tracked_.storage();
-    tracked_version_ = storage != nullptr ? storage->version() : 0;
+    const int64_t tracked = tracked_.Get(num_batches_tracked_, *this) + 1;
+    tracked_.Set(num_batches_tracked_, tracked);
     factor = RunningAverageFactor(options_, tracked);
   }
   try {

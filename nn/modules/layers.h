@@ -91,6 +91,28 @@ double RunningAverageFactor(const BatchNormOptions& options, int64_t num_batches
 /// "0.1", or "None" without a momentum, as PyTorch prints it.
 std::string MomentumRepr(const std::optional<double>& momentum);
 
+/// A batch-norm layer's host copy of its num_batches_tracked buffer (an i64
+/// scalar). Reading the buffer on a GPU is a copy to the host that waits for
+/// all queued work, so the layer keeps what it last read or wrote and reads
+/// the buffer again only when it changed since: another storage (To(), a
+/// new buffer) or an in-place write through any tensor on it (LoadStateDict,
+/// CopyFrom, Fill, another layer sharing the buffer), which bumps the
+/// storage's version. A write that bypasses the version (raw memory) is not
+/// seen. Shared by BatchNorm and ddp's SyncBatchNorm.
+class TrackedBatchCount {
+ public:
+  /// The buffer's value. Throws std::logic_error naming `layer` when the
+  /// buffer has no storage.
+  int64_t Get(const Tensor& num_batches_tracked, const Module& layer);
+  /// Writes `count` into the buffer (no autograd) and remembers it.
+  void Set(const Tensor& num_batches_tracked, int64_t count);
+
+ private:
+  int64_t count_ = 0;
+  std::weak_ptr<Storage> storage_;
+  uint64_t version_ = 0;
+};
+
 /// Batch normalization over the channel dimension (1) of its input. In
 /// training the batch statistics normalize and update the running ones; in
 /// eval the running statistics normalize. Fields are public through
@@ -116,19 +138,10 @@ class BatchNorm : public Module {
   virtual void CheckInput(const Tensor& x) const = 0;
 
  private:
-  /// num_batches_tracked's value. The forward keeps a host copy of what it
-  /// last wrote and reads the buffer (on a GPU, a copy to the host that
-  /// waits for all queued work) only when it changed since: another
-  /// storage (To(), a new buffer) or an in-place write (LoadStateDict,
-  /// CopyFrom, Fill), which bumps the storage's version.
-  int64_t TrackedBatches();
-
   int64_t num_features_;
   BatchNormOptions options_;
   Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
-  int64_t tracked_ = 0;
-  std::weak_ptr<Storage> tracked_storage_;
-  uint64_t tracked_version_ = 0;
+  TrackedBatchCount tracked_;  // host copy of num_batches_tracked
 };
 
 /// Input [N, C] or [N, C, L].
