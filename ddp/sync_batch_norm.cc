@@ -27,12 +27,6 @@ Dims GetDims(const Tensor& x) {
   return {x.size(0), x.size(1), s};
 }
 
-void StoreDoubles(const Tensor& t, const std::vector<double>& v) {
-  Tensor src = nn::FromVector(v, {static_cast<int64_t>(v.size())}, {.dtype = nn::DType::kFloat64});
-  nn::NoGradGuard guard;
-  t.CopyFrom(src);
-}
-
 // Training needs at least two values per channel in the global batch.
 void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
   if (total > 1) return;
@@ -42,27 +36,47 @@ void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
       nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg.rank()) + ")");
 }
 
+// What a training forward updates once its statistics are in: the count
+// (through the layer's host copy of it) and the running statistics, each
+// undefined when the layer does not track it.
+struct RunningStats {
+  Tensor num_batches_tracked, running_mean, running_var;
+  nn::modules::TrackedBatchCount* count;  // the layer's; non-null with num_batches_tracked
+  int64_t next_count;                     // num_batches_tracked once this batch counts
+  double momentum;                        // the factor for this batch
+};
+
 // Counts the batch in num_batches_tracked, then running = (1 - momentum) *
 // running + momentum * batch statistic, the variance unbiased over `total`
-// values, in BatchNorm's order of operations; nothing for the buffers the
-// module does not track. Called once the statistics are in and checked, so
-// that a forward that fails changes no buffer.
-void UpdateRunningStats(const Tensor& num_batches_tracked, const Tensor& running_mean,
-                        const Tensor& running_var, const std::vector<double>& mean,
-                        const std::vector<double>& var, double total, double momentum) {
-  if (num_batches_tracked.defined()) {
-    nn::NoGradGuard guard;
-    num_batches_tracked.Fill(num_batches_tracked.Item() + 1);
+// values, in BatchNorm's order of operations, in f64 and stored in the
+// buffers' dtype; nothing for the buffers the module does not track.
+// mean_t: the global mean, f64 [C] on any device; var: the biased global
+// variance, on the host. The update runs on the buffers' device (on a GPU,
+// queued kernels and one host-to-device copy; nothing reads the device
+// back). Called once the statistics are in and checked, so that a forward
+// that fails changes no buffer.
+void UpdateRunningStats(const RunningStats& rs, const Tensor& mean_t, const std::vector<double>& var, double total) {
+  nn::NoGradGuard guard;
+  Tensor new_mean, new_var;
+  if (rs.running_mean.defined() && rs.running_var.defined()) {
+    const double m = rs.momentum;
+    const double unbias = total / (total - 1);
+    std::vector<double> var_term(var.size());
+    for (size_t c = 0; c < var.size(); ++c) var_term[c] = m * var[c] * unbias;
+    const Tensor mean_term = nn::ops::MulScalar(mean_t.To(rs.running_mean.device()), m);
+    const Tensor var_term_t = nn::FromVector(var_term, {static_cast<int64_t>(var.size())},
+                                             {.dtype = nn::DType::kFloat64, .device = rs.running_var.device()});
+    // A product and a sum, not one fused multiply-add: the roundings of
+    // BatchNorm's update, and of this layer's former host loop.
+    new_mean = nn::ops::Add(nn::ops::MulScalar(rs.running_mean.To(nn::DType::kFloat64), 1 - m), mean_term);
+    new_var = nn::ops::Add(nn::ops::MulScalar(rs.running_var.To(nn::DType::kFloat64), 1 - m), var_term_t);
   }
-  if (!running_mean.defined() || !running_var.defined()) return;
-  const double unbias = total / (total - 1);
-  std::vector<double> rm = running_mean.ToVector<double>(), rv = running_var.ToVector<double>();
-  for (size_t c = 0; c < mean.size(); ++c) {
-    rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
-    rv[c] = (1 - momentum) * rv[c] + momentum * var[c] * unbias;
+  // Written last: an op that throws above leaves every buffer as it was.
+  if (rs.num_batches_tracked.defined()) rs.count->Set(rs.num_batches_tracked, rs.next_count);
+  if (new_mean.defined()) {
+    rs.running_mean.CopyFrom(new_mean);
+    rs.running_var.CopyFrom(new_var);
   }
-  StoreDoubles(running_mean, rm);
-  StoreDoubles(running_var, rv);
 }
 
 // Backward of both SyncBatchNorm functions, from nn's building blocks on x's
@@ -165,8 +179,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   static constexpr const char* kName = "SyncBatchNormBackward";
 
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
-                                     const std::shared_ptr<ProcessGroup>& pg, const Tensor& num_batches_tracked,
-                                     const Tensor& running_mean, const Tensor& running_var, double momentum,
+                                     const std::shared_ptr<ProcessGroup>& pg, const RunningStats& running,
                                      double eps, const std::string& layer) {
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
@@ -212,10 +225,9 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
       var[c] = m2[c] / total;
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
-    UpdateRunningStats(num_batches_tracked, running_mean, running_var, mean, var, total, momentum);
-
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64});
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64});
+    UpdateRunningStats(running, mean_t, var, total);
     Tensor y = x.numel() == 0 ? nn::Empty(x.shape(), {.dtype = x.dtype()})
                               : nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
     ctx->SaveForBackward({x, weight, mean_t, invstd_t});
@@ -237,8 +249,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
   static constexpr const char* kName = "SyncBatchNormBackward";
 
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
-                                     const std::shared_ptr<ProcessGroup>& pg, const Tensor& num_batches_tracked,
-                                     const Tensor& running_mean, const Tensor& running_var, double momentum,
+                                     const std::shared_ptr<ProcessGroup>& pg, const RunningStats& running,
                                      double eps, const std::string& layer) {
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
@@ -276,9 +287,9 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
       var[c] = std::max(0.0, g.m2[c] / total);
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
-    UpdateRunningStats(num_batches_tracked, running_mean, running_var, mean, var, total, momentum);
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
+    UpdateRunningStats(running, mean_t, var, total);
     // An empty local batch still took part in both collectives above.
     Tensor y = x.numel() == 0 ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
                               : nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
@@ -385,9 +396,9 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
   if (!is_training()) {
     // Eval: local and silent.
     try {
+      // Eval updates nothing: the factor needs no count (BatchNorm's).
       return nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, batch_stats,
-                                nn::modules::RunningAverageFactor(options_, num_batches_tracked_),
-                                options_.eps);
+                                nn::modules::RunningAverageFactor(options_, int64_t{0}), options_.eps);
     } catch (const std::invalid_argument& e) {
       Fail(e.what());
     }
@@ -396,31 +407,33 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
   // The running average's factor counts this batch (BatchNorm's), but the
   // count itself moves only once the batch's statistics are in: a forward
   // that fails (a global batch of one value) leaves every buffer as it was.
-  const nn::Tensor tracked = options_.track_running_stats ? num_batches_tracked_ : nn::Tensor();
-  const double momentum = nn::modules::RunningAverageFactor(
-      options_, tracked.defined() ? nn::Full({}, tracked.Item() + 1, {.dtype = nn::DType::kInt64}) : tracked);
+  // The count comes from the host copy (no device read unless the buffer
+  // changed since this layer last read or wrote it).
+  RunningStats running{.count = &tracked_, .next_count = 0, .momentum = 0.0};
+  if (options_.track_running_stats) {
+    running.num_batches_tracked = num_batches_tracked_;
+    running.running_mean = running_mean_;
+    running.running_var = running_var_;
+    running.next_count = tracked_.Get(num_batches_tracked_, *this) + 1;
+    running.momentum = nn::modules::RunningAverageFactor(options_, running.next_count);
+  }
   if (pg->size() == 1) {
     nn::Tensor y;
     try {
-      y = nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true, momentum, options_.eps);
+      y = nn::ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, true, running.momentum, options_.eps);
     } catch (const std::invalid_argument& e) {
       Fail(e.what());
     }
-    if (tracked.defined()) {
-      nn::NoGradGuard guard;
-      tracked.Fill(tracked.Item() + 1);
-    }
+    if (running.num_batches_tracked.defined()) tracked_.Set(running.num_batches_tracked, running.next_count);
     return y;
   }
   // "SyncBatchNorm(3) `layer1.0.bn1`": labels this layer's collectives.
   const std::string layer = Describe();
   try {
     if (!x.device().is_cpu() || internal_use_blocks()) {
-      return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg, tracked, running_mean_,
-                                                running_var_, momentum, options_.eps, layer)[0];
+      return SyncBatchNormBlocksFunction::Apply({x, weight_, bias_}, pg, running, options_.eps, layer)[0];
     }
-    return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg, tracked, running_mean_, running_var_,
-                                        momentum, options_.eps, layer)[0];
+    return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg, running, options_.eps, layer)[0];
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }

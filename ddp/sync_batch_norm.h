@@ -20,8 +20,11 @@
 // sums of x less that mean give the count, mean and squared deviations
 // (two passes, so a large mean does not cancel); one small copy to the
 // host, where the ranks' rows are gathered and merged as above; the
-// normalization on the device; backward all-reduces sum(dy) and
-// sum(dy * xhat) on the device.
+// normalization and the running statistics' update on the device; backward
+// all-reduces sum(dy) and sum(dy * xhat) on the device. The batch count
+// comes from a host copy of num_batches_tracked (nn's TrackedBatchCount),
+// read back only after an outside write, so that copy of the row is the
+// forward's only read of device memory.
 // With one rank it computes exactly what BatchNorm computes.
 //
 // Every rank must run forward and backward through the layer the same
@@ -87,6 +90,9 @@ class SyncBatchNorm : public nn::modules::Module {
   nn::modules::BatchNormOptions options_;
   std::shared_ptr<ProcessGroup> group_;
   nn::Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
+  // Host copy of num_batches_tracked; the buffer's version tells when it was
+  // written from outside (LoadStateDict, Fill, a BatchNorm sharing it).
+  nn::modules::TrackedBatchCount tracked_;
 };
 
 /// Replaces every BatchNorm (1d, 2d) in `module`'s tree by a SyncBatchNorm

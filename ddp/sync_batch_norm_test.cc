@@ -6,7 +6,9 @@
 // SyncBatchNorm stops every rank with one message; a refused batch (one
 // value per channel in all) is not counted in num_batches_tracked; an input
 // refused on one rank stops its peers at once with that rank's reason;
-// BatchNorm's own errors name the module.
+// BatchNorm's own errors name the module; the batch count comes from a host
+// copy that an outside write (LoadStateDict, Fill, the BatchNorm sharing
+// the buffer) refreshes.
 
 #include "ddp/sync_batch_norm.h"
 
@@ -344,6 +346,91 @@ TEST(SyncBatchNormTest, RefusedBatchIsNotCounted) {
   SyncBatchNorm sync(kC, {}, ProcessGroup::Single());
   EXPECT_THROW(sync(nn::Ones({1, kC})), std::invalid_argument);
   EXPECT_EQ(sync.num_batches_tracked().Item(), 0);
+}
+
+// The batch count in num_batches_tracked, on one rank (BatchNorm's path)
+// and on two (the host formulation or the building blocks). With momentum
+// None the factor is 1 / count, so the running mean shows which count a
+// forward used; every batch is constant, its mean its value.
+// DDP_TEST_SBN_RAW_WRITE: the forward counts from the layer's host copy (on
+// a GPU, reading the buffer waits for all queued work): a write that
+// bypasses the storage's version (raw memory) is not seen. Otherwise: the
+// copy is read again after every write that bumps the version:
+// LoadStateDict, Fill, and a forward of the BatchNorm the layer was
+// converted from, which shares the buffer.
+DDP_TEST_WORKER(sync_bn_count) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const std::string where = "world " + std::to_string(pg->size()) + ", rank " + std::to_string(pg->rank());
+  auto bn = std::make_shared<nn::modules::BatchNorm2d>(kC, nn::modules::BatchNormOptions{.momentum = std::nullopt});
+  const auto sync = SyncBatchNorm::FromBatchNorm(*bn, pg);
+  const auto batch = [](double v) { return nn::Full({2, kC, 2, 2}, v); };
+  const auto expect = [&](double count, double mean, const std::string& step) {
+    const double got = sync->num_batches_tracked().Item();
+    WORKER_EXPECT(got == count, where + ", " + step + ": num_batches_tracked is " + std::to_string(got) +
+                                    ", expected " + std::to_string(count));
+    for (float m : sync->running_mean().ToVector<float>()) {
+      WORKER_EXPECT(std::abs(m - mean) < 1e-5, where + ", " + step + ": running mean " + std::to_string(m) +
+                                                   ", expected " + std::to_string(mean));
+    }
+  };
+  (*sync)(batch(1.0));
+  (*sync)(batch(1.0));
+  expect(2, 1.0, "two batches");
+  if (std::getenv("DDP_TEST_SBN_RAW_WRITE") != nullptr) {
+    *static_cast<int64_t*>(sync->num_batches_tracked().data_ptr()) = 100;  // no version bump
+    // Counted from the copy: 3, factor 1/3: 1 + (4 - 1) / 3 = 2.
+    (*sync)(batch(4.0));
+    expect(3, 2.0, "after a raw write (the forward read the buffer back)");
+    return testing::WorkerExit();
+  }
+  // LoadStateDict: 10, so this batch is the 11th: 1 + (12 - 1) / 11 = 2.
+  nn::modules::StateDict state = sync->GetStateDict();
+  for (auto& [name, t] : state) {
+    if (name == "num_batches_tracked") t = nn::Full({}, 10.0, {.dtype = nn::DType::kInt64});
+  }
+  sync->LoadStateDict(state);
+  (*sync)(batch(12.0));
+  expect(11, 2.0, "after LoadStateDict");
+  // The BatchNorm, on the shared buffers: the 12th, 2 + (14 - 2) / 12 = 3;
+  // then the layer the 13th, 3 + (16 - 3) / 13 = 4.
+  (*bn)(batch(14.0));
+  expect(12, 3.0, "after the BatchNorm's forward");
+  (*sync)(batch(16.0));
+  expect(13, 4.0, "after the BatchNorm's forward and the layer's");
+  // Fill: 19, so the 20th: 4 + (24 - 4) / 20 = 5.
+  {
+    nn::NoGradGuard guard;
+    sync->num_batches_tracked().Fill(19.0);
+  }
+  (*sync)(batch(24.0));
+  expect(20, 5.0, "after Fill");
+  sync->Eval();
+  (*sync)(batch(0.0));
+  expect(20, 5.0, "after an eval forward");
+  return testing::WorkerExit();
+}
+
+// Guards the behaviour before the host copy (each forward read the
+// buffer): a count written from outside is the one the next batch follows.
+TEST(SyncBatchNormTest, CountIsReadAgainAfterAnOutsideWrite) {
+  for (const auto& [world, blocks] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    std::vector<std::pair<std::string, std::string>> env;
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_count", world, env);
+    EXPECT_TRUE(run.AllSucceeded()) << "world " << world << (blocks ? ", building blocks\n" : "\n")
+                                    << testing::AllOutput(run);
+  }
+}
+
+TEST(SyncBatchNormTest, CountsBatchesWithoutReadingTheBufferBack) {
+  for (const auto& [world, blocks] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    std::vector<std::pair<std::string, std::string>> env = {{"DDP_TEST_SBN_RAW_WRITE", "1"}};
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_count", world, env);
+    EXPECT_TRUE(run.AllSucceeded()) << "world " << world << (blocks ? ", building blocks\n" : "\n")
+                                    << testing::AllOutput(run);
+  }
 }
 
 TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
