@@ -125,15 +125,20 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
   for (int peer = 0; peer < options_.size; ++peer) {
     DDP_RETURN_IF_ERROR(CheckWorkerAddress(addresses[peer], worker_->address(), peer));
   }
-  // Made once and kept: UCX's error callback of an endpoint that is still
-  // closing may hold a pointer to its peer's state.
-  if (peers_.empty()) {
-    for (int peer = 0; peer < options_.size; ++peer) peers_.push_back(std::make_unique<PeerState>());
+  // Fresh states for each attempt, those of failed attempts kept until the
+  // worker goes: an endpoint of a failed attempt whose close UCX did not
+  // confirm may still call its error callback, which holds a pointer to its
+  // peer's state, and must not fail the new connection.
+  for (auto& state : peers_) retired_peers_.push_back(std::move(state));
+  peers_.clear();
+  for (int peer = 0; peer < options_.size; ++peer) {
+    const bool local = peer == options_.rank || same_host.empty() || same_host[peer];
+    peers_.push_back(std::make_unique<PeerState>(
+        PeerState{.owner = this, .rank = peer, .peer_error_mode = !local}));
   }
   endpoints_.assign(options_.size, nullptr);
   for (int peer = 0; peer < options_.size; ++peer) {
-    const bool local = peer == options_.rank || same_host.empty() || same_host[peer];
-    *peers_[peer] = PeerState{.owner = this, .rank = peer, .peer_error_mode = !local};
+    const bool local = !peers_[peer]->peer_error_mode;
     ucp_ep_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -203,15 +208,45 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
   return result;
 }
 
+bool UcxPointToPoint::AwaitRequests(std::span<void*> requests, Deadline until) {
+  Polls polls;
+  while (true) {
+    bool pending = false;
+    for (void*& request : requests) {
+      if (request == nullptr) continue;
+      if (ucp_request_check_status(request) == UCS_INPROGRESS) {
+        pending = true;
+      } else {
+        ucp_request_free(request);
+        request = nullptr;
+      }
+    }
+    if (!pending) return false;
+    if (Clock::now() > until) return true;
+    PollUntil(polls, until);
+  }
+}
+
 Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_remote,
                                        Deadline deadline) {
   std::vector<void*> closing;
   std::vector<int> closing_peers;  // closing[i] is the endpoint to closing_peers[i]
-  for (int peer : peers) {
-    if (endpoints_[peer] == nullptr) continue;
+  auto close = [&](int peer, bool force) {
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* request = ucp_ep_close_nbx(endpoints_[peer], &param);
+    if (UCS_PTR_IS_PTR(request)) {
+      closing.push_back(request);
+      closing_peers.push_back(peer);
+    }
+    endpoints_[peer] = nullptr;
+  };
+  std::vector<void*> flushing;
+  std::vector<int> flushing_peers;  // flushing[i] is the endpoint to flushing_peers[i]
+  for (int peer : peers) {
+    if (endpoints_[peer] == nullptr) continue;
     // Force only where the peer is gone, or may be (force_remote): flushing
     // towards it would wait for an answer that never comes, and UCX 1.13
     // asserts when a worker is destroyed while a closing endpoint still
@@ -222,40 +257,55 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     // open until the worker's destruction.)
     const bool force = !peers_[peer]->failure.ok() ||
                        (force_remote && peers_[peer]->peer_error_mode);
-    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    void* request = ucp_ep_close_nbx(endpoints_[peer], &param);
-    if (UCS_PTR_IS_PTR(request)) {
-      closing.push_back(request);
-      closing_peers.push_back(peer);
-    }
-    endpoints_[peer] = nullptr;
-  }
-  Polls polls;
-  while (true) {
-    bool pending = false;
-    for (void*& request : closing) {
-      if (request == nullptr) continue;
-      if (ucp_request_check_status(request) == UCS_INPROGRESS) {
-        pending = true;
-      } else {
-        ucp_request_free(request);
-        request = nullptr;
+    if (!force && peers_[peer]->peer_error_mode) {
+      // A live remote peer is flushed before its endpoint is closed: UCX
+      // takes no second close of an endpoint, so one whose close (flush)
+      // did not finish could not be forced afterwards, and would still be
+      // closing when the worker goes (a peer that hangs, or is stopped).
+      ucp_request_param_t param;
+      std::memset(&param, 0, sizeof(param));
+      void* request = ucp_ep_flush_nbx(endpoints_[peer], &param);
+      if (UCS_PTR_IS_PTR(request)) {
+        flushing.push_back(request);
+        flushing_peers.push_back(peer);
+        continue;
       }
+      close(peer, /*force=*/UCS_PTR_IS_ERR(request));
+      continue;
     }
-    if (!pending) return Status::Ok();
-    if (Clock::now() > deadline) {
-      // The worker's destruction releases what is left.
-      std::string ranks;
-      for (size_t i = 0; i < closing.size(); ++i) {
-        if (closing[i] == nullptr) continue;
-        ucp_request_free(closing[i]);
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(closing_peers[i]);
-      }
-      return TimedOutError("closing UCX endpoints: rank(s) " + ranks +
-                           " did not confirm the close in time");
-    }
-    PollUntil(polls, deadline);
+    close(peer, force);
   }
+  // Every flush still pending at the deadline, its peer's endpoint then
+  // closed by force (which completes the flush, and UCX frees it then).
+  std::string unflushed;
+  const bool flush_timed_out = AwaitRequests(flushing, deadline);
+  for (size_t i = 0; i < flushing.size(); ++i) {
+    const bool flushed = flushing[i] == nullptr;
+    if (!flushed) {
+      ucp_request_free(flushing[i]);
+      unflushed += (unflushed.empty() ? "" : ", ") + std::to_string(flushing_peers[i]);
+    }
+    close(flushing_peers[i], /*force=*/!flushed || !peers_[flushing_peers[i]]->failure.ok());
+  }
+  // The forced closes of peers that did not take the flush get their own
+  // bound: the flush has used up the deadline.
+  const Deadline until = flush_timed_out ? DeadlineIn(kForceCloseTime) : deadline;
+  if (AwaitRequests(closing, until)) {
+    // The worker's destruction releases what is left.
+    std::string ranks;
+    for (size_t i = 0; i < closing.size(); ++i) {
+      if (closing[i] == nullptr) continue;
+      ucp_request_free(closing[i]);
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(closing_peers[i]);
+    }
+    return TimedOutError("closing UCX endpoints: rank(s) " + ranks +
+                         " did not confirm the close in time");
+  }
+  if (!unflushed.empty()) {
+    return TimedOutError("closing UCX endpoints: rank(s) " + unflushed +
+                         " did not take what was sent in time; closed by force");
+  }
+  return Status::Ok();
 }
 
 Status UcxPointToPoint::RegisterStagingBuffer(void* data, size_t bytes) {

@@ -107,8 +107,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// pending and later operations with it fail with `reason`.
   void MarkPeerLost(int peer, Status reason);
 
-  /// Flushes and closes every endpoint, waiting at most until `deadline`.
-  /// Later messages fail. Called by the destructor if not called before.
+  /// Flushes and closes every endpoint, waiting at most until `deadline`;
+  /// a remote endpoint whose flush did not finish by then (a peer that
+  /// hangs) is closed by force, waiting at most 1 s more, so that none is
+  /// still closing when the worker goes. Later messages fail. Called by the destructor if not called before.
   /// `force_remote`: close endpoints to other hosts without flushing (after
   /// an abort: a flush towards a host that went silent never completes, and
   /// UCX cannot destroy a worker whose endpoints still hold sends).
@@ -160,7 +162,13 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status CheckPeer(int peer, const char* what) const;
   // Closes the endpoints to `peers` (by force where the peer is lost, or is
   // remote and `force_remote`) and waits for UCX to confirm until `deadline`.
+  // Other remote endpoints are flushed until `deadline` first; those whose
+  // flush did not finish are closed by force, waiting up to 1 s more.
   Status CloseEndpoints(std::span<const int> peers, bool force_remote, Deadline deadline);
+  // Polls until UCX has completed every non-null request in `requests` or
+  // `until` passes, freeing (and nulling) the completed ones; returns
+  // whether any is left.
+  bool AwaitRequests(std::span<void*> requests, Deadline until);
   StatusOr<p2p::RequestId> Send(bool user, int peer, p2p::Tag tag, const void* data, size_t bytes);
   StatusOr<p2p::RequestId> Recv(bool user, int peer, p2p::Tag tag, void* data, size_t bytes);
   StatusOr<Slot*> AllocateSlot(bool is_send, int peer, p2p::Tag tag, size_t bytes);
@@ -212,6 +220,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   std::shared_ptr<Context> context_;
   std::unique_ptr<Worker> worker_;
   std::vector<std::unique_ptr<PeerState>> peers_;
+  // Peer states of failed Connect attempts (see Connect), kept for UCX's
+  // error callbacks until the destructor has destroyed the worker.
+  std::vector<std::unique_ptr<PeerState>> retired_peers_;
   std::vector<ucp_ep_h> endpoints_;
   RegistrationCache registrations_;
   std::vector<std::unique_ptr<Slot>> slots_;

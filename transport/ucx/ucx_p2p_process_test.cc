@@ -165,8 +165,28 @@ int RunRank2SendThenExit() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Rank 1: publishes its address in DDP_ADDRESS_FILE and stops itself
+// (SIGSTOP) before its worker makes any progress or sends anything: rank 0's
+// connection request goes unanswered. Once continued it connects to rank 0
+// (DDP_PEER_ADDRESS), closes and exits.
+int RunRank1StopBeforeConnect() {
+  std::unique_ptr<UcxPointToPoint> p2p = MakeRank(1);
+  WORKER_CHECK(p2p != nullptr, "creating rank 1");
+  if (p2p == nullptr) return 1;
+  const std::string address_file = EnvOr("DDP_ADDRESS_FILE");
+  std::ofstream(address_file + ".tmp") << Hex(p2p->address());
+  std::filesystem::rename(address_file + ".tmp", address_file);
+  raise(SIGSTOP);
+  const std::string addresses[] = {Unhex(EnvOr("DDP_PEER_ADDRESS")), p2p->address()};
+  Status connected = p2p->Connect(addresses, SameHost(1));
+  WORKER_CHECK(connected.ok(), "connect: " + connected.ToString());
+  p2p->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "rank1_send") return RunRank1("send");
+  if (name == "rank1_stop_before_connect") return RunRank1StopBeforeConnect();
   if (name == "rank1_receive") return RunRank1("receive");
   if (name == "rank2_send_then_exit") return RunRank2SendThenExit();
   if (name == "exit_when_told") {
@@ -441,6 +461,38 @@ TEST(UcxPointToPointProcesses, CancelAllGetsSendsToHungPeersBackInOneRound) {
   }
 }
 
+// Rank 1, remote, stops itself before it answers rank 0's connection, and
+// rank 0 closes normally (a flush first): the flush cannot finish, so Close
+// gives up on it at its deadline and closes the endpoint by force (bounded
+// by 1 s more), rather than leaving it closing when the worker is
+// destroyed, which UCX 1.13 does not support. Close names the forced close;
+// the destructor and rank 1, once continued, finish cleanly.
+TEST(UcxPointToPointProcesses, CloseForcesARemoteEndpointWhoseFlushDidNotFinish) {
+  TwoRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(Connect("rank1_stop_before_connect", ranks));
+  // Rank 1 has stopped ('T' in /proc/PID/stat), and rank 0's connection
+  // request is out (its TCP connection is made while rank 0 progresses):
+  // the flush waits for rank 1's answer.
+  const std::string stat = "/proc/" + std::to_string(ranks.group->pid(0)) + "/stat";
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  while (ReadFile(stat).find(") T ") == std::string::npos && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  ASSERT_NE(ReadFile(stat).find(") T "), std::string::npos) << "rank 1 did not stop";
+  Progress(*ranks.p2p, milliseconds(300));
+  const auto start = Clock::now();
+  Status closed = ranks.p2p->Close(DeadlineIn(milliseconds(1000)));
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(closed.code(), StatusCode::kTimedOut) << closed;
+  EXPECT_NE(closed.message().find("rank(s) 1 did not take what was sent in time; closed by force"),
+            std::string::npos)
+      << closed;
+  EXPECT_LT(took, milliseconds(3000));
+  ranks.p2p.reset();
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+  EXPECT_EQ(rank1.signal, 0) << rank1.output;
+}
 
 // Rank 0 of three on this host, over shared memory, waits for a message
 // from rank 1 or rank 2 (WaitAny). Rank 2, a spawned copy, sends and exits
