@@ -110,7 +110,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// Flushes and closes every endpoint, waiting at most until `deadline`;
   /// a remote endpoint whose flush did not finish by then (a peer that
   /// hangs) is closed by force, waiting at most 1 s more, so that none is
-  /// still closing when the worker goes. Later messages fail. Called by the destructor if not called before.
+  /// still closing when the worker goes. Later messages fail. Called by the
+  /// destructor if not called before.
   /// `force_remote`: close endpoints to other hosts without flushing (after
   /// an abort: a flush towards a host that went silent never completes, and
   /// UCX cannot destroy a worker whose endpoints still hold sends).
