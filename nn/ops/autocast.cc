@@ -94,6 +94,17 @@ Tensor ToLowPrecision(const Tensor& x) {
   return CastMaybeCached(x, *dtype);
 }
 
+void CheckNoF64Mix(const char* op, const Tensor& input, const Tensor& weight) {
+  const std::optional<DType> dtype = tls_state.dtype;
+  if (!dtype || !input.defined() || !weight.defined()) return;
+  if ((input.dtype() == DType::kFloat64) == (weight.dtype() == DType::kFloat64)) return;
+  throw std::invalid_argument(std::string(op) + ": under autocast (" + std::string(DTypeName(*dtype)) +
+                              ") the input is " + std::string(DTypeName(input.dtype())) + " and the weight " +
+                              std::string(DTypeName(weight.dtype())) +
+                              "; autocast leaves f64 alone and will not cast it to or from " +
+                              std::string(DTypeName(*dtype)) + " (make both f64, or neither)");
+}
+
 Tensor ToFloat32(const Tensor& x) {
   if (!tls_state.dtype || !x.defined()) return x;
   if (x.dtype() != DType::kFloat16 && x.dtype() != DType::kBFloat16) return x;

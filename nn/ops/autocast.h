@@ -8,7 +8,11 @@
 //   - Matmul, Linear and Conv2d cast their floating operands (input, weight,
 //     bias; f32, f16 or bf16, never f64) to the autocast dtype and return
 //     that dtype. The casts are recorded by autograd, so an f32 weight gets
-//     an f32 gradient: the parameters stay f32 master weights.
+//     an f32 gradient: the parameters stay f32 master weights. f64 is not
+//     eligible, as in PyTorch: all-f64 operands run in f64, and an f64
+//     operand next to one that autocast casts is an error (Matmul's dtype
+//     mismatch; Linear and Conv2d name the input's and the weight's dtypes),
+//     never a silent cast of the f64 input to 16 bits.
 //   - Ops that need range compute in f32: LogSoftmax and Softmax, Sum and
 //     Mean, MseLoss promote 16-bit inputs to f32 (CrossEntropy always
 //     computes in f32). BatchNorm keeps the input's dtype for its output,
@@ -60,6 +64,10 @@ namespace ops::autocast {
 /// x cast (differentiably) to the autocast dtype when autocast is on and x
 /// is f32, f16 or bf16; otherwise x itself. Undefined stays undefined.
 Tensor ToLowPrecision(const Tensor& x);
+/// Throws std::invalid_argument, naming op and both dtypes, when autocast is
+/// on and exactly one of a layer's input and weight is f64 (the layer would
+/// otherwise cast its input to the weight's dtype across f64 and 16 bits).
+void CheckNoF64Mix(const char* op, const Tensor& input, const Tensor& weight);
 /// x cast (differentiably) to f32 when autocast is on and x is f16 or bf16;
 /// otherwise x itself.
 Tensor ToFloat32(const Tensor& x);

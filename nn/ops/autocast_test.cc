@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -139,6 +140,33 @@ TEST(AutocastTest, MatmulCastsBothOperandsAndLeavesF64Alone) {
   EXPECT_EQ(dot.dtype(), DType::kBFloat16);
   EXPECT_EQ(dot.dim(), 0);
   EXPECT_EQ(dot.ToVector<double>()[0], Full({}, 300.0 * (1 + 1.0 / 128)).To(DType::kBFloat16).ToVector<double>()[0]);
+}
+
+// f64 is not eligible for autocast (as in PyTorch): Linear and Conv2d with an
+// f64 input and an f32 weight cast the weight to bf16 and then the f64 input
+// down to bf16 with it, silently; now they refuse, naming both dtypes. All-f64
+// layers still run in f64.
+TEST(AutocastTest, LayersRefuseToMixF64WithAutocastOperands) {
+  ManualSeed(3);
+  AutocastGuard guard(DType::kBFloat16);
+  const Tensor x64 = Randn({2, 8}, {.dtype = DType::kFloat64}), w32 = Randn({3, 8});
+  const auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string linear = error([&] { ops::Linear(x64, w32, Tensor()); });
+  EXPECT_EQ(linear.rfind("linear: under autocast (bf16) the input is f64 and the weight f32", 0), 0u) << linear;
+  const std::string reversed = error([&] { ops::Linear(w32.View({3, 8}), x64.View({2, 8}), Tensor()); });
+  EXPECT_EQ(reversed.rfind("linear: under autocast (bf16) the input is f32 and the weight f64", 0), 0u) << reversed;
+  const Tensor img64 = Randn({1, 2, 5, 5}, {.dtype = DType::kFloat64}), k32 = Randn({4, 2, 3, 3});
+  const std::string conv = error([&] { ops::Conv2d(img64, k32, Tensor()); });
+  EXPECT_EQ(conv.rfind("conv2d: under autocast (bf16) the input is f64 and the weight f32", 0), 0u) << conv;
+  EXPECT_EQ(ops::Linear(x64, w32.To(DType::kFloat64), Tensor()).dtype(), DType::kFloat64);
+  EXPECT_EQ(ops::Conv2d(img64, k32.To(DType::kFloat64), Tensor()).dtype(), DType::kFloat64);
 }
 
 TEST(AutocastTest, RangeSensitiveOpsComputeInF32) {

@@ -15,6 +15,17 @@ namespace ddp::nn::ops {
 using detail::LambdaNode;
 
 int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode) {
+  // Public, so checked here too: a stride of 0 divided by zero (SIGFPE).
+  const auto check = [](const char* what, int64_t v, int64_t least) {
+    if (v < least) {
+      throw std::invalid_argument(std::string("ConvOutputSize: ") + what + " must be at least " +
+                                  std::to_string(least) + ", got " + std::to_string(v));
+    }
+  };
+  check("kernel", kernel, 1);
+  check("stride", stride, 1);
+  check("pad", pad, 0);
+  check("dilation", dilation, 1);
   const int64_t span = dilation * (kernel - 1) + 1;
   // PyTorch's rule: floor((in + 2 pad - span [+ stride - 1 with ceil_mode]) /
   // stride) + 1, so with ceil_mode an input shorter than the window by less
@@ -50,6 +61,7 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   detail::CheckFloatingOperand("conv2d", "input", x_orig);
   detail::CheckFloatingOperand("conv2d", "weight", w_orig);
   if (bias_orig.defined()) detail::CheckFloatingOperand("conv2d", "bias", bias_orig);
+  autocast::CheckNoF64Mix("conv2d", x_orig, w_orig);
   // Autocast: input, weight and bias in the low dtype (a no-op when it is off).
   const Tensor x_in = autocast::ToLowPrecision(x_orig);
   const Tensor w = autocast::ToLowPrecision(w_orig);

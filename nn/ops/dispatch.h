@@ -73,6 +73,10 @@ struct KernelTable {
   void (*binary)(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = nullptr;
   /// out = alpha * x + beta (x broadcast to out; out may alias x).
   void (*affine)(const Tensor& x, double alpha, double beta, const Tensor& out) = nullptr;
+  /// out = x / s, a true division in the math type (f32 for 16-bit types, as
+  /// `affine`; never x * (1 / s), which is a last bit off and overflows for a
+  /// tiny s); x broadcast to out; out may alias x.
+  void (*div_scalar)(const Tensor& x, double s, const Tensor& out) = nullptr;
   /// out += alpha * x, in place (x broadcast to out; any strides on out).
   void (*add_scaled_)(const Tensor& out, const Tensor& x, double alpha) = nullptr;
   /// out = x where mask, else 0 ... scaled: out = x * mask * scale (mask u8, x's shape).

@@ -202,11 +202,16 @@ Tensor UnaryOpImpl(UnaryOp op, const Tensor& x) {
   return out;
 }
 
-Tensor AffineImpl(const Tensor& x, double alpha, double beta, const char* name) {
-  if (!IsFloating(x.dtype())) {
-    throw std::invalid_argument(detail::ForwardName(name) + ": needs a floating tensor, got " +
-                                std::string(DTypeName(x.dtype())));
-  }
+// A scalar op's operand: an integer (or bool) tensor promotes to f32, as
+// torch.result_type does for an integer tensor and a float scalar (the
+// scalar is a double here), and as Div divides integers.
+Tensor FloatingOperand(const Tensor& x, const char* name) {
+  if (!x.defined()) throw std::invalid_argument(detail::ForwardName(name) + ": undefined input");
+  return IsFloating(x.dtype()) ? x : Cast(x, DType::kFloat32);
+}
+
+Tensor AffineImpl(const Tensor& x_in, double alpha, double beta, const char* name) {
+  const Tensor x = FloatingOperand(x_in, name);
   Tensor out = NewLike(x);
   DDP_KERNEL(x.device(), affine)(x, alpha, beta, out);
   if (!detail::AnyRequiresGrad({&x})) return out;
@@ -235,6 +240,20 @@ Tensor AddRelu(const Tensor& a, const Tensor& b) {
 }
 Tensor AddScalar(const Tensor& x, double s) { return AffineImpl(x, 1.0, s, "AddScalarBackward"); }
 Tensor MulScalar(const Tensor& x, double s) { return AffineImpl(x, s, 0.0, "MulScalarBackward"); }
+
+Tensor DivScalar(const Tensor& x_in, double s) {
+  const Tensor x = FloatingOperand(x_in, "DivScalarBackward");
+  Tensor out = NewLike(x);
+  DDP_KERNEL(x.device(), div_scalar)(x, s, out);
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>("DivScalarBackward", [s](LambdaNode&, std::vector<Tensor>& g) {
+    Tensor gi = NewLike(g[0]);
+    DDP_KERNEL(gi.device(), div_scalar)(g[0], s, gi);  // g / s
+    return std::vector<Tensor>{gi};
+  });
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
 Tensor Neg(const Tensor& x) { return UnaryOpImpl(UnaryOp::kNeg, x); }
 Tensor Relu(const Tensor& x) { return UnaryOpImpl(UnaryOp::kRelu, x); }
 

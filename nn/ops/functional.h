@@ -5,7 +5,8 @@
 // gives f32, plus a 0-d f32 tensor bf16: a 0-d operand decides only when it
 // is floating and the other is an integer). Layers
 // that own weights (Linear, Conv2d) cast their input to the weight's dtype,
-// so f16/bf16 layers can sit next to f32 ones.
+// so f16/bf16 layers can sit next to f32 ones (under autocast, never between
+// f64 and 16 bits: see autocast.h).
 #pragma once
 
 #include <cstdint>
@@ -23,10 +24,16 @@ Tensor Sub(const Tensor& a, const Tensor& b);
 Tensor Mul(const Tensor& a, const Tensor& b);
 /// True division, as torch.div: two integer tensors give f32.
 Tensor Div(const Tensor& a, const Tensor& b);
+// Scalar ops: an integer or bool x gives f32, as in PyTorch for a float
+// scalar (the scalar is a double here, so i64 + 2 gives f32 too, where
+// PyTorch keeps i64 for an integer scalar).
 /// x + s.
 Tensor AddScalar(const Tensor& x, double s);
 /// x * s.
 Tensor MulScalar(const Tensor& x, double s);
+/// x / s, a true division (not x * (1 / s)): f32 [7] / 3 is 2.3333333, and a
+/// tiny s does not overflow a reciprocal. Computed in f32 for 16-bit x.
+Tensor DivScalar(const Tensor& x, double s);
 Tensor Neg(const Tensor& x);
 Tensor Relu(const Tensor& x);
 /// Relu(Add(a, b)) in one pass over memory, as a residual block ends; its
@@ -99,7 +106,9 @@ Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p);
 /// Averages x [N, C, H, W] into [N, C, out_h, out_w] windows.
 Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w);
 /// Output length of a convolution or pooling along one axis, by PyTorch's
-/// rule; 0 when no window fits (the ops then throw).
+/// rule; 0 when no window fits (the ops then throw). Throws
+/// std::invalid_argument naming the parameter when kernel, stride or
+/// dilation is below 1 or pad below 0.
 int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation,
                        bool ceil_mode = false);
 
@@ -147,7 +156,7 @@ inline Tensor operator/(const Tensor& a, const Tensor& b) { return ops::Div(a, b
 inline Tensor operator+(const Tensor& a, double s) { return ops::AddScalar(a, s); }
 inline Tensor operator-(const Tensor& a, double s) { return ops::AddScalar(a, -s); }
 inline Tensor operator*(const Tensor& a, double s) { return ops::MulScalar(a, s); }
-inline Tensor operator/(const Tensor& a, double s) { return ops::MulScalar(a, 1.0 / s); }
+inline Tensor operator/(const Tensor& a, double s) { return ops::DivScalar(a, s); }
 inline Tensor operator*(double s, const Tensor& a) { return ops::MulScalar(a, s); }
 inline Tensor operator-(const Tensor& a) { return ops::Neg(a); }
 }  // namespace ddp::nn

@@ -1,7 +1,11 @@
 #include "nn/ops/gradcheck.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <sstream>
+#include <string>
 
 #include "nn/autograd/engine.h"
 #include "nn/tensor/generator.h"
@@ -27,6 +31,42 @@ std::vector<int64_t> Offsets(const Tensor& t) {
   return out;
 }
 
+// The bytes of t's elements, each counted once per element that covers it
+// (an expanded view covers its bytes more than once).
+std::vector<uintptr_t> ElementBytes(const Tensor& t) {
+  std::vector<uintptr_t> bytes;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const size_t size = t.element_size();
+  for (int64_t off : Offsets(t)) {
+    for (size_t b = 0; b < size; ++b) bytes.push_back(base + static_cast<uintptr_t>(off) * size + b);
+  }
+  std::sort(bytes.begin(), bytes.end());
+  return bytes;
+}
+
+// Why input k cannot be perturbed one element at a time, or "": the finite
+// difference writes the element in place, so an element another element (of
+// k or of another input) aliases would move both.
+std::string AliasingProblem(const std::vector<Tensor>& inputs, size_t k) {
+  const Tensor& in = inputs[k];
+  const std::vector<uintptr_t> own = ElementBytes(in);
+  if (std::adjacent_find(own.begin(), own.end()) != own.end()) {
+    return "input " + std::to_string(k) + " (shape " + ShapeToString(in.shape()) + ", strides " +
+           ShapeToString(in.strides()) + ") has elements that share memory (an expanded view?)";
+  }
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    const Tensor& other = inputs[j];
+    if (j == k || !other.defined() || other.storage() != in.storage()) continue;
+    const std::vector<uintptr_t> theirs = ElementBytes(other);
+    std::vector<uintptr_t> common;
+    std::set_intersection(own.begin(), own.end(), theirs.begin(), theirs.end(), std::back_inserter(common));
+    if (!common.empty()) {
+      return "input " + std::to_string(k) + " shares memory with input " + std::to_string(j);
+    }
+  }
+  return "";
+}
+
 double Project(const Tensor& out, const Tensor& r) {
   const std::vector<double> o = out.ToVector<double>(), rv = r.ToVector<double>();
   double s = 0;
@@ -50,6 +90,16 @@ Tensor RandomLeaf(const Shape& shape, uint64_t seed, bool requires_grad) {
     if (in.defined() && in.requires_grad()) {
       if (in.dtype() != DType::kFloat64) return ::testing::AssertionFailure() << "GradCheck needs f64 inputs";
       in.set_grad(Tensor());
+    }
+  }
+  // Checked before fn runs: perturbing such an input in place makes the
+  // finite difference meaningless (it moves several elements at once).
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (!inputs[k].defined() || !inputs[k].requires_grad()) continue;
+    const std::string problem = AliasingProblem(inputs, k);
+    if (!problem.empty()) {
+      return ::testing::AssertionFailure() << "GradCheck: " << problem
+                                           << "; pass a contiguous clone instead";
     }
   }
   Tensor out = fn(inputs);

@@ -21,7 +21,10 @@ struct GradCheckOptions {
 /// (so every output element matters), backpropagates R, and compares each
 /// input's .grad with (L(x + eps) - L(x - eps)) / 2eps where L = sum(fn(x) * R).
 /// Inputs must be f64; those that require grad are checked (they may be
-/// non-contiguous views). Their .grad is reset first.
+/// non-contiguous views). Their .grad is reset first. An input that requires
+/// grad and whose elements alias each other (an expanded view, a zero stride
+/// on a dimension longer than 1) or another input's is refused, naming it:
+/// the finite difference perturbs elements in place.
 ::testing::AssertionResult GradCheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
                                      const std::vector<Tensor>& inputs, GradCheckOptions options = {});
 

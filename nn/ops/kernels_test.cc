@@ -734,5 +734,57 @@ TEST(KernelsTest, ThreadsSetting) {
   EXPECT_THROW(SetNumThreads(0), std::invalid_argument);
 }
 
+// x / s is a true division, as torch.div with a scalar: x * (1 / s) was a
+// last bit off (f32 7 / 3 gave 2.3333335), and the reciprocal of a tiny s
+// overflowed (0 / 1e-39 in f32 gave NaN, 1e-300 / 1e-310 in f64 inf).
+TEST(KernelsTest, ScalarDivisionIsTrueDivision) {
+  const Tensor seven = FromVector({7}, Shape{1});
+  EXPECT_EQ((seven / 3.0).ToVector<float>()[0], 7.0f / 3.0f);
+  EXPECT_EQ((FromVector({0}, Shape{1}) / 1e-39).ToVector<float>()[0], 0.0f);
+  EXPECT_EQ((FromVector({1e-300}, Shape{1}, {.dtype = DType::kFloat64}) / 1e-310).ToVector<double>()[0],
+            1e-300 / 1e-310);
+  // 16-bit tensors divide in f32 and round once.
+  const Tensor b = FromVector({7}, Shape{1}).To(DType::kBFloat16) / 3.0;
+  EXPECT_EQ(b.dtype(), DType::kBFloat16);
+  EXPECT_EQ(b.ToVector<double>()[0], FromVector({7.0 / 3.0}, Shape{1}).To(DType::kBFloat16).ToVector<double>()[0]);
+  // The gradient is g / s.
+  Tensor x = FromVector({1, 2}, Shape{2});
+  x.set_requires_grad(true);
+  Backward(Sum(x / 3.0));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{1.0f / 3.0f, 1.0f / 3.0f}));
+}
+
+// An integer tensor and a float scalar give f32, as in PyTorch (i64 / 2.0
+// threw "MulScalar: needs a floating tensor", an op the caller never named).
+TEST(KernelsTest, ScalarOpsPromoteIntegerTensorsToFloat32) {
+  const Tensor i = FromVector({7, -3}, Shape{2}, {.dtype = DType::kInt64});
+  const Tensor q = i / 2.0;
+  EXPECT_EQ(q.dtype(), DType::kFloat32);
+  EXPECT_EQ(q.ToVector<float>(), (std::vector<float>{3.5f, -1.5f}));
+  EXPECT_EQ((i - 2.5).ToVector<float>(), (std::vector<float>{4.5f, -5.5f}));
+  EXPECT_EQ((i + 0.5).ToVector<float>(), (std::vector<float>{7.5f, -2.5f}));
+  EXPECT_EQ((i * 0.5).dtype(), DType::kFloat32);
+  EXPECT_EQ((0.5 * i).ToVector<float>(), (std::vector<float>{3.5f, -1.5f}));
+}
+
+// ConvOutputSize is public: a stride of 0 was a division by zero (SIGFPE);
+// each bad parameter is named.
+TEST(KernelsTest, ConvOutputSizeRefusesBadGeometryByName) {
+  const auto error = [](int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
+    try {
+      ConvOutputSize(5, kernel, stride, pad, dilation);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error(3, 0, 0, 1), "ConvOutputSize: stride must be at least 1, got 0");
+  EXPECT_EQ(error(3, -2, 0, 1), "ConvOutputSize: stride must be at least 1, got -2");
+  EXPECT_EQ(error(3, 1, 0, 0), "ConvOutputSize: dilation must be at least 1, got 0");
+  EXPECT_EQ(error(0, 1, 0, 1), "ConvOutputSize: kernel must be at least 1, got 0");
+  EXPECT_EQ(error(3, 1, -1, 1), "ConvOutputSize: pad must be at least 0, got -1");
+  EXPECT_EQ(ConvOutputSize(5, 3, 1, 0, 1), 3);
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

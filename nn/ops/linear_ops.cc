@@ -158,6 +158,7 @@ Tensor Linear(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   detail::CheckFloatingOperand("linear", "input", x_orig);
   detail::CheckFloatingOperand("linear", "weight", w_orig);
   if (bias_orig.defined()) detail::CheckFloatingOperand("linear", "bias", bias_orig);
+  autocast::CheckNoF64Mix("linear", x_orig, w_orig);
   // Autocast: input, weight and bias in the low dtype (a no-op when it is off).
   const Tensor x_in = autocast::ToLowPrecision(x_orig);
   const Tensor w = autocast::ToLowPrecision(w_orig);

@@ -587,5 +587,35 @@ TEST(GradCheckTest, MixedPrecisionCastFlowsGradientBack) {
   EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{1, 2, 3, 4}));
 }
 
+// GradCheck perturbs an input's elements in place, so an input whose
+// elements alias (an expanded view) or alias another input's would move
+// several at once: it is refused by index, not reported as a wrong gradient.
+TEST(GradCheckTest, AliasedInputsAreRefusedByIndex) {
+  Tensor expanded = RandomLeaf({1, 3}, 41, false).Expand({4, 3});
+  expanded.set_requires_grad(true);
+  const auto square = [](const V& in) { return Mul(in[0], in[0]); };
+  const ::testing::AssertionResult r = GradCheck(square, {expanded});
+  EXPECT_FALSE(r);
+  EXPECT_NE(std::string(r.message()).find("input 0 (shape [4, 3], strides [0, 1]) has elements that share memory"),
+            std::string::npos)
+      << r.message();
+
+  const Tensor base = RandomLeaf({2, 3}, 42, false);
+  Tensor whole = base.Narrow(0, 0, 2), row = base.Narrow(0, 1, 1);
+  whole.set_requires_grad(true);
+  row.set_requires_grad(true);
+  const auto add = [](const V& in) { return Add(in[0], in[1]); };
+  const ::testing::AssertionResult shared = GradCheck(add, {whole, row});
+  EXPECT_FALSE(shared);
+  EXPECT_NE(std::string(shared.message()).find("input 0 shares memory with input 1"), std::string::npos)
+      << shared.message();
+
+  // Disjoint parts of one storage are fine.
+  Tensor top = base.Narrow(0, 0, 1);
+  top.set_requires_grad(true);
+  row.set_grad(Tensor());
+  EXPECT_TRUE(GradCheck([](const V& in) { return Mul(in[0], in[1]); }, {top, row}));
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

@@ -14,6 +14,7 @@ void Unary(UnaryOp op, const Tensor& x, const Tensor& out);
 void UnaryBackward(UnaryOp op, const Tensor& grad_out, const Tensor& saved, const Tensor& grad_in);
 void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);
 void Affine(const Tensor& x, double alpha, double beta, const Tensor& out);
+void DivScalar(const Tensor& x, double s, const Tensor& out);
 void AddScaled(const Tensor& out, const Tensor& x, double alpha);
 void MaskedScale(const Tensor& x, const Tensor& mask, double scale, const Tensor& out);
 void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen);

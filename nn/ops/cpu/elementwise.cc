@@ -201,6 +201,16 @@ void Affine(const Tensor& x, double alpha, double beta, const Tensor& out) {
   });
 }
 
+void DivScalar(const Tensor& x, double s, const Tensor& out) {
+  CheckSameDType("div_scalar", x, out);
+  DDP_DISPATCH_FLOATING(out.dtype(), "div_scalar", {
+    using A = acc_t<scalar_t>;
+    const A d = static_cast<A>(s);
+    const Shape xs = BroadcastStrides(x, out.shape());
+    Map2<scalar_t>(x, xs, x, xs, out, [d](A v, A) { return v / d; });
+  });
+}
+
 void AddScaled(const Tensor& out, const Tensor& x, double alpha) {
   CheckSameDType("add_scaled_", x, out);
   DDP_DISPATCH_FLOATING(out.dtype(), "add_scaled_", {

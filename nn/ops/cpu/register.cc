@@ -8,6 +8,7 @@ KernelTable CpuKernelTable() {
   t.unary_backward = &UnaryBackward;
   t.binary = &Binary;
   t.affine = &Affine;
+  t.div_scalar = &DivScalar;
   t.add_scaled_ = &AddScaled;
   t.masked_scale = &MaskedScale;
   t.bernoulli_mask = &BernoulliMask;
