@@ -374,6 +374,17 @@ void Finish(const Tensor& out, const Tensor& target) {
   out.CopyFrom(target);
 }
 
+// yt[n, o, :, :] += bias[o]: the broadcasting add_scaled_ kernel.
+// Detached: a parameter's bias requires grad, and the add reads its values only.
+void AddBias(const Tensor& yt, const Tensor& bias, cudaStream_t stream) {
+  const DType dt = yt.dtype();
+  const Tensor b = bias.dtype() == dt ? bias.Detach() : bias.Detach().To(dt);
+  const Shape bs = BroadcastStridesTo(b.View({1, b.numel(), 1, 1}), yt.shape());
+  const launch::Indexing ix = MakeIndexing("conv2d bias", yt.shape(), {yt.strides(), bs});
+  CheckCuda(launch::AddScaled(ix, yt.numel(), yt.data_ptr(), b.data_ptr(), 1.0, ToDt(dt), stream),
+            "kernel `add_scaled_` (conv2d bias)");
+}
+
 }  // namespace
 
 size_t ConvAlgorithmSearches() { return g_searches; }
@@ -387,6 +398,17 @@ void Conv2dForward(const Tensor& x_in, const Tensor& w_in, const Tensor& bias, c
   const Tensor yt = Target(y, dt);
   DeviceGuard guard(dev.index);
   const cudaStream_t stream = CurrentStream(dev);
+  if (x.numel() == 0 || y.numel() == 0) {
+    // cuDNN rejects a 0 dimension in a descriptor. An empty batch has an
+    // empty output; an input with no channels or pixels convolves to zeros
+    // (plus the bias).
+    if (yt.numel() > 0) {
+      yt.Zero();
+      if (bias.defined()) AddBias(yt, bias, stream);
+    }
+    Finish(y, yt);
+    return;
+  }
   const cudnnHandle_t h = CudnnHandleFor(dev);
   CheckCudnn(cudnnSetStream(h, stream), "cudnnSetStream");
   const TensorDesc xd(x), yd(yt);
@@ -409,15 +431,7 @@ void Conv2dForward(const Tensor& x_in, const Tensor& w_in, const Tensor& bias, c
                                        static_cast<cudnnConvolutionFwdAlgo_t>(c.algo), ws.data_ptr(), c.workspace,
                                        s.zero(dt), yd.d, yt.data_ptr()),
                "cudnnConvolutionForward");
-    if (bias.defined()) {
-      // y[n, o, :, :] += bias[o]: the broadcasting add_scaled_ kernel.
-      // Detached: a parameter's bias requires grad, and the add reads its values only.
-      const Tensor b = bias.dtype() == dt ? bias.Detach() : bias.Detach().To(dt);
-      const Shape bs = BroadcastStridesTo(b.View({1, b.numel(), 1, 1}), yt.shape());
-      const launch::Indexing ix = MakeIndexing("conv2d bias", yt.shape(), {yt.strides(), bs});
-      CheckCuda(launch::AddScaled(ix, yt.numel(), yt.data_ptr(), b.data_ptr(), 1.0, ToDt(dt), stream),
-                "kernel `add_scaled_` (conv2d bias)");
-    }
+    if (bias.defined()) AddBias(yt, bias, stream);
   }
   Finish(y, yt);
 }
@@ -430,6 +444,15 @@ void Conv2dBackward(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in,
   const Tensor x = ContiguousOnDevice(x_in), w = ContiguousOnDevice(w_in);
   const Tensor dy = ContiguousOnDevice(dy_in.dtype() == dt ? dy_in : dy_in.Detach().To(dt));
   DeviceGuard guard(dev.index);
+  if (x.numel() == 0 || dy.numel() == 0) {
+    // cuDNN rejects a 0 dimension in a descriptor; with no products to sum
+    // every gradient is zero (db is the sum of an empty dy).
+    NoGradGuard no_grad;
+    for (const Tensor* g : {&dx, &dw, &db}) {
+      if (g->defined() && g->numel() > 0) g->Zero();
+    }
+    return;
+  }
   const cudaStream_t stream = CurrentStream(dev);
   const cudnnHandle_t h = CudnnHandleFor(dev);
   CheckCudnn(cudnnSetStream(h, stream), "cudnnSetStream");

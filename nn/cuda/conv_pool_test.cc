@@ -133,6 +133,21 @@ TEST_F(CudaConvPoolTest, WrongOutputShapeIsNamed) {
   }
 }
 
+// cuDNN rejects a 0 dimension in a descriptor: an empty batch threw in the
+// forward, and the backward never reached its zero fills.
+TEST_F(CudaConvPoolTest, EmptyBatchGivesAnEmptyOutputAndZeroGradients) {
+  const Tensor x = Empty({0, 3, 32, 32}, {.device = kGpu}), w = RandnOf({16, 3, 3, 3}, DType::kFloat32).To(kGpu);
+  const Tensor b = RandnOf({16}, DType::kFloat32).To(kGpu);
+  const Tensor y = Empty({0, 16, 30, 30}, {.device = kGpu});
+  Gpu().conv2d_forward(x, w, b, y, Params(1, 0));
+  const Tensor dy = Empty({0, 16, 30, 30}, {.device = kGpu});
+  const Tensor dx = Empty({0, 3, 32, 32}, {.device = kGpu});
+  const Tensor dw = Full({16, 3, 3, 3}, 7.0f).To(kGpu), db = Full({16}, 7.0f).To(kGpu);
+  Gpu().conv2d_backward(x, w, dy, dx, dw, db, Params(1, 0));
+  EXPECT_EQ(dw.To(kCPU).ToVector<float>(), std::vector<float>(16 * 3 * 3 * 3, 0.0f));
+  EXPECT_EQ(db.To(kCPU).ToVector<float>(), std::vector<float>(16, 0.0f));
+}
+
 ops::Pool2dParams Pool(int64_t k, int64_t s, int64_t p, int64_t d = 1, bool ceil = false, bool include_pad = true) {
   ops::Pool2dParams q;
   q.kernel_h = q.kernel_w = k;

@@ -300,6 +300,21 @@ cudaError_t Affine(const Indexing& ix, int64_t n, void* out, const void* x, doub
   return err;
 }
 
+cudaError_t DivScalar(const Indexing& ix, int64_t n, void* out, const void* x, double s, Dt dt, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* xp = static_cast<const T*>(x);
+    const A d = static_cast<A>(s);
+    err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+      o[off[0]] = Cast<T>(Cast<A>(xp[off[1]]) / d);
+    });
+  });
+  return err;
+}
+
 cudaError_t AddScaled(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, Dt dt,
                       cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;

@@ -128,6 +128,18 @@ void Affine(const Tensor& x, double alpha, double beta, const Tensor& out) {
             "kernel `affine`");
 }
 
+void DivScalar(const Tensor& x, double s, const Tensor& out) {
+  const Device dev = CommonDevice("div_scalar", {&x, &out});
+  CheckSameDType("div_scalar", x, out);
+  CheckFloating("div_scalar", out);
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const launch::Indexing ix =
+      MakeIndexing("div_scalar", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
+  CheckCuda(launch::DivScalar(ix, out.numel(), out.data_ptr(), x.data_ptr(), s, ToDt(out.dtype()), l.stream),
+            "kernel `div_scalar`");
+}
+
 void AddScaled(const Tensor& out, const Tensor& x, double alpha) {
   const Device dev = CommonDevice("add_scaled_", {&x, &out});
   CheckSameDType("add_scaled_", x, out);
@@ -635,6 +647,7 @@ ops::KernelTable CudaKernelTable() {
   t.unary_backward = &UnaryBackward;
   t.binary = &Binary;
   t.affine = &Affine;
+  t.div_scalar = &DivScalar;
   t.add_scaled_ = &AddScaled;
   t.masked_scale = &MaskedScale;
   t.bernoulli_mask = &BernoulliMask;

@@ -296,6 +296,14 @@ TEST_F(CudaKernelsTest, AffineAddScaledAndMaskedScaleMatchCpu) {
     Gpu().affine(x.To(kGpu), 0.75, -2.0, out_gpu);
     ExpectClose(out_cpu, out_gpu, tol, "affine " + Name(dt));
 
+    // div_scalar, the same x and out; 3 is not a power of two, so a
+    // reciprocal multiply would differ in the last bit.
+    const Tensor q_cpu = Empty({5, 7}, {.dtype = dt});
+    Cpu().div_scalar(x, 3.0, q_cpu);
+    const Tensor q_gpu = Empty({5, 7}, {.dtype = dt, .device = kGpu});
+    Gpu().div_scalar(x.To(kGpu), 3.0, q_gpu);
+    ExpectClose(q_cpu, q_gpu, tol, "div_scalar " + Name(dt));
+
     // add_scaled_ into a transposed destination, x broadcast over rows.
     const Tensor base = RandnOf({6, 9}, dt);
     const Tensor row = RandnOf({6}, dt);

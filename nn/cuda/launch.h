@@ -77,6 +77,8 @@ cudaError_t Binary(OpCode op, const Indexing& ix, int64_t n, void* out, const vo
 /// out[i] = alpha * x[i] + beta; operands 0 out, 1 x.
 cudaError_t Affine(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, double beta, Dt dt,
                    cudaStream_t stream);
+/// out[i] = x[i] / s, in acc_t (a true division); operands 0 out, 1 x.
+cudaError_t DivScalar(const Indexing& ix, int64_t n, void* out, const void* x, double s, Dt dt, cudaStream_t stream);
 /// out[i] += alpha * x[i]; operands 0 out, 1 x.
 cudaError_t AddScaled(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, Dt dt,
                       cudaStream_t stream);
