@@ -1,8 +1,12 @@
 // Shapes: cross-entropy on logits [N, C] with target [N] and per-sample
 // losses [N]; NLL on log_probs [N, C, d...] with target and per-element
-// losses [N, d...]; class weights [C].
+// losses [N, d...]; class weights [C]. The pointwise losses (MSE, L1,
+// smooth L1, Huber, BCE with logits, KL divergence) take input and target of
+// one shape [*] and give per-element losses [*]; BCE's weights broadcast to
+// [*], its pos_weight usually [C] for the last dimension C.
 #include "nn/loss/loss.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -267,12 +271,10 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   Tensor losses = Empty({n}, {.dtype = compute, .device = logits.device()});
   DDP_KERNEL(logits.device(), cross_entropy_forward)(logits, target, options.label_smoothing, options.ignore_index,
                                                      log_probs, losses);
-  // Only non-ignored samples count towards the mean.
-  const Tensor host_target = target.Detach().To(kCPU).Contiguous();
-  const int64_t* t = host_target.data<int64_t>();
-  int64_t kept = 0;
-  for (int64_t i = 0; i < n; ++i) kept += t[i] != options.ignore_index;
-  const double count = static_cast<double>(kept);
+  // Only non-ignored samples count towards the mean. Counted for kMean
+  // alone: it copies the target to the host, a device sync that kNone and
+  // kSum need not wait for (they never read the count).
+  const double count = options.reduction == Reduction::kMean ? KeptWeight(target, Tensor(), options.ignore_index) : 1.0;
   Tensor out;
   if (options.reduction == Reduction::kNone) {
     out = losses;
@@ -308,6 +310,171 @@ Tensor MseLoss(const Tensor& input_in, const Tensor& target_in, Reduction reduct
     case Reduction::kNone: return sq;
   }
   return sq;
+}
+
+namespace {
+
+// Input and target of a pointwise loss: defined, floating, one shape, one device.
+void CheckPointwise(const char* op, const Tensor& input, const Tensor& target) {
+  for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"input", &input}, {"target", &target}}) {
+    if (!t->defined()) throw std::invalid_argument(std::string(op) + ": " + what + " is undefined");
+    if (!IsFloating(t->dtype())) {
+      throw std::invalid_argument(std::string(op) + ": " + what + " must be floating, got " +
+                                  std::string(DTypeName(t->dtype())));
+    }
+  }
+  if (input.shape() != target.shape()) {
+    throw std::invalid_argument(std::string(op) + ": input " + ShapeToString(input.shape()) + " and target " +
+                                ShapeToString(target.shape()) + " differ in shape");
+  }
+  if (input.device() != target.device()) {
+    throw std::invalid_argument(std::string(op) + ": input is on " + input.device().ToString() + ", target on " +
+                                target.device().ToString() + " (expected one device)");
+  }
+}
+
+Tensor Reduce(const Tensor& per_element, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::kMean: return ops::Mean(per_element);
+    case Reduction::kSum: return ops::Sum(per_element);
+    case Reduction::kNone: return per_element;
+  }
+  return per_element;
+}
+
+// The dtype of the log/exp losses: f64 when an operand is, else f32 (16-bit
+// operands too, as NllLoss).
+DType WideDType(const Tensor& a, const Tensor& b) {
+  return a.dtype() == DType::kFloat64 || b.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+}
+
+Tensor CastTo(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : ops::Cast(x, dtype); }
+
+// Whether `from` broadcasts to `to` without changing `to` (numpy rules).
+bool BroadcastsTo(const Shape& from, const Shape& to) {
+  if (from.size() > to.size()) return false;
+  for (size_t i = 1; i <= from.size(); ++i) {
+    const int64_t f = from[from.size() - i], t = to[to.size() - i];
+    if (f != t && f != 1) return false;
+  }
+  return true;
+}
+
+// An element weight of BCE: undefined, or floating, on the input's device,
+// broadcasting to its shape, and needing no gradient. Returned detached in
+// `dtype`.
+Tensor ElementWeight(const char* op, const char* what, const Tensor& weight, const Tensor& input, DType dtype) {
+  if (!weight.defined()) return Tensor();
+  if (!IsFloating(weight.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " must be floating, got " +
+                                std::string(DTypeName(weight.dtype())));
+  }
+  if (!BroadcastsTo(weight.shape(), input.shape())) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " " + ShapeToString(weight.shape()) +
+                                " does not broadcast to input " + ShapeToString(input.shape()));
+  }
+  if (weight.device() != input.device()) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " is on " + weight.device().ToString() +
+                                ", input on " + input.device().ToString() + " (expected one device)");
+  }
+  if (autograd::AnyRequiresGrad({&weight})) {
+    throw std::invalid_argument(std::string(op) + ": " + what +
+                                " requires grad, but no gradient flows to it (detach it)");
+  }
+  return weight.dtype() == dtype ? weight.Detach() : weight.Detach().To(dtype);
+}
+
+// z = m + r with m = min(z, limit) and r = max(z - limit, 0), from ReLU alone
+// (there is no minimum op). Below the limit r is exactly 0 and m is z itself,
+// so the quadratic parts of SmoothL1 and Huber round as PyTorch's; an
+// infinite z makes m = inf - inf = NaN.
+std::pair<Tensor, Tensor> SplitAt(const Tensor& z, double limit) {
+  Tensor r = ops::Relu(ops::AddScalar(z, -limit));
+  return {ops::Sub(z, r), r};
+}
+
+}  // namespace
+
+Tensor L1(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  CheckPointwise("l1_loss", input_in, target_in);
+  const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
+  return Reduce(ops::Abs(ops::Sub(input, target)), reduction);
+}
+
+Tensor SmoothL1(const Tensor& input_in, const Tensor& target_in, const SmoothL1Options& options) {
+  CheckPointwise("smooth_l1_loss", input_in, target_in);
+  // Written so that NaN fails it too.
+  if (!(options.beta >= 0.0)) {
+    throw std::invalid_argument("smooth_l1_loss: beta must be >= 0, got " + std::to_string(options.beta));
+  }
+  if (options.beta == 0.0) return L1(input_in, target_in, options.reduction);
+  const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
+  // 0.5 m^2 / beta + r: 0.5 z^2 / beta below beta, 0.5 beta + (z - beta) from it.
+  const auto [m, r] = SplitAt(ops::Abs(ops::Sub(input, target)), options.beta);
+  return Reduce(ops::Add(ops::DivScalar(ops::MulScalar(ops::Square(m), 0.5), options.beta), r), options.reduction);
+}
+
+Tensor Huber(const Tensor& input_in, const Tensor& target_in, const HuberOptions& options) {
+  CheckPointwise("huber_loss", input_in, target_in);
+  if (!(options.delta > 0.0)) {
+    throw std::invalid_argument("huber_loss: delta must be > 0, got " + std::to_string(options.delta));
+  }
+  const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
+  // 0.5 m^2 + delta r: 0.5 z^2 below delta, 0.5 delta^2 + delta (z - delta) from it.
+  const auto [m, r] = SplitAt(ops::Abs(ops::Sub(input, target)), options.delta);
+  return Reduce(ops::Add(ops::MulScalar(ops::Square(m), 0.5), ops::MulScalar(r, options.delta)), options.reduction);
+}
+
+Tensor BinaryCrossEntropyWithLogits(const Tensor& input_in, const Tensor& target_in,
+                                    const BceWithLogitsOptions& options) {
+  constexpr const char* kOp = "binary_cross_entropy_with_logits";
+  CheckPointwise(kOp, input_in, target_in);
+  const DType compute = WideDType(input_in, target_in);
+  const Tensor x = CastTo(input_in, compute), y = CastTo(target_in, compute);
+  const Tensor weight = ElementWeight(kOp, "weight", options.weight, x, compute);
+  const Tensor pos_weight = ElementWeight(kOp, "pos_weight", options.pos_weight, x, compute);
+  // softplus(-x) = -log(sigmoid(x)) = log(1 + exp(-|x|)) + max(-x, 0): exp
+  // never overflows. -|x| is written -x - 2 max(-x, 0) rather than with Abs:
+  // Abs has derivative 0 at 0, which would drop this term's -1/2 there (the
+  // logits of a zero-initialized classifier).
+  const Tensor neg_x = ops::Neg(x);
+  const Tensor neg_part = ops::Relu(neg_x);
+  const Tensor minus_abs = ops::Sub(neg_x, ops::MulScalar(neg_part, 2.0));
+  const Tensor softplus = ops::Add(ops::Log(ops::AddScalar(ops::Exp(minus_abs), 1.0)), neg_part);
+  // (1 - y) x + (1 + (pos_weight - 1) y) softplus(-x).
+  const Tensor positive =
+      pos_weight.defined() ? ops::Mul(ops::AddScalar(ops::Mul(ops::AddScalar(pos_weight, -1.0), y), 1.0), softplus)
+                           : softplus;
+  Tensor per = ops::Add(ops::Mul(ops::AddScalar(ops::Neg(y), 1.0), x), positive);
+  if (weight.defined()) per = ops::Mul(per, weight);
+  return Reduce(per, options.reduction);
+}
+
+Tensor KlDiv(const Tensor& input_in, const Tensor& target_in, const KlDivOptions& options) {
+  CheckPointwise("kl_div", input_in, target_in);
+  if (options.batch_mean && options.reduction != Reduction::kMean) {
+    throw std::invalid_argument(std::string("kl_div: batch_mean needs reduction kMean, got ") +
+                                (options.reduction == Reduction::kSum ? "kSum" : "kNone"));
+  }
+  const DType compute = WideDType(input_in, target_in);
+  const Tensor input = CastTo(input_in, compute), target = CastTo(target_in, compute);
+  Tensor per;
+  if (options.log_target) {
+    per = ops::Mul(ops::Exp(target), ops::Sub(target, input));
+  } else {
+    // xlogy(t, t) - t * input, as PyTorch. t log t is 0 at t == 0: the log
+    // reads max(t, tiny), t itself from tiny up (the ReLU is exactly 0 there),
+    // so that 0 * log(0) = NaN never forms, in the forward or the backward.
+    const double tiny =
+        compute == DType::kFloat64 ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min();
+    const Tensor at_least_tiny = ops::Add(target, ops::Relu(ops::AddScalar(ops::Neg(target), tiny)));
+    per = ops::Sub(ops::Mul(target, ops::Log(at_least_tiny)), ops::Mul(target, input));
+  }
+  if (options.batch_mean) {
+    const Tensor sum = ops::Sum(per);
+    return input.dim() == 0 ? sum : ops::DivScalar(sum, static_cast<double>(input.size(0)));
+  }
+  return Reduce(per, options.reduction);
 }
 
 }  // namespace ddp::nn::loss

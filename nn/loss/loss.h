@@ -55,6 +55,76 @@ Tensor NllLoss(const Tensor& log_probs, const Tensor& target, const NllLossOptio
 /// Mean (or sum, or per element) of (input - target)^2; shapes must match.
 Tensor MseLoss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::kMean);
 
+// Pointwise losses of input and target of one shape (PyTorch broadcasts
+// nothing here either, apart from BCE's weights). They are compositions of
+// the differentiable ops, so they run on any device with those kernels and
+// pass gradients to input and target. Errors name the loss and both shapes.
+
+/// |input - target|, as F.l1_loss. Computes in the operands' promoted dtype
+/// (16-bit in f32 under autocast, as MseLoss).
+Tensor L1(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::kMean);
+
+struct SmoothL1Options {
+  Reduction reduction = Reduction::kMean;
+  /// Where the quadratic part ends (>= 0; 0 is L1).
+  double beta = 1.0;
+};
+
+/// F.smooth_l1_loss: with z = |input - target|, 0.5 z^2 / beta where
+/// z < beta, else z - 0.5 beta. An infinite z gives NaN (PyTorch: inf).
+Tensor SmoothL1(const Tensor& input, const Tensor& target, const SmoothL1Options& options = {});
+
+struct HuberOptions {
+  Reduction reduction = Reduction::kMean;
+  /// Where the quadratic part ends (> 0).
+  double delta = 1.0;
+};
+
+/// F.huber_loss: with z = |input - target|, 0.5 z^2 where z < delta, else
+/// delta (z - 0.5 delta) (= delta * SmoothL1 with beta = delta). An infinite
+/// z gives NaN (PyTorch: inf).
+Tensor Huber(const Tensor& input, const Tensor& target, const HuberOptions& options = {});
+
+struct BceWithLogitsOptions {
+  Reduction reduction = Reduction::kMean;
+  /// Per-element weights broadcast to the input's shape, or undefined for
+  /// all ones. kMean still divides by the element count, as PyTorch.
+  Tensor weight;
+  /// Weights of the positive term, broadcast over the last (class) dimension
+  /// (usually [C]), or undefined for all ones.
+  Tensor pos_weight;
+};
+
+/// F.binary_cross_entropy_with_logits of logits x against targets y in
+/// [0, 1] of x's shape: weight * ((1 - y) x + lw * softplus(-x)) with
+/// lw = 1 + (pos_weight - 1) y and softplus(-x) = log(1 + exp(-|x|)) +
+/// max(-x, 0), finite for any finite x (|x| = 100 in f32 included). Without
+/// a log1p primitive, log(1 + e) loses values of e below the dtype's epsilon
+/// (an absolute error under 1.2e-7 in f32); the gradient is exact to
+/// rounding, at x = 0 too. 16-bit operands compute in f32 (the loss is f32).
+/// Weights must be floating, on the input's device, and need no gradient
+/// (as PyTorch, which refuses them too).
+Tensor BinaryCrossEntropyWithLogits(const Tensor& input, const Tensor& target,
+                                    const BceWithLogitsOptions& options = {});
+
+struct KlDivOptions {
+  Reduction reduction = Reduction::kMean;
+  /// PyTorch's reduction "batchmean": the sum over the batch size
+  /// (input.size(0); the sum for a 0-d input), which is the KL divergence
+  /// per sample, where kMean divides by the element count. Needs reduction
+  /// kMean (the mean it refines).
+  bool batch_mean = false;
+  /// Whether the target holds log-probabilities rather than probabilities.
+  bool log_target = false;
+};
+
+/// F.kl_div of log-probabilities `input` against `target` of its shape:
+/// per element target * (log(target) - input), 0 where target == 0 (xlogy);
+/// with log_target, exp(target) * (target - input). The gradient to a
+/// target of 0 is finite (log of the dtype's smallest normal number in
+/// place of log 0; PyTorch: NaN). 16-bit operands compute in f32.
+Tensor KlDiv(const Tensor& input, const Tensor& target, const KlDivOptions& options = {});
+
 /// Module-style wrappers.
 class CrossEntropyLoss {
  public:
@@ -81,6 +151,55 @@ class MSELoss {
 
  private:
   Reduction reduction_;
+};
+
+// The functions above are named like CrossEntropy, so that the classes can
+// carry PyTorch's module names.
+class L1Loss {
+ public:
+  explicit L1Loss(Reduction reduction = Reduction::kMean) : reduction_(reduction) {}
+  Tensor operator()(const Tensor& input, const Tensor& target) const { return L1(input, target, reduction_); }
+
+ private:
+  Reduction reduction_;
+};
+
+class SmoothL1Loss {
+ public:
+  explicit SmoothL1Loss(SmoothL1Options options = {}) : options_(options) {}
+  Tensor operator()(const Tensor& input, const Tensor& target) const { return SmoothL1(input, target, options_); }
+
+ private:
+  SmoothL1Options options_;
+};
+
+class HuberLoss {
+ public:
+  explicit HuberLoss(HuberOptions options = {}) : options_(options) {}
+  Tensor operator()(const Tensor& input, const Tensor& target) const { return Huber(input, target, options_); }
+
+ private:
+  HuberOptions options_;
+};
+
+class BCEWithLogitsLoss {
+ public:
+  explicit BCEWithLogitsLoss(BceWithLogitsOptions options = {}) : options_(std::move(options)) {}
+  Tensor operator()(const Tensor& input, const Tensor& target) const {
+    return BinaryCrossEntropyWithLogits(input, target, options_);
+  }
+
+ private:
+  BceWithLogitsOptions options_;
+};
+
+class KLDivLoss {
+ public:
+  explicit KLDivLoss(KlDivOptions options = {}) : options_(options) {}
+  Tensor operator()(const Tensor& input, const Tensor& target) const { return KlDiv(input, target, options_); }
+
+ private:
+  KlDivOptions options_;
 };
 
 }  // namespace ddp::nn::loss

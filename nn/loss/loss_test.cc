@@ -425,5 +425,225 @@ TEST(MseTest, EmptyIsNaNAndSixteenBitMeanDoesNotOverflow) {
   EXPECT_EQ(loss.Item(), 4.0);
 }
 
+// --- pointwise losses against PyTorch ---
+// Expected values from PyTorch 2 in f64:
+//   import torch, torch.nn.functional as F
+//   d = torch.float64
+//   x = torch.tensor([[0.5, -1.2, 3.0], [0.0, 2.5, -0.7]], dtype=d)
+//   y = torch.tensor([[1.0, -1.0, 0.5], [0.0, -0.5, -2.0]], dtype=d)
+//   F.l1_loss(x, y, reduction="none"); F.l1_loss(x, y); F.l1_loss(x, y, reduction="sum")
+//   F.smooth_l1_loss(x, y, reduction="none", beta=b); F.smooth_l1_loss(x, y, beta=b)    # b in 1, 0.5, 0
+//   F.huber_loss(x, y, reduction="none", delta=dl); F.huber_loss(x, y, reduction="sum", delta=dl)  # dl in 1, 0.5, 2
+Tensor RegressionInput() { return FromVector({0.5, -1.2, 3.0, 0.0, 2.5, -0.7}, {2, 3}, {.dtype = DType::kFloat64}); }
+Tensor RegressionTarget() { return FromVector({1.0, -1.0, 0.5, 0.0, -0.5, -2.0}, {2, 3}, {.dtype = DType::kFloat64}); }
+
+void ExpectValues(const Tensor& got, const Shape& shape, const std::vector<double>& want, double tol = 1e-12) {
+  ASSERT_EQ(got.shape(), shape);
+  const std::vector<double> g = got.ToVector<double>();
+  ASSERT_EQ(g.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(g[i], want[i], tol) << "element " << i;
+}
+
+TEST(L1Test, MatchesPyTorch) {
+  const Tensor x = RegressionInput(), y = RegressionTarget();
+  ExpectValues(L1(x, y, Reduction::kNone), {2, 3}, {0.5, 0.19999999999999996, 2.5, 0.0, 3.0, 1.3});
+  ExpectValues(L1(x, y), {}, {1.25});
+  ExpectValues(L1(x, y, Reduction::kSum), {}, {7.5});
+  ExpectValues(L1Loss(Reduction::kSum)(x, y), {}, {7.5});
+}
+
+TEST(SmoothL1Test, MatchesPyTorch) {
+  const Tensor x = RegressionInput(), y = RegressionTarget();
+  ExpectValues(SmoothL1(x, y, {.reduction = Reduction::kNone}), {2, 3},
+               {0.125, 0.01999999999999999, 2.0, 0.0, 2.5, 0.8});
+  ExpectValues(SmoothL1(x, y), {}, {0.9075000000000001});
+  ExpectValues(SmoothL1(x, y, {.reduction = Reduction::kNone, .beta = 0.5}), {2, 3},
+               {0.25, 0.03999999999999998, 2.25, 0.0, 2.75, 1.05});
+  ExpectValues(SmoothL1(x, y, {.beta = 0.5}), {}, {1.0566666666666666});
+  // beta == 0 is L1.
+  ExpectValues(SmoothL1(x, y, {.reduction = Reduction::kNone, .beta = 0.0}), {2, 3},
+               {0.5, 0.19999999999999996, 2.5, 0.0, 3.0, 1.3});
+  ExpectValues(SmoothL1Loss({.beta = 0.0})(x, y), {}, {1.25});
+}
+
+TEST(HuberTest, MatchesPyTorch) {
+  const Tensor x = RegressionInput(), y = RegressionTarget();
+  ExpectValues(Huber(x, y, {.reduction = Reduction::kNone}), {2, 3},
+               {0.125, 0.01999999999999999, 2.0, 0.0, 2.5, 0.8});
+  ExpectValues(Huber(x, y, {.reduction = Reduction::kSum}), {}, {5.445});
+  ExpectValues(Huber(x, y, {.reduction = Reduction::kNone, .delta = 0.5}), {2, 3},
+               {0.125, 0.01999999999999999, 1.125, 0.0, 1.375, 0.525});
+  ExpectValues(Huber(x, y, {.reduction = Reduction::kSum, .delta = 0.5}), {}, {3.17});
+  ExpectValues(Huber(x, y, {.reduction = Reduction::kNone, .delta = 2.0}), {2, 3},
+               {0.125, 0.01999999999999999, 3.0, 0.0, 4.0, 0.8450000000000001});
+  ExpectValues(HuberLoss({.reduction = Reduction::kSum, .delta = 2.0})(x, y), {}, {7.989999999999999});
+}
+
+// Below the threshold the quadratic part is PyTorch's bit for bit (the
+// split into min and excess leaves z itself there), in f32 too.
+TEST(HuberTest, QuadraticPartIsExactBelowTheThreshold) {
+  const Tensor x = FromVector({1e-4, 0.3, -0.999}, {3});
+  const Tensor y = Zeros({3});
+  const std::vector<double> huber = Huber(x, y, {.reduction = Reduction::kNone}).ToVector<double>();
+  const std::vector<double> smooth = SmoothL1(x, y, {.reduction = Reduction::kNone, .beta = 2.0}).ToVector<double>();
+  const std::vector<double> xs = x.ToVector<double>();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const float z = std::abs(static_cast<float>(xs[i]));
+    EXPECT_EQ(huber[i], static_cast<double>(0.5f * z * z)) << i;
+    EXPECT_EQ(smooth[i], static_cast<double>(0.5f * z * z / 2.0f)) << i;
+  }
+}
+
+TEST(PointwiseLossTest, GradientsToInputAndTarget) {
+  for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+    const V in = {RandomLeaf({3, 4}, 11), RandomLeaf({3, 4}, 12)};
+    EXPECT_TRUE(GradCheck([&](const V& t) { return L1(t[0], t[1], r); }, in));
+    for (double beta : {1.0, 0.3}) {
+      EXPECT_TRUE(GradCheck([&](const V& t) { return SmoothL1(t[0], t[1], {.reduction = r, .beta = beta}); }, in));
+      EXPECT_TRUE(GradCheck([&](const V& t) { return Huber(t[0], t[1], {.reduction = r, .delta = beta}); }, in));
+    }
+  }
+}
+
+// Expected values from PyTorch 2 in f64:
+//   xi = torch.tensor([[0.3, -1.5, 2.0], [100.0, -100.0, 0.0]], dtype=d)
+//   yi = torch.tensor([[1.0, 0.0, 0.25], [0.0, 1.0, 1.0]], dtype=d)
+//   w = torch.tensor([0.5, 1.0, 2.0], dtype=d); pw = torch.tensor([1.0, 3.0, 0.5], dtype=d)
+//   F.binary_cross_entropy_with_logits(xi, yi, reduction="none"); F.binary_cross_entropy_with_logits(xi, yi)
+//   F.binary_cross_entropy_with_logits(xi, yi, weight=w, pos_weight=pw, reduction="none")  # and "sum"
+TEST(BceWithLogitsTest, MatchesPyTorch) {
+  const Tensor x = FromVector({0.3, -1.5, 2.0, 100.0, -100.0, 0.0}, {2, 3}, {.dtype = DType::kFloat64});
+  const Tensor y = FromVector({1.0, 0.0, 0.25, 0.0, 1.0, 1.0}, {2, 3}, {.dtype = DType::kFloat64});
+  ExpectValues(BinaryCrossEntropyWithLogits(x, y, {.reduction = Reduction::kNone}), {2, 3},
+               {0.554355244468527, 0.20141327798275246, 1.6269280110429727, 100.0, 100.0, 0.6931471805599453});
+  ExpectValues(BinaryCrossEntropyWithLogits(x, y), {}, {33.84597395234237});
+  const Tensor w = FromVector({0.5, 1.0, 2.0}, {3}, {.dtype = DType::kFloat64});
+  const Tensor pw = FromVector({1.0, 3.0, 0.5}, {3}, {.dtype = DType::kFloat64});
+  ExpectValues(BinaryCrossEntropyWithLogits(x, y, {.reduction = Reduction::kNone, .weight = w, .pos_weight = pw}),
+               {2, 3}, {0.2771776222342635, 0.20141327798275244, 3.222124019325202, 50.0, 300.0, 0.6931471805599453});
+  ExpectValues(BCEWithLogitsLoss({.reduction = Reduction::kSum, .weight = w, .pos_weight = pw})(x, y), {},
+               {354.3938621001021});
+  // A weight [2, 1] broadcasts over the columns.
+  const Tensor w_rows = FromVector({2.0, 0.0}, {2, 1}, {.dtype = DType::kFloat64});
+  ExpectValues(BinaryCrossEntropyWithLogits(x, y, {.reduction = Reduction::kNone, .weight = w_rows}), {2, 3},
+               {2 * 0.554355244468527, 2 * 0.20141327798275246, 2 * 1.6269280110429727, 0.0, 0.0, 0.0});
+}
+
+// |x| = 100 in f32: exp(100) would overflow and log(sigmoid(-100)) underflow
+// to log(0); the stable form gives PyTorch's values and gradients.
+//   x32 = torch.tensor([100.0, -100.0, 100.0, -100.0, 0.0]); y32 = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0])
+//   F.binary_cross_entropy_with_logits(x32, y32, reduction="none")  # [0, 100, 100, 0, 0.6931471824645996]
+//   xg = torch.tensor([0.0, 0.0, 100.0, -100.0], requires_grad=True); yg = torch.tensor([1.0, 0.0, 0.0, 1.0])
+//   F.binary_cross_entropy_with_logits(xg, yg, reduction="sum").backward()  # xg.grad: [-0.5, 0.5, 1, -1]
+TEST(BceWithLogitsTest, LargeLogitsStayFiniteInF32) {
+  const Tensor x = FromVector({100.0, -100.0, 100.0, -100.0, 0.0}, {5});
+  const Tensor y = FromVector({1.0, 1.0, 0.0, 0.0, 1.0}, {5});
+  const Tensor loss = BinaryCrossEntropyWithLogits(x, y, {.reduction = Reduction::kNone});
+  EXPECT_EQ(loss.dtype(), DType::kFloat32);
+  ExpectValues(loss, {5}, {0.0, 100.0, 100.0, 0.0, 0.6931471824645996}, 1e-6);
+  for (double v : loss.ToVector<double>()) EXPECT_TRUE(std::isfinite(v)) << v;
+  // The gradient sigmoid(x) - y, at x = 0 too (where |x| has no derivative).
+  Tensor xg = FromVector({0.0, 0.0, 100.0, -100.0}, {4});
+  xg.set_requires_grad(true);
+  Backward(BinaryCrossEntropyWithLogits(xg, FromVector({1.0, 0.0, 0.0, 1.0}, {4}), {.reduction = Reduction::kSum}));
+  ExpectValues(xg.grad(), {4}, {-0.5, 0.5, 1.0, -1.0}, 1e-7);
+}
+
+TEST(BceWithLogitsTest, Gradients) {
+  const Tensor w = FromVector({0.5, 1.0, 2.0, 1.5}, {4}, {.dtype = DType::kFloat64});
+  const Tensor pw = FromVector({1.0, 3.0, 0.5, 2.0}, {4}, {.dtype = DType::kFloat64});
+  for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+    // Targets in [0, 1) (soft labels); gradients flow to them too, as in PyTorch.
+    Tensor target = ops::MulScalar(ops::AddScalar(RandomLeaf({3, 4}, 22, false), 1.0), 0.5).Detach();
+    target.set_requires_grad(true);
+    const V in = {ops::MulScalar(RandomLeaf({3, 4}, 21, false), 4.0).Detach().set_requires_grad(true), target};
+    EXPECT_TRUE(GradCheck([&](const V& t) { return BinaryCrossEntropyWithLogits(t[0], t[1], {.reduction = r}); }, in));
+    EXPECT_TRUE(GradCheck([&](const V& t) {
+      return BinaryCrossEntropyWithLogits(t[0], t[1], {.reduction = r, .weight = w, .pos_weight = pw});
+    }, in));
+  }
+}
+
+// Expected values from PyTorch 2 in f64:
+//   lp = torch.log_softmax(torch.tensor([[1.0, 2.0, 0.5], [0.1, -0.3, 0.7]], dtype=d), 1)
+//   t = torch.tensor([[0.2, 0.8, 0.0], [0.3, 0.3, 0.4]], dtype=d)
+//   F.kl_div(lp, t, reduction=r)  # r in "none", "mean", "sum", "batchmean"
+//   tl = torch.log(torch.tensor([[0.2, 0.7, 0.1], [0.3, 0.3, 0.4]], dtype=d))
+//   F.kl_div(lp, tl, reduction="none", log_target=True)  # and "batchmean"
+Tensor KlInput() {
+  return FromVector({-1.464368784107945, -0.4643687841079449, -1.964368784107945, -1.2506003020246401,
+                     -1.6506003020246403, -0.6506003020246401},
+                    {2, 3}, {.dtype = DType::kFloat64});
+}
+
+TEST(KlDivTest, MatchesPyTorch) {
+  const Tensor lp = KlInput();
+  const Tensor t = FromVector({0.2, 0.8, 0.0, 0.3, 0.3, 0.4}, {2, 3}, {.dtype = DType::kFloat64});
+  ExpectValues(KlDiv(lp, t, {.reduction = Reduction::kNone}), {2, 3},
+               {-0.029013825665231086, 0.1929801862349882, 0.0, 0.013988249309611234, 0.13398824930961123,
+                -0.10627617193980593});
+  ExpectValues(KlDiv(lp, t), {}, {0.03427778120819561});
+  ExpectValues(KlDiv(lp, t, {.reduction = Reduction::kSum}), {}, {0.20566668724917364});
+  ExpectValues(KLDivLoss({.batch_mean = true})(lp, t), {}, {0.10283334362458682});
+  const Tensor tl = ops::Log(FromVector({0.2, 0.7, 0.1, 0.3, 0.3, 0.4}, {2, 3}, {.dtype = DType::kFloat64}));
+  ExpectValues(KlDiv(lp, tl, {.reduction = Reduction::kNone, .log_target = true}), {2, 3},
+               {-0.029013825665231075, 0.07538568811844872, -0.03382163088861006, 0.0139882493096112,
+                0.13398824930961123, -0.10627617193980594});
+  ExpectValues(KlDiv(lp, tl, {.batch_mean = true, .log_target = true}), {}, {0.027125279122012035});
+}
+
+TEST(KlDivTest, Gradients) {
+  // Probabilities in [0.1, 0.9], so that the finite differences stay positive.
+  Tensor t = ops::AddScalar(ops::MulScalar(RandomLeaf({3, 4}, 32, false), 0.4), 0.5).Detach();
+  t.set_requires_grad(true);
+  const V in = {RandomLeaf({3, 4}, 31), t};
+  for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+    for (bool log_target : {false, true}) {
+      EXPECT_TRUE(GradCheck([&](const V& x) { return KlDiv(x[0], x[1], {.reduction = r, .log_target = log_target}); },
+                            in));
+    }
+  }
+  EXPECT_TRUE(GradCheck([&](const V& x) { return KlDiv(x[0], x[1], {.batch_mean = true}); }, in));
+}
+
+// A target of 0 adds 0 and sends the input no gradient; the target's own
+// gradient stays finite (PyTorch's is NaN there).
+TEST(KlDivTest, ZeroTargetGivesNoNaN) {
+  Tensor lp = KlInput();
+  lp.set_requires_grad(true);
+  Tensor t = FromVector({0.2, 0.8, 0.0, 0.3, 0.3, 0.4}, {2, 3}, {.dtype = DType::kFloat64});
+  t.set_requires_grad(true);
+  Backward(KlDiv(lp, t, {.reduction = Reduction::kSum}));
+  EXPECT_EQ(lp.grad().ToVector<double>()[2], 0.0);
+  for (double g : t.grad().ToVector<double>()) EXPECT_TRUE(std::isfinite(g)) << g;
+  // f32 too (its own smallest normal number).
+  EXPECT_NEAR(KlDiv(lp.Detach().To(DType::kFloat32), t.Detach().To(DType::kFloat32), {.reduction = Reduction::kSum})
+                  .Item(),
+              0.20566668724917364, 1e-6);
+}
+
+TEST(PointwiseLossTest, BadInputsAreNamed) {
+  const Tensor a = Zeros({2, 3}), b = Zeros({3});
+  EXPECT_EQ(ErrorOf([&] { L1(a, b); }), "l1_loss: input [2, 3] and target [3] differ in shape");
+  EXPECT_EQ(ErrorOf([&] { SmoothL1(a, b); }), "smooth_l1_loss: input [2, 3] and target [3] differ in shape");
+  EXPECT_EQ(ErrorOf([&] { Huber(a, b); }), "huber_loss: input [2, 3] and target [3] differ in shape");
+  EXPECT_EQ(ErrorOf([&] { BinaryCrossEntropyWithLogits(a, b); }),
+            "binary_cross_entropy_with_logits: input [2, 3] and target [3] differ in shape");
+  EXPECT_EQ(ErrorOf([&] { KlDiv(b, a); }), "kl_div: input [3] and target [2, 3] differ in shape");
+  EXPECT_EQ(ErrorOf([&] { L1(a, Zeros({2, 3}, {.dtype = DType::kInt64})); }), "l1_loss: target must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { SmoothL1(a, a, {.beta = -1.0}); }), "smooth_l1_loss: beta must be >= 0, got -1.000000");
+  EXPECT_EQ(ErrorOf([&] { Huber(a, a, {.delta = 0.0}); }), "huber_loss: delta must be > 0, got 0.000000");
+  EXPECT_EQ(ErrorOf([&] { BinaryCrossEntropyWithLogits(a, a, {.pos_weight = Ones({4})}); }),
+            "binary_cross_entropy_with_logits: pos_weight [4] does not broadcast to input [2, 3]");
+  EXPECT_EQ(ErrorOf([&] { BinaryCrossEntropyWithLogits(a, a, {.weight = Ones({3, 3})}); }),
+            "binary_cross_entropy_with_logits: weight [3, 3] does not broadcast to input [2, 3]");
+  Tensor w = Ones({3});
+  w.set_requires_grad(true);
+  EXPECT_EQ(ErrorOf([&] { BinaryCrossEntropyWithLogits(a, a, {.weight = w}); }),
+            "binary_cross_entropy_with_logits: weight requires grad, but no gradient flows to it (detach it)");
+  EXPECT_EQ(ErrorOf([&] { KlDiv(a, a, {.reduction = Reduction::kSum, .batch_mean = true}); }),
+            "kl_div: batch_mean needs reduction kMean, got kSum");
+}
+
 }  // namespace
 }  // namespace ddp::nn::loss
