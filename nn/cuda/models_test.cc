@@ -21,13 +21,16 @@
 // scale, measured on the CPU alone. In f64 no mask flips.
 //
 // Also the losses that run through the NLL kernels (class-weighted
-// cross-entropy, NllLoss) on one input tensor: rtol 1e-5, atol 1e-5.
+// cross-entropy, NllLoss) on one input tensor, and the pointwise losses
+// composed of elementwise ops (L1, smooth L1, Huber, BCE with logits, KL
+// divergence): rtol 1e-5, atol 1e-5.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -263,6 +266,57 @@ TEST(CudaModelsTest, WeightedCrossEntropyAndNllLossMatchTheCpu) {
   const auto [gpu_loss, gpu_grad] = on(kGpu);
   EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss)) << "nll_loss [4, 5, 3] with weights";
   ExpectTensorClose("nll_loss [4, 5, 3] with weights: dlog_probs", cpu_grad, gpu_grad, 1e-5, 1e-5);
+}
+
+// The pointwise losses are compositions of elementwise ops and reductions;
+// on the GPU they run on those kernels alone. BCE's logits include +-100
+// (the stable form must stay finite on the device too).
+TEST(CudaModelsTest, PointwiseLossesMatchTheCpu) {
+  Init();
+  Generator data(12);
+  Tensor input = Empty({8, 5});
+  UniformFill(input, -3.0, 3.0, data);
+  Tensor target = Empty({8, 5});
+  UniformFill(target, 0.05, 1.0, data);
+  Tensor logits = input.Clone();
+  logits.Narrow(0, 0, 1).Fill(100.0);
+  logits.Narrow(0, 1, 1).Fill(-100.0);
+  Tensor weight = Empty({8, 1});
+  UniformFill(weight, 0.5, 2.0, data);
+  Tensor pos_weight = Empty({5});
+  UniformFill(pos_weight, 0.5, 3.0, data);
+  const Tensor log_probs = input.Clone();  // any values: kl_div does not check them
+  using LossFn = std::function<Tensor(const Tensor&, const Tensor&, Device)>;
+  const std::vector<std::tuple<std::string, Tensor, LossFn>> cases = {
+      {"l1", input, [](const Tensor& x, const Tensor& t, Device) { return loss::L1(x, t); }},
+      {"smooth_l1 beta 0.5", input,
+       [](const Tensor& x, const Tensor& t, Device) { return loss::SmoothL1(x, t, {.beta = 0.5}); }},
+      {"huber delta 2, sum", input,
+       [](const Tensor& x, const Tensor& t, Device) {
+         return loss::Huber(x, t, {.reduction = loss::Reduction::kSum, .delta = 2.0});
+       }},
+      {"bce with logits, weights", logits,
+       [&](const Tensor& x, const Tensor& t, Device device) {
+         return loss::BinaryCrossEntropyWithLogits(
+             x, t, {.weight = weight.To(device), .pos_weight = pos_weight.To(device)});
+       }},
+      {"kl_div batchmean", log_probs,
+       [](const Tensor& x, const Tensor& t, Device) { return loss::KlDiv(x, t, {.batch_mean = true}); }},
+      {"kl_div log_target, sum", log_probs,
+       [](const Tensor& x, const Tensor& t, Device) {
+         return loss::KlDiv(x, t, {.reduction = loss::Reduction::kSum, .log_target = true});
+       }},
+  };
+  for (const auto& [what, x, fn] : cases) {
+    auto on = [&](Device device) {
+      return LossAndGrad(x, device, [&](const Tensor& xd) { return fn(xd, target.To(device), device); });
+    };
+    const auto [cpu_loss, cpu_grad] = on(kCPU);
+    const auto [gpu_loss, gpu_grad] = on(kGpu);
+    EXPECT_TRUE(std::isfinite(gpu_loss)) << what;
+    EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss) + 1e-6) << what;
+    ExpectTensorClose(what + ": dinput", cpu_grad, gpu_grad, 1e-5, 1e-5);
+  }
 }
 
 TEST(CudaModelsTest, SecondStepAllocatesNoNewDeviceMemory) {
