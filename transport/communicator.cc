@@ -433,9 +433,10 @@ class Communicator::Impl {
                          Deadline deadline);
   Status DeviceReduceScatter(int device, const void* send, void* recv, size_t count,
                              DataType dtype, ReduceOp op, StagedReduce where, Deadline deadline);
-  // The CUDA device of the device buffers among `buffers`, or -1 when all
-  // are host memory (always, without CUDA) or count is 0. INVALID_ARGUMENT
-  // when they are on two devices.
+  // The CUDA device of `buffers` ({send, recv} or {buffer}; nullptr: not
+  // used by this rank), or -1 when all are host memory (always, without
+  // CUDA) or count is 0. INVALID_ARGUMENT (cuda::CallDevice) when they are
+  // on two devices, or host memory next to device memory.
   StatusOr<int> DeviceOf(std::initializer_list<const void*> buffers, size_t count,
                          const char* what) const;
   // Copies `bytes` from a device buffer to host memory (or back, when
@@ -450,6 +451,15 @@ class Communicator::Impl {
                          Deadline deadline);
   // UCX moves device memory itself (a CUDA-enabled UCX).
   bool ucx_cuda_memory() const { return info_.ucx_cuda_memory; }
+  // Before UCX gets a device buffer as it is (the kDirect plans, Send/Recv
+  // with a CUDA-enabled UCX): as before a staged call's first copy, the
+  // staging queue, and through it the work queued on the legacy default
+  // stream (the class comment's contract: inputs complete or ordered on
+  // that stream), are done. Under run_mu_.
+  Status DeviceReady(int device, Deadline deadline) {
+    DDP_ASSIGN_OR_RETURN(cuda::CopyEngine* engine, StagingEngine(device));
+    return engine->WaitAll(deadline);
+  }
   // How a staged call on device buffers runs: `where` is the call's
   // choice (kAuto: the communicator's). Equal on every rank.
   cuda::StagedPlan Plan(const cuda::StagedCall& call,
@@ -473,18 +483,21 @@ class Communicator::Impl {
   // `blocking`: the caller waits and settles the request itself
   // (BlockingP2p), so dropping its handle does not cancel it.
   // For a posted request, `posted` (when given) gets its state and id.
+  // `device` >= 0: `data` is device memory of it, posted after DeviceReady.
   struct Posted {
     std::shared_ptr<Work::State> state;
     p2p::RequestId id = 0;
   };
   Work PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
-               const CallOptions& call, bool blocking = false, Posted* posted = nullptr);
+               const CallOptions& call, bool blocking = false, Posted* posted = nullptr,
+               int device = -1);
   // Send/Recv on host memory: PostP2p and a wait bounded by the call's
   // deadline (plus kBlockingP2pAllowance), even while a collective on
   // another thread holds the worker.
   // `keep` (a staging copy) lives until the request is settled.
   Status BlockingP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
-                     const CallOptions& call, std::shared_ptr<void> keep = nullptr);
+                     const CallOptions& call, std::shared_ptr<void> keep = nullptr,
+                     int device = -1);
   // Cancels the requests handed over by BlockingP2p calls that timed out
   // while another thread held the worker. With run_mu_ held.
   void CancelDeferred();
@@ -611,11 +624,12 @@ class Communicator::Impl {
   }
   // Asynchronous point-to-point calls post the user's buffer to UCX as it
   // is; a device buffer needs a UCX that moves device memory (the blocking
-  // Send/Recv stage it instead).
-  Status CheckUnstagedP2p(const void* p, size_t count, const char* what) const {
-    if (count == 0 || info_.ucx_cuda_memory || !cuda::ClassifyPointer(p).device) {
-      return Status::Ok();
-    }
+  // Send/Recv stage it instead). Returns the buffer's device (-1: host).
+  StatusOr<int> CheckUnstagedP2p(const void* p, size_t count, const char* what) const {
+    if (count == 0) return -1;
+    const cuda::PointerKind kind = cuda::ClassifyPointer(p);
+    if (!kind.device) return -1;
+    if (info_.ucx_cuda_memory) return kind.device_id;
     return InvalidArgumentError(std::string(what) +
                                 " is CUDA device memory and this UCX cannot move device memory; "
                                 "use the blocking call (it stages through host memory) or a host "
@@ -1808,28 +1822,24 @@ Status Communicator::Impl::Scatter(const void* send, void* recv, size_t count, D
 StatusOr<int> Communicator::Impl::DeviceOf(std::initializer_list<const void*> buffers,
                                           size_t count, const char* what) const {
   if (count == 0) return -1;
-  int device = -1;
+  static constexpr const char* kPairNames[] = {"send buffer", "receive buffer"};
+  std::vector<cuda::CallBuffer> classified;
   for (const void* p : buffers) {
-    const cuda::PointerKind kind = cuda::ClassifyPointer(p);
-    if (!kind.device) continue;
-    if (device >= 0 && kind.device_id != device) {
-      return InvalidArgumentError(std::string(what) + ": buffers on CUDA devices " +
-                                  std::to_string(device) + " and " +
-                                  std::to_string(kind.device_id) + "; one call uses one device");
-    }
-    device = kind.device_id;
+    const char* name = buffers.size() == 2 ? kPairNames[classified.size()] : "buffer";
+    classified.push_back({.name = name, .p = p, .kind = cuda::ClassifyPointer(p)});
   }
-  return device;
+  return cuda::CallDevice(classified, what);
 }
 
 StatusOr<cuda::CopyEngine*> Communicator::Impl::StagingEngine(int device) {
   auto it = staging_.find(device);
   if (it == staging_.end()) {
-    size_t slot = options_.device_chunk_bytes > 0 ? options_.device_chunk_bytes
-                                                  : kDefaultDeviceChunkBytes;
     // Room for one element of the widest dtype per rank and one more (the
-    // reduce-scatter layout), whatever a test asked for.
-    slot = std::max<size_t>(slot, 8 * (static_cast<size_t>(options_.world_size) + 1));
+    // reduce-scatter layout), whatever a test asked for, rounded up so that
+    // slot 1 and scratch 1 stay aligned.
+    const size_t slot = cuda::StagingSlotBytes(
+        options_.device_chunk_bytes > 0 ? options_.device_chunk_bytes : kDefaultDeviceChunkBytes,
+        options_.world_size);
     DDP_ASSIGN_OR_RETURN(std::unique_ptr<cuda::DeviceCopyEngine> engine,
                          cuda::DeviceCopyEngine::Create(device, slot));
     it = staging_.emplace(device, std::move(engine)).first;
@@ -2034,7 +2044,8 @@ Status Communicator::Impl::StageCopyLocked(int device, void* dst, const void* sr
 }
 
 Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
-                                 const CallOptions& call, bool blocking, Posted* posted) {
+                                 const CallOptions& call, bool blocking, Posted* posted,
+                                 int device) {
   const std::string what = std::string(send ? "send to" : "receive from") + " rank " +
                            std::to_string(peer) + " (tag " + std::to_string(tag) + ", " +
                            std::to_string(bytes) + " bytes)";
@@ -2058,6 +2069,13 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
     }
     CancelDeferred();
     if (aborted()) return Communicator::FinishedWork(aborted_reason());
+    if (device >= 0) {
+      // Nothing posted yet: a failure here leaves the communicator usable.
+      if (Status ready = DeviceReady(device, deadline); !ready.ok()) {
+        return Communicator::FinishedWork(
+            Status(ready.code(), what + " not posted: " + ready.message()));
+      }
+    }
     SweepDroppedP2p();
     id = send ? p2p_->PostUserSend(peer, tag, data, bytes) : p2p_->PostUserRecv(peer, tag, data, bytes);
   }
@@ -2193,11 +2211,12 @@ void Communicator::Impl::CancelDeferred() {
 }
 
 Status Communicator::Impl::BlockingP2p(bool send, void* data, size_t bytes, int peer, uint32_t tag,
-                                       const CallOptions& call, std::shared_ptr<void> keep) {
+                                       const CallOptions& call, std::shared_ptr<void> keep,
+                                       int device) {
   const Deadline deadline = DeadlineFor(call);
   Posted posted;
   {
-    Work work = PostP2p(send, data, bytes, peer, tag, call, /*blocking=*/true, &posted);
+    Work work = PostP2p(send, data, bytes, peer, tag, call, /*blocking=*/true, &posted, device);
     // Polls give up the worker at once while another thread's collective
     // holds it, so this wait keeps to the call's deadline (the allowance
     // lets a poll that has the worker finish its round).
@@ -2536,6 +2555,7 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->RunBlocking(call, [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
+    if (device >= 0) DDP_RETURN_IF_ERROR(impl_->DeviceReady(device, d));
     return impl_->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
   });
 }
@@ -2760,7 +2780,7 @@ Status Communicator::Send(const void* data, size_t count, DataType dtype, int pe
         impl_->StageCopy(device, host->data(), data, bytes, false, impl_->DeadlineFor(call)));
     return impl_->BlockingP2p(true, host->data(), bytes, peer, tag, call, host);
   }
-  return impl_->BlockingP2p(true, const_cast<void*>(data), bytes, peer, tag, call);
+  return impl_->BlockingP2p(true, const_cast<void*>(data), bytes, peer, tag, call, nullptr, device);
 }
 
 Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
@@ -2776,7 +2796,7 @@ Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, ui
     DDP_RETURN_IF_ERROR(impl_->BlockingP2p(false, host->data(), bytes, peer, tag, call, host));
     return impl_->StageCopy(device, data, host->data(), bytes, true, deadline);
   }
-  return impl_->BlockingP2p(false, data, bytes, peer, tag, call);
+  return impl_->BlockingP2p(false, data, bytes, peer, tag, call, nullptr, device);
 }
 
 Work Communicator::FinishedWork(Status status) {
@@ -2838,6 +2858,7 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
   return impl_->Enqueue(call, [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
+    if (device >= 0) DDP_RETURN_IF_ERROR(impl_->DeviceReady(device, d));
     return impl_->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
   });
 }
@@ -2951,8 +2972,10 @@ Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "send to rank"));
-  DDP_ASYNC_CHECK(impl_->CheckUnstagedP2p(data, count, "SendAsync: the send buffer"));
-  return impl_->PostP2p(true, const_cast<void*>(data), count * DataTypeSize(dtype), peer, tag, call);
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckUnstagedP2p(data, count, "SendAsync: the send buffer"));
+  return impl_->PostP2p(true, const_cast<void*>(data), count * DataTypeSize(dtype), peer, tag, call,
+                        /*blocking=*/false, /*posted=*/nullptr, device);
 }
 
 Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
@@ -2960,8 +2983,10 @@ Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer,
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "receive from rank"));
-  DDP_ASYNC_CHECK(impl_->CheckUnstagedP2p(data, count, "RecvAsync: the receive buffer"));
-  return impl_->PostP2p(false, data, count * DataTypeSize(dtype), peer, tag, call);
+  DDP_ASYNC_ASSIGN(const int device,
+                   impl_->CheckUnstagedP2p(data, count, "RecvAsync: the receive buffer"));
+  return impl_->PostP2p(false, data, count * DataTypeSize(dtype), peer, tag, call,
+                        /*blocking=*/false, /*posted=*/nullptr, device);
 }
 
 }  // namespace ddp::transport

@@ -14,8 +14,9 @@
 //    error the check cannot see: the others wait for the refusing rank
 //    until their deadline, and it must not go on to its next collective;
 //  - what only this rank has (its buffers: null with a count, misaligned,
-//    overlapping other than in place, on two CUDA devices; AllToAllV's
-//    count lists; AllReduceThrough's function): the other ranks cannot know
+//    overlapping other than in place, on two CUDA devices, host memory
+//    next to device memory; AllToAllV's count lists; AllReduceThrough's
+//    function): the other ranks cannot know
 //    that it will not take part, so the refusing rank aborts the
 //    communicator, as a failed collective does. Its message starts "rank R
 //    refused the call: "; the others fail within ~100 ms with "rank R
@@ -218,10 +219,13 @@ struct CommunicatorInfo {
 /// call. Collectives stage them through pinned host memory in pipelined
 /// chunks, reducing on the device or the host (StagedReduce), or hand them
 /// to a UCX that moves device memory (see transport/README.md); every rank
-/// must pass the same kind of memory to one collective. Inputs must be complete:
-/// the copies wait for work on the legacy default stream, not for other
-/// streams. Results are in place when the call returns. Without CUDA every
-/// pointer is host memory.
+/// must pass the same kind of memory to one collective, and one call's
+/// buffers are all host memory or all on one device (else INVALID_ARGUMENT
+/// naming them; a buffer this rank does not use, such as a non-root's
+/// recv, does not count). Inputs must be complete: the copies, and a
+/// CUDA-enabled UCX handed the buffers as they are, wait for work on the
+/// legacy default stream, not for other streams. Results are in place when
+/// the call returns. Without CUDA every pointer is host memory.
 class Communicator {
  public:
   /// Forms the communicator with every other rank. Collective: every rank

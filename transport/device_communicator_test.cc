@@ -477,7 +477,88 @@ int ScenarioIpcDeclined() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Review fixes, on a GPU: (1) a chunk size that is no multiple of the
+// alignment (DDP_TEST_DEVICE_CHUNK_BYTES=4097: slot 1 and scratch 1 used
+// to start misaligned); (2) inputs written on the legacy default stream
+// and not synchronized, read by every path (staged, or a CUDA-aware UCX's
+// direct broadcast, all-gather and Send/Recv, which now drain the staging
+// stream first); (3) last, rank 0 passes a host send buffer and a device
+// receive buffer: refused locally naming both, no kernel touches the host
+// buffer (no sticky CUDA error), and the others learn of the abort.
+int ScenarioOrderingAndMixed() {
+  auto comm = MustCreate();
+  const int n = comm->size(), me = comm->rank();
+  // (1) Several misaligned-before chunks, both reduction placements.
+  for (StagedReduce where : {StagedReduce::kDevice, StagedReduce::kHost}) {
+    for (DataType dtype : {DataType::kF32, DataType::kF64, DataType::kF16}) {
+      const size_t count = 5000, elem = DataTypeSize(dtype);
+      std::vector<char> input(count * elem);
+      FillInput(dtype, input.data(), count, me, ReduceOp::kSum);
+      DeviceBuffer buf(input.size());
+      buf.Upload(input);
+      Status s = comm->AllReduce(buf.get(), count, dtype, ReduceOp::kSum,
+                                 {.staged_reduce = where});
+      WORKER_CHECK(s.ok(), "odd chunk all-reduce " + std::string(DataTypeName(dtype)) + ": " +
+                               s.ToString());
+      if (!s.ok()) return 1;
+      std::string first;
+      const std::vector<char> got = buf.Download();
+      WORKER_CHECK(CountWrong(dtype, got.data(), count, n, ReduceOp::kSum, 0, &first) == 0,
+                   "odd chunk all-reduce " + std::string(DataTypeName(dtype)) + ": " + first);
+    }
+  }
+  // (2) 64 MiB written by an asynchronous memset on the legacy default
+  // stream just before each call.
+  const size_t bytes = size_t{64} << 20;
+  DeviceBuffer big(bytes), gathered(bytes * n);
+  auto check_bytes = [&](const DeviceBuffer& b, size_t offset, size_t len, int value,
+                         const std::string& what) {
+    const std::vector<char> got = b.Download();
+    size_t wrong = 0;
+    for (size_t i = offset; i < offset + len; ++i) wrong += got[i] != static_cast<char>(value);
+    WORKER_CHECK(wrong == 0, what + ": " + std::to_string(wrong) + " bytes not yet written");
+  };
+  MustCuda(cudaMemsetAsync(big.get(), me == 0 ? 0x11 : 0x22, bytes, nullptr), "memset");
+  Status s = comm->Broadcast(big.get(), bytes, DataType::kU8, 0);
+  WORKER_CHECK(s.ok(), "broadcast after a memset: " + s.ToString());
+  if (!s.ok()) return 1;
+  check_bytes(big, 0, bytes, 0x11, "broadcast after a memset");
+  MustCuda(cudaMemsetAsync(big.get(), 0x30 + me, bytes, nullptr), "memset");
+  s = comm->AllGather(big.get(), gathered.get(), bytes, DataType::kU8);
+  WORKER_CHECK(s.ok(), "all-gather after a memset: " + s.ToString());
+  if (!s.ok()) return 1;
+  for (int r = 0; r < n; ++r) {
+    check_bytes(gathered, r * bytes, bytes, 0x30 + r, "all-gather after a memset");
+  }
+  if (n >= 2 && me < 2) {
+    MustCuda(cudaMemsetAsync(big.get(), me == 0 ? 0x44 : 0x55, bytes, nullptr), "memset");
+    s = me == 0 ? comm->Send(big.get(), bytes, DataType::kU8, 1, 7)
+                : comm->Recv(big.get(), bytes, DataType::kU8, 0, 7);
+    WORKER_CHECK(s.ok(), "send/recv after a memset: " + s.ToString());
+    if (!s.ok()) return 1;
+    check_bytes(big, 0, bytes, 0x44, "send/recv after a memset");
+  }
+  // (3) Mixed memory in one call: rank 0 refuses and aborts.
+  const size_t count = 1000;
+  std::vector<float> host(count, 1.0f);
+  DeviceBuffer recv(count * 4);
+  s = me == 0 ? comm->AllReduce(host.data(), recv.get(), count, DataType::kF32, ReduceOp::kSum)
+              : comm->AllReduce(recv.get(), recv.get(), count, DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(!s.ok(), "mixed host/device all-reduce succeeded");
+  if (me == 0) {
+    WORKER_CHECK(s.code() == StatusCode::kInvalidArgument, "mixed: " + s.ToString());
+    WORKER_CHECK(s.message().find("the send buffer is host memory and the receive buffer is on "
+                                  "CUDA device") != std::string::npos,
+                 "mixed: " + s.ToString());
+  } else {
+    WORKER_CHECK(s.message().find("rank 0") != std::string::npos, "mixed: " + s.ToString());
+  }
+  WORKER_CHECK(cudaDeviceSynchronize() == cudaSuccess, "a CUDA error after the mixed call");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
+  if (name == "ordering_and_mixed") return ScenarioOrderingAndMixed();
   if (name == "ipc_declined") return ScenarioIpcDeclined();
   if (name == "sweep") return ScenarioSweep();
   if (name == "large") return ScenarioLarge();
@@ -546,6 +627,15 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DeviceIpcSweep, ::testing::Values(2, 4));
 
 TEST(DeviceCollectives, IpcDeclinedByOneRankStagesOnEveryRank) {
   Job job = RunJob(3, "ipc_declined", {{"DDP_CUDA_IPC", "1"}}, kJobLimit);
+  ASSERT_EQ(job.results.size(), 3u);
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+// See ScenarioOrderingAndMixed. With a CUDA-aware UCX (UCX_TLS with
+// cuda_copy) the broadcast, all-gather and Send/Recv go direct.
+TEST(DeviceCollectives, OddChunksStreamOrderAndMixedMemory) {
+  Job job = RunJob(3, "ordering_and_mixed", {{"DDP_TEST_DEVICE_CHUNK_BYTES", "4097"}},
+                   kJobLimit);
   ASSERT_EQ(job.results.size(), 3u);
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }

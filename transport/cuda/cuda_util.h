@@ -84,6 +84,22 @@ class DeviceScope {
   cudaError_t status_ = cudaSuccess;
 };
 
+// The error of launching `what` (reduce_kernels.h), told apart from one
+// pending before the launch, which earlier work caused.
+inline Status LaunchError(int error, bool failed_before, const std::string& what) {
+  if (failed_before) {
+    return CudaError(static_cast<cudaError_t>(error),
+                     "launching " + what + ": CUDA had already failed before this launch");
+  }
+  return CudaError(static_cast<cudaError_t>(error), "launching " + what);
+}
+
+// A DeviceScope that could not select its device.
+inline Status ScopeStatus(const DeviceScope& scope, int device) {
+  if (scope.status() == cudaSuccess) return Status::Ok();
+  return CudaError(scope.status(), "selecting CUDA device " + std::to_string(device));
+}
+
 // Polls `event` until it completes or `deadline` passes: never a blocking
 // synchronize. Copies and kernels of a few MiB take well under a
 // millisecond, so a short spin, then yields.

@@ -15,18 +15,13 @@
 
 namespace ddp::transport::cuda {
 
-/// Where a buffer lives.
-struct PointerKind {
-  bool device = false;  ///< Device (or managed) memory: the host must not touch it.
-  int device_id = -1;   ///< The CUDA device owning it, when `device`.
-};
-
 /// True in the --config=cuda build.
 bool BuiltWithCuda();
 
-/// Classifies `p` with cudaPointerGetAttributes. Host memory (pageable or
-/// pinned), null, and every pointer of a build or machine without CUDA are
-/// host memory.
+/// Classifies `p` with cudaPointerGetAttributes, asked with a device whose
+/// primary context is active; with none active, `p` is host memory and no
+/// context is made. Host memory (pageable or pinned), null, and every
+/// pointer of a build or machine without CUDA are host memory.
 PointerKind ClassifyPointer(const void* p);
 
 /// Copies between device buffers and pinned host slots, and reductions on
@@ -37,11 +32,14 @@ PointerKind ClassifyPointer(const void* p);
 /// caller's deadline; nothing blocks in the driver.
 class DeviceCopyEngine : public CopyEngine {
  public:
-  /// Two pinned slots of `slot_bytes`, as much device scratch, and a stream
-  /// on `device`.
+  /// Two pinned slots of `slot_bytes` rounded up to kStagingSlotAlign (so
+  /// that slot 1 and scratch 1 are aligned), as much device scratch, and a
+  /// stream on `device`.
   static StatusOr<std::unique_ptr<DeviceCopyEngine>> Create(int device, size_t slot_bytes);
-  /// Waits (bounded) for queued copies before freeing the slots; if they do
-  /// not finish, the slots are leaked rather than freed under the copies.
+  /// Waits (bounded) for queued copies before freeing the slots, and frees
+  /// the scratch on the engine's stream (bounded, not cudaFree's wait for
+  /// the whole device); if either does not finish, the memory is leaked
+  /// rather than freed under the copies or waited for without bound.
   ~DeviceCopyEngine() override;
 
   size_t slot_bytes() const override;

@@ -39,8 +39,38 @@ PointerKind ClassifyPointer(const void* p) {
   // initialisation per call on a CPU machine running the CUDA build.
   static std::atomic<bool> no_cuda{false};
   if (p == nullptr || no_cuda.load(std::memory_order_relaxed)) return {};
+  // cudaPointerGetAttributes creates the current device's primary context
+  // (hundreds of MiB on GPU 0 in every rank, even of a CPU trainer built
+  // with CUDA). Memory the runtime allocated belongs to a device whose
+  // primary context is active: with none active, `p` is host memory (or
+  // the driver API's own contexts', which the transport does not take);
+  // otherwise ask with such a device current.
+  int count = 0;
+  cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    if (status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver) {
+      no_cuda.store(true, std::memory_order_relaxed);
+    }
+    return {};
+  }
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    current = -1;
+  }
+  int ask = current >= 0 && current < count && PrimaryContextActive(current) ? current : -1;
+  for (int d = 0; d < count && ask < 0; ++d) {
+    if (PrimaryContextActive(d)) ask = d;
+  }
+  if (ask < 0) return {};
+  DeviceScope scope(ask);  // no-op when `ask` is current already
+  if (scope.status() != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
   cudaPointerAttributes attributes{};
-  const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
+  status = cudaPointerGetAttributes(&attributes, p);
   if (status != cudaSuccess) {
     // Host memory either way; clear the sticky last error.
     cudaGetLastError();
@@ -60,6 +90,10 @@ PointerKind ClassifyPointer(const void* p) {
 StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
                                                                      size_t slot_bytes) {
   if (slot_bytes == 0) return InvalidArgumentError("device staging slots of 0 bytes");
+  // Slot 1 and scratch 1 start slot_bytes after slot 0: aligned for every
+  // dtype only if slot_bytes is (the communicator rounds already:
+  // StagingSlotBytes).
+  slot_bytes = StagingSlotBytes(slot_bytes, 1);
   DeviceScope scope(device);
   if (scope.status() != cudaSuccess) {
     return CudaError(scope.status(), "selecting CUDA device " + std::to_string(device));
@@ -92,16 +126,9 @@ StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
     return CudaError(status, "pinning " + std::to_string(bytes) + " bytes of staging memory");
   }
   s.registered = true;
-  // Device scratch for the device-reduce mode: 2 x 4 MiB by default, made
-  // with the engine so that no call allocates.
-  status = cudaMalloc(reinterpret_cast<void**>(&s.scratch), kSlots * slot_bytes);
-  if (status != cudaSuccess) {
-    s.scratch = nullptr;
-    return CudaError(status, "allocating " + std::to_string(kSlots * slot_bytes) +
-                                 " bytes of device staging scratch");
-  }
   // A blocking stream (not cudaStreamNonBlocking): it waits for work on the
   // legacy default stream, where a simple program's kernels wrote the input.
+  // Made before the scratch, which the destructor frees on it.
   status = cudaStreamCreateWithFlags(&s.stream, cudaStreamDefault);
   if (status != cudaSuccess) return CudaError(status, "creating the staging stream");
   for (cudaEvent_t& event : s.in_done) {
@@ -110,6 +137,16 @@ StatusOr<std::unique_ptr<DeviceCopyEngine>> DeviceCopyEngine::Create(int device,
   }
   status = cudaEventCreateWithFlags(&s.all_done, cudaEventDisableTiming);
   if (status != cudaSuccess) return CudaError(status, "creating a staging event");
+  // Device scratch for the device-reduce mode: 2 x 4 MiB by default, made
+  // with the engine so that no call allocates. cudaMalloc rather than a
+  // stream-ordered pool: a CUDA-aware UCX writes it, and pool memory is
+  // not exportable to every UCX CUDA transport.
+  status = cudaMalloc(reinterpret_cast<void**>(&s.scratch), kSlots * slot_bytes);
+  if (status != cudaSuccess) {
+    s.scratch = nullptr;
+    return CudaError(status, "allocating " + std::to_string(kSlots * slot_bytes) +
+                                 " bytes of device staging scratch");
+  }
   return engine;
 }
 
@@ -125,12 +162,28 @@ DeviceCopyEngine::~DeviceCopyEngine() {
                .ok();
   }
   if (!idle) return;  // a wedged device: leak rather than free under live copies
+  // cudaFree waits for the whole device (the user's kernels too), without
+  // bound: the scratch is freed in the stream's order instead (the stream
+  // and events exist whenever the scratch does) and the free awaited,
+  // bounded. A free that cannot be queued leaks the scratch; one that does
+  // not finish in time leaks the slots, the stream and the events too,
+  // rather than this destructor blocking in the driver.
+  if (s.scratch != nullptr) {
+    if (cudaFreeAsync(s.scratch, s.stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+    } else if (cudaEventRecord(s.all_done, s.stream) != cudaSuccess ||
+               !PollEvent(s.all_done, DeadlineIn(std::chrono::milliseconds(2000)),
+                          "freeing the staging scratch")
+                    .ok()) {
+      (void)cudaGetLastError();
+      return;
+    }
+  }
   for (cudaEvent_t event : s.in_done) {
     if (event != nullptr) cudaEventDestroy(event);
   }
   if (s.all_done != nullptr) cudaEventDestroy(s.all_done);
   if (s.stream != nullptr) cudaStreamDestroy(s.stream);
-  if (s.scratch != nullptr) cudaFree(s.scratch);
   if (s.registered) cudaHostUnregister(s.pinned);
   std::free(s.pinned);
 }
@@ -145,13 +198,15 @@ Status DeviceCopyEngine::Reduce(void* dst, const void* const* sources, int num_s
                                 size_t count, DataType dtype, ReduceOp op) {
   if (count == 0) return Status::Ok();
   DeviceScope scope(state_->device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, state_->device));
+  bool failed_before = false;
   const int status = ReduceAsync(dst, sources, num_sources, count, static_cast<int>(dtype),
-                                 static_cast<int>(op), state_->stream);
+                                 static_cast<int>(op), state_->stream, &failed_before);
   if (status != cudaSuccess) {
-    return CudaError(static_cast<cudaError_t>(status),
-                     "queueing a " + std::string(ReduceOpName(op)) + " of " +
-                         std::to_string(num_sources) + " x " + std::to_string(count) + " " +
-                         DataTypeName(dtype) + " on the device");
+    return LaunchError(status, failed_before,
+                       "a " + std::string(ReduceOpName(op)) + " of " +
+                           std::to_string(num_sources) + " x " + std::to_string(count) + " " +
+                           DataTypeName(dtype) + " on the device");
   }
   return Status::Ok();
 }
@@ -160,6 +215,7 @@ Status DeviceCopyEngine::Copy2D(void* dst, size_t dst_pitch, const void* src, si
                                 size_t width, size_t rows) {
   if (width == 0 || rows == 0) return Status::Ok();
   DeviceScope scope(state_->device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, state_->device));
   // cudaMemcpyDefault: unified addressing tells each side's memory type, so
   // the same call serves device->pinned, pinned->device and device->device.
   // A 2-D copy takes pitches up to the device's limit (2 GiB): wider rows (a
@@ -187,6 +243,7 @@ Status DeviceCopyEngine::Copy2D(void* dst, size_t dst_pitch, const void* src, si
 
 Status DeviceCopyEngine::MarkIn(int s) {
   DeviceScope scope(state_->device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, state_->device));
   const cudaError_t status = cudaEventRecord(state_->in_done[s], state_->stream);
   if (status != cudaSuccess) return CudaError(status, "recording a staging event");
   return Status::Ok();
@@ -194,12 +251,14 @@ Status DeviceCopyEngine::MarkIn(int s) {
 
 Status DeviceCopyEngine::WaitIn(int s, Deadline deadline) {
   DeviceScope scope(state_->device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, state_->device));
   // Covers this slot's copy in and, queued before it, earlier copies out.
   return PollEvent(state_->in_done[s], deadline, "staging copies into slot " + std::to_string(s));
 }
 
 Status DeviceCopyEngine::WaitAll(Deadline deadline) {
   DeviceScope scope(state_->device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, state_->device));
   const cudaError_t status = cudaEventRecord(state_->all_done, state_->stream);
   if (status != cudaSuccess) return CudaError(status, "recording a staging event");
   return PollEvent(state_->all_done, deadline, "staging copies");

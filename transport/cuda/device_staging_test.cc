@@ -11,10 +11,26 @@
 #include <numeric>
 #include <vector>
 
+#include "transport/cuda/cuda_util.h"
+
 namespace ddp::transport::cuda {
 namespace {
 
 using std::chrono::milliseconds;
+
+// First in this file: no CUDA call has made a context yet. Classifying a
+// host pointer must not make one (a CPU trainer built with CUDA would get
+// hundreds of MiB on GPU 0 in every rank).
+TEST(DeviceStaging, HostPointerClassifiedWithoutCreatingAContext) {
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess) << "no CUDA device";
+  for (int d = 0; d < devices; ++d) {
+    if (PrimaryContextActive(d)) GTEST_SKIP() << "device " << d << " has a context already";
+  }
+  std::vector<char> pageable(64);
+  EXPECT_FALSE(ClassifyPointer(pageable.data()).device);
+  for (int d = 0; d < devices; ++d) EXPECT_FALSE(PrimaryContextActive(d)) << d;
+}
 
 TEST(DeviceStaging, ClassifiesDeviceAndHostPointers) {
   ASSERT_TRUE(BuiltWithCuda());
@@ -74,10 +90,56 @@ TEST(DeviceStaging, StridedCopiesRoundTrip) {
   cudaFree(dst);
 }
 
+// Slot 1 and scratch 1 start slot_bytes() after slot 0: an odd size would
+// misalign them (cudaErrorMisalignedAddress in a kernel on f32 there).
+TEST(DeviceStaging, OddSlotSizesAreRoundedSoEverySlotIsAligned) {
+  auto engine = DeviceCopyEngine::Create(0, 1001);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  DeviceCopyEngine& e = **engine;
+  EXPECT_EQ(e.slot_bytes(), 1024u);
+  for (int s = 0; s < CopyEngine::kSlots; ++s) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(e.slot(s)) % kStagingSlotAlign, 0u) << s;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(e.scratch(s)) % kStagingSlotAlign, 0u) << s;
+  }
+  // A reduction of f32 in scratch 1 (1001 bytes past an aligned base
+  // before the rounding).
+  const float* sources[] = {reinterpret_cast<const float*>(e.scratch(1))};
+  ASSERT_TRUE(e.Reduce(e.scratch(1), reinterpret_cast<const void* const*>(sources), 1, 16,
+                       DataType::kF32, ReduceOp::kSum)
+                  .ok());
+  EXPECT_TRUE(e.WaitAll(DeadlineIn(milliseconds(5000))).ok());
+}
+
+// The destructor frees the scratch in its stream's order (cudaFreeAsync,
+// awaited with a bound) rather than with cudaFree, which waits for the
+// whole device: the memory must still come back, with the user's work
+// queued on another stream meanwhile.
+TEST(DeviceStaging, EngineDestroyedWithWorkOnAnotherStreamFreesItsScratch) {
+  size_t free_before = 0, total = 0;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  auto engine = DeviceCopyEngine::Create(0, size_t{64} << 20);  // 128 MiB of scratch
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  cudaStream_t busy = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking), cudaSuccess);
+  void* big = nullptr;
+  ASSERT_EQ(cudaMalloc(&big, size_t{1} << 26), cudaSuccess);
+  for (int i = 0; i < 100; ++i) cudaMemsetAsync(big, i, size_t{1} << 26, busy);
+  engine->reset();
+  EXPECT_EQ(cudaStreamSynchronize(busy), cudaSuccess);
+  cudaStreamDestroy(busy);
+  cudaFree(big);
+  size_t free_after = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
+  EXPECT_GE(free_after + (size_t{32} << 20), free_before);
+}
+
 TEST(DeviceStaging, OneRankAllReduceThroughManyChunks) {
-  // 1000 floats through 64-byte slots: 63 chunks, each doubled on the host.
+  // 1000 floats through slots of 64 bytes asked for (256 made, the
+  // alignment): 16 chunks, each doubled on the host.
   auto engine = DeviceCopyEngine::Create(0, 64);
   ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_EQ((*engine)->slot_bytes(), 256u);
   std::vector<float> host(1000);
   std::iota(host.begin(), host.end(), 0.0f);
   float* data = nullptr;
@@ -97,7 +159,7 @@ TEST(DeviceStaging, OneRankAllReduceThroughManyChunks) {
       },
       DeadlineIn(milliseconds(10000)));
   ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(chunks, 63);
+  EXPECT_EQ(chunks, 16);
   std::vector<float> back(host.size());
   ASSERT_EQ(cudaMemcpy(back.data(), data, back.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   for (size_t i = 0; i < back.size(); ++i) ASSERT_EQ(back[i], 2.0f * i) << i;

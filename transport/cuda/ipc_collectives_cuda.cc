@@ -68,6 +68,10 @@ Record Export(const void* p) {
     return r;
   }
   DeviceScope scope(attributes.device);
+  if (scope.status() != cudaSuccess) {  // not exportable from here: this rank says no
+    cudaGetLastError();
+    return r;
+  }
   const AddressRangeFn range = AddressRange();
   unsigned long long base = 0;
   size_t size = 0;
@@ -237,6 +241,7 @@ StatusOr<bool> IpcCollectives::AllReduce(const void* send, void* recv, size_t co
                                          Deadline deadline) {
   State& s = *state_;
   DeviceScope scope(s.device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, s.device));
   Session session(s);
   DDP_ASSIGN_OR_RETURN(bool usable, session.Prepare({send, recv}, host, deadline));
   if (!usable) return false;
@@ -246,11 +251,11 @@ StatusOr<bool> IpcCollectives::AllReduce(const void* send, void* recv, size_t co
   const size_t begin = SliceBegin(count, me, n), end = SliceBegin(count, me + 1, n);
   const void* sources[kMaxIpcRanks];
   for (int q = 0; q < n; ++q) sources[q] = session.buffer(q, 0) + begin * e;
+  bool failed_before = false;
   int launched = ReduceAsync(session.buffer(me, 1) + begin * e, sources, n, end - begin,
-                             static_cast<int>(dtype), static_cast<int>(op), s.stream);
-  if (launched != cudaSuccess) {
-    return CudaError(static_cast<cudaError_t>(launched), "launching the IPC reduction");
-  }
+                             static_cast<int>(dtype), static_cast<int>(op), s.stream,
+                             &failed_before);
+  if (launched != cudaSuccess) return LaunchError(launched, failed_before, "the IPC reduction");
   DDP_RETURN_IF_ERROR(WaitStream(s.stream, s.done, deadline, "IPC reduction"));
   // 2. Every slice is reduced once every rank is past its kernel.
   DDP_RETURN_IF_ERROR(host.barrier());
@@ -275,6 +280,7 @@ StatusOr<bool> IpcCollectives::Broadcast(void* buffer, size_t count, DataType dt
                                          const IpcHostSteps& host, Deadline deadline) {
   State& s = *state_;
   DeviceScope scope(s.device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, s.device));
   Session session(s);
   DDP_ASSIGN_OR_RETURN(bool usable, session.Prepare({buffer}, host, deadline));
   if (!usable) return false;
@@ -295,6 +301,7 @@ StatusOr<bool> IpcCollectives::AllGather(const void* send, void* recv, size_t co
                                          Deadline deadline) {
   State& s = *state_;
   DeviceScope scope(s.device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, s.device));
   Session session(s);
   DDP_ASSIGN_OR_RETURN(bool usable, session.Prepare({send}, host, deadline));
   if (!usable) return false;
@@ -318,17 +325,17 @@ StatusOr<bool> IpcCollectives::ReduceScatter(const void* send, void* recv, size_
                                              const IpcHostSteps& host, Deadline deadline) {
   State& s = *state_;
   DeviceScope scope(s.device);
+  DDP_RETURN_IF_ERROR(ScopeStatus(scope, s.device));
   Session session(s);
   DDP_ASSIGN_OR_RETURN(bool usable, session.Prepare({send}, host, deadline));
   if (!usable) return false;
   const size_t e = DataTypeSize(dtype);
   const void* sources[kMaxIpcRanks];
   for (int q = 0; q < s.size; ++q) sources[q] = session.buffer(q, 0) + s.rank * count * e;
+  bool failed_before = false;
   const int launched = ReduceAsync(recv, sources, s.size, count, static_cast<int>(dtype),
-                                   static_cast<int>(op), s.stream);
-  if (launched != cudaSuccess) {
-    return CudaError(static_cast<cudaError_t>(launched), "launching the IPC reduction");
-  }
+                                   static_cast<int>(op), s.stream, &failed_before);
+  if (launched != cudaSuccess) return LaunchError(launched, failed_before, "the IPC reduction");
   DDP_RETURN_IF_ERROR(WaitStream(s.stream, s.done, deadline, "IPC reduction"));
   session.Close();
   DDP_RETURN_IF_ERROR(host.barrier());

@@ -71,9 +71,10 @@ __global__ void ReduceKernel(T* dst, Sources sources, int n, size_t count) {
       const A v = Widen(static_cast<const T*>(sources.p[k])[i]);
       if constexpr (kOp == kSum || kOp == kAvg) acc = acc + v;
       // A NaN from any source wins, as on the host (transport/reduce): a
-      // bare comparison keeps a NaN only where it came first.
-      if constexpr (kOp == kMax) acc = IsNan(acc) || acc >= v ? acc : v;
-      if constexpr (kOp == kMin) acc = IsNan(acc) || acc <= v ? acc : v;
+      // bare comparison keeps a NaN only where it came first. On a tie
+      // (+0 and -0) the later operand wins, as on the host.
+      if constexpr (kOp == kMax) acc = IsNan(acc) || acc > v ? acc : v;
+      if constexpr (kOp == kMin) acc = IsNan(acc) || acc < v ? acc : v;
       if constexpr (kOp == kProd) acc = acc * v;
     }
     if constexpr (kOp == kAvg) acc = static_cast<A>(acc / static_cast<A>(n));
@@ -97,9 +98,23 @@ cudaError_t Launch(void* dst, const Sources& sources, int n, size_t count, int o
   return cudaGetLastError();
 }
 
+// An error pending before the launch (sticky, or left unread by unrelated
+// code) would come back from the cudaGetLastError after it, as if the
+// launch had failed, and be cleared: it is returned as it is, flagged, and
+// nothing is launched.
+bool FailedBefore(cudaError_t* error, bool* failed_before) {
+  if (failed_before != nullptr) *failed_before = false;
+  *error = cudaPeekAtLastError();
+  if (*error == cudaSuccess) return false;
+  if (failed_before != nullptr) *failed_before = true;
+  return true;
+}
+
 }  // namespace
 
-int SumF32Async(float* dst, const float* src, size_t count, void* stream) {
+int SumF32Async(float* dst, const float* src, size_t count, void* stream, bool* failed_before) {
+  cudaError_t before = cudaSuccess;
+  if (FailedBefore(&before, failed_before)) return before;
   if (count == 0) return cudaSuccess;
   SumF32Kernel<<<Blocks(count), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       dst, src, count);
@@ -107,7 +122,9 @@ int SumF32Async(float* dst, const float* src, size_t count, void* stream) {
 }
 
 int ReduceAsync(void* dst, const void* const* sources, int num_sources, size_t count, int dtype,
-                int op, void* stream) {
+                int op, void* stream, bool* failed_before) {
+  cudaError_t before = cudaSuccess;
+  if (FailedBefore(&before, failed_before)) return before;
   if (num_sources < 1 || num_sources > kMaxReduceSources) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   Sources s{};

@@ -154,5 +154,50 @@ TEST(ReduceKernels, MaxAndMinPropagateANanFromAnySource) {
   }
 }
 
+// +0 and -0 compare equal: the later source wins, as in the host kernels
+// (transport/reduce, MaxOp/MinOp with the accumulator first).
+TEST(ReduceKernels, MaxAndMinTieOfSignedZerosTakesTheLaterSource) {
+  const float plus_first[] = {0.0f, -0.0f}, minus_first[] = {-0.0f, 0.0f};
+  for (const float* pair : {plus_first, minus_first}) {
+    for (int op : {2, 3}) {
+      std::vector<void*> device(2);
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_EQ(cudaMalloc(&device[k], 4), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(device[k], &pair[k], 4, cudaMemcpyHostToDevice), cudaSuccess);
+      }
+      ASSERT_EQ(ReduceAsync(device[0], device.data(), 2, 1, 0, op, nullptr), 0);
+      float out = 1.0f;
+      ASSERT_EQ(cudaMemcpy(&out, device[0], 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::signbit(out), std::signbit(pair[1])) << "op " << op;
+      for (void* p : device) cudaFree(p);
+    }
+  }
+}
+
+// An error pending before the call (left unread by other code) is not
+// taken for the launch's, nor cleared: the caller can say the device had
+// failed already.
+TEST(ReduceKernels, ErrorPendingBeforeTheLaunchIsFlaggedAndLeftPending) {
+  float* data = nullptr;
+  ASSERT_EQ(cudaMalloc(&data, 4), cudaSuccess);
+  // A launch-configuration error: not sticky, pending until read.
+  ASSERT_NE(cudaMemcpy(data, data, 4, static_cast<cudaMemcpyKind>(42)), cudaSuccess);
+  bool failed_before = false;
+  const void* sources[] = {data};
+  const int launched = ReduceAsync(data, sources, 1, 1, 0, 0, nullptr, &failed_before);
+  if (cudaPeekAtLastError() == cudaSuccess) {
+    // This runtime does not leave such errors pending: nothing to tell apart.
+    EXPECT_EQ(launched, 0);
+    EXPECT_FALSE(failed_before);
+  } else {
+    EXPECT_NE(launched, 0);
+    EXPECT_TRUE(failed_before);
+    EXPECT_NE(cudaGetLastError(), cudaSuccess);  // still pending, now read
+  }
+  EXPECT_EQ(ReduceAsync(data, sources, 1, 1, 0, 0, nullptr, &failed_before), 0);
+  EXPECT_FALSE(failed_before);
+  cudaFree(data);
+}
+
 }  // namespace
 }  // namespace ddp::transport::cuda

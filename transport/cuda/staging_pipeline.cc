@@ -1,6 +1,7 @@
 #include "transport/cuda/staging_pipeline.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -146,6 +147,44 @@ Status RunStaged(CopyEngine& engine, const StagedCall& call, const HostCollectiv
     engine.WaitAll(std::max(deadline, DeadlineIn(std::chrono::milliseconds(1000)))).IgnoreError();
   }
   return status;
+}
+
+StatusOr<int> CallDevice(std::span<const CallBuffer> buffers, const char* what) {
+  const CallBuffer* host = nullptr;    // the first host buffer used
+  const CallBuffer* device = nullptr;  // the first device buffer
+  for (const CallBuffer& b : buffers) {
+    if (b.p == nullptr) continue;
+    if (!b.kind.device) {
+      if (host == nullptr) host = &b;
+      continue;
+    }
+    if (device != nullptr && b.kind.device_id != device->kind.device_id) {
+      return InvalidArgumentError(std::string(what) + ": the " + device->name +
+                                  " is on CUDA device " +
+                                  std::to_string(device->kind.device_id) + " and the " + b.name +
+                                  " on CUDA device " + std::to_string(b.kind.device_id) +
+                                  "; one call uses one device");
+    }
+    if (device == nullptr) device = &b;
+  }
+  if (device == nullptr) return -1;
+  if (host != nullptr) {
+    return InvalidArgumentError(std::string(what) + ": the " + host->name +
+                                " is host memory and the " + device->name + " is on CUDA device " +
+                                std::to_string(device->kind.device_id) +
+                                "; one call takes host buffers or device buffers, not both");
+  }
+  return device->kind.device_id;
+}
+
+size_t StagingSlotBytes(size_t chunk_bytes, int world_size) {
+  size_t slot = std::max<size_t>(chunk_bytes, 8 * (static_cast<size_t>(world_size) + 1));
+  // A larger request fails to allocate anyway; capped, the rounding below
+  // and kSlots * slot cannot wrap around.
+  constexpr size_t kCap = std::numeric_limits<size_t>::max() / CopyEngine::kSlots /
+                          kStagingSlotAlign * kStagingSlotAlign;
+  slot = std::min(slot, kCap);
+  return (slot + kStagingSlotAlign - 1) / kStagingSlotAlign * kStagingSlotAlign;
 }
 
 StagedPlan ChooseStagedPlan(const StagedCall& call, bool prefer_device,

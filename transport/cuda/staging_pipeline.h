@@ -30,6 +30,37 @@
 
 namespace ddp::transport::cuda {
 
+/// Where a buffer lives (ClassifyPointer in device_staging.h).
+struct PointerKind {
+  bool device = false;  ///< Device (or managed) memory: the host must not touch it.
+  int device_id = -1;   ///< The CUDA device owning it, when `device`.
+};
+
+/// One buffer of a call, as classified.
+struct CallBuffer {
+  const char* name;  ///< "send buffer", for messages.
+  const void* p;     ///< nullptr: a buffer this rank does not use (skipped).
+  PointerKind kind;
+};
+
+/// The CUDA device of a call's buffers, -1 when every buffer used is host
+/// memory. INVALID_ARGUMENT (`what`: the call) for buffers on two devices,
+/// or host memory next to device memory: a plan is for one kind of memory,
+/// and a device plan would hand the host buffer to a kernel or a copy that
+/// blocks in the driver.
+StatusOr<int> CallDevice(std::span<const CallBuffer> buffers, const char* what);
+
+/// Slot starts (slot 1 and scratch 1 start slot_bytes after slot 0) are
+/// multiples of this: aligned for every dtype and for the copies.
+inline constexpr size_t kStagingSlotAlign = 256;
+
+/// Bytes of each staging slot (and of device scratch) for chunks of
+/// `chunk_bytes` among `world_size` ranks: at least one element of the
+/// widest dtype per rank and one more (the reduce-scatter layout), rounded
+/// up to kStagingSlotAlign (a chunk of 4 MiB + 1 bytes would misalign
+/// every element of slot 1), and not so large that kSlots of them overflow.
+size_t StagingSlotBytes(size_t chunk_bytes, int world_size);
+
 /// Most sources one CopyEngine::Reduce takes (the CUDA kernel passes them in
 /// its arguments; transport/cuda/reduce_kernels.h has the same limit).
 inline constexpr int kMaxDeviceReduceSources = 16;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -652,6 +653,74 @@ TEST(StagingPipelineDeviceReduce, RanksWithDifferentSlotSizesFailFast) {
              s.message().find("direct exchange") != std::string::npos;
   }
   EXPECT_TRUE(named) << statuses[0].ToString() << "\n" << statuses[2].ToString();
+}
+
+// The communicator's classification of a call's buffers: a device plan
+// given a host buffer would hand it to a kernel (cudaErrorIllegalAddress)
+// or to a copy that blocks in the driver.
+TEST(CallDevice, HostNextToDeviceIsRefusedNamingBoth) {
+  int host = 0, dev = 0;  // only the addresses count
+  const PointerKind on0{.device = true, .device_id = 0};
+  const PointerKind on1{.device = true, .device_id = 1};
+  const CallBuffer host_send_device_recv[] = {{"send buffer", &host, {}},
+                                              {"receive buffer", &dev, on1}};
+  StatusOr<int> device = CallDevice(host_send_device_recv, "all-reduce");
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(device.status().message(),
+            "all-reduce: the send buffer is host memory and the receive buffer is on CUDA "
+            "device 1; one call takes host buffers or device buffers, not both");
+  const CallBuffer device_send_host_recv[] = {{"send buffer", &dev, on0},
+                                              {"receive buffer", &host, {}}};
+  device = CallDevice(device_send_host_recv, "all-gather");
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().message(),
+            "all-gather: the receive buffer is host memory and the send buffer is on CUDA "
+            "device 0; one call takes host buffers or device buffers, not both");
+}
+
+TEST(CallDevice, TwoDevicesAreRefusedNamingBoth) {
+  int a = 0, b = 0;
+  const CallBuffer buffers[] = {{"send buffer", &a, {.device = true, .device_id = 0}},
+                                {"receive buffer", &b, {.device = true, .device_id = 2}}};
+  StatusOr<int> device = CallDevice(buffers, "reduce-scatter");
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().message(),
+            "reduce-scatter: the send buffer is on CUDA device 0 and the receive buffer on CUDA "
+            "device 2; one call uses one device");
+}
+
+TEST(CallDevice, UnusedInPlaceAndSingleKindBuffersAreAccepted) {
+  int a = 0, b = 0;
+  const PointerKind on3{.device = true, .device_id = 3};
+  // A non-root's recv is not used: nullptr, whatever it would be.
+  const CallBuffer unused_recv[] = {{"send buffer", &a, on3}, {"receive buffer", nullptr, {}}};
+  EXPECT_EQ(*CallDevice(unused_recv, "reduce"), 3);
+  const CallBuffer unused_send[] = {{"send buffer", nullptr, {}}, {"receive buffer", &a, on3}};
+  EXPECT_EQ(*CallDevice(unused_send, "scatter"), 3);
+  const CallBuffer in_place[] = {{"send buffer", &a, on3}, {"receive buffer", &a, on3}};
+  EXPECT_EQ(*CallDevice(in_place, "all-reduce"), 3);
+  const CallBuffer host[] = {{"send buffer", &a, {}}, {"receive buffer", &b, {}}};
+  EXPECT_EQ(*CallDevice(host, "all-reduce"), -1);
+  const CallBuffer none[] = {{"send buffer", nullptr, {}}, {"receive buffer", nullptr, {}}};
+  EXPECT_EQ(*CallDevice(none, "gather"), -1);
+}
+
+// Slot 1 and scratch 1 start slot_bytes after slot 0: an odd chunk size
+// would misalign every element there (cudaErrorMisalignedAddress).
+TEST(StagingSlotBytes, RoundsUpToTheAlignmentAndKeepsOneElementPerRank) {
+  EXPECT_EQ(StagingSlotBytes(size_t{4} << 20, 2), size_t{4} << 20);
+  EXPECT_EQ(StagingSlotBytes((size_t{4} << 20) + 1, 2), (size_t{4} << 20) + kStagingSlotAlign);
+  EXPECT_EQ(StagingSlotBytes(100, 2), kStagingSlotAlign);
+  EXPECT_EQ(StagingSlotBytes(1, 63), 512u);  // 8 * 64 bytes
+  EXPECT_EQ(StagingSlotBytes(1, 64), 768u);  // 8 * 65 = 520, rounded up
+  for (size_t requested : {size_t{1}, size_t{255}, size_t{257}, size_t{4194305},
+                           std::numeric_limits<size_t>::max()}) {
+    const size_t slot = StagingSlotBytes(requested, 4);
+    EXPECT_EQ(slot % kStagingSlotAlign, 0u) << requested;
+    EXPECT_GE(slot, std::min(requested, std::numeric_limits<size_t>::max() / 4)) << requested;
+    EXPECT_LE(slot, std::numeric_limits<size_t>::max() / CopyEngine::kSlots) << requested;
+  }
 }
 
 }  // namespace
