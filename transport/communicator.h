@@ -369,6 +369,10 @@ class Communicator {
   /// Posting (Send, Recv and their async forms) waits for a collective that
   /// another thread is running only until this call's deadline: then
   /// TIMED_OUT, nothing was posted, and the communicator stays usable.
+  /// A device buffer handed to a CUDA-enabled UCX as it is (here and in
+  /// the direct broadcast and all-gather) goes once the work queued on the
+  /// legacy default stream is done, polled until the call's deadline; for
+  /// these four calls a wait that fails posts nothing, as above.
   Status Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
               const CallOptions& call = {});
   /// Receives exactly `count` elements from `peer` (another count:
