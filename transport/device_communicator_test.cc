@@ -507,9 +507,10 @@ int ScenarioOrderingAndMixed() {
                    "odd chunk all-reduce " + std::string(DataTypeName(dtype)) + ": " + first);
     }
   }
-  // (2) 64 MiB written by an asynchronous memset on the legacy default
-  // stream just before each call.
-  const size_t bytes = size_t{64} << 20;
+  // (2) 16 MiB written by an asynchronous memset on the legacy default
+  // stream just before each call (thousands of 4352-byte chunks when
+  // staged).
+  const size_t bytes = size_t{16} << 20;
   DeviceBuffer big(bytes), gathered(bytes * n);
   auto check_bytes = [&](const DeviceBuffer& b, size_t offset, size_t len, int value,
                          const std::string& what) {
