@@ -1,10 +1,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <any>
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "nn/autograd/engine.h"
@@ -423,6 +427,111 @@ TEST(AutogradTest, ThreadsSharingALeafShareItsAccumulator) {
   EXPECT_EQ(mismatches.load(), 0);
   // d sum(x w^T) / dw[o, i] = sum_n x[n, i]: 2 * 1 and 2 * 2 per iteration (exact in f32).
   EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(12, kIters * (2.0f * 1 + 2.0f * 2)));
+}
+
+// Runs a and b on two threads that start together; returns what each threw
+// ("" for nothing).
+std::pair<std::string, std::string> RaceTwo(const std::function<void()>& a, const std::function<void()>& b) {
+  std::atomic<int> ready{0};
+  std::string error_a, error_b;
+  auto run = [&ready](const std::function<void()>& fn, std::string& error) {
+    ready.fetch_add(1);
+    while (ready.load() < 2) {
+    }
+    error = ErrorOf(fn);
+  };
+  std::thread ta(run, std::cref(a), std::ref(error_a)), tb(run, std::cref(b), std::ref(error_b));
+  ta.join();
+  tb.join();
+  return {error_a, error_b};
+}
+
+// Two heads on one trunk h = x * x, each backward on a thread of its own
+// without retain_graph: both reach MulBackward. As in PyTorch, one pass
+// runs it and releases its saved tensors, the other then finds them
+// released and gets the "second time" error. Before, nothing ordered one
+// pass's release against the other's read of the saved tensors: both
+// passes could go through (one reading tensors while they were freed), or
+// the process crashed.
+TEST(AutogradTest, TwoPassesThroughASharedNodeOneGetsTheSecondTimeError) {
+  constexpr int kIters = 200;
+  constexpr int64_t kSize = 4096;
+  Tensor x = Param({kSize}, 1.0);
+  float expected = 0;
+  for (int i = 0; i < kIters; ++i) {
+    Tensor h = ops::Mul(x, x);
+    Tensor loss2 = ops::Sum(ops::MulScalar(h, 2.0)), loss3 = ops::Sum(ops::MulScalar(h, 3.0));
+    const auto [e2, e3] = RaceTwo([&] { Backward(loss2); }, [&] { Backward(loss3); });
+    ASSERT_NE(e2.empty(), e3.empty()) << "iteration " << i << ": exactly one pass must fail, got [" << e2
+                                      << "] and [" << e3 << "]";
+    const std::string& err = e2.empty() ? e3 : e2;
+    ASSERT_NE(err.find("in backward of MulBackward: tried to run backward through the graph a second time"),
+              std::string::npos)
+        << err;
+    expected += e2.empty() ? 2 * 2.0f : 2 * 3.0f;  // d(k x^2)/dx at x = 1, from the pass that went through
+  }
+  EXPECT_EQ(x.grad().ToVector<float>(), std::vector<float>(kSize, expected));
+}
+
+// y = 2 x; its backward keeps the saved input a while and counts its calls
+// in saved_data (read, pause, write), so that two passes inside it at once
+// are seen.
+struct SlowDouble : Function<SlowDouble> {
+  static constexpr const char* kName = "SlowDoubleBackward";
+  static std::vector<Tensor> Forward(AutogradContext* ctx, const std::vector<Tensor>& in) {
+    ctx->saved_data["calls"] = 0;
+    ctx->SaveForBackward({in[0]});
+    return {ops::MulScalar(in[0], 2.0)};
+  }
+  static std::vector<Tensor> Backward(AutogradContext* ctx, const std::vector<Tensor>& g) {
+    const int calls = std::any_cast<int>(ctx->saved_data["calls"]);
+    const Tensor x = ctx->GetSavedTensors()[0];
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    ctx->saved_data["calls"] = calls + 1;
+    return {ops::MulScalar(g[0], 2.0)};
+  }
+};
+
+int CallsOf(const Tensor& out) {
+  auto* node = dynamic_cast<CustomFunctionNode*>(out.grad_fn().get());
+  return std::any_cast<int>(node->ctx().saved_data["calls"]);
+}
+
+// A custom function shared by two passes on two threads runs one pass at a
+// time: without retain_graph the second gets the "second time" error; with
+// it both go through, neither loses the other's update of saved_data or of
+// the retained gradient of the function's output. Before, both passes ran
+// its backward at once: both went through without retain_graph, and one
+// update of saved_data was lost with it.
+TEST(CustomFunctionTest, TwoPassesRunASharedFunctionOneAtATime) {
+  constexpr int kIters = 50;
+  Tensor x = Param({3}, 1.0);
+  for (int i = 0; i < kIters; ++i) {
+    Tensor h = SlowDouble::Apply({x})[0];
+    Tensor loss2 = ops::Sum(ops::MulScalar(h, 2.0)), loss3 = ops::Sum(ops::MulScalar(h, 3.0));
+    const auto [e2, e3] = RaceTwo([&] { Backward(loss2); }, [&] { Backward(loss3); });
+    ASSERT_NE(e2.empty(), e3.empty()) << "iteration " << i << ": exactly one pass must fail, got [" << e2
+                                      << "] and [" << e3 << "]";
+    const std::string& err = e2.empty() ? e3 : e2;
+    ASSERT_NE(err.find("in backward of SlowDoubleBackward: tried to run backward through the graph a second time"),
+              std::string::npos)
+        << err;
+    EXPECT_EQ(CallsOf(h), 1);
+  }
+  x.set_grad(Tensor());
+  float expected = 0;
+  for (int i = 0; i < kIters; ++i) {
+    Tensor h = SlowDouble::Apply({x})[0];
+    h.RetainGrad();
+    Tensor loss2 = ops::Sum(ops::MulScalar(h, 2.0)), loss3 = ops::Sum(ops::MulScalar(h, 3.0));
+    const auto [e2, e3] = RaceTwo([&] { Backward(loss2, Tensor(), /*retain_graph=*/true); },
+                                  [&] { Backward(loss3, Tensor(), /*retain_graph=*/true); });
+    ASSERT_EQ(e2 + e3, "") << "iteration " << i;
+    EXPECT_EQ(CallsOf(h), 2) << "iteration " << i;
+    EXPECT_EQ(h.grad().ToVector<float>(), std::vector<float>(3, 5.0f)) << "iteration " << i;
+    expected += 2 * 5.0f;
+  }
+  EXPECT_EQ(x.grad().ToVector<float>(), std::vector<float>(3, expected));
 }
 
 // The node observer may be set and cleared while another thread runs

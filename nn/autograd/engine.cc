@@ -203,34 +203,44 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       buffers.erase(it);
     }
     in.resize(std::max<size_t>(in.size(), node->num_outputs()));
-    // Non-leaf tensors that asked to keep their gradient. A second pass sums
-    // into a new tensor (PyTorch's grad = grad + new_grad): the .grad of the
-    // first pass may be held by the caller and must not change.
-    for (uint32_t i = 0; i < node->num_outputs(); ++i) {
-      if (!in[i].defined()) continue;
-      Tensor out = node->LiveOutput(i);
-      if (out.defined() && out.retains_grad()) {
-        AutogradMeta& meta = out.impl()->mutable_autograd();
-        meta.grad = meta.grad.defined() ? SumOf(meta.grad, in[i]) : in[i].Clone();
-      }
-    }
     bool any = false;
     for (const Tensor& t : in) any = any || t.defined();
     std::vector<Tensor> out_grads;
-    if (any) {
-      try {
-        if (const std::shared_ptr<const NodeObserver> observer = CurrentObserver()) {
-          const auto t0 = std::chrono::steady_clock::now();
-          out_grads = node->Apply(std::move(in));
-          (*observer)(*node, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        } else {
-          out_grads = node->Apply(std::move(in));
+    {
+      // Backward passes on two threads may share part of a graph (two
+      // heads on one trunk). As PyTorch's engine, each holds the node's
+      // mutex across the retained-grad update, Apply and the release of
+      // its saved tensors: the second finds them released and throws
+      // "backward through the graph a second time" instead of reading them
+      // while they are freed. A thread holds one node's mutex at a time.
+      std::lock_guard<std::mutex> lock(node->mutex());
+      // Non-leaf tensors that asked to keep their gradient. A second pass
+      // sums into a new tensor (PyTorch's grad = grad + new_grad): the
+      // .grad of the first pass may be held by the caller and must not
+      // change.
+      for (uint32_t i = 0; i < node->num_outputs(); ++i) {
+        if (!in[i].defined()) continue;
+        Tensor out = node->LiveOutput(i);
+        if (out.defined() && out.retains_grad()) {
+          AutogradMeta& meta = out.impl()->mutable_autograd();
+          meta.grad = meta.grad.defined() ? SumOf(meta.grad, in[i]) : in[i].Clone();
         }
-      } catch (const std::exception& e) {
-        RethrowWithNodeName(e, *node);
       }
+      if (any) {
+        try {
+          if (const std::shared_ptr<const NodeObserver> observer = CurrentObserver()) {
+            const auto t0 = std::chrono::steady_clock::now();
+            out_grads = node->Apply(std::move(in));
+            (*observer)(*node, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          } else {
+            out_grads = node->Apply(std::move(in));
+          }
+        } catch (const std::exception& e) {
+          RethrowWithNodeName(e, *node);
+        }
+      }
+      if (!retain_graph) node->ReleaseSaved();
     }
-    if (!retain_graph) node->ReleaseSaved();
     const auto& edges = node->next_edges();
     if (any && out_grads.size() != edges.size()) {
       throw std::logic_error(node->name() + " returned " + std::to_string(out_grads.size()) +

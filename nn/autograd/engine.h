@@ -5,12 +5,25 @@
 // final (roughly reverse registration order for a sequential model).
 //
 // Threading: backward, the accumulation into .grad and every hook run on the
-// thread that called Backward. Code that shares gradient memory with other
-// threads (DDP's communication thread reading buckets) must synchronize on
-// its own; the engine takes no locks around .grad. Recording a forward is
-// not synchronized either: the first op that uses a leaf creates its
-// accumulation node unlocked, so two threads must not record forwards on
-// the same parameters at once (each DDP rank owns its model).
+// thread that called Backward. Passes on several threads may run at once,
+// also through a shared part of one graph (two heads on one trunk): the
+// engine holds each node's mutex (Node::mutex) across its Apply, the
+// release of its saved tensors and the update of its outputs' retained
+// gradients. A shared node therefore runs one pass at a time; a leaf's
+// accumulation into .grad and its post-accumulate hooks are serialized
+// with the other passes' accumulation into that leaf; and a pass that
+// reaches a node another pass already released gets the usual "backward
+// through the graph a second time" error. That lock covers the engine's
+// own writes only: code that reads or writes .grad while a pass may be
+// accumulating into it (DDP's communication thread reading buckets, an
+// optimizer step, ZeroGrad) must synchronize with that pass on its own,
+// and hooks must not be registered or removed on a tensor while a pass
+// runs them. Recording forwards on shared leaves from several threads is
+// safe as far as the accumulator goes: its creation is locked
+// (AutogradMeta::grad_accumulator_mu), so every graph finds the same
+// AccumulateGrad node for a leaf; nothing else in a leaf's autograd
+// metadata is locked (changing requires_grad during another thread's
+// forward is a race).
 #pragma once
 
 #include <functional>

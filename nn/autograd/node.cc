@@ -38,9 +38,8 @@ AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable) : variable_
 std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
   Tensor g = std::move(grad_outputs[0]);
   if (!g.defined()) return {};
-  // Backward passes on two threads may reach one leaf's node at once; the
-  // update of .grad and its hooks run one at a time, as PyTorch's.
-  std::lock_guard<std::mutex> lock(mu_);
+  // The engine holds mutex() here: backward passes on two threads that
+  // reach this leaf update .grad and run its hooks one at a time.
   const Tensor var(variable_);
   // Frozen after the forward (requires_grad turned off before backward):
   // no gradient and no post-accumulate hooks, so DDP does not reduce it, as

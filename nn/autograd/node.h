@@ -55,6 +55,10 @@ class Node {
   void AddOutput(const Tensor& output);
   /// Output nr if it is still alive (for RetainGrad), else undefined.
   Tensor LiveOutput(uint32_t nr) const;
+  /// Held by the engine across this node's Apply and ReleaseSaved (and the
+  /// update of its outputs' retained gradients), so that backward passes on
+  /// several threads through a shared node run it one at a time.
+  std::mutex& mutex() { return mutex_; }
 
  protected:
   uint64_t sequence_nr_;
@@ -62,12 +66,15 @@ class Node {
  private:
   std::vector<Edge> next_edges_;
   std::vector<std::weak_ptr<TensorImpl>> outputs_;
+  std::mutex mutex_;
 };
 
 /// Adds incoming gradients into a leaf's .grad (in place when .grad exists,
 /// so a .grad that views a bucket is written directly), then runs the
 /// leaf's post-accumulate-grad hooks in registration order. A leaf whose
 /// requires_grad was turned off after the forward gets neither (PyTorch).
+/// Backward passes on two threads that reach one leaf's node run it one at
+/// a time, under the node's mutex(), as PyTorch's.
 class AccumulateGrad final : public Node {
  public:
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> variable);
@@ -77,13 +84,14 @@ class AccumulateGrad final : public Node {
 
  private:
   std::shared_ptr<TensorImpl> variable_;
-  std::mutex mu_;  // serializes Apply across concurrent backward passes
 };
 
 /// A tensor kept for backward: an alias with no autograd history (so a node
 /// never owns its own outputs' graph) plus the storage version at save time,
 /// so an in-place write before backward is reported instead of silently
-/// producing a wrong gradient.
+/// producing a wrong gradient. Not synchronized: Get and Release are
+/// called from the owning node's Apply and ReleaseSaved, which the engine
+/// runs under the node's mutex.
 class SavedTensor {
  public:
   SavedTensor() = default;
