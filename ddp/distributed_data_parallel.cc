@@ -117,11 +117,13 @@ DdpStats StatsSince(const DistributedDataParallel::Impl& s, const ProcessGroup& 
 
 std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& module, const DdpOptions& o) {
   std::vector<internal::ReplicaEntry> entries;
+  // Parameters, then buffers: the order BroadcastCoalesced gets them in.
+  internal::GpuOrder gpus;
   for (const auto& [name, p] : module.NamedParameters()) {
-    entries.push_back({"parameter", name, internal::DescribeTensor(p, true)});
+    entries.push_back({"parameter", name, internal::DescribeTensor(p, true, gpus)});
   }
   for (const auto& [name, b] : module.NamedBuffers()) {
-    entries.push_back({"buffer", name, internal::DescribeTensor(b, false)});
+    entries.push_back({"buffer", name, internal::DescribeTensor(b, false, gpus)});
   }
   // Every module's path and type: a rank that skipped ConvertSyncBatchNorm
   // has the same parameters and buffers, but its BatchNorm runs no

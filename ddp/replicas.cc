@@ -120,12 +120,20 @@ std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks, const s
 
 }  // namespace
 
-std::string DescribeTensor(const nn::Tensor& t, bool is_parameter) {
+int GpuOrder::Of(nn::Device device) {
+  const auto it = std::find(indices_.begin(), indices_.end(), device.index);
+  if (it != indices_.end()) return static_cast<int>(it - indices_.begin());
+  indices_.push_back(device.index);
+  return static_cast<int>(indices_.size()) - 1;
+}
+
+std::string DescribeTensor(const nn::Tensor& t, bool is_parameter, GpuOrder& gpus) {
   std::string s = std::string(nn::DTypeName(t.dtype())) + " " + nn::ShapeToString(t.shape()) +
                   " strides " + nn::ShapeToString(t.strides());
-  // The device type, not its index: with one process per GPU, rank r's
-  // replica lives on cuda:r and all of them are the same model.
-  if (t.device().is_cuda()) s += " on cuda";
+  // The GPU's order of first appearance, not its index: with one process
+  // per GPU, rank r's replica lives on cuda:r and all of them are the same
+  // model; a rank with one layer on another GPU than the rest is not.
+  if (t.device().is_cuda()) s += " on cuda#" + std::to_string(gpus.Of(t.device()));
   if (is_parameter && !t.requires_grad()) s += " no-grad";
   return s;
 }

@@ -21,9 +21,25 @@ struct ReplicaEntry {
   std::string value;  ///< "f32 [512, 784] strides [784, 1]", "SyncBatchNorm", "25".
 };
 
-/// "f32 [512, 784] strides [784, 1]" (plus " on cuda" for a tensor on any
-/// GPU, and " no-grad" for a parameter that does not require grad).
-std::string DescribeTensor(const nn::Tensor& t, bool is_parameter);
+/// Numbers the GPUs of one rank's model in the order its tensors first name
+/// them, for DescribeTensor. Ranks compare that order, not device indices:
+/// one process per GPU puts rank r's replica on cuda:r (cuda#0 on every
+/// rank), but the groups of GroupByDtypeAndDevice and the Reducer's buckets
+/// are formed per device and paired across ranks by position, so a model
+/// split over two GPUs on one rank and on one GPU on another must differ.
+class GpuOrder {
+ public:
+  /// k for the k-th distinct GPU passed so far (this one included).
+  int Of(nn::Device device);
+
+ private:
+  std::vector<int> indices_;  // device indices, in order of first appearance
+};
+
+/// "f32 [512, 784] strides [784, 1]" (plus " on cuda#k" for a tensor on the
+/// k-th GPU of `gpus`, and " no-grad" for a parameter that does not require
+/// grad). One `gpus` describes every tensor of a rank's model, in order.
+std::string DescribeTensor(const nn::Tensor& t, bool is_parameter, GpuOrder& gpus);
 
 /// Collective: returns when every rank passed the same entries; otherwise
 /// throws std::invalid_argument, with the same message on every rank:
@@ -37,9 +53,9 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, 
 /// (type and index), the groups in the order of their first tensor in
 /// `tensors`: BroadcastCoalesced's groups. In that order, not by device
 /// index, because ranks pair the groups by position and a model may sit on
-/// different GPU indices on different ranks (VerifyReplicas compares devices
-/// without their index): rank 0's cuda:0 part and rank 1's cuda:3 part
-/// must both come first.
+/// different GPU indices on different ranks (VerifyReplicas compares GPUs by
+/// their GpuOrder, not their index): rank 0's cuda:0 part and rank 1's
+/// cuda:3 part must both come first.
 std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors);
 
 /// Collective: copies rank `root`'s values of `tensors` into every rank's,
