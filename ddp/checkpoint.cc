@@ -11,10 +11,12 @@
 #include <thread>
 #include <functional>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "ddp/device_ops.h"
 #include "ddp/distributed_data_parallel.h"
 
 namespace ddp::dist {
@@ -89,12 +91,17 @@ std::string ErrorOf(const internal::StoppableWork& work, const std::atomic<bool>
 }
 
 // A rank's part (a write, a read), on a thread of its own, so that the
-// caller's thread can tell the others it is still going.
+// caller's thread can tell the others it is still going. The work runs on
+// the caller's current streams: a save's copies from the GPU come after
+// the caller's queued kernels (an optimizer step), a load's copies to it
+// before the caller's next ones.
 class Background {
  public:
   explicit Background(const internal::StoppableWork& work)
-      : thread_([this, &work] {
-          std::string error = ErrorOf(work, stop_);
+      : streams_(internal::CaptureCurrentStreams()),
+        thread_([this, &work] {
+          std::string error = ErrorOf(
+              [this, &work](const std::atomic<bool>& stop) { streams_->Run([&] { work(stop); }); }, stop_);
           std::lock_guard lock(mu_);
           error_ = std::move(error);
           done_ = true;
@@ -125,6 +132,7 @@ class Background {
   bool done_ = false;
   std::string error_;
   std::atomic<bool> stop_{false};
+  std::unique_ptr<internal::CapturedStreams> streams_;
   std::thread thread_;  // last: starts once the members it uses exist
 };
 

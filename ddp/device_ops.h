@@ -25,6 +25,7 @@
 // RecordStream(communication stream), so its block is not handed out again
 // before the communication stream has passed it.
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +73,25 @@ class DeviceFence {
 /// `device` and declares `tensors` used on the communication stream.
 /// Throws in a build without CUDA.
 std::unique_ptr<DeviceFence> MakeFence(nn::Device device, const std::vector<nn::Tensor>& tensors);
+
+/// The current streams of the thread that made it (see CaptureCurrentStreams).
+class CapturedStreams {
+ public:
+  virtual ~CapturedStreams() = default;
+  /// Runs `fn` on the calling thread with the captured streams as its
+  /// current streams, then restores this thread's own.
+  virtual void Run(const std::function<void()>& fn) const = 0;
+};
+
+/// Captures the calling thread's current stream of every visible GPU, for
+/// work moved to another thread (a checkpoint's copies, on a thread of their
+/// own) to queue its copies where the caller would have. That thread's
+/// current stream is otherwise the legacy default stream, which does not
+/// wait for the non-blocking streams nn makes, nor they for it: a save would
+/// read weights before the optimizer's kernels on the caller's stream have
+/// written them, a load would return with its copies still in flight. The
+/// caller's streams must outlive every Run. Without CUDA, Run just calls fn.
+std::unique_ptr<CapturedStreams> CaptureCurrentStreams();
 
 }  // namespace ddp::dist::internal
 

@@ -6,6 +6,8 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "ddp/device_ops.h"
 #include "nn/cuda/allocator.h"
@@ -153,5 +155,33 @@ void CheckCollectiveDevice(nn::Device device, const std::string& where) {
 std::unique_ptr<DeviceFence> MakeFence(nn::Device device, const std::vector<nn::Tensor>& tensors) {
   return std::make_unique<CudaFence>(device, tensors);
 }
+
+namespace {
+class CudaCapturedStreams final : public CapturedStreams {
+ public:
+  CudaCapturedStreams() {
+    for (int i = 0; i < nn::cuda::DeviceCount(); ++i) {
+      const nn::Device device(nn::DeviceType::kCUDA, i);
+      const cudaStream_t stream = nn::cuda::CurrentStream(device);
+      // Any thread's default: nothing to install.
+      if (stream != cudaStreamLegacy) streams_.emplace_back(device, stream);
+    }
+  }
+
+  void Run(const std::function<void()>& fn) const override {
+    std::vector<std::unique_ptr<nn::cuda::StreamGuard>> guards;
+    guards.reserve(streams_.size());
+    for (const auto& [device, stream] : streams_) {
+      guards.push_back(std::make_unique<nn::cuda::StreamGuard>(device, stream));
+    }
+    fn();
+  }
+
+ private:
+  std::vector<std::pair<nn::Device, cudaStream_t>> streams_;
+};
+}  // namespace
+
+std::unique_ptr<CapturedStreams> CaptureCurrentStreams() { return std::make_unique<CudaCapturedStreams>(); }
 
 }  // namespace ddp::dist::internal

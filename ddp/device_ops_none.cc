@@ -23,4 +23,13 @@ std::unique_ptr<DeviceFence> MakeFence(nn::Device device, const std::vector<nn::
   throw std::invalid_argument(NoCudaMessage("a collective on " + device.ToString()));
 }
 
+namespace {
+class NoStreams final : public CapturedStreams {
+ public:
+  void Run(const std::function<void()>& fn) const override { fn(); }
+};
+}  // namespace
+
+std::unique_ptr<CapturedStreams> CaptureCurrentStreams() { return std::make_unique<NoStreams>(); }
+
 }  // namespace ddp::dist::internal
