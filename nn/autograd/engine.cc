@@ -206,6 +206,10 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     bool any = false;
     for (const Tensor& t : in) any = any || t.defined();
     std::vector<Tensor> out_grads;
+    // The observer (a profiler) runs after the node's mutex is released, so
+    // a slow one does not hold up another pass through a shared node.
+    const std::shared_ptr<const NodeObserver> observer = any ? CurrentObserver() : nullptr;
+    double apply_seconds = 0;
     {
       // Backward passes on two threads may share part of a graph (two
       // heads on one trunk). As PyTorch's engine, each holds the node's
@@ -228,10 +232,10 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       }
       if (any) {
         try {
-          if (const std::shared_ptr<const NodeObserver> observer = CurrentObserver()) {
+          if (observer) {
             const auto t0 = std::chrono::steady_clock::now();
             out_grads = node->Apply(std::move(in));
-            (*observer)(*node, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            apply_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           } else {
             out_grads = node->Apply(std::move(in));
           }
@@ -241,6 +245,7 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       }
       if (!retain_graph) node->ReleaseSaved();
     }
+    if (observer) (*observer)(*node, apply_seconds);
     const auto& edges = node->next_edges();
     if (any && out_grads.size() != edges.size()) {
       throw std::logic_error(node->name() + " returned " + std::to_string(out_grads.size()) +

@@ -24,6 +24,18 @@
 // AccumulateGrad node for a leaf; nothing else in a leaf's autograd
 // metadata is locked (changing requires_grad during another thread's
 // forward is a race).
+//
+// What the per-node lock implies for code that runs inside a backward (a
+// custom function's Backward, a hook): it must not wait for another pass
+// that reaches the same node (say, a nested backward run on a worker thread
+// and joined, since one thread cannot nest Backward): that pass waits for
+// the node's mutex, which the waiting code holds, and neither returns.
+// Nodes that issue collectives (SyncBatchNorm's backward) must not be
+// shared by concurrent passes with retain_graph: each pass issues the
+// collective in whatever order its thread won the node, and ranks may pair
+// different passes' data. And the lock is per node: state shared across
+// several leaves' hooks (DDP's reducer counts ready gradients across
+// parameters) is not covered; DDP runs one backward at a time per model.
 #pragma once
 
 #include <functional>
