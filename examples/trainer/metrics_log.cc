@@ -93,7 +93,8 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
     if (resume_at_epoch_end && !steps_.empty()) epoch_ends_.emplace_back(steps_.back().epoch, resume_step);
   }
   WriteFileAtomically(csv_path(), kept);
-  csv_ = std::fopen(csv_path().c_str(), "a");
+  // "e": O_CLOEXEC, so that processes started meanwhile do not inherit it.
+  csv_ = std::fopen(csv_path().c_str(), "ae");
   if (csv_ == nullptr) {
     throw std::runtime_error("cannot open " + csv_path() + ": " + std::strerror(errno));
   }

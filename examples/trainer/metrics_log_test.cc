@@ -1,5 +1,7 @@
 #include "examples/trainer/metrics_log.h"
 
+#include <fcntl.h>
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -32,6 +34,23 @@ TEST(MetricsLogTest, WritesCsvRowsAsTheyCome) {
             "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n"
             "10,1,2.25,0.05,1234.5,,\n"
             "10,1,,,,0.5,0.8125\n");
+}
+
+// metrics.csv stays open for the whole run, in which rank 0 may start
+// processes (a launcher's workers): they must not inherit it.
+TEST(MetricsLogTest, CsvIsOpenedCloseOnExec) {
+  const std::string dir = TempDir("cloexec");
+  MetricsLog log(dir, "t", "s", -1);
+  const std::filesystem::path csv = std::filesystem::canonical(log.csv_path());
+  int found = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(entry.path(), ec) != csv || ec) continue;
+    const int fd = std::stoi(entry.path().filename().string());
+    EXPECT_NE(fcntl(fd, F_GETFD) & FD_CLOEXEC, 0) << "fd " << fd << " of " << csv;
+    ++found;
+  }
+  EXPECT_EQ(found, 1);
 }
 
 TEST(MetricsLogTest, ChartHasBothPanels) {

@@ -1,8 +1,15 @@
 #include "examples/trainer/train_state.h"
 
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -23,6 +30,16 @@ using nn::io::Metadata;
 using nn::io::NamedTensors;
 
 constexpr size_t kKeysShown = 6;
+
+// Kept checkpoints beside one --checkpoint path (<stem>.prev, .prev.2, ...)
+// before KeepAsPreviousCheckpoint gives up and asks for a clean-up.
+constexpr int kMaxPreviousCheckpoints = 1000;
+
+// Whether a folder entry (a file, a folder, a dangling link) has `name`.
+bool NameTaken(const std::string& name) {
+  struct stat st;
+  return ::lstat(name.c_str(), &st) == 0 || errno != ENOENT;
+}
 
 std::string KeyList(const std::vector<std::string>& keys) {
   std::string out;
@@ -702,7 +719,9 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
   try {
     // The header says whose it is; the tensors need not be read.
     const Metadata m = nn::io::SafetensorsFile::ReadMetadata(path);
-    if (Get(m, "format").empty()) return false;  // not a trainer checkpoint: nothing to keep
+    // A safetensors file the trainer did not write (weights exported from
+    // Python, say) is kept like a checkpoint of another run.
+    if (Get(m, "format").empty()) return true;
     return job.empty() || Get(m, "job") != job;
   } catch (const std::exception&) {
     // Unreadable now (EIO, ESTALE, a damaged header) says nothing of whose
@@ -711,29 +730,77 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
   }
 }
 
-std::string PreviousCheckpointPath(const std::string& path) {
+std::string PreviousCheckpointPath(const std::string& path, int n) {
   const std::filesystem::path p(path);
-  return (p.parent_path() / (p.stem().string() + ".prev" + p.extension().string())).string();
+  const std::string number = n > 1 ? "." + std::to_string(n) : "";
+  return (p.parent_path() / (p.stem().string() + ".prev" + number + p.extension().string())).string();
+}
+
+std::string FreePreviousCheckpointPath(const std::string& path) {
+  std::string candidate;
+  for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
+    candidate = PreviousCheckpointPath(path, n);
+    if (!NameTaken(candidate)) break;
+  }
+  return candidate;
 }
 
 std::string KeepAsPreviousCheckpoint(const std::string& path) {
-  const std::string previous = PreviousCheckpointPath(path);
-  // rename(2) replaces an older .prev and moves the file in one step: a
-  // crash leaves it under one name or the other.
-  std::error_code ec;
-  std::filesystem::rename(path, previous, ec);
-  if (ec) {
+  // Each name is claimed by a call that fails on an existing entry (link(2),
+  // rename(2) with RENAME_NOREPLACE) rather than checked first: two jobs
+  // keeping files at once cannot both take it, and nothing kept before is
+  // ever replaced.
+  std::string previous;
+  int err = 0;
+  for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
+    previous = PreviousCheckpointPath(path, n);
+    // A second name: `path` stays in place until the save renames the new
+    // checkpoint over it, so a save that fails leaves it there.
+    if (::link(path.c_str(), previous.c_str()) == 0) {
+      err = 0;
+      break;
+    }
+    err = errno;
+    if (err == EEXIST) continue;
+    if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != EMLINK && err != ENOSYS) break;
+    // No hard links here (some network and FUSE filesystems, or
+    // protected_hardlinks): move the file instead.
+    if (::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, previous.c_str(), RENAME_NOREPLACE) == 0) {
+      err = 0;
+      break;
+    }
+    err = errno;
+    if (err == EEXIST) continue;
+    if (err != EINVAL && err != ENOSYS) break;
+    // Nor RENAME_NOREPLACE: a plain rename to a name free a moment ago.
+    if (NameTaken(previous)) {
+      err = EEXIST;
+      continue;
+    }
+    err = ::rename(path.c_str(), previous.c_str()) == 0 ? 0 : errno;
+    break;
+  }
+  if (err != 0) {
     throw UsageError("cannot keep another run's checkpoint " + path + " as " + previous + ": " +
-                     ec.message() + "; move it yourself, or pass another --checkpoint path");
+                     (err == EEXIST ? "the " + std::to_string(kMaxPreviousCheckpoints) +
+                                          " names for kept checkpoints are all taken"
+                                    : std::string(std::strerror(err))) +
+                     "; move it yourself, or pass another --checkpoint path");
   }
   const std::string folder = std::filesystem::path(previous).parent_path().string();
   try {
     nn::io::SyncFolder(folder.empty() ? "." : folder);
   } catch (const nn::io::CheckpointError&) {
-    // The rename is done; only its durability across a crash is not
+    // The new name is made; only its durability across a crash is not
     // certain, and the save that follows syncs the folder again.
   }
   return previous;
+}
+
+bool ForgetKeptCheckpoint(const std::string& path, const std::string& previous) {
+  std::error_code ec;
+  if (!std::filesystem::equivalent(path, previous, ec) || ec) return false;
+  return std::filesystem::remove(previous, ec) && !ec;
 }
 
 std::string ResumeAfterRestart(TrainConfig& config, int restart) {
@@ -772,7 +839,8 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
   }
   if (saved_by != config.job) {
     return attempt + "the checkpoint at " + config.checkpoint +
-           " is from another run; starting over (it is overwritten at the first save)";
+           " is from another run; starting over (the first save keeps it as " +
+           FreePreviousCheckpointPath(config.checkpoint) + ")";
   }
   config.resume = true;
   return attempt + "resuming from this run's checkpoint " + config.checkpoint;

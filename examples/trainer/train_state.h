@@ -215,23 +215,39 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id =
 /// disk that only its host sees.
 std::string ResumeAfterRestart(TrainConfig& config, int restart);
 
-/// Whether `path` holds a checkpoint that another run saved (its job is
-/// not `job`, or either is unnamed; from the header alone), or a file whose
-/// header cannot be read, whose run is unknown. A stop before a fresh run's first save leaves such a
-/// file alone.
+/// Whether `path` holds a file that this job may not replace without
+/// keeping it: a checkpoint that another run saved (its job is not `job`,
+/// or either is unnamed; from the header alone), a safetensors file that
+/// the trainer did not write (weights exported from Python, say), or a
+/// file whose header cannot be read, whose run is unknown. A stop before a
+/// fresh run's first save leaves such a file alone.
 bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job);
 
 /// Where a fresh run keeps another run's checkpoint at `path` instead of
-/// replacing it: `<stem>.prev<extension>` beside it
-/// (".../cnn_fashion_mnist.prev.safetensors").
-std::string PreviousCheckpointPath(const std::string& path);
+/// replacing it: `<stem>.prev<extension>` beside it for n = 1
+/// (".../cnn_fashion_mnist.prev.safetensors"), `<stem>.prev.<n><extension>`
+/// for n > 1 (".../cnn_fashion_mnist.prev.2.safetensors").
+std::string PreviousCheckpointPath(const std::string& path, int n = 1);
 
-/// Renames the file at `path` to PreviousCheckpointPath(path), replacing an
-/// older one there in the same atomic step, and syncs the folder; returns
-/// the new path. Call on rank 0 only, before a fresh run's first save over
-/// another run's checkpoint (IsAnotherRunsCheckpoint). Throws UsageError
-/// naming both paths when the rename fails; `path` is then as it was.
+/// The first PreviousCheckpointPath(path, n) that no file has now: where
+/// KeepAsPreviousCheckpoint would keep the file at `path` (unless another
+/// process takes that name first).
+std::string FreePreviousCheckpointPath(const std::string& path);
+
+/// Gives the file at `path` the first free PreviousCheckpointPath name,
+/// never replacing a file there (an earlier run's kept checkpoint), and
+/// syncs the folder; returns that name. The file stays at `path` too (a
+/// hard link) until a save renames a new file over it; on a filesystem
+/// without hard links it is renamed instead, and `path` is then empty.
+/// Call on rank 0 only, before a fresh run's first save over another run's
+/// checkpoint (IsAnotherRunsCheckpoint). Throws UsageError naming both
+/// paths when that fails; `path` is then as it was.
 std::string KeepAsPreviousCheckpoint(const std::string& path);
+
+/// After a save that failed: removes the name `previous` that
+/// KeepAsPreviousCheckpoint gave the file at `path`, if `path` still is
+/// that file (the save did not replace it), and returns whether it did.
+bool ForgetKeptCheckpoint(const std::string& path, const std::string& previous);
 
 /// Throws the UsageError LoadTrainCheckpoint would for a model mismatch,
 /// reading only the model part of `path` (used before starting ranks).

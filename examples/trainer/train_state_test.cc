@@ -591,25 +591,98 @@ TEST(TrainStateTest, PowerSgdThatWouldCompressNothingIsRefused) {
   EXPECT_EQ(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }), "");
 }
 
-// Another run's checkpoint at a fresh run's path is moved aside, replacing
-// an older one moved there before, not overwritten.
-TEST(TrainStateTest, AnotherRunsCheckpointIsKeptAsPrev) {
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Another run's checkpoint at a fresh run's path is kept beside it under
+// the first free name: <stem>.prev, then <stem>.prev.2, ... It used to be
+// renamed to <stem>.prev, replacing the file there, which could be a third
+// run's checkpoint kept before (two fresh runs, or an unnamed job's restart,
+// after it). And it stays at the path too until the save replaces it: it
+// used to be moved away first, so a save that failed left nothing there.
+TEST(TrainStateTest, AnotherRunsCheckpointIsKeptUnderAFreeNameAndStaysInPlace) {
   EXPECT_EQ(PreviousCheckpointPath("/c/cnn_fashion_mnist.safetensors"),
             "/c/cnn_fashion_mnist.prev.safetensors");
   EXPECT_EQ(PreviousCheckpointPath("/c/ckpt"), "/c/ckpt.prev");
   const std::string path = Path("keep_prev");
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
   const std::string previous = PreviousCheckpointPath(path);
+  const std::string second = Path("keep_prev.prev.2");
+  const std::string third = Path("keep_prev.prev.3");
   std::ofstream(previous) << "older";
   std::ofstream(path) << "another run's";
-  EXPECT_EQ(KeepAsPreviousCheckpoint(path), previous);
-  EXPECT_FALSE(std::filesystem::exists(path));
-  std::ifstream in(previous);
-  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "another run's");
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), second);
+  EXPECT_EQ(ReadAll(previous), "older") << "a checkpoint kept before was replaced";
+  EXPECT_EQ(ReadAll(second), "another run's");
+  EXPECT_EQ(ReadAll(path), "another run's") << "the file left its path before the save";
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), third);
+  EXPECT_EQ(ReadAll(second), "another run's");
+  EXPECT_EQ(ReadAll(third), "another run's");
+
+  std::filesystem::remove(path);
   const std::string msg = UsageErrorOf([&] { KeepAsPreviousCheckpoint(path); });
   EXPECT_EQ(msg.rfind("cannot keep another run's checkpoint " + path + " as " + previous + ": ", 0),
             0u)
       << msg;
+  EXPECT_EQ(ReadAll(previous), "older");
+}
+
+// After a save that failed, the file kept is still at the path: its second
+// name goes, leaving it as it was. After one that replaced it (and then
+// failed to sync the folder, say) the kept name is all there is of it.
+TEST(TrainStateTest, AKeptNameGoesOnlyWhileTheFileIsStillAtThePath) {
+  EXPECT_EQ(PreviousCheckpointPath("/c/cnn_fashion_mnist.safetensors", 2),
+            "/c/cnn_fashion_mnist.prev.2.safetensors");
+  const std::string path = Path("forget_prev");
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(PreviousCheckpointPath(path)) << "older";
+  std::ofstream(path) << "another run's";
+  const std::string second = PreviousCheckpointPath(path, 2);
+  EXPECT_EQ(FreePreviousCheckpointPath(path), second);
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), second);
+  EXPECT_EQ(FreePreviousCheckpointPath(path), PreviousCheckpointPath(path, 3));
+  EXPECT_TRUE(ForgetKeptCheckpoint(path, second));
+  EXPECT_FALSE(std::filesystem::exists(second));
+  EXPECT_EQ(ReadAll(path), "another run's");
+  EXPECT_EQ(ReadAll(PreviousCheckpointPath(path)), "older");
+
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), second);
+  std::ofstream(path + ".new") << "this run's";
+  std::filesystem::rename(path + ".new", path);
+  EXPECT_FALSE(ForgetKeptCheckpoint(path, second));
+  EXPECT_EQ(ReadAll(second), "another run's");
+}
+
+// A safetensors file that the trainer did not write (weights exported from
+// Python, say) at a fresh run's --checkpoint is kept, as another run's
+// checkpoint and an unreadable file are. It used to count as nothing to
+// keep, and the first save replaced it without a word.
+TEST(TrainStateTest, ASafetensorsFileTheTrainerDidNotWriteIsKeptLikeAnotherRunsCheckpoint) {
+  const std::string path = Path("exported_weights");
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  nn::io::SaveTensors(path, {{"fc.weight", nn::Zeros({2, 3})}}, {{"source", "python"}});
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(path, JobFingerprint("token-a")));
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(path, ""));
+
+  const std::string unreadable = Path("unreadable");
+  std::ofstream(unreadable) << "not safetensors";
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(unreadable, JobFingerprint("token-a")));
+  EXPECT_FALSE(IsAnotherRunsCheckpoint(Path("nothing_there"), JobFingerprint("token-a")));
+
+  // This job's own checkpoint is not kept; another job's, or any when the
+  // job has no name, is.
+  TrainConfig config;
+  config.model = "mlp";
+  config.job = JobFingerprint("token-a");
+  const std::string own = Path("own");
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  SaveTrainCheckpoint(own, {model.get(), &opt, nullptr, nullptr}, {}, config, 2);
+  EXPECT_FALSE(IsAnotherRunsCheckpoint(own, config.job));
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(own, JobFingerprint("token-b")));
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(own, ""));
 }
 
 // A checkpoint of a cosine schedule from lr 0.05, saved at the end of the

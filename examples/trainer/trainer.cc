@@ -141,7 +141,7 @@ void CheckWritable(const std::string& dir, const char* flag, const std::string& 
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
-  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "w");
+  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "we");  // "e": O_CLOEXEC
   if (f == nullptr) {
     throw UsageError(std::string("cannot write --") + flag + "=" + value + " (folder " + dir +
                      (ec ? ": " + ec.message() : std::string(": not writable")) +
@@ -340,7 +340,7 @@ class Run {
   int64_t checkpoint_saved_step_ = -1;
   int64_t last_checkpoint_step_ = -1;
   // Rank 0, a fresh run: --checkpoint held another run's checkpoint at the
-  // start, to be kept as PreviousCheckpointPath at this run's first save
+  // start, to be kept under a PreviousCheckpointPath name at this run's first save
   // (the default path is the same for every run of a model and dataset).
   bool keep_previous_ = false;
 };
@@ -596,7 +596,7 @@ void Run::Setup() {
                    IsAnotherRunsCheckpoint(c_.checkpoint, c_.job);
   if (keep_previous_) {
     Say("  note: " + c_.checkpoint + " holds another run's checkpoint; this run's first save " +
-        "keeps it as " + PreviousCheckpointPath(c_.checkpoint) +
+        "keeps it as " + FreePreviousCheckpointPath(c_.checkpoint) +
         " (--resume continues it instead)");
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
@@ -821,12 +821,16 @@ void Run::SaveCheckpoint() {
   std::exception_ptr error;
   std::string kept;  // where another run's checkpoint went, if it was there
   // `moved`: where another run's checkpoint went before the write (rank 0
-  // knows once the write has ended); then nothing is left at the path.
+  // knows once the write has ended). It is still at the path too, unless
+  // the filesystem has no hard links (see KeepAsPreviousCheckpoint).
   const auto late_message = [&](const std::string& moved) {
+    std::error_code ec;
     const std::string left =
         moved.empty() ? "the file there is the one before, if any"
                       : "another run's checkpoint that was there is now " + moved +
-                            ", and nothing is left at " + c_.checkpoint;
+                            (std::filesystem::exists(c_.checkpoint, ec)
+                                 ? ""
+                                 : ", and nothing is left at " + c_.checkpoint);
     return StringPrintf("rank 0 was still writing %s after %lld s (--save_timeout_s); %s: pass a "
                         "longer --save_timeout_s, or a --checkpoint on a faster disk",
                         c_.checkpoint.c_str(), static_cast<long long>(c_.save_timeout_s),
@@ -847,6 +851,9 @@ void Run::SaveCheckpoint() {
             try {
               SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
             } catch (const UsageError& e) {
+              // The file kept is still at the path (the write never got to
+              // replace it): as it was, under one name.
+              if (!kept.empty() && ForgetKeptCheckpoint(c_.checkpoint, kept)) kept.clear();
               if (kept.empty()) throw;
               throw UsageError(std::string(e.what()) +
                                " (another run's checkpoint that was there is " + kept + ")");

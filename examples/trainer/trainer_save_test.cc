@@ -236,15 +236,25 @@ TEST(TrainerSaveTest, RanksThatDisagreeOnCheckpointingAreRefusedNamingTheFlag) {
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
 }
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 // The default --checkpoint is the same path for every run of a model and
 // dataset: a fresh run (no --resume) used to replace the earlier run's
 // trained model at its first save without a word. It says so at the start,
-// and its first save keeps the other run's file as <stem>.prev.safetensors
-// (replacing an older one); its own later saves replace only its own.
-TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointAsPrev) {
+// and its first save keeps the other run's file under the first free name
+// of <stem>.prev.safetensors, <stem>.prev.2.safetensors, ...; its own later
+// saves replace only its own. A job without a name (no DDP_JOB_TOKEN or
+// run id) cannot tell its own checkpoint from another's, so its restart
+// keeps its own too: that one used to replace the .prev kept before, and
+// the first run's checkpoint was lost.
+TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointNeverReplacingOneKeptBefore) {
   const std::string dir = TempDir("fresh");
   const std::string checkpoint = dir + "/mlp_synthetic.safetensors";
   const std::string previous = dir + "/mlp_synthetic.prev.safetensors";
+  const std::string second_previous = dir + "/mlp_synthetic.prev.2.safetensors";
   auto run = [&](const std::string& job) {
     auto result = launch::testing::RunTestWorkers(
         "fresh_run", {.world_size = 2,
@@ -253,24 +263,17 @@ TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointAsPrev) {
     EXPECT_TRUE(result.ok()) << result.status();
     return result.ok() ? *result : launch::testing::TestRunResult{};
   };
-  auto read = [](const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
   launch::testing::TestRunResult first = run("job-a");
   ASSERT_TRUE(first.AllSucceeded()) << first.Summary() << first.Output(0) << first.Output(1);
   EXPECT_EQ(first.Output(0).find("another run's"), std::string::npos) << first.Output(0);
   EXPECT_FALSE(std::filesystem::exists(previous));
-  const std::string job_a = read(checkpoint);
+  const std::string job_a = ReadFile(checkpoint);
   ASSERT_FALSE(job_a.empty());
-  {
-    std::ofstream older(previous, std::ios::binary);
-    older << "an older .prev";
-  }
 
-  launch::testing::TestRunResult second = run("job-b");
+  // A job without a name, then its restart.
+  launch::testing::TestRunResult second = run("");
   ASSERT_TRUE(second.AllSucceeded()) << second.Summary() << second.Output(0) << second.Output(1);
-  const std::string out = second.Output(0);
+  std::string out = second.Output(0);
   EXPECT_NE(out.find("note: " + checkpoint + " holds another run's checkpoint; this run's first "
                      "save keeps it as " + previous),
             std::string::npos)
@@ -278,17 +281,31 @@ TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointAsPrev) {
   EXPECT_NE(out.find("another run's checkpoint, which was at " + checkpoint + ", is now " + previous),
             std::string::npos)
       << out;
-  EXPECT_TRUE(read(previous) == job_a) << "the other run's checkpoint was not kept";
-  EXPECT_FALSE(read(checkpoint).empty());
-  EXPECT_FALSE(read(checkpoint) == job_a);
+  EXPECT_TRUE(ReadFile(previous) == job_a) << "the other run's checkpoint was not kept";
+  const std::string unnamed = ReadFile(checkpoint);
+  EXPECT_FALSE(unnamed.empty());
+  EXPECT_FALSE(unnamed == job_a);
+
+  launch::testing::TestRunResult restart = run("");
+  ASSERT_TRUE(restart.AllSucceeded()) << restart.Summary() << restart.Output(0) << restart.Output(1);
+  out = restart.Output(0);
+  EXPECT_NE(out.find("this run's first save keeps it as " + second_previous), std::string::npos) << out;
+  EXPECT_NE(out.find("another run's checkpoint, which was at " + checkpoint + ", is now " +
+                     second_previous),
+            std::string::npos)
+      << out;
+  EXPECT_TRUE(ReadFile(previous) == job_a) << "the checkpoint kept before was replaced";
+  EXPECT_TRUE(ReadFile(second_previous) == unnamed);
+  EXPECT_FALSE(ReadFile(checkpoint).empty());
 }
 
-// A fresh run's first save moves another run's checkpoint aside to
-// <stem>.prev.safetensors before it writes. When that write runs past
-// --save_timeout_s, rank 0's message used to say that the file at the path
-// was the one before; nothing is there, and it says where the other run's
-// checkpoint went.
-TEST(TrainerSaveTest, LateFirstSaveOfAFreshRunSaysWhereAnotherRunsCheckpointWent) {
+// A fresh run's first save used to move another run's checkpoint aside to
+// <stem>.prev.safetensors before it wrote: when that write ran past
+// --save_timeout_s (or failed: a full disk), nothing was left at the path,
+// and --resume found no checkpoint there. The file stays at the path until
+// the new one replaces it, and a save that fails leaves it there as it
+// was, under its one name.
+TEST(TrainerSaveTest, LateFirstSaveOfAFreshRunLeavesAnotherRunsCheckpointInPlace) {
   const std::string dir = TempDir("fresh_late");
   const std::string checkpoint = dir + "/mlp_synthetic.safetensors";
   const std::string previous = dir + "/mlp_synthetic.prev.safetensors";
@@ -305,19 +322,18 @@ TEST(TrainerSaveTest, LateFirstSaveOfAFreshRunSaysWhereAnotherRunsCheckpointWent
   };
   const launch::testing::TestRunResult first = run("fresh_run", "job-a");
   ASSERT_TRUE(first.AllSucceeded()) << first.Summary() << first.Output(0) << first.Output(1);
-  ASSERT_TRUE(std::filesystem::exists(checkpoint));
+  const std::string job_a = ReadFile(checkpoint);
+  ASSERT_FALSE(job_a.empty());
 
   const launch::testing::TestRunResult second = run("fresh_slow_save", "job-b");
   EXPECT_EQ(second.ExitCode(0), 1) << second.Summary();
   const std::string out = second.Output(0);
   EXPECT_NE(out.find("rank 0 was still writing " + checkpoint + " after 1 s (--save_timeout_s); "
-                     "another run's checkpoint that was there is now " + previous +
-                     ", and nothing is left at " + checkpoint),
+                     "the file there is the one before, if any"),
             std::string::npos)
       << out;
-  EXPECT_EQ(out.find("the file there is the one before"), std::string::npos) << out;
-  EXPECT_TRUE(std::filesystem::exists(previous));
-  EXPECT_FALSE(std::filesystem::exists(checkpoint));
+  EXPECT_TRUE(ReadFile(checkpoint) == job_a) << "another run's checkpoint is not at its path";
+  EXPECT_FALSE(std::filesystem::exists(previous));
 }
 
 }  // namespace
