@@ -18,6 +18,7 @@
 
 #include "ddp/device_ops.h"
 #include "ddp/distributed_data_parallel.h"
+#include "nn/io/atomic_file.h"
 
 namespace ddp::dist {
 namespace {
@@ -116,9 +117,13 @@ class Background {
     std::unique_lock lock(mu_);
     return cv_.wait_until(lock, until, [this] { return done_; });
   }
+  // Asks the work to stop; true when a writer in it had already passed
+  // its last check before its rename (nn::io::OrderedStop): its new file
+  // is, or is about to be, in place.
+  bool Stop() { return ordered_stop_.Stop(); }
   // Lets the work go on until `deadline`, then asks it to stop.
   void Finish(Clock::time_point deadline) {
-    if (!WaitUntil(deadline)) stop_.store(true, std::memory_order_relaxed);
+    if (!WaitUntil(deadline)) Stop();
   }
   // Once WaitUntil returned true: the work's error, empty when it worked.
   std::string error() {
@@ -132,6 +137,7 @@ class Background {
   bool done_ = false;
   std::string error_;
   std::atomic<bool> stop_{false};
+  nn::io::OrderedStop ordered_stop_{stop_};
   std::unique_ptr<internal::CapturedStreams> streams_;
   std::thread thread_;  // last: starts once the members it uses exist
 };
@@ -156,8 +162,8 @@ namespace internal {
 // broadcasts a status record every `heartbeat` ("still going", then the
 // outcome), so the others wait as long as it goes on, up to `timeout`.
 // Returns the outcome on every rank: empty, or root's error. Past the
-// timeout every rank gets "<task> did not finish within <option> (N ms)",
-// `work` is asked to stop, and the group is aborted with `abort_reason` and
+// timeout `work` is asked to stop, then every rank gets "<task> did not
+// finish within <option> (N ms)", and the group is aborted with `abort_reason` and
 // that limit (the others' next collective would wait for root past their
 // deadline). A group that fails meanwhile leaves `work` going until the
 // timeout: a checkpoint half written is worth finishing.
@@ -194,9 +200,22 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
           const std::string error = background.error();
           record = Record(error.empty(), error);
         } else if (Clock::now() >= deadline) {
-          record = Record(false, task + " did not finish within " + limit);
-          static_cast<char*>(record.data_ptr())[0] = kOutOfTime;
-          timed_out = true;
+          // Stopped before the others hear that the file is as it was, in
+          // step with the writer's last check before its rename; a writer
+          // past it gets a heartbeat more (a rename is quick) to say how it
+          // ended.
+          const bool renaming = background.Stop();
+          if (renaming && background.WaitUntil(Clock::now() + heartbeat)) {
+            const std::string error = background.error();
+            record = Record(error.empty(), error);
+          } else {
+            record = Record(false, task + " did not finish within " + limit +
+                                       (renaming ? "; it was renaming the new file into place, which may have "
+                                                   "happened or may yet happen"
+                                                 : ""));
+            static_cast<char*>(record.data_ptr())[0] = kOutOfTime;
+            timed_out = true;
+          }
         } else {
           record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
           static_cast<char*>(record.data_ptr())[0] = kStillGoing;

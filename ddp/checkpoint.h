@@ -62,7 +62,9 @@ struct SaveOptions {
   /// The write's deadline, which may be longer than the group's timeout
   /// (many GB to slow storage). Past it, every rank throws, the group is
   /// aborted, and rank 0 stops writing within 64 MiB (kStopCheckBytes),
-  /// leaving the file at `path` as it was.
+  /// leaving the file at `path` as it was; only a write whose rename into
+  /// place had already begun at the deadline may still replace it, and
+  /// the error then says so.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// How often rank 0 tells the others that it is still writing (each
   /// message is a collective bound by the group's timeout, and so is at
@@ -147,7 +149,11 @@ using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 /// group's timeout) that it is still going, so they wait as long as it
 /// does, up to `timeout`. Returns root's outcome on every rank: empty, or
 /// what `work` threw. Past `timeout`, every rank gets "<task> did not
-/// finish within <option> (N ms)", root asks `work` to stop and returns
+/// finish within <option> (N ms)" (root asks `work` to stop before the
+/// others hear it, through nn::io::OrderedStop; when a writer in `work` had
+/// already passed its last check before its rename, root waits a
+/// heartbeat more for its outcome, and otherwise the error adds that the
+/// new file may be in place), root returns
 /// once it ends, and the group is aborted with `abort_reason` and that
 /// limit. When the group fails while `work` goes on, root lets it go on
 /// until `timeout` before it rethrows.

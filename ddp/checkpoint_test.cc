@@ -444,6 +444,33 @@ TEST(DdpCheckpointTest, AloneTheWorkKeepsItsDeadline) {
   EXPECT_EQ(t.Item(), 1.0);
 }
 
+// Before, past the deadline root told every rank "did not finish" (the file
+// left as it was) and only then asked the write to stop: a write that had
+// passed its last check before the rename still replaced the file. Here the
+// write waits before its rename (as on a slow filesystem) from before the
+// deadline until well after it: root learns, when it stops the write, that
+// the rename had begun, and says so.
+TEST(DdpCheckpointTest, AWriteAlreadyRenamingAtTheDeadlineIsNotReportedAsLeftAsItWas) {
+  using std::chrono::milliseconds;
+  auto pg = ProcessGroup::Single();
+  const std::string path = TempDir() + "/c.safetensors";
+  nn::io::Checkpoint before;
+  before.model.emplace_back("w", nn::Ones({1}));
+  nn::io::SaveCheckpoint(path, before);
+  nn::io::Checkpoint after;
+  after.model.emplace_back("w", nn::Zeros({1}));
+  nn::io::internal::SetPauseBeforeRenameForTesting(milliseconds(2000));
+  const std::string outcome = internal::RunOnRootWhileOthersWait(
+      *pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, after, &stop); },
+      milliseconds(300), milliseconds(200), "the write", "SaveOptions::timeout", "the write failed");
+  nn::io::internal::SetPauseBeforeRenameForTesting(milliseconds(0));
+  // The work has ended: the rename went through.
+  EXPECT_EQ(nn::io::LoadCheckpoint(path).model.at(0).second.Item(), 0.0);
+  EXPECT_EQ(outcome,
+            "the write did not finish within SaveOptions::timeout (300 ms); it was renaming the new file into "
+            "place, which may have happened or may yet happen");
+}
+
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
   const std::string dir = TempDir();
   auto run = RunWorkers("from_rank", 2, {{"DDP_TEST_CKPT", dir}});

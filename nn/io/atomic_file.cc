@@ -13,6 +13,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <map>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -23,6 +27,32 @@ namespace {
 
 // internal::SetWritePausePerPiece's pause, in milliseconds.
 std::atomic<int64_t> write_pause_per_piece_ms{0};
+// internal::SetPauseBeforeRenameForTesting's pause, in milliseconds.
+std::atomic<int64_t> pause_before_rename_ms{0};
+
+// Guards the two registries below. Held only for a lookup, never across a
+// system call, so that a hung filesystem cannot block a stopper.
+std::mutex& RegistryMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+
+// The flags of live OrderedStops, each with whether a writer watching it
+// has passed its last stop check.
+std::map<const std::atomic<bool>*, bool>& OrderedStops() {
+  static auto* stops = new std::map<const std::atomic<bool>*, bool>;
+  return *stops;
+}
+
+// Temporary files this process's writers have open (`<folder>/<name>`, as
+// RemoveStaleTemporaries spells them), which its cleanup
+// leaves alone without probing them (on NFS, flock is emulated with
+// per-process fcntl locks: a probe from this process would get a lock of
+// its own writer's file, and its close would drop the writer's).
+std::set<std::string>& OpenTemporaries() {
+  static auto* open = new std::set<std::string>;
+  return *open;
+}
 
 std::string Folder(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -65,26 +95,57 @@ bool AllDigits(const std::string& text) {
   return true;
 }
 
+// A temporary this young is left alone whatever its lock says: its writer
+// may have created it and not yet locked it (RemoveStaleTemporaries).
+constexpr int64_t kYoungTemporarySeconds = 10;
+
+enum class LockProbe { kHeld, kFree, kUnsupported };
+
 // Whether a writer still holds `file`'s lock (the writer takes it as it
-// creates the file, and the kernel drops it when the writer dies). A file
-// that cannot be opened counts as held: it is left alone.
-bool WriterHoldsLock(const std::string& file) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) return true;
-  const bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+// creates the file, and the kernel drops it when the writer dies). Locks
+// belong to the open file description, so a writer thread of this process
+// conflicts with this probe as another process's would. A file that cannot
+// be opened, or whose lock fails otherwise, counts as held: it is left
+// alone. On success the probe's lock is dropped at once.
+LockProbe ProbeWriterLock(const std::string& file) {
+  // Read-write: NFS refuses an exclusive lock on a read-only descriptor
+  // (EBADF). A file this user may only read is probed read-only.
+  int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == EACCES) fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return LockProbe::kHeld;
+  LockProbe probe = LockProbe::kFree;
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    const bool unsupported = err == ENOLCK || err == ENOSYS || err == EINVAL || err == EBADF ||
+                             err == ENOTSUP || err == EOPNOTSUPP;
+    probe = unsupported ? LockProbe::kUnsupported : LockProbe::kHeld;  // EWOULDBLOCK: a writer lives
+  }
   ::close(fd);
-  return held;
+  return probe;
+}
+
+// Whether `file` was changed within kYoungTemporarySeconds (or cannot be
+// looked at).
+bool Young(const std::string& file) {
+  struct stat st{};
+  if (::lstat(file.c_str(), &st) != 0) return true;
+  return ::time(nullptr) - st.st_mtime < kYoungTemporarySeconds;
 }
 
 // Removes `<name>.tmp.<pid>.<n>.<host>` files that writers on this host
 // left when they were killed (SIGKILL leaves no chance to clean up): each
-// could be as large as a whole checkpoint. Files of live processes, of other
-// hosts and of other targets (`<name>.tmp.5`'s own temporaries) are kept;
-// so is anything not named exactly so. Names without a host (`.<pid>.<n>`,
-// from before hosts were named) are taken as this host's. A pid that names
-// no process here may be a live writer's in another PID namespace (a
-// container with this host name and the same folder): the lock each writer
-// holds on its file tells, and such a file is kept.
+// could be as large as a whole checkpoint. Files of other hosts and of
+// other targets (`<name>.tmp.5`'s own temporaries) are kept; so is anything
+// not named exactly so. Names without a host (`.<pid>.<n>`, from before
+// hosts were named) are taken as this host's. The lock each writer holds on
+// its file decides, not the pid: in containers a restarted job gets the
+// same small pids and host name, so a dead writer's pid may be this
+// process's or a live stranger's, and a live writer's pid may name no
+// process here (another PID namespace). Only where the filesystem has no
+// locks does the pid decide (a pid that names no process here). Kept too:
+// this process's own open temporaries, and files changed in the last
+// kYoungTemporarySeconds (a writer between creating its file and locking
+// it).
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
   const std::string prefix = BaseName(path) + ".tmp.";
@@ -102,10 +163,22 @@ void RemoveStaleTemporaries(const std::string& path) {
     const std::string host = dot2 == std::string::npos ? HostTag() : rest.substr(dot2 + 1);
     if (!AllDigits(pid_text) || !AllDigits(counter) || host != HostTag() || pid_text.size() > 9) continue;
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
-    if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH &&
-        !WriterHoldsLock(folder + "/" + name)) {
-      ::unlink((folder + "/" + name).c_str());
+    if (pid <= 0) continue;
+    const std::string file = folder + "/" + name;
+    {
+      std::lock_guard lock(RegistryMutex());
+      if (OpenTemporaries().count(file) != 0) continue;
+    }
+    if (Young(file)) continue;
+    switch (ProbeWriterLock(file)) {
+      case LockProbe::kHeld:
+        break;
+      case LockProbe::kFree:
+        ::unlink(file.c_str());
+        break;
+      case LockProbe::kUnsupported:
+        if (pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) ::unlink(file.c_str());
+        break;
     }
   }
   ::closedir(dir);
@@ -117,6 +190,9 @@ namespace internal {
 void SetWritePausePerPiece(std::chrono::milliseconds pause) {
   write_pause_per_piece_ms.store(pause.count(), std::memory_order_relaxed);
 }
+void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause) {
+  pause_before_rename_ms.store(pause.count(), std::memory_order_relaxed);
+}
 }  // namespace internal
 
 AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* stop)
@@ -125,6 +201,12 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   if (path_.empty() || path_.back() == '/') {
     throw CheckpointError("cannot write a file at '" + path_ + "': not a file name");
   }
+  // Before anything is written: the rename would fail (EISDIR) only after
+  // the whole file was.
+  struct stat target{};
+  if (::stat(path_.c_str(), &target) == 0 && S_ISDIR(target.st_mode)) {
+    throw CheckpointError("cannot write a file at '" + path_ + "': it is a folder");
+  }
   RemoveStaleTemporaries(path_);
   temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." +
                HostTag();
@@ -132,6 +214,10 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   if (fd_ < 0) {
     const int err = errno;  // before any string is built
     Fail(temp_path_, "cannot create temporary file", err);
+  }
+  {
+    std::lock_guard lock(RegistryMutex());
+    OpenTemporaries().insert(Folder(path_) + "/" + BaseName(temp_path_));
   }
   // Held until the descriptor closes: another PID namespace's cleanup sees
   // that this writer lives (RemoveStaleTemporaries). A filesystem without
@@ -148,6 +234,8 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
 AtomicFileWriter::~AtomicFileWriter() {
   if (fd_ >= 0) ::close(fd_);
   if (!committed_) ::unlink(temp_path_.c_str());
+  std::lock_guard lock(RegistryMutex());
+  OpenTemporaries().erase(Folder(path_) + "/" + BaseName(temp_path_));
 }
 
 void AtomicFileWriter::CheckStop() const {
@@ -172,6 +260,9 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
       if (err == EINTR) continue;
       Fail(temp_path_, "write failed", err);
     }
+    // Some FUSE filesystems answer 0 instead of an error: asking again
+    // would loop forever.
+    if (n == 0) Fail(temp_path_, "write failed: it wrote nothing", EIO);
     p += n;
     nbytes -= static_cast<size_t>(n);
   }
@@ -202,11 +293,24 @@ void AtomicFileWriter::Commit() {
     Fail(temp_path_, "close failed", err);
   }
   // Most of the disk work happens in fsync: a caller whose deadline passed
-  // meanwhile has already told every rank that the save failed, so the new
-  // file must not appear under the final name after all.
-  if (stop_ != nullptr && stop_->load(std::memory_order_relaxed)) {
+  // meanwhile may have told every rank that the save failed, so the new
+  // file must not appear under the final name after all. Under the
+  // registry's lock, so that an OrderedStop::Stop is either seen here or
+  // learns that this writer is past its last check.
+  bool stopped = false;
+  {
+    std::lock_guard lock(RegistryMutex());
+    stopped = stop_ != nullptr && stop_->load(std::memory_order_relaxed);
+    if (!stopped && stop_ != nullptr) {
+      if (auto it = OrderedStops().find(stop_); it != OrderedStops().end()) it->second = true;
+    }
+  }
+  if (stopped) {
     ::unlink(temp_path_.c_str());
     throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
+  }
+  if (const int64_t ms = pause_before_rename_ms.load(std::memory_order_relaxed); ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
   if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
     const int err = errno;  // building the message may change errno
@@ -221,6 +325,22 @@ void AtomicFileWriter::Commit() {
   } catch (const CheckpointError& e) {
     throw CheckpointError(path_ + ": written and renamed into place, but it may not survive a crash: " + e.what());
   }
+}
+
+OrderedStop::OrderedStop(std::atomic<bool>& stop) : stop_(stop) {
+  std::lock_guard lock(RegistryMutex());
+  OrderedStops()[&stop_] = false;
+}
+
+OrderedStop::~OrderedStop() {
+  std::lock_guard lock(RegistryMutex());
+  OrderedStops().erase(&stop_);
+}
+
+bool OrderedStop::Stop() {
+  std::lock_guard lock(RegistryMutex());
+  stop_.store(true, std::memory_order_relaxed);
+  return OrderedStops()[&stop_];
 }
 
 void SyncFolder(const std::string& folder) {

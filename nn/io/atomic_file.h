@@ -21,11 +21,13 @@ inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 /// leaves `path` as it was. Errors throw CheckpointError naming the path.
 class AtomicFileWriter {
  public:
-  /// Creates `<path>.tmp.<pid>.<n>` in the folder of `path`, first removing
-  /// such files of processes that no longer exist (killed writers). Once
-  /// `*stop` (when given) is true, Write and Commit throw CheckpointError
-  /// ("stopped") before their next piece, leaving `path` as it was; Commit
-  /// looks again after its fsync, before the rename.
+  /// Creates `<path>.tmp.<pid>.<n>.<host>` in the folder of `path`, first
+  /// removing such files that no writer holds locked any more (killed
+  /// writers; see RemoveStaleTemporaries in the .cc). Throws naming `path`
+  /// when it is a folder. Once `*stop` (when given) is true, Write and
+  /// Commit throw CheckpointError ("stopped") before their next piece,
+  /// leaving `path` as it was; Commit looks again after its fsync, before
+  /// the rename (in step with OrderedStop::Stop when the flag has one).
   explicit AtomicFileWriter(std::string path, const std::atomic<bool>* stop = nullptr);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
@@ -49,6 +51,27 @@ class AtomicFileWriter {
   void CheckStop() const;
 };
 
+/// Puts the setting of a stop flag and the renames of the AtomicFileWriters
+/// watching it in one order, so that a caller past its deadline knows
+/// whether it may still say "the file was left as it was": each writer's
+/// Commit either sees the flag at its last check and leaves its target
+/// alone, or had passed that check before Stop() and renames its file
+/// into place. Lives no longer than the flag; one per flag.
+class OrderedStop {
+ public:
+  explicit OrderedStop(std::atomic<bool>& stop);
+  ~OrderedStop();
+  OrderedStop(const OrderedStop&) = delete;
+  OrderedStop& operator=(const OrderedStop&) = delete;
+
+  /// Sets the flag. Returns true when a writer watching it had already
+  /// passed its last check (its new file is, or is about to be, in place).
+  bool Stop();
+
+ private:
+  std::atomic<bool>& stop_;
+};
+
 /// fsyncs `folder`, so that entries made in it (a rename, a new folder)
 /// outlast a crash. A filesystem that cannot fsync a folder (see
 /// internal::FolderFsyncUnsupported) is no error: there is nothing more to
@@ -67,6 +90,12 @@ bool FolderFsyncUnsupported(int err);
 /// fast the disk or the page cache is. Process-wide; zero (the default)
 /// turns it off. For tests only.
 void SetWritePausePerPiece(std::chrono::milliseconds pause);
+
+/// Makes every AtomicFileWriter::Commit sleep `pause` after its last stop
+/// check, before its rename, as a rename on a slow filesystem would: the
+/// window in which a stop comes too late. Process-wide; zero (the default)
+/// turns it off. For tests only.
+void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause);
 
 }  // namespace internal
 

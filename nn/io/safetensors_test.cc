@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -52,6 +53,17 @@ std::string ReadAll(const std::string& path) {
 
 void WriteAll(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// Sets `path`'s mtime a minute back: a temporary its writer left long
+// enough ago for cleanup to look at it (younger ones may be a writer's
+// between creating and locking them).
+void MakeOld(const std::string& path) {
+  struct timespec times[2];
+  ::clock_gettime(CLOCK_REALTIME, &times[0]);
+  times[0].tv_sec -= 60;
+  times[1] = times[0];
+  EXPECT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW), 0) << path << ": " << std::strerror(errno);
 }
 
 std::vector<std::string> FilesIn(const std::string& dir) {
@@ -619,19 +631,16 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
   for (const std::string& name : FilesIn(dir)) {
     EXPECT_TRUE(name == "c.safetensors" || name.rfind("c.safetensors.tmp.", 0) == 0) << name;
   }
-  // One of a process that has exited, one of a live process (the parent).
+  // One of a process that has exited, one whose pid a live process has
+  // (the parent: in a container a dead writer's pid is soon taken again).
+  // No writer holds their locks: both go, with the killed writers' ones.
   const pid_t gone = fork();
   if (gone == 0) _exit(0);
   waitpid(gone, nullptr, 0);
-  const std::string stale = path + ".tmp." + std::to_string(gone) + ".3";
-  const std::string live = path + ".tmp." + std::to_string(getppid()) + ".0";
-  WriteAll(stale, "x");
-  WriteAll(live, "x");
+  WriteAll(path + ".tmp." + std::to_string(gone) + ".3", "x");
+  WriteAll(path + ".tmp." + std::to_string(getppid()) + ".0", "x");
+  for (const std::string& name : FilesIn(dir)) MakeOld(dir + "/" + name);
   write_gen(1);
-  std::vector<std::string> left = FilesIn(dir);
-  std::sort(left.begin(), left.end());
-  EXPECT_EQ(left, (std::vector<std::string>{"c.safetensors", "c.safetensors.tmp." + std::to_string(getppid()) + ".0"}));
-  ::unlink(live.c_str());
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
@@ -663,6 +672,7 @@ TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
   };
   for (const std::string& name : kept) WriteAll(dir + "/" + name, "x");
   WriteAll(path + ".tmp." + dead + ".7." + host, "x");  // this host's, writer gone
+  for (const std::string& name : FilesIn(dir)) MakeOld(dir + "/" + name);
   float value = 1;
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
   std::vector<std::string> left = FilesIn(dir);
@@ -683,6 +693,7 @@ TEST(Safetensors, ALockedTemporaryOfAnUnknownPidIsKept) {
   ASSERT_FALSE(host.empty());
   const std::string other = "c.safetensors.tmp." + std::to_string(ExitedPid()) + ".0." + host;
   WriteAll(dir + "/" + other, "x");
+  MakeOld(dir + "/" + other);
   const int fd = open((dir + "/" + other).c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);
@@ -708,6 +719,95 @@ TEST(Safetensors, AWriterLocksItsTemporary) {
   EXPECT_NE(flock(fd, LOCK_EX | LOCK_NB), 0);
   EXPECT_EQ(errno, EWOULDBLOCK);
   close(fd);
+}
+
+// Before, a temporary went only when its pid named no process here: in a
+// container restarted with the same small pids and host name, a dead
+// writer's temporary named with this process's pid or a live stranger's
+// stayed forever (each as large as a checkpoint). Now the lock decides.
+// Kept: a temporary locked through another open file (another writer
+// thread's here, whose lock conflicts as another process's would), this
+// process's own writer's open one, and an unlocked one changed within
+// the last seconds (a writer between creating and locking it).
+TEST(Safetensors, AnUnlockedTemporaryGoesWhateverItsPidAndALockedOneStays) {
+  const std::string dir = TmpDir("st_pid_reused");
+  const std::string path = dir + "/c.safetensors";
+  const std::string host = HostName();
+  ASSERT_FALSE(host.empty());
+  const std::string mine = "c.safetensors.tmp." + std::to_string(getpid()) + ".900." + host;
+  const std::string strangers = "c.safetensors.tmp." + std::to_string(getppid()) + ".901." + host;
+  const std::string locked = "c.safetensors.tmp." + std::to_string(getpid()) + ".902." + host;
+  const std::string young = "c.safetensors.tmp." + std::to_string(ExitedPid()) + ".903." + host;
+  for (const std::string& name : {mine, strangers, locked}) {
+    WriteAll(dir + "/" + name, "x");
+    MakeOld(dir + "/" + name);
+  }
+  WriteAll(dir + "/" + young, "x");
+  const int fd = open((dir + "/" + locked).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);
+  AtomicFileWriter open_writer(path);
+  MakeOld(open_writer.temp_path());
+  float value = 1;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  std::vector<std::string> left = FilesIn(dir);
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> expected = {"c.safetensors", locked, young,
+                                       open_writer.temp_path().substr(dir.size() + 1)};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(left, expected);
+  close(fd);
+}
+
+// Before, a target that is a folder was found out only by the rename, after
+// the whole file had been written beside it.
+TEST(Safetensors, TargetThatIsAFolderIsRefusedBeforeAnythingIsWritten) {
+  const std::string dir = TmpDir("st_target_folder");
+  const std::string path = dir + "/c.safetensors";
+  ASSERT_EQ(::mkdir(path.c_str(), 0755), 0);
+  EXPECT_THAT(ErrorOf([&] { AtomicFileWriter out(path); }), AllOf(HasSubstr(path), HasSubstr("it is a folder")));
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// A stop through an OrderedStop is seen by a Commit that has not yet made
+// its last check (the file stays as it was), and a Commit past that check
+// (here paused before its rename) makes Stop() say so: its file goes in.
+TEST(Safetensors, OrderedStopSaysWhetherTheRenameHadBegun) {
+  const std::string dir = TmpDir("st_ordered_stop");
+  const std::string path = dir + "/c.bin";
+  WriteAll(path, "old");
+  {
+    std::atomic<bool> stop{false};
+    OrderedStop ordered(stop);
+    AtomicFileWriter out(path, &stop);
+    out.Write("new", 3);
+    EXPECT_FALSE(ordered.Stop());
+    EXPECT_THAT(ErrorOf([&] { out.Commit(); }), HasSubstr("the write was stopped"));
+  }
+  EXPECT_EQ(ReadAll(path), "old");
+  {
+    std::atomic<bool> stop{false};
+    OrderedStop ordered(stop);
+    AtomicFileWriter out(path, &stop);
+    out.Write("new", 3);
+    // Long against the fsync of three bytes before it, even on a busy host.
+    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(3000));
+    std::string error;
+    std::thread commit([&] {
+      try {
+        out.Commit();
+      } catch (const CheckpointError& e) {
+        error = e.what();
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    EXPECT_TRUE(ordered.Stop());
+    commit.join();
+    EXPECT_EQ(error, "");
+    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(0));
+  }
+  EXPECT_EQ(ReadAll(path), "new");
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.bin"});
 }
 
 TEST(Safetensors, ReplacedFileKeepsItsPermissions) {
