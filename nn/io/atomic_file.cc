@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <map>
 #include <mutex>
 #include <set>
@@ -44,11 +43,11 @@ std::map<const std::atomic<bool>*, bool>& OrderedStops() {
   return *stops;
 }
 
-// Temporary files this process's writers have open (`<folder>/<name>`, as
-// RemoveStaleTemporaries spells them), which its cleanup
-// leaves alone without probing them (on NFS, flock is emulated with
-// per-process fcntl locks: a probe from this process would get a lock of
-// its own writer's file, and its close would drop the writer's).
+// Temporary files this process's writers have open or are creating
+// (`<folder>/<name>`, as RemoveStaleTemporaries spells them), which its
+// cleanup leaves alone without probing them: on NFS, flock is emulated
+// with per-process fcntl locks, so a probe from this process would get a
+// lock on its own writer's file, and its close would drop the writer's.
 std::set<std::string>& OpenTemporaries() {
   static auto* open = new std::set<std::string>;
   return *open;
@@ -95,41 +94,29 @@ bool AllDigits(const std::string& text) {
   return true;
 }
 
-// A temporary this young is left alone whatever its lock says: its writer
-// may have created it and not yet locked it (RemoveStaleTemporaries).
-constexpr int64_t kYoungTemporarySeconds = 10;
-
-enum class LockProbe { kHeld, kFree, kUnsupported };
-
-// Whether a writer still holds `file`'s lock (the writer takes it as it
-// creates the file, and the kernel drops it when the writer dies). Locks
-// belong to the open file description, so a writer thread of this process
-// conflicts with this probe as another process's would. A file that cannot
-// be opened, or whose lock fails otherwise, counts as held: it is left
-// alone. On success the probe's lock is dropped at once.
-LockProbe ProbeWriterLock(const std::string& file) {
-  // Read-write: NFS refuses an exclusive lock on a read-only descriptor
-  // (EBADF). A file this user may only read is probed read-only.
-  int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0 && errno == EACCES) fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) return LockProbe::kHeld;
-  LockProbe probe = LockProbe::kFree;
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    const bool unsupported = err == ENOLCK || err == ENOSYS || err == EINVAL || err == EBADF ||
-                             err == ENOTSUP || err == EOPNOTSUPP;
-    probe = unsupported ? LockProbe::kUnsupported : LockProbe::kHeld;  // EWOULDBLOCK: a writer lives
-  }
-  ::close(fd);
-  return probe;
+// Whether flock's errno `err` says the filesystem has no such locks (NFS
+// without lock support, some FUSE filesystems; NFS also refuses an
+// exclusive lock on a read-only descriptor with EBADF).
+bool NoLocks(int err) {
+  return err == ENOLCK || err == ENOSYS || err == EINVAL || err == EBADF || err == ENOTSUP || err == EOPNOTSUPP;
 }
 
-// Whether `file` was changed within kYoungTemporarySeconds (or cannot be
-// looked at).
-bool Young(const std::string& file) {
-  struct stat st{};
-  if (::lstat(file.c_str(), &st) != 0) return true;
-  return ::time(nullptr) - st.st_mtime < kYoungTemporarySeconds;
+// Removes `file` unless a writer holds its lock (the writer takes it as it
+// creates the file, and the kernel drops it when the writer dies). Locks
+// belong to the open file description, so a writer thread of this process
+// conflicts with this probe as another process's would. The unlink happens
+// while the probe holds the lock: a writer that locks its new file after
+// that finds it gone (AtomicFileWriter's constructor) and starts another.
+// Where the filesystem has no locks, `pid_gone` decides. A file that
+// cannot be opened, or whose lock fails otherwise, is left alone.
+void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
+  // Read-write: NFS refuses an exclusive lock on a read-only descriptor.
+  // A file this user may only read is probed read-only.
+  int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == EACCES) fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return;
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || (NoLocks(errno) && pid_gone)) ::unlink(file.c_str());
+  ::close(fd);  // EWOULDBLOCK: a writer lives
 }
 
 // Removes `<name>.tmp.<pid>.<n>.<host>` files that writers on this host
@@ -142,10 +129,8 @@ bool Young(const std::string& file) {
 // same small pids and host name, so a dead writer's pid may be this
 // process's or a live stranger's, and a live writer's pid may name no
 // process here (another PID namespace). Only where the filesystem has no
-// locks does the pid decide (a pid that names no process here). Kept too:
-// this process's own open temporaries, and files changed in the last
-// kYoungTemporarySeconds (a writer between creating its file and locking
-// it).
+// locks does the pid decide (one that names no process here). This
+// process's own open temporaries are not probed at all.
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
   const std::string prefix = BaseName(path) + ".tmp.";
@@ -169,17 +154,7 @@ void RemoveStaleTemporaries(const std::string& path) {
       std::lock_guard lock(RegistryMutex());
       if (OpenTemporaries().count(file) != 0) continue;
     }
-    if (Young(file)) continue;
-    switch (ProbeWriterLock(file)) {
-      case LockProbe::kHeld:
-        break;
-      case LockProbe::kFree:
-        ::unlink(file.c_str());
-        break;
-      case LockProbe::kUnsupported:
-        if (pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) ::unlink(file.c_str());
-        break;
-    }
+    RemoveUnlessLocked(file, pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH);
   }
   ::closedir(dir);
 }
@@ -208,21 +183,46 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
     throw CheckpointError("cannot write a file at '" + path_ + "': it is a folder");
   }
   RemoveStaleTemporaries(path_);
-  temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." +
-               HostTag();
-  fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd_ < 0) {
-    const int err = errno;  // before any string is built
-    Fail(temp_path_, "cannot create temporary file", err);
+  // Held until the descriptor closes: another writer's cleanup (this
+  // process's, another's, another PID namespace's) sees that this writer
+  // lives. A cleanup that probed the file between its creation and this
+  // lock removed it, holding the lock as it did: then the name no longer
+  // leads to this file, and another is made. A filesystem without locks
+  // only loses that protection.
+  for (int attempt = 0;; ++attempt) {
+    temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." +
+                 HostTag();
+    const std::string entry = Folder(path_) + "/" + BaseName(temp_path_);
+    auto forget = [&entry] {
+      std::lock_guard lock(RegistryMutex());
+      OpenTemporaries().erase(entry);
+    };
+    {
+      std::lock_guard lock(RegistryMutex());
+      OpenTemporaries().insert(entry);
+    }
+    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      const int err = errno;  // before any string is built
+      forget();
+      Fail(temp_path_, "cannot create temporary file", err);
+    }
+    const bool locked = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
+    if (!locked && errno != EWOULDBLOCK) break;  // no locks here
+    struct stat mine{}, named{};
+    if (locked && ::fstat(fd_, &mine) == 0 && ::stat(temp_path_.c_str(), &named) == 0 &&
+        mine.st_dev == named.st_dev && mine.st_ino == named.st_ino) {
+      break;
+    }
+    // Held by a cleanup (which removes it), or removed by one.
+    ::close(fd_);
+    fd_ = -1;
+    forget();
+    if (attempt == 9) {
+      throw CheckpointError(temp_path_ + ": cannot create temporary file: other writers' cleanups removed it " +
+                            std::to_string(attempt + 1) + " times");
+    }
   }
-  {
-    std::lock_guard lock(RegistryMutex());
-    OpenTemporaries().insert(Folder(path_) + "/" + BaseName(temp_path_));
-  }
-  // Held until the descriptor closes: another PID namespace's cleanup sees
-  // that this writer lives (RemoveStaleTemporaries). A filesystem without
-  // locks only loses that.
-  (void)::flock(fd_, LOCK_EX | LOCK_NB);
   // A file replaced keeps its permissions (a private checkpoint stays
   // private), as an editor's save would.
   struct stat old{};
