@@ -163,9 +163,9 @@ namespace internal {
 // outcome), so the others wait as long as it goes on, up to `timeout`.
 // Returns the outcome on every rank: empty, or root's error. Past the
 // timeout `work` is asked to stop, then every rank gets "<task> did not
-// finish within <option> (N ms)", and the group is aborted with `abort_reason` and
-// that limit (the others' next collective would wait for root past their
-// deadline). A group that fails meanwhile leaves `work` going until the
+// finish within <option> (N ms)", and the group is aborted with
+// `abort_reason` and that limit (the others' next collective would wait
+// for root past their deadline). A group that fails meanwhile leaves `work` going until the
 // timeout: a checkpoint half written is worth finishing.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,

@@ -153,9 +153,8 @@ using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 /// others hear it, through nn::io::OrderedStop; when a writer in `work` had
 /// already passed its last check before its rename, root waits a
 /// heartbeat more for its outcome, and otherwise the error adds that the
-/// new file may be in place), root returns
-/// once it ends, and the group is aborted with `abort_reason` and that
-/// limit. When the group fails while `work` goes on, root lets it go on
+/// new file may be in place), root returns once it ends, and the group is
+/// aborted with `abort_reason` and that limit. When the group fails while `work` goes on, root lets it go on
 /// until `timeout` before it rethrows.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
