@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -18,18 +20,37 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// First in this file: no CUDA call has made a context yet. Classifying a
-// host pointer must not make one (a CPU trainer built with CUDA would get
-// hundreds of MiB on GPU 0 in every rank).
+// Classifying a host pointer must not make a CUDA context (a CPU trainer
+// built with CUDA would get hundreds of MiB on GPU 0 in every rank). Checked
+// in a freshly started copy of this binary (the threadsafe death-test style
+// re-executes it), where no CUDA call has made a context yet, whatever the
+// other tests of this process did.
 TEST(DeviceStaging, HostPointerClassifiedWithoutCreatingAContext) {
   int devices = 0;
   ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess) << "no CUDA device";
-  for (int d = 0; d < devices; ++d) {
-    if (PrimaryContextActive(d)) GTEST_SKIP() << "device " << d << " has a context already";
-  }
-  std::vector<char> pageable(64);
-  EXPECT_FALSE(ClassifyPointer(pageable.data()).device);
-  for (int d = 0; d < devices; ++d) EXPECT_FALSE(PrimaryContextActive(d)) << d;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        for (int d = 0; d < devices; ++d) {
+          if (PrimaryContextActive(d)) {
+            std::fprintf(stderr, "device %d has a context before any CUDA work\n", d);
+            std::exit(2);
+          }
+        }
+        std::vector<char> pageable(64);
+        if (ClassifyPointer(pageable.data()).device) {
+          std::fprintf(stderr, "a host pointer was classified as device memory\n");
+          std::exit(3);
+        }
+        for (int d = 0; d < devices; ++d) {
+          if (PrimaryContextActive(d)) {
+            std::fprintf(stderr, "classifying a host pointer made a context on device %d\n", d);
+            std::exit(4);
+          }
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(DeviceStaging, ClassifiesDeviceAndHostPointers) {
