@@ -154,11 +154,16 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         },
         {buffer, packed});
   }
-  return group.Run(description, [buffer, wire, dtype](transport::Communicator* comm,
-                                                      transport::Deadline deadline) {
+  // A tensor, not a std::vector: the allocator keeps the block from call to
+  // call, and a large one lies in shareable memory when the group's ranks
+  // share a host, which the shared-memory engine reduces through mappings
+  // (about 3x faster than the cross-memory copies a private buffer needs).
+  const nn::Tensor packed_tensor = nn::Empty(buffer.shape(), {.dtype = wire_dtype});
+  return group.Run(description, [buffer, packed_tensor, wire, dtype](transport::Communicator* comm,
+                                                                     transport::Deadline deadline) {
     const int64_t n = buffer.numel();
     if (comm == nullptr || n == 0) return transport::Status::Ok();
-    std::vector<uint16_t> packed(n);
+    uint16_t* packed = static_cast<uint16_t*>(packed_tensor.data_ptr());
     if (dtype == nn::DType::kFloat64) {
       // In one rounding: through f32 a value just past the midpoint of two
       // 16-bit neighbours can land on it, and then round the wrong way.
@@ -167,12 +172,12 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         packed[i] = wire == Wire::kF16 ? nn::Half(d[i]).bits : nn::BFloat16(d[i]).bits;
       }
     } else if (wire == Wire::kF16) {
-      internal::FloatToHalf(static_cast<const float*>(buffer.data_ptr()), packed.data(), n);
+      internal::FloatToHalf(static_cast<const float*>(buffer.data_ptr()), packed, n);
     } else {
-      internal::FloatToBFloat16(static_cast<const float*>(buffer.data_ptr()), packed.data(), n);
+      internal::FloatToBFloat16(static_cast<const float*>(buffer.data_ptr()), packed, n);
     }
     transport::Status s = comm->AllReduce(
-        packed.data(), static_cast<size_t>(n),
+        packed, static_cast<size_t>(n),
         wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16,
         transport::ReduceOp::kSum, internal::Within(deadline));
     if (!s.ok()) return s;
@@ -182,9 +187,9 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         d[i] = wire == Wire::kF16 ? float(nn::Half::FromBits(packed[i])) : float(nn::BFloat16::FromBits(packed[i]));
       }
     } else if (wire == Wire::kF16) {
-      internal::HalfToFloat(packed.data(), static_cast<float*>(buffer.data_ptr()), n);
+      internal::HalfToFloat(packed, static_cast<float*>(buffer.data_ptr()), n);
     } else {
-      internal::BFloat16ToFloat(packed.data(), static_cast<float*>(buffer.data_ptr()), n);
+      internal::BFloat16ToFloat(packed, static_cast<float*>(buffer.data_ptr()), n);
     }
     return transport::Status::Ok();
   });
