@@ -59,6 +59,9 @@ std::optional<int64_t> ParseInt(std::string_view text) {
   return v;
 }
 
+// The longest time a seconds value may give.
+constexpr int64_t kMostSeconds = 1000000000;
+
 // Seconds as digits with an optional fraction ("30", "0.5", ".25", "3."),
 // as milliseconds, to the nearest one; a value above zero is at least 1 ms
 // (0.0004 is not zero). No sign, spaces, exponent or hex: strtod took
@@ -75,7 +78,7 @@ std::optional<milliseconds> ParseSeconds(std::string_view text) {
   if (whole.size() - first > 10) return std::nullopt;  // beyond the limit below
   int64_t ms = 0;
   for (char c : whole) ms = ms * 10 + (c - '0');
-  if (ms > 1000000000) return std::nullopt;
+  if (ms > kMostSeconds) return std::nullopt;
   ms *= 1000;
   int64_t scale = 100;
   for (size_t k = 0; k < fraction.size() && k < 3; ++k, scale /= 10) ms += (fraction[k] - '0') * scale;
@@ -643,7 +646,16 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           "silent node is dead; give one of them");
     }
     // torchrun's defaults: a beat every 5 s, dead after 3 missed.
-    o.node_timeout = keep_alive_interval.value_or(milliseconds(5000)) * keep_alive_attempts.value_or(3);
+    const milliseconds interval = keep_alive_interval.value_or(milliseconds(5000));
+    const int64_t attempts = keep_alive_attempts.value_or(3);
+    // Each is bounded, their product is not: past 1e9 s it would overflow
+    // the nanoseconds it is compared in, and every node would look dead.
+    if (interval.count() > kMostSeconds * 1000 / attempts) {
+      return InvalidArgumentError("--rdzv_conf keep_alive_interval x keep_alive_max_attempt (" +
+                                  std::to_string(interval.count()) + " ms x " + std::to_string(attempts) +
+                                  ") is beyond " + std::to_string(kMostSeconds) + " s");
+    }
+    o.node_timeout = interval * attempts;
   }
   if (o.node_rank >= o.nnodes) {
     return InvalidArgumentError("--node_rank=" + std::to_string(o.node_rank) +

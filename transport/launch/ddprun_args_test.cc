@@ -192,6 +192,14 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--rdzv_conf=keep_alive_interval=0", "p"},
                 "--rdzv_conf=keep_alive_interval=0: 'keep_alive_interval=0': keep_alive_interval takes a "
                 "positive number of seconds");
+  // Each within its bounds, the product beyond 1e9 s: refused, not a
+  // timeout that overflows and declares every node dead at once.
+  o = Parse({"--rdzv_conf=keep_alive_interval=10000000,keep_alive_max_attempt=100", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_timeout, std::chrono::milliseconds(int64_t{1000000000} * 1000));
+  ExpectRefused({"--rdzv_conf=keep_alive_interval=100000000,keep_alive_max_attempt=100", "p"},
+                "--rdzv_conf keep_alive_interval x keep_alive_max_attempt (100000000000 ms x 100) is beyond "
+                "1000000000 s");
   ExpectRefused({"--node_timeout=4", "--rdzv_conf=keep_alive_interval=1", "p"},
                 "--node_timeout and --rdzv_conf's keep_alive_interval/keep_alive_max_attempt both say when a "
                 "silent node is dead; give one of them");

@@ -137,8 +137,13 @@ std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
       std::istringstream rate(ReadFirstLine(port_entry.path() / "rate"));
       rate >> device.rate_gbps;
       if (!rate) device.rate_gbps = 0;
-      // "4: ACTIVE"
-      device.active = ReadFirstLine(port_entry.path() / "state").find("ACTIVE") != std::string::npos;
+      // "4: ACTIVE"; the word alone decides ("5: ACTIVE_DEFER" is not up).
+      const std::string state = ReadFirstLine(port_entry.path() / "state");
+      const size_t colon = state.find(':');
+      std::istringstream word(colon == std::string::npos ? state : state.substr(colon + 1));
+      std::string name_of_state;
+      word >> name_of_state;
+      device.active = name_of_state == "ACTIVE";
       devices.push_back(std::move(device));
     }
   }

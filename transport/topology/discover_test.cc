@@ -36,8 +36,12 @@ TEST(ReadNetDevices, ReadsAFakeSysfsTree) {
   Write(ib / "mlx5_0" / "ports" / "1" / "rate", "100 Gb/sec (4X EDR)");
   Write(ib / "mlx5_0" / "ports" / "1" / "state", "1: DOWN");
   Write(ib / "mlx5_0" / "ports" / "1" / "link_layer", "Ethernet");
+  // A port in ACTIVE_DEFER (the link went down and may come back) is not up.
+  Write(ib / "mlx5_2" / "ports" / "1" / "state", "5: ACTIVE_DEFER");
   std::vector<NetDevice> devices = ReadNetDevices(root.string());
-  ASSERT_EQ(devices.size(), 2u);
+  ASSERT_EQ(devices.size(), 3u);
+  EXPECT_EQ(devices[2].name, "mlx5_2");
+  EXPECT_FALSE(devices[2].active);
   EXPECT_EQ(devices[0].name, "mlx5_0");
   EXPECT_FALSE(devices[0].active);
   EXPECT_EQ(devices[0].link_layer, "Ethernet");
