@@ -315,6 +315,7 @@ class Communicator::Impl {
   ~Impl();
 
   Status Init();
+  Status ReadEnvironment();
   // After a failed Init: posts `status` as the job's abort reason (unless one
   // is posted already), where the others' creation waits see it.
   void PostCreationFailure(const Status& status) {
@@ -836,6 +837,36 @@ class Communicator::Impl {
   std::shared_ptr<PollGate> poll_gate_ = std::make_shared<PollGate>();
 };
 
+// The DDP_* variables that adjust options_ and shm_env_.
+Status Communicator::Impl::ReadEnvironment() {
+  const std::string env_algo = GetEnv("DDP_ALLREDUCE_ALGO");
+  if (options_.algorithm == Algorithm::kAuto && !env_algo.empty()) {
+    DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
+  }
+  if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
+  // A true DDP_CUDA_IPC turns the option on and a false DDP_SHARED_MEMORY
+  // turns it off; the other value leaves the program's choice.
+  DDP_ASSIGN_OR_RETURN(const std::optional<bool> env_ipc, EnvBool("DDP_CUDA_IPC"));
+  if (env_ipc.value_or(false)) options_.cuda_ipc = true;
+  DDP_ASSIGN_OR_RETURN(const std::optional<bool> env_shm, EnvBool("DDP_SHARED_MEMORY"));
+  if (!env_shm.value_or(true)) options_.shared_memory = false;
+  DDP_ASSIGN_OR_RETURN(shm_env_.staging_bytes, EnvBytes("DDP_SHM_STAGING_BYTES", kMostShmStagingBytes));
+  DDP_ASSIGN_OR_RETURN(shm_env_.chunk_bytes, EnvBytes("DDP_SHM_CHUNK_BYTES", kMostShmChunkBytes));
+  DDP_ASSIGN_OR_RETURN(shm_env_.spin_us, EnvCount("DDP_SHM_SPIN_US", kMostShmSpinUs));
+  if (options_.staged_reduce == StagedReduce::kAuto) {
+    const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
+    // Host by default: on an H200 (2 ranks sharing it, f32 and bf16, 4 KiB to
+    // 64 MiB) reducing on the host was faster at every size but one
+    // (docs/benchmarks.md, GPU).
+    options_.staged_reduce = StagedReduce::kHost;
+    if (!env_reduce.empty()) {
+      DDP_ASSIGN_OR_RETURN(options_.staged_reduce, ParseStagedReduce(env_reduce));
+    }
+  }
+  info_.staged_reduce = options_.staged_reduce;
+  return Status::Ok();
+}
+
 Status Communicator::Impl::Init() {
   const CommunicatorOptions& o = options_;
   if (o.world_size < 1) return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " must be positive");
@@ -851,32 +882,11 @@ Status Communicator::Impl::Init() {
   if (o.timeout.count() <= 0) return InvalidArgumentError("timeout must be positive");
   if (o.abort_store_time.count() <= 0) return InvalidArgumentError("abort_store_time must be positive");
   if (o.store_call_cap.count() <= 0) return InvalidArgumentError("store_call_cap must be positive");
-  const std::string env_algo = GetEnv("DDP_ALLREDUCE_ALGO");
-  if (options_.algorithm == Algorithm::kAuto && !env_algo.empty()) {
-    DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
-  }
-  if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
-  // A true DDP_CUDA_IPC turns the option on and a false DDP_SHARED_MEMORY
-  // turns it off; the other value leaves the program's choice.
-  DDP_ASSIGN_OR_RETURN(const std::optional<bool> env_ipc, EnvBool("DDP_CUDA_IPC"));
-  if (env_ipc.value_or(false)) options_.cuda_ipc = true;
-  DDP_ASSIGN_OR_RETURN(const std::optional<bool> env_shm, EnvBool("DDP_SHARED_MEMORY"));
-  if (!env_shm.value_or(true)) options_.shared_memory = false;
-  DDP_ASSIGN_OR_RETURN(shm_env_.staging_bytes, EnvBytes("DDP_SHM_STAGING_BYTES", kMostShmStagingBytes));
-  DDP_ASSIGN_OR_RETURN(shm_env_.chunk_bytes, EnvBytes("DDP_SHM_CHUNK_BYTES", kMostShmChunkBytes));
-  DDP_ASSIGN_OR_RETURN(shm_env_.spin_us, EnvCount("DDP_SHM_SPIN_US", kMostShmSpinUs));
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
-  if (options_.staged_reduce == StagedReduce::kAuto) {
-    const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
-    // Host by default: on an H200 (2 ranks sharing it, f32 and bf16, 4 KiB to
-    // 64 MiB) reducing on the host was faster at every size but one
-    // (docs/benchmarks.md, GPU).
-    options_.staged_reduce = StagedReduce::kHost;
-    if (!env_reduce.empty()) {
-      DDP_ASSIGN_OR_RETURN(options_.staged_reduce, ParseStagedReduce(env_reduce));
-    }
-  }
-  info_.staged_reduce = options_.staged_reduce;
+  // A bad variable is reported once the store is reached, where the other
+  // ranks' creation waits see it: failing before would leave them waiting
+  // out their whole timeout (or, on rank 0, never start their store).
+  const Status environment = ReadEnvironment();
 
   fork::InstallForkGuard();
   const Deadline deadline = creation_deadline_.value_or(DeadlineIn(o.timeout));
@@ -924,6 +934,7 @@ Status Communicator::Impl::Init() {
   DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
                                                               o.job_token, deadline));
   setup_store_ = std::make_unique<internal::WatchfulStore>(*store_, prefix_ + "abort");
+  DDP_RETURN_IF_ERROR(environment);
 
   // 2. Topology: discovered and exchanged (hosts, pids), or from a file for
   // the algorithm choice.
@@ -2767,6 +2778,7 @@ Status Communicator::Barrier(const CallOptions& call) {
 Status Communicator::Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "send"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "send to rank"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({data}, count, "send"));
@@ -2786,6 +2798,7 @@ Status Communicator::Send(const void* data, size_t count, DataType dtype, int pe
 Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "receive"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "receive from rank"));
   DDP_ASSIGN_OR_RETURN(const int device, impl_->DeviceOf({data}, count, "receive"));
@@ -2970,6 +2983,7 @@ Work Communicator::BarrierAsync(const CallOptions& call) {
 Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int peer,
                              uint32_t tag, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "send"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "send to rank"));
   DDP_ASYNC_ASSIGN(const int device,
@@ -2981,6 +2995,7 @@ Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int
 Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                              const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "receive"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "receive from rank"));
   DDP_ASYNC_ASSIGN(const int device,

@@ -1628,6 +1628,30 @@ TEST(Communicator, OneRanksFailedCreationFailsTheOthersAtOnce) {
   }
 }
 
+// A bad DDP_* variable on one rank only (a node's own environment): the
+// others fail within moments naming it, instead of waiting out the 20 s
+// deadline. On rank 0, which serves the store, the others fail as soon.
+TEST(Communicator, OneRanksBadEnvironmentValueFailsTheOthersAtOnce) {
+  for (int bad : {2, 0}) {
+    Job job = RunJob(3, "create", {{"DDP_TEST_TIMEOUT_MS", "20000"}}, milliseconds(60000), nullptr,
+                     {{bad, {{"DDP_SHM_STAGING_BYTES", "1X"}}}});
+    ASSERT_EQ(job.results.size(), 3u);
+    for (int r = 0; r < 3; ++r) {
+      const std::string& out = job.results[r].output;
+      EXPECT_EQ(job.results[r].exit_code, 2) << "bad rank " << bad << "\n" << job.Describe();
+      const size_t at = out.find("CREATE_MS ");
+      ASSERT_NE(at, std::string::npos) << job.Describe();
+      EXPECT_LT(std::atoi(out.c_str() + at + 10), 8000) << "bad rank " << bad << "\n" << job.Describe();
+      const std::string named = r == bad ? "rank " + std::to_string(bad) + ": creating the communicator: "
+                                         : "rank " + std::to_string(bad) + " aborted the job: creating its communicator: ";
+      if (r == bad || bad != 0) {
+        EXPECT_NE(out.find(named + "DDP_SHM_STAGING_BYTES=1X: expected a byte count"), std::string::npos)
+            << "bad rank " << bad << "\n" << job.Describe();
+      }
+    }
+  }
+}
+
 TEST(Communicator, StagedReduceDefaultsToHostAndFollowsTheEnvironment) {
   const std::pair<const char*, StagedReduce> cases[] = {
       {"", StagedReduce::kHost}, {"device", StagedReduce::kDevice}, {"host", StagedReduce::kHost}};

@@ -241,6 +241,19 @@ int ScenarioLocalErrors() {
          StatusCode::kInvalidArgument, "reduce: algorithm rhd is not auto, tree, ring or shm");
   expect(comm->Gather(a.data(), b.data(), SIZE_MAX / 2, DataType::kF32, 0),
          StatusCode::kInvalidArgument, "overflows");
+  // Point-to-point calls check the count too: its bytes wrapped to 4 and a
+  // 4-byte message was sent (or awaited) as if the call had been whole.
+  const size_t wraps = SIZE_MAX / 4 + 2;
+  const std::string wrapped = std::to_string(wraps) + " elements of f32 overflow the address space";
+  const int next = (comm->rank() + 1) % n, prev = (comm->rank() + n - 1) % n;
+  expect(comm->Send(a.data(), wraps, DataType::kF32, next, 9), StatusCode::kInvalidArgument, "send: " + wrapped);
+  expect(comm->SendAsync(a.data(), wraps, DataType::kF32, next, 9).Wait(), StatusCode::kInvalidArgument,
+         "send: " + wrapped);
+  expect(comm->Recv(b.data(), wraps, DataType::kF32, prev, 9, {.timeout = std::chrono::milliseconds(2000)}),
+         StatusCode::kInvalidArgument, "receive: " + wrapped);
+  expect(comm->RecvAsync(b.data(), wraps, DataType::kF32, prev, 9, {.timeout = std::chrono::milliseconds(2000)})
+             .Wait(),
+         StatusCode::kInvalidArgument, "receive: " + wrapped);
   // Null buffers with such a count: the count is refused first, on every
   // rank alike, not the buffers.
   expect(comm->AllGather(nullptr, nullptr, SIZE_MAX / 2, DataType::kF32),

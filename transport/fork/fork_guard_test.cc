@@ -64,17 +64,27 @@ TEST(ForkGuard, ForkedChildThatEntersTheTransportGetsAnExplanation) {
   EXPECT_EQ(text.rfind("FAILED_PRECONDITION: creating a communicator: this process (pid ", 0), 0)
       << text;
   EXPECT_NE(text.find("was forked from pid " + std::to_string(getpid()) +
-                      " after the transport was initialized there"),
+                      ", after the transport was initialized there"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("Spawn workers"), std::string::npos) << text;
 }
 
+// The grandchild is refused too, and its message names the process it was
+// forked from (its parent, not the one that initialized the transport).
 TEST(ForkGuard, ChildOfAForkedChildIsMarkedToo) {
   InstallForkGuard();
-  auto [status, text] = ForkAndCapture([] {
+  const pid_t top = getpid();
+  auto [status, text] = ForkAndCapture([top] {
     auto [inner, inner_text] = ForkAndCapture(EnterTheTransport);
-    return WIFEXITED(inner) ? WEXITSTATUS(inner) : 2;
+    if (!WIFEXITED(inner) || WEXITSTATUS(inner) != 0) return 2;
+    const std::string want = "was forked from pid " + std::to_string(getpid()) + ", a descendant of pid " +
+                             std::to_string(top) + ", after the transport was initialized there";
+    if (inner_text.find(want) == std::string::npos) {
+      std::fprintf(stderr, "expected \"%s\" in: %s", want.c_str(), inner_text.c_str());
+      return 3;
+    }
+    return 0;
   });
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << text;
