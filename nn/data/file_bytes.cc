@@ -51,7 +51,7 @@ bool IsGzip(std::string_view bytes) {
          static_cast<uint8_t>(bytes[1]) == 0x8b;
 }
 
-MappedFile::MappedFile(const std::string& path) {
+FileContents::FileContents(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw DatasetError(path + ": cannot open: " + std::strerror(errno));
   struct Closer {
@@ -62,20 +62,34 @@ MappedFile::MappedFile(const std::string& path) {
   if (::fstat(fd, &st) != 0) throw DatasetError(path + ": cannot stat: " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw DatasetError(path + ": not a regular file");
   if (st.st_size == 0) return;
-  // MAP_POPULATE maps every page in one call instead of one fault each.
-  void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
-    copy_ = ReadFileBytes(path);
-    bytes_ = copy_;
-    return;
+    throw DatasetError(path + ": cannot allocate " + std::to_string(size) + " bytes to read it: " +
+                       std::strerror(errno));
   }
-  map_ = p;
-  mapped_ = static_cast<size_t>(st.st_size);
-  bytes_ = std::string_view(static_cast<const char*>(p), mapped_);
+  buffer_ = p;
+  buffer_bytes_ = size;
+  ::madvise(p, size, MADV_HUGEPAGE);  // advice only: without it, 4 KiB pages
+  char* dst = static_cast<char*>(p);
+  for (size_t got = 0; got < size;) {
+    // Pieces of at most 1 GiB: Linux reads at most ~2 GiB in one call.
+    const ssize_t n = ::pread(fd, dst + got, std::min<size_t>(size - got, size_t{1} << 30), static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "the file got shorter while read";
+      ::munmap(buffer_, buffer_bytes_);
+      buffer_ = nullptr;
+      throw DatasetError(path + ": read " + std::to_string(got) + " of " + std::to_string(size) +
+                         " bytes: " + why);
+    }
+    got += static_cast<size_t>(n);
+  }
+  bytes_ = std::string_view(dst, size);
 }
 
-MappedFile::~MappedFile() {
-  if (map_ != nullptr) ::munmap(map_, mapped_);
+FileContents::~FileContents() {
+  if (buffer_ != nullptr) ::munmap(buffer_, buffer_bytes_);
 }
 
 GzipReader::GzipReader(std::string_view bytes, std::string source, uint64_t max_bytes)
@@ -166,7 +180,7 @@ std::string Gunzip(std::string_view bytes, const std::string& source, uint64_t m
 }
 
 std::string ReadMaybeGzipFile(const std::string& path) {
-  const MappedFile file(path);
+  const FileContents file(path);
   if (IsGzip(file.bytes())) return Gunzip(file.bytes(), path);
   return std::string(file.bytes());
 }

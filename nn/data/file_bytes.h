@@ -23,23 +23,25 @@ bool FileExists(const std::string& path);
 /// Reads the whole file. Throws DatasetError naming `path` and the OS error.
 std::string ReadFileBytes(const std::string& path);
 
-/// A whole file mapped read-only: the page cache's own pages, shared by every
-/// process that reads the file, with nothing copied or zeroed (a 26 MB
-/// gzip-compressed set read into fresh memory cost a fault per 4 KiB page).
-/// Where mapping fails it holds a copy read as ReadFileBytes does. Throws as
-/// ReadFileBytes. The file must not be truncated while mapped.
-class MappedFile {
+/// A whole file read into memory with pread. Not mapped: a mapped source
+/// cut short while read (`curl -o` overwriting the set in place while a rank
+/// loads it) raised SIGBUS in the decoder and killed the process without a
+/// word; a read that finds the file shorter than its size throws instead. The
+/// buffer, freed with this object, is anonymous memory advised huge (2 MiB
+/// pages), so that a 26 MB set costs a few faults rather than one per 4 KiB;
+/// the files read here are compressed sets of at most some hundreds of MB,
+/// held only while they are decoded. Throws as ReadFileBytes.
+class FileContents {
  public:
-  explicit MappedFile(const std::string& path);
-  ~MappedFile();
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
+  explicit FileContents(const std::string& path);
+  ~FileContents();
+  FileContents(const FileContents&) = delete;
+  FileContents& operator=(const FileContents&) = delete;
   std::string_view bytes() const { return bytes_; }
 
  private:
-  void* map_ = nullptr;
-  size_t mapped_ = 0;
-  std::string copy_;  // where mapping failed
+  void* buffer_ = nullptr;
+  size_t buffer_bytes_ = 0;
   std::string_view bytes_;
 };
 

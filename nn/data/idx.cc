@@ -213,7 +213,7 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
 }
 
 IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
-  const internal::MappedFile file(path);
+  const internal::FileContents file(path);
   return ParseIdxFileBytes(file.bytes(), path, expected_dims);
 }
 

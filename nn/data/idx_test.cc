@@ -1,11 +1,19 @@
 #include "nn/data/idx.h"
 
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstring>
 #include <fstream>
 #include <numeric>
 #include <string>
+#include <thread>
 
 #include "nn/data/file_bytes.h"
 #include "nn/data/test_files.h"
@@ -307,18 +315,78 @@ TEST(GzipReaderTest, IdxAcrossMembersParsesAsPlain) {
   EXPECT_EQ(a.data, b.data);
 }
 
-TEST(MappedFileTest, HoldsTheFileAndNamesWhatIsWrong) {
-  const std::string dir = FreshDir("mapped");
+TEST(FileContentsTest, HoldsTheFileAndNamesWhatIsWrong) {
+  const std::string dir = FreshDir("contents");
   const std::string bytes = Gzip(std::string(10000, 'q'));
   WriteFile(dir + "/f", bytes);
-  EXPECT_EQ(internal::MappedFile(dir + "/f").bytes(), bytes);
+  EXPECT_EQ(internal::FileContents(dir + "/f").bytes(), bytes);
   WriteFile(dir + "/empty", "");
-  EXPECT_TRUE(internal::MappedFile(dir + "/empty").bytes().empty());
+  EXPECT_TRUE(internal::FileContents(dir + "/empty").bytes().empty());
   EXPECT_EQ(internal::ReadMaybeGzipFile(dir + "/f"), std::string(10000, 'q'));
-  EXPECT_THAT(ErrorOf([&] { internal::MappedFile f(dir + "/nope"); }),
+  EXPECT_THAT(ErrorOf([&] { internal::FileContents f(dir + "/nope"); }),
               AllOf(HasSubstr(dir + "/nope"), HasSubstr("cannot open"), HasSubstr("No such file")));
-  EXPECT_THAT(ErrorOf([&] { internal::MappedFile f(dir); }),
+  EXPECT_THAT(ErrorOf([&] { internal::FileContents f(dir); }),
               AllOf(HasSubstr(dir), HasSubstr("not a regular file")));
+}
+
+// A source file cut short while it is being read (`curl -o` overwriting the
+// set in place while a rank loads it) gives a DatasetError naming the file, or
+// the whole file's bytes, never a SIGBUS: a reader loads the file while
+// another thread keeps truncating it to half and writing the half back, in a
+// child process so that a signal fails this test instead of killing it.
+TEST(IdxFileTruncatedWhileRead, GivesAnErrorOrTheWholeFileNeverASignal) {
+  const std::string dir = FreshDir("truncated");
+  const std::string path = dir + "/images.gz";
+  // 16 MiB of low-entropy noise: ~8 MiB compressed, tens of ms to inflate.
+  std::string pixels(16 << 20, '\0');
+  uint64_t x = 88172645463325252ull;
+  for (char& c : pixels) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    c = static_cast<char>(x & 15);
+  }
+  const std::string file = Gzip(IdxBytes({16, 1024, 1024}, pixels));
+  WriteFile(path, file);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::atomic<bool> done{false};
+    std::thread truncator([&] {
+      const int fd = ::open(path.c_str(), O_WRONLY);
+      const size_t half = file.size() / 2;
+      while (!done.load()) {
+        if (::ftruncate(fd, static_cast<off_t>(half)) != 0) ::_exit(3);
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (::pwrite(fd, file.data() + half, file.size() - half, static_cast<off_t>(half)) !=
+            static_cast<ssize_t>(file.size() - half)) {
+          ::_exit(3);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      ::close(fd);
+    });
+    int wrong = 0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (std::chrono::steady_clock::now() < until) {
+      try {
+        const IdxArray a = ReadIdxFile(path);
+        wrong += a.data.size() != pixels.size() || std::memcmp(a.data.data(), pixels.data(), pixels.size()) != 0;
+      } catch (const DatasetError& e) {
+        wrong += std::string(e.what()).find(path) == std::string::npos;
+      }
+    }
+    done = true;
+    truncator.join();
+    ::_exit(wrong == 0 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_FALSE(WIFSIGNALED(status)) << "the reader died of signal " << WTERMSIG(status)
+                                    << " (" << ::strsignal(WTERMSIG(status)) << ")";
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_NE(WEXITSTATUS(status), 3) << "the test could not truncate " << path;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "a load gave wrong bytes or an error not naming " << path;
 }
 
 TEST(IdxDatasetErrors, LabelCountDiffersFromImageCount) {
