@@ -21,7 +21,8 @@
 namespace ddp::nn::data::internal {
 namespace {
 
-constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '2', '\0'};
+// Version 3 added the change time to SourceStat.
+constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '3', '\0'};
 constexpr uint32_t kMaxDims = 8;
 constexpr uint32_t kMaxSources = 64;
 
@@ -36,12 +37,15 @@ struct Header {
   uint32_t reserved;
 };
 
-// What identifies a source file's contents without reading it.
+// What identifies a source file's contents without reading it. The change
+// time is there because the modification time can be set back (`cp -p` or
+// `touch -r` onto the file), the change time cannot.
 struct SourceStat {
   uint64_t dev;
   uint64_t ino;
   uint64_t size;
   int64_t mtime_ns;
+  int64_t ctime_ns;
   bool operator==(const SourceStat&) const = default;
 };
 
@@ -95,7 +99,8 @@ bool StatSources(const std::vector<std::string>& sources, std::vector<SourceStat
     if (::stat(source.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
     out->push_back({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
                     static_cast<uint64_t>(st.st_size),
-                    static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec});
+                    static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
+                    static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec});
   }
   return !out->empty() && out->size() <= kMaxSources;
 }
@@ -203,7 +208,13 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     if (hit.owner != nullptr) return hit;
   }
   auto [dims, bytes] = decode();
-  if (cacheable && bytes.size() >= min_bytes) WriteEntry(dir, path, stats, dims, bytes);
+  if (cacheable && bytes.size() >= min_bytes) {
+    // A source replaced or rewritten during the decode may have given either
+    // file's bytes: an entry would pair the identity stated before with the
+    // other contents, so none is written.
+    std::vector<SourceStat> after;
+    if (StatSources(sources, &after) && after == stats) WriteEntry(dir, path, stats, dims, bytes);
+  }
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
   SharedArray out;
   out.dims = std::move(dims);

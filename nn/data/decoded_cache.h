@@ -7,9 +7,10 @@
 // run). Fashion-MNIST's training images take ~0.3 s and 47 MB of fresh memory
 // per process to decompress, and ~15 ms to map and check.
 //
-// An entry is keyed by its source files (their paths, devices, inodes, sizes
-// and modification times) and carries a CRC-32 of its data: an entry that does not
-// match is ignored and written again. Entries are written to a temporary
+// An entry is keyed by its source files (their paths, devices, inodes, sizes,
+// modification and change times, stated before the decode and again after
+// it: a source that changed meanwhile gets no entry) and carries a CRC-32 of
+// its data: an entry that does not match is ignored and written again. Entries are written to a temporary
 // file and renamed into place, so a reader sees a whole entry or none. The
 // cache is best effort: where it cannot be read or written, loads decode as
 // before.

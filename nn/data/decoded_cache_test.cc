@@ -151,6 +151,60 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
 }
 
+// A source rewritten in place with its old size and modification time
+// (`cp -p` or `touch -r` onto it): its change time differs, so it is decoded
+// again instead of being served the old entry.
+TEST(DecodedCache, SameSizeRewriteWithItsOldMtimeIsDecodedAgain) {
+  const std::string dir = FreshDir("decoded_ctime");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
+  struct stat before;
+  ASSERT_EQ(::stat(src.c_str(), &before), 0);
+  CountingDecode decode{src};
+  LoadDecoded(src, std::ref(decode), 0);
+  // Past the kernel's coarse timestamp tick, so that the change time moves.
+  ::usleep(30000);
+  std::string other = Pixels(8);
+  other[0] = 'z';
+  WriteFile(src, IdxBytes({4, 2}, other));  // the same inode, truncated and rewritten
+  const struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, src.c_str(), times, 0), 0);
+  struct stat after;
+  ASSERT_EQ(::stat(src.c_str(), &after), 0);
+  ASSERT_EQ(after.st_ino, before.st_ino);
+  ASSERT_EQ(after.st_size, before.st_size);
+  const SharedArray now = LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EQ(decode.calls, 2) << "the entry of the old contents was used";
+  EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
+}
+
+// A source replaced while it is decoded: the bytes decoded may be either
+// file's, so no entry is written (one would pair the old file's identity with
+// the new file's contents); the next load decodes and writes one.
+TEST(DecodedCache, SourceReplacedDuringTheDecodeWritesNoEntry) {
+  const std::string dir = FreshDir("decoded_replaced");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
+  std::string other = Pixels(12);
+  other[0] = 'z';
+  CountingDecode reader{src};
+  auto replacing = [&] {
+    WriteFile(dir + "/new", IdxBytes({4, 3}, other));
+    std::filesystem::rename(dir + "/new", src);
+    return reader();
+  };
+  const SharedArray first = LoadDecoded(src, replacing, 0);
+  EXPECT_EQ(Bytes(first), std::vector<uint8_t>(other.begin(), other.end()));
+  EXPECT_TRUE(Entries(dir + "/cache").empty()) << "an entry was written for a source replaced during its decode";
+  CountingDecode decode{src};
+  LoadDecoded(src, std::ref(decode), 0);
+  const SharedArray third = LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EQ(decode.calls, 1) << "the second load wrote no entry";
+  EXPECT_EQ(Bytes(third), std::vector<uint8_t>(other.begin(), other.end()));
+}
+
 // An entry of several sources (CIFAR-10's five batches) is keyed by all of
 // them: a change to any one decodes again.
 TEST(DecodedCache, SeveralSourcesAreAllPartOfTheKey) {
