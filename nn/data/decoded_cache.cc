@@ -1,12 +1,15 @@
 #include "nn/data/decoded_cache.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cctype>
 #include <climits>
 #include <cstdio>
@@ -157,7 +160,6 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
 void WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
                 const std::vector<int64_t>& dims, const std::vector<uint8_t>& data) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
   if (dims.empty() || dims.size() > kMaxDims || !std::filesystem::is_directory(dir, ec)) return;
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
@@ -180,6 +182,54 @@ void WriteEntry(const std::string& dir, const std::string& path, const std::vect
   }
 }
 
+// An exclusive flock on `<entry>.lock`, so that the processes of a host
+// loading one set into a cold cache decode and write it once: the others wait
+// for the entry and map it. Not held when the file cannot be made (an
+// unwritable folder) or another process holds it past `wait` (a stuck
+// writer: the caller then decodes alone). The holder removes the file before
+// unlocking it, so none is left; a waiter whose lock is on a removed file
+// (it opened the file before the removal) locks the path again.
+class EntryLock {
+ public:
+  EntryLock(std::string path, std::chrono::milliseconds wait) : path_(std::move(path)) {
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (true) {
+      fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+      if (fd_ < 0) return;
+      while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+        if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() >= deadline) {
+          Drop();
+          return;
+        }
+        ::usleep(5000);
+      }
+      struct stat held, named;
+      if (::fstat(fd_, &held) == 0 && ::stat(path_.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+          held.st_ino == named.st_ino) {
+        return;
+      }
+      Drop();
+      if (std::chrono::steady_clock::now() >= deadline) return;
+    }
+  }
+  ~EntryLock() {
+    if (fd_ < 0) return;
+    ::unlink(path_.c_str());  // while still locked: see the class comment
+    Drop();
+  }
+  EntryLock(const EntryLock&) = delete;
+  EntryLock& operator=(const EntryLock&) = delete;
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  void Drop() {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  std::string path_;
+  int fd_ = -1;
+};
+
 }  // namespace
 
 std::string DecodedCacheDir() {
@@ -198,23 +248,34 @@ std::string DecodedCacheDir() {
 
 SharedArray LoadDecoded(const std::vector<std::string>& sources,
                         const DecodeFn& decode,
-                        size_t min_bytes) {
+                        size_t min_bytes,
+                        std::chrono::milliseconds lock_wait) {
   const std::string dir = DecodedCacheDir();
   std::vector<SourceStat> stats;
   const bool cacheable = !dir.empty() && StatSources(sources, &stats);
   const std::string path = cacheable ? dir + "/" + EntryName(sources) : "";
+  std::unique_ptr<EntryLock> lock;
   if (cacheable) {
     SharedArray hit = MapEntry(path, stats);
     if (hit.owner != nullptr) return hit;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
+    // Another process of this host may have written the entry while this
+    // one waited.
+    if (lock->held()) hit = MapEntry(path, stats);
+    if (hit.owner != nullptr) return hit;
   }
   auto [dims, bytes] = decode();
-  if (cacheable && bytes.size() >= min_bytes) {
+  // Only the lock's holder writes: one whole entry per host, not one per rank.
+  if (lock != nullptr && lock->held() && bytes.size() >= min_bytes) {
     // A source replaced or rewritten during the decode may have given either
     // file's bytes: an entry would pair the identity stated before with the
     // other contents, so none is written.
     std::vector<SourceStat> after;
     if (StatSources(sources, &after) && after == stats) WriteEntry(dir, path, stats, dims, bytes);
   }
+  lock.reset();
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
   SharedArray out;
   out.dims = std::move(dims);
@@ -226,8 +287,9 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
 
 SharedArray LoadDecoded(const std::string& source,
                         const DecodeFn& decode,
-                        size_t min_bytes) {
-  return LoadDecoded(std::vector<std::string>{source}, decode, min_bytes);
+                        size_t min_bytes,
+                        std::chrono::milliseconds lock_wait) {
+  return LoadDecoded(std::vector<std::string>{source}, decode, min_bytes, lock_wait);
 }
 
 }  // namespace ddp::nn::data::internal

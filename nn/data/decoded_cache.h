@@ -18,6 +18,7 @@
 // Where: $DDP_DATA_CACHE (a folder; "0" or "off" turns the cache off), else
 // $XDG_CACHE_HOME/ddp/datasets, else $HOME/.cache/ddp/datasets.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -43,15 +44,24 @@ std::string DecodedCacheDir();
 /// microseconds, and tests' scratch files would pile up.
 inline constexpr size_t kMinCachedBytes = size_t{1} << 20;
 
+/// How long a load into a cold cache waits for another process of this host
+/// that is decoding the same sources (and will write their entry) before it
+/// decodes alone, writing nothing.
+inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
+
 /// The decoded contents of `sources` (one or more files, decoded together):
 /// from their cache entry when one matches, else from `decode` (which
 /// throws for a bad file), whose result is then written to the cache when
 /// it has at least `min_bytes`. `decode` returns the dimensions and the
-/// bytes.
+/// bytes. Concurrent first loads on one host take turns on a lock file next
+/// to the entry (`<entry>.lock`, removed after): the first decodes and
+/// writes, the others then map its entry; one that waits more than
+/// `lock_wait` decodes alone and writes nothing.
 using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
 SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
-                        size_t min_bytes = kMinCachedBytes);
-SharedArray LoadDecoded(const std::string& source, const DecodeFn& decode, size_t min_bytes = kMinCachedBytes);
+                        size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait);
+SharedArray LoadDecoded(const std::string& source, const DecodeFn& decode, size_t min_bytes = kMinCachedBytes,
+                        std::chrono::milliseconds lock_wait = kEntryLockWait);
 
 }  // namespace ddp::nn::data::internal
 

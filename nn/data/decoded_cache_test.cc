@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -149,6 +150,9 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   const SharedArray now = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
+  // The new entry took the old one's name: one entry per source, not one per
+  // version of it.
+  EXPECT_EQ(Entries(dir + "/cache").size(), 1u);
 }
 
 // A source rewritten in place with its old size and modification time
@@ -287,6 +291,100 @@ TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
   CountingDecode decode{src};
   EXPECT_TRUE(Bytes(LoadDecoded(src, std::ref(decode), 0)) == want);
   EXPECT_EQ(decode.calls, 0);
+}
+
+// Writes one byte to `path` (O_APPEND): a decode's mark that processes
+// share.
+void Mark(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0 || ::write(fd, "d", 1) != 1) ::_exit(4);
+  ::close(fd);
+}
+
+// Ranks load one set at once into a cold cache: one decodes and writes the
+// entry while the others wait for it and map it, instead of each decoding and
+// writing (and fsyncing) a whole entry of its own.
+TEST(DecodedCache, ConcurrentFirstLoadsDecodeOnce) {
+  const std::string dir = FreshDir("decoded_once");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images.gz";
+  const std::string marks = dir + "/decodes";
+  const std::vector<uint8_t> want = Want(1 << 20);
+  WriteFile(src, Gzip(IdxBytes({1, 1024, 1024}, Pixels(1 << 20))));
+  int go[2];
+  ASSERT_EQ(::pipe(go), 0);
+  std::vector<pid_t> children;
+  for (int i = 0; i < 4; ++i) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::close(go[1]);
+      char c;
+      if (::read(go[0], &c, 1) != 0) ::_exit(5);  // all start when the parent closes its end
+      auto slow = [&] {
+        Mark(marks);
+        ::usleep(300000);  // a decode long enough for every rank to find no entry
+        IdxArray a = ReadIdxFile(src);
+        return std::make_pair(a.dims, a.data);
+      };
+      const SharedArray a = LoadDecoded(src, slow, 0);
+      ::_exit(a.size == want.size() && std::equal(a.data, a.data + a.size, want.begin()) ? 0 : 1);
+    }
+    children.push_back(pid);
+  }
+  ::close(go[0]);
+  ::close(go[1]);
+  for (pid_t pid : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a child read wrong bytes";
+  }
+  EXPECT_EQ(std::filesystem::file_size(marks), 1u) << "the set was decoded once per process";
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u) << "a lock file or a temporary was left";
+  EXPECT_EQ(entries[0].extension(), ".decoded");
+}
+
+// A process holding the entry's lock past the wait (a stuck writer) is not
+// waited for: the other load decodes alone and writes nothing, and the
+// holder's entry is the one left.
+TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
+  const std::string dir = FreshDir("decoded_stuck");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
+  int decoding[2];
+  ASSERT_EQ(::pipe(decoding), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(decoding[0]);
+    auto stuck = [&] {
+      if (::write(decoding[1], "d", 1) != 1) ::_exit(5);
+      ::usleep(2000000);
+      IdxArray a = ReadIdxFile(src);
+      return std::make_pair(a.dims, a.data);
+    };
+    ::_exit(LoadDecoded(src, stuck, 0).size == 8 ? 0 : 1);
+  }
+  ::close(decoding[1]);
+  char c;
+  ASSERT_EQ(::read(decoding[0], &c, 1), 1) << "the child did not start decoding";
+  ::close(decoding[0]);
+  CountingDecode decode{src};
+  const auto start = std::chrono::steady_clock::now();
+  const SharedArray a = LoadDecoded(src, std::ref(decode), 0, std::chrono::milliseconds(100));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500)) << "it waited for the writer";
+  EXPECT_EQ(decode.calls, 1);
+  EXPECT_EQ(Bytes(a), Want(8));
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u);
+  EXPECT_EQ(entries[0].extension(), ".decoded");
+  LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EQ(decode.calls, 1) << "the writer's entry was not used";
 }
 
 // Another host sharing the cache folder (a home directory on NFS), played by
