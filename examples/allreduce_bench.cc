@@ -260,20 +260,27 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  // Each rank holds a send and a receive buffer of up to --max_bytes. Refused
-  // up front rather than left to the kernel's out-of-memory killer; rank 0's
-  // reading decides for everyone, so that all ranks agree.
+  // Each rank holds a buffer of up to --max_bytes, and a second one, for the
+  // output, when the collective runs out of place (--in_place=false, and the
+  // collectives that move blocks); broadcast and the default in-place
+  // reductions need the one. Refused up front rather than left to the
+  // kernel's out-of-memory killer; rank 0's reading decides for everyone,
+  // so that all ranks agree.
   {
     int64_t available = comm.rank() == 0 ? static_cast<int64_t>(MemAvailableBytes()) : 0;
     Check(comm.Broadcast(&available, 1, DataType::kI64, 0), "sharing MemAvailable");
-    const double need = 2.0 * static_cast<double>(max_bytes) * comm.info().ranks_sharing_kernel;
+    const int buffers = separate ? 2 : 1;
+    const double need =
+        buffers * static_cast<double>(max_bytes) * comm.info().ranks_sharing_kernel;
     if (available > 0 && need > static_cast<double>(available)) {
-      char text[256];
+      char text[320];
       std::snprintf(text, sizeof(text),
-                    "--max_bytes=%s needs about %.1f GiB on this host (a send and a receive buffer for "
-                    "each of its %d ranks); it has %.1f GiB available",
-                    FLAGS_max_bytes.c_str(), need / (1 << 30), comm.info().ranks_sharing_kernel,
-                    static_cast<double>(available) / (1 << 30));
+                    "--max_bytes=%s needs about %.1f GiB on this host (%s for each of its %d "
+                    "ranks); it has %.1f GiB available",
+                    FLAGS_max_bytes.c_str(), need / (1 << 30),
+                    separate ? "a send and a receive buffer (out of place)"
+                             : "one buffer (in place)",
+                    comm.info().ranks_sharing_kernel, static_cast<double>(available) / (1 << 30));
       std::fprintf(stderr, "allreduce_bench: %s\n", text);
       return 2;
     }

@@ -231,13 +231,23 @@ TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {
   }
   EXPECT_EQ(rows, 2) << ok.out;  // 4 KiB and 64 KiB
 
-  // 2 x 1 PiB per rank: no host here has that.
+  // 1 PiB per rank: no host here has that. In place (the default) a rank
+  // holds one buffer (before, the check and its message counted two);
+  // out of place, two.
   const testing::RunOutput huge = testing::RunToEnd({bench, "--nproc_per_node=2", "--max_bytes=1048576G"});
   EXPECT_EQ(huge.exit_code, 2) << huge.out << huge.err;
-  EXPECT_NE(huge.err.find("allreduce_bench: --max_bytes=1048576G needs about 4194304.0 GiB on this host (a "
-                          "send and a receive buffer for each of its 2 ranks); it has "),
+  EXPECT_NE(huge.err.find("allreduce_bench: --max_bytes=1048576G needs about 2097152.0 GiB on this host (one "
+                          "buffer (in place) for each of its 2 ranks); it has "),
             std::string::npos)
       << huge.err;
+  const testing::RunOutput huge_out = testing::RunToEnd(
+      {bench, "--nproc_per_node=2", "--max_bytes=1048576G", "--in_place=false"});
+  EXPECT_EQ(huge_out.exit_code, 2) << huge_out.out << huge_out.err;
+  EXPECT_NE(huge_out.err.find("allreduce_bench: --max_bytes=1048576G needs about 4194304.0 GiB on this host "
+                              "(a send and a receive buffer (out of place) for each of its 2 ranks); it "
+                              "has "),
+            std::string::npos)
+      << huge_out.err;
   for (const char* bad : {"--max_bytes=nan", "--max_bytes=-1K", "--max_bytes=inf"}) {
     const testing::RunOutput r = testing::RunToEnd({bench, "--nproc_per_node=1", bad});
     EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.out << r.err;

@@ -12,8 +12,9 @@
 // The binary runs each configuration as its own job: it starts N copies of
 // itself (SelfLaunch; this process never touches UCX), the copies train for
 // --steps timed steps after 5 warm-up steps, and rank 0 hands its figures
-// back through a file. With --repeat, the median run (by samples/s) of each
-// rank count's successful runs is shown, and the failed ones are counted.
+// back through a file. With --repeat, the median (by samples/s) of each rank
+// count's successful runs is shown (of an even number, the mean of the two
+// middle ones: MedianRun), and the failed ones are counted.
 // The rank counts are measured from the smallest, whose rate per rank is the
 // baseline of every speed-up and of the chart's linear line.
 
@@ -34,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "examples/scaling_median.h"
 #include "examples/trainer/config.h"
 #include "examples/trainer/format.h"
 #include "examples/trainer/parallel.h"
@@ -69,15 +71,7 @@ using trainer::StringPrintf;
 
 constexpr int64_t kWarmupSteps = 5;
 
-struct Measurement {
-  int ranks = 0;
-  double samples_per_s = NAN;
-  double step_ms = NAN;      ///< Wall time per step (global batch).
-  double comm_share = NAN;   ///< DDP communication / (forward + backward).
-  double overlap = NAN;      ///< Share of communication hidden behind backward.
-  bool on_caller = false;    ///< Rank 0 ran its collectives on the calling thread.
-  bool ok = false;
-};
+using Measurement = ddp::examples::ScalingRun;
 
 trainer::TrainConfig Config() {
   trainer::TrainConfig c;
@@ -328,10 +322,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       continue;
     }
-    std::sort(ok.begin(), ok.end(), [](const Measurement& a, const Measurement& b) {
-      return a.samples_per_s < b.samples_per_s;
-    });
-    const Measurement m = ok[(ok.size() - 1) / 2];
+    const Measurement m = ddp::examples::MedianRun(ok);
     rows.push_back(m);
     if (!std::isfinite(base)) base = m.samples_per_s / n;
     const double speedup = m.samples_per_s / base;

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "examples/scaling_median.h"
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
 
@@ -136,6 +138,41 @@ TEST(ScalingBenchTest, TheMedianIsOverTheRunsThatFinishedAndFailedRunsAreCounted
       << lines[2];
   EXPECT_NE(run.Stderr().find("scaling_bench: the 1-rank run failed"), std::string::npos)
       << run.Stderr();
+}
+
+ScalingRun Finished(double samples_per_s, double comm_share) {
+  // 1000 samples per step: step_ms * samples_per_s = 1e6.
+  return {.ranks = 2, .samples_per_s = samples_per_s, .step_ms = 1e6 / samples_per_s,
+          .comm_share = comm_share, .overlap = 0.5, .on_caller = false, .ok = true};
+}
+
+// Of two runs the median is their mean (before, the lower middle of the
+// ascending order: the slower run); the row's other figures agree with it.
+TEST(ScalingMedianTest, AnEvenNumberOfRunsGivesTheMeanOfTheMiddleTwo) {
+  const ScalingRun two = MedianRun({Finished(300, 0.2), Finished(100, 0.4)});
+  EXPECT_DOUBLE_EQ(two.samples_per_s, 200);
+  EXPECT_DOUBLE_EQ(two.step_ms, 1e6 / 200) << "the step time of the median rate";
+  EXPECT_DOUBLE_EQ(two.comm_share, 0.3);
+  EXPECT_DOUBLE_EQ(two.overlap, 0.5);
+  EXPECT_EQ(two.ranks, 2);
+  EXPECT_TRUE(two.ok);
+  const ScalingRun four =
+      MedianRun({Finished(400, 0.1), Finished(100, 0.1), Finished(300, 0.1), Finished(200, 0.1)});
+  EXPECT_DOUBLE_EQ(four.samples_per_s, 250);
+  EXPECT_DOUBLE_EQ(four.step_ms, 1e6 / 250);
+  // One rank has no communication: NaN stays NaN.
+  ScalingRun a = Finished(100, NAN), b = Finished(200, NAN);
+  a.on_caller = true;
+  const ScalingRun one_rank = MedianRun({a, b});
+  EXPECT_TRUE(std::isnan(one_rank.comm_share));
+  EXPECT_TRUE(one_rank.on_caller);
+}
+
+TEST(ScalingMedianTest, AnOddNumberOfRunsGivesTheMiddleRunAsItWas) {
+  const ScalingRun three = MedianRun({Finished(300, 0.1), Finished(100, 0.2), Finished(200, 0.3)});
+  EXPECT_DOUBLE_EQ(three.samples_per_s, 200);
+  EXPECT_DOUBLE_EQ(three.comm_share, 0.3);
+  EXPECT_DOUBLE_EQ(MedianRun({Finished(300, 0.1)}).samples_per_s, 300);
 }
 
 // Each count is a whole number on its own (before, atoi read "1 2 4" as 1,

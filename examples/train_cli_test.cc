@@ -307,6 +307,24 @@ TEST(TrainCliTest, CheckpointThatNamesAFolderIsRefusedAtTheStart) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/new")) << "a refused run made the folder";
 }
 
+// An empty path (a script's `--checkpoint="$CKPT"` with CKPT unset) is
+// refused, naming the flag and its meaningful values. Before, an empty
+// --checkpoint meant no checkpoints: hours of training saved nothing, and
+// each --max_restarts restart started over; an empty --log_dir wrote no
+// metrics, and an empty --data_dir read the dataset's usual folder.
+TEST(TrainCliTest, EmptyPathFlagsAreRefused) {
+  EXPECT_EQ(OneErrorLine(Train({"--checkpoint="})),
+            "train: --checkpoint is empty; give a path, auto (the default: "
+            "~/.cache/ddp/checkpoints/<model>_<dataset>.safetensors), or none to save no "
+            "checkpoints");
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=synthetic", "--model=mlp", "--log_dir="})),
+            "train: --log_dir is empty; give a folder for metrics.csv and chart.svg, or drop the "
+            "flag to write none");
+  EXPECT_EQ(OneErrorLine(Train({"--data_dir="})),
+            "train: --data_dir is empty; give the dataset's folder, or drop the flag to read its "
+            "usual one");
+}
+
 TEST(TrainCliTest, ResumeWithoutACheckpointSaysHowToMakeOne) {
   const std::string dir = testing::MakeTempDir("nockpt");
   const std::string line = OneErrorLine(

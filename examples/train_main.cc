@@ -335,6 +335,28 @@ void PrintHelp() {
 
 bool IsDefault(const char* flag) { return gflags::GetCommandLineFlagInfoOrDie(flag).is_default; }
 
+// Why an empty path flag given on the command line is refused, or "". Each
+// one's empty value means something other than a path (no checkpoints, no
+// metrics, the dataset's usual folder), so `--checkpoint="$CKPT"` with CKPT
+// unset would train for hours and save nothing (and each --max_restarts
+// restart start over): an empty value is a mistake, said at once.
+std::string EmptyPathFlagProblem() {
+  if (!IsDefault("checkpoint") && FLAGS_checkpoint.empty()) {
+    return "--checkpoint is empty; give a path, auto (the default: "
+           "~/.cache/ddp/checkpoints/<model>_<dataset>.safetensors), or none to save no "
+           "checkpoints";
+  }
+  if (!IsDefault("log_dir") && FLAGS_log_dir.empty()) {
+    return "--log_dir is empty; give a folder for metrics.csv and chart.svg, or drop the flag to "
+           "write none";
+  }
+  if (!IsDefault("data_dir") && FLAGS_data_dir.empty()) {
+    return "--data_dir is empty; give the dataset's folder, or drop the flag to read its usual "
+           "one";
+  }
+  return "";
+}
+
 TrainConfig ConfigFromFlags(int world_size) {
   TrainConfig c;
   c.model = FLAGS_model;
@@ -447,6 +469,8 @@ int main(int argc, char** argv) {
     Fail(2, 0, 1, std::string("unexpected argument '") + argv[1] +
                       "'; flags are written --name=value (see --help)");
   }
+
+  if (const std::string problem = EmptyPathFlagProblem(); !problem.empty()) Fail(2, 0, 1, problem);
 
   namespace launch = ddp::transport::launch;
   if (FLAGS_max_restarts < 0) {

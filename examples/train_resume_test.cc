@@ -522,5 +522,55 @@ TEST(TrainResumeTest, MidEpochCheckpointResumedOnOneRankTrainsTheRestOfTheEpoch)
       << resumed.out;
 }
 
+// Saved mid-epoch and resumed with another --seed, the epoch is abandoned
+// (its order is another one) and the run continues at the next epoch's
+// start. That start is no epoch end: no test pass is made for it and the
+// chart marks no end of epoch 1. (Before, the resume evaluated as at an
+// epoch end, where no log said it was done, and the chart drew the mark.)
+TEST(TrainResumeTest, AnAbandonedEpochIsNeitherEvaluatedNorMarkedAsEnded) {
+  const std::string dir = testing::MakeTempDir("abandoned_epoch");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  const std::string copy = dir + "/copy.safetensors";
+  const std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",  "--train_samples=256",
+      "--test_samples=64",       "--batch_size=16",     "--epochs=2",   "--scheduler=none",
+      "--workers=0",             "--nproc_per_node=1",  "--log_every=1"};
+  std::vector<std::string> first = args;
+  first.push_back("--checkpoint=" + ckpt);
+  first.push_back("--log_dir=" + dir + "/logs");
+  first.push_back("--max_steps=5");
+  const RunOutput stopped = testing::RunToEnd(first);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
+  ASSERT_EQ(CheckpointStep(ckpt), 5);
+  std::filesystem::copy_file(ckpt, copy);
+
+  // With the log of the run before.
+  std::vector<std::string> logged = args;
+  logged.push_back("--checkpoint=" + ckpt);
+  logged.push_back("--log_dir=" + dir + "/logs");
+  logged.push_back("--resume");
+  logged.push_back("--seed=1");
+  const RunOutput resumed = testing::RunToEnd(logged);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_NE(resumed.out.find("continuing with epoch 2; epoch 1 does not count as done"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(resumed.out.find("evaluated at step 5 "), std::string::npos) << resumed.out;
+  const std::string chart = testing::ReadFile(dir + "/logs/chart.svg");
+  EXPECT_EQ(chart.find(">epoch 1<"), std::string::npos) << "epoch 1 never ended";
+  EXPECT_NE(chart.find(">epoch 2<"), std::string::npos) << chart;
+
+  // Without a log, nothing could tell whether a due evaluation was made;
+  // none was due.
+  std::vector<std::string> unlogged = args;
+  unlogged.push_back("--checkpoint=" + copy);
+  unlogged.push_back("--resume");
+  unlogged.push_back("--seed=1");
+  const RunOutput bare = testing::RunToEnd(unlogged);
+  ASSERT_EQ(bare.exit_code, 0) << bare.out << bare.err;
+  EXPECT_EQ(bare.out.find("evaluated at step 5 "), std::string::npos) << bare.out;
+  EXPECT_EQ(CheckpointStep(copy), 5 + 16) << bare.out;
+}
+
 }  // namespace
 }  // namespace ddp::examples

@@ -134,6 +134,7 @@ std::string RenderSvgChart(const Chart& chart) {
         any = true;
       }
     }
+    const Range data = yr;
     if (panel.y_from_zero) yr.Add(0);
     Pad(yr);
     // A little air above and below the data.
@@ -141,8 +142,11 @@ std::string RenderSvgChart(const Chart& chart) {
     if (!(panel.y_from_zero && yr.lo == 0)) yr.lo -= air;
     yr.hi += air;
     if (panel.percent) {
-      yr.lo = std::max(yr.lo, 0.0);
-      yr.hi = std::min(yr.hi, 1.02);  // room for a line at 100%
+      // Fractions stay within 0% and 102% (room for a line at 100%) unless
+      // the data lies outside: a scaling efficiency above 100% is drawn
+      // inside the panel, not clipped away with its marker over the legend.
+      if (data.empty() || data.lo >= 0) yr.lo = std::max(yr.lo, 0.0);
+      if (data.empty() || data.hi <= 1) yr.hi = std::min(yr.hi, 1.02);
       if (yr.hi <= yr.lo) yr.hi = yr.lo + 0.01;
     }
     auto sy = [&](double y) { return bottom - (y - yr.lo) / (yr.hi - yr.lo) * chart.panel_height; };

@@ -1,5 +1,8 @@
 #include "examples/trainer/svg_chart.h"
 
+#include <regex>
+#include <string>
+
 #include "gtest/gtest.h"
 
 namespace ddp::examples::trainer {
@@ -53,6 +56,48 @@ TEST(SvgChartTest, EmptyPanelsSayNoData) {
   EXPECT_NE(svg.find("no data yet"), std::string::npos);
   EXPECT_EQ(svg.find("nan"), std::string::npos);
   EXPECT_EQ(svg.find("inf"), std::string::npos);
+}
+
+// A scaling efficiency above 100% (a superlinear run) lies inside its panel:
+// the panel's range grows to the data. (Before, the top was capped at 102%:
+// the line was clipped and the markers drawn above the panel, over the
+// legend.)
+TEST(SvgChartTest, PercentPanelsCoverValuesAbove100Percent) {
+  Chart c;
+  c.x_label = "ranks";
+  ChartPanel eff;
+  eff.y_label = "scaling efficiency";
+  eff.percent = true;
+  eff.y_from_zero = true;
+  eff.series.push_back({"efficiency", kAccuracyColor, {{1, 1.0}, {2, 1.31}, {4, 0.9}}, true, false});
+  c.panels = {eff};
+  const std::string svg = RenderSvgChart(c);
+  std::smatch panel;
+  ASSERT_TRUE(std::regex_search(
+      svg, panel,
+      std::regex(R"re(<rect x="\d+" y="(\d+)" width="\d+" height="(\d+)" fill="#fafafa")re")))
+      << svg;
+  const double top = std::stod(panel[1]);
+  const double bottom = top + std::stod(panel[2]);
+  const std::regex circle(R"re(<circle cx="[-0-9.]+" cy="([-0-9.]+)")re");
+  int markers = 0;
+  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), circle);
+       it != std::sregex_iterator(); ++it) {
+    const double cy = std::stod((*it)[1]);
+    EXPECT_GE(cy, top) << (*it)[0];
+    EXPECT_LE(cy, bottom) << (*it)[0];
+    ++markers;
+  }
+  EXPECT_EQ(markers, 3);
+  // Fractions up to 100% keep the panel's top at 102%: a 100% marker stays
+  // close under it.
+  Chart below = c;
+  below.panels[0].series[0].points = {{1, 1.0}, {2, 0.95}};
+  const std::string below_svg = RenderSvgChart(below);
+  std::smatch first;
+  ASSERT_TRUE(std::regex_search(below_svg, first, circle)) << below_svg;
+  EXPECT_GE(std::stod(first[1]), top);
+  EXPECT_LT(std::stod(first[1]) - top, 0.03 * (bottom - top)) << first[0];
 }
 
 }  // namespace

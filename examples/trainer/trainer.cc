@@ -264,6 +264,12 @@ class Run {
   }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
   bool AtEpochStart() const { return pos_.batch_in_epoch == 0 && pos_.epoch_start == 0; }
+  // Resumed where an epoch ended: at an epoch start past the first, and not
+  // one that LoadTrainCheckpoint moved to past an abandoned epoch (saved
+  // mid-epoch, resumed with another sample order), which never ended.
+  bool AtEpochEndResumed() const {
+    return AtEpochStart() && pos_.epoch > 0 && pos_.untrained_epochs == 0;
+  }
   // Steps of the current epoch trained before its first batch in this data
   // order (a resume past its start on other ranks): the whole epoch's
   // steps less those left in it, so that progress counts up to
@@ -551,7 +557,7 @@ void Run::Setup() {
             c_.log_dir, c_.model + " on " + c_.dataset,
             std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
-            c_.resume ? pos_.step : -1, c_.resume && AtEpochStart());
+            c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed());
       }
     } catch (const std::exception& e) {
       refused = e.what();
@@ -771,7 +777,9 @@ bool Run::RecordEvaluation(const Evaluation& e, int64_t epoch_number) {
 
 int Run::EvaluateMissedAtResume() {
   if (!c_.resume || !opt_.evaluate || pos_.step == 0) return 0;
-  const bool epoch_end = AtEpochStart() && pos_.epoch > 0;
+  const bool epoch_end = AtEpochEndResumed();
+  // An --eval_every evaluation due at this step is due though the epoch was
+  // abandoned; it belongs to that epoch (pos_.epoch, moved past it).
   const bool scheduled = c_.eval_every > 0 && pos_.step % c_.eval_every == 0;
   if (!epoch_end && !scheduled) return 0;
   // Rank 0 keeps the log; every rank evaluates (a collective) or none.
@@ -779,7 +787,8 @@ int Run::EvaluateMissedAtResume() {
   // evaluation: it is made again rather than perhaps never.
   std::string missed = lead_ && (log_ == nullptr || !log_->HasEvalAt(pos_.step)) ? "1" : "";
   if (par_.ShareFromLead(std::move(missed)).empty()) return 0;
-  const int64_t epoch_number = epoch_end ? pos_.epoch : pos_.epoch + 1;
+  const int64_t epoch_number =
+      epoch_end || pos_.untrained_epochs > 0 ? pos_.epoch : pos_.epoch + 1;
   if (!RecordEvaluation(Evaluate(), epoch_number)) return StopNow();
   Say(StringPrintf("  evaluated at step %lld (epoch %lld), %s: test loss %.4f  test acc %.2f%%",
                    static_cast<long long>(pos_.step), static_cast<long long>(epoch_number),
