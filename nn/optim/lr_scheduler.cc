@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <stdexcept>
 #include <string>
@@ -99,6 +100,132 @@ class SequentialImpl : public Schedule {
   std::vector<int64_t> milestones_;
 };
 
+
+class MultiStepImpl : public Schedule {
+ public:
+  MultiStepImpl(std::vector<int64_t> milestones, double gamma) : milestones_(std::move(milestones)), gamma_(gamma) {}
+  double Lr(double base, int64_t t) const override {
+    // Milestones passed so far, repeats counted each time.
+    const auto passed = std::upper_bound(milestones_.begin(), milestones_.end(), t) - milestones_.begin();
+    return base * std::pow(gamma_, static_cast<double>(passed));
+  }
+  std::string Describe() const override {
+    std::string m;
+    for (size_t k = 0; k < milestones_.size(); ++k) m += (k ? ", " : "") + std::to_string(milestones_[k]);
+    return "MultiStepLR(milestones=[" + m + "], gamma=" + Number(gamma_) + ")";
+  }
+
+ private:
+  std::vector<int64_t> milestones_;
+  double gamma_;
+};
+
+class ExponentialImpl : public Schedule {
+ public:
+  explicit ExponentialImpl(double gamma) : gamma_(gamma) {}
+  double Lr(double base, int64_t t) const override { return base * std::pow(gamma_, static_cast<double>(t)); }
+  std::string Describe() const override { return "ExponentialLR(gamma=" + Number(gamma_) + ")"; }
+
+ private:
+  double gamma_;
+};
+
+class LambdaImpl : public Schedule {
+ public:
+  LambdaImpl(std::function<double(int64_t)> factor, std::string description)
+      : factor_(std::move(factor)), description_(std::move(description)) {}
+  double Lr(double base, int64_t t) const override { return base * factor_(t); }
+  std::string Describe() const override { return description_.empty() ? "" : "LambdaLR(" + description_ + ")"; }
+
+ private:
+  std::function<double(int64_t)> factor_;
+  std::string description_;
+};
+
+class WarmRestartsImpl : public Schedule {
+ public:
+  WarmRestartsImpl(int64_t t_0, int64_t t_mult, double eta_min) : t_0_(t_0), t_mult_(t_mult), eta_min_(eta_min) {}
+  double Lr(double base, int64_t t) const override {
+    // Position t_cur inside the current cycle of length t_i, in integers so
+    // that a restart falls exactly on its step.
+    int64_t t_cur = t, t_i = t_0_;
+    if (t_mult_ == 1) {
+      t_cur = t % t_0_;
+    } else {
+      while (t_cur >= t_i) {
+        t_cur -= t_i;
+        // A cycle longer than any reachable step count ends the search.
+        if (__builtin_mul_overflow(t_i, t_mult_, &t_i)) t_i = std::numeric_limits<int64_t>::max();
+      }
+    }
+    return eta_min_ + (base - eta_min_) *
+                          (1.0 + std::cos(std::numbers::pi * static_cast<double>(t_cur) / static_cast<double>(t_i))) /
+                          2.0;
+  }
+  std::string Describe() const override {
+    return "CosineAnnealingWarmRestarts(T_0=" + std::to_string(t_0_) + ", T_mult=" + std::to_string(t_mult_) +
+           ", eta_min=" + Number(eta_min_) + ")";
+  }
+
+ private:
+  int64_t t_0_, t_mult_;
+  double eta_min_;
+};
+
+class OneCycleImpl : public Schedule {
+ public:
+  explicit OneCycleImpl(const OneCycleOptions& o) : o_(o) {
+    const double initial = o.max_lr / o.div_factor;
+    const double final_lr = initial / o.final_div_factor;
+    // Phase k runs from the previous phase's end step (0 for the first) to
+    // end_step, as PyTorch counts them: fractional ends are kept as they are.
+    const double rise_end = o.pct_start * static_cast<double>(o.total_steps) - 1;
+    const double last_end = static_cast<double>(o.total_steps) - 1;
+    if (o.three_phase) {
+      phases_ = {{rise_end, initial, o.max_lr},
+                 {2 * o.pct_start * static_cast<double>(o.total_steps) - 2, o.max_lr, initial},
+                 {last_end, initial, final_lr}};
+    } else {
+      phases_ = {{rise_end, initial, o.max_lr}, {last_end, o.max_lr, final_lr}};
+    }
+  }
+  double Lr(double /*base*/, int64_t t) const override {
+    if (t > o_.total_steps) {
+      throw std::out_of_range("OneCycleLR: step " + std::to_string(t) + " is past total_steps " +
+                              std::to_string(o_.total_steps) + ": the cycle has ended");
+    }
+    const double step = static_cast<double>(t);
+    double start_step = 0;
+    for (size_t k = 0; k < phases_.size(); ++k) {
+      const Phase& p = phases_[k];
+      if (step <= p.end_step || k + 1 == phases_.size()) {
+        // A last phase of no length (reachable only at t = total_steps) has
+        // ended: its end value.
+        if (p.end_step == start_step) return p.end_lr;
+        const double pct = (step - start_step) / (p.end_step - start_step);
+        if (o_.anneal_strategy == AnnealStrategy::kLinear) return (p.end_lr - p.start_lr) * pct + p.start_lr;
+        return p.end_lr + (p.start_lr - p.end_lr) / 2.0 * (std::cos(std::numbers::pi * pct) + 1);
+      }
+      start_step = p.end_step;
+    }
+    return phases_.back().end_lr;  // not reached: the last phase always answers
+  }
+  std::string Describe() const override {
+    return "OneCycleLR(max_lr=" + Number(o_.max_lr) + ", total_steps=" + std::to_string(o_.total_steps) +
+           ", pct_start=" + Number(o_.pct_start) +
+           ", anneal_strategy=" + (o_.anneal_strategy == AnnealStrategy::kLinear ? "linear" : "cos") +
+           ", div_factor=" + Number(o_.div_factor) + ", final_div_factor=" + Number(o_.final_div_factor) +
+           ", three_phase=" + (o_.three_phase ? "true" : "false") + ")";
+  }
+
+ private:
+  struct Phase {
+    double end_step, start_lr, end_lr;
+  };
+  OneCycleOptions o_;
+  std::vector<Phase> phases_;
+};
+
 }  // namespace
 
 std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma) {
@@ -157,6 +284,78 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
     if (!s) throw std::invalid_argument("SequentialLR: a schedule is null");
   }
   return std::make_shared<SequentialImpl>(std::move(schedules), std::move(milestones));
+}
+
+namespace {
+
+// Throws unless x is finite and >= 0: `who` and `name` make the message.
+void CheckFiniteNonNegative(const char* who, const char* name, double x) {
+  if (!(x >= 0) || !std::isfinite(x)) {
+    throw std::invalid_argument(std::string(who) + ": " + name + " " + Number(x) + " must be finite and >= 0");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Schedule> MultiStepSchedule(std::vector<int64_t> milestones, double gamma) {
+  for (size_t i = 0; i < milestones.size(); ++i) {
+    if (milestones[i] < 0 || (i > 0 && milestones[i] < milestones[i - 1])) {
+      throw std::invalid_argument("MultiStepLR: milestones must be ascending and >= 0, milestone " +
+                                  std::to_string(i) + " is " + std::to_string(milestones[i]) +
+                                  (i > 0 ? " after " + std::to_string(milestones[i - 1]) : std::string()));
+    }
+  }
+  CheckFiniteNonNegative("MultiStepLR", "gamma", gamma);
+  return std::make_shared<MultiStepImpl>(std::move(milestones), gamma);
+}
+
+std::shared_ptr<Schedule> ExponentialSchedule(double gamma) {
+  CheckFiniteNonNegative("ExponentialLR", "gamma", gamma);
+  return std::make_shared<ExponentialImpl>(gamma);
+}
+
+std::shared_ptr<Schedule> LambdaSchedule(std::function<double(int64_t)> factor, std::string description) {
+  if (!factor) throw std::invalid_argument("LambdaLR: factor is an empty function");
+  return std::make_shared<LambdaImpl>(std::move(factor), std::move(description));
+}
+
+std::shared_ptr<Schedule> CosineWarmRestartsSchedule(int64_t t_0, int64_t t_mult, double eta_min) {
+  if (t_0 < 1) throw std::invalid_argument("CosineAnnealingWarmRestarts: T_0 " + std::to_string(t_0) + " must be >= 1");
+  if (t_mult < 1) {
+    throw std::invalid_argument("CosineAnnealingWarmRestarts: T_mult " + std::to_string(t_mult) + " must be >= 1");
+  }
+  CheckFiniteNonNegative("CosineAnnealingWarmRestarts", "eta_min", eta_min);
+  return std::make_shared<WarmRestartsImpl>(t_0, t_mult, eta_min);
+}
+
+std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& o) {
+  if (!(o.max_lr > 0) || !std::isfinite(o.max_lr)) {
+    throw std::invalid_argument("OneCycleLR: max_lr " + Number(o.max_lr) + " must be finite and > 0");
+  }
+  if (o.total_steps < 1) {
+    throw std::invalid_argument("OneCycleLR: total_steps " + std::to_string(o.total_steps) + " must be >= 1");
+  }
+  if (!(o.pct_start >= 0 && o.pct_start <= 1)) {
+    throw std::invalid_argument("OneCycleLR: pct_start " + Number(o.pct_start) + " must be in [0, 1]");
+  }
+  if (o.anneal_strategy != AnnealStrategy::kCos && o.anneal_strategy != AnnealStrategy::kLinear) {
+    throw std::invalid_argument("OneCycleLR: unknown anneal_strategy " +
+                                std::to_string(static_cast<int>(o.anneal_strategy)) + ", expected kCos or kLinear");
+  }
+  if (!(o.div_factor > 0) || !std::isfinite(o.div_factor)) {
+    throw std::invalid_argument("OneCycleLR: div_factor " + Number(o.div_factor) + " must be finite and > 0");
+  }
+  if (!(o.final_div_factor > 0) || !std::isfinite(o.final_div_factor)) {
+    throw std::invalid_argument("OneCycleLR: final_div_factor " + Number(o.final_div_factor) +
+                                " must be finite and > 0");
+  }
+  // The rising phase would run from step 0 to step 0: no rate for step 0.
+  if (o.pct_start * static_cast<double>(o.total_steps) == 1) {
+    throw std::invalid_argument("OneCycleLR: pct_start " + Number(o.pct_start) + " * total_steps " +
+                                std::to_string(o.total_steps) +
+                                " = 1 leaves the rising phase no steps; pick another pct_start");
+  }
+  return std::make_shared<OneCycleImpl>(o);
 }
 
 std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
@@ -296,6 +495,153 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
   target_.set(schedule_->Lr(s.base_lr, s.step));
   t_ = s.step;
   base_lr_ = s.base_lr;
+}
+
+ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
+    : ReduceLrOnPlateau(LrTarget{[&optimizer] { return optimizer.lr(); },
+                                 [&optimizer](double lr) { optimizer.set_lr(lr); }},
+                        options) {}
+
+ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
+    : target_(std::move(target)), options_(options) {
+  constexpr const char* kWho = "ReduceLROnPlateau";
+  if (!target_.get || !target_.set) throw std::invalid_argument("ReduceLROnPlateau: the target lacks get or set");
+  if (options_.mode != PlateauOptions::Mode::kMin && options_.mode != PlateauOptions::Mode::kMax) {
+    throw std::invalid_argument("ReduceLROnPlateau: unknown mode " + std::to_string(static_cast<int>(options_.mode)) +
+                                ", expected kMin or kMax");
+  }
+  if (options_.threshold_mode != PlateauOptions::ThresholdMode::kRel &&
+      options_.threshold_mode != PlateauOptions::ThresholdMode::kAbs) {
+    throw std::invalid_argument("ReduceLROnPlateau: unknown threshold_mode " +
+                                std::to_string(static_cast<int>(options_.threshold_mode)) + ", expected kRel or kAbs");
+  }
+  // factor 1 or more would never reduce (or would raise) the rate.
+  if (!(options_.factor >= 0 && options_.factor < 1)) {
+    throw std::invalid_argument("ReduceLROnPlateau: factor " + Number(options_.factor) + " must be in [0, 1)");
+  }
+  if (options_.patience < 0) {
+    throw std::invalid_argument("ReduceLROnPlateau: patience " + std::to_string(options_.patience) + " must be >= 0");
+  }
+  if (options_.cooldown < 0) {
+    throw std::invalid_argument("ReduceLROnPlateau: cooldown " + std::to_string(options_.cooldown) + " must be >= 0");
+  }
+  CheckFiniteNonNegative(kWho, "threshold", options_.threshold);
+  CheckFiniteNonNegative(kWho, "min_lr", options_.min_lr);
+  CheckFiniteNonNegative(kWho, "eps", options_.eps);
+  best_ = options_.mode == PlateauOptions::Mode::kMin ? std::numeric_limits<double>::infinity()
+                                                      : -std::numeric_limits<double>::infinity();
+}
+
+bool ReduceLrOnPlateau::IsBetter(double metric) const {
+  const bool rel = options_.threshold_mode == PlateauOptions::ThresholdMode::kRel;
+  // NaN compares false: no improvement.
+  if (options_.mode == PlateauOptions::Mode::kMin) {
+    return rel ? metric < best_ * (1.0 - options_.threshold) : metric < best_ - options_.threshold;
+  }
+  return rel ? metric > best_ * (options_.threshold + 1.0) : metric > best_ + options_.threshold;
+}
+
+void ReduceLrOnPlateau::Step(double metric) {
+  // Worked on copies, stored only once the target took any new rate.
+  double best = best_;
+  int64_t bad = num_bad_, cooldown = cooldown_counter_;
+  if (IsBetter(metric)) {
+    best = metric;
+    bad = 0;
+  } else {
+    ++bad;
+  }
+  if (cooldown > 0) {
+    --cooldown;
+    bad = 0;
+  }
+  if (bad > options_.patience) {
+    const double old_lr = target_.get();
+    const double new_lr = std::max(old_lr * options_.factor, options_.min_lr);
+    // Reductions smaller than eps are not worth making (PyTorch's rule).
+    if (old_lr - new_lr > options_.eps) target_.set(new_lr);
+    cooldown = options_.cooldown;
+    bad = 0;
+  }
+  best_ = best;
+  num_bad_ = bad;
+  cooldown_counter_ = cooldown;
+  ++steps_;
+}
+
+std::string ReduceLrOnPlateau::Describe() const {
+  const PlateauOptions& o = options_;
+  return std::string("ReduceLROnPlateau(mode=") + (o.mode == PlateauOptions::Mode::kMin ? "min" : "max") +
+         ", factor=" + Number(o.factor) + ", patience=" + std::to_string(o.patience) +
+         ", threshold=" + Number(o.threshold) +
+         ", threshold_mode=" + (o.threshold_mode == PlateauOptions::ThresholdMode::kRel ? "rel" : "abs") +
+         ", cooldown=" + std::to_string(o.cooldown) + ", min_lr=" + Number(o.min_lr) + ", eps=" + Number(o.eps) + ")";
+}
+
+NamedTensors ReduceLrOnPlateau::StateDict() const {
+  const std::string options = Describe();
+  return {{"plateau.best", FromVector({best_}, {}, {.dtype = DType::kFloat64})},
+          {"plateau.num_bad_steps", FromVectorOf<int64_t>({num_bad_}, {})},
+          {"plateau.cooldown_counter", FromVectorOf<int64_t>({cooldown_counter_}, {})},
+          {"plateau.step", FromVectorOf<int64_t>({steps_}, {})},
+          {"plateau.options", FromVectorOf<uint8_t>(std::vector<uint8_t>(options.begin(), options.end()),
+                                                    {static_cast<int64_t>(options.size())})}};
+}
+
+namespace {
+
+struct PlateauState {
+  double best;
+  int64_t num_bad, cooldown_counter, steps;
+};
+
+PlateauState ReadPlateauState(const NamedTensors& state, const std::string& current) {
+  constexpr const char* kWho = "ReduceLROnPlateau.LoadStateDict";
+  const Tensor *best = nullptr, *bad = nullptr, *cooldown = nullptr, *step = nullptr, *options = nullptr;
+  for (const auto& [k, t] : state) {
+    if (k == "plateau.best") best = &t;
+    else if (k == "plateau.num_bad_steps") bad = &t;
+    else if (k == "plateau.cooldown_counter") cooldown = &t;
+    else if (k == "plateau.step") step = &t;
+    else if (k == "plateau.options") options = &t;
+    else if (k.rfind("plateau.", 0) == 0) throw std::invalid_argument(std::string(kWho) + ": unexpected `" + k + "`");
+  }
+  internal::CheckStateScalar(kWho, "plateau.best", best, DType::kFloat64);
+  internal::CheckStateScalar(kWho, "plateau.num_bad_steps", bad, DType::kInt64);
+  internal::CheckStateScalar(kWho, "plateau.cooldown_counter", cooldown, DType::kInt64);
+  internal::CheckStateScalar(kWho, "plateau.step", step, DType::kInt64);
+  if (options == nullptr) throw std::invalid_argument(std::string(kWho) + ": missing u8 text `plateau.options`");
+  if (!options->defined() || options->dtype() != DType::kUInt8 || options->dim() != 1) {
+    throw std::invalid_argument(std::string(kWho) + ": `plateau.options` is not u8 text");
+  }
+  const Tensor text = options->To(kCPU).Contiguous();
+  const std::string saved(text.data<uint8_t>(), text.data<uint8_t>() + text.numel());
+  if (saved != current) {
+    throw std::invalid_argument(std::string(kWho) + ": the state was saved with " + saved + ", this one is " +
+                                current + ": make it with the saved options");
+  }
+  const PlateauState s{best->Item(), bad->To(kCPU).data<int64_t>()[0], cooldown->To(kCPU).data<int64_t>()[0],
+                       step->To(kCPU).data<int64_t>()[0]};
+  if (s.num_bad < 0 || s.cooldown_counter < 0 || s.steps < 0) {
+    throw std::invalid_argument(std::string(kWho) + ": plateau.num_bad_steps " + std::to_string(s.num_bad) +
+                                ", plateau.cooldown_counter " + std::to_string(s.cooldown_counter) +
+                                " and plateau.step " + std::to_string(s.steps) + " must all be >= 0");
+  }
+  // A NaN best would make every later metric a non-improvement.
+  if (std::isnan(s.best)) throw std::invalid_argument(std::string(kWho) + ": plateau.best is NaN");
+  return s;
+}
+
+}  // namespace
+
+void ReduceLrOnPlateau::CheckStateDict(const NamedTensors& state) const { ReadPlateauState(state, Describe()); }
+
+void ReduceLrOnPlateau::LoadStateDict(const NamedTensors& state) {
+  const PlateauState s = ReadPlateauState(state, Describe());
+  best_ = s.best;
+  num_bad_ = s.num_bad;
+  cooldown_counter_ = s.cooldown_counter;
+  steps_ = s.steps;
 }
 
 }  // namespace ddp::nn::optim

@@ -3,8 +3,10 @@
 
 // Learning-rate schedules as closed forms of the step count, so a resumed
 // run only needs the count, and schedules compose (warm-up, then cosine).
-// Values follow PyTorch's StepLR, CosineAnnealingLR, LinearLR and
-// SequentialLR.
+// Values follow PyTorch's StepLR, MultiStepLR, ExponentialLR, LambdaLR,
+// CosineAnnealingLR, CosineAnnealingWarmRestarts, LinearLR, OneCycleLR and
+// SequentialLR. ReduceLROnPlateau depends on a metric rather than the step
+// count, so it is a class of its own (ReduceLrOnPlateau, below).
 
 #include <cstdint>
 #include <functional>
@@ -58,6 +60,61 @@ std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor,
 /// (SequentialLR); milestones ascending, one fewer than schedules.
 std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedule>> schedules,
                                              std::vector<int64_t> milestones);
+/// base_lr * gamma^(number of milestones <= t)  (MultiStepLR; a milestone
+/// given twice multiplies by gamma twice, as PyTorch's does). Throws
+/// std::invalid_argument unless the milestones are ascending (repeats
+/// allowed) and >= 0, and gamma is finite and >= 0.
+std::shared_ptr<Schedule> MultiStepSchedule(std::vector<int64_t> milestones, double gamma = 0.1);
+/// base_lr * gamma^t  (ExponentialLR). Throws std::invalid_argument unless
+/// gamma is finite and >= 0.
+std::shared_ptr<Schedule> ExponentialSchedule(double gamma);
+/// base_lr * factor(t)  (LambdaLR). `description` names the function for the
+/// saved state ("LambdaLR(<description>)"), so that a state saved with
+/// another function is refused; left empty, the schedule is unknown and
+/// nothing is compared. A factor that gives a negative or non-finite rate is
+/// refused by the optimizer when it comes. Throws std::invalid_argument when
+/// `factor` is empty.
+std::shared_ptr<Schedule> LambdaSchedule(std::function<double(int64_t)> factor, std::string description = "");
+/// eta_min + (base_lr - eta_min) * (1 + cos(pi * t_cur / t_i)) / 2, where the
+/// cycle restarts at base_lr after t_0 steps, each later cycle t_mult times
+/// as long as the one before (CosineAnnealingWarmRestarts stepped without an
+/// epoch argument). Throws std::invalid_argument unless t_0 >= 1, t_mult >= 1
+/// and eta_min is finite and >= 0.
+std::shared_ptr<Schedule> CosineWarmRestartsSchedule(int64_t t_0, int64_t t_mult = 1, double eta_min = 0.0);
+
+/// How OneCycleSchedule moves between its phase ends. Values are stable.
+enum class AnnealStrategy : int8_t { kCos = 0, kLinear = 1 };
+
+/// OneCycleLR's parameters, with PyTorch's defaults.
+struct OneCycleOptions {
+  /// The peak rate, reached at step pct_start * total_steps - 1.
+  double max_lr = 0;
+  /// Steps of the whole cycle; the schedule is defined for t <= total_steps.
+  int64_t total_steps = 0;
+  /// Fraction of the steps spent rising to max_lr, in [0, 1].
+  double pct_start = 0.3;
+  AnnealStrategy anneal_strategy = AnnealStrategy::kCos;
+  /// The rate at t = 0 is max_lr / div_factor.
+  double div_factor = 25.0;
+  /// The final rate is max_lr / div_factor / final_div_factor.
+  double final_div_factor = 1e4;
+  /// Three phases (up to max_lr, back down to the initial rate, then down to
+  /// the final one) instead of two (up, then down to the final rate).
+  bool three_phase = false;
+};
+
+/// PyTorch's OneCycleLR for the rate. The optimizer's own lr (base_lr) is
+/// ignored: the rate starts at max_lr / div_factor. Momentum (or Adam's
+/// beta1) is not cycled: this is OneCycleLR with cycle_momentum=False, where
+/// PyTorch's default is True; the optimizer keeps its momentum throughout.
+/// Lr throws std::out_of_range for t > total_steps, as PyTorch's step raises
+/// past the end (so LrScheduler::Step throws there, changing nothing).
+/// Throws std::invalid_argument unless max_lr > 0, total_steps >= 1,
+/// pct_start is in [0, 1], div_factor and final_div_factor are > 0 (all
+/// finite), and the rising phase has steps to take (pct_start * total_steps
+/// != 1, where PyTorch divides by zero).
+std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& options);
+
 /// Linear warm-up from start_factor * base_lr over warmup_steps, then cosine
 /// annealing to eta_min at total_steps. Past total_steps the default
 /// (kPeriodic) follows PyTorch's SequentialLR(LinearLR, CosineAnnealingLR)
@@ -135,6 +192,82 @@ class LrScheduler {
   std::shared_ptr<const void> claim_;
   double base_lr_ = 0;
   int64_t t_ = 0;
+};
+
+/// ReduceLROnPlateau's parameters, with PyTorch's defaults.
+struct PlateauOptions {
+  enum class Mode : int8_t { kMin = 0, kMax = 1 };
+  enum class ThresholdMode : int8_t { kRel = 0, kAbs = 1 };
+  /// kMin: a lower metric is better (a loss); kMax: a higher one (accuracy).
+  Mode mode = Mode::kMin;
+  /// The rate is multiplied by factor on a plateau; in [0, 1).
+  double factor = 0.1;
+  /// Steps without improvement tolerated; the rate drops at the next one.
+  int64_t patience = 10;
+  /// How much better than the best a metric must be to count: relative
+  /// (best * (1 -/+ threshold)) or absolute (best -/+ threshold).
+  double threshold = 1e-4;
+  ThresholdMode threshold_mode = ThresholdMode::kRel;
+  /// Steps after a reduction during which bad steps are not counted.
+  int64_t cooldown = 0;
+  /// The rate is never reduced below min_lr.
+  double min_lr = 0;
+  /// A reduction smaller than eps is not made.
+  double eps = 1e-8;
+};
+
+/// PyTorch's ReduceLROnPlateau: Step(metric) multiplies the optimizer's
+/// current rate by `factor` when the metric has not improved for more than
+/// `patience` steps. It reads the rate from the optimizer at each reduction,
+/// so a rate set with set_lr in between (or one restored with the
+/// optimizer's state) is the one reduced. It does not drive the rate along
+/// a schedule: pairing it with an LrScheduler on the same optimizer would
+/// have the scheduler overwrite every reduction at its next step.
+class ReduceLrOnPlateau {
+ public:
+  /// Throws std::invalid_argument naming the option unless factor is in
+  /// [0, 1), patience and cooldown >= 0, threshold, min_lr and eps finite
+  /// and >= 0, and the modes known. The optimizer must outlive this.
+  ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options = {});
+  /// Throws std::invalid_argument when `target` lacks get or set.
+  ReduceLrOnPlateau(LrTarget target, PlateauOptions options = {});
+
+  /// Takes one metric (after the epoch's validation, say) and reduces the
+  /// rate on a plateau. A NaN metric counts as no improvement, as in
+  /// PyTorch. When the target refuses the rate, throws and changes nothing.
+  void Step(double metric);
+  /// The current learning rate.
+  double lr() const { return target_.get(); }
+  /// The best metric seen (+inf in kMin mode, -inf in kMax, before any).
+  double best() const { return best_; }
+  int64_t num_bad_steps() const { return num_bad_; }
+  int64_t cooldown_counter() const { return cooldown_counter_; }
+  /// Steps taken.
+  int64_t step_count() const { return steps_; }
+
+  /// "plateau.best" (f64), "plateau.num_bad_steps", "plateau.cooldown_counter",
+  /// "plateau.step" (i64) scalars and "plateau.options" (u8 text, the options
+  /// as text). The rate itself is the optimizer's, saved in its state.
+  NamedTensors StateDict() const;
+  /// Restores from a list that may hold other components' keys; the rate is
+  /// left as it is (the optimizer's LoadStateDict restores it). Throws
+  /// std::invalid_argument, changing nothing, naming a missing or malformed
+  /// key, a negative count, or options that differ from this one's (naming
+  /// both).
+  void LoadStateDict(const NamedTensors& state);
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  void CheckStateDict(const NamedTensors& state) const;
+
+ private:
+  bool IsBetter(double metric) const;
+  std::string Describe() const;
+
+  LrTarget target_;
+  PlateauOptions options_;
+  double best_ = 0;
+  int64_t num_bad_ = 0;
+  int64_t cooldown_counter_ = 0;
+  int64_t steps_ = 0;
 };
 
 }  // namespace ddp::nn::optim

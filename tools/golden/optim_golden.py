@@ -4,8 +4,15 @@ as golden data for nn/optim's tests. Run by hand (PyTorch is never a build
 dependency):
 
     /usr/bin/python3 tools/golden/optim_golden.py > nn/optim/testdata/optim_golden.json
+    /usr/bin/python3 tools/golden/optim_golden.py --schedulers > nn/optim/testdata/scheduler_golden.json
+
+The second file holds the schedulers added later (MultiStepLR, ExponentialLR,
+LambdaLR, OneCycleLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau), kept
+apart so that regenerating it leaves the optimizer trajectories untouched.
 """
 import json
+import math
+import sys
 
 import torch
 
@@ -76,7 +83,89 @@ def clipping():
     return out
 
 
+def more_schedules():
+    """Each case: the lr before the first step, then after each of `steps`
+    scheduler steps, from an SGD at lr 0.1."""
+    S = torch.optim.lr_scheduler
+    out = []
+
+    def run(name, make, steps=30):
+        p = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+        sched = make(opt)
+        lrs = [opt.param_groups[0]["lr"]]
+        for _ in range(steps):
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        out.append({"name": name, "base_lr": 0.1, "lrs": lrs})
+
+    run("multistep", lambda o: S.MultiStepLR(o, milestones=[3, 7, 7, 20], gamma=0.5))
+    run("exponential", lambda o: S.ExponentialLR(o, gamma=0.9))
+    # The C++ test passes the same two functions.
+    run("lambda_pow", lambda o: S.LambdaLR(o, lambda e: 0.95 ** e))
+    run("lambda_warmup", lambda o: S.LambdaLR(o, lambda e: min(1.0, (e + 1) / 8)))
+    # cycle_momentum=False: the C++ OneCycleSchedule drives the rate only.
+    # PyTorch allows one step more than total_steps - 1, past the last phase's
+    # end: the cos cases climb back there, the linear ones go below zero (a
+    # rate the C++ optimizer refuses), so those stop one step short.
+    run("onecycle_cos", lambda o: S.OneCycleLR(o, max_lr=1.0, total_steps=30, cycle_momentum=False), steps=30)
+    run("onecycle_linear", lambda o: S.OneCycleLR(o, max_lr=0.5, total_steps=25, pct_start=0.4,
+                                                  anneal_strategy="linear", div_factor=10,
+                                                  final_div_factor=100, cycle_momentum=False), steps=24)
+    run("onecycle_three_phase", lambda o: S.OneCycleLR(o, max_lr=2.0, total_steps=40, pct_start=0.25,
+                                                       three_phase=True, cycle_momentum=False), steps=40)
+    run("onecycle_three_phase_linear", lambda o: S.OneCycleLR(o, max_lr=0.3, total_steps=17, pct_start=0.3,
+                                                              anneal_strategy="linear", three_phase=True,
+                                                              cycle_momentum=False), steps=16)
+    run("warm_restarts", lambda o: S.CosineAnnealingWarmRestarts(o, T_0=5, eta_min=0.001), steps=40)
+    run("warm_restarts_mult", lambda o: S.CosineAnnealingWarmRestarts(o, T_0=3, T_mult=2, eta_min=0.0), steps=60)
+    run("warm_restarts_mult3", lambda o: S.CosineAnnealingWarmRestarts(o, T_0=1, T_mult=3, eta_min=0.01), steps=60)
+
+    plateau = []
+
+    def run_plateau(name, metrics, **kwargs):
+        p = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=1.0)
+        sched = S.ReduceLROnPlateau(opt, **kwargs)
+        lrs = []
+        for m in metrics:
+            opt.step()
+            sched.step(m)
+            lrs.append(opt.param_groups[0]["lr"])
+        kwargs = dict(kwargs)
+        plateau.append({"name": name, "base_lr": 1.0, "options": kwargs, "metrics": metrics, "lrs": lrs})
+
+    down_then_flat = [10 - i for i in range(6)] + [4.9999, 5.0, 4.5, 4.5, 4.4999] + [4.0 + 0.01 * (i % 3)
+                                                                                    for i in range(30)]
+    run_plateau("min_rel_defaults", down_then_flat)
+    run_plateau("min_rel_patience2", down_then_flat, patience=2, factor=0.5)
+    run_plateau("min_abs_cooldown", down_then_flat, patience=1, factor=0.3, threshold=0.1,
+                threshold_mode="abs", cooldown=2)
+    up = [float(i % 7) + 0.1 * i for i in range(40)]
+    run_plateau("max_rel_min_lr", up, mode="max", patience=0, factor=0.5, threshold=0.05, min_lr=0.1)
+    run_plateau("max_abs_eps", up, mode="max", patience=1, factor=0.9, threshold=0.5, threshold_mode="abs",
+                min_lr=0.5, eps=0.06, cooldown=1)
+    # Equal metrics are no improvement at threshold 0; steady gains smaller
+    # than an absolute threshold are none either.
+    run_plateau("min_rel_zero_threshold", [3.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 0.5] * 2, patience=2,
+                factor=0.5, threshold=0.0)
+    run_plateau("max_abs_small_gains", [0.1 * i for i in range(20)], mode="max", patience=1, factor=0.5,
+                threshold=0.25, threshold_mode="abs")
+    run_plateau("min_nan", [1.0, float("nan"), 2.0, 0.5, float("nan"), float("nan"), 0.4, 0.3] * 3,
+                patience=1, factor=0.5)
+    return {"torch_version": torch.__version__, "schedules": out, "plateau": plateau}
+
+
 def main():
+    if sys.argv[1:] == ["--schedulers"]:
+        # NaN metrics are written as null: JSON has no NaN.
+        data = more_schedules()
+        for c in data["plateau"]:
+            c["metrics"] = [None if math.isnan(m) else m for m in c["metrics"]]
+        print(json.dumps(data))
+        return
+
     optim = torch.optim
     cases = [
         trajectory("sgd", lambda p: optim.SGD(p, lr=0.1)),

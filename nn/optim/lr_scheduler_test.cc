@@ -1,0 +1,337 @@
+// The schedulers added after the first four (MultiStepLR, ExponentialLR,
+// LambdaLR, OneCycleLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau):
+// step by step against PyTorch 1.13 (testdata/scheduler_golden.json, made by
+// `tools/golden/optim_golden.py --schedulers`), argument checks, and resuming
+// from a saved state mid-schedule.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "nn/optim/lr_scheduler.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::nn::optim {
+namespace {
+
+using ::testing::HasSubstr;
+
+const nlohmann::json& Golden() {
+  static const nlohmann::json golden = [] {
+    std::ifstream in("nn/optim/testdata/scheduler_golden.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return nlohmann::json::parse(ss.str());
+  }();
+  return golden;
+}
+
+// The same configurations as more_schedules() in optim_golden.py.
+std::shared_ptr<Schedule> MakeSchedule(const std::string& name) {
+  if (name == "multistep") return MultiStepSchedule({3, 7, 7, 20}, 0.5);
+  if (name == "exponential") return ExponentialSchedule(0.9);
+  if (name == "lambda_pow") {
+    return LambdaSchedule([](int64_t e) { return std::pow(0.95, static_cast<double>(e)); }, "0.95^t");
+  }
+  if (name == "lambda_warmup") {
+    return LambdaSchedule([](int64_t e) { return std::min(1.0, static_cast<double>(e + 1) / 8); }, "warmup8");
+  }
+  if (name == "onecycle_cos") return OneCycleSchedule({.max_lr = 1.0, .total_steps = 30});
+  if (name == "onecycle_linear") {
+    return OneCycleSchedule({.max_lr = 0.5, .total_steps = 25, .pct_start = 0.4,
+                             .anneal_strategy = AnnealStrategy::kLinear, .div_factor = 10, .final_div_factor = 100});
+  }
+  if (name == "onecycle_three_phase") {
+    return OneCycleSchedule({.max_lr = 2.0, .total_steps = 40, .pct_start = 0.25, .three_phase = true});
+  }
+  if (name == "onecycle_three_phase_linear") {
+    return OneCycleSchedule({.max_lr = 0.3, .total_steps = 17, .pct_start = 0.3,
+                             .anneal_strategy = AnnealStrategy::kLinear, .three_phase = true});
+  }
+  if (name == "warm_restarts") return CosineWarmRestartsSchedule(5, 1, 0.001);
+  if (name == "warm_restarts_mult") return CosineWarmRestartsSchedule(3, 2, 0.0);
+  if (name == "warm_restarts_mult3") return CosineWarmRestartsSchedule(1, 3, 0.01);
+  throw std::runtime_error("no schedule " + name);
+}
+
+PlateauOptions PlateauOptionsOf(const nlohmann::json& o) {
+  PlateauOptions p;
+  if (o.contains("mode")) p.mode = o["mode"] == "max" ? PlateauOptions::Mode::kMax : PlateauOptions::Mode::kMin;
+  if (o.contains("threshold_mode")) {
+    p.threshold_mode =
+        o["threshold_mode"] == "abs" ? PlateauOptions::ThresholdMode::kAbs : PlateauOptions::ThresholdMode::kRel;
+  }
+  p.factor = o.value("factor", p.factor);
+  p.patience = o.value("patience", p.patience);
+  p.threshold = o.value("threshold", p.threshold);
+  p.cooldown = o.value("cooldown", p.cooldown);
+  p.min_lr = o.value("min_lr", p.min_lr);
+  p.eps = o.value("eps", p.eps);
+  return p;
+}
+
+std::vector<double> MetricsOf(const nlohmann::json& c) {
+  std::vector<double> out;
+  for (const auto& m : c["metrics"]) out.push_back(m.is_null() ? std::nan("") : m.get<double>());
+  return out;
+}
+
+std::string ErrorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(SchedulerGolden, ClosedFormsMatchPyTorchStepByStep) {
+  int checked = 0;
+  for (const auto& c : Golden()["schedules"]) {
+    Tensor p = Zeros({1});
+    Sgd opt({{"p", p}}, {.lr = c["base_lr"]});
+    LrScheduler sched(opt, MakeSchedule(c["name"]));
+    const auto lrs = c["lrs"].get<std::vector<double>>();
+    for (size_t t = 0; t < lrs.size(); ++t) {
+      if (t > 0) sched.Step();
+      // PyTorch updates ExponentialLR and MultiStepLR by multiplying the
+      // previous rate; ours are closed forms: a few ulps apart.
+      ASSERT_NEAR(opt.lr(), lrs[t], 1e-15 + 1e-12 * std::fabs(lrs[t])) << c["name"] << " t=" << t;
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 11);
+}
+
+TEST(SchedulerGolden, ReduceLrOnPlateauMatchesPyTorchStepByStep) {
+  int checked = 0;
+  for (const auto& c : Golden()["plateau"]) {
+    Tensor p = Zeros({1});
+    Sgd opt({{"p", p}}, {.lr = c["base_lr"]});
+    ReduceLrOnPlateau plateau(opt, PlateauOptionsOf(c["options"]));
+    const auto metrics = MetricsOf(c);
+    const auto lrs = c["lrs"].get<std::vector<double>>();
+    ASSERT_EQ(metrics.size(), lrs.size());
+    for (size_t i = 0; i < metrics.size(); ++i) {
+      plateau.Step(metrics[i]);
+      // The same multiplications in the same order: equal to the bit.
+      ASSERT_EQ(opt.lr(), lrs[i]) << c["name"] << " step " << i;
+    }
+    EXPECT_EQ(plateau.step_count(), static_cast<int64_t>(metrics.size()));
+    ++checked;
+  }
+  EXPECT_EQ(checked, 8);
+}
+
+// Saved after k steps and loaded into a fresh scheduler on a fresh
+// optimizer, every schedule goes on with the same rates as the original.
+TEST(SchedulerState, EveryNewScheduleResumesIdenticallyMidSchedule) {
+  for (const auto& c : Golden()["schedules"]) {
+    const std::string name = c["name"];
+    const size_t steps = c["lrs"].size() - 1;
+    for (size_t k : {size_t{1}, steps / 3, steps / 2 + 1}) {
+      Tensor pa = Zeros({1}), pb = Zeros({1});
+      Sgd a({{"p", pa}}, {.lr = 0.1}), b({{"p", pb}}, {.lr = 0.7});
+      LrScheduler sa(a, MakeSchedule(name));
+      for (size_t i = 0; i < k; ++i) sa.Step();
+      const NamedTensors saved = sa.StateDict();
+      LrScheduler sb(b, MakeSchedule(name));
+      sb.LoadStateDict(saved);
+      EXPECT_EQ(sb.step_count(), static_cast<int64_t>(k)) << name;
+      EXPECT_EQ(b.lr(), a.lr()) << name << " k=" << k;
+      for (size_t i = k; i < steps; ++i) {
+        sa.Step();
+        sb.Step();
+        ASSERT_EQ(b.lr(), a.lr()) << name << " after " << i + 1 << " steps, resumed at " << k;
+      }
+    }
+  }
+}
+
+TEST(SchedulerState, PlateauResumesIdenticallyWithTheOptimizersRate) {
+  for (const auto& c : Golden()["plateau"]) {
+    const auto metrics = MetricsOf(c);
+    const PlateauOptions options = PlateauOptionsOf(c["options"]);
+    for (size_t k : {size_t{3}, metrics.size() / 2, metrics.size() - 2}) {
+      Tensor pa = Zeros({1}), pb = Zeros({1});
+      Sgd a({{"p", pa}}, {.lr = c["base_lr"]}), b({{"p", pb}}, {.lr = 42.0});
+      ReduceLrOnPlateau ra(a, options);
+      for (size_t i = 0; i < k; ++i) ra.Step(metrics[i]);
+      NamedTensors saved = a.StateDict();
+      for (auto& kv : ra.StateDict()) saved.push_back(kv);
+      // Both from one list, as a checkpoint holds them: each takes its keys.
+      b.LoadStateDict(saved);
+      ReduceLrOnPlateau rb(b, options);
+      rb.LoadStateDict(saved);
+      EXPECT_EQ(rb.best(), ra.best());
+      EXPECT_EQ(rb.num_bad_steps(), ra.num_bad_steps());
+      EXPECT_EQ(rb.cooldown_counter(), ra.cooldown_counter());
+      EXPECT_EQ(rb.step_count(), ra.step_count());
+      for (size_t i = k; i < metrics.size(); ++i) {
+        ra.Step(metrics[i]);
+        rb.Step(metrics[i]);
+        ASSERT_EQ(b.lr(), a.lr()) << c["name"] << " step " << i << ", resumed at " << k;
+      }
+    }
+  }
+}
+
+TEST(SchedulerState, ASavedScheduleOfAnotherKindOrParametersIsRefused) {
+  Tensor p = Zeros({1});
+  Sgd a({{"p", p}}, {.lr = 0.1}), b({{"p", p}}, {.lr = 0.1}), c({{"p", p}}, {.lr = 0.1});
+  LrScheduler sa(a, OneCycleSchedule({.max_lr = 1.0, .total_steps = 30}));
+  sa.Step();
+  LrScheduler sb(b, OneCycleSchedule({.max_lr = 1.0, .total_steps = 31}));
+  EXPECT_THAT(ErrorOf([&] { sb.LoadStateDict(sa.StateDict()); }),
+              HasSubstr("saved with schedule OneCycleLR(max_lr=1, total_steps=30, pct_start=0.3, "
+                        "anneal_strategy=cos, div_factor=25, final_div_factor=10000, three_phase=false), this "
+                        "scheduler's is OneCycleLR(max_lr=1, total_steps=31,"));
+  EXPECT_EQ(sb.step_count(), 0);
+  // A LambdaLR without a description is unknown: nothing saved to compare.
+  LrScheduler lambda(c, LambdaSchedule([](int64_t) { return 1.0; }));
+  for (const auto& [k, t] : lambda.StateDict()) EXPECT_NE(k, "scheduler.schedule");
+  EXPECT_EQ(MultiStepSchedule({2, 5}, 0.5)->Describe(), "MultiStepLR(milestones=[2, 5], gamma=0.5)");
+  EXPECT_EQ(CosineWarmRestartsSchedule(4, 2, 0.5)->Describe(),
+            "CosineAnnealingWarmRestarts(T_0=4, T_mult=2, eta_min=0.5)");
+  EXPECT_EQ(ExponentialSchedule(0.25)->Describe(), "ExponentialLR(gamma=0.25)");
+  EXPECT_EQ(LambdaSchedule([](int64_t) { return 1.0; }, "one")->Describe(), "LambdaLR(one)");
+}
+
+TEST(SchedulerState, PlateauStateErrors) {
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  ReduceLrOnPlateau r(opt, {.patience = 1});
+  r.Step(1.0);
+  r.Step(2.0);
+  ReduceLrOnPlateau other(opt, {.patience = 2});
+  EXPECT_THAT(ErrorOf([&] { other.LoadStateDict(r.StateDict()); }),
+              HasSubstr("saved with ReduceLROnPlateau(mode=min, factor=0.1, patience=1,"));
+  EXPECT_EQ(other.step_count(), 0);
+  EXPECT_EQ(ErrorOf([&] { other.CheckStateDict({}); }),
+            "ReduceLROnPlateau.LoadStateDict: missing f64 scalar `plateau.best`");
+  NamedTensors bad = r.StateDict();
+  bad[1].second = FromVectorOf<int64_t>({-1}, {});
+  ReduceLrOnPlateau same(opt, {.patience = 1});
+  EXPECT_THAT(ErrorOf([&] { same.LoadStateDict(bad); }), HasSubstr("plateau.num_bad_steps -1"));
+  EXPECT_EQ(same.num_bad_steps(), 0);
+  bad = r.StateDict();
+  bad.emplace_back("plateau.extra", Zeros({1}));
+  EXPECT_THAT(ErrorOf([&] { same.LoadStateDict(bad); }), HasSubstr("unexpected `plateau.extra`"));
+  same.LoadStateDict(r.StateDict());
+  EXPECT_EQ(same.best(), 1.0);
+  EXPECT_EQ(same.num_bad_steps(), 1);
+}
+
+// The plateau scheduler reduces whatever rate the optimizer has: one set by
+// hand in between is the one multiplied by factor.
+TEST(ReduceLrOnPlateau, ReducesTheRateSetWithSetLr) {
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  ReduceLrOnPlateau r(opt, {.factor = 0.5, .patience = 0});
+  r.Step(3.0);
+  EXPECT_EQ(opt.lr(), 1.0);
+  opt.set_lr(0.25);
+  r.Step(3.0);  // no improvement, patience 0: reduced
+  EXPECT_EQ(opt.lr(), 0.125);
+  r.Step(1.0);  // better: kept
+  EXPECT_EQ(opt.lr(), 0.125);
+  EXPECT_EQ(r.best(), 1.0);
+  // Under min_lr already: max(lr * factor, min_lr) is above it, not set.
+  ReduceLrOnPlateau floor(opt, {.factor = 0.5, .patience = 0, .min_lr = 0.2});
+  floor.Step(1.0);
+  floor.Step(1.0);
+  EXPECT_EQ(opt.lr(), 0.125);
+}
+
+TEST(ScheduleArguments, AreCheckedWithMessagesNamingThem) {
+  EXPECT_EQ(ErrorOf([] { MultiStepSchedule({5, 3}); }),
+            "MultiStepLR: milestones must be ascending and >= 0, milestone 1 is 3 after 5");
+  EXPECT_THAT(ErrorOf([] { MultiStepSchedule({-1}); }), HasSubstr("milestone 0 is -1"));
+  EXPECT_EQ(ErrorOf([] { MultiStepSchedule({1}, -0.5); }), "MultiStepLR: gamma -0.5 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([] { ExponentialSchedule(-1); }), "ExponentialLR: gamma -1 must be finite and >= 0");
+  EXPECT_THAT(ErrorOf([] { ExponentialSchedule(std::nan("")); }), HasSubstr("ExponentialLR: gamma nan"));
+  EXPECT_EQ(ErrorOf([] { LambdaSchedule(nullptr); }), "LambdaLR: factor is an empty function");
+  EXPECT_EQ(ErrorOf([] { CosineWarmRestartsSchedule(0); }), "CosineAnnealingWarmRestarts: T_0 0 must be >= 1");
+  EXPECT_EQ(ErrorOf([] { CosineWarmRestartsSchedule(2, 0); }), "CosineAnnealingWarmRestarts: T_mult 0 must be >= 1");
+  EXPECT_EQ(ErrorOf([] { CosineWarmRestartsSchedule(2, 1, -1); }),
+            "CosineAnnealingWarmRestarts: eta_min -1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 0}); }),
+            "OneCycleLR: total_steps 0 must be >= 1");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 0, .total_steps = 10}); }),
+            "OneCycleLR: max_lr 0 must be finite and > 0");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = 1.5}); }),
+            "OneCycleLR: pct_start 1.5 must be in [0, 1]");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = -0.1}); }),
+            "OneCycleLR: pct_start -0.1 must be in [0, 1]");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .div_factor = 0}); }),
+            "OneCycleLR: div_factor 0 must be finite and > 0");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .final_div_factor = -1}); }),
+            "OneCycleLR: final_div_factor -1 must be finite and > 0");
+  EXPECT_THAT(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = 0.1}); }),
+              HasSubstr("leaves the rising phase no steps"));
+  EXPECT_THAT(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10,
+                                             .anneal_strategy = static_cast<AnnealStrategy>(7)}); }),
+              HasSubstr("unknown anneal_strategy 7"));
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.factor = 1.0}); }), "ReduceLROnPlateau: factor 1 must be in [0, 1)");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.factor = -0.1}); }),
+            "ReduceLROnPlateau: factor -0.1 must be in [0, 1)");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.patience = -1}); }), "ReduceLROnPlateau: patience -1 must be >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.cooldown = -2}); }), "ReduceLROnPlateau: cooldown -2 must be >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.threshold = -1}); }),
+            "ReduceLROnPlateau: threshold -1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.min_lr = -1}); }),
+            "ReduceLROnPlateau: min_lr -1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.eps = std::numeric_limits<double>::infinity()}); }),
+            "ReduceLROnPlateau: eps inf must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(LrTarget{}, {}); }), "ReduceLROnPlateau: the target lacks get or set");
+  EXPECT_EQ(opt.lr(), 1.0);
+}
+
+// PyTorch raises past total_steps; so does Step here, counting nothing.
+TEST(OneCycle, SteppingPastTotalStepsThrowsAndChangesNothing) {
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 123.0});
+  LrScheduler s(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 4, .pct_start = 0.5}));
+  EXPECT_NEAR(opt.lr(), 1.0 / 25, 1e-15);  // the optimizer's own rate is not used
+  for (int i = 0; i < 4; ++i) s.Step();
+  const double last = opt.lr();
+  EXPECT_THROW(s.Step(), std::out_of_range);
+  EXPECT_EQ(s.step_count(), 4);
+  EXPECT_EQ(opt.lr(), last);
+  // Linear annealing at t = total_steps goes below zero, as PyTorch's does
+  // (-0.0328 for the golden onecycle_linear case): the optimizer refuses it.
+  Sgd lin_opt({{"p", p}}, {.lr = 1.0});
+  LrScheduler lin(lin_opt, OneCycleSchedule({.max_lr = 0.5, .total_steps = 25, .pct_start = 0.4,
+                                             .anneal_strategy = AnnealStrategy::kLinear, .div_factor = 10,
+                                             .final_div_factor = 100}));
+  for (int i = 0; i < 24; ++i) lin.Step();
+  EXPECT_DOUBLE_EQ(lin_opt.lr(), 0.5 / 10 / 100);
+  EXPECT_THAT(ErrorOf([&] { lin.Step(); }), HasSubstr("learning rate -0.0328"));
+  EXPECT_EQ(lin.step_count(), 24);
+}
+
+// Long runs: the restart search and the milestone count stay exact.
+TEST(WarmRestarts, RestartsFallExactlyOnTheirSteps) {
+  const auto s = CosineWarmRestartsSchedule(3, 2, 0.0);
+  // Cycles of 3, 6, 12, 24, ...: restarts at 3, 9, 21, 45, ..., 3 * (2^k - 1).
+  for (int k = 1; k < 40; ++k) {
+    const int64_t restart = 3 * ((int64_t{1} << k) - 1);
+    EXPECT_EQ(s->Lr(2.0, restart), 2.0) << restart;
+    EXPECT_LT(s->Lr(2.0, restart - 1), 2.0) << restart;
+  }
+  EXPECT_TRUE(std::isfinite(s->Lr(1.0, std::numeric_limits<int64_t>::max())));
+}
+
+}  // namespace
+}  // namespace ddp::nn::optim
