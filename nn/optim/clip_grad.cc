@@ -92,7 +92,57 @@ double DeviceMaxAbs(const std::vector<Tensor>& grads) {
   return out.Item();  // the one host synchronization
 }
 
+// Clamps g to [-c, c], compared in the type g is computed in; an element
+// out of range takes the bound rounded to T, NaN fails both tests and stays.
+template <typename T>
+void ClampValues(T* g, int64_t n, double c) {
+  const acc_t<T> hi = static_cast<acc_t<T>>(c), lo = -hi;
+  const T hi_t = static_cast<T>(hi), lo_t = static_cast<T>(lo);
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t<T> v = static_cast<acc_t<T>>(g[i]);
+    if (v < lo) {
+      g[i] = lo_t;
+    } else if (v > hi) {
+      g[i] = hi_t;
+    }
+  }
+}
+
 }  // namespace
+
+void ClipGradValue(const std::vector<Tensor>& params, double clip_value) {
+  if (!(clip_value >= 0)) {
+    throw std::invalid_argument("ClipGradValue: clip_value must be >= 0, got " + std::to_string(clip_value));
+  }
+  // Every gradient checked before any is changed.
+  std::vector<Tensor> grads;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& p = params[i];
+    if (!p.defined() || !p.grad().defined()) continue;
+    const Tensor& g = p.grad();
+    if (!g.device().is_cpu()) {
+      throw std::invalid_argument("ClipGradValue: the gradient of parameter " + std::to_string(i) + " is on " +
+                                  g.device().ToString() + "; only CPU gradients can be clipped by value (no " +
+                                  "device kernel for it)");
+    }
+    if (!IsFloating(g.dtype())) {
+      throw std::invalid_argument("ClipGradValue: the gradient of parameter " + std::to_string(i) + " has dtype " +
+                                  std::string(DTypeName(g.dtype())) + ", expected a floating type");
+    }
+    grads.push_back(g);
+  }
+  if (std::isinf(clip_value)) return;
+  for (const Tensor& g : grads) {
+    // One of other strides is clamped as a contiguous copy, written back.
+    const Tensor work = g.is_contiguous() ? g : g.Detach().Contiguous();
+    DDP_DISPATCH_FLOATING(work.dtype(), "ClipGradValue", ClampValues(work.data<scalar_t>(), work.numel(), clip_value));
+    if (!g.is_contiguous()) {
+      NoGradGuard guard;
+      g.CopyFrom(work);
+    }
+    g.storage()->BumpVersion();
+  }
+}
 
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
                     bool error_if_nonfinite) {

@@ -24,6 +24,16 @@ inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                     bool error_if_nonfinite = false);
 
+/// torch.nn.utils.clip_grad_value_: every gradient element is clamped to
+/// [-clip_value, clip_value] in place (bounds rounded to the gradient's
+/// dtype; a NaN element stays NaN, as PyTorch's clamp keeps it); parameters
+/// without .grad are skipped. Gradients of f16, bf16, f32 or f64 on the CPU,
+/// of any strides. Throws std::invalid_argument, changing no gradient, for a
+/// negative or NaN clip_value (infinity clips nothing) and for a gradient
+/// that is not on the CPU (no device kernel; naming its position and
+/// device).
+void ClipGradValue(const std::vector<Tensor>& params, double clip_value);
+
 }  // namespace ddp::nn::optim
 
 #endif  // DDP_NN_OPTIM_CLIP_GRAD_H_

@@ -267,6 +267,7 @@ void GradScaler::Update() {
 }
 
 NamedTensors GradScaler::StateDict() const {
+  if (!options_.enabled) return {};
   return {{"scaler.scale", FromVector({scale_}, {}, {.dtype = DType::kFloat32})},
           {"scaler.growth_tracker", FromVectorOf<int64_t>({growth_tracker_}, {})},
           {"scaler.growth_factor", FromVector({options_.growth_factor}, {}, {.dtype = DType::kFloat64})},
@@ -345,10 +346,12 @@ ScalerState ReadScalerState(const NamedTensors& state, GradScalerOptions options
 }  // namespace
 
 void GradScaler::CheckStateDict(const NamedTensors& state) const {
+  if (!options_.enabled) return;
   ReadScalerState(state, options_);
 }
 
 void GradScaler::LoadStateDict(const NamedTensors& state) {
+  if (!options_.enabled) return;  // as PyTorch's: a disabled scaler keeps no state
   const ScalerState s = ReadScalerState(state, options_);
   options_.growth_factor = s.options.growth_factor;
   options_.backoff_factor = s.options.backoff_factor;

@@ -86,7 +86,8 @@ class GradScaler {
   /// "scaler.scale" (f32 scalar) and "scaler.growth_tracker" (i64 scalar),
   /// and the options PyTorch's state_dict saves with them:
   /// "scaler.growth_factor", "scaler.backoff_factor" (f64 scalars) and
-  /// "scaler.growth_interval" (i64 scalar).
+  /// "scaler.growth_interval" (i64 scalar). Empty for a scaler constructed
+  /// disabled, as PyTorch's state_dict().
   NamedTensors StateDict() const;
   /// Restores StateDict's keys from a list that may hold other keys; the
   /// saved growth_factor, backoff_factor and growth_interval replace this
@@ -94,9 +95,12 @@ class GradScaler {
   /// scaler's). Throws std::invalid_argument naming a missing or malformed
   /// key (or an unexpected "scaler." one, a negative growth tracker, or an
   /// option the constructor would refuse), changing nothing. A tracker at or
-  /// past growth_interval grows the scale at the next clean step.
+  /// past growth_interval grows the scale at the next clean step. A scaler
+  /// constructed disabled ignores the state, its "scaler." keys included
+  /// (well-formed or not), as PyTorch's load_state_dict returns at once.
   void LoadStateDict(const NamedTensors& state);
-  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  /// The checks of LoadStateDict alone: throws as it would, changes nothing
+  /// (a disabled scaler's checks nothing).
   void CheckStateDict(const NamedTensors& state) const;
 
  private:

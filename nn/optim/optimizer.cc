@@ -13,6 +13,10 @@
 namespace ddp::nn::optim {
 namespace {
 
+// A StateDict flag (i64 1): every parameter of the saving optimizer has a
+// "state.<name>.step" entry, 0 when it was never updated.
+const char* const kParamsListedKey = "group.params_listed";
+
 template <typename From, typename To>
 void Convert(const void* src, To* dst, int64_t n) {
   const From* s = static_cast<const From*>(src);
@@ -477,10 +481,16 @@ NamedTensors Optimizer::StateDict() const {
     out.emplace_back("group." + h.name, h.flag ? FromVectorOf<int64_t>({h.value != 0 ? 1 : 0}, {})
                                                : FromVector({h.value}, {}, {.dtype = DType::kFloat64}));
   }
+  // Every parameter gets a step entry, 0 before its first update, so that a
+  // loader can tell a parameter the saving optimizer never updated from one
+  // it did not hold. The flag says so (states saved before it list only the
+  // updated parameters). Wrappers that split the list pass the flag on with
+  // the options and each parameter's step with its state.
+  out.emplace_back(kParamsListedKey, FromVectorOf<int64_t>({1}, {}));
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (steps_[i] == 0) continue;
     const std::string prefix = "state." + params_[i].first + ".";
     out.emplace_back(prefix + "step", FromVectorOf<int64_t>({steps_[i]}, {}));
+    if (steps_[i] == 0) continue;
     // As the next step would see it, so LoadStateDict takes it back even
     // when the parameter changed dtype or device since its last step.
     const State s = CurrentState(i);
@@ -551,6 +561,24 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
   // they were, which keeps this optimizer's options).
   bool has_options = false;
   for (const auto& [k, t] : given) has_options = has_options || k.rfind("group.", 0) == 0;
+  // Whether the state lists every parameter of the optimizer that saved it
+  // (kParamsListedKey): then one of ours without a step entry was not held
+  // by that optimizer, and loading would silently restart its state.
+  bool listed = false;
+  if (auto it = given.find(kParamsListedKey); it != given.end()) {
+    expected.insert(kParamsListedKey);
+    const Tensor& t = it->second;
+    if (!t.defined() || t.dtype() != DType::kInt64 || t.shape() != Shape{} || t.To(kCPU).data<int64_t>()[0] != 1) {
+      problems.push_back(std::string("`") + kParamsListedKey + "` is " +
+                         (t.defined() && t.dtype() == DType::kInt64 && t.numel() == 1
+                              ? std::to_string(t.To(kCPU).data<int64_t>()[0])
+                              : (t.defined() ? std::string(DTypeName(t.dtype())) + " " + ShapeToString(t.shape())
+                                             : std::string("undefined"))) +
+                         ", expected an i64 scalar 1");
+    } else {
+      listed = true;
+    }
+  }
   if (has_options) {
     expected.insert("group.optimizer");
     std::string saved_kind;
@@ -643,7 +671,30 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
         present += given.count(k);
       }
     }
-    if (present == 0) continue;  // never updated when saved
+    if (present == 0) {
+      // In a state that lists every parameter, a missing one was not held
+      // by the saving optimizer (PyTorch refuses param groups of other
+      // sizes). One without elements is exempt: a sharded optimizer's
+      // consolidated state has none of its entries, and its state holds no value.
+      if (listed && p.numel() > 0) {
+        problems.push_back("parameter `" + params_[i].first + "` is not in the state (no `" + prefix +
+                           "step`): it was saved by an optimizer over other parameters");
+      }
+      continue;  // never updated when saved (a state from before the list)
+    }
+    if (auto it = given.find(prefix + "step"); it != given.end() && it->second.defined() &&
+                                               it->second.dtype() == DType::kInt64 && it->second.numel() == 1 &&
+                                               it->second.To(kCPU).data<int64_t>()[0] == 0) {
+      // Held but never updated when saved: no other entry belongs to it.
+      for (const std::vector<std::string>* list : {&keys, &optional}) {
+        for (const std::string& k : *list) {
+          if (k != prefix + "step" && given.count(k)) {
+            problems.push_back("unexpected `" + k + "`: `" + prefix + "step` is 0 (never updated)");
+          }
+        }
+      }
+      continue;
+    }
     for (const std::string& k : keys) {
       auto it = given.find(k);
       if (it == given.end()) {
@@ -652,7 +703,7 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
         check(k, it->second, {}, DType::kInt64, false);
         if (it->second.defined() && it->second.dtype() == DType::kInt64 && it->second.numel() == 1) {
           new_steps[i] = it->second.To(kCPU).data<int64_t>()[0];
-          if (new_steps[i] < 1) problems.push_back("`" + k + "` is " + std::to_string(new_steps[i]) + ", expected >= 1");
+          if (new_steps[i] < 0) problems.push_back("`" + k + "` is " + std::to_string(new_steps[i]) + ", expected >= 0");
         }
       } else {
         check(k, it->second, p.shape(), ComputeDType(i), true);
@@ -665,7 +716,12 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
     }
   }
   for (const auto& [k, t] : given) {
-    if (!expected.count(k)) problems.push_back("unexpected `" + k + "`");
+    if (expected.count(k)) continue;
+    // A step entry names a parameter of the saving optimizer.
+    const bool names_param = k.rfind("state.", 0) == 0 && k.size() > 11 && k.compare(k.size() - 5, 5, ".step") == 0;
+    problems.push_back("unexpected `" + k + "`" +
+                       (names_param ? " (parameter `" + k.substr(6, k.size() - 11) + "` is not in this optimizer)"
+                                    : std::string()));
   }
   if (!problems.empty()) {
     std::ostringstream os;

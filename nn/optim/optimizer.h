@@ -102,8 +102,10 @@ class Optimizer {
   /// The state: "lr" (f64 scalar); the options PyTorch keeps in its
   /// param_groups as "group.<option>" ("group.momentum", "group.beta1", ...:
   /// f64 scalars, i64 0 or 1 for flags such as "group.nesterov") and the
-  /// optimizer's Name() as "group.optimizer" (u8 text); and per updated
-  /// parameter "state.<name>.step" (i64 scalar) and "state.<name>.<slot>" (the
+  /// optimizer's Name() as "group.optimizer" (u8 text); "group.params_listed"
+  /// (i64 1: every parameter has a step entry); per parameter
+  /// "state.<name>.step" (i64 scalar, 0 before its first update), and per
+  /// updated parameter "state.<name>.<slot>" (the
   /// parameter's shape, f32 or f64; "master" for 16-bit parameters). Slots
   /// a loaded state did not have are not saved until the next step makes them.
   /// Tensors are copies, on the parameters' device ("lr", "group." keys and
@@ -122,6 +124,16 @@ class Optimizer {
   /// keeps this optimizer's options and takes only "lr". Callers that want
   /// another rate than the saved one call set_lr after loading (the example
   /// trainer instead refuses a resume with another --lr before loading).
+  ///
+  /// The parameters: a state with "group.params_listed" must have a step
+  /// entry for every parameter of this optimizer that has elements, or the
+  /// load is refused naming the missing parameter (as PyTorch refuses param
+  /// groups of another size): otherwise one the saving optimizer did not
+  /// hold would silently restart. A step entry of a parameter this
+  /// optimizer does not hold is refused naming it. A state without the flag
+  /// (saved before it existed, or with it removed on purpose, to add
+  /// parameters that start afresh) loads every parameter it has no entries
+  /// for as never updated. Step 0 loads as never updated.
   ///
   /// Everything is checked
   /// before anything changes; one error lists every missing, unexpected or

@@ -139,13 +139,24 @@ TEST(OptimizerState, RoundTripGivesIdenticalContinuedTrajectories) {
 TEST(OptimizerState, KeysAndShapes) {
   NamedParameters p = MakeParams(DType::kBFloat16, 1);
   Adam opt(p, {});
-  EXPECT_EQ(EntriesUnder(opt.StateDict(), "state."), 0u);  // only lr and options before the first step
+  // Before the first step: lr, the options and each parameter's step, 0.
+  std::vector<std::string> keys;
+  for (const auto& [k, t] : opt.StateDict()) {
+    keys.push_back(k);
+    if (k.rfind("state.", 0) == 0) {
+      EXPECT_EQ(t.ToVector<int64_t>(), std::vector<int64_t>{0}) << k;
+    }
+  }
+  EXPECT_EQ(keys, (std::vector<std::string>{"lr", "group.optimizer", "group.beta1", "group.beta2", "group.eps",
+                                            "group.weight_decay", "group.amsgrad", "group.maximize",
+                                            "group.params_listed", "state.fc.weight.step", "state.fc.bias.step"}));
   SetGrads(p, 0);
   opt.Step();
-  std::vector<std::string> keys;
+  keys.clear();
   for (const auto& [k, t] : opt.StateDict()) keys.push_back(k);
   EXPECT_EQ(keys, (std::vector<std::string>{"lr", "group.optimizer", "group.beta1", "group.beta2", "group.eps",
                                             "group.weight_decay", "group.amsgrad", "group.maximize",
+                                            "group.params_listed",
                                             "state.fc.weight.step", "state.fc.weight.exp_avg",
                                             "state.fc.weight.exp_avg_sq", "state.fc.weight.master",
                                             "state.fc.bias.step", "state.fc.bias.exp_avg",
@@ -192,6 +203,88 @@ std::string ErrorOf(const std::function<void()>& fn) {
     return e.what();
   }
   return "";
+}
+
+// Before, a parameter with no entries in a loaded state was taken as one
+// never updated: Adam's state saved over {w} loaded into one over {w, b}
+// (both trained 1000 steps) restarted b at step 1. PyTorch refuses param
+// groups of another size; so does this, naming the parameter, changing nothing.
+TEST(OptimizerState, StateSavedOverOtherParametersIsRefusedNamingThem) {
+  auto trained = [](const std::vector<std::string>& names) {
+    NamedParameters params;
+    for (const std::string& n : names) params.emplace_back(n, Ones({3}));
+    auto opt = std::make_unique<Adam>(params, AdamOptions{.lr = 1e-3});
+    for (int s = 0; s < 1000; ++s) {
+      for (const auto& [n, p] : params) p.set_grad(Full({3}, 0.5));
+      opt->Step();
+    }
+    return std::make_pair(params, std::move(opt));
+  };
+  auto [w_params, w_only] = trained({"w"});
+  auto [wb_params, wb] = trained({"w", "b"});
+  const NamedTensors before = wb->StateDict();
+
+  // Saved over {w}, loaded into {w, b}: b is missing.
+  std::string err = ErrorOf([&] { wb->LoadStateDict(w_only->StateDict()); });
+  EXPECT_THAT(err, AllOf(HasSubstr("Adam.LoadStateDict: 1 problem(s)"),
+                         HasSubstr("parameter `b` is not in the state (no `state.b.step`)")));
+  EXPECT_EQ(ErrorOf([&] { wb->CheckStateDict(w_only->StateDict()); }), err);
+  EXPECT_EQ(wb->step_count(1), 1000);
+  const NamedTensors after = wb->StateDict();
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(before[i].second.ToVector<double>(), after[i].second.ToVector<double>()) << before[i].first;
+  }
+
+  // Saved over {w, b}, loaded into {w}: b is extra.
+  err = ErrorOf([&] { w_only->LoadStateDict(wb->StateDict()); });
+  EXPECT_THAT(err, HasSubstr("unexpected `state.b.step` (parameter `b` is not in this optimizer)"));
+  EXPECT_EQ(w_only->step_count(0), 1000);
+
+  // Another name in the same place: both are named.
+  NamedParameters renamed = {{"w", Ones({3})}, {"c", Ones({3})}};
+  Adam other(renamed, {.lr = 1e-3});
+  err = ErrorOf([&] { other.LoadStateDict(wb->StateDict()); });
+  EXPECT_THAT(err, AllOf(HasSubstr("parameter `c` is not in the state"),
+                         HasSubstr("unexpected `state.b.step` (parameter `b` is not in this optimizer)")));
+  EXPECT_EQ(other.step_count(0), 0);
+
+  // A parameter the saving optimizer held but never updated is listed with
+  // step 0 and loads as never updated, replacing a trained state.
+  NamedParameters fresh_params = {{"w", Ones({3})}, {"b", Ones({3})}};
+  Adam fresh(fresh_params, {.lr = 1e-3});
+  fresh_params[0].second.set_grad(Full({3}, 0.5));
+  fresh.Step();
+  ASSERT_NO_THROW(wb->LoadStateDict(fresh.StateDict()));
+  EXPECT_EQ(wb->step_count(0), 1);
+  EXPECT_EQ(wb->step_count(1), 0);
+  // A step-0 parameter with slots is malformed.
+  NamedTensors slots_at_zero = fresh.StateDict();
+  slots_at_zero.emplace_back("state.b.exp_avg", Zeros({3}));
+  EXPECT_THAT(ErrorOf([&] { wb->LoadStateDict(slots_at_zero); }),
+              HasSubstr("unexpected `state.b.exp_avg`: `state.b.step` is 0 (never updated)"));
+
+  // A state saved before parameters were listed (no flag, no step-0 entries)
+  // loads as it did: b, absent, starts afresh.
+  NamedTensors old = w_only->StateDict();
+  std::erase_if(old, [](const auto& e) { return e.first == "group.params_listed"; });
+  ASSERT_NO_THROW(wb->LoadStateDict(old));
+  EXPECT_EQ(wb->step_count(0), 1000);
+  EXPECT_EQ(wb->step_count(1), 0);
+  // A malformed flag is named.
+  NamedTensors bad_flag = w_only->StateDict();
+  for (auto& [k, t] : bad_flag) {
+    if (k == "group.params_listed") t = FromVectorOf<int64_t>({2}, {});
+  }
+  EXPECT_THAT(ErrorOf([&] { w_only->LoadStateDict(bad_flag); }),
+              HasSubstr("`group.params_listed` is 2, expected an i64 scalar 1"));
+
+  // A parameter without elements need not be listed (a sharded optimizer's
+  // consolidated state has no entries for one).
+  NamedParameters with_empty = {{"w", Ones({3})}, {"e", Zeros({0})}};
+  Adam with_empty_opt(with_empty, {.lr = 1e-3});
+  ASSERT_NO_THROW(with_empty_opt.LoadStateDict(w_only->StateDict()));
+  EXPECT_EQ(with_empty_opt.step_count(0), 1000);
 }
 
 // CheckStateDict: LoadStateDict's checks alone, so that a caller restoring
@@ -251,7 +344,7 @@ TEST(Optimizer, BadGradientOfALaterParameterChangesNothing) {
     EXPECT_THAT(ErrorOf([&] { opt->Step(); }), HasSubstr("gradient of `fc.bias` has shape [3], the parameter [8]"));
     EXPECT_EQ(Bytes(p), before);
     EXPECT_EQ(opt->step_count(0), 0);
-    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), 0u);  // no state made
+    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), p.size());  // the steps (0) alone: no state made
   }
 }
 
@@ -271,7 +364,7 @@ TEST(Optimizer, IntegerGradientIsRefusedNamingItsParameterBeforeAnyUpdate) {
                 HasSubstr("gradient of `fc.bias` has dtype i64, expected a floating type"));
     EXPECT_EQ(Bytes(p), before);
     EXPECT_EQ(opt->step_count(0), 0);
-    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), 0u);  // no state made
+    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), p.size());  // the steps (0) alone: no state made
   }
 }
 
@@ -821,6 +914,62 @@ TEST(ClipGradNorm, ClipsANonContiguousGradientThroughItsStrides) {
   EXPECT_NEAR(b.grad().ToVector<float>()[0], 2.0 / norm, 1e-6);
 }
 
+// torch.nn.utils.clip_grad_value_: each element clamped to [-c, c] in
+// place, NaN kept, parameters without a gradient skipped.
+TEST(ClipGradValue, ClampsEveryElementInPlaceAndKeepsNan) {
+  const double nan = std::nan("");
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    Tensor a = Zeros({6}, {.dtype = dtype}), b = Zeros({2}, {.dtype = dtype}), none = Zeros({3});
+    const Tensor ga = FromVector({-3.0, -0.5, 0.0, 0.25, 2.0, nan}, {6}, {.dtype = dtype});
+    a.set_grad(ga);
+    b.set_grad(FromVector({inf, -inf}, {2}, {.dtype = dtype}));
+    ClipGradValue({a, none, b}, 1.0);
+    EXPECT_TRUE(a.grad().is_same(ga));  // in place
+    const std::vector<double> got = a.grad().ToVector<double>();
+    EXPECT_EQ(std::vector<double>(got.begin(), got.end() - 1), (std::vector<double>{-1.0, -0.5, 0.0, 0.25, 1.0}));
+    EXPECT_TRUE(std::isnan(got.back()));
+    EXPECT_EQ(b.grad().ToVector<double>(), (std::vector<double>{1.0, -1.0}));
+    EXPECT_FALSE(none.grad().defined());
+  }
+  // The bound is rounded to the gradient's dtype (0.1 is 0.0999755859375 in f16).
+  Tensor h = Zeros({2}, {.dtype = DType::kFloat16});
+  h.set_grad(FromVector({5.0, -5.0}, {2}, {.dtype = DType::kFloat16}));
+  ClipGradValue({h}, 0.1);
+  EXPECT_EQ(h.grad().ToVector<double>(), (std::vector<double>{0.0999755859375, -0.0999755859375}));
+  // Zero clamps everything to zero; infinity changes nothing.
+  Tensor z = Zeros({3});
+  z.set_grad(FromVector({-2.0, 0.5, 7.0}, {3}));
+  ClipGradValue({z}, inf);
+  EXPECT_EQ(z.grad().ToVector<double>(), (std::vector<double>{-2.0, 0.5, 7.0}));
+  ClipGradValue({z}, 0.0);
+  EXPECT_EQ(z.grad().ToVector<double>(), (std::vector<double>{0.0, 0.0, 0.0}));
+  // A non-contiguous gradient is clamped through its strides.
+  Tensor t = Zeros({2, 3});
+  const Tensor g = TransposedGrad({1, 2, 3, 4, 5, 6});
+  t.set_grad(g);
+  ClipGradValue({t}, 3.5);
+  EXPECT_TRUE(t.grad().is_same(g));
+  EXPECT_EQ(t.grad().strides(), (Shape{1, 2}));
+  EXPECT_EQ(t.grad().ToVector<double>(), (std::vector<double>{1, 3, 3.5, 2, 3.5, 3.5}));
+}
+
+TEST(ClipGradValue, RefusesANegativeOrNanClipValueChangingNothing) {
+  Tensor w = Zeros({2});
+  w.set_grad(FromVector({-4.0, 4.0}, {2}));
+  EXPECT_EQ(ErrorOf([&] { ClipGradValue({w}, -1.0); }), "ClipGradValue: clip_value must be >= 0, got -1.000000");
+  EXPECT_THAT(ErrorOf([&] { ClipGradValue({w}, std::nan("")); }),
+              AllOf(HasSubstr("ClipGradValue: clip_value must be >= 0, got"), HasSubstr("nan")));
+  // An integer gradient is named by its position, before any is clamped.
+  Tensor i = Zeros({2});
+  i.set_grad(Zeros({2}));
+  i.grad().SetData(Zeros({2}, {.dtype = DType::kInt64}));
+  EXPECT_EQ(ErrorOf([&] { ClipGradValue({w, i}, 1.0); }),
+            "ClipGradValue: the gradient of parameter 1 has dtype i64, expected a floating type");
+  EXPECT_EQ(w.grad().ToVector<double>(), (std::vector<double>{-4.0, 4.0}));
+}
+
 // The scaler, likewise: an explicit Unscale writes through the strides, and
 // the fused path checks a strided gradient for inf and NaN. Before, both
 // threw "not contiguous".
@@ -1027,6 +1176,28 @@ TEST(GradScaler, StateRoundTripAndMisuse) {
   GradScaler off({.enabled = false});
   EXPECT_EQ(off.scale(), 1.0);
   EXPECT_TRUE(off.Step(opt));
+}
+
+// PyTorch's disabled GradScaler saves an empty state and ignores the one it
+// is given. Before, a disabled scaler saved its unused scale and refused a
+// state without "scaler." keys (or with malformed ones).
+TEST(GradScaler, DisabledSavesNothingAndIgnoresTheState) {
+  GradScaler off({.init_scale = 64, .enabled = false});
+  EXPECT_TRUE(off.StateDict().empty());
+  GradScaler on({.init_scale = 8, .growth_factor = 4});
+  ASSERT_NO_THROW(off.LoadStateDict(on.StateDict()));
+  ASSERT_NO_THROW(off.CheckStateDict({}));
+  ASSERT_NO_THROW(off.LoadStateDict({}));
+  const NamedTensors bad = {{"scaler.scale", Zeros({2})}, {"scaler.other", Zeros({})}};
+  ASSERT_NO_THROW(off.CheckStateDict(bad));
+  ASSERT_NO_THROW(off.LoadStateDict(bad));
+  EXPECT_EQ(off.scale(), 1.0);
+  EXPECT_EQ(off.growth_tracker(), 0);
+  EXPECT_EQ(off.options().growth_factor, 2.0);
+  EXPECT_TRUE(off.StateDict().empty());
+  // An enabled scaler still refuses the disabled one's empty state.
+  EXPECT_EQ(ErrorOf([&] { on.LoadStateDict(off.StateDict()); }),
+            "GradScaler.LoadStateDict: missing f32 scalar `scaler.scale`");
 }
 
 void ExpectSameEntries(const NamedTensors& a, const NamedTensors& b) {
