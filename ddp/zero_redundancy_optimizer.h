@@ -38,9 +38,11 @@
 // state with ConsolidatedStateDict (on rank 0, saved to a checkpoint that
 // every rank reads, or ConsolidatedStateDict(r) for each rank r in turn),
 // build a new ZeroRedundancyOptimizer over the longer parameter list on
-// every rank, and LoadStateDict that state into it on every rank: the old
-// parameters keep their state (keyed by name), the new ones start without
-// any, as never stepped.
+// every rank, drop the state's "group.params_listed" entry (with it, a
+// state that lacks one of the optimizer's parameters is refused, as PyTorch
+// refuses param groups of another size), and LoadStateDict what is left on
+// every rank: the old parameters keep their state (keyed by name), the new
+// ones start without any, as never stepped.
 //
 // Loss scaling: GradScaler checks only the gradients its optimizer holds,
 // which here are one rank's shard, so ranks could disagree on skipping a
