@@ -130,8 +130,8 @@ DEFINE_int64(save_timeout_s, 1800,
 DEFINE_bool(resume, false,
             "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
             "the schedule as saved: the same --scheduler, --lr, and --epochs and --max_steps "
-            "that end it where it ended (--comm_hook=powersgd restarts its low-rank state, so "
-            "that run continues close to, not exactly as, an uninterrupted one)");
+            "that end it where it ended (--comm_hook=powersgd's iteration and low-rank state are "
+            "saved too, so compression goes on where it was)");
 DEFINE_string(log_dir, "",
               "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder");
 DEFINE_int64(log_every, 10, "steps per metrics.csv row");
