@@ -647,6 +647,55 @@ TEST(DdpFeaturesTest, ParameterUnfrozenAfterWrappingIsRefused) {
   }
 }
 
+// Module::To() after wrapping: the buckets keep the dtype they were built
+// for, so f64 gradients were rounded through f32 shared buckets without a
+// word, or refused in the middle of backward for buckets of their own. The
+// next forward with grad enabled now refuses it on every rank, naming the
+// first parameter and both dtypes, and aborts the group, well before the
+// collective timeout. DDP_TEST_BUCKETS: "shared" (every gradient copied
+// into a bucket), "view" (gradient_as_bucket_view), "solo" (every gradient
+// a bucket of its own).
+DDP_TEST_WORKER(to_after_wrap) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const std::string buckets = std::getenv("DDP_TEST_BUCKETS");
+  auto model = Mlp(17);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = buckets == "solo" ? 1e-9 : 0.0,
+                                      .gradient_as_bucket_view = buckets == "view",
+                                      .process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));  // fine before To()
+  model->To(nn::DType::kFloat64);
+  const Tensor x64 = x.To(nn::DType::kFloat64);
+  std::string message = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x64), y));
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = std::string("not std::invalid_argument: ") + e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string first = model->NamedParameters()[0].first;
+  WORKER_EXPECT(message.find("DistributedDataParallel on rank " + std::to_string(pg->rank()) + ": parameter `" +
+                             first + "` is f64 on cpu now, but it was f32 on cpu when the model was wrapped") !=
+                        std::string::npos &&
+                    message.find("Call To() before wrapping the model") != std::string::npos,
+                buckets + ": " + message);
+  WORKER_EXPECT(seconds < 10, buckets + ": the error came after " + std::to_string(seconds) + " s");
+  WORKER_EXPECT(!pg->aborted_reason().ok(), buckets + ": the group was not aborted");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ToAfterWrappingIsRefusedOnEveryRankAtTheNextForward) {
+  for (const char* buckets : {"shared", "view", "solo"}) {
+    auto run = RunWorkers("to_after_wrap", 2, {{"DDP_TEST_BUCKETS", buckets}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          40000);
+    EXPECT_TRUE(run.AllSucceeded()) << buckets << "\n" << testing::AllOutput(run);
+  }
+}
+
 TEST(DdpFeaturesTest, AnEvalForwardWithGradBeforeTheBackwardUnderJoinAbortsTheGroupAtThatForward) {
   auto run = RunWorkers("join_eval_with_grad_before_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 40000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
@@ -1621,6 +1670,139 @@ DDP_TEST_WORKER(broadcast_buffers) {
 
 TEST(DdpFeaturesTest, BroadcastBuffersAtEveryTrainingForward) {
   auto run = RunWorkers("broadcast_buffers", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------ mode set on the inner module ----
+
+// The mode is the wrapped module's own: the user keeps the inner handle and
+// switches it (model->Eval() / model->Train()), which does not reach the
+// wrapper. (A) The wrapper put in eval mode for a validation, the model
+// then put back in training through its own handle: training forwards
+// broadcast the buffers (the running statistics stayed equal across ranks),
+// the buckets are rebuilt, the statistics count the forwards, and under
+// Join the backward synchronizes; the wrapper's flag follows the model's,
+// and a BatchNorm kept in eval mode inside it stays so. Before, all of it
+// went by the wrapper's stale eval flag.
+DDP_TEST_WORKER(inner_train_after_wrapper_eval) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  try {
+    auto model = std::make_shared<BufferSpy>();
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    for (int s = 0; s < 3; ++s) {
+      ddp.Eval();
+      {
+        nn::NoGradGuard no_grad;
+        ddp(held_out);  // validation
+      }
+      model->Train();
+      // Different data per rank: local statistics drift apart unless broadcast.
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+      WORKER_EXPECT(ddp.is_training(), "step " + std::to_string(s) + ": the wrapper is still in eval mode");
+      if (s == 0) continue;  // equal at construction either way
+      WORKER_EXPECT(testing::SameOnAllRanks(*pg, model->seen),
+                    "step " + std::to_string(s) + ": running statistics at forward differ across ranks");
+    }
+    WORKER_EXPECT(!ddp.BucketOrder().empty(), "the buckets were not rebuilt");
+    WORKER_EXPECT(ddp.Stats().forward_ms > 0, "no training forward was counted: " + ddp.Stats().ToString());
+
+    // A BatchNorm frozen inside a training model keeps its eval mode.
+    ddp.Eval();
+    model->Train();
+    Module* bn = nullptr;
+    for (const auto& [path, m] : model->NamedModules()) {
+      if (path == "bn") bn = m;
+    }
+    bn->Eval();
+    auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    WORKER_EXPECT(ddp.is_training() && model->is_training() && !bn->is_training(),
+                  std::string("after a forward: wrapper ") + (ddp.is_training() ? "training" : "eval") +
+                      ", model " + (model->is_training() ? "training" : "eval") + ", bn " +
+                      (bn->is_training() ? "training" : "eval"));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("train through the inner handle: ") + e.what());
+  }
+  try {
+    // Under Join, uneven inputs: rank 0 runs one batch more.
+    auto model = Mlp(37);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    ddp.Eval();
+    model->Train();
+    Join join(ddp);
+    for (int s = 0; s < (rank == 0 ? 2 : 1); ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    join.Wait();
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "under Join: replicas differ");
+    WORKER_EXPECT(ddp.iterations() == (rank == 0 ? 2 : 1),
+                  "under Join: synchronizing iterations " + std::to_string(ddp.iterations()));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("under Join: ") + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, TrainingModeSetOnTheWrappedModuleAfterTheWrapperWasPutInEvalModeCounts) {
+  auto run = RunWorkers("inner_train_after_wrapper_eval", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// (B) A validation forward with grad enabled after model->Eval() on the
+// inner handle, no backward, then model->Train(): it was an eval-mode
+// forward, which need not be followed by a backward, so training goes on
+// and each step equals one on the combined batch. Before, the wrapper took
+// it for a training forward and the next one threw "no parameter received
+// a gradient", aborting the group.
+DDP_TEST_WORKER(inner_eval_forward_without_backward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  try {
+    auto model = Mlp(41);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    auto reference = Mlp(41);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 3; ++s) {
+      model->Eval();
+      ddp(held_out);  // grad enabled, no backward follows
+      WORKER_EXPECT(!ddp.is_training(), "step " + std::to_string(s) + ": the wrapper is in training mode");
+      model->Train();
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+      ref_opt.ZeroGrad();
+      auto [xa, ya] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+      ref_opt.Step();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+    WORKER_EXPECT(ddp.iterations() == 3, "synchronizing iterations " + std::to_string(ddp.iterations()));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+  }
+  WORKER_EXPECT(pg->aborted_reason().ok(), "the group was aborted: " + pg->aborted_reason().ToString());
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AnEvalForwardSetOnTheWrappedModuleNeedsNoBackward) {
+  auto run = RunWorkers("inner_eval_forward_without_backward", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

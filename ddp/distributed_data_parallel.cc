@@ -196,6 +196,19 @@ std::vector<size_t> CheckedBucketOrder(const std::vector<int64_t>& order, size_t
   return out;
 }
 
+// Sets the training flag of `wrapper` to that of `module` (its child)
+// without changing any mode inside `module`: Train() propagates down, so the
+// tree's modes are saved first and put back in pre-order (ancestors before
+// descendants), which restores each module's own.
+void FollowModuleMode(nn::modules::Module& wrapper, nn::modules::Module& module) {
+  std::vector<std::pair<nn::modules::Module*, bool>> modes;
+  for (const auto& [path, m] : module.NamedModules()) modes.emplace_back(m, m->is_training());
+  wrapper.Train(module.is_training());
+  for (const auto& [m, on] : modes) {
+    if (m->is_training() != on) m->Train(on);
+  }
+}
+
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
@@ -316,7 +329,14 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   const Clock::time_point start = Clock::now();
   Impl& s = *impl_;
   const int size = pg_->size();
-  const bool training = is_training();
+  // The mode is the wrapped module's, as PyTorch reads self.module.training:
+  // users keep the inner handle and call model->Eval() / model->Train() on
+  // it, which does not reach this wrapper (modes propagate down only). The
+  // wrapped module's own flag decides even where its submodules differ (a
+  // BatchNorm kept in eval mode inside a training model); this wrapper's
+  // flag follows it, so that is_training() reads the same.
+  const bool training = module_->is_training();
+  if (is_training() != training) FollowModuleMode(*this, *module_);
   // Gradients are synchronized whenever grad is enabled outside NoSync, in
   // eval mode too, as PyTorch does (training with the model in eval mode
   // must not let the replicas drift apart); an eval-mode forward need not
@@ -355,6 +375,17 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
                                 "fixed at construction), so its gradient would stay local and the replicas would "
                                 "drift apart. Wrap the model again after changing requires_grad. The process group "
                                 "was aborted.";
+      pg_->Abort(transport::FailedPreconditionError(error));
+      throw std::invalid_argument(error);
+    }
+  }
+  if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
+    // Module::To() after wrapping: the buckets keep the dtype and device
+    // they were built with. Checked before any collective of this forward,
+    // so every rank that called To() throws this here (and the abort stops
+    // a rank that did not, instead of leaving it waiting).
+    const std::string error = s.reducer->ParameterChange();
+    if (!error.empty()) {
       pg_->Abort(transport::FailedPreconditionError(error));
       throw std::invalid_argument(error);
     }

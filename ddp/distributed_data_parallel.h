@@ -181,6 +181,14 @@ class DistributedDataParallel : public nn::modules::Module {
   ~DistributedDataParallel() override;
 
   /// Runs the wrapped module, with the synchronization described above.
+  /// Training or eval mode is the wrapped module's own flag at this call
+  /// (model->Eval() / model->Train() on the inner handle count; its
+  /// submodules' flags do not decide it), as PyTorch reads
+  /// module.training; this wrapper's is_training() is set to match.
+  /// Throws std::invalid_argument, after aborting the group, when grad is
+  /// enabled and a parameter's dtype or device is no longer the one its
+  /// gradient bucket was built for (Module::To() after wrapping), naming
+  /// the first such parameter: call To() before wrapping.
   /// A synchronizing forward (training mode, grad enabled, outside NoSync)
   /// throws std::runtime_error, after aborting the group, when the previous
   /// one's backward did not finish on this rank (none ran, none reached a

@@ -288,6 +288,23 @@ std::vector<std::vector<std::string>> Reducer::BucketNames() const {
   return out;
 }
 
+std::string Reducer::ParameterChange() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Bucket& b = buckets_[slots_[i].bucket];
+    const nn::Tensor& p = params_[i];
+    if (p.dtype() == b.dtype && p.device() == b.device) continue;
+    const std::string now = std::string(nn::DTypeName(p.dtype())) + " on " + p.device().ToString();
+    const std::string built = std::string(nn::DTypeName(b.dtype)) + " on " + b.device.ToString();
+    return "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + names_[i] +
+           "` is " + now + " now, but it was " + built + " when the model was wrapped, and its gradient "
+           "bucket was built for " + built + " (a bucket's dtype and device are fixed at construction: its "
+           "gradients would be rounded to that dtype, or refused in the middle of backward). Was "
+           "Module::To() called on the model after wrapping it? Call To() before wrapping the model in "
+           "DistributedDataParallel, or wrap it again after To(). The process group was aborted.";
+  }
+  return "";
+}
+
 void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool eval_forward_in_join) {
   if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
   if (!unfinished_) return;

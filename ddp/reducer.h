@@ -99,6 +99,12 @@ class Reducer {
   /// `synchronizing` too), and the message says so.
   void CheckPreviousIteration(bool synchronizing, bool communicates = false, bool eval_forward_in_join = false);
 
+  /// Empty while every parameter has the dtype and device its bucket was
+  /// built for; otherwise a message naming the first (registration order)
+  /// that does not, with both, as after Module::To() on the wrapped model.
+  /// Local and cheap (two comparisons per parameter): for every forward.
+  std::string ParameterChange() const;
+
   /// Whether a synchronizing training forward prepared an iteration whose
   /// backward has not started (no gradient hook fired since).
   bool awaiting_backward() const { return unfinished_ && !finalize_queued_ && !backward_optional_; }
