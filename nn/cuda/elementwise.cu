@@ -24,6 +24,8 @@ __device__ __forceinline__ float Exp(float x) { return expf(x); }
 __device__ __forceinline__ double Exp(double x) { return exp(x); }
 __device__ __forceinline__ float Log(float x) { return logf(x); }
 __device__ __forceinline__ double Log(double x) { return log(x); }
+__device__ __forceinline__ float Log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double Log1p(double x) { return log1p(x); }
 __device__ __forceinline__ float Tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double Tanh(double x) { return tanh(x); }
 __device__ __forceinline__ float Sqrt(float x) { return sqrtf(x); }
@@ -50,11 +52,12 @@ __device__ __forceinline__ A UnaryFn(OpCode op, A v) {
     case 7: return Log(v);
     case 8: return Sqrt(v);
     case 9: return v * v;
-    default: return Abs(v);
+    case 10: return Abs(v);
+    default: return Log1p(v);  // 11
   }
 }
 
-// d: incoming gradient; s: x for relu/gelu/log/square/abs/neg, y = op(x) for
+// d: incoming gradient; s: x for relu/gelu/log/log1p/square/abs/neg, y = op(x) for
 // sigmoid/tanh/exp/sqrt (what the CPU kernels and the autograd nodes save).
 template <typename A>
 __device__ __forceinline__ A UnaryGradFn(OpCode op, A d, A s) {
@@ -78,7 +81,8 @@ __device__ __forceinline__ A UnaryGradFn(OpCode op, A d, A s) {
     case 7: return d / s;
     case 8: return d / (A(2) * s);
     case 9: return A(2) * d * s;
-    default: return s > A(0) ? d : (s < A(0) ? -d : A(0));
+    case 10: return s > A(0) ? d : (s < A(0) ? -d : A(0));
+    default: return d / (A(1) + s);  // 11: log1p
   }
 }
 
@@ -280,6 +284,43 @@ cudaError_t Binary(OpCode op, const Indexing& ix, int64_t n, void* out, const vo
         o[off[0]] = Cast<T>(BinaryFn<A>(op, Cast<A>(ap[off[1]]), Cast<A>(bp[off[2]])));
       });
     }
+  });
+  return err;
+}
+
+cudaError_t Clamp(const Indexing& ix, int64_t n, void* out, const void* x, double lo, double hi, Dt dt,
+                  cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* o = static_cast<T*>(out);
+    const T* xp = static_cast<const T*>(x);
+    const A l = static_cast<A>(lo), h = static_cast<A>(hi);
+    // As the CPU kernel: NaN fails both comparisons; lo > hi ends at hi.
+    err = LaunchElementwise<2>(ix, n, stream, [=] __device__(const int64_t(&off)[2]) {
+      const A v = Cast<A>(xp[off[1]]);
+      const A t = v < l ? l : v;
+      o[off[0]] = Cast<T>(t > h ? h : t);
+    });
+  });
+  return err;
+}
+
+cudaError_t ClampBackward(const Indexing& ix, int64_t n, void* grad_in, const void* grad_out, const void* x,
+                          double lo, double hi, Dt dt, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  DDP_CUDA_DISPATCH_FLOATING(dt, {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    T* gi = static_cast<T*>(grad_in);
+    const T* go = static_cast<const T*>(grad_out);
+    const T* xp = static_cast<const T*>(x);
+    const A l = static_cast<A>(lo), h = static_cast<A>(hi);
+    err = LaunchElementwise<3>(ix, n, stream, [=] __device__(const int64_t(&off)[3]) {
+      const A v = Cast<A>(xp[off[2]]);
+      gi[off[0]] = Cast<T>(v >= l && v <= h ? Cast<A>(go[off[1]]) : A(0));
+    });
   });
   return err;
 }

@@ -640,6 +640,8 @@ TEST(CudaInit, EveryKernelOfTheTableHasACudaPath) {
       {"unary", reinterpret_cast<const void*>(t.unary)},
       {"unary_backward", reinterpret_cast<const void*>(t.unary_backward)},
       {"binary", reinterpret_cast<const void*>(t.binary)},
+      {"clamp", reinterpret_cast<const void*>(t.clamp)},
+      {"clamp_backward", reinterpret_cast<const void*>(t.clamp_backward)},
       {"affine", reinterpret_cast<const void*>(t.affine)},
       {"div_scalar", reinterpret_cast<const void*>(t.div_scalar)},
       {"add_scaled_", reinterpret_cast<const void*>(t.add_scaled_)},
@@ -672,7 +674,7 @@ TEST(CudaInit, EveryKernelOfTheTableHasACudaPath) {
   };
   // The table has exactly these entries (a new one must be added here and to
   // CudaKernelTable).
-  static_assert(sizeof(ops::KernelTable) == 32 * sizeof(void*));
+  static_assert(sizeof(ops::KernelTable) == 34 * sizeof(void*));
   for (const auto& [name, fn] : entries) EXPECT_NE(fn, nullptr) << name;
 }
 

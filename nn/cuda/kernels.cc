@@ -116,6 +116,32 @@ void Binary(ops::BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& ou
             "kernel `binary`");
 }
 
+void Clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
+  const Device dev = CommonDevice("clamp", {&x, &out});
+  CheckSameDType("clamp", x, out);
+  CheckFloating("clamp", out);
+  if (out.numel() == 0) return;
+  Launch l(dev);
+  const launch::Indexing ix = MakeIndexing("clamp", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
+  CheckCuda(launch::Clamp(ix, out.numel(), out.data_ptr(), x.data_ptr(), lo, hi, ToDt(out.dtype()), l.stream),
+            "kernel `clamp`");
+}
+
+void ClampBackward(const Tensor& grad_out, const Tensor& x, double lo, double hi, const Tensor& grad_in) {
+  const Device dev = CommonDevice("clamp_backward", {&grad_out, &x, &grad_in});
+  CheckSameDType("clamp_backward", grad_out, grad_in);
+  CheckSameDType("clamp_backward", x, grad_in);
+  CheckFloating("clamp_backward", grad_in);
+  if (grad_in.numel() == 0) return;
+  Launch l(dev);
+  const Shape& shape = grad_in.shape();
+  const launch::Indexing ix = MakeIndexing(
+      "clamp_backward", shape, {grad_in.strides(), BroadcastStridesTo(grad_out, shape), BroadcastStridesTo(x, shape)});
+  CheckCuda(launch::ClampBackward(ix, grad_in.numel(), grad_in.data_ptr(), grad_out.data_ptr(), x.data_ptr(), lo, hi,
+                                  ToDt(grad_in.dtype()), l.stream),
+            "kernel `clamp_backward`");
+}
+
 void Affine(const Tensor& x, double alpha, double beta, const Tensor& out) {
   const Device dev = CommonDevice("affine", {&x, &out});
   CheckSameDType("affine", x, out);
@@ -646,6 +672,8 @@ ops::KernelTable CudaKernelTable() {
   t.unary = &Unary;
   t.unary_backward = &UnaryBackward;
   t.binary = &Binary;
+  t.clamp = &Clamp;
+  t.clamp_backward = &ClampBackward;
   t.affine = &Affine;
   t.div_scalar = &DivScalar;
   t.add_scaled_ = &AddScaled;

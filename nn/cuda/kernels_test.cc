@@ -108,10 +108,12 @@ bool SavesOutput(ops::UnaryOp op) {
   return op == ops::UnaryOp::kSigmoid || op == ops::UnaryOp::kTanh || op == ops::UnaryOp::kExp ||
          op == ops::UnaryOp::kSqrt;
 }
-bool NeedsPositive(ops::UnaryOp op) { return op == ops::UnaryOp::kLog || op == ops::UnaryOp::kSqrt; }
+bool NeedsPositive(ops::UnaryOp op) {
+  return op == ops::UnaryOp::kLog || op == ops::UnaryOp::kSqrt || op == ops::UnaryOp::kLog1p;
+}
 
 TEST_F(CudaKernelsTest, UnaryForwardAndBackwardMatchCpu) {
-  for (int code = 0; code <= 10; ++code) {
+  for (int code = 0; code <= static_cast<int>(ops::UnaryOp::kLog1p); ++code) {
     const auto op = static_cast<ops::UnaryOp>(code);
     for (DType dt : kFloats) {
       const std::string what = "unary op " + std::to_string(code) + " " + Name(dt);
@@ -321,6 +323,41 @@ TEST_F(CudaKernelsTest, AffineAddScaledAndMaskedScaleMatchCpu) {
     const Tensor ms_gpu = Empty({1000}, {.dtype = dt, .device = kGpu});
     Gpu().masked_scale(v.To(kGpu), mask.To(kGpu), 1.25, ms_gpu);
     ExpectClose(ms_cpu, ms_gpu, tol, "masked_scale " + Name(dt));
+  }
+}
+
+// clamp and clamp_backward with both bounds, one, and lo > hi, on input with
+// NaN and infinities (exact: a clamp only selects), x read transposed.
+TEST_F(CudaKernelsTest, ClampForwardAndBackwardMatchCpu) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double bounds[][2] = {{-0.5, 0.75}, {-0.5, inf}, {-inf, 0.75}, {1.0, -1.0}, {0.25, 0.25}};
+  for (DType dt : kFloats) {
+    Tensor base = RandnOf({13, 9}, DType::kFloat64);
+    double* p = base.data<double>();
+    p[0] = nan;
+    p[1] = inf;
+    p[2] = -inf;
+    p[3] = 0.75;
+    p[4] = -0.5;
+    const Tensor stored = base.To(dt);
+    const Tensor x = stored.Transpose(0, 1);
+    const Tensor x_gpu = stored.To(kGpu).Transpose(0, 1);
+    for (const auto& b : bounds) {
+      const std::string what = "clamp " + Name(dt) + " [" + std::to_string(b[0]) + ", " + std::to_string(b[1]) + "]";
+      const Tensor y_cpu = Empty(x.shape(), {.dtype = dt});
+      Cpu().clamp(x, b[0], b[1], y_cpu);
+      const Tensor y_gpu = Empty(x.shape(), {.dtype = dt, .device = kGpu});
+      Gpu().clamp(x_gpu, b[0], b[1], y_gpu);
+      ExpectClose(y_cpu, y_gpu, Tol{0, 0}, what);
+
+      const Tensor g = RandnOf(x.shape(), dt);
+      const Tensor gi_cpu = Empty(x.shape(), {.dtype = dt});
+      Cpu().clamp_backward(g, x, b[0], b[1], gi_cpu);
+      const Tensor gi_gpu = Empty(x.shape(), {.dtype = dt, .device = kGpu});
+      Gpu().clamp_backward(g.To(kGpu), x_gpu, b[0], b[1], gi_gpu);
+      ExpectClose(gi_cpu, gi_gpu, Tol{0, 0}, what + " backward");
+    }
   }
 }
 

@@ -74,6 +74,12 @@ cudaError_t UnaryBackward(OpCode op, const Indexing& ix, int64_t n, void* grad_i
 /// out[i] = a[i] op b[i]; operands 0 out, 1 a, 2 b (broadcast by stride 0); any dt.
 cudaError_t Binary(OpCode op, const Indexing& ix, int64_t n, void* out, const void* a, const void* b, Dt dt,
                    cudaStream_t stream);
+/// out[i] = min(max(x[i], lo), hi) in acc_t, NaN kept; operands 0 out, 1 x.
+cudaError_t Clamp(const Indexing& ix, int64_t n, void* out, const void* x, double lo, double hi, Dt dt,
+                  cudaStream_t stream);
+/// grad_in[i] = lo <= x[i] <= hi ? grad_out[i] : 0; operands 0 grad_in, 1 grad_out, 2 x.
+cudaError_t ClampBackward(const Indexing& ix, int64_t n, void* grad_in, const void* grad_out, const void* x,
+                          double lo, double hi, Dt dt, cudaStream_t stream);
 /// out[i] = alpha * x[i] + beta; operands 0 out, 1 x.
 cudaError_t Affine(const Indexing& ix, int64_t n, void* out, const void* x, double alpha, double beta, Dt dt,
                    cudaStream_t stream);

@@ -7,6 +7,7 @@
 #include "nn/loss/loss.h"
 
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -384,13 +385,13 @@ Tensor ElementWeight(const char* op, const char* what, const Tensor& weight, con
   return weight.dtype() == dtype ? weight.Detach() : weight.Detach().To(dtype);
 }
 
-// z = m + r with m = min(z, limit) and r = max(z - limit, 0), from ReLU alone
-// (there is no minimum op). Below the limit r is exactly 0 and m is z itself,
-// so the quadratic parts of SmoothL1 and Huber round as PyTorch's; an
-// infinite z makes m = inf - inf = NaN.
+// z = m + r with m = min(z, limit) and r = max(z - limit, 0). Below the limit
+// r is exactly 0 and m is z itself, so the quadratic parts of SmoothL1 and
+// Huber round as PyTorch's. m is a clamp rather than z - r, which an
+// infinite z would make inf - inf = NaN: there the loss is inf and the
+// gradient r's alone (sign(input - target) times the slope), as PyTorch's.
 std::pair<Tensor, Tensor> SplitAt(const Tensor& z, double limit) {
-  Tensor r = ops::Relu(ops::AddScalar(z, -limit));
-  return {ops::Sub(z, r), r};
+  return {ops::Clamp(z, std::nullopt, limit), ops::Relu(ops::AddScalar(z, -limit))};
 }
 
 }  // namespace
@@ -433,14 +434,17 @@ Tensor BinaryCrossEntropyWithLogits(const Tensor& input_in, const Tensor& target
   const Tensor x = CastTo(input_in, compute), y = CastTo(target_in, compute);
   const Tensor weight = ElementWeight(kOp, "weight", options.weight, x, compute);
   const Tensor pos_weight = ElementWeight(kOp, "pos_weight", options.pos_weight, x, compute);
-  // softplus(-x) = -log(sigmoid(x)) = log(1 + exp(-|x|)) + max(-x, 0): exp
-  // never overflows. -|x| is written -x - 2 max(-x, 0) rather than with Abs:
+  // softplus(-x) = -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0): exp
+  // never overflows, and log1p keeps exp(-|x|) where 1 + exp(-|x|) would
+  // round it away (f32 softplus(-20) = 2.06e-9, as torch.nn.functional.
+  // logsigmoid gives; PyTorch 1.13's BCE, with log(1 + exp), gives 0 there).
+  // -|x| is written -x - 2 max(-x, 0) rather than with Abs:
   // Abs has derivative 0 at 0, which would drop this term's -1/2 there (the
   // logits of a zero-initialized classifier).
   const Tensor neg_x = ops::Neg(x);
   const Tensor neg_part = ops::Relu(neg_x);
   const Tensor minus_abs = ops::Sub(neg_x, ops::MulScalar(neg_part, 2.0));
-  const Tensor softplus = ops::Add(ops::Log(ops::AddScalar(ops::Exp(minus_abs), 1.0)), neg_part);
+  const Tensor softplus = ops::Add(ops::Log1p(ops::Exp(minus_abs)), neg_part);
   // (1 - y) x + (1 + (pos_weight - 1) y) softplus(-x).
   const Tensor positive =
       pos_weight.defined() ? ops::Mul(ops::AddScalar(ops::Mul(ops::AddScalar(pos_weight, -1.0), y), 1.0), softplus)

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "nn/autograd/engine.h"
 #include "nn/ops/dispatch.h"
@@ -494,6 +497,61 @@ TEST(HuberTest, QuadraticPartIsExactBelowTheThreshold) {
   }
 }
 
+// An infinite |input - target| gives an infinite loss and the linear part's
+// slope as gradient, as PyTorch 1.13 (f32 and f64 alike):
+//   x = torch.tensor([inf, -inf, 1.0, 3.0], requires_grad=True)
+//   t = torch.tensor([0.0, 0.0, 0.0, inf], requires_grad=True)
+//   F.smooth_l1_loss(x, t, reduction="none", beta=b)
+//     # [inf, inf, 0.5 (b = 1) or 0.75 (b = 0.5), inf]; x.grad [1, -1, 1, -1], t.grad [-1, 1, -1, 1]
+//   F.huber_loss(x, t, reduction="none", delta=2.0)  # [inf, inf, 0.5, inf]; x.grad [2, -2, 1, -2]
+//   F.smooth_l1_loss(x, t)  # mean: inf; x.grad [0.25, -0.25, 0.25, -0.25]
+// Before, min(z, limit) was z - relu(z - limit) = inf - inf: NaN loss and gradient.
+TEST(PointwiseLossTest, InfiniteDifferenceGivesInfiniteLossAndFiniteGradient) {
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    const char* name;
+    std::function<Tensor(const Tensor&, const Tensor&, Reduction)> loss;
+    double quadratic;  // the loss at |x - t| = 1
+    double slope;      // the gradient's magnitude beyond the threshold
+  };
+  const std::vector<Case> cases = {
+      {"smooth_l1 beta 1", [](const Tensor& x, const Tensor& t, Reduction r) {
+         return SmoothL1(x, t, {.reduction = r, .beta = 1.0});
+       }, 0.5, 1.0},
+      {"smooth_l1 beta 0.5", [](const Tensor& x, const Tensor& t, Reduction r) {
+         return SmoothL1(x, t, {.reduction = r, .beta = 0.5});
+       }, 0.75, 1.0},
+      {"huber delta 1", [](const Tensor& x, const Tensor& t, Reduction r) {
+         return Huber(x, t, {.reduction = r, .delta = 1.0});
+       }, 0.5, 1.0},
+      {"huber delta 2", [](const Tensor& x, const Tensor& t, Reduction r) {
+         return Huber(x, t, {.reduction = r, .delta = 2.0});
+       }, 0.5, 2.0},
+  };
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + " " + std::string(DTypeName(dt)));
+      // The slope applies to every element but the third: |x - t| = 1 has
+      // gradient 1 in each case (the boundary or beyond it for slope 1, the
+      // quadratic's z for delta 2).
+      const double s = c.slope, g2 = 1.0;
+      Tensor x = FromVector({inf, -inf, 1.0, 3.0}, {4}, {.dtype = dt, .requires_grad = true});
+      Tensor t = FromVector({0.0, 0.0, 0.0, inf}, {4}, {.dtype = dt, .requires_grad = true});
+      const Tensor per = c.loss(x, t, Reduction::kNone);
+      EXPECT_EQ(per.ToVector<double>(), (std::vector<double>{inf, inf, c.quadratic, inf}));
+      Backward(ops::Sum(per));
+      EXPECT_EQ(x.grad().ToVector<double>(), (std::vector<double>{s, -s, g2, -s}));
+      EXPECT_EQ(t.grad().ToVector<double>(), (std::vector<double>{-s, s, -g2, s}));
+      x.set_grad(Tensor());
+      t.set_grad(Tensor());
+      const Tensor mean = c.loss(x, t, Reduction::kMean);
+      EXPECT_EQ(mean.ToVector<double>(), (std::vector<double>{inf}));
+      Backward(mean);
+      EXPECT_EQ(x.grad().ToVector<double>(), (std::vector<double>{s / 4, -s / 4, g2 / 4, -s / 4}));
+    }
+  }
+}
+
 TEST(PointwiseLossTest, GradientsToInputAndTarget) {
   for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
     const V in = {RandomLeaf({3, 4}, 11), RandomLeaf({3, 4}, 12)};
@@ -547,6 +605,45 @@ TEST(BceWithLogitsTest, LargeLogitsStayFiniteInF32) {
   xg.set_requires_grad(true);
   Backward(BinaryCrossEntropyWithLogits(xg, FromVector({1.0, 0.0, 0.0, 1.0}, {4}), {.reduction = Reduction::kSum}));
   ExpectValues(xg.grad(), {4}, {-0.5, 0.5, 1.0, -1.0}, 1e-7);
+}
+
+// Large logits with target 1: the loss is softplus(-x) = log1p(exp(-x)),
+// about exp(-x), which log(1 + exp(-x)) loses (0 in f32 from x = 17, a
+// relative error of 3e-8 at x = 20 and 1e-3 at x = 30 in f64). Expected
+// values from PyTorch 1.13's log-sigmoid, which PyTorch's BCE equals here:
+//   x = torch.tensor([20.0, 30.0, 16.0], dtype=d, requires_grad=True); l = -F.logsigmoid(x)
+//   # f32: [2.06115369216775e-09, 9.357622912219837e-14, 1.1253516873921399e-07]
+//   # f64: [2.061153620314381e-09, 9.357622968839737e-14, 1.1253516838717682e-07]
+//   l.sum().backward()  # x.grad = -sigmoid(-x)
+//   # f32: [-2.06115369216775e-09, -9.357622912219837e-14, -1.1253516163378663e-07]
+//   # f64: [-2.0611536181902033e-09, -9.3576229688393e-14, -1.12535162055095e-07]
+// (PyTorch 1.13's binary_cross_entropy_with_logits itself still computes
+// log(1 + exp): it gives [0, 0, 1.1920928e-07] in f32.)
+TEST(BceWithLogitsTest, LargeLogitsKeepTheTinyLossLog1pGives) {
+  struct Case {
+    DType dtype;
+    double rtol;
+    std::vector<double> loss, grad;
+  };
+  const std::vector<Case> cases = {
+      {DType::kFloat32, 1e-6, {2.06115369216775e-09, 9.357622912219837e-14, 1.1253516873921399e-07},
+       {-2.06115369216775e-09, -9.357622912219837e-14, -1.1253516163378663e-07}},
+      {DType::kFloat64, 1e-13, {2.061153620314381e-09, 9.357622968839737e-14, 1.1253516838717682e-07},
+       {-2.0611536181902033e-09, -9.3576229688393e-14, -1.12535162055095e-07}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(DTypeName(c.dtype)));
+    Tensor x = FromVector({20.0, 30.0, 16.0}, {3}, {.dtype = c.dtype, .requires_grad = true});
+    const Tensor y = Ones({3}, {.dtype = c.dtype});
+    const Tensor loss = BinaryCrossEntropyWithLogits(x, y, {.reduction = Reduction::kNone});
+    const std::vector<double> got = loss.ToVector<double>();
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], c.loss[i], c.rtol * c.loss[i]) << "element " << i;
+    Backward(ops::Sum(loss));
+    const std::vector<double> grad = x.grad().ToVector<double>();
+    for (size_t i = 0; i < grad.size(); ++i) {
+      EXPECT_NEAR(grad[i], c.grad[i], c.rtol * std::abs(c.grad[i])) << "element " << i;
+    }
+  }
 }
 
 TEST(BceWithLogitsTest, Gradients) {

@@ -29,6 +29,7 @@ enum class UnaryOp : int8_t {
   kSqrt = 8,
   kSquare = 9,
   kAbs = 10,
+  kLog1p = 11,  ///< log(1 + x), accurate where 1 + x would round (tiny x)
 };
 
 /// Elementwise functions of two tensors. Values are stable.
@@ -65,12 +66,21 @@ struct KernelTable {
   /// out = op(x); x has out's shape.
   void (*unary)(UnaryOp op, const Tensor& x, const Tensor& out) = nullptr;
   /// grad_in = grad_out * op'(.), where `saved` is x for relu/gelu and y = op(x)
-  /// for sigmoid/tanh/exp/sqrt; x for log/square/abs/neg.
+  /// for sigmoid/tanh/exp/sqrt; x for log/log1p/square/abs/neg.
   void (*unary_backward)(UnaryOp op, const Tensor& grad_out, const Tensor& saved,
                          const Tensor& grad_in) = nullptr;
   /// out = op(a, b); a and b broadcast to out's shape; computed in out's dtype
   /// (kDiv: a floating one; integers are rejected rather than divided).
   void (*binary)(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = nullptr;
+  /// out = min(max(x, lo), hi) as torch.clamp: NaN stays NaN, and lo > hi
+  /// gives hi everywhere; a missing bound is -inf or +inf. Floating dtypes;
+  /// lo and hi should be representable in x's dtype (ops::Clamp rounds them
+  /// as PyTorch does); x broadcast to out; out may alias x.
+  void (*clamp)(const Tensor& x, double lo, double hi, const Tensor& out) = nullptr;
+  /// grad_in = grad_out where lo <= x <= hi (bounds included, as PyTorch's
+  /// clamp_backward), else 0 (NaN x too); grad_out and x broadcast to grad_in.
+  void (*clamp_backward)(const Tensor& grad_out, const Tensor& x, double lo, double hi,
+                         const Tensor& grad_in) = nullptr;
   /// out = alpha * x + beta (x broadcast to out; out may alias x).
   void (*affine)(const Tensor& x, double alpha, double beta, const Tensor& out) = nullptr;
   /// out = x / s, a true division in the math type (f32 for 16-bit types, as

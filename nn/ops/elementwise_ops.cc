@@ -1,6 +1,10 @@
 // Elementwise differentiable ops: out[i] = f(a[i], b[i]) with broadcasting.
+#include <cmath>
+#include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
@@ -169,6 +173,7 @@ const char* UnaryName(UnaryOp op) {
     case UnaryOp::kSqrt: return "SqrtBackward";
     case UnaryOp::kSquare: return "SquareBackward";
     case UnaryOp::kAbs: return "AbsBackward";
+    case UnaryOp::kLog1p: return "Log1pBackward";
   }
   return "UnaryBackward";
 }
@@ -287,6 +292,52 @@ Tensor Log(const Tensor& x) { return UnaryOpImpl(UnaryOp::kLog, x); }
 Tensor Sqrt(const Tensor& x) { return UnaryOpImpl(UnaryOp::kSqrt, x); }
 Tensor Square(const Tensor& x) { return UnaryOpImpl(UnaryOp::kSquare, x); }
 Tensor Abs(const Tensor& x) { return UnaryOpImpl(UnaryOp::kAbs, x); }
+Tensor Log1p(const Tensor& x) { return UnaryOpImpl(UnaryOp::kLog1p, x); }
+
+namespace {
+
+// v rounded to dtype, as PyTorch converts a scalar bound to the tensor's
+// type before comparing (bf16 clamp(max=1.005) clamps at 1.0078125).
+double RoundToDType(double v, DType dtype) {
+  double r = v;
+  DDP_DISPATCH_FLOATING(dtype, "Clamp", r = static_cast<double>(static_cast<acc_t<scalar_t>>(scalar_t(v))));
+  return r;
+}
+
+}  // namespace
+
+Tensor Clamp(const Tensor& x, std::optional<double> min, std::optional<double> max) {
+  if (!x.defined()) throw std::invalid_argument("Clamp: undefined input");
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument("Clamp: needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
+  }
+  if (!min.has_value() && !max.has_value()) {
+    throw std::invalid_argument("Clamp: at least one of min and max must be given");
+  }
+  for (const auto& [what, bound] : {std::pair<const char*, const std::optional<double>*>{"min", &min}, {"max", &max}}) {
+    if (bound->has_value() && std::isnan(**bound)) {
+      throw std::invalid_argument(std::string("Clamp: ") + what +
+                                  " is NaN (PyTorch would make every element NaN; pass no bound instead)");
+    }
+  }
+  // A missing bound is the infinity on its side: the same values and the
+  // same gradient mask (x >= -inf holds for every x but NaN).
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double lo = min.has_value() ? RoundToDType(*min, x.dtype()) : -kInf;
+  const double hi = max.has_value() ? RoundToDType(*max, x.dtype()) : kInf;
+  Tensor out = NewLike(x);
+  DDP_KERNEL(x.device(), clamp)(x, lo, hi, out);
+  if (!detail::AnyRequiresGrad({&x})) return out;
+  auto node = std::make_shared<LambdaNode>("ClampBackward", [lo, hi](LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor s = n.saved[0].Get();
+    Tensor gi = detail::Exclusive(g[0], s) ? g[0] : NewLike(s);
+    DDP_KERNEL(s.device(), clamp_backward)(g[0], s, lo, hi, gi);
+    return std::vector<Tensor>{gi};
+  });
+  node->saved.emplace_back(x);
+  detail::ConnectNode(node, {&x}, {&out});
+  return out;
+}
 
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
   // Written so that NaN fails it too.

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "nn/ops/dispatch.h"
@@ -51,9 +52,20 @@ Tensor Sigmoid(const Tensor& x);
 Tensor Tanh(const Tensor& x);
 Tensor Exp(const Tensor& x);
 Tensor Log(const Tensor& x);
+/// log(1 + x) without rounding 1 + x first: accurate for tiny x (f32
+/// log1p(1e-10) is 1e-10 where log(1 + 1e-10) is 0).
+Tensor Log1p(const Tensor& x);
 Tensor Sqrt(const Tensor& x);
 Tensor Square(const Tensor& x);
 Tensor Abs(const Tensor& x);
+/// torch.clamp: min(max(x, min), max) for a floating x; each bound is
+/// optional, but one must be given. NaN elements stay NaN; min > max gives max
+/// everywhere. The bounds are rounded to x's dtype first (as PyTorch
+/// compares a 16-bit tensor with a scalar in 16 bits). Gradient: passed
+/// where min <= x <= max (the bounds themselves included, as PyTorch), 0
+/// elsewhere and at NaN. Throws std::invalid_argument for a NaN bound
+/// (PyTorch would return NaN everywhere), no bound, or an integer x.
+Tensor Clamp(const Tensor& x, std::optional<double> min, std::optional<double> max);
 /// Zeroes each element with probability p and scales the rest by 1/(1-p)
 /// when training; the identity otherwise.
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen = DefaultGenerator());

@@ -9,7 +9,10 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "nn/autograd/engine.h"
 #include "nn/ops/config.h"
@@ -352,6 +355,128 @@ TEST(KernelsTest, ReluKeepsNaN) {
   Tensor x = FromVector({-1.5, 0.0, 2.0, nan}, {4}, {.requires_grad = true});
   Backward(Sum(Relu(x)));
   EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{0, 0, 1, 1}));
+}
+
+// torch.clamp in PyTorch 1.13 (f64; every value here is exact in each dtype):
+//   x = torch.tensor([nan, -inf, -1, 0, 0.5, 1, 2, inf], dtype=torch.float64, requires_grad=True)
+//   x.clamp(0, 1)   # [nan, 0, 0, 0, 0.5, 1, 1, 1];      grad [0, 0, 0, 1, 1, 1, 0, 0]
+//   x.clamp(min=0)  # [nan, 0, 0, 0, 0.5, 1, 2, inf];    grad [0, 0, 0, 1, 1, 1, 1, 1]
+//   x.clamp(max=1)  # [nan, -inf, -1, 0, 0.5, 1, 1, 1];  grad [0, 1, 1, 1, 1, 1, 0, 0]
+//   x.clamp(2, 1)   # [nan, 1, 1, 1, 1, 1, 1, 1];        grad all 0
+//   x.clamp(1, 1)   # [nan, 1, 1, 1, 1, 1, 1, 1];        grad [0, 0, 0, 0, 0, 1, 0, 0]
+// NaN stays NaN and gets no gradient; the bounds themselves pass it.
+TEST(KernelsTest, ClampMatchesPyTorchAtNaNInfinitiesAndBounds) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> in = {nan, -inf, -1, 0, 0.5, 1, 2, inf};
+  struct Case {
+    std::optional<double> lo, hi;
+    std::vector<double> values, grad;
+  };
+  const std::vector<Case> cases = {
+      {0.0, 1.0, {nan, 0, 0, 0, 0.5, 1, 1, 1}, {0, 0, 0, 1, 1, 1, 0, 0}},
+      {0.0, std::nullopt, {nan, 0, 0, 0, 0.5, 1, 2, inf}, {0, 0, 0, 1, 1, 1, 1, 1}},
+      {std::nullopt, 1.0, {nan, -inf, -1, 0, 0.5, 1, 1, 1}, {0, 1, 1, 1, 1, 1, 0, 0}},
+      {2.0, 1.0, {nan, 1, 1, 1, 1, 1, 1, 1}, {0, 0, 0, 0, 0, 0, 0, 0}},
+      {1.0, 1.0, {nan, 1, 1, 1, 1, 1, 1, 1}, {0, 0, 0, 0, 0, 1, 0, 0}},
+  };
+  const auto expect_same = [](const std::vector<double>& got, const std::vector<double>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(got[i])) << "element " << i << ": " << got[i];
+      } else {
+        EXPECT_EQ(got[i], want[i]) << "element " << i;
+      }
+    }
+  };
+  for (DType t : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    for (size_t c = 0; c < cases.size(); ++c) {
+      SCOPED_TRACE(std::string(DTypeName(t)) + " case " + std::to_string(c));
+      Tensor x = FromVector(in, {8}, {.dtype = t, .requires_grad = true});
+      const Tensor y = Clamp(x, cases[c].lo, cases[c].hi);
+      EXPECT_EQ(y.dtype(), t);
+      expect_same(y.ToVector<double>(), cases[c].values);
+      Backward(Sum(y));
+      expect_same(x.grad().ToVector<double>(), cases[c].grad);
+      // Every other element of a wider tensor: the strided path.
+      std::vector<double> wide;
+      for (double v : in) wide.insert(wide.end(), {v, 7.0});
+      const Tensor strided = FromVector(wide, {16}, {.dtype = t}).Slice(0, 0, 16, 2);
+      ASSERT_FALSE(strided.is_contiguous());
+      expect_same(Clamp(strided, cases[c].lo, cases[c].hi).ToVector<double>(), cases[c].values);
+    }
+  }
+}
+
+// The bounds are rounded to the tensor's dtype first, as PyTorch compares a
+// tensor with a scalar in the tensor's dtype (1.13, bf16):
+//   b = torch.tensor([1.0, 1.0078125], dtype=torch.bfloat16, requires_grad=True)
+//   b.clamp(max=1.005)  # [1.0, 1.0078125], grad [1, 1] (1.005 rounds up to 1.0078125)
+//   b.clamp(max=1.003)  # [1.0, 1.0],       grad [1, 0] (1.003 rounds down to 1.0)
+//   torch.tensor([1.0], requires_grad=True).clamp(max=1.00000001)  # grad [1]
+// f16 (which 1.13 does not clamp on the CPU) follows the same rule, with
+// steps of 2^-10 above 1.
+TEST(KernelsTest, ClampRoundsItsBoundsToTheDtypeAsPyTorch) {
+  struct Case {
+    DType dtype;
+    double step;  // the dtype's next value above 1, minus 1
+    double up, down;  // bounds that round to 1 + step and to 1
+  };
+  for (const Case& c : {Case{DType::kBFloat16, 0.0078125, 1.005, 1.003},
+                        Case{DType::kFloat16, 0.0009765625, 1.0006, 1.0004}}) {
+    SCOPED_TRACE(std::string(DTypeName(c.dtype)));
+    Tensor x = FromVector({1.0, 1.0 + c.step}, {2}, {.dtype = c.dtype, .requires_grad = true});
+    Tensor y = Clamp(x, std::nullopt, c.up);
+    EXPECT_EQ(y.ToVector<double>(), (std::vector<double>{1.0, 1.0 + c.step}));
+    Backward(Sum(y));
+    EXPECT_EQ(x.grad().ToVector<double>(), (std::vector<double>{1, 1}));
+    x.set_grad(Tensor());
+    y = Clamp(x, std::nullopt, c.down);
+    EXPECT_EQ(y.ToVector<double>(), (std::vector<double>{1.0, 1.0}));
+    Backward(Sum(y));
+    EXPECT_EQ(x.grad().ToVector<double>(), (std::vector<double>{1, 0}));
+  }
+  Tensor one = FromVector({1.0}, {1}, {.requires_grad = true});
+  Backward(Sum(Clamp(one, std::nullopt, 1.00000001)));
+  EXPECT_EQ(one.grad().ToVector<double>(), (std::vector<double>{1}));
+  one.set_grad(Tensor());
+  const Tensor lifted = Clamp(one, 1.00000001, std::nullopt);
+  EXPECT_EQ(lifted.ToVector<double>(), (std::vector<double>{1}));
+  Backward(Sum(lifted));
+  EXPECT_EQ(one.grad().ToVector<double>(), (std::vector<double>{1}));
+}
+
+// log1p keeps a tiny x that 1 + x rounds away (f32 log(1 + 1e-10) is 0),
+// and matches PyTorch's values at its edges (1.13):
+//   torch.log1p(torch.tensor([1e-7, 2, -0.5, -1, inf, nan, -2]))
+//   # [9.9999994e-08, 1.0986123, -0.69314718, -inf, inf, nan, nan]
+TEST(KernelsTest, Log1pIsAccurateForTinyInputsAndMatchesPyTorchAtTheEdges) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> tiny = Log1p(FromVector({1e-10}, {1})).ToVector<double>();
+  EXPECT_EQ(tiny[0], static_cast<double>(1e-10f));
+  EXPECT_EQ(Log(AddScalar(FromVector({1e-10}, {1}), 1.0)).ToVector<double>()[0], 0.0);  // what log1p avoids
+  const std::vector<double> in = {1e-7, 2, -0.5, -1, inf, nan, -2};
+  const std::vector<double> f32 = Log1p(FromVector(in, {7})).ToVector<double>();
+  const std::vector<double> want = {9.99999940631823847070e-08, 1.09861230850219726562, -6.93147182464599609375e-01};
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(f32[i], want[i]) << i;
+  EXPECT_EQ(f32[3], -inf);
+  EXPECT_EQ(f32[4], inf);
+  EXPECT_TRUE(std::isnan(f32[5]));
+  EXPECT_TRUE(std::isnan(f32[6]));
+  const std::vector<double> f64 = Log1p(FromVector(in, {7}, {.dtype = DType::kFloat64})).ToVector<double>();
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(f64[i], std::log1p(in[i])) << i;
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    const Tensor y = Log1p(FromVector({0.5, 2.0}, {2}, {.dtype = t}));
+    EXPECT_EQ(y.dtype(), t);
+    EXPECT_EQ(y.ToVector<double>(), FromVector({std::log1p(0.5), std::log1p(2.0)}, {2}, {.dtype = t}).ToVector<double>())
+        << DTypeName(t);
+  }
+  // d/dx log1p(x) = 1 / (1 + x).
+  Tensor x = FromVector({1e-10, 1.0, -0.5}, {3}, {.dtype = DType::kFloat64, .requires_grad = true});
+  Backward(Sum(Log1p(x)));
+  EXPECT_EQ(x.grad().ToVector<double>(), (std::vector<double>{1.0 / (1.0 + 1e-10), 0.5, 2.0}));
 }
 
 // The mean scales the f64 sum before rounding into the 16-bit result: the

@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -155,6 +158,66 @@ TEST(GradCheckTest, ScalarAndUnaryOps) {
   EXPECT_TRUE(GradCheck([](const V& in) { return Sqrt(in[0]); }, {Positive({6}, 12)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Square(in[0]); }, {TransposedLeaf(3, 3, 13)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Abs(in[0]); }, {AwayFromZero({7}, 14)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Log1p(in[0]); }, {Positive({6}, 15)}));
+  // (-0.5, 0.5): log1p's domain reaches below 0.
+  Tensor half_range = MulScalar(RandomLeaf({2, 4}, 16, false), 0.5).Transpose(0, 1);
+  half_range.set_requires_grad(true);
+  EXPECT_TRUE(GradCheck([](const V& in) { return Log1p(in[0]); }, {half_range}));
+}
+
+// Clamp's gradient is 1 inside the bounds and 0 outside; entries are kept
+// 0.05 or more from each bound, where the finite difference steps over none.
+TEST(GradCheckTest, Clamp) {
+  const auto leaf = [](const std::vector<double>& v, const Shape& shape) {
+    return FromVector(v, shape, {.dtype = DType::kFloat64, .requires_grad = true});
+  };
+  const Tensor x = leaf({-0.9, -0.35, -0.2, 0.1, 0.35, 0.45, 0.8, -0.6}, {2, 4});
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clamp(in[0], -0.3, 0.4); }, {x}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clamp(in[0], -0.3, std::nullopt); }, {x}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clamp(in[0], std::nullopt, 0.4); }, {x}));
+  // min > max: max everywhere, no gradient.
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clamp(in[0], 0.5, -0.5); }, {x}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clamp(in[0], -0.3, 0.4); }, {StridedLeaf({3, 4}, 17)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Clamp(in[0], -0.25, 0.25); }, {TransposedLeaf(3, 5, 18)}));
+}
+
+// A clamp needs a bound, and a NaN bound (PyTorch returns NaN everywhere) is
+// refused rather than passed on; integer tensors are refused with their dtype.
+TEST(GradCheckTest, ClampRefusesNoBoundANaNBoundAndIntegers) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const Tensor x = Ones({3});
+  EXPECT_EQ(ErrorOf([&] { Clamp(x, std::nullopt, std::nullopt); }),
+            "Clamp: at least one of min and max must be given");
+  EXPECT_EQ(ErrorOf([&] { Clamp(x, nan, 1.0); }),
+            "Clamp: min is NaN (PyTorch would make every element NaN; pass no bound instead)");
+  EXPECT_EQ(ErrorOf([&] { Clamp(x, std::nullopt, nan); }),
+            "Clamp: max is NaN (PyTorch would make every element NaN; pass no bound instead)");
+  EXPECT_EQ(ErrorOf([&] { Clamp(Ones({3}, {.dtype = DType::kInt64}), 0.0, 1.0); }),
+            "Clamp: needs a floating tensor, got i64");
+  EXPECT_EQ(ErrorOf([&] { Clamp(Tensor(), 0.0, 1.0); }), "Clamp: undefined input");
+  EXPECT_EQ(ErrorOf([&] { Log1p(Ones({3}, {.dtype = DType::kInt64})); }), "Log1p: needs a floating tensor, got i64");
+}
+
+// On a device whose table has no clamp kernel, the error names the op and
+// the device (host memory stands in for cuda:0, in a child process).
+TEST(GradCheckTest, ClampOnADeviceWithoutTheKernelIsNamed) {
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();
+        ops::KernelTable table = ops::KernelsFor(DeviceType::kCPU);
+        table.clamp = nullptr;
+        ops::RegisterKernels(DeviceType::kCUDA, table);
+        const Tensor x = Ones({3}).To(Device(DeviceType::kCUDA, 0));
+        std::string error;
+        try {
+          Clamp(x, 0.0, 0.5);
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        std::fprintf(stderr, "error: [%s]\n", error.c_str());
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "error: \\[op `clamp` has no kernel for device cuda:0");
 }
 
 TEST(GradCheckTest, ShapeOps) {

@@ -13,6 +13,8 @@ KernelTable CpuKernelTable();
 void Unary(UnaryOp op, const Tensor& x, const Tensor& out);
 void UnaryBackward(UnaryOp op, const Tensor& grad_out, const Tensor& saved, const Tensor& grad_in);
 void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);
+void Clamp(const Tensor& x, double lo, double hi, const Tensor& out);
+void ClampBackward(const Tensor& grad_out, const Tensor& x, double lo, double hi, const Tensor& grad_in);
 void Affine(const Tensor& x, double alpha, double beta, const Tensor& out);
 void DivScalar(const Tensor& x, double s, const Tensor& out);
 void AddScaled(const Tensor& out, const Tensor& x, double alpha);

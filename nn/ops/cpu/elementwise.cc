@@ -107,6 +107,7 @@ void UnaryTyped(UnaryOp op, const Tensor& x, const Tensor& out) {
     case UnaryOp::kSqrt: Map1<T>(x, out, [](A v) { return std::sqrt(v); }); break;
     case UnaryOp::kSquare: Map1<T>(x, out, [](A v) { return v * v; }); break;
     case UnaryOp::kAbs: Map1<T>(x, out, [](A v) { return std::abs(v); }); break;
+    case UnaryOp::kLog1p: Map1<T>(x, out, [](A v) { return std::log1p(v); }); break;
   }
 }
 
@@ -141,6 +142,7 @@ void UnaryBackwardTyped(UnaryOp op, const Tensor& g, const Tensor& s, const Tens
     case UnaryOp::kAbs:
       Map2<T>(g, gs, s, ss, out, [](A d, A x) { return x > A(0) ? d : (x < A(0) ? -d : A(0)); });
       break;
+    case UnaryOp::kLog1p: Map2<T>(g, gs, s, ss, out, [](A d, A x) { return d / (A(1) + x); }); break;
   }
 }
 
@@ -188,6 +190,32 @@ void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
         });
         break;
     }
+  });
+}
+
+void Clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
+  CheckSameDType("clamp", x, out);
+  DDP_DISPATCH_FLOATING(out.dtype(), "clamp", {
+    using A = acc_t<scalar_t>;
+    const A l = static_cast<A>(lo), h = static_cast<A>(hi);
+    const Shape xs = BroadcastStrides(x, out.shape());
+    // max, then min, each written so that a NaN x fails the comparison and
+    // passes through; lo > hi then ends at hi, as torch.clamp.
+    Map2<scalar_t>(x, xs, x, xs, out, [l, h](A v, A) {
+      const A t = v < l ? l : v;
+      return t > h ? h : t;
+    });
+  });
+}
+
+void ClampBackward(const Tensor& grad_out, const Tensor& x, double lo, double hi, const Tensor& grad_in) {
+  CheckSameDType("clamp_backward", grad_out, grad_in);
+  CheckSameDType("clamp_backward", x, grad_in);
+  DDP_DISPATCH_FLOATING(grad_in.dtype(), "clamp_backward", {
+    using A = acc_t<scalar_t>;
+    const A l = static_cast<A>(lo), h = static_cast<A>(hi);
+    Map2<scalar_t>(grad_out, BroadcastStrides(grad_out, grad_in.shape()), x, BroadcastStrides(x, grad_in.shape()),
+                   grad_in, [l, h](A d, A v) { return v >= l && v <= h ? d : A(0); });
   });
 }
 

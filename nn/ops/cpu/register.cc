@@ -7,6 +7,8 @@ KernelTable CpuKernelTable() {
   t.unary = &Unary;
   t.unary_backward = &UnaryBackward;
   t.binary = &Binary;
+  t.clamp = &Clamp;
+  t.clamp_backward = &ClampBackward;
   t.affine = &Affine;
   t.div_scalar = &DivScalar;
   t.add_scaled_ = &AddScaled;
