@@ -97,11 +97,11 @@ struct BceWithLogitsOptions {
 
 /// F.binary_cross_entropy_with_logits of logits x against targets y in
 /// [0, 1] of x's shape: weight * ((1 - y) x + lw * softplus(-x)) with
-/// lw = 1 + (pos_weight - 1) y and softplus(-x) = log(1 + exp(-|x|)) +
-/// max(-x, 0), finite for any finite x (|x| = 100 in f32 included). Without
-/// a log1p primitive, log(1 + e) loses values of e below the dtype's epsilon
-/// (an absolute error under 1.2e-7 in f32); the gradient is exact to
-/// rounding, at x = 0 too. 16-bit operands compute in f32 (the loss is f32).
+/// lw = 1 + (pos_weight - 1) y and softplus(-x) = log1p(exp(-|x|)) +
+/// max(-x, 0), finite for any finite x (|x| = 100 in f32 included) and
+/// exact to rounding where exp(-|x|) is below the dtype's epsilon; the
+/// gradient is exact to rounding, at x = 0 too. 16-bit operands compute in
+/// f32 (the loss is f32).
 /// Weights must be floating, on the input's device, and need no gradient
 /// (as PyTorch, which refuses them too).
 Tensor BinaryCrossEntropyWithLogits(const Tensor& input, const Tensor& target,
