@@ -54,6 +54,29 @@ void KaimingNormal(const Tensor& w, double a, std::string_view mode, std::string
   NormalFill(w, 0.0, std, gen);
 }
 
+namespace {
+// gain * sqrt(2 / (fan_in + fan_out)), the standard deviation both Xavier forms aim at.
+double XavierStd(const Tensor& w, double gain) {
+  const auto [in, out] = FanInOut(w);
+  return gain * std::sqrt(2.0 / static_cast<double>(in + out));
+}
+}  // namespace
+
+void XavierUniform(const Tensor& w, double gain, Generator& gen) {
+  // Checked before the empty case: a 1-d tensor has no fans, empty or not.
+  const double std = XavierStd(w, gain);
+  if (w.numel() == 0) return;  // nothing to draw (and a fan sum of 0 would divide by 0)
+  const double bound = std::sqrt(3.0) * std;
+  Uniform(w, -bound, bound, gen);
+}
+
+void XavierNormal(const Tensor& w, double gain, Generator& gen) {
+  const double std = XavierStd(w, gain);
+  if (w.numel() == 0) return;  // as XavierUniform
+  NoGradGuard guard;
+  NormalFill(w, 0.0, std, gen);
+}
+
 void Uniform(const Tensor& t, double low, double high, Generator& gen) {
   NoGradGuard guard;
   UniformFill(t, low, high, gen);

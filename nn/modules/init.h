@@ -25,6 +25,11 @@ void KaimingUniform(const Tensor& w, double a, std::string_view mode = "fan_in",
 /// N(0, std^2) with std = gain / sqrt(fan).
 void KaimingNormal(const Tensor& w, double a = 0.0, std::string_view mode = "fan_in",
                    std::string_view nonlinearity = "leaky_relu", Generator& gen = DefaultGenerator());
+/// U(-a, a) with a = gain * sqrt(6 / (fan_in + fan_out)), as PyTorch's
+/// xavier_uniform_ (Glorot): variance gain^2 * 2 / (fan_in + fan_out).
+void XavierUniform(const Tensor& w, double gain = 1.0, Generator& gen = DefaultGenerator());
+/// N(0, std^2) with std = gain * sqrt(2 / (fan_in + fan_out)), as PyTorch's xavier_normal_.
+void XavierNormal(const Tensor& w, double gain = 1.0, Generator& gen = DefaultGenerator());
 /// U(low, high).
 void Uniform(const Tensor& t, double low, double high, Generator& gen = DefaultGenerator());
 /// Every element = value.

@@ -1,7 +1,9 @@
 #include "nn/modules/layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "nn/modules/init.h"
@@ -13,10 +15,48 @@ namespace {
 
 std::string Pair(int64_t a, int64_t b) { return "(" + std::to_string(a) + ", " + std::to_string(b) + ")"; }
 const char* PyBool(bool b) { return b ? "True" : "False"; }
+// Python's repr of a float, as PyTorch prints arguments: the fewest
+// significant digits that read back as the same double; positional when the
+// decimal exponent is in [-4, 16), with ".0" on a whole number; otherwise
+// scientific with a signed exponent of at least two digits ("1e-05").
 std::string PyFloat(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", v);
-  return buf;
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+  char buf[40];
+  for (int precision = 0; precision <= 16; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*e", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  // buf is "[-]d[.ddd]e[+-]xx": split it into sign, digits and exponent.
+  std::string text = buf;
+  std::string sign;
+  if (text[0] == '-') {
+    sign = "-";
+    text.erase(0, 1);
+  }
+  const size_t e = text.find('e');
+  const int exponent = std::atoi(text.c_str() + e + 1);
+  std::string digits = text.substr(0, e);
+  digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+  const int n = static_cast<int>(digits.size());
+  if (exponent < -4 || exponent >= 16) {
+    std::string out = sign + digits.substr(0, 1);
+    if (n > 1) out += "." + digits.substr(1);
+    char exp_text[16];
+    std::snprintf(exp_text, sizeof(exp_text), "e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
+    return out + exp_text;
+  }
+  if (exponent < 0) return sign + "0." + std::string(-exponent - 1, '0') + digits;
+  if (n <= exponent + 1) return sign + digits + std::string(exponent + 1 - n, '0') + ".0";
+  return sign + digits.substr(0, exponent + 1) + "." + digits.substr(exponent + 1);
+}
+
+// A value in an error message: every digit that tells it apart (momentum
+// 1.0000001 is not shown as 1), but a whole number without ".0" ("got 2").
+std::string ErrorFloat(double v) {
+  std::string text = PyFloat(v);
+  if (text.size() > 2 && text.compare(text.size() - 2, 2, ".0") == 0) text.resize(text.size() - 2);
+  return text;
 }
 
 // Kaiming-uniform (a = sqrt(5)) weights and U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases.
@@ -127,11 +167,11 @@ Tensor Conv2d::Forward(const Tensor& x) {
 void CheckBatchNormOptions(const BatchNormOptions& options, const std::string& module) {
   if (!(options.eps > 0) || !std::isfinite(options.eps)) {
     throw std::invalid_argument(module + ": BatchNormOptions::eps must be finite and > 0, got " +
-                                PyFloat(options.eps));
+                                ErrorFloat(options.eps));
   }
   if (options.momentum.has_value() && !(*options.momentum >= 0 && *options.momentum <= 1)) {
     throw std::invalid_argument(module + ": BatchNormOptions::momentum must be in [0, 1] (or nullopt), got " +
-                                PyFloat(*options.momentum));
+                                ErrorFloat(*options.momentum));
   }
 }
 
@@ -290,7 +330,7 @@ Tensor AdaptiveAvgPool2d::Forward(const Tensor& x) {
 
 Dropout::Dropout(double p, Generator& gen) : p_(p), gen_(&gen) {
   // Written so that NaN fails it too.
-  if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + PyFloat(p));
+  if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + ErrorFloat(p));
 }
 
 std::string Dropout::ExtraRepr() const { return "p=" + PyFloat(p_) + ", inplace=False"; }

@@ -1,10 +1,12 @@
 #include "nn/modules/module.h"
 
 #include <algorithm>
+#include <mutex>
 #include <ostream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace ddp::nn::modules {
@@ -56,23 +58,65 @@ void Module::CheckNewName(const std::string& name, const char* kind) const {
   }
 }
 
+namespace {
+
+// Every tensor object that has been registered as a parameter, held weakly:
+// what PyTorch's nn.Parameter type marks. The weak pointer tells a live
+// entry from a dead tensor whose address was reused by a new one.
+class ParameterMarks {
+ public:
+  static ParameterMarks& Get() {
+    static ParameterMarks* marks = new ParameterMarks();  // never destroyed: modules may outlive statics
+    return *marks;
+  }
+  bool IsMarked(const Tensor& t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = marks_.find(t.impl());
+    return it != marks_.end() && it->second.lock() == t.impl_ptr();
+  }
+  void Mark(const Tensor& t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    marks_[t.impl()] = t.impl_ptr();
+    // Sweep dead entries whenever the table has doubled since the last sweep.
+    if (marks_.size() >= 2 * swept_size_) {
+      for (auto e = marks_.begin(); e != marks_.end();) e = e->second.expired() ? marks_.erase(e) : std::next(e);
+      swept_size_ = std::max<size_t>(marks_.size(), 64);
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<const TensorImpl*, std::weak_ptr<TensorImpl>> marks_;
+  size_t swept_size_ = 64;
+};
+
+}  // namespace
+
 Tensor Module::RegisterParameter(std::string name, Tensor value, bool requires_grad) {
   CheckNewName(name, "parameter");
   if (!value.defined()) throw std::invalid_argument(Describe() + ": parameter `" + name + "` is undefined");
-  try {
-    value.set_requires_grad(requires_grad);
-  } catch (const std::exception& e) {
-    // An integer tensor, or the output of an op (not a leaf: Detach() it).
-    throw std::invalid_argument(Describe() + ": parameter `" + name + "`: " + e.what());
+  if (!ParameterMarks::Get().IsMarked(value)) {
+    try {
+      value.set_requires_grad(requires_grad);
+    } catch (const std::exception& e) {
+      // An integer tensor, or the output of an op (not a leaf: Detach() it).
+      throw std::invalid_argument(Describe() + ": parameter `" + name + "`: " + e.what());
+    }
+    ParameterMarks::Get().Mark(value);
   }
   params_.emplace_back(std::move(name), value);
   return value;
 }
 
-Tensor Module::RegisterBuffer(std::string name, Tensor value) {
+Tensor Module::RegisterBuffer(std::string name, Tensor value, bool persistent) {
   CheckNewName(name, "buffer");
+  if (!persistent) non_persistent_.push_back(name);
   buffers_.emplace_back(std::move(name), value);
   return value;
+}
+
+bool Module::IsPersistentBuffer(const std::string& name) const {
+  return std::find(non_persistent_.begin(), non_persistent_.end(), name) == non_persistent_.end();
 }
 
 void Module::RegisterModuleImpl(std::string name, std::shared_ptr<Module> module) {
@@ -93,16 +137,22 @@ void Collect(const NamedTensors& own, const std::string& prefix, NamedTensors* o
 }
 }  // namespace
 
-void Module::CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out) {
+void Module::CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out,
+                            std::unordered_set<const Module*>* seen) {
+  // A module reached again (registered twice) is skipped with its subtree,
+  // as PyTorch's named_modules does, so that nothing walks it twice. With
+  // no `seen`, every path is listed (the state dict's walk).
+  if (seen != nullptr && !seen->insert(this).second) return;
   out->emplace_back(prefix, this);
   for (auto& [name, child] : children_) {
-    child->CollectModules(prefix.empty() ? name : prefix + "." + name, out);
+    child->CollectModules(prefix.empty() ? name : prefix + "." + name, out, seen);
   }
 }
 
 std::vector<std::pair<std::string, Module*>> Module::NamedModules() {
   std::vector<std::pair<std::string, Module*>> out;
-  CollectModules("", &out);
+  std::unordered_set<const Module*> seen;
+  CollectModules("", &out, &seen);
   return out;
 }
 
@@ -186,30 +236,36 @@ void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replace
   parent->Child(leaf);  // throws, listing the children
 }
 
-StateDict Module::GetStateDict() const {
+StateDict Module::LiveState() const {
   // Unlike the parameter list, every name: a weight shared by two modules
   // (tied) appears under both, as in PyTorch's state_dict, so a checkpoint
   // names every entry a model has and loads strictly into either layout.
+  // Likewise a module registered twice is listed under both paths.
+  std::vector<std::pair<std::string, Module*>> modules;
+  const_cast<Module*>(this)->CollectModules("", &modules, nullptr);
   StateDict out;
-  for (auto& [path, m] : const_cast<Module*>(this)->NamedModules()) {
+  for (auto& [path, m] : modules) {
     const std::string prefix = path.empty() ? "" : path + ".";
-    for (const NamedTensors* own : {&m->params_, &m->buffers_}) {
-      for (const auto& [name, t] : *own) {
-        if (t.defined()) out.emplace_back(prefix + name, t);
-      }
+    for (const auto& [name, t] : m->params_) {
+      if (t.defined()) out.emplace_back(prefix + name, t);
+    }
+    for (const auto& [name, t] : m->buffers_) {
+      if (t.defined() && m->IsPersistentBuffer(name)) out.emplace_back(prefix + name, t);
     }
   }
   return out;
 }
+
+StateDict Module::GetStateDict() const { return LiveState(); }
 
 namespace {
 
 // LoadStateDict's checks: the (destination, source) pairs it copies, or
 // throws listing every offender. `keys` receives the missing and unexpected
 // names in either mode (in strict mode they are also errors).
-std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& state, bool strict,
-                                                IncompatibleKeys& keys) {
-  const StateDict mine = module.GetStateDict();
+// `mine` is the module's live state (its parameters and persistent buffers).
+std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& mine, const StateDict& state,
+                                                bool strict, IncompatibleKeys& keys) {
   std::vector<std::string> missing, unexpected, mismatched, duplicated;
   std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, source)
   // A key given twice is an error in either mode: only one of its values
@@ -275,13 +331,13 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
 
 IncompatibleKeys Module::CheckStateDict(const StateDict& state, bool strict) const {
   IncompatibleKeys keys;
-  PlanLoad(*this, state, strict, keys);
+  PlanLoad(*this, LiveState(), state, strict, keys);
   return keys;
 }
 
 IncompatibleKeys Module::LoadStateDict(const StateDict& state, bool strict) {
   IncompatibleKeys keys;
-  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, state, strict, keys);
+  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, LiveState(), state, strict, keys);
   NoGradGuard guard;
   for (auto& [dst, src] : copies) dst.CopyFrom(src);
   return keys;
@@ -305,7 +361,17 @@ void Module::ZeroGrad(bool set_to_none) {
 }
 
 void Module::Apply(const std::function<void(Module&)>& fn) {
-  for (auto& [name, child] : children_) child->Apply(fn);
+  std::unordered_set<const Module*> seen;
+  ApplyOnce(fn, &seen);
+}
+
+void Module::ApplyOnce(const std::function<void(Module&)>& fn, std::unordered_set<const Module*>* seen) {
+  // Once per module over the whole tree: an in-place initialization applied
+  // to a layer registered twice must not run twice. (PyTorch's apply skips a
+  // child listed twice by one parent only, and would visit a module shared by
+  // two different parents twice.)
+  if (!seen->insert(this).second) return;
+  for (auto& [name, child] : children_) child->ApplyOnce(fn, seen);
   fn(*this);
 }
 

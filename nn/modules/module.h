@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -70,7 +71,9 @@ class Module {
   std::vector<Tensor> Parameters(bool recurse = true) const;
   NamedTensors NamedBuffers(bool recurse = true) const;
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& NamedChildren() const { return children_; }
-  /// Every module of the tree with its dotted path, this one first (path "").
+  /// Every module of the tree with its dotted path, this one first (path ""),
+  /// pre-order. A module registered under several names (Sequential{l, relu,
+  /// l}) is listed once, under the first, as PyTorch's named_modules.
   std::vector<std::pair<std::string, Module*>> NamedModules();
   /// True when a direct child is registered under `name`.
   bool HasChild(std::string_view name) const;
@@ -88,10 +91,10 @@ class Module {
   void ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement);
 
   // --- state ---
-  /// Parameters and buffers in state-dict order (tensors shared with the
-  /// module). A tensor registered under several names (a tied weight) is
-  /// listed under each, as in PyTorch's state_dict; NamedParameters and
-  /// NamedBuffers list it once.
+  /// Parameters and persistent buffers in state-dict order (tensors shared
+  /// with the module). A tensor registered under several names (a tied
+  /// weight) is listed under each, as in PyTorch's state_dict;
+  /// NamedParameters and NamedBuffers list it once.
   StateDict GetStateDict() const;
   /// Copies values into the module's parameters and buffers. Strict: every
   /// key of the module must be present and no other; shapes must match.
@@ -118,7 +121,9 @@ class Module {
   /// 2.x; PyTorch 1.13 zeroes by default) or zeroes it in place (keeping the
   /// memory, e.g. a DDP bucket view).
   void ZeroGrad(bool set_to_none = true);
-  /// Calls fn on every descendant (children first, depth first), then on this module.
+  /// Calls fn on every descendant (children first, depth first), then on
+  /// this module; a module registered more than once is visited once, where
+  /// it is first reached.
   void Apply(const std::function<void(Module&)>& fn);
   /// Moves parameters, their gradients and buffers to `device` in place (handles stay valid).
   void To(Device device);
@@ -129,10 +134,19 @@ class Module {
   std::string ToString() const;
 
  protected:
-  /// Registers a parameter (requires_grad set as asked) and returns its handle.
+  /// Registers a parameter and returns its handle. A tensor registered as a
+  /// parameter for the first time gets requires_grad as asked. One that has
+  /// been a parameter before (of any module, still alive or not: a tied
+  /// weight) keeps its own flag, as registering an existing nn.Parameter in
+  /// PyTorch does: tying a weight to a frozen one does not unfreeze it. Call
+  /// set_requires_grad to change it.
   Tensor RegisterParameter(std::string name, Tensor value, bool requires_grad = true);
-  /// Registers a buffer (state that is saved but not trained, e.g. running statistics).
-  Tensor RegisterBuffer(std::string name, Tensor value);
+  /// Registers a buffer (state that is not trained, e.g. running
+  /// statistics). A persistent buffer is part of GetStateDict and
+  /// LoadStateDict; a non-persistent one (PyTorch's persistent=False) is
+  /// not, but is listed by NamedBuffers, so To() moves it and DDP
+  /// broadcasts it.
+  Tensor RegisterBuffer(std::string name, Tensor value, bool persistent = true);
   /// Registers a child module and returns it.
   template <class M>
   std::shared_ptr<M> RegisterModule(std::string name, std::shared_ptr<M> module) {
@@ -145,7 +159,12 @@ class Module {
  private:
   void RegisterModuleImpl(std::string name, std::shared_ptr<Module> module);
   void CheckNewName(const std::string& name, const char* kind) const;
-  void CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out);
+  void CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out,
+                      std::unordered_set<const Module*>* seen);
+  void ApplyOnce(const std::function<void(Module&)>& fn, std::unordered_set<const Module*>* seen);
+  // The live (parameter, persistent buffer) entries of the state dict, in its order.
+  StateDict LiveState() const;
+  bool IsPersistentBuffer(const std::string& name) const;
   [[noreturn]] void ThrowWrongChildType(std::string_view name) const;
 
   std::string name_;
@@ -153,6 +172,7 @@ class Module {
   bool training_ = true;
   NamedTensors params_;
   NamedTensors buffers_;
+  std::vector<std::string> non_persistent_;  // names of buffers_ left out of the state dict
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
 

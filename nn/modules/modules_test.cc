@@ -611,6 +611,129 @@ TEST(ModuleTest, EmptyBatchRunsForwardAndBackward) {
   }
 }
 
+// A module registered twice (Sequential{l, relu, l}) is listed and visited
+// once, under its first name, as PyTorch's named_modules and apply; the
+// state dict still names it under both paths, as PyTorch's state_dict.
+TEST(ModuleTest, ModuleRegisteredTwiceIsVisitedOnce) {
+  auto l = std::make_shared<Linear>(2, 2);
+  Sequential seq{l, std::make_shared<ReLU>(), l};
+  std::vector<std::string> paths;
+  for (const auto& [path, m] : seq.NamedModules()) paths.push_back(path);
+  EXPECT_EQ(paths, (std::vector<std::string>{"", "0", "1"}));
+  EXPECT_EQ(Names(seq.NamedParameters()), (std::vector<std::string>{"0.weight", "0.bias"}));
+  EXPECT_EQ(Names(seq.GetStateDict()), (std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"}));
+
+  std::vector<std::string> visited;
+  const std::vector<float> before = l->weight().ToVector<float>();
+  seq.Apply([&](Module& m) {
+    visited.push_back(m.TypeName());
+    if (auto* lin = dynamic_cast<Linear*>(&m)) {
+      NoGradGuard guard;
+      lin->weight().CopyFrom(ops::MulScalar(lin->weight(), 2.0));
+    }
+  });
+  EXPECT_EQ(visited, (std::vector<std::string>{"Linear", "ReLU", "Sequential"}));
+  const std::vector<float> after = l->weight().ToVector<float>();
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_EQ(after[i], 2.0f * before[i]) << i;
+
+  // Shared by two parents: PyTorch's named_modules lists it under the first.
+  auto a = std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{l});
+  auto b = std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{l});
+  Sequential outer{a, b};
+  paths.clear();
+  for (const auto& [path, m] : outer.NamedModules()) paths.push_back(path);
+  EXPECT_EQ(paths, (std::vector<std::string>{"", "0", "0.0", "1"}));
+  int linears = 0;
+  outer.Apply([&](Module& m) { linears += dynamic_cast<Linear*>(&m) != nullptr; });
+  EXPECT_EQ(linears, 1);
+}
+
+// Registers the tensor it is given with the requires_grad it is given.
+class Registrar : public Module {
+ public:
+  Registrar(Tensor w, bool requires_grad) { RegisterParameter("weight", std::move(w), requires_grad); }
+  std::string TypeName() const override { return "Registrar"; }
+};
+
+// A tensor that is already a parameter keeps its requires_grad when
+// registered again (as an existing nn.Parameter in PyTorch): tying a weight
+// to a frozen embedding does not unfreeze it. A new tensor gets the flag
+// it is registered with.
+TEST(ModuleTest, RegisteringAnExistingParameterKeepsItsRequiresGrad) {
+  const Tensor w = Randn({3, 2});
+  Holder embed(w);
+  EXPECT_TRUE(w.requires_grad());
+  w.set_requires_grad(false);  // frozen
+  Holder head(w);
+  EXPECT_FALSE(w.requires_grad());
+  EXPECT_FALSE(head.NamedParameters()[0].second.requires_grad());
+
+  const Tensor frozen = Randn({2});
+  Registrar first(frozen, /*requires_grad=*/false);
+  Holder second(frozen);
+  EXPECT_FALSE(frozen.requires_grad());
+
+  const Tensor trained = Randn({2});
+  Holder one(trained);
+  Registrar other(trained, /*requires_grad=*/false);
+  EXPECT_TRUE(trained.requires_grad());
+
+  const Tensor fresh = Randn({2});
+  Registrar fresh_frozen(fresh, /*requires_grad=*/false);
+  EXPECT_FALSE(fresh.requires_grad());
+  EXPECT_TRUE(Holder(Randn({2})).NamedParameters()[0].second.requires_grad());
+}
+
+// A module with a persistent and a non-persistent buffer.
+class WithCache : public Module {
+ public:
+  WithCache() {
+    RegisterParameter("weight", Ones({2}));
+    RegisterBuffer("steps", Zeros({1}));
+    RegisterBuffer("cache", Full({3}, 5.0), /*persistent=*/false);
+  }
+  std::string TypeName() const override { return "WithCache"; }
+};
+
+// As PyTorch's register_buffer(persistent=False): left out of the state
+// dict and not expected by a strict load, but listed with the buffers and
+// converted by To().
+TEST(ModuleTest, NonPersistentBufferIsLeftOutOfTheStateDict) {
+  Sequential seq{std::make_shared<WithCache>()};
+  EXPECT_EQ(Names(seq.NamedBuffers()), (std::vector<std::string>{"0.steps", "0.cache"}));
+  const StateDict sd = seq.GetStateDict();
+  EXPECT_EQ(Names(sd), (std::vector<std::string>{"0.weight", "0.steps"}));
+  EXPECT_NO_THROW(seq.LoadStateDict(sd));
+  StateDict with_cache = sd;
+  with_cache.emplace_back("0.cache", Zeros({3}));
+  EXPECT_NE(ErrorOf([&] { seq.LoadStateDict(with_cache); }).find("unexpected keys (1): `0.cache`"),
+            std::string::npos);
+  const IncompatibleKeys keys = seq.LoadStateDict(with_cache, /*strict=*/false);
+  EXPECT_EQ(keys.unexpected, std::vector<std::string>{"0.cache"});
+  const Tensor cache = seq.NamedBuffers()[1].second;
+  EXPECT_EQ(cache.ToVector<float>(), std::vector<float>(3, 5.0f));  // not loaded
+  seq.To(DType::kFloat64);
+  EXPECT_EQ(cache.dtype(), DType::kFloat64);
+}
+
+// PyTorch prints floats with Python's repr, the shortest text that reads
+// back as the same double (the strings below are PyTorch 1.13's).
+TEST(ModuleTest, FloatArgumentsPrintAsPythonRepr) {
+  EXPECT_EQ(Dropout(0.1234567).ToString(), "Dropout(p=0.1234567, inplace=False)");
+  EXPECT_EQ(Dropout(0.1).ToString(), "Dropout(p=0.1, inplace=False)");
+  EXPECT_EQ(Dropout(1.0 / 3.0).ToString(), "Dropout(p=0.3333333333333333, inplace=False)");
+  EXPECT_EQ(Dropout(1e-5).ToString(), "Dropout(p=1e-05, inplace=False)");
+  EXPECT_EQ(Dropout(0.1 + 0.2).ToString(), "Dropout(p=0.30000000000000004, inplace=False)");
+  EXPECT_EQ(Dropout(1e-20).ToString(), "Dropout(p=1e-20, inplace=False)");
+  EXPECT_EQ(Dropout(0.0).ToString(), "Dropout(p=0.0, inplace=False)");
+  EXPECT_EQ(Dropout(1.0).ToString(), "Dropout(p=1.0, inplace=False)");
+  EXPECT_EQ(BatchNorm2d(3, {.eps = 1e-3, .momentum = 0.1234567}).ToString(),
+            "BatchNorm2d(3, eps=0.001, momentum=0.1234567, affine=True, track_running_stats=True)");
+  // Error messages show every digit too, without Python's ".0" on a whole number.
+  EXPECT_EQ(ErrorOf([] { Dropout d(1.0000001); }), "Dropout: probability must be in [0, 1], got 1.0000001");
+  EXPECT_EQ(ErrorOf([] { Dropout d(2.0); }), "Dropout: probability must be in [0, 1], got 2");
+}
+
 // Values from PyTorch's torch.nn.init.calculate_gain.
 TEST(InitTest, GainMatchesPyTorch) {
   EXPECT_DOUBLE_EQ(Gain("leaky_relu"), std::sqrt(2.0 / (1.0 + 0.01 * 0.01)));  // default slope 0.01
@@ -648,6 +771,60 @@ TEST(InitTest, PyTorchBoundsAndSeededReproducibility) {
   Conv2d c(16, 32, 3);
   const double cbound = 1.0 / std::sqrt(16.0 * 9);
   for (float v : c.weight().ToVector<float>()) EXPECT_LE(std::fabs(v), cbound);
+}
+
+// Mean and standard deviation of a tensor's values.
+std::pair<double, double> MeanStd(const Tensor& t) {
+  const std::vector<float> v = t.ToVector<float>();
+  double sum = 0, sq = 0;
+  for (float x : v) sum += x;
+  const double mean = sum / static_cast<double>(v.size());
+  for (float x : v) sq += (x - mean) * (x - mean);
+  return {mean, std::sqrt(sq / static_cast<double>(v.size()))};
+}
+
+// Fans as PyTorch's _calculate_fan_in_and_fan_out: [out, in] for Linear,
+// [out, in / groups, kh, kw] times the kernel's area for Conv2d.
+TEST(InitTest, FanInOutOfLinearAndConvWeights) {
+  EXPECT_EQ(FanInOut(Linear(784, 512).weight()), (std::pair<int64_t, int64_t>{784, 512}));
+  EXPECT_EQ(FanInOut(Conv2d(3, 4, 5).weight()), (std::pair<int64_t, int64_t>{75, 100}));  // torch: (75, 100)
+  EXPECT_EQ(FanInOut(Conv2d(16, 32, 3, {.groups = 4}).weight()), (std::pair<int64_t, int64_t>{36, 288}));
+  EXPECT_NE(ErrorOf([] { XavierUniform(Zeros({5})); }).find("at least 2 dimensions"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { XavierNormal(Zeros({5})); }).find("at least 2 dimensions"), std::string::npos);
+}
+
+// Xavier-uniform draws from U(-a, a), a = gain * sqrt(6 / (fan_in + fan_out)):
+// every value inside, the largest near a, the spread a / sqrt(3).
+TEST(InitTest, XavierUniformBoundAndSpread) {
+  Linear lin(200, 100);
+  Generator g1(3), g2(3);
+  XavierUniform(lin.weight(), Gain("relu"), g1);
+  EXPECT_TRUE(lin.weight().requires_grad());
+  const double bound = std::sqrt(2.0) * std::sqrt(6.0 / 300.0);
+  double mx = 0;
+  for (float v : lin.weight().ToVector<float>()) mx = std::max(mx, std::fabs(static_cast<double>(v)));
+  EXPECT_LE(mx, bound * (1 + 1e-6));
+  EXPECT_GT(mx, 0.99 * bound);
+  const auto [mean, std] = MeanStd(lin.weight());
+  EXPECT_NEAR(mean, 0.0, 0.02 * bound);  // 20,000 draws: the mean's standard error is 0.004 a
+  EXPECT_NEAR(std, bound / std::sqrt(3.0), 0.03 * bound / std::sqrt(3.0));
+  const Tensor again = Empty({100, 200});
+  XavierUniform(again, Gain("relu"), g2);
+  EXPECT_EQ(again.ToVector<float>(), lin.weight().ToVector<float>());  // seeded
+  XavierUniform(Empty({0, 3}));                                         // nothing to draw
+}
+
+// Xavier-normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)); on a
+// convolution the fans count the kernel's area (144 and 288 here).
+TEST(InitTest, XavierNormalStdOnAConvWeight) {
+  Conv2d conv(16, 32, 3);
+  Generator gen(5);
+  XavierNormal(conv.weight(), 1.5, gen);
+  const double expected = 1.5 * std::sqrt(2.0 / (144.0 + 288.0));
+  const auto [mean, std] = MeanStd(conv.weight());
+  EXPECT_NEAR(mean, 0.0, 0.05 * expected);  // 4,608 draws: standard error 0.015 std
+  EXPECT_NEAR(std, expected, 0.05 * expected);
+  XavierNormal(Empty({3, 0}));
 }
 
 }  // namespace
