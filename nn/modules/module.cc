@@ -256,7 +256,20 @@ StateDict Module::LiveState() const {
   return out;
 }
 
-StateDict Module::GetStateDict() const { return LiveState(); }
+StateDict Module::GetStateDict() const {
+  // Detached, as PyTorch's state_dict: a caller writing into an entry (a
+  // checkpoint loader, a test) needs no NoGradGuard and cannot reach the
+  // parameter's .grad or graph. One handle per tensor, so the names of a
+  // tied weight still hold the same object.
+  StateDict out = LiveState();
+  std::unordered_map<const TensorImpl*, Tensor> detached;
+  for (auto& [name, t] : out) {
+    auto [it, inserted] = detached.try_emplace(t.impl());
+    if (inserted) it->second = t.Detach();
+    t = it->second;
+  }
+  return out;
+}
 
 namespace {
 

@@ -91,10 +91,13 @@ class Module {
   void ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement);
 
   // --- state ---
-  /// Parameters and persistent buffers in state-dict order (tensors shared
-  /// with the module). A tensor registered under several names (a tied
-  /// weight) is listed under each, as in PyTorch's state_dict;
-  /// NamedParameters and NamedBuffers list it once.
+  /// Parameters and persistent buffers in state-dict order. As PyTorch's
+  /// state_dict, each entry is a detached handle on the module's memory: it
+  /// requires no grad and has no .grad, so writing into it (CopyFrom, Fill)
+  /// changes the module, and it is not the parameter object itself. A tensor
+  /// registered under several names (a tied weight) is listed under each,
+  /// all names holding one handle; NamedParameters and NamedBuffers list it
+  /// once.
   StateDict GetStateDict() const;
   /// Copies values into the module's parameters and buffers. Strict: every
   /// key of the module must be present and no other; shapes must match.

@@ -611,6 +611,26 @@ TEST(ModuleTest, EmptyBatchRunsForwardAndBackward) {
   }
 }
 
+// As PyTorch's state_dict, the entries are detached handles on the module's
+// memory: writing into one changes the module without a NoGradGuard, and
+// the entry neither requires grad nor carries the parameter's .grad.
+TEST(ModuleTest, StateDictEntriesAreDetachedAndShareMemory) {
+  Linear lin(2, 2);
+  Backward(ops::Sum(lin.Forward(Ones({1, 2}))));
+  ASSERT_TRUE(lin.weight().grad().defined());
+  const StateDict sd = lin.GetStateDict();
+  ASSERT_EQ(Names(sd), (std::vector<std::string>{"weight", "bias"}));
+  const Tensor& w = sd[0].second;
+  EXPECT_FALSE(w.is_same(lin.weight()));
+  EXPECT_FALSE(w.requires_grad());
+  EXPECT_FALSE(w.grad().defined());
+  EXPECT_EQ(w.data_ptr(), lin.weight().data_ptr());
+  EXPECT_EQ(ErrorOf([&] { w.CopyFrom(Zeros({2, 2})); }), "");
+  EXPECT_EQ(lin.weight().ToVector<float>(), std::vector<float>(4, 0.0f));
+  EXPECT_TRUE(lin.weight().requires_grad());  // the parameter is unchanged but for its values
+  EXPECT_TRUE(lin.weight().grad().defined());
+}
+
 // A module registered twice (Sequential{l, relu, l}) is listed and visited
 // once, under its first name, as PyTorch's named_modules and apply; the
 // state dict still names it under both paths, as PyTorch's state_dict.
