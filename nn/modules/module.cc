@@ -92,12 +92,12 @@ class ParameterMarks {
 
 }  // namespace
 
-Tensor Module::RegisterParameter(std::string name, Tensor value, bool requires_grad) {
+Tensor Module::RegisterParameter(std::string name, Tensor value, std::optional<bool> requires_grad) {
   CheckNewName(name, "parameter");
   if (!value.defined()) throw std::invalid_argument(Describe() + ": parameter `" + name + "` is undefined");
-  if (!ParameterMarks::Get().IsMarked(value)) {
+  if (requires_grad.has_value() || !ParameterMarks::Get().IsMarked(value)) {
     try {
-      value.set_requires_grad(requires_grad);
+      value.set_requires_grad(requires_grad.value_or(true));
     } catch (const std::exception& e) {
       // An integer tensor, or the output of an op (not a leaf: Detach() it).
       throw std::invalid_argument(Describe() + ": parameter `" + name + "`: " + e.what());

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <optional>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -137,13 +138,13 @@ class Module {
   std::string ToString() const;
 
  protected:
-  /// Registers a parameter and returns its handle. A tensor registered as a
-  /// parameter for the first time gets requires_grad as asked. One that has
-  /// been a parameter before (of any module, still alive or not: a tied
-  /// weight) keeps its own flag, as registering an existing nn.Parameter in
-  /// PyTorch does: tying a weight to a frozen one does not unfreeze it. Call
-  /// set_requires_grad to change it.
-  Tensor RegisterParameter(std::string name, Tensor value, bool requires_grad = true);
+  /// Registers a parameter and returns its handle, with requires_grad as
+  /// given. Left out, a tensor registered as a parameter for the first time
+  /// gets true, and one that has been a parameter before (of any module,
+  /// still alive or not: a tied weight) keeps its own flag, as registering
+  /// an existing nn.Parameter in PyTorch does: tying a weight to a frozen
+  /// one does not unfreeze it.
+  Tensor RegisterParameter(std::string name, Tensor value, std::optional<bool> requires_grad = std::nullopt);
   /// Registers a buffer (state that is not trained, e.g. running
   /// statistics). A persistent buffer is part of GetStateDict and
   /// LoadStateDict; a non-persistent one (PyTorch's persistent=False) is

@@ -677,8 +677,8 @@ class Registrar : public Module {
 
 // A tensor that is already a parameter keeps its requires_grad when
 // registered again (as an existing nn.Parameter in PyTorch): tying a weight
-// to a frozen embedding does not unfreeze it. A new tensor gets the flag
-// it is registered with.
+// to a frozen embedding does not unfreeze it. A flag given explicitly
+// applies.
 TEST(ModuleTest, RegisteringAnExistingParameterKeepsItsRequiresGrad) {
   const Tensor w = Randn({3, 2});
   Holder embed(w);
@@ -693,10 +693,11 @@ TEST(ModuleTest, RegisteringAnExistingParameterKeepsItsRequiresGrad) {
   Holder second(frozen);
   EXPECT_FALSE(frozen.requires_grad());
 
+  // A flag given explicitly applies, also to an existing parameter.
   const Tensor trained = Randn({2});
   Holder one(trained);
   Registrar other(trained, /*requires_grad=*/false);
-  EXPECT_TRUE(trained.requires_grad());
+  EXPECT_FALSE(trained.requires_grad());
 
   const Tensor fresh = Randn({2});
   Registrar fresh_frozen(fresh, /*requires_grad=*/false);
