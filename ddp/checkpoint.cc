@@ -59,7 +59,8 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::LrScheduler* scheduler,
                                   const nn::optim::GradScaler* scaler, const PowerSgdState* powersgd,
                                   const PeriodicModelAverager* averager,
-                                  const PostLocalSgdState* post_local_sgd) {
+                                  const PostLocalSgdState* post_local_sgd,
+                                  const nn::optim::ReduceLrOnPlateau* plateau) {
   nn::io::Checkpoint c;
   c.model = Unwrap(model).GetStateDict();
   if (optimizer != nullptr) c.optimizer = optimizer->StateDict();
@@ -71,6 +72,7 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
   if (powersgd != nullptr) append(powersgd->StateDict(Unwrap(model).NamedParameters()));
   if (averager != nullptr) append(averager->StateDict());
   if (post_local_sgd != nullptr) append(post_local_sgd->StateDict());
+  if (plateau != nullptr) append(plateau->StateDict());
   c.metadata = std::move(metadata);
   return c;
 }
@@ -410,7 +412,7 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 namespace {
 
 // Which component of RestoreCheckpoint takes a key of checkpoint.optimizer.
-enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kPostLocalSgd, kNone };
+enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kPostLocalSgd, kPlateau, kNone };
 
 Owner OwnerOf(const std::string& key) {
   if (key == "lr" || key.rfind("state.", 0) == 0 || key.rfind("group.", 0) == 0) return Owner::kOptimizer;
@@ -419,6 +421,7 @@ Owner OwnerOf(const std::string& key) {
   if (key.rfind("powersgd.", 0) == 0) return Owner::kPowerSgd;
   if (key.rfind("averager.", 0) == 0) return Owner::kAverager;
   if (key.rfind("post_local_sgd.", 0) == 0) return Owner::kPostLocalSgd;
+  if (key.rfind("plateau.", 0) == 0) return Owner::kPlateau;
   return Owner::kNone;
 }
 
@@ -437,7 +440,7 @@ std::string KeyList(const std::vector<std::string>& keys) {
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
                        nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
-                       PostLocalSgdState* post_local_sgd) {
+                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau) {
   nn::modules::Module& target = Unwrap(model);
   // Everything is checked before anything is copied: a failure on the
   // optimizer's part must not leave the model's weights replaced.
@@ -448,7 +451,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
     if ((owner == Owner::kOptimizer && optimizer == nullptr) || (owner == Owner::kScheduler && scheduler == nullptr) ||
         (owner == Owner::kScaler && scaler == nullptr) || (owner == Owner::kPowerSgd && powersgd == nullptr) ||
         (owner == Owner::kAverager && averager == nullptr) ||
-        (owner == Owner::kPostLocalSgd && post_local_sgd == nullptr) || owner == Owner::kNone) {
+        (owner == Owner::kPostLocalSgd && post_local_sgd == nullptr) ||
+        (owner == Owner::kPlateau && plateau == nullptr) || owner == Owner::kNone) {
       unused[owner].push_back(key);
     }
   }
@@ -478,11 +482,15 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
         problems.push_back("the checkpoint holds post-local-SGD hook state (" + KeyList(keys) +
                            ") and no PostLocalSgdState was given: pass `post_local_sgd`");
         break;
+      case Owner::kPlateau:
+        problems.push_back("the checkpoint holds ReduceLrOnPlateau state (" + KeyList(keys) +
+                           ") and no plateau scheduler was given: pass `plateau`");
+        break;
       case Owner::kNone:
         problems.push_back("optimizer-list keys that no component takes (" + KeyList(keys) +
                            "): the optimizer takes `lr`, `group.*` and `state.*`, the scheduler `scheduler.*`, "
                            "the scaler `scaler.*`, PowerSGD `powersgd.*`, the averager `averager.*`, "
-                           "the post-local-SGD hook `post_local_sgd.*`");
+                           "the post-local-SGD hook `post_local_sgd.*`, ReduceLrOnPlateau `plateau.*`");
         break;
     }
   }
@@ -501,6 +509,7 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   if (powersgd != nullptr) check([&] { powersgd->CheckStateDict(checkpoint.optimizer, params); });
   if (averager != nullptr) check([&] { averager->CheckStateDict(checkpoint.optimizer); });
   if (post_local_sgd != nullptr) check([&] { post_local_sgd->CheckStateDict(checkpoint.optimizer); });
+  if (plateau != nullptr) check([&] { plateau->CheckStateDict(checkpoint.optimizer); });
   if (!problems.empty()) {
     std::string msg = "RestoreCheckpoint: nothing was restored, " + std::to_string(problems.size()) + " problem(s):";
     for (const std::string& p : problems) msg += "\n  " + p;
@@ -514,6 +523,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   if (powersgd != nullptr) powersgd->LoadStateDict(checkpoint.optimizer, params);
   if (averager != nullptr) averager->LoadStateDict(checkpoint.optimizer);
   if (post_local_sgd != nullptr) post_local_sgd->LoadStateDict(checkpoint.optimizer);
+  // After the optimizer: the plateau keeps the rate the optimizer restored.
+  if (plateau != nullptr) plateau->LoadStateDict(checkpoint.optimizer);
 }
 
 }  // namespace ddp::dist

@@ -44,8 +44,8 @@ namespace ddp::dist {
 /// The model's state dict (sharing the model's tensors, no copy) and, in
 /// checkpoint.optimizer, the optimizer's state followed by the scheduler's,
 /// the scaler's, PowerSGD's (without residuals; its parameters named as
-/// the model names them), the averager's and the post-local-SGD hook's
-/// (each may be null: nothing of it is saved). Called on rank 0 for
+/// the model names them), the averager's, the post-local-SGD hook's and
+/// ReduceLrOnPlateau's (each may be null: nothing of it is saved). Called on rank 0 for
 /// SaveCheckpoint: what it saves of PowerSGD, the averager and the hook is
 /// the same on every rank.
 nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
@@ -55,7 +55,8 @@ nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::GradScaler* scaler = nullptr,
                                   const PowerSgdState* powersgd = nullptr,
                                   const PeriodicModelAverager* averager = nullptr,
-                                  const PostLocalSgdState* post_local_sgd = nullptr);
+                                  const PostLocalSgdState* post_local_sgd = nullptr,
+                                  const nn::optim::ReduceLrOnPlateau* plateau = nullptr);
 
 /// How long the others wait for rank 0's write in SaveCheckpoint.
 struct SaveOptions {
@@ -120,21 +121,22 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
 /// must match, see Module::LoadStateDict), the optimizer, then the
 /// scheduler (which sets the optimizer's lr for its restored step), the
-/// scaler, PowerSGD's state, the averager's and the post-local-SGD hook's;
-/// each of the last six may be null. All or nothing: every part is checked before anything changes,
+/// scaler, PowerSGD's state, the averager's, the post-local-SGD hook's and
+/// ReduceLrOnPlateau's; each of the last seven may be null. All or nothing: every part is checked before anything changes,
 /// and one std::invalid_argument lists every problem. A key of
 /// checkpoint.optimizer that no given component takes is a problem too,
 /// naming the argument to pass: optimizer state ("lr", "group.*", "state.*") without
 /// an optimizer, "scheduler.*" without a scheduler, "scaler.*" without a
 /// scaler, "powersgd.*" without `powersgd`, "averager.*" without
-/// `averager`, "post_local_sgd.*" without `post_local_sgd`, or keys none of
-/// them takes. (A sharded optimizer loads its
+/// `averager`, "post_local_sgd.*" without `post_local_sgd`, "plateau.*"
+/// without `plateau`, or keys none of them takes. (A sharded optimizer loads its
 /// own state: clear checkpoint.optimizer in a copy to restore the model
 /// alone.) Call before the first backward of the resumed run.
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
-                       PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr);
+                       PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
+                       nn::optim::ReduceLrOnPlateau* plateau = nullptr);
 
 namespace internal {
 

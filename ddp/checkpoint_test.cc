@@ -575,6 +575,32 @@ TEST(DdpCheckpointTest, StateThatNoArgumentTakesIsAnErrorNamingTheArgument) {
   EXPECT_EQ(opt.step_count(0), 0);
 }
 
+// ReduceLrOnPlateau's state goes through the checkpoint like the other
+// components' (before, its keys were refused as no component's).
+TEST(DdpCheckpointTest, PlateauStateIsSavedAndRestored) {
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.1});
+  nn::optim::ReduceLrOnPlateau saved_plateau(saved_opt, {.patience = 1});
+  for (double metric : {1.0, 2.0, 3.0, 0.5, 0.7}) saved_plateau.Step(metric);
+  ASSERT_NEAR(saved_opt.lr(), 0.01, 1e-15);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  nn::optim::ReduceLrOnPlateau plateau(opt, {.patience = 1});
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                              &saved_plateau);
+  EXPECT_THAT(RestoreError([&] { RestoreCheckpoint(c, *model, &opt); }),
+              AllOf(HasSubstr("`plateau.best`"), HasSubstr("pass `plateau`")));
+  RestoreCheckpoint(c, *model, &opt, nullptr, nullptr, nullptr, nullptr, nullptr, &plateau);
+  EXPECT_EQ(plateau.best(), 0.5);
+  EXPECT_EQ(plateau.num_bad_steps(), saved_plateau.num_bad_steps());
+  EXPECT_EQ(plateau.step_count(), 5);
+  EXPECT_NEAR(opt.lr(), 0.01, 1e-15);
+  // Both go on alike.
+  saved_plateau.Step(0.9);
+  plateau.Step(0.9);
+  EXPECT_EQ(opt.lr(), saved_opt.lr());
+}
+
 // Before, the scheduler's state was checked for step >= 0 and a finite
 // base_lr only: the rate its schedule gives for that step could still be
 // infinite, and the optimizer refused it after the model and the optimizer

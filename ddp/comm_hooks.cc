@@ -154,15 +154,17 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         },
         {buffer, packed});
   }
-  // A tensor, not a std::vector: the allocator keeps the block from call to
-  // call, and a large one lies in shareable memory when the group's ranks
-  // share a host, which the shared-memory engine reduces through mappings
-  // (about 3x faster than the cross-memory copies a private buffer needs).
-  const nn::Tensor packed_tensor = nn::Empty(buffer.shape(), {.dtype = wire_dtype});
-  return group.Run(description, [buffer, packed_tensor, wire, dtype](transport::Communicator* comm,
-                                                                     transport::Deadline deadline) {
+  return group.Run(description, [buffer, wire, wire_dtype, dtype](transport::Communicator* comm,
+                                                                  transport::Deadline deadline) {
     const int64_t n = buffer.numel();
     if (comm == nullptr || n == 0) return transport::Status::Ok();
+    // A tensor, not a std::vector: the allocator keeps the block from call
+    // to call, and a large one lies in shareable memory when the group's
+    // ranks share a host, which the shared-memory engine reduces through
+    // mappings (about 3x faster than the cross-memory copies a private
+    // buffer needs). Made here, so that only the running call holds one,
+    // not every bucket waiting in the queue.
+    const nn::Tensor packed_tensor = nn::Empty(buffer.shape(), {.dtype = wire_dtype});
     uint16_t* packed = static_cast<uint16_t*>(packed_tensor.data_ptr());
     if (dtype == nn::DType::kFloat64) {
       // In one rounding: through f32 a value just past the midpoint of two

@@ -196,19 +196,6 @@ std::vector<size_t> CheckedBucketOrder(const std::vector<int64_t>& order, size_t
   return out;
 }
 
-// Sets the training flag of `wrapper` to that of `module` (its child)
-// without changing any mode inside `module`: Train() propagates down, so the
-// tree's modes are saved first and put back in pre-order (ancestors before
-// descendants), which restores each module's own.
-void FollowModuleMode(nn::modules::Module& wrapper, nn::modules::Module& module) {
-  std::vector<std::pair<nn::modules::Module*, bool>> modes;
-  for (const auto& [path, m] : module.NamedModules()) modes.emplace_back(m, m->is_training());
-  wrapper.Train(module.is_training());
-  for (const auto& [m, on] : modes) {
-    if (m->is_training() != on) m->Train(on);
-  }
-}
-
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
@@ -336,7 +323,7 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // BatchNorm kept in eval mode inside a training model); this wrapper's
   // flag follows it, so that is_training() reads the same.
   const bool training = module_->is_training();
-  if (is_training() != training) FollowModuleMode(*this, *module_);
+  SetOwnTrainingFlag(training);
   // Gradients are synchronized whenever grad is enabled outside NoSync, in
   // eval mode too, as PyTorch does (training with the model in eval mode
   // must not let the replicas drift apart); an eval-mode forward need not

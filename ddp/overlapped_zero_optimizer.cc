@@ -556,6 +556,12 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     const int found = nn::optim::ParameterOfStateKey(key, all, &slot);
     const size_t best = found < 0 ? s.params.size() : static_cast<size_t>(found);
     if (best == s.params.size()) {
+      // A frozen parameter in a plain optimizer's state: held there, never
+      // updated (its step is 0), nothing to load here.
+      const bool untouched_step = key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0 &&
+                                  value.defined() && value.dtype() == nn::DType::kInt64 && value.numel() == 1 &&
+                                  value.To(nn::kCPU).data<int64_t>()[0] == 0;
+      if (untouched_step) continue;
       throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key +
                                   "` names no trained parameter");
     }

@@ -301,6 +301,62 @@ DDP_TEST_WORKER(checkpoint) {
   return testing::WorkerExit();
 }
 
+// A frozen parameter: the fused optimizer holds only the trained ones, a
+// plain optimizer of the model holds it too (never stepped). Each loads the
+// other's state.
+DDP_TEST_WORKER(frozen_checkpoint) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  auto model = Mlp(41);
+  const auto named = model->NamedParameters();
+  const std::string frozen = named.back().first;
+  named.back().second.set_requires_grad(false);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto factory = [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); };
+  OverlappedZeroOptimizer opt(ddp, factory);
+  for (int64_t i = 0; i < 2; ++i) {
+    auto [x, y] = testing::Batch(data, (i * world + rank) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+  }
+  // The whole state on every rank (one collective per target rank).
+  nn::optim::NamedTensors consolidated;
+  for (int r = 0; r < world; ++r) {
+    nn::optim::NamedTensors state = opt.ConsolidatedStateDict(r);
+    if (r == rank) consolidated = std::move(state);
+  }
+  std::string plain_error = "none";
+  {
+    auto plain = MakeOptimizer(false, model->NamedParameters());
+    try {
+      plain->LoadStateDict(consolidated);
+      plain_error.clear();
+    } catch (const std::exception& e) {
+      plain_error = e.what();
+    }
+    WORKER_EXPECT(plain_error.empty(), "a plain optimizer refused the fused one's state: " + plain_error);
+    WORKER_EXPECT(plain->step_count(named.size() - 1) == 0, "the frozen `" + frozen + "` got a step count");
+    WORKER_EXPECT(plain->step_count(0) == 2, "the trained parameters' steps were not loaded");
+  }
+  // And back: a plain optimizer's state (the frozen parameter at step 0).
+  auto plain_all = MakeOptimizer(false, model->NamedParameters());
+  plain_all->LoadStateDict(consolidated);
+  std::string fused_error;
+  try {
+    opt.LoadStateDict(plain_all->StateDict());
+  } catch (const std::exception& e) {
+    fused_error = e.what();
+  }
+  WORKER_EXPECT(fused_error.empty(), "the fused optimizer refused a plain optimizer's state: " + fused_error);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, FrozenParametersDoNotStopStatesMovingBetweenFusedAndPlainOptimizers) {
+  auto run = RunWorkers("frozen_checkpoint", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(OverlappedZeroOptimizerTest, ConsolidatedStateIsTheUnshardedOptimizersAndResumes) {
   for (int world : {1, 2, 3}) {
     auto run = RunWorkers("checkpoint", world);

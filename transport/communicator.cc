@@ -837,6 +837,10 @@ class Communicator::Impl {
   std::shared_ptr<PollGate> poll_gate_ = std::make_shared<PollGate>();
 };
 
+// How long a rank with a bad DDP_* variable tries to reach the store to
+// post it for the others before it names the variable and gives up.
+constexpr std::chrono::milliseconds kEnvironmentReportTime(5000);
+
 // The DDP_* variables that adjust options_ and shm_env_.
 Status Communicator::Impl::ReadEnvironment() {
   const std::string env_algo = GetEnv("DDP_ALLREDUCE_ALGO");
@@ -885,14 +889,16 @@ Status Communicator::Impl::Init() {
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
   // A bad variable is reported once the store is reached, where the other
   // ranks' creation waits see it: failing before would leave them waiting
-  // out their whole timeout (or, on rank 0, never start their store).
+  // out their whole timeout (or, on rank 0, never start their store). The
+  // store gets a few seconds for that, then the variable is named anyway,
+  // also when reaching or serving the store fails.
   const Status environment = ReadEnvironment();
 
   fork::InstallForkGuard();
   const Deadline deadline = creation_deadline_.value_or(DeadlineIn(o.timeout));
   // Count the cores before pinning narrows the view to one.
   const int available_cpus = AvailableCpus();
-  if (o.bind_to_core) BindToCore(o.local_rank);
+  if (o.bind_to_core && environment.ok()) BindToCore(o.local_rank);
   prefix_ = (key_name_.empty() ? o.name : key_name_) + "/";
 
   // 1. Rendezvous store.
@@ -912,7 +918,7 @@ Status Communicator::Impl::Init() {
           return fresh;
         },
         error);
-    if (server_ == nullptr) return error;
+    if (server_ == nullptr) return environment.ok() ? error : environment;
     {
       std::lock_guard lock(server_->mu);
       server_->users.emplace_back(prefix_, o.world_size);
@@ -931,8 +937,14 @@ Status Communicator::Impl::Init() {
     store_rank_ = 0;
     served_root_prefix_ = prefix_;
   }
-  DDP_ASSIGN_OR_RETURN(store_, store::TcpStoreClient::Connect(o.store_host, o.store_port,
-                                                              o.job_token, deadline));
+  {
+    const Deadline connect_by =
+        environment.ok() ? deadline : std::min(deadline, DeadlineIn(kEnvironmentReportTime));
+    StatusOr<std::unique_ptr<store::TcpStoreClient>> connected =
+        store::TcpStoreClient::Connect(o.store_host, o.store_port, o.job_token, connect_by);
+    if (!connected.ok()) return environment.ok() ? connected.status() : environment;
+    store_ = std::move(*connected);
+  }
   setup_store_ = std::make_unique<internal::WatchfulStore>(*store_, prefix_ + "abort");
   DDP_RETURN_IF_ERROR(environment);
 

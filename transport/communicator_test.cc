@@ -248,6 +248,8 @@ int ScenarioMismatch() {
 }
 
 int ScenarioCreateOnly() {
+  // DDP_TEST_ABSENT=1: this rank never joins (a rank 0 that crashed first).
+  if (EnvOr("DDP_TEST_ABSENT") == "1") return 0;
   CommunicatorOptions options = WorkerOptions();
   // DDP_TEST_BAD_TOPOLOGY_RANK: that rank alone is given a topology file
   // that does not exist, so its creation fails after the others started.
@@ -1650,6 +1652,23 @@ TEST(Communicator, OneRanksBadEnvironmentValueFailsTheOthersAtOnce) {
       }
     }
   }
+}
+
+// A bad variable where the store cannot be reached (rank 0, which serves
+// it, never came): named within seconds, not hidden behind a store timeout
+// at the end of the creation deadline.
+TEST(Communicator, BadEnvironmentValueIsNamedWhenTheStoreIsUnreachable) {
+  Job job = RunJob(2, "create", {{"DDP_TEST_TIMEOUT_MS", "30000"}}, milliseconds(60000), nullptr,
+                   {{0, {{"DDP_TEST_ABSENT", "1"}}}, {1, {{"DDP_SHM_STAGING_BYTES", "1X"}}}});
+  ASSERT_EQ(job.results.size(), 2u);
+  const std::string& out = job.results[1].output;
+  EXPECT_EQ(job.results[1].exit_code, 2) << job.Describe();
+  EXPECT_NE(out.find("rank 1: creating the communicator: DDP_SHM_STAGING_BYTES=1X: expected a byte count"),
+            std::string::npos)
+      << job.Describe();
+  const size_t at = out.find("CREATE_MS ");
+  ASSERT_NE(at, std::string::npos) << job.Describe();
+  EXPECT_LT(std::atoi(out.c_str() + at + 10), 15000) << job.Describe();
 }
 
 TEST(Communicator, StagedReduceDefaultsToHostAndFollowsTheEnvironment) {

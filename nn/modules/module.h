@@ -138,6 +138,9 @@ class Module {
   std::string ToString() const;
 
  protected:
+  /// Sets this module's own training flag, leaving its descendants' modes
+  /// as they are (a wrapper that follows the mode of the module it wraps).
+  void SetOwnTrainingFlag(bool on) { training_ = on; }
   /// Registers a parameter and returns its handle, with requires_grad as
   /// given. Left out, a tensor registered as a parameter for the first time
   /// gets true, and one that has been a parameter before (of any module,

@@ -470,7 +470,15 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     problems.push_back("the state was saved with schedule " + saved + ", this scheduler's is " + current +
                        " (its step count would give another rate): make the scheduler with the saved schedule");
   }
-  const double lr = schedule.Lr(base_lr, t);
+  double lr = 0;
+  try {
+    lr = schedule.Lr(base_lr, t);
+  } catch (const std::out_of_range& e) {
+    // A step past the schedule's end (OneCycle's total_steps): one more
+    // problem, not another kind of error.
+    problems.push_back(std::string("scheduler.step ") + std::to_string(t) + " is outside the schedule: " + e.what());
+    lr = 0;
+  }
   if (!(lr >= 0) || !std::isfinite(lr)) {
     problems.push_back("the schedule gives learning rate " + std::to_string(lr) + " at scheduler.step " +
                        std::to_string(t) + " from scheduler.base_lr " + std::to_string(base_lr) +

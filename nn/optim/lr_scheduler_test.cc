@@ -321,6 +321,29 @@ TEST(OneCycle, SteppingPastTotalStepsThrowsAndChangesNothing) {
   EXPECT_EQ(lin.step_count(), 24);
 }
 
+// A state saved past the end of a shorter cycle: refused as invalid_argument
+// naming both schedules and the step, not an out_of_range escaping the
+// check (checkpoint restores collect invalid_argument problems).
+TEST(OneCycle, AStateSavedPastTheCycleIsRefusedNamingTheStep) {
+  Tensor p = Zeros({1});
+  Sgd long_opt({{"p", p}}, {.lr = 1.0}), short_opt({{"p", p}}, {.lr = 1.0});
+  LrScheduler long_cycle(long_opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10}));
+  for (int i = 0; i < 8; ++i) long_cycle.Step();
+  LrScheduler short_cycle(short_opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 5}));
+  const NamedTensors saved = long_cycle.StateDict();
+  std::string error;
+  try {
+    short_cycle.CheckStateDict(saved);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  } catch (const std::exception& e) {
+    error = std::string("another kind of error: ") + e.what();
+  }
+  EXPECT_THAT(error, HasSubstr("LrScheduler.LoadStateDict: the state was saved with schedule"));
+  EXPECT_THAT(error, HasSubstr("scheduler.step 8 is outside the schedule"));
+  EXPECT_EQ(short_cycle.step_count(), 0);
+}
+
 // Long runs: the restart search and the milestone count stay exact.
 TEST(WarmRestarts, RestartsFallExactlyOnTheirSteps) {
   const auto s = CosineWarmRestartsSchedule(3, 2, 0.0);

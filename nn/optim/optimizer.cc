@@ -675,8 +675,12 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
       // In a state that lists every parameter, a missing one was not held
       // by the saving optimizer (PyTorch refuses param groups of other
       // sizes). One without elements is exempt: a sharded optimizer's
-      // consolidated state has none of its entries, and its state holds no value.
-      if (listed && p.numel() > 0) {
+      // consolidated state has none of its entries, and its state holds no
+      // value. So is a frozen one (requires_grad off and no gradient): an
+      // optimizer of the trained parameters alone (OverlappedZeroOptimizer)
+      // saves none of its entries, and it takes no step.
+      const bool frozen = !p.requires_grad() && !p.grad().defined();
+      if (listed && p.numel() > 0 && !frozen) {
         problems.push_back("parameter `" + params_[i].first + "` is not in the state (no `" + prefix +
                            "step`): it was saved by an optimizer over other parameters");
       }

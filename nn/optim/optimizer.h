@@ -126,8 +126,10 @@ class Optimizer {
   /// trainer instead refuses a resume with another --lr before loading).
   ///
   /// The parameters: a state with "group.params_listed" must have a step
-  /// entry for every parameter of this optimizer that has elements, or the
-  /// load is refused naming the missing parameter (as PyTorch refuses param
+  /// entry for every parameter of this optimizer that has elements and is
+  /// not frozen (requires_grad off and no gradient: an optimizer of the
+  /// trained parameters alone holds none of it), or the load is refused
+  /// naming the missing parameter (as PyTorch refuses param
   /// groups of another size): otherwise one the saving optimizer did not
   /// hold would silently restart. A step entry of a parameter this
   /// optimizer does not hold is refused naming it. A state without the flag

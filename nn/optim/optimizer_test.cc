@@ -243,11 +243,23 @@ TEST(OptimizerState, StateSavedOverOtherParametersIsRefusedNamingThem) {
 
   // Another name in the same place: both are named.
   NamedParameters renamed = {{"w", Ones({3})}, {"c", Ones({3})}};
+  renamed[1].second.set_requires_grad(true);  // trainable: it must be in the state
   Adam other(renamed, {.lr = 1e-3});
   err = ErrorOf([&] { other.LoadStateDict(wb->StateDict()); });
   EXPECT_THAT(err, AllOf(HasSubstr("parameter `c` is not in the state"),
                          HasSubstr("unexpected `state.b.step` (parameter `b` is not in this optimizer)")));
   EXPECT_EQ(other.step_count(0), 0);
+
+  // A frozen parameter (requires_grad off, no gradient) may be absent: an
+  // optimizer of the trained parameters alone saved the state.
+  NamedParameters with_frozen = {{"w", Ones({3})}, {"b", Ones({3})}};
+  Adam plain(with_frozen, {.lr = 1e-3});
+  ASSERT_NO_THROW(plain.LoadStateDict(w_only->StateDict()));
+  EXPECT_EQ(plain.step_count(0), 1000);
+  EXPECT_EQ(plain.step_count(1), 0);
+  with_frozen[1].second.set_requires_grad(true);
+  EXPECT_THAT(ErrorOf([&] { plain.LoadStateDict(w_only->StateDict()); }),
+              HasSubstr("parameter `b` is not in the state"));
 
   // A parameter the saving optimizer held but never updated is listed with
   // step 0 and loads as never updated, replacing a trained state.
