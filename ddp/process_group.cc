@@ -359,6 +359,11 @@ std::chrono::steady_clock::time_point Work::finished() const {
 
 // ---------------------------------------------------------------- Impl ----
 
+// The group whose task this thread is running, if any (Impl::Run).
+namespace {
+thread_local const ProcessGroup::Impl* tls_running_group = nullptr;
+}  // namespace
+
 class ProcessGroup::Impl {
  public:
   Impl(std::unique_ptr<transport::Communicator> comm, int rank, int size,
@@ -396,6 +401,15 @@ class ProcessGroup::Impl {
                std::shared_ptr<internal::DeviceFence> fence, Mode mode = Mode::kCollective,
                std::vector<std::shared_ptr<P2pTransfer>> transfers = {},
                Clock::duration own_time = Clock::duration::zero()) {
+    if (tls_running_group == this) {
+      // It would be queued behind the task that issues it, which waits for
+      // it: a stall until the deadline, then the group aborted.
+      throw std::logic_error("ProcessGroup: " + description.ToString() + " was issued on rank " +
+                             std::to_string(rank_) +
+                             " from inside a task of the same process group (a Run/RunFenced task or a "
+                             "communication hook's work); it would wait for that task, which waits for it. "
+                             "Use the transport::Communicator the task is given, or issue it after the task");
+    }
     auto state = std::make_shared<Work::State>();
     state->fence = std::move(fence);
     state->transfers = std::move(transfers);
@@ -629,6 +643,8 @@ class ProcessGroup::Impl {
       status = task(comm_.get(), start + options_.timeout);
     } catch (const std::exception& e) {
       status = transport::InternalError(std::string("posting a message threw: ") + e.what());
+    } catch (...) {
+      status = transport::InternalError("posting a message threw an exception that is not a std::exception");
     }
     if (status.ok()) {
       std::lock_guard state_lock(state->mu);
@@ -694,10 +710,25 @@ class ProcessGroup::Impl {
         }
         internal::DeviceFence* fence = item.state->fence.get();
         if (status.ok() && fence != nullptr) status = fence->WaitReady(deadline);
-        if (status.ok()) status = item.task(comm_.get(), deadline);
+        if (status.ok()) {
+          // A task that issues work on this group would wait for itself
+          // (nothing else runs until it returns): Enqueue refuses that.
+          const Impl* outer = tls_running_group;
+          tls_running_group = this;
+          try {
+            status = item.task(comm_.get(), deadline);
+          } catch (...) {
+            tls_running_group = outer;
+            throw;
+          }
+          tls_running_group = outer;
+        }
         if (status.ok() && fence != nullptr) status = fence->MarkDone();
       } catch (const std::exception& e) {
         status = transport::InternalError(item.description.ToString() + " threw: " + e.what());
+      } catch (...) {
+        status = transport::InternalError(item.description.ToString() +
+                                          " threw an exception that is not a std::exception");
       }
       if (!status.ok()) {
         // The peers learn the transport's reason; this rank's Work says
@@ -1687,11 +1718,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
   // FNV-1a over the ranks in order: what the ranks compare before forming
   // the group (an order that differs is a different list).
   uint64_t digest = 14695981039346656037ull;
+  // What is wrong with this rank's list, if anything: said after the
+  // exchange below (as a length of -1), so that the other ranks fail with
+  // it instead of waiting for this one until their deadline.
+  std::string invalid;
   for (int r : ranks) {
     if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
-      throw std::invalid_argument("ProcessGroup::NewGroup: rank " + std::to_string(r) +
-                                  (r >= 0 && r < size_ ? " given twice" : " is not in [0, " +
-                                                                              std::to_string(size_) + ")"));
+      invalid = "rank " + std::to_string(r) +
+                (r >= 0 && r < size_ ? " given twice" : " is not in [0, " + std::to_string(size_) + ")");
+      break;
     }
     seen[static_cast<size_t>(r)] = true;
     digest = (digest ^ static_cast<uint64_t>(r)) * 1099511628211ull;
@@ -1704,7 +1739,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
   // The first rank whose list differs from rank 0's (-1: none), and both
   // lists' lengths; the same on every rank, since all see the same data.
   auto differs = std::make_shared<std::array<int64_t, 3>>(std::array<int64_t, 3>{-1, 0, 0});
-  const int64_t count = static_cast<int64_t>(ranks.size());
+  const int64_t count = invalid.empty() ? static_cast<int64_t>(ranks.size()) : -1;
   // The lists are compared by the task itself (below), also in debug mode,
   // where a fingerprint of the list would fail first, as a desync.
   CollectiveDescription d{"new_group", nn::DType::kInt64, {}, -1, transport::ReduceOp::kSum, false};
@@ -1717,6 +1752,12 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
     std::vector<int64_t> all(2 * static_cast<size_t>(comm->size()));
     DDP_RETURN_IF_ERROR(comm->AllGather(mine.data(), all.data(), 2, transport::DataType::kI64,
                                         internal::Within(deadline)));
+    for (int r = 0; r < comm->size(); ++r) {
+      if (all[2 * r] < 0) {  // a list its own rank refused
+        *differs = {r, all[0], -1};
+        return Status::Ok();
+      }
+    }
     for (int r = 1; r < comm->size(); ++r) {
       if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
         *differs = {r, all[0], all[2 * r]};
@@ -1729,6 +1770,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
     *made = std::move(*child);
     return Status::Ok();
   }, nullptr).Wait();
+  if (!invalid.empty()) {
+    throw std::invalid_argument("ProcessGroup::NewGroup: " + invalid + ". No group was formed on any rank");
+  }
+  if ((*differs)[0] >= 0 && (*differs)[2] < 0) {
+    throw std::invalid_argument("ProcessGroup::NewGroup: rank " + std::to_string((*differs)[0]) +
+                                " passed an invalid rank list (its error names the problem). No group was "
+                                "formed on any rank");
+  }
   if ((*differs)[0] >= 0) {
     const int64_t r = (*differs)[0];
     throw std::invalid_argument(
@@ -1863,8 +1912,12 @@ std::shared_ptr<ProcessGroup> InitProcessGroup(ProcessGroupOptions options,
 }
 
 void SetDefaultProcessGroup(std::shared_ptr<ProcessGroup> group) {
-  std::lock_guard lock(default_mu);
-  DefaultSlot() = std::move(group);
+  {
+    std::lock_guard lock(default_mu);
+    std::swap(DefaultSlot(), group);
+  }
+  // `group` now holds the old default, released here, outside the lock: its
+  // destructor waits for its work, which may call DefaultProcessGroup().
 }
 
 std::shared_ptr<ProcessGroup> DefaultProcessGroup() {

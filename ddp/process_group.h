@@ -404,8 +404,10 @@ class ProcessGroup {
   /// same list, and a rank not in it gets nullptr. The new group has this
   /// group's options, its own communicator (Communicator::Split) and
   /// communication thread, and may outlive this group. Throws
-  /// std::invalid_argument for an empty list, a rank out of range or given
-  /// twice, DistributedError when forming it fails. The ranks always compare
+  /// std::invalid_argument for an empty list (at once, before anything is
+  /// exchanged), a rank out of range or given twice (on every rank, after
+  /// the comparison below: the others name the rank whose list it was),
+  /// DistributedError when forming it fails. The ranks always compare
   /// their lists (length and a digest, one small all-gather) before forming
   /// the group: when a rank's list differs from rank 0's (other ranks, or
   /// another order), every rank throws std::invalid_argument naming that
@@ -418,7 +420,11 @@ class ProcessGroup {
   /// the debug check compares across ranks. `device_tensors` (all on one
   /// CUDA device) are ordered like a built-in collective's: the task starts
   /// once the work queued on them before this call has run, and Wait orders
-  /// the caller's stream after the task.
+  /// the caller's stream after the task. The task must not issue work on
+  /// this group (it would wait for itself): that throws std::logic_error
+  /// inside it, which fails its Work and aborts the group; it uses the
+  /// Communicator it is given. A task's exception of any type fails its
+  /// Work (and aborts the group).
   Work Run(const CollectiveDescription& description, Task task,
            const std::vector<nn::Tensor>& device_tensors = {});
   /// Run, for //ddp's own hooks: the task also gets the fence of

@@ -564,6 +564,22 @@ DDP_TEST_WORKER(pg_new_group_lists_differ) {
       WORKER_EXPECT(false, std::string("not invalid_argument: ") + e.what());
     }
   }
+  // A list only rank 2 finds invalid: every rank fails at once (before,
+  // rank 2 threw alone and the others waited for it until their deadline).
+  {
+    const std::vector<int> list = me == 2 ? std::vector<int>{0, 1, 1} : std::vector<int>{0, 1};
+    const std::string want = me == 2 ? "ProcessGroup::NewGroup: rank 1 given twice"
+                                     : "ProcessGroup::NewGroup: rank 2 passed an invalid rank list";
+    try {
+      auto group = pg->NewGroup(list);
+      WORKER_EXPECT(false, "rank " + std::to_string(me) + ": NewGroup with an invalid list did not throw");
+    } catch (const std::invalid_argument& e) {
+      WORKER_EXPECT(std::string(e.what()).find(want) != std::string::npos,
+                    "rank " + std::to_string(me) + ": expected '" + want + "', got: " + e.what());
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, std::string("not invalid_argument: ") + e.what());
+    }
+  }
   Tensor t = nn::Ones({4});
   pg->AllReduce(t).Wait();
   WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(4, 3.0), "the group is not usable after");
@@ -600,6 +616,76 @@ DDP_TEST_WORKER(pg_monitored_barrier_longest) {
 TEST(ProcessGroupTest, MonitoredBarrierWithTheLongestTimeout) {
   auto run = RunWorkers("pg_monitored_barrier_longest", 2, {}, 30000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A task that issues work on its own group would wait for itself (nothing
+// else runs until it returns): refused at once, naming the call, instead of
+// stalling until the wait budget and then aborting the group.
+TEST(ProcessGroupTest, WorkIssuedFromInsideATaskOfTheSameGroupIsRefusedAtOnce) {
+  auto pg = ProcessGroup::Single({.timeout = std::chrono::milliseconds(3000)});
+  std::weak_ptr<ProcessGroup> weak = pg;
+  CollectiveDescription d{"nests", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  const auto start = std::chrono::steady_clock::now();
+  Work w = pg->Run(d, [weak](transport::Communicator*, transport::Deadline) {
+    Tensor t = nn::Ones({2});
+    if (auto group = weak.lock()) group->AllReduce(t).Wait();
+    return transport::Status::Ok();
+  });
+  std::string error;
+  try {
+    w.Wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(error.find("all_reduce(sum, f32 [2]) was issued on rank 0 from inside a task of the same process group"),
+            std::string::npos)
+      << error;
+  EXPECT_LT(seconds, 2.0);
+}
+
+// A task that throws something other than a std::exception fails its Work
+// (before, it escaped the communication thread: std::terminate).
+TEST(ProcessGroupTest, ATaskThrowingANonStandardExceptionFailsItsWork) {
+  auto pg = ProcessGroup::Single();
+  CollectiveDescription d{"throws_an_int", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  Work w = pg->Run(d, [](transport::Communicator*, transport::Deadline) -> transport::Status { throw 42; });
+  std::string error;
+  try {
+    w.Wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("throws_an_int(f32 [0]) threw an exception that is not a std::exception"), std::string::npos)
+      << error;
+}
+
+// Replacing the default group releases the old one outside the lock: a task
+// of the old group that reads the default while the old group drains
+// deadlocked (the replacing thread held the lock while it waited for the task).
+TEST(ProcessGroupTest, ReplacingTheDefaultGroupWhileItsTaskReadsTheDefaultFinishes) {
+  const auto replace_twice = [] {
+    alarm(20);  // a deadlock ends here, as a signal
+    auto started = std::make_shared<std::promise<void>>();
+    std::future<void> running = started->get_future();
+    {
+      auto old = ProcessGroup::Single();
+      CollectiveDescription d{"reads_the_default", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+      old->Run(d, [started](transport::Communicator*, transport::Deadline) {
+        started->set_value();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        return DefaultProcessGroup() != nullptr ? transport::Status::Ok()
+                                                : transport::InternalError("no default group");
+      });
+      SetDefaultProcessGroup(std::move(old));
+    }
+    running.wait();
+    SetDefaultProcessGroup(ProcessGroup::Single());
+    std::exit(0);
+  };
+  // Other tests left threads behind: the child runs from a fresh start.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(replace_twice(), ::testing::ExitedWithCode(0), "");
 }
 
 // A task that holds the last reference to its group: the group is
