@@ -1713,7 +1713,6 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {
-  if (ranks.empty()) throw std::invalid_argument("ProcessGroup::NewGroup: the rank list is empty");
   std::vector<bool> seen(static_cast<size_t>(size_), false);
   // FNV-1a over the ranks in order: what the ranks compare before forming
   // the group (an order that differs is a different list).
@@ -1721,7 +1720,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
   // What is wrong with this rank's list, if anything: said after the
   // exchange below (as a length of -1), so that the other ranks fail with
   // it instead of waiting for this one until their deadline.
-  std::string invalid;
+  std::string invalid = ranks.empty() ? "the rank list is empty" : "";
   for (int r : ranks) {
     if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
       invalid = "rank " + std::to_string(r) +

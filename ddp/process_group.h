@@ -404,9 +404,9 @@ class ProcessGroup {
   /// same list, and a rank not in it gets nullptr. The new group has this
   /// group's options, its own communicator (Communicator::Split) and
   /// communication thread, and may outlive this group. Throws
-  /// std::invalid_argument for an empty list (at once, before anything is
-  /// exchanged), a rank out of range or given twice (on every rank, after
-  /// the comparison below: the others name the rank whose list it was),
+  /// std::invalid_argument for an empty list, a rank out of range or given
+  /// twice (on every rank, after the comparison below: the others name the
+  /// rank whose list it was),
   /// DistributedError when forming it fails. The ranks always compare
   /// their lists (length and a digest, one small all-gather) before forming
   /// the group: when a rank's list differs from rank 0's (other ranks, or

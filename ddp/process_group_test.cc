@@ -644,6 +644,17 @@ TEST(ProcessGroupTest, WorkIssuedFromInsideATaskOfTheSameGroupIsRefusedAtOnce) {
   EXPECT_LT(seconds, 2.0);
 }
 
+TEST(ProcessGroupTest, NewGroupOfAnEmptyListIsRefused) {
+  auto pg = ProcessGroup::Single();
+  std::string error;
+  try {
+    pg->NewGroup({});
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("ProcessGroup::NewGroup: the rank list is empty"), std::string::npos) << error;
+}
+
 // A task that throws something other than a std::exception fails its Work
 // (before, it escaped the communication thread: std::terminate).
 TEST(ProcessGroupTest, ATaskThrowingANonStandardExceptionFailsItsWork) {
