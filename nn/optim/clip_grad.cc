@@ -120,10 +120,9 @@ void ClipGradValue(const std::vector<Tensor>& params, double clip_value) {
     const Tensor& p = params[i];
     if (!p.defined() || !p.grad().defined()) continue;
     const Tensor& g = p.grad();
-    if (!g.device().is_cpu()) {
+    if (!g.device().is_cpu() && ops::KernelsFor(g.device().type).clamp == nullptr) {
       throw std::invalid_argument("ClipGradValue: the gradient of parameter " + std::to_string(i) + " is on " +
-                                  g.device().ToString() + "; only CPU gradients can be clipped by value (no " +
-                                  "device kernel for it)");
+                                  g.device().ToString() + ", which has no clamp kernel registered");
     }
     if (!IsFloating(g.dtype())) {
       throw std::invalid_argument("ClipGradValue: the gradient of parameter " + std::to_string(i) + " has dtype " +
@@ -135,7 +134,16 @@ void ClipGradValue(const std::vector<Tensor>& params, double clip_value) {
   for (const Tensor& g : grads) {
     // One of other strides is clamped as a contiguous copy, written back.
     const Tensor work = g.is_contiguous() ? g : g.Detach().Contiguous();
-    DDP_DISPATCH_FLOATING(work.dtype(), "ClipGradValue", ClampValues(work.data<scalar_t>(), work.numel(), clip_value));
+    if (work.device().is_cpu()) {
+      DDP_DISPATCH_FLOATING(work.dtype(), "ClipGradValue", ClampValues(work.data<scalar_t>(), work.numel(), clip_value));
+    } else {
+      // The device's clamp kernel, in place, on the current stream; the
+      // bound rounded to the gradient's type as on the CPU.
+      double hi = clip_value;
+      DDP_DISPATCH_FLOATING(work.dtype(), "ClipGradValue",
+                            hi = static_cast<double>(static_cast<acc_t<scalar_t>>(scalar_t(clip_value))));
+      ops::KernelsFor(work.device().type).clamp(work, -hi, hi, work);
+    }
     if (!g.is_contiguous()) {
       NoGradGuard guard;
       g.CopyFrom(work);

@@ -27,10 +27,11 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
 /// torch.nn.utils.clip_grad_value_: every gradient element is clamped to
 /// [-clip_value, clip_value] in place (bounds rounded to the gradient's
 /// dtype; a NaN element stays NaN, as PyTorch's clamp keeps it); parameters
-/// without .grad are skipped. Gradients of f16, bf16, f32 or f64 on the CPU,
-/// of any strides. Throws std::invalid_argument, changing no gradient, for a
-/// negative or NaN clip_value (infinity clips nothing) and for a gradient
-/// that is not on the CPU (no device kernel; naming its position and
+/// without .grad are skipped. Gradients of f16, bf16, f32 or f64, of any
+/// strides, on the CPU or a device whose kernel table has `clamp` (CUDA's,
+/// queued on the current stream). Throws std::invalid_argument, changing no
+/// gradient, for a negative or NaN clip_value (infinity clips nothing) and
+/// for a gradient on a device without that kernel (naming its position and
 /// device).
 void ClipGradValue(const std::vector<Tensor>& params, double clip_value);
 
