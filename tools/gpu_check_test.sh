@@ -5,6 +5,8 @@
 # by SIGTERM in the middle of a benchmark.
 # shellcheck disable=SC2016  # backquotes in the expected messages are literal
 set -uo pipefail
+# Bazel sets it; run by hand (the GPU machine), a folder of its own.
+TEST_TMPDIR="${TEST_TMPDIR:-$(mktemp -d)}"
 SCRIPT="$(dirname "$0")/gpu_check.sh"
 FIXTURE="$(dirname "$0")/testdata/gpu_check_bench.log"
 failures=0
@@ -39,14 +41,14 @@ expect_error '--steps must be a positive integer, got `0`' --steps=0
 expect_error '--batch must be a positive integer, got `x`' --batch=x
 expect_error '--warmup must be a non-negative integer, got `-1`' --warmup=-1
 expect_error '--modes: unknown mode `fp8`' --modes=fp32,fp8
-missing="${TEST_TMPDIR:-/tmp}/gpu_check_test_missing_table"
+missing="$TEST_TMPDIR/gpu_check_test_missing_table"
 rm -rf "$missing"
 expect_error "--table: cannot read \`$missing\`" --table="$missing"
 expect_error '--profile: unknown mode `fp8`' --profile=fp8
 
 # The split BatchNorm comparison: ours' lines only, a mode the split run
 # lacks shows "-".
-split_log="${TEST_TMPDIR:-/tmp}/gpu_check_test_split.log"
+split_log="$TEST_TMPDIR/gpu_check_test_split.log"
 echo "BENCH impl=ours model=resnet50 mode=fp32 batch=256 warmup=3 steps=20 images_per_s=1350.0" >"$split_log"
 echo "BENCH impl=torch model=resnet50 mode=fp32 batch=256 images_per_s=5.0" >>"$split_log"
 split_table="$("$SCRIPT" --split-table="$FIXTURE,$split_log" | tr -s ' ')"

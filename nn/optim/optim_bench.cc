@@ -57,7 +57,8 @@ void Run(const std::string& name, int slots,
   // Bytes moved per element: read p, g and each slot, write p and each slot.
   const double bytes = elems * 4 * (3 + 2 * slots);
   std::printf("%-10s wall median %7.2f ms  min %7.2f ms  cpu min %7.2f ms  %5.2f GB/s\n",
-              name.c_str(), ms[ms.size() / 2], ms[0], cpu_ms[0], bytes / (cpu_ms[0] * 1e-3) / 1e9);
+              name.c_str(), (ms[(ms.size() - 1) / 2] + ms[ms.size() / 2]) / 2, ms[0], cpu_ms[0],
+              bytes / (cpu_ms[0] * 1e-3) / 1e9);
 }
 
 }  // namespace

@@ -687,9 +687,10 @@ int main(int argc, char** argv) {
   const Sample& last = samples.back();
 
   std::printf(
-      "soak rank %d: %ld ops in %.1f s (%.0f ops/s), every element checked, 0 wrong; "
+      "soak rank %d: %ld ops in %.1f s (%.0f ops/s), every element checked, %ld wrong; "
       "all_reduce %ld broadcast %ld all_gather %ld reduce_scatter %ld barrier %ld send_recv %ld\n",
-      rank, done, seconds, done / std::max(seconds, 1e-9), per_kind[0], per_kind[1], per_kind[2],
+      rank, done, seconds, done / std::max(seconds, 1e-9), static_cast<long>(wrong_total), per_kind[0],
+      per_kind[1], per_kind[2],
       per_kind[3], per_kind[4], per_kind[5]);
   std::printf("soak rank %d: mean ms per call:", rank);
   for (int k = 0; k < 6; ++k) {
@@ -720,7 +721,6 @@ int main(int argc, char** argv) {
   std::printf("soak rank %d: resident %ld KiB before the warm-up calls, %ld KiB after them\n", rank,
               rss_before_warmup, samples.front().rss_kib);
   std::fflush(stdout);
-  (void)wrong_total;
 
   // Shared-memory pages fill in as the intra-host path first uses them; they
   // are bounded by the address space, which is held flat below. A leak shows

@@ -4,6 +4,7 @@
 
     bazel run //nn/optim:optim_bench && /usr/bin/python3 tools/bench/torch_optim_step.py
 """
+import statistics
 import time
 
 import torch
@@ -30,7 +31,7 @@ def run(name, make):
     times.sort()
     cpu.sort()
     print("%-10s wall median %7.2f ms  min %7.2f ms  cpu min %7.2f ms  (torch %s)" %
-          (name, times[len(times) // 2], times[0], cpu[0], torch.__version__))
+          (name, statistics.median(times), times[0], cpu[0], torch.__version__))
 
 
 run("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4))
