@@ -44,7 +44,8 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
   for (const char* flag :
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
-        "momentum", "weight_decay", "scheduler", "amp", "device", "nproc_per_node", "max_restarts",
+        "momentum", "weight_decay", "scheduler", "lr_gamma", "lr_milestones", "lr_t0",
+        "lr_t_mult", "lr_patience", "amp", "device", "nproc_per_node", "max_restarts",
         "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "powersgd_start_step",
         "find_unused_parameters", "ddp_stats", "trace", "checkpoint", "checkpoint_every",
         "save_timeout_s", "resume", "log_dir", "log_every", "timeout_s"}) {
@@ -137,6 +138,37 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
             "train: --nproc_per_node=0 must be in [1, 4096]");
   EXPECT_EQ(OneErrorLine(Train({"--resume", "--checkpoint=none"})),
             "train: --resume needs a checkpoint to read; drop --checkpoint=none or give a path");
+}
+
+// The schedules' flags: refused in one line when given to another
+// --scheduler, missing, or unreadable, and a schedule that would do nothing
+// in this run (data read) is refused before any rank starts.
+TEST(TrainCliTest, ScheduleFlagsAreCheckedBeforeAnythingStarts) {
+  EXPECT_EQ(OneErrorLine(Train({"--lr_gamma=0.5"})),
+            "train: --lr_gamma applies to --scheduler=step, multistep, exponential or plateau "
+            "only; drop it for --scheduler=cosine");
+  EXPECT_EQ(OneErrorLine(Train({"--scheduler=exponential"})),
+            "train: --scheduler=exponential needs --lr_gamma, the rate's factor per optimizer step "
+            "(0.999, say)");
+  EXPECT_EQ(OneErrorLine(Train({"--scheduler=multistep", "--lr_milestones=10,x"})),
+            "train: --lr_milestones=10,x is not a list of optimizer steps; write them as 1000,2000");
+  EXPECT_EQ(OneErrorLine(Train({"--scheduler=warm_restarts"})),
+            "train: --scheduler=warm_restarts needs --lr_t0, the optimizer steps of its first cycle");
+  // 2 ranks, batch 32 of 256 samples: 4 steps per epoch.
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=256",
+                                          "--test_samples=64",   "--batch_size=32", "--workers=0",
+                                          "--checkpoint=none"};
+  std::vector<std::string> args = quick;
+  args.insert(args.end(), {"--scheduler=plateau", "--max_steps=3"});
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --scheduler=plateau takes the test loss at the end of each epoch, and this run "
+            "ends at step 3 (--max_steps=3), before its first epoch of 4 steps ends; pass "
+            "--max_steps=0 or at least 4, or another --scheduler");
+  args = quick;
+  args.insert(args.end(), {"--scheduler=multistep", "--lr_milestones=2,8"});
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --lr_milestones=2,8: step 8 would change nothing, this run ends at step 8 (2 "
+            "epochs of 4 steps); pass milestones below 8");
 }
 
 // --nproc_per_node takes torchrun's forms, as SelfLaunch and ddprun do: gpu

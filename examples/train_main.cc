@@ -70,8 +70,26 @@ DEFINE_double(lr, 0.05,
 DEFINE_double(momentum, 0.9, "SGD momentum (sgd only)");
 DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 for ResNets)");
 DEFINE_string(scheduler, "cosine",
-              "learning-rate schedule: none, step (x0.1 after each third of the run), cosine "
-              "(to 0 at the last step)");
+              "learning-rate schedule, stepped after each optimizer step: none, step (x --lr_gamma "
+              "after each third of the run), multistep (x --lr_gamma at each of --lr_milestones), "
+              "exponential (x --lr_gamma every step), cosine (to 0 at the last step), "
+              "warm_restarts (cosine to 0 over --lr_t0 steps, then again, each cycle --lr_t_mult "
+              "times the last), onecycle (from --lr/25 up to --lr over 30% of the run, then down "
+              "to --lr/25e4; OneCycleLR without momentum cycling), plateau (x --lr_gamma after "
+              "more than --lr_patience epochs without a lower test loss, taken at each epoch end)");
+DEFINE_double(lr_gamma, 0.1,
+              "the rate's factor: for --scheduler=step after each third of the run, multistep at "
+              "each milestone, exponential every optimizer step (needed: 0.999, say), plateau at "
+              "each reduction (below 1)");
+DEFINE_string(lr_milestones, "",
+              "with --scheduler=multistep (needed): the optimizer steps at which the rate is "
+              "multiplied by --lr_gamma, ascending, e.g. 1000,2000");
+DEFINE_int64(lr_t0, 0, "with --scheduler=warm_restarts (needed): optimizer steps of the first cycle");
+DEFINE_int64(lr_t_mult, 1,
+             "with --scheduler=warm_restarts: each cycle is this many times as long as the last");
+DEFINE_int64(lr_patience, 10,
+             "with --scheduler=plateau: epochs without a lower test loss tolerated; the rate "
+             "drops at the next one");
 DEFINE_string(amp, "off",
               "mixed precision: off, bf16, fp16; on the CPU a 16-bit model and activations "
               "with f32 master weights, on CUDA an f32 model under autocast; fp16 adds loss "
@@ -129,9 +147,10 @@ DEFINE_int64(save_timeout_s, 1800,
              "--timeout_s");
 DEFINE_bool(resume, false,
             "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
-            "the schedule as saved: the same --scheduler, --lr, and --epochs and --max_steps "
-            "that end it where it ended (--comm_hook=powersgd's iteration and low-rank state are "
-            "saved too, so compression goes on where it was)");
+            "the schedule as saved: the same --scheduler, --lr, --lr_* flags, and --epochs and "
+            "--max_steps that end it where it ended (other ones are fine with multistep, "
+            "exponential, warm_restarts and plateau; --comm_hook=powersgd's iteration and "
+            "low-rank state are saved too, so compression goes on where it was)");
 DEFINE_string(log_dir, "",
               "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder");
 DEFINE_int64(log_every, 10, "steps per metrics.csv row");
@@ -237,7 +256,9 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Model and data",
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed"}},
       {"Schedule", {"epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every"}},
-      {"Optimizer", {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "amp"}},
+      {"Optimizer",
+       {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "lr_gamma", "lr_milestones",
+        "lr_t0", "lr_t_mult", "lr_patience", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
        {"nproc_per_node", "max_restarts", "sync_bn", "zero", "zero_overlap", "bucket_cap_mb",
@@ -357,6 +378,8 @@ std::string EmptyPathFlagProblem() {
   return "";
 }
 
+[[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message);
+
 TrainConfig ConfigFromFlags(int world_size) {
   TrainConfig c;
   c.model = FLAGS_model;
@@ -376,6 +399,16 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.momentum = FLAGS_momentum;
   c.weight_decay = FLAGS_weight_decay;
   c.scheduler = FLAGS_scheduler;
+  // Unset, the schedule's default (and refused for exponential, which has none).
+  if (!IsDefault("lr_gamma")) c.lr_gamma = FLAGS_lr_gamma;
+  try {
+    c.lr_milestones = ddp::examples::trainer::ParseMilestones(FLAGS_lr_milestones);
+  } catch (const UsageError& e) {
+    Fail(2, 0, 1, e.what());
+  }
+  c.lr_t0 = FLAGS_lr_t0;
+  c.lr_t_mult = FLAGS_lr_t_mult;
+  c.lr_patience = FLAGS_lr_patience;
   c.amp = FLAGS_amp;
   c.device = FLAGS_device;
   c.sync_bn = FLAGS_sync_bn;

@@ -176,6 +176,71 @@ TEST(TrainResumeTest, StoppedAndResumedOnThreeRanksEqualsUninterrupted) {
   ExpectSameModel(reference, resumed);
 }
 
+// The lines in which the trainer says the plateau lowered the rate.
+std::vector<std::string> PlateauLines(const std::string& out) {
+  std::vector<std::string> lines;
+  for (const std::string& line : testing::Lines(out)) {
+    if (line.find("plateau: learning rate") != std::string::npos) lines.push_back(line);
+  }
+  return lines;
+}
+
+// --scheduler=plateau: a run stopped by --max_steps at the end of its second
+// epoch and resumed lowers the rate at the same epochs, and ends with the
+// rate, plateau state and parameters of the uninterrupted run. The
+// checkpoint is saved before the epoch's evaluation, whose test loss the
+// plateau takes: the resumed run evaluates again and gives it that loss
+// (without, the plateau is one metric behind and the state differs).
+TEST(TrainResumeTest, PlateauRateAfterResumeEqualsUninterrupted) {
+  const std::string dir = testing::MakeTempDir("plateau");
+  // 2 ranks, batch 32 of 256 samples: 4 steps per epoch, 20 in all.
+  auto args = [](const std::string& checkpoint) {
+    return std::vector<std::string>{
+        Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",  "--train_samples=256",
+        "--test_samples=64",       "--batch_size=32",     "--epochs=5",   "--scheduler=plateau",
+        "--lr_patience=0",         "--lr_gamma=0.5",      "--lr=0.5",     "--workers=0",
+        "--checkpoint=" + checkpoint};
+  };
+  const std::string reference = dir + "/reference/ckpt.safetensors";
+  const std::string resumed = dir + "/resumed/ckpt.safetensors";
+  const RunOutput ref = testing::RunToEnd(args(reference));
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  ASSERT_EQ(CheckpointStep(reference), 20) << ref.out;
+
+  std::vector<std::string> first = args(resumed);
+  first.push_back("--max_steps=8");
+  const RunOutput stopped = testing::RunToEnd(first);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
+  ASSERT_EQ(CheckpointStep(resumed), 8);
+
+  std::vector<std::string> again = args(resumed);
+  again.push_back("--resume");
+  const RunOutput res = testing::RunToEnd(again);
+  ASSERT_EQ(res.exit_code, 0) << res.out << res.err;
+  EXPECT_NE(res.out.find("resumed at epoch 3, step 8"), std::string::npos) << res.out;
+
+  // The reductions, at the same epochs and to the same rates.
+  const std::vector<std::string> uninterrupted = PlateauLines(ref.out);
+  std::vector<std::string> in_parts = PlateauLines(stopped.out);
+  const std::vector<std::string> after = PlateauLines(res.out);
+  in_parts.insert(in_parts.end(), after.begin(), after.end());
+  EXPECT_EQ(in_parts, uninterrupted) << ref.out << "\n---\n" << stopped.out << "\n---\n" << res.out;
+  ASSERT_FALSE(after.empty()) << "the rate never dropped after the resume, so the test shows nothing: "
+                              << ref.out;
+  // The rate itself (the optimizer's "lr", which the plateau set) and the
+  // plateau's state, among the whole state compared bit for bit.
+  const nn::io::Checkpoint a = nn::io::LoadCheckpoint(reference);
+  double rate = 0;
+  bool has_plateau = false;
+  for (const auto& [name, t] : a.optimizer) {
+    if (name == "lr") rate = t.Item();
+    has_plateau = has_plateau || name == "plateau.step";
+  }
+  EXPECT_LT(rate, 0.5);
+  EXPECT_TRUE(has_plateau);
+  ExpectSameModel(reference, resumed);
+}
+
 // With the optimizer state sharded (`flags`: --zero, with or without
 // --zero_overlap), training is the unsharded training bit for bit, the
 // checkpoints hold the whole state in the same format, and a run killed in

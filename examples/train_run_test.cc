@@ -81,6 +81,34 @@ TEST(TrainRunTest, PrintsHeaderEpochsAndResultAndWritesMetrics) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/ckpt.safetensors"));
 }
 
+// --scheduler=onecycle over a run of --max_steps=10: metrics.csv's rate
+// climbs from --lr/25 to --lr for step 3 (after 30% of the steps, less
+// one), then falls to --lr/25e4 for the last step.
+TEST(TrainRunTest, OneCycleRisesToTheLrAndEndsWithTheRun) {
+  const std::string dir = testing::MakeTempDir("onecycle");
+  std::vector<std::string> args = QuickRun(dir);
+  args.insert(args.end(), {"--scheduler=onecycle", "--max_steps=10", "--log_every=1", "--epochs=1"});
+  const RunOutput r = RunToEnd(args);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("sgd lr 0.05 momentum 0.9, onecycle schedule"), std::string::npos) << r.out;
+  std::vector<std::string> rates;  // after steps 1, 2, ...
+  for (const std::string& row : Lines(ReadFile(dir + "/logs/metrics.csv"))) {
+    std::smatch m;
+    if (std::regex_match(row, m, std::regex(R"(\d+,1,[0-9.e+-]+,([0-9.e+-]+),[0-9.]+,,)"))) {
+      rates.push_back(m[1]);
+    }
+  }
+  ASSERT_EQ(rates.size(), 10u) << ReadFile(dir + "/logs/metrics.csv");
+  EXPECT_GT(std::stod(rates[1]), std::stod(rates[0]));
+  EXPECT_GT(std::stod(rates[0]), 0.05 / 25);
+  EXPECT_EQ(rates[1], "0.05");
+  // The row of step k shows the rate of step k + 1: the last step (10)
+  // trains at the lowest rate, shown in the row of step 9. (The rate after
+  // it, which trains nothing, is PyTorch's past the last phase.)
+  for (size_t i = 2; i < 9; ++i) EXPECT_LT(std::stod(rates[i]), std::stod(rates[i - 1])) << i;
+  EXPECT_EQ(rates[8], "2e-07");
+}
+
 TEST(TrainRunTest, CompressedGradientsTrainAndSaySo) {
   const std::string dir = testing::MakeTempDir("bf16_hook");
   std::vector<std::string> args = QuickRun(dir);

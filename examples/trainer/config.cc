@@ -15,7 +15,112 @@ bool Contains(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
+// "a, b or c" for messages.
+std::string Either(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? " or " : ", ";
+    out += names[i];
+  }
+  return out;
+}
+
+// The schedules' own flags: each given to its schedulers only, in range,
+// and those a schedule cannot do without given.
+void ValidateSchedule(const TrainConfig& c) {
+  const auto only_for = [&](const char* flag, bool given, const std::vector<std::string>& kinds) {
+    if (given && !Contains(kinds, c.scheduler)) {
+      throw UsageError(std::string("--") + flag + " applies to --scheduler=" + Either(kinds) +
+                       " only; drop it for --scheduler=" + c.scheduler);
+    }
+  };
+  only_for("lr_gamma", c.lr_gamma.has_value(), {"step", "multistep", "exponential", "plateau"});
+  only_for("lr_milestones", !c.lr_milestones.empty(), {"multistep"});
+  only_for("lr_t0", c.lr_t0 != TrainConfig{}.lr_t0, {"warm_restarts"});
+  only_for("lr_t_mult", c.lr_t_mult != TrainConfig{}.lr_t_mult, {"warm_restarts"});
+  only_for("lr_patience", c.lr_patience != TrainConfig{}.lr_patience, {"plateau"});
+  if (c.lr_gamma.has_value()) {
+    const double g = *c.lr_gamma;
+    char given[32];
+    std::snprintf(given, sizeof(given), "%g", g);
+    if (!(g > 0) || !std::isfinite(g)) {
+      throw UsageError("--lr_gamma=" + std::string(given) + " must be a finite number above 0");
+    }
+    if (c.scheduler == "plateau" && g >= 1) {
+      throw UsageError("--lr_gamma=" + std::string(given) +
+                       " must be below 1 for --scheduler=plateau, which multiplies the rate by it "
+                       "to reduce it");
+    }
+  }
+  if (c.scheduler == "exponential" && !c.lr_gamma.has_value()) {
+    throw UsageError("--scheduler=exponential needs --lr_gamma, the rate's factor per optimizer "
+                     "step (0.999, say)");
+  }
+  if (c.scheduler == "multistep") {
+    if (c.lr_milestones.empty()) {
+      throw UsageError("--scheduler=multistep needs --lr_milestones, the optimizer steps where the "
+                       "rate is multiplied by --lr_gamma (1000,2000, say)");
+    }
+    for (size_t i = 0; i < c.lr_milestones.size(); ++i) {
+      if (c.lr_milestones[i] < 1) {
+        throw UsageError("--lr_milestones=" + FormatMilestones(c.lr_milestones) +
+                         ": milestones are optimizer steps, at least 1");
+      }
+      if (i > 0 && c.lr_milestones[i] < c.lr_milestones[i - 1]) {
+        throw UsageError("--lr_milestones=" + FormatMilestones(c.lr_milestones) +
+                         " must be in ascending order");
+      }
+    }
+  }
+  if (c.scheduler == "warm_restarts") {
+    if (c.lr_t0 == TrainConfig{}.lr_t0) {
+      throw UsageError("--scheduler=warm_restarts needs --lr_t0, the optimizer steps of its first "
+                       "cycle");
+    }
+    if (c.lr_t0 < 1) {
+      throw UsageError("--lr_t0=" + std::to_string(c.lr_t0) + " must be at least 1");
+    }
+    if (c.lr_t_mult < 1) {
+      throw UsageError("--lr_t_mult=" + std::to_string(c.lr_t_mult) + " must be at least 1");
+    }
+    if (c.lr_t_mult > 1000) {
+      throw UsageError("--lr_t_mult=" + std::to_string(c.lr_t_mult) + " is more than 1000");
+    }
+  }
+  if (c.lr_patience < 0) {
+    throw UsageError("--lr_patience=" + std::to_string(c.lr_patience) + " must be at least 0");
+  }
+}
+
 }  // namespace
+
+std::vector<int64_t> ParseMilestones(const std::string& text) {
+  std::vector<int64_t> out;
+  if (text.empty()) return out;
+  size_t at = 0;
+  while (true) {
+    const size_t end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    const bool digits = !item.empty() && item.size() <= 18 &&
+                        item.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits) {
+      throw UsageError("--lr_milestones=" + text +
+                       " is not a list of optimizer steps; write them as 1000,2000");
+    }
+    out.push_back(std::stoll(item));
+    if (end == text.size()) break;
+    at = end + 1;
+  }
+  return out;
+}
+
+std::string FormatMilestones(const std::vector<int64_t>& milestones) {
+  std::string out;
+  for (size_t i = 0; i < milestones.size(); ++i) {
+    out += (i > 0 ? "," : "") + std::to_string(milestones[i]);
+  }
+  return out;
+}
 
 std::string OneOf(const std::vector<std::string>& names) {
   std::string out = "one of ";
@@ -37,9 +142,8 @@ void ValidateConfig(const TrainConfig& c) {
   if (!Contains(optimizers, c.optimizer)) {
     throw UsageError("unknown --optimizer=" + c.optimizer + "; use " + OneOf(optimizers));
   }
-  const std::vector<std::string> schedulers = {"none", "step", "cosine"};
-  if (!Contains(schedulers, c.scheduler)) {
-    throw UsageError("unknown --scheduler=" + c.scheduler + "; use " + OneOf(schedulers));
+  if (!Contains(SchedulerNames(), c.scheduler)) {
+    throw UsageError("unknown --scheduler=" + c.scheduler + "; use " + OneOf(SchedulerNames()));
   }
   const std::vector<std::string> hooks = {"allreduce", "fp16", "bf16", "powersgd"};
   if (!Contains(hooks, c.comm_hook)) {
@@ -177,6 +281,7 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--sync_bn converts BatchNorm layers, and --model=" + c.model +
                      " has none; use it with a resnet");
   }
+  ValidateSchedule(c);
 }
 
 std::string DefaultCheckpointPath(const TrainConfig& c) {

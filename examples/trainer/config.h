@@ -6,6 +6,7 @@
 // benchmark, and by tests, without global state.
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,6 +34,15 @@ inline const std::vector<std::string>& DatasetNames() {
   return kNames;
 }
 
+/// Learning-rate schedules the trainer knows (--scheduler), in the order
+/// --help lists them.
+inline const std::vector<std::string>& SchedulerNames() {
+  static const std::vector<std::string> kNames = {"none",        "step",          "multistep",
+                                                  "exponential", "cosine",        "warm_restarts",
+                                                  "onecycle",    "plateau"};
+  return kNames;
+}
+
 /// Every setting of a run. Defaults are //examples:train's defaults.
 struct TrainConfig {
   // Model and data.
@@ -56,7 +66,18 @@ struct TrainConfig {
   double lr = 0.05;
   double momentum = 0.9;
   double weight_decay = 0.0;
-  std::string scheduler = "cosine";  ///< none, step, cosine.
+  std::string scheduler = "cosine";  ///< One of SchedulerNames().
+  /// The schedules' settings, each for the schedulers named (ValidateConfig
+  /// refuses one given to another). Steps are optimizer steps, the unit of
+  /// every schedule but plateau's, which takes one metric per epoch.
+  /// step: the factor after each third of the run; multistep: at each
+  /// milestone; exponential: per step (needed); plateau: of each reduction.
+  /// Unset: 0.1 (LrGamma).
+  std::optional<double> lr_gamma;
+  std::vector<int64_t> lr_milestones;  ///< multistep: steps where the rate drops (needed).
+  int64_t lr_t0 = 0;                   ///< warm_restarts: steps of the first cycle (needed).
+  int64_t lr_t_mult = 1;               ///< warm_restarts: each cycle this many times the last.
+  int64_t lr_patience = 10;            ///< plateau: epochs without improvement tolerated.
   std::string amp = "off";         ///< off, bf16, fp16.
   std::string device = "cpu";      ///< cpu, or cuda (a CUDA build; cuda:LOCAL_RANK mod GPUs).
 
@@ -97,6 +118,9 @@ struct TrainConfig {
   std::string log_dir;             ///< Empty: no CSV or chart.
   int64_t log_every = 10;          ///< Steps between CSV rows.
 
+  /// --lr_gamma, or its default 0.1.
+  double LrGamma() const { return lr_gamma.value_or(0.1); }
+
   /// Global batch: batch_size * world_size * grad_accum_steps.
   int64_t GlobalBatch(int world_size) const {
     return batch_size * world_size * grad_accum_steps;
@@ -119,6 +143,12 @@ std::string DefaultCheckpointPath(const TrainConfig& config);
 /// directory: see examples/user_path.h), replaces "auto" by DefaultCheckpointPath and
 /// "none" by no checkpoint.
 void ResolvePaths(TrainConfig& config);
+
+/// --lr_milestones' value ("1000,2000") as steps; "" gives none. Throws
+/// UsageError naming the flag for anything but comma-separated integers.
+std::vector<int64_t> ParseMilestones(const std::string& text);
+/// The milestones as --lr_milestones takes them: "1000,2000".
+std::string FormatMilestones(const std::vector<int64_t>& milestones);
 
 /// "one of a, b, c" for messages.
 std::string OneOf(const std::vector<std::string>& names);

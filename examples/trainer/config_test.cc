@@ -116,6 +116,114 @@ TEST(ConfigTest, PowerSgdStartStepIsCheckedAndNeedsThePowerSgdHook) {
   EXPECT_EQ(ErrorOf(c), "");
 }
 
+TEST(ConfigTest, EverySchedulerIsKnownAndAnUnknownOneListsThem) {
+  TrainConfig c;
+  c.scheduler = "linear";
+  EXPECT_EQ(ErrorOf(c),
+            "unknown --scheduler=linear; use one of none, step, multistep, exponential, cosine, "
+            "warm_restarts, onecycle, plateau");
+  // Each valid with the flags it needs.
+  for (const std::string& kind : SchedulerNames()) {
+    c = TrainConfig{};
+    c.scheduler = kind;
+    if (kind == "exponential") c.lr_gamma = 0.999;
+    if (kind == "multistep") c.lr_milestones = {100, 200};
+    if (kind == "warm_restarts") c.lr_t0 = 50;
+    EXPECT_EQ(ErrorOf(c), "") << kind;
+  }
+}
+
+// A schedule's flag given to another schedule would do nothing: refused
+// naming the schedulers it applies to, as --powersgd_start_step is.
+TEST(ConfigTest, ScheduleFlagsApplyToTheirSchedulersOnly) {
+  TrainConfig c;  // cosine
+  c.lr_gamma = 0.5;
+  EXPECT_EQ(ErrorOf(c),
+            "--lr_gamma applies to --scheduler=step, multistep, exponential or plateau only; drop "
+            "it for --scheduler=cosine");
+  c.scheduler = "step";
+  EXPECT_EQ(ErrorOf(c), "");
+  c = TrainConfig{};
+  c.scheduler = "step";
+  c.lr_milestones = {10};
+  EXPECT_EQ(ErrorOf(c), "--lr_milestones applies to --scheduler=multistep only; drop it for --scheduler=step");
+  c = TrainConfig{};
+  c.scheduler = "onecycle";
+  c.lr_t0 = 10;
+  EXPECT_EQ(ErrorOf(c),
+            "--lr_t0 applies to --scheduler=warm_restarts only; drop it for --scheduler=onecycle");
+  c = TrainConfig{};
+  c.lr_t_mult = 2;
+  EXPECT_EQ(ErrorOf(c),
+            "--lr_t_mult applies to --scheduler=warm_restarts only; drop it for --scheduler=cosine");
+  c = TrainConfig{};
+  c.scheduler = "none";
+  c.lr_patience = 2;
+  EXPECT_EQ(ErrorOf(c), "--lr_patience applies to --scheduler=plateau only; drop it for --scheduler=none");
+  c.scheduler = "plateau";
+  EXPECT_EQ(ErrorOf(c), "");
+}
+
+// The flags a schedule cannot do without are asked for by name; values out
+// of range name the flag.
+TEST(ConfigTest, ScheduleFlagsAreNeededWhereTheyHaveNoDefaultAndChecked) {
+  TrainConfig c;
+  c.scheduler = "exponential";
+  EXPECT_EQ(ErrorOf(c),
+            "--scheduler=exponential needs --lr_gamma, the rate's factor per optimizer step "
+            "(0.999, say)");
+  for (double bad : {0.0, -0.5, std::nan(""), static_cast<double>(INFINITY)}) {
+    c.lr_gamma = bad;
+    EXPECT_NE(ErrorOf(c).find("must be a finite number above 0"), std::string::npos) << bad;
+    EXPECT_EQ(ErrorOf(c).rfind("--lr_gamma=", 0), 0u) << ErrorOf(c);
+  }
+  c = TrainConfig{};
+  c.scheduler = "plateau";
+  c.lr_gamma = 1.0;
+  EXPECT_EQ(ErrorOf(c),
+            "--lr_gamma=1 must be below 1 for --scheduler=plateau, which multiplies the rate by it "
+            "to reduce it");
+  c.lr_gamma = 0.5;
+  c.lr_patience = -1;
+  EXPECT_EQ(ErrorOf(c), "--lr_patience=-1 must be at least 0");
+  c = TrainConfig{};
+  c.scheduler = "multistep";
+  EXPECT_EQ(ErrorOf(c),
+            "--scheduler=multistep needs --lr_milestones, the optimizer steps where the rate is "
+            "multiplied by --lr_gamma (1000,2000, say)");
+  c.lr_milestones = {300, 200};
+  EXPECT_EQ(ErrorOf(c), "--lr_milestones=300,200 must be in ascending order");
+  c.lr_milestones = {0, 200};
+  EXPECT_EQ(ErrorOf(c), "--lr_milestones=0,200: milestones are optimizer steps, at least 1");
+  c.lr_milestones = {200, 200};  // as PyTorch: gamma twice
+  EXPECT_EQ(ErrorOf(c), "");
+  c = TrainConfig{};
+  c.scheduler = "warm_restarts";
+  EXPECT_EQ(ErrorOf(c),
+            "--scheduler=warm_restarts needs --lr_t0, the optimizer steps of its first cycle");
+  c.lr_t0 = -3;
+  EXPECT_EQ(ErrorOf(c), "--lr_t0=-3 must be at least 1");
+  c.lr_t0 = 10;
+  c.lr_t_mult = 0;
+  EXPECT_EQ(ErrorOf(c), "--lr_t_mult=0 must be at least 1");
+}
+
+TEST(ConfigTest, MilestonesParseAsCommaSeparatedSteps) {
+  EXPECT_EQ(ParseMilestones(""), std::vector<int64_t>{});
+  EXPECT_EQ(ParseMilestones("5"), std::vector<int64_t>{5});
+  EXPECT_EQ(ParseMilestones("1000,2000"), (std::vector<int64_t>{1000, 2000}));
+  EXPECT_EQ(FormatMilestones({1000, 2000}), "1000,2000");
+  for (const char* bad : {"1000,", ",5", "1e3", "10, 20", "-5", "x", "1234567890123456789"}) {
+    try {
+      ParseMilestones(bad);
+      ADD_FAILURE() << bad << " was taken";
+    } catch (const UsageError& e) {
+      EXPECT_EQ(std::string(e.what()), std::string("--lr_milestones=") + bad +
+                                           " is not a list of optimizer steps; write them as 1000,2000");
+    }
+  }
+}
+
 // Synthetic images read no folder: a --data_dir given with them was dropped
 // without a word (perhaps meant for --dataset=cifar10).
 TEST(ConfigTest, DataDirWithSyntheticDataIsRefused) {

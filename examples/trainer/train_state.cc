@@ -156,6 +156,41 @@ double RateIn(const NamedTensors& state, const std::string& key) {
   return NAN;
 }
 
+// One flag of --scheduler's kind, as saved in the metadata (under the
+// flag's name) and as a command line gives it.
+struct ScheduleSetting {
+  std::string flag;
+  std::string saved;
+  std::string shown;
+};
+
+// The flags that set config.scheduler's schedule besides --lr and the run's
+// length, as the kind uses them (--lr_gamma's default too).
+std::vector<ScheduleSetting> ScheduleSettings(const TrainConfig& c) {
+  std::vector<ScheduleSetting> out;
+  const auto gamma = [&] {
+    out.push_back({"lr_gamma", ExactDouble(c.LrGamma()), FlagDouble(c.LrGamma())});
+  };
+  const auto integer = [&](const char* flag, int64_t v) {
+    out.push_back({flag, std::to_string(v), std::to_string(v)});
+  };
+  if (c.scheduler == "step" || c.scheduler == "exponential") gamma();
+  if (c.scheduler == "multistep") {
+    const std::string milestones = FormatMilestones(c.lr_milestones);
+    out.push_back({"lr_milestones", milestones, milestones});
+    gamma();
+  }
+  if (c.scheduler == "warm_restarts") {
+    integer("lr_t0", c.lr_t0);
+    integer("lr_t_mult", c.lr_t_mult);
+  }
+  if (c.scheduler == "plateau") {
+    gamma();
+    integer("lr_patience", c.lr_patience);
+  }
+  return out;
+}
+
 // The learning-rate schedule and the optimizer's settings of the saved run
 // continue unchanged, or not at all: throws UsageError for another
 // --scheduler, --lr, --momentum or --weight_decay.
@@ -166,6 +201,25 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
     throw UsageError("checkpoint " + path + " was saved with --scheduler=" + saved_scheduler +
                      " and this run has --scheduler=" + config.scheduler + "; pass --scheduler=" +
                      saved_scheduler + restart);
+  }
+  // The flags of the schedule's kind (absent: saved before they were
+  // recorded, with their defaults then).
+  for (const ScheduleSetting& setting : ScheduleSettings(config)) {
+    const std::string saved = Get(m, setting.flag);
+    if (saved.empty() || saved == setting.saved) continue;
+    std::string shown = saved;
+    if (setting.flag == "lr_gamma") {
+      try {
+        shown = FlagDouble(ParseExactDouble(saved));
+      } catch (const std::invalid_argument&) {
+        throw UsageError("--resume: checkpoint " + path +
+                         " has no valid lr_gamma; the file was not written by this trainer");
+      }
+      if (shown == setting.shown) continue;
+    }
+    throw UsageError("checkpoint " + path + " was saved with --" + setting.flag + "=" + shown +
+                     " and this run has --" + setting.flag + "=" + setting.shown + "; pass --" +
+                     setting.flag + "=" + shown + restart);
   }
   if (Get(m, "lr").empty()) return;  // an older trainer's: see LoadTrainCheckpoint
   double saved_lr = 0;
@@ -220,6 +274,8 @@ int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainCo
     return parts.schedule->steps();
   }
   const int64_t saved = MetaInt(m, "schedule_steps", path);
+  // The rate does not depend on where the run ends: it may end elsewhere.
+  if (!parts.schedule->uses_horizon()) return saved;
   if (parts.batches_per_epoch < 0) return saved;
   const int64_t this_epoch =
       pos.epoch_start > 0 && parts.train_size >= 0
@@ -316,18 +372,62 @@ void CheckPositionInRange(const std::string& path, const Metadata& m, const Name
 
 }  // namespace
 
-RunSchedule::RunSchedule(std::string kind, int64_t steps) : kind_(std::move(kind)) {
-  if (kind_ != "step" && kind_ != "cosine") {
+namespace {
+
+TrainConfig WithScheduler(std::string kind) {
+  TrainConfig config;
+  config.scheduler = std::move(kind);
+  return config;
+}
+
+}  // namespace
+
+RunSchedule::RunSchedule(std::string kind, int64_t steps)
+    : RunSchedule(WithScheduler(std::move(kind)), steps) {}
+
+RunSchedule::RunSchedule(const TrainConfig& config, int64_t steps)
+    : kind_(config.scheduler),
+      gamma_(config.LrGamma()),
+      milestones_(config.lr_milestones),
+      t0_(config.lr_t0),
+      t_mult_(config.lr_t_mult),
+      max_lr_(config.lr) {
+  if (!HasRunSchedule(kind_) ||
+      std::find(SchedulerNames().begin(), SchedulerNames().end(), kind_) == SchedulerNames().end()) {
     throw std::invalid_argument("RunSchedule: unknown kind `" + kind_ + "`");
   }
   set_steps(steps);
 }
 
 void RunSchedule::set_steps(int64_t steps) {
+  const int64_t horizon = std::max<int64_t>(1, steps);
+  std::shared_ptr<nn::optim::Schedule> schedule;
+  if (kind_ == "step") {
+    // --lr_gamma (0.1) times after each third of the run.
+    schedule = nn::optim::StepSchedule(std::max<int64_t>(1, steps / 3), gamma_);
+  } else if (kind_ == "cosine") {
+    schedule = nn::optim::CosineSchedule(horizon);
+  } else if (kind_ == "multistep") {
+    schedule = nn::optim::MultiStepSchedule(milestones_, gamma_);
+  } else if (kind_ == "exponential") {
+    schedule = nn::optim::ExponentialSchedule(gamma_);
+  } else if (kind_ == "warm_restarts") {
+    schedule = nn::optim::CosineWarmRestartsSchedule(t0_, t_mult_);
+  } else {
+    nn::optim::OneCycleOptions o;
+    o.max_lr = max_lr_;
+    o.total_steps = horizon;
+    schedule = nn::optim::OneCycleSchedule(o);
+  }
   steps_ = steps;
-  // Ten times smaller after each third of the run.
-  schedule_ = kind_ == "step" ? nn::optim::StepSchedule(std::max<int64_t>(1, steps / 3), 0.1)
-                              : nn::optim::CosineSchedule(std::max<int64_t>(1, steps));
+  schedule_ = std::move(schedule);
+}
+
+nn::optim::PlateauOptions PlateauOptionsOf(const TrainConfig& config) {
+  nn::optim::PlateauOptions o;
+  o.factor = config.LrGamma();
+  o.patience = config.lr_patience;
+  return o;
 }
 
 int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
@@ -363,6 +463,35 @@ void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch) {
                    " steps of full all-reduce, and this run ends at step " + FormatCount(end) +
                    " (" + how + "); pass --powersgd_start_step=" + std::to_string(end - 1) +
                    " or less, or another --comm_hook");
+}
+
+void CheckScheduleFits(const TrainConfig& config, int64_t batches_per_epoch) {
+  if (config.scheduler != "multistep" && config.scheduler != "plateau") return;
+  const int64_t end = RunEndStep(config, batches_per_epoch);
+  const int64_t per_epoch =
+      (batches_per_epoch + config.grad_accum_steps - 1) / config.grad_accum_steps;
+  const std::string how =
+      config.max_steps > 0 && end == config.max_steps
+          ? "--max_steps=" + std::to_string(config.max_steps)
+          : std::to_string(config.epochs) + (config.epochs == 1 ? " epoch" : " epochs") + " of " +
+                FormatCount(per_epoch) + " steps";
+  if (config.scheduler == "multistep") {
+    for (const int64_t milestone : config.lr_milestones) {
+      if (milestone < end) continue;
+      throw UsageError("--lr_milestones=" + FormatMilestones(config.lr_milestones) + ": step " +
+                       std::to_string(milestone) + " would change nothing, this run ends at step " +
+                       FormatCount(end) + " (" + how + "); pass milestones below " +
+                       std::to_string(end));
+    }
+    return;
+  }
+  if (end < per_epoch) {
+    throw UsageError("--scheduler=plateau takes the test loss at the end of each epoch, and this "
+                     "run ends at step " + FormatCount(end) + " (--max_steps=" +
+                     std::to_string(config.max_steps) + "), before its first epoch of " +
+                     FormatCount(per_epoch) + " steps ends; pass --max_steps=0 or at least " +
+                     std::to_string(per_epoch) + ", or another --scheduler");
+  }
 }
 
 int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
@@ -429,6 +558,9 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   if (parts.powersgd != nullptr) {
     for (auto& e : parts.powersgd->StateDict(parts.model->NamedParameters())) ckpt.optimizer.push_back(std::move(e));
   }
+  if (parts.plateau != nullptr) {
+    for (auto& e : parts.plateau->StateDict()) ckpt.optimizer.push_back(std::move(e));
+  }
   Metadata& m = ckpt.metadata;
   m["format"] = "ddp-examples-train/1";
   m["model"] = config.model;
@@ -438,9 +570,13 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["amp"] = config.amp;
   // The schedule: its base rate (the scheduler's, or the constant one), and
   // the step it ends at with the flags that set it.
+  // (A plateau's reductions are the optimizer's rate; its base is --lr.)
   const double rate = parts.scheduler != nullptr ? parts.scheduler->base_lr()
+                      : parts.plateau != nullptr ? config.lr
                                                  : RateIn(ckpt.optimizer, "lr");
   if (!std::isnan(rate)) m["lr"] = ExactDouble(rate);
+  for (const ScheduleSetting& setting : ScheduleSettings(config)) m[setting.flag] = setting.saved;
+  if (parts.plateau != nullptr) m["plateau_at_step"] = std::to_string(pos.plateau_at_step);
   m["comm_hook"] = config.comm_hook;
   m["sync_bn"] = config.sync_bn ? "true" : "false";
   m["momentum"] = ExactDouble(config.momentum);
@@ -561,6 +697,9 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
 
   pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);
   pos.bucket_order = ParseBucketOrder(Get(m, "bucket_order"));
+  if (parts.plateau != nullptr && !Get(m, "plateau_at_step").empty()) {
+    pos.plateau_at_step = MetaInt(m, "plateau_at_step", path);
+  }
   const int64_t saved_world = MetaInt(m, "world_size", path);
   const int64_t saved_batch = MetaInt(m, "batch_size", path);
   const int64_t saved_accum = MetaInt(m, "grad_accum_steps", path);
@@ -652,6 +791,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.
   try {
+    if (parts.plateau != nullptr) parts.plateau->CheckStateDict(ckpt.optimizer);
     if (parts.load_optimizer) {
       parts.load_optimizer(ckpt.optimizer);
     } else {
@@ -659,6 +799,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     }
     if (parts.schedule != nullptr) parts.schedule->set_steps(horizon);
     if (parts.scheduler != nullptr) parts.scheduler->LoadStateDict(ckpt.optimizer);
+    if (parts.plateau != nullptr) parts.plateau->LoadStateDict(ckpt.optimizer);
     if (parts.scaler != nullptr) parts.scaler->LoadStateDict(ckpt.optimizer);
     if (load_powersgd) parts.powersgd->LoadStateDict(ckpt.optimizer, parts.model->NamedParameters());
   } catch (const std::exception& e) {

@@ -6,7 +6,8 @@
 //
 //   model.*   the model's state dict (parameters and buffers)
 //   optim.*   optimizer state (step counts, momentum or Adam moments, f32
-//             master copies), LR scheduler step, loss-scaler state, and
+//             master copies), LR scheduler step (or --scheduler=plateau's
+//             best metric and counts), loss-scaler state, and
 //             with --comm_hook=powersgd PowerSGD's iteration and Q's (not
 //             the per-rank residuals: they restart at zero)
 //   metadata  position (epoch, micro-batch in the epoch, optimizer step, and
@@ -16,7 +17,9 @@
 //             settings that decide the data order (model, dataset, ranks,
 //             batch size, accumulation, seed), and the learning-rate
 //             schedule (--scheduler, --lr, the step it ends at, and the
-//             --epochs and --max_steps that set that step), and
+//             --epochs and --max_steps that set that step, and the
+//             --lr_gamma, --lr_milestones, --lr_t0, --lr_t_mult or
+//             --lr_patience its kind uses), and
 //             --comm_hook and --sync_bn (another value on resume: a note)
 //
 // The data loader's order is a pure function of (seed, epoch, position), so
@@ -67,27 +70,58 @@ struct TrainPosition {
   /// well-formed one. Not checked against the model here; the caller uses it
   /// only for a model with as many trainable parameters.
   std::vector<int64_t> bucket_order;
+  /// With --scheduler=plateau: the optimizer step at which the plateau
+  /// scheduler last took a metric (-1: never). A checkpoint saved at an
+  /// epoch's end, before its evaluation, has the step before; the resumed
+  /// run evaluates again and gives the plateau that epoch's test loss.
+  int64_t plateau_at_step = -1;
 };
 
 /// --scheduler's learning-rate schedule over a horizon, the optimizer step
-/// it ends at: step (x0.1 after each third of it) or cosine (to 0 at it). A
-/// resumed run continues the saved one's horizon (LoadTrainCheckpoint sets
-/// it), not the one its own flags give.
+/// it ends at: step (x --lr_gamma after each third of it), multistep (x
+/// --lr_gamma at each of --lr_milestones), exponential (x --lr_gamma per
+/// step), cosine (to 0 at it), warm_restarts (cosine over --lr_t0 steps,
+/// restarting, each cycle --lr_t_mult times the last) or onecycle (up to
+/// --lr and down over it; PyTorch's OneCycleLR with max_lr --lr and
+/// total_steps the horizon). A resumed run continues the saved one's
+/// horizon (LoadTrainCheckpoint sets it), not the one its own flags give.
+/// Not for none or plateau (ReduceLrOnPlateau, driven by a metric).
 class RunSchedule : public nn::optim::Schedule {
  public:
-  /// `kind`: "step" or "cosine".
+  /// `kind`: "step" or "cosine" (the other flags at their defaults).
   RunSchedule(std::string kind, int64_t steps);
+  /// config.scheduler's schedule with config's settings. Throws
+  /// std::invalid_argument for none, plateau, or an unknown kind.
+  RunSchedule(const TrainConfig& config, int64_t steps);
   const std::string& kind() const { return kind_; }
   int64_t steps() const { return steps_; }
+  /// Whether the rate depends on the horizon (step, cosine, onecycle): for
+  /// the others a resumed run may end elsewhere.
+  bool uses_horizon() const { return kind_ == "step" || kind_ == "cosine" || kind_ == "onecycle"; }
   /// Takes effect at the scheduler's next step or LoadStateDict.
   void set_steps(int64_t steps);
   double Lr(double base_lr, int64_t t) const override { return schedule_->Lr(base_lr, t); }
 
  private:
   std::string kind_;
+  double gamma_ = 0.1;
+  std::vector<int64_t> milestones_;
+  int64_t t0_ = 0;
+  int64_t t_mult_ = 1;
+  double max_lr_ = 0;
   int64_t steps_ = 0;
   std::shared_ptr<nn::optim::Schedule> schedule_;
 };
+
+/// Whether --scheduler=`scheduler` is a RunSchedule driven by an
+/// LrScheduler (not none, nor plateau).
+inline bool HasRunSchedule(const std::string& scheduler) {
+  return scheduler != "none" && scheduler != "plateau";
+}
+
+/// --scheduler=plateau's ReduceLrOnPlateau options: factor --lr_gamma,
+/// patience --lr_patience (epochs), PyTorch's defaults otherwise.
+nn::optim::PlateauOptions PlateauOptionsOf(const TrainConfig& config);
 
 /// The optimizer step where a run that is at `position` ends: after
 /// config.epochs epochs of `batches_per_epoch` micro-batches per rank
@@ -103,6 +137,13 @@ int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
 /// before config.powersgd_start_step, the steps all-reduced in full first.
 /// Names both flags and the run's steps. Nothing to check for other hooks.
 void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch);
+
+/// Throws UsageError when the schedule would not do what its flags say in
+/// a run (from its start) of RunEndStep(config, batches_per_epoch) steps:
+/// --lr_milestones at or past its end, or --scheduler=plateau in a run that
+/// ends before its first epoch does (the plateau takes a metric at epoch
+/// ends only). Names the flags and the run's steps.
+void CheckScheduleFits(const TrainConfig& config, int64_t batches_per_epoch);
 
 /// Micro-batches of `batch_size` per rank in an epoch of `train_size`
 /// samples on `world_size` ranks that starts at position `epoch_start` of
@@ -141,6 +182,9 @@ struct TrainComponents {
   /// with another hook) leaves it as it is; one with them is ignored by a
   /// run without PowerSGD.
   dist::PowerSgdState* powersgd = nullptr;
+  /// --scheduler=plateau's ReduceLrOnPlateau (null otherwise): its state is
+  /// saved ("plateau.*") and restored; the rate it set is the optimizer's.
+  nn::optim::ReduceLrOnPlateau* plateau = nullptr;
 };
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on
@@ -154,8 +198,8 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 /// Loads `path` into `parts` (all or nothing) and returns the position to
 /// continue from. A missing or unreadable file, or a checkpoint of another
 /// model, optimizer or precision, throws UsageError with one line that names
-/// the differing keys and the fix; so does one of another --scheduler or
-/// --lr, and one whose schedule this run's --epochs or --max_steps would end
+/// the differing keys and the fix; so does one of another --scheduler,
+/// --lr or schedule flag (--lr_gamma, ...), and one whose schedule this run's --epochs or --max_steps would end
 /// elsewhere (naming the flags and both values). When the saved run had
 /// another number of ranks, batch size or accumulation, a mid-epoch
 /// position continues with the samples of the epoch's order it had not

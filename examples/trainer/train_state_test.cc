@@ -930,6 +930,170 @@ TEST(TrainStateTest, CheckpointWithoutTheRecordedScheduleLoadsWithANote) {
                   "not record --lr: the run continues from its rate 0.05, not --lr=0.1");
 }
 
+// Each --scheduler kind follows its flags, in optimizer steps; onecycle
+// peaks at --lr and runs over the horizon; plateau and none are no
+// RunSchedule.
+TEST(TrainStateTest, RunScheduleKindsFollowTheirFlags) {
+  TrainConfig c;
+  c.scheduler = "step";
+  c.lr_gamma = 0.5;
+  EXPECT_DOUBLE_EQ(RunSchedule(c, 9).Lr(1.0, 2), 1.0);
+  EXPECT_DOUBLE_EQ(RunSchedule(c, 9).Lr(1.0, 3), 0.5);
+  EXPECT_DOUBLE_EQ(RunSchedule("step", 9).Lr(1.0, 3), 0.1) << "step's default gamma changed";
+  c.scheduler = "multistep";
+  c.lr_milestones = {2, 5};
+  const RunSchedule multistep(c, 100);
+  EXPECT_DOUBLE_EQ(multistep.Lr(1.0, 1), 1.0);
+  EXPECT_DOUBLE_EQ(multistep.Lr(1.0, 2), 0.5);
+  EXPECT_DOUBLE_EQ(multistep.Lr(1.0, 5), 0.25);
+  EXPECT_FALSE(multistep.uses_horizon());
+  c = TrainConfig{};
+  c.scheduler = "exponential";
+  c.lr_gamma = 0.9;
+  EXPECT_DOUBLE_EQ(RunSchedule(c, 100).Lr(1.0, 2), 0.81);
+  c = TrainConfig{};
+  c.scheduler = "warm_restarts";
+  c.lr_t0 = 4;
+  c.lr_t_mult = 2;
+  const RunSchedule restarts(c, 100);
+  EXPECT_DOUBLE_EQ(restarts.Lr(1.0, 2), 0.5);
+  EXPECT_DOUBLE_EQ(restarts.Lr(1.0, 4), 1.0) << "no restart after --lr_t0 steps";
+  EXPECT_DOUBLE_EQ(restarts.Lr(1.0, 8), 0.5) << "the second cycle is not twice as long";
+  c = TrainConfig{};
+  c.scheduler = "onecycle";
+  c.lr = 0.05;
+  RunSchedule onecycle(c, 10);
+  EXPECT_TRUE(onecycle.uses_horizon());
+  EXPECT_DOUBLE_EQ(onecycle.Lr(123.0, 0), 0.05 / 25);
+  EXPECT_DOUBLE_EQ(onecycle.Lr(123.0, 2), 0.05);  // the peak, at 30% of the steps less one
+  EXPECT_NEAR(onecycle.Lr(123.0, 9), 0.05 / 25 / 1e4, 1e-15);  // the rate of the last step
+  onecycle.set_steps(20);
+  EXPECT_DOUBLE_EQ(onecycle.Lr(123.0, 5), 0.05);
+  for (const char* kind : {"plateau", "none", "linear"}) {
+    c.scheduler = kind;
+    EXPECT_THROW(RunSchedule(c, 10), std::invalid_argument) << kind;
+  }
+  EXPECT_FALSE(HasRunSchedule("plateau"));
+  EXPECT_TRUE(HasRunSchedule("onecycle"));
+}
+
+// --scheduler=plateau: the plateau's state and the step it last took a
+// metric at round-trip; the saved --lr is the base rate, not the reduced
+// one (a resume would otherwise be refused for another --lr); another
+// --lr_gamma or --lr_patience is refused naming both values, nothing
+// loaded.
+TEST(TrainStateTest, PlateauStateRoundTripsAndAnotherFactorOrPatienceIsRefused) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.scheduler = "plateau";
+  config.lr_gamma = 0.5;
+  config.lr_patience = 0;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  nn::optim::ReduceLrOnPlateau plateau(opt, PlateauOptionsOf(config));
+  plateau.Step(1.0);
+  plateau.Step(2.0);  // no better: halved at once (patience 0)
+  ASSERT_EQ(opt.lr(), 0.025);
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.plateau = &plateau;
+  const std::string path = Path("plateau");
+  SaveTrainCheckpoint(path, parts, {.epoch = 2, .step = 8, .plateau_at_step = 8}, config, 2);
+
+  nn::optim::Sgd back_opt(model->NamedParameters(), {.lr = config.lr});
+  nn::optim::ReduceLrOnPlateau back(back_opt, PlateauOptionsOf(config));
+  TrainComponents back_parts{model.get(), &back_opt, nullptr, nullptr};
+  back_parts.plateau = &back;
+  const TrainPosition pos = LoadTrainCheckpoint(path, back_parts, config, 2, nullptr);
+  EXPECT_EQ(pos.plateau_at_step, 8);
+  EXPECT_EQ(back_opt.lr(), 0.025);
+  EXPECT_EQ(back.best(), 1.0);
+  EXPECT_EQ(back.step_count(), 2);
+  EXPECT_EQ(back.num_bad_steps(), plateau.num_bad_steps());
+
+  const auto refused = [&](const TrainConfig& other) {
+    nn::optim::Sgd o(model->NamedParameters(), {.lr = other.lr});
+    nn::optim::ReduceLrOnPlateau p(o, PlateauOptionsOf(other));
+    TrainComponents op{model.get(), &o, nullptr, nullptr};
+    op.plateau = &p;
+    const std::string error = UsageErrorOf([&] { LoadTrainCheckpoint(path, op, other, 2, nullptr); });
+    EXPECT_EQ(p.step_count(), 0) << "a refused checkpoint was loaded";
+    return error;
+  };
+  TrainConfig other = config;
+  other.lr_gamma.reset();  // the default, 0.1
+  EXPECT_EQ(refused(other),
+            "checkpoint " + path + " was saved with --lr_gamma=0.5 and this run has "
+            "--lr_gamma=0.1; pass --lr_gamma=0.5 to continue that run, or another --checkpoint "
+            "path to start afresh");
+  other = config;
+  other.lr_patience = 3;
+  EXPECT_EQ(refused(other),
+            "checkpoint " + path + " was saved with --lr_patience=0 and this run has "
+            "--lr_patience=3; pass --lr_patience=0 to continue that run, or another --checkpoint "
+            "path to start afresh");
+  other = config;
+  other.scheduler = "cosine";
+  other.lr_gamma.reset();
+  other.lr_patience = 10;
+  EXPECT_NE(UsageErrorOf([&] { LoadTrainCheckpoint(path, {model.get(), &back_opt, nullptr, nullptr},
+                                                   other, 2, nullptr); })
+                .find("was saved with --scheduler=plateau and this run has --scheduler=cosine"),
+            std::string::npos);
+}
+
+// Milestones the run never reaches, and a plateau in a run that ends
+// before its first epoch does, would do nothing: refused naming the flags.
+TEST(TrainStateTest, ScheduleThatWouldDoNothingInTheRunIsRefused) {
+  TrainConfig config;  // 2 epochs
+  config.scheduler = "multistep";
+  config.lr_milestones = {100, 938};
+  EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 469); }),
+            "--lr_milestones=100,938: step 938 would change nothing, this run ends at step 938 (2 "
+            "epochs of 469 steps); pass milestones below 938");
+  config.lr_milestones = {100, 937};
+  EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 469); }), "");
+  config = TrainConfig{};
+  config.scheduler = "plateau";
+  config.max_steps = 468;
+  EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 469); }),
+            "--scheduler=plateau takes the test loss at the end of each epoch, and this run ends "
+            "at step 468 (--max_steps=468), before its first epoch of 469 steps ends; pass "
+            "--max_steps=0 or at least 469, or another --scheduler");
+  config.max_steps = 469;
+  EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 469); }), "");
+}
+
+// Schedules whose rate does not depend on the run's end resume with
+// another --epochs (the ones that do are refused: RunLengthThatMovesTheScheduleIsRefused).
+TEST(TrainStateTest, MultistepResumesWithMoreEpochs) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.scheduler = "multistep";
+  config.lr_milestones = {3};
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, 4));
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 4; ++i) scheduler.Step();
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 4;
+  const std::string path = Path("multistep");
+  SaveTrainCheckpoint(path, parts, {.epoch = 1, .step = 4}, config, 2);
+  TrainConfig longer = config;
+  longer.epochs = 5;
+  std::string note = "stale";
+  EXPECT_EQ(LoadTrainCheckpoint(path, parts, longer, 2, &note).step, 4);
+  EXPECT_EQ(note, "");
+  EXPECT_DOUBLE_EQ(opt.lr(), config.lr * 0.1);
+  TrainConfig other = config;
+  other.lr_milestones = {2};
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, other, 2, nullptr); }),
+            "checkpoint " + path + " was saved with --lr_milestones=3 and this run has "
+            "--lr_milestones=2; pass --lr_milestones=3 to continue that run, or another "
+            "--checkpoint path to start afresh");
+}
+
 TEST(TrainStateTest, UnwritableFolderIsAUsageError) {
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});

@@ -243,6 +243,15 @@ class Run {
   // then starts past it. Returns the agreed stop signal if this evaluation
   // is interrupted in turn.
   int EvaluateMissedAtResume();
+  // --scheduler=plateau: takes the epoch's metric (a test or train loss).
+  // Returns the line that says it lowered the rate ("" when it did not).
+  std::string StepPlateau(double metric);
+  // On --resume at an epoch's end with --scheduler=plateau: the checkpoint
+  // was saved before that epoch's evaluation, whose test loss the plateau
+  // then took; it takes it now (evaluating again when the evaluation was
+  // not just made). Returns the agreed stop signal if the evaluation is
+  // interrupted.
+  int StepPlateauMissedAtResume();
   // A stop vote that every rank waits for (after an interrupted
   // evaluation, which every rank learns of together): the agreed signal.
   int StopNow();
@@ -260,6 +269,7 @@ class Run {
     parts.batches_per_epoch = batches_per_epoch_;
     parts.bucket_order = par_.BucketOrder();
     parts.powersgd = par_.PowerSgd();
+    parts.plateau = plateau_.get();
     return parts;
   }
   bool StepLimitReached() const { return c_.max_steps > 0 && pos_.step >= c_.max_steps; }
@@ -301,6 +311,7 @@ class Run {
   std::unique_ptr<Parallel::ShardedOptimizer> sharded_;
   std::shared_ptr<RunSchedule> schedule_;  // scheduler_'s (null without one)
   std::unique_ptr<nn::optim::LrScheduler> scheduler_;
+  std::unique_ptr<nn::optim::ReduceLrOnPlateau> plateau_;  // --scheduler=plateau
   std::unique_ptr<nn::optim::GradScaler> scaler_;
   std::unique_ptr<nn::data::DataLoader> train_loader_;
   std::unique_ptr<nn::data::DataLoader> test_loader_;
@@ -387,6 +398,11 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       {"--momentum", ExactDouble(c.momentum)},
       {"--weight_decay", ExactDouble(c.weight_decay)},
       {"--scheduler", c.scheduler},
+      {"--lr_gamma", c.lr_gamma ? ExactDouble(*c.lr_gamma) : "default"},
+      {"--lr_milestones", FormatMilestones(c.lr_milestones)},
+      {"--lr_t0", std::to_string(c.lr_t0)},
+      {"--lr_t_mult", std::to_string(c.lr_t_mult)},
+      {"--lr_patience", std::to_string(c.lr_patience)},
       {"--amp", c.amp},
       {"--device", c.device},
       {"--sync_bn", flag(c.sync_bn)},
@@ -458,6 +474,7 @@ void Run::Setup() {
   CheckBatchFitsShard(c_, data_.train->Size(), world_);
   // Under a launcher no CheckSetup ran; every rank finds the same answer.
   CheckPowerSgdStarts(c_, BatchesInEpoch(data_.train->Size(), world_, c_.batch_size));
+  CheckScheduleFits(c_, BatchesInEpoch(data_.train->Size(), world_, c_.batch_size));
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
   // In the worker only (never the launcher): CUDA is initialized here.
   device_ = WorkerDevice(c_.device, opt_.local_rank);
@@ -506,10 +523,12 @@ void Run::Setup() {
                                     optimizer_->set_lr(lr);
                                   }
                                 }};
-  if (c_.scheduler != "none") {
+  if (HasRunSchedule(c_.scheduler)) {
     // Over the whole run; a resumed one continues the saved horizon.
-    schedule_ = std::make_shared<RunSchedule>(c_.scheduler, RunEndStep(c_, batches));
+    schedule_ = std::make_shared<RunSchedule>(c_, RunEndStep(c_, batches));
     scheduler_ = std::make_unique<nn::optim::LrScheduler>(lr_target, schedule_);
+  } else if (c_.scheduler == "plateau") {
+    plateau_ = std::make_unique<nn::optim::ReduceLrOnPlateau>(lr_target, PlateauOptionsOf(c_));
   }
 
   std::string resume_note;
@@ -588,6 +607,12 @@ void Run::Setup() {
                        ? "PowerSGD gradients (rank 1 after step " +
                              FormatCount(c_.powersgd_start_step) + ")"
                        : c_.comm_hook + "-compressed gradients");
+  }
+  if (plateau_) {
+    // What the plateau watches: benchmarks train without evaluating.
+    plan += dot + StringPrintf("rate x%g after %lld epoch%s without a lower %s loss", c_.LrGamma(),
+                               static_cast<long long>(c_.lr_patience + 1),
+                               c_.lr_patience == 0 ? "" : "s", opt_.evaluate ? "test" : "train");
   }
   if (world_ > 1 && c_.zero) {
     plan += dot + std::string(c_.zero_overlap ? "optimizer state sharded, stepped inside backward"
@@ -798,6 +823,28 @@ int Run::EvaluateMissedAtResume() {
   return 0;
 }
 
+std::string Run::StepPlateau(double metric) {
+  const double before = Lr();
+  plateau_->Step(metric);
+  pos_.plateau_at_step = pos_.step;
+  return Lr() != before ? StringPrintf("  plateau: learning rate %g -> %g", before, Lr()) : "";
+}
+
+int Run::StepPlateauMissedAtResume() {
+  if (!plateau_ || !c_.resume || !opt_.evaluate || !AtEpochEndResumed() ||
+      pos_.plateau_at_step == pos_.step) {
+    return 0;
+  }
+  // Every rank decides alike: the position and the checkpoint are shared.
+  if (!last_eval_ || last_eval_step_ != pos_.step) {
+    if (!RecordEvaluation(Evaluate(), pos_.epoch)) return StopNow();
+  }
+  // The same loss and state as the run before, which said what it did
+  // (unless a signal cut its evaluation short).
+  StepPlateau(last_eval_->loss);
+  return 0;
+}
+
 int Run::StopNow() {
   par_.FinishStopVote();
   par_.VoteStop(StopSignal());
@@ -900,6 +947,7 @@ RunResult Run::Go() {
   int64_t epochs_done = pos_.epoch - pos_.untrained_epochs;
   try {
     signal = EvaluateMissedAtResume();
+    if (signal == 0) signal = StepPlateauMissedAtResume();
     while (pos_.epoch < c_.epochs && !StepLimitReached() && signal == 0) {
       const Clock::time_point epoch_start = Clock::now();
       double paused_s = 0;  // evaluation and checkpoints inside the epoch
@@ -987,6 +1035,11 @@ RunResult Run::Go() {
         pos_.epoch_loss_sum = 0;
         pos_.epoch_loss_count = 0;
       }
+      // Without evaluation the plateau takes the epoch's train loss, known
+      // now (and saved with the checkpoint, which no longer holds it).
+      // (The line saying it lowered the rate comes after the epoch's.)
+      std::string plateau_line;
+      if (plateau_ && epoch_complete && !opt_.evaluate) plateau_line = StepPlateau(last_epoch_train_loss_);
       // Saved before the evaluation, which a signal may cut short.
       SaveCheckpoint();
       if (evaluate_now) {
@@ -994,6 +1047,11 @@ RunResult Run::Go() {
           console_.Status("evaluating on " + FormatCount(data_.test->Size()) + " test images");
         }
         if (!RecordEvaluation(Evaluate(), epoch_number) && (signal = StopNow()) != 0) break;
+      }
+      // Once per epoch, after its evaluation (a run resumed from this
+      // checkpoint evaluates again: StepPlateauMissedAtResume).
+      if (plateau_ && epoch_complete && opt_.evaluate && last_eval_ && last_eval_step_ == pos_.step) {
+        plateau_line = StepPlateau(last_eval_->loss);
       }
       if (log_) {
         Log([&](MetricsLog& log) {
@@ -1013,6 +1071,7 @@ RunResult Run::Go() {
       if (!epoch_complete) line += StringPrintf("  (stopped at --max_steps=%lld)",
                                                 static_cast<long long>(c_.max_steps));
       Say(line);
+      if (!plateau_line.empty()) Say(plateau_line);
       if (c_.ddp_stats && !stats.empty()) Say(console_.Dim("  ddp: " + stats));
     }
     // The vote still in flight: its outcome no longer matters, but every
@@ -1136,6 +1195,7 @@ void CheckSetup(const TrainConfig& config, int world_size) {
   const Datasets data = LoadDatasets(config);
   CheckBatchFitsShard(config, data.train->Size(), world_size);
   CheckPowerSgdStarts(config, BatchesInEpoch(data.train->Size(), world_size, config.batch_size));
+  CheckScheduleFits(config, BatchesInEpoch(data.train->Size(), world_size, config.batch_size));
   const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
   if (config.resume) {
     // What the ranks would refuse (another model, optimizer, precision or
@@ -1145,9 +1205,12 @@ void CheckSetup(const TrainConfig& config, int world_size) {
     std::shared_ptr<RunSchedule> schedule;
     std::unique_ptr<nn::optim::LrScheduler> scheduler;
     const int64_t batches = MakeTrainLoader(config, data, 0, world_size, 0)->NumBatches();
-    if (config.scheduler != "none") {
-      schedule = std::make_shared<RunSchedule>(config.scheduler, RunEndStep(config, batches));
+    std::unique_ptr<nn::optim::ReduceLrOnPlateau> plateau;
+    if (HasRunSchedule(config.scheduler)) {
+      schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, batches));
       scheduler = std::make_unique<nn::optim::LrScheduler>(*optimizer, schedule);
+    } else if (config.scheduler == "plateau") {
+      plateau = std::make_unique<nn::optim::ReduceLrOnPlateau>(*optimizer, PlateauOptionsOf(config));
     }
     std::unique_ptr<nn::optim::GradScaler> scaler;
     if (config.amp == "fp16") scaler = std::make_unique<nn::optim::GradScaler>();
@@ -1155,6 +1218,7 @@ void CheckSetup(const TrainConfig& config, int world_size) {
     parts.train_size = data.train->Size();
     parts.schedule = schedule.get();
     parts.batches_per_epoch = batches;
+    parts.plateau = plateau.get();
     LoadTrainCheckpoint(config.checkpoint, parts, config, world_size, nullptr);
   }
   // Folders are made last: a run refused for another reason leaves none.
