@@ -466,6 +466,23 @@ void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch) {
 }
 
 void CheckScheduleFits(const TrainConfig& config, int64_t batches_per_epoch) {
+  if (config.scheduler == "exponential" || config.scheduler == "step" || config.scheduler == "multistep") {
+    // A factor above 1 grows the rate; past the double range the optimizer
+    // would refuse it mid-run. The most factors the run applies: one per
+    // step (exponential), one per milestone, or step's two or three.
+    const int64_t run_end = RunEndStep(config, batches_per_epoch);
+    const double factors = config.scheduler == "exponential" ? static_cast<double>(run_end)
+                           : config.scheduler == "multistep" ? static_cast<double>(config.lr_milestones.size())
+                                                             : 3.0;
+    const double g = config.LrGamma();
+    if (g > 1 && !std::isfinite(config.lr * std::pow(g, factors))) {
+      char given[32];
+      std::snprintf(given, sizeof(given), "%g", g);
+      throw UsageError("--lr_gamma=" + std::string(given) + " grows the rate past the largest number by the end of "
+                       "this run (step " + FormatCount(run_end) + "): --lr x --lr_gamma^" +
+                       FormatCount(static_cast<int64_t>(factors)) + " overflows; pass a smaller --lr_gamma");
+    }
+  }
   if (config.scheduler != "multistep" && config.scheduler != "plateau") return;
   const int64_t end = RunEndStep(config, batches_per_epoch);
   const int64_t per_epoch =

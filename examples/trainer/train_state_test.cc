@@ -1061,6 +1061,16 @@ TEST(TrainStateTest, ScheduleThatWouldDoNothingInTheRunIsRefused) {
             "--max_steps=0 or at least 469, or another --scheduler");
   config.max_steps = 469;
   EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 469); }), "");
+  // A factor above 1 that overflows the rate before the run ends: refused
+  // before training, not an optimizer error some thousand steps in.
+  config = TrainConfig{};
+  config.scheduler = "exponential";
+  config.lr_gamma = 1.5;
+  EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 1000); }),
+            "--lr_gamma=1.5 grows the rate past the largest number by the end of this run (step 2,000): "
+            "--lr x --lr_gamma^2,000 overflows; pass a smaller --lr_gamma");
+  config.lr_gamma = 1.001;  // 0.05 x 1.001^2000: about 0.37
+  EXPECT_EQ(UsageErrorOf([&] { CheckScheduleFits(config, 1000); }), "");
 }
 
 // Schedules whose rate does not depend on the run's end resume with
