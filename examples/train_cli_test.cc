@@ -154,6 +154,10 @@ TEST(TrainCliTest, ScheduleFlagsAreCheckedBeforeAnythingStarts) {
             "train: --lr_milestones=10,x is not a list of optimizer steps; write them as 1000,2000");
   EXPECT_EQ(OneErrorLine(Train({"--scheduler=warm_restarts"})),
             "train: --scheduler=warm_restarts needs --lr_t0, the optimizer steps of its first cycle");
+  // Given at the default value, with another scheduler: refused all the same.
+  EXPECT_EQ(OneErrorLine(Train({"--lr_patience=10"})),
+            "train: --lr_patience applies to --scheduler=plateau only; drop it for --scheduler=cosine");
+  EXPECT_EQ(OneErrorLine(Train({"--scheduler=warm_restarts", "--lr_t0=0"})), "train: --lr_t0=0 must be at least 1");
   // 2 ranks, batch 32 of 256 samples: 4 steps per epoch.
   const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=256",
                                           "--test_samples=64",   "--batch_size=32", "--workers=0",

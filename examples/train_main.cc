@@ -409,6 +409,9 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.lr_t0 = FLAGS_lr_t0;
   c.lr_t_mult = FLAGS_lr_t_mult;
   c.lr_patience = FLAGS_lr_patience;
+  for (const char* flag : {"lr_t0", "lr_t_mult", "lr_patience"}) {
+    if (!IsDefault(flag)) c.schedule_flags_given.emplace_back(flag);
+  }
   c.amp = FLAGS_amp;
   c.device = FLAGS_device;
   c.sync_bn = FLAGS_sync_bn;

@@ -36,9 +36,12 @@ void ValidateSchedule(const TrainConfig& c) {
   };
   only_for("lr_gamma", c.lr_gamma.has_value(), {"step", "multistep", "exponential", "plateau"});
   only_for("lr_milestones", !c.lr_milestones.empty(), {"multistep"});
-  only_for("lr_t0", c.lr_t0 != TrainConfig{}.lr_t0, {"warm_restarts"});
-  only_for("lr_t_mult", c.lr_t_mult != TrainConfig{}.lr_t_mult, {"warm_restarts"});
-  only_for("lr_patience", c.lr_patience != TrainConfig{}.lr_patience, {"plateau"});
+  const auto given = [&](const char* flag, bool changed) {
+    return changed || Contains(c.schedule_flags_given, std::string(flag));
+  };
+  only_for("lr_t0", given("lr_t0", c.lr_t0 != TrainConfig{}.lr_t0), {"warm_restarts"});
+  only_for("lr_t_mult", given("lr_t_mult", c.lr_t_mult != TrainConfig{}.lr_t_mult), {"warm_restarts"});
+  only_for("lr_patience", given("lr_patience", c.lr_patience != TrainConfig{}.lr_patience), {"plateau"});
   if (c.lr_gamma.has_value()) {
     const double g = *c.lr_gamma;
     char given[32];
@@ -73,7 +76,7 @@ void ValidateSchedule(const TrainConfig& c) {
     }
   }
   if (c.scheduler == "warm_restarts") {
-    if (c.lr_t0 == TrainConfig{}.lr_t0) {
+    if (!given("lr_t0", c.lr_t0 != TrainConfig{}.lr_t0)) {
       throw UsageError("--scheduler=warm_restarts needs --lr_t0, the optimizer steps of its first "
                        "cycle");
     }

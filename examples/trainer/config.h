@@ -78,6 +78,10 @@ struct TrainConfig {
   int64_t lr_t0 = 0;                   ///< warm_restarts: steps of the first cycle (needed).
   int64_t lr_t_mult = 1;               ///< warm_restarts: each cycle this many times the last.
   int64_t lr_patience = 10;            ///< plateau: epochs without improvement tolerated.
+  /// Of lr_t0, lr_t_mult and lr_patience, those given on the command line
+  /// (a value equal to the default counts as given: it is still another
+  /// scheduler's flag).
+  std::vector<std::string> schedule_flags_given;
   std::string amp = "off";         ///< off, bf16, fp16.
   std::string device = "cpu";      ///< cpu, or cuda (a CUDA build; cuda:LOCAL_RANK mod GPUs).
 

@@ -162,6 +162,15 @@ TEST(ConfigTest, ScheduleFlagsApplyToTheirSchedulersOnly) {
   EXPECT_EQ(ErrorOf(c), "--lr_patience applies to --scheduler=plateau only; drop it for --scheduler=none");
   c.scheduler = "plateau";
   EXPECT_EQ(ErrorOf(c), "");
+  // Given on the command line at its default value: still another
+  // scheduler's flag (the values alone could not tell).
+  c = TrainConfig{};
+  c.schedule_flags_given = {"lr_patience"};
+  EXPECT_EQ(ErrorOf(c), "--lr_patience applies to --scheduler=plateau only; drop it for --scheduler=cosine");
+  c = TrainConfig{};
+  c.scheduler = "warm_restarts";
+  c.schedule_flags_given = {"lr_t0"};  // --lr_t0=0
+  EXPECT_EQ(ErrorOf(c), "--lr_t0=0 must be at least 1");
 }
 
 // The flags a schedule cannot do without are asked for by name; values out
