@@ -362,6 +362,21 @@ std::chrono::steady_clock::time_point Work::finished() const {
 // The group whose task this thread is running, if any (Impl::Run).
 namespace {
 thread_local const ProcessGroup::Impl* tls_running_group = nullptr;
+
+// Marks `group` as the one whose task this thread runs, for its lifetime
+// (the group marked before, if any, comes back after).
+class RunningTaskMark {
+ public:
+  explicit RunningTaskMark(const ProcessGroup::Impl* group) : outer_(tls_running_group) {
+    tls_running_group = group;
+  }
+  ~RunningTaskMark() { tls_running_group = outer_; }
+  RunningTaskMark(const RunningTaskMark&) = delete;
+  RunningTaskMark& operator=(const RunningTaskMark&) = delete;
+
+ private:
+  const ProcessGroup::Impl* outer_;
+};
 }  // namespace
 
 class ProcessGroup::Impl {
@@ -713,15 +728,8 @@ class ProcessGroup::Impl {
         if (status.ok()) {
           // A task that issues work on this group would wait for itself
           // (nothing else runs until it returns): Enqueue refuses that.
-          const Impl* outer = tls_running_group;
-          tls_running_group = this;
-          try {
-            status = item.task(comm_.get(), deadline);
-          } catch (...) {
-            tls_running_group = outer;
-            throw;
-          }
-          tls_running_group = outer;
+          const RunningTaskMark mark(this);
+          status = item.task(comm_.get(), deadline);
         }
         if (status.ok() && fence != nullptr) status = fence->MarkDone();
       } catch (const std::exception& e) {

@@ -445,19 +445,30 @@ int64_t RunEndStep(const TrainConfig& config, int64_t batches_per_epoch,
   return end;
 }
 
+namespace {
+
+// Optimizer steps in one epoch of `batches_per_epoch` batches.
+int64_t StepsPerEpoch(const TrainConfig& config, int64_t batches_per_epoch) {
+  return (batches_per_epoch + config.grad_accum_steps - 1) / config.grad_accum_steps;
+}
+
+// What ends a run at step `end` (RunEndStep), for messages:
+// "--max_steps=N" or "E epochs of S steps".
+std::string WhatEndsTheRun(const TrainConfig& config, int64_t batches_per_epoch, int64_t end) {
+  if (config.max_steps > 0 && end == config.max_steps) return "--max_steps=" + std::to_string(config.max_steps);
+  return std::to_string(config.epochs) + (config.epochs == 1 ? " epoch" : " epochs") + " of " +
+         FormatCount(StepsPerEpoch(config, batches_per_epoch)) + " steps";
+}
+
+}  // namespace
+
 void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch) {
   if (config.comm_hook != "powersgd") return;
   // The hook counts its iterations over the whole run, a resumed one's
   // included (they are saved with the checkpoint).
   const int64_t end = RunEndStep(config, batches_per_epoch);
   if (config.powersgd_start_step < end) return;
-  const int64_t per_epoch =
-      (batches_per_epoch + config.grad_accum_steps - 1) / config.grad_accum_steps;
-  const std::string how =
-      config.max_steps > 0 && end == config.max_steps
-          ? "--max_steps=" + std::to_string(config.max_steps)
-          : std::to_string(config.epochs) + (config.epochs == 1 ? " epoch" : " epochs") + " of " +
-                FormatCount(per_epoch) + " steps";
+  const std::string how = WhatEndsTheRun(config, batches_per_epoch, end);
   throw UsageError("--comm_hook=powersgd would compress nothing: it starts after "
                    "--powersgd_start_step=" + std::to_string(config.powersgd_start_step) +
                    " steps of full all-reduce, and this run ends at step " + FormatCount(end) +
@@ -466,12 +477,12 @@ void CheckPowerSgdStarts(const TrainConfig& config, int64_t batches_per_epoch) {
 }
 
 void CheckScheduleFits(const TrainConfig& config, int64_t batches_per_epoch) {
+  const int64_t end = RunEndStep(config, batches_per_epoch);
   if (config.scheduler == "exponential" || config.scheduler == "step" || config.scheduler == "multistep") {
     // A factor above 1 grows the rate; past the double range the optimizer
     // would refuse it mid-run. The most factors the run applies: one per
     // step (exponential), one per milestone, or step's two or three.
-    const int64_t run_end = RunEndStep(config, batches_per_epoch);
-    const double factors = config.scheduler == "exponential" ? static_cast<double>(run_end)
+    const double factors = config.scheduler == "exponential" ? static_cast<double>(end)
                            : config.scheduler == "multistep" ? static_cast<double>(config.lr_milestones.size())
                                                              : 3.0;
     const double g = config.LrGamma();
@@ -479,19 +490,13 @@ void CheckScheduleFits(const TrainConfig& config, int64_t batches_per_epoch) {
       char given[32];
       std::snprintf(given, sizeof(given), "%g", g);
       throw UsageError("--lr_gamma=" + std::string(given) + " grows the rate past the largest number by the end of "
-                       "this run (step " + FormatCount(run_end) + "): --lr x --lr_gamma^" +
+                       "this run (step " + FormatCount(end) + "): --lr x --lr_gamma^" +
                        FormatCount(static_cast<int64_t>(factors)) + " overflows; pass a smaller --lr_gamma");
     }
   }
   if (config.scheduler != "multistep" && config.scheduler != "plateau") return;
-  const int64_t end = RunEndStep(config, batches_per_epoch);
-  const int64_t per_epoch =
-      (batches_per_epoch + config.grad_accum_steps - 1) / config.grad_accum_steps;
-  const std::string how =
-      config.max_steps > 0 && end == config.max_steps
-          ? "--max_steps=" + std::to_string(config.max_steps)
-          : std::to_string(config.epochs) + (config.epochs == 1 ? " epoch" : " epochs") + " of " +
-                FormatCount(per_epoch) + " steps";
+  const int64_t per_epoch = StepsPerEpoch(config, batches_per_epoch);
+  const std::string how = WhatEndsTheRun(config, batches_per_epoch, end);
   if (config.scheduler == "multistep") {
     for (const int64_t milestone : config.lr_milestones) {
       if (milestone < end) continue;

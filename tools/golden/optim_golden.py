@@ -45,19 +45,25 @@ def trajectory(name, make, dtype=torch.float32, none_grad_at=None):
             "grads": grads, "after": after}
 
 
+def lr_trace(name, make, steps):
+    """The rate of an SGD at lr 0.1 before the first step, then after each
+    of `steps` steps of the scheduler make(optimizer)."""
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = make(opt)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return {"name": name, "base_lr": 0.1, "lrs": lrs}
+
+
 def schedules():
     out = []
 
     def run(name, make, steps=25):
-        p = torch.zeros(1, requires_grad=True)
-        opt = torch.optim.SGD([p], lr=0.1)
-        sched = make(opt)
-        lrs = [opt.param_groups[0]["lr"]]
-        for _ in range(steps):
-            opt.step()
-            sched.step()
-            lrs.append(opt.param_groups[0]["lr"])
-        out.append({"name": name, "base_lr": 0.1, "lrs": lrs})
+        out.append(lr_trace(name, make, steps))
 
     run("step", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
     run("cosine", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10, eta_min=0.001))
@@ -90,15 +96,7 @@ def more_schedules():
     out = []
 
     def run(name, make, steps=30):
-        p = torch.zeros(1, requires_grad=True)
-        opt = torch.optim.SGD([p], lr=0.1)
-        sched = make(opt)
-        lrs = [opt.param_groups[0]["lr"]]
-        for _ in range(steps):
-            opt.step()
-            sched.step()
-            lrs.append(opt.param_groups[0]["lr"])
-        out.append({"name": name, "base_lr": 0.1, "lrs": lrs})
+        out.append(lr_trace(name, make, steps))
 
     run("multistep", lambda o: S.MultiStepLR(o, milestones=[3, 7, 7, 20], gamma=0.5))
     run("exponential", lambda o: S.ExponentialLR(o, gamma=0.9))
