@@ -72,6 +72,7 @@ using trainer::StringPrintf;
 constexpr int64_t kWarmupSteps = 5;
 
 using Measurement = ddp::examples::ScalingRun;
+using ddp::examples::Percent;
 
 trainer::TrainConfig Config() {
   trainer::TrainConfig c;
@@ -155,10 +156,6 @@ Measurement Measure(int ranks, const std::vector<std::string>& base_args, const 
   m.on_caller = f[4] == "1";
   m.ok = std::isfinite(m.samples_per_s) && m.samples_per_s > 0;
   return m;
-}
-
-std::string Percent(double fraction) {
-  return std::isfinite(fraction) ? StringPrintf("%.0f%%", 100 * fraction) : "-";
 }
 
 // Why `path` (--chart, resolved) cannot take the chart, or "": checked

@@ -148,6 +148,16 @@ ScalingRun Finished(double samples_per_s, double comm_share) {
 
 // Of two runs the median is their mean (before, the lower middle of the
 // ascending order: the slower run); the row's other figures agree with it.
+// A share just below zero (timing noise in the overlap, or the mean of two
+// runs around zero) prints 0%: the row's "-0%" failed its own format check.
+TEST(ScalingMedianTest, PercentRoundsNoiseBelowZeroToZero) {
+  EXPECT_EQ(Percent(-0.001), "0%");
+  EXPECT_EQ(Percent(0.0), "0%");
+  EXPECT_EQ(Percent(0.474), "47%");
+  EXPECT_EQ(Percent(2.89), "289%");
+  EXPECT_EQ(Percent(NAN), "-");
+}
+
 TEST(ScalingMedianTest, AnEvenNumberOfRunsGivesTheMeanOfTheMiddleTwo) {
   const ScalingRun two = MedianRun({Finished(300, 0.2), Finished(100, 0.4)});
   EXPECT_DOUBLE_EQ(two.samples_per_s, 200);

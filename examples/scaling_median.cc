@@ -1,6 +1,8 @@
 #include "examples/scaling_median.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 namespace ddp::examples {
@@ -24,6 +26,14 @@ ScalingRun MedianRun(std::vector<ScalingRun> runs) {
   m.overlap = (lo.overlap + hi.overlap) / 2;
   m.on_caller = lo.on_caller || hi.on_caller;
   return m;
+}
+
+std::string Percent(double fraction) {
+  if (!std::isfinite(fraction)) return "-";
+  char text[32];
+  // Rounded first, then + 0.0, which turns -0 into 0.
+  std::snprintf(text, sizeof(text), "%.0f%%", std::round(100 * fraction) + 0.0);
+  return text;
 }
 
 }  // namespace ddp::examples

@@ -5,6 +5,7 @@
 // count's repeated runs.
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace ddp::examples {
@@ -26,6 +27,10 @@ struct ScalingRun {
 /// consistent), and the mean of their communication share and overlap;
 /// on_caller when either ran its collectives on the calling thread.
 ScalingRun MedianRun(std::vector<ScalingRun> runs);
+
+/// `fraction` as a whole percentage ("47%"; "-" when not finite). A share
+/// just below zero (timing noise in the overlap) reads "0%", not "-0%".
+std::string Percent(double fraction);
 
 }  // namespace ddp::examples
 
