@@ -223,7 +223,14 @@ void TopologySeeds() {
     host.numa_nodes = 2;
     host.net_devices = {{"mlx5_0", 1, 0, "InfiniBand", 100, true},
                         {"mlx5_1", 1, 1, "Ethernet", 25, false}};
-    host.gpus = {{0, {1}}, {0, {0}}, {1, {3}}, {1, {2}}};
+    // Named fields: Gpu's second member is pci_bus_id, which a braced
+    // {numa_node, {peer}} would fill with the peer's number as a character.
+    for (int g = 0; g < 4; ++g) {
+      Gpu gpu;
+      gpu.numa_node = g / 2;
+      gpu.nvlink_peers = {g ^ 1};
+      host.gpus.push_back(gpu);
+    }
     t.hosts.push_back(host);
     for (int g = 0; g < 4; ++g) t.ranks.push_back({h, g / 2, g});
   }
