@@ -214,6 +214,17 @@ void TopologySeeds() {
         R"("rate_gbps":200,"active":true}],)"
         R"("gpus":[{"numa_node":0,"nvlink_peers":[1]},{"numa_node":0,"nvlink_peers":[0]}]}],)"
         R"("ranks":[{"host":0,"numa_node":0,"gpu":0},{"host":0,"numa_node":0,"gpu":1}]})");
+  // Two equally fast ports on node 0 for the two ranks there to share out,
+  // one port on node 1, and a rank with no node that falls back to them all.
+  Write("topology", "ports_to_spread",
+        R"({"hosts":[{"name":"node-a","boot_id":"boot-a","numa_nodes":2,"net_devices":[)"
+        R"({"name":"mlx5_0","port":1,"numa_node":0,"rate_gbps":200,"active":true},)"
+        R"({"name":"mlx5_1","port":1,"numa_node":0,"rate_gbps":200,"active":true},)"
+        R"({"name":"mlx5_2","port":1,"numa_node":1,"rate_gbps":100,"active":true},)"
+        R"({"name":"mlx5_3","port":1,"numa_node":1,"rate_gbps":200,"active":false}],)"
+        R"("gpus":[{"numa_node":0},{"numa_node":0},{"numa_node":1},{"numa_node":1}]}],)"
+        R"("ranks":[{"host":0,"gpu":0},{"host":0,"gpu":1},{"host":0,"gpu":2},)"
+        R"({"host":0,"gpu":3},{"host":0}]})");
   using namespace ddp::transport::topology;
   Topology t;
   for (int h = 0; h < 2; ++h) {
