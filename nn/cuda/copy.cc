@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/indexing.h"
@@ -25,14 +26,35 @@ struct Staging {
   std::unique_ptr<Event> events[2];
   bool pending[2] = {false, false};
 
+  // All four parts are made first and kept only when every one exists: a
+  // failure part way (pinned memory short, an event refused) frees what was
+  // made and leaves the slot empty, so the next copy tries again instead of
+  // using a null buffer or event.
   void EnsureAllocated(Device device) {
-    if (buffers[0] != nullptr) return;
+    if (buffers[0] != nullptr && buffers[1] != nullptr && events[0] && events[1]) return;
     DeviceGuard guard(device.index);
+    void* made[2] = {nullptr, nullptr};
+    std::unique_ptr<Event> made_events[2];
+    try {
+      for (int b = 0; b < 2; ++b) {
+        // Portable: the DMA engines of every device may read it.
+        void* p = nullptr;
+        CheckCuda(cudaHostAlloc(&p, kStagingChunkBytes, cudaHostAllocPortable), "cudaHostAlloc(staging buffer)");
+        made[b] = p;
+        made_events[b] = std::make_unique<Event>(device);
+      }
+    } catch (...) {
+      for (void* p : made) {
+        // A failed free is not reported over the error being raised; its
+        // code is read so that it is not blamed on a later call.
+        if (p != nullptr && cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
+      }
+      throw;
+    }
     for (int b = 0; b < 2; ++b) {
-      // Portable: the DMA engines of every device may read it.
-      CheckCuda(cudaHostAlloc(&buffers[b], kStagingChunkBytes, cudaHostAllocPortable),
-                "cudaHostAlloc(staging buffer)");
-      events[b] = std::make_unique<Event>(device);
+      buffers[b] = made[b];
+      events[b] = std::move(made_events[b]);
+      pending[b] = false;
     }
   }
   void WaitFor(int b) {
