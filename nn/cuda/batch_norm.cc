@@ -76,14 +76,16 @@ Tensor SplitWork(const Tensor& x, const Dims& d) {
 void BackwardReduce(const Tensor& dy, const Tensor& x, const Dims& d, const Tensor& mean, const Tensor& invstd,
                     const Tensor& sum_dy, const Tensor& sum_dy_xhat, cudaStream_t stream) {
   if (BatchNormSplitReductions()) {
-    CheckCuda(launch::BatchNormBackwardReduceSplit(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s,
-                                                   MutPtr(SplitWork(x, d)), Arr(mean), Arr(invstd), MutPtr(sum_dy),
-                                                   MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
-              "kernel `batch_norm_backward_reduce_split`");
+    LaunchChecked("kernel `batch_norm_backward_reduce_split`", [&] {
+      return launch::BatchNormBackwardReduceSplit(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)),
+                                                  Arr(mean), Arr(invstd), MutPtr(sum_dy), MutPtr(sum_dy_xhat),
+                                                  ToDt(x.dtype()), stream);
+    });
   } else {
-    CheckCuda(launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd),
-                                              MutPtr(sum_dy), MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream),
-              "kernel `batch_norm_backward_reduce`");
+    LaunchChecked("kernel `batch_norm_backward_reduce`", [&] {
+      return launch::BatchNormBackwardReduce(dy.data_ptr(), x.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd),
+                                             MutPtr(sum_dy), MutPtr(sum_dy_xhat), ToDt(x.dtype()), stream);
+    });
   }
 }
 
@@ -390,26 +392,29 @@ void BatchNormForward(const Tensor& x_in, const Tensor& weight, const Tensor& bi
     const cudaStream_t stream = CurrentStream(x.device());
     const double unbias = m > 1 ? static_cast<double>(m) / static_cast<double>(m - 1) : 1.0;
     if (training && BatchNormSplitReductions()) {
-      CheckCuda(launch::BatchNormTrainStatsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), momentum, eps,
-                                                 unbias, MutPtr(mean), MutPtr(var), MutPtr(invstd),
-                                                 update ? Arr(rm) : launch::ChannelArray{},
-                                                 update ? Arr(rv) : launch::ChannelArray{},
-                                                 ToDt(x.dtype()), stream),
-                "kernel `batch_norm_train_stats_split`");
+      LaunchChecked("kernel `batch_norm_train_stats_split`", [&] {
+        return launch::BatchNormTrainStatsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), momentum, eps,
+                                                unbias, MutPtr(mean), MutPtr(var), MutPtr(invstd),
+                                                update ? Arr(rm) : launch::ChannelArray{},
+                                                update ? Arr(rv) : launch::ChannelArray{}, ToDt(x.dtype()), stream);
+      });
     } else {
       if (training) {
-        CheckCuda(launch::BatchNormMeanVar(x.data_ptr(), d.n, d.c, d.s, MutPtr(mean), MutPtr(var), ToDt(x.dtype()),
-                                           stream),
-                  "kernel `batch_norm_mean_var`");
+        LaunchChecked("kernel `batch_norm_mean_var`", [&] {
+          return launch::BatchNormMeanVar(x.data_ptr(), d.n, d.c, d.s, MutPtr(mean), MutPtr(var), ToDt(x.dtype()),
+                                          stream);
+        });
       }
-      CheckCuda(launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), MutPtr(var),
-                                          MutPtr(invstd), update || !training ? Arr(rm) : launch::ChannelArray{},
-                                          update || !training ? Arr(rv) : launch::ChannelArray{}, stream),
-                "kernel `batch_norm_finalize`");
+      LaunchChecked("kernel `batch_norm_finalize`", [&] {
+        return launch::BatchNormFinalize(d.c, training, momentum, eps, unbias, MutPtr(mean), MutPtr(var),
+                                         MutPtr(invstd), update || !training ? Arr(rm) : launch::ChannelArray{},
+                                         update || !training ? Arr(rv) : launch::ChannelArray{}, stream);
+      });
     }
-    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd), Arr(w),
-                                           Arr(b), ToDt(x.dtype()), stream),
-              "kernel `batch_norm_elementwise`");
+    LaunchChecked("kernel `batch_norm_elementwise`", [&] {
+      return launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd), Arr(w),
+                                          Arr(b), ToDt(x.dtype()), stream);
+    });
   }
   Finish(y, yt);
   if (update) {
@@ -450,13 +455,12 @@ void BatchNormBackward(const Tensor& x_in, const Tensor& dy_in, const Tensor& we
     // Eval mode: dx = weight * invstd * dy, as on the CPU; x is not passed,
     // so an inf or NaN in it cannot reach dx.
     const bool centered = training && m > 0;
-    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), centered ? x.data_ptr() : nullptr, t.data_ptr(),
-                                                   d.n, d.c, d.s, Arr(mean), Arr(invstd), Arr(w),
-                                                   centered ? Arr(sum_dy) : launch::ChannelArray{},
-                                                   centered ? Arr(sum_dy_xhat) : launch::ChannelArray{},
-                                                   m > 0 ? 1.0 / static_cast<double>(m) : 0.0, ToDt(x.dtype()),
-                                                   stream),
-              "kernel `batch_norm_backward_elementwise`");
+    LaunchChecked("kernel `batch_norm_backward_elementwise`", [&] {
+      return launch::BatchNormBackwardElementwise(
+          dy.data_ptr(), centered ? x.data_ptr() : nullptr, t.data_ptr(), d.n, d.c, d.s, Arr(mean), Arr(invstd), Arr(w),
+          centered ? Arr(sum_dy) : launch::ChannelArray{}, centered ? Arr(sum_dy_xhat) : launch::ChannelArray{},
+          m > 0 ? 1.0 / static_cast<double>(m) : 0.0, ToDt(x.dtype()), stream);
+    });
     Finish(dx, t);
   }
   WriteBack(dweight, sum_dy_xhat);
@@ -472,12 +476,14 @@ void BatchNormStats(const Tensor& x_in, const Tensor& sum, const Tensor& sum_sq)
     DeviceGuard guard(x.device().index);
     const cudaStream_t stream = CurrentStream(x.device());
     if (BatchNormSplitReductions()) {
-      CheckCuda(launch::BatchNormSumsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), MutPtr(s), MutPtr(q),
-                                           ToDt(x.dtype()), stream),
-                "kernel `batch_norm_stats_split`");
+      LaunchChecked("kernel `batch_norm_stats_split`", [&] {
+        return launch::BatchNormSumsSplit(x.data_ptr(), d.n, d.c, d.s, MutPtr(SplitWork(x, d)), MutPtr(s), MutPtr(q),
+                                          ToDt(x.dtype()), stream);
+      });
     } else {
-      CheckCuda(launch::BatchNormSums(x.data_ptr(), d.n, d.c, d.s, MutPtr(s), MutPtr(q), ToDt(x.dtype()), stream),
-                "kernel `batch_norm_stats`");
+      LaunchChecked("kernel `batch_norm_stats`", [&] {
+        return launch::BatchNormSums(x.data_ptr(), d.n, d.c, d.s, MutPtr(s), MutPtr(q), ToDt(x.dtype()), stream);
+      });
     }
   }
   WriteBack(sum, s);
@@ -496,9 +502,10 @@ void BatchNormElementwise(const Tensor& x_in, const Tensor& mean, const Tensor& 
   const Tensor yt = Target(y);
   {
     DeviceGuard guard(x.device().index);
-    CheckCuda(launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Arr(mu), Arr(is), Arr(w),
-                                           Arr(b), ToDt(x.dtype()), CurrentStream(x.device())),
-              "kernel `batch_norm_elementwise`");
+    LaunchChecked("kernel `batch_norm_elementwise`", [&] {
+      return launch::BatchNormElementwise(x.data_ptr(), yt.data_ptr(), d.n, d.c, d.s, Arr(mu), Arr(is), Arr(w), Arr(b),
+                                          ToDt(x.dtype()), CurrentStream(x.device()));
+    });
   }
   Finish(y, yt);
 }
@@ -538,10 +545,11 @@ void BatchNormBackwardElementwise(const Tensor& dy_in, const Tensor& x_in, const
   const Tensor t = Target(dx);
   {
     DeviceGuard guard(x.device().index);
-    CheckCuda(launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s, Arr(mu),
-                                                   Arr(is), Arr(w), Arr(mdy), Arr(mdx), 1.0, ToDt(x.dtype()),
-                                                   CurrentStream(x.device())),
-              "kernel `batch_norm_backward_elementwise`");
+    LaunchChecked("kernel `batch_norm_backward_elementwise`", [&] {
+      return launch::BatchNormBackwardElementwise(dy.data_ptr(), x.data_ptr(), t.data_ptr(), d.n, d.c, d.s, Arr(mu),
+                                                  Arr(is), Arr(w), Arr(mdy), Arr(mdx), 1.0, ToDt(x.dtype()),
+                                                  CurrentStream(x.device()));
+    });
   }
   Finish(dx, t);
 }

@@ -381,8 +381,8 @@ void AddBias(const Tensor& yt, const Tensor& bias, cudaStream_t stream) {
   const Tensor b = bias.dtype() == dt ? bias.Detach() : bias.Detach().To(dt);
   const Shape bs = BroadcastStridesTo(b.View({1, b.numel(), 1, 1}), yt.shape());
   const launch::Indexing ix = MakeIndexing("conv2d bias", yt.shape(), {yt.strides(), bs});
-  CheckCuda(launch::AddScaled(ix, yt.numel(), yt.data_ptr(), b.data_ptr(), 1.0, ToDt(dt), stream),
-            "kernel `add_scaled_` (conv2d bias)");
+  LaunchChecked("kernel `add_scaled_` (conv2d bias)",
+                [&] { return launch::AddScaled(ix, yt.numel(), yt.data_ptr(), b.data_ptr(), 1.0, ToDt(dt), stream); });
 }
 
 }  // namespace

@@ -193,8 +193,9 @@ void CopyStrided(const Tensor& dst, const Tensor& src) {
     return;
   }
   const launch::Indexing ix = MakeIndexing("copy", dst.shape(), {dst.strides(), src.strides()});
-  CheckCuda(launch::Copy(ix, dst.numel(), dst.data_ptr(), ToDt(dst.dtype()), src.data_ptr(), ToDt(src.dtype()), stream),
-            "kernel `copy`");
+  LaunchChecked("kernel `copy`", [&] {
+    return launch::Copy(ix, dst.numel(), dst.data_ptr(), ToDt(dst.dtype()), src.data_ptr(), ToDt(src.dtype()), stream);
+  });
 }
 
 void Fill(const Tensor& dst, const void* value) {
@@ -213,7 +214,8 @@ void Fill(const Tensor& dst, const void* value) {
     return;
   }
   const launch::Indexing ix = MakeIndexing("fill", dst.shape(), {dst.strides()});
-  CheckCuda(launch::Fill(ix, dst.numel(), dst.data_ptr(), value, static_cast<int>(elem), stream), "kernel `fill`");
+  LaunchChecked("kernel `fill`",
+                [&] { return launch::Fill(ix, dst.numel(), dst.data_ptr(), value, static_cast<int>(elem), stream); });
 }
 
 void Synchronize(Device device) { SynchronizeDevice(device); }

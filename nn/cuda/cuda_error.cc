@@ -26,4 +26,12 @@ void CheckLaunch(const char* kernel) {
                   static_cast<int>(err));
 }
 
+void CheckNotFailedBefore(cudaError_t pending, const char* what) {
+  if (pending == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw CudaError(std::string("CUDA had already failed before ") + what + ": " + cudaGetErrorString(pending) + " (" +
+                      cudaGetErrorName(pending) + ")",
+                  static_cast<int>(pending));
+}
+
 }  // namespace ddp::nn::cuda

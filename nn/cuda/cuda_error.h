@@ -43,4 +43,21 @@ void CheckCublas(cublasStatus_t status, const char* call);
 /// After a kernel launch: throws naming `kernel` when the launch failed.
 void CheckLaunch(const char* kernel);
 
+/// Throws CudaError "CUDA had already failed before <what>: ..." unless
+/// `pending` (the thread's last error, read just before a launch) is
+/// cudaSuccess, so that an earlier failure is not reported as the launch's
+/// own. Reads the error as CheckCuda does (clearing it unless sticky).
+void CheckNotFailedBefore(cudaError_t pending, const char* what);
+
+/// Runs a launch wrapper of launch.h, `launch` (a callable returning its
+/// cudaError_t), and checks its code as CheckCuda(code, what). An error
+/// already pending on this thread is reported first, by
+/// CheckNotFailedBefore, and nothing is launched. cudaPeekAtLastError only
+/// reads host-side state: it adds no wait on the device.
+template <typename F>
+void LaunchChecked(const char* what, F&& launch) {
+  CheckNotFailedBefore(cudaPeekAtLastError(), what);
+  CheckCuda(launch(), what);
+}
+
 }  // namespace ddp::nn::cuda

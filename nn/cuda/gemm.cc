@@ -165,8 +165,9 @@ void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, doubl
   } else if (k == 0) {
     // Nothing to multiply: c = beta * c.
     const launch::Indexing ix = MakeIndexing("gemm", cc.shape(), {cc.strides(), cc.strides()});
-    CheckCuda(launch::Affine(ix, cc.numel(), cc.data_ptr(), cc.data_ptr(), beta, 0.0, ToDt(dt), stream),
-              "kernel `affine` (gemm with k = 0)");
+    LaunchChecked("kernel `affine` (gemm with k = 0)", [&] {
+      return launch::Affine(ix, cc.numel(), cc.data_ptr(), cc.data_ptr(), beta, 0.0, ToDt(dt), stream);
+    });
   } else {
     const Operand oa = Describe(a, dt), ob = Describe(b, dt);
     const cublasHandle_t handle = HandleFor(dev);

@@ -495,6 +495,20 @@ TEST(CudaErrors, MessageNamesTheCallAndTheCudaError) {
   }
 }
 
+TEST(CudaErrors, AnErrorPendingBeforeALaunchIsNotBlamedOnIt) {
+  EXPECT_NO_THROW(CheckNotFailedBefore(cudaSuccess, "kernel `unary`"));
+  try {
+    CheckNotFailedBefore(cudaErrorIllegalAddress, "kernel `unary`");
+    FAIL() << "expected an error";
+  } catch (const CudaError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("CUDA had already failed before kernel `unary`: "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cudaErrorIllegalAddress"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("kernel `unary` failed"), std::string::npos) << msg;
+    EXPECT_EQ(e.code(), static_cast<int>(cudaErrorIllegalAddress));
+  }
+}
+
 // Misuse is reported before any CUDA call, so these run without a GPU. The
 // tensors wrap a host buffer labelled as device memory; it is never read.
 class CudaMisuseTest : public ::testing::Test {

@@ -77,9 +77,10 @@ void Unary(ops::UnaryOp op, const Tensor& x, const Tensor& out) {
   if (out.numel() == 0) return;
   Launch l(dev);
   const launch::Indexing ix = MakeIndexing("unary", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
-  CheckCuda(launch::Unary(static_cast<int>(op), ix, out.numel(), out.data_ptr(), x.data_ptr(), ToDt(out.dtype()),
-                          l.stream),
-            "kernel `unary`");
+  LaunchChecked("kernel `unary`", [&] {
+    return launch::Unary(static_cast<int>(op), ix, out.numel(), out.data_ptr(), x.data_ptr(), ToDt(out.dtype()),
+                         l.stream);
+  });
 }
 
 void UnaryBackward(ops::UnaryOp op, const Tensor& grad_out, const Tensor& saved, const Tensor& grad_in) {
@@ -93,9 +94,10 @@ void UnaryBackward(ops::UnaryOp op, const Tensor& grad_out, const Tensor& saved,
   const launch::Indexing ix = MakeIndexing(
       "unary_backward", shape,
       {grad_in.strides(), BroadcastStridesTo(grad_out, shape), BroadcastStridesTo(saved, shape)});
-  CheckCuda(launch::UnaryBackward(static_cast<int>(op), ix, grad_in.numel(), grad_in.data_ptr(), grad_out.data_ptr(),
-                                  saved.data_ptr(), ToDt(grad_in.dtype()), l.stream),
-            "kernel `unary_backward`");
+  LaunchChecked("kernel `unary_backward`", [&] {
+    return launch::UnaryBackward(static_cast<int>(op), ix, grad_in.numel(), grad_in.data_ptr(), grad_out.data_ptr(),
+                                 saved.data_ptr(), ToDt(grad_in.dtype()), l.stream);
+  });
 }
 
 void Binary(ops::BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
@@ -111,9 +113,10 @@ void Binary(ops::BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& ou
   const Shape& shape = out.shape();
   const launch::Indexing ix =
       MakeIndexing("binary", shape, {out.strides(), BroadcastStridesTo(a, shape), BroadcastStridesTo(b, shape)});
-  CheckCuda(launch::Binary(static_cast<int>(op), ix, out.numel(), out.data_ptr(), a.data_ptr(), b.data_ptr(),
-                           ToDt(out.dtype()), l.stream),
-            "kernel `binary`");
+  LaunchChecked("kernel `binary`", [&] {
+    return launch::Binary(static_cast<int>(op), ix, out.numel(), out.data_ptr(), a.data_ptr(), b.data_ptr(),
+                          ToDt(out.dtype()), l.stream);
+  });
 }
 
 void Clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
@@ -123,8 +126,9 @@ void Clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
   if (out.numel() == 0) return;
   Launch l(dev);
   const launch::Indexing ix = MakeIndexing("clamp", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
-  CheckCuda(launch::Clamp(ix, out.numel(), out.data_ptr(), x.data_ptr(), lo, hi, ToDt(out.dtype()), l.stream),
-            "kernel `clamp`");
+  LaunchChecked("kernel `clamp`", [&] {
+    return launch::Clamp(ix, out.numel(), out.data_ptr(), x.data_ptr(), lo, hi, ToDt(out.dtype()), l.stream);
+  });
 }
 
 void ClampBackward(const Tensor& grad_out, const Tensor& x, double lo, double hi, const Tensor& grad_in) {
@@ -137,9 +141,10 @@ void ClampBackward(const Tensor& grad_out, const Tensor& x, double lo, double hi
   const Shape& shape = grad_in.shape();
   const launch::Indexing ix = MakeIndexing(
       "clamp_backward", shape, {grad_in.strides(), BroadcastStridesTo(grad_out, shape), BroadcastStridesTo(x, shape)});
-  CheckCuda(launch::ClampBackward(ix, grad_in.numel(), grad_in.data_ptr(), grad_out.data_ptr(), x.data_ptr(), lo, hi,
-                                  ToDt(grad_in.dtype()), l.stream),
-            "kernel `clamp_backward`");
+  LaunchChecked("kernel `clamp_backward`", [&] {
+    return launch::ClampBackward(ix, grad_in.numel(), grad_in.data_ptr(), grad_out.data_ptr(), x.data_ptr(), lo, hi,
+                                 ToDt(grad_in.dtype()), l.stream);
+  });
 }
 
 void Affine(const Tensor& x, double alpha, double beta, const Tensor& out) {
@@ -150,8 +155,9 @@ void Affine(const Tensor& x, double alpha, double beta, const Tensor& out) {
   Launch l(dev);
   const launch::Indexing ix =
       MakeIndexing("affine", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
-  CheckCuda(launch::Affine(ix, out.numel(), out.data_ptr(), x.data_ptr(), alpha, beta, ToDt(out.dtype()), l.stream),
-            "kernel `affine`");
+  LaunchChecked("kernel `affine`", [&] {
+    return launch::Affine(ix, out.numel(), out.data_ptr(), x.data_ptr(), alpha, beta, ToDt(out.dtype()), l.stream);
+  });
 }
 
 void DivScalar(const Tensor& x, double s, const Tensor& out) {
@@ -162,8 +168,9 @@ void DivScalar(const Tensor& x, double s, const Tensor& out) {
   Launch l(dev);
   const launch::Indexing ix =
       MakeIndexing("div_scalar", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
-  CheckCuda(launch::DivScalar(ix, out.numel(), out.data_ptr(), x.data_ptr(), s, ToDt(out.dtype()), l.stream),
-            "kernel `div_scalar`");
+  LaunchChecked("kernel `div_scalar`", [&] {
+    return launch::DivScalar(ix, out.numel(), out.data_ptr(), x.data_ptr(), s, ToDt(out.dtype()), l.stream);
+  });
 }
 
 void AddScaled(const Tensor& out, const Tensor& x, double alpha) {
@@ -174,8 +181,9 @@ void AddScaled(const Tensor& out, const Tensor& x, double alpha) {
   Launch l(dev);
   const launch::Indexing ix =
       MakeIndexing("add_scaled_", out.shape(), {out.strides(), BroadcastStridesTo(x, out.shape())});
-  CheckCuda(launch::AddScaled(ix, out.numel(), out.data_ptr(), x.data_ptr(), alpha, ToDt(out.dtype()), l.stream),
-            "kernel `add_scaled_`");
+  LaunchChecked("kernel `add_scaled_`", [&] {
+    return launch::AddScaled(ix, out.numel(), out.data_ptr(), x.data_ptr(), alpha, ToDt(out.dtype()), l.stream);
+  });
 }
 
 void MaskedScale(const Tensor& x, const Tensor& mask, double scale, const Tensor& out) {
@@ -190,9 +198,10 @@ void MaskedScale(const Tensor& x, const Tensor& mask, double scale, const Tensor
   const Shape& shape = out.shape();
   const launch::Indexing ix = MakeIndexing("masked_scale", shape,
                                            {out.strides(), BroadcastStridesTo(x, shape), BroadcastStridesTo(mask, shape)});
-  CheckCuda(launch::MaskedScale(ix, out.numel(), out.data_ptr(), x.data_ptr(),
-                                static_cast<const uint8_t*>(mask.data_ptr()), scale, ToDt(out.dtype()), l.stream),
-            "kernel `masked_scale`");
+  LaunchChecked("kernel `masked_scale`", [&] {
+    return launch::MaskedScale(ix, out.numel(), out.data_ptr(), x.data_ptr(),
+                               static_cast<const uint8_t*>(mask.data_ptr()), scale, ToDt(out.dtype()), l.stream);
+  });
 }
 
 void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen) {
@@ -208,8 +217,9 @@ void BernoulliMask(const Tensor& mask, double keep_prob, Generator& gen) {
     auto lock = gen.Lock();  // the generator may be the shared default one
     return gen.NextU64();
   }();
-  CheckCuda(launch::BernoulliMask(static_cast<uint8_t*>(mask.data_ptr()), mask.numel(), keep_prob, seed, l.stream),
-            "kernel `bernoulli_mask`");
+  LaunchChecked("kernel `bernoulli_mask`", [&] {
+    return launch::BernoulliMask(static_cast<uint8_t*>(mask.data_ptr()), mask.numel(), keep_prob, seed, l.stream);
+  });
 }
 
 // x: [d0, ..., dk]; out: same rank, each dimension equal to x's or 1 (summed
@@ -221,8 +231,9 @@ void SumTo(const Tensor& x, const Tensor& out, double scale) {
   const launch::ReduceIndexing rx = MakeSumToIndexing(x, out);
   if (out.numel() == 0) return;
   Launch l(dev);
-  CheckCuda(launch::SumTo(rx, out.data_ptr(), ToDt(out.dtype()), x.data_ptr(), ToDt(x.dtype()), scale, l.stream),
-            "kernel `sum_to`");
+  LaunchChecked("kernel `sum_to`", [&] {
+    return launch::SumTo(rx, out.data_ptr(), ToDt(out.dtype()), x.data_ptr(), ToDt(x.dtype()), scale, l.stream);
+  });
 }
 
 // x: [..., D, ...] reduced along dim; out: x's shape without dim (i64).
@@ -256,9 +267,10 @@ void Argmax(const Tensor& x, int64_t dim, const Tensor& out) {
   }
   Launch l(dev);
   const launch::Indexing ix = MakeIndexing("argmax", kept_shape, {kept_out, kept_x});
-  CheckCuda(launch::Argmax(ix, out.numel(), x.size(dim), x.stride(dim), static_cast<int64_t*>(out.data_ptr()),
-                           x.data_ptr(), ToDt(x.dtype()), l.stream),
-            "kernel `argmax`");
+  LaunchChecked("kernel `argmax`", [&] {
+    return launch::Argmax(ix, out.numel(), x.size(dim), x.stride(dim), static_cast<int64_t*>(out.data_ptr()),
+                          x.data_ptr(), ToDt(x.dtype()), l.stream);
+  });
 }
 
 struct Split {
@@ -300,9 +312,9 @@ void LogSoftmaxForward(const Tensor& x, int64_t dim, const Tensor& y) {
   const Split s = SplitAt(x, dim);
   IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::LogSoftmaxForward(xc.data_ptr(), dst.data_ptr(), s.outer, s.d, s.inner, ToDt(x.dtype()),
-                                        l.stream),
-              "kernel `log_softmax_forward`");
+    LaunchChecked("kernel `log_softmax_forward`", [&] {
+      return launch::LogSoftmaxForward(xc.data_ptr(), dst.data_ptr(), s.outer, s.d, s.inner, ToDt(x.dtype()), l.stream);
+    });
   });
 }
 
@@ -321,9 +333,10 @@ void LogSoftmaxBackward(const Tensor& dy, const Tensor& y, int64_t dim, const Te
   const Split s = SplitAt(y, dim);
   IntoContiguous(dx, y.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::LogSoftmaxBackward(dyc.data_ptr(), yc.data_ptr(), dst.data_ptr(), s.outer, s.d, s.inner,
-                                         ToDt(y.dtype()), l.stream),
-              "kernel `log_softmax_backward`");
+    LaunchChecked("kernel `log_softmax_backward`", [&] {
+      return launch::LogSoftmaxBackward(dyc.data_ptr(), yc.data_ptr(), dst.data_ptr(), s.outer, s.d, s.inner,
+                                        ToDt(y.dtype()), l.stream);
+    });
   });
 }
 
@@ -366,9 +379,10 @@ void CrossEntropyForward(const Tensor& logits, const Tensor& target, double labe
   const Tensor tc = ContiguousOnDevice(target);
   IntoContiguous(loss, lp.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::CrossEntropyLoss(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()), dst.data_ptr(), n,
-                                       c, label_smoothing, ignore_index, ToDt(lp.dtype()), l.stream),
-              "kernel `cross_entropy_loss`");
+    LaunchChecked("kernel `cross_entropy_loss`", [&] {
+      return launch::CrossEntropyLoss(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()), dst.data_ptr(), n, c,
+                                      label_smoothing, ignore_index, ToDt(lp.dtype()), l.stream);
+    });
   });
 }
 
@@ -403,10 +417,11 @@ void CrossEntropyBackward(const Tensor& log_probs, const Tensor& target, const T
   const Tensor tc = ContiguousOnDevice(target);
   IntoContiguous(dlogits, lp.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::CrossEntropyBackward(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()), g.data_ptr(),
-                                           g.numel() == 1 ? 0 : 1, dst.data_ptr(), n, c, label_smoothing,
-                                           ignore_index, ToDt(lp.dtype()), l.stream),
-              "kernel `cross_entropy_backward`");
+    LaunchChecked("kernel `cross_entropy_backward`", [&] {
+      return launch::CrossEntropyBackward(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()), g.data_ptr(),
+                                          g.numel() == 1 ? 0 : 1, dst.data_ptr(), n, c, label_smoothing, ignore_index,
+                                          ToDt(lp.dtype()), l.stream);
+    });
   });
 }
 
@@ -487,10 +502,11 @@ void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor&
   const Tensor w = WeightOnDevice(weight, lp.dtype());
   IntoContiguous(loss, lp.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::NllLoss(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()),
-                              w.defined() ? w.data_ptr() : nullptr, dst.data_ptr(), z.n, z.c, z.s, ignore_index,
-                              ToDt(lp.dtype()), l.stream),
-              "kernel `nll_loss_forward`");
+    LaunchChecked("kernel `nll_loss_forward`", [&] {
+      return launch::NllLoss(lp.data_ptr(), static_cast<const int64_t*>(tc.data_ptr()),
+                             w.defined() ? w.data_ptr() : nullptr, dst.data_ptr(), z.n, z.c, z.s, ignore_index,
+                             ToDt(lp.dtype()), l.stream);
+    });
   });
 }
 
@@ -521,10 +537,11 @@ void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& g
   const Tensor w = WeightOnDevice(weight, dt);
   IntoContiguous(dlog_probs, dt, [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::NllLossBackward(static_cast<const int64_t*>(tc.data_ptr()),
-                                      w.defined() ? w.data_ptr() : nullptr, g.data_ptr(), g.numel() == 1 ? 0 : 1,
-                                      dst.data_ptr(), z.n, z.c, z.s, ignore_index, ToDt(dt), l.stream),
-              "kernel `nll_loss_backward`");
+    LaunchChecked("kernel `nll_loss_backward`", [&] {
+      return launch::NllLossBackward(static_cast<const int64_t*>(tc.data_ptr()), w.defined() ? w.data_ptr() : nullptr,
+                                     g.data_ptr(), g.numel() == 1 ? 0 : 1, dst.data_ptr(), z.n, z.c, z.s, ignore_index,
+                                     ToDt(dt), l.stream);
+    });
   });
 }
 
@@ -576,10 +593,11 @@ void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, c
   const Tensor xc = ContiguousOnDevice(x);
   IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::MaxPoolForward(g, xc.data_ptr(), dst.data_ptr(),
-                                     indices.defined() ? static_cast<int32_t*>(indices.data_ptr()) : nullptr,
-                                     ToDt(x.dtype()), l.stream),
-              "kernel `max_pool2d_forward`");
+    LaunchChecked("kernel `max_pool2d_forward`", [&] {
+      return launch::MaxPoolForward(g, xc.data_ptr(), dst.data_ptr(),
+                                    indices.defined() ? static_cast<int32_t*>(indices.data_ptr()) : nullptr,
+                                    ToDt(x.dtype()), l.stream);
+    });
   });
 }
 
@@ -596,9 +614,10 @@ void MaxPool2dBackward(const Tensor& dy, const Tensor& indices, const Tensor& dx
   const Tensor dyc = ContiguousOnDevice(dy), ic = ContiguousOnDevice(indices);
   IntoContiguous(dx, dx.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::MaxPoolBackward(g, dyc.data_ptr(), static_cast<const int32_t*>(ic.data_ptr()), dst.data_ptr(),
-                                      ToDt(dx.dtype()), l.stream),
-              "kernel `max_pool2d_backward`");
+    LaunchChecked("kernel `max_pool2d_backward`", [&] {
+      return launch::MaxPoolBackward(g, dyc.data_ptr(), static_cast<const int32_t*>(ic.data_ptr()), dst.data_ptr(),
+                                     ToDt(dx.dtype()), l.stream);
+    });
   });
 }
 
@@ -612,8 +631,8 @@ void AvgPool2dForward(const Tensor& x, const Tensor& y, const ops::Pool2dParams&
   const Tensor xc = ContiguousOnDevice(x);
   IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::AvgPoolForward(g, xc.data_ptr(), dst.data_ptr(), ToDt(x.dtype()), l.stream),
-              "kernel `avg_pool2d_forward`");
+    LaunchChecked("kernel `avg_pool2d_forward`",
+                  [&] { return launch::AvgPoolForward(g, xc.data_ptr(), dst.data_ptr(), ToDt(x.dtype()), l.stream); });
   });
 }
 
@@ -627,8 +646,9 @@ void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const ops::Pool2dPara
   const Tensor dyc = ContiguousOnDevice(dy);
   IntoContiguous(dx, dx.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::AvgPoolBackward(g, dyc.data_ptr(), dst.data_ptr(), ToDt(dx.dtype()), l.stream),
-              "kernel `avg_pool2d_backward`");
+    LaunchChecked("kernel `avg_pool2d_backward`", [&] {
+      return launch::AvgPoolBackward(g, dyc.data_ptr(), dst.data_ptr(), ToDt(dx.dtype()), l.stream);
+    });
   });
 }
 
@@ -645,8 +665,9 @@ void AdaptiveAvgPool2dForward(const Tensor& x, const Tensor& y) {
   const Tensor xc = ContiguousOnDevice(x);
   IntoContiguous(y, x.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::AdaptiveAvgPoolForward(g, xc.data_ptr(), dst.data_ptr(), ToDt(x.dtype()), l.stream),
-              "kernel `adaptive_avg_pool2d_forward`");
+    LaunchChecked("kernel `adaptive_avg_pool2d_forward`", [&] {
+      return launch::AdaptiveAvgPoolForward(g, xc.data_ptr(), dst.data_ptr(), ToDt(x.dtype()), l.stream);
+    });
   });
 }
 
@@ -660,8 +681,9 @@ void AdaptiveAvgPool2dBackward(const Tensor& dy, const Tensor& dx) {
   const Tensor dyc = ContiguousOnDevice(dy);
   IntoContiguous(dx, dx.dtype(), [&](const Tensor& dst) {
     Launch l(dev);
-    CheckCuda(launch::AdaptiveAvgPoolBackward(g, dyc.data_ptr(), dst.data_ptr(), ToDt(dx.dtype()), l.stream),
-              "kernel `adaptive_avg_pool2d_backward`");
+    LaunchChecked("kernel `adaptive_avg_pool2d_backward`", [&] {
+      return launch::AdaptiveAvgPoolBackward(g, dyc.data_ptr(), dst.data_ptr(), ToDt(dx.dtype()), l.stream);
+    });
   });
 }
 
