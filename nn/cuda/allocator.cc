@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/stream.h"
@@ -76,21 +77,34 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
   DeviceGuard guard(device.index);
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, size);
-  std::lock_guard<std::mutex> lock(mu_);
+  // Out of memory: the cache goes back to CUDA and the request is tried once
+  // more. A failure while releasing is named in the out-of-memory error
+  // instead of replacing it: callers that retry smaller on std::bad_alloc
+  // (the cuDNN workspace search) must still get one.
+  std::string release_failure;
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    ReleaseCachedLocked(device.index);
-    err = cudaMalloc(&p, size);
+    try {
+      ReleaseCached(device.index);
+      err = cudaMalloc(&p, size);
+    } catch (const std::exception& e) {
+      release_failure = e.what();
+    }
   }
+  std::lock_guard<std::mutex> lock(mu_);
   AllocatorStats& st = StatsFor(device.index);
   if (err != cudaSuccess && err != cudaErrorMemoryAllocation) {
     CheckCuda(err, ("cudaMalloc(" + std::to_string(size) + " bytes on " + device.ToString() + ")").c_str());
   }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    throw CudaOutOfMemory("cudaMalloc of " + std::to_string(size) + " bytes on " + device.ToString() +
+    std::string message = "cudaMalloc of " + std::to_string(size) + " bytes on " + device.ToString() +
                           " failed: " + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + "); " +
-                          std::to_string(st.in_use_bytes) + " bytes are held by live tensors of this process");
+                          std::to_string(st.in_use_bytes) + " bytes are held by live tensors of this process";
+    if (!release_failure.empty()) {
+      message += "; releasing the cached blocks for a retry failed too: " + release_failure;
+    }
+    throw CudaOutOfMemory(std::move(message));
   }
   ++st.system_allocations;
   st.in_use_bytes += size;
@@ -227,10 +241,29 @@ void CachingCudaAllocator::Deallocate(void* ptr, size_t /*nbytes*/, Device devic
   }
 }
 
+bool CachingCudaAllocator::HoldsCachedLocked(int device) const {
+  for (const auto& [key, list] : free_) {
+    if (std::get<0>(key) == device && !list.empty()) return true;
+  }
+  return false;
+}
+
+void CachingCudaAllocator::ReleaseCached(int device) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!HoldsCachedLocked(device)) return;
+  }
+  // The long wait, for everything queued so far, is made without the lock,
+  // so that frees and cache hits on other threads go on meanwhile.
+  // ReleaseCachedLocked waits again under the lock, which then covers only
+  // the work queued since, before it frees anything.
+  SynchronizeDevice(Device(DeviceType::kCUDA, device));
+  std::lock_guard<std::mutex> lock(mu_);
+  ReleaseCachedLocked(device);
+}
+
 void CachingCudaAllocator::ReleaseCachedLocked(int device) {
-  bool any = false;
-  for (auto& [key, list] : free_) any = any || (std::get<0>(key) == device && !list.empty());
-  if (!any) return;
+  if (!HoldsCachedLocked(device)) return;
   DeviceGuard guard(device);
   // Blocks on a stream may still be read by work queued before they were
   // freed; wait for the device so that cudaFree never races it.

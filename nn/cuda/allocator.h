@@ -43,7 +43,8 @@ class CachingCudaAllocator final : public Allocator {
   ~CachingCudaAllocator() override = default;
   /// At least nbytes on device (a CUDA device), on the current stream's free
   /// list. On cudaMalloc failure the device's cache is released and the call
-  /// retried once; then throws CudaOutOfMemory (a std::bad_alloc).
+  /// retried once; then throws CudaOutOfMemory (a std::bad_alloc), also when
+  /// the release itself failed (its error is then part of the message).
   void* Allocate(size_t nbytes, Device device) override;
   /// Never throws (it runs in ~Storage): when a CUDA call on the way fails,
   /// the block is reported on stderr and leaked (never reused) instead.
@@ -90,6 +91,13 @@ class CachingCudaAllocator final : public Allocator {
   };
   using FreeKey = std::tuple<int, uint64_t, size_t>;  // device, stream id, size
 
+  bool HoldsCachedLocked(int device) const;
+  // Takes mu_ itself: waits for the device without it, then calls
+  // ReleaseCachedLocked.
+  void ReleaseCached(int device);
+  // Waits for the device, then cudaFrees its cached blocks. Throws when the
+  // wait fails (nothing freed), or CudaError counting the blocks whose
+  // cudaFree failed (they leave the cache all the same).
   void ReleaseCachedLocked(int device);
   // The three below never throw: they run inside Deallocate.
   void ProcessPendingLocked() noexcept;
