@@ -227,7 +227,10 @@ Tensor CudnnOut(const Tensor& out, const Tensor& x, int64_t c) {
 void* MutPtrOrNull(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 // The activation's descriptor ([N, C, S, 1], NCHW) and the per-channel one
-// cuDNN derives from it; `status` says whether cuDNN took them.
+// cuDNN derives from it; `status` says whether cuDNN took them. Made only
+// for shapes CudnnTrains accepts, whose sizes CudnnShapeFits has checked
+// against INT_MAX (larger ones run our kernels, which index in 64 bits), so
+// the casts below do not truncate.
 struct CudnnBnDescs {
   CudnnTensorDescriptor x, bn;  // destroyed also when the constructor throws
   cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
