@@ -8,7 +8,10 @@
 #include <cuda_runtime.h>
 #include <sched.h>
 
+#include <algorithm>
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "transport/status.h"
 #include "transport/types.h"
@@ -100,18 +103,32 @@ inline Status ScopeStatus(const DeviceScope& scope, int device) {
   return CudaError(scope.status(), "selecting CUDA device " + std::to_string(device));
 }
 
+// Longest pause between two polls of PollEvent.
+inline constexpr std::chrono::microseconds kMaxPollSleep{50};
+
 // Polls `event` until it completes or `deadline` passes: never a blocking
 // synchronize. Copies and kernels of a few MiB take well under a
-// millisecond, so a short spin, then yields.
+// millisecond, so a short spin, then yields; a longer wait sleeps between
+// polls, 2 us doubling up to kMaxPollSleep, so that it does not hold a core
+// the training thread needs. No sleep runs past the deadline, and the event
+// is queried once more after the last one.
 inline Status PollEvent(cudaEvent_t event, Deadline deadline, const std::string& what) {
+  std::chrono::microseconds sleep{2};
   for (int polls = 0;; ++polls) {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return Status::Ok();
     if (status != cudaErrorNotReady) return CudaError(status, what);
-    if (Clock::now() >= deadline) {
+    const Deadline now = Clock::now();
+    if (now >= deadline) {
       return TimedOutError(what + " not finished by the call's deadline");
     }
-    if (polls > 64) sched_yield();
+    if (polls < 64) continue;
+    if (polls < 512) {
+      sched_yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(sleep, deadline - now));
+    sleep = std::min(sleep * 2, kMaxPollSleep);
   }
 }
 
