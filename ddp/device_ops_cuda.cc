@@ -3,9 +3,13 @@
 #include <cuda_runtime_api.h>
 #include <sched.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -108,17 +112,28 @@ class CudaFence final : public DeviceFence {
 
  private:
   // Polls `event` until it completed or `deadline` passed: never a blocking
-  // synchronize, so a wedged peer or device becomes a TIMED_OUT.
+  // synchronize, so a wedged peer or device becomes a TIMED_OUT. A short
+  // spin, then yields, then sleeps of 2 us doubling up to 50 us (never past
+  // the deadline), so that a long wait on the communication thread does not
+  // hold the core the training thread launches kernels from.
   transport::Status Poll(cudaEvent_t event, transport::Deadline deadline, const std::string& what) {
+    std::chrono::microseconds sleep{2};
     for (int polls = 0;; ++polls) {
       const cudaError_t status = cudaEventQuery(event);
       if (status == cudaSuccess) return transport::Status::Ok();
       if (status != cudaErrorNotReady) return CudaFailure(status, "waiting for " + what);
-      if (transport::Clock::now() >= deadline) {
+      const transport::Deadline now = transport::Clock::now();
+      if (now >= deadline) {
         return transport::TimedOutError(what + " on " + device_.ToString() +
                                         " did not finish by the collective's deadline");
       }
-      if (polls > 64) sched_yield();
+      if (polls < 64) continue;
+      if (polls < 512) {
+        sched_yield();
+        continue;
+      }
+      std::this_thread::sleep_for(std::min<transport::Clock::duration>(sleep, deadline - now));
+      sleep = std::min(sleep * 2, std::chrono::microseconds(50));
     }
   }
 
