@@ -77,9 +77,10 @@ void SgdStep(const Tensor& p, const Tensor& grad, const Tensor& momentum_buffer,
   CheckState("SgdStep", p, "grad", grad);
   if (o.momentum != 0) CheckState("SgdStep", p, "momentum_buffer", momentum_buffer);
   DeviceGuard guard(p.device().index);
-  CheckCuda(launch::SgdStep(p.data_ptr(), grad.data_ptr(), o.momentum != 0 ? momentum_buffer.data_ptr() : nullptr,
-                            p.numel(), SgdCoefficientsOf(o), ToDt(p.dtype()), CurrentStream(p.device())),
-            "kernel `sgd_step`");
+  LaunchChecked("kernel `sgd_step`", [&] {
+    return launch::SgdStep(p.data_ptr(), grad.data_ptr(), o.momentum != 0 ? momentum_buffer.data_ptr() : nullptr,
+                           p.numel(), SgdCoefficientsOf(o), ToDt(p.dtype()), CurrentStream(p.device()));
+  });
   p.storage()->BumpVersion();
 }
 
@@ -116,8 +117,9 @@ void SgdStepMulti(const std::vector<Tensor>& params, const std::vector<Tensor>& 
   const cudaStream_t stream = CurrentStream(device);
   const launch::SgdCoefficients c = SgdCoefficientsOf(o);
   for (const auto& [dtype, list] : entries.groups()) {
-    CheckCuda(launch::SgdStepMulti(list.data(), static_cast<int64_t>(list.size()), c, ToDt(dtype), stream),
-              "kernel `sgd_step_multi`");
+    LaunchChecked("kernel `sgd_step_multi`", [&] {
+      return launch::SgdStepMulti(list.data(), static_cast<int64_t>(list.size()), c, ToDt(dtype), stream);
+    });
   }
   for (const Tensor& p : params) p.storage()->BumpVersion();
 }
@@ -148,10 +150,11 @@ void AdamStep(const Tensor& p, const Tensor& grad, const Tensor& exp_avg, const 
   c.coupled_weight_decay = !o.decoupled && o.weight_decay != 0;
   c.decoupled_weight_decay = o.decoupled;
   DeviceGuard guard(p.device().index);
-  CheckCuda(launch::AdamStep(p.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                             o.amsgrad ? max_exp_avg_sq.data_ptr() : nullptr, p.numel(), c, ToDt(p.dtype()),
-                             CurrentStream(p.device())),
-            "kernel `adam_step`");
+  LaunchChecked("kernel `adam_step`", [&] {
+    return launch::AdamStep(p.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                            o.amsgrad ? max_exp_avg_sq.data_ptr() : nullptr, p.numel(), c, ToDt(p.dtype()),
+                            CurrentStream(p.device()));
+  });
   p.storage()->BumpVersion();
 }
 
@@ -181,9 +184,10 @@ void UnscaleAndCheck(const std::vector<Tensor>& tensors, double inv_scale, const
   DeviceGuard guard(found_inf.device().index);
   const cudaStream_t stream = CurrentStream(found_inf.device());
   for (const auto& [dtype, list] : entries.groups()) {
-    CheckCuda(launch::UnscaleAndCheckMulti(list.data(), static_cast<int64_t>(list.size()), inv_scale,
-                                           static_cast<float*>(found_inf.data_ptr()), ToDt(dtype), stream),
-              "kernel `unscale_and_check`");
+    LaunchChecked("kernel `unscale_and_check`", [&] {
+      return launch::UnscaleAndCheckMulti(list.data(), static_cast<int64_t>(list.size()), inv_scale,
+                                          static_cast<float*>(found_inf.data_ptr()), ToDt(dtype), stream);
+    });
   }
   for (const Tensor& t : tensors) {
     if (t.defined()) t.storage()->BumpVersion();
@@ -205,9 +209,10 @@ void AdadeltaStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg,
   c.neg_lr = -o.lr;
   c.grad_scale = o.grad_scale;
   DeviceGuard guard(p.device().index);
-  CheckCuda(launch::AdadeltaStep(p.data_ptr(), grad.data_ptr(), square_avg.data_ptr(), acc_delta.data_ptr(),
-                                 p.numel(), c, ToDt(p.dtype()), CurrentStream(p.device())),
-            "kernel `adadelta_step`");
+  LaunchChecked("kernel `adadelta_step`", [&] {
+    return launch::AdadeltaStep(p.data_ptr(), grad.data_ptr(), square_avg.data_ptr(), acc_delta.data_ptr(), p.numel(),
+                                c, ToDt(p.dtype()), CurrentStream(p.device()));
+  });
   p.storage()->BumpVersion();
   square_avg.storage()->BumpVersion();
   acc_delta.storage()->BumpVersion();
@@ -232,8 +237,9 @@ void MaxAbs(const std::vector<Tensor>& tensors, const Tensor& out) {
   const cudaStream_t stream = CurrentStream(out.device());
   for (const Tensor& t : tensors) {
     if (!t.defined()) continue;
-    CheckCuda(launch::MaxAbs(t.data_ptr(), t.numel(), static_cast<double*>(out.data_ptr()), ToDt(t.dtype()), stream),
-              "kernel `max_abs`");
+    LaunchChecked("kernel `max_abs`", [&] {
+      return launch::MaxAbs(t.data_ptr(), t.numel(), static_cast<double*>(out.data_ptr()), ToDt(t.dtype()), stream);
+    });
   }
   out.storage()->BumpVersion();
 }
