@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace ddp::dist {
@@ -19,6 +21,27 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 256);
 
+// One rank's part of the exchange when a group is made, identical in size
+// on every rank. A bad DDP_DEBUG travels in it (cut to fit) so that every
+// rank can name it.
+struct ModeRecord {
+  uint8_t state;  // kModeOff, kModeDetail or kModeBadValue
+  uint8_t cut;    // 1: `value` holds only the start of the variable
+  char value[62];
+};
+static_assert(sizeof(ModeRecord) == 64);
+constexpr uint8_t kModeOff = 0;
+constexpr uint8_t kModeDetail = 1;
+constexpr uint8_t kModeBadValue = 2;
+
+constexpr char kAccepted[] = "expected off, info or detail";
+
+std::chrono::milliseconds TimeLeft(transport::Deadline deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - transport::Clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
+}
+
 uint64_t Fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) {
@@ -30,16 +53,24 @@ uint64_t Fnv1a(const std::string& s) {
 
 }  // namespace
 
-DebugLevel DebugLevelFromEnvironment() {
+DebugSetting DebugSettingFromEnvironment() {
   const char* raw = std::getenv("DDP_DEBUG");
-  if (raw == nullptr) return DebugLevel::kOff;
+  if (raw == nullptr) return {};
   std::string value(raw);
   std::transform(value.begin(), value.end(), value.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (value.empty() || value == "off") return DebugLevel::kOff;
-  if (value == "info") return DebugLevel::kInfo;
-  if (value == "detail") return DebugLevel::kDetail;
-  throw std::invalid_argument("DDP_DEBUG=" + std::string(raw) + ": expected off, info or detail");
+  if (value.empty() || value == "off") return {};
+  if (value == "info") return {.level = DebugLevel::kInfo};
+  if (value == "detail") return {.level = DebugLevel::kDetail};
+  return {.bad_value = std::string(raw)};
+}
+
+DebugLevel DebugLevelFromEnvironment() {
+  const DebugSetting setting = DebugSettingFromEnvironment();
+  if (setting.bad_value) {
+    throw std::invalid_argument("DDP_DEBUG=" + *setting.bad_value + ": " + kAccepted);
+  }
+  return setting.level;
 }
 
 transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int size,
@@ -49,20 +80,24 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
   mine.sequence = sequence;
   mine.hash = Fnv1a(description);
   std::strncpy(mine.text, description.c_str(), sizeof(mine.text) - 1);
-  std::vector<Fingerprint> all(size);
-  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - transport::Clock::now());
-  transport::Status s =
-      comm.AllGather(&mine, all.data(), sizeof(Fingerprint), transport::DataType::kU8,
-                     {.timeout = std::max(timeout, std::chrono::milliseconds(1))});
+  // Sized by the communicator, which writes one entry per rank it has.
+  std::vector<Fingerprint> all(comm.size());
+  transport::Status s = comm.AllGather(&mine, all.data(), sizeof(Fingerprint),
+                                       transport::DataType::kU8, {.timeout = TimeLeft(deadline)});
   if (!s.ok()) return s;
+  if (rank != comm.rank() || size != comm.size()) {
+    return transport::InvalidArgumentError(
+        "CheckFingerprints: given rank " + std::to_string(rank) + " of " + std::to_string(size) +
+        ", but the communicator is rank " + std::to_string(comm.rank()) + " of " +
+        std::to_string(comm.size()));
+  }
   bool agree = true;
   for (const Fingerprint& f : all) agree = agree && f.sequence == mine.sequence && f.hash == mine.hash;
   if (agree) return transport::Status::Ok();
   // Group ranks by what they run: "ranks 0, 2 run #7 all_reduce(...); rank 1 runs #7 broadcast(...)".
   std::map<std::pair<uint64_t, uint64_t>, std::vector<int>> groups;
   std::map<std::pair<uint64_t, uint64_t>, std::string> texts;
-  for (int r = 0; r < size; ++r) {
+  for (int r = 0; r < comm.size(); ++r) {
     const auto key = std::make_pair(all[r].sequence, all[r].hash);
     groups[key].push_back(r);
     all[r].text[sizeof(all[r].text) - 1] = '\0';
@@ -83,18 +118,35 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
 }
 
 transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
+                                       const std::optional<std::string>& bad_debug_value,
                                        transport::Deadline deadline) {
-  const uint8_t mine = detail ? 1 : 0;
-  std::vector<uint8_t> all(comm.size());
-  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - transport::Clock::now());
-  transport::Status s = comm.AllGather(&mine, all.data(), 1, transport::DataType::kU8,
-                                       {.timeout = std::max(timeout, std::chrono::milliseconds(1))});
+  ModeRecord mine{};
+  mine.state = bad_debug_value ? kModeBadValue : detail ? kModeDetail : kModeOff;
+  if (bad_debug_value) {
+    const size_t room = sizeof(mine.value) - 1;
+    mine.cut = bad_debug_value->size() > room ? 1 : 0;
+    std::memcpy(mine.value, bad_debug_value->data(), std::min(bad_debug_value->size(), room));
+  }
+  std::vector<ModeRecord> all(comm.size());
+  transport::Status s = comm.AllGather(&mine, all.data(), sizeof(ModeRecord),
+                                       transport::DataType::kU8, {.timeout = TimeLeft(deadline)});
   if (!s.ok()) return s;
+  // A bad value anywhere stops every rank, with the same message.
+  std::string bad;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (all[r].state != kModeBadValue) continue;
+    all[r].value[sizeof(all[r].value) - 1] = '\0';
+    bad += (bad.empty() ? "" : ", ") + std::string("DDP_DEBUG=") + all[r].value +
+           (all[r].cut ? "..." : "") + " on rank " + std::to_string(r);
+  }
+  if (!bad.empty()) {
+    throw std::invalid_argument(bad + " (of " + std::to_string(comm.size()) + "): " + kAccepted +
+                                "; every rank of the group stops");
+  }
   std::string on;
   int count = 0;
   for (int r = 0; r < comm.size(); ++r) {
-    if (all[r] == 0) continue;
+    if (all[r].state != kModeDetail) continue;
     on += (count++ ? ", " : "") + std::to_string(r);
   }
   if (count == 0 || count == comm.size()) return transport::Status::Ok();

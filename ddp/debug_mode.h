@@ -5,6 +5,7 @@
 // TORCH_DISTRIBUTED_DEBUG levels). Private to //ddp.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "transport/communicator.h"
@@ -17,22 +18,43 @@ enum class DebugLevel : int {
   kDetail = 2,  ///< "detail": also the cross-rank fingerprint before every collective.
 };
 
+/// DDP_DEBUG as this process sees it, read without throwing: `level` when
+/// the value is accepted (unset, empty, off, info or detail, in any case),
+/// else `bad_value` holds the value as set and `level` is kOff.
+struct DebugSetting {
+  DebugLevel level = DebugLevel::kOff;
+  std::optional<std::string> bad_value;
+};
+DebugSetting DebugSettingFromEnvironment();
+
 /// Parses DDP_DEBUG (case-insensitive); throws std::invalid_argument naming
-/// the variable and the accepted values for anything else.
+/// the variable and the accepted values for anything else. Where a group of
+/// several ranks is made, read DebugSettingFromEnvironment instead and let
+/// CheckDebugModeAgrees report a bad value: a rank that throws before that
+/// exchange leaves the others waiting in it.
 DebugLevel DebugLevelFromEnvironment();
 
 /// Collective: every rank passes its `sequence`-th collective's
 /// `description`; OK when all agree, else INVALID_ARGUMENT saying what each
 /// rank runs. Uses one fixed-size all-gather, so it cannot itself desync.
+/// `rank` and `size` must be comm.rank() and comm.size(): when they are not,
+/// this rank still takes its part in the all-gather (so no other rank is
+/// left waiting) and then returns INVALID_ARGUMENT.
 transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int size,
                                     uint64_t sequence, const std::string& description,
                                     transport::Deadline deadline);
 
-/// Collective, when a group is made: OK when every rank has the fingerprint
-/// check (`detail`) on, or every rank off; else INVALID_ARGUMENT naming the
-/// ranks with it on (a rank that checks runs an all-gather before each
-/// collective that the others do not, which pairs with their collectives).
+/// Collective, when a group is made. Every rank passes whether it has the
+/// fingerprint check on (`detail`) and, when its DDP_DEBUG is not an
+/// accepted value, that value (`bad_debug_value`, from DebugSetting).
+/// Throws std::invalid_argument on every rank, after the exchange, when any
+/// rank had a bad value: the message names DDP_DEBUG, each such rank and its
+/// value. Otherwise OK when every rank has the check on, or every rank off;
+/// else INVALID_ARGUMENT naming the ranks with it on (a rank that checks
+/// runs an all-gather before each collective that the others do not, which
+/// pairs with their collectives). A failed exchange returns its status.
 transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
+                                       const std::optional<std::string>& bad_debug_value,
                                        transport::Deadline deadline);
 
 }  // namespace ddp::dist

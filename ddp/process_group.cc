@@ -851,7 +851,10 @@ class ProcessGroup::Impl {
 namespace {
 
 ProcessGroupOptions WithEnvironment(ProcessGroupOptions options) {
-  if (DebugLevelFromEnvironment() == DebugLevel::kDetail) options.debug_detail = true;
+  // A bad DDP_DEBUG is not refused here: a group of several ranks shares it
+  // in CheckDebugModeAgrees, so that all of them stop together; Single and
+  // one-rank groups refuse it where they are made.
+  if (DebugSettingFromEnvironment().level == DebugLevel::kDetail) options.debug_detail = true;
   if (const char* v = std::getenv("DDP_COLLECTIVE_THREAD"); v != nullptr && *v != '\0') {
     const std::string value = v;
     if (value == "auto") {
@@ -893,10 +896,15 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   rank_ = comm->rank();
   size_ = comm->size();
   root_rank_ = rank_;
+  const DebugSetting debug = DebugSettingFromEnvironment();
   if (size_ > 1) {
-    const transport::Status agreed =
-        CheckDebugModeAgrees(*comm, options_.debug_detail, transport::Clock::now() + options_.timeout);
+    // Throws std::invalid_argument on every rank when any rank's DDP_DEBUG
+    // is bad, after all of them have taken part.
+    const transport::Status agreed = CheckDebugModeAgrees(
+        *comm, options_.debug_detail, debug.bad_value, transport::Clock::now() + options_.timeout);
     if (!agreed.ok()) throw DistributedError(agreed);
+  } else if (debug.bad_value) {
+    static_cast<void>(DebugLevelFromEnvironment());  // throws, naming the value
   }
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
   if (size_ > 1 && impl_->host_shared_memory()) ShareLargeCpuBlocks();
@@ -940,6 +948,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::CreateFromEnvironment(
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::Single(ProcessGroupOptions options) {
+  static_cast<void>(DebugLevelFromEnvironment());  // a bad DDP_DEBUG: no peer waits
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(nullptr, 0, 1, options));
 }
 

@@ -60,6 +60,11 @@
 // collective's number, kind, dtype, shape, root, reduction) and compare
 // them, so that ranks running different collectives report which rank runs
 // what, instead of hanging or exchanging garbage.
+// DDP_DEBUG other than off, info or detail (any case; unset or empty is
+// off): every rank of a group being made throws std::invalid_argument
+// naming the variable, each rank that had a bad value and the value; the
+// ranks share their values when the group is made, so one rank's mistake
+// does not leave the others waiting for it.
 
 #include <chrono>
 #include <cstdint>
@@ -237,7 +242,8 @@ class ProcessGroup {
 
   /// Forms the group from the launch environment (RANK, WORLD_SIZE, ...;
   /// see transport/launch). Without a launch environment, a one-process
-  /// group. Collective: every rank calls it. Throws DistributedError.
+  /// group. Collective: every rank calls it. Throws DistributedError, or
+  /// std::invalid_argument on every rank for a bad DDP_DEBUG on any rank.
   /// comm_options.busy_threads_per_rank left at 0 becomes 2: the caller's
   /// thread computes while the group's thread waits in collectives.
   static std::shared_ptr<ProcessGroup> CreateFromEnvironment(
