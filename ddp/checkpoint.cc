@@ -5,6 +5,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -97,54 +98,94 @@ std::string ErrorOf(const internal::StoppableWork& work, const std::atomic<bool>
 // caller's thread can tell the others it is still going. The work runs on
 // the caller's current streams: a save's copies from the GPU come after
 // the caller's queued kernels (an optimizer step), a load's copies to it
-// before the caller's next ones.
+// before the caller's next ones. Everything the thread touches lives in
+// State, which the thread shares, so that a thread stuck in the
+// filesystem can be left behind (see ~Background).
 class Background {
  public:
-  explicit Background(const internal::StoppableWork& work)
-      : streams_(internal::CaptureCurrentStreams()),
-        thread_([this, &work] {
-          std::string error = ErrorOf(
-              [this, &work](const std::atomic<bool>& stop) { streams_->Run([&] { work(stop); }); }, stop_);
-          std::lock_guard lock(mu_);
-          error_ = std::move(error);
-          done_ = true;
-          cv_.notify_all();
-        }) {}
-  // Never abandoned, since the work uses the caller's objects; a work past
-  // its deadline was asked to stop (Finish), and ends within a piece.
-  ~Background() { thread_.join(); }
+  // `what`: starts the line printed when the thread is abandoned (the
+  // checkpoint's path and this rank's part in it).
+  Background(internal::StoppableWork work, std::string what, std::chrono::milliseconds stop_grace)
+      : state_(std::make_shared<State>(std::move(work))), what_(std::move(what)), stop_grace_(stop_grace) {
+    thread_ = std::thread([s = state_] {
+      std::string error =
+          ErrorOf([&s](const std::atomic<bool>& stop) { s->streams->Run([&] { s->work(stop); }); }, s->stop);
+      std::lock_guard lock(s->mu);
+      s->error = std::move(error);
+      s->done = true;
+      s->cv.notify_all();
+    });
+  }
+  // A work past its deadline was asked to stop (Finish) and ends within a
+  // piece. One that does not within stop_grace is stuck in the filesystem
+  // (a write or an fsync that never returns): waiting longer would hang the
+  // caller without a bound, so it is reported and left running on its own.
+  // Its stop flag is set, so a writer that ever returns removes its
+  // temporary file and leaves the target as it was, unless it had already
+  // passed its last check before the rename.
+  ~Background() {
+    if (!WaitUntil(Clock::now())) {
+      const bool renaming = Stop();
+      if (!WaitUntil(Clock::now() + stop_grace_)) {
+        std::fprintf(stderr,
+                     "[ddp] %s: the work did not end within %lld ms of being asked to stop (a write, read or "
+                     "fsync stuck in the filesystem?); it is left running on a detached thread and its outcome "
+                     "is dropped. %s\n",
+                     what_.c_str(), static_cast<long long>(stop_grace_.count()),
+                     renaming ? "A writer had already begun renaming its new, complete file into place, which "
+                                "may yet happen."
+                              : "A writer stops before its rename: the file at the path stays as it was, and the "
+                                "temporary file beside it is removed if the write ever returns.");
+        std::fflush(stderr);
+        thread_.detach();
+        return;
+      }
+    }
+    thread_.join();
+  }
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
 
   // Waits until the work ends or `until`; true when it ended.
   bool WaitUntil(Clock::time_point until) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_until(lock, until, [this] { return done_; });
+    std::unique_lock lock(state_->mu);
+    return state_->cv.wait_until(lock, until, [this] { return state_->done; });
   }
   // Asks the work to stop; true when a writer in it had already passed
   // its last check before its rename (nn::io::OrderedStop): its new file
   // is, or is about to be, in place.
-  bool Stop() { return ordered_stop_.Stop(); }
+  bool Stop() { return state_->ordered_stop.Stop(); }
   // Lets the work go on until `deadline`, then asks it to stop.
   void Finish(Clock::time_point deadline) {
     if (!WaitUntil(deadline)) Stop();
   }
   // Once WaitUntil returned true: the work's error, empty when it worked.
   std::string error() {
-    std::lock_guard lock(mu_);
-    return error_;
+    std::lock_guard lock(state_->mu);
+    return state_->error;
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::string error_;
-  std::atomic<bool> stop_{false};
-  nn::io::OrderedStop ordered_stop_{stop_};
-  std::unique_ptr<internal::CapturedStreams> streams_;
-  std::thread thread_;  // last: starts once the members it uses exist
+  struct State {
+    explicit State(internal::StoppableWork w)
+        : work(std::move(w)), streams(internal::CaptureCurrentStreams()) {}
+    internal::StoppableWork work;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::string error;
+    std::atomic<bool> stop{false};
+    nn::io::OrderedStop ordered_stop{stop};
+    std::unique_ptr<internal::CapturedStreams> streams;
+  };
+  std::shared_ptr<State> state_;
+  std::string what_;
+  std::chrono::milliseconds stop_grace_;
+  std::thread thread_;
 };
 
-void CheckWait(const char* name, std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat) {
+void CheckWait(const char* name, std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+               std::chrono::milliseconds stop_grace) {
   if (timeout.count() <= 0 || timeout > kMostTimeout) {
     throw std::invalid_argument(std::string(name) + "::timeout must be in (0 ms, 30 days], got " +
                                 std::to_string(timeout.count()) + " ms");
@@ -152,6 +193,10 @@ void CheckWait(const char* name, std::chrono::milliseconds timeout, std::chrono:
   if (heartbeat.count() <= 0) {
     throw std::invalid_argument(std::string(name) + "::heartbeat must be positive, got " +
                                 std::to_string(heartbeat.count()) + " ms");
+  }
+  if (stop_grace.count() <= 0 || stop_grace > kMostTimeout) {
+    throw std::invalid_argument(std::string(name) + "::stop_grace must be in (0 ms, 30 days], got " +
+                                std::to_string(stop_grace.count()) + " ms");
   }
 }
 
@@ -172,7 +217,7 @@ namespace internal {
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
-                                     const std::string& abort_reason) {
+                                     const std::string& abort_reason, std::chrono::milliseconds stop_grace) {
   // Each record is a collective bound by the group's timeout.
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
@@ -196,7 +241,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
     std::exception_ptr group_error;
     bool timed_out = false;
     {
-      Background background(work);
+      Background background(work, abort_reason, stop_grace);
       while (true) {
         if (background.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
           const std::string error = background.error();
@@ -243,7 +288,8 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
-                                          const std::string& abort_reason) {
+                                          const std::string& abort_reason,
+                                          std::chrono::milliseconds stop_grace) {
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   // Each round's flag, the largest over the ranks: 0 done, 1 still going,
@@ -255,7 +301,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
   bool out_of_time = false;
   std::exception_ptr group_error;
   {
-    Background background(work);
+    Background background(work, abort_reason, stop_grace);
     bool done = false;
     while (outcome == kGoing) {
       if (!done) done = background.WaitUntil(std::min(deadline, Clock::now() + heartbeat));
@@ -286,10 +332,13 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
 
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options) {
-  CheckWait("SaveOptions", options.timeout, options.heartbeat);
+  CheckWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace);
+  // The work owns its copies (the checkpoint's tensors are shared, not
+  // copied): a write stuck in the filesystem outlives this call.
   const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, checkpoint, &stop); },
-      options.timeout, options.heartbeat, "the write", "SaveOptions::timeout", "SaveCheckpoint: rank 0 could not write " + path);
+      pg, 0, [path, checkpoint](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, checkpoint, &stop); },
+      options.timeout, options.heartbeat, "the write", "SaveOptions::timeout",
+      "SaveCheckpoint: rank 0 could not write " + path, options.stop_grace);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
 
@@ -347,8 +396,9 @@ void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::
 
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
-  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat);
-  nn::io::Checkpoint checkpoint;
+  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
+  // Owned by the work too: a read stuck in the filesystem outlives this call.
+  auto read = std::make_shared<nn::io::Checkpoint>();
   // The reads take as long as each rank's storage does (the host that
   // wrote the file has it in memory): the ranks done first wait for the
   // others, hearing that they are still reading.
@@ -356,18 +406,19 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   try {
     what = internal::RunOnEveryRankWhileOthersWait(
         pg,
-        [&](const std::atomic<bool>& stop) {
+        [read, path, options](const std::atomic<bool>& stop) {
           nn::io::LoadOptions stoppable = options;
           stoppable.stop = &stop;
-          checkpoint = nn::io::LoadCheckpoint(path, stoppable);
+          *read = nn::io::LoadCheckpoint(path, stoppable);
         },
-        wait.timeout, wait.heartbeat, "the read",
-        "LoadWaitOptions::timeout", "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path);
+        wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
+        "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path, wait.stop_grace);
   } catch (const DistributedError&) {
     throw;
   } catch (const std::runtime_error& e) {
     throw std::runtime_error("LoadCheckpoint " + path + ": " + e.what());
   }
+  nn::io::Checkpoint checkpoint = std::move(*read);
   const bool ok = what.empty();
   if (ok) what = Fingerprint(checkpoint);
   AgreeOnLoad(pg, path, ok, what);
@@ -381,18 +432,20 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
                                 " is not a rank of the group (size " + std::to_string(pg.size()) +
                                 ")");
   }
-  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat);
+  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
-  std::string shared;
+  // Owned by the work: a read stuck in the filesystem outlives this call.
+  auto bytes = std::make_shared<std::string>();
   const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, root, [&](const std::atomic<bool>& stop) { shared = nn::io::SafetensorsFile::ReadBytes(path, &stop); },
-      wait.timeout, wait.heartbeat,
-      "the read", "LoadWaitOptions::timeout",
-      "LoadCheckpoint: rank " + std::to_string(root) + " could not read " + path);
+      pg, root,
+      [bytes, path](const std::atomic<bool>& stop) { *bytes = nn::io::SafetensorsFile::ReadBytes(path, &stop); },
+      wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
+      "LoadCheckpoint: rank " + std::to_string(root) + " could not read " + path, wait.stop_grace);
   if (!error.empty()) {
     throw std::runtime_error("LoadCheckpoint " + path + " failed on rank " + std::to_string(root) + ": " + error);
   }
+  std::string shared = std::move(*bytes);
   pg.BroadcastObject(&shared, root);
   nn::io::Checkpoint checkpoint;
   bool ok = true;

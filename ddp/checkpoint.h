@@ -41,6 +41,16 @@
 
 namespace ddp::dist {
 
+namespace internal {
+
+/// The default of SaveOptions::stop_grace and LoadWaitOptions::stop_grace:
+/// how long a write or read asked to stop may take to end before its
+/// thread is abandoned. A piece (nn::io::kStopCheckBytes) to storage that
+/// is slow but working takes well under it.
+inline constexpr std::chrono::milliseconds kStopGrace{std::chrono::minutes(1)};
+
+}  // namespace internal
+
 /// The model's state dict (sharing the model's tensors, no copy) and, in
 /// checkpoint.optimizer, the optimizer's state followed by the scheduler's,
 /// the scaler's, PowerSGD's (without residuals; its parameters named as
@@ -71,6 +81,17 @@ struct SaveOptions {
   /// message is a collective bound by the group's timeout, and so is at
   /// most a quarter of it).
   std::chrono::milliseconds heartbeat{std::chrono::seconds(1)};
+  /// How long rank 0 waits, once its write was asked to stop (past
+  /// `timeout`, or when the group failed), for the writing thread to end.
+  /// A write stops within a piece, unless the filesystem itself hangs (a
+  /// write or an fsync that never returns, as on a stuck network mount):
+  /// past this grace, rank 0 prints to stderr that the write of `path` did
+  /// not finish, leaves the thread behind (detached, owning what it uses)
+  /// and returns. The file at `path` stays as it was: the writer looks at
+  /// its stop flag once more before renaming its temporary file into
+  /// place, and removes that file if it ever returns (unless its rename
+  /// had already begun at the stop, which the message then says).
+  std::chrono::milliseconds stop_grace{internal::kStopGrace};
 };
 
 /// Collective. Rank 0 writes `checkpoint` to `path` atomically; the others
@@ -92,6 +113,12 @@ struct LoadWaitOptions {
   /// How often ranks still reading tell the others so (at most a quarter
   /// of the group's timeout).
   std::chrono::milliseconds heartbeat{std::chrono::seconds(1)};
+  /// How long a rank whose read was asked to stop waits for its reading
+  /// thread to end; past it (a filesystem that hangs in a read), it prints
+  /// to stderr that the read of `path` did not finish, leaves the thread
+  /// behind (detached, owning what it uses, its result dropped) and throws
+  /// as it would have. As SaveOptions::stop_grace.
+  std::chrono::milliseconds stop_grace{internal::kStopGrace};
 };
 
 /// Collective. Every rank reads `path`. When any rank fails, every rank
@@ -142,7 +169,10 @@ namespace internal {
 
 /// A rank's long part of a collective (a write, a read): it should end
 /// soon after `stop` turns true (nn/io's writers and readers do, within a
-/// piece of kStopCheckBytes).
+/// piece of kStopCheckBytes). One that has not ended `stop_grace` after
+/// the stop is abandoned on a detached thread (stuck in the filesystem),
+/// so the work must own what it uses (capture by value, results through a
+/// shared_ptr), not refer to its caller's locals.
 using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 
 /// What SaveCheckpoint's writer and LoadCheckpointFromRank's reader share
@@ -157,11 +187,14 @@ using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 /// heartbeat more for its outcome, and otherwise the error adds that the
 /// new file may be in place), root returns once it ends, and the group is
 /// aborted with `abort_reason` and that limit. When the group fails while `work` goes on, root lets it go on
-/// until `timeout` before it rethrows.
+/// until `timeout` before it rethrows. A `work` still going `stop_grace`
+/// after it was asked to stop is left running on a detached thread, with
+/// a line on stderr starting with `abort_reason` that says so.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
-                                     const std::string& abort_reason);
+                                     const std::string& abort_reason,
+                                     std::chrono::milliseconds stop_grace = kStopGrace);
 
 /// LoadCheckpoint's wait (exposed for tests): collective; every rank runs
 /// `work` on a thread of its own, and the ranks tell each other every
@@ -171,11 +204,12 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
 /// std::runtime_error "<task> did not finish on every rank within <option>
 /// (N ms)" and the ranks still in `work` abort the group with
 /// `abort_reason` and that limit, ask `work` to stop and throw once it
-/// ends.
+/// ends, or once `stop_grace` has passed (as RunOnRootWhileOthersWait).
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
-                                          const std::string& abort_reason);
+                                          const std::string& abort_reason,
+                                          std::chrono::milliseconds stop_grace = kStopGrace);
 
 }  // namespace internal
 

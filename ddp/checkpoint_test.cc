@@ -471,6 +471,52 @@ TEST(DdpCheckpointTest, AWriteAlreadyRenamingAtTheDeadlineIsNotReportedAsLeftAsI
             "place, which may have happened or may yet happen");
 }
 
+// A write stuck in the filesystem (a write() or fsync on a hung network
+// mount never returns, stop flag or not) used to hang SaveCheckpoint for as
+// long as the filesystem did: past its deadline rank 0 asked the write to
+// stop, then joined its thread with no bound. Now it waits
+// SaveOptions::stop_grace, says on stderr that the write of the path did
+// not finish, and returns, leaving the thread behind. Here every piece of
+// the write waits 3 s before it looks at its stop flag, as a write to a
+// hung mount would. When the write returns at last, it sees the flag and
+// removes its temporary file: nothing half written is left looking like a
+// checkpoint.
+TEST(DdpCheckpointTest, AWriteStuckInTheFilesystemIsLeftBehindAfterTheGraceAndSaysSo) {
+  using std::chrono::milliseconds;
+  auto pg = ProcessGroup::Single();
+  const std::string dir = TempDir();
+  const std::string path = dir + "/stuck.safetensors";
+  nn::io::Checkpoint c;
+  c.model.emplace_back("w", nn::Ones({4}));
+  nn::io::internal::SetWritePausePerPiece(milliseconds(3000));
+  ::testing::internal::CaptureStderr();
+  const auto start = std::chrono::steady_clock::now();
+  std::string error = "no error";
+  try {
+    SaveCheckpoint(*pg, path, c, {.timeout = milliseconds(100), .heartbeat = milliseconds(50),
+                                  .stop_grace = milliseconds(300)});
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  nn::io::internal::SetWritePausePerPiece(milliseconds(0));
+  EXPECT_LT(took, 2.0) << "SaveCheckpoint waited for the stuck write";
+  EXPECT_THAT(error, HasSubstr("rank 0 could not write " + path +
+                               ": the write did not finish within SaveOptions::timeout (100 ms)"));
+  EXPECT_THAT(printed, AllOf(HasSubstr("SaveCheckpoint: rank 0 could not write " + path +
+                                       ": the work did not end within 300 ms of being asked to stop"),
+                             HasSubstr("the file at the path stays as it was")));
+  // The thread left behind ends when its write returns; then nothing is
+  // left in the folder, neither the checkpoint nor its temporary file.
+  std::vector<std::string> left = ListDir(dir);
+  for (int i = 0; i < 100 && !left.empty(); ++i) {
+    std::this_thread::sleep_for(milliseconds(100));
+    left = ListDir(dir);
+  }
+  EXPECT_TRUE(left.empty()) << "left behind: " << left.front();
+}
+
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
   const std::string dir = TempDir();
   auto run = RunWorkers("from_rank", 2, {{"DDP_TEST_CKPT", dir}});
