@@ -610,9 +610,10 @@ TEST(DdpFeaturesTest, ForwardThatThrowsOnOneRankAbortsTheGroup) {
 
 // Gradual unfreezing after wrapping: a parameter that did not require grad
 // at construction has no bucket, so its gradient would stay local and the
-// replicas would drift apart silently. The next synchronizing forward
+// replicas would drift apart silently. The next forward outside NoSync
 // refuses it on every rank, naming it. DDP_TEST_FREEZE=all freezes every
-// parameter first (no reducer at all), =some only the first layer.
+// parameter first (no reducer at all: the forward involves no peer, so the
+// group is left usable), =some only the first layer (the group is aborted).
 DDP_TEST_WORKER(unfrozen_after_wrap) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -636,7 +637,16 @@ DDP_TEST_WORKER(unfrozen_after_wrap) {
                              "` did not require grad when the model was wrapped and requires it now") !=
                     std::string::npos,
                 message);
-  WORKER_EXPECT(!pg->aborted_reason().ok(), "the group was not aborted");
+  if (all) {
+    WORKER_EXPECT(message.find("the process group was not aborted and stays usable") != std::string::npos, message);
+    WORKER_EXPECT(pg->aborted_reason().ok(), "the group was aborted: " + pg->aborted_reason().ToString());
+    Tensor one = nn::Ones({1});
+    pg->AllReduce(one).Wait();
+    WORKER_EXPECT(one.Item() == pg->size(), "the group's next all-reduce gave " + std::to_string(one.Item()));
+  } else {
+    WORKER_EXPECT(message.find("The process group was aborted.") != std::string::npos, message);
+    WORKER_EXPECT(!pg->aborted_reason().ok(), "the group was not aborted");
+  }
   return testing::WorkerExit();
 }
 
@@ -693,6 +703,64 @@ TEST(DdpFeaturesTest, ToAfterWrappingIsRefusedOnEveryRankAtTheNextForward) {
     auto run = RunWorkers("to_after_wrap", 2, {{"DDP_TEST_BUCKETS", buckets}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
                           40000);
     EXPECT_TRUE(run.AllSucceeded()) << buckets << "\n" << testing::AllOutput(run);
+  }
+}
+
+// To() after wrapping, met by a forward that involves no peer: under
+// NoSync (the model has no buffers to broadcast), in eval mode or in
+// training mode, nothing of it is synchronized, so no rank waits for this
+// one. The forward throws std::invalid_argument on this rank alone, naming
+// the parameter, and leaves the group usable (it was aborted before). The
+// next forward with grad enabled outside NoSync, an eval-mode one, would
+// synchronize gradients in its backward, so it aborts the group.
+// DDP_TEST_MODE: "eval" or "train".
+DDP_TEST_WORKER(to_after_wrap_without_peers) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const bool eval = std::string(std::getenv("DDP_TEST_MODE")) == "eval";
+  auto model = Mlp(17);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));  // fine before To()
+  model->To(nn::DType::kFloat64);
+  if (eval) model->Eval();
+  const Tensor x64 = x.To(nn::DType::kFloat64);
+  const std::string first = model->NamedParameters()[0].first;
+  std::string message = "no error";
+  try {
+    auto no_sync = ddp.NoSync();
+    (void)ddp(x64);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("parameter `" + first + "` is f64 on cpu now, but it was f32 on cpu when the model "
+                             "was wrapped") != std::string::npos &&
+                    message.find("Call To() before wrapping the model") != std::string::npos &&
+                    message.find("the process group was not aborted and stays usable") != std::string::npos,
+                message);
+  WORKER_EXPECT(pg->aborted_reason().ok(), "the group was aborted: " + pg->aborted_reason().ToString());
+  Tensor one = nn::Ones({1});
+  pg->AllReduce(one).Wait();
+  WORKER_EXPECT(one.Item() == pg->size(), "the group's next all-reduce gave " + std::to_string(one.Item()));
+  model->Eval();
+  message = "no error";
+  try {
+    (void)ddp(x64);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("parameter `" + first + "` is f64 on cpu now") != std::string::npos &&
+                    message.find("The process group was aborted.") != std::string::npos,
+                message);
+  WORKER_EXPECT(!pg->aborted_reason().ok(), "the synchronizing eval-mode forward did not abort the group");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ToAfterWrappingMetByAForwardWithoutPeersThrowsAloneAndLeavesTheGroupUsable) {
+  for (const char* mode : {"eval", "train"}) {
+    auto run = RunWorkers("to_after_wrap_without_peers", 2, {{"DDP_TEST_MODE", mode}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          40000);
+    EXPECT_TRUE(run.AllSucceeded()) << mode << "\n" << testing::AllOutput(run);
   }
 }
 

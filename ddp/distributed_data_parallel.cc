@@ -351,31 +351,48 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // that backward, or shadowing it in Join::Wait) wait for its buckets
   // until the group's timeout.
   const bool eval_before_backward = before_backward && grad_sync;
+  // Whether this forward involves the peers: its backward synchronizes
+  // gradients (sync: in eval mode too, outside Join and NoSync), it
+  // broadcasts buffers or sends Join's flags, or a training forward's
+  // backward is still to come on this rank (its buckets will be
+  // all-reduced). A forward refused for the model's state must then abort
+  // the group, or the peers would wait for this rank until the group's
+  // timeout; one that involves nobody (under NoSync, say, or in a group of
+  // one) throws here alone and leaves the group usable.
+  const bool involves_peers = size > 1 && (sync || sync_buffers || join_flags || eval_before_backward ||
+                                           (s.reducer != nullptr && s.reducer->awaiting_backward()));
+  auto refuse = [&](const std::string& error) {
+    if (involves_peers) {
+      const std::string message = error + " The process group was aborted.";
+      pg_->Abort(transport::FailedPreconditionError(message));
+      throw std::invalid_argument(message);
+    }
+    throw std::invalid_argument(error + " This forward runs no collective, so the process group was not "
+                                        "aborted and stays usable.");
+  };
   if (size > 1 && nn::GradMode::IsEnabled() && s.require_sync) {
     // Unfrozen after wrapping: its gradient would stay local on every rank
-    // and the replicas would drift apart without a word.
+    // and the replicas would drift apart without a word. Refused as To()
+    // is below: the group is aborted when this forward involves the peers
+    // (whenever some parameter is synchronized, or buffers are broadcast),
+    // not when nothing of the model is (every parameter was frozen).
     for (const auto& [name, p] : s.left_out) {
       if (!p.requires_grad()) continue;
-      const std::string error = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" +
-                                name + "` did not require grad when the model was wrapped and requires it now; "
-                                "only the parameters that required grad then are synchronized (the buckets are "
-                                "fixed at construction), so its gradient would stay local and the replicas would "
-                                "drift apart. Wrap the model again after changing requires_grad. The process group "
-                                "was aborted.";
-      pg_->Abort(transport::FailedPreconditionError(error));
-      throw std::invalid_argument(error);
+      refuse("DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + name +
+             "` did not require grad when the model was wrapped and requires it now; only the parameters that "
+             "required grad then are synchronized (the buckets are fixed at construction), so its gradient "
+             "would stay local and the replicas would drift apart. Wrap the model again after changing "
+             "requires_grad.");
     }
   }
   if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
     // Module::To() after wrapping: the buckets keep the dtype and device
     // they were built with. Checked before any collective of this forward,
-    // so every rank that called To() throws this here (and the abort stops
-    // a rank that did not, instead of leaving it waiting).
+    // so every rank that called To() throws this here (and, when the
+    // forward involves the peers, the abort stops a rank that did not,
+    // instead of leaving it waiting).
     const std::string error = s.reducer->ParameterChange();
-    if (!error.empty()) {
-      pg_->Abort(transport::FailedPreconditionError(error));
-      throw std::invalid_argument(error);
-    }
+    if (!error.empty()) refuse(error);
   }
   if (s.reducer != nullptr) {
     s.reducer->CheckPreviousIteration(sync || eval_before_backward,

@@ -169,8 +169,10 @@ class DistributedDataParallel : public nn::modules::Module {
   /// rank whose options or trainable parameters differ makes every rank
   /// throw the comparison's message instead of failing alone.
   /// The parameters that require grad now are the ones synchronized; one
-  /// that starts requiring grad later (unfreezing) is refused, naming it and
-  /// aborting the group, at the next synchronizing forward: wrap again.
+  /// that starts requiring grad later (unfreezing) is refused, naming it, at
+  /// the next forward with grad enabled outside NoSync: wrap again. The
+  /// group is aborted then, as for To() below, unless that forward involves
+  /// no peer (every parameter was frozen at wrapping).
   explicit DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
                                    DdpOptions options = {});
   /// Writes the trace (when asked for) and waits, bounded, for collectives
@@ -185,10 +187,16 @@ class DistributedDataParallel : public nn::modules::Module {
   /// (model->Eval() / model->Train() on the inner handle count; its
   /// submodules' flags do not decide it), as PyTorch reads
   /// module.training; this wrapper's is_training() is set to match.
-  /// Throws std::invalid_argument, after aborting the group, when grad is
-  /// enabled and a parameter's dtype or device is no longer the one its
-  /// gradient bucket was built for (Module::To() after wrapping), naming
-  /// the first such parameter: call To() before wrapping.
+  /// Throws std::invalid_argument when grad is enabled and a parameter's
+  /// dtype or device is no longer the one its gradient bucket was built
+  /// for (Module::To() after wrapping), naming the first such parameter:
+  /// call To() before wrapping. It aborts the group first when this forward
+  /// involves the peers (they would wait for this rank): it synchronizes
+  /// gradients (eval mode included, outside Join and NoSync), broadcasts
+  /// buffers, sends Join's flags, or a training forward's backward is still
+  /// to come. Otherwise (under NoSync with no buffers to broadcast, a group
+  /// of one) it throws on this rank alone and the group stays usable; the
+  /// message says which happened.
   /// A synchronizing forward (training mode, grad enabled, outside NoSync)
   /// throws std::runtime_error, after aborting the group, when the previous
   /// one's backward did not finish on this rank (none ran, none reached a

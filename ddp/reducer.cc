@@ -300,7 +300,7 @@ std::string Reducer::ParameterChange() const {
            "bucket was built for " + built + " (a bucket's dtype and device are fixed at construction: its "
            "gradients would be rounded to that dtype, or refused in the middle of backward). Was "
            "Module::To() called on the model after wrapping it? Call To() before wrapping the model in "
-           "DistributedDataParallel, or wrap it again after To(). The process group was aborted.";
+           "DistributedDataParallel, or wrap it again after To().";
   }
   return "";
 }

@@ -103,6 +103,7 @@ class Reducer {
   /// built for; otherwise a message naming the first (registration order)
   /// that does not, with both, as after Module::To() on the wrapped model.
   /// Local and cheap (two comparisons per parameter): for every forward.
+  /// The caller adds whether it aborted the group.
   std::string ParameterChange() const;
 
   /// Whether a synchronizing training forward prepared an iteration whose
