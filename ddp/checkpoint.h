@@ -171,8 +171,10 @@ namespace internal {
 /// soon after `stop` turns true (nn/io's writers and readers do, within a
 /// piece of kStopCheckBytes). One that has not ended `stop_grace` after
 /// the stop is abandoned on a detached thread (stuck in the filesystem),
-/// so the work must own what it uses (capture by value, results through a
-/// shared_ptr), not refer to its caller's locals.
+/// so a work given a grace shorter than its caller can afford to hang must
+/// own what it uses (capture by value, results through a shared_ptr). The
+/// default grace, kMostTimeout, is for works that refer to their caller's
+/// objects: in practice they are always waited for, never left behind.
 using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 
 /// What SaveCheckpoint's writer and LoadCheckpointFromRank's reader share
@@ -194,7 +196,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
                                      const std::string& abort_reason,
-                                     std::chrono::milliseconds stop_grace = kStopGrace);
+                                     std::chrono::milliseconds stop_grace = kMostTimeout);
 
 /// LoadCheckpoint's wait (exposed for tests): collective; every rank runs
 /// `work` on a thread of its own, and the ranks tell each other every
@@ -209,7 +211,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
                                           const std::string& abort_reason,
-                                          std::chrono::milliseconds stop_grace = kStopGrace);
+                                          std::chrono::milliseconds stop_grace = kMostTimeout);
 
 }  // namespace internal
 
