@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -56,6 +57,86 @@ std::string Get(const Metadata& m, const std::string& key) {
   return it == m.end() ? "" : it->second;
 }
 
+// The dtype of `model`'s floating parameters (the first one's; the trainer
+// converts the whole model at once), or nullopt for a model without any.
+std::optional<nn::DType> FloatingDType(const nn::modules::Module& model) {
+  for (const auto& [name, p] : model.NamedParameters()) {
+    if (p.defined() && nn::IsFloating(p.dtype())) return p.dtype();
+  }
+  return std::nullopt;
+}
+
+// The f32 master copy that `optimizer` (a saved state list) holds for
+// parameter `name`, when it has one of `shape`; else an undefined tensor.
+nn::Tensor MasterIn(const NamedTensors& optimizer, const std::string& name,
+                    const nn::Shape& shape) {
+  const std::string key = "state." + name + ".master";
+  for (const auto& [k, t] : optimizer) {
+    if (k == key && t.defined() && t.dtype() == nn::DType::kFloat32 && t.shape() == shape) return t;
+  }
+  return {};
+}
+
+// Whether `optimizer` (a saved state list) updated parameter `name` at least
+// once: its "state.<name>.step" is above 0.
+bool UpdatedIn(const NamedTensors& optimizer, const std::string& name) {
+  const std::string key = "state." + name + ".step";
+  for (const auto& [k, t] : optimizer) {
+    if (k == key && t.defined() && t.numel() == 1 && t.dtype() == nn::DType::kInt64) {
+      return t.To(nn::kCPU).data<int64_t>()[0] > 0;
+    }
+  }
+  return false;
+}
+
+// --amp decides the model's dtype together with --device: on CUDA the model
+// stays f32 (autocast computes in 16 bits), on the CPU it is 16-bit. A
+// checkpoint that records its model's dtype ("model_dtype") and differs from
+// `model`'s was saved on the other kind of device; its floating model tensors
+// are converted to `model`'s dtype here, so that it resumes on either. From
+// 16 bits to f32 a parameter takes the optimizer's f32 master copy where the
+// state has one (the 16-bit value is that copy rounded); from f32 to 16 bits
+// the f32 value becomes the master copy in `optimizer` (for parameters the
+// optimizer updated: one never updated may hold no state), so no precision
+// is lost either way. The optimizer's other slots follow by themselves
+// (Optimizer::LoadStateDict converts them to each parameter's dtype, and
+// drops a master of a parameter that is f32 now). A checkpoint without the
+// key (an older trainer's) or of the same dtype is left as it is.
+void ConvertModelDType(NamedTensors& model_state, NamedTensors& optimizer,
+                       const nn::modules::Module& model, const Metadata& m) {
+  const std::string saved_name = Get(m, "model_dtype");
+  const std::optional<nn::DType> mine = FloatingDType(model);
+  if (saved_name.empty() || !mine) return;
+  nn::DType saved;
+  try {
+    saved = nn::ParseDType(saved_name);
+  } catch (const std::exception&) {
+    return;  // not a dtype: the model check below reports any difference
+  }
+  if (saved == *mine || !nn::IsFloating(saved)) return;
+  std::map<std::string, nn::DType> want;
+  std::set<std::string> params;
+  for (const auto& [name, t] : model.GetStateDict()) want[name] = t.dtype();
+  for (const auto& [name, p] : model.NamedParameters()) params.insert(name);
+  NamedTensors masters;
+  for (auto& [name, t] : model_state) {
+    const auto it = want.find(name);
+    if (it == want.end() || !t.defined() || t.dtype() != saved || it->second != *mine) continue;
+    if (params.count(name) && *mine == nn::DType::kFloat32) {
+      if (nn::Tensor master = MasterIn(optimizer, name, t.shape()); master.defined()) {
+        t = master.To(nn::kCPU).Clone();
+        continue;
+      }
+    }
+    if (params.count(name) && saved == nn::DType::kFloat32 && UpdatedIn(optimizer, name) &&
+        !MasterIn(optimizer, name, t.shape()).defined()) {
+      masters.emplace_back("state." + name + ".master", t.To(nn::kCPU).Clone());
+    }
+    t = t.To(*mine);
+  }
+  for (auto& e : masters) optimizer.push_back(std::move(e));
+}
+
 // The one-line complaint about a model state that does not fit `model`, or
 // "" when it fits.
 std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
@@ -64,6 +145,7 @@ std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
   std::map<std::string, const nn::Tensor*> have;
   for (const auto& [name, t] : saved) have[name] = &t;
   std::vector<std::string> missing, unexpected, mismatched;
+  bool shapes_differ = false;
   std::set<std::string> mine;
   for (const auto& [name, t] : model.GetStateDict()) {
     mine.insert(name);
@@ -71,6 +153,7 @@ std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
     if (it == have.end()) {
       missing.push_back(name);
     } else if (it->second->shape() != t.shape() || it->second->dtype() != t.dtype()) {
+      shapes_differ = shapes_differ || it->second->shape() != t.shape();
       mismatched.push_back(name + " " + nn::ShapeToString(it->second->shape()) + " " +
                            std::string(nn::DTypeName(it->second->dtype())) + " vs " +
                            nn::ShapeToString(t.shape()) + " " +
@@ -89,6 +172,17 @@ std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
   if (!mismatched.empty()) msg += " different shapes or dtypes " + KeyList(mismatched) + ";";
   const std::string saved_model = Get(metadata, "model");
   const std::string saved_amp = Get(metadata, "amp");
+  if (missing.empty() && unexpected.empty() && !shapes_differ && saved_model == config.model &&
+      saved_amp == config.amp && Get(metadata, "model_dtype").empty()) {
+    // The same flags, the dtypes alone differ: with the same --amp that is
+    // another --device (16-bit model on the CPU, f32 on CUDA), which an
+    // older trainer's checkpoint does not record, so it is not converted.
+    msg += " it was saved by an older trainer with --amp=" + saved_amp + " on the other "
+           "--device than this run's --device=" + config.device + " (which it does not "
+           "record); resume it with the --device it was saved with, or pass another "
+           "--checkpoint path";
+    return msg;
+  }
   if (!saved_model.empty()) {
     msg += " it was saved by --model=" + saved_model +
            (saved_amp.empty() || saved_amp == "off" ? "" : " --amp=" + saved_amp) +
@@ -590,6 +684,11 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
   m["optimizer"] = config.optimizer;
   m["scheduler"] = config.scheduler;
   m["amp"] = config.amp;
+  // What --amp made of the model on this --device (see ConvertModelDType).
+  m["device"] = config.device;
+  if (const std::optional<nn::DType> dtype = FloatingDType(*parts.model)) {
+    m["model_dtype"] = std::string(nn::DTypeName(*dtype));
+  }
   // The schedule: its base rate (the scheduler's, or the constant one), and
   // the step it ends at with the flags that set it.
   // (A plateau's reductions are the optimizer's rate; its base is --lr.)
@@ -662,7 +761,8 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 
 void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Module& model,
                                  const TrainConfig& config) {
-  const nn::io::Checkpoint ckpt = Read(path);
+  nn::io::Checkpoint ckpt = Read(path);
+  ConvertModelDType(ckpt.model, ckpt.optimizer, model, ckpt.metadata);
   const std::string msg = ModelMismatch(path, ckpt.model, model, config, ckpt.metadata);
   if (!msg.empty()) throw UsageError(msg);
 }
@@ -675,8 +775,9 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents
 TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                                   const TrainComponents& parts, const TrainConfig& config,
                                   int world_size, std::string* note) {
-  const nn::io::Checkpoint ckpt = Parse(path, std::move(bytes));
+  nn::io::Checkpoint ckpt = Parse(path, std::move(bytes));
   const Metadata& m = ckpt.metadata;
+  ConvertModelDType(ckpt.model, ckpt.optimizer, *parts.model, m);
   if (std::string msg = ModelMismatch(path, ckpt.model, *parts.model, config, m); !msg.empty()) {
     throw UsageError(msg);
   }
@@ -688,7 +789,8 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   }
   // On a GPU the model and optimizer state are f32 under every --amp, so
   // the model check above cannot tell: another precision (or fp16's loss
-  // scaler state left behind) is refused here.
+  // scaler state left behind) is refused here. (The same --amp on another
+  // --device loads: ConvertModelDType.)
   const std::string saved_amp = Get(m, "amp");
   if (!saved_amp.empty() && saved_amp != config.amp) {
     throw UsageError("checkpoint " + path + " was saved with --amp=" + saved_amp +

@@ -20,7 +20,9 @@
 //             --epochs and --max_steps that set that step, and the
 //             --lr_gamma, --lr_milestones, --lr_t0, --lr_t_mult or
 //             --lr_patience its kind uses), and
-//             --comm_hook and --sync_bn (another value on resume: a note)
+//             --comm_hook and --sync_bn (another value on resume: a note),
+//             --amp, --device and the model's floating dtype (with --amp,
+//             f32 on CUDA and 16-bit on the CPU: converted on load)
 //
 // The data loader's order is a pure function of (seed, epoch, position), so
 // the position is all a resumed run needs to see the same batches. On other
@@ -212,6 +214,10 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
 /// another step (another number of steps per epoch, or fewer left in a
 /// resumed epoch): then it ends where this run ends, and `note` says so.
 /// Another --comm_hook or --sync_bn loads, with a note naming both values.
+/// The same --amp on another --device loads: the model state is converted
+/// to this model's dtype (f32 on CUDA, 16-bit on the CPU), the f32 values
+/// kept as the optimizer's master copies; a checkpoint that did not record
+/// its model's dtype (an older trainer's) is refused then, naming --device.
 /// A checkpoint from before schedules were recorded
 /// takes the horizon from this run's flags and the rate from the file, with
 /// a note.

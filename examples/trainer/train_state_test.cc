@@ -820,6 +820,146 @@ TEST(TrainStateTest, AnotherAmpIsRefusedNamingBothValues) {
   EXPECT_EQ(cosine.step_count(), 0) << "a refused checkpoint was loaded";
 }
 
+// One SGD step of a model whose parameters are `dtype`, on inputs of it.
+void TrainOneStepIn(nn::modules::Module& model, nn::optim::Optimizer& opt, nn::DType dtype) {
+  nn::Generator gen(7);
+  const nn::Tensor x = nn::Randn({4, 1, 28, 28}, {}, gen).To(dtype);
+  nn::Backward(nn::ops::Sum(model.Forward(x)));
+  opt.Step();
+  opt.ZeroGrad();
+}
+
+// The optimizer state entry `key` of `opt`, as f32 values.
+std::vector<float> StateOf(const nn::optim::Optimizer& opt, const std::string& key) {
+  for (const auto& [k, t] : opt.StateDict()) {
+    if (k == key) return t.To(nn::DType::kFloat32).ToVector<float>();
+  }
+  return {};
+}
+
+// A GPU run with --amp keeps an f32 model (autocast computes in 16 bits); a
+// CPU run with the same --amp has a 16-bit model. A checkpoint of either
+// resumes on the other: the model state is converted, and the f32 values
+// become the optimizer's master copies, so nothing is rounded away.
+TEST(TrainStateTest, AmpCheckpointOfTheGpuResumesOnTheCpu) {
+  TrainConfig gpu;
+  gpu.model = "mlp";
+  gpu.lr = 0.1;
+  gpu.amp = "bf16";
+  gpu.device = "cuda";
+  nn::Generator g1(1), g2(2);
+  auto model = nn::modules::MakeMlp(g1);  // f32, as on CUDA
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  TrainOneStep(*model, opt);
+  const std::string path = Path("amp_gpu");
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {.step = 1}, gpu, 1);
+
+  TrainConfig cpu = gpu;
+  cpu.device = "cpu";
+  auto other = nn::modules::MakeMlp(g2);
+  other->To(nn::DType::kBFloat16);  // what --amp=bf16 makes of it on the CPU
+  nn::optim::Sgd other_opt(other->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  std::string note;
+  EXPECT_EQ(UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {other.get(), &other_opt, nullptr, nullptr}, cpu, 1, &note);
+            }),
+            "");
+  const auto a = model->GetStateDict();
+  const auto b = other->GetStateDict();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i].second.dtype(), nn::DType::kBFloat16) << b[i].first;
+    EXPECT_EQ(a[i].second.To(nn::DType::kBFloat16).To(nn::DType::kFloat32).ToVector<float>(),
+              b[i].second.To(nn::DType::kFloat32).ToVector<float>())
+        << b[i].first;
+    // The f32 weights are the masters, exactly; the momentum came along.
+    EXPECT_EQ(StateOf(other_opt, "state." + a[i].first + ".master"), a[i].second.ToVector<float>())
+        << a[i].first;
+    const std::string momentum = "state." + a[i].first + ".momentum_buffer";
+    EXPECT_FALSE(StateOf(other_opt, momentum).empty()) << momentum;
+  }
+}
+
+TEST(TrainStateTest, AmpCheckpointOfTheCpuResumesOnTheGpuFromItsMasters) {
+  TrainConfig cpu;
+  cpu.model = "mlp";
+  cpu.lr = 0.1;
+  cpu.amp = "bf16";
+  cpu.device = "cpu";
+  nn::Generator g1(1), g2(2);
+  auto model = nn::modules::MakeMlp(g1);
+  model->To(nn::DType::kBFloat16);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  TrainOneStepIn(*model, opt, nn::DType::kBFloat16);
+  const std::string path = Path("amp_cpu");
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {.step = 1}, cpu, 1);
+
+  TrainConfig gpu = cpu;
+  gpu.device = "cuda";
+  auto other = nn::modules::MakeMlp(g2);  // f32, as on CUDA (tested on the CPU)
+  nn::optim::Sgd other_opt(other->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  EXPECT_EQ(UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {other.get(), &other_opt, nullptr, nullptr}, gpu, 1, nullptr);
+            }),
+            "");
+  for (const auto& [name, p] : other->NamedParameters()) {
+    EXPECT_EQ(p.dtype(), nn::DType::kFloat32) << name;
+    const std::vector<float> master = StateOf(opt, "state." + name + ".master");
+    ASSERT_FALSE(master.empty()) << name;
+    EXPECT_EQ(p.ToVector<float>(), master) << name;
+    EXPECT_TRUE(StateOf(other_opt, "state." + name + ".master").empty()) << name;
+  }
+}
+
+// Removes metadata `key` of the checkpoint at `path`, as an older trainer
+// that did not write it would have.
+void EraseMetadata(const std::string& path, const std::string& key) {
+  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  ckpt.metadata.erase(key);
+  nn::io::SaveCheckpoint(path, ckpt);
+}
+
+// An older trainer's checkpoint (no model dtype recorded) loads as it did
+// on the same device, and on the other one is refused naming --device,
+// not "pass the same flags" when they are the same.
+TEST(TrainStateTest, OlderAmpCheckpointLoadsOnItsDeviceAndNamesDeviceOnTheOther) {
+  TrainConfig gpu;
+  gpu.model = "mlp";
+  gpu.lr = 0.1;
+  gpu.amp = "bf16";
+  gpu.device = "cuda";
+  nn::Generator g1(1), g2(2), g3(3);
+  auto model = nn::modules::MakeMlp(g1);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  TrainOneStep(*model, opt);
+  const std::string path = Path("amp_old");
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {.step = 1}, gpu, 1);
+  EraseMetadata(path, "model_dtype");
+  EraseMetadata(path, "device");
+
+  auto same = nn::modules::MakeMlp(g2);
+  nn::optim::Sgd same_opt(same->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  EXPECT_EQ(UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {same.get(), &same_opt, nullptr, nullptr}, gpu, 1, nullptr);
+            }),
+            "");
+  EXPECT_EQ(same->GetStateDict()[0].second.ToVector<float>(),
+            model->GetStateDict()[0].second.ToVector<float>());
+
+  TrainConfig cpu = gpu;
+  cpu.device = "cpu";
+  auto other = nn::modules::MakeMlp(g3);
+  other->To(nn::DType::kBFloat16);
+  nn::optim::Sgd other_opt(other->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  const std::string error = UsageErrorOf([&] {
+    LoadTrainCheckpoint(path, {other.get(), &other_opt, nullptr, nullptr}, cpu, 1, nullptr);
+  });
+  EXPECT_NE(error.find("does not match --model=mlp --amp=bf16"), std::string::npos) << error;
+  EXPECT_NE(error.find("on the other --device than this run's --device=cpu"), std::string::npos) << error;
+  EXPECT_NE(error.find("resume it with the --device it was saved with"), std::string::npos) << error;
+  EXPECT_EQ(error.find("pass the same flags"), std::string::npos) << error;
+}
+
 // The same run resumed on 1 rank instead of 2 takes twice the steps per
 // epoch: the schedule ends where this run ends (step 4 + 8), not at the 16
 // steps this run's flags alone give, where it never reaches 0.
