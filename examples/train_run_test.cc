@@ -622,5 +622,35 @@ TEST(TrainRunTest, UnwritableCheckpointStopsEveryLaunchedRankBeforeTraining) {
   }
 }
 
+// --trace writes each rank's file into its own --log_dir (on its own host)
+// when the rank ends. A folder that rank cannot write is found at setup, and
+// every rank stops before training, naming the rank and --trace, instead of
+// training the whole run and failing at the end.
+TEST(TrainRunTest, UnwritableTraceFolderOnOneRankStopsEveryRankBeforeTraining) {
+  const std::string dir = testing::MakeTempDir("launched_trace");
+  auto ranks = LaunchTwoRanks([&](int rank) {
+    std::vector<std::string> args = QuickRun(dir);
+    for (std::string& arg : args) {
+      if (rank == 1 && arg.rfind("--log_dir=", 0) == 0) arg = "--log_dir=/proc/self/logs";
+    }
+    args.push_back("--epochs=1");
+    args.push_back("--trace");
+    args.push_back("--timeout_s=600");  // a hang would show as the test's timeout
+    return args;
+  });
+  const std::string message =
+      "--trace cannot write this rank's trace into --log_dir=/proc/self/logs (folder "
+      "/proc/self/logs: ";
+  for (int rank = 0; rank < 2; ++rank) {
+    testing::Subprocess& p = *ranks[rank];
+    EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 2) << p.Stdout() << p.Stderr();
+    const std::string start = rank == 1 ? "train: rank 1: " : "train: rank 1 cannot go on: ";
+    EXPECT_EQ(p.Stderr().rfind(start + message, 0), 0u) << p.Stderr();
+    EXPECT_NE(p.Stderr().find("); pass a writable --log_dir, or drop --trace\n"), std::string::npos)
+        << p.Stderr();
+    EXPECT_EQ(p.Stdout().find("epoch 1/1"), std::string::npos) << "it trained: " << p.Stdout();
+  }
+}
+
 }  // namespace
 }  // namespace ddp::examples

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <optional>
 #include <stdexcept>
 
@@ -158,12 +157,9 @@ class DdpParallel : public Parallel {
     if (usable) o.bucket_order = bucket_order;
     o.find_unused_parameters = config.find_unused_parameters;
     o.process_group = pg_;
-    if (config.trace) {
-      std::error_code ec;  // a failure shows when the trace is written
-      std::filesystem::create_directories(trace_dir_, ec);
-      o.trace_prefix = trace_dir_ + "/trace_";
-    }
-    trace_ = config.trace;
+    // The folder was checked (and made) at the trainer's setup; DDP writes
+    // the trace when it is destroyed.
+    if (config.trace && !trace_dir_.empty()) o.trace_prefix = trace_dir_ + "/trace_";
     Guarded("DistributedDataParallel", [&] {
       ddp_ = std::make_unique<dist::DistributedDataParallel>(std::move(model), o);
     });
@@ -310,11 +306,7 @@ class DdpParallel : public Parallel {
     return totals;
   }
 
-  std::string WriteTrace() override {
-    if (!trace_ || ddp_ == nullptr) return "";
-    ddp_->WriteTrace();
-    return trace_dir_ + "/trace_rank" + std::to_string(pg_->rank()) + ".json";
-  }
+  std::string TraceFolder() const override { return trace_dir_; }
 
  private:
   // Stats are averages over a window; totals are sums.
@@ -331,7 +323,6 @@ class DdpParallel : public Parallel {
 
   std::shared_ptr<dist::ProcessGroup> pg_;
   std::string trace_dir_;
-  bool trace_ = false;
   std::unique_ptr<dist::DistributedDataParallel> ddp_;
   std::shared_ptr<dist::PowerSgdState> powersgd_;  // --comm_hook=powersgd
   Overlapped* overlapped_ = nullptr;  // Shard's, until Attach binds it to ddp_

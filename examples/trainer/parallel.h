@@ -174,8 +174,11 @@ class Parallel {
   /// Totals over the run so far (asking changes nothing: TakeStatsLine's
   /// next line is the same).
   virtual CommTotals Totals() = 0;
-  /// Writes this rank's Chrome trace now (when config.trace); returns its path.
-  virtual std::string WriteTrace() = 0;
+  /// The folder this rank's Chrome trace (config.trace) goes into as
+  /// trace_rank<r>.json: JoinJob's `trace_dir` ("" for none). DDP writes it
+  /// once, when this object is destroyed after the run; a failure then is
+  /// a warning on stderr, not the run's.
+  virtual std::string TraceFolder() const = 0;
 };
 
 /// Joins the job described by the launch environment (RANK, WORLD_SIZE,

@@ -134,22 +134,45 @@ class RecentRate {
   std::deque<std::pair<Clock::time_point, double>> window_;
 };
 
-// Throws UsageError unless files can be created in `dir` (made if missing),
-// so that an unwritable --checkpoint or --log_dir fails now, not after an
-// epoch of training.
-void CheckWritable(const std::string& dir, const char* flag, const std::string& value) {
+// Why no file can be created in `dir` (made if missing): "folder DIR: why";
+// "" when one can.
+std::string UnwritableFolder(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
   std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "we");  // "e": O_CLOEXEC
-  if (f == nullptr) {
-    throw UsageError(std::string("cannot write --") + flag + "=" + value + " (folder " + dir +
-                     (ec ? ": " + ec.message() : std::string(": not writable")) +
+  if (f == nullptr) return "folder " + dir + (ec ? ": " + ec.message() : std::string(": not writable"));
+  std::fclose(f);
+  std::remove(probe.c_str());
+  return "";
+}
+
+// Throws UsageError unless files can be created in `dir` (made if missing),
+// so that an unwritable --checkpoint or --log_dir fails now, not after an
+// epoch of training.
+void CheckWritable(const std::string& dir, const char* flag, const std::string& value) {
+  if (const std::string why = UnwritableFolder(dir); !why.empty()) {
+    throw UsageError(std::string("cannot write --") + flag + "=" + value + " (" + why +
                      "); choose a writable path" +
                      (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
   }
-  std::fclose(f);
-  std::remove(probe.c_str());
+}
+
+// Throws UsageError unless this rank can write its --trace file into
+// `folder` (its --log_dir, or the working directory): the trace is written
+// when the rank ends, and a folder found unwritable only then would cost the
+// trace of a whole run. Every rank writes its own, on its own host.
+void CheckTraceFolder(const TrainConfig& config, const std::string& folder) {
+  if (!config.trace || folder.empty()) return;
+  const std::string why = UnwritableFolder(folder);
+  if (why.empty()) return;
+  throw UsageError("--trace cannot write this rank's trace into " +
+                   (config.log_dir.empty() ? std::string("the working directory")
+                                           : "--log_dir=" + config.log_dir) +
+                   " (" + why + "); " +
+                   (config.log_dir.empty() ? "run from a writable folder, or pass a writable --log_dir"
+                                           : std::string("pass a writable --log_dir")) +
+                   ", or drop --trace");
 }
 
 // Throws UsageError when --checkpoint names a folder (an existing one, or a
@@ -217,6 +240,12 @@ class Run {
       if (!opt_.quiet) console_.Line(std::string("warning: ") + e.what() + "; metrics are no longer logged");
     }
   }
+  // Collective: every rank passes its own refusal ("" for none), found on
+  // it alone (its GPU, its folders). Returns "" on every rank when no rank
+  // has one; else a refusing rank's own, and on the others the lowest
+  // refusing rank's as "rank R cannot go on: ...", so that every rank stops
+  // at once instead of waiting for the refusing one until --timeout_s.
+  std::string AnyRanksRefusal(const std::string& mine);
   int StopSignal() const { return opt_.stop != nullptr ? opt_.stop->load() : 0; }
   // Whether a stop signal arrived by now or arrives within `grace`.
   bool AwaitStopSignal(std::chrono::milliseconds grace) const {
@@ -453,6 +482,45 @@ std::string FirstDifference(const std::string& mine, const std::string& lead) {
   return "";
 }
 
+std::string Run::AnyRanksRefusal(const std::string& mine) {
+  if (world_ == 1) return mine;
+  // Which ranks refuse: a sum of one flag per rank.
+  std::vector<double> refusing(static_cast<size_t>(world_), 0.0);
+  refusing[static_cast<size_t>(rank_)] = mine.empty() ? 0.0 : 1.0;
+  par_.SumAcrossRanks(refusing);
+  int first = -1;
+  int count = 0;
+  for (int r = 0; r < world_; ++r) {
+    if (refusing[static_cast<size_t>(r)] == 0) continue;
+    if (first < 0) first = r;
+    ++count;
+  }
+  if (first < 0) return "";
+  // The first one's text, a byte per value (the others add zeros). The only
+  // collective that carries a non-lead rank's data is the sum; messages are
+  // one line, well within kMaxChars.
+  constexpr size_t kMaxChars = 2048;
+  std::vector<double> text(kMaxChars, 0.0);
+  if (rank_ == first) {
+    for (size_t i = 0; i < mine.size() && i < kMaxChars; ++i) {
+      text[i] = static_cast<unsigned char>(mine[i]);
+    }
+  }
+  par_.SumAcrossRanks(text);
+  std::string message;
+  for (const double c : text) {
+    if (c == 0) break;
+    message += static_cast<char>(static_cast<unsigned char>(c));
+  }
+  // A refusing rank gives its own reason (its line names it: see Fail in
+  // train_main.cc); the others say whose they stop for.
+  std::string out = !mine.empty() ? mine : "rank " + std::to_string(first) + " cannot go on: " + message;
+  if (count > 1) {
+    out += StringPrintf(" (and %d other rank%s refused too)", count - 1, count == 2 ? "" : "s");
+  }
+  return out;
+}
+
 void Run::Setup() {
   data_ = LoadDatasets(c_);
   // The first collective: before anything the ranks could disagree on.
@@ -476,8 +544,19 @@ void Run::Setup() {
   CheckPowerSgdStarts(c_, BatchesInEpoch(data_.train->Size(), world_, c_.batch_size));
   CheckScheduleFits(c_, BatchesInEpoch(data_.train->Size(), world_, c_.batch_size));
   model_ = MakeModel(c_, data_.train->Shape(), data_.train->NumClasses());
-  // In the worker only (never the launcher): CUDA is initialized here.
-  device_ = WorkerDevice(c_.device, opt_.local_rank);
+  // What each rank finds on its own host: its device (a node with no
+  // visible GPU) and its trace folder. In the worker only (never the
+  // launcher): CUDA is initialized here.
+  std::string own_refusal;
+  try {
+    device_ = WorkerDevice(c_.device, opt_.local_rank);
+    CheckTraceFolder(c_, par_.TraceFolder());
+  } catch (const std::exception& e) {
+    own_refusal = e.what();
+  }
+  if (std::string refusal = AnyRanksRefusal(own_refusal); !refusal.empty()) {
+    throw UsageError(std::move(refusal));
+  }
   if (!device_.is_cpu()) model_->To(device_);
   par_.Prepare(model_, c_);
   const int64_t num_params = CountParameters(*model_);
@@ -1121,9 +1200,11 @@ RunResult Run::Go() {
     }
   }
 
-  if (c_.trace) {
-    const std::string path = par_.WriteTrace();
-    Say(console_.Dim("  trace " + path + " (one per rank; open them in ui.perfetto.dev)"));
+  if (c_.trace && !par_.TraceFolder().empty()) {
+    // DDP writes it once, when the rank ends (a failure then is a warning
+    // on stderr: the run itself finished).
+    Say(console_.Dim("  trace " + par_.TraceFolder() + "/trace_rank" + std::to_string(rank_) +
+                     ".json when the ranks end (one per rank; open them in ui.perfetto.dev)"));
   }
 
   result.steps = pos_.step;
