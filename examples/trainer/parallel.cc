@@ -235,6 +235,11 @@ class DdpParallel : public Parallel {
     return value;
   }
 
+  std::vector<std::string> GatherFromEveryRank(const std::string& value) override {
+    if (pg_->size() == 1) return {value};
+    return Guarded("gathering every rank's data", [&] { return pg_->AllGatherObject(value); });
+  }
+
   std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
                         std::chrono::milliseconds timeout, const std::string& late) override {
     // The library words the deadline's outcome as "<task> did not finish

@@ -134,6 +134,8 @@ class Parallel {
   /// Rank 0's `value` on every rank (what the others pass is ignored).
   /// Collective.
   virtual std::string ShareFromLead(std::string value) = 0;
+  /// Every rank's `value`, by rank. Collective.
+  virtual std::vector<std::string> GatherFromEveryRank(const std::string& value) = 0;
   /// Runs `work` on rank 0, on a thread of its own, while the others wait
   /// for it (a checkpoint's write): rank 0 tells them every second, or
   /// every quarter of --timeout_s when shorter, that it is still going, so

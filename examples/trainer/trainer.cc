@@ -484,37 +484,19 @@ std::string FirstDifference(const std::string& mine, const std::string& lead) {
 
 std::string Run::AnyRanksRefusal(const std::string& mine) {
   if (world_ == 1) return mine;
-  // Which ranks refuse: a sum of one flag per rank.
-  std::vector<double> refusing(static_cast<size_t>(world_), 0.0);
-  refusing[static_cast<size_t>(rank_)] = mine.empty() ? 0.0 : 1.0;
-  par_.SumAcrossRanks(refusing);
+  const std::vector<std::string> all = par_.GatherFromEveryRank(mine);
   int first = -1;
   int count = 0;
-  for (int r = 0; r < world_; ++r) {
-    if (refusing[static_cast<size_t>(r)] == 0) continue;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[static_cast<size_t>(r)].empty()) continue;
     if (first < 0) first = r;
     ++count;
   }
   if (first < 0) return "";
-  // The first one's text, a byte per value (the others add zeros). The only
-  // collective that carries a non-lead rank's data is the sum; messages are
-  // one line, well within kMaxChars.
-  constexpr size_t kMaxChars = 2048;
-  std::vector<double> text(kMaxChars, 0.0);
-  if (rank_ == first) {
-    for (size_t i = 0; i < mine.size() && i < kMaxChars; ++i) {
-      text[i] = static_cast<unsigned char>(mine[i]);
-    }
-  }
-  par_.SumAcrossRanks(text);
-  std::string message;
-  for (const double c : text) {
-    if (c == 0) break;
-    message += static_cast<char>(static_cast<unsigned char>(c));
-  }
   // A refusing rank gives its own reason (its line names it: see Fail in
   // train_main.cc); the others say whose they stop for.
-  std::string out = !mine.empty() ? mine : "rank " + std::to_string(first) + " cannot go on: " + message;
+  std::string out =
+      !mine.empty() ? mine : "rank " + std::to_string(first) + " cannot go on: " + all[static_cast<size_t>(first)];
   if (count > 1) {
     out += StringPrintf(" (and %d other rank%s refused too)", count - 1, count == 2 ? "" : "s");
   }
