@@ -6,6 +6,7 @@
 // [*], its pos_weight usually [C] for the last dimension C.
 #include "nn/loss/loss.h"
 
+#include <any>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "nn/autograd/function.h"
 #include "nn/autograd/node.h"
 #include "nn/ops/autocast.h"
 #include "nn/ops/dispatch.h"
@@ -388,11 +390,44 @@ Tensor ElementWeight(const char* op, const char* what, const Tensor& weight, con
 // z = m + r with m = min(z, limit) and r = max(z - limit, 0). Below the limit
 // r is exactly 0 and m is z itself, so the quadratic parts of SmoothL1 and
 // Huber round as PyTorch's. m is a clamp rather than z - r, which an
-// infinite z would make inf - inf = NaN: there the loss is inf and the
-// gradient r's alone (sign(input - target) times the slope), as PyTorch's.
+// infinite z would make inf - inf = NaN: there the loss is inf.
 std::pair<Tensor, Tensor> SplitAt(const Tensor& z, double limit) {
   return {ops::Clamp(z, std::nullopt, limit), ops::Relu(ops::AddScalar(z, -limit))};
 }
+
+// Per-element smooth L1 (kHuber false, limit beta) or Huber (limit delta) of
+// inputs {input, target}, with PyTorch's backward rather than the one the
+// forward's ops would compose. With d = input - target, the derivative is
+// clamp(d, -limit, limit), divided by beta for smooth L1: the slope beyond
+// the limit, d's own multiple inside it, and NaN for a NaN d (clamp keeps
+// NaN). Composed of Abs and Clamp, the gradient would be 0 at NaN, hiding a
+// NaN sample from the non-finite checks of gradient scaling; infinite d
+// gets the slope, as before.
+template <bool kHuber>
+struct PiecewiseQuadraticLoss : autograd::Function<PiecewiseQuadraticLoss<kHuber>> {
+  static constexpr const char* kName = kHuber ? "HuberLossBackward" : "SmoothL1LossBackward";
+  static std::vector<Tensor> Forward(autograd::AutogradContext* ctx, const std::vector<Tensor>& in, double limit) {
+    const Tensor d = ops::Sub(in[0], in[1]);
+    const auto [m, r] = SplitAt(ops::Abs(d), limit);
+    const Tensor half_sq = ops::MulScalar(ops::Square(m), 0.5);
+    // Smooth L1: 0.5 m^2 / beta + r, that is 0.5 z^2 / beta below beta and
+    // 0.5 beta + (z - beta) from it. Huber: 0.5 m^2 + delta r, that is
+    // 0.5 z^2 below delta and 0.5 delta^2 + delta (z - delta) from it.
+    const Tensor per =
+        kHuber ? ops::Add(half_sq, ops::MulScalar(r, limit)) : ops::Add(ops::DivScalar(half_sq, limit), r);
+    ctx->SaveForBackward({d});
+    ctx->saved_data["limit"] = limit;
+    return {per};
+  }
+  static std::vector<Tensor> Backward(autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
+    const Tensor d = ctx->GetSavedTensors()[0];
+    const double limit = std::any_cast<double>(ctx->saved_data["limit"]);
+    Tensor slope = ops::Clamp(d, -limit, limit);
+    if (!kHuber) slope = ops::DivScalar(slope, limit);
+    const Tensor gd = ops::Mul(grad[0], slope);
+    return {ctx->NeedsInputGrad(0) ? gd : Tensor(), ctx->NeedsInputGrad(1) ? ops::Neg(gd) : Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -410,9 +445,7 @@ Tensor SmoothL1(const Tensor& input_in, const Tensor& target_in, const SmoothL1O
   }
   if (options.beta == 0.0) return L1(input_in, target_in, options.reduction);
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
-  // 0.5 m^2 / beta + r: 0.5 z^2 / beta below beta, 0.5 beta + (z - beta) from it.
-  const auto [m, r] = SplitAt(ops::Abs(ops::Sub(input, target)), options.beta);
-  return Reduce(ops::Add(ops::DivScalar(ops::MulScalar(ops::Square(m), 0.5), options.beta), r), options.reduction);
+  return Reduce(PiecewiseQuadraticLoss<false>::Apply({input, target}, options.beta)[0], options.reduction);
 }
 
 Tensor Huber(const Tensor& input_in, const Tensor& target_in, const HuberOptions& options) {
@@ -421,9 +454,7 @@ Tensor Huber(const Tensor& input_in, const Tensor& target_in, const HuberOptions
     throw std::invalid_argument("huber_loss: delta must be > 0, got " + std::to_string(options.delta));
   }
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
-  // 0.5 m^2 + delta r: 0.5 z^2 below delta, 0.5 delta^2 + delta (z - delta) from it.
-  const auto [m, r] = SplitAt(ops::Abs(ops::Sub(input, target)), options.delta);
-  return Reduce(ops::Add(ops::MulScalar(ops::Square(m), 0.5), ops::MulScalar(r, options.delta)), options.reduction);
+  return Reduce(PiecewiseQuadraticLoss<true>::Apply({input, target}, options.delta)[0], options.reduction);
 }
 
 Tensor BinaryCrossEntropyWithLogits(const Tensor& input_in, const Tensor& target_in,

@@ -552,6 +552,58 @@ TEST(PointwiseLossTest, InfiniteDifferenceGivesInfiniteLossAndFiniteGradient) {
   }
 }
 
+// A NaN difference gives a NaN gradient, as PyTorch 1.13 (f32, f64, bf16;
+// f16 for huber_loss, whose smooth_l1 backward has no f16 CPU kernel there):
+//   x = torch.tensor([nan, 0.5, -3.0, inf, 0.25, -0.75], requires_grad=True)
+//   t = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.5], requires_grad=True)
+//   F.smooth_l1_loss(x, t, reduction="sum").backward()
+//     # x.grad [nan, 0.5, -1, 1, -0.75, 0.75], t.grad its negation
+//   F.smooth_l1_loss(x, t, beta=0.5).backward()  # x.grad [nan, 1, -1, 1, -1, 1] / 6
+//   F.huber_loss(x, t, delta=2.0, reduction="sum").backward()
+//     # x.grad [nan, 0.5, -2, 2, -0.75, 0.75], t.grad its negation
+// A zero gradient there would let a NaN sample pass the non-finite checks
+// of gradient scaling.
+TEST(PointwiseLossTest, NaNDifferenceGivesNaNGradient) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    const char* name;
+    std::function<Tensor(const Tensor&, const Tensor&)> loss;
+    std::vector<double> grad;  // of x; t's is its negation
+    double tol;
+  };
+  const std::vector<Case> cases = {
+      {"smooth_l1 beta 1 sum", [](const Tensor& x, const Tensor& t) {
+         return SmoothL1(x, t, {.reduction = Reduction::kSum});
+       }, {nan, 0.5, -1.0, 1.0, -0.75, 0.75}, 0.0},
+      {"smooth_l1 beta 0.5 mean", [](const Tensor& x, const Tensor& t) {
+         return SmoothL1(x, t, {.beta = 0.5});
+       }, {nan, 1.0 / 6, -1.0 / 6, 1.0 / 6, -1.0 / 6, 1.0 / 6}, 1e-3},
+      {"huber delta 2 sum", [](const Tensor& x, const Tensor& t) {
+         return Huber(x, t, {.reduction = Reduction::kSum, .delta = 2.0});
+       }, {nan, 0.5, -2.0, 2.0, -0.75, 0.75}, 0.0},
+  };
+  for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + " " + std::string(DTypeName(dt)));
+      Tensor x = FromVector({nan, 0.5, -3.0, inf, 0.25, -0.75}, {6}, {.dtype = dt, .requires_grad = true});
+      Tensor t = FromVector({0.0, 0.0, 0.0, 0.0, 1.0, -1.5}, {6}, {.dtype = dt, .requires_grad = true});
+      const Tensor loss = c.loss(x, t);
+      EXPECT_TRUE(std::isnan(loss.Item()));
+      Backward(loss);
+      ASSERT_EQ(x.grad().dtype(), dt);
+      const std::vector<double> gx = x.grad().ToVector<double>(), gt = t.grad().ToVector<double>();
+      ASSERT_EQ(gx.size(), c.grad.size());
+      ASSERT_EQ(gt.size(), c.grad.size());
+      EXPECT_TRUE(std::isnan(gx[0])) << gx[0];
+      EXPECT_TRUE(std::isnan(gt[0])) << gt[0];
+      for (size_t i = 1; i < c.grad.size(); ++i) {
+        EXPECT_NEAR(gx[i], c.grad[i], c.tol) << "x element " << i;
+        EXPECT_NEAR(gt[i], -c.grad[i], c.tol) << "t element " << i;
+      }
+    }
+  }
+}
+
 TEST(PointwiseLossTest, GradientsToInputAndTarget) {
   for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
     const V in = {RandomLeaf({3, 4}, 11), RandomLeaf({3, 4}, 12)};
