@@ -752,6 +752,20 @@ TEST(KernelsTest, DimOutOfRangeNamesTheOp) {
   EXPECT_EQ(message([&] { Mean(x, {-3}); }).rfind("Mean: dimension -3 out of range", 0), 0u);
   EXPECT_EQ(message([&] { LogSoftmax(x, 5); }).rfind("log_softmax: dimension 5 out of range", 0), 0u);
   EXPECT_EQ(message([&] { LogSoftmax(Full({}, 1.0), 1); }).rfind("log_softmax: dimension 1 out of range", 0), 0u);
+  // Softmax is computed with log_softmax, but its errors name softmax.
+  EXPECT_EQ(message([&] { Softmax(x, 5); }), "softmax: dimension 5 out of range for a 2-d tensor of shape [2, 3]");
+  EXPECT_EQ(message([&] { Softmax(Full({}, 1.0), 1); }).rfind("softmax: dimension 1 out of range", 0), 0u);
+  EXPECT_EQ(message([&] { Argmax(x, -3); }), "argmax: dimension -3 out of range for a 2-d tensor of shape [2, 3]");
+  EXPECT_EQ(message([&] { Argmax(Full({}, 1.0), 1); }).rfind("argmax: dimension 1 out of range", 0), 0u);
+}
+
+TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
+  try {
+    Softmax(Zeros({2, 3}, {.dtype = DType::kInt64}), 1);
+    ADD_FAILURE() << "accepted an i64 tensor";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "softmax: needs a floating tensor, got i64");
+  }
 }
 
 // Division is true division, as torch.div: integer operands give f32, so

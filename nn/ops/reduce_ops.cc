@@ -103,7 +103,7 @@ Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor Argmax(const Tensor& x, int64_t dim) {
-  dim = detail::WrapDimAllowingScalar(x, dim);
+  dim = detail::WrapDimOf("argmax", x, dim);
   if (x.dim() == 0) return Zeros({}, {.dtype = DType::kInt64, .device = x.device()});  // its only element
   if (x.size(dim) == 0) {
     throw std::invalid_argument("argmax: dimension " + std::to_string(dim) + " of " + ShapeToString(x.shape()) +

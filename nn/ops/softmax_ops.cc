@@ -38,6 +38,12 @@ Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
 
 Tensor Softmax(const Tensor& x_in, int64_t dim) {
   const Tensor x = autocast::ToFloat32(x_in);
+  // Checked here too, so that an error names softmax rather than the
+  // log_softmax it is computed with.
+  if (!IsFloating(x.dtype())) {
+    throw std::invalid_argument("softmax: needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
+  }
+  detail::WrapDimOf("softmax", x, dim);
   // exp(log_softmax) in a 16-bit dtype would round the log-probability
   // before the exp, and exp magnifies that error (bf16: ~3% at e^-10).
   // 16-bit inputs therefore go through f32 and are rounded once, at the end;
