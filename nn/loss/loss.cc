@@ -503,7 +503,13 @@ Tensor KlDiv(const Tensor& input_in, const Tensor& target_in, const KlDivOptions
     const double tiny =
         compute == DType::kFloat64 ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min();
     const Tensor at_least_tiny = ops::Add(target, ops::Relu(ops::AddScalar(ops::Neg(target), tiny)));
-    per = ops::Sub(ops::Mul(target, ops::Log(at_least_tiny)), ops::Mul(target, input));
+    // That floor would also make a negative t finite, where xlogy(t, t) is
+    // NaN: sqrt(min(t, 0)) is 0 for t >= 0 and NaN for t < 0, and added to
+    // the log it gives PyTorch's NaN loss (and target gradient) there. It is
+    // computed from the detached target, so it adds no gradient of its own.
+    const Tensor nan_if_negative = ops::Sqrt(ops::Clamp(target.Detach(), std::nullopt, 0.0));
+    const Tensor log_t = ops::Add(ops::Log(at_least_tiny), nan_if_negative);
+    per = ops::Sub(ops::Mul(target, log_t), ops::Mul(target, input));
   }
   if (options.batch_mean) {
     const Tensor sum = ops::Sum(per);

@@ -771,6 +771,39 @@ TEST(KlDivTest, ZeroTargetGivesNoNaN) {
               0.20566668724917364, 1e-6);
 }
 
+// A negative target gives NaN, as xlogy(t, t) in PyTorch 1.13 (f32 and f64):
+//   x = torch.tensor([0.0, -1.0, -0.5, -2.0], requires_grad=True)
+//   t = torch.tensor([-0.5, 0.0, 0.5, -1e-40], requires_grad=True)
+//   F.kl_div(x, t, reduction="none")  # [nan, 0, -0.0966, nan]
+//   x.grad [0.5, -0, -0.5, 1e-40] (finite), t.grad [nan, nan, 0.8069, nan]
+// (here the target's gradient at t == 0 stays finite, as ZeroTargetGivesNoNaN says).
+TEST(KlDivTest, NegativeTargetGivesNaN) {
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    SCOPED_TRACE(std::string(DTypeName(dt)));
+    const double tiny_negative = dt == DType::kFloat32 ? -1e-40 : -1e-310;
+    EXPECT_TRUE(std::isnan(KlDiv(Zeros({1}, {.dtype = dt}), Full({1}, -0.5, {.dtype = dt})).Item()));
+    Tensor x = FromVector({0.0, -1.0, -0.5, -2.0}, {4}, {.dtype = dt, .requires_grad = true});
+    Tensor t = FromVector({-0.5, 0.0, 0.5, tiny_negative}, {4}, {.dtype = dt, .requires_grad = true});
+    const Tensor per = KlDiv(x, t, {.reduction = Reduction::kNone});
+    const std::vector<double> v = per.ToVector<double>();
+    EXPECT_TRUE(std::isnan(v[0])) << v[0];
+    EXPECT_EQ(v[1], 0.0);
+    EXPECT_NEAR(v[2], 0.5 * std::log(0.5) + 0.25, 1e-6);
+    EXPECT_TRUE(std::isnan(v[3])) << v[3];
+    Backward(ops::Sum(per));
+    const std::vector<double> gx = x.grad().ToVector<double>(), gt = t.grad().ToVector<double>();
+    EXPECT_EQ(gx[0], 0.5);
+    EXPECT_EQ(gx[2], -0.5);
+    EXPECT_NEAR(gx[3], -tiny_negative, 1e-45);
+    EXPECT_TRUE(std::isnan(gt[0])) << gt[0];
+    EXPECT_NEAR(gt[2], std::log(0.5) + 1 + 0.5, 1e-6);
+    EXPECT_TRUE(std::isnan(gt[3])) << gt[3];
+    // The log-target form is exp(t) (t - input): finite for any finite t.
+    EXPECT_TRUE(std::isfinite(KlDiv(Zeros({1}, {.dtype = dt}), Full({1}, -0.5, {.dtype = dt}), {.log_target = true})
+                                  .Item()));
+  }
+}
+
 TEST(PointwiseLossTest, BadInputsAreNamed) {
   const Tensor a = Zeros({2, 3}), b = Zeros({3});
   EXPECT_EQ(ErrorOf([&] { L1(a, b); }), "l1_loss: input [2, 3] and target [3] differ in shape");
