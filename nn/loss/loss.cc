@@ -292,29 +292,6 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   return out;
 }
 
-Tensor MseLoss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
-  // Named here: an integer operand otherwise fails deep inside Sub or Square.
-  for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"input", &input_in}, {"target", &target_in}}) {
-    if (!IsFloating(t->dtype())) {
-      throw std::invalid_argument(std::string("mse_loss: ") + what + " must be floating, got " +
-                                  std::string(DTypeName(t->dtype())));
-    }
-  }
-  // Autocast: squared differences in f32 (16-bit squares overflow or underflow).
-  const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
-  if (input.shape() != target.shape()) {
-    throw std::invalid_argument("mse_loss: input " + ShapeToString(input.shape()) + " and target " +
-                                ShapeToString(target.shape()) + " differ in shape");
-  }
-  const Tensor sq = ops::Square(ops::Sub(input, target));
-  switch (reduction) {
-    case Reduction::kMean: return ops::Mean(sq);
-    case Reduction::kSum: return ops::Sum(sq);
-    case Reduction::kNone: return sq;
-  }
-  return sq;
-}
-
 namespace {
 
 // Input and target of a pointwise loss: defined, floating, one shape, one device.
@@ -335,6 +312,25 @@ void CheckPointwise(const char* op, const Tensor& input, const Tensor& target) {
                                 target.device().ToString() + " (expected one device)");
   }
 }
+
+}  // namespace
+
+Tensor MseLoss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  // Named here: an undefined, integer or misplaced operand otherwise fails
+  // deep inside Sub or Square (or reading the dtype of nothing).
+  CheckPointwise("mse_loss", input_in, target_in);
+  // Autocast: squared differences in f32 (16-bit squares overflow or underflow).
+  const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
+  const Tensor sq = ops::Square(ops::Sub(input, target));
+  switch (reduction) {
+    case Reduction::kMean: return ops::Mean(sq);
+    case Reduction::kSum: return ops::Sum(sq);
+    case Reduction::kNone: return sq;
+  }
+  return sq;
+}
+
+namespace {
 
 Tensor Reduce(const Tensor& per_element, Reduction reduction) {
   switch (reduction) {

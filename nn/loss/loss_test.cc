@@ -415,6 +415,28 @@ TEST(MseTest, IntegerOperandsAreNamed) {
             "cross_entropy: logits must be floating, got i32");
 }
 
+// An undefined operand is refused naming mse_loss, rather than read for
+// its dtype.
+TEST(MseTest, UndefinedOperandsAreNamed) {
+  EXPECT_EQ(ErrorOf([] { MseLoss(Tensor(), Zeros({2})); }), "mse_loss: input is undefined");
+  EXPECT_EQ(ErrorOf([] { MseLoss(Zeros({2}), Tensor()); }), "mse_loss: target is undefined");
+}
+
+// Operands on two devices are refused naming mse_loss and both devices
+// (host memory registered as cuda:0 in a child process).
+TEST(MseTest, OperandsOnTwoDevicesAreNamed) {
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();
+        ops::RegisterKernels(DeviceType::kCUDA, ops::KernelsFor(DeviceType::kCPU));
+        const Device cuda(DeviceType::kCUDA, 0);
+        std::fprintf(stderr, "mse: [%s]\n", ErrorOf([&] { MseLoss(Zeros({2}), Zeros({2}).To(cuda)); }).c_str());
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      "mse: \\[mse_loss: input is on cpu, target on cuda:0 \\(expected one device\\)\\]");
+}
+
 // As PyTorch: the mean over no elements is NaN (the sum is 0), and a 16-bit
 // mean is finite where the 16-bit sum is not (100000 * 4 > f16's 65504).
 TEST(MseTest, EmptyIsNaNAndSixteenBitMeanDoesNotOverflow) {
