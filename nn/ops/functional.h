@@ -91,7 +91,9 @@ Tensor Contiguous(const Tensor& x);
 Tensor Clone(const Tensor& x);
 
 // --- reductions ---
-/// Sum of all elements (0-d).
+/// Sum of all elements (0-d). An integer tensor (i64, i32, u8) sums to i64
+/// without a gradient, as torch.sum, on the CPU only (another device
+/// throws, naming it).
 Tensor Sum(const Tensor& x);
 /// Sum over dims (negative allowed; an empty list is every dimension, as in
 /// PyTorch); keepdim keeps them as size 1.

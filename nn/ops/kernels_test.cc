@@ -8,6 +8,8 @@
 #include <functional>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
@@ -19,6 +21,7 @@
 #include "nn/ops/cpu/cpu_kernels.h"
 #include "nn/ops/dispatch.h"
 #include "nn/ops/functional.h"
+#include "nn/tensor/testing/host_as_device.h"
 
 namespace ddp::nn::ops {
 namespace {
@@ -522,10 +525,73 @@ TEST(KernelsTest, ForwardErrorsNameTheOp) {
     return std::string("no error");
   };
   const Tensor ints = Zeros({2, 3}, {.dtype = DType::kInt64});
-  EXPECT_EQ(error([&] { Sum(ints); }).rfind("Sum: needs a floating tensor", 0), 0u) << error([&] { Sum(ints); });
+  EXPECT_EQ(error([&] { Mean(ints); }).rfind("Mean: needs a floating tensor", 0), 0u) << error([&] { Mean(ints); });
   EXPECT_EQ(error([&] { Relu(ints); }).rfind("Relu: needs a floating tensor", 0), 0u) << error([&] { Relu(ints); });
   const std::string repeated = error([&] { Sum(Zeros({2, 3}), {1, 1}); });
   EXPECT_EQ(repeated.rfind("Sum: dimension 1 repeated", 0), 0u) << repeated;
+}
+
+// Integer tensors sum in i64, as torch.sum of an integer or bool tensor:
+//   x = torch.arange(24, dtype=torch.int32).reshape(2, 3, 4) * 7 - 50
+//   x.sum()  # 732, int64
+//   x.sum(dim=(0, 2))  # [20, 244, 468]
+//   x.sum(dim=1, keepdim=True)  # [[[-66, -45, -24, -3]], [[186, 207, 228, 249]]]
+//   x.sum(dim=-1)  # [[-158, -46, 66], [178, 290, 402]]
+//   torch.tensor([200, 100, 255], dtype=torch.uint8).sum()  # 555, no u8 wrap
+//   torch.tensor([2**62, 2**62]).sum()  # -2**63: i64 wraps
+//   torch.zeros(0, 3, dtype=torch.int64).sum(0)  # [0, 0, 0]
+TEST(KernelsTest, IntegerSumsAreI64AsPyTorch) {
+  std::vector<double> values(24);
+  for (int i = 0; i < 24; ++i) values[i] = i * 7 - 50;
+  for (DType dt : {DType::kInt32, DType::kInt64}) {
+    SCOPED_TRACE(std::string(DTypeName(dt)));
+    const Tensor x = FromVector(values, {2, 3, 4}, {.dtype = dt});
+    const Tensor all = Sum(x);
+    EXPECT_EQ(all.dtype(), DType::kInt64);
+    EXPECT_EQ(all.shape(), (Shape{}));
+    EXPECT_EQ(all.ToVector<int64_t>(), (std::vector<int64_t>{732}));
+    const Tensor outer = Sum(x, {0, 2});
+    EXPECT_EQ(outer.shape(), (Shape{3}));
+    EXPECT_EQ(outer.ToVector<int64_t>(), (std::vector<int64_t>{20, 244, 468}));
+    const Tensor kept = Sum(x, {1}, true);
+    EXPECT_EQ(kept.shape(), (Shape{2, 1, 4}));
+    EXPECT_EQ(kept.ToVector<int64_t>(), (std::vector<int64_t>{-66, -45, -24, -3, 186, 207, 228, 249}));
+    EXPECT_EQ(Sum(x, {-1}).ToVector<int64_t>(), (std::vector<int64_t>{-158, -46, 66, 178, 290, 402}));
+    // A strided view reads its own elements.
+    EXPECT_EQ(Sum(x.Transpose(0, 2), {2}).ToVector<int64_t>(),
+              Sum(x, {0}).Transpose(0, 1).Contiguous().ToVector<int64_t>());
+    EXPECT_FALSE(Sum(x).requires_grad());
+  }
+  const Tensor mask = FromVector({200, 100, 255}, {3}, {.dtype = DType::kUInt8});
+  EXPECT_EQ(Sum(mask).ToVector<int64_t>(), (std::vector<int64_t>{555}));
+  EXPECT_EQ(Sum(Cast(FromVector({1.0, 0.0, 1.0}, {3}), DType::kInt64)).ToVector<int64_t>(),
+            (std::vector<int64_t>{2}));
+  const int64_t big = int64_t{1} << 62;
+  EXPECT_EQ(Sum(FromVectorOf<int64_t>({big, big}, {2})).ToVector<int64_t>(),
+            (std::vector<int64_t>{std::numeric_limits<int64_t>::min()}));
+  EXPECT_EQ(Sum(Zeros({0, 3}, {.dtype = DType::kInt64}), {0}).ToVector<int64_t>(), (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(Sum(Full({}, 5.0, {.dtype = DType::kInt32}), {0}).ToVector<int64_t>(), (std::vector<int64_t>{5}));
+  EXPECT_THROW(Sum(Zeros({2, 3}, {.dtype = DType::kInt64}), {2}), std::out_of_range);
+}
+
+// Another device has no integer sum kernel: refused naming the op, the dtype
+// and the device (host memory registered as cuda:0 in a child process).
+TEST(KernelsTest, IntegerSumOffTheCpuIsRefused) {
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();
+        ops::RegisterKernels(DeviceType::kCUDA, ops::KernelsFor(DeviceType::kCPU));
+        const Tensor x = Zeros({2}, {.dtype = DType::kInt64}).To(Device(DeviceType::kCUDA, 0));
+        try {
+          Sum(x);
+          std::fprintf(stderr, "sum: accepted\n");
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "sum: [%s]\n", e.what());
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      "sum: \\[Sum: summing an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]");
 }
 
 // An empty dimension has no largest element: the error names it (it was a

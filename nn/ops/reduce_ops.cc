@@ -1,6 +1,9 @@
 // Sums and means (differentiable) and argmax.
+#include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
@@ -12,6 +15,73 @@ using detail::LambdaNode;
 
 namespace {
 
+// The shapes of a reduction of x over `dims`: `kept` has x's rank with the
+// reduced dimensions at size 1, `result` drops them unless keepdim. Throws,
+// naming `op`, for a dim out of range or repeated.
+struct ReducedShapes {
+  Shape kept, result;
+};
+
+ReducedShapes ShapesOf(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, const std::string& op) {
+  Shape kept = x.shape();
+  std::vector<bool> reduced(x.dim(), false);
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t d = dims[i];
+    if (x.dim() == 0) {
+      // A 0-d tensor takes dim 0 (or -1) once, as in PyTorch, and has
+      // nothing to reduce.
+      detail::WrapDimOf(op, x, d);
+      if (i > 0) throw std::invalid_argument(op + ": dimension " + std::to_string(d) + " repeated");
+      continue;
+    }
+    const int64_t w = detail::WrapDimOf(op, x, d);
+    if (reduced[w]) throw std::invalid_argument(op + ": dimension " + std::to_string(d) + " repeated");
+    reduced[w] = true;
+    kept[w] = 1;
+  }
+  Shape result;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (!reduced[d] || keepdim) result.push_back(kept[d]);
+  }
+  return {kept, result};
+}
+
+// The sum of an integer tensor over `dims`, in i64 as torch.sum of an
+// integer or bool tensor (wrapping as two's complement on overflow, as
+// PyTorch's does). No gradient. Only on the CPU: the device kernels sum
+// floating tensors alone.
+Tensor IntegerSum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (!x.device().is_cpu()) {
+    throw std::invalid_argument("Sum: summing an integer tensor (" + std::string(DTypeName(x.dtype())) +
+                                ") is implemented on the CPU only, not on " + x.device().ToString());
+  }
+  const ReducedShapes shapes = ShapesOf(x, dims, keepdim, "Sum");
+  const Tensor xi = x.Detach().To(DType::kInt64).Contiguous();
+  Tensor out = Zeros(shapes.kept, {.dtype = DType::kInt64, .device = x.device()});
+  const Shape& xs = xi.shape();
+  // Where each input element lands: out's contiguous strides, 0 along the
+  // reduced dimensions.
+  Shape out_strides = ContiguousStrides(shapes.kept);
+  for (size_t d = 0; d < xs.size(); ++d) {
+    if (shapes.kept[d] != xs[d]) out_strides[d] = 0;
+  }
+  const int64_t* src = xi.data<int64_t>();
+  int64_t* dst = out.data<int64_t>();
+  std::vector<int64_t> index(xs.size(), 0);
+  int64_t at = 0;
+  for (int64_t i = 0; i < xi.numel(); ++i) {
+    dst[at] = static_cast<int64_t>(static_cast<uint64_t>(dst[at]) + static_cast<uint64_t>(src[i]));
+    // Next index, last dimension fastest.
+    for (size_t d = xs.size(); d-- > 0;) {
+      at += out_strides[d];
+      if (++index[d] < xs[d]) break;
+      at -= out_strides[d] * xs[d];
+      index[d] = 0;
+    }
+  }
+  return out.View(shapes.result);
+}
+
 // Reduces x over `dims` into keepdim shape, scaling by `scale` (the kernel
 // scales the wide sum before rounding it into x's dtype).
 Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim, double scale, const char* name) {
@@ -21,30 +91,9 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
     throw std::invalid_argument(detail::ForwardName(name) + ": needs a floating tensor, got " +
                                 std::string(DTypeName(x.dtype())));
   }
-  Shape kept = x.shape();
-  std::vector<bool> reduced(x.dim(), false);
-  for (size_t i = 0; i < dims.size(); ++i) {
-    const int64_t d = dims[i];
-    if (x.dim() == 0) {
-      // A 0-d tensor takes dim 0 (or -1) once, as in PyTorch, and has
-      // nothing to reduce.
-      detail::WrapDimOf(detail::ForwardName(name), x, d);
-      if (i > 0) {
-        throw std::invalid_argument(detail::ForwardName(name) + ": dimension " + std::to_string(d) + " repeated");
-      }
-      continue;
-    }
-    const int64_t w = detail::WrapDimOf(detail::ForwardName(name), x, d);
-    if (reduced[w]) {
-      throw std::invalid_argument(detail::ForwardName(name) + ": dimension " + std::to_string(d) + " repeated");
-    }
-    reduced[w] = true;
-    kept[w] = 1;
-  }
-  Shape final_shape;
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    if (!reduced[d] || keepdim) final_shape.push_back(kept[d]);
-  }
+  const ReducedShapes shapes = ShapesOf(x, dims, keepdim, detail::ForwardName(name));
+  const Shape& kept = shapes.kept;
+  const Shape& final_shape = shapes.result;
   Tensor out = Empty(kept, {.dtype = x.dtype(), .device = x.device()});
   DDP_KERNEL(x.device(), sum_to)(x, out, scale);
   out = out.View(final_shape);
@@ -82,13 +131,14 @@ double MeanScale(double n) { return n == 0 ? std::numeric_limits<double>::quiet_
 
 }  // namespace
 
-Tensor Sum(const Tensor& x) { return Reduce(x, AllDims(x), false, 1.0, "SumBackward"); }
+Tensor Sum(const Tensor& x) { return Sum(x, AllDims(x), false); }
 
 // An empty dims list means every dimension, as in PyTorch 1.13's
 // sum(dim=[]) and mean(dim=[]).
 Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  if (dims.empty()) return Reduce(x, AllDims(x), keepdim, 1.0, "SumBackward");
-  return Reduce(x, dims, keepdim, 1.0, "SumBackward");
+  const std::vector<int64_t> over = dims.empty() ? AllDims(x) : dims;
+  if (x.defined() && !IsFloating(x.dtype())) return IntegerSum(x, over, keepdim);
+  return Reduce(x, over, keepdim, 1.0, "SumBackward");
 }
 
 Tensor Mean(const Tensor& x) {
