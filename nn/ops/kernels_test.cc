@@ -121,6 +121,54 @@ TEST(KernelsTest, ConvAlgorithmsAgree) {
   }
 }
 
+// An empty batch (N = 0): the output is [0, O, OH, OW], and backward gives
+// zero weight and bias gradients, as PyTorch 1.13:
+//   x = torch.zeros(0, 3, 5, 5, requires_grad=True); w = torch.randn(4, 3, 3, 3, requires_grad=True)
+//   F.conv2d(x, w, b).sum().backward()  # w.grad 0, b.grad [0, 0, 0, 0], x.grad [0, 3, 5, 5]
+// Buffers of NaN are freed just before backward, so that a gradient buffer
+// left unwritten (reusing their memory) would show.
+TEST(KernelsTest, Conv2dOfAnEmptyBatchGivesZeroWeightAndBiasGradients) {
+  struct Case {
+    Shape x, w;
+    Conv2dParams p;
+  } cases[] = {
+      {{0, 3, 5, 5}, {4, 3, 3, 3}, {}},
+      {{0, 4, 6, 6}, {6, 2, 3, 3}, {.stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1, .groups = 2}},
+      {{0, 8, 4, 4}, {5, 8, 1, 1}, {}},
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Generator gen(9);
+  for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn, ConvAlgorithm::kAuto}) {
+    SetConvAlgorithm(algo);
+    for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+      for (const Case& c : cases) {
+        SCOPED_TRACE(ShapeToString(c.w) + " " + std::string(DTypeName(dt)) + " algorithm " +
+                     std::to_string(static_cast<int>(algo)));
+        Tensor x = Zeros(c.x, {.dtype = dt, .requires_grad = true});
+        Tensor w = Rand(c.w, {.dtype = dt}, gen).Detach();
+        w.set_requires_grad(true);
+        Tensor b = Rand({c.w[0]}, {.dtype = dt}, gen).Detach();
+        b.set_requires_grad(true);
+        const Tensor y = Conv2d(x, w, b, c.p);
+        ASSERT_EQ(y.shape()[0], 0);
+        ASSERT_EQ(y.shape()[1], c.w[0]);
+        for (int k = 0; k < 4; ++k) {
+          Full(c.w, nan, {.dtype = dt});
+          Full({c.w[0]}, nan, {.dtype = dt});
+        }
+        Backward(Sum(y));
+        ASSERT_TRUE(w.grad().defined());
+        ASSERT_TRUE(b.grad().defined());
+        EXPECT_EQ(x.grad().shape(), c.x);
+        EXPECT_EQ(w.grad().shape(), c.w);
+        for (double g : w.grad().ToVector<double>()) EXPECT_EQ(g, 0.0);
+        EXPECT_EQ(b.grad().ToVector<double>(), std::vector<double>(static_cast<size_t>(c.w[0]), 0.0));
+      }
+    }
+  }
+  SetConvAlgorithm(ConvAlgorithm::kAuto);
+}
+
 // Every input shape gets its own oneDNN primitives; a run meeting many
 // (images of varying sizes) keeps at most kOneDnnConvCacheEntries of them,
 // and a shape evicted and met again is built anew and still right. Before,
