@@ -31,9 +31,17 @@ void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq
 }  // namespace
 
 Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
-    : Optimizer(std::move(params), options.lr, {"square_avg", "acc_delta"}), options_(options) {
-  set_maximize(options_.maximize);
-  CheckOptions(options_);
+    : Adadelta(std::vector<ParamGroup>{{.params = std::move(params)}}, options) {}
+
+Adadelta::Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults)
+    : Optimizer(groups, defaults.lr, {"square_avg", "acc_delta"}) {
+  CheckOptions(defaults);
+  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
+  for (size_t k = 0; k < values.size(); ++k) {
+    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
+    options_.back().lr = lr(k);
+    set_maximize(k, options_.back().maximize);
+  }
 }
 
 void Adadelta::CheckOptions(const AdadeltaOptions& o) {
@@ -46,15 +54,19 @@ void Adadelta::CheckOptions(const AdadeltaOptions& o) {
   }
 }
 
-std::vector<Optimizer::Hyperparameter> Adadelta::Hyperparameters() const {
-  return {{.name = "rho", .value = options_.rho},
-          {.name = "eps", .value = options_.eps},
-          {.name = "weight_decay", .value = options_.weight_decay},
-          {.name = "maximize", .value = options_.maximize ? 1.0 : 0.0, .flag = true}};
+std::vector<Optimizer::Hyperparameter> Adadelta::HyperparametersOf(const AdadeltaOptions& o) {
+  return {{.name = "rho", .value = o.rho},
+          {.name = "eps", .value = o.eps},
+          {.name = "weight_decay", .value = o.weight_decay},
+          {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-AdadeltaOptions Adadelta::WithSaved(const std::map<std::string, double>& values) const {
-  AdadeltaOptions o = options_;
+std::vector<Optimizer::Hyperparameter> Adadelta::Hyperparameters(size_t group) const {
+  return HyperparametersOf(options_[group]);
+}
+
+AdadeltaOptions Adadelta::WithSaved(AdadeltaOptions base, const std::map<std::string, double>& values) {
+  AdadeltaOptions o = base;
   o.rho = values.at("rho");
   o.eps = values.at("eps");
   o.weight_decay = values.at("weight_decay");
@@ -63,34 +75,37 @@ AdadeltaOptions Adadelta::WithSaved(const std::map<std::string, double>& values)
   return o;
 }
 
-void Adadelta::CheckHyperparameters(const std::map<std::string, double>& values) const { WithSaved(values); }
+void Adadelta::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
+  WithSaved(options_[group], values);
+}
 
-void Adadelta::SetHyperparameters(const std::map<std::string, double>& values) {
-  options_ = WithSaved(values);
-  set_maximize(options_.maximize);
+void Adadelta::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
+  options_[group] = WithSaved(options_[group], values);
+  set_maximize(group, options_[group].maximize);
 }
 
 template <typename T>
-void Adadelta::Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const {
+void Adadelta::Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const {
+  const AdadeltaOptions& o = options_[group];
   T* sq = slots[0];
   T* acc = slots[1];
-  const T rho = static_cast<T>(options_.rho), one_rho = static_cast<T>(1.0 - options_.rho);
-  const T eps = static_cast<T>(options_.eps);
-  const T wd = static_cast<T>(options_.weight_decay);
-  const T neg_lr = static_cast<T>(-lr());
-  internal::WithFlag(options_.weight_decay != 0, [&](auto w) {
+  const T rho = static_cast<T>(o.rho), one_rho = static_cast<T>(1.0 - o.rho);
+  const T eps = static_cast<T>(o.eps);
+  const T wd = static_cast<T>(o.weight_decay);
+  const T neg_lr = static_cast<T>(-lr(group));
+  internal::WithFlag(o.weight_decay != 0, [&](auto w) {
     AdadeltaLoop<w.value>(p, g, sq, acc, n, grad_scale, rho, one_rho, eps, wd, neg_lr);
   });
 }
 
-void Adadelta::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t, bool,
+void Adadelta::Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t, bool,
                       float grad_scale) {
-  Kernel(p, g, slots, n, grad_scale);
+  Kernel(group, p, g, slots, n, grad_scale);
 }
 
-void Adadelta::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t, bool,
+void Adadelta::Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t, bool,
                       double grad_scale) {
-  Kernel(p, g, slots, n, grad_scale);
+  Kernel(group, p, g, slots, n, grad_scale);
 }
 
 void Adadelta::CheckDeviceKernels(Device device) const {
@@ -102,14 +117,15 @@ void Adadelta::CheckDeviceKernels(Device device) const {
 // One fused kernel per parameter (it follows Kernel above operation by
 // operation): one pass over p, g and the two slots instead of the ten that
 // composing elementwise ops would take.
-void Adadelta::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t, bool,
-                            double grad_scale) {
+void Adadelta::DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots,
+                            int64_t, bool, double grad_scale) {
+  const AdadeltaOptions& o = options_[group];
   DeviceOptimKernelsFor(p.device().type)
       .adadelta_step(p, g, slots[0], slots[1],
-                     AdadeltaStepArgs{.lr = lr(),
-                                      .rho = options_.rho,
-                                      .eps = options_.eps,
-                                      .weight_decay = options_.weight_decay,
+                     AdadeltaStepArgs{.lr = lr(group),
+                                      .rho = o.rho,
+                                      .eps = o.eps,
+                                      .weight_decay = o.weight_decay,
                                       .grad_scale = grad_scale});
 }
 

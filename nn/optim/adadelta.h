@@ -23,32 +23,41 @@ class Adadelta : public Optimizer {
  public:
   /// Throws std::invalid_argument for rho outside [0, 1] or negative values.
   Adadelta(NamedParameters params, AdadeltaOptions options);
+  /// Parameter groups (ParamGroup), each with `defaults` overridden by its
+  /// options ("lr", "rho", "eps", "weight_decay", "maximize"). Throws
+  /// std::invalid_argument as the constructor above, naming the group, and
+  /// for an unknown option.
+  Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults);
+  /// The options of `group` (its lr the one it was made with; lr(group) is
+  /// the current one).
+  const AdadeltaOptions& options(size_t group = 0) const { return options_.at(group); }
 
  protected:
-  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
+  void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override;
-  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
+  void Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
               double grad_scale) override;
-  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
-                    double grad_scale) override;
+  void DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                    bool fresh, double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "Adadelta"; }
-  std::vector<Hyperparameter> Hyperparameters() const override;
-  void CheckHyperparameters(const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
+  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
+  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
 
  private:
+  static std::vector<Hyperparameter> HyperparametersOf(const AdadeltaOptions& o);
   template <typename T>
-  void Kernel(T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const;
+  void Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const;
 
   /// The constructor's checks of everything but lr (the base checks that).
   static void CheckOptions(const AdadeltaOptions& o);
 
-  /// These options with the saved values of `values` (see
-  /// CheckHyperparameters); throws as the constructor does.
-  AdadeltaOptions WithSaved(const std::map<std::string, double>& values) const;
+  /// `base` with the saved values of `values` (see CheckHyperparameters);
+  /// throws as the constructor does.
+  static AdadeltaOptions WithSaved(AdadeltaOptions base, const std::map<std::string, double>& values);
 
-  AdadeltaOptions options_;
+  std::vector<AdadeltaOptions> options_;  // per group
 };
 
 }  // namespace ddp::nn::optim

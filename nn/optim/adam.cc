@@ -47,14 +47,22 @@ void AdamLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* 
 
 }  // namespace
 
-Adam::Adam(NamedParameters params, AdamOptions options) : Adam(std::move(params), options, false) {}
+Adam::Adam(NamedParameters params, AdamOptions options)
+    : Adam(std::vector<ParamGroup>{{.params = std::move(params)}}, options, false) {}
 
-Adam::Adam(NamedParameters params, AdamOptions options, bool decoupled)
-    : Optimizer(std::move(params), options.lr, Slots(options.amsgrad)),
-      options_(options),
-      decoupled_(decoupled) {
-  set_maximize(options_.maximize);
-  CheckOptions(options_);
+Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults) : Adam(std::move(groups), defaults, false) {}
+
+// amsgrad is structural (GroupOptionValues holds every group to the
+// defaults'), so the defaults decide the slots for all groups.
+Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled)
+    : Optimizer(groups, defaults.lr, Slots(defaults.amsgrad)), decoupled_(decoupled) {
+  CheckOptions(defaults);
+  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
+  for (size_t k = 0; k < values.size(); ++k) {
+    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
+    options_.back().lr = lr(k);
+    set_maximize(k, options_.back().maximize);
+  }
 }
 
 void Adam::CheckOptions(const AdamOptions& o) const {
@@ -70,18 +78,22 @@ void Adam::CheckOptions(const AdamOptions& o) const {
   }
 }
 
-std::vector<Optimizer::Hyperparameter> Adam::Hyperparameters() const {
+std::vector<Optimizer::Hyperparameter> Adam::HyperparametersOf(const AdamOptions& o) {
   // amsgrad decides whether max_exp_avg_sq is kept.
-  return {{.name = "beta1", .value = options_.beta1},
-          {.name = "beta2", .value = options_.beta2},
-          {.name = "eps", .value = options_.eps},
-          {.name = "weight_decay", .value = options_.weight_decay},
-          {.name = "amsgrad", .value = options_.amsgrad ? 1.0 : 0.0, .flag = true, .structural = true},
-          {.name = "maximize", .value = options_.maximize ? 1.0 : 0.0, .flag = true}};
+  return {{.name = "beta1", .value = o.beta1},
+          {.name = "beta2", .value = o.beta2},
+          {.name = "eps", .value = o.eps},
+          {.name = "weight_decay", .value = o.weight_decay},
+          {.name = "amsgrad", .value = o.amsgrad ? 1.0 : 0.0, .flag = true, .structural = true},
+          {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-AdamOptions Adam::WithSaved(const std::map<std::string, double>& values) const {
-  AdamOptions o = options_;
+std::vector<Optimizer::Hyperparameter> Adam::Hyperparameters(size_t group) const {
+  return HyperparametersOf(options_[group]);
+}
+
+AdamOptions Adam::WithSaved(AdamOptions base, const std::map<std::string, double>& values) const {
+  AdamOptions o = base;
   o.beta1 = values.at("beta1");
   o.beta2 = values.at("beta2");
   o.eps = values.at("eps");
@@ -92,51 +104,58 @@ AdamOptions Adam::WithSaved(const std::map<std::string, double>& values) const {
   return o;
 }
 
-void Adam::CheckHyperparameters(const std::map<std::string, double>& values) const { WithSaved(values); }
+void Adam::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
+  WithSaved(options_[group], values);
+}
 
-void Adam::SetHyperparameters(const std::map<std::string, double>& values) {
-  options_ = WithSaved(values);
-  set_maximize(options_.maximize);
+void Adam::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
+  options_[group] = WithSaved(options_[group], values);
+  set_maximize(group, options_[group].maximize);
 }
 
 AdamW::AdamW(NamedParameters params, AdamWOptions o)
-    : Adam(std::move(params),
-           AdamOptions{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize}, true) {}
+    : AdamW(std::vector<ParamGroup>{{.params = std::move(params)}}, o) {}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions o)
+    : Adam(std::move(groups), AdamOptions{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize},
+           true) {}
 
 template <typename T>
-void Adam::Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const {
+void Adam::Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const {
+  const AdamOptions& o = options_[group];
+  const double lr = this->lr(group);
   T* m = slots[0];
   T* v = slots[1];
-  T* vmax = options_.amsgrad ? slots[2] : nullptr;
+  T* vmax = o.amsgrad ? slots[2] : nullptr;
   // Scalars in f64 as Python computes them, then rounded to T.
-  const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step));
-  const T neg_step_size = static_cast<T>(-(lr() / bc1));
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
+  const T neg_step_size = static_cast<T>(-(lr / bc1));
   const T bc2_sqrt = static_cast<T>(std::sqrt(bc2));
-  const T b1 = static_cast<T>(options_.beta1), one_b1 = static_cast<T>(1.0 - options_.beta1);
-  const T b2 = static_cast<T>(options_.beta2), one_b2 = static_cast<T>(1.0 - options_.beta2);
-  const T eps = static_cast<T>(options_.eps);
-  const T wd = static_cast<T>(options_.weight_decay);
-  const T decay = static_cast<T>(1.0 - lr() * options_.weight_decay);
+  const T b1 = static_cast<T>(o.beta1), one_b1 = static_cast<T>(1.0 - o.beta1);
+  const T b2 = static_cast<T>(o.beta2), one_b2 = static_cast<T>(1.0 - o.beta2);
+  const T eps = static_cast<T>(o.eps);
+  const T wd = static_cast<T>(o.weight_decay);
+  const T decay = static_cast<T>(1.0 - lr * o.weight_decay);
   const AdamCoefficients<T> c{grad_scale, wd, decay, b1, one_b1, b2, one_b2, bc2_sqrt, eps,
                               neg_step_size};
-  internal::WithFlag(!decoupled_ && options_.weight_decay != 0, [&](auto cw) {
+  internal::WithFlag(!decoupled_ && o.weight_decay != 0, [&](auto cw) {
     internal::WithFlag(decoupled_, [&](auto dw) {
-      internal::WithFlag(options_.amsgrad, [&](auto ams) {
+      internal::WithFlag(o.amsgrad, [&](auto ams) {
         AdamLoop<cw.value, dw.value, ams.value>(p, g, m, v, vmax, n, c);
       });
     });
   });
 }
 
-void Adam::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool,
+void Adam::Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool,
                   float grad_scale) {
-  Kernel(p, g, slots, n, step, grad_scale);
+  Kernel(group, p, g, slots, n, step, grad_scale);
 }
 
-void Adam::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool,
+void Adam::Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool,
                   double grad_scale) {
-  Kernel(p, g, slots, n, step, grad_scale);
+  Kernel(group, p, g, slots, n, step, grad_scale);
 }
 
 void Adam::CheckDeviceKernels(Device device) const {
@@ -145,15 +164,16 @@ void Adam::CheckDeviceKernels(Device device) const {
   }
 }
 
-void Adam::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool,
-                        double grad_scale) {
-  DeviceOptimKernelsFor(p.device().type).adam_step(p, g, slots[0], slots[1], options_.amsgrad ? slots[2] : Tensor(),
-     AdamStepArgs{.lr = lr(),
-                  .beta1 = options_.beta1,
-                  .beta2 = options_.beta2,
-                  .eps = options_.eps,
-                  .weight_decay = options_.weight_decay,
-                  .amsgrad = options_.amsgrad,
+void Adam::DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots,
+                        int64_t step, bool, double grad_scale) {
+  const AdamOptions& o = options_[group];
+  DeviceOptimKernelsFor(p.device().type).adam_step(p, g, slots[0], slots[1], o.amsgrad ? slots[2] : Tensor(),
+     AdamStepArgs{.lr = lr(group),
+                  .beta1 = o.beta1,
+                  .beta2 = o.beta2,
+                  .eps = o.eps,
+                  .weight_decay = o.weight_decay,
+                  .amsgrad = o.amsgrad,
                   .decoupled = decoupled_,
                   .step = step,
                   .grad_scale = grad_scale});

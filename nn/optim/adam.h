@@ -37,34 +37,44 @@ class Adam : public Optimizer {
   /// Throws std::invalid_argument for betas outside [0, 1) or negative
   /// lr, eps or weight decay.
   Adam(NamedParameters params, AdamOptions options);
+  /// Parameter groups (ParamGroup), each with `defaults` overridden by its
+  /// options ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad",
+  /// "maximize"). Throws std::invalid_argument as the constructor above,
+  /// naming the group, for an unknown option, and for amsgrad differing
+  /// from the defaults (one slot layout for all).
+  Adam(std::vector<ParamGroup> groups, AdamOptions defaults);
+  /// The options of `group` (its lr the one it was made with; lr(group) is
+  /// the current one).
+  const AdamOptions& options(size_t group = 0) const { return options_.at(group); }
 
  protected:
   /// AdamW: the same with decoupled weight decay.
-  Adam(NamedParameters params, AdamOptions options, bool decoupled);
+  Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled);
 
-  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
+  void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override;
-  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
+  void Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
               double grad_scale) override;
-  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
-                    double grad_scale) override;
+  void DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                    bool fresh, double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return decoupled_ ? "AdamW" : "Adam"; }
-  std::vector<Hyperparameter> Hyperparameters() const override;
-  void CheckHyperparameters(const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
+  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
+  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
 
  private:
+  static std::vector<Hyperparameter> HyperparametersOf(const AdamOptions& o);
   template <typename T>
-  void Kernel(T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const;
+  void Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const;
   /// The constructor's checks of everything but lr (the base checks that).
   void CheckOptions(const AdamOptions& o) const;
 
-  /// These options with the saved values of `values` (see
-  /// CheckHyperparameters); throws as the constructor does.
-  AdamOptions WithSaved(const std::map<std::string, double>& values) const;
+  /// `base` with the saved values of `values` (see CheckHyperparameters);
+  /// throws as the constructor does.
+  AdamOptions WithSaved(AdamOptions base, const std::map<std::string, double>& values) const;
 
-  AdamOptions options_;
+  std::vector<AdamOptions> options_;  // per group
   bool decoupled_;
 };
 
@@ -73,6 +83,9 @@ class Adam : public Optimizer {
 class AdamW : public Adam {
  public:
   AdamW(NamedParameters params, AdamWOptions options);
+  /// Parameter groups, as Adam's (a group with "weight_decay" 0 is not
+  /// decayed: biases and norms, as commonly).
+  AdamW(std::vector<ParamGroup> groups, AdamWOptions defaults);
 };
 
 }  // namespace ddp::nn::optim

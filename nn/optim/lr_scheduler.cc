@@ -369,17 +369,45 @@ std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t tot
                             {warmup_steps});
 }
 
+namespace {
+
+// Every param group's rate. A refused rate (set_lr throws for a negative or
+// non-finite one) puts back the groups already set, so that nothing changed.
+internal::GroupRates RatesOf(Optimizer& optimizer) {
+  return {.count = optimizer.num_groups(),
+          .get = [&optimizer](size_t k) { return optimizer.lr(k); },
+          .set =
+              [&optimizer](const std::vector<double>& lrs) {
+                std::vector<double> old;
+                for (size_t k = 0; k < lrs.size(); ++k) old.push_back(optimizer.lr(k));
+                try {
+                  for (size_t k = 0; k < lrs.size(); ++k) optimizer.set_lr(k, lrs[k]);
+                } catch (...) {
+                  for (size_t k = 0; k < old.size(); ++k) optimizer.set_lr(k, old[k]);
+                  throw;
+                }
+              }};
+}
+
+// A target's one rate; empty functions stay empty (the callers refuse them).
+internal::GroupRates RatesOf(LrTarget target) {
+  internal::GroupRates rates;
+  if (target.get) rates.get = [get = target.get](size_t) { return get(); };
+  if (target.set) rates.set = [set = target.set](const std::vector<double>& lrs) { set(lrs.front()); };
+  return rates;
+}
+
+}  // namespace
+
 LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule)
-    : LrScheduler(LrTarget{[&optimizer] { return optimizer.lr(); },
-                           [&optimizer](double lr) { optimizer.set_lr(lr); }},
-                  std::move(schedule), &optimizer) {}
+    : LrScheduler(RatesOf(optimizer), std::move(schedule), &optimizer) {}
 
 LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule)
-    : LrScheduler(std::move(target), std::move(schedule), nullptr) {}
+    : LrScheduler(RatesOf(std::move(target)), std::move(schedule), nullptr) {}
 
-LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule, Optimizer* optimizer)
-    : target_(std::move(target)), schedule_(std::move(schedule)) {
-  if (!target_.get || !target_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
+LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> schedule, Optimizer* optimizer)
+    : rates_(std::move(rates)), schedule_(std::move(schedule)) {
+  if (!rates_.get || !rates_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
   if (optimizer != nullptr) {
     // Each scheduler sets the rate outright: a second one would overwrite
@@ -394,21 +422,29 @@ LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule, Op
     }
     claim_ = std::make_shared<char>(0);
   }
-  base_lr_ = target_.get();
-  target_.set(schedule_->Lr(base_lr_, 0));
+  for (size_t k = 0; k < rates_.count; ++k) base_lrs_.push_back(rates_.get(k));
+  rates_.set(RatesAt(base_lrs_, 0));
   // Claimed once nothing can throw: a refused rate leaves the optimizer free.
   if (optimizer != nullptr) optimizer->scheduler_ = claim_;
 }
 
+std::vector<double> LrScheduler::RatesAt(const std::vector<double>& base_lrs, int64_t t) const {
+  std::vector<double> lrs;
+  for (double base : base_lrs) lrs.push_back(schedule_->Lr(base, t));
+  return lrs;
+}
+
 void LrScheduler::Step() {
-  // Counted only once the target took the rate: a refused one changes nothing.
-  target_.set(schedule_->Lr(base_lr_, t_ + 1));
+  // Counted only once the target took the rates: a refused one changes nothing.
+  rates_.set(RatesAt(base_lrs_, t_ + 1));
   ++t_;
 }
 
 NamedTensors LrScheduler::StateDict() const {
+  // One group keeps the scalar of states saved before groups existed.
+  const Shape shape = base_lrs_.size() == 1 ? Shape{} : Shape{static_cast<int64_t>(base_lrs_.size())};
   NamedTensors out = {{"scheduler.step", FromVectorOf<int64_t>({t_}, {})},
-                      {"scheduler.base_lr", FromVector({base_lr_}, {}, {.dtype = DType::kFloat64})}};
+                      {"scheduler.base_lr", FromVector(base_lrs_, shape, {.dtype = DType::kFloat64})}};
   const std::string schedule = schedule_->Describe();
   if (!schedule.empty()) {
     out.emplace_back("scheduler.schedule", FromVectorOf<uint8_t>(std::vector<uint8_t>(schedule.begin(), schedule.end()),
@@ -421,7 +457,7 @@ namespace {
 
 struct SchedulerState {
   int64_t step;
-  double base_lr;
+  std::vector<double> base_lrs;
 };
 
 // The saved schedule description ("scheduler.schedule", null: absent);
@@ -442,7 +478,7 @@ std::string SavedScheduleOf(const Tensor* t) {
 // rate `schedule` gives for the loaded step is checked too, so that a
 // restore which would end in a refused rate (StepLR's gamma^k overflowing
 // after many periods, say) fails here, before any component was changed.
-SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& schedule) {
+SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& schedule, size_t groups) {
   const Tensor* step = nullptr;
   const Tensor* base = nullptr;
   const Tensor* described = nullptr;
@@ -453,13 +489,36 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     else if (k.rfind("scheduler.", 0) == 0) throw std::invalid_argument("LrScheduler.LoadStateDict: unexpected `" + k + "`");
   }
   internal::CheckStateScalar("LrScheduler.LoadStateDict", "scheduler.step", step, DType::kInt64);
-  internal::CheckStateScalar("LrScheduler.LoadStateDict", "scheduler.base_lr", base, DType::kFloat64);
+  // One base rate per param group: a scalar for one group (as saved
+  // before groups existed), a 1-D tensor for several.
+  if (base != nullptr && base->defined() && base->dtype() == DType::kFloat64 && base->dim() <= 1) {
+    const size_t saved = base->dim() == 0 ? 1 : static_cast<size_t>(base->numel());
+    if (saved != groups) {
+      throw std::invalid_argument("LrScheduler.LoadStateDict: `scheduler.base_lr` holds the base rates of " +
+                                  std::to_string(saved) + " param group(s), this scheduler drives " +
+                                  std::to_string(groups) + ": make it over an optimizer with the saved groups");
+    }
+  }
+  if (groups == 1) {
+    internal::CheckStateScalar("LrScheduler.LoadStateDict", "scheduler.base_lr", base, DType::kFloat64);
+  } else if (base == nullptr || !base->defined() || base->dtype() != DType::kFloat64 || base->dim() != 1) {
+    const std::string found = base == nullptr ? std::string("missing")
+                              : base->defined() ? "is " + std::string(DTypeName(base->dtype())) + " " +
+                                                      ShapeToString(base->shape())
+                                                : std::string("is undefined");
+    throw std::invalid_argument("LrScheduler.LoadStateDict: `scheduler.base_lr` " + found + ", expected f64 [" +
+                                std::to_string(groups) + "] (one base rate per param group)");
+  }
   const int64_t t = step->To(kCPU).data<int64_t>()[0];
   if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
-  const double base_lr = base->Item();
-  if (!(base_lr >= 0) || !std::isfinite(base_lr)) {
-    throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.base_lr " + std::to_string(base_lr) +
-                                " must be finite and >= 0");
+  const std::vector<double> base_lrs = base->To(kCPU).Contiguous().ToVector<double>();
+  for (size_t k = 0; k < base_lrs.size(); ++k) {
+    const double base_lr = base_lrs[k];
+    if (!(base_lr >= 0) || !std::isfinite(base_lr)) {
+      throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.base_lr " +
+                                  (groups == 1 ? std::string() : "of param group " + std::to_string(k) + " ") +
+                                  std::to_string(base_lr) + " must be finite and >= 0");
+    }
   }
   // Both problems are reported when both occur: the rate is the one this
   // scheduler would set, whichever schedule the state came from.
@@ -470,50 +529,59 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     problems.push_back("the state was saved with schedule " + saved + ", this scheduler's is " + current +
                        " (its step count would give another rate): make the scheduler with the saved schedule");
   }
-  double lr = 0;
-  try {
-    lr = schedule.Lr(base_lr, t);
-  } catch (const std::out_of_range& e) {
-    // A step past the schedule's end (OneCycle's total_steps): one more
-    // problem, not another kind of error.
-    problems.push_back(std::string("scheduler.step ") + std::to_string(t) + " is outside the schedule: " + e.what());
-    lr = 0;
-  }
-  if (!(lr >= 0) || !std::isfinite(lr)) {
-    problems.push_back("the schedule gives learning rate " + std::to_string(lr) + " at scheduler.step " +
-                       std::to_string(t) + " from scheduler.base_lr " + std::to_string(base_lr) +
-                       ", expected a finite rate >= 0");
+  for (size_t k = 0; k < base_lrs.size(); ++k) {
+    const double base_lr = base_lrs[k];
+    double lr = 0;
+    try {
+      lr = schedule.Lr(base_lr, t);
+    } catch (const std::out_of_range& e) {
+      // A step past the schedule's end (OneCycle's total_steps): one more
+      // problem, not another kind of error. The same for every group.
+      problems.push_back(std::string("scheduler.step ") + std::to_string(t) + " is outside the schedule: " +
+                         e.what());
+      break;
+    }
+    if (!(lr >= 0) || !std::isfinite(lr)) {
+      problems.push_back("the schedule gives learning rate " + std::to_string(lr) + " at scheduler.step " +
+                         std::to_string(t) + " from scheduler.base_lr " +
+                         (groups == 1 ? std::string() : "of param group " + std::to_string(k) + " ") +
+                         std::to_string(base_lr) + ", expected a finite rate >= 0");
+    }
   }
   if (!problems.empty()) {
     std::string message = "LrScheduler.LoadStateDict: ";
     for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
     throw std::invalid_argument(message);
   }
-  return {t, base_lr};
+  return {t, base_lrs};
 }
 
 }  // namespace
 
-void LrScheduler::CheckStateDict(const NamedTensors& state) const { ReadSchedulerState(state, *schedule_); }
+void LrScheduler::CheckStateDict(const NamedTensors& state) const {
+  ReadSchedulerState(state, *schedule_, rates_.count);
+}
 
 void LrScheduler::LoadStateDict(const NamedTensors& state) {
-  const SchedulerState s = ReadSchedulerState(state, *schedule_);
-  // The rate is set first: if the target refuses it (a schedule may still
-  // compute a rate the optimizer takes as invalid), nothing has changed.
-  target_.set(schedule_->Lr(s.base_lr, s.step));
+  SchedulerState s = ReadSchedulerState(state, *schedule_, rates_.count);
+  // The rates are set first: if the target refuses one (a schedule may
+  // still compute a rate the optimizer takes as invalid), nothing has
+  // changed.
+  rates_.set(RatesAt(s.base_lrs, s.step));
   t_ = s.step;
-  base_lr_ = s.base_lr;
+  base_lrs_ = std::move(s.base_lrs);
 }
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
-    : ReduceLrOnPlateau(LrTarget{[&optimizer] { return optimizer.lr(); },
-                                 [&optimizer](double lr) { optimizer.set_lr(lr); }},
-                        options) {}
+    : ReduceLrOnPlateau(RatesOf(optimizer), options) {}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
-    : target_(std::move(target)), options_(options) {
+    : ReduceLrOnPlateau(RatesOf(std::move(target)), options) {}
+
+ReduceLrOnPlateau::ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options)
+    : rates_(std::move(rates)), options_(options) {
   constexpr const char* kWho = "ReduceLROnPlateau";
-  if (!target_.get || !target_.set) throw std::invalid_argument("ReduceLROnPlateau: the target lacks get or set");
+  if (!rates_.get || !rates_.set) throw std::invalid_argument("ReduceLROnPlateau: the target lacks get or set");
   if (options_.mode != PlateauOptions::Mode::kMin && options_.mode != PlateauOptions::Mode::kMax) {
     throw std::invalid_argument("ReduceLROnPlateau: unknown mode " + std::to_string(static_cast<int>(options_.mode)) +
                                 ", expected kMin or kMax");
@@ -564,10 +632,18 @@ void ReduceLrOnPlateau::Step(double metric) {
     bad = 0;
   }
   if (bad > options_.patience) {
-    const double old_lr = target_.get();
-    const double new_lr = std::max(old_lr * options_.factor, options_.min_lr);
-    // Reductions smaller than eps are not worth making (PyTorch's rule).
-    if (old_lr - new_lr > options_.eps) target_.set(new_lr);
+    std::vector<double> lrs;
+    bool reduced = false;
+    for (size_t k = 0; k < rates_.count; ++k) {
+      const double old_lr = rates_.get(k);
+      const double new_lr = std::max(old_lr * options_.factor, options_.min_lr);
+      // Reductions smaller than eps are not worth making (PyTorch's rule,
+      // group by group).
+      const bool worth_it = old_lr - new_lr > options_.eps;
+      lrs.push_back(worth_it ? new_lr : old_lr);
+      reduced = reduced || worth_it;
+    }
+    if (reduced) rates_.set(lrs);
     cooldown = options_.cooldown;
     bad = 0;
   }

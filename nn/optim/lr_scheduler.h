@@ -130,9 +130,25 @@ struct LrTarget {
   std::function<void(double)> set;
 };
 
+namespace internal {
+/// The rates a scheduler drives: one per param group of an Optimizer, or
+/// an LrTarget's one. `set` takes one rate per group and, when it throws,
+/// leaves every rate as it was.
+struct GroupRates {
+  size_t count = 1;
+  std::function<double(size_t)> get;
+  std::function<void(const std::vector<double>&)> set;
+};
+}  // namespace internal
+
 /// Drives an optimizer's learning rate along a schedule. Construction sets
 /// lr to Lr(base_lr, 0) where base_lr is the optimizer's lr at that time.
 /// The optimizer (or the target's owner) must outlive the scheduler.
+///
+/// Param groups: each group of an Optimizer follows the schedule from its
+/// own base rate (PyTorch's base_lrs), lr(k) = Lr(base_lr(k), t), so their
+/// ratios stay as they were (OneCycleSchedule, which ignores base_lr, gives
+/// every group the same rate, as PyTorch's OneCycleLR with one max_lr).
 ///
 /// One scheduler per optimizer: each sets the rate outright (closed forms
 /// of its own step count), so two would overwrite each other, the last to
@@ -155,21 +171,27 @@ class LrScheduler {
   LrScheduler& operator=(LrScheduler&&) = default;
 
   /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the
-  /// lr. When the target refuses the rate, throws and changes nothing.
+  /// lr of every group. When the target refuses a rate, throws and changes
+  /// nothing.
   void Step();
   /// Steps taken.
   int64_t step_count() const { return t_; }
-  /// The current learning rate.
-  double lr() const { return target_.get(); }
-  double base_lr() const { return base_lr_; }
+  /// The current learning rate (group 0's with several groups).
+  double lr() const { return rates_.get(0); }
+  /// The rate schedules start from (group 0's with several groups).
+  double base_lr() const { return base_lrs_.front(); }
+  /// Per param group, the rate its schedule starts from (one for a target).
+  const std::vector<double>& base_lrs() const { return base_lrs_; }
 
   /// "scheduler.step" (i64) and "scheduler.base_lr" (f64) scalars, and
   /// "scheduler.schedule" (u8 text, the schedule's Describe()) unless the
-  /// schedule does not describe itself.
+  /// schedule does not describe itself. With several param groups,
+  /// "scheduler.base_lr" is a 1-D f64 tensor of one rate per group.
   NamedTensors StateDict() const;
   /// Restores from a list that may hold other components' keys; sets the lr
   /// for the restored step. Throws std::invalid_argument naming a missing
-  /// or malformed key (a negative or non-finite base_lr too, or a step and
+  /// or malformed key (base rates of another number of param groups, naming
+  /// both counts; a negative or non-finite base_lr too, or a step and
   /// base_lr for which the schedule gives such a rate), or a saved schedule
   /// description that differs from this schedule's (naming both); changes
   /// nothing then, nor when the target refuses the restored rate. A state
@@ -181,16 +203,18 @@ class LrScheduler {
   void CheckStateDict(const NamedTensors& state) const;
 
  private:
-  /// `optimizer`: the optimizer behind `target`, claimed for this scheduler
+  /// `optimizer`: the optimizer behind `rates`, claimed for this scheduler
   /// (null for a bare target).
-  LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule, Optimizer* optimizer);
+  LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> schedule, Optimizer* optimizer);
+  /// The schedule's rate for every group at step t.
+  std::vector<double> RatesAt(const std::vector<double>& base_lrs, int64_t t) const;
 
-  LrTarget target_;
+  internal::GroupRates rates_;
   std::shared_ptr<Schedule> schedule_;
   // Held while this scheduler drives an optimizer; the optimizer keeps a
   // weak reference, which expires with this scheduler.
   std::shared_ptr<const void> claim_;
-  double base_lr_ = 0;
+  std::vector<double> base_lrs_;
   int64_t t_ = 0;
 };
 
@@ -218,7 +242,9 @@ struct PlateauOptions {
 
 /// PyTorch's ReduceLROnPlateau: Step(metric) multiplies the optimizer's
 /// current rate by `factor` when the metric has not improved for more than
-/// `patience` steps. It reads the rate from the optimizer at each reduction,
+/// `patience` steps. With param groups, each group's rate is reduced so
+/// (floored at min_lr, and left as it is where the reduction would be
+/// eps or less, group by group, as PyTorch's). It reads the rate from the optimizer at each reduction,
 /// so a rate set with set_lr in between (or one restored with the
 /// optimizer's state) is the one reduced. It does not drive the rate along
 /// a schedule: pairing it with an LrScheduler on the same optimizer would
@@ -236,8 +262,8 @@ class ReduceLrOnPlateau {
   /// rate on a plateau. A NaN metric counts as no improvement, as in
   /// PyTorch. When the target refuses the rate, throws and changes nothing.
   void Step(double metric);
-  /// The current learning rate.
-  double lr() const { return target_.get(); }
+  /// The current learning rate (group 0's with several groups).
+  double lr() const { return rates_.get(0); }
   /// The best metric seen (+inf in kMin mode, -inf in kMax, before any).
   double best() const { return best_; }
   int64_t num_bad_steps() const { return num_bad_; }
@@ -262,7 +288,9 @@ class ReduceLrOnPlateau {
   bool IsBetter(double metric) const;
   std::string Describe() const;
 
-  LrTarget target_;
+  ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options);
+
+  internal::GroupRates rates_;
   PlateauOptions options_;
   double best_ = 0;
   int64_t num_bad_ = 0;

@@ -16,6 +16,18 @@ namespace {
 // A StateDict flag (i64 1): every parameter of the saving optimizer has a
 // "state.<name>.step" entry, 0 when it was never updated.
 const char* const kParamsListedKey = "group.params_listed";
+// With several groups: their number (i64), and each group's entries under
+// "param_groups.<k>." (see StateDict).
+const char* const kGroupCountKey = "param_groups.count";
+
+std::string GroupPrefix(size_t group) { return "param_groups." + std::to_string(group) + "."; }
+
+// An infinite rate would make every updated parameter inf or NaN.
+void CheckRate(double lr, const std::string& who) {
+  if (!(lr >= 0.0) || !std::isfinite(lr)) {
+    throw std::invalid_argument(who + ": learning rate " + std::to_string(lr) + " must be finite and >= 0");
+  }
+}
 
 template <typename From, typename To>
 void Convert(const void* src, To* dst, int64_t n) {
@@ -121,17 +133,105 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
   }
 }
 
-Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names, SlotRules rules)
-    : params_(std::move(params)), slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
-  set_lr(lr);
+Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
+                     SlotRules rules)
+    : slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
+  CheckRate(lr, "optimizer");
+  if (groups.empty()) {
+    throw std::invalid_argument("optimizer: no parameter group (a plain list of parameters makes one; a group "
+                                "may be empty)");
+  }
+  for (size_t k = 0; k < groups.size(); ++k) {
+    auto it = groups[k].options.find("lr");
+    const double group_lr = it == groups[k].options.end() ? lr : it->second;
+    CheckRate(group_lr, "optimizer: param group " + std::to_string(k));
+    lrs_.push_back(group_lr);
+  }
+  // A parameter in two groups would be updated twice per step, with two
+  // groups' options (PyTorch refuses it too). CheckParameters below refuses
+  // it as well; this names the groups.
+  if (groups.size() > 1) {
+    std::map<std::string, size_t> by_name;
+    std::map<const TensorImpl*, std::pair<size_t, std::string>> by_tensor;
+    for (size_t k = 0; k < groups.size(); ++k) {
+      for (const auto& [name, p] : groups[k].params) {
+        auto [n, fresh_name] = by_name.emplace(name, k);
+        if (!fresh_name && n->second != k) {
+          throw std::invalid_argument("optimizer: parameter `" + name + "` is in param groups " +
+                                      std::to_string(n->second) + " and " + std::to_string(k) +
+                                      " (a parameter may be in one group only)");
+        }
+        if (!p.defined()) continue;
+        auto [t, fresh_tensor] = by_tensor.emplace(p.impl(), std::make_pair(k, name));
+        if (!fresh_tensor && t->second.first != k) {
+          throw std::invalid_argument("optimizer: one tensor is in param groups " + std::to_string(t->second.first) +
+                                      " (as `" + t->second.second + "`) and " + std::to_string(k) + " (as `" +
+                                      name + "`) (a parameter may be in one group only)");
+        }
+      }
+    }
+  }
+  for (size_t k = 0; k < groups.size(); ++k) {
+    group_begin_.push_back(params_.size());
+    for (auto& named : groups[k].params) {
+      params_.push_back(std::move(named));
+      group_of_.push_back(k);
+    }
+  }
+  group_begin_.push_back(params_.size());
+  maximize_.assign(groups.size(), false);
   CheckParameters(params_, "optimizer");
   CheckOneDevice();
   steps_.assign(params_.size(), 0);
   state_.resize(params_.size());
 }
 
-Optimizer::Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names)
-    : Optimizer(std::move(params), lr, std::move(slot_names), SlotRules()) {}
+Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names)
+    : Optimizer(std::move(groups), lr, std::move(slot_names), SlotRules()) {}
+
+NamedParameters Optimizer::group_params(size_t group) const {
+  if (group >= num_groups()) {
+    throw std::out_of_range("optimizer: param group " + std::to_string(group) + " of " +
+                            std::to_string(num_groups()));
+  }
+  return NamedParameters(params_.begin() + static_cast<std::ptrdiff_t>(group_begin_[group]),
+                         params_.begin() + static_cast<std::ptrdiff_t>(group_begin_[group + 1]));
+}
+
+std::vector<std::map<std::string, double>> Optimizer::GroupOptionValues(
+    const std::vector<ParamGroup>& groups, const std::vector<Hyperparameter>& defaults) const {
+  std::string known = "lr";
+  for (const Hyperparameter& h : defaults) known += ", " + h.name;
+  std::vector<std::map<std::string, double>> out;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const std::string who = std::string(Name()) + ": param group " + std::to_string(k) + ": ";
+    std::map<std::string, double> values;
+    for (const Hyperparameter& h : defaults) values[h.name] = h.value;
+    for (const auto& [name, value] : groups[k].options) {
+      if (name == "lr") continue;  // the base's
+      auto h = std::find_if(defaults.begin(), defaults.end(), [&](const Hyperparameter& d) { return d.name == name; });
+      if (h == defaults.end()) {
+        throw std::invalid_argument(who + "unknown option `" + name + "` (known: " + known + ")");
+      }
+      if (h->flag && value != 0 && value != 1) {
+        throw std::invalid_argument(who + "option `" + name + "` is a flag, 0 or 1, got " + std::to_string(value));
+      }
+      // One slot layout for all groups: the state's slots are the
+      // optimizer's, not a group's.
+      if (h->structural && (value != 0) != (h->value != 0)) {
+        throw std::invalid_argument(who + "option `" + name + "` " +
+                                    (h->flag ? std::string("differs from the default's")
+                                             : std::string("is zero or non-zero where the default's is not")) +
+                                    " (" + std::to_string(value) + " against " + std::to_string(h->value) +
+                                    "): it decides which state is kept, and per-group state layouts are not "
+                                    "supported; give every group the same");
+      }
+      values[name] = value;
+    }
+    out.push_back(std::move(values));
+  }
+  return out;
+}
 
 void Optimizer::CheckOneDevice() const {
   for (const auto& [name, p] : params_) {
@@ -143,13 +243,30 @@ void Optimizer::CheckOneDevice() const {
   }
 }
 
-void Optimizer::set_lr(double lr) {
-  // An infinite rate would make every updated parameter inf or NaN.
-  if (!(lr >= 0.0) || !std::isfinite(lr)) {
-    throw std::invalid_argument("optimizer: learning rate " + std::to_string(lr) +
-                                " must be finite and >= 0");
+double Optimizer::lr(size_t group) const {
+  if (group >= num_groups()) {
+    throw std::out_of_range("optimizer: lr of param group " + std::to_string(group) + ", but there are " +
+                            std::to_string(num_groups()));
   }
-  lr_ = lr;
+  return lrs_[group];
+}
+
+void Optimizer::set_lr(double lr) {
+  if (num_groups() > 1) {
+    throw std::logic_error("optimizer: set_lr(lr) with " + std::to_string(num_groups()) +
+                           " param groups would give them one rate and lose their ratios; set each with "
+                           "set_lr(group, lr)");
+  }
+  set_lr(0, lr);
+}
+
+void Optimizer::set_lr(size_t group, double lr) {
+  if (group >= num_groups()) {
+    throw std::out_of_range("optimizer: set_lr of param group " + std::to_string(group) + ", but there are " +
+                            std::to_string(num_groups()));
+  }
+  CheckRate(lr, "optimizer");
+  lrs_[group] = lr;
 }
 
 DType Optimizer::ComputeDType(size_t i) const {
@@ -374,13 +491,13 @@ void Optimizer::Step() {
     items.push_back(PrepareDeviceStep(i, grad));
   }
   if (items.empty()) return;
-  DeviceUpdateAll(items, StepScale());
+  DeviceUpdateAll(items);
   for (size_t i : updated) FinishDeviceStep(i);
 }
 
-void Optimizer::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) {
+void Optimizer::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items) {
   for (const DeviceUpdateItem& item : items) {
-    DeviceUpdate(item.p, item.g, item.slots, item.step, item.fresh, grad_scale);
+    DeviceUpdate(item.group, item.p, item.g, item.slots, item.step, item.fresh, item.grad_scale);
   }
 }
 
@@ -396,6 +513,8 @@ Optimizer::DeviceUpdateItem Optimizer::PrepareDeviceStep(size_t i, const Tensor&
   item.step = ++steps_[i];
   item.p = s.master.defined() ? s.master : p;
   item.slots = s.slots;
+  item.group = group_of_[i];
+  item.grad_scale = StepScale(item.group);
   return item;
 }
 
@@ -420,6 +539,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
   State& s = state_[i];
   const int64_t n = p.numel();
   const int64_t step = ++steps_[i];
+  const size_t group = group_of_[i];
   const uint64_t before = p.storage()->version();
   if (ComputeDType(i) == DType::kFloat64) {
     std::vector<double*> slots;
@@ -432,7 +552,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
       ConvertTo(g, scratch_d.data());
       gp = scratch_d.data();
     }
-    Update(p.data<double>(), gp, slots.data(), n, step, fresh, StepScale());
+    Update(group, p.data<double>(), gp, slots.data(), n, step, fresh, StepScale(group));
   } else {
     std::vector<float*> slots;
     for (Tensor& t : s.slots) slots.push_back(t.data<float>());
@@ -445,7 +565,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
       gp = scratch_f.data();
     }
     float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
-    Update(target, gp, slots.data(), n, step, fresh, static_cast<float>(StepScale()));
+    Update(group, target, gp, slots.data(), n, step, fresh, static_cast<float>(StepScale(group)));
     if (p.dtype() == DType::kFloat16) {
       Half* out = p.data<Half>();
       for (int64_t k = 0; k < n; ++k) out[k] = Half(target[k]);
@@ -473,13 +593,27 @@ void Optimizer::ZeroGrad(bool set_to_none) { optim::ZeroGrad(params_, set_to_non
 
 NamedTensors Optimizer::StateDict() const {
   NamedTensors out;
-  out.emplace_back("lr", FromVector({lr_}, {}, {.dtype = DType::kFloat64}));
+  const auto f64 = [](double v) { return FromVector({v}, {}, {.dtype = DType::kFloat64}); };
+  const auto option = [&f64](const Hyperparameter& h) {
+    return h.flag ? FromVectorOf<int64_t>({h.value != 0 ? 1 : 0}, {}) : f64(h.value);
+  };
+  // One group keeps the layout of states saved before groups existed.
+  const bool one_group = num_groups() == 1;
+  if (one_group) out.emplace_back("lr", f64(lrs_[0]));
   const std::string kind = Name();
   out.emplace_back("group.optimizer", FromVectorOf<uint8_t>(std::vector<uint8_t>(kind.begin(), kind.end()),
                                                             {static_cast<int64_t>(kind.size())}));
-  for (const Hyperparameter& h : Hyperparameters()) {
-    out.emplace_back("group." + h.name, h.flag ? FromVectorOf<int64_t>({h.value != 0 ? 1 : 0}, {})
-                                               : FromVector({h.value}, {}, {.dtype = DType::kFloat64}));
+  if (one_group) {
+    for (const Hyperparameter& h : Hyperparameters(0)) out.emplace_back("group." + h.name, option(h));
+  } else {
+    out.emplace_back(kGroupCountKey, FromVectorOf<int64_t>({static_cast<int64_t>(num_groups())}, {}));
+    for (size_t k = 0; k < num_groups(); ++k) {
+      const std::string prefix = GroupPrefix(k);
+      out.emplace_back(prefix + "lr", f64(lrs_[k]));
+      for (const Hyperparameter& h : Hyperparameters(k)) out.emplace_back(prefix + h.name, option(h));
+      out.emplace_back(prefix + "size",
+                       FromVectorOf<int64_t>({static_cast<int64_t>(group_begin_[k + 1] - group_begin_[k])}, {}));
+    }
   }
   // Every parameter gets a step entry, 0 before its first update, so that a
   // loader can tell a parameter the saving optimizer never updated from one
@@ -500,14 +634,15 @@ NamedTensors Optimizer::StateDict() const {
   return out;
 }
 
-// What a checked state loads: its "lr", "group." and "state." entries by
-// key, each parameter's step (0: no state), the learning rate and the saved
-// options (empty for a state saved without them).
+// What a checked state loads: its "lr", "group.", "param_groups." and
+// "state." entries by key, each parameter's step (0: no state), and per
+// group the learning rate and the saved options (empty for a state saved
+// without them).
 struct Optimizer::LoadPlan {
   std::map<std::string, Tensor> given;
   std::vector<int64_t> steps;
-  double lr = 0;
-  std::map<std::string, double> options;
+  std::vector<double> lrs;
+  std::vector<std::map<std::string, double>> options;
 };
 
 namespace {
@@ -528,7 +663,9 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
   LoadPlan plan;
   std::map<std::string, Tensor>& given = plan.given;
   for (const auto& [k, t] : state) {
-    if (k == "lr" || k.rfind("state.", 0) == 0 || k.rfind("group.", 0) == 0) given[k] = t;
+    if (k == "lr" || k.rfind("state.", 0) == 0 || k.rfind("group.", 0) == 0 || k.rfind("param_groups.", 0) == 0) {
+      given[k] = t;
+    }
   }
   std::vector<std::string> problems;
   // `convertible`: any floating dtype is taken and converted to `dtype` (as
@@ -543,23 +680,76 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
                          " " + ShapeToString(shape));
     }
   };
-  auto lr_it = given.find("lr");
-  if (lr_it == given.end()) {
-    problems.push_back("missing `lr`");
-  } else {
-    const Tensor& t = lr_it->second;
-    check("lr", t, {}, DType::kFloat64, false);
-    if (t.defined() && t.dtype() == DType::kFloat64 && t.numel() == 1) {
-      const double lr = t.Item();
-      if (!(lr >= 0) || !std::isfinite(lr)) {
-        problems.push_back("`lr` is " + std::to_string(lr) + ", expected finite and >= 0");
+  // A 0-d i64 tensor's value, or why it is not one.
+  auto i64_scalar = [](const Tensor& t, int64_t* value) -> std::string {
+    if (t.defined() && t.dtype() == DType::kInt64 && t.shape() == Shape{}) {
+      *value = t.To(kCPU).data<int64_t>()[0];
+      return "";
+    }
+    return t.defined() ? std::string(DTypeName(t.dtype())) + " " + ShapeToString(t.shape()) : std::string("undefined");
+  };
+  // The groups: a state without their count was saved by one group (or
+  // before groups existed) and has the one-group layout.
+  const size_t groups = num_groups();
+  bool multi = false;
+  bool groups_match = true;
+  std::set<std::string> expected;
+  if (auto it = given.find(kGroupCountKey); it != given.end()) {
+    multi = true;
+    expected.insert(kGroupCountKey);
+    int64_t count = 0;
+    const std::string why = i64_scalar(it->second, &count);
+    if (!why.empty() || count < 1) {
+      problems.push_back(std::string("`") + kGroupCountKey + "` is " + (why.empty() ? std::to_string(count) : why) +
+                         ", expected an i64 scalar >= 1");
+      groups_match = false;
+    } else if (static_cast<size_t>(count) != groups) {
+      problems.push_back("the state has " + std::to_string(count) + " param groups, this optimizer " +
+                         std::to_string(groups) + ": make it with the saved groups");
+      groups_match = false;
+    }
+  } else if (groups != 1) {
+    problems.push_back("the state has 1 param group (no `" + std::string(kGroupCountKey) + "`), this optimizer " +
+                       std::to_string(groups) + ": make it with the saved groups");
+    groups_match = false;
+  }
+  const auto lr_key = [multi](size_t k) { return multi ? GroupPrefix(k) + "lr" : std::string("lr"); };
+  const auto option_key = [multi](size_t k, const std::string& name) {
+    return (multi ? GroupPrefix(k) : std::string("group.")) + name;
+  };
+  // Problems of one group's options name it when there are several.
+  const auto in_group = [multi](size_t k) { return multi ? "param group " + std::to_string(k) + ": " : std::string(); };
+  plan.lrs.assign(groups, 0);
+  plan.options.assign(groups, {});
+  if (groups_match) {
+    for (size_t k = 0; k < groups; ++k) {
+      const std::string key = lr_key(k);
+      expected.insert(key);
+      auto lr_it = given.find(key);
+      if (lr_it == given.end()) {
+        problems.push_back("missing `" + key + "`");
+        continue;
+      }
+      const Tensor& t = lr_it->second;
+      check(key, t, {}, DType::kFloat64, false);
+      if (t.defined() && t.dtype() == DType::kFloat64 && t.numel() == 1) {
+        const double lr = t.Item();
+        plan.lrs[k] = lr;
+        if (!(lr >= 0) || !std::isfinite(lr)) {
+          problems.push_back("`" + key + "` is " + std::to_string(lr) + ", expected finite and >= 0");
+        }
       }
     }
+  } else {
+    // The count said it all: the groups' entries are not looked at.
+    for (const auto& [k, t] : given) {
+      if (k == "lr" || k.rfind("param_groups.", 0) == 0) expected.insert(k);
+    }
   }
-  std::set<std::string> expected = {"lr"};
   // The options, all or none ("group." keys absent: a state saved before
-  // they were, which keeps this optimizer's options).
-  bool has_options = false;
+  // they were, which keeps this optimizer's options). A state with several
+  // groups always has them.
+  bool has_options = multi;
   for (const auto& [k, t] : given) has_options = has_options || k.rfind("group.", 0) == 0;
   // Whether the state lists every parameter of the optimizer that saved it
   // (kParamsListedKey): then one of ours without a step entry was not held
@@ -599,46 +789,66 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
       // Its options are another optimizer's: one problem says it all.
       problems.push_back("the state was saved by " + saved_kind + ", this optimizer is " + Name());
       for (const auto& [k, t] : given) {
-        if (k.rfind("group.", 0) == 0) expected.insert(k);
+        if (k.rfind("group.", 0) == 0 || k.rfind("param_groups.", 0) == 0) expected.insert(k);
       }
-    } else {
-      const std::vector<Hyperparameter> options = Hyperparameters();
-      bool usable = !saved_kind.empty();
-      for (const Hyperparameter& h : options) {
-        const std::string key = "group." + h.name;
-        expected.insert(key);
-        auto it = given.find(key);
-        const DType dtype = h.flag ? DType::kInt64 : DType::kFloat64;
-        if (it == given.end()) {
-          problems.push_back("missing `" + key + "`");
-          usable = false;
-          continue;
+    } else if (groups_match) {
+      for (size_t g = 0; g < groups; ++g) {
+        const std::vector<Hyperparameter> options = Hyperparameters(g);
+        bool usable = !saved_kind.empty();
+        for (const Hyperparameter& h : options) {
+          const std::string key = option_key(g, h.name);
+          expected.insert(key);
+          auto it = given.find(key);
+          const DType dtype = h.flag ? DType::kInt64 : DType::kFloat64;
+          if (it == given.end()) {
+            problems.push_back("missing `" + key + "`");
+            usable = false;
+            continue;
+          }
+          const Tensor& t = it->second;
+          if (!t.defined() || t.dtype() != dtype || t.shape() != Shape{}) {
+            check(key, t, {}, dtype, false);
+            usable = false;
+            continue;
+          }
+          const Tensor host = t.To(kCPU);
+          const double v = h.flag ? static_cast<double>(host.data<int64_t>()[0]) : host.data<double>()[0];
+          if (h.flag && v != 0 && v != 1) {
+            problems.push_back("`" + key + "` is " + std::to_string(host.data<int64_t>()[0]) + ", expected 0 or 1");
+            usable = false;
+          } else if (h.structural && (v != 0) != (h.value != 0)) {
+            problems.push_back(in_group(g) + h.name + " is " + OptionText(v, h.flag) + " in the state and " +
+                               OptionText(h.value, h.flag) + " in this optimizer" +
+                               (h.flag ? "" : " (zero and non-zero keep different state)") +
+                               ": construct it with the saved " + h.name);
+            usable = false;
+          }
+          plan.options[g][h.name] = v;
         }
-        const Tensor& t = it->second;
-        if (!t.defined() || t.dtype() != dtype || t.shape() != Shape{}) {
-          check(key, t, {}, dtype, false);
-          usable = false;
-          continue;
+        if (multi) {
+          // The group's parameter count, as PyTorch compares param groups'
+          // lengths: a parameter moved between groups would take another
+          // group's options.
+          const std::string key = GroupPrefix(g) + "size";
+          expected.insert(key);
+          const size_t size = group_begin_[g + 1] - group_begin_[g];
+          auto it = given.find(key);
+          int64_t saved = 0;
+          if (it == given.end()) {
+            problems.push_back("missing `" + key + "`");
+          } else if (const std::string why = i64_scalar(it->second, &saved); !why.empty()) {
+            problems.push_back("`" + key + "` is " + why + ", expected an i64 scalar");
+          } else if (saved != static_cast<int64_t>(size)) {
+            problems.push_back("param group " + std::to_string(g) + " has " + std::to_string(saved) +
+                               " parameters in the state and " + std::to_string(size) + " in this optimizer");
+          }
         }
-        const Tensor host = t.To(kCPU);
-        const double v = h.flag ? static_cast<double>(host.data<int64_t>()[0]) : host.data<double>()[0];
-        if (h.flag && v != 0 && v != 1) {
-          problems.push_back("`" + key + "` is " + std::to_string(host.data<int64_t>()[0]) + ", expected 0 or 1");
-          usable = false;
-        } else if (h.structural && (v != 0) != (h.value != 0)) {
-          problems.push_back(h.name + " is " + OptionText(v, h.flag) + " in the state and " +
-                             OptionText(h.value, h.flag) + " in this optimizer" +
-                             (h.flag ? "" : " (zero and non-zero keep different state)") +
-                             ": construct it with the saved " + h.name);
-          usable = false;
-        }
-        plan.options[h.name] = v;
-      }
-      if (usable) {
-        try {
-          CheckHyperparameters(plan.options);
-        } catch (const std::invalid_argument& e) {
-          problems.push_back(std::string("the state's options are refused: ") + e.what());
+        if (usable) {
+          try {
+            CheckHyperparameters(g, plan.options[g]);
+          } catch (const std::invalid_argument& e) {
+            problems.push_back(in_group(g) + "the state's options are refused: " + e.what());
+          }
         }
       }
     }
@@ -733,7 +943,6 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
     for (size_t i = 0; i < problems.size(); ++i) os << (i ? "; " : "") << problems[i];
     throw std::invalid_argument(os.str());
   }
-  plan.lr = lr_it->second.Item();
   return plan;
 }
 
@@ -742,8 +951,10 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
   const std::map<std::string, Tensor>& given = plan.given;
   const std::vector<int64_t>& new_steps = plan.steps;
   // Everything checked: now replace the options and the state.
-  if (!plan.options.empty()) SetHyperparameters(plan.options);
-  lr_ = plan.lr;
+  for (size_t k = 0; k < num_groups(); ++k) {
+    if (!plan.options[k].empty()) SetHyperparameters(k, plan.options[k]);
+    lrs_[k] = plan.lrs[k];
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     steps_[i] = new_steps[i];
     state_[i] = State();

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,7 +55,20 @@ NamedParameters NameByPosition(const std::vector<Tensor>& params);
 int ParameterOfStateKey(const std::string& key, const NamedParameters& params,
                         std::string* slot = nullptr);
 
-/// Base of SGD, Adam, AdamW and Adadelta: one parameter group.
+/// A parameter group (PyTorch's param_groups entry): parameters that share
+/// options. `options` overrides the optimizer's defaults for this group,
+/// keyed by the names StateDict saves them under: "lr" and each option of
+/// the optimizer ("weight_decay", "momentum", "dampening", "beta1", "beta2",
+/// "eps", "rho", ...; flags such as "nesterov" or "maximize" as 0 or 1).
+/// Options that decide which state is kept (SGD's nesterov and momentum zero
+/// or not, Adam's amsgrad) must equal the defaults': per-group slot layouts
+/// are not supported. A group may be empty.
+struct ParamGroup {
+  NamedParameters params;
+  std::map<std::string, double> options;
+};
+
+/// Checks a list of parameters as one optimizer needs them.
 /// Throws std::invalid_argument, its message starting with `who`, for an
 /// empty or repeated name, an undefined, non-floating or non-contiguous
 /// parameter, or two parameters that share memory (the same tensor under two
@@ -67,6 +81,9 @@ void CheckParameters(const NamedParameters& params, const std::string& who);
 /// set_to_none, is PyTorch 2.x's; PyTorch 1.13 zeroes by default.
 void ZeroGrad(const NamedParameters& params, bool set_to_none = true);
 
+/// Base of SGD, Adam, AdamW and Adadelta. The parameters come in one or
+/// more groups (ParamGroup), each with its own learning rate and options;
+/// the optimizer holds them flattened in group order.
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -83,15 +100,36 @@ class Optimizer {
   /// PyTorch 1.13's zero_grad() zeroes them instead) or zeros.
   void ZeroGrad(bool set_to_none = true);
 
-  /// Learning rate of the next Step (schedulers set it).
-  double lr() const { return lr_; }
-  /// Throws std::invalid_argument, changing nothing, unless `lr` is finite and >= 0.
+  /// Number of parameter groups (1 for an optimizer made from a plain list).
+  size_t num_groups() const { return lrs_.size(); }
+  /// The group of parameter i (an index into params()).
+  size_t group_of(size_t param) const { return group_of_.at(param); }
+  /// The parameters of one group (a slice of params(), in its order).
+  NamedParameters group_params(size_t group) const;
+
+  /// Learning rate of the next Step (schedulers set it); group 0's with
+  /// several groups.
+  double lr() const { return lrs_.front(); }
+  /// Learning rate of the next Step for the parameters of `group`. Throws
+  /// std::out_of_range for a group the optimizer lacks.
+  double lr(size_t group) const;
+  /// Sets the rate of the only group. Throws std::invalid_argument, changing
+  /// nothing, unless `lr` is finite and >= 0, and std::logic_error with
+  /// several groups: one rate for all would lose their ratios; set each
+  /// with set_lr(group, lr) (LrScheduler does).
   void set_lr(double lr);
+  /// Sets the rate of one group; throws as set_lr(lr) for a bad rate, and
+  /// std::out_of_range for a group the optimizer lacks.
+  void set_lr(size_t group, double lr);
   /// Factor every gradient is multiplied by as Step reads it (GradScaler
   /// sets 1/scale for one step, so unscaling costs no extra pass). 1 by default.
   void set_grad_scale(double scale) { grad_scale_ = scale; }
-  /// Whether Step ascends the gradient (the options' `maximize`).
-  bool maximize() const { return maximize_; }
+  /// Whether Step ascends the gradient (the options' `maximize`); group 0's
+  /// with several groups.
+  bool maximize() const { return maximize_.front(); }
+  /// Whether Step ascends the gradient of `group`'s parameters.
+  bool maximize(size_t group) const { return maximize_.at(group); }
+  /// Every parameter, the groups' lists one after another.
   const NamedParameters& params() const { return params_; }
   /// Steps taken by parameter i (0 before its first update).
   int64_t step_count(size_t i) const { return steps_[i]; }
@@ -110,9 +148,23 @@ class Optimizer {
   /// a loaded state did not have are not saved until the next step makes them.
   /// Tensors are copies, on the parameters' device ("lr", "group." keys and
   /// steps on the CPU).
+  ///
+  /// With several groups, "lr" and "group.<option>" give way to
+  /// "param_groups.count" (i64 scalar, the number of groups) and per group
+  /// k "param_groups.<k>.lr", "param_groups.<k>.<option>" (as above) and
+  /// "param_groups.<k>.size" (i64, its number of parameters);
+  /// "group.optimizer", "group.params_listed" and the "state." keys stay as
+  /// they are. A one-group state has the layout above, unchanged.
   NamedTensors StateDict() const;
-  /// Restores StateDict's output. Looks only at "lr", "group." and "state."
-  /// keys, so other components' state may share the list.
+  /// Restores StateDict's output. Looks only at "lr", "group.",
+  /// "param_groups." and "state." keys, so other components' state may share
+  /// the list.
+  ///
+  /// Groups: a state with another number of groups than this optimizer (one
+  /// without "param_groups.count" has one) is refused naming both counts,
+  /// and a group with another number of parameters naming the group and
+  /// both sizes. Each group's options are checked and taken as described
+  /// below for the one group, against that group's options.
   ///
   /// The options, as PyTorch's load_state_dict restores param_groups: the
   /// saved lr and plain values (weight decay, dampening, betas, eps, rho,
@@ -168,45 +220,55 @@ class Optimizer {
     std::vector<std::string> dropped;
   };
 
-  /// Throws std::invalid_argument for what CheckParameters refuses, or
-  /// parameters on two devices (naming one of each).
-  Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names, SlotRules rules);
-  Optimizer(NamedParameters params, double lr, std::vector<std::string> slot_names);
-  /// `maximize` (PyTorch's option): the gradient is negated as Step reads
-  /// it, before weight decay is added, as PyTorch negates it.
-  void set_maximize(bool maximize) { maximize_ = maximize; }
+  /// Throws std::invalid_argument for what CheckParameters refuses (over
+  /// all groups' parameters together: a parameter in two groups is
+  /// refused naming both), parameters on two devices (naming one of each),
+  /// no group at all, or a bad `lr` (the default) or group "lr" (naming
+  /// the group). The groups' other options are the subclass's to check
+  /// (GroupOptionValues).
+  Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names, SlotRules rules);
+  Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names);
+  /// `maximize` (PyTorch's option) of one group: the gradient is negated as
+  /// Step reads it, before weight decay is added, as PyTorch negates it.
+  void set_maximize(size_t group, bool maximize) { maximize_.at(group) = maximize; }
 
-  /// One fused update of n elements. `p` is the parameter (or its master
+  /// One fused update of n elements of a parameter of `group` (whose
+  /// options and lr(group) apply). `p` is the parameter (or its master
   /// copy), `g` the gradient to be multiplied by `grad_scale`, `slots` the
   /// state in slot_names order; `step` counts this update (1 on the first).
   /// `fresh`: the slots were just made, zero: on the first update, and on
   /// the first after LoadStateDict gave the parameter none (SlotRules).
-  virtual void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
-                      float grad_scale) = 0;
-  virtual void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
-                      double grad_scale) = 0;
+  virtual void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+                      bool fresh, float grad_scale) = 0;
+  virtual void Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+                      bool fresh, double grad_scale) = 0;
 
-  /// The device path's update of one parameter: `p` is the parameter (or its
+  /// The device path's update of one parameter of `group`: `p` is the parameter (or its
   /// f32 master copy), `g` its contiguous gradient in p's dtype (to be
   /// multiplied by grad_scale), `slots` the state in slot_names order on p's
   /// device; `step` and `fresh` as for Update. Must queue work without
   /// waiting for the device.
-  virtual void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
-                            bool fresh, double grad_scale) = 0;
+  virtual void DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots,
+                            int64_t step, bool fresh, double grad_scale) = 0;
 
-  /// One parameter's device update, DeviceUpdate's arguments but grad_scale.
+  /// One parameter's device update: DeviceUpdate's arguments.
   struct DeviceUpdateItem {
     Tensor p;
     Tensor g;
     std::vector<Tensor> slots;
     int64_t step = 0;
     bool fresh = false;
+    size_t group = 0;
+    /// The gradient's factor: the grad scale, negated under the group's
+    /// maximize (groups may differ in it).
+    double grad_scale = 1.0;
   };
   /// The device path's updates of one Step, in parameter order (parameters
-  /// with a gradient only; all on one device); called once per Step. By
-  /// default DeviceUpdate for each; an optimizer with a multi-tensor kernel
-  /// overrides it to update many parameters per launch.
-  virtual void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale);
+  /// with a gradient only; all on one device; a group's items next to each
+  /// other); called once per Step. By default DeviceUpdate for each; an
+  /// optimizer with a multi-tensor kernel overrides it to update many
+  /// parameters per launch, each launch with one group's options.
+  virtual void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items);
 
   /// Throws naming the device when the device path has no kernel for it
   /// (called once per Step, before anything is allocated or changed).
@@ -215,7 +277,8 @@ class Optimizer {
   /// Name of the optimizer for messages ("SGD"); saved as "group.optimizer".
   virtual const char* Name() const = 0;
 
-  /// An option saved under "group.<name>" (see StateDict).
+  /// An option saved under "group.<name>" (see StateDict), and a
+  /// ParamGroup's options key.
   struct Hyperparameter {
     std::string name;
     double value = 0;
@@ -225,14 +288,35 @@ class Optimizer {
     /// must be zero or non-zero as the saved one is (and then takes it).
     bool structural = false;
   };
-  /// The options to save, in a fixed order (lr is saved apart, as "lr").
-  virtual std::vector<Hyperparameter> Hyperparameters() const = 0;
+  /// The options of `group` to save, in a fixed order (lr is saved apart).
+  virtual std::vector<Hyperparameter> Hyperparameters(size_t group) const = 0;
   /// Throws std::invalid_argument for saved values, one per
   /// Hyperparameters() name (flags 0 or 1), that the constructor would
-  /// refuse.
-  virtual void CheckHyperparameters(const std::map<std::string, double>& values) const = 0;
-  /// Takes saved values that CheckHyperparameters accepted.
-  virtual void SetHyperparameters(const std::map<std::string, double>& values) = 0;
+  /// refuse for `group`.
+  virtual void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const = 0;
+  /// Takes saved values that CheckHyperparameters accepted for `group`.
+  virtual void SetHyperparameters(size_t group, const std::map<std::string, double>& values) = 0;
+
+  /// The options of each group: `defaults` (the optimizer's
+  /// Hyperparameters() for its default options) with the group's own
+  /// values in place, by name ("lr" excluded: the base takes it). Throws
+  /// std::invalid_argument naming the group for an unknown name (listing
+  /// the known ones), a flag other than 0 or 1, or a structural option that
+  /// differs from the default (zero or not, for a value). Values the
+  /// optimizer refuses are for its constructor to check.
+  std::vector<std::map<std::string, double>> GroupOptionValues(const std::vector<ParamGroup>& groups,
+                                                               const std::vector<Hyperparameter>& defaults) const;
+  /// Rethrows a refusal of group `group`'s options naming the group (for
+  /// subclass constructors: `check` builds and checks the group's options).
+  template <typename F>
+  auto ForGroup(size_t group, F&& check) const {
+    try {
+      return check();
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string(Name()) + ": param group " + std::to_string(group) +
+                                  ": " + e.what());
+    }
+  }
 
  private:
   struct State {
@@ -290,12 +374,16 @@ class Optimizer {
   std::weak_ptr<const void> scheduler_;
 
   NamedParameters params_;
-  double lr_;
+  // Per parameter, its group; per group, its first parameter (and the end).
+  std::vector<size_t> group_of_;
+  std::vector<size_t> group_begin_;
+  // Per group.
+  std::vector<double> lrs_;
+  std::vector<bool> maximize_;
   double grad_scale_ = 1.0;
-  bool maximize_ = false;
-  // The factor Update multiplies each gradient by: the gradient scale,
-  // negated under maximize.
-  double StepScale() const { return maximize_ ? -grad_scale_ : grad_scale_; }
+  // The factor Update multiplies each gradient of `group` by: the gradient
+  // scale, negated under the group's maximize.
+  double StepScale(size_t group) const { return maximize_[group] ? -grad_scale_ : grad_scale_; }
   std::vector<std::string> slot_names_;
   SlotRules slot_rules_;
   std::vector<int64_t> steps_;

@@ -41,24 +41,37 @@ void CheckOptions(const SgdOptions& o) {
 // without one. At momentum 0, a buffer in a loaded state (earlier versions
 // saved a zero one) is checked and dropped.
 Sgd::Sgd(NamedParameters params, SgdOptions options)
-    : Optimizer(std::move(params), options.lr, BufferIf(options.momentum != 0),
-                {.may_be_absent = true, .dropped = BufferIf(options.momentum == 0)}),
-      options_(options) {
-  CheckOptions(options_);
-  set_maximize(options_.maximize);
+    : Sgd(std::vector<ParamGroup>{{.params = std::move(params)}}, options) {}
+
+// Momentum zero or not is structural (GroupOptionValues holds every group
+// to the defaults'), so the defaults decide the buffer for all groups.
+Sgd::Sgd(std::vector<ParamGroup> groups, SgdOptions defaults)
+    : Optimizer(groups, defaults.lr, BufferIf(defaults.momentum != 0),
+                {.may_be_absent = true, .dropped = BufferIf(defaults.momentum == 0)}) {
+  CheckOptions(defaults);
+  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
+  for (size_t k = 0; k < values.size(); ++k) {
+    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
+    options_.back().lr = lr(k);
+    set_maximize(k, options_.back().maximize);
+  }
 }
 
-std::vector<Optimizer::Hyperparameter> Sgd::Hyperparameters() const {
+std::vector<Optimizer::Hyperparameter> Sgd::HyperparametersOf(const SgdOptions& o) {
   // Momentum zero or not decides whether a buffer is kept.
-  return {{.name = "momentum", .value = options_.momentum, .structural = true},
-          {.name = "dampening", .value = options_.dampening},
-          {.name = "weight_decay", .value = options_.weight_decay},
-          {.name = "nesterov", .value = options_.nesterov ? 1.0 : 0.0, .flag = true, .structural = true},
-          {.name = "maximize", .value = options_.maximize ? 1.0 : 0.0, .flag = true}};
+  return {{.name = "momentum", .value = o.momentum, .structural = true},
+          {.name = "dampening", .value = o.dampening},
+          {.name = "weight_decay", .value = o.weight_decay},
+          {.name = "nesterov", .value = o.nesterov ? 1.0 : 0.0, .flag = true, .structural = true},
+          {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-SgdOptions Sgd::WithSaved(const std::map<std::string, double>& values) const {
-  SgdOptions o = options_;
+std::vector<Optimizer::Hyperparameter> Sgd::Hyperparameters(size_t group) const {
+  return HyperparametersOf(options_[group]);
+}
+
+SgdOptions Sgd::WithSaved(SgdOptions base, const std::map<std::string, double>& values) {
+  SgdOptions o = base;
   o.momentum = values.at("momentum");
   o.dampening = values.at("dampening");
   o.weight_decay = values.at("weight_decay");
@@ -68,11 +81,13 @@ SgdOptions Sgd::WithSaved(const std::map<std::string, double>& values) const {
   return o;
 }
 
-void Sgd::CheckHyperparameters(const std::map<std::string, double>& values) const { WithSaved(values); }
+void Sgd::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
+  WithSaved(options_[group], values);
+}
 
-void Sgd::SetHyperparameters(const std::map<std::string, double>& values) {
-  options_ = WithSaved(values);
-  set_maximize(options_.maximize);
+void Sgd::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
+  options_[group] = WithSaved(options_[group], values);
+  set_maximize(group, options_[group].maximize);
 }
 
 namespace {
@@ -110,15 +125,16 @@ void SgdLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, in
 // Coefficients are rounded to T first, as PyTorch passes Python floats to
 // kernels of the tensor's type; each line is one PyTorch tensor op.
 template <typename T>
-void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const {
-  const T wd = static_cast<T>(options_.weight_decay);
-  const T mom = static_cast<T>(options_.momentum);
-  const T keep = static_cast<T>(1.0 - options_.dampening);
-  const T neg_lr = static_cast<T>(-lr());
-  internal::WithFlag(options_.weight_decay != 0, [&](auto w) {
-    internal::WithFlag(options_.momentum != 0, [&](auto m) {
+void Sgd::Kernel(size_t group, T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const {
+  const SgdOptions& o = options_[group];
+  const T wd = static_cast<T>(o.weight_decay);
+  const T mom = static_cast<T>(o.momentum);
+  const T keep = static_cast<T>(1.0 - o.dampening);
+  const T neg_lr = static_cast<T>(-lr(group));
+  internal::WithFlag(o.weight_decay != 0, [&](auto w) {
+    internal::WithFlag(o.momentum != 0, [&](auto m) {
       internal::WithFlag(first, [&](auto f) {
-        internal::WithFlag(options_.nesterov, [&](auto nv) {
+        internal::WithFlag(o.nesterov, [&](auto nv) {
           SgdLoop<w.value, m.value, f.value, nv.value>(p, g, buf, n, grad_scale, wd, mom, keep,
                                                        neg_lr);
         });
@@ -129,14 +145,14 @@ void Sgd::Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) 
 
 // The buffer's first update is the parameter's first, or its first after a
 // state without a buffer was loaded: `fresh`, not step 1.
-void Sgd::Update(float* p, const float* g, float* const* slots, int64_t n, int64_t, bool fresh,
+void Sgd::Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t, bool fresh,
                  float grad_scale) {
-  Kernel(p, g, options_.momentum != 0 ? slots[0] : nullptr, n, fresh, grad_scale);
+  Kernel(group, p, g, options_[group].momentum != 0 ? slots[0] : nullptr, n, fresh, grad_scale);
 }
 
-void Sgd::Update(double* p, const double* g, double* const* slots, int64_t n, int64_t, bool fresh,
+void Sgd::Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t, bool fresh,
                  double grad_scale) {
-  Kernel(p, g, options_.momentum != 0 ? slots[0] : nullptr, n, fresh, grad_scale);
+  Kernel(group, p, g, options_[group].momentum != 0 ? slots[0] : nullptr, n, fresh, grad_scale);
 }
 
 void Sgd::CheckDeviceKernels(Device device) const {
@@ -153,55 +169,58 @@ void Sgd::CheckDeviceKernels(Device device) const {
 // counts drifted apart (one skipped a step without a gradient) still share
 // one sgd_step_multi call. SGD itself keeps the real counts (step_count,
 // the saved state); nothing reads them from these arguments.
-SgdStepArgs Sgd::StepArgs(bool fresh, double grad_scale) const {
-  return SgdStepArgs{.lr = lr(),
-                     .momentum = options_.momentum,
-                     .dampening = options_.dampening,
-                     .weight_decay = options_.weight_decay,
-                     .nesterov = options_.nesterov,
+SgdStepArgs Sgd::StepArgs(size_t group, bool fresh, double grad_scale) const {
+  const SgdOptions& o = options_[group];
+  return SgdStepArgs{.lr = lr(group),
+                     .momentum = o.momentum,
+                     .dampening = o.dampening,
+                     .weight_decay = o.weight_decay,
+                     .nesterov = o.nesterov,
                      .step = fresh ? 1 : 2,
                      .grad_scale = grad_scale};
 }
 
-void Sgd::DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t, bool fresh,
-                       double grad_scale) {
-  DeviceOptimKernelsFor(p.device().type).sgd_step(p, g, options_.momentum != 0 ? slots[0] : Tensor(),
-                                                  StepArgs(fresh, grad_scale));
+void Sgd::DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t,
+                       bool fresh, double grad_scale) {
+  DeviceOptimKernelsFor(p.device().type)
+      .sgd_step(p, g, options_[group].momentum != 0 ? slots[0] : Tensor(), StepArgs(group, fresh, grad_scale));
 }
 
-// With `sgd_step_multi`, one call per group of parameters that share device,
-// dtype and arguments; the arguments differ only in whether the update
-// starts the momentum buffer (see StepArgs), so parameters whose step counts
-// drifted apart are still updated together. Each group keeps the
-// parameters' order.
-void Sgd::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) {
+// With `sgd_step_multi`, one call per batch of parameters that share device,
+// dtype and arguments. Within a param group the arguments differ only in
+// whether the update starts the momentum buffer (see StepArgs), so
+// parameters whose step counts drifted apart are still updated together;
+// param groups differ in their rate and options, and each batch is of one
+// param group (two groups with equal arguments share one). Each batch keeps
+// the parameters' order.
+void Sgd::DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items) {
   if (items.empty()) return;
   const DeviceOptimKernels& k = DeviceOptimKernelsFor(items.front().p.device().type);
   if (k.sgd_step_multi == nullptr) {
-    Optimizer::DeviceUpdateAll(items, grad_scale);
+    Optimizer::DeviceUpdateAll(items);
     return;
   }
-  struct Group {
+  struct Batch {
     Device device;
     DType dtype;
     SgdStepArgs args;
     std::vector<Tensor> params, grads, buffers;
   };
-  std::vector<Group> groups;
+  std::vector<Batch> batches;
   for (const DeviceUpdateItem& item : items) {
-    const SgdStepArgs args = StepArgs(item.fresh, grad_scale);
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
-      return g.device == item.p.device() && g.dtype == item.p.dtype() && g.args == args;
+    const SgdStepArgs args = StepArgs(item.group, item.fresh, item.grad_scale);
+    auto it = std::find_if(batches.begin(), batches.end(), [&](const Batch& b) {
+      return b.device == item.p.device() && b.dtype == item.p.dtype() && b.args == args;
     });
-    if (it == groups.end()) {
-      groups.push_back({.device = item.p.device(), .dtype = item.p.dtype(), .args = args});
-      it = std::prev(groups.end());
+    if (it == batches.end()) {
+      batches.push_back({.device = item.p.device(), .dtype = item.p.dtype(), .args = args});
+      it = std::prev(batches.end());
     }
     it->params.push_back(item.p);
     it->grads.push_back(item.g);
-    it->buffers.push_back(options_.momentum != 0 ? item.slots[0] : Tensor());
+    it->buffers.push_back(options_[item.group].momentum != 0 ? item.slots[0] : Tensor());
   }
-  for (const Group& g : groups) k.sgd_step_multi(g.params, g.grads, g.buffers, g.args);
+  for (const Batch& b : batches) k.sgd_step_multi(b.params, b.grads, b.buffers, b.args);
 }
 
 }  // namespace ddp::nn::optim

@@ -30,34 +30,46 @@ class Sgd : public Optimizer {
   /// Throws std::invalid_argument for negative or NaN values, or nesterov without
   /// momentum or with dampening.
   Sgd(NamedParameters params, SgdOptions options);
-  const SgdOptions& options() const { return options_; }
+  /// Parameter groups (ParamGroup), each with `defaults` overridden by its
+  /// options ("lr", "momentum", "dampening", "weight_decay", "nesterov",
+  /// "maximize"). Throws std::invalid_argument as the constructor above,
+  /// naming the group, for an unknown option, and for nesterov or momentum
+  /// zero-or-not differing from the defaults (one buffer layout for all).
+  Sgd(std::vector<ParamGroup> groups, SgdOptions defaults);
+  /// Group 0's options.
+  const SgdOptions& options() const { return options_.front(); }
+  /// The options of `group` (its lr the one it was made with; lr(group) is
+  /// the current one).
+  const SgdOptions& options(size_t group) const { return options_.at(group); }
 
  protected:
-  void Update(float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
+  void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override;
-  void Update(double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
+  void Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool fresh,
               double grad_scale) override;
-  void DeviceUpdate(const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step, bool fresh,
-                    double grad_scale) override;
-  void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items, double grad_scale) override;
+  void DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots, int64_t step,
+                    bool fresh, double grad_scale) override;
+  void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
-  std::vector<Hyperparameter> Hyperparameters() const override;
-  void CheckHyperparameters(const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
+  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
+  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
 
  private:
+  static std::vector<Hyperparameter> HyperparametersOf(const SgdOptions& o);
   template <typename T>
-  void Kernel(T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
-  /// The device kernels' arguments for an update with these fresh and
-  /// grad_scale; `step` is 1 when fresh, else 2 (the kernels need no more).
-  SgdStepArgs StepArgs(bool fresh, double grad_scale) const;
+  void Kernel(size_t group, T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
+  /// The device kernels' arguments for an update of `group` with these
+  /// fresh and grad_scale; `step` is 1 when fresh, else 2 (the kernels need
+  /// no more).
+  SgdStepArgs StepArgs(size_t group, bool fresh, double grad_scale) const;
 
-  /// These options with the saved values of `values` (see
-  /// CheckHyperparameters); throws as the constructor does.
-  SgdOptions WithSaved(const std::map<std::string, double>& values) const;
+  /// `base` with the saved values of `values` (see CheckHyperparameters);
+  /// throws as the constructor does.
+  static SgdOptions WithSaved(SgdOptions base, const std::map<std::string, double>& values);
 
-  SgdOptions options_;
+  std::vector<SgdOptions> options_;  // per group
 };
 
 }  // namespace ddp::nn::optim
