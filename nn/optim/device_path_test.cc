@@ -859,6 +859,66 @@ TEST_F(DevicePathTest, SgdGroupsParametersWhoseStepCountsDrifted) {
   EXPECT_EQ(b_step->second.ToVector<int64_t>(), std::vector<int64_t>{2});
 }
 
+// Param groups on the device path: each `sgd_step_multi` launch takes one
+// group's rate, options and sign (maximize), and every optimizer follows
+// its host path.
+TEST_F(DevicePathTest, EachGroupIsUpdatedWithItsOwnOptionsOnTheDevicePath) {
+  RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.sgd_step = &TestSgdStep,
+                                                                  .adam_step = &TestAdamStep,
+                                                                  .adadelta_step = &TestAdadeltaStep,
+                                                                  .sgd_step_multi = &TestSgdStepMulti});
+  const std::vector<std::pair<std::string, std::function<std::unique_ptr<Optimizer>(std::vector<ParamGroup>)>>>
+      makers = {
+          {"sgd",
+           [](std::vector<ParamGroup> g) {
+             return std::make_unique<Sgd>(std::move(g), SgdOptions{.lr = 0.1, .momentum = 0.9});
+           }},
+          {"adamw", [](std::vector<ParamGroup> g) { return std::make_unique<AdamW>(std::move(g), AdamWOptions{}); }},
+          {"adadelta",
+           [](std::vector<ParamGroup> g) { return std::make_unique<Adadelta>(std::move(g), AdadeltaOptions{}); }},
+      };
+  for (const auto& [name, make] : makers) {
+    SCOPED_TRACE(name);
+    auto groups = [&](const NamedParameters& p) {
+      return std::vector<ParamGroup>{
+          {.params = {p[0]}},
+          {.params = {p[1]}, .options = {{"lr", 0.02}, {"weight_decay", 0.5}, {"maximize", 1}}}};
+    };
+    g_calls = Calls();
+    NamedParameters device = MakeParams(DType::kFloat32, 3);
+    auto opt = make(groups(device));
+    for (int s = 0; s < 3; ++s) {
+      SetGrads(device, s);
+      opt->Step();
+    }
+    if (name == "sgd") {
+      // One launch per group and step (the first step starts the buffers).
+      ASSERT_EQ(g_calls.sgd_multi.size(), 6u);
+      for (size_t c = 0; c < 6; c += 2) {
+        EXPECT_EQ(g_calls.sgd_multi[c].args.lr, 0.1);
+        EXPECT_EQ(g_calls.sgd_multi[c].args.weight_decay, 0.0);
+        EXPECT_EQ(g_calls.sgd_multi[c].args.grad_scale, 1.0);
+        EXPECT_EQ(g_calls.sgd_multi[c + 1].args.lr, 0.02);
+        EXPECT_EQ(g_calls.sgd_multi[c + 1].args.weight_decay, 0.5);
+        EXPECT_EQ(g_calls.sgd_multi[c + 1].args.grad_scale, -1.0);
+      }
+    }
+    NamedParameters host = MakeParams(DType::kFloat32, 3);
+    OnHostPath([&] {
+      auto host_opt = make(groups(host));
+      for (int s = 0; s < 3; ++s) {
+        SetGrads(host, s);
+        host_opt->Step();
+      }
+    });
+    for (size_t i = 0; i < host.size(); ++i) {
+      const auto want = host[i].second.ToVector<double>();
+      const auto got = device[i].second.ToVector<double>();
+      for (size_t k = 0; k < want.size(); ++k) ASSERT_NEAR(got[k], want[k], 1e-6) << host[i].first << " " << k;
+    }
+  }
+}
+
 // Without `sgd_step_multi`, or with it alone, SGD still steps.
 TEST_F(DevicePathTest, SgdTakesEitherKernelAlone) {
   for (bool multi : {false, true}) {

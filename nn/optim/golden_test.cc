@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -35,7 +36,9 @@ const nlohmann::json& Case(const std::string& name) {
   throw std::runtime_error("no golden case " + name);
 }
 
-std::unique_ptr<Optimizer> Make(const std::string& name, const nlohmann::json& d, NamedParameters params) {
+// `params`: NamedParameters (one group) or std::vector<ParamGroup>.
+template <typename Params>
+std::unique_ptr<Optimizer> Make(const std::string& name, const nlohmann::json& d, Params params) {
   const double lr = d["lr"];
   const bool maximize = d.value("maximize", false);
   if (name.rfind("sgd", 0) == 0) {
@@ -105,6 +108,92 @@ std::shared_ptr<Schedule> MakeSchedule(const std::string& name) {
   if (name == "linear") return LinearSchedule(0.1, 1.0, 5);
   if (name == "warmup_cosine") return WarmupCosineSchedule(5, 20, 0.1, 0.0);
   throw std::runtime_error("no schedule " + name);
+}
+
+// A trajectory over param groups (the golden file's "param_groups"): three
+// parameters, split into groups with their own options.
+void RunGroupCase(const std::string& name, double tol) {
+  const nlohmann::json* found = nullptr;
+  for (const auto& c : Golden()["param_groups"]) {
+    if (c["name"] == name) found = &c;
+  }
+  ASSERT_NE(found, nullptr) << "no golden case " << name;
+  const nlohmann::json& c = *found;
+  std::vector<Tensor> params;
+  for (size_t i = 0; i < c["init"].size(); ++i) {
+    params.push_back(FromVector(c["init"][i].get<std::vector<double>>(), c["shapes"][i].get<Shape>()));
+  }
+  std::vector<ParamGroup> groups;
+  for (const auto& g : c["groups"]) {
+    ParamGroup group;
+    for (size_t i : g["params"].get<std::vector<size_t>>()) group.params.emplace_back(std::to_string(i), params[i]);
+    group.options = g["options"].get<std::map<std::string, double>>();
+    groups.push_back(std::move(group));
+  }
+  auto opt = Make(name, c["defaults"], groups);
+  ASSERT_EQ(opt->num_groups(), c["groups"].size());
+  for (size_t step = 0; step < c["grads"].size(); ++step) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& g = c["grads"][step][i];
+      params[i].set_grad(g.is_null() ? Tensor() : FromVector(g.get<std::vector<double>>(), params[i].shape()));
+    }
+    opt->Step();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto expected = c["after"][step][i].get<std::vector<double>>();
+      const auto got = params[i].ToVector<double>();
+      for (size_t k = 0; k < expected.size(); ++k) {
+        ASSERT_NEAR(got[k], expected[k], tol * std::max(1.0, std::fabs(expected[k])))
+            << name << " step " << step << " param " << i << " element " << k;
+      }
+    }
+  }
+}
+
+TEST(GoldenParamGroups, SgdLrWeightDecayAndMomentumPerGroup) { RunGroupCase("sgd_momentum_groups", 1e-6); }
+TEST(GoldenParamGroups, SgdMaximizeInOneGroup) { RunGroupCase("sgd_maximize_group", 1e-6); }
+TEST(GoldenParamGroups, AdamWWithANoDecayGroup) { RunGroupCase("adamw_no_decay_group", 1e-6); }
+TEST(GoldenParamGroups, AdamBetasEpsAndLrPerGroup) { RunGroupCase("adam_groups", 1e-6); }
+TEST(GoldenParamGroups, AdadeltaRhoAndWeightDecayPerGroup) { RunGroupCase("adadelta_groups", 1e-6); }
+TEST(GoldenParamGroups, SgdWithAnEmptyGroup) { RunGroupCase("sgd_empty_group", 1e-6); }
+
+TEST(GoldenParamGroups, SchedulesDriveEachGroupFromItsOwnBaseRate) {
+  int checked = 0;
+  for (const auto& c : Golden()["group_schedules"]["schedules"]) {
+    const std::string name = c["name"];
+    const auto base = c["base_lrs"].get<std::vector<double>>();
+    Sgd opt({{.params = {{"p", Zeros({1})}}}, {.params = {{"q", Zeros({1})}}, .options = {{"lr", base[1]}}}},
+            {.lr = base[0]});
+    LrScheduler sched(opt, name == "onecycle_cos" ? OneCycleSchedule({.max_lr = 1.0, .total_steps = 30})
+                                                  : MakeSchedule(name));
+    EXPECT_EQ(sched.base_lrs(), base);
+    const auto lrs = c["lrs"].get<std::vector<std::vector<double>>>();
+    for (size_t t = 0; t < lrs.size(); ++t) {
+      if (t > 0) sched.Step();
+      for (size_t k = 0; k < 2; ++k) {
+        ASSERT_NEAR(opt.lr(k), lrs[t][k], 1e-12 + 1e-9 * lrs[t][k]) << name << " t=" << t << " group " << k;
+      }
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3);
+}
+
+TEST(GoldenParamGroups, PlateauReducesEachGroupWithItsOwnFloorAndEps) {
+  const auto& c = Golden()["group_schedules"]["plateau"][0];
+  const auto base = c["base_lrs"].get<std::vector<double>>();
+  Sgd opt({{.params = {{"p", Zeros({1})}}}, {.params = {{"q", Zeros({1})}}, .options = {{"lr", base[1]}}}},
+          {.lr = base[0]});
+  const auto& o = c["options"];
+  ReduceLrOnPlateau plateau(opt, {.factor = o["factor"], .patience = o["patience"], .min_lr = o["min_lr"],
+                                  .eps = o["eps"]});
+  const auto metrics = c["metrics"].get<std::vector<double>>();
+  const auto lrs = c["lrs"].get<std::vector<std::vector<double>>>();
+  for (size_t t = 0; t < metrics.size(); ++t) {
+    plateau.Step(metrics[t]);
+    for (size_t k = 0; k < 2; ++k) {
+      ASSERT_NEAR(opt.lr(k), lrs[t][k], 1e-15 + 1e-12 * lrs[t][k]) << "t=" << t << " group " << k;
+    }
+  }
 }
 
 TEST(GoldenSchedules, MatchPyTorch) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 
 #include "nn/io/checkpoint.h"
@@ -1801,6 +1802,341 @@ TEST(LrScheduler, StateOfAnotherScheduleIsRefusedNamingBoth) {
   bad[2].second = Zeros({2});
   EXPECT_EQ(ErrorOf([&] { same.LoadStateDict(bad); }),
             "LrScheduler.LoadStateDict: `scheduler.schedule` is f32 [2], expected u8 text");
+}
+
+// ---- Parameter groups ----
+
+// MakeParams split in two groups: the weight with the defaults, the bias
+// with its own rate, weight decay and momentum.
+std::vector<ParamGroup> TwoGroups(const NamedParameters& p, std::map<std::string, double> second = {
+                                                                 {"lr", 0.01}, {"weight_decay", 0.0}, {"momentum", 0.5}}) {
+  return {{.params = {p[0]}}, {.params = {p[1]}, .options = std::move(second)}};
+}
+
+// Throws std::invalid_argument whose message contains every part.
+template <typename F>
+void ExpectRefused(F&& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "not refused";
+  } catch (const std::invalid_argument& e) {
+    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
+  }
+}
+
+TEST(ParamGroups, GroupsTakeTheirOwnOptionsOverTheDefaults) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(TwoGroups(p), {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3});
+  ASSERT_EQ(opt.num_groups(), 2u);
+  EXPECT_EQ(opt.params().size(), 2u);
+  EXPECT_EQ(opt.group_of(0), 0u);
+  EXPECT_EQ(opt.group_of(1), 1u);
+  EXPECT_EQ(opt.group_params(1).front().first, "fc.bias");
+  EXPECT_EQ(opt.lr(), 0.1);
+  EXPECT_EQ(opt.lr(0), 0.1);
+  EXPECT_EQ(opt.lr(1), 0.01);
+  EXPECT_EQ(opt.options(0).momentum, 0.9);
+  EXPECT_EQ(opt.options(0).weight_decay, 1e-3);
+  EXPECT_EQ(opt.options(1).momentum, 0.5);
+  EXPECT_EQ(opt.options(1).weight_decay, 0.0);
+  EXPECT_EQ(opt.options(1).lr, 0.01);
+
+  // Each group's update is its own optimizer's: the same as two optimizers
+  // over one parameter each, bit for bit.
+  NamedParameters q = MakeParams(DType::kFloat32, 1);
+  Sgd weight({q[0]}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3});
+  Sgd bias({q[1]}, {.lr = 0.01, .momentum = 0.5, .weight_decay = 0.0});
+  for (int s = 0; s < 4; ++s) {
+    SetGrads(p, s);
+    SetGrads(q, s);
+    opt.Step();
+    weight.Step();
+    bias.Step();
+  }
+  EXPECT_EQ(Bytes(p), Bytes(q));
+}
+
+TEST(ParamGroups, EmptyGroupsAreAllowed) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Adam opt({{.params = {}}, {.params = p, .options = {{"lr", 0.5}}}, {.params = {}}}, {});
+  EXPECT_EQ(opt.num_groups(), 3u);
+  EXPECT_EQ(opt.group_of(0), 1u);
+  EXPECT_TRUE(opt.group_params(0).empty());
+  SetGrads(p, 0);
+  opt.Step();
+  Adam loaded({{.params = {}}, {.params = MakeParams(DType::kFloat32, 2)}, {.params = {}}}, {});
+  loaded.LoadStateDict(opt.StateDict());
+  EXPECT_EQ(loaded.lr(1), 0.5);
+}
+
+TEST(ParamGroups, UnknownOptionIsRefusedNamingTheGroupAndTheKnownNames) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"betas", 0.9}}), {}); },
+                {"SGD: param group 1: unknown option `betas`",
+                 "known: lr, momentum, dampening, weight_decay, nesterov, maximize"});
+  ExpectRefused([&] { Adam(TwoGroups(p, {{"momentum", 0.9}}), {}); },
+                {"Adam: param group 1", "`momentum`", "beta1, beta2, eps, weight_decay, amsgrad, maximize"});
+  ExpectRefused([&] { Adadelta(TwoGroups(p, {{"beta1", 0.9}}), {}); }, {"Adadelta: param group 1", "`beta1`"});
+}
+
+TEST(ParamGroups, BadValueIsRefusedNamingTheGroup) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"weight_decay", -1}}), {.momentum = 0.9}); },
+                {"SGD: param group 1", "weight_decay"});
+  ExpectRefused([&] { AdamW(TwoGroups(p, {{"beta2", 1.0}}), {}); }, {"AdamW: param group 1", "betas"});
+  ExpectRefused([&] { Adadelta(TwoGroups(p, {{"rho", 2.0}}), {}); }, {"Adadelta: param group 1", "rho"});
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"lr", -0.1}}), {}); }, {"param group 1", "learning rate"});
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"lr", std::nan("")}}), {}); }, {"param group 1", "learning rate"});
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"maximize", 2}}), {}); }, {"param group 1", "`maximize`", "0 or 1"});
+  // nesterov needs dampening 0, group by group.
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"dampening", 0.5}}), {.momentum = 0.9, .nesterov = true}); },
+                {"SGD: param group 1", "nesterov"});
+}
+
+TEST(ParamGroups, StructuralOptionDifferingFromTheDefaultsIsRefused) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"momentum", 0}}), {.momentum = 0.9}); },
+                {"SGD: param group 1", "`momentum`", "per-group state layouts are not supported"});
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"momentum", 0.9}}), {}); }, {"param group 1", "`momentum`"});
+  ExpectRefused([&] { Sgd(TwoGroups(p, {{"nesterov", 0}}), {.momentum = 0.9, .nesterov = true}); },
+                {"param group 1", "`nesterov`", "per-group state layouts"});
+  ExpectRefused([&] { Adam(TwoGroups(p, {{"amsgrad", 1}}), {}); }, {"Adam: param group 1", "`amsgrad`"});
+  // Equal to the defaults, or another non-zero momentum: accepted.
+  Sgd same(TwoGroups(p, {{"momentum", 0.5}, {"nesterov", 1}}), {.momentum = 0.9, .nesterov = true});
+  EXPECT_EQ(same.options(1).momentum, 0.5);
+}
+
+TEST(ParamGroups, AParameterInTwoGroupsIsRefused) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  ExpectRefused([&] { Sgd({{.params = p}, {.params = {p[1]}}}, {}); },
+                {"`fc.bias` is in param groups 0 and 1"});
+  ExpectRefused([&] { Sgd({{.params = p}, {.params = {{"other", p[1].second}}}}, {}); },
+                {"param groups 0 (as `fc.bias`) and 1 (as `other`)"});
+  // Overlapping views across groups: CheckParameters over all groups.
+  Tensor flat = Zeros({10});
+  ExpectRefused([&] { Sgd({{.params = {{"a", flat.Slice(0, 0, 6)}}}, {.params = {{"b", flat.Slice(0, 4, 10)}}}}, {}); },
+                {"share memory"});
+  ExpectRefused([&] { Sgd(std::vector<ParamGroup>{}, {}); }, {"no parameter group"});
+}
+
+TEST(ParamGroups, SetLrWithOneRateIsRefusedWithSeveralGroups) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  try {
+    opt.set_lr(0.5);
+    ADD_FAILURE() << "not refused";
+  } catch (const std::logic_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("2 param groups"), HasSubstr("set_lr(group, lr)")));
+  }
+  EXPECT_EQ(opt.lr(0), 0.1);
+  EXPECT_EQ(opt.lr(1), 0.01);
+  opt.set_lr(1, 0.02);
+  EXPECT_EQ(opt.lr(1), 0.02);
+  EXPECT_EQ(opt.lr(0), 0.1);
+  EXPECT_THROW(opt.set_lr(1, -1.0), std::invalid_argument);
+  EXPECT_THROW(opt.set_lr(2, 0.1), std::out_of_range);
+  EXPECT_THROW(opt.lr(2), std::out_of_range);
+  // One group: set_lr(lr) as ever.
+  Sgd one(p, {.lr = 0.1});
+  one.set_lr(0.5);
+  EXPECT_EQ(one.lr(), 0.5);
+  EXPECT_EQ(one.lr(0), 0.5);
+}
+
+TEST(ParamGroups, StateKeysWithSeveralGroups) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  std::vector<std::string> keys;
+  const NamedTensors state = opt.StateDict();
+  for (const auto& [k, t] : state) keys.push_back(k);
+  const std::vector<std::string> group = {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "size"};
+  std::vector<std::string> want = {"group.optimizer", "param_groups.count"};
+  for (int k = 0; k < 2; ++k) {
+    for (const std::string& name : group) want.push_back("param_groups." + std::to_string(k) + "." + name);
+  }
+  for (const char* k : {"group.params_listed", "state.fc.weight.step", "state.fc.bias.step"}) want.push_back(k);
+  EXPECT_EQ(keys, want);
+  auto value = [&](const std::string& key) {
+    for (const auto& [k, t] : state) {
+      if (k == key) return t;
+    }
+    return Tensor();
+  };
+  EXPECT_EQ(value("param_groups.count").dtype(), DType::kInt64);
+  EXPECT_EQ(value("param_groups.count").ToVector<int64_t>(), std::vector<int64_t>{2});
+  EXPECT_EQ(value("param_groups.1.lr").ToVector<double>(), std::vector<double>{0.01});
+  EXPECT_EQ(value("param_groups.1.momentum").ToVector<double>(), std::vector<double>{0.5});
+  EXPECT_EQ(value("param_groups.1.nesterov").dtype(), DType::kInt64);
+  EXPECT_EQ(value("param_groups.0.size").ToVector<int64_t>(), std::vector<int64_t>{1});
+}
+
+// Save mid-run (through a checkpoint file) with a scheduler over two
+// groups, restore into optimizers made with other rates and plain options,
+// continue: bit-identical to never stopping, for every optimizer.
+TEST(ParamGroups, StateRoundTripGivesIdenticalContinuedTrajectories) {
+  using GroupFactory = std::function<std::unique_ptr<Optimizer>(std::vector<ParamGroup>, bool)>;
+  const std::vector<std::pair<std::string, GroupFactory>> makers = {
+      {"sgd",
+       [](std::vector<ParamGroup> g, bool other) {
+         return std::make_unique<Sgd>(std::move(g), SgdOptions{.lr = other ? 1.0 : 0.05, .momentum = 0.9});
+       }},
+      {"adam",
+       [](std::vector<ParamGroup> g, bool other) {
+         return std::make_unique<Adam>(std::move(g), AdamOptions{.lr = other ? 1.0 : 1e-2, .amsgrad = true});
+       }},
+      {"adamw",
+       [](std::vector<ParamGroup> g, bool other) {
+         return std::make_unique<AdamW>(std::move(g), AdamWOptions{.lr = other ? 1.0 : 1e-2});
+       }},
+      {"adadelta",
+       [](std::vector<ParamGroup> g, bool other) {
+         return std::make_unique<Adadelta>(std::move(g), AdadeltaOptions{.lr = other ? 0.1 : 1.0});
+       }},
+  };
+  for (const auto& [name, make] : makers) {
+    SCOPED_TRACE(name);
+    const std::map<std::string, double> second = {{"lr", 0.003}, {"weight_decay", 0.25}};
+    NamedParameters a = MakeParams(DType::kFloat32, 1);
+    auto opt_a = make(TwoGroups(a, second), false);
+    LrScheduler sched_a(*opt_a, CosineSchedule(12));
+    TrainSteps(a, *opt_a, 0, 1);
+    sched_a.Step();
+    TrainSteps(a, *opt_a, 1, 4);
+    io::Checkpoint ckpt;
+    ckpt.model = {a.begin(), a.end()};
+    ckpt.optimizer = opt_a->StateDict();
+    for (auto& kv : sched_a.StateDict()) ckpt.optimizer.push_back(kv);
+    const std::string path = TmpPath(name + "_groups.safetensors");
+    io::SaveCheckpoint(path, ckpt);
+    for (int s = 4; s < 8; ++s) {
+      TrainSteps(a, *opt_a, s, s + 1);
+      sched_a.Step();
+    }
+
+    io::Checkpoint loaded = io::LoadCheckpoint(path);
+    NamedParameters b = MakeParams(DType::kFloat32, 2);
+    for (size_t i = 0; i < b.size(); ++i) b[i].second.CopyFrom(loaded.model[i].second);
+    auto opt_b = make(TwoGroups(b, {{"lr", 0.5}}), true);
+    LrScheduler sched_b(*opt_b, CosineSchedule(12));
+    opt_b->LoadStateDict(loaded.optimizer);
+    sched_b.LoadStateDict(loaded.optimizer);
+    EXPECT_EQ(sched_b.base_lrs(), sched_a.base_lrs());
+    for (int s = 4; s < 8; ++s) {
+      TrainSteps(b, *opt_b, s, s + 1);
+      sched_b.Step();
+    }
+    EXPECT_EQ(Bytes(a), Bytes(b));
+    EXPECT_EQ(opt_a->lr(0), opt_b->lr(0));
+    EXPECT_EQ(opt_a->lr(1), opt_b->lr(1));
+    ExpectSameEntries(opt_b->StateDict(), opt_a->StateDict());
+  }
+}
+
+TEST(ParamGroups, LoadOfAnotherGroupCountIsRefusedNamingBoth) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd two(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  Sgd one(MakeParams(DType::kFloat32, 2), {.lr = 0.1, .momentum = 0.9});
+  Sgd three({{.params = {p[0]}}, {.params = {p[1]}}, {.params = {}}}, {.lr = 0.1, .momentum = 0.9});
+  ExpectRefused([&] { one.LoadStateDict(two.StateDict()); }, {"the state has 2 param groups, this optimizer 1"});
+  ExpectRefused([&] { two.LoadStateDict(one.StateDict()); }, {"the state has 1 param group", "this optimizer 2"});
+  ExpectRefused([&] { three.LoadStateDict(two.StateDict()); }, {"the state has 2 param groups, this optimizer 3"});
+  // A state without options (saved before they existed) counts as one group.
+  ExpectRefused([&] { two.LoadStateDict(WithoutOptions(one.StateDict())); }, {"1 param group", "this optimizer 2"});
+  EXPECT_EQ(one.lr(), 0.1);
+  EXPECT_EQ(two.lr(1), 0.01);
+}
+
+TEST(ParamGroups, GroupOfAnotherSizeIsRefusedNamingTheGroupAndBothSizes) {
+  Tensor a = Ones({2}), b = Ones({3}), c = Ones({4});
+  Sgd saved({{.params = {{"a", a}, {"b", b}}}, {.params = {{"c", c}}}}, {.lr = 0.1});
+  Sgd loader({{.params = {{"a", a}}}, {.params = {{"b", b}, {"c", c}}}}, {.lr = 0.2});
+  ExpectRefused([&] { loader.LoadStateDict(saved.StateDict()); },
+                {"param group 0 has 2 parameters in the state and 1 in this optimizer",
+                 "param group 1 has 1 parameters in the state and 2 in this optimizer"});
+  EXPECT_EQ(loader.lr(0), 0.2);
+}
+
+// Every problem of a several-group state in one error, and nothing changed.
+TEST(ParamGroups, BadStateListsEveryProblemPerGroupAndChangesNothing) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd saved(TwoGroups(p), {.lr = 0.1, .momentum = 0.9, .nesterov = true});
+  NamedParameters q = MakeParams(DType::kFloat32, 2);
+  Sgd loader(TwoGroups(q, {{"lr", 0.02}}), {.lr = 0.2, .momentum = 0.9, .nesterov = true});
+  NamedTensors state = saved.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "param_groups.1.lr") t = FromVector({-1.0}, {}, {.dtype = DType::kFloat64});
+    if (k == "param_groups.0.weight_decay") t = FromVector({-2.0}, {}, {.dtype = DType::kFloat64});
+  }
+  std::erase_if(state, [](const auto& e) { return e.first == "param_groups.1.dampening"; });
+  ExpectRefused([&] { loader.LoadStateDict(state); },
+                {"3 problem(s)", "`param_groups.1.lr` is -1", "missing `param_groups.1.dampening`",
+                 "param group 0: the state's options are refused: SGD: momentum"});
+  // Structural options must match group by group.
+  Sgd plain(TwoGroups(MakeParams(DType::kFloat32, 3)), {.lr = 0.2, .momentum = 0.9});
+  ExpectRefused([&] { plain.LoadStateDict(saved.StateDict()); },
+                {"param group 0: nesterov is true in the state and false in this optimizer",
+                 "param group 1: nesterov is true in the state and false in this optimizer"});
+  EXPECT_FALSE(plain.options(1).nesterov);
+  EXPECT_EQ(loader.lr(0), 0.2);
+  EXPECT_EQ(loader.lr(1), 0.02);
+  EXPECT_EQ(loader.options(1).momentum, 0.9);
+  EXPECT_THROW(loader.CheckStateDict(state), std::invalid_argument);
+  // Plain values are taken per group.
+  Sgd nesterov(TwoGroups(q, {{"momentum", 0.1}}), {.lr = 0.2, .momentum = 0.9, .nesterov = true});
+  nesterov.LoadStateDict(saved.StateDict());
+  EXPECT_EQ(nesterov.lr(1), 0.01);
+  EXPECT_EQ(nesterov.options(1).momentum, 0.5);
+  EXPECT_EQ(nesterov.options(0).momentum, 0.9);
+}
+
+TEST(ParamGroups, SchedulerStateHasOneBaseRatePerGroup) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd two(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  LrScheduler sched(two, StepSchedule(2, 0.5));
+  sched.Step();
+  sched.Step();
+  EXPECT_EQ(two.lr(0), 0.05);
+  EXPECT_EQ(two.lr(1), 0.005);
+  const NamedTensors state = sched.StateDict();
+  ASSERT_EQ(state[1].first, "scheduler.base_lr");
+  EXPECT_EQ(state[1].second.shape(), (Shape{2}));
+  EXPECT_EQ(state[1].second.ToVector<double>(), (std::vector<double>{0.1, 0.01}));
+
+  Sgd one(MakeParams(DType::kFloat32, 2), {.lr = 0.1});
+  LrScheduler one_sched(one, StepSchedule(2, 0.5));
+  EXPECT_EQ(one_sched.StateDict()[1].second.shape(), Shape{});
+  ExpectRefused([&] { one_sched.LoadStateDict(state); },
+                {"base rates of 2 param group(s), this scheduler drives 1"});
+  ExpectRefused([&] { sched.LoadStateDict(one_sched.StateDict()); },
+                {"base rates of 1 param group(s), this scheduler drives 2"});
+  EXPECT_EQ(one.lr(), 0.1);
+  EXPECT_EQ(two.lr(1), 0.005);
+
+  // A rate refused for one group changes no group.
+  NamedTensors bad = state;
+  bad[1].second = FromVector({0.1, -0.1}, {2}, {.dtype = DType::kFloat64});
+  ExpectRefused([&] { sched.LoadStateDict(bad); }, {"param group 1", "must be finite and >= 0"});
+  EXPECT_EQ(two.lr(0), 0.05);
+  EXPECT_EQ(sched.base_lrs(), (std::vector<double>{0.1, 0.01}));
+}
+
+// A schedule that halves the rate at t = 1 and then gives small base rates
+// a negative one, which the optimizer refuses.
+class RefusedForSmallRates : public Schedule {
+ public:
+  double Lr(double base, int64_t t) const override { return t >= 2 && base < 0.05 ? -1.0 : (t ? base / 2 : base); }
+};
+
+TEST(ParamGroups, ARateOneGroupRefusesLeavesEveryGroupAsItWas) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  LrScheduler sched(opt, std::make_shared<RefusedForSmallRates>());
+  sched.Step();
+  // Group 0 takes its rate before group 1 refuses its own: put back.
+  EXPECT_THROW(sched.Step(), std::invalid_argument);
+  EXPECT_EQ(opt.lr(0), 0.05);
+  EXPECT_EQ(opt.lr(1), 0.005);
+  EXPECT_EQ(sched.step_count(), 1);
 }
 
 }  // namespace

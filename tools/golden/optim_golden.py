@@ -6,7 +6,9 @@ dependency):
     /usr/bin/python3 tools/golden/optim_golden.py > nn/optim/testdata/optim_golden.json
     /usr/bin/python3 tools/golden/optim_golden.py --schedulers > nn/optim/testdata/scheduler_golden.json
 
-The second file holds the schedulers added later (MultiStepLR, ExponentialLR,
+The first file's "param_groups" and "group_schedules" hold optimizers and
+schedulers over several parameter groups (PyTorch's param_groups). The
+second file holds the schedulers added later (MultiStepLR, ExponentialLR,
 LambdaLR, OneCycleLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau), kept
 apart so that regenerating it leaves the optimizer trajectories untouched.
 """
@@ -43,6 +45,114 @@ def trajectory(name, make, dtype=torch.float32, none_grad_at=None):
                          if isinstance(v, (int, float, bool, tuple))},
             "init": init, "shapes": [list(p.shape) for p in params],
             "grads": grads, "after": after}
+
+
+def our_options(options):
+    """A param group's PyTorch options under the names nn/optim's ParamGroup
+    takes: betas as beta1 and beta2, flags as 0 or 1."""
+    out = {}
+    for k, v in options.items():
+        if k == "betas":
+            out["beta1"], out["beta2"] = v
+        elif isinstance(v, bool):
+            out[k] = 1 if v else 0
+        else:
+            out[k] = v
+    return out
+
+
+def group_trajectory(name, make, groups, none_grad_at=None):
+    """A trajectory of make(param_groups) over three parameters split into
+    groups: `groups` lists, per group, its parameters' indices and the
+    options it overrides."""
+    g = torch.Generator().manual_seed(4321)
+    params = [torch.randn(3, 4, generator=g).requires_grad_(),
+              torch.randn(5, generator=g).requires_grad_(),
+              torch.randn(2, 3, generator=g).requires_grad_()]
+    init = [p.detach().flatten().tolist() for p in params]
+    opt = make([dict(params=[params[i] for i in idx], **options) for idx, options in groups])
+    grads, after = [], []
+    for step in range(STEPS):
+        step_grads = []
+        for i, p in enumerate(params):
+            if none_grad_at == (step, i):
+                p.grad = None
+                step_grads.append(None)
+            else:
+                p.grad = torch.randn(p.shape, generator=g)
+                step_grads.append(p.grad.flatten().tolist())
+        opt.step()
+        grads.append(step_grads)
+        after.append([p.detach().flatten().tolist() for p in params])
+    return {"name": name,
+            "defaults": {k: v for k, v in opt.defaults.items() if isinstance(v, (int, float, bool, tuple))},
+            "groups": [{"params": idx, "options": our_options(options)} for idx, options in groups],
+            "init": init, "shapes": [list(p.shape) for p in params], "grads": grads, "after": after}
+
+
+def group_optimizers():
+    optim = torch.optim
+    return [
+        # Another lr, weight decay and momentum in the second group.
+        group_trajectory("sgd_momentum_groups", lambda g: optim.SGD(g, lr=0.05, momentum=0.9, weight_decay=1e-3),
+                         [([0], {}), ([1, 2], {"lr": 0.01, "weight_decay": 0.1, "momentum": 0.5,
+                                               "dampening": 0.2})],
+                         none_grad_at=(3, 1)),
+        # maximize in one group only.
+        group_trajectory("sgd_maximize_group", lambda g: optim.SGD(g, lr=0.05),
+                         [([0, 2], {}), ([1], {"maximize": True, "lr": 0.02})]),
+        # The usual AdamW split: no decay for biases and norms.
+        group_trajectory("adamw_no_decay_group", lambda g: optim.AdamW(g, lr=1e-2, weight_decay=0.1),
+                         [([0, 2], {}), ([1], {"weight_decay": 0.0})]),
+        group_trajectory("adam_groups", lambda g: optim.Adam(g, lr=1e-2, amsgrad=True),
+                         [([1], {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05}), ([0], {}),
+                          ([2], {"lr": 3e-2})],
+                         none_grad_at=(5, 0)),
+        group_trajectory("adadelta_groups", lambda g: optim.Adadelta(g, lr=0.5),
+                         [([0, 1], {"rho": 0.95, "eps": 1e-5}), ([2], {"lr": 1.0, "weight_decay": 0.1})]),
+        # An empty group (PyTorch allows it too).
+        group_trajectory("sgd_empty_group", lambda g: optim.SGD(g, lr=0.1, momentum=0.9),
+                         [([0, 1, 2], {}), ([], {"lr": 0.5})]),
+    ]
+
+
+def group_schedules():
+    """Each case: per step, the rate of each of two SGD groups (lr 0.1 and
+    0.03) before the first step, then after each of `steps` scheduler steps."""
+    S = torch.optim.lr_scheduler
+    out = []
+
+    def run(name, make, steps=25):
+        p, q = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+        opt = torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.03}], lr=0.1)
+        sched = make(opt)
+        lrs = [[group["lr"] for group in opt.param_groups]]
+        for _ in range(steps):
+            opt.step()
+            sched.step()
+            lrs.append([group["lr"] for group in opt.param_groups])
+        out.append({"name": name, "base_lrs": [0.1, 0.03], "lrs": lrs})
+
+    run("step", lambda o: S.StepLR(o, step_size=3, gamma=0.5))
+    run("cosine", lambda o: S.CosineAnnealingLR(o, T_max=10, eta_min=0.001))
+    run("onecycle_cos", lambda o: S.OneCycleLR(o, max_lr=1.0, total_steps=30, cycle_momentum=False), steps=30)
+
+    plateau = []
+    p, q = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.05}], lr=1.0)
+    # min_lr stops the second group first; eps then keeps it from moving by
+    # less than eps while the first still falls.
+    options = dict(patience=1, factor=0.5, min_lr=0.01, eps=0.005)
+    sched = S.ReduceLROnPlateau(opt, **options)
+    metrics = [5.0 - 0.01 * (i % 2) for i in range(30)]
+    lrs = []
+    for m in metrics:
+        opt.step()
+        sched.step(m)
+        lrs.append([group["lr"] for group in opt.param_groups])
+    plateau.append({"name": "two_groups_min_lr_eps", "base_lrs": [1.0, 0.05], "options": options,
+                    "metrics": metrics, "lrs": lrs})
+    return {"schedules": out, "plateau": plateau}
 
 
 def lr_trace(name, make, steps):
@@ -189,7 +299,8 @@ def main():
         trajectory("adadelta_maximize", lambda p: optim.Adadelta(p, lr=0.5, weight_decay=0.1, maximize=True)),
     ]
     print(json.dumps({"torch_version": torch.__version__, "optimizers": cases,
-                      "schedules": schedules(), "clipping": clipping()}))
+                      "schedules": schedules(), "clipping": clipping(),
+                      "param_groups": group_optimizers(), "group_schedules": group_schedules()}))
 
 
 if __name__ == "__main__":
