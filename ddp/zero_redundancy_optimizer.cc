@@ -107,20 +107,66 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
     : params_(std::move(params)), pg_(std::move(pg)) {
   if (pg_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the process group is null");
   if (!make) throw std::invalid_argument("ZeroRedundancyOptimizer: the optimizer factory is empty");
+  Init(std::vector<size_t>(params_.size(), 0), {}, make);
+}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<nn::optim::ParamGroup> groups,
+                                                 std::shared_ptr<ProcessGroup> pg, const GroupFactory& make)
+    : pg_(std::move(pg)) {
+  if (pg_ == nullptr) throw std::invalid_argument("ZeroRedundancyOptimizer: the process group is null");
+  if (!make) throw std::invalid_argument("ZeroRedundancyOptimizer: the optimizer factory is empty");
+  if (groups.empty()) throw std::invalid_argument("ZeroRedundancyOptimizer: no parameter group");
+  std::vector<size_t> group_of;
+  std::vector<std::string> options;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    std::ostringstream text;
+    text.precision(17);
+    for (const auto& [name, value] : groups[k].options) text << (text.tellp() > 0 ? ", " : "") << name << "=" << value;
+    options.push_back(text.str());
+    for (auto& entry : groups[k].params) {
+      params_.push_back(std::move(entry));
+      group_of.push_back(k);
+    }
+  }
+  // The shard's groups: each group's options, with the pieces of its
+  // parameters in the order given.
+  auto build = [&](nn::optim::NamedParameters shard) {
+    std::vector<nn::optim::ParamGroup> shard_groups(groups.size());
+    for (size_t k = 0; k < groups.size(); ++k) shard_groups[k].options = groups[k].options;
+    const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
+    for (size_t j = 0; j < shard.size(); ++j) shard_groups[group_of_[mine[j].param]].params.push_back(std::move(shard[j]));
+    return make(std::move(shard_groups));
+  };
+  Init(group_of, options, build);
+}
+
+void ZeroRedundancyOptimizer::Init(
+    const std::vector<size_t>& group_of, const std::vector<std::string>& options,
+    const std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>& build) {
+  group_of_ = group_of;
+  num_groups_ = std::max<size_t>(options.size(), 1);
   // The partition, and so which rank steps and broadcasts which elements,
   // is computed from each rank's own list: lists that differ (two
   // same-shaped parameters swapped, say) would write one parameter's update
   // into another on the other ranks. Compared before the local checks, so
-  // that a list only some ranks refuse fails every rank here alike.
+  // that a list only some ranks refuse fails every rank here alike. Groups
+  // are compared too: a rank that stepped its pieces with another group's
+  // rate or decay would broadcast them to every replica.
   std::vector<internal::ReplicaEntry> entries;
-  for (const auto& [name, p] : params_) {
-    entries.push_back({"parameter", name,
-                       p.defined() ? std::string(nn::DTypeName(p.dtype())) + " " + nn::ShapeToString(p.shape())
-                                   : std::string("undefined")});
+  for (size_t k = 0; k < options.size(); ++k) {
+    entries.push_back({"option", "param group " + std::to_string(k), options[k]});
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    std::string value =
+        p.defined() ? std::string(nn::DTypeName(p.dtype())) + " " + nn::ShapeToString(p.shape()) : "undefined";
+    if (!options.empty()) value += " in param group " + std::to_string(group_of_[i]);
+    entries.push_back({"parameter", name, value});
   }
   internal::VerifyReplicas(*pg_, entries,
                            "ZeroRedundancyOptimizer: the ranks' parameter lists differ (every rank must pass the "
-                           "same parameters, in the same order, with the same names, dtypes and shapes).");
+                           "same parameters, in the same order, with the same names, dtypes and shapes, and the "
+                           "same groups with the same options).");
   nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer");
   shards_ = Partition(params_, pg_->size());
   pieces_.resize(shards_.size());
@@ -136,7 +182,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
   // instead of leaving the others to wait in Step's broadcasts.
   std::string failure;
   try {
-    local_ = make(std::move(shard));
+    local_ = build(std::move(shard));
     if (local_ == nullptr) throw std::invalid_argument("the factory returned null");
     // Step hands the k-th piece's gradient to the optimizer's k-th
     // parameter: it must hold exactly the pieces, in order.
@@ -149,6 +195,17 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
                                   " piece(s) of its shard that it was given, in order (the factory must build the "
                                   "optimizer from its argument, not from the model)");
     }
+    // And each piece in its parameter's group, with that group's options.
+    const std::vector<int64_t> sizes = ShardGroupSizes(pg_->rank());
+    bool grouped = local_->num_groups() == num_groups_;
+    for (size_t k = 0; grouped && k < num_groups_; ++k) {
+      grouped = static_cast<int64_t>(local_->group_params(k).size()) == sizes[k];
+    }
+    if (!grouped) {
+      throw std::invalid_argument("the factory's optimizer has " + std::to_string(local_->num_groups()) +
+                                  " param group(s), not the " + std::to_string(num_groups_) +
+                                  " it was given, each with its pieces");
+    }
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -157,6 +214,46 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(nn::optim::NamedParameters para
     if (!outcomes[r].empty()) {
       throw std::invalid_argument("ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(r) +
                                   "'s shard failed: " + outcomes[r]);
+    }
+  }
+}
+
+std::vector<int64_t> ZeroRedundancyOptimizer::WholeGroupSizes() const {
+  std::vector<int64_t> sizes(num_groups_, 0);
+  for (size_t g : group_of_) ++sizes[g];
+  return sizes;
+}
+
+std::vector<int64_t> ZeroRedundancyOptimizer::ShardGroupSizes(int r) const {
+  std::vector<int64_t> sizes(num_groups_, 0);
+  for (const Slice& s : shards_[static_cast<size_t>(r)]) ++sizes[group_of_[s.param]];
+  return sizes;
+}
+
+namespace {
+
+// The group of a "param_groups.<k>.size" key, or -1 for any other key.
+int64_t GroupOfSizeKey(const std::string& key) {
+  const std::string prefix = "param_groups.";
+  const std::string suffix = ".size";
+  if (key.rfind(prefix, 0) != 0 || key.size() <= prefix.size() + suffix.size() ||
+      key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return -1;
+  }
+  const std::string index = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
+  if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoll(index);
+}
+
+}  // namespace
+
+void ZeroRedundancyOptimizer::SetGroupSizes(NamedTensors& state, const std::vector<int64_t>& sizes) {
+  for (auto& [key, t] : state) {
+    const int64_t k = GroupOfSizeKey(key);
+    // A group this optimizer lacks is left for the loading optimizer to
+    // refuse (it names both counts).
+    if (k >= 0 && static_cast<size_t>(k) < sizes.size()) {
+      t = nn::FromVectorOf<int64_t>({sizes[static_cast<size_t>(k)]}, {});
     }
   }
 }
@@ -256,7 +353,13 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
     for (const auto& [name, t] : by_rank[r]) lookup[r].emplace(name, t);
   }
   NamedTensors out;
-  out.emplace_back("lr", nn::FromVector({local_->lr()}, {}, {.dtype = nn::DType::kFloat64}));
+  // One group: "lr" apart, as the unsharded optimizer saves it; several:
+  // each group's rate is among the options, with the whole's group sizes
+  // in place of the shard's.
+  if (local_->num_groups() == 1) {
+    out.emplace_back("lr", nn::FromVector({local_->lr()}, {}, {.dtype = nn::DType::kFloat64}));
+  }
+  SetGroupSizes(options, WholeGroupSizes());
   for (auto& entry : options) out.push_back(std::move(entry));
   for (size_t i = 0; i < params_.size(); ++i) {
     std::vector<std::pair<size_t, Slice>> holders;  // (rank, piece) of parameter i
@@ -293,7 +396,7 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
   const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
   NamedTensors shard;
   for (const auto& [key, t] : state) {
-    if (key == "lr" || key.rfind("group.", 0) == 0) {
+    if (key == "lr" || key.rfind("group.", 0) == 0 || key.rfind("param_groups.", 0) == 0) {
       shard.emplace_back(key, t);
       continue;
     }
@@ -315,6 +418,24 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
     }
     shard.emplace_back(key, PieceOf(t, *piece));
   }
+  // The shard's optimizer holds only its pieces of each group, so it
+  // cannot compare the whole's group sizes: they are compared here, then
+  // replaced by the shard's.
+  const std::vector<int64_t> whole = WholeGroupSizes();
+  for (const auto& [key, t] : shard) {
+    const int64_t k = GroupOfSizeKey(key);
+    if (k < 0 || static_cast<size_t>(k) >= whole.size() || !t.defined() || t.numel() != 1 ||
+        t.dtype() != nn::DType::kInt64) {
+      continue;  // the shard's optimizer refuses what is malformed
+    }
+    const int64_t saved = t.To(nn::kCPU).data<int64_t>()[0];
+    if (saved != whole[static_cast<size_t>(k)]) {
+      throw std::invalid_argument("state entry `" + key + "`: the state's param group " + std::to_string(k) +
+                                  " has " + std::to_string(saved) + " parameter(s); this optimizer's has " +
+                                  std::to_string(whole[static_cast<size_t>(k)]));
+    }
+  }
+  SetGroupSizes(shard, ShardGroupSizes(pg_->rank()));
   return shard;
 }
 

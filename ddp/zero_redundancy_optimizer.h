@@ -25,6 +25,15 @@
 //       });
 //   opt.ZeroGrad(); nn::Backward(loss); opt.Step();
 //
+// Parameter groups (a group of biases and norms without weight decay, say)
+// go to the second constructor, whose factory builds the shard's optimizer
+// over the same groups holding this rank's pieces:
+//
+//   ZeroRedundancyOptimizer opt(groups, pg, [](std::vector<nn::optim::ParamGroup> shard) {
+//     return std::make_unique<nn::optim::AdamW>(std::move(shard), nn::optim::AdamWOptions{.lr = 1e-3});
+//   });
+//   nn::optim::LrScheduler sched(opt.local(), schedule);  // every group from its own rate
+//
 // Checkpoints: ConsolidatedStateDict gathers the whole state on one rank in
 // the unsharded optimizer's format (so a plain optimizer loads it too), and
 // LoadStateDict takes such a state on every rank and keeps its own shard.
@@ -96,6 +105,24 @@ class ZeroRedundancyOptimizer {
   ZeroRedundancyOptimizer(nn::optim::NamedParameters params, std::shared_ptr<ProcessGroup> pg,
                           const Factory& make);
 
+  /// Builds the optimizer of one rank's shard over parameter groups: one
+  /// group per group given at construction, in order and with its options,
+  /// holding the pieces of that group's parameters the rank owns (a group
+  /// may be empty on a rank, or everywhere).
+  using GroupFactory =
+      std::function<std::unique_ptr<nn::optim::Optimizer>(std::vector<nn::optim::ParamGroup> shard)>;
+
+  /// Parameter groups (PyTorch's param_groups: a group of biases and norms
+  /// without weight decay, a layer with its own rate). The parameters are
+  /// the groups' lists one after another, partitioned as one list, so a
+  /// piece never mixes groups. Collective, as the constructor above; the
+  /// ranks must also agree on each parameter's group and on every group's
+  /// options (compared across ranks, refused naming the first difference).
+  /// Throws std::invalid_argument as above, and when the factory's optimizer
+  /// does not have the groups it was given, each with its pieces in order.
+  ZeroRedundancyOptimizer(std::vector<nn::optim::ParamGroup> groups, std::shared_ptr<ProcessGroup> pg,
+                          const GroupFactory& make);
+
   /// Updates this rank's shard from its gradients, then broadcasts every
   /// rank's shard from that rank. Collective. Throws DistributedError when a
   /// broadcast fails, and std::logic_error naming a parameter that got new
@@ -106,9 +133,16 @@ class ZeroRedundancyOptimizer {
   /// undefined by default, as PyTorch 2.x (1.13 zeroes them), or zeros.
   void ZeroGrad(bool set_to_none = true);
 
+  /// The rate of group 0 (the only one for an optimizer made from a list).
   double lr() const { return local_->lr(); }
   /// Sets the rate of this rank's shard; schedulers run on every rank.
+  /// With several groups this throws std::logic_error, as
+  /// Optimizer::set_lr does: set each group's (an LrScheduler over local()
+  /// drives every group from its own base rate).
   void set_lr(double lr) { local_->set_lr(lr); }
+  size_t num_groups() const { return local_->num_groups(); }
+  double lr(size_t group) const { return local_->lr(group); }
+  void set_lr(size_t group, double lr) { local_->set_lr(group, lr); }
 
   /// One rank's piece of one parameter: elements [offset, offset + length)
   /// of parameter `param` (its index in construction order), counted in the
@@ -138,12 +172,15 @@ class ZeroRedundancyOptimizer {
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   /// The entries of a whole state that this rank's shard holds: "lr", the
-  /// options ("group.*"), and
+  /// options ("group.*", and "param_groups.*" with several groups, each
+  /// group's size replaced by the number of pieces of it this shard
+  /// holds), and
   /// for each parameter it owns a piece of, the "state." entries cut to that
   /// piece ("step" counts as they are; the others, which have the
   /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not
   /// collective. Throws std::invalid_argument naming a "state." key of no
-  /// parameter, or one whose tensor has not the parameter's element count.
+  /// parameter, one whose tensor has not the parameter's element count, or
+  /// a group whose saved size is not this optimizer's.
   nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& state) const;
 
   /// The shards: the parameters' elements laid end to end in the given
@@ -157,7 +194,23 @@ class ZeroRedundancyOptimizer {
   static constexpr int64_t kAlignment = 16;
 
  private:
+  // The constructors' shared part: `group_of` gives each parameter's group
+  // (all zero for a plain list), `options` describes each group's options
+  // for the cross-rank comparison (empty for a plain list), and `build`
+  // makes the local optimizer from this rank's pieces, named.
+  void Init(const std::vector<size_t>& group_of, const std::vector<std::string>& options,
+            const std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>& build);
+  // The "param_groups.<k>.size" entries of a several-group state, set to
+  // the sizes given (the whole's, or a shard's): a shard's optimizer holds
+  // fewer parameters per group than the whole, and the other way round.
+  static void SetGroupSizes(nn::optim::NamedTensors& state, const std::vector<int64_t>& sizes);
+  // Parameters per group in the whole list, and in rank r's shard.
+  std::vector<int64_t> WholeGroupSizes() const;
+  std::vector<int64_t> ShardGroupSizes(int r) const;
+
   nn::optim::NamedParameters params_;
+  std::vector<size_t> group_of_;  // per parameter: its group
+  size_t num_groups_ = 1;
   std::shared_ptr<ProcessGroup> pg_;
   std::vector<std::vector<Slice>> shards_;   // by rank
   std::vector<std::vector<nn::Tensor>> pieces_;  // by rank: views of the parameters

@@ -6,7 +6,8 @@
 // holding it equals an uninterrupted one, and a bad state fails every rank
 // (one bad only for one rank's shard loads on none); a factory that does
 // not build from the pieces it is given is refused, and so are parameter
-// lists that differ across ranks.
+// lists that differ across ranks. Over parameter groups it equals the
+// unsharded optimizer too, under a scheduler, and its state round-trips.
 
 #include "ddp/zero_redundancy_optimizer.h"
 
@@ -27,6 +28,7 @@
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
 #include "nn/optim/adam.h"
+#include "nn/optim/lr_scheduler.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::dist {
@@ -646,6 +648,150 @@ DDP_TEST_WORKER(step_fails_on_one_rank) {
 TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
   auto run = RunWorkers("step_fails_on_one_rank", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------ parameter groups ----
+
+// The usual AdamW split: weights decayed at one rate, biases undecayed at
+// twice the rate. The groups list the parameters in another order than the
+// model (every weight, then every bias), so the partition cuts that order.
+std::vector<nn::optim::ParamGroup> DecayGroups(const NamedParameters& params, double bias_lr = 2e-3) {
+  std::vector<nn::optim::ParamGroup> groups(2);
+  groups[0].options = {{"weight_decay", 0.05}};
+  groups[1].options = {{"weight_decay", 0.0}, {"lr", bias_lr}};
+  for (const auto& entry : params) groups[entry.second.dim() > 1 ? 0 : 1].params.push_back(entry);
+  return groups;
+}
+
+std::unique_ptr<nn::optim::Optimizer> MakeGroupedOptimizer(std::vector<nn::optim::ParamGroup> groups) {
+  return std::make_unique<nn::optim::AdamW>(std::move(groups), nn::optim::AdamWOptions{.lr = 1e-3});
+}
+
+// Sharded over groups, with a scheduler driving each group from its own
+// rate: bit for bit the unsharded optimizer; the consolidated state is the
+// unsharded one's (the whole's group sizes, not a shard's), loads into a
+// plain optimizer and into a sharded one on every rank; a state with other
+// group sizes is refused naming the group.
+DDP_TEST_WORKER(groups) {
+  auto pg = testing::WorkerGroup();
+  auto sharded = Mlp(3), plain = Mlp(3);
+  DistributedDataParallel ddp_sharded(sharded, {.process_group = pg});
+  DistributedDataParallel ddp_plain(plain, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(DecayGroups(sharded->NamedParameters()), pg, MakeGroupedOptimizer);
+  auto opt = MakeGroupedOptimizer(DecayGroups(plain->NamedParameters()));
+  nn::optim::LrScheduler sched_sharded(zero.local(), nn::optim::StepSchedule(2, 0.5));
+  nn::optim::LrScheduler sched_plain(*opt, nn::optim::StepSchedule(2, 0.5));
+  WORKER_EXPECT(zero.num_groups() == 2 && zero.local().num_groups() == 2, "groups of the shard's optimizer");
+  for (int s = 0; s < 5; ++s) {
+    TrainStep(ddp_sharded, zero, *pg, s);
+    TrainStep(ddp_plain, *opt, *pg, s);
+    sched_sharded.Step();
+    sched_plain.Step();
+    WORKER_EXPECT(testing::HashState(*sharded) == testing::HashState(*plain),
+                  "step " + std::to_string(s) + ": sharded and unsharded training over groups differ");
+  }
+  WORKER_EXPECT(zero.lr(1) == opt->lr(1) && zero.lr(0) == opt->lr(0), "the groups' rates differ");
+  try {
+    zero.set_lr(0.1);
+    WORKER_EXPECT(false, "one rate for two groups was accepted");
+  } catch (const std::logic_error&) {
+  }
+  // Every rank gathers the whole state in turn, to compare it and load it.
+  NamedTensors whole;
+  for (int r = 0; r < pg->size(); ++r) {
+    NamedTensors got = zero.ConsolidatedStateDict(r);
+    if (r == pg->rank()) whole = std::move(got);
+  }
+  const NamedTensors expected = opt->StateDict();
+  WORKER_EXPECT(whole.size() == expected.size(), "consolidated state has " + std::to_string(whole.size()) +
+                                                     " entries, the unsharded " + std::to_string(expected.size()));
+  for (size_t i = 0; i < std::min(whole.size(), expected.size()); ++i) {
+    WORKER_EXPECT(whole[i].first == expected[i].first && SameBytes(whole[i].second, expected[i].second),
+                  "entry " + std::to_string(i) + ": " + whole[i].first + " vs " + expected[i].first);
+  }
+  auto other = Mlp(5);
+  auto reloaded = MakeGroupedOptimizer(DecayGroups(other->NamedParameters()));
+  reloaded->LoadStateDict(whole);
+  ZeroRedundancyOptimizer zero2(DecayGroups(other->NamedParameters()), pg, MakeGroupedOptimizer);
+  zero2.LoadStateDict(expected);
+  for (int r = 0; r < pg->size(); ++r) {
+    NamedTensors got = zero2.ConsolidatedStateDict(r);
+    if (r != pg->rank()) continue;
+    bool same = got.size() == expected.size();
+    for (size_t i = 0; same && i < got.size(); ++i) {
+      same = got[i].first == expected[i].first && SameBytes(got[i].second, expected[i].second);
+    }
+    WORKER_EXPECT(same, "the state loaded into another sharded optimizer is not the one saved");
+  }
+  // One bias moved into the weights' group: the sizes differ (the MLP's
+  // three weights and three biases saved, 4 and 2 here).
+  std::vector<nn::optim::ParamGroup> moved = DecayGroups(other->NamedParameters());
+  moved[0].params.push_back(moved[1].params.back());
+  moved[1].params.pop_back();
+  ZeroRedundancyOptimizer zero3(moved, pg, MakeGroupedOptimizer);
+  try {
+    zero3.LoadStateDict(expected);
+    WORKER_EXPECT(false, "a state with other group sizes was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("param group 0 has 3 parameter(s); this optimizer's has 4") !=
+                      std::string::npos,
+                  e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, ParameterGroupsOnThreeRanksEqualTheUnshardedOptimizer) {
+  auto run = RunWorkers("groups", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Ranks that put a parameter in different groups, or give a group other
+// options, would step their pieces differently and broadcast them to every
+// replica: refused on every rank at construction.
+DDP_TEST_WORKER(groups_differ) {
+  auto pg = testing::WorkerGroup();
+  auto model = Mlp(1);
+  const bool odd = pg->rank() == 1;
+  for (const char* what : {"options", "membership"}) {
+    std::vector<nn::optim::ParamGroup> groups = DecayGroups(model->NamedParameters(), odd ? 3e-3 : 2e-3);
+    if (std::string(what) == "membership") {
+      groups = DecayGroups(model->NamedParameters());
+      if (odd) {
+        groups[0].params.push_back(groups[1].params.front());
+        groups[1].params.erase(groups[1].params.begin());
+      }
+    }
+    try {
+      ZeroRedundancyOptimizer zero(groups, pg, MakeGroupedOptimizer);
+      WORKER_EXPECT(false, std::string(what) + " differing across ranks were accepted");
+    } catch (const std::invalid_argument& e) {
+      WORKER_EXPECT(std::string(e.what()).find("the ranks' parameter lists differ") != std::string::npos,
+                    std::string(what) + ": " + e.what());
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, GroupsDifferingAcrossRanksAreRefusedOnEveryRank) {
+  auto run = RunWorkers("groups_differ", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A group factory must keep the groups it is given.
+TEST(ZeroRedundancyOptimizerTest, GroupFactoryMustKeepTheGroups) {
+  auto model = Mlp(1);
+  try {
+    ZeroRedundancyOptimizer zero(DecayGroups(model->NamedParameters()), ProcessGroup::Single(),
+                                 [](std::vector<nn::optim::ParamGroup> groups) {
+                                   NamedParameters all;
+                                   for (auto& g : groups) all.insert(all.end(), g.params.begin(), g.params.end());
+                                   return MakeOptimizer(std::move(all));
+                                 });
+    ADD_FAILURE() << "groups merged into one: accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("has 1 param group(s), not the 2 it was given"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Step hands the k-th piece's gradient to the local optimizer's k-th
