@@ -22,19 +22,29 @@ struct Fingerprint {
 static_assert(sizeof(Fingerprint) == 256);
 
 // One rank's part of the exchange when a group is made, identical in size
-// on every rank. A bad DDP_DEBUG travels in it (cut to fit) so that every
-// rank can name it.
+// on every rank. A bad DDP_DEBUG or DDP_COLLECTIVE_THREAD travels in it (cut
+// to fit) so that every rank can name it.
 struct ModeRecord {
-  uint8_t state;  // kModeOff, kModeDetail or kModeBadValue
-  uint8_t cut;    // 1: `value` holds only the start of the variable
+  uint8_t state;         // kModeOff, kModeDetail or kModeBadValue (DDP_DEBUG)
+  uint8_t cut;           // 1: `value` holds only the start of DDP_DEBUG
+  uint8_t thread_bad;    // 1: `thread_value` holds a bad DDP_COLLECTIVE_THREAD
+  uint8_t thread_cut;    // 1: `thread_value` holds only its start
   char value[62];
+  char thread_value[62];
 };
-static_assert(sizeof(ModeRecord) == 64);
+static_assert(sizeof(ModeRecord) == 128);
 constexpr uint8_t kModeOff = 0;
 constexpr uint8_t kModeDetail = 1;
 constexpr uint8_t kModeBadValue = 2;
 
-constexpr char kAccepted[] = "expected off, info or detail";
+// Copies `value` into `slot` (the last byte stays '\0'); true when it did
+// not fit whole.
+template <size_t N>
+bool CopyCut(const std::string& value, char (&slot)[N]) {
+  const size_t room = N - 1;
+  std::memcpy(slot, value.data(), std::min(value.size(), room));
+  return value.size() > room;
+}
 
 std::chrono::milliseconds TimeLeft(transport::Deadline deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -63,14 +73,6 @@ DebugSetting DebugSettingFromEnvironment() {
   if (value == "info") return {.level = DebugLevel::kInfo};
   if (value == "detail") return {.level = DebugLevel::kDetail};
   return {.bad_value = std::string(raw)};
-}
-
-DebugLevel DebugLevelFromEnvironment() {
-  const DebugSetting setting = DebugSettingFromEnvironment();
-  if (setting.bad_value) {
-    throw std::invalid_argument("DDP_DEBUG=" + *setting.bad_value + ": " + kAccepted);
-  }
-  return setting.level;
 }
 
 transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int size,
@@ -119,29 +121,41 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
 
 transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
                                        const std::optional<std::string>& bad_debug_value,
+                                       const std::optional<std::string>& bad_collective_thread,
                                        transport::Deadline deadline) {
   ModeRecord mine{};
   mine.state = bad_debug_value ? kModeBadValue : detail ? kModeDetail : kModeOff;
-  if (bad_debug_value) {
-    const size_t room = sizeof(mine.value) - 1;
-    mine.cut = bad_debug_value->size() > room ? 1 : 0;
-    std::memcpy(mine.value, bad_debug_value->data(), std::min(bad_debug_value->size(), room));
+  if (bad_debug_value) mine.cut = CopyCut(*bad_debug_value, mine.value) ? 1 : 0;
+  if (bad_collective_thread) {
+    mine.thread_bad = 1;
+    mine.thread_cut = CopyCut(*bad_collective_thread, mine.thread_value) ? 1 : 0;
   }
   std::vector<ModeRecord> all(comm.size());
   transport::Status s = comm.AllGather(&mine, all.data(), sizeof(ModeRecord),
                                        transport::DataType::kU8, {.timeout = TimeLeft(deadline)});
   if (!s.ok()) return s;
   // A bad value anywhere stops every rank, with the same message.
-  std::string bad;
+  const std::string of = " (of " + std::to_string(comm.size()) + "): ";
+  std::string bad_debug, bad_thread;
   for (int r = 0; r < comm.size(); ++r) {
-    if (all[r].state != kModeBadValue) continue;
-    all[r].value[sizeof(all[r].value) - 1] = '\0';
-    bad += (bad.empty() ? "" : ", ") + std::string("DDP_DEBUG=") + all[r].value +
-           (all[r].cut ? "..." : "") + " on rank " + std::to_string(r);
+    ModeRecord& got = all[r];
+    if (got.state == kModeBadValue) {
+      got.value[sizeof(got.value) - 1] = '\0';
+      bad_debug += (bad_debug.empty() ? "" : ", ") + std::string("DDP_DEBUG=") + got.value +
+                   (got.cut ? "..." : "") + " on rank " + std::to_string(r);
+    }
+    if (got.thread_bad != 0) {
+      got.thread_value[sizeof(got.thread_value) - 1] = '\0';
+      bad_thread += (bad_thread.empty() ? "" : ", ") + std::string("DDP_COLLECTIVE_THREAD=") +
+                    got.thread_value + (got.thread_cut ? "..." : "") + " on rank " +
+                    std::to_string(r);
+    }
   }
-  if (!bad.empty()) {
-    throw std::invalid_argument(bad + " (of " + std::to_string(comm.size()) + "): " + kAccepted +
-                                "; every rank of the group stops");
+  if (!bad_debug.empty() || !bad_thread.empty()) {
+    std::string message;
+    if (!bad_debug.empty()) message = bad_debug + of + kDebugAccepted + "; ";
+    if (!bad_thread.empty()) message += bad_thread + of + kCollectiveThreadAccepted + "; ";
+    throw std::invalid_argument(message + "every rank of the group stops");
   }
   std::string on;
   int count = 0;

@@ -25,14 +25,15 @@ struct DebugSetting {
   DebugLevel level = DebugLevel::kOff;
   std::optional<std::string> bad_value;
 };
+/// A group reads it when it is made; past that, use the level the group
+/// read (ProcessGroup::debug_level) rather than the environment, which may
+/// have changed since, on some ranks only.
 DebugSetting DebugSettingFromEnvironment();
 
-/// Parses DDP_DEBUG (case-insensitive); throws std::invalid_argument naming
-/// the variable and the accepted values for anything else. Where a group of
-/// several ranks is made, read DebugSettingFromEnvironment instead and let
-/// CheckDebugModeAgrees report a bad value: a rank that throws before that
-/// exchange leaves the others waiting in it.
-DebugLevel DebugLevelFromEnvironment();
+/// What DDP_DEBUG and DDP_COLLECTIVE_THREAD accept, for messages refusing
+/// another value.
+inline constexpr char kDebugAccepted[] = "expected off, info or detail";
+inline constexpr char kCollectiveThreadAccepted[] = "expected auto, comm or caller";
 
 /// Collective: every rank passes its `sequence`-th collective's
 /// `description`; OK when all agree, else INVALID_ARGUMENT saying what each
@@ -45,16 +46,21 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
                                     transport::Deadline deadline);
 
 /// Collective, when a group is made. Every rank passes whether it has the
-/// fingerprint check on (`detail`) and, when its DDP_DEBUG is not an
-/// accepted value, that value (`bad_debug_value`, from DebugSetting).
+/// fingerprint check on (`detail`) and the environment values it could not
+/// accept: its DDP_DEBUG (`bad_debug_value`, from DebugSetting) and its
+/// DDP_COLLECTIVE_THREAD (`bad_collective_thread`), each empty when fine.
 /// Throws std::invalid_argument on every rank, after the exchange, when any
-/// rank had a bad value: the message names DDP_DEBUG, each such rank and its
-/// value. Otherwise OK when every rank has the check on, or every rank off;
-/// else INVALID_ARGUMENT naming the ranks with it on (a rank that checks
-/// runs an all-gather before each collective that the others do not, which
-/// pairs with their collectives). A failed exchange returns its status.
+/// rank had a bad value: the message names the variable, each rank that had
+/// a bad value and that value (values longer than 61 bytes are cut and end
+/// in "..."). Otherwise OK when every rank has the check on, or every rank
+/// off; else INVALID_ARGUMENT naming the ranks with it on (a rank that
+/// checks runs an all-gather before each collective that the others do not,
+/// which pairs with their collectives). A failed exchange returns its
+/// status. Ranks may differ in valid DDP_COLLECTIVE_THREAD values: which
+/// thread runs a rank's collectives changes nothing its peers see.
 transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
                                        const std::optional<std::string>& bad_debug_value,
+                                       const std::optional<std::string>& bad_collective_thread,
                                        transport::Deadline deadline);
 
 }  // namespace ddp::dist

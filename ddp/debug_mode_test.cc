@@ -1,6 +1,7 @@
-// DDP_DEBUG and the debug-mode exchanges over real processes: a bad value
-// on one rank stops every rank at once with the reason, and the fingerprint
-// check refuses a rank or size that is not its communicator's.
+// DDP_DEBUG, DDP_COLLECTIVE_THREAD and the debug-mode exchanges over real
+// processes: a bad value on one rank stops every rank at once with the
+// reason, a group keeps the DDP_DEBUG level it was made with, and the
+// fingerprint check refuses a rank or size that is not its communicator's.
 
 #include "ddp/debug_mode.h"
 
@@ -12,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ddp/process_group.h"
 #include "ddp/testing/ddp_test_util.h"
@@ -36,47 +38,154 @@ std::unique_ptr<transport::Communicator> WorkerCommunicator() {
   return std::move(*comm);
 }
 
-// Only rank 1 has DDP_DEBUG=bogus (TestRunOptions::rank_env). Making the
-// group is timed from when the communicator exists, so rank start-up skew
-// does not count.
-DDP_TEST_WORKER(bad_debug_value_on_one_rank) {
-  auto comm = WorkerCommunicator();
-  const int rank = comm->rank();
-  ProcessGroupOptions options;
-  options.timeout = kGroupTimeout;
+// Makes a group on this rank and reports how: "std::invalid_argument",
+// "another exception" or "nothing", with the message, and the seconds it
+// took from when the communicator existed (so rank start-up skew does not
+// count).
+struct Making {
+  int rank = -1;
   std::string kind = "nothing";
   std::string message;
+  double seconds = 0;
+  std::shared_ptr<ProcessGroup> group;
+};
+
+Making MakeGroup() {
+  auto comm = WorkerCommunicator();
+  Making made;
+  made.rank = comm->rank();
+  ProcessGroupOptions options;
+  options.timeout = kGroupTimeout;
   const auto start = std::chrono::steady_clock::now();
   try {
-    auto pg = std::make_shared<ProcessGroup>(std::move(comm), options);
+    made.group = std::make_shared<ProcessGroup>(std::move(comm), options);
   } catch (const std::invalid_argument& e) {
-    kind = "std::invalid_argument";
-    message = e.what();
+    made.kind = "std::invalid_argument";
+    made.message = e.what();
   } catch (const std::exception& e) {
-    kind = "another exception";
-    message = e.what();
+    made.kind = "another exception";
+    made.message = e.what();
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::fprintf(stderr, "rank %d: %s after %.3f s: %s\n", rank, kind.c_str(), seconds,
-               message.c_str());
-  WORKER_EXPECT(kind == "std::invalid_argument", kind + ": " + message);
-  WORKER_EXPECT(message.find("DDP_DEBUG=bogus on rank 1") != std::string::npos, message);
-  WORKER_EXPECT(message.find("rank 0") == std::string::npos, message);
-  // Well under the group's timeout: nobody waited for it to pass.
-  WORKER_EXPECT(seconds < 10.0, "took " + std::to_string(seconds) + " s of a " +
-                                    std::to_string(kGroupTimeout.count()) + " ms timeout");
+  made.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "rank %d: %s after %.3f s: %s\n", made.rank, made.kind.c_str(),
+               made.seconds, made.message.c_str());
+  return made;
+}
+
+// Every rank gets the same refusal, well under the group's timeout: nobody
+// waited for it to pass.
+int ExpectRefusedAtOnce(const Making& made, const std::vector<std::string>& named,
+                        const std::vector<std::string>& not_named) {
+  WORKER_EXPECT(made.kind == "std::invalid_argument", made.kind + ": " + made.message);
+  for (const std::string& s : named) {
+    WORKER_EXPECT(made.message.find(s) != std::string::npos, "no '" + s + "' in: " + made.message);
+  }
+  for (const std::string& s : not_named) {
+    WORKER_EXPECT(made.message.find(s) == std::string::npos, "'" + s + "' in: " + made.message);
+  }
+  WORKER_EXPECT(made.seconds < 10.0, "took " + std::to_string(made.seconds) + " s of a " +
+                                         std::to_string(kGroupTimeout.count()) + " ms timeout");
   return testing::WorkerExit();
 }
 
-TEST(DebugModeTest, BadValueOnOneRankFailsEveryRankAtOnce) {
+TestRunOptions TwoRanks() {
   TestRunOptions options;
   options.world_size = 2;
   options.timeout = std::chrono::milliseconds(120000);
   options.stop_all_on_failure = false;
-  options.rank_env[1] = {{"DDP_DEBUG", "bogus"}};
   options.echo_output = std::getenv("DDP_TEST_ECHO") != nullptr;
+  return options;
+}
+
+// Only rank 1 has DDP_DEBUG=bogus (TestRunOptions::rank_env).
+DDP_TEST_WORKER(bad_debug_value_on_one_rank) {
+  return ExpectRefusedAtOnce(MakeGroup(), {"DDP_DEBUG=bogus on rank 1"},
+                             {"rank 0", "DDP_COLLECTIVE_THREAD"});
+}
+
+TEST(DebugModeTest, BadValueOnOneRankFailsEveryRankAtOnce) {
+  TestRunOptions options = TwoRanks();
+  options.rank_env[1] = {{"DDP_DEBUG", "bogus"}};
   auto run = RunTestWorkers("bad_debug_value_on_one_rank", options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
+}
+
+// Only rank 1 has DDP_COLLECTIVE_THREAD=sideways.
+DDP_TEST_WORKER(bad_collective_thread_on_one_rank) {
+  return ExpectRefusedAtOnce(
+      MakeGroup(),
+      {"DDP_COLLECTIVE_THREAD=sideways on rank 1 (of 2): expected auto, comm or caller"},
+      {"rank 0", "DDP_DEBUG"});
+}
+
+// Rank 0 has a bad DDP_DEBUG and rank 1 a bad DDP_COLLECTIVE_THREAD: both
+// ranks name both.
+DDP_TEST_WORKER(bad_values_on_both_ranks) {
+  return ExpectRefusedAtOnce(
+      MakeGroup(), {"DDP_DEBUG=loud on rank 0", "DDP_COLLECTIVE_THREAD=sideways on rank 1"}, {});
+}
+
+// Valid but different DDP_COLLECTIVE_THREAD values: each rank runs its
+// collectives where it chose, and they still pair up.
+DDP_TEST_WORKER(different_collective_threads) {
+  Making made = MakeGroup();
+  WORKER_EXPECT(made.group != nullptr, made.kind + ": " + made.message);
+  ProcessGroup& pg = *made.group;
+  WORKER_EXPECT(pg.collectives_on_caller() == (pg.rank() == 0), "collectives_on_caller");
+  nn::Tensor t = nn::Full({1000}, pg.rank() + 1.0);
+  pg.AllReduce(t).Wait();
+  pg.Barrier().Wait();
+  WORKER_EXPECT(t.data<float>()[999] == 3.0f, "all-reduce value");
+  return testing::WorkerExit();
+}
+
+TEST(DebugModeTest, BadCollectiveThreadOnOneRankFailsEveryRankAtOnce) {
+  {
+    TestRunOptions options = TwoRanks();
+    options.rank_env[1] = {{"DDP_COLLECTIVE_THREAD", "sideways"}};
+    auto run = RunTestWorkers("bad_collective_thread_on_one_rank", options);
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
+  }
+  {
+    TestRunOptions options = TwoRanks();
+    options.rank_env[0] = {{"DDP_DEBUG", "loud"}};
+    options.rank_env[1] = {{"DDP_COLLECTIVE_THREAD", "sideways"}};
+    auto run = RunTestWorkers("bad_values_on_both_ranks", options);
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
+  }
+  // Ranks need not agree on a valid value.
+  TestRunOptions options = TwoRanks();
+  options.rank_env[0] = {{"DDP_COLLECTIVE_THREAD", "caller"}};
+  options.rank_env[1] = {{"DDP_COLLECTIVE_THREAD", "comm"}};
+  auto run = RunTestWorkers("different_collective_threads", options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
+}
+
+// DDP_DEBUG=info on both ranks when the group is made; then rank 1 sets it
+// to a bad value. The group keeps the level it read (what DDP follows), on
+// both ranks, and a collective still runs: nothing reads the variable again.
+DDP_TEST_WORKER(debug_changed_after_making) {
+  Making made = MakeGroup();
+  WORKER_EXPECT(made.group != nullptr, made.kind + ": " + made.message);
+  ProcessGroup& pg = *made.group;
+  if (pg.rank() == 1) setenv("DDP_DEBUG", "bogus", 1);
+  WORKER_EXPECT(pg.debug_level() == DebugLevel::kInfo,
+                "debug_level " + std::to_string(static_cast<int>(pg.debug_level())));
+  WORKER_EXPECT(!pg.debug_detail(), "debug_detail on");
+  nn::Tensor t = nn::Ones({16});
+  pg.AllReduce(t).Wait();
+  WORKER_EXPECT(t.data<float>()[15] == 2.0f, "all-reduce value");
+  return testing::WorkerExit();
+}
+
+TEST(DebugModeTest, GroupKeepsTheLevelItWasMadeWith) {
+  TestRunOptions options = TwoRanks();
+  options.env = {{"DDP_DEBUG", "info"}};
+  auto run = RunTestWorkers("debug_changed_after_making", options);
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
 }

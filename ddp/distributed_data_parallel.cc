@@ -241,7 +241,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   reducer_options.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer_options.static_graph = options_.static_graph;
 
-  const DebugLevel level = DebugLevelFromEnvironment();
+  // The level the group read when it was made, not the environment now: a
+  // DDP_DEBUG set since (on some ranks only) would make this rank throw or
+  // log alone.
+  const DebugLevel level = pg_->debug_level();
   impl_->log_every = options_.log_stats_every;
   if (impl_->log_every == 0 && level != DebugLevel::kOff) impl_->log_every = 100;
   if (!options_.trace_prefix.empty()) {

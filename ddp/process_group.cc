@@ -850,24 +850,49 @@ class ProcessGroup::Impl {
 
 namespace {
 
-ProcessGroupOptions WithEnvironment(ProcessGroupOptions options) {
-  // A bad DDP_DEBUG is not refused here: a group of several ranks shares it
-  // in CheckDebugModeAgrees, so that all of them stop together; Single and
-  // one-rank groups refuse it where they are made.
-  if (DebugSettingFromEnvironment().level == DebugLevel::kDetail) options.debug_detail = true;
+// The environment variables a group reads when it is made, read once and
+// without throwing: a group of several ranks shares the bad values in
+// CheckDebugModeAgrees, so that all of them stop together.
+struct Environment {
+  DebugSetting debug;
+  std::optional<CollectiveThread> collective_thread;  // set and valid
+  std::optional<std::string> bad_collective_thread;   // set and not valid
+};
+
+Environment ReadEnvironment() {
+  Environment env;
+  env.debug = DebugSettingFromEnvironment();
   if (const char* v = std::getenv("DDP_COLLECTIVE_THREAD"); v != nullptr && *v != '\0') {
     const std::string value = v;
     if (value == "auto") {
-      options.collective_thread = CollectiveThread::kAuto;
+      env.collective_thread = CollectiveThread::kAuto;
     } else if (value == "comm") {
-      options.collective_thread = CollectiveThread::kCommThread;
+      env.collective_thread = CollectiveThread::kCommThread;
     } else if (value == "caller") {
-      options.collective_thread = CollectiveThread::kCaller;
+      env.collective_thread = CollectiveThread::kCaller;
     } else {
-      throw std::invalid_argument("DDP_COLLECTIVE_THREAD must be auto, comm or caller, got '" +
-                                  value + "'");
+      env.bad_collective_thread = value;
     }
   }
+  return env;
+}
+
+// Where no peer waits (Single, a group of one rank): a bad value throws at once.
+void RefuseBadEnvironment(const Environment& env) {
+  if (env.debug.bad_value) {
+    throw std::invalid_argument("DDP_DEBUG=" + *env.debug.bad_value + ": " + kDebugAccepted);
+  }
+  if (env.bad_collective_thread) {
+    throw std::invalid_argument("DDP_COLLECTIVE_THREAD=" + *env.bad_collective_thread + ": " +
+                                kCollectiveThreadAccepted);
+  }
+}
+
+// `options` with the environment's settings over them. Throws only for the
+// options' own errors (the timeout), which the caller gave every rank alike.
+ProcessGroupOptions WithEnvironment(ProcessGroupOptions options, const Environment& env) {
+  if (env.debug.level == DebugLevel::kDetail) options.debug_detail = true;
+  if (env.collective_thread) options.collective_thread = *env.collective_thread;
   if (options.timeout.count() <= 0) {
     throw std::invalid_argument("ProcessGroupOptions::timeout must be positive, got " +
                                 std::to_string(options.timeout.count()) + " ms");
@@ -885,7 +910,12 @@ ProcessGroupOptions WithEnvironment(ProcessGroupOptions options) {
 
 ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
                            ProcessGroupOptions options)
-    : rank_(rank), size_(size), root_rank_(rank), options_(WithEnvironment(options)) {
+    : rank_(rank), size_(size), root_rank_(rank) {
+  // Bad environment values count as unset here: Single refuses them before
+  // it comes here, and the public constructor shares them with the peers.
+  const Environment env = ReadEnvironment();
+  options_ = WithEnvironment(options, env);
+  debug_level_ = env.debug.level;
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
 }
 
@@ -896,15 +926,19 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   rank_ = comm->rank();
   size_ = comm->size();
   root_rank_ = rank_;
-  const DebugSetting debug = DebugSettingFromEnvironment();
+  // Read again, once, for this group: what is shared below is what it uses.
+  const Environment env = ReadEnvironment();
+  options_ = WithEnvironment(options, env);
+  debug_level_ = env.debug.level;
   if (size_ > 1) {
     // Throws std::invalid_argument on every rank when any rank's DDP_DEBUG
-    // is bad, after all of them have taken part.
-    const transport::Status agreed = CheckDebugModeAgrees(
-        *comm, options_.debug_detail, debug.bad_value, transport::Clock::now() + options_.timeout);
+    // or DDP_COLLECTIVE_THREAD is bad, after all of them have taken part.
+    const transport::Status agreed =
+        CheckDebugModeAgrees(*comm, options_.debug_detail, env.debug.bad_value,
+                             env.bad_collective_thread, transport::Clock::now() + options_.timeout);
     if (!agreed.ok()) throw DistributedError(agreed);
-  } else if (debug.bad_value) {
-    static_cast<void>(DebugLevelFromEnvironment());  // throws, naming the value
+  } else {
+    RefuseBadEnvironment(env);
   }
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
   if (size_ > 1 && impl_->host_shared_memory()) ShareLargeCpuBlocks();
@@ -948,7 +982,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::CreateFromEnvironment(
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::Single(ProcessGroupOptions options) {
-  static_cast<void>(DebugLevelFromEnvironment());  // a bad DDP_DEBUG: no peer waits
+  RefuseBadEnvironment(ReadEnvironment());  // no peer waits
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(nullptr, 0, 1, options));
 }
 

@@ -64,7 +64,10 @@
 // off): every rank of a group being made throws std::invalid_argument
 // naming the variable, each rank that had a bad value and the value; the
 // ranks share their values when the group is made, so one rank's mistake
-// does not leave the others waiting for it.
+// does not leave the others waiting for it. A bad DDP_COLLECTIVE_THREAD
+// (not auto, comm or caller) is shared and refused the same way. The ranks
+// may set different valid DDP_COLLECTIVE_THREAD values: it only chooses
+// which of a rank's own threads runs its CPU collectives, in the same order.
 
 #include <chrono>
 #include <cstdint>
@@ -80,6 +83,8 @@
 #include "transport/communicator.h"
 
 namespace ddp::dist {
+
+enum class DebugLevel : int;  // ddp/debug_mode.h
 
 namespace internal {
 class DeviceFence;
@@ -243,7 +248,8 @@ class ProcessGroup {
   /// Forms the group from the launch environment (RANK, WORLD_SIZE, ...;
   /// see transport/launch). Without a launch environment, a one-process
   /// group. Collective: every rank calls it. Throws DistributedError, or
-  /// std::invalid_argument on every rank for a bad DDP_DEBUG on any rank.
+  /// std::invalid_argument on every rank for a bad DDP_DEBUG or
+  /// DDP_COLLECTIVE_THREAD on any rank.
   /// comm_options.busy_threads_per_rank left at 0 becomes 2: the caller's
   /// thread computes while the group's thread waits in collectives.
   static std::shared_ptr<ProcessGroup> CreateFromEnvironment(
@@ -268,6 +274,11 @@ class ProcessGroup {
   const ProcessGroupOptions& options() const { return options_; }
   /// Whether the debug-mode fingerprint check runs.
   bool debug_detail() const { return options_.debug_detail; }
+  /// DDP_DEBUG as this process read it when the group was made (kOff when
+  /// unset; ProcessGroupOptions::debug_detail does not change it). What the
+  /// group's users (DDP's logging) follow, so that setting the variable
+  /// later changes nothing: a level read again could differ between ranks.
+  DebugLevel debug_level() const { return debug_level_; }
   /// Whether CPU collectives run on the caller's thread (the resolved
   /// ProcessGroupOptions::collective_thread).
   bool collectives_on_caller() const;
@@ -482,6 +493,7 @@ class ProcessGroup {
   int size_ = 1;
   int root_rank_ = 0;
   ProcessGroupOptions options_;
+  DebugLevel debug_level_{};  // kOff
   std::unique_ptr<Impl> impl_;
 };
 
