@@ -48,7 +48,7 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
         "lr_t_mult", "lr_patience", "amp", "device", "nproc_per_node", "max_restarts",
         "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "powersgd_start_step",
         "find_unused_parameters", "ddp_stats", "trace", "checkpoint", "checkpoint_every",
-        "save_timeout_s", "resume", "log_dir", "log_every", "timeout_s"}) {
+        "save_timeout_s", "save_stop_grace_s", "resume", "log_dir", "log_every", "timeout_s"}) {
     EXPECT_NE(r.out.find("  --" + std::string(flag)), std::string::npos) << flag;
   }
   // Flags of linked libraries (gflags' own) stay out of the way.

@@ -145,6 +145,10 @@ DEFINE_int64(save_timeout_s, 1800,
              "deadline of a checkpoint save, and of --resume's read, in seconds: the other ranks "
              "wait this long for rank 0's write or read (a large model, a slow disk), not "
              "--timeout_s");
+DEFINE_int64(save_stop_grace_s, 60,
+             "once a checkpoint's write or read ran past --save_timeout_s and was told to stop, how "
+             "many seconds more rank 0 waits for it to end before it leaves it behind (a write stuck "
+             "in the filesystem) and the run fails; the file at --checkpoint stays as it was");
 DEFINE_bool(resume, false,
             "continue from --checkpoint (model, optimizer, schedule, epoch and position in it); "
             "the schedule as saved: the same --scheduler, --lr, --lr_* flags, and --epochs and "
@@ -265,7 +269,8 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
         "comm_hook", "powersgd_start_step", "find_unused_parameters", "ddp_stats", "trace",
         "timeout_s"}},
       {"Checkpoints and logs",
-       {"checkpoint", "checkpoint_every", "save_timeout_s", "resume", "log_dir", "log_every"}},
+       {"checkpoint", "checkpoint_every", "save_timeout_s", "save_stop_grace_s", "resume", "log_dir",
+        "log_every"}},
   };
   return kSections;
 }
@@ -427,6 +432,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.checkpoint = FLAGS_checkpoint;
   c.checkpoint_every = FLAGS_checkpoint_every;
   c.save_timeout_s = FLAGS_save_timeout_s;
+  c.save_stop_grace_s = FLAGS_save_stop_grace_s;
   c.resume = FLAGS_resume;
   c.log_dir = FLAGS_log_dir;
   c.log_every = FLAGS_log_every;
@@ -566,9 +572,10 @@ int main(int argc, char** argv) {
     options.prefix_output = false;
     // After forwarding Ctrl-C or SIGTERM, time for the ranks to finish the
     // step, agree to stop and save the checkpoint before SIGKILL: the save
-    // may take up to --save_timeout_s (the ranks end it there themselves).
-    // A second Ctrl-C does not wait.
-    options.grace = std::chrono::seconds(30 + config.save_timeout_s);
+    // may take up to --save_timeout_s, and a write stuck past it up to
+    // --save_stop_grace_s more (the ranks end it there themselves). A
+    // second Ctrl-C does not wait.
+    options.grace = std::chrono::seconds(30 + config.save_timeout_s + config.save_stop_grace_s);
     launch::SelfLaunchOrExit(args_count, args.data(), options);
     return 0;  // not reached: the launcher exits with the workers' status
   }

@@ -201,6 +201,8 @@ void ValidateConfig(const TrainConfig& c) {
   not_negative("checkpoint_every", c.checkpoint_every);
   positive("save_timeout_s", c.save_timeout_s);
   at_most("save_timeout_s", c.save_timeout_s, 7 * 24 * 3600, " (7 days)");
+  positive("save_stop_grace_s", c.save_stop_grace_s);
+  at_most("save_stop_grace_s", c.save_stop_grace_s, 7 * 24 * 3600, " (7 days)");
   not_negative("train_samples", c.train_samples);
   not_negative("test_samples", c.test_samples);
   not_negative("workers", c.workers);

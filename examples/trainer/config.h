@@ -114,6 +114,14 @@ struct TrainConfig {
   /// the other ranks wait for rank 0's write or read this long (it tells
   /// them it is still going), not --timeout_s.
   int64_t save_timeout_s = 1800;
+  /// Once rank 0's write or read has run past save_timeout_s (or the job
+  /// failed meanwhile) it is asked to stop, which it does within a piece;
+  /// one stuck in the filesystem (a write or an fsync that never returns,
+  /// as on a hung network mount) is left behind on its thread after this
+  /// many seconds more, and the run ends with its error instead of waiting
+  /// for it without a bound. The file at the checkpoint path stays as it
+  /// was: a writer told to stop never renames its temporary file into place.
+  int64_t save_stop_grace_s = 60;
   bool resume = false;             ///< Continue from `checkpoint`.
   /// Identifies the job across its restarts (JobFingerprint of its token
   /// and its launcher's run id),

@@ -143,9 +143,15 @@ class Parallel {
   /// the collectives' deadline. `work` should end soon after its `stop`
   /// turns true. Returns rank 0's outcome on every rank: "" or what `work`
   /// threw. Past `timeout` every rank throws JobError `late`, and the job's
-  /// group is aborted. Collective.
+  /// group is aborted. Once asked to stop (past `timeout`, or when the job
+  /// failed), `work` has `stop_grace` to end; one that does not (stuck in
+  /// the filesystem) is left running on a detached thread, with a line on
+  /// stderr, and rank 0 throws as it would have. So `work` must own what it
+  /// uses: captures by value, results through a shared_ptr, no reference
+  /// to the caller's locals or members. Collective.
   virtual std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
-                                std::chrono::milliseconds timeout, const std::string& late) = 0;
+                                std::chrono::milliseconds timeout, const std::string& late,
+                                std::chrono::milliseconds stop_grace) = 0;
   /// Stopping together: a signal (Ctrl-C, SIGTERM) reaches the ranks at
   /// different steps, so each rank votes at every step boundary and all of
   /// them act on the same vote one step later. VoteStop(signal) returns the

@@ -659,9 +659,8 @@ std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>
   }
 }
 
-void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
-                         const TrainPosition& pos, const TrainConfig& config, int world_size,
-                         const std::atomic<bool>* stop) {
+nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPosition& pos,
+                                     const TrainConfig& config, int world_size) {
   nn::io::Checkpoint ckpt;
   ckpt.model = parts.model->GetStateDict();
   ckpt.optimizer = parts.optimizer_state != nullptr ? *parts.optimizer_state : parts.optimizer->StateDict();
@@ -730,6 +729,11 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
     }
     m["bucket_order"] = order;
   }
+  return ckpt;
+}
+
+void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& ckpt,
+                          const std::atomic<bool>* stop) {
   std::error_code ec;
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   // The folders made here, deepest first: each one's entry is in its
@@ -757,6 +761,12 @@ void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
     throw UsageError(std::string("cannot save the checkpoint: ") + e.what() +
                      "; pass --checkpoint=PATH somewhere writable, or none");
   }
+}
+
+void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
+                         const TrainPosition& pos, const TrainConfig& config, int world_size,
+                         const std::atomic<bool>* stop) {
+  WriteTrainCheckpoint(path, TrainCheckpointOf(parts, pos, config, world_size), stop);
 }
 
 void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Module& model,

@@ -38,6 +38,7 @@
 
 #include "ddp/powersgd_hook.h"
 #include "examples/trainer/config.h"
+#include "nn/io/checkpoint.h"
 #include "nn/modules/module.h"
 #include "nn/optim/grad_scaler.h"
 #include "nn/optim/lr_scheduler.h"
@@ -196,6 +197,17 @@ struct TrainComponents {
 void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                          const TrainPosition& position, const TrainConfig& config, int world_size,
                          const std::atomic<bool>* stop = nullptr);
+
+/// SaveTrainCheckpoint in two halves. TrainCheckpointOf gathers what a
+/// save writes: the metadata, and the model's and optimizer's tensors as
+/// handles sharing their storage (no copy), so the caller must not change
+/// those tensors until the write has ended or was stopped. WriteTrainCheckpoint
+/// writes it to `path` as SaveTrainCheckpoint does, touching nothing of the
+/// components: a thread that owns its copy of the checkpoint can run it.
+nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPosition& position,
+                                     const TrainConfig& config, int world_size);
+void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& checkpoint,
+                          const std::atomic<bool>* stop = nullptr);
 
 /// Loads `path` into `parts` (all or nothing) and returns the position to
 /// continue from. A missing or unreadable file, or a checkpoint of another

@@ -12,6 +12,7 @@
 #include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -602,26 +603,32 @@ void Run::Setup() {
     // it, perhaps on a disk only its host sees, and its failure to read it
     // is every rank's. The read may take as long as the save did, longer
     // than --timeout_s: the others wait for it as they wait for a save,
-    // told that rank 0 is still going, up to --save_timeout_s.
-    std::string bytes;
-    std::exception_ptr error;  // rank 0's own, rethrown as it was
+    // told that rank 0 is still going, up to --save_timeout_s. The read
+    // owns what it uses (a read stuck in the filesystem is left behind
+    // after --save_stop_grace_s): its outcome comes back through `read`,
+    // looked at only once RunOnLead has returned, when it has ended.
+    struct Read {
+      std::string bytes;
+      std::exception_ptr error;  // rank 0's own, rethrown as it was
+    };
+    const auto read = std::make_shared<Read>();
     const std::string late = StringPrintf(
         "rank 0 was still reading %s after %lld s (--save_timeout_s bounds a resume's read as "
         "well as a save): pass a longer --save_timeout_s, or a --checkpoint on a faster disk",
         c_.checkpoint.c_str(), static_cast<long long>(c_.save_timeout_s));
     const std::string failure = par_.RunOnLead(
-        [&](const std::atomic<bool>& stop) {
+        [read, path = c_.checkpoint](const std::atomic<bool>& stop) {
           try {
-            bytes = ReadTrainCheckpoint(c_.checkpoint, &stop);
+            read->bytes = ReadTrainCheckpoint(path, &stop);
           } catch (...) {
-            error = std::current_exception();
+            read->error = std::current_exception();
             throw;
           }
         },
-        std::chrono::seconds(c_.save_timeout_s), late);
-    if (error) std::rethrow_exception(error);
+        std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s));
+    if (read->error) std::rethrow_exception(read->error);
     if (!failure.empty()) throw UsageError(failure);
-    bytes = par_.ShareFromLead(std::move(bytes));
+    std::string bytes = par_.ShareFromLead(std::move(read->bytes));
     pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);
   }
   // Under ddprun, srun or mpirun no launcher ran CheckSetup: rank 0, which
@@ -930,13 +937,32 @@ void Run::SaveCheckpoint() {
   // rank 0 alone while the others wait in their next collective. They wait
   // up to --save_timeout_s, told that rank 0 is still writing: a large
   // model on a slow disk may take longer than --timeout_s.
-  TrainComponents parts;
+  // What rank 0 writes, gathered here so that the write owns it (one stuck
+  // in the filesystem is left behind after --save_stop_grace_s, and must
+  // then touch nothing of this Run). Its tensors share the model's and
+  // optimizer's storage: nothing changes them until RunOnLead returns, as
+  // training waits for it. A write left behind has been told to stop
+  // before: whatever it reads afterwards (the run ends, or a later step
+  // changes the parameters) goes only to its temporary file, which it
+  // removes rather than renaming it to the checkpoint's path.
+  nn::io::Checkpoint checkpoint;
   if (lead_) {
-    parts = Components();
+    TrainComponents parts = Components();
     if (sharded_) parts.optimizer_state = &whole;
+    checkpoint = TrainCheckpointOf(parts, pos_, c_, world_);
   }
-  std::exception_ptr error;
-  std::string kept;  // where another run's checkpoint went, if it was there
+  // The write's outcome, shared with it; `mu` is held only to read or set
+  // these, never across a filesystem call.
+  struct Outcome {
+    std::mutex mu;
+    std::string kept;  // where another run's checkpoint went, if it was there
+    std::exception_ptr error;
+  };
+  const auto outcome = std::make_shared<Outcome>();
+  const auto kept_now = [&outcome] {
+    std::lock_guard lock(outcome->mu);
+    return outcome->kept;
+  };
   // `moved`: where another run's checkpoint went before the write (rank 0
   // knows once the write has ended). It is still at the path too, unless
   // the filesystem has no hard links (see KeepAsPreviousCheckpoint).
@@ -957,43 +983,56 @@ void Run::SaveCheckpoint() {
   std::string failure;
   try {
     failure = par_.RunOnLead(
-        [&](const std::atomic<bool>& stop) {
+        [outcome, checkpoint = std::move(checkpoint), path = c_.checkpoint, job = c_.job,
+         keep_previous = keep_previous_](const std::atomic<bool>& stop) {
           try {
+            std::string kept;
             // Checked again: the file may have gone (or become this job's)
             // since the start.
-            if (keep_previous_ && IsAnotherRunsCheckpoint(c_.checkpoint, c_.job)) {
-              kept = KeepAsPreviousCheckpoint(c_.checkpoint);
+            if (keep_previous && IsAnotherRunsCheckpoint(path, job)) {
+              kept = KeepAsPreviousCheckpoint(path);
+              std::lock_guard lock(outcome->mu);
+              outcome->kept = kept;
             }
-            keep_previous_ = false;
             try {
-              SaveTrainCheckpoint(c_.checkpoint, parts, pos_, c_, world_, &stop);
+              WriteTrainCheckpoint(path, checkpoint, &stop);
             } catch (const UsageError& e) {
               // The file kept is still at the path (the write never got to
               // replace it): as it was, under one name.
-              if (!kept.empty() && ForgetKeptCheckpoint(c_.checkpoint, kept)) kept.clear();
+              if (!kept.empty() && ForgetKeptCheckpoint(path, kept)) {
+                kept.clear();
+                std::lock_guard lock(outcome->mu);
+                outcome->kept.clear();
+              }
               if (kept.empty()) throw;
-              throw UsageError(std::string(e.what()) +
-                               " (another run's checkpoint that was there is " + kept + ")");
+              throw UsageError(std::string(e.what()) + " (another run's checkpoint that was there is " +
+                               kept + ")");
             }
           } catch (...) {
-            error = std::current_exception();
+            std::lock_guard lock(outcome->mu);
+            outcome->error = std::current_exception();
             throw;
           }
         },
-        std::chrono::seconds(c_.save_timeout_s), late);
+        std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s));
   } catch (const JobError& e) {
-    // On rank 0 the write has ended by now (RunOnLead waits for it), so
-    // `kept` is final: say where the other run's checkpoint went.
+    // On rank 0 the write has ended by now, unless it was left behind
+    // (stuck past --save_stop_grace_s): `kept` is then where the other
+    // run's checkpoint went before the write, which, told to stop, never
+    // replaces the file at the path.
+    const std::string kept = kept_now();
     if (kept.empty()) throw;
     if (e.what() == late) throw JobError(late_message(kept));
     throw JobError(std::string(e.what()) + " (another run's checkpoint that was there is " + kept + ")");
   }
-  if (error) std::rethrow_exception(error);
+  // RunOnLead returned: the write has ended, and the outcome is final.
+  keep_previous_ = false;
+  if (outcome->error) std::rethrow_exception(outcome->error);
   if (!failure.empty()) throw std::runtime_error("rank 0 could not save the checkpoint: " + failure);
   if (lead_) {
     checkpoint_saved_ = c_.checkpoint;
     checkpoint_saved_step_ = pos_.step;
-    if (!kept.empty()) {
+    if (const std::string kept = kept_now(); !kept.empty()) {
       Say("  another run's checkpoint, which was at " + c_.checkpoint + ", is now " + kept);
     }
   }

@@ -112,6 +112,23 @@ DDP_TEST_WORKER(fresh_slow_save) {
   return TrainAsWorker(c, options);
 }
 
+// fresh_run as job STUCK_JOB saving to STUCK_CKPT, whose write is stuck:
+// each of its pieces waits STUCK_PAUSE_MS before it looks at its stop flag,
+// as a write hung in the filesystem would (for longer than the test waits).
+// --save_timeout_s=1 and --save_stop_grace_s=1.
+DDP_TEST_WORKER(stuck_save) {
+  nn::io::internal::SetWritePausePerPiece(
+      std::chrono::milliseconds(std::atoll(std::getenv("STUCK_PAUSE_MS"))));
+  TrainConfig c = TinyRun(std::getenv("STUCK_CKPT"), 30);
+  c.job = std::getenv("STUCK_JOB");
+  c.save_timeout_s = 1;
+  c.save_stop_grace_s = 1;
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  return TrainAsWorker(c, options);
+}
+
 // One epoch of the MLP on 64 generated samples (2 steps on 2 ranks), every
 // collective bounded by 20 s, saving to MIXED_CKPT: a path, or "" for
 // --checkpoint=none. Exit status 0, or 1 after printing the error.
@@ -334,6 +351,51 @@ TEST(TrainerSaveTest, LateFirstSaveOfAFreshRunLeavesAnotherRunsCheckpointInPlace
       << out;
   EXPECT_TRUE(ReadFile(checkpoint) == job_a) << "another run's checkpoint is not at its path";
   EXPECT_FALSE(std::filesystem::exists(previous));
+}
+
+// A write stuck in the filesystem (here: each piece waits 30 s before it
+// looks at its stop flag) used to hold rank 0 after --save_timeout_s until
+// the write itself returned, without a bound: RunOnLead joined its thread
+// forever, since the write used the Run's own members. The write now owns
+// what it uses, so rank 0 leaves it behind --save_stop_grace_s after
+// asking it to stop, says so, and fails naming the checkpoint; the file
+// at the path is the one saved before (a writer told to stop never
+// renames its temporary file into place).
+TEST(TrainerSaveTest, WriteStuckInTheFilesystemEndsTheRunAfterTheGraceLeavingTheCheckpointBefore) {
+  const std::string checkpoint = TempDir("stuck") + "/ckpt.safetensors";
+  auto run = [&](const char* worker) {
+    auto result = launch::testing::RunTestWorkers(
+        worker, {.world_size = 2,
+                 .timeout = std::chrono::seconds(90),
+                 .stop_all_on_failure = false,
+                 .env = {{"FRESH_RUN_CKPT", checkpoint},
+                         {"FRESH_RUN_JOB", "job-a"},
+                         {"STUCK_CKPT", checkpoint},
+                         {"STUCK_JOB", "job-a"},
+                         {"STUCK_PAUSE_MS", "30000"}}});
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : launch::testing::TestRunResult{};
+  };
+  const launch::testing::TestRunResult first = run("fresh_run");
+  ASSERT_TRUE(first.AllSucceeded()) << first.Summary() << first.Output(0) << first.Output(1);
+  const std::string before = ReadFile(checkpoint);
+  ASSERT_FALSE(before.empty());
+
+  const auto start = std::chrono::steady_clock::now();
+  const launch::testing::TestRunResult stuck = run("stuck_save");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Training and the save's 1 s, its 1 s grace, and the ranks' start and
+  // end: well under the stuck piece's 30 s.
+  EXPECT_LT(seconds, 20) << "rank 0 waited for the stuck write";
+  const std::string out = stuck.Output(0);
+  EXPECT_EQ(stuck.ExitCode(0), 1) << stuck.Summary() << out;
+  EXPECT_NE(out.find("rank 0 was still writing " + checkpoint + " after 1 s (--save_timeout_s); "
+                     "the file there is the one before"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("did not end within 1000 ms of being asked to stop"), std::string::npos) << out;
+  EXPECT_EQ(stuck.ExitCode(1), 1) << stuck.Summary() << stuck.Output(1);
+  EXPECT_TRUE(ReadFile(checkpoint) == before) << "the checkpoint saved before is not at its path";
 }
 
 }  // namespace
