@@ -498,6 +498,9 @@ struct PowerSgdState::Impl {
   // Whether a bucket past start_iteration was sent uncompressed (not f32
   // or f64, or not in host memory) and the note about it printed.
   std::atomic<bool> warned_uncompressed{false};
+  // Whether the ranks' options were compared (AgreeOnOptions), at the
+  // hook's first call.
+  std::atomic<bool> options_compared{false};
 };
 
 namespace {
@@ -643,6 +646,69 @@ nn::Tensor CopyOut(const void* from, const nn::Shape& shape, nn::DType dtype) {
   return t;
 }
 
+// The options every rank must share, each as the 64 bits of its value (a
+// double's bit pattern, a bool as 0 or 1), with its name.
+std::vector<std::pair<const char*, int64_t>> OptionBits(const PowerSgdOptions& o) {
+  auto bits = [](double v) {
+    int64_t b = 0;
+    std::memcpy(&b, &v, sizeof b);
+    return b;
+  };
+  return {{"matrix_approximation_rank", o.matrix_approximation_rank},
+          {"start_iteration", o.start_iteration},
+          {"min_compression_rate", bits(o.min_compression_rate)},
+          {"use_error_feedback", o.use_error_feedback ? 1 : 0},
+          {"warm_start", o.warm_start ? 1 : 0},
+          {"orthogonalization_epsilon", bits(o.orthogonalization_epsilon)},
+          {"seed", static_cast<int64_t>(o.seed)}};
+}
+
+// The lowest and highest value of each option over the ranks, in one
+// all-reduce (max of v and of ~v: ~ reverses the order, so the max of ~v is
+// ~ the min of v). Every rank gets the same extremes, so either every rank
+// passes or every rank fails, naming the options that differ: ranks seeded
+// apart draw different Q's and sum products of unrelated bases, and other
+// differences mismatch the collectives or the state; none of it fails by
+// itself.
+transport::Status AgreeOnOptions(const PowerSgdOptions& options, transport::Communicator* comm,
+                                 transport::Deadline deadline) {
+  if (comm == nullptr) return transport::Status::Ok();
+  const auto named = OptionBits(options);
+  const size_t n = named.size();
+  std::vector<int64_t> wire(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    wire[i] = named[i].second;
+    wire[n + i] = ~named[i].second;
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
+  if (left.count() <= 0) return transport::TimedOutError("powersgd options: the deadline passed before comparing them");
+  transport::Status s = comm->AllReduce(wire.data(), wire.size(), transport::DataType::kI64,
+                                        transport::ReduceOp::kMax, {.timeout = left});
+  if (!s.ok()) return s;
+  std::ostringstream differ;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t high = wire[i], low = ~wire[n + i];
+    if (low == high) continue;
+    const std::string name = named[i].first;
+    differ << (differ.tellp() > 0 ? "; " : "") << name << " differs (";
+    if (name == "min_compression_rate" || name == "orthogonalization_epsilon") {
+      double a = 0, b = 0;
+      std::memcpy(&a, &low, sizeof a);
+      std::memcpy(&b, &high, sizeof b);
+      differ << a << " and " << b;
+    } else if (name == "seed") {
+      differ << static_cast<uint64_t>(low) << " and " << static_cast<uint64_t>(high);
+    } else {
+      differ << low << " and " << high;
+    }
+    differ << " among others)";
+  }
+  if (differ.tellp() == 0) return transport::Status::Ok();
+  return transport::Status(transport::StatusCode::kInvalidArgument,
+                           "PowerSgdHook: the ranks' PowerSgdOptions differ: " + differ.str() +
+                               "; every rank must pass the same options");
+}
+
 }  // namespace
 
 PowerSgdState::PowerSgdState(PowerSgdOptions options) {
@@ -720,6 +786,17 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
   // The closure keeps `shared` alive; `state` is its Impl.
   PowerSgdState::Impl* state = shared->impl_.get();
   return [shared, state](ProcessGroup& group, GradBucket& bucket) -> Work {
+    if (!state->options_compared.exchange(true) && group.size() > 1) {
+      // Before this call's own collective, in issue order on every rank.
+      // Its failure aborts the group, so this bucket's work and every later
+      // one fail with its message.
+      const CollectiveDescription compare{"powersgd options", nn::DType::kInt64,
+                                          {static_cast<int64_t>(2 * OptionBits(state->options).size())}, -1,
+                                          transport::ReduceOp::kMax, true};
+      group.Run(compare, [state](transport::Communicator* comm, transport::Deadline deadline) {
+        return AgreeOnOptions(state->options, comm, deadline);
+      });
+    }
     const int64_t iteration = state->iteration;
     if (bucket.is_last()) {
       ++state->iteration;

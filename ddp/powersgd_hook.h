@@ -39,6 +39,14 @@
 // gradient of the bucket NaN. Every rank decides from all-reduced values,
 // so all take the same path.
 //
+// Every rank must pass the same PowerSgdOptions. The hook's first call
+// compares them across the ranks (one small all-reduce, before that call's
+// own collective): when they differ, that call fails on every rank with
+// INVALID_ARGUMENT naming each option that differs and two of its values,
+// and the group is aborted, so every later collective fails with the same
+// message. Different seeds, for one, would sum the products of unrelated
+// Q's without any error.
+//
 // Usage, before the first backward:
 //
 //   ddp_model.RegisterCommHook(ddp::dist::hooks::PowerSgdHook(
@@ -122,7 +130,8 @@ struct PowerSgdOptions {
   double orthogonalization_epsilon = 0.0;
   /// Seed of the random initial Q. Q is derived from it, the bucket's
   /// index and the tensor's place in the bucket, so every rank builds the
-  /// same Q without communication; must be equal on every rank.
+  /// same Q without communication; must be equal on every rank (the
+  /// hook's first call checks, with the other options).
   uint64_t seed = 0;
 };
 

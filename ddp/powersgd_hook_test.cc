@@ -821,5 +821,67 @@ TEST(PowerSgdHookTest, LoadRefusesMismatchesNamingThemAndChangesNothing) {
   EXPECT_THROW(hooks::PowerSgdHook(std::shared_ptr<PowerSgdState>()), std::invalid_argument);
 }
 
+// ------------------------------------------ options differ across ranks ----
+
+// One compressed bucket: a [16, 12] weight of values that depend on the
+// rank and the step, through `hook`, waited for.
+void CompressOnce(ProcessGroup& pg, CommHook& hook, const Tensor& weight, int step) {
+  std::vector<double> values(16 * 12);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = std::sin(0.37 * i + pg.rank() + 0.11 * step);
+  const Tensor buffer = nn::FromVector(values, {16 * 12});
+  GradBucket bucket(0, 1, buffer, {weight}, {0});
+  hook(pg, bucket).Wait();
+}
+
+// Each rank seeds PowerSGD by its rank: the hook's first call compares the
+// options and fails on every rank naming the seed (it summed the products
+// of unrelated Q's without a word).
+DDP_TEST_WORKER(seeds_differ) {
+  auto pg = testing::WorkerGroup();
+  const Tensor weight = nn::Zeros({16, 12});
+  CommHook hook = hooks::PowerSgdHook({.matrix_approximation_rank = 2,
+                                       .start_iteration = 0,
+                                       .seed = static_cast<uint64_t>(pg->rank())});
+  try {
+    for (int step = 0; step < 3; ++step) CompressOnce(*pg, hook, weight, step);
+    WORKER_EXPECT(false, "seeds 0 and 1 were accepted");
+  } catch (const DistributedError& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PowerSgdOptions differ: seed differs (0 and 1") != std::string::npos, what);
+    WORKER_EXPECT(e.code() == transport::StatusCode::kInvalidArgument, what);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, RanksWithDifferentSeedsFailNamingTheSeed) {
+  auto run = RunWorkers("seeds_differ", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The same for a setting that only matters later (warm_start), and with
+// equal options the check passes.
+DDP_TEST_WORKER(warm_start_differs) {
+  auto pg = testing::WorkerGroup();
+  const Tensor weight = nn::Zeros({16, 12});
+  CommHook same = hooks::PowerSgdHook({.start_iteration = 0, .seed = 7});
+  CompressOnce(*pg, same, weight, 0);
+  CommHook hook = hooks::PowerSgdHook({.start_iteration = 5, .warm_start = pg->rank() == 0});
+  try {
+    for (int step = 0; step < 3; ++step) CompressOnce(*pg, hook, weight, step);
+    WORKER_EXPECT(false, "warm_start on one rank alone was accepted");
+  } catch (const DistributedError& e) {
+    const std::string what = e.what();
+    WORKER_EXPECT(what.find("warm_start differs (0 and 1") != std::string::npos, what);
+    WORKER_EXPECT(what.find("seed") == std::string::npos, what);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, RanksWithDifferentWarmStartFailNamingIt) {
+  auto run = RunWorkers("warm_start_differs", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
