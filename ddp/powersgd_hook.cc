@@ -90,14 +90,76 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const dou
               static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0, a,
               static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0, c, static_cast<blasint>(ldc));
 }
-float Dot(int64_t n, const float* x, const float* y) { return cblas_sdot(static_cast<blasint>(n), x, 1, y, 1); }
-double Dot(int64_t n, const double* x, const double* y) { return cblas_ddot(static_cast<blasint>(n), x, 1, y, 1); }
 void Axpy(int64_t n, float a, const float* x, float* y) { cblas_saxpy(static_cast<blasint>(n), a, x, 1, y, 1); }
 void Axpy(int64_t n, double a, const double* x, double* y) { cblas_daxpy(static_cast<blasint>(n), a, x, 1, y, 1); }
-float Norm(int64_t n, const float* x) { return cblas_snrm2(static_cast<blasint>(n), x, 1); }
-double Norm(int64_t n, const double* x) { return cblas_dnrm2(static_cast<blasint>(n), x, 1); }
-void Scale(int64_t n, float a, float* x) { cblas_sscal(static_cast<blasint>(n), a, x, 1); }
-void Scale(int64_t n, double a, double* x) { cblas_dscal(static_cast<blasint>(n), a, x, 1); }
+
+// ------------------------------------------------ the same on every rank ----
+// What runs on all-reduced values (P and Q, identical on every rank) must
+// round identically on every rank, or the replicas drift apart with no
+// error: the BLAS picks its kernels by CPU and splits work by its thread
+// count (OPENBLAS_NUM_THREADS), either of which can change the order of a
+// sum. These loops fix the order; the compiler keeps it (no -ffast-math,
+// and every rank runs the same binary).
+
+// sum of x[i] y[i], i ascending, accumulated in T.
+template <typename T>
+T FixedDot(int64_t n, const T* x, const T* y) {
+  T sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * y[i];
+  return sum;
+}
+
+// y += a x.
+template <typename T>
+void FixedAxpy(int64_t n, T a, const T* x, T* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// The Euclidean norm without overflow or underflow of the squares: the
+// values are scaled by a power of two (exact) that brings the largest into
+// [0.5, 1) and squared in double. NaN when x holds a NaN, inf when an inf.
+template <typename T>
+T FixedNorm(int64_t n, const T* x) {
+  T largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return x[i];
+    largest = std::max(largest, std::abs(x[i]));
+  }
+  if (largest == 0 || std::isinf(largest)) return largest;
+  int exponent = 0;
+  std::frexp(largest, &exponent);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = std::ldexp(static_cast<double>(x[i]), -exponent);
+    sum += v * v;
+  }
+  return static_cast<T>(std::ldexp(std::sqrt(sum), exponent));
+}
+
+template <typename T>
+void FixedScale(int64_t n, T a, T* x) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= a;
+}
+
+// C [rows, cols] = A^T B with A [rank, lda] (columns from `a`) and B [rank,
+// cols]: each element a sum over k ascending. For P Q^T, the largest
+// product after the all-reduces; vectorized across a row of C, which leaves
+// each element's order alone.
+template <typename T>
+void FixedOuterSum(int64_t rows, int64_t cols, int64_t rank, const T* a, int64_t lda, const T* b, int64_t ldb,
+                   T* c, int64_t ldc) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* out = c + i * ldc;
+    const T first = a[i];
+    const T* b0 = b;
+    for (int64_t j = 0; j < cols; ++j) out[j] = first * b0[j];
+    for (int64_t k = 1; k < rank; ++k) {
+      const T factor = a[k * lda + i];
+      const T* bk = b + k * ldb;
+      for (int64_t j = 0; j < cols; ++j) out[j] += factor * bk[j];
+    }
+  }
+}
 
 // a: [rows, len], row-major; its rows become orthonormal, or zero where a
 // row depends on the ones before it (the columns of P and Q are kept as
@@ -120,9 +182,9 @@ void OrthonormalizeRows(T* a, int64_t rows, int64_t len, T epsilon) {
     for (int pass = 0; pass < 2; ++pass) {
       for (int64_t i = 0; i < j; ++i) {
         const T* done = a + i * len;
-        Axpy(len, -Dot(len, done, row), done, row);
+        FixedAxpy(len, -FixedDot(len, done, row), done, row);
       }
-      norm[pass] = Norm(len, row);
+      norm[pass] = FixedNorm(len, row);
     }
     // Written so that a NaN norm fails it (NaN compares false).
     const bool independent = std::isfinite(norm[1]) && norm[1] > 0 && norm[1] >= T(0.5) * norm[0];
@@ -143,7 +205,7 @@ void OrthonormalizeRows(T* a, int64_t rows, int64_t len, T epsilon) {
       for (int64_t i = 0; i < len; ++i) row[i] = std::ldexp(row[i], -exponent);
       inverse = T(1) / (std::ldexp(norm[1], -exponent) + std::ldexp(epsilon, -exponent));
     }
-    Scale(len, inverse, row);
+    FixedScale(len, inverse, row);
   }
 }
 
@@ -417,14 +479,14 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
     const T* pt = wire + plan.p_at;
     const T* qt = qs + plan.q_at;
     if (!feedback) {
-      Gemm(true, false, plan.rows, plan.cols, plan.rank, pt, plan.rows, qt, plan.cols, g, plan.cols);
+      FixedOuterSum(plan.rows, plan.cols, plan.rank, pt, plan.rows, qt, plan.cols, g, plan.cols);
       continue;
     }
     T* approx = b.scratch.data<T>();
     T* residual = b.residuals.data<T>() + plan.residual_at;
     for (int64_t row = 0; row < plan.rows; row += kRowBlock) {
       const int64_t block = std::min(kRowBlock, plan.rows - row);
-      Gemm(true, false, block, plan.cols, plan.rank, pt + row, plan.rows, qt, plan.cols, approx, plan.cols);
+      FixedOuterSum(block, plan.cols, plan.rank, pt + row, plan.rows, qt, plan.cols, approx, plan.cols);
       // This rank's share of what the sum lost: the residuals of all ranks
       // add up to sum M_i - P Q^T.
       const int64_t at = row * plan.cols;

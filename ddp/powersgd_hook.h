@@ -47,6 +47,15 @@
 // message. Different seeds, for one, would sum the products of unrelated
 // Q's without any error.
 //
+// What each rank computes from the all-reduced P and Q (P made orthonormal,
+// with its keep-or-zero test per column, and the gradient P Q^T) is done in
+// plain loops of a fixed order, not by the BLAS, whose kernels and thread
+// split may round differently on another CPU or under another
+// OPENBLAS_NUM_THREADS: every rank gets the same bits, so the replicas do
+// not drift apart. The cost is in P Q^T: for a [512, 784] f32 gradient, one
+// thread on a shared 2-core x86 host, about 0.2 ms against the BLAS's 0.06
+// at r = 1, 0.6 against 0.3 at r = 4, 3.4 against 0.7 at r = 16.
+//
 // Usage, before the first backward:
 //
 //   ddp_model.RegisterCommHook(ddp::dist::hooks::PowerSgdHook(

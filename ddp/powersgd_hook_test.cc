@@ -883,5 +883,49 @@ TEST(PowerSgdHookTest, RanksWithDifferentWarmStartFailNamingIt) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ---------------------------------------- rounding the same on every rank ----
+
+// FNV-1a over a tensor's bytes.
+uint64_t HashBytes(const Tensor& t) {
+  const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < static_cast<size_t>(t.numel()) * nn::ElementSize(t.dtype()); ++i) {
+    h = (h ^ bytes[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+// The ranks run OpenBLAS with 1 and 2 threads (as OPENBLAS_NUM_THREADS
+// set per rank would): what the hook computes from the all-reduced P and Q
+// (P made orthonormal, P Q^T) must still come out bit for bit the same on
+// both, with and without error feedback, or the replicas drift apart.
+DDP_TEST_WORKER(blas_threads_differ) {
+  auto pg = testing::WorkerGroup();
+  openblas_set_num_threads(pg->rank() == 0 ? 1 : 2);
+  for (const bool feedback : {true, false}) {
+    const Tensor weight = nn::Zeros({384, 640}), second = nn::Zeros({96, 200});
+    CommHook hook = hooks::PowerSgdHook(
+        {.matrix_approximation_rank = 8, .start_iteration = 0, .use_error_feedback = feedback});
+    for (int step = 0; step < 4; ++step) {
+      const int64_t a = weight.numel(), b = second.numel();
+      std::vector<double> values(static_cast<size_t>(a + b));
+      nn::Generator gen(1000 * step + pg->rank() + (feedback ? 0 : 77));
+      for (double& v : values) v = gen.NextNormal() * 1e-2;
+      const Tensor buffer = nn::FromVector(values, {a + b});
+      GradBucket bucket(0, 1, buffer, {weight, second}, {0, a});
+      hook(*pg, bucket).Wait();
+      WORKER_EXPECT(testing::SameOnAllRanks(*pg, HashBytes(buffer)),
+                    std::string("feedback ") + (feedback ? "on" : "off") + ", step " + std::to_string(step) +
+                        ": the reduced gradients differ between the ranks");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, ReducedGradientsAreBitwiseEqualUnderDifferentBlasThreads) {
+  auto run = RunWorkers("blas_threads_differ", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
