@@ -237,6 +237,8 @@ struct BucketState {
   std::vector<TensorPlan> plans;
   bool any_compressed = false;
   bool q_ready = false;
+  // The last iteration whose task used this state (-1: none yet).
+  int64_t used_at = -1;
   int64_t ps_at = 0;     // into wire: where the P^T's begin
   int64_t flag_at = 0;   // into wire: 1 where this rank's M is not all finite
   nn::Tensor wire;       // [exact tensors..., P^T of each compressed tensor, flag]
@@ -500,6 +502,13 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
   return transport::Status::Ok();
 }
 
+// A [shape] copy of n elements of `elem` bytes at `from`.
+nn::Tensor CopyOut(const void* from, const nn::Shape& shape, nn::DType dtype) {
+  nn::Tensor t = nn::Empty(shape, {.dtype = dtype});
+  std::memcpy(t.data_ptr(), from, static_cast<size_t>(t.numel()) * nn::ElementSize(dtype));
+  return t;
+}
+
 // A parameter's state loaded by LoadStateDict, not yet placed in its
 // bucket (contiguous CPU tensors of the parameter's dtype; either may be
 // undefined).
@@ -520,7 +529,7 @@ void ApplySaved(BucketState& b, SavedStates& pending, const PowerSgdOptions& opt
   for (size_t t = 0; t < b.plans.size(); ++t) {
     if (!b.plans[t].compressed()) continue;
     const auto it = pending.find(b.params[t]);
-    if (it == pending.end() || !it->second.q.defined()) every_q = false;
+    if (it == pending.end() || !it->second.q.defined() || it->second.q.dtype() != b.dtype) every_q = false;
   }
   const size_t elem = nn::ElementSize(b.dtype);
   for (size_t t = 0; t < b.plans.size(); ++t) {
@@ -529,6 +538,13 @@ void ApplySaved(BucketState& b, SavedStates& pending, const PowerSgdOptions& opt
     const auto it = pending.find(b.params[t]);
     if (it == pending.end()) continue;
     const SavedTensorState& saved = it->second;
+    // Carried from a bucket of another dtype (the model was converted):
+    // dropped, as a new hook would start.
+    if ((saved.q.defined() && saved.q.dtype() != b.dtype) ||
+        (saved.residual.defined() && saved.residual.dtype() != b.dtype)) {
+      pending.erase(it);
+      continue;
+    }
     if (every_q) {
       std::memcpy(static_cast<char*>(b.qs.data_ptr()) + plan.q_at * elem, saved.q.data_ptr(),
                   static_cast<size_t>(plan.rank * plan.cols) * elem);
@@ -540,6 +556,46 @@ void ApplySaved(BucketState& b, SavedStates& pending, const PowerSgdOptions& opt
     pending.erase(it);
   }
   if (every_q) b.q_ready = true;
+}
+
+// When a bucket's layout changed (DDP rebuilds its buckets after the first
+// iteration), its parameters may come from any old bucket, not only the one
+// at the same index. So every bucket this iteration has not yet used is
+// still laid out the old way: each compressed parameter's Q (when the
+// bucket had one) and residual move into `pending`, by parameter, and the
+// bucket is emptied; each bucket then takes its parameters' state back at
+// its rebuild through ApplySaved, as after LoadStateDict. One copy of the
+// residuals, once per rebuild. Every rank has the same buckets and the
+// same Q's, so every rank carries the same Q's. Called with `mu` held, on
+// the communication thread, which runs every bucket's task.
+void MoveStaleStateToPending(std::map<size_t, BucketState>& buckets, SavedStates& pending, int64_t iteration,
+                             const PowerSgdOptions& options);
+
+// Moves one bucket's state into `pending` (see above) and empties it.
+void MoveToPending(BucketState& old, SavedStates& pending, const PowerSgdOptions& options) {
+  if (!old.any_compressed) return;
+  const size_t elem = nn::ElementSize(old.dtype);
+  for (size_t t = 0; t < old.plans.size(); ++t) {
+    const TensorPlan& plan = old.plans[t];
+    if (!plan.compressed()) continue;
+    SavedTensorState& saved = pending[old.params[t]];
+    if (options.warm_start && old.q_ready) {
+      saved.q = CopyOut(static_cast<const char*>(old.qs.data_ptr()) + plan.q_at * elem, {plan.rank, plan.cols},
+                        old.dtype);
+    }
+    if (options.use_error_feedback) {
+      saved.residual = CopyOut(static_cast<const char*>(old.residuals.data_ptr()) + plan.residual_at * elem,
+                               old.shapes[t], old.dtype);
+    }
+  }
+  old = BucketState{};
+}
+
+void MoveStaleStateToPending(std::map<size_t, BucketState>& buckets, SavedStates& pending, int64_t iteration,
+                             const PowerSgdOptions& options) {
+  for (auto& [index, old] : buckets) {
+    if (old.used_at < iteration) MoveToPending(old, pending, options);
+  }
 }
 
 }  // namespace
@@ -701,12 +757,6 @@ ParsedState ParseState(const PowerSgdState::NamedTensors& state, const PowerSgdS
   return parsed;
 }
 
-// A [shape] copy of n elements of `elem` bytes at `from`.
-nn::Tensor CopyOut(const void* from, const nn::Shape& shape, nn::DType dtype) {
-  nn::Tensor t = nn::Empty(shape, {.dtype = dtype});
-  std::memcpy(t.data_ptr(), from, static_cast<size_t>(t.numel()) * nn::ElementSize(dtype));
-  return t;
-}
 
 // The options every rank must share, each as the 64 bits of its value (a
 // double's bit pattern, a bool as 0 or 1), with its name.
@@ -863,10 +913,14 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
     if (bucket.is_last()) {
       ++state->iteration;
       // Buckets past the last one exist no more (rebuilt into fewer): their
-      // Q and residuals would be kept for good. The tasks still to run use
-      // this iteration's buckets, which stay (std::map keeps their places).
+      // parameters' Q and residuals move to `pending`, where the new
+      // buckets' tasks find them (before or after this, either way), and
+      // the buckets go. The tasks still to run use this iteration's
+      // buckets, which stay (std::map keeps their places).
       std::lock_guard<std::mutex> lock(state->mu);
-      state->buckets.erase(state->buckets.upper_bound(bucket.index()), state->buckets.end());
+      const auto gone = state->buckets.upper_bound(bucket.index());
+      for (auto it = gone; it != state->buckets.end(); ++it) MoveToPending(it->second, state->pending, state->options);
+      state->buckets.erase(gone, state->buckets.end());
     }
     const nn::Tensor& buffer = bucket.buffer();
     const nn::DType dtype = buffer.dtype();
@@ -910,10 +964,15 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
           }
           BucketState& b = *found;
           if (b.params != params || b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
+            {
+              std::lock_guard<std::mutex> lock(state->mu);
+              MoveStaleStateToPending(state->buckets, state->pending, iteration, state->options);
+            }
             RebuildBucketState(b, std::move(shapes), std::move(offsets), std::move(params), dtype, state->options);
             std::lock_guard<std::mutex> lock(state->mu);
             ApplySaved(b, state->pending, state->options);
           }
+          b.used_at = iteration;
           const transport::DataType type = ToTransportType(dtype);
           // Both all-reduces share the task's deadline.
           AllReduceFn all_reduce = [&](void* data, int64_t count, const char* what) {

@@ -67,13 +67,14 @@
 // on prints a note on stderr naming its dtype and device (once per hook).
 // The hook keeps state per bucket (Q, the
 // residuals) across iterations: one hook object per DistributedDataParallel.
-// When the buckets are rebuilt (after the first iteration), each
-// parameter's Q and residual follow it to its new place in its bucket, as
-// long as every compressed parameter of the new bucket was compressed in
-// the old one; otherwise the bucket starts over with a fresh Q and zero
-// residuals, the same on every rank. Parameters are told apart by their
-// tensor objects, so a GradBucket must pass the same parameter tensors at
-// every call. The state of buckets that no longer exist is dropped.
+// When the buckets are rebuilt (after the first iteration, so with a
+// start_iteration of 0 or 1 while the hook already holds state), each
+// parameter's Q and residual follow it to its new place, in whichever
+// bucket it lands (one copy of the residuals, once). A new bucket keeps its
+// parameters' Q's when every compressed parameter of it had one, and draws
+// a fresh Q otherwise (the same on every rank); the residuals follow in
+// either case. Parameters are told apart by their tensor objects, so a
+// GradBucket must pass the same parameter tensors at every call.
 //
 // Checkpoints. PowerSgdState is the hook's state; a hook built from a
 // shared PowerSgdState exports it with StateDict and takes it back with

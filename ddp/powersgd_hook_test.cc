@@ -524,9 +524,10 @@ TEST(PowerSgdHookTest, StateFollowsParametersThatTradePlacesInTheBucket) {
   }
 }
 
-// A parameter the old bucket did not hold makes the bucket start over: the
-// same output as a new hook's.
-TEST(PowerSgdHookTest, NewParameterInTheBucketStartsItOver) {
+// A parameter the old bucket did not hold makes the bucket draw a new Q:
+// the new parameter's output is a new hook's. The parameter that stays
+// keeps its residual (error feedback is on), so its output is not.
+TEST(PowerSgdHookTest, NewParameterInTheBucketDrawsANewQ) {
   auto pg = ProcessGroup::Single();
   const Tensor a = nn::Zeros({16, 12}), b = nn::Zeros({16, 12}), c = nn::Zeros({16, 12});
   const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0};
@@ -536,8 +537,65 @@ TEST(PowerSgdHookTest, NewParameterInTheBucketStartsItOver) {
   const Tensor ga = nn::Randn({16, 12}, {}, gen), gc = nn::Randn({16, 12}, {}, gen);
   const auto [oa, oc] = CompressPair(hook, *pg, a, c, ga, gc);
   const auto [fa, fc] = CompressPair(fresh, *pg, a, c, ga, gc);
-  EXPECT_EQ(oa.ToVector<float>(), fa.ToVector<float>());
+  EXPECT_NE(oa.ToVector<float>(), fa.ToVector<float>()) << "a's residual was dropped";
   EXPECT_EQ(oc.ToVector<float>(), fc.ToVector<float>());
+}
+
+// DDP rebuilds its buckets after the first iteration, and a parameter can
+// move to a bucket of another index. With start_iteration 0 or 1 the hook
+// already holds its Q and residual then; they follow it (they were kept by
+// bucket index alone, and such a bucket started over: a fresh Q, and the
+// residuals, what the approximations had not yet delivered, dropped). The
+// reference is a hook given the same state through StateDict and
+// LoadStateDict, which places it by parameter.
+TEST(PowerSgdHookTest, StateFollowsParametersIntoAnotherBucketAtTheRebuild) {
+  auto pg = ProcessGroup::Single();
+  const Tensor a = nn::Zeros({16, 12}), b = nn::Zeros({20, 10});
+  const auto bucket_of = [&](CommHook& hook, size_t index, const Tensor& p, const Tensor& g) {
+    const Tensor buffer = g.Clone().View({g.numel()});
+    GradBucket bucket(index, 2, buffer, {p}, {0});
+    hook(*pg, bucket).Wait();
+    return buffer.ToVector<float>();
+  };
+  for (const bool feedback : {false, true}) {
+    SCOPED_TRACE(feedback ? "with error feedback" : "without error feedback");
+    const PowerSgdOptions options{.matrix_approximation_rank = 2, .start_iteration = 0,
+                                  .use_error_feedback = feedback};
+    auto state = std::make_shared<PowerSgdState>(options);
+    CommHook hook = hooks::PowerSgdHook(state);
+    nn::Generator gen(31);
+    // Iterations 0 and 1: a in bucket 0, b in bucket 1.
+    for (int k = 0; k < 2; ++k) {
+      bucket_of(hook, 0, a, nn::Randn({16, 12}, {}, gen));
+      bucket_of(hook, 1, b, nn::Randn({20, 10}, {}, gen));
+    }
+    auto loaded = std::make_shared<PowerSgdState>(options);
+    loaded->LoadStateDict(state->StateDict({{"a", a}, {"b", b}}, true), {{"a", a}, {"b", b}});
+    CommHook reference = hooks::PowerSgdHook(loaded);
+    // Rebuilt: b in bucket 0, a in bucket 1.
+    for (int k = 0; k < 3; ++k) {
+      const Tensor gb = nn::Randn({20, 10}, {}, gen), ga = nn::Randn({16, 12}, {}, gen);
+      EXPECT_EQ(bucket_of(hook, 0, b, gb), bucket_of(reference, 0, b, gb)) << "step " << k << ": b differs";
+      EXPECT_EQ(bucket_of(hook, 1, a, ga), bucket_of(reference, 1, a, ga)) << "step " << k << ": a differs";
+    }
+    // Rebuilt into one bucket, b then a: bucket 1 is gone, and what it
+    // held follows its parameter as well.
+    auto reloaded = std::make_shared<PowerSgdState>(options);
+    reloaded->LoadStateDict(state->StateDict({{"a", a}, {"b", b}}, true), {{"a", a}, {"b", b}});
+    CommHook reference_again = hooks::PowerSgdHook(reloaded);
+    const auto one_bucket = [&](CommHook& h, const Tensor& gb, const Tensor& ga) {
+      const Tensor buffer = nn::Empty({b.numel() + a.numel()});
+      buffer.Narrow(0, 0, b.numel()).CopyFrom(gb.View({b.numel()}));
+      buffer.Narrow(0, b.numel(), a.numel()).CopyFrom(ga.View({a.numel()}));
+      GradBucket bucket(0, 1, buffer, {b, a}, {0, b.numel()});
+      h(*pg, bucket).Wait();
+      return buffer.ToVector<float>();
+    };
+    for (int k = 0; k < 2; ++k) {
+      const Tensor gb = nn::Randn({20, 10}, {}, gen), ga = nn::Randn({16, 12}, {}, gen);
+      EXPECT_EQ(one_bucket(hook, gb, ga), one_bucket(reference_again, gb, ga)) << "one bucket, step " << k;
+    }
+  }
 }
 
 // A gradient of subnormal size (1e-40 in f32): the norm of P's row is
