@@ -142,12 +142,16 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
         [buffer, packed, wire_type](transport::Communicator* comm,
                                              transport::Deadline deadline,
                                              internal::DeviceFence* fence) {
-          if (comm == nullptr || buffer.numel() == 0) return transport::Status::Ok();
+          if (buffer.numel() == 0) return transport::Status::Ok();
           transport::Status s = fence->ConvertOnCommStream(packed, buffer, true, deadline);
           if (!s.ok()) return s;
-          s = comm->AllReduce(packed.data_ptr(), static_cast<size_t>(packed.numel()), wire_type,
-                              transport::ReduceOp::kSum, internal::Within(deadline));
-          if (!s.ok()) return s;
+          // One process (no communicator): the round trip alone, so that
+          // its gradients are rounded as a group's are.
+          if (comm != nullptr) {
+            s = comm->AllReduce(packed.data_ptr(), static_cast<size_t>(packed.numel()), wire_type,
+                                transport::ReduceOp::kSum, internal::Within(deadline));
+            if (!s.ok()) return s;
+          }
           // Awaited as well: the bucket is complete when the Work is, also
           // for callers that only WaitFor it (no stream ordering).
           return fence->ConvertOnCommStream(buffer, packed, true, deadline);
@@ -157,7 +161,7 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
   return group.Run(description, [buffer, wire, wire_dtype, dtype](transport::Communicator* comm,
                                                                   transport::Deadline deadline) {
     const int64_t n = buffer.numel();
-    if (comm == nullptr || n == 0) return transport::Status::Ok();
+    if (n == 0) return transport::Status::Ok();
     // A tensor, not a std::vector: the allocator keeps the block from call
     // to call, and a large one lies in shareable memory when the group's
     // ranks share a host, which the shared-memory engine reduces through
@@ -178,11 +182,16 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
     } else {
       internal::FloatToBFloat16(static_cast<const float*>(buffer.data_ptr()), packed, n);
     }
-    transport::Status s = comm->AllReduce(
-        packed, static_cast<size_t>(n),
-        wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16,
-        transport::ReduceOp::kSum, internal::Within(deadline));
-    if (!s.ok()) return s;
+    // One process (no communicator): only the round trip through 16 bits,
+    // which a group's gradients go through as well; a one-process baseline
+    // then rounds as they do.
+    if (comm != nullptr) {
+      transport::Status s = comm->AllReduce(
+          packed, static_cast<size_t>(n),
+          wire == Wire::kF16 ? transport::DataType::kF16 : transport::DataType::kBF16,
+          transport::ReduceOp::kSum, internal::Within(deadline));
+      if (!s.ok()) return s;
+    }
     if (dtype == nn::DType::kFloat64) {
       double* d = static_cast<double*>(buffer.data_ptr());
       for (int64_t i = 0; i < n; ++i) {

@@ -125,7 +125,9 @@ namespace hooks {
 /// The default: one all-reduce (sum) of the bucket in its own dtype.
 CommHook AllReduceHook();
 /// Sends f32/f64 buckets as IEEE f16 (values are already divided, so the
-/// sum stays in range); 16-bit buckets are reduced as they are.
+/// sum stays in range); 16-bit buckets are reduced as they are. In a group
+/// of one process the bucket still goes to f16 and back, so it is rounded
+/// as a larger group's is.
 CommHook Fp16CompressHook();
 /// The same with bfloat16: f32's range, 8 bits of mantissa.
 CommHook Bf16CompressHook();

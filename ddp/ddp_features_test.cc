@@ -2411,6 +2411,30 @@ DDP_TEST_WORKER(hook_f64_rounding) {
   return testing::WorkerExit();
 }
 
+// With one process (no communicator) the compression hooks still round
+// the bucket to 16 bits and back, as a group's does: they returned the
+// gradients untouched, and a one-process baseline lacked the rounding.
+// 1 + 2^-12 lies below the midpoint of 1 and its next f16 (1 + 2^-10) or
+// bf16 (1 + 2^-7), so it becomes exactly 1; 1 + 3 * 2^-11 in f16 lies past
+// the midpoint of 1 + 2^-10 and 1 + 2^-9, and goes to the even one, 1 + 2^-9.
+TEST(DdpFeaturesTest, CompressionHooksRoundOnOneProcess) {
+  auto pg = ProcessGroup::Single();
+  for (const std::string kind : {"fp16", "bf16"}) {
+    for (const nn::DType dtype : {nn::DType::kFloat32, nn::DType::kFloat64}) {
+      SCOPED_TRACE(kind + " hook, " + std::string(nn::DTypeName(dtype)) + " bucket");
+      const double odd = 1 + 3 * std::ldexp(1.0, -11);
+      nn::Tensor buffer = nn::FromVector({1 + std::ldexp(1.0, -12), odd, -3.0}, {3}, {.dtype = dtype});
+      GradBucket bucket(0, 1, buffer, {}, {});
+      const CommHook hook = kind == "fp16" ? hooks::Fp16CompressHook() : hooks::Bf16CompressHook();
+      hook(*pg, bucket).Wait();
+      const std::vector<double> got = buffer.ToVector<double>();
+      EXPECT_EQ(got[0], 1.0);
+      EXPECT_EQ(got[1], kind == "fp16" ? 1 + std::ldexp(1.0, -9) : 1.0);
+      EXPECT_EQ(got[2], -3.0);
+    }
+  }
+}
+
 TEST(DdpFeaturesTest, CompressionHooksRoundAnF64BucketOnce) {
   auto run = RunWorkers("hook_f64_rounding", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
