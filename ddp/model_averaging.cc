@@ -2,12 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 namespace ddp::dist {
 
@@ -190,6 +192,74 @@ void PeriodicModelAverager::CheckStateDict(const NamedTensors& state) const { Re
 
 void PeriodicModelAverager::LoadStateDict(const NamedTensors& state) { step_ = ReadAveragerStep(state); }
 
+namespace {
+
+// The memory of `params` (all defined), as the CheckParameters of
+// nn/optim does it, extended to strided views: each tensor spans the bytes
+// from its first element to its last. Sorted by storage and first byte, a
+// tensor shares memory with an earlier one iff it starts before the
+// furthest end seen so far in its storage. Marks in `repeated` each tensor
+// that is the same view as an earlier one (the same storage, offset, shape
+// and strides) and returns {0, 0}; for any other sharing, returns {earlier,
+// later} by index, the pair found first. Two strided views that interleave
+// without sharing an element (every other column, say) count as
+// overlapping here.
+std::pair<size_t, size_t> SharedMemory(const std::vector<nn::Tensor>& params, std::vector<bool>& repeated) {
+  struct Range {
+    const void* storage;
+    size_t begin, end;
+    size_t index;
+  };
+  std::vector<Range> ranges;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const nn::Tensor& p = params[i];
+    if (p.numel() == 0) continue;
+    int64_t last = 0;
+    for (size_t d = 0; d < p.shape().size(); ++d) last += (p.shape()[d] - 1) * p.strides()[d];
+    const size_t elem = p.element_size();
+    const size_t begin = static_cast<size_t>(p.storage_offset()) * elem;
+    ranges.push_back({p.storage().get(), begin, begin + (static_cast<size_t>(last) + 1) * elem, i});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return std::tie(a.storage, a.begin, a.end, a.index) < std::tie(b.storage, b.begin, b.end, b.index);
+  });
+  const auto same_view = [&](size_t a, size_t b) {
+    const nn::Tensor &x = params[a], &y = params[b];
+    return x.storage_offset() == y.storage_offset() && x.shape() == y.shape() && x.strides() == y.strides() &&
+           x.dtype() == y.dtype();
+  };
+  size_t furthest = 0, furthest_index = 0;
+  const void* storage = nullptr;
+  std::pair<size_t, size_t> found{0, 0};
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    const Range& r = ranges[k];
+    if (k == 0 || r.storage != storage) {
+      storage = r.storage;
+      furthest = r.end;
+      furthest_index = r.index;
+      continue;
+    }
+    if (r.begin < furthest) {
+      // The same view as the one it follows in this order (equal begin and
+      // end sort together, the first index first) is a repeat.
+      const Range& prev = ranges[k - 1];
+      if (prev.begin == r.begin && prev.end == r.end && same_view(prev.index, r.index)) {
+        repeated[r.index] = true;
+        continue;
+      }
+      const size_t a = std::min(furthest_index, r.index), b = std::max(furthest_index, r.index);
+      if (found.first == found.second || b < found.second) found = {a, b};
+    }
+    if (r.end > furthest) {
+      furthest = r.end;
+      furthest_index = r.index;
+    }
+  }
+  return found;
+}
+
+}  // namespace
+
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group) {
   // Large contiguous tensors are averaged in place (no copy in and out);
   // the others through one flat buffer per dtype and device, in the order
@@ -211,11 +281,28 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
     bad.data<int64_t>()[size + group.rank()] = p.defined() ? static_cast<int64_t>(p.dtype()) + 1 : 0;
     break;
   }
+  // Tensors that share memory: the same one passed twice (or two views of
+  // one storage with the same offset, shape and strides) is averaged once,
+  // under its first index; views that overlap otherwise would be averaged
+  // twice in part, and are refused (what: -(index of the other + 1)).
+  std::vector<bool> repeated(params.size(), false);
+  if (bad.data<int64_t>()[group.rank()] == 0) {
+    const std::pair<size_t, size_t> overlap = SharedMemory(params, repeated);
+    if (overlap.first != overlap.second) {
+      bad.data<int64_t>()[group.rank()] = static_cast<int64_t>(overlap.second) + 1;
+      bad.data<int64_t>()[size + group.rank()] = -static_cast<int64_t>(overlap.first) - 1;
+    }
+  }
   group.AllReduce(bad, transport::ReduceOp::kSum, "tensors to average").Wait();
   for (int r = 0; r < size; ++r) {
     const int64_t index = bad.data<int64_t>()[r] - 1, what = bad.data<int64_t>()[size + r];
     if (index < 0) continue;
     const std::string where = "AverageParameters: tensor " + std::to_string(index) + " on rank " + std::to_string(r);
+    if (what < 0) {
+      throw std::invalid_argument(where + " overlaps tensor " + std::to_string(-what - 1) +
+                                  " in memory without being the same view: the shared elements would be "
+                                  "averaged twice; pass each piece of memory once");
+    }
     if (what == 0) throw std::invalid_argument(where + " is undefined");
     throw std::invalid_argument(where + " has dtype " +
                                 std::string(nn::DTypeName(static_cast<nn::DType>(what - 1))) +
@@ -225,6 +312,7 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;
   std::vector<std::tuple<int, int, int>> order;
   for (size_t i = 0; i < params.size(); ++i) {
+    if (repeated[i]) continue;
     const nn::Tensor& p = params[i];
     // Not f16, at any size: it is divided before the sum (AverageInPlace),
     // and divided in place it would stay divided by the group's size when

@@ -169,7 +169,10 @@ class PeriodicModelAverager {
 /// in one small all-reduce, that every one passed only defined floating
 /// tensors: an undefined or integer tensor on one rank throws
 /// std::invalid_argument on every rank, naming the tensor's index and the
-/// rank, before any average. When an all-reduce fails, waits for the ones
+/// rank, before any average. A tensor passed twice (the same storage,
+/// offset, shape and strides) is averaged once; tensors that otherwise
+/// share memory (overlapping views, or strided views whose spans interleave)
+/// are refused the same way, naming both. When an all-reduce fails, waits for the ones
 /// already issued before throwing the first error (DistributedError): the
 /// tensors averaged through a flat copy keep their values, those averaged
 /// in place may hold partial sums.

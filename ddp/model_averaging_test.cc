@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
@@ -414,6 +415,47 @@ DDP_TEST_WORKER(average_parameters_bad_on_one_rank) {
 
 TEST(ModelAveragingTest, AverageParametersWithABadTensorOnOneRankFailsEveryRankAtOnce) {
   auto run = RunWorkers("average_parameters_bad_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Tensors that share memory. The same tensor passed twice (or an equal view
+// of it) is averaged once and comes out as the average (an average taken
+// twice is still the average, so this part held before too; the repeat
+// cost traffic, and a large tensor averaged in place while a small view of
+// it was copied into the flat buffer raced with that copy). Views that
+// overlap in part are refused on every rank, naming both, before any
+// average (they were accepted).
+DDP_TEST_WORKER(average_parameters_shared_memory) {
+  auto pg = testing::WorkerGroup();
+  const double rank = pg->rank();
+  // Repeats: a small tensor (through the flat copy), a large one (1 MiB of
+  // f32, in place) and a view equal to the small one.
+  const Tensor small = nn::Full({6}, rank), large = nn::Full({1 << 18}, rank), other = nn::Full({4}, 10 + rank);
+  AverageParameters({small, large, small, other, small.View({2, 3}).View({6}), large}, *pg);
+  WORKER_EXPECT(small.ToVector<double>() == std::vector<double>(6, 0.5), "the repeated small tensor is off");
+  const std::vector<double> big = large.ToVector<double>();
+  WORKER_EXPECT(std::all_of(big.begin(), big.end(), [](double v) { return v == 0.5; }),
+                "the repeated large tensor is off: " + std::to_string(big[0]));
+  WORKER_EXPECT(other.ToVector<double>() == std::vector<double>(4, 10.5), "the other tensor is off");
+
+  // Partial overlap, on rank 1 only: every rank fails at once.
+  const Tensor base = nn::Full({8}, rank);
+  const std::vector<Tensor> params = {nn::Full({3}, 1.0), base.Narrow(0, 0, 5),
+                                      rank == 1 ? base.Narrow(0, 3, 5) : nn::Full({5}, 1.0)};
+  std::string error;
+  try {
+    AverageParameters(params, *pg);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error.find("AverageParameters: tensor 2 on rank 1 overlaps tensor 1 in memory") == 0,
+                "error: '" + error + "'");
+  WORKER_EXPECT(base.ToVector<double>() == std::vector<double>(8, rank), "the refused average changed a tensor");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, AverageParametersAveragesARepeatedTensorOnceAndRefusesPartialOverlaps) {
+  auto run = RunWorkers("average_parameters_shared_memory", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
