@@ -691,16 +691,21 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
                             (std::ferror(f.get()) ? std::string(std::strerror(err))
                                                   : std::string("the file got shorter while being read")));
     }
-    // A header that does not parse is left for Parse to report (as it is on
-    // every rank that gets these bytes); only a valid one decides the size.
+    // The header is checked here as Parse checks it, and a bad one is
+    // reported at once with Parse's own message: reading the data first
+    // would cost the whole file's size in memory and time (or fail for
+    // want of memory) before the real problem were named.
     Parser p(path);
     std::optional<uint64_t> data_end;
     std::optional<TensorEntry> last;
-    try {
+    {
       const nlohmann::json header = ParseHeader(std::string_view(header_text).substr(8), p);
       uint64_t end = 0;
       for (auto it = header.begin(); it != header.end(); ++it) {
-        if (it.key() == kMetadataKey) continue;
+        if (it.key() == kMetadataKey) {
+          (void)MetadataOf(*it, p);
+          continue;
+        }
         TensorEntry e = p.Entry(it.key(), *it);
         if (e.offset + e.nbytes >= end) {
           end = e.offset + e.nbytes;
@@ -708,7 +713,6 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
         }
       }
       data_end = end;
-    } catch (const CheckpointError&) {
     }
     const uint64_t data_size = size - 8 - n;
     if (data_end && *data_end > data_size) {

@@ -234,14 +234,34 @@ TEST(Safetensors, HugeTailAfterTheLastTensorIsRefusedWithoutReadingIt) {
   EXPECT_EQ(SafetensorsFile::Read(path).tensors().size(), 1u);
 }
 
-// ReadBytes leaves a header that is not valid to Parse, so that every rank
-// handed the bytes reports it the same way (ddp's LoadCheckpointFromRank).
-TEST(Safetensors, ReadBytesLeavesAnInvalidHeaderToParse) {
+// ReadBytes refuses a header that is not valid as Parse would, with the
+// same message, before reading the data.
+TEST(Safetensors, ReadBytesRefusesAnInvalidHeaderAsParseDoes) {
   const std::string path = TmpDir("st_bad_header") + "/b.safetensors";
   const std::string bad("\x02\0\0\0\0\0\0\0[]", 10);
   WriteAll(path, bad);
-  EXPECT_EQ(SafetensorsFile::ReadBytes(path), bad);
-  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Parse(bad, path); }), HasSubstr("does not start with"));
+  const std::string from_parse = ErrorOf([&] { SafetensorsFile::Parse(bad, path); });
+  EXPECT_THAT(from_parse, HasSubstr("does not start with"));
+  EXPECT_EQ(ErrorOf([&] { SafetensorsFile::ReadBytes(path); }), from_parse);
+}
+
+// A huge file (sparse: 1 TiB that takes no disk) whose length field is
+// valid but whose header is corrupt fails at once, naming the header, not
+// after trying to hold or read the whole file.
+TEST(Safetensors, CorruptHeaderOfAHugeFileFailsBeforeItsDataIsRead) {
+  const std::string path = TmpDir("st_huge_bad_header") + "/h.safetensors";
+  std::string header = "{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  WriteAll(path, bytes + header);
+  ASSERT_EQ(::truncate(path.c_str(), off_t{1} << 40), 0) << std::strerror(errno);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error = ErrorOf([&] { SafetensorsFile::ReadBytes(path); });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("header is not valid JSON")));
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }), HasSubstr("header is not valid JSON"));
+  ::unlink(path.c_str());
 }
 
 // A header whose tensors end past the file's end is refused the same way.
