@@ -27,23 +27,47 @@ namespace {
 
 constexpr char kMetadataKey[] = "__metadata__";
 
+// `crc` carried over `n` bytes at `data` (zlib takes at most 4 GiB a call).
+uLong CrcUpdate(uLong crc, const void* data, size_t n) {
+  const auto* p = static_cast<const Bytef*>(data);
+  while (n > 0) {
+    const uInt k = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
+    crc = crc32(crc, p, k);
+    p += k;
+    n -= k;
+  }
+  return crc;
+}
+
+std::string CrcHex(uLong crc) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
+  return buf;
+}
+
+// The CRC-32 of each tensor's bytes, in order.
+std::vector<uLong> TensorCrcs(const std::vector<TensorView>& tensors) {
+  std::vector<uLong> out;
+  out.reserve(tensors.size());
+  for (const TensorView& t : tensors) out.push_back(CrcUpdate(crc32(0L, Z_NULL, 0), t.data, t.nbytes));
+  return out;
+}
+
+// The CRC-32 of the tensors' bytes one after another, from theirs.
+uLong CombinedCrc(const std::vector<TensorView>& tensors, const std::vector<uLong>& crcs) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    crc = crc32_combine(crc, crcs[i], static_cast<z_off_t>(tensors[i].nbytes));
+  }
+  return crc;
+}
+
 // The format itself has no checksum, and a flipped bit in a weight would
 // otherwise load silently.
 std::string Crc32Hex(const std::vector<TensorView>& tensors) {
   uLong crc = crc32(0L, Z_NULL, 0);
-  for (const TensorView& t : tensors) {
-    const auto* p = static_cast<const Bytef*>(t.data);
-    size_t left = t.nbytes;
-    while (left > 0) {
-      const uInt n = static_cast<uInt>(std::min<size_t>(left, 1u << 30));
-      crc = crc32(crc, p, n);
-      p += n;
-      left -= n;
-    }
-  }
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
-  return buf;
+  for (const TensorView& t : tensors) crc = CrcUpdate(crc, t.data, t.nbytes);
+  return CrcHex(crc);
 }
 
 // The header checksum's entry as the writer puts it in the JSON text; its
@@ -113,7 +137,10 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 // The header JSON of `tensors`, with offsets assigned in order, padded with
 // spaces to a multiple of 8 bytes.
-std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& metadata) {
+// `crcs` receives each tensor's CRC-32 as the data checksum was computed
+// from them, for the writer to check the bytes it writes against.
+std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& metadata,
+                        std::vector<uLong>* crcs) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   for (const char* reserved : {kChecksumKey, kHeaderChecksumKey}) {
     if (metadata.count(reserved)) {
@@ -155,7 +182,8 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
   // insertion order, so build it in front.
   nlohmann::ordered_json m = nlohmann::ordered_json::object();
   for (const auto& [k, v] : metadata) m[k] = v;
-  m[kChecksumKey] = Crc32Hex(tensors);
+  *crcs = TensorCrcs(tensors);
+  m[kChecksumKey] = CrcHex(CombinedCrc(tensors, *crcs));
   m[kHeaderChecksumKey] = kNoHeaderCrc;  // filled in below, over the text
   nlohmann::ordered_json full = nlohmann::ordered_json::object();
   full[kMetadataKey] = std::move(m);
@@ -388,11 +416,24 @@ void CheckJsonKeysUnique(std::string_view json) {
   }
 }
 
+// The message refusing a save during which tensor `t` changed.
+std::string ChangedDuringSave(const std::string& where, const TensorView& t, uLong before, uLong written) {
+  return where + ": tensor `" + NameForMessage(t.name) +
+         "` changed while it was being saved (its bytes had CRC-32 " + CrcHex(before) +
+         " when the header was made, " + CrcHex(written) +
+         " as written): another thread modified it during the save; the file was left as it was";
+}
+
 std::string SerializeSafetensors(const std::vector<TensorView>& tensors, const Metadata& metadata) {
-  const std::string header = BuildHeader(tensors, metadata);
+  std::vector<uLong> crcs;
+  const std::string header = BuildHeader(tensors, metadata, &crcs);
   std::string out = LengthPrefix(header.size()) + header;
-  for (const TensorView& t : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    const size_t at = out.size();
     out.append(static_cast<const char*>(t.data), t.nbytes);
+    const uLong written = CrcUpdate(crc32(0L, Z_NULL, 0), out.data() + at, t.nbytes);
+    if (written != crcs[i]) throw std::invalid_argument(ChangedDuringSave("safetensors", t, crcs[i], written));
   }
   return out;
 }
@@ -400,8 +441,9 @@ std::string SerializeSafetensors(const std::vector<TensorView>& tensors, const M
 void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
                           const Metadata& metadata, const std::atomic<bool>* stop) {
   std::string header;
+  std::vector<uLong> crcs;
   try {
-    header = BuildHeader(tensors, metadata);
+    header = BuildHeader(tensors, metadata, &crcs);
   } catch (const std::invalid_argument& e) {
     throw CheckpointError(path + ": " + e.what());
   }
@@ -409,7 +451,29 @@ void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>
   const std::string prefix = LengthPrefix(header.size());
   out.Write(prefix.data(), prefix.size());
   out.Write(header.data(), header.size());
-  for (const TensorView& t : tensors) out.Write(t.data, t.nbytes);
+  // The caller's tensors may still be changing (a save of live CPU
+  // tensors while training goes on), and the header's checksum was taken
+  // from an earlier look at them. Each piece is copied first, and the copy
+  // is both checksummed and written, so that the checksum covers exactly
+  // the bytes in the file; a tensor whose bytes differ from the header's
+  // checksum aborts the save before the rename.
+  size_t largest = 0;
+  for (const TensorView& t : tensors) largest = std::max(largest, t.nbytes);
+  std::unique_ptr<char[]> piece(new char[std::max<size_t>(1, std::min(largest, kStopCheckBytes))]);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    const char* p = static_cast<const char*>(t.data);
+    uLong written = crc32(0L, Z_NULL, 0);
+    for (size_t left = t.nbytes; left > 0;) {
+      const size_t n = std::min(left, kStopCheckBytes);
+      std::memcpy(piece.get(), p, n);
+      written = CrcUpdate(written, piece.get(), n);
+      out.Write(piece.get(), n);
+      p += n;
+      left -= n;
+    }
+    if (written != crcs[i]) throw CheckpointError(ChangedDuringSave(path, t, crcs[i], written));
+  }
   out.Commit();
 }
 

@@ -102,7 +102,10 @@ std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
 /// rename over `path`, fsync the folder. Throws CheckpointError naming the
 /// path and the OS error; the temporary file is removed on failure. Once
 /// `*stop` (when given) is true, the write ends at the next piece of
-/// kStopCheckBytes with a CheckpointError, leaving `path` as it was.
+/// kStopCheckBytes with a CheckpointError, leaving `path` as it was. The
+/// data checksum is checked against the bytes as they are written: a tensor
+/// changed by another thread during the write is refused (CheckpointError
+/// naming the path and the tensor), `path` left as it was.
 void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
                           const Metadata& metadata = {}, const std::atomic<bool>* stop = nullptr);
 

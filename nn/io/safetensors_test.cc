@@ -462,6 +462,31 @@ TEST(AtomicFileTest, FolderFsyncTheFilesystemDoesNotDoIsNoError) {
   }
 }
 
+// A tensor changed by another thread while its file is being written (a
+// save of live CPU tensors during training) aborts the save: the file
+// would not match its own checksum. The last good file stays in place.
+TEST(Safetensors, ATensorChangedDuringTheWriteAbortsTheSave) {
+  const std::string dir = TmpDir("st_changed");
+  const std::string path = dir + "/c.safetensors";
+  std::vector<float> a(16, 1.0f), b(16, 2.0f);
+  WriteSafetensorsFile(path, {{"a", StDtype::kF32, {16}, a.data(), 64}, {"b", StDtype::kF32, {16}, b.data(), 64}});
+  const std::string good = ReadAll(path);
+  // Pieces: length, header, a, b; `b` changes during the first pause.
+  internal::SetWritePausePerPiece(std::chrono::milliseconds(300));
+  std::thread trainer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::atomic_ref<float>(b[3]).store(7.0f);
+  });
+  const std::string error = ErrorOf([&] {
+    WriteSafetensorsFile(path, {{"a", StDtype::kF32, {16}, a.data(), 64}, {"b", StDtype::kF32, {16}, b.data(), 64}});
+  });
+  trainer.join();
+  internal::SetWritePausePerPiece(std::chrono::milliseconds(0));
+  EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("tensor `b` changed while it was being saved")));
+  EXPECT_EQ(ReadAll(path), good);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
 // internal::SetWritePausePerPiece (tests of deadlines around long writes
 // rely on it): each piece waits the pause, and a stop asked for during the
 // pause spares the piece that was about to be written.
