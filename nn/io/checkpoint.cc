@@ -109,8 +109,20 @@ DType FromStDtype(StDtype dtype) {
     case StDtype::kI64: return DType::kInt64;
     case StDtype::kI32: return DType::kInt32;
     case StDtype::kU8: return DType::kUInt8;
+    case StDtype::kBool:
+    case StDtype::kI8:
+    case StDtype::kI16:
+    case StDtype::kU16:
+    case StDtype::kU32:
+    case StDtype::kU64:
+    case StDtype::kF8E4M3:
+    case StDtype::kF8E5M2:
+    case StDtype::kF8E8M0:
+    case StDtype::kC64:
+      break;
   }
-  throw std::invalid_argument("unknown safetensors dtype");
+  throw std::invalid_argument(std::string("safetensors dtype ") + StDtypeName(dtype) +
+                              " has no tensor dtype here");
 }
 
 void SaveTensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata,
@@ -188,6 +200,19 @@ LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source
   out.metadata = file.metadata();
   out.metadata.erase(kDevicesKey);
   out.data_checksum = file.data_checksum();
+  // Every dtype first, so that no tensor is made for a file that cannot
+  // load whole; the file itself is valid, and SafetensorsFile gives the
+  // bytes of such a tensor (and of the others) by name.
+  for (const TensorEntry& e : file.tensors()) {
+    try {
+      (void)FromStDtype(e.dtype);
+    } catch (const std::invalid_argument&) {
+      throw CheckpointError(source + ": tensor `" + NameForMessage(e.name) + "` has dtype " +
+                            StDtypeName(e.dtype) +
+                            ", which nn::Tensor does not have; it cannot be loaded as a tensor "
+                            "(SafetensorsFile::Read and Find give its bytes, and the other tensors')");
+    }
+  }
   out.tensors.reserve(file.tensors().size());
   for (const TensorEntry& e : file.tensors()) {
     auto s = saved.find(e.name);

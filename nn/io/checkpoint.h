@@ -58,7 +58,8 @@ struct LoadOptions {
 
 /// The format's dtype of a tensor dtype (every nn::DType has one).
 StDtype ToStDtype(DType dtype);
-/// The tensor dtype of a format dtype.
+/// The tensor dtype of a format dtype; std::invalid_argument for those
+/// nn::Tensor has no counterpart of (BOOL, I8, ..., F8_*, C64).
 DType FromStDtype(StDtype dtype);
 
 /// Writes tensors (any device, any strides: copied to contiguous CPU memory
@@ -77,7 +78,9 @@ struct LoadedTensors {
 };
 
 /// Reads and fully validates `path` before making any tensor; a bad file
-/// throws CheckpointError naming it and the problem.
+/// throws CheckpointError naming it and the problem, as does a tensor of a
+/// dtype nn::Tensor lacks (named with its dtype; SafetensorsFile::Read
+/// still reads such a file).
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options = {});
 /// The same from a file's bytes already in memory (SafetensorsFile::ReadBytes,
 /// perhaps on another rank); errors name `source`.

@@ -49,6 +49,33 @@ bool SameBytes(const Tensor& a, const Tensor& b) {
          std::memcmp(a.Contiguous().data_ptr(), b.Contiguous().data_ptr(), a.nbytes()) == 0;
 }
 
+// A file from Python holding a dtype nn::Tensor lacks (BOOL here) is
+// valid: loading it as tensors is refused naming that tensor and its
+// dtype, and its other tensors stay readable by name.
+TEST(Checkpoint, ATensorOfADtypeTensorsLackIsRefusedNamedAndTheRestStaysReadable) {
+  const std::string path = TmpPath("bool.safetensors");
+  const std::string header =
+      R"({"mask":{"dtype":"BOOL","shape":[4],"data_offsets":[0,4]},)"
+      R"("w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  const float w[2] = {1.5f, -2.0f};
+  bytes += header + std::string("\1\0\1\1", 4) + std::string(reinterpret_cast<const char*>(w), 8);
+  std::ofstream(path, std::ios::binary) << bytes;
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }),
+              AllOf(HasSubstr(path), HasSubstr("tensor `mask` has dtype BOOL")));
+  const SafetensorsFile file = SafetensorsFile::Read(path);
+  ASSERT_EQ(file.tensors().size(), 2u);
+  const TensorEntry* e = file.Find("w");
+  ASSERT_NE(e, nullptr);
+  float got[2];
+  std::memcpy(got, file.Data(*e), sizeof(got));
+  EXPECT_EQ(got[0], 1.5f);
+  EXPECT_EQ(got[1], -2.0f);
+  EXPECT_EQ(file.Find("mask")->dtype, StDtype::kBool);
+  std::remove(path.c_str());
+}
+
 TEST(Checkpoint, TensorsRoundTripBitExactForEveryDtype) {
   std::mt19937_64 rng(7);
   NamedTensors in;

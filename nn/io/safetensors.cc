@@ -110,8 +110,18 @@ struct DtypeInfo {
 constexpr DtypeInfo kDtypes[] = {
     {StDtype::kF32, "F32", 4}, {StDtype::kF64, "F64", 8}, {StDtype::kF16, "F16", 2},
     {StDtype::kBF16, "BF16", 2}, {StDtype::kI64, "I64", 8}, {StDtype::kI32, "I32", 4},
-    {StDtype::kU8, "U8", 1},
+    {StDtype::kU8, "U8", 1}, {StDtype::kBool, "BOOL", 1}, {StDtype::kI8, "I8", 1},
+    {StDtype::kI16, "I16", 2}, {StDtype::kU16, "U16", 2}, {StDtype::kU32, "U32", 4},
+    {StDtype::kU64, "U64", 8}, {StDtype::kF8E4M3, "F8_E4M3", 1}, {StDtype::kF8E5M2, "F8_E5M2", 1},
+    {StDtype::kF8E8M0, "F8_E8M0", 1}, {StDtype::kC64, "C64", 8},
 };
+
+// The list of accepted names, for the message refusing another.
+std::string DtypeNames() {
+  std::string out;
+  for (const DtypeInfo& d : kDtypes) out += (out.empty() ? "" : ", ") + std::string(d.name);
+  return out;
+}
 
 // Bytes of a tensor, or nullopt when the count overflows 2^62. An empty
 // tensor counts too: its other dimensions multiplied (0 taken as 1) must
@@ -325,7 +335,7 @@ class Parser {
     const std::optional<StDtype> dtype = StDtypeFromName(dt->get_ref<const std::string&>());
     if (!dtype) {
       Fail("tensor `" + NameForMessage(name) + "`: dtype " + dt->dump() +
-           " is not supported (F32, F64, F16, BF16, I64, I32, U8 are)");
+           " is not supported (" + DtypeNames() + " are)");
     }
     e.dtype = *dtype;
     auto shape = info.find("shape");

@@ -32,7 +32,11 @@ class CheckpointError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Element types handled here. Values are stable: append only.
+/// Element types of the format (those of Python's safetensors with whole
+/// bytes per element). Files holding any of them parse and list their
+/// tensors; nn::Tensor has no counterpart for kBool and below, so loading
+/// one as a Tensor is refused (see FromStDtype). Values are stable: append
+/// only.
 enum class StDtype : int {
   kF32 = 0,
   kF64 = 1,
@@ -41,6 +45,16 @@ enum class StDtype : int {
   kI64 = 4,
   kI32 = 5,
   kU8 = 6,
+  kBool = 7,
+  kI8 = 8,
+  kI16 = 9,
+  kU16 = 10,
+  kU32 = 11,
+  kU64 = 12,
+  kF8E4M3 = 13,
+  kF8E5M2 = 14,
+  kF8E8M0 = 15,
+  kC64 = 16,
 };
 
 /// The format's name: "F32", "BF16", "I64", ...
