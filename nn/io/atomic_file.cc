@@ -4,13 +4,16 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -85,6 +88,35 @@ const std::string& HostTag() {
   return tag;
 }
 
+// A random tag, fixed for the life of this process, that goes into its
+// temporary file names after the counter: processes of different containers
+// sharing a host name can have the same small pid, and their counters all
+// start at 0, so pid and counter alone clash.
+const std::string& ProcessNonce() {
+  static const std::string nonce = [] {
+    uint64_t v = 0;
+    if (::getrandom(&v, sizeof(v), GRND_NONBLOCK) != static_cast<ssize_t>(sizeof(v))) {
+      // No entropy yet (early boot) or no getrandom: time and pid still
+      // differ between most processes, and a clash is retried anyway.
+      v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+          (static_cast<uint64_t>(::getpid()) << 32);
+    }
+    char buf[17];
+    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+    return std::string(buf);
+  }();
+  return nonce;
+}
+
+// Whether `text` is a run of lowercase hexadecimal digits.
+bool AllHex(const std::string& text) {
+  if (text.empty()) return false;
+  for (char c : text) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
 // Whether `text` is a run of decimal digits.
 bool AllDigits(const std::string& text) {
   if (text.empty()) return false;
@@ -119,7 +151,7 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
   ::close(fd);  // EWOULDBLOCK: a writer lives
 }
 
-// Removes `<name>.tmp.<pid>.<n>.<host>` files that writers on this host
+// Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files that writers on this host
 // left when they were killed (SIGKILL leaves no chance to clean up): each
 // could be as large as a whole checkpoint. Files of other hosts and of
 // other targets (`<name>.tmp.5`'s own temporaries) are kept; so is anything
@@ -144,7 +176,12 @@ void RemoveStaleTemporaries(const std::string& path) {
     if (dot == std::string::npos) continue;
     const std::string pid_text = rest.substr(0, dot);
     const size_t dot2 = rest.find('.', dot + 1);
-    const std::string counter = rest.substr(dot + 1, dot2 == std::string::npos ? std::string::npos : dot2 - dot - 1);
+    // `<n>-<nonce>`, or a bare counter (names from before the nonce).
+    std::string counter = rest.substr(dot + 1, dot2 == std::string::npos ? std::string::npos : dot2 - dot - 1);
+    if (const size_t dash = counter.find('-'); dash != std::string::npos) {
+      if (!AllHex(counter.substr(dash + 1))) continue;
+      counter.resize(dash);
+    }
     const std::string host = dot2 == std::string::npos ? HostTag() : rest.substr(dot2 + 1);
     if (!AllDigits(pid_text) || !AllDigits(counter) || host != HostTag() || pid_text.size() > 9) continue;
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
@@ -189,9 +226,14 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   // lock removed it, holding the lock as it did: then the name no longer
   // leads to this file, and another is made. A filesystem without locks
   // only loses that protection.
+  // A name already taken (a writer of another process that drew the same
+  // pid, counter and nonce, or a file left by anything else) is passed
+  // over for the next one.
+  constexpr int kMostClashes = 100;
+  int clashes = 0;
   for (int attempt = 0;; ++attempt) {
-    temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." +
-                 HostTag();
+    temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "-" +
+                 ProcessNonce() + "." + HostTag();
     const std::string entry = Folder(path_) + "/" + BaseName(temp_path_);
     auto forget = [&entry] {
       std::lock_guard lock(RegistryMutex());
@@ -205,7 +247,14 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
     if (fd_ < 0) {
       const int err = errno;  // before any string is built
       forget();
-      Fail(temp_path_, "cannot create temporary file", err);
+      if (err == EEXIST && ++clashes < kMostClashes) {
+        --attempt;  // a clash is not a cleanup's removal
+        continue;
+      }
+      Fail(temp_path_, "cannot create temporary file" +
+                           (err == EEXIST ? " (" + std::to_string(clashes) + " names tried, all taken)"
+                                          : std::string()),
+           err);
     }
     const bool locked = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
     if (!locked && errno != EWOULDBLOCK) break;  // no locks here

@@ -21,7 +21,9 @@ inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 /// leaves `path` as it was. Errors throw CheckpointError naming the path.
 class AtomicFileWriter {
  public:
-  /// Creates `<path>.tmp.<pid>.<n>.<host>` in the folder of `path`, first
+  /// Creates `<path>.tmp.<pid>.<n>-<nonce>.<host>` (the nonce random, one
+  /// per process; a name already taken is passed over for the next) in
+  /// the folder of `path`, first
   /// removing such files that no writer holds locked any more (killed
   /// writers; see RemoveStaleTemporaries in the .cc). Throws naming `path`
   /// when it is a folder. Once `*stop` (when given) is true, Write and

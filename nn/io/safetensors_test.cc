@@ -766,7 +766,9 @@ TEST(Safetensors, AnUnlockedTemporaryGoesWhateverItsPidAndALockedOneStays) {
   const std::string mine = "c.safetensors.tmp." + std::to_string(getpid()) + ".900." + host;
   const std::string strangers = "c.safetensors.tmp." + std::to_string(getppid()) + ".901." + host;
   const std::string locked = "c.safetensors.tmp." + std::to_string(getpid()) + ".902." + host;
-  for (const std::string& name : {mine, strangers, locked}) WriteAll(dir + "/" + name, "x");
+  const std::string with_nonce =
+      "c.safetensors.tmp." + std::to_string(getppid()) + ".903-0123456789abcdef." + host;
+  for (const std::string& name : {mine, strangers, locked, with_nonce}) WriteAll(dir + "/" + name, "x");
   const int fd = open((dir + "/" + locked).c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);
@@ -779,6 +781,43 @@ TEST(Safetensors, AnUnlockedTemporaryGoesWhateverItsPidAndALockedOneStays) {
                                        open_writer.temp_path().substr(dir.size() + 1)};
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(left, expected);
+  close(fd);
+}
+
+// A temporary name already taken (here by a live writer of "another
+// container": same pid, counter and host name, its file locked) is passed
+// over for the next name; before, the clash failed the write. Names also
+// carry a per-process random nonce after the counter.
+TEST(Safetensors, ATakenTemporaryNameIsPassedOverForTheNext) {
+  const std::string dir = TmpDir("st_name_clash");
+  const std::string path = dir + "/c.safetensors";
+  std::string first;
+  {
+    AtomicFileWriter probe(path);
+    first = probe.temp_path().substr(dir.size() + 1);
+  }
+  const std::string prefix = "c.safetensors.tmp." + std::to_string(getpid()) + ".";
+  ASSERT_EQ(first.rfind(prefix, 0), 0u) << first;
+  // The counter, then what follows it up to the host.
+  const std::string rest = first.substr(prefix.size());
+  size_t digits = 0;
+  while (digits < rest.size() && std::isdigit(static_cast<unsigned char>(rest[digits]))) ++digits;
+  ASSERT_GT(digits, 0u) << first;
+  const std::string next =
+      prefix + std::to_string(std::stoull(rest.substr(0, digits)) + 1) + rest.substr(digits);
+  const size_t host_dot = rest.find('.');
+  ASSERT_NE(host_dot, std::string::npos) << first;
+  const std::string after_counter = rest.substr(digits, host_dot - digits);
+  EXPECT_EQ(after_counter.size(), 17u) << "no nonce in " << first;
+  EXPECT_EQ(after_counter.find_first_not_of("0123456789abcdef", 1), std::string::npos) << first;
+  WriteAll(dir + "/" + next, "another writer's");
+  const int fd = open((dir + "/" + next).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);
+  float value = 3;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}});
+  EXPECT_EQ(SafetensorsFile::Read(path).tensors().size(), 1u);
+  EXPECT_EQ(ReadAll(dir + "/" + next), "another writer's");
   close(fd);
 }
 
