@@ -68,17 +68,20 @@ std::unordered_map<std::string, Device> SavedDevices(const std::string& path, co
     const nlohmann::json j = nlohmann::json::parse(it->second);
     if (!j.is_object()) throw std::invalid_argument("not a JSON object");
     for (const auto& [name, dev] : j.items()) {
-      if (!dev.is_string()) throw std::invalid_argument("the device of `" + name + "` is not a string");
+      if (!dev.is_string()) {
+        throw std::invalid_argument("the device of `" + NameForMessage(name) + "` is not a string");
+      }
       out.emplace(name, Device::Parse(dev.get<std::string>()));
     }
   } catch (const std::exception& e) {
-    throw CheckpointError(path + ": metadata `" + kDevicesKey + "` is malformed: " + e.what());
+    // The cause may quote the file's text (a device name, a JSON token).
+    throw CheckpointError(path + ": metadata `" + kDevicesKey + "` is malformed: " + NameForMessage(e.what()));
   }
   std::unordered_set<std::string_view> held;
   for (const TensorEntry& e : file.tensors()) held.insert(e.name);
   for (const auto& [name, dev] : out) {
     if (held.count(name) == 0) {
-      throw CheckpointError(path + ": metadata `" + kDevicesKey + "` names tensor `" + name +
+      throw CheckpointError(path + ": metadata `" + kDevicesKey + "` names tensor `" + NameForMessage(name) +
                             "`, which the file does not hold");
     }
   }
@@ -245,7 +248,7 @@ Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
                           " metadata); plain safetensors files load with LoadTensors");
   }
   if (marker->second != "1") {
-    throw CheckpointError(source + ": checkpoint format version " + marker->second +
+    throw CheckpointError(source + ": checkpoint format version " + NameForMessage(marker->second) +
                           " is not supported (this build reads version 1)");
   }
   loaded.metadata.erase(marker);
@@ -308,7 +311,7 @@ int64_t MetadataInt(const Metadata& metadata, const std::string& key, const std:
     if (used == it->second.size()) return v;
   } catch (const std::exception&) {
   }
-  throw CheckpointError(source + ": metadata `" + key + "` is \"" + it->second +
+  throw CheckpointError(source + ": metadata `" + key + "` is \"" + NameForMessage(it->second) +
                         "\", expected an integer");
 }
 

@@ -285,6 +285,25 @@ TEST(CheckpointErrors, NameThatCannotBeEncodedNamesTheFileAndTensor) {
   EXPECT_NE(::stat(path.c_str(), &st), 0);
 }
 
+// A device record naming a 1 MB tensor name, or one given twice, or a
+// long non-integer epoch, gives a short message.
+TEST(DeviceMap, MessagesAboutTheDeviceRecordStayShort) {
+  const float v = 1.0f;
+  const std::string path = TmpPath("long_devices.safetensors");
+  const std::string name(1 << 20, 'n');
+  for (const std::string& record : {"{\"" + name + "\": \"cuda:0\"}", "{\"" + name + "\": 3}",
+                                    "{\"" + name + "\": 1, \"" + name + "\": 2}"}) {
+    WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &v, sizeof(v)}}, {{kDevicesKey, record}});
+    const std::string error = ErrorOf([&] { LoadTensors(path); });
+    EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("ddp.devices")));
+    EXPECT_LT(error.size(), 1024u + path.size());
+  }
+  const std::string epoch = ErrorOf([&] { MetadataInt({{"epoch", name}}, "epoch", "c.safetensors"); });
+  EXPECT_THAT(epoch, AllOf(HasSubstr("c.safetensors"), HasSubstr("expected an integer")));
+  EXPECT_LT(epoch.size(), 1024u);
+  std::remove(path.c_str());
+}
+
 TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
   const float v = 1.0f;
   const std::string path = TmpPath("bad_devices.safetensors");

@@ -286,8 +286,20 @@ nlohmann::json ParseWithUniqueKeys(std::string_view text) {
   return nlohmann::json::parse(text.begin(), text.end(), callback);
 }
 
+// The JSON parser's message, which quotes the last token read (a string
+// token may be megabytes long), cut to a few hundred bytes.
+std::string JsonErrorForMessage(const nlohmann::json::exception& e) {
+  constexpr size_t kMax = 400;
+  const std::string_view what = e.what();
+  if (what.size() <= kMax) return std::string(what);
+  size_t cut = kMax;
+  while (cut > 0 && (static_cast<unsigned char>(what[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(what.substr(0, cut)) + "... (" + std::to_string(what.size()) + " bytes)";
+}
+
 std::string DuplicateKeyMessage(const DuplicateKey& d) {
-  return "key `" + d.key + "` appears twice" + (d.in.empty() ? std::string() : " in `" + d.in + "`");
+  return "key `" + NameForMessage(d.key) + "` appears twice" +
+         (d.in.empty() ? std::string() : " in `" + NameForMessage(d.in) + "`");
 }
 
 // Deepest nesting of arrays and objects in `json`, outside strings. A valid
@@ -320,7 +332,7 @@ class Parser {
 
   uint64_t Offset(const nlohmann::json& v, const std::string& name, int which) const {
     if (!v.is_number_unsigned()) {
-      Fail("tensor `" + NameForMessage(name) + "`: data_offsets[" + std::to_string(which) + "] is " + v.dump() +
+      Fail("tensor `" + NameForMessage(name) + "`: data_offsets[" + std::to_string(which) + "] is " + NameForMessage(v.dump()) +
            ", expected a non-negative integer");
     }
     return v.get<uint64_t>();
@@ -334,7 +346,7 @@ class Parser {
     if (dt == info.end() || !dt->is_string()) Fail("tensor `" + NameForMessage(name) + "`: missing dtype string");
     const std::optional<StDtype> dtype = StDtypeFromName(dt->get_ref<const std::string&>());
     if (!dtype) {
-      Fail("tensor `" + NameForMessage(name) + "`: dtype " + dt->dump() +
+      Fail("tensor `" + NameForMessage(name) + "`: dtype " + NameForMessage(dt->dump()) +
            " is not supported (" + DtypeNames() + " are)");
     }
     e.dtype = *dtype;
@@ -342,7 +354,7 @@ class Parser {
     if (shape == info.end() || !shape->is_array()) Fail("tensor `" + NameForMessage(name) + "`: missing shape array");
     for (const auto& d : *shape) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62)) {
-        Fail("tensor `" + NameForMessage(name) + "`: shape " + shape->dump() +
+        Fail("tensor `" + NameForMessage(name) + "`: shape " + NameForMessage(shape->dump()) +
              " must hold non-negative integers");
       }
       e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
@@ -420,7 +432,7 @@ void CheckJsonKeysUnique(std::string_view json) {
   try {
     ParseWithUniqueKeys(json);
   } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(std::string("not valid JSON: ") + e.what());
+    throw std::invalid_argument("not valid JSON: " + JsonErrorForMessage(e));
   } catch (const DuplicateKey& d) {
     throw std::invalid_argument(DuplicateKeyMessage(d));
   }
@@ -532,7 +544,7 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
   try {
     header = ParseWithUniqueKeys(text);
   } catch (const nlohmann::json::exception& e) {
-    p.Fail(std::string("header is not valid JSON: ") + e.what());
+    p.Fail("header is not valid JSON: " + JsonErrorForMessage(e));
   } catch (const DuplicateKey& d) {
     p.Fail("header " + DuplicateKeyMessage(d));
   }
@@ -557,7 +569,8 @@ Metadata MetadataOf(const nlohmann::json& value, const Parser& p) {
   Metadata out;
   for (auto m = value.begin(); m != value.end(); ++m) {
     if (!m->is_string()) {
-      p.Fail("__metadata__ value for `" + m.key() + "` is " + m->dump() + ", expected a string");
+      p.Fail("__metadata__ value for `" + NameForMessage(m.key()) + "` is " + NameForMessage(m->dump()) +
+             ", expected a string");
     }
     out[m.key()] = m->get<std::string>();
   }

@@ -1070,6 +1070,33 @@ TEST(SafetensorsErrors, EveryWholeByteDtypeOfPythonParses) {
               AllOf(HasSubstr("`w`: dtype U16 and shape [3] need 6 bytes")));
 }
 
+// Text from a hostile or corrupt header is cut in messages: a key of 1 MB
+// given twice, a metadata value that is a long array, a long JSON token.
+TEST(SafetensorsErrors, MessagesStayShortWhateverTheHeaderHolds) {
+  const std::string key(1 << 20, 'k');
+  const std::string x = "\"" + key + "\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}";
+  const std::string data(4, '\0');
+  const std::string twice = ParseError(Build("{" + x + "," + x + "}", data));
+  EXPECT_THAT(twice, AllOf(HasSubstr("bad.safetensors"), HasSubstr("appears twice")));
+  EXPECT_LT(twice.size(), 1024u);
+  std::string list = "[";
+  for (int i = 0; i < 100000; ++i) list += (i ? ",1" : "1");
+  list += "]";
+  const std::string metadata =
+      ParseError(Build("{\"__metadata__\":{\"" + key + "\":" + list + "}," + x + "}", data));
+  EXPECT_THAT(metadata, AllOf(HasSubstr("bad.safetensors"), HasSubstr("expected a string")));
+  EXPECT_LT(metadata.size(), 1024u);
+  const std::string token = ParseError(Build("{\"" + key + "\" " + x + "}", data));
+  EXPECT_THAT(token, AllOf(HasSubstr("bad.safetensors"), HasSubstr("not valid JSON")));
+  EXPECT_LT(token.size(), 1024u);
+  try {
+    CheckJsonKeysUnique("{\"" + key + "\":1,\"" + key + "\":2}");
+    ADD_FAILURE() << "no error for a key given twice";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_LT(std::string(e.what()).size(), 1024u);
+  }
+}
+
 TEST(SafetensorsErrors, EntryFields) {
   EXPECT_THAT(ParseError(Build(R"({"w":3})", "")), HasSubstr("`w`: entry is number"));
   EXPECT_THAT(ParseError(Build(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", "abcd")),
