@@ -778,14 +778,17 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
                             (std::ferror(f.get()) ? std::string(std::strerror(err))
                                                   : std::string("the file got shorter while being read")));
     }
-    // The header is checked here as Parse checks it, and a bad one is
-    // reported at once with Parse's own message: reading the data first
-    // would cost the whole file's size in memory and time (or fail for
-    // want of memory) before the real problem were named.
+    // The header is checked here as Parse checks it. A bad one ends the
+    // read at once: only the length and the header are returned, which
+    // Parse refuses with the very message it would give for the whole file
+    // (it checks the header and every entry before the data region), on
+    // every rank that gets these bytes. Reading the data first would cost
+    // the whole file's size in memory and time, or fail for want of memory,
+    // before the real problem were named.
     Parser p(path);
     std::optional<uint64_t> data_end;
     std::optional<TensorEntry> last;
-    {
+    try {
       const nlohmann::json header = ParseHeader(std::string_view(header_text).substr(8), p);
       uint64_t end = 0;
       for (auto it = header.begin(); it != header.end(); ++it) {
@@ -800,6 +803,8 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
         }
       }
       data_end = end;
+    } catch (const CheckpointError&) {
+      return header_text;
     }
     const uint64_t data_size = size - 8 - n;
     if (data_end && *data_end > data_size) {

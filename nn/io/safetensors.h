@@ -139,11 +139,12 @@ class SafetensorsFile {
   /// Reads and parses a file.
   static SafetensorsFile Read(const std::string& path, const std::atomic<bool>* stop = nullptr);
   /// A file's bytes (to hand to Parse here or on another rank). The header
-  /// is read and checked first, and a bad one is refused with the message
-  /// Parse would give, before the data is read; the file's size must be the
-  /// one the header implies, so a file with bytes after its last tensor is
-  /// refused without reading them. Throws CheckpointError naming the path
-  /// and the OS error or the problem. Once `*stop`
+  /// is read and checked first. When it is not valid, only the length field
+  /// and the header are returned, without reading the data: Parse refuses
+  /// them with the same message as the whole file. When it is valid, the
+  /// file's size must be the one it implies, so a file with bytes after its
+  /// last tensor is refused without reading them. Throws CheckpointError
+  /// naming the path and the OS error or the problem. Once `*stop`
   /// (when given) is true, the read ends at the next piece of
   /// kStopCheckBytes with a CheckpointError.
   static std::string ReadBytes(const std::string& path, const std::atomic<bool>* stop = nullptr);
