@@ -44,8 +44,8 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
   for (const char* flag :
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
-        "momentum", "weight_decay", "scheduler", "lr_gamma", "lr_milestones", "lr_t0",
-        "lr_t_mult", "lr_patience", "amp", "device", "nproc_per_node", "max_restarts",
+        "momentum", "weight_decay", "decay_norm_and_bias", "scheduler", "lr_gamma", "lr_milestones",
+        "lr_t0", "lr_t_mult", "lr_patience", "amp", "device", "nproc_per_node", "max_restarts",
         "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "powersgd_start_step",
         "find_unused_parameters", "ddp_stats", "trace", "checkpoint", "checkpoint_every",
         "save_timeout_s", "save_stop_grace_s", "resume", "log_dir", "log_every", "timeout_s"}) {
@@ -138,6 +138,19 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
             "train: --nproc_per_node=0 must be in [1, 4096]");
   EXPECT_EQ(OneErrorLine(Train({"--resume", "--checkpoint=none"})),
             "train: --resume needs a checkpoint to read; drop --checkpoint=none or give a path");
+}
+
+// --decay_norm_and_bias=false needs a weight decay to spare the biases and
+// norms from, and a step that takes two parameter groups (not the one
+// inside backward).
+TEST(TrainCliTest, DecayNormAndBiasOffIsRefusedWhereItCannotApply) {
+  EXPECT_EQ(OneErrorLine(Train({"--decay_norm_and_bias=false"})),
+            "train: --decay_norm_and_bias=false spares biases and norms from --weight_decay, which is "
+            "0 here; pass a --weight_decay above 0, or drop --decay_norm_and_bias=false");
+  EXPECT_EQ(OneErrorLine(Train({"--decay_norm_and_bias=false", "--weight_decay=0.01", "--zero",
+                                "--zero_overlap"})),
+            "train: --zero_overlap steps every parameter with one set of options, so "
+            "--decay_norm_and_bias=false cannot apply; drop one of the two (--zero alone takes it)");
 }
 
 // The schedules' flags: refused in one line when given to another

@@ -69,6 +69,10 @@ DEFINE_double(lr, 0.05,
               "for adadelta)");
 DEFINE_double(momentum, 0.9, "SGD momentum (sgd only)");
 DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 for ResNets)");
+DEFINE_bool(decay_norm_and_bias, true,
+            "apply --weight_decay to every parameter; false spares biases and BatchNorm/LayerNorm "
+            "parameters (those of at most one dimension), which then form a second parameter "
+            "group without weight decay (needs --weight_decay above 0; not with --zero_overlap)");
 DEFINE_string(scheduler, "cosine",
               "learning-rate schedule, stepped after each optimizer step: none, step (x --lr_gamma "
               "after each third of the run), multistep (x --lr_gamma at each of --lr_milestones), "
@@ -261,8 +265,8 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed"}},
       {"Schedule", {"epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every"}},
       {"Optimizer",
-       {"optimizer", "lr", "momentum", "weight_decay", "scheduler", "lr_gamma", "lr_milestones",
-        "lr_t0", "lr_t_mult", "lr_patience", "amp"}},
+       {"optimizer", "lr", "momentum", "weight_decay", "decay_norm_and_bias", "scheduler", "lr_gamma",
+        "lr_milestones", "lr_t0", "lr_t_mult", "lr_patience", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
        {"nproc_per_node", "max_restarts", "sync_bn", "zero", "zero_overlap", "bucket_cap_mb",
@@ -403,6 +407,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.lr = FLAGS_lr;
   c.momentum = FLAGS_momentum;
   c.weight_decay = FLAGS_weight_decay;
+  c.decay_norm_and_bias = FLAGS_decay_norm_and_bias;
   c.scheduler = FLAGS_scheduler;
   // Unset, the schedule's default (and refused for exponential, which has none).
   if (!IsDefault("lr_gamma")) c.lr_gamma = FLAGS_lr_gamma;

@@ -168,6 +168,84 @@ TEST(TrainRunTest, PowerSgdStateIsSavedAndAResumeContinuesIt) {
   }
 }
 
+// --decay_norm_and_bias=false on 2 ranks, with the whole optimizer (`extra`
+// empty) or --zero: the plan says so, the run trains, its checkpoint holds
+// two groups (biases and norms without weight decay) whose rates the
+// schedule moved together and records the flag, a resume with it trains
+// on, and one without it is refused naming the flag and both values.
+void ExpectNormsAndBiasesUndecayedTrainAndResume(const std::string& name,
+                                                 const std::vector<std::string>& extra) {
+  const std::string dir = testing::MakeTempDir(name);
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic",    "--model=mlp",
+      "--train_samples=256",     "--test_samples=64",      "--batch_size=32",
+      "--workers=0",             "--nproc_per_node=2",     "--optimizer=adamw",
+      "--weight_decay=0.01",     "--scheduler=exponential", "--lr_gamma=0.5",
+      "--checkpoint=" + ckpt};
+  args.insert(args.end(), extra.begin(), extra.end());
+  // The groups' scalars of the saved optimizer state, and its step.
+  auto saved_groups = [&ckpt](std::string* step) {
+    const nn::io::Checkpoint saved = nn::io::LoadCheckpoint(ckpt);
+    EXPECT_EQ(saved.metadata.at("decay_norm_and_bias"), "false");
+    *step = saved.metadata.at("step");
+    std::map<std::string, double> scalars;
+    for (const auto& [key, t] : saved.optimizer) {
+      if (key.rfind("param_groups.", 0) != 0 || t.numel() != 1) continue;
+      scalars[key] =
+          t.dtype() == nn::DType::kInt64 ? static_cast<double>(t.ToVector<int64_t>().at(0)) : t.Item();
+    }
+    return scalars;
+  };
+
+  std::vector<std::string> first = args;
+  first.insert(first.end(), {"--decay_norm_and_bias=false", "--max_steps=2"});
+  const RunOutput r1 = RunToEnd(first);
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  EXPECT_NE(r1.out.find("adamw lr 0.001 weight decay 0.01 (none on biases and norms)"), std::string::npos)
+      << r1.out;
+  EXPECT_NE(r1.out.find("RESULT model=mlp ranks=2 "), std::string::npos) << r1.out;
+  std::string step;
+  std::map<std::string, double> groups = saved_groups(&step);
+  EXPECT_EQ(step, "2");
+  EXPECT_EQ(groups["param_groups.count"], 2);
+  EXPECT_EQ(groups["param_groups.0.weight_decay"], 0.01);
+  EXPECT_EQ(groups["param_groups.1.weight_decay"], 0);
+  // The MLP's three weight matrices, and its three biases.
+  EXPECT_EQ(groups["param_groups.0.size"], 3);
+  EXPECT_EQ(groups["param_groups.1.size"], 3);
+  EXPECT_EQ(groups["param_groups.0.lr"], 0.001 * 0.25);
+  EXPECT_EQ(groups["param_groups.1.lr"], 0.001 * 0.25);
+
+  std::vector<std::string> resumed = args;
+  resumed.insert(resumed.end(), {"--decay_norm_and_bias=false", "--max_steps=4", "--resume"});
+  const RunOutput r2 = RunToEnd(resumed);
+  ASSERT_EQ(r2.exit_code, 0) << r2.out << r2.err;
+  EXPECT_NE(r2.out.find("resumed at epoch 1, step 2"), std::string::npos) << r2.out;
+  groups = saved_groups(&step);
+  EXPECT_EQ(step, "4");
+  EXPECT_EQ(groups["param_groups.0.lr"], 0.001 * 0.0625);
+  EXPECT_EQ(groups["param_groups.1.lr"], 0.001 * 0.0625);
+
+  std::vector<std::string> other = args;
+  other.insert(other.end(), {"--max_steps=6", "--resume"});
+  const RunOutput r3 = RunToEnd(other);
+  EXPECT_EQ(r3.exit_code, 2) << r3.out << r3.err;
+  EXPECT_NE(r3.err.find("checkpoint " + ckpt + " was saved with --decay_norm_and_bias=false and this "
+                        "run has --decay_norm_and_bias=true; pass --decay_norm_and_bias=false to "
+                        "continue that run, or another --checkpoint path to start afresh"),
+            std::string::npos)
+      << r3.err;
+}
+
+TEST(TrainRunTest, NormsAndBiasesWithoutWeightDecayTrainAndResume) {
+  ExpectNormsAndBiasesUndecayedTrainAndResume("no_decay_norms", {});
+}
+
+TEST(TrainRunTest, NormsAndBiasesWithoutWeightDecayTrainAndResumeSharded) {
+  ExpectNormsAndBiasesUndecayedTrainAndResume("no_decay_norms_zero", {"--zero"});
+}
+
 TEST(TrainRunTest, DdpStatisticsNameEachRanksWait) {
   const std::string dir = testing::MakeTempDir("ddp_stats");
   std::vector<std::string> args = QuickRun(dir);

@@ -242,6 +242,19 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--zero leaves each rank the optimizer of its own parameters, and --amp=fp16's "
                      "loss scaler must see every gradient; use --amp=bf16, or drop --zero");
   }
+  if (!c.decay_norm_and_bias) {
+    // A flag that would change nothing is refused, as --momentum with adam.
+    if (c.weight_decay == 0) {
+      throw UsageError("--decay_norm_and_bias=false spares biases and norms from --weight_decay, which "
+                       "is 0 here; pass a --weight_decay above 0, or drop --decay_norm_and_bias=false");
+    }
+    // OverlappedZeroOptimizer builds each bucket's optimizer over one list.
+    if (c.zero_overlap) {
+      throw UsageError("--zero_overlap steps every parameter with one set of options, so "
+                       "--decay_norm_and_bias=false cannot apply; drop one of the two (--zero alone "
+                       "takes it)");
+    }
+  }
   if (c.zero_overlap) {
     // The fused step is DDP's communication hook, works on host memory,
     // and needs the same buckets in every iteration.

@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <optional>
 #include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "ddp/checkpoint.h"
 #include "ddp/comm_hooks.h"
@@ -41,13 +44,20 @@ auto Guarded(const char* what, F&& f) -> decltype(f()) {
 }
 
 // --zero: ZeroRedundancyOptimizer, stepped after backward.
+// One group without options is sharded as a plain list (the state layout
+// of a run without groups); several as groups, each shard's optimizer
+// holding this rank's pieces of each group.
 class Zero : public Parallel::ShardedOptimizer {
  public:
-  Zero(nn::optim::NamedParameters params, std::shared_ptr<dist::ProcessGroup> pg,
+  Zero(std::vector<nn::optim::ParamGroup> groups, std::shared_ptr<dist::ProcessGroup> pg,
        const Parallel::OptimizerFactory& make)
-      : zero_(std::move(params), std::move(pg), make) {}
+      : zero_(Build(std::move(groups), std::move(pg), make)) {}
   double lr() const override { return zero_.lr(); }
-  void set_lr(double lr) override { zero_.set_lr(lr); }
+  // Every group takes the rate (they differ in weight decay only); a bad
+  // rate is refused by group 0's before any changes.
+  void set_lr(double lr) override {
+    for (size_t k = 0; k < zero_.num_groups(); ++k) zero_.set_lr(k, lr);
+  }
   void Step() override { Guarded("optimizer step", [&] { zero_.Step(); }); }
   void ZeroGrad() override { zero_.ZeroGrad(); }
   nn::optim::NamedTensors Consolidate() override {
@@ -61,6 +71,18 @@ class Zero : public Parallel::ShardedOptimizer {
   }
 
  private:
+  static dist::ZeroRedundancyOptimizer Build(std::vector<nn::optim::ParamGroup> groups,
+                                             std::shared_ptr<dist::ProcessGroup> pg,
+                                             const Parallel::OptimizerFactory& make) {
+    if (groups.size() == 1 && groups.front().options.empty()) {
+      return dist::ZeroRedundancyOptimizer(
+          std::move(groups.front().params), std::move(pg), [make](nn::optim::NamedParameters shard) {
+            return make({nn::optim::ParamGroup{std::move(shard), {}}});
+          });
+    }
+    return dist::ZeroRedundancyOptimizer(std::move(groups), std::move(pg), make);
+  }
+
   dist::ZeroRedundancyOptimizer zero_;
 };
 
@@ -71,7 +93,8 @@ class Overlapped : public Parallel::ShardedOptimizer {
  public:
   // The factory's rate, read off an optimizer of one parameter (cheaper
   // than one of all).
-  Overlapped(nn::optim::NamedParameters params, Parallel::OptimizerFactory make)
+  using ListFactory = dist::OverlappedZeroOptimizer::Factory;
+  Overlapped(nn::optim::NamedParameters params, ListFactory make)
       : params_(std::move(params)), make_(std::move(make)), lr_(make_({params_.at(0)})->lr()) {}
 
   void Bind(dist::DistributedDataParallel& ddp) {
@@ -110,7 +133,7 @@ class Overlapped : public Parallel::ShardedOptimizer {
   }
 
   nn::optim::NamedParameters params_;
-  Parallel::OptimizerFactory make_;
+  ListFactory make_;
   double lr_;
   std::optional<nn::optim::NamedTensors> pending_;
   std::unique_ptr<dist::OverlappedZeroOptimizer> zero_;
@@ -204,15 +227,23 @@ class DdpParallel : public Parallel {
     });
   }
 
-  std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params, const OptimizerFactory& make,
-                                          bool overlap) override {
+  std::unique_ptr<ShardedOptimizer> Shard(std::vector<nn::optim::ParamGroup> groups,
+                                          const OptimizerFactory& make, bool overlap) override {
     overlapped_ = nullptr;
     if (overlap) {
-      auto fused = std::make_unique<Overlapped>(std::move(params), make);
+      if (groups.size() != 1 || !groups.front().options.empty()) {
+        throw std::invalid_argument(
+            "Parallel::Shard: the step inside backward takes one group without options, got " +
+            std::to_string(groups.size()) + " group(s)");
+      }
+      auto fused = std::make_unique<Overlapped>(
+          std::move(groups.front().params), [make](nn::optim::NamedParameters part) {
+            return make({nn::optim::ParamGroup{std::move(part), {}}});
+          });
       overlapped_ = fused.get();
       return fused;
     }
-    return std::make_unique<Zero>(std::move(params), pg_, make);
+    return std::make_unique<Zero>(std::move(groups), pg_, make);
   }
   std::unique_ptr<NoSyncScope> NoSync() override {
     struct Scope : NoSyncScope {

@@ -63,7 +63,8 @@ class Parallel {
   class ShardedOptimizer {
    public:
     virtual ~ShardedOptimizer() = default;
-    /// The learning rate of every part (schedulers drive it on every rank).
+    /// The learning rate of every part and every parameter group (the
+    /// groups share it; schedulers drive it on every rank).
     virtual double lr() const = 0;
     virtual void set_lr(double lr) = 0;
     /// Ends the step: updates this rank's part, then every rank gets every
@@ -79,8 +80,11 @@ class Parallel {
     /// nothing, for a state this optimizer cannot take.
     virtual void Load(const nn::optim::NamedTensors& whole) = 0;
   };
+  /// Builds the optimizer of one rank's part over parameter groups: the
+  /// groups given to Shard, in order and with their options, each holding
+  /// the pieces of its parameters that the rank owns.
   using OptimizerFactory =
-      std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>;
+      std::function<std::unique_ptr<nn::optim::Optimizer>(std::vector<nn::optim::ParamGroup>)>;
 
   virtual ~Parallel() = default;
 
@@ -120,13 +124,18 @@ class Parallel {
   /// rank evaluates rank 0's model, the one its checkpoint holds.
   /// Collective; after Attach. Nothing to do for a model without buffers.
   virtual void BroadcastBuffers() = 0;
-  /// `params` split among the ranks, each rank's part updated by an
-  /// optimizer from `make` (ZeroRedundancyOptimizer). Not collective.
+  /// The parameters of `groups` split among the ranks, each rank's part
+  /// updated by an optimizer from `make` (ZeroRedundancyOptimizer). The
+  /// groups are formed from whole parameters before the split (a piece is a
+  /// 1-D view whatever its parameter's shape). One group without options is
+  /// split as a plain list, with that optimizer's state layout. Not
+  /// collective.
   /// `overlap` (--zero_overlap): the parts are DDP's buckets, and each is
   /// updated inside backward as soon as its gradients are reduced
   /// (OverlappedZeroOptimizer); it starts working at Attach, which must
-  /// follow (lr, set_lr and Load work before).
-  virtual std::unique_ptr<ShardedOptimizer> Shard(nn::optim::NamedParameters params,
+  /// follow (lr, set_lr and Load work before); it takes one group without
+  /// options only (std::invalid_argument otherwise).
+  virtual std::unique_ptr<ShardedOptimizer> Shard(std::vector<nn::optim::ParamGroup> groups,
                                                   const OptimizerFactory& make, bool overlap) = 0;
 
   /// values[i] = sum over ranks of values[i]. Collective.

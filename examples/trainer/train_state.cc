@@ -250,6 +250,13 @@ double RateIn(const NamedTensors& state, const std::string& key) {
   return NAN;
 }
 
+// The rate of an optimizer's state list: its "lr", or with parameter
+// groups (which share the trainer's one rate) group 0's (NaN when absent).
+double OptimizerRateIn(const NamedTensors& state) {
+  const double rate = RateIn(state, "lr");
+  return std::isnan(rate) ? RateIn(state, "param_groups.0.lr") : rate;
+}
+
 // One flag of --scheduler's kind, as saved in the metadata (under the
 // flag's name) and as a command line gives it.
 struct ScheduleSetting {
@@ -287,9 +294,23 @@ std::vector<ScheduleSetting> ScheduleSettings(const TrainConfig& c) {
 
 // The learning-rate schedule and the optimizer's settings of the saved run
 // continue unchanged, or not at all: throws UsageError for another
-// --scheduler, --lr, --momentum or --weight_decay.
+// --scheduler, --lr, --momentum, --weight_decay or --decay_norm_and_bias.
 void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainConfig& config) {
   const std::string restart = " to continue that run, or another --checkpoint path to start afresh";
+  // Which parameters are decayed, and the optimizer state's groups with it.
+  // (Absent: a trainer before the flag, which decayed every parameter.)
+  std::string saved_decay = Get(m, "decay_norm_and_bias");
+  if (saved_decay.empty()) saved_decay = "true";
+  const std::string decay = config.decay_norm_and_bias ? "true" : "false";
+  if (saved_decay != "true" && saved_decay != "false") {
+    throw UsageError("--resume: checkpoint " + path +
+                     " has no valid decay_norm_and_bias; the file was not written by this trainer");
+  }
+  if (saved_decay != decay) {
+    throw UsageError("checkpoint " + path + " was saved with --decay_norm_and_bias=" + saved_decay +
+                     " and this run has --decay_norm_and_bias=" + decay + "; pass --decay_norm_and_bias=" +
+                     saved_decay + restart);
+  }
   const std::string saved_scheduler = Get(m, "scheduler");
   if (!saved_scheduler.empty() && saved_scheduler != config.scheduler) {
     throw UsageError("checkpoint " + path + " was saved with --scheduler=" + saved_scheduler +
@@ -693,7 +714,7 @@ nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPo
   // (A plateau's reductions are the optimizer's rate; its base is --lr.)
   const double rate = parts.scheduler != nullptr ? parts.scheduler->base_lr()
                       : parts.plateau != nullptr ? config.lr
-                                                 : RateIn(ckpt.optimizer, "lr");
+                                                 : OptimizerRateIn(ckpt.optimizer);
   if (!std::isnan(rate)) m["lr"] = ExactDouble(rate);
   for (const ScheduleSetting& setting : ScheduleSettings(config)) m[setting.flag] = setting.saved;
   if (parts.plateau != nullptr) m["plateau_at_step"] = std::to_string(pos.plateau_at_step);
@@ -701,6 +722,7 @@ nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPo
   m["sync_bn"] = config.sync_bn ? "true" : "false";
   m["momentum"] = ExactDouble(config.momentum);
   m["weight_decay"] = ExactDouble(config.weight_decay);
+  m["decay_norm_and_bias"] = config.decay_norm_and_bias ? "true" : "false";
   if (parts.schedule != nullptr) m["schedule_steps"] = std::to_string(parts.schedule->steps());
   m["epochs"] = std::to_string(config.epochs);
   m["max_steps"] = std::to_string(config.max_steps);

@@ -19,6 +19,7 @@
 #include "examples/trainer/device.h"
 #include "examples/trainer/format.h"
 #include "examples/trainer/metrics_log.h"
+#include "examples/trainer/optimizer.h"
 #include "examples/trainer/train_state.h"
 #include "examples/trainer/zoo.h"
 #include "nn/autograd/engine.h"
@@ -27,9 +28,7 @@
 #include "nn/loss/loss.h"
 #include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
-#include "nn/optim/adadelta.h"
-#include "nn/optim/adam.h"
-#include "nn/optim/sgd.h"
+#include "nn/optim/lr_scheduler.h"
 
 namespace ddp::examples::trainer {
 namespace {
@@ -56,32 +55,6 @@ std::optional<nn::DType> AutocastDTypeOf(const TrainConfig& c) {
   return c.amp == "bf16" ? nn::DType::kBFloat16 : nn::DType::kFloat16;
 }
 
-std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(const TrainConfig& c,
-                                                    nn::optim::NamedParameters params) {
-  if (c.optimizer == "sgd") {
-    return std::make_unique<nn::optim::Sgd>(
-        std::move(params), nn::optim::SgdOptions{.lr = c.lr,
-                                                 .momentum = c.momentum,
-                                                 .weight_decay = c.weight_decay});
-  }
-  if (c.optimizer == "adam") {
-    nn::optim::AdamOptions o;
-    o.lr = c.lr;
-    o.weight_decay = c.weight_decay;
-    return std::make_unique<nn::optim::Adam>(std::move(params), o);
-  }
-  if (c.optimizer == "adamw") {
-    nn::optim::AdamWOptions o;
-    o.lr = c.lr;
-    o.weight_decay = c.weight_decay;
-    return std::make_unique<nn::optim::AdamW>(std::move(params), o);
-  }
-  nn::optim::AdadeltaOptions o;
-  o.lr = c.lr;
-  o.weight_decay = c.weight_decay;
-  return std::make_unique<nn::optim::Adadelta>(std::move(params), o);
-}
-
 // Rank `rank`'s loader of the training set: its shard, reshuffled each epoch.
 std::unique_ptr<nn::data::DataLoader> MakeTrainLoader(const TrainConfig& c, const Datasets& data,
                                                       int rank, int world, int workers) {
@@ -101,7 +74,10 @@ std::unique_ptr<nn::data::DataLoader> MakeTrainLoader(const TrainConfig& c, cons
 std::string OptimizerSummary(const TrainConfig& c) {
   std::string s = c.optimizer + " lr " + StringPrintf("%g", c.lr);
   if (c.optimizer == "sgd" && c.momentum > 0) s += StringPrintf(" momentum %g", c.momentum);
-  if (c.weight_decay > 0) s += StringPrintf(" weight decay %g", c.weight_decay);
+  if (c.weight_decay > 0) {
+    s += StringPrintf(" weight decay %g", c.weight_decay);
+    if (!c.decay_norm_and_bias) s += " (none on biases and norms)";
+  }
   if (c.scheduler != "none") s += ", " + c.scheduler + " schedule";
   if (c.amp != "off") s += ", " + c.amp + " mixed precision";
   return s;
@@ -427,6 +403,7 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       {"--lr", ExactDouble(c.lr)},
       {"--momentum", ExactDouble(c.momentum)},
       {"--weight_decay", ExactDouble(c.weight_decay)},
+      {"--decay_norm_and_bias", flag(c.decay_norm_and_bias)},
       {"--scheduler", c.scheduler},
       {"--lr_gamma", c.lr_gamma ? ExactDouble(*c.lr_gamma) : "default"},
       {"--lr_milestones", FormatMilestones(c.lr_milestones)},
@@ -548,12 +525,13 @@ void Run::Setup() {
   if (compute_dtype_ != nn::DType::kFloat32) model_->To(compute_dtype_);
   model_->Train();
   if (c_.zero) {
+    // Grouped by the whole parameters' shapes, before the split.
     sharded_ = par_.Shard(
-        model_->NamedParameters(),
-        [this](nn::optim::NamedParameters shard) { return MakeOptimizer(c_, std::move(shard)); },
+        ParamGroupsOf(c_, model_->NamedParameters()),
+        [this](std::vector<nn::optim::ParamGroup> shard) { return MakeOptimizer(c_, std::move(shard)); },
         c_.zero_overlap);
   } else {
-    optimizer_ = MakeOptimizer(c_, model_->NamedParameters());
+    optimizer_ = MakeOptimizer(c_, ParamGroupsOf(c_, model_->NamedParameters()));
   }
   if (c_.amp == "fp16") {
     // f16 gradients underflow without loss scaling; bf16 has f32's range.
@@ -578,13 +556,10 @@ void Run::Setup() {
   const int64_t batches = train_loader_->NumBatches();
   batches_per_epoch_ = batches;
   steps_per_epoch_ = (batches + c_.grad_accum_steps - 1) / c_.grad_accum_steps;
-  nn::optim::LrTarget lr_target{[this] { return Lr(); }, [this](double lr) {
-                                  if (sharded_) {
-                                    sharded_->set_lr(lr);
-                                  } else {
-                                    optimizer_->set_lr(lr);
-                                  }
-                                }};
+  // The trainer's one rate, in every parameter group.
+  const nn::optim::LrTarget lr_target =
+      sharded_ ? nn::optim::LrTarget{[this] { return Lr(); }, [this](double lr) { sharded_->set_lr(lr); }}
+               : EveryGroupsRate(*optimizer_);
   if (HasRunSchedule(c_.scheduler)) {
     // Over the whole run; a resumed one continues the saved horizon.
     schedule_ = std::make_shared<RunSchedule>(c_, RunEndStep(c_, batches));
@@ -1303,16 +1278,19 @@ void CheckSetup(const TrainConfig& config, int world_size) {
     // What the ranks would refuse (another model, optimizer, precision or
     // schedule), once: the checkpoint loaded as a rank loads it.
     if (ComputeDType(config) != nn::DType::kFloat32) model->To(ComputeDType(config));
-    const auto optimizer = MakeOptimizer(config, model->NamedParameters());
+    const auto optimizer = MakeOptimizer(config, ParamGroupsOf(config, model->NamedParameters()));
     std::shared_ptr<RunSchedule> schedule;
     std::unique_ptr<nn::optim::LrScheduler> scheduler;
     const int64_t batches = MakeTrainLoader(config, data, 0, world_size, 0)->NumBatches();
     std::unique_ptr<nn::optim::ReduceLrOnPlateau> plateau;
     if (HasRunSchedule(config.scheduler)) {
       schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, batches));
-      scheduler = std::make_unique<nn::optim::LrScheduler>(*optimizer, schedule);
+      // Over the same target as a rank's (one rate for every group), so
+      // that the scheduler's state has the same layout.
+      scheduler = std::make_unique<nn::optim::LrScheduler>(EveryGroupsRate(*optimizer), schedule);
     } else if (config.scheduler == "plateau") {
-      plateau = std::make_unique<nn::optim::ReduceLrOnPlateau>(*optimizer, PlateauOptionsOf(config));
+      plateau = std::make_unique<nn::optim::ReduceLrOnPlateau>(EveryGroupsRate(*optimizer),
+                                                               PlateauOptionsOf(config));
     }
     std::unique_ptr<nn::optim::GradScaler> scaler;
     if (config.amp == "fp16") scaler = std::make_unique<nn::optim::GradScaler>();
