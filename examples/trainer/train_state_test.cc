@@ -769,6 +769,41 @@ TEST(TrainStateTest, AnotherMomentumOrWeightDecayIsRefusedNamingBothValues) {
   EXPECT_EQ(error(saved), "");
 }
 
+// --decay_norm_and_bias decides the optimizer's groups: another value is
+// refused naming both, and a checkpoint from before the flag was recorded
+// counts as true (every parameter decayed, as trainers then did).
+TEST(TrainStateTest, AnotherDecayNormAndBiasIsRefusedAndAnOlderCheckpointCountsAsTrue) {
+  TrainConfig saved;
+  saved.weight_decay = 1e-4;
+  const std::string path = SaveCosineRun("decay_norm_and_bias", saved);
+  EXPECT_EQ(nn::io::LoadCheckpoint(path).metadata.at("decay_norm_and_bias"), "true");
+  auto model = nn::modules::MakeMlp();
+  auto error = [&](const TrainConfig& config) {
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+    nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
+    return UsageErrorOf([&] { LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr); });
+  };
+  TrainConfig config = saved;
+  config.decay_norm_and_bias = false;
+  const std::string refused = "checkpoint " + path +
+                              " was saved with --decay_norm_and_bias=true and this run has "
+                              "--decay_norm_and_bias=false; pass --decay_norm_and_bias=true to continue "
+                              "that run, or another --checkpoint path to start afresh";
+  EXPECT_EQ(error(config), refused);
+  EXPECT_EQ(error(saved), "");
+
+  nn::io::Checkpoint older = nn::io::LoadCheckpoint(path);
+  older.metadata.erase("decay_norm_and_bias");
+  nn::io::SaveCheckpoint(path, older);
+  EXPECT_EQ(error(saved), "");
+  EXPECT_EQ(error(config), refused);
+
+  older.metadata["decay_norm_and_bias"] = "maybe";
+  nn::io::SaveCheckpoint(path, older);
+  EXPECT_EQ(error(saved), "--resume: checkpoint " + path +
+                              " has no valid decay_norm_and_bias; the file was not written by this trainer");
+}
+
 // Another --comm_hook or --sync_bn changes how the run goes on (gradient
 // compression; BatchNorm statistics per rank or across ranks) but not what
 // it continues from: the resume goes ahead, with a note naming both values
