@@ -354,16 +354,15 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // that backward, or shadowing it in Join::Wait) wait for its buckets
   // until the group's timeout.
   const bool eval_before_backward = before_backward && grad_sync;
-  // Whether this forward involves the peers: its backward synchronizes
-  // gradients (sync: in eval mode too, outside Join and NoSync), it
-  // broadcasts buffers or sends Join's flags, or a training forward's
-  // backward is still to come on this rank (its buckets will be
-  // all-reduced). A forward refused for the model's state must then abort
-  // the group, or the peers would wait for this rank until the group's
-  // timeout; one that involves nobody (under NoSync, say, or in a group of
-  // one) throws here alone and leaves the group usable.
-  const bool involves_peers = size > 1 && (sync || sync_buffers || join_flags || eval_before_backward ||
-                                           (s.reducer != nullptr && s.reducer->awaiting_backward()));
+  // Whether a forward refused for the model's state must abort the group:
+  // with peers and anything synchronized (a reducer: even a forward under
+  // NoSync, whose own backward reduces nothing, is followed by a
+  // synchronizing one the peers would wait in for this rank until the
+  // group's timeout), or buffers broadcast, or Join's flags sent. Only
+  // where nothing of the model is ever synchronized (every parameter
+  // frozen at wrapping, no buffers broadcast) does the forward throw here
+  // alone and leave the group usable.
+  const bool involves_peers = size > 1 && (s.reducer != nullptr || sync_buffers || join_flags);
   auto refuse = [&](const std::string& error) {
     if (involves_peers) {
       const std::string message = error + " The process group was aborted.";

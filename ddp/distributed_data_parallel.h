@@ -190,13 +190,9 @@ class DistributedDataParallel : public nn::modules::Module {
   /// Throws std::invalid_argument when grad is enabled and a parameter's
   /// dtype or device is no longer the one its gradient bucket was built
   /// for (Module::To() after wrapping), naming the first such parameter:
-  /// call To() before wrapping. It aborts the group first when this forward
-  /// involves the peers (they would wait for this rank): it synchronizes
-  /// gradients (eval mode included, outside Join and NoSync), broadcasts
-  /// buffers, sends Join's flags, or a training forward's backward is still
-  /// to come. Otherwise (under NoSync with no buffers to broadcast, a group
-  /// of one) it throws on this rank alone and the group stays usable; the
-  /// message says which happened.
+  /// call To() before wrapping. It aborts the group first: the peers would
+  /// wait for this rank in a later synchronizing backward, even after a
+  /// forward under NoSync.
   /// A synchronizing forward (training mode, grad enabled, outside NoSync)
   /// throws std::runtime_error, after aborting the group, when the previous
   /// one's backward did not finish on this rank (none ran, none reached a

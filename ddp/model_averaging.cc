@@ -273,7 +273,9 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   // 1), so that the peers do not wait in averages this rank will not run
   // until the group's timeout.
   const int size = group.size();
-  nn::Tensor bad = nn::Zeros({2 * size}, {.dtype = nn::DType::kInt64});
+  // [first bad index + 1, what] per rank, then per rank a digest of which
+  // tensors it found repeated (below).
+  nn::Tensor bad = nn::Zeros({3 * size}, {.dtype = nn::DType::kInt64});
   for (size_t i = 0; i < params.size(); ++i) {
     const nn::Tensor& p = params[i];
     if (p.defined() && nn::IsFloating(p.dtype())) continue;
@@ -293,7 +295,25 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
       bad.data<int64_t>()[size + group.rank()] = -static_cast<int64_t>(overlap.first) - 1;
     }
   }
+  // Which tensors are skipped as repeats decides the collectives that
+  // follow (the in-place ones, the flat buffers' sizes): a rank with a
+  // tensor tied where another has two would pair them wrongly. Each rank's
+  // set of repeats, as a digest, is compared.
+  uint64_t digest = 1469598103934665603ull;
+  for (size_t i = 0; i < repeated.size(); ++i) {
+    if (!repeated[i]) continue;
+    digest = (digest ^ static_cast<uint64_t>(i)) * 1099511628211ull;
+  }
+  bad.data<int64_t>()[2 * size + group.rank()] = static_cast<int64_t>(digest);
   group.AllReduce(bad, transport::ReduceOp::kSum, "tensors to average").Wait();
+  for (int r = 1; r < size; ++r) {
+    if (bad.data<int64_t>()[2 * size + r] != bad.data<int64_t>()[2 * size]) {
+      throw std::invalid_argument("AverageParameters: rank 0 and rank " + std::to_string(r) +
+                                  " differ in which tensors are passed twice (the same tensor on one, separate "
+                                  "ones on the other: weights tied on some ranks only?); every rank must pass "
+                                  "the same tensors");
+    }
+  }
   for (int r = 0; r < size; ++r) {
     const int64_t index = bad.data<int64_t>()[r] - 1, what = bad.data<int64_t>()[size + r];
     if (index < 0) continue;

@@ -451,6 +451,20 @@ DDP_TEST_WORKER(average_parameters_shared_memory) {
   WORKER_EXPECT(error.find("AverageParameters: tensor 2 on rank 1 overlaps tensor 1 in memory") == 0,
                 "error: '" + error + "'");
   WORKER_EXPECT(base.ToVector<double>() == std::vector<double>(8, rank), "the refused average changed a tensor");
+
+  // A large tensor tied on rank 0 ({w, w}) and two separate ones on rank 1
+  // ({w, w2}): rank 0 would run one in-place average where rank 1 runs
+  // two. Refused on every rank before any average.
+  const Tensor w = nn::Full({1 << 18}, rank), w2 = nn::Full({1 << 18}, rank);
+  error.clear();
+  try {
+    AverageParameters({w, rank == 0 ? w : w2}, *pg);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error.find("rank 0 and rank 1 differ in which tensors are passed twice") != std::string::npos,
+                "error: '" + error + "'");
+  WORKER_EXPECT(w.ToVector<double>()[0] == rank, "the refused average changed a tensor");
   return testing::WorkerExit();
 }
 

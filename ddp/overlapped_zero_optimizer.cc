@@ -232,6 +232,13 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
         throw std::invalid_argument("the factory's optimizer does not hold the pieces it was given (it must "
                                     "build the optimizer from its argument, not from the model)");
       }
+      // One rate and one set of options for every slice (set_lr, the
+      // consolidated "group.*" keys).
+      if (bucket.optimizer->num_groups() != 1) {
+        throw std::invalid_argument("the factory's optimizer has " + std::to_string(bucket.optimizer->num_groups()) +
+                                    " param groups; the overlapped optimizer takes one (ZeroRedundancyOptimizer "
+                                    "takes groups)");
+      }
       if (!have_lr) {
         state_->lr = bucket.optimizer->lr();
         state_->options = OptionsOf(*bucket.optimizer);

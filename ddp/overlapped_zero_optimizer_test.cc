@@ -630,6 +630,14 @@ DDP_TEST_WORKER(misuse) {
     ExpectThrow([&] {
       OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters) { return MakeOptimizer(false, model->NamedParameters()); });
     }, "does not hold the pieces");
+    // A factory that makes parameter groups: one rate per slice only.
+    ExpectThrow([&] {
+      OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+        std::vector<nn::optim::ParamGroup> groups(2);
+        groups[0].params = std::move(shard);
+        return std::make_unique<nn::optim::Sgd>(std::move(groups), nn::optim::SgdOptions{.lr = 0.1});
+      });
+    }, "param groups; the overlapped optimizer takes one");
     // A factory that fails on the last rank only fails every rank alike.
     const bool last = pg->rank() == pg->size() - 1;
     ExpectThrow([&] {

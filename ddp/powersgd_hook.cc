@@ -616,9 +616,6 @@ struct PowerSgdState::Impl {
   // Whether a bucket past start_iteration was sent uncompressed (not f32
   // or f64, or not in host memory) and the note about it printed.
   std::atomic<bool> warned_uncompressed{false};
-  // Whether the ranks' options were compared (AgreeOnOptions), at the
-  // hook's first call.
-  std::atomic<bool> options_compared{false};
 };
 
 namespace {
@@ -897,8 +894,12 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
   if (shared == nullptr) throw std::invalid_argument("hooks::PowerSgdHook: the state is null");
   // The closure keeps `shared` alive; `state` is its Impl.
   PowerSgdState::Impl* state = shared->impl_.get();
-  return [shared, state](ProcessGroup& group, GradBucket& bucket) -> Work {
-    if (!state->options_compared.exchange(true) && group.size() > 1) {
+  // The group whose ranks' options were compared (AgreeOnOptions): at this
+  // hook's first call, and again when it serves another group (a state
+  // reused by a new wrapper or group after a failure).
+  auto compared = std::make_shared<std::atomic<const ProcessGroup*>>(nullptr);
+  return [shared, state, compared](ProcessGroup& group, GradBucket& bucket) -> Work {
+    if (compared->exchange(&group) != &group && group.size() > 1) {
       // Before this call's own collective, in issue order on every rank.
       // Its failure aborts the group, so this bucket's work and every later
       // one fail with its message.

@@ -197,14 +197,17 @@ void ZeroRedundancyOptimizer::Init(
     }
     // And each piece in its parameter's group, with that group's options.
     const std::vector<int64_t> sizes = ShardGroupSizes(pg_->rank());
-    bool grouped = local_->num_groups() == num_groups_;
-    for (size_t k = 0; grouped && k < num_groups_; ++k) {
-      grouped = static_cast<int64_t>(local_->group_params(k).size()) == sizes[k];
-    }
-    if (!grouped) {
+    if (local_->num_groups() != num_groups_) {
       throw std::invalid_argument("the factory's optimizer has " + std::to_string(local_->num_groups()) +
-                                  " param group(s), not the " + std::to_string(num_groups_) +
-                                  " it was given, each with its pieces");
+                                  " param group(s), not the " + std::to_string(num_groups_) + " it was given");
+    }
+    for (size_t k = 0; k < num_groups_; ++k) {
+      const int64_t got_size = static_cast<int64_t>(local_->group_params(k).size());
+      if (got_size != sizes[k]) {
+        throw std::invalid_argument("the factory's param group " + std::to_string(k) + " holds " +
+                                    std::to_string(got_size) + " piece(s), not the " + std::to_string(sizes[k]) +
+                                    " it was given");
+      }
     }
   } catch (const std::exception& e) {
     failure = e.what();
@@ -218,12 +221,6 @@ void ZeroRedundancyOptimizer::Init(
   }
 }
 
-std::vector<int64_t> ZeroRedundancyOptimizer::WholeGroupSizes() const {
-  std::vector<int64_t> sizes(num_groups_, 0);
-  for (size_t g : group_of_) ++sizes[g];
-  return sizes;
-}
-
 std::vector<int64_t> ZeroRedundancyOptimizer::ShardGroupSizes(int r) const {
   std::vector<int64_t> sizes(num_groups_, 0);
   for (const Slice& s : shards_[static_cast<size_t>(r)]) ++sizes[group_of_[s.param]];
@@ -232,28 +229,77 @@ std::vector<int64_t> ZeroRedundancyOptimizer::ShardGroupSizes(int r) const {
 
 namespace {
 
-// The group of a "param_groups.<k>.size" key, or -1 for any other key.
-int64_t GroupOfSizeKey(const std::string& key) {
+// "size" or "params" for a "param_groups.<k>.size" or ".params" key, with
+// k; "" for any other key.
+std::string GroupEntryOf(const std::string& key, size_t* group) {
   const std::string prefix = "param_groups.";
-  const std::string suffix = ".size";
-  if (key.rfind(prefix, 0) != 0 || key.size() <= prefix.size() + suffix.size() ||
-      key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
-    return -1;
+  if (key.rfind(prefix, 0) != 0) return "";
+  const size_t dot = key.find('.', prefix.size());
+  if (dot == std::string::npos) return "";
+  const std::string index = key.substr(prefix.size(), dot - prefix.size());
+  const std::string field = key.substr(dot + 1);
+  if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos ||
+      (field != "size" && field != "params")) {
+    return "";
   }
-  const std::string index = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
-  if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) return -1;
-  return std::stoll(index);
+  *group = std::stoul(index);
+  return field;
 }
 
 }  // namespace
 
-void ZeroRedundancyOptimizer::SetGroupSizes(NamedTensors& state, const std::vector<int64_t>& sizes) {
+std::vector<std::vector<std::string>> ZeroRedundancyOptimizer::WholeGroupMembers() const {
+  std::vector<std::vector<std::string>> names(num_groups_);
+  for (size_t i = 0; i < params_.size(); ++i) names[group_of_[i]].push_back(params_[i].first);
+  return names;
+}
+
+std::vector<std::vector<std::string>> ZeroRedundancyOptimizer::ShardGroupMembers(int r) const {
+  std::vector<std::vector<std::string>> names(num_groups_);
+  for (const Slice& s : shards_[static_cast<size_t>(r)]) names[group_of_[s.param]].push_back(params_[s.param].first);
+  return names;
+}
+
+void ZeroRedundancyOptimizer::RewriteGroups(NamedTensors& state, const std::vector<std::vector<std::string>>& from,
+                                            const std::vector<std::vector<std::string>>& to) const {
+  if (num_groups_ == 1) return;
+  // A state with another group count (or none) is left as it is, for the
+  // shard's optimizer to refuse naming both counts.
+  int64_t count = -1;
+  for (const auto& [key, t] : state) {
+    if (key == "param_groups.count" && t.defined() && t.dtype() == nn::DType::kInt64 && t.shape() == nn::Shape{}) {
+      count = t.To(nn::kCPU).data<int64_t>()[0];
+    }
+  }
+  if (count != static_cast<int64_t>(num_groups_)) return;
   for (auto& [key, t] : state) {
-    const int64_t k = GroupOfSizeKey(key);
-    // A group this optimizer lacks is left for the loading optimizer to
-    // refuse (it names both counts).
-    if (k >= 0 && static_cast<size_t>(k) < sizes.size()) {
-      t = nn::FromVectorOf<int64_t>({sizes[static_cast<size_t>(k)]}, {});
+    size_t k = 0;
+    const std::string field = GroupEntryOf(key, &k);
+    if (field.empty() || k >= num_groups_) continue;
+    const std::string group = "param group " + std::to_string(k);
+    if (field == "size") {
+      // Malformed entries are left for the shard's optimizer to refuse.
+      if (!t.defined() || t.dtype() != nn::DType::kInt64 || t.shape() != nn::Shape{}) continue;
+      const int64_t saved = t.To(nn::kCPU).data<int64_t>()[0];
+      if (saved != static_cast<int64_t>(from[k].size())) {
+        throw std::invalid_argument("state entry `" + key + "`: the state's " + group + " has " +
+                                    std::to_string(saved) + " parameter(s); this optimizer's has " +
+                                    std::to_string(from[k].size()));
+      }
+      t = nn::FromVectorOf<int64_t>({static_cast<int64_t>(to[k].size())}, {});
+    } else {
+      std::vector<std::string> saved;
+      if (!nn::optim::internal::GroupMembersOf(t, &saved)) continue;
+      if (saved != from[k]) {
+        size_t j = 0;
+        while (j < saved.size() && j < from[k].size() && saved[j] == from[k][j]) ++j;
+        throw std::invalid_argument(
+            "state entry `" + key + "`: the state's " + group + " holds other parameters: " +
+            (j < saved.size() ? "`" + saved[j] + "`" : std::string("nothing more")) + " where this optimizer has " +
+            (j < from[k].size() ? "`" + from[k][j] + "`" : std::string("nothing more")) +
+            " (make the groups as they were saved, in the same order)");
+      }
+      t = nn::optim::internal::GroupMembersTensor(to[k]);
     }
   }
 }
@@ -359,7 +405,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   if (local_->num_groups() == 1) {
     out.emplace_back("lr", nn::FromVector({local_->lr()}, {}, {.dtype = nn::DType::kFloat64}));
   }
-  SetGroupSizes(options, WholeGroupSizes());
+  RewriteGroups(options, ShardGroupMembers(pg_->rank()), WholeGroupMembers());
   for (auto& entry : options) out.push_back(std::move(entry));
   for (size_t i = 0; i < params_.size(); ++i) {
     std::vector<std::pair<size_t, Slice>> holders;  // (rank, piece) of parameter i
@@ -419,23 +465,9 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
     shard.emplace_back(key, PieceOf(t, *piece));
   }
   // The shard's optimizer holds only its pieces of each group, so it
-  // cannot compare the whole's group sizes: they are compared here, then
+  // cannot compare the whole's groups: they are compared here, then
   // replaced by the shard's.
-  const std::vector<int64_t> whole = WholeGroupSizes();
-  for (const auto& [key, t] : shard) {
-    const int64_t k = GroupOfSizeKey(key);
-    if (k < 0 || static_cast<size_t>(k) >= whole.size() || !t.defined() || t.numel() != 1 ||
-        t.dtype() != nn::DType::kInt64) {
-      continue;  // the shard's optimizer refuses what is malformed
-    }
-    const int64_t saved = t.To(nn::kCPU).data<int64_t>()[0];
-    if (saved != whole[static_cast<size_t>(k)]) {
-      throw std::invalid_argument("state entry `" + key + "`: the state's param group " + std::to_string(k) +
-                                  " has " + std::to_string(saved) + " parameter(s); this optimizer's has " +
-                                  std::to_string(whole[static_cast<size_t>(k)]));
-    }
-  }
-  SetGroupSizes(shard, ShardGroupSizes(pg_->rank()));
+  RewriteGroups(shard, WholeGroupMembers(), ShardGroupMembers(pg_->rank()));
   return shard;
 }
 

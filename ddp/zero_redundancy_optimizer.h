@@ -76,6 +76,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ddp/process_group.h"
@@ -173,14 +174,14 @@ class ZeroRedundancyOptimizer {
 
   /// The entries of a whole state that this rank's shard holds: "lr", the
   /// options ("group.*", and "param_groups.*" with several groups, each
-  /// group's size replaced by the number of pieces of it this shard
+  /// group's size and members replaced by the pieces of it this shard
   /// holds), and
   /// for each parameter it owns a piece of, the "state." entries cut to that
   /// piece ("step" counts as they are; the others, which have the
   /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not
   /// collective. Throws std::invalid_argument naming a "state." key of no
   /// parameter, one whose tensor has not the parameter's element count, or
-  /// a group whose saved size is not this optimizer's.
+  /// a group whose saved size or members are not this optimizer's.
   nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& state) const;
 
   /// The shards: the parameters' elements laid end to end in the given
@@ -200,12 +201,19 @@ class ZeroRedundancyOptimizer {
   // makes the local optimizer from this rank's pieces, named.
   void Init(const std::vector<size_t>& group_of, const std::vector<std::string>& options,
             const std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>& build);
-  // The "param_groups.<k>.size" entries of a several-group state, set to
-  // the sizes given (the whole's, or a shard's): a shard's optimizer holds
-  // fewer parameters per group than the whole, and the other way round.
-  static void SetGroupSizes(nn::optim::NamedTensors& state, const std::vector<int64_t>& sizes);
-  // Parameters per group in the whole list, and in rank r's shard.
-  std::vector<int64_t> WholeGroupSizes() const;
+  // The "param_groups.<k>.size" and ".params" entries of a several-group
+  // state with this optimizer's group count, checked against `from` (each
+  // group's parameter names: the whole's, or a shard's) and rewritten to
+  // `to`, since a shard's optimizer holds fewer parameters per group than
+  // the whole. Throws std::invalid_argument naming a group that differs;
+  // malformed entries, and a state with another count, are left for the
+  // optimizer that loads them to refuse.
+  void RewriteGroups(nn::optim::NamedTensors& state, const std::vector<std::vector<std::string>>& from,
+                     const std::vector<std::vector<std::string>>& to) const;
+  // Each group's parameter names in the whole list, and in rank r's shard
+  // (a name per piece); the number of pieces per group in rank r's shard.
+  std::vector<std::vector<std::string>> WholeGroupMembers() const;
+  std::vector<std::vector<std::string>> ShardGroupMembers(int r) const;
   std::vector<int64_t> ShardGroupSizes(int r) const;
 
   nn::optim::NamedParameters params_;

@@ -737,6 +737,17 @@ DDP_TEST_WORKER(groups) {
                       std::string::npos,
                   e.what());
   }
+  // The groups in the other order: the same sizes (three each), other
+  // parameters, so each group's options would go to the other's.
+  std::vector<nn::optim::ParamGroup> swapped = DecayGroups(other->NamedParameters());
+  std::swap(swapped[0], swapped[1]);
+  ZeroRedundancyOptimizer zero4(swapped, pg, MakeGroupedOptimizer);
+  try {
+    zero4.LoadStateDict(expected);
+    WORKER_EXPECT(false, "a state whose groups hold other parameters was accepted");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("param group 0 holds other parameters") != std::string::npos, e.what());
+  }
   return testing::WorkerExit();
 }
 

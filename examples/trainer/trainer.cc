@@ -921,10 +921,18 @@ void Run::SaveCheckpoint() {
   // changes the parameters) goes only to its temporary file, which it
   // removes rather than renaming it to the checkpoint's path.
   nn::io::Checkpoint checkpoint;
+  // A failure gathering it (a state dict, a copy out of memory) is rank
+  // 0's alone: it goes to the work, which rethrows it, so that every rank
+  // hears it through RunOnLead instead of waiting for rank 0 there.
+  std::exception_ptr gather_error;
   if (lead_) {
-    TrainComponents parts = Components();
-    if (sharded_) parts.optimizer_state = &whole;
-    checkpoint = TrainCheckpointOf(parts, pos_, c_, world_);
+    try {
+      TrainComponents parts = Components();
+      if (sharded_) parts.optimizer_state = &whole;
+      checkpoint = TrainCheckpointOf(parts, pos_, c_, world_);
+    } catch (...) {
+      gather_error = std::current_exception();
+    }
   }
   // The write's outcome, shared with it; `mu` is held only to read or set
   // these, never across a filesystem call.
@@ -958,9 +966,10 @@ void Run::SaveCheckpoint() {
   std::string failure;
   try {
     failure = par_.RunOnLead(
-        [outcome, checkpoint = std::move(checkpoint), path = c_.checkpoint, job = c_.job,
+        [outcome, checkpoint = std::move(checkpoint), gather_error, path = c_.checkpoint, job = c_.job,
          keep_previous = keep_previous_](const std::atomic<bool>& stop) {
           try {
+            if (gather_error) std::rethrow_exception(gather_error);
             std::string kept;
             // Checked again: the file may have gone (or become this job's)
             // since the start.

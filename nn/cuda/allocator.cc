@@ -86,10 +86,13 @@ void* CachingCudaAllocator::Allocate(size_t nbytes, Device device) {
     (void)cudaGetLastError();
     try {
       ReleaseCached(device.index);
-      err = cudaMalloc(&p, size);
     } catch (const std::exception& e) {
+      // Some blocks may have gone back before the failure: the retry is
+      // still worth making. A device in a sticky error state fails it with
+      // that error, which is then raised as it is, not as out of memory.
       release_failure = e.what();
     }
+    err = cudaMalloc(&p, size);
   }
   std::lock_guard<std::mutex> lock(mu_);
   AllocatorStats& st = StatsFor(device.index);

@@ -101,8 +101,10 @@ const std::string& ProcessNonce() {
       v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
           (static_cast<uint64_t>(::getpid()) << 32);
     }
-    char buf[17];
-    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+    // 32 bits, so that the name stays short (a long checkpoint name plus
+    // the host tag must still fit NAME_MAX); a clash is retried anyway.
+    char buf[9];
+    std::snprintf(buf, sizeof(buf), "%08llx", static_cast<unsigned long long>((v ^ (v >> 32)) & 0xffffffffull));
     return std::string(buf);
   }();
   return nonce;

@@ -811,7 +811,7 @@ TEST(Safetensors, ATakenTemporaryNameIsPassedOverForTheNext) {
   const size_t host_dot = rest.find('.');
   ASSERT_NE(host_dot, std::string::npos) << first;
   const std::string after_counter = rest.substr(digits, host_dot - digits);
-  EXPECT_EQ(after_counter.size(), 17u) << "no nonce in " << first;
+  EXPECT_EQ(after_counter.size(), 9u) << "no nonce in " << first;
   EXPECT_EQ(after_counter.find_first_not_of("0123456789abcdef", 1), std::string::npos) << first;
   WriteAll(dir + "/" + next, "another writer's");
   const int fd = open((dir + "/" + next).c_str(), O_RDWR | O_CLOEXEC);

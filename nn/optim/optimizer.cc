@@ -613,6 +613,9 @@ NamedTensors Optimizer::StateDict() const {
       for (const Hyperparameter& h : Hyperparameters(k)) out.emplace_back(prefix + h.name, option(h));
       out.emplace_back(prefix + "size",
                        FromVectorOf<int64_t>({static_cast<int64_t>(group_begin_[k + 1] - group_begin_[k])}, {}));
+      std::vector<std::string> names;
+      for (size_t i = group_begin_[k]; i < group_begin_[k + 1]; ++i) names.push_back(params_[i].first);
+      out.emplace_back(prefix + "params", internal::GroupMembersTensor(names));
     }
   }
   // Every parameter gets a step entry, 0 before its first update, so that a
@@ -741,9 +744,13 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
       }
     }
   } else {
-    // The count said it all: the groups' entries are not looked at.
+    // The count said it all: the groups' entries (a one-group state's
+    // "group.<option>" among them) are not looked at.
     for (const auto& [k, t] : given) {
-      if (k == "lr" || k.rfind("param_groups.", 0) == 0) expected.insert(k);
+      if (k == "lr" || k.rfind("param_groups.", 0) == 0 ||
+          (k.rfind("group.", 0) == 0 && k != "group.optimizer" && k != kParamsListedKey)) {
+        expected.insert(k);
+      }
     }
   }
   // The options, all or none ("group." keys absent: a state saved before
@@ -784,6 +791,7 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
     } else {
       const Tensor text = kind->second.To(kCPU).Contiguous();
       saved_kind.assign(text.data<uint8_t>(), text.data<uint8_t>() + text.numel());
+      if (saved_kind.empty()) problems.push_back("`group.optimizer` is empty, expected the optimizer's name");
     }
     if (!saved_kind.empty() && saved_kind != Name()) {
       // Its options are another optimizer's: one problem says it all.
@@ -841,6 +849,32 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
           } else if (saved != static_cast<int64_t>(size)) {
             problems.push_back("param group " + std::to_string(g) + " has " + std::to_string(saved) +
                                " parameters in the state and " + std::to_string(size) + " in this optimizer");
+          }
+          // And the same parameters: groups built in another order, or of
+          // equal sizes with parameters swapped between them, would give
+          // each group's options (and rate) to the other's parameters.
+          const std::string members_key = GroupPrefix(g) + "params";
+          expected.insert(members_key);
+          std::vector<std::string> members;
+          auto members_it = given.find(members_key);
+          if (members_it == given.end()) {
+            problems.push_back("missing `" + members_key + "`");
+          } else if (!internal::GroupMembersOf(members_it->second, &members)) {
+            const Tensor& t = members_it->second;
+            problems.push_back("`" + members_key + "` is " +
+                               (t.defined() ? std::string(DTypeName(t.dtype())) + " " + ShapeToString(t.shape())
+                                            : std::string("undefined")) +
+                               ", expected u8 text");
+          } else if (saved == static_cast<int64_t>(size)) {
+            for (size_t j = 0; j < members.size(); ++j) {
+              const std::string& mine = params_[group_begin_[g] + j].first;
+              if (members[j] != mine) {
+                problems.push_back("param group " + std::to_string(g) + " holds other parameters in the state: `" +
+                                   members[j] + "` where this optimizer has `" + mine +
+                                   "` (make the groups as they were saved, in the same order)");
+                break;
+              }
+            }
           }
         }
         if (usable) {
@@ -981,6 +1015,27 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
 }
 
 namespace internal {
+
+Tensor GroupMembersTensor(const std::vector<std::string>& names) {
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i) text += (i ? "\n" : "") + names[i];
+  return FromVectorOf<uint8_t>(std::vector<uint8_t>(text.begin(), text.end()), {static_cast<int64_t>(text.size())});
+}
+
+bool GroupMembersOf(const Tensor& t, std::vector<std::string>* names) {
+  names->clear();
+  if (!t.defined() || t.dtype() != DType::kUInt8 || t.dim() != 1) return false;
+  const Tensor host = t.To(kCPU).Contiguous();
+  const std::string text(host.data<uint8_t>(), host.data<uint8_t>() + host.numel());
+  if (text.empty()) return true;
+  size_t start = 0;
+  while (true) {
+    const size_t end = text.find('\n', start);
+    names->push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) return true;
+    start = end + 1;
+  }
+}
 
 void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype) {
   if (t != nullptr && t->defined() && t->dtype() == dtype && t->numel() == 1) return;

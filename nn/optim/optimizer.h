@@ -151,8 +151,9 @@ class Optimizer {
   ///
   /// With several groups, "lr" and "group.<option>" give way to
   /// "param_groups.count" (i64 scalar, the number of groups) and per group
-  /// k "param_groups.<k>.lr", "param_groups.<k>.<option>" (as above) and
-  /// "param_groups.<k>.size" (i64, its number of parameters);
+  /// k "param_groups.<k>.lr", "param_groups.<k>.<option>" (as above),
+  /// "param_groups.<k>.size" (i64, its number of parameters) and
+  /// "param_groups.<k>.params" (u8 text, their names one per line);
   /// "group.optimizer", "group.params_listed" and the "state." keys stay as
   /// they are. A one-group state has the layout above, unchanged.
   NamedTensors StateDict() const;
@@ -162,8 +163,10 @@ class Optimizer {
   ///
   /// Groups: a state with another number of groups than this optimizer (one
   /// without "param_groups.count" has one) is refused naming both counts,
-  /// and a group with another number of parameters naming the group and
-  /// both sizes. Each group's options are checked and taken as described
+  /// a group with another number of parameters naming the group and both
+  /// sizes, and one holding other parameters (the groups built in another
+  /// order, a parameter moved between them) naming the group and the first
+  /// parameter that differs: its options would go to the wrong parameters. Each group's options are checked and taken as described
   /// below for the one group, against that group's options.
   ///
   /// The options, as PyTorch's load_state_dict restores param_groups: the
@@ -391,6 +394,13 @@ class Optimizer {
 };
 
 namespace internal {
+
+/// A several-group state's "param_groups.<k>.params": the group's
+/// parameter names, one per line, as u8 text (empty for an empty group).
+Tensor GroupMembersTensor(const std::vector<std::string>& names);
+/// The names GroupMembersTensor wrote, or false for a tensor that is not
+/// u8 text (undefined, another dtype, not 1-D).
+bool GroupMembersOf(const Tensor& t, std::vector<std::string>* names);
 
 /// Throws std::invalid_argument unless `t` (null: the key is absent from
 /// the state dict) is one element of `dtype`, naming `who` and `key` and

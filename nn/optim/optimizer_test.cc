@@ -24,6 +24,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string TmpPath(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
@@ -1949,7 +1950,8 @@ TEST(ParamGroups, StateKeysWithSeveralGroups) {
   std::vector<std::string> keys;
   const NamedTensors state = opt.StateDict();
   for (const auto& [k, t] : state) keys.push_back(k);
-  const std::vector<std::string> group = {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "size"};
+  const std::vector<std::string> group = {"lr",       "momentum", "dampening", "weight_decay",
+                                          "nesterov", "maximize", "size",      "params"};
   std::vector<std::string> want = {"group.optimizer", "param_groups.count"};
   for (int k = 0; k < 2; ++k) {
     for (const std::string& name : group) want.push_back("param_groups." + std::to_string(k) + "." + name);
@@ -1968,6 +1970,51 @@ TEST(ParamGroups, StateKeysWithSeveralGroups) {
   EXPECT_EQ(value("param_groups.1.momentum").ToVector<double>(), std::vector<double>{0.5});
   EXPECT_EQ(value("param_groups.1.nesterov").dtype(), DType::kInt64);
   EXPECT_EQ(value("param_groups.0.size").ToVector<int64_t>(), std::vector<int64_t>{1});
+  const std::vector<uint8_t> members = value("param_groups.1.params").ToVector<uint8_t>();
+  EXPECT_EQ(std::string(members.begin(), members.end()), "fc.bias");
+}
+
+// Groups of the same sizes holding other parameters (built in another
+// order) would give each group's options to the other's parameters.
+TEST(ParamGroups, GroupsHoldingOtherParametersAreRefusedNamingTheFirst) {
+  Tensor a = Ones({2}), b = Ones({3});
+  Sgd saved({{.params = {{"a", a}}}, {.params = {{"b", b}}, .options = {{"weight_decay", 0.0}}}},
+            {.lr = 0.1, .weight_decay = 0.01});
+  Sgd swapped({{.params = {{"b", b}}, .options = {{"weight_decay", 0.0}}}, {.params = {{"a", a}}}},
+              {.lr = 0.1, .weight_decay = 0.01});
+  ExpectRefused([&] { swapped.LoadStateDict(saved.StateDict()); },
+                {"param group 0 holds other parameters in the state: `a` where this optimizer has `b`",
+                 "param group 1 holds other parameters in the state: `b` where this optimizer has `a`"});
+  EXPECT_EQ(swapped.options(0).weight_decay, 0.0);
+  // Missing or malformed member lists are named.
+  NamedTensors state = saved.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "param_groups.1.params") t = Zeros({1});
+  }
+  std::erase_if(state, [](const auto& e) { return e.first == "param_groups.0.params"; });
+  Sgd same({{.params = {{"a", a}}}, {.params = {{"b", b}}}}, {.lr = 0.1});
+  ExpectRefused([&] { same.LoadStateDict(state); },
+                {"missing `param_groups.0.params`", "`param_groups.1.params` is f32 [1], expected u8 text"});
+  same.LoadStateDict(saved.StateDict());
+  EXPECT_EQ(same.options(1).weight_decay, 0.0);
+  EXPECT_EQ(same.options(0).weight_decay, 0.01);
+}
+
+// An empty optimizer name is a problem of its own, so that the options
+// (not checked against an unknown kind) are never half taken.
+TEST(ParamGroups, EmptyOptimizerNameIsRefusedAndChangesNothing) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd saved(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  NamedTensors state = saved.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "group.optimizer") t = Empty({0}, {.dtype = DType::kUInt8});
+    if (k == "param_groups.1.weight_decay") t = FromVector({-1.0}, {}, {.dtype = DType::kFloat64});
+  }
+  Sgd loader(TwoGroups(MakeParams(DType::kFloat32, 2), {{"lr", 0.02}, {"momentum", 0.3}}), {.lr = 0.2, .momentum = 0.8});
+  ExpectRefused([&] { loader.LoadStateDict(state); }, {"`group.optimizer` is empty"});
+  EXPECT_EQ(loader.lr(0), 0.2);
+  EXPECT_EQ(loader.options(0).momentum, 0.8);
+  EXPECT_EQ(loader.options(1).momentum, 0.3);
 }
 
 // Save mid-run (through a checkpoint file) with a scheduler over two
@@ -2042,6 +2089,14 @@ TEST(ParamGroups, LoadOfAnotherGroupCountIsRefusedNamingBoth) {
   ExpectRefused([&] { three.LoadStateDict(two.StateDict()); }, {"the state has 2 param groups, this optimizer 3"});
   // A state without options (saved before they existed) counts as one group.
   ExpectRefused([&] { two.LoadStateDict(WithoutOptions(one.StateDict())); }, {"1 param group", "this optimizer 2"});
+  // The count is the one problem: a one-group state's options are not
+  // listed as unexpected keys.
+  try {
+    two.LoadStateDict(one.StateDict());
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("1 problem(s)"));
+    EXPECT_THAT(e.what(), Not(HasSubstr("group.momentum")));
+  }
   EXPECT_EQ(one.lr(), 0.1);
   EXPECT_EQ(two.lr(1), 0.01);
 }
