@@ -56,6 +56,29 @@ std::unique_ptr<Optimizer> Make(const std::string& name, const nlohmann::json& d
   return std::make_unique<Adadelta>(params, AdadeltaOptions{lr, d["rho"], d["eps"], d["weight_decay"], maximize});
 }
 
+// Steps `opt` with the case's gradients (null: none that step) and compares
+// the parameters after each step with the case's; tolerance is relative to
+// max(1, |expected|).
+void Follow(const nlohmann::json& c, Optimizer& opt, const std::vector<Tensor>& params, DType dtype,
+            const std::string& name, double tol) {
+  for (size_t step = 0; step < c["grads"].size(); ++step) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& g = c["grads"][step][i];
+      params[i].set_grad(g.is_null() ? Tensor()
+                                     : FromVector(g.get<std::vector<double>>(), params[i].shape(), {.dtype = dtype}));
+    }
+    opt.Step();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto expected = c["after"][step][i].get<std::vector<double>>();
+      const auto got = params[i].ToVector<double>();
+      for (size_t k = 0; k < expected.size(); ++k) {
+        ASSERT_NEAR(got[k], expected[k], tol * std::max(1.0, std::fabs(expected[k])))
+            << name << " step " << step << " param " << i << " element " << k;
+      }
+    }
+  }
+}
+
 // Runs one golden trajectory; tolerance is relative to max(1, |expected|):
 // PyTorch's vectorized kernels fuse some multiply-adds, ours round each.
 void RunCase(const std::string& name, double tol) {
@@ -67,22 +90,7 @@ void RunCase(const std::string& name, double tol) {
                                 {.dtype = dtype}));
   }
   auto opt = Make(name, c["defaults"], NameByPosition(params));
-  for (size_t step = 0; step < c["grads"].size(); ++step) {
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& g = c["grads"][step][i];
-      params[i].set_grad(g.is_null() ? Tensor()
-                                     : FromVector(g.get<std::vector<double>>(), params[i].shape(), {.dtype = dtype}));
-    }
-    opt->Step();
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto expected = c["after"][step][i].get<std::vector<double>>();
-      const auto got = params[i].ToVector<double>();
-      for (size_t k = 0; k < expected.size(); ++k) {
-        ASSERT_NEAR(got[k], expected[k], tol * std::max(1.0, std::fabs(expected[k])))
-            << name << " step " << step << " param " << i << " element " << k;
-      }
-    }
-  }
+  Follow(c, *opt, params, dtype, name, tol);
 }
 
 TEST(GoldenSgd, Plain) { RunCase("sgd", 1e-6); }
@@ -132,21 +140,7 @@ void RunGroupCase(const std::string& name, double tol) {
   }
   auto opt = Make(name, c["defaults"], groups);
   ASSERT_EQ(opt->num_groups(), c["groups"].size());
-  for (size_t step = 0; step < c["grads"].size(); ++step) {
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& g = c["grads"][step][i];
-      params[i].set_grad(g.is_null() ? Tensor() : FromVector(g.get<std::vector<double>>(), params[i].shape()));
-    }
-    opt->Step();
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto expected = c["after"][step][i].get<std::vector<double>>();
-      const auto got = params[i].ToVector<double>();
-      for (size_t k = 0; k < expected.size(); ++k) {
-        ASSERT_NEAR(got[k], expected[k], tol * std::max(1.0, std::fabs(expected[k])))
-            << name << " step " << step << " param " << i << " element " << k;
-      }
-    }
-  }
+  Follow(c, *opt, params, DType::kFloat32, name, tol);
 }
 
 TEST(GoldenParamGroups, SgdLrWeightDecayAndMomentumPerGroup) { RunGroupCase("sgd_momentum_groups", 1e-6); }
