@@ -21,12 +21,10 @@ import torch
 STEPS = 12
 
 
-def trajectory(name, make, dtype=torch.float32, none_grad_at=None):
-    g = torch.Generator().manual_seed(1234)
-    params = [torch.randn(3, 4, generator=g, dtype=dtype).requires_grad_(),
-              torch.randn(5, generator=g, dtype=dtype).requires_grad_()]
-    init = [p.detach().flatten().tolist() for p in params]
-    opt = make(params)
+def follow(opt, params, g, dtype, none_grad_at):
+    """Steps opt STEPS times with random gradients from g (none for
+    parameter i at step s when none_grad_at == (s, i)); returns the
+    gradients and the parameters after each step."""
     grads, after = [], []
     for step in range(STEPS):
         step_grads = []
@@ -40,6 +38,16 @@ def trajectory(name, make, dtype=torch.float32, none_grad_at=None):
         opt.step()
         grads.append(step_grads)
         after.append([p.detach().flatten().tolist() for p in params])
+    return grads, after
+
+
+def trajectory(name, make, dtype=torch.float32, none_grad_at=None):
+    g = torch.Generator().manual_seed(1234)
+    params = [torch.randn(3, 4, generator=g, dtype=dtype).requires_grad_(),
+              torch.randn(5, generator=g, dtype=dtype).requires_grad_()]
+    init = [p.detach().flatten().tolist() for p in params]
+    opt = make(params)
+    grads, after = follow(opt, params, g, dtype, none_grad_at)
     return {"name": name, "dtype": str(dtype).replace("torch.", ""),
             "defaults": {k: v for k, v in opt.defaults.items()
                          if isinstance(v, (int, float, bool, tuple))},
@@ -71,19 +79,7 @@ def group_trajectory(name, make, groups, none_grad_at=None):
               torch.randn(2, 3, generator=g).requires_grad_()]
     init = [p.detach().flatten().tolist() for p in params]
     opt = make([dict(params=[params[i] for i in idx], **options) for idx, options in groups])
-    grads, after = [], []
-    for step in range(STEPS):
-        step_grads = []
-        for i, p in enumerate(params):
-            if none_grad_at == (step, i):
-                p.grad = None
-                step_grads.append(None)
-            else:
-                p.grad = torch.randn(p.shape, generator=g)
-                step_grads.append(p.grad.flatten().tolist())
-        opt.step()
-        grads.append(step_grads)
-        after.append([p.detach().flatten().tolist() for p in params])
+    grads, after = follow(opt, params, g, torch.float32, none_grad_at)
     return {"name": name,
             "defaults": {k: v for k, v in opt.defaults.items() if isinstance(v, (int, float, bool, tuple))},
             "groups": [{"params": idx, "options": our_options(options)} for idx, options in groups],
