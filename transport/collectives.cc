@@ -62,7 +62,7 @@ Status RunHierarchicalThroughShm(shm::ShmAllReduce& host, p2p::PointToPoint& int
     return algorithms::InterHostAllReduce(inter, slice, count, world_size, args);
   };
   return host.AllReduceThrough(args.send, args.recv, args.count, args.dtype, args.op, across,
-                               args.deadline, watchdog);
+                               args.deadline, watchdog, args.tuning.checked_op);
 }
 
 Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {

@@ -1564,18 +1564,23 @@ Algorithm Communicator::Impl::Choose(size_t bytes, Algorithm requested) const {
 
 Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                      ReduceOp op, Algorithm requested, Deadline deadline) {
+  // The op the ranks compare: the caller's, also where it is rewritten (an
+  // f16 average summed after dividing must not agree with a plain sum).
+  std::optional<ReduceOp> checked_op;
   if (DividesFirst(dtype, op)) {
     if (recv != send) std::memcpy(recv, send, count * DataTypeSize(dtype));
     reduce::DivideInPlace(dtype, recv, count, options_.world_size);
     send = recv;
+    checked_op = op;
     op = ReduceOp::kSum;
   }
   const Algorithm algorithm = Choose(count * DataTypeSize(dtype), requested);
   if (algorithm == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
-    return shm_->AllReduce(send, recv, count, dtype, op, deadline, watchdog_);
+    return shm_->AllReduce(send, recv, count, dtype, op, deadline, watchdog_, checked_op);
   }
   algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, 0, deadline);
+  if (checked_op) args.tuning.checked_op = checked_op;
   if (algorithm == Algorithm::kHierarchical) {
     if (host_shm_ != nullptr) {
       return internal::RunHierarchicalThroughShm(*host_shm_, *host_inter_, options_.world_size,
@@ -1612,6 +1617,7 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
                               static_cast<const char*>(send) + count * elem);
     return apply(reduced.data(), out, 0, count);
   }
+  std::optional<ReduceOp> checked_op;  // as AllReduce's
   if (DividesFirst(dtype, op)) {
     // As AllReduce: the f16 sum of the divided values, not the mean of
     // their sum, which passes 65504 first. On a copy: recv must keep its
@@ -1619,11 +1625,12 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
     through_divided_.assign(static_cast<const char*>(send), static_cast<const char*>(send) + count * elem);
     reduce::DivideInPlace(dtype, through_divided_.data(), count, size);
     send = through_divided_.data();
+    checked_op = op;
     op = ReduceOp::kSum;
   }
   if (Choose(count * elem, requested) == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
-    return shm_->AllReduceApply(send, recv, count, dtype, op, apply, deadline, watchdog_);
+    return shm_->AllReduceApply(send, recv, count, dtype, op, apply, deadline, watchdog_, checked_op);
   }
   // Elsewhere: equal blocks (the slices, the last ones padded with zeros
   // that no slice reads) through the reduce-scatter and all-gather
@@ -1640,8 +1647,9 @@ Status Communicator::Impl::AllReduceThrough(const void* send, void* recv, size_t
   slice.resize(wide);
   if (count > 0) std::memcpy(whole.data(), send, count * elem);
   std::memset(whole.data() + count * elem, 0, (block * static_cast<size_t>(size) - count) * elem);
-  DDP_RETURN_IF_ERROR(internal::RunReduceScatter(
-      *p2p_, Args(whole.data(), slice.data(), block, dtype, op, 0, deadline)));
+  algorithms::CollectiveArgs scatter_args = Args(whole.data(), slice.data(), block, dtype, op, 0, deadline);
+  if (checked_op) scatter_args.tuning.checked_op = checked_op;
+  DDP_RETURN_IF_ERROR(internal::RunReduceScatter(*p2p_, scatter_args));
   const size_t mine_bytes = (mine.end - mine.begin) * elem;
   const Status applied = apply(slice.data(), out, mine.begin, mine.end - mine.begin);
   if (mine_bytes > 0) std::memcpy(slice.data(), out, mine_bytes);
@@ -1696,6 +1704,7 @@ Status Communicator::Impl::ReduceScatter(const void* send, void* recv, size_t co
     std::vector<uint16_t> divided(static_cast<const uint16_t*>(send), static_cast<const uint16_t*>(send) + total);
     reduce::DivideInPlace(dtype, divided.data(), total, options_.world_size);
     auto [p2p, args] = OnRing(Args(divided.data(), recv, count, dtype, ReduceOp::kSum, 0, deadline));
+    args.tuning.checked_op = op;  // not to agree with a plain sum
     return internal::RunReduceScatter(p2p, args);
   }
   auto [p2p, args] = OnRing(Args(send, recv, count, dtype, op, 0, deadline));
@@ -1799,18 +1808,21 @@ Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, Da
                                   ReduceOp op, int root, Algorithm requested, Deadline deadline) {
   if (options_.rank != root) recv = nullptr;
   std::vector<uint16_t> divided;
+  std::optional<ReduceOp> checked_op;  // as AllReduce's
   if (DividesFirst(dtype, op)) {
     divided.assign(static_cast<const uint16_t*>(send), static_cast<const uint16_t*>(send) + count);
     reduce::DivideInPlace(dtype, divided.data(), count, options_.world_size);
     send = divided.data();
+    checked_op = op;
     op = ReduceOp::kSum;
   }
   if (ChooseReduce(count * DataTypeSize(dtype), requested) == Algorithm::kSharedMemory) {
     ++sequence_;  // keeps collective numbering equal on every path
-    return shm_->Reduce(send, recv, count, dtype, op, root, deadline, watchdog_);
+    return shm_->Reduce(send, recv, count, dtype, op, root, deadline, watchdog_, checked_op);
   }
   const Algorithm algorithm = ChooseReduce(count * DataTypeSize(dtype), requested);
   algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, root, deadline);
+  if (checked_op) args.tuning.checked_op = checked_op;
   // Both in topology order, as the all-reduce's, the root by its place in
   // it (errors name its rank): each checks its ring predecessor's
   // arguments, so a rank running the other (another CallOptions::algorithm,

@@ -240,8 +240,25 @@ int ScenarioMismatch() {
     count = 1000;
     if (comm->rank() % 2 == 1) op = ReduceOp::kAvg;
   }
+  // DDP_TEST_F16=1: f16 data, whose average is divided before a sum (the
+  // ranks must still compare avg, not the sum it became). DDP_TEST_CALL:
+  // "reduce_scatter" or "reduce" (to rank 0) instead of the all-reduce.
+  const bool f16 = EnvOr("DDP_TEST_F16") == "1";
+  std::vector<uint16_t> halves(std::max<size_t>(count, 1000) * comm->size(), 0x3c00);  // 1.0
+  const DataType dtype = f16 ? DataType::kF16 : DataType::kF32;
+  void* buffer = f16 ? static_cast<void*>(halves.data()) : static_cast<void*>(data.data());
+  const std::string call = EnvOr("DDP_TEST_CALL", "all_reduce");
   const auto start = Clock::now();
-  Status s = comm->AllReduce(data.data(), count, DataType::kF32, op, {.algorithm = algorithm});
+  Status s;
+  if (call == "reduce_scatter") {
+    std::vector<uint16_t> block(count);
+    s = comm->ReduceScatter(halves.data(), block.data(), count, DataType::kF16, op);
+  } else if (call == "reduce") {
+    std::vector<uint16_t> out(count);
+    s = comm->Reduce(halves.data(), out.data(), count, DataType::kF16, op, 0, {.algorithm = algorithm});
+  } else {
+    s = comm->AllReduce(buffer, count, dtype, op, {.algorithm = algorithm});
+  }
   const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
   return s.ok() ? 1 : 0;
@@ -2049,6 +2066,34 @@ TEST(Faults, CountAcrossTheTreeRingThresholdOnOneRankFailsEverywhere) {
   ExpectMismatchFailsEverywhere(8, Algorithm::kAuto, -1,
                                 {{"DDP_SHARED_MEMORY", "0"}, {"DDP_TEST_COUNT", "524288"}},
                                 {{2, {{"DDP_TEST_COUNT", "524289"}}}});
+}
+
+// f16 averages are divided first and then summed: a rank averaging and one
+// summing must still fail (they agreed, each returning a mix of the two).
+TEST(Faults, F16AverageAgainstSumFailsEverywhere) {
+  const std::map<std::string, std::string> f16 = {{"DDP_TEST_AVG_ODD", "1"}, {"DDP_TEST_F16", "1"}};
+  auto with = [&](std::map<std::string, std::string> more) {
+    more.insert(f16.begin(), f16.end());
+    return more;
+  };
+  {
+    SCOPED_TRACE("shared memory");
+    ExpectMismatchFailsEverywhere(2, Algorithm::kSharedMemory, -1, f16);
+  }
+  for (Algorithm a : {Algorithm::kRing, Algorithm::kTree}) {
+    SCOPED_TRACE(std::string("UCX ") + AlgorithmName(a));
+    ExpectMismatchFailsEverywhere(3, a, -1, with({{"DDP_SHARED_MEMORY", "0"}}));
+  }
+  for (const char* shared_memory : {"1", "0"}) {
+    SCOPED_TRACE(std::string("hierarchical, DDP_SHARED_MEMORY=") + shared_memory);
+    ExpectMismatchFailsEverywhere(4, Algorithm::kHierarchical, -1,
+                                  with({{"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()},
+                                        {"DDP_SHARED_MEMORY", shared_memory}}));
+  }
+  for (const char* call : {"reduce_scatter", "reduce"}) {
+    SCOPED_TRACE(call);
+    ExpectMismatchFailsEverywhere(2, Algorithm::kAuto, -1, with({{"DDP_TEST_CALL", call}}));
+  }
 }
 
 // Two described hosts, ranks 0 and 2 on one and 1 and 3 on the other: one

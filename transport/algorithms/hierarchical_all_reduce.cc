@@ -69,7 +69,9 @@ Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, i
   across.recv = shard;
   across.count = count;
   across.op = args.op == ReduceOp::kAvg ? ReduceOp::kSum : args.op;
-  across.tuning.checked_op = args.op;  // hosts calling avg and sum must not agree
+  // Hosts calling avg and sum must not agree (nor an f16 average the caller
+  // divided first and passed as a sum, with its avg as the checked op).
+  across.tuning.checked_op = args.tuning.checked_op.value_or(args.op);
   across.tag = PhaseTag(args.tag, 1);
   Status status = count * DataTypeSize(args.dtype) <= kInterHostRhdBytes
                       ? RhdAllReduce(inter, across)

@@ -774,13 +774,14 @@ Status ShmAllReduce::InCall(Deadline deadline,
 
 Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, Deadline deadline,
-                               const std::function<Status(Deadline, int)>& watchdog) {
+                               const std::function<Status(Deadline, int)>& watchdog,
+                               std::optional<ReduceOp> checked_op) {
   return InCall(deadline, watchdog, [&]() -> Status {
     const size_t bytes = count * DataTypeSize(dtype);
     const bool staged = bytes <= options_.staging_bytes;
     // The staging buffer of call s is written before the call is announced.
     if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
-    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
+    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(checked_op.value_or(op)),
                                Kind::kAllReduce, -1, /*direct=*/!staged, deadline, watchdog)
                             .status());
     if (staged) return StagedAllReduce(recv, count, dtype, op);
@@ -794,11 +795,12 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
 
 Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& across, Deadline deadline,
-                                      const std::function<Status(Deadline, int)>& watchdog) {
+                                      const std::function<Status(Deadline, int)>& watchdog,
+                                      std::optional<ReduceOp> checked_op) {
   return InCall(deadline, watchdog, [&]() -> Status {
     // The ranks compare the op they were given; avg reduces as sum here,
     // and the slice function divides (only it knows by how many).
-    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op),
+    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(checked_op.value_or(op)),
                                Kind::kThrough, -1, /*direct=*/true, deadline, watchdog)
                             .status());
     const ReduceOp fold = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
@@ -815,9 +817,10 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
 
 Status ShmAllReduce::AllReduceApply(const void* send, void* recv, size_t count, DataType dtype,
                                     ReduceOp op, const ApplyFn& apply, Deadline deadline,
-                                    const std::function<Status(Deadline, int)>& watchdog) {
+                                    const std::function<Status(Deadline, int)>& watchdog,
+                                    std::optional<ReduceOp> checked_op) {
   return InCall(deadline, watchdog, [&]() -> Status {
-    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(op), Kind::kApply,
+    DDP_RETURN_IF_ERROR(Arrive(send, recv, count, dtype, static_cast<int32_t>(checked_op.value_or(op)), Kind::kApply,
                                -1, /*direct=*/true, deadline, watchdog)
                             .status());
     const size_t elem = DataTypeSize(dtype);
@@ -1177,7 +1180,8 @@ Status ShmAllReduce::CheckRoot(const char* what, int root) const {
 // is complete, and no peer still reads an input.
 Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType dtype,
                             ReduceOp op, int root, Deadline deadline,
-                            const std::function<Status(Deadline, int)>& watchdog) {
+                            const std::function<Status(Deadline, int)>& watchdog,
+                            std::optional<ReduceOp> checked_op) {
   DDP_RETURN_IF_ERROR(CheckRoot("reduce", root));
   return InCall(deadline, watchdog, [&]() -> Status {
     const size_t bytes = count * DataTypeSize(dtype);
@@ -1191,7 +1195,8 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
     // input is in its staging buffer, and it need only know that the root
     // agrees (the root compares everyone).
     DDP_RETURN_IF_ERROR(Arrive(send, is_root ? recv : nullptr, count, dtype,
-                               static_cast<int32_t>(op), Kind::kReduce, root, /*direct=*/!staged,
+                               static_cast<int32_t>(checked_op.value_or(op)), Kind::kReduce, root,
+                               /*direct=*/!staged,
                                deadline, watchdog,
                                staged && !is_root ? root : -1)
                             .status());

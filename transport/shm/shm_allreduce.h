@@ -85,6 +85,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -157,8 +158,13 @@ class ShmAllReduce {
 
   /// recv[i] = op over ranks of send[i], i in [0, count). send may equal recv.
   /// Must be called by every rank of the group in the same order.
+  /// `checked_op`, when given, is the op the ranks compare instead of `op`
+  /// (the caller's own op when it rewrote it: an f16 average divided
+  /// first and then summed must not agree with a plain sum). The same for
+  /// the calls below that take it.
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
-                   Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
+                   Deadline deadline, const std::function<Status(Deadline, int)>& watchdog,
+                   std::optional<ReduceOp> checked_op = std::nullopt);
 
   /// Called with a rank's reduced slice, elements [offset, offset + count)
   /// of its output, which it may change in place before the group gets it.
@@ -174,7 +180,8 @@ class ShmAllReduce {
   /// fails the argument check on every rank.
   Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                           const SliceFn& across, Deadline deadline,
-                          const std::function<Status(Deadline, int)>& watchdog);
+                          const std::function<Status(Deadline, int)>& watchdog,
+                          std::optional<ReduceOp> checked_op = std::nullopt);
 
   /// Called with a piece of a rank's slice: `reduced` holds elements
   /// [offset, offset + count) of the reduction (kAvg divided), in scratch
@@ -194,7 +201,8 @@ class ShmAllReduce {
   /// calling another collective fails the argument check on every rank.
   Status AllReduceApply(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                         const ApplyFn& apply, Deadline deadline,
-                        const std::function<Status(Deadline, int)>& watchdog);
+                        const std::function<Status(Deadline, int)>& watchdog,
+                        std::optional<ReduceOp> checked_op = std::nullopt);
 
   /// buffer = root's buffer, on every rank of the group (small buffers
   /// through the root's staging buffer, larger ones read from the root's
@@ -219,7 +227,8 @@ class ShmAllReduce {
   /// counts, dtypes, ops or roots fail on every rank.
   Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                 int root, Deadline deadline,
-                const std::function<Status(Deadline, int)>& watchdog);
+                const std::function<Status(Deadline, int)>& watchdog,
+                std::optional<ReduceOp> checked_op = std::nullopt);
 
   /// Root's recv[q * count + i] = rank q's send[i] (recv ignored elsewhere;
   /// on the root send may be recv + root * count). Small blocks through the
