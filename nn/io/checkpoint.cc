@@ -2,7 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
@@ -194,18 +196,11 @@ std::vector<std::pair<Device, Device>> CheckOptions(const LoadOptions& options) 
   return map;
 }
 
-// Parse validated the whole file before a single tensor is made.
-LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source,
-                          const LoadOptions& options,
-                          const std::vector<std::pair<Device, Device>>& map) {
-  const std::unordered_map<std::string, Device> saved = SavedDevices(source, file);
-  LoadedTensors out;
-  out.metadata = file.metadata();
-  out.metadata.erase(kDevicesKey);
-  out.data_checksum = file.data_checksum();
-  // Every dtype first, so that no tensor is made for a file that cannot
-  // load whole; the file itself is valid, and SafetensorsFile gives the
-  // bytes of such a tensor (and of the others) by name.
+// Throws, naming the first, when a tensor of `file` has a dtype that
+// nn::Tensor lacks: no tensor is made for a file that cannot load whole.
+void CheckDtypes(const SafetensorsFile& file, const std::string& source) {
+  // The file itself is valid, and SafetensorsFile gives the bytes of such a
+  // tensor (and of the others) by name.
   for (const TensorEntry& e : file.tensors()) {
     try {
       (void)FromStDtype(e.dtype);
@@ -216,24 +211,47 @@ LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source
                             "(SafetensorsFile::Read and Find give its bytes, and the other tensors')");
     }
   }
+}
+
+// Where the tensor of entry `e` goes.
+Device TargetOf(const TensorEntry& e, const std::unordered_map<std::string, Device>& saved,
+                const LoadOptions& options, const std::vector<std::pair<Device, Device>>& map) {
+  auto s = saved.find(e.name);
+  const Device from = s == saved.end() ? kCPU : s->second;
+  Device target = options.device;
+  for (const auto& [f, t] : map) {
+    if (f == from) target = t;
+  }
+  return target;
+}
+
+// An allocation or device copy that failed.
+CheckpointError CannotLoad(const std::string& source, const TensorEntry& e, Device target,
+                           const std::exception& x) {
+  return CheckpointError(source + ": tensor `" + NameForMessage(e.name) + "` (" + std::to_string(e.nbytes) +
+                         " bytes, for " + target.ToString() + "): cannot load it: " + x.what());
+}
+
+// Parse validated the whole file before a single tensor is made.
+LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source,
+                          const LoadOptions& options,
+                          const std::vector<std::pair<Device, Device>>& map) {
+  const std::unordered_map<std::string, Device> saved = SavedDevices(source, file);
+  LoadedTensors out;
+  out.metadata = file.metadata();
+  out.metadata.erase(kDevicesKey);
+  out.data_checksum = file.data_checksum();
+  CheckDtypes(file, source);
   out.tensors.reserve(file.tensors().size());
   for (const TensorEntry& e : file.tensors()) {
-    auto s = saved.find(e.name);
-    const Device from = s == saved.end() ? kCPU : s->second;
-    Device target = options.device;
-    for (const auto& [f, t] : map) {
-      if (f == from) target = t;
-    }
+    const Device target = TargetOf(e, saved, options, map);
     Tensor t;
     try {
       t = Empty(e.shape, {.dtype = FromStDtype(e.dtype)});
       if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.Data(e), e.nbytes);
       if (!target.is_cpu()) t = t.To(target);
     } catch (const std::exception& x) {
-      // An allocation or device copy that failed.
-      throw CheckpointError(source + ": tensor `" + NameForMessage(e.name) + "` (" +
-                            std::to_string(e.nbytes) + " bytes, for " + target.ToString() +
-                            "): cannot load it: " + x.what());
+      throw CannotLoad(source, e, target, x);
     }
     out.tensors.emplace_back(e.name, std::move(t));
   }
@@ -272,7 +290,58 @@ Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
 
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
   const std::vector<std::pair<Device, Device>> map = CheckOptions(options);
-  return MakeTensors(SafetensorsFile::Read(path, options.stop), path, options, map);
+  // Each tensor is made on the CPU once the header is checked, and the file
+  // read straight into it: the file is never held whole beside the tensors.
+  // A problem found before the data is read (a bad device record, a dtype
+  // nn::Tensor lacks, a failed allocation) is kept and thrown only once the
+  // data checksum has passed, so that a file with several problems is
+  // refused for the same one as when the whole file was parsed first; such
+  // a file's data is read for the checksum only.
+  LoadedTensors out;
+  std::vector<Device> targets;
+  std::exception_ptr deferred;
+  auto place = [&](const SafetensorsFile& layout) {
+    std::vector<void*> where(layout.tensors().size(), nullptr);
+    try {
+      const std::unordered_map<std::string, Device> saved = SavedDevices(path, layout);
+      CheckDtypes(layout, path);
+      out.tensors.reserve(layout.tensors().size());
+      targets.reserve(layout.tensors().size());
+      for (size_t i = 0; i < layout.tensors().size(); ++i) {
+        const TensorEntry& e = layout.tensors()[i];
+        const Device target = TargetOf(e, saved, options, map);
+        Tensor t;
+        try {
+          t = Empty(e.shape, {.dtype = FromStDtype(e.dtype)});
+        } catch (const std::exception& x) {
+          throw CannotLoad(path, e, target, x);
+        }
+        if (e.nbytes > 0) where[i] = t.data_ptr();
+        out.tensors.emplace_back(e.name, std::move(t));
+        targets.push_back(target);
+      }
+    } catch (...) {
+      deferred = std::current_exception();
+      out.tensors.clear();
+      out.tensors.shrink_to_fit();
+      std::fill(where.begin(), where.end(), nullptr);
+    }
+    return where;
+  };
+  const SafetensorsFile file = SafetensorsFile::ReadInto(path, place, options.stop);
+  if (deferred) std::rethrow_exception(deferred);
+  for (size_t i = 0; i < out.tensors.size(); ++i) {
+    if (targets[i].is_cpu()) continue;
+    try {
+      out.tensors[i].second = out.tensors[i].second.To(targets[i]);
+    } catch (const std::exception& x) {
+      throw CannotLoad(path, file.tensors()[i], targets[i], x);
+    }
+  }
+  out.metadata = file.metadata();
+  out.metadata.erase(kDevicesKey);
+  out.data_checksum = file.data_checksum();
+  return out;
 }
 
 LoadedTensors LoadTensorsFromBytes(std::string bytes, const std::string& source,

@@ -77,10 +77,12 @@ struct LoadedTensors {
   std::string data_checksum;
 };
 
-/// Reads and fully validates `path` before making any tensor; a bad file
-/// throws CheckpointError naming it and the problem, as does a tensor of a
-/// dtype nn::Tensor lacks (named with its dtype; SafetensorsFile::Read
-/// still reads such a file).
+/// Reads and fully validates `path` (header, entries, then the data
+/// checksum) before returning any tensor or moving one to its device; a bad
+/// file throws CheckpointError naming it and the problem, as does a tensor
+/// of a dtype nn::Tensor lacks (named with its dtype; SafetensorsFile::Read
+/// still reads such a file). The file is not held in memory: each tensor's
+/// bytes are read straight into it (SafetensorsFile::ReadInto).
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options = {});
 /// The same from a file's bytes already in memory (SafetensorsFile::ReadBytes,
 /// perhaps on another rank); errors name `source`.

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -595,7 +596,22 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
     p.Fail("header length " + std::to_string(n) + " exceeds the limit of " +
            std::to_string(kMaxHeaderBytes) + " bytes");
   }
-  const nlohmann::json header = ParseHeader(std::string_view(bytes.data() + 8, n), p);
+  const uint64_t data_size = bytes.size() - 8 - n;
+  SafetensorsFile f = ParseLayout(std::string_view(bytes.data() + 8, n), data_size, source);
+  std::string got;
+  if (f.metadata_.count(kChecksumKey)) {
+    got = CrcHex(CrcUpdate(crc32(0L, Z_NULL, 0), bytes.data() + f.data_start_, data_size));
+  }
+  f.CheckDataCrc(got);
+  f.bytes_ = std::move(bytes);
+  return f;
+}
+
+SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint64_t data_size,
+                                             const std::string& source) {
+  Parser p(source);
+  const uint64_t n = header_text.size();
+  const nlohmann::json header = ParseHeader(header_text, p);
 
   SafetensorsFile f;
   f.source_ = source;
@@ -609,7 +625,6 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
 
   // The entries must tile the data region: sorted by offset, each begins
   // where the previous one ended and the last ends at the file's end.
-  const uint64_t data_size = bytes.size() - 8 - n;
   std::stable_sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorEntry& a, const TensorEntry& b) {
     return a.offset != b.offset ? a.offset < b.offset : a.nbytes < b.nbytes;
   });
@@ -639,21 +654,20 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
            ") of the data region belong to no tensor");
   }
   f.data_start_ = 8 + n;
-  auto crc = f.metadata_.find(kChecksumKey);
-  if (crc != f.metadata_.end()) {
-    TensorView all{"", StDtype::kU8, {static_cast<int64_t>(data_size)},
-                   bytes.data() + f.data_start_, data_size};
-    const std::string got = Crc32Hex({all});
-    if (got != crc->second) {
-      p.Fail("data region checksum is " + got + ", the header says " + crc->second +
-             " (the tensor data is corrupt: " + ForeignEditNote() + ")");
-    }
-    f.data_checksum_ = crc->second;
-    f.metadata_.erase(crc);
-  }
-  f.metadata_.erase(kHeaderChecksumKey);
-  f.bytes_ = std::move(bytes);
   return f;
+}
+
+void SafetensorsFile::CheckDataCrc(const std::string& got) {
+  auto crc = metadata_.find(kChecksumKey);
+  if (crc != metadata_.end()) {
+    if (got != crc->second) {
+      Parser(source_).Fail("data region checksum is " + got + ", the header says " + crc->second +
+                           " (the tensor data is corrupt: " + ForeignEditNote() + ")");
+    }
+    data_checksum_ = crc->second;
+    metadata_.erase(crc);
+  }
+  metadata_.erase(kHeaderChecksumKey);
 }
 
 namespace {
@@ -735,89 +749,117 @@ Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
   return metadata;
 }
 
-std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
-  auto [f, size] = OpenRegularFile(path);
-  auto stopped = [&, size = size](uint64_t got) {
+namespace {
+
+// Ends a read once `*stop` is true, naming how far it got.
+struct StopCheck {
+  const std::string& path;
+  uint64_t size;
+  const std::atomic<bool>* stop;
+  void operator()(uint64_t got) const {
     if (stop != nullptr && stop->load(std::memory_order_relaxed)) {
       throw CheckpointError(path + ": the read was stopped after " + std::to_string(got) + " of " +
                             std::to_string(size) + " bytes");
     }
-  };
-  stopped(0);
-  std::string header_text;  // the n bytes after the length, once read
-  if (size >= 8) {
-    // The header's length first: a file that is no safetensors file at all
-    // (a dataset archive given by mistake) is refused before its whole size
-    // is allocated. Parse checks the rest.
-    unsigned char length[8];
-    if (std::fread(length, 1, 8, f.get()) != 8) {
-      // errno says something only when the stream has its error flag set.
-      const int err = errno;
-      throw CheckpointError(path + ": cannot read its first 8 bytes: " +
-                            (std::ferror(f.get()) ? std::string(std::strerror(err))
-                                                  : std::string("the file got shorter while being read")));
-    }
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
-    if (n > size - 8 || n > kMaxHeaderBytes) {
-      throw CheckpointError(path + ": header length " + std::to_string(n) + " exceeds " +
-                            (n > size - 8 ? "the " + std::to_string(size - 8) +
-                                                " bytes after the length field"
-                                          : "the limit of " + std::to_string(kMaxHeaderBytes) +
-                                                " bytes") +
-                            " (truncated, or not a safetensors file)");
-    }
-    // Then the header itself, and the data region's size it implies: a file
-    // whose size differs (a huge tail after the last tensor, or a truncated
-    // one) is refused before its data is allocated or read.
-    header_text.assign(reinterpret_cast<const char*>(length), 8);
-    header_text.resize(8 + static_cast<size_t>(n));
-    if (std::fread(header_text.data() + 8, 1, n, f.get()) != n) {
-      const int err = errno;
-      throw CheckpointError(path + ": cannot read its header: " +
-                            (std::ferror(f.get()) ? std::string(std::strerror(err))
-                                                  : std::string("the file got shorter while being read")));
-    }
-    // The header is checked here as Parse checks it. A bad one ends the
-    // read at once: only the length and the header are returned, which
-    // Parse refuses with the very message it would give for the whole file
-    // (it checks the header and every entry before the data region), on
-    // every rank that gets these bytes. Reading the data first would cost
-    // the whole file's size in memory and time, or fail for want of memory,
-    // before the real problem were named.
-    Parser p(path);
-    std::optional<uint64_t> data_end;
-    std::optional<TensorEntry> last;
-    try {
-      const nlohmann::json header = ParseHeader(std::string_view(header_text).substr(8), p);
-      uint64_t end = 0;
-      for (auto it = header.begin(); it != header.end(); ++it) {
-        if (it.key() == kMetadataKey) {
-          (void)MetadataOf(*it, p);
-          continue;
-        }
-        TensorEntry e = p.Entry(it.key(), *it);
-        if (e.offset + e.nbytes >= end) {
-          end = e.offset + e.nbytes;
-          last = std::move(e);
-        }
-      }
-      data_end = end;
-    } catch (const CheckpointError&) {
-      return header_text;
-    }
-    const uint64_t data_size = size - 8 - n;
-    if (data_end && *data_end > data_size) {
-      p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" +
-             std::to_string(last->offset) + ", " + std::to_string(*data_end) + "] extend past the " +
-             std::to_string(data_size) + "-byte data region (truncated file?)");
-    }
-    if (data_end && *data_end < data_size) {
-      p.Fail("bytes [" + std::to_string(*data_end) + ", " + std::to_string(data_size) +
-             ") of the data region belong to no tensor (" + std::to_string(data_size - *data_end) +
-             " trailing bytes after the last tensor's end)");
-    }
   }
+};
+
+std::function<void(uint64_t)>& ReadPieceHook() {
+  static std::function<void(uint64_t)> hook;
+  return hook;
+}
+
+// Before each piece's stop check.
+void BeforePiece(uint64_t got) {
+  if (ReadPieceHook()) ReadPieceHook()(got);
+}
+
+// The length field and the header of a file of `size` >= 8 bytes, read
+// from the start of `f` and checked as Parse checks them. `valid` is false
+// when the header or an entry is bad: Parse refuses the returned bytes with
+// the message it would give for the whole file. A valid header whose
+// entries end before or after the file's end is refused here.
+std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* valid) {
+  // The header's length first: a file that is no safetensors file at all
+  // (a dataset archive given by mistake) is refused before its whole size
+  // is allocated. Parse checks the rest.
+  unsigned char length[8];
+  if (std::fread(length, 1, 8, f) != 8) {
+    // errno says something only when the stream has its error flag set.
+    const int err = errno;
+    throw CheckpointError(path + ": cannot read its first 8 bytes: " +
+                          (std::ferror(f) ? std::string(std::strerror(err))
+                                          : std::string("the file got shorter while being read")));
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
+  if (n > size - 8 || n > kMaxHeaderBytes) {
+    throw CheckpointError(path + ": header length " + std::to_string(n) + " exceeds " +
+                          (n > size - 8 ? "the " + std::to_string(size - 8) +
+                                              " bytes after the length field"
+                                        : "the limit of " + std::to_string(kMaxHeaderBytes) +
+                                              " bytes") +
+                          " (truncated, or not a safetensors file)");
+  }
+  // Then the header itself, and the data region's size it implies: a file
+  // whose size differs (a huge tail after the last tensor, or a truncated
+  // one) is refused before its data is allocated or read.
+  std::string header_text(reinterpret_cast<const char*>(length), 8);
+  header_text.resize(8 + static_cast<size_t>(n));
+  if (std::fread(header_text.data() + 8, 1, n, f) != n) {
+    const int err = errno;
+    throw CheckpointError(path + ": cannot read its header: " +
+                          (std::ferror(f) ? std::string(std::strerror(err))
+                                          : std::string("the file got shorter while being read")));
+  }
+  // The header is checked here as Parse checks it. A bad one ends the
+  // read at once: only the length and the header are returned, which
+  // Parse refuses with the very message it would give for the whole file
+  // (it checks the header and every entry before the data region), on
+  // every rank that gets these bytes. Reading the data first would cost
+  // the whole file's size in memory and time, or fail for want of memory,
+  // before the real problem were named.
+  Parser p(path);
+  std::optional<uint64_t> data_end;
+  std::optional<TensorEntry> last;
+  try {
+    const nlohmann::json header = ParseHeader(std::string_view(header_text).substr(8), p);
+    uint64_t end = 0;
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      if (it.key() == kMetadataKey) {
+        (void)MetadataOf(*it, p);
+        continue;
+      }
+      TensorEntry e = p.Entry(it.key(), *it);
+      if (e.offset + e.nbytes >= end) {
+        end = e.offset + e.nbytes;
+        last = std::move(e);
+      }
+    }
+    data_end = end;
+  } catch (const CheckpointError&) {
+    *valid = false;
+    return header_text;
+  }
+  const uint64_t data_size = size - 8 - n;
+  if (data_end && *data_end > data_size) {
+    p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" +
+           std::to_string(last->offset) + ", " + std::to_string(*data_end) + "] extend past the " +
+           std::to_string(data_size) + "-byte data region (truncated file?)");
+  }
+  if (data_end && *data_end < data_size) {
+    p.Fail("bytes [" + std::to_string(*data_end) + ", " + std::to_string(data_size) +
+           ") of the data region belong to no tensor (" + std::to_string(data_size - *data_end) +
+           " trailing bytes after the last tensor's end)");
+  }
+  *valid = true;
+  return header_text;
+}
+
+// The whole file of `size` bytes whose first `head` bytes were read from
+// `f` already: the rest is read after them, kStopCheckBytes at a time.
+std::string ReadRest(const std::string& path, FILE* f, uint64_t size, std::string head,
+                     const StopCheck& stopped) {
   std::string bytes;
   try {
     bytes.resize(static_cast<size_t>(size));
@@ -825,14 +867,15 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     throw CheckpointError(path + ": cannot hold its " + std::to_string(size) + " bytes in memory");
   }
   // The length and header already read are not read again.
-  size_t got = header_text.size();
-  std::memcpy(bytes.data(), header_text.data(), got);
-  std::string().swap(header_text);
+  size_t got = head.size();
+  std::memcpy(bytes.data(), head.data(), got);
+  std::string().swap(head);
   int read_errno = 0;
   while (got < bytes.size()) {
+    BeforePiece(got);
     stopped(got);
     const size_t want = std::min(bytes.size() - got, kStopCheckBytes);
-    const size_t n = std::fread(bytes.data() + got, 1, want, f.get());
+    const size_t n = std::fread(bytes.data() + got, 1, want, f);
     got += n;
     if (n != want) {
       read_errno = errno;
@@ -843,14 +886,108 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     // A short read without an error is a file that shrank since fstat.
     throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
                           std::to_string(bytes.size()) + " bytes" +
-                          (std::ferror(f.get()) ? std::string(": ") + std::strerror(read_errno)
-                                                : std::string(": the file got shorter while read")));
+                          (std::ferror(f) ? std::string(": ") + std::strerror(read_errno)
+                                          : std::string(": the file got shorter while read")));
   }
   return bytes;
 }
 
+}  // namespace
+
+namespace internal {
+
+void SetReadPieceHookForTesting(std::function<void(uint64_t)> hook) { ReadPieceHook() = std::move(hook); }
+
+}  // namespace internal
+
+std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
+  auto [f, size] = OpenRegularFile(path);
+  const StopCheck stopped{path, size, stop};
+  stopped(0);
+  std::string head;
+  if (size >= 8) {
+    bool valid = false;
+    head = ReadHead(path, f.get(), size, &valid);
+    if (!valid) return head;
+  }
+  return ReadRest(path, f.get(), size, std::move(head), stopped);
+}
+
 SafetensorsFile SafetensorsFile::Read(const std::string& path, const std::atomic<bool>* stop) {
   return Parse(ReadBytes(path, stop), path);
+}
+
+SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer& place,
+                                          const std::atomic<bool>* stop) {
+  auto [f, size] = OpenRegularFile(path);
+  const StopCheck stopped{path, size, stop};
+  stopped(0);
+  std::string head;
+  bool valid = false;
+  if (size >= 8) head = ReadHead(path, f.get(), size, &valid);
+  if (!valid) {
+    // Parse names the problem, as Read does; a file under 8 bytes is read
+    // whole first (it is no bigger than the length field).
+    if (size < 8) head = ReadRest(path, f.get(), size, std::move(head), stopped);
+    (void)Parse(std::move(head), path);
+    throw std::logic_error(path + ": a header found bad was accepted by Parse");
+  }
+  const uint64_t data_start = head.size();
+  SafetensorsFile file =
+      ParseLayout(std::string_view(head).substr(8), size - data_start, path);
+  std::string().swap(head);
+
+  const std::vector<void*> where = place(file);
+  if (where.size() != file.tensors_.size()) {
+    throw std::logic_error(path + ": the placer gave " + std::to_string(where.size()) +
+                           " destinations for " + std::to_string(file.tensors_.size()) + " tensors");
+  }
+  // Tensors given no destination are read here, only for the checksum.
+  std::unique_ptr<char[]> scratch;
+  const int fd = ::fileno(f.get());
+  uLong crc = crc32(0L, Z_NULL, 0);
+  uint64_t got = data_start;  // file position reached, as ReadBytes counts it
+  size_t t = 0;               // tensor being read
+  uint64_t in_t = 0;          // bytes of it read
+  while (got < size) {
+    BeforePiece(got);
+    stopped(got);
+    uint64_t piece = std::min<uint64_t>(size - got, kStopCheckBytes);
+    while (piece > 0) {
+      while (in_t == file.tensors_[t].nbytes) {
+        ++t;
+        in_t = 0;
+      }
+      const uint64_t k = std::min(piece, file.tensors_[t].nbytes - in_t);
+      char* dest;
+      if (where[t] != nullptr) {
+        dest = static_cast<char*>(where[t]) + in_t;
+      } else {
+        if (!scratch) scratch = std::make_unique<char[]>(kStopCheckBytes);
+        dest = scratch.get();
+      }
+      uint64_t done = 0;
+      while (done < k) {
+        const ssize_t r = ::pread(fd, dest + done, static_cast<size_t>(k - done),
+                                  static_cast<off_t>(got + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+          const int err = errno;
+          throw CheckpointError(path + ": read " + std::to_string(got + done) + " of " +
+                                std::to_string(size) + " bytes" +
+                                (r < 0 ? std::string(": ") + std::strerror(err)
+                                       : std::string(": the file got shorter while read")));
+        }
+        done += static_cast<uint64_t>(r);
+      }
+      crc = CrcUpdate(crc, dest, k);
+      got += k;
+      in_t += k;
+      piece -= k;
+    }
+  }
+  file.CheckDataCrc(CrcHex(crc));
+  return file;
 }
 
 const TensorEntry* SafetensorsFile::Find(std::string_view name) const {
@@ -861,6 +998,7 @@ const TensorEntry* SafetensorsFile::Find(std::string_view name) const {
 }
 
 const std::byte* SafetensorsFile::Data(const TensorEntry& entry) const {
+  if (bytes_.empty()) return nullptr;  // from ReadInto: the bytes went elsewhere
   return reinterpret_cast<const std::byte*>(bytes_.data()) + data_start_ + entry.offset;
 }
 

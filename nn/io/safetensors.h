@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -148,6 +149,21 @@ class SafetensorsFile {
   /// (when given) is true, the read ends at the next piece of
   /// kStopCheckBytes with a CheckpointError.
   static std::string ReadBytes(const std::string& path, const std::atomic<bool>* stop = nullptr);
+  /// Given a file's validated entries (tensors() in data-region order,
+  /// metadata() still holding the checksum keys), where each entry's bytes
+  /// are to go: one pointer per entry, to entry.nbytes writable bytes, or
+  /// null to read that entry's bytes for the checksum only.
+  using Placer = std::function<std::vector<void*>(const SafetensorsFile&)>;
+  /// Read without holding the file in memory: the header is read and
+  /// checked, and every error is the one Read gives for the same file (the
+  /// data checksum still last, after all the data). Then `place` is called
+  /// once and each entry's bytes are read (pread, in file order) straight to
+  /// where it says, the data checksum computed as they come; at most one
+  /// piece of kStopCheckBytes is held besides. `stop` as for ReadBytes. The
+  /// file returned holds no bytes (Data() gives null). An
+  /// exception from `place` ends the read and passes through.
+  static SafetensorsFile ReadInto(const std::string& path, const Placer& place,
+                                  const std::atomic<bool>* stop = nullptr);
   /// A file's metadata (as metadata() has it) from its header alone: the
   /// tensors and their data are neither read nor checked. Throws
   /// CheckpointError naming the path and the problem, as Read would for
@@ -159,7 +175,8 @@ class SafetensorsFile {
   const Metadata& metadata() const { return metadata_; }
   /// The entry called `name`, or null.
   const TensorEntry* Find(std::string_view name) const;
-  /// Start of an entry's bytes (may be unaligned: copy with memcpy).
+  /// Start of an entry's bytes (may be unaligned: copy with memcpy); null
+  /// for a file from ReadInto, which holds none.
   const std::byte* Data(const TensorEntry& entry) const;
   /// Name of the file or buffer, for messages.
   const std::string& source() const { return source_; }
@@ -169,6 +186,15 @@ class SafetensorsFile {
   const std::string& data_checksum() const { return data_checksum_; }
 
  private:
+  // Validates the header (the `n` bytes after the length field) and the
+  // entries against a data region of `data_size` bytes, as Parse does; the
+  // checksum keys stay in metadata_.
+  static SafetensorsFile ParseLayout(std::string_view header_text, uint64_t data_size,
+                                     const std::string& source);
+  // Compares `got` (the data region's CRC-32 in hex) with the header's,
+  // when it has one, and takes the checksum keys out of metadata_.
+  void CheckDataCrc(const std::string& got);
+
   std::string source_;
   std::string data_checksum_;
   std::string bytes_;
@@ -176,6 +202,16 @@ class SafetensorsFile {
   std::vector<TensorEntry> tensors_;
   Metadata metadata_;
 };
+
+namespace internal {
+
+/// Calls `hook` with the file position before each piece's stop check of
+/// ReadBytes and ReadInto (so a test can set the stop flag partway through
+/// a read). Process-wide; an empty function (the default) turns it off.
+/// For tests only.
+void SetReadPieceHookForTesting(std::function<void(uint64_t)> hook);
+
+}  // namespace internal
 
 }  // namespace ddp::nn::io
 
