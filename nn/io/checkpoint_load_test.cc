@@ -19,29 +19,16 @@
 
 #include "nn/io/atomic_file.h"
 #include "nn/io/checkpoint.h"
+#include "nn/io/testing/io_test_util.h"
 #include "nn/tensor/allocator.h"
 
 namespace ddp::nn::io {
 namespace {
 
+using test_util::ErrorOf;
+using test_util::TmpPath;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::string TmpPath(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + std::to_string(getpid()) + "_" + name;
-}
-
-template <typename F>
-std::string ErrorOf(F&& f) {
-  try {
-    f();
-  } catch (const CheckpointError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no CheckpointError thrown";
-  return "";
-}
 
 // The value element `i` of tensor `k` is saved with.
 float ValueAt(int k, int64_t i) { return static_cast<float>(k * 1000003 + i % 999983); }

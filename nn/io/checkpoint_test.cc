@@ -1,4 +1,5 @@
 #include "nn/io/checkpoint.h"
+#include "nn/io/testing/io_test_util.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,24 +19,10 @@
 namespace ddp::nn::io {
 namespace {
 
+using test_util::ErrorOf;
+using test_util::TmpPath;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::string TmpPath(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + std::to_string(getpid()) + "_" + name;
-}
-
-template <typename F>
-std::string ErrorOf(F&& f) {
-  try {
-    f();
-  } catch (const CheckpointError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no CheckpointError thrown";
-  return "";
-}
 
 Tensor RandomBytes(const Shape& shape, DType dtype, std::mt19937_64& rng) {
   Tensor t = Empty(shape, {.dtype = dtype});

@@ -1,4 +1,5 @@
 #include "nn/io/safetensors.h"
+#include "nn/io/testing/io_test_util.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -31,6 +32,7 @@
 namespace ddp::nn::io {
 namespace {
 
+using test_util::ErrorOf;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -62,17 +64,6 @@ std::vector<std::string> FilesIn(const std::string& dir) {
   }
   if (d) closedir(d);
   return names;
-}
-
-template <typename F>
-std::string ErrorOf(F&& f) {
-  try {
-    f();
-  } catch (const CheckpointError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no CheckpointError thrown";
-  return "";
 }
 
 // Owned test tensors with random bytes (every bit pattern, NaNs included).
