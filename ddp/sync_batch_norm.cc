@@ -269,7 +269,11 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
       nn::NoGradGuard guard;
       const Tensor shift = nn::ops::MulScalar(nn::ops::BatchNormStats(x).sum, 1.0 / static_cast<double>(m));
       const Tensor ones = nn::Ones({d.c}, {.dtype = nn::DType::kFloat64, .device = device});
-      const Tensor centered = nn::ops::BatchNormElementwise(x, shift, ones, Tensor(), Tensor());
+      // x - shift in f32 for 16-bit inputs: in the input's dtype each
+      // deviation would be rounded to 8 or 11 bits before it is summed.
+      const bool narrow = x.dtype() == nn::DType::kBFloat16 || x.dtype() == nn::DType::kFloat16;
+      const Tensor wide = narrow ? x.To(nn::DType::kFloat32) : x;
+      const Tensor centered = nn::ops::BatchNormElementwise(wide, shift, ones, Tensor(), Tensor());
       const nn::ops::BatchNormSums c = nn::ops::BatchNormStats(centered);
       // mean = shift + sum(x - shift) / m; M2 = sum((x - shift)^2) - sum(x - shift)^2 / m.
       Tensor row = nn::Empty({2 * d.c}, {.dtype = nn::DType::kFloat64, .device = device});

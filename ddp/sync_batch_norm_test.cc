@@ -170,6 +170,34 @@ TEST(SyncBatchNormTest, ALargeMeanDoesNotCancelTheVariance) {
   }
 }
 
+// 16-bit inputs whose channel mean is large against their spread: the
+// device formulation's statistics must agree with the host path's, which
+// sums the inputs' exact values in f64 (it rounded each x - mean to the
+// input's 16 bits first, a relative error of 2^-8 in every deviation).
+DDP_TEST_WORKER(sync_bn_bf16_stats) {
+  auto pg = testing::WorkerGroup();
+  nn::Generator gen(7 + pg->rank());
+  const Tensor x = (nn::Randn({6, kC, kH, kW}, {}, gen) * 0.7 + 100.0).To(nn::DType::kBFloat16);
+  std::vector<Tensor> vars;
+  for (bool blocks : {false, true}) {
+    internal::SetSyncBatchNormBuildingBlocks(blocks);
+    auto sync = std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{.momentum = 1.0}, pg);
+    nn::NoGradGuard guard;
+    (void)(*sync)(x);
+    vars.push_back(sync->running_var().To(nn::DType::kFloat64));
+  }
+  internal::SetSyncBatchNormBuildingBlocks(false);
+  const double diff = RelDiff(vars[1], vars[0]);
+  WORKER_EXPECT(diff < 1e-6, "the device formulation's running variance differs from the host path's by " +
+                                 std::to_string(diff));
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, SixteenBitStatisticsOfTheDeviceFormulationMatchTheHostPath) {
+  auto run = RunWorkers("sync_bn_bf16_stats", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A CNN with BatchNorm, converted and wrapped: N ranks with equal batches
 // follow one process with BatchNorm on the concatenated batch. The
 // convolution has no bias: BatchNorm cancels it, so its gradient would be
