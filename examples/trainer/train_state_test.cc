@@ -743,6 +743,14 @@ TEST(TrainStateTest, AnotherSchedulerOrRateIsRefusedNamingBothValues) {
             std::string::npos);
 }
 
+// The UsageError of loading SaveCosineRun's checkpoint at `path` into
+// `model` with an SGD and cosine schedule made from `config` ("" if none).
+std::string CosineRunLoadError(const std::string& path, nn::modules::Module& model, const TrainConfig& config) {
+  nn::optim::Sgd opt(model.NamedParameters(), {.lr = config.lr});
+  nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
+  return UsageErrorOf([&] { LoadTrainCheckpoint(path, {&model, &opt, &cosine, nullptr}, config, 2, nullptr); });
+}
+
 // Another --momentum or --weight_decay is refused the same way: the saved
 // momentum buffers would be dropped (0) or new ones started, the update
 // changed; the run would silently not continue the saved one.
@@ -752,11 +760,7 @@ TEST(TrainStateTest, AnotherMomentumOrWeightDecayIsRefusedNamingBothValues) {
   saved.weight_decay = 1e-4;
   const std::string path = SaveCosineRun("optimizer_settings", saved);
   auto model = nn::modules::MakeMlp();
-  auto error = [&](const TrainConfig& config) {
-    nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-    nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
-    return UsageErrorOf([&] { LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr); });
-  };
+  auto error = [&](const TrainConfig& config) { return CosineRunLoadError(path, *model, config); };
   TrainConfig config = saved;
   config.momentum = 0.5;
   EXPECT_EQ(error(config), "checkpoint " + path + " was saved with --momentum=0.9 and this run has --momentum=0.5; "
@@ -778,11 +782,7 @@ TEST(TrainStateTest, AnotherDecayNormAndBiasIsRefusedAndAnOlderCheckpointCountsA
   const std::string path = SaveCosineRun("decay_norm_and_bias", saved);
   EXPECT_EQ(nn::io::LoadCheckpoint(path).metadata.at("decay_norm_and_bias"), "true");
   auto model = nn::modules::MakeMlp();
-  auto error = [&](const TrainConfig& config) {
-    nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-    nn::optim::LrScheduler cosine(opt, nn::optim::CosineSchedule(8));
-    return UsageErrorOf([&] { LoadTrainCheckpoint(path, {model.get(), &opt, &cosine, nullptr}, config, 2, nullptr); });
-  };
+  auto error = [&](const TrainConfig& config) { return CosineRunLoadError(path, *model, config); };
   TrainConfig config = saved;
   config.decay_norm_and_bias = false;
   const std::string refused = "checkpoint " + path +
