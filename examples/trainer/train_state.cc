@@ -532,6 +532,9 @@ void RunSchedule::set_steps(int64_t steps) {
     nn::optim::OneCycleOptions o;
     o.max_lr = max_lr_;
     o.total_steps = horizon;
+    // The rate alone, as before OneCycleOptions::cycle_momentum (default
+    // true) existed: runs and their saved schedule descriptions unchanged.
+    o.cycle_momentum = false;
     schedule = nn::optim::OneCycleSchedule(o);
   }
   steps_ = steps;

@@ -59,6 +59,7 @@ class Adam : public Optimizer {
                     bool fresh, double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return decoupled_ ? "AdamW" : "Adam"; }
+  const char* MomentumOption() const override { return "beta1"; }
   std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
   void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
   void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;

@@ -177,19 +177,45 @@ class OneCycleImpl : public Schedule {
   explicit OneCycleImpl(const OneCycleOptions& o) : o_(o) {
     const double initial = o.max_lr / o.div_factor;
     const double final_lr = initial / o.final_div_factor;
+    const double hi = o.max_momentum, lo = o.base_momentum;
     // Phase k runs from the previous phase's end step (0 for the first) to
     // end_step, as PyTorch counts them: fractional ends are kept as they are.
+    // The momentum moves against the rate (PyTorch's start/end_momentum).
     const double rise_end = o.pct_start * static_cast<double>(o.total_steps) - 1;
     const double last_end = static_cast<double>(o.total_steps) - 1;
     if (o.three_phase) {
-      phases_ = {{rise_end, initial, o.max_lr},
-                 {2 * o.pct_start * static_cast<double>(o.total_steps) - 2, o.max_lr, initial},
-                 {last_end, initial, final_lr}};
+      phases_ = {{rise_end, {initial, hi}, {o.max_lr, lo}},
+                 {2 * o.pct_start * static_cast<double>(o.total_steps) - 2, {o.max_lr, lo}, {initial, hi}},
+                 {last_end, {initial, hi}, {final_lr, hi}}};
     } else {
-      phases_ = {{rise_end, initial, o.max_lr}, {last_end, o.max_lr, final_lr}};
+      phases_ = {{rise_end, {initial, hi}, {o.max_lr, lo}}, {last_end, {o.max_lr, lo}, {final_lr, hi}}};
     }
   }
-  double Lr(double /*base*/, int64_t t) const override {
+  double Lr(double /*base*/, int64_t t) const override { return At(t, 0); }
+  bool CyclesMomentum() const override { return o_.cycle_momentum; }
+  double Momentum(int64_t t) const override { return At(t, 1); }
+  std::vector<double> MomentumBounds() const override {
+    if (!o_.cycle_momentum) return {};
+    return {std::min(o_.base_momentum, o_.max_momentum), std::max(o_.base_momentum, o_.max_momentum)};
+  }
+  std::string Describe() const override {
+    // Rate-only schedules keep the description they had before
+    // cycle_momentum existed, so that their saved states still load.
+    return "OneCycleLR(max_lr=" + Number(o_.max_lr) + ", total_steps=" + std::to_string(o_.total_steps) +
+           ", pct_start=" + Number(o_.pct_start) +
+           ", anneal_strategy=" + (o_.anneal_strategy == AnnealStrategy::kLinear ? "linear" : "cos") +
+           ", div_factor=" + Number(o_.div_factor) + ", final_div_factor=" + Number(o_.final_div_factor) +
+           ", three_phase=" + (o_.three_phase ? "true" : "false") +
+           (o_.cycle_momentum ? ", cycle_momentum=true, base_momentum=" + Number(o_.base_momentum) +
+                                    ", max_momentum=" + Number(o_.max_momentum)
+                              : std::string()) +
+           ")";
+  }
+
+ private:
+  // Value `which` (0: the rate, 1: the momentum) at step t, annealed
+  // within its phase as PyTorch's get_lr does.
+  double At(int64_t t, int which) const {
     if (t > o_.total_steps) {
       throw std::out_of_range("OneCycleLR: step " + std::to_string(t) + " is past total_steps " +
                               std::to_string(o_.total_steps) + ": the cycle has ended");
@@ -199,28 +225,23 @@ class OneCycleImpl : public Schedule {
     for (size_t k = 0; k < phases_.size(); ++k) {
       const Phase& p = phases_[k];
       if (step <= p.end_step || k + 1 == phases_.size()) {
+        const double start = p.start[which], end = p.end[which];
         // A last phase of no length (reachable only at t = total_steps) has
         // ended: its end value.
-        if (p.end_step == start_step) return p.end_lr;
+        if (p.end_step == start_step) return end;
         const double pct = (step - start_step) / (p.end_step - start_step);
-        if (o_.anneal_strategy == AnnealStrategy::kLinear) return (p.end_lr - p.start_lr) * pct + p.start_lr;
-        return p.end_lr + (p.start_lr - p.end_lr) / 2.0 * (std::cos(std::numbers::pi * pct) + 1);
+        if (o_.anneal_strategy == AnnealStrategy::kLinear) return (end - start) * pct + start;
+        return end + (start - end) / 2.0 * (std::cos(std::numbers::pi * pct) + 1);
       }
       start_step = p.end_step;
     }
-    return phases_.back().end_lr;  // not reached: the last phase always answers
-  }
-  std::string Describe() const override {
-    return "OneCycleLR(max_lr=" + Number(o_.max_lr) + ", total_steps=" + std::to_string(o_.total_steps) +
-           ", pct_start=" + Number(o_.pct_start) +
-           ", anneal_strategy=" + (o_.anneal_strategy == AnnealStrategy::kLinear ? "linear" : "cos") +
-           ", div_factor=" + Number(o_.div_factor) + ", final_div_factor=" + Number(o_.final_div_factor) +
-           ", three_phase=" + (o_.three_phase ? "true" : "false") + ")";
+    return phases_.back().end[which];  // not reached: the last phase always answers
   }
 
- private:
   struct Phase {
-    double end_step, start_lr, end_lr;
+    double end_step;
+    // {rate, momentum} at the phase's start and end.
+    double start[2], end[2];
   };
   OneCycleOptions o_;
   std::vector<Phase> phases_;
@@ -280,8 +301,13 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
                                   (i > 0 ? " after " + std::to_string(milestones[i - 1]) : std::string()));
     }
   }
-  for (const auto& s : schedules) {
-    if (!s) throw std::invalid_argument("SequentialLR: a schedule is null");
+  for (size_t k = 0; k < schedules.size(); ++k) {
+    if (!schedules[k]) throw std::invalid_argument("SequentialLR: a schedule is null");
+    if (schedules[k]->CyclesMomentum()) {
+      throw std::invalid_argument("SequentialLR: schedule " + std::to_string(k) + " (" + schedules[k]->Describe() +
+                                  ") cycles momentum, which the other schedules would leave where it ended; "
+                                  "make it with cycle_momentum = false");
+    }
   }
   return std::make_shared<SequentialImpl>(std::move(schedules), std::move(milestones));
 }
@@ -355,6 +381,10 @@ std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& o) {
                                 std::to_string(o.total_steps) +
                                 " = 1 leaves the rising phase no steps; pick another pct_start");
   }
+  if (o.cycle_momentum) {
+    CheckFiniteNonNegative("OneCycleLR", "base_momentum", o.base_momentum);
+    CheckFiniteNonNegative("OneCycleLR", "max_momentum", o.max_momentum);
+  }
   return std::make_shared<OneCycleImpl>(o);
 }
 
@@ -405,10 +435,36 @@ LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedul
 LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule)
     : LrScheduler(RatesOf(std::move(target)), std::move(schedule), nullptr) {}
 
+namespace {
+
+// Throws unless `optimizer` takes every momentum `schedule` sets, in each group.
+void CheckCycledMomentum(const Optimizer& optimizer, const Schedule& schedule) {
+  for (size_t k = 0; k < optimizer.num_groups(); ++k) {
+    for (double m : schedule.MomentumBounds()) {
+      try {
+        optimizer.CheckMomentum(k, m);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("LrScheduler: " + schedule.Describe() + " cycles momentum: " + e.what());
+      }
+    }
+  }
+}
+
+}  // namespace
+
 LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> schedule, Optimizer* optimizer)
     : rates_(std::move(rates)), schedule_(std::move(schedule)) {
   if (!rates_.get || !rates_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
+  if (schedule_->CyclesMomentum()) {
+    if (optimizer == nullptr) {
+      throw std::invalid_argument("LrScheduler: " + schedule_->Describe() +
+                                  " cycles momentum, which a bare learning-rate target does not have: make it "
+                                  "with cycle_momentum = false, or drive the optimizer itself");
+    }
+    CheckCycledMomentum(*optimizer, *schedule_);
+    momentum_of_ = optimizer;
+  }
   if (optimizer != nullptr) {
     // Each scheduler sets the rate outright: a second one would overwrite
     // the first's at every step (PyTorch's chained schedulers multiply
@@ -423,7 +479,7 @@ LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> s
     claim_ = std::make_shared<char>(0);
   }
   for (size_t k = 0; k < rates_.count; ++k) base_lrs_.push_back(rates_.get(k));
-  rates_.set(RatesAt(base_lrs_, 0));
+  SetAt(base_lrs_, 0);
   // Claimed once nothing can throw: a refused rate leaves the optimizer free.
   if (optimizer != nullptr) optimizer->scheduler_ = claim_;
 }
@@ -434,9 +490,23 @@ std::vector<double> LrScheduler::RatesAt(const std::vector<double>& base_lrs, in
   return lrs;
 }
 
+void LrScheduler::SetAt(const std::vector<double>& base_lrs, int64_t t) {
+  const std::vector<double> lrs = RatesAt(base_lrs, t);
+  if (momentum_of_ == nullptr) {
+    rates_.set(lrs);
+    return;
+  }
+  // Every momentum checked before any rate is set; the rates set all or
+  // none; the momenta, checked, then cannot fail.
+  const double m = schedule_->Momentum(t);
+  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) momentum_of_->CheckMomentum(k, m);
+  rates_.set(lrs);
+  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) momentum_of_->set_momentum(k, m);
+}
+
 void LrScheduler::Step() {
   // Counted only once the target took the rates: a refused one changes nothing.
-  rates_.set(RatesAt(base_lrs_, t_ + 1));
+  SetAt(base_lrs_, t_ + 1);
   ++t_;
 }
 
@@ -567,7 +637,7 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
   // The rates are set first: if the target refuses one (a schedule may
   // still compute a rate the optimizer takes as invalid), nothing has
   // changed.
-  rates_.set(RatesAt(s.base_lrs, s.step));
+  SetAt(s.base_lrs, s.step);
   t_ = s.step;
   base_lrs_ = std::move(s.base_lrs);
 }

@@ -31,6 +31,14 @@ class Schedule {
   /// rate jump. Empty (the default, for schedules defined elsewhere) means
   /// unknown: nothing is saved, and nothing compared.
   virtual std::string Describe() const { return ""; }
+  /// Whether the schedule also drives the optimizer's momentum (SGD's
+  /// momentum, Adam's beta1): OneCycleSchedule with cycle_momentum.
+  virtual bool CyclesMomentum() const { return false; }
+  /// The momentum for step t; called only when CyclesMomentum().
+  virtual double Momentum(int64_t /*t*/) const { return 0; }
+  /// The least and the greatest momentum the schedule sets (empty unless
+  /// CyclesMomentum()): checked against the optimizer when a scheduler is made.
+  virtual std::vector<double> MomentumBounds() const { return {}; }
 };
 
 /// What a cosine schedule does once t passes its end. Values are stable.
@@ -57,7 +65,10 @@ std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min = 0.0,
 /// (LinearLR; a linear warm-up with end_factor 1).
 std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters);
 /// schedules[k] from milestone k-1 on, counting its steps from there
-/// (SequentialLR); milestones ascending, one fewer than schedules.
+/// (SequentialLR); milestones ascending, one fewer than schedules. Throws
+/// std::invalid_argument for a schedule that cycles momentum (OneCycle
+/// with cycle_momentum): the momentum of the other phases would be no
+/// one's; pass cycle_momentum = false.
 std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedule>> schedules,
                                              std::vector<int64_t> milestones);
 /// base_lr * gamma^(number of milestones <= t)  (MultiStepLR; a milestone
@@ -101,18 +112,38 @@ struct OneCycleOptions {
   /// Three phases (up to max_lr, back down to the initial rate, then down to
   /// the final one) instead of two (up, then down to the final rate).
   bool three_phase = false;
+  /// Cycle the optimizer's momentum (SGD's momentum, Adam's and AdamW's
+  /// beta1) inversely to the rate: max_momentum at t = 0, base_momentum at
+  /// the peak rate, back to max_momentum at the end of the cycle (three
+  /// phases: at the end of the second phase, then held). PyTorch's default,
+  /// true. The optimizer must have such a momentum (not Adadelta, nor an SGD
+  /// made with momentum 0): LrScheduler refuses it otherwise. Set false for
+  /// the rate alone (OneCycleLR's cycle_momentum=False), as this schedule
+  /// was before this option existed.
+  bool cycle_momentum = true;
+  /// The momentum at the peak rate.
+  double base_momentum = 0.85;
+  /// The momentum at t = 0 and at the end of the cycle.
+  double max_momentum = 0.95;
 };
 
-/// PyTorch's OneCycleLR for the rate. The optimizer's own lr (base_lr) is
-/// ignored: the rate starts at max_lr / div_factor. Momentum (or Adam's
-/// beta1) is not cycled: this is OneCycleLR with cycle_momentum=False, where
-/// PyTorch's default is True; the optimizer keeps its momentum throughout.
-/// Lr throws std::out_of_range for t > total_steps, as PyTorch's step raises
-/// past the end (so LrScheduler::Step throws there, changing nothing).
-/// Throws std::invalid_argument unless max_lr > 0, total_steps >= 1,
-/// pct_start is in [0, 1], div_factor and final_div_factor are > 0 (all
-/// finite), and the rising phase has steps to take (pct_start * total_steps
-/// != 1, where PyTorch divides by zero).
+/// PyTorch 1.13's OneCycleLR. The optimizer's own lr (base_lr) is ignored:
+/// the rate starts at max_lr / div_factor. With cycle_momentum (the
+/// default, as PyTorch's), the scheduler also sets the momentum of every
+/// param group (SGD's momentum, Adam's beta1) by the same phases and
+/// annealing, from max_momentum to base_momentum and back, overwriting the
+/// optimizer's own; with cycle_momentum false the optimizer keeps its
+/// momentum throughout. Lr and Momentum throw std::out_of_range for t >
+/// total_steps, as PyTorch's step raises past the end (so
+/// LrScheduler::Step throws there, changing nothing). Throws
+/// std::invalid_argument unless max_lr > 0, total_steps >= 1, pct_start is
+/// in [0, 1], div_factor and final_div_factor are > 0 (all finite), the
+/// rising phase has steps to take (pct_start * total_steps != 1, where
+/// PyTorch divides by zero), and, with cycle_momentum, base_momentum and
+/// max_momentum are finite and >= 0. Describe() names the momentum
+/// parameters only with cycle_momentum, so a rate-only schedule describes
+/// itself as it did before the option existed (its saved states still
+/// load), and a state saved with the other setting is refused.
 std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& options);
 
 /// Linear warm-up from start_factor * base_lr over warmup_steps, then cosine
@@ -145,6 +176,10 @@ struct GroupRates {
 /// lr to Lr(base_lr, 0) where base_lr is the optimizer's lr at that time.
 /// The optimizer (or the target's owner) must outlive the scheduler.
 ///
+/// Momentum: a schedule that CyclesMomentum() also sets every group's
+/// momentum (Optimizer::set_momentum) to Momentum(t), at construction, at
+/// each Step and at LoadStateDict, the same value for every group.
+///
 /// Param groups: each group of an Optimizer follows the schedule from its
 /// own base rate (PyTorch's base_lrs), lr(k) = Lr(base_lr(k), t), so their
 /// ratios stay as they were (OneCycleSchedule, which ignores base_lr, gives
@@ -161,8 +196,14 @@ class LrScheduler {
   /// LrScheduler made this way drives `optimizer` (one destroyed since
   /// frees it).
   LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule);
-  /// Throws std::invalid_argument when `target` lacks get or set. Nothing
-  /// tracks what a target drives: the caller keeps to one scheduler per rate.
+  /// With a schedule that cycles momentum, also throws std::invalid_argument,
+  /// changing nothing, naming the optimizer when it has no momentum to drive
+  /// (Adadelta, SGD made with momentum 0) or refuses the schedule's least or
+  /// greatest momentum (Adam's beta1 must stay below 1).
+  ///
+  /// Throws std::invalid_argument when `target` lacks get or set, or when
+  /// the schedule cycles momentum (a target has none). Nothing tracks what a
+  /// target drives: the caller keeps to one scheduler per rate.
   LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule);
   /// Not copyable: a copy would be a second scheduler of the same rate.
   LrScheduler(const LrScheduler&) = delete;
@@ -171,8 +212,8 @@ class LrScheduler {
   LrScheduler& operator=(LrScheduler&&) = default;
 
   /// Advances one step (after optimizer.Step(), as in PyTorch) and sets the
-  /// lr of every group. When the target refuses a rate, throws and changes
-  /// nothing.
+  /// lr (and a cycled momentum) of every group. When the target refuses a
+  /// rate, throws and changes nothing.
   void Step();
   /// Steps taken.
   int64_t step_count() const { return t_; }
@@ -186,7 +227,9 @@ class LrScheduler {
   /// "scheduler.step" (i64) and "scheduler.base_lr" (f64) scalars, and
   /// "scheduler.schedule" (u8 text, the schedule's Describe()) unless the
   /// schedule does not describe itself. With several param groups,
-  /// "scheduler.base_lr" is a 1-D f64 tensor of one rate per group.
+  /// "scheduler.base_lr" is a 1-D f64 tensor of one rate per group. A cycled
+  /// momentum is a closed form of the step, so nothing more is saved; the
+  /// description names cycle_momentum and the momenta.
   NamedTensors StateDict() const;
   /// Restores from a list that may hold other components' keys; sets the lr
   /// for the restored step. Throws std::invalid_argument naming a missing
@@ -208,12 +251,17 @@ class LrScheduler {
   LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> schedule, Optimizer* optimizer);
   /// The schedule's rate for every group at step t.
   std::vector<double> RatesAt(const std::vector<double>& base_lrs, int64_t t) const;
+  /// Sets the rates (and a cycled momentum) for step t; throws, changing
+  /// nothing, when the optimizer refuses one.
+  void SetAt(const std::vector<double>& base_lrs, int64_t t);
 
   internal::GroupRates rates_;
   std::shared_ptr<Schedule> schedule_;
   // Held while this scheduler drives an optimizer; the optimizer keeps a
   // weak reference, which expires with this scheduler.
   std::shared_ptr<const void> claim_;
+  // The optimizer whose momentum the schedule cycles (null: none).
+  Optimizer* momentum_of_ = nullptr;
   std::vector<double> base_lrs_;
   int64_t t_ = 0;
 };

@@ -2,7 +2,9 @@
 // LambdaLR, OneCycleLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau):
 // step by step against PyTorch 1.13 (testdata/scheduler_golden.json, made by
 // `tools/golden/optim_golden.py --schedulers`), argument checks, and resuming
-// from a saved state mid-schedule.
+// from a saved state mid-schedule. OneCycleLR with cycle_momentum (the
+// golden file's "momentum_cycles"): the rates, the momenta and the
+// parameters of SGD, Adam and AdamW trajectories, step by step.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -12,17 +14,21 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 
+#include "nn/optim/adadelta.h"
+#include "nn/optim/adam.h"
 #include "nn/optim/lr_scheduler.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::nn::optim {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 const nlohmann::json& Golden() {
@@ -45,17 +51,17 @@ std::shared_ptr<Schedule> MakeSchedule(const std::string& name) {
   if (name == "lambda_warmup") {
     return LambdaSchedule([](int64_t e) { return std::min(1.0, static_cast<double>(e + 1) / 8); }, "warmup8");
   }
-  if (name == "onecycle_cos") return OneCycleSchedule({.max_lr = 1.0, .total_steps = 30});
+  if (name == "onecycle_cos") return OneCycleSchedule({.max_lr = 1.0, .total_steps = 30, .cycle_momentum = false});
   if (name == "onecycle_linear") {
     return OneCycleSchedule({.max_lr = 0.5, .total_steps = 25, .pct_start = 0.4,
-                             .anneal_strategy = AnnealStrategy::kLinear, .div_factor = 10, .final_div_factor = 100});
+                             .anneal_strategy = AnnealStrategy::kLinear, .div_factor = 10, .final_div_factor = 100, .cycle_momentum = false});
   }
   if (name == "onecycle_three_phase") {
-    return OneCycleSchedule({.max_lr = 2.0, .total_steps = 40, .pct_start = 0.25, .three_phase = true});
+    return OneCycleSchedule({.max_lr = 2.0, .total_steps = 40, .pct_start = 0.25, .three_phase = true, .cycle_momentum = false});
   }
   if (name == "onecycle_three_phase_linear") {
     return OneCycleSchedule({.max_lr = 0.3, .total_steps = 17, .pct_start = 0.3,
-                             .anneal_strategy = AnnealStrategy::kLinear, .three_phase = true});
+                             .anneal_strategy = AnnealStrategy::kLinear, .three_phase = true, .cycle_momentum = false});
   }
   if (name == "warm_restarts") return CosineWarmRestartsSchedule(5, 1, 0.001);
   if (name == "warm_restarts_mult") return CosineWarmRestartsSchedule(3, 2, 0.0);
@@ -188,9 +194,9 @@ TEST(SchedulerState, PlateauResumesIdenticallyWithTheOptimizersRate) {
 TEST(SchedulerState, ASavedScheduleOfAnotherKindOrParametersIsRefused) {
   Tensor p = Zeros({1});
   Sgd a({{"p", p}}, {.lr = 0.1}), b({{"p", p}}, {.lr = 0.1}), c({{"p", p}}, {.lr = 0.1});
-  LrScheduler sa(a, OneCycleSchedule({.max_lr = 1.0, .total_steps = 30}));
+  LrScheduler sa(a, OneCycleSchedule({.max_lr = 1.0, .total_steps = 30, .cycle_momentum = false}));
   sa.Step();
-  LrScheduler sb(b, OneCycleSchedule({.max_lr = 1.0, .total_steps = 31}));
+  LrScheduler sb(b, OneCycleSchedule({.max_lr = 1.0, .total_steps = 31, .cycle_momentum = false}));
   EXPECT_THAT(ErrorOf([&] { sb.LoadStateDict(sa.StateDict()); }),
               HasSubstr("saved with schedule OneCycleLR(max_lr=1, total_steps=30, pct_start=0.3, "
                         "anneal_strategy=cos, div_factor=25, final_div_factor=10000, three_phase=false), this "
@@ -264,22 +270,22 @@ TEST(ScheduleArguments, AreCheckedWithMessagesNamingThem) {
   EXPECT_EQ(ErrorOf([] { CosineWarmRestartsSchedule(2, 0); }), "CosineAnnealingWarmRestarts: T_mult 0 must be >= 1");
   EXPECT_EQ(ErrorOf([] { CosineWarmRestartsSchedule(2, 1, -1); }),
             "CosineAnnealingWarmRestarts: eta_min -1 must be finite and >= 0");
-  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 0}); }),
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 0, .cycle_momentum = false}); }),
             "OneCycleLR: total_steps 0 must be >= 1");
-  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 0, .total_steps = 10}); }),
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 0, .total_steps = 10, .cycle_momentum = false}); }),
             "OneCycleLR: max_lr 0 must be finite and > 0");
-  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = 1.5}); }),
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = 1.5, .cycle_momentum = false}); }),
             "OneCycleLR: pct_start 1.5 must be in [0, 1]");
-  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = -0.1}); }),
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = -0.1, .cycle_momentum = false}); }),
             "OneCycleLR: pct_start -0.1 must be in [0, 1]");
-  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .div_factor = 0}); }),
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .div_factor = 0, .cycle_momentum = false}); }),
             "OneCycleLR: div_factor 0 must be finite and > 0");
-  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .final_div_factor = -1}); }),
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .final_div_factor = -1, .cycle_momentum = false}); }),
             "OneCycleLR: final_div_factor -1 must be finite and > 0");
-  EXPECT_THAT(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = 0.1}); }),
+  EXPECT_THAT(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .pct_start = 0.1, .cycle_momentum = false}); }),
               HasSubstr("leaves the rising phase no steps"));
   EXPECT_THAT(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10,
-                                             .anneal_strategy = static_cast<AnnealStrategy>(7)}); }),
+                                             .anneal_strategy = static_cast<AnnealStrategy>(7), .cycle_momentum = false}); }),
               HasSubstr("unknown anneal_strategy 7"));
   Tensor p = Zeros({1});
   Sgd opt({{"p", p}}, {.lr = 1.0});
@@ -302,7 +308,7 @@ TEST(ScheduleArguments, AreCheckedWithMessagesNamingThem) {
 TEST(OneCycle, SteppingPastTotalStepsThrowsAndChangesNothing) {
   Tensor p = Zeros({1});
   Sgd opt({{"p", p}}, {.lr = 123.0});
-  LrScheduler s(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 4, .pct_start = 0.5}));
+  LrScheduler s(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 4, .pct_start = 0.5, .cycle_momentum = false}));
   EXPECT_NEAR(opt.lr(), 1.0 / 25, 1e-15);  // the optimizer's own rate is not used
   for (int i = 0; i < 4; ++i) s.Step();
   const double last = opt.lr();
@@ -314,7 +320,7 @@ TEST(OneCycle, SteppingPastTotalStepsThrowsAndChangesNothing) {
   Sgd lin_opt({{"p", p}}, {.lr = 1.0});
   LrScheduler lin(lin_opt, OneCycleSchedule({.max_lr = 0.5, .total_steps = 25, .pct_start = 0.4,
                                              .anneal_strategy = AnnealStrategy::kLinear, .div_factor = 10,
-                                             .final_div_factor = 100}));
+                                             .final_div_factor = 100, .cycle_momentum = false}));
   for (int i = 0; i < 24; ++i) lin.Step();
   EXPECT_DOUBLE_EQ(lin_opt.lr(), 0.5 / 10 / 100);
   EXPECT_THAT(ErrorOf([&] { lin.Step(); }), HasSubstr("learning rate -0.0328"));
@@ -327,9 +333,9 @@ TEST(OneCycle, SteppingPastTotalStepsThrowsAndChangesNothing) {
 TEST(OneCycle, AStateSavedPastTheCycleIsRefusedNamingTheStep) {
   Tensor p = Zeros({1});
   Sgd long_opt({{"p", p}}, {.lr = 1.0}), short_opt({{"p", p}}, {.lr = 1.0});
-  LrScheduler long_cycle(long_opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10}));
+  LrScheduler long_cycle(long_opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .cycle_momentum = false}));
   for (int i = 0; i < 8; ++i) long_cycle.Step();
-  LrScheduler short_cycle(short_opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 5}));
+  LrScheduler short_cycle(short_opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 5, .cycle_momentum = false}));
   const NamedTensors saved = long_cycle.StateDict();
   std::string error;
   try {
@@ -354,6 +360,236 @@ TEST(WarmRestarts, RestartsFallExactlyOnTheirSteps) {
     EXPECT_LT(s->Lr(2.0, restart - 1), 2.0) << restart;
   }
   EXPECT_TRUE(std::isfinite(s->Lr(1.0, std::numeric_limits<int64_t>::max())));
+}
+
+// The same configurations as momentum_cycles() in optim_golden.py.
+std::shared_ptr<Schedule> MomentumCycle(const std::string& name) {
+  if (name == "sgd_momentum_two_groups") return OneCycleSchedule({.max_lr = 0.2, .total_steps = 20});
+  if (name == "adamw_beta1") {
+    return OneCycleSchedule(
+        {.max_lr = 0.05, .total_steps = 16, .pct_start = 0.4, .base_momentum = 0.8, .max_momentum = 0.9});
+  }
+  if (name == "sgd_nesterov_three_phase_linear") {
+    return OneCycleSchedule({.max_lr = 0.3, .total_steps = 24, .pct_start = 0.25,
+                             .anneal_strategy = AnnealStrategy::kLinear, .three_phase = true,
+                             .base_momentum = 0.75, .max_momentum = 0.92});
+  }
+  if (name == "adam_three_phase") {
+    return OneCycleSchedule({.max_lr = 0.02, .total_steps = 30, .pct_start = 0.2, .three_phase = true});
+  }
+  throw std::runtime_error("no momentum cycle " + name);
+}
+
+// The case's optimizer over its param groups (PyTorch's defaults as saved).
+std::unique_ptr<Optimizer> MakeOptimizer(const nlohmann::json& c, const std::vector<Tensor>& params) {
+  std::vector<ParamGroup> groups;
+  for (const auto& g : c["groups"]) {
+    ParamGroup group;
+    for (size_t i : g["params"].get<std::vector<size_t>>()) group.params.emplace_back(std::to_string(i), params[i]);
+    group.options = g["options"].get<std::map<std::string, double>>();
+    groups.push_back(std::move(group));
+  }
+  const std::string name = c["name"];
+  const auto& d = c["defaults"];
+  if (name.rfind("sgd", 0) == 0) {
+    return std::make_unique<Sgd>(groups, SgdOptions{d["lr"], d["momentum"], d["dampening"], d["weight_decay"],
+                                                    d["nesterov"], d["maximize"]});
+  }
+  if (name.rfind("adamw", 0) == 0) {
+    return std::make_unique<AdamW>(groups, AdamWOptions{d["lr"], d["betas"][0], d["betas"][1], d["eps"],
+                                                        d["weight_decay"], d["amsgrad"], d["maximize"]});
+  }
+  return std::make_unique<Adam>(groups, AdamOptions{d["lr"], d["betas"][0], d["betas"][1], d["eps"],
+                                                    d["weight_decay"], d["amsgrad"], d["maximize"]});
+}
+
+std::vector<Tensor> InitialParams(const nlohmann::json& c) {
+  std::vector<Tensor> params;
+  for (size_t i = 0; i < c["init"].size(); ++i) {
+    params.push_back(FromVector(c["init"][i].get<std::vector<double>>(), c["shapes"][i].get<Shape>()));
+  }
+  return params;
+}
+
+// Rates and momenta are the same closed forms in f64 as PyTorch's: equal to
+// the bit. Parameters are f32 updates: the golden optimizer tests' 1e-6.
+TEST(OneCycleMomentum, RatesMomentaAndParametersFollowPyTorch) {
+  int checked = 0;
+  for (const auto& c : Golden()["momentum_cycles"]) {
+    const std::string name = c["name"];
+    std::vector<Tensor> params = InitialParams(c);
+    auto opt = MakeOptimizer(c, params);
+    LrScheduler sched(*opt, MomentumCycle(name));
+    const auto lrs = c["lrs"].get<std::vector<std::vector<double>>>();
+    const auto momenta = c["momenta"].get<std::vector<std::vector<double>>>();
+    ASSERT_EQ(opt->num_groups(), lrs[0].size());
+    for (size_t t = 0; t < lrs.size(); ++t) {
+      if (t > 0) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          params[i].set_grad(FromVector(c["grads"][t - 1][i].get<std::vector<double>>(), params[i].shape()));
+        }
+        opt->Step();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const auto expected = c["after"][t - 1][i].get<std::vector<double>>();
+          const auto got = params[i].ToVector<double>();
+          for (size_t e = 0; e < expected.size(); ++e) {
+            ASSERT_NEAR(got[e], expected[e], 1e-6 * std::max(1.0, std::fabs(expected[e])))
+                << name << " step " << t << " param " << i << " element " << e;
+          }
+        }
+        sched.Step();
+      }
+      for (size_t k = 0; k < opt->num_groups(); ++k) {
+        ASSERT_EQ(opt->lr(k), lrs[t][k]) << name << " t=" << t << " group " << k;
+        ASSERT_EQ(opt->momentum(k), momenta[t][k]) << name << " t=" << t << " group " << k;
+      }
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);
+}
+
+TEST(OneCycleMomentum, AdadeltaIsRefusedNamingItAndLeftAsItWas) {
+  Tensor p = Zeros({1});
+  Adadelta opt({{"p", p}}, {.lr = 0.5});
+  EXPECT_THAT(ErrorOf([&] { LrScheduler(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10})); }),
+              AllOf(HasSubstr("LrScheduler: OneCycleLR(max_lr=1, total_steps=10,"),
+                    HasSubstr("cycle_momentum=true, base_momentum=0.85, max_momentum=0.95) cycles momentum: "
+                              "Adadelta has no momentum"),
+                    HasSubstr("cycle_momentum=false")));
+  EXPECT_EQ(opt.lr(), 0.5);
+  // Not claimed: a rate-only OneCycle may drive it.
+  LrScheduler rate_only(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .cycle_momentum = false}));
+  EXPECT_NEAR(opt.lr(), 1.0 / 25, 1e-15);
+}
+
+TEST(OneCycleMomentum, SgdWithoutMomentumIsRefusedNamingTheGroup) {
+  Tensor p = Zeros({1}), q = Zeros({1});
+  Sgd opt({{.params = {{"p", p}}}, {.params = {{"q", q}}, .options = {{"lr", 0.2}}}}, {.lr = 0.1});
+  EXPECT_THAT(ErrorOf([&] { LrScheduler(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10})); }),
+              AllOf(HasSubstr("cycles momentum: SGD: param group 0's momentum is 0"),
+                    HasSubstr("keeps no momentum buffer")));
+  EXPECT_EQ(opt.lr(0), 0.1);
+  EXPECT_EQ(opt.lr(1), 0.2);
+  EXPECT_EQ(opt.momentum(1), 0.0);
+}
+
+TEST(OneCycleMomentum, MomentaTheOptimizerRefusesAreRefusedAtConstruction) {
+  Tensor p = Zeros({1});
+  Adam opt({{"p", p}}, {.lr = 0.5});
+  EXPECT_THAT(ErrorOf([&] {
+                LrScheduler(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .max_momentum = 1.0}));
+              }),
+              HasSubstr("Adam: param group 0's beta1 1.000000 refused"));
+  EXPECT_EQ(opt.lr(), 0.5);
+  EXPECT_EQ(opt.momentum(0), 0.9);
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .base_momentum = -0.1}); }),
+            "OneCycleLR: base_momentum -0.1 must be finite and >= 0");
+  // Not checked when not cycled, as PyTorch ignores them then.
+  EXPECT_NO_THROW(OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .cycle_momentum = false, .max_momentum = -1}));
+  // A bare rate has no momentum; SequentialLR would leave it where it ended.
+  double rate = 0.1;
+  EXPECT_THAT(ErrorOf([&] {
+                LrScheduler(LrTarget{[&] { return rate; }, [&](double r) { rate = r; }},
+                            OneCycleSchedule({.max_lr = 1.0, .total_steps = 10}));
+              }),
+              HasSubstr("cycles momentum, which a bare learning-rate target does not have"));
+  EXPECT_THAT(ErrorOf([] {
+                SequentialSchedule({OneCycleSchedule({.max_lr = 1.0, .total_steps = 10}), ExponentialSchedule(0.5)},
+                                   {10});
+              }),
+              HasSubstr("SequentialLR: schedule 0 (OneCycleLR("));
+}
+
+// Stepping past the cycle throws and changes neither the rate nor the momentum.
+TEST(OneCycleMomentum, ARefusedStepChangesNoMomentum) {
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 0.1, .momentum = 0.9});
+  LrScheduler s(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 4, .pct_start = 0.5}));
+  EXPECT_EQ(opt.momentum(0), 0.95);
+  for (int i = 0; i < 4; ++i) s.Step();
+  const double lr = opt.lr(), momentum = opt.momentum(0);
+  EXPECT_THROW(s.Step(), std::out_of_range);
+  EXPECT_EQ(opt.lr(), lr);
+  EXPECT_EQ(opt.momentum(0), momentum);
+}
+
+// Resumed mid-cycle into an optimizer made with another momentum: the
+// scheduler's state alone restores it (a closed form of the step), and the
+// run goes on as the uninterrupted one, to the bit.
+TEST(OneCycleMomentum, StateRoundTripRestoresTheMomentumMidCycle) {
+  for (const auto& c : Golden()["momentum_cycles"]) {
+    const std::string name = c["name"];
+    const size_t steps = c["grads"].size();
+    for (size_t k : {size_t{1}, steps / 2}) {
+      std::vector<Tensor> pa = InitialParams(c), pb = InitialParams(c);
+      auto a = MakeOptimizer(c, pa);
+      auto b = MakeOptimizer(c, pb);
+      LrScheduler sa(*a, MomentumCycle(name));
+      auto step = [&](Optimizer& opt, std::vector<Tensor>& params, size_t t) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          params[i].set_grad(FromVector(c["grads"][t][i].get<std::vector<double>>(), params[i].shape()));
+        }
+        opt.Step();
+      };
+      for (size_t t = 0; t < k; ++t) {
+        step(*a, pa, t);
+        sa.Step();
+      }
+      NamedTensors saved = a->StateDict();
+      for (auto& kv : sa.StateDict()) saved.push_back(kv);
+      // The scheduler's momentum overwrites b's own at construction and at load.
+      for (size_t g = 0; g < b->num_groups(); ++g) b->set_momentum(g, 0.5);
+      LrScheduler sb(*b, MomentumCycle(name));
+      for (size_t g = 0; g < b->num_groups(); ++g) b->set_momentum(g, 0.5);
+      sb.LoadStateDict(saved);
+      for (size_t g = 0; g < b->num_groups(); ++g) {
+        EXPECT_EQ(b->momentum(g), a->momentum(g)) << name << " resumed at " << k << " group " << g;
+      }
+      b->LoadStateDict(saved);
+      for (size_t i = 0; i < pb.size(); ++i) pb[i].CopyFrom(pa[i]);
+      for (size_t t = k; t < steps; ++t) {
+        step(*a, pa, t);
+        step(*b, pb, t);
+        sa.Step();
+        sb.Step();
+        for (size_t g = 0; g < a->num_groups(); ++g) {
+          ASSERT_EQ(b->momentum(g), a->momentum(g)) << name << " step " << t << ", resumed at " << k;
+          ASSERT_EQ(b->lr(g), a->lr(g)) << name << " step " << t << ", resumed at " << k;
+        }
+        for (size_t i = 0; i < pa.size(); ++i) {
+          ASSERT_EQ(pb[i].ToVector<double>(), pa[i].ToVector<double>()) << name << " step " << t;
+        }
+      }
+    }
+  }
+}
+
+// The description names the momenta: a state saved with cycling is refused
+// by a rate-only schedule (and the other way), or by other momenta.
+TEST(OneCycleMomentum, AStateSavedWithOtherMomentumSettingsIsRefused) {
+  Tensor p = Zeros({1});
+  Sgd a({{"p", p}}, {.lr = 0.1, .momentum = 0.9}), b({{"p", p}}, {.lr = 0.1, .momentum = 0.9}),
+      c({{"p", p}}, {.lr = 0.1, .momentum = 0.9});
+  LrScheduler cycled(a, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10}));
+  cycled.Step();
+  LrScheduler rate_only(b, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .cycle_momentum = false}));
+  EXPECT_THAT(ErrorOf([&] { rate_only.LoadStateDict(cycled.StateDict()); }),
+              HasSubstr("saved with schedule OneCycleLR(max_lr=1, total_steps=10, pct_start=0.3, "
+                        "anneal_strategy=cos, div_factor=25, final_div_factor=10000, three_phase=false, "
+                        "cycle_momentum=true, base_momentum=0.85, max_momentum=0.95), this scheduler's is "
+                        "OneCycleLR(max_lr=1, total_steps=10, pct_start=0.3, anneal_strategy=cos, div_factor=25, "
+                        "final_div_factor=10000, three_phase=false)"));
+  EXPECT_EQ(rate_only.step_count(), 0);
+  LrScheduler other(c, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .base_momentum = 0.8}));
+  const double momentum = c.momentum(0);
+  EXPECT_THAT(ErrorOf([&] { other.LoadStateDict(cycled.StateDict()); }),
+              HasSubstr("this scheduler's is OneCycleLR(max_lr=1, total_steps=10, pct_start=0.3, "
+                        "anneal_strategy=cos, div_factor=25, final_div_factor=10000, three_phase=false, "
+                        "cycle_momentum=true, base_momentum=0.8, max_momentum=0.95)"));
+  EXPECT_EQ(c.momentum(0), momentum);
+  EXPECT_THAT(ErrorOf([&] { cycled.LoadStateDict(rate_only.StateDict()); }),
+              HasSubstr("three_phase=false), this scheduler's is"));
 }
 
 }  // namespace

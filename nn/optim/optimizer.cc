@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <tuple>
 #include <map>
 #include <set>
@@ -267,6 +268,63 @@ void Optimizer::set_lr(size_t group, double lr) {
   }
   CheckRate(lr, "optimizer");
   lrs_[group] = lr;
+}
+
+double Optimizer::momentum(size_t group) const {
+  const char* option = MomentumOption();
+  if (option == nullptr) {
+    throw std::invalid_argument(std::string(Name()) +
+                                " has no momentum (nor Adam's beta1) for a schedule to drive: use "
+                                "cycle_momentum=false");
+  }
+  if (group >= num_groups()) {
+    throw std::out_of_range(std::string(Name()) + ": momentum of param group " + std::to_string(group) +
+                            ", but there are " + std::to_string(num_groups()));
+  }
+  for (const Hyperparameter& h : Hyperparameters(group)) {
+    if (h.name == option) return h.value;
+  }
+  std::abort();  // MomentumOption names one of Hyperparameters()
+}
+
+void Optimizer::CheckMomentum(size_t group, double momentum) const {
+  const double current = this->momentum(group);  // throws without momentum
+  const char* option = MomentumOption();
+  std::map<std::string, double> values;
+  bool structural = false;
+  for (const Hyperparameter& h : Hyperparameters(group)) {
+    values[h.name] = h.value;
+    if (h.name == option) structural = h.structural;
+  }
+  const std::string where = std::string(Name()) + ": param group " + std::to_string(group) + "'s " + option;
+  if (!std::isfinite(momentum)) {
+    throw std::invalid_argument(where + " " + std::to_string(momentum) + " must be finite");
+  }
+  // SGD keeps a momentum buffer only when momentum != 0 (Hyperparameter's
+  // structural): a switch between zero and non-zero would change the state.
+  if (structural && current == 0) {
+    throw std::invalid_argument(where + " is 0: an " + Name() + " made without " + option +
+                                " keeps no momentum buffer, so its " + option +
+                                " cannot be driven (make it with " + option + " > 0)");
+  }
+  if (structural && momentum == 0) {
+    throw std::invalid_argument(where + " cannot become 0: the " + Name() + " keeps a momentum buffer only while " +
+                                option + " != 0");
+  }
+  values[option] = momentum;
+  try {
+    CheckHyperparameters(group, values);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(where + " " + std::to_string(momentum) + " refused: " + e.what());
+  }
+}
+
+void Optimizer::set_momentum(size_t group, double momentum) {
+  CheckMomentum(group, momentum);
+  std::map<std::string, double> values;
+  for (const Hyperparameter& h : Hyperparameters(group)) values[h.name] = h.value;
+  values[MomentumOption()] = momentum;
+  SetHyperparameters(group, values);
 }
 
 DType Optimizer::ComputeDType(size_t i) const {

@@ -121,6 +121,22 @@ class Optimizer {
   /// Sets the rate of one group; throws as set_lr(lr) for a bad rate, and
   /// std::out_of_range for a group the optimizer lacks.
   void set_lr(size_t group, double lr);
+  /// The momentum of `group` that a momentum schedule (OneCycleLR's
+  /// cycle_momentum) drives: SGD's "momentum", Adam's and AdamW's "beta1".
+  /// Throws std::invalid_argument naming the optimizer when it has none
+  /// (Adadelta), std::out_of_range for a group the optimizer lacks.
+  double momentum(size_t group) const;
+  /// Sets that momentum for the next Step of `group`. Throws, changing
+  /// nothing, as momentum(group) does, and std::invalid_argument (naming
+  /// the optimizer, the group and the value) for a value the optimizer's
+  /// constructor would refuse (beta1 outside [0, 1), a negative momentum),
+  /// and for SGD when the group's momentum or the new one is 0: whether a
+  /// momentum buffer is kept depends on momentum being zero, so SGD made
+  /// with momentum 0 cannot have its momentum driven (PyTorch's SGD starts
+  /// a buffer on the first step with momentum; give it momentum > 0).
+  void set_momentum(size_t group, double momentum);
+  /// The checks of set_momentum alone: throws as it would, changes nothing.
+  void CheckMomentum(size_t group, double momentum) const;
   /// Factor every gradient is multiplied by as Step reads it (GradScaler
   /// sets 1/scale for one step, so unscaling costs no extra pass). 1 by default.
   void set_grad_scale(double scale) { grad_scale_ = scale; }
@@ -279,6 +295,9 @@ class Optimizer {
 
   /// Name of the optimizer for messages ("SGD"); saved as "group.optimizer".
   virtual const char* Name() const = 0;
+  /// The Hyperparameters() name set_momentum drives ("momentum", "beta1"),
+  /// or null (the default) for an optimizer without momentum.
+  virtual const char* MomentumOption() const { return nullptr; }
 
   /// An option saved under "group.<name>" (see StateDict), and a
   /// ParamGroup's options key.

@@ -2194,5 +2194,56 @@ TEST(ParamGroups, ARateOneGroupRefusesLeavesEveryGroupAsItWas) {
   EXPECT_EQ(sched.step_count(), 1);
 }
 
+// The momentum a schedule drives: SGD's momentum, Adam's and AdamW's beta1,
+// per group; set_momentum then changes that group's options alone.
+TEST(Momentum, SgdMomentumAndAdamBeta1PerGroup) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd sgd(TwoGroups(p), {.lr = 0.1, .momentum = 0.9});
+  EXPECT_EQ(sgd.momentum(0), 0.9);
+  sgd.set_momentum(1, 0.8);
+  EXPECT_EQ(sgd.momentum(1), 0.8);
+  EXPECT_EQ(sgd.options(1).momentum, 0.8);
+  EXPECT_EQ(sgd.options(0).momentum, 0.9);
+  EXPECT_THROW(sgd.momentum(2), std::out_of_range);
+  EXPECT_THROW(sgd.set_momentum(2, 0.5), std::out_of_range);
+  AdamW adamw(p, {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.99});
+  adamw.set_momentum(0, 0.85);
+  EXPECT_EQ(adamw.momentum(0), 0.85);
+  EXPECT_EQ(adamw.options(0).beta1, 0.85);
+  EXPECT_EQ(adamw.options(0).beta2, 0.99);
+  // Saved as the option it is.
+  bool saved = false;
+  for (const auto& [k, t] : adamw.StateDict()) {
+    if (k == "group.beta1") saved = t.To(kCPU).ToVector<double>() == std::vector<double>{0.85};
+  }
+  EXPECT_TRUE(saved);
+}
+
+TEST(Momentum, AnOptimizerWithoutMomentumIsRefusedNamingIt) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Adadelta adadelta(p, {});
+  EXPECT_THAT(ErrorOf([&] { adadelta.momentum(0); }), HasSubstr("Adadelta has no momentum"));
+  EXPECT_THAT(ErrorOf([&] { adadelta.set_momentum(0, 0.9); }), HasSubstr("Adadelta has no momentum"));
+}
+
+// SGD keeps a momentum buffer only with momentum != 0: neither way across.
+TEST(Momentum, SgdMomentumZeroOrBecomingZeroIsRefused) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd plain(p, {.lr = 0.1});
+  EXPECT_EQ(plain.momentum(0), 0.0);
+  EXPECT_THAT(ErrorOf([&] { plain.set_momentum(0, 0.9); }),
+              AllOf(HasSubstr("SGD: param group 0's momentum is 0"), HasSubstr("keeps no momentum buffer")));
+  EXPECT_EQ(plain.options().momentum, 0.0);
+  Sgd with(p, {.lr = 0.1, .momentum = 0.9});
+  EXPECT_THAT(ErrorOf([&] { with.set_momentum(0, 0.0); }), HasSubstr("momentum cannot become 0"));
+  EXPECT_THAT(ErrorOf([&] { with.set_momentum(0, -0.5); }), HasSubstr("momentum -0.500000 refused"));
+  EXPECT_THAT(ErrorOf([&] { with.set_momentum(0, std::nan("")); }), HasSubstr("must be finite"));
+  EXPECT_EQ(with.momentum(0), 0.9);
+  Adam adam(p, {});
+  EXPECT_THAT(ErrorOf([&] { adam.set_momentum(0, 1.0); }),
+              AllOf(HasSubstr("Adam: param group 0's beta1 1.000000 refused"), HasSubstr("must be in [0, 1)")));
+  EXPECT_EQ(adam.momentum(0), 0.9);
+}
+
 }  // namespace
 }  // namespace ddp::nn::optim

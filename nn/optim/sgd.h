@@ -52,6 +52,7 @@ class Sgd : public Optimizer {
   void DeviceUpdateAll(const std::vector<DeviceUpdateItem>& items) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
+  const char* MomentumOption() const override { return "momentum"; }
   std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
   void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
   void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;

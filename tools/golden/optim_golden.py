@@ -10,7 +10,9 @@ The first file's "param_groups" and "group_schedules" hold optimizers and
 schedulers over several parameter groups (PyTorch's param_groups). The
 second file holds the schedulers added later (MultiStepLR, ExponentialLR,
 LambdaLR, OneCycleLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau), kept
-apart so that regenerating it leaves the optimizer trajectories untouched.
+apart so that regenerating it leaves the optimizer trajectories untouched;
+its "momentum_cycles" (OneCycleLR with cycle_momentum, PyTorch's default)
+hold optimizer trajectories whose momentum or beta1 the scheduler drives.
 """
 import json
 import math
@@ -261,10 +263,78 @@ def more_schedules():
     return {"torch_version": torch.__version__, "schedules": out, "plateau": plateau}
 
 
+def momentum_cycle(name, make_opt, groups, make_sched, steps):
+    """An optimizer over two parameters in `groups` (per group: its
+    parameters' indices and the options it overrides) driven by the
+    OneCycleLR make_sched(optimizer) with cycle_momentum: per group, the
+    rate and the momentum (SGD's momentum, Adam's beta1) after construction
+    and after each of `steps` steps, with the gradients and the parameters
+    after each optimizer step."""
+    g = torch.Generator().manual_seed(2468)
+    params = [torch.randn(3, 4, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()]
+    init = [p.detach().flatten().tolist() for p in params]
+    opt = make_opt([dict(params=[params[i] for i in idx], **options) for idx, options in groups])
+    sched = make_sched(opt)
+
+    def momenta():
+        return [group["betas"][0] if "betas" in group else group["momentum"] for group in opt.param_groups]
+
+    lrs, moms, grads, after = [[group["lr"] for group in opt.param_groups]], [momenta()], [], []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        grads.append([p.grad.flatten().tolist() for p in params])
+        opt.step()
+        after.append([p.detach().flatten().tolist() for p in params])
+        sched.step()
+        lrs.append([group["lr"] for group in opt.param_groups])
+        moms.append(momenta())
+    return {"name": name,
+            "defaults": {k: v for k, v in opt.defaults.items() if isinstance(v, (int, float, bool, tuple))},
+            "groups": [{"params": idx, "options": our_options(options)} for idx, options in groups],
+            "init": init, "shapes": [list(p.shape) for p in params], "grads": grads, "after": after,
+            "lrs": lrs, "momenta": moms}
+
+
+def momentum_cycles():
+    """OneCycleLR with cycle_momentum (PyTorch's default): the C++ test
+    makes the same schedules by name."""
+    S = torch.optim.lr_scheduler
+    optim = torch.optim
+    return [
+        # Two SGD groups with their own momentum (overwritten by the
+        # scheduler's) and lr (ignored: OneCycle gives every group its rate).
+        momentum_cycle("sgd_momentum_two_groups",
+                       lambda g: optim.SGD(g, lr=0.1, momentum=0.9, weight_decay=1e-3),
+                       [([0], {}), ([1], {"lr": 0.03, "momentum": 0.5, "dampening": 0.1})],
+                       lambda o: S.OneCycleLR(o, max_lr=0.2, total_steps=20), steps=20),
+        # AdamW: beta1 is cycled, between other momenta.
+        momentum_cycle("adamw_beta1",
+                       lambda g: optim.AdamW(g, lr=1e-2, weight_decay=0.1),
+                       [([0], {}), ([1], {"weight_decay": 0.0, "betas": (0.7, 0.99)})],
+                       lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=16, pct_start=0.4,
+                                              base_momentum=0.8, max_momentum=0.9), steps=16),
+        # Three phases, linear, with Nesterov: stopped one step short of the
+        # end, where the linear rate goes below zero.
+        momentum_cycle("sgd_nesterov_three_phase_linear",
+                       lambda g: optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True),
+                       [([0, 1], {})],
+                       lambda o: S.OneCycleLR(o, max_lr=0.3, total_steps=24, pct_start=0.25, three_phase=True,
+                                              anneal_strategy="linear", base_momentum=0.75,
+                                              max_momentum=0.92), steps=23),
+        momentum_cycle("adam_three_phase",
+                       lambda g: optim.Adam(g, lr=1e-3, amsgrad=True),
+                       [([1], {}), ([0], {"eps": 1e-6})],
+                       lambda o: S.OneCycleLR(o, max_lr=0.02, total_steps=30, pct_start=0.2, three_phase=True),
+                       steps=30),
+    ]
+
+
 def main():
     if sys.argv[1:] == ["--schedulers"]:
         # NaN metrics are written as null: JSON has no NaN.
         data = more_schedules()
+        data["momentum_cycles"] = momentum_cycles()
         for c in data["plateau"]:
             c["metrics"] = [None if math.isnan(m) else m for m in c["metrics"]]
         print(json.dumps(data))
