@@ -52,7 +52,13 @@ StridedSampler::StridedSampler(int64_t dataset_size, int64_t num_replicas, int64
   }
 }
 
-int64_t StridedSampler::Size() const { return n_ > rank_ ? (n_ - rank_ + num_replicas_ - 1) / num_replicas_ : 0; }
+// ceil(left / r) written as left / r + (left % r != 0): left + r - 1
+// overflows for sizes near INT64_MAX.
+int64_t StridedSampler::Size() const {
+  if (n_ <= rank_) return 0;
+  const int64_t left = n_ - rank_;
+  return left / num_replicas_ + (left % num_replicas_ != 0);
+}
 
 std::vector<int64_t> StridedSampler::Indices() const {
   std::vector<int64_t> out;
@@ -85,13 +91,10 @@ void DistributedSampler::set_start(int64_t start) {
   start_ = start;
   const int64_t left = start_ < n_ ? n_ - start_ : 0;
   const int64_t r = options_.num_replicas;
-  if (options_.drop_last && left % r != 0) {
-    // ceil((left - r) / r): the largest per-rank count that needs no padding.
-    num_samples_ = (left - r + r - 1) / r;
-    if (num_samples_ < 0) num_samples_ = 0;
-  } else {
-    num_samples_ = (left + r - 1) / r;
-  }
+  // drop_last: floor(left / r), the largest per-rank count that needs no
+  // padding; otherwise ceil(left / r), without the left + r - 1 that
+  // overflows for sizes near INT64_MAX.
+  num_samples_ = left / r + (!options_.drop_last && left % r != 0);
 }
 
 std::vector<int64_t> DistributedSampler::Indices() const {

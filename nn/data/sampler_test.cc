@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -135,6 +136,23 @@ TEST(DistributedSampler, StartPastTheEndLeavesNothingAndNegativeIsRefused) {
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "DistributedSampler: start -1 < 0");
   }
+}
+
+// Sizes near INT64_MAX: the per-rank counts are computed without n + r - 1
+// (which overflowed and gave negative sizes). No indices are materialized.
+TEST(Samplers, SizesNearInt64MaxDoNotOverflow) {
+  const int64_t max = std::numeric_limits<int64_t>::max();  // 2^63 - 1, odd
+  EXPECT_EQ(DistributedSampler(max, {2, 0, false, 0, false}).Size(), max / 2 + 1);
+  EXPECT_EQ(DistributedSampler(max, {2, 1, false, 0, true}).Size(), max / 2);
+  EXPECT_EQ(DistributedSampler(max, {3, 0, false, 0, false}).Size(), max / 3 + (max % 3 != 0));
+  EXPECT_EQ(DistributedSampler(max, {1, 0, false, 0, false}).Size(), max);
+  DistributedSampler started(max, {2, 0, false, 0, false});
+  started.set_start(1);  // max - 1 left, even
+  EXPECT_EQ(started.Size(), max / 2);
+  EXPECT_EQ(StridedSampler(max, 2, 0).Size(), max / 2 + 1);
+  EXPECT_EQ(StridedSampler(max, 2, 1).Size(), max / 2);
+  EXPECT_EQ(StridedSampler(max, 1, 0).Size(), max);
+  EXPECT_EQ(StridedSampler(max, max, max - 1).Size(), 1);
 }
 
 TEST(DistributedSampler, EpochChangesOrderAndSameEpochRepeats) {
