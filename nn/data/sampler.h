@@ -3,8 +3,11 @@
 
 // Samplers decide which dataset indices an epoch visits and in what order.
 // Shuffling reproduces PyTorch's torch.randperm on a CPU generator seeded
-// with seed + epoch, so the same seed visits samples in the same order as a
-// PyTorch run (checked against index lists exported from PyTorch 1.13).
+// with seed + epoch, which is what PyTorch's DistributedSampler does: with
+// the same seed and options the indices match it (checked against index
+// lists exported from PyTorch 1.13). PyTorch's RandomSampler does not reseed
+// per epoch, so ours does not match it; it matches a one-rank
+// DistributedSampler with shuffle.
 
 #include <cstdint>
 #include <vector>
@@ -39,7 +42,10 @@ class SequentialSampler : public Sampler {
   int64_t n_;
 };
 
-/// A fresh permutation each epoch: TorchRandperm(n, seed + epoch).
+/// A fresh permutation each epoch: TorchRandperm(n, seed + epoch), the order
+/// of PyTorch's DistributedSampler(num_replicas=1, shuffle=True, seed=seed)
+/// (not of torch.utils.data.RandomSampler, which draws each epoch from one
+/// generator that is never reseeded).
 class RandomSampler : public Sampler {
  public:
   RandomSampler(int64_t dataset_size, uint64_t seed);
