@@ -222,15 +222,6 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
     // see the generation change and discard it.
     s_->ready.clear();
     s_->unstored = nullptr;
-    // An overdue batch of the epoch left behind that no worker took (Next()
-    // gave up while every worker was busy elsewhere) will never be built.
-    for (auto it = s_->overdue.begin(); it != s_->overdue.end();) {
-      bool taken = false;
-      for (size_t i = 0; i < s_->building.size(); ++i) {
-        taken = taken || (s_->building[i] == it->second && s_->building_generation[i] == it->first);
-      }
-      it = taken ? std::next(it) : s_->overdue.erase(it);
-    }
     s_->started = true;
   }
   s_->work_cv.notify_all();
@@ -354,7 +345,16 @@ std::optional<Batch> DataLoader::Next() {
     }
   }
   if (!arrived) {
-    s.overdue.insert({s.epoch.generation, k});
+    // Only a worker inside batch k now has had its chance. A batch no worker
+    // has claimed yet (each busy on another, or on an abandoned epoch's)
+    // is not marked: the worker that later takes it is healthy and gets
+    // the full shutdown grace.
+    for (size_t i = 0; i < s.building.size(); ++i) {
+      if (s.building[i] == k && s.building_generation[i] == s.epoch.generation) {
+        s.overdue.insert({s.epoch.generation, k});
+        break;
+      }
+    }
     throw std::runtime_error("DataLoader: batch " + std::to_string(k) + " of epoch " +
                              std::to_string(s.epoch.number) + " not ready after " +
                              std::to_string(s.options.timeout.count()) + " ms (" +

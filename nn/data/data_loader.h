@@ -144,10 +144,11 @@ class DataLoader {
     int running = 0;            // workers not yet returned
     std::vector<bool> exited;   // by worker
     // By worker: the batch it is building (-1: none) and its epoch's
-    // generation. Then the batches Next() gave up on, as (generation,
-    // batch): one stays listed until a worker returns from building it,
-    // whatever Next() delivers meanwhile. The destructor gives a worker on
-    // an overdue batch 100 ms, the others their full grace.
+    // generation. Then the batches Next() gave up on while a worker was
+    // building them, as (generation, batch): one stays listed until that
+    // worker returns from it, whatever Next() delivers meanwhile. The
+    // destructor gives a worker on an overdue batch 100 ms, the others
+    // their full grace.
     std::vector<int64_t> building;
     std::vector<int64_t> building_generation;
     std::set<std::pair<int64_t, int64_t>> overdue;

@@ -310,6 +310,69 @@ TEST(DataLoader, ABatchDeliveredAfterATimeoutDoesNotRestoreTheStuckWorkersGrace)
   EXPECT_THAT(warned, HasSubstr("1 of its workers are still building a batch from faulty")) << warned;
 }
 
+// Get(0) blocks on its first call until released, and takes 500 ms on its
+// second (batch 0 of the next epoch, slow but healthy).
+class GatedDataset : public Dataset {
+ public:
+  int64_t Size() const override { return 20; }
+  ImageShape Shape() const override { return {1, 2, 2}; }
+  int64_t NumClasses() const override { return 2; }
+  void Get(int64_t index, uint8_t* pixels) const override {
+    if (index == 0) {
+      const int call = ++calls_of_0;
+      if (call == 1) {
+        blocked = true;
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!release && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      } else if (call == 2) {
+        slow_started = true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+    }
+    for (int i = 0; i < 4; ++i) pixels[i] = static_cast<uint8_t>(index);
+  }
+  int64_t Label(int64_t index) const override { return index % 2; }
+  std::string Name() const override { return "gated"; }
+  mutable std::atomic<int> calls_of_0{0};
+  mutable std::atomic<bool> blocked{false}, slow_started{false};
+  std::atomic<bool> release{false};
+};
+
+template <typename F>
+bool WaitFor(F done) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!done() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return done();
+}
+
+// Next() times out on a batch no worker has claimed yet (the only worker is
+// still on the abandoned epoch's batch): the worker that takes it later is
+// healthy, and the destructor waits its shutdown grace for it and joins it
+// (the batch was marked overdue at the timeout, and the worker that
+// inherited the mark was detached after 100 ms as "stuck in the dataset").
+TEST(DataLoader, TimeoutOnAnUnclaimedBatchDoesNotMarkItsLaterWorkerStuck) {
+  auto ds = std::make_shared<GatedDataset>();
+  ::testing::internal::CaptureStderr();
+  {
+    DataLoader loader(ds, nullptr, {},
+                      {.batch_size = 10, .num_workers = 1, .timeout = std::chrono::milliseconds(200),
+                       .shutdown_grace = std::chrono::seconds(10)});
+    loader.StartEpoch(0);
+    ASSERT_TRUE(WaitFor([&] { return ds->blocked.load(); })) << "the worker never reached sample 0";
+    loader.StartEpoch(1);  // batch 0 of epoch 1 waits for the busy worker
+    EXPECT_THROW(loader.Next(), std::runtime_error);
+    ds->release = true;
+    ASSERT_TRUE(WaitFor([&] { return ds->slow_started.load(); })) << "the worker never took epoch 1's batch 0";
+  }
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(ds.use_count(), 1) << "a worker still holds the dataset: it was not joined";
+  EXPECT_THAT(warned, ::testing::Not(HasSubstr("still building a batch"))) << warned;
+}
+
 // Without a timeout on Next(), the destructor waits for a batch being built
 // (up to options.timeout) and joins every worker: none is left holding the
 // dataset.
