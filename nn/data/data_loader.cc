@@ -161,10 +161,13 @@ int64_t DataLoader::NumBatches() const {
 }
 
 void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
-  std::optional<int64_t> serving;  // the epoch served now, if any
-  {
+  // The sampler's epoch before this call, to set back on failure: its own
+  // record if it keeps one (the only one before the first StartEpoch),
+  // else the epoch the loader serves.
+  std::optional<int64_t> previous = sampler_->epoch();
+  if (!previous) {
     std::lock_guard<std::mutex> lock(s_->mu);
-    if (s_->started) serving = s_->epoch.number;
+    if (s_->started) previous = s_->epoch.number;
   }
   sampler_->SetEpoch(epoch);
   std::shared_ptr<const std::vector<int64_t>> indices;
@@ -202,9 +205,9 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
     // whoever reads it next (a retried StartEpoch, the caller) sees an
     // epoch that never started. A sampler that fails to go back leaves
     // the first error to report.
-    if (serving) {
+    if (previous) {
       try {
-        sampler_->SetEpoch(*serving);
+        sampler_->SetEpoch(*previous);
       } catch (...) {
       }
     }

@@ -95,7 +95,8 @@ class DataLoader {
   /// dataset, and std::invalid_argument if, with drop_last, the sampler has
   /// shrunk below one batch since the constructor checked it. After a
   /// throw the loader still serves the epoch it had, and the sampler is
-  /// set back to that epoch.
+  /// set back to the epoch it had before the call (for a sampler whose
+  /// epoch() is nullopt: to the loader's epoch, if one was started).
   void StartEpoch(int64_t epoch, int64_t skip_batches = 0);
   /// The next batch of the epoch, or nullopt at its end. Rethrows an error
   /// raised while building the batch; with workers, throws

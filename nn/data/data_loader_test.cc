@@ -564,6 +564,30 @@ TEST(DataLoader, ARefusedStartEpochLeavesTheSamplerOnTheServedEpoch) {
   for (int i = 0; i < 100; ++i) ASSERT_EQ(labels[i], ds->Label(epoch0[i])) << "sample " << i;
 }
 
+// The same on the first StartEpoch: the sampler goes back to the epoch it
+// was on (it stayed on the refused one, as no epoch was served yet).
+TEST(DataLoader, ARefusedFirstStartEpochSetsTheSamplerBack) {
+  auto ds = std::make_shared<FaultyDataset>(-1, std::chrono::milliseconds(0));
+  auto random = std::make_shared<RandomSampler>(ds->Size(), 4);
+  random->SetEpoch(3);
+  const std::vector<int64_t> epoch3 = random->Indices();
+  auto distributed = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{2, 1, true, 4, false});
+  const std::vector<int64_t> epoch0 = distributed->Indices();  // never set: epoch 0
+  for (const std::shared_ptr<Sampler>& sampler : std::vector<std::shared_ptr<Sampler>>{random, distributed}) {
+    DataLoader loader(ds, sampler, {}, {.batch_size = 10, .num_workers = 1});
+    try {
+      loader.StartEpoch(5, 999);
+      FAIL() << "no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("cannot skip 999 batches"));
+    }
+  }
+  EXPECT_EQ(random->epoch(), 3);
+  EXPECT_TRUE(random->Indices() == epoch3) << "the sampler moved on to epoch 5";
+  EXPECT_EQ(distributed->epoch(), 0);
+  EXPECT_TRUE(distributed->Indices() == epoch0) << "the sampler moved on to epoch 5";
+}
+
 // A user sampler whose Indices() hold fewer than its Size() says.
 class ShortSampler : public Sampler {
  public:

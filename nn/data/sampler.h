@@ -10,6 +10,7 @@
 // DistributedSampler with shuffle.
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace ddp::nn::data {
@@ -28,6 +29,10 @@ class Sampler {
   virtual void SetEpoch(int64_t epoch) = 0;
   /// The current epoch's indices, in visiting order.
   virtual std::vector<int64_t> Indices() const = 0;
+  /// The epoch last given to SetEpoch (0 before any call), so that a caller
+  /// can set it back; nullopt where the sampler does not keep it (one whose
+  /// indices do not depend on the epoch).
+  virtual std::optional<int64_t> epoch() const { return std::nullopt; }
 };
 
 /// 0, 1, ..., n-1 every epoch.
@@ -52,6 +57,7 @@ class RandomSampler : public Sampler {
   int64_t Size() const override { return n_; }
   void SetEpoch(int64_t epoch) override { epoch_ = epoch; }
   std::vector<int64_t> Indices() const override;
+  std::optional<int64_t> epoch() const override { return epoch_; }
 
  private:
   int64_t n_;
@@ -110,6 +116,7 @@ class DistributedSampler : public Sampler {
   /// or every epoch uses the same order (as in PyTorch).
   void SetEpoch(int64_t epoch) override { epoch_ = epoch; }
   std::vector<int64_t> Indices() const override;
+  std::optional<int64_t> epoch() const override { return epoch_; }
   /// Indices per epoch summed over all ranks (num_replicas * Size()).
   int64_t TotalSize() const { return num_samples_ * options_.num_replicas; }
   const DistributedSamplerOptions& options() const { return options_; }
