@@ -97,6 +97,18 @@ SampleTransform::SampleTransform(ImageShape input, TransformOptions options)
           std::to_string(output_.width) + " is larger than the padded image " +
           std::to_string(padded_height) + "x" + std::to_string(padded_width));
     }
+    // Every batch allocates N x C x crop_height x crop_width: a crop whose
+    // one image does not fit in int64 would fail only there, far from the
+    // options that caused it.
+    int64_t plane = 0, image = 0;
+    if (__builtin_mul_overflow(output_.height, output_.width, &plane) ||
+        __builtin_mul_overflow(plane, output_.channels, &image)) {
+      throw std::invalid_argument("SampleTransform: crop_height " + std::to_string(options_.crop_height) +
+                                  " x crop_width " + std::to_string(options_.crop_width) + " (crop_padding " +
+                                  std::to_string(options_.crop_padding) + ") gives output images of " +
+                                  std::to_string(output_.channels) + "x" + std::to_string(output_.height) + "x" +
+                                  std::to_string(output_.width) + " elements, more than int64 holds");
+    }
   }
   lut_.resize(input_.channels);
   for (int64_t c = 0; c < input_.channels; ++c) {

@@ -48,8 +48,10 @@ TransformOptions Cifar10TrainAugment(uint64_t seed);
 class SampleTransform {
  public:
   /// Throws std::invalid_argument for mismatched mean/std sizes, a mean
-  /// that is not finite, a std that is not finite and > 0, a crop larger than the padded image, negative crop fields, a padding
-  /// that overflows, or crop fields set with random_crop off.
+  /// that is not finite, a std that is not finite and > 0, a crop larger
+  /// than the padded image, negative crop fields, a padding that
+  /// overflows, a crop whose C x height x width overflows int64, or crop
+  /// fields set with random_crop off.
   SampleTransform(ImageShape input, TransformOptions options);
 
   /// Shape of the f32 output.

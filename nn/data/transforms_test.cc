@@ -190,6 +190,19 @@ TEST(SampleTransform, RejectsBadCropFieldsNamingThem) {
   EXPECT_NE(error_of(crop).find("crop_padding 4611686018427387904"), std::string::npos) << error_of(crop);
   crop.crop_padding = std::numeric_limits<int64_t>::max() / 2 - 2;
   EXPECT_NE(error_of(crop).find("overflows"), std::string::npos) << error_of(crop);
+  // A crop whose output image has more than INT64_MAX elements is refused
+  // here, naming the crop (it failed only at the first batch's allocation).
+  crop.crop_padding = int64_t{1} << 40;
+  crop.crop_height = int64_t{1} << 40;
+  crop.crop_width = int64_t{1} << 40;
+  EXPECT_NE(error_of(crop).find("crop_height 1099511627776 x crop_width 1099511627776 (crop_padding "
+                                "1099511627776) gives output images of 1x1099511627776x1099511627776"),
+            std::string::npos)
+      << error_of(crop);
+  crop.crop_height = 0;  // the input's 6: 6 x 2^40 fits
+  EXPECT_EQ(SampleTransform({1, 6, 6}, crop).OutputShape(), (ImageShape{1, 6, int64_t{1} << 40}));
+  crop.crop_height = 0;
+  crop.crop_width = 0;
   // 0 still means unset, with the crop on or off.
   crop.crop_padding = 1;
   EXPECT_EQ(SampleTransform({1, 6, 6}, crop).OutputShape().height, 6);
