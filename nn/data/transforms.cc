@@ -9,6 +9,20 @@
 
 namespace ddp::nn::data {
 
+namespace {
+
+// The crop window's offset along one side (which: 0 rows, 1 columns), in
+// [0, positions). Up to 2^24 positions it is 24 bits of h (bits 0-23 for
+// rows, 24-47 for columns) modulo positions, as it always was, so existing
+// seeds keep their crops; past 2^24 those bits would leave the offsets from
+// 2^24 on unreachable, so a side that long draws 64 bits of its own.
+uint64_t CropOffset(uint64_t h, uint64_t which, uint64_t positions) {
+  if (positions <= (uint64_t{1} << 24)) return ((h >> (24 * which)) & 0xffffff) % positions;
+  return internal::HashOf(h, which) % positions;
+}
+
+}  // namespace
+
 TransformOptions FashionMnistNormalize() {
   TransformOptions o;
   o.mean = {0.2860f};
@@ -135,9 +149,8 @@ void SampleTransform::Apply(const uint8_t* pixels, float* out, int64_t epoch,
                                         static_cast<uint64_t>(index));
     if (options_.random_crop) {
       pad = options_.crop_padding;
-      top = static_cast<int64_t>((h & 0xffffff) % static_cast<uint64_t>(ih + 2 * pad - oh + 1));
-      left = static_cast<int64_t>(((h >> 24) & 0xffffff) %
-                                  static_cast<uint64_t>(iw + 2 * pad - ow + 1));
+      top = static_cast<int64_t>(CropOffset(h, 0, static_cast<uint64_t>(ih + 2 * pad - oh + 1)));
+      left = static_cast<int64_t>(CropOffset(h, 1, static_cast<uint64_t>(iw + 2 * pad - ow + 1)));
     }
     flip = options_.horizontal_flip && (h >> 63) != 0;
   }

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <set>
 #include <string>
@@ -76,6 +77,51 @@ TEST(SampleTransform, RandomCropAndFlipCoverEveryChoiceAndAreReproducible) {
     ASSERT_EQ(matches, 1) << index;
   }
   EXPECT_EQ(seen.size(), 5u * 5u * 2u);
+}
+
+// A side with more than 2^24 window positions reaches them all: the
+// columns of a 1 x (3 * 2^23) image are 0 up to 2^24 and 255 from there,
+// and a 1 x 1 crop lands on a 255 about one time in three (never before:
+// the offset was 24 bits of the hash).
+TEST(SampleTransform, CropOffsetsPast2To24AreReachable) {
+  const int64_t w = 3 * (int64_t{1} << 23);
+  std::vector<uint8_t> px(static_cast<size_t>(w), 0);
+  std::fill(px.begin() + (int64_t{1} << 24), px.end(), uint8_t{255});
+  TransformOptions o;
+  o.random_crop = true;
+  o.crop_height = 1;
+  o.crop_width = 1;
+  o.seed = 3;
+  SampleTransform t({1, 1, w}, o);
+  int far = 0;
+  for (int64_t index = 0; index < 300; ++index) {
+    float out = -1.0f;
+    t.Apply(px.data(), &out, 0, index);
+    far += out == 1.0f;
+  }
+  EXPECT_GT(far, 50);
+  EXPECT_LT(far, 150);
+}
+
+// The crops of sides with up to 2^24 positions are what they always were:
+// a 1 x 1 crop of a 5 x 5 image valued 1..25 shows top * 5 + left + 1,
+// recorded from the code before the change (24 bits of the hash each).
+TEST(SampleTransform, SmallCropsKeepTheirDraws) {
+  TransformOptions o;
+  o.random_crop = true;
+  o.crop_height = 1;
+  o.crop_width = 1;
+  o.seed = 77;
+  SampleTransform t({1, 5, 5}, o);
+  std::vector<uint8_t> px(25);
+  for (int i = 0; i < 25; ++i) px[i] = static_cast<uint8_t>(i + 1);
+  std::string shown;
+  for (int64_t index = 0; index < 16; ++index) {
+    float out = 0.0f;
+    t.Apply(px.data(), &out, 1, index);
+    shown += std::to_string(static_cast<int>(out * 255.0f + 0.5f)) + " ";
+  }
+  EXPECT_EQ(shown, "5 2 20 6 22 2 16 20 3 6 21 5 2 22 25 10 ");
 }
 
 TEST(SampleTransform, EpochChangesTheDraw) {
