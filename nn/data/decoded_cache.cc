@@ -8,6 +8,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cctype>
@@ -17,6 +18,8 @@
 #include <cstring>
 #include <filesystem>
 #include <string_view>
+#include <tuple>
+#include <utility>
 
 #include "nn/io/atomic_file.h"
 #include "nn/io/safetensors.h"
@@ -51,6 +54,20 @@ struct SourceStat {
   int64_t ctime_ns;
   bool operator==(const SourceStat&) const = default;
 };
+
+// Set once a failed write has been reported: a cache that cannot be
+// written fails the same way for every set and rank, and one line says it.
+std::atomic<bool> write_failure_reported{false};
+
+// An entry that could not be written: loads go on decoding in memory, but
+// each one pays the decode again, so the run says once where and why.
+void ReportWriteFailure(const std::string& path, const std::string& cause) {
+  if (write_failure_reported.exchange(true)) return;
+  std::fprintf(stderr,
+               "[ddp] warning: decoded dataset cache: cannot write %s: %s; datasets are decoded in memory "
+               "on every load (DDP_DATA_CACHE=<folder> moves the cache, DDP_DATA_CACHE=off turns it off)\n",
+               path.c_str(), cause.c_str());
+}
 
 uint32_t Crc(const uint8_t* data, size_t n) {
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -156,11 +173,16 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
 
 // Writes an entry for `sources` (best effort) through AtomicFileWriter:
 // readers never see part of one, and the temporary files of killed writers
-// are removed by the next one.
-void WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
+// are removed by the next one. Returns whether the entry is in place; a
+// failure is reported (once per process).
+bool WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
                 const std::vector<int64_t>& dims, const std::vector<uint8_t>& data) {
+  if (dims.empty() || dims.size() > kMaxDims) return false;
   std::error_code ec;
-  if (dims.empty() || dims.size() > kMaxDims || !std::filesystem::is_directory(dir, ec)) return;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    ReportWriteFailure(path, dir + " is not a folder" + (ec ? " (" + ec.message() + ")" : ""));
+    return false;
+  }
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.data_bytes = data.size();
@@ -177,8 +199,57 @@ void WriteEntry(const std::string& dir, const std::string& path, const std::vect
     }
     out.Write(data.data(), data.size());
     out.Commit();
-  } catch (const io::CheckpointError&) {
-    // An unwritable cache leaves loads as they were.
+  } catch (const io::CheckpointError& e) {
+    // An unwritable cache (full disk, read-only folder) leaves loads as
+    // they were, decoding.
+    ReportWriteFailure(path, e.what());
+    return false;
+  }
+  return true;
+}
+
+// Marks the entry at `path` used now: eviction goes by modification time,
+// oldest first. Best effort (a read-only cache keeps its times).
+void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0); }
+
+// Removes the least recently used entries of `dir` (by modification time,
+// see MarkUsed) until those left take at most `max_bytes`, never `keep`
+// (the entry just written, kept even when it alone is larger). Only whole
+// entries (`*.decoded`) are candidates: temporaries being written and lock
+// files have other names. Safe beside other processes: one that has an
+// entry mapped keeps reading it after the unlink, and one that was about to
+// open it decodes and writes it again. Best effort, silent.
+void EvictLeastRecentlyUsed(const std::string& dir, const std::string& keep, uint64_t max_bytes) {
+  struct Candidate {
+    int64_t mtime_ns;
+    std::string path;
+    uint64_t bytes;
+  };
+  std::vector<Candidate> entries;
+  uint64_t total = 0;
+  std::error_code ec;
+  constexpr std::string_view kSuffix = ".decoded";
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0 ||
+        name.find(".decoded.tmp.") != std::string::npos) {
+      continue;
+    }
+    struct stat st;
+    const std::string path = it->path().string();
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    total += static_cast<uint64_t>(st.st_size);
+    entries.push_back({static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec, path,
+                       static_cast<uint64_t>(st.st_size)});
+  }
+  if (total <= max_bytes) return;
+  std::sort(entries.begin(), entries.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.mtime_ns, a.path) < std::tie(b.mtime_ns, b.path);
+  });
+  for (const Candidate& e : entries) {
+    if (total <= max_bytes) break;
+    if (e.path == keep) continue;
+    if (::unlink(e.path.c_str()) == 0 || errno == ENOENT) total -= e.bytes;
   }
 }
 
@@ -195,7 +266,10 @@ class EntryLock {
     const auto deadline = std::chrono::steady_clock::now() + wait;
     while (true) {
       fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-      if (fd_ < 0) return;
+      if (fd_ < 0) {
+        open_errno_ = errno;
+        return;
+      }
       while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
         if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() >= deadline) {
           Drop();
@@ -220,6 +294,8 @@ class EntryLock {
   EntryLock(const EntryLock&) = delete;
   EntryLock& operator=(const EntryLock&) = delete;
   bool held() const { return fd_ >= 0; }
+  /// The errno of a lock file that could not be made (0: it could).
+  int open_errno() const { return open_errno_; }
 
  private:
   void Drop() {
@@ -228,6 +304,7 @@ class EntryLock {
   }
   std::string path_;
   int fd_ = -1;
+  int open_errno_ = 0;
 };
 
 }  // namespace
@@ -246,6 +323,27 @@ std::string DecodedCacheDir() {
   return "";
 }
 
+uint64_t DecodedCacheMaxBytes() {
+  const char* env = std::getenv("DDP_DATA_CACHE_MAX_BYTES");
+  if (env == nullptr || env[0] == '\0') return kDefaultCacheMaxBytes;
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(env, &end, 10);
+  if (errno != 0 || *end != '\0' || !std::isdigit(static_cast<unsigned char>(env[0]))) {
+    static std::atomic<bool> reported{false};
+    if (!reported.exchange(true)) {
+      std::fprintf(stderr,
+                   "[ddp] warning: DDP_DATA_CACHE_MAX_BYTES=%s is not a byte count; the decoded dataset cache "
+                   "keeps up to %llu bytes\n",
+                   env, static_cast<unsigned long long>(kDefaultCacheMaxBytes));
+    }
+    return kDefaultCacheMaxBytes;
+  }
+  return static_cast<uint64_t>(v);
+}
+
+void ResetDecodedCacheWarningsForTesting() { write_failure_reported = false; }
+
 SharedArray LoadDecoded(const std::vector<std::string>& sources,
                         const DecodeFn& decode,
                         size_t min_bytes,
@@ -255,25 +353,40 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   const bool cacheable = !dir.empty() && StatSources(sources, &stats);
   const std::string path = cacheable ? dir + "/" + EntryName(sources) : "";
   std::unique_ptr<EntryLock> lock;
+  std::error_code mkdir_error;
   if (cacheable) {
     SharedArray hit = MapEntry(path, stats);
-    if (hit.owner != nullptr) return hit;
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
+    if (hit.owner != nullptr) {
+      MarkUsed(path);
+      return hit;
+    }
+    std::filesystem::create_directories(dir, mkdir_error);
     lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
     // Another process of this host may have written the entry while this
     // one waited.
     if (lock->held()) hit = MapEntry(path, stats);
-    if (hit.owner != nullptr) return hit;
+    if (hit.owner != nullptr) {
+      MarkUsed(path);
+      return hit;
+    }
   }
   auto [dims, bytes] = decode();
+  if (lock != nullptr && !lock->held() && lock->open_errno() != 0 && bytes.size() >= min_bytes) {
+    // No lock file: the folder cannot be written (or made), so no entry
+    // can be either. (A lock held too long by another process is no
+    // failure: that one writes the entry.)
+    ReportWriteFailure(path, mkdir_error ? "cannot make the folder " + dir + ": " + mkdir_error.message()
+                                         : std::string(std::strerror(lock->open_errno())));
+  }
   // Only the lock's holder writes: one whole entry per host, not one per rank.
   if (lock != nullptr && lock->held() && bytes.size() >= min_bytes) {
     // A source replaced or rewritten during the decode may have given either
     // file's bytes: an entry would pair the identity stated before with the
     // other contents, so none is written.
     std::vector<SourceStat> after;
-    if (StatSources(sources, &after) && after == stats) WriteEntry(dir, path, stats, dims, bytes);
+    if (StatSources(sources, &after) && after == stats && WriteEntry(dir, path, stats, dims, bytes)) {
+      EvictLeastRecentlyUsed(dir, path, DecodedCacheMaxBytes());
+    }
   }
   lock.reset();
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));

@@ -10,10 +10,17 @@
 // An entry is keyed by its source files (their paths, devices, inodes, sizes,
 // modification and change times, stated before the decode and again after
 // it: a source that changed meanwhile gets no entry) and carries a CRC-32 of
-// its data: an entry that does not match is ignored and written again. Entries are written to a temporary
-// file and renamed into place, so a reader sees a whole entry or none. The
-// cache is best effort: where it cannot be read or written, loads decode as
-// before.
+// its data: an entry that does not match is ignored and written again, under
+// the same name (one entry per source path and host). Entries are written to
+// a temporary file and renamed into place, so a reader sees a whole entry or
+// none. The cache is best effort: where it cannot be read or written, loads
+// decode as before (the first entry that cannot be written says so on
+// stderr, once per process, with the path and the cause).
+//
+// Size: after writing an entry, the least recently used others (by
+// modification time, which a load from an entry sets to now) are removed
+// until the folder's entries take at most DecodedCacheMaxBytes(). A
+// process that has an entry mapped keeps reading it after the removal.
 //
 // Where: $DDP_DATA_CACHE (a folder; "0" or "off" turns the cache off), else
 // $XDG_CACHE_HOME/ddp/datasets, else $HOME/.cache/ddp/datasets.
@@ -39,6 +46,20 @@ struct SharedArray {
 
 /// The folder the cache uses now ("" when it is off or there is no home).
 std::string DecodedCacheDir();
+
+/// The bytes of entries a cache folder keeps when DDP_DATA_CACHE_MAX_BYTES
+/// is not set: room for many sets (Fashion-MNIST's training images take
+/// 47 MB, CIFAR-10's training batches 154 MB).
+inline constexpr uint64_t kDefaultCacheMaxBytes = uint64_t{4} << 30;
+
+/// The most bytes of entries the cache folder keeps: $DDP_DATA_CACHE_MAX_BYTES
+/// (a decimal byte count; 0 keeps only the entry last written), else
+/// kDefaultCacheMaxBytes (also for a value that is not a byte count, with
+/// a warning).
+uint64_t DecodedCacheMaxBytes();
+
+/// For tests only: lets the next failed write report itself again.
+void ResetDecodedCacheWarningsForTesting();
 
 /// Decoded files smaller than this are not cached: they decode in
 /// microseconds, and tests' scratch files would pile up.

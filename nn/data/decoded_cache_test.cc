@@ -441,6 +441,163 @@ TEST(DecodedCache, UnwritableFolderAndOffDecodeEveryTime) {
   }
 }
 
+// Sets an environment variable for a scope (unset: nullptr).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* was = std::getenv(name);
+    had_ = was != nullptr;
+    if (had_) was_ = was;
+    if (value != nullptr) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      ::setenv(name_, was_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string was_;
+};
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// A cache that cannot be written says so once, with the entry's path and
+// the cause, and loads go on decoding (a failed write was swallowed without
+// a word): a folder that cannot be made, then a write that fails.
+TEST(DecodedCache, AFailedWriteWarnsOnceNamingThePathAndTheCause) {
+  const std::string dir = FreshDir("decoded_warn");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  WriteFile(dir + "/blocked", "x");
+  {
+    const CacheDir cache(dir + "/blocked/cache");
+    ResetDecodedCacheWarningsForTesting();
+    ::testing::internal::CaptureStderr();
+    CountingDecode decode{src};
+    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
+    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
+    const std::string warned = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(decode.calls, 2);
+    EXPECT_EQ(Count(warned, "warning: decoded dataset cache: cannot write " + dir + "/blocked/cache/images-"), 1u)
+        << warned;
+    EXPECT_NE(warned.find("Not a directory"), std::string::npos) << warned;
+  }
+  {
+    // A folder where the entry should be: the atomic write fails.
+    const std::string cache_dir = dir + "/cache";
+    const CacheDir cache(cache_dir);
+    CountingDecode decode{src};
+    LoadDecoded(src, std::ref(decode), 0);
+    const auto entries = Entries(cache_dir);
+    ASSERT_EQ(entries.size(), 1u);
+    std::filesystem::remove(entries[0]);
+    std::filesystem::create_directory(entries[0]);
+    ResetDecodedCacheWarningsForTesting();
+    ::testing::internal::CaptureStderr();
+    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
+    LoadDecoded(src, std::ref(decode), 0);
+    const std::string warned = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(decode.calls, 3);
+    EXPECT_EQ(Count(warned, "cannot write " + entries[0].string() + ": "), 1u) << warned;
+  }
+}
+
+// Past DDP_DATA_CACHE_MAX_BYTES, writing an entry removes the least recently
+// used others (the cache grew without bound): loading an entry counts as a
+// use, the entry just written stays even alone over the limit, and files
+// that are not whole entries (a temporary being written, a lock) are left.
+TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
+  const std::string dir = FreshDir("decoded_evict");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  std::vector<std::string> src;
+  std::vector<CountingDecode> decode;
+  for (const char* name : {"a_images", "b_images", "c_images"}) {
+    src.push_back(dir + "/" + name);
+    WriteFile(src.back(), IdxBytes({10, 100}, Pixels(1000)));
+    decode.push_back(CountingDecode{src.back()});
+  }
+  auto entry_of = [&](size_t i) -> std::string {
+    const std::string base = std::filesystem::path(src[i]).filename().string() + "-";
+    for (const auto& e : Entries(cache_dir)) {
+      const std::string name = e.filename().string();
+      if (name.rfind(base, 0) == 0 && name.size() > 8 && name.substr(name.size() - 8) == ".decoded") return e.string();
+    }
+    return "";
+  };
+  auto set_age = [](const std::string& path, int seconds) {
+    struct timespec times[2] = {{0, UTIME_OMIT}, {0, 0}};
+    ::clock_gettime(CLOCK_REALTIME, &times[1]);
+    times[1].tv_sec -= seconds;
+    ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0) << path;
+  };
+  // Each entry is ~1.1 KB: room for two.
+  const ScopedEnv limit("DDP_DATA_CACHE_MAX_BYTES", "2500");
+  LoadDecoded(src[0], std::ref(decode[0]), 0);
+  LoadDecoded(src[1], std::ref(decode[1]), 0);
+  ASSERT_NE(entry_of(0), "");
+  ASSERT_NE(entry_of(1), "");
+  set_age(entry_of(0), 200);
+  set_age(entry_of(1), 100);
+  // Not entries: never removed, however old.
+  const std::string temporary = entry_of(0) + ".tmp.1.0-abc.host";
+  const std::string lock = entry_of(1) + ".lock";
+  WriteFile(temporary, std::string(5000, 't'));
+  WriteFile(lock, "");
+  set_age(temporary, 1000);
+  set_age(lock, 1000);
+  LoadDecoded(src[0], std::ref(decode[0]), 0);  // a's entry used: now the newest
+  EXPECT_EQ(decode[0].calls, 1);
+  LoadDecoded(src[2], std::ref(decode[2]), 0);  // over the limit: b goes
+  EXPECT_NE(entry_of(0), "");
+  EXPECT_EQ(entry_of(1), "") << "the least recently used entry was kept";
+  EXPECT_NE(entry_of(2), "");
+  EXPECT_TRUE(std::filesystem::exists(temporary));
+  EXPECT_TRUE(std::filesystem::exists(lock));
+  LoadDecoded(src[0], std::ref(decode[0]), 0);
+  EXPECT_EQ(decode[0].calls, 1) << "a recently used entry was removed";
+  LoadDecoded(src[1], std::ref(decode[1]), 0);  // b decoded and written again: c, now the oldest, goes
+  EXPECT_EQ(decode[1].calls, 2);
+  EXPECT_NE(entry_of(0), "");
+  EXPECT_NE(entry_of(1), "");
+  EXPECT_EQ(entry_of(2), "");
+  // A limit below one entry keeps the one just written.
+  const ScopedEnv tiny("DDP_DATA_CACHE_MAX_BYTES", "0");
+  LoadDecoded(src[2], std::ref(decode[2]), 0);
+  EXPECT_EQ(decode[2].calls, 2);
+  EXPECT_EQ(entry_of(0), "");
+  EXPECT_EQ(entry_of(1), "");
+  EXPECT_NE(entry_of(2), "");
+}
+
+TEST(DecodedCache, SizeLimitComesFromTheEnvironment) {
+  {
+    const ScopedEnv unset("DDP_DATA_CACHE_MAX_BYTES", nullptr);
+    EXPECT_EQ(DecodedCacheMaxBytes(), kDefaultCacheMaxBytes);
+  }
+  {
+    const ScopedEnv set("DDP_DATA_CACHE_MAX_BYTES", "12345");
+    EXPECT_EQ(DecodedCacheMaxBytes(), 12345u);
+  }
+  for (const char* bad : {"-1", "1e9", "lots", " 5"}) {
+    const ScopedEnv set("DDP_DATA_CACHE_MAX_BYTES", bad);
+    EXPECT_EQ(DecodedCacheMaxBytes(), kDefaultCacheMaxBytes) << bad;
+  }
+}
+
 // Through the dataset loader: two loads of one set give the same samples,
 // the second from the entry; a set of 1 MiB or more gets an entry, a smaller
 // one none.
