@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <set>
 #include <system_error>
@@ -149,27 +150,65 @@ TEST(DataLoader, AbandonedEpochThenANewOne) {
   EXPECT_EQ(e1.indices.front(), 0);
 }
 
+// Sample i's pixels are i in base 256 (low byte first), so a batch says
+// which samples it holds.
+class IndexDataset : public Dataset {
+ public:
+  explicit IndexDataset(int64_t size) : size_(size) {}
+  int64_t Size() const override { return size_; }
+  ImageShape Shape() const override { return {1, 1, 3}; }
+  int64_t NumClasses() const override { return 10; }
+  void Get(int64_t index, uint8_t* pixels) const override {
+    for (int i = 0; i < 3; ++i) pixels[i] = static_cast<uint8_t>(index >> (8 * i));
+  }
+  int64_t Label(int64_t index) const override { return index % 10; }
+  std::string Name() const override { return "index"; }
+
+ private:
+  int64_t size_;
+};
+
+// The samples of one batch of IndexDataset.
+std::vector<int64_t> SampleIndices(const Batch& b) {
+  const std::vector<float> px = Floats(b.images);
+  std::vector<int64_t> out;
+  for (size_t s = 0; s + 3 <= px.size(); s += 3) {
+    int64_t index = 0;
+    for (int i = 0; i < 3; ++i) index |= static_cast<int64_t>(std::lround(px[s + i] * 255.0f)) << (8 * i);
+    out.push_back(index);
+  }
+  return out;
+}
+
+// Three ranks' loaders together deliver every sample of the dataset once,
+// plus the two the sampler repeats to pad 10000 to 10002 (the shuffled
+// list's first two), each rank in its sampler's order.
 TEST(DataLoader, DistributedRanksCoverTheDataset) {
-  auto ds = FashionTest();
-  std::multiset<int64_t> seen_labels_per_class;
-  int64_t total = 0;
-  std::vector<int64_t> class_count(10);
+  const int64_t n = 10000;
+  auto ds = std::make_shared<IndexDataset>(n);
+  std::multiset<int64_t> seen;
   for (int64_t rank = 0; rank < 3; ++rank) {
-    auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{3, rank, true, 7, false});
+    auto sampler = std::make_shared<DistributedSampler>(n, DistributedSamplerOptions{3, rank, true, 7, false});
     DataLoader loader(ds, sampler, {}, {.batch_size = 64, .num_workers = 1});
     EXPECT_EQ(loader.NumBatches(), (3334 + 63) / 64);
-    for (const auto& l : RunEpoch(loader, 2).labels) {
-      for (int64_t v : l) ++class_count[v];
-      total += l.size();
+    std::vector<int64_t> mine;
+    loader.StartEpoch(2);
+    while (auto b = loader.Next()) {
+      const std::vector<int64_t> batch = SampleIndices(*b);
+      EXPECT_EQ(Ints(b->labels).size(), batch.size());
+      for (size_t i = 0; i < batch.size(); ++i) EXPECT_EQ(Ints(b->labels)[i], batch[i] % 10);
+      mine.insert(mine.end(), batch.begin(), batch.end());
     }
+    EXPECT_EQ(mine, sampler->Indices()) << "rank " << rank;
+    seen.insert(mine.begin(), mine.end());
   }
-  EXPECT_EQ(total, 3 * 3334);  // 10000 padded to 10002
-  int64_t sum = 0;
-  for (int c = 0; c < 10; ++c) {
-    EXPECT_GE(class_count[c], 1000);
-    sum += class_count[c];
-  }
-  EXPECT_EQ(sum, total);
+  const std::vector<int64_t> order = TorchRandperm(n, 7 + 2);
+  std::multiset<int64_t> want;
+  for (int64_t i = 0; i < n; ++i) want.insert(i);
+  want.insert(order[0]);
+  want.insert(order[1]);
+  EXPECT_EQ(seen.size(), 3u * 3334u);
+  EXPECT_TRUE(seen == want) << "the ranks' samples are not the dataset plus the padding";
 }
 
 // A dataset whose Get fails or stalls on one index.
@@ -374,8 +413,8 @@ TEST(DataLoader, TimeoutOnAnUnclaimedBatchDoesNotMarkItsLaterWorkerStuck) {
 }
 
 // Without a timeout on Next(), the destructor waits for a batch being built
-// (up to options.timeout) and joins every worker: none is left holding the
-// dataset.
+// (up to options.shutdown_grace) and joins every worker: none is left
+// holding the dataset.
 TEST(DataLoader, DestructionWaitsForABatchBeingBuilt) {
   auto slow = std::make_shared<FaultyDataset>(0, std::chrono::milliseconds(500));
   {
