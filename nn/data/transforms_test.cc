@@ -34,6 +34,30 @@ TEST(SampleTransform, NormalizesPerChannelLikeTorchvision) {
   }
 }
 
+// Padding is zero pixels normalized like the others, as torchvision pads
+// before ToTensor and Normalize: (0 - mean) / std, not 0. A 1 x 1 image of
+// 255 in a 3 x 3 crop with padding 1 (one window position: the pixel in the
+// middle). Channel 0, mean 0.5 and std 0.25: padding (0 - 0.5) / 0.25 = -2,
+// the pixel (1 - 0.5) / 0.25 = 2. Channel 1, mean 0.25 and std 0.5: -0.5
+// and 1.5. All exact in f32.
+TEST(SampleTransform, PaddingIsNormalizedLikeAZeroPixel) {
+  TransformOptions o;
+  o.mean = {0.5f, 0.25f};
+  o.std = {0.25f, 0.5f};
+  o.random_crop = true;
+  o.crop_padding = 1;
+  o.crop_height = 3;
+  o.crop_width = 3;
+  SampleTransform t({2, 1, 1}, o);
+  ASSERT_EQ(t.OutputShape(), (ImageShape{2, 3, 3}));
+  const uint8_t px[2] = {255, 255};
+  std::vector<float> out(18);
+  t.Apply(px, out.data(), 0, 0);
+  const std::vector<float> want = {-2.0f, -2.0f, -2.0f, -2.0f, 2.0f,  -2.0f, -2.0f, -2.0f, -2.0f,
+                                   -0.5f, -0.5f, -0.5f, -0.5f, 1.5f,  -0.5f, -0.5f, -0.5f, -0.5f};
+  EXPECT_EQ(out, want);
+}
+
 // Reference: pad with zeros, cut at (top, left), mirror if flip.
 std::vector<float> Reference(const std::vector<uint8_t>& px, int c, int h, int w, int pad,
                              int oh, int ow, int top, int left, bool flip) {
