@@ -55,14 +55,15 @@ Status RunHierarchicalAllReduce(p2p::PointToPoint& p2p, const topology::Topology
 
 Status RunHierarchicalThroughShm(shm::ShmAllReduce& host, p2p::PointToPoint& inter,
                                  int world_size, const algorithms::CollectiveArgs& args,
-                                 const std::function<Status(Deadline, int)>& watchdog) {
+                                 const std::function<Status(Deadline, int)>& watchdog,
+                                 const shm::ShmAllReduce::FailFn& abort) {
   // Called on every rank, for an empty slice too: the inter-host call then
   // still checks the arguments against the other hosts.
   auto across = [&](void* slice, size_t, size_t count) {
     return algorithms::InterHostAllReduce(inter, slice, count, world_size, args);
   };
   return host.AllReduceThrough(args.send, args.recv, args.count, args.dtype, args.op, across,
-                               args.deadline, watchdog, args.tuning.checked_op);
+                               args.deadline, watchdog, args.tuning.checked_op, abort);
 }
 
 Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args) {

@@ -50,10 +50,15 @@ Status RunHierarchicalAllReduce(p2p::PointToPoint& p2p, const topology::Topology
 /// all-reduces its slice over `inter` (the ranks of the other hosts with
 /// this rank's local index; InterHostAllReduce), and `host` shares the
 /// slices. Every host must run it, not RunHierarchicalAllReduce: the two
-/// slice the vector differently.
+/// slice the vector differently. `abort` tells every rank of the job of
+/// this rank's failure at once (the communicator's abort): it is called
+/// when this rank fails after its host's ranks met, before it waits for
+/// them, so that the ranks of other hosts waiting for it in the inter-host
+/// step fail with its error instead of at their deadline.
 Status RunHierarchicalThroughShm(shm::ShmAllReduce& host, p2p::PointToPoint& inter,
                                  int world_size, const algorithms::CollectiveArgs& args,
-                                 const std::function<Status(Deadline, int)>& watchdog);
+                                 const std::function<Status(Deadline, int)>& watchdog,
+                                 const shm::ShmAllReduce::FailFn& abort);
 Status RunBroadcast(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
 Status RunAllGather(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);
 Status RunReduceScatter(p2p::PointToPoint& p2p, const algorithms::CollectiveArgs& args);

@@ -1583,8 +1583,15 @@ Status Communicator::Impl::AllReduce(const void* send, void* recv, size_t count,
   if (checked_op) args.tuning.checked_op = checked_op;
   if (algorithm == Algorithm::kHierarchical) {
     if (host_shm_ != nullptr) {
+      // A rank whose host step failed aborts before it waits for its host's
+      // ranks: its inter-host peers' waits read the job's abort reason
+      // (the UCX watchdog), and would otherwise wait for it until their
+      // deadline. The call's own failure then returns the same reason.
+      const auto abort = [this, deadline](const Status& error) {
+        Abort(error, deadline).IgnoreError();
+      };
       return internal::RunHierarchicalThroughShm(*host_shm_, *host_inter_, options_.world_size,
-                                                 args, host_watchdog_);
+                                                 args, host_watchdog_, abort);
     }
     return internal::RunHierarchicalAllReduce(*p2p_, topology_, args);
   }

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -262,6 +263,38 @@ int ScenarioMismatch() {
   const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
   return s.ok() ? 1 : 0;
+}
+
+// A hierarchical all-reduce (through shared memory) whose fold of a slice
+// fails on a rank: DDP_TEST_UNREADABLE_PAGE ("0" or "1") makes that page
+// of this rank's two-page input unreadable. Its own slice (the page of its
+// index on its host) it reads itself; the peer owning the other page
+// cannot, and fails. One good call first, so that the bad one's time is
+// not the connections'.
+int ScenarioUnreadableInput() {
+  auto comm = MustCreate();
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t count = 2 * page / sizeof(float);
+  void* mapped = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  WORKER_CHECK(mapped != MAP_FAILED, "mmap");
+  if (mapped == MAP_FAILED) return 1;
+  auto* send = static_cast<float*>(mapped);
+  std::fill(send, send + count, 1.0f);
+  std::vector<float> recv(count);
+  const CallOptions call{.algorithm = Algorithm::kHierarchical};
+  Status s = comm->AllReduce(send, recv.data(), count, DataType::kF32, ReduceOp::kSum, call);
+  WORKER_CHECK(s.ok() && recv[0] == comm->size(), "the good call: " + s.ToString());
+  if (const std::string bad = EnvOr("DDP_TEST_UNREADABLE_PAGE"); !bad.empty()) {
+    WORKER_CHECK(mprotect(static_cast<char*>(mapped) + std::atoi(bad.c_str()) * page, page,
+                          PROT_NONE) == 0,
+                 "mprotect");
+  }
+  const auto start = Clock::now();
+  s = comm->AllReduce(send, recv.data(), count, DataType::kF32, ReduceOp::kSum, call);
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+  munmap(mapped, 2 * page);
+  return s.ok() || testing::worker_failures > 0 ? 1 : 0;
 }
 
 int ScenarioCreateOnly() {
@@ -1308,6 +1341,7 @@ int RunScenario(const std::string& name) {
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
+  if (name == "unreadable_input") return ScenarioUnreadableInput();
   if (name == "create") return ScenarioCreateOnly();
   if (name == "fork") return ScenarioFork();
   if (name == "fork_while_testing") return ScenarioForkWhileTesting();
@@ -2094,6 +2128,47 @@ TEST(Faults, F16AverageAgainstSumFailsEverywhere) {
     SCOPED_TRACE(call);
     ExpectMismatchFailsEverywhere(2, Algorithm::kAuto, -1, with({{"DDP_TEST_CALL", call}}));
   }
+}
+
+// Two described hosts (ranks 0 and 2 on one, 1 and 3 on the other), the
+// hierarchical all-reduce through shared memory, where a rank's fold of its
+// slice fails (a host peer's input is unreadable there): it never joins the
+// step between hosts, where its counterpart waits for it. Every rank must
+// fail well before the 30 s deadline, naming the cause. With a failing fold
+// on each host, at different local indices, the failed ranks wait for their
+// host peers, which wait between hosts for each other's failed rank: every
+// rank waited out the deadline until a failed rank aborted the job before
+// that wait.
+void ExpectFailedFoldFailsEverywhere(const std::map<int, testing::ProcessGroup::Env>& unreadable,
+                                     const std::vector<std::string>& causes) {
+  const auto begun = Clock::now();
+  Job job = RunJob(4, "unreadable_input",
+                   {{"DDP_TEST_TIMEOUT_MS", "30000"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}},
+                   milliseconds(90000), nullptr, unreadable);
+  std::printf("job took %lld ms\n", static_cast<long long>(
+      std::chrono::duration_cast<milliseconds>(Clock::now() - begun).count()));
+  for (const auto& r : job.results) {
+    ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    const size_t at = r.output.find("ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(r.output.c_str() + at + 3), 5000) << job.Describe();
+    EXPECT_NE(r.output.find("buffer is not readable"), std::string::npos) << job.Describe();
+    bool named = false;
+    for (const std::string& cause : causes) named |= r.output.find(cause) != std::string::npos;
+    EXPECT_TRUE(named) << job.Describe();
+  }
+}
+
+TEST(Faults, FailedFoldInHierarchicalAllReduceThroughSharedMemoryFailsEverywhere) {
+  // Rank 0 owns page 0 on its host, and cannot read rank 2's.
+  ExpectFailedFoldFailsEverywhere({{2, {{"DDP_TEST_UNREADABLE_PAGE", "0"}}}}, {"rank 2's buffer"});
+}
+
+TEST(Faults, FailedFoldsOnEveryHostInHierarchicalAllReduceThroughSharedMemoryFailEverywhere) {
+  // Rank 0 cannot read rank 2's page 0, rank 3 rank 1's page 1.
+  ExpectFailedFoldFailsEverywhere({{2, {{"DDP_TEST_UNREADABLE_PAGE", "0"}}},
+                                   {1, {{"DDP_TEST_UNREADABLE_PAGE", "1"}}}},
+                                  {"rank 2's buffer", "rank 1's buffer"});
 }
 
 // Two described hosts, ranks 0 and 2 on one and 1 and 3 on the other: one

@@ -796,7 +796,7 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
 Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& across, Deadline deadline,
                                       const std::function<Status(Deadline, int)>& watchdog,
-                                      std::optional<ReduceOp> checked_op) {
+                                      std::optional<ReduceOp> checked_op, const FailFn& failed) {
   return InCall(deadline, watchdog, [&]() -> Status {
     // The ranks compare the op they were given; avg reduces as sum here,
     // and the slice function divides (only it knows by how many).
@@ -810,7 +810,13 @@ Status ShmAllReduce::AllReduceThrough(const void* send, void* recv, size_t count
     Status status = ReduceSlice(send, recv, begin, end, dtype, fold, /*share=*/false);
     if (status.ok()) status = across(static_cast<char*>(recv) + begin * elem, begin, end - begin);
     if (status.ok()) status = ShareSlice(recv, begin, end, elem);
-    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog);
+    // `failed` before the wait for the peers: one of them may be in
+    // `across`, waiting for a party elsewhere that is held up, directly or
+    // through its own group, by this rank (a failed fold on each of two
+    // hosts: each failed rank waits for a host peer that waits between
+    // hosts for the other). Until the parties hear of the failure, such a
+    // cycle holds every rank until the deadline.
+    if (!status.ok()) return FailAfterArrival(std::move(status), deadline, watchdog, failed);
     return Finish(deadline, watchdog);
   });
 }
@@ -1068,9 +1074,11 @@ Status ShmAllReduce::Abandon(Status error) {
 // peers fail the call too instead of returning a result without this rank's
 // slice.
 Status ShmAllReduce::FailAfterArrival(Status error, Deadline deadline,
-                                      const std::function<Status(Deadline, int)>& watchdog) {
+                                      const std::function<Status(Deadline, int)>& watchdog,
+                                      const FailFn& failed) {
   const uint64_t s = sequence_;
   MarkFailed(s, error);
+  if (failed) failed(error);
   for (int peer = 0; peer < options_.size; ++peer) {
     if (peer == options_.rank) continue;
     WaitFor(&Control::finished, s, peer, deadline, watchdog, "finish").IgnoreError();

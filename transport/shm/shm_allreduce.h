@@ -74,7 +74,10 @@
 // AllReduceThrough is the direct path with a pause: each rank folds its
 // whole slice, hands it to a caller's function (the hierarchical
 // all-reduce passes it to the same slice's owners on the other hosts), and
-// only then writes it into every rank's output.
+// only then writes it into every rank's output. A rank that fails on the
+// way (its fold, the function, a copy) tells the function's other parties
+// through the caller's FailFn before it waits for its group: they are
+// outside the group and would otherwise wait for it until their deadline.
 //
 // Every wait has a deadline and runs the watchdog about every 100 ms,
 // telling it which rank the wait needs (it fails the wait when that rank is
@@ -170,6 +173,12 @@ class ShmAllReduce {
   /// of its output, which it may change in place before the group gets it.
   using SliceFn = std::function<Status(void* slice, size_t offset, size_t count)>;
 
+  /// Called with this rank's error when it fails an AllReduceThrough after
+  /// arriving (its fold, `across` or the copies), before it waits for its
+  /// peers in the group: `across` may pair it with processes outside the
+  /// group, which wait for it where this group cannot tell them anything.
+  using FailFn = std::function<void(const Status& error)>;
+
   /// recv[i] = op over ranks of send[i] as AllReduce, except that each
   /// rank's slice passes through `across` between the reduction and the
   /// copies into the other ranks' outputs; `across` runs once per call on
@@ -177,11 +186,16 @@ class ShmAllReduce {
   /// the division to `across` (the divisor is the caller's); the ranks
   /// still check that they all passed the same op. Every rank of the group
   /// must call it where the others do; a rank calling AllReduce instead
-  /// fails the argument check on every rank.
+  /// fails the argument check on every rank. `failed`, when given, tells
+  /// `across`'s other parties of this rank's failure (see FailFn): a rank
+  /// whose fold fails never calls `across`, and one that fails waits for
+  /// its group's peers, which may themselves wait in `across` for a party
+  /// that waits for this rank.
   Status AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                           const SliceFn& across, Deadline deadline,
                           const std::function<Status(Deadline, int)>& watchdog,
-                          std::optional<ReduceOp> checked_op = std::nullopt);
+                          std::optional<ReduceOp> checked_op = std::nullopt,
+                          const FailFn& failed = nullptr);
 
   /// Called with a piece of a rank's slice: `reduced` holds elements
   /// [offset, offset + count) of the reduction (kAvg divided), in scratch
@@ -386,10 +400,12 @@ class ShmAllReduce {
   Status Abandon(Status error);
   // Records `error` as this rank's failure of `call` and publishes finished.
   void MarkFailed(uint64_t call, const Status& error);
-  // Marks the current call failed, waits (within the deadline) for the
-  // peers still alive to finish it, and returns `error`.
+  // Marks the current call failed, calls `failed` (when given) with the
+  // error, waits (within the deadline) for the peers still alive to finish
+  // it, and returns `error`.
   Status FailAfterArrival(Status error, Deadline deadline,
-                          const std::function<Status(Deadline, int)>& watchdog);
+                          const std::function<Status(Deadline, int)>& watchdog,
+                          const FailFn& failed = nullptr);
 
   std::unique_ptr<Segment> segment_;
   ShmOptions options_;

@@ -309,6 +309,66 @@ TEST(ShmAllReduce, ThroughAgainstPlainIsAMismatch) {
   });
 }
 
+// Rank 0's fold fails (rank 1's half of rank 0's slice is unreadable), so
+// it never calls the slice function. Rank 1's slice function stands for
+// the step between hosts that cannot end until rank 0's failure is known
+// there (a party waits for rank 0's counterpart, or for one of its host's
+// ranks that waits in turn): rank 0 must say so through `failed` before it
+// waits for rank 1, or both wait until the deadline.
+TEST(ShmAllReduce, ThroughTellsOfAFailedFoldBeforeWaitingForThePeers) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t count = 2 * page / sizeof(float);  // rank 0's slice: page 0
+  void* mapped = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  std::fill_n(static_cast<float*>(mapped), count, 1.0f);
+  std::vector<float> input(count, 1.0f);
+  std::vector<float> out[2] = {std::vector<float>(count), std::vector<float>(count)};
+  std::atomic<bool> told{false};
+  std::atomic<int> tellings[2] = {0, 0};
+  Status told_error;
+  Status status[2];
+  milliseconds took[2];
+  for (bool fail : {false, true}) {
+    if (fail) {
+      ASSERT_EQ(mprotect(mapped, page, PROT_NONE), 0);
+    }
+    RunRanks(2, [&](int r) {
+      const auto start = Clock::now();
+      status[r] = group[r]->AllReduceThrough(
+          r == 0 ? input.data() : mapped, out[r].data(), count, DataType::kF32, ReduceOp::kSum,
+          [&](void*, size_t, size_t) -> Status {
+            if (r == 0 || !fail) return Status::Ok();
+            AwaitFlag(told);
+            return told ? AbortedError("the other host heard of rank 0's failure")
+                        : TimedOutError("the other host waited for rank 0");
+          },
+          DeadlineIn(milliseconds(20000)), nullptr, std::nullopt,
+          [&](const Status& error) {
+            if (r == 0) told_error = error;
+            ++tellings[r];
+            told = true;
+          });
+      took[r] = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+    });
+    if (!fail) {
+      EXPECT_TRUE(status[0].ok() && status[1].ok()) << status[0] << "; " << status[1];
+      EXPECT_EQ(out[0][0], 2.0f);
+      EXPECT_EQ(tellings[0] + tellings[1], 0) << "told of a failure on success";
+    }
+  }
+  munmap(mapped, 2 * page);
+  EXPECT_EQ(status[0].code(), StatusCode::kInvalidArgument) << status[0];
+  EXPECT_NE(status[0].message().find("rank 1's buffer is not readable"), std::string::npos)
+      << status[0];
+  EXPECT_EQ(told_error, status[0]);
+  EXPECT_EQ(tellings[0], 1);
+  // Rank 1 fails with its slice function's error, and tells of it too.
+  EXPECT_EQ(status[1].code(), StatusCode::kAborted) << status[1];
+  EXPECT_EQ(tellings[1], 1);
+  for (int r : {0, 1}) EXPECT_LT(took[r], milliseconds(5000)) << "rank " << r;
+}
+
 // Every root, sizes on both sides of the staging limit (4 KiB here), and
 // interleaved with all-reduces, which share the staging buffers.
 TEST(ShmAllReduce, BroadcastFromEveryRoot) {
