@@ -14,6 +14,8 @@
 
 #include "ddp/comm_hooks.h"
 #include "ddp/process_group.h"
+#include "ddp/replicas.h"
+#include "ddp/zero_groups.h"
 
 namespace ddp::dist {
 
@@ -43,20 +45,29 @@ struct OverlappedZeroOptimizer::State {
     std::unique_ptr<nn::optim::Optimizer> optimizer;  // null for an empty slice
   };
 
-  Factory make;                 // for LoadStateDict's probe
+  GroupFactory make;            // for LoadStateDict's probes
   std::vector<Bucket> buckets;  // by bucket index
   ProcessGroup* group = nullptr;  // DistributedDataParallel's (it outlives this)
   std::vector<Tensor> params;   // every trained parameter (ZeroGrad)
   std::vector<std::string> names;  // their names
+  // The groups: each one's options, each parameter's group, the whole
+  // list's order (the groups' lists one after another: the unsharded
+  // optimizer's, and its state's) and each group's names in it.
+  std::vector<std::map<std::string, double>> group_options;
+  std::vector<size_t> group_of;
+  std::vector<size_t> order;
+  std::vector<std::vector<std::string>> whole_members;
   int64_t total_elements = 0;
   int64_t owned_elements = 0;
   // One rank: DDP runs no hook; Step() runs this optimizer of everything.
   std::unique_ptr<nn::optim::Optimizer> whole;
 
   mutable std::mutex mu;
-  double lr = 0;
+  std::vector<double> lrs;  // per group
   // The optimizers' options ("group.*" entries of their StateDict, the same
-  // in every one), for ConsolidatedStateDict on a rank that may own none.
+  // in every one, and with several groups the "param_groups.*" ones with
+  // the whole's sizes and members), for ConsolidatedStateDict on a rank
+  // that may own none.
   nn::optim::NamedTensors options;
   int64_t steps = 0;
   // The wrapper (which outlives this), and its count of synchronizing
@@ -100,24 +111,98 @@ struct OverlappedZeroOptimizer::State {
     }
     for (size_t j = first; j < end; ++j) bucket.views[j].second.set_grad(Tensor());
   }
+
+  // The groups given at construction, each with the parameters (views, or
+  // whole ones) of `params` in it, in their order; `group` gives each
+  // one's group.
+  std::vector<nn::optim::ParamGroup> GroupsOf(const nn::optim::NamedParameters& params,
+                                              const std::vector<size_t>& group) const {
+    std::vector<nn::optim::ParamGroup> out(group_options.size());
+    for (size_t k = 0; k < out.size(); ++k) out[k].options = group_options[k];
+    for (size_t j = 0; j < params.size(); ++j) out[group[j]].params.push_back(params[j]);
+    return out;
+  }
 };
 
 namespace {
 
-// The "group.*" entries (the options) of an optimizer's StateDict.
-nn::optim::NamedTensors OptionsOf(const nn::optim::Optimizer& optimizer) {
-  nn::optim::NamedTensors out;
-  for (auto& [key, value] : optimizer.StateDict()) {
-    if (key.rfind("group.", 0) == 0) out.emplace_back(key, value);
+// Each group's parameter names in an optimizer.
+std::vector<std::vector<std::string>> MembersOf(const nn::optim::Optimizer& optimizer) {
+  std::vector<std::vector<std::string>> out(optimizer.num_groups());
+  for (size_t k = 0; k < out.size(); ++k) {
+    for (const auto& [name, p] : optimizer.group_params(k)) out[k].push_back(name);
   }
   return out;
+}
+
+// The options of an optimizer of some of the parameters: the "group.*"
+// entries of its StateDict and, with several groups, the "param_groups.*"
+// ones with the whole's group sizes and members (`whole`) in place of its
+// own.
+nn::optim::NamedTensors OptionsOf(const nn::optim::Optimizer& optimizer,
+                                  const std::vector<std::vector<std::string>>& whole) {
+  nn::optim::NamedTensors out;
+  for (auto& [key, value] : optimizer.StateDict()) {
+    if (key.rfind("group.", 0) == 0 || key.rfind("param_groups.", 0) == 0) out.emplace_back(key, value);
+  }
+  internal::RewriteGroups(out, optimizer.num_groups(), MembersOf(optimizer), whole);
+  return out;
+}
+
+// Whether `optimizer` holds `groups`' parameters (the same tensors) in
+// their groups and order; else why not.
+std::string HoldsGroups(const nn::optim::Optimizer& optimizer, const std::vector<nn::optim::ParamGroup>& groups,
+                        const std::string& hint) {
+  if (optimizer.num_groups() != groups.size()) {
+    return "the factory's optimizer has " + std::to_string(optimizer.num_groups()) + " param group(s), not the " +
+           std::to_string(groups.size()) + " it was given" + hint;
+  }
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const nn::optim::NamedParameters got = optimizer.group_params(k);
+    bool same = got.size() == groups[k].params.size();
+    for (size_t j = 0; same && j < got.size(); ++j) same = got[j].second.impl() == groups[k].params[j].second.impl();
+    if (!same) {
+      return "the factory's optimizer does not hold the pieces it was given" +
+             (groups.size() > 1 ? " in param group " + std::to_string(k) : std::string()) +
+             " (it must build the optimizer from its argument, not from the model)";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+namespace {
+
+// One group without options of the module's trained parameters.
+std::vector<nn::optim::ParamGroup> TrainedParameters(DistributedDataParallel& ddp) {
+  nn::optim::ParamGroup all;
+  for (auto& [name, p] : ddp.module()->NamedParameters()) {
+    if (p.requires_grad()) all.params.emplace_back(name, p);
+  }
+  return {std::move(all)};
 }
 
 }  // namespace
 
 OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make)
+    : OverlappedZeroOptimizer(ddp, TrainedParameters(ddp),
+                              make ? GroupFactory([make](std::vector<nn::optim::ParamGroup> shard) {
+                                return make(std::move(shard.front().params));
+                              })
+                                   : GroupFactory(),
+                              /*grouped=*/false) {}
+
+OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
+                                                 std::vector<nn::optim::ParamGroup> groups, GroupFactory make)
+    : OverlappedZeroOptimizer(ddp, std::move(groups), std::move(make), /*grouped=*/true) {}
+
+OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
+                                                 std::vector<nn::optim::ParamGroup> groups, GroupFactory make,
+                                                 bool grouped)
     : state_(std::make_shared<State>()) {
   if (!make) throw std::invalid_argument("OverlappedZeroOptimizer: null factory");
+  if (groups.empty()) throw std::invalid_argument("OverlappedZeroOptimizer: no parameter group");
   if (ddp.options().find_unused_parameters || ddp.options().static_graph) {
     throw std::invalid_argument(
         std::string("OverlappedZeroOptimizer: DdpOptions::") +
@@ -141,14 +226,62 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
     state_->total_elements += p.numel();
   }
   ProcessGroup& group = ddp.process_group();
+  if (grouped && group.size() > 1) {
+    // Each rank builds its slices' groups from its own list: a rank that
+    // stepped its pieces with another group's rate or decay would
+    // all-gather them into every replica. Compared before the checks
+    // below, so that groups only some ranks refuse fail every rank here.
+    std::vector<internal::ReplicaEntry> entries;
+    for (size_t k = 0; k < groups.size(); ++k) {
+      entries.push_back({"option", "param group " + std::to_string(k), internal::GroupOptionsText(groups[k].options)});
+      for (const auto& [name, p] : groups[k].params) {
+        entries.push_back({"parameter", name, "in param group " + std::to_string(k)});
+      }
+    }
+    internal::VerifyReplicas(group, entries,
+                             "OverlappedZeroOptimizer: the ranks' parameter groups differ (every rank must pass "
+                             "the same groups, with the same parameters in the same order and the same options).");
+  }
+  // Every trained parameter in exactly one group, as the module's tensor.
+  const size_t none = groups.size();
+  state_->group_of.assign(state_->params.size(), none);
+  state_->whole_members.resize(groups.size());
+  for (size_t k = 0; k < groups.size(); ++k) {
+    state_->group_options.push_back(groups[k].options);
+    for (const auto& [name, p] : groups[k].params) {
+      const size_t i = static_cast<size_t>(std::find(state_->names.begin(), state_->names.end(), name) -
+                                           state_->names.begin());
+      const std::string which = "OverlappedZeroOptimizer: param group " + std::to_string(k) + "'s `" + name + "` ";
+      if (i == state_->names.size()) throw std::invalid_argument(which + "is not a trained parameter of the module");
+      if (p.impl() != state_->params[i].impl()) {
+        throw std::invalid_argument(which + "is not the module's parameter of that name");
+      }
+      if (state_->group_of[i] != none) {
+        throw std::invalid_argument(which + "is in param group " + std::to_string(state_->group_of[i]) + " too");
+      }
+      state_->group_of[i] = k;
+      state_->order.push_back(i);
+      state_->whole_members[k].push_back(name);
+    }
+  }
+  for (size_t i = 0; i < state_->params.size(); ++i) {
+    if (state_->group_of[i] == none) {
+      throw std::invalid_argument("OverlappedZeroOptimizer: trained parameter `" + state_->names[i] +
+                                  "` is in no param group");
+    }
+  }
+  const std::string hint = grouped ? "" : " (pass parameter groups to the constructor that takes them)";
   state_->group = &group;
   state_->make = make;
   state_->ddp = &ddp;
   state_->iterations_ended = ddp.group_iterations();
   if (group.size() == 1) {
-    state_->whole = make(std::move(all));
+    state_->whole = make(groups);
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
-    state_->lr = state_->whole->lr();
+    if (const std::string wrong = HoldsGroups(*state_->whole, groups, hint); !wrong.empty()) {
+      throw std::invalid_argument("OverlappedZeroOptimizer: " + wrong);
+    }
+    for (size_t k = 0; k < groups.size(); ++k) state_->lrs.push_back(state_->whole->lr(k));
     state_->owned_elements = state_->total_elements;
     return;
   }
@@ -220,39 +353,36 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp, F
   // of them registers the hook, and all fail alike.
   std::string failure;
   try {
-    bool have_lr = false;
+    const nn::optim::Optimizer* first = nullptr;
     for (State::Bucket& bucket : state_->buckets) {
       if (bucket.views.empty()) continue;
-      bucket.optimizer = make(bucket.views);
+      // Each slice's optimizer over the same groups, holding its views
+      // (a group may be empty); the view order within a group is the
+      // bucket's, which StepPiece does not depend on.
+      std::vector<size_t> view_group;
+      for (size_t view_param : bucket.view_param) view_group.push_back(state_->group_of[view_param]);
+      const std::vector<nn::optim::ParamGroup> shard = state_->GroupsOf(bucket.views, view_group);
+      bucket.optimizer = make(shard);
       if (bucket.optimizer == nullptr) throw std::invalid_argument("the factory returned null");
-      const nn::optim::NamedParameters& got = bucket.optimizer->params();
-      bool same = got.size() == bucket.views.size();
-      for (size_t j = 0; same && j < got.size(); ++j) same = got[j].second.impl() == bucket.views[j].second.impl();
-      if (!same) {
-        throw std::invalid_argument("the factory's optimizer does not hold the pieces it was given (it must "
-                                    "build the optimizer from its argument, not from the model)");
+      if (const std::string wrong = HoldsGroups(*bucket.optimizer, shard, hint); !wrong.empty()) {
+        throw std::invalid_argument(wrong);
       }
-      // One rate and one set of options for every slice (set_lr, the
-      // consolidated "group.*" keys).
-      if (bucket.optimizer->num_groups() != 1) {
-        throw std::invalid_argument("the factory's optimizer has " + std::to_string(bucket.optimizer->num_groups()) +
-                                    " param groups; the overlapped optimizer takes one (ZeroRedundancyOptimizer "
-                                    "takes groups)");
-      }
-      if (!have_lr) {
-        state_->lr = bucket.optimizer->lr();
-        state_->options = OptionsOf(*bucket.optimizer);
-      }
-      have_lr = true;
+      if (first == nullptr) first = bucket.optimizer.get();
     }
-    if (!have_lr) {
-      // This rank owns no element (more ranks than cache lines of
-      // parameters): the rate comes from an optimizer of everything.
-      auto probe = make(std::move(all));
+    // The rates and options, the same in every slice (set_lr, the
+    // consolidated keys); a rank that owns no element (more ranks than
+    // cache lines of parameters) reads them off an optimizer of everything.
+    std::unique_ptr<nn::optim::Optimizer> probe;
+    if (first == nullptr) {
+      probe = make(groups);
       if (probe == nullptr) throw std::invalid_argument("the factory returned null");
-      state_->lr = probe->lr();
-      state_->options = OptionsOf(*probe);
+      if (const std::string wrong = HoldsGroups(*probe, groups, hint); !wrong.empty()) {
+        throw std::invalid_argument(wrong);
+      }
+      first = probe.get();
     }
+    for (size_t k = 0; k < groups.size(); ++k) state_->lrs.push_back(first->lr(k));
+    state_->options = OptionsOf(*first, state_->whole_members);
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -370,21 +500,42 @@ void OverlappedZeroOptimizer::ZeroGrad() {
   for (const Tensor& p : state_->params) p.set_grad(Tensor());
 }
 
-double OverlappedZeroOptimizer::lr() const {
+size_t OverlappedZeroOptimizer::num_groups() const { return state_->group_options.size(); }
+
+double OverlappedZeroOptimizer::lr() const { return lr(0); }
+
+double OverlappedZeroOptimizer::lr(size_t group) const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->lr;
+  if (group >= state_->lrs.size()) {
+    throw std::out_of_range("OverlappedZeroOptimizer::lr: no param group " + std::to_string(group) + " of " +
+                            std::to_string(state_->lrs.size()));
+  }
+  return state_->lrs[group];
 }
 
 void OverlappedZeroOptimizer::set_lr(double lr) {
+  if (num_groups() != 1) {
+    throw std::logic_error("OverlappedZeroOptimizer::set_lr: " + std::to_string(num_groups()) +
+                           " param groups; one rate for all would lose their ratios: set each group's with "
+                           "set_lr(group, lr)");
+  }
+  set_lr(0, lr);
+}
+
+void OverlappedZeroOptimizer::set_lr(size_t group, double lr) {
+  if (group >= num_groups()) {
+    throw std::out_of_range("OverlappedZeroOptimizer::set_lr: no param group " + std::to_string(group) + " of " +
+                            std::to_string(num_groups()));
+  }
   if (!(lr >= 0) || !std::isfinite(lr)) {
     throw std::invalid_argument("OverlappedZeroOptimizer::set_lr: rate " + std::to_string(lr) +
                                 " must be finite and >= 0");
   }
   std::lock_guard<std::mutex> lock(state_->mu);
-  state_->lr = lr;
-  if (state_->whole != nullptr) state_->whole->set_lr(lr);
+  state_->lrs[group] = lr;
+  if (state_->whole != nullptr) state_->whole->set_lr(group, lr);
   for (State::Bucket& bucket : state_->buckets) {
-    if (bucket.optimizer != nullptr) bucket.optimizer->set_lr(lr);
+    if (bucket.optimizer != nullptr) bucket.optimizer->set_lr(group, lr);
   }
 }
 
@@ -521,12 +672,21 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
     }
   }
   nn::optim::NamedTensors out;
-  out.emplace_back("lr", nn::FromVector({lr()}, {}, {.dtype = nn::DType::kFloat64}));
   {
+    // One group: "lr" apart, as the unsharded optimizer saves it; several:
+    // each group's rate among its options.
     std::lock_guard<std::mutex> lock(s.mu);
-    for (const auto& [key, value] : s.options) out.emplace_back(key, value.Clone());
+    const auto rate = [](double lr) { return nn::FromVector({lr}, {}, {.dtype = nn::DType::kFloat64}); };
+    if (s.lrs.size() == 1) out.emplace_back("lr", rate(s.lrs[0]));
+    for (const auto& [key, value] : s.options) {
+      Tensor entry = value.Clone();
+      for (size_t k = 0; k < s.lrs.size(); ++k) {
+        if (key == "param_groups." + std::to_string(k) + ".lr") entry = rate(s.lrs[k]);
+      }
+      out.emplace_back(key, entry);
+    }
   }
-  for (size_t i = 0; i < s.params.size(); ++i) {
+  for (const size_t i : s.order) {
     for (const auto& [slot, whole, filled] : entries[i]) {
       if (slot != "step" && filled != s.params[i].numel()) {
         throw std::runtime_error("OverlappedZeroOptimizer::ConsolidatedStateDict: the ranks hold " +
@@ -542,10 +702,25 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
 
 void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state) {
   State& s = *state_;
+  // With several groups, the probes and each slice's optimizer below hold
+  // only some of each group's parameters, so they cannot compare the
+  // state's groups with the whole's: that is done here, naming the group
+  // (on one rank too, for the same message), and each of them gets the
+  // state's groups with its own members in them.
+  const size_t num_groups = s.group_options.size();
+  try {
+    nn::optim::NamedTensors checked;
+    for (const auto& [key, value] : state) {
+      if (key.rfind("param_groups.", 0) == 0) checked.emplace_back(key, value);
+    }
+    internal::RewriteGroups(checked, num_groups, s.whole_members, s.whole_members);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
+  }
   if (s.whole != nullptr) {
     s.whole->LoadStateDict(state);
     std::lock_guard<std::mutex> lock(s.mu);
-    s.lr = s.whole->lr();
+    for (size_t k = 0; k < s.lrs.size(); ++k) s.lrs[k] = s.whole->lr(k);
     return;
   }
   // Every "state." key must name a trained parameter and fit its size.
@@ -585,14 +760,20 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
   // probe optimizer of that parameter, given the entries that are not
   // per-parameter and that parameter's), so that the check holds one
   // parameter's state at most, not a second copy of the whole.
-  nn::optim::NamedTensors shared_entries;
+  nn::optim::NamedTensors shared_entries, options;
   for (const auto& [key, value] : state) {
     if (key.compare(0, 6, "state.") != 0) shared_entries.emplace_back(key, value);
+    if (key.rfind("group.", 0) == 0 || key.rfind("param_groups.", 0) == 0) options.emplace_back(key, value);
   }
+  std::unique_ptr<nn::optim::Optimizer> probe;
   for (size_t i = 0; i < s.params.size(); ++i) {
+    const std::vector<nn::optim::ParamGroup> groups = s.GroupsOf({all[i]}, {s.group_of[i]});
+    std::vector<std::vector<std::string>> members(num_groups);
+    members[s.group_of[i]].push_back(s.names[i]);
     nn::optim::NamedTensors entries = shared_entries;
+    internal::RewriteGroups(entries, num_groups, s.whole_members, members);
     for (const auto& [slot, value] : by_param[i]) entries.emplace_back("state." + s.names[i] + "." + slot, value);
-    std::unique_ptr<nn::optim::Optimizer> probe = s.make({all[i]});
+    probe = s.make(groups);
     if (probe == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: the factory returned null");
     try {
       probe->LoadStateDict(entries);
@@ -605,10 +786,11 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     if (bucket.optimizer == nullptr) continue;
     nn::optim::NamedTensors pieces;
     if (lr != nullptr) pieces.emplace_back("lr", *lr);
-    // The options ("group.*"), checked above with the probes.
-    for (const auto& [key, value] : shared_entries) {
-      if (key.rfind("group.", 0) == 0) pieces.emplace_back(key, value);
-    }
+    // The options ("group.*", "param_groups.*"), checked above with the
+    // probes.
+    nn::optim::NamedTensors bucket_options = options;
+    internal::RewriteGroups(bucket_options, num_groups, s.whole_members, MembersOf(*bucket.optimizer));
+    for (auto& entry : bucket_options) pieces.push_back(std::move(entry));
     for (size_t j = 0; j < bucket.views.size(); ++j) {
       for (const auto& [slot, value] : by_param[bucket.view_param[j]]) {
         const std::string key = "state." + bucket.views[j].first + "." + slot;
@@ -622,12 +804,14 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     }
     bucket.optimizer->LoadStateDict(pieces);
   }
-  if (lr != nullptr) s.lr = lr->Item();
-  nn::optim::NamedTensors options;
-  for (const auto& [key, value] : shared_entries) {
-    if (key.rfind("group.", 0) == 0) options.emplace_back(key, value.To(nn::kCPU).Clone());
+  // The rates and options as loaded (a state saved without options keeps
+  // the factory's, and one without "lr" the current rate).
+  if (probe != nullptr) {
+    if (num_groups > 1 || lr != nullptr) {
+      for (size_t k = 0; k < num_groups; ++k) s.lrs[k] = probe->lr(k);
+    }
+    if (!options.empty()) s.options = OptionsOf(*probe, s.whole_members);
   }
-  if (!options.empty()) s.options = std::move(options);
 }
 
 }  // namespace ddp::dist

@@ -23,6 +23,11 @@
 //   });
 //   for (...) { auto loss = ...(ddp(x)); nn::Backward(loss); opt.Step(); }
 //
+// Parameter groups (biases and norms without weight decay, say) go to the
+// second constructor, as ZeroRedundancyOptimizer's: each slice's optimizer
+// has the same groups, holding its views of them, and lr(k) / set_lr(k, lr)
+// reach group k in every slice (a scheduler drives each group through them).
+//
 // The parameters change during backward, as soon as their bucket is
 // reduced, so Step() only ends the step: it clears the gradients (after
 // backward .grad holds this rank's own gradient, not the average, which
@@ -94,6 +99,26 @@ class OverlappedZeroOptimizer {
   /// static_graph; std::logic_error after the first backward (on more
   /// than one rank; one rank runs no hook, and Step() steps everything).
   OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make);
+
+  /// Builds the optimizer of one rank's slice of one bucket over parameter
+  /// groups: one group per group given at construction, in order and with
+  /// its options, holding the views of that group's parameters in the
+  /// slice (a group may be empty).
+  using GroupFactory =
+      std::function<std::unique_ptr<nn::optim::Optimizer>(std::vector<nn::optim::ParamGroup> shard)>;
+
+  /// Parameter groups (a group of biases and norms without weight decay,
+  /// say): every trained parameter of `ddp`'s module in exactly one group,
+  /// as the module's tensor under its name. Collective, as the constructor
+  /// above; the ranks must agree on each parameter's group and on every
+  /// group's options (compared across ranks, refused on every rank naming
+  /// the first difference). Throws std::invalid_argument as above, naming
+  /// a group's parameter that is not a trained one of the module, or is in
+  /// two groups, a trained parameter in no group, and a factory whose
+  /// optimizer does not have the groups it was given, each with its views
+  /// in order.
+  OverlappedZeroOptimizer(DistributedDataParallel& ddp, std::vector<nn::optim::ParamGroup> groups,
+                          GroupFactory make);
   ~OverlappedZeroOptimizer();
   OverlappedZeroOptimizer(const OverlappedZeroOptimizer&) = delete;
   OverlappedZeroOptimizer& operator=(const OverlappedZeroOptimizer&) = delete;
@@ -113,16 +138,28 @@ class OverlappedZeroOptimizer {
 
   /// The rate of the next steps, for every slice (schedulers call it on
   /// every rank between steps, not during backward); at first the
-  /// factory's.
+  /// factory's. Group 0's with several groups.
   double lr() const;
+  /// Sets the rate of the only group; throws std::invalid_argument,
+  /// changing nothing, unless `lr` is finite and >= 0, and
+  /// std::logic_error with several groups (set each group's, as
+  /// Optimizer::set_lr asks).
   void set_lr(double lr);
+  /// Number of parameter groups (1 for the constructor without groups).
+  size_t num_groups() const;
+  /// The rate of `group`, and setting it in every slice; throw as above,
+  /// and std::out_of_range for a group this optimizer lacks.
+  double lr(size_t group) const;
+  void set_lr(size_t group, double lr);
   /// Steps run so far (synchronizing backwards, shadowed ones included).
   int64_t steps() const;
   /// Elements of the parameters this rank updates (its slices).
   int64_t owned_elements() const;
 
   /// Collective: the whole state on rank `to` ("lr", the options
-  /// ("group.*"), and per parameter
+  /// ("group.*"; with several groups "param_groups.*" with each group's
+  /// rate and the whole's group sizes and members), and per parameter, in
+  /// the groups' order,
   /// "state.<name>.step" and its elementwise entries in the parameter's
   /// shape, as the unsharded optimizer's StateDict), empty elsewhere.
   /// Throws std::invalid_argument for a rank outside the group.
@@ -135,12 +172,19 @@ class OverlappedZeroOptimizer {
   /// parameter's state at most), so that a bad state fails every rank
   /// alike before anything changes. Throws
   /// std::invalid_argument naming a "state." key of no trained parameter,
-  /// or an entry whose size is not its parameter's.
+  /// an entry whose size is not its parameter's, or a param group whose
+  /// saved size or members are not this optimizer's (and, from the
+  /// optimizer's own check, another group count).
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   struct State;
 
  private:
+  // The constructors' shared part; `grouped`: groups were given (else one
+  // group of every trained parameter, from a Factory).
+  OverlappedZeroOptimizer(DistributedDataParallel& ddp, std::vector<nn::optim::ParamGroup> groups,
+                          GroupFactory make, bool grouped);
+
   std::shared_ptr<State> state_;
 };
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "ddp/replicas.h"
+#include "ddp/zero_groups.h"
 
 namespace ddp::dist {
 namespace {
@@ -119,10 +120,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<nn::optim::ParamGro
   std::vector<size_t> group_of;
   std::vector<std::string> options;
   for (size_t k = 0; k < groups.size(); ++k) {
-    std::ostringstream text;
-    text.precision(17);
-    for (const auto& [name, value] : groups[k].options) text << (text.tellp() > 0 ? ", " : "") << name << "=" << value;
-    options.push_back(text.str());
+    options.push_back(internal::GroupOptionsText(groups[k].options));
     for (auto& entry : groups[k].params) {
       params_.push_back(std::move(entry));
       group_of.push_back(k);
@@ -227,27 +225,6 @@ std::vector<int64_t> ZeroRedundancyOptimizer::ShardGroupSizes(int r) const {
   return sizes;
 }
 
-namespace {
-
-// "size" or "params" for a "param_groups.<k>.size" or ".params" key, with
-// k; "" for any other key.
-std::string GroupEntryOf(const std::string& key, size_t* group) {
-  const std::string prefix = "param_groups.";
-  if (key.rfind(prefix, 0) != 0) return "";
-  const size_t dot = key.find('.', prefix.size());
-  if (dot == std::string::npos) return "";
-  const std::string index = key.substr(prefix.size(), dot - prefix.size());
-  const std::string field = key.substr(dot + 1);
-  if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos ||
-      (field != "size" && field != "params")) {
-    return "";
-  }
-  *group = std::stoul(index);
-  return field;
-}
-
-}  // namespace
-
 std::vector<std::vector<std::string>> ZeroRedundancyOptimizer::WholeGroupMembers() const {
   std::vector<std::vector<std::string>> names(num_groups_);
   for (size_t i = 0; i < params_.size(); ++i) names[group_of_[i]].push_back(params_[i].first);
@@ -258,50 +235,6 @@ std::vector<std::vector<std::string>> ZeroRedundancyOptimizer::ShardGroupMembers
   std::vector<std::vector<std::string>> names(num_groups_);
   for (const Slice& s : shards_[static_cast<size_t>(r)]) names[group_of_[s.param]].push_back(params_[s.param].first);
   return names;
-}
-
-void ZeroRedundancyOptimizer::RewriteGroups(NamedTensors& state, const std::vector<std::vector<std::string>>& from,
-                                            const std::vector<std::vector<std::string>>& to) const {
-  if (num_groups_ == 1) return;
-  // A state with another group count (or none) is left as it is, for the
-  // shard's optimizer to refuse naming both counts.
-  int64_t count = -1;
-  for (const auto& [key, t] : state) {
-    if (key == "param_groups.count" && t.defined() && t.dtype() == nn::DType::kInt64 && t.shape() == nn::Shape{}) {
-      count = t.To(nn::kCPU).data<int64_t>()[0];
-    }
-  }
-  if (count != static_cast<int64_t>(num_groups_)) return;
-  for (auto& [key, t] : state) {
-    size_t k = 0;
-    const std::string field = GroupEntryOf(key, &k);
-    if (field.empty() || k >= num_groups_) continue;
-    const std::string group = "param group " + std::to_string(k);
-    if (field == "size") {
-      // Malformed entries are left for the shard's optimizer to refuse.
-      if (!t.defined() || t.dtype() != nn::DType::kInt64 || t.shape() != nn::Shape{}) continue;
-      const int64_t saved = t.To(nn::kCPU).data<int64_t>()[0];
-      if (saved != static_cast<int64_t>(from[k].size())) {
-        throw std::invalid_argument("state entry `" + key + "`: the state's " + group + " has " +
-                                    std::to_string(saved) + " parameter(s); this optimizer's has " +
-                                    std::to_string(from[k].size()));
-      }
-      t = nn::FromVectorOf<int64_t>({static_cast<int64_t>(to[k].size())}, {});
-    } else {
-      std::vector<std::string> saved;
-      if (!nn::optim::internal::GroupMembersOf(t, &saved)) continue;
-      if (saved != from[k]) {
-        size_t j = 0;
-        while (j < saved.size() && j < from[k].size() && saved[j] == from[k][j]) ++j;
-        throw std::invalid_argument(
-            "state entry `" + key + "`: the state's " + group + " holds other parameters: " +
-            (j < saved.size() ? "`" + saved[j] + "`" : std::string("nothing more")) + " where this optimizer has " +
-            (j < from[k].size() ? "`" + from[k][j] + "`" : std::string("nothing more")) +
-            " (make the groups as they were saved, in the same order)");
-      }
-      t = nn::optim::internal::GroupMembersTensor(to[k]);
-    }
-  }
 }
 
 void ZeroRedundancyOptimizer::Step() {
@@ -405,7 +338,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   if (local_->num_groups() == 1) {
     out.emplace_back("lr", nn::FromVector({local_->lr()}, {}, {.dtype = nn::DType::kFloat64}));
   }
-  RewriteGroups(options, ShardGroupMembers(pg_->rank()), WholeGroupMembers());
+  internal::RewriteGroups(options, num_groups_, ShardGroupMembers(pg_->rank()), WholeGroupMembers());
   for (auto& entry : options) out.push_back(std::move(entry));
   for (size_t i = 0; i < params_.size(); ++i) {
     std::vector<std::pair<size_t, Slice>> holders;  // (rank, piece) of parameter i
@@ -467,7 +400,7 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
   // The shard's optimizer holds only its pieces of each group, so it
   // cannot compare the whole's groups: they are compared here, then
   // replaced by the shard's.
-  RewriteGroups(shard, WholeGroupMembers(), ShardGroupMembers(pg_->rank()));
+  internal::RewriteGroups(shard, num_groups_, WholeGroupMembers(), ShardGroupMembers(pg_->rank()));
   return shard;
 }
 

@@ -201,16 +201,8 @@ class ZeroRedundancyOptimizer {
   // makes the local optimizer from this rank's pieces, named.
   void Init(const std::vector<size_t>& group_of, const std::vector<std::string>& options,
             const std::function<std::unique_ptr<nn::optim::Optimizer>(nn::optim::NamedParameters)>& build);
-  // The "param_groups.<k>.size" and ".params" entries of a several-group
-  // state with this optimizer's group count, checked against `from` (each
-  // group's parameter names: the whole's, or a shard's) and rewritten to
-  // `to`, since a shard's optimizer holds fewer parameters per group than
-  // the whole. Throws std::invalid_argument naming a group that differs;
-  // malformed entries, and a state with another count, are left for the
-  // optimizer that loads them to refuse.
-  void RewriteGroups(nn::optim::NamedTensors& state, const std::vector<std::vector<std::string>>& from,
-                     const std::vector<std::vector<std::string>>& to) const;
-  // Each group's parameter names in the whole list, and in rank r's shard
+  // Each group's parameter names in the whole list (internal::RewriteGroups
+  // converts a state between them and a shard's), and in rank r's shard
   // (a name per piece); the number of pieces per group in rank r's shard.
   std::vector<std::vector<std::string>> WholeGroupMembers() const;
   std::vector<std::vector<std::string>> ShardGroupMembers(int r) const;
