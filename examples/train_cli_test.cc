@@ -141,16 +141,12 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
 }
 
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and
-// norms from, and a step that takes two parameter groups (not the one
-// inside backward).
+// norms from. (With --zero_overlap it is taken: train_resume_test's
+// OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded.)
 TEST(TrainCliTest, DecayNormAndBiasOffIsRefusedWhereItCannotApply) {
   EXPECT_EQ(OneErrorLine(Train({"--decay_norm_and_bias=false"})),
             "train: --decay_norm_and_bias=false spares biases and norms from --weight_decay, which is "
             "0 here; pass a --weight_decay above 0, or drop --decay_norm_and_bias=false");
-  EXPECT_EQ(OneErrorLine(Train({"--decay_norm_and_bias=false", "--weight_decay=0.01", "--zero",
-                                "--zero_overlap"})),
-            "train: --zero_overlap steps every parameter with one set of options, so "
-            "--decay_norm_and_bias=false cannot apply; drop one of the two (--zero alone takes it)");
 }
 
 // The schedules' flags: refused in one line when given to another

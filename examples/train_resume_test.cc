@@ -75,9 +75,11 @@ void ExpectSameModel(const std::string& a_path, const std::string& b_path) {
 
 // Runs the uninterrupted reference run into `dir`/reference; returns the
 // path of its final checkpoint.
-std::string RunReference(const std::string& dir) {
+std::string RunReference(const std::string& dir, const std::vector<std::string>& flags = {}) {
   const std::string path = dir + "/reference/ckpt.safetensors";
-  const RunOutput ref = testing::RunToEnd(Args(path));
+  std::vector<std::string> args = Args(path);
+  args.insert(args.end(), flags.begin(), flags.end());
+  const RunOutput ref = testing::RunToEnd(args);
   EXPECT_EQ(ref.exit_code, 0) << ref.out << ref.err;
   return path;
 }
@@ -245,13 +247,16 @@ TEST(TrainResumeTest, PlateauRateAfterResumeEqualsUninterrupted) {
 // --zero_overlap), training is the unsharded training bit for bit, the
 // checkpoints hold the whole state in the same format, and a run killed in
 // the middle resumes to the same end. The plan line says `plan_says`.
+// `common`: flags of both runs.
 void ExpectShardedTrainsAndResumesLikeTheUnsharded(const std::string& name, const std::vector<std::string>& flags,
-                                                   const std::string& plan_says) {
+                                                   const std::string& plan_says,
+                                                   const std::vector<std::string>& common = {}) {
   const std::string dir = testing::MakeTempDir(name);
-  const std::string reference = RunReference(dir);
+  const std::string reference = RunReference(dir, common);
   const std::string sharded = dir + "/sharded/ckpt.safetensors";
 
   std::vector<std::string> args = Args(sharded);
+  args.insert(args.end(), common.begin(), common.end());
   args.insert(args.end(), flags.begin(), flags.end());
   int64_t killed_at = -1;
   {
@@ -280,6 +285,14 @@ TEST(TrainResumeTest, ShardedOptimizerStateTrainsAndResumesLikeTheUnsharded) {
 TEST(TrainResumeTest, OverlappedShardedStepTrainsAndResumesLikeTheUnsharded) {
   ExpectShardedTrainsAndResumesLikeTheUnsharded("resume_zero_overlap", {"--zero", "--zero_overlap"},
                                                  "optimizer state sharded, stepped inside backward");
+}
+
+// And over two parameter groups (no weight decay on biases and norms),
+// which --zero_overlap refused before OverlappedZeroOptimizer took groups.
+TEST(TrainResumeTest, OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded) {
+  ExpectShardedTrainsAndResumesLikeTheUnsharded(
+      "resume_zero_overlap_groups", {"--zero", "--zero_overlap"}, "optimizer state sharded, stepped inside backward",
+      {"--optimizer=adamw", "--weight_decay=0.05", "--decay_norm_and_bias=false"});
 }
 
 // One rank killed in the middle of a run started with --max_restarts=1: the

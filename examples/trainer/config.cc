@@ -248,12 +248,6 @@ void ValidateConfig(const TrainConfig& c) {
       throw UsageError("--decay_norm_and_bias=false spares biases and norms from --weight_decay, which "
                        "is 0 here; pass a --weight_decay above 0, or drop --decay_norm_and_bias=false");
     }
-    // OverlappedZeroOptimizer builds each bucket's optimizer over one list.
-    if (c.zero_overlap) {
-      throw UsageError("--zero_overlap steps every parameter with one set of options, so "
-                       "--decay_norm_and_bias=false cannot apply; drop one of the two (--zero alone "
-                       "takes it)");
-    }
   }
   if (c.zero_overlap) {
     // The fused step is DDP's communication hook, works on host memory,

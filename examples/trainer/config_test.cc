@@ -266,5 +266,16 @@ TEST(ConfigTest, PathsAreRelativeToTheUsersDirectory) {
   unsetenv("XDG_CACHE_HOME");
 }
 
+// The step inside backward takes parameter groups (it refused
+// --decay_norm_and_bias=false before OverlappedZeroOptimizer did).
+TEST(ConfigTest, DecayNormAndBiasOffIsTakenWithZeroOverlap) {
+  TrainConfig c;
+  c.zero = true;
+  c.zero_overlap = true;
+  c.weight_decay = 0.01;
+  c.decay_norm_and_bias = false;
+  EXPECT_EQ(ErrorOf(c), "");
+}
+
 }  // namespace
 }  // namespace ddp::examples::trainer

@@ -88,25 +88,30 @@ class Zero : public Parallel::ShardedOptimizer {
 
 // --zero --zero_overlap: OverlappedZeroOptimizer, which needs the DDP
 // wrapper, made later (Attach): until Bind it holds the rate and a loaded
-// state, checked at once against an optimizer of every parameter.
+// state, checked at once against an optimizer of every parameter. Over the
+// groups Shard was given (one without options keeps the state layout of a
+// plain list, as the factory then builds a plain optimizer).
 class Overlapped : public Parallel::ShardedOptimizer {
  public:
-  // The factory's rate, read off an optimizer of one parameter (cheaper
-  // than one of all).
-  using ListFactory = dist::OverlappedZeroOptimizer::Factory;
-  Overlapped(nn::optim::NamedParameters params, ListFactory make)
-      : params_(std::move(params)), make_(std::move(make)), lr_(make_({params_.at(0)})->lr()) {}
+  // The factory's rate, read off an optimizer of the first parameter alone
+  // in its group (cheaper than one of all).
+  Overlapped(std::vector<nn::optim::ParamGroup> groups, Parallel::OptimizerFactory make)
+      : groups_(std::move(groups)), make_(std::move(make)), lr_(make_(FirstParameterAlone())->lr()) {}
 
   void Bind(dist::DistributedDataParallel& ddp) {
-    zero_ = std::make_unique<dist::OverlappedZeroOptimizer>(ddp, make_);
+    zero_ = std::make_unique<dist::OverlappedZeroOptimizer>(ddp, groups_, make_);
     if (pending_) zero_->LoadStateDict(*pending_);
     pending_.reset();
-    zero_->set_lr(lr_);  // the latest: loaded, or set by a scheduler since
+    set_lr(lr_);  // the latest: loaded, or set by a scheduler since
   }
   double lr() const override { return zero_ ? zero_->lr() : lr_; }
+  // Every group takes the rate (they differ in weight decay only); a bad
+  // rate is refused by group 0's before any changes.
   void set_lr(double lr) override {
+    if (zero_) {
+      for (size_t k = 0; k < zero_->num_groups(); ++k) zero_->set_lr(k, lr);
+    }
     lr_ = lr;
-    if (zero_) zero_->set_lr(lr);
   }
   void Step() override { Guarded("optimizer step", [&] { Bound().Step(); }); }
   void ZeroGrad() override { Bound().ZeroGrad(); }
@@ -118,7 +123,7 @@ class Overlapped : public Parallel::ShardedOptimizer {
       zero_->LoadStateDict(whole);
       return;
     }
-    auto probe = make_(params_);
+    auto probe = make_(groups_);
     probe->LoadStateDict(whole);
     // The loaded rate is the one to continue with (a scheduler, if any,
     // sets its own after).
@@ -132,8 +137,20 @@ class Overlapped : public Parallel::ShardedOptimizer {
     return *zero_;
   }
 
-  nn::optim::NamedParameters params_;
-  ListFactory make_;
+  // The groups with their options, only the first parameter in its group.
+  std::vector<nn::optim::ParamGroup> FirstParameterAlone() const {
+    std::vector<nn::optim::ParamGroup> out;
+    bool taken = false;
+    for (const nn::optim::ParamGroup& g : groups_) {
+      out.push_back({{}, g.options});
+      if (!taken && !g.params.empty()) out.back().params.push_back(g.params.front());
+      taken = taken || !g.params.empty();
+    }
+    return out;
+  }
+
+  std::vector<nn::optim::ParamGroup> groups_;
+  Parallel::OptimizerFactory make_;
   double lr_;
   std::optional<nn::optim::NamedTensors> pending_;
   std::unique_ptr<dist::OverlappedZeroOptimizer> zero_;
@@ -231,15 +248,7 @@ class DdpParallel : public Parallel {
                                           const OptimizerFactory& make, bool overlap) override {
     overlapped_ = nullptr;
     if (overlap) {
-      if (groups.size() != 1 || !groups.front().options.empty()) {
-        throw std::invalid_argument(
-            "Parallel::Shard: the step inside backward takes one group without options, got " +
-            std::to_string(groups.size()) + " group(s)");
-      }
-      auto fused = std::make_unique<Overlapped>(
-          std::move(groups.front().params), [make](nn::optim::NamedParameters part) {
-            return make({nn::optim::ParamGroup{std::move(part), {}}});
-          });
+      auto fused = std::make_unique<Overlapped>(std::move(groups), make);
       overlapped_ = fused.get();
       return fused;
     }

@@ -132,9 +132,8 @@ class Parallel {
   /// collective.
   /// `overlap` (--zero_overlap): the parts are DDP's buckets, and each is
   /// updated inside backward as soon as its gradients are reduced
-  /// (OverlappedZeroOptimizer); it starts working at Attach, which must
-  /// follow (lr, set_lr and Load work before); it takes one group without
-  /// options only (std::invalid_argument otherwise).
+  /// (OverlappedZeroOptimizer, over the same groups); it starts working at
+  /// Attach, which must follow (lr, set_lr and Load work before).
   virtual std::unique_ptr<ShardedOptimizer> Shard(std::vector<nn::optim::ParamGroup> groups,
                                                   const OptimizerFactory& make, bool overlap) = 0;
 
