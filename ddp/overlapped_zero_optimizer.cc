@@ -211,7 +211,6 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
         "inside the reduction, where the unsharded optimizer skips it");
   }
   std::unordered_map<std::string, Tensor> by_name;
-  nn::optim::NamedParameters all;
   for (const auto& [name, p] : ddp.module()->NamedParameters()) {
     if (!p.requires_grad()) continue;
     if (!p.device().is_cpu() || !p.is_contiguous()) {
@@ -220,7 +219,6 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
                                   "; the fused step runs on contiguous CPU parameters");
     }
     by_name.emplace(name, p);
-    all.emplace_back(name, p);
     state_->params.push_back(p);
     state_->names.push_back(name);
     state_->total_elements += p.numel();
