@@ -169,7 +169,7 @@ TEST(TrainRunTest, PowerSgdStateIsSavedAndAResumeContinuesIt) {
 }
 
 // --decay_norm_and_bias=false on 2 ranks, with the whole optimizer (`extra`
-// empty) or --zero: the plan says so, the run trains, its checkpoint holds
+// empty), --zero or --zero --zero_overlap: the plan says so, the run trains, its checkpoint holds
 // two groups (biases and norms without weight decay) whose rates the
 // schedule moved together and records the flag, a resume with it trains
 // on, and one without it is refused naming the flag and both values.
@@ -244,6 +244,11 @@ TEST(TrainRunTest, NormsAndBiasesWithoutWeightDecayTrainAndResume) {
 
 TEST(TrainRunTest, NormsAndBiasesWithoutWeightDecayTrainAndResumeSharded) {
   ExpectNormsAndBiasesUndecayedTrainAndResume("no_decay_norms_zero", {"--zero"});
+}
+
+// And with the step inside backward, which takes the groups too.
+TEST(TrainRunTest, NormsAndBiasesWithoutWeightDecayTrainAndResumeShardedInsideBackward) {
+  ExpectNormsAndBiasesUndecayedTrainAndResume("no_decay_norms_zero_overlap", {"--zero", "--zero_overlap"});
 }
 
 TEST(TrainRunTest, DdpStatisticsNameEachRanksWait) {
