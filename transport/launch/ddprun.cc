@@ -117,9 +117,10 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        (required with several nodes; default 127.0.0.1)
   --master_port=PORT   port of the store (default 29500; 0: any free port)
   --rdzv_endpoint=HOST[:PORT]
-                       torchrun's spelling of --master_addr and --master_port
-                       (default port 29400, as torchrun's; port 0, any free
-                       port, on one node only)
+                       torchrun's spelling of --master_addr and --master_port,
+                       and, as under torchrun, wins over them (default port
+                       29400, as torchrun's; port 0, any free port, on one
+                       node only)
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
@@ -136,7 +137,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        call on the store (default 10, at most --node_timeout);
                        is_host (c10d): serve the store (true) or join (false)
                        instead of trying to listen; close_timeout is ignored
-  --standalone         one node on 127.0.0.1 with a free port
+  --standalone         one node on 127.0.0.1 with a free port (overrides
+                       --rdzv_endpoint, as under torchrun)
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
   --tee                with --log_dir, also write it to the terminal
@@ -285,6 +287,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   bool port_given = false;
   bool addr_given = false;
   bool endpoint_given = false;
+  std::string endpoint_text;  // --rdzv_endpoint as given, and what it names
+  std::string endpoint_addr;
+  int endpoint_port = 0;
   bool node_rank_given = false;
   bool node_timeout_given = false;
   // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
@@ -466,9 +471,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         node_rank_given = true;
       } else if (name == "monitor_interval") {
         // torchrun looks at its workers every so often; ddprun learns of a
-        // worker's exit at once (pidfd), so there is nothing to set.
+        // worker's exit at once (pidfd), so there is nothing to set. Any
+        // number of seconds >= 0 is taken, as torchrun takes any float.
         milliseconds unused{};
-        DDP_RETURN_IF_ERROR(take_seconds(unused, /*positive=*/true));
+        DDP_RETURN_IF_ERROR(take_seconds(unused, /*positive=*/false));
       } else if (name == "start_method") {
         // Python's ways of starting a worker; ddprun starts every worker with
         // vfork + exec, a fresh process image, so they all come to the same.
@@ -500,8 +506,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "rdzv_endpoint") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
         DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
-        o.master_addr = endpoint.first;
-        o.master_port = endpoint.second >= 0 ? endpoint.second : kDefaultRdzvPort;
+        endpoint_text = text;
+        endpoint_addr = endpoint.first;
+        endpoint_port = endpoint.second >= 0 ? endpoint.second : kDefaultRdzvPort;
         endpoint_given = true;
       } else if (name == "rdzv_backend") {
         DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
@@ -601,13 +608,21 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (o.command.empty()) {
     return InvalidArgumentError("no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   }
-  if (endpoint_given && (addr_given || port_given)) {
-    return InvalidArgumentError(
-        "--rdzv_endpoint names the store's address and port; it cannot be combined with "
-        "--master_addr or --master_port");
-  }
+  // torchrun 1.13's precedence: --standalone replaces the endpoint (and
+  // logs it), and an endpoint wins over --master_addr and --master_port
+  // (get_rdzv_endpoint reads them only when no endpoint is given).
   if (o.standalone && endpoint_given) {
-    return InvalidArgumentError("--standalone picks its own endpoint; drop --rdzv_endpoint");
+    o.notes.push_back(Flag("rdzv_endpoint", endpoint_text) +
+                      " is ignored: --standalone runs the store on 127.0.0.1 with a free port");
+  } else if (endpoint_given) {
+    if (addr_given || port_given) {
+      o.notes.push_back(std::string(addr_given && port_given ? "--master_addr and --master_port are"
+                                    : addr_given             ? "--master_addr is"
+                                                             : "--master_port is") +
+                        " ignored: --rdzv_endpoint=" + endpoint_text + " names the store, as under torchrun");
+    }
+    o.master_addr = endpoint_addr;
+    o.master_port = endpoint_port;
   }
   if (o.min_nodes > 0 && o.rdzv_backend != "c10d") {
     return InvalidArgumentError("--nnodes=" + o.nnodes_spec +

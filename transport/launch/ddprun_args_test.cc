@@ -204,11 +204,6 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "--node_timeout and --rdzv_conf's keep_alive_interval/keep_alive_max_attempt both say when a "
                 "silent node is dead; give one of them");
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
-  ExpectRefused({"--rdzv_endpoint=h:1", "--master_port=2", "p"},
-                "--rdzv_endpoint names the store's address and port; it cannot be combined with "
-                "--master_addr or --master_port");
-  ExpectRefused({"--standalone", "--rdzv_endpoint=h:1", "p"},
-                "--standalone picks its own endpoint; drop --rdzv_endpoint");
   ExpectRefused({"--rdzv_endpoint=h:", "p"}, "--rdzv_endpoint=h:: empty port");
   ExpectRefused({"--rdzv_endpoint=h:99999", "p"}, "--rdzv_endpoint=h:99999: the port must be in [0, 65535]");
   ExpectRefused({"--rdzv_endpoint=fe80::1", "p"},
@@ -224,6 +219,42 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "the store's address 0.0.0.0 is a wildcard address; with --rdzv_backend=c10d it must be "
                 "the address of one node, which then serves the store",
                 {{"DDP_JOB_TOKEN", "t"}});
+}
+
+// torchrun 1.13 (get_rdzv_endpoint, run): an endpoint wins over
+// --master_addr and --master_port, and --standalone over the endpoint;
+// what is overridden gets a note, not a refusal.
+TEST(DdprunArgsTest, EndpointWinsOverMasterAddrAndPortWithANote) {
+  StatusOr<DdprunOptions> o = Parse({"--master_addr=a", "--rdzv_endpoint=h:1", "--master_port=2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "h");
+  EXPECT_EQ(o->master_port, 1);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--master_addr and --master_port are ignored: --rdzv_endpoint=h:1 names the store, "
+                          "as under torchrun"});
+  o = Parse({"--rdzv_endpoint=h", "--master_port=2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "h");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--master_port is ignored: --rdzv_endpoint=h names the store, as under torchrun"});
+}
+
+TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
+  StatusOr<DdprunOptions> o = Parse({"--standalone", "--rdzv_endpoint=h:1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->standalone);
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 0);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--rdzv_endpoint=h:1 is ignored: --standalone runs the store on 127.0.0.1 with a "
+                          "free port"});
+}
+
+TEST(DdprunArgsTest, MonitorIntervalZeroIsAccepted) {
+  StatusOr<DdprunOptions> o = Parse({"--monitor_interval=0", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->notes.empty());
 }
 
 // torchrun's other flags: those with a meaning here take effect, the rest
@@ -283,7 +314,8 @@ TEST(DdprunArgsTest, TorchrunsOtherFlagsAreAccepted) {
                           "store"});
 
   ExpectRefused({"--start_method=thread", "p"}, "--start_method=thread: expected spawn, fork or forkserver");
-  ExpectRefused({"--monitor_interval=0", "p"}, "--monitor_interval=0 is not a positive number of seconds");
+  ExpectRefused({"--monitor_interval=-1", "p"}, "--monitor_interval=-1 is not a number of seconds");
+  ExpectRefused({"--monitor_interval=nan", "p"}, "--monitor_interval=nan is not a number of seconds");
   ExpectRefused({"--role=", "p"}, "--role= must be non-empty without spaces or '='");
   ExpectRefused({"--local_addr"}, "--local_addr needs a value");
   ExpectRefused({"--rdzv_conf=is_host=maybe", "p"},
