@@ -1265,12 +1265,18 @@ class WorkerGroup::Impl {
     if (pipe2(p, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
     Fd read_end(p[0]);
     watcher_write_.Reset(p[1]);
-    sigset_t all;
+    sigset_t all, old_mask;
     sigfillset(&all);
     const pid_t group = pgid_;
+    // Every signal blocked across the clone, as in StartOne: a signal that
+    // came between the clone and the child's own mask would run this
+    // process's handler in the copy, which writes the signal's byte into
+    // the signal pipe it shares with us (one Ctrl-C counted twice: SIGKILL
+    // for the workers without their grace period). The child keeps the
+    // full mask.
+    pthread_sigmask(SIG_SETMASK, &all, &old_mask);
     const pid_t pid = static_cast<pid_t>(syscall(SYS_clone, SIGCHLD, 0, nullptr, nullptr, 0));
     if (pid == 0) {
-      syscall(SYS_rt_sigprocmask, SIG_SETMASK, &all, nullptr, _NSIG / 8);
       // Named for ps and top, which would show a second launcher.
       syscall(SYS_prctl, PR_SET_NAME, "ddp-watcher", 0, 0, 0);
       // A group of its own: whoever kills the launcher's group (a
@@ -1289,8 +1295,10 @@ class WorkerGroup::Impl {
       if (n == 0) syscall(SYS_kill, -group, SIGKILL);
       syscall(SYS_exit_group, 0);
     }
+    const int clone_errno = errno;
+    pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) {
-      const int err = errno;
+      const int err = clone_errno;
       watcher_write_.Reset();
       return InternalError("cannot start the process that watches the workers' process group: clone: " +
                            ErrnoText(err));
