@@ -238,15 +238,21 @@ TEST(DdprunTest, MaxRunTimeEndsTheJobWithoutRestart) {
   EXPECT_LT(seconds, 20) << run.output;
 }
 
+// The workers end of the forwarded signal itself: the grace period (60 s)
+// outlasts the wait, so a worker the signal missed would hold the launcher
+// there until its SIGKILL, and the launcher would not be done in time.
 TEST(DdprunTest, SigtermAndSigintReachEveryWorker) {
   for (int signo : {SIGTERM, SIGINT}) {
     const std::string dir = testing::MakeTempDir("ddprun_forward_" + std::to_string(signo));
-    auto group = testing::StartProgram(
-        Cmd({"--standalone", "--nproc_per_node=3"}, {"--sleep_ms=30000", "--pid_dir=" + dir}));
+    auto group = testing::StartProgram(Cmd({"--standalone", "--nproc_per_node=3", "--grace_period=60"},
+                                           {"--sleep_ms=30000", "--pid_dir=" + dir}));
     ASSERT_TRUE(group.ok()) << group.status();
     const std::vector<pid_t> workers = WorkerPids(dir, 3);
+    const auto start = std::chrono::steady_clock::now();
     kill((*group)->pids()[0], signo);
     const auto run = testing::WaitProgram(**group, 20s);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 20s) << run.output;
+    EXPECT_THAT(run.output, Not(HasSubstr("SIGKILL"))) << run.output;
     EXPECT_EQ(run.exit_code, 128 + signo) << run.output;
     EXPECT_THAT(run.output, HasSubstr("interrupted by " + std::string(signo == SIGTERM ? "SIGTERM" : "SIGINT") +
                                       "; forwarded it to every worker"));
