@@ -16,11 +16,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string_view>
 #include <thread>
 
+#include "transport/launch/error_file.h"
 #include "transport/launch/self_launch.h"
 #include "transport/launch/spawn.h"
 #include "transport/store/socket.h"
@@ -700,6 +702,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (!token_given) {
     if (auto it = env.find(kEnvJobToken); it != env.end()) o.job_token = it->second;
   }
+  if (auto it = env.find(kEnvErrorFile); it != env.end()) {
+    o.error_file = it->second;
+  }
   if (o.job_token.size() > kMaxJobTokenBytes) {
     return InvalidArgumentError("the job token is " + std::to_string(o.job_token.size()) +
                                 " bytes long, more than the limit of " +
@@ -1029,7 +1034,18 @@ std::string Hostname() {
   return name;
 }
 
-void Say(const std::string& line) { WriteLauncherLine("ddprun: " + line + "\n"); }
+// The last line Say printed: the launcher's own reason when it fails
+// before (or without) a worker's (see RecordLauncherError).
+std::mutex g_said_mu;
+std::string g_last_said;
+
+void Say(const std::string& line) {
+  {
+    std::lock_guard<std::mutex> lock(g_said_mu);
+    g_last_said = line;
+  }
+  WriteLauncherLine("ddprun: " + line + "\n");
+}
 
 // ---- static rendezvous: who holds a node rank ----
 //
@@ -1578,9 +1594,53 @@ struct AttemptOutcome {
   bool membership = false;  // a membership notice: restart, not counted
 };
 
+// What the job's failure came down to, for the launcher's own error file.
+struct RootCause {
+  /// The last attempt's root-cause worker (the failed one whose error file
+  /// was written first), when one wrote its error file.
+  std::optional<WorkerExit> worker;
+  std::string reason;  ///< The failure line printed last.
+};
+
+int RunJob(const DdprunOptions& options, RootCause& cause);
+
+// torchrun's @record on its own main: on a failure, the launcher's
+// TORCHELASTIC_ERROR_FILE (the one it was started with, when its own
+// launcher or scheduler asked) gets the root-cause worker's error, as
+// torchrun copies that worker's file there, else the launcher's reason.
+void RecordLauncherError(const DdprunOptions& o, const RootCause& cause, int exit_code) {
+  if (o.error_file.empty() || exit_code == 0) return;
+  Status written;
+  if (cause.worker && !cause.worker->error.empty()) {
+    const auto when = cause.worker->error_timestamp_us > 0
+                          ? std::chrono::system_clock::time_point(
+                                std::chrono::microseconds(cause.worker->error_timestamp_us))
+                          : std::chrono::system_clock::now();
+    written = WriteErrorFile(o.error_file, cause.worker->error, when);
+  } else {
+    std::string reason = cause.reason;
+    if (reason.empty()) {
+      std::lock_guard<std::mutex> lock(g_said_mu);
+      reason = g_last_said;
+    }
+    if (reason.empty()) reason = "the launcher ended with exit status " + std::to_string(exit_code);
+    written = WriteErrorFile(o.error_file, "ddprun: " + reason);
+  }
+  if (!written.ok()) Say("cannot write " + std::string(kEnvErrorFile) + ": " + written.message());
+}
+
 }  // namespace
 
 int RunDdprun(const DdprunOptions& options) {
+  RootCause cause;
+  const int exit_code = RunJob(options, cause);
+  RecordLauncherError(options, cause, exit_code);
+  return exit_code;
+}
+
+namespace {
+
+int RunJob(const DdprunOptions& options, RootCause& cause) {
   DdprunOptions o = options;  // with --rdzv_backend=c10d, node_rank is found below
   // ---- checks that need the system, still before anything starts ----
   StatusOr<std::string> program = ResolveProgram(o.command[0]);
@@ -2047,6 +2107,7 @@ int RunDdprun(const DdprunOptions& options) {
     const Deadline deadline = o.max_run_time.count() > 0 ? Clock::now() + o.max_run_time
                                                           : Deadline::max();
     GroupResult result = (*group)->Wait(deadline);
+    cause.worker = result.first_error;
     stop_watching = true;
     if (watch_client) watch_client->Close();
     if (watcher.joinable()) watcher.join();
@@ -2185,6 +2246,7 @@ int RunDdprun(const DdprunOptions& options) {
         why += "; restarting the job (restart " + std::to_string(failures + 1) + " of " +
                std::to_string(o.max_restarts) + ")";
       }
+      cause.reason = why;
       Say(why);
     }
     if (restart) {
@@ -2206,5 +2268,7 @@ int RunDdprun(const DdprunOptions& options) {
   if (server) server->Stop();
   return exit_code;
 }
+
+}  // namespace
 
 }  // namespace ddp::transport::launch

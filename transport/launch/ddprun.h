@@ -101,6 +101,12 @@ struct DdprunOptions {
   /// endpoint.
   std::optional<bool> is_host;
   std::string role = "default";  ///< --role: the workers' ROLE_NAME.
+  /// TORCHELASTIC_ERROR_FILE of the launcher's own environment (its own
+  /// launcher or scheduler asked for its error), taken before the workers
+  /// get theirs. On a failure RunDdprun writes the root-cause worker's
+  /// error there, else its own reason, as torchrun's @record does. Empty:
+  /// none asked.
+  std::string error_file;
   /// One line each about torchrun flags that were accepted but mean nothing
   /// here; RunDdprun prints them.
   std::vector<std::string> notes;

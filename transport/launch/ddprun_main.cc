@@ -9,6 +9,7 @@
 
 #include "transport/launch/ddprun.h"
 #include "transport/launch/env.h"
+#include "transport/launch/error_file.h"
 #include "transport/launch/spawn.h"
 
 int main(int argc, char** argv) {
@@ -27,6 +28,11 @@ int main(int argc, char** argv) {
   StatusOr<DdprunOptions> options = ParseDdprunArgs(argc, argv, CurrentEnvironment());
   if (!options.ok()) {
     std::fprintf(stderr, "ddprun: %s\n", options.status().message().c_str());
+    // As torchrun's @record: the launcher's own error file, when its
+    // launcher or scheduler gave it one, says why it failed.
+    if (const char* path = std::getenv(kEnvErrorFile); path != nullptr && *path) {
+      (void)WriteErrorFile(path, "ddprun: " + options.status().message());
+    }
     return 2;
   }
   if (options->help) {

@@ -530,6 +530,41 @@ TEST(DdprunTest, AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs) {
   }
 }
 
+// torchrun's @record on its own main: ddprun's own TORCHELASTIC_ERROR_FILE
+// (from whoever started it) gets the root-cause worker's error, or, when no
+// worker wrote one, the launcher's reason.
+TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheRootCause) {
+  const std::string dir = testing::MakeTempDir("ddprun_own_error_file");
+  const std::string own = dir + "/launcher.error.json";
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then printf '{\"message\": {\"message\": \"ValueError: shard missing\", "
+      "\"extraInfo\": {\"timestamp\": \"1700000000\"}}}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; "
+      "sleep 30";
+  auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c", script},
+                        {{"TORCHELASTIC_ERROR_FILE", own}});
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_THAT(ReadFile(own), HasSubstr("\"ValueError: shard missing\"")) << run.output;
+
+  // No worker wrote one: the launcher's own line.
+  unlink(own.c_str());
+  run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2"}, {"--store", "--exit_code=1:4"}),
+                   {{"TORCHELASTIC_ERROR_FILE", own}});
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_THAT(ReadFile(own), ContainsRegex("ddprun: rank 1 \\(pid [0-9]+\\) exited with code 4")) << run.output;
+
+  // Bad input, before anything starts.
+  unlink(own.c_str());
+  run = RunProgram({Ddprun(), "--nproc_per_node=0", "x"}, {{"TORCHELASTIC_ERROR_FILE", own}});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(ReadFile(own), HasSubstr("ddprun: --nproc_per_node")) << run.output;
+
+  // Success: nothing written.
+  unlink(own.c_str());
+  run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2"}, {}), {{"TORCHELASTIC_ERROR_FILE", own}});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(access(own.c_str(), F_OK), 0);
+}
+
 // torchrun's --local_ranks_filter: the terminal shows the chosen ranks,
 // the log files (with --tee) still get every rank's output.
 TEST(DdprunTest, LocalRanksFilterChoosesWhoseOutputReachesTheTerminal) {
