@@ -1,10 +1,12 @@
 #include "transport/launch/spawn.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -151,6 +153,10 @@ struct ChildArgs {
   int stderr_fd = -1;
   int report_fd = -1;      // close-on-exec pipe: a failed step is written here
   sigset_t mask{};         // restored just before exec
+  // Without close_range's CLOSE_RANGE_CLOEXEC (before Linux 5.11), every
+  // descriptor from 3 below this is marked close-on-exec one by one.
+  int fd_bound = 0;
+  bool skip_close_range = false;  // ForceCloseRangeFallbackForTesting
   bool ignored[_NSIG] = {};  // signals the parent ignores; they stay ignored
 };
 
@@ -203,14 +209,43 @@ RunChild(const ChildArgs* a) {
     }
   }
   // Descriptors the host program opened without O_CLOEXEC stay out of the
-  // workers. Needs Linux 5.11; older kernels just keep them.
-  syscall(SYS_close_range, 3, ~0u, 4 /* CLOSE_RANGE_CLOEXEC */);
+  // workers. CLOSE_RANGE_CLOEXEC needs Linux 5.11 (ENOSYS before 5.9, EINVAL
+  // for the flag on 5.9 and 5.10); there, one fcntl per descriptor up to the
+  // bound the parent found. Marked, not closed: report_fd must stay open
+  // until exec succeeds.
+  if (a->skip_close_range ||
+      syscall(SYS_close_range, 3, ~0u, 4 /* CLOSE_RANGE_CLOEXEC */) != 0) {
+    for (int fd = 3; fd < a->fd_bound; ++fd) syscall(SYS_fcntl, fd, F_SETFD, FD_CLOEXEC);
+  }
   syscall(SYS_rt_sigprocmask, SIG_SETMASK, &a->mask, nullptr, _NSIG / 8);
   syscall(SYS_execve, a->path, a->argv, a->envp);
   ChildFail(a, kStepExec);
 }
 
 // ---- helpers ----
+
+std::atomic<bool> g_force_close_range_fallback{false};
+
+// One above the highest descriptor a child may inherit, for the fallbacks
+// of close_range (which must not allocate or read /proc in the child): the
+// highest open now (/proc/self/fd), with room for a few that other threads
+// open before the clone (each takes the lowest free number); without /proc,
+// the soft limit on descriptors (at most 2^20).
+int DescriptorBound() {
+  constexpr int kMost = 1 << 20;
+  constexpr int kRoom = 64;
+  int highest = -1;
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (const dirent* entry = readdir(dir)) {
+      if (entry->d_name[0] >= '0' && entry->d_name[0] <= '9') highest = std::max(highest, std::atoi(entry->d_name));
+    }
+    closedir(dir);
+    if (highest >= 0) return std::min(highest + 1 + kRoom, kMost);
+  }
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kMost;
+  return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, kMost));
+}
 
 Status MakeDirectories(const std::string& path) {
   std::string partial;
@@ -272,6 +307,10 @@ std::string SignalName(int signal) {
 }
 
 int InterruptSignal() { return g_interrupt_signal.load(std::memory_order_relaxed); }
+
+void ForceCloseRangeFallbackForTesting(bool force) {
+  g_force_close_range_fallback.store(force, std::memory_order_relaxed);
+}
 
 void DieOfInterruptSignal(int exit_code) {
   const int signo = InterruptSignal();
@@ -1011,6 +1050,8 @@ class WorkerGroup::Impl {
     args.stdin_fd = dev_null_.get();
     args.stdout_fd = child_out.get();
     args.stderr_fd = child_err.get();
+    args.fd_bound = DescriptorBound();
+    args.skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     for (int s = 1; s < _NSIG; ++s) {
       struct sigaction current{};
       if (sigaction(s, nullptr, &current) == 0) args.ignored[s] = current.sa_handler == SIG_IGN;
@@ -1268,6 +1309,8 @@ class WorkerGroup::Impl {
     sigset_t all, old_mask;
     sigfillset(&all);
     const pid_t group = pgid_;
+    const int fd_bound = DescriptorBound();
+    const bool skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     // Every signal blocked across the clone, as in StartOne: a signal that
     // came between the clone and the child's own mask would run this
     // process's handler in the copy, which writes the signal's byte into
@@ -1283,10 +1326,18 @@ class WorkerGroup::Impl {
       // supervisor that ends a dead launcher's group, `kill -9 -PGID`)
       // must not take the watcher along before it has killed the workers'.
       syscall(SYS_setpgid, 0, 0);
+      // Every descriptor but the pipe's read end: it must not keep the
+      // launcher's sockets, files or pipes open after the launcher closed
+      // them. close_range needs Linux 5.9; before, one close per descriptor.
       const unsigned fd = static_cast<unsigned>(p[0]);
-      if (fd > 0) syscall(SYS_close_range, 0u, fd - 1, 0u);
-      syscall(SYS_close_range, fd + 1, ~0u, 0u);
-      syscall(SYS_close, p[1]);  // in case close_range is missing (before Linux 5.9)
+      const bool closed = !skip_close_range &&
+                          (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
+                          syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
+      if (!closed) {
+        for (int other = 0; other < fd_bound; ++other) {
+          if (other != p[0]) syscall(SYS_close, other);
+        }
+      }
       char byte = 0;
       long n;
       do {

@@ -247,6 +247,13 @@ void DieOfInterruptSignal(int exit_code);
 /// Thread-safe.
 void WriteLauncherLine(std::string_view text);
 
+/// For tests: `true` makes the groups started from now on act as if the
+/// kernel had no close_range (before Linux 5.9; CLOSE_RANGE_CLOEXEC before
+/// 5.11), so that the fallbacks that keep the launcher's descriptors out of
+/// the workers and the watcher run: each worker's child marks every
+/// descriptor close-on-exec one by one, the watcher closes them one by one.
+void ForceCloseRangeFallbackForTesting(bool force);
+
 /// "SIGKILL", "SIGTERM", ... or "signal 42".
 std::string SignalName(int signal);
 

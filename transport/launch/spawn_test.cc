@@ -1,5 +1,6 @@
 #include "transport/launch/spawn.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -84,6 +85,16 @@ void IgnoreTerm(int rank) {
   action.sa_flags = SA_RESTART;
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
+}
+
+// Exits 5 when descriptor $PROBE_FD is open here.
+DDP_TEST_WORKER(fd_probe) {
+  const int fd = EnvInt("PROBE_FD", -1);
+  if (fcntl(fd, F_GETFD) != -1) {
+    std::printf("descriptor %d is open in the worker\n", fd);
+    return 5;
+  }
+  return 0;
 }
 
 DDP_TEST_WORKER(fail_rank1) {
@@ -1098,6 +1109,70 @@ TEST(SpawnTest, AtforkHandlersDoNotRunWhenSpawning) {
   GroupResult result = (*group)->Wait(DeadlineIn(20s));
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
   EXPECT_THAT(result.output[1], HasSubstr("hello from rank 1"));
+}
+
+// This process's children named `name` (the comm field of /proc/<pid>/stat).
+std::vector<pid_t> ChildrenNamed(const std::string& name) {
+  std::vector<pid_t> found;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return found;
+  while (const dirent* entry = readdir(proc)) {
+    const pid_t pid = std::atoi(entry->d_name);
+    if (pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t open = line.find('('), close = line.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close + 4 > line.size()) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string state;
+    pid_t parent = 0;
+    rest >> state >> parent;
+    if (line.substr(open + 1, close - open - 1) == name && parent == getpid()) found.push_back(pid);
+  }
+  closedir(proc);
+  return found;
+}
+
+// Descriptors open in `pid`; -1 when they cannot be listed.
+int OpenDescriptors(pid_t pid) {
+  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/fd").c_str());
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (const dirent* entry = readdir(dir)) n += entry->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+// A descriptor the host program opened without O_CLOEXEC reaches neither
+// the workers nor the watcher, with close_range and with the fallbacks
+// that kernels without it (before Linux 5.9, 5.11 for CLOSE_RANGE_CLOEXEC)
+// take.
+TEST(SpawnTest, LaunchersDescriptorsStayOutOfWorkersAndWatcher) {
+  for (const bool fallback : {false, true}) {
+    SCOPED_TRACE(fallback ? "fallback" : "close_range");
+    ForceCloseRangeFallbackForTesting(fallback);
+    const int plain = open("/dev/null", O_RDONLY);
+    ASSERT_GE(plain, 0);
+    // Above every other descriptor here, so that the fallbacks' bound must
+    // reach it.
+    constexpr int kLeaked = 300;
+    ASSERT_EQ(dup2(plain, kLeaked), kLeaked);
+    close(plain);
+    StatusOr<std::unique_ptr<WorkerGroup>> group =
+        WorkerGroup::Start(Specs(2, "fd_probe", {{"PROBE_FD", std::to_string(kLeaked)}}), Quiet());
+    ASSERT_TRUE(group.ok()) << group.status();
+    const std::vector<pid_t> watchers = ChildrenNamed("ddp-watcher");
+    ASSERT_EQ(watchers.size(), 1u);
+    // It closes the others right after it starts: only its pipe stays.
+    const auto give_up = Clock::now() + 5s;
+    while (OpenDescriptors(watchers[0]) > 1 && Clock::now() < give_up) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(OpenDescriptors(watchers[0]), 1);
+    GroupResult result = (*group)->Wait(DeadlineIn(20s));
+    close(kLeaked);
+    ForceCloseRangeFallbackForTesting(false);
+    EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason << "\n" << result.output[0];
+  }
 }
 
 TEST(SpawnTest, ResolveProgram) {
