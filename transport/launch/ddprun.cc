@@ -142,7 +142,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --standalone         one node on 127.0.0.1 with a free port (overrides
                        --rdzv_endpoint, as under torchrun)
   --max_restarts=K     restart the whole job up to K times after a failure
-  --log_dir=DIR        write each worker's output to DIR/attempt_K/rank_R.log
+  --log_dir=DIR        write each worker's output to
+                       DIR/<rdzv_id>_<random>/attempt_K/rank_R.log (a folder
+                       of its own per run, as torchrun; printed at start)
   --tee                with --log_dir, also write it to the terminal
                        (torchrun's --tee=3; --tee=0 and --redirects=3 accepted,
                        and torchrun's -t CODE and -r CODE for them)
@@ -497,7 +499,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "logs_specs") {
         DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
         o.notes.push_back(Flag(name, specs) +
-                          " is ignored: ddprun writes --log_dir/attempt_K/rank_R.log");
+                          " is ignored: ddprun writes --log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log");
       } else if (name == "master_addr") {
         DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
         if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
@@ -1640,6 +1642,30 @@ int RunDdprun(const DdprunOptions& options) {
 
 namespace {
 
+// This run's folder under --log_dir, made anew: <log_dir>/<rdzv_id>_<6
+// random characters> ("none_" without --rdzv_id), as torchrun makes
+// <log_dir>/<run_id>_<random>/ (mkdtemp), so that a run never overwrites
+// or deletes the logs and error files of an earlier one in the same
+// --log_dir. Its parents are made as needed.
+StatusOr<std::string> MakeRunLogDir(const std::string& log_dir, const std::string& rdzv_id) {
+  for (size_t pos = log_dir.find('/', 1);; pos = log_dir.find('/', pos + 1)) {
+    const std::string partial = log_dir.substr(0, pos);
+    if (!partial.empty() && mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      return InvalidArgumentError("cannot create --log_dir '" + partial + "': " + std::strerror(errno));
+    }
+    if (pos == std::string::npos) break;
+  }
+  std::string name = rdzv_id.empty() ? "none" : rdzv_id;
+  std::replace(name.begin(), name.end(), '/', '_');
+  std::string path = log_dir + "/" + name + "_XXXXXX";
+  if (mkdtemp(path.data()) == nullptr) {
+    return InvalidArgumentError("cannot create a folder for this run's logs in --log_dir '" + log_dir +
+                                "': " + std::strerror(errno));
+  }
+  chmod(path.c_str(), 0755);  // mkdtemp's 0700; the logs are no secret
+  return path;
+}
+
 int RunJob(const DdprunOptions& options, RootCause& cause) {
   DdprunOptions o = options;  // with --rdzv_backend=c10d, node_rank is found below
   // ---- checks that need the system, still before anything starts ----
@@ -1647,6 +1673,15 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   if (!program.ok()) {
     Say(program.status().message() + ProgramHint(o.command[0]));
     return 2;
+  }
+  if (!o.log_dir.empty()) {
+    StatusOr<std::string> run_dir = MakeRunLogDir(o.log_dir, o.rdzv_id);
+    if (!run_dir.ok()) {
+      Say(run_dir.status().message());
+      return 2;
+    }
+    Say("this run's logs: " + *run_dir + "/attempt_K/rank_R.log");
+    o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
   }
   std::string token = o.job_token;
   if (token.empty()) {

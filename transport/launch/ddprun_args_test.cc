@@ -268,7 +268,8 @@ TEST(DdprunArgsTest, TorchrunsOtherFlagsAreAccepted) {
   EXPECT_EQ(o->notes, (std::vector<std::string>{
                           "--local_addr=10.0.0.2 is ignored: launchers other than node 0 need no "
                           "address of their own (they connect to node 0's store)",
-                          "--logs_specs=mine is ignored: ddprun writes --log_dir/attempt_K/rank_R.log"}));
+                          "--logs_specs=mine is ignored: ddprun writes --log_dir/<rdzv_id>_<random>/attempt_K/"
+                          "rank_R.log"}));
   for (const char* method : {"spawn", "fork", "forkserver"}) {
     EXPECT_TRUE(Parse({std::string("--start_method=") + method, "p"}).ok()) << method;
   }

@@ -4,9 +4,11 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -65,6 +67,27 @@ std::string ReadFile(const std::string& path) {
   std::stringstream s;
   s << std::ifstream(path).rdbuf();
   return s.str();
+}
+
+// The folders a run made in --log_dir `dir` (<rdzv_id>_<random>), sorted.
+std::vector<std::string> RunDirs(const std::string& dir) {
+  std::vector<std::string> found;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (const dirent* entry = readdir(d)) {
+      if (entry->d_name[0] != '.') found.push_back(dir + "/" + entry->d_name);
+    }
+    closedir(d);
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+// The one run's folder in --log_dir `dir`; "" (and a failure) unless there
+// is exactly one.
+std::string RunDir(const std::string& dir) {
+  const std::vector<std::string> found = RunDirs(dir);
+  EXPECT_EQ(found.size(), 1u) << dir;
+  return found.size() == 1 ? found[0] : "";
 }
 
 TEST(DdprunTest, StandaloneWorkersGetTheLaunchEnvironment) {
@@ -148,7 +171,7 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("vars 1 trainer 0 1 0 0 none omp=\n"));
   EXPECT_THAT(run.output, HasSubstr("ddprun: note: --logs_specs=x is ignored: ddprun writes "
-                                    "--log_dir/attempt_K/rank_R.log\n"));
+                                    "--log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log\n"));
 }
 
 TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
@@ -496,8 +519,11 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
                             {"--print_env"}));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, Not(HasSubstr("rank 0 done")));  // files only
+  const std::string run_dir = RunDir(dir);
+  EXPECT_THAT(run_dir, ContainsRegex("/none_[A-Za-z0-9]{6}$"));
+  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir + "/attempt_K/rank_R.log\n"));
   for (int r = 0; r < 2; ++r) {
-    const std::string log = ReadFile(dir + "/attempt_0/rank_" + std::to_string(r) + ".log");
+    const std::string log = ReadFile(run_dir + "/attempt_0/rank_" + std::to_string(r) + ".log");
     EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + "/2 local"));
     EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + " done\n"));
   }
@@ -506,7 +532,35 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
                        {"--print_env"}));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
-  EXPECT_THAT(ReadFile(tee_dir + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
+  EXPECT_THAT(ReadFile(RunDir(tee_dir) + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
+}
+
+// As torchrun's <log_dir>/<run_id>_<random>/: a second run with the same
+// --log_dir writes a folder of its own and leaves the first run's logs and
+// error files as they were.
+TEST(DdprunTest, EachRunKeepsItsLogsInAFolderOfItsOwn) {
+  const std::string dir = testing::MakeTempDir("ddprun_two_runs");
+  const std::string script =
+      "echo \"run $0 rank $RANK\"; if [ \"$RANK\" = 1 ]; then echo \"$0\" > \"$TORCHELASTIC_ERROR_FILE\"; "
+      "exit 3; fi";
+  auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--rdzv_id=job7", "--log_dir=" + dir,
+                         "/bin/sh", "-c", script, "first"});
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--rdzv_id=job7", "--log_dir=" + dir,
+                    "/bin/sh", "-c", script, "second"});
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  const std::vector<std::string> runs = RunDirs(dir);
+  ASSERT_EQ(runs.size(), 2u) << run.output;
+  std::vector<std::string> seen;
+  for (const std::string& run_dir : runs) {
+    EXPECT_THAT(run_dir, ContainsRegex("/job7_[A-Za-z0-9]{6}$"));
+    const std::string log = ReadFile(run_dir + "/attempt_0/rank_1.log");
+    seen.push_back(log);
+    EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_1.error.json"),
+              log.find("first") != std::string::npos ? "first\n" : "second\n");
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<std::string>{"run first rank 1\n", "run second rank 1\n"}));
 }
 
 // torchrun's TORCHELASTIC_ERROR_FILE: what a failed worker wrote there (here
@@ -525,7 +579,7 @@ TEST(DdprunTest, AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs) {
     EXPECT_THAT(run.output, ContainsRegex(std::string("rank 1 \\(pid [0-9]+\\) exited with code 3; stopping the "
                                                       "other workers; rank 1 reported: ValueError: shard ") +
                                           attempt + " missing"));
-    EXPECT_THAT(ReadFile(dir + "/attempt_" + attempt + "/rank_1.error.json"),
+    EXPECT_THAT(ReadFile(RunDir(dir) + "/attempt_" + attempt + "/rank_1.error.json"),
                 HasSubstr(std::string("shard ") + attempt + " missing"));
   }
 }
@@ -577,7 +631,7 @@ TEST(DdprunTest, LocalRanksFilterChoosesWhoseOutputReachesTheTerminal) {
   EXPECT_THAT(run.output, Not(HasSubstr("[0] ")));
   EXPECT_THAT(run.output, Not(HasSubstr("[2] ")));
   for (int r = 0; r < 3; ++r) {
-    EXPECT_THAT(ReadFile(dir + "/attempt_0/rank_" + std::to_string(r) + ".log"),
+    EXPECT_THAT(ReadFile(RunDir(dir) + "/attempt_0/rank_" + std::to_string(r) + ".log"),
                 HasSubstr("rank " + std::to_string(r) + " done\n"));
   }
 }
@@ -632,7 +686,8 @@ TEST(DdprunTest, UnderBazelRunRelativePathsAreTheUsersFolder) {
   for (int r = 0; r < 2; ++r) {
     const std::string rs = std::to_string(r);
     EXPECT_EQ(ReadFile(user + "/ran." + rs), "rank " + rs + "\n");
-    EXPECT_THAT(ReadFile(user + "/logs/attempt_0/rank_" + rs + ".log"), HasSubstr("hello " + rs + "\n"));
+    EXPECT_THAT(ReadFile(RunDir(user + "/logs") + "/attempt_0/rank_" + rs + ".log"),
+                HasSubstr("hello " + rs + "\n"));
   }
   ExpectBadInput({Ddprun(), "--standalone", "./hello.sh"},
                  "cannot enter BUILD_WORKING_DIRECTORY='" + user + "/missing': No such file or directory",
