@@ -2190,7 +2190,11 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
         outcome.restartable = result.outcome != GroupOutcome::kInterrupted &&
                               result.outcome != GroupOutcome::kMonitorFailed &&
                               result.outcome != GroupOutcome::kTimedOut;
-        outcome.exit_code = result.ExitCode();
+        // A failed worker makes the launcher exit 1, as torchrun does (its
+        // code is in the reason line and the error file): passed through,
+        // a worker's 2 would read as ddprun's bad input and its 137 as
+        // the launcher killed. Interrupted stays 128 + the signal.
+        outcome.exit_code = result.outcome == GroupOutcome::kWorkerFailed ? 1 : result.ExitCode();
         outcome.reason = (multi_node ? node + ": " : "") + result.reason;
         // Normally posted already, as the signal came (see on_interrupt).
         if (store_reachable && !outcome.restartable) post_stop(attempt, outcome.reason);

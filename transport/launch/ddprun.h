@@ -43,9 +43,11 @@
 // SIGUSR1 and SIGUSR2 while the workers run are passed on to them (a
 // checkpoint hook, such as Slurm's --signal=USR1@T) and stop nothing.
 //
-// Exit status: 0 when every worker of every node succeeded; the failed
-// worker's exit code (or 128 + its signal) on the node where it failed; 1 on
-// the other nodes and for rendezvous failures; 128 + signal when interrupted
+// Exit status: 0 when every worker of every node succeeded; 1 when a worker
+// failed, on every node, as under torchrun (the reason line and the error
+// file name the rank and its exit code or signal: passed through, a worker's
+// 2 or 137 would read as ddprun's bad input or a killed launcher), and for
+// rendezvous failures; 128 + signal when interrupted
 // (ddprun's main then dies of SIGINT, SIGTERM or SIGHUP instead: see
 // DieOfInterruptSignal); 2 for bad input, reported on one line before
 // anything starts.

@@ -180,17 +180,29 @@ TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
   const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=4"},
                                   {"--store", "--exit_code=3:7", "--sleep_ms=30000", "--pid_dir=" + dir}));
   EXPECT_LT(Clock::now() - start, 10s);
-  EXPECT_EQ(run.exit_code, 7) << run.output;
+  // torchrun's 1, not the worker's 7 (which the line names).
+  EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, ContainsRegex(
                               "ddprun: rank 3 \\(pid [0-9]+\\) exited with code 7; stopping the other workers\n"));
   ExpectAllGone(WorkerPids(dir, 4));
+}
+
+// A worker's 2 is not ddprun's 2 (bad input, nothing started): ddprun
+// exits 1, as torchrun does, and the line names the worker's code.
+TEST(DdprunTest, AWorkersExitCodeIsNotPassedThrough) {
+  const auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+                               "[ \"$RANK\" = 1 ] && exit 2; sleep 30"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 1 \\(pid [0-9]+\\) exited with code 2; stopping the other "
+                                        "workers\n"));
 }
 
 TEST(DdprunTest, WorkerKilledBySignalStopsTheGroupAndNamesTheSignal) {
   const std::string dir = testing::MakeTempDir("ddprun_signal");
   const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=3"},
                                   {"--store", "--signal=0:9", "--sleep_ms=30000", "--pid_dir=" + dir}));
-  EXPECT_EQ(run.exit_code, 128 + 9) << run.output;
+  // 1: 128 + 9 would read as the launcher killed.
+  EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 0 \\(pid [0-9]+\\) was killed by signal 9 "
                                         "\\(SIGKILL\\); stopping the other workers\n"));
   ExpectAllGone(WorkerPids(dir, 3));
@@ -460,7 +472,7 @@ TEST(DdprunTest, StdoutThatNobodyReadsDoesNotHangTheLauncher) {
 // forever.
 TEST(DdprunTest, StderrThatNobodyReadsDoesNotHangTheFailureReport) {
   const auto run = RunWithAnUnreadPipe("2>", "yes 0123456789abcdef | head -c 2000000 >&2; exit 3");
-  EXPECT_EQ(run.exit_code, 3) << run.output;
+  EXPECT_EQ(run.exit_code, 1) << run.output;
 }
 
 TEST(DdprunTest, LauncherKilledBySigkillTakesItsWorkers) {
@@ -574,7 +586,7 @@ TEST(DdprunTest, AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs) {
       "> \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; sleep 30";
   const auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=1",
                                "--log_dir=" + dir, "/bin/sh", "-c", script});
-  EXPECT_EQ(run.exit_code, 3) << run.output;
+  EXPECT_EQ(run.exit_code, 1) << run.output;
   for (const char* attempt : {"0", "1"}) {
     EXPECT_THAT(run.output, ContainsRegex(std::string("rank 1 \\(pid [0-9]+\\) exited with code 3; stopping the "
                                                       "other workers; rank 1 reported: ValueError: shard ") +
