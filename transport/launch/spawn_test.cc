@@ -182,11 +182,12 @@ DDP_TEST_WORKER(script) {
     };
     sigemptyset(&action.sa_mask);
     sigaction(SIGTERM, &action, nullptr);
+    // Only now: a SIGTERM sent once the pid is out must find the handler.
+    WritePid("child");
     for (int i = 0; i < 300; ++i) usleep(100000);
     _exit(1);
   }
   signal(SIGTERM, SIG_IGN);
-  WritePid("child", child);
   int status = 0;
   waitpid(child, &status, 0);
   return 0;
