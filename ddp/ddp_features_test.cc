@@ -1377,6 +1377,98 @@ TEST(DdpFeaturesTest, EvalModeSynchronizesAndTwoForwardsTakeNoSyncOnTheFirst) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The other order of two forwards and one backward: the synchronizing
+// forward first, then one under NoSync, and one backward through both. The
+// backward is the first forward's, so it synchronizes everything (as in
+// PyTorch); the NoSync forward used to disarm it, so each rank stepped its
+// local gradients and the replicas drifted apart. With
+// find_unused_parameters the second forward takes head b, which the first
+// one's graph walk found unused: it counts as used, and `never` keeps no
+// gradient. Checked against one process on the combined batches.
+void CheckSyncThenNoSyncForward(ProcessGroup& pg, bool find_unused, bool view) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  const std::string what = std::string("sync then NoSync forward") + (find_unused ? " (find unused)" : "") +
+                           (view ? " (views)" : "");
+  // Without find_unused_parameters every parameter needs a gradient: an MLP
+  // for both forwards. With it, Branchy: head a first, head b under NoSync.
+  auto make = [&](uint64_t seed) -> std::shared_ptr<Module> {
+    if (find_unused) return std::make_shared<Branchy>(seed, /*use_a=*/true);
+    return Mlp(seed);
+  };
+  auto route = [&](Module& m, bool second) {
+    if (auto* branchy = dynamic_cast<Branchy*>(&m)) branchy->use_a_ = !second;
+  };
+  auto model = make(rank == 0 ? 41 : 60 + rank);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused, .gradient_as_bucket_view = view,
+                                      .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = make(41);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  for (int s = 0; s < 2; ++s) {
+    const int first = 2 * s, second = 2 * s + 1;
+    auto [x1, y1] = testing::Batch(data, (first * world + rank) * kBatch, kBatch);
+    auto [x2, y2] = testing::Batch(data, (second * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    route(*model, false);
+    Tensor a = ddp(x1);
+    Tensor b;
+    {
+      auto no_sync = ddp.NoSync();
+      route(*model, true);
+      b = ddp(x2);
+    }
+    nn::Backward(nn::loss::CrossEntropy(a, y1) + nn::loss::CrossEntropy(b, y2));
+    ref_opt.ZeroGrad();
+    auto [x1a, y1a] = testing::Batch(data, first * world * kBatch, world * kBatch);
+    auto [x2a, y2a] = testing::Batch(data, second * world * kBatch, world * kBatch);
+    route(*reference, false);
+    Tensor ra = (*reference)(x1a);
+    route(*reference, true);
+    nn::Backward(nn::loss::CrossEntropy(ra, y1a) + nn::loss::CrossEntropy((*reference)(x2a), y2a));
+    const auto ref_params = reference->NamedParameters();
+    size_t k = 0;
+    for (const auto& [name, p] : model->NamedParameters()) {
+      const Tensor& expected = ref_params[k++].second.grad();
+      if (!expected.defined()) {
+        WORKER_EXPECT(!p.grad().defined(), what + ": `" + name + "` has a gradient, expected none");
+        continue;
+      }
+      WORKER_EXPECT(p.grad().defined(), what + ": `" + name + "` has no gradient");
+      if (!p.grad().defined()) continue;
+      const double diff = testing::RelativeDifference(p.grad(), expected);
+      WORKER_EXPECT(diff <= 1e-5, what + ": step " + std::to_string(s) + ": `" + name +
+                                      "`'s gradient is off the averaged one by " + std::to_string(diff));
+    }
+    opt.Step();
+    ref_opt.Step();
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+  WORKER_EXPECT(ddp.iterations() == 2, what + ": synchronizing iterations " + std::to_string(ddp.iterations()));
+}
+
+DDP_TEST_WORKER(sync_then_no_sync_forward) {
+  auto pg = testing::WorkerGroup();
+  for (bool find_unused : {false, true}) {
+    for (bool view : {false, true}) {
+      try {
+        CheckSyncThenNoSyncForward(*pg, find_unused, view);
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, std::string("sync then NoSync forward: ") + e.what());
+        return testing::WorkerExit();
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ANoSyncForwardAfterASynchronizingOneLeavesItsBackwardSynchronizing) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("sync_then_no_sync_forward", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
 // f16 buckets are averaged by dividing before the sum: a gradient of 40000
 // on each of two ranks (f16's largest value is 65504) averages to 40000,
 // where summing first made it inf.

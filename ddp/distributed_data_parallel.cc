@@ -487,8 +487,10 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   } else if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
     // A forward under no-grad records no graph, so it leaves a prepared
     // iteration armed: an evaluation between a training forward and its
-    // backward does not keep that backward from synchronizing.
-    s.reducer->Disarm(/*reject_gradients=*/grad_sync);
+    // backward does not keep that backward from synchronizing. Nor does a
+    // forward under NoSync there: the backward the training forward
+    // prepared synchronizes, through this forward's outputs too (Disarm).
+    s.reducer->Disarm(outputs, /*reject_gradients=*/grad_sync);
   }
   if (training && nn::GradMode::IsEnabled() && s.require_sync) ++s.forwards;
   if (nn::GradMode::IsEnabled() && s.require_sync && (training || !s.join_enabled)) ++s.sync_forwards;

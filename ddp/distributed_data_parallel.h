@@ -145,7 +145,11 @@ class DistributedDataParallel;
 /// accumulate locally in .grad. The first backward after it ends
 /// synchronizes everything accumulated (gradient accumulation). It also
 /// lets a further backward through the graph of a forward that already
-/// synchronized accumulate locally, which is an error outside it.
+/// synchronized accumulate locally, which is an error outside it. A forward
+/// under it that follows a synchronizing training forward whose backward
+/// has not run yet does not change that backward: as in PyTorch, the
+/// forward that prepared it decides, so a = ddp(x1); {NoSync; b = ddp(x2);}
+/// Backward(f(a, b)) synchronizes every gradient of f.
 class [[nodiscard]] NoSyncGuard {
  public:
   explicit NoSyncGuard(DistributedDataParallel& ddp);

@@ -464,7 +464,30 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // first hook likewise.
 }
 
-void Reducer::Disarm(bool reject_gradients) {
+void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients) {
+  if (armed_ && awaiting_backward()) {
+    // A synchronizing forward prepared this backward and it has not
+    // started: disarming would let it accumulate locally on this rank (the
+    // optimizer would step local gradients and the replicas drift apart),
+    // and the next forward would report a backward that did run. Its graph
+    // now includes this forward's outputs: a parameter reachable from them
+    // is no longer unused (static_graph learns that too).
+    if (handles_unused() && unused_from_walk_ && !unused_.empty()) {
+      std::vector<char> unreachable(params_.size(), 0);
+      for (size_t i : UnreachableParameters(outputs)) unreachable[i] = 1;
+      std::vector<size_t> still_unused;
+      for (size_t i : unused_) {
+        if (unreachable[i]) {
+          still_unused.push_back(i);
+        } else {
+          is_unused_[i] = 0;
+        }
+      }
+      unused_ = std::move(still_unused);
+      if (static_learning_) static_unused_ = unused_;
+    }
+    return;
+  }
   armed_ = false;
   finalized_ = false;
   reject_gradients_ = reject_gradients;

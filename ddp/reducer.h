@@ -134,7 +134,13 @@ class Reducer {
   /// prepared before and not finalized stays unfinished. `reject_gradients`
   /// (an eval-mode forward under Join, which cannot be shadowed): a
   /// gradient before the next PrepareForBackward throws instead.
-  void Disarm(bool reject_gradients = false);
+  /// Except while a training forward's iteration awaits its backward
+  /// (awaiting_backward()): then the hooks stay armed, as in PyTorch, where
+  /// the forward that prepared a backward decides whether it synchronizes,
+  /// so that a = ddp(x1); {NoSync; b = ddp(x2);} Backward(f(a, b)) still
+  /// averages every gradient; with find_unused_parameters the parameters
+  /// reachable from `outputs` then count as used in that backward too.
+  void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false);
   /// Whether a NoSync scope is open: a gradient that arrives after the
   /// last synchronizing backward finalized (a further backward through its
   /// graph) then accumulates locally instead of being an error.
