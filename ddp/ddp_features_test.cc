@@ -367,6 +367,66 @@ DDP_TEST_WORKER(join_throw) {
   return testing::WorkerExit();
 }
 
+// JoinOptions that differ between ranks (JOIN_OPTIONS_CASE picks which,
+// always on the last rank): every rank throws, quickly, the same message
+// naming the option and the ranks on each side. They used to be taken as
+// they were: gradients divided by the world size on some ranks and by the
+// active ranks on others, a rank throwing alone on early termination while
+// the others waited in a bucket all-reduce until the timeout, or a shadowed
+// optimizer step on one side only.
+DDP_TEST_WORKER(join_options_differ) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), last = pg->size() - 1;
+  const std::string which = std::getenv("JOIN_OPTIONS_CASE");
+  JoinOptions options;
+  std::string expected;
+  if (which == "divide") {
+    options.divide_by_initial_world_size = rank != last;
+    expected = "divide_by_initial_world_size is true on rank(s) 0" + std::string(last > 1 ? ", 1" : "") +
+               " and false on rank(s) " + std::to_string(last);
+  } else if (which == "throw") {
+    options.throw_on_early_termination = rank == last;
+    expected = "throw_on_early_termination is true on rank(s) " + std::to_string(last) + " and false on rank(s) 0";
+  } else {
+    if (rank == last) options.shadow_step = [] {};
+    expected = "shadow_step is set on rank(s) " + std::to_string(last) + " and empty on rank(s) 0";
+  }
+  auto model = Mlp(7);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    Join join(ddp, options);
+    // Uneven inputs: rank r has r batches (rank 0 goes straight to Wait).
+    for (int s = 0; s < rank; ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    join.Wait();
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(message.find("Join: the ranks passed different JoinOptions: " + expected) != std::string::npos,
+                which + ": " + (message.empty() ? std::string("no error") : message));
+  WORKER_EXPECT(seconds < 5, which + ": took " + std::to_string(seconds) + " s");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinOptionsThatDifferAcrossRanksFailOnEveryRankNamingTheOption) {
+  for (const char* which : {"divide", "throw", "shadow_step"}) {
+    for (int n : {2, 3}) {
+      auto run = RunWorkers("join_options_differ", n,
+                            {{"JOIN_OPTIONS_CASE", which}, {"DDP_TEST_TIMEOUT_MS", "20000"}}, 40000);
+      EXPECT_TRUE(run.AllSucceeded()) << which << " on " << n << " ranks:\n" << testing::AllOutput(run);
+    }
+  }
+}
+
 // A rank that ran out of inputs in the middle of a NoSync accumulation
 // (it backpropagated through head b locally) contributes nothing of it to
 // the iterations it shadows, and starts the next synchronizing iteration

@@ -196,6 +196,57 @@ std::vector<size_t> CheckedBucketOrder(const std::vector<int64_t>& order, size_t
   return out;
 }
 
+// Join's flags, all-reduced (sum) at every training forward under Join and
+// at every round of Join::Wait: [0, size): rank r is active; size: this
+// iteration synchronizes gradients, size + 1: rebuilds the buckets,
+// size + 2: broadcasts buffers; then [size + 3, 2 * size + 3): rank r's
+// JoinOptions (kJoin* bits), so that every rank sees every rank's options.
+constexpr int kJoinFlagsFixed = 3;
+constexpr int32_t kJoinDivideByInitial = 1;
+constexpr int32_t kJoinThrowOnEarlyTermination = 2;
+constexpr int32_t kJoinShadowStep = 4;
+
+nn::Tensor JoinFlags(int size, int rank, const JoinOptions& o) {
+  nn::Tensor flags = nn::Zeros({2 * size + kJoinFlagsFixed}, {.dtype = nn::DType::kInt32});
+  flags.data<int32_t>()[size + kJoinFlagsFixed + rank] =
+      (o.divide_by_initial_world_size ? kJoinDivideByInitial : 0) |
+      (o.throw_on_early_termination ? kJoinThrowOnEarlyTermination : 0) |
+      (o.shadow_step ? kJoinShadowStep : 0);
+  return flags;
+}
+
+// After the flags' all-reduce: every rank has every rank's JoinOptions, so
+// when they differ every rank aborts the group and throws the same message
+// (run on, they would divide gradients differently, shadow nothing while
+// the others throw, or leave a shadowed optimizer step's broadcasts
+// unmatched).
+void CheckJoinOptions(ProcessGroup& pg, const int32_t* f, int size) {
+  const int32_t* bits = f + size + kJoinFlagsFixed;
+  std::string differences;
+  const std::pair<int32_t, const char*> options[] = {
+      {kJoinDivideByInitial, "divide_by_initial_world_size"},
+      {kJoinThrowOnEarlyTermination, "throw_on_early_termination"},
+      {kJoinShadowStep, "shadow_step"}};
+  for (const auto& [bit, name] : options) {
+    std::string set, unset;
+    for (int r = 0; r < size; ++r) {
+      std::string& list = (bits[r] & bit) ? set : unset;
+      list += (list.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (set.empty() || unset.empty()) continue;
+    const bool is_function = bit == kJoinShadowStep;
+    differences += std::string(differences.empty() ? "" : "; ") + name + " is " +
+                   (is_function ? "set" : "true") + " on rank(s) " + set + " and " +
+                   (is_function ? "empty" : "false") + " on rank(s) " + unset;
+  }
+  if (differences.empty()) return;
+  const transport::Status error = transport::InvalidArgumentError(
+      "Join: the ranks passed different JoinOptions: " + differences +
+      ". Every rank must construct its Join with the same options. The process group was aborted.");
+  pg.Abort(error);
+  throw DistributedError(error);
+}
+
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Module> module,
@@ -409,13 +460,14 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     // flags[r]: rank r is active; then: this iteration synchronizes
     // gradients, rebuilds buckets, broadcasts buffers. Joined ranks read
     // them to shadow exactly what the active ranks do.
-    nn::Tensor flags = nn::Zeros({size + 3}, {.dtype = nn::DType::kInt32});
+    nn::Tensor flags = JoinFlags(size, pg_->rank(), s.join_options);
     int32_t* f = flags.data<int32_t>();
     f[pg_->rank()] = 1;
     f[size] = sync;
     f[size + 1] = rebuild;
     f[size + 2] = sync_buffers;
     pg_->AllReduce(flags, transport::ReduceOp::kSum, "join flags").Wait();
+    CheckJoinOptions(*pg_, f, size);
     int active = 0;
     for (int r = 0; r < size; ++r) {
       if (f[r] > 0) {
@@ -585,9 +637,10 @@ void Join::Wait() {
   if (size > 1) {
     // Shadow the active ranks' forwards (and backwards) until none is left.
     while (true) {
-      nn::Tensor flags = nn::Zeros({size + 3}, {.dtype = nn::DType::kInt32});
+      nn::Tensor flags = JoinFlags(size, pg.rank(), options_);
       const int32_t* f = flags.data<int32_t>();
       pg.AllReduce(flags, transport::ReduceOp::kSum, "join flags").Wait();
+      CheckJoinOptions(pg, f, size);
       int active = 0, buffer_root = 0;
       for (int r = 0; r < size; ++r) {
         if (f[r] > 0) {

@@ -255,7 +255,12 @@ class DistributedDataParallel : public nn::modules::Module {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Options of Join, as PyTorch's DistributedDataParallel.join().
+/// Options of Join, as PyTorch's DistributedDataParallel.join(). The same
+/// on every rank: they are compared with Join's first exchange of flags (at
+/// the first training forward under it, or in Wait), and where they differ
+/// every rank aborts the group and throws DistributedError naming each
+/// option that differs and the ranks on each side (shadow_step: whether it
+/// is set).
 struct JoinOptions {
   /// Gradients of iterations where some ranks have joined are divided by
   /// the initial world size (true) or by the number of ranks still active.
