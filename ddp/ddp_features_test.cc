@@ -367,6 +367,53 @@ DDP_TEST_WORKER(join_throw) {
   return testing::WorkerExit();
 }
 
+// Construction that fails on one rank after the ranks' models were
+// compared (its gradient buckets cannot be allocated): that rank throws the
+// cause, and the others, whose wrappers are complete, fail at their first
+// collective within moments with a message naming the rank and the cause.
+// They used to wait in their first bucket all-reduce until the group's
+// timeout (20 s here) and report only that.
+DDP_TEST_WORKER(construction_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), failing = pg->size() - 1;
+  if (rank == failing) internal::FailNextBucketAllocationForTesting();
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    auto model = Mlp(9);
+    DistributedDataParallel ddp(model, {.inplace_gradient_mb = 0, .process_group = pg});
+    WORKER_EXPECT(rank != failing, "the wrapper was built where its buckets could not be allocated");
+    for (int s = 0; s < 2; ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+  } catch (const std::bad_alloc& e) {
+    message = e.what();
+    WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
+    // A process that handles the error (logs it, tidies up) stays alive
+    // for a while: the peers must not need its exit to stop waiting.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+  } catch (const std::exception& e) {
+    message = e.what();
+    WORKER_EXPECT(message.find("DistributedDataParallel on rank " + std::to_string(failing) +
+                               ": construction failed on this rank") != std::string::npos &&
+                      message.find("std::bad_alloc") != std::string::npos,
+                  message);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(!message.empty(), "no error");
+  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AConstructionThatFailsOnOneRankAfterTheComparisonAbortsTheGroupWithItsCause) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("construction_fails_on_one_rank", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks:\n" << testing::AllOutput(run);
+  }
+}
+
 // JoinOptions that differ between ranks (JOIN_OPTIONS_CASE picks which,
 // always on the last rank): every rank throws, quickly, the same message
 // naming the option and the ranks on each side. They used to be taken as

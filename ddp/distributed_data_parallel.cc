@@ -302,6 +302,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     impl_->trace = std::make_shared<TraceRecorder>();
     pg_->set_trace(impl_->trace);
   }
+  // Set once the ranks agree: a failure after it is this rank's alone.
+  bool compared = false;
   try {
     // 1. Same model on every rank, or the same error on every rank.
     internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_),
@@ -312,6 +314,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // trainable parameters, so a bad value is bad on all of them, and they
     // all throw this.
     if (!option_error.empty()) throw std::invalid_argument(option_error);
+    compared = true;
 
     // 2. Rank 0's values everywhere.
     std::vector<nn::Tensor> state;
@@ -346,6 +349,24 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   } catch (...) {
     // The group outlives a wrapper that failed to construct.
     if (impl_->trace != nullptr) pg_->StopTrace(impl_->trace.get());
+    if (compared && pg_->size() > 1) {
+      // A failure here (bucket allocation out of memory, say) is this
+      // rank's alone: the peers finish constructing and would wait for this
+      // rank in their first collective until the group's timeout, without
+      // the cause. The abort reaches them within moments, with it.
+      std::string cause = "an exception that is not a std::exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        cause = e.what();
+      } catch (...) {
+      }
+      pg_->Abort(transport::FailedPreconditionError(
+          "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+          ": construction failed on this rank after the ranks' models were compared (" + cause +
+          "); the other ranks' wrappers would wait for it in their first collective. The process group "
+          "was aborted."));
+    }
     throw;
   }
 }

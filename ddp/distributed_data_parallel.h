@@ -171,7 +171,11 @@ class DistributedDataParallel : public nn::modules::Module {
   /// Out-of-range options (bucket sizes, bucket_order) throw
   /// std::invalid_argument too, after the replicas are compared, so that a
   /// rank whose options or trainable parameters differ makes every rank
-  /// throw the comparison's message instead of failing alone.
+  /// throw the comparison's message instead of failing alone. A failure of
+  /// this rank's alone after the comparison (allocating the gradient
+  /// buckets, say) aborts the group with a reason naming the rank and the
+  /// cause, so that the peers' first collective fails with it within
+  /// moments instead of waiting until the group's timeout.
   /// The parameters that require grad now are the ones synchronized; one
   /// that starts requiring grad later (unfreezing) is refused, naming it, at
   /// the next forward with grad enabled outside NoSync: wrap again. The

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <new>
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
@@ -22,6 +23,7 @@ namespace {
 double Seconds(std::chrono::steady_clock::duration d) { return duration<double>(d).count(); }
 
 std::atomic<bool> generic_copies{false};
+std::atomic<bool> fail_next_bucket_allocation{false};
 
 // Whether `t` takes the host loops (memcpy, ScaleCopy) rather than the
 // device-agnostic tensor operations a GPU bucket uses.
@@ -58,6 +60,8 @@ void WriteBack(const nn::Tensor& grad, const nn::Tensor& reduced) {
 void SetReducerDeviceCopiesForTesting(bool on) {
   generic_copies.store(on, std::memory_order_relaxed);
 }
+
+void FailNextBucketAllocationForTesting() { fail_next_bucket_allocation.store(true); }
 
 std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
                                                const std::vector<size_t>& order,
@@ -247,6 +251,7 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
     bucket.numel = numel;
     bucket.is_solo = bucket.params.size() == 1;
     if (!bucket.is_solo) {
+      if (fail_next_bucket_allocation.exchange(false)) throw std::bad_alloc();
       bucket.buffer = pg_->CollectiveZeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
     }
     for (size_t k = 0; k < bucket.params.size(); ++k) {

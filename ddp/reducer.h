@@ -46,6 +46,12 @@ std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& pa
 /// CPU tests cover their arithmetic. Process-wide; for tests.
 void SetReducerDeviceCopiesForTesting(bool on);
 
+/// Makes the next gradient bucket allocation of a Reducer in this process
+/// throw std::bad_alloc, as on a rank whose memory ran out (after the
+/// ranks' models were compared, when nothing else fails on one rank only).
+/// For tests.
+void FailNextBucketAllocationForTesting();
+
 struct ReducerOptions {
   size_t first_bucket_bytes = size_t{1} << 20;
   size_t bucket_bytes = size_t{25} << 20;
