@@ -367,6 +367,87 @@ DDP_TEST_WORKER(join_throw) {
   return testing::WorkerExit();
 }
 
+// Communication hooks with one process: they run as on N ranks (the
+// wrapper used to have no buckets there and dropped the hook silently).
+// Fp16CompressHook rounds each gradient to f16 and back, a user's hook is
+// called for each bucket, and a hook registered after the first backward
+// is refused as on N ranks.
+DDP_TEST_WORKER(hooks_on_one_process) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  WORKER_EXPECT(pg->size() == 1, "world size " + std::to_string(pg->size()));
+  auto [x, y] = testing::Batch(data, 0, kBatch);
+  {
+    auto model = Mlp(13);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    ddp.RegisterCommHook(hooks::Fp16CompressHook());
+    auto reference = Mlp(13);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
+    const auto ref_params = reference->NamedParameters();
+    size_t k = 0, rounded = 0;
+    for (const auto& [name, p] : model->NamedParameters()) {
+      const std::vector<float> exact = ref_params[k++].second.grad().ToVector<float>();
+      std::vector<uint16_t> half(exact.size());
+      std::vector<float> expected(exact.size());
+      internal::FloatToHalf(exact.data(), half.data(), static_cast<int64_t>(exact.size()));
+      internal::HalfToFloat(half.data(), expected.data(), static_cast<int64_t>(exact.size()));
+      WORKER_EXPECT(p.grad().defined(), "fp16: `" + name + "` has no gradient");
+      if (!p.grad().defined()) continue;
+      const std::vector<float> got = p.grad().ToVector<float>();
+      size_t mismatches = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        mismatches += got[i] != expected[i];
+        rounded += expected[i] != exact[i];
+      }
+      WORKER_EXPECT(mismatches == 0, "fp16: `" + name + "`: " + std::to_string(mismatches) +
+                                         " elements are not the f16 rounding of the gradient");
+    }
+    WORKER_EXPECT(rounded > 0, "fp16: no gradient element changes when rounded to f16");
+    // Late: refused, as on N ranks.
+    bool refused = false;
+    try {
+      ddp.RegisterCommHook(hooks::AllReduceHook());
+    } catch (const std::logic_error&) {
+      refused = true;
+    }
+    WORKER_EXPECT(refused, "a communication hook was accepted after the first backward on one process");
+  }
+  {
+    auto model = Mlp(17);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    int calls = 0;
+    ddp.RegisterCommHook([&calls](ProcessGroup& group, GradBucket& bucket) {
+      ++calls;
+      return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, "user hook");
+    });
+    for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    WORKER_EXPECT(calls >= 2, "the user's hook ran " + std::to_string(calls) + " time(s) in two backwards");
+    WORKER_EXPECT(ddp.iterations() == 2, "iterations " + std::to_string(ddp.iterations()));
+  }
+  {
+    // Without a hook nothing is built, and registering after a
+    // synchronizing forward is refused too.
+    auto model = Mlp(19);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    WORKER_EXPECT(ddp.BucketParameterNames().empty(), "buckets on one process without a hook");
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    bool refused = false;
+    try {
+      ddp.RegisterCommHook(hooks::Fp16CompressHook());
+    } catch (const std::logic_error&) {
+      refused = true;
+    }
+    WORKER_EXPECT(refused, "a communication hook was accepted after the first backward (no hook before)");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, CommunicationHooksRunWithOneProcessAndLateOnesAreRefused) {
+  auto run = RunWorkers("hooks_on_one_process", 1);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Construction that fails on one rank after the ranks' models were
 // compared (its gradient buckets cannot be allocated): that rank throws the
 // cause, and the others, whose wrappers are complete, fail at their first

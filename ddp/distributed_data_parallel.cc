@@ -37,7 +37,12 @@ std::string DdpStats::ToString() const {
 
 class DistributedDataParallel::Impl {
  public:
-  std::unique_ptr<internal::Reducer> reducer;  // null with one rank
+  // Null with nothing to train, and with one rank until a communication
+  // hook is registered (RegisterCommHook builds it from `single_trainable`
+  // then, so that the hook runs as on N ranks).
+  std::unique_ptr<internal::Reducer> reducer;
+  std::vector<std::pair<std::string, nn::Tensor>> single_trainable;
+  internal::ReducerOptions single_options;
   std::vector<nn::Tensor> buffers;
   // Parameters that did not require grad when the model was wrapped: no
   // bucket has them, so one that starts requiring grad later is refused.
@@ -325,7 +330,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     }
     internal::BroadcastCoalesced(*pg_, state, 0, "initial parameters and buffers");
 
-    // 3. Buckets and hooks.
+    // 3. Buckets and hooks. One rank has nothing to reduce: no buckets (no
+    // copies, no memory) unless a communication hook is registered.
     if (pg_->size() > 1) {
       std::vector<std::pair<std::string, nn::Tensor>> trainable;
       for (const auto& [name, p] : module_->NamedParameters()) {
@@ -339,6 +345,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
         impl_->reducer = std::make_unique<internal::Reducer>(std::move(trainable), pg_, reducer_options,
                                                              impl_->trace);
       }
+    } else {
+      for (const auto& [name, p] : module_->NamedParameters()) {
+        if (p.requires_grad()) impl_->single_trainable.emplace_back(name, p);
+      }
+      impl_->single_options = reducer_options;
     }
     impl_->user_since = TakeStatsSnapshot(*impl_, *pg_);
     impl_->log_since = impl_->user_since;
@@ -585,11 +596,23 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
 }
 
 void DistributedDataParallel::RegisterCommHook(CommHook hook) {
-  if (impl_->reducer != nullptr) {
-    impl_->reducer->SetCommHook(std::move(hook));
-  } else if (!hook) {
-    throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
+  if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
+  Impl& s = *impl_;
+  if (s.reducer == nullptr && !s.single_trainable.empty()) {
+    // One rank: the hook runs as on N ranks (Fp16CompressHook still rounds
+    // through f16, a user's hook is called per bucket), from a reducer built
+    // now. No backward is observed before it exists, so registration is
+    // refused from the first forward that would synchronize on N ranks on,
+    // never later than N ranks refuse it (at their first backward).
+    if (s.sync_forwards > 0) {
+      throw std::logic_error(
+          "DistributedDataParallel::RegisterCommHook: call it before the first backward (on one process, "
+          "before the first forward with grad enabled outside NoSync)");
+    }
+    s.reducer = std::make_unique<internal::Reducer>(std::move(s.single_trainable), pg_, s.single_options, s.trace);
+    s.single_trainable.clear();
   }
+  if (s.reducer != nullptr) s.reducer->SetCommHook(std::move(hook));
 }
 
 DdpStats DistributedDataParallel::Stats() const { return StatsSince(*impl_, *pg_, impl_->user_since); }

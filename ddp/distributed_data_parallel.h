@@ -221,7 +221,11 @@ class DistributedDataParallel : public nn::modules::Module {
 
   /// Gradient accumulation without communication (see NoSyncGuard).
   NoSyncGuard NoSync() { return NoSyncGuard(*this); }
-  /// Replaces the default all-reduce. Call before the first backward.
+  /// Replaces the default all-reduce. Call before the first backward:
+  /// later, it throws std::logic_error. On one process the hook runs too
+  /// (its buckets are built at this call; without a hook one process has
+  /// none), and it is refused from the first forward with grad enabled
+  /// outside NoSync on, since no backward is seen before.
   void RegisterCommHook(CommHook hook);
 
   /// Statistics since the last ResetStats (or construction).
@@ -235,14 +239,15 @@ class DistributedDataParallel : public nn::modules::Module {
   /// The order the buckets are filled in, as indices into the parameters
   /// that require grad (registration order), once it is agreed: after the
   /// one-time rebuild (rank 0's observed gradient order), or from the start
-  /// when DdpOptions::bucket_order gave it. Empty before that, on one rank,
-  /// and when no rebuild happens (find_unused_parameters without
+  /// when DdpOptions::bucket_order gave it. Empty before that, on one rank
+  /// without a communication hook, and when no rebuild happens (find_unused_parameters without
   /// static_graph, a hook with fixed buckets). Pass it as bucket_order to a
   /// later wrapper of the same model to start from the same buckets.
   std::vector<int64_t> BucketOrder() const;
-  /// Synchronizing iterations run so far (on one rank, or with no
-  /// trainable parameter: forwards with grad enabled outside NoSync, in
-  /// training mode or outside Join, whether a backward followed or not).
+  /// Synchronizing iterations run so far (on one rank without a
+  /// communication hook, or with no trainable parameter: forwards with
+  /// grad enabled outside NoSync, in training mode or outside Join, whether
+  /// a backward followed or not).
   int64_t iterations() const;
   /// iterations() plus the synchronizing backwards this rank shadowed in
   /// Join::Wait (what a sharded optimizer's step follows).
