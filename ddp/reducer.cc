@@ -118,6 +118,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   ready_.assign(n, 0);
   is_unused_.assign(n, 0);
   detached_.assign(n, 0);
+  stale_.assign(n, nn::Tensor());
   used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
   if (!options_.bucket_order.empty()) {
     // An order agreed before (a resumed run's): as if already rebuilt.
@@ -444,7 +445,10 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
 
-  for (size_t i : unused_) is_unused_[i] = 0;
+  for (size_t i : unused_) {
+    is_unused_[i] = 0;
+    stale_[i] = nn::Tensor();  // left by a backward that failed
+  }
   unused_.clear();
   if (!handles_unused()) return;
   // An eval-mode forward may take another path than training (an
@@ -556,7 +560,7 @@ void Reducer::OnGradReady(size_t index) {
     comm_hook_locked_ = true;
     nn::autograd::QueueCallback([this] { Finalize(); });
     for (size_t i : unused_) {
-      MarkReady(i, /*used_here=*/false);
+      MarkUnusedReady(i);
       // Should this parameter get a gradient later in this backward (an
       // error), the engine adds it to .grad before the hook can object:
       // when .grad is the memory being reduced (its solo bucket, or its
@@ -600,6 +604,12 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
   // the peers fail within moments with this message instead of waiting.
   pg_->Abort(transport::FailedPreconditionError(pending_error_));
   throw std::logic_error(pending_error_);
+}
+
+void Reducer::MarkUnusedReady(size_t index) {
+  const nn::Tensor& grad = params_[index].grad();
+  if (grad.defined() && IsView(index, grad)) stale_[index] = grad.Clone();
+  MarkReady(index, /*used_here=*/false);
 }
 
 void Reducer::MarkReady(size_t index, bool used_here) {
@@ -735,7 +745,7 @@ void Reducer::Finalize() {
       is_unused_[i] = 1;
       unused_.push_back(i);
       static_unused_.push_back(i);
-      MarkReady(i, /*used_here=*/false);
+      MarkUnusedReady(i);
     }
     std::sort(static_unused_.begin(), static_unused_.end());
   }
@@ -834,8 +844,14 @@ void Reducer::Finalize() {
     for (size_t i : b.params) {
       const nn::Tensor& view = slots_[i].view;
       const nn::Tensor& grad = params_[i].grad();
-      // Unused on every rank: keeps no gradient (or the one it had).
-      if (!globally_used[i]) continue;
+      // Unused on every rank: keeps no gradient, or the one it had (a
+      // bucket view's, reduced in place with the bucket, from its copy).
+      if (!globally_used[i]) {
+        if (stale_[i].defined() && grad.defined()) WriteBack(grad, stale_[i]);
+        stale_[i] = nn::Tensor();
+        continue;
+      }
+      stale_[i] = nn::Tensor();
       if (options_.gradient_as_bucket_view) {
         if (!grad.defined()) params_[i].set_grad(view);
         continue;  // .grad is the bucket

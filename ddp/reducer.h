@@ -201,6 +201,12 @@ class Reducer {
   // parameter is unused here, and a .grad it holds is stale: contributed,
   // but never reduced in place).
   void MarkReady(size_t index, bool used_here = true);
+  // MarkReady for a parameter unused here. A stale .grad that is its bucket
+  // view is contributed (as PyTorch does) and reduced in place, so a copy
+  // is kept first: when no rank used the parameter it gets that .grad back
+  // bit for bit (the reduction changes it, in the last bit on 3+ ranks even
+  // where every rank held the same).
+  void MarkUnusedReady(size_t index);
   // A gradient for a parameter this iteration took as unused: records the
   // error for the next forward, aborts the group and throws.
   [[noreturn]] void FailUnusedParameterGradient(size_t index);
@@ -254,6 +260,8 @@ class Reducer {
   bool unused_from_walk_ = false; // found by this forward's graph walk (not static_graph's)
   std::vector<char> detached_;  // .grad was moved off the memory being reduced (the parameter is
                                 // unused, or a hook runs after DDP's): Finalize sets it back
+  std::vector<nn::Tensor> stale_; // a parameter unused here whose .grad is its bucket view: that
+                                  // .grad as it was, restored by Finalize when no rank used it
   size_t ready_count_ = 0;
   size_t next_launch_ = 0;
   nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing
