@@ -789,9 +789,22 @@ TEST(InitTest, PyTorchBoundsAndSeededReproducibility) {
   EXPECT_LE(mx, bound);
   EXPECT_GT(mx, 0.95 * bound);
   for (float v : a.bias().ToVector<float>()) EXPECT_LE(std::fabs(v), bound);
-  Conv2d c(16, 32, 3);
-  const double cbound = 1.0 / std::sqrt(16.0 * 9);
-  for (float v : c.weight().ToVector<float>()) EXPECT_LE(std::fabs(v), cbound);
+  // Conv2d: weight and bias both within 1/sqrt(fan_in), fan_in = in_channels
+  // / groups * kh * kw, the weight's largest value near it.
+  for (const auto& [groups, fan_in] : {std::pair<int64_t, double>{1, 16.0 * 9}, {4, 4.0 * 9}}) {
+    SCOPED_TRACE("groups " + std::to_string(groups));
+    Generator gen(11);
+    Conv2d c(16, 32, 3, {.groups = groups}, gen);
+    const double cbound = 1.0 / std::sqrt(fan_in);
+    double cmx = 0;
+    for (float v : c.weight().ToVector<float>()) cmx = std::max(cmx, std::fabs(static_cast<double>(v)));
+    EXPECT_LE(cmx, cbound);
+    EXPECT_GT(cmx, 0.95 * cbound);
+    double bmx = 0;
+    for (float v : c.bias().ToVector<float>()) bmx = std::max(bmx, std::fabs(static_cast<double>(v)));
+    EXPECT_LE(bmx, cbound);
+    EXPECT_GT(bmx, 0.5 * cbound);  // 32 draws: all below half the bound has chance 2^-32
+  }
 }
 
 // Mean and standard deviation of a tensor's values.
