@@ -465,6 +465,29 @@ TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   EXPECT_EQ(y.shape(), x.shape());
 }
 
+// Eval mode normalizes with the running statistics alone:
+// y = (x - running_mean) / sqrt(running_var + eps) * weight + bias.
+TEST(ModuleTest, BatchNormInEvalUsesTheRunningStatistics) {
+  BatchNorm2d bn(3, {.eps = 1e-3});
+  const std::vector<double> rm{0.5, -1.25, 2.0}, rv{0.25, 4.0, 1.5}, w{1.5, -0.75, 0.3}, b{0.1, 2.0, -3.0};
+  bn.LoadStateDict({{"weight", FromVector(w, {3})},
+                    {"bias", FromVector(b, {3})},
+                    {"running_mean", FromVector(rm, {3})},
+                    {"running_var", FromVector(rv, {3})},
+                    {"num_batches_tracked", FromVectorOf<int64_t>({7}, {})}});
+  bn.Eval();
+  const Tensor x = ops::MulScalar(Rand({2, 3, 2, 3}), 4.0);
+  const std::vector<float> xv = x.ToVector<float>(), yv = bn.Forward(x).ToVector<float>();
+  ASSERT_EQ(yv.size(), xv.size());
+  for (size_t i = 0; i < xv.size(); ++i) {
+    const size_t c = (i / 6) % 3;
+    const double want = (xv[i] - rm[c]) / std::sqrt(rv[c] + 1e-3) * w[c] + b[c];
+    EXPECT_NEAR(yv[i], want, 1e-5 * (1 + std::fabs(want))) << i;
+  }
+  EXPECT_EQ(bn.num_batches_tracked().Item(), 7.0);
+  EXPECT_EQ(bn.running_mean().ToVector<double>(), rm);
+}
+
 // Bad options fail at construction, naming the module and the option,
 // before any batch (the functional op checks momentum only when training
 // updates running statistics).
