@@ -513,10 +513,32 @@ TEST(ModuleTest, BatchNormRefusesABadEpsOrMomentumAtConstruction) {
 TEST(ModuleTest, BatchNormWithoutMomentumKeepsTheCumulativeAverage) {
   BatchNorm2d bn(3, {.momentum = std::nullopt});
   EXPECT_EQ(bn.ToString(), "BatchNorm2d(3, eps=1e-05, momentum=None, affine=True, track_running_stats=True)");
-  for (double v : {1.0, 3.0, 8.0}) bn.Forward(Full({2, 3, 2, 2}, v));
+  // Random batches of 8 values per channel, so that the variances differ
+  // and biased (/8) and unbiased (/7) ones tell apart by 14%.
+  std::vector<double> mean_sum(3, 0.0), var_sum(3, 0.0);
+  const int batches = 3;
+  for (int k = 0; k < batches; ++k) {
+    const Tensor x = ops::AddScalar(ops::MulScalar(Rand({2, 3, 2, 2}), 1.0 + k), 2.0 * k);
+    const std::vector<float> v = x.ToVector<float>();
+    for (int64_t c = 0; c < 3; ++c) {
+      std::vector<double> e;
+      for (int64_t n = 0; n < 2; ++n) {
+        for (int64_t i = 0; i < 4; ++i) e.push_back(v[(n * 3 + c) * 4 + i]);
+      }
+      double mean = 0, sq = 0;
+      for (double a : e) mean += a / static_cast<double>(e.size());
+      for (double a : e) sq += (a - mean) * (a - mean);
+      mean_sum[c] += mean;
+      var_sum[c] += sq / static_cast<double>(e.size() - 1);
+    }
+    bn.Forward(x);
+  }
   EXPECT_EQ(bn.num_batches_tracked().Item(), 3.0);
-  for (float m : bn.running_mean().ToVector<float>()) EXPECT_NEAR(m, 4.0, 1e-6);
-  for (float v : bn.running_var().ToVector<float>()) EXPECT_NEAR(v, 0.0, 1e-6);
+  const std::vector<float> rm = bn.running_mean().ToVector<float>(), rv = bn.running_var().ToVector<float>();
+  for (int64_t c = 0; c < 3; ++c) {
+    EXPECT_NEAR(rm[c], mean_sum[c] / batches, 1e-5) << c;
+    EXPECT_NEAR(rv[c], var_sum[c] / batches, 1e-5) << c;
+  }
 }
 
 // A graph recorded on the CPU, the module moved to another device before
