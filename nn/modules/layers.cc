@@ -276,9 +276,30 @@ Tensor Tanh::Forward(const Tensor& x) { return ops::Tanh(x); }
 
 // ---------------------------------------------------------------- pooling
 
-MaxPool2d::MaxPool2d(int64_t kernel_size, int64_t stride, int64_t padding, int64_t dilation, bool ceil_mode) {
-  const int64_t s = stride == 0 ? kernel_size : stride;
+namespace {
+
+// The checks of ops' PoolOutput, made at construction so that a bad
+// argument is reported where it is given, naming the layer and the argument.
+void CheckPoolArguments(const char* layer, const ops::Pool2dParams& p) {
+  auto at_least_one = [layer](const char* what, int64_t v) {
+    if (v < 1) throw std::invalid_argument(std::string(layer) + ": " + what + " must be >= 1, got " + std::to_string(v));
+  };
+  at_least_one("kernel_size", p.kernel_h);
+  at_least_one("stride", p.stride_h);
+  at_least_one("dilation", p.dilation_h);
+  if (p.pad_h < 0 || p.pad_h * 2 > p.kernel_h) {
+    throw std::invalid_argument(std::string(layer) + ": padding must be between 0 and half of kernel_size (" +
+                                std::to_string(p.kernel_h) + "), got " + std::to_string(p.pad_h));
+  }
+}
+
+}  // namespace
+
+MaxPool2d::MaxPool2d(int64_t kernel_size, std::optional<int64_t> stride, int64_t padding, int64_t dilation,
+                     bool ceil_mode) {
+  const int64_t s = stride.value_or(kernel_size);
   p_ = {kernel_size, kernel_size, s, s, padding, padding, dilation, dilation, ceil_mode, true};
+  CheckPoolArguments("MaxPool2d", p_);
 }
 
 std::string MaxPool2d::ExtraRepr() const {
@@ -296,9 +317,11 @@ Tensor MaxPool2d::Forward(const Tensor& x) {
   }
 }
 
-AvgPool2d::AvgPool2d(int64_t kernel_size, int64_t stride, int64_t padding, bool ceil_mode, bool count_include_pad) {
-  const int64_t s = stride == 0 ? kernel_size : stride;
+AvgPool2d::AvgPool2d(int64_t kernel_size, std::optional<int64_t> stride, int64_t padding, bool ceil_mode,
+                     bool count_include_pad) {
+  const int64_t s = stride.value_or(kernel_size);
   p_ = {kernel_size, kernel_size, s, s, padding, padding, 1, 1, ceil_mode, count_include_pad};
+  CheckPoolArguments("AvgPool2d", p_);
 }
 
 std::string AvgPool2d::ExtraRepr() const {

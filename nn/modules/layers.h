@@ -199,11 +199,14 @@ class Tanh : public Module {
   std::string TypeName() const override { return "Tanh"; }
 };
 
-/// Max over kernel x kernel windows; stride 0 means stride = kernel.
+/// Max over kernel x kernel windows. Stride nullopt (PyTorch's None) means
+/// stride = kernel_size. Arguments are checked here, each error naming the
+/// layer and the argument: kernel_size, stride and dilation >= 1, padding
+/// in [0, kernel_size / 2] (an explicit stride 0 is refused, as in PyTorch).
 class MaxPool2d : public Module {
  public:
-  explicit MaxPool2d(int64_t kernel_size, int64_t stride = 0, int64_t padding = 0, int64_t dilation = 1,
-                     bool ceil_mode = false);
+  explicit MaxPool2d(int64_t kernel_size, std::optional<int64_t> stride = std::nullopt, int64_t padding = 0,
+                     int64_t dilation = 1, bool ceil_mode = false);
   Tensor Forward(const Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "MaxPool2d"; }
@@ -213,11 +216,11 @@ class MaxPool2d : public Module {
   ops::Pool2dParams p_;
 };
 
-/// Mean over kernel x kernel windows; stride 0 means stride = kernel.
+/// Mean over kernel x kernel windows. Stride and the checks as MaxPool2d's.
 class AvgPool2d : public Module {
  public:
-  explicit AvgPool2d(int64_t kernel_size, int64_t stride = 0, int64_t padding = 0, bool ceil_mode = false,
-                     bool count_include_pad = true);
+  explicit AvgPool2d(int64_t kernel_size, std::optional<int64_t> stride = std::nullopt, int64_t padding = 0,
+                     bool ceil_mode = false, bool count_include_pad = true);
   Tensor Forward(const Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "AvgPool2d"; }

@@ -99,6 +99,24 @@ TEST(ModuleTest, Conv2dNamesEachBadArgument) {
   EXPECT_EQ(ErrorOf([] { Conv2d(0, 0, 3); }), "");
 }
 
+// Bad pooling arguments fail at construction, naming the layer and the
+// argument (before, only the first Forward reported them); an explicit
+// stride 0 is refused rather than read as stride = kernel_size (PyTorch's
+// None, here nullopt).
+TEST(ModuleTest, PoolingNamesEachBadArgumentAtConstruction) {
+  EXPECT_EQ(ErrorOf([] { MaxPool2d(2, 0); }), "MaxPool2d: stride must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { AvgPool2d(2, 0); }), "AvgPool2d: stride must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { MaxPool2d(0); }), "MaxPool2d: kernel_size must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { AvgPool2d(-1, 1); }), "AvgPool2d: kernel_size must be >= 1, got -1");
+  EXPECT_EQ(ErrorOf([] { MaxPool2d(3, 1, 1, 0); }), "MaxPool2d: dilation must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { MaxPool2d(3, 1, 2); }), "MaxPool2d: padding must be between 0 and half of kernel_size (3), got 2");
+  EXPECT_EQ(ErrorOf([] { AvgPool2d(4, 1, -1); }), "AvgPool2d: padding must be between 0 and half of kernel_size (4), got -1");
+  EXPECT_EQ(ErrorOf([] { MaxPool2d(4, 1, 2); }), "");
+  EXPECT_EQ(MaxPool2d(3).ToString(), "MaxPool2d(kernel_size=3, stride=3, padding=0, dilation=1, ceil_mode=False)");
+  EXPECT_EQ(AvgPool2d(3, std::nullopt, 1).ToString(), "AvgPool2d(kernel_size=3, stride=3, padding=1)");
+  EXPECT_EQ(AvgPool2d(3, 1).ToString(), "AvgPool2d(kernel_size=3, stride=1, padding=0)");
+}
+
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {
   auto r18 = MakeResNet18();
   EXPECT_EQ(Count(*r18), 11689512);
