@@ -69,6 +69,13 @@ void ResetLikePyTorch(const Tensor& weight, const Tensor& bias, Generator& gen) 
   }
 }
 
+// An unbatched [C, H, W] input, which PyTorch 1.13's 2-D convolution and
+// pooling layers take: the layer runs on it as a batch of one, [1, C, H, W],
+// and the result loses that dimension again (both views, so gradients flow).
+Tensor RunUnbatched(Module& layer, const Tensor& x) {
+  return ops::Squeeze(layer.Forward(ops::Unsqueeze(x, 0)), 0);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Linear
@@ -150,8 +157,10 @@ std::string Conv2d::ShortRepr() const {
 }
 
 Tensor Conv2d::Forward(const Tensor& x) {
+  if (x.dim() == 3 && x.size(0) == in_) return RunUnbatched(*this, x);
   if (x.dim() != 4 || x.size(1) != in_) {
-    Fail("expected input [N, " + std::to_string(in_) + ", H, W], got " + ShapeToString(x.shape()));
+    Fail("expected input [N, " + std::to_string(in_) + ", H, W] or [" + std::to_string(in_) + ", H, W], got " +
+         ShapeToString(x.shape()));
   }
   const ops::Conv2dParams p{options_.stride, options_.stride, options_.padding, options_.padding,
                             options_.dilation, options_.dilation, options_.groups};
@@ -309,7 +318,8 @@ std::string MaxPool2d::ExtraRepr() const {
 }
 
 Tensor MaxPool2d::Forward(const Tensor& x) {
-  if (x.dim() != 4) Fail("expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  if (x.dim() == 3) return RunUnbatched(*this, x);
+  if (x.dim() != 4) Fail("expected input [N, C, H, W] or [C, H, W], got " + ShapeToString(x.shape()));
   try {
     return ops::MaxPool2d(x, p_);
   } catch (const std::invalid_argument& e) {
@@ -330,7 +340,8 @@ std::string AvgPool2d::ExtraRepr() const {
 }
 
 Tensor AvgPool2d::Forward(const Tensor& x) {
-  if (x.dim() != 4) Fail("expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  if (x.dim() == 3) return RunUnbatched(*this, x);
+  if (x.dim() != 4) Fail("expected input [N, C, H, W] or [C, H, W], got " + ShapeToString(x.shape()));
   try {
     return ops::AvgPool2d(x, p_);
   } catch (const std::invalid_argument& e) {
@@ -341,7 +352,8 @@ Tensor AvgPool2d::Forward(const Tensor& x) {
 std::string AdaptiveAvgPool2d::ExtraRepr() const { return "output_size=" + Pair(out_h_, out_w_); }
 
 Tensor AdaptiveAvgPool2d::Forward(const Tensor& x) {
-  if (x.dim() != 4) Fail("expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  if (x.dim() == 3) return RunUnbatched(*this, x);
+  if (x.dim() != 4) Fail("expected input [N, C, H, W] or [C, H, W], got " + ShapeToString(x.shape()));
   try {
     return ops::AdaptiveAvgPool2d(x, out_h_, out_w_);
   } catch (const std::invalid_argument& e) {

@@ -46,7 +46,9 @@ struct Conv2dOptions {
   bool bias = true;
 };
 
-/// x [N, in, H, W] -> [N, out, OH, OW]; weight [out, in/groups, k, k].
+/// x [N, in, H, W] -> [N, out, OH, OW]; weight [out, in/groups, k, k]. An
+/// unbatched x [in, H, W] gives [out, OH, OW] (as PyTorch 1.13); an error
+/// from the op then shows the input as a batch of one, [1, in, H, W].
 class Conv2d : public Module {
  public:
   Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options = {},
@@ -199,7 +201,8 @@ class Tanh : public Module {
   std::string TypeName() const override { return "Tanh"; }
 };
 
-/// Max over kernel x kernel windows. Stride nullopt (PyTorch's None) means
+/// Max over kernel x kernel windows of [N, C, H, W], or of an unbatched
+/// [C, H, W] (as Conv2d's). Stride nullopt (PyTorch's None) means
 /// stride = kernel_size. Arguments are checked here, each error naming the
 /// layer and the argument: kernel_size, stride and dilation >= 1, padding
 /// in [0, kernel_size / 2] (an explicit stride 0 is refused, as in PyTorch).
@@ -216,7 +219,7 @@ class MaxPool2d : public Module {
   ops::Pool2dParams p_;
 };
 
-/// Mean over kernel x kernel windows. Stride and the checks as MaxPool2d's.
+/// Mean over kernel x kernel windows. Input, stride and the checks as MaxPool2d's.
 class AvgPool2d : public Module {
  public:
   explicit AvgPool2d(int64_t kernel_size, std::optional<int64_t> stride = std::nullopt, int64_t padding = 0,
@@ -230,7 +233,8 @@ class AvgPool2d : public Module {
   ops::Pool2dParams p_;
 };
 
-/// [N, C, H, W] -> [N, C, out_h, out_w] by averaging adaptive windows.
+/// [N, C, H, W] -> [N, C, out_h, out_w] by averaging adaptive windows;
+/// unbatched [C, H, W] -> [C, out_h, out_w].
 class AdaptiveAvgPool2d : public Module {
  public:
   AdaptiveAvgPool2d(int64_t out_h, int64_t out_w) : out_h_(out_h), out_w_(out_w) {}

@@ -117,6 +117,44 @@ TEST(ModuleTest, PoolingNamesEachBadArgumentAtConstruction) {
   EXPECT_EQ(AvgPool2d(3, 1).ToString(), "AvgPool2d(kernel_size=3, stride=1, padding=0)");
 }
 
+// An unbatched [C, H, W] input (PyTorch 1.13 takes it in these layers)
+// gives the batch-of-one result without its batch dimension, and the same
+// gradients.
+TEST(ModuleTest, ConvAndPoolingTakeAnUnbatchedInput) {
+  std::vector<std::shared_ptr<Module>> layers{
+      std::make_shared<Conv2d>(3, 4, 3, Conv2dOptions{.stride = 2, .padding = 1}), std::make_shared<MaxPool2d>(2),
+      std::make_shared<AvgPool2d>(3, 2, 1), std::make_shared<AdaptiveAvgPool2d>(2, 3)};
+  for (const auto& layer : layers) {
+    SCOPED_TRACE(layer->TypeName());
+    const Tensor data = Rand({3, 7, 6});
+    Tensor x3 = data.Detach(), x4 = ops::Unsqueeze(data, 0).Detach();
+    x3.set_requires_grad(true);
+    x4.set_requires_grad(true);
+    const Tensor y3 = layer->Forward(x3), y4 = layer->Forward(x4);
+    ASSERT_EQ(y3.dim(), 3);
+    EXPECT_EQ(ops::Unsqueeze(y3, 0).shape(), y4.shape());
+    EXPECT_EQ(y3.ToVector<float>(), y4.ToVector<float>());
+    const Tensor r = Rand(y3.shape());
+    Backward(ops::Sum(ops::Mul(y3, r)));
+    std::vector<float> param_grads;
+    for (const Tensor& p : layer->Parameters()) {
+      for (float g : p.grad().ToVector<float>()) param_grads.push_back(g);
+    }
+    layer->ZeroGrad();
+    Backward(ops::Sum(ops::Mul(y4, ops::Unsqueeze(r, 0))));
+    ASSERT_TRUE(x3.grad().defined());
+    EXPECT_EQ(x3.grad().ToVector<float>(), x4.grad().ToVector<float>());
+    std::vector<float> batched_grads;
+    for (const Tensor& p : layer->Parameters()) {
+      for (float g : p.grad().ToVector<float>()) batched_grads.push_back(g);
+    }
+    EXPECT_EQ(param_grads, batched_grads);
+  }
+  EXPECT_EQ(ErrorOf([] { Conv2d(3, 4, 3).Forward(Zeros({2, 7, 7})); }),
+            "Conv2d(3->4, 3x3): expected input [N, 3, H, W] or [3, H, W], got [2, 7, 7]");
+  EXPECT_EQ(ErrorOf([] { MaxPool2d(2).Forward(Zeros({7, 7})); }), "MaxPool2d: expected input [N, C, H, W] or [C, H, W], got [7, 7]");
+}
+
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {
   auto r18 = MakeResNet18();
   EXPECT_EQ(Count(*r18), 11689512);
@@ -173,7 +211,7 @@ TEST(ModuleTest, BadInputShapesNameTheLayer) {
   EXPECT_EQ(ErrorOf([&] { seq.Forward(Zeros({64, 785})); }), "Linear(784->512) `0`: expected input [..., 784], got [64, 785]");
   auto cnn = MakeCnn();
   err = ErrorOf([&] { cnn->Forward(Zeros({8, 3, 28, 28})); });
-  EXPECT_EQ(err, "Conv2d(1->32, 3x3) `0`: expected input [N, 1, H, W], got [8, 3, 28, 28]");
+  EXPECT_EQ(err, "Conv2d(1->32, 3x3) `0`: expected input [N, 1, H, W] or [1, H, W], got [8, 3, 28, 28]");
   err = ErrorOf([&] { cnn->Forward(Zeros({8, 1, 2, 2})); });
   EXPECT_NE(err.find("Conv2d(1->32, 3x3) `0`: conv2d: input [8, 1, 2, 2] is smaller than the kernel"), std::string::npos)
       << err;
