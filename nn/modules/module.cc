@@ -13,8 +13,26 @@ namespace ddp::nn::modules {
 
 Module::~Module() {
   for (auto& [name, child] : children_) {
-    if (child && child->parent_ == this) child->parent_ = nullptr;
+    if (child) child->Unregister(this, nullptr);
   }
+}
+
+void Module::Unregister(const Module* parent, const std::string* name) {
+  if (name != nullptr) {
+    auto it = std::find_if(registrations_.begin(), registrations_.end(),
+                           [&](const auto& r) { return r.first == parent && r.second == *name; });
+    if (it != registrations_.end()) registrations_.erase(it);
+  } else {
+    registrations_.erase(std::remove_if(registrations_.begin(), registrations_.end(),
+                                        [&](const auto& r) { return r.first == parent; }),
+                         registrations_.end());
+  }
+  FollowFirstRegistration();
+}
+
+void Module::FollowFirstRegistration() {
+  parent_ = registrations_.empty() ? nullptr : registrations_.front().first;
+  name_ = registrations_.empty() ? std::string() : registrations_.front().second;
 }
 
 Tensor Module::Forward(const Tensor&) {
@@ -122,8 +140,8 @@ bool Module::IsPersistentBuffer(const std::string& name) const {
 void Module::RegisterModuleImpl(std::string name, std::shared_ptr<Module> module) {
   CheckNewName(name, "module");
   if (!module) throw std::invalid_argument(Describe() + ": module `" + name + "` is null");
-  module->name_ = name;
-  module->parent_ = this;
+  module->registrations_.emplace_back(this, name);
+  module->FollowFirstRegistration();
   children_.emplace_back(std::move(name), std::move(module));
 }
 
@@ -226,9 +244,11 @@ void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replace
   }
   for (auto& [n, c] : parent->children_) {
     if (n == leaf) {
-      if (c && c->parent_ == parent) c->parent_ = nullptr;
-      replacement->name_ = n;
-      replacement->parent_ = parent;
+      // The replaced module may still be registered elsewhere (another
+      // index of a Sequential, another parent): it follows that registration.
+      if (c) c->Unregister(parent, &n);
+      replacement->registrations_.emplace_back(parent, n);
+      replacement->FollowFirstRegistration();
       c = std::move(replacement);
       return;
     }

@@ -62,9 +62,14 @@ class Module {
   /// ShortRepr plus the dotted path in the tree: "Linear(784->512) `0`" (no path for a root).
   std::string Describe() const;
 
-  /// Name under the parent ("" for a root).
+  /// Name under the parent ("" for a root). A module registered under
+  /// several names (Sequential{l, relu, l}, or shared by two parents) takes
+  /// the earliest registration still in place, as NamedModules lists it
+  /// under its first path; when that one is replaced or its parent dies, the
+  /// next one.
   const std::string& name() const { return name_; }
-  /// Dotted path from the root ("layer1.0.conv1"; "" for a root).
+  /// Dotted path from the root ("layer1.0.conv1"; "" for a root), along
+  /// the registrations name() follows.
   std::string FullName() const;
 
   // --- registry views (pre-order, registration order, shared tensors listed once) ---
@@ -165,6 +170,10 @@ class Module {
 
  private:
   void RegisterModuleImpl(std::string name, std::shared_ptr<Module> module);
+  // Drops this module's registration under `name` in `parent` (every one of
+  // `parent`'s when name is null) and follows the earliest one left.
+  void Unregister(const Module* parent, const std::string* name);
+  void FollowFirstRegistration();
   void CheckNewName(const std::string& name, const char* kind) const;
   void CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out,
                       std::unordered_set<const Module*>* seen);
@@ -174,8 +183,12 @@ class Module {
   bool IsPersistentBuffer(const std::string& name) const;
   [[noreturn]] void ThrowWrongChildType(std::string_view name) const;
 
+  // name_ and parent_ follow registrations_.front() (""/null when empty).
   std::string name_;
-  Module* parent_ = nullptr;  // set by the parent's registry, cleared when the parent dies
+  Module* parent_ = nullptr;
+  // Every (parent, name) this module is registered under, oldest first;
+  // entries are dropped when replaced or when the parent dies.
+  std::vector<std::pair<Module*, std::string>> registrations_;
   bool training_ = true;
   NamedTensors params_;
   NamedTensors buffers_;

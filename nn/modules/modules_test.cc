@@ -769,6 +769,37 @@ TEST(ModuleTest, ModuleRegisteredTwiceIsVisitedOnce) {
   EXPECT_EQ(linears, 1);
 }
 
+// A module registered more than once is named, in its path and errors,
+// under its first registration, as NamedModules lists it; replacing that
+// registration, or the death of its parent, moves it to the next one.
+TEST(ModuleTest, ModuleRegisteredTwiceIsNamedUnderItsFirstPath) {
+  auto l = std::make_shared<Linear>(2, 2);
+  Sequential seq{l, std::make_shared<ReLU>(), l};
+  EXPECT_EQ(l->FullName(), "0");
+  EXPECT_EQ(ErrorOf([&] { seq.Forward(Zeros({1, 3})); }), "Linear(2->2) `0`: expected input [..., 2], got [1, 3]");
+  seq.ReplaceChild("2", std::make_shared<Identity>());  // still registered as "0"
+  EXPECT_EQ(l->FullName(), "0");
+  seq.ReplaceChild("2", l);
+  seq.ReplaceChild("0", std::make_shared<Identity>());  // still registered as "2"
+  EXPECT_EQ(l->FullName(), "2");
+  EXPECT_EQ(ErrorOf([&] { seq.Forward(Zeros({1, 3})); }), "Linear(2->2) `2`: expected input [..., 2], got [1, 3]");
+  seq.ReplaceChild("2", std::make_shared<Identity>());  // registered nowhere now
+  EXPECT_EQ(l->FullName(), "");
+  EXPECT_EQ(l->name(), "");
+
+  // Shared by two parents: named under the first, then under the second once the first dies.
+  auto a = std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{l});
+  auto b = std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{std::make_shared<ReLU>(), l});
+  Sequential outer{a, b};
+  EXPECT_EQ(l->FullName(), "0.0");
+  EXPECT_EQ(outer.NamedModules()[2].first, "0.0");
+  EXPECT_EQ(outer.NamedModules()[2].second, l.get());
+  outer.ReplaceChild("0", std::make_shared<Identity>());
+  a.reset();  // the first parent dies
+  EXPECT_EQ(l->FullName(), "1.1");
+  EXPECT_EQ(ErrorOf([&] { outer.Forward(Zeros({1, 3})); }), "Linear(2->2) `1.1`: expected input [..., 2], got [1, 3]");
+}
+
 // Registers the tensor it is given with the requires_grad it is given.
 class Registrar : public Module {
  public:
