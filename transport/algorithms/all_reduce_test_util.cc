@@ -3,8 +3,11 @@
 #include <algorithm>
 
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -22,7 +25,9 @@ using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
 using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::Expectations;
+using ::ddp::transport::testing::Load;
 using ::ddp::transport::testing::RunRanks;
+using ::ddp::transport::testing::Store;
 using ::testing::HasSubstr;
 
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax,
@@ -115,34 +120,203 @@ void SweepTypesAndOps(const AllReduceFn& fn, int world, size_t count, size_t chu
 
 namespace {
 
+// Unit roundoff of the floating dtypes (half the distance from 1 to the next
+// value).
+double UnitRoundoff(DataType dtype) {
+  switch (dtype) {
+    case DataType::kF16: return std::ldexp(1.0, -11);
+    case DataType::kBF16: return std::ldexp(1.0, -8);
+    case DataType::kF64: return std::ldexp(1.0, -53);
+    default: return std::ldexp(1.0, -24);
+  }
+}
+
+// A quiet NaN of `dtype` whose payload is `payload` (a few low bits).
+void StoreNaN(DataType dtype, void* buf, size_t i, unsigned payload) {
+  if (dtype == DataType::kF32) {
+    const uint32_t bits = 0x7fc00000u | (payload & 0xffu);
+    std::memcpy(static_cast<unsigned char*>(buf) + 4 * i, &bits, 4);
+  } else {
+    const uint16_t bits =
+        static_cast<uint16_t>((dtype == DataType::kF16 ? 0x7e00u : 0x7fc0u) | (payload & 0x1fu));
+    std::memcpy(static_cast<unsigned char*>(buf) + 2 * i, &bits, 2);
+  }
+}
+
+// Rank `rank`'s random input for one case of SweepRandomValues, in `dtype`:
+// non-integers (so that the reduction's order shows in the low bits), and
+// at the front a few special payloads: +0 on even ranks and -0 on odd ones
+// (max and min of the two depend on the operands' order), -0 everywhere,
+// NaNs with a payload per rank (which NaN survives a sum depends on the
+// order), and one NaN on the last rank only.
+constexpr size_t kSpecials = 4;
+std::vector<unsigned char> RandomInput(DataType dtype, ReduceOp op, int world, int rank,
+                                       size_t count) {
+  std::mt19937_64 gen(static_cast<uint64_t>(world) * 1000003u + static_cast<uint64_t>(rank) * 7919u +
+                      static_cast<uint64_t>(dtype) * 101u + static_cast<uint64_t>(op));
+  // Products stay near 1 so that 16 of them keep full precision in f16.
+  std::uniform_real_distribution<double> value(op == ReduceOp::kProd ? 0.8 : -1.0,
+                                               op == ReduceOp::kProd ? 1.25 : 1.0);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<unsigned char> buf(count * DataTypeSize(dtype));
+  for (size_t i = 0; i < count; ++i) {
+    double v = value(gen);
+    if (op == ReduceOp::kProd && negative(gen)) v = -v;
+    Store(dtype, buf.data(), i, v);
+  }
+  if (count >= kSpecials) {
+    Store(dtype, buf.data(), 0, rank % 2 == 0 ? 0.0 : -0.0);
+    Store(dtype, buf.data(), 1, -0.0);
+    StoreNaN(dtype, buf.data(), 2, 1u + static_cast<unsigned>(rank));
+    if (rank == world - 1) StoreNaN(dtype, buf.data(), 3, 3u);
+  }
+  return buf;
+}
+
+}  // namespace
+
+void SweepRandomValues(const AllReduceFn& fn, int world, size_t count, size_t chunk_bytes) {
+  for (DataType dtype : {DataType::kF32, DataType::kF16, DataType::kBF16}) {
+    const size_t es = DataTypeSize(dtype);
+    for (ReduceOp op : kAllOps) {
+      const bool in_place = (static_cast<int>(op) + static_cast<int>(dtype)) % 2 == 0;
+      const AllReduceCase c{world, count, dtype, op, in_place, chunk_bytes};
+      std::vector<std::vector<unsigned char>> inputs(world), outputs(world);
+      for (int r = 0; r < world; ++r) inputs[r] = RandomInput(dtype, op, world, r, count);
+      auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        std::vector<unsigned char> send = inputs[r];
+        outputs[r].assign(count * es, 0);
+        CollectiveArgs args;
+        args.send = send.data();
+        args.recv = in_place ? send.data() : outputs[r].data();
+        args.count = count;
+        args.dtype = dtype;
+        args.op = op;
+        args.tag = CollectiveTag(11);
+        args.deadline = DeadlineIn(30s);
+        args.tuning.chunk_bytes = chunk_bytes;
+        DDP_RETURN_IF_ERROR(fn(p2p, args));
+        if (in_place) outputs[r] = send;
+        return Status();
+      });
+      bool all_ok = true;
+      for (int r = 0; r < world; ++r) {
+        EXPECT_TRUE(statuses[r].ok()) << ToString(c) << " rank " << r << ": " << statuses[r];
+        all_ok &= statuses[r].ok();
+      }
+      if (!all_ok) continue;
+      // Every rank holds the same bits: an all-reduce whose ranks reduce in
+      // different orders gives models that drift apart.
+      for (int r = 1; r < world; ++r) {
+        if (std::memcmp(outputs[r].data(), outputs[0].data(), count * es) == 0) continue;
+        size_t i = 0;
+        while (std::memcmp(outputs[r].data() + i * es, outputs[0].data() + i * es, es) == 0) ++i;
+        auto bits = [&](int rank) {
+          uint32_t b = 0;
+          std::memcpy(&b, outputs[rank].data() + i * es, es);
+          char text[16];
+          std::snprintf(text, sizeof(text), "0x%0*x", static_cast<int>(2 * es), b);
+          return std::to_string(Load(dtype, outputs[rank].data(), i)) + " (" + text + ")";
+        };
+        ADD_FAILURE() << ToString(c) << ": rank " << r << " differs from rank 0 at element " << i
+                      << ": " << bits(r) << " against " << bits(0);
+      }
+      // And close to the exact result of the rounded inputs: each of the
+      // world - 1 reductions (and avg's division) rounds once.
+      const double u = UnitRoundoff(dtype);
+      size_t bad = 0;
+      std::string first_bad;
+      for (size_t i = 0; i < count; ++i) {
+        double exact = op == ReduceOp::kProd ? 1.0 : 0.0, magnitude = op == ReduceOp::kProd ? 1.0 : 0.0;
+        bool nan = false;
+        for (int r = 0; r < world; ++r) {
+          const double x = Load(dtype, inputs[r].data(), i);
+          nan |= std::isnan(x);
+          switch (op) {
+            case ReduceOp::kSum:
+            case ReduceOp::kAvg: exact += x; magnitude += std::fabs(x); break;
+            case ReduceOp::kProd: exact *= x; magnitude *= std::fabs(x); break;
+            case ReduceOp::kMax: exact = r == 0 ? x : std::max(exact, x); break;
+            case ReduceOp::kMin: exact = r == 0 ? x : std::min(exact, x); break;
+          }
+        }
+        if (op == ReduceOp::kAvg) {
+          exact /= world;
+          magnitude /= world;
+        }
+        const double got = Load(dtype, outputs[0].data(), i);
+        const double tolerance = (op == ReduceOp::kMax || op == ReduceOp::kMin)
+                                     ? 0.0
+                                     : 2.0 * (world + 1) * u * magnitude + 1e-7;
+        const bool good = nan ? std::isnan(got) : std::fabs(got - exact) <= tolerance;
+        if (!good && bad++ == 0) {
+          first_bad = "element " + std::to_string(i) + " is " + std::to_string(got) +
+                      ", exact " + std::to_string(exact);
+        }
+      }
+      EXPECT_EQ(bad, 0u) << ToString(c) << ": " << bad << " elements off the exact result, first "
+                         << first_bad;
+    }
+  }
+}
+
+namespace {
+
 // The ranks in `odd_ones` pass `odd_count` to `odd_fn`, the others `count`
 // to `fn`: every rank must fail, naming the disagreement, well before the
-// deadline.
+// deadline. Run twice: with the harness killing a failed rank (as a crashed
+// process looks to its peers), and without, where a rank that rejects the
+// arguments and returns must still make its peers fail, not leave them
+// waiting for it until their deadlines.
 void CheckOddOnesFailEverywhere(const AllReduceFn& fn, size_t count, const AllReduceFn& odd_fn,
                                 size_t odd_count, int world, const std::vector<int>& odd_ones) {
-  const auto deadline = DeadlineIn(10s);
-  auto statuses = RunRanks(world, [&](p2p::PointToPoint& p2p) -> Status {
-    const bool odd = std::find(odd_ones.begin(), odd_ones.end(), p2p.rank()) != odd_ones.end();
-    const size_t n = odd ? odd_count : count;
-    std::vector<float> send(n, 1.0f), recv(n);
-    CollectiveArgs args;
-    args.send = send.data();
-    args.recv = recv.data();
-    args.count = n;
-    args.deadline = deadline;
-    args.tuning.chunk_bytes = 16;
-    return odd ? odd_fn(p2p, args) : fn(p2p, args);
-  });
-  // Detected from the arguments, not by waiting for the deadline.
-  EXPECT_LT(Clock::now() + 8s, deadline) << "world=" << world;
-  bool named_mismatch = false;
-  for (int r = 0; r < world; ++r) {
-    EXPECT_TRUE(IsFailure(statuses[r].code())) << "world=" << world << " rank " << r << ": "
-                                               << statuses[r];
-    named_mismatch |= statuses[r].message().find("disagree on the arguments") != std::string::npos ||
-                      statuses[r].message().find("size mismatch") != std::string::npos;
+  for (bool kill : {true, false}) {
+    ::ddp::transport::testing::HarnessOptions options;
+    options.kill_on_error = kill;
+    const std::string label = "world=" + std::to_string(world) +
+                              (kill ? " (failed ranks killed)" : " (nobody killed)");
+    // Without the kill, a rank that is not next to the odd one learns of
+    // the mismatch only at its deadline (see the header): a short one.
+    const Clock::duration timeout = kill ? Clock::duration(10s) : Clock::duration(300ms);
+    std::vector<Clock::duration> took(world);
+    auto statuses = RunRanks(
+        world,
+        [&](p2p::PointToPoint& p2p) -> Status {
+          const bool odd =
+              std::find(odd_ones.begin(), odd_ones.end(), p2p.rank()) != odd_ones.end();
+          const size_t n = odd ? odd_count : count;
+          std::vector<float> send(n, 1.0f), recv(n);
+          CollectiveArgs args;
+          args.send = send.data();
+          args.recv = recv.data();
+          args.count = n;
+          const auto start = Clock::now();
+          args.deadline = start + timeout;
+          args.tuning.chunk_bytes = 16;
+          Status status = odd ? odd_fn(p2p, args) : fn(p2p, args);
+          took[p2p.rank()] = Clock::now() - start;
+          return status;
+        },
+        options);
+    bool named_mismatch = false;
+    for (int r = 0; r < world; ++r) {
+      // No rank returns OK, with or without the kill.
+      EXPECT_TRUE(IsFailure(statuses[r].code())) << label << " rank " << r << ": "
+                                                 << statuses[r];
+      if (kill) {
+        // Detected from the arguments, not by waiting for the deadline.
+        EXPECT_LT(took[r], 2s) << label << " rank " << r << " waited for its deadline: "
+                               << statuses[r];
+      } else {
+        EXPECT_LT(took[r], timeout + 2s) << label << " rank " << r << " overstayed its deadline";
+      }
+      named_mismatch |=
+          statuses[r].message().find("disagree on the arguments") != std::string::npos ||
+          statuses[r].message().find("size mismatch") != std::string::npos;
+    }
+    EXPECT_TRUE(named_mismatch) << label << ": no rank reported the size mismatch";
   }
-  EXPECT_TRUE(named_mismatch) << "world=" << world << ": no rank reported the size mismatch";
 }
 
 }  // namespace

@@ -44,8 +44,22 @@ void SweepCounts(const AllReduceFn& fn, int world);
 /// chunks of `chunk_bytes`.
 void SweepTypesAndOps(const AllReduceFn& fn, int world, size_t count, size_t chunk_bytes);
 
+/// Random non-integer f32, f16 and bf16 inputs (and, in the first
+/// elements, +0 against -0, -0 alone and NaNs with payloads that differ per
+/// rank), every op: every rank's output must equal rank 0's bit for bit, and
+/// be close to the exact (f64) result. The closed-form sweeps use small
+/// integers, exact in any order, so they cannot see an algorithm whose ranks
+/// reduce in different orders; this can.
+void SweepRandomValues(const AllReduceFn& fn, int world, size_t count = 301,
+                       size_t chunk_bytes = 64);
+
 /// One rank passes a different count: every rank must fail (none returns
-/// OK with a wrong result), before the deadline.
+/// OK with a wrong result). Run twice: with the harness killing each rank
+/// that fails, as a crashed process looks to its peers, every rank must fail
+/// well before the deadline; with nobody killed, every rank must still fail,
+/// by its deadline at the latest. Only the ranks that check the odd one's
+/// fingerprint fail at once then: the others wait for data from ranks that
+/// have given up, as nothing tells them (a known limitation).
 void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world);
 
 /// The ranks in `empty_ranks` (default: world / 2) pass count 0 to

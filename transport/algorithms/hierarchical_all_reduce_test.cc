@@ -153,6 +153,15 @@ TEST(HierarchicalAllReduceTest, EverySequenceNumberLeavesRoomForTheStepBetweenHo
   }
 }
 
+TEST(HierarchicalAllReduceTest, RandomValuesGiveEveryRankTheSameBits) {
+  testing::SweepRandomValues(With(Contiguous(4, 2)), 4);
+  testing::SweepRandomValues(With(Contiguous(6, 3)), 6);
+  testing::SweepRandomValues(With(Interleaved(6, 2)), 6);
+  std::vector<int> uneven(5, 1);
+  uneven[0] = 0;
+  testing::SweepRandomValues(With(uneven), 5);
+}
+
 TEST(HierarchicalAllReduceTest, MismatchedCountsFailOnEveryRank) {
   testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(4, 2)), 4);
   testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(6, 3)), 6);

@@ -136,6 +136,13 @@ TEST(RhdAllReduceTest, HugeChunkBytesStillReduce) {
   }
 }
 
+TEST(RhdAllReduceTest, RandomValuesGiveEveryRankTheSameBits) {
+  for (int world : {2, 3, 5, 8}) {
+    testing::SweepRandomValues(kHalving, world);
+    testing::SweepRandomValues(kDoubling, world);
+  }
+}
+
 TEST(RhdAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5, 6}) {
     testing::CheckMismatchedCountsFailEverywhere(kHalving, world);

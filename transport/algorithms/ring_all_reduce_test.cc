@@ -44,6 +44,10 @@ TEST(RingAllReduceTest, HugeChunkBytesStillReduce) {
   }
 }
 
+TEST(RingAllReduceTest, RandomValuesGiveEveryRankTheSameBits) {
+  for (int world : {2, 3, 5, 8}) testing::SweepRandomValues(RingAllReduce, world);
+}
+
 TEST(RingAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(RingAllReduce, world);
 }

@@ -45,6 +45,10 @@ TEST(TreeAllReduceTest, HugeChunkBytesStillReduce) {
   }
 }
 
+TEST(TreeAllReduceTest, RandomValuesGiveEveryRankTheSameBits) {
+  for (int world : {2, 3, 5, 8}) testing::SweepRandomValues(TreeAllReduce, world);
+}
+
 TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(TreeAllReduce, world);
 }

@@ -5,7 +5,9 @@
 // Contribution(op, dtype, r, i) at element i; the values are small integers
 // (sums of -2..2, products of -1, 1 and 2) so that every partial result is
 // exact in every dtype, bf16 included, whatever order an algorithm reduces
-// in: results are compared bit for bit.
+// in: results are compared bit for bit. Being exact, they cannot show an
+// algorithm whose ranks reduce in different orders; the all-reduce tests'
+// SweepRandomValues (transport/algorithms/all_reduce_test_util.h) does.
 
 #include <cstddef>
 #include <string>
