@@ -271,34 +271,48 @@ CollectiveStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs&
 }
 
 namespace {
-struct ScratchArena {
+struct ScratchBlock {
   std::unique_ptr<unsigned char[]> buffer;
   size_t size = 0;
   bool in_use = false;
 };
-thread_local ScratchArena scratch_arena;
+thread_local ScratchBlock scratch_arena[2];
 }  // namespace
 
 Scratch::Scratch(size_t bytes) {
-  ScratchArena& arena = scratch_arena;
-  if (arena.in_use) {
+  ScratchBlock* block = nullptr;
+  if (bytes <= kScratchRetainBytes) {
+    for (ScratchBlock& b : scratch_arena) {
+      if (!b.in_use) {
+        block = &b;
+        break;
+      }
+    }
+  }
+  if (block == nullptr) {
     own_.reset(new unsigned char[std::max<size_t>(bytes, 1)]);
     data_ = own_.get();
     return;
   }
-  if (arena.size < bytes) {
-    arena.buffer.reset();  // free first: the peak is the new size, not both
-    arena.size = 0;        // until the new block is there (new may throw)
-    arena.buffer.reset(new unsigned char[bytes]);
-    arena.size = bytes;
+  if (block->size < bytes || block->buffer == nullptr) {
+    block->buffer.reset();  // free first: the peak is the new size, not both
+    block->size = 0;        // until the new block is there (new may throw)
+    block->buffer.reset(new unsigned char[std::max<size_t>(bytes, 1)]);
+    block->size = std::max<size_t>(bytes, 1);
   }
-  arena.in_use = true;
-  from_arena_ = true;
-  data_ = arena.buffer.get();
+  block->in_use = true;
+  arena_in_use_ = &block->in_use;
+  data_ = block->buffer.get();
 }
 
 Scratch::~Scratch() {
-  if (from_arena_) scratch_arena.in_use = false;
+  if (arena_in_use_ != nullptr) *arena_in_use_ = false;
+}
+
+size_t ScratchRetainedBytes() {
+  size_t total = 0;
+  for (const ScratchBlock& b : scratch_arena) total += b.size;
+  return total;
 }
 
 Requests::~Requests() {

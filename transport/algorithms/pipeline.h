@@ -221,10 +221,21 @@ CollectiveStart StartCollective(p2p::PointToPoint& p2p, const CollectiveArgs& ar
 /// StartCollective for the flat all-reduces (ring, tree, rhd).
 CollectiveStart StartFlatAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args, FingerprintKind kind);
 
-/// Scratch memory for one collective, from a per-thread arena that keeps
-/// its largest size. A collective runs on one thread and needs a few MiB at
-/// most; reusing the arena avoids a fresh mapping, and its page faults, on
-/// every call. A nested collective on the same thread gets its own block.
+/// Scratch blocks up to this size come from the per-thread arena and stay
+/// there for the next call; larger ones are allocated for the call and freed
+/// at its end, so that one huge collective (a tree reduce's whole-vector
+/// partial sums on an inner rank) does not leave every thread that ran it
+/// holding that much for the rest of the process. The defaults need at most
+/// (8 + 4 + 1) x 256 KiB (the ring's slots).
+inline constexpr size_t kScratchRetainBytes = size_t{8} << 20;
+
+/// Scratch memory for one collective, from a per-thread arena of two blocks
+/// that keep their largest size (up to kScratchRetainBytes each). A
+/// collective runs on one thread and needs a few MiB at most; reusing the
+/// arena avoids a fresh mapping, and its page faults, on every call. A
+/// nested Scratch takes the arena's second block (the ring reduce keeps its
+/// block in one while its reduce-scatter uses the other); a third, or one
+/// above kScratchRetainBytes, gets memory of its own, freed with it.
 class Scratch {
  public:
   explicit Scratch(size_t bytes);
@@ -236,9 +247,12 @@ class Scratch {
 
  private:
   unsigned char* data_ = nullptr;
-  std::unique_ptr<unsigned char[]> own_;  // only when the arena is busy
-  bool from_arena_ = false;
+  std::unique_ptr<unsigned char[]> own_;  // only when not from the arena
+  bool* arena_in_use_ = nullptr;          // the arena block's flag, when from it
 };
+
+/// Bytes the calling thread's Scratch arena holds between calls (for tests).
+size_t ScratchRetainedBytes();
 
 /// The requests one collective has outstanding. Every error path leaves
 /// through the destructor, which cancels what is still outstanding (in one

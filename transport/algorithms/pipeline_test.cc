@@ -61,6 +61,39 @@ TEST(ScratchTest, FailedGrowthLeavesNoBlocklessArena) {
   EXPECT_EQ(small.data()[511], 7);
 }
 
+// Blocks above kScratchRetainBytes are the call's own: the arena holds no
+// more afterwards than before. (It used to keep its largest block forever,
+// so a tree reduce of a 4 GiB vector left 4 GiB on each inner rank's
+// thread.) Small blocks are still kept and handed out again.
+TEST(ScratchTest, LargeBlocksAreNotRetained) {
+  { Scratch warm(1 << 20); }
+  const size_t before = ScratchRetainedBytes();
+  EXPECT_GE(before, size_t{1} << 20);
+  EXPECT_LE(before, 2 * kScratchRetainBytes);
+  {
+    Scratch big(kScratchRetainBytes + 1);
+    ASSERT_NE(big.data(), nullptr);
+    std::memset(big.data(), 3, kScratchRetainBytes + 1);
+    Scratch nested_big(2 * kScratchRetainBytes);
+    ASSERT_NE(nested_big.data(), nullptr);
+  }
+  EXPECT_EQ(ScratchRetainedBytes(), before);
+}
+
+// Two nested Scratches both come from the arena, and both are reused.
+TEST(ScratchTest, TwoNestedBlocksAreBothReused) {
+  unsigned char *outer = nullptr, *inner = nullptr;
+  {
+    Scratch a(2048), b(2048);
+    outer = a.data();
+    inner = b.data();
+    EXPECT_NE(outer, inner);
+  }
+  Scratch a(1024), b(1024);
+  EXPECT_EQ(a.data(), outer);
+  EXPECT_EQ(b.data(), inner);
+}
+
 // A PointToPoint whose requests never complete, recording how they are
 // cancelled.
 class Recorder final : public p2p::PointToPoint {

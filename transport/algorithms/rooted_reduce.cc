@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "transport/algorithms/binary_tree.h"
@@ -140,15 +141,15 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const internal::BlockLayout layout{args.count, p};
   auto* recv = static_cast<unsigned char*>(args.recv);
 
-  // Off the root, this rank's block is kept here between the two phases.
-  // Not the per-thread Scratch arena: the reduce-scatter takes that one.
-  thread_local std::vector<unsigned char> block_buffer;
+  // Off the root, this rank's block is kept here between the two phases: a
+  // Scratch, which the arena keeps for the next call only while it is small
+  // (the reduce-scatter's nested Scratch takes the arena's other block).
+  std::optional<internal::Scratch> block_scratch;
   unsigned char* block = nullptr;  // recv is null off the root
   if (is_root) {
     block = recv + layout.offset(r) * es;
   } else {
-    if (block_buffer.size() < layout.size(r) * es) block_buffer.resize(layout.size(r) * es);
-    block = block_buffer.data();
+    block = block_scratch.emplace(layout.size(r) * es).data();
   }
 
   internal::RingParams params;

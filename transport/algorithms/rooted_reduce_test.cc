@@ -10,6 +10,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/algorithms/pipeline.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
 #include "transport/testing/data_types.h"
@@ -369,6 +370,47 @@ TEST(ReduceTest, AbsentRankTimesOutAtTheDeadline) {
       {.kill_on_error = false});
   EXPECT_LT(Clock::now() - started, 5s);
   EXPECT_EQ(statuses[0].code(), StatusCode::kTimedOut) << statuses[0];
+}
+
+// A reduce of a vector far above kScratchRetainBytes leaves no thread's
+// Scratch arena holding it: the tree's inner ranks keep their partial sums
+// of the whole vector, and the ring's non-roots their block, in memory that
+// is freed when the call returns. (Both used to stay with the thread:
+// a 4 GiB reduce left 4 GiB on every inner rank.)
+TEST(RootedReduceTest, LargeReduceLeavesNoLargeScratchBehind) {
+  // Tree: an inner rank (rank 2 of 4) holds partial sums of the whole vector
+  // (10 MiB). Ring: each non-root holds its block, half of 18 MiB.
+  const size_t cap = internal::kScratchRetainBytes;
+  const struct {
+    Status (*fn)(p2p::PointToPoint&, const CollectiveArgs&);
+    int world;
+    size_t count;
+  } cases[] = {{&TreeReduce, 4, (cap + cap / 4) / sizeof(float)},
+               {&RingReduce, 2, (2 * cap + cap / 4) / sizeof(float)}};
+  for (const auto& c : cases) {
+    std::vector<size_t> retained(c.world);
+    auto statuses = RunRanks(c.world, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<float> send(c.count, 1.0f), recv(p2p.rank() == 0 ? c.count : 0);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = p2p.rank() == 0 ? recv.data() : nullptr;
+      args.count = c.count;
+      args.root = 0;
+      args.deadline = DeadlineIn(60s);
+      args.tuning.chunk_bytes = 256 << 10;  // slots of at most 13 chunks: 3.25 MiB
+      DDP_RETURN_IF_ERROR(c.fn(p2p, args));
+      if (p2p.rank() == 0 && (recv[0] != c.world || recv[c.count - 1] != c.world)) {
+        return InternalError("wrong result");
+      }
+      retained[p2p.rank()] = internal::ScratchRetainedBytes();
+      return Status();
+    });
+    for (int r = 0; r < c.world; ++r) {
+      ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+      // The reduce's chunk slots (a few MiB) may stay; the vector must not.
+      EXPECT_LE(retained[r], size_t{4} << 20) << "world " << c.world << " rank " << r;
+    }
+  }
 }
 
 }  // namespace
