@@ -9,9 +9,18 @@
 // that must be called on every rank of `p2p` with the same count, dtype, op,
 // root, tag and tuning (buffers and deadlines are per rank). It returns when
 // this rank's part is done: the receive buffer holds the result and every
-// send has completed, so both buffers may be reused. On error, nothing is
-// left outstanding (no later write into the caller's buffers); the receive
-// buffer's contents are then unspecified.
+// send has completed, so both buffers may be reused. On error, every
+// request still outstanding has been cancelled before the return (the
+// receive buffer's contents are then unspecified), and, as far as the
+// PointToPoint can promise it, nothing reads or writes the caller's buffers
+// afterwards: the loopback and UCX to peers on other hosts promise it; UCX
+// to a peer on the same host does not for a send or an already matched
+// receive that did not finish within the recall grace (UCX 1.13 cannot
+// close such an endpoint by force), which may still complete, reading
+// `send` or writing `recv`, until it does or that peer's process exits
+// (transport/ucx/ucx_p2p.h). That peer is marked lost and the communicator
+// aborts, but a caller that keeps running after a failed collective must
+// not free or reuse its buffers until then.
 //
 // Tags: one collective may use the tags [tag, tag + kTagsPerCollective). The
 // communicator passes CollectiveTag(sequence_number) so that consecutive

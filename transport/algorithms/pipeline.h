@@ -258,7 +258,8 @@ size_t ScratchRetainedBytes();
 /// through the destructor, which cancels what is still outstanding (in one
 /// CancelAll, so that hung peers are waited for together, not one after
 /// the other), so no transfer touches the caller's buffers after the
-/// collective returns. The argument checks' messages live in memory this
+/// collective returns, as far as the PointToPoint's Cancel can promise
+/// that (not for a same-host UCX peer: see collective.h). The argument checks' messages live in memory this
 /// object owns, so that they outlast the PeerCheck that posted them.
 class Requests {
  public:

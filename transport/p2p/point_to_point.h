@@ -68,7 +68,11 @@ class PointToPoint {
 
   /// Cancels and releases an outstanding request (no-op if already done).
   /// Returns once nothing uses the request's buffer any more, as far as the
-  /// implementation can promise that (see transport/ucx/ucx_p2p.h).
+  /// implementation can promise that: the loopback always can; UCX cannot
+  /// for a send or a matched receive to a peer on the same host that does
+  /// not finish within its grace, which may still read or write the buffer
+  /// later, until it completes or that peer's process exits (the peer is
+  /// marked lost; see transport/ucx/ucx_p2p.h).
   virtual void Cancel(RequestId request) = 0;
 
   /// Cancel for each of `requests` (unknown or released ids are skipped),

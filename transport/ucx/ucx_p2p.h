@@ -25,7 +25,13 @@
 // peer is lost (later operations with it fail with PEER_LOST). The
 // exception: UCX 1.13 cannot force an endpoint without peer error mode,
 // those to ranks on this host; such a peer is lost too, but its request
-// stays with UCX until it completes or the peer's process is gone.
+// stays with UCX until it completes or the peer's process is gone: a
+// receive may then still write into the caller's buffer (and a send read
+// from it) after the call that gave it up returned, possibly even after
+// Close (which keeps the registrations mapped for it). Nothing bounces such
+// receives through memory of our own (a matched receive cannot be moved to
+// another buffer), so callers keep the buffers of a failed call until then
+// (algorithms/collective.h).
 // CancelAll gives up all its requests first and then waits once: one grace
 // and one round of forced closes (at most the grace + 1 s; + 2 s when some
 // of the peers had already failed, whose endpoints are closed by force
