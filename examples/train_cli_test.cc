@@ -58,6 +58,12 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
   EXPECT_NE(r.out.find("--lr=0.05 "), std::string::npos) << "numbers are shown as written";
   for (const std::string& line : Lines(r.out)) EXPECT_LE(line.size(), 100u) << line;
   EXPECT_EQ(Train({"-h"}).out, r.out);
+  // --decay_norm_and_bias=false works with --zero_overlap (README); its
+  // help said "not with --zero_overlap" after the combination was allowed.
+  const size_t decay = r.out.find("  --decay_norm_and_bias");
+  ASSERT_NE(decay, std::string::npos);
+  const std::string decay_help = r.out.substr(decay, r.out.find("\n  --", decay + 1) - decay);
+  EXPECT_EQ(decay_help.find("zero_overlap"), std::string::npos) << decay_help;
 }
 
 TEST(TrainCliTest, DeviceIsCheckedBeforeAnythingStarts) {

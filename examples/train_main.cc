@@ -72,7 +72,7 @@ DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 fo
 DEFINE_bool(decay_norm_and_bias, true,
             "apply --weight_decay to every parameter; false spares biases and BatchNorm/LayerNorm "
             "parameters (those of at most one dimension), which then form a second parameter "
-            "group without weight decay (needs --weight_decay above 0; not with --zero_overlap)");
+            "group without weight decay (needs --weight_decay above 0)");
 DEFINE_string(scheduler, "cosine",
               "learning-rate schedule, stepped after each optimizer step: none, step (x --lr_gamma "
               "after each third of the run), multistep (x --lr_gamma at each of --lr_milestones), "
