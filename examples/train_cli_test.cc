@@ -243,7 +243,7 @@ TEST(TrainCliTest, PowerSgdThatWouldCompressNothingIsRefused) {
 // Under a launcher (ddprun, torchrun, srun, mpirun) the trainer is one rank
 // and starts nothing: a --nproc_per_node that contradicts the launcher, or is
 // no number at all, was dropped without a word, and a negative
-// --max_restarts was accepted. Refused as every self-launching binary
+// --max_restarts was accepted (a positive one was dropped). Refused as every self-launching binary
 // refuses them (transport/launch/README.md), before anything starts.
 TEST(TrainCliTest, LaunchedRankRefusesAContradictingNprocPerNode) {
   const std::vector<std::pair<std::string, std::string>> one_of_one = {
@@ -266,6 +266,18 @@ TEST(TrainCliTest, LaunchedRankRefusesAContradictingNprocPerNode) {
             "train: --nproc_per_node=abc is not an integer, gpu, cpu or auto");
   EXPECT_EQ(OneErrorLine(launched({"--max_restarts=-1"})),
             "train: --max_restarts=-1 must not be negative");
+  // Only the trainer's own launcher restarts ranks: under another one the
+  // flag was dropped, and a failed rank ended the job.
+  EXPECT_EQ(OneErrorLine(launched({"--max_restarts=2"})),
+            "train: --max_restarts=2 restarts the ranks this program starts itself, and this "
+            "process is one rank of a job another launcher started (ddprun, torchrun, srun, "
+            "mpirun); drop --max_restarts and give it to the launcher (ddprun --max_restarts=2, "
+            "torchrun --max_restarts=2)");
+  EXPECT_EQ(OneErrorLine(launched({"--max_restarts", "1"})),
+            "train: --max_restarts=1 restarts the ranks this program starts itself, and this "
+            "process is one rank of a job another launcher started (ddprun, torchrun, srun, "
+            "mpirun); drop --max_restarts and give it to the launcher (ddprun --max_restarts=1, "
+            "torchrun --max_restarts=1)");
   // One that agrees passes: the next mistake is the one reported.
   EXPECT_EQ(OneErrorLine(launched({"--nproc_per_node=1", "--epochs=0"})),
             "train: --epochs=0 must be at least 1");

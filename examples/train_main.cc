@@ -112,7 +112,8 @@ DEFINE_string(nproc_per_node, "2",
               "must match the launcher's ranks per node");
 DEFINE_int32(max_restarts, 0,
              "when a rank fails, restart every rank up to N times; restarted ranks resume "
-             "from this run's last checkpoint (not used under ddprun: use its --max_restarts)");
+             "from this run's last checkpoint (refused under ddprun or torchrun: use their "
+             "--max_restarts)");
 DEFINE_bool(sync_bn, false, "synchronize BatchNorm statistics across ranks (ResNets)");
 DEFINE_bool(zero, false,
             "shard the optimizer state across ranks (ZeRO stage 1); results are the same, each "
@@ -475,6 +476,30 @@ ddp::transport::Status CheckNprocPerNodeUnderLauncher(const std::string& program
   return ddp::transport::Status::Ok();
 }
 
+// `args` (argv[0] first) without flag `name` in any form gflags takes:
+// --name=V, -name=V, or --name V and -name V as two arguments; nothing after
+// "--", which ends the flags.
+std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const std::string& name) {
+  std::vector<std::string> out;
+  bool flags_ended = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (i == 0 || flags_ended) {
+      out.push_back(a);
+      continue;
+    }
+    if (a == "--") flags_ended = true;
+    const std::string bare = a.rfind("--", 0) == 0 ? a.substr(2) : a.rfind("-", 0) == 0 ? a.substr(1) : "";
+    if (bare.rfind(name + "=", 0) == 0) continue;
+    if (bare == name) {
+      ++i;  // and its value
+      continue;
+    }
+    out.push_back(a);
+  }
+  return out;
+}
+
 [[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
   std::fflush(stdout);
   if (world_size > 1 && rank > 0) {
@@ -544,6 +569,17 @@ int main(int argc, char** argv) {
           CheckNprocPerNodeUnderLauncher(original[0], FLAGS_nproc_per_node);
       if (!refused.ok()) Fail(2, rank, world_size, refused.message());
     }
+    // Only this program's own launcher restarts ranks (and it hands its
+    // workers the command line without the flag): here the flag would be
+    // dropped, and a failed rank would end the job that was to survive it.
+    if (FLAGS_max_restarts > 0) {
+      const std::string n = std::to_string(FLAGS_max_restarts);
+      Fail(2, rank, world_size,
+           "--max_restarts=" + n + " restarts the ranks this program starts itself, and this "
+           "process is one rank of a job another launcher started (ddprun, torchrun, srun, "
+           "mpirun); drop --max_restarts and give it to the launcher (ddprun --max_restarts=" + n +
+           ", torchrun --max_restarts=" + n + ")");
+    }
   } else {
     // torchrun's forms, resolved as SelfLaunch resolves them (it reads the
     // flag again from the original arguments).
@@ -565,10 +601,14 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       Fail(1, 0, 1, std::string("error: ") + e.what());
     }
+    // The workers run with the launch variables set, where --max_restarts
+    // is refused: it is this launcher's flag, as --nproc_per_node, which
+    // SelfLaunch takes out itself.
+    std::vector<std::string> worker_args = WithoutFlag(original, "max_restarts");
     std::vector<char*> args;
-    for (std::string& s : original) args.push_back(s.data());
+    for (std::string& s : worker_args) args.push_back(s.data());
     args.push_back(nullptr);
-    int args_count = static_cast<int>(original.size());
+    int args_count = static_cast<int>(worker_args.size());
     launch::SelfLaunchOptions options;
     options.default_nproc_per_node = world_size;
     options.max_restarts = FLAGS_max_restarts;
