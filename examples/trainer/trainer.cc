@@ -341,6 +341,8 @@ class Run {
   double stretch_train_s_ = 0;
   double stretch_samples_ = 0;
   int64_t last_flushed_step_ = -1;
+  // The learning rate the last TrainStep trained with.
+  double last_step_lr_ = NAN;
 
   // Rank 0's progress display: local running loss of the epoch.
   double shown_loss_sum_ = 0;
@@ -729,6 +731,9 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
   } else {
     optimizer_->Step();
   }
+  // The rate this step trained with, for metrics.csv: the scheduler sets
+  // the next step's now.
+  last_step_lr_ = Lr();
   if (scheduler_) scheduler_->Step();
   if (sharded_) {
     sharded_->ZeroGrad();
@@ -767,7 +772,7 @@ void Run::FlushMetrics() {
     r.step = pos_.step;
     r.epoch = pos_.epoch + 1;
     r.loss = v[0] / v[1];
-    r.lr = Lr();
+    r.lr = last_step_lr_;
     r.samples_per_s = stretch_train_s_ > 0 ? stretch_samples_ / stretch_train_s_ : 0;
     Log([&](MetricsLog& log) { log.AddStep(r); });
   }
