@@ -425,6 +425,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   }
   c.amp = FLAGS_amp;
   c.device = FLAGS_device;
+  c.flush_denormal = FLAGS_flush_denormal;
   c.sync_bn = FLAGS_sync_bn;
   c.zero = FLAGS_zero;
   c.zero_overlap = FLAGS_zero_overlap;
@@ -626,7 +627,7 @@ int main(int argc, char** argv) {
   }
 
   // One rank from here on. Before any thread starts: threads inherit it.
-  ddp::nn::ops::SetFlushDenormal(FLAGS_flush_denormal);
+  ddp::nn::ops::SetFlushDenormal(config.flush_denormal);
   WatchStopSignals();
   ddp::examples::trainer::RunOptions options;
   options.stop = &g_stop;

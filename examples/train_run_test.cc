@@ -543,6 +543,25 @@ TEST(TrainRunTest, RanksStartedWithOtherFlagsStopNamingTheFlag) {
   EXPECT_NE(ranks[0]->Stderr().find("1 rank(s) were started with other flags or data than rank 0"),
             std::string::npos)
       << ranks[0]->Stderr();
+
+  // Flags set per process or for the saves, which the comparison missed:
+  // the ranks trained on, each with its own.
+  for (const auto& [flag, rank_0] :
+       std::vector<std::pair<std::string, std::string>>{{"--flush_denormal=false", "--flush_denormal=true"},
+                                                        {"--save_timeout_s=600", "--save_timeout_s=1800"},
+                                                        {"--save_stop_grace_s=5", "--save_stop_grace_s=60"}}) {
+    auto others = LaunchTwoRanks([&](int rank) {
+      std::vector<std::string> args = QuickRun(dir);
+      args.push_back("--timeout_s=600");
+      if (rank == 1) args.push_back(flag);
+      return args;
+    });
+    for (auto& p : others) EXPECT_EQ(p->Wait(std::chrono::seconds(60)), 2) << flag << p->Stderr();
+    EXPECT_NE(others[1]->Stderr().find("rank 1 was started with " + flag + " but rank 0 with " + rank_0 +
+                                       "; every rank needs the same flags and data"),
+              std::string::npos)
+        << others[1]->Stderr();
+  }
 }
 
 // torchrun restarts a failed job with TORCHELASTIC_RESTART_COUNT raised and

@@ -88,6 +88,10 @@ struct TrainConfig {
   std::vector<std::string> schedule_flags_given;
   std::string amp = "off";         ///< off, bf16, fp16.
   std::string device = "cpu";      ///< cpu, or cuda (a CUDA build; cuda:LOCAL_RANK mod GPUs).
+  /// Subnormal floats as zero on the CPU (x86 FTZ/DAZ), set per process
+  /// before any thread starts (nn::ops::SetFlushDenormal); ranks must agree,
+  /// or their updates of the same values differ.
+  bool flush_denormal = true;
 
   // Data parallelism.
   bool sync_bn = false;

@@ -414,6 +414,9 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       {"--lr_patience", std::to_string(c.lr_patience)},
       {"--amp", c.amp},
       {"--device", c.device},
+      // Subnormals flushed on one rank and kept on another: the same
+      // update gives other values, and the replicas drift apart.
+      {"--flush_denormal", flag(c.flush_denormal)},
       {"--sync_bn", flag(c.sync_bn)},
       {"--zero", flag(c.zero)},
       {"--zero_overlap", flag(c.zero_overlap)},
@@ -429,6 +432,10 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       // collectives that the others wait in.
       {"--checkpoint", c.checkpoint.empty() ? "none" : "PATH"},
       {"--checkpoint_every", std::to_string(c.checkpoint_every)},
+      // Each rank waits for rank 0's write or read this long: one with a
+      // shorter deadline fails the job on a save that the others wait for.
+      {"--save_timeout_s", std::to_string(c.save_timeout_s)},
+      {"--save_stop_grace_s", std::to_string(c.save_stop_grace_s)},
       {"--resume", flag(c.resume)},
       {"training data", data(*d.train)},
       {"test data", data(*d.test)},
