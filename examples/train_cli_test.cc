@@ -149,6 +149,14 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and
 // norms from. (With --zero_overlap it is taken: train_resume_test's
 // OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded.)
+// --log_every without --log_dir spaced rows nobody wrote (and gathered
+// each one's losses from every rank all the same).
+TEST(TrainCliTest, LogEveryWithoutALogDirIsRefused) {
+  EXPECT_EQ(OneErrorLine(Train({"--log_every=5"})),
+            "train: --log_every=5 sets the steps per metrics.csv row, which only --log_dir writes; "
+            "add --log_dir=DIR, or drop --log_every");
+}
+
 TEST(TrainCliTest, DecayNormAndBiasOffIsRefusedWhereItCannotApply) {
   EXPECT_EQ(OneErrorLine(Train({"--decay_norm_and_bias=false"})),
             "train: --decay_norm_and_bias=false spares biases and norms from --weight_decay, which is "

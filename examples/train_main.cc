@@ -162,7 +162,7 @@ DEFINE_bool(resume, false,
             "low-rank state are saved too, so compression goes on where it was)");
 DEFINE_string(log_dir, "",
               "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder");
-DEFINE_int64(log_every, 10, "steps per metrics.csv row");
+DEFINE_int64(log_every, 10, "with --log_dir (needed): steps per metrics.csv row");
 
 // gflags' own help flags (defined in gflags_reporting.cc).
 DECLARE_bool(help);

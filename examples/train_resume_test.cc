@@ -612,10 +612,11 @@ TEST(TrainResumeTest, AnAbandonedEpochIsNeitherEvaluatedNorMarkedAsEnded) {
   const std::vector<std::string> args = {
       Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",  "--train_samples=256",
       "--test_samples=64",       "--batch_size=16",     "--epochs=2",   "--scheduler=none",
-      "--workers=0",             "--nproc_per_node=1",  "--log_every=1"};
+      "--workers=0",             "--nproc_per_node=1"};
   std::vector<std::string> first = args;
   first.push_back("--checkpoint=" + ckpt);
   first.push_back("--log_dir=" + dir + "/logs");
+  first.push_back("--log_every=1");
   first.push_back("--max_steps=5");
   const RunOutput stopped = testing::RunToEnd(first);
   ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
@@ -626,6 +627,7 @@ TEST(TrainResumeTest, AnAbandonedEpochIsNeitherEvaluatedNorMarkedAsEnded) {
   std::vector<std::string> logged = args;
   logged.push_back("--checkpoint=" + ckpt);
   logged.push_back("--log_dir=" + dir + "/logs");
+  logged.push_back("--log_every=1");
   logged.push_back("--resume");
   logged.push_back("--seed=1");
   const RunOutput resumed = testing::RunToEnd(logged);

@@ -346,8 +346,7 @@ TEST(TrainRunTest, ResumedOnFewerRanksTheScheduleEndsWithTheRun) {
   // 2 epochs of 4 steps on 2 ranks, of 8 on 1.
   const std::vector<std::string> args = {
       Runfile("examples/train"), "--dataset=synthetic", "--model=mlp", "--train_samples=256",
-      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--log_every=1",
-      "--checkpoint=" + ckpt};
+      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--checkpoint=" + ckpt};
   const RunOutput two = RunToEnd(args);
   ASSERT_EQ(two.exit_code, 0) << two.out << two.err;
   // As if stopped after epoch 1 (too short a run to stop reliably there).
@@ -369,7 +368,7 @@ TEST(TrainRunTest, ResumedOnFewerRanksTheScheduleEndsWithTheRun) {
   nn::io::SaveCheckpoint(ckpt, c);
 
   std::vector<std::string> one = args;
-  one.insert(one.end(), {"--resume", "--nproc_per_node=1", "--log_dir=" + dir + "/logs"});
+  one.insert(one.end(), {"--resume", "--nproc_per_node=1", "--log_dir=" + dir + "/logs", "--log_every=1"});
   const RunOutput r = RunToEnd(one);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("  note: the cosine schedule now ends at step 12, where this run ends "
@@ -459,7 +458,7 @@ TEST(TrainRunTest, ResumeWithoutALogMakesTheEvaluationAtTheCheckpointAgain) {
   const std::string dir = testing::MakeTempDir("missed_eval_no_log");
   std::vector<std::string> args = {
       Runfile("examples/train"), "--dataset=synthetic", "--model=mlp", "--train_samples=512",
-      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--log_every=4",
+      "--test_samples=64",       "--batch_size=32",     "--workers=0",
       "--scheduler=none", "--checkpoint=" + dir + "/ckpt.safetensors"};
   std::vector<std::string> first = args;
   first.push_back("--epochs=1");

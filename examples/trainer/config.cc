@@ -282,6 +282,13 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--powersgd_start_step applies to --comm_hook=powersgd only; drop it for "
                      "--comm_hook=" + c.comm_hook);
   }
+  // Without a log the rows are not written, yet each one still gathers the
+  // losses from every rank: the flag would cost and do nothing.
+  if (c.log_dir.empty() && c.log_every != TrainConfig{}.log_every) {
+    throw UsageError("--log_every=" + std::to_string(c.log_every) +
+                     " sets the steps per metrics.csv row, which only --log_dir writes; add "
+                     "--log_dir=DIR, or drop --log_every");
+  }
   // Generated images read no files; a folder given for them would be
   // dropped without a word (perhaps meant for --dataset=cifar10).
   if (c.dataset == "synthetic" && !c.data_dir.empty()) {

@@ -116,6 +116,23 @@ TEST(ConfigTest, PowerSgdStartStepIsCheckedAndNeedsThePowerSgdHook) {
   EXPECT_EQ(ErrorOf(c), "");
 }
 
+// --log_every spaces metrics.csv's rows; without --log_dir there are none,
+// and like other flags that would do nothing it is refused.
+TEST(ConfigTest, LogEveryNeedsALogDir) {
+  TrainConfig c;
+  c.log_every = 5;
+  EXPECT_EQ(ErrorOf(c),
+            "--log_every=5 sets the steps per metrics.csv row, which only --log_dir writes; add "
+            "--log_dir=DIR, or drop --log_every");
+  c.log_dir = "/tmp/logs";
+  EXPECT_EQ(ErrorOf(c), "");
+  c.log_every = 0;
+  EXPECT_EQ(ErrorOf(c), "--log_every=0 must be at least 1");
+  c = TrainConfig{};
+  c.log_every = TrainConfig{}.log_every;
+  EXPECT_EQ(ErrorOf(c), "");
+}
+
 TEST(ConfigTest, EverySchedulerIsKnownAndAnUnknownOneListsThem) {
   TrainConfig c;
   c.scheduler = "linear";
