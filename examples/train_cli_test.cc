@@ -45,7 +45,8 @@ TEST(TrainCliTest, HelpListsEveryTrainerFlagAndNoOthers) {
        {"model", "dataset", "data_dir", "train_samples", "test_samples", "workers", "seed",
         "epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every", "optimizer", "lr",
         "momentum", "weight_decay", "decay_norm_and_bias", "scheduler", "lr_gamma", "lr_milestones",
-        "lr_t0", "lr_t_mult", "lr_patience", "amp", "device", "nproc_per_node", "max_restarts",
+        "lr_t0", "lr_t_mult", "lr_patience", "cycle_momentum", "amp", "device", "flush_denormal",
+        "nproc_per_node", "max_restarts",
         "sync_bn", "zero", "zero_overlap", "bucket_cap_mb", "comm_hook", "powersgd_start_step",
         "find_unused_parameters", "ddp_stats", "trace", "checkpoint", "checkpoint_every",
         "save_timeout_s", "save_stop_grace_s", "resume", "log_dir", "log_every", "timeout_s"}) {

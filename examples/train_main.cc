@@ -79,8 +79,9 @@ DEFINE_string(scheduler, "cosine",
               "exponential (x --lr_gamma every step), cosine (to 0 at the last step), "
               "warm_restarts (cosine to 0 over --lr_t0 steps, then again, each cycle --lr_t_mult "
               "times the last), onecycle (from --lr/25 up to --lr over 30% of the run, then down "
-              "to --lr/25e4; OneCycleLR without momentum cycling), plateau (x --lr_gamma after "
-              "more than --lr_patience epochs without a lower test loss, taken at each epoch end)");
+              "to --lr/25e4; OneCycleLR, the momentum cycled with --cycle_momentum only), plateau "
+              "(x --lr_gamma after more than --lr_patience epochs without a lower test loss, taken "
+              "at each epoch end)");
 DEFINE_double(lr_gamma, 0.1,
               "the rate's factor: for --scheduler=step after each third of the run, multistep at "
               "each milestone, exponential every optimizer step (needed: 0.999, say), plateau at "
@@ -94,6 +95,11 @@ DEFINE_int64(lr_t_mult, 1,
 DEFINE_int64(lr_patience, 10,
              "with --scheduler=plateau: epochs without a lower test loss tolerated; the rate "
              "drops at the next one");
+DEFINE_bool(cycle_momentum, false,
+            "with --scheduler=onecycle: also cycle the momentum against the rate, from 0.95 down "
+            "to 0.85 at the peak rate and back to 0.95 at the end (OneCycleLR's cycle_momentum, "
+            "its default there); it replaces SGD's --momentum, and Adam's and AdamW's beta1 "
+            "(0.9); not with adadelta, --momentum=0 or --zero");
 DEFINE_string(amp, "off",
               "mixed precision: off, bf16, fp16; on the CPU a 16-bit model and activations "
               "with f32 master weights, on CUDA an f32 model under autocast; fp16 adds loss "
@@ -267,7 +273,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSection
       {"Schedule", {"epochs", "max_steps", "batch_size", "grad_accum_steps", "eval_every"}},
       {"Optimizer",
        {"optimizer", "lr", "momentum", "weight_decay", "decay_norm_and_bias", "scheduler", "lr_gamma",
-        "lr_milestones", "lr_t0", "lr_t_mult", "lr_patience", "amp"}},
+        "lr_milestones", "lr_t0", "lr_t_mult", "lr_patience", "cycle_momentum", "amp"}},
       {"Device", {"device", "flush_denormal"}},
       {"Data parallelism",
        {"nproc_per_node", "max_restarts", "sync_bn", "zero", "zero_overlap", "bucket_cap_mb",
@@ -420,6 +426,7 @@ TrainConfig ConfigFromFlags(int world_size) {
   c.lr_t0 = FLAGS_lr_t0;
   c.lr_t_mult = FLAGS_lr_t_mult;
   c.lr_patience = FLAGS_lr_patience;
+  c.cycle_momentum = FLAGS_cycle_momentum;
   for (const char* flag : {"lr_t0", "lr_t_mult", "lr_patience"}) {
     if (!IsDefault(flag)) c.schedule_flags_given.emplace_back(flag);
   }

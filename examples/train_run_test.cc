@@ -109,6 +109,67 @@ TEST(TrainRunTest, OneCycleRisesToTheLrAndEndsWithTheRun) {
   EXPECT_EQ(rates[9], "2e-07");
 }
 
+// --cycle_momentum: OneCycleLR's momentum, cycled against the rate (0.95 at
+// the start, 0.85 at the peak, 0.95 at the end), replaces SGD's 0.9. The
+// run trains, and its checkpoint records the flag: a resume with the other
+// value (or none, false) is refused naming it.
+TEST(TrainRunTest, OneCycleWithCycledMomentumTrainsAndAResumeKeepsTheFlag) {
+  const std::string dir = testing::MakeTempDir("cycle_momentum");
+  std::vector<std::string> args = QuickRun(dir);
+  args.insert(args.end(), {"--scheduler=onecycle", "--max_steps=10", "--epochs=1"});
+  std::vector<std::string> cycled = args;
+  cycled.push_back("--cycle_momentum");
+  const RunOutput r = RunToEnd(cycled);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("sgd lr 0.05, onecycle schedule with momentum cycled 0.95-0.85-0.95"),
+            std::string::npos)
+      << r.out;
+  int rows = 0;
+  for (const std::string& row : Lines(ReadFile(dir + "/logs/metrics.csv"))) {
+    std::smatch m;
+    if (!std::regex_match(row, m, std::regex(R"(\d+,1,([^,]+),[^,]+,[^,]+,,)"))) continue;
+    ++rows;
+    EXPECT_TRUE(std::isfinite(std::stod(m[1]))) << row;
+  }
+  EXPECT_EQ(rows, 5) << ReadFile(dir + "/logs/metrics.csv");
+  // The optimizer's momentum after the last step is near the cycle's end
+  // (0.95 at step 10's), not --momentum's 0.9.
+  double momentum = NAN;
+  for (const auto& [key, t] : nn::io::LoadCheckpoint(dir + "/ckpt.safetensors").optimizer) {
+    if (key == "group.momentum") momentum = t.Item();
+  }
+  EXPECT_GT(momentum, 0.93);
+  EXPECT_LE(momentum, 0.95);
+  // AdamW's beta1 is cycled the same way.
+  const std::string adamw_dir = testing::MakeTempDir("cycle_momentum_adamw");
+  std::vector<std::string> adamw = QuickRun(adamw_dir);
+  adamw.insert(adamw.end(), {"--scheduler=onecycle", "--max_steps=10", "--epochs=1",
+                             "--optimizer=adamw", "--cycle_momentum"});
+  const RunOutput a = RunToEnd(adamw);
+  ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
+  EXPECT_NE(a.out.find("adamw lr 0.001, onecycle schedule with momentum cycled 0.95-0.85-0.95"),
+            std::string::npos)
+      << a.out;
+  double beta1 = NAN;
+  for (const auto& [key, t] : nn::io::LoadCheckpoint(adamw_dir + "/ckpt.safetensors").optimizer) {
+    if (key == "group.beta1") beta1 = t.Item();
+  }
+  EXPECT_GT(beta1, 0.93);
+  EXPECT_LE(beta1, 0.95);
+
+  for (const std::string& other : {std::string("--cycle_momentum=false"), std::string()}) {
+    std::vector<std::string> resumed = args;
+    resumed.push_back("--resume");
+    if (!other.empty()) resumed.push_back(other);
+    const RunOutput refused = RunToEnd(resumed);
+    EXPECT_EQ(refused.exit_code, 2) << refused.out << refused.err;
+    EXPECT_EQ(refused.err, "train: checkpoint " + dir + "/ckpt.safetensors was saved with "
+                           "--cycle_momentum=true and this run has --cycle_momentum=false; pass "
+                           "--cycle_momentum=true to continue that run, or another --checkpoint "
+                           "path to start afresh\n");
+  }
+}
+
 TEST(TrainRunTest, CompressedGradientsTrainAndSaySo) {
   const std::string dir = testing::MakeTempDir("bf16_hook");
   std::vector<std::string> args = QuickRun(dir);

@@ -42,6 +42,26 @@ void ValidateSchedule(const TrainConfig& c) {
   only_for("lr_t0", given("lr_t0", c.lr_t0 != TrainConfig{}.lr_t0), {"warm_restarts"});
   only_for("lr_t_mult", given("lr_t_mult", c.lr_t_mult != TrainConfig{}.lr_t_mult), {"warm_restarts"});
   only_for("lr_patience", given("lr_patience", c.lr_patience != TrainConfig{}.lr_patience), {"plateau"});
+  only_for("cycle_momentum", c.cycle_momentum, {"onecycle"});
+  if (c.cycle_momentum) {
+    // The scheduler drives SGD's momentum or Adam's beta1 (LrScheduler
+    // refuses an optimizer without one), and only over an unsharded
+    // optimizer: --zero's scheduler drives a bare rate.
+    if (c.optimizer == "adadelta") {
+      throw UsageError("--cycle_momentum cycles SGD's momentum or Adam's beta1, and "
+                       "--optimizer=adadelta has neither; use sgd, adam or adamw, or drop "
+                       "--cycle_momentum");
+    }
+    if (c.optimizer == "sgd" && c.momentum == 0) {
+      throw UsageError("--cycle_momentum cycles SGD's momentum, and --momentum=0 makes an SGD "
+                       "without one; drop --momentum=0 (the cycle sets the momentum), or "
+                       "--cycle_momentum");
+    }
+    if (c.zero) {
+      throw UsageError("--cycle_momentum cannot apply with --zero, whose sharded optimizer's "
+                       "schedule drives the learning rate only; drop one of the two");
+    }
+  }
   if (c.lr_gamma.has_value()) {
     const double g = *c.lr_gamma;
     char given[32];

@@ -82,6 +82,11 @@ struct TrainConfig {
   int64_t lr_t0 = 0;                   ///< warm_restarts: steps of the first cycle (needed).
   int64_t lr_t_mult = 1;               ///< warm_restarts: each cycle this many times the last.
   int64_t lr_patience = 10;            ///< plateau: epochs without improvement tolerated.
+  /// onecycle: also cycle the optimizer's momentum (SGD's momentum, Adam's
+  /// and AdamW's beta1) against the rate, 0.95 to 0.85 at the peak rate and
+  /// back, as PyTorch's OneCycleLR does by default (its cycle_momentum);
+  /// false: the rate alone, as before the flag.
+  bool cycle_momentum = false;
   /// Of lr_t0, lr_t_mult and lr_patience, those given on the command line
   /// (a value equal to the default counts as given: it is still another
   /// scheduler's flag).

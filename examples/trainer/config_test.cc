@@ -133,6 +133,32 @@ TEST(ConfigTest, LogEveryNeedsALogDir) {
   EXPECT_EQ(ErrorOf(c), "");
 }
 
+// --cycle_momentum: onecycle's, over an optimizer with a momentum that an
+// unsharded scheduler can drive; refused otherwise, naming the flags.
+TEST(ConfigTest, CycleMomentumNeedsOneCycleAndAMomentum) {
+  TrainConfig c;
+  c.cycle_momentum = true;
+  EXPECT_EQ(ErrorOf(c), "--cycle_momentum applies to --scheduler=onecycle only; drop it for --scheduler=cosine");
+  c.scheduler = "onecycle";
+  EXPECT_EQ(ErrorOf(c), "");
+  c.optimizer = "adamw";
+  c.momentum = 0;
+  EXPECT_EQ(ErrorOf(c), "");
+  c.optimizer = "adadelta";
+  EXPECT_EQ(ErrorOf(c),
+            "--cycle_momentum cycles SGD's momentum or Adam's beta1, and --optimizer=adadelta has "
+            "neither; use sgd, adam or adamw, or drop --cycle_momentum");
+  c.optimizer = "sgd";
+  EXPECT_EQ(ErrorOf(c),
+            "--cycle_momentum cycles SGD's momentum, and --momentum=0 makes an SGD without one; "
+            "drop --momentum=0 (the cycle sets the momentum), or --cycle_momentum");
+  c.momentum = 0.9;
+  c.zero = true;
+  EXPECT_EQ(ErrorOf(c),
+            "--cycle_momentum cannot apply with --zero, whose sharded optimizer's schedule drives "
+            "the learning rate only; drop one of the two");
+}
+
 TEST(ConfigTest, EverySchedulerIsKnownAndAnUnknownOneListsThem) {
   TrainConfig c;
   c.scheduler = "linear";

@@ -263,6 +263,9 @@ struct ScheduleSetting {
   std::string flag;
   std::string saved;
   std::string shown;
+  /// The saved value of a checkpoint that lacks it (a trainer before the
+  /// flag); empty: such a checkpoint is not compared.
+  std::string absent;
 };
 
 // The flags that set config.scheduler's schedule besides --lr and the run's
@@ -270,15 +273,15 @@ struct ScheduleSetting {
 std::vector<ScheduleSetting> ScheduleSettings(const TrainConfig& c) {
   std::vector<ScheduleSetting> out;
   const auto gamma = [&] {
-    out.push_back({"lr_gamma", ExactDouble(c.LrGamma()), FlagDouble(c.LrGamma())});
+    out.push_back({"lr_gamma", ExactDouble(c.LrGamma()), FlagDouble(c.LrGamma()), ""});
   };
   const auto integer = [&](const char* flag, int64_t v) {
-    out.push_back({flag, std::to_string(v), std::to_string(v)});
+    out.push_back({flag, std::to_string(v), std::to_string(v), ""});
   };
   if (c.scheduler == "step" || c.scheduler == "exponential") gamma();
   if (c.scheduler == "multistep") {
     const std::string milestones = FormatMilestones(c.lr_milestones);
-    out.push_back({"lr_milestones", milestones, milestones});
+    out.push_back({"lr_milestones", milestones, milestones, ""});
     gamma();
   }
   if (c.scheduler == "warm_restarts") {
@@ -288,6 +291,12 @@ std::vector<ScheduleSetting> ScheduleSettings(const TrainConfig& c) {
   if (c.scheduler == "plateau") {
     gamma();
     integer("lr_patience", c.lr_patience);
+  }
+  if (c.scheduler == "onecycle") {
+    // Another value moves the momentum that the saved one set (or leaves
+    // the optimizer's own). Older trainers cycled the rate alone.
+    const std::string cycle = c.cycle_momentum ? "true" : "false";
+    out.push_back({"cycle_momentum", cycle, cycle, "false"});
   }
   return out;
 }
@@ -320,7 +329,8 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
   // The flags of the schedule's kind (absent: saved before they were
   // recorded, with their defaults then).
   for (const ScheduleSetting& setting : ScheduleSettings(config)) {
-    const std::string saved = Get(m, setting.flag);
+    std::string saved = Get(m, setting.flag);
+    if (saved.empty()) saved = setting.absent;
     if (saved.empty() || saved == setting.saved) continue;
     std::string shown = saved;
     if (setting.flag == "lr_gamma") {
@@ -506,7 +516,8 @@ RunSchedule::RunSchedule(const TrainConfig& config, int64_t steps)
       milestones_(config.lr_milestones),
       t0_(config.lr_t0),
       t_mult_(config.lr_t_mult),
-      max_lr_(config.lr) {
+      max_lr_(config.lr),
+      cycle_momentum_(config.cycle_momentum) {
   if (!HasRunSchedule(kind_) ||
       std::find(SchedulerNames().begin(), SchedulerNames().end(), kind_) == SchedulerNames().end()) {
     throw std::invalid_argument("RunSchedule: unknown kind `" + kind_ + "`");
@@ -532,9 +543,9 @@ void RunSchedule::set_steps(int64_t steps) {
     nn::optim::OneCycleOptions o;
     o.max_lr = max_lr_;
     o.total_steps = horizon;
-    // The rate alone, as before OneCycleOptions::cycle_momentum (default
-    // true) existed: runs and their saved schedule descriptions unchanged.
-    o.cycle_momentum = false;
+    // By default the rate alone, as before OneCycleOptions::cycle_momentum
+    // (default true) existed: such runs and their checkpoints unchanged.
+    o.cycle_momentum = cycle_momentum_;
     schedule = nn::optim::OneCycleSchedule(o);
   }
   steps_ = steps;

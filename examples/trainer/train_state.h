@@ -18,8 +18,8 @@
 //             batch size, accumulation, seed), and the learning-rate
 //             schedule (--scheduler, --lr, the step it ends at, and the
 //             --epochs and --max_steps that set that step, and the
-//             --lr_gamma, --lr_milestones, --lr_t0, --lr_t_mult or
-//             --lr_patience its kind uses), and
+//             --lr_gamma, --lr_milestones, --lr_t0, --lr_t_mult,
+//             --lr_patience or --cycle_momentum its kind uses), and
 //             --comm_hook and --sync_bn (another value on resume: a note),
 //             --amp, --device and the model's floating dtype (with --amp,
 //             f32 on CUDA and 16-bit on the CPU: converted on load)
@@ -104,6 +104,10 @@ class RunSchedule : public nn::optim::Schedule {
   /// Takes effect at the scheduler's next step or LoadStateDict.
   void set_steps(int64_t steps);
   double Lr(double base_lr, int64_t t) const override { return schedule_->Lr(base_lr, t); }
+  /// onecycle with config.cycle_momentum: the momentum the schedule sets.
+  bool CyclesMomentum() const override { return schedule_->CyclesMomentum(); }
+  double Momentum(int64_t t) const override { return schedule_->Momentum(t); }
+  std::vector<double> MomentumBounds() const override { return schedule_->MomentumBounds(); }
 
  private:
   std::string kind_;
@@ -112,6 +116,7 @@ class RunSchedule : public nn::optim::Schedule {
   int64_t t0_ = 0;
   int64_t t_mult_ = 1;
   double max_lr_ = 0;
+  bool cycle_momentum_ = false;
   int64_t steps_ = 0;
   std::shared_ptr<nn::optim::Schedule> schedule_;
 };

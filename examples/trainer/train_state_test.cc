@@ -1142,8 +1142,22 @@ TEST(TrainStateTest, RunScheduleKindsFollowTheirFlags) {
   EXPECT_DOUBLE_EQ(onecycle.Lr(123.0, 0), 0.05 / 25);
   EXPECT_DOUBLE_EQ(onecycle.Lr(123.0, 2), 0.05);  // the peak, at 30% of the steps less one
   EXPECT_NEAR(onecycle.Lr(123.0, 9), 0.05 / 25 / 1e4, 1e-15);  // the rate of the last step
+  EXPECT_FALSE(onecycle.CyclesMomentum()) << "the momentum is the optimizer's by default";
   onecycle.set_steps(20);
   EXPECT_DOUBLE_EQ(onecycle.Lr(123.0, 5), 0.05);
+  // --cycle_momentum: OneCycleLR's momentum, against the rate, over the
+  // horizon as it moves.
+  c.cycle_momentum = true;
+  RunSchedule cycled(c, 10);
+  EXPECT_TRUE(cycled.CyclesMomentum());
+  EXPECT_DOUBLE_EQ(cycled.Lr(123.0, 2), 0.05);
+  EXPECT_DOUBLE_EQ(cycled.Momentum(0), 0.95);
+  EXPECT_DOUBLE_EQ(cycled.Momentum(2), 0.85);  // at the peak rate
+  EXPECT_NEAR(cycled.Momentum(9), 0.95, 1e-12);
+  EXPECT_EQ(cycled.MomentumBounds(), (std::vector<double>{0.85, 0.95}));
+  cycled.set_steps(20);
+  EXPECT_DOUBLE_EQ(cycled.Momentum(5), 0.85);
+  c.cycle_momentum = false;
   for (const char* kind : {"plateau", "none", "linear"}) {
     c.scheduler = kind;
     EXPECT_THROW(RunSchedule(c, 10), std::invalid_argument) << kind;

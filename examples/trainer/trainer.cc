@@ -73,14 +73,36 @@ std::unique_ptr<nn::data::DataLoader> MakeTrainLoader(const TrainConfig& c, cons
 
 std::string OptimizerSummary(const TrainConfig& c) {
   std::string s = c.optimizer + " lr " + StringPrintf("%g", c.lr);
-  if (c.optimizer == "sgd" && c.momentum > 0) s += StringPrintf(" momentum %g", c.momentum);
+  // A cycled momentum replaces --momentum, and is said with the schedule.
+  if (c.optimizer == "sgd" && c.momentum > 0 && !c.cycle_momentum) {
+    s += StringPrintf(" momentum %g", c.momentum);
+  }
   if (c.weight_decay > 0) {
     s += StringPrintf(" weight decay %g", c.weight_decay);
     if (!c.decay_norm_and_bias) s += " (none on biases and norms)";
   }
   if (c.scheduler != "none") s += ", " + c.scheduler + " schedule";
+  if (c.cycle_momentum) {
+    const nn::optim::OneCycleOptions o;
+    s += StringPrintf(" with momentum cycled %g-%g-%g", o.max_momentum, o.base_momentum,
+                      o.max_momentum);
+  }
   if (c.amp != "off") s += ", " + c.amp + " mixed precision";
   return s;
+}
+
+// --scheduler's LrScheduler of `optimizer`: over its one rate, every
+// group's (EveryGroupsRate), or with --cycle_momentum over the optimizer
+// itself, whose momentum the schedule drives too (a bare rate has none).
+// Both give every group the same rate; their saved states differ only with
+// several groups (a base rate per group), and only runs with the flag save
+// the second, which a resume with the other value refuses first.
+std::unique_ptr<nn::optim::LrScheduler> MakeScheduler(nn::optim::Optimizer& optimizer,
+                                                      std::shared_ptr<RunSchedule> schedule) {
+  if (schedule->CyclesMomentum()) {
+    return std::make_unique<nn::optim::LrScheduler>(optimizer, std::move(schedule));
+  }
+  return std::make_unique<nn::optim::LrScheduler>(EveryGroupsRate(optimizer), std::move(schedule));
 }
 
 // Global training throughput over the last few steps, for the live bar.
@@ -412,6 +434,7 @@ std::string SharedSettings(const TrainConfig& c, const Datasets& d) {
       {"--lr_t0", std::to_string(c.lr_t0)},
       {"--lr_t_mult", std::to_string(c.lr_t_mult)},
       {"--lr_patience", std::to_string(c.lr_patience)},
+      {"--cycle_momentum", flag(c.cycle_momentum)},
       {"--amp", c.amp},
       {"--device", c.device},
       // Subnormals flushed on one rank and kept on another: the same
@@ -572,7 +595,9 @@ void Run::Setup() {
   if (HasRunSchedule(c_.scheduler)) {
     // Over the whole run; a resumed one continues the saved horizon.
     schedule_ = std::make_shared<RunSchedule>(c_, RunEndStep(c_, batches));
-    scheduler_ = std::make_unique<nn::optim::LrScheduler>(lr_target, schedule_);
+    // (--zero's rate target cannot cycle momentum: ValidateConfig refuses it.)
+    scheduler_ = sharded_ ? std::make_unique<nn::optim::LrScheduler>(lr_target, schedule_)
+                          : MakeScheduler(*optimizer_, schedule_);
   } else if (c_.scheduler == "plateau") {
     plateau_ = std::make_unique<nn::optim::ReduceLrOnPlateau>(lr_target, PlateauOptionsOf(c_));
   }
@@ -1306,9 +1331,9 @@ void CheckSetup(const TrainConfig& config, int world_size) {
     std::unique_ptr<nn::optim::ReduceLrOnPlateau> plateau;
     if (HasRunSchedule(config.scheduler)) {
       schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, batches));
-      // Over the same target as a rank's (one rate for every group), so
-      // that the scheduler's state has the same layout.
-      scheduler = std::make_unique<nn::optim::LrScheduler>(EveryGroupsRate(*optimizer), schedule);
+      // Made as a rank makes it, so that the scheduler's state has the
+      // same layout.
+      scheduler = MakeScheduler(*optimizer, schedule);
     } else if (config.scheduler == "plateau") {
       plateau = std::make_unique<nn::optim::ReduceLrOnPlateau>(EveryGroupsRate(*optimizer),
                                                                PlateauOptionsOf(config));
