@@ -55,7 +55,10 @@ class WatchfulStore final : public store::Store {
  private:
   Deadline Slice(Deadline deadline) const { return std::min(deadline, Clock::now() + slice_); }
   // A wait for several keys that timed out, naming the first key still
-  // missing (its rank, in creation's keys), found by one look at each.
+  // missing (its rank, in creation's keys), found by one look at each,
+  // all within kNameMissingBudget; when that runs out (or a look fails)
+  // first, the message says how far the look got.
+  static constexpr std::chrono::milliseconds kNameMissingBudget{2000};
   Status NameMissing(const Status& timed_out, std::span<const std::string> keys);
   // The reason another rank posted, as an error; OK when none.
   Status Posted(Deadline deadline);

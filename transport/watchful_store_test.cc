@@ -78,5 +78,86 @@ TEST(WatchfulStore, ATimedOutReadNamesTheMissingKey) {
   EXPECT_NE(got.status().message().find("key 'rank/1' is not set"), std::string::npos) << got.status();
 }
 
+// An in-memory store whose TryGet of a "rank/" key takes `delay`, as a
+// look at one key of thousands from a busy server.
+class SlowLookStore final : public testing::ForwardingStore {
+ public:
+  explicit SlowLookStore(std::chrono::milliseconds delay) : delay_(delay) {}
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    if (key.starts_with("rank/")) {
+      if (Clock::now() + delay_ > d) {
+        std::this_thread::sleep_until(d);
+        return TimedOutError("try_get timed out after " + std::to_string(delay_.count()) + " ms");
+      }
+      std::this_thread::sleep_for(delay_);
+    }
+    return inner_.TryGet(key, d);
+  }
+
+ private:
+  std::chrono::milliseconds delay_;
+};
+
+// The look for the missing key after a timed-out wait has one budget for
+// all its keys (it gave each look a second of its own, so thousands of keys
+// took that many round trips without bound), and says when it was cut short.
+TEST(WatchfulStore, TheLookForTheMissingKeyHasOneBudget) {
+  SlowLookStore inner(300ms);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 20; ++i) {
+    keys.push_back("rank/" + std::to_string(i));
+    if (i < 19) {
+      ASSERT_TRUE(inner.inner().Set(keys.back(), "x", DeadlineIn(1s)).ok());
+    }
+  }
+  WatchfulStore store(inner, "job/abort", 50ms);
+  const auto start = Clock::now();
+  Status waited = store.Wait(keys, DeadlineIn(200ms));
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut) << waited;
+  // 200 ms of wait and 2 s of looking, not 20 looks of 300 ms.
+  EXPECT_LT(took, 4s) << waited;
+  EXPECT_NE(waited.message().find("cut short after"), std::string::npos) << waited;
+  EXPECT_NE(waited.message().find("of 20 keys"), std::string::npos) << waited;
+}
+
+// Get waits in slices until the key is set, and returns its value.
+TEST(WatchfulStore, GetReturnsAValueSetAfterSeveralSlices) {
+  InMemoryStore inner;
+  WatchfulStore store(inner, "job/abort", 50ms);
+  std::thread setter([&] {
+    std::this_thread::sleep_for(300ms);
+    (void)inner.Set("rank/1", "ready", DeadlineIn(1s));
+  });
+  StatusOr<std::string> got = store.Get("rank/1", DeadlineIn(10s));
+  setter.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "ready");
+}
+
+// A Get ends with another rank's posted reason, well before its deadline;
+// one never answered ends TIMED_OUT at its deadline.
+TEST(WatchfulStore, GetEndsOnAnAbortAndAtItsDeadline) {
+  InMemoryStore inner;
+  WatchfulStore store(inner, "job/abort", 50ms);
+  const auto start = Clock::now();
+  StatusOr<std::string> timed_out = store.Get("never", DeadlineIn(300ms));
+  EXPECT_EQ(timed_out.status().code(), StatusCode::kTimedOut) << timed_out.status();
+  EXPECT_GE(Clock::now() - start, 300ms);
+  EXPECT_LT(Clock::now() - start, 3s);
+
+  std::thread poster([&] {
+    std::this_thread::sleep_for(200ms);
+    (void)inner.Set("job/abort", fault::PeerMonitor::EncodeAbort(2, UnavailableError("rank 2 ran out of memory")),
+                    DeadlineIn(1s));
+  });
+  const auto posted_from = Clock::now();
+  StatusOr<std::string> aborted = store.Get("never", DeadlineIn(20s));
+  poster.join();
+  ASSERT_FALSE(aborted.ok());
+  EXPECT_NE(aborted.status().message().find("rank 2 ran out of memory"), std::string::npos) << aborted.status();
+  EXPECT_LT(Clock::now() - posted_from, 5s);
+}
+
 }  // namespace
 }  // namespace ddp::transport::internal
