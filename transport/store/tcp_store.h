@@ -74,7 +74,9 @@ struct TcpStoreServerOptions {
   /// it, at most 1024, for the process's other files), so that a newcomer
   /// over it is told so instead of waiting out its handshake.
   size_t max_connections = 16384;
-  /// Most bytes of keys and values held.
+  /// Most bytes of keys and values held, each entry counted as its key's
+  /// and value's bytes plus 128 for the server's bookkeeping of it (so that
+  /// many tiny keys cannot hold many times this in memory).
   size_t max_stored_bytes = size_t{1} << 30;
   /// Most bytes waiting in one connection's output buffer; a client that
   /// stops reading its replies is dropped beyond this.
@@ -106,7 +108,7 @@ struct TcpStoreServerStats {
   uint64_t refused_oversized = 0;     ///< Frames over the size bound.
   uint64_t dropped_stalled = 0;       ///< Dropped for stalling mid-request (frame_stall_timeout).
   uint64_t open_connections = 0;      ///< Connections open now.
-  uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now.
+  uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now, with 128 per entry.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
   uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
   uint64_t parked_key_bytes = 0;      ///< What the parked calls' keys count against max_parked_key_bytes.

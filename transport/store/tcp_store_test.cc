@@ -505,6 +505,33 @@ TEST(TcpStoreTest, SizeBounds) {
   // Overwriting in place and deleting free room again.
   ASSERT_TRUE(client->Set("big2", "small", DeadlineIn(5s)).ok());
   EXPECT_TRUE(client->Set("big3", big, DeadlineIn(10s)).ok());
+  EXPECT_EQ(client->Set("big4", big, DeadlineIn(10s)).code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(*client->Delete("big", DeadlineIn(5s)));
+  EXPECT_TRUE(client->Set("big4", big, DeadlineIn(10s)).ok());
+}
+
+// Each entry counts its bookkeeping against max_stored_bytes, not only its
+// key and value: keys of a few bytes with empty values used to fit by the
+// hundred thousand into a bound meant for a few MiB.
+TEST(TcpStoreTest, ManyTinyKeysAreRefusedPastTheStoredBytesBound) {
+  TcpStoreServerOptions options;
+  options.max_stored_bytes = 64 << 10;
+  auto server = StartServer(options);
+  auto client = ConnectClient(*server);
+  constexpr int kKeys = 2000;  // 8 KiB of keys and values, 250 KiB held
+  int stored = 0;
+  Status full;
+  for (; stored < kKeys; ++stored) {
+    full = client->Set("k" + std::to_string(stored), "", DeadlineIn(5s));
+    if (!full.ok()) break;
+  }
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full;
+  EXPECT_THAT(full.message(), HasSubstr("would exceed its limit of 65536"));
+  EXPECT_LE(stored, (64 << 10) / 128);
+  EXPECT_LE(server->stats().stored_bytes, uint64_t{64 << 10});
+  // Deleting an entry gives back what it was charged.
+  ASSERT_TRUE(*client->Delete("k0", DeadlineIn(5s)));
+  EXPECT_TRUE(client->Set("k" + std::to_string(stored), "", DeadlineIn(5s)).ok());
 }
 
 TEST(TcpStoreTest, AddToNonIntegerIsRefused) {
