@@ -82,8 +82,9 @@ struct TcpStoreServerOptions {
   /// stops reading its replies is dropped beyond this.
   size_t max_connection_output_bytes = size_t{32} << 20;
   /// Most bytes buffered in all connections together (frames being received
-  /// plus replies not yet sent); a connection whose next frame does not fit
-  /// stops being read until it does.
+  /// plus replies not yet sent); a connection whose next frame does not fit,
+  /// or comes while other frames wait for room, stops being read until that
+  /// frame's turn comes (room goes to waiting frames in arrival order).
   size_t max_buffered_bytes = size_t{256} << 20;
   /// Most Get/Wait calls parked at once on one connection.
   size_t max_waits_per_connection = 256;

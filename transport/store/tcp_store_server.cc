@@ -531,7 +531,14 @@ class TcpStoreServer::Impl {
           continue;
         }
         if (c.reserved == 0) {
-          if (!Fits(frame_bytes)) {
+          // Behind frames already waiting for room, even when this one
+          // would fit: steady small requests would otherwise take every
+          // bit of room freed and a waiting large Set would never get its
+          // turn. Handshakes are exempt: they are small, few
+          // (max_unauthenticated) and must be read at once, or a rank's
+          // connection could be evicted while it waits.
+          const bool queue_first = c.authenticated && !waiting_for_memory_.empty();
+          if (queue_first || !Fits(frame_bytes)) {
             if (waiting_for_memory_.insert(c.id).second) memory_queue_.push_back(c.id);
             Touch(c);
             return;

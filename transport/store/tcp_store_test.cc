@@ -850,6 +850,57 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
   EXPECT_TRUE(older_status.ok()) << older_status;
 }
 
+// A frame that would fit still waits while others wait for room: steady
+// small requests used to take every bit of room freed, and a large Set
+// waiting for it never got its turn.
+TEST(TcpStoreTest, ANewFrameThatWouldFitWaitsBehindFramesWaitingForRoom) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 5 << 20;  // one 3 MiB frame at a time
+  auto server = StartServer(options);
+  auto set_frame = [](uint32_t id, const std::string& key) {
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kSet));
+    w.U32(id);
+    w.String(key);
+    w.String(std::string(3 << 20, 'x'));
+    return w.Frame();
+  };
+  auto small = ConnectClient(*server);
+  RawConnection holder(server->port()), large(server->port());
+  holder.Handshake();
+  large.Handshake();
+  const std::string held = set_frame(1, "held"), waits = set_frame(2, "large");
+  holder.Send(std::string_view(held).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes >= held.size();
+  }));
+  large.Send(std::string_view(waits).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 1;
+  }));
+  // 3 MiB held of 5: the small Set would fit, but the large one came first.
+  std::atomic<bool> small_done{false};
+  Status small_status;
+  std::thread small_set([&] {
+    small_status = small->Set("small", "x", DeadlineIn(20s));
+    small_done = true;
+  });
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 2;
+  }, 3s)) << "the small Set did not wait: " << server->stats().frames_waiting_for_room
+          << " frames waiting";
+  EXPECT_FALSE(small_done.load()) << "the small Set went ahead of the waiting large one";
+  // The held room goes to the large frame, and what is left to the small one.
+  holder.Send(std::string_view(held).substr(1000));
+  ASSERT_TRUE(holder.ReadFrame(5s).has_value());
+  small_set.join();
+  EXPECT_TRUE(small_status.ok()) << small_status;
+  large.Send(std::string_view(waits).substr(1000));
+  std::optional<std::string> reply = large.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).first, StatusCode::kOk);
+}
+
 // Sends `n` Gets of `key` on `c` (request ids 1..n), each with a
 // server-side deadline of `timeout_ms`, without reading the replies.
 void SendGets(RawConnection& c, int n, uint32_t timeout_ms, const std::string& key) {
