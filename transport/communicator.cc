@@ -157,6 +157,11 @@ struct ServedStore {
   std::string job_token;
   std::mutex mu;
   std::vector<std::pair<std::string, int>> users;  // under mu
+  // Communicators of this process holding it now (a rank's and its splits'),
+  // under mu: the one that takes it to 0 is the last and waits for every
+  // user. use_count() read without a lock let a parent and its split, going
+  // away on two threads, each see the other's reference and neither wait.
+  int holders = 0;
   // Key prefixes of the communicators that started or shared it as rank 0,
   // under which splits made without this process register; under mu.
   std::vector<std::string> roots;
@@ -921,6 +926,7 @@ Status Communicator::Impl::Init() {
     if (server_ == nullptr) return environment.ok() ? error : environment;
     {
       std::lock_guard lock(server_->mu);
+      ++server_->holders;  // released in Shutdown
       server_->users.emplace_back(prefix_, o.world_size);
       server_->roots.push_back(prefix_);
     }
@@ -1303,6 +1309,13 @@ void Communicator::Impl::Shutdown() {
     }
     p2p_works_.clear();
   }
+  // Let go of the served store (every holder, whatever else fails here),
+  // learning whether this was the last holder in this process.
+  bool last_holder = false;
+  if (server_ != nullptr) {
+    std::lock_guard lock(server_->mu);
+    last_holder = --server_->holders == 0;
+  }
   if (store_ != nullptr) {
     if (!aborted() && monitor_ != nullptr) {
       monitor_->PostClosed(DeadlineIn(options_.abort_store_time));
@@ -1315,7 +1328,7 @@ void Communicator::Impl::Shutdown() {
       // The last communicator here to hold the server waits for the ranks
       // of every communicator using it (those split off included).
       std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
-      const bool last = server_.use_count() == 1;
+      const bool last = last_holder;
       if (last) {
         std::lock_guard lock(server_->mu);
         awaited = server_->users;
@@ -2464,6 +2477,10 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   auto impl = std::make_unique<Impl>(o);
   impl->key_name_ = o.name;
   impl->server_ = parent.server_;  // its rendezvous store, if this rank serves it
+  if (impl->server_ != nullptr) {
+    std::lock_guard lock(impl->server_->mu);
+    ++impl->server_->holders;  // released in the split's Shutdown
+  }
   impl->served_root_prefix_ = parent.served_root_prefix_;
   impl->store_rank_ = parent.store_rank_;
   if (parent.store_rank_ >= 0) {
