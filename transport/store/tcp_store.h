@@ -23,6 +23,8 @@
 // request is refused and logged and closes that connection; the server keeps
 // serving everyone else.
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -123,8 +125,10 @@ struct TcpStoreServerStats {
 };
 
 /// Serves the store on one background thread until Stop() or destruction.
-/// Stopping answers parked waits with UNAVAILABLE and closes every
-/// connection, so clients fail promptly instead of hanging.
+/// Stopping answers parked waits with UNAVAILABLE and shuts down every
+/// connection and listening socket (shutdown(), not only close(), so that
+/// copies of the descriptors held by a child forked without exec keep
+/// nothing open), so clients fail promptly instead of hanging.
 class TcpStoreServer {
  public:
   /// Binds and starts serving. UNAVAILABLE names the address when it cannot
@@ -225,6 +229,7 @@ class TcpStoreClient final : public Store {
 
   std::mutex mu_;
   const int fd_;                        // valid until destruction
+  const pid_t owner_pid_;               // the process that connected (see ~TcpStoreClient)
   std::atomic<bool> closed_{false};     // set by Close()
   const std::string endpoint_;
   uint32_t next_request_id_ = 1;

@@ -1,4 +1,5 @@
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -188,9 +189,17 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
 }
 
 TcpStoreClient::TcpStoreClient(int fd, std::string endpoint)
-    : fd_(fd), endpoint_(std::move(endpoint)) {}
+    : fd_(fd), owner_pid_(getpid()), endpoint_(std::move(endpoint)) {}
 
-TcpStoreClient::~TcpStoreClient() { UniqueFd closer(fd_); }
+TcpStoreClient::~TcpStoreClient() {
+  // close() alone leaves the connection open while a forked child (a data
+  // loader worker forked without exec) holds a copy of the descriptor: the
+  // server would keep this connection and its parked calls. shutdown() ends
+  // it for every copy, so only the process that connected may do it; a
+  // child destroying its copy of this object just closes its descriptor.
+  if (getpid() == owner_pid_) shutdown(fd_, SHUT_RDWR);
+  UniqueFd closer(fd_);
+}
 
 void TcpStoreClient::Close() {
   closed_.store(true);

@@ -356,6 +356,10 @@ class TcpStoreServer::Impl {
     std::vector<uint64_t> conns;
     for (auto& [id, c] : connections_) conns.push_back(id);
     for (uint64_t id : conns) Destroy(id);
+    // A child forked without exec holds copies of the listening sockets:
+    // close() alone would leave them accepting, and a client connecting
+    // would complete the TCP handshake and then wait out its deadline.
+    for (const UniqueFd& fd : listen_fds_) shutdown(fd.get(), SHUT_RDWR);
     listen_fds_.clear();
   }
 
@@ -1154,6 +1158,10 @@ class TcpStoreServer::Impl {
     buffer_capacity_ -= c.capacity;
     waiting_for_memory_.erase(id);
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+    // Ends the connection for every copy of the descriptor (a child forked
+    // without exec holds one), so the client learns now, not at its deadline.
+    // Only the server thread gets here, which a forked child does not have.
+    shutdown(c.fd.get(), SHUT_RDWR);
     connections_.erase(it);
     open_connections_.store(connections_.size());
   }

@@ -1179,6 +1179,75 @@ TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
 }
 
+// A child forked without exec that sleeps holding copies of the process's
+// descriptors (a data loader worker), killed when the test ends.
+class SleepingChild {
+ public:
+  SleepingChild() {
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      sleep(60);
+      _exit(0);
+    }
+    EXPECT_GT(pid_, 0);
+  }
+  ~SleepingChild() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// Copies of the server's sockets in a forked child keep nothing open: the
+// server shuts its connections and listeners down (closing them left the
+// child's copies alive, so a client waited out its whole deadline, and a
+// new one completed the TCP handshake with the dead listener).
+TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptlyWhileAForkedChildHoldsItsSockets) {
+  auto server = StartServer();
+  const int port = server->port();
+  auto idle = ConnectClient(*server);
+  ASSERT_TRUE(idle->Set("k", "v", DeadlineIn(5s)).ok());
+  SleepingChild child;
+  server->Stop();
+  const Deadline start = Clock::now();
+  Status s = idle->Set("k", "v2", DeadlineIn(10s));
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_LT(Clock::now() - start, 2s) << s;
+  StatusOr<std::unique_ptr<TcpStoreClient>> late =
+      TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(500ms));
+  EXPECT_EQ(late.status().code(), StatusCode::kUnavailable) << late.status();
+}
+
+// A client destroyed in the process that connected ends its connection
+// even while a forked child holds a copy of the socket (the server kept it
+// and its parked calls); one destroyed in the child leaves the parent's
+// connection alone.
+TEST(TcpStoreTest, AClientsConnectionEndsWithItDespiteAForkedChildButNotWithTheChildsCopy) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  ASSERT_TRUE(client->Set("k", "v", DeadlineIn(5s)).ok());
+  const pid_t destroyer = fork();
+  if (destroyer == 0) {
+    client.reset();
+    _exit(0);
+  }
+  ASSERT_GT(destroyer, 0);
+  int child_status = 0;
+  ASSERT_EQ(waitpid(destroyer, &child_status, 0), destroyer);
+  EXPECT_TRUE(client->Set("k", "v2", DeadlineIn(5s)).ok());
+  EXPECT_EQ(*client->Get("k", DeadlineIn(5s)), "v2");
+
+  SleepingChild holder;
+  client.reset();
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.open_connections == 0;
+  }, 3s)) << server->stats().open_connections << " connections still open";
+}
+
 TEST(TcpStoreTest, CloseWakesAParkedCall) {
   auto server = StartServer();
   auto client = ConnectClient(*server);
