@@ -979,6 +979,76 @@ TEST(TcpStoreTest, ManyWaitersOnALargeValueStayWithinTheBufferBound) {
   }
 }
 
+// Replies to requests answered at once count against the total buffer
+// bound as well. Connections that each read a 4 MiB value and do not read
+// the reply yet used to be let in together as soon as room freed (their
+// small requests fitted) and then held a copy each, past any bound; now a
+// request waits, whole, until its reply fits, and each is answered in turn
+// as replies drain.
+TEST(TcpStoreTest, RepliesToReadsAnsweredAtOnceStayWithinTheBufferBound) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 8 << 20;
+  options.max_connection_output_bytes = 256 << 20;  // not the bound under test
+  auto server = StartServer(options);
+  const std::string value(4 << 20, 'v');
+  auto setter = ConnectClient(*server);
+  ASSERT_TRUE(setter->Set("large", value, DeadlineIn(10s)).ok());
+  auto try_get = [](uint32_t id) {
+    wire::Writer w;
+    w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+    w.U32(id);
+    w.String("large");
+    return w.Frame();
+  };
+  constexpr int kIdle = 6, kFirstReads = 3;
+  RawConnection first(server->port());
+  first.Handshake();
+  std::vector<std::unique_ptr<RawConnection>> idle;
+  for (int i = 0; i < kIdle; ++i) {
+    idle.push_back(std::make_unique<RawConnection>(server->port()));
+    idle.back()->Handshake();
+  }
+  // Each idle connection's first reply fills its socket's buffers (the
+  // kernel takes a few MiB), so later replies stay in the server's.
+  for (auto& c : idle) c->Send(try_get(1));
+  std::this_thread::sleep_for(200ms);
+  // The first connection's reads fill the bound; the idle ones' next wait.
+  for (uint32_t id = 1; id <= kFirstReads; ++id) first.Send(try_get(id));
+  std::this_thread::sleep_for(200ms);
+  for (auto& c : idle) c->Send(try_get(2));
+  std::this_thread::sleep_for(200ms);
+  const uint64_t bound = (8 << 20) + (4 << 20) + 4096;  // one reply may exceed it
+  EXPECT_LE(server->stats().buffered_bytes, bound);
+  // The first connection drains its replies, freeing all the room at once.
+  for (int i = 0; i < kFirstReads; ++i) {
+    std::optional<std::string> reply = first.ReadFrame(20s);
+    ASSERT_TRUE(reply.has_value()) << "reply " << i;
+    EXPECT_GT(reply->size(), value.size());
+  }
+  // Time for the server to copy replies, were it to copy one per request.
+  std::this_thread::sleep_for(300ms);
+  EXPECT_LE(server->stats().buffered_bytes, bound)
+      << "the waiting reads were answered together, past the bound";
+  EXPECT_GT(server->stats().requests_waiting_to_reply, 0u);
+  // Read at last, every one is answered.
+  std::vector<std::thread> threads;
+  std::vector<int> values(kIdle, 0);
+  for (int i = 0; i < kIdle; ++i) {
+    threads.emplace_back([&, i] {
+      for (int n = 0; n < 2; ++n) {
+        std::optional<std::string> reply = idle[i]->ReadFrame(20s);
+        if (reply.has_value() && reply->size() > value.size()) ++values[i];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kIdle; ++i) EXPECT_EQ(values[i], 2) << "connection " << i;
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.requests_waiting_to_reply == 0;
+  }, 5s));
+  EXPECT_TRUE(setter->Set("ok", "1", DeadlineIn(5s)).ok());
+}
+
 TEST(TcpStoreTest, ConnectionFloodDoesNotStopTheJobFromForming) {
   TcpStoreServerOptions options;
   options.max_unauthenticated = 16;
