@@ -325,6 +325,15 @@ class TcpStoreServer::Impl {
   void FinishRound() {
     std::vector<uint64_t> touched;
     touched.swap(touched_);
+    // The dead go first, so that the room they held goes to the frames
+    // waiting for it in this round: granted after them, it waited for the
+    // next event, up to kMaxPollMs, and a queue of connections that died
+    // waiting (their close unseen while they were not read) moved one a
+    // second, holding up every frame behind them.
+    for (uint64_t id : touched) {
+      Connection* c = Find(id);
+      if (c != nullptr && (c->dead || (c->closing && c->pending_out() == 0))) Destroy(id);
+    }
     while (!memory_queue_.empty()) {
       const uint64_t id = memory_queue_.front();
       Connection* c = Find(id);
@@ -345,10 +354,6 @@ class TcpStoreServer::Impl {
     for (uint64_t id : touched) {
       Connection* c = Find(id);
       if (c == nullptr) continue;
-      if (c->dead || (c->closing && c->pending_out() == 0)) {
-        Destroy(id);
-        continue;
-      }
       UpdateInterest(*c);
       CountCapacity(*c);
     }
