@@ -87,8 +87,6 @@ struct TcpStoreServerOptions {
   /// plus replies not yet sent); a connection whose next frame does not fit,
   /// or comes while other frames wait for room, stops being read until that
   /// frame's turn comes (room goes to waiting frames in arrival order).
-  /// Replies count too: a request whose reply (a value read) does not fit
-  /// waits, whole, until it does, and its connection is not read meanwhile.
   size_t max_buffered_bytes = size_t{256} << 20;
   /// Most Get/Wait calls parked at once on one connection.
   size_t max_waits_per_connection = 256;
@@ -124,10 +122,6 @@ struct TcpStoreServerStats {
   /// Bytes of memory the connections' buffers hold now (their capacity; at
   /// least buffered_bytes, and small once they are done with big frames).
   uint64_t buffer_capacity_bytes = 0;
-  /// Whole requests waiting now for room under max_buffered_bytes for their
-  /// replies (their connections are not read meanwhile); answered in
-  /// arrival order.
-  uint64_t requests_waiting_to_reply = 0;
 };
 
 /// Serves the store on one background thread until Stop() or destruction.

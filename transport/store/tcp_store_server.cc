@@ -62,12 +62,6 @@ constexpr size_t kReadChunkBytes = 256 * 1024;
 // of connections that once moved a 4 MiB value must not keep 4 MiB each,
 // which max_buffered_bytes does not count.
 constexpr size_t kKeepBufferBytes = 64 * 1024;
-// What a reply without a value counts against max_buffered_bytes (header,
-// status, a flag or an integer, or an error message) before it is built.
-constexpr size_t kSmallReplyBytes = 256;
-// How often requests held for room to reply look for it when no event
-// comes (room freed by a connection destroyed at the end of a round).
-constexpr auto kHeldRetryInterval = std::chrono::milliseconds(20);
 // What one stored entry costs beyond its key's and value's bytes (the hash
 // node, two std::string headers, the bucket, allocator rounding: about 100
 // bytes with libstdc++), charged against max_stored_bytes with them. Without
@@ -198,7 +192,6 @@ class TcpStoreServer::Impl {
     s.requests = requests_.load();
     s.frames_waiting_for_room = frames_waiting_for_room_.load();
     s.buffer_capacity_bytes = buffer_capacity_bytes_.load();
-    s.requests_waiting_to_reply = requests_waiting_to_reply_.load();
     return s;
   }
 
@@ -227,13 +220,11 @@ class TcpStoreServer::Impl {
         }
       }
       RetryDeferredWakes();
-      RetryHeldRequests();
       FireTimers();
       FinishRound();
       buffered_bytes_.store(buffered_);
       frames_waiting_for_room_.store(waiting_for_memory_.size());
       buffer_capacity_bytes_.store(buffer_capacity_);
-      requests_waiting_to_reply_.store(held_for_reply_.size());
     }
     Shutdown();
   }
@@ -243,9 +234,6 @@ class TcpStoreServer::Impl {
     if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
     if (!waiter_deadlines_.empty()) next = std::min(next, waiter_deadlines_.begin()->first);
     if (!listening_) next = std::min(next, accept_resume_);
-    // Room also frees when a connection is destroyed at the end of a round,
-    // which no event reports: requests held for room look again soon.
-    if (!held_for_reply_.empty()) next = std::min(next, Clock::now() + kHeldRetryInterval);
     return MillisecondsUntil(next);
   }
 
@@ -299,9 +287,8 @@ class TcpStoreServer::Impl {
   // room held for the whole frame (it would wait for the rest forever).
   void CheckFrameProgress(Connection& c, Deadline now) {
     if (c.in.empty()) return;
-    // While the frame waits for room (to be read, or to be answered), the
-    // server is the one not reading.
-    const Deadline due = waiting_for_memory_.count(c.id) || held_for_reply_.count(c.id)
+    // While the frame waits for room, the server is the one not reading.
+    const Deadline due = waiting_for_memory_.count(c.id)
                              ? now + options_.frame_stall_timeout
                              : c.last_read + options_.frame_stall_timeout;
     if (due > now) {
@@ -549,13 +536,6 @@ class TcpStoreServer::Impl {
           return;
         }
         if (c.in.size() == frame_bytes) {
-          if (c.authenticated && !ReplyMayGo(c)) {
-            // Held, whole, until its reply fits; the connection is not
-            // read meanwhile (UpdateInterest).
-            if (held_for_reply_.insert(c.id).second) reply_queue_.push_back(c.id);
-            Touch(c);
-            return;
-          }
           HandleFrame(c);
           continue;
         }
@@ -1100,84 +1080,6 @@ class TcpStoreServer::Impl {
     for (const std::string& key : keys) WakeWaiters(key);
   }
 
-  // At most the bytes of the reply to request `body` (a whole frame's body),
-  // as the store stands: a value read (Get, TryGet, CompareSet, MultiGet of
-  // keys all set) or a small reply. A malformed request counts as small;
-  // its handler refuses it.
-  size_t ReplyBytes(std::string_view body) {
-    wire::Reader r(body);
-    uint8_t op = 0;
-    uint32_t request_id = 0, timeout_ms = 0;
-    if (!r.U8(op) || !r.U32(request_id)) return kSmallReplyBytes;
-    auto value_bytes = [&](std::string_view key) -> size_t {
-      auto it = data_.find(std::string(key));
-      return it == data_.end() ? 0 : it->second.size();
-    };
-    std::string_view key, expected, desired;
-    switch (static_cast<wire::Op>(op)) {
-      case wire::Op::kGet:
-        if (!r.U32(timeout_ms) || !ReadKey(r, key).ok()) return kSmallReplyBytes;
-        return kSmallReplyBytes + value_bytes(key);
-      case wire::Op::kTryGet:
-        if (!ReadKey(r, key).ok()) return kSmallReplyBytes;
-        return kSmallReplyBytes + value_bytes(key);
-      case wire::Op::kCompareSet: {
-        uint8_t has_expected = 0;
-        if (!ReadKey(r, key).ok() || !r.U8(has_expected)) return kSmallReplyBytes;
-        if (has_expected &&
-            !ReadBounded(r, expected, kMaxValueBytes, "value", /*allow_empty=*/true).ok()) {
-          return kSmallReplyBytes;
-        }
-        if (!ReadBounded(r, desired, kMaxValueBytes, "value", /*allow_empty=*/true).ok()) {
-          return kSmallReplyBytes;
-        }
-        return kSmallReplyBytes + std::max(value_bytes(key), desired.size());
-      }
-      case wire::Op::kMultiGet: {
-        std::vector<std::string> keys;
-        if (!ReadKeyList(r, "multi_get", timeout_ms, keys).ok() || keys.empty() || !AllExist(keys)) {
-          return kSmallReplyBytes;
-        }
-        return std::min<size_t>(ValuesReplyBytes(keys), wire::kMaxFrameBytes);
-      }
-      default:
-        return kSmallReplyBytes;
-    }
-  }
-
-  // Whether the whole request in `c.in` may be answered now: its reply fits
-  // under max_buffered_bytes once the frame's own room is given back (a
-  // reply no bigger than its request always may), and no request waiting
-  // for room came before it. Replies to requests answered at once counted
-  // against no bound before: connections that each read a 4 MiB value and
-  // never read the replies held 4 MiB each.
-  bool ReplyMayGo(const Connection& c) {
-    const size_t reply = ReplyBytes(std::string_view(c.in).substr(wire::kFrameHeaderBytes));
-    if (reply <= c.reserved) return true;
-    if (!held_for_reply_.empty() && !held_for_reply_.count(c.id)) return false;
-    const size_t others = buffered_ - c.reserved;
-    return others == 0 || others + reply <= options_.max_buffered_bytes;
-  }
-
-  // Answers requests held for room to reply (ReadFrames), in arrival order,
-  // while their replies fit.
-  void RetryHeldRequests() {
-    while (!reply_queue_.empty()) {
-      const uint64_t id = reply_queue_.front();
-      Connection* c = Find(id);
-      if (!held_for_reply_.count(id) || c == nullptr || c->dead || c->closing) {
-        held_for_reply_.erase(id);
-        reply_queue_.pop_front();
-        continue;
-      }
-      if (!ReplyMayGo(*c)) return;  // first come, first served
-      held_for_reply_.erase(id);
-      reply_queue_.pop_front();
-      HandleFrame(*c);
-      Touch(*c);  // read again: the next request may be waiting in the socket
-    }
-  }
-
   // ---- writing and closing ----
 
   void QueueReply(Connection& c, const std::string& frame) {
@@ -1260,7 +1162,6 @@ class TcpStoreServer::Impl {
     buffered_ -= c.reserved + c.pending_out();
     buffer_capacity_ -= c.capacity;
     waiting_for_memory_.erase(id);
-    held_for_reply_.erase(id);
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
     // Ends the connection for every copy of the descriptor (a child forked
     // without exec holds one), so the client learns now, not at its deadline.
@@ -1272,7 +1173,7 @@ class TcpStoreServer::Impl {
 
   void UpdateInterest(Connection& c) {
     uint32_t want = 0;
-    if (!c.closing && !waiting_for_memory_.count(c.id) && !held_for_reply_.count(c.id)) want |= EPOLLIN;
+    if (!c.closing && !waiting_for_memory_.count(c.id)) want |= EPOLLIN;
     if (c.pending_out() > 0) want |= EPOLLOUT;
     if (want == c.events) return;
     epoll_event ev{};
@@ -1353,12 +1254,6 @@ class TcpStoreServer::Impl {
   // dropped when they reach the front): room goes to the longest waiting.
   std::set<uint64_t> waiting_for_memory_;
   std::deque<uint64_t> memory_queue_;
-  // Connections whose whole request waits for room for its reply, and the
-  // same in arrival order (ids of connections gone since are dropped when
-  // they reach the front): RetryHeldRequests answers them first come, first
-  // served.
-  std::set<uint64_t> held_for_reply_;
-  std::deque<uint64_t> reply_queue_;
   std::unordered_map<std::string, std::string> data_;
   uint64_t next_waiter_id_ = 1;
   std::unordered_map<uint64_t, Waiter> waiters_;
@@ -1386,7 +1281,6 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> requests_{0};        // requests received, for stats()
   std::atomic<uint64_t> frames_waiting_for_room_{0};  // waiting_for_memory_.size(), for stats()
   std::atomic<uint64_t> buffer_capacity_bytes_{0};  // buffer_capacity_, for stats()
-  std::atomic<uint64_t> requests_waiting_to_reply_{0};  // held_for_reply_.size(), for stats()
 };
 
 namespace {
