@@ -444,7 +444,8 @@ void CheckCycledMomentum(const Optimizer& optimizer, const Schedule& schedule) {
       try {
         optimizer.CheckMomentum(k, m);
       } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument("LrScheduler: " + schedule.Describe() + " cycles momentum: " + e.what());
+        throw std::invalid_argument("LrScheduler: " + schedule.Describe() + " cycles momentum: " + e.what() +
+                                    "; for the rate alone, make the schedule with cycle_momentum = false");
       }
     }
   }

@@ -468,7 +468,8 @@ TEST(OneCycleMomentum, SgdWithoutMomentumIsRefusedNamingTheGroup) {
   Sgd opt({{.params = {{"p", p}}}, {.params = {{"q", q}}, .options = {{"lr", 0.2}}}}, {.lr = 0.1});
   EXPECT_THAT(ErrorOf([&] { LrScheduler(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10})); }),
               AllOf(HasSubstr("cycles momentum: SGD: param group 0's momentum is 0"),
-                    HasSubstr("keeps no momentum buffer")));
+                    HasSubstr("keeps no momentum buffer"),
+                    HasSubstr("for the rate alone, make the schedule with cycle_momentum = false")));
   EXPECT_EQ(opt.lr(0), 0.1);
   EXPECT_EQ(opt.lr(1), 0.2);
   EXPECT_EQ(opt.momentum(1), 0.0);
