@@ -1409,6 +1409,45 @@ Work ProcessGroup::Barrier() {
   }, nullptr);
 }
 
+namespace {
+
+// "op #1 (recv from rank 0 tag 3, f32 [4])".
+std::string DescribeP2pOp(const P2POp& op, size_t index) {
+  return "op #" + std::to_string(index) + " (" +
+         (op.kind == P2POp::Kind::kSend ? "send to" : "recv from") + " rank " +
+         std::to_string(op.peer) + " tag " + std::to_string(op.tag) + ", " + TypeAndShape(op.tensor) +
+         ")";
+}
+
+// Throws std::invalid_argument when a receive's buffer shares memory with
+// any other op's of the batch: the messages are posted at once and land in
+// any order, so an in-place ring ({Send(t, next), Recv(t, prev)}) may
+// overwrite t before it was sent, and two receives into one buffer leave it
+// holding whichever came last. Sends only read, and may overlap each other.
+void CheckP2pOverlap(const std::vector<P2POp>& ops, const char* call) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].kind != P2POp::Kind::kRecv || ops[i].tensor.nbytes() == 0) continue;
+    const auto r = reinterpret_cast<uintptr_t>(ops[i].tensor.data_ptr());
+    const size_t r_bytes = ops[i].tensor.nbytes();
+    for (size_t j = 0; j < ops.size(); ++j) {
+      // Two receives were compared already at the earlier one's turn.
+      if (j == i || ops[j].tensor.nbytes() == 0 ||
+          (j < i && ops[j].kind == P2POp::Kind::kRecv)) {
+        continue;
+      }
+      const auto o = reinterpret_cast<uintptr_t>(ops[j].tensor.data_ptr());
+      if (!(r < o + ops[j].tensor.nbytes() && o < r + r_bytes)) continue;
+      const size_t a = std::min(i, j), b = std::max(i, j);
+      throw std::invalid_argument(std::string("ProcessGroup::") + call + ": " +
+                                  DescribeP2pOp(ops[a], a) + " and " + DescribeP2pOp(ops[b], b) +
+                                  " share memory; a receive's buffer must not overlap any other "
+                                  "op's (the messages land in any order)");
+    }
+  }
+}
+
+}  // namespace
+
 void ProcessGroup::CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const {
   const std::string where = std::string("ProcessGroup::") + call + ": ";
   if (peer < 0 || peer >= size_) {
@@ -1448,6 +1487,7 @@ Work ProcessGroup::PostPointToPoint(const std::vector<P2POp>& ops, const char* c
     tensors.push_back(op.tensor);
     transfers.push_back(std::make_shared<P2pTransfer>(send, op.tensor, op.peer, op.tag, rank_));
   }
+  CheckP2pOverlap(ops, call);
   const P2POp& first = ops.front();
   std::string kind = ops.size() > 1 ? "batch_isend_irecv of " + std::to_string(ops.size()) + ", first "
                                      : std::string();

@@ -368,8 +368,10 @@ class ProcessGroup {
   // so a Recv of another dtype or element count fails on both ranks with a
   // DistributedError naming both.
   // Bad arguments (a rank outside the group, this rank itself, a tag above
-  // kMaxP2pTag, an undefined or non-contiguous tensor) throw
-  // std::invalid_argument at the call. CUDA tensors are staged through host
+  // kMaxP2pTag, an undefined or non-contiguous tensor, a receive's tensor
+  // that shares memory with any other op's of the same call: the messages
+  // land in any order) throw std::invalid_argument at the call; sends may
+  // share memory with each other. CUDA tensors are staged through host
   // memory; a received CUDA tensor holds the data (ordered on the caller's
   // current stream) once Wait has returned.
 

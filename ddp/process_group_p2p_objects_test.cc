@@ -219,6 +219,48 @@ DDP_TEST_WORKER(pg_p2p_tag) {
 
 TEST(ProcessGroupP2pTest, ReservedTagsAreRefused) { ExpectWorkersPass("pg_p2p_tag", {2}); }
 
+// A receive whose buffer overlaps another op's of the batch is refused at
+// the call, naming both ops (an in-place ring {Send(t), Recv(t)} could be
+// overwritten before it was sent); sends may overlap each other, and the
+// group stays usable.
+DDP_TEST_WORKER(pg_p2p_overlapping_buffers) {
+  auto pg = testing::WorkerGroup();
+  const int other = 1 - pg->rank();
+  auto refused = [&](const char* what, const std::string& want, const std::vector<P2POp>& ops) {
+    try {
+      pg->BatchIsendIrecv(ops);  // not waited for: on refusal nothing was posted
+      WORKER_EXPECT(false, std::string(what) + " was not refused");
+    } catch (const std::invalid_argument& e) {
+      WORKER_EXPECT(std::string(e.what()).find(want) != std::string::npos,
+                    std::string(what) + ": the error does not say '" + want + "': " + e.what());
+    }
+  };
+  const Tensor t = nn::Ones({8});
+  refused("in-place ring", "ProcessGroup::BatchIsendIrecv: op #0 (send to rank " +
+                               std::to_string(other) + " tag 0, f32 [8]) and op #1 (recv from rank " +
+                               std::to_string(other) + " tag 0, f32 [8]) share memory",
+          {P2POp::Send(t, other), P2POp::Recv(t, other)});
+  refused("two receives into overlapping halves",
+          "op #0 (recv from rank " + std::to_string(other) + " tag 1, f32 [5]) and op #1 (recv from rank " +
+              std::to_string(other) + " tag 2, f32 [5]) share memory",
+          {P2POp::Recv(t.Narrow(0, 0, 5), other, 1), P2POp::Recv(t.Narrow(0, 3, 5), other, 2)});
+  refused("a receive into a sent slice", "op #1 (recv from rank",
+          {P2POp::Send(t, other, 3), P2POp::Recv(t.Narrow(0, 7, 1), other, 4)});
+  // Adjacent blocks do not overlap; sends of one buffer may overlap.
+  const Tensor in = nn::Zeros({12});
+  pg->BatchIsendIrecv({P2POp::Send(t, other, 5), P2POp::Send(t.Narrow(0, 2, 4), other, 6),
+                       P2POp::Recv(in.Narrow(0, 0, 8), other, 5),
+                       P2POp::Recv(in.Narrow(0, 8, 4), other, 6)})
+      .Wait();
+  WORKER_EXPECT(in.ToVector<double>() == std::vector<double>(12, 1.0), "accepted batch");
+  pg->Barrier().Wait();
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupP2pTest, ReceiveOverlappingAnotherOpOfTheBatchIsRefused) {
+  ExpectWorkersPass("pg_p2p_overlapping_buffers", {2});
+}
+
 // A Recv whose sender comes 1.5 s late: the waiting thread used to poll
 // flat out all that time, taking a core the late rank may need. It now
 // sleeps between polls once the message is not there at once.
