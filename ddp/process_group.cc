@@ -474,8 +474,11 @@ class ProcessGroup::Impl {
       ++running_;
       ahead_ms_ += own_ms;
       std::shared_ptr<TraceRecorder> trace = trace_;
+      // Outlives `this`: set when the task destroyed the group (Stop).
+      const std::shared_ptr<std::atomic<bool>> gone = gone_;
       lock.unlock();
       Run(item, trace);
+      if (gone->load(std::memory_order_acquire)) return work;
       lock.lock();
       --running_;
       ahead_ms_ -= own_ms;
@@ -511,11 +514,15 @@ class ProcessGroup::Impl {
 
   void Stop() {
     std::unique_lock lock(mu_);
-    if (!thread_.joinable()) return;
-    if (std::this_thread::get_id() == thread_.get_id()) {
-      StopFromOwnThread(lock);
+    // The last reference was dropped inside a task of this group (RunningTaskMark),
+    // on whichever thread runs it, or by the communication thread
+    // dropping a finished task.
+    const bool inside_task = tls_running_group == this;
+    if (inside_task || std::this_thread::get_id() == thread_.get_id()) {
+      StopFromOwnWork(lock, inside_task);
       return;
     }
+    if (!thread_.joinable()) return;
     // Let queued collectives finish (a normal program waited for them
     // anyway); if they cannot, the job is broken: abort, so that the peers
     // fail at once instead of at their deadline.
@@ -537,24 +544,34 @@ class ProcessGroup::Impl {
     thread_.join();
   }
 
-  // Stop, when the last reference to the group was dropped by a task on the
-  // communication thread itself (a task that captured the group): the
-  // thread cannot be joined from itself, nor wait for the item it is
-  // running. What is still queued or in flight fails (the communicator is
-  // aborted, so that peers do not wait for it); the thread is detached and
-  // told through `gone_` to return without touching this object again.
-  void StopFromOwnThread(std::unique_lock<std::mutex>& lock) {
+  // Stop, when the last reference to the group was dropped by one of its
+  // own tasks: inside the task (`inside_task`, on the communication thread
+  // or on a caller's: collectives_on_caller), or by the communication
+  // thread dropping a task that held it. Nothing can wait for the item that
+  // runs on this very thread, and the communication thread cannot be
+  // joined from itself. What is still queued or in flight fails, and so
+  // does the running task's collective if it was inside it: the
+  // communicator is aborted, so that peers do not wait for them. Then
+  // `gone_` tells Run and the communication thread to return without
+  // touching this object again; the thread is detached, or joined when
+  // this is a caller's thread.
+  void StopFromOwnWork(std::unique_lock<std::mutex>& lock, bool inside_task) {
+    const bool on_thread = std::this_thread::get_id() == thread_.get_id();
     std::deque<Item> queued = std::move(queue_);
     queue_.clear();
     std::vector<std::shared_ptr<Work::State>> flying = std::move(in_flight_);
     in_flight_.clear();
     stopping_ = true;
+    // A caller's item is over as far as the group goes: Enqueue returns
+    // without counting it down (gone_), and the thread may now exit.
+    if (inside_task && !on_thread && running_ > 0) --running_;
     lock.unlock();
-    if (!queued.empty() || !flying.empty()) {
+    const size_t unfinished = queued.size() + flying.size() + (inside_task ? 1 : 0);
+    if (unfinished > 0) {
       Abort(transport::AbortedError(
-                "process group of rank " + std::to_string(rank_) +
-                " destroyed by a task on its own communication thread with " +
-                std::to_string(queued.size() + flying.size()) + " collective(s) unfinished"),
+                "process group of rank " + std::to_string(rank_) + " destroyed by a task of its own on " +
+                (on_thread ? "its communication thread" : "the caller's thread") + " with " +
+                std::to_string(unfinished) + " collective(s) unfinished"),
             /*cascade=*/false);
     }
     Status reason = aborted_reason();
@@ -565,7 +582,12 @@ class ProcessGroup::Impl {
     }
     has_clock_.store(false, std::memory_order_release);
     gone_->store(true, std::memory_order_release);
-    thread_.detach();
+    if (on_thread) {
+      thread_.detach();
+    } else if (thread_.joinable()) {
+      cv_.notify_all();
+      thread_.join();
+    }
   }
 
   // `cascade`: also abort the live groups made from this one (NewGroup),
@@ -698,6 +720,9 @@ class ProcessGroup::Impl {
   // on the caller's; running_ counts it and mu_ is not held. Returns whether
   // it posted point-to-point messages that are still in flight.
   bool Run(Item& item, const std::shared_ptr<TraceRecorder>& trace) {
+    // Outlives `this`: set when the task dropped the last reference to the
+    // group, which was then destroyed inside it (StopFromOwnWork).
+    const std::shared_ptr<std::atomic<bool>> gone = gone_;
     const Clock::time_point start = Clock::now();
     {
       std::lock_guard state_lock(item.state->mu);
@@ -737,6 +762,20 @@ class ProcessGroup::Impl {
       } catch (...) {
         status = transport::InternalError(item.description.ToString() +
                                           " threw an exception that is not a std::exception");
+      }
+      if (gone->load(std::memory_order_acquire)) {
+        // Destroyed inside the task: the communicator was aborted (and
+        // freed) already. Only the item, which the caller owns, is left.
+        if (status.ok() && item.mode == Mode::kPointToPoint) {
+          status = transport::AbortedError("the process group was destroyed by this task");
+        }
+        if (!status.ok()) status = Status(status.code(), named + status.message());
+        if (trace != nullptr) {
+          trace->Complete(item.description.ToString(), "comm", start, Clock::now(),
+                          "\"ok\": " + std::string(status.ok() ? "true" : "false"));
+        }
+        item.state->Finish(std::move(status), Clock::now());
+        return false;
       }
       if (!status.ok()) {
         // The peers learn the transport's reason; this rank's Work says
@@ -799,6 +838,7 @@ class ProcessGroup::Impl {
       // reference to this group, whose destructor then runs here, on this
       // very thread (Stop sees that, takes mu_ itself and sets `gone`
       // instead of joining), after which nothing of `this` may be touched.
+      // So may the task itself, while it ran (Run saw `gone` then).
       item.task = nullptr;
       if (gone->load(std::memory_order_acquire)) return;
       lock.lock();

@@ -443,7 +443,11 @@ class ProcessGroup {
   /// this group (it would wait for itself): that throws std::logic_error
   /// inside it, which fails its Work and aborts the group; it uses the
   /// Communicator it is given. A task's exception of any type fails its
-  /// Work (and aborts the group).
+  /// Work (and aborts the group). A task that drops the last reference to
+  /// the group destroys it inside itself: its own Work gets its result,
+  /// what was queued or in flight fails, and the communicator is aborted
+  /// (the task's collective counts as unfinished; the task must not use
+  /// `comm` after that).
   Work Run(const CollectiveDescription& description, Task task,
            const std::vector<nn::Tensor>& device_tensors = {});
   /// Run, for //ddp's own hooks: the task also gets the fence of

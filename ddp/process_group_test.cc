@@ -734,6 +734,112 @@ TEST(ProcessGroupTest, TaskHoldingTheLastReferenceDestroysTheGroup) {
       << "the group was not destroyed on its communication thread";
 }
 
+// A task that drops the last reference to its group while it runs, then
+// fails: the group is destroyed inside the task, and the task's failure
+// must not touch it afterwards (Run aborted the freed group: a
+// use-after-free that ASan reports). The task's Work fails with its own
+// error; the collective queued behind it fails with the destruction's.
+TEST(ProcessGroupTest, TaskDroppingTheLastReferenceAndFailingLeavesTheGroupAlone) {
+  struct Holder {
+    std::shared_ptr<ProcessGroup> pg;
+  };
+  auto holder = std::make_shared<Holder>();
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  holder->pg = ProcessGroup::Single();
+  CollectiveDescription d{"drops_its_group", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  Work failing = holder->pg->Run(d, [holder, released](transport::Communicator*, transport::Deadline) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!released->load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    holder->pg.reset();  // the last reference: the group is destroyed here
+    return transport::InternalError("the task failed after dropping its group");
+  });
+  Work queued = holder->pg->Barrier();
+  released->store(true);
+  auto error_of = [](Work& w) {
+    try {
+      w.Wait();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string task_error = error_of(failing);
+  EXPECT_NE(task_error.find("drops_its_group(f32 [0]) (collective #0 on rank 0): the task failed after "
+                            "dropping its group"),
+            std::string::npos)
+      << task_error;
+  const std::string queued_error = error_of(queued);
+  EXPECT_NE(queued_error.find("process group of rank 0 destroyed by a task of its own on its communication "
+                              "thread with 2 collective(s) unfinished"),
+            std::string::npos)
+      << queued_error;
+}
+
+// The same with a peer: rank 0's task drops its group and fails with a
+// barrier queued behind it; rank 1's barrier fails at once with the
+// destruction's reason (the communicator was aborted) instead of waiting
+// out its deadline. DDP_COLLECTIVE_THREAD chooses the thread that runs the
+// task (comm: the communication thread; caller: the thread calling Run).
+DDP_TEST_WORKER(pg_task_drops_its_group) {
+  const auto start = std::chrono::steady_clock::now();
+  const bool on_caller = std::string(std::getenv("DDP_COLLECTIVE_THREAD")) == "caller";
+  auto error_of = [](Work& w) {
+    try {
+      w.Wait();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string destroyed = std::string("process group of rank 0 destroyed by a task of its own on ") +
+                                (on_caller ? "the caller's thread" : "its communication thread");
+  std::shared_ptr<ProcessGroup> pg = testing::WorkerGroup();
+  if (pg->rank() == 1) {
+    Work barrier = pg->Barrier();
+    const std::string error = error_of(barrier);
+    WORKER_EXPECT(error.find(destroyed) != std::string::npos, "rank 1's barrier: " + error);
+  } else {
+    struct Holder {
+      std::shared_ptr<ProcessGroup> pg;
+    };
+    auto holder = std::make_shared<Holder>();
+    holder->pg = std::move(pg);
+    auto released = std::make_shared<std::atomic<bool>>(on_caller);
+    CollectiveDescription d{"drops_its_group", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+    Work failing = holder->pg->Run(d, [holder, released](transport::Communicator*, transport::Deadline) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (!released->load() && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      holder->pg.reset();
+      return transport::InternalError("the task failed after dropping its group");
+    });
+    // On the caller's thread the task has run already: nothing to queue.
+    Work queued = on_caller ? Work() : holder->pg->Barrier();
+    released->store(true);
+    const std::string task_error = error_of(failing);
+    WORKER_EXPECT(task_error.find("the task failed after dropping its group") != std::string::npos,
+                  "the task's Work: " + task_error);
+    if (queued.valid()) {
+      const std::string queued_error = error_of(queued);
+      WORKER_EXPECT(queued_error.find(destroyed) != std::string::npos, "the queued barrier: " + queued_error);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(seconds < 8, "took " + std::to_string(seconds) + " s (the group's timeout is 20 s)");
+  std::_Exit(testing::WorkerExit());
+}
+
+TEST(ProcessGroupTest, TaskDroppingTheLastReferenceAbortsThePeers) {
+  for (const char* thread : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_task_drops_its_group", 2, {{"DDP_COLLECTIVE_THREAD", thread}}, 30000,
+                          /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << thread << "\n" << testing::AllOutput(run);
+  }
+}
+
 // Buffers that overlap other than in a collective's in-place layout are
 // this rank's argument error: std::invalid_argument at the call (the
 // transport would abort the communicator for every rank), and the group
