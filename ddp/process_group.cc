@@ -462,13 +462,23 @@ class ProcessGroup::Impl {
     // poll when it sleeps without a timeout (nothing in flight). A wake-up
     // per message would cost a context switch each on a busy core.
     bool wake = true;
+    // Run here (collectives_on_caller): nothing is ahead of it.
+    const bool run_here = !post_here && on_caller_ && mode != Mode::kPointToPoint &&
+                          state->fence == nullptr && queue_.empty() && running_ == 0;
+    if (!run_here && !thread_.joinable()) {
+      // Started before the item is queued or its messages posted: a thread
+      // that cannot start (std::system_error) leaves the call throwing with
+      // nothing done, not with an item that runs later anyway (one
+      // collective more than the caller, and the peers, expect).
+      thread_ = std::thread([this] { Loop(); });
+      pthread_getcpuclockid(thread_.native_handle(), &thread_clock_);
+      has_clock_.store(true, std::memory_order_release);
+    }
     if (post_here) {
       posted = PostHere(task, state);
       wake = in_flight_.empty();
       if (posted.ok()) in_flight_.push_back(state);
-    } else if (on_caller_ && mode != Mode::kPointToPoint && state->fence == nullptr &&
-               queue_.empty() && running_ == 0) {
-      // Run here (collectives_on_caller): nothing is ahead of it, and
+    } else if (run_here) {
       // running_ keeps the thread from starting anything issued meanwhile.
       Item item{std::move(description), std::move(task), state, mode, own_ms};
       ++running_;
@@ -489,11 +499,6 @@ class ProcessGroup::Impl {
     } else {
       queue_.push_back(Item{std::move(description), std::move(task), state, mode, own_ms});
       ahead_ms_ += own_ms;
-    }
-    if (!thread_.joinable()) {
-      thread_ = std::thread([this] { Loop(); });
-      pthread_getcpuclockid(thread_.native_handle(), &thread_clock_);
-      has_clock_.store(true, std::memory_order_release);
     }
     std::shared_ptr<TraceRecorder> trace = trace_;
     lock.unlock();

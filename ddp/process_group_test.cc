@@ -6,6 +6,7 @@
 #include "ddp/process_group.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <future>
 #include <thread>
@@ -838,6 +840,55 @@ TEST(ProcessGroupTest, TaskDroppingTheLastReferenceAbortsThePeers) {
                           /*stop_all_on_failure=*/false);
     EXPECT_TRUE(run.AllSucceeded()) << thread << "\n" << testing::AllOutput(run);
   }
+}
+
+// The communication thread is started before the first item is queued: when
+// it cannot start (here: no address space left for its stack), the call
+// throws having queued nothing, instead of leaving an item that ran once a
+// later call started the thread (one collective more than the peers run).
+TEST(ProcessGroupTest, ACommunicationThreadThatCannotStartLeavesNothingQueued) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' runtimes map address space of their own";
+#endif
+  const auto child = [] {
+    auto pg = ProcessGroup::Single();
+    long vm_kb = 0;
+    if (FILE* f = std::fopen("/proc/self/status", "r")) {
+      char line[256];
+      while (std::fgets(line, sizeof line, f) != nullptr) {
+        if (std::sscanf(line, "VmSize: %ld kB", &vm_kb) == 1) break;
+      }
+      std::fclose(f);
+    }
+    if (vm_kb <= 0) std::_Exit(4);
+    // Room for small allocations, not for a thread's stack (8 MiB).
+    rlimit old{};
+    getrlimit(RLIMIT_AS, &old);
+    rlimit tight = old;
+    tight.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + (2 << 20);
+    setrlimit(RLIMIT_AS, &tight);
+    bool threw = false;
+    try {
+      pg->Barrier();
+    } catch (const std::exception&) {
+      threw = true;
+    }
+    setrlimit(RLIMIT_AS, &old);
+    if (!threw) {
+      std::fprintf(stderr, "the barrier did not throw\n");
+      std::_Exit(2);
+    }
+    pg->Barrier().Wait();
+    if (pg->collectives_run() != 1) {
+      std::fprintf(stderr, "%llu collectives ran, 1 expected\n",
+                   static_cast<unsigned long long>(pg->collectives_run()));
+      std::_Exit(3);
+    }
+    std::_Exit(0);
+  };
+  // Other tests left threads behind: the child runs from a fresh start.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "");
 }
 
 // Buffers that overlap other than in a collective's in-place layout are
