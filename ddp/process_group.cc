@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cctype>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -528,17 +529,36 @@ class ProcessGroup::Impl {
       return;
     }
     if (!thread_.joinable()) return;
-    // Let queued collectives finish (a normal program waited for them
-    // anyway); if they cannot, the job is broken: abort, so that the peers
-    // fail at once instead of at their deadline.
-    const Deadline deadline = Clock::now() + std::min<Clock::duration>(options_.timeout,
-                                                                       milliseconds(10000));
-    if (!idle_cv_.wait_until(lock, deadline, [&] { return Idle(); })) {
+    // Let queued collectives finish within their own deadlines, as a
+    // program that waited for them would have (PyTorch's gloo group drains
+    // its queue the same way): a peer that comes late but in time succeeds.
+    // Each one ends by its deadline at the latest, and the first failure
+    // aborts the group, so the rest fail at once. The bound is what a Wait
+    // on the last of them allows (their own times, one timeout for the
+    // messages in flight, 5 s more); past it (a task that ignores its
+    // deadline) the communicator is aborted, so that the peers fail at once.
+    const Clock::time_point start = Clock::now();
+    const int64_t drain_ms = std::min<int64_t>(
+        ahead_ms_ + (in_flight_.empty() ? 0 : options_.timeout.count()) + 5000, kMostDrainMs);
+    const Deadline deadline = start + milliseconds(drain_ms);
+    const auto idle = [&] { return Idle(); };
+    if (!idle_cv_.wait_until(lock, std::min(deadline, start + kQuietDrain), idle)) {
+      std::fprintf(stderr,
+                   "[ddp] process group of rank %d destroyed with %zu collective(s) unfinished (%zu queued, "
+                   "%zu running, %zu point-to-point in flight): waiting up to %lld s more for them to finish "
+                   "within their own deadlines\n",
+                   rank_, queue_.size() + running_ + in_flight_.size(), queue_.size(), running_,
+                   in_flight_.size(),
+                   static_cast<long long>(
+                       std::chrono::ceil<std::chrono::seconds>(deadline - Clock::now()).count()));
+      std::fflush(stderr);
+    }
+    if (!idle_cv_.wait_until(lock, deadline, idle)) {
       const size_t pending = queue_.size() + running_ + in_flight_.size();
       lock.unlock();
       Abort(transport::AbortedError("process group of rank " + std::to_string(rank_) +
                                     " destroyed with " + std::to_string(pending) +
-                                    " collective(s) unfinished"),
+                                    " collective(s) unfinished past their deadlines"),
             /*cascade=*/false);
       lock.lock();
     }
@@ -857,6 +877,12 @@ class ProcessGroup::Impl {
   // How often the thread polls messages in flight while it has nothing
   // else to do (a waiter drives its own messages without this delay).
   static constexpr milliseconds kInFlightPollInterval{1};
+  // Stop waits this long for unfinished collectives before it says on
+  // stderr what it waits for.
+  static constexpr milliseconds kQuietDrain{2000};
+  // Stop's longest wait (a century, as a Work's wait budget): many queued
+  // calls of a long timeout must not overflow the clock arithmetic.
+  static constexpr int64_t kMostDrainMs = int64_t{100} * 365 * 24 * 3600 * 1000;
 
   std::unique_ptr<transport::Communicator> comm_;
   const int rank_;

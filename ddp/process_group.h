@@ -259,8 +259,14 @@ class ProcessGroup {
 
   /// Takes over `comm`; nothing else may call it from now on.
   ProcessGroup(std::unique_ptr<transport::Communicator> comm, ProcessGroupOptions options);
-  /// Waits (bounded) for queued collectives; if they do not finish in time
-  /// the communicator is aborted so that peers fail instead of waiting.
+  /// Waits for the queued, running and in-flight collectives to finish
+  /// within their own deadlines (a peer that comes late but in time
+  /// succeeds; past about 2 s it says on stderr what it waits for). Each
+  /// ends by its deadline, and a failure aborts the group, so the rest end
+  /// at once; if some are still unfinished after their deadlines (a task
+  /// that ignores its own), the communicator is aborted ("destroyed with N
+  /// collective(s) unfinished past their deadlines") so that peers fail
+  /// instead of waiting.
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

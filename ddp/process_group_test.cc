@@ -842,6 +842,97 @@ TEST(ProcessGroupTest, TaskDroppingTheLastReferenceAbortsThePeers) {
   }
 }
 
+// ~ProcessGroup with collectives unfinished waits for them within their own
+// deadlines (group timeout 5 s): rank 0 issues two barriers and destroys
+// its group at once; rank 1 comes to the first after 2.5 s and to the
+// second after 6 s, within the second's deadline (it started when the
+// first ended). Both succeed on both ranks; rank 0 said on stderr what it
+// waited for. (The destructor used to abort after min(timeout, 10 s): 5 s
+// here, so rank 1's second barrier failed.)
+DDP_TEST_WORKER(pg_destroyed_with_collectives_unfinished) {
+  std::shared_ptr<ProcessGroup> pg = testing::WorkerGroup();
+  auto error_of = [](Work& w) {
+    try {
+      w.Wait();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  if (pg->rank() == 0) {
+    Work first = pg->Barrier();
+    Work second = pg->Barrier();
+    pg.reset();
+    const std::string e1 = error_of(first), e2 = error_of(second);
+    WORKER_EXPECT(e1.empty(), "rank 0's first barrier: " + e1);
+    WORKER_EXPECT(e2.empty(), "rank 0's second barrier: " + e2);
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    Work first = pg->Barrier();
+    const std::string e1 = error_of(first);
+    WORKER_EXPECT(e1.empty(), "rank 1's first barrier: " + e1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+    Work second = pg->Barrier();
+    const std::string e2 = error_of(second);
+    WORKER_EXPECT(e2.empty(), "rank 1's second barrier: " + e2);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, DestroyingAGroupWaitsForItsCollectivesWithinTheirDeadlines) {
+  auto run = RunWorkers("pg_destroyed_with_collectives_unfinished", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "5000"}, {"DDP_COLLECTIVE_THREAD", "comm"}}, 30000);
+  const std::string output = testing::AllOutput(run);
+  EXPECT_TRUE(run.AllSucceeded()) << output;
+  EXPECT_NE(output.find("[ddp] process group of rank 0 destroyed with 2 collective(s) unfinished (1 queued, "
+                        "1 running, 0 point-to-point in flight): waiting up to "),
+            std::string::npos)
+      << output;
+}
+
+// A peer that comes after the deadline: rank 0's barrier times out during
+// the destructor's wait (group timeout 2 s), which aborts the group; rank
+// 1, arriving 4 s late, fails at once with rank 0's reason instead of
+// waiting out its own deadline.
+DDP_TEST_WORKER(pg_destroyed_peer_too_late) {
+  std::shared_ptr<ProcessGroup> pg = testing::WorkerGroup();
+  if (pg->rank() == 0) {
+    Work barrier = pg->Barrier();
+    const auto start = std::chrono::steady_clock::now();
+    pg.reset();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(seconds < 3.5, "the destructor took " + std::to_string(seconds) + " s");
+    try {
+      barrier.Wait();
+      WORKER_EXPECT(false, "rank 0's barrier succeeded alone");
+    } catch (const DistributedError& e) {
+      WORKER_EXPECT(e.code() == transport::StatusCode::kTimedOut, e.what());
+    }
+    // Rank 1 must hear the abort from this process before it exits.
+    std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      pg->Barrier().Wait();
+      WORKER_EXPECT(false, "rank 1's barrier succeeded without rank 0");
+    } catch (const DistributedError& e) {
+      std::fprintf(stderr, "rank 1: %s\n", e.what());
+      WORKER_EXPECT(std::string(e.what()).find("rank 0 aborted the job") != std::string::npos, e.what());
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(seconds < 1, "rank 1's barrier failed after " + std::to_string(seconds) + " s");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, DestroyingAGroupWhoseCollectiveTimesOutFailsThePeers) {
+  auto run = RunWorkers("pg_destroyed_peer_too_late", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_COLLECTIVE_THREAD", "comm"}}, 30000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // The communication thread is started before the first item is queued: when
 // it cannot start (here: no address space left for its stack), the call
 // throws having queued nothing, instead of leaving an item that ran once a
