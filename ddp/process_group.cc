@@ -192,14 +192,23 @@ class P2pTransfer {
     return Finish(Status::Ok(), status);
   }
 
-  // The caller's thread, in Wait after success: a CUDA tensor received
-  // through host memory gets its data, on the caller's current stream.
-  void Deliver() {
+  // The first waiter's thread, in Wait after success: a CUDA tensor
+  // received through host memory gets its data. With the Work's `fence`
+  // the copy is queued on the communication stream (after the fence's
+  // issue event, so after the tensor's earlier users), and Wait records the
+  // fence's completion event after it: every waiter's stream, on whichever
+  // thread, then waits for the copy (OrderConsumer), not only the stream of
+  // the waiter that queued it. Without one, on the caller's current stream.
+  Status Deliver(internal::DeviceFence* fence) {
     std::lock_guard lock(mu_);
+    if (send_ || tensor_.device().is_cpu()) return Status::Ok();
+    // Not waited for (wait = false): the deadline is unused.
+    if (fence != nullptr) return fence->ConvertOnCommStream(tensor_, host_, /*wait=*/false, Clock::now());
     // The receiving tensor may require grad (a parameter): the copy is a
     // data transfer, not an op to record.
     nn::NoGradGuard no_grad;
-    if (!send_ && !tensor_.device().is_cpu()) tensor_.CopyFrom(host_);
+    tensor_.CopyFrom(host_);
+    return Status::Ok();
   }
 
  private:
@@ -296,14 +305,22 @@ void Work::Wait() {
   if (state_ == nullptr) throw std::logic_error("Work::Wait on an empty handle");
   Status s = WaitFor(Clock::now() + state_->wait_budget);
   if (!s.ok()) throw DistributedError(std::move(s));
+  internal::DeviceFence* fence = state_->fence.get();
   if (!state_->transfers.empty()) {
     std::lock_guard lock(state_->deliver_mu);
     if (!state_->delivered) {
-      for (const std::shared_ptr<P2pTransfer>& t : state_->transfers) t->Deliver();
+      for (const std::shared_ptr<P2pTransfer>& t : state_->transfers) {
+        if (Status d = t->Deliver(fence); !d.ok()) throw DistributedError(std::move(d));
+      }
+      // After the copies on the communication stream: what OrderConsumer
+      // makes this waiter's stream, and any later waiter's, wait for.
+      if (fence != nullptr) {
+        if (Status d = fence->MarkDone(); !d.ok()) throw DistributedError(std::move(d));
+      }
       state_->delivered = true;
     }
   }
-  if (state_->fence != nullptr) state_->fence->OrderConsumer();
+  if (fence != nullptr) fence->OrderConsumer();
 }
 
 Status Work::WaitFor(Deadline deadline) {

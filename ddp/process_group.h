@@ -378,8 +378,9 @@ class ProcessGroup {
   // that shares memory with any other op's of the same call: the messages
   // land in any order) throw std::invalid_argument at the call; sends may
   // share memory with each other. CUDA tensors are staged through host
-  // memory; a received CUDA tensor holds the data (ordered on the caller's
-  // current stream) once Wait has returned.
+  // memory; a received CUDA tensor's data is copied in on the communication
+  // stream by the first Wait, and every Wait (from any thread, on any
+  // stream) orders the caller's current stream after that copy.
 
   /// Sends `tensor` to rank `dst`, matched by its Recv with `tag`.
   Work Send(const nn::Tensor& tensor, int dst, uint32_t tag = 0);
