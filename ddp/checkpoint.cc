@@ -107,14 +107,25 @@ class Background {
   // checkpoint's path and this rank's part in it).
   Background(internal::StoppableWork work, std::string what, std::chrono::milliseconds stop_grace)
       : state_(std::make_shared<State>(std::move(work))), what_(std::move(what)), stop_grace_(stop_grace) {
-    thread_ = std::thread([s = state_] {
-      std::string error =
-          ErrorOf([&s](const std::atomic<bool>& stop) { s->streams->Run([&] { s->work(stop); }); }, s->stop);
-      std::lock_guard lock(s->mu);
-      s->error = std::move(error);
-      s->done = true;
-      s->cv.notify_all();
-    });
+    try {
+      state_->streams = internal::CaptureCurrentStreams();
+      thread_ = std::thread([s = state_] {
+        std::string error =
+            ErrorOf([&s](const std::atomic<bool>& stop) { s->streams->Run([&] { s->work(stop); }); }, s->stop);
+        std::lock_guard lock(s->mu);
+        s->error = std::move(error);
+        s->done = true;
+        s->cv.notify_all();
+      });
+    } catch (const std::exception& e) {
+      // Not started (no thread to be had: std::system_error): a work that
+      // failed at once, saying why. The callers hand that on as the
+      // outcome, so the other ranks learn it instead of waiting out their
+      // deadline for a status that never comes.
+      std::lock_guard lock(state_->mu);
+      state_->error = std::string("could not start the thread for it: ") + e.what();
+      state_->done = true;
+    }
   }
   // A work past its deadline was asked to stop (Finish) and ends within a
   // piece. One that does not within stop_grace is stuck in the filesystem
@@ -141,7 +152,7 @@ class Background {
         return;
       }
     }
-    thread_.join();
+    if (thread_.joinable()) thread_.join();  // not when it never started
   }
   Background(const Background&) = delete;
   Background& operator=(const Background&) = delete;
@@ -167,8 +178,7 @@ class Background {
 
  private:
   struct State {
-    explicit State(internal::StoppableWork w)
-        : work(std::move(w)), streams(internal::CaptureCurrentStreams()) {}
+    explicit State(internal::StoppableWork w) : work(std::move(w)) {}
     internal::StoppableWork work;
     std::mutex mu;
     std::condition_variable cv;
@@ -176,7 +186,7 @@ class Background {
     std::string error;
     std::atomic<bool> stop{false};
     nn::io::OrderedStop ordered_stop{stop};
-    std::unique_ptr<internal::CapturedStreams> streams;
+    std::unique_ptr<internal::CapturedStreams> streams;  // set before the thread starts
   };
   std::shared_ptr<State> state_;
   std::string what_;

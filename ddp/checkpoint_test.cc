@@ -9,6 +9,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -520,6 +522,62 @@ TEST(DdpCheckpointTest, AWriteStuckInTheFilesystemIsLeftBehindAfterTheGraceAndSa
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
   const std::string dir = TempDir();
   auto run = RunWorkers("from_rank", 2, {{"DDP_TEST_CKPT", dir}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ---------------------------------------------- a thread that will not start ----
+
+// Rank 0's writing thread cannot start (no address space left for its
+// stack): the others learn why from rank 0's status record at once, instead
+// of waiting out their deadline for a record that never came.
+DDP_TEST_WORKER(writer_cannot_start) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  return testing::WorkerExit();  // the sanitizers' runtimes map address space of their own
+#endif
+  auto pg = testing::WorkerGroup();  // timeout DDP_TEST_TIMEOUT_MS (5 s)
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  auto model = Mlp(1);
+  const nn::io::Checkpoint checkpoint = MakeCheckpoint(*model, nullptr);
+  pg->Barrier().Wait();  // the communication thread runs before the limit
+  rlimit old{};
+  getrlimit(RLIMIT_AS, &old);
+  if (pg->rank() == 0) {
+    long vm_kb = 0;
+    if (FILE* f = std::fopen("/proc/self/status", "r")) {
+      char line[256];
+      while (std::fgets(line, sizeof line, f) != nullptr) {
+        if (std::sscanf(line, "VmSize: %ld kB", &vm_kb) == 1) break;
+      }
+      std::fclose(f);
+    }
+    WORKER_EXPECT(vm_kb > 0, "no VmSize in /proc/self/status");
+    // Room for small allocations, not for a thread's stack (8 MiB).
+    rlimit tight = old;
+    tight.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + (4 << 20);
+    setrlimit(RLIMIT_AS, &tight);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    SaveCheckpoint(*pg, path, checkpoint);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  setrlimit(RLIMIT_AS, &old);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(error.find("SaveCheckpoint: rank 0 could not write " + path +
+                           ": could not start the thread for it: ") != std::string::npos,
+                "rank " + std::to_string(pg->rank()) + ": " + error);
+  WORKER_EXPECT(seconds < 2.5, "failed after " + std::to_string(seconds) + " s");
+  pg->Barrier().Wait();  // the group is still usable
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AWriterThatCannotStartFailsEveryRankAtOnceSayingWhy) {
+  auto run = RunWorkers("writer_cannot_start", 2,
+                        {{"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "5000"},
+                         {"DDP_COLLECTIVE_THREAD", "comm"}},
+                        60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
