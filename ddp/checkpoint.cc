@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -345,8 +346,10 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
   CheckWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace);
   // The work owns its copies (the checkpoint's tensors are shared, not
   // copied): a write stuck in the filesystem outlives this call.
+  nn::io::Checkpoint saved = checkpoint;
+  saved.metadata[kWorldSizeKey] = std::to_string(pg.size());
   const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, 0, [path, checkpoint](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, checkpoint, &stop); },
+      pg, 0, [path, saved](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, saved, &stop); },
       options.timeout, options.heartbeat, "the write", "SaveOptions::timeout",
       "SaveCheckpoint: rank 0 could not write " + path, options.stop_grace);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
@@ -402,6 +405,29 @@ void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::
   }
 }
 
+// One warning, on rank 0, when `checkpoint` was saved by a group of
+// another size (kWorldSizeKey). Not an error: DDP's state does not depend
+// on the size, and elastic resumes are legitimate.
+void WarnOnOtherWorldSize(const ProcessGroup& pg, const std::string& path,
+                          const nn::io::Checkpoint& checkpoint) {
+  if (pg.rank() != 0) return;
+  const auto it = checkpoint.metadata.find(kWorldSizeKey);
+  if (it == checkpoint.metadata.end()) return;  // older, or not saved by SaveCheckpoint
+  int64_t saved = 0;
+  const std::string& value = it->second;
+  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), saved);
+  // Not a size (some other writer's key): nothing to compare.
+  if (error != std::errc() || end != value.data() + value.size() || saved < 1) return;
+  if (saved == pg.size()) return;
+  std::fprintf(stderr,
+               "[ddp] LoadCheckpoint %s: saved by a group of %s ranks, loaded by a group of %d; the model and "
+               "optimizer state load as they are, but what the training script derives from the world "
+               "size (per-rank batch, data sampler position, a learning rate scaled by it) may need "
+               "adjusting\n",
+               path.c_str(), it->second.c_str(), pg.size());
+  std::fflush(stderr);
+}
+
 }  // namespace
 
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
@@ -432,6 +458,7 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   const bool ok = what.empty();
   if (ok) what = Fingerprint(checkpoint);
   AgreeOnLoad(pg, path, ok, what);
+  WarnOnOtherWorldSize(pg, path, checkpoint);
   return checkpoint;
 }
 
@@ -469,6 +496,7 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
     what = e.what();
   }
   AgreeOnLoad(pg, path, ok, what);
+  WarnOnOtherWorldSize(pg, path, checkpoint);
   return checkpoint;
 }
 

@@ -94,11 +94,22 @@ struct SaveOptions {
   std::chrono::milliseconds stop_grace{internal::kStopGrace};
 };
 
+/// The metadata key under which SaveCheckpoint records the group's size
+/// ("4"). LoadCheckpoint and LoadCheckpointFromRank compare it with theirs:
+/// a different size loads (DDP's state does not depend on it, and an
+/// elastic resume on fewer or more ranks is legitimate), with one warning
+/// on stderr from rank 0 naming both sizes, since what the training script
+/// derives from it (per-rank batch, data sampler position, a learning rate
+/// scaled by it) may need attention. Checkpoints without it (older ones,
+/// nn::io::SaveCheckpoint's) load without a warning.
+inline constexpr char kWorldSizeKey[] = "world_size";
+
 /// Collective. Rank 0 writes `checkpoint` to `path` atomically; the others
 /// wait for it, as long as it goes on writing, up to `options.timeout`.
 /// Every rank throws the same error when rank 0 failed or ran out of time.
 /// `checkpoint` is read on a thread of rank 0's while its caller's thread
-/// keeps the others informed.
+/// keeps the others informed. The file's metadata also records pg.size()
+/// under kWorldSizeKey (replacing a value the caller put there).
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 

@@ -581,6 +581,85 @@ TEST(DdpCheckpointTest, AWriterThatCannotStartFailsEveryRankAtOnceSayingWhy) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ---------------------------------------------------------- world size ----
+
+// SaveCheckpoint records the group's size; a load by a group of another size
+// works, with one warning naming both sizes; a checkpoint without the key
+// (an older one) loads without one.
+TEST(DdpCheckpointTest, TheWorldSizeIsRecordedAndAnotherOneOnLoadIsNamed) {
+  auto pg = ProcessGroup::Single();
+  const std::string dir = TempDir();
+  auto model = Mlp(1);
+  const nn::io::Checkpoint made = MakeCheckpoint(*model, nullptr, {{"step", "3"}});
+  SaveCheckpoint(*pg, dir + "/mine.safetensors", made);
+  EXPECT_EQ(made.metadata.count(kWorldSizeKey), 0u) << "the caller's checkpoint was changed";
+  const nn::io::Metadata saved = nn::io::LoadCheckpoint(dir + "/mine.safetensors").metadata;
+  EXPECT_EQ(saved.count(kWorldSizeKey) ? saved.at(kWorldSizeKey) : "missing", "1");
+  EXPECT_EQ(saved.count("step") ? saved.at("step") : "missing", "3");
+  // What a group of 4 saved, and what an older SaveCheckpoint saved.
+  nn::io::Checkpoint of_four = made;
+  of_four.metadata[kWorldSizeKey] = "4";
+  nn::io::SaveCheckpoint(dir + "/four.safetensors", of_four);
+  nn::io::SaveCheckpoint(dir + "/old.safetensors", made);
+  const std::string warning = "[ddp] LoadCheckpoint " + dir +
+                              "/four.safetensors: saved by a group of 4 ranks, loaded by a group of 1; the model "
+                              "and optimizer state load as they are";
+  for (const bool from_rank : {false, true}) {
+    auto load = [&](const std::string& name) {
+      const std::string path = dir + "/" + name;
+      return from_rank ? LoadCheckpointFromRank(*pg, path) : LoadCheckpoint(*pg, path);
+    };
+    ::testing::internal::CaptureStderr();
+    const nn::io::Checkpoint four = load("four.safetensors");
+    const nn::io::Checkpoint mine = load("mine.safetensors");
+    const nn::io::Checkpoint old = load("old.safetensors");
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    EXPECT_THAT(printed, HasSubstr(warning)) << "from_rank " << from_rank;
+    // Once: neither the same size nor no size at all is warned about.
+    EXPECT_EQ(printed.find("[ddp]"), printed.rfind("[ddp]")) << printed;
+    EXPECT_EQ(four.metadata.at(kWorldSizeKey), "4");
+    EXPECT_EQ(old.metadata.count(kWorldSizeKey), 0u);
+    EXPECT_EQ(old.metadata.at("step"), "3");
+    // It loads all the same.
+    auto other = Mlp(7);
+    RestoreCheckpoint(four, *other, nullptr);
+    EXPECT_EQ(testing::HashState(*other), testing::HashState(*model));
+  }
+}
+
+// On 2 ranks: the size saved is 2, and a checkpoint of another size is
+// warned about by rank 0 alone.
+DDP_TEST_WORKER(world_size) {
+  auto pg = testing::WorkerGroup();
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  auto model = Mlp(1);
+  const nn::io::Checkpoint made = MakeCheckpoint(*model, nullptr, {{"step", "3"}});
+  SaveCheckpoint(*pg, dir + "/two.safetensors", made);
+  const nn::io::Checkpoint two = LoadCheckpoint(*pg, dir + "/two.safetensors");
+  WORKER_EXPECT(two.metadata.count(kWorldSizeKey) && two.metadata.at(kWorldSizeKey) == "2",
+                "world size of a checkpoint saved by 2 ranks");
+  if (pg->rank() == 0) {
+    nn::io::Checkpoint of_three = made;
+    of_three.metadata[kWorldSizeKey] = "3";
+    nn::io::SaveCheckpoint(dir + "/three.safetensors", of_three);
+  }
+  pg->Barrier().Wait();
+  LoadCheckpoint(*pg, dir + "/three.safetensors");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AnotherWorldSizeIsNamedOnceByRankZero) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("world_size", 2, {{"DDP_TEST_CKPT", dir}});
+  const std::string output = testing::AllOutput(run);
+  EXPECT_TRUE(run.AllSucceeded()) << output;
+  const std::string warning = "/three.safetensors: saved by a group of 3 ranks, loaded by a group of 2";
+  const size_t first = output.find(warning);
+  EXPECT_NE(first, std::string::npos) << output;
+  EXPECT_EQ(first, output.rfind(warning)) << "warned more than once:\n" << output;
+  EXPECT_EQ(output.find("saved by a group of 2 ranks"), std::string::npos) << output;
+}
+
 // ------------------------------------------------------ all or nothing ----
 
 // Every byte of the model's parameters and buffers.
