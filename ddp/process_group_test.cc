@@ -736,6 +736,43 @@ TEST(ProcessGroupTest, TaskHoldingTheLastReferenceDestroysTheGroup) {
       << "the group was not destroyed on its communication thread";
 }
 
+// The same with a collective queued behind the task: once the task is
+// dropped (and the group with it) on the communication thread, the queued
+// barrier fails with the destruction's reason instead of running on a
+// group being destroyed; the task's own Work keeps its result.
+TEST(ProcessGroupTest, TaskHoldingTheLastReferenceFailsWhatIsQueuedBehindIt) {
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  struct Holder {
+    std::shared_ptr<ProcessGroup> pg;
+  };
+  auto pg = ProcessGroup::Single();
+  auto holder = std::make_shared<Holder>();
+  holder->pg = pg;
+  CollectiveDescription d{"holds_its_group", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  Work w = pg->Run(d, [holder, released](transport::Communicator*, transport::Deadline) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!released->load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return transport::Status::Ok();
+  });
+  Work queued = pg->Barrier();
+  holder.reset();
+  pg.reset();
+  released->store(true);
+  w.Wait();  // the task succeeded
+  std::string error = "no error";
+  try {
+    queued.Wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("process group of rank 0 destroyed by a task of its own on its communication thread "
+                       "with 1 collective(s) unfinished"),
+            std::string::npos)
+      << error;
+}
+
 // A task that drops the last reference to its group while it runs, then
 // fails: the group is destroyed inside the task, and the task's failure
 // must not touch it afterwards (Run aborted the freed group: a
