@@ -926,7 +926,8 @@ class ProcessGroup::Impl {
   std::atomic<uint64_t> run_count_{0};
   std::atomic<uint64_t> monitored_barriers_{0};
   // Shared with the communication thread: set once this object is destroyed
-  // on that thread (StopFromOwnThread), which must then return at once.
+  // by one of its own tasks or on that thread (StopFromOwnWork): Run and the
+  // thread must then return at once.
   const std::shared_ptr<std::atomic<bool>> gone_ = std::make_shared<std::atomic<bool>>(false);
 
   mutable std::mutex abort_mu_;
