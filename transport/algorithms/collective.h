@@ -20,7 +20,11 @@
 // `send` or writing `recv`, until it does or that peer's process exits
 // (transport/ucx/ucx_p2p.h). That peer is marked lost and the communicator
 // aborts, but a caller that keeps running after a failed collective must
-// not free or reuse its buffers until then.
+// not free or reuse its buffers until then. The algorithms keep the same
+// rule for their own scratch memory: after a call during which the
+// PointToPoint's UnconfirmedReleases grew, its Scratch blocks (pipeline.h)
+// are quarantined for the rest of the process, never freed or handed to a
+// later call; other failed calls free them as a successful call does.
 //
 // Tags: one collective may use the tags [tag, tag + kTagsPerCollective). The
 // communicator passes CollectiveTag(sequence_number) so that consecutive

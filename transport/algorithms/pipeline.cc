@@ -4,6 +4,9 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "transport/p2p/group_view.h"
 
@@ -277,9 +280,46 @@ struct ScratchBlock {
   bool in_use = false;
 };
 thread_local ScratchBlock scratch_arena[2];
+
+// How many times a Requests of this thread ended with requests its
+// PointToPoint could not confirm it let go of.
+thread_local uint64_t unconfirmed_releases = 0;
+
+// Blocks a late receive may still write into: kept, never freed, for the
+// rest of the process (deliberately leaked, also at exit).
+struct QuarantineList {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<unsigned char[]>> blocks;
+  std::vector<std::deque<std::vector<Fingerprint>>> fingerprints;  // Requests' held_
+  size_t bytes = 0;
+};
+QuarantineList& TheQuarantine() {
+  static QuarantineList* const quarantine = new QuarantineList;
+  return *quarantine;
+}
+void QuarantineBlock(std::unique_ptr<unsigned char[]> block, size_t bytes) {
+  QuarantineList& q = TheQuarantine();
+  std::lock_guard<std::mutex> lock(q.mutex);
+  q.blocks.push_back(std::move(block));
+  q.bytes += bytes;
+}
+void QuarantineFingerprints(std::deque<std::vector<Fingerprint>> held) {
+  size_t bytes = 0;
+  for (const auto& v : held) bytes += v.size() * sizeof(Fingerprint);
+  QuarantineList& q = TheQuarantine();
+  std::lock_guard<std::mutex> lock(q.mutex);
+  q.fingerprints.push_back(std::move(held));  // a move: the vectors' memory stays put
+  q.bytes += bytes;
+}
 }  // namespace
 
-Scratch::Scratch(size_t bytes) {
+ScratchQuarantine ScratchQuarantined() {
+  QuarantineList& q = TheQuarantine();
+  std::lock_guard<std::mutex> lock(q.mutex);
+  return ScratchQuarantine{q.blocks.size(), q.bytes};
+}
+
+Scratch::Scratch(size_t bytes) : unconfirmed_at_start_(unconfirmed_releases) {
   ScratchBlock* block = nullptr;
   if (bytes <= kScratchRetainBytes) {
     for (ScratchBlock& b : scratch_arena) {
@@ -291,6 +331,7 @@ Scratch::Scratch(size_t bytes) {
   }
   if (block == nullptr) {
     own_.reset(new unsigned char[std::max<size_t>(bytes, 1)]);
+    own_bytes_ = std::max<size_t>(bytes, 1);
     data_ = own_.get();
     return;
   }
@@ -301,12 +342,24 @@ Scratch::Scratch(size_t bytes) {
     block->size = std::max<size_t>(bytes, 1);
   }
   block->in_use = true;
-  arena_in_use_ = &block->in_use;
+  arena_block_ = block;
   data_ = block->buffer.get();
 }
 
 Scratch::~Scratch() {
-  if (arena_in_use_ != nullptr) *arena_in_use_ = false;
+  const bool unconfirmed = unconfirmed_releases != unconfirmed_at_start_;
+  if (arena_block_ == nullptr) {
+    if (unconfirmed) QuarantineBlock(std::move(own_), own_bytes_);
+    return;
+  }
+  auto* block = static_cast<ScratchBlock*>(arena_block_);
+  if (unconfirmed) {
+    // Out of the arena: the next call gets fresh memory, and a later grow
+    // cannot free this block under a late write.
+    QuarantineBlock(std::move(block->buffer), block->size);
+    block->size = 0;
+  }
+  block->in_use = false;
 }
 
 size_t ScratchRetainedBytes() {
@@ -319,6 +372,12 @@ Requests::~Requests() {
   // All at once: cancelling one by one could wait a grace period and a
   // forced close per peer (UCX), far past the deadline when many are hung.
   if (!outstanding_.empty()) p2p_.CancelAll(outstanding_);
+  // Also counts what a failed Wait or WaitAll gave up inside the PointToPoint.
+  if (p2p_.UnconfirmedReleases() != unconfirmed_at_start_) {
+    ++unconfirmed_releases;
+    // The argument checks' messages may be among them.
+    if (!held_.empty()) QuarantineFingerprints(std::move(held_));
+  }
 }
 
 Fingerprint* Requests::HoldFingerprints(size_t n) {

@@ -236,6 +236,15 @@ inline constexpr size_t kScratchRetainBytes = size_t{8} << 20;
 /// nested Scratch takes the arena's second block (the ring reduce keeps its
 /// block in one while its reduce-scatter uses the other); a third, or one
 /// above kScratchRetainBytes, gets memory of its own, freed with it.
+///
+/// Except after a failed call whose requests the PointToPoint could not
+/// confirm it let go of (UnconfirmedReleases grew while a Requests of this
+/// thread lived inside this Scratch's lifetime; UCX to a same-host peer, see
+/// collective.h): a late receive may still write into the block, so it is
+/// neither freed nor handed to the next call but quarantined, kept for the
+/// rest of the process (ScratchQuarantinedBytes). An arena block leaves the
+/// arena, so its grow path never frees it either. Failed calls abort the
+/// communicator, so this happens a few times per process at most.
 class Scratch {
  public:
   explicit Scratch(size_t bytes);
@@ -248,11 +257,21 @@ class Scratch {
  private:
   unsigned char* data_ = nullptr;
   std::unique_ptr<unsigned char[]> own_;  // only when not from the arena
-  bool* arena_in_use_ = nullptr;          // the arena block's flag, when from it
+  size_t own_bytes_ = 0;
+  void* arena_block_ = nullptr;           // the arena's ScratchBlock, when from it
+  uint64_t unconfirmed_at_start_ = 0;     // this thread's count, at construction
 };
 
 /// Bytes the calling thread's Scratch arena holds between calls (for tests).
 size_t ScratchRetainedBytes();
+
+/// Scratch blocks quarantined (never freed) in this process, and their bytes
+/// (which also count the argument checks' message buffers of such calls).
+struct ScratchQuarantine {
+  size_t blocks = 0;
+  size_t bytes = 0;
+};
+ScratchQuarantine ScratchQuarantined();
 
 /// The requests one collective has outstanding. Every error path leaves
 /// through the destructor, which cancels what is still outstanding (in one
@@ -260,10 +279,14 @@ size_t ScratchRetainedBytes();
 /// the other), so no transfer touches the caller's buffers after the
 /// collective returns, as far as the PointToPoint's Cancel can promise
 /// that (not for a same-host UCX peer: see collective.h). The argument checks' messages live in memory this
-/// object owns, so that they outlast the PeerCheck that posted them.
+/// object owns, so that they outlast the PeerCheck that posted them; when
+/// the PointToPoint's UnconfirmedReleases grew meanwhile, the destructor
+/// quarantines that memory and tells this thread's Scratch blocks to do so
+/// too (see Scratch).
 class Requests {
  public:
-  Requests(p2p::PointToPoint& p2p, Deadline deadline) : p2p_(p2p), deadline_(deadline) {}
+  Requests(p2p::PointToPoint& p2p, Deadline deadline)
+      : p2p_(p2p), deadline_(deadline), unconfirmed_at_start_(p2p.UnconfirmedReleases()) {}
   ~Requests();
   Requests(const Requests&) = delete;
   Requests& operator=(const Requests&) = delete;
@@ -300,6 +323,9 @@ class Requests {
   PeerCheck* check_ = nullptr;
   p2p::PointToPoint& p2p_;
   const Deadline deadline_;
+  // p2p_.UnconfirmedReleases() at construction: the destructor tells this
+  // thread's Scratch blocks when it grew (they are then quarantined).
+  const uint64_t unconfirmed_at_start_;
   // Posted and not yet completed, and where each sits in that list: a
   // collective of many chunks keeps thousands of sends outstanding until
   // its end, and a search per wait made it quadratic in the chunks.

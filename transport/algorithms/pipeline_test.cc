@@ -114,13 +114,19 @@ class Recorder final : public p2p::PointToPoint {
   void Cancel(p2p::RequestId id) override { cancelled_one_by_one.push_back(id); }
   void CancelAll(std::span<const p2p::RequestId> ids) override {
     cancelled_together.emplace_back(ids.begin(), ids.end());
+    if (cancel_unconfirmed) unconfirmed_ += ids.size();
   }
+  uint64_t UnconfirmedReleases() const override { return unconfirmed_; }
 
+  // Cancels as UCX does for a same-host peer whose request does not finish
+  // within its grace: the buffer may still be written later.
+  bool cancel_unconfirmed = false;
   std::vector<p2p::RequestId> cancelled_one_by_one;
   std::vector<std::vector<p2p::RequestId>> cancelled_together;
 
  private:
   p2p::RequestId last_ = 0;
+  uint64_t unconfirmed_ = 0;
 };
 
 // A collective that gives up with requests to many peers outstanding
@@ -157,6 +163,49 @@ TEST(RequestsTest, DestructorWithNothingOutstandingCancelsNothing) {
   { Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000))); }
   EXPECT_TRUE(p2p.cancelled_one_by_one.empty());
   EXPECT_TRUE(p2p.cancelled_together.empty());
+}
+
+// A call that fails with receives the transport could not confirm it
+// cancelled (UCX, same-host peer) keeps its scratch blocks for good: a late
+// write must not land in freed memory, nor in the next call's scratch.
+TEST(ScratchTest, BlocksOfAFailedCallWithUnconfirmedCancelsAreQuarantined) {
+  const ScratchQuarantine before = ScratchQuarantined();
+  const size_t small_bytes = 1024, large_bytes = kScratchRetainBytes + 1;
+  { Scratch warm(small_bytes); }
+  const size_t retained_before = ScratchRetainedBytes();
+  Recorder p2p;
+  p2p.cancel_unconfirmed = true;
+  {
+    Scratch small(small_bytes);  // from the arena
+    Scratch large(large_bytes);  // its own
+    Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000)));
+    ASSERT_TRUE(requests.Recv(Where{"test", 0, 0, Where::kNoChunk, false, 1}, 1, small.data(),
+                              small_bytes).ok());
+    ASSERT_TRUE(requests.Recv(Where{"test", 0, 0, Where::kNoChunk, false, 2}, 1, large.data(),
+                              large_bytes).ok());
+    EXPECT_FALSE(requests.Wait(1, Where{"test", 0, 0, Where::kNoChunk, false, 1}).ok());
+  }
+  const ScratchQuarantine after = ScratchQuarantined();
+  EXPECT_EQ(after.blocks, before.blocks + 2);
+  EXPECT_GE(after.bytes, before.bytes + small_bytes + large_bytes);
+  // The small block left the arena too.
+  EXPECT_EQ(retained_before - ScratchRetainedBytes(), after.bytes - before.bytes - large_bytes);
+}
+
+TEST(ScratchTest, BlocksOfAFailedCallWithConfirmedCancelsAreNotQuarantined) {
+  const ScratchQuarantine before = ScratchQuarantined();
+  Recorder p2p;
+  {
+    Scratch small(1024);
+    Scratch large(kScratchRetainBytes + 1);
+    Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000)));
+    ASSERT_TRUE(requests.Recv(Where{"test", 0, 0, Where::kNoChunk, false, 1}, 1, small.data(),
+                              1024).ok());
+    ASSERT_TRUE(requests.Recv(Where{"test", 0, 0, Where::kNoChunk, false, 2}, 1, large.data(),
+                              kScratchRetainBytes + 1).ok());
+  }
+  EXPECT_EQ(ScratchQuarantined().blocks, before.blocks);
+  EXPECT_GE(ScratchRetainedBytes(), 1024u);
 }
 
 }  // namespace

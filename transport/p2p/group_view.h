@@ -47,6 +47,7 @@ class GroupView final : public PointToPoint {
   }
   void Cancel(RequestId request) override { parent_->Cancel(request); }
   void CancelAll(std::span<const RequestId> requests) override { parent_->CancelAll(requests); }
+  uint64_t UnconfirmedReleases() const override { return parent_->UnconfirmedReleases(); }
 
  private:
   GroupView(PointToPoint* parent, std::vector<int> members, Tag tag_offset, int rank)

@@ -81,6 +81,14 @@ class PointToPoint {
   /// takes does not grow with the number of requests or peers. Error paths
   /// that give up several requests use this rather than a loop of Cancel.
   virtual void CancelAll(std::span<const RequestId> requests) = 0;
+
+  /// How many requests given up so far (by Cancel, CancelAll or a failed
+  /// wait) this implementation could not confirm it let go of: their buffers
+  /// may still be read or written later (see Cancel). Only ever grows; a
+  /// caller compares it before and after to learn whether buffers it gave
+  /// in are safe to free. Always 0 for implementations whose Cancel can
+  /// promise it (the loopback).
+  virtual uint64_t UnconfirmedReleases() const { return 0; }
 };
 
 }  // namespace ddp::transport::p2p

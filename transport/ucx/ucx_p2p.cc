@@ -21,6 +21,7 @@ struct UcxPointToPoint::Slot {
   bool in_use = false;
   bool done = false;
   bool abandoned = false;  // cancelled while UCX still owned the request
+  bool unconfirmed = false;  // abandoned, and still with UCX after its recall
   bool is_send = false;
   uint64_t listed_in = 0;  // the last WaitAll that listed it: repeats are errors
   int peer = 0;
@@ -342,6 +343,7 @@ StatusOr<UcxPointToPoint::Slot*> UcxPointToPoint::AllocateSlot(bool is_send, int
   slot->in_use = true;
   slot->done = false;
   slot->abandoned = false;
+  slot->unconfirmed = false;
   slot->is_send = is_send;
   slot->peer = peer;
   slot->tag = tag;
@@ -401,6 +403,15 @@ void UcxPointToPoint::Recall(Deadline limit) {
   Polls polls;
   while (live_peer_left() && Clock::now() < grace) PollUntil(polls, grace);
   CloseEndpointsOfAbandoned(/*lost_peers_only=*/false, limit);
+  // What is still abandoned now (same-host peers, or a limit that came
+  // first) may use its buffer after the caller got it back: counted once
+  // each, so that callers keep such buffers (algorithms' Scratch).
+  for (const auto& slot : slots_) {
+    if (slot->in_use && slot->abandoned && !slot->unconfirmed) {
+      slot->unconfirmed = true;
+      ++unconfirmed_releases_;
+    }
+  }
 }
 
 void UcxPointToPoint::CloseEndpointsOfAbandoned(bool lost_peers_only, Deadline limit) {

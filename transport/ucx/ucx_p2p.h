@@ -31,7 +31,8 @@
 // Close (which keeps the registrations mapped for it). Nothing bounces such
 // receives through memory of our own (a matched receive cannot be moved to
 // another buffer), so callers keep the buffers of a failed call until then
-// (algorithms/collective.h).
+// (algorithms/collective.h); UnconfirmedReleases counts such requests, and
+// the algorithms' own scratch memory is kept for good when it grows.
 // CancelAll gives up all its requests first and then waits once: one grace
 // and one round of forced closes (at most the grace + 1 s; + 2 s when some
 // of the peers had already failed, whose endpoints are closed by force
@@ -148,6 +149,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
                            Deadline deadline) override;
   void Cancel(p2p::RequestId request) override;
   void CancelAll(std::span<const p2p::RequestId> requests) override;
+  /// Requests still with UCX after their recall (same-host peers): see
+  /// the Cancelling note above.
+  uint64_t UnconfirmedReleases() const override { return unconfirmed_releases_; }
 
  private:
   struct Slot;
@@ -239,6 +243,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Clock::time_point next_watchdog_{};
   uint64_t waits_ = 0;  // WaitAll calls so far
   int abandoned_ = 0;   // abandoned slots whose request UCX still holds
+  uint64_t unconfirmed_releases_ = 0;  // see UnconfirmedReleases
   bool closed_ = false;
 };
 
