@@ -1601,7 +1601,9 @@ struct RootCause {
   /// The last attempt's root-cause worker (the failed one whose error file
   /// was written first), when one wrote its error file.
   std::optional<WorkerExit> worker;
-  std::string reason;  ///< The failure line printed last.
+  std::string reason;  ///< The last attempt's failure line, once its workers ran.
+  // Both are cleared at the start of each attempt; without either, the
+  // launcher's last line stands for the cause.
 };
 
 int RunJob(const DdprunOptions& options, RootCause& cause);
@@ -1887,6 +1889,11 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   int torch_port = 0;  // the workers' MASTER_PORT, for PyTorch's own rendezvous
   std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
   for (int attempt = first_attempt;; ++attempt) {
+    // Each attempt reports its own cause: one that fails before its workers
+    // run (rendezvous, store, spawn) must not leave the last attempt's worker
+    // error in the launcher's error file. Such early returns Say their
+    // reason, which RecordLauncherError takes when no cause is set here.
+    cause = RootCause{};
     // Node 0 picks it before it lets the others in, so that whoever gets
     // into the attempt finds it.
     if (!multi_node || o.node_rank == 0) {

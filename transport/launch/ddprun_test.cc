@@ -631,6 +631,30 @@ TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheRootCause) {
   EXPECT_NE(access(own.c_str(), F_OK), 0);
 }
 
+// A restart that fails before its workers run reports its own cause, not
+// the worker error of the attempt before it (which was kept, and written).
+// Attempt 0's failing worker puts a file where attempt 1's log folder goes,
+// so that attempt 1's spawn fails.
+TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheLastAttemptsCause) {
+  const std::string dir = testing::MakeTempDir("ddprun_own_error_file_restart");
+  const std::string logs = dir + "/logs";
+  const std::string own = dir + "/launcher.error.json";
+  const std::string script =
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then "
+      "for d in " + logs + "/*/; do : > \"${d}attempt_1\"; done; "
+      "printf '{\"message\": {\"message\": \"ValueError: shard missing\", "
+      "\"extraInfo\": {\"timestamp\": \"1700000000\"}}}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; "
+      "sleep 30";
+  const auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+                               "--log_dir=" + logs, "/bin/sh", "-c", script},
+                              {{"TORCHELASTIC_ERROR_FILE", own}});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  ASSERT_THAT(run.output, HasSubstr("restarting the job (restart 1 of 1)"));
+  const std::string written = ReadFile(own);
+  EXPECT_THAT(written, Not(HasSubstr("shard missing"))) << written << run.output;
+  EXPECT_THAT(written, HasSubstr("ddprun: cannot write log file")) << written << run.output;
+}
+
 // torchrun's --local_ranks_filter: the terminal shows the chosen ranks,
 // the log files (with --tee) still get every rank's output.
 TEST(DdprunTest, LocalRanksFilterChoosesWhoseOutputReachesTheTerminal) {
