@@ -226,13 +226,22 @@ RunChild(const ChildArgs* a) {
 
 std::atomic<bool> g_force_close_range_fallback{false};
 
+// The most descriptors the fallbacks of close_range go through.
+constexpr int kMostDescriptors = 1 << 20;
+
 // One above the highest descriptor a child may inherit, for the fallbacks
 // of close_range (which must not allocate or read /proc in the child): the
 // highest open now (/proc/self/fd), with room for a few that other threads
 // open before the clone (each takes the lowest free number); without /proc,
-// the soft limit on descriptors (at most 2^20).
+// the soft limit on descriptors (at most 2^20). Enough for the workers,
+// which only mark descriptors close-on-exec: it has to cover those the host
+// program opened without O_CLOEXEC, which are open by now, while what other
+// threads of the launcher open meanwhile (the store server's accepted
+// connections, the watcher thread's client) is close-on-exec already
+// (SOCK_CLOEXEC, O_CLOEXEC). Not for the watcher, which closes everything
+// and runs on without exec: it reads the soft limit itself (WatcherBound).
 int DescriptorBound() {
-  constexpr int kMost = 1 << 20;
+  constexpr int kMost = kMostDescriptors;
   constexpr int kRoom = 64;
   int highest = -1;
   if (DIR* dir = opendir("/proc/self/fd")) {
@@ -245,6 +254,22 @@ int DescriptorBound() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kMost;
   return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, kMost));
+}
+
+// In the watcher, right after the clone (raw system calls only): one above
+// every descriptor it can hold, which are those the launcher had at the
+// clone. Every descriptor opened is below the soft limit of its time, so
+// the soft limit now (at most kMostDescriptors) covers those other threads
+// opened after DescriptorBound looked; `parent_bound` (DescriptorBound)
+// covers any left above a limit lowered since.
+int WatcherBound(int parent_bound) {
+  rlimit limit{};
+  if (syscall(SYS_prlimit64, 0, RLIMIT_NOFILE, nullptr, &limit) != 0 ||
+      limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur > rlim_t{kMostDescriptors}) {
+    return kMostDescriptors;
+  }
+  const int soft = static_cast<int>(limit.rlim_cur);
+  return soft > parent_bound ? soft : parent_bound;
 }
 
 Status MakeDirectories(const std::string& path) {
@@ -1334,7 +1359,8 @@ class WorkerGroup::Impl {
                           (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
                           syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
       if (!closed) {
-        for (int other = 0; other < fd_bound; ++other) {
+        const int bound = WatcherBound(fd_bound);
+        for (int other = 0; other < bound; ++other) {
           if (other != p[0]) syscall(SYS_close, other);
         }
       }
