@@ -17,6 +17,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -58,6 +60,24 @@ struct SourceStat {
 // Set once a failed write has been reported: a cache that cannot be
 // written fails the same way for every set and rank, and one line says it.
 std::atomic<bool> write_failure_reported{false};
+std::atomic<bool> limit_below_use_reported{false};
+
+// The entries this process wrote or loaded (full paths): eviction leaves
+// them. Evicting one (a run whose training and test sets together exceed
+// the limit, each write evicting the other) only made the next load decode
+// and write it again, every run, so the cache cost more than none.
+struct EntriesInUse {
+  std::mutex mu;
+  std::set<std::string> paths;
+};
+EntriesInUse& InUse() {
+  static EntriesInUse* in_use = new EntriesInUse;  // never destroyed: loads may run at exit
+  return *in_use;
+}
+void NoteInUse(const std::string& path) {
+  std::lock_guard<std::mutex> l(InUse().mu);
+  InUse().paths.insert(path);
+}
 
 // An entry that could not be written: loads go on decoding in memory, but
 // each one pays the decode again, so the run says once where and why.
@@ -213,22 +233,24 @@ bool WriteEntry(const std::string& dir, const std::string& path, const std::vect
 void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0); }
 
 // Removes the least recently used entries of `dir` (by modification time,
-// see MarkUsed) until those left take at most `max_bytes`, never `keep`
-// (the entry just written, kept even when it alone is larger). Only whole
-// entries (`*.decoded`) are candidates: temporaries being written and lock
-// files have other names. Safe beside other processes: one that has an
-// entry mapped keeps reading it after the unlink, and one that was about to
-// open it decodes and writes it again. Best effort, silent.
-void EvictLeastRecentlyUsed(const std::string& dir, const std::string& keep, uint64_t max_bytes) {
+// see MarkUsed) until those left take at most `max_bytes`, never one this
+// process wrote or loaded (NoteInUse), kept even when they alone are
+// larger: then a warning says so, once per process. Only whole entries
+// (`*.decoded`) are candidates: temporaries being written and lock files
+// have other names. Safe beside other processes: one that has an entry
+// mapped keeps reading it after the unlink, and one that was about to open
+// it decodes and writes it again. Best effort, otherwise silent.
+void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
   struct Candidate {
     int64_t mtime_ns;
     std::string path;
     uint64_t bytes;
   };
   std::vector<Candidate> entries;
-  uint64_t total = 0;
+  uint64_t total = 0, in_use_bytes = 0;
   std::error_code ec;
   constexpr std::string_view kSuffix = ".decoded";
+  std::lock_guard<std::mutex> l(InUse().mu);
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0 ||
@@ -239,8 +261,22 @@ void EvictLeastRecentlyUsed(const std::string& dir, const std::string& keep, uin
     const std::string path = it->path().string();
     if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
     total += static_cast<uint64_t>(st.st_size);
+    if (InUse().paths.count(path) != 0) {
+      in_use_bytes += static_cast<uint64_t>(st.st_size);
+      continue;
+    }
     entries.push_back({static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec, path,
                        static_cast<uint64_t>(st.st_size)});
+  }
+  if (in_use_bytes > max_bytes && !limit_below_use_reported.exchange(true)) {
+    std::fprintf(stderr,
+                 "[ddp] warning: the decoded dataset cache %s may keep %llu bytes "
+                 "(DDP_DATA_CACHE_MAX_BYTES), less than the %llu bytes of entries this process "
+                 "uses; they are kept, since evicting them would make every run decode and write "
+                 "them again. Raise DDP_DATA_CACHE_MAX_BYTES, or set DDP_DATA_CACHE=off to cache "
+                 "nothing\n",
+                 dir.c_str(), static_cast<unsigned long long>(max_bytes),
+                 static_cast<unsigned long long>(in_use_bytes));
   }
   if (total <= max_bytes) return;
   std::sort(entries.begin(), entries.end(), [](const Candidate& a, const Candidate& b) {
@@ -248,7 +284,6 @@ void EvictLeastRecentlyUsed(const std::string& dir, const std::string& keep, uin
   });
   for (const Candidate& e : entries) {
     if (total <= max_bytes) break;
-    if (e.path == keep) continue;
     if (::unlink(e.path.c_str()) == 0 || errno == ENOENT) total -= e.bytes;
   }
 }
@@ -342,7 +377,15 @@ uint64_t DecodedCacheMaxBytes() {
   return static_cast<uint64_t>(v);
 }
 
-void ResetDecodedCacheWarningsForTesting() { write_failure_reported = false; }
+void ResetDecodedCacheWarningsForTesting() {
+  write_failure_reported = false;
+  limit_below_use_reported = false;
+}
+
+void ForgetDecodedEntriesInUseForTesting() {
+  std::lock_guard<std::mutex> l(InUse().mu);
+  InUse().paths.clear();
+}
 
 SharedArray LoadDecoded(const std::vector<std::string>& sources,
                         const DecodeFn& decode,
@@ -358,6 +401,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     SharedArray hit = MapEntry(path, stats);
     if (hit.owner != nullptr) {
       MarkUsed(path);
+      NoteInUse(path);
       return hit;
     }
     std::filesystem::create_directories(dir, mkdir_error);
@@ -367,6 +411,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     if (lock->held()) hit = MapEntry(path, stats);
     if (hit.owner != nullptr) {
       MarkUsed(path);
+      NoteInUse(path);
       return hit;
     }
   }
@@ -385,7 +430,8 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     // other contents, so none is written.
     std::vector<SourceStat> after;
     if (StatSources(sources, &after) && after == stats && WriteEntry(dir, path, stats, dims, bytes)) {
-      EvictLeastRecentlyUsed(dir, path, DecodedCacheMaxBytes());
+      NoteInUse(path);
+      EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes());
     }
   }
   lock.reset();

@@ -19,8 +19,11 @@
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed
-// until the folder's entries take at most DecodedCacheMaxBytes(). A
-// process that has an entry mapped keeps reading it after the removal.
+// until the folder's entries take at most DecodedCacheMaxBytes(), except
+// those this process wrote or loaded: they stay even past the limit (with a
+// warning, once per process), since removing one would only make the next
+// load decode and write it again. A process that has an entry mapped keeps
+// reading it after the removal.
 //
 // Where: $DDP_DATA_CACHE (a folder; "0" or "off" turns the cache off), else
 // $XDG_CACHE_HOME/ddp/datasets, else $HOME/.cache/ddp/datasets.
@@ -53,13 +56,18 @@ std::string DecodedCacheDir();
 inline constexpr uint64_t kDefaultCacheMaxBytes = uint64_t{4} << 30;
 
 /// The most bytes of entries the cache folder keeps: $DDP_DATA_CACHE_MAX_BYTES
-/// (a decimal byte count; 0 keeps only the entry last written), else
+/// (a decimal byte count; 0 keeps only the entries this process wrote or
+/// loaded, removing every other one at each write), else
 /// kDefaultCacheMaxBytes (also for a value that is not a byte count, with
 /// a warning).
 uint64_t DecodedCacheMaxBytes();
 
 /// For tests only: lets the next failed write report itself again.
 void ResetDecodedCacheWarningsForTesting();
+
+/// For tests only: forgets the entries this process wrote or loaded, so
+/// that eviction treats them as another process's.
+void ForgetDecodedEntriesInUseForTesting();
 
 /// Decoded files smaller than this are not cached: they decode in
 /// microseconds, and tests' scratch files would pile up.

@@ -519,6 +519,9 @@ TEST(DecodedCache, AFailedWriteWarnsOnceNamingThePathAndTheCause) {
 // used others (the cache grew without bound): loading an entry counts as a
 // use, the entry just written stays even alone over the limit, and files
 // that are not whole entries (a temporary being written, a lock) are left.
+// A process never evicts the entries it wrote or loaded itself (see
+// EntriesThisProcessUsesStayPastTheLimit): forgetting them here stands for
+// entries of earlier runs.
 TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
   const std::string dir = FreshDir("decoded_evict");
   const std::string cache_dir = dir + "/cache";
@@ -550,6 +553,7 @@ TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
   LoadDecoded(src[1], std::ref(decode[1]), 0);
   ASSERT_NE(entry_of(0), "");
   ASSERT_NE(entry_of(1), "");
+  ForgetDecodedEntriesInUseForTesting();
   set_age(entry_of(0), 200);
   set_age(entry_of(1), 100);
   // Not entries: never removed, however old.
@@ -569,18 +573,62 @@ TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
   EXPECT_TRUE(std::filesystem::exists(lock));
   LoadDecoded(src[0], std::ref(decode[0]), 0);
   EXPECT_EQ(decode[0].calls, 1) << "a recently used entry was removed";
+  ForgetDecodedEntriesInUseForTesting();
   LoadDecoded(src[1], std::ref(decode[1]), 0);  // b decoded and written again: c, now the oldest, goes
   EXPECT_EQ(decode[1].calls, 2);
   EXPECT_NE(entry_of(0), "");
   EXPECT_NE(entry_of(1), "");
   EXPECT_EQ(entry_of(2), "");
   // A limit below one entry keeps the one just written.
+  ForgetDecodedEntriesInUseForTesting();
   const ScopedEnv tiny("DDP_DATA_CACHE_MAX_BYTES", "0");
   LoadDecoded(src[2], std::ref(decode[2]), 0);
   EXPECT_EQ(decode[2].calls, 2);
   EXPECT_EQ(entry_of(0), "");
   EXPECT_EQ(entry_of(1), "");
   EXPECT_NE(entry_of(2), "");
+}
+
+// A limit below what one run uses (its training and test sets together)
+// kept only the entry last written: each load evicted the other set's
+// entry, so every run decoded and wrote both again, and the cache cost more
+// than none without a word. Entries this process wrote or loaded stay, and
+// a warning names the limit and the bytes in use, once.
+TEST(DecodedCache, EntriesThisProcessUsesStayPastTheLimit) {
+  const std::string dir = FreshDir("decoded_in_use");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  ForgetDecodedEntriesInUseForTesting();
+  ResetDecodedCacheWarningsForTesting();
+  std::vector<std::string> src;
+  std::vector<CountingDecode> decode;
+  for (const char* name : {"train_images", "test_images", "old_images"}) {
+    src.push_back(dir + "/" + name);
+    WriteFile(src.back(), IdxBytes({10, 100}, Pixels(1000)));
+    decode.push_back(CountingDecode{src.back()});
+  }
+  // An entry of an earlier run, which may go.
+  LoadDecoded(src[2], std::ref(decode[2]), 0);
+  ForgetDecodedEntriesInUseForTesting();
+  ASSERT_EQ(Entries(cache_dir).size(), 1u);
+  // Each entry is ~1.1 KB: room for one.
+  const ScopedEnv limit("DDP_DATA_CACHE_MAX_BYTES", "1500");
+  ::testing::internal::CaptureStderr();
+  for (int run = 0; run < 2; ++run) {
+    LoadDecoded(src[0], std::ref(decode[0]), 0);
+    LoadDecoded(src[1], std::ref(decode[1]), 0);
+  }
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(decode[0].calls, 1) << "the training set's entry was evicted by the test set's";
+  EXPECT_EQ(decode[1].calls, 1);
+  EXPECT_EQ(Entries(cache_dir).size(), 2u) << "the earlier run's entry was kept, or one of this one's went";
+  EXPECT_NE(warned.find("DDP_DATA_CACHE_MAX_BYTES"), std::string::npos) << warned;
+  EXPECT_NE(warned.find("may keep 1500 bytes"), std::string::npos) << warned;
+  size_t count = 0;
+  for (size_t at = warned.find("[ddp] warning"); at != std::string::npos; at = warned.find("[ddp] warning", at + 1)) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << warned;
 }
 
 TEST(DecodedCache, SizeLimitComesFromTheEnvironment) {
