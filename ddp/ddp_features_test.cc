@@ -1618,50 +1618,37 @@ TEST(DdpFeaturesTest, EvalModeSynchronizesAndTwoForwardsTakeNoSyncOnTheFirst) {
 // forward first, then one under NoSync, and one backward through both. The
 // backward is the first forward's, so it synchronizes everything (as in
 // PyTorch); the NoSync forward used to disarm it, so each rank stepped its
-// local gradients and the replicas drifted apart. With
-// find_unused_parameters the second forward takes head b, which the first
-// one's graph walk found unused: it counts as used, and `never` keeps no
-// gradient. Checked against one process on the combined batches.
+// local gradients and the replicas drifted apart. Both forwards use every
+// parameter (with find_unused_parameters too: a parameter only the NoSync
+// forward reaches is MultiTaskNoSyncForward's case). Checked against one
+// process on the combined batches.
 void CheckSyncThenNoSyncForward(ProcessGroup& pg, bool find_unused, bool view) {
   const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   const std::string what = std::string("sync then NoSync forward") + (find_unused ? " (find unused)" : "") +
                            (view ? " (views)" : "");
-  // Without find_unused_parameters every parameter needs a gradient: an MLP
-  // for both forwards. With it, Branchy: head a first, head b under NoSync.
-  auto make = [&](uint64_t seed) -> std::shared_ptr<Module> {
-    if (find_unused) return std::make_shared<Branchy>(seed, /*use_a=*/true);
-    return Mlp(seed);
-  };
-  auto route = [&](Module& m, bool second) {
-    if (auto* branchy = dynamic_cast<Branchy*>(&m)) branchy->use_a_ = !second;
-  };
-  auto model = make(rank == 0 ? 41 : 60 + rank);
+  auto model = Mlp(rank == 0 ? 41 : 60 + rank);
   DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused, .gradient_as_bucket_view = view,
                                       .process_group = Borrow(pg)});
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
-  auto reference = make(41);
+  auto reference = Mlp(41);
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
   for (int s = 0; s < 2; ++s) {
     const int first = 2 * s, second = 2 * s + 1;
     auto [x1, y1] = testing::Batch(data, (first * world + rank) * kBatch, kBatch);
     auto [x2, y2] = testing::Batch(data, (second * world + rank) * kBatch, kBatch);
     opt.ZeroGrad();
-    route(*model, false);
     Tensor a = ddp(x1);
     Tensor b;
     {
       auto no_sync = ddp.NoSync();
-      route(*model, true);
       b = ddp(x2);
     }
     nn::Backward(nn::loss::CrossEntropy(a, y1) + nn::loss::CrossEntropy(b, y2));
     ref_opt.ZeroGrad();
     auto [x1a, y1a] = testing::Batch(data, first * world * kBatch, world * kBatch);
     auto [x2a, y2a] = testing::Batch(data, second * world * kBatch, world * kBatch);
-    route(*reference, false);
     Tensor ra = (*reference)(x1a);
-    route(*reference, true);
     nn::Backward(nn::loss::CrossEntropy(ra, y1a) + nn::loss::CrossEntropy((*reference)(x2a), y2a));
     const auto ref_params = reference->NamedParameters();
     size_t k = 0;
@@ -1704,6 +1691,92 @@ TEST(DdpFeaturesTest, ANoSyncForwardAfterASynchronizingOneLeavesItsBackwardSynch
     auto run = RunWorkers("sync_then_no_sync_forward", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
     EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
   }
+}
+
+// A multi-task step with find_unused_parameters: a = ddp(xa) takes head a,
+// {NoSync; b = ddp(xb);} takes head b, and the backward is loss(a)'s only.
+// As in PyTorch, the forward that prepared the backward alone decides the
+// unused set, so head b (and `never`) get no gradient and the step equals
+// one process's on the combined batch. The NoSync forward used to take head
+// b off the unused set, so that backward aborted the group with "received
+// no gradient". Last, loss(a) + loss(b): head b's gradient is an error on
+// every rank, naming its parameter and the NoSync forward (PyTorch fails
+// it too, "marked as ready twice").
+DDP_TEST_WORKER(multi_task_no_sync_forward) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  for (const bool view : {false, true}) {
+    const std::string what = std::string("multi-task") + (view ? " (views)" : "");
+    auto model = std::make_shared<Branchy>(rank == 0 ? 43 : 70 + rank, /*use_a=*/true);
+    DistributedDataParallel ddp(model, {.find_unused_parameters = true, .gradient_as_bucket_view = view,
+                                        .process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = std::make_shared<Branchy>(43, /*use_a=*/true);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    try {
+      for (int s = 0; s < 2; ++s) {
+        auto [xa, ya] = testing::Batch(data, (2 * s * world + rank) * kBatch, kBatch);
+        auto [xb, yb] = testing::Batch(data, ((2 * s + 1) * world + rank) * kBatch, kBatch);
+        opt.ZeroGrad();
+        model->use_a_ = true;
+        const Tensor a = ddp(xa);
+        Tensor b;
+        {
+          auto no_sync = ddp.NoSync();
+          model->use_a_ = false;
+          b = ddp(xb);
+        }
+        nn::Backward(nn::loss::CrossEntropy(a, ya));
+        for (const auto& [name, p] : model->NamedParameters()) {
+          const bool head = name.rfind("a.", 0) == 0 || name.rfind("trunk.", 0) == 0;
+          WORKER_EXPECT(p.grad().defined() == head, what + ": `" + name + "` " +
+                                                        (head ? "has no gradient" : "has a gradient"));
+        }
+        opt.Step();
+        ref_opt.ZeroGrad();
+        auto [xr, yr] = testing::Batch(data, 2 * s * world * kBatch, world * kBatch);
+        nn::Backward(nn::loss::CrossEntropy((*reference)(xr), yr));
+        ref_opt.Step();
+      }
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, what + ": " + e.what());
+      return testing::WorkerExit();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+    WORKER_EXPECT(ddp.iterations() == 2, what + ": synchronizing iterations " + std::to_string(ddp.iterations()));
+  }
+  // Both losses in one backward: head b is unused for the forward that
+  // prepared it. This aborts the group, so it comes last.
+  auto model = std::make_shared<Branchy>(43, /*use_a=*/true);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+  auto [xa, ya] = testing::Batch(data, rank * kBatch, kBatch);
+  auto [xb, yb] = testing::Batch(data, (world + rank) * kBatch, kBatch);
+  std::string message;
+  try {
+    const Tensor a = ddp(xa);
+    Tensor b;
+    {
+      auto no_sync = ddp.NoSync();
+      model->use_a_ = false;
+      b = ddp(xb);
+    }
+    nn::Backward(nn::loss::CrossEntropy(a, ya) + nn::loss::CrossEntropy(b, yb));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  std::fprintf(stderr, "loss on both: %s\n", message.c_str());
+  WORKER_EXPECT(message.find("parameter `b.") != std::string::npos, "loss on both: " + message);
+  WORKER_EXPECT(message.find("through the outputs of a forward run under NoSync") != std::string::npos,
+                "loss on both: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, MultiTaskNoSyncForwardLeavesTheUnusedSetOfTheSynchronizingOne) {
+  auto run = RunWorkers("multi_task_no_sync_forward", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // f16 buckets are averaged by dividing before the sum: a gradient of 40000

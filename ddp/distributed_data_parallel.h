@@ -149,7 +149,10 @@ class DistributedDataParallel;
 /// under it that follows a synchronizing training forward whose backward
 /// has not run yet does not change that backward: as in PyTorch, the
 /// forward that prepared it decides, so a = ddp(x1); {NoSync; b = ddp(x2);}
-/// Backward(f(a, b)) synchronizes every gradient of f.
+/// Backward(f(a, b)) synchronizes every gradient of f. With
+/// find_unused_parameters only the first forward's outputs decide the
+/// unused set: a gradient of f for a parameter that only the NoSync
+/// forward reached fails that backward on every rank, naming it.
 class [[nodiscard]] NoSyncGuard {
  public:
   explicit NoSyncGuard(DistributedDataParallel& ddp);

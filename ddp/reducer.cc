@@ -117,6 +117,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   const size_t n = params_.size();
   ready_.assign(n, 0);
   is_unused_.assign(n, 0);
+  reached_under_no_sync_.assign(n, 0);
   detached_.assign(n, 0);
   stale_.assign(n, nn::Tensor());
   used_ = nn::Zeros({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt32});
@@ -447,6 +448,7 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
 
   for (size_t i : unused_) {
     is_unused_[i] = 0;
+    reached_under_no_sync_[i] = 0;
     stale_[i] = nn::Tensor();  // left by a backward that failed
   }
   unused_.clear();
@@ -478,22 +480,18 @@ void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradien
     // A synchronizing forward prepared this backward and it has not
     // started: disarming would let it accumulate locally on this rank (the
     // optimizer would step local gradients and the replicas drift apart),
-    // and the next forward would report a backward that did run. Its graph
-    // now includes this forward's outputs: a parameter reachable from them
-    // is no longer unused (static_graph learns that too).
+    // and the next forward would report a backward that did run. As in
+    // PyTorch, only that forward's walk decides the unused set: widening
+    // it from these outputs left a multi-task step's other head (reached
+    // here, left out of the loss) without a gradient, and Finalize aborted
+    // the group. Those reached here are noted for the error that a
+    // gradient for one of them in this backward raises.
     if (handles_unused() && unused_from_walk_ && !unused_.empty()) {
       std::vector<char> unreachable(params_.size(), 0);
       for (size_t i : UnreachableParameters(outputs)) unreachable[i] = 1;
-      std::vector<size_t> still_unused;
       for (size_t i : unused_) {
-        if (unreachable[i]) {
-          still_unused.push_back(i);
-        } else {
-          is_unused_[i] = 0;
-        }
+        if (!unreachable[i]) reached_under_no_sync_[i] = 1;
       }
-      unused_ = std::move(still_unused);
-      if (static_learning_) static_unused_ = unused_;
     }
     return;
   }
@@ -584,7 +582,16 @@ void Reducer::OnGradReady(size_t index) {
 void Reducer::FailUnusedParameterGradient(size_t index) {
   const std::string head = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
                            ": parameter `" + names_[index] + "` received a gradient";
-  if (unused_from_walk_) {
+  if (unused_from_walk_ && reached_under_no_sync_[index]) {
+    pending_error_ =
+        head + " through the outputs of a forward run under NoSync after the synchronizing forward "
+        "that prepared this backward. That forward's outputs alone decide which parameters are "
+        "unused (find_unused_parameters, as in PyTorch): this one was not reachable from them, so "
+        "it was marked unused and its bucket is reduced without this gradient. Backpropagate the "
+        "NoSync forward's loss in a backward of its own inside the NoSync scope (its gradients "
+        "accumulate locally and the next synchronizing backward averages them). The process group "
+        "was aborted.";
+  } else if (unused_from_walk_) {
     pending_error_ =
         head + " although it is not reachable from the outputs of forward: find_unused_parameters "
         "marked it unused at the end of forward, and its bucket is reduced without this gradient. "

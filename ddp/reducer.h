@@ -144,8 +144,10 @@ class Reducer {
   /// (awaiting_backward()): then the hooks stay armed, as in PyTorch, where
   /// the forward that prepared a backward decides whether it synchronizes,
   /// so that a = ddp(x1); {NoSync; b = ddp(x2);} Backward(f(a, b)) still
-  /// averages every gradient; with find_unused_parameters the parameters
-  /// reachable from `outputs` then count as used in that backward too.
+  /// averages every gradient. With find_unused_parameters the unused set
+  /// stays the one that forward's walk found (as in PyTorch): a parameter
+  /// reached only through `outputs` that then gets a gradient in that
+  /// backward fails it on every rank, naming the parameter and NoSync.
   void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false);
   /// Whether a NoSync scope is open: a gradient that arrives after the
   /// last synchronizing backward finalized (a further backward through its
@@ -258,6 +260,8 @@ class Reducer {
   std::vector<size_t> unused_;  // found unused by this iteration's forward
   std::vector<char> is_unused_; // the same, per parameter
   bool unused_from_walk_ = false; // found by this forward's graph walk (not static_graph's)
+  std::vector<char> reached_under_no_sync_;  // an unused parameter reachable from a NoSync forward's
+                                             // outputs run while this backward awaited (for the error)
   std::vector<char> detached_;  // .grad was moved off the memory being reduced (the parameter is
                                 // unused, or a hook runs after DDP's): Finalize sets it back
   std::vector<nn::Tensor> stale_; // a parameter unused here whose .grad is its bucket view: that
