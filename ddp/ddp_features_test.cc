@@ -497,6 +497,68 @@ TEST(DdpFeaturesTest, CommunicationHooksRunWithOneProcessAndLateOnesAreRefused) 
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// With one process a hook makes the wrapper build a Reducer, so the checks
+// of N ranks apply there too: a model with parameters that get no gradient
+// (Branchy's head b and `never`) trains with find_unused_parameters (equal
+// to the bare model, those keeping no gradient), and without it the
+// backward throws naming them, as on N ranks. Without a hook one process
+// has no reducer and trains on.
+DDP_TEST_WORKER(unused_parameters_one_process_hook) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  {
+    auto model = std::make_shared<Branchy>(7, /*use_a=*/true);
+    DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+    ddp.RegisterCommHook(hooks::AllReduceHook());
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = std::make_shared<Branchy>(7, /*use_a=*/true);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    try {
+      for (int s = 0; s < 2; ++s) {
+        auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+        opt.ZeroGrad();
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+        opt.Step();
+        ref_opt.ZeroGrad();
+        nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
+        ref_opt.Step();
+        for (const auto& [name, p] : model->NamedParameters()) {
+          const bool used = name.rfind("a.", 0) == 0 || name.rfind("trunk.", 0) == 0;
+          WORKER_EXPECT(p.grad().defined() == used,
+                        "find unused: `" + name + "` " + (used ? "has no gradient" : "has a gradient"));
+        }
+      }
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, std::string("find unused: ") + e.what());
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-6, "find unused: `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(ddp.iterations() == 2, "find unused: iterations " + std::to_string(ddp.iterations()));
+  }
+  {
+    auto model = std::make_shared<Branchy>(7, /*use_a=*/true);
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    ddp.RegisterCommHook(hooks::AllReduceHook());
+    auto [x, y] = testing::Batch(data, 0, kBatch);
+    std::string message;
+    try {
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    std::fprintf(stderr, "without find_unused_parameters: %s\n", message.c_str());
+    WORKER_EXPECT(message.find("received no gradient") != std::string::npos, "without: " + message);
+    WORKER_EXPECT(message.find("`b.weight`") != std::string::npos, "without: " + message);
+    WORKER_EXPECT(message.find("find_unused_parameters") != std::string::npos, "without: " + message);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, OneProcessWithAHookChecksUnusedParametersAsNRanksDo) {
+  auto run = RunWorkers("unused_parameters_one_process_hook", 1);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Construction that fails on one rank after the ranks' models were
 // compared (its gradient buckets cannot be allocated): that rank throws the
 // cause, and the others, whose wrappers are complete, fail at their first
