@@ -292,6 +292,30 @@ TEST(TrainCliTest, LaunchedRankRefusesAContradictingNprocPerNode) {
             "train: --epochs=0 must be at least 1");
 }
 
+// The trainer's own launcher restarts its ranks, and its workers (which run
+// with the launch variables set) refuse --max_restarts. It took the flag
+// off their command line, but one from --flagfile or --tryfromenv still
+// reached them, and each worker exited 2 saying another launcher started it.
+TEST(TrainCliTest, MaxRestartsFromAFlagfileOrTheEnvironmentReachesNoWorker) {
+  const std::string dir = testing::MakeTempDir("max_restarts_flagfile");
+  const std::string flagfile = dir + "/flags";
+  std::ofstream(flagfile) << "--max_restarts=1\n";
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=256",
+                                          "--test_samples=32",   "--max_steps=1", "--workers=0",
+                                          "--checkpoint=none",   "--nproc_per_node=2"};
+  std::vector<std::string> args = quick;
+  args.insert(args.begin(), "--flagfile=" + flagfile);
+  const RunOutput from_file = Train(args);
+  EXPECT_EQ(from_file.exit_code, 0) << from_file.err;
+  EXPECT_EQ(from_file.err.find("another launcher started"), std::string::npos) << from_file.err;
+  args = quick;
+  args.insert(args.begin(), Runfile("examples/train"));
+  args.push_back("--tryfromenv=max_restarts");
+  const RunOutput from_env = RunToEnd(args, {{"FLAGS_max_restarts", "1"}}, std::chrono::seconds(120));
+  EXPECT_EQ(from_env.exit_code, 0) << from_env.err;
+  EXPECT_EQ(from_env.err.find("another launcher started"), std::string::npos) << from_env.err;
+}
+
 // A refused run creates no folder (the checkpoint's folder is made only
 // once every other check passed).
 TEST(TrainCliTest, MissingCheckpointToResumeLeavesNoFolderBehind) {

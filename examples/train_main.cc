@@ -611,8 +611,13 @@ int main(int argc, char** argv) {
     }
     // The workers run with the launch variables set, where --max_restarts
     // is refused: it is this launcher's flag, as --nproc_per_node, which
-    // SelfLaunch takes out itself.
+    // SelfLaunch takes out itself. Taken out of the command line, and set
+    // to 0 after every other flag (gflags keeps the last value), since one
+    // from --flagfile or --fromenv/--tryfromenv would reach the workers
+    // too. Before a "--", which ends the flags.
     std::vector<std::string> worker_args = WithoutFlag(original, "max_restarts");
+    const auto flags_end = std::find(worker_args.begin() + 1, worker_args.end(), "--");
+    worker_args.insert(flags_end, "--max_restarts=0");
     std::vector<char*> args;
     for (std::string& s : worker_args) args.push_back(s.data());
     args.push_back(nullptr);
