@@ -9,7 +9,6 @@
 
 #include <dirent.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +21,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -539,22 +539,10 @@ DDP_TEST_WORKER(writer_cannot_start) {
   auto model = Mlp(1);
   const nn::io::Checkpoint checkpoint = MakeCheckpoint(*model, nullptr);
   pg->Barrier().Wait();  // the communication thread runs before the limit
-  rlimit old{};
-  getrlimit(RLIMIT_AS, &old);
+  std::optional<testing::AddressSpaceLimit> limit;
   if (pg->rank() == 0) {
-    long vm_kb = 0;
-    if (FILE* f = std::fopen("/proc/self/status", "r")) {
-      char line[256];
-      while (std::fgets(line, sizeof line, f) != nullptr) {
-        if (std::sscanf(line, "VmSize: %ld kB", &vm_kb) == 1) break;
-      }
-      std::fclose(f);
-    }
-    WORKER_EXPECT(vm_kb > 0, "no VmSize in /proc/self/status");
-    // Room for small allocations, not for a thread's stack (8 MiB).
-    rlimit tight = old;
-    tight.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + (4 << 20);
-    setrlimit(RLIMIT_AS, &tight);
+    limit.emplace(4 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
   }
   const auto start = std::chrono::steady_clock::now();
   std::string error;
@@ -563,7 +551,7 @@ DDP_TEST_WORKER(writer_cannot_start) {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  setrlimit(RLIMIT_AS, &old);
+  limit.reset();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   WORKER_EXPECT(error.find("SaveCheckpoint: rank 0 could not write " + path +
                            ": could not start the thread for it: ") != std::string::npos,

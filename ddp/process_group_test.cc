@@ -6,7 +6,6 @@
 #include "ddp/process_group.h"
 
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -980,28 +979,16 @@ TEST(ProcessGroupTest, ACommunicationThreadThatCannotStartLeavesNothingQueued) {
 #endif
   const auto child = [] {
     auto pg = ProcessGroup::Single();
-    long vm_kb = 0;
-    if (FILE* f = std::fopen("/proc/self/status", "r")) {
-      char line[256];
-      while (std::fgets(line, sizeof line, f) != nullptr) {
-        if (std::sscanf(line, "VmSize: %ld kB", &vm_kb) == 1) break;
-      }
-      std::fclose(f);
-    }
-    if (vm_kb <= 0) std::_Exit(4);
-    // Room for small allocations, not for a thread's stack (8 MiB).
-    rlimit old{};
-    getrlimit(RLIMIT_AS, &old);
-    rlimit tight = old;
-    tight.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + (2 << 20);
-    setrlimit(RLIMIT_AS, &tight);
     bool threw = false;
-    try {
-      pg->Barrier();
-    } catch (const std::exception&) {
-      threw = true;
+    {
+      testing::AddressSpaceLimit limit(2 << 20);
+      if (!limit.ok()) std::_Exit(4);
+      try {
+        pg->Barrier();
+      } catch (const std::exception&) {
+        threw = true;
+      }
     }
-    setrlimit(RLIMIT_AS, &old);
     if (!threw) {
       std::fprintf(stderr, "the barrier did not throw\n");
       std::_Exit(2);

@@ -1,7 +1,10 @@
 #include "ddp/testing/ddp_test_util.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -183,6 +186,31 @@ Branchy::Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
 nn::Tensor Branchy::Forward(const nn::Tensor& x) {
   nn::Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(x, 1)));
   return use_a_ ? (*a_)(h) : (*b_)(h);
+}
+
+AddressSpaceLimit::AddressSpaceLimit(size_t headroom) {
+  long vm_kb = 0;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      if (std::sscanf(line, "VmSize: %ld kB", &vm_kb) == 1) break;
+    }
+    std::fclose(f);
+  }
+  if (vm_kb <= 0) return;
+  rlimit limit{};
+  getrlimit(RLIMIT_AS, &limit);
+  old_cur_ = limit.rlim_cur;
+  limit.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + headroom;
+  ok_ = setrlimit(RLIMIT_AS, &limit) == 0;
+}
+
+AddressSpaceLimit::~AddressSpaceLimit() {
+  if (!ok_) return;
+  rlimit limit{};
+  getrlimit(RLIMIT_AS, &limit);
+  limit.rlim_cur = static_cast<rlim_t>(old_cur_);
+  setrlimit(RLIMIT_AS, &limit);
 }
 
 }  // namespace ddp::dist::testing

@@ -100,6 +100,25 @@ transport::launch::testing::TestRunResult RunWorkers(
 /// Everything every rank printed, for failure messages.
 std::string AllOutput(const transport::launch::testing::TestRunResult& run);
 
+/// Limits this process's address space (RLIMIT_AS) to what it maps now plus
+/// `headroom` bytes: room for small allocations but not for a new thread's
+/// stack (8 MiB), so that starting a thread fails. Restores the previous
+/// limit when destroyed. ok() is false, and nothing is limited, when
+/// /proc/self/status has no VmSize. Not under ASan or TSan, whose runtimes
+/// reserve address space of their own.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(size_t headroom);
+  ~AddressSpaceLimit();
+  AddressSpaceLimit(const AddressSpaceLimit&) = delete;
+  AddressSpaceLimit& operator=(const AddressSpaceLimit&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  bool ok_ = false;
+  unsigned long long old_cur_ = 0;
+};
+
 }  // namespace ddp::dist::testing
 
 #endif  // DDP_DDP_TESTING_DDP_TEST_UTIL_H_
