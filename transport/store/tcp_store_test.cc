@@ -784,6 +784,17 @@ TEST(TcpStoreTest, TotalBufferBoundQueuesFramesWithoutDeadlock) {
   for (int t = 0; t < kClients; ++t) EXPECT_TRUE(results[t].ok()) << results[t];
 }
 
+// A whole Set frame (request `id`) of a 3 MiB value under `key`, for tests
+// that send it in pieces.
+std::string SetFrame(uint32_t id, const std::string& key) {
+  wire::Writer w;
+  w.U8(static_cast<uint8_t>(wire::Op::kSet));
+  w.U32(id);
+  w.String(key);
+  w.String(std::string(3 << 20, 'x'));
+  return w.Frame();
+}
+
 // Frames waiting for room get it in the order they began to wait, whatever
 // their connections' age (it used to go by connection id, so a young
 // connection's frame could wait behind older ones that kept coming).
@@ -793,19 +804,11 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
   auto server = StartServer(options);
   // A 3 MiB Set whose first bytes hold room for the whole frame until the
   // rest is sent.
-  auto set_frame = [](uint32_t id, const std::string& key) {
-    wire::Writer w;
-    w.U8(static_cast<uint8_t>(wire::Op::kSet));
-    w.U32(id);
-    w.String(key);
-    w.String(std::string(3 << 20, 'x'));
-    return w.Frame();
-  };
   auto older = ConnectClient(*server);  // connected first, waits second
   RawConnection holder(server->port()), newer(server->port());
   holder.Handshake();
   newer.Handshake();
-  const std::string held = set_frame(1, "held"), waits_first = set_frame(2, "newer");
+  const std::string held = SetFrame(1, "held"), waits_first = SetFrame(2, "newer");
   // Each step waits until the server has seen the one before, so the order
   // in which the frames began to wait is the order written here.
   holder.Send(std::string_view(held).substr(0, 1000));
@@ -857,19 +860,11 @@ TEST(TcpStoreTest, ANewFrameThatWouldFitWaitsBehindFramesWaitingForRoom) {
   TcpStoreServerOptions options;
   options.max_buffered_bytes = 5 << 20;  // one 3 MiB frame at a time
   auto server = StartServer(options);
-  auto set_frame = [](uint32_t id, const std::string& key) {
-    wire::Writer w;
-    w.U8(static_cast<uint8_t>(wire::Op::kSet));
-    w.U32(id);
-    w.String(key);
-    w.String(std::string(3 << 20, 'x'));
-    return w.Frame();
-  };
   auto small = ConnectClient(*server);
   RawConnection holder(server->port()), large(server->port());
   holder.Handshake();
   large.Handshake();
-  const std::string held = set_frame(1, "held"), waits = set_frame(2, "large");
+  const std::string held = SetFrame(1, "held"), waits = SetFrame(2, "large");
   holder.Send(std::string_view(held).substr(0, 1000));
   ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
     return s.buffered_bytes >= held.size();
