@@ -36,6 +36,8 @@ namespace {
 
 using nn::Tensor;
 using nn::modules::Module;
+using testing::DecayGroups;
+using testing::MakeGroupedOptimizer;
 using testing::RunWorkers;
 
 constexpr int64_t kBatch = 16;
@@ -760,19 +762,6 @@ TEST(OverlappedZeroOptimizerTest, StepWithNoSynchronizingBackwardIsRefusedOnOneR
 }
 
 // ---------------------------------------------------------------- groups ----
-
-// AdamW with the weights decayed and the biases (a rate of their own) not.
-std::vector<nn::optim::ParamGroup> DecayGroups(const nn::optim::NamedParameters& params, double bias_lr = 2e-3) {
-  std::vector<nn::optim::ParamGroup> groups(2);
-  groups[0].options = {{"weight_decay", 0.05}};
-  groups[1].options = {{"weight_decay", 0.0}, {"lr", bias_lr}};
-  for (const auto& entry : params) groups[entry.second.dim() > 1 ? 0 : 1].params.push_back(entry);
-  return groups;
-}
-
-std::unique_ptr<nn::optim::Optimizer> MakeGroupedOptimizer(std::vector<nn::optim::ParamGroup> groups) {
-  return std::make_unique<nn::optim::AdamW>(std::move(groups), nn::optim::AdamWOptions{.lr = 1e-3});
-}
 
 // One scheduler per group of the fused optimizer, each from its group's
 // rate, as an LrScheduler over the unsharded optimizer drives its groups.

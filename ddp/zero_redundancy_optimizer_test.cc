@@ -35,6 +35,8 @@ namespace ddp::dist {
 namespace {
 
 using nn::Tensor;
+using testing::DecayGroups;
+using testing::MakeGroupedOptimizer;
 using nn::optim::NamedParameters;
 using nn::optim::NamedTensors;
 using testing::RunWorkers;
@@ -651,21 +653,6 @@ TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
 }
 
 // ------------------------------------------------------ parameter groups ----
-
-// The usual AdamW split: weights decayed at one rate, biases undecayed at
-// twice the rate. The groups list the parameters in another order than the
-// model (every weight, then every bias), so the partition cuts that order.
-std::vector<nn::optim::ParamGroup> DecayGroups(const NamedParameters& params, double bias_lr = 2e-3) {
-  std::vector<nn::optim::ParamGroup> groups(2);
-  groups[0].options = {{"weight_decay", 0.05}};
-  groups[1].options = {{"weight_decay", 0.0}, {"lr", bias_lr}};
-  for (const auto& entry : params) groups[entry.second.dim() > 1 ? 0 : 1].params.push_back(entry);
-  return groups;
-}
-
-std::unique_ptr<nn::optim::Optimizer> MakeGroupedOptimizer(std::vector<nn::optim::ParamGroup> groups) {
-  return std::make_unique<nn::optim::AdamW>(std::move(groups), nn::optim::AdamWOptions{.lr = 1e-3});
-}
 
 // Sharded over groups, with a scheduler driving each group from its own
 // rate: bit for bit the unsharded optimizer; the consolidated state is the

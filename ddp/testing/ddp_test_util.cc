@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "nn/data/idx.h"
+#include "nn/optim/adam.h"
 #include "nn/ops/functional.h"
 
 namespace ddp::dist::testing {
@@ -186,6 +187,18 @@ Branchy::Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
 nn::Tensor Branchy::Forward(const nn::Tensor& x) {
   nn::Tensor h = nn::ops::Relu((*trunk_)(nn::ops::Flatten(x, 1)));
   return use_a_ ? (*a_)(h) : (*b_)(h);
+}
+
+std::vector<nn::optim::ParamGroup> DecayGroups(const nn::optim::NamedParameters& params, double bias_lr) {
+  std::vector<nn::optim::ParamGroup> groups(2);
+  groups[0].options = {{"weight_decay", 0.05}};
+  groups[1].options = {{"weight_decay", 0.0}, {"lr", bias_lr}};
+  for (const auto& entry : params) groups[entry.second.dim() > 1 ? 0 : 1].params.push_back(entry);
+  return groups;
+}
+
+std::unique_ptr<nn::optim::Optimizer> MakeGroupedOptimizer(std::vector<nn::optim::ParamGroup> groups) {
+  return std::make_unique<nn::optim::AdamW>(std::move(groups), nn::optim::AdamWOptions{.lr = 1e-3});
 }
 
 AddressSpaceLimit::AddressSpaceLimit(size_t headroom) {

@@ -16,6 +16,7 @@
 #include "ddp/process_group.h"
 #include "nn/modules/layers.h"
 #include "nn/modules/module.h"
+#include "nn/optim/optimizer.h"
 #include "nn/tensor/tensor.h"
 #include "transport/launch/test_spawn.h"
 
@@ -87,6 +88,17 @@ class Branchy : public nn::modules::Module {
  private:
   std::shared_ptr<nn::modules::Linear> trunk_, a_, b_, never_;
 };
+
+// ------------------------------------------------------ parameter groups ----
+
+/// The usual AdamW split of `params`: weights (more than one dimension)
+/// decayed by 0.05 at the optimizer's rate, biases undecayed at `bias_lr`.
+/// The groups list the parameters in another order than the model (every
+/// weight, then every bias), so a ZeRO partition cuts that order.
+std::vector<nn::optim::ParamGroup> DecayGroups(const nn::optim::NamedParameters& params, double bias_lr = 2e-3);
+
+/// AdamW (lr 1e-3) over `groups`: the ZeRO optimizers' GroupFactory in tests.
+std::unique_ptr<nn::optim::Optimizer> MakeGroupedOptimizer(std::vector<nn::optim::ParamGroup> groups);
 
 // -------------------------------------------------------------- test ----
 
