@@ -36,6 +36,7 @@ Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
 Adadelta::Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults)
     : Optimizer(groups, defaults.lr, {"square_avg", "acc_delta"}) {
   CheckOptions(defaults);
+  defaults_ = defaults;
   const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
   for (size_t k = 0; k < values.size(); ++k) {
     options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
@@ -59,6 +60,15 @@ std::vector<Optimizer::Hyperparameter> Adadelta::HyperparametersOf(const Adadelt
           {.name = "eps", .value = o.eps},
           {.name = "weight_decay", .value = o.weight_decay},
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+std::vector<Optimizer::Hyperparameter> Adadelta::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
+
+void Adadelta::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
+  const size_t group = num_groups();
+  AdadeltaOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
+  o.lr = lr;
+  options_.push_back(o);
 }
 
 std::vector<Optimizer::Hyperparameter> Adadelta::Hyperparameters(size_t group) const {

@@ -42,6 +42,8 @@ class Adadelta : public Optimizer {
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "Adadelta"; }
   std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
+  std::vector<Hyperparameter> DefaultHyperparameters() const override;
+  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
   void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
   void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
 
@@ -58,6 +60,7 @@ class Adadelta : public Optimizer {
   static AdadeltaOptions WithSaved(AdadeltaOptions base, const std::map<std::string, double>& values);
 
   std::vector<AdadeltaOptions> options_;  // per group
+  AdadeltaOptions defaults_;  // for groups AddParamGroup appends
 };
 
 }  // namespace ddp::nn::optim

@@ -57,6 +57,7 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults) : Adam(std::mov
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled)
     : Optimizer(groups, defaults.lr, Slots(defaults.amsgrad)), decoupled_(decoupled) {
   CheckOptions(defaults);
+  defaults_ = defaults;
   const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
   for (size_t k = 0; k < values.size(); ++k) {
     options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
@@ -86,6 +87,15 @@ std::vector<Optimizer::Hyperparameter> Adam::HyperparametersOf(const AdamOptions
           {.name = "weight_decay", .value = o.weight_decay},
           {.name = "amsgrad", .value = o.amsgrad ? 1.0 : 0.0, .flag = true, .structural = true},
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+std::vector<Optimizer::Hyperparameter> Adam::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
+
+void Adam::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
+  const size_t group = num_groups();
+  AdamOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
+  o.lr = lr;
+  options_.push_back(o);
 }
 
 std::vector<Optimizer::Hyperparameter> Adam::Hyperparameters(size_t group) const {

@@ -61,6 +61,8 @@ class Adam : public Optimizer {
   const char* Name() const override { return decoupled_ ? "AdamW" : "Adam"; }
   const char* MomentumOption() const override { return "beta1"; }
   std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
+  std::vector<Hyperparameter> DefaultHyperparameters() const override;
+  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
   void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
   void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
 
@@ -76,6 +78,7 @@ class Adam : public Optimizer {
   AdamOptions WithSaved(AdamOptions base, const std::map<std::string, double>& values) const;
 
   std::vector<AdamOptions> options_;  // per group
+  AdamOptions defaults_;  // for groups AddParamGroup appends
   bool decoupled_;
 };
 

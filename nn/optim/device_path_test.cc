@@ -20,6 +20,7 @@
 #include <iterator>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -916,6 +917,56 @@ TEST_F(DevicePathTest, EachGroupIsUpdatedWithItsOwnOptionsOnTheDevicePath) {
       const auto got = device[i].second.ToVector<double>();
       for (size_t k = 0; k < want.size(); ++k) ASSERT_NEAR(got[k], want[k], 1e-6) << host[i].first << " " << k;
     }
+  }
+}
+
+// A group added by AddParamGroup after some steps gets its own launches
+// with its own options, its buffer started at its first step there, and
+// follows the host path of an optimizer made with both groups whose second
+// group had no gradient until then.
+TEST_F(DevicePathTest, AddedGroupGetsItsOwnLaunchesAndFollowsTheHostPath) {
+  RegisterDeviceOptimKernels(DeviceType::kCPU, DeviceOptimKernels{.sgd_step = &TestSgdStep,
+                                                                  .adam_step = &TestAdamStep,
+                                                                  .sgd_step_multi = &TestSgdStepMulti});
+  const SgdOptions defaults{.lr = 0.1, .momentum = 0.9};
+  const std::map<std::string, double> second = {{"lr", 0.02}, {"weight_decay", 0.5}, {"maximize", 1}};
+  NamedParameters device = MakeParams(DType::kFloat32, 3);
+  Sgd opt({device[0]}, defaults);
+  for (int s = 0; s < 2; ++s) {
+    SetGrads({device[0]}, s);
+    opt.Step();
+  }
+  opt.AddParamGroup({.params = {device[1]}, .options = second});
+  g_calls = Calls();
+  for (int s = 2; s < 4; ++s) {
+    SetGrads(device, s);
+    opt.Step();
+  }
+  // One launch per group and step; the added group's buffer starts at its
+  // first step (step 1), group 0's does not.
+  ASSERT_EQ(g_calls.sgd_multi.size(), 4u);
+  for (size_t c = 0; c < 4; c += 2) {
+    EXPECT_EQ(g_calls.sgd_multi[c].args.lr, 0.1);
+    EXPECT_EQ(g_calls.sgd_multi[c].args.step, 2);
+    EXPECT_EQ(g_calls.sgd_multi[c].args.grad_scale, 1.0);
+    EXPECT_EQ(g_calls.sgd_multi[c + 1].args.lr, 0.02);
+    EXPECT_EQ(g_calls.sgd_multi[c + 1].args.weight_decay, 0.5);
+    EXPECT_EQ(g_calls.sgd_multi[c + 1].args.grad_scale, -1.0);
+    EXPECT_EQ(g_calls.sgd_multi[c + 1].args.step, c == 0 ? 1 : 2);
+  }
+  EXPECT_EQ(opt.step_count(1), 2);
+  NamedParameters host = MakeParams(DType::kFloat32, 3);
+  OnHostPath([&] {
+    Sgd host_opt({{.params = {host[0]}}, {.params = {host[1]}, .options = second}}, defaults);
+    for (int s = 0; s < 4; ++s) {
+      SetGrads(s < 2 ? NamedParameters{host[0]} : host, s);
+      host_opt.Step();
+    }
+  });
+  for (size_t i = 0; i < host.size(); ++i) {
+    const auto want = host[i].second.ToVector<double>();
+    const auto got = device[i].second.ToVector<double>();
+    for (size_t k = 0; k < want.size(); ++k) ASSERT_NEAR(got[k], want[k], 1e-6) << host[i].first << " " << k;
   }
 }
 

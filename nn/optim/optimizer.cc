@@ -136,7 +136,7 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
 
 Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
                      SlotRules rules)
-    : slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
+    : default_lr_(lr), slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
   CheckRate(lr, "optimizer");
   if (groups.empty()) {
     throw std::invalid_argument("optimizer: no parameter group (a plain list of parameters makes one; a group "
@@ -199,13 +199,74 @@ NamedParameters Optimizer::group_params(size_t group) const {
                          params_.begin() + static_cast<std::ptrdiff_t>(group_begin_[group + 1]));
 }
 
+void Optimizer::AddParamGroup(ParamGroup group) {
+  const size_t k = num_groups();
+  const std::string who = std::string(Name()) + ".AddParamGroup";
+  const std::string in_group = who + ": param group " + std::to_string(k) + ": ";
+  if (!scheduler_.expired()) {
+    throw std::logic_error(who + ": an LrScheduler drives this optimizer and holds one base rate per param "
+                           "group, so it would not drive a new one; add param groups before making the "
+                           "scheduler");
+  }
+  std::map<std::string, size_t> names;
+  std::map<const TensorImpl*, size_t> tensors;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    names.emplace(params_[i].first, i);
+    tensors.emplace(params_[i].second.impl(), i);
+  }
+  // A parameter in two groups would be updated twice per step, with two
+  // groups' options (PyTorch: "some parameters appear in more than one
+  // parameter group").
+  for (const auto& [name, p] : group.params) {
+    if (name.empty()) throw std::invalid_argument(in_group + "a parameter has an empty name");
+    if (!p.defined()) throw std::invalid_argument(in_group + "parameter `" + name + "` is undefined");
+    if (auto it = names.find(name); it != names.end()) {
+      throw std::invalid_argument(in_group + "parameter `" + name + "` is already in param group " +
+                                  std::to_string(group_of_[it->second]) + " (a parameter may be in one group only)");
+    }
+    if (auto it = tensors.find(p.impl()); it != tensors.end()) {
+      throw std::invalid_argument(in_group + "parameter `" + name + "` is the tensor `" + params_[it->second].first +
+                                  "` of param group " + std::to_string(group_of_[it->second]) +
+                                  " (a parameter may be in one group only)");
+    }
+  }
+  // The rest of CheckParameters (a name twice within the group, dtype,
+  // contiguity, shared memory) over every parameter, old and new.
+  NamedParameters all = params_;
+  all.insert(all.end(), group.params.begin(), group.params.end());
+  CheckParameters(all, who);
+  for (const auto& [name, p] : group.params) {
+    if (p.device() != all.front().second.device()) {
+      throw std::invalid_argument(in_group + "parameter `" + name + "` is on " + p.device().ToString() + ", `" +
+                                  all.front().first + "` on " + all.front().second.device().ToString() +
+                                  " (one optimizer updates one device's parameters)");
+    }
+  }
+  auto lr_it = group.options.find("lr");
+  const double group_lr = lr_it == group.options.end() ? default_lr_ : lr_it->second;
+  CheckRate(group_lr, in_group.substr(0, in_group.size() - 2));
+  const std::map<std::string, double> values = GroupOptionValues({group}, DefaultHyperparameters(), k).front();
+  // Checks the values as the constructor does; the last step that may throw.
+  AppendGroupOptions(values, group_lr);
+  auto maximize = values.find("maximize");
+  lrs_.push_back(group_lr);
+  maximize_.push_back(maximize != values.end() && maximize->second != 0);
+  for (auto& named : group.params) {
+    params_.push_back(std::move(named));
+    group_of_.push_back(k);
+    steps_.push_back(0);
+    state_.emplace_back();
+  }
+  group_begin_.push_back(params_.size());
+}
+
 std::vector<std::map<std::string, double>> Optimizer::GroupOptionValues(
-    const std::vector<ParamGroup>& groups, const std::vector<Hyperparameter>& defaults) const {
+    const std::vector<ParamGroup>& groups, const std::vector<Hyperparameter>& defaults, size_t first_group) const {
   std::string known = "lr";
   for (const Hyperparameter& h : defaults) known += ", " + h.name;
   std::vector<std::map<std::string, double>> out;
   for (size_t k = 0; k < groups.size(); ++k) {
-    const std::string who = std::string(Name()) + ": param group " + std::to_string(k) + ": ";
+    const std::string who = std::string(Name()) + ": param group " + std::to_string(first_group + k) + ": ";
     std::map<std::string, double> values;
     for (const Hyperparameter& h : defaults) values[h.name] = h.value;
     for (const auto& [name, value] : groups[k].options) {

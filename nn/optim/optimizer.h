@@ -106,6 +106,19 @@ class Optimizer {
   size_t group_of(size_t param) const { return group_of_.at(param); }
   /// The parameters of one group (a slice of params(), in its order).
   NamedParameters group_params(size_t group) const;
+  /// Appends `group` as the last param group (PyTorch's add_param_group):
+  /// options it lacks take the optimizer's defaults (those it was made
+  /// with, "lr" included), and its parameters start with empty state and
+  /// step 0, as fresh ones. Its parameters and options are checked as the
+  /// group constructor checks them (std::invalid_argument naming the
+  /// parameter or option, changing nothing): a parameter already in the
+  /// optimizer (by name or tensor), an empty name, an undefined tensor, an
+  /// unknown option, a value the constructor refuses, and a structural
+  /// option unlike the defaults'. Throws std::logic_error while an
+  /// LrScheduler drives the optimizer: it holds one base rate per group, so
+  /// add groups before making it. A one-group optimizer saves the
+  /// several-group StateDict layout afterwards.
+  void AddParamGroup(ParamGroup group);
 
   /// Learning rate of the next Step (schedulers set it); group 0's with
   /// several groups.
@@ -326,8 +339,19 @@ class Optimizer {
   /// the known ones), a flag other than 0 or 1, or a structural option that
   /// differs from the default (zero or not, for a value). Values the
   /// optimizer refuses are for its constructor to check.
+  /// `first_group` is the index messages give groups[0].
   std::vector<std::map<std::string, double>> GroupOptionValues(const std::vector<ParamGroup>& groups,
-                                                               const std::vector<Hyperparameter>& defaults) const;
+                                                               const std::vector<Hyperparameter>& defaults,
+                                                               size_t first_group = 0) const;
+  /// The defaults' options, as Hyperparameters() lists them, for groups
+  /// that AddParamGroup appends.
+  virtual std::vector<Hyperparameter> DefaultHyperparameters() const = 0;
+  /// Appends the options of a new last group, num_groups() (AddParamGroup,
+  /// before the base counts the group): `values` as GroupOptionValues made
+  /// them from DefaultHyperparameters(), `lr` its checked rate. Throws
+  /// std::invalid_argument naming the group, changing nothing, for values
+  /// the constructor would refuse.
+  virtual void AppendGroupOptions(const std::map<std::string, double>& values, double lr) = 0;
   /// Rethrows a refusal of group `group`'s options naming the group (for
   /// subclass constructors: `check` builds and checks the group's options).
   template <typename F>
@@ -401,6 +425,8 @@ class Optimizer {
   std::vector<size_t> group_begin_;
   // Per group.
   std::vector<double> lrs_;
+  // The rate of groups made or added without their own "lr".
+  double default_lr_ = 0;
   std::vector<bool> maximize_;
   double grad_scale_ = 1.0;
   // The factor Update multiplies each gradient of `group` by: the gradient

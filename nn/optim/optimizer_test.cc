@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <tuple>
 
 #include "nn/io/checkpoint.h"
 #include "nn/optim/adadelta.h"
@@ -2243,6 +2244,174 @@ TEST(Momentum, SgdMomentumZeroOrBecomingZeroIsRefused) {
   EXPECT_THAT(ErrorOf([&] { adam.set_momentum(0, 1.0); }),
               AllOf(HasSubstr("Adam: param group 0's beta1 1.000000 refused"), HasSubstr("must be in [0, 1)")));
   EXPECT_EQ(adam.momentum(0), 0.9);
+}
+
+
+// ---- AddParamGroup ----
+
+// A group added after some steps trains as if it had been there from the
+// start with no gradient until then: its parameters start with empty state
+// and step 0, and take the defaults for options the group lacks.
+TEST(AddParamGroup, AddedGroupTrainsAsOneThatWasThereWithoutGradients) {
+  using GroupFactory = std::function<std::unique_ptr<Optimizer>(std::vector<ParamGroup>)>;
+  const std::vector<std::tuple<std::string, GroupFactory, std::map<std::string, double>>> cases = {
+      {"sgd",
+       [](std::vector<ParamGroup> g) {
+         return std::make_unique<Sgd>(std::move(g), SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3});
+       },
+       {{"lr", 0.01}, {"momentum", 0.5}, {"dampening", 0.25}}},
+      {"adamw",
+       [](std::vector<ParamGroup> g) { return std::make_unique<AdamW>(std::move(g), AdamWOptions{.lr = 1e-2}); },
+       {{"lr", 0.003}, {"weight_decay", 0.25}, {"beta1", 0.8}}},
+  };
+  for (const auto& [name, make, second] : cases) {
+    SCOPED_TRACE(name);
+    NamedParameters a = MakeParams(DType::kFloat32, 1);
+    NamedParameters b = MakeParams(DType::kFloat32, 1);
+    auto added = make({{.params = {a[0]}}});
+    auto whole = make(TwoGroups(b, second));
+    for (int s = 0; s < 3; ++s) {
+      SetGrads({a[0]}, s);
+      SetGrads({b[0]}, s);
+      added->Step();
+      whole->Step();
+    }
+    added->AddParamGroup({.params = {a[1]}, .options = second});
+    ASSERT_EQ(added->num_groups(), 2u);
+    EXPECT_EQ(added->group_of(1), 1u);
+    EXPECT_EQ(added->group_params(1).front().first, "fc.bias");
+    EXPECT_EQ(added->lr(1), second.at("lr"));
+    EXPECT_EQ(added->step_count(1), 0);
+    for (int s = 3; s < 8; ++s) {
+      SetGrads(a, s);
+      SetGrads(b, s);
+      added->Step();
+      whole->Step();
+    }
+    EXPECT_EQ(Bytes(a), Bytes(b));
+    EXPECT_EQ(added->step_count(1), 5);
+    ExpectSameEntries(added->StateDict(), whole->StateDict());
+  }
+}
+
+TEST(AddParamGroup, MissingOptionsTakeTheDefaults) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd sgd({{.params = {p[0]}, .options = {{"lr", 0.5}, {"momentum", 0.5}}}}, {.lr = 0.1, .momentum = 0.9});
+  sgd.AddParamGroup({.params = {p[1]}, .options = {{"weight_decay", 0.125}}});
+  EXPECT_EQ(sgd.lr(1), 0.1);
+  EXPECT_EQ(sgd.options(1).lr, 0.1);
+  EXPECT_EQ(sgd.options(1).momentum, 0.9);
+  EXPECT_EQ(sgd.options(1).weight_decay, 0.125);
+  EXPECT_EQ(sgd.momentum(1), 0.9);
+  NamedParameters q = MakeParams(DType::kFloat32, 2);
+  AdamW adamw({q[0]}, {.lr = 0.02, .weight_decay = 0.5, .maximize = true});
+  adamw.AddParamGroup({.params = {q[1]}});
+  EXPECT_EQ(adamw.lr(1), 0.02);
+  EXPECT_EQ(adamw.options(1).weight_decay, 0.5);
+  EXPECT_TRUE(adamw.maximize(1));
+  // An empty group, as in the constructor.
+  adamw.AddParamGroup({});
+  EXPECT_EQ(adamw.num_groups(), 3u);
+  EXPECT_TRUE(adamw.group_params(2).empty());
+}
+
+// Each refusal names the parameter or option and changes nothing: a valid
+// group added afterwards is still group 1.
+TEST(AddParamGroup, BadGroupIsRefusedNamingWhatAndChangesNothing) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt({p[0]}, {.lr = 0.1, .momentum = 0.9});
+  SetGrads({p[0]}, 0);
+  opt.Step();
+  const NamedTensors before = opt.StateDict();
+  const auto refused = [&](ParamGroup group, const std::vector<std::string>& parts) {
+    ExpectRefused([&] { opt.AddParamGroup(std::move(group)); }, parts);
+    EXPECT_EQ(opt.num_groups(), 1u);
+    EXPECT_EQ(opt.params().size(), 1u);
+  };
+  // PyTorch: "some parameters appear in more than one parameter group".
+  refused({.params = {p[1], p[0]}},
+          {"SGD.AddParamGroup: param group 1: parameter `fc.weight` is already in param group 0"});
+  refused({.params = {{"alias", p[0].second}}}, {"param group 1: parameter `alias` is the tensor `fc.weight` of param group 0"});
+  refused({.params = {{"", p[1].second}}}, {"param group 1: a parameter has an empty name"});
+  refused({.params = {{"ghost", Tensor()}}}, {"param group 1: parameter `ghost` is undefined"});
+  refused({.params = {p[1], p[1]}}, {"SGD.AddParamGroup: parameter `fc.bias` is listed twice"});
+  refused({.params = {p[1]}, .options = {{"betas", 0.9}}},
+          {"SGD: param group 1: unknown option `betas`", "known: lr, momentum"});
+  refused({.params = {p[1]}, .options = {{"weight_decay", -1}}}, {"SGD: param group 1", "weight_decay"});
+  refused({.params = {p[1]}, .options = {{"lr", -0.5}}}, {"param group 1", "learning rate"});
+  refused({.params = {p[1]}, .options = {{"maximize", 2}}}, {"param group 1", "`maximize`", "0 or 1"});
+  refused({.params = {p[1]}, .options = {{"momentum", 0}}},
+          {"SGD: param group 1", "`momentum`", "per-group state layouts are not supported"});
+  refused({.params = {p[1]}, .options = {{"nesterov", 1}}}, {"param group 1", "`nesterov`"});
+  Tensor flat = Zeros({10});
+  Sgd views({{"a", flat.Slice(0, 0, 6)}}, {});
+  ExpectRefused([&] { views.AddParamGroup({.params = {{"b", flat.Slice(0, 4, 10)}}}); }, {"share memory"});
+  EXPECT_EQ(views.num_groups(), 1u);
+  ExpectSameEntries(opt.StateDict(), before);
+
+  opt.AddParamGroup({.params = {p[1]}});
+  EXPECT_EQ(opt.num_groups(), 2u);
+  EXPECT_EQ(opt.group_of(1), 1u);
+}
+
+// The scheduler holds one base rate per group: it would not drive the new one.
+TEST(AddParamGroup, RefusedWhileASchedulerDrivesTheOptimizer) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  Sgd opt({p[0]}, {.lr = 0.1});
+  {
+    LrScheduler scheduler(opt, StepSchedule(1, 0.5));
+    try {
+      opt.AddParamGroup({.params = {p[1]}});
+      ADD_FAILURE() << "not refused";
+    } catch (const std::logic_error& e) {
+      EXPECT_THAT(e.what(), AllOf(HasSubstr("SGD.AddParamGroup: an LrScheduler drives this optimizer"),
+                                  HasSubstr("add param groups before making the scheduler")));
+    }
+    EXPECT_EQ(opt.num_groups(), 1u);
+  }
+  opt.AddParamGroup({.params = {p[1]}, .options = {{"lr", 0.2}}});
+  LrScheduler scheduler(opt, StepSchedule(1, 0.5));
+  EXPECT_EQ(scheduler.base_lrs(), (std::vector<double>{0.1, 0.2}));
+}
+
+// A one-group optimizer that gained a group saves the several-group layout,
+// which loads into an optimizer with the same groups (made either way).
+TEST(AddParamGroup, StateRoundTripAfterAdding) {
+  NamedParameters a = MakeParams(DType::kFloat32, 1);
+  Adam opt({a[0]}, {.lr = 1e-2, .amsgrad = true});
+  TrainSteps({a[0]}, opt, 0, 2);
+  opt.AddParamGroup({.params = {a[1]}, .options = {{"lr", 0.003}, {"eps", 1e-6}}});
+  TrainSteps(a, opt, 2, 4);
+  const NamedTensors state = opt.StateDict();
+  EXPECT_EQ(EntriesUnder(state, "lr"), 0u);
+  EXPECT_EQ(EntriesUnder(state, "group.beta1"), 0u);
+  EXPECT_EQ(EntriesUnder(state, "param_groups.count"), 1u);
+  EXPECT_EQ(EntriesUnder(state, "param_groups.1."), 9u);  // lr, 6 options, size, params
+  Adam one(MakeParams(DType::kFloat32, 2), {.lr = 1e-2, .amsgrad = true});
+  ExpectRefused([&] { one.LoadStateDict(state); }, {"the state has 2 param groups, this optimizer 1"});
+
+  NamedParameters at_save = MakeParams(DType::kFloat32, 3);
+  for (size_t i = 0; i < a.size(); ++i) at_save[i].second.CopyFrom(a[i].second);
+  TrainSteps(a, opt, 4, 7);
+  for (bool add : {true, false}) {
+    SCOPED_TRACE(add ? "group added" : "groups constructed");
+    NamedParameters b = MakeParams(DType::kFloat32, 2);
+    for (size_t i = 0; i < b.size(); ++i) b[i].second.CopyFrom(at_save[i].second);
+    std::unique_ptr<Adam> loaded;
+    if (add) {
+      loaded = std::make_unique<Adam>(NamedParameters{b[0]}, AdamOptions{.amsgrad = true});
+      loaded->AddParamGroup({.params = {b[1]}});
+    } else {
+      loaded = std::make_unique<Adam>(std::vector<ParamGroup>{{.params = {b[0]}}, {.params = {b[1]}}},
+                                      AdamOptions{.amsgrad = true});
+    }
+    loaded->LoadStateDict(state);
+    EXPECT_EQ(loaded->lr(1), 0.003);
+    EXPECT_EQ(loaded->options(1).eps, 1e-6);
+    TrainSteps(b, *loaded, 4, 7);
+    EXPECT_EQ(Bytes(a), Bytes(b));
+    ExpectSameEntries(loaded->StateDict(), opt.StateDict());
+  }
 }
 
 }  // namespace

@@ -49,6 +49,7 @@ Sgd::Sgd(std::vector<ParamGroup> groups, SgdOptions defaults)
     : Optimizer(groups, defaults.lr, BufferIf(defaults.momentum != 0),
                 {.may_be_absent = true, .dropped = BufferIf(defaults.momentum == 0)}) {
   CheckOptions(defaults);
+  defaults_ = defaults;
   const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
   for (size_t k = 0; k < values.size(); ++k) {
     options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
@@ -64,6 +65,15 @@ std::vector<Optimizer::Hyperparameter> Sgd::HyperparametersOf(const SgdOptions& 
           {.name = "weight_decay", .value = o.weight_decay},
           {.name = "nesterov", .value = o.nesterov ? 1.0 : 0.0, .flag = true, .structural = true},
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+std::vector<Optimizer::Hyperparameter> Sgd::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
+
+void Sgd::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
+  const size_t group = num_groups();
+  SgdOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
+  o.lr = lr;
+  options_.push_back(o);
 }
 
 std::vector<Optimizer::Hyperparameter> Sgd::Hyperparameters(size_t group) const {

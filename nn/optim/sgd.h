@@ -54,6 +54,8 @@ class Sgd : public Optimizer {
   const char* Name() const override { return "SGD"; }
   const char* MomentumOption() const override { return "momentum"; }
   std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
+  std::vector<Hyperparameter> DefaultHyperparameters() const override;
+  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
   void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
   void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
 
@@ -71,6 +73,7 @@ class Sgd : public Optimizer {
   static SgdOptions WithSaved(SgdOptions base, const std::map<std::string, double>& values);
 
   std::vector<SgdOptions> options_;  // per group
+  SgdOptions defaults_;  // for groups AddParamGroup appends
 };
 
 }  // namespace ddp::nn::optim
