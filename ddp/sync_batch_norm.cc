@@ -360,6 +360,8 @@ std::shared_ptr<SyncBatchNorm> SyncBatchNorm::FromBatchNorm(const nn::modules::B
   return std::shared_ptr<SyncBatchNorm>(new SyncBatchNorm(Adopt{}, bn, std::move(group)));
 }
 
+bool SyncBatchNorm::MayBeAbsentFromState(const std::string& name) const { return name == "num_batches_tracked"; }
+
 std::string SyncBatchNorm::ExtraRepr() const {
   return std::to_string(num_features_) + ", eps=" + FormatDouble(options_.eps) +
          ", momentum=" + (options_.momentum ? FormatDouble(*options_.momentum) : std::string("None")) +

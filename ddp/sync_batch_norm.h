@@ -66,6 +66,8 @@ class SyncBatchNorm : public nn::modules::Module {
   nn::Tensor Forward(const nn::Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "SyncBatchNorm"; }
+  /// As BatchNorm: a state without num_batches_tracked loads, keeping the count.
+  bool MayBeAbsentFromState(const std::string& name) const override;
   std::string ExtraRepr() const override;
   std::string ShortRepr() const override;
 

@@ -488,6 +488,14 @@ TEST(SyncBatchNormTest, ConvertReplacesEveryBatchNormKeepingTensors) {
     // each call: the same memory means the same tensor was kept.
     EXPECT_EQ(before[i].second.data_ptr(), after[i].second.data_ptr()) << before[i].first << " is a new tensor";
   }
+  // As BatchNorm, the converted layers load a state without their
+  // num_batches_tracked (a checkpoint of older code, exported weights).
+  nn::modules::StateDict without_counts;
+  for (const auto& [name, t] : after) {
+    if (name.find("num_batches_tracked") == std::string::npos) without_counts.emplace_back(name, t);
+  }
+  ASSERT_EQ(without_counts.size() + batch_norms, after.size());
+  EXPECT_TRUE(converted->LoadStateDict(without_counts).missing.empty());
   // A BatchNorm root becomes a SyncBatchNorm.
   auto root = ConvertSyncBatchNorm(std::make_shared<nn::modules::BatchNorm1d>(4));
   EXPECT_NE(dynamic_cast<SyncBatchNorm*>(root.get()), nullptr);

@@ -213,6 +213,8 @@ BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_featu
   }
 }
 
+bool BatchNorm::MayBeAbsentFromState(const std::string& name) const { return name == "num_batches_tracked"; }
+
 std::string BatchNorm::ExtraRepr() const {
   return std::to_string(num_features_) + ", eps=" + PyFloat(options_.eps) + ", momentum=" +
          MomentumRepr(options_.momentum) + ", affine=" + PyBool(options_.affine) +

@@ -134,6 +134,10 @@ class BatchNorm : public Module {
   const Tensor& running_var() const { return running_var_; }
   /// i64 scalar counting training batches.
   const Tensor& num_batches_tracked() const { return num_batches_tracked_; }
+  /// num_batches_tracked may be absent from a loaded state (PyTorch 2's
+  /// rule; files saved before PyTorch 0.4.1 and many exported weight files
+  /// lack it): it keeps its count.
+  bool MayBeAbsentFromState(const std::string& name) const override;
 
  protected:
   /// Throws naming the layer when x has the wrong rank or channel count.

@@ -256,7 +256,9 @@ void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replace
   parent->Child(leaf);  // throws, listing the children
 }
 
-StateDict Module::LiveState() const {
+bool Module::MayBeAbsentFromState(const std::string&) const { return false; }
+
+StateDict Module::LiveState(std::vector<bool>* optional) const {
   // Unlike the parameter list, every name: a weight shared by two modules
   // (tied) appears under both, as in PyTorch's state_dict, so a checkpoint
   // names every entry a model has and loads strictly into either layout.
@@ -267,10 +269,14 @@ StateDict Module::LiveState() const {
   for (auto& [path, m] : modules) {
     const std::string prefix = path.empty() ? "" : path + ".";
     for (const auto& [name, t] : m->params_) {
-      if (t.defined()) out.emplace_back(prefix + name, t);
+      if (!t.defined()) continue;
+      out.emplace_back(prefix + name, t);
+      if (optional != nullptr) optional->push_back(m->MayBeAbsentFromState(name));
     }
     for (const auto& [name, t] : m->buffers_) {
-      if (t.defined() && m->IsPersistentBuffer(name)) out.emplace_back(prefix + name, t);
+      if (!t.defined() || !m->IsPersistentBuffer(name)) continue;
+      out.emplace_back(prefix + name, t);
+      if (optional != nullptr) optional->push_back(m->MayBeAbsentFromState(name));
     }
   }
   return out;
@@ -296,8 +302,10 @@ namespace {
 // LoadStateDict's checks: the (destination, source) pairs it copies, or
 // throws listing every offender. `keys` receives the missing and unexpected
 // names in either mode (in strict mode they are also errors).
-// `mine` is the module's live state (its parameters and persistent buffers).
-std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& mine, const StateDict& state,
+// `mine` is the module's live state (its parameters and persistent buffers),
+// `optional` which of its entries may be absent (they keep their values).
+std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const StateDict& mine,
+                                                const std::vector<bool>& optional, const StateDict& state,
                                                 bool strict, IncompatibleKeys& keys) {
   std::vector<std::string> missing, unexpected, mismatched, duplicated;
   std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, source)
@@ -310,10 +318,11 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
       duplicated.push_back(name);
     }
   }
-  for (const auto& [name, dst] : mine) {
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const auto& [name, dst] = mine[i];
     auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
     if (it == state.end()) {
-      keys.missing.push_back(name);
+      if (!optional[i]) keys.missing.push_back(name);
       continue;
     }
     const Tensor& src = it->second;
@@ -364,13 +373,17 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
 
 IncompatibleKeys Module::CheckStateDict(const StateDict& state, bool strict) const {
   IncompatibleKeys keys;
-  PlanLoad(*this, LiveState(), state, strict, keys);
+  std::vector<bool> optional;
+  const StateDict mine = LiveState(&optional);
+  PlanLoad(*this, mine, optional, state, strict, keys);
   return keys;
 }
 
 IncompatibleKeys Module::LoadStateDict(const StateDict& state, bool strict) {
   IncompatibleKeys keys;
-  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, LiveState(), state, strict, keys);
+  std::vector<bool> optional;
+  const StateDict mine = LiveState(&optional);
+  std::vector<std::pair<Tensor, Tensor>> copies = PlanLoad(*this, mine, optional, state, strict, keys);
   NoGradGuard guard;
   for (auto& [dst, src] : copies) dst.CopyFrom(src);
   return keys;

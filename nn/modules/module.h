@@ -167,6 +167,12 @@ class Module {
   }
   /// Throws "<Describe()>: <message>" (for shape errors in Forward).
   [[noreturn]] void Fail(const std::string& message) const;
+  /// Whether the state entry `name` of this module (a parameter or buffer
+  /// name, without the module's path) may be absent from a state that
+  /// LoadStateDict takes: it then keeps its value and is not reported as
+  /// missing. False by default; BatchNorm's num_batches_tracked, which older
+  /// checkpoints and many exported weight files lack, as in PyTorch.
+  virtual bool MayBeAbsentFromState(const std::string& name) const;
 
  private:
   void RegisterModuleImpl(std::string name, std::shared_ptr<Module> module);
@@ -178,8 +184,10 @@ class Module {
   void CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out,
                       std::unordered_set<const Module*>* seen);
   void ApplyOnce(const std::function<void(Module&)>& fn, std::unordered_set<const Module*>* seen);
-  // The live (parameter, persistent buffer) entries of the state dict, in its order.
-  StateDict LiveState() const;
+  // The live (parameter, persistent buffer) entries of the state dict, in
+  // its order; `optional`, when given, gets whether each entry's module lets
+  // it be absent from a loaded state (MayBeAbsentFromState).
+  StateDict LiveState(std::vector<bool>* optional = nullptr) const;
   bool IsPersistentBuffer(const std::string& name) const;
   [[noreturn]] void ThrowWrongChildType(std::string_view name) const;
 

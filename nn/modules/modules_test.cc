@@ -310,6 +310,44 @@ TEST(ModuleTest, LoadStateDictReturnsMissingAndUnexpectedKeys) {
   EXPECT_TRUE(strict_ok.unexpected.empty());
 }
 
+// As PyTorch's BatchNorm, a state without num_batches_tracked (saved before
+// the buffer existed, or exported without it) loads strictly: the count is
+// not reported missing and keeps its value, while every other missing entry
+// still is an error.
+TEST(ModuleTest, LoadStateDictTakesAStateWithoutNumBatchesTracked) {
+  auto net = std::make_shared<Sequential>();
+  net->Push(std::make_shared<Linear>(3, 4));
+  net->Push(std::make_shared<BatchNorm1d>(4));
+  net->Train();
+  (void)net->Forward(Randn({5, 3}));
+  (void)net->Forward(Randn({5, 3}));
+  auto bn = net->ChildAs<BatchNorm1d>("1");
+  ASSERT_EQ(bn->num_batches_tracked().Item(), 2.0);
+
+  StateDict without;
+  for (const auto& [name, t] : net->GetStateDict()) {
+    if (name != "1.num_batches_tracked") without.emplace_back(name, t.Clone());
+  }
+  without[0].second.Fill(0.25f);  // 0.weight: proves the rest was loaded
+  const IncompatibleKeys keys = net->LoadStateDict(without);
+  EXPECT_TRUE(keys.missing.empty());
+  EXPECT_EQ(bn->num_batches_tracked().Item(), 2.0);
+  EXPECT_EQ(net->GetStateDict()[0].second.data<float>()[0], 0.25f);
+  const IncompatibleKeys loose = net->LoadStateDict(without, /*strict=*/false);
+  EXPECT_TRUE(loose.missing.empty());
+
+  StateDict no_mean;
+  for (const auto& [name, t] : without) {
+    if (name != "1.running_mean") no_mean.emplace_back(name, t);
+  }
+  try {
+    net->LoadStateDict(no_mean);
+    FAIL() << "a missing running_mean loaded";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("missing keys (1): `1.running_mean`"), std::string::npos) << e.what();
+  }
+}
+
 // As PyTorch's load_state_dict (which checks shapes only and copies with
 // copy_), a floating value is converted to the parameter's floating dtype:
 // an f32 checkpoint loads into a model converted to bf16, and an f64 one
