@@ -500,6 +500,14 @@ void OverlappedZeroOptimizer::ZeroGrad() {
 
 size_t OverlappedZeroOptimizer::num_groups() const { return state_->group_options.size(); }
 
+std::vector<nn::optim::LrTarget> OverlappedZeroOptimizer::LrTargets() {
+  std::vector<nn::optim::LrTarget> targets;
+  for (size_t k = 0; k < num_groups(); ++k) {
+    targets.push_back({.get = [this, k] { return lr(k); }, .set = [this, k](double rate) { set_lr(k, rate); }});
+  }
+  return targets;
+}
+
 double OverlappedZeroOptimizer::lr() const { return lr(0); }
 
 double OverlappedZeroOptimizer::lr(size_t group) const {

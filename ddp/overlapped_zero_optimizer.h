@@ -26,7 +26,9 @@
 // Parameter groups (biases and norms without weight decay, say) go to the
 // second constructor, as ZeroRedundancyOptimizer's: each slice's optimizer
 // has the same groups, holding its views of them, and lr(k) / set_lr(k, lr)
-// reach group k in every slice (a scheduler drives each group through them).
+// reach group k in every slice. One scheduler drives every group from its
+// own rate, as over the unsharded optimizer:
+//   nn::optim::LrScheduler sched(opt.LrTargets(), nn::optim::CosineSchedule(100));
 //
 // The parameters change during backward, as soon as their bucket is
 // reduced, so Step() only ends the step: it clears the gradients (after
@@ -77,6 +79,7 @@
 #include <vector>
 
 #include "ddp/distributed_data_parallel.h"
+#include "nn/optim/lr_scheduler.h"
 #include "nn/optim/optimizer.h"
 
 namespace ddp::dist {
@@ -151,6 +154,10 @@ class OverlappedZeroOptimizer {
   /// and std::out_of_range for a group this optimizer lacks.
   double lr(size_t group) const;
   void set_lr(size_t group, double lr);
+  /// One learning-rate target per group (lr(k) / set_lr(k, lr)), for an
+  /// LrScheduler or ReduceLrOnPlateau over all of them; this optimizer
+  /// must outlive them.
+  std::vector<nn::optim::LrTarget> LrTargets();
   /// Steps run so far (synchronizing backwards, shadowed ones included).
   int64_t steps() const;
   /// Elements of the parameters this rank updates (its slices).

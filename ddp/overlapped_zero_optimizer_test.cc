@@ -763,17 +763,6 @@ TEST(OverlappedZeroOptimizerTest, StepWithNoSynchronizingBackwardIsRefusedOnOneR
 
 // ---------------------------------------------------------------- groups ----
 
-// One scheduler per group of the fused optimizer, each from its group's
-// rate, as an LrScheduler over the unsharded optimizer drives its groups.
-std::vector<std::unique_ptr<nn::optim::LrScheduler>> GroupSchedulers(OverlappedZeroOptimizer& opt) {
-  std::vector<std::unique_ptr<nn::optim::LrScheduler>> out;
-  for (size_t k = 0; k < opt.num_groups(); ++k) {
-    out.push_back(std::make_unique<nn::optim::LrScheduler>(
-        nn::optim::LrTarget{[&opt, k] { return opt.lr(k); }, [&opt, k](double lr) { opt.set_lr(k, lr); }},
-        nn::optim::StepSchedule(2, 0.5)));
-  }
-  return out;
-}
 
 bool SameBytes(const Tensor& a, const Tensor& b) {
   if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
@@ -821,7 +810,9 @@ DDP_TEST_WORKER(groups) {
   auto ref_opt = MakeGroupedOptimizer(DecayGroups(reference->NamedParameters()));
   WORKER_EXPECT(opt.num_groups() == 2 && opt.lr(0) == 1e-3 && opt.lr(1) == 2e-3,
                 "groups: " + std::to_string(opt.num_groups()) + ", rates " + std::to_string(opt.lr(0)));
-  auto scheds = GroupSchedulers(opt);
+  // One scheduler over every group, each from its own rate, as over the
+  // unsharded optimizer.
+  auto sched = std::make_unique<nn::optim::LrScheduler>(opt.LrTargets(), nn::optim::StepSchedule(2, 0.5));
   nn::optim::LrScheduler ref_sched(*ref_opt, nn::optim::StepSchedule(2, 0.5));
   auto train = [&](DistributedDataParallel& d, const std::function<void()>& step, int64_t from, int64_t to) {
     for (int64_t i = from; i < to; ++i) {
@@ -833,7 +824,7 @@ DDP_TEST_WORKER(groups) {
   const auto fused_step = [&](OverlappedZeroOptimizer& o) {
     return [&] {
       o.Step();
-      for (auto& sched : scheds) sched->Step();
+      sched->Step();
     };
   };
   const auto ref_step = [&] {
@@ -850,6 +841,14 @@ DDP_TEST_WORKER(groups) {
                                                      "'s rate is " + std::to_string(opt.lr(k)) + ", not " +
                                                      std::to_string(ref_opt->lr(k)));
     }
+  }
+  // The scheduler's state is the unsharded one's (a base rate per group).
+  const nn::optim::NamedTensors sched_state = sched->StateDict(), ref_sched_state = ref_sched.StateDict();
+  WORKER_EXPECT(sched_state.size() == ref_sched_state.size(), "the schedulers' states differ in size");
+  for (size_t i = 0; i < std::min(sched_state.size(), ref_sched_state.size()); ++i) {
+    WORKER_EXPECT(sched_state[i].first == ref_sched_state[i].first &&
+                      SameBytes(sched_state[i].second, ref_sched_state[i].second),
+                  "scheduler entry " + sched_state[i].first + " differs from " + ref_sched_state[i].first);
   }
   bool refused = false;
   try {
@@ -887,8 +886,8 @@ DDP_TEST_WORKER(groups) {
   resumed_opt.LoadStateDict(expected);
   WORKER_EXPECT(resumed_opt.lr(0) == ref_opt->lr(0) && resumed_opt.lr(1) == ref_opt->lr(1),
                 "the loaded rates are not the saved ones");
-  scheds = GroupSchedulers(resumed_opt);
-  for (auto& sched : scheds) sched->Step();  // one step behind: the resumed schedule starts at 0
+  sched = std::make_unique<nn::optim::LrScheduler>(resumed_opt.LrTargets(), nn::optim::StepSchedule(2, 0.5));
+  sched->LoadStateDict(ref_sched.StateDict());
   train(resumed_ddp, fused_step(resumed_opt), 5, 8);
   train(ref_ddp, ref_step, 5, 8);
   same_model(*resumed, *reference, "the fused optimizer resumed from the unsharded state against the unsharded one");

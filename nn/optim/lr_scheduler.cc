@@ -427,6 +427,31 @@ internal::GroupRates RatesOf(LrTarget target) {
   return rates;
 }
 
+// One rate per target, as param groups; `who` names the caller in errors.
+internal::GroupRates RatesOf(std::vector<LrTarget> targets, const char* who) {
+  if (targets.empty()) throw std::invalid_argument(std::string(who) + ": no learning-rate targets");
+  for (size_t k = 0; k < targets.size(); ++k) {
+    if (!targets[k].get || !targets[k].set) {
+      throw std::invalid_argument(std::string(who) + ": target " + std::to_string(k) + " lacks get or set");
+    }
+  }
+  auto shared = std::make_shared<const std::vector<LrTarget>>(std::move(targets));
+  return {.count = shared->size(),
+          .get = [shared](size_t k) { return (*shared)[k].get(); },
+          .set =
+              [shared](const std::vector<double>& lrs) {
+                std::vector<double> old;
+                for (size_t k = 0; k < lrs.size(); ++k) old.push_back((*shared)[k].get());
+                size_t done = 0;
+                try {
+                  for (; done < lrs.size(); ++done) (*shared)[done].set(lrs[done]);
+                } catch (...) {
+                  for (size_t k = 0; k < done; ++k) (*shared)[k].set(old[k]);
+                  throw;
+                }
+              }};
+}
+
 }  // namespace
 
 LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedule)
@@ -434,6 +459,9 @@ LrScheduler::LrScheduler(Optimizer& optimizer, std::shared_ptr<Schedule> schedul
 
 LrScheduler::LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule)
     : LrScheduler(RatesOf(std::move(target)), std::move(schedule), nullptr) {}
+
+LrScheduler::LrScheduler(std::vector<LrTarget> targets, std::shared_ptr<Schedule> schedule)
+    : LrScheduler(RatesOf(std::move(targets), "LrScheduler"), std::move(schedule), nullptr) {}
 
 namespace {
 
@@ -648,6 +676,9 @@ ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions option
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
     : ReduceLrOnPlateau(RatesOf(std::move(target)), options) {}
+
+ReduceLrOnPlateau::ReduceLrOnPlateau(std::vector<LrTarget> targets, PlateauOptions options)
+    : ReduceLrOnPlateau(RatesOf(std::move(targets), "ReduceLROnPlateau"), options) {}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options)
     : rates_(std::move(rates)), options_(options) {

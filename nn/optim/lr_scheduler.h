@@ -205,6 +205,14 @@ class LrScheduler {
   /// the schedule cycles momentum (a target has none). Nothing tracks what a
   /// target drives: the caller keeps to one scheduler per rate.
   LrScheduler(LrTarget target, std::shared_ptr<Schedule> schedule);
+  /// Several rates as the param groups of one optimizer (the groups of
+  /// ddp's OverlappedZeroOptimizer, OverlappedZeroOptimizer::LrTargets()):
+  /// each follows the schedule from its own base rate, and when one target
+  /// refuses its rate the ones already set are put back, so that nothing
+  /// changed. Throws std::invalid_argument when `targets` is empty, when
+  /// one lacks get or set (naming its index), or when the schedule cycles
+  /// momentum.
+  LrScheduler(std::vector<LrTarget> targets, std::shared_ptr<Schedule> schedule);
   /// Not copyable: a copy would be a second scheduler of the same rate.
   LrScheduler(const LrScheduler&) = delete;
   LrScheduler& operator=(const LrScheduler&) = delete;
@@ -305,6 +313,9 @@ class ReduceLrOnPlateau {
   ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options = {});
   /// Throws std::invalid_argument when `target` lacks get or set.
   ReduceLrOnPlateau(LrTarget target, PlateauOptions options = {});
+  /// Several rates reduced as param groups (LrScheduler's constructor over
+  /// targets says what is refused).
+  ReduceLrOnPlateau(std::vector<LrTarget> targets, PlateauOptions options = {});
 
   /// Takes one metric (after the epoch's validation, say) and reduces the
   /// rate on a plateau. A NaN metric counts as no improvement, as in

@@ -258,6 +258,61 @@ TEST(ReduceLrOnPlateau, ReducesTheRateSetWithSetLr) {
   EXPECT_EQ(opt.lr(), 0.125);
 }
 
+// Several targets are driven as the groups of one optimizer: each from its
+// own base rate, the state a base rate per group, and a rate one target
+// refuses puts back those already set.
+TEST(LrTargets, SeveralTargetsFollowTheScheduleAsParamGroups) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}, .options = {{"lr", 0.5}}}}, {.lr = 1.0});
+  LrScheduler reference(opt, StepSchedule(2, 0.1));
+  std::vector<double> rates = {1.0, 0.5};
+  double refuse_above = 1e9;  // the second target throws for a rate above this
+  std::vector<LrTarget> targets = {
+      {[&] { return rates[0]; }, [&](double r) { rates[0] = r; }},
+      {[&] { return rates[1]; },
+       [&](double r) {
+         if (r > refuse_above) throw std::invalid_argument("too high");
+         rates[1] = r;
+       }}};
+  LrScheduler sched(targets, StepSchedule(2, 0.1));
+  for (int i = 0; i < 5; ++i) {
+    sched.Step();
+    reference.Step();
+    EXPECT_EQ(rates[0], opt.lr(0)) << "step " << i;
+    EXPECT_EQ(rates[1], opt.lr(1)) << "step " << i;
+  }
+  const NamedTensors state = sched.StateDict(), want = reference.StateDict();
+  ASSERT_EQ(state.size(), want.size());
+  for (size_t i = 0; i < state.size(); ++i) {
+    EXPECT_EQ(state[i].first, want[i].first);
+    const Tensor x = state[i].second.To(DType::kFloat64), y = want[i].second.To(DType::kFloat64);
+    ASSERT_EQ(x.shape(), y.shape()) << state[i].first;
+    for (int64_t j = 0; j < x.numel(); ++j) EXPECT_EQ(x.data<double>()[j], y.data<double>()[j]) << state[i].first;
+  }
+  // A refused rate: both targets keep theirs.
+  LrScheduler restarted(targets, StepSchedule(2, 0.1));  // bases 0.001 and 0.0005 now
+  rates = {1.0, 0.5};
+  refuse_above = 0.001;  // the restored step's rates are 0.01 and 0.005
+  const std::vector<double> before = rates;
+  EXPECT_THROW(restarted.LoadStateDict(state), std::invalid_argument);
+  EXPECT_EQ(rates, before);
+  // Plateau over targets reduces each.
+  refuse_above = 1e9;
+  ReduceLrOnPlateau plateau(targets, {.factor = 0.5, .patience = 0});
+  plateau.Step(1.0);
+  plateau.Step(1.0);
+  EXPECT_EQ(rates, (std::vector<double>{0.5, 0.25}));
+  // Refusals name what is wrong.
+  EXPECT_EQ(ErrorOf([] { LrScheduler(std::vector<LrTarget>{}, StepSchedule(2)); }),
+            "LrScheduler: no learning-rate targets");
+  std::vector<LrTarget> half = targets;
+  half[1].set = nullptr;
+  EXPECT_EQ(ErrorOf([&] { LrScheduler(half, StepSchedule(2)); }), "LrScheduler: target 1 lacks get or set");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(half, {}); }), "ReduceLROnPlateau: target 1 lacks get or set");
+  EXPECT_THAT(ErrorOf([&] { LrScheduler(targets, OneCycleSchedule({.max_lr = 1, .total_steps = 10})); }),
+              HasSubstr("a bare learning-rate target does not have"));
+}
+
 TEST(ScheduleArguments, AreCheckedWithMessagesNamingThem) {
   EXPECT_EQ(ErrorOf([] { MultiStepSchedule({5, 3}); }),
             "MultiStepLR: milestones must be ascending and >= 0, milestone 1 is 3 after 5");
