@@ -175,56 +175,98 @@ class WarmRestartsImpl : public Schedule {
 class OneCycleImpl : public Schedule {
  public:
   explicit OneCycleImpl(const OneCycleOptions& o) : o_(o) {
-    const double initial = o.max_lr / o.div_factor;
-    const double final_lr = initial / o.final_div_factor;
-    const double hi = o.max_momentum, lo = o.base_momentum;
-    // Phase k runs from the previous phase's end step (0 for the first) to
-    // end_step, as PyTorch counts them: fractional ends are kept as they are.
-    // The momentum moves against the rate (PyTorch's start/end_momentum).
-    const double rise_end = o.pct_start * static_cast<double>(o.total_steps) - 1;
-    const double last_end = static_cast<double>(o.total_steps) - 1;
-    if (o.three_phase) {
-      phases_ = {{rise_end, {initial, hi}, {o.max_lr, lo}},
-                 {2 * o.pct_start * static_cast<double>(o.total_steps) - 2, {o.max_lr, lo}, {initial, hi}},
-                 {last_end, {initial, hi}, {final_lr, hi}}};
-    } else {
-      phases_ = {{rise_end, {initial, hi}, {o.max_lr, lo}}, {last_end, {o.max_lr, lo}, {final_lr, hi}}};
+    size_t groups = 1;
+    for (const auto* list : {&o.group_max_lr, &o.group_base_momentum, &o.group_max_momentum}) {
+      groups = std::max(groups, list->size());
+    }
+    const auto value = [](const std::vector<double>& list, double scalar, size_t k) {
+      return list.empty() ? scalar : list[k];
+    };
+    for (size_t k = 0; k < groups; ++k) {
+      const double max_lr = value(o.group_max_lr, o.max_lr, k);
+      const double initial = max_lr / o.div_factor;
+      const double final_lr = initial / o.final_div_factor;
+      const double hi = value(o.group_max_momentum, o.max_momentum, k);
+      const double lo = value(o.group_base_momentum, o.base_momentum, k);
+      // Phase k runs from the previous phase's end step (0 for the first) to
+      // end_step, as PyTorch counts them: fractional ends are kept as they
+      // are. The momentum moves against the rate (PyTorch's start/end_momentum).
+      const double rise_end = o.pct_start * static_cast<double>(o.total_steps) - 1;
+      const double last_end = static_cast<double>(o.total_steps) - 1;
+      if (o.three_phase) {
+        phases_.push_back({{rise_end, {initial, hi}, {max_lr, lo}},
+                           {2 * o.pct_start * static_cast<double>(o.total_steps) - 2, {max_lr, lo}, {initial, hi}},
+                           {last_end, {initial, hi}, {final_lr, hi}}});
+      } else {
+        phases_.push_back({{rise_end, {initial, hi}, {max_lr, lo}}, {last_end, {max_lr, lo}, {final_lr, hi}}});
+      }
     }
   }
-  double Lr(double /*base*/, int64_t t) const override { return At(t, 0); }
+  double Lr(double /*base*/, int64_t t) const override { return At(0, t, 0); }
   bool CyclesMomentum() const override { return o_.cycle_momentum; }
-  double Momentum(int64_t t) const override { return At(t, 1); }
+  double Momentum(int64_t t) const override { return At(0, t, 1); }
   std::vector<double> MomentumBounds() const override {
     if (!o_.cycle_momentum) return {};
-    return {std::min(o_.base_momentum, o_.max_momentum), std::max(o_.base_momentum, o_.max_momentum)};
+    double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+    for (const auto& phases : phases_) {
+      for (const Phase& p : phases) {
+        lo = std::min({lo, p.start[1], p.end[1]});
+        hi = std::max({hi, p.start[1], p.end[1]});
+      }
+    }
+    return {lo, hi};
   }
+  size_t GroupCount() const override { return PerGroup() ? phases_.size() : 0; }
+  double GroupLr(size_t group, double /*base*/, int64_t t) const override { return At(Index(group), t, 0); }
+  double GroupMomentum(size_t group, int64_t t) const override { return At(Index(group), t, 1); }
   std::string Describe() const override {
     // Rate-only schedules keep the description they had before
-    // cycle_momentum existed, so that their saved states still load.
-    return "OneCycleLR(max_lr=" + Number(o_.max_lr) + ", total_steps=" + std::to_string(o_.total_steps) +
-           ", pct_start=" + Number(o_.pct_start) +
+    // cycle_momentum existed, so that their saved states still load; lists
+    // replace the scalars they stand for.
+    const auto value = [](const std::vector<double>& list, double scalar) {
+      if (list.empty()) return Number(scalar);
+      std::string out = "[";
+      for (size_t k = 0; k < list.size(); ++k) out += (k ? ", " : "") + Number(list[k]);
+      return out + "]";
+    };
+    return "OneCycleLR(max_lr=" + value(o_.group_max_lr, o_.max_lr) +
+           ", total_steps=" + std::to_string(o_.total_steps) + ", pct_start=" + Number(o_.pct_start) +
            ", anneal_strategy=" + (o_.anneal_strategy == AnnealStrategy::kLinear ? "linear" : "cos") +
            ", div_factor=" + Number(o_.div_factor) + ", final_div_factor=" + Number(o_.final_div_factor) +
            ", three_phase=" + (o_.three_phase ? "true" : "false") +
-           (o_.cycle_momentum ? ", cycle_momentum=true, base_momentum=" + Number(o_.base_momentum) +
-                                    ", max_momentum=" + Number(o_.max_momentum)
+           (o_.cycle_momentum ? ", cycle_momentum=true, base_momentum=" +
+                                    value(o_.group_base_momentum, o_.base_momentum) +
+                                    ", max_momentum=" + value(o_.group_max_momentum, o_.max_momentum)
                               : std::string()) +
            ")";
   }
 
  private:
-  // Value `which` (0: the rate, 1: the momentum) at step t, annealed
-  // within its phase as PyTorch's get_lr does.
-  double At(int64_t t, int which) const {
+  bool PerGroup() const {
+    return !o_.group_max_lr.empty() || !o_.group_base_momentum.empty() || !o_.group_max_momentum.empty();
+  }
+  // The phases of `group`: its own with lists, else the one set.
+  size_t Index(size_t group) const {
+    if (!PerGroup()) return 0;
+    if (group >= phases_.size()) {
+      throw std::out_of_range("OneCycleLR: param group " + std::to_string(group) + " of a schedule with values for " +
+                              std::to_string(phases_.size()) + " groups");
+    }
+    return group;
+  }
+  // Value `which` (0: the rate, 1: the momentum) of group `g`'s phases at
+  // step t, annealed within its phase as PyTorch's get_lr does.
+  double At(size_t g, int64_t t, int which) const {
     if (t > o_.total_steps) {
       throw std::out_of_range("OneCycleLR: step " + std::to_string(t) + " is past total_steps " +
                               std::to_string(o_.total_steps) + ": the cycle has ended");
     }
+    const std::vector<Phase>& phases = phases_[g];
     const double step = static_cast<double>(t);
     double start_step = 0;
-    for (size_t k = 0; k < phases_.size(); ++k) {
-      const Phase& p = phases_[k];
-      if (step <= p.end_step || k + 1 == phases_.size()) {
+    for (size_t k = 0; k < phases.size(); ++k) {
+      const Phase& p = phases[k];
+      if (step <= p.end_step || k + 1 == phases.size()) {
         const double start = p.start[which], end = p.end[which];
         // A last phase of no length (reachable only at t = total_steps) has
         // ended: its end value.
@@ -235,7 +277,7 @@ class OneCycleImpl : public Schedule {
       }
       start_step = p.end_step;
     }
-    return phases_.back().end[which];  // not reached: the last phase always answers
+    return phases.back().end[which];  // not reached: the last phase always answers
   }
 
   struct Phase {
@@ -244,7 +286,7 @@ class OneCycleImpl : public Schedule {
     double start[2], end[2];
   };
   OneCycleOptions o_;
-  std::vector<Phase> phases_;
+  std::vector<std::vector<Phase>> phases_;  // per group (one set without lists)
 };
 
 }  // namespace
@@ -303,6 +345,11 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
   }
   for (size_t k = 0; k < schedules.size(); ++k) {
     if (!schedules[k]) throw std::invalid_argument("SequentialLR: a schedule is null");
+    if (schedules[k]->GroupCount() != 0) {
+      throw std::invalid_argument("SequentialLR: schedule " + std::to_string(k) + " (" + schedules[k]->Describe() +
+                                  ") has values per param group, which SequentialLR does not pass on; give it "
+                                  "one value for every group");
+    }
     if (schedules[k]->CyclesMomentum()) {
       throw std::invalid_argument("SequentialLR: schedule " + std::to_string(k) + " (" + schedules[k]->Describe() +
                                   ") cycles momentum, which the other schedules would leave where it ended; "
@@ -355,8 +402,38 @@ std::shared_ptr<Schedule> CosineWarmRestartsSchedule(int64_t t_0, int64_t t_mult
 }
 
 std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& o) {
-  if (!(o.max_lr > 0) || !std::isfinite(o.max_lr)) {
-    throw std::invalid_argument("OneCycleLR: max_lr " + Number(o.max_lr) + " must be finite and > 0");
+  // Per-group lists: of one length, and each value checked as its scalar.
+  size_t groups = 0;
+  const std::pair<const char*, const std::vector<double>*> lists[] = {{"group_max_lr", &o.group_max_lr},
+                                                                      {"group_base_momentum", &o.group_base_momentum},
+                                                                      {"group_max_momentum", &o.group_max_momentum}};
+  const char* first_list = nullptr;
+  for (const auto& [name, list] : lists) {
+    if (list->empty()) continue;
+    if (groups != 0 && list->size() != groups) {
+      throw std::invalid_argument(std::string("OneCycleLR: ") + name + " has " + std::to_string(list->size()) +
+                                  " values and " + first_list + " " + std::to_string(groups) +
+                                  ": give one value per param group in each");
+    }
+    groups = list->size();
+    first_list = name;
+  }
+  if (o.group_max_lr.empty()) {
+    if (!(o.max_lr > 0) || !std::isfinite(o.max_lr)) {
+      throw std::invalid_argument("OneCycleLR: max_lr " + Number(o.max_lr) + " must be finite and > 0");
+    }
+  } else {
+    if (o.max_lr != 0) {
+      throw std::invalid_argument("OneCycleLR: both max_lr " + Number(o.max_lr) +
+                                  " and group_max_lr are given; leave max_lr 0 with the list");
+    }
+    for (size_t k = 0; k < o.group_max_lr.size(); ++k) {
+      const double x = o.group_max_lr[k];
+      if (!(x > 0) || !std::isfinite(x)) {
+        throw std::invalid_argument("OneCycleLR: group_max_lr[" + std::to_string(k) + "] " + Number(x) +
+                                    " must be finite and > 0");
+      }
+    }
   }
   if (o.total_steps < 1) {
     throw std::invalid_argument("OneCycleLR: total_steps " + std::to_string(o.total_steps) + " must be >= 1");
@@ -384,6 +461,12 @@ std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& o) {
   if (o.cycle_momentum) {
     CheckFiniteNonNegative("OneCycleLR", "base_momentum", o.base_momentum);
     CheckFiniteNonNegative("OneCycleLR", "max_momentum", o.max_momentum);
+    for (const auto& [name, list] : {lists[1], lists[2]}) {
+      for (size_t k = 0; k < list->size(); ++k) {
+        const std::string field = std::string(name) + "[" + std::to_string(k) + "]";
+        CheckFiniteNonNegative("OneCycleLR", field.c_str(), (*list)[k]);
+      }
+    }
   }
   return std::make_shared<OneCycleImpl>(o);
 }
@@ -485,6 +568,12 @@ LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> s
     : rates_(std::move(rates)), schedule_(std::move(schedule)) {
   if (!rates_.get || !rates_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
+  if (schedule_->GroupCount() != 0 && schedule_->GroupCount() != rates_.count) {
+    throw std::invalid_argument("LrScheduler: " + schedule_->Describe() + " has values for " +
+                                std::to_string(schedule_->GroupCount()) + " param group(s), and the " +
+                                (optimizer != nullptr ? std::string(optimizer->Name()) + " optimizer" : "target") +
+                                " has " + std::to_string(rates_.count));
+  }
   if (schedule_->CyclesMomentum()) {
     if (optimizer == nullptr) {
       throw std::invalid_argument("LrScheduler: " + schedule_->Describe() +
@@ -515,7 +604,7 @@ LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> s
 
 std::vector<double> LrScheduler::RatesAt(const std::vector<double>& base_lrs, int64_t t) const {
   std::vector<double> lrs;
-  for (double base : base_lrs) lrs.push_back(schedule_->Lr(base, t));
+  for (size_t k = 0; k < base_lrs.size(); ++k) lrs.push_back(schedule_->GroupLr(k, base_lrs[k], t));
   return lrs;
 }
 
@@ -527,10 +616,13 @@ void LrScheduler::SetAt(const std::vector<double>& base_lrs, int64_t t) {
   }
   // Every momentum checked before any rate is set; the rates set all or
   // none; the momenta, checked, then cannot fail.
-  const double m = schedule_->Momentum(t);
-  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) momentum_of_->CheckMomentum(k, m);
+  std::vector<double> momenta;
+  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) {
+    momenta.push_back(schedule_->GroupMomentum(k, t));
+    momentum_of_->CheckMomentum(k, momenta.back());
+  }
   rates_.set(lrs);
-  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) momentum_of_->set_momentum(k, m);
+  for (size_t k = 0; k < momenta.size(); ++k) momentum_of_->set_momentum(k, momenta[k]);
 }
 
 void LrScheduler::Step() {
@@ -632,7 +724,7 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     const double base_lr = base_lrs[k];
     double lr = 0;
     try {
-      lr = schedule.Lr(base_lr, t);
+      lr = schedule.GroupLr(k, base_lr, t);
     } catch (const std::out_of_range& e) {
       // A step past the schedule's end (OneCycle's total_steps): one more
       // problem, not another kind of error. The same for every group.

@@ -39,6 +39,15 @@ class Schedule {
   /// The least and the greatest momentum the schedule sets (empty unless
   /// CyclesMomentum()): checked against the optimizer when a scheduler is made.
   virtual std::vector<double> MomentumBounds() const { return {}; }
+  /// How many param groups the schedule has values of its own for
+  /// (OneCycleSchedule given per-group lists), which a scheduler's
+  /// optimizer must have; 0 (the default): any number, every group
+  /// following the same schedule from its own base rate.
+  virtual size_t GroupCount() const { return 0; }
+  /// Group `group`'s rate and momentum at step t (the defaults: Lr and
+  /// Momentum, the same for every group).
+  virtual double GroupLr(size_t /*group*/, double base_lr, int64_t t) const { return Lr(base_lr, t); }
+  virtual double GroupMomentum(size_t /*group*/, int64_t t) const { return Momentum(t); }
 };
 
 /// What a cosine schedule does once t passes its end. Values are stable.
@@ -125,6 +134,15 @@ struct OneCycleOptions {
   double base_momentum = 0.85;
   /// The momentum at t = 0 and at the end of the cycle.
   double max_momentum = 0.95;
+  /// Per param group, as PyTorch's list forms of max_lr, base_momentum and
+  /// max_momentum: a list given (not empty) holds one value per group of
+  /// the optimizer, group k taking element k, and replaces the scalar
+  /// (max_lr is then left 0). Lists given must be of one length, and an
+  /// LrScheduler refuses an optimizer with another number of groups. Lr()
+  /// and Momentum() answer for group 0.
+  std::vector<double> group_max_lr;
+  std::vector<double> group_base_momentum;
+  std::vector<double> group_max_momentum;
 };
 
 /// PyTorch 1.13's OneCycleLR. The optimizer's own lr (base_lr) is ignored:

@@ -432,6 +432,20 @@ std::shared_ptr<Schedule> MomentumCycle(const std::string& name) {
   if (name == "adam_three_phase") {
     return OneCycleSchedule({.max_lr = 0.02, .total_steps = 30, .pct_start = 0.2, .three_phase = true});
   }
+  if (name == "sgd_per_group_lists") {
+    return OneCycleSchedule({.total_steps = 18,
+                             .pct_start = 0.4,
+                             .group_max_lr = {0.2, 0.05},
+                             .group_base_momentum = {0.8, 0.7},
+                             .group_max_momentum = {0.9, 0.95}});
+  }
+  if (name == "adamw_per_group_max_lr_three_phase") {
+    return OneCycleSchedule({.total_steps = 21,
+                             .anneal_strategy = AnnealStrategy::kLinear,
+                             .three_phase = true,
+                             .group_max_lr = {0.01, 0.04},
+                             .group_max_momentum = {0.93, 0.9}});
+  }
   throw std::runtime_error("no momentum cycle " + name);
 }
 
@@ -501,7 +515,69 @@ TEST(OneCycleMomentum, RatesMomentaAndParametersFollowPyTorch) {
     }
     ++checked;
   }
-  EXPECT_EQ(checked, 4);
+  EXPECT_EQ(checked, 6);
+}
+
+// Per-group lists: their lengths, their values and the optimizer's groups
+// are checked, naming the field; the lists are part of the description, so
+// a state saved with other lists is refused; SequentialSchedule refuses a
+// part with lists; and without momentum cycling the rate alone follows the
+// list (a bare target with one group included).
+TEST(OneCycleGroups, ListsAreCheckedAndFollowedPerGroup) {
+  EXPECT_EQ(ErrorOf([] {
+              OneCycleSchedule({.total_steps = 10, .group_max_lr = {0.1, 0.2}, .group_base_momentum = {0.8}});
+            }),
+            "OneCycleLR: group_base_momentum has 1 values and group_max_lr 2: give one value per param group in "
+            "each");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1, .total_steps = 10, .group_max_lr = {0.1, 0.2}}); }),
+            "OneCycleLR: both max_lr 1 and group_max_lr are given; leave max_lr 0 with the list");
+  EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.total_steps = 10, .group_max_lr = {0.1, -0.2}}); }),
+            "OneCycleLR: group_max_lr[1] -0.2 must be finite and > 0");
+  EXPECT_EQ(ErrorOf([] {
+              OneCycleSchedule({.max_lr = 1, .total_steps = 10, .group_max_momentum = {0.9, std::nan("")}});
+            }),
+            "OneCycleLR: group_max_momentum[1] nan must be finite and >= 0");
+  Tensor a = Zeros({1}), b = Zeros({1}), c = Zeros({1});
+  Sgd three({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}, ParamGroup{.params = {{"c", c}}}},
+            {.lr = 0.1, .momentum = 0.9});
+  const OneCycleOptions two = {.total_steps = 10, .group_max_lr = {0.1, 0.2}, .group_max_momentum = {0.9, 0.97}};
+  EXPECT_THAT(ErrorOf([&] { LrScheduler(three, OneCycleSchedule(two)); }),
+              AllOf(HasSubstr("LrScheduler: OneCycleLR(max_lr=[0.1, 0.2], total_steps=10,"),
+                    HasSubstr("max_momentum=[0.9, 0.97]) has values for 2 param group(s), and the SGD optimizer "
+                              "has 3")));
+  EXPECT_EQ(three.lr(0), 0.1);
+  EXPECT_THAT(ErrorOf([&] { SequentialSchedule({OneCycleSchedule(two), StepSchedule(2)}, {5}); }),
+              HasSubstr("has values per param group, which SequentialLR does not pass on"));
+
+  Sgd pair({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 0.1, .momentum = 0.9});
+  LrScheduler sched(pair, OneCycleSchedule(two));
+  EXPECT_DOUBLE_EQ(pair.lr(0), 0.1 / 25);
+  EXPECT_DOUBLE_EQ(pair.lr(1), 0.2 / 25);
+  EXPECT_EQ(pair.momentum(0), 0.9);
+  EXPECT_EQ(pair.momentum(1), 0.97);
+  for (int i = 0; i < 2; ++i) sched.Step();  // the peak: step 0.3 * 10 - 1
+  EXPECT_DOUBLE_EQ(pair.lr(0), 0.1);
+  EXPECT_DOUBLE_EQ(pair.lr(1), 0.2);
+  EXPECT_DOUBLE_EQ(pair.momentum(0), 0.85);
+  EXPECT_DOUBLE_EQ(pair.momentum(1), 0.85);
+  const NamedTensors state = sched.StateDict();
+  Sgd other({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 0.1, .momentum = 0.9});
+  OneCycleOptions swapped = two;
+  swapped.group_max_lr = {0.2, 0.1};
+  {
+    LrScheduler other_sched(other, OneCycleSchedule(swapped));
+    EXPECT_THAT(ErrorOf([&] { other_sched.LoadStateDict(state); }),
+                HasSubstr("the state was saved with schedule OneCycleLR(max_lr=[0.1, 0.2]"));
+  }
+  LrScheduler same_sched(other, OneCycleSchedule(two));
+  same_sched.LoadStateDict(state);  // the state of its own lists loads
+  EXPECT_DOUBLE_EQ(other.lr(1), 0.2);
+  EXPECT_DOUBLE_EQ(other.momentum(1), 0.85);
+
+  double rate = 0;
+  LrScheduler one(LrTarget{[&] { return rate; }, [&](double r) { rate = r; }},
+                  OneCycleSchedule({.total_steps = 10, .cycle_momentum = false, .group_max_lr = {0.5}}));
+  EXPECT_NEAR(rate, 0.5 / 25, 1e-15);
 }
 
 TEST(OneCycleMomentum, AdadeltaIsRefusedNamingItAndLeftAsItWas) {

@@ -327,6 +327,17 @@ def momentum_cycles():
                        [([1], {}), ([0], {"eps": 1e-6})],
                        lambda o: S.OneCycleLR(o, max_lr=0.02, total_steps=30, pct_start=0.2, three_phase=True),
                        steps=30),
+        # PyTorch's list forms: a peak rate and a momentum pair per group.
+        momentum_cycle("sgd_per_group_lists",
+                       lambda g: optim.SGD(g, lr=0.1, momentum=0.9),
+                       [([0], {}), ([1], {"lr": 0.03})],
+                       lambda o: S.OneCycleLR(o, max_lr=[0.2, 0.05], total_steps=18, pct_start=0.4,
+                                              base_momentum=[0.8, 0.7], max_momentum=[0.9, 0.95]), steps=18),
+        momentum_cycle("adamw_per_group_max_lr_three_phase",
+                       lambda g: optim.AdamW(g, lr=1e-2, weight_decay=0.05),
+                       [([1], {}), ([0], {"weight_decay": 0.0})],
+                       lambda o: S.OneCycleLR(o, max_lr=[0.01, 0.04], total_steps=21, three_phase=True,
+                                              anneal_strategy="linear", max_momentum=[0.93, 0.9]), steps=20),
     ]
 
 
