@@ -1,7 +1,8 @@
 // Local SGD and model averaging over real processes: local steps averaged
 // every step equal DDP (2 and 3 ranks); the post-local-SGD hook is DDP
 // during its warm-up, then the replicas drift apart between averages and
-// agree after each; subgroups agree within themselves (4 ranks); the noop
+// agree after each; subgroups agree within themselves (4 ranks), also
+// after a warm-up that averaged over the whole group; the noop
 // hook sends nothing; a bf16 model's f32 masters take the averages (large
 // weights, averaged in place, too); f16 values whose sum passes f16's
 // range average to themselves; a parameter with a gradient on one rank only
@@ -265,6 +266,49 @@ DDP_TEST_WORKER(subgroups) {
 
 TEST(ModelAveragingTest, SubgroupsAverageGradientsWithinThemselves) {
   auto run = RunWorkers("subgroups", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A subgroup and a warm-up together, as PyTorch's PostLocalSGDState with
+// start_localSGD_iter > 0: before the start the hook all-reduces over the
+// DDP group (the parent, all four ranks), bit for bit DDP's average; from
+// the start on over the pair alone. A hook that used the pair during the
+// warm-up leaves the pairs apart at step 0; one that kept the parent
+// after it leaves all four together.
+DDP_TEST_WORKER(subgroup_after_warmup) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  constexpr int64_t kStart = 2, kSteps = 5;
+  std::shared_ptr<ProcessGroup> low = pg->NewGroup({0, 1}), high = pg->NewGroup({2, 3});
+  std::shared_ptr<ProcessGroup> pair = rank < 2 ? low : high;
+  WORKER_EXPECT(pair && pair->size() == 2, "no pair group");
+  auto model = Mlp(9), reference = Mlp(9);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  DistributedDataParallel ref_ddp(reference, {.process_group = pg});
+  auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = kStart, .subgroup = pair});
+  ddp.RegisterCommHook(hooks::PostLocalSgdHook(state));
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const std::string at = "step " + std::to_string(step) + ": ";
+    Step(ddp, opt, step, rank, world);
+    const std::vector<std::string> hashes = pg->AllGatherObject(std::to_string(testing::HashState(*model)));
+    WORKER_EXPECT(hashes[0] == hashes[1] && hashes[2] == hashes[3], at + "a pair's replicas differ");
+    if (step < kStart) {
+      Step(ref_ddp, ref_opt, step, rank, world);
+      const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+      WORKER_EXPECT(diff == 0, at + "warm-up `" + worst + "` off DDP over the whole group by " + std::to_string(diff));
+      WORKER_EXPECT(hashes[0] == hashes[2], at + "the pairs differ during the warm-up (averaged within the pair?)");
+    } else {
+      WORKER_EXPECT(hashes[0] != hashes[2], at + "the pairs agree after the start (still the whole group?)");
+    }
+  }
+  WORKER_EXPECT(state->iteration() == kSteps, "counted " + std::to_string(state->iteration()) + " iterations");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PostLocalSgdWarmsUpOverTheWholeGroupThenAveragesWithinTheSubgroup) {
+  auto run = RunWorkers("subgroup_after_warmup", 4);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
