@@ -346,8 +346,9 @@ void RebuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vect
 // iteration (the same on every rank, as the summed Q is), and Q^T's rows
 // made orthonormal again. After the approximation of this iteration, which
 // they would not have changed (their rows of P^T are zero). A row with a
-// value that is not finite is drawn again too (CompressBucket does not
-// keep such a Q; this is the last line of defence for the warm start).
+// value that is not finite is drawn again too (a bucket whose summed Q is
+// not finite is sent uncompressed and its Q dropped; this is the last line
+// of defence for the warm start).
 template <typename T>
 void RedrawZeroRows(BucketState& b, size_t bucket_index, int64_t iteration, uint64_t seed) {
   T* qs = b.qs.data<T>();
@@ -393,12 +394,35 @@ transport::Status SendUncompressed(BucketState& b, T* grads, int64_t grads_numel
   return all_reduce(grads, grads_numel, "the bucket uncompressed (a value was not finite)");
 }
 
-// One PowerSGD step on one bucket. grads: the bucket, this rank's already
-// divided gradients in, the sum over ranks (approximated) out.
+// What comes next in one hook call's reduction of a bucket. The call runs
+// as up to three tasks of the group, one per all-reduce, so that each
+// all-reduce gets a deadline of its own, counted from when it starts, as
+// every collective does: in one task, a peer late to the P all-reduce by
+// most of the timeout left the Q all-reduce none. Every rank decides the
+// next step from all-reduced values (or from the bucket's layout), so all
+// take the same one.
+enum class Step {
+  kQ,             // make P orthonormal, form Q, all-reduce it
+  kUncompressed,  // a value was not finite: all-reduce the bucket as it is
+  kFinish,        // P Q^T into the bucket, the residuals (no all-reduce)
+  kDone,
+};
+
+// What the tasks of one hook call hand on to each other.
+struct BucketCall {
+  BucketState* bucket = nullptr;  // set by the first task
+  Step next = Step::kDone;
+  bool failed = true;  // from a task's start until it returns OK
+};
+
+// The first step: M (gradient plus residual) and P, all-reduced with the
+// exact tensors; a bucket with nothing to compress is all-reduced as it
+// is. grads: the bucket, this rank's already divided gradients in; the
+// sum over ranks (approximated) out once the last step has run.
 template <typename T>
-transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, const PowerSgdOptions& options,
-                                 int world, size_t bucket_index, int64_t iteration,
-                                 const AllReduceFn& all_reduce) {
+transport::Status SendP(BucketState& b, T* grads, int64_t grads_numel, const PowerSgdOptions& options,
+                        size_t bucket_index, int64_t iteration, const AllReduceFn& all_reduce, Step& next) {
+  next = Step::kDone;
   if (!b.any_compressed) return all_reduce(grads, grads_numel, "exact tensors");
   T* wire = b.wire.data<T>();
   T* qs = b.qs.data<T>();
@@ -450,13 +474,20 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
   wire[b.flag_at] = finite ? T(0) : T(1);
   transport::Status s = all_reduce(wire, b.wire.numel(), "P and the exact tensors");
   if (!s.ok()) return s;
-  if (wire[b.flag_at] != T(0) || !AllFinite(wire + b.ps_at, b.flag_at - b.ps_at)) {
-    return SendUncompressed(b, grads, grads_numel, options, all_reduce);
-  }
+  const bool sent_finite = wire[b.flag_at] == T(0) && AllFinite(wire + b.ps_at, b.flag_at - b.ps_at);
+  next = sent_finite ? Step::kQ : Step::kUncompressed;
+  return transport::Status::Ok();
+}
 
-  // Q^T [r, m] = P^T [r, n] . M [n, m], with P orthonormal. The exact
-  // tensors' sums stay in the wire until Q is known to be finite: until
-  // then the bucket must still hold what SendUncompressed sends.
+// The second step: Q^T [r, m] = P^T [r, n] . M [n, m], with P orthonormal,
+// all-reduced. The exact tensors' sums stay in the wire until Q is known
+// to be finite: until then the bucket must still hold what
+// SendUncompressed sends.
+template <typename T>
+transport::Status SendQ(BucketState& b, T* grads, const PowerSgdOptions& options, const AllReduceFn& all_reduce,
+                        Step& next) {
+  T* wire = b.wire.data<T>();
+  T* qs = b.qs.data<T>();
   for (const TensorPlan& plan : b.plans) {
     if (!plan.compressed()) continue;
     T* g = grads + plan.offset;
@@ -465,11 +496,21 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
     Gemm(false, false, plan.rank, plan.cols, plan.rows, pt, plan.rows, g, plan.cols, qs + plan.q_at, plan.cols);
   }
   // sum_ranks(M_i^T P) = (sum_ranks M_i)^T P; kept as the next warm start.
-  s = all_reduce(qs, b.qs.numel(), "Q");
+  transport::Status s = all_reduce(qs, b.qs.numel(), "Q");
   if (!s.ok()) return s;
   // Finite M's can still sum past the largest float.
-  if (!AllFinite(qs, b.qs.numel())) return SendUncompressed(b, grads, grads_numel, options, all_reduce);
+  next = AllFinite(qs, b.qs.numel()) ? Step::kFinish : Step::kUncompressed;
+  return transport::Status::Ok();
+}
 
+// The last step: the exact tensors' sums and P Q^T into the bucket, and
+// this rank's residuals.
+template <typename T>
+void Finish(BucketState& b, T* grads, const PowerSgdOptions& options, int world, size_t bucket_index,
+            int64_t iteration) {
+  const T* wire = b.wire.data<T>();
+  const T* qs = b.qs.data<T>();
+  const bool feedback = options.use_error_feedback;
   // The sum's approximation: P Q^T [n, m] = (P^T)^T [n, r] . Q^T [r, m].
   const T inv_world = T(1) / static_cast<T>(world);
   for (const TensorPlan& plan : b.plans) {
@@ -499,6 +540,26 @@ transport::Status CompressBucket(BucketState& b, T* grads, int64_t grads_numel, 
     }
   }
   if (options.warm_start) RedrawZeroRows<T>(b, bucket_index, iteration, options.seed);
+}
+
+// Runs the step after SendP that `next` names (nothing once done) and
+// moves `next` on.
+template <typename T>
+transport::Status RunStep(BucketState& b, T* grads, int64_t grads_numel, const PowerSgdOptions& options, int world,
+                          size_t bucket_index, int64_t iteration, const AllReduceFn& all_reduce, Step& next) {
+  switch (next) {
+    case Step::kQ:
+      return SendQ(b, grads, options, all_reduce, next);
+    case Step::kUncompressed:
+      next = Step::kDone;
+      return SendUncompressed(b, grads, grads_numel, options, all_reduce);
+    case Step::kFinish:
+      Finish(b, grads, options, world, bucket_index, iteration);
+      next = Step::kDone;
+      return transport::Status::Ok();
+    case Step::kDone:
+      break;
+  }
   return transport::Status::Ok();
 }
 
@@ -950,13 +1011,32 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
       shapes.push_back(p.shape());
       params.push_back(p.impl());
     }
-    const CollectiveDescription description{"powersgd " + label, dtype, buffer.shape(), -1,
-                                            transport::ReduceOp::kSum, true};
-    return group.Run(
-        description, [shared, state, buffer, shapes = std::move(shapes), params = std::move(params), offsets = bucket.offsets(),
-                      index = bucket.index(),
-                      iteration, world = group.size(), label](transport::Communicator* comm,
-                                                              transport::Deadline deadline) mutable {
+    // One task per all-reduce (see Step); they share `call`. A bucket with
+    // nothing to compress takes one all-reduce, so one task.
+    bool any_compressed = false;
+    for (const nn::Shape& shape : shapes) any_compressed |= PlanTensor(shape, state->options).compressed();
+    auto call = std::make_shared<BucketCall>();
+    const auto describe = [&](const std::string& what) {
+      return CollectiveDescription{what, dtype, buffer.shape(), -1, transport::ReduceOp::kSum, true};
+    };
+    // The all-reduce of a task, within that task's deadline.
+    const auto all_reduce_within = [label, type = ToTransportType(dtype)](transport::Communicator* comm,
+                                                                           transport::Deadline deadline) {
+      return [comm, deadline, label, type](void* data, int64_t count, const char* what) {
+        if (comm == nullptr || count == 0) return transport::Status::Ok();
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
+        if (left.count() <= 0) {
+          return transport::TimedOutError("powersgd " + label + ": the deadline passed before the all-reduce of " +
+                                          what);
+        }
+        return comm->AllReduce(data, static_cast<size_t>(count), type, transport::ReduceOp::kSum, {.timeout = left});
+      };
+    };
+    Work first = group.Run(
+        describe(any_compressed ? "powersgd P " + label : "powersgd " + label),
+        [shared, state, call, buffer, shapes = std::move(shapes), params = std::move(params),
+         offsets = bucket.offsets(), index = bucket.index(), iteration,
+         all_reduce_within](transport::Communicator* comm, transport::Deadline deadline) mutable {
           const nn::DType dtype = buffer.dtype();
           BucketState* found;
           {
@@ -974,26 +1054,38 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
             ApplySaved(b, state->pending, state->options);
           }
           b.used_at = iteration;
-          const transport::DataType type = ToTransportType(dtype);
-          // Both all-reduces share the task's deadline.
-          AllReduceFn all_reduce = [&](void* data, int64_t count, const char* what) {
-            if (comm == nullptr || count == 0) return transport::Status::Ok();
-            const auto left =
-                std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
-            if (left.count() <= 0) {
-              return transport::TimedOutError("powersgd " + label + ": the deadline passed before the all-reduce of " +
-                                              what);
-            }
-            return comm->AllReduce(data, static_cast<size_t>(count), type, transport::ReduceOp::kSum,
-                                   {.timeout = left});
-          };
-          if (dtype == nn::DType::kFloat32) {
-            return CompressBucket(b, buffer.data<float>(), buffer.numel(), state->options, world, index, iteration,
-                                  all_reduce);
-          }
-          return CompressBucket(b, buffer.data<double>(), buffer.numel(), state->options, world, index, iteration,
-                                all_reduce);
+          call->bucket = &b;
+          const AllReduceFn all_reduce = all_reduce_within(comm, deadline);
+          const transport::Status s =
+              dtype == nn::DType::kFloat32
+                  ? SendP(b, buffer.data<float>(), buffer.numel(), state->options, index, iteration, all_reduce,
+                          call->next)
+                  : SendP(b, buffer.data<double>(), buffer.numel(), state->options, index, iteration, all_reduce,
+                          call->next);
+          call->failed = !s.ok();
+          return s;
         });
+    if (!any_compressed) return first;
+    const auto later = [shared, state, call, buffer, index = bucket.index(), iteration, world = group.size(),
+                        label, all_reduce_within](transport::Communicator* comm, transport::Deadline deadline) {
+      // Normally the group is aborted after a failed task and this one
+      // does not run; if it does, the bucket is not in a state to go on.
+      if (call->failed || call->bucket == nullptr) {
+        return transport::AbortedError("powersgd " + label + ": an earlier step of this bucket failed");
+      }
+      call->failed = true;  // stays so if the step throws
+      const AllReduceFn all_reduce = all_reduce_within(comm, deadline);
+      const transport::Status s =
+          buffer.dtype() == nn::DType::kFloat32
+              ? RunStep(*call->bucket, buffer.data<float>(), buffer.numel(), state->options, world, index, iteration,
+                        all_reduce, call->next)
+              : RunStep(*call->bucket, buffer.data<double>(), buffer.numel(), state->options, world, index,
+                        iteration, all_reduce, call->next);
+      call->failed = !s.ok();
+      return s;
+    };
+    group.Run(describe("powersgd Q " + label), later);
+    return group.Run(describe("powersgd " + label), later);
   };
 }
 

@@ -14,6 +14,11 @@
 //   Q  = sum over ranks of M^T P             (one all-reduce per bucket)
 //   gradient = P Q^T;  residual = M - P Q^T / world
 //
+// Each all-reduce is a collective of its own, issued in order on the
+// group's queue, with the group's timeout from when it starts (as in
+// PyTorch, where they are separate collectives): a peer late to the P
+// all-reduce by most of the timeout still leaves the Q all-reduce its own.
+//
 // Q is kept for the next step (warm start), which is what makes a single
 // power-iteration step per training step enough. A column of Q that comes
 // out zero (the gradient was zero, or of rank below r, this step) is drawn

@@ -3,8 +3,9 @@
 // start_iteration it is the default all-reduce bit for bit; low-rank
 // training on Fashion-MNIST keeps up with uncompressed training and keeps
 // the replicas identical; a gradient with an inf on one rank once reaches
-// .grad on every rank and leaves the later iterations finite and identical.
-// In one process: error feedback on a fixed gradient, a gradient (or a
+// .grad on every rank and leaves the later iterations finite and identical;
+// a peer late to the P all-reduce by most of the timeout leaves the Q
+// all-reduce its own time. In one process: error feedback on a fixed gradient, a gradient (or a
 // column of Q) that was zero once comes back, Q and residuals follow
 // parameters that trade places in a bucket, a subnormal gradient is
 // compressed, an uncompressed (f16) bucket is noted once per hook, the
@@ -13,10 +14,14 @@
 #include <cblas.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ddp/distributed_data_parallel.h"
@@ -341,6 +346,89 @@ DDP_TEST_WORKER(not_finite_once) {
 
 TEST(PowerSgdHookTest, AGradientNotFiniteOnceReachesGradAndLeavesNoNaNBehind) {
   auto run = RunWorkers("not_finite_once", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------------------ a late peer ----
+
+// A gradient [rows, 64] of rank 64 for `rank`, the same on every call.
+Tensor TallGradient(int rank, int64_t rows) {
+  constexpr int64_t kCols = 64;
+  std::vector<float> v(static_cast<size_t>(rows * kCols));
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < kCols; ++j) {
+      v[i * kCols + j] = static_cast<float>(std::sin(0.37 * i + 1.3 * j + rank) + 0.1 * std::cos(0.011 * i * j));
+    }
+  }
+  return nn::FromVectorOf<float>(v, {rows, kCols});
+}
+
+// Collective: the largest of each rank's `seconds`.
+double Slowest(ProcessGroup& pg, double seconds) {
+  double most = 0;
+  for (const std::string& s : pg.AllGatherObject(std::to_string(seconds))) most = std::max(most, std::stod(s));
+  return most;
+}
+
+// Each of the hook's all-reduces waits for a late peer up to the group's
+// timeout, as any collective does (PyTorch's hook issues its P and Q
+// all-reduces as collectives of their own). Here rank 1 comes to the P
+// all-reduce late, by most of the timeout but within it, and then both
+// ranks spend a while making P orthonormal and forming Q. When one
+// deadline, counted from rank 0's start, covered all the all-reduces of a
+// bucket, the Q all-reduce found it passed and the step failed with
+// TIMED_OUT, though no peer was ever later than the timeout.
+//
+// The gradient is tall, [rows, 64] at rank 64: the fixed-order
+// Gram-Schmidt over P^T [64, rows] and the Q product take a large share
+// of a call, the P product (BLAS) a small one. rows is scaled from a first
+// call toward about a second a call, and rank 1 comes late by the timeout
+// less 0.35 of a call: in time for the P all-reduce, too late for a shared
+// deadline to leave the Q all-reduce any time.
+DDP_TEST_WORKER(late_peer) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  const double timeout = std::atof(std::getenv("DDP_TEST_TIMEOUT_MS")) / 1000;
+  const PowerSgdOptions options{.matrix_approximation_rank = 64, .start_iteration = 0, .min_compression_rate = 0};
+  // One call, after a barrier, with rank 1 `late` seconds late; its output
+  // and the seconds until its Work completed.
+  const auto call = [&](CommHook& hook, const Tensor& param, double late) {
+    const Tensor buffer = TallGradient(rank, param.size(0)).View({param.numel()});
+    GradBucket bucket(0, 1, buffer, {param}, {0});
+    pg->Barrier().Wait();
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::duration<double>(late));
+    const auto start = std::chrono::steady_clock::now();
+    hook(*pg, bucket).Wait();
+    return std::make_pair(buffer.View(param.shape()),
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  };
+  constexpr int64_t kFirstRows = 4096;
+  CommHook sizing = hooks::PowerSgdHook(options);
+  const double first = Slowest(*pg, call(sizing, nn::Zeros({kFirstRows, 64}), 0).second);
+  const int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(kFirstRows * 1.2 / first) / 1024 * 1024,
+                                           kFirstRows, int64_t{1} << 20);
+  const Tensor param = nn::Zeros({rows, 64});
+  CommHook hook = hooks::PowerSgdHook(options);
+  const double on_time = Slowest(*pg, call(hook, param, 0).second);
+  const double late = timeout - 0.35 * on_time;
+  std::fprintf(stderr, "rows %lld: a call takes %.3f s; rank 1 comes %.3f s late (timeout %.3f s)\n",
+               static_cast<long long>(rows), on_time, late, timeout);
+  try {
+    const Tensor out = call(hook, param, late).first;
+    // Rank 64 of a [rows, 64] gradient: the sum itself.
+    std::vector<float> sum = TallGradient(0, rows).ToVector<float>();
+    const std::vector<float> other = TallGradient(1, rows).ToVector<float>();
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += other[i];
+    const double diff = testing::RelativeDifference(out, nn::FromVectorOf<float>(sum, out.shape()));
+    WORKER_EXPECT(diff <= 1e-3, "the late call's output is off the sum by " + std::to_string(diff));
+  } catch (const DistributedError& e) {
+    WORKER_EXPECT(false, std::string("the late call failed: ") + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, EachAllReduceWaitsForALatePeerUpToTheTimeout) {
+  auto run = RunWorkers("late_peer", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
