@@ -5,7 +5,8 @@
 // after a warm-up that averaged over the whole group; the noop
 // hook sends nothing; a bf16 model's f32 masters take the averages (large
 // weights, averaged in place, too); f16 values whose sum passes f16's
-// range average to themselves; a parameter with a gradient on one rank only
+// range average to themselves; every floating dtype, small and large,
+// averages in one call; a parameter with a gradient on one rank only
 // is averaged on every rank; a post-local-SGD hook resumed past its start
 // steps locally at once; AverageParameters fails every rank at once for a
 // bad tensor on one, and leaves f16 parameters as they were when its
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -387,6 +389,55 @@ TEST(ModelAveragingTest, PeriodicAveragesParametersWithAGradientOnSomeRanksOnly)
 
 TEST(ModelAveragingTest, PeriodicAveragesParametersWithAGradientOnSomeRanksOnlyOnThreeRanks) {
   auto run = RunWorkers("gradient_on_one_rank", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// One call with every floating dtype, interleaved, small (through a flat
+// buffer per dtype) and of 256 KiB or more (f32, f64 and bf16 in place;
+// f16 always flat), and a transposed view: each comes back as its own
+// mean, in its own dtype, whatever the others around it are.
+DDP_TEST_WORKER(mixed_dtypes) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  const std::vector<nn::DType> dtypes = {nn::DType::kFloat32, nn::DType::kFloat16, nn::DType::kFloat64,
+                                         nn::DType::kBFloat16};
+  std::vector<Tensor> params;
+  std::vector<std::string> names;
+  for (const int64_t numel : {int64_t{7}, int64_t{1} << 18}) {
+    for (const nn::DType dtype : dtypes) {
+      // Rank r holds (r + 1) (i + 1): the mean is (world + 1) / 2 (i + 1).
+      const double value = (rank + 1.0) * (params.size() + 1.0);
+      params.push_back(nn::Full({numel}, value, {.dtype = dtype}));
+      names.push_back(std::string(nn::DTypeName(dtype)) + " [" + std::to_string(numel) + "]");
+    }
+  }
+  params.push_back(nn::Full({6, 5}, (rank + 1.0) * (params.size() + 1.0)).Transpose(0, 1));
+  names.push_back("a transposed f32 [5, 6]");
+  AverageParameters(params, *pg);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double expected = (world + 1) / 2.0 * (i + 1.0);
+    // 16-bit types are divided before the sum (f16) or summed in f32 and
+    // rounded once: within a few of their ulps.
+    const bool narrow = params[i].element_size() == 2;
+    const double tolerance = narrow ? 1e-2 * expected : 0;
+    size_t wrong = 0;
+    const std::vector<double> v = params[i].ToVector<double>();
+    for (double x : v) wrong += std::abs(x - expected) > tolerance;
+    WORKER_EXPECT(params[i].dtype() == dtypes[i % 4] || i == params.size() - 1, names[i] + ": dtype changed");
+    WORKER_EXPECT(wrong == 0, names[i] + ": " + std::to_string(wrong) + " of " + std::to_string(v.size()) +
+                                  " elements are off " + std::to_string(expected) + " (first " +
+                                  std::to_string(v[0]) + ")");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, AverageParametersOfEveryFloatingDtypeInOneCallOnTwoRanks) {
+  auto run = RunWorkers("mixed_dtypes", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ModelAveragingTest, AverageParametersOfEveryFloatingDtypeInOneCallOnThreeRanks) {
+  auto run = RunWorkers("mixed_dtypes", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
