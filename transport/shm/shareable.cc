@@ -15,9 +15,17 @@
 namespace ddp::transport::shm {
 namespace {
 
+struct Entry {
+  ShareableRegion region;
+  // False in a forked child once its mapping of the region is private: the
+  // memfd then holds the parent's pages, not this process's, so peers must
+  // not be sent to it (FindShareable hides the region; it is still freed).
+  bool backed_by_memfd = true;
+};
+
 struct Registry {
   std::mutex mu;
-  std::map<uint64_t, ShareableRegion> by_base;  // keyed by start address
+  std::map<uint64_t, Entry> by_base;  // keyed by start address
   uint64_t next_id = 1;
 };
 
@@ -38,11 +46,14 @@ void LockBeforeFork() { registry().mu.lock(); }
 void UnlockInParent() { registry().mu.unlock(); }
 void PrivatizeInChild() {
   Registry& r = registry();
-  for (const auto& [base, region] : r.by_base) {
+  for (auto& [base, entry] : r.by_base) {
+    const ShareableRegion& region = entry.region;
     // On failure (out of mappings) the region stays shared: nothing in a
     // fork handler can report it.
-    mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
-         MAP_PRIVATE | MAP_FIXED, region.fd, 0);
+    if (mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_FIXED, region.fd, 0) != MAP_FAILED) {
+      entry.backed_by_memfd = false;
+    }
   }
   r.mu.unlock();
 }
@@ -84,7 +95,7 @@ StatusOr<void*> AllocateShareable(size_t bytes) {
   Registry& r = registry();
   std::lock_guard lock(r.mu);
   const uint64_t base = reinterpret_cast<uint64_t>(p);
-  r.by_base[base] = ShareableRegion{.id = r.next_id++, .base = base, .size = size, .fd = fd};
+  r.by_base[base] = Entry{.region = {.id = r.next_id++, .base = base, .size = size, .fd = fd}};
   return p;
 }
 
@@ -99,7 +110,7 @@ Status FreeShareable(void* ptr) {
       return InvalidArgumentError("FreeShareable: " + std::to_string(reinterpret_cast<uint64_t>(ptr)) +
                                   " was not returned by AllocateShareable (or was freed already)");
     }
-    region = it->second;
+    region = it->second.region;
     r.by_base.erase(it);
   }
   munmap(ptr, region.size);
@@ -118,7 +129,8 @@ std::optional<ShareableRegion> FindShareable(const void* ptr, size_t bytes) {
   auto it = r.by_base.upper_bound(p);
   if (it == r.by_base.begin()) return std::nullopt;
   --it;
-  const ShareableRegion& region = it->second;
+  if (!it->second.backed_by_memfd) return std::nullopt;
+  const ShareableRegion& region = it->second.region;
   if (p - region.base > region.size || bytes > region.size - (p - region.base)) return std::nullopt;
   return region;
 }

@@ -20,7 +20,9 @@
 //
 // A child made by fork() gets the regions copy-on-write, as the rest of its
 // memory: its writes never reach the parent (it does see the parent's later
-// writes to a page until it writes that page itself).
+// writes to a page until it writes that page itself). Its inherited regions
+// are then no longer shareable: FindShareable does not return them, since
+// their memfds hold the parent's pages (FreeShareable still frees them).
 
 #include <cstddef>
 #include <cstdint>

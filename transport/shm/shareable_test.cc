@@ -44,5 +44,47 @@ TEST(Shareable, ForkedChildWritesItsOwnCopy) {
   EXPECT_TRUE(FreeShareable(bytes).ok());
 }
 
+// In a forked child the inherited block is a private copy, so its memfd no
+// longer holds what the child reads and writes there. FindShareable must
+// not offer it: a collective in the child would publish the memfd, and its
+// peers would fold the parent's data and write their results into the
+// parent's block instead of the child's. A block the child allocates
+// itself is shareable as usual.
+TEST(Shareable, ForkedChildDoesNotOfferItsPrivateCopy) {
+  constexpr size_t kBytes = 64 << 10;
+  auto block = AllocateShareable(kBytes);
+  ASSERT_TRUE(block.ok()) << block.status();
+  auto* bytes = static_cast<unsigned char*>(*block);
+  std::memset(bytes, 'a', kBytes);
+
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Exit codes: 0 right; 1 the inherited block was offered; 2 it was
+    // offered and its memfd disagrees with the child's memory; 3 the
+    // child's own block was not offered; 4 freeing failed.
+    std::memset(bytes, 'b', kBytes);
+    int code = 0;
+    if (auto region = FindShareable(bytes, kBytes); region.has_value()) {
+      unsigned char first = 0;
+      code = pread(region->fd, &first, 1, 0) == 1 && first != bytes[0] ? 2 : 1;
+    }
+    auto own = AllocateShareable(4096);
+    if (code == 0 && (!own.ok() || !FindShareable(*own, 4096).has_value())) code = 3;
+    if (code == 0 && (!FreeShareable(*own).ok() || !FreeShareable(bytes).ok())) code = 4;
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "1: the child's private copy was offered as shareable; 2: and its memfd holds other "
+         "bytes than the child's memory; 3: a block allocated in the child was not shareable; "
+         "4: freeing failed";
+  EXPECT_EQ(bytes[0], 'a');
+  EXPECT_TRUE(FindShareable(bytes, kBytes).has_value()) << "the parent's block is still shareable";
+  EXPECT_TRUE(FreeShareable(bytes).ok());
+}
+
 }  // namespace
 }  // namespace ddp::transport::shm
