@@ -42,11 +42,15 @@ std::atomic<uint64_t> freed_count{0};
 // MAP_PRIVATE over itself: copy-on-write, like the rest of its memory (it
 // still sees the parent's later writes to a page until it writes that page
 // itself). Its copies of the memfds stay open: FreeShareable closes them.
+// A region this process already holds privately (it was itself forked) is
+// left alone: fork has copied its pages like any other memory, where a new
+// private mapping of the memfd would replace them with the first process's.
 void LockBeforeFork() { registry().mu.lock(); }
 void UnlockInParent() { registry().mu.unlock(); }
 void PrivatizeInChild() {
   Registry& r = registry();
   for (auto& [base, entry] : r.by_base) {
+    if (!entry.backed_by_memfd) continue;
     const ShareableRegion& region = entry.region;
     // On failure (out of mappings) the region stays shared: nothing in a
     // fork handler can report it.

@@ -86,5 +86,41 @@ TEST(Shareable, ForkedChildDoesNotOfferItsPrivateCopy) {
   EXPECT_TRUE(FreeShareable(bytes).ok());
 }
 
+// A child that writes an inherited block and forks again hands its own
+// bytes to its child, as fork does with any memory: the grandchild must
+// see 'b' (the child's), not the original process's 'a'.
+TEST(Shareable, GrandchildKeepsItsParentsWritesToAnInheritedBlock) {
+  constexpr size_t kBytes = 64 << 10;
+  auto block = AllocateShareable(kBytes);
+  ASSERT_TRUE(block.ok()) << block.status();
+  auto* bytes = static_cast<unsigned char*>(*block);
+  std::memset(bytes, 'a', kBytes);
+
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::memset(bytes, 'b', kBytes);
+    const pid_t grandchild = fork();
+    if (grandchild < 0) _exit(3);
+    if (grandchild == 0) {
+      size_t lost = 0;
+      for (size_t i = 0; i < kBytes; ++i) lost += bytes[i] != 'b';
+      _exit(lost == 0 ? 0 : 1);
+    }
+    int status = 0;
+    if (waitpid(grandchild, &status, 0) != grandchild || !WIFEXITED(status)) _exit(4);
+    if (WEXITSTATUS(status) != 0) _exit(1);
+    _exit(bytes[0] == 'b' ? 0 : 2);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "1: the grandchild saw other bytes than its parent had written; 2: the child's own "
+         "copy changed; 3, 4: fork or wait failed";
+  EXPECT_EQ(bytes[0], 'a');
+  EXPECT_TRUE(FreeShareable(bytes).ok());
+}
+
 }  // namespace
 }  // namespace ddp::transport::shm
