@@ -343,13 +343,26 @@ Tensor Tensor::FromStorage(std::shared_ptr<Storage> storage, int64_t offset, con
     throw std::invalid_argument("FromStorage: shape " + ShapeToString(shape) + " and strides " +
                                 ShapeToString(strides) + " differ in length");
   }
+  // Checked before the emptiness test below, as torch.as_strided does: an
+  // empty view with a negative offset would point before its storage, and
+  // one with a negative stride becomes out of range once a size grows.
+  if (offset < 0) {
+    throw std::out_of_range("FromStorage: storage offset " + std::to_string(offset) + " is negative (shape " +
+                            ShapeToString(shape) + ", strides " + ShapeToString(strides) + ")");
+  }
+  for (size_t i = 0; i < strides.size(); ++i) {
+    if (strides[i] < 0) {
+      throw std::invalid_argument("FromStorage: stride " + std::to_string(strides[i]) + " of dimension " +
+                                  std::to_string(i) + " in strides " + ShapeToString(strides) +
+                                  " is negative (negative strides are not supported)");
+    }
+  }
   if (NumElements(shape) > 0) {
     // The byte just past the last element, computed without wrapping: a huge
     // stride must not come back around into the storage's range.
     int64_t last = offset, end_bytes = 0;
     bool overflow = false;
     for (size_t i = 0; i < shape.size(); ++i) {
-      if (strides[i] < 0) throw std::invalid_argument("FromStorage: negative stride");
       int64_t reach;
       overflow |= __builtin_mul_overflow(shape[i] - 1, strides[i], &reach);
       overflow |= __builtin_add_overflow(last, reach, &last);
@@ -360,7 +373,7 @@ Tensor Tensor::FromStorage(std::shared_ptr<Storage> storage, int64_t offset, con
       throw std::out_of_range("FromStorage: storage size calculation overflowed for shape " + ShapeToString(shape) +
                               " strides " + ShapeToString(strides) + " offset " + std::to_string(offset));
     }
-    if (offset < 0 || static_cast<size_t>(end_bytes) > storage->nbytes()) {
+    if (static_cast<size_t>(end_bytes) > storage->nbytes()) {
       throw std::out_of_range("FromStorage: shape " + ShapeToString(shape) + " strides " +
                               ShapeToString(strides) + " offset " + std::to_string(offset) +
                               " reach past the storage's " + std::to_string(storage->nbytes()) + " bytes");

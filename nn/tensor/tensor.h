@@ -166,7 +166,9 @@ class Tensor {
                          std::function<void(void*)> deleter = {});
   /// A tensor over `storage` with explicit geometry (offset and strides in
   /// elements). Throws std::out_of_range when the geometry reaches past the
-  /// storage, including when computing its extent would overflow int64.
+  /// storage, including when computing its extent would overflow int64, and
+  /// for a negative offset even when the view is empty; a negative stride
+  /// throws std::invalid_argument naming its dimension.
   static Tensor FromStorage(std::shared_ptr<Storage> storage, int64_t offset, const Shape& shape,
                             const Shape& strides, DType dtype);
 

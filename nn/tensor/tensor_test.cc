@@ -283,6 +283,23 @@ TEST(TensorTest, FromStorageRefusesStridesThatOverflow) {
   EXPECT_EQ(flat.AsStrided({int64_t{1} << 40}, {0}, 9).numel(), int64_t{1} << 40);
 }
 
+// A negative offset or stride is refused even for a view with no elements
+// (torch.as_strided refuses both whatever the sizes), and the error names
+// the value and, for a stride, its dimension.
+TEST(TensorTest, FromStorageRefusesNegativeOffsetAndStridesOfEmptyViews) {
+  Tensor flat = Zeros({10});
+  std::string err = ErrorOf([&] { flat.AsStrided({0}, {1}, -1); });
+  EXPECT_NE(err.find("FromStorage: storage offset -1 is negative"), std::string::npos) << err;
+  EXPECT_THROW(flat.AsStrided({0, 3}, {3, 1}, -4), std::out_of_range);
+  err = ErrorOf([&] { flat.AsStrided({0, 2}, {1, -2}, 0); });
+  EXPECT_NE(err.find("FromStorage: stride -2 of dimension 1 in strides [1, -2] is negative"), std::string::npos)
+      << err;
+  err = ErrorOf([&] { flat.AsStrided({2, 2}, {-1, 1}, 4); });
+  EXPECT_NE(err.find("stride -1 of dimension 0"), std::string::npos) << err;
+  // An empty view may still sit anywhere at or after the storage's start.
+  EXPECT_EQ(flat.AsStrided({0}, {1}, 25).storage_offset(), 25);
+}
+
 TEST(TensorTest, FromBlobWrapsWithoutCopyAndRunsDeleter) {
   bool deleted = false;
   float buf[4] = {1, 2, 3, 4};
