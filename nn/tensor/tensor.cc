@@ -583,8 +583,13 @@ Tensor Tensor::Select(int64_t d, int64_t index) const {
 Tensor Tensor::Unsqueeze(int64_t d) const {
   CheckNoHistoryLoss("Unsqueeze");
   const int64_t n = dim();
+  const int64_t given = d;
   if (d < 0) d += n + 1;
-  if (d < 0 || d > n) throw std::out_of_range("Unsqueeze: dimension out of range for shape " + ShapeToString(shape()));
+  if (d < 0 || d > n) {
+    throw std::out_of_range("Unsqueeze: dimension " + std::to_string(given) + " out of range for shape " +
+                            ShapeToString(shape()) + " (expected " + std::to_string(-n - 1) + " to " +
+                            std::to_string(n) + ")");
+  }
   Shape sh = shape(), st = strides();
   const int64_t s = d < n ? st[d] * sh[d] : 1;
   sh.insert(sh.begin() + d, 1);
@@ -617,7 +622,12 @@ Tensor Tensor::Expand(const Shape& target) const {
   Shape out = target;
   for (size_t i = 0; i < target.size(); ++i) {
     if (i < lead) {
-      if (target[i] < 0) throw std::invalid_argument("Expand: -1 in a new leading dimension");
+      if (target[i] < 0) {
+        throw std::invalid_argument("Expand: size " + std::to_string(target[i]) + " in new leading dimension " +
+                                    std::to_string(i) + " of " + ShapeToString(target) +
+                                    " (a new dimension needs its size; the tensor has shape " + ShapeToString(sh) +
+                                    ")");
+      }
       continue;
     }
     const int64_t s = sh[i - lead];
@@ -640,10 +650,24 @@ Tensor Tensor::Expand(const Shape& target) const {
 
 Tensor Tensor::Flatten(int64_t start, int64_t end) const {
   CheckNoHistoryLoss("Flatten");
-  if (dim() == 0) return Reshape({1});
+  if (dim() == 0) {
+    // As torch.flatten, a 0-d tensor takes 0 and -1 (as one dimension would) and nothing else.
+    for (const int64_t d : {start, end}) {
+      if (d != 0 && d != -1) {
+        throw std::out_of_range("Flatten: dimension " + std::to_string(d) +
+                                " out of range for a 0-d tensor (expected 0 or -1)");
+      }
+    }
+    return Reshape({1});
+  }
+  const int64_t given_start = start, given_end = end;
   start = WrapDim(start);
   end = WrapDim(end);
-  if (start > end) throw std::invalid_argument("Flatten: start dimension after end dimension");
+  if (start > end) {
+    throw std::invalid_argument("Flatten: start dimension " + std::to_string(given_start) +
+                                " comes after end dimension " + std::to_string(given_end) + " in shape " +
+                                ShapeToString(shape()));
+  }
   Shape target;
   for (int64_t i = 0; i < start; ++i) target.push_back(shape()[i]);
   int64_t m = 1;

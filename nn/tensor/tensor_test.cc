@@ -300,6 +300,29 @@ TEST(TensorTest, FromStorageRefusesNegativeOffsetAndStridesOfEmptyViews) {
   EXPECT_EQ(flat.AsStrided({0}, {1}, 25).storage_offset(), 25);
 }
 
+// Bad arguments to Unsqueeze, Expand and Flatten are named in the error,
+// with the shape they were given for; a 0-d tensor flattens only over
+// dimension 0 or -1, as in PyTorch.
+TEST(TensorTest, ViewErrorsNameTheBadArgument) {
+  std::string err = ErrorOf([&] { Zeros({2, 3}).Unsqueeze(-4); });
+  EXPECT_NE(err.find("Unsqueeze: dimension -4 out of range for shape [2, 3] (expected -3 to 2)"), std::string::npos)
+      << err;
+  EXPECT_THROW(Zeros({2, 3}).Unsqueeze(3), std::out_of_range);
+  EXPECT_EQ(Zeros({2, 3}).Unsqueeze(-3).shape(), (Shape{1, 2, 3}));
+  err = ErrorOf([&] { Zeros({3}).Expand({-1, 3}); });
+  EXPECT_NE(err.find("Expand: size -1 in new leading dimension 0 of [-1, 3]"), std::string::npos) << err;
+  err = ErrorOf([&] { Zeros({3}).Expand({2, -7, 3}); });
+  EXPECT_NE(err.find("size -7 in new leading dimension 1"), std::string::npos) << err;
+  err = ErrorOf([&] { Zeros({2, 3, 4}).Flatten(2, 1); });
+  EXPECT_NE(err.find("Flatten: start dimension 2 comes after end dimension 1 in shape [2, 3, 4]"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(Full({}, 1.0).Flatten(0, -1).shape(), (Shape{1}));
+  err = ErrorOf([&] { Full({}, 1.0).Flatten(1); });
+  EXPECT_NE(err.find("Flatten: dimension 1 out of range for a 0-d tensor"), std::string::npos) << err;
+  EXPECT_THROW(Full({}, 1.0).Flatten(0, -2), std::out_of_range);
+}
+
 TEST(TensorTest, FromBlobWrapsWithoutCopyAndRunsDeleter) {
   bool deleted = false;
   float buf[4] = {1, 2, 3, 4};
