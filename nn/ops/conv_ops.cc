@@ -70,7 +70,10 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   if (p.groups < 1) throw std::invalid_argument("conv2d: groups must be positive, got " + std::to_string(p.groups));
   CheckPositive("conv2d", "stride", p.stride_h, p.stride_w);
   CheckPositive("conv2d", "dilation", p.dilation_h, p.dilation_w);
-  if (p.pad_h < 0 || p.pad_w < 0) throw std::invalid_argument("conv2d: negative padding");
+  if (p.pad_h < 0 || p.pad_w < 0) {
+    throw std::invalid_argument("conv2d: padding must be non-negative, got (" + std::to_string(p.pad_h) + ", " +
+                                std::to_string(p.pad_w) + ")");
+  }
   const int64_t cin = w.size(1) * p.groups;
   if (x_in.dim() != 4 || x_in.size(1) != cin) {
     throw std::invalid_argument("conv2d: expected input [N, " + std::to_string(cin) + ", H, W], got " +

@@ -1039,5 +1039,29 @@ TEST(KernelsTest, ConvOutputSizeRefusesBadGeometryByName) {
   EXPECT_EQ(ConvOutputSize(5, 3, 1, 0, 1), 3);
 }
 
+// Conv2d's padding and Matmul's 0-d operands are refused naming the values
+// (the messages were "negative padding" and "0-d operands are not supported").
+TEST(KernelsTest, ConvPaddingAndMatmulRankErrorsNameTheValues) {
+  const auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  Conv2dParams p;
+  p.pad_h = 1;
+  p.pad_w = -2;
+  EXPECT_EQ(error([&] { Conv2d(Zeros({1, 1, 4, 4}), Zeros({1, 1, 3, 3}), Tensor(), p); }),
+            "conv2d: padding must be non-negative, got (1, -2)");
+  EXPECT_EQ(error([&] { Matmul(Zeros({}), Zeros({3})); }),
+            "matmul: both operands need at least one dimension, got shapes [] and [3] (a is 0-d)");
+  EXPECT_EQ(error([&] { Matmul(Zeros({2, 3}), Zeros({})); }),
+            "matmul: both operands need at least one dimension, got shapes [2, 3] and [] (b is 0-d)");
+  EXPECT_EQ(error([&] { Matmul(Zeros({}), Zeros({})); }),
+            "matmul: both operands need at least one dimension, got shapes [] and [] (both are 0-d)");
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

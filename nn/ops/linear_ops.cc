@@ -88,7 +88,11 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
   const Tensor a_in = autocast::ToLowPrecision(a_orig), b_in = autocast::ToLowPrecision(b_orig);
   CheckFloatingSameType("matmul", a_in, b_in);
   const int64_t da = a_in.dim(), db = b_in.dim();
-  if (da == 0 || db == 0) throw std::invalid_argument("matmul: 0-d operands are not supported");
+  if (da == 0 || db == 0) {
+    throw std::invalid_argument("matmul: both operands need at least one dimension, got shapes " +
+                                ShapeToString(a_in.shape()) + " and " + ShapeToString(b_in.shape()) + " (" +
+                                (da == 0 && db == 0 ? "both are" : da == 0 ? "a is" : "b is") + " 0-d)");
+  }
   if (da == 1 && db == 1) {
     if (a_in.size(0) != b_in.size(0)) {
       throw std::invalid_argument("matmul: vectors of length " + std::to_string(a_in.size(0)) + " and " +
