@@ -782,6 +782,9 @@ TEST(KernelsTest, ScalarTakesDimZeroOrMinusOne) {
     EXPECT_EQ(Sum(Full({}, 3.0), {dim}).Item(), 3.0);
     EXPECT_EQ(Sum(Full({}, 3.0), {dim}, /*keepdim=*/true).shape(), Shape{});
     EXPECT_EQ(Mean(Full({}, 3.0), {dim}).Item(), 3.0);
+    Tensor leaf = Full({}, 3.0, {.requires_grad = true});
+    Backward(Mul(Transpose(leaf, dim, 0), Full({}, 2.0)));
+    EXPECT_EQ(leaf.grad().Item(), 2.0);
   }
   const Tensor s = Full({}, 3.0);
   for (int64_t dim : {1, -2}) {

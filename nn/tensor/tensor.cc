@@ -498,6 +498,17 @@ Tensor Tensor::Reshape(const Shape& shape) const {
 
 Tensor Tensor::Transpose(int64_t d0, int64_t d1) const {
   CheckNoHistoryLoss("Transpose");
+  if (dim() == 0) {
+    // torch.transpose takes a 0-d tensor as having one dimension, 0 (or
+    // -1): swapping it with itself leaves the scalar as it is.
+    for (const int64_t d : {d0, d1}) {
+      if (d != 0 && d != -1) {
+        throw std::out_of_range("Transpose: dimension " + std::to_string(d) +
+                                " out of range for a 0-d tensor (expected 0 or -1)");
+      }
+    }
+    return Tensor(std::make_shared<TensorImpl>(storage(), storage_offset(), shape(), strides(), dtype()));
+  }
   d0 = WrapDim(d0);
   d1 = WrapDim(d1);
   Shape sh = shape(), st = strides();

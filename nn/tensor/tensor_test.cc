@@ -323,6 +323,21 @@ TEST(TensorTest, ViewErrorsNameTheBadArgument) {
   EXPECT_THROW(Full({}, 1.0).Flatten(0, -2), std::out_of_range);
 }
 
+// A 0-d tensor transposes over dimension 0 (or -1) with itself, as
+// torch.tensor(3.).transpose(0, -1), and refuses any other dimension.
+TEST(TensorTest, TransposeOfAScalarTakesDimZeroOrMinusOne) {
+  const Tensor s = Full({}, 3.0);
+  for (const auto& [d0, d1] : {std::pair<int64_t, int64_t>{0, 0}, {0, -1}, {-1, 0}, {-1, -1}}) {
+    const Tensor t = s.Transpose(d0, d1);
+    EXPECT_EQ(t.shape(), Shape{});
+    EXPECT_EQ(t.data_ptr(), s.data_ptr());
+    EXPECT_EQ(t.Item(), 3.0);
+  }
+  const std::string err = ErrorOf([&] { s.Transpose(0, 1); });
+  EXPECT_NE(err.find("Transpose: dimension 1 out of range for a 0-d tensor"), std::string::npos) << err;
+  EXPECT_THROW(s.Transpose(-2, 0), std::out_of_range);
+}
+
 TEST(TensorTest, FromBlobWrapsWithoutCopyAndRunsDeleter) {
   bool deleted = false;
   float buf[4] = {1, 2, 3, 4};
