@@ -123,6 +123,7 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
 namespace {
 
 Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool dilated) {
+  detail::CheckDefinedOperand(op, "input", x);
   if (x.dim() != 4) throw std::invalid_argument(std::string(op) + ": expected input [N, C, H, W], got " + ShapeToString(x.shape()));
   CheckPositive(op, "kernel size", p.kernel_h, p.kernel_w);
   CheckPositive(op, "stride", p.stride_h, p.stride_w);
@@ -188,6 +189,7 @@ Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p) {
 }
 
 Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
+  detail::CheckDefinedOperand("adaptive_avg_pool2d", "input", x);
   if (x.dim() != 4) {
     throw std::invalid_argument("adaptive_avg_pool2d: expected input [N, C, H, W], got " + ShapeToString(x.shape()));
   }

@@ -35,7 +35,12 @@ void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b) {
   }
 }
 
+void CheckDefinedOperand(const std::string& op, const char* what, const Tensor& t) {
+  if (!t.defined()) throw std::invalid_argument(op + ": " + what + " is undefined");
+}
+
 void CheckFloatingOperand(const char* op, const char* what, const Tensor& t) {
+  CheckDefinedOperand(op, what, t);
   if (!IsFloating(t.dtype())) {
     throw std::invalid_argument(std::string(op) + ": " + what + " must be floating, got " +
                                 std::string(DTypeName(t.dtype())));

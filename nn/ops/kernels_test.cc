@@ -1066,5 +1066,39 @@ TEST(KernelsTest, ConvPaddingAndMatmulRankErrorsNameTheValues) {
             "matmul: both operands need at least one dimension, got shapes [] and [] (both are 0-d)");
 }
 
+// An undefined tensor passed to an op is reported with the op's name and
+// the argument's (the accessors underneath could only say "shape on an
+// undefined tensor", which named neither).
+TEST(KernelsTest, UndefinedInputsNameTheOpAndArgument) {
+  const auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Tensor none, x = Ones({2, 3}), img = Ones({1, 1, 4, 4});
+  Pool2dParams pool;
+  pool.kernel_h = pool.kernel_w = 2;
+  EXPECT_EQ(error([&] { Sum(none); }), "Sum: input is undefined");
+  EXPECT_EQ(error([&] { Sum(none, {0}); }), "Sum: input is undefined");
+  EXPECT_EQ(error([&] { Mean(none); }), "Mean: input is undefined");
+  EXPECT_EQ(error([&] { Mean(none, {0}, true); }), "Mean: input is undefined");
+  EXPECT_EQ(error([&] { Argmax(none, 0); }), "argmax: input is undefined");
+  EXPECT_EQ(error([&] { LogSoftmax(none, 0); }), "log_softmax: input is undefined");
+  EXPECT_EQ(error([&] { Softmax(none, 0); }), "softmax: input is undefined");
+  EXPECT_EQ(error([&] { Matmul(none, x); }), "matmul: operand a is undefined");
+  EXPECT_EQ(error([&] { Matmul(x, none); }), "matmul: operand b is undefined");
+  EXPECT_EQ(error([&] { Linear(none, x, Tensor()); }), "linear: input is undefined");
+  EXPECT_EQ(error([&] { Linear(Ones({3}), none, Tensor()); }), "linear: weight is undefined");
+  EXPECT_EQ(error([&] { Conv2d(img, none, Tensor()); }), "conv2d: weight is undefined");
+  EXPECT_EQ(error([&] { MaxPool2d(none, pool); }), "max_pool2d: input is undefined");
+  EXPECT_EQ(error([&] { AvgPool2d(none, pool); }), "avg_pool2d: input is undefined");
+  EXPECT_EQ(error([&] { AdaptiveAvgPool2d(none, 1, 1); }), "adaptive_avg_pool2d: input is undefined");
+  EXPECT_EQ(error([&] { BatchNorm(none, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5); }),
+            "batch_norm: input is undefined");
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

@@ -84,6 +84,8 @@ Tensor Bmm(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
+  detail::CheckDefinedOperand("matmul", "operand a", a_orig);
+  detail::CheckDefinedOperand("matmul", "operand b", b_orig);
   // Autocast: both operands in the low dtype (a no-op when it is off).
   const Tensor a_in = autocast::ToLowPrecision(a_orig), b_in = autocast::ToLowPrecision(b_orig);
   CheckFloatingSameType("matmul", a_in, b_in);

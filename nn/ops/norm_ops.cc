@@ -14,6 +14,7 @@ using detail::LambdaNode;
 
 Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                  const Tensor& bias, bool training, double momentum, double eps) {
+  detail::CheckDefinedOperand("batch_norm", "input", x);
   if (x.dim() < 2) throw std::invalid_argument("batch_norm: expected input [N, C, ...], got " + ShapeToString(x.shape()));
   const int64_t c = x.size(1);
   auto check = [&](const Tensor& t, const char* name) {

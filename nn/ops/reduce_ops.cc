@@ -131,21 +131,27 @@ double MeanScale(double n) { return n == 0 ? std::numeric_limits<double>::quiet_
 
 }  // namespace
 
-Tensor Sum(const Tensor& x) { return Sum(x, AllDims(x), false); }
+Tensor Sum(const Tensor& x) {
+  detail::CheckDefinedOperand("Sum", "input", x);
+  return Sum(x, AllDims(x), false);
+}
 
 // An empty dims list means every dimension, as in PyTorch 1.13's
 // sum(dim=[]) and mean(dim=[]).
 Tensor Sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  detail::CheckDefinedOperand("Sum", "input", x);
   const std::vector<int64_t> over = dims.empty() ? AllDims(x) : dims;
-  if (x.defined() && !IsFloating(x.dtype())) return IntegerSum(x, over, keepdim);
+  if (!IsFloating(x.dtype())) return IntegerSum(x, over, keepdim);
   return Reduce(x, over, keepdim, 1.0, "SumBackward");
 }
 
 Tensor Mean(const Tensor& x) {
+  detail::CheckDefinedOperand("Mean", "input", x);
   return Reduce(x, AllDims(x), false, MeanScale(static_cast<double>(x.numel())), "MeanBackward");
 }
 
 Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  detail::CheckDefinedOperand("Mean", "input", x);
   if (dims.empty()) {
     return Reduce(x, AllDims(x), keepdim, MeanScale(static_cast<double>(x.numel())), "MeanBackward");
   }
@@ -153,6 +159,7 @@ Tensor Mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor Argmax(const Tensor& x, int64_t dim) {
+  detail::CheckDefinedOperand("argmax", "input", x);
   dim = detail::WrapDimOf("argmax", x, dim);
   if (x.dim() == 0) return Zeros({}, {.dtype = DType::kInt64, .device = x.device()});  // its only element
   if (x.size(dim) == 0) {

@@ -10,6 +10,7 @@ namespace ddp::nn::ops {
 using detail::LambdaNode;
 
 Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
+  detail::CheckDefinedOperand("log_softmax", "input", x_in);
   if (x_in.dim() == 0) {
     // PyTorch takes a scalar as one element along dim 0 (or -1): log-softmax
     // of it is 0 for a finite value (and softmax 1).
@@ -37,6 +38,7 @@ Tensor LogSoftmax(const Tensor& x_in, int64_t dim) {
 }
 
 Tensor Softmax(const Tensor& x_in, int64_t dim) {
+  detail::CheckDefinedOperand("softmax", "input", x_in);
   const Tensor x = autocast::ToFloat32(x_in);
   // Checked here too, so that an error names softmax rather than the
   // log_softmax it is computed with.
