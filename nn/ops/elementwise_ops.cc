@@ -35,8 +35,8 @@ void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b) {
   }
 }
 
-void CheckDefinedOperand(const std::string& op, const char* what, const Tensor& t) {
-  if (!t.defined()) throw std::invalid_argument(op + ": " + what + " is undefined");
+void CheckDefinedOperand(const char* op, const char* what, const Tensor& t) {
+  if (!t.defined()) throw std::invalid_argument(std::string(op) + ": " + what + " is undefined");
 }
 
 void CheckFloatingOperand(const char* op, const char* what, const Tensor& t) {

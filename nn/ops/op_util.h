@@ -72,7 +72,7 @@ void CheckSameDevice(const char* op, const Tensor& a, const Tensor& b);
 /// Throws "<op>: <what> is undefined" for an undefined t, so that a missing
 /// operand names the op it was passed to (the tensor accessors can only
 /// say "shape on an undefined tensor").
-void CheckDefinedOperand(const std::string& op, const char* what, const Tensor& t);
+void CheckDefinedOperand(const char* op, const char* what, const Tensor& t);
 /// Throws "<op>: <what> must be floating, got <dtype>" for an integer t (and
 /// as CheckDefinedOperand for an undefined one).
 void CheckFloatingOperand(const char* op, const char* what, const Tensor& t);
