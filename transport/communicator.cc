@@ -42,6 +42,7 @@
 #include "transport/reduce/reduce.h"
 #include "transport/shm/shm_allreduce.h"
 #include "transport/store/tcp_store.h"
+#include "transport/topology/cpus.h"
 #include "transport/topology/discover.h"
 #include "transport/topology/topology.h"
 #include "transport/ucx/resources.h"
@@ -141,12 +142,9 @@ void BindToCore(int index) {
   sched_setaffinity(0, sizeof(one), &one);
 }
 
-// CPUs this process may run on: what "oversubscribed" is measured against.
-int AvailableCpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
-}
+// CPUs this process may keep busy (its affinity mask, capped by a cgroup
+// CPU quota): what "oversubscribed" is measured against.
+int AvailableCpus() { return topology::UsableCpus(); }
 
 // The rendezvous store this rank serves (host_store on rank 0), shared with
 // the communicators split off here. `users` are the key prefixes and rank

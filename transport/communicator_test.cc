@@ -38,6 +38,7 @@
 #include "transport/store/tcp_store.h"
 #include "transport/testing/expected_values.h"
 #include "transport/testing/process_group.h"
+#include "transport/topology/cpus.h"
 
 namespace ddp::transport {
 namespace internal {
@@ -1772,9 +1773,7 @@ TEST(Communicator, PeerWaitTimeCountsTheWaitForALateRank) {
 // Waits yield once the busy threads of the host's ranks outnumber the cores
 // this process may use, and spin otherwise.
 TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
-  cpu_set_t set;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
-  const int cpus = CPU_COUNT(&set);
+  const int cpus = topology::UsableCpus();
   const std::pair<int, bool> cases[] = {
       {0, 2 > cpus}, {1, 2 > cpus}, {2, 4 > cpus}, {cpus, 2 * cpus > cpus}};
   for (const auto& [busy, yields] : cases) {
@@ -1793,9 +1792,7 @@ TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
 // ddp::ProcessGroup does when it moves collectives onto the caller), and
 // collectives still work after it.
 TEST(Communicator, SetBusyThreadsPerRankChoosesTheIdlePolicyAgain) {
-  cpu_set_t set;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
-  const int cpus = CPU_COUNT(&set);
+  const int cpus = topology::UsableCpus();
   // {at creation, set later}
   const std::pair<int, int> cases[] = {{cpus, 1}, {1, cpus}, {2, 0}};
   for (const auto& [created, set_to] : cases) {

@@ -110,7 +110,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
 (as torchrun). Node 0's launcher serves the rendezvous store.
 
   --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
-                       GPU, cpu: one per CPU, auto: gpu if any, else cpu
+                       GPU, cpu: one per CPU (of the affinity mask, capped
+                       by a cgroup CPU quota), auto: gpu if any, else cpu
   --nnodes=N           nodes in the job (default 1); MIN:MAX with c10d: as
                        many as join, at least MIN, formed anew at every
                        restart (elastic)

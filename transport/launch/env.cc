@@ -11,6 +11,8 @@
 #include <optional>
 #include <system_error>
 
+#include "transport/topology/cpus.h"
+
 extern char** environ;
 
 namespace ddp::transport::launch {
@@ -475,13 +477,9 @@ StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env, const 
     }
   }
   if (text == "cpu" || text == "auto") {
-    // A fixed cpu_set_t holds 1024 CPUs; beyond that the call fails and
-    // the online count stands in.
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    const long cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
-                                                                    : sysconf(_SC_NPROCESSORS_ONLN);
-    return static_cast<int>(std::clamp<long>(cpus, 1, kMaxProcPerNode));
+    // The CPUs this launcher may keep busy: a container's quota (--cpus)
+    // caps the affinity mask, which lists every core of the host there.
+    return std::clamp(topology::UsableCpus(), 1, kMaxProcPerNode);
   }
   int n = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);

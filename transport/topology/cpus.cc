@@ -1,0 +1,132 @@
+#include "transport/topology/cpus.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+namespace ddp::transport::topology {
+namespace {
+
+// The file's first line; nullopt when it cannot be read.
+std::optional<std::string> FirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) return std::nullopt;
+  return line;
+}
+
+// A whole non-negative decimal number, or nullopt.
+std::optional<double> Number(const std::string& text) {
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  try {
+    return std::stod(text);
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+// The folders from `path` (a cgroup's path, "/a/b") up to the root: "/a/b",
+// "/a", "".
+std::vector<std::string> SelfAndAncestors(std::string path) {
+  std::vector<std::string> out;
+  while (!path.empty() && path.back() == '/') path.pop_back();
+  for (;;) {
+    out.push_back(path);
+    if (path.empty()) break;
+    const size_t slash = path.rfind('/');
+    path = slash == std::string::npos ? "" : path.substr(0, slash);
+  }
+  return out;
+}
+
+// v2: "max 100000" (no quota) or "<quota> <period>".
+std::optional<double> QuotaV2(const std::string& folder) {
+  const std::optional<std::string> line = FirstLine(folder + "/cpu.max");
+  if (!line) return std::nullopt;
+  std::istringstream in(*line);
+  std::string quota, period;
+  in >> quota >> period;
+  const std::optional<double> q = Number(quota), p = Number(period);
+  if (!q || !p || *p <= 0 || *q <= 0) return std::nullopt;
+  return *q / *p;
+}
+
+// v1: cpu.cfs_quota_us is -1 without a quota.
+std::optional<double> QuotaV1(const std::string& folder) {
+  const std::optional<std::string> quota = FirstLine(folder + "/cpu.cfs_quota_us");
+  const std::optional<std::string> period = FirstLine(folder + "/cpu.cfs_period_us");
+  if (!quota || !period) return std::nullopt;
+  const std::optional<double> q = Number(*quota), p = Number(*period);
+  if (!q || !p || *p <= 0 || *q <= 0) return std::nullopt;
+  return *q / *p;
+}
+
+// The least quota of the folders from `mount` + `path` up to `mount`.
+std::optional<double> LeastQuota(const std::string& mount, const std::string& path, bool v2) {
+  std::optional<double> least;
+  for (const std::string& folder : SelfAndAncestors(path)) {
+    const std::optional<double> q = v2 ? QuotaV2(mount + folder) : QuotaV1(mount + folder);
+    if (q && (!least || *q < *least)) least = q;
+  }
+  return least;
+}
+
+}  // namespace
+
+std::optional<double> CpuQuotaFrom(const std::string& proc_self_cgroup, const std::string& cgroup_root) {
+  std::optional<double> least;
+  const auto take = [&least](std::optional<double> q) {
+    if (q && (!least || *q < *least)) least = q;
+  };
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  while (std::getline(lines, line)) {
+    // "<id>:<controllers>:<path>"; v2's line is "0::<path>".
+    const size_t first = line.find(':');
+    const size_t second = first == std::string::npos ? std::string::npos : line.find(':', first + 1);
+    if (second == std::string::npos) continue;
+    const std::string id = line.substr(0, first);
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    const std::string path = line.substr(second + 1);
+    if (id == "0" && controllers.empty()) {
+      take(LeastQuota(cgroup_root, path, /*v2=*/true));
+      take(LeastQuota(cgroup_root + "/unified", path, /*v2=*/true));
+      continue;
+    }
+    std::vector<std::string> names;
+    std::istringstream split(controllers);
+    for (std::string name; std::getline(split, name, ',');) names.push_back(name);
+    if (std::find(names.begin(), names.end(), "cpu") == names.end()) continue;
+    for (const char* mount : {"/cpu", "/cpu,cpuacct", "/cpuacct,cpu"}) {
+      take(LeastQuota(cgroup_root + mount, path, /*v2=*/false));
+    }
+  }
+  return least;
+}
+
+std::optional<double> CpuQuota() {
+  std::ifstream in("/proc/self/cgroup");
+  if (!in) return std::nullopt;
+  std::stringstream text;
+  text << in.rdbuf();
+  return CpuQuotaFrom(text.str(), "/sys/fs/cgroup");
+}
+
+int UsableCpus() {
+  // A fixed cpu_set_t holds 1024 CPUs; beyond that the call fails and the
+  // online count stands in.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  long cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+  if (const std::optional<double> quota = CpuQuota()) {
+    cpus = std::min(cpus, static_cast<long>(std::ceil(*quota)));
+  }
+  return static_cast<int>(std::max(1L, cpus));
+}
+
+}  // namespace ddp::transport::topology
