@@ -15,11 +15,14 @@ namespace {
 
 // One cached cast of a parameter. The source is held weakly so the cache
 // never keeps a parameter alive; storage and version detect SetData and
-// in-place updates (an optimizer step) since the cast was made.
+// in-place updates (an optimizer step) since the cast was made, and the
+// view's geometry a SetData onto another view of the same storage.
 struct CachedCast {
   std::weak_ptr<TensorImpl> source;
   const Storage* storage;
   uint64_t version;
+  int64_t offset;
+  Shape shape, strides;
   Tensor result;
 };
 
@@ -77,12 +80,14 @@ Tensor CastMaybeCached(const Tensor& x, DType dtype) {
   auto it = tls_state.cache.find(key);
   if (it != tls_state.cache.end()) {
     const CachedCast& c = it->second;
-    if (c.source.lock() == x.impl_ptr() && c.storage == x.storage().get() && c.version == x.storage()->version()) {
+    if (c.source.lock() == x.impl_ptr() && c.storage == x.storage().get() && c.version == x.storage()->version() &&
+        c.offset == x.storage_offset() && c.shape == x.shape() && c.strides == x.strides()) {
       return c.result;
     }
   }
   Tensor result = Cast(x, dtype);
-  tls_state.cache[key] = CachedCast{x.impl_ptr(), x.storage().get(), x.storage()->version(), result};
+  tls_state.cache[key] = CachedCast{x.impl_ptr(), x.storage().get(), x.storage()->version(), x.storage_offset(),
+                                    x.shape(), x.strides(), result};
   return result;
 }
 

@@ -308,6 +308,28 @@ TEST(AutocastTest, CastOfAParameterIsCachedUntilItChanges) {
   EXPECT_EQ(ops::autocast::CachedCasts(), 0u);
 }
 
+// SetData onto another view of the same storage, with no write between:
+// the storage and its version are unchanged, yet the cached cast is of the
+// old view's values and shape.
+TEST(AutocastTest, ACachedCastIsNotReusedAfterSetDataToAnotherViewOfItsStorage) {
+  const Tensor whole = FromVector(std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8}, {2, 4});
+  Tensor w = whole.Narrow(0, 0, 1).Detach().set_requires_grad(true);  // [[1, 2, 3, 4]]
+  const Tensor x = Ones({1, 4});
+  AutocastGuard guard(DType::kBFloat16);
+  EXPECT_EQ(ops::Linear(x, w, Tensor()).Item(), 10.0);
+  {
+    NoGradGuard no_grad;
+    w.SetData(whole.Narrow(0, 1, 1));  // [[5, 6, 7, 8]], the same storage
+  }
+  EXPECT_EQ(ops::Linear(x, w, Tensor()).Item(), 26.0);
+  {
+    NoGradGuard no_grad;
+    w.SetData(whole.Narrow(1, 0, 2).Transpose(0, 1));  // [[1, 5], [2, 6]]: the shape changes too
+  }
+  EXPECT_EQ(ops::Linear(Ones({1, 2}), w, Tensor()).Detach().To(DType::kFloat32).ToVector<float>(),
+            (std::vector<float>{6, 8}));
+}
+
 double MeanOf(const std::vector<double>& v, size_t from, size_t to) {
   return std::accumulate(v.begin() + from, v.begin() + to, 0.0) / static_cast<double>(to - from);
 }
