@@ -11,9 +11,12 @@
 #include <charconv>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string_view>
 
 namespace ddp::transport::shm {
@@ -33,12 +36,11 @@ Status GroupFailure(int rank, const std::string& reason) {
 }
 
 // A segment's name lives from its creation until every rank mapped it,
-// within set-up's deadline (300 s by default); one older than this whose
-// creator is dead was left by a job killed meanwhile. The age guards
-// against pid namespaces: a creator in another one (a container sharing
-// this /dev/shm) may look dead here while its slow ranks still open the
-// name.
-constexpr time_t kStaleAfterSeconds = 600;
+// within set-up's deadline (300 s by default); one older than the stale age
+// (RemoveStaleSegments) whose creator is gone was left by a job killed
+// meanwhile. The age guards against pid namespaces: a creator in another
+// one (a container sharing this /dev/shm) may look dead here, or its pid
+// belong to another process here, while its slow ranks still open the name.
 
 // The creator's pid in a segment name "ddp-<pid>-<number>" (as CreateShared
 // names them), else -1.
@@ -58,9 +60,46 @@ pid_t CreatorOf(std::string_view name) {
   return pid > 0 ? pid : -1;
 }
 
+// Whether the process `pid` still is the one that last modified a file at
+// `modified` (seconds since the epoch): it exists, is not a zombie, and
+// started no later (to the second /proc gives). A process that cannot be
+// read counts as the creator: only a clear sign of death removes a name.
+bool CreatorAlive(pid_t pid, time_t modified) {
+  // EPERM: alive, another user's.
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(stat_file, stat)) return true;
+  // "<pid> (<comm>) <state> <ppid> ...": comm may hold spaces and ')'.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return true;
+  std::istringstream fields(stat.substr(close + 1));
+  std::string state;
+  fields >> state;
+  if (state == "Z" || state == "X") return false;
+  // starttime is the 22nd field: clock ticks since boot, after the 18
+  // fields from ppid (the 4th) to itrealvalue (the 21st).
+  std::string field;
+  for (int i = 0; i < 18 && (fields >> field); ++i) {
+  }
+  unsigned long long start_ticks = 0;
+  if (!(fields >> start_ticks)) return true;
+  std::ifstream proc_stat("/proc/stat");
+  long long boot = -1;
+  for (std::string line; std::getline(proc_stat, line);) {
+    if (line.rfind("btime ", 0) == 0) boot = std::atoll(line.c_str() + 6);
+  }
+  const long ticks = sysconf(_SC_CLK_TCK);
+  if (boot < 0 || ticks <= 0) return true;
+  const long long started = boot + static_cast<long long>(start_ticks / static_cast<unsigned long long>(ticks));
+  // btime and starttime are whole seconds and ticks: a second of slack
+  // each way.
+  return started <= static_cast<long long>(modified) + 2;
+}
+
 }  // namespace
 
-int RemoveStaleSegments(const std::string& dir) {
+int RemoveStaleSegments(const std::string& dir, long stale_after_s) {
   DIR* listing = opendir(dir.c_str());
   if (listing == nullptr) return 0;
   int removed = 0;
@@ -71,11 +110,10 @@ int RemoveStaleSegments(const std::string& dir) {
     struct stat st {};
     if (fstatat(dirfd(listing), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
         !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
-        now - st.st_mtime < kStaleAfterSeconds) {
+        now - st.st_mtime < stale_after_s) {
       continue;
     }
-    // EPERM: alive, another user's.
-    if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+    if (CreatorAlive(pid, st.st_mtime)) continue;
     if (unlinkat(dirfd(listing), entry->d_name, 0) == 0) ++removed;
   }
   closedir(listing);

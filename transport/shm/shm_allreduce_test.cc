@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <optional>
 #include <string>
@@ -1076,9 +1078,9 @@ TEST(ShmAllReduce, RankZeroThatCannotCreateTheSegmentFailsCreationOnEveryRankAtO
 }
 
 // A segment name left in /dev/shm by a job killed during set-up (its
-// creator is dead) is removed when a later group creates its segment; the
-// names of live creators, and fresh names (a creator in another pid
-// namespace may look dead here), stay.
+// creator is dead) is removed when a later group creates its segment;
+// fresh names (a creator in another pid namespace may look dead here)
+// stay. (Live creators: StaleSegmentsOfReusedPidsAndZombiesGo below.)
 TEST(ShmAllReduce, CreatingASegmentRemovesStaleNamesOfDeadCreators) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
@@ -1100,7 +1102,6 @@ TEST(ShmAllReduce, CreatingASegmentRemovesStaleNamesOfDeadCreators) {
   };
   const std::string stale = make(dead, "4242", /*old=*/true);
   const std::string fresh = make(dead, "4343", /*old=*/false);
-  const std::string live = make(getpid(), "4444", /*old=*/true);
   const std::string other = "/dev/shm/ddp-" + std::to_string(dead) + "-x";  // not a segment name
   const int fd = open(other.c_str(), O_CREAT | O_RDWR, 0600);
   ASSERT_GE(fd, 0);
@@ -1110,9 +1111,61 @@ TEST(ShmAllReduce, CreatingASegmentRemovesStaleNamesOfDeadCreators) {
   auto group = MakeGroup(2, 4096, 1024);
   EXPECT_NE(access(stale.c_str(), F_OK), 0) << stale << " is still there";
   EXPECT_EQ(access(fresh.c_str(), F_OK), 0) << fresh << " was removed";
-  EXPECT_EQ(access(live.c_str(), F_OK), 0) << live << " was removed";
   EXPECT_EQ(access(other.c_str(), F_OK), 0) << other << " was removed";
-  for (const std::string& path : {stale, fresh, live, other}) unlink(path.c_str());
+  for (const std::string& path : {stale, fresh, other}) unlink(path.c_str());
+}
+
+// The creator's pid alone does not tell it is alive: a name whose pid now
+// belongs to a process started after the name was last written (the pid
+// was reused), or to a zombie, is stale too; a name written by a live
+// process after it started stays. (Both went unremoved until that process
+// exited: kill(pid, 0) succeeds for either.) Run in a folder of its own
+// with a stale age of 0, so that names of live processes are candidates.
+TEST(ShmAllReduce, StaleSegmentsOfReusedPidsAndZombiesGo) {
+  char pattern[] = "/tmp/shm_stale_XXXXXX";
+  const std::string dir = mkdtemp(pattern);
+  auto make = [&dir](pid_t pid, const char* suffix, time_t modified) {
+    const std::string path = dir + "/ddp-" + std::to_string(pid) + "-" + suffix;
+    const int fd = open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << path << ": " << std::strerror(errno);
+    const timespec times[2] = {{.tv_sec = modified, .tv_nsec = 0}, {.tv_sec = modified, .tv_nsec = 0}};
+    EXPECT_EQ(futimens(fd, times), 0) << std::strerror(errno);
+    close(fd);
+    return path;
+  };
+  // A zombie (exited, not reaped) holds the pid of a name written after it
+  // started (so that only its state tells it is gone).
+  const pid_t zombie = fork();
+  ASSERT_GE(zombie, 0);
+  if (zombie == 0) _exit(0);
+  const time_t now = std::time(nullptr);
+  // A live process started now holds the pid of a name written 100 s ago.
+  const pid_t sleeper = fork();
+  ASSERT_GE(sleeper, 0);
+  if (sleeper == 0) {
+    sleep(60);
+    _exit(0);
+  }
+  const std::string reused = make(sleeper, "1", now - 100);
+  const std::string dead = make(zombie, "2", now);
+  // This process wrote its name after it started.
+  const std::string live = make(getpid(), "3", now);
+  // Wait for the zombie to be one (its exit is asynchronous).
+  for (int i = 0; i < 200; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(zombie) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    if (line.find(") Z") != std::string::npos) break;
+    usleep(10000);
+  }
+  EXPECT_EQ(RemoveStaleSegments(dir, /*stale_after_s=*/0), 2);
+  EXPECT_NE(access(reused.c_str(), F_OK), 0) << reused << " (a reused pid's) is still there";
+  EXPECT_NE(access(dead.c_str(), F_OK), 0) << dead << " (a zombie's) is still there";
+  EXPECT_EQ(access(live.c_str(), F_OK), 0) << live << " (this live process's) was removed";
+  kill(sleeper, SIGKILL);
+  waitpid(sleeper, nullptr, 0);
+  waitpid(zombie, nullptr, 0);
+  std::filesystem::remove_all(dir);
 }
 
 // Staging limits and chunk sizes that differ between ranks (a rank with
