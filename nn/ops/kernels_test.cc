@@ -1042,27 +1042,29 @@ TEST(KernelsTest, ConvOutputSizeRefusesBadGeometryByName) {
   EXPECT_EQ(ConvOutputSize(5, 3, 1, 0, 1), 3);
 }
 
+// What `f` throws (any std::exception), or "no error".
+std::string ErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 // Conv2d's padding and Matmul's 0-d operands are refused naming the values
 // (the messages were "negative padding" and "0-d operands are not supported").
 TEST(KernelsTest, ConvPaddingAndMatmulRankErrorsNameTheValues) {
-  const auto error = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const std::invalid_argument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   Conv2dParams p;
   p.pad_h = 1;
   p.pad_w = -2;
-  EXPECT_EQ(error([&] { Conv2d(Zeros({1, 1, 4, 4}), Zeros({1, 1, 3, 3}), Tensor(), p); }),
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Zeros({1, 1, 4, 4}), Zeros({1, 1, 3, 3}), Tensor(), p); }),
             "conv2d: padding must be non-negative, got (1, -2)");
-  EXPECT_EQ(error([&] { Matmul(Zeros({}), Zeros({3})); }),
+  EXPECT_EQ(ErrorOf([&] { Matmul(Zeros({}), Zeros({3})); }),
             "matmul: both operands need at least one dimension, got shapes [] and [3] (a is 0-d)");
-  EXPECT_EQ(error([&] { Matmul(Zeros({2, 3}), Zeros({})); }),
+  EXPECT_EQ(ErrorOf([&] { Matmul(Zeros({2, 3}), Zeros({})); }),
             "matmul: both operands need at least one dimension, got shapes [2, 3] and [] (b is 0-d)");
-  EXPECT_EQ(error([&] { Matmul(Zeros({}), Zeros({})); }),
+  EXPECT_EQ(ErrorOf([&] { Matmul(Zeros({}), Zeros({})); }),
             "matmul: both operands need at least one dimension, got shapes [] and [] (both are 0-d)");
 }
 
@@ -1070,33 +1072,25 @@ TEST(KernelsTest, ConvPaddingAndMatmulRankErrorsNameTheValues) {
 // the argument's (the accessors underneath could only say "shape on an
 // undefined tensor", which named neither).
 TEST(KernelsTest, UndefinedInputsNameTheOpAndArgument) {
-  const auto error = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   const Tensor none, x = Ones({2, 3}), img = Ones({1, 1, 4, 4});
   Pool2dParams pool;
   pool.kernel_h = pool.kernel_w = 2;
-  EXPECT_EQ(error([&] { Sum(none); }), "Sum: input is undefined");
-  EXPECT_EQ(error([&] { Sum(none, {0}); }), "Sum: input is undefined");
-  EXPECT_EQ(error([&] { Mean(none); }), "Mean: input is undefined");
-  EXPECT_EQ(error([&] { Mean(none, {0}, true); }), "Mean: input is undefined");
-  EXPECT_EQ(error([&] { Argmax(none, 0); }), "argmax: input is undefined");
-  EXPECT_EQ(error([&] { LogSoftmax(none, 0); }), "log_softmax: input is undefined");
-  EXPECT_EQ(error([&] { Softmax(none, 0); }), "softmax: input is undefined");
-  EXPECT_EQ(error([&] { Matmul(none, x); }), "matmul: operand a is undefined");
-  EXPECT_EQ(error([&] { Matmul(x, none); }), "matmul: operand b is undefined");
-  EXPECT_EQ(error([&] { Linear(none, x, Tensor()); }), "linear: input is undefined");
-  EXPECT_EQ(error([&] { Linear(Ones({3}), none, Tensor()); }), "linear: weight is undefined");
-  EXPECT_EQ(error([&] { Conv2d(img, none, Tensor()); }), "conv2d: weight is undefined");
-  EXPECT_EQ(error([&] { MaxPool2d(none, pool); }), "max_pool2d: input is undefined");
-  EXPECT_EQ(error([&] { AvgPool2d(none, pool); }), "avg_pool2d: input is undefined");
-  EXPECT_EQ(error([&] { AdaptiveAvgPool2d(none, 1, 1); }), "adaptive_avg_pool2d: input is undefined");
-  EXPECT_EQ(error([&] { BatchNorm(none, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5); }),
+  EXPECT_EQ(ErrorOf([&] { Sum(none); }), "Sum: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Sum(none, {0}); }), "Sum: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Mean(none); }), "Mean: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Mean(none, {0}, true); }), "Mean: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Argmax(none, 0); }), "argmax: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { LogSoftmax(none, 0); }), "log_softmax: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Softmax(none, 0); }), "softmax: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Matmul(none, x); }), "matmul: operand a is undefined");
+  EXPECT_EQ(ErrorOf([&] { Matmul(x, none); }), "matmul: operand b is undefined");
+  EXPECT_EQ(ErrorOf([&] { Linear(none, x, Tensor()); }), "linear: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { Linear(Ones({3}), none, Tensor()); }), "linear: weight is undefined");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(img, none, Tensor()); }), "conv2d: weight is undefined");
+  EXPECT_EQ(ErrorOf([&] { MaxPool2d(none, pool); }), "max_pool2d: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { AvgPool2d(none, pool); }), "avg_pool2d: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { AdaptiveAvgPool2d(none, 1, 1); }), "adaptive_avg_pool2d: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(none, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5); }),
             "batch_norm: input is undefined");
 }
 
