@@ -57,13 +57,16 @@ class CrossEntropyBackward final : public autograd::Node {
 };
 
 // Backward of NllLoss. The input is not saved: the gradient depends only on
-// the target, the weights and the incoming gradient.
+// the target, the weights and the incoming gradient. The weights are saved
+// with their version like the target: they may alias the caller's tensor,
+// and one changed in place between forward and backward would give a
+// gradient that mixes the new weights with the old kMean divisor.
 class NllLossBackward final : public autograd::Node {
  public:
-  NllLossBackward(const Tensor& target, Tensor weight, int64_t ignore_index, double scale, Shape input_shape,
-                  DType dtype)
+  NllLossBackward(const Tensor& target, const Tensor& weight, int64_t ignore_index, double scale,
+                  Shape input_shape, DType dtype)
       : target_(target),
-        weight_(std::move(weight)),
+        weight_(weight),
         ignore_index_(ignore_index),
         scale_(scale),
         input_shape_(std::move(input_shape)),
@@ -77,15 +80,18 @@ class NllLossBackward final : public autograd::Node {
       g = scaled;
     }
     Tensor dlp = Empty(input_shape_, {.dtype = dtype_, .device = g.device()});
-    DDP_KERNEL(g.device(), nll_loss_backward)(target_.Get(), weight_, g, ignore_index_, dlp);
+    DDP_KERNEL(g.device(), nll_loss_backward)(target_.Get(), weight_.Get(), g, ignore_index_, dlp);
     return {dlp};
   }
   std::string name() const override { return "NllLossBackward"; }
-  void ReleaseSaved() override { target_.Release(); }
+  void ReleaseSaved() override {
+    target_.Release();
+    weight_.Release();
+  }
 
  private:
   autograd::SavedTensor target_;
-  Tensor weight_;  // a detached copy in the compute dtype, or undefined
+  autograd::SavedTensor weight_;  // in the compute dtype, or undefined
   int64_t ignore_index_;
   double scale_;   // 1 / (sum of the kept weights) for kMean, else 1
   Shape input_shape_;

@@ -289,6 +289,25 @@ TEST(CrossEntropyTest, ClassWeightsMatchTheFormula) {
   }
 }
 
+// Class weights changed in place between forward and backward are reported,
+// as PyTorch reports it, for NLL and for weighted cross-entropy. Before, the
+// backward read the new weights and divided by the old sum of the kept ones
+// (here -3 / 3.5 where the forward's gradient is -w[t] / 3.5).
+TEST(NllLossTest, WeightChangedInPlaceBeforeBackwardIsReported) {
+  const Tensor target = FromVectorOf<int64_t>({2, 1, 0}, {3});
+  for (bool cross_entropy : {false, true}) {
+    Tensor input = FromVector({-1, -2, -3, -0.5, -1, -2, -2, -2, -2}, {3, 3},
+                              {.dtype = DType::kFloat64, .requires_grad = true});
+    Tensor w = FromVector({0.5, 1.0, 2.0}, {3}, {.dtype = DType::kFloat64});
+    Tensor loss = cross_entropy ? CrossEntropy(input, target, {.weight = w}) : NllLoss(input, target, {.weight = w});
+    w.Fill(3.0);
+    const std::string err = ErrorOf([&] { Backward(loss); });
+    EXPECT_NE(err.find("NllLossBackward"), std::string::npos) << cross_entropy << ": " << err;
+    EXPECT_NE(err.find("modified in place"), std::string::npos) << cross_entropy << ": " << err;
+    EXPECT_FALSE(input.grad().defined()) << cross_entropy;
+  }
+}
+
 // With class weights and label smoothing, an ignored row's uniform term is
 // left out by selection, not by multiplying with 0: a row of logits holding
 // -inf (log-probability -inf) that is ignored does not turn the loss into
