@@ -9,25 +9,74 @@
 namespace ddp::dist {
 namespace {
 
-// Escapes a string for a JSON string literal.
+// Length of the well-formed UTF-8 sequence at the start of `text`, or 0
+// when it does not start with one (a stray continuation byte, a cut
+// sequence, an overlong form, a surrogate, or a code point past U+10FFFF).
+size_t Utf8SequenceLength(std::string_view text) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
+  const unsigned char lead = byte(0);
+  if (lead < 0x80) return 1;
+  // The accepted range of the second byte depends on the lead byte (RFC
+  // 3629's table); later bytes are plain continuations, 0x80..0xbf.
+  size_t length = 0;
+  unsigned char low = 0x80, high = 0xbf;
+  if (lead >= 0xc2 && lead <= 0xdf) {
+    length = 2;
+  } else if (lead >= 0xe0 && lead <= 0xef) {
+    length = 3;
+    if (lead == 0xe0) low = 0xa0;
+    if (lead == 0xed) high = 0x9f;
+  } else if (lead >= 0xf0 && lead <= 0xf4) {
+    length = 4;
+    if (lead == 0xf0) low = 0x90;
+    if (lead == 0xf4) high = 0x8f;
+  } else {
+    return 0;
+  }
+  if (text.size() < length || byte(1) < low || byte(1) > high) return 0;
+  for (size_t i = 2; i < length; ++i) {
+    if (byte(i) < 0x80 || byte(i) > 0xbf) return 0;
+  }
+  return length;
+}
+
+// Escapes a string for a JSON string literal. JSON text must be UTF-8:
+// names come from user labels and module paths, which may hold any bytes,
+// and one ill-formed byte makes strict readers (Python's json, nlohmann)
+// refuse the whole file, so each such byte becomes U+FFFD.
 std::string JsonEscape(std::string_view text) {
   std::string out;
   out.reserve(text.size());
-  for (char c : text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const char c = text[i];
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x80) {
+      const size_t length = Utf8SequenceLength(text.substr(i));
+      if (length == 0) {
+        out += "\\ufffd";
+        ++i;
+      } else {
+        out.append(text.data() + i, length);
+        i += length;
+      }
+      continue;
+    }
     switch (c) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;
       case '\n': out += "\\n"; break;
       case '\t': out += "\\t"; break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20) {
+        if (u < 0x20) {
           char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          std::snprintf(buf, sizeof(buf), "\\u%04x", static_cast<unsigned>(u));
           out += buf;
         } else {
           out += c;
         }
     }
+    ++i;
   }
   return out;
 }

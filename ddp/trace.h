@@ -24,8 +24,9 @@ class TraceRecorder {
   explicit TraceRecorder(size_t max_events = size_t{1} << 20);
 
   /// Records an event named `name` on `lane` from `start` to `end`.
-  /// `args_json` is empty or a JSON object body ("\"bytes\": 4096").
-  /// Thread-safe.
+  /// `name` may hold any bytes: the file has each byte that is not part of
+  /// well-formed UTF-8 as U+FFFD. `args_json` is empty or a JSON object body
+  /// ("\"bytes\": 4096"). Thread-safe.
   void Complete(std::string name, const char* lane, Clock::time_point start,
                 Clock::time_point end, std::string args_json = "");
 

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -49,6 +51,37 @@ TEST(TraceTest, NothingDroppedIsWrittenAsZero) {
   EXPECT_EQ(CompleteEvents(doc), 1);
   ASSERT_TRUE(doc.contains("otherData")) << doc.dump();
   EXPECT_EQ(doc["otherData"]["dropped_events"], 0) << doc.dump();
+}
+
+// Names hold whatever a label or module path held. Quotes, backslashes and
+// control characters are escaped; well-formed UTF-8 passes through as it is;
+// a byte that is not part of well-formed UTF-8 (JSON text must be UTF-8, and
+// strict readers refuse the whole file otherwise) reads back as U+FFFD.
+TEST(TraceTest, AnyBytesInANameGiveValidJson) {
+  std::string controls;
+  for (char c = 1; c < 0x20; ++c) controls += c;
+  const std::string replacement = "\xef\xbf\xbd";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"say \"hi\" \\ back\\slash", "say \"hi\" \\ back\\slash"},
+      {controls + "\x7f", controls + "\x7f"},
+      {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"},
+      {"latin-1 caf\xe9", "latin-1 caf" + replacement},
+      {"stray \x80 and \xff", "stray " + replacement + " and " + replacement},
+      {"cut \xe2\x82", "cut " + replacement + replacement},
+      {"overlong \xc0\xaf", "overlong " + replacement + replacement},
+      {"surrogate \xed\xa0\x80", "surrogate " + replacement + replacement + replacement},
+  };
+  TraceRecorder trace;
+  const auto now = TraceRecorder::Clock::now();
+  for (const auto& [name, expected] : cases) trace.Complete(name, "comm", now, now);
+  nlohmann::json doc;
+  ASSERT_NO_THROW(doc = WriteAndRead(trace, "trace_names.json"));
+  std::vector<std::string> names;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "X") names.push_back(e["name"].get<std::string>());
+  }
+  ASSERT_EQ(names.size(), cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(names[i], cases[i].second) << "case " << i;
 }
 
 }  // namespace
