@@ -52,6 +52,27 @@ std::chrono::milliseconds TimeLeft(transport::Deadline deadline) {
   return std::max(left, std::chrono::milliseconds(1));
 }
 
+// Puts `description` into `text`, NUL-terminated. One too long keeps its
+// start and its last kTailBytes around "...": the dtype and shape come
+// last ("all_reduce <label>(sum, f32 [4])"), and they are what most often
+// differs, so a long label must not push them out of the message.
+constexpr size_t kTailBytes = 96;
+template <size_t N>
+void FillText(const std::string& description, char (&text)[N]) {
+  static_assert(N > kTailBytes + 4);
+  const size_t room = N - 1;
+  if (description.size() <= room) {
+    std::memcpy(text, description.data(), description.size());
+    text[description.size()] = '\0';
+    return;
+  }
+  const size_t head = room - kTailBytes - 3;
+  std::memcpy(text, description.data(), head);
+  std::memcpy(text + head, "...", 3);
+  std::memcpy(text + head + 3, description.data() + description.size() - kTailBytes, kTailBytes);
+  text[room] = '\0';
+}
+
 uint64_t Fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) {
@@ -81,7 +102,7 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
   Fingerprint mine{};
   mine.sequence = sequence;
   mine.hash = Fnv1a(description);
-  std::strncpy(mine.text, description.c_str(), sizeof(mine.text) - 1);
+  FillText(description, mine.text);
   // Sized by the communicator, which writes one entry per rank it has.
   std::vector<Fingerprint> all(comm.size());
   transport::Status s = comm.AllGather(&mine, all.data(), sizeof(Fingerprint),

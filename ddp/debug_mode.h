@@ -38,6 +38,8 @@ inline constexpr char kCollectiveThreadAccepted[] = "expected auto, comm or call
 /// Collective: every rank passes its `sequence`-th collective's
 /// `description`; OK when all agree, else INVALID_ARGUMENT saying what each
 /// rank runs. Uses one fixed-size all-gather, so it cannot itself desync.
+/// The whole description is compared; the message shows one longer than
+/// 239 bytes as its start, "..." and its last 96 bytes (dtype and shape).
 /// `rank` and `size` must be comm.rank() and comm.size(): when they are not,
 /// this rank still takes its part in the all-gather (so no other rank is
 /// left waiting) and then returns INVALID_ARGUMENT.

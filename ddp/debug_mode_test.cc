@@ -222,5 +222,33 @@ TEST(DebugModeTest, FingerprintsRefuseASizeThatIsNotTheCommunicators) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Descriptions that differ only in their shape after a label too long for
+// the fingerprint's text: the whole description is compared, and the
+// message still shows each rank's dtype and shape (the end of the text),
+// with the start of the label, on every rank.
+DDP_TEST_WORKER(fingerprints_long_label) {
+  auto comm = WorkerCommunicator();
+  const int rank = comm->rank(), size = comm->size();
+  const std::string label = "all_reduce bucket of encoder." + std::string(300, 'x');
+  const std::string mine = label + "(sum, f32 [" + std::to_string(4 + rank) + ", 3])";
+  const transport::Status s = CheckFingerprints(*comm, rank, size, 7, mine,
+                                                transport::Clock::now() + kGroupTimeout);
+  WORKER_EXPECT(s.code() == transport::StatusCode::kInvalidArgument, s.ToString());
+  for (const std::string& part :
+       {std::string("rank 0 runs collective #7 all_reduce bucket of encoder.xxx"),
+        std::string("rank 1 runs collective #7 all_reduce bucket of encoder.xxx"),
+        std::string("xxx(sum, f32 [4, 3])"), std::string("xxx(sum, f32 [5, 3])")}) {
+    WORKER_EXPECT(s.message().find(part) != std::string::npos, "no '" + part + "' in: " + s.ToString());
+  }
+  // Each rank's text is cut to the fingerprint's size: the message stays short.
+  WORKER_EXPECT(s.message().size() < 700, s.ToString());
+  return testing::WorkerExit();
+}
+
+TEST(DebugModeTest, FingerprintsOfLongDescriptionsKeepTheirShapes) {
+  auto run = testing::RunWorkers("fingerprints_long_label", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
