@@ -4,7 +4,9 @@
 #include <cstring>
 #include <map>
 #include <stdexcept>
+#include <string_view>
 #include <tuple>
+#include <unordered_set>
 
 namespace ddp::dist::internal {
 namespace {
@@ -58,10 +60,10 @@ std::string Plural(const std::string& kind, size_t n) {
   return std::to_string(n) + " " + kind + (n == 1 ? "" : "s");
 }
 
-// The message every rank throws: `heading`, then the first differing entry
-// of the first kind that differs, each rank's value, and the counts when
-// they differ.
-std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks, const std::string& heading) {
+}  // namespace
+
+std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>>& ranks,
+                                     const std::string& heading) {
   const int size = static_cast<int>(ranks.size());
   for (const std::string kind : {"parameter", "buffer", "module", "option"}) {
     std::vector<std::vector<const ReplicaEntry*>> lists;
@@ -100,25 +102,35 @@ std::string Explain(const std::vector<std::vector<ReplicaEntry>>& ranks, const s
         }
         m += ".";
       }
-      // Name a missing entry outright when a name exists on one rank only.
+      // Name a missing entry outright: each distinct name at #k once, with
+      // every rank that has no entry of that name anywhere. Several ranks
+      // share the name at #k as a rule, and it must not be said once per
+      // rank that has it. Each rank's names go into a set once, so that
+      // thousands of entries on many ranks stay linear in their number.
+      std::vector<std::unordered_set<std::string_view>> names(size);
+      for (int q = 0; q < size; ++q) {
+        for (const ReplicaEntry* e : lists[q]) names[q].insert(e->name);
+      }
+      std::vector<std::string_view> said;
       for (int r = 0; r < size; ++r) {
         if (k >= lists[r].size()) continue;
-        const std::string& name = lists[r][k]->name;
+        const std::string_view name = lists[r][k]->name;
+        if (std::find(said.begin(), said.end(), name) != said.end()) continue;
+        said.push_back(name);
+        std::vector<int> lacking;
         for (int q = 0; q < size; ++q) {
-          const bool found = std::any_of(lists[q].begin(), lists[q].end(),
-                                         [&](const ReplicaEntry* e) { return e->name == name; });
-          if (!found) {
-            m += " Rank " + std::to_string(q) + " has no " + kind + " named `" + name + "`.";
-          }
+          if (names[q].count(name) == 0) lacking.push_back(q);
         }
+        if (lacking.empty()) continue;
+        m += lacking.size() == 1 ? " Rank " : " Ranks ";
+        for (size_t i = 0; i < lacking.size(); ++i) m += (i ? ", " : "") + std::to_string(lacking[i]);
+        m += (lacking.size() == 1 ? " has no " : " have no ") + kind + " named `" + std::string(name) + "`.";
       }
       return m;
     }
   }
   return heading + " The difference could not be located.";
 }
-
-}  // namespace
 
 int GpuOrder::Of(nn::Device device) {
   const auto it = std::find(indices_.begin(), indices_.end(), device.index);
@@ -162,7 +174,7 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, 
   for (int r = 0; r < pg.size(); ++r) {
     ranks.push_back(Parse(std::string(base + r * longest, static_cast<size_t>(a[2 * r + 1]))));
   }
-  throw std::invalid_argument(Explain(ranks, heading));
+  throw std::invalid_argument(ExplainReplicaDifference(ranks, heading));
 }
 
 std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors) {

@@ -49,6 +49,15 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter, GpuOrder& gpu
 /// differing ranks cannot hang.
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& heading);
 
+/// VerifyReplicas' message for ranks whose entries differ (`ranks[r]` is
+/// rank r's): `heading`, the first differing entry of the first kind that
+/// differs ("parameter", then "buffer", "module", "option") with each rank's
+/// value, each rank's count of that kind when the counts differ, and, for
+/// each name at that position that some ranks lack altogether, one
+/// sentence naming all of them.
+std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>>& ranks,
+                                     const std::string& heading);
+
 /// Indices of the tensors with elements, one group per dtype and device
 /// (type and index), the groups in the order of their first tensor in
 /// `tensors`: BroadcastCoalesced's groups. In that order, not by device

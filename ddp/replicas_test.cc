@@ -84,5 +84,80 @@ TEST(GroupByDtypeAndDeviceTest, GroupsComeInTheOrderOfTheirFirstTensor) {
             (std::vector<std::vector<size_t>>{{0}, {1}}));
 }
 
+// ---------------------------------------------- the mismatch message ----
+
+// One rank's entries: `count` parameters "layer<i>.weight" f32 [4, 4], and
+// one option.
+std::vector<ReplicaEntry> Model(int count) {
+  std::vector<ReplicaEntry> entries;
+  for (int i = 0; i < count; ++i) {
+    entries.push_back({"parameter", "layer" + std::to_string(i) + ".weight", "f32 [4, 4] strides [4, 1]"});
+  }
+  entries.push_back({"option", "bucket_cap_mb", "25"});
+  return entries;
+}
+
+size_t Occurrences(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+// The sentence naming a missing parameter comes once, naming every rank
+// that lacks it, however many ranks have it.
+TEST(ExplainReplicaDifferenceTest, AMissingNameIsSaidOnce) {
+  std::vector<std::vector<ReplicaEntry>> ranks(8, Model(3));
+  ranks[5].erase(ranks[5].begin() + 2);  // no layer2.weight on rank 5
+  std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_EQ(Occurrences(m, "has no parameter named"), 1u) << m;
+  EXPECT_NE(m.find(" Rank 5 has no parameter named `layer2.weight`."), std::string::npos) << m;
+  EXPECT_NE(m.find("rank 5 has no parameter #2 (it has 2 parameters)"), std::string::npos) << m;
+
+  // Ranks 0 and 3 lack it: one sentence names both, though six ranks have it.
+  ranks.assign(8, Model(3));
+  ranks[0].erase(ranks[0].begin() + 1);
+  ranks[3].erase(ranks[3].begin() + 1);
+  m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_EQ(Occurrences(m, "no parameter named"), 1u) << m;
+  EXPECT_NE(m.find(" Ranks 0, 3 have no parameter named `layer1.weight`."), std::string::npos) << m;
+  EXPECT_NE(m.find("First difference at parameter #1: rank 0 has `layer2.weight`"), std::string::npos) << m;
+}
+
+// A rank with no parameters at all, beside ranks with some.
+TEST(ExplainReplicaDifferenceTest, ARankWithNoParameters) {
+  std::vector<std::vector<ReplicaEntry>> ranks = {Model(2), Model(0), Model(2)};
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_EQ(m.rfind("Models differ. First difference at parameter #0: rank 0 has `layer0.weight` f32 [4, 4] "
+                    "strides [4, 1]; rank 1 has no parameter #0 (it has 0 parameters); rank 2 has "
+                    "`layer0.weight`",
+                    0),
+            0u)
+      << m;
+  EXPECT_NE(m.find("Counts: rank 0 has 2 parameters, rank 1 has 0 parameters, rank 2 has 2 parameters."),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(Occurrences(m, " Rank 1 has no parameter named `layer0.weight`."), 1u) << m;
+}
+
+// Many parameters on many ranks, with very long names: the first
+// difference is found deep in the list and every name is given whole.
+TEST(ExplainReplicaDifferenceTest, ManyParametersWithLongNames) {
+  const std::string prefix(1000, 'p');
+  std::vector<ReplicaEntry> model;
+  for (int i = 0; i < 3000; ++i) {
+    model.push_back({"parameter", prefix + "." + std::to_string(i), "f32 [8] strides [1]"});
+  }
+  std::vector<std::vector<ReplicaEntry>> ranks(16, model);
+  ranks[9][2345].value = "f32 [9] strides [1]";
+  ranks[12].pop_back();
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_NE(m.find("First difference at parameter #2345: rank 0 has `" + prefix + ".2345` f32 [8] strides [1]"),
+            std::string::npos);
+  EXPECT_NE(m.find("; rank 9 has `" + prefix + ".2345` f32 [9] strides [1]; rank 10 has"), std::string::npos);
+  // The count differs too (rank 12), but #2345 comes first, and its name is on every rank.
+  EXPECT_NE(m.find("rank 12 has 2999 parameters"), std::string::npos);
+  EXPECT_EQ(Occurrences(m, "no parameter named"), 0u);
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
