@@ -66,7 +66,11 @@ std::unordered_map<std::string, Device> SavedDevices(const std::string& path, co
   auto it = file.metadata().find(kDevicesKey);
   if (it == file.metadata().end()) return out;
   try {
-    CheckJsonKeysUnique(it->second);  // a tensor's device given twice: which one holds?
+    // A flat object of strings: depth 1. The limit comes first, as the
+    // header's own does: the record is text from the file, and parsing a
+    // value of millions of nested brackets took gigabytes and seconds.
+    // Keys are unique: a tensor's device given twice, which one holds?
+    CheckJsonKeysUnique(it->second, 1);
     const nlohmann::json j = nlohmann::json::parse(it->second);
     if (!j.is_object()) throw std::invalid_argument("not a JSON object");
     for (const auto& [name, dev] : j.items()) {

@@ -429,7 +429,11 @@ std::optional<StDtype> StDtypeFromName(std::string_view name) {
   return std::nullopt;
 }
 
-void CheckJsonKeysUnique(std::string_view json) {
+void CheckJsonKeysUnique(std::string_view json, int max_depth) {
+  if (NestingDepth(json) > max_depth) {
+    throw std::invalid_argument("JSON nests deeper than " + std::to_string(max_depth) +
+                                (max_depth == 1 ? " level" : " levels"));
+  }
   try {
     ParseWithUniqueKeys(json);
   } catch (const nlohmann::json::exception& e) {
