@@ -146,6 +146,19 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+// `shape` as messages quote it: a hostile header may give a shape of
+// millions of dimensions, so only the first ones are written out (about 200
+// bytes) with the count of them all.
+std::string ShapeForMessage(const std::vector<int64_t>& shape) {
+  constexpr size_t kMax = 200;
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (s.size() > kMax) return s + ", ... (" + std::to_string(shape.size()) + " dimensions)]";
+    s += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
 // The header JSON of `tensors`, with offsets assigned in order, padded with
 // spaces to a multiple of 8 bytes.
 // `crcs` receives each tensor's CRC-32 as the data checksum was computed
@@ -373,7 +386,7 @@ class Parser {
     const std::optional<uint64_t> expected = ByteCount(e.shape, e.dtype);
     if (!expected || *expected != end - begin) {
       Fail("tensor `" + NameForMessage(name) + "`: dtype " + StDtypeName(e.dtype) + " and shape " +
-           ShapeString(e.shape) + " need " +
+           ShapeForMessage(e.shape) + " need " +
            (expected ? std::to_string(*expected) : std::string("more than 2^62")) +
            " bytes, data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
            "] hold " + std::to_string(end - begin));

@@ -1091,6 +1091,19 @@ TEST(SafetensorsErrors, MessagesStayShortWhateverTheHeaderHolds) {
   }
 }
 
+// A shape is header text too: one of a million dimensions whose size does
+// not match its offsets made a 3 MB message before.
+TEST(SafetensorsErrors, AShapeOfAMillionDimensionsIsCutInMessages) {
+  std::string shape = "[";
+  for (int i = 0; i < 1000000; ++i) shape += i ? ",1" : "1";
+  shape += "]";
+  const std::string msg = ParseError(
+      Build("{\"w\":{\"dtype\":\"F32\",\"shape\":" + shape + ",\"data_offsets\":[0,8]}}", std::string(8, '\0')));
+  EXPECT_THAT(msg, AllOf(HasSubstr("bad.safetensors"), HasSubstr("`w`: dtype F32 and shape [1, 1, 1"),
+                         HasSubstr(", ... (1000000 dimensions)] need 4 bytes, data_offsets [0, 8] hold 8")));
+  EXPECT_LT(msg.size(), 1024u);
+}
+
 TEST(SafetensorsErrors, EntryFields) {
   EXPECT_THAT(ParseError(Build(R"({"w":3})", "")), HasSubstr("`w`: entry is number"));
   EXPECT_THAT(ParseError(Build(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", "abcd")),
