@@ -412,13 +412,37 @@ std::string FileKind(mode_t mode) {
 
 }  // namespace
 
+namespace {
+
+// `text` with its control bytes spelled `\xNN`. A JSON header may hold any
+// of them escaped (`"w\u0000"` is a valid tensor name): a NUL would end the
+// message at what() (the rest, saying what is wrong, unread), and a newline
+// or an escape sequence would forge log lines or terminal output.
+std::string EscapeControlBytes(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u != 0x7f) {
+      out.push_back(c);
+      continue;
+    }
+    char buf[5];
+    std::snprintf(buf, sizeof(buf), "\\x%02x", u);
+    out += buf;
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string NameForMessage(std::string_view name) {
   constexpr size_t kMax = 200;
-  if (name.size() <= kMax) return std::string(name);
+  if (name.size() <= kMax) return EscapeControlBytes(name);
   size_t cut = kMax;
   // Not inside a UTF-8 sequence: back up over its continuation bytes.
   while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;
-  return std::string(name.substr(0, cut)) + "... (" + std::to_string(name.size()) + " bytes)";
+  return EscapeControlBytes(name.substr(0, cut)) + "... (" + std::to_string(name.size()) + " bytes)";
 }
 
 const char* StDtypeName(StDtype dtype) {

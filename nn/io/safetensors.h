@@ -98,7 +98,8 @@ inline constexpr char kChecksumKey[] = "ddp.data_crc32";
 inline constexpr char kHeaderChecksumKey[] = "ddp.header_crc32";
 
 /// `name` as error messages quote it: names longer than 200 bytes are cut
-/// (at a UTF-8 character boundary) and their length given.
+/// (at a UTF-8 character boundary) and their length given; control bytes
+/// (below 0x20, and 0x7f) are written as `\xNN`.
 std::string NameForMessage(std::string_view name);
 
 /// Largest header accepted (100 MB, as the Python implementation).

@@ -1104,6 +1104,20 @@ TEST(SafetensorsErrors, AShapeOfAMillionDimensionsIsCutInMessages) {
   EXPECT_LT(msg.size(), 1024u);
 }
 
+// A name may hold any character escaped in the JSON header. Before, a NUL
+// in one ended the message at what() right after the name's first bytes,
+// so it no longer said what was wrong; a newline split it in two.
+TEST(SafetensorsErrors, ControlBytesInANameAreEscapedInMessages) {
+  const std::string msg = ParseError(
+      Build(R"({"w\u0000x\n\u001b":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0')));
+  EXPECT_THAT(msg,
+              AllOf(HasSubstr("bad.safetensors"), HasSubstr("tensor `w\\x00x\\x0a\\x1b`: dtype F32 and shape [1]"),
+                    HasSubstr("need 4 bytes, data_offsets [0, 8] hold 8")));
+  EXPECT_EQ(NameForMessage(std::string("a\x7f\tb", 4)), "a\\x7f\\x09b");
+  // Bytes of UTF-8 characters are not control bytes.
+  EXPECT_EQ(NameForMessage("caf\xc3\xa9"), "caf\xc3\xa9");
+}
+
 TEST(SafetensorsErrors, EntryFields) {
   EXPECT_THAT(ParseError(Build(R"({"w":3})", "")), HasSubstr("`w`: entry is number"));
   EXPECT_THAT(ParseError(Build(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", "abcd")),
