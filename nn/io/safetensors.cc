@@ -267,37 +267,60 @@ struct DuplicateKey {
   std::string in;
 };
 
-// Parses `text` as nlohmann::json::parse does, but throws DuplicateKey when
-// an object at any level holds a key twice: the parser would keep the last
-// one silently (a second `__metadata__` could drop the data checksum).
-nlohmann::json ParseWithUniqueKeys(std::string_view text) {
-  struct Object {
-    std::string name;
-    std::set<std::string> keys;
-  };
-  std::vector<Object> open;
-  std::string last_key;  // names the object or array that starts next
-  auto callback = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    switch (event) {
-      case nlohmann::json::parse_event_t::object_start:
-        open.push_back({last_key, {}});
-        break;
-      case nlohmann::json::parse_event_t::object_end:
-        if (!open.empty()) open.pop_back();
-        break;
-      case nlohmann::json::parse_event_t::key: {
-        last_key = parsed.get<std::string>();
-        if (!open.empty() && !open.back().keys.insert(last_key).second) {
-          throw DuplicateKey{last_key, open.size() > 1 ? open.back().name : std::string()};
-        }
-        break;
-      }
-      default:
-        break;
+// Follows a JSON text's parse events and throws DuplicateKey when an object
+// at any level holds a key twice: the parser keeps the last one silently (a
+// second `__metadata__` could drop the data checksum). It watches only;
+// the value is built by a separate plain parse. A parse callback would do
+// both in one pass, but nlohmann's callback parser searches the enclosing
+// object from its start every time an inner object ends, so a header of N
+// tensor entries took time N^2 (40 s for 50,000 entries).
+class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    open_.push_back({last_key_, {}});
+    return true;
+  }
+  bool key(string_t& key) override {
+    last_key_ = key;
+    if (!open_.empty() && !open_.back().keys.insert(key).second) {
+      throw DuplicateKey{key, open_.size() > 1 ? open_.back().name : std::string()};
     }
     return true;
+  }
+  bool end_object() override {
+    if (!open_.empty()) open_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  // Ends the watch; the plain parse then throws the parser's own error.
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception&) override {
+    return false;
+  }
+
+ private:
+  struct Object {
+    std::string name;  // the key it is the value of ("" at the top)
+    std::set<std::string> keys;
   };
-  return nlohmann::json::parse(text.begin(), text.end(), callback);
+  std::vector<Object> open_;
+  std::string last_key_;  // names the object that starts next
+};
+
+// Parses `text` as nlohmann::json::parse does, but throws DuplicateKey for a
+// key given twice in one object (at the first such key, when it comes
+// before any syntax error). Both passes take time linear in the text.
+nlohmann::json ParseWithUniqueKeys(std::string_view text) {
+  DuplicateKeyWatcher watcher;
+  (void)nlohmann::json::sax_parse(text.begin(), text.end(), &watcher);
+  return nlohmann::json::parse(text.begin(), text.end());
 }
 
 // The JSON parser's message, which quotes the last token read (a string
