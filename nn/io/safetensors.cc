@@ -165,7 +165,6 @@ std::string ShapeForMessage(const std::vector<int64_t>& shape) {
 // from them, for the writer to check the bytes it writes against.
 std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& metadata,
                         std::vector<uLong>* crcs) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
   for (const char* reserved : {kChecksumKey, kHeaderChecksumKey}) {
     if (metadata.count(reserved)) {
       throw std::invalid_argument(std::string("safetensors: metadata key ") + reserved +
@@ -173,7 +172,6 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
     }
   }
   std::set<std::string_view> names;
-  uint64_t offset = 0;
   for (const TensorView& t : tensors) {
     if (t.name == kMetadataKey) {
       throw std::invalid_argument("safetensors: tensor name __metadata__ is reserved");
@@ -195,27 +193,30 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
     if (t.nbytes > 0 && t.data == nullptr) {
       throw std::invalid_argument("safetensors: tensor `" + NameForMessage(t.name) + "` has no data pointer");
     }
-    nlohmann::ordered_json e = nlohmann::ordered_json::object();
-    e["dtype"] = StDtypeName(t.dtype);
-    e["shape"] = t.shape;
-    e["data_offsets"] = {offset, offset + t.nbytes};
-    header[t.name] = std::move(e);
-    offset += t.nbytes;
   }
-  // Metadata last in the object but first in the file: ordered_json keeps
-  // insertion order, so build it in front.
-  nlohmann::ordered_json m = nlohmann::ordered_json::object();
-  for (const auto& [k, v] : metadata) m[k] = v;
   *crcs = TensorCrcs(tensors);
-  m[kChecksumKey] = CrcHex(CombinedCrc(tensors, *crcs));
-  m[kHeaderChecksumKey] = kNoHeaderCrc;  // filled in below, over the text
-  nlohmann::ordered_json full = nlohmann::ordered_json::object();
-  full[kMetadataKey] = std::move(m);
-  for (auto it = header.begin(); it != header.end(); ++it) full[it.key()] = std::move(it.value());
-  header = std::move(full);
+  // The object's text is put together here, key by key, as dump() would
+  // write it: an ordered_json finds the place of every key it is given by a
+  // linear search, which made a header of N tensors take time N^2 (5.7 s
+  // for 40,000). Keys are unique already (checked above, or a std::map's).
+  // The metadata object comes first in the file.
+  auto quoted = [](const std::string& text) { return nlohmann::json(text).dump(); };
   std::string json;
   try {
-    json = header.dump();
+    json = "{" + quoted(kMetadataKey) + ":{";
+    for (const auto& [k, v] : metadata) json += quoted(k) + ":" + quoted(v) + ",";
+    json += quoted(kChecksumKey) + ":" + quoted(CrcHex(CombinedCrc(tensors, *crcs))) + "," +
+            quoted(kHeaderChecksumKey) + ":" + quoted(kNoHeaderCrc) + "}";  // filled in below, over the text
+    uint64_t offset = 0;
+    for (const TensorView& t : tensors) {
+      nlohmann::ordered_json e = nlohmann::ordered_json::object();
+      e["dtype"] = StDtypeName(t.dtype);
+      e["shape"] = t.shape;
+      e["data_offsets"] = {offset, offset + t.nbytes};
+      json += "," + quoted(t.name) + ":" + e.dump();
+      offset += t.nbytes;
+    }
+    json += "}";
   } catch (const nlohmann::json::exception& e) {
     // Invalid UTF-8 in a name or a metadata key or value: say which, by its
     // place, as the text itself would not print.

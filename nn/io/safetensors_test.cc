@@ -352,6 +352,28 @@ TEST(Safetensors, WritesTheBytesPythonWasCheckedOn) {
   EXPECT_EQ(bytes, ReadAll("nn/io/testdata/cpp_written.safetensors"));
 }
 
+// The writer's header takes time linear in the number of tensors. Before,
+// each name went into an nlohmann::ordered_json, which looks for a key by
+// a linear search: 5.7 s for 40,000 tensors here, on every save of a model
+// whose state has that many.
+TEST(Safetensors, HeaderOfManyTensorsIsWrittenInLinearTime) {
+  constexpr int kTensors = 60000;
+  const float value = 1.5f;
+  std::vector<TensorView> views;
+  for (int i = 0; i < kTensors; ++i) {
+    views.push_back({"model.layers." + std::to_string(i) + ".weight", StDtype::kF32, {1}, &value, sizeof(value)});
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string bytes = SerializeSafetensors(views, {{"step", "3"}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0);  // about 0.2 s in a debug build
+  const SafetensorsFile f = SafetensorsFile::Parse(bytes, "many.safetensors");
+  ASSERT_EQ(f.tensors().size(), static_cast<size_t>(kTensors));
+  EXPECT_EQ(f.tensors()[kTensors - 1].name, views[kTensors - 1].name);
+  EXPECT_EQ(f.tensors()[kTensors - 1].offset, 4u * (kTensors - 1));
+  EXPECT_EQ(f.metadata(), (Metadata{{"step", "3"}}));
+}
+
 TEST(Safetensors, ReplacesAnExistingFileAtomically) {
   const std::string dir = TmpDir("st_replace");
   const std::string path = dir + "/c.safetensors";
