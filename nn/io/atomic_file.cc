@@ -22,6 +22,8 @@
 #include <thread>
 #include <utility>
 
+#include <zlib.h>
+
 #include "nn/io/safetensors.h"
 
 namespace ddp::nn::io {
@@ -110,6 +112,31 @@ const std::string& ProcessNonce() {
   return nonce;
 }
 
+// The start of the names of `path`'s temporary files: `<name>.tmp.`. For a
+// name so long that the rest (pid, counter, nonce and host) would take the
+// whole over NAME_MAX, 255 bytes, it is `<first 100 bytes>.<crc>.tmp.`,
+// the CRC-32 of the whole name standing for the part cut off; the creation
+// of the temporary file would fail otherwise, though the target's own name
+// is legal. The same for every writer of `path` on this host, so that the
+// cleanup finds the temporaries their killed writers left.
+std::string TemporaryPrefix(const std::string& path) {
+  constexpr size_t kNameMax = 255;
+  constexpr size_t kKept = 100;
+  const std::string base = BaseName(path);
+  // ".tmp." + pid (7 digits at most) + "." + counter (20 at most) + "-" +
+  // nonce (8) + "." + host.
+  const size_t rest = 5 + 7 + 1 + 20 + 1 + 8 + 1 + HostTag().size();
+  if (base.size() + rest <= kNameMax) return base + ".tmp.";
+  size_t cut = kKept;
+  // Not inside a UTF-8 sequence: back up over its continuation bytes.
+  while (cut > 0 && (static_cast<unsigned char>(base[cut]) & 0xC0) == 0x80) --cut;
+  const uLong crc = crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(base.data()),
+                          static_cast<uInt>(base.size()));
+  char hex[9];
+  std::snprintf(hex, sizeof(hex), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
+  return base.substr(0, cut) + "." + hex + ".tmp.";
+}
+
 // Whether `text` is a run of lowercase hexadecimal digits.
 bool AllHex(const std::string& text) {
   if (text.empty()) return false;
@@ -153,9 +180,10 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
   ::close(fd);  // EWOULDBLOCK: a writer lives
 }
 
-// Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files that writers on this host
-// left when they were killed (SIGKILL leaves no chance to clean up): each
-// could be as large as a whole checkpoint. Files of other hosts and of
+// Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files (`<name>.tmp.` as
+// TemporaryPrefix gives it) that writers on this host left when they were
+// killed (SIGKILL leaves no chance to clean up): each could be as large as
+// a whole checkpoint. Files of other hosts and of
 // other targets (`<name>.tmp.5`'s own temporaries) are kept; so is anything
 // not named exactly so. Names without a host (`.<pid>.<n>`, from before
 // hosts were named) are taken as this host's. The lock each writer holds on
@@ -167,7 +195,7 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
 // process's own open temporaries are not probed at all.
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
-  const std::string prefix = BaseName(path) + ".tmp.";
+  const std::string prefix = TemporaryPrefix(path);
   DIR* dir = ::opendir(folder.c_str());
   if (dir == nullptr) return;  // the create below reports the real problem
   while (dirent* e = ::readdir(dir)) {
@@ -234,8 +262,9 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   constexpr int kMostClashes = 100;
   int clashes = 0;
   for (int attempt = 0;; ++attempt) {
-    temp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++) + "-" +
-                 ProcessNonce() + "." + HostTag();
+    temp_path_ = path_.substr(0, path_.size() - BaseName(path_).size()) + TemporaryPrefix(path_) +
+                 std::to_string(::getpid()) + "." + std::to_string(counter++) + "-" + ProcessNonce() + "." +
+                 HostTag();
     const std::string entry = Folder(path_) + "/" + BaseName(temp_path_);
     auto forget = [&entry] {
       std::lock_guard lock(RegistryMutex());

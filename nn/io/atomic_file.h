@@ -22,8 +22,9 @@ inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 class AtomicFileWriter {
  public:
   /// Creates `<path>.tmp.<pid>.<n>-<nonce>.<host>` (the nonce random, one
-  /// per process; a name already taken is passed over for the next) in
-  /// the folder of `path`, first
+  /// per process; a name already taken is passed over for the next; for a
+  /// file name too long to take that within 255 bytes, its first 100 bytes
+  /// and its CRC-32 stand for it) in the folder of `path`, first
   /// removing such files that no writer holds locked any more (killed
   /// writers; see RemoveStaleTemporaries in the .cc). Throws naming `path`
   /// when it is a folder. Once `*stop` (when given) is true, Write and

@@ -839,6 +839,39 @@ TEST(Safetensors, ATakenTemporaryNameIsPassedOverForTheNext) {
 
 // Before, a target that is a folder was found out only by the rename, after
 // the whole file had been written beside it.
+// A target whose own name is legal but too long to take the temporary
+// file's suffix (pid, counter, nonce, host) within NAME_MAX is written all
+// the same: its temporaries carry the name's first 100 bytes and its
+// CRC-32 instead. Before, creating the temporary failed with
+// ENAMETOOLONG, so such a file could not be saved at all. The cleanup
+// still finds the temporaries of such a target's dead writers.
+TEST(Safetensors, ATargetNameTooLongForTheTemporarySuffixIsWritten) {
+  const std::string dir = TmpDir("st_long_target");
+  const std::string base = std::string(240, 'n') + ".safetensors";  // 252 bytes
+  const std::string path = dir + "/" + base;
+  const float a = 1, b = 2;
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &a, 4}});
+  const SafetensorsFile f = SafetensorsFile::Read(path);
+  float v;
+  std::memcpy(&v, f.Data(f.tensors()[0]), 4);
+  EXPECT_EQ(v, 1.0f);
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{base});
+  std::string temp;
+  {
+    AtomicFileWriter out(path);
+    temp = out.temp_path().substr(dir.size() + 1);
+    EXPECT_LE(temp.size(), 255u);
+    EXPECT_EQ(temp.rfind(std::string(100, 'n') + ".", 0), 0u) << temp;
+  }
+  // A temporary of the same form that no writer holds (its writer died):
+  // the next write removes it.
+  const std::string prefix = temp.substr(0, temp.find(".tmp.") + 5);
+  const std::string stale = prefix + std::to_string(ExitedPid()) + ".4-0123abcd." + HostName();
+  WriteAll(dir + "/" + stale, "x");
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {}, &b, 4}});
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{base});
+}
+
 TEST(Safetensors, TargetThatIsAFolderIsRefusedBeforeAnythingIsWritten) {
   const std::string dir = TmpDir("st_target_folder");
   const std::string path = dir + "/c.safetensors";
