@@ -41,15 +41,27 @@ void InstallForkGuard() {
 
 bool ForkGuardInstalled() { return installed.load(); }
 
-bool InForkedChild() { return forked_child.load(std::memory_order_relaxed); }
+bool InForkedChild() {
+  if (forked_child.load(std::memory_order_relaxed)) return true;
+  // Not every way of making a child runs the atfork handlers: glibc's
+  // _Fork(), and a fork or clone system call made directly, copy the
+  // process without them. Such a child still carries the installer's pid,
+  // which is not its own. (getpid is a system call, not cached, since
+  // glibc 2.25; a child of the installer never has the installer's pid.)
+  const pid_t owner = installer.load(std::memory_order_relaxed);
+  return owner != 0 && getpid() != owner;
+}
 
 Status CheckNotForkedChild(std::string_view what) {
   if (!InForkedChild()) return Status::Ok();
+  // A child that the handler did not mark has no parent recorded: its
+  // parent is asked now (the same unless it already exited).
+  const pid_t from = parent.load() != 0 ? parent.load() : getppid();
   return FailedPreconditionError(
       std::string(what) + ": this process (pid " + std::to_string(getpid()) +
-      ") was forked from pid " + std::to_string(parent.load()) +
-      (parent.load() == installer.load() ? std::string()
-                                         : ", a descendant of pid " + std::to_string(installer.load())) +
+      ") was forked from pid " + std::to_string(from) +
+      (from == installer.load() ? std::string()
+                                : ", a descendant of pid " + std::to_string(installer.load())) +
       ", after the transport was initialized there; a forked child cannot use UCX or the "
       "communicator (their queues, threads and shared memory belong to the parent). Spawn "
       "workers (SelfLaunch, ddprun, posix_spawn) before creating a Communicator, use threads "

@@ -31,7 +31,9 @@ void InstallForkGuard();
 bool ForkGuardInstalled();
 
 /// True in a process created by fork(), at any depth and not followed by
-/// exec, from one where the guard was installed.
+/// exec, from one where the guard was installed; also where the child was
+/// made without the atfork handlers (glibc's _Fork(), a fork or clone
+/// system call), told by its pid differing from the installer's.
 bool InForkedChild();
 
 /// OK, except in a forked child: FAILED_PRECONDITION saying that `what`

@@ -14,12 +14,14 @@
 namespace ddp::transport::fork {
 namespace {
 
-// Forks; the child runs `child` (its result is the exit status) with its
-// stderr going to a pipe. Returns the child's wait status and what it wrote.
-std::pair<int, std::string> ForkAndCapture(const std::function<int()>& child) {
+// Forks (with `make_child`); the child runs `child` (its result is the exit
+// status) with its stderr going to a pipe. Returns the child's wait status
+// and what it wrote.
+std::pair<int, std::string> ForkAndCapture(const std::function<int()>& child,
+                                           pid_t (*make_child)() = &::fork) {
   int fds[2];
   EXPECT_EQ(pipe(fds), 0);
-  const pid_t pid = ::fork();
+  const pid_t pid = make_child();
   if (pid == 0) {
     close(fds[0]);
     dup2(fds[1], STDERR_FILENO);
@@ -84,6 +86,23 @@ TEST(ForkGuard, ChildOfAForkedChildIsMarkedToo) {
   });
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << text;
+}
+
+// glibc's _Fork() copies the process without running the atfork handlers,
+// as a fork or clone system call made directly does: the handler never
+// marks such a child, and before the pid check it was let into the
+// transport.
+TEST(ForkGuard, ChildMadeWithoutTheAtforkHandlersIsRefusedToo) {
+  InstallForkGuard();
+  auto [status, text] = ForkAndCapture(EnterTheTransport, &::_Fork);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << text;
+  EXPECT_EQ(text.rfind("FAILED_PRECONDITION: creating a communicator: this process (pid ", 0), 0)
+      << text;
+  EXPECT_NE(text.find("was forked from pid " + std::to_string(getpid()) +
+                      ", after the transport was initialized there"),
+            std::string::npos)
+      << text;
 }
 
 // A forked child that never enters the transport (a data-loading worker)
