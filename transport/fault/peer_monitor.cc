@@ -29,7 +29,7 @@ PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
   pidfds_.assign(options_.local_pids.size(), -1);
   gone_at_start_.assign(options_.local_pids.size(), false);
   start_times_ = std::make_unique<std::atomic<uint64_t>[]>(options_.local_pids.size());
-  unread_marks_ = std::make_unique<std::atomic<int>[]>(options_.local_pids.size());
+  first_unread_ = std::make_unique<std::atomic<int64_t>[]>(options_.local_pids.size());
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     if (static_cast<int>(r) == options_.rank || options_.local_pids[r] <= 0) continue;
     pidfds_[r] = PidfdOpen(options_.local_pids[r]);
@@ -95,17 +95,24 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
     if (!Exited(r)) continue;
     const bool awaited = std::find(awaited_peers.begin(), awaited_peers.end(),
                                    static_cast<int>(r)) != awaited_peers.end();
+    const int64_t asked = Clock::now().time_since_epoch().count();
     const Closed mark = PeerClosed(static_cast<int>(r), deadline);
-    if (mark == Closed::kUnknown && !awaited && Clock::now() < deadline &&
-        unread_marks_[r].fetch_add(1, std::memory_order_relaxed) == 0) {
+    if (mark == Closed::kUnknown && !awaited && Clock::now() < deadline) {
       // The store could not be read this round (a hiccup): the peer may
       // have closed cleanly, so it is not declared lost on that alone. The
       // next round asks again; a second failure in a row counts as "not
       // closed", so a peer that died while the store stays unreadable is
-      // still reported, one round later.
-      continue;
+      // still reported, one round later. A round counts as the next one
+      // only if it asked after the first failed one had its answer: rounds
+      // of two threads that overlap met the same hiccup.
+      const int64_t answered = std::max<int64_t>(1, Clock::now().time_since_epoch().count());
+      int64_t first = 0;
+      if (first_unread_[r].compare_exchange_strong(first, answered, std::memory_order_relaxed) ||
+          asked <= first) {
+        continue;
+      }
     }
-    if (mark != Closed::kUnknown) unread_marks_[r].store(0, std::memory_order_relaxed);
+    if (mark != Closed::kUnknown) first_unread_[r].store(0, std::memory_order_relaxed);
     const bool closed = mark == Closed::kYes;
     if (closed && !awaited) continue;
     // A rank that exits after reporting a failure is not the cause: the

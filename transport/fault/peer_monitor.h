@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -118,9 +119,10 @@ class PeerMonitor {
   // to open /proc with), at the first look after; 0 unknown.
   std::unique_ptr<std::atomic<uint64_t>[]> start_times_;
   std::atomic<int> lost_peer_{-1};  // Check() may run on two threads
-  // Per rank: Check rounds in a row that found it exited and could not read
-  // its "closed" mark.
-  std::unique_ptr<std::atomic<int>[]> unread_marks_;
+  // Per rank: when (Clock ticks) the first of the latest unbroken run of
+  // Check rounds that found it exited and could not read its "closed" mark
+  // got its answer; 0 when the last round read the mark.
+  std::unique_ptr<std::atomic<int64_t>[]> first_unread_;
 };
 
 }  // namespace ddp::transport::fault

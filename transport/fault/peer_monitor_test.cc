@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
+#include <mutex>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -301,6 +303,57 @@ TEST(PeerMonitor, ExitedPeerWhoseMarkCannotBeReadTwiceIsLost) {
   kill(child2, SIGKILL);
   waitpid(child2, nullptr, 0);
   EXPECT_EQ(awaiting.Check(Soon(), /*awaited_peer=*/1).code(), StatusCode::kPeerLost);
+}
+
+// Reads of "closed/" keys fail `failures` times, each failing one only once
+// another is under way too (it waits up to 5 s for that): one hiccup met
+// by two threads' Check rounds at once.
+class SharedHiccupStore final : public testing::ForwardingStore {
+ public:
+  explicit SharedHiccupStore(int failures) : failures_(failures) {}
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    if (key.find("closed/") == std::string_view::npos) return inner_.TryGet(key, d);
+    std::unique_lock lock(mu_);
+    if (failures_ == 0) {
+      lock.unlock();
+      return inner_.TryGet(key, d);
+    }
+    --failures_;
+    ++arrived_;
+    arrived_cv_.notify_all();
+    arrived_cv_.wait_for(lock, std::chrono::seconds(5), [this] { return arrived_ >= 2; });
+    return UnavailableError("connection reset while reading " + std::string(key));
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable arrived_cv_;
+  int failures_;
+  int arrived_ = 0;
+};
+
+// Check may run on two threads (a wait's watchdog and an abort looking for
+// the cause). When both meet the same store hiccup, that is one unreadable
+// round, not two in a row: before, the second thread declared a peer that
+// had closed cleanly lost.
+TEST(PeerMonitor, OneHiccupMetByTwoThreadsAtOnceIsOneRound) {
+  SharedHiccupStore store(2);
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
+  other.PostClosed(Soon());
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  Status on_thread;
+  std::thread checker([&] { on_thread = monitor.Check(Soon()); });
+  Status here = monitor.Check(Soon());
+  checker.join();
+  EXPECT_TRUE(here.ok()) << here;
+  EXPECT_TRUE(on_thread.ok()) << on_thread;
+  EXPECT_EQ(monitor.lost_peer(), -1);
+  // The next round reads the mark: the peer closed cleanly.
+  Status next = monitor.Check(Soon());
+  EXPECT_TRUE(next.ok()) << next;
 }
 
 TEST(PeerMonitor, PostedAbortReachesEveryRankWithItsCode) {
