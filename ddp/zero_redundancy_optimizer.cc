@@ -165,21 +165,27 @@ void ZeroRedundancyOptimizer::Init(
                            "ZeroRedundancyOptimizer: the ranks' parameter lists differ (every rank must pass the "
                            "same parameters, in the same order, with the same names, dtypes and shapes, and the "
                            "same groups with the same options).");
-  nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer");
-  shards_ = Partition(params_, pg_->size());
-  pieces_.resize(shards_.size());
-  for (size_t r = 0; r < shards_.size(); ++r) {
-    for (const Slice& s : shards_[r]) pieces_[r].push_back(PieceOf(params_[s.param].second.Detach(), s));
-  }
-  nn::optim::NamedParameters shard;
-  const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
-  const std::vector<Tensor>& own = pieces_[static_cast<size_t>(pg_->rank())];
-  for (size_t k = 0; k < mine.size(); ++k) shard.emplace_back(params_[mine[k].param].first, own[k]);
   // Built and checked on every rank, then agreed: a factory that fails on
   // one rank (one refusing an empty shard, say) fails them all here,
-  // instead of leaving the others to wait in Step's broadcasts.
+  // instead of leaving the others to wait in Step's broadcasts. The checks
+  // every optimizer makes of its list come first and are agreed alike:
+  // contiguity and memory shared between parameters are not compared
+  // above, so a list may be refused on some ranks only, and the ranks that
+  // passed would otherwise wait in the agreement until the group's timeout.
   std::string failure;
+  bool listed = false;  // the list passed; a failure from here on is the factory's
   try {
+    nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer (rank " + std::to_string(pg_->rank()) + ")");
+    listed = true;
+    shards_ = Partition(params_, pg_->size());
+    pieces_.resize(shards_.size());
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      for (const Slice& s : shards_[r]) pieces_[r].push_back(PieceOf(params_[s.param].second.Detach(), s));
+    }
+    nn::optim::NamedParameters shard;
+    const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
+    const std::vector<Tensor>& own = pieces_[static_cast<size_t>(pg_->rank())];
+    for (size_t k = 0; k < mine.size(); ++k) shard.emplace_back(params_[mine[k].param].first, own[k]);
     local_ = build(std::move(shard));
     if (local_ == nullptr) throw std::invalid_argument("the factory returned null");
     // Step hands the k-th piece's gradient to the optimizer's k-th
@@ -208,14 +214,13 @@ void ZeroRedundancyOptimizer::Init(
       }
     }
   } catch (const std::exception& e) {
-    failure = e.what();
+    failure = listed ? "ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(pg_->rank()) +
+                           "'s shard failed: " + e.what()
+                     : e.what();
   }
   const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
-  for (size_t r = 0; r < outcomes.size(); ++r) {
-    if (!outcomes[r].empty()) {
-      throw std::invalid_argument("ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(r) +
-                                  "'s shard failed: " + outcomes[r]);
-    }
+  for (const std::string& outcome : outcomes) {
+    if (!outcome.empty()) throw std::invalid_argument(outcome);
   }
 }
 

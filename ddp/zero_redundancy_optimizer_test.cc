@@ -620,6 +620,36 @@ TEST(ZeroRedundancyOptimizerTest, AFactoryFailingOnOneRankFailsEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A list that only one rank's checks refuse (rank 1's `w` is a transposed,
+// non-contiguous view; names, dtypes and shapes agree) fails every rank at
+// construction, naming that rank; before, rank 1 threw alone and rank 0
+// waited for it in the factory's agreement until the timeout.
+DDP_TEST_WORKER(list_refused_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  NamedParameters params;
+  params.emplace_back("b", nn::Zeros({4}));
+  params.emplace_back("w", rank == 1 ? nn::Zeros({4, 4}).Transpose(0, 1) : nn::Zeros({4, 4}));
+  const auto start = std::chrono::steady_clock::now();
+  std::string message = "accepted";
+  try {
+    ZeroRedundancyOptimizer zero(params, pg, MakeOptimizer);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = std::string("not an invalid_argument: ") + e.what();
+  }
+  WORKER_EXPECT(message == "ZeroRedundancyOptimizer (rank 1): parameter `w` is not contiguous",
+                "rank " + std::to_string(rank) + ": " + message);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AListRefusedOnOneRankFailsEveryRankAtOnce) {
+  auto run = RunWorkers("list_refused_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A Step that fails on one rank (rank 1 gave a parameter new memory) ends
 // the group, so that rank 0 fails at once with the reason instead of
 // waiting in the broadcast of rank 1's shard until the timeout.
