@@ -717,6 +717,97 @@ TEST(SyncBatchNormTest, BatchNormErrorsNameTheModule) {
   EXPECT_NE(eval_one_value.find("expected more than 1 value per channel"), std::string::npos) << eval_one_value;
 }
 
+// Inputs of 2, 3 and 5 dimensions, without affine parameters or running
+// statistics, and in 16-bit dtypes, on 3 ranks (one with an empty batch):
+// output, input gradient and running statistics against one BatchNorm on
+// the whole batch (16-bit inputs against the f32 whole batch).
+DDP_TEST_WORKER(sync_bn_variants) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const std::vector<int64_t> sizes = {3, 0, 5};
+  const int rank = pg->rank();
+  const int64_t offset = rank == 0 ? 0 : 3, total = 8;
+  nn::Generator gen(11);
+  const std::vector<nn::Shape> trailing = {{}, {4}, {2, 3, 2}};
+  for (const nn::Shape& tail : trailing) {
+    for (int variant = 0; variant < 5; ++variant) {
+      nn::modules::BatchNormOptions options;
+      options.affine = variant != 1;
+      options.track_running_stats = variant != 2;
+      const nn::DType dtype =
+          variant == 3 ? nn::DType::kFloat16 : variant == 4 ? nn::DType::kBFloat16 : nn::DType::kFloat32;
+      const double tol = dtype == nn::DType::kFloat32 ? 1e-5 : 2e-2;
+      const std::string what = "input [N, C" + std::string(tail.empty() ? "" : ", ...") + "] of " +
+                               std::to_string(2 + tail.size()) + " dims, variant " + std::to_string(variant) +
+                               ", rank " + std::to_string(rank);
+      SyncBatchNorm sync(kC, options, pg);
+      Tensor rm = nn::Zeros({kC}), rv = nn::Ones({kC});
+      nn::Shape shape = {total, kC};
+      shape.insert(shape.end(), tail.begin(), tail.end());
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        const Tensor x_all = (nn::Randn(shape, {}, gen) * 2.0 + 3.0).To(dtype).To(nn::DType::kFloat32);
+        const Tensor g_all = nn::Randn(shape, {}, gen).To(dtype).To(nn::DType::kFloat32);
+        Tensor x = Rows(x_all, offset, sizes[rank]).To(dtype).Detach().set_requires_grad(true);
+        Tensor y = sync(x);
+        nn::Backward(nn::ops::Sum(nn::ops::Cast(y, nn::DType::kFloat32) * Rows(g_all, offset, sizes[rank])));
+        Tensor xr = x_all.Detach().set_requires_grad(true);
+        Tensor w, b;
+        if (options.affine) {
+          w = sync.weight().Detach();
+          b = sync.bias().Detach();
+        }
+        Tensor yr = options.track_running_stats ? nn::ops::BatchNorm(xr, rm, rv, w, b, true, 0.1, 1e-5)
+                                                : nn::ops::BatchNorm(xr, Tensor(), Tensor(), w, b, true, 0.1, 1e-5);
+        nn::Backward(nn::ops::Sum(yr * g_all));
+        WORKER_EXPECT(y.dtype() == dtype, what + ": output dtype");
+        WORKER_EXPECT(RelDiff(y.Detach().To(nn::DType::kFloat32), Rows(yr.Detach(), offset, sizes[rank])) < tol,
+                      what + ": forward differs");
+        WORKER_EXPECT(x.grad().defined() &&
+                          RelDiff(x.grad().To(nn::DType::kFloat32), Rows(xr.grad(), offset, sizes[rank])) < tol,
+                      what + ": input gradient differs");
+        if (options.affine) {
+          // This rank's terms; their sum over the ranks is the whole batch's.
+          Tensor dw = sync.weight().grad().Clone(), db = sync.bias().grad().Clone();
+          pg->AllReduce(dw).Wait();
+          pg->AllReduce(db).Wait();
+          Tensor xw = x_all.Detach(), ww = sync.weight().Detach().Clone().set_requires_grad(true);
+          Tensor bw = sync.bias().Detach().Clone().set_requires_grad(true);
+          nn::Backward(nn::ops::Sum(nn::ops::BatchNorm(xw, Tensor(), Tensor(), ww, bw, true, 0.1, 1e-5) * g_all));
+          WORKER_EXPECT(RelDiff(dw, ww.grad()) < tol, what + ": weight gradient differs");
+          WORKER_EXPECT(RelDiff(db, bw.grad()) < tol, what + ": bias gradient differs");
+          sync.weight().set_grad(Tensor());
+          sync.bias().set_grad(Tensor());
+        }
+        if (options.track_running_stats) {
+          WORKER_EXPECT(RelDiff(sync.running_mean(), rm) < tol, what + ": running mean");
+          WORKER_EXPECT(RelDiff(sync.running_var(), rv) < tol, what + ": running var");
+        }
+      }
+      // Eval: local, with the running statistics when tracked, else the batch's.
+      sync.Eval();
+      const Tensor xe = (nn::Randn(shape, {}, gen) + 1.0).To(dtype);
+      const Tensor ye = sync(xe);
+      const Tensor w = options.affine ? sync.weight().Detach() : Tensor();
+      const Tensor b = options.affine ? sync.bias().Detach() : Tensor();
+      const Tensor xe32 = xe.To(nn::DType::kFloat32);
+      const Tensor want = options.track_running_stats
+                              ? nn::ops::BatchNorm(xe32, rm, rv, w, b, false, 0.1, 1e-5)
+                              : nn::ops::BatchNorm(xe32, Tensor(), Tensor(), w, b, true, 0.1, 1e-5);
+      WORKER_EXPECT(RelDiff(ye.Detach().To(nn::DType::kFloat32), want.Detach()) < tol, what + ": eval differs");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, EveryInputRankAndOptionMatchesBatchNorm) {
+  for (bool blocks : {false, true}) {
+    std::vector<std::pair<std::string, std::string>> env;
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_variants", 3, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "device formulation" : "host") << "\n" << testing::AllOutput(run);
+  }
+}
+
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   SyncBatchNorm sync(4, {}, ProcessGroup::Single());
   try {

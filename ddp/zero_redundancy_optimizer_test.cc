@@ -825,6 +825,100 @@ TEST(ZeroRedundancyOptimizerTest, GroupFactoryMustKeepTheGroups) {
 // Step hands the k-th piece's gradient to the local optimizer's k-th
 // parameter: a factory that builds from the model, or drops or reorders
 // the pieces, is refused at construction, naming the mistake.
+// Five ranks over 64 elements: a frozen parameter (requires_grad false,
+// never a gradient), one left without a gradient in some steps, a large
+// one split between ranks, a one-element one; the partition leaves rank 2
+// with nothing. Against the unsharded Adam on the same gradients: equal
+// bytes after every step, the consolidated state (gathered on the empty
+// rank) equal to the unsharded one's, and that state loaded on every rank
+// of a fresh optimizer continuing as the unsharded one does.
+DDP_TEST_WORKER(sparse_shards) {
+  auto pg = testing::WorkerGroup();
+  auto make_params = [] {
+    nn::Generator gen(5);
+    NamedParameters params;
+    params.emplace_back("frozen", nn::Randn({3}, {}, gen));
+    params.emplace_back("sometimes", nn::Randn({4, 5}, {}, gen).set_requires_grad(true));
+    params.emplace_back("big", nn::Randn({5, 8}, {}, gen).set_requires_grad(true));
+    params.emplace_back("one", nn::Randn({1}, {}, gen).set_requires_grad(true));
+    return params;
+  };
+  auto adam = [](NamedParameters p) {
+    return std::make_unique<nn::optim::Adam>(std::move(p),
+                                             nn::optim::AdamOptions{.lr = 0.01, .weight_decay = 0.1, .amsgrad = true});
+  };
+  const NamedParameters sharded = make_params(), plain = make_params();
+  // DDP_TEST_GROUPS: AdamW over two groups with their own rates and decays.
+  const bool grouped = std::getenv("DDP_TEST_GROUPS") != nullptr;
+  auto make_zero = [&] {
+    return grouped ? std::make_unique<ZeroRedundancyOptimizer>(DecayGroups(sharded), pg, MakeGroupedOptimizer)
+                   : std::make_unique<ZeroRedundancyOptimizer>(sharded, pg, adam);
+  };
+  std::unique_ptr<ZeroRedundancyOptimizer> zero_ptr = make_zero();
+  ZeroRedundancyOptimizer& zero = *zero_ptr;
+  auto opt = grouped ? MakeGroupedOptimizer(DecayGroups(plain)) : adam(plain);
+  int empty = -1;
+  for (int r = pg->size() - 1; r >= 0; --r) {
+    if (zero.shard(r).empty()) empty = r;
+  }
+  WORKER_EXPECT(empty >= 0, "every rank owns a piece");
+  if (empty < 0) return testing::WorkerExit();
+  nn::Generator gen(9);
+  // Gradients the same on every rank (what DDP would leave), from step s.
+  auto set_grads = [&](const NamedParameters& params, int s) {
+    nn::Generator g(100 + static_cast<uint64_t>(s));
+    for (size_t i = 1; i < params.size(); ++i) {
+      const Tensor grad = nn::Randn(params[i].second.shape(), {}, g);
+      params[i].second.set_grad(i == 1 && s % 2 == 1 ? Tensor() : grad);
+    }
+  };
+  auto same = [&](const NamedParameters& a, const NamedParameters& b, const std::string& when) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      WORKER_EXPECT(SameBytes(a[i].second.Detach(), b[i].second.Detach()), when + ": `" + a[i].first + "` differs on rank " +
+                                                             std::to_string(pg->rank()));
+    }
+  };
+  for (int s = 0; s < 4; ++s) {
+    set_grads(sharded, s);
+    set_grads(plain, s);
+    zero.Step();
+    opt->Step();
+    same(sharded, plain, "step " + std::to_string(s));
+  }
+  const NamedTensors whole = zero.ConsolidatedStateDict(empty);
+  const NamedTensors want = opt->StateDict();
+  if (pg->rank() == empty) {
+    WORKER_EXPECT(whole.size() == want.size(), "consolidated state has " + std::to_string(whole.size()) +
+                                                   " entries, the unsharded " + std::to_string(want.size()));
+    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
+      WORKER_EXPECT(whole[i].first == want[i].first && SameBytes(whole[i].second, want[i].second),
+                    "consolidated entry " + whole[i].first + " differs from " + want[i].first);
+    }
+  } else {
+    WORKER_EXPECT(whole.empty(), "a rank other than the receiver got a state");
+  }
+  // A fresh optimizer over the same (now trained) parameters, loaded with
+  // the unsharded state on every rank, continues as the unsharded one.
+  std::unique_ptr<ZeroRedundancyOptimizer> resumed_ptr = make_zero();
+  ZeroRedundancyOptimizer& resumed = *resumed_ptr;
+  resumed.LoadStateDict(want);
+  for (int s = 4; s < 7; ++s) {
+    set_grads(sharded, s);
+    set_grads(plain, s);
+    resumed.Step();
+    opt->Step();
+    same(sharded, plain, "resumed step " + std::to_string(s));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, FrozenGradlessAndEmptyShardsEqualTheUnshardedOptimizer) {
+  auto run = RunWorkers("sparse_shards", 5);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  auto grouped = RunWorkers("sparse_shards", 5, {{"DDP_TEST_GROUPS", "1"}});
+  EXPECT_TRUE(grouped.AllSucceeded()) << "param groups\n" << testing::AllOutput(grouped);
+}
+
 TEST(ZeroRedundancyOptimizerTest, FactoryMustHoldThePiecesItWasGiven) {
   auto model = Mlp(1);
   const NamedParameters params = model->NamedParameters();
