@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <new>
 #include <stdexcept>
 #include <unordered_set>
 #include <vector>
@@ -148,6 +149,14 @@ struct GlobalStats {
   double total = 0;
 };
 
+std::atomic<bool> fail_next_forward{false};
+
+// FailNextSyncBatchNormForwardForTesting's failure, where a forward's local
+// statistics are computed: before this rank joins the gather.
+void ThrowIfForwardFailureInjected() {
+  if (fail_next_forward.exchange(false)) throw std::bad_alloc();
+}
+
 GlobalStats GatherStats(ProcessGroup& pg, const Tensor& mine, int64_t channels, const std::string& layer) {
   const int64_t row = 1 + 2 * channels;
   Tensor all = nn::Empty({row * pg.size()}, {.dtype = nn::DType::kFloat64});
@@ -181,6 +190,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
                                      const std::shared_ptr<ProcessGroup>& pg, const RunningStats& running,
                                      double eps, const std::string& layer) {
+    ThrowIfForwardFailureInjected();
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
     const Tensor& bias = in[2];
@@ -251,6 +261,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
   static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
                                      const std::shared_ptr<ProcessGroup>& pg, const RunningStats& running,
                                      double eps, const std::string& layer) {
+    ThrowIfForwardFailureInjected();
     const Tensor x = in[0].Contiguous();
     const Tensor& weight = in[1];
     const Tensor& bias = in[2];
@@ -325,6 +336,7 @@ namespace internal {
 void SetSyncBatchNormBuildingBlocks(bool on) {
   building_blocks_for_cpu.store(on, std::memory_order_relaxed);
 }
+void FailNextSyncBatchNormForwardForTesting() { fail_next_forward.store(true); }
 }  // namespace internal
 
 SyncBatchNorm::SyncBatchNorm(int64_t num_features, nn::modules::BatchNormOptions options,
@@ -420,7 +432,12 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
     running.num_batches_tracked = num_batches_tracked_;
     running.running_mean = running_mean_;
     running.running_var = running_var_;
-    running.next_count = tracked_.Get(num_batches_tracked_, *this) + 1;
+    try {
+      running.next_count = tracked_.Get(num_batches_tracked_, *this) + 1;
+    } catch (const std::exception& e) {
+      AbortForLocalFailure(*pg, e);
+      throw;
+    }
     running.momentum = nn::modules::RunningAverageFactor(options_, running.next_count);
   }
   if (pg->size() == 1) {
@@ -442,6 +459,21 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
     return SyncBatchNormFunction::Apply({x, weight_, bias_}, pg, running, options_.eps, layer)[0];
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
+  } catch (const DistributedError&) {
+    throw;  // the group's own failure: every rank has it
+  } catch (const std::exception& e) {
+    AbortForLocalFailure(*pg, e);
+    throw;
+  }
+}
+
+void SyncBatchNorm::AbortForLocalFailure(ProcessGroup& pg, const std::exception& e) const {
+  // This rank's own failure (device memory ran out, say) before or between
+  // the statistics' collectives, which its peers are in or about to be:
+  // stop them now, with the cause, rather than at the group's timeout.
+  if (pg.size() > 1) {
+    pg.Abort(transport::InternalError(Describe() + " forward on rank " + std::to_string(pg.rank()) +
+                                      " failed: " + e.what()));
   }
 }
 

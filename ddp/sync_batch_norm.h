@@ -87,6 +87,9 @@ class SyncBatchNorm : public nn::modules::Module {
   // Fail(message), after aborting the group in training with more than one
   // rank: for an input refused on this rank alone, before any collective.
   [[noreturn]] void Refuse(const std::string& message) const;
+  // Aborts the group (more than one rank) with `e` as this rank's failure
+  // in a training forward; the caller rethrows.
+  void AbortForLocalFailure(ProcessGroup& pg, const std::exception& e) const;
 
   int64_t num_features_;
   nn::modules::BatchNormOptions options_;
@@ -115,6 +118,12 @@ namespace internal {
 /// blocks and an all-reduce of the sums), so that CPU tests cover what a
 /// GPU runs. Process-wide; for tests.
 void SetSyncBatchNormBuildingBlocks(bool on);
+
+/// Makes the next multi-rank training forward of any SyncBatchNorm in this
+/// process throw std::bad_alloc where it computes its local statistics,
+/// before it joins the gather (as a rank whose device memory ran out).
+/// For tests.
+void FailNextSyncBatchNormForwardForTesting();
 
 }  // namespace internal
 

@@ -678,6 +678,59 @@ DDP_TEST_WORKER(sync_bn_refused_on_one_rank) {
   return testing::WorkerExit();
 }
 
+// A forward that fails on one rank while it computes its local statistics
+// (device memory ran out, say), before it joins the gather: the rank aborts
+// the group with the cause, so the peer, already waiting in the gather,
+// fails at once naming it instead of at the group's timeout (20 s here).
+DDP_TEST_WORKER(sync_bn_forward_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const int rank = pg->rank();
+  SyncBatchNorm sync(kC, {}, pg);
+  const Tensor x = nn::Randn({4, kC, kH});
+  (void)sync(x);  // one good forward first: the failure is not the connections'
+  if (rank == 1) internal::FailNextSyncBatchNormForwardForTesting();
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    sync(x);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Rank 1 stays alive (as a trainer handling the error would) until rank 0
+  // is done: its exit must not be what stops rank 0.
+  const std::string done_file = std::getenv("DDP_TEST_SBN_DONE_FILE");
+  if (rank == 0) {
+    std::ofstream(done_file) << "done\n";
+  } else {
+    for (int i = 0; i < 300 && !std::ifstream(done_file).good(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  const std::string what = "rank " + std::to_string(rank) + ": ";
+  WORKER_EXPECT(!message.empty(), what + "no error");
+  if (rank == 0) {
+    WORKER_EXPECT(message.find("forward on rank 1 failed: std::bad_alloc") != std::string::npos, what + message);
+  }
+  WORKER_EXPECT(seconds < 10, what + "took " + std::to_string(seconds) + " s: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, AForwardThatFailsOnOneRankStopsThePeersAtOnce) {
+  for (bool blocks : {false, true}) {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    const std::string done_file = std::string(tmp != nullptr ? tmp : "/tmp") + "/sync_bn_forward_fails" +
+                                  (blocks ? "_blocks" : "") + "_" + std::to_string(::getpid());
+    std::remove(done_file.c_str());
+    std::vector<std::pair<std::string, std::string>> env = {{"DDP_TEST_TIMEOUT_MS", "20000"},
+                                                            {"DDP_TEST_SBN_DONE_FILE", done_file}};
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_forward_fails_on_one_rank", 2, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "building blocks\n" : "") << testing::AllOutput(run);
+  }
+}
+
 TEST(SyncBatchNormTest, InputRefusedOnOneRankStopsThePeersAtOnce) {
   for (const char* bad : {"channels", "dtype"}) {
     for (bool blocks : {false, true}) {
