@@ -479,6 +479,18 @@ class Communicator::Impl {
     return InvalidArgumentError("unknown staged_reduce " +
                                 std::to_string(static_cast<int>(where)));
   }
+  // An agreed check: `a` is one of the Algorithm values. Any named one may
+  // be asked for (one that cannot run here falls back), but a value past
+  // them would reach the algorithm table as a choice of its own and fail
+  // the call only once it ran, aborting the communicator on every rank.
+  static Status CheckAlgorithm(Algorithm a, const char* what) {
+    if (static_cast<int>(a) >= static_cast<int>(Algorithm::kAuto) &&
+        static_cast<int>(a) <= static_cast<int>(Algorithm::kSharedMemory)) {
+      return Status::Ok();
+    }
+    return InvalidArgumentError(std::string(what) + ": unknown algorithm " +
+                                std::to_string(static_cast<int>(a)));
+  }
   Deadline DeadlineFor(const CallOptions& call) const {
     return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
   }
@@ -890,6 +902,7 @@ Status Communicator::Impl::Init() {
   if (o.abort_store_time.count() <= 0) return InvalidArgumentError("abort_store_time must be positive");
   if (o.store_call_cap.count() <= 0) return InvalidArgumentError("store_call_cap must be positive");
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
+  DDP_RETURN_IF_ERROR(CheckAlgorithm(options_.algorithm, "options"));
   // A bad variable is reported once the store is reached, where the other
   // ranks' creation waits see it: failing before would leave them waiting
   // out their whole timeout (or, on rank 0, never start their store). The
@@ -2539,6 +2552,7 @@ Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataT
   // Agreed checks, then local ones (Impl::Refuse: they abort).
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
+  DDP_RETURN_IF_ERROR(Impl::CheckAlgorithm(call.algorithm, "all-reduce"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce"));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(send, count, "all-reduce send buffer"), call));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"), call));
@@ -2563,6 +2577,7 @@ Status Communicator::AllReduce(void* buffer, size_t count, DataType dtype, Reduc
 Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& apply, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(Impl::CheckAlgorithm(call.algorithm, "all-reduce-through"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce-through"));
   auto local = [&]() -> Status {
     DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce-through send buffer"));
@@ -2887,6 +2902,7 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
                                   ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
+  DDP_ASYNC_CHECK(Impl::CheckAlgorithm(call.algorithm, "all-reduce"));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "all-reduce"));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(send, count, "all-reduce send buffer"), call));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"), call));

@@ -241,6 +241,26 @@ int ScenarioLocalErrors() {
          StatusCode::kInvalidArgument, "reduce: algorithm rhd is not auto, tree, ring or shm");
   expect(comm->Gather(a.data(), b.data(), SIZE_MAX / 2, DataType::kF32, 0),
          StatusCode::kInvalidArgument, "overflows");
+  // An all-reduce algorithm past the named ones is refused like an unknown
+  // op, before anything moves: it used to reach the algorithm table, fail
+  // the call there and abort the communicator on every rank.
+  const Algorithm bogus = static_cast<Algorithm>(9);
+  expect(comm->AllReduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, {.algorithm = bogus}),
+         StatusCode::kInvalidArgument, "all-reduce: unknown algorithm 9");
+  expect(comm->AllReduceAsync(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, {.algorithm = bogus})
+             .Wait(),
+         StatusCode::kInvalidArgument, "all-reduce: unknown algorithm 9");
+  {
+    // The communicator's own: creation refuses it before reaching a store
+    // (none listens on port 1).
+    CommunicatorOptions bad;
+    bad.store_port = 1;
+    bad.host_store = false;
+    bad.timeout = milliseconds(500);
+    bad.algorithm = bogus;
+    auto made = Communicator::Create(bad);
+    expect(made.status(), StatusCode::kInvalidArgument, "options: unknown algorithm 9");
+  }
   // Point-to-point calls check the count too: its bytes wrapped to 4 and a
   // 4-byte message was sent (or awaited) as if the call had been whole.
   const size_t wraps = SIZE_MAX / 4 + 2;
