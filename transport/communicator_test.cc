@@ -1312,6 +1312,47 @@ int ScenarioAbortWithOk() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Abort from another thread while this rank's own call waits for a peer
+// that has not arrived: the call ends with the abort's reason well before
+// its deadline, a second Abort keeps the first reason, and the late peer
+// fails with it at once (in its call, or the next one that waits).
+int ScenarioAbortFromAnotherThread() {
+  auto comm = MustCreate();
+  std::vector<float> data(1024, 1.0f);
+  const auto start = Clock::now();
+  if (comm->rank() == 0) {
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      comm->Abort(AbortedError("stopped by the test"));
+      comm->Abort(InternalError("a second reason"));
+    });
+    const Status s = comm->AllReduce(data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+                                     {.timeout = std::chrono::seconds(20)});
+    aborter.join();
+    WORKER_CHECK(!s.ok() && s.message().find("stopped by the test") != std::string::npos,
+                 "rank 0's call: " + s.ToString());
+    WORKER_CHECK(Clock::now() - start < std::chrono::seconds(8), "rank 0's call waited for its deadline");
+    WORKER_CHECK(comm->aborted_reason().message().find("stopped by the test") != std::string::npos,
+                 "aborted_reason: " + comm->aborted_reason().ToString());
+    // Stays until rank 1 has made its call: after an abort the rank
+    // serving the store waits only briefly for the others to leave.
+    std::this_thread::sleep_until(start + std::chrono::seconds(4));
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    const auto called = Clock::now();
+    Status s = comm->AllReduce(data.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+                               {.timeout = std::chrono::seconds(20)});
+    // Over UCX rank 0's part may have gone out before it aborted, and this
+    // call then finishes without waiting (with the right sum): the next
+    // one, which waits for rank 0, fails.
+    if (s.ok()) s = comm->Barrier({.timeout = std::chrono::seconds(20)});
+    WORKER_CHECK(!s.ok() && s.message().find("stopped by the test") != std::string::npos,
+                 "rank 1's call: " + s.ToString());
+    WORKER_CHECK(Clock::now() - called < std::chrono::seconds(8), "rank 1 waited for its deadline");
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A split whose creation fails on rank 1 alone (its UCX is given a
 // transport that does not exist): rank 0 learns it at once, with rank 1's
 // reason, instead of waiting for rank 1 until the split's timeout.
@@ -1361,6 +1402,7 @@ int RunScenario(const std::string& name) {
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
   if (name == "abort_ok") return ScenarioAbortWithOk();
+  if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
@@ -1459,6 +1501,16 @@ TEST(Communicator, F16AveragesNearTheTopOfItsRangeDoNotOverflow) {
 
 TEST(Communicator, AbortWithAnOkStatusStillAborts) {
   Job job = RunJob(2, "abort_ok", {});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, AbortFromAnotherThreadEndsTheCallInFlightSharedMemory) {
+  Job job = RunJob(2, "abort_from_thread", {});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, AbortFromAnotherThreadEndsTheCallInFlightUcx) {
+  Job job = RunJob(2, "abort_from_thread", {{"DDP_SHARED_MEMORY", "0"}});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
