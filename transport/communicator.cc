@@ -344,6 +344,9 @@ class Communicator::Impl {
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                    Algorithm requested, Deadline deadline);
   std::vector<std::pair<size_t, size_t>> ThroughPieces(size_t count, DataType dtype) const {
+    // No call takes an unknown dtype, and its size of 0 would divide the
+    // shared-memory engine's piece below.
+    if (!ValidDataType(dtype)) return {};
     const size_t elem = DataTypeSize(dtype);
     const shm::SliceRange mine = shm::SliceOf(count, elem, options_.world_size, options_.rank);
     if (mine.begin == mine.end) return {{mine.begin, 0}};
@@ -2602,6 +2605,8 @@ Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count
 
 std::pair<size_t, size_t> Communicator::ThroughSlice(size_t count, DataType dtype, int size,
                                                      int rank) {
+  // SliceOf divides by the size, and takes the rank as an index.
+  if (size < 1 || rank < 0 || rank >= size) return {0, 0};
   const shm::SliceRange range = shm::SliceOf(count, DataTypeSize(dtype), size, rank);
   return {range.begin, range.end};
 }

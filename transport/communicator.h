@@ -298,10 +298,11 @@ class Communicator {
   /// kAuto) hands to its function, in order. The slices are equal blocks
   /// rounded up to whole 64-byte lines, so the last ranks' may be short or
   /// empty (one piece of count 0). The same in every call with these
-  /// arguments.
+  /// arguments. An unknown dtype: none.
   std::vector<std::pair<size_t, size_t>> ThroughPieces(size_t count, DataType dtype) const;
   /// Rank `rank`'s slice [first, second) of an AllReduceThrough of `count`
-  /// elements of `dtype` among `size` ranks (its pieces cover it).
+  /// elements of `dtype` among `size` ranks (its pieces cover it); {0, 0}
+  /// when size < 1 or rank is outside [0, size).
   static std::pair<size_t, size_t> ThroughSlice(size_t count, DataType dtype, int size, int rank);
   /// Copies `count` elements of root's `buffer` into every rank's `buffer`.
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root,

@@ -788,6 +788,28 @@ int ScenarioThrough() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// The AllReduceThrough layout queries given arguments no call would take:
+// an unknown dtype has no pieces, a size below one or a rank outside it no
+// slice. Both used to divide by zero (the pieces of a shared-memory
+// communicator by the dtype's size, the slice by the size).
+int ScenarioThroughBadQueries() {
+  auto comm = MustCreate();
+  const auto pieces = comm->ThroughPieces(1001, static_cast<DataType>(99));
+  WORKER_CHECK(pieces.empty(), "an unknown dtype has " + std::to_string(pieces.size()) + " pieces");
+  using Slice = std::pair<size_t, size_t>;
+  WORKER_CHECK(Communicator::ThroughSlice(1001, DataType::kF32, 0, 0) == Slice(0, 0), "size 0");
+  WORKER_CHECK(Communicator::ThroughSlice(1001, DataType::kF32, -2, 0) == Slice(0, 0), "size -2");
+  WORKER_CHECK(Communicator::ThroughSlice(1001, DataType::kF32, 2, 2) == Slice(0, 0), "rank 2 of 2");
+  WORKER_CHECK(Communicator::ThroughSlice(1001, DataType::kF32, 2, -1) == Slice(0, 0), "rank -1 of 2");
+  // Still what a call would do with good ones.
+  const auto good = comm->ThroughPieces(1001, DataType::kF32);
+  const auto [begin, end] = Communicator::ThroughSlice(1001, DataType::kF32, comm->size(), comm->rank());
+  WORKER_CHECK(!good.empty() && good.front().first == begin &&
+                   good.back().first + good.back().second == end,
+               "the pieces of good arguments do not cover the slice");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // How late rank 1 comes to each all-reduce of the "late" scenario: long
 // against what a loaded machine adds, so the test's bounds can be wide.
 constexpr milliseconds kLateBy(1000);
@@ -1380,6 +1402,7 @@ int RunScenario(const std::string& name) {
   if (name == "store_rank_dies_under_split") return ScenarioStoreRankDiesUnderASplitWithoutIt();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
+  if (name == "through_bad_queries") return ScenarioThroughBadQueries();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -1566,6 +1589,11 @@ TEST(Communicator, AllToAllEqualAndUnevenBlocks) {
           << job.Describe();
     }
   }
+}
+
+TEST(Communicator, AllReduceThroughQueriesWithBadArgumentsAnswerEmpty) {
+  Job job = RunJob(2, "through_bad_queries", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 // Through shared memory on one host, or reduce-scatter and all-gather over
