@@ -1787,21 +1787,17 @@ StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, co
   auto local = [&]() -> StatusOr<int> {
     DDP_RETURN_IF_ERROR(CheckBuffer(send, send_elems, (what + " send buffer").c_str()));
     DDP_RETURN_IF_ERROR(CheckBuffer(recv, recv_elems, (what + " receive buffer").c_str()));
-    const auto* s = static_cast<const char*>(send);
-    const auto* r = static_cast<const char*>(recv);
-    if (send_elems > 0 && recv_elems > 0 && s < r + recv_elems * es && r < s + send_elems * es) {
-      // In place: the root's own block (reduce: the whole vector).
-      const size_t own = which == Rooted::kReduce ? 0 : static_cast<size_t>(root) * count * es;
-      const bool in_place = which == Rooted::kScatter ? r == s + own : s == r + own;
-      if (!in_place) {
-        return InvalidArgumentError(
-            what + ": the send and receive buffers overlap other than in place (" +
-            (which == Rooted::kReduce   ? "send == recv"
-             : which == Rooted::kGather ? "send == recv + root * count"
-                                        : "recv == send + root * count") +
-            ")");
-      }
-    }
+    // Aligned as the other collectives' buffers (the reduce folds them in
+    // place as typed elements), and overlapping only in place: at the
+    // root's own block (reduce: the whole vector).
+    const auto own = static_cast<std::ptrdiff_t>(
+        which == Rooted::kReduce ? 0 : static_cast<size_t>(root) * count * es);
+    DDP_RETURN_IF_ERROR(CheckLayout(send, send_elems, recv, recv_elems, dtype,
+                                    which == Rooted::kScatter ? own : -own,
+                                    which == Rooted::kReduce   ? "send == recv"
+                                    : which == Rooted::kGather ? "send == recv + root * count"
+                                                               : "recv == send + root * count",
+                                    what.c_str()));
     // Only the buffers this rank uses: the others may be null or anything.
     return DeviceOf({send_elems > 0 ? send : nullptr, recv_elems > 0 ? recv : nullptr},
                     std::max(send_elems, recv_elems), what.c_str());

@@ -335,8 +335,8 @@ class Communicator {
   /// Rooted collectives (MPI_Reduce, MPI_Gather, MPI_Scatter, ncclReduce).
   /// Every rank calls them with the same count, dtype, root (and op): a
   /// root outside [0, size()) is INVALID_ARGUMENT on the rank that passed
-  /// it; a buffer only the root uses that it refuses (null, overlapping
-  /// other than in place) aborts the communicator (see the error model at
+  /// it; a buffer only the root uses that it refuses (null, misaligned,
+  /// overlapping other than in place) aborts the communicator (see the error model at
   /// the top), so the other ranks fail too; ranks that disagree fail (INVALID_ARGUMENT naming both values, or
   /// the abort reason of the rank that found it) or time out at the call's
   /// deadline. Device buffers (those this rank uses) go through the pinned

@@ -345,6 +345,13 @@ int ScenarioRefusalTexts() {
        [&](Communicator& c, bool) { return c.AllReduce(ab + 1, bf, 2, DataType::kF32, ReduceOp::kSum); }},
       {false, "broadcast: the buffer is not aligned to the 4-byte size of f32",
        [&](Communicator& c, bool) { return c.Broadcast(reinterpret_cast<char*>(bf) + 2, 2, DataType::kF32, 0); }},
+      {true, "reduce: the receive buffer is not aligned to the 4-byte size of f32",
+       [&](Communicator& c, bool refuse) {
+         return c.Reduce(af, refuse ? static_cast<void*>(reinterpret_cast<char*>(bf) + 1) : bf, 2, DataType::kF32,
+                         ReduceOp::kSum, 0);
+       }},
+      {false, "reduce: the send buffer is not aligned to the 4-byte size of f32",
+       [&](Communicator& c, bool) { return c.Reduce(ab + 2, bf, 2, DataType::kF32, ReduceOp::kSum, 0); }},
   };
   for (const Case& c : cases) {
     auto child = comm->Split(0, me);
