@@ -322,6 +322,7 @@ class Communicator::Impl {
   // After a failed Init: posts `status` as the job's abort reason (unless one
   // is posted already), where the others' creation waits see it.
   void PostCreationFailure(const Status& status) {
+    creation_failed_ = true;
     const Status reason(status.code(), "creating its communicator: " + status.message());
     if (monitor_ != nullptr) {
       Abort(reason, std::nullopt).IgnoreError();
@@ -737,6 +738,9 @@ class Communicator::Impl {
   // When creation must be done by (Create's, across its attempts); else
   // options_.timeout from Init's start.
   std::optional<Deadline> creation_deadline_;
+  // Init failed (PostCreationFailure): Shutdown, which the failing Create
+  // or Split runs before it returns, keeps to the creation deadline.
+  bool creation_failed_ = false;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
   topology::Topology real_topology_;  // as discovered
@@ -915,6 +919,7 @@ Status Communicator::Impl::Init() {
 
   fork::InstallForkGuard();
   const Deadline deadline = creation_deadline_.value_or(DeadlineIn(o.timeout));
+  creation_deadline_ = deadline;  // for Shutdown, should this fail
   // Count the cores before pinning narrows the view to one.
   const int available_cpus = AvailableCpus();
   if (o.bind_to_core && environment.ok()) BindToCore(o.local_rank);
@@ -1336,8 +1341,13 @@ void Communicator::Impl::Shutdown() {
     }
     // The rank serving the store keeps it up until the others have left
     // (they may still post or read the abort key); bounded.
+    // A communicator whose creation failed waits for the others as an
+    // aborted one does (they read its reason, posted where their creation
+    // waits look, within ~100 ms), and never past the creation deadline:
+    // its Create or Split returns only after this.
+    const bool failed = aborted() || creation_failed_;
     auto left = store_->Add(prefix_ + "left", 1,
-                            DeadlineIn(aborted() ? options_.abort_store_time : milliseconds(2000)));
+                            DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000)));
     if (server_ != nullptr && left.ok()) {
       // The last communicator here to hold the server waits for the ranks
       // of every communicator using it (those split off included).
@@ -1347,7 +1357,8 @@ void Communicator::Impl::Shutdown() {
         std::lock_guard lock(server_->mu);
         awaited = server_->users;
       }
-      const Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
+      Deadline wait_until = failed ? DeadlineIn(milliseconds(1000)) : deadline;
+      if (creation_failed_ && creation_deadline_) wait_until = std::min(wait_until, *creation_deadline_);
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
       // all left, and one may have split again meanwhile.
@@ -1371,8 +1382,9 @@ void Communicator::Impl::Shutdown() {
   ipc_.clear();
   ring_view_.reset();
   host_inter_.reset();
-  // After an abort, endpoints to other hosts close without flushing: the
-  // host may be unreachable, and its peers have given up on us anyway.
+  // After an abort (or a failed creation), endpoints to other hosts close
+  // without flushing: the host may be unreachable, and its peers have given
+  // up on us anyway.
   if (p2p_ != nullptr) {
     // UCX cannot detect the death of a rank on this host, and a flush
     // towards it never completes; its endpoint must be forced closed.
@@ -1381,7 +1393,7 @@ void Communicator::Impl::Shutdown() {
         p2p_->MarkPeerLost(r, PeerLostError("rank " + std::to_string(r) + " exited"));
       }
     }
-    p2p_->Close(DeadlineIn(milliseconds(2000)), aborted()).IgnoreError();
+    p2p_->Close(DeadlineIn(milliseconds(2000)), aborted() || creation_failed_).IgnoreError();
   }
   p2p_.reset();
   monitor_.reset();
