@@ -1340,11 +1340,9 @@ void Communicator::Impl::Shutdown() {
       monitor_->PostClosed(DeadlineIn(options_.abort_store_time));
     }
     // The rank serving the store keeps it up until the others have left
-    // (they may still post or read the abort key); bounded.
-    // A communicator whose creation failed waits for the others as an
-    // aborted one does (they read its reason, posted where their creation
-    // waits look, within ~100 ms), and never past the creation deadline:
-    // its Create or Split returns only after this.
+    // (they may still post or read the abort key); bounded. After a failed
+    // creation, never past the creation deadline: its Create or Split
+    // returns only after this.
     const bool failed = aborted() || creation_failed_;
     auto left = store_->Add(prefix_ + "left", 1,
                             DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000)));
@@ -1357,7 +1355,10 @@ void Communicator::Impl::Shutdown() {
         std::lock_guard lock(server_->mu);
         awaited = server_->users;
       }
-      Deadline wait_until = failed ? DeadlineIn(milliseconds(1000)) : deadline;
+      // After a failed creation that posted no abort, the others may still
+      // be on their way to the store to read the reason: they get until
+      // the creation deadline, which Create or Split keeps to.
+      Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
       if (creation_failed_ && creation_deadline_) wait_until = std::min(wait_until, *creation_deadline_);
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
