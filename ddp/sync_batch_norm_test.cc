@@ -633,6 +633,40 @@ TEST(SyncBatchNormTest, BadEpsOrMomentumIsNamedAtConstruction) {
   EXPECT_EQ(error({.momentum = std::nullopt}), "");
 }
 
+// One forward of `sync`: its error message ("" when none) and its seconds.
+std::pair<std::string, double> TimedForward(SyncBatchNorm& sync, const Tensor& x) {
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    sync(x);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  return {message, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+
+// Rank 0 writes DDP_TEST_SBN_DONE_FILE; the others wait for it (at most
+// `seconds`), so that no other rank's exit is what ends rank 0's wait.
+void MeetAtDoneFile(int rank, int seconds) {
+  const std::string done_file = std::getenv("DDP_TEST_SBN_DONE_FILE");
+  if (rank == 0) {
+    std::ofstream(done_file) << "done\n";
+    return;
+  }
+  for (int i = 0; i < 10 * seconds && !std::ifstream(done_file).good(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// A path for MeetAtDoneFile, unique to this test process and `tag`, not there yet.
+std::string FreshDoneFile(const std::string& tag) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path =
+      std::string(tmp != nullptr ? tmp : "/tmp") + "/sync_bn_" + tag + "_" + std::to_string(::getpid());
+  std::remove(path.c_str());
+  return path;
+}
+
 // Rank 1's input is refused (DDP_TEST_SBN_BAD: "channels", a wrong channel
 // count; "dtype", an integer input) before the statistics' collective,
 // which rank 0 has already entered. Rank 1 throws naming the problem, and
@@ -651,22 +685,8 @@ DDP_TEST_WORKER(sync_bn_refused_on_one_rank) {
   if (rank == 1) x = bad == "channels" ? nn::Ones({4, kC + 1, kH}) : nn::Ones({4, kC, kH}, {.dtype = nn::DType::kInt64});
   const std::string problem = bad == "channels" ? "expected input [N, 3, ...], got [4, 4, 4]"
                                                 : "expected a floating-point input, got dtype i64";
-  std::string message;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    sync(x);
-  } catch (const std::exception& e) {
-    message = e.what();
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string done_file = std::getenv("DDP_TEST_SBN_DONE_FILE");
-  if (rank == 0) {
-    std::ofstream(done_file) << "done\n";
-  } else {
-    for (int i = 0; i < 150 && !std::ifstream(done_file).good(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
+  const auto [message, seconds] = TimedForward(sync, x);
+  MeetAtDoneFile(rank, 15);
   const std::string what = bad + ", rank " + std::to_string(rank) + ": ";
   WORKER_EXPECT(!message.empty(), what + "no error");
   WORKER_EXPECT(message.find(problem) != std::string::npos, what + message);
@@ -690,24 +710,10 @@ DDP_TEST_WORKER(sync_bn_forward_fails_on_one_rank) {
   const Tensor x = nn::Randn({4, kC, kH});
   (void)sync(x);  // one good forward first: the failure is not the connections'
   if (rank == 1) internal::FailNextSyncBatchNormForwardForTesting();
-  std::string message;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    sync(x);
-  } catch (const std::exception& e) {
-    message = e.what();
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto [message, seconds] = TimedForward(sync, x);
   // Rank 1 stays alive (as a trainer handling the error would) until rank 0
   // is done: its exit must not be what stops rank 0.
-  const std::string done_file = std::getenv("DDP_TEST_SBN_DONE_FILE");
-  if (rank == 0) {
-    std::ofstream(done_file) << "done\n";
-  } else {
-    for (int i = 0; i < 300 && !std::ifstream(done_file).good(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
+  MeetAtDoneFile(rank, 30);
   const std::string what = "rank " + std::to_string(rank) + ": ";
   WORKER_EXPECT(!message.empty(), what + "no error");
   if (rank == 0) {
@@ -719,10 +725,7 @@ DDP_TEST_WORKER(sync_bn_forward_fails_on_one_rank) {
 
 TEST(SyncBatchNormTest, AForwardThatFailsOnOneRankStopsThePeersAtOnce) {
   for (bool blocks : {false, true}) {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    const std::string done_file = std::string(tmp != nullptr ? tmp : "/tmp") + "/sync_bn_forward_fails" +
-                                  (blocks ? "_blocks" : "") + "_" + std::to_string(::getpid());
-    std::remove(done_file.c_str());
+    const std::string done_file = FreshDoneFile(blocks ? "forward_fails_blocks" : "forward_fails");
     std::vector<std::pair<std::string, std::string>> env = {{"DDP_TEST_TIMEOUT_MS", "20000"},
                                                             {"DDP_TEST_SBN_DONE_FILE", done_file}};
     if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
@@ -734,10 +737,7 @@ TEST(SyncBatchNormTest, AForwardThatFailsOnOneRankStopsThePeersAtOnce) {
 TEST(SyncBatchNormTest, InputRefusedOnOneRankStopsThePeersAtOnce) {
   for (const char* bad : {"channels", "dtype"}) {
     for (bool blocks : {false, true}) {
-      const char* tmp = std::getenv("TEST_TMPDIR");
-      const std::string done_file = std::string(tmp != nullptr ? tmp : "/tmp") + "/sync_bn_refused_" + bad +
-                                    (blocks ? "_blocks" : "") + "_" + std::to_string(::getpid());
-      std::remove(done_file.c_str());
+      const std::string done_file = FreshDoneFile(std::string("refused_") + bad + (blocks ? "_blocks" : ""));
       std::vector<std::pair<std::string, std::string>> env = {
           {"DDP_TEST_SBN_BAD", bad}, {"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_SBN_DONE_FILE", done_file}};
       if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
