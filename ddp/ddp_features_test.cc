@@ -3248,23 +3248,26 @@ DDP_TEST_WORKER(peer_wait) {
   } else {
     WORKER_EXPECT(waited_ms < 250, "the late rank waited " + std::to_string(waited_ms) + " ms");
   }
-  // DDP's statistics: 300 ms late before every backward, 4 iterations.
+  // DDP's statistics: 600 ms late before every backward, 4 iterations. Rank
+  // 0 must see at least half of it; the straggler may wait up to a third of
+  // it (rank 0 descheduled for a while on a loaded 2-core machine) and
+  // still stays well apart from rank 0.
   auto model = nn::modules::MakeMlp();
   DistributedDataParallel ddp(model, {.process_group = pg});
   ddp.ResetStats();
   for (int s = 0; s < 4; ++s) {
     auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
     const Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
-    if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    if (pg->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(600));
     nn::Backward(loss);
   }
   const DdpStats stats = ddp.Stats();
   std::fprintf(stderr, "rank %d stats: %s\n", pg->rank(), stats.ToString().c_str());
   WORKER_EXPECT(stats.ToString().find("waiting for other ranks") != std::string::npos, stats.ToString());
   if (pg->rank() == 0) {
-    WORKER_EXPECT(stats.peer_wait_ms >= 150, "rank 0 waited " + std::to_string(stats.peer_wait_ms) + " ms per step");
+    WORKER_EXPECT(stats.peer_wait_ms >= 300, "rank 0 waited " + std::to_string(stats.peer_wait_ms) + " ms per step");
   } else {
-    WORKER_EXPECT(stats.peer_wait_ms < 75, "the straggler waited " + std::to_string(stats.peer_wait_ms) +
+    WORKER_EXPECT(stats.peer_wait_ms < 200, "the straggler waited " + std::to_string(stats.peer_wait_ms) +
                                                " ms per step");
   }
   return testing::WorkerExit();
