@@ -158,7 +158,10 @@ struct OneCycleOptions {
 /// in [0, 1], div_factor and final_div_factor are > 0 (all finite), the
 /// rising phase has steps to take (pct_start * total_steps != 1, where
 /// PyTorch divides by zero), and, with cycle_momentum, base_momentum and
-/// max_momentum are finite and >= 0. Describe() names the momentum
+/// max_momentum are finite and >= 0; with per-group lists, unless the lists
+/// given have one length, max_lr is 0 beside group_max_lr, and each value
+/// passes its scalar's check (the error names the list and index).
+/// Describe() names the momentum
 /// parameters only with cycle_momentum, so a rate-only schedule describes
 /// itself as it did before the option existed (its saved states still
 /// load), and a state saved with the other setting is refused.
@@ -195,13 +198,15 @@ struct GroupRates {
 /// The optimizer (or the target's owner) must outlive the scheduler.
 ///
 /// Momentum: a schedule that CyclesMomentum() also sets every group's
-/// momentum (Optimizer::set_momentum) to Momentum(t), at construction, at
-/// each Step and at LoadStateDict, the same value for every group.
+/// momentum (Optimizer::set_momentum) to GroupMomentum(k, t), at
+/// construction, at each Step and at LoadStateDict (the same value for every
+/// group unless the schedule has per-group values).
 ///
 /// Param groups: each group of an Optimizer follows the schedule from its
-/// own base rate (PyTorch's base_lrs), lr(k) = Lr(base_lr(k), t), so their
-/// ratios stay as they were (OneCycleSchedule, which ignores base_lr, gives
-/// every group the same rate, as PyTorch's OneCycleLR with one max_lr).
+/// own base rate (PyTorch's base_lrs), lr(k) = GroupLr(k, base_lr(k), t),
+/// so their ratios stay as they were (OneCycleSchedule, which ignores
+/// base_lr, gives every group the same rate, as PyTorch's OneCycleLR with
+/// one max_lr, or each group its own with group_max_lr).
 ///
 /// One scheduler per optimizer: each sets the rate outright (closed forms
 /// of its own step count), so two would overwrite each other, the last to
