@@ -152,6 +152,24 @@ std::string FolderOfImages(const std::string& name, uint32_t train, uint32_t tes
   return dir;
 }
 
+// An --eval_batch larger than the test set evaluates it in one batch. It
+// used to size the evaluation buffers by the flag: 2,000,000,000 images of
+// 28x28 floats, terabytes, so the run died after training.
+TEST(NnBenchTest, AnEvalBatchLargerThanTheTestSetEvaluatesItInOneBatch) {
+  const std::string dir = FolderOfImages("images_28", 28, 28);
+  const testing::RunOutput r =
+      testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1",
+                         "--batch=16", "--eval_batch=2000000000", "--data=" + dir});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> lines = testing::Lines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  const std::vector<std::string> f = Fields(lines[0]);
+  ASSERT_EQ(f.size(), 6u) << lines[0];
+  const double accuracy = std::stod(f[4]);
+  EXPECT_GE(accuracy, 0) << lines[0];
+  EXPECT_LE(accuracy, 1) << lines[0];
+}
+
 // The models take 1x28x28 images into fixed [batch, 1, 28, 28] tensors:
 // other images are refused, naming the folder and their shape, before any
 // step (before, nn_bench copied 32x32 images past the tensor's end and

@@ -9,6 +9,7 @@
 #include <gflags/gflags.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -31,7 +32,8 @@ DEFINE_int32(batch, 64, "batch size");
 DEFINE_int32(threads, 1, "threads per GEMM/convolution");
 DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
 DEFINE_bool(eval, true, "measure test accuracy after training");
-DEFINE_int32(eval_batch, 1000, "test-set batch size (PyTorch's script uses 1000)");
+DEFINE_int32(eval_batch, 1000,
+             "test-set batch size (PyTorch's script uses 1000); at most the test set's size is used");
 DEFINE_bool(verbose, false, "print allocator statistics");
 
 namespace {
@@ -138,7 +140,10 @@ int Run() {
     model->Eval();
     nn::NoGradGuard no_grad;
     int64_t correct = 0;
-    const int64_t eb = FLAGS_eval_batch;
+    // A batch past the test set's size would allocate buffers for images
+    // that do not exist (--eval_batch=2000000000: terabytes, and the run
+    // dies after training); the whole set in one batch is the most it needs.
+    const int64_t eb = std::min<int64_t>(FLAGS_eval_batch, test->Size());
     Tensor timages = nn::Empty({eb, 1, 28, 28});
     Tensor tlabels = nn::Empty({eb}, {.dtype = nn::DType::kInt64});
     std::vector<int64_t> idx(eb);
