@@ -186,6 +186,10 @@ int main(int argc, char** argv) {
     Fail(std::string("--step_factor=") + text + " must be a finite number greater than 1");
   }
   if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
+  // The communicator refuses it too, but in words that name no flag.
+  if (FLAGS_timeout_ms < 1) {
+    Fail("--timeout_ms=" + std::to_string(FLAGS_timeout_ms) + " must be at least 1");
+  }
   const std::string& collective = FLAGS_collective;
   if (collective != "allreduce" && collective != "broadcast" && collective != "alltoall" &&
       collective != "reduce" && collective != "gather" && collective != "scatter") {

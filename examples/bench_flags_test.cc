@@ -116,6 +116,27 @@ TEST(DdpBenchTest, NoTimedStepsIsRefused) {
   EXPECT_NE(r.err.find("ddp_bench: --steps=-5 must be at least 1\n"), std::string::npos) << r.err;
 }
 
+// A deadline of zero or less is refused naming --timeout_ms, before any
+// rank connects (the communicator's own refusal said only "timeout must be
+// positive").
+TEST(BenchTimeoutTest, ATimeoutBelowOneMillisecondIsRefusedByName) {
+  for (const char* timeout : {"--timeout_ms=0", "--timeout_ms=-5"}) {
+    const std::string flag = timeout;
+    const testing::RunOutput ddp =
+        testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=1",
+                           "--nproc_per_node=1", "--eval=false", flag});
+    EXPECT_EQ(ddp.exit_code, 2) << ddp.out << ddp.err;
+    EXPECT_NE(ddp.err.find("ddp_bench: " + flag + " must be at least 1\n"), std::string::npos)
+        << ddp.err;
+    const testing::RunOutput all =
+        testing::RunToEnd({testing::Runfile("examples/allreduce_bench"), "--nproc_per_node=1", flag});
+    EXPECT_EQ(all.exit_code, 2) << all.out << all.err;
+    EXPECT_NE(all.err.find("allreduce_bench: " + flag + " must be at least 1\n"), std::string::npos)
+        << all.err;
+    EXPECT_EQ(all.out, "");
+  }
+}
+
 TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   const std::string bench = testing::Runfile("examples/nn_bench");
   const testing::RunOutput ok = testing::RunToEnd({bench, "--model=mlp", "--steps=3", "--eval=false"});

@@ -146,6 +146,11 @@ int Run() {
     std::fprintf(stderr, "ddp_bench: --steps=%d must be at least 1\n", FLAGS_steps);
     return 2;
   }
+  // The process group refuses it too, but in words that name no flag.
+  if (FLAGS_timeout_ms < 1) {
+    std::fprintf(stderr, "ddp_bench: --timeout_ms=%d must be at least 1\n", FLAGS_timeout_ms);
+    return 2;
+  }
   nn::ops::SetNumThreads(1);
   // Before the process group's thread starts: threads inherit it.
   nn::ops::SetFlushDenormal(FLAGS_flush_denormal);
