@@ -146,10 +146,12 @@ uint64_t MemAvailableBytes() {
 template <typename E>
 E ParseEnum(const std::string& flag, const std::string& text, std::initializer_list<E> values,
             const char* (*name)(E)) {
+  std::string accepted;
   for (E v : values) {
     if (text == name(v)) return v;
+    accepted += std::string(accepted.empty() ? "" : ", ") + name(v);
   }
-  Fail("--" + flag + "=" + text + " is not recognised");
+  Fail("--" + flag + "=" + text + " is not recognised; expected one of " + accepted);
 }
 
 void Check(const Status& status, const char* what) {

@@ -116,6 +116,24 @@ TEST(DdpBenchTest, NoTimedStepsIsRefused) {
   EXPECT_NE(r.err.find("ddp_bench: --steps=-5 must be at least 1\n"), std::string::npos) << r.err;
 }
 
+// An unknown --dtype, --op or --algo is refused with the values that are
+// accepted (before, only "is not recognised").
+TEST(AllreduceBenchTest, AnUnknownEnumValueListsTheAcceptedOnes) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--dtype=f8", "--dtype=f8 is not recognised; expected one of f32, f64, f16, bf16, i32, i64, u8\n"},
+      {"--op=mean", "--op=mean is not recognised; expected one of sum, avg, max, min, prod\n"},
+      {"--algo=butterfly",
+       "--algo=butterfly is not recognised; expected one of auto, ring, tree, rhd, hierarchical, shm\n"},
+  };
+  for (const auto& [flag, message] : cases) {
+    const testing::RunOutput r =
+        testing::RunToEnd({testing::Runfile("examples/allreduce_bench"), "--nproc_per_node=1", flag});
+    EXPECT_EQ(r.exit_code, 2) << flag << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("allreduce_bench: " + message), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, "");
+  }
+}
+
 // A deadline of zero or less is refused naming --timeout_ms, before any
 // rank connects (the communicator's own refusal said only "timeout must be
 // positive").
