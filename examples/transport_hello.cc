@@ -7,6 +7,7 @@
 // are already set and the binary runs as one rank.
 
 #include <cstdio>
+#include <cstring>
 
 #include "transport/communicator.h"
 #include "transport/launch/self_launch.h"
@@ -14,6 +15,14 @@
 int main(int argc, char** argv) {
   // Before anything touches UCX: spawn the ranks (fork-safe).
   ddp::transport::launch::SelfLaunchOrExit(argc, argv);
+  // Its one flag, --nproc_per_node, is gone from argv by now: anything left
+  // is a typo, refused rather than run as if it were not there.
+  if (argc > 1) {
+    const bool help = std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0;
+    if (!help) std::fprintf(stderr, "transport_hello: unknown argument '%s'\n", argv[1]);
+    std::fprintf(help ? stdout : stderr, "usage: transport_hello [--nproc_per_node=N]\n");
+    return help ? 0 : 2;
+  }
 
   using namespace ddp::transport;
   auto comm = Communicator::CreateFromEnvironment();

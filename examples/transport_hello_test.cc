@@ -21,5 +21,21 @@ TEST(TransportHelloTest, RanksSumTheirNumbers) {
   }
 }
 
+// Anything but --nproc_per_node is refused with the usage line, and --help
+// prints it; before, both were ignored and the program ran on one rank.
+TEST(TransportHelloTest, AnUnknownArgumentIsRefusedAndHelpPrintsTheUsage) {
+  const std::string hello = testing::Runfile("examples/transport_hello");
+  const testing::RunOutput typo = testing::RunToEnd({hello, "--nprocs=2"});
+  EXPECT_EQ(typo.exit_code, 2) << typo.out << typo.err;
+  EXPECT_NE(typo.err.find("transport_hello: unknown argument '--nprocs=2'\n"
+                          "usage: transport_hello [--nproc_per_node=N]\n"),
+            std::string::npos)
+      << typo.err;
+  EXPECT_EQ(typo.out, "");
+  const testing::RunOutput help = testing::RunToEnd({hello, "--help"});
+  EXPECT_EQ(help.exit_code, 0) << help.out << help.err;
+  EXPECT_EQ(help.out, "usage: transport_hello [--nproc_per_node=N]\n");
+}
+
 }  // namespace
 }  // namespace ddp::examples
