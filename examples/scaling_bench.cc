@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -256,6 +257,14 @@ int main(int argc, char** argv) {
   counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
   if (FLAGS_steps < 1 || FLAGS_repeat < 1) {
     std::fprintf(stderr, "scaling_bench: --steps and --repeat must be at least 1\n");
+    return 2;
+  }
+  // The runs count the warm-up steps too (Config): a larger --steps would
+  // wrap that sum round to a negative step limit.
+  if (FLAGS_steps > INT64_MAX - kWarmupSteps) {
+    std::fprintf(stderr, "scaling_bench: --steps=%lld must be at most %lld (%lld warm-up steps come first)\n",
+                 static_cast<long long>(FLAGS_steps), static_cast<long long>(INT64_MAX - kWarmupSteps),
+                 static_cast<long long>(kWarmupSteps));
     return 2;
   }
   const std::string chart = ddp::examples::UserPath(FLAGS_chart);

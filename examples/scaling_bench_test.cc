@@ -199,6 +199,19 @@ TEST(ScalingBenchTest, BadRankCountsAreRefused) {
   }
 }
 
+// A --steps so large that the warm-up steps added to it wrap past INT64_MAX
+// is refused by name (before, the message named --max_steps, a flag
+// scaling_bench does not have, with a negative value).
+TEST(ScalingBenchTest, StepsThatWouldWrapWithTheWarmUpAreRefused) {
+  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/scaling_bench"),
+                                                  "--ranks=1", "--steps=9223372036854775807"});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_EQ(r.err,
+            "scaling_bench: --steps=9223372036854775807 must be at most 9223372036854775802 (5 "
+            "warm-up steps come first)\n");
+  EXPECT_EQ(r.out, "");
+}
+
 // Started under a launcher (srun, mpirun, torchrun, or RANK exported) the
 // coordinator refuses (before, it ran as one worker of that job, printed
 // nothing and exited 0). Its own workers still run: they get --result_file
