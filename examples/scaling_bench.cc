@@ -49,8 +49,8 @@
 
 DEFINE_string(model, "cnn", "model: cnn, mlp, resnet18, resnet34, resnet50");
 DEFINE_string(dataset, "synthetic",
-              "synthetic (generated images the model's shape) or fashion_mnist");
-DEFINE_string(data_dir, "", "folder of the dataset's files (fashion_mnist)");
+              "synthetic (generated images the model's shape), fashion_mnist, mnist or cifar10");
+DEFINE_string(data_dir, "", "folder of the dataset's files (fashion_mnist, mnist, cifar10)");
 DEFINE_string(ranks, "1,2,4",
               "rank counts to measure, comma-separated; the smallest is the speed-ups' baseline");
 DEFINE_int64(steps, 200, "timed optimizer steps per run (after 5 warm-up steps)");
