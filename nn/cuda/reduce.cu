@@ -96,9 +96,11 @@ __global__ void LogSoftmaxForwardKernel(const T* x, T* y, int64_t rows, int64_t 
     A sum = 0;
     for (int64_t k = threadIdx.x; k < d; k += blockDim.x) sum += Exp(Cast<A>(x[base + k * inner]) - mx);
     sum = device::BlockSum(sum, scratch);
-    const A lse = mx + Log(sum);
+    // (x - max) - log(sum), as the CPU kernel and PyTorch (max + log(sum)
+    // as one number is rounded at max's magnitude).
+    const A log_sum = Log(sum);
     for (int64_t k = threadIdx.x; k < d; k += blockDim.x) {
-      y[base + k * inner] = Cast<T>(Cast<A>(x[base + k * inner]) - lse);
+      y[base + k * inner] = Cast<T>((Cast<A>(x[base + k * inner]) - mx) - log_sum);
     }
   }
 }

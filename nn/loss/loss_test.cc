@@ -65,6 +65,21 @@ TEST(CrossEntropyTest, Gradients) {
   EXPECT_TRUE(GradCheck([&](const V& in) { return CrossEntropy(in[0], target); }, {strided}));
 }
 
+// Logits of 1e4 in f32 with label smoothing (0.9 on the target, 0.05 on
+// each other class): the gradient is softmax - smoothed target to f32's
+// precision near 0.5. The log-softmax underneath rounded max + log(sum) at
+// 1e4's magnitude and gave 0.233280 where 0.233333 is due.
+TEST(CrossEntropyTest, LargeLogitsKeepTheGradientsPrecision) {
+  Tensor logits = FromVector({0, 1e4, 1e4}, {1, 3}).set_requires_grad(true);
+  const Tensor loss = CrossEntropy(logits, FromVectorOf<int64_t>({1}, {1}), {.label_smoothing = 0.1});
+  EXPECT_NEAR(loss.Item(), 0.9 * std::log(2.0) + 0.1 / 3 * (1e4 + 3 * std::log(2.0)), 1e-2);
+  Backward(loss);
+  const std::vector<float> g = logits.grad().ToVector<float>();
+  EXPECT_NEAR(g[0], 0.0 - 0.1 / 3, 1e-6);
+  EXPECT_NEAR(g[1], 0.5 - (0.9 + 0.1 / 3), 1e-6);
+  EXPECT_NEAR(g[2], 0.5 - 0.1 / 3, 1e-6);
+}
+
 TEST(CrossEntropyTest, BadInputsAreNamed) {
   Tensor logits = Zeros({3, 10});
   std::string err = ErrorOf([&] { CrossEntropy(logits, FromVectorOf<int64_t>({1, 12, 3}, {3})); });

@@ -876,6 +876,17 @@ TEST(KernelsTest, DimOutOfRangeNamesTheOp) {
   EXPECT_EQ(message([&] { Argmax(Full({}, 1.0), 1); }).rfind("argmax: dimension 1 out of range", 0), 0u);
 }
 
+// Large logits: each output is (x - max) - log(sum), as PyTorch computes
+// it. Adding max and log(sum) first rounded their sum at max's magnitude
+// (an f32 ulp of 1e4 is about 1e-3), so -log(2) came out -0.693359.
+TEST(KernelsTest, LogSoftmaxOfLargeLogitsKeepsItsPrecision) {
+  const Tensor x = FromVector({0, 1e4, 1e4}, {1, 3});
+  const std::vector<float> y = LogSoftmax(x, 1).ToVector<float>();
+  EXPECT_NEAR(y[1], -std::log(2.0), 1e-6);
+  EXPECT_NEAR(y[2], -std::log(2.0), 1e-6);
+  EXPECT_NEAR(y[0], -1e4 - std::log(2.0), 1e-3);
+}
+
 TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
   try {
     Softmax(Zeros({2, 3}, {.dtype = DType::kInt64}), 1);

@@ -44,8 +44,13 @@ void LogSoftmaxForward(const Tensor& x, int64_t dim, const Tensor& y) {
         for (int64_t k = 0; k < s.d; ++k) mx = std::max(mx, static_cast<A>(row[k * s.inner]));
         A sum = 0;
         for (int64_t k = 0; k < s.d; ++k) sum += std::exp(static_cast<A>(row[k * s.inner]) - mx);
-        const A lse = mx + std::log(sum);
-        for (int64_t k = 0; k < s.d; ++k) out[k * s.inner] = static_cast<scalar_t>(static_cast<A>(row[k * s.inner]) - lse);
+        // (x - max) - log(sum), as PyTorch: folding max and log(sum) into
+        // one number first rounds it at max's magnitude, which for logits
+        // of 1e4 in f32 moves every output by about 1e-3.
+        const A log_sum = std::log(sum);
+        for (int64_t k = 0; k < s.d; ++k) {
+          out[k * s.inner] = static_cast<scalar_t>((static_cast<A>(row[k * s.inner]) - mx) - log_sum);
+        }
       }
     }
   });
