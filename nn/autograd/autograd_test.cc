@@ -333,6 +333,15 @@ struct WrongCount : Function<WrongCount> {
   static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) { return {g[0], g[0]}; }
 };
 
+// Backward hands back the output's gradient transposed: [3, 2] for [2, 3].
+struct TransposedGradient : Function<TransposedGradient> {
+  static constexpr const char* kName = "TransposedGradientBackward";
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) { return {ops::Clone(in[0])}; }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) {
+    return {ops::Contiguous(ops::Transpose(g[0], 0, 1))};
+  }
+};
+
 // A deliberately wrong backward (factor 3 instead of 2): GradCheck must notice.
 struct WrongDerivative : Function<WrongDerivative> {
   static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {
@@ -383,6 +392,39 @@ TEST(CustomFunctionTest, GradientTakesTheInputsDtypeAndMustBeOnItsDevice) {
             std::string::npos)
       << err;
   EXPECT_FALSE(y.grad().defined());
+}
+
+// y = x + b with b broadcast over x's rows; the backward hands back the
+// output's gradient for both inputs, leaving b's reduction to the engine.
+struct AddBroadcastUnreduced : Function<AddBroadcastUnreduced> {
+  static constexpr const char* kName = "AddBroadcastUnreducedBackward";
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {
+    return {ops::Add(in[0], in[1])};
+  }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) { return {g[0], g[0]}; }
+};
+
+// As PyTorch: a gradient of a shape the input broadcasts to ([2, 3] for a
+// [3] or a [1, 3] input) is summed to the input's shape; one the input does
+// not broadcast to is refused with both shapes. Before, any other shape was
+// refused.
+TEST(CustomFunctionTest, ABroadcastGradientIsSummedToTheInputsShape) {
+  Tensor x = Param({2, 3}, 1.0);
+  Tensor b = Param({3}, 0.0);
+  Backward(ops::Sum(ops::Mul(AddBroadcastUnreduced::Apply({x, b})[0], FromVector({1, 2, 3, 4, 5, 6}, {2, 3}))));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(b.grad().shape(), (Shape{3}));
+  EXPECT_EQ(b.grad().ToVector<float>(), (std::vector<float>{5, 7, 9}));
+  Tensor row = Param({1, 3}, 0.0);
+  Backward(ops::Sum(AddBroadcastUnreduced::Apply({x, row})[0]));
+  EXPECT_EQ(row.grad().ToVector<float>(), (std::vector<float>{2, 2, 2}));
+  Tensor z = Param({2, 3}, 0.0);
+  const std::string err = ErrorOf([&] { Backward(ops::Sum(TransposedGradient::Apply({z})[0])); });
+  EXPECT_NE(err.find("TransposedGradientBackward: Backward returned a gradient of shape [3, 2] for input 0 "
+                     "of shape [2, 3]"),
+            std::string::npos)
+      << err;
+  EXPECT_FALSE(z.grad().defined());
 }
 
 TEST(CustomFunctionTest, BadBackwardsAreReported) {

@@ -2,7 +2,25 @@
 
 #include <stdexcept>
 
+#include "nn/ops/dispatch.h"
+
 namespace ddp::nn::autograd {
+
+namespace {
+
+// True when a tensor of shape `input` broadcasts to `grad` (PyTorch's
+// is_expandable_to): aligned at the right, each of input's dimensions is
+// 1 or grad's.
+bool BroadcastsTo(const Shape& input, const Shape& grad) {
+  if (input.size() > grad.size()) return false;
+  const size_t lead = grad.size() - input.size();
+  for (size_t i = 0; i < input.size(); ++i) {
+    if (input[i] != 1 && input[i] != grad[lead + i]) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 void AutogradContext::SaveForBackward(const std::vector<Tensor>& tensors) {
   saved_.clear();
@@ -66,15 +84,19 @@ std::vector<Tensor> CustomFunctionNode::Apply(std::vector<Tensor>&& grad_outputs
     }
     if (!result[i].defined()) continue;
     const Meta& m = input_meta_[i];
-    if (result[i].shape() != m.shape) {
+    if (result[i].shape() != m.shape && !BroadcastsTo(m.shape, result[i].shape())) {
       throw std::invalid_argument(name_ + ": Backward returned a gradient of shape " +
                                   ShapeToString(result[i].shape()) + " for input " + std::to_string(i) +
-                                  " of shape " + ShapeToString(m.shape));
+                                  " of shape " + ShapeToString(m.shape) +
+                                  " (expected that shape or one the input broadcasts to)");
     }
     if (result[i].device() != m.device) {
       throw std::invalid_argument(name_ + ": Backward returned a gradient on " + result[i].device().ToString() +
                                   " for input " + std::to_string(i) + " on " + m.device.ToString());
     }
+    // As PyTorch's engine: a gradient of the broadcast shape (a backward
+    // that skipped the reduction) is summed down to the input's shape.
+    if (result[i].shape() != m.shape) result[i] = ops::detail::SumToShape(result[i], m.shape);
     // As PyTorch's engine (validate_outputs): the nodes below compute in the
     // input's dtype.
     if (result[i].dtype() != m.dtype) result[i] = result[i].To(m.dtype);

@@ -4,7 +4,8 @@
 // and values in the context; Backward receives one gradient per output
 // (zeros for outputs that got none) and returns one per input (undefined
 // for "no gradient") of the input's shape and on its device; one of another
-// dtype is converted to the input's.
+// dtype is converted to the input's, and one of a shape the input
+// broadcasts to is summed down to the input's shape (as PyTorch).
 //
 //   struct Scale : ddp::nn::autograd::Function<Scale> {
 //     static constexpr const char* kName = "ScaleBackward";

@@ -34,6 +34,16 @@ void ThrowNoKernel(const char* op, Device device) {
                                                "built with --config=cuda)"
                                              : ""));
 }
+
+Tensor SumToShape(const Tensor& g, const Shape& shape) {
+  if (g.shape() == shape) return g;
+  // Pad the target with leading ones to g's rank, sum, then drop them.
+  Shape padded(g.dim() - shape.size(), 1);
+  padded.insert(padded.end(), shape.begin(), shape.end());
+  Tensor out = Empty(padded, {.dtype = g.dtype(), .device = g.device()});
+  DDP_KERNEL(g.device(), sum_to)(g, out, 1.0);
+  return out.View(shape);
+}
 }  // namespace detail
 
 }  // namespace ddp::nn::ops

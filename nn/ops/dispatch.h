@@ -201,6 +201,10 @@ const KernelTable& KernelsFor(DeviceType type);
 
 namespace detail {
 [[noreturn]] void ThrowNoKernel(const char* op, Device device);
+
+/// g summed over the dimensions that broadcasting added or expanded, so
+/// that it has `shape` (no autograd; used inside backward).
+Tensor SumToShape(const Tensor& g, const Shape& shape);
 }  // namespace detail
 
 }  // namespace ddp::nn::ops

@@ -13,16 +13,6 @@ namespace ddp::nn::ops {
 
 namespace detail {
 
-Tensor SumToShape(const Tensor& g, const Shape& shape) {
-  if (g.shape() == shape) return g;
-  // Pad the target with leading ones to g's rank, sum, then drop them.
-  Shape padded(g.dim() - shape.size(), 1);
-  padded.insert(padded.end(), shape.begin(), shape.end());
-  Tensor out = Empty(padded, {.dtype = g.dtype(), .device = g.device()});
-  DDP_KERNEL(g.device(), sum_to)(g, out, 1.0);
-  return out.View(shape);
-}
-
 bool Exclusive(const Tensor& g, const Tensor& like) {
   return g.defined() && g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.is_contiguous() &&
          g.dtype() == like.dtype() && g.shape() == like.shape() && g.device() == like.device();

@@ -36,10 +36,6 @@ inline std::string ForwardName(const std::string& node_name) {
   return node_name;
 }
 
-/// g summed over the dimensions that broadcasting added or expanded, so
-/// that it has `shape` (no autograd; used inside backward).
-Tensor SumToShape(const Tensor& g, const Shape& shape);
-
 /// True when g may be overwritten in place as a result shaped like `like`:
 /// nothing else refers to its handle or memory, and it is contiguous with
 /// like's shape, dtype and device (for gradients handed to a backward).
