@@ -998,19 +998,16 @@ ProcessGroupOptions WithEnvironment(ProcessGroupOptions options, const Environme
 }  // namespace
 
 ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
-                           ProcessGroupOptions options)
-    : rank_(rank), size_(size), root_rank_(rank) {
-  // Bad environment values count as unset here: Single refuses them before
-  // it comes here, and the public constructor shares them with the peers.
-  const Environment env = ReadEnvironment();
-  options_ = WithEnvironment(options, env);
-  debug_level_ = env.debug.level;
+                           ProcessGroupOptions options, DebugLevel debug_level)
+    : rank_(rank), size_(size), root_rank_(rank), options_(options), debug_level_(debug_level) {
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
 }
 
+// Bad environment values count as unset in the delegation: the body below
+// shares them with the peers, which all refuse them together.
 ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
                            ProcessGroupOptions options)
-    : ProcessGroup(nullptr, 0, 1, options) {
+    : ProcessGroup(nullptr, 0, 1, WithEnvironment(options, ReadEnvironment()), DebugLevel{}) {
   if (comm == nullptr) throw std::invalid_argument("ProcessGroup: communicator is null");
   rank_ = comm->rank();
   size_ = comm->size();
@@ -1071,8 +1068,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::CreateFromEnvironment(
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::Single(ProcessGroupOptions options) {
-  RefuseBadEnvironment(ReadEnvironment());  // no peer waits
-  return std::shared_ptr<ProcessGroup>(new ProcessGroup(nullptr, 0, 1, options));
+  const Environment env = ReadEnvironment();
+  RefuseBadEnvironment(env);  // no peer waits
+  return std::shared_ptr<ProcessGroup>(
+      new ProcessGroup(nullptr, 0, 1, WithEnvironment(options, env), env.debug.level));
 }
 
 void ProcessGroup::CheckTensor(const nn::Tensor& t, const char* call, const char* what) {
@@ -1967,8 +1966,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
         std::to_string(count) + " ranks)");
   }
   if (!member) return nullptr;
-  std::shared_ptr<ProcessGroup> child =
-      *made == nullptr ? Single(options_) : std::make_shared<ProcessGroup>(std::move(*made), options_);
+  // The parent's settings as they are (the environment is not read again:
+  // a DDP_DEBUG changed since on some ranks would fail the group on all).
+  const int child_rank = *made == nullptr ? 0 : (*made)->rank();
+  const int child_size = *made == nullptr ? 1 : (*made)->size();
+  std::shared_ptr<ProcessGroup> child(
+      new ProcessGroup(std::move(*made), child_rank, child_size, options_, debug_level_));
+  if (child_size > 1 && child->impl_->host_shared_memory()) ShareLargeCpuBlocks();
   child->root_rank_ = root_rank_;
   impl_->AddChild(child);
   return child;

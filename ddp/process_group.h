@@ -428,7 +428,8 @@ class ProcessGroup {
   /// rank i of the new group is ranks[i]. Collective over this group, in
   /// issue order with its other collectives: every rank calls it with the
   /// same list, and a rank not in it gets nullptr. The new group has this
-  /// group's options, its own communicator (Communicator::Split) and
+  /// group's options and debug level (the environment is not read again),
+  /// its own communicator (Communicator::Split) and
   /// communication thread, and may outlive this group. Throws
   /// std::invalid_argument for an empty list, a rank out of range or given
   /// twice (on every rank, after the comparison below: the others name the
@@ -488,8 +489,10 @@ class ProcessGroup {
   class Impl;
 
  private:
+  // `options` already hold the environment's settings and passed their
+  // checks (WithEnvironment); the environment is not read here.
   ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
-               ProcessGroupOptions options);
+               ProcessGroupOptions options, DebugLevel debug_level);
   static void CheckTensor(const nn::Tensor& t, const char* call, const char* what);
   void CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const;
   // Gather (`gather`) or Scatter between each rank's `local` tensor and the

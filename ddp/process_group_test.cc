@@ -600,6 +600,40 @@ TEST(ProcessGroupTest, NewGroupRefusesDifferingLists) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A subgroup takes its parent's debug settings: DDP_DEBUG changed on some
+// ranks after the parent was made (to detail on one, to a bad value on
+// another) is not read again. Before, NewGroup built the child through the
+// public constructor, which read the variable again and failed the new
+// group on every rank when the ranks' values no longer agreed.
+DDP_TEST_WORKER(pg_new_group_keeps_the_parents_debug_level) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  if (me == 1) setenv("DDP_DEBUG", "detail", 1);
+  if (me == 2) setenv("DDP_DEBUG", "loud", 1);
+  try {
+    auto all = pg->NewGroup({0, 1, 2});
+    auto pair = pg->NewGroup({2, 0});
+    WORKER_EXPECT(all != nullptr && all->debug_level() == pg->debug_level(), "the subgroup's debug level");
+    Tensor t = nn::Ones({3});
+    all->AllReduce(t).Wait();
+    WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(3, 3.0), "the subgroup's all-reduce");
+    WORKER_EXPECT((pair != nullptr) == (me != 1), "membership of {2, 0}");
+    if (pair != nullptr) {
+      Tensor u = nn::Ones({2});
+      pair->AllReduce(u).Wait();
+      WORKER_EXPECT(u.ToVector<double>() == std::vector<double>(2, 2.0), "the pair's all-reduce");
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, "rank " + std::to_string(me) + ": " + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NewGroupDoesNotReadTheEnvironmentAgain) {
+  auto run = RunWorkers("pg_new_group_keeps_the_parents_debug_level", 3, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A monitored barrier with the longest timeout there is (its doubled wait
 // overflowed) completes when every rank arrives.
 DDP_TEST_WORKER(pg_monitored_barrier_longest) {
