@@ -3159,6 +3159,8 @@ DDP_TEST_WORKER(stats_trace) {
   const std::string path = prefix + "rank" + std::to_string(pg->rank()) + ".json";
   std::ifstream in(path);
   WORKER_EXPECT(in.good(), "no trace at " + path);
+  WORKER_EXPECT(!std::filesystem::exists(prefix + "rank" + std::to_string(pg->rank()) + ".partial.json"),
+                "the streamed trace is left beside the complete one");
   nlohmann::json trace = nlohmann::json::parse(in);
   std::map<std::string, int> names;
   for (const auto& e : trace["traceEvents"]) {
@@ -3192,6 +3194,69 @@ DDP_TEST_WORKER(stats_trace) {
                       std::to_string(end1) + " us on rank 1");
   }
   return testing::WorkerExit();
+}
+
+// A run that dies without unwinding (here _Exit after the fourth forward)
+// leaves the timeline streamed at each forward: the three iterations before
+// it, in a file trace viewers open (the array form without its closing
+// bracket). Before, the trace was written only by the destructor.
+DDP_TEST_WORKER(trace_of_a_crash) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = nn::modules::MakeMlp();
+  auto* ddp = new DistributedDataParallel(model, {.process_group = pg,
+                                                  .trace_prefix = std::getenv("DDP_TEST_TRACE_PREFIX")});
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*ddp)(x), y));
+  }
+  auto [x, y] = testing::Batch(data, 0, kBatch);
+  (*ddp)(x);
+  pg->Barrier().Wait();
+  std::fflush(nullptr);
+  std::_Exit(0);
+}
+
+TEST(DdpFeaturesTest, ARunThatDiesLeavesItsStreamedTrace) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/crash_trace_" +
+                             std::to_string(::getpid()) + "_";
+  auto run = RunWorkers("trace_of_a_crash", 2, {{"DDP_TEST_TRACE_PREFIX", prefix}});
+  ASSERT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_FALSE(std::filesystem::exists(prefix + "rank" + std::to_string(rank) + ".json"));
+    std::ifstream in(prefix + "rank" + std::to_string(rank) + ".partial.json");
+    ASSERT_TRUE(in.good());
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_FALSE(text.empty());
+    EXPECT_NE(text.back(), ',');
+    nlohmann::json events;
+    ASSERT_NO_THROW(events = nlohmann::json::parse(text + "\n]")) << text;
+    std::map<std::string, int> names;
+    bool pid_is_rank = true;
+    for (const auto& e : events) {
+      pid_is_rank &= e["pid"] == rank;
+      if (e["ph"] == "X") ++names[e["name"].get<std::string>()];
+    }
+    EXPECT_TRUE(pid_is_rank) << text;
+    EXPECT_EQ(names["forward"], 3) << text;
+    EXPECT_EQ(names["backward compute"], 3) << text;
+  }
+}
+
+// A trace file that cannot be created fails construction, naming it, not
+// the destructor at the end of a run.
+TEST(DdpFeaturesTest, AnUnwritableTracePrefixFailsConstruction) {
+  auto pg = ProcessGroup::Single();
+  try {
+    DistributedDataParallel ddp(nn::modules::MakeMlp(), {.process_group = pg,
+                                                         .trace_prefix = "/nonexistent-dir/t_"});
+    ADD_FAILURE() << "constructed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/t_rank0.partial.json"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Two DDPs on disjoint one-rank subgroups, one per process: both are rank 0

@@ -320,6 +320,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // all throw this.
     if (!option_error.empty()) throw std::invalid_argument(option_error);
     compared = true;
+    // The timeline so far, appended at every forward: what a run that dies
+    // without unwinding leaves (the complete file is written at the end).
+    if (impl_->trace != nullptr) impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
 
     // 2. Rank 0's values everywhere.
     std::vector<nn::Tensor> state;
@@ -385,12 +388,17 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
 DistributedDataParallel::~DistributedDataParallel() {
   impl_->reducer.reset();
   if (impl_->trace != nullptr) {
+    bool written = false;
     try {
       WriteTrace();
+      written = true;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[ddp] rank %d: writing the trace failed: %s\n", pg_->rank(), e.what());
     }
     pg_->StopTrace(impl_->trace.get());
+    // The streamed file is kept when the complete one could not be written.
+    if (!written) impl_->trace->Flush();
+    impl_->trace->EndStream(/*remove=*/written);
   }
 }
 
@@ -399,8 +407,9 @@ nn::Tensor DistributedDataParallel::Forward(const nn::Tensor& input) {
 }
 
 std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::Tensor>& inputs) {
-  const Clock::time_point start = Clock::now();
   Impl& s = *impl_;
+  if (s.trace != nullptr) s.trace->Flush();  // the last iteration's events
+  const Clock::time_point start = Clock::now();
   const int size = pg_->size();
   // The mode is the wrapped module's, as PyTorch reads self.module.training:
   // users keep the inner handle and call model->Eval() / model->Train() on
@@ -618,6 +627,10 @@ void DistributedDataParallel::RegisterCommHook(CommHook hook) {
 DdpStats DistributedDataParallel::Stats() const { return StatsSince(*impl_, *pg_, impl_->user_since); }
 
 void DistributedDataParallel::ResetStats() { impl_->user_since = TakeStatsSnapshot(*impl_, *pg_); }
+
+std::string DistributedDataParallel::PartialTracePath() const {
+  return options_.trace_prefix + "rank" + std::to_string(pg_->root_rank()) + ".partial.json";
+}
 
 void DistributedDataParallel::WriteTrace() const {
   if (impl_->trace == nullptr) {

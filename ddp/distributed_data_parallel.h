@@ -108,7 +108,12 @@ struct DdpOptions {
   /// When set, each rank writes a Chrome-trace timeline to
   /// `<trace_prefix>rank<r>.json` when the wrapper is destroyed (and on
   /// WriteTrace()); r is the process's rank in the job
-  /// (ProcessGroup::root_rank), also for a DDP of a subgroup.
+  /// (ProcessGroup::root_rank), also for a DDP of a subgroup. Meanwhile
+  /// every forward appends the events so far to
+  /// `<trace_prefix>rank<r>.partial.json` (the format's array form, which
+  /// trace viewers open unterminated), removed once the complete file is
+  /// written: a run that dies without unwinding leaves that one. A
+  /// directory that cannot be written fails construction.
   std::string trace_prefix;
 };
 
@@ -261,6 +266,7 @@ class DistributedDataParallel : public nn::modules::Module {
  private:
   friend class NoSyncGuard;
   friend class Join;
+  std::string PartialTracePath() const;
   std::shared_ptr<nn::modules::Module> module_;
   DdpOptions options_;
   std::shared_ptr<ProcessGroup> pg_;

@@ -1,7 +1,13 @@
 #include "ddp/trace.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <map>
+#include <stdexcept>
 #include <string_view>
 
 #include "nn/io/atomic_file.h"
@@ -81,7 +87,39 @@ std::string JsonEscape(std::string_view text) {
   return out;
 }
 
+std::string ProcessNameJson(int rank) {
+  return "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank) +
+         ", \"args\": {\"name\": \"rank " + std::to_string(rank) + "\"}}";
+}
+
+std::string LaneNameJson(int rank, int tid, const std::string& lane) {
+  return "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank) +
+         ", \"tid\": " + std::to_string(tid) + ", \"args\": {\"name\": \"" + JsonEscape(lane) + "\"}}";
+}
+
+// Writes all of `text` to `fd`; false (errno set) on failure.
+bool WriteAll(int fd, std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = ::write(fd, text.data(), text.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return false;
+    }
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
 }  // namespace
+
+std::string TraceRecorder::EventJson(const Event& e, int rank, int tid) {
+  std::string json = "{\"name\": \"" + JsonEscape(e.name) + "\", \"ph\": \"X\", \"pid\": " +
+                     std::to_string(rank) + ", \"tid\": " + std::to_string(tid) +
+                     ", \"ts\": " + std::to_string(e.start_us) + ", \"dur\": " + std::to_string(e.duration_us);
+  if (!e.args_json.empty()) json += ", \"args\": {" + e.args_json + "}";
+  return json + "}";
+}
 
 // The clock's own epoch (CLOCK_MONOTONIC: boot), the same in every process
 // of a host, so that the ranks' files line up; each recorder's creation
@@ -129,22 +167,14 @@ void TraceRecorder::Write(const std::string& path, int rank) const {
       first = false;
     };
     separator();
-    json += "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank) +
-            ", \"args\": {\"name\": \"rank " + std::to_string(rank) + "\"}}";
+    json += ProcessNameJson(rank);
     for (const auto& [lane, id] : lanes) {
       separator();
-      json += "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank) +
-              ", \"tid\": " + std::to_string(id) + ", \"args\": {\"name\": \"" + JsonEscape(lane) +
-              "\"}}";
+      json += LaneNameJson(rank, id, lane);
     }
     for (const Event& e : events_) {
       separator();
-      json += "{\"name\": \"" + JsonEscape(e.name) + "\", \"ph\": \"X\", \"pid\": " +
-              std::to_string(rank) + ", \"tid\": " + std::to_string(lanes[e.lane]) +
-              ", \"ts\": " + std::to_string(e.start_us) + ", \"dur\": " +
-              std::to_string(e.duration_us);
-      if (!e.args_json.empty()) json += ", \"args\": {" + e.args_json + "}";
-      json += "}";
+      json += EventJson(e, rank, lanes[e.lane]);
     }
   }
   // The events past max_events_ were not kept: say how many, in the file's
@@ -155,6 +185,56 @@ void TraceRecorder::Write(const std::string& path, int rank) const {
   nn::io::AtomicFileWriter writer(path);
   writer.Write(json.data(), json.size());
   writer.Commit();
+}
+
+TraceRecorder::~TraceRecorder() {
+  if (stream_fd_ >= 0) ::close(stream_fd_);
+}
+
+void TraceRecorder::StreamTo(const std::string& path, int rank) {
+  if (stream_fd_ >= 0 || !stream_path_.empty()) {
+    throw std::logic_error("TraceRecorder::StreamTo: already streaming to " + stream_path_);
+  }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw std::runtime_error("trace: cannot create " + path + ": " + std::strerror(errno));
+  }
+  // Each later piece starts with its separator, so the file never ends in
+  // a dangling comma, wherever the process stops.
+  if (!WriteAll(fd, "[\n" + ProcessNameJson(rank))) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw std::runtime_error("trace: cannot write " + path + ": " + std::strerror(error));
+  }
+  stream_fd_ = fd;
+  stream_path_ = path;
+  stream_rank_ = rank;
+}
+
+void TraceRecorder::Flush() {
+  if (stream_fd_ < 0) return;
+  std::string text;
+  {
+    std::lock_guard lock(mu_);
+    for (; streamed_ < events_.size(); ++streamed_) {
+      const Event& e = events_[streamed_];
+      auto [lane, added] = stream_lanes_.emplace(e.lane, static_cast<int>(stream_lanes_.size()) + 1);
+      if (added) text += ",\n" + LaneNameJson(stream_rank_, lane->second, lane->first);
+      text += ",\n" + EventJson(e, stream_rank_, lane->second);
+    }
+  }
+  if (text.empty() || WriteAll(stream_fd_, text)) return;
+  std::fprintf(stderr, "[ddp] trace: writing %s failed (%s); it stops here, and the complete trace is still "
+               "written at the end\n", stream_path_.c_str(), std::strerror(errno));
+  ::close(stream_fd_);
+  stream_fd_ = -1;
+}
+
+void TraceRecorder::EndStream(bool remove) {
+  if (stream_fd_ >= 0) ::close(stream_fd_);
+  stream_fd_ = -1;
+  if (remove && !stream_path_.empty()) ::unlink(stream_path_.c_str());
 }
 
 }  // namespace ddp::dist

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -36,6 +37,23 @@ class TraceRecorder {
   /// ("dropped_events"). Throws on I/O errors.
   void Write(const std::string& path, int rank) const;
 
+  /// Starts streaming to `path` (created or truncated): Flush appends the
+  /// events recorded since the last flush, in the format's array form,
+  /// which trace readers take without its closing bracket, so a process
+  /// that dies without unwinding (a crash, SIGKILL) leaves every event
+  /// flushed before. Throws std::runtime_error naming the path when it
+  /// cannot be created or written; a second call is refused.
+  void StreamTo(const std::string& path, int rank);
+  /// Appends the unflushed events (nothing without a stream). A failed
+  /// write is reported once on stderr and ends the streaming; Write is
+  /// unaffected. Called by one thread at a time; Complete may run meanwhile.
+  void Flush();
+  /// Stops streaming and removes the streamed file when `remove` (the
+  /// complete file was written); otherwise leaves it as it is.
+  void EndStream(bool remove);
+
+  ~TraceRecorder();
+
   /// Events recorded so far, and events dropped for lack of room.
   size_t size() const;
   size_t dropped() const;
@@ -48,11 +66,19 @@ class TraceRecorder {
     int64_t duration_us;
     std::string args_json;
   };
+  static std::string EventJson(const Event& e, int rank, int tid);
   const Clock::time_point origin_;
   const size_t max_events_;
   mutable std::mutex mu_;
   std::vector<Event> events_;
   size_t dropped_ = 0;
+  // The stream (StreamTo): its file, the events written to it, and its
+  // lanes' thread ids in the order they appeared.
+  int stream_fd_ = -1;
+  std::string stream_path_;
+  int stream_rank_ = 0;
+  size_t streamed_ = 0;
+  std::map<std::string, int> stream_lanes_;
 };
 
 }  // namespace ddp::dist

@@ -84,5 +84,44 @@ TEST(TraceTest, AnyBytesInANameGiveValidJson) {
   for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(names[i], cases[i].second) << "case " << i;
 }
 
+// The stream holds, after each flush, every event so far exactly once and
+// each lane's name once, and reads as JSON once its closing bracket is
+// added; EndStream(true) removes it, EndStream(false) keeps it.
+TEST(TraceTest, FlushAppendsOnlyTheNewEvents) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_stream.json";
+  auto read = [&] {
+    std::ifstream in(path);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return nlohmann::json::parse(text + "]");
+  };
+  for (const bool remove : {false, true}) {
+    TraceRecorder trace;
+    const auto now = TraceRecorder::Clock::now();
+    trace.Complete("before", "compute", now, now);
+    trace.StreamTo(path, 5);
+    EXPECT_THROW(trace.StreamTo(path, 5), std::logic_error);
+    trace.Flush();
+    trace.Complete("a", "comm", now, now);
+    trace.Complete("b", "compute", now, now);
+    trace.Flush();
+    trace.Flush();
+    const nlohmann::json events = read();
+    std::vector<std::string> names;
+    int lanes = 0;
+    for (const auto& e : events) {
+      EXPECT_EQ(e["pid"], 5);
+      if (e["ph"] == "X") names.push_back(e["name"].get<std::string>());
+      lanes += e["name"] == "thread_name";
+    }
+    EXPECT_EQ(names, (std::vector<std::string>{"before", "a", "b"}));
+    EXPECT_EQ(lanes, 2);
+    trace.EndStream(remove);
+    EXPECT_EQ(std::ifstream(path).good(), !remove);
+  }
+  TraceRecorder trace;
+  EXPECT_THROW(trace.StreamTo("/nonexistent-dir/trace.json", 0), std::runtime_error);
+}
+
 }  // namespace
 }  // namespace ddp::dist
