@@ -67,6 +67,11 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
         header = false;
         continue;
       }
+      // Every row is written with its newline: a last line without one is
+      // the torn end of a row that was being written when the run died or
+      // its disk filled, and its last field may be cut yet still parse
+      // ("0.8765" as "0.8").
+      if (in.eof()) break;
       const std::vector<std::string> f = SplitCsv(line);
       if (f.size() != 7) continue;
       try {
@@ -80,7 +85,7 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
           continue;
         }
       } catch (const std::exception&) {
-        continue;  // a torn last line of a killed run
+        continue;  // not a row of ours
       }
       kept += line + "\n";
     }

@@ -97,6 +97,25 @@ TEST(MetricsLogTest, ResumeKeepsRowsUpToTheCheckpointStep) {
       << csv;
 }
 
+// A row cut short by a kill or a full disk can still have its seven fields
+// ("0.8765" cut to "0.8"): a last line without its newline is not kept,
+// though its step is at or before the resumed one.
+TEST(MetricsLogTest, ResumeDropsALastLineWithoutItsNewline) {
+  const std::string dir = TempDir("resume_torn_row");
+  {
+    MetricsLog log(dir, "t", "s", -1);
+    log.AddStep({10, 1, 1.5, 0.05, 100});
+  }
+  std::ofstream(dir + "/metrics.csv", std::ios::app) << "20,1,,,,0.5,0.8";
+  MetricsLog log(dir, "t", "s", 40);
+  EXPECT_EQ(log.steps().size(), 1u);
+  EXPECT_TRUE(log.evals().empty());
+  EXPECT_FALSE(log.HasEvalAt(20));
+  EXPECT_EQ(Read(dir + "/metrics.csv"),
+            "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n"
+            "10,1,1.5,0.05,100.0,,\n");
+}
+
 // Resumed from the checkpoint at the end of epoch 1 (step 30): the chart
 // still marks that epoch's end, though no row of epoch 2 follows it.
 TEST(MetricsLogTest, ResumeAtAnEpochEndKeepsThatEpochsMark) {
