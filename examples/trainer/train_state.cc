@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -464,6 +465,9 @@ void CheckPositionInRange(const std::string& path, const Metadata& m, const Name
                                    {"grad_accum_steps", saved_accum}}) {
     if (value < 1) refuse(key, value, "1 or more");
   }
+  // Ranks are counted in an int: a larger count would wrap (to a negative
+  // one, which the sampler below refuses without naming the file).
+  if (saved_world > INT_MAX) refuse("world_size", saved_world, "1 to " + std::to_string(INT_MAX));
   if (!Get(m, "samples_in_epoch").empty()) {
     const int64_t trained = MetaInt(m, "samples_in_epoch", path);
     if (trained < 0) refuse("samples_in_epoch", trained, "0 or more");

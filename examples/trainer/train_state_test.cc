@@ -445,6 +445,9 @@ TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
       {"epoch_loss_count", "-1", "0 or more"},
       {"train_size", "-300", "0 or more"},
       {"world_size", "0", "1 or more"},
+      // Past an int: it wrapped to a negative count, which the sampler
+      // refused without naming the file.
+      {"world_size", "2147483648", "1 to 2147483647"},
       {"samples_in_epoch", "-1", "0 or more"},
       // The scheduler's own count of steps says 3.
       {"step", "4", ""},
