@@ -29,20 +29,29 @@ std::string Escape(const std::string& s) {
   return out;
 }
 
-std::string TickLabel(double v, double step, bool percent, bool integer) {
-  if (percent) {
-    const double p = v * 100;
-    const double pstep = step * 100;
-    return pstep >= 1 ? StringPrintf("%.0f%%", p) : StringPrintf("%.1f%%", p);
+// Decimals that print every multiple of `step` as itself: 0 for 5 or 20, 1
+// for 0.5 or 2.5, 3 for 0.025 (at most 6).
+int DecimalsOf(double step) {
+  int decimals = 0;
+  for (double s = std::fabs(step); decimals < 6 && std::fabs(s - std::round(s)) > 1e-9 * std::max(1.0, s);
+       s *= 10) {
+    ++decimals;
   }
-  if (integer && std::fabs(step) >= 1) {
+  return decimals;
+}
+
+// The label of tick `v` among ticks `step` apart. The decimals follow the
+// step: NiceTicks' steps of 2.5 (x 10^k) need one more than their
+// magnitude, or ticks 2.5 apart read 0, 3, 5, 8, 10.
+std::string TickLabel(double v, double step, bool percent, bool integer) {
+  if (percent) return StringPrintf("%.*f%%", DecimalsOf(step * 100), v * 100);
+  const int decimals = DecimalsOf(step);
+  if (integer && decimals == 0) {
     if (std::fabs(v) >= 10000 && std::fmod(v, 1000) == 0) {
       return StringPrintf("%.0fk", v / 1000);
     }
     return FormatCount(std::llround(v));
   }
-  int decimals = 0;
-  for (double s = step; s < 1 && decimals < 6; s *= 10) ++decimals;
   return StringPrintf("%.*f", decimals, v);
 }
 

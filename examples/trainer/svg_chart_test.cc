@@ -100,5 +100,48 @@ TEST(SvgChartTest, PercentPanelsCoverValuesAbove100Percent) {
   EXPECT_LT(std::stod(first[1]) - top, 0.03 * (bottom - top)) << first[0];
 }
 
+// Every tick's label reads as the value at its place: ticks are evenly
+// spaced, so the labels must be too. NiceTicks' steps of 2.5 (19 steps on x,
+// 80% to 90% on y) were labelled with too few decimals: 0, 3, 5, 8, 10 and
+// 80%, 82%, 85%, 88%, 90%.
+TEST(SvgChartTest, TickLabelsAreTheTicksValues) {
+  Chart c;
+  c.x_label = "step";
+  ChartPanel acc;
+  acc.y_label = "test accuracy";
+  acc.percent = true;
+  ChartSeries series{"test accuracy", kAccuracyColor, {}, true, false};
+  for (int i = 1; i <= 19; ++i) series.points.emplace_back(i, 0.80 + 0.1 * (i - 1) / 18.0);
+  acc.series = {series};
+  c.panels = {acc};
+  const std::string svg = RenderSvgChart(c);
+  // (position, value) of each axis' labels: x labels are centred below the
+  // panel, y labels end left of it.
+  std::vector<std::pair<double, double>> x_ticks, y_ticks;
+  const std::regex label(
+      R"re(<text x="([-0-9.]+)" y="([-0-9.]+)" font-size="11" fill="#555" text-anchor="(middle|end)">([^<]*)</text>)re");
+  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), label); it != std::sregex_iterator(); ++it) {
+    const std::smatch& m = *it;
+    const bool x_axis = m[3] == "middle";
+    std::string text = m[4];
+    if (!x_axis) {
+      ASSERT_EQ(text.back(), '%') << m[0];
+      text.pop_back();
+    }
+    (x_axis ? x_ticks : y_ticks).emplace_back(std::stod(x_axis ? m[1] : m[2]), std::stod(text));
+  }
+  for (const auto* ticks : {&x_ticks, &y_ticks}) {
+    ASSERT_GE(ticks->size(), 3u) << svg;
+    const auto& first = ticks->front();
+    const auto& second = (*ticks)[1];
+    const double per_unit = (second.first - first.first) / (second.second - first.second);
+    for (const auto& [at, value] : *ticks) {
+      EXPECT_NEAR(at, first.first + (value - first.second) * per_unit, 0.2)
+          << "label " << value << " at " << at << " (the first two: " << first.second << " at "
+          << first.first << ", " << second.second << " at " << second.first << ")";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::examples::trainer
