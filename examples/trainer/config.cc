@@ -25,6 +25,16 @@ std::string Either(const std::vector<std::string>& names) {
   return out;
 }
 
+// A double flag's value as it reads back: "-1e-07" and "1.5", where
+// std::to_string's fixed six decimals showed "-0.000000" and "1.500000".
+std::string FlagValue(double v) {
+  char text[32];
+  for (int digits = 6;; ++digits) {
+    std::snprintf(text, sizeof(text), "%.*g", digits, v);
+    if (digits >= 17 || !std::isfinite(v) || std::strtod(text, nullptr) == v) return text;
+  }
+}
+
 // The schedules' own flags: each given to its schedulers only, in range,
 // and those a schedule cannot do without given.
 void ValidateSchedule(const TrainConfig& c) {
@@ -195,7 +205,7 @@ void ValidateConfig(const TrainConfig& c) {
   };
   auto non_negative = [](const char* flag, double v) {
     if (!(v >= 0) || !std::isfinite(v)) {
-      throw UsageError(std::string("--") + flag + "=" + std::to_string(v) +
+      throw UsageError(std::string("--") + flag + "=" + FlagValue(v) +
                        " must be a finite number >= 0");
     }
   };
@@ -250,7 +260,7 @@ void ValidateConfig(const TrainConfig& c) {
                      c.optimizer);
   }
   if (c.momentum >= 1) {
-    throw UsageError("--momentum=" + std::to_string(c.momentum) + " must be below 1");
+    throw UsageError("--momentum=" + FlagValue(c.momentum) + " must be below 1");
   }
   if (c.resume && c.checkpoint.empty()) {
     throw UsageError("--resume needs a checkpoint to read; drop --checkpoint=none or give a path");

@@ -45,6 +45,26 @@ TEST(ConfigTest, UnknownDeviceIsReportedBeforeTheOptionsThatDependOnIt) {
   EXPECT_EQ(ErrorOf(c), "");  // whether this build has CUDA is device.h's to say
 }
 
+// Double flags are shown as they read back: with std::to_string's six
+// fixed decimals, --weight_decay=-1e-7 was refused as "-0.000000".
+TEST(ConfigTest, BadDoublesAreShownAsGiven) {
+  TrainConfig c;
+  c.weight_decay = -1e-7;
+  EXPECT_EQ(ErrorOf(c), "--weight_decay=-1e-07 must be a finite number >= 0");
+  c = TrainConfig{};
+  c.lr = -0.05;
+  EXPECT_EQ(ErrorOf(c), "--lr=-0.05 must be a finite number >= 0");
+  c = TrainConfig{};
+  c.lr = std::nan("");
+  EXPECT_EQ(ErrorOf(c), "--lr=nan must be a finite number >= 0");
+  c = TrainConfig{};
+  c.momentum = 1.5;
+  EXPECT_EQ(ErrorOf(c), "--momentum=1.5 must be below 1");
+  c = TrainConfig{};
+  c.momentum = 1;
+  EXPECT_EQ(ErrorOf(c), "--momentum=1 must be below 1");
+}
+
 TEST(ConfigTest, BadValuesNameTheFlag) {
   TrainConfig c;
   c.batch_size = 0;
