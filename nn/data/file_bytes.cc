@@ -22,10 +22,40 @@ bool FileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+namespace {
+
+// Opens the regular file `path` for reading. O_NONBLOCK lets the open of a
+// FIFO (or a device) return at once to be refused, where a plain open waited
+// for a writer that may never come; a regular file's reads then block as
+// usual (the flag is cleared). Throws DatasetError naming the path.
+int OpenForReading(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw DatasetError(path + ": cannot open: " + std::strerror(errno));
+  struct stat st;
+  std::string problem;
+  if (::fstat(fd, &st) != 0) {
+    problem = std::string("cannot stat: ") + std::strerror(errno);
+  } else if (!S_ISREG(st.st_mode)) {
+    problem = "not a regular file";
+  } else if (const int flags = ::fcntl(fd, F_GETFL); flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    problem = std::string("cannot set blocking reads: ") + std::strerror(errno);
+  }
+  if (!problem.empty()) {
+    ::close(fd);
+    throw DatasetError(path + ": " + problem);
+  }
+  return fd;
+}
+
+}  // namespace
+
 std::string ReadFileBytes(const std::string& path) {
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  const int fd = OpenForReading(path);
+  std::unique_ptr<FILE, int (*)(FILE*)> f(::fdopen(fd, "rb"), &std::fclose);
   if (!f) {
-    throw DatasetError(path + ": cannot open: " + std::strerror(errno));
+    const int err = errno;
+    ::close(fd);
+    throw DatasetError(path + ": cannot open: " + std::strerror(err));
   }
   struct stat st;
   if (::fstat(fileno(f.get()), &st) != 0) {
@@ -52,8 +82,7 @@ bool IsGzip(std::string_view bytes) {
 }
 
 FileContents::FileContents(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw DatasetError(path + ": cannot open: " + std::strerror(errno));
+  const int fd = OpenForReading(path);
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }

@@ -1,6 +1,7 @@
 #include "nn/data/idx.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,9 +12,12 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <numeric>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "nn/data/file_bytes.h"
 #include "nn/data/test_files.h"
@@ -278,6 +282,26 @@ TEST(IdxErrors, UnreadableFileNamesTheOsError) {
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/nope"); }),
               AllOf(HasSubstr(dir + "/nope"), HasSubstr("No such file")));
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir); }), HasSubstr("not a regular file"));
+}
+
+// A FIFO where a dataset file should be is refused at once, naming it: the
+// open waited for a writer, and the load hung without a word.
+TEST(IdxErrors, FifoIsRefusedWithoutWaitingForAWriter) {
+  const std::string dir = FreshDir("idx_fifo");
+  const std::string fifo = dir + "/train-images-idx3-ubyte";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  for (const auto& [what, read] :
+       {std::pair<const char*, std::function<void()>>{"ReadIdxFile", [&] { ReadIdxFile(fifo); }},
+        {"ReadFileBytes", [&] { internal::ReadFileBytes(fifo); }}}) {
+    auto error = std::async(std::launch::async, [&read] { return ErrorOf(read); });
+    if (error.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      // Let the waiting open return (a writer appears), so that the test ends.
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) ::close(fd);
+      ADD_FAILURE() << what << " still waits on the FIFO after 10 s";
+    }
+    EXPECT_THAT(error.get(), AllOf(HasSubstr(fifo), HasSubstr("not a regular file"))) << what;
+  }
 }
 
 // --------------------------------------------------- streaming readers ----
