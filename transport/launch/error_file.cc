@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 namespace ddp::transport::launch {
@@ -16,10 +17,21 @@ constexpr size_t kMaxErrorFileBytes = size_t{1} << 20;
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
-// A timestamp as torchrun writes it (a string of digits) or as a number.
-bool ParseTimestamp(const nlohmann::json& value, int64_t& out) {
+// A timestamp as torchrun writes it (a string of digits) or as a number,
+// at most `max` (the caller scales it to microseconds, which must not
+// overflow). A negative or larger one is no time at all: as the earliest,
+// it would make its worker the root cause over those that wrote real times.
+bool ParseTimestamp(const nlohmann::json& value, int64_t max, int64_t& out) {
+  if (value.is_number_unsigned()) {
+    const uint64_t parsed = value.get<uint64_t>();
+    if (parsed > static_cast<uint64_t>(max)) return false;
+    out = static_cast<int64_t>(parsed);
+    return true;
+  }
   if (value.is_number_integer()) {
-    out = value.get<int64_t>();
+    const int64_t parsed = value.get<int64_t>();
+    if (parsed < 0 || parsed > max) return false;
+    out = parsed;
     return true;
   }
   if (!value.is_string()) return false;
@@ -30,9 +42,14 @@ bool ParseTimestamp(const nlohmann::json& value, int64_t& out) {
     if (c < '0' || c > '9') return false;
     parsed = parsed * 10 + (c - '0');
   }
+  if (parsed > max) return false;
   out = parsed;
   return true;
 }
+
+// Largest timestamp in whole seconds whose microseconds fit an int64_t.
+constexpr int64_t kMaxSeconds = std::numeric_limits<int64_t>::max() / 1000000;
+constexpr int64_t kMaxMicroseconds = std::numeric_limits<int64_t>::max();
 
 }  // namespace
 
@@ -122,7 +139,7 @@ StatusOr<WorkerError> ReadErrorFile(const std::string& path) {
   if (message.is_string()) {
     // {"message": "...", "timestamp": N}
     out.message = message.get<std::string>();
-    if (doc.contains("timestamp") && ParseTimestamp(doc["timestamp"], seconds)) {
+    if (doc.contains("timestamp") && ParseTimestamp(doc["timestamp"], kMaxSeconds, seconds)) {
       out.timestamp_us = seconds * 1000000;
     }
     return out;
@@ -134,9 +151,9 @@ StatusOr<WorkerError> ReadErrorFile(const std::string& path) {
   if (message.contains("extraInfo") && message["extraInfo"].is_object()) {
     const nlohmann::json& info = message["extraInfo"];
     int64_t us = 0;
-    if (info.contains("timestamp_us") && ParseTimestamp(info["timestamp_us"], us)) {
+    if (info.contains("timestamp_us") && ParseTimestamp(info["timestamp_us"], kMaxMicroseconds, us)) {
       out.timestamp_us = us;
-    } else if (info.contains("timestamp") && ParseTimestamp(info["timestamp"], seconds)) {
+    } else if (info.contains("timestamp") && ParseTimestamp(info["timestamp"], kMaxSeconds, seconds)) {
       out.timestamp_us = seconds * 1000000;
     }
   }

@@ -76,6 +76,39 @@ TEST_F(ErrorFileTest, ReadsWhatTorchElasticsRecordWrites) {
   EXPECT_EQ(read->timestamp_us, 0);
 }
 
+// A time that is negative, or too large to be had in microseconds, is no
+// time: it used to overflow (or stay negative) and then read as the
+// earliest of all, naming its worker the root cause.
+TEST_F(ErrorFileTest, TimestampsOutOfRangeCountAsUnknown) {
+  const char* cases[] = {
+      R"({"message": "x", "timestamp": "999999999999999999"})",
+      R"({"message": "x", "timestamp": 9223372036854775807})",
+      R"({"message": "x", "timestamp": 18446744073709551615})",
+      R"({"message": "x", "timestamp": -5})",
+      R"({"message": {"message": "x", "extraInfo": {"timestamp": "999999999999999999"}}})",
+      R"({"message": {"message": "x", "extraInfo": {"timestamp_us": -1}}})",
+      R"({"message": {"message": "x", "extraInfo": {"timestamp_us": 18446744073709551615}}})",
+  };
+  for (const char* text : cases) {
+    Write("range.json", text);
+    StatusOr<WorkerError> read = ReadErrorFile(dir_ + "/range.json");
+    ASSERT_TRUE(read.ok()) << text << ": " << read.status().message();
+    EXPECT_EQ(read->message, "x") << text;
+    EXPECT_EQ(read->timestamp_us, 0) << text;
+  }
+  // The largest that fits is still taken; a bad timestamp_us falls back to
+  // the whole seconds beside it.
+  Write("range.json", R"({"message": "x", "timestamp": 9223372036854})");
+  StatusOr<WorkerError> read = ReadErrorFile(dir_ + "/range.json");
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->timestamp_us, int64_t{9223372036854} * 1000000);
+  Write("range.json",
+        R"({"message": {"message": "x", "extraInfo": {"timestamp_us": -1, "timestamp": "1700000003"}}})");
+  read = ReadErrorFile(dir_ + "/range.json");
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->timestamp_us, int64_t{1700000003} * 1000000);
+}
+
 TEST_F(ErrorFileTest, MissingAndMalformedFilesAreNamed) {
   StatusOr<WorkerError> read = ReadErrorFile(dir_ + "/none.json");
   EXPECT_EQ(read.status().code(), StatusCode::kNotFound);
