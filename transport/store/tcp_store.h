@@ -87,6 +87,8 @@ struct TcpStoreServerOptions {
   /// plus replies not yet sent); a connection whose next frame does not fit,
   /// or comes while other frames wait for room, stops being read until that
   /// frame's turn comes (room goes to waiting frames in arrival order).
+  /// Handshakes never wait (at most max_unauthenticated of them, each at
+  /// most wire::kMaxHandshakeBytes, may go over the bound).
   size_t max_buffered_bytes = size_t{256} << 20;
   /// Most Get/Wait calls parked at once on one connection.
   size_t max_waits_per_connection = 256;

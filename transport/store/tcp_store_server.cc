@@ -543,11 +543,14 @@ class TcpStoreServer::Impl {
           // Behind frames already waiting for room, even when this one
           // would fit: steady small requests would otherwise take every
           // bit of room freed and a waiting large Set would never get its
-          // turn. Handshakes are exempt: they are small, few
-          // (max_unauthenticated) and must be read at once, or a rank's
-          // connection could be evicted while it waits.
-          const bool queue_first = c.authenticated && !waiting_for_memory_.empty();
-          if (queue_first || !Fits(frame_bytes)) {
+          // turn. Handshakes are exempt from waiting altogether: they are
+          // small (kMaxHandshakeBytes), few (max_unauthenticated) and must
+          // be read at once, or a rank's connection could be evicted or
+          // dropped at its handshake deadline while large frames of
+          // others hold every bit of room.
+          const bool must_wait =
+              c.authenticated && (!waiting_for_memory_.empty() || !Fits(frame_bytes));
+          if (must_wait) {
             if (waiting_for_memory_.insert(c.id).second) memory_queue_.push_back(c.id);
             Touch(c);
             return;

@@ -853,6 +853,40 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
   EXPECT_TRUE(older_status.ok()) << older_status;
 }
 
+// A rank that connects while the frames of others hold every bit of room
+// under max_buffered_bytes is let in at once: its handshake used to wait
+// for room like a request, until the frames ahead were done or its
+// handshake deadline dropped it.
+TEST(TcpStoreTest, HandshakeIsReadWhileOtherFramesHoldAllTheRoom) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 1 << 20;  // less than the one 3 MiB frame
+  auto server = StartServer(options);
+  RawConnection holder(server->port());
+  holder.Handshake();
+  const std::string held = SetFrame(1, "held");
+  holder.Send(std::string_view(held).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes >= held.size();
+  })) << "the holder's frame never got its room: " << server->stats().buffered_bytes
+      << " bytes buffered";
+  const Deadline start = Clock::now();
+  StatusOr<std::unique_ptr<TcpStoreClient>> newcomer =
+      TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, DeadlineIn(3s));
+  EXPECT_TRUE(newcomer.ok()) << newcomer.status();
+  EXPECT_LT(Clock::now() - start, 2s);
+  EXPECT_EQ(server->stats().frames_waiting_for_room, 0u);
+  // The held frame completes as before.
+  holder.Send(std::string_view(held).substr(1000));
+  std::optional<std::string> reply = holder.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).first, StatusCode::kOk);
+  if (newcomer.ok()) {
+    StatusOr<std::string> got = (*newcomer)->Get("held", DeadlineIn(5s));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->size(), size_t{3} << 20);
+  }
+}
+
 // A frame that would fit still waits while others wait for room: steady
 // small requests used to take every bit of room freed, and a large Set
 // waiting for it never got its turn.
