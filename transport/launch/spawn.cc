@@ -396,6 +396,10 @@ StatusOr<std::string> ResolveProgram(const std::string& program) {
   }
   const char* path_env = getenv("PATH");
   std::string path = path_env != nullptr ? path_env : "/usr/local/bin:/usr/bin:/bin";
+  // The first entry of that name that exists but cannot be run (a script
+  // without its x bit, a folder): "not found" would send the user looking
+  // for a file that is there.
+  std::string unusable;
   size_t start = 0;
   while (start <= path.size()) {
     size_t end = path.find(':', start);
@@ -403,8 +407,17 @@ StatusOr<std::string> ResolveProgram(const std::string& program) {
     std::string dir = path.substr(start, end - start);
     if (dir.empty()) dir = ".";
     const std::string candidate = dir + "/" + program;
-    if (check(candidate).ok()) return candidate;
     start = end + 1;
+    struct stat st{};
+    if (stat(candidate.c_str(), &st) != 0) continue;
+    if (check(candidate).ok()) return candidate;
+    if (unusable.empty()) {
+      unusable = "'" + candidate + (S_ISREG(st.st_mode) ? "' is not executable" : "' is not a file");
+    }
+  }
+  if (!unusable.empty()) {
+    return InvalidArgumentError("program '" + program + "' not found in PATH as an executable file: " +
+                                unusable);
   }
   return InvalidArgumentError("program '" + program + "' not found in PATH");
 }

@@ -259,7 +259,10 @@ std::string SignalName(int signal);
 
 /// Resolves `program` the way execvp would (PATH search when it has no
 /// slash) and checks that it is an executable regular file. INVALID_ARGUMENT
-/// says which: "program 'x' not found in PATH", "'/a/b' is not executable".
+/// says which: "program 'x' not found in PATH", "'/a/b' is not executable",
+/// and for a name that PATH has only as something that cannot run, where
+/// and why ("... not found in PATH as an executable file: '/d/x' is not
+/// executable").
 StatusOr<std::string> ResolveProgram(const std::string& program);
 
 }  // namespace ddp::transport::launch

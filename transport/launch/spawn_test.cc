@@ -1191,6 +1191,33 @@ TEST(SpawnTest, ResolveProgram) {
   EXPECT_EQ(ResolveProgram(plain).status().message(), "program '" + plain + "' is not executable");
 }
 
+// A name found in PATH only as a file that cannot be run (a script without
+// its x bit, a folder) is named with where it is and why, not as missing;
+// an executable one further down PATH is still found.
+TEST(SpawnTest, ResolveProgramNamesAPathEntryThatCannotRun) {
+  const std::string first = TempDir("resolve_first");
+  const std::string second = TempDir("resolve_second");
+  unlink((second + "/ddp_tool").c_str());  // left by an earlier run
+  std::ofstream(first + "/ddp_tool") << "#!/bin/sh\n";
+  chmod((first + "/ddp_tool").c_str(), 0644);
+  ASSERT_TRUE(mkdir((first + "/ddp_folder").c_str(), 0755) == 0 || errno == EEXIST);
+  const char* saved = std::getenv("PATH");
+  const std::string before = saved != nullptr ? saved : "";
+  setenv("PATH", (first + ":" + second).c_str(), 1);
+  const std::string tool = ResolveProgram("ddp_tool").status().message();
+  const std::string folder = ResolveProgram("ddp_folder").status().message();
+  std::ofstream(second + "/ddp_tool") << "#!/bin/sh\n";
+  chmod((second + "/ddp_tool").c_str(), 0755);
+  StatusOr<std::string> found = ResolveProgram("ddp_tool");
+  setenv("PATH", before.c_str(), 1);
+  EXPECT_EQ(tool, "program 'ddp_tool' not found in PATH as an executable file: '" + first +
+                      "/ddp_tool' is not executable");
+  EXPECT_EQ(folder, "program 'ddp_folder' not found in PATH as an executable file: '" + first +
+                        "/ddp_folder' is not a file");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, second + "/ddp_tool");
+}
+
 TEST(SpawnTest, RunTestWorkersHelper) {
   StatusOr<testing::TestRunResult> run =
       testing::RunTestWorkers("fail_rank1", {.world_size = 3, .timeout = 20s});
