@@ -66,9 +66,15 @@ Status WriteErrorFile(const std::string& path, std::string_view message,
   const std::string text =
       doc.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace) + "\n";
 
-  const std::string temp = path + ".tmp." + std::to_string(getpid());
-  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A temporary of its own for every call (mkstemp): two threads of one
+  // worker failing at once shared "<path>.tmp.<pid>", one truncated and
+  // wrote into the file the other was renaming into place, and the
+  // launcher could read a mix of both.
+  std::string temp = path + ".tmp.XXXXXX";
+  const int fd = mkostemp(temp.data(), O_CLOEXEC);
   if (fd < 0) return InternalError("cannot write error file '" + temp + "': " + ErrnoText(errno));
+  // mkstemp's 0600; the file is no secret (0644 as before).
+  fchmod(fd, 0644);
   size_t done = 0;
   while (done < text.size()) {
     const ssize_t n = write(fd, text.data() + done, text.size() - done);

@@ -1,11 +1,16 @@
 #include "transport/launch/error_file.h"
 
+#include <dirent.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -28,6 +33,18 @@ class ErrorFileTest : public ::testing::Test {
     out << in.rdbuf();
     return out.str();
   }
+  // The names in dir_, sorted.
+  std::vector<std::string> Entries() {
+    std::vector<std::string> names;
+    if (DIR* dir = opendir(dir_.c_str())) {
+      while (const dirent* entry = readdir(dir)) {
+        if (entry->d_name[0] != '.') names.push_back(entry->d_name);
+      }
+      closedir(dir);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
   std::string dir_;
 };
 
@@ -42,7 +59,35 @@ TEST_F(ErrorFileTest, WhatIsWrittenReadsBackWithItsTime) {
   // torchrun's reader takes extraInfo.timestamp, whole seconds as a string.
   EXPECT_NE(Read("error.json").find("\"timestamp\":\"1700000000\""), std::string::npos) << Read("error.json");
   // Written whole: no temporary is left beside it.
-  EXPECT_EQ(access((path + ".tmp." + std::to_string(getpid())).c_str(), F_OK), -1);
+  EXPECT_EQ(Entries(), std::vector<std::string>{"error.json"});
+}
+
+// Threads of one worker that fail at once each write whole: the file read
+// back is one of their messages, never a mix, and every write succeeds (a
+// temporary shared by the process was truncated under a writer, and the
+// rename of the one moved away failed).
+TEST_F(ErrorFileTest, ThreadsWritingAtOnceEachWriteWhole) {
+  const std::string path = dir_ + "/error.json";
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 200;
+  std::vector<std::string> messages;
+  for (int t = 0; t < kThreads; ++t) messages.push_back(std::string(20000 + 7919 * t, static_cast<char>('a' + t)));
+  std::atomic<int> failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < kRounds; ++round) {
+        if (!WriteErrorFile(path, messages[t]).ok()) ++failed;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failed.load(), 0);
+  StatusOr<WorkerError> read = ReadErrorFile(path);
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_NE(std::find(messages.begin(), messages.end(), read->message), messages.end())
+      << read->message.size() << " bytes, not one of the messages";
+  EXPECT_EQ(Entries(), std::vector<std::string>{"error.json"});
 }
 
 TEST_F(ErrorFileTest, InvalidUtf8IsReplacedNotRefused) {
