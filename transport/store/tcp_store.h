@@ -135,7 +135,9 @@ class TcpStoreServer {
  public:
   /// Binds and starts serving. UNAVAILABLE names the address when it cannot
   /// bind (for instance "Address already in use"); TIMED_OUT when the name
-  /// service did not answer by options.start_deadline.
+  /// service did not answer by options.start_deadline; INVALID_ARGUMENT
+  /// naming the option for a timeout that is not positive, or a limit of 0
+  /// that would turn every client away (max_connections, ...).
   static StatusOr<std::unique_ptr<TcpStoreServer>> Start(TcpStoreServerOptions options);
 
   ~TcpStoreServer();

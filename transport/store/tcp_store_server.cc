@@ -1322,11 +1322,42 @@ size_t ConnectionsThatFit(rlim_t soft) {
 
 }  // namespace
 
+namespace {
+
+// A setting that would make the server refuse or drop every client (no
+// connection, no handshake time, no room for one reply, nothing stored),
+// named, before anything binds: such a server would otherwise start and
+// leave its clients to fail at their deadlines for no reason they can see.
+Status CheckOptions(const TcpStoreServerOptions& o) {
+  auto at_least_one = [](const char* name, uint64_t value) {
+    return value >= 1 ? Status::Ok()
+                      : InvalidArgumentError(std::string("TcpStoreServerOptions::") + name + " is " +
+                                             std::to_string(value) + "; it must be at least 1");
+  };
+  auto positive = [](const char* name, std::chrono::milliseconds value) {
+    return value.count() > 0 ? Status::Ok()
+                             : InvalidArgumentError(std::string("TcpStoreServerOptions::") + name + " is " +
+                                                    std::to_string(value.count()) + " ms; it must be positive");
+  };
+  DDP_RETURN_IF_ERROR(positive("handshake_timeout", o.handshake_timeout));
+  DDP_RETURN_IF_ERROR(positive("frame_stall_timeout", o.frame_stall_timeout));
+  DDP_RETURN_IF_ERROR(at_least_one("max_unauthenticated", o.max_unauthenticated));
+  DDP_RETURN_IF_ERROR(at_least_one("max_connections", o.max_connections));
+  DDP_RETURN_IF_ERROR(at_least_one("max_stored_bytes", o.max_stored_bytes));
+  DDP_RETURN_IF_ERROR(at_least_one("max_connection_output_bytes", o.max_connection_output_bytes));
+  DDP_RETURN_IF_ERROR(at_least_one("max_waits_per_connection", o.max_waits_per_connection));
+  DDP_RETURN_IF_ERROR(at_least_one("max_parked_key_bytes", o.max_parked_key_bytes));
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOptions options) {
   if (options.job_token.size() > wire::kMaxHandshakeBytes - 12) {
     return InvalidArgumentError("job token of " + std::to_string(options.job_token.size()) +
                                 " bytes is too long");
   }
+  DDP_RETURN_IF_ERROR(CheckOptions(options));
   options.max_connections =
       std::min(options.max_connections, ConnectionsThatFit(RaiseDescriptorLimit(options.max_connections)));
   const Deadline start_deadline =

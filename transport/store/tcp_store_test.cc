@@ -481,6 +481,32 @@ TEST(TcpStoreTest, PortInUseIsReported) {
               HasSubstr("127.0.0.1:" + std::to_string(server->port()) + ": Address already in use"));
 }
 
+// Settings that would turn every client away are refused at Start, named,
+// instead of a server that starts and leaves its clients to time out (a
+// max_connection_output_bytes of 0 dropped every connection at its
+// handshake reply; a max_waits_per_connection of 0 refused every Get).
+TEST(TcpStoreTest, OptionsThatWouldTurnEveryClientAwayAreRefused) {
+  const std::vector<std::pair<std::function<void(TcpStoreServerOptions&)>, std::string>> cases = {
+      {[](TcpStoreServerOptions& o) { o.handshake_timeout = 0ms; }, "handshake_timeout is 0 ms"},
+      {[](TcpStoreServerOptions& o) { o.frame_stall_timeout = -5ms; }, "frame_stall_timeout is -5 ms"},
+      {[](TcpStoreServerOptions& o) { o.max_unauthenticated = 0; }, "max_unauthenticated is 0"},
+      {[](TcpStoreServerOptions& o) { o.max_connections = 0; }, "max_connections is 0"},
+      {[](TcpStoreServerOptions& o) { o.max_stored_bytes = 0; }, "max_stored_bytes is 0"},
+      {[](TcpStoreServerOptions& o) { o.max_connection_output_bytes = 0; }, "max_connection_output_bytes is 0"},
+      {[](TcpStoreServerOptions& o) { o.max_waits_per_connection = 0; }, "max_waits_per_connection is 0"},
+      {[](TcpStoreServerOptions& o) { o.max_parked_key_bytes = 0; }, "max_parked_key_bytes is 0"},
+  };
+  for (const auto& [set, message] : cases) {
+    TcpStoreServerOptions options;
+    options.job_token = kToken;
+    set(options);
+    StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(options);
+    ASSERT_FALSE(server.ok()) << message;
+    EXPECT_EQ(server.status().code(), StatusCode::kInvalidArgument) << server.status();
+    EXPECT_THAT(server.status().message(), HasSubstr("TcpStoreServerOptions::" + message)) << server.status();
+  }
+}
+
 TEST(TcpStoreTest, SizeBounds) {
   TcpStoreServerOptions options;
   options.max_stored_bytes = 10 << 20;
