@@ -107,11 +107,24 @@ Status RecordWorkerError(std::string_view message) {
 }
 
 StatusOr<WorkerError> ReadErrorFile(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking, and a regular file only: the worker controls the path,
+  // and a FIFO made there (or a link to a terminal) held the launcher's
+  // open or read until someone else wrote to it, with no deadline.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return NotFoundError("no error file '" + path + "'");
     return InternalError("cannot read error file '" + path + "': " + ErrnoText(err));
+  }
+  struct stat st{};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return InternalError("cannot read error file '" + path + "': " + ErrnoText(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return InvalidArgumentError("error file '" + path + "' is not a regular file");
   }
   std::string text;
   char buffer[8192];

@@ -48,8 +48,9 @@ Status WriteErrorFile(const std::string& path, std::string_view message,
 Status RecordWorkerError(std::string_view message);
 
 /// Reads an error file. NOT_FOUND when there is none; INVALID_ARGUMENT,
-/// naming the path, when it is not the JSON described above (or over
-/// 1 MiB); INTERNAL when it cannot be read (no descriptors left, EIO).
+/// naming the path, when it is not a regular file (a FIFO is refused at
+/// once, never waited on) or not the JSON described above (or over 1 MiB);
+/// INTERNAL when it cannot be read (no descriptors left, EIO).
 StatusOr<WorkerError> ReadErrorFile(const std::string& path);
 
 }  // namespace ddp::transport::launch

@@ -1,12 +1,15 @@
 #include "transport/launch/error_file.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -177,6 +180,32 @@ TEST_F(ErrorFileTest, MissingAndMalformedFilesAreNamed) {
   Write("huge.json", std::string((size_t{1} << 20) + 10, ' '));
   read = ReadErrorFile(dir_ + "/huge.json");
   EXPECT_NE(read.status().message().find("is over 1048576 bytes"), std::string::npos) << read.status().message();
+}
+
+// A FIFO (or anything but a regular file) where the error file should be
+// is refused at once: the launcher's read of it used to block until some
+// process wrote to the FIFO, which none may ever do.
+TEST_F(ErrorFileTest, AFifoInPlaceOfTheFileIsRefusedWithoutWaiting) {
+  const std::string path = dir_ + "/fifo.json";
+  ASSERT_EQ(mkfifo(path.c_str(), 0644), 0);
+  std::future<StatusOr<WorkerError>> read =
+      std::async(std::launch::async, [&] { return ReadErrorFile(path); });
+  if (read.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    ADD_FAILURE() << "ReadErrorFile still waits on the FIFO after 5 s";
+    // Let it go: a writer that opens and closes the FIFO ends its wait.
+    const int writer = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (writer >= 0) close(writer);
+  }
+  StatusOr<WorkerError> result = read.get();
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument) << result.status();
+  EXPECT_EQ(result.status().message(), "error file '" + path + "' is not a regular file");
+
+  const std::string folder = dir_ + "/folder.json";
+  ASSERT_EQ(mkdir(folder.c_str(), 0755), 0);
+  result = ReadErrorFile(folder);
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument) << result.status();
+  EXPECT_EQ(result.status().message(), "error file '" + folder + "' is not a regular file");
 }
 
 TEST_F(ErrorFileTest, RecordWorkerErrorWritesWhereTheLauncherSaid) {
