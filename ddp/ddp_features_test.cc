@@ -2614,6 +2614,62 @@ TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The rebuild fails on one rank (its new bucket cannot be allocated): that
+// rank throws the cause and refuses every later forward, and its peers,
+// which rebuilt theirs, fail within moments naming the rank and the cause.
+// They used to wait in their bucket all-reduce until the group's timeout
+// (20 s here), while the failing rank went on with its old buckets, whose
+// order no longer matched theirs.
+DDP_TEST_WORKER(rebuild_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), failing = pg->size() - 1;
+  const std::string cause = "DistributedDataParallel on rank " + std::to_string(failing) +
+                            ": rebuilding the gradient buckets after the first iteration failed on this rank";
+  // One bucket of all four parameters, which the rebuild reorders.
+  auto model = std::make_shared<TwoLayers>(true, 32, true);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = 0, .process_group = pg});
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  const auto before = ddp.BucketParameterNames();
+  if (rank == failing) internal::FailNextBucketAllocationForTesting();
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::bad_alloc& e) {
+    message = e.what();
+    WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
+    WORKER_EXPECT(ddp.BucketParameterNames() == before && ddp.BucketOrder().empty(),
+                  "the failed rebuild reports an agreed order");
+    // Alive a while, as a process that handles the error: the peers must
+    // not need its exit to stop waiting.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    try {
+      ddp(x);
+      WORKER_EXPECT(false, "a forward ran after the failed rebuild");
+    } catch (const std::runtime_error& later) {
+      WORKER_EXPECT(std::string(later.what()).find(cause) != std::string::npos, later.what());
+    }
+  } catch (const std::exception& e) {
+    message = e.what();
+    WORKER_EXPECT(rank != failing, std::string("the failing rank threw something else: ") + e.what());
+    WORKER_EXPECT(message.find(cause) != std::string::npos && message.find("std::bad_alloc") != std::string::npos,
+                  message);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(!message.empty(), "no error");
+  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ARebuildThatFailsOnOneRankAbortsTheGroupWithItsCause) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("rebuild_fails_on_one_rank", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks:\n" << testing::AllOutput(run);
+  }
+}
+
 // On 3 ranks, where an element's sum depends on its place in the bucket:
 // A rebuilds its buckets after its first iteration; B, given A's
 // BucketOrder(), starts with A's rebuilt buckets and keeps them, and its

@@ -395,14 +395,30 @@ void Reducer::RebuildBuckets() {
     agreed[j] = static_cast<size_t>(v);
   }
   rebuild_pending_ = false;
-  rebuilt_ = true;
-  agreed_order_ = agreed;
   const std::vector<std::vector<size_t>> next =
       AssignBuckets(params_, agreed, options_.first_bucket_bytes, options_.bucket_bytes,
                     options_.inplace_bytes);
   bool same = next.size() == buckets_.size();
   for (size_t b = 0; same && b < next.size(); ++b) same = next[b] == buckets_[b].params;
-  if (!same) BuildBuckets(agreed);
+  if (!same) {
+    try {
+      BuildBuckets(agreed);
+    } catch (const std::exception& e) {
+      // Only this rank failed (its new buckets could not be allocated): the
+      // peers have rebuilt theirs and would wait for this rank's buckets
+      // until the group's timeout, or pair them with its old ones, which
+      // have other sizes. They are stopped now with the cause, and this
+      // rank keeps refusing forwards.
+      pending_error_ = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+                       ": rebuilding the gradient buckets after the first iteration failed on this rank (" +
+                       e.what() + "); its buckets no longer match the other ranks'. The process group "
+                       "was aborted.";
+      pg_->Abort(transport::FailedPreconditionError(pending_error_));
+      throw;
+    }
+  }
+  rebuilt_ = true;
+  agreed_order_ = agreed;
 }
 
 std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>& outputs) const {
