@@ -1764,6 +1764,10 @@ TEST(DdpFeaturesTest, ANoSyncForwardAfterASynchronizingOneLeavesItsBackwardSynch
 // no gradient". Last, loss(a) + loss(b): head b's gradient is an error on
 // every rank, naming its parameter and the NoSync forward (PyTorch fails
 // it too, "marked as ready twice").
+// The advice of the error for a gradient through a NoSync forward's outputs
+// (checked to work by multi_task_no_sync_first).
+constexpr char kNoSyncRemedy[] = "run the NoSync forward and its backward before the synchronizing forward";
+
 DDP_TEST_WORKER(multi_task_no_sync_forward) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -1833,7 +1837,61 @@ DDP_TEST_WORKER(multi_task_no_sync_forward) {
   WORKER_EXPECT(message.find("parameter `b.") != std::string::npos, "loss on both: " + message);
   WORKER_EXPECT(message.find("through the outputs of a forward run under NoSync") != std::string::npos,
                 "loss on both: " + message);
+  WORKER_EXPECT(message.find(kNoSyncRemedy) != std::string::npos, "loss on both: " + message);
   return testing::WorkerExit();
+}
+
+// What the error above tells the user to do: the NoSync forward and its
+// backward before the synchronizing forward. Head b's gradient then
+// accumulates locally and the synchronizing backward averages it with head
+// a's, so the step equals one process's on both batches. The message used
+// to say to run that backward inside the NoSync scope, as it is: while the
+// synchronizing forward's backward awaits, any backward is taken as that
+// one, inside NoSync too, and head b's gradient failed the same way again.
+DDP_TEST_WORKER(multi_task_no_sync_first) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = std::make_shared<Branchy>(rank == 0 ? 43 : 70 + rank, /*use_a=*/true);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = std::make_shared<Branchy>(43, /*use_a=*/true);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  try {
+    for (int s = 0; s < 2; ++s) {
+      auto [xa, ya] = testing::Batch(data, (2 * s * world + rank) * kBatch, kBatch);
+      auto [xb, yb] = testing::Batch(data, ((2 * s + 1) * world + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      {
+        auto no_sync = ddp.NoSync();
+        model->use_a_ = false;
+        nn::Backward(nn::loss::CrossEntropy(ddp(xb), yb));
+      }
+      model->use_a_ = true;
+      nn::Backward(nn::loss::CrossEntropy(ddp(xa), ya));
+      opt.Step();
+      ref_opt.ZeroGrad();
+      auto [xra, yra] = testing::Batch(data, 2 * s * world * kBatch, world * kBatch);
+      auto [xrb, yrb] = testing::Batch(data, (2 * s + 1) * world * kBatch, world * kBatch);
+      reference->use_a_ = true;
+      const Tensor ra = nn::loss::CrossEntropy((*reference)(xra), yra);
+      reference->use_a_ = false;
+      nn::Backward(ra + nn::loss::CrossEntropy((*reference)(xrb), yrb));
+      ref_opt.Step();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, e.what());
+    return testing::WorkerExit();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, TheRemedyTheMultiTaskErrorGivesTrains) {
+  auto run = RunWorkers("multi_task_no_sync_first", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(DdpFeaturesTest, MultiTaskNoSyncForwardLeavesTheUnusedSetOfTheSynchronizingOne) {

@@ -603,10 +603,11 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
         head + " through the outputs of a forward run under NoSync after the synchronizing forward "
         "that prepared this backward. That forward's outputs alone decide which parameters are "
         "unused (find_unused_parameters, as in PyTorch): this one was not reachable from them, so "
-        "it was marked unused and its bucket is reduced without this gradient. Backpropagate the "
-        "NoSync forward's loss in a backward of its own inside the NoSync scope (its gradients "
-        "accumulate locally and the next synchronizing backward averages them). The process group "
-        "was aborted.";
+        "it was marked unused and its bucket is reduced without this gradient. To accumulate that "
+        "loss's gradients, run the NoSync forward and its backward before the synchronizing forward "
+        "(its gradients accumulate locally and the synchronizing backward averages them with its own); "
+        "a backward run while the synchronizing forward's backward is awaited is taken as that "
+        "backward, inside NoSync too. The process group was aborted.";
   } else if (unused_from_walk_) {
     pending_error_ =
         head + " although it is not reachable from the outputs of forward: find_unused_parameters "
